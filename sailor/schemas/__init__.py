@@ -1,0 +1,93 @@
+"""Typed, validated schemas: the contract between every part of Sailor.
+
+Pure data: no I/O, no torch. Every model is frozen and forbids unknown fields.
+"""
+
+from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage
+from sailor.schemas.checkpoint import CheckpointManifest, ShardEntry, TensorEntry
+from sailor.schemas.commands import (
+    Abort,
+    Checkpoint,
+    Command,
+    CommandAdapter,
+    Launch,
+    Prepare,
+    Stop,
+)
+from sailor.schemas.estimate import Estimate, MemoryBreakdown, StageTime, TimeBreakdown
+from sailor.schemas.events import (
+    Event,
+    EventAdapter,
+    Heartbeat,
+    NodeJoined,
+    NodeLeft,
+    PreemptionNotice,
+    WorkerFailed,
+)
+from sailor.schemas.hardware import GPUSpec, NodeSpec, Pool, PoolEntry, Zone
+from sailor.schemas.model import LayerKind, ModelSpec, Precision
+from sailor.schemas.network import BandwidthCurve, Endpoint, Link, NetworkProfile
+from sailor.schemas.plan import (
+    Pipeline,
+    Plan,
+    PlanPrediction,
+    ReplicaGroup,
+    Segment,
+    Stage,
+    layer_segments,
+)
+from sailor.schemas.prices import EgressPrice, GPUPrice, PriceTable
+from sailor.schemas.profile import DeviceOverhead, LayerProfile, LayerSize, ProfileDB
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Abort",
+    "BandwidthCurve",
+    "Checkpoint",
+    "CheckpointManifest",
+    "Command",
+    "CommandAdapter",
+    "DeviceOverhead",
+    "EgressPrice",
+    "Endpoint",
+    "Estimate",
+    "Event",
+    "EventAdapter",
+    "Frozen",
+    "GPUPrice",
+    "GPUSpec",
+    "Heartbeat",
+    "LayerKind",
+    "LayerProfile",
+    "LayerSize",
+    "Launch",
+    "Link",
+    "MemoryBreakdown",
+    "ModelSpec",
+    "NetworkProfile",
+    "NodeJoined",
+    "NodeLeft",
+    "NodeSpec",
+    "Pipeline",
+    "Plan",
+    "PlanPrediction",
+    "Pool",
+    "PoolEntry",
+    "Precision",
+    "PreemptionNotice",
+    "Prepare",
+    "PriceTable",
+    "ProfileDB",
+    "ReplicaGroup",
+    "Segment",
+    "ShardEntry",
+    "Stage",
+    "StageTime",
+    "Stop",
+    "TensorEntry",
+    "TimeBreakdown",
+    "WireMessage",
+    "WorkerFailed",
+    "Zone",
+    "layer_segments",
+]

@@ -1,0 +1,120 @@
+"""Hardware: GPU types, zones, nodes and the pool of nodes a plan may use."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from sailor.schemas._base import Frozen, field_error
+
+__all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "Zone"]
+
+
+class GPUSpec(Frozen):
+    """Spec-sheet figures of one GPU type (one device, not one node)."""
+
+    name: str = Field(description="Canonical name, e.g. 'A100-40'.")
+    memory_bytes: int = Field(gt=0, description="Device memory in bytes (spec sheet).")
+    peak_tflops_fp16: float = Field(
+        ge=0, description="Dense fp16 tensor-core peak, TFLOP/s (fp32 accumulate)."
+    )
+    peak_tflops_bf16: float = Field(
+        ge=0, description="Dense bf16 peak, TFLOP/s; 0 when the GPU has no bf16 units."
+    )
+    peak_tflops_fp32: float = Field(gt=0, description="Dense fp32 (non-tensor) peak, TFLOP/s.")
+    memory_bandwidth_gbps: float = Field(gt=0, description="Device memory bandwidth, GB/s.")
+    intra_node_link_gbps: float = Field(
+        gt=0, description="Per-GPU bandwidth to the other GPUs of its node (NVLink/PCIe), GB/s."
+    )
+    intra_node_link: str = Field(description="Kind of intra-node link, e.g. 'NVLink3', 'PCIe4'.")
+    default_gpus_per_node: int = Field(gt=0, description="GPUs per node of the usual VM shape.")
+    source: str = Field(description="Where these figures come from.")
+
+    def peak_tflops(self, precision: str) -> float:
+        """Peak for a training precision; fp16 stands in where bf16 is missing."""
+        if precision == "bf16":
+            return self.peak_tflops_bf16 or self.peak_tflops_fp16
+        if precision == "fp16":
+            return self.peak_tflops_fp16
+        return self.peak_tflops_fp32
+
+
+class Zone(Frozen):
+    """A cloud zone. Two zones of one region share the region's cheaper network."""
+
+    cloud: str = Field(description="Cloud provider, e.g. 'gcp', 'aws', 'local'.")
+    region: str = Field(description="Region, e.g. 'us-central1'.")
+    name: str = Field(description="Zone name, e.g. 'us-central1-a'.")
+
+    @classmethod
+    def parse(cls, text: str, cloud: str = "gcp") -> Zone:
+        """Zone from a GCP-style name 'us-central1-a' (region = all but the last part)."""
+        if not text or any(c.isspace() for c in text):
+            raise field_error("zone", text, "must be a non-empty name without spaces")
+        region = text.rsplit("-", 1)[0] if text.count("-") >= 2 else text
+        return cls(cloud=cloud, region=region, name=text)
+
+
+class NodeSpec(Frozen):
+    """One node (VM) as the runtime sees it."""
+
+    node_id: str = Field(min_length=1, description="Unique id of the node.")
+    gpu_type: str = Field(description="GPU type name from the catalog.")
+    gpus: int = Field(gt=0, description="GPUs on this node.")
+    zone: str = Field(description="Zone name.")
+    spot: bool = Field(default=True, description="Spot/preemptible VM.")
+    address: str = Field(default="", description="Reachable address (host or host:port).")
+
+
+class PoolEntry(Frozen):
+    """A number of identical nodes available in one zone."""
+
+    gpu_type: str = Field(description="GPU type name from the catalog.")
+    zone: str = Field(description="Zone name, e.g. 'us-central1-a'.")
+    nodes: int = Field(ge=0, description="Number of nodes available.")
+    gpus_per_node: int = Field(gt=0, description="GPUs per node.")
+    spot: bool = Field(default=True, description="Whether these are spot nodes (price).")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Pool(Frozen):
+    """The resources a plan may draw from."""
+
+    entries: tuple[PoolEntry, ...] = Field(description="Available nodes per type and zone.")
+
+    @field_validator("entries")
+    @classmethod
+    def _unique(cls, v: tuple[PoolEntry, ...]) -> tuple[PoolEntry, ...]:
+        seen: set[tuple[str, str, int, bool]] = set()
+        for e in v:
+            key = (e.gpu_type, e.zone, e.gpus_per_node, e.spot)
+            if key in seen:
+                raise field_error("entries", key, "duplicate (gpu_type, zone, gpus_per_node, spot)")
+            seen.add(key)
+        return v
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(e.gpus for e in self.entries)
+
+    def gpus_by_type(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.entries:
+            out[e.gpu_type] = out.get(e.gpu_type, 0) + e.gpus
+        return out
+
+    @classmethod
+    def from_nodes(cls, nodes: list[NodeSpec] | tuple[NodeSpec, ...]) -> Pool:
+        """Aggregate concrete nodes into a pool."""
+        counts: dict[tuple[str, str, int, bool], int] = {}
+        for n in nodes:
+            key = (n.gpu_type, n.zone, n.gpus, n.spot)
+            counts[key] = counts.get(key, 0) + 1
+        return cls(
+            entries=tuple(
+                PoolEntry(gpu_type=g, zone=z, gpus_per_node=k, spot=s, nodes=c)
+                for (g, z, k, s), c in sorted(counts.items())
+            )
+        )

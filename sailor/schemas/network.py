@@ -1,0 +1,116 @@
+"""Network: bandwidth between endpoints as a function of message size.
+
+An endpoint is (zone, GPU type, GPUs per node): the same zone pair can differ by VM shape
+(NIC bandwidth scales with the VM). The curve form is the one the profiler fits:
+``GB/s = c0·L² + c1·L + c2`` with ``L = log2(bytes / 1e6)``, evaluated with ``L`` clamped to the
+measured message-size range and the result clamped to ``(0, max_gbps]`` so that a fit is never
+extrapolated into negative or unbounded bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import Field, model_validator
+
+from sailor.schemas._base import Frozen, field_error
+
+__all__ = ["BandwidthCurve", "Endpoint", "Link", "NetworkProfile"]
+
+_MIN_GBPS = 1e-3
+"""Floor of any evaluated bandwidth (1 MB/s): a fit that dips to zero must not divide by zero."""
+
+
+class BandwidthCurve(Frozen):
+    """Bandwidth in GB/s as a quadratic in log2 of the message size in MB."""
+
+    coeffs: tuple[float, float, float] = Field(description="(c0, c1, c2) of c0·L²+c1·L+c2.")
+    max_gbps: float = Field(gt=0, description="Largest bandwidth measured, GB/s (upper clamp).")
+    min_bytes: int = Field(default=1 << 16, gt=0, description="Smallest message size measured.")
+    max_bytes: int = Field(default=1 << 30, gt=0, description="Largest message size measured.")
+    latency_s: float = Field(default=0.0, ge=0, description="Fixed per-message latency, s.")
+
+    @model_validator(mode="after")
+    def _range(self) -> BandwidthCurve:
+        if self.min_bytes > self.max_bytes:
+            raise field_error("min_bytes", self.min_bytes, f"exceeds max_bytes={self.max_bytes}")
+        if not all(math.isfinite(c) for c in self.coeffs):
+            raise field_error("coeffs", self.coeffs, "must be finite")
+        return self
+
+    def gbps(self, nbytes: float) -> float:
+        """Bandwidth for a message of ``nbytes``, clamped to the measured range."""
+        b = min(max(float(nbytes), float(self.min_bytes)), float(self.max_bytes))
+        lg = math.log2(b / 1e6)
+        c0, c1, c2 = self.coeffs
+        bw = c0 * lg * lg + c1 * lg + c2
+        return min(max(bw, _MIN_GBPS), self.max_gbps)
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` as one message."""
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_s + nbytes / (self.gbps(nbytes) * 1e9)
+
+
+class Endpoint(Frozen):
+    """One side of a link."""
+
+    zone: str = Field(description="Zone name.")
+    gpu_type: str = Field(description="GPU type of the node.")
+    gpus_per_node: int = Field(gt=0, description="GPUs per node (VM shape).")
+
+
+class Link(Frozen):
+    """Measured bandwidth from ``src`` to ``dst`` (symmetric unless both directions are given)."""
+
+    src: Endpoint = Field(description="Sending endpoint.")
+    dst: Endpoint = Field(description="Receiving endpoint.")
+    curve: BandwidthCurve = Field(description="Bandwidth as a function of message size.")
+
+
+class NetworkProfile(Frozen):
+    """All links the simulator may need, plus intra-node curves per (GPU type, GPUs per node)."""
+
+    links: tuple[Link, ...] = Field(default=(), description="Inter-node links.")
+    intra_node: tuple[Link, ...] = Field(
+        default=(), description="Intra-node curves (src == dst endpoint)."
+    )
+    estimated: bool = Field(
+        default=False, description="True if any curve is an estimate, not a measurement."
+    )
+    source: str = Field(default="", description="Where this profile came from.")
+
+    def _index(self) -> dict[tuple[Endpoint, Endpoint], BandwidthCurve]:
+        cache = self.__dict__.get("_idx")
+        if cache is None:
+            cache = {}
+            for ln in self.links:
+                cache[(ln.src, ln.dst)] = ln.curve
+                cache.setdefault((ln.dst, ln.src), ln.curve)
+            self.__dict__["_idx"] = cache
+        return cache
+
+    def inter(self, src: Endpoint, dst: Endpoint) -> BandwidthCurve | None:
+        """Curve between two endpoints on different nodes, or None if unknown."""
+        idx = self._index()
+        curve = idx.get((src, dst))
+        if curve is not None:
+            return curve
+        # Same zones, other VM shapes: fall back to the same zone pair with any shape,
+        # choosing the slowest known curve (never optimistic).
+        best: BandwidthCurve | None = None
+        for (a, b), c in idx.items():
+            if a.zone == src.zone and b.zone == dst.zone and (best is None or c.max_gbps < best.max_gbps):
+                best = c
+        return best
+
+    def intra(self, gpu_type: str, gpus_per_node: int) -> BandwidthCurve | None:
+        """Curve between GPUs of one node."""
+        for ln in self.intra_node:
+            if ln.src.gpu_type == gpu_type and ln.src.gpus_per_node == gpus_per_node:
+                return ln.curve
+        for ln in self.intra_node:
+            if ln.src.gpu_type == gpu_type:
+                return ln.curve
+        return None

@@ -1,0 +1,160 @@
+"""Per-layer profiles: time and size of each layer per (GPU type, TP degree, microbatch size).
+
+A profile entry says where it came from: ``measured`` (our profiler), ``imported`` (converted
+from another tool's measurements) or ``estimated`` (analytic roofline). Measured and imported
+entries always win over estimates when the database is queried.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.model import LayerKind
+
+__all__ = [
+    "DeviceOverhead",
+    "LayerProfile",
+    "LayerSize",
+    "ProfileDB",
+    "ProfileSource",
+]
+
+ProfileSource = Literal["measured", "imported", "estimated"]
+_RANK: dict[str, int] = {"measured": 0, "imported": 1, "estimated": 2}
+
+
+class LayerProfile(Frozen):
+    """Time of one layer on one GPU type at one TP degree and microbatch size."""
+
+    gpu_type: str = Field(description="GPU type.")
+    tp: int = Field(gt=0, description="Tensor-parallel degree.")
+    microbatch_size: int = Field(gt=0, description="Microbatch size (samples).")
+    layer: int = Field(ge=0, description="Global layer index (0 = embedding).")
+    kind: LayerKind = Field(description="Layer kind.")
+    fwd_s: float = Field(ge=0, description="Forward time, s.")
+    bwd_s: float = Field(ge=0, description="Backward time, s.")
+    update_s: float = Field(ge=0, description="Optimizer update time of this layer, s.")
+    fwd_spread_s: float = Field(default=0.0, ge=0, description="Std. dev. of forward time.")
+    bwd_spread_s: float = Field(default=0.0, ge=0, description="Std. dev. of backward time.")
+    source: ProfileSource = Field(default="measured", description="Provenance.")
+
+
+class LayerSize(Frozen):
+    """Sizes of one layer for one TP degree (per TP rank), per sample of a microbatch."""
+
+    tp: int = Field(gt=0, description="Tensor-parallel degree.")
+    layer: int = Field(ge=0, description="Global layer index.")
+    params: int = Field(ge=0, description="Parameters held by one TP rank.")
+    activation_bytes_per_sample: int = Field(
+        ge=0, description="Activation bytes kept for backward per sample, per TP rank."
+    )
+    output_bytes_per_sample: int = Field(
+        ge=0, description="Bytes of the layer's output per sample (what a stage boundary sends)."
+    )
+    input_bytes_per_sample: int = Field(default=0, ge=0, description="Input bytes per sample.")
+    source: ProfileSource = Field(default="measured", description="Provenance.")
+
+
+class DeviceOverhead(Frozen):
+    """Memory a training process uses beyond model state and activations, per GPU type.
+
+    Context, allocator fragmentation, communication buffers. One value per GPU type and
+    TP degree, with the measurement it came from.
+    """
+
+    gpu_type: str = Field(description="GPU type.")
+    tp: int = Field(default=1, gt=0, description="Tensor-parallel degree.")
+    bytes: int = Field(ge=0, description="Overhead bytes per GPU.")
+    source: str = Field(description="Measurement it came from.")
+
+
+class ProfileDB(Frozen):
+    """All profiles of one model."""
+
+    model: str = Field(description="Model name these profiles belong to.")
+    timings: tuple[LayerProfile, ...] = Field(default=(), description="Per-layer timings.")
+    sizes: tuple[LayerSize, ...] = Field(default=(), description="Per-layer sizes.")
+    overheads: tuple[DeviceOverhead, ...] = Field(default=(), description="Memory overheads.")
+    meta: dict[str, str] = Field(
+        default_factory=dict, description="Device, software versions, date, tool."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ProfileDB:
+        for t in self.timings:
+            if t.bwd_s < 0 or t.fwd_s < 0:
+                raise field_error("timings", t, "negative time")
+        return self
+
+    # Indexing is computed once per (immutable) instance.
+    def _timing_index(self) -> dict[tuple[str, int, int, int], LayerProfile]:
+        idx = self.__dict__.get("_tidx")
+        if idx is None:
+            idx = {}
+            for t in self.timings:
+                key = (t.gpu_type, t.tp, t.microbatch_size, t.layer)
+                old = idx.get(key)
+                if old is None or _RANK[t.source] < _RANK[old.source]:
+                    idx[key] = t
+            self.__dict__["_tidx"] = idx
+        return idx
+
+    def _size_index(self) -> dict[tuple[int, int], LayerSize]:
+        idx = self.__dict__.get("_sidx")
+        if idx is None:
+            idx = {}
+            for s in self.sizes:
+                key = (s.tp, s.layer)
+                old = idx.get(key)
+                if old is None or _RANK[s.source] < _RANK[old.source]:
+                    idx[key] = s
+            self.__dict__["_sidx"] = idx
+        return idx
+
+    def timing(self, gpu_type: str, tp: int, mbs: int, layer: int) -> LayerProfile | None:
+        return self._timing_index().get((gpu_type, tp, mbs, layer))
+
+    def size(self, tp: int, layer: int) -> LayerSize | None:
+        return self._size_index().get((tp, layer))
+
+    def gpu_types(self) -> list[str]:
+        return sorted({t.gpu_type for t in self.timings})
+
+    def grid(self, gpu_type: str) -> dict[int, list[int]]:
+        """TP degree -> sorted microbatch sizes profiled for ``gpu_type``."""
+        out: dict[int, set[int]] = {}
+        for (g, tp, mbs, _), _t in self._timing_index().items():
+            if g == gpu_type:
+                out.setdefault(tp, set()).add(mbs)
+        return {tp: sorted(v) for tp, v in sorted(out.items())}
+
+    def overhead(self, gpu_type: str, tp: int) -> DeviceOverhead | None:
+        exact = [o for o in self.overheads if o.gpu_type == gpu_type and o.tp == tp]
+        if exact:
+            return exact[0]
+        any_tp = [o for o in self.overheads if o.gpu_type == gpu_type]
+        return any_tp[0] if any_tp else None
+
+    def is_estimated(self, gpu_type: str) -> bool:
+        srcs = {t.source for t in self.timings if t.gpu_type == gpu_type}
+        return bool(srcs) and srcs <= {"estimated"}
+
+    def merged(self, other: ProfileDB) -> ProfileDB:
+        """Union of two databases of one model; on conflicts the better source wins."""
+        if other.model != self.model:
+            raise field_error("model", other.model, f"cannot merge into profiles of {self.model}")
+        return ProfileDB(
+            model=self.model,
+            timings=other.timings + self.timings,
+            sizes=other.sizes + self.sizes,
+            overheads=other.overheads
+            + tuple(
+                o
+                for o in self.overheads
+                if not any(p.gpu_type == o.gpu_type and p.tp == o.tp for p in other.overheads)
+            ),
+            meta={**self.meta, **other.meta},
+        )
