@@ -1,37 +1,94 @@
 """Checkpoint manifest: every shard with its size and checksum, and the layout it came from.
 
-A checkpoint exists for readers only once its manifest and commit marker are written.
+A checkpoint exists for readers only once its manifest and commit marker are written. Shard
+files hold nothing but raw tensor bytes, back to back; everything needed to read them (name,
+shape, dtype, byte offset, checksum, tensor-parallel dimension) lives here, so a reader of any
+layout can find, check and slice the tensors of the layers it owns without opening other files.
+
+Checksums: ``TensorEntry.sha256`` is the SHA-256 of the tensor's bytes. ``ShardEntry.sha256``
+is the SHA-256 of the concatenated raw digests of its tensors in file order (a one-level Merkle
+root): it changes if any tensor byte changes, and costs no second pass over the data.
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
 
-from sailor.schemas._base import WireMessage
+from pydantic import Field, model_validator
 
-__all__ = ["CheckpointManifest", "ShardEntry", "TensorEntry"]
+from sailor.schemas._base import Frozen, WireMessage, field_error
+
+__all__ = [
+    "TENSOR_KINDS",
+    "CheckpointManifest",
+    "CommitMarker",
+    "ShardEntry",
+    "ShardPart",
+    "TensorEntry",
+    "TensorKind",
+]
+
+TensorKind = Literal["weight", "exp_avg", "exp_avg_sq"]
+TENSOR_KINDS: tuple[TensorKind, ...] = ("weight", "exp_avg", "exp_avg_sq")
+"""What is stored per parameter: fp32 master weight and both AdamW moments."""
 
 
-class TensorEntry(WireMessage):
-    """One tensor inside a shard."""
+class TensorEntry(Frozen):
+    """One full (TP-gathered) tensor inside a shard."""
 
-    name: str = Field(description="'<layer>.<param>.<kind>' with kind in weight|exp_avg|exp_avg_sq.")
+    name: str = Field(
+        description="'<layer>.<param>.<kind>' with kind in weight|exp_avg|exp_avg_sq."
+    )
     layer: int = Field(ge=0, description="Global layer index.")
+    param: str = Field(default="", description="Parameter name inside the layer.")
+    kind: TensorKind = Field(default="weight", description="weight, exp_avg or exp_avg_sq.")
     shape: tuple[int, ...] = Field(description="Full (TP-gathered) shape.")
-    dtype: str = Field(description="Torch dtype name.")
+    dtype: str = Field(description="Torch dtype name, e.g. 'float32'.")
+    tp_dim: int | None = Field(
+        default=None, description="Dimension split by tensor parallelism; None if replicated."
+    )
     offset: int = Field(ge=0, description="Byte offset in the shard.")
     nbytes: int = Field(ge=0, description="Bytes.")
-    sha256: str = Field(description="Checksum of the tensor bytes.")
+    sha256: str = Field(description="Hex SHA-256 of the tensor bytes.")
+
+    @model_validator(mode="after")
+    def _dim(self) -> TensorEntry:
+        if self.tp_dim is not None and not 0 <= self.tp_dim < max(len(self.shape), 1):
+            raise field_error("tp_dim", self.tp_dim, f"outside the dims of shape {self.shape}")
+        return self
+
+    @property
+    def key(self) -> str:
+        """'<layer>.<param>': the key the training framework uses."""
+        return f"{self.layer}.{self.param}"
 
 
-class ShardEntry(WireMessage):
-    """One file of a checkpoint."""
+class ShardEntry(Frozen):
+    """One file of a checkpoint: every tensor of one global layer."""
 
     path: str = Field(description="Path relative to the checkpoint directory.")
     size: int = Field(ge=0, description="Bytes.")
-    sha256: str = Field(description="Checksum of the whole file.")
+    sha256: str = Field(description="Hex SHA-256 over the raw digests of its tensors, in order.")
     layers: tuple[int, ...] = Field(default=(), description="Global layers it holds.")
     tensors: tuple[TensorEntry, ...] = Field(default=(), description="Tensors it holds.")
+    writer_rank: int = Field(default=-1, description="Global rank that wrote it (-1: unknown).")
+
+    @model_validator(mode="after")
+    def _extent(self) -> ShardEntry:
+        end = max((t.offset + t.nbytes for t in self.tensors), default=0)
+        if end > self.size:
+            raise field_error("size", self.size, f"smaller than its tensors' extent {end}")
+        return self
+
+
+class ShardPart(WireMessage):
+    """What one writer rank reports after its shards are durable (input to the commit)."""
+
+    save_id: str = Field(min_length=1, description="Identifier of the save attempt.")
+    step: int = Field(ge=0, description="Step being saved.")
+    rank: int = Field(ge=0, description="Writer rank (index among the writers).")
+    shards: tuple[ShardEntry, ...] = Field(default=(), description="Shards it wrote.")
+    persist_s: float = Field(default=0.0, ge=0, description="Seconds it spent persisting.")
 
 
 class CheckpointManifest(WireMessage):
@@ -43,8 +100,46 @@ class CheckpointManifest(WireMessage):
     num_layers: int = Field(gt=0, description="Global layers (embedding + blocks + head).")
     plan_id: str = Field(default="", description="Layout it was saved from.")
     layout: str = Field(default="", description="Human-readable layout summary.")
+    save_id: str = Field(default="", description="Identifier of the save attempt.")
     shards: tuple[ShardEntry, ...] = Field(description="Every shard file.")
     globals: dict[str, str] = Field(
         default_factory=dict, description="Scalars: LR schedule, RNG seeds (JSON-encoded)."
     )
     created: float = Field(ge=0, description="Unix time of the commit.")
+
+    @model_validator(mode="after")
+    def _layers_once(self) -> CheckpointManifest:
+        seen: dict[int, str] = {}
+        for s in self.shards:
+            for layer in s.layers:
+                if layer in seen:
+                    raise field_error(
+                        "shards[*].layers", layer, f"in both {seen[layer]} and {s.path}"
+                    )
+                if layer >= self.num_layers:
+                    raise field_error("shards[*].layers", layer, f">= num_layers={self.num_layers}")
+                seen[layer] = s.path
+        return self
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(layer for s in self.shards for layer in s.layers))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def shard_of(self, layer: int) -> ShardEntry:
+        for s in self.shards:
+            if layer in s.layers:
+                return s
+        raise field_error("layer", layer, f"not in the checkpoint of step {self.step}")
+
+
+class CommitMarker(WireMessage):
+    """Written last: names the manifest's checksum so a torn manifest is never trusted."""
+
+    step: int = Field(ge=0, description="Step committed.")
+    save_id: str = Field(description="Save attempt committed.")
+    manifest_sha256: str = Field(description="Hex SHA-256 of manifest.json's bytes.")
+    manifest_size: int = Field(ge=0, description="Bytes of manifest.json.")

@@ -101,7 +101,8 @@ class NetworkProfile(Frozen):
         # choosing the slowest known curve (never optimistic).
         best: BandwidthCurve | None = None
         for (a, b), c in idx.items():
-            if a.zone == src.zone and b.zone == dst.zone and (best is None or c.max_gbps < best.max_gbps):
+            same_zones = a.zone == src.zone and b.zone == dst.zone
+            if same_zones and (best is None or c.max_gbps < best.max_gbps):
                 best = c
         return best
 

@@ -10,6 +10,8 @@ pipeline) all-reduce it, weighted by the samples each pipeline processed.
 
 from __future__ import annotations
 
+import itertools
+
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
@@ -207,7 +209,7 @@ def layer_segments(plan: Plan) -> list[Segment]:
             cuts.add(s.first_layer)
     bounds = [*sorted(cuts), plan.num_layers]
     out: list[Segment] = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for a, b in itertools.pairwise(bounds):
         holders: list[tuple[int, int]] = []
         for pi, p in enumerate(plan.pipelines):
             for si, s in enumerate(p.stages):

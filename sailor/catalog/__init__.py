@@ -1,0 +1,64 @@
+"""Built-in catalog: GPU spec sheets, list prices, model architectures (package data).
+
+Loading reads JSON files shipped inside the package; the results are validated schemas.
+Nothing here is measured on a user's cluster: profiles and network measurements come from
+the profiler or an import.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from sailor.schemas import GPUPrice, GPUSpec, ModelSpec, PriceTable
+from sailor.schemas.prices import EgressPrice
+
+__all__ = ["gpu", "gpus", "model", "models", "prices"]
+
+
+def _load(name: str) -> Any:
+    return json.loads(resources.files(__package__).joinpath(name).read_text())
+
+
+@cache
+def gpus() -> dict[str, GPUSpec]:
+    """Every catalog GPU type by name."""
+    return {g["name"]: GPUSpec(**g) for g in _load("gpus.json")["gpus"]}
+
+
+@cache
+def models() -> dict[str, ModelSpec]:
+    """Every catalog model by name."""
+    return {m["name"]: ModelSpec(**m) for m in _load("models.json")["models"]}
+
+
+@cache
+def prices() -> PriceTable:
+    """List prices with the date they were read."""
+    raw = _load("prices.json")
+    return PriceTable(
+        gpus=tuple(GPUPrice(**p) for p in raw["gpus"]),
+        egress=tuple(EgressPrice(**e) for e in raw["egress"]),
+        same_region_usd_per_gb=raw["same_region_usd_per_gb"],
+        cross_region_usd_per_gb=raw["cross_region_usd_per_gb"],
+        read_on=raw["read_on"],
+        source=raw["source"],
+    )
+
+
+def gpu(name: str) -> GPUSpec:
+    """One GPU type; a clear error names the unknown type and the known ones."""
+    table = gpus()
+    if name not in table:
+        raise KeyError(f"gpu_type={name!r} is not in the catalog (known: {', '.join(table)})")
+    return table[name]
+
+
+def model(name: str) -> ModelSpec:
+    """One model; a clear error names the unknown model and the known ones."""
+    table = models()
+    if name not in table:
+        raise KeyError(f"model={name!r} is not in the catalog (known: {', '.join(table)})")
+    return table[name]

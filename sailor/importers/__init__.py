@@ -1,0 +1,1 @@
+"""Converters from other tools' file formats into Sailor's schemas."""
