@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from sailor.importers._read import ImportFormatError, as_int, get, load_json
-from sailor.schemas import ModelSpec, Pool, PoolEntry
+from sailor.schemas import ModelSpec, Pool, PoolEntry, Precision
 
 __all__ = ["import_pool", "import_trace", "import_training_config"]
 
 
-def import_training_config(path: str | Path, *, precision: str = "fp16") -> ModelSpec:
+def import_training_config(path: str | Path, *, precision: Precision = "fp16") -> ModelSpec:
     """``training_config_*.json`` → ModelSpec (the original trains GPT-2 style blocks, Adam)."""
     d = load_json(path)
 
@@ -31,7 +31,7 @@ def import_training_config(path: str | Path, *, precision: str = "fp16") -> Mode
             seq_length=i("sequence_length"),
             vocab_size=i("vocab_size"),
             global_batch_size=i("global_batch_size"),
-            precision=precision,  # type: ignore[arg-type]
+            precision=precision,
             optimizer="adam",
         )
     except ValueError as exc:

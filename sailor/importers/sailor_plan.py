@@ -100,7 +100,9 @@ def _template(t: Any, field: str, file: str) -> list[list[tuple[int, int, Replic
         raise ImportFormatError(
             file,
             f"{field}.{key}",
-            f"every stage needs the same number of replicas, got {sorted(degrees)}",
+            f"every stage needs the same number of replicas, got {sorted(degrees)}; "
+            "per-stage data parallelism (stage-wise DP as in Piper) has no equivalent "
+            "in pipelines of single replica groups",
         )
     d = degrees.pop()
     if dps is not None and (

@@ -128,7 +128,10 @@ def _import_sizes(llm_info_json: str | Path, model: str, bpe: int) -> list[Layer
                 min_value=0,
             )
             in_f = as_int(
-                d.get("act_input_floats", 0), llm_info_json, f + ".act_input_floats", min_value=0
+                d.get("act_input_floats", 0) if isinstance(d, dict) else 0,
+                llm_info_json,
+                f + ".act_input_floats",
+                min_value=0,
             )
             out.append(
                 LayerSize(

@@ -1,0 +1,1 @@
+"""The ``sailor`` command: the one entry point for users."""

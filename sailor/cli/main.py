@@ -1,0 +1,25 @@
+"""The ``sailor`` command line: one Typer app mounting every sub-command."""
+
+from __future__ import annotations
+
+import typer
+
+from sailor.cli.catalog_cmd import catalog_app
+from sailor.cli.import_cmd import import_app
+from sailor.cli.schema_cmd import schema
+
+__all__ = ["app"]
+
+app = typer.Typer(
+    name="sailor",
+    help="Plan and run training on heterogeneous, geo-distributed, dynamic GPU clusters.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.command("schema")(schema)
+app.add_typer(import_app, name="import")
+app.add_typer(catalog_app, name="catalog")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,169 @@
+"""Schemas: validation messages name the field and value; segments; round trips."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from sailor import catalog
+from sailor.schemas import (
+    BandwidthCurve,
+    CommandAdapter,
+    EventAdapter,
+    ModelSpec,
+    Pipeline,
+    Plan,
+    Pool,
+    PoolEntry,
+    PreemptionNotice,
+    ReplicaGroup,
+    Stage,
+    Stop,
+)
+
+
+def _stage(a: int, b: int, tp: int = 1, gpu: str = "A100-40") -> Stage:
+    return Stage(
+        first_layer=a,
+        last_layer=b,
+        replica=ReplicaGroup(gpu_type=gpu, zone="us-central1-a", tp=tp, gpus_per_node=4),
+    )
+
+
+def test_plan_rejects_gap_between_stages_naming_field() -> None:
+    with pytest.raises(ValidationError, match=r"stages\[1\]\.first_layer"):
+        Pipeline(stages=(_stage(0, 3), _stage(5, 9)), microbatch_size=1, num_microbatches=1)
+
+
+def test_plan_rejects_samples_not_adding_up() -> None:
+    p = Pipeline(stages=(_stage(0, 9),), microbatch_size=2, num_microbatches=3)
+    with pytest.raises(ValidationError, match="global_batch_size=8"):
+        Plan(model="m", global_batch_size=8, pipelines=(p,))
+
+
+def test_plan_rejects_pipelines_covering_different_layers() -> None:
+    a = Pipeline(stages=(_stage(0, 9),), microbatch_size=1, num_microbatches=1)
+    b = Pipeline(stages=(_stage(0, 8),), microbatch_size=1, num_microbatches=1)
+    with pytest.raises(ValidationError, match="every pipeline must cover"):
+        Plan(model="m", global_batch_size=2, pipelines=(a, b))
+
+
+def test_replica_tp_must_fit_node_and_be_power_of_two() -> None:
+    with pytest.raises(ValidationError, match="tp=8"):
+        ReplicaGroup(gpu_type="A100-40", zone="z", tp=8, gpus_per_node=4)
+    with pytest.raises(ValidationError, match="power of two"):
+        ReplicaGroup(gpu_type="A100-40", zone="z", tp=3, gpus_per_node=4)
+
+
+def test_frozen_and_extra_forbidden() -> None:
+    r = ReplicaGroup(gpu_type="A100-40", zone="z", tp=1, gpus_per_node=4)
+    with pytest.raises(ValidationError):
+        r.tp = 2  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="bogus"):
+        ReplicaGroup.model_validate({"gpu_type": "x", "zone": "z", "bogus": 1})
+
+
+def test_model_spec_heads_must_divide_hidden() -> None:
+    with pytest.raises(ValidationError, match="num_heads=7"):
+        ModelSpec(
+            name="m",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=7,
+            ffn_hidden_size=4,
+            seq_length=8,
+            vocab_size=10,
+            global_batch_size=1,
+        )
+
+
+def test_catalog_models_match_public_parameter_counts() -> None:
+    # Public sizes: OPT-350M ~331M (+ untied projection), GPT-Neo 2.7B, Llama-3 8.03B.
+    m = catalog.models()
+    assert 0.3e9 < m["OPT-350"].total_params < 0.45e9
+    assert 2.6e9 < m["GPT-Neo-2.7"].total_params < 2.9e9
+    assert 7.9e9 < m["LLAMA-3-8"].total_params < 8.2e9
+    assert 29e9 < m["OPT-30"].total_params < 31e9
+
+
+def test_catalog_has_required_gpus_and_prices() -> None:
+    need = {
+        "A100-40",
+        "A100-80",
+        "H100-80",
+        "H200",
+        "GH-96",
+        "L4",
+        "T4",
+        "V100-16",
+        "RTX-3090",
+        "Titan-RTX",
+        "RTX-2080",
+        "cpu",
+    }
+    assert need <= set(catalog.gpus())
+    p = catalog.prices()
+    assert p.read_on
+    for g in need:
+        assert p.gpu_hour(g, "us-central1-a") > 0
+    with pytest.raises(KeyError, match="gpu_type='nope'"):
+        catalog.gpu("nope")
+
+
+def test_bandwidth_curve_is_clamped_positive_and_bounded() -> None:
+    c = BandwidthCurve(coeffs=(-1.0, 0.0, 5.0), max_gbps=4.0, min_bytes=10**6, max_bytes=10**9)
+    assert c.gbps(10**6) == 4.0  # L=0 → 5, clamped to max
+    assert c.gbps(10**12) == c.gbps(10**9)  # clamped to the measured range
+    assert c.gbps(10**9) > 0  # the fit is negative there; never returned
+    assert c.transfer_time(0) == 0.0
+
+
+def test_pool_rejects_duplicates_and_aggregates() -> None:
+    e = PoolEntry(gpu_type="A100-40", zone="z", nodes=2, gpus_per_node=4)
+    with pytest.raises(ValidationError, match="duplicate"):
+        Pool(entries=(e, e))
+    assert Pool(entries=(e,)).total_gpus == 8
+
+
+def test_wire_messages_round_trip_and_reject_future_versions() -> None:
+    ev = PreemptionNotice(event_id="e1", node_id="n1", time=1.0, deadline=31.0)
+    again = EventAdapter.validate_json(ev.model_dump_json())
+    assert again == ev
+    cmd = Stop(command_id="c1", epoch=3, node_id="n1", at_step=10)
+    assert CommandAdapter.validate_python(json.loads(cmd.model_dump_json())) == cmd
+    bad = json.loads(ev.model_dump_json()) | {"schema_version": 99}
+    with pytest.raises(ValidationError, match="schema_version=99"):
+        EventAdapter.validate_python(bad)
+
+
+@st.composite
+def _plans(draw: st.DrawFn) -> Plan:
+    n_layers = draw(st.integers(2, 12))
+    pipes = []
+    for _ in range(draw(st.integers(1, 4))):
+        cuts = sorted(draw(st.sets(st.integers(1, n_layers - 1), max_size=n_layers - 1)))
+        bounds = [0, *cuts, n_layers]
+        stages = tuple(_stage(a, b - 1) for a, b in itertools.pairwise(bounds))
+        pipes.append(Pipeline(stages=stages, microbatch_size=1, num_microbatches=1))
+    return Plan(model="m", global_batch_size=len(pipes), pipelines=tuple(pipes))
+
+
+@given(_plans())
+@settings(max_examples=200, deadline=None)
+def test_segments_partition_layers_and_every_pipeline_holds_each(plan: Plan) -> None:
+    segs = plan.segments()
+    covered = [i for s in segs for i in range(s.first_layer, s.last_layer + 1)]
+    assert covered == list(range(plan.num_layers))
+    for s in segs:
+        assert [h[0] for h in s.holders] == list(range(len(plan.pipelines)))
+        for pi, si in s.holders:
+            st_ = plan.pipelines[pi].stages[si]
+            assert st_.first_layer <= s.first_layer and s.last_layer <= st_.last_layer
+    # A segment boundary is exactly a stage boundary of some pipeline.
+    starts = {s.first_layer for s in segs}
+    assert starts == {st_.first_layer for p in plan.pipelines for st_ in p.stages}
