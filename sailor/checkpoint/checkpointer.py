@@ -1,0 +1,260 @@
+"""Async, distributed save and layout-aware load for one rank of a running plan.
+
+``Checkpointer.save`` is called by every rank at the same iteration boundary. It
+1. agrees on a save id (rank 0 broadcasts one, unless the caller passes the controller's id);
+2. **snapshots** (what training waits for): for each layer its replica group writes, gathers
+   the TP shards to the writing TP rank and copies the full tensors to CPU memory;
+3. **persists** on a background thread: writes this rank's layer files and its part file; the
+   committer rank then waits for every writer's part and writes manifest and commit marker.
+
+Training may run the next iterations while step 3 runs. Snapshot and persist time are measured
+and reported separately (``SaveResult``). One save is in flight at a time: a second ``save``
+first waits for the previous persist (that wait is counted in its snapshot time).
+
+Background threads never call torch.distributed: all collectives happen in ``save`` on the
+caller's thread, in the same order on every rank of a TP group, so they cannot interleave with
+the framework's own collectives. Which layers a rank writes and loads is decided by the pure
+functions of ``assignment.py``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sailor.checkpoint.assignment import (
+    layout_summary,
+    place_of,
+    writer_assignment,
+    writer_ranks,
+)
+from sailor.checkpoint.errors import CheckpointError
+from sailor.checkpoint.reader import Loaded, load
+from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
+from sailor.checkpoint.storage import Storage
+from sailor.checkpoint.writer import commit, persist_layers
+from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest
+from sailor.schemas.plan import Plan
+
+__all__ = ["Checkpointer", "SaveResult", "load_for_rank"]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """Timings and outcome of one rank's part of a save."""
+
+    step: int
+    save_id: str
+    rank: int
+    layers_written: tuple[int, ...]
+    bytes_written: int
+    snapshot_s: float
+    """Training stall: waiting for the previous save, TP gather, copy to CPU."""
+    persist_s: float
+    """Background: writing this rank's shards and part file."""
+    commit_s: float
+    """Committer only: waiting for every part, manifest, marker, retention."""
+    manifest: CheckpointManifest | None
+    """The committed manifest (committer rank only)."""
+
+
+class Checkpointer:
+    """Saves this rank's share of a checkpoint of ``plan`` asynchronously."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        plan: Plan,
+        rank: int,
+        *,
+        keep: int | None = 3,
+        committer_rank: int = 0,
+        tp_group: Any = None,
+        layer_bytes: Mapping[int, int] | None = None,
+        commit_timeout_s: float = 600.0,
+    ) -> None:
+        self.storage = storage
+        self.plan = plan
+        self.rank = rank
+        self.place = place_of(plan, rank)
+        self.keep = keep
+        self.committer_rank = committer_rank
+        self.tp_group = tp_group
+        self.assignment = writer_assignment(plan, layer_bytes)
+        self.writers = writer_ranks(plan, layer_bytes)
+        self.commit_timeout_s = commit_timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-persist-r{rank}")
+        self._pending: Future[SaveResult] | None = None
+        if self.place.tp_size > 1 and tp_group is None:
+            raise CheckpointError(f"rank {rank}: tp={self.place.tp_size} needs a tp_group")
+
+    def save(
+        self,
+        params: Mapping[str, ParamState],
+        globals_: TrainingGlobals,
+        *,
+        save_id: str | None = None,
+    ) -> float:
+        """Snapshot now, persist in the background; returns the snapshot (stall) seconds."""
+        t0 = time.perf_counter()
+        self.wait()
+        sid = save_id or self._agree_save_id()
+        mine = self._snapshot(params)
+        snapshot_s = time.perf_counter() - t0
+        self._pending = self._pool.submit(self._persist, mine, globals_, sid, snapshot_s)
+        return snapshot_s
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight is persisted (and committed, on the committer)."""
+        if self._pending is None:
+            return None
+        fut, self._pending = self._pending, None
+        return fut.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _agree_save_id(self) -> str:
+        if not (dist.is_available() and dist.is_initialized()):
+            return uuid.uuid4().hex[:12]
+        box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else ""]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+
+    def _snapshot(self, params: Mapping[str, ParamState]) -> dict[int, dict[str, ParamState]]:
+        """Full CPU copies of the layers this rank writes (gathering TP shards as needed)."""
+        place = self.place
+        by_layer: dict[int, dict[str, ParamState]] = {}
+        for key, p in params.items():
+            layer, name = split_key(key)
+            if layer not in place.layers:
+                raise CheckpointError(
+                    f"rank {self.rank}: param {key!r} is not in its stage's layers "
+                    f"{place.layers[0]}..{place.layers[-1]}"
+                )
+            by_layer.setdefault(layer, {})[name] = p
+        mine: dict[int, dict[str, ParamState]] = {}
+        for layer in place.layers:
+            writer = self.assignment[layer]
+            if writer not in place.group_ranks:
+                continue
+            layer_params = by_layer.get(layer, {})
+            full = (
+                self._gather_layer(layer_params, writer)
+                if place.tp_size > 1
+                else {n: p.map(_cpu_copy) for n, p in layer_params.items()}
+            )
+            if writer == self.rank:
+                mine[layer] = full
+        return mine
+
+    def _gather_layer(self, lp: Mapping[str, ParamState], writer: int) -> dict[str, ParamState]:
+        """Gather one layer's TP-sharded tensors to ``writer``, as one flat message per rank."""
+        names = sorted(lp)
+        sharded = [(n, k) for n in names for k in TENSOR_KINDS if lp[n].tp_dim is not None]
+        flat = (
+            torch.cat([lp[n].tensor(k).detach().reshape(-1).cpu() for n, k in sharded])
+            if sharded
+            else torch.empty(0)
+        )
+        me = self.rank == writer
+        bufs = [torch.empty_like(flat) for _ in self.place.group_ranks] if me else None
+        dist.gather(flat, bufs, dst=writer, group=self.tp_group)
+        if not me or bufs is None:
+            return {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        off = 0
+        for n, k in sharded:
+            t = lp[n].tensor(k)
+            pieces = [b[off : off + t.numel()].view(t.shape) for b in bufs]
+            dim = lp[n].tp_dim
+            if dim is None:  # filtered above; this narrows the type
+                raise CheckpointError(f"{n}: lost its tp_dim")
+            out.setdefault(n, {})[k] = torch.cat(pieces, dim=dim)
+            off += t.numel()
+        result = {}
+        for n in names:
+            p = lp[n]
+            if p.tp_dim is None:
+                result[n] = p.map(_cpu_copy)
+            else:
+                o = out[n]
+                result[n] = ParamState(o["weight"], o["exp_avg"], o["exp_avg_sq"], p.tp_dim)
+        return result
+
+    def _persist(
+        self,
+        mine: dict[int, dict[str, ParamState]],
+        globals_: TrainingGlobals,
+        save_id: str,
+        snapshot_s: float,
+    ) -> SaveResult:
+        t0 = time.perf_counter()
+        nbytes = 0
+        if mine:
+            part = persist_layers(self.storage, globals_.step, save_id, mine, rank=self.rank)
+            nbytes = sum(s.size for s in part.shards)
+        t1 = time.perf_counter()
+        manifest = None
+        if self.rank == self.committer_rank:
+            manifest = commit(
+                self.storage,
+                step=globals_.step,
+                save_id=save_id,
+                writer_ranks=self.writers,
+                globals_=globals_,
+                model=self.plan.model,
+                num_layers=self.plan.num_layers,
+                plan_id=self.plan.plan_id,
+                layout=layout_summary(self.plan),
+                keep=self.keep,
+                timeout_s=self.commit_timeout_s,
+            )
+        return SaveResult(
+            step=globals_.step,
+            save_id=save_id,
+            rank=self.rank,
+            layers_written=tuple(sorted(mine)),
+            bytes_written=nbytes,
+            snapshot_s=snapshot_s,
+            persist_s=t1 - t0,
+            commit_s=time.perf_counter() - t1,
+            manifest=manifest,
+        )
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    # A real copy even on CPU: training mutates its tensors in place after the snapshot.
+    return t.detach().to("cpu", copy=True)
+
+
+def load_for_rank(
+    storage: Storage,
+    plan: Plan,
+    rank: int,
+    *,
+    step: int | None = None,
+    tp_dims: Mapping[str, int | None] | None = None,
+) -> Loaded:
+    """Load exactly the layers ``rank`` owns under ``plan``, sliced for its TP rank."""
+    place = place_of(plan, rank)
+    return load(
+        storage,
+        place.layers,
+        tp_rank=place.tp_rank,
+        tp_size=place.tp_size,
+        step=step,
+        tp_dims=tp_dims,
+    )

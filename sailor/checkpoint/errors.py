@@ -1,0 +1,45 @@
+"""Checkpoint errors, each carrying its recovery policy.
+
+``retryable`` tells the runtime whether trying again (after ``delay_s``) can help: a storage
+hiccup can; a corrupt shard or a missing layer cannot, and the runtime should fall back to an
+older committed checkpoint instead.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "NoCheckpointError",
+    "ReshardError",
+    "StorageError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class: a message, whether to retry, and after how long."""
+
+    def __init__(self, message: str, *, retryable: bool = False, delay_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.delay_s = delay_s
+
+
+class StorageError(CheckpointError):
+    """The backend failed to read or write; usually worth a retry."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No committed checkpoint (or not the requested step) exists."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file is missing, truncated or fails its checksum. ``path`` names it."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message, retryable=False)
+        self.path = path
+
+
+class ReshardError(CheckpointError):
+    """The checkpoint cannot be sliced for the requested layout (e.g. TP does not divide)."""

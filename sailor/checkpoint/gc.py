@@ -1,0 +1,104 @@
+"""Retention and garbage collection: decide what to delete (pure), then delete it.
+
+What is debris:
+- a step directory without a valid commit marker (a crashed or in-flight save). It is only
+  deleted if a newer step is committed (that save can no longer commit usefully) or if it
+  has not been touched for ``grace_s`` (so a running save is not swept away under a writer);
+- inside a committed step, files the manifest does not name (a crashed earlier attempt at the
+  same step, temp files of an interrupted write).
+
+Retention keeps the newest ``keep`` committed checkpoints; older ones are deleted only after a
+newer commit, never before, so there is always a loadable checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sailor.checkpoint.errors import CorruptCheckpointError, NoCheckpointError
+from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, parse_step_dir, step_dir
+from sailor.checkpoint.reader import read_manifest
+from sailor.checkpoint.storage import Storage
+
+__all__ = ["StepListing", "apply_retention", "collect", "decide_gc", "scan"]
+
+
+@dataclass(frozen=True)
+class StepListing:
+    """What storage holds for one step directory."""
+
+    step: int
+    committed: bool
+    files: tuple[str, ...]
+    """Paths relative to the step directory."""
+    referenced: frozenset[str] = frozenset()
+    """Files the committed manifest needs (empty if uncommitted)."""
+    newest_mtime: float = 0.0
+
+
+def decide_gc(
+    listing: Sequence[StepListing], *, keep: int | None, now: float, grace_s: float
+) -> list[str]:
+    """Paths (relative to the root) to delete. Whole step dirs end with '/'."""
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep={keep}: must be >= 1 (never delete the last checkpoint)")
+    committed = sorted((s.step for s in listing if s.committed), reverse=True)
+    newest = committed[0] if committed else -1
+    retained = set(committed if keep is None else committed[:keep])
+    out: list[str] = []
+    for s in sorted(listing, key=lambda x: x.step):
+        d = step_dir(s.step)
+        if s.committed:
+            if s.step not in retained:
+                out.append(d + "/")
+                continue
+            stale = now - s.newest_mtime >= grace_s
+            out.extend(f"{d}/{f}" for f in s.files if f not in s.referenced and stale)
+        elif s.step < newest or now - s.newest_mtime >= grace_s:
+            out.append(d + "/")
+    return out
+
+
+def scan(storage: Storage) -> list[StepListing]:
+    """List every step directory with its files and commit state."""
+    out: list[StepListing] = []
+    for name in storage.listdir(""):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        files = tuple(f[len(name) + 1 :] for f in storage.walk(name))
+        mt = max((storage.mtime(f"{name}/{f}") for f in files), default=0.0)
+        try:
+            m = read_manifest(storage, step)
+        except (NoCheckpointError, CorruptCheckpointError):
+            out.append(StepListing(step, False, files, newest_mtime=mt))
+            continue
+        ref = {MANIFEST, MARKER} | {s.path for s in m.shards}
+        ref |= {f for f in files if f.startswith(f"{PARTS}/{m.save_id}-")}
+        out.append(StepListing(step, True, files, frozenset(ref), mt))
+    return out
+
+
+def collect(
+    storage: Storage, *, keep: int | None = None, grace_s: float = 0.0, dry_run: bool = False
+) -> list[str]:
+    """Delete debris (and committed checkpoints beyond ``keep``); return what was deleted."""
+    doomed = decide_gc(scan(storage), keep=keep, now=time.time(), grace_s=grace_s)
+    if not dry_run:
+        for p in doomed:
+            storage.delete(p.rstrip("/"))
+    return doomed
+
+
+def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list[str]:
+    """After committing ``committed_step``: drop old checkpoints and older uncommitted saves."""
+    listing = [s for s in scan(storage) if s.step <= committed_step]
+    # grace = infinity: files of a save newer than this commit are never touched here.
+    doomed = [
+        p for p in decide_gc(listing, keep=keep, now=0.0, grace_s=float("inf")) if p.endswith("/")
+    ]
+    for p in doomed:
+        storage.delete(p.rstrip("/"))
+    return doomed

@@ -1,0 +1,251 @@
+"""Storage backends for checkpoints: a small interface, a local directory and fsspec (S3).
+
+The checkpoint code needs only whole-object semantics: write an object so that it appears
+complete or not at all, read it (or a byte range of it), list, stat, delete. Local files get
+that from write-to-temp + fsync + rename; object stores get it from PUT / multipart-complete.
+Paths are '/'-separated and relative to the backend's root.
+
+This module must never interpret checkpoint contents; it moves bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from sailor.checkpoint.errors import StorageError
+
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+
+Chunk = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Whole-object storage rooted at ``url``."""
+
+    url: str
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        """Write an object from chunks; it becomes visible complete or not at all. Returns bytes."""
+        ...
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes from ``start`` (all to the end if None)."""
+        ...
+
+    def read_into(self, path: str, buf: memoryview, start: int = 0) -> int:
+        """Fill ``buf`` from ``start``; returns bytes read (short if the object is shorter)."""
+        ...
+
+    def size(self, path: str) -> int:
+        """Bytes of an object; raises FileNotFoundError if absent."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        """Direct children (names, no slash) of the directory ``prefix``; [] if absent."""
+        ...
+
+    def walk(self, prefix: str) -> list[str]:
+        """Every object under ``prefix``, as paths relative to the root."""
+        ...
+
+    def mtime(self, path: str) -> float:
+        """Last-modified Unix time of an object."""
+        ...
+
+    def delete(self, prefix: str) -> None:
+        """Delete an object or everything under a directory; no error if absent."""
+        ...
+
+
+class LocalStorage:
+    """A directory on a local or shared file system."""
+
+    def __init__(self, root: str | Path, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _p(self, path: str) -> Path:
+        return self.root / path if path else self.root
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        dst = self._p(path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        # A temp name in the same directory, so the rename is atomic; gc removes leftovers.
+        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+        n = 0
+        try:
+            with tmp.open("wb", buffering=0) as f:
+                for c in chunks:
+                    n += f.write(c)
+                if self.fsync:
+                    os.fsync(f.fileno())
+            tmp.replace(dst)
+            if self.fsync:
+                _fsync_dir(dst.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StorageError(f"cannot write {dst}: {exc}", retryable=True) from exc
+        return n
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        with self._p(path).open("rb") as f:
+            f.seek(start)
+            return f.read() if length is None else f.read(length)
+
+    def read_into(self, path: str, buf: memoryview, start: int = 0) -> int:
+        with self._p(path).open("rb", buffering=0) as f:
+            f.seek(start)
+            got = 0
+            while got < len(buf):
+                n = f.readinto(buf[got:])
+                if not n:
+                    break
+                got += n
+            return got
+
+    def size(self, path: str) -> int:
+        return self._p(path).stat().st_size
+
+    def exists(self, path: str) -> bool:
+        return self._p(path).exists()
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        p = self._p(prefix)
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+
+    def walk(self, prefix: str) -> list[str]:
+        p = self._p(prefix)
+        if p.is_file():
+            return [prefix]
+        if not p.is_dir():
+            return []
+        return sorted(str(f.relative_to(self.root)) for f in p.rglob("*") if f.is_file())
+
+    def mtime(self, path: str) -> float:
+        return self._p(path).stat().st_mtime
+
+    def delete(self, prefix: str) -> None:
+        p = self._p(prefix)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+class FsspecStorage:
+    """Any fsspec file system, e.g. ``s3://bucket/prefix`` through s3fs.
+
+    Objects are written with one streamed PUT (multipart above fsspec's block size), which
+    the store makes visible only when complete, so no temp-and-rename is needed.
+    """
+
+    def __init__(self, url: str, **options: Any) -> None:
+        import fsspec  # deferred: only object-storage users need it
+
+        self.url = url.rstrip("/")
+        fs, root = fsspec.core.url_to_fs(self.url, **options)
+        self.fs = fs
+        self.root = root.rstrip("/")
+
+    def _p(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        n = 0
+        f = self.fs.open(self._p(path), "wb")
+        try:
+            for c in chunks:
+                f.write(c)
+                n += len(c)
+        except BaseException:
+            # Not ``with``: leaving a ``with`` block on an exception would close() the file,
+            # which *completes* the upload and publishes a torn object. discard() aborts it.
+            f.discard()
+            f.closed = True  # or __del__ would close() and upload what is buffered
+            raise
+        try:
+            f.close()
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"cannot write {self.url}/{path}: {exc}", retryable=True) from exc
+        return n
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        end = None if length is None else start + length
+        data: bytes = self.fs.cat_file(self._p(path), start=start, end=end)
+        return data
+
+    def read_into(self, path: str, buf: memoryview, start: int = 0) -> int:
+        data = self.read(path, start, len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(self._p(path)))
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._p(path)))
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        try:
+            names = self.fs.ls(self._p(prefix), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        base = self._p(prefix).rstrip("/") + "/"
+        return sorted({n[len(base) :].split("/")[0] for n in names if n.startswith(base)} - {""})
+
+    def walk(self, prefix: str) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self._p(prefix))
+        except FileNotFoundError:
+            return []
+        cut = len(self.root) + 1
+        return sorted(f[cut:] for f in found)
+
+    def mtime(self, path: str) -> float:
+        info = self.fs.info(self._p(path))
+        m = info.get("LastModified") or info.get("mtime") or info.get("created") or 0.0
+        return float(m.timestamp()) if hasattr(m, "timestamp") else float(m)
+
+    def delete(self, prefix: str) -> None:
+        files = self.walk(prefix)
+        if files:
+            self.fs.rm([self._p(f) for f in files])
+        self.fs.invalidate_cache()
+
+
+def open_storage(url: str | Path, **options: Any) -> Storage:
+    """A backend for a plain path / file:// URL (local) or any other fsspec URL."""
+    s = str(url)
+    if s.startswith("file://"):
+        return LocalStorage(s[len("file://") :], **options)
+    if "://" not in s:
+        return LocalStorage(s, **options)
+    return FsspecStorage(s, **options)
+
+
+def _fsync_dir(d: Path) -> None:
+    # The rename is durable only once the directory entry is; skipped where unsupported.
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,174 @@
+"""One contract, every storage backend: a local directory and S3 (moto's server on loopback).
+
+The S3 case needs ``moto[server]`` and ``s3fs``; it is skipped (with the reason) where they are
+not installed. Besides the raw object semantics, the contract includes a full checkpoint round
+trip (save, commit, list, load resharded, verify, detect corruption, gc) on the backend.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from sailor.checkpoint import (
+    CorruptCheckpointError,
+    ParamState,
+    Storage,
+    TrainingGlobals,
+    collect,
+    committed_steps,
+    load,
+    open_storage,
+    save_full,
+    verify,
+)
+from sailor.checkpoint.format import step_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    pytest.importorskip("s3fs", reason="s3fs not installed")
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] not installed")
+    port = _free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+_bucket_counter = iter(range(10**6))
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    if request.param == "local":
+        return open_storage(tmp_path / "ckpt")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+    bucket = f"ckpt-{next(_bucket_counter)}"
+    boto3 = pytest.importorskip("boto3")
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=bucket)
+    return open_storage(f"s3://{bucket}/job", **opts)
+
+
+def test_objects_round_trip(storage: Storage) -> None:
+    n = storage.write("a/b/x.bin", [b"hello ", memoryview(b"world")])
+    assert n == 11
+    assert storage.exists("a/b/x.bin")
+    assert not storage.exists("a/b/y.bin")
+    assert storage.size("a/b/x.bin") == 11
+    assert storage.read("a/b/x.bin") == b"hello world"
+    assert storage.read("a/b/x.bin", 6, 3) == b"wor"
+    buf = bytearray(5)
+    assert storage.read_into("a/b/x.bin", memoryview(buf), 6) == 5
+    assert bytes(buf) == b"world"
+    assert storage.mtime("a/b/x.bin") > 0
+    with pytest.raises(FileNotFoundError):
+        storage.size("nope")
+
+
+def test_listing_and_delete(storage: Storage) -> None:
+    for p in ["s1/a", "s1/sub/b", "s2/c", "top"]:
+        storage.write(p, [b"x"])
+    assert storage.listdir("") == ["s1", "s2", "top"]
+    assert storage.listdir("s1") == ["a", "sub"]
+    assert storage.listdir("missing") == []
+    assert storage.walk("s1") == ["s1/a", "s1/sub/b"]
+    storage.delete("s1")
+    storage.delete("top")
+    storage.delete("never-existed")
+    assert storage.listdir("") == ["s2"]
+
+
+def test_write_overwrites_whole_object(storage: Storage) -> None:
+    storage.write("o", [b"a" * 100])
+    storage.write("o", [b"b" * 10])
+    assert storage.read("o") == b"b" * 10
+
+
+def test_failed_write_leaves_nothing_visible(storage: Storage) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b"partial" * 1000
+        raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError):
+        storage.write("d/obj", chunks())
+    assert not storage.exists("d/obj")
+    assert [p for p in storage.walk("d") if p.endswith("obj")] == []
+
+
+def _state(seed: int) -> dict[str, ParamState]:
+    g = torch.Generator().manual_seed(seed)
+
+    def p(*shape: int, tp_dim: int | None) -> ParamState:
+        return ParamState(*(torch.randn(*shape, generator=g) for _ in range(3)), tp_dim=tp_dim)
+
+    return {
+        "0.embed.weight": p(16, 8, tp_dim=0),
+        "1.fc.weight": p(12, 8, tp_dim=0),
+        "1.fc.bias": p(12, tp_dim=0),
+        "1.out.weight": p(8, 12, tp_dim=1),
+        "1.norm.weight": p(8, tp_dim=None),
+        "2.head.weight": p(16, 8, tp_dim=0),
+    }
+
+
+def test_checkpoint_round_trip(storage: Storage) -> None:
+    full = _state(0)
+    for step in (3, 6):
+        save_full(
+            storage,
+            full,
+            TrainingGlobals(step, step * 8, {"lr": 0.1, "seed": 7}),
+            model="toy",
+            num_layers=3,
+            save_id=f"s{step}",
+            keep=1,
+        )
+    assert committed_steps(storage) == [6]
+    got = load(storage, [1], tp_rank=1, tp_size=2)
+    assert set(got.params) == {"1.fc.weight", "1.fc.bias", "1.out.weight", "1.norm.weight"}
+    assert torch.equal(got.params["1.fc.weight"].exp_avg, full["1.fc.weight"].exp_avg[6:])
+    assert torch.equal(got.params["1.out.weight"].weight, full["1.out.weight"].weight[:, 6:])
+    assert torch.equal(got.params["1.norm.weight"].exp_avg_sq, full["1.norm.weight"].exp_avg_sq)
+    assert got.globals == TrainingGlobals(6, 48, {"lr": 0.1, "seed": 7})
+    assert verify(storage, 6) == []
+
+    # A truncated shard is named by verify and refused by load.
+    shard = got.manifest.shard_of(1).path
+    path = f"{step_dir(6)}/{shard}"
+    storage.write(path, [storage.read(path)[:-4]])
+    problems = verify(storage, 6)
+    assert len(problems) == 1 and shard in problems[0] and "size" in problems[0]
+    with pytest.raises(CorruptCheckpointError, match=shard):
+        load(storage, [1])
+    assert load(storage, [0, 2]).params.keys() == {"0.embed.weight", "2.head.weight"}
+
+    # Debris of a save that never committed is invisible, then collected.
+    storage.write(f"{step_dir(9)}/layer-00000-x.bin", [b"junk"])
+    assert committed_steps(storage) == [6]
+    assert collect(storage) == [f"{step_dir(9)}/"]
+    assert storage.listdir("") == [step_dir(6)]
