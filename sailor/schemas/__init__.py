@@ -4,6 +4,7 @@ Pure data: no I/O, no torch. Every model is frozen and forbids unknown fields.
 """
 
 from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage
+from sailor.schemas.calibration import Calibration, GPUCalibration
 from sailor.schemas.checkpoint import CheckpointManifest, ShardEntry, TensorEntry
 from sailor.schemas.commands import (
     Abort,
@@ -43,6 +44,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Abort",
     "BandwidthCurve",
+    "Calibration",
     "Checkpoint",
     "CheckpointManifest",
     "Command",
@@ -54,13 +56,14 @@ __all__ = [
     "Event",
     "EventAdapter",
     "Frozen",
+    "GPUCalibration",
     "GPUPrice",
     "GPUSpec",
     "Heartbeat",
+    "Launch",
     "LayerKind",
     "LayerProfile",
     "LayerSize",
-    "Launch",
     "Link",
     "MemoryBreakdown",
     "ModelSpec",

@@ -1,0 +1,184 @@
+"""Derive one GPU type's calibration constants from measured runs of plans.
+
+Each constant comes from the measurement that isolates it, never from a fit of iteration
+times (docs/simulator-model.md, sections 1, 4 and 6):
+
+* ``profiler_overhead_s`` (h): two runs of one single-stage, single-pipeline plan that differ
+  only in the number of microbatches; their time difference per microbatch is the real time
+  of one microbatch. ``h = (Σ_l profiled(f+g) − ΔT/Δm) / layers``; 0 without such a pair.
+* ``sync_fixed_s`` (c): median measured gradient-reduce time of the runs without data
+  parallelism (one pipeline: no network involved); 0 without such runs.
+* ``network_efficiency`` (η): geometric mean, over the runs with data parallelism, of the
+  simulated all-reduce time of the first stage at η = 1 divided by the measured reduce time
+  minus ``c``. Readings where the reduce time exceeds half the iteration are dropped (they
+  include waiting for a straggling replica, not communication).
+* ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage runs
+  with the smallest and largest activation footprint; 1 without two such runs.
+* ``memory_overhead_bytes`` (M0): median of measured − modelled peak memory over all runs.
+
+Pure: measurements come in as values; nothing is read from disk here.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sailor.schemas import (
+    Calibration,
+    GPUCalibration,
+    GPUSpec,
+    ModelSpec,
+    NetworkProfile,
+    Plan,
+    PriceTable,
+    ProfileDB,
+)
+from sailor.simulator.lookup import layer_table
+from sailor.simulator.simulate import simulate
+
+__all__ = ["MeasuredRun", "calibrate_gpu"]
+
+_STRAGGLER_FRACTION = 0.5
+"""A reduce time above this fraction of the iteration is waiting, not communication."""
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured iteration of a plan."""
+
+    name: str
+    plan: Plan
+    iteration_time_s: float
+    peak_memory_bytes: int
+    grad_reduce_s: float | None = None
+
+
+def _gpu_of(plan: Plan) -> str:
+    types = {s.replica.gpu_type for p in plan.pipelines for s in p.stages}
+    if len(types) != 1:
+        raise ValueError(f"plan {plan.plan_id}: calibration needs one GPU type, got {types}")
+    return types.pop()
+
+
+def _single_stage(plan: Plan) -> bool:
+    return all(p.depth == 1 for p in plan.pipelines)
+
+
+def _hook(
+    runs: Sequence[MeasuredRun], model: ModelSpec, profiles: ProfileDB, gpu: str
+) -> tuple[float, str]:
+    singles = [r for r in runs if len(r.plan.pipelines) == 1 and _single_stage(r.plan)]
+    best: tuple[MeasuredRun, MeasuredRun] | None = None
+    for i, a in enumerate(singles):
+        for b in singles[i + 1 :]:
+            pa, pb = a.plan.pipelines[0], b.plan.pipelines[0]
+            same = pa.stages == pb.stages and pa.microbatch_size == pb.microbatch_size
+            if not same or pa.num_microbatches == pb.num_microbatches:
+                continue
+            gap = abs(pa.num_microbatches - pb.num_microbatches)
+            if best is None or gap > abs(
+                best[0].plan.pipelines[0].num_microbatches
+                - best[1].plan.pipelines[0].num_microbatches
+            ):
+                best = (a, b)
+    if best is None:
+        return 0.0, "h: no pair of runs differing only in microbatches; 0"
+    a, b = best
+    pa, pb = a.plan.pipelines[0], b.plan.pipelines[0]
+    per_mb = (b.iteration_time_s - a.iteration_time_s) / (pb.num_microbatches - pa.num_microbatches)
+    r = pa.stages[0].replica
+    table = layer_table(
+        profiles, model, GPUCalibration(gpu_type=gpu), {}, gpu, r.tp, pa.microbatch_size
+    )
+    prof = sum(c.fwd_s + c.bwd_s for c in table.layers)
+    h = max(0.0, (prof - per_mb) / len(table.layers))
+    return h, (
+        f"h={h * 1e3:.3f} ms/layer from {a.name} vs {b.name}: {per_mb * 1e3:.1f} ms per "
+        f"microbatch measured, {prof * 1e3:.1f} ms profiled"
+    )
+
+
+def calibrate_gpu(
+    runs: Sequence[MeasuredRun],
+    model: ModelSpec,
+    profiles: ProfileDB,
+    network: NetworkProfile,
+    prices: PriceTable,
+    *,
+    gpu_specs: Mapping[str, GPUSpec] | None = None,
+    base: Calibration | None = None,
+) -> GPUCalibration:
+    """Constants of the one GPU type the ``runs`` used (see the module docstring)."""
+    if not runs:
+        raise ValueError("runs=[]: calibration needs at least one measured run")
+    gpu = _gpu_of(runs[0].plan)
+    for r in runs:
+        if _gpu_of(r.plan) != gpu:
+            raise ValueError(f"run {r.name}: GPU type differs from {gpu}")
+    base = base or Calibration()
+    specs = gpu_specs or {}
+    why: list[str] = []
+
+    h, note = _hook(runs, model, profiles, gpu)
+    why.append(note)
+
+    dp1 = [r.grad_reduce_s for r in runs if len(r.plan.pipelines) == 1 and r.grad_reduce_s]
+    c = statistics.median(dp1) if dp1 else 0.0
+    why.append(f"c={c * 1e3:.1f} ms: median reduce time of {len(dp1)} runs without DP")
+
+    def sim(cal: GPUCalibration, run: MeasuredRun) -> tuple[float, int]:
+        """(simulated all-reduce time of the first stage, simulated peak memory)."""
+        est = simulate(
+            run.plan,
+            model,
+            profiles,
+            network,
+            prices,
+            calibration=base.with_gpu(cal),
+            gpu_specs=specs,
+        )
+        first = next(s for s in est.stages if s.pipeline == 0 and s.stage == 0)
+        return first.grad_sync_s, est.peak_memory_bytes
+
+    step = GPUCalibration(gpu_type=gpu, profiler_overhead_s=h, sync_fixed_s=c)
+    logs: list[float] = []
+    for r in runs:
+        if len(r.plan.pipelines) < 2 or r.grad_reduce_s is None:
+            continue
+        if r.grad_reduce_s > _STRAGGLER_FRACTION * r.iteration_time_s:
+            continue
+        ar, _ = sim(step, r)
+        if ar > 0:
+            logs.append(math.log(ar / max(r.grad_reduce_s - c, 1e-4)))
+    eta = min(1.0, math.exp(statistics.mean(logs))) if logs else 1.0
+    why.append(f"eta={eta:.3f}: geometric mean over {len(logs)} DP runs' reduce times")
+
+    step = step.model_copy(update={"network_efficiency": eta, "memory_overhead_bytes": 0})
+    kappa = 1.0
+    singles = [r for r in runs if _single_stage(r.plan)]
+    if len(singles) >= 2:
+        acts = []
+        for r in singles:
+            est = simulate(
+                r.plan,
+                model,
+                profiles,
+                network,
+                prices,
+                calibration=base.with_gpu(step),
+                gpu_specs=specs,
+            )
+            acts.append((max(m.activations for m in est.memory), r))
+        acts.sort(key=lambda x: x[0])
+        (a0, r0), (a1, r1) = acts[0], acts[-1]
+        if a1 > a0:
+            kappa = max(1.0, (r1.peak_memory_bytes - r0.peak_memory_bytes) / (a1 - a0))
+            why.append(f"kappa={kappa:.3f} from {r0.name} and {r1.name}")
+    step = step.model_copy(update={"alloc_factor": kappa})
+    resid = [r.peak_memory_bytes - sim(step, r)[1] for r in runs]
+    m0 = max(0, int(statistics.median(resid)))
+    why.append(f"M0={m0 / 2**30:.2f} GiB: median residual of {len(runs)} runs")
+    return step.model_copy(update={"memory_overhead_bytes": m0, "source": "; ".join(why)})

@@ -1,0 +1,247 @@
+"""Profile lookup: per-layer time and size for (GPU type, TP degree, microbatch size).
+
+Rules, in order (docs/simulator-model.md, section 1):
+
+1. A measured or imported entry at exactly (GPU type, TP, mbs) wins.
+2. A missing microbatch size at a profiled TP degree is **interpolated linearly in mbs**
+   between its profiled neighbours; above the largest profiled size it is **scaled linearly**
+   from the largest (``t(b) = t(b_max)·b/b_max``: large microbatches are throughput-bound);
+   below the smallest it takes the smallest's time (small microbatches are latency-bound).
+3. A missing TP degree of a profiled GPU type is the analytic estimate at that TP, scaled per
+   layer by profile/estimate at the nearest profiled TP (needs the GPU's spec).
+4. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`).
+   Without a spec for it, :class:`ProfileLookupError` is raised.
+
+Then two corrections of known profile defects: the profiler's per-layer hook cost is removed
+while a layer is latency-bound (``Calibration.profiler_overhead_s``), and an embedding
+backward recorded below its forward is raised to the forward (a scatter-add moves the same
+bytes as the gather). A profile whose ``update_s`` is one value for every layer is read as the
+optimizer step of the profiling model (embedding + 2 blocks + head) and spread over layers by
+parameter count.
+
+Pure: no I/O, no globals; results are plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
+from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
+
+__all__ = [
+    "PROFILING_MODEL_BLOCKS",
+    "LayerCost",
+    "ProfileLookupError",
+    "StageCosts",
+    "layer_sizes",
+    "layer_table",
+]
+
+PROFILING_MODEL_BLOCKS = 2
+"""The original artifact timed the optimizer step of a model with the embedding, two blocks
+and the head, and wrote that one figure on every layer."""
+
+
+class ProfileLookupError(KeyError):
+    """No profile and no spec sheet for a GPU type: nothing to simulate with. Not retryable."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Time of one layer for one microbatch, after lookup and corrections."""
+
+    fwd_s: float
+    bwd_s: float
+    update_s: float
+    estimated: bool
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-layer costs of every layer of the model for one (GPU type, TP, mbs)."""
+
+    layers: tuple[LayerCost, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def estimated(self) -> bool:
+        return any(c.estimated for c in self.layers)
+
+
+def layer_sizes(
+    profiles: ProfileDB, model: ModelSpec, tp: int
+) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
+    """Sizes of every layer at ``tp``: profiled where present, estimated otherwise."""
+    out: list[LayerSize] = []
+    missing = 0
+    for layer in range(model.num_all_layers):
+        s = profiles.size(tp, layer)
+        if s is None:
+            s = estimate_layer_size(model, tp, layer)
+            missing += 1
+        out.append(s)
+    notes = (
+        (f"layer sizes at tp={tp}: {missing} layer(s) estimated analytically",) if missing else ()
+    )
+    return tuple(out), notes
+
+
+def _raw(
+    profiles: ProfileDB, gpu_type: str, tp: int, mbs: int, n_layers: int, grid: list[int]
+) -> tuple[list[tuple[float, float, float]], str]:
+    """Profiled (fwd, bwd, update) per layer at a profiled TP, interpolated in mbs."""
+
+    def at(b: int) -> list[tuple[float, float, float]]:
+        rows: list[tuple[float, float, float]] = []
+        for layer in range(n_layers):
+            t = profiles.timing(gpu_type, tp, b, layer)
+            if t is None:
+                raise ProfileLookupError(
+                    f"profile of {gpu_type} tp={tp} mbs={b} has no layer {layer}"
+                )
+            rows.append((t.fwd_s, t.bwd_s, t.update_s))
+        return rows
+
+    if mbs in grid:
+        return at(mbs), ""
+    lower = [b for b in grid if b < mbs]
+    upper = [b for b in grid if b > mbs]
+    if lower and upper:
+        b0, b1 = lower[-1], upper[0]
+        w = (mbs - b0) / (b1 - b0)
+        r0, r1 = at(b0), at(b1)
+        rows = [
+            tuple((1 - w) * x0 + w * x1 for x0, x1 in zip(a, c, strict=True))
+            for a, c in zip(r0, r1, strict=True)
+        ]
+        return [(r[0], r[1], r[2]) for r in rows], f"interpolated between mbs {b0} and {b1}"
+    if lower:
+        bmax = lower[-1]
+        k = mbs / bmax
+        return [(f * k, g * k, u) for f, g, u in at(bmax)], f"scaled linearly from mbs {bmax}"
+    bmin = upper[0]
+    return at(bmin), f"taken from the smallest profiled mbs {bmin}"
+
+
+def _hook_corrected(
+    rows: list[tuple[float, float, float]],
+    big: list[tuple[float, float, float]],
+    mbs: int,
+    bmax: int,
+    hook_s: float,
+) -> list[tuple[float, float, float]]:
+    """Remove the profiler's per-layer hook cost where the layer is latency-bound.
+
+    While a layer is GPU-bound the hook's CPU work overlaps the GPU; while it is CPU-bound
+    (launch latency) the hook adds to it. In training the CPU runs ahead, so a layer cannot
+    be faster than its GPU-bound time, estimated as mbs x the per-sample time at the
+    largest profiled microbatch.
+    """
+    out: list[tuple[float, float, float]] = []
+    for (f, g, u), (fb, gb, _) in zip(rows, big, strict=True):
+        tot = f + g
+        if tot <= 0:
+            out.append((f, g, u))
+            continue
+        floor = (fb + gb) * mbs / bmax
+        new = max(tot - hook_s, min(floor, tot), 0.0)
+        out.append((f * new / tot, g * new / tot, u))
+    return out
+
+
+def _spread_update(
+    rows: list[tuple[float, float, float]], sizes: tuple[LayerSize, ...]
+) -> tuple[list[tuple[float, float, float]], bool]:
+    ups = {u for _, _, u in rows}
+    params = [s.params for s in sizes]
+    if len(rows) < 3 or len(ups) != 1 or len(set(params)) == 1:
+        return rows, False
+    u = ups.pop()
+    p_prof = params[0] + params[-1] + PROFILING_MODEL_BLOCKS * params[1]
+    if p_prof <= 0:
+        return rows, False
+    return [(f, g, u * p / p_prof) for (f, g, _), p in zip(rows, params, strict=True)], True
+
+
+def _real_grid(profiles: ProfileDB, gpu_type: str) -> dict[int, list[int]]:
+    """TP -> microbatch sizes with a measured or imported (not estimated) entry."""
+    out: dict[int, list[int]] = {}
+    for tp, sizes in profiles.grid(gpu_type).items():
+        real = []
+        for b in sizes:
+            t = profiles.timing(gpu_type, tp, b, 0)
+            if t is not None and t.source != "estimated":
+                real.append(b)
+        if real:
+            out[tp] = real
+    return out
+
+
+def layer_table(
+    profiles: ProfileDB,
+    model: ModelSpec,
+    cal: GPUCalibration,
+    gpu_specs: Mapping[str, GPUSpec],
+    gpu_type: str,
+    tp: int,
+    mbs: int,
+) -> StageCosts:
+    """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``."""
+    n = model.num_all_layers
+    sizes, notes_l = layer_sizes(profiles, model, tp)
+    notes = list(notes_l)
+    grid = _real_grid(profiles, gpu_type)
+    spec = gpu_specs.get(gpu_type)
+    tag = f"{gpu_type} tp={tp} mbs={mbs}"
+
+    def estimate(t: int) -> list[LayerProfile]:
+        if spec is None:
+            raise ProfileLookupError(
+                f"gpu_type={gpu_type!r}: no profile at tp={tp} and no GPU spec to estimate one"
+            )
+        return [estimate_layer_timing(model, spec, t, mbs, layer) for layer in range(n)]
+
+    if tp in grid:
+        rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
+        if how:
+            notes.append(f"{tag}: {how}")
+        if cal.profiler_overhead_s > 0:
+            bmax = grid[tp][-1]
+            big, _ = _raw(profiles, gpu_type, tp, bmax, n, grid[tp])
+            rows = _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
+        rows, spread = _spread_update(rows, sizes)
+        if spread:
+            notes.append(
+                f"{gpu_type} tp={tp}: update_s is one value for every layer; read as the "
+                f"step of the profiling model (embedding + {PROFILING_MODEL_BLOCKS} blocks + "
+                "head) and spread by parameter count"
+            )
+        estimated = False
+    elif grid:
+        near = min(grid, key=lambda t: (abs(t - tp), t))
+        base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
+        base, _ = _spread_update(base, layer_sizes(profiles, model, near)[0])
+        est_tp, est_near = estimate(tp), estimate(near)
+        rows = []
+        for (f, g, u), a, b in zip(base, est_tp, est_near, strict=True):
+            rf = a.fwd_s / b.fwd_s if b.fwd_s > 0 else 1.0
+            rg = a.bwd_s / b.bwd_s if b.bwd_s > 0 else 1.0
+            ru = a.update_s / b.update_s if b.update_s > 0 else 1.0
+            rows.append((f * rf, g * rg, u * ru))
+        notes.append(
+            f"{tag}: TP degree not profiled; profile at tp={near} scaled by the analytic "
+            "estimate's ratio"
+        )
+        estimated = True
+    else:
+        rows = [(e.fwd_s, e.bwd_s, e.update_s) for e in estimate(tp)]
+        notes.append(f"{tag}: no profile for this GPU type; analytic roofline estimate")
+        estimated = True
+    out: list[LayerCost] = []
+    for layer, (f, g, u) in enumerate(rows):
+        if layer == 0 and g < f:
+            g = f
+        out.append(LayerCost(fwd_s=f, bwd_s=g, update_s=u, estimated=estimated))
+    return StageCosts(layers=tuple(out), notes=tuple(notes))

@@ -1,0 +1,142 @@
+"""Network costs: pipeline point-to-point transfers and ring all-reduce over the slowest link.
+
+Link curves come from the network profile, keyed by (zone, GPU type, GPUs per node) at both
+ends. When a link is missing the fallbacks are, in order, and each is recorded in the notes:
+
+1. the profile's own fallback (same zone pair, any VM shape or GPU type: the slowest curve);
+2. for two endpoints in one zone: the curve of the sender's GPU type inside its zone;
+3. :data:`FALLBACK_INTER_GBPS`, a flat conservative curve.
+
+Intra-node transfers use the profile's intra-node curve of the GPU type, else the spec
+sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
+
+Every bandwidth is derated by the network efficiency η of the calibration. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
+
+__all__ = [
+    "BUCKET_ELEMENTS",
+    "FALLBACK_INTER_GBPS",
+    "FALLBACK_INTRA_GBPS",
+    "AllReduce",
+    "inter_curve",
+    "intra_curve",
+    "ring_allreduce",
+]
+
+FALLBACK_INTER_GBPS = 0.5
+"""Flat 0.5 GB/s (4 Gbit/s) for an unknown inter-node link: below the slowest link the
+reference probes measured (us-central1 ↔ us-west1, 0.6-1.1 GB/s at its peak), so a missing
+link never makes a plan look faster than a measured one."""
+
+FALLBACK_INTRA_GBPS = 10.0
+"""Flat 10 GB/s inside a node without a curve or spec: a PCIe 3.0 x16 link (~12 GB/s)."""
+
+BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size`` (5e8, counted in elements, not bytes): gradients
+are all-reduced in buckets of this many elements, one after the other."""
+
+
+def _flat(gbps: float) -> BandwidthCurve:
+    return BandwidthCurve(coeffs=(0.0, 0.0, gbps), max_gbps=gbps)
+
+
+def inter_curve(
+    network: NetworkProfile, a: ReplicaGroup, b: ReplicaGroup
+) -> tuple[BandwidthCurve, str]:
+    """Curve between the nodes of two replica groups, and a note if a fallback was used."""
+    src = Endpoint(zone=a.zone, gpu_type=a.gpu_type, gpus_per_node=a.gpus_per_node)
+    dst = Endpoint(zone=b.zone, gpu_type=b.gpu_type, gpus_per_node=b.gpus_per_node)
+    exact = network._index().get((src, dst))
+    if exact is not None:
+        return exact, ""
+    curve = network.inter(src, dst)
+    if curve is not None:
+        return curve, (
+            f"link {a.gpu_type}x{a.gpus_per_node}@{a.zone} -> {b.gpu_type}x{b.gpus_per_node}"
+            f"@{b.zone} not profiled: slowest known curve between these zones"
+        )
+    if a.zone == b.zone:
+        for ln in network.links:
+            if ln.src.zone == a.zone == ln.dst.zone and ln.src.gpu_type == a.gpu_type:
+                return ln.curve, (
+                    f"no link profiled in {a.zone} for {b.gpu_type}: "
+                    f"intra-zone curve of {a.gpu_type}"
+                )
+    return _flat(FALLBACK_INTER_GBPS), (
+        f"no link {a.zone} -> {b.zone} in the network profile: "
+        f"conservative flat {FALLBACK_INTER_GBPS} GB/s"
+    )
+
+
+def intra_curve(
+    network: NetworkProfile, gpu_type: str, gpus: int, specs: Mapping[str, GPUSpec]
+) -> tuple[BandwidthCurve, str]:
+    """Curve between ``gpus`` GPUs of one node of ``gpu_type``."""
+    curve = network.intra(gpu_type, gpus)
+    if curve is not None:
+        return curve, ""
+    spec = specs.get(gpu_type)
+    if spec is not None:
+        return _flat(spec.intra_node_link_gbps), (
+            f"no intra-node curve for {gpu_type}: spec-sheet {spec.intra_node_link} "
+            f"{spec.intra_node_link_gbps} GB/s"
+        )
+    return _flat(FALLBACK_INTRA_GBPS), (
+        f"no intra-node curve or spec for {gpu_type}: flat {FALLBACK_INTRA_GBPS} GB/s"
+    )
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """A ring all-reduce: its time, and the bytes each zone pair carries."""
+
+    time_s: float
+    cross_zone_bytes: tuple[tuple[str, str, float], ...]
+    notes: tuple[str, ...]
+
+
+def ring_allreduce(
+    network: NetworkProfile,
+    groups: Sequence[ReplicaGroup],
+    node_bytes: float,
+    elements_per_gpu: float,
+    efficiency: float,
+) -> AllReduce:
+    """Ring all-reduce of ``node_bytes`` per node among the nodes of ``groups``.
+
+    Each TP rank of a node runs its own ring; the rings of a node run at once and share its
+    NICs, so one step moves ``node_bytes / n`` per node over the node-level curve. A step
+    lasts as long as the slowest link of the ring; a ring has ``2(n-1)`` steps. The ring
+    visits the zones in order, so it crosses each zone boundary once. Gradients go in
+    buckets of :data:`BUCKET_ELEMENTS` elements, one after the other.
+    """
+    n = len(groups)
+    if n <= 1 or node_bytes <= 0:
+        return AllReduce(0.0, (), ())
+    ring = sorted(groups, key=lambda g: g.zone)
+    buckets = max(1, math.ceil(elements_per_gpu / BUCKET_ELEMENTS))
+    chunk = node_bytes / buckets / n
+    notes: list[str] = []
+    step = 0.0
+    crossings: list[tuple[str, str, float]] = []
+    for i, a in enumerate(ring):
+        b = ring[(i + 1) % n]
+        curve, note = inter_curve(network, a, b)
+        if note:
+            notes.append(note)
+        step = max(step, curve.transfer_time(chunk) / efficiency)
+        if a.zone != b.zone:
+            crossings.append((a.zone, b.zone, 2.0 * (n - 1) * chunk * buckets))
+    return AllReduce(
+        time_s=2.0 * (n - 1) * step * buckets,
+        cross_zone_bytes=tuple(crossings),
+        notes=tuple(notes),
+    )
