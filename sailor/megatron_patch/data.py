@@ -1,0 +1,65 @@
+"""Deterministic data: a seeded synthetic token data set and which samples go where.
+
+The data position is one global counter, ``consumed_samples``: iteration ``k`` of a run that
+started at position ``c0`` reads samples ``c0 + k*B .. c0 + (k+1)*B - 1`` (``B`` the global
+batch). Inside a global batch, sample ``i`` belongs to exactly one pipeline (the plan's
+pipelines take consecutive ranges, in plan order; see ``roles.pipeline_sample_offsets``)
+and within it to microbatch ``(i - offset) // microbatch_size``. Because sample ``n`` of the
+data set is a pure function of ``(seed, n)``, any layout, after any re-layout, reads the same
+tokens for the same position, and the single-process reference reads them too.
+
+Each sample is ``seq_length + 1`` tokens: inputs are the first ``seq_length``, labels the last.
+The tokens follow a simple seeded rule with noise (a random affine recurrence mod vocab)
+so that the loss actually falls during a short run, which makes the tests meaningful.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sailor.megatron_patch.roles import RankRole
+
+__all__ = ["SyntheticTokens", "microbatch_indices"]
+
+
+@dataclass(frozen=True)
+class SyntheticTokens:
+    """Sample ``n`` is a pure function of ``(seed, n)``."""
+
+    vocab_size: int
+    seq_length: int
+    seed: int = 0
+
+    def sample(self, n: int) -> torch.Tensor:
+        """Token ids of sample ``n``, shape ``[seq_length + 1]``, int64."""
+        if n < 0:
+            raise ValueError(f"sample index n={n} must be >= 0")
+        g = torch.Generator().manual_seed((self.seed * 6_364_136_223 + n) % (2**63))
+        v = self.vocab_size
+        mult = int(torch.randint(1, v, (1,), generator=g))
+        cur = int(torch.randint(0, v, (1,), generator=g))
+        noise = torch.rand(self.seq_length + 1, generator=g) < 0.1
+        rand_tok = torch.randint(0, v, (self.seq_length + 1,), generator=g)
+        out = torch.empty(self.seq_length + 1, dtype=torch.long)
+        for i in range(self.seq_length + 1):
+            out[i] = int(rand_tok[i]) if bool(noise[i]) else cur
+            cur = (cur * mult + 1) % v
+        return out
+
+    def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, labels)`` of shape ``[len(indices), seq_length]`` for these samples."""
+        toks = torch.stack([self.sample(n) for n in indices])
+        return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+
+
+def microbatch_indices(role: RankRole, consumed_samples: int, microbatch: int) -> range:
+    """Data-set indices of microbatch ``microbatch`` of this rank's pipeline.
+
+    ``consumed_samples`` is the global data position at the start of the iteration.
+    """
+    if not 0 <= microbatch < role.num_microbatches:
+        raise ValueError(f"microbatch={microbatch}: outside 0..{role.num_microbatches - 1}")
+    first = consumed_samples + role.sample_offset + microbatch * role.microbatch_size
+    return range(first, first + role.microbatch_size)

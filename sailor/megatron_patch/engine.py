@@ -1,0 +1,200 @@
+"""The training loop of one rank: 1F1B over its pipeline's microbatches, weighted gradient
+sync, AdamW, and the iteration-boundary hook.
+
+One iteration on every rank:
+
+1. zero gradients;
+2. 1F1B over this pipeline's microbatches (``schedule``), each microbatch's mean loss scaled
+   by ``microbatch_size / global_batch_size``;
+3. gradient sync per layer segment (``grad_sync``), a plain SUM that thereby weights each
+   pipeline by the samples it processed;
+4. AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
+   full step);
+5. one all-reduce of the loss over the world (also the end-of-iteration barrier);
+6. ``step += 1``, ``consumed_samples += global_batch_size``; the hook runs.
+
+Interfaces others use (keep stable):
+
+- ``Trainer.step`` and ``Trainer.consumed_samples``: the global iteration and data
+  position (they survive re-layouts through the checkpoint).
+- ``IterationHook``: ``hook(trainer) -> bool``, called at every iteration boundary (before the
+  first iteration and after each one) on every rank; returning True stops the run at that
+  boundary (stop-at-step, checkpoint-then-stop). The hook may call
+  ``state.stage_state(trainer.stage)`` and ``state.optimizer_state(trainer.stage,
+  trainer.optimizer)`` to checkpoint.
+
+Precision: fp32 on CPU; on GPU bf16 autocast with fp32 master weights and fp32 optimizer
+state (``precision`` of the ModelSpec other than fp32 selects it; fp16 is run as bf16,
+which needs no loss scaling).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from sailor.megatron_patch.data import SyntheticTokens, microbatch_indices
+from sailor.megatron_patch.grad_sync import sync_gradients
+from sailor.megatron_patch.groups import ProcessGroups
+from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.roles import RankRole
+from sailor.megatron_patch.schedule import P2P, run_1f1b
+from sailor.schemas._base import Frozen
+from sailor.schemas.model import ModelSpec
+from sailor.schemas.plan import Plan
+
+__all__ = ["IterationHook", "StepResult", "TrainConfig", "Trainer", "make_optimizer"]
+
+
+class TrainConfig(Frozen):
+    """Optimizer and data settings shared by every rank of a run (and the reference)."""
+
+    seed: int = Field(default=0, ge=0, description="Seed of init and data.")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
+    beta1: float = Field(default=0.9, gt=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(default=0.95, gt=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+
+
+def make_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW as every rank and the reference build it (non-foreach: bitwise per element)."""
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Figures of one iteration as seen by one rank."""
+
+    step: int
+    consumed_samples: int
+    loss: float
+    step_s: float
+    compute_s: float
+    sync_s: float
+    optim_s: float
+    samples: int
+    """Samples of this iteration (the global batch)."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_s if self.step_s > 0 else 0.0
+
+
+IterationHook = Callable[["Trainer"], bool]
+"""Called at every iteration boundary; return True to stop there."""
+
+
+class Trainer:
+    """One rank's training state and loop. Build it after ``dist.init_process_group``."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        spec: ModelSpec,
+        role: RankRole,
+        groups: ProcessGroups,
+        cfg: TrainConfig,
+        device: torch.device,
+        step: int = 0,
+        consumed_samples: int = 0,
+    ) -> None:
+        if spec.num_all_layers != plan.num_layers:
+            raise ValueError(
+                f"plan covers {plan.num_layers} layers, model {spec.name!r} has "
+                f"{spec.num_all_layers} (embedding + {spec.num_layers} blocks + head)"
+            )
+        self.plan, self.spec, self.role, self.groups, self.cfg = plan, spec, role, groups, cfg
+        self.device = device
+        self.step = step
+        self.consumed_samples = consumed_samples
+        self.stage = GPTStage(
+            spec,
+            role.first_layer,
+            role.last_layer,
+            tp=groups.tp,
+            recompute=role.recompute,
+            seed=cfg.seed,
+        ).to(device)
+        self.optimizer = make_optimizer(self.stage.parameters(), cfg)
+        self.data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+        self.p2p = P2P(role, (role.microbatch_size, spec.seq_length, spec.hidden_size), device)
+        self.loss_scale = role.microbatch_size / plan.global_batch_size
+        self._bf16 = device.type == "cuda" and spec.precision != "fp32"
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data.batch(microbatch_indices(self.role, self.consumed_samples, mb))
+        return x.to(self.device), y.to(self.device)
+
+    def train_step(self) -> StepResult:
+        """Run one iteration (collective over all ranks)."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        local_loss = run_1f1b(
+            self.stage,
+            self.role,
+            self.p2p,
+            self._microbatch,
+            self.loss_scale,
+            self._autocast if self._bf16 else None,
+        )
+        self.p2p.wait_sends()
+        t1 = time.perf_counter()
+        sync_gradients(self.stage, self.groups.sync)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        report = self.role.is_last_stage and self.role.tp_rank == 0
+        loss = torch.tensor(
+            [local_loss if report else 0.0], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(loss)
+        self.step += 1
+        self.consumed_samples += self.plan.global_batch_size
+        t4 = time.perf_counter()
+        return StepResult(
+            step=self.step,
+            consumed_samples=self.consumed_samples,
+            loss=float(loss.item()),
+            step_s=t4 - t0,
+            compute_s=t1 - t0,
+            sync_s=t2 - t1,
+            optim_s=t3 - t2,
+            samples=self.plan.global_batch_size,
+        )
+
+    def run(
+        self,
+        steps: int,
+        hook: IterationHook | None = None,
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> list[StepResult]:
+        """Run up to ``steps`` iterations, calling ``hook`` at every boundary."""
+        out: list[StepResult] = []
+        if hook is not None and hook(self):
+            return out
+        for _ in range(steps):
+            res = self.train_step()
+            out.append(res)
+            if on_step is not None:
+                on_step(res)
+            if hook is not None and hook(self):
+                break
+        return out

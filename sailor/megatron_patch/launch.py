@@ -1,0 +1,131 @@
+"""Run every rank of a plan as local worker processes (tests, benchmarks, single-node use).
+
+Starts ``python -m sailor.megatron_patch.worker`` once per rank on this machine with a free
+loopback port as the rendezvous, waits for all of them (bounded by ``deadline_s``: a rank
+still alive then is killed and reported), and collects each rank's progress lines, error
+file and exit status. It is what the agent does on many nodes, reduced to one.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor.schemas.plan import Plan
+
+__all__ = ["LocalRun", "free_port", "launch_local"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class LocalRun:
+    """What the local ranks did."""
+
+    returncodes: list[int | None] = field(default_factory=list)
+    progress: list[list[dict[str, Any]]] = field(default_factory=list)
+    errors: list[dict[str, Any] | None] = field(default_factory=list)
+    exit_times_s: list[float] = field(default_factory=list)
+    """Seconds from launch to each rank's exit."""
+    stderr: list[str] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+    """Ranks still running at the deadline (killed)."""
+
+    def steps(self, rank: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.progress[rank] if e.get("event") == "step"]
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch_local(
+    plan: Plan,
+    steps: int,
+    workdir: Path,
+    model: str | None = None,
+    extra_args: list[str] | None = None,
+    per_rank_args: dict[int, list[str]] | None = None,
+    deadline_s: float = 300.0,
+    timeout_s: float = 60.0,
+) -> LocalRun:
+    """Run all ranks of ``plan`` locally for ``steps`` iterations and collect their reports."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_path = workdir / "plan.json"
+    plan_path.write_text(plan.model_dump_json())
+    world = len(plan.ranks())
+    master = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen[bytes]] = []
+    t0 = time.monotonic()
+    for r in range(world):
+        cmd = [
+            sys.executable,
+            "-m",
+            "sailor.megatron_patch.worker",
+            "--plan",
+            str(plan_path),
+            "--rank",
+            str(r),
+            "--world-size",
+            str(world),
+            "--master",
+            master,
+            "--steps",
+            str(steps),
+            "--timeout-s",
+            str(timeout_s),
+            "--progress",
+            str(workdir / "progress-{rank}.jsonl"),
+            "--error-file",
+            str(workdir / "error-{rank}.json"),
+            "--dump-state",
+            str(workdir / "state-{rank}.pt"),
+        ]
+        if model:
+            cmd += ["--model", model]
+        cmd += extra_args or []
+        cmd += (per_rank_args or {}).get(r, [])
+        err = (workdir / f"stderr-{r}.txt").open("wb")
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=str(workdir))
+        )
+        err.close()
+    run = LocalRun(returncodes=[None] * world, exit_times_s=[float("nan")] * world)
+    while any(rc is None for rc in run.returncodes):
+        for r, p in enumerate(procs):
+            if run.returncodes[r] is None and p.poll() is not None:
+                run.returncodes[r] = p.returncode
+                run.exit_times_s[r] = time.monotonic() - t0
+        if time.monotonic() - t0 > deadline_s:
+            for r, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                    run.killed.append(r)
+                    run.returncodes[r] = p.returncode
+            break
+        time.sleep(0.05)
+    for r in range(world):
+        run.progress.append(_read_jsonl(workdir / f"progress-{r}.jsonl"))
+        ef = workdir / f"error-{r}.json"
+        run.errors.append(json.loads(ef.read_text()) if ef.exists() else None)
+        run.stderr.append((workdir / f"stderr-{r}.txt").read_text(errors="replace"))
+    return run

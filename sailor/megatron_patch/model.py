@@ -1,0 +1,315 @@
+"""GPT-style decoder built from a ``ModelSpec``, one pipeline stage at a time.
+
+A :class:`GPTStage` builds only the global layers it owns (0 = embedding, 1..L = blocks,
+L+1 = final norm + LM head + loss) in an ``nn.ModuleDict`` keyed by the global layer index,
+so its parameters are named ``"{global_layer}.{param_name}"`` (e.g. ``"3.attn_q.weight"``,
+``"0.wte.weight"``, ``"7.lm_head.weight"``) whatever the layout. That name, plus each
+parameter's TP dimension (:func:`~sailor.megatron_patch.tp_layers.tp_dim_of`), is the
+interface the checkpoint code and the gradient sync rely on.
+
+Covered: learned or rotary positions, LayerNorm or RMSNorm, GELU/ReLU MLP or SwiGLU,
+multi-head or grouped-query attention, tied or untied embeddings. Blocks are
+tensor-parallel (q, k, v, MLP-in column-parallel; attention-out, MLP-out row-parallel);
+embedding, norms and LM head are replicated on the TP ranks of a stage (simple and exact;
+on big vocabularies a vocab-parallel head would save memory, not done here).
+
+Tied embeddings: the head keeps its own copy of the embedding matrix, initialised equal and
+kept equal by summing both gradients (``sync_groups``: the tied group), as Megatron does.
+
+Initialisation is layout-independent: every full parameter is drawn from a generator seeded
+by (seed, parameter name) and then sliced to this rank's shard, so every layout, and the
+single-process reference, starts from bitwise the same model.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.checkpoint import checkpoint
+
+from sailor.megatron_patch.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    copy_to_tp,
+    set_tp_dim,
+    tp_dim_of,
+)
+from sailor.schemas.model import ModelSpec
+
+__all__ = ["TINY_MODELS", "GPTStage", "full_init", "shard", "tiny_model"]
+
+_INIT_STD = 0.02
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.hidden_size, eps=1e-5)
+    return nn.LayerNorm(spec.hidden_size, eps=1e-5)
+
+
+def _rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding on ``x`` of shape [batch, heads, seq, head_dim]."""
+    _, _, s, d = x.shape
+    half = d // 2
+    freqs = 1.0 / theta ** (torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    ang = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * freqs[None, :]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([rot, x[..., 2 * half :]], dim=-1)
+
+
+class Embedding(nn.Module):
+    """Global layer 0: token (+ learned position) embedding; replicated on TP ranks."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        set_tp_dim(self.wte.weight, None)
+        self.wpe: nn.Embedding | None = None
+        if spec.position_embedding == "learned":
+            self.wpe = nn.Embedding(spec.seq_length, spec.hidden_size)
+            set_tp_dim(self.wpe.weight, None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))[None]
+        return x
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with Megatron-style tensor parallelism."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+        super().__init__()
+        h, hd = spec.hidden_size, spec.head_dim
+        if spec.num_heads % tp.size or spec.kv_heads % tp.size:
+            raise ValueError(
+                f"TP degree {tp.size} must divide num_heads={spec.num_heads} "
+                f"and kv_heads={spec.kv_heads}"
+            )
+        self.tp = tp
+        self.heads = spec.num_heads // tp.size
+        self.kv_heads = spec.kv_heads // tp.size
+        self.head_dim = hd
+        self.rope = spec.position_embedding == "rope"
+        self.swiglu = spec.activation == "swiglu"
+        self.act = F.relu if spec.activation == "relu" else F.gelu
+        bias = not self.swiglu
+        self.ln1 = _norm(spec)
+        self.attn_q = ColumnParallelLinear(h, spec.num_heads * hd, tp, bias=True)
+        self.attn_k = ColumnParallelLinear(h, spec.kv_heads * hd, tp, bias=True)
+        self.attn_v = ColumnParallelLinear(h, spec.kv_heads * hd, tp, bias=True)
+        self.attn_out = RowParallelLinear(spec.num_heads * hd, h, tp, bias=True)
+        self.ln2 = _norm(spec)
+        self.mlp_in = ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=bias)
+        self.mlp_gate = (
+            ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=False) if self.swiglu else None
+        )
+        self.mlp_out = RowParallelLinear(spec.ffn_hidden_size, h, tp, bias=bias)
+        for p in (*self.ln1.parameters(), *self.ln2.parameters()):
+            set_tp_dim(p, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        a = copy_to_tp(self.ln1(x), self.tp)
+        q = self.attn_q(a).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.attn_k(a).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.attn_v(a).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope:
+            q, k = _rope(q), _rope(k)
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        m = copy_to_tp(self.ln2(x), self.tp)
+        if self.mlp_gate is not None:
+            hid = F.silu(self.mlp_gate(m)) * self.mlp_in(m)
+        else:
+            hid = self.act(self.mlp_in(m))
+        return x + self.mlp_out(hid)
+
+
+class Head(nn.Module):
+    """Global layer L+1: final norm, LM head and mean cross-entropy; replicated on TP ranks."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.norm = _norm(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        for p in self.parameters():
+            set_tp_dim(p, None)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(x).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_layer(spec: ModelSpec, layer: int, tp: TPContext) -> nn.Module:
+    """The module of one global layer (sharded for ``tp``), uninitialised."""
+    kind = spec.layer_kind(layer)
+    if kind == "embedding":
+        return Embedding(spec)
+    if kind == "head":
+        return Head(spec)
+    return Block(spec, tp)
+
+
+class GPTStage(nn.Module):
+    """Global layers ``first..last`` of the model on one TP rank.
+
+    ``forward(x, labels)``: ``x`` is token ids on the stage holding layer 0, else the hidden
+    states from the previous stage; returns the mean loss on the stage holding the head, else
+    the hidden states for the next stage.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        first_layer: int,
+        last_layer: int,
+        tp: TPContext | None = None,
+        recompute: bool = False,
+        seed: int = 0,
+        tie_in_module: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0 <= first_layer <= last_layer < spec.num_all_layers:
+            raise ValueError(
+                f"layers {first_layer}..{last_layer} outside 0..{spec.num_all_layers - 1}"
+            )
+        self.spec = spec
+        self.first_layer, self.last_layer = first_layer, last_layer
+        self.tp = tp or TPContext()
+        self.recompute = recompute
+        self.layers = nn.ModuleDict(
+            {str(i): build_layer(spec, i, self.tp) for i in range(first_layer, last_layer + 1)}
+        )
+        init_stage(self, seed)
+        head_key = str(spec.num_all_layers - 1)
+        if tie_in_module and spec.tie_embeddings and "0" in self.layers and head_key in self.layers:
+            # Single-process reference: one shared matrix, as a plain tied model.
+            head = self.layers[head_key]
+            emb = self.layers["0"]
+            if isinstance(head, Head) and isinstance(emb, Embedding):
+                head.lm_head.weight = emb.wte.weight
+
+    @property
+    def holds_head(self) -> bool:
+        return self.last_layer == self.spec.num_all_layers - 1
+
+    def keyed_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``("{global_layer}.{param_name}", parameter)`` for every parameter (no dedup)."""
+        for key, module in self.layers.items():
+            for name, p in module.named_parameters(remove_duplicate=False):
+                yield f"{key}.{name}", p
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        head_key = str(self.spec.num_all_layers - 1)
+        for key, module in self.layers.items():
+            if key == head_key:
+                if labels is None:
+                    raise ValueError("the stage holding the head needs labels")
+                return module(x, labels)  # type: ignore[no-any-return]
+            if isinstance(module, Block) and self.recompute and torch.is_grad_enabled():
+                x = checkpoint(module, x, use_reentrant=False)  # type: ignore[assignment]
+            else:
+                x = module(x)
+        return x
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def full_init(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name`` ("{layer}.{param}")."""
+    _, pname = name.split(".", 1)
+    if spec.tie_embeddings and pname == "lm_head.weight":
+        name = "0.wte.weight"
+    leaf = pname.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if pname.startswith(("ln", "norm")):
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(_seed_of(seed, name))
+    std = _INIT_STD
+    if pname.startswith(("attn_out", "mlp_out")):
+        std = _INIT_STD / (2 * spec.num_layers) ** 0.5  # GPT-2 residual scaling
+    return torch.randn(shape, generator=g) * std
+
+
+def shard(full: torch.Tensor, tp_dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's contiguous chunk of ``full`` along ``tp_dim`` (all of it if None)."""
+    if tp_dim is None or tp_size == 1:
+        return full
+    return full.chunk(tp_size, dim=tp_dim)[tp_rank]
+
+
+def full_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """Unsharded shape of a local parameter."""
+    dim = tp_dim_of(p)
+    shape = list(p.shape)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def init_stage(stage: GPTStage, seed: int) -> None:
+    """Initialise every parameter of ``stage`` to its shard of the layout-free full init."""
+    for name, p in stage.keyed_parameters():
+        full = full_init(stage.spec, name, full_shape(p, stage.tp.size), seed)
+        p.copy_(shard(full, tp_dim_of(p), stage.tp.size, stage.tp.rank))
+
+
+TINY_MODELS: dict[str, ModelSpec] = {
+    "tiny-gpt": ModelSpec(
+        name="tiny-gpt",
+        num_layers=4,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        seq_length=16,
+        vocab_size=64,
+        global_batch_size=8,
+        precision="fp32",
+    ),
+    "tiny-llama": ModelSpec(
+        name="tiny-llama",
+        num_layers=4,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        seq_length=16,
+        vocab_size=64,
+        activation="swiglu",
+        norm="rmsnorm",
+        position_embedding="rope",
+        tie_embeddings=False,
+        global_batch_size=8,
+        precision="fp32",
+    ),
+}
+"""Tiny CPU configurations of the two architecture families the catalog holds."""
+
+
+def tiny_model(name: str, global_batch_size: int | None = None) -> ModelSpec:
+    """A tiny CPU model by name, optionally with another global batch size."""
+    if name not in TINY_MODELS:
+        raise ValueError(f"model={name!r}: not a tiny model (known: {sorted(TINY_MODELS)})")
+    spec = TINY_MODELS[name]
+    if global_batch_size is not None:
+        spec = spec.model_copy(update={"global_batch_size": global_batch_size})
+    return spec

@@ -1,0 +1,66 @@
+"""Plain single-process training: the ground truth the engine must match step for step.
+
+No process group, no pipeline, no TP: the whole model (tied embeddings really tied, one
+shared matrix) on one device, one forward and backward over the whole global batch per
+iteration, AdamW. It reads the same samples at the same data positions as the engine and
+starts from the same layout-free initialisation, so in fp32 the engine's losses and
+parameters must agree with it to rounding.
+
+Used by the correctness tests and as the baseline of ``benchmarks/engine_throughput.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sailor.megatron_patch.data import SyntheticTokens
+from sailor.megatron_patch.engine import TrainConfig, make_optimizer
+from sailor.megatron_patch.model import GPTStage
+from sailor.schemas.model import ModelSpec
+
+__all__ = ["ReferenceRun", "train_reference"]
+
+
+@dataclass
+class ReferenceRun:
+    """Losses per iteration, final full parameters, and seconds per iteration."""
+
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+
+
+def train_reference(
+    spec: ModelSpec,
+    global_batch_size: int,
+    steps: int,
+    cfg: TrainConfig,
+    consumed_samples: int = 0,
+    microbatch_size: int | None = None,
+) -> ReferenceRun:
+    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory."""
+    model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True)
+    opt = make_optimizer(model.parameters(), cfg)
+    data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    mbs = microbatch_size or global_batch_size
+    run = ReferenceRun()
+    pos = consumed_samples
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        total = 0.0
+        for first in range(0, global_batch_size, mbs):
+            n = min(mbs, global_batch_size - first)
+            x, y = data.batch(range(pos + first, pos + first + n))
+            loss = model(x, y) * (n / global_batch_size)
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        pos += global_batch_size
+        run.losses.append(total)
+        run.step_s.append(time.perf_counter() - t0)
+    run.params = {k: p.detach().clone() for k, p in model.keyed_parameters()}
+    return run

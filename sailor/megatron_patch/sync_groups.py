@@ -1,0 +1,165 @@
+"""Gradient-sync groups of a plan: which ranks all-reduce which slice of which layer.
+
+Pure (no torch). Gradients are synchronized per **layer segment** (``Plan.segments()``: the
+common refinement of every pipeline's partition). For a segment held by replica groups of
+TP degrees ``t_1..t_k`` with ``T = max t_i``, every TP-sharded parameter is cut along its TP
+dimension into ``T`` equal chunks. Chunk ``c`` is all-reduced in a **chunk group** made of
+one rank per holder: the rank of a TP-``t`` replica with ``tp_rank = c // (T // t)``. A rank
+of a TP-``t`` replica therefore sits in ``T // t`` chunk groups of that segment and reduces
+its local shard as ``T // t`` contiguous sub-chunks. (The same scheme as the original
+artifact, which slices gradients along each tensor's TP dimension per group.) The full
+tensor layout must make any contiguous chunk along the TP dim a valid shard; the model
+keeps q, k, v (and swiglu's gate and up) as separate matrices for that reason.
+
+Parameters replicated across TP ranks (norms, row-parallel biases, embeddings, LM head):
+when every holder has the same TP degree they ride along in chunk group ``c = tp_rank``
+(the classic per-stage data-parallel group). With mixed TP they are all-reduced in one
+**replicated group** of all holder ranks, each rank contributing ``grad / tp``: TP ranks hold
+bitwise-identical copies and ``tp`` is a power of two, so the division is exact and the
+sum is the plain sum over replicas.
+
+With tied embeddings, layer 0's ``wte.weight`` and the head's ``lm_head.weight`` are two
+copies kept equal: one **tied group** of every rank holding layer 0 or the head, each
+contributing the sum of the tied gradients it holds divided by its TP degree, and both
+copies take the result. They are left out of their segments' groups.
+
+Weighting by samples is done by the loss scale (each microbatch's mean loss is multiplied
+by ``microbatch_size / global_batch_size``), so every group does a plain SUM.
+
+Every rank computes the same ordered list of groups; all ranks create the process groups
+in that order, and each rank runs its collectives in that order, which rules out deadlock
+between overlapping groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sailor.megatron_patch.roles import rank_of, replica_ranks
+from sailor.schemas.plan import Plan
+
+__all__ = ["SyncGroup", "SyncItem", "SyncKind", "rank_sync_items", "sync_groups"]
+
+SyncKind = Literal["chunk", "replicated", "tied"]
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """One all-reduce group of the plan (the same list on every rank)."""
+
+    index: int
+    kind: SyncKind
+    ranks: tuple[int, ...]
+    first_layer: int
+    last_layer: int
+    chunk: int = 0
+    num_chunks: int = 1
+    uniform_tp: bool = True
+    """All holders of the segment have the same TP degree."""
+
+
+@dataclass(frozen=True)
+class SyncItem:
+    """What one rank contributes to one group for the parameters of one layer range.
+
+    For ``chunk`` groups the rank contributes, of every TP-sharded parameter, sub-chunk
+    ``sub_chunk`` of ``num_sub_chunks`` of its local shard along the parameter's TP dim (and,
+    if ``with_replicated``, its replicated parameters whole). For ``replicated`` groups it
+    contributes its replicated parameters scaled by ``scale``; for ``tied`` groups its tied
+    embedding/head weights summed and scaled by ``scale``.
+    """
+
+    group: SyncGroup
+    sub_chunk: int = 0
+    num_sub_chunks: int = 1
+    with_replicated: bool = False
+    scale: float = 1.0
+
+
+def sync_groups(plan: Plan, tie_embeddings: bool) -> list[SyncGroup]:
+    """Every gradient-sync group of the plan, in the order all ranks create and use them.
+
+    Groups of a single rank are left out (nothing to reduce).
+    """
+    out: list[SyncGroup] = []
+    for seg in plan.segments():
+        if len(seg.holders) < 2:
+            continue
+        tps = [plan.pipelines[p].stages[s].replica.tp for p, s in seg.holders]
+        big = max(tps)
+        uniform = len(set(tps)) == 1
+        for c in range(big):
+            ranks = tuple(
+                rank_of(plan, p, s, c // (big // t))
+                for (p, s), t in zip(seg.holders, tps, strict=True)
+            )
+            out.append(
+                SyncGroup(
+                    index=len(out),
+                    kind="chunk",
+                    ranks=ranks,
+                    first_layer=seg.first_layer,
+                    last_layer=seg.last_layer,
+                    chunk=c,
+                    num_chunks=big,
+                    uniform_tp=uniform,
+                )
+            )
+        if not uniform:
+            ranks = tuple(r for p, s in seg.holders for r in replica_ranks(plan, p, s))
+            out.append(
+                SyncGroup(
+                    index=len(out),
+                    kind="replicated",
+                    ranks=ranks,
+                    first_layer=seg.first_layer,
+                    last_layer=seg.last_layer,
+                    uniform_tp=False,
+                )
+            )
+    if tie_embeddings:
+        head = plan.num_layers - 1
+        ranks_set: set[int] = set()
+        for pi, p in enumerate(plan.pipelines):
+            for si, s in enumerate(p.stages):
+                if s.first_layer == 0 or s.last_layer == head:
+                    ranks_set.update(replica_ranks(plan, pi, si))
+        if len(ranks_set) > 1:
+            out.append(
+                SyncGroup(
+                    index=len(out),
+                    kind="tied",
+                    ranks=tuple(sorted(ranks_set)),
+                    first_layer=0,
+                    last_layer=head,
+                    uniform_tp=False,
+                )
+            )
+    return out
+
+
+def rank_sync_items(plan: Plan, groups: list[SyncGroup], rank: int) -> list[SyncItem]:
+    """The groups ``rank`` takes part in, in group order, with what it contributes."""
+    pi, si, t = plan.ranks()[rank]
+    tp = plan.pipelines[pi].stages[si].replica.tp
+    out: list[SyncItem] = []
+    for g in groups:
+        if rank not in g.ranks:
+            continue
+        if g.kind == "chunk":
+            per = g.num_chunks // tp
+            first = t * per
+            if not first <= g.chunk < first + per:
+                raise ValueError(f"rank {rank} listed in chunk group {g.index} it cannot hold")
+            out.append(
+                SyncItem(
+                    group=g,
+                    sub_chunk=g.chunk - first,
+                    num_sub_chunks=per,
+                    with_replicated=g.uniform_tp,
+                )
+            )
+        else:
+            out.append(SyncItem(group=g, scale=1.0 / tp))
+    return out
