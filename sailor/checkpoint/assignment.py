@@ -66,18 +66,22 @@ def writer_assignment(plan: Plan, layer_bytes: Mapping[int, int] | None = None) 
     """Global layer -> the global rank that writes it.
 
     Greedy longest-processing-time: layers in order of decreasing bytes (``layer_bytes``, or 1
-    each if unknown), each to the holder rank with the fewest bytes so far (ties: lower rank).
+    each if unknown), each to the holder rank with the fewest bytes so far; ties go to the rank
+    holding fewer layers (it has fewer other chances to help), then the lower rank.
     Deterministic, so every rank computes the same answer without talking.
     """
     holders: dict[int, list[int]] = {layer: [] for layer in range(plan.num_layers)}
     for rank, (pi, si, _t) in enumerate(plan.ranks()):
         for layer in plan.pipelines[pi].stages[si].layers:
             holders[layer].append(rank)
+    held = {
+        r: plan.pipelines[pi].stages[si].num_layers for r, (pi, si, _t) in enumerate(plan.ranks())
+    }
     size = {layer: (layer_bytes or {}).get(layer, 1) for layer in holders}
     load = dict.fromkeys(range(len(plan.ranks())), 0)
     out: dict[int, int] = {}
     for layer in sorted(holders, key=lambda x: (-size[x], x)):
-        best = min(holders[layer], key=lambda r: (load[r], r))
+        best = min(holders[layer], key=lambda r: (load[r], held[r], r))
         out[layer] = best
         load[best] += size[layer]
     return dict(sorted(out.items()))

@@ -88,7 +88,7 @@ def collect(
     doomed = decide_gc(scan(storage), keep=keep, now=time.time(), grace_s=grace_s)
     if not dry_run:
         for p in doomed:
-            storage.delete(p.rstrip("/"))
+            _delete(storage, p)
     return doomed
 
 
@@ -100,5 +100,13 @@ def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list
         p for p in decide_gc(listing, keep=keep, now=0.0, grace_s=float("inf")) if p.endswith("/")
     ]
     for p in doomed:
-        storage.delete(p.rstrip("/"))
+        _delete(storage, p)
     return doomed
+
+
+def _delete(storage: Storage, path: str) -> None:
+    if path.endswith("/"):
+        # Un-commit first: a crash halfway through deleting a step must not leave a marker
+        # in front of missing shards.
+        storage.delete(f"{path}{MARKER}")
+    storage.delete(path.rstrip("/"))

@@ -1,0 +1,236 @@
+"""Format, commit, corruption, retention, gc and the ckpt CLI on a local directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sailor.checkpoint import (
+    CorruptCheckpointError,
+    LocalStorage,
+    NoCheckpointError,
+    ParamState,
+    ReshardError,
+    TrainingGlobals,
+    collect,
+    committed_steps,
+    latest_step,
+    load,
+    read_manifest,
+    save_full,
+    tp_slice,
+    verify,
+)
+from sailor.checkpoint.cli import ckpt_app
+from sailor.checkpoint.format import MARKER, step_dir
+from sailor.checkpoint.writer import persist_layers
+
+
+def _state(seed: int = 0, layers: int = 4) -> dict[str, ParamState]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(layers):
+        for name, shape, dim in [("w", (8, 4), 0), ("v", (4, 8), 1), ("b", (4,), None)]:
+            ts = [torch.randn(*shape, generator=g) for _ in range(3)]
+            out[f"{layer}.{name}"] = ParamState(*ts, tp_dim=dim)
+    return out
+
+
+def _save(root: Path, step: int, keep: int | None = None, seed: int = 0) -> None:
+    save_full(
+        LocalStorage(root),
+        _state(seed),
+        TrainingGlobals(step, step * 4, {"lr_step": step, "seeds": [1, 2]}),
+        model="toy",
+        num_layers=4,
+        save_id=f"id{step}",
+        keep=keep,
+    )
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_reshard_to_any_tp(tmp_path: Path, tp: int) -> None:
+    _save(tmp_path, 5)
+    full = _state()
+    for r in range(tp):
+        got = load(LocalStorage(tmp_path), [1, 2], tp_rank=r, tp_size=tp)
+        assert set(got.params) == {f"{x}.{n}" for x in (1, 2) for n in "wvb"}
+        for k, p in got.params.items():
+            for kind in ("weight", "exp_avg", "exp_avg_sq"):
+                want = tp_slice(full[k].tensor(kind), full[k].tp_dim, r, tp)  # type: ignore[arg-type]
+                assert torch.equal(p.tensor(kind), want), (k, kind)  # type: ignore[arg-type]
+        assert got.bytes_read == 2 * sum(full[f"1.{n}"].nbytes for n in "wvb")
+
+
+def test_reshard_refuses_indivisible_and_overrides_dim(tmp_path: Path) -> None:
+    _save(tmp_path, 5)
+    with pytest.raises(ReshardError, match="over tp=16"):
+        load(LocalStorage(tmp_path), [0], tp_rank=0, tp_size=16)
+    got = load(LocalStorage(tmp_path), [0], tp_rank=1, tp_size=2, tp_dims={"0.w": 1})
+    assert torch.equal(got.params["0.w"].weight, _state()["0.w"].weight[:, 2:])
+
+
+def test_uncommitted_is_invisible(tmp_path: Path) -> None:
+    s = LocalStorage(tmp_path)
+    with pytest.raises(NoCheckpointError):
+        latest_step(s)
+    _save(tmp_path, 1)
+    by_layer = {0: {"w": _state()["0.w"]}}
+    persist_layers(s, 2, "crashed", by_layer)  # shards and part, but no manifest or marker
+    assert committed_steps(s) == [1]
+    assert load(s, [0]).globals.step == 1
+    with pytest.raises(NoCheckpointError):
+        read_manifest(s, 2)
+
+
+def test_bit_flip_named_by_verify_and_load(tmp_path: Path) -> None:
+    _save(tmp_path, 3)
+    s = LocalStorage(tmp_path)
+    shard = read_manifest(s, 3).shard_of(2)
+    victim = shard.tensors[4]
+    _flip_byte(tmp_path / step_dir(3) / shard.path, victim.offset + 3)
+    problems = verify(s, 3)
+    assert len(problems) == 1
+    assert shard.path in problems[0] and victim.name in problems[0]
+    with pytest.raises(CorruptCheckpointError) as err:
+        load(s, [2], tp_rank=0, tp_size=2)
+    assert err.value.path.endswith(shard.path) and not err.value.retryable
+    assert load(s, [0, 1, 3]).globals.step == 3  # the other layers still load
+
+
+def test_tampered_manifest_rejected(tmp_path: Path) -> None:
+    _save(tmp_path, 3)
+    m = tmp_path / step_dir(3) / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["consumed_samples"] += 1
+    m.write_text(json.dumps(doc, indent=1))
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json"):
+        load(LocalStorage(tmp_path), [0])
+    assert "manifest.json" in verify(LocalStorage(tmp_path), 3)[0]
+
+
+def test_retention_keeps_last_k_only_after_newer_commit(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        _save(tmp_path, step, keep=2)
+    assert committed_steps(LocalStorage(tmp_path)) == [2, 3]
+    # An uncommitted newer save does not count and is not touched by retention.
+    persist_layers(LocalStorage(tmp_path), 9, "inflight", {0: {"w": _state()["0.w"]}})
+    _save(tmp_path, 4, keep=2)
+    assert committed_steps(LocalStorage(tmp_path)) == [3, 4]
+    assert (tmp_path / step_dir(9)).is_dir()
+
+
+def test_gc_collects_debris_and_spares_running_saves(tmp_path: Path) -> None:
+    _save(tmp_path, 4)
+    s = LocalStorage(tmp_path)
+    persist_layers(s, 2, "old", {0: {"w": _state()["0.w"]}})  # older than the commit: debris
+    persist_layers(s, 6, "new", {0: {"w": _state()["0.w"]}})  # maybe still running
+    (tmp_path / step_dir(4) / ".layer-00000-x.bin.tmp-dead").write_bytes(b"torn")
+    (tmp_path / step_dir(4) / "layer-00000-crashed.bin").write_bytes(b"earlier attempt")
+    assert collect(s, grace_s=3600) == [f"{step_dir(2)}/"]
+    assert (tmp_path / step_dir(6)).is_dir()
+    doomed = collect(s, grace_s=0)
+    assert f"{step_dir(6)}/" in doomed
+    assert f"{step_dir(4)}/layer-00000-crashed.bin" in doomed
+    assert f"{step_dir(4)}/.layer-00000-x.bin.tmp-dead" in doomed
+    assert [p.name for p in tmp_path.iterdir()] == [step_dir(4)]
+    assert verify(s, 4) == []
+    assert collect(s) == []
+
+
+def test_exact_adamw_resume(tmp_path: Path) -> None:
+    """Saving weights + both moments + step loses nothing: N+M steps == N, reload, M."""
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    data = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 6, generator=data) for _ in range(10)]
+    ys = [torch.randn(5, 1, generator=data) for _ in range(10)]
+
+    def train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+        losses = []
+        for i in steps:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(xs[i]), ys[i])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    # Global layers: Linear 0 -> layer 0, Linear 2 -> layer 1 (the Tanh holds no state).
+    keys = {"0.weight": "0.fc.weight", "0.bias": "0.fc.bias"}
+    keys |= {"2.weight": "1.fc.weight", "2.bias": "1.fc.bias"}
+    ref_m = model()
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=0.05)
+    ref = train(ref_m, ref_opt, range(10))
+
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    first = train(m, opt, range(6))
+    named = dict(m.named_parameters())
+    st = {
+        keys[n]: ParamState(p.data, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+        for n, p in named.items()
+    }
+    save_full(
+        LocalStorage(tmp_path),
+        st,
+        TrainingGlobals(6, 30, {"adam_step": 6}),
+        model="toy",
+        num_layers=2,
+    )
+
+    m2 = model()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.05)
+    got = load(LocalStorage(tmp_path), [0, 1])
+    for n, p in m2.named_parameters():
+        ps = got.params[keys[n]]
+        p.data.copy_(ps.weight)
+        opt2.state[p] = {
+            "step": torch.tensor(float(got.globals.extra["adam_step"])),
+            "exp_avg": ps.exp_avg.clone(),
+            "exp_avg_sq": ps.exp_avg_sq.clone(),
+        }
+    rest = train(m2, opt2, range(6, 10))
+    assert first + rest == ref  # bitwise: fp32, same ops in the same order
+    for (_, a), (_, b) in zip(ref_m.named_parameters(), m2.named_parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cli_ls_inspect_verify_gc(tmp_path: Path) -> None:
+    runner = CliRunner()
+    _save(tmp_path, 7)
+    res = runner.invoke(ckpt_app, ["ls", str(tmp_path)])
+    assert res.exit_code == 0 and " 7 " in res.output and "ok" in res.output
+    res = runner.invoke(ckpt_app, ["inspect", str(tmp_path), "--tensors"])
+    assert res.exit_code == 0
+    assert "step 7  consumed_samples 28" in res.output and "3.v.exp_avg_sq" in res.output
+    assert '"lr_step": 7' in res.output
+    assert runner.invoke(ckpt_app, ["verify", str(tmp_path)]).exit_code == 0
+    shard = read_manifest(LocalStorage(tmp_path), 7).shard_of(1).path
+    p = tmp_path / step_dir(7) / shard
+    p.write_bytes(p.read_bytes()[:-1])
+    res = runner.invoke(ckpt_app, ["verify", str(tmp_path)])
+    assert res.exit_code == 1 and shard in res.output and "CORRUPT" in res.output
+    (tmp_path / step_dir(8)).mkdir()
+    (tmp_path / step_dir(8) / "layer-00000-z.bin").write_bytes(b"x")
+    res = runner.invoke(ckpt_app, ["gc", str(tmp_path), "--dry-run"])
+    assert "would delete step-000000008/" in res.output
+    assert (tmp_path / step_dir(8)).exists()
+    res = runner.invoke(ckpt_app, ["gc", str(tmp_path)])
+    assert res.exit_code == 0 and not (tmp_path / step_dir(8)).exists()
+    assert (tmp_path / step_dir(7) / MARKER).exists()
+    res = runner.invoke(ckpt_app, ["inspect", str(tmp_path / "empty")])
+    assert res.exit_code == 1 and "no committed checkpoint" in res.output
