@@ -13,7 +13,8 @@ backwards. A forward of microbatch ``i`` on stage ``s`` starts when the stage is
 **Closed form** (:func:`closed_form_1f1b`): ``(m-1)·P + Σ_s(F+B) + 2·Σ delay``: one
 microbatch's full traversal plus ``m-1`` periods. The period ``P`` is the larger of the
 bottleneck stage's ``F+B`` and, for every stage ``s``, the round trip from ``s`` to the last
-stage and back divided by the ``min(S-s, m)`` microbatches 1F1B lets it keep in flight.
+stage and back divided by the ``S-s`` microbatches 1F1B lets it keep in flight (when
+``m > S-s``).
 
 Relation of the two (``tests/unit/test_simulator_pipeline.py``, hypothesis):
 
@@ -93,10 +94,11 @@ def closed_form_1f1b(
     per = [x + y for x, y in zip(f, b, strict=True)]
     period = max(per)
     for s in range(n):
-        # stage s keeps at most min(S-s, m) microbatches in flight; each must go to the last
-        # stage and back before the slot frees, so the period is at least round trip / window
-        round_trip = sum(per[s:]) + 2.0 * sum(d[s : n - 1])
-        period = max(period, round_trip / min(n - s, m))
+        # stage s keeps at most S-s microbatches in flight; when m exceeds that, each must go
+        # to the last stage and back before its slot frees: period >= round trip / window
+        if m > n - s:
+            round_trip = sum(per[s:]) + 2.0 * sum(d[s : n - 1])
+            period = max(period, round_trip / (n - s))
     return (m - 1) * period + sum(per) + 2.0 * sum(d[: n - 1])
 
 

@@ -1,0 +1,351 @@
+"""simulate(): time, memory and cost on small synthetic setups (unit + hypothesis)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sailor.schemas import (
+    BandwidthCurve,
+    Calibration,
+    EgressPrice,
+    Endpoint,
+    Estimate,
+    GPUCalibration,
+    GPUPrice,
+    GPUSpec,
+    LayerProfile,
+    LayerSize,
+    Link,
+    ModelSpec,
+    NetworkProfile,
+    Pipeline,
+    Plan,
+    PriceTable,
+    ProfileDB,
+    ReplicaGroup,
+    Stage,
+)
+from sailor.simulator import ProfileLookupError, simulate, simulate_with_timeline
+from sailor.simulator.lookup import layer_table
+
+MODEL = ModelSpec(
+    name="tiny",
+    num_layers=6,
+    hidden_size=64,
+    num_heads=4,
+    ffn_hidden_size=256,
+    seq_length=32,
+    vocab_size=128,
+    global_batch_size=16,
+)
+N = MODEL.num_all_layers
+SPEC = GPUSpec(
+    name="X",
+    memory_bytes=16 << 30,
+    peak_tflops_fp16=100,
+    peak_tflops_bf16=100,
+    peak_tflops_fp32=10,
+    memory_bandwidth_gbps=1000,
+    intra_node_link_gbps=100,
+    intra_node_link="NVLink",
+    default_gpus_per_node=4,
+    source="test",
+)
+SPECS = {
+    "A": SPEC.model_copy(update={"name": "A"}),
+    "B": SPEC.model_copy(update={"name": "B"}),
+    "E": SPEC.model_copy(update={"name": "E"}),
+}
+
+
+def _profiles() -> ProfileDB:
+    timings = []
+    for gpu, speed in (("A", 1.0), ("B", 2.0)):
+        for tp in (1, 2):
+            for mbs in (1, 2, 4):
+                for layer in range(N):
+                    f = 1e-3 * mbs * speed / tp
+                    timings.append(
+                        LayerProfile(
+                            gpu_type=gpu,
+                            tp=tp,
+                            microbatch_size=mbs,
+                            layer=layer,
+                            kind=MODEL.layer_kind(layer),
+                            fwd_s=f,
+                            bwd_s=2 * f,
+                            update_s=1e-4 * (layer + 1),
+                            source="imported",
+                        )
+                    )
+    sizes = [
+        LayerSize(
+            tp=tp,
+            layer=layer,
+            params=1_000_000 // tp,
+            activation_bytes_per_sample=4_000_000 // tp,
+            output_bytes_per_sample=100_000,
+            source="imported",
+        )
+        for tp in (1, 2)
+        for layer in range(N)
+    ]
+    return ProfileDB(model="tiny", timings=tuple(timings), sizes=tuple(sizes))
+
+
+PROFILES = _profiles()
+
+
+def _curve(gbps: float) -> BandwidthCurve:
+    return BandwidthCurve(coeffs=(0.0, 0.0, gbps), max_gbps=gbps)
+
+
+def _network(cross_gbps: float = 1.0) -> NetworkProfile:
+    links = []
+    for g1 in ("A", "B"):
+        for g2 in ("A", "B"):
+            for z1 in ("z-a", "z-b"):
+                for z2 in ("z-a", "z-b"):
+                    bw = 10.0 if z1 == z2 else cross_gbps
+                    links.append(
+                        Link(
+                            src=Endpoint(zone=z1, gpu_type=g1, gpus_per_node=2),
+                            dst=Endpoint(zone=z2, gpu_type=g2, gpus_per_node=2),
+                            curve=_curve(bw),
+                        )
+                    )
+    intra = [
+        Link(
+            src=Endpoint(zone="*", gpu_type=g, gpus_per_node=2),
+            dst=Endpoint(zone="*", gpu_type=g, gpus_per_node=2),
+            curve=_curve(50.0),
+        )
+        for g in ("A", "B")
+    ]
+    return NetworkProfile(links=tuple(links), intra_node=tuple(intra))
+
+
+PRICES = PriceTable(
+    gpus=(
+        GPUPrice(gpu_type="A", region="z", on_demand_usd_per_hour=2.0, spot_usd_per_hour=1.0),
+        GPUPrice(gpu_type="B", region="z", on_demand_usd_per_hour=1.0, spot_usd_per_hour=0.5),
+        GPUPrice(gpu_type="E", region="z", on_demand_usd_per_hour=1.5, spot_usd_per_hour=0.5),
+    ),
+    egress=(EgressPrice(src="*", dst="*", usd_per_gb=0.01),),
+)
+
+
+def _rg(gpu: str = "A", zone: str = "z-a", tp: int = 1) -> ReplicaGroup:
+    return ReplicaGroup(gpu_type=gpu, zone=zone, tp=tp, gpus_per_node=2)
+
+
+def _pipe(cuts: list[int], mbs: int, m: int, groups: list[ReplicaGroup] | None = None) -> Pipeline:
+    bounds = [0, *cuts, N]
+    groups = groups or [_rg() for _ in range(len(bounds) - 1)]
+    return Pipeline(
+        stages=tuple(
+            Stage(first_layer=a, last_layer=b - 1, replica=g)
+            for a, b, g in zip(bounds[:-1], bounds[1:], groups, strict=True)
+        ),
+        microbatch_size=mbs,
+        num_microbatches=m,
+    )
+
+
+def _plan(*pipes: Pipeline) -> Plan:
+    return Plan(model="tiny", global_batch_size=sum(p.samples for p in pipes), pipelines=pipes)
+
+
+def _sim(plan: Plan, **kw: object) -> object:
+    return simulate(
+        plan,
+        MODEL,
+        PROFILES,
+        kw.pop("network", _network()),
+        PRICES,  # type: ignore[arg-type]
+        gpu_specs=SPECS,
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+def test_single_stage_matches_hand_computation() -> None:
+    est = simulate(_plan(_pipe([], 1, 4)), MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    per_mb = N * 3e-3
+    update = sum(1e-4 * (i + 1) for i in range(N))  # per-layer update_s, summed
+    assert est.iteration_time_s == pytest.approx(4 * per_mb + update, rel=1e-6)
+    assert est.time.compute_s == pytest.approx(4 * per_mb)
+    assert not est.uses_estimates
+
+
+def test_cost_is_time_times_price_plus_egress() -> None:
+    plan = _plan(
+        _pipe([4], 2, 2, [_rg("A", "z-a"), _rg("B", "z-b", tp=2)]),
+        _pipe([3], 2, 2, [_rg("B", "z-a"), _rg("A", "z-b")]),
+    )
+    est = simulate(plan, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    gpu_usd_h = 2.0 + 1.0 * 2 + 1.0 + 2.0
+    assert est.compute_cost_usd == pytest.approx(est.iteration_time_s * gpu_usd_h / 3600)
+    assert est.egress_cost_usd > 0
+    assert est.cost_per_iter_usd == pytest.approx(est.compute_cost_usd + est.egress_cost_usd)
+    spot = simulate(plan, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS, spot=True)
+    assert spot.compute_cost_usd < est.compute_cost_usd
+
+
+def test_breakdown_adds_up_and_memory_has_every_stage() -> None:
+    plan = _plan(_pipe([2, 5], 1, 4), _pipe([4], 2, 2, [_rg("B"), _rg("A", tp=2)]), _pipe([], 4, 1))
+    for method in ("closed_form", "replay"):
+        est = simulate(plan, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS, method=method)  # type: ignore[arg-type]
+        t = est.time
+        total = t.compute_s + t.p2p_s + t.bubble_s + t.grad_sync_s + t.update_s
+        assert total == pytest.approx(est.iteration_time_s, rel=1e-9)
+        assert len(est.memory) == 3 + 2 + 1
+        assert est.peak_memory_bytes == max(m.total for m in est.memory)
+        assert est.model == method
+
+
+def test_uniform_stages_closed_form_equals_replay() -> None:
+    # no transfers: stage outputs of zero bytes and no attention mask
+    # a fresh ProfileDB: model_copy would carry over the cached lookup index
+    silent = ProfileDB(
+        model="tiny",
+        timings=PROFILES.timings,
+        sizes=tuple(z.model_copy(update={"output_bytes_per_sample": 0}) for z in PROFILES.sizes),
+    )
+    cal = Calibration(sends_attention_mask=False)
+    plan = _plan(_pipe([2, 4, 6], 1, 8), _pipe([2, 4, 6], 1, 8))
+    a = simulate(plan, MODEL, silent, _network(), PRICES, calibration=cal)
+    b = simulate(plan, MODEL, silent, _network(), PRICES, calibration=cal, method="replay")
+
+    def pipe(e: Estimate) -> float:
+        return e.time.compute_s + e.time.p2p_s + e.time.bubble_s
+
+    assert pipe(a) == pytest.approx(pipe(b), rel=1e-9)
+    # the replay lets the last stage start its gradient sync before the first finishes
+    assert b.iteration_time_s <= a.iteration_time_s + 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 12), st.integers(1, 6))
+def test_more_microbatches_never_faster(depth: int, m: int, extra: int) -> None:
+    cuts = [1 + i * (N - 1) // depth for i in range(1, depth)]
+    base = simulate(_plan(_pipe(cuts, 2, m)), MODEL, PROFILES, _network(), PRICES)
+    more = simulate(_plan(_pipe(cuts, 2, m + extra)), MODEL, PROFILES, _network(), PRICES)
+    assert more.iteration_time_s >= base.iteration_time_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.05, 5.0), st.floats(0.01, 0.99))
+def test_slower_cross_zone_link_never_faster(gbps: float, factor: float) -> None:
+    plan = _plan(
+        _pipe([4], 1, 4, [_rg("A", "z-a"), _rg("A", "z-b")]),
+        _pipe([4], 1, 4, [_rg("A", "z-b"), _rg("A", "z-a")]),
+    )
+    fast = simulate(plan, MODEL, PROFILES, _network(gbps), PRICES, method="replay")
+    slow = simulate(plan, MODEL, PROFILES, _network(gbps * factor), PRICES, method="replay")
+    assert slow.iteration_time_s >= fast.iteration_time_s
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 3))
+def test_memory_monotone_in_microbatch_size(mbs: int, depth: int) -> None:
+    cuts = [1 + i * (N - 1) // depth for i in range(1, depth)]
+    a = simulate(_plan(_pipe(cuts, mbs, 4)), MODEL, PROFILES, _network(), PRICES)
+    b = simulate(_plan(_pipe(cuts, mbs + 1, 4)), MODEL, PROFILES, _network(), PRICES)
+    assert b.peak_memory_bytes > a.peak_memory_bytes
+
+
+def test_memory_breakdown_mixed_precision_adam() -> None:
+    est = simulate(_plan(_pipe([], 1, 1)), MODEL, PROFILES, _network(), PRICES)
+    m = est.memory[0]
+    params = N * 1_000_000
+    assert (m.weights, m.gradients, m.optimizer) == (6 * params, 2 * params, 8 * params)
+    assert m.total == m.weights + m.gradients + m.optimizer + m.activations + m.overhead
+
+
+def test_first_stage_holds_more_microbatches() -> None:
+    est = simulate(_plan(_pipe([4], 1, 8)), MODEL, PROFILES, _network(), PRICES)
+    s0, s1 = est.memory
+    assert s0.activations > s1.activations
+
+
+def test_interpolation_and_extrapolation_in_mbs() -> None:
+    cal = GPUCalibration(gpu_type="A")
+    t3 = layer_table(PROFILES, MODEL, cal, {}, "A", 1, 3).layers[2]
+    assert t3.fwd_s == pytest.approx(3e-3)
+    t8 = layer_table(PROFILES, MODEL, cal, {}, "A", 1, 8).layers[2]
+    assert t8.fwd_s == pytest.approx(8e-3)
+    assert not t8.estimated
+
+
+def test_unprofiled_gpu_uses_estimate_and_says_so() -> None:
+    plan = _plan(_pipe([4], 1, 4, [_rg("A"), _rg("E")]))
+    est = simulate(plan, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    assert est.uses_estimates
+    assert any("analytic roofline" in n for n in est.notes)
+    with pytest.raises(ProfileLookupError):
+        simulate(plan, MODEL, PROFILES, _network(), PRICES)
+
+
+def test_unprofiled_tp_scaled_from_nearest() -> None:
+    plan = _plan(_pipe([], 1, 2, [ReplicaGroup(gpu_type="A", zone="z-a", tp=4, gpus_per_node=4)]))
+    est = simulate(plan, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    assert est.uses_estimates
+    assert any("TP degree not profiled" in n for n in est.notes)
+
+
+def test_missing_link_falls_back_conservatively_with_note() -> None:
+    plan = _plan(_pipe([4], 1, 4, [_rg("A", "z-a"), _rg("A", "far-away-1")]))
+    est = simulate(plan, MODEL, PROFILES, _network(), PRICES)
+    assert any("conservative" in n for n in est.notes)
+    near = simulate(
+        _plan(_pipe([4], 1, 4, [_rg("A", "z-a"), _rg("A", "z-b")])),
+        MODEL,
+        PROFILES,
+        _network(),
+        PRICES,
+    )
+    assert est.iteration_time_s > near.iteration_time_s
+
+
+def test_calibration_constants_enter() -> None:
+    plan = _plan(_pipe([], 1, 4), _pipe([], 1, 4))
+    base = simulate(plan, MODEL, PROFILES, _network(), PRICES)
+    cal = Calibration(
+        gpus=(
+            GPUCalibration(
+                gpu_type="A",
+                sync_fixed_s=0.5,
+                network_efficiency=0.5,
+                alloc_factor=1.5,
+                memory_overhead_bytes=0,
+            ),
+        )
+    )
+    tuned = simulate(plan, MODEL, PROFILES, _network(), PRICES, calibration=cal)
+    assert tuned.iteration_time_s > base.iteration_time_s + 0.5
+    assert tuned.stages[0].grad_sync_s == pytest.approx(2 * base.stages[0].grad_sync_s)
+    assert tuned.memory[0].activations == int(1.5 * base.memory[0].activations) or (
+        abs(tuned.memory[0].activations - 1.5 * base.memory[0].activations) <= 1
+    )
+
+
+def test_layer_count_mismatch_is_rejected() -> None:
+    other = MODEL.model_copy(update={"num_layers": 3})
+    with pytest.raises(ValueError, match="num_layers"):
+        simulate(_plan(_pipe([], 1, 1)), other, PROFILES, _network(), PRICES)
+
+
+def test_timeline_and_plot(tmp_path: Path) -> None:
+    from sailor.simulator.timeline_plot import plot_timeline
+
+    plan = _plan(_pipe([3], 1, 4), _pipe([2, 5], 2, 2, [_rg("B"), _rg("A"), _rg("B")]))
+    est, tl = simulate_with_timeline(plan, MODEL, PROFILES, _network(), PRICES)
+    assert len(tl.ops) == 2 * (2 * 4) + 2 * (3 * 2)
+    assert tl.iteration_time_s == est.iteration_time_s
+    assert max(op.end_s for op in tl.ops) <= est.iteration_time_s
+    out = plot_timeline(tl, tmp_path / "t.png")
+    assert out.stat().st_size > 1000
