@@ -1,0 +1,56 @@
+"""The only code that talks to NATS and etcd: event bus, commands, state store, leases, election.
+
+Shared by the controller and the agent. Small protocols in ``api.py``; backends in
+``etcd_store.py`` and ``nats_bus.py``; names of keys and subjects in ``keys.py``. Must never
+import the controller, the agent or torch.
+"""
+
+from sailor.coordination.api import (
+    CommandChannel,
+    Delivery,
+    EventBus,
+    KeyValue,
+    Lease,
+    StateStore,
+)
+from sailor.coordination.clock import Clock, ManualClock, SystemClock
+from sailor.coordination.election import Leadership, campaign
+from sailor.coordination.errors import (
+    CoordinationError,
+    FencedError,
+    PermanentError,
+    TemporaryError,
+    UnavailableError,
+)
+from sailor.coordination.etcd_store import EtcdLease, EtcdStore, connect_etcd
+from sailor.coordination.keys import Keys, safe_token
+from sailor.coordination.nats_bus import NatsCommands, NatsEventBus, connect_nats
+from sailor.coordination.tasks import TaskSet
+
+__all__ = [
+    "Clock",
+    "CommandChannel",
+    "CoordinationError",
+    "Delivery",
+    "EtcdLease",
+    "EtcdStore",
+    "EventBus",
+    "FencedError",
+    "KeyValue",
+    "Keys",
+    "Lease",
+    "Leadership",
+    "ManualClock",
+    "NatsCommands",
+    "NatsEventBus",
+    "PermanentError",
+    "StateStore",
+    "SystemClock",
+    "TaskSet",
+    "TemporaryError",
+    "UnavailableError",
+    "campaign",
+    "connect_etcd",
+    "connect_nats",
+    "safe_token",
+]

@@ -1,0 +1,126 @@
+"""The small interfaces of the coordination layer; backends live in their own modules.
+
+- ``StateStore``: a key-value store with leases and writes guarded by a fencing epoch
+  (backend: etcd, ``etcd_store.py``).
+- ``Election``: leader election whose epoch is a fencing token (``election.py``, on the store).
+- ``EventBus``: a durable, deduplicated stream of events, acknowledged after handling
+  (backend: NATS JetStream, ``nats_bus.py``).
+- ``CommandChannel``: per-node request/reply commands; the reply is the ack (NATS core).
+
+Each has one contract test against its real server (tests/integration/test_runtime_contract.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "CommandChannel",
+    "CommandHandler",
+    "Delivery",
+    "EventBus",
+    "KeyValue",
+    "Lease",
+    "StateStore",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One stored key: value bytes and its etcd revisions."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+class Lease(Protocol):
+    """A lease kept alive in the background until revoked or lost."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def alive(self) -> bool:
+        """False once the server said the lease is gone (keys bound to it were deleted)."""
+        ...
+
+    async def revoke(self) -> None: ...
+
+
+class StateStore(Protocol):
+    """Key-value state with leases and epoch-guarded writes."""
+
+    async def get(self, key: str) -> KeyValue | None: ...
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> int:
+        """Unconditional write (agents' own keys); returns the new revision."""
+        ...
+
+    async def put_guarded(
+        self, key: str, value: bytes, guard_key: str, epoch: int, lease: Lease | None = None
+    ) -> int:
+        """Write only if ``guard_key`` still has create revision ``epoch``; else FencedError."""
+        ...
+
+    async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None: ...
+
+    async def create_if_absent(self, key: str, value: bytes, lease: Lease) -> KeyValue | None:
+        """Create ``key`` bound to ``lease`` unless it exists; returns the stored key or None."""
+        ...
+
+    async def lease(self, ttl: int) -> Lease:
+        """Grant a lease and keep it alive in the background (every ttl/3 s)."""
+        ...
+
+    async def revision(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One event delivered from the bus; ``ack`` it after handling."""
+
+    data: bytes
+    msg_id: str
+    subject: str
+    redelivered: int
+    ack: Callable[[], Awaitable[None]]
+
+
+class EventBus(Protocol):
+    """Durable event stream with publisher-side deduplication by message id."""
+
+    async def publish(self, subject_kind: str, data: bytes, msg_id: str) -> bool:
+        """Publish; returns False when the stream dropped it as a duplicate."""
+        ...
+
+    async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
+        """Up to ``batch`` events for the durable consumer; [] after ``timeout``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+CommandHandler = Callable[[bytes], Awaitable[bytes]]
+
+
+class CommandChannel(Protocol):
+    """Commands to one node, acknowledged by the reply."""
+
+    async def request(self, node_id: str, data: bytes, timeout: float) -> bytes:
+        """Send and wait for the reply; UnavailableError on timeout or no responder."""
+        ...
+
+    async def serve(self, node_id: str, handler: CommandHandler) -> None:
+        """Handle commands for ``node_id`` until ``close``."""
+        ...
+
+    async def close(self) -> None: ...

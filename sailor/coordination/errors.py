@@ -1,0 +1,56 @@
+"""Errors of the coordination layer, each carrying its recovery policy.
+
+Third-party errors (nats-py, aetcd, grpc) are converted here, at the adapter, with
+``raise ... from exc``: callers above this layer never see a client library's exception type.
+A ``TemporaryError`` says after how long a retry makes sense; a ``PermanentError`` says that
+retrying cannot help (a fenced write, a malformed message).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CoordinationError",
+    "FencedError",
+    "PermanentError",
+    "TemporaryError",
+    "UnavailableError",
+]
+
+
+class CoordinationError(Exception):
+    """Base class. ``retry_after`` is None when retrying cannot help."""
+
+    retry_after: float | None = None
+
+    def __init__(self, message: str, **fields: object) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if not self.fields:
+            return base
+        extra = ", ".join(f"{k}={v!r}" for k, v in sorted(self.fields.items()))
+        return f"{base} ({extra})"
+
+
+class TemporaryError(CoordinationError):
+    """Retry after ``retry_after`` seconds (server restarting, timeout, no quorum)."""
+
+    def __init__(self, message: str, retry_after: float = 0.2, **fields: object) -> None:
+        super().__init__(message, **fields)
+        self.retry_after = retry_after
+
+
+class UnavailableError(TemporaryError):
+    """The server could not be reached in time."""
+
+
+class PermanentError(CoordinationError):
+    """Do not retry: the request itself is wrong or no longer allowed."""
+
+    retry_after = None
+
+
+class FencedError(PermanentError):
+    """A guarded write was refused: the writer's epoch is no longer the leader's."""

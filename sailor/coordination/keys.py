@@ -1,0 +1,94 @@
+"""Names of every etcd key and NATS subject the runtime uses, in one place.
+
+etcd (all under ``/sailor/<job>/``)::
+
+    leader            controller id, bound to the leader's lease; epoch = its create revision
+    desired           DesiredState (plan, phase, generation), written only by the leader (guarded)
+    nodes/<id>        NodeSpec, bound to the agent's lease (expiry = the node left)
+    status/<id>       AgentStatus, bound to the agent's lease
+    notices/<id>      NoticeRecord: a preemption notice seen for a node (guarded)
+    ckpt/<step>       CommitRecord: a checkpoint committed by every shard (guarded)
+
+NATS::
+
+    sailor.<job>.events.<kind>   JetStream stream SAILOR_<JOB>_EVENTS (dedup by Nats-Msg-Id)
+    sailor.<job>.cmd.<node id>   commands to one agent, request/reply (the reply is the ack)
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field
+
+from sailor.schemas._base import Frozen
+
+__all__ = ["Keys", "safe_token"]
+
+_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def safe_token(text: str) -> str:
+    """A NATS subject token / stream name part: letters, digits, '_' and '-' only."""
+    return _TOKEN.sub("_", text) or "_"
+
+
+class Keys(Frozen):
+    """Key and subject names for one job."""
+
+    job: str = Field(min_length=1, max_length=64, description="Job name.")
+
+    @property
+    def root(self) -> str:
+        return f"/sailor/{self.job}/"
+
+    @property
+    def leader(self) -> str:
+        return self.root + "leader"
+
+    @property
+    def desired(self) -> str:
+        return self.root + "desired"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    @property
+    def statuses(self) -> str:
+        return self.root + "status/"
+
+    def status(self, node_id: str) -> str:
+        return self.statuses + node_id
+
+    @property
+    def notices(self) -> str:
+        return self.root + "notices/"
+
+    def notice(self, node_id: str) -> str:
+        return self.notices + node_id
+
+    @property
+    def checkpoints(self) -> str:
+        return self.root + "ckpt/"
+
+    def checkpoint(self, step: int) -> str:
+        # zero-padded so that a prefix listing comes back in step order
+        return f"{self.checkpoints}{step:012d}"
+
+    @property
+    def stream(self) -> str:
+        return f"SAILOR_{safe_token(self.job).upper()}_EVENTS"
+
+    @property
+    def event_subjects(self) -> str:
+        return f"sailor.{safe_token(self.job)}.events.>"
+
+    def event_subject(self, kind: str) -> str:
+        return f"sailor.{safe_token(self.job)}.events.{safe_token(kind)}"
+
+    def command_subject(self, node_id: str) -> str:
+        return f"sailor.{safe_token(self.job)}.cmd.{safe_token(node_id)}"

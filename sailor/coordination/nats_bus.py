@@ -1,0 +1,208 @@
+"""The NATS backends: a JetStream ``EventBus`` and a request/reply ``CommandChannel``.
+
+Events go to one JetStream stream (file storage) with a duplicate window: a publisher sets
+the message id (``Nats-Msg-Id`` = the event's ``event_id``), so a retried publish is stored
+once. The controller reads through a durable pull consumer and acks each event only after
+handling it, so an event in flight when the controller dies is redelivered to its successor.
+
+Commands are NATS core request/reply on one subject per node; the reply is the agent's ack.
+A command lost while a server restarts is simply re-sent by the controller's level-triggered
+loop; the agent applies each command id at most once.
+
+Reconnects: ``max_reconnect_attempts=-1`` (forever) with a short wait, and the initial
+connect is bounded by our own timeout (nats-py would otherwise retry a dead server for
+minutes). This module must never import etcd or daemon code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.api
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NatsClient
+
+from sailor.coordination.api import CommandHandler, Delivery
+from sailor.coordination.errors import PermanentError, TemporaryError, UnavailableError
+from sailor.coordination.keys import Keys, safe_token
+
+__all__ = ["NatsCommands", "NatsEventBus", "connect_nats"]
+
+_log = structlog.get_logger("sailor.nats")
+
+DUPLICATE_WINDOW_S = 120.0
+"""JetStream's default dedup window (2 min): longer than any publisher's retry loop."""
+
+
+async def connect_nats(url: str, name: str, timeout: float = 5.0) -> NatsClient:
+    """Connect with bounded first attempt and unbounded, fast reconnects afterwards."""
+
+    async def _quiet(exc: Exception) -> None:
+        _log.debug("nats_error", client=name, error=repr(exc))
+
+    nc = NatsClient()
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                servers=[url],
+                name=name,
+                connect_timeout=2,
+                reconnect_time_wait=0.2,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+                ping_interval=2,
+                max_outstanding_pings=3,
+                error_cb=_quiet,
+            ),
+            timeout,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise UnavailableError("nats unreachable", url=url, error=repr(exc)) from exc
+    return nc
+
+
+class NatsEventBus:
+    """``EventBus`` on a JetStream stream with one durable pull consumer."""
+
+    def __init__(self, nc: NatsClient, keys: Keys, durable: str, op_timeout: float = 2.0) -> None:
+        self._nc = nc
+        self._keys = keys
+        self._durable = safe_token(durable)
+        self._timeout = op_timeout
+        self._js = nc.jetstream(timeout=op_timeout)
+        self._sub: Any = None
+
+    async def ensure_stream(self) -> None:
+        """Create the stream if missing (idempotent)."""
+        config = nats.js.api.StreamConfig(
+            name=self._keys.stream,
+            subjects=[self._keys.event_subjects],
+            storage=nats.js.api.StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            max_age=24 * 3600.0,
+        )
+        try:
+            await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self._js.update_stream(config)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
+
+    async def publish(self, subject_kind: str, data: bytes, msg_id: str) -> bool:
+        try:
+            ack = await self._js.publish(
+                self._keys.event_subject(subject_kind),
+                data,
+                timeout=self._timeout,
+                headers={"Nats-Msg-Id": msg_id},
+            )
+        except nats.js.errors.NoStreamResponseError as exc:
+            raise TemporaryError("no stream responded", error=repr(exc), retry_after=0.5) from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError("event publish failed", error=repr(exc)) from exc
+        return not bool(ack.duplicate)
+
+    async def _subscription(self) -> Any:
+        if self._sub is None:
+            config = nats.js.api.ConsumerConfig(
+                durable_name=self._durable,
+                ack_policy=nats.js.api.AckPolicy.EXPLICIT,
+                ack_wait=30.0,
+                max_ack_pending=20_000,
+            )
+            try:
+                self._sub = await self._js.pull_subscribe(
+                    self._keys.event_subjects,
+                    durable=self._durable,
+                    stream=self._keys.stream,
+                    config=config,
+                )
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise UnavailableError("consumer unavailable", error=repr(exc)) from exc
+        return self._sub
+
+    async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
+        sub = await self._subscription()
+        try:
+            msgs = await sub.fetch(batch, timeout=timeout)
+        except TimeoutError:
+            return []
+        except nats.errors.Error as exc:
+            if isinstance(exc, nats.errors.TimeoutError):
+                return []
+            raise UnavailableError("fetch failed", error=repr(exc)) from exc
+        out: list[Delivery] = []
+        for m in msgs:
+            meta = m.metadata
+            out.append(
+                Delivery(
+                    data=bytes(m.data),
+                    msg_id=(m.headers or {}).get("Nats-Msg-Id", ""),
+                    subject=m.subject,
+                    redelivered=int(meta.num_delivered) - 1 if meta else 0,
+                    ack=_acker(m),
+                )
+            )
+        return out
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._sub.unsubscribe(), self._timeout)
+            self._sub = None
+
+
+def _acker(msg: Any) -> Any:
+    async def ack() -> None:
+        try:
+            await msg.ack()
+        except nats.errors.Error as exc:
+            raise UnavailableError("ack failed", error=repr(exc)) from exc
+
+    return ack
+
+
+class NatsCommands:
+    """``CommandChannel`` on NATS core request/reply."""
+
+    def __init__(self, nc: NatsClient, keys: Keys) -> None:
+        self._nc = nc
+        self._keys = keys
+        self._subs: list[Any] = []
+
+    async def request(self, node_id: str, data: bytes, timeout: float) -> bytes:
+        try:
+            msg = await self._nc.request(self._keys.command_subject(node_id), data, timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise UnavailableError("no agent listening", node=node_id) from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError("command not acked", node=node_id, error=repr(exc)) from exc
+        return bytes(msg.data)
+
+    async def serve(self, node_id: str, handler: CommandHandler) -> None:
+        async def _cb(msg: Any) -> None:
+            try:
+                reply = await handler(bytes(msg.data))
+            except PermanentError as exc:
+                reply = str(exc).encode()
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(reply)
+
+        try:
+            sub = await self._nc.subscribe(self._keys.command_subject(node_id), cb=_cb)
+        except nats.errors.Error as exc:
+            raise UnavailableError("subscribe failed", error=repr(exc)) from exc
+        self._subs.append(sub)
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()

@@ -1,0 +1,194 @@
+"""Contract tests of the coordination protocols against the real servers (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sailor.coordination import (
+    FencedError,
+    Keys,
+    NatsCommands,
+    NatsEventBus,
+    UnavailableError,
+    campaign,
+    connect_etcd,
+    connect_nats,
+)
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+KEYS = Keys(job="contract")
+
+
+async def test_state_store_guarded_writes_and_leases(etcd_endpoint: str) -> None:
+    store = await connect_etcd(etcd_endpoint)
+    try:
+        assert await store.get("/x") is None
+        await store.put("/x", b"1")
+        kv = await store.get("/x")
+        assert kv is not None and kv.value == b"1"
+        # guard on a key that does not exist: create_revision 0
+        with pytest.raises(FencedError):
+            await store.put_guarded("/y", b"2", guard_key="/leader", epoch=5)
+        lease = await store.lease(2)
+        created = await store.create_if_absent("/leader", b"me", lease)
+        assert created is not None and created.lease == lease.id
+        epoch = created.create_revision
+        await store.put_guarded("/y", b"2", guard_key="/leader", epoch=epoch)
+        assert [k.key for k in await store.get_prefix("/")] == ["/leader", "/x", "/y"]
+        # a second create does not overwrite
+        other = await store.lease(2)
+        again = await store.create_if_absent("/leader", b"you", other)
+        assert again is not None and again.value == b"me"
+        await other.revoke()
+        # the lease keeps the key alive beyond its TTL while kept alive
+        await asyncio.sleep(2.5)
+        assert await store.get("/leader") is not None
+        await lease.revoke()
+        assert await store.get("/leader") is None
+        with pytest.raises(FencedError):
+            await store.delete_guarded("/y", guard_key="/leader", epoch=epoch)
+    finally:
+        await store.close()
+
+
+async def test_election_epochs_grow_and_deposed_leader_is_fenced(etcd_endpoint: str) -> None:
+    a = await connect_etcd(etcd_endpoint)
+    b = await connect_etcd(etcd_endpoint)
+    try:
+        first = await campaign(a, KEYS.leader, "a", ttl=1, timeout=5)
+        waiting = asyncio.create_task(campaign(b, KEYS.leader, "b", ttl=1, timeout=10))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        await first.abandon()  # crash: the lease expires after its TTL
+        second = await asyncio.wait_for(waiting, 10)
+        assert second.epoch > first.epoch
+        with pytest.raises(FencedError):
+            await a.put_guarded(KEYS.desired, b"old", KEYS.leader, first.epoch)
+        await b.put_guarded(KEYS.desired, b"new", KEYS.leader, second.epoch)
+        await second.resign()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_event_bus_dedups_and_redelivers_unacked(nats_url: str) -> None:
+    nc = await connect_nats(nats_url, "contract")
+    try:
+        bus = NatsEventBus(nc, KEYS, durable="controller")
+        await bus.ensure_stream()
+        assert await bus.publish("node_joined", b"a", msg_id="e1") is True
+        assert await bus.publish("node_joined", b"a", msg_id="e1") is False  # duplicate
+        assert await bus.publish("node_left", b"b", msg_id="e2") is True
+        got = await bus.fetch(10, timeout=1.0)
+        assert [d.msg_id for d in got] == ["e1", "e2"]
+        await got[0].ack()
+        await bus.close()
+        # e2 was never acked: a new consumer instance of the same durable gets it again
+        bus2 = NatsEventBus(nc, KEYS, durable="controller")
+        await bus2.ensure_stream()
+        again: list[str] = []
+        for _ in range(40):
+            again += [d.msg_id for d in await bus2.fetch(10, timeout=1.0)]
+            if again:
+                break
+        assert again == ["e2"]
+        await bus2.close()
+    finally:
+        await nc.close()
+
+
+async def test_event_bus_ack_wait_is_not_needed_after_ack(nats_url: str) -> None:
+    nc = await connect_nats(nats_url, "contract")
+    try:
+        bus = NatsEventBus(nc, KEYS, durable="c2")
+        await bus.ensure_stream()
+        for i in range(50):
+            await bus.publish("heartbeat", str(i).encode(), msg_id=f"h{i}")
+        seen: list[bytes] = []
+        while len(seen) < 50:
+            batch = await bus.fetch(20, timeout=1.0)
+            assert batch, "events lost"
+            for d in batch:
+                seen.append(d.data)
+                await d.ack()
+        assert seen == [str(i).encode() for i in range(50)]
+        assert await bus.fetch(10, timeout=0.3) == []
+        await bus.close()
+    finally:
+        await nc.close()
+
+
+async def test_commands_request_reply(nats_url: str) -> None:
+    nc = await connect_nats(nats_url, "contract")
+    try:
+        agent = NatsCommands(nc, KEYS)
+        ctl = NatsCommands(nc, KEYS)
+
+        async def handler(data: bytes) -> bytes:
+            return b"ack:" + data
+
+        await agent.serve("node-1", handler)
+        assert await ctl.request("node-1", b"go", timeout=2) == b"ack:go"
+        with pytest.raises(UnavailableError):
+            await ctl.request("node-2", b"go", timeout=0.5)
+        await agent.close()
+    finally:
+        await nc.close()
+
+
+async def test_connect_to_dead_server_fails_fast() -> None:
+    from tests.integration.conftest import free_port
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(UnavailableError):
+        await connect_nats(f"nats://127.0.0.1:{free_port()}", "dead", timeout=1.0)
+    with pytest.raises(UnavailableError):
+        await connect_etcd(f"127.0.0.1:{free_port()}", op_timeout=1.0)
+    assert loop.time() - t0 < 10
+
+
+async def test_clients_survive_server_restarts(
+    nats_server: object, etcd_server: object, nats_url: str, etcd_endpoint: str
+) -> None:
+    from tests.integration.conftest import Server
+
+    assert isinstance(nats_server, Server) and isinstance(etcd_server, Server)
+    store = await connect_etcd(etcd_endpoint)
+    nc = await connect_nats(nats_url, "restart")
+    try:
+        lease = await store.lease(3)
+        await store.put("/n", b"1", lease=lease)
+        bus = NatsEventBus(nc, KEYS, durable="r")
+        await bus.ensure_stream()
+        await bus.publish("heartbeat", b"before", msg_id="b1")
+        await asyncio.to_thread(etcd_server.restart)
+        await asyncio.to_thread(nats_server.restart)
+        for _ in range(100):
+            try:
+                await store.put("/m", b"2")
+                await bus.publish("heartbeat", b"after", msg_id="a1")
+                break
+            except UnavailableError:
+                await asyncio.sleep(0.1)
+            except Exception:
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)
+        assert lease.alive
+        assert await store.get("/n") is not None  # the lease survived the restart
+        got: list[bytes] = []
+        for _ in range(20):
+            for d in await bus.fetch(10, timeout=0.5):
+                got.append(d.data)
+                await d.ack()
+            if b"after" in got:
+                break
+        assert got == [b"before", b"after"]
+        await bus.close()
+        await lease.revoke()
+    finally:
+        await nc.close()
+        await store.close()
