@@ -71,12 +71,20 @@ async def connect_nats(url: str, name: str, timeout: float = 5.0) -> NatsClient:
 class NatsEventBus:
     """``EventBus`` on a JetStream stream with one durable pull consumer."""
 
-    def __init__(self, nc: NatsClient, keys: Keys, durable: str, op_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        keys: Keys,
+        durable: str,
+        op_timeout: float = 2.0,
+        ack_wait: float = 30.0,
+    ) -> None:
         self._nc = nc
         self._keys = keys
         self._durable = safe_token(durable)
         self._timeout = op_timeout
         self._js = nc.jetstream(timeout=op_timeout)
+        self._ack_wait = ack_wait
         self._sub: Any = None
 
     async def ensure_stream(self) -> None:
@@ -114,7 +122,7 @@ class NatsEventBus:
             config = nats.js.api.ConsumerConfig(
                 durable_name=self._durable,
                 ack_policy=nats.js.api.AckPolicy.EXPLICIT,
-                ack_wait=30.0,
+                ack_wait=self._ack_wait,
                 max_ack_pending=20_000,
             )
             try:

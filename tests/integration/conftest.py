@@ -149,9 +149,7 @@ async def no_task_leak() -> AsyncIterator[None]:
     current = asyncio.current_task()
     leaked: set[asyncio.Task[object]] = set()
     for _ in range(50):
-        leaked = {
-            t for t in asyncio.all_tasks() - before if t is not current and not t.done()
-        }
+        leaked = {t for t in asyncio.all_tasks() - before if t is not current and not t.done()}
         # grpc/nats internals may need a few loop turns to finish after close()
         leaked = {t for t in leaked if not _is_library_internal(t)}
         if not leaked:

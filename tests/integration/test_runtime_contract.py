@@ -77,7 +77,7 @@ async def test_election_epochs_grow_and_deposed_leader_is_fenced(etcd_endpoint: 
 async def test_event_bus_dedups_and_redelivers_unacked(nats_url: str) -> None:
     nc = await connect_nats(nats_url, "contract")
     try:
-        bus = NatsEventBus(nc, KEYS, durable="controller")
+        bus = NatsEventBus(nc, KEYS, durable="controller", ack_wait=1.0)
         await bus.ensure_stream()
         assert await bus.publish("node_joined", b"a", msg_id="e1") is True
         assert await bus.publish("node_joined", b"a", msg_id="e1") is False  # duplicate
@@ -87,7 +87,7 @@ async def test_event_bus_dedups_and_redelivers_unacked(nats_url: str) -> None:
         await got[0].ack()
         await bus.close()
         # e2 was never acked: a new consumer instance of the same durable gets it again
-        bus2 = NatsEventBus(nc, KEYS, durable="controller")
+        bus2 = NatsEventBus(nc, KEYS, durable="controller", ack_wait=1.0)
         await bus2.ensure_stream()
         again: list[str] = []
         for _ in range(40):
