@@ -104,9 +104,7 @@ def launch_local(
         cmd += extra_args or []
         cmd += (per_rank_args or {}).get(r, [])
         err = (workdir / f"stderr-{r}.txt").open("wb")
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=str(workdir))
-        )
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=str(workdir)))
         err.close()
     run = LocalRun(returncodes=[None] * world, exit_times_s=[float("nan")] * world)
     while any(rc is None for rc in run.returncodes):
