@@ -10,6 +10,8 @@ extrapolated into negative or unbounded bandwidth.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any, Self
 
 from pydantic import Field, model_validator
 
@@ -80,6 +82,13 @@ class NetworkProfile(Frozen):
         default=False, description="True if any curve is an estimate, not a measurement."
     )
     source: str = Field(default="", description="Where this profile came from.")
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy without the lookup caches of this instance (they index the old data)."""
+        copy = super().model_copy(update=update, deep=deep)
+        for key in ("_idx",):
+            copy.__dict__.pop(key, None)
+        return copy
 
     def _index(self) -> dict[tuple[Endpoint, Endpoint], BandwidthCurve]:
         cache = self.__dict__.get("_idx")

@@ -7,7 +7,8 @@ entries always win over estimates when the database is queried.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -90,6 +91,13 @@ class ProfileDB(Frozen):
         return self
 
     # Indexing is computed once per (immutable) instance.
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy without the lookup caches of this instance (they index the old data)."""
+        copy = super().model_copy(update=update, deep=deep)
+        for key in ("_tidx", "_sidx"):
+            copy.__dict__.pop(key, None)
+        return copy
+
     def _timing_index(self) -> dict[tuple[str, int, int, int], LayerProfile]:
         idx = self.__dict__.get("_tidx")
         if idx is None:
