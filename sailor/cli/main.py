@@ -6,6 +6,7 @@ import typer
 
 from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.import_cmd import import_app
+from sailor.cli.plan_cmd import plan_cmd
 from sailor.cli.schema_cmd import schema
 
 __all__ = ["app"]
@@ -17,6 +18,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("schema")(schema)
+app.command("plan")(plan_cmd)
 app.add_typer(import_app, name="import")
 app.add_typer(catalog_app, name="catalog")
 

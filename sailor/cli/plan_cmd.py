@@ -1,0 +1,317 @@
+"""``sailor plan``: ranked plans for a pool, a model and an objective, under constraints."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sailor import catalog
+from sailor.cli._io import fail, load_model, load_raw
+from sailor.importers.sailor_format import export_plan
+from sailor.planner import (
+    Constraints,
+    PlannerInputError,
+    RankedPlan,
+    SearchResult,
+    search,
+)
+from sailor.schemas import (
+    Calibration,
+    ModelSpec,
+    NetworkProfile,
+    Pool,
+    PriceTable,
+    ProfileDB,
+)
+
+__all__ = ["plan_cmd"]
+
+_OBJECTIVES = {"throughput", "cost", "throughput_per_cost"}
+
+
+def _model(name: str, gbs: int | None) -> ModelSpec:
+    path = Path(name)
+    if path.suffix in (".json", ".yaml", ".yml") and path.exists():
+        model = load_model(path, ModelSpec)
+    else:
+        try:
+            model = catalog.model(name)
+        except KeyError as exc:
+            raise fail(str(exc.args[0]) + "; or pass a ModelSpec file") from exc
+    if gbs is not None:
+        model = model.model_copy(update={"global_batch_size": gbs})
+    return model
+
+
+def _profiles(model: ModelSpec, files: list[Path] | None) -> ProfileDB:
+    db = ProfileDB(model=model.name, meta={"tool": "empty: analytic estimates only"})
+    for p in files or []:
+        part = load_model(p, ProfileDB)
+        if part.model != model.name:
+            raise fail(f"{p}: profiles of model={part.model!r}, planning {model.name!r}")
+        db = db.merged(part)
+    return db
+
+
+def _prices(path: Path | None) -> PriceTable:
+    if path is None:
+        return catalog.prices()
+    price = load_model(path, PriceTable)
+    if not price.gpus:  # an egress-only table: keep the catalog's GPU prices beside it
+        base = catalog.prices()
+        price = price.model_copy(update={"gpus": base.gpus})
+    return price
+
+
+def _calibration(path: Path | None) -> Calibration:
+    if path is not None:
+        return load_model(path, Calibration)
+    builtin = getattr(catalog, "calibration", None)
+    return builtin() if callable(builtin) else Calibration()
+
+
+def _max_gpus(items: list[str] | None) -> tuple[tuple[str, int], ...]:
+    out: list[tuple[str, int]] = []
+    for it in items or []:
+        g, sep, n = it.partition("=")
+        if not sep or not n.strip().isdigit():
+            raise fail(f"--max-gpus {it!r}: expected TYPE=N, e.g. A100-40=64")
+        out.append((g.strip(), int(n)))
+    return tuple(out)
+
+
+def _csv(v: str | None) -> tuple[str, ...] | None:
+    return tuple(x.strip() for x in v.split(",") if x.strip()) if v else None
+
+
+def _stage_summary(r: RankedPlan) -> list[tuple[str, str, str, str, str, str]]:
+    """Pipelines grouped by shape: (count, stages/layers, types/TP, zones, mbs x m)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for p in r.plan.pipelines:
+        key = (
+            p.microbatch_size,
+            tuple(
+                (s.first_layer, s.last_layer, s.replica.gpu_type, s.replica.tp, s.replica.zone)
+                for s in p.stages
+            ),
+        )
+        groups.setdefault(key, []).append(p.num_microbatches)
+    rows = []
+    for (mbs, stages), ms in groups.items():
+        layers = " | ".join(f"{a}-{b}" for a, b, *_ in stages)
+        kinds = " | ".join(f"{g}x{tp}" for _, _, g, tp, _ in stages)
+        zones = ",".join(sorted({z for *_, z in stages}))
+        m = f"{min(ms)}" if min(ms) == max(ms) else f"{min(ms)}-{max(ms)}"
+        rows.append((f"{len(ms)}", f"{len(stages)}: {layers}", kinds, zones, f"{mbs} x {m}", ""))
+    return rows
+
+
+def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
+    con = Console()
+    for r in res.plans:
+        e = r.estimate
+        t = Table(
+            title=(
+                f"#{r.rank}: {e.throughput_iter_s:.4f} it/s, ${e.cost_per_iter_usd:.4f}/iter, "
+                f"${r.cost_per_hour_usd:.2f}/h, {sum(e.gpus_by_type_zone.values())} GPUs, "
+                f"peak {e.peak_memory_bytes / 2**30:.1f} GiB, "
+                f"{r.upper_bound_fraction:.0%} of bound"
+            )
+        )
+        for col in (
+            "pipelines",
+            "stages: layers",
+            "GPU x TP per stage",
+            "zones",
+            "mbs x microbatches",
+        ):
+            t.add_column(col)
+        for row in _stage_summary(r):
+            t.add_row(*row[:5])
+        con.print(t)
+        if r.moved_layer_replicas:
+            con.print(
+                f"  moves {r.moved_layer_replicas} layer replicas (layers {list(r.moved_layers)})"
+            )
+        if explain:
+            for line in r.explain:
+                con.print(f"  [dim]{line}[/dim]")
+    s = res.stats
+    con.print(
+        f"search: {elapsed:.3f} s wall (all precomputation included); {s.templates} templates, "
+        f"{s.allocations} allocations, {s.simulated} simulated; pruned {s.pruned_memory} stage "
+        f"cells by memory, {s.pruned_bound} scenarios by bound; upper bound "
+        f"{res.upper_bound_iter_s:.4f} it/s"
+    )
+
+
+def _pareto(res: SearchResult, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sim = [
+        (c.estimate.cost_per_iter_usd, c.estimate.throughput_iter_s)
+        for c in res.candidates
+        if c.estimate is not None and not c.violations
+    ]
+    fast = [
+        (c.fast.cost_per_iter, 1.0 / c.fast.iteration_s)
+        for c in res.candidates
+        if c.estimate is None
+    ]
+    best = [(r.cost_per_iter_usd, r.throughput_iter_s) for r in res.plans]
+    for pts, size, color, label in (
+        (fast, 10, "0.7", "kept (search estimate)"),
+        (sim, 18, "C0", "simulated, feasible"),
+        (best, 40, "C3", "returned"),
+    ):
+        if pts:
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], s=size, c=color, label=label)
+    ax.set_xlabel("$ per iteration")
+    ax.set_ylabel("iterations / s")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plan_cmd(
+    model: str = typer.Option(..., "--model", help="Catalog model name or a ModelSpec file."),
+    pool: Path = typer.Option(..., "--pool", help="Pool file (YAML/JSON, `sailor schema pool`)."),
+    profiles: list[Path] = typer.Option(None, "--profiles", help="ProfileDB file(s) to merge."),
+    network: Path | None = typer.Option(None, help="NetworkProfile file."),
+    prices: Path | None = typer.Option(None, help="PriceTable file (default: catalog)."),
+    calibration: Path | None = typer.Option(None, help="Calibration file (default: catalog)."),
+    objective: str = typer.Option("throughput", help="throughput | cost | throughput_per_cost"),
+    max_cost_per_iter: float | None = typer.Option(None, help="Max $ per iteration."),
+    max_cost_per_hour: float | None = typer.Option(None, help="Max $ per hour."),
+    min_throughput: float | None = typer.Option(None, help="Min iterations per second."),
+    max_gpus: list[str] = typer.Option(None, "--max-gpus", help="TYPE=N, repeatable."),
+    zones: str | None = typer.Option(None, help="Allowed zones, comma-separated."),
+    regions: str | None = typer.Option(None, help="Allowed regions, comma-separated."),
+    gbs: int | None = typer.Option(None, help="Global batch size (default: the model's)."),
+    spot: bool = typer.Option(False, help="Price GPUs at spot rates."),
+    one_mbs: bool = typer.Option(
+        False, "--one-mbs", help="One microbatch size for every pipeline (exportable)."
+    ),
+    top: int = typer.Option(3, "--top", help="Plans to show."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    explain: bool = typer.Option(False, "--explain", help="Why each plan: shapes and breakdown."),
+    pareto: Path | None = typer.Option(None, help="Plot throughput vs $/iteration to this PNG."),
+    export_sailor: Path | None = typer.Option(
+        None, help="Write the best plan in the original artifact's plan-config format."
+    ),
+) -> None:
+    """Search plans: which GPUs to use and how to parallelize the model on them."""
+    t0 = time.perf_counter()
+    if objective not in _OBJECTIVES:
+        raise fail(f"--objective {objective!r}: use one of {', '.join(sorted(_OBJECTIVES))}")
+    m = _model(model, gbs)
+    pool_v = load_model(pool, Pool) if pool.exists() else None
+    if pool_v is None:
+        load_raw(pool)  # names the unreadable file
+        raise fail(f"{pool}: cannot read")
+    db = _profiles(m, profiles)
+    net = load_model(network, NetworkProfile) if network else NetworkProfile()
+    price = _prices(prices)
+    cal = _calibration(calibration)
+    try:
+        cons = Constraints(
+            max_cost_per_iter_usd=max_cost_per_iter,
+            max_cost_per_hour_usd=max_cost_per_hour,
+            min_throughput_iter_s=min_throughput,
+            max_gpus_per_type=_max_gpus(max_gpus),
+            allowed_zones=_csv(zones),
+            allowed_regions=_csv(regions),
+            one_microbatch_size=one_mbs,
+        )
+    except PlannerInputError as exc:
+        raise fail(str(exc)) from exc
+    show = not as_json
+    try:
+        with Progress(
+            TextColumn("searching"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            transient=True,
+            disable=not show,
+            console=Console(stderr=True),
+        ) as bar:
+            task = bar.add_task("search", total=1)
+
+            def tick(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+            res = search(
+                m,
+                db,
+                pool_v,
+                net,
+                price,
+                objective,  # type: ignore[arg-type]
+                cons,
+                gpu_specs=catalog.gpus(),
+                calibration=cal,
+                spot=spot,
+                top_k=top,
+                progress=tick,
+            )
+    except PlannerInputError as exc:
+        raise fail(str(exc)) from exc
+    elapsed = time.perf_counter() - t0
+    if pareto is not None:
+        _pareto(res, pareto)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "model": m.name,
+                    "objective": objective,
+                    "search_time_s": elapsed,
+                    "upper_bound_iter_s": res.upper_bound_iter_s,
+                    "reason": res.reason,
+                    "plans": [r.to_json() for r in res.plans],
+                },
+                indent=2,
+            )
+        )
+    else:
+        _print(res, elapsed, explain)
+    if export_sailor is not None and res.plans:
+        _export(res, export_sailor)
+    if not res.plans:
+        raise fail(f"no feasible plan: {res.reason}", code=1)
+
+
+def _export(res: SearchResult, out: Path) -> None:
+    """The best plan the original's format can express (it has one microbatch size)."""
+    for r in res.plans:
+        try:
+            data = export_plan(r.plan)
+        except ValueError:
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        if r.rank != 1:
+            typer.echo(
+                f"note: plan #1 mixes microbatch sizes, which the original's format cannot "
+                f"express; wrote plan #{r.rank} to {out}",
+                err=True,
+            )
+        return
+    raise fail(
+        "--export-sailor: every returned plan mixes microbatch sizes per pipeline, which the "
+        "original's plan-config format cannot express; rerun with --one-mbs"
+    )

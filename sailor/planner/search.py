@@ -1,0 +1,836 @@
+"""``plan()``: co-optimize which GPUs to use and how to parallelize on them.
+
+Estimate, then solve:
+
+1. **Tables** (:mod:`tables`): per-layer time, size and per-link transfer times from the
+   simulator's own cost functions, for every (GPU type, TP, microbatch size) of the pool.
+2. **Templates** (:mod:`templates`): per zone, for each stage kind (GPU type, TP) and each
+   ordered pair of kinds, a DP gives the best uneven partition for every depth; memory prunes.
+3. **Scenarios**: which GPU types and zones to use at all. For each non-empty subset of GPU
+   types and each prefix of the zones (ordered by region, then capacity) the search knows the
+   ring a gradient all-reduce would run over, so it can price every template's sync.
+   Scenarios are visited by their throughput upper bound and skipped once the bound cannot
+   beat the best allocation found (bound pruning).
+4. **Allocation** (:mod:`allocate`): pipelines and microbatches per scenario: the least
+   iteration time that covers the global batch (throughput), and the cheapest pipelines for
+   a range of iteration times (cost).
+5. **Judge**: the best allocations by the search's own closed-form figures are turned into
+   plans and simulated with :func:`sailor.simulator.simulate`; only plans the simulator says
+   fit in memory and meet every constraint are returned, ranked by the simulator's figures.
+
+Pure: values in, values out (a progress callback may be passed). No clock: callers time it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+
+from sailor.planner.allocate import (
+    Allocation,
+    FastFigures,
+    Resource,
+    SyncModel,
+    assign_microbatches,
+    cheapest_for_time,
+    fast_estimate,
+    min_time_allocation,
+    overheads_for,
+    to_plan,
+)
+from sailor.planner.api import (
+    OBJECTIVES,
+    Constraints,
+    NoFeasiblePlanError,
+    Objective,
+    PlannerInputError,
+    RankedPlan,
+    SearchStats,
+)
+from sailor.planner.moves import moved_layers
+from sailor.planner.tables import CostTables, Inputs, Kind
+from sailor.planner.templates import PipelineTemplate, best_partitions, with_cuts
+from sailor.schemas import (
+    Calibration,
+    Estimate,
+    GPUSpec,
+    ModelSpec,
+    NetworkProfile,
+    Plan,
+    Pool,
+    PriceTable,
+    ProfileDB,
+)
+from sailor.simulator import ProfileLookupError, simulate
+
+__all__ = [
+    "Candidate",
+    "Progress",
+    "SearchResult",
+    "plan",
+    "resources_of",
+    "search",
+    "search_with_tables",
+    "throughput_upper_bound",
+]
+
+Progress = Callable[[int, int], None]
+"""Called with (steps done, steps in total) as the search advances."""
+
+_GROUPS_PER_SCENARIO = 4
+"""Shared partitions per scenario on which the least-time allocation is also computed."""
+
+_COST_T_FACTORS = (1.0, 1.15, 1.35, 1.6, 2.0, 2.5, 3.2, 4.0, 6.0, 8.0)
+"""Iteration-time budgets, as multiples of the scenario's least time, at which the cost
+objective buys the cheapest pipelines: slower plans on fewer GPUs can cost less per iteration
+(less sync) or more (fixed costs): the search looks at both sides."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An allocation the search kept, with its figures (simulated if ``estimate`` is set)."""
+
+    alloc: Allocation
+    fast: FastFigures
+    estimate: Estimate | None = None
+    plan: Plan | None = None
+    violations: tuple[str, ...] = ()
+
+
+@dataclass
+class SearchState:
+    """What a replan reuses: the cost tables and every template computed so far."""
+
+    tables: CostTables
+    templates: dict[tuple[object, ...], list[PipelineTemplate]] = field(default_factory=dict)
+    pruned_memory: int = 0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Ranked plans (best first), or none with the reason."""
+
+    plans: tuple[RankedPlan, ...]
+    reason: str
+    objective: Objective
+    constraints: Constraints
+    upper_bound_iter_s: float
+    candidates: tuple[Candidate, ...]
+    stats: SearchStats
+    state: SearchState
+    pool: Pool
+    previous: Plan | None = None
+    allocations: tuple[Allocation, ...] = ()
+    """The allocation behind each ranked plan (same order): what a replan warm-starts from."""
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def resources_of(pool: Pool, constraints: Constraints) -> dict[Resource, int]:
+    """GPUs per (type, zone, VM shape) that the constraints allow the plan to use."""
+    caps: dict[Resource, int] = {}
+    for e in pool.entries:
+        region = e.zone.rsplit("-", 1)[0] if e.zone.count("-") >= 2 else e.zone
+        if constraints.allowed_zones is not None and e.zone not in constraints.allowed_zones:
+            continue
+        if constraints.allowed_regions is not None and region not in constraints.allowed_regions:
+            continue
+        if e.gpus <= 0:
+            continue
+        k = (e.gpu_type, e.zone, e.gpus_per_node)
+        caps[k] = caps.get(k, 0) + e.gpus
+    # a cap per GPU type: fill its largest zones first (whole nodes)
+    by_type: dict[str, list[Resource]] = {}
+    for r in caps:
+        by_type.setdefault(r[0], []).append(r)
+    for g, rs in by_type.items():
+        cap = constraints.gpu_cap(g)
+        if cap is None:
+            continue
+        left = cap
+        for r in sorted(rs, key=lambda r: -caps[r]):
+            take = min(caps[r], left // r[2] * r[2])
+            caps[r] = take
+            left -= take
+    return {r: n for r, n in caps.items() if n > 0}
+
+
+def _check_inputs(inputs: Inputs, pool: Pool) -> None:
+    if not pool.entries or pool.total_gpus == 0:
+        raise PlannerInputError("pool is empty: it has no GPUs to plan with")
+    if inputs.profiles.model != inputs.model.name:
+        raise PlannerInputError(
+            f"profiles.model={inputs.profiles.model!r} does not match model={inputs.model.name!r}"
+        )
+    known = set(inputs.gpu_specs) | set(inputs.profiles.gpu_types())
+    for e in pool.entries:
+        if e.gpu_type not in known:
+            raise PlannerInputError(
+                f"pool GPU type {e.gpu_type!r} is unknown: no profile and no spec "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        try:
+            inputs.prices.gpu_hour(e.gpu_type, e.zone, inputs.spot)
+        except KeyError as exc:
+            raise PlannerInputError(f"pool GPU type {e.gpu_type!r} has no price") from exc
+
+
+def _mbs_candidates(inputs: Inputs, gpu_type: str) -> list[int]:
+    memo: dict[str, list[int]] = inputs.__dict__.setdefault("_mbs_memo", {})
+    hit = memo.get(gpu_type)
+    if hit is None:
+        hit = memo[gpu_type] = _mbs_grid(inputs, gpu_type)
+    return hit
+
+
+def _mbs_grid(inputs: Inputs, gpu_type: str) -> list[int]:
+    """Powers of two dividing the global batch, up to the largest profiled microbatch."""
+    gbs = inputs.model.global_batch_size
+    grid = inputs.profiles.grid(gpu_type)
+    top = max((max(v) for v in grid.values()), default=8)
+    out = []
+    b = 1
+    while b <= min(gbs, top):
+        if gbs % b == 0:
+            out.append(b)
+        b *= 2
+    return out or [1]
+
+
+def _tp_candidates(gpus_per_node: int) -> list[int]:
+    out = []
+    t = 1
+    while t <= gpus_per_node:
+        out.append(t)
+        t *= 2
+    return out
+
+
+# -- upper bound -----------------------------------------------------------------------------
+
+
+def _per_gpu_rate(tables: CostTables, gpu_type: str, gpus_per_node: int) -> float:
+    """Best samples/s one GPU of the type can compute (fwd+bwd only, any TP and mbs)."""
+    best = 0.0
+    for tp in _tp_candidates(gpus_per_node):
+        for b in _mbs_candidates(tables.inputs, gpu_type):
+            a = tables.arrays(gpu_type, tp, b)
+            if a is None or a.comp[-1] <= 0:
+                continue
+            best = max(best, b / (tp * float(a.comp[-1])))
+    return best
+
+
+def _bound(tables: CostTables, caps: Mapping[Resource, int]) -> float:
+    rate = sum(_per_gpu_rate(tables, g, k) * n for (g, _z, k), n in caps.items())
+    return rate / tables.inputs.model.global_batch_size
+
+
+def throughput_upper_bound(
+    model: ModelSpec,
+    profiles: ProfileDB,
+    pool: Pool,
+    *,
+    gpu_specs: Mapping[str, GPUSpec],
+    calibration: Calibration | None = None,
+    network: NetworkProfile | None = None,
+    prices: PriceTable | None = None,
+) -> float:
+    """Iterations/s if every GPU of the pool computed at its best per-sample rate, with
+    perfect scaling: no pipeline bubble, transfer, gradient sync or optimizer step."""
+    inputs = Inputs(
+        model=model,
+        profiles=profiles,
+        network=network or NetworkProfile(),
+        prices=prices or PriceTable(),
+        gpu_specs=gpu_specs,
+        calibration=calibration or Calibration(),
+    )
+    return _bound(CostTables(inputs), resources_of(pool, Constraints()))
+
+
+# -- templates -------------------------------------------------------------------------------
+
+
+def _templates(
+    state: SearchState, caps: Mapping[Resource, int], stats: dict[str, int]
+) -> list[PipelineTemplate]:
+    tables = state.tables
+    inputs = tables.inputs
+    by_zone: dict[str, list[Resource]] = {}
+    for r in caps:
+        by_zone.setdefault(r[1], []).append(r)
+    out: list[PipelineTemplate] = []
+
+    def get(kinds: tuple[Kind, ...], b: int) -> list[PipelineTemplate]:
+        key = (kinds, b)
+        hit = state.templates.get(key)
+        if hit is None:
+            hit, pruned = best_partitions(tables, kinds, b)
+            state.templates[key] = hit
+            state.pruned_memory += pruned
+            stats["computed"] += 1
+        return hit
+
+    for zone, rs in sorted(by_zone.items()):
+        kinds_by_r = {
+            r: [Kind(r[0], tp, zone, r[2]) for tp in _tp_candidates(r[2])] for r in sorted(rs)
+        }
+        mbs_by_type = {r[0]: _mbs_candidates(inputs, r[0]) for r in rs}
+        singles: list[PipelineTemplate] = []
+        for r, ks in kinds_by_r.items():
+            for k in ks:
+                for b in mbs_by_type[r[0]]:
+                    singles.extend(t for t in get((k,), b) if _fits(t, caps))
+        out.extend(singles)
+        if len(rs) > 1:
+            out.extend(_aligned(state, singles, kinds_by_r, mbs_by_type, caps))
+        for ra, rb in combinations(sorted(rs), 2):
+            for r1, r2 in ((ra, rb), (rb, ra)):
+                common = sorted(set(mbs_by_type[r1[0]]) & set(mbs_by_type[r2[0]]))
+                for k1 in kinds_by_r[r1]:
+                    for k2 in kinds_by_r[r2]:
+                        for b in common:
+                            out.extend(t for t in get((k1, k2), b) if _fits(t, caps))
+    return out
+
+
+_LEADERS_PER_DEPTH = 2
+"""Partitions per depth that every other stage kind of the zone is also evaluated on."""
+
+
+def _cuts(t: PipelineTemplate) -> tuple[int, ...]:
+    return tuple(s.last_layer for s in t.stages)
+
+
+def _rate(t: PipelineTemplate) -> float:
+    """Samples per GPU-second in steady state."""
+    return t.mbs / (t.period_s * t.gpus)
+
+
+def _aligned(
+    state: SearchState,
+    singles: Sequence[PipelineTemplate],
+    kinds_by_r: Mapping[Resource, list[Kind]],
+    mbs_by_type: Mapping[str, list[int]],
+    caps: Mapping[Resource, int],
+) -> list[PipelineTemplate]:
+    """Templates of every kind on the best partitions of each depth (shared sync segments)."""
+    by_depth: dict[int, list[PipelineTemplate]] = {}
+    for t in singles:
+        if t.depth > 1:
+            by_depth.setdefault(t.depth, []).append(t)
+    out: list[PipelineTemplate] = []
+    for ts in by_depth.values():
+        ts.sort(key=lambda t: -_rate(t))
+        leaders: list[tuple[int, ...]] = []
+        for t in ts:
+            c = _cuts(t)
+            if c not in leaders:
+                leaders.append(c)
+            if len(leaders) >= _LEADERS_PER_DEPTH:
+                break
+        for cuts in leaders:
+            for r, ks in kinds_by_r.items():
+                for k in ks:
+                    for b in mbs_by_type[r[0]]:
+                        key = ("cuts", k, b, cuts)
+                        hit = state.templates.get(key)
+                        if hit is None:
+                            one = with_cuts(state.tables, k, b, cuts)
+                            hit = [one] if one is not None else []
+                            state.templates[key] = hit
+                        out.extend(t for t in hit if _fits(t, caps))
+    return out
+
+
+def _fits(t: PipelineTemplate, caps: Mapping[Resource, int]) -> bool:
+    return all(caps.get(r, 0) >= n for r, n in t.gpus_by_resource().items())
+
+
+def _prune_dominated(ts: Sequence[PipelineTemplate]) -> list[PipelineTemplate]:
+    """Drop a template if another on the same resources and mbs is no worse in GPUs,
+    period and fill."""
+    groups: dict[tuple[object, ...], list[PipelineTemplate]] = {}
+    for t in ts:
+        sig = (t.mbs, tuple(sorted(t.gpus_by_resource())))
+        groups.setdefault(sig, []).append(t)
+    out: list[PipelineTemplate] = []
+    for g in groups.values():
+        g.sort(key=lambda t: (t.gpus, t.period_s, t.fill_s))
+        kept: list[PipelineTemplate] = []
+        for t in g:
+            if any(
+                k.gpus <= t.gpus and k.period_s <= t.period_s and k.fill_s <= t.fill_s for k in kept
+            ):
+                continue
+            kept.append(t)
+        out.extend(kept)
+    return out
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def _zone_order(caps: Mapping[Resource, int]) -> list[str]:
+    zone_cap: dict[str, int] = {}
+    for (_g, z, _k), n in caps.items():
+        zone_cap[z] = zone_cap.get(z, 0) + n
+    region_cap: dict[str, int] = {}
+    for z, n in zone_cap.items():
+        reg = z.rsplit("-", 1)[0] if z.count("-") >= 2 else z
+        region_cap[reg] = region_cap.get(reg, 0) + n
+
+    def key(z: str) -> tuple[int, str, int, str]:
+        reg = z.rsplit("-", 1)[0] if z.count("-") >= 2 else z
+        return (-region_cap[reg], reg, -zone_cap[z], z)
+
+    return sorted(zone_cap, key=key)
+
+
+def _scenarios(caps: Mapping[Resource, int]) -> list[dict[Resource, int]]:
+    types = sorted({r[0] for r in caps})
+    zones = _zone_order(caps)
+    out: list[dict[Resource, int]] = []
+    seen: set[tuple[Resource, ...]] = set()
+    for n in range(1, len(types) + 1):
+        for ts in combinations(types, n):
+            for i in range(1, len(zones) + 1):
+                zs = set(zones[:i])
+                sc = {r: c for r, c in caps.items() if r[0] in ts and r[1] in zs}
+                key = tuple(sorted(sc))
+                if sc and key not in seen:
+                    seen.add(key)
+                    out.append(sc)
+    return out
+
+
+def _score(objective: Objective, thr: float, cost_iter: float, cost_hour: float) -> float:
+    """Larger is better."""
+    if objective == "throughput":
+        return thr
+    if objective == "cost":
+        return -cost_iter
+    return thr / cost_hour if cost_hour > 0 else 0.0
+
+
+def _fast_ok(f: FastFigures, c: Constraints, slack: float) -> bool:
+    if c.max_cost_per_iter_usd is not None and f.cost_per_iter > c.max_cost_per_iter_usd * slack:
+        return False
+    if c.max_cost_per_hour_usd is not None and f.cost_per_hour > c.max_cost_per_hour_usd * (
+        1 + 1e-9
+    ):
+        return False
+    return not (
+        c.min_throughput_iter_s is not None
+        and 1.0 / f.iteration_s < c.min_throughput_iter_s / slack
+    )
+
+
+def _allocations(
+    state: SearchState,
+    templates: Sequence[PipelineTemplate],
+    scenario: dict[Resource, int],
+    objective: Objective,
+    constraints: Constraints,
+) -> list[Allocation]:
+    tables = state.tables
+    gbs = tables.inputs.model.global_batch_size
+    ts = [t for t in templates if _fits(t, scenario)]
+    if not ts:
+        return []
+    ring = sorted(
+        {Kind(g, 1, z, k) for (g, z, k) in scenario},
+        key=lambda k: (k.zone, k.gpu_type, k.gpus_per_node),
+    )
+    sync = _sync_model(state)
+    n_guess = max(2, min(gbs, sum(scenario.values()) // max(1, min(t.gpus for t in ts))))
+    over = overheads_for(ts, ring, n_guess, sync, tables.inputs.model.param_bytes())
+    out: list[Allocation] = []
+    t_max = (
+        1.0 / constraints.min_throughput_iter_s
+        if constraints.min_throughput_iter_s is not None
+        else None
+    )
+    chosen = min_time_allocation(ts, scenario, gbs, over, t_max=None)
+    if chosen:
+        a = assign_microbatches(chosen, gbs, over)
+        if a:
+            out.append(Allocation(tuple(a), "least time"))
+    # the same on one shared partition: aligned sync segments across GPU types
+    groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
+    for t in ts:
+        if len({s.kind.gpu_type for s in t.stages}) == 1:
+            groups.setdefault(_cuts(t), []).append(t)
+    multi = [g for g in groups.values() if len({r for t in g for r in t.gpus_by_resource()}) > 1]
+    multi.sort(key=lambda g: -max(_rate(t) for t in g))
+    for g in multi[:_GROUPS_PER_SCENARIO]:
+        picked = min_time_allocation(g, scenario, gbs, over)
+        if picked:
+            a = assign_microbatches(picked, gbs, over)
+            if a:
+                out.append(Allocation(tuple(a), f"least time on one partition {list(_cuts(g[0]))}"))
+    want_cost = (
+        objective != "throughput"
+        or constraints.max_cost_per_iter_usd is not None
+        or constraints.max_cost_per_hour_usd is not None
+    )
+    if want_cost and chosen:
+        t0 = max(t.pipe_time(1) + over[id(t)] for t in chosen[:1])
+        base = max(
+            min(t.fill_s + over[id(t)] for t in ts),
+            _least_time(chosen, gbs, over) or t0,
+        )
+        price = {
+            id(t): sum(
+                tables.price_per_s(g, z) * n for (g, z, _), n in t.gpus_by_resource().items()
+            )
+            for t in ts
+        }
+        for f in _COST_T_FACTORS:
+            budget = base * f
+            if t_max is not None and budget > t_max * 1.05:
+                break
+            bought = cheapest_for_time(ts, scenario, gbs, budget, over, price)
+            if bought:
+                a = assign_microbatches(bought, gbs, over)
+                if a:
+                    out.append(Allocation(tuple(a), f"cheapest within {f:g}x least time"))
+    return out
+
+
+def _least_time(
+    pipes: Sequence[PipelineTemplate], gbs: int, over: dict[int, float]
+) -> float | None:
+    a = assign_microbatches(pipes, gbs, over)
+    if not a:
+        return None
+    return max(t.pipe_time(m) + over[id(t)] for t, m in a)
+
+
+def _sync_model(state: SearchState) -> SyncModel:
+    cached = state.__dict__.get("_sync")
+    if cached is None:
+        cached = SyncModel(state.tables)
+        state.__dict__["_sync"] = cached
+    return cached
+
+
+# -- the search ------------------------------------------------------------------------------
+
+
+def search(
+    model: ModelSpec,
+    profiles: ProfileDB,
+    pool: Pool,
+    network: NetworkProfile,
+    prices: PriceTable,
+    objective: Objective = "throughput",
+    constraints: Constraints | None = None,
+    *,
+    gpu_specs: Mapping[str, GPUSpec],
+    calibration: Calibration | None = None,
+    spot: bool = False,
+    top_k: int = 5,
+    simulate_top: int = 8,
+    progress: Progress | None = None,
+) -> SearchResult:
+    """Ranked feasible plans for ``pool`` (best first) and what the search looked at."""
+    inputs = Inputs(
+        model=model,
+        profiles=profiles,
+        network=network,
+        prices=prices,
+        gpu_specs=gpu_specs,
+        calibration=calibration or Calibration(),
+        spot=spot,
+    )
+    state = SearchState(tables=CostTables(inputs))
+    return search_with_tables(
+        state,
+        pool,
+        objective,
+        constraints or Constraints(),
+        top_k=top_k,
+        simulate_top=simulate_top,
+        progress=progress,
+    )
+
+
+def plan(
+    model: ModelSpec,
+    profiles: ProfileDB,
+    pool: Pool,
+    network: NetworkProfile,
+    prices: PriceTable,
+    objective: Objective = "throughput",
+    constraints: Constraints | None = None,
+    *,
+    gpu_specs: Mapping[str, GPUSpec],
+    calibration: Calibration | None = None,
+    spot: bool = False,
+    top_k: int = 5,
+) -> list[RankedPlan]:
+    """Best plans first; raises :class:`NoFeasiblePlanError` (with the reason) if there is none."""
+    res = search(
+        model,
+        profiles,
+        pool,
+        network,
+        prices,
+        objective,
+        constraints,
+        gpu_specs=gpu_specs,
+        calibration=calibration,
+        spot=spot,
+        top_k=top_k,
+    )
+    if not res.plans:
+        raise NoFeasiblePlanError(res.reason)
+    return list(res.plans)
+
+
+def search_with_tables(
+    state: SearchState,
+    pool: Pool,
+    objective: Objective,
+    constraints: Constraints,
+    *,
+    top_k: int = 5,
+    simulate_top: int = 8,
+    progress: Progress | None = None,
+    previous: Plan | None = None,
+    extra: Sequence[Allocation] = (),
+    prefer_less_movement: float = 0.0,
+) -> SearchResult:
+    """The search on given (possibly warm) tables; :func:`replan` calls it too."""
+    if objective not in OBJECTIVES:
+        raise PlannerInputError(f"objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if top_k < 1:
+        raise PlannerInputError(f"top_k={top_k}: must be >= 1")
+    tables = state.tables
+    inputs = tables.inputs
+    _check_inputs(inputs, pool)
+    caps = resources_of(pool, constraints)
+
+    def empty(reason: str, ub: float = 0.0, cands: Sequence[Candidate] = ()) -> SearchResult:
+        return SearchResult(
+            plans=(),
+            reason=reason,
+            objective=objective,
+            constraints=constraints,
+            upper_bound_iter_s=ub,
+            candidates=tuple(cands),
+            stats=SearchStats(pruned_memory=state.pruned_memory),
+            state=state,
+            pool=pool,
+            previous=previous,
+        )
+
+    if not caps:
+        return empty("no GPU of the pool is allowed by the constraints (zones, regions, caps)")
+    ub = _bound(tables, caps)
+    if constraints.min_throughput_iter_s is not None and constraints.min_throughput_iter_s > ub:
+        return empty(
+            f"min_throughput={constraints.min_throughput_iter_s:.4g} it/s exceeds the pool's "
+            f"upper bound {ub:.4g} it/s (perfect scaling of the fastest compute)",
+            ub,
+        )
+    tstats = {"computed": 0}
+    templates = _prune_dominated(_templates(state, caps, tstats))
+    if not templates:
+        why = [f for f in (tables.failure(g, 1, 1) for (g, _z, _k) in caps) if f is not None]
+        return empty(
+            f"model {inputs.model.name} fits on no stage of any GPU type in the pool at any "
+            "depth, TP degree and microbatch size (memory)"
+            + (f"; profile lookups failed: {'; '.join(why)}" if why else ""),
+            ub,
+        )
+    scenarios = _scenarios(caps)
+    scen_bounds = sorted(((_bound(tables, s), i) for i, s in enumerate(scenarios)), reverse=True)
+    sync = _sync_model(state)
+    seen: set[tuple[object, ...]] = set()
+    cands: list[Candidate] = []
+    best_thr = 0.0
+    pruned_bound = 0
+    total = len(scenarios) + simulate_top
+    allocs: list[Allocation] = list(extra)
+    for step, (bnd, i) in enumerate(scen_bounds):
+        if progress is not None:
+            progress(step, total)
+        if (
+            objective == "throughput"
+            and bnd < best_thr
+            and constraints.max_cost_per_iter_usd is None
+        ):
+            pruned_bound += 1
+            continue
+        if constraints.one_microbatch_size:
+            new = [
+                a
+                for b in sorted({t.mbs for t in templates})
+                for a in _allocations(
+                    state,
+                    [t for t in templates if t.mbs == b],
+                    scenarios[i],
+                    objective,
+                    constraints,
+                )
+            ]
+        else:
+            new = _allocations(state, templates, scenarios[i], objective, constraints)
+        for a in new:
+            f = fast_estimate(a, tables, sync)
+            best_thr = max(best_thr, 1.0 / f.iteration_s)
+        allocs.extend(new)
+    for a in allocs:
+        if a.key in seen:
+            continue
+        seen.add(a.key)
+        cands.append(Candidate(alloc=a, fast=fast_estimate(a, tables, sync)))
+    ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
+    ok.sort(
+        key=lambda c: (
+            -_score(objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour)
+        )
+    )
+    judged: list[Candidate] = []
+    feasible: list[Candidate] = []
+    budget = simulate_top
+    idx = 0
+    gbs = inputs.model.global_batch_size
+    while (
+        idx < len(ok) and (len(feasible) < max(top_k, 1) or budget > 0) and idx < 6 * simulate_top
+    ):
+        c = ok[idx]
+        idx += 1
+        budget -= 1
+        p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=f"sailor-{idx}")
+        try:
+            est = simulate(
+                p,
+                inputs.model,
+                inputs.profiles,
+                inputs.network,
+                inputs.prices,
+                calibration=inputs.calibration,
+                gpu_specs=inputs.gpu_specs,
+                spot=inputs.spot,
+            )
+        except (ProfileLookupError, KeyError, ValueError) as exc:
+            judged.append(Candidate(c.alloc, c.fast, None, p, (f"simulator: {exc}",)))
+            continue
+        viol = list(constraints.violations(est, c.fast.cost_per_hour))
+        if not est.fits_in_memory:
+            viol.append(f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
+        cand = Candidate(c.alloc, c.fast, est, p, tuple(viol))
+        judged.append(cand)
+        if not viol:
+            feasible.append(cand)
+        if progress is not None:
+            progress(len(scenarios) + min(idx, simulate_top), total)
+    if progress is not None:
+        progress(total, total)
+    kept = judged + list(ok[idx:])
+    if not feasible:
+        if not ok:
+            reason = (
+                "no allocation meets the constraints by the search's estimate "
+                f"({len(cands)} allocations looked at)"
+            )
+        else:
+            reasons = sorted({v for c in judged for v in c.violations})
+            reason = "no simulated plan is feasible: " + "; ".join(reasons[:5])
+        return empty(reason, ub, kept)
+
+    def final_score(c: Candidate) -> float:
+        assert c.estimate is not None
+        return _score(
+            objective,
+            c.estimate.throughput_iter_s,
+            c.estimate.cost_per_iter_usd,
+            c.fast.cost_per_hour,
+        )
+
+    feasible.sort(key=lambda c: -final_score(c))
+    moves = {id(c): moved_layers(previous, c.plan) if c.plan else ((), 0) for c in feasible}
+    if previous is not None and prefer_less_movement > 0:
+        top = final_score(feasible[0])
+        span = abs(top) * prefer_less_movement
+        close = [c for c in feasible if final_score(c) >= top - span]
+        rest = [c for c in feasible if final_score(c) < top - span]
+        close.sort(key=lambda c: (moves[id(c)][1], -final_score(c)))
+        feasible = close + rest
+    ranked: list[RankedPlan] = []
+    for r, c in enumerate(feasible[:top_k]):
+        assert c.estimate is not None and c.plan is not None
+        mv = moves[id(c)]
+        ranked.append(
+            RankedPlan(
+                rank=r + 1,
+                plan=c.plan.model_copy(update={"plan_id": f"sailor-{r + 1}"}),
+                estimate=c.estimate,
+                cost_per_hour_usd=c.fast.cost_per_hour,
+                upper_bound_fraction=c.estimate.throughput_iter_s / ub if ub > 0 else 0.0,
+                moved_layers=mv[0],
+                moved_layer_replicas=mv[1],
+                explain=_explain(c, ub),
+            )
+        )
+    stats = SearchStats(
+        templates=len(templates),
+        allocations=len(cands),
+        simulated=len(judged),
+        pruned_memory=state.pruned_memory,
+        pruned_bound=pruned_bound,
+        notes=(f"{tstats['computed']} template DPs run, {len(scenarios)} scenarios",),
+    )
+    return SearchResult(
+        allocations=tuple(c.alloc for c in feasible[:top_k]),
+        plans=tuple(ranked),
+        reason="",
+        objective=objective,
+        constraints=constraints,
+        upper_bound_iter_s=ub,
+        candidates=tuple(kept),
+        stats=stats,
+        state=state,
+        pool=pool,
+        previous=previous,
+    )
+
+
+def _explain(c: Candidate, ub: float) -> tuple[str, ...]:
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for t, m in c.alloc.pipelines:
+        groups.setdefault(t.key, []).append(m)
+    lines = [f"allocation: {c.alloc.how}"]
+    temps = {t.key: t for t, _ in c.alloc.pipelines}
+    for key, ms in groups.items():
+        t = temps[key]
+        stages = ", ".join(
+            f"{s.kind.gpu_type} tp{s.kind.tp}@{s.kind.zone} L{s.first_layer}-{s.last_layer}"
+            for s in t.stages
+        )
+        lines.append(
+            f"{len(ms)} x pipeline [{stages}] mbs {t.mbs}, microbatches {min(ms)}-{max(ms)}, "
+            f"period {t.period_s * 1e3:.1f} ms, fill {t.fill_s * 1e3:.1f} ms"
+        )
+    e = c.estimate
+    if e is not None:
+        tb = e.time
+        lines.append(
+            f"simulated: {e.iteration_time_s:.3f} s/iter = compute {tb.compute_s:.3f} + p2p "
+            f"{tb.p2p_s:.3f} + bubble {tb.bubble_s:.3f} + sync {tb.grad_sync_s:.3f} + update "
+            f"{tb.update_s:.3f}; search estimate {c.fast.iteration_s:.3f} s"
+        )
+        if ub > 0:
+            lines.append(f"{e.throughput_iter_s / ub:.1%} of the upper bound {ub:.3f} it/s")
+    return tuple(lines)
+
+
+def _nan_safe(x: float) -> float:
+    return x if math.isfinite(x) else 0.0

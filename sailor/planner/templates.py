@@ -1,0 +1,300 @@
+"""Pipeline templates: the best uneven layer partition for each depth and stage kinds.
+
+A template is one pipeline shape: its stages' layer ranges and kinds (GPU type, TP, zone).
+For a sequence of at most two kinds (``A`` stages then ``B`` stages: a pipeline whose first
+stages run on one GPU type and last on another), a dynamic program over layers finds, for
+every depth ``S`` at once, the partition that minimises the bottleneck stage time (the 1F1B
+period, which multiplies the number of microbatches) and, among those, the sum of stage times
+(the fill and drain). A stage's time is its compute plus the blocking transfers at both of
+its ends, as the simulator charges them. Stages that do not fit in memory with the
+microbatches 1F1B keeps in flight at their position (``S - s``) are never formed: memory
+prunes the DP, not a fixed shape.
+
+Backward recursion, with ``k`` stages left starting at layer ``i`` on kind ``x`` after a stage
+of kind ``p``: ``V[k][x][p][i] = min_j,y max(t(i..j; p→x→y), V[k-1][y][x][j+1])``; all ``i``
+and ``j`` are handled at once as numpy matrices, O(L³·K²) per kind sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sailor.planner.tables import CostTables, FloatArray, Kind, LayerArrays
+
+__all__ = ["PipelineTemplate", "StageTemplate", "best_partitions"]
+
+_TIE = 1e-9
+
+
+@dataclass(frozen=True)
+class StageTemplate:
+    """One stage of a template."""
+
+    first_layer: int
+    last_layer: int
+    kind: Kind
+    time_s: float  # fwd+bwd per microbatch incl. blocking transfers at both ends
+    update_s: float
+    params: float  # parameters per GPU
+    memory_bytes: float  # peak with S - s microbatches in flight
+
+
+@dataclass(frozen=True)
+class PipelineTemplate:
+    """A pipeline shape with its per-microbatch figures."""
+
+    stages: tuple[StageTemplate, ...]
+    mbs: int
+    period_s: float  # bottleneck stage time per microbatch
+    fill_s: float  # sum of stage times (one microbatch's round trip)
+    estimated: bool
+
+    @property
+    def depth(self) -> int:
+        return len(self.stages)
+
+    @property
+    def gpus(self) -> int:
+        g = self.__dict__.get("_gpus")
+        if g is None:
+            g = sum(s.kind.tp for s in self.stages)
+            object.__setattr__(self, "_gpus", g)
+        return int(g)
+
+    def gpus_by_resource(self) -> dict[tuple[str, str, int], int]:
+        """GPUs per (type, zone, VM shape); the caller must not mutate it."""
+        out = self.__dict__.get("_res")
+        if out is None:
+            out = {}
+            for s in self.stages:
+                k = (s.kind.gpu_type, s.kind.zone, s.kind.gpus_per_node)
+                out[k] = out.get(k, 0) + s.kind.tp
+            object.__setattr__(self, "_res", out)
+        return out
+
+    def pipe_time(self, m: int) -> float:
+        """1F1B closed form for ``m`` microbatches (the simulator's)."""
+        return (m - 1) * self.period_s + self.fill_s
+
+    def max_microbatches(self, t: float) -> int:
+        """Most microbatches that finish within ``t`` seconds (0 if none)."""
+        if t < self.fill_s:
+            return 0
+        return int((t - self.fill_s) / self.period_s * (1 + 1e-12)) + 1
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return (self.mbs, tuple((s.first_layer, s.last_layer, s.kind) for s in self.stages))
+
+
+def best_partitions(
+    tables: CostTables, kinds: tuple[Kind, ...], mbs: int, max_depth: int | None = None
+) -> tuple[list[PipelineTemplate], int]:
+    """Best template per depth for stages of ``kinds`` in order (each kind used at least once).
+
+    Returns the templates (dominated depths dropped: a deeper pipeline is kept only if its
+    period is shorter) and the number of (stage, depth) cells pruned by memory.
+    """
+    arrs: list[LayerArrays] = []
+    for kind in kinds:
+        a = tables.arrays(kind.gpu_type, kind.tp, mbs)
+        if a is None:
+            return [], 0
+        arrs.append(a)
+    n = len(arrs[0].comp) - 1
+    q = len(kinds)
+    depth_cap = min(n, max_depth or n)
+    comp = [a.stage_compute() for a in arrs]
+    cap = [tables.capacity(kind.gpu_type) for kind in kinds]
+    # link[x][y] = (tf+tb) after each layer from kind x to kind y
+    link: dict[tuple[int, int], FloatArray] = {}
+    for x in range(q):
+        for y in (x, x + 1):
+            if y < q:
+                tf, tb = tables.link(kinds[x], kinds[y], mbs)
+                link[(x, y)] = tf + tb
+    none = q  # "no previous stage"
+    inf = np.inf
+    # V[(x, p)] = (max, sum) vectors over i, for the current k
+    shape = (n + 1,)
+    pruned = 0
+
+    def stage_time(x: int, p: int, y: int | None) -> FloatArray:
+        t = comp[x].copy()
+        if y is not None:
+            t = t + link[(x, y)][None, :]
+        if p != none:
+            recv = np.concatenate([[inf], link[(p, x)][:-1]])  # boundary after layer i-1
+            t = t + recv[:, None]
+        else:
+            t[1:, :] = inf  # the first stage starts at layer 0
+        return t
+
+    combos: list[tuple[int, int]] = []
+    for x in range(q):
+        for p in ([none] if x == 0 else []) + [pp for pp in (x - 1, x) if pp >= 0]:
+            combos.append((x, p))
+    last_t = {(x, p): stage_time(x, p, None)[:, n - 1] for x, p in combos if x == q - 1}
+    mid_t = {
+        (x, p, y): stage_time(x, p, y)[:, : n - 1] for x, p in combos for y in (x, x + 1) if y < q
+    }
+    prev: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
+    choice: list[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = []
+    results: list[PipelineTemplate] = []
+    best_period = inf
+    for k in range(1, depth_cap + 1):
+        cur: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
+        ch: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        mem_ok = [tables.stage_memory(a, k) <= c for a, c in zip(arrs, cap, strict=True)]
+        for x, p in combos:
+            if True:
+                bm = np.full(shape, inf)
+                bs = np.full(shape, inf)
+                bj = np.full(shape, -1, dtype=np.int64)
+                by = np.full(shape, -1, dtype=np.int64)
+                if k == 1:
+                    if x != q - 1:
+                        cur[(x, p)], ch[(x, p)] = (bm, bs), (bj, by)
+                        continue
+                    t = last_t[(x, p)]
+                    ok = mem_ok[x][:, n - 1]
+                    pruned += int(np.sum(~ok & np.isfinite(t)))
+                    t = np.where(ok, t, inf)
+                    bm[:n], bs[:n] = t, t
+                    bj[:n] = n - 1
+                    by[:n] = x
+                else:
+                    for y in (x, x + 1):
+                        if y >= q or (y, x) not in prev:
+                            continue
+                        nm, ns = prev[(y, x)]
+                        t = mid_t[(x, p, y)]  # j < n-1: a stage follows
+                        ok = mem_ok[x][:, : n - 1]
+                        t = np.where(ok, t, inf)
+                        mx = np.maximum(t, nm[None, 1:n])
+                        sm = t + ns[None, 1:n]
+                        best = mx.min(axis=1)
+                        tie = mx <= best[:, None] * (1 + _TIE)
+                        jsel = np.argmin(np.where(tie, sm, inf), axis=1)
+                        rows = np.arange(n)
+                        cm, cs = mx[rows, jsel], sm[rows, jsel]
+                        better = (cm < bm[:n] * (1 - _TIE)) | (
+                            (cm <= bm[:n] * (1 + _TIE)) & (cs < bs[:n])
+                        )
+                        better &= np.isfinite(cm)
+                        bm[:n] = np.where(better, cm, bm[:n])
+                        bs[:n] = np.where(better, cs, bs[:n])
+                        bj[:n] = np.where(better, jsel, bj[:n])
+                        by[:n] = np.where(better, y, by[:n])
+                cur[(x, p)], ch[(x, p)] = (bm, bs), (bj, by)
+        choice.append(ch)
+        prev = cur
+        period, fill = cur[(0, none)][0][0], cur[(0, none)][1][0]
+        if np.isfinite(period) and period < best_period * (1 - 1e-6):
+            best_period = float(period)
+            results.append(_backtrack(tables, arrs, kinds, choice, k, n, mbs, float(fill)))
+    return results, pruned
+
+
+def _backtrack(
+    tables: CostTables,
+    arrs: list[LayerArrays],
+    kinds: tuple[Kind, ...],
+    choice: list[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]],
+    depth: int,
+    n: int,
+    mbs: int,
+    fill: float,
+) -> PipelineTemplate:
+    q = len(kinds)
+    none = q
+    ranges: list[tuple[int, int, int]] = []
+    i, x, p = 0, 0, none
+    for k in range(depth, 0, -1):
+        bj, by = choice[k - 1][(x, p)]
+        j, y = int(bj[i]), int(by[i])
+        ranges.append((i, j, x))
+        i, p, x = j + 1, x, y
+    stages: list[StageTemplate] = []
+    for s, (a, b, x) in enumerate(ranges):
+        arr = arrs[x]
+        t = float(arr.comp[b + 1] - arr.comp[a])
+        if s + 1 < len(ranges):
+            y = ranges[s + 1][2]
+            tf, tb = tables.link(kinds[x], kinds[y], mbs)
+            t += float(tf[b] + tb[b])
+        if s > 0:
+            px = ranges[s - 1][2]
+            tf, tb = tables.link(kinds[px], kinds[x], mbs)
+            t += float(tf[a - 1] + tb[a - 1])
+        mem = float(tables.stage_memory(arr, depth - s)[a, b])
+        stages.append(
+            StageTemplate(
+                first_layer=a,
+                last_layer=b,
+                kind=kinds[x],
+                time_s=t,
+                update_s=float(arr.upd[b + 1] - arr.upd[a]),
+                params=float(arr.params[b + 1] - arr.params[a]),
+                memory_bytes=mem,
+            )
+        )
+    times = [s.time_s for s in stages]
+    return PipelineTemplate(
+        stages=tuple(stages),
+        mbs=mbs,
+        period_s=max(times),
+        fill_s=sum(times),
+        estimated=any(a.estimated for a in arrs),
+    )
+
+
+def with_cuts(
+    tables: CostTables, kind: Kind, mbs: int, last_layers: tuple[int, ...]
+) -> PipelineTemplate | None:
+    """The template of one stage kind on a given partition (None if a stage does not fit).
+
+    Pipelines of different GPU types that share a partition share their gradient-sync
+    segments: fewer, larger all-reduces than the common refinement of unrelated partitions.
+    """
+    arr = tables.arrays(kind.gpu_type, kind.tp, mbs)
+    if arr is None:
+        return None
+    depth = len(last_layers)
+    first = 0
+    stages: list[StageTemplate] = []
+    tf, tb = tables.link(kind, kind, mbs) if depth > 1 else (None, None)
+    cap = tables.capacity(kind.gpu_type)
+    for s, b in enumerate(last_layers):
+        a = first
+        mem = float(tables.stage_memory(arr, depth - s)[a, b])
+        if mem > cap:
+            return None
+        t = float(arr.comp[b + 1] - arr.comp[a])
+        if tf is not None and tb is not None:
+            if s + 1 < depth:
+                t += float(tf[b] + tb[b])
+            if s > 0:
+                t += float(tf[a - 1] + tb[a - 1])
+        stages.append(
+            StageTemplate(
+                first_layer=a,
+                last_layer=b,
+                kind=kind,
+                time_s=t,
+                update_s=float(arr.upd[b + 1] - arr.upd[a]),
+                params=float(arr.params[b + 1] - arr.params[a]),
+                memory_bytes=mem,
+            )
+        )
+        first = b + 1
+    times = [s.time_s for s in stages]
+    return PipelineTemplate(
+        stages=tuple(stages),
+        mbs=mbs,
+        period_s=max(times),
+        fill_s=sum(times),
+        estimated=arr.estimated,
+    )
