@@ -122,6 +122,9 @@ def main() -> None:
                 f"M0={(gcal.memory_overhead_bytes or 0) / GIB:.2f} GiB"
             )
             print(f"  from: {gcal.source}")
+        if len(sys.argv) > 2 and sys.argv[1] == "--write-calibration":
+            Path(sys.argv[2]).write_text(cal.model_dump_json(indent=2) + "\n")
+            print(f"calibration written to {sys.argv[2]}")
 
         def sim(
             run: MeasuredRun,

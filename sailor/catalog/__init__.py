@@ -13,9 +13,10 @@ from importlib import resources
 from typing import Any
 
 from sailor.schemas import GPUPrice, GPUSpec, ModelSpec, PriceTable
+from sailor.schemas.calibration import Calibration
 from sailor.schemas.prices import EgressPrice
 
-__all__ = ["gpu", "gpus", "model", "models", "prices"]
+__all__ = ["calibration", "gpu", "gpus", "model", "models", "prices"]
 
 
 def _load(name: str) -> Any:
@@ -46,6 +47,12 @@ def prices() -> PriceTable:
         read_on=raw["read_on"],
         source=raw["source"],
     )
+
+
+@cache
+def calibration() -> Calibration:
+    """Simulator constants per GPU type, each with the measurement it came from."""
+    return Calibration.model_validate(_load("calibration.json"))
 
 
 def gpu(name: str) -> GPUSpec:

@@ -55,7 +55,10 @@ def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -
     if path is None:
         typer.echo(text)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        raise fail(f"{path}: cannot write ({exc.strerror or exc})") from exc

@@ -8,6 +8,7 @@ from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.import_cmd import import_app
 from sailor.cli.plan_cmd import plan_cmd
 from sailor.cli.schema_cmd import schema
+from sailor.cli.simulate_cmd import simulate_cmd
 
 __all__ = ["app"]
 
@@ -18,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("schema")(schema)
+app.command("simulate")(simulate_cmd)
 app.command("plan")(plan_cmd)
 app.add_typer(import_app, name="import")
 app.add_typer(catalog_app, name="catalog")

@@ -5,7 +5,9 @@ ends. When a link is missing the fallbacks are, in order, and each is recorded i
 
 1. the profile's own fallback (same zone pair, any VM shape or GPU type: the slowest curve);
 2. for two endpoints in one zone: the curve of the sender's GPU type inside its zone;
-3. :data:`FALLBACK_INTER_GBPS`, a flat conservative curve.
+3. a flat curve by distance: :data:`FALLBACK_SAME_ZONE_GBPS` inside a zone,
+   :data:`FALLBACK_SAME_REGION_GBPS` between zones of a region, else
+   :data:`FALLBACK_INTER_GBPS`.
 
 Intra-node transfers use the profile's intra-node curve of the GPU type, else the spec
 sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
@@ -25,11 +27,21 @@ __all__ = [
     "BUCKET_ELEMENTS",
     "FALLBACK_INTER_GBPS",
     "FALLBACK_INTRA_GBPS",
+    "FALLBACK_SAME_REGION_GBPS",
+    "FALLBACK_SAME_ZONE_GBPS",
     "AllReduce",
     "inter_curve",
     "intra_curve",
     "ring_allreduce",
 ]
+
+FALLBACK_SAME_ZONE_GBPS = 2.4
+"""Flat 2.4 GB/s inside one zone without a probe: the lowest peak the reference probes measured
+between two 1-GPU VMs of one zone (A100-40, 2.4 GB/s), i.e. the smallest VM shape's NIC."""
+
+FALLBACK_SAME_REGION_GBPS = 2.4
+"""Flat 2.4 GB/s between zones of one region without a probe: the reference probes between
+us-central1 zones (1-GPU A100-40 VMs) peak at 2.5-2.6 GB/s, as high as inside one zone."""
 
 FALLBACK_INTER_GBPS = 0.5
 """Flat 0.5 GB/s (4 Gbit/s) for an unknown inter-node link: below the slowest link the
@@ -70,9 +82,14 @@ def inter_curve(
                     f"no link profiled in {a.zone} for {b.gpu_type}: "
                     f"intra-zone curve of {a.gpu_type}"
                 )
-    return _flat(FALLBACK_INTER_GBPS), (
-        f"no link {a.zone} -> {b.zone} in the network profile: "
-        f"conservative flat {FALLBACK_INTER_GBPS} GB/s"
+    if a.zone == b.zone:
+        gbps = FALLBACK_SAME_ZONE_GBPS
+    elif a.zone.rsplit("-", 1)[0] == b.zone.rsplit("-", 1)[0]:
+        gbps = FALLBACK_SAME_REGION_GBPS
+    else:
+        gbps = FALLBACK_INTER_GBPS
+    return _flat(gbps), (
+        f"no link {a.zone} -> {b.zone} in the network profile: conservative flat {gbps} GB/s"
     )
 
 

@@ -92,14 +92,28 @@ def closed_form_1f1b(
     _check(f, b, d, m)
     n = len(f)
     per = [x + y for x, y in zip(f, b, strict=True)]
-    period = max(per)
+    busiest = max(per)
+    fill = sum(per) + 2.0 * sum(d[: n - 1])
+    total = fill + (m - 1) * busiest
+    # The steady state of 1F1B is set by the cycles of its dependency graph. In the 1F1B
+    # order, stage t runs F(i) right before B(i - (S-1-t)); following that, the chain
+    # B_s(j) -> F_s(j+S-s) -> ... -> F_t -> B_t -> ... -> B_s(j+t-s+1) is a cycle through stages
+    # s..t that advances k = t-s+1 microbatches. Once m exceeds k, every further microbatch
+    # costs at least the cycle's mean; t = S-1 is the classic "round trip / in-flight window"
+    # bound and s = t the busiest stage.
+    pre = [0.0]
+    for x in per:
+        pre.append(pre[-1] + x)
+    dpre = [0.0]
+    for x in d[: n - 1]:
+        dpre.append(dpre[-1] + x)
     for s in range(n):
-        # stage s keeps at most S-s microbatches in flight; when m exceeds that, each must go
-        # to the last stage and back before its slot frees: period >= round trip / window
-        if m > n - s:
-            round_trip = sum(per[s:]) + 2.0 * sum(d[s : n - 1])
-            period = max(period, round_trip / (n - s))
-    return (m - 1) * period + sum(per) + 2.0 * sum(d[: n - 1])
+        for t in range(s + 1, n):
+            k = t - s + 1
+            if m > k:
+                loop = pre[t + 1] - pre[s] + 2.0 * (dpre[t] - dpre[s])
+                total = max(total, fill + (m - k) * loop / k + (k - 1) * busiest)
+    return total
 
 
 def replay_1f1b(

@@ -50,3 +50,87 @@ def test_catalog_commands() -> None:
     for sub in ("gpus", "models", "prices"):
         res = runner.invoke(app, ["catalog", sub])
         assert res.exit_code == 0, res.output
+
+
+def test_simulate_json_and_timeline(reference: Path, tmp_path: Path) -> None:
+    plan_file = next((reference / "validation").rglob("plan_config_N4_D1.json"))
+    out = tmp_path / "plan.json"
+    assert (
+        runner.invoke(
+            app, ["import", "sailor-plan", str(plan_file), "--model", "OPT-350", "-o", str(out)]
+        ).exit_code
+        == 0
+    )
+    res = runner.invoke(
+        app,
+        [
+            "import",
+            "sailor-profiles",
+            str(reference / "profiles"),
+            "--model",
+            "OPT-350",
+            "-o",
+            str(tmp_path / "prof"),
+        ],
+    )
+    assert res.exit_code == 0
+    prof = tmp_path / "prof" / "OPT-350.json"
+    net = tmp_path / "net.json"
+    prov = reference / "providers"
+    assert (
+        runner.invoke(
+            app,
+            ["import", "sailor-network", str(prov / "multizone_bandwidths.json"), "-o", str(net)],
+        ).exit_code
+        == 0
+    )
+    res = runner.invoke(
+        app, ["simulate", str(out), "--profiles", str(prof), "--network", str(net), "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    for key in ("iteration_time_s", "throughput_iter_s", "peak_memory_bytes", "cost_per_iter_usd"):
+        assert data[key] > 0
+    # Measured 1.602 s for this plan; the imported profile must land near it.
+    assert abs(data["iteration_time_s"] - 1.602) / 1.602 < 0.10
+    png = tmp_path / "tl.png"
+    res = runner.invoke(
+        app, ["simulate", str(out), "--profiles", str(prof), "--timeline", str(png)]
+    )
+    assert res.exit_code == 0, res.output
+    assert png.stat().st_size > 1000
+
+
+def test_simulate_without_profiles_uses_estimates_and_bad_plan_fails(tmp_path: Path) -> None:
+    plan = {
+        "model": "OPT-350",
+        "global_batch_size": 8,
+        "pipelines": [
+            {
+                "microbatch_size": 2,
+                "num_microbatches": 4,
+                "stages": [
+                    {
+                        "first_layer": 0,
+                        "last_layer": 25,
+                        "replica": {
+                            "gpu_type": "A100-40",
+                            "zone": "us-central1-a",
+                            "tp": 1,
+                            "gpus_per_node": 4,
+                        },
+                    }
+                ],
+            }
+        ],
+    }
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(plan))
+    res = runner.invoke(app, ["simulate", str(f), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["uses_estimates"] is True
+    plan["pipelines"][0]["num_microbatches"] = 3  # type: ignore[index]
+    f.write_text(json.dumps(plan))
+    res = runner.invoke(app, ["simulate", str(f)])
+    assert res.exit_code == 2
+    assert "global_batch_size=8" in res.output

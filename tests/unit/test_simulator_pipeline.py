@@ -63,8 +63,9 @@ def test_closed_form_bounds_replay_without_delays(
     f, b, m, _ = p
     r = replay_1f1b(f, b, m).end_s
     c = closed_form_1f1b(f, b, m)
-    assert r <= 1.15 * c
-    assert c <= 1.5 * r
+    # Checked bounds (a 30,000-case random search found 1.254 and 1.310), not proven ones.
+    assert r <= 1.3 * c
+    assert c <= 1.35 * r
 
 
 @settings(max_examples=300)
@@ -76,8 +77,9 @@ def test_closed_form_bounds_replay_with_delays(
     r = replay_1f1b(f, b, m, d).end_s
     c = closed_form_1f1b(f, b, m, d)
     assert r >= sum(f) + sum(b) + 2 * sum(d[:-1]) - 1e-9
-    assert r <= 1.25 * c
-    assert c <= 1.5 * r
+    # Checked bounds (a 30,000-case random search found 1.249 and 1.519), not proven ones.
+    assert r <= 1.3 * c
+    assert c <= 1.6 * r
 
 
 @given(pipelines(), st.integers(1, 8))
