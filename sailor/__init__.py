@@ -1,3 +1,3 @@
-"""Sailor: plan and run large-model training on heterogeneous, geo-distributed, dynamic GPU clusters."""
+"""Sailor: plan and run training on heterogeneous, geo-distributed, dynamic GPU clusters."""
 
 __version__ = "0.1.0"
