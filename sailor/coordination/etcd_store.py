@@ -113,12 +113,22 @@ class EtcdStore:
         """Await one client call with a timeout, converting client errors."""
         try:
             return await asyncio.wait_for(awaitable, self._op_timeout)
-        except TimeoutError as exc:
-            raise UnavailableError("etcd call timed out", timeout=self._op_timeout) from exc
-        except aetcd.exceptions.ConnectionFailedError as exc:
-            raise UnavailableError("etcd unavailable", error=str(exc)) from exc
-        except aetcd.exceptions.ClientError as exc:
-            raise TemporaryError("etcd error", error=repr(exc)) from exc
+        except Exception as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # grpc turns our cancellation into an RPC error; never swallow it
+                raise asyncio.CancelledError from exc
+            raise self._convert(exc) from exc
+
+    @staticmethod
+    def _convert(exc: Exception) -> Exception:
+        if isinstance(exc, TimeoutError):
+            return UnavailableError("etcd call timed out")
+        if isinstance(exc, aetcd.exceptions.ConnectionFailedError):
+            return UnavailableError("etcd unavailable", error=str(exc))
+        if isinstance(exc, aetcd.exceptions.ClientError):
+            return TemporaryError("etcd error", error=repr(exc))
+        return exc
 
     async def get(self, key: str) -> KeyValue | None:
         item = await self.call(self.client.get(key.encode()))

@@ -55,6 +55,10 @@ class Launch(_CommandBase):
     world_size: int = Field(gt=0, description="Total ranks.")
     master: str = Field(description="Rendezvous address host:port.")
     checkpoint: str = Field(default="", description="Checkpoint to load ('' = fresh start).")
+    load_step: int = Field(
+        default=-1, ge=-1, description="Committed step to load from ``checkpoint``; -1 = latest."
+    )
+    generation: int = Field(default=0, ge=0, description="Controller's launch counter.")
 
 
 class Abort(_CommandBase):

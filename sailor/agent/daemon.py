@@ -1,0 +1,329 @@
+"""``sailor agent``: one per node. Registration lease, commands, watchers, supervisor.
+
+The agent registers its node under an etcd lease kept alive in the background (a lease that
+expires is a node that left), publishes join/leave events, serves commands on its own NATS
+subject (refusing a lower epoch than the highest seen, applying each command id at most once,
+replying with an ack), writes its status under its lease, and publishes a preemption notice
+the moment a watcher sees one. SIGTERM: stop the workers, publish NodeLeft, revoke the lease.
+Must never import the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import Field, ValidationError
+
+from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
+from sailor.agent.watchers import PreemptionWatcher, make_watcher
+from sailor.coordination import (
+    Clock,
+    EtcdLease,
+    EtcdStore,
+    Keys,
+    NatsCommands,
+    NatsEventBus,
+    SystemClock,
+    TaskSet,
+    TemporaryError,
+    connect_etcd,
+    connect_nats,
+)
+from sailor.schemas._base import Frozen
+from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
+from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import AgentStatus, CommandAck
+
+__all__ = ["Agent", "AgentConfig", "WatcherConfig", "run_agent"]
+
+_log = structlog.get_logger("sailor.agent")
+
+
+class WatcherConfig(Frozen):
+    kind: str = Field(description="gcp, aws, azure or file.")
+    target: str = Field(description="Metadata base URL, or a path for 'file'.")
+
+
+class AgentConfig(Frozen):
+    """Everything ``sailor agent`` needs."""
+
+    job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
+    node: NodeSpec = Field(description="This node (GPU type and count, zone, spot, address).")
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
+    etcd_endpoint: str = Field(default="127.0.0.1:2379", description="etcd host:port.")
+    lease_ttl_s: int = Field(default=2, ge=1, description="Registration lease TTL.")
+    work_dir: Path = Field(default=Path("sailor-agent"), description="Run files of workers.")
+    worker_argv: tuple[str, ...] = Field(
+        default=DEFAULT_WORKER_ARGV, description="Worker command template (see supervisor)."
+    )
+    watchers: tuple[WatcherConfig, ...] = Field(default=(), description="Preemption sources.")
+    watch_poll_s: float = Field(default=0.5, gt=0, description="Watcher poll period.")
+    status_interval_s: float = Field(default=0.2, gt=0, description="Status write period.")
+
+
+class Agent:
+    """The agent of one node."""
+
+    def __init__(self, config: AgentConfig, clock: Clock | None = None) -> None:
+        self.cfg = config
+        self.node = config.node
+        self.keys = Keys(job=config.job)
+        self.clock = clock or SystemClock()
+        self.stopping = asyncio.Event()
+        self.max_epoch = 0
+        self.applied: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
+        self.supervisor = Supervisor(config.work_dir / self.node.node_id, config.worker_argv)
+        self.watchers: list[PreemptionWatcher] = [
+            make_watcher(w.kind, w.target, self.clock) for w in config.watchers
+        ]
+        self.noticed = False
+        self._lease: EtcdLease | None = None
+        self._store: EtcdStore | None = None
+        self._bus: NatsEventBus | None = None
+        self._tasks = TaskSet(f"agent-{self.node.node_id}")
+        self._failure_reported = ""
+        self._lock = asyncio.Lock()
+        self._crashed = False
+
+    async def run(self) -> None:
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint))
+        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.node.node_id))
+        if store is None or nc is None:
+            return
+        self._store = store
+        self._bus = NatsEventBus(nc, self.keys, durable="unused")
+        commands = NatsCommands(nc, self.keys)
+        try:
+            await commands.serve(self.node.node_id, self._on_command)
+            await self._register()
+            self._tasks.spawn("status", self._status_loop())
+            self._tasks.spawn("registration", self._registration_loop())
+            for w in self.watchers:
+                self._tasks.spawn(f"watch-{w.name}", self._watch(w))
+            await self.stopping.wait()
+        finally:
+            await self._shutdown(store, nc, commands)
+
+    async def _retry(self, make: Any) -> Any:
+        while not self.stopping.is_set():
+            try:
+                return await make()
+            except TemporaryError:
+                await self.clock.sleep(0.5)
+        return None
+
+    async def _publish(self, kind: str, event: Any) -> None:
+        assert_bus = self._bus
+        if assert_bus is None:
+            return
+        for _ in range(20):
+            try:
+                await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
+                return
+            except TemporaryError:
+                await self.clock.sleep(0.25)
+        _log.warning("event_not_published", kind=kind, event_id=event.event_id)
+
+    def _event_id(self, kind: str) -> str:
+        return f"{self.node.node_id}-{kind}-{uuid.uuid4().hex[:12]}"
+
+    async def _register(self) -> None:
+        assert_store = self._store
+        if assert_store is None:
+            return
+        while not self.stopping.is_set():
+            try:
+                self._lease = await assert_store.lease(self.cfg.lease_ttl_s)
+                await assert_store.put(
+                    self.keys.node(self.node.node_id),
+                    self.node.model_dump_json().encode(),
+                    lease=self._lease,
+                )
+                break
+            except TemporaryError:
+                await self.clock.sleep(0.3)
+        await self._publish(
+            "node_joined",
+            NodeJoined(
+                event_id=self._event_id("join"),
+                node_id=self.node.node_id,
+                time=self.clock.now(),
+                node=self.node,
+            ),
+        )
+
+    async def _registration_loop(self) -> None:
+        while True:
+            await self.clock.sleep(0.5)
+            if self._lease is not None and not self._lease.alive and not self.stopping.is_set():
+                _log.warning("registration_lost", node=self.node.node_id)
+                await self._register()
+
+    def status(self) -> AgentStatus:
+        sup = self.supervisor
+        state = sup.state if sup.state != "starting" else "idle"
+        return AgentStatus(
+            node_id=self.node.node_id,
+            epoch=self.max_epoch,
+            generation=sup.generation,
+            plan_id=sup.plan_id,
+            state=state,  # type: ignore[arg-type]
+            step=sup.step,
+            loss=sup.loss,
+            start_step=sup.start_step,
+            saved_step=sup.saved_step,
+            failure=sup.failure[:4000],
+            time=self.clock.now(),
+        )
+
+    async def _status_loop(self) -> None:
+        last = b""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.supervisor.changed.wait(), self.cfg.status_interval_s)
+            self.supervisor.changed.clear()
+            st = self.status()
+            body = st.model_dump_json(exclude={"time"}).encode()
+            if body != last and self._store is not None and self._lease is not None:
+                try:
+                    await self._store.put(
+                        self.keys.status(self.node.node_id),
+                        st.model_dump_json().encode(),
+                        lease=self._lease,
+                    )
+                    last = body
+                except TemporaryError:
+                    pass
+            if st.failure and st.failure != self._failure_reported:
+                self._failure_reported = st.failure
+                await self._publish(
+                    "worker_failed",
+                    WorkerFailed(
+                        event_id=self._event_id("fail"),
+                        node_id=self.node.node_id,
+                        time=self.clock.now(),
+                        plan_id=st.plan_id,
+                        cause=st.failure[:4000],
+                    ),
+                )
+            await self.clock.sleep(self.cfg.status_interval_s / 4)
+
+    async def _watch(self, watcher: PreemptionWatcher) -> None:
+        while not self.noticed:
+            notice = await watcher.check()
+            if notice is not None:
+                self.noticed = True
+                await self._publish(
+                    "preemption_notice",
+                    PreemptionNotice(
+                        event_id=self._event_id("notice"),
+                        node_id=self.node.node_id,
+                        time=self.clock.now(),
+                        deadline=notice.deadline,
+                        source=notice.source,
+                    ),
+                )
+                return
+            await self.clock.sleep(self.cfg.watch_poll_s)
+
+    async def _on_command(self, data: bytes) -> bytes:
+        async with self._lock:
+            return (await self._apply(data)).model_dump_json().encode()
+
+    async def _apply(self, data: bytes) -> CommandAck:
+        try:
+            cmd = CommandAdapter.validate_json(data)
+        except ValidationError as exc:
+            return CommandAck(
+                command_id="?",
+                node_id=self.node.node_id,
+                accepted=False,
+                reason=f"malformed: {str(exc).splitlines()[0][:200]}",
+                epoch_seen=self.max_epoch,
+            )
+        if cmd.node_id != self.node.node_id:
+            return self._refuse(cmd.command_id, f"addressed to {cmd.node_id}")
+        if cmd.epoch < self.max_epoch:
+            return self._refuse(cmd.command_id, f"stale epoch {cmd.epoch} < {self.max_epoch}")
+        if cmd.command_id in self.applied:
+            return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
+        self.max_epoch = cmd.epoch
+        if isinstance(cmd, Launch):
+            await self.supervisor.launch(cmd)
+        elif isinstance(cmd, Stop):
+            self.supervisor.stop_at(cmd.at_step)
+        elif isinstance(cmd, Checkpoint):
+            self.supervisor.save_at(cmd.step, cmd.directory)
+        elif isinstance(cmd, Abort):
+            await self.supervisor.abort()
+        ack = CommandAck(
+            command_id=cmd.command_id,
+            node_id=self.node.node_id,
+            accepted=True,
+            epoch_seen=self.max_epoch,
+        )
+        self.applied[cmd.command_id] = ack
+        while len(self.applied) > 10_000:
+            self.applied.popitem(last=False)
+        self.supervisor.changed.set()
+        return ack
+
+    def _refuse(self, command_id: str, reason: str) -> CommandAck:
+        return CommandAck(
+            command_id=command_id,
+            node_id=self.node.node_id,
+            accepted=False,
+            reason=reason,
+            epoch_seen=self.max_epoch,
+        )
+
+    async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
+        await self._tasks.close()
+        await self.supervisor.abort()
+        if self._crashed:
+            await commands.close()
+            await store.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 3)
+            return
+        await self._publish(
+            "node_left",
+            NodeLeft(
+                event_id=self._event_id("leave"),
+                node_id=self.node.node_id,
+                time=self.clock.now(),
+                reason="shutdown",
+            ),
+        )
+        if self._lease is not None:
+            await self._lease.revoke()
+        await commands.close()
+        await store.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 3)
+
+    async def crash(self) -> None:
+        """Testing: vanish without notice (no leave event, lease left to expire)."""
+        self._crashed = True
+        await self._tasks.close()
+        await self.supervisor.abort()
+        if self._lease is not None:
+            await self._lease.stop_keepalive()
+        self._lease = None
+
+
+async def run_agent(config: AgentConfig) -> None:
+    """Run until SIGTERM/SIGINT (a preemption looks like this too), then leave cleanly."""
+    agent = Agent(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, agent.stopping.set)
+    await agent.run()

@@ -1,0 +1,121 @@
+"""A light stand-in training worker speaking the agent's worker protocol (no torch).
+
+Used where real training is beside the point: protocol tests, large simulated clusters in
+the benchmarks, and runs on machines without torch. It "trains" a 4-parameter model on a
+deterministic data stream, so its loss at a step depends only on the step (any layout gives
+the same loss curve), and it checkpoints that state per rank with an atomic commit by rank 0.
+
+Protocol (shared with the real worker's adapter):
+- stdout: one JSON object per line: ``{"event": "ready"}``, ``{"event": "step", "step",
+  "loss"}``, ``{"event": "saved", "step"}``, ``{"event": "stopped", "step"}``;
+- ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR}``, re-read
+  at every iteration boundary (written atomically by the agent);
+- ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _target(step: int) -> list[float]:
+    return [math.sin(0.1 * step + i) for i in range(4)]
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(data)
+    with tmp.open("rb") as fh:
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def _emit(obj: dict[str, object]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _ckpt_dir(root: str, step: int) -> Path:
+    return Path(root) / "sim" / f"step-{step:08d}"
+
+
+def _save(root: str, step: int, w: list[float], rank: int, world: int, timeout: float) -> None:
+    d = _ckpt_dir(root, step)
+    _write_atomic(d / f"rank-{rank}.json", json.dumps({"step": step, "w": w}))
+    if rank != 0:
+        return
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all((d / f"rank-{r}.json").exists() for r in range(world)):
+            _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
+            _write_atomic(d / "COMMIT", str(step))
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"not every rank saved step {step} within {timeout}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sailor-sim-worker")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master", default="")
+    p.add_argument("--control", required=True)
+    p.add_argument("--load-dir", default="")
+    p.add_argument("--load-step", type=int, default=-1)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--max-steps", type=int, default=1_000_000)
+    p.add_argument("--error-file", default="")
+    p.add_argument("--fail-at-step", type=int, default=-1)
+    a = p.parse_args(argv)
+    try:
+        step, w = 0, [0.0, 0.0, 0.0, 0.0]
+        if a.load_dir and a.load_step >= 0:
+            d = _ckpt_dir(a.load_dir, a.load_step)
+            if not (d / "COMMIT").exists():
+                raise FileNotFoundError(f"no committed checkpoint at {d}")
+            state = json.loads((d / "state.json").read_text())
+            step, w = int(state["step"]), [float(x) for x in state["w"]]
+        _emit({"event": "ready", "rank": a.rank, "start_step": step})
+        control = Path(a.control)
+        while step < a.max_steps:
+            time.sleep(a.step_s)
+            tgt = _target(step)
+            w = [wi - 0.3 * (wi - ti) for wi, ti in zip(w, tgt, strict=True)]
+            loss = sum((wi - ti) ** 2 for wi, ti in zip(w, tgt, strict=True))
+            step += 1
+            if step == a.fail_at_step:
+                raise RuntimeError(f"injected failure at step {step}")
+            _emit({"event": "step", "rank": a.rank, "step": step, "loss": round(loss, 10)})
+            try:
+                ctl = json.loads(control.read_text() or "{}")
+            except (OSError, ValueError):
+                ctl = {}
+            if ctl.get("save_step") == step and ctl.get("save_dir"):
+                _save(str(ctl["save_dir"]), step, w, a.rank, a.world_size, timeout=30.0)
+                _emit({"event": "saved", "rank": a.rank, "step": step})
+            stop = ctl.get("stop_at_step")
+            if stop is not None and step >= int(stop):
+                _emit({"event": "stopped", "rank": a.rank, "step": step})
+                return 0
+        return 0
+    except Exception as exc:
+        if a.error_file:
+            _write_atomic(
+                Path(a.error_file),
+                json.dumps({"rank": a.rank, "error": type(exc).__name__, "message": str(exc)}),
+            )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

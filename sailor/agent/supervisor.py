@@ -1,0 +1,225 @@
+"""Supervises the training workers of one node: launch, progress, stop, kill, first failure.
+
+Workers are separate processes started with explicit ranks and rendezvous (no torchrun):
+``worker_argv`` is a template whose ``{plan} {rank} {world_size} {master} {control}
+{load_dir} {load_step} {error_file} {run_dir}`` are filled per rank. Progress arrives as JSON
+lines on stdout (see ``sim_worker``); stop and save requests go through a control file the
+workers re-read at every iteration boundary, written atomically. On abort or deadline the
+workers get SIGTERM, then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause
+(error file, else the stderr tail) is kept for the agent to report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from sailor.coordination import TaskSet
+from sailor.schemas.commands import Launch
+
+__all__ = ["DEFAULT_WORKER_ARGV", "Supervisor", "WorkerView"]
+
+_log = structlog.get_logger("sailor.agent")
+
+DEFAULT_WORKER_ARGV: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "sailor.agent.sim_worker",
+    "--plan",
+    "{plan}",
+    "--rank",
+    "{rank}",
+    "--world-size",
+    "{world_size}",
+    "--master",
+    "{master}",
+    "--control",
+    "{control}",
+    "--load-dir",
+    "{load_dir}",
+    "--load-step",
+    "{load_step}",
+    "--error-file",
+    "{error_file}",
+)
+
+
+@dataclass
+class WorkerView:
+    rank: int
+    proc: asyncio.subprocess.Process
+    step: int = -1
+    loss: float | None = None
+    saved_step: int = -1
+    started: bool = False
+    exit_code: int | None = None
+    stderr_tail: list[str] = field(default_factory=list)
+
+
+class Supervisor:
+    """Workers of the current generation on this node."""
+
+    def __init__(self, run_dir: Path, worker_argv: tuple[str, ...] = DEFAULT_WORKER_ARGV) -> None:
+        self.run_dir = run_dir
+        self.worker_argv = worker_argv
+        self.kill_grace_s = 3.0
+        self.generation = -1
+        self.plan_id = ""
+        self.start_step = -1
+        self.workers: list[WorkerView] = []
+        self.failure = ""
+        self.expect_exit = False
+        self.changed = asyncio.Event()
+        self._tasks = TaskSet("supervisor")
+        self._control: Path | None = None
+        self._control_state: dict[str, object] = {}
+
+    @property
+    def state(self) -> str:
+        if self.failure:
+            return "failed"
+        if not self.workers:
+            return "idle"
+        if all(w.exit_code is not None for w in self.workers):
+            return "stopped"
+        return "running" if all(w.started for w in self.workers) else "starting"
+
+    @property
+    def step(self) -> int:
+        return min((w.step for w in self.workers), default=-1)
+
+    @property
+    def saved_step(self) -> int:
+        return min((w.saved_step for w in self.workers), default=-1)
+
+    @property
+    def loss(self) -> float | None:
+        return self.workers[0].loss if self.workers else None
+
+    async def launch(self, cmd: Launch) -> None:
+        await self.abort()
+        gen_dir = self.run_dir / f"gen-{cmd.generation:05d}"
+        gen_dir.mkdir(parents=True, exist_ok=True)
+        plan_path = gen_dir / "plan.json"
+        plan_path.write_text(cmd.plan.model_dump_json())
+        self._control = gen_dir / "control.json"
+        self._control_state = {}
+        self._write_control()
+        self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
+        self.start_step = cmd.load_step
+        self.expect_exit = False
+        self.workers = []
+        for rank in cmd.ranks:
+            subst = {
+                "plan": str(plan_path),
+                "rank": str(rank),
+                "world_size": str(cmd.world_size),
+                "master": cmd.master,
+                "control": str(self._control),
+                "load_dir": cmd.checkpoint,
+                "load_step": str(cmd.load_step),
+                "error_file": str(gen_dir / f"error-{rank}.json"),
+                "run_dir": str(gen_dir),
+            }
+            argv = [a.format(**subst) for a in self.worker_argv]
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+            view = WorkerView(rank=rank, proc=proc)
+            self.workers.append(view)
+            self._tasks.spawn(f"rank-{rank}-out", self._read_stdout(view))
+            self._tasks.spawn(f"rank-{rank}-err", self._read_stderr(view))
+            self._tasks.spawn(f"rank-{rank}-wait", self._wait(view, gen_dir))
+        self.changed.set()
+
+    def _write_control(self) -> None:
+        if self._control is None:
+            return
+        tmp = self._control.with_name("control.json.tmp")
+        tmp.write_text(json.dumps(self._control_state))
+        tmp.replace(self._control)
+
+    def stop_at(self, step: int) -> None:
+        self._control_state["stop_at_step"] = step
+        self._write_control()
+
+    def save_at(self, step: int, directory: str) -> None:
+        self._control_state["save_step"] = step
+        self._control_state["save_dir"] = directory
+        self._write_control()
+
+    async def _read_stdout(self, w: WorkerView) -> None:
+        assert_stream = w.proc.stdout
+        if assert_stream is None:
+            return
+        async for raw in assert_stream:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(msg, dict):
+                continue
+            ev = msg.get("event")
+            if ev == "ready":
+                w.started = True
+            elif ev == "step":
+                w.started = True
+                w.step = int(msg.get("step", w.step))
+                loss = msg.get("loss")
+                w.loss = float(loss) if isinstance(loss, int | float) else w.loss
+            elif ev == "saved":
+                w.saved_step = int(msg.get("step", w.saved_step))
+            elif ev == "stopped":
+                self.expect_exit = True
+            self.changed.set()
+
+    async def _read_stderr(self, w: WorkerView) -> None:
+        if w.proc.stderr is None:
+            return
+        async for raw in w.proc.stderr:
+            w.stderr_tail = [*w.stderr_tail[-19:], raw.decode(errors="replace").rstrip()]
+
+    async def _wait(self, w: WorkerView, gen_dir: Path) -> None:
+        code = await w.proc.wait()
+        w.exit_code = code
+        if code != 0 and not self.expect_exit and not self.failure:
+            err = gen_dir / f"error-{w.rank}.json"
+            cause = ""
+            with contextlib.suppress(OSError):
+                cause = err.read_text()[:2000]
+            self.failure = cause or f"rank {w.rank} exit {code}: " + " | ".join(w.stderr_tail[-3:])
+            _log.warning("worker_failed", rank=w.rank, code=code, cause=self.failure[:300])
+        self.changed.set()
+
+    async def abort(self) -> None:
+        """SIGTERM every worker, SIGKILL after the grace period; then forget them."""
+        self.expect_exit = True
+        alive = [w for w in self.workers if w.exit_code is None]
+        for w in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, signal.SIGTERM)
+        if alive:
+            _done, pending = await asyncio.wait(
+                [asyncio.ensure_future(w.proc.wait()) for w in alive], timeout=self.kill_grace_s
+            )
+            for w in alive:
+                if w.exit_code is None and w.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+            if pending:
+                await asyncio.wait(pending, timeout=self.kill_grace_s)
+        await self._tasks.close(timeout=2.0)
+        self.workers = []
+        self.failure = ""
+        self.changed.set()

@@ -1,0 +1,63 @@
+"""The controller's configuration file (YAML, TOML or JSON), validated on load."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field
+
+from sailor.controller.phases import PhaseDeadlines
+from sailor.schemas._base import Frozen
+
+__all__ = ["ControllerConfig", "load_mapping"]
+
+
+def load_mapping(path: Path) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON file into a dict (by suffix; YAML otherwise)."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    elif path.suffix == ".toml":
+        data = tomllib.loads(text)
+    else:
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+class ControllerConfig(Frozen):
+    """Everything ``sailor controller`` needs."""
+
+    job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
+    identity: str = Field(default="controller", min_length=1, description="This controller.")
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
+    etcd_endpoint: str = Field(default="127.0.0.1:2379", description="etcd host:port.")
+    audit_log: Path = Field(default=Path("sailor-audit.jsonl"), description="Audit log path.")
+    audit_max_bytes: int = Field(default=64 << 20, gt=0, description="Rotate beyond this size.")
+    checkpoint_dir: str = Field(default="checkpoints", description="Checkpoint root for workers.")
+    lease_ttl_s: int = Field(default=2, ge=1, description="Leader lease TTL (takeover ~2 TTLs).")
+    debounce_s: float = Field(default=0.3, ge=0, description="Coalesce non-urgent wake-ups.")
+    resync_s: float = Field(default=1.0, gt=0, description="Reconcile at least this often.")
+    poll_s: float = Field(default=0.1, gt=0, description="etcd revision poll period.")
+    command_timeout_s: float = Field(default=1.0, gt=0, description="Wait for one ack.")
+    resend_s: float = Field(default=0.5, gt=0, description="Re-send an unacked command after.")
+    deadlines: PhaseDeadlines = Field(default_factory=PhaseDeadlines, description="Per phase.")
+    notice_margin_s: float = Field(default=5.0, ge=0, description="Safety before a deadline.")
+    max_notice_horizon_s: float = Field(
+        default=3600.0, gt=0, description="Reject notices whose deadline is further out."
+    )
+    stop_ahead_steps: int = Field(default=1, ge=1, description="Stop this many steps ahead.")
+    base_port: int = Field(default=29500, gt=0, description="Rendezvous port base.")
+    model: str = Field(default="tiny-gpt", description="Model name (stand-in planner).")
+    num_layers: int = Field(default=4, gt=0, description="Global layers (stand-in planner).")
+    global_batch_size: int = Field(default=8, gt=0, description="Samples per iteration.")
+    max_gpus: int = Field(default=0, ge=0, description="Cap for the stand-in planner; 0 = all.")
+
+    @classmethod
+    def load(cls, path: Path) -> ControllerConfig:
+        return cls.model_validate(load_mapping(path))

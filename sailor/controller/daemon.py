@@ -1,0 +1,357 @@
+"""``sailor controller``: the asyncio daemon around ``decide``.
+
+One process per controller; several may run, one leads. The leader's loop: wake on an event
+(JetStream, acked after handling), on a change in etcd (revision poll) or every ``resync_s``;
+debounce ordinary wake-ups but not a preemption notice; read the observed state from etcd;
+``decide``; apply. If the lease is lost or a guarded write is fenced, the term ends and the
+controller campaigns again as a standby. Must never import torch or the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import signal
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from sailor.controller.audit import AuditLog
+from sailor.controller.config import ControllerConfig
+from sailor.controller.decide import DecideConfig, Observed, Send, decide
+from sailor.controller.executor import Executor
+from sailor.controller.planning import DataParallelPlanner, Planner
+from sailor.coordination import (
+    Clock,
+    EtcdStore,
+    FencedError,
+    Keys,
+    Leadership,
+    NatsCommands,
+    NatsEventBus,
+    SystemClock,
+    TaskSet,
+    TemporaryError,
+    campaign,
+    connect_etcd,
+    connect_nats,
+)
+from sailor.schemas.events import EventAdapter, PreemptionNotice
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord
+
+__all__ = ["Controller", "run_controller"]
+
+_log = structlog.get_logger("sailor.controller")
+
+
+class Controller:
+    """One controller process (leader or standby)."""
+
+    def __init__(
+        self, config: ControllerConfig, planner: Planner | None = None, clock: Clock | None = None
+    ) -> None:
+        self.cfg = config
+        self.keys = Keys(job=config.job)
+        self.clock = clock or SystemClock()
+        self.planner = planner or DataParallelPlanner(
+            config.model, config.num_layers, config.global_batch_size, config.max_gpus
+        )
+        self.decide_cfg = DecideConfig(
+            deadlines=config.deadlines,
+            checkpoint_dir=config.checkpoint_dir,
+            notice_margin_s=config.notice_margin_s,
+            stop_ahead_steps=config.stop_ahead_steps,
+            base_port=config.base_port,
+        )
+        self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
+        self.stopping = asyncio.Event()
+        self.leadership: Leadership | None = None
+        self.desired: DesiredState | None = None
+        self.decisions = 0
+        self._wake = asyncio.Event()
+        self._urgent = False
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def wake(self, urgent: bool = False) -> None:
+        self._urgent = self._urgent or urgent
+        self._wake.set()
+
+    async def run(self) -> None:
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint))
+        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity))
+        if store is None or nc is None:
+            return
+        try:
+            while not self.stopping.is_set():
+                try:
+                    lead = await campaign(
+                        store,
+                        self.keys.leader,
+                        self.cfg.identity,
+                        self.cfg.lease_ttl_s,
+                        timeout=self.cfg.resync_s,
+                        clock=self.clock,
+                    )
+                except TemporaryError:
+                    continue
+                self.leadership = lead
+                self.audit.write(
+                    "leader", self.clock.now(), epoch=lead.epoch, who=self.cfg.identity
+                )
+                try:
+                    await self._lead(store, nc, lead)
+                finally:
+                    self.leadership = None
+                    if self.stopping.is_set():
+                        await lead.resign()
+                    else:
+                        await lead.abandon()
+        finally:
+            await store.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 3)
+            self.audit.close()
+
+    async def _retry(self, make: Any) -> Any:
+        while not self.stopping.is_set():
+            try:
+                return await make()
+            except TemporaryError as exc:
+                _log.warning("connect_retry", error=str(exc))
+                await self.clock.sleep(0.5)
+        return None
+
+    async def _lead(self, store: EtcdStore, nc: Any, lead: Leadership) -> None:
+        tasks = TaskSet(f"controller-{lead.epoch}")
+        bus = NatsEventBus(nc, self.keys, durable=f"controller-{self.keys.job}")
+        executor = Executor(
+            store,
+            NatsCommands(nc, self.keys),
+            self.keys,
+            self.audit,
+            lead,
+            self.planner,
+            self.clock,
+            tasks,
+            self.wake,
+            self.cfg.command_timeout_s,
+            self.cfg.resend_s,
+        )
+        try:
+            desired = await self._adopt(store, executor, lead)
+            tasks.spawn("events", self._consume(bus, store, lead))
+            tasks.spawn("etcd-poll", self._poll(store))
+            while not self.stopping.is_set() and lead.held:
+                await self._sleep_until_woken(desired)
+                if self.stopping.is_set() or not lead.held:
+                    break
+                try:
+                    ready = executor.adopt_plan(desired)
+                    if ready is not None:
+                        await executor.write_desired(ready, "plan ready")
+                        desired = ready
+                    observed = await self._observe(store, executor)
+                    actions = decide(desired, observed, self.decide_cfg)
+                    self.decisions += 1
+                    desired = await executor.apply(actions, desired)
+                    self.desired = desired
+                    if actions and any(not _is_send(a) for a in actions):
+                        self.wake()
+                except FencedError as exc:
+                    self.audit.write("fenced", self.clock.now(), epoch=lead.epoch, error=str(exc))
+                    return
+                except TemporaryError as exc:
+                    _log.warning("reconcile_retry", error=str(exc))
+                    await self.clock.sleep(exc.retry_after or 0.2)
+                    self.wake()
+            if not lead.held:
+                self.audit.write("deposed", self.clock.now(), epoch=lead.epoch)
+        finally:
+            await tasks.close()
+            await bus.close()
+
+    async def _adopt(self, store: EtcdStore, ex: Executor, lead: Leadership) -> DesiredState:
+        """Take over the previous leader's desired state under our epoch."""
+        while True:
+            try:
+                kv = await store.get(self.keys.desired)
+                break
+            except TemporaryError:
+                await self.clock.sleep(0.2)
+        prev = None
+        if kv is not None:
+            with contextlib.suppress(ValidationError):
+                prev = DesiredState.model_validate_json(kv.value)
+        desired = (prev or DesiredState(epoch=lead.epoch)).model_copy(update={"epoch": lead.epoch})
+        await ex.write_desired(desired, "took over" if prev else "first leader")
+        self.desired = desired
+        self.wake()
+        return desired
+
+    async def _sleep_until_woken(self, desired: DesiredState) -> None:
+        timeout = self.cfg.resync_s
+        if desired.phase_deadline:
+            timeout = max(0.0, min(timeout, desired.phase_deadline - self.clock.now() + 0.01))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        if not self._urgent and self.cfg.debounce_s:
+            await self.clock.sleep(self.cfg.debounce_s)
+        self._urgent = False
+        self._wake.clear()
+
+    async def _poll(self, store: EtcdStore) -> None:
+        last = -1
+        while True:
+            await self.clock.sleep(self.cfg.poll_s)
+            try:
+                rev = await store.revision()
+            except TemporaryError:
+                continue
+            if rev != last:
+                last = rev
+                self.wake()
+
+    async def _observe(self, store: EtcdStore, ex: Executor) -> Observed:
+        nodes: dict[str, NodeSpec] = {}
+        for kv in await store.get_prefix(self.keys.nodes):
+            spec = self._parse(NodeSpec, kv.value, kv.key)
+            if spec is not None and kv.key == self.keys.node(spec.node_id):
+                nodes[spec.node_id] = spec
+        status: dict[str, AgentStatus] = {}
+        for kv in await store.get_prefix(self.keys.statuses):
+            st = self._parse(AgentStatus, kv.value, kv.key)
+            if st is not None and kv.key == self.keys.status(st.node_id):
+                status[st.node_id] = st
+        notices: dict[str, NoticeRecord] = {}
+        for kv in await store.get_prefix(self.keys.notices):
+            rec = self._parse(NoticeRecord, kv.value, kv.key)
+            if rec is not None:
+                notices[rec.node_id] = rec
+        commits = []
+        for kv in await store.get_prefix(self.keys.checkpoints):
+            c = self._parse(CommitRecord, kv.value, kv.key)
+            if c is not None:
+                commits.append(c)
+        return Observed(
+            now=self.clock.now(),
+            nodes=nodes,
+            status=status,
+            notices=notices,
+            commits=tuple(commits),
+            acked=frozenset(ex.acked),
+        )
+
+    def _parse(self, model: Any, raw: bytes, key: str) -> Any:
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            self.audit.write(
+                "record_rejected", self.clock.now(), key=key, error=str(exc).splitlines()[0]
+            )
+            return None
+
+    async def _consume(self, bus: NatsEventBus, store: EtcdStore, lead: Leadership) -> None:
+        while True:
+            try:
+                await bus.ensure_stream()
+                batch = await bus.fetch(256, timeout=self.cfg.resync_s)
+            except TemporaryError as exc:
+                _log.warning("event_fetch_retry", error=str(exc))
+                await self.clock.sleep(0.3)
+                continue
+            for d in batch:
+                try:
+                    await self._handle_event(d.data, d.msg_id, store, lead)
+                    await d.ack()
+                except FencedError:
+                    return
+                except TemporaryError as exc:
+                    _log.warning("event_retry", error=str(exc))  # not acked: redelivered
+
+    async def _handle_event(
+        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership
+    ) -> None:
+        now = self.clock.now()
+        try:
+            ev = EventAdapter.validate_json(data)
+        except ValidationError as exc:
+            self.audit.write(
+                "event_rejected",
+                now,
+                epoch=lead.epoch,
+                msg_id=msg_id[:128],
+                reason=str(exc).splitlines()[0][:300],
+            )
+            return
+        if ev.event_id in self._seen:
+            self.audit.write("event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id)
+            return
+        self._seen[ev.event_id] = None
+        while len(self._seen) > 200_000:
+            self._seen.popitem(last=False)
+        registered = await store.get(self.keys.node(ev.node_id))
+        if ev.kind != "node_left" and registered is None:
+            self.audit.write(
+                "event_rejected",
+                now,
+                epoch=lead.epoch,
+                event_id=ev.event_id,
+                event_kind=ev.kind,
+                node_id=ev.node_id,
+                reason="node is not registered",
+            )
+            return
+        if isinstance(ev, PreemptionNotice):
+            if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
+                self.audit.write(
+                    "event_rejected",
+                    now,
+                    epoch=lead.epoch,
+                    event_id=ev.event_id,
+                    event_kind=ev.kind,
+                    node_id=ev.node_id,
+                    reason=f"deadline {ev.deadline} outside the accepted window",
+                )
+                return
+            rec = NoticeRecord(
+                node_id=ev.node_id, deadline=ev.deadline, event_id=ev.event_id, source=ev.source
+            )
+            await store.put_guarded(
+                self.keys.notice(ev.node_id),
+                rec.model_dump_json().encode(),
+                self.keys.leader,
+                lead.epoch,
+            )
+        if ev.kind != "heartbeat":
+            self.audit.write(
+                "event",
+                now,
+                epoch=lead.epoch,
+                event_id=ev.event_id,
+                event_kind=ev.kind,
+                node_id=ev.node_id,
+                latency_s=round(now - ev.time, 4),
+            )
+        self.wake(urgent=isinstance(ev, PreemptionNotice))
+
+
+def _is_send(action: object) -> bool:
+    return isinstance(action, Send)
+
+
+async def run_controller(config: ControllerConfig) -> None:
+    """Run until SIGTERM/SIGINT; then resign leadership and exit."""
+    ctl = Controller(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctl.stopping.set)
+    runner = asyncio.create_task(ctl.run(), name="controller:run")
+    stop = asyncio.create_task(ctl.stopping.wait(), name="controller:stop-signal")
+    await asyncio.wait({runner, stop}, return_when=asyncio.FIRST_COMPLETED)
+    ctl.wake()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(runner, 10)
+    stop.cancel()

@@ -1,0 +1,385 @@
+"""The controller's pure decision: ``decide(desired, observed, config) -> list[Action]``.
+
+Level-triggered: the decision depends only on the desired state (etcd ``desired``) and the
+observed state (registered nodes, agent statuses, preemption notices, committed checkpoints,
+acks of this epoch and the time), never on which event woke the loop. So a duplicated, late
+or reordered event cannot change what happens, and replaying an audit log's observations
+through ``decide`` reproduces the run. No I/O, no clock, no globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from sailor.controller.phases import PhaseDeadlines, check_transition
+from sailor.schemas._base import Frozen
+from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.plan import Plan
+from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
+
+__all__ = [
+    "Action",
+    "ClearNotice",
+    "Commit",
+    "DecideConfig",
+    "Observed",
+    "Replan",
+    "Send",
+    "SetDesired",
+    "decide",
+]
+
+
+class DecideConfig(Frozen):
+    """Knobs of the decision."""
+
+    deadlines: PhaseDeadlines = Field(default_factory=PhaseDeadlines, description="Per phase.")
+    checkpoint_dir: str = Field(description="Checkpoint root handed to the workers.")
+    notice_margin_s: float = Field(
+        default=5.0, ge=0, description="Finish the checkpoint this long before a notice deadline."
+    )
+    stop_ahead_steps: int = Field(
+        default=1, ge=1, description="Agreed stop step = highest reported step + this."
+    )
+    base_port: int = Field(default=29500, gt=0, description="Rendezvous port of generation 0.")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the controller sees, read from etcd (plus acks it received in this epoch)."""
+
+    now: float
+    nodes: Mapping[str, NodeSpec]
+    status: Mapping[str, AgentStatus]
+    notices: Mapping[str, NoticeRecord] = field(default_factory=dict)
+    commits: tuple[CommitRecord, ...] = ()
+    acked: frozenset[str] = frozenset()
+
+    @property
+    def usable(self) -> tuple[str, ...]:
+        return tuple(sorted(n for n in self.nodes if n not in self.notices))
+
+    @property
+    def last_commit(self) -> CommitRecord | None:
+        return max(self.commits, key=lambda c: c.step) if self.commits else None
+
+
+@dataclass(frozen=True)
+class SetDesired:
+    """Write a new desired state (phase change, plan, stop step)."""
+
+    state: DesiredState
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send one command and wait (bounded) for its ack."""
+
+    command: Command
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Compute the next plan for ``nodes``; the executor writes it into ``next_plan``."""
+
+    nodes: tuple[NodeSpec, ...]
+    previous: Plan | None
+    cause: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Record a checkpoint whose shards every node reported durable."""
+
+    record: CommitRecord
+
+
+@dataclass(frozen=True)
+class ClearNotice:
+    """Forget the notice of a node that is gone."""
+
+    node_id: str
+
+
+Action = SetDesired | Send | Replan | Commit | ClearNotice
+
+
+def _move(
+    d: DesiredState, phase: Phase, now: float, cfg: DecideConfig, **kw: object
+) -> DesiredState:
+    check_transition(d.phase, phase)
+    length = cfg.deadlines.of(phase)
+    update: dict[str, object] = {
+        "phase": phase,
+        "phase_since": now,
+        "phase_deadline": now + length if length else 0.0,
+    }
+    update.update(kw)
+    return d.model_copy(update=update)
+
+
+def _cid(d: DesiredState, kind: str, node: str, extra: int | str = "") -> str:
+    return f"e{d.epoch}-g{d.generation}-{kind}{extra}-{node}"
+
+
+def _unhealthy(d: DesiredState, o: Observed) -> str:
+    """Why the current layout cannot go on ('' if it can)."""
+    lost = sorted(n for n in d.placement if n not in o.nodes)
+    if lost:
+        return f"node lost without notice: {','.join(lost)}"
+    for n in sorted(d.placement):
+        st = o.status.get(n)
+        if st is not None and st.generation == d.generation and st.state == "failed":
+            return f"worker failed on {n}: {st.failure[:200]}"
+    return ""
+
+
+def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
+    last = o.last_commit
+    state = _move(
+        d,
+        Phase.TEARDOWN,
+        o.now,
+        cfg,
+        load_step=last.step if last else -1,
+        next_plan=None,
+        next_placement={},
+        next_membership=(),
+        stop_step=-1,
+        aborted=True,
+        cause=cause,
+    )
+    return [SetDesired(state, f"abort: {cause}")]
+
+
+def _replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
+    usable = o.usable
+    if not usable:
+        return []
+    if d.next_plan is not None and d.next_membership == usable:
+        return []
+    return [Replan(tuple(o.nodes[n] for n in usable), d.plan, cause)]
+
+
+def _master(
+    o: Observed, placement: Mapping[str, tuple[int, ...]], gen: int, cfg: DecideConfig
+) -> str:
+    first = min(placement, key=lambda n: min(placement[n]))
+    addr = o.nodes[first].address if first in o.nodes else ""
+    host = addr.rsplit(":", 1)[0] if addr.count(":") == 1 else (addr or "127.0.0.1")
+    return f"{host}:{cfg.base_port + gen % 1000}"
+
+
+def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:
+    plan = d.next_plan
+    if plan is None:
+        return []
+    gen = d.generation + 1
+    state = _move(
+        d,
+        Phase.LAUNCH,
+        o.now,
+        cfg,
+        generation=gen,
+        plan=plan,
+        placement=dict(d.next_placement),
+        membership=d.next_membership,
+        next_plan=None,
+        next_placement={},
+        next_membership=(),
+        load_step=load_step,
+        master=_master(o, d.next_placement, gen, cfg),
+    )
+    return [SetDesired(state, f"launch generation {gen} from step {load_step}")]
+
+
+def _plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], bool]) -> bool:
+    """True when every node of the current layout reports ``pred`` for this generation."""
+    for n in d.placement:
+        st = o.status.get(n)
+        if st is None or st.generation != d.generation or not pred(st):
+            return False
+    return True
+
+
+def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = _unhealthy(d, o)
+    if why:
+        return _abort(d, o, cfg, why)
+    noticed = sorted(n for n in d.placement if n in o.notices)
+    usable = o.usable
+    new_nodes = sorted(set(usable) - set(d.membership))
+    if not noticed and not new_nodes:
+        if usable != d.membership:
+            # an unused node left: nothing runs there, just remember the new membership
+            return [SetDesired(d.model_copy(update={"membership": usable}), "membership shrank")]
+        return []
+    steps = [o.status[n].step for n in d.placement if n in o.status]
+    stop = max(steps, default=0) + cfg.stop_ahead_steps
+    deadline = o.now + cfg.deadlines.quiesce
+    if noticed:
+        first = min(o.notices[n].deadline for n in noticed)
+        deadline = min(deadline, first - cfg.notice_margin_s)
+        cause = f"preemption notice: {','.join(noticed)}"
+    else:
+        cause = f"nodes joined: {','.join(new_nodes)}"
+    state = _move(d, Phase.QUIESCE, o.now, cfg, stop_step=stop, cause=cause, aborted=False)
+    state = state.model_copy(update={"phase_deadline": deadline, "next_plan": None})
+    return [SetDesired(state, cause), *_replan_if_needed(state, o, cause)]
+
+
+def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = _unhealthy(d, o)
+    if why:
+        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
+    if o.now > d.phase_deadline:
+        return _abort(d, o, cfg, f"{d.phase.value} deadline passed")
+    # a later notice tightens the deadline instead of aborting a checkpoint that can still make it
+    noticed = [o.notices[n].deadline - cfg.notice_margin_s for n in d.placement if n in o.notices]
+    if noticed and min(noticed) < d.phase_deadline:
+        tighter = d.model_copy(update={"phase_deadline": min(noticed)})
+        return [SetDesired(tighter, "notice tightened the deadline")]
+    actions: list[Action] = []
+    for n in sorted(d.placement):
+        stop = Stop(
+            command_id=_cid(d, "stop", n, d.stop_step),
+            epoch=d.epoch,
+            plan_id=d.plan.plan_id if d.plan else "",
+            node_id=n,
+            deadline=d.phase_deadline,
+            at_step=d.stop_step,
+        )
+        ckpt = Checkpoint(
+            command_id=_cid(d, "ckpt", n, d.stop_step),
+            epoch=d.epoch,
+            plan_id=stop.plan_id,
+            node_id=n,
+            deadline=d.phase_deadline,
+            step=d.stop_step,
+            directory=cfg.checkpoint_dir,
+        )
+        for cmd in (stop, ckpt):
+            if cmd.command_id not in o.acked:
+                actions.append(Send(cmd))
+    actions += _replan_if_needed(d, o, d.cause)
+    if d.phase is Phase.QUIESCE and _plan_nodes_at(d, o, lambda s: s.step >= d.stop_step):
+        actions.append(SetDesired(_move(d, Phase.CHECKPOINT, o.now, cfg), "reached stop step"))
+    elif d.phase is Phase.CHECKPOINT and _plan_nodes_at(
+        d, o, lambda s: s.saved_step >= d.stop_step
+    ):
+        actions.append(SetDesired(_move(d, Phase.COMMIT, o.now, cfg), "all shards durable"))
+    return actions
+
+
+def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    record = CommitRecord(
+        step=d.stop_step,
+        directory=cfg.checkpoint_dir,
+        plan_id=d.plan.plan_id if d.plan else "",
+        generation=d.generation,
+        epoch=d.epoch,
+        time=o.now,
+    )
+    nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
+    return [Commit(record), SetDesired(nxt, f"committed step {d.stop_step}")]
+
+
+def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    actions: list[Action] = []
+    busy = sorted(n for n, st in o.status.items() if n in o.nodes and st.state != "idle")
+    for n in busy:
+        cmd = Abort(
+            command_id=_cid(d, "abort", n),
+            epoch=d.epoch,
+            plan_id=d.plan.plan_id if d.plan else "",
+            node_id=n,
+            deadline=d.phase_deadline,
+            reason=d.cause[:200],
+        )
+        if cmd.command_id not in o.acked:
+            actions.append(Send(cmd))
+    for n in sorted(o.notices):
+        if n not in o.nodes:
+            actions.append(ClearNotice(n))
+    if busy:
+        return actions
+    if not o.usable:
+        idle = _move(d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=())
+        return [*actions, SetDesired(idle, "no usable node")]
+    replan = _replan_if_needed(d, o, d.cause)
+    if replan:
+        return actions + replan
+    return actions + _launch(d, o, cfg, d.load_step)
+
+
+def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = _unhealthy(d, o)
+    if why:
+        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
+    if o.now > d.phase_deadline:
+        return _abort(d, o, cfg, f"{d.phase.value} deadline passed")
+    if d.plan is None:
+        return _abort(d, o, cfg, "no plan to launch")
+    if d.phase is Phase.LAUNCH:
+        actions: list[Action] = []
+        pending = False
+        for n in sorted(d.placement):
+            cmd = Launch(
+                command_id=_cid(d, "launch", n),
+                epoch=d.epoch,
+                plan_id=d.plan.plan_id,
+                node_id=n,
+                deadline=d.phase_deadline,
+                plan=d.plan,
+                ranks=d.placement[n],
+                world_size=d.plan.num_gpus,
+                master=d.master,
+                checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
+                load_step=d.load_step,
+                generation=d.generation,
+            )
+            if cmd.command_id not in o.acked:
+                actions.append(Send(cmd))
+                pending = True
+        if not pending:
+            actions.append(SetDesired(_move(d, Phase.LOAD, o.now, cfg), "every node launched"))
+        return actions
+    if d.phase is Phase.LOAD:
+        if _plan_nodes_at(d, o, lambda s: s.state == "running"):
+            return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
+        return []
+    if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
+        done = _move(d, Phase.RUNNING, o.now, cfg, aborted=False)
+        return [SetDesired(done, f"first step after {d.load_step} done")]
+    return []
+
+
+def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    if not o.usable:
+        return []
+    replan = _replan_if_needed(d, o, "nodes available")
+    if replan:
+        return replan
+    last = o.last_commit
+    return _launch(d, o, cfg, last.step if last else -1)
+
+
+def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> list[Action]:
+    """What to do next. Empty when the world matches the desired state."""
+    d, o = desired, observed
+    if d.phase is Phase.IDLE:
+        return _idle(d, o, config)
+    if d.phase is Phase.RUNNING:
+        return _running(d, o, config)
+    if d.phase in (Phase.QUIESCE, Phase.CHECKPOINT):
+        return _quiesce_like(d, o, config)
+    if d.phase is Phase.COMMIT:
+        return _commit(d, o, config)
+    if d.phase is Phase.TEARDOWN:
+        return _teardown(d, o, config)
+    return _launching(d, o, config)

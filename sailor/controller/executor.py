@@ -1,0 +1,215 @@
+"""Applies the actions ``decide`` returns: guarded etcd writes, commands, replanning.
+
+The executor is the I/O half of decide-then-apply. Every etcd write goes through the
+leader's epoch guard; a ``FencedError`` means this controller was deposed and it must stop.
+Commands are sent concurrently, each waiting a bounded time for its ack; a command not
+acked is simply decided again on a later pass (and re-sent at most every ``resend_s``).
+Planning runs in a worker thread as a named task, so it overlaps the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from sailor.controller.audit import AuditLog
+from sailor.controller.decide import Action, ClearNotice, Commit, Replan, Send, SetDesired
+from sailor.controller.planning import Planner, PlanResult
+from sailor.coordination import (
+    Clock,
+    EtcdStore,
+    Keys,
+    Leadership,
+    NatsCommands,
+    TaskSet,
+    TemporaryError,
+)
+from sailor.schemas.commands import CommandAdapter
+from sailor.schemas.runtime import CommandAck, DesiredState
+
+__all__ = ["Executor"]
+
+_log = structlog.get_logger("sailor.controller")
+
+
+class Executor:
+    """I/O for one leadership term."""
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        commands: NatsCommands,
+        keys: Keys,
+        audit: AuditLog,
+        leadership: Leadership,
+        planner: Planner,
+        clock: Clock,
+        tasks: TaskSet,
+        wake: Callable[[], None],
+        command_timeout_s: float = 1.0,
+        resend_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.commands = commands
+        self.keys = keys
+        self.audit = audit
+        self.lead = leadership
+        self.planner = planner
+        self.clock = clock
+        self.tasks = tasks
+        self.wake = wake
+        self.command_timeout_s = command_timeout_s
+        self.resend_s = resend_s
+        self.acked: set[str] = set()
+        self._sent_at: dict[str, float] = {}
+        self._replanning: tuple[str, ...] | None = None
+        self.plan_ready: tuple[tuple[str, ...], PlanResult] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.lead.epoch
+
+    async def write_desired(self, state: DesiredState, reason: str) -> None:
+        data = state.model_dump_json().encode()
+        await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
+        self.audit.write(
+            "phase",
+            self.clock.now(),
+            epoch=self.epoch,
+            phase=state.phase.value,
+            generation=state.generation,
+            plan_id=state.plan.plan_id if state.plan else "",
+            stop_step=state.stop_step,
+            load_step=state.load_step,
+            cause=reason,
+        )
+
+    async def apply(self, actions: list[Action], desired: DesiredState) -> DesiredState:
+        sends = [a for a in actions if isinstance(a, Send)]
+        for a in actions:
+            if isinstance(a, SetDesired):
+                await self.write_desired(a.state, a.reason)
+                desired = a.state
+            elif isinstance(a, Commit):
+                rec = a.record
+                await self.store.put_guarded(
+                    self.keys.checkpoint(rec.step),
+                    rec.model_dump_json().encode(),
+                    self.keys.leader,
+                    self.epoch,
+                )
+                self.audit.write(
+                    "commit",
+                    self.clock.now(),
+                    epoch=self.epoch,
+                    step=rec.step,
+                    plan_id=rec.plan_id,
+                    directory=rec.directory,
+                )
+            elif isinstance(a, ClearNotice):
+                await self.store.delete_guarded(
+                    self.keys.notice(a.node_id), self.keys.leader, self.epoch
+                )
+            elif isinstance(a, Replan):
+                self._start_replan(a)
+        if sends:
+            await asyncio.gather(*(self._send(s) for s in sends))
+        return desired
+
+    def _start_replan(self, action: Replan) -> None:
+        membership = tuple(n.node_id for n in action.nodes)
+        if self._replanning == membership:
+            return
+        if self.plan_ready is not None and self.plan_ready[0] == membership:
+            return
+        self._replanning = membership
+
+        async def run() -> None:
+            t0 = self.clock.now()
+            try:
+                result = await asyncio.wait_for(
+                    asyncio.to_thread(self.planner.plan, action.nodes, action.previous), 60.0
+                )
+            except Exception as exc:
+                self.audit.write("plan_failed", self.clock.now(), epoch=self.epoch, error=repr(exc))
+                self._replanning = None
+                return
+            if self._replanning != membership:
+                return
+            self.plan_ready = (membership, result)
+            self._replanning = None
+            pred = result.plan.predicted
+            self.audit.write(
+                "plan",
+                self.clock.now(),
+                epoch=self.epoch,
+                plan_id=result.plan.plan_id,
+                nodes=len(membership),
+                gpus=result.plan.num_gpus,
+                reason=result.reason,
+                cause=action.cause,
+                planning_s=round(self.clock.now() - t0, 4),
+                predicted=None if pred is None else pred.model_dump(),
+            )
+            self.wake()
+
+        self.tasks.spawn(f"replan-{len(membership)}", run())
+
+    def adopt_plan(self, desired: DesiredState) -> DesiredState | None:
+        """A desired state carrying the finished plan, if one is ready and still wanted."""
+        if self.plan_ready is None:
+            return None
+        membership, result = self.plan_ready
+        self.plan_ready = None
+        if desired.next_plan is not None and desired.next_membership == membership:
+            return None
+        return desired.model_copy(
+            update={
+                "next_plan": result.plan,
+                "next_placement": result.placement,
+                "next_membership": membership,
+            }
+        )
+
+    async def _send(self, action: Send) -> None:
+        cmd = action.command
+        now = self.clock.now()
+        if now - self._sent_at.get(cmd.command_id, -1e9) < self.resend_s:
+            return
+        self._sent_at[cmd.command_id] = now
+        self.audit.write(
+            "command",
+            now,
+            epoch=cmd.epoch,
+            command_id=cmd.command_id,
+            command=cmd.kind,
+            node_id=cmd.node_id,
+            plan_id=cmd.plan_id,
+        )
+        try:
+            raw = await self.commands.request(
+                cmd.node_id, CommandAdapter.dump_json(cmd), self.command_timeout_s
+            )
+            ack = CommandAck.model_validate_json(raw)
+        except TemporaryError as exc:
+            _log.info("command_unacked", command_id=cmd.command_id, error=str(exc))
+            return
+        except ValueError as exc:
+            self.audit.write(
+                "ack_rejected", self.clock.now(), command_id=cmd.command_id, error=str(exc)[:300]
+            )
+            return
+        self.audit.write(
+            "ack",
+            self.clock.now(),
+            epoch=cmd.epoch,
+            command_id=cmd.command_id,
+            node_id=cmd.node_id,
+            accepted=ack.accepted,
+            duplicate=ack.duplicate,
+            reason=ack.reason,
+        )
+        if ack.accepted:
+            self.acked.add(cmd.command_id)

@@ -1,0 +1,74 @@
+"""The reconfiguration state machine: phases, legal transitions and per-phase deadlines.
+
+::
+
+    IDLE ──> LAUNCH ──> LOAD ──> VERIFY ──> RUNNING
+               ^                               │ plan change / preemption notice
+               │                               v
+            TEARDOWN <── COMMIT <── CHECKPOINT <── QUIESCE
+
+    any of QUIESCE..VERIFY, and RUNNING on a failure or a node lost without notice
+        ──(abort)──> TEARDOWN, which relaunches from the last committed checkpoint
+    TEARDOWN ──> IDLE when no usable node is left
+
+Legal transitions (``LEGAL``): RUNNING→QUIESCE, QUIESCE→CHECKPOINT, CHECKPOINT→COMMIT,
+COMMIT→TEARDOWN, TEARDOWN→LAUNCH, LAUNCH→LOAD, LOAD→VERIFY, VERIFY→RUNNING, IDLE→LAUNCH,
+TEARDOWN→IDLE, and X→TEARDOWN (abort) from every phase but IDLE. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from sailor.schemas._base import Frozen
+from sailor.schemas.runtime import Phase
+
+__all__ = ["LEGAL", "PhaseDeadlines", "check_transition", "is_legal"]
+
+_FORWARD: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.LAUNCH}),
+    Phase.RUNNING: frozenset({Phase.QUIESCE}),
+    Phase.QUIESCE: frozenset({Phase.CHECKPOINT}),
+    Phase.CHECKPOINT: frozenset({Phase.COMMIT}),
+    Phase.COMMIT: frozenset({Phase.TEARDOWN}),
+    Phase.TEARDOWN: frozenset({Phase.LAUNCH, Phase.IDLE}),
+    Phase.LAUNCH: frozenset({Phase.LOAD}),
+    Phase.LOAD: frozenset({Phase.VERIFY}),
+    Phase.VERIFY: frozenset({Phase.RUNNING}),
+}
+
+LEGAL: dict[Phase, frozenset[Phase]] = {
+    p: nxt | ({Phase.TEARDOWN} if p is not Phase.IDLE else frozenset())
+    for p, nxt in _FORWARD.items()
+}
+"""phase -> phases it may move to (forward step or abort to TEARDOWN)."""
+
+
+def is_legal(src: Phase, dst: Phase) -> bool:
+    return src == dst or dst in LEGAL[src]
+
+
+def check_transition(src: Phase, dst: Phase) -> None:
+    """Raise ValueError naming both phases if the move is not legal."""
+    if not is_legal(src, dst):
+        raise ValueError(f"phase transition {src.value} -> {dst.value} is not legal")
+
+
+class PhaseDeadlines(Frozen):
+    """Seconds each phase may take before the reconfiguration is aborted.
+
+    Defaults fit the tiny CPU model on a 2-core machine (a step takes well under a second,
+    a launch with torch import about 5 s); scale them with the model in the config.
+    """
+
+    quiesce: float = Field(default=30.0, gt=0, description="Reach the agreed step.")
+    checkpoint: float = Field(default=60.0, gt=0, description="Every shard durable.")
+    commit: float = Field(default=10.0, gt=0, description="Record the commit in etcd.")
+    teardown: float = Field(default=20.0, gt=0, description="All workers gone.")
+    launch: float = Field(default=20.0, gt=0, description="Every node acked its launch.")
+    load: float = Field(default=120.0, gt=0, description="Workers started and loading.")
+    verify: float = Field(default=120.0, gt=0, description="First step in the new layout.")
+
+    def of(self, phase: Phase) -> float:
+        """Deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING)."""
+        return float(getattr(self, phase.value, 0.0))

@@ -1,0 +1,125 @@
+"""How the controller gets a plan for a set of nodes, and how the plan is placed on them.
+
+``Planner`` is the small interface the executor calls on every membership change (in a
+thread: planning may take a while and overlaps the checkpoint). ``DataParallelPlanner`` is a
+stand-in that needs no profiles: one single-stage pipeline per GPU (tp=1), as many as divide
+the global batch. The real planner (``sailor.planner.replan``) plugs in behind the same
+interface. ``place`` is pure: it binds every replica group of a plan to a concrete node with
+free GPUs of the right type and zone, and returns node -> global ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+
+__all__ = ["DataParallelPlanner", "PlacementError", "PlanResult", "Planner", "place"]
+
+
+class PlacementError(ValueError):
+    """The plan needs GPUs the given nodes do not have. Not retryable with the same nodes."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """A placed plan and why it was chosen."""
+
+    plan: Plan
+    placement: dict[str, tuple[int, ...]]
+    reason: str
+
+
+class Planner(Protocol):
+    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult: ...
+
+
+def _plan_id(plan: Plan) -> str:
+    body = plan.model_copy(update={"plan_id": ""}).model_dump_json()
+    return "p-" + hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+def place(plan: Plan, nodes: tuple[NodeSpec, ...]) -> tuple[Plan, dict[str, tuple[int, ...]]]:
+    """Bind each replica group to a node; returns the bound plan and node -> ranks."""
+    free = {n.node_id: n.gpus for n in sorted(nodes, key=lambda n: n.node_id)}
+    spec = {n.node_id: n for n in nodes}
+    ranks: dict[str, list[int]] = {}
+    rank = 0
+    pipelines: list[Pipeline] = []
+    for pi, p in enumerate(plan.pipelines):
+        stages: list[Stage] = []
+        for si, s in enumerate(p.stages):
+            r = s.replica
+            fits = [
+                nid
+                for nid, left in free.items()
+                if left >= r.tp and spec[nid].gpu_type == r.gpu_type and spec[nid].zone == r.zone
+            ]
+            if r.node_id and r.node_id in fits:
+                fits = [r.node_id]
+            if not fits:
+                raise PlacementError(
+                    f"pipelines[{pi}].stages[{si}]: no node with {r.tp} free {r.gpu_type} "
+                    f"GPUs in {r.zone}"
+                )
+            nid = fits[0]
+            first = spec[nid].gpus - free[nid]
+            free[nid] -= r.tp
+            bound = ReplicaGroup(
+                gpu_type=r.gpu_type,
+                zone=r.zone,
+                tp=r.tp,
+                gpus_per_node=spec[nid].gpus,
+                node_id=nid,
+                first_gpu=first,
+            )
+            stages.append(s.model_copy(update={"replica": bound}))
+            ranks.setdefault(nid, []).extend(range(rank, rank + r.tp))
+            rank += r.tp
+        pipelines.append(p.model_copy(update={"stages": tuple(stages)}))
+    bound_plan = plan.model_copy(update={"pipelines": tuple(pipelines), "plan_id": ""})
+    bound_plan = bound_plan.model_copy(update={"plan_id": _plan_id(bound_plan)})
+    return bound_plan, {k: tuple(v) for k, v in sorted(ranks.items())}
+
+
+class DataParallelPlanner:
+    """Stand-in planner: data parallelism over single GPUs, batch split evenly."""
+
+    def __init__(
+        self, model: str, num_layers: int, global_batch_size: int, max_gpus: int = 0
+    ) -> None:
+        self.model = model
+        self.num_layers = num_layers
+        self.global_batch_size = global_batch_size
+        self.max_gpus = max_gpus
+
+    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        gpus = [(n, g) for n in sorted(nodes, key=lambda n: n.node_id) for g in range(n.gpus)]
+        if self.max_gpus:
+            gpus = gpus[: self.max_gpus]
+        if not gpus:
+            raise PlacementError("no GPU available")
+        dp = max(d for d in range(1, len(gpus) + 1) if self.global_batch_size % d == 0)
+        pipelines = tuple(
+            Pipeline(
+                stages=(
+                    Stage(
+                        first_layer=0,
+                        last_layer=self.num_layers - 1,
+                        replica=ReplicaGroup(
+                            gpu_type=n.gpu_type, zone=n.zone, tp=1, gpus_per_node=n.gpus
+                        ),
+                    ),
+                ),
+                microbatch_size=1,
+                num_microbatches=self.global_batch_size // dp,
+            )
+            for n, _ in gpus[:dp]
+        )
+        plan = Plan(model=self.model, global_batch_size=self.global_batch_size, pipelines=pipelines)
+        bound, placement = place(plan, tuple(n for n, _ in gpus[:dp]))
+        before = previous.num_gpus if previous else 0
+        return PlanResult(bound, placement, f"data parallel over {dp} GPUs (was {before})")

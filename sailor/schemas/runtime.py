@@ -1,0 +1,119 @@
+"""Runtime records kept in etcd and replies on NATS: desired state, agent status, acks.
+
+These are the values the controller's pure ``decide`` reads (with the node registrations)
+and the records a new leader takes over from. Written by exactly one party each: the leader
+writes ``DesiredState``, ``NoticeRecord`` and ``CommitRecord`` (epoch-guarded); an agent writes
+its own ``AgentStatus`` and replies ``CommandAck``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field
+
+from sailor.schemas._base import WireMessage
+from sailor.schemas.plan import Plan
+
+__all__ = [
+    "AgentState",
+    "AgentStatus",
+    "CommandAck",
+    "CommitRecord",
+    "DesiredState",
+    "NoticeRecord",
+    "Phase",
+]
+
+
+class Phase(StrEnum):
+    """Phase of the reconfiguration state machine (transitions: sailor.controller.phases)."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    QUIESCE = "quiesce"
+    CHECKPOINT = "checkpoint"
+    COMMIT = "commit"
+    TEARDOWN = "teardown"
+    LAUNCH = "launch"
+    LOAD = "load"
+    VERIFY = "verify"
+
+
+AgentState = Literal["idle", "running", "stopped", "failed"]
+
+
+class DesiredState(WireMessage):
+    """What the leader wants: the plan, its placement and where the reconfiguration is."""
+
+    epoch: int = Field(ge=0, description="Epoch of the leader that wrote it.")
+    generation: int = Field(default=0, ge=0, description="Launch counter; one per layout.")
+    phase: Phase = Field(default=Phase.IDLE, description="Reconfiguration phase.")
+    phase_since: float = Field(default=0.0, ge=0, description="Unix time the phase began.")
+    phase_deadline: float = Field(default=0.0, ge=0, description="Unix time it must end by.")
+    plan: Plan | None = Field(default=None, description="Plan running or being launched.")
+    placement: dict[str, tuple[int, ...]] = Field(
+        default_factory=dict, description="node id -> global ranks of ``plan``."
+    )
+    membership: tuple[str, ...] = Field(
+        default=(), description="Usable nodes the plan was made for (sorted)."
+    )
+    next_plan: Plan | None = Field(default=None, description="Plan computed during quiesce.")
+    next_placement: dict[str, tuple[int, ...]] = Field(
+        default_factory=dict, description="Placement of ``next_plan``."
+    )
+    next_membership: tuple[str, ...] = Field(default=(), description="Nodes next_plan uses.")
+    stop_step: int = Field(default=-1, ge=-1, description="Agreed step to stop and save at.")
+    load_step: int = Field(default=-1, ge=-1, description="Checkpoint the launch loads; -1 none.")
+    master: str = Field(default="", description="Rendezvous host:port of the current launch.")
+    cause: str = Field(default="", max_length=1024, description="Why the last change began.")
+    aborted: bool = Field(default=False, description="This reconfiguration was aborted.")
+
+
+class AgentStatus(WireMessage):
+    """An agent's report of its node, written under its lease."""
+
+    node_id: str = Field(min_length=1, description="Node.")
+    epoch: int = Field(default=0, ge=0, description="Highest controller epoch seen.")
+    generation: int = Field(default=-1, ge=-1, description="Generation of the workers it runs.")
+    plan_id: str = Field(default="", description="Plan of the workers.")
+    state: AgentState = Field(default="idle", description="Workers' state.")
+    step: int = Field(default=-1, ge=-1, description="Last step completed by all its workers.")
+    loss: float | None = Field(default=None, description="Loss of that step (rank 0 of node).")
+    start_step: int = Field(default=-1, ge=-1, description="Step the workers started from.")
+    saved_step: int = Field(default=-1, ge=-1, description="Last step its workers saved.")
+    failure: str = Field(default="", max_length=4096, description="First failure cause.")
+    time: float = Field(default=0.0, ge=0, description="Unix time of this report.")
+
+
+class CommandAck(WireMessage):
+    """An agent's reply to a command."""
+
+    command_id: str = Field(description="Command acknowledged.")
+    node_id: str = Field(default="", description="Replying node.")
+    accepted: bool = Field(description="Applied now or earlier (idempotent replay).")
+    duplicate: bool = Field(default=False, description="Command id already applied before.")
+    reason: str = Field(default="", max_length=1024, description="Why refused.")
+    epoch_seen: int = Field(default=0, ge=0, description="Highest epoch the agent has seen.")
+
+
+class NoticeRecord(WireMessage):
+    """A preemption notice, kept in etcd so that any leader acts on it."""
+
+    node_id: str = Field(min_length=1, description="Node to be reclaimed.")
+    deadline: float = Field(ge=0, description="Unix time the node will be gone.")
+    event_id: str = Field(default="", description="Event that reported it.")
+    source: str = Field(default="", description="Watcher that saw it.")
+
+
+class CommitRecord(WireMessage):
+    """A checkpoint whose every shard is durable and whose manifest is committed."""
+
+    kind: Literal["commit"] = Field(default="commit", description="Record kind.")
+    step: int = Field(ge=0, description="Step committed.")
+    directory: str = Field(description="Checkpoint root.")
+    plan_id: str = Field(default="", description="Layout it was saved from.")
+    generation: int = Field(default=0, ge=0, description="Generation that saved it.")
+    epoch: int = Field(default=0, ge=0, description="Leader epoch that committed it.")
+    time: float = Field(default=0.0, ge=0, description="Unix time of the commit.")

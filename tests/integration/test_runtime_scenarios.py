@@ -1,0 +1,297 @@
+"""Runtime scenarios with real nats-server, etcd, controllers, agents and worker processes.
+
+Workers are the light ``sim_worker`` (real subprocesses speaking the worker protocol, with a
+layout-independent loss), so each scenario takes seconds. After each, ``sailor audit`` must
+pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sailor.agent.daemon import Agent, AgentConfig, WatcherConfig
+from sailor.controller.audit import check, read_records
+from sailor.controller.config import ControllerConfig
+from sailor.controller.daemon import Controller
+from sailor.controller.phases import PhaseDeadlines
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import Phase
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+WORKER = (
+    "{python}",
+    "-m",
+    "sailor.agent.sim_worker",
+    "--plan",
+    "{plan}",
+    "--rank",
+    "{rank}",
+    "--world-size",
+    "{world_size}",
+    "--control",
+    "{control}",
+    "--load-dir",
+    "{load_dir}",
+    "--load-step",
+    "{load_step}",
+    "--error-file",
+    "{error_file}",
+    "--step-s",
+    "0.15",
+)
+
+
+class Cluster:
+    def __init__(self, tmp: Path, nats_url: str, etcd: str) -> None:
+        import sys
+
+        self.tmp = tmp
+        self.nats_url = nats_url
+        self.etcd = etcd
+        self.worker = tuple(a.replace("{python}", sys.executable) for a in WORKER)
+        self.controllers: dict[str, tuple[Controller, asyncio.Task[None]]] = {}
+        self.agents: dict[str, tuple[Agent, asyncio.Task[None]]] = {}
+
+    def ctl_config(self, name: str) -> ControllerConfig:
+        return ControllerConfig(
+            job="t",
+            identity=name,
+            nats_url=self.nats_url,
+            etcd_endpoint=self.etcd,
+            audit_log=self.tmp / f"audit-{name}.jsonl",
+            checkpoint_dir=str(self.tmp / "ckpt"),
+            lease_ttl_s=1,
+            debounce_s=0.2,
+            resync_s=0.5,
+            stop_ahead_steps=3,
+            notice_margin_s=1.0,
+            deadlines=PhaseDeadlines(quiesce=15, checkpoint=15, launch=10, load=30, verify=30),
+            global_batch_size=8,
+        )
+
+    def start_controller(self, name: str) -> Controller:
+        ctl = Controller(self.ctl_config(name))
+        self.controllers[name] = (ctl, asyncio.create_task(ctl.run(), name=f"test-ctl-{name}"))
+        return ctl
+
+    def start_agent(self, node_id: str, gpu: str = "A100-40", watch_file: bool = False) -> Agent:
+        watchers = (
+            (WatcherConfig(kind="file", target=str(self.tmp / f"preempt-{node_id}")),)
+            if watch_file
+            else ()
+        )
+        cfg = AgentConfig(
+            job="t",
+            node=NodeSpec(node_id=node_id, gpu_type=gpu, gpus=1, zone="z-a-1", address="127.0.0.1"),
+            nats_url=self.nats_url,
+            etcd_endpoint=self.etcd,
+            lease_ttl_s=1,
+            work_dir=self.tmp / "agents",
+            worker_argv=self.worker,
+            watchers=watchers,
+            watch_poll_s=0.2,
+        )
+        agent = Agent(cfg)
+        self.agents[node_id] = (agent, asyncio.create_task(agent.run(), name=f"test-{node_id}"))
+        return agent
+
+    async def stop_agent(self, node_id: str, crash: bool = False) -> None:
+        agent, task = self.agents.pop(node_id)
+        if crash:
+            await agent.crash()
+        agent.stopping.set()
+        await asyncio.wait_for(task, 15)
+
+    async def stop_controller(self, name: str, crash: bool = False) -> None:
+        ctl, task = self.controllers.pop(name)
+        if crash:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            ctl.audit.close()
+            return
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(task, 15)
+
+    async def close(self) -> None:
+        for n in list(self.agents):
+            await self.stop_agent(n)
+        for c in list(self.controllers):
+            await self.stop_controller(c)
+
+    def leader(self) -> Controller:
+        for ctl, _ in self.controllers.values():
+            if ctl.leadership is not None:
+                return ctl
+        raise AssertionError("no leader")
+
+    async def wait_phase(self, phase: Phase, timeout: float, after_gen: int = -1) -> Controller:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            for ctl, _ in self.controllers.values():
+                d = ctl.desired
+                if ctl.leadership and d and d.phase is phase and d.generation > after_gen:
+                    return ctl
+            await asyncio.sleep(0.05)
+        states = {
+            n: (c.desired.phase, c.desired.cause)
+            for n, (c, _) in self.controllers.items()
+            if c.desired
+        }
+        raise AssertionError(f"phase {phase} not reached in {timeout}s: {states}")
+
+    async def wait_step(
+        self, ctl: Controller, node_ids: list[str], step: int, timeout: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            if all(self.agents[n][0].supervisor.step >= step for n in node_ids):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"step {step} not reached")
+
+    def audit(self) -> None:
+        rep = check(read_records(sorted(self.tmp.glob("audit-*.jsonl"))))
+        assert rep.ok, rep.violations
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, nats_url: str, etcd_endpoint: str) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path, nats_url, etcd_endpoint)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", watch_file=True)
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    gen1 = ctl.desired.generation
+    await cluster.wait_step(ctl, ["n1"], 3, 15)
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen1)
+    d = ctl.desired
+    assert sorted(d.placement) == ["n1", "n2"] and d.load_step > 0
+    # preemption notice with a 20 s deadline: checkpoint inside it, resume on the survivor
+    t_notice = asyncio.get_running_loop().time()
+    (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=d.generation)
+    assert asyncio.get_running_loop().time() - t_notice < 20
+    d2 = ctl.desired
+    assert list(d2.placement) == ["n2"] and d2.load_step > d.load_step
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    commits = [r["step"] for r in recs if r["kind"] == "commit"]
+    assert d2.load_step in commits
+    cluster.audit()
+
+
+async def test_node_lost_without_notice_resumes_from_last_commit(cluster: Cluster) -> None:
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    committed = ctl.desired.load_step
+    await cluster.stop_agent("n2", crash=True)
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    assert list(ctl.desired.placement) == ["n1"]
+    assert ctl.desired.load_step == committed
+    cluster.audit()
+
+
+async def test_standby_takes_over_and_deposed_leader_is_refused(cluster: Cluster) -> None:
+    from sailor.coordination import NatsCommands, connect_nats
+    from sailor.schemas.commands import Abort, CommandAdapter
+    from sailor.schemas.runtime import CommandAck
+
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    old_epoch = ctl.leadership.epoch if ctl.leadership else 0
+    cluster.start_controller("c2")
+    await asyncio.sleep(0.5)
+    await cluster.stop_controller("c1", crash=True)
+    new = None
+    for _ in range(100):
+        c2 = cluster.controllers["c2"][0]
+        if c2.leadership is not None:
+            new = c2
+            break
+        await asyncio.sleep(0.05)
+    assert new is not None and new.leadership is not None
+    assert new.leadership.epoch > old_epoch
+    # the run goes on under the new leader without a relaunch
+    assert new.desired is not None
+    await cluster.wait_step(new, ["n1"], cluster.agents["n1"][0].supervisor.step + 2, 15)
+    # make the agent see the new epoch, then replay a command of the old epoch
+    agent = cluster.agents["n1"][0]
+    agent.max_epoch = max(agent.max_epoch, new.leadership.epoch)
+    nc = await connect_nats(cluster.nats_url, "forger")
+    try:
+        stale = Abort(command_id="stale-1", epoch=old_epoch, node_id="n1", reason="deposed")
+        raw = await NatsCommands(nc, new.keys).request("n1", CommandAdapter.dump_json(stale), 2)
+        ack = CommandAck.model_validate_json(raw)
+        assert not ack.accepted and "stale epoch" in ack.reason
+    finally:
+        await nc.close()
+    assert agent.supervisor.state == "running"
+    cluster.audit()
+
+
+async def test_forged_and_malformed_events_are_rejected(cluster: Cluster) -> None:
+    from sailor.coordination import NatsEventBus, connect_nats
+
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    nc = await connect_nats(cluster.nats_url, "forger")
+    try:
+        bus = NatsEventBus(nc, ctl.keys, durable="x")
+        await bus.publish("node_joined", b"not json", msg_id="bad-1")
+        await bus.publish("node_left", b'{"kind":"node_left","schema_version":99}', msg_id="bad-2")
+        forged = {
+            "kind": "preemption_notice",
+            "event_id": "forged-1",
+            "node_id": "ghost",
+            "time": 1.0,
+            "deadline": 2.0,
+        }
+        await bus.publish("preemption_notice", json.dumps(forged).encode(), msg_id="forged-1")
+        far = {**forged, "event_id": "forged-2", "node_id": "n1", "deadline": 9e9}
+        await bus.publish("preemption_notice", json.dumps(far).encode(), msg_id="forged-2")
+    finally:
+        await nc.close()
+    await asyncio.sleep(1.5)
+    recs = read_records([cluster.tmp / "audit-c1.jsonl"])
+    assert sum(r["kind"] == "event_rejected" for r in recs) == 4
+    assert cluster.controllers["c1"][0].desired.phase is Phase.RUNNING
+    cluster.audit()
+
+
+async def test_nats_and_etcd_restart_mid_run(
+    cluster: Cluster, nats_server: object, etcd_server: object
+) -> None:
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    gen = ctl.desired.generation
+    await asyncio.to_thread(nats_server.restart)  # type: ignore[attr-defined]
+    await asyncio.to_thread(etcd_server.restart)  # type: ignore[attr-defined]
+    step = cluster.agents["n1"][0].supervisor.step
+    await cluster.wait_step(ctl, ["n1"], step + 5, 20)
+    # still the same layout, and the controller still reconciles: a join is picked up
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
+    assert sorted(ctl.desired.placement) == ["n1", "n2"]
+    cluster.audit()
