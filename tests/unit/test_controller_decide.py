@@ -1,0 +1,231 @@
+"""Table tests of the controller's pure decision and its state machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from sailor.controller.decide import (
+    ClearNotice,
+    Commit,
+    DecideConfig,
+    Observed,
+    Replan,
+    Send,
+    SetDesired,
+    decide,
+)
+from sailor.controller.phases import LEGAL, check_transition
+from sailor.controller.planning import DataParallelPlanner
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
+
+CFG = DecideConfig(checkpoint_dir="/ck", stop_ahead_steps=2, notice_margin_s=5)
+NOW = 1000.0
+
+
+def node(i: int) -> NodeSpec:
+    return NodeSpec(node_id=f"n{i}", gpu_type="A100-40", gpus=1, zone="z-a-1", address="h")
+
+
+def nodes(*ids: int) -> dict[str, NodeSpec]:
+    return {f"n{i}": node(i) for i in ids}
+
+
+def running(ids: tuple[int, ...], gen: int = 1, step: int = 10, **kw: object) -> DesiredState:
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(node(i) for i in ids), None)
+    base = DesiredState(
+        epoch=7,
+        generation=gen,
+        phase=Phase.RUNNING,
+        plan=res.plan,
+        placement=res.placement,
+        membership=tuple(sorted(f"n{i}" for i in ids)),
+    )
+    return base.model_copy(update=kw)
+
+
+def st(
+    i: int, gen: int = 1, state: str = "running", step: int = 10, saved: int = -1
+) -> AgentStatus:
+    return AgentStatus(
+        node_id=f"n{i}",
+        generation=gen,
+        state=state,
+        step=step,
+        saved_step=saved,  # type: ignore[arg-type]
+    )
+
+
+def obs(ns: dict[str, NodeSpec], statuses: list[AgentStatus], **kw: object) -> Observed:
+    return Observed(now=NOW, nodes=ns, status={s.node_id: s for s in statuses}, **kw)  # type: ignore[arg-type]
+
+
+def kinds(actions: list[object]) -> list[str]:
+    out = []
+    for a in actions:
+        if isinstance(a, SetDesired):
+            out.append(f"set:{a.state.phase.value}")
+        elif isinstance(a, Send):
+            out.append(f"send:{a.command.kind}:{a.command.node_id}")
+        else:
+            out.append(type(a).__name__.lower())
+    return out
+
+
+def test_steady_state_does_nothing() -> None:
+    assert decide(running((1, 2)), obs(nodes(1, 2), [st(1), st(2)]), CFG) == []
+
+
+def test_idle_with_nodes_replans_then_launches() -> None:
+    d = DesiredState(epoch=7)
+    a = decide(d, obs(nodes(1), []), CFG)
+    assert kinds(a) == ["replan"]
+    res = DataParallelPlanner("m", 4, 8).plan((node(1),), None)
+    d2 = d.model_copy(
+        update={"next_plan": res.plan, "next_placement": res.placement, "next_membership": ("n1",)}
+    )
+    a = decide(d2, obs(nodes(1), []), CFG)
+    assert kinds(a) == ["set:launch"]
+    new = a[0].state  # type: ignore[union-attr]
+    assert new.generation == 1 and new.load_step == -1 and new.master == "h:29501"
+
+
+def test_idle_launch_loads_latest_commit() -> None:
+    res = DataParallelPlanner("m", 4, 8).plan((node(1),), None)
+    d = DesiredState(
+        epoch=7, next_plan=res.plan, next_placement=res.placement, next_membership=("n1",)
+    )
+    commits = (CommitRecord(step=4, directory="/ck"), CommitRecord(step=9, directory="/ck"))
+    a = decide(d, obs(nodes(1), [], commits=commits), CFG)
+    assert a[0].state.load_step == 9  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("ns", "notices", "expect", "why"),
+    [
+        (nodes(1, 2, 3), {}, ["set:quiesce", "replan"], "join"),
+        (
+            nodes(1, 2),
+            {"n2": NoticeRecord(node_id="n2", deadline=NOW + 30)},
+            ["set:quiesce", "replan"],
+            "notice",
+        ),
+        (nodes(1), {}, ["set:teardown"], "lost"),
+    ],
+)
+def test_running_reacts(
+    ns: dict[str, NodeSpec], notices: dict[str, NoticeRecord], expect: list[str], why: str
+) -> None:
+    a = decide(running((1, 2)), obs(ns, [st(1), st(2, step=12)], notices=notices), CFG)
+    assert kinds(a) == expect, why
+    new = a[0].state  # type: ignore[union-attr]
+    if why == "notice":
+        assert new.stop_step == 14 and new.phase_deadline == NOW + 25
+    if why == "lost":
+        assert new.aborted and new.load_step == -1
+
+
+def test_running_worker_failure_aborts_to_last_commit() -> None:
+    a = decide(
+        running((1,)),
+        obs(nodes(1), [st(1, state="failed")], commits=(CommitRecord(step=5, directory="/ck"),)),
+        CFG,
+    )
+    assert kinds(a) == ["set:teardown"] and a[0].state.load_step == 5  # type: ignore[union-attr]
+
+
+def test_quiesce_sends_stop_and_checkpoint_once_acked() -> None:
+    d = running((1,), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW + 10, next_plan=None)
+    a = decide(d, obs(nodes(1), [st(1, step=11)]), CFG)
+    assert kinds(a) == ["send:stop:n1", "send:checkpoint:n1", "replan"]
+    acked = frozenset(s.command.command_id for s in a if isinstance(s, Send))
+    a = decide(d, obs(nodes(1), [st(1, step=12)], acked=acked), CFG)
+    assert kinds(a) == ["replan", "set:checkpoint"]
+
+
+def test_checkpoint_commit_teardown_launch_verify_running() -> None:
+    d = running((1,), phase=Phase.CHECKPOINT, stop_step=12, phase_deadline=NOW + 10)
+    res = DataParallelPlanner("m", 4, 8).plan((node(1), node(2)), None)
+    d = d.model_copy(
+        update={
+            "next_plan": res.plan,
+            "next_placement": res.placement,
+            "next_membership": ("n1", "n2"),
+        }
+    )
+    ns = nodes(1, 2)
+    a = decide(d, obs(ns, [st(1, step=12, saved=12, state="stopped")]), CFG)
+    # not yet acked in this epoch: the commands are sent again (idempotent), and it moves on
+    assert kinds(a) == ["send:stop:n1", "send:checkpoint:n1", "set:commit"]
+    d = a[-1].state  # type: ignore[union-attr]
+    a = decide(d, obs(ns, [st(1, step=12, saved=12, state="stopped")]), CFG)
+    assert kinds(a) == ["commit", "set:teardown"]
+    assert isinstance(a[0], Commit) and a[0].record.step == 12
+    d = a[1].state  # type: ignore[union-attr]
+    a = decide(d, obs(ns, [st(1, state="stopped")]), CFG)
+    assert kinds(a) == ["send:abort:n1"]
+    a = decide(d, obs(ns, [st(1, state="idle")]), CFG)
+    assert kinds(a) == ["set:launch"]
+    d = a[0].state  # type: ignore[union-attr]
+    assert d.generation == 2 and d.load_step == 12 and sorted(d.placement) == ["n1", "n2"]
+    a = decide(d, obs(ns, []), CFG)
+    assert kinds(a) == ["send:launch:n1", "send:launch:n2"]
+    launch = a[0].command  # type: ignore[union-attr]
+    assert launch.load_step == 12 and launch.checkpoint == "/ck" and launch.world_size == 2
+    acked = frozenset(x.command.command_id for x in a if isinstance(x, Send))
+    a = decide(d, obs(ns, [], acked=acked), CFG)
+    assert kinds(a) == ["set:load"]
+    d = a[0].state  # type: ignore[union-attr]
+    a = decide(d, obs(ns, [st(1, gen=2, step=-1), st(2, gen=2, step=-1)]), CFG)
+    assert kinds(a) == ["set:verify"]
+    d = a[0].state  # type: ignore[union-attr]
+    assert decide(d, obs(ns, [st(1, gen=2, step=12), st(2, gen=2, step=13)]), CFG) == []
+    a = decide(d, obs(ns, [st(1, gen=2, step=13), st(2, gen=2, step=13)]), CFG)
+    assert kinds(a) == ["set:running"]
+
+
+def test_deadline_or_node_loss_in_transition_aborts() -> None:
+    d = running((1, 2), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW - 1)
+    a = decide(d, obs(nodes(1, 2), [st(1), st(2)]), CFG)
+    assert kinds(a) == ["set:teardown"] and "deadline" in a[0].state.cause  # type: ignore[union-attr]
+    d = running((1, 2), phase=Phase.LOAD, phase_deadline=NOW + 50)
+    a = decide(d, obs(nodes(1), [st(1)]), CFG)
+    assert kinds(a) == ["set:teardown"] and a[0].state.aborted  # type: ignore[union-attr]
+
+
+def test_second_notice_tightens_deadline() -> None:
+    d = running((1, 2), phase=Phase.CHECKPOINT, stop_step=12, phase_deadline=NOW + 20)
+    notices = {"n2": NoticeRecord(node_id="n2", deadline=NOW + 10)}
+    a = decide(d, obs(nodes(1, 2), [st(1), st(2)], notices=notices), CFG)
+    assert kinds(a) == ["set:checkpoint"] and a[0].state.phase_deadline == NOW + 5  # type: ignore[union-attr]
+
+
+def test_teardown_clears_notices_of_gone_nodes_and_goes_idle_without_nodes() -> None:
+    d = running((1,), phase=Phase.TEARDOWN, phase_deadline=NOW + 10)
+    notices = {"n1": NoticeRecord(node_id="n1", deadline=NOW)}
+    a = decide(d, obs({}, [], notices=notices), CFG)
+    assert kinds(a) == ["clearnotice", "set:idle"] and isinstance(a[0], ClearNotice)
+
+
+def test_stale_generation_status_is_ignored() -> None:
+    d = running((1,), gen=3, phase=Phase.LOAD, phase_deadline=NOW + 10)
+    assert decide(d, obs(nodes(1), [st(1, gen=2)]), CFG) == []
+
+
+def test_transition_table() -> None:
+    check_transition(Phase.RUNNING, Phase.QUIESCE)
+    for p in Phase:
+        if p is not Phase.IDLE:
+            check_transition(p, Phase.TEARDOWN)
+    with pytest.raises(ValueError, match="running -> launch"):
+        check_transition(Phase.RUNNING, Phase.LAUNCH)
+    with pytest.raises(ValueError):
+        check_transition(Phase.IDLE, Phase.TEARDOWN)
+    assert set(LEGAL) == set(Phase)
+
+
+def test_replan_carries_previous_plan() -> None:
+    d = running((1,))
+    a = decide(d, obs(nodes(1, 2), [st(1)]), CFG)
+    rp = next(x for x in a if isinstance(x, Replan))
+    assert rp.previous == d.plan and [n.node_id for n in rp.nodes] == ["n1", "n2"]
