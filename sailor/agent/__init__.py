@@ -1,0 +1,1 @@
+"""The per-node agent: registration lease, preemption watchers and the worker supervisor."""
