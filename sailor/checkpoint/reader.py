@@ -178,8 +178,13 @@ def load(
             dim = tp_dims.get(key, dims[pname]) if tp_dims is not None else dims[pname]
             sliced = {k: tp_slice(v, dim, tp_rank, tp_size) for k, v in kinds.items()}
             if tp_size > 1 and dim is not None:
-                # Own the slice: don't keep the whole layer buffer alive through a view.
-                sliced = {k: v.clone() for k, v in sliced.items()}
+                # Own the slice (don't pin the whole layer buffer through a view); a slice
+                # along dim > 0 was already copied by ``contiguous`` in tp_slice.
+                base = buf.untyped_storage().data_ptr()
+                sliced = {
+                    k: v.clone() if v.untyped_storage().data_ptr() == base else v
+                    for k, v in sliced.items()
+                }
             out[key] = ParamState(
                 sliced["weight"], sliced["exp_avg"], sliced["exp_avg_sq"], tp_dim=dim
             )
