@@ -1,0 +1,294 @@
+"""Calibrated analytic profiles for GPU types that are not at hand.
+
+The simulator's roofline (:mod:`sailor.simulator.estimate_profile`) derates every GPU's
+peak FLOP/s and HBM bandwidth by one constant, ``ROOFLINE_EFFICIENCY = 0.5``. Small layers
+reach far less than that, and how much less depends on the layer kind, the microbatch size
+and the TP degree far more than on the GPU. So the efficiency is *measured*:
+
+1. For each measured GPU type with a spec sheet, each (layer kind, TP, mbs) it was
+   profiled at, and each of forward, backward and update: efficiency
+   ``e = roofline time at 100 % of peak / measured time``, with the layers of a kind summed
+   (the measured times are read through the simulator's own lookup, so its corrections of
+   known profile defects apply: an embedding backward below its forward, one ``update_s``
+   for every layer).
+2. The calibrated efficiency of a key is the **geometric mean** of ``e`` over the GPU types
+   that have it (a ratio: the geometric mean does not let one fast GPU dominate).
+3. A target GPU's time is ``roofline time at 100 % / e``. (``affine=True`` instead fits
+   ``t = latency + scale · roofline`` over the GPUs per key; on the reference profiles it is
+   no better in leave-one-GPU-out, so the pure scale is the default.) A key no GPU has falls
+   back to the nearest microbatch size (in log2) at the same kind and TP, then to the
+   nearest TP, then to ``ROOFLINE_EFFICIENCY``. Every entry is written with ``source="estimated"``.
+
+:func:`leave_one_gpu_out` says how good this is: each measured GPU is estimated from the
+others only and compared with its measurement, next to the uncalibrated roofline.
+
+Pure: values in, values out (the GPU specs are arguments).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, ModelSpec, ProfileDB
+from sailor.schemas.model import LayerKind
+from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY, estimate_layer_timing
+from sailor.simulator.lookup import layer_table
+
+__all__ = [
+    "Efficiency",
+    "KindCost",
+    "LooRow",
+    "calibrated_efficiencies",
+    "estimate_gpu",
+    "gpu_efficiencies",
+    "leave_one_gpu_out",
+]
+
+Key = tuple[LayerKind, int, int]
+"""(layer kind, TP degree, microbatch size)."""
+
+_NO_CORRECTION = GPUCalibration(gpu_type="*")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of the spec-sheet roofline reached by forward, backward and update."""
+
+    fwd: float
+    bwd: float
+    update: float
+
+
+@dataclass(frozen=True)
+class KindCost:
+    """Calibrated cost of one layer of a kind: ``latency + scale × roofline`` per component.
+
+    ``scale`` is ``1 / efficiency``; ``latency`` (s, per layer) is the GPU-independent floor
+    (kernel launches, framework overhead) that small layers sit on.
+    """
+
+    latency: tuple[float, float, float]
+    scale: tuple[float, float, float]
+
+    def time(self, roof: tuple[float, float, float]) -> tuple[float, float, float]:
+        lf, lb, lu = self.latency
+        sf, sb, su = self.scale
+        return (lf + sf * roof[0], lb + sb * roof[1], lu + su * roof[2])
+
+
+def _roofline(
+    model: ModelSpec, gpu: GPUSpec, tp: int, mbs: int, layer: int
+) -> tuple[float, float, float]:
+    """Roofline (fwd, bwd, update) at 100 % of peak (the simulator's estimate × its derating)."""
+    t = estimate_layer_timing(model, gpu, tp, mbs, layer)
+    e = ROOFLINE_EFFICIENCY
+    return (t.fwd_s * e, t.bwd_s * e, t.update_s * e)
+
+
+def _real_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:
+    out = []
+    for tp, sizes in db.grid(gpu).items():
+        for b in sizes:
+            t = db.timing(gpu, tp, b, 0)
+            if t is not None and t.source != "estimated":
+                out.append((tp, b))
+    return out
+
+
+def _kind_sums(
+    db: ProfileDB, model: ModelSpec, spec: GPUSpec
+) -> dict[Key, tuple[list[float], list[float]]]:
+    """Per key: (roofline f, b, u summed over the kind's layers; measured f, b, u summed)."""
+    out: dict[Key, tuple[list[float], list[float]]] = {}
+    specs = {spec.name: spec}
+    for tp, mbs in _real_grid(db, spec.name):
+        costs = layer_table(db, model, _NO_CORRECTION, specs, spec.name, tp, mbs).layers
+        for layer, c in enumerate(costs):
+            roof, meas = out.setdefault((model.layer_kind(layer), tp, mbs), ([0.0] * 3, [0.0] * 3))
+            for i, v in enumerate(_roofline(model, spec, tp, mbs, layer)):
+                roof[i] += v
+            for i, v in enumerate((c.fwd_s, c.bwd_s, c.update_s)):
+                meas[i] += v
+    return out
+
+
+def gpu_efficiencies(db: ProfileDB, model: ModelSpec, spec: GPUSpec) -> dict[Key, Efficiency]:
+    """Measured efficiency (roofline / measured) of every (kind, TP, mbs) of one GPU type."""
+    out: dict[Key, Efficiency] = {}
+    for k, (roof, meas) in _kind_sums(db, model, spec).items():
+        if min(meas) > 0:
+            out[k] = Efficiency(*(r / m for r, m in zip(roof, meas, strict=True)))
+    return out
+
+
+def _gmean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def _fit(pairs: list[tuple[float, float]], affine: bool) -> tuple[float, float]:
+    """(latency, scale) of ``t = latency + scale·roofline`` over GPUs' (roofline, t) pairs.
+
+    Least squares when ``affine`` and the GPUs differ; a negative latency or a non-positive
+    scale (fewer GPUs than the noise allows) falls back to the pure scale, the geometric
+    mean of ``t / roofline``.
+    """
+    pairs = [(r, t) for r, t in pairs if r > 0 and t > 0]
+    if not pairs:
+        return 0.0, 1.0 / ROOFLINE_EFFICIENCY
+    pure = (0.0, _gmean([t / r for r, t in pairs]))
+    if not affine or len({r for r, _ in pairs}) < 2:
+        return pure
+    xs = [r for r, _ in pairs]
+    ys = [t for _, t in pairs]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    k = sum((x - mx) * (y - my) for x, y in pairs) / sxx
+    lat = my - k * mx
+    if lat < 0 or k <= 0:
+        return pure
+    return lat, k
+
+
+def calibrated_efficiencies(
+    db: ProfileDB,
+    model: ModelSpec,
+    specs: Mapping[str, GPUSpec],
+    exclude: Iterable[str] = (),
+    affine: bool = False,
+) -> dict[Key, KindCost]:
+    """Per (kind, TP, mbs): the calibrated cost model over the measured GPU types (with a
+    spec, not in ``exclude``). The latency is per layer of the kind."""
+    skip = set(exclude)
+    per_key: dict[Key, list[tuple[list[float], list[float]]]] = {}
+    for g in db.gpu_types():
+        if g in skip or g not in specs:
+            continue
+        for k, v in _kind_sums(db, model, specs[g]).items():
+            per_key.setdefault(k, []).append(v)
+    counts: dict[LayerKind, int] = {}
+    for layer in range(model.num_all_layers):
+        kind = model.layer_kind(layer)
+        counts[kind] = counts.get(kind, 0) + 1
+    out: dict[Key, KindCost] = {}
+    for k, vs in per_key.items():
+        fits = [_fit([(roof[i], meas[i]) for roof, meas in vs], affine) for i in range(3)]
+        n = counts[k[0]]
+        out[k] = KindCost(
+            latency=(fits[0][0] / n, fits[1][0] / n, fits[2][0] / n),
+            scale=(fits[0][1], fits[1][1], fits[2][1]),
+        )
+    return out
+
+
+_DEFAULT = KindCost(latency=(0.0, 0.0, 0.0), scale=(1 / ROOFLINE_EFFICIENCY,) * 3)
+
+
+def _lookup(table: Mapping[Key, KindCost], kind: LayerKind, tp: int, mbs: int) -> KindCost:
+    if (kind, tp, mbs) in table:
+        return table[(kind, tp, mbs)]
+    cands = [k for k in table if k[0] == kind]
+    if not cands:
+        return _DEFAULT
+    best = min(
+        cands, key=lambda k: (k[1] != tp, abs(math.log2(k[1] / tp)), abs(math.log2(k[2] / mbs)))
+    )
+    return table[best]
+
+
+def estimate_gpu(
+    model: ModelSpec,
+    spec: GPUSpec,
+    table: Mapping[Key, KindCost],
+    grid: Iterable[tuple[int, int]],
+) -> ProfileDB:
+    """Estimated timings of every layer of ``model`` on ``spec`` at each (TP, mbs) of ``grid``."""
+    out: list[LayerProfile] = []
+    for tp, mbs in sorted(set(grid)):
+        for layer in range(model.num_all_layers):
+            kind = model.layer_kind(layer)
+            f, b, u = _lookup(table, kind, tp, mbs).time(_roofline(model, spec, tp, mbs, layer))
+            out.append(
+                LayerProfile(
+                    gpu_type=spec.name,
+                    tp=tp,
+                    microbatch_size=mbs,
+                    layer=layer,
+                    kind=kind,
+                    fwd_s=f,
+                    bwd_s=b,
+                    update_s=u,
+                    source="estimated",
+                )
+            )
+    return ProfileDB(model=model.name, timings=tuple(out))
+
+
+@dataclass(frozen=True)
+class LooRow:
+    """One measured (GPU, TP, mbs): calibrated and plain-roofline estimates vs measurement."""
+
+    gpu_type: str
+    tp: int
+    mbs: int
+    measured_s: float
+    """Sum over all layers of forward + backward, s."""
+    calibrated_s: float
+    roofline_s: float
+    measured_update_s: float
+    calibrated_update_s: float
+    roofline_update_s: float
+
+    @property
+    def err(self) -> float:
+        return (self.calibrated_s - self.measured_s) / self.measured_s
+
+    @property
+    def roofline_err(self) -> float:
+        return (self.roofline_s - self.measured_s) / self.measured_s
+
+    @property
+    def update_err(self) -> float:
+        return (self.calibrated_update_s - self.measured_update_s) / self.measured_update_s
+
+    @property
+    def roofline_update_err(self) -> float:
+        return (self.roofline_update_s - self.measured_update_s) / self.measured_update_s
+
+
+def leave_one_gpu_out(
+    db: ProfileDB, model: ModelSpec, specs: Mapping[str, GPUSpec], affine: bool = False
+) -> list[LooRow]:
+    """Estimate each measured GPU type from the others; one row per (GPU, TP, mbs) whose
+    measured times are positive."""
+    rows: list[LooRow] = []
+    measured = [g for g in db.gpu_types() if g in specs and _real_grid(db, g)]
+    for g in measured:
+        if len(measured) < 2:
+            break
+        table = calibrated_efficiencies(db, model, specs, exclude=[g], affine=affine)
+        grid = _real_grid(db, g)
+        est = estimate_gpu(model, specs[g], table, grid)
+        for tp, mbs in grid:
+            meas = layer_table(db, model, _NO_CORRECTION, {g: specs[g]}, g, tp, mbs).layers
+            cal = [est.timing(g, tp, mbs, i) for i in range(model.num_all_layers)]
+            roof = [
+                estimate_layer_timing(model, specs[g], tp, mbs, i)
+                for i in range(model.num_all_layers)
+            ]
+            row = LooRow(
+                gpu_type=g,
+                tp=tp,
+                mbs=mbs,
+                measured_s=sum(c.fwd_s + c.bwd_s for c in meas),
+                calibrated_s=sum(c.fwd_s + c.bwd_s for c in cal if c is not None),
+                roofline_s=sum(r.fwd_s + r.bwd_s for r in roof),
+                measured_update_s=sum(c.update_s for c in meas),
+                calibrated_update_s=sum(c.update_s for c in cal if c is not None),
+                roofline_update_s=sum(r.update_s for r in roof),
+            )
+            if row.measured_s > 0 and row.measured_update_s > 0:
+                rows.append(row)
+    return rows

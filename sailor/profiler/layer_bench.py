@@ -1,0 +1,203 @@
+"""Measure one layer kind of the training framework at one (TP degree, microbatch size).
+
+The layer is the real one: a :class:`~sailor.megatron_patch.model.GPTStage` holding just
+that global layer (embedding = layer 0, a block = layer 1, head + loss = layer L+1), built
+and initialised exactly as a worker builds it, with the worker's optimizer
+(:func:`~sailor.megatron_patch.engine.make_optimizer`, AdamW, non-foreach). Inputs are what
+the layer sees in a pipeline: token ids for the embedding, hidden states that require a
+gradient for a block and the head (a stage's received activation does), labels for the head.
+
+Per repetition: one forward (timed), then one backward of that forward's output with a
+random output gradient (timed). Gradients accumulate across repetitions as they do across
+microbatches (the engine zeroes them in place, never frees them), so no repetition pays for
+allocating gradient buffers. The optimizer step is timed separately on the layer's own
+parameters: the update time of *this* layer, not a share of a small model's step.
+
+On CUDA with a non-fp32 model, forward runs under bf16 autocast with fp32 master weights,
+as the engine does. On CPU everything is fp32, as the engine does.
+
+With ``tp > 1`` this runs inside each TP rank (``tp_procs``), with a real process group:
+the block's all-reduces are part of its time. Returns plain values; writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sailor.megatron_patch.engine import TrainConfig, make_optimizer
+from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.tp_layers import TPContext
+from sailor.profiler.memory import peak_growth_bytes, saved_tensor_bytes
+from sailor.profiler.timing import RepeatSettings, Stats, repeat, time_once
+from sailor.schemas.model import LayerKind, ModelSpec
+
+__all__ = ["KIND_LAYER", "LayerMeasurement", "kind_layer", "measure_layer"]
+
+KIND_LAYER: tuple[LayerKind, ...] = ("embedding", "block", "head")
+"""Layer kinds in the order they are measured."""
+
+
+def kind_layer(spec: ModelSpec, kind: LayerKind) -> int:
+    """The global layer index measured for ``kind`` (blocks: the first block)."""
+    return {"embedding": 0, "block": 1, "head": spec.num_all_layers - 1}[kind]
+
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    """What one layer kind costs at one (TP degree, microbatch size), per TP rank."""
+
+    kind: LayerKind
+    tp: int
+    mbs: int
+    fwd: Stats
+    bwd: Stats
+    update: Stats
+    params: int
+    """Parameters on one TP rank."""
+    saved_bytes: int
+    """Bytes saved for backward by one microbatch (parameters excluded)."""
+    output_bytes: int
+    """Bytes of the layer's output for one microbatch (0 for the head: a scalar loss)."""
+    input_bytes: int
+    """Bytes of the layer's input for one microbatch."""
+    peak_growth_bytes: int
+    """Peak growth of allocated bytes over one forward + backward."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "tp": self.tp,
+            "mbs": self.mbs,
+            "fwd": self.fwd.to_dict(),
+            "bwd": self.bwd.to_dict(),
+            "update": self.update.to_dict(),
+            "params": self.params,
+            "saved_bytes": self.saved_bytes,
+            "output_bytes": self.output_bytes,
+            "input_bytes": self.input_bytes,
+            "peak_growth_bytes": self.peak_growth_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerMeasurement:
+        kind = str(d["kind"])
+        if kind not in KIND_LAYER:
+            raise ValueError(f"kind={kind!r}: not one of {KIND_LAYER}")
+        return cls(
+            kind=kind,  # type: ignore[arg-type,unused-ignore]
+            tp=int(d["tp"]),
+            mbs=int(d["mbs"]),
+            fwd=Stats.from_dict(d["fwd"]),
+            bwd=Stats.from_dict(d["bwd"]),
+            update=Stats.from_dict(d["update"]),
+            params=int(d["params"]),
+            saved_bytes=int(d["saved_bytes"]),
+            output_bytes=int(d["output_bytes"]),
+            input_bytes=int(d["input_bytes"]),
+            peak_growth_bytes=int(d["peak_growth_bytes"]),
+        )
+
+
+def _inputs(
+    spec: ModelSpec, kind: LayerKind, mbs: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    s, h, v = spec.seq_length, spec.hidden_size, spec.vocab_size
+    if kind == "embedding":
+        return torch.randint(0, v, (mbs, s), generator=gen).to(device), None
+    x = torch.randn(mbs, s, h, generator=gen).to(device).requires_grad_()
+    labels = torch.randint(0, v, (mbs, s), generator=gen).to(device) if kind == "head" else None
+    return x, labels
+
+
+def measure_layer(
+    spec: ModelSpec,
+    kind: LayerKind,
+    mbs: int,
+    device: torch.device,
+    settings: RepeatSettings,
+    tp: TPContext | None = None,
+    measure_memory: bool = True,
+    seed: int = 0,
+) -> LayerMeasurement:
+    """Time and size one layer kind of ``spec`` at microbatch size ``mbs`` on ``device``."""
+    if mbs < 1:
+        raise ValueError(f"mbs={mbs}: must be >= 1")
+    ctx = tp or TPContext()
+    layer = kind_layer(spec, kind)
+    stage = GPTStage(spec, layer, layer, tp=ctx, seed=seed).to(device)
+    params = list(stage.parameters())
+    gen = torch.Generator().manual_seed(seed * 7919 + mbs)
+    x, labels = _inputs(spec, kind, mbs, device, gen)
+    bf16 = device.type == "cuda" and spec.precision != "fp32"
+
+    def autocast() -> AbstractContextManager[Any]:
+        if bf16:
+            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def forward() -> torch.Tensor:
+        with autocast():
+            out: torch.Tensor = stage(x, labels)
+        return out
+
+    with torch.no_grad():
+        probe = forward()
+    grad_out = torch.randn(probe.shape, generator=gen).to(device, probe.dtype)
+    output_bytes = 0 if kind == "head" else probe.numel() * probe.element_size()
+    input_bytes = x.numel() * x.element_size()
+
+    def backward(out: torch.Tensor) -> None:
+        torch.autograd.backward(out, None if kind == "head" else grad_out)
+        if x.grad is not None:
+            x.grad = None  # the previous stage consumes it; do not accumulate input grads
+
+    fwd_t, bwd_t = _fwd_bwd_times(forward, backward, device, settings)
+
+    saved = saved_tensor_bytes(forward, params)
+    peak = 0
+    if measure_memory:
+
+        def step() -> None:
+            backward(forward())
+
+        peak = peak_growth_bytes(step, device)
+
+    opt = make_optimizer(params, TrainConfig())
+    update = repeat(opt.step, device, settings)
+    return LayerMeasurement(
+        kind=kind,
+        tp=ctx.size,
+        mbs=mbs,
+        fwd=Stats.of(fwd_t),
+        bwd=Stats.of(bwd_t),
+        update=update,
+        params=sum(p.numel() for p in params),
+        saved_bytes=saved,
+        output_bytes=output_bytes,
+        input_bytes=input_bytes,
+        peak_growth_bytes=peak,
+    )
+
+
+def _fwd_bwd_times(
+    forward: Callable[[], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+    device: torch.device,
+    settings: RepeatSettings,
+) -> tuple[list[float], list[float]]:
+    for _ in range(settings.warmup):
+        backward(forward())
+    fwd: list[float] = []
+    bwd: list[float] = []
+    while len(fwd) < settings.max_reps and (
+        len(fwd) < settings.min_reps or sum(fwd) + sum(bwd) < settings.min_time_s
+    ):
+        box: list[torch.Tensor] = []
+        fwd.append(time_once(lambda b=box: b.append(forward()), device))  # type: ignore[misc]
+        bwd.append(time_once(lambda o=box[0]: backward(o), device))  # type: ignore[misc]
+    return fwd, bwd

@@ -1,0 +1,242 @@
+"""Profile every layer kind of a model on the local device and build a ProfileDB from it.
+
+For each TP degree and microbatch size, each layer kind (embedding, transformer block, head
++ loss) is measured by :mod:`layer_bench` (in this process at TP 1, as real gloo TP ranks
+above: :mod:`tp_procs`). The database gets one :class:`LayerProfile` per global layer:
+
+* every block gets the measured block's figures. The blocks of a GPT are the same module
+  with the same shapes, so their times differ only by noise; measuring one per (TP, mbs)
+  and repeating it is cheaper and no less accurate. (The original artifact also copied
+  blocks, but timed them with per-layer hooks and borrowed the optimizer step from a
+  2-layer model; here each layer kind's update is its own AdamW step.)
+* sizes per (TP, layer): parameters per TP rank, activation bytes saved for backward per
+  sample and the output bytes per sample, from the largest microbatch measured (constant
+  per-microbatch terms, e.g. position ids, are then spread thinnest). Sizes are written
+  only when the device computes in the model's precision: a CPU run of an fp16 model runs
+  in fp32 (as the engine does on CPU) and its byte counts would be wrong for GPUs.
+* on CPU, the process overhead (:mod:`overhead`) as the GPU type's ``DeviceOverhead``.
+* ``meta``: device, software versions, date, repetition settings, and the peak memory
+  growth of each measurement (the schema has no per-layer field for it).
+
+I/O: runs torch and child processes; writes nothing (the CLI merges and saves).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sailor.profiler.layer_bench import KIND_LAYER, LayerMeasurement, measure_layer
+from sailor.profiler.timing import RepeatSettings
+from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
+from sailor.schemas.profile import DeviceOverhead
+
+__all__ = ["LayerRun", "device_description", "profile_layers", "to_profile_db"]
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """What to profile and how."""
+
+    spec: ModelSpec
+    gpu_type: str
+    device: str = "cpu"
+    tps: tuple[int, ...] = (1,)
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    settings: RepeatSettings = field(default_factory=RepeatSettings)
+    threads: int = 1
+    """torch intra-op threads on CPU (the worker's default is 1)."""
+    measure_memory: bool = True
+    measure_overhead: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda'")
+        bad = [t for t in self.tps if t < 1 or t & (t - 1)]
+        if bad or not self.tps:
+            raise ValueError(f"tps={self.tps}: need powers of two >= 1")
+        for t in self.tps:
+            if self.spec.num_heads % t or self.spec.kv_heads % t:
+                raise ValueError(
+                    f"tps={self.tps}: tp={t} must divide num_heads={self.spec.num_heads} "
+                    f"and kv_heads={self.spec.kv_heads}"
+                )
+        if not self.mbs or any(b < 1 for b in self.mbs):
+            raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
+        if self.device == "cuda" and any(t > 1 for t in self.tps):
+            raise ValueError("tp > 1 is measured with gloo ranks on CPU only; use --tp 1 on cuda")
+
+    @property
+    def total(self) -> int:
+        return len(self.tps) * len(self.mbs) * len(KIND_LAYER)
+
+
+def device_description(device: str) -> str:
+    """Human-readable name of the device measured."""
+    if device == "cuda":
+        return str(torch.cuda.get_device_name(0))
+    try:
+        for line in open("/proc/cpuinfo").read().splitlines():  # noqa: PTH123, SIM115
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_layers(
+    run: LayerRun, on_progress: Callable[[str, int], None] | None = None
+) -> tuple[ProfileDB, list[LayerMeasurement]]:
+    """Measure every (TP, mbs, kind) of ``run``; ``on_progress(description, done)``."""
+    from sailor.profiler.tp_procs import measure_tp
+
+    def note(desc: str, n: int) -> None:
+        if on_progress is not None:
+            on_progress(desc, n)
+
+    if run.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda: CUDA is not available here")
+    dev = torch.device("cuda", 0) if run.device == "cuda" else torch.device("cpu")
+    if run.device == "cpu":
+        torch.set_num_threads(run.threads)
+    out: list[LayerMeasurement] = []
+    for tp in run.tps:
+        if tp == 1:
+            for mbs in run.mbs:
+                for kind in KIND_LAYER:
+                    note(f"tp=1 mbs={mbs} {kind}", 0)
+                    out.append(
+                        measure_layer(
+                            run.spec, kind, mbs, dev, run.settings, None, run.measure_memory
+                        )
+                    )
+                    note(f"tp=1 mbs={mbs} {kind}", 1)
+        else:
+            n = len(run.mbs) * len(KIND_LAYER)
+            note(f"tp={tp}: {tp} gloo ranks, {n} measurements", 0)
+            out.extend(
+                measure_tp(
+                    run.spec,
+                    tp,
+                    list(run.mbs),
+                    run.settings,
+                    run.threads,
+                    measure_memory=run.measure_memory,
+                )
+            )
+            note(f"tp={tp} done", n)
+    overhead: int | None = None
+    if run.device == "cpu" and run.measure_overhead:
+        note("process overhead (2 gloo ranks)", 0)
+        from sailor.profiler.overhead import measure_cpu_overhead
+
+        overhead = measure_cpu_overhead(run.threads)
+    meta = _meta(run, out)
+    return to_profile_db(run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead), out
+
+
+def _sizes_valid(run: LayerRun) -> bool:
+    compute_fp32 = run.device == "cpu" or run.spec.precision == "fp32"
+    return compute_fp32 == (run.spec.precision == "fp32")
+
+
+def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
+    g = run.gpu_type
+    peaks = {f"tp{m.tp}.mbs{m.mbs}.{m.kind}": m.peak_growth_bytes for m in ms}
+    s = run.settings
+    return {
+        "tool": "sailor profile layers",
+        f"{g}.device": device_description(run.device),
+        f"{g}.date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        f"{g}.torch": torch.__version__,
+        f"{g}.python": platform.python_version(),
+        f"{g}.platform": platform.platform(),
+        f"{g}.threads": str(run.threads),
+        f"{g}.clock": "cuda events" if run.device == "cuda" else "time.perf_counter (monotonic)",
+        f"{g}.repetitions": (
+            f"warmup {s.warmup}, {s.min_reps}..{s.max_reps} reps until {s.min_time_s} s; "
+            "median, spread = stdev"
+        ),
+        f"{g}.peak_growth_bytes": json.dumps(peaks, sort_keys=True),
+        f"{g}.peak_growth_method": (
+            "torch.cuda max_memory_allocated"
+            if run.device == "cuda"
+            else "torch.profiler CPU allocator events (profile_memory=True)"
+        ),
+    }
+
+
+def to_profile_db(
+    spec: ModelSpec,
+    gpu_type: str,
+    ms: list[LayerMeasurement],
+    meta: dict[str, str],
+    write_sizes: bool = True,
+    overhead_bytes: int | None = None,
+) -> ProfileDB:
+    """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures)."""
+    by_key = {(m.tp, m.mbs, m.kind): m for m in ms}
+    timings: list[LayerProfile] = []
+    for tp, mbs in sorted({(m.tp, m.mbs) for m in ms}):
+        for layer in range(spec.num_all_layers):
+            kind = spec.layer_kind(layer)
+            m = by_key.get((tp, mbs, kind))
+            if m is None:
+                raise ValueError(f"no measurement of {kind} at tp={tp} mbs={mbs}")
+            timings.append(
+                LayerProfile(
+                    gpu_type=gpu_type,
+                    tp=tp,
+                    microbatch_size=mbs,
+                    layer=layer,
+                    kind=kind,
+                    fwd_s=m.fwd.median_s,
+                    bwd_s=m.bwd.median_s,
+                    update_s=m.update.median_s,
+                    fwd_spread_s=m.fwd.stdev_s,
+                    bwd_spread_s=m.bwd.stdev_s,
+                    source="measured",
+                )
+            )
+    sizes: list[LayerSize] = []
+    if write_sizes:
+        for tp in sorted({m.tp for m in ms}):
+            for layer in range(spec.num_all_layers):
+                kind = spec.layer_kind(layer)
+                cands = [m for m in ms if m.tp == tp and m.kind == kind]
+                if not cands:
+                    continue
+                big = max(cands, key=lambda m: m.mbs)
+                sizes.append(
+                    LayerSize(
+                        tp=tp,
+                        layer=layer,
+                        params=big.params,
+                        activation_bytes_per_sample=round(big.saved_bytes / big.mbs),
+                        output_bytes_per_sample=round(big.output_bytes / big.mbs),
+                        input_bytes_per_sample=round(big.input_bytes / big.mbs),
+                        source="measured",
+                    )
+                )
+    overheads: tuple[DeviceOverhead, ...] = ()
+    if overhead_bytes is not None:
+        from sailor.profiler.overhead import OVERHEAD_SOURCE
+
+        date = meta.get(f"{gpu_type}.date", "")
+        overheads = (
+            DeviceOverhead(
+                gpu_type=gpu_type, tp=1, bytes=overhead_bytes, source=f"{OVERHEAD_SOURCE} {date}"
+            ),
+        )
+    return ProfileDB(
+        model=spec.name,
+        timings=tuple(timings),
+        sizes=tuple(sizes),
+        overheads=overheads,
+        meta=meta,
+    )

@@ -1,0 +1,93 @@
+"""Merge new profiles into a profile database file: the better source wins, then the newer.
+
+Rules, per key (timings: GPU type, TP, microbatch size, layer; sizes: TP, layer; overheads:
+GPU type, TP):
+
+* a better source replaces a worse one: ``measured`` > ``imported`` > ``estimated``;
+* between equal sources the new entry replaces the old one (a re-run of the profiler
+  overwrites its previous figures, an estimate re-made with more GPUs replaces the old one);
+* a worse new entry never replaces a better old one: an estimate merged into a database
+  that holds a measurement at the same key is dropped;
+* overheads (measured by definition) are replaced by the new one of the same key;
+* ``meta`` is the union, the new values winning.
+
+Unlike :meth:`ProfileDB.merged` (which keeps both entries and picks at query time), the
+result holds one entry per key, so a file does not grow with every re-run.
+
+Pure except :func:`load_db` / :func:`save_db`, which read and write JSON atomically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+from sailor.schemas import LayerProfile, LayerSize, ProfileDB
+from sailor.schemas.profile import DeviceOverhead
+
+__all__ = ["SOURCE_RANK", "load_db", "merge_db", "save_db"]
+
+SOURCE_RANK: dict[str, int] = {"measured": 0, "imported": 1, "estimated": 2}
+"""Lower is better."""
+
+_E = TypeVar("_E", LayerProfile, LayerSize)
+
+
+def _merge_entries(old: tuple[_E, ...], new: tuple[_E, ...]) -> tuple[tuple[_E, ...], int]:
+    """Entries of both with one per key; also how many new entries were dropped."""
+
+    def k(e: _E) -> tuple[object, ...]:
+        if isinstance(e, LayerProfile):
+            return (e.gpu_type, e.tp, e.microbatch_size, e.layer)
+        return (e.tp, e.layer)
+
+    out: dict[tuple[object, ...], _E] = {}
+    for e in old:
+        cur = out.get(k(e))
+        if cur is None or SOURCE_RANK[e.source] <= SOURCE_RANK[cur.source]:
+            out[k(e)] = e
+    dropped = 0
+    for e in new:
+        cur = out.get(k(e))
+        if cur is None or SOURCE_RANK[e.source] <= SOURCE_RANK[cur.source]:
+            out[k(e)] = e
+        else:
+            dropped += 1
+    return tuple(out[x] for x in sorted(out, key=repr)), dropped
+
+
+def merge_db(old: ProfileDB | None, new: ProfileDB) -> tuple[ProfileDB, int]:
+    """``new`` merged into ``old`` by the rules above; also the number of new entries dropped
+    because a better source already held their key."""
+    if old is None:
+        old = ProfileDB(model=new.model)
+    if old.model != new.model:
+        raise ValueError(f"model={new.model!r}: cannot merge into profiles of {old.model!r}")
+    timings, d1 = _merge_entries(old.timings, new.timings)
+    sizes, d2 = _merge_entries(old.sizes, new.sizes)
+    over: dict[tuple[str, int], DeviceOverhead] = {(o.gpu_type, o.tp): o for o in old.overheads}
+    for o in new.overheads:
+        over[(o.gpu_type, o.tp)] = o
+    merged = ProfileDB(
+        model=old.model,
+        timings=timings,
+        sizes=sizes,
+        overheads=tuple(over[k] for k in sorted(over)),
+        meta={**old.meta, **new.meta},
+    )
+    return merged, d1 + d2
+
+
+def load_db(path: Path) -> ProfileDB | None:
+    """The database in ``path``, or None if there is no such file."""
+    if not path.exists():
+        return None
+    return ProfileDB.model_validate_json(path.read_text())
+
+
+def save_db(db: ProfileDB, path: Path) -> None:
+    """Write ``db`` to ``path`` atomically (write a temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(db.model_dump_json(indent=1) + "\n")
+    tmp.replace(path)

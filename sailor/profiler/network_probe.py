@@ -1,0 +1,123 @@
+"""Point-to-point bandwidth between two ranks as a function of message size.
+
+Two processes joined by ``torch.distributed`` (gloo here; the agent runs the same probe
+between nodes with the backend in use) play ping-pong: rank 0 sends a message of ``n``
+bytes with ``dist.send``, rank 1 receives it with ``dist.recv`` and sends it back. One
+direction takes half the round trip, timed on rank 0 with the monotonic clock. Ping-pong
+rather than a stream of sends: it times a transfer from start to complete delivery, which
+is what a pipeline stage waits for, and it needs no clock shared by the two hosts.
+
+Sizes double from ``min_bytes`` to ``max_bytes``. Repetitions per size are fixed in
+advance from the size (both ranks must agree without talking): enough to move about
+``bytes_per_size`` bytes, at least ``min_reps`` and at most ``max_reps``; one untimed
+exchange per size warms the buffers. The median one-way time is kept, with its stdev.
+
+Run as a module by :func:`~sailor.profiler.procs.run_ranks`; pure fitting is in
+:mod:`curve_fit`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from sailor.profiler.procs import run_ranks
+from sailor.profiler.timing import Stats
+
+__all__ = ["ProbePoint", "ProbeSettings", "probe_sizes", "run_probe"]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Message sizes and repetitions of one probe."""
+
+    min_bytes: int = 64 << 10
+    max_bytes: int = 256 << 20
+    """Default 256 MiB (not 1 GiB) so a loopback run stays short on a small shared host."""
+    bytes_per_size: int = 256 << 20
+    min_reps: int = 3
+    max_reps: int = 50
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.min_bytes <= self.max_bytes:
+            raise ValueError(
+                f"min_bytes={self.min_bytes}, max_bytes={self.max_bytes}: "
+                "need 4 <= min_bytes <= max_bytes"
+            )
+        if not 1 <= self.min_reps <= self.max_reps:
+            raise ValueError(f"min_reps={self.min_reps}, max_reps={self.max_reps}: invalid")
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    """One message size and its one-way transfer time."""
+
+    nbytes: int
+    time: Stats
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.time.median_s / 1e9
+
+
+def probe_sizes(s: ProbeSettings) -> list[tuple[int, int]]:
+    """(message bytes, repetitions) for every size of the probe (powers of two, 4-aligned)."""
+    out: list[tuple[int, int]] = []
+    n = s.min_bytes
+    while n <= s.max_bytes:
+        reps = min(s.max_reps, max(s.min_reps, s.bytes_per_size // n))
+        out.append((n - n % 4, reps))
+        n *= 2
+    if out[-1][0] != s.max_bytes - s.max_bytes % 4:
+        out.append((s.max_bytes - s.max_bytes % 4, s.min_reps))
+    return out
+
+
+def run_probe(settings: ProbeSettings, deadline_s: float = 600.0) -> list[ProbePoint]:
+    """Probe loopback between two fresh gloo processes; one point per message size."""
+    cfg = {"sizes": probe_sizes(settings), "threads": settings.threads}
+    res = run_ranks("sailor.profiler.network_probe", 2, cfg, deadline_s=deadline_s)
+    return [
+        ProbePoint(nbytes=int(p["nbytes"]), time=Stats.from_dict(p["time"]))
+        for p in res[0]["points"]
+    ]
+
+
+def _rank_main(argv: list[str] | None = None) -> int:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from sailor.profiler.procs import init_gloo, rank_args, write_result
+
+    args, cfg = rank_args(argv)
+    torch.set_num_threads(int(cfg["threads"]))
+    init_gloo(args, timeout_s=300.0)
+    peer = 1 - args.rank
+    points = []
+    for nbytes, reps in cfg["sizes"]:
+        buf = torch.ones(int(nbytes) // 4, dtype=torch.float32)
+        times: list[float] = []
+        for i in range(int(reps) + 1):
+            if args.rank == 0:
+                t0 = time.perf_counter()
+                dist.send(buf, dst=peer)
+                dist.recv(buf, src=peer)
+                if i > 0:  # the first exchange is the warm-up
+                    times.append((time.perf_counter() - t0) / 2)
+            else:
+                dist.recv(buf, src=peer)
+                dist.send(buf, dst=peer)
+        if args.rank == 0:
+            points.append({"nbytes": int(nbytes), "time": Stats.of(times).to_dict()})
+        del buf
+    dist.barrier()
+    write_result(args, {"rank": args.rank, "points": points})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())

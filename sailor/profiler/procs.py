@@ -1,0 +1,134 @@
+"""Run a measurement as N real processes joined by a gloo process group on loopback.
+
+The TP-degree layer measurements and the link probe need several ranks of
+``torch.distributed``, as in training. Each rank is a fresh ``python -m <module>`` process
+(not a fork: torch's thread pools and gloo do not survive ``fork``), started with
+``--rank R --world-size W --master ADDR:PORT --out FILE --config JSON``; it writes its
+result as JSON to ``FILE``. :func:`run_ranks` starts them, waits with a deadline (a rank
+still running then is killed) and returns every rank's result, or raises
+:class:`RankFailedError` with the first failing rank's stderr.
+
+Rank side: :func:`rank_args` parses those options and :func:`init_gloo` joins the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankFailedError", "init_gloo", "rank_args", "run_ranks", "write_result"]
+
+
+class RankFailedError(RuntimeError):
+    """A measurement rank exited with an error or missed its deadline. Retrying may help
+    only if the cause was a busy machine (deadline); an error in stderr will repeat."""
+
+    def __init__(self, module: str, rank: int, why: str, stderr: str) -> None:
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
+        super().__init__(f"{module} rank {rank}: {why}\n{tail}")
+        self.module, self.rank, self.why, self.stderr = module, rank, why, stderr
+
+
+def _free_port() -> int:
+    from sailor.megatron_patch.launch import free_port
+
+    return free_port()
+
+
+def run_ranks(
+    module: str,
+    world: int,
+    config: dict[str, Any],
+    deadline_s: float = 600.0,
+    extra_env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``python -m module`` as ``world`` gloo ranks; each rank's JSON result, in order."""
+    import os
+
+    if world < 1:
+        raise ValueError(f"world={world}: need at least one rank")
+    master = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, **(extra_env or {})}
+    with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
+        d = Path(tmp)
+        cfg = d / "config.json"
+        cfg.write_text(json.dumps(config))
+        procs: list[subprocess.Popen[bytes]] = []
+        for r in range(world):
+            cmd = [
+                sys.executable,
+                "-m",
+                module,
+                "--rank",
+                str(r),
+                "--world-size",
+                str(world),
+                "--master",
+                master,
+                "--config",
+                str(cfg),
+                "--out",
+                str(d / f"out-{r}.json"),
+            ]
+            err = (d / f"stderr-{r}.txt").open("wb")
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env))
+            err.close()
+        t0 = time.monotonic()
+        late = False
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # one failed: the others would wait for it until their timeout
+            if time.monotonic() - t0 > deadline_s:
+                late = True
+                break
+            time.sleep(0.02)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for r, p in enumerate(procs):
+            stderr = (d / f"stderr-{r}.txt").read_text(errors="replace")
+            if p.returncode != 0 or not (d / f"out-{r}.json").exists():
+                why = f"missed the {deadline_s:.0f} s deadline" if late else f"exit {p.returncode}"
+                raise RankFailedError(module, r, why, stderr)
+        return [json.loads((d / f"out-{r}.json").read_text()) for r in range(world)]
+
+
+def rank_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The options :func:`run_ranks` passes, and the decoded config."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    return args, json.loads(Path(args.config).read_text())
+
+
+def init_gloo(args: argparse.Namespace, timeout_s: float = 120.0) -> None:
+    """Join the gloo group of the run (rank, world size, rendezvous from ``args``)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def write_result(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Write this rank's result atomically (the parent treats a missing file as failure)."""
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)

@@ -1,0 +1,112 @@
+"""Timing of one operation with warm-up, repetitions and the spread recorded.
+
+Two clocks, one per device kind:
+
+* CPU: ``time.perf_counter`` (monotonic, sub-microsecond resolution) around the call; the
+  call is synchronous, so the interval is the operation.
+* CUDA: a pair of CUDA events recorded on the current stream around the call, then
+  ``torch.cuda.synchronize``; the interval is GPU time between the events, free of the
+  Python overhead that runs ahead of the GPU. The original artifact timed layers with
+  hooks that synchronised around every layer; here there are no hooks and the events
+  measure what the stream did.
+
+The central value is the **median** of the repetitions: this machine is shared (other jobs
+steal cores for milliseconds at a time), and the median ignores those outliers where a mean
+would not. The spread is the standard deviation of all repetitions, so noisy figures say so.
+
+Never imports the simulator or planner; holds no global state.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["RepeatSettings", "Stats", "repeat", "time_once"]
+
+
+@dataclass(frozen=True)
+class RepeatSettings:
+    """How many times an operation is run before and while it is timed."""
+
+    warmup: int = 3
+    """Untimed runs first (allocator warm-up, lazy init, optimizer state creation)."""
+    min_reps: int = 5
+    """At least this many timed runs."""
+    max_reps: int = 50
+    """At most this many timed runs."""
+    min_time_s: float = 0.2
+    """Keep repeating (up to ``max_reps``) until the timed runs add up to this."""
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.min_reps < 1 or self.max_reps < self.min_reps:
+            raise ValueError(
+                f"RepeatSettings(warmup={self.warmup}, min_reps={self.min_reps}, "
+                f"max_reps={self.max_reps}): need warmup >= 0 and 1 <= min_reps <= max_reps"
+            )
+        if self.min_time_s < 0:
+            raise ValueError(f"min_time_s={self.min_time_s}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Repeated timings of one operation, seconds."""
+
+    median_s: float
+    stdev_s: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        if not values:
+            raise ValueError("Stats.of: no values")
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return cls(median_s=statistics.median(values), stdev_s=sd, n=len(values))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"median_s": self.median_s, "stdev_s": self.stdev_s, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Stats:
+        return cls(median_s=float(d["median_s"]), stdev_s=float(d["stdev_s"]), n=int(d["n"]))
+
+
+def time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes on ``device`` (CUDA events on GPU)."""
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return float(start.elapsed_time(end)) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def repeat(
+    fn: Callable[[], Any],
+    device: torch.device,
+    settings: RepeatSettings,
+    before: Callable[[], Any] | None = None,
+) -> Stats:
+    """Warm up, then time ``fn`` repeatedly. ``before`` runs untimed before every call."""
+    for _ in range(settings.warmup):
+        if before is not None:
+            before()
+        fn()
+    values: list[float] = []
+    while len(values) < settings.max_reps and (
+        len(values) < settings.min_reps or sum(values) < settings.min_time_s
+    ):
+        if before is not None:
+            before()
+        values.append(time_once(fn, device))
+    return Stats.of(values)

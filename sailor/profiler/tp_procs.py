@@ -1,0 +1,124 @@
+"""Layer measurements at TP degree > 1: the TP ranks run as real gloo processes.
+
+A TP-``t`` block is measured the way it trains: ``t`` processes, each holding its shard of
+the block (:class:`~sailor.megatron_patch.tp_layers.TPContext` over a real process group),
+all running the same forwards and backwards, so the block's all-reduces (one in forward
+after the row-parallel matmuls, one in backward of the column-parallel input) are part of
+the measured time, as is the contention of ``t`` ranks on one host. The embedding and the
+head are replicated on the TP ranks of a stage (``megatron_patch.model``), so at TP ``t``
+they are the tp=1 layer run by ``t`` ranks at once; they are measured that way too.
+
+Every rank must run the same number of repetitions (a block's all-reduce pairs them), so
+the adaptive "repeat until ``min_time_s``" rule is replaced by a fixed count. The result per
+field is the **slowest rank** (largest median): a TP group moves at the pace of its slowest
+member.
+
+Run as a module by :func:`~sailor.profiler.procs.run_ranks`; never imports the planner.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from sailor.profiler.layer_bench import KIND_LAYER, LayerMeasurement
+from sailor.profiler.procs import run_ranks
+from sailor.profiler.timing import RepeatSettings, Stats
+from sailor.schemas.model import LayerKind, ModelSpec
+
+__all__ = ["combine_ranks", "measure_tp"]
+
+_MIN_FIXED_REPS = 10
+
+
+def measure_tp(
+    spec: ModelSpec,
+    tp: int,
+    mbs_list: list[int],
+    settings: RepeatSettings,
+    threads: int = 1,
+    kinds: tuple[LayerKind, ...] = KIND_LAYER,
+    measure_memory: bool = True,
+    deadline_s: float = 1800.0,
+) -> list[LayerMeasurement]:
+    """Measure ``kinds`` at every microbatch size in ``mbs_list`` with ``tp`` gloo ranks."""
+    if tp < 2:
+        raise ValueError(f"tp={tp}: measure_tp is for TP > 1; tp=1 runs in-process")
+    reps = max(settings.min_reps, _MIN_FIXED_REPS)
+    fixed = RepeatSettings(warmup=settings.warmup, min_reps=reps, max_reps=reps, min_time_s=0.0)
+    config = {
+        "spec": spec.model_dump(mode="json"),
+        "mbs": list(mbs_list),
+        "kinds": list(kinds),
+        "settings": asdict(fixed),
+        "threads": threads,
+        "measure_memory": measure_memory,
+    }
+    results = run_ranks("sailor.profiler.tp_procs", tp, config, deadline_s=deadline_s)
+    per_rank = [[LayerMeasurement.from_dict(d) for d in r["measurements"]] for r in results]
+    return [combine_ranks(list(items)) for items in zip(*per_rank, strict=True)]
+
+
+def _slowest(stats: list[Stats]) -> Stats:
+    return max(stats, key=lambda s: s.median_s)
+
+
+def combine_ranks(items: list[LayerMeasurement]) -> LayerMeasurement:
+    """One measurement from the TP ranks' measurements of the same layer: the slowest rank."""
+    first = items[0]
+    for m in items[1:]:
+        if (m.kind, m.tp, m.mbs) != (first.kind, first.tp, first.mbs):
+            raise ValueError(f"cannot combine {m.kind}/{m.tp}/{m.mbs} with {first.kind}")
+    return LayerMeasurement(
+        kind=first.kind,
+        tp=first.tp,
+        mbs=first.mbs,
+        fwd=_slowest([m.fwd for m in items]),
+        bwd=_slowest([m.bwd for m in items]),
+        update=_slowest([m.update for m in items]),
+        params=max(m.params for m in items),
+        saved_bytes=max(m.saved_bytes for m in items),
+        output_bytes=first.output_bytes,
+        input_bytes=first.input_bytes,
+        peak_growth_bytes=max(m.peak_growth_bytes for m in items),
+    )
+
+
+def _rank_main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from sailor.megatron_patch.tp_layers import TPContext
+    from sailor.profiler.layer_bench import measure_layer
+    from sailor.profiler.procs import init_gloo, rank_args, write_result
+
+    args, cfg = rank_args(argv)
+    torch.set_num_threads(int(cfg["threads"]))
+    spec = ModelSpec.model_validate(cfg["spec"])
+    settings = RepeatSettings(**cfg["settings"])
+    init_gloo(args)
+    group = dist.new_group(list(range(args.world_size)))
+    ctx = TPContext(size=args.world_size, rank=args.rank, group=group)
+    out: list[dict[str, Any]] = []
+    for mbs in cfg["mbs"]:
+        for kind in cfg["kinds"]:
+            dist.barrier()
+            m = measure_layer(
+                spec,
+                kind,
+                int(mbs),
+                torch.device("cpu"),
+                settings,
+                tp=ctx,
+                measure_memory=bool(cfg["measure_memory"]),
+            )
+            out.append(m.to_dict())
+    dist.barrier()
+    write_result(args, {"rank": args.rank, "measurements": out})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
