@@ -94,13 +94,15 @@ def fill_for_time(
     caps: dict[Resource, int],
     t_budget: float,
     overhead: dict[int, float],
+    first: PipelineTemplate | None = None,
 ) -> tuple[list[PipelineTemplate], int]:
-    """Pipelines packed by samples per GPU within ``t_budget``, and the samples they cover."""
+    """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others),
+    and the samples they cover."""
     scored: list[tuple[float, int, PipelineTemplate]] = []
     for i, t in enumerate(templates):
         m = t.max_microbatches(t_budget - overhead[id(t)])
         if m > 0:
-            scored.append((-(m * t.mbs) / t.gpus, i, t))
+            scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, i, t))
     scored.sort(key=lambda x: (x[0], x[1]))
     chosen = _pack([t for _, _, t in scored], caps)
     samples = sum(t.max_microbatches(t_budget - overhead[id(t)]) * t.mbs for t in chosen)
@@ -113,6 +115,7 @@ def min_time_allocation(
     gbs: int,
     overhead: dict[int, float],
     t_max: float | None = None,
+    first: PipelineTemplate | None = None,
 ) -> list[PipelineTemplate] | None:
     """Least budget (bisection, 0.2 %) whose packing covers ``gbs`` samples; its pipelines."""
     if not templates:
@@ -120,7 +123,7 @@ def min_time_allocation(
     lo = min(t.fill_s + overhead[id(t)] for t in templates)
     hi = max(lo, 1e-6) * 2
     for _ in range(60):
-        chosen, s = fill_for_time(templates, caps, hi, overhead)
+        chosen, s = fill_for_time(templates, caps, hi, overhead, first)
         if s >= gbs:
             break
         if t_max is not None and hi > t_max:
@@ -131,7 +134,7 @@ def min_time_allocation(
     best = chosen
     while hi - lo > 0.002 * hi:
         mid = (lo + hi) / 2
-        chosen, s = fill_for_time(templates, caps, mid, overhead)
+        chosen, s = fill_for_time(templates, caps, mid, overhead, first)
         if s >= gbs:
             hi, best = mid, chosen
         else:

@@ -79,6 +79,10 @@ __all__ = [
 Progress = Callable[[int, int], None]
 """Called with (steps done, steps in total) as the search advances."""
 
+_MIXED_FIRST = 3
+"""Pipelines spanning GPU types (the best by steady rate, and the best by fill time) that each
+get one allocation packed with them first."""
+
 _GROUPS_PER_SCENARIO = 4
 """Shared partitions per scenario on which the least-time allocation is also computed."""
 
@@ -460,6 +464,17 @@ def _allocations(
         a = assign_microbatches(chosen, gbs, over)
         if a:
             out.append(Allocation(tuple(a), "least time"))
+    # a pipeline that spans GPU types packs worse by samples per GPU alone (it may be the
+    # only way to use a type that cannot hold a stage by itself): also pack the best few first
+    mixed = [t for t in ts if len(t.gpus_by_resource()) > 1]
+    by_rate = sorted(mixed, key=lambda t: -_rate(t))[:_MIXED_FIRST]
+    by_fill = sorted(mixed, key=lambda t: t.fill_s)[:_MIXED_FIRST]  # small batches: latency
+    for t in {id(t): t for t in by_rate + by_fill}.values():
+        picked = min_time_allocation(ts, scenario, gbs, over, first=t)
+        if picked:
+            a = assign_microbatches(picked, gbs, over)
+            if a:
+                out.append(Allocation(tuple(a), "least time, a pipeline spanning GPU types first"))
     # the same on one shared partition: aligned sync segments across GPU types
     groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
     for t in ts:
