@@ -7,6 +7,7 @@ import typer
 from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.import_cmd import import_app
 from sailor.cli.plan_cmd import plan_cmd
+from sailor.cli.profile_cmd import profile_app
 from sailor.cli.runtime_cmd import agent, audit, controller, status
 from sailor.cli.schema_cmd import schema
 from sailor.cli.simulate_cmd import simulate_cmd
@@ -24,6 +25,7 @@ app.command("simulate")(simulate_cmd)
 app.command("plan")(plan_cmd)
 app.add_typer(import_app, name="import")
 app.add_typer(catalog_app, name="catalog")
+app.add_typer(profile_app, name="profile")
 app.command("controller")(controller)
 app.command("agent")(agent)
 app.command("status")(status)

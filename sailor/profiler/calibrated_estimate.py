@@ -45,6 +45,7 @@ __all__ = [
     "estimate_gpu",
     "gpu_efficiencies",
     "leave_one_gpu_out",
+    "measured_grid",
 ]
 
 Key = tuple[LayerKind, int, int]
@@ -88,7 +89,7 @@ def _roofline(
     return (t.fwd_s * e, t.bwd_s * e, t.update_s * e)
 
 
-def _real_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:
+def measured_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:
     out = []
     for tp, sizes in db.grid(gpu).items():
         for b in sizes:
@@ -104,7 +105,7 @@ def _kind_sums(
     """Per key: (roofline f, b, u summed over the kind's layers; measured f, b, u summed)."""
     out: dict[Key, tuple[list[float], list[float]]] = {}
     specs = {spec.name: spec}
-    for tp, mbs in _real_grid(db, spec.name):
+    for tp, mbs in measured_grid(db, spec.name):
         costs = layer_table(db, model, _NO_CORRECTION, specs, spec.name, tp, mbs).layers
         for layer, c in enumerate(costs):
             roof, meas = out.setdefault((model.layer_kind(layer), tp, mbs), ([0.0] * 3, [0.0] * 3))
@@ -264,12 +265,12 @@ def leave_one_gpu_out(
     """Estimate each measured GPU type from the others; one row per (GPU, TP, mbs) whose
     measured times are positive."""
     rows: list[LooRow] = []
-    measured = [g for g in db.gpu_types() if g in specs and _real_grid(db, g)]
+    measured = [g for g in db.gpu_types() if g in specs and measured_grid(db, g)]
     for g in measured:
         if len(measured) < 2:
             break
         table = calibrated_efficiencies(db, model, specs, exclude=[g], affine=affine)
-        grid = _real_grid(db, g)
+        grid = measured_grid(db, g)
         est = estimate_gpu(model, specs[g], table, grid)
         for tp, mbs in grid:
             meas = layer_table(db, model, _NO_CORRECTION, {g: specs[g]}, g, tp, mbs).layers

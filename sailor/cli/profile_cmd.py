@@ -1,0 +1,301 @@
+"""``sailor profile``: measure layers and links on this machine; estimate GPUs not at hand.
+
+* ``sailor profile layers --model M --device cpu|cuda --tp 1,2 --mbs 1,2,4,8 -o DB.json``
+* ``sailor profile network -o NET.json [--zone Z --gpu-type G --gpus-per-node K ...]``
+* ``sailor profile estimate --gpu H100-80 --from DB.json [-o OUT.json]``
+
+Each command merges into its output file (measured beats imported beats estimated; a re-run
+replaces its own earlier figures) and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sailor import catalog
+from sailor.cli._io import fail, load_model, write_json
+from sailor.profiler.merge import load_db, merge_db, save_db
+from sailor.schemas import Endpoint, ModelSpec, NetworkProfile
+
+if TYPE_CHECKING:
+    from sailor.profiler.calibrated_estimate import LooRow
+
+__all__ = ["profile_app"]
+
+profile_app = typer.Typer(
+    help="Measure layer times/sizes and link bandwidth here; estimate other GPUs.",
+    no_args_is_help=True,
+)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise fail(f"--{what}={text!r}: expected comma-separated integers") from exc
+    if not vals:
+        raise fail(f"--{what}: empty")
+    return vals
+
+
+def _model(name: str, model_file: Path | None) -> ModelSpec:
+    if model_file is not None:
+        return load_model(model_file, ModelSpec)
+    try:
+        return catalog.model(name)
+    except KeyError as exc:
+        raise fail(str(exc.args[0]) + "; or pass --model-file") from exc
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"
+
+
+@profile_app.command("layers")
+def layers_cmd(
+    model: str = typer.Option("tiny-gpt", help="Catalog model name."),
+    model_file: Path | None = typer.Option(None, help="ModelSpec file (instead of --model)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    tp: str = typer.Option("1", help="TP degrees, comma-separated (TP>1: gloo ranks on CPU)."),
+    mbs: str = typer.Option("1,2,4,8", help="Microbatch sizes, comma-separated."),
+    out: Path = typer.Option(..., "-o", "--out", help="ProfileDB JSON to merge into."),
+    gpu_type: str | None = typer.Option(
+        None, help="GPU type name in the database (default: 'cpu', or the CUDA device name)."
+    ),
+    threads: int = typer.Option(1, help="torch intra-op threads on CPU (worker default: 1)."),
+    warmup: int = typer.Option(3, help="Untimed runs before timing."),
+    min_reps: int = typer.Option(5, help="At least this many timed runs."),
+    max_reps: int = typer.Option(50, help="At most this many timed runs."),
+    min_time: float = typer.Option(0.2, help="Repeat until the timed runs add up to this (s)."),
+    memory: bool = typer.Option(True, help="Measure peak memory growth (a separate pass)."),
+    overhead: bool = typer.Option(True, help="Measure the process overhead (CPU only)."),
+) -> None:
+    """Time and size each layer kind of the training framework per TP degree and mbs."""
+    import torch
+
+    from sailor.profiler.layers import LayerRun, profile_layers
+    from sailor.profiler.timing import RepeatSettings
+
+    spec = _model(model, model_file)
+    if gpu_type is None:
+        gpu_type = (
+            str(torch.cuda.get_device_name(0))
+            if device == "cuda" and torch.cuda.is_available()
+            else "cpu"
+        )
+    try:
+        run = LayerRun(
+            spec=spec,
+            gpu_type=gpu_type,
+            device=device,
+            tps=_ints(tp, "tp"),
+            mbs=_ints(mbs, "mbs"),
+            settings=RepeatSettings(warmup, min_reps, max_reps, min_time),
+            threads=threads,
+            measure_memory=memory,
+            measure_overhead=overhead and device == "cpu",
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    con = Console()
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=con,
+    ) as bar:
+        task = bar.add_task(f"profiling {spec.name} on {gpu_type}", total=run.total)
+
+        def progress(desc: str, n: int) -> None:
+            bar.update(task, description=desc, advance=n)
+
+        try:
+            db, ms = profile_layers(run, progress)
+        except (RuntimeError, ValueError) as exc:
+            raise fail(str(exc)) from exc
+        bar.update(task, description="done")
+    merged, dropped = merge_db(load_db(out), db)
+    save_db(merged, out)
+    t = Table(title=f"{spec.name} on {gpu_type} ({db.meta.get(f'{gpu_type}.device', device)})")
+    for col in ("kind", "tp", "mbs", "fwd ms", "±", "bwd ms", "±", "update ms"):
+        t.add_column(col, justify="right")
+    for col in ("params/rank", "saved KiB", "peak KiB"):
+        t.add_column(col, justify="right")
+    for m in ms:
+        t.add_row(
+            m.kind,
+            str(m.tp),
+            str(m.mbs),
+            _ms(m.fwd.median_s),
+            _ms(m.fwd.stdev_s),
+            _ms(m.bwd.median_s),
+            _ms(m.bwd.stdev_s),
+            _ms(m.update.median_s),
+            f"{m.params:,}",
+            f"{m.saved_bytes / 1024:.1f}",
+            f"{m.peak_growth_bytes / 1024:.1f}",
+        )
+    con.print(t)
+    for o in db.overheads:
+        con.print(f"process overhead ({o.gpu_type}): {o.bytes / 2**20:.1f} MiB — {o.source}")
+    if not db.sizes:
+        con.print(
+            "[yellow]sizes not written: this device does not compute in the model's precision"
+        )
+    con.print(
+        f"merged into {out} ({len(merged.timings)} timings; {dropped} entries kept from "
+        "a better source)"
+    )
+
+
+@profile_app.command("network")
+def network_cmd(
+    out: Path = typer.Option(..., "-o", "--out", help="NetworkProfile JSON to merge into."),
+    zone: str = typer.Option("local", help="Zone of the sending endpoint."),
+    gpu_type: str = typer.Option("cpu", help="GPU type of the sending endpoint."),
+    gpus_per_node: int = typer.Option(1, help="GPUs per node of the sending endpoint."),
+    dst_zone: str | None = typer.Option(None, help="Receiving zone (default: --zone)."),
+    dst_gpu_type: str | None = typer.Option(None, help="Receiving GPU type (default: same)."),
+    dst_gpus_per_node: int | None = typer.Option(None, help="Receiving VM shape (default: same)."),
+    intra: bool = typer.Option(False, help="Record as the intra-node curve of the endpoint."),
+    min_bytes: int = typer.Option(64 << 10, help="Smallest message, bytes (64 KiB)."),
+    max_bytes: int = typer.Option(256 << 20, help="Largest message, bytes (up to 1 GiB)."),
+    bytes_per_size: int = typer.Option(256 << 20, help="Bytes to move per message size."),
+    latency: bool = typer.Option(True, help="Fit a per-message latency before the curve."),
+) -> None:
+    """Point-to-point bandwidth vs message size between two gloo processes (loopback here)."""
+    from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
+    from sailor.profiler.network_probe import ProbeSettings, run_probe
+
+    try:
+        settings = ProbeSettings(
+            min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size
+        )
+        src = Endpoint(zone=zone, gpu_type=gpu_type, gpus_per_node=gpus_per_node)
+        dst = Endpoint(
+            zone=dst_zone or zone,
+            gpu_type=dst_gpu_type or gpu_type,
+            gpus_per_node=dst_gpus_per_node or gpus_per_node,
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    con = Console()
+    with con.status("probing 2 gloo ranks on loopback..."):
+        points = run_probe(settings)
+    pairs = [(p.nbytes, p.time.median_s) for p in points]
+    curve = fit_link(pairs, latency=latency)
+    resid = fit_residuals(curve, pairs)
+    load = os.getloadavg()[0]
+    source = (
+        f"sailor profile network: torch.distributed gloo send/recv ping-pong, 2 processes on "
+        f"loopback, {len(points)} sizes {min_bytes}..{max_bytes} B, load average {load:.2f}"
+    )
+    old = load_model(out, NetworkProfile) if out.exists() else None
+    net = with_link(old, src, dst, curve, intra=intra, source=source)
+    write_json(net, out)
+    t = Table(
+        title=f"{src.zone}/{src.gpu_type}x{src.gpus_per_node} -> {dst.zone}/"
+        f"{dst.gpu_type}x{dst.gpus_per_node}"
+    )
+    for col in ("bytes", "one-way ms", "±", "GB/s", "fit GB/s", "fit time err"):
+        t.add_column(col, justify="right")
+    for p, r in zip(points, resid, strict=True):
+        t.add_row(
+            f"{p.nbytes:,}",
+            _ms(p.time.median_s),
+            _ms(p.time.stdev_s),
+            f"{p.gbps:.3f}",
+            f"{curve.gbps(p.nbytes):.3f}",
+            f"{100 * r:+.1f}%",
+        )
+    con.print(t)
+    c0, c1, c2 = curve.coeffs
+    con.print(
+        f"GB/s = {c0:.4g}·L² + {c1:.4g}·L + {c2:.4g} (L = log2(bytes/1e6)), "
+        f"max {curve.max_gbps:.3f} GB/s, latency {curve.latency_s * 1e3:.3f} ms; "
+        f"mean |time error| {100 * statistics.fmean(abs(r) for r in resid):.1f}%; "
+        f"load average {load:.2f}"
+    )
+    con.print(f"written to {out}")
+
+
+@profile_app.command("estimate")
+def estimate_cmd(
+    gpu: str = typer.Option(..., help="GPU type to estimate (catalog name, e.g. H100-80)."),
+    from_db: Path = typer.Option(..., "--from", help="ProfileDB with measured/imported GPUs."),
+    out: Path | None = typer.Option(None, "-o", "--out", help="Output (default: --from)."),
+    model_file: Path | None = typer.Option(None, help="ModelSpec file (default: catalog)."),
+    tp: str | None = typer.Option(None, help="TP degrees (default: those measured)."),
+    mbs: str | None = typer.Option(None, help="Microbatch sizes (default: those measured)."),
+    affine: bool = typer.Option(False, help="Fit latency + scale instead of a pure scale."),
+) -> None:
+    """Roofline scaled by measured efficiency; leave-one-GPU-out error on the database."""
+    from sailor.profiler.calibrated_estimate import (
+        calibrated_efficiencies,
+        estimate_gpu,
+        leave_one_gpu_out,
+        measured_grid,
+    )
+
+    db = load_db(from_db)
+    if db is None:
+        raise fail(f"{from_db}: no such file")
+    spec = _model(db.model, model_file)
+    specs = catalog.gpus()
+    if gpu not in specs:
+        raise fail(f"--gpu={gpu!r}: not in the catalog (known: {', '.join(specs)})")
+    table = calibrated_efficiencies(db, spec, specs, affine=affine)
+    measured = sorted({k for g in db.gpu_types() for k in measured_grid(db, g)})
+    tps = _ints(tp, "tp") if tp else tuple(sorted({t for t, _ in measured})) or (1,)
+    bs = _ints(mbs, "mbs") if mbs else tuple(sorted({b for _, b in measured})) or (1,)
+    est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs])
+    est = est.model_copy(
+        update={
+            "meta": {
+                f"{gpu}.estimated_from": ",".join(
+                    g for g in db.gpu_types() if g in specs and g != gpu
+                )
+            }
+        }
+    )
+    target = out or from_db
+    merged, dropped = merge_db(load_db(target), est)
+    save_db(merged, target)
+    con = Console()
+    con.print(
+        f"{gpu}: {len(est.timings)} estimated entries for {spec.name} (tp {tps}, mbs {bs}) "
+        f"written to {target}; {dropped} kept from a measured/imported source"
+    )
+    rows = leave_one_gpu_out(db, spec, specs, affine=affine)
+    if not rows:
+        con.print("leave-one-GPU-out: needs at least two measured GPU types with spec sheets")
+        return
+    t = Table(
+        title=f"leave-one-GPU-out on {from_db.name} ({spec.name}): |error| of fwd+bwd "
+        "(all layers) and of the update, calibrated vs plain roofline"
+    )
+    for col in ("gpu", "points", "fwd+bwd cal.", "roofline", "update cal.", "roofline"):
+        t.add_column(col, justify="right")
+    by: dict[str, list[LooRow]] = {}
+    for r in rows:
+        by.setdefault(r.gpu_type, []).append(r)
+    for g, rs in sorted(by.items()):
+        t.add_row(g, str(len(rs)), *_errs(rs))
+    t.add_row("all", str(len(rows)), *_errs(rows), style="bold")
+    con.print(t)
+
+
+def _errs(rs: list[LooRow]) -> list[str]:
+    def m(f: str) -> str:
+        return f"{100 * statistics.fmean(abs(getattr(r, f)) for r in rs):.1f}%"
+
+    return [m("err"), m("roofline_err"), m("update_err"), m("roofline_update_err")]
