@@ -66,8 +66,12 @@ def launch_local(
     per_rank_args: dict[int, list[str]] | None = None,
     deadline_s: float = 300.0,
     timeout_s: float = 60.0,
+    module: str = "sailor.megatron_patch.worker",
 ) -> LocalRun:
-    """Run all ranks of ``plan`` locally for ``steps`` iterations and collect their reports."""
+    """Run all ranks of ``plan`` locally for ``steps`` iterations and collect their reports.
+
+    ``module`` is the entry point run per rank (the worker, or the DeepSpeed adapter).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
     plan_path.write_text(plan.model_dump_json())
@@ -79,7 +83,7 @@ def launch_local(
         cmd = [
             sys.executable,
             "-m",
-            "sailor.megatron_patch.worker",
+            module,
             "--plan",
             str(plan_path),
             "--rank",

@@ -1,0 +1,277 @@
+"""Run a Sailor plan through DeepSpeed's pipeline engine (``deepspeed.pipe.PipelineModule``).
+
+DeepSpeed's engine runs what its topology can express: every pipeline with the same depth
+and the same layer partition, one microbatch size and count, no tensor parallelism (its
+pipe engine leaves TP to Megatron), one activation-checkpointing setting for all stages.
+:func:`deepspeed_layout` (pure) checks a plan against that and returns the DeepSpeed
+settings, or raises :class:`UnsupportedPlanError` naming what does not fit; the
+heterogeneous plans run on Sailor's own engine (``worker``).
+
+What we keep from Sailor in the DeepSpeed run:
+
+- the plan's **uneven partition** (DeepSpeed only offers uniform/parameters/type
+  partitioning; :class:`SailorPipelineModule` sets its ``parts`` from the plan);
+- **Sailor's rank order** (pipeline-major, ``Plan.ranks()``), through a DeepSpeed
+  topology with axes ``("data", "pipe")`` instead of its default ``("pipe", "data")``;
+- the **global layer index** as layer position, so DeepSpeed's parameter names
+  (``"{layer}.{param}"``) are exactly the keys of ``state.stage_state``;
+- the layout-free initialisation and the same data, so its losses match the reference.
+
+Tied embeddings are not mapped (DeepSpeed's ``TiedLayerSpec`` would need the head's norm
+split off); use an untied model. deepspeed is imported only inside :func:`run`.
+
+Run one rank: ``python -m sailor.megatron_patch.deepspeed_adapter`` with the worker's
+arguments (``--plan --rank --world-size --master --steps --model --progress --dump-state``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from sailor.megatron_patch.data import SyntheticTokens
+from sailor.megatron_patch.engine import TrainConfig, make_optimizer
+from sailor.megatron_patch.model import Block, Embedding, Head, full_init
+from sailor.megatron_patch.tp_layers import TPContext
+from sailor.schemas.model import ModelSpec
+from sailor.schemas.plan import Plan
+
+__all__ = [
+    "DeepSpeedLayout",
+    "UnsupportedPlanError",
+    "deepspeed_config",
+    "deepspeed_layout",
+    "main",
+]
+
+
+class UnsupportedPlanError(ValueError):
+    """The plan needs something DeepSpeed's pipeline engine cannot express (not retryable)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedLayout:
+    """A plan in DeepSpeed's terms."""
+
+    num_stages: int
+    data_parallel: int
+    parts: tuple[int, ...]
+    """Layer boundaries: stage ``s`` owns layers ``parts[s] .. parts[s+1]-1``."""
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpoint_interval: int
+
+
+def deepspeed_layout(plan: Plan) -> DeepSpeedLayout:
+    """DeepSpeed settings of ``plan``, or UnsupportedPlanError saying why there are none."""
+    first = plan.pipelines[0]
+    for i, p in enumerate(plan.pipelines):
+        if p.partition() != first.partition():
+            raise UnsupportedPlanError(
+                f"pipelines[{i}].partition={p.partition()} differs from {first.partition()}: "
+                "DeepSpeed needs one layer partition"
+            )
+        if (p.microbatch_size, p.num_microbatches) != (
+            first.microbatch_size,
+            first.num_microbatches,
+        ):
+            raise UnsupportedPlanError(
+                f"pipelines[{i}] runs {p.num_microbatches}x{p.microbatch_size} samples, "
+                f"pipelines[0] {first.num_microbatches}x{first.microbatch_size}: DeepSpeed "
+                "needs one microbatch size and count"
+            )
+        for j, s in enumerate(p.stages):
+            if s.replica.tp != 1:
+                raise UnsupportedPlanError(
+                    f"pipelines[{i}].stages[{j}].replica.tp={s.replica.tp}: DeepSpeed's pipe "
+                    "engine runs TP=1 (use Sailor's engine or Megatron-core for TP)"
+                )
+    recompute = {s.recompute for p in plan.pipelines for s in p.stages}
+    if len(recompute) > 1:
+        raise UnsupportedPlanError("stages differ in recompute: DeepSpeed has one setting")
+    parts = (*(s.first_layer for s in first.stages), plan.num_layers)
+    return DeepSpeedLayout(
+        num_stages=first.depth,
+        data_parallel=len(plan.pipelines),
+        parts=parts,
+        micro_batch_size=first.microbatch_size,
+        gradient_accumulation_steps=first.num_microbatches,
+        activation_checkpoint_interval=1 if recompute == {True} else 0,
+    )
+
+
+def deepspeed_config(layout: DeepSpeedLayout, plan: Plan) -> dict[str, Any]:
+    """The DeepSpeed JSON config of a layout (fp32; optimizer passed as an object)."""
+    return {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.gradient_accumulation_steps,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+@torch.no_grad()
+def _init_layer(module: nn.Module, spec: ModelSpec, layer: int, seed: int) -> None:
+    for name, p in module.named_parameters():
+        p.copy_(full_init(spec, f"{layer}.{name}", tuple(p.shape), seed))
+
+
+class DSEmbedding(Embedding):
+    def __init__(self, spec: ModelSpec, seed: int) -> None:
+        super().__init__(spec)
+        _init_layer(self, spec, 0, seed)
+
+
+class DSBlock(Block):
+    def __init__(self, spec: ModelSpec, layer: int, seed: int) -> None:
+        super().__init__(spec, TPContext())
+        _init_layer(self, spec, layer, seed)
+
+
+class DSHead(Head):
+    """The head without the loss: DeepSpeed applies ``loss_fn`` to its output."""
+
+    def __init__(self, spec: ModelSpec, seed: int) -> None:
+        super().__init__(spec)
+        _init_layer(self, spec, spec.num_all_layers - 1, seed)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(x)
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: int) -> nn.Module:
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    class SailorPipelineModule(PipelineModule):  # type: ignore[misc]
+        """PipelineModule whose partition is the plan's, not one of DeepSpeed's methods."""
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            self.parts = list(layout.parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    layers: list[Any] = [LayerSpec(DSEmbedding, spec, seed)]
+    layers += [LayerSpec(DSBlock, spec, i, seed) for i in range(1, spec.num_layers + 1)]
+    layers.append(LayerSpec(DSHead, spec, seed))
+    # Sailor's rank order: rank = pipeline * depth + stage.
+    topo = ProcessTopology(axes=["data", "pipe"], dims=[layout.data_parallel, layout.num_stages])
+    module: nn.Module = SailorPipelineModule(
+        layers=layers,
+        topology=topo,
+        loss_fn=_loss,
+        activation_checkpoint_interval=layout.activation_checkpoint_interval,
+    )
+    return module
+
+
+def run(argv: list[str] | None = None) -> int:
+    """One rank of a plan on DeepSpeed; progress and state dumps like the worker's."""
+    from sailor.megatron_patch.worker import build_parser, load_model
+
+    args = build_parser().parse_args(argv)
+    plan = Plan.model_validate_json(Path(args.plan).read_text())
+    spec = load_model(args.model, plan)
+    if spec.tie_embeddings:
+        raise UnsupportedPlanError(f"model {spec.name!r} ties embeddings: not mapped to DeepSpeed")
+    layout = deepspeed_layout(plan)
+    torch.set_num_threads(args.threads)
+    addr, port = args.master.rsplit(":", 1)
+    os.environ.update(
+        {
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": port,
+            "RANK": str(args.rank),
+            "WORLD_SIZE": str(args.world_size),
+            "LOCAL_RANK": "0" if not torch.cuda.is_available() else str(args.rank),
+        }
+    )
+    from datetime import timedelta
+
+    import deepspeed
+    import deepspeed.comm.torch  # the module itself, looked up in sys.modules below
+
+    # ``deepspeed.comm.torch`` as an attribute is shadowed by PyTorch itself; take the module.
+    ds_torch_comm = sys.modules["deepspeed.comm.torch"]
+
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel on first use
+    # (measured ~70 s with 4 ranks on this 2-core machine); gloo does the collectives
+    # without it, so skip the build.
+    ds_torch_comm.build_shm_op = lambda: None
+    deepspeed.init_distributed(
+        dist_backend=args.backend or "gloo", timeout=timedelta(seconds=args.timeout_s)
+    )
+    cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
+    module = _build_module(plan, spec, layout, cfg.seed)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        optimizer=make_optimizer(module.parameters(), cfg),
+        config=deepspeed_config(layout, plan),
+    )
+    data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    pipe_idx = args.rank // layout.num_stages
+    mbs = layout.micro_batch_size
+    pos = args.consumed_samples
+    progress = Path(args.progress.replace("{rank}", str(args.rank))) if args.progress else None
+    for step in range(args.start_step + 1, args.start_step + args.steps + 1):
+        first = pos + pipe_idx * mbs * layout.gradient_accumulation_steps
+        batches = [
+            data.batch(range(first + m * mbs, first + (m + 1) * mbs))
+            for m in range(layout.gradient_accumulation_steps)
+        ]
+        t0 = time.perf_counter()
+        loss = engine.train_batch(data_iter=iter(batches))
+        dt = time.perf_counter() - t0
+        pos += plan.global_batch_size
+        line = {
+            "event": "step",
+            "rank": args.rank,
+            "step": step,
+            "consumed_samples": pos,
+            "loss": float(loss),
+            "samples_per_s": plan.global_batch_size / dt,
+            "step_s": dt,
+            "engine": "deepspeed",
+        }
+        if progress is not None:
+            with progress.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+    if args.dump_state:
+        state = {k: (p.detach().cpu(), None) for k, p in module.named_parameters()}
+        torch.save(state, args.dump_state.replace("{rank}", str(args.rank)))
+    torch.distributed.barrier()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; on failure writes the first cause like the worker and exits 1."""
+    from sailor.megatron_patch.errors import failure_record, write_error_file
+    from sailor.megatron_patch.worker import build_parser
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run(argv)
+    except BaseException as exc:  # the first cause of any failure is reported
+        err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None
+        write_error_file(err, failure_record(exc, args.rank, -1, in_training=True))
+        print(json.dumps({"event": "failed", "message": str(exc)}), file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
