@@ -40,3 +40,51 @@ def test_deepspeed_layout_of_a_uniform_plan_keeps_the_uneven_partition() -> None
 def test_deepspeed_layout_rejects_what_it_cannot_run(plan: Plan, why: str) -> None:
     with pytest.raises(UnsupportedPlanError, match=why):
         deepspeed_layout(plan)
+
+
+def test_megatron_layout_maps_groups_and_rank_order() -> None:
+    from sailor.megatron_patch.megatron_adapter import megatron_layout
+    from sailor.megatron_patch.roles import role_of
+
+    # 2 pipelines x 3 stages x TP 2; 10 global layers = embedding + 8 blocks + head.
+    cuts = [(0, 3), (4, 6), (7, 9)]
+    plan = _plan(_pipe(cuts, tp=2), _pipe(cuts, tp=2))
+    lay = megatron_layout(plan)
+    assert (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size) == (2, 3)
+    assert lay.data_parallel_size == 2 and lay.num_layers == 8
+    assert lay.num_layers_in_first_pipeline_stage is None  # 3 blocks == middle's 3
+    assert lay.num_layers_in_last_pipeline_stage == 2
+    perm = lay.megatron_rank_of_sailor_rank
+    assert sorted(perm) == list(range(12))
+    # Same groups, whichever order names them.
+    sailor_tp = {tuple(role_of(plan, r).tp_group) for r in range(12)}
+    megatron_tp = {
+        tuple(sorted(lay.sailor_rank_of_megatron_rank(m) for m in g))
+        for g in lay.tensor_parallel_groups()
+    }
+    assert megatron_tp == sailor_tp
+    for g in lay.pipeline_groups():
+        roles = [role_of(plan, lay.sailor_rank_of_megatron_rank(m)) for m in g]
+        assert [r.stage for r in roles] == [0, 1, 2]
+        assert len({(r.pipeline, r.tp_rank) for r in roles}) == 1
+    for g in lay.data_parallel_groups():
+        roles = [role_of(plan, lay.sailor_rank_of_megatron_rank(m)) for m in g]
+        assert len({(r.stage, r.tp_rank) for r in roles}) == 1
+        assert sorted(r.pipeline for r in roles) == [0, 1]
+
+
+def test_megatron_layout_rejects_heterogeneous_plans() -> None:
+    from sailor.megatron_patch.megatron_adapter import UnsupportedPlanError as MErr
+    from sailor.megatron_patch.megatron_adapter import initialize_megatron, megatron_layout
+
+    with pytest.raises(MErr, match="TP degrees"):
+        megatron_layout(_plan(_pipe([(0, 5)], tp=2), _pipe([(0, 5)], tp=1)))
+    with pytest.raises(MErr, match="middle"):
+        megatron_layout(_plan(_pipe([(0, 1), (2, 3), (4, 6), (7, 9)])))
+    lay = megatron_layout(_plan(_pipe([(0, 5)])))
+    assert lay.pipeline_model_parallel_size == 1 and lay.num_layers == 4
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="optional"):
+            initialize_megatron(lay)
