@@ -51,7 +51,12 @@ from sailor.planner.api import (
 )
 from sailor.planner.moves import moved_layers
 from sailor.planner.tables import CostTables, Inputs, Kind
-from sailor.planner.templates import PipelineTemplate, best_partitions, with_cuts
+from sailor.planner.templates import (
+    PipelineTemplate,
+    best_partitions,
+    fixed_kinds,
+    with_cuts,
+)
 from sailor.schemas import (
     Calibration,
     Estimate,
@@ -80,8 +85,11 @@ Progress = Callable[[int, int], None]
 """Called with (steps done, steps in total) as the search advances."""
 
 _MIXED_FIRST = 3
-"""Pipelines spanning GPU types (the best by steady rate, and the best by fill time) that each
-get one allocation packed with them first."""
+"""Above :data:`_MIXED_ALL`, the pipelines spanning GPU types packed first are the best few by
+steady rate, by fill time and by time to run the whole batch alone."""
+
+_MIXED_ALL = 64
+"""Up to this many pipelines spanning GPU types in a scenario, every one is packed first once."""
 
 _GROUPS_PER_SCENARIO = 4
 """Shared partitions per scenario on which the least-time allocation is also computed."""
@@ -298,7 +306,51 @@ def _templates(
                 for k1 in kinds_by_r[r1]:
                     for k2 in kinds_by_r[r2]:
                         for b in common:
-                            out.extend(t for t in get((k1, k2), b) if _fits(t, caps))
+                            found = get((k1, k2), b)
+                            out.extend(t for t in found if _fits(t, caps))
+                            out.extend(_split_to_fit(state, found, k1, k2, b, caps))
+    return out
+
+
+_SPLIT_ALL = 8
+"""When the pool holds at most this many stages of two kinds, every split of every depth
+between them is evaluated (small pools: each GPU matters)."""
+
+
+def _split_to_fit(
+    state: SearchState,
+    found: Sequence[PipelineTemplate],
+    k1: Kind,
+    k2: Kind,
+    b: int,
+    caps: Mapping[Resource, int],
+) -> list[PipelineTemplate]:
+    """Where a depth's optimum needs more GPUs of a type than the pool has, the best
+    partition for every split of that depth between the two types that does fit."""
+    r1 = (k1.gpu_type, k1.zone, k1.gpus_per_node)
+    r2 = (k2.gpu_type, k2.zone, k2.gpus_per_node)
+    max1, max2 = caps.get(r1, 0) // k1.tp, caps.get(r2, 0) // k2.tp
+    out: list[PipelineTemplate] = []
+    n = state.tables.inputs.model.num_all_layers
+    unfit = {t.depth for t in found if not _fits(t, caps)}
+    fitting = {t.depth for t in found if _fits(t, caps)}
+    small = max1 + max2 <= _SPLIT_ALL
+    for depth in range(2, min(n, max1 + max2) + 1):
+        if small:
+            pass
+        elif depth in fitting or (
+            depth not in unfit and found and depth < max(t.depth for t in found)
+        ):
+            continue
+        for a in range(max(1, depth - max2), min(max1, depth - 1) + 1):
+            seq = (k1,) * a + (k2,) * (depth - a)
+            key = ("split", seq, b)
+            hit = state.templates.get(key)
+            if hit is None:
+                one = fixed_kinds(state.tables, seq, b)
+                hit = [one] if one is not None else []
+                state.templates[key] = hit
+            out.extend(t for t in hit if _fits(t, caps))
     return out
 
 
@@ -356,8 +408,8 @@ def _fits(t: PipelineTemplate, caps: Mapping[Resource, int]) -> bool:
 
 
 def _prune_dominated(ts: Sequence[PipelineTemplate]) -> list[PipelineTemplate]:
-    """Drop a template if another on the same resources and mbs is no worse in GPUs,
-    period and fill."""
+    """Drop a template if another with the same microbatch size uses no more GPUs of any
+    resource and is no slower in period and fill."""
     groups: dict[tuple[object, ...], list[PipelineTemplate]] = {}
     for t in ts:
         sig = (t.mbs, tuple(sorted(t.gpus_by_resource())))
@@ -367,8 +419,12 @@ def _prune_dominated(ts: Sequence[PipelineTemplate]) -> list[PipelineTemplate]:
         g.sort(key=lambda t: (t.gpus, t.period_s, t.fill_s))
         kept: list[PipelineTemplate] = []
         for t in g:
+            use = t.gpus_by_resource()
             if any(
-                k.gpus <= t.gpus and k.period_s <= t.period_s and k.fill_s <= t.fill_s for k in kept
+                k.period_s <= t.period_s
+                and k.fill_s <= t.fill_s
+                and all(n <= use[r] for r, n in k.gpus_by_resource().items())
+                for k in kept
             ):
                 continue
             kept.append(t)
@@ -467,9 +523,12 @@ def _allocations(
     # a pipeline that spans GPU types packs worse by samples per GPU alone (it may be the
     # only way to use a type that cannot hold a stage by itself): also pack the best few first
     mixed = [t for t in ts if len(t.gpus_by_resource()) > 1]
-    by_rate = sorted(mixed, key=lambda t: -_rate(t))[:_MIXED_FIRST]
-    by_fill = sorted(mixed, key=lambda t: t.fill_s)[:_MIXED_FIRST]  # small batches: latency
-    for t in {id(t): t for t in by_rate + by_fill}.values():
+    if len(mixed) > _MIXED_ALL:
+        by_rate = sorted(mixed, key=lambda t: -_rate(t))[:_MIXED_FIRST]
+        by_fill = sorted(mixed, key=lambda t: t.fill_s)[:_MIXED_FIRST]  # small batches
+        alone = sorted(mixed, key=lambda t: t.pipe_time(max(1, gbs // t.mbs)))[:_MIXED_FIRST]
+        mixed = list({id(t): t for t in by_rate + by_fill + alone}.values())
+    for t in mixed:
         picked = min_time_allocation(ts, scenario, gbs, over, first=t)
         if picked:
             a = assign_microbatches(picked, gbs, over)

@@ -298,3 +298,92 @@ def with_cuts(
         fill_s=sum(times),
         estimated=arr.estimated,
     )
+
+
+def fixed_kinds(tables: CostTables, seq: tuple[Kind, ...], mbs: int) -> PipelineTemplate | None:
+    """Best partition when stage ``s`` must run on ``seq[s]`` (None if nothing fits).
+
+    Used where the per-depth optimum of :func:`best_partitions` needs more GPUs of one type
+    than the pool has: the search then asks for each split of the depth between the types.
+    Backward DP over stages, numpy over layer ranges: O(S·L²).
+    """
+    arrs: list[LayerArrays] = []
+    for kind in seq:
+        found = tables.arrays(kind.gpu_type, kind.tp, mbs)
+        if found is None:
+            return None
+        arrs.append(found)
+    n = len(arrs[0].comp) - 1
+    depth = len(seq)
+    if depth > n:
+        return None
+    inf = np.inf
+    nxt_m = np.full(n + 1, inf)
+    nxt_s = np.full(n + 1, inf)
+    nxt_m[n] = nxt_s[n] = 0.0  # nothing left after the last stage
+    choice: list[np.ndarray] = []
+    for s in range(depth - 1, -1, -1):
+        t = arrs[s].stage_compute()
+        if s + 1 < depth:
+            tf, tb = tables.link(seq[s], seq[s + 1], mbs)
+            t = t + (tf + tb)[None, :]
+        if s > 0:
+            tf, tb = tables.link(seq[s - 1], seq[s], mbs)
+            recv = np.concatenate([[inf], (tf + tb)[:-1]])
+            t = t + recv[:, None]
+        else:
+            t = np.where(np.arange(n)[:, None] == 0, t, inf)
+        ok = tables.stage_memory(arrs[s], depth - s) <= tables.capacity(seq[s].gpu_type)
+        t = np.where(ok, t, inf)
+        mx = np.maximum(t, nxt_m[None, 1:])
+        sm = t + nxt_s[None, 1:]
+        best = mx.min(axis=1)
+        tie = mx <= best[:, None] * (1 + _TIE)
+        jsel = np.argmin(np.where(tie, sm, inf), axis=1)
+        rows = np.arange(n)
+        cur_m = np.full(n + 1, inf)
+        cur_s = np.full(n + 1, inf)
+        cur_m[:n], cur_s[:n] = mx[rows, jsel], sm[rows, jsel]
+        choice.append(jsel)
+        nxt_m, nxt_s = cur_m, cur_s
+    if not np.isfinite(nxt_m[0]):
+        return None
+    choice.reverse()
+    lasts: list[int] = []
+    i = 0
+    for s in range(depth):
+        j = int(choice[s][i])
+        lasts.append(j)
+        i = j + 1
+    stages: list[StageTemplate] = []
+    first = 0
+    for s, b in enumerate(lasts):
+        a = first
+        arr = arrs[s]
+        t_s = float(arr.comp[b + 1] - arr.comp[a])
+        if s + 1 < depth:
+            tf, tb = tables.link(seq[s], seq[s + 1], mbs)
+            t_s += float(tf[b] + tb[b])
+        if s > 0:
+            tf, tb = tables.link(seq[s - 1], seq[s], mbs)
+            t_s += float(tf[a - 1] + tb[a - 1])
+        stages.append(
+            StageTemplate(
+                first_layer=a,
+                last_layer=b,
+                kind=seq[s],
+                time_s=t_s,
+                update_s=float(arr.upd[b + 1] - arr.upd[a]),
+                params=float(arr.params[b + 1] - arr.params[a]),
+                memory_bytes=float(tables.stage_memory(arr, depth - s)[a, b]),
+            )
+        )
+        first = b + 1
+    times = [s.time_s for s in stages]
+    return PipelineTemplate(
+        stages=tuple(stages),
+        mbs=mbs,
+        period_s=max(times),
+        fill_s=sum(times),
+        estimated=any(x.estimated for x in arrs),
+    )
