@@ -1,8 +1,9 @@
 """Reading committed checkpoints: list, read the manifest, load-and-reshard, verify.
 
 A rank of any layout calls ``load`` with the layers its stage owns and its TP (rank, size):
-it opens only those layers' files, checks every tensor's checksum, and slices each parameter
-along its TP dimension. Nothing is ever returned from a file that fails its size or checksum;
+it opens only those layers' files, range-reads only the checksummed blocks covering its TP
+slice of each tensor (``blocks.py``), checks them, and cuts out the slice. ``verify`` checks
+every byte. Nothing is ever returned from a file that fails its size or checksum;
 the error names the file so an operator (or the runtime's fallback) can act on it.
 """
 
@@ -16,15 +17,26 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
+from sailor.checkpoint.blocks import (
+    ALGORITHMS,
+    ReadPlan,
+    block_digests,
+    digest,
+    plan_read,
+    rows_of,
+    tensor_digest,
+)
 from sailor.checkpoint.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     NoCheckpointError,
+    ReshardError,
     StorageError,
 )
 from sailor.checkpoint.format import MANIFEST, MARKER, merkle_root, parse_step_dir, step_dir
 from sailor.checkpoint.state import ParamState, TrainingGlobals, tp_slice
 from sailor.checkpoint.storage import Storage
-from sailor.schemas.checkpoint import CheckpointManifest, CommitMarker, ShardEntry
+from sailor.schemas.checkpoint import CheckpointManifest, CommitMarker, ShardEntry, TensorEntry
 
 __all__ = [
     "Loaded",
@@ -90,9 +102,15 @@ def latest_step(storage: Storage) -> int:
     return steps[-1]
 
 
-def _read_shard(storage: Storage, step: int, shard: ShardEntry) -> torch.Tensor:
+def _open_shard(storage: Storage, step: int, shard: ShardEntry) -> tuple[str, str]:
+    """(where, path) of a shard whose size matches the manifest and whose algorithm we have."""
     where = _where(storage, step, shard.path)
     path = f"{step_dir(step)}/{shard.path}"
+    if shard.checksum not in ALGORITHMS:
+        raise CheckpointError(
+            f"{where}: checksum algorithm {shard.checksum!r} unavailable here (have "
+            f"{sorted(ALGORITHMS)}); install the 'xxhash' package to read it"
+        )
     try:
         size = storage.size(path)
     except FileNotFoundError as exc:
@@ -102,32 +120,116 @@ def _read_shard(storage: Storage, step: int, shard: ShardEntry) -> torch.Tensor:
             f"{where}: size {size} bytes, manifest says {shard.size} (truncated or overwritten)",
             path=where,
         )
-    buf = torch.empty(shard.size, dtype=torch.uint8)
+    return where, path
+
+
+def _read_range(storage: Storage, path: str, where: str, buf: torch.Tensor, start: int) -> None:
+    """Fill the uint8 tensor ``buf`` from byte ``start`` of ``path`` (no intermediate copy)."""
+    want = buf.numel()
     try:
-        got = storage.read_into(path, buf.numpy().data, 0)
+        got = storage.read_into(path, buf.numpy().data, start)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{where}: missing", path=where) from exc
     except OSError as exc:
         raise StorageError(f"{where}: read failed: {exc}", retryable=True) from exc
-    if got != shard.size:
-        raise CorruptCheckpointError(f"{where}: read {got} of {shard.size} bytes", path=where)
-    return buf
+    if got != want:
+        raise CorruptCheckpointError(
+            f"{where}: read {got} of {want} bytes at offset {start}", path=where
+        )
 
 
-def _check_tensors(where: str, buf: torch.Tensor, shard: ShardEntry) -> None:
-    mv = buf.numpy().data
-    digests = []
-    for t in shard.tensors:
-        d = hashlib.sha256(mv[t.offset : t.offset + t.nbytes]).hexdigest()
-        if d != t.sha256:
-            raise CorruptCheckpointError(f"{where}: tensor {t.name} fails its checksum", path=where)
-        digests.append(d)
-    if merkle_root(digests) != shard.sha256:
-        raise CorruptCheckpointError(f"{where}: shard checksum mismatch", path=where)
+def _check_tensor(
+    where: str, algorithm: str, t: TensorEntry, mv: memoryview, row0: int, row1: int
+) -> None:
+    """Check stored rows ``row0..row1`` of ``t`` held in ``mv``: each block in them, and the
+    tensor digest too when they are all of it."""
+    fail = f"{where}: tensor {t.name}"
+    if t.block_rows == 0:  # written before blocks: one digest of the whole tensor
+        if digest(algorithm, mv) != t.sha256:
+            raise CorruptCheckpointError(f"{fail} fails its {algorithm} checksum", path=where)
+        return
+    rows = rows_of(t.shape, t.major_dim)
+    row_bytes = t.nbytes // rows if rows else 0
+    first = row0 // t.block_rows
+    got = block_digests(algorithm, mv, row1 - row0, row_bytes, t.block_rows)
+    for i, d in enumerate(got):
+        b = first + i
+        if d != t.blocks[b]:
+            lo = t.offset + b * t.block_rows * row_bytes
+            hi = min(lo + t.block_rows * row_bytes, t.offset + t.nbytes)
+            raise CorruptCheckpointError(
+                f"{fail} block {b} of {len(t.blocks)} (bytes {lo}..{hi}) fails its "
+                f"{algorithm} checksum",
+                path=where,
+            )
+    if (row0, row1) == (0, rows) and tensor_digest(got) != t.sha256:
+        raise CorruptCheckpointError(f"{fail}: block digests do not match its digest", path=where)
 
 
-def _tensor(
-    buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+def _stored_shape(t: TensorEntry, rows: int) -> tuple[int, ...]:
+    """Shape of ``rows`` stored rows: the tensor's shape with major_dim moved first."""
+    if not t.shape:
+        return ()
+    rest = t.shape[: t.major_dim] + t.shape[t.major_dim + 1 :]
+    return (rows, *rest)
+
+
+def _finish(
+    where: str,
+    algorithm: str,
+    t: TensorEntry,
+    buf: torch.Tensor,
+    plan: ReadPlan,
+    ranged: bool,
+    dim: int | None,
+    tp_rank: int,
+    tp_size: int,
+    dest: torch.Tensor | None,
 ) -> torch.Tensor:
-    return buf[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+    """Verify what was read, then cut the rank's slice out of it (helper thread)."""
+    _check_tensor(where, algorithm, t, buf.numpy().data, plan.row0, plan.row1)
+    stored = buf.view(getattr(torch, t.dtype)).reshape(_stored_shape(t, plan.row1 - plan.row0))
+    natural = stored.movedim(0, t.major_dim) if t.major_dim else stored
+    if ranged:
+        out = natural.narrow(t.major_dim, plan.keep0 - plan.row0, plan.keep1 - plan.keep0)
+    else:
+        out = tp_slice(natural, dim, tp_rank, tp_size)
+    if dest is not None:
+        if out.data_ptr() != dest.data_ptr():
+            dest.copy_(out)
+        return dest
+    if not out.is_contiguous():
+        return out.contiguous()
+    if out.numel() != stored.numel() and (
+        out.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    ):
+        # A view into a larger read buffer: own it rather than pin the whole buffer.
+        return out.clone()
+    return out
+
+
+def _slice_shape(t: TensorEntry, dim: int | None, tp_size: int) -> tuple[int, ...]:
+    shape = list(t.shape)
+    if dim is not None and tp_size > 1:
+        if shape[dim] % tp_size:
+            raise ReshardError(
+                f"cannot split dim {dim} of size {shape[dim]} (shape {t.shape}) over tp={tp_size}"
+            )
+        shape[dim] //= tp_size
+    return tuple(shape)
+
+
+def _direct(dest: torch.Tensor | None, t: TensorEntry, exact: bool) -> torch.Tensor | None:
+    """The bytes of ``dest`` if the rows read are exactly its contents, else None."""
+    if (
+        dest is None
+        or not exact
+        or t.major_dim != 0
+        or dest.device.type != "cpu"
+        or not dest.is_contiguous()
+    ):
+        return None
+    return dest.reshape(-1).view(torch.uint8)
 
 
 def load(
@@ -138,71 +240,104 @@ def load(
     tp_size: int = 1,
     step: int | None = None,
     tp_dims: Mapping[str, int | None] | None = None,
+    into: Mapping[str, ParamState] | None = None,
 ) -> Loaded:
     """Load ``layers`` of a committed checkpoint, sliced for TP rank ``tp_rank`` of ``tp_size``.
 
     Each parameter is split along its stored ``tp_dim`` unless ``tp_dims`` (keyed
     '<layer>.<param>') says otherwise for the new layout. ``step`` None means the latest.
+
+    A rank range-reads only the blocks covering its slice (``blocks.py``) and checks their
+    checksums on a helper thread while it reads the next range. ``into`` (keyed like the
+    result) gives destination tensors of the slice's shape and dtype, e.g. the new layout's
+    own parameters and moments: slices stored contiguously are read straight into them, the
+    others copied in; they are returned in ``Loaded.params``. If the load raises, tensors in
+    ``into`` may hold partly read data.
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank}: outside 0..{tp_size - 1}")
     s = latest_step(storage) if step is None else step
     manifest = read_manifest(storage, s)
     wanted = sorted(set(layers))
-    out: dict[str, ParamState] = {}
     nread = 0
-    checks: list[Future[None]] = []
+    results: list[tuple[str, TensorEntry, int | None, Future[torch.Tensor]]] = []
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify") as pool:
-        bufs: list[tuple[ShardEntry, torch.Tensor]] = []
         for layer in wanted:
             shard = manifest.shard_of(layer)
-            buf = _read_shard(storage, s, shard)
-            nread += shard.size
-            where = _where(storage, s, shard.path)
-            # Verify on a helper thread while the next file is read.
-            checks.append(pool.submit(_check_tensors, where, buf, shard))
-            bufs.append((shard, buf))
-        for fut in checks:
-            fut.result()
-    for shard, buf in bufs:
-        by_param: dict[str, dict[str, torch.Tensor]] = {}
+            where, path = _open_shard(storage, s, shard)
+            for t in shard.tensors:
+                key = f"{layer}.{t.param}"
+                dim = tp_dims.get(key, t.tp_dim) if tp_dims is not None else t.tp_dim
+                want_shape = _slice_shape(t, dim, tp_size)
+                dest = into[key].tensor(t.kind) if into is not None and key in into else None
+                if dest is not None and (
+                    tuple(dest.shape) != want_shape or str(dest.dtype) != f"torch.{t.dtype}"
+                ):
+                    raise ReshardError(
+                        f"into[{key!r}].{t.kind}: {dest.dtype} {tuple(dest.shape)}, the slice "
+                        f"is torch.{t.dtype} {want_shape}"
+                    )
+                rows = rows_of(t.shape, t.major_dim)
+                ranged = t.block_rows > 0 and tp_size > 1 and dim is not None and dim == t.major_dim
+                plan = (
+                    plan_read(rows, t.block_rows, tp_rank, tp_size)
+                    if ranged
+                    else ReadPlan(0, rows, 0, rows, 0)
+                )
+                exact = plan.exact and (ranged or tp_size == 1 or dim is None)
+                row_bytes = t.nbytes // rows if rows else 0
+                nbytes = (plan.row1 - plan.row0) * row_bytes
+                buf = _direct(dest, t, exact)
+                if buf is None:
+                    buf = torch.empty(nbytes, dtype=torch.uint8)
+                _read_range(storage, path, where, buf, t.offset + plan.row0 * row_bytes)
+                nread += nbytes
+                fut = pool.submit(
+                    _finish,
+                    where,
+                    shard.checksum,
+                    t,
+                    buf,
+                    plan,
+                    ranged,
+                    dim,
+                    tp_rank,
+                    tp_size,
+                    dest,
+                )
+                results.append((key, t, dim, fut))
+        got: dict[str, dict[str, torch.Tensor]] = {}
         dims: dict[str, int | None] = {}
-        for t in shard.tensors:
-            by_param.setdefault(t.param, {})[t.kind] = _tensor(
-                buf, t.offset, t.nbytes, t.dtype, t.shape
-            )
-            dims[t.param] = t.tp_dim
-        layer = shard.layers[0]
-        for pname, kinds in by_param.items():
-            key = f"{layer}.{pname}"
-            dim = tp_dims.get(key, dims[pname]) if tp_dims is not None else dims[pname]
-            sliced = {k: tp_slice(v, dim, tp_rank, tp_size) for k, v in kinds.items()}
-            if tp_size > 1 and dim is not None:
-                # Own the slice (don't pin the whole layer buffer through a view); a slice
-                # along dim > 0 was already copied by ``contiguous`` in tp_slice.
-                base = buf.untyped_storage().data_ptr()
-                sliced = {
-                    k: v.clone() if v.untyped_storage().data_ptr() == base else v
-                    for k, v in sliced.items()
-                }
-            out[key] = ParamState(
-                sliced["weight"], sliced["exp_avg"], sliced["exp_avg_sq"], tp_dim=dim
-            )
+        for key, t, dim, fut in results:
+            got.setdefault(key, {})[t.kind] = fut.result()
+            dims[key] = dim
+    out = {
+        key: ParamState(k["weight"], k["exp_avg"], k["exp_avg_sq"], tp_dim=dims[key])
+        for key, k in got.items()
+    }
     g = TrainingGlobals.decode(manifest.step, manifest.consumed_samples, manifest.globals)
     return Loaded(params=out, globals=g, manifest=manifest, bytes_read=nread)
 
 
 def verify(storage: Storage, step: int) -> list[str]:
-    """Check every shard of a committed step; return one message per bad file ([] = good)."""
+    """Check every byte of every shard of a committed step: each block of each tensor, each
+    tensor's digest and each shard's root. One message per bad file ([] = good)."""
     try:
         manifest = read_manifest(storage, step)
     except (NoCheckpointError, CorruptCheckpointError) as exc:
         return [str(exc)]
     problems = []
     for shard in manifest.shards:
-        where = _where(storage, step, shard.path)
         try:
-            _check_tensors(where, _read_shard(storage, step, shard), shard)
-        except CorruptCheckpointError as exc:
+            where, path = _open_shard(storage, step, shard)
+            buf = torch.empty(shard.size, dtype=torch.uint8)
+            _read_range(storage, path, where, buf, 0)
+            mv = buf.numpy().data
+            for t in shard.tensors:
+                rows = rows_of(t.shape, t.major_dim)
+                _check_tensor(where, shard.checksum, t, mv[t.offset : t.offset + t.nbytes], 0, rows)
+            if merkle_root(t.sha256 for t in shard.tensors) != shard.sha256:
+                raise CorruptCheckpointError(f"{where}: shard checksum mismatch", path=where)
+        except CheckpointError as exc:
             problems.append(str(exc))
     return problems

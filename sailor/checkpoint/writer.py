@@ -7,8 +7,9 @@ Order of a save (each step durable before the next starts):
 4. only then does retention delete older checkpoints and debris.
 
 A crash before 3 leaves a step directory without a marker: invisible to readers, collected by
-gc. Hashing runs on a helper thread while the same bytes are written (hashlib and file writes
-both release the GIL), so checksums cost almost no extra wall time.
+gc. Each tensor is put in its stored layout and hashed per block (``blocks.py``) on a helper
+thread while the previous tensor is written (torch copies, hashing and file writes all release
+the GIL), so checksums cost almost no extra wall time.
 
 Never holds locks across ranks or calls torch.distributed: the commit rendezvous goes through
 the storage itself, so it also works from a background thread.
@@ -20,10 +21,18 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from sailor.checkpoint.blocks import (
+    block_digests,
+    block_rows_for,
+    default_algorithm,
+    rows_of,
+    tensor_digest,
+)
 from sailor.checkpoint.errors import CheckpointError
 from sailor.checkpoint.format import (
     MANIFEST,
@@ -44,6 +53,7 @@ from sailor.schemas.checkpoint import (
     ShardEntry,
     ShardPart,
     TensorEntry,
+    TensorKind,
 )
 
 __all__ = ["commit", "persist_layer", "persist_layers", "save_full", "tensor_bytes"]
@@ -55,8 +65,27 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-def _sha256(buf: memoryview) -> str:
-    return hashlib.sha256(buf).hexdigest()
+@dataclass(frozen=True)
+class _Prepared:
+    """One tensor in its stored layout, with its block digests."""
+
+    data: memoryview
+    major_dim: int
+    block_rows: int
+    blocks: list[str]
+
+
+def _prepare(t: torch.Tensor, major_dim: int, algorithm: str) -> _Prepared:
+    """Stored layout (TP dim first: one transposed copy if that dim is not 0) and digests.
+
+    Runs on the helper thread: torch's copy and both hashes release the GIL.
+    """
+    stored = t.detach().movedim(major_dim, 0) if major_dim else t.detach()
+    data = tensor_bytes(stored)
+    rows = rows_of(tuple(t.shape), major_dim)
+    br = block_rows_for(tuple(t.shape), major_dim, len(data))
+    row_bytes = len(data) // rows if rows else 0
+    return _Prepared(data, major_dim, br, block_digests(algorithm, data, rows, row_bytes, br))
 
 
 def persist_layer(
@@ -69,64 +98,74 @@ def persist_layer(
     rank: int = -1,
     hasher: ThreadPoolExecutor | None = None,
     before_write: Callable[[str], None] | None = None,
+    checksum: str | None = None,
 ) -> ShardEntry:
     """Write every full tensor of one layer to one file; return its entry for the manifest.
 
-    ``params`` maps parameter names (without the layer prefix) to full, CPU tensors.
+    ``params`` maps parameter names (without the layer prefix) to full, CPU tensors. Each is
+    written in its stored layout (``blocks.py``) with per-block digests of ``checksum``
+    (default: the fastest available). The next tensor is prepared (transposed if needed,
+    hashed) on the helper thread while the current one is written.
     ``before_write`` is a test hook called with the shard path.
     """
+    algorithm = checksum or default_algorithm()
     own_pool = hasher is None
     pool = hasher or ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
     path = f"{step_dir(step)}/{shard_name(layer, save_id)}"
-    stubs: list[tuple[str, str, tuple[int, ...], str, int | None, int, int]] = []
-    futures: list[Future[str]] = []
+    items: list[tuple[str, TensorKind, torch.Tensor, int | None]] = []
+    for pname in sorted(params):
+        p = params[pname]
+        for kind in TENSOR_KINDS:
+            t = p.tensor(kind)
+            if t.device.type != "cpu":
+                raise CheckpointError(f"{layer}.{pname}.{kind} is on {t.device}, not CPU")
+            items.append((pname, kind, t, p.tp_dim))
+    entries: list[TensorEntry] = []
 
     def chunks() -> Iterator[memoryview]:
+        futures = [pool.submit(_prepare, t, dim or 0, algorithm) for _n, _k, t, dim in items[:2]]
         offset = 0
-        for pname in sorted(params):
-            p = params[pname]
-            for kind in TENSOR_KINDS:
-                t = p.tensor(kind)
-                if t.device.type != "cpu":
-                    raise CheckpointError(f"{layer}.{pname}.{kind} is on {t.device}, not CPU")
-                mv = tensor_bytes(t)
-                futures.append(pool.submit(_sha256, mv))
-                dtype = str(t.dtype).removeprefix("torch.")
-                stubs.append((pname, kind, tuple(t.shape), dtype, p.tp_dim, offset, len(mv)))
-                offset += len(mv)
-                yield mv
+        for i, (pname, kind, t, tp_dim) in enumerate(items):
+            prep = futures[i].result()
+            if i + 2 < len(items):
+                _n, _k, t2, d2 = items[i + 2]
+                futures.append(pool.submit(_prepare, t2, d2 or 0, algorithm))
+            entries.append(
+                TensorEntry(
+                    name=f"{layer}.{pname}.{kind}",
+                    layer=layer,
+                    param=pname,
+                    kind=kind,
+                    shape=tuple(t.shape),
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    tp_dim=tp_dim,
+                    offset=offset,
+                    nbytes=len(prep.data),
+                    sha256=tensor_digest(prep.blocks),
+                    major_dim=prep.major_dim,
+                    block_rows=prep.block_rows,
+                    blocks=tuple(prep.blocks),
+                )
+            )
+            offset += len(prep.data)
+            yield prep.data
 
     try:
         if before_write is not None:
             before_write(path)
         size = storage.write(path, chunks())
-        digests = [f.result() for f in futures]
     finally:
         if own_pool:
             pool.shutdown(wait=True)
-    tensors = tuple(
-        TensorEntry(
-            name=f"{layer}.{pname}.{kind}",
-            layer=layer,
-            param=pname,
-            kind=kind,
-            shape=shape,
-            dtype=dtype,
-            tp_dim=tp_dim,
-            offset=offset,
-            nbytes=nbytes,
-            sha256=d,
-        )
-        for (pname, kind, shape, dtype, tp_dim, offset, nbytes), d in zip(
-            stubs, digests, strict=True
-        )
-    )
+    if len(entries) != len(items):
+        raise CheckpointError(f"{path}: storage consumed {len(entries)} of {len(items)} tensors")
     return ShardEntry(
         path=shard_name(layer, save_id),
         size=size,
-        sha256=merkle_root(digests),
+        sha256=merkle_root(e.sha256 for e in entries),
+        checksum=algorithm,
         layers=(layer,),
-        tensors=tensors,
+        tensors=tuple(entries),
         writer_rank=rank,
     )
 
@@ -139,6 +178,7 @@ def persist_layers(
     *,
     rank: int = 0,
     before_write: Callable[[str], None] | None = None,
+    checksum: str | None = None,
 ) -> ShardPart:
     """Write this rank's layers, then its part file (the signal to the committer)."""
     t0 = time.perf_counter()
@@ -153,6 +193,7 @@ def persist_layers(
                 rank=rank,
                 hasher=pool,
                 before_write=before_write,
+                checksum=checksum,
             )
             for layer in sorted(by_layer)
         )
@@ -246,13 +287,14 @@ def save_full(
     keep: int | None = None,
     plan_id: str = "",
     layout: str = "",
+    checksum: str | None = None,
 ) -> CheckpointManifest:
     """One process holds every full parameter: write all layers and commit (tests, tools)."""
     by_layer: dict[int, dict[str, ParamState]] = {}
     for key, p in params.items():
         layer, name = split_key(key)
         by_layer.setdefault(layer, {})[name] = p
-    persist_layers(storage, globals_.step, save_id, by_layer, rank=0)
+    persist_layers(storage, globals_.step, save_id, by_layer, rank=0, checksum=checksum)
     return commit(
         storage,
         step=globals_.step,

@@ -5,9 +5,15 @@ files hold nothing but raw tensor bytes, back to back; everything needed to read
 shape, dtype, byte offset, checksum, tensor-parallel dimension) lives here, so a reader of any
 layout can find, check and slice the tensors of the layers it owns without opening other files.
 
-Checksums: ``TensorEntry.sha256`` is the SHA-256 of the tensor's bytes. ``ShardEntry.sha256``
-is the SHA-256 of the concatenated raw digests of its tensors in file order (a one-level Merkle
-root): it changes if any tensor byte changes, and costs no second pass over the data.
+Checksums (``sailor/checkpoint/blocks.py``): a tensor is stored with its TP dim first
+(``major_dim``) and checksummed per block of ``block_rows`` rows of that dim (``blocks``, with
+the shard's ``checksum`` algorithm), so a rank reading only its TP slice checks only the
+blocks it reads. ``TensorEntry.sha256`` is then the SHA-256 over the raw block digests.
+Checkpoints written before blocks existed have ``block_rows == 0``, ``major_dim == 0`` and
+``TensorEntry.sha256`` = SHA-256 of the whole tensor (the field name is kept so they parse).
+``ShardEntry.sha256`` is the SHA-256 of the concatenated raw digests of its tensors in file
+order (a one-level Merkle root): it changes if any tensor byte changes, and costs no second
+pass over the data.
 """
 
 from __future__ import annotations
@@ -49,12 +55,44 @@ class TensorEntry(Frozen):
     )
     offset: int = Field(ge=0, description="Byte offset in the shard.")
     nbytes: int = Field(ge=0, description="Bytes.")
-    sha256: str = Field(description="Hex SHA-256 of the tensor bytes.")
+    sha256: str = Field(
+        description="Hex tensor digest: SHA-256 over the raw block digests if block_rows > 0, "
+        "else SHA-256 of the tensor bytes (checkpoints written before blocks)."
+    )
+    major_dim: int = Field(
+        default=0,
+        ge=0,
+        description="Stored bytes are the tensor with this dim moved first "
+        "(movedim(major_dim, 0)); 0 = plain row-major.",
+    )
+    block_rows: int = Field(
+        default=0,
+        ge=0,
+        description="Rows of major_dim per checksummed block; 0 = one whole-tensor SHA-256.",
+    )
+    blocks: tuple[str, ...] = Field(
+        default=(), description="Hex digest of each block, with the shard's checksum algorithm."
+    )
 
     @model_validator(mode="after")
     def _dim(self) -> TensorEntry:
         if self.tp_dim is not None and not 0 <= self.tp_dim < max(len(self.shape), 1):
             raise field_error("tp_dim", self.tp_dim, f"outside the dims of shape {self.shape}")
+        if not 0 <= self.major_dim < max(len(self.shape), 1):
+            raise field_error(
+                "major_dim", self.major_dim, f"outside the dims of shape {self.shape}"
+            )
+        if self.block_rows:
+            rows = self.shape[self.major_dim] if self.shape else 1
+            want = -(-rows // self.block_rows)
+            if len(self.blocks) != want:
+                raise field_error(
+                    "blocks",
+                    len(self.blocks),
+                    f"expected {want} for {rows} rows / {self.block_rows}",
+                )
+        elif self.blocks:
+            raise field_error("blocks", len(self.blocks), "given without block_rows")
         return self
 
     @property
@@ -69,6 +107,11 @@ class ShardEntry(Frozen):
     path: str = Field(description="Path relative to the checkpoint directory.")
     size: int = Field(ge=0, description="Bytes.")
     sha256: str = Field(description="Hex SHA-256 over the raw digests of its tensors, in order.")
+    checksum: str = Field(
+        default="sha256",
+        description="Algorithm of its block digests (or whole-tensor digests if blocks are "
+        "absent): sha256 or xxh3_128.",
+    )
     layers: tuple[int, ...] = Field(default=(), description="Global layers it holds.")
     tensors: tuple[TensorEntry, ...] = Field(default=(), description="Tensors it holds.")
     writer_rank: int = Field(default=-1, description="Global rank that wrote it (-1: unknown).")
