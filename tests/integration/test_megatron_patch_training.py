@@ -134,17 +134,18 @@ def test_a_crashing_rank_stops_every_rank_quickly(tmp_path: Path) -> None:
         50,
         tmp_path,
         per_rank_args={1: ["--fail-at-step", "2"]},
-        deadline_s=120,
-        timeout_s=30,
+        deadline_s=240,
+        timeout_s=90,  # generous: a loaded CI machine must not turn into a timeout
     )
     assert run.killed == []
     assert all(rc not in (0, None) for rc in run.returncodes), run.returncodes
     crashed_at = run.exit_times_s[1]
-    # Everyone is gone within a few seconds of the failure, far below the 30 s timeout.
+    # Everyone is gone within seconds of the failure, far below the 90 s timeout.
     assert max(run.exit_times_s) - crashed_at < 15.0, run.exit_times_s
     first = run.errors[1]
     assert first is not None
-    assert first["origin"] == "local" and first["error_type"] == "InjectedFailureError"
+    assert first["origin"] == "local", run.errors
+    assert first["error_type"] == "InjectedFailureError", run.errors
     assert "injected failure at step 2" in first["message"] and first["step"] == 2
     for rank in (0, 2, 3):
         err = run.errors[rank]
