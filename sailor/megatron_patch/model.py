@@ -222,7 +222,7 @@ class GPTStage(nn.Module):
                     raise ValueError("the stage holding the head needs labels")
                 return module(x, labels)  # type: ignore[no-any-return]
             if isinstance(module, Block) and self.recompute and torch.is_grad_enabled():
-                x = checkpoint(module, x, use_reentrant=False)  # type: ignore[assignment]
+                x = checkpoint(module, x, use_reentrant=False)
             else:
                 x = module(x)
         return x

@@ -18,7 +18,7 @@ This module never creates process groups; it is handed one in a :class:`TPContex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,10 @@ class TPContext:
             raise ValueError(f"TPContext(size={self.size}) needs a process group")
 
 
-def set_tp_dim(param: nn.Parameter, dim: int | None) -> nn.Parameter:
+_T = TypeVar("_T", bound=torch.Tensor)
+
+
+def set_tp_dim(param: _T, dim: int | None) -> _T:
     """Record the TP-sharding dimension of ``param`` (None: replicated)."""
     setattr(param, _TP_DIM_ATTR, dim)
     return param

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, status: _Status) -> int:
         status.step = tr.step
         if args.fail_at_step is not None and tr.step == args.fail_at_step:
             raise InjectedFailureError(f"injected failure at step {tr.step} on rank {args.rank}")
-        return tr.step >= args.start_step + args.steps
+        return bool(tr.step >= args.start_step + args.steps)
 
     trainer.run(args.steps, hook=hook, on_step=on_step)
     dump = _sub(args.dump_state, args.rank)
