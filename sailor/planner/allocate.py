@@ -55,7 +55,15 @@ class Allocation:
 
     @property
     def key(self) -> tuple[object, ...]:
-        return tuple(sorted((repr(t.key), m) for t, m in self.pipelines))
+        """Identity of the allocation up to pipeline order (templates are shared objects)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            counts: dict[tuple[int, int], int] = {}
+            for t, m in self.pipelines:
+                counts[(id(t), m)] = counts.get((id(t), m), 0) + 1
+            k = tuple(sorted(counts.items()))
+            object.__setattr__(self, "_key", k)
+        return k
 
 
 @dataclass(frozen=True)
@@ -99,13 +107,15 @@ def fill_for_time(
     """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others),
     and the samples they cover."""
     scored: list[tuple[float, int, PipelineTemplate]] = []
+    per: dict[int, int] = {}  # samples one pipeline of the template covers
     for i, t in enumerate(templates):
         m = t.max_microbatches(t_budget - overhead[id(t)])
         if m > 0:
+            per[id(t)] = m * t.mbs
             scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, i, t))
     scored.sort(key=lambda x: (x[0], x[1]))
     chosen = _pack([t for _, _, t in scored], caps)
-    samples = sum(t.max_microbatches(t_budget - overhead[id(t)]) * t.mbs for t in chosen)
+    samples = sum(per[id(t)] for t in chosen)
     return chosen, samples
 
 
@@ -342,21 +352,19 @@ def to_plan(alloc: Allocation, model_name: str, gbs: int, plan_id: str = "") -> 
         alloc.pipelines,
         key=lambda tm: (tm[0].stages[0].kind.zone, tm[0].stages[0].kind.gpu_type, -tm[1]),
     )
+    stages: dict[int, tuple[Stage, ...]] = {}  # one validated Stage tuple per template
+    for t, _ in pipes:
+        if id(t) not in stages:
+            stages[id(t)] = tuple(
+                Stage(first_layer=s.first_layer, last_layer=s.last_layer, replica=s.kind.replica())
+                for s in t.stages
+            )
     return Plan(
         plan_id=plan_id,
         model=model_name,
         global_batch_size=gbs,
         pipelines=tuple(
-            Pipeline(
-                stages=tuple(
-                    Stage(
-                        first_layer=s.first_layer, last_layer=s.last_layer, replica=s.kind.replica()
-                    )
-                    for s in t.stages
-                ),
-                microbatch_size=t.mbs,
-                num_microbatches=m,
-            )
+            Pipeline(stages=stages[id(t)], microbatch_size=t.mbs, num_microbatches=m)
             for t, m in pipes
         ),
     )

@@ -52,12 +52,15 @@ def replan(
     *,
     tolerance: float = 0.02,
     top_k: int | None = None,
-    simulate_top: int = 3,
+    simulate_top: int = 2,
+    full: bool = False,
 ) -> SearchResult:
     """Plans for ``new_pool`` warm-started from ``previous`` (its tables, templates, plan).
 
     Ranked as a full search would, except that plans within ``tolerance`` (relative) of the
     best objective are ordered by the layer replicas they would move from the current plan.
+    Unless ``full``, allocations draw only on the templates the previous search used plus the
+    best few per resource set (the cost tables and every template stay available).
     """
     state = previous.state
     gbs = state.tables.inputs.model.global_batch_size
@@ -78,4 +81,5 @@ def replan(
         previous=current,
         extra=extra,
         prefer_less_movement=tolerance,
+        shortlist_only=not full,
     )

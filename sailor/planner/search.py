@@ -89,7 +89,8 @@ _MIXED_FIRST = 3
 steady rate, by fill time and by time to run the whole batch alone."""
 
 _MIXED_ALL = 64
-"""Up to this many pipelines spanning GPU types in a scenario, every one is packed first once."""
+"""Up to this many pipelines spanning GPU types in a scenario, every one is packed first once
+(a replan, which starts from a good allocation, packs only the best few first)."""
 
 _GROUPS_PER_SCENARIO = 4
 """Shared partitions per scenario on which the least-time allocation is also computed."""
@@ -118,6 +119,8 @@ class SearchState:
     tables: CostTables
     templates: dict[tuple[object, ...], list[PipelineTemplate]] = field(default_factory=dict)
     pruned_memory: int = 0
+    shortlist: dict[int, PipelineTemplate] = field(default_factory=dict)
+    """Templates used by any allocation of the last search: where a replan looks first."""
 
 
 @dataclass(frozen=True)
@@ -333,14 +336,9 @@ def _split_to_fit(
     out: list[PipelineTemplate] = []
     n = state.tables.inputs.model.num_all_layers
     unfit = {t.depth for t in found if not _fits(t, caps)}
-    fitting = {t.depth for t in found if _fits(t, caps)}
     small = max1 + max2 <= _SPLIT_ALL
     for depth in range(2, min(n, max1 + max2) + 1):
-        if small:
-            pass
-        elif depth in fitting or (
-            depth not in unfit and found and depth < max(t.depth for t in found)
-        ):
+        if not small and depth not in unfit:
             continue
         for a in range(max(1, depth - max2), min(max1, depth - 1) + 1):
             seq = (k1,) * a + (k2,) * (depth - a)
@@ -432,6 +430,24 @@ def _prune_dominated(ts: Sequence[PipelineTemplate]) -> list[PipelineTemplate]:
     return out
 
 
+_SHORTLIST_PER_GROUP = 4
+"""Templates per (microbatch size, resource set) a replan adds to the last search's."""
+
+
+def _shortlist(
+    templates: Sequence[PipelineTemplate], used: Mapping[int, PipelineTemplate]
+) -> list[PipelineTemplate]:
+    keys = {t.key for t in used.values()}
+    groups: dict[tuple[object, ...], list[PipelineTemplate]] = {}
+    for t in templates:
+        groups.setdefault((t.mbs, tuple(sorted(t.gpus_by_resource()))), []).append(t)
+    out = [t for t in templates if t.key in keys]
+    for g in groups.values():
+        g.sort(key=lambda t: -_rate(t))
+        out.extend(t for t in g[:_SHORTLIST_PER_GROUP] if t.key not in keys)
+    return out
+
+
 # -- scenarios -------------------------------------------------------------------------------
 
 
@@ -477,6 +493,10 @@ def _score(objective: Objective, thr: float, cost_iter: float, cost_hour: float)
     return thr / cost_hour if cost_hour > 0 else 0.0
 
 
+def _fast_score(objective: Objective, c: Candidate) -> float:
+    return _score(objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour)
+
+
 def _fast_ok(f: FastFigures, c: Constraints, slack: float) -> bool:
     if c.max_cost_per_iter_usd is not None and f.cost_per_iter > c.max_cost_per_iter_usd * slack:
         return False
@@ -496,6 +516,7 @@ def _allocations(
     scenario: dict[Resource, int],
     objective: Objective,
     constraints: Constraints,
+    mixed_all: int = _MIXED_ALL,
 ) -> list[Allocation]:
     tables = state.tables
     gbs = tables.inputs.model.global_batch_size
@@ -523,7 +544,7 @@ def _allocations(
     # a pipeline that spans GPU types packs worse by samples per GPU alone (it may be the
     # only way to use a type that cannot hold a stage by itself): also pack the best few first
     mixed = [t for t in ts if len(t.gpus_by_resource()) > 1]
-    if len(mixed) > _MIXED_ALL:
+    if len(mixed) > mixed_all:
         by_rate = sorted(mixed, key=lambda t: -_rate(t))[:_MIXED_FIRST]
         by_fill = sorted(mixed, key=lambda t: t.fill_s)[:_MIXED_FIRST]  # small batches
         alone = sorted(mixed, key=lambda t: t.pipe_time(max(1, gbs // t.mbs)))[:_MIXED_FIRST]
@@ -679,8 +700,13 @@ def search_with_tables(
     previous: Plan | None = None,
     extra: Sequence[Allocation] = (),
     prefer_less_movement: float = 0.0,
+    shortlist_only: bool = False,
 ) -> SearchResult:
-    """The search on given (possibly warm) tables; :func:`replan` calls it too."""
+    """The search on given (possibly warm) tables; :func:`replan` calls it too.
+
+    ``shortlist_only``: allocate only over the templates the last search used plus the best
+    few per resource set by steady rate (a replan after a small pool change).
+    """
     if objective not in OBJECTIVES:
         raise PlannerInputError(f"objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
     if top_k < 1:
@@ -715,6 +741,10 @@ def search_with_tables(
         )
     tstats = {"computed": 0}
     templates = _prune_dominated(_templates(state, caps, tstats))
+    mixed_all = _MIXED_ALL
+    if shortlist_only and state.shortlist:
+        templates = _shortlist(templates, state.shortlist)
+        mixed_all = 0
     if not templates:
         why = [f for f in (tables.failure(g, 1, 1) for (g, _z, _k) in caps) if f is not None]
         return empty(
@@ -760,15 +790,20 @@ def search_with_tables(
             f = fast_estimate(a, tables, sync)
             best_thr = max(best_thr, 1.0 / f.iteration_s)
         allocs.extend(new)
+    state.shortlist = {id(t): t for a in allocs for t, _ in a.pipelines}
     for a in allocs:
         if a.key in seen:
             continue
         seen.add(a.key)
         cands.append(Candidate(alloc=a, fast=fast_estimate(a, tables, sync)))
     ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
+    forced = {a.key for a in extra}  # a replan always judges its warm start
     ok.sort(
         key=lambda c: (
-            -_score(objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour)
+            c.alloc.key not in forced,
+            -_score(
+                objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour
+            ),
         )
     )
     judged: list[Candidate] = []
@@ -804,6 +839,15 @@ def search_with_tables(
         judged.append(cand)
         if not viol:
             feasible.append(cand)
+            if c.alloc.key in forced and prefer_less_movement > 0 and ok:
+                # the warm start is within the tolerance of the best estimate: it moves the
+                # least state, so nothing else would be preferred; stop simulating
+                top = max(_fast_score(objective, x) for x in ok)
+                mine = _score(
+                    objective, est.throughput_iter_s, est.cost_per_iter_usd, c.fast.cost_per_hour
+                )
+                if mine >= top - abs(top) * prefer_less_movement:
+                    break
         if progress is not None:
             progress(len(scenarios) + min(idx, simulate_top), total)
     if progress is not None:

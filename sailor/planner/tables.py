@@ -62,9 +62,14 @@ class Kind:
     gpus_per_node: int
 
     def replica(self) -> ReplicaGroup:
-        return ReplicaGroup(
-            gpu_type=self.gpu_type, zone=self.zone, tp=self.tp, gpus_per_node=self.gpus_per_node
-        )
+        """The replica group (one validated instance per kind)."""
+        r = self.__dict__.get("_replica")
+        if r is None:
+            r = ReplicaGroup(
+                gpu_type=self.gpu_type, zone=self.zone, tp=self.tp, gpus_per_node=self.gpus_per_node
+            )
+            object.__setattr__(self, "_replica", r)
+        return r
 
 
 @dataclass(frozen=True)
