@@ -77,6 +77,9 @@ def layers_cmd(
     min_time: float = typer.Option(0.2, help="Repeat until the timed runs add up to this (s)."),
     memory: bool = typer.Option(True, help="Measure peak memory growth (a separate pass)."),
     overhead: bool = typer.Option(True, help="Measure the process overhead (CPU only)."),
+    statistic: str = typer.Option(
+        "median", help="median (the layer's own cost) or mean (includes a busy host's stalls)."
+    ),
 ) -> None:
     """Time and size each layer kind of the training framework per TP degree and mbs."""
     import torch
@@ -102,6 +105,7 @@ def layers_cmd(
             threads=threads,
             measure_memory=memory,
             measure_overhead=overhead and device == "cpu",
+            statistic=statistic,
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
@@ -126,12 +130,17 @@ def layers_cmd(
     merged, dropped = merge_db(load_db(out), db)
     save_db(merged, out)
     t = Table(title=f"{spec.name} on {gpu_type} ({db.meta.get(f'{gpu_type}.device', device)})")
-    for col in ("kind", "tp", "mbs", "fwd ms", "±", "bwd ms", "±", "update ms"):
+    for col in ("layer", "kind", "tp", "mbs", "fwd ms", "±", "bwd ms", "±", "update ms"):
         t.add_column(col, justify="right")
     for col in ("params/rank", "saved KiB", "peak KiB"):
         t.add_column(col, justify="right")
+    n = spec.num_all_layers
+    shown = {0, 1, n - 2, n - 1}  # embedding, first and last block, head
     for m in ms:
+        if m.layer >= 0 and m.layer not in shown:
+            continue
         t.add_row(
+            str(m.layer) if m.layer >= 0 else "-",
             m.kind,
             str(m.tp),
             str(m.mbs),
@@ -145,6 +154,8 @@ def layers_cmd(
             f"{m.peak_growth_bytes / 1024:.1f}",
         )
     con.print(t)
+    if n > len(shown):
+        con.print(f"(blocks 2..{n - 3} are in the database, not shown)")
     for o in db.overheads:
         con.print(f"process overhead ({o.gpu_type}): {o.bytes / 2**20:.1f} MiB — {o.source}")
     if not db.sizes:
@@ -171,6 +182,7 @@ def network_cmd(
     max_bytes: int = typer.Option(256 << 20, help="Largest message, bytes (up to 1 GiB)."),
     bytes_per_size: int = typer.Option(256 << 20, help="Bytes to move per message size."),
     latency: bool = typer.Option(True, help="Fit a per-message latency before the curve."),
+    statistic: str = typer.Option("median", help="Per-size time: median or mean (with stalls)."),
 ) -> None:
     """Point-to-point bandwidth vs message size between two gloo processes (loopback here)."""
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
@@ -191,7 +203,9 @@ def network_cmd(
     con = Console()
     with con.status("probing 2 gloo ranks on loopback..."):
         points = run_probe(settings)
-    pairs = [(p.nbytes, p.time.median_s) for p in points]
+    if statistic not in ("median", "mean"):
+        raise fail(f"--statistic={statistic!r}: use median or mean")
+    pairs = [(p.nbytes, p.time.central(statistic)) for p in points]
     curve = fit_link(pairs, latency=latency)
     resid = fit_residuals(curve, pairs)
     load = os.getloadavg()[0]
@@ -211,9 +225,9 @@ def network_cmd(
     for p, r in zip(points, resid, strict=True):
         t.add_row(
             f"{p.nbytes:,}",
-            _ms(p.time.median_s),
+            _ms(p.time.central(statistic)),
             _ms(p.time.stdev_s),
-            f"{p.gbps:.3f}",
+            f"{p.nbytes / p.time.central(statistic) / 1e9:.3f}",
             f"{curve.gbps(p.nbytes):.3f}",
             f"{100 * r:+.1f}%",
         )

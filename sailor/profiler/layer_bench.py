@@ -22,6 +22,7 @@ the block's all-reduces are part of its time. Returns plain values; writes nothi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from sailor.profiler.memory import peak_growth_bytes, saved_tensor_bytes
 from sailor.profiler.timing import RepeatSettings, Stats, repeat, time_once
 from sailor.schemas.model import LayerKind, ModelSpec
 
-__all__ = ["KIND_LAYER", "LayerMeasurement", "kind_layer", "measure_layer"]
+__all__ = ["KIND_LAYER", "LayerMeasurement", "kind_layer", "measure_kinds", "measure_layer"]
 
 KIND_LAYER: tuple[LayerKind, ...] = ("embedding", "block", "head")
 """Layer kinds in the order they are measured."""
@@ -67,6 +68,11 @@ class LayerMeasurement:
     """Bytes of the layer's input for one microbatch."""
     peak_growth_bytes: int
     """Peak growth of allocated bytes over one forward + backward."""
+    layer: int = -1
+    """Global layer index when measured in place (:mod:`in_situ`); -1: the kind, measured alone."""
+
+    def with_peak(self, peak: int) -> LayerMeasurement:
+        return dataclasses.replace(self, peak_growth_bytes=peak)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +87,7 @@ class LayerMeasurement:
             "output_bytes": self.output_bytes,
             "input_bytes": self.input_bytes,
             "peak_growth_bytes": self.peak_growth_bytes,
+            "layer": self.layer,
         }
 
     @classmethod
@@ -100,6 +107,7 @@ class LayerMeasurement:
             output_bytes=int(d["output_bytes"]),
             input_bytes=int(d["input_bytes"]),
             peak_growth_bytes=int(d["peak_growth_bytes"]),
+            layer=int(d.get("layer", -1)),
         )
 
 
@@ -201,3 +209,33 @@ def _fwd_bwd_times(
         fwd.append(time_once(lambda b=box: b.append(forward()), device))  # type: ignore[misc]
         bwd.append(time_once(lambda o=box[0]: backward(o), device))  # type: ignore[misc]
     return fwd, bwd
+
+
+_PEAK_ONLY = RepeatSettings(warmup=1, min_reps=1, max_reps=1, min_time_s=0.0)
+
+
+def measure_kinds(
+    spec: ModelSpec,
+    mbs: int,
+    device: torch.device,
+    settings: RepeatSettings,
+    tp: TPContext | None = None,
+    in_situ: bool = True,
+    measure_memory: bool = True,
+) -> list[LayerMeasurement]:
+    """Every layer at ``mbs``: in place (:mod:`in_situ`, one entry per global layer, peak
+    growth from each kind alone) or one entry per kind measured alone."""
+    if not in_situ:
+        return [
+            measure_layer(spec, k, mbs, device, settings, tp, measure_memory) for k in KIND_LAYER
+        ]
+    from sailor.profiler.in_situ import measure_model
+
+    out = measure_model(spec, mbs, device, settings, tp)
+    if measure_memory:
+        peaks = {
+            k: measure_layer(spec, k, mbs, device, _PEAK_ONLY, tp).peak_growth_bytes
+            for k in KIND_LAYER
+        }
+        out = [m.with_peak(peaks[m.kind]) for m in out]
+    return out

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sailor.profiler.layer_bench import KIND_LAYER, LayerMeasurement, measure_layer
+from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
 from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.profile import DeviceOverhead
@@ -53,6 +53,10 @@ class LayerRun:
     """torch intra-op threads on CPU (the worker's default is 1)."""
     measure_memory: bool = True
     measure_overhead: bool = True
+    statistic: str = "median"
+    """Central value written to the database: 'median' (default) or 'mean' (timing.py)."""
+    in_situ: bool = True
+    """Time every layer inside the whole model (in_situ.py); False: each kind alone."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -66,6 +70,8 @@ class LayerRun:
                     f"tps={self.tps}: tp={t} must divide num_heads={self.spec.num_heads} "
                     f"and kv_heads={self.spec.kv_heads}"
                 )
+        if self.statistic not in ("median", "mean"):
+            raise ValueError(f"statistic={self.statistic!r}: use 'median' or 'mean'")
         if not self.mbs or any(b < 1 for b in self.mbs):
             raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
         if self.device == "cuda" and any(t > 1 for t in self.tps):
@@ -73,7 +79,7 @@ class LayerRun:
 
     @property
     def total(self) -> int:
-        return len(self.tps) * len(self.mbs) * len(KIND_LAYER)
+        return len(self.tps) * len(self.mbs)
 
 
 def device_description(device: str) -> str:
@@ -108,17 +114,16 @@ def profile_layers(
     for tp in run.tps:
         if tp == 1:
             for mbs in run.mbs:
-                for kind in KIND_LAYER:
-                    note(f"tp=1 mbs={mbs} {kind}", 0)
-                    out.append(
-                        measure_layer(
-                            run.spec, kind, mbs, dev, run.settings, None, run.measure_memory
-                        )
+                note(f"tp=1 mbs={mbs}", 0)
+                out.extend(
+                    measure_kinds(
+                        run.spec, mbs, dev, run.settings, None, run.in_situ, run.measure_memory
                     )
-                    note(f"tp=1 mbs={mbs} {kind}", 1)
+                )
+                note(f"tp=1 mbs={mbs}", 1)
         else:
-            n = len(run.mbs) * len(KIND_LAYER)
-            note(f"tp={tp}: {tp} gloo ranks, {n} measurements", 0)
+            n = len(run.mbs)
+            note(f"tp={tp}: {tp} gloo ranks, mbs {list(run.mbs)}", 0)
             out.extend(
                 measure_tp(
                     run.spec,
@@ -127,6 +132,7 @@ def profile_layers(
                     run.settings,
                     run.threads,
                     measure_memory=run.measure_memory,
+                    in_situ=run.in_situ,
                 )
             )
             note(f"tp={tp} done", n)
@@ -137,7 +143,10 @@ def profile_layers(
 
         overhead = measure_cpu_overhead(run.threads)
     meta = _meta(run, out)
-    return to_profile_db(run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead), out
+    db = to_profile_db(
+        run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic
+    )
+    return db, out
 
 
 def _sizes_valid(run: LayerRun) -> bool:
@@ -148,6 +157,7 @@ def _sizes_valid(run: LayerRun) -> bool:
 def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
     g = run.gpu_type
     peaks = {f"tp{m.tp}.mbs{m.mbs}.{m.kind}": m.peak_growth_bytes for m in ms}
+    method = "in place: whole model, timestamps between layers" if run.in_situ else "each alone"
     s = run.settings
     return {
         "tool": "sailor profile layers",
@@ -160,8 +170,9 @@ def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
         f"{g}.clock": "cuda events" if run.device == "cuda" else "time.perf_counter (monotonic)",
         f"{g}.repetitions": (
             f"warmup {s.warmup}, {s.min_reps}..{s.max_reps} reps until {s.min_time_s} s; "
-            "median, spread = stdev"
+            f"{run.statistic}, spread = stdev"
         ),
+        f"{g}.method": method,
         f"{g}.peak_growth_bytes": json.dumps(peaks, sort_keys=True),
         f"{g}.peak_growth_method": (
             "torch.cuda max_memory_allocated"
@@ -178,16 +189,22 @@ def to_profile_db(
     meta: dict[str, str],
     write_sizes: bool = True,
     overhead_bytes: int | None = None,
+    statistic: str = "median",
 ) -> ProfileDB:
     """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures)."""
-    by_key = {(m.tp, m.mbs, m.kind): m for m in ms}
+    by_kind = {(m.tp, m.mbs, m.kind): m for m in ms if m.layer < 0}
+    by_layer = {(m.tp, m.mbs, m.layer): m for m in ms if m.layer >= 0}
+
+    def get(tp: int, mbs: int, layer: int) -> LayerMeasurement | None:
+        return by_layer.get((tp, mbs, layer)) or by_kind.get((tp, mbs, spec.layer_kind(layer)))
+
     timings: list[LayerProfile] = []
     for tp, mbs in sorted({(m.tp, m.mbs) for m in ms}):
         for layer in range(spec.num_all_layers):
             kind = spec.layer_kind(layer)
-            m = by_key.get((tp, mbs, kind))
+            m = get(tp, mbs, layer)
             if m is None:
-                raise ValueError(f"no measurement of {kind} at tp={tp} mbs={mbs}")
+                raise ValueError(f"no measurement of layer {layer} at tp={tp} mbs={mbs}")
             timings.append(
                 LayerProfile(
                     gpu_type=gpu_type,
@@ -195,9 +212,9 @@ def to_profile_db(
                     microbatch_size=mbs,
                     layer=layer,
                     kind=kind,
-                    fwd_s=m.fwd.median_s,
-                    bwd_s=m.bwd.median_s,
-                    update_s=m.update.median_s,
+                    fwd_s=m.fwd.central(statistic),
+                    bwd_s=m.bwd.central(statistic),
+                    update_s=m.update.central(statistic),
                     fwd_spread_s=m.fwd.stdev_s,
                     bwd_spread_s=m.bwd.stdev_s,
                     source="measured",
@@ -207,8 +224,7 @@ def to_profile_db(
     if write_sizes:
         for tp in sorted({m.tp for m in ms}):
             for layer in range(spec.num_all_layers):
-                kind = spec.layer_kind(layer)
-                cands = [m for m in ms if m.tp == tp and m.kind == kind]
+                cands = [g for b in {m.mbs for m in ms if m.tp == tp} if (g := get(tp, b, layer))]
                 if not cands:
                     continue
                 big = max(cands, key=lambda m: m.mbs)

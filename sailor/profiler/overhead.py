@@ -1,75 +1,100 @@
 """Framework memory overhead of a training process on this host (CPU, gloo).
 
 What a worker process holds beyond model state and activations: gloo's communicator
-buffers and threads, autograd's engine threads, the optimizer machinery, allocator arenas.
-Measured with two gloo ranks on loopback, each doing everything a worker does before and
-around training except holding a model:
+buffers and threads, autograd's engine threads, the optimizer machinery, the data pipeline,
+allocator arenas. Measured by running the real worker on a model too small to matter:
 
-1. import torch, torch.distributed and the worker module (the baseline is taken *after*
-   this, as :mod:`sailor.profiler.rss_worker` takes it for a real worker);
-2. reset the kernel's peak-RSS counter; ``init_process_group`` (gloo), one ``new_group``;
-3. one send/recv pair and one all-reduce of a small tensor;
-4. one forward/backward of a 1x1 linear layer and one AdamW step (autograd engine and
-   optimizer start-up, with negligible tensors).
+* a 2-stage pipeline (2 ranks on loopback, the local launcher, 3 steps) of a "nano" GPT
+  (2 blocks, hidden 8, vocabulary 8, sequence 4: ~1,000 parameters, a few KiB of state and
+  activations);
+* each rank runs through :mod:`sailor.profiler.rss_worker`, which takes the baseline RSS after
+  importing the worker and reports the peak RSS growth of the run;
+* the overhead is the larger of the two ranks' growth, minus the nano model's modelled state
+  and activations (16 bytes per parameter for fp32 AdamW plus its saved activations; under
+  0.1 % of the result).
 
-The overhead is the larger of the two ranks' peak-RSS growth. It becomes the
-:class:`~sailor.schemas.profile.DeviceOverhead` of the ``cpu`` GPU type, with this
-description as its ``source``. On CUDA, context and NCCL buffers are what matter; this
-measurement does not cover them (nothing is written for CUDA).
+It becomes the :class:`~sailor.schemas.profile.DeviceOverhead` of the ``cpu`` GPU type, with
+:data:`OVERHEAD_SOURCE` as its ``source``. On CUDA, context and NCCL buffers are what matter;
+this measurement does not cover them (nothing is written for CUDA).
 """
 
 from __future__ import annotations
 
-import sys
+import json
+import tempfile
+from pathlib import Path
 
-from sailor.profiler.procs import run_ranks
+from sailor.schemas import ModelSpec, Pipeline, Plan, ReplicaGroup, Stage
 
-__all__ = ["OVERHEAD_SOURCE", "measure_cpu_overhead"]
+__all__ = ["NANO_MODEL", "OVERHEAD_SOURCE", "measure_cpu_overhead"]
+
+NANO_MODEL = ModelSpec(
+    name="nano-gpt",
+    num_layers=2,
+    hidden_size=8,
+    num_heads=1,
+    ffn_hidden_size=8,
+    seq_length=4,
+    vocab_size=8,
+    tie_embeddings=False,
+    global_batch_size=2,
+    precision="fp32",
+)
+"""A model whose tensors are negligible: what the worker costs without a model."""
 
 OVERHEAD_SOURCE = (
-    "peak RSS growth of a gloo rank (2 ranks on loopback) from after imports through "
-    "init_process_group, new_group, one send/recv, one all-reduce, and one fwd/bwd + AdamW "
-    "step of a 1x1 linear (sailor.profiler.overhead)"
+    "peak RSS growth of a real worker rank (sailor.profiler.rss_worker; baseline after "
+    "imports) training a 2-stage pipeline of a ~1k-parameter model for 3 steps on 2 gloo "
+    "ranks on loopback, larger of the 2 ranks (sailor.profiler.overhead)"
 )
 
-
-def measure_cpu_overhead(threads: int = 1, deadline_s: float = 120.0) -> int:
-    """Bytes of process memory a CPU training rank adds beyond its tensors (max of 2 ranks)."""
-    res = run_ranks("sailor.profiler.overhead", 2, {"threads": threads}, deadline_s=deadline_s)
-    return max(int(r["growth_bytes"]) for r in res)
+_STEPS = 3
 
 
-def _rank_main(argv: list[str] | None = None) -> int:
-    import torch
-    import torch.distributed as dist
-
-    import sailor.megatron_patch.worker  # noqa: F401 - same imports as a worker's baseline
-    from sailor.megatron_patch.engine import TrainConfig, make_optimizer
-    from sailor.profiler.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from sailor.profiler.procs import init_gloo, rank_args, write_result
-
-    args, cfg = rank_args(argv)
-    torch.set_num_threads(int(cfg["threads"]))
-    base = rss_bytes()
-    reset_peak_rss()
-    init_gloo(args)
-    dist.new_group(list(range(args.world_size)))
-    t = torch.ones(16)
-    if args.rank == 0:
-        dist.send(t, dst=1)
-    else:
-        dist.recv(t, src=0)
-    dist.all_reduce(t)
-    lin = torch.nn.Linear(1, 1)
-    opt = make_optimizer(lin.parameters(), TrainConfig())
-    lin(torch.ones(1, 1)).sum().backward()
-    opt.step()
-    dist.barrier()
-    growth = peak_rss_bytes() - base
-    write_result(args, {"rank": args.rank, "growth_bytes": growth, "baseline_bytes": base})
-    dist.destroy_process_group()
-    return 0
+def _nano_plan() -> Plan:
+    rg = ReplicaGroup(gpu_type="cpu", zone="local")
+    last = NANO_MODEL.num_all_layers - 1
+    return Plan(
+        plan_id="overhead-probe",
+        model=NANO_MODEL.name,
+        global_batch_size=NANO_MODEL.global_batch_size,
+        pipelines=(
+            Pipeline(
+                stages=(
+                    Stage(first_layer=0, last_layer=1, replica=rg),
+                    Stage(first_layer=2, last_layer=last, replica=rg),
+                ),
+                microbatch_size=1,
+                num_microbatches=2,
+            ),
+        ),
+    )
 
 
-if __name__ == "__main__":
-    sys.exit(_rank_main())
+def measure_cpu_overhead(threads: int = 1, deadline_s: float = 180.0) -> int:
+    """Bytes of process memory a CPU training rank holds beyond its tensors."""
+    from sailor.megatron_patch.launch import launch_local
+
+    with tempfile.TemporaryDirectory(prefix="sailor-overhead-") as tmp:
+        work = Path(tmp)
+        model_file = work / "nano.json"
+        model_file.write_text(NANO_MODEL.model_dump_json())
+        plan = _nano_plan()
+        run = launch_local(
+            plan,
+            _STEPS,
+            work,
+            model=str(model_file),
+            extra_args=["--threads", str(threads), "--rss-out", str(work / "rss-{rank}.json")],
+            module="sailor.profiler.rss_worker",
+            deadline_s=deadline_s,
+        )
+        if not run.ok:
+            raise RuntimeError(f"overhead probe failed: {run.errors} {run.stderr[0][-1500:]}")
+        growth = max(
+            int(json.loads((work / f"rss-{r}.json").read_text())["growth_bytes"])
+            for r in range(len(plan.ranks()))
+        )
+    # what the simulator will count for the nano model itself (fp32 AdamW: 16 B/param)
+    tensors = 16 * NANO_MODEL.total_params
+    return max(0, growth - tensors)

@@ -22,10 +22,10 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from sailor.profiler.layer_bench import KIND_LAYER, LayerMeasurement
+from sailor.profiler.layer_bench import LayerMeasurement
 from sailor.profiler.procs import run_ranks
 from sailor.profiler.timing import RepeatSettings, Stats
-from sailor.schemas.model import LayerKind, ModelSpec
+from sailor.schemas.model import ModelSpec
 
 __all__ = ["combine_ranks", "measure_tp"]
 
@@ -38,9 +38,9 @@ def measure_tp(
     mbs_list: list[int],
     settings: RepeatSettings,
     threads: int = 1,
-    kinds: tuple[LayerKind, ...] = KIND_LAYER,
     measure_memory: bool = True,
     deadline_s: float = 1800.0,
+    in_situ: bool = True,
 ) -> list[LayerMeasurement]:
     """Measure ``kinds`` at every microbatch size in ``mbs_list`` with ``tp`` gloo ranks."""
     if tp < 2:
@@ -50,10 +50,10 @@ def measure_tp(
     config = {
         "spec": spec.model_dump(mode="json"),
         "mbs": list(mbs_list),
-        "kinds": list(kinds),
         "settings": asdict(fixed),
         "threads": threads,
         "measure_memory": measure_memory,
+        "in_situ": in_situ,
     }
     results = run_ranks("sailor.profiler.tp_procs", tp, config, deadline_s=deadline_s)
     per_rank = [[LayerMeasurement.from_dict(d) for d in r["measurements"]] for r in results]
@@ -68,7 +68,7 @@ def combine_ranks(items: list[LayerMeasurement]) -> LayerMeasurement:
     """One measurement from the TP ranks' measurements of the same layer: the slowest rank."""
     first = items[0]
     for m in items[1:]:
-        if (m.kind, m.tp, m.mbs) != (first.kind, first.tp, first.mbs):
+        if (m.kind, m.tp, m.mbs, m.layer) != (first.kind, first.tp, first.mbs, first.layer):
             raise ValueError(f"cannot combine {m.kind}/{m.tp}/{m.mbs} with {first.kind}")
     return LayerMeasurement(
         kind=first.kind,
@@ -82,6 +82,7 @@ def combine_ranks(items: list[LayerMeasurement]) -> LayerMeasurement:
         output_bytes=first.output_bytes,
         input_bytes=first.input_bytes,
         peak_growth_bytes=max(m.peak_growth_bytes for m in items),
+        layer=first.layer,
     )
 
 
@@ -90,7 +91,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from sailor.megatron_patch.tp_layers import TPContext
-    from sailor.profiler.layer_bench import measure_layer
+    from sailor.profiler.layer_bench import measure_kinds
     from sailor.profiler.procs import init_gloo, rank_args, write_result
 
     args, cfg = rank_args(argv)
@@ -102,18 +103,17 @@ def _rank_main(argv: list[str] | None = None) -> int:
     ctx = TPContext(size=args.world_size, rank=args.rank, group=group)
     out: list[dict[str, Any]] = []
     for mbs in cfg["mbs"]:
-        for kind in cfg["kinds"]:
-            dist.barrier()
-            m = measure_layer(
-                spec,
-                kind,
-                int(mbs),
-                torch.device("cpu"),
-                settings,
-                tp=ctx,
-                measure_memory=bool(cfg["measure_memory"]),
-            )
-            out.append(m.to_dict())
+        dist.barrier()
+        ms = measure_kinds(
+            spec,
+            int(mbs),
+            torch.device("cpu"),
+            settings,
+            tp=ctx,
+            in_situ=bool(cfg.get("in_situ", True)),
+            measure_memory=bool(cfg["measure_memory"]),
+        )
+        out.extend(m.to_dict() for m in ms)
     dist.barrier()
     write_result(args, {"rank": args.rank, "measurements": out})
     dist.destroy_process_group()

@@ -1,0 +1,119 @@
+"""Real profiling runs on this CPU: tiny-gpt layers (tp 1, mbs 1-2) and a 2-rank gloo probe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sailor import catalog
+from sailor.cli.main import app
+from sailor.profiler.curve_fit import fit_link
+from sailor.profiler.layers import LayerRun, profile_layers
+from sailor.profiler.network_probe import ProbeSettings, run_probe
+from sailor.profiler.timing import RepeatSettings
+from sailor.schemas import NetworkProfile, ProfileDB
+
+FAST = RepeatSettings(warmup=1, min_reps=3, max_reps=10, min_time_s=0.02)
+
+
+def test_tiny_gpt_layers_are_measured_on_the_real_modules() -> None:
+    spec = catalog.model("tiny-gpt")
+    db, ms = profile_layers(
+        LayerRun(spec=spec, gpu_type="cpu", mbs=(1, 2), settings=FAST, measure_overhead=False)
+    )
+    # in place: one measurement per global layer and microbatch size
+    assert len(ms) == 2 * spec.num_all_layers
+    assert sorted({m.layer for m in ms}) == list(range(spec.num_all_layers))
+    assert len(db.timings) == 2 * spec.num_all_layers
+    for t in db.timings:
+        assert t.source == "measured"
+        assert t.fwd_s > 0 and t.bwd_s > 0 and t.update_s > 0
+        assert t.fwd_spread_s >= 0 and t.bwd_spread_s >= 0
+    for layer in range(spec.num_all_layers):
+        size = db.size(1, layer)
+        assert size is not None
+        assert size.params == spec.layer_params(layer)
+        assert size.activation_bytes_per_sample > 0
+    block = db.size(1, 1)
+    assert block is not None
+    assert block.output_bytes_per_sample == spec.seq_length * spec.hidden_size * 4
+    # saved-for-backward bytes grow with the microbatch; peak growth is recorded in meta
+    by = {(m.kind, m.mbs): m for m in ms if m.layer in (0, 1, spec.num_all_layers - 1)}
+    assert by[("block", 2)].saved_bytes > by[("block", 1)].saved_bytes
+    assert by[("block", 1)].peak_growth_bytes > 0
+    peaks = json.loads(db.meta["cpu.peak_growth_bytes"])
+    assert "tp1.mbs2.head" in peaks
+    assert db.meta["cpu.torch"]
+
+
+def test_tp2_layers_run_as_two_gloo_ranks() -> None:
+    spec = catalog.model("tiny-gpt")
+    db, ms = profile_layers(
+        LayerRun(
+            spec=spec,
+            gpu_type="cpu",
+            tps=(2,),
+            mbs=(1,),
+            settings=FAST,
+            measure_memory=False,
+            measure_overhead=False,
+        )
+    )
+    assert {m.tp for m in ms} == {2}
+    block = db.size(2, 1)
+    assert block is not None
+    # q, k, v, MLP-in split by columns, attention-out and MLP-out by rows: half the matrices
+    assert block.params < spec.layer_params(1)
+    assert db.timing("cpu", 2, 1, 1) is not None
+
+
+def test_cli_layers_merges_into_the_database(tmp_path: Path) -> None:
+    out = tmp_path / "db.json"
+    args = ["profile", "layers", "--model", "tiny-gpt", "--mbs", "1", "-o", str(out)]
+    args += ["--min-reps", "2", "--max-reps", "3", "--warmup", "1", "--min-time", "0"]
+    args += ["--no-overhead", "--no-memory"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    db = ProfileDB.model_validate_json(out.read_text())
+    keys = [(t.gpu_type, t.tp, t.microbatch_size, t.layer) for t in db.timings]
+    assert len(keys) == len(set(keys)) == catalog.model("tiny-gpt").num_all_layers
+
+
+def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
+    pts = run_probe(ProbeSettings(min_bytes=4 << 10, max_bytes=256 << 10, bytes_per_size=1 << 20))
+    assert [p.nbytes for p in pts] == [
+        4 << 10,
+        8 << 10,
+        16 << 10,
+        32 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+    ]
+    assert all(p.time.median_s > 0 and p.gbps > 0 for p in pts)
+    curve = fit_link([(p.nbytes, p.time.median_s) for p in pts])
+    assert curve.min_bytes == 4 << 10 and curve.max_bytes == 256 << 10
+    assert curve.transfer_time(64 << 10) > 0
+    out = tmp_path / "net.json"
+    r = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            "network",
+            "-o",
+            str(out),
+            "--min-bytes",
+            "65536",
+            "--max-bytes",
+            "262144",
+            "--bytes-per-size",
+            "1048576",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert len(net.links) == 1 and net.links[0].src.gpu_type == "cpu"

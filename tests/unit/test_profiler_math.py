@@ -1,0 +1,161 @@
+"""Profiler pure parts: curve fit, merge semantics, calibrated-estimate math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sailor import catalog
+from sailor.profiler.calibrated_estimate import (
+    calibrated_efficiencies,
+    estimate_gpu,
+    gpu_efficiencies,
+    leave_one_gpu_out,
+)
+from sailor.profiler.curve_fit import fit_curve, fit_link, split_latency, with_link
+from sailor.profiler.merge import merge_db
+from sailor.schemas import BandwidthCurve, Endpoint, LayerProfile, NetworkProfile, ProfileDB
+from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY
+
+SIZES = [1 << k for k in range(16, 31)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    c0=st.floats(-0.05, 0.0),
+    c1=st.floats(0.0, 1.0),
+    c2=st.floats(2.0, 20.0),
+)
+def test_fit_recovers_known_coefficients(c0: float, c1: float, c2: float) -> None:
+    pts = []
+    for b in SIZES:
+        lg = math.log2(b / 1e6)
+        pts.append((b, c0 * lg * lg + c1 * lg + c2))
+    if min(g for _, g in pts) <= 0:
+        return
+    curve = fit_curve(pts)
+    for got, want in zip(curve.coeffs, (c0, c1, c2), strict=True):
+        assert got == pytest.approx(want, abs=1e-6)
+    assert curve.min_bytes == SIZES[0]
+    assert curve.max_bytes == SIZES[-1]
+    assert curve.max_gbps == pytest.approx(max(g for _, g in pts))
+
+
+def test_fit_needs_three_sizes() -> None:
+    with pytest.raises(ValueError, match="3 distinct"):
+        fit_curve([(1 << 20, 1.0), (1 << 21, 1.0)])
+
+
+def test_latency_split_recovers_latency_and_bandwidth() -> None:
+    lat, bw = 2e-3, 5.0  # 2 ms per message, flat 5 GB/s
+    pts = [(b, lat + b / (bw * 1e9)) for b in SIZES]
+    got, _ = split_latency(pts)
+    assert got == pytest.approx(lat, rel=0.05)
+    curve = fit_link(pts)
+    for b in SIZES:
+        assert curve.transfer_time(b) == pytest.approx(lat + b / (bw * 1e9), rel=0.06)
+
+
+def test_with_link_replaces_either_direction() -> None:
+    a = Endpoint(zone="z1", gpu_type="cpu", gpus_per_node=1)
+    b = Endpoint(zone="z2", gpu_type="cpu", gpus_per_node=1)
+    c1 = BandwidthCurve(coeffs=(0, 0, 1.0), max_gbps=1.0)
+    c2 = BandwidthCurve(coeffs=(0, 0, 2.0), max_gbps=2.0)
+    net = with_link(NetworkProfile(), a, b, c1)
+    net = with_link(net, b, a, c2)
+    assert len(net.links) == 1
+    assert net.inter(a, b) == c2
+    with pytest.raises(ValueError, match="src == dst"):
+        with_link(net, a, b, c1, intra=True)
+
+
+def _t(src: str, fwd: float, layer: int = 0, gpu: str = "cpu") -> LayerProfile:
+    return LayerProfile(
+        gpu_type=gpu,
+        tp=1,
+        microbatch_size=1,
+        layer=layer,
+        kind="embedding" if layer == 0 else "block",
+        fwd_s=fwd,
+        bwd_s=fwd,
+        update_s=fwd,
+        source=src,  # type: ignore[arg-type]
+    )
+
+
+def test_merge_measured_beats_estimated_either_order() -> None:
+    meas = ProfileDB(model="m", timings=(_t("measured", 1.0),))
+    est = ProfileDB(model="m", timings=(_t("estimated", 9.0),))
+    a, dropped = merge_db(meas, est)
+    assert [t.fwd_s for t in a.timings] == [1.0]
+    assert dropped == 1
+    b, dropped = merge_db(est, meas)
+    assert [t.fwd_s for t in b.timings] == [1.0]
+    assert dropped == 0
+
+
+def test_merge_newer_replaces_same_source_and_keeps_other_keys() -> None:
+    old = ProfileDB(model="m", timings=(_t("measured", 1.0), _t("measured", 3.0, layer=1)))
+    new = ProfileDB(model="m", timings=(_t("measured", 2.0),), meta={"cpu.date": "now"})
+    merged, _ = merge_db(old, new)
+    assert {(t.layer, t.fwd_s) for t in merged.timings} == {(0, 2.0), (1, 3.0)}
+    assert merged.meta["cpu.date"] == "now"
+    with pytest.raises(ValueError, match="cannot merge"):
+        merge_db(old, ProfileDB(model="other"))
+
+
+def _synthetic_db(effs: dict[str, float]) -> ProfileDB:
+    """A DB where GPU g's times are exactly the 100 %-roofline / effs[g]."""
+    model = catalog.model("OPT-350")
+    specs = catalog.gpus()
+    out: list[LayerProfile] = []
+    for g, e in effs.items():
+        table = {
+            (k, tp, b): _kc(e)
+            for k in ("embedding", "block", "head")
+            for tp in (1,)
+            for b in (1, 2)
+        }
+        out.extend(estimate_gpu(model, specs[g], table, [(1, 1), (1, 2)]).timings)
+    return ProfileDB(
+        model=model.name,
+        timings=tuple(t.model_copy(update={"source": "measured"}) for t in out),
+    )
+
+
+def _kc(e: float):  # type: ignore[no-untyped-def]
+    from sailor.profiler.calibrated_estimate import KindCost
+
+    return KindCost(latency=(0.0, 0.0, 0.0), scale=(1 / e, 1 / e, 1 / e))
+
+
+def test_efficiency_is_recovered_and_averaged_geometrically() -> None:
+    model = catalog.model("OPT-350")
+    specs = catalog.gpus()
+    db = _synthetic_db({"A100-40": 0.2, "V100-16": 0.8})
+    eff = gpu_efficiencies(db, model, specs["A100-40"])
+    assert eff[("block", 1, 2)].fwd == pytest.approx(0.2)
+    table = calibrated_efficiencies(db, model, specs)
+    assert 1 / table[("block", 1, 1)].scale[0] == pytest.approx(0.4)  # sqrt(0.2 * 0.8)
+    # an unseen GPU is estimated at the calibrated efficiency
+    est = estimate_gpu(model, specs["H100-80"], table, [(1, 1)])
+    assert all(t.source == "estimated" for t in est.timings)
+    # leave-one-out with equal efficiencies is exact
+    db2 = _synthetic_db({"A100-40": 0.3, "V100-16": 0.3, "GH-96": 0.3})
+    rows = leave_one_gpu_out(db2, model, specs)
+    assert rows and all(abs(r.err) < 1e-9 for r in rows)
+    assert all(r.roofline_err == pytest.approx(0.3 / ROOFLINE_EFFICIENCY - 1) for r in rows)
+
+
+def test_loo_on_reference_beats_plain_roofline(reference) -> None:  # type: ignore[no-untyped-def]
+    from sailor.importers.sailor_format import import_profiles
+
+    p = reference / "profiles"
+    db = import_profiles(p / "profiles_tmp.json", p / "llm_info.json", "OPT-350")
+    rows = leave_one_gpu_out(db, catalog.model("OPT-350"), catalog.gpus())
+    cal = sum(abs(r.err) for r in rows) / len(rows)
+    roof = sum(abs(r.roofline_err) for r in rows) / len(rows)
+    assert cal < roof
