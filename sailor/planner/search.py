@@ -782,10 +782,11 @@ def search_with_tables(
                     scenarios[i],
                     objective,
                     constraints,
+                    mixed_all,
                 )
             ]
         else:
-            new = _allocations(state, templates, scenarios[i], objective, constraints)
+            new = _allocations(state, templates, scenarios[i], objective, constraints, mixed_all)
         for a in new:
             f = fast_estimate(a, tables, sync)
             best_thr = max(best_thr, 1.0 / f.iteration_s)
