@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from sailor.cli.catalog_cmd import catalog_app
+from sailor.cli.demo_cmd import demo
 from sailor.cli.import_cmd import import_app
 from sailor.cli.plan_cmd import plan_cmd
 from sailor.cli.profile_cmd import profile_app
@@ -21,6 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("schema")(schema)
+app.command("demo")(demo)
 app.command("simulate")(simulate_cmd)
 app.command("plan")(plan_cmd)
 app.add_typer(import_app, name="import")

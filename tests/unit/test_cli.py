@@ -134,3 +134,12 @@ def test_simulate_without_profiles_uses_estimates_and_bad_plan_fails(tmp_path: P
     res = runner.invoke(app, ["simulate", str(f)])
     assert res.exit_code == 2
     assert "global_batch_size=8" in res.output
+
+
+def test_demo_plans_and_simulates(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["demo", "--out", str(tmp_path), "--no-train", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output)["plan"]
+    assert 0 < summary["best_throughput_iter_s"] <= summary["upper_bound_iter_s"]
+    assert summary["best_throughput_iter_s"] >= summary["homogeneous_grid_iter_s"]
+    assert (tmp_path / "demo-timeline.png").stat().st_size > 1000
