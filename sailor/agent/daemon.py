@@ -175,7 +175,7 @@ class Agent:
             epoch=self.max_epoch,
             generation=sup.generation,
             plan_id=sup.plan_id,
-            state=state,  # type: ignore[arg-type]
+            state=state,
             step=sup.step,
             loss=sup.loss,
             start_step=sup.start_step,

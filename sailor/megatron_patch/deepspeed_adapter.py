@@ -212,7 +212,7 @@ def run(argv: list[str] | None = None) -> int:
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel on first use
     # (measured ~70 s with 4 ranks on this 2-core machine); gloo does the collectives
     # without it, so skip the build.
-    ds_torch_comm.build_shm_op = lambda: None
+    ds_torch_comm.build_shm_op = lambda: None  # type: ignore[attr-defined]
     deepspeed.init_distributed(
         dist_backend=args.backend or "gloo", timeout=timedelta(seconds=args.timeout_s)
     )

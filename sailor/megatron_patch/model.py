@@ -77,7 +77,7 @@ class Embedding(nn.Module):
             set_tp_dim(self.wpe.weight, None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens)
+        x: torch.Tensor = self.wte(tokens)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))[None]
         return x
@@ -134,7 +134,8 @@ class Block(nn.Module):
             hid = F.silu(self.mlp_gate(m)) * self.mlp_in(m)
         else:
             hid = self.act(self.mlp_in(m))
-        return x + self.mlp_out(hid)
+        out: torch.Tensor = x + self.mlp_out(hid)
+        return out
 
 
 class Head(nn.Module):
@@ -148,7 +149,8 @@ class Head(nn.Module):
             set_tp_dim(p, None)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.logits(x).float()

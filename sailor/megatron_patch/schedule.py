@@ -124,7 +124,7 @@ def run_1f1b(
         else:
             x, out = saved.pop(mb)
             if role.is_last_stage:
-                out.backward()
+                out.backward()  # type: ignore[no-untyped-call]
             else:
                 torch.autograd.backward(out, p2p.recv_backward(mb).to(out.dtype))
             if not role.is_first_stage:
