@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.installed
 $(STAMP): pyproject.toml deploy/install-servers.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[dev,deepspeed]'
 	bash deploy/install-servers.sh $(VENV)
 	touch $(STAMP)
 
