@@ -88,12 +88,17 @@ _MIXED_FIRST = 3
 """Above :data:`_MIXED_ALL`, the pipelines spanning GPU types packed first are the best few by
 steady rate, by fill time and by time to run the whole batch alone."""
 
+_SMALL_POOL_GPUS = 16
+"""Pools up to this size pack every pipeline spanning GPU types first once (each GPU matters);
+larger pools only the best few."""
+
 _MIXED_ALL = 64
 """Up to this many pipelines spanning GPU types in a scenario, every one is packed first once
 (a replan, which starts from a good allocation, packs only the best few first)."""
 
-_GROUPS_PER_SCENARIO = 4
-"""Shared partitions per scenario on which the least-time allocation is also computed."""
+_GROUPS_PER_SCENARIO = 6
+"""Shared partitions (the best of a depth each) per scenario on which the least-time
+allocation is also computed."""
 
 _COST_T_FACTORS = (1.0, 1.15, 1.35, 1.6, 2.0, 2.5, 3.2, 4.0, 6.0, 8.0)
 """Iteration-time budgets, as multiples of the scenario's least time, at which the cost
@@ -555,14 +560,22 @@ def _allocations(
             a = assign_microbatches(picked, gbs, over)
             if a:
                 out.append(Allocation(tuple(a), "least time, a pipeline spanning GPU types first"))
-    # the same on one shared partition: aligned sync segments across GPU types
+    # the same on one shared partition: one set of sync segments (across GPU types too);
+    # the best partition of each depth, best first
     groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
     for t in ts:
         if len({s.kind.gpu_type for s in t.stages}) == 1:
             groups.setdefault(_cuts(t), []).append(t)
-    multi = [g for g in groups.values() if len({r for t in g for r in t.gpus_by_resource()}) > 1]
-    multi.sort(key=lambda g: -max(_rate(t) for t in g))
-    for g in multi[:_GROUPS_PER_SCENARIO]:
+    best_per_depth: dict[int, list[PipelineTemplate]] = {}
+    for g in groups.values():
+        d = len(_cuts(g[0]))
+        cur = best_per_depth.get(d)
+        if cur is None or max(_rate(t) for t in g) > max(_rate(t) for t in cur):
+            best_per_depth[d] = g
+    ranked = sorted(best_per_depth.values(), key=lambda g: -max(_rate(t) for t in g))
+    for g in ranked[:_GROUPS_PER_SCENARIO]:
+        if len(g) == len(ts):
+            continue
         picked = min_time_allocation(g, scenario, gbs, over)
         if picked:
             a = assign_microbatches(picked, gbs, over)
@@ -741,7 +754,7 @@ def search_with_tables(
         )
     tstats = {"computed": 0}
     templates = _prune_dominated(_templates(state, caps, tstats))
-    mixed_all = _MIXED_ALL
+    mixed_all = _MIXED_ALL if sum(caps.values()) <= _SMALL_POOL_GPUS else 0
     if shortlist_only and state.shortlist:
         templates = _shortlist(templates, state.shortlist)
         mixed_all = 0
