@@ -27,23 +27,39 @@ from sailor.planner import replan, search
 
 A, V, A80, GH = "A100-40", "V100-16", "A100-80", "GH-96"
 ZONES = [
-    "us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f",
-    "us-west1-b", "us-east1-b", "us-east1-c", "europe-west4-a",
+    "us-central1-a",
+    "us-central1-b",
+    "us-central1-c",
+    "us-central1-f",
+    "us-west1-b",
+    "us-east1-b",
+    "us-east1-c",
+    "europe-west4-a",
 ]
 
 
 def timed_search(s: Setup, counts: dict[tuple[str, str], int]) -> tuple[Any, float, float]:
     p = pool(counts)
     w0, c0 = time.perf_counter(), time.process_time()
-    res = search(s.model, s.profiles, p, s.network, s.prices, gpu_specs=s.specs,
-                 calibration=s.calibration, top_k=1)
+    res = search(
+        s.model,
+        s.profiles,
+        p,
+        s.network,
+        s.prices,
+        gpu_specs=s.specs,
+        calibration=s.calibration,
+        top_k=1,
+    )
     return res, time.perf_counter() - w0, time.process_time() - c0
 
 
 def row(label: str, n: int, res: Any, wall: float, cpu: float) -> dict[str, Any]:
     thr = res.plans[0].throughput_iter_s if res.plans else 0.0
-    print(f"| {label} | {n} | {wall:.3f} | {cpu:.3f} | {thr:.3f} | {res.stats.templates} | "
-          f"{res.stats.allocations} | {res.stats.simulated} |")
+    print(
+        f"| {label} | {n} | {wall:.3f} | {cpu:.3f} | {thr:.3f} | {res.stats.templates} | "
+        f"{res.stats.allocations} | {res.stats.simulated} |"
+    )
     return {"label": label, "n": n, "wall": wall, "cpu": cpu}
 
 
@@ -80,12 +96,22 @@ def main() -> None:
         series["zones"].append(row("zones", k, *best_of(counts)))
 
     print("\n## replan: one node (4 GPUs) leaves a 512-GPU pool")
-    print("| node that leaves | replan wall ms | CPU ms | replan it/s | full search it/s | gap | "
-          "full search wall s | layer replicas moved |")
+    print(
+        "| node that leaves | replan wall ms | CPU ms | replan it/s | full search it/s | gap | "
+        "full search wall s | layer replicas moved |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     base = {(A, ZONES[0]): 128, (V, ZONES[0]): 384}
-    first = search(s.model, s.profiles, pool(base), s.network, s.prices, gpu_specs=s.specs,
-                   calibration=s.calibration, top_k=1)
+    first = search(
+        s.model,
+        s.profiles,
+        pool(base),
+        s.network,
+        s.prices,
+        gpu_specs=s.specs,
+        calibration=s.calibration,
+        top_k=1,
+    )
     for gone in (V, A):
         after = dict(base)
         after[(gone, ZONES[0])] -= 4
@@ -94,8 +120,10 @@ def main() -> None:
         rw, rc = time.perf_counter() - w0, time.process_time() - c0
         full, fw, _ = timed_search(s, after)
         a, f = again.plans[0].throughput_iter_s, full.plans[0].throughput_iter_s
-        print(f"| {gone} | {rw * 1e3:.0f} | {rc * 1e3:.0f} | {a:.4f} | {f:.4f} | "
-              f"{(a - f) / f:+.2%} | {fw:.3f} | {again.plans[0].moved_layer_replicas} |")
+        print(
+            f"| {gone} | {rw * 1e3:.0f} | {rc * 1e3:.0f} | {a:.4f} | {f:.4f} | "
+            f"{(a - f) / f:+.2%} | {fw:.3f} | {again.plans[0].moved_layer_replicas} |"
+        )
 
     if args.plot:
         import matplotlib

@@ -238,9 +238,11 @@ def main() -> None:
             f"calibration: {'catalog' if s.calibration.gpus else 'defaults'}"
         )
         rows = run(model, args.quick)
-        print("| scenario | ours it/s | ours $/it | of bound | search wall s (CPU s) | "
-              "original's plan on our simulator | ours / original | Megatron grid it/s | "
-              "het.-blind it/s |")
+        print(
+            "| scenario | ours it/s | ours $/it | of bound | search wall s (CPU s) | "
+            "original's plan on our simulator | ours / original | Megatron grid it/s | "
+            "het.-blind it/s |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             ratio = "-"
@@ -264,7 +266,8 @@ def main() -> None:
                 print(f"    peer {peer}")
             if "orig_time" in r:
                 print(
-                    f"    original planner search time (its own report, excl. 6-9 s precompute): {r['orig_time']:.2f} s"
+                    "    original planner search time (its own report, excluding its 6-9 s "
+                    f"precomputation): {r['orig_time']:.2f} s"
                 )
 
 

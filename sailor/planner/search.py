@@ -23,7 +23,6 @@ Pure: values in, values out (a progress callback may be passed). No clock: calle
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -962,7 +961,3 @@ def _explain(c: Candidate, ub: float) -> tuple[str, ...]:
         if ub > 0:
             lines.append(f"{e.throughput_iter_s / ub:.1%} of the upper bound {ub:.3f} it/s")
     return tuple(lines)
-
-
-def _nan_safe(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
