@@ -26,6 +26,7 @@ Three quantities, each measured the way that isolates it:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,8 @@ def peak_growth_bytes(fn: Callable[[], Any], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return max(0, int(torch.cuda.max_memory_allocated(device)) - int(base))
+    # kineto logs two lines per profiler start/stop to stderr unless told otherwise
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
