@@ -12,6 +12,7 @@ from sailor.cli.profile_cmd import profile_app
 from sailor.cli.runtime_cmd import agent, audit, controller, status
 from sailor.cli.schema_cmd import schema
 from sailor.cli.simulate_cmd import simulate_cmd
+from sailor.cli.worker_cmd import WORKER_SETTINGS, worker
 
 __all__ = ["app"]
 
@@ -32,6 +33,7 @@ app.command("controller")(controller)
 app.command("agent")(agent)
 app.command("status")(status)
 app.command("audit")(audit)
+app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Usage::
 
     python -m sailor.megatron_patch.worker --plan PLAN.json --rank R --world-size W \\
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
-        [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json]
+        [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
+        [--control control.json] [--ckpt-dir DIR --load-step S]
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
@@ -18,7 +19,19 @@ rank exit within a bounded time.
 Backend: NCCL when CUDA is available (device ``cuda:LOCAL_RANK``, the replica group's
 ``first_gpu`` plus the TP rank), else gloo on CPU; ``--backend`` overrides.
 
-The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
+Agent protocol (``--control``, see :mod:`sailor.megatron_patch.control`): every rank then
+also prints ``ready``/``step`` lines, plus ``{"event": "saved", "step"}`` once its part of a
+checkpoint is durable (the committer rank: once the manifest is committed) and
+``{"event": "stopped", "step"}`` before it exits at the agreed stop step. A rank that reaches
+the stop step before any save was asked for holds at that boundary (polling the control file,
+in lockstep with the other ranks) until a save request, SIGTERM or ``--pause-timeout-s``.
+``--ckpt-dir DIR --load-step S`` resumes from the committed checkpoint of step ``S`` under any
+layout: the trainer starts at its step and data position.
+
+Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
+package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
+sailor.worker`` pass the layer-keyed one of :mod:`sailor.worker.ckpt_glue`. The ``sailor``
+CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
 """
 
 from __future__ import annotations
@@ -30,13 +43,19 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 _T_START = time.time()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from sailor.megatron_patch.control import (  # noqa: E402
+    ControlRequest,
+    agree,
+    agree_dir,
+    read_control,
+)
 from sailor.megatron_patch.engine import StepResult, TrainConfig, Trainer  # noqa: E402
 from sailor.megatron_patch.errors import (  # noqa: E402
     InjectedFailureError,
@@ -50,7 +69,31 @@ from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
 
-__all__ = ["build_parser", "load_model", "main"]
+__all__ = ["CheckpointIO", "build_parser", "load_model", "main"]
+
+
+class CheckpointIO(Protocol):
+    """What the worker needs of a checkpoint implementation (called on every rank)."""
+
+    def position(self, root: str, step: int) -> tuple[int, int]:
+        """``(step, consumed_samples)`` of the committed checkpoint ``step`` under ``root``."""
+        ...
+
+    def restore(self, trainer: Trainer, root: str, step: int) -> None:
+        """Load this rank's layers, sliced for its TP rank, and its AdamW moments."""
+        ...
+
+    def save(self, trainer: Trainer, root: str) -> float:
+        """Snapshot now (collective), persist in the background; returns the stall seconds."""
+        ...
+
+    def wait(self) -> None:
+        """Block until this rank's part of the save in flight is durable (and committed)."""
+        ...
+
+    def close(self) -> None:
+        """Finish the save in flight and release threads."""
+        ...
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master", required=True, help="ADDR:PORT of the rendezvous store.")
-    p.add_argument("--steps", type=int, required=True, help="Iterations to run.")
+    p.add_argument("--steps", type=int, default=10**9, help="Iterations to run at most.")
     p.add_argument("--model", default=None, help="ModelSpec JSON file or a tiny model name.")
     p.add_argument("--start-step", type=int, default=0)
     p.add_argument("--consumed-samples", type=int, default=0, help="Global data position.")
@@ -73,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-file", default=None, help="Where the first cause is written.")
     p.add_argument("--dump-state", default=None, help="torch.save the final stage_state here.")
     p.add_argument("--fail-at-step", type=int, default=None, help="Testing: raise there.")
+    p.add_argument("--control", default=None, help="Agent control file (stop/save requests).")
+    p.add_argument("--ckpt-dir", default="", help="Checkpoint root to resume from.")
+    p.add_argument("--load-step", type=int, default=-1, help="Committed step to resume; -1 none.")
+    p.add_argument(
+        "--pause-timeout-s", type=float, default=600.0, help="Hold at a stop step this long."
+    )
+    p.add_argument(
+        "--poll-s", type=float, default=0.02, help="Control-file poll while holding at a stop."
+    )
     return p
 
 
@@ -128,17 +180,94 @@ class _Status:
         self.step = -1
 
 
-def run(args: argparse.Namespace, status: _Status) -> int:
+class _Boundary:
+    """The iteration-boundary hook: injected failure, control requests, save, stop, hold."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        status: _Status,
+        progress: _Progress,
+        ckpt: CheckpointIO | None,
+        device: torch.device,
+    ) -> None:
+        self.args, self.status, self.progress, self.ckpt = args, status, progress, ckpt
+        self.device = device
+        self.saved_requests: set[int] = set()
+        self.pending_save = -1
+        self.last_saved = -1
+        self.stopped_at = -1
+
+    def _request(self) -> ControlRequest:
+        if not self.args.control:
+            return ControlRequest()
+        return agree(read_control(self.args.control), self.device)
+
+    def _finish_save(self) -> None:
+        if self.pending_save < 0 or self.ckpt is None:
+            return
+        self.ckpt.wait()
+        self.last_saved, self.pending_save = self.pending_save, -1
+        self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
+
+    def _maybe_save(self, tr: Trainer, req: ControlRequest, holding: bool) -> None:
+        if not req.wants_save or req.save_step in self.saved_requests:
+            return
+        if tr.step < req.save_step and not holding:
+            return
+        self.saved_requests.add(req.save_step)
+        root = agree_dir(req.save_dir)
+        if not root or self.ckpt is None:
+            raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
+        self.ckpt.save(tr, root)
+        self.pending_save = tr.step
+
+    def __call__(self, tr: Trainer) -> bool:
+        self.status.step = tr.step
+        a = self.args
+        if a.fail_at_step is not None and tr.step == a.fail_at_step:
+            raise InjectedFailureError(f"injected failure at step {tr.step} on rank {a.rank}")
+        # The save in flight overlapped one iteration; report it once durable.
+        self._finish_save()
+        req = self._request()
+        self._maybe_save(tr, req, holding=False)
+        if req.wants_stop and tr.step >= req.stop_at_step:
+            self._hold(tr, req)
+            return True
+        return bool(tr.step >= a.start_step + a.steps)
+
+    def _hold(self, tr: Trainer, req: ControlRequest) -> None:
+        """At the stop step: wait (in lockstep) until a save of this step is durable."""
+        # A poll count, not a clock: every rank must leave the loop at the same poll, since
+        # each poll is a collective.
+        polls = int(self.args.pause_timeout_s / self.args.poll_s)
+        while self.pending_save < 0 and self.last_saved < tr.step and polls > 0:
+            polls -= 1
+            time.sleep(self.args.poll_s)
+            req = self._request()
+            self._maybe_save(tr, req, holding=True)
+        self._finish_save()
+        self.stopped_at = tr.step
+        self.progress.emit({"event": "stopped", "rank": self.args.rank, "step": tr.step})
+
+
+def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     spec = load_model(args.model, plan)
     role = role_of(plan, args.rank)
     if role.world_size != args.world_size:
         raise ValueError(f"--world-size={args.world_size}: the plan has {role.world_size} ranks")
+    resume = args.load_step >= 0 and bool(args.ckpt_dir)
+    if resume and ckpt is None:
+        raise ValueError("--load-step needs a checkpoint implementation (run `sailor worker`)")
+    if resume and ckpt is not None:
+        args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "gloo":
         torch.set_num_threads(args.threads)
-    progress = _Progress(_sub(args.progress, args.rank), echo=args.rank == 0)
+    echo = args.rank == 0 or bool(args.control)
+    progress = _Progress(_sub(args.progress, args.rank), echo=echo)
     cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
     t0 = time.time()
     dist.init_process_group(
@@ -152,6 +281,9 @@ def run(args: argparse.Namespace, status: _Status) -> int:
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
     t_groups = time.time()
     trainer = Trainer(plan, spec, role, groups, cfg, device, args.start_step, args.consumed_samples)
+    if resume and ckpt is not None:
+        ckpt.restore(trainer, args.ckpt_dir, args.load_step)
+    t_loaded = time.time()
     status.in_training, status.step = True, trainer.step
     progress.emit(
         {
@@ -160,7 +292,10 @@ def run(args: argparse.Namespace, status: _Status) -> int:
             "backend": backend,
             "init_s": t0 - _T_START,
             "group_setup_s": t_groups - t0,
+            "load_s": t_loaded - t_groups,
             "setup_s": time.time() - _T_START,
+            "start_step": trainer.step,
+            "consumed_samples": trainer.consumed_samples,
             "num_groups": groups.num_groups_created,
             "pipeline": role.pipeline,
             "stage": role.stage,
@@ -187,13 +322,10 @@ def run(args: argparse.Namespace, status: _Status) -> int:
             }
         )
 
-    def hook(tr: Trainer) -> bool:
-        status.step = tr.step
-        if args.fail_at_step is not None and tr.step == args.fail_at_step:
-            raise InjectedFailureError(f"injected failure at step {tr.step} on rank {args.rank}")
-        return bool(tr.step >= args.start_step + args.steps)
-
-    trainer.run(args.steps, hook=hook, on_step=on_step)
+    boundary = _Boundary(args, status, progress, ckpt, device)
+    trainer.run(args.steps, hook=boundary, on_step=on_step)
+    if ckpt is not None:
+        ckpt.close()
     dump = _sub(args.dump_state, args.rank)
     if dump:
         torch.save({k: (t.cpu(), d) for k, (t, d) in stage_state(trainer.stage).items()}, dump)
@@ -203,12 +335,15 @@ def run(args: argparse.Namespace, status: _Status) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (never returns on failure: exits at once)."""
+def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int:
+    """Entry point; returns the exit status (never returns on failure: exits at once).
+
+    ``ckpt`` saves and restores checkpoints (needed for ``--load-step`` and save requests).
+    """
     args = build_parser().parse_args(argv)
     status = _Status()
     try:
-        return run(args, status)
+        return run(args, status, ckpt)
     except BaseException as exc:  # the first cause of any failure is reported
         record = failure_record(exc, args.rank, status.step, status.in_training)
         write_error_file(_sub(args.error_file, args.rank), record)

@@ -1,0 +1,98 @@
+"""The agent's control file, read by every rank and agreed on at each iteration boundary.
+
+The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR}`` atomically into one
+control file per node (the protocol of ``sailor.agent.supervisor``); a rank re-reads it at
+every iteration boundary. Nodes see their file change at different moments, so a rank must
+never act on its own copy alone: one rank stopping at step 10 while a rank on another node
+goes on to step 11 would leave the latter waiting in a collective until the timeout. Hence
+:func:`agree`: one all-reduce (MAX) of ``(stop_at_step, save_step)`` over the world at every
+boundary, so every rank takes the same decision at the same boundary. The save directory,
+a string, is gathered only on the rare boundary where a new save is agreed.
+
+A stop step the ranks learn of only after they passed it means "stop now" (the controller
+picks the stop step a few steps ahead of the reported progress, but reports lag); a save is
+taken at the first boundary at or after its step. The controller commits the step the
+workers report as saved, so an overshoot costs nothing but the extra steps.
+
+Never raises on a missing or half-written file (that is "no request yet").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ControlRequest", "agree", "agree_dir", "read_control"]
+
+_NONE = -1
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """What the agent asks of the workers (``-1``: nothing asked)."""
+
+    stop_at_step: int = _NONE
+    save_step: int = _NONE
+    save_dir: str = ""
+
+    @property
+    def wants_stop(self) -> bool:
+        return self.stop_at_step >= 0
+
+    @property
+    def wants_save(self) -> bool:
+        return self.save_step >= 0
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return _NONE
+    return int(value) if value >= 0 else _NONE
+
+
+def read_control(path: str | Path | None) -> ControlRequest:
+    """This node's control file; an empty request if there is none or it is unreadable."""
+    if not path:
+        return ControlRequest()
+    try:
+        data = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        return ControlRequest()
+    if not isinstance(data, dict):
+        return ControlRequest()
+    save_dir = data.get("save_dir")
+    return ControlRequest(
+        stop_at_step=_int(data.get("stop_at_step")),
+        save_step=_int(data.get("save_step")),
+        save_dir=save_dir if isinstance(save_dir, str) else "",
+    )
+
+
+def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
+    """The request every rank acts on at this boundary: the MAX over ranks of each field.
+
+    A collective: every rank must call it at the same boundary. Without an initialised
+    process group (a single process) the local request is returned as it is.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    t = torch.tensor([local.stop_at_step, local.save_step], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    stop, save = (int(x) for x in t.tolist())
+    return ControlRequest(stop_at_step=stop, save_step=save, save_dir=local.save_dir)
+
+
+def agree_dir(local_dir: str) -> str:
+    """The save directory some rank knows (all ranks call it; the first non-empty wins)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local_dir
+    got: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, local_dir)
+    for d in got:
+        if isinstance(d, str) and d:
+            return d
+    return ""

@@ -1,0 +1,117 @@
+"""Glue between a rank's trainer and the layer-keyed checkpoints of ``sailor.checkpoint``.
+
+- :func:`trainer_params`: the rank's parameters with both AdamW moments as ``ParamState``,
+  keyed ``"{global_layer}.{param_name}"`` (what ``Checkpointer.save`` takes);
+- :func:`restore_trainer`: the layers this rank owns under *its* plan, read from a checkpoint
+  saved under any layout and sliced for its TP rank, copied into the live parameters, with
+  the AdamW moments and step count restored;
+- :class:`LayerCheckpointIO`: the worker's ``CheckpointIO`` on top of those: an async save at
+  the iteration boundary (snapshot on the caller's thread, persist on a background thread;
+  each layer is written once across replicas, the manifest is committed by rank 0), and
+  resume at the checkpoint's step and data position.
+
+Assumes the AdamW step count equals the global iteration (every iteration steps the
+optimizer once from step 0); a save checks that and refuses otherwise. Never imports NATS,
+etcd or the agent: it is called inside a worker process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sailor.checkpoint import (
+    Checkpointer,
+    LocalStorage,
+    ParamState,
+    TrainingGlobals,
+    load_for_rank,
+    read_manifest,
+)
+from sailor.megatron_patch.engine import Trainer
+from sailor.megatron_patch.state import optimizer_state, stage_state
+
+__all__ = ["LayerCheckpointIO", "restore_trainer", "trainer_params"]
+
+
+def trainer_params(tr: Trainer) -> dict[str, ParamState]:
+    """This rank's weights and AdamW moments, layer-keyed, with their TP dims."""
+    opt = optimizer_state(tr.stage, tr.optimizer)
+    out: dict[str, ParamState] = {}
+    for key, (t, dim) in stage_state(tr.stage).items():
+        if key not in opt:
+            zeros = torch.zeros_like(t)
+            out[key] = ParamState(t, zeros, zeros.clone(), dim)
+        else:
+            out[key] = ParamState(t, opt[key]["exp_avg"], opt[key]["exp_avg_sq"], dim)
+    return out
+
+
+def restore_trainer(tr: Trainer, root: str, step: int) -> None:
+    """Load the layers ``tr`` owns from the committed checkpoint ``step`` under ``root``."""
+    dims = {k: d for k, (_t, d) in stage_state(tr.stage).items()}
+    got = load_for_rank(LocalStorage(root), tr.plan, tr.role.rank, step=step, tp_dims=dims)
+    adam_step = float(got.globals.extra.get("adam_step", got.globals.step))
+    with torch.no_grad():
+        for key, p in tr.stage.keyed_parameters():
+            ps = got.params[key]
+            p.copy_(ps.weight.to(p.device, p.dtype))
+            if adam_step <= 0:
+                continue
+            tr.optimizer.state[p] = {
+                "step": torch.tensor(adam_step),
+                "exp_avg": ps.exp_avg.to(p.device).clone(),
+                "exp_avg_sq": ps.exp_avg_sq.to(p.device).clone(),
+            }
+
+
+class LayerCheckpointIO:
+    """``CheckpointIO`` of the worker, backed by one ``Checkpointer`` per checkpoint root."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self.keep = keep
+        self._by_root: dict[str, Checkpointer] = {}
+        self._in_flight: Checkpointer | None = None
+
+    def position(self, root: str, step: int) -> tuple[int, int]:
+        m = read_manifest(LocalStorage(root), step)
+        return m.step, m.consumed_samples
+
+    def restore(self, trainer: Trainer, root: str, step: int) -> None:
+        restore_trainer(trainer, root, step)
+
+    def _checkpointer(self, tr: Trainer, root: str) -> Checkpointer:
+        ck = self._by_root.get(root)
+        if ck is None:
+            ck = Checkpointer(
+                LocalStorage(root),
+                tr.plan,
+                tr.role.rank,
+                keep=self.keep,
+                tp_group=tr.groups.tp.group,
+            )
+            self._by_root[root] = ck
+        return ck
+
+    def save(self, trainer: Trainer, root: str) -> float:
+        opt = optimizer_state(trainer.stage, trainer.optimizer)
+        steps = {s["step"] for s in opt.values()}
+        if opt and steps != {trainer.step}:
+            raise RuntimeError(f"AdamW steps {sorted(steps)} != iteration {trainer.step}")
+        extra: dict[str, Any] = {"adam_step": trainer.step, "seed": trainer.cfg.seed}
+        g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
+        ck = self._checkpointer(trainer, root)
+        self._in_flight = ck
+        return ck.save(trainer_params(trainer), g)
+
+    def wait(self) -> None:
+        if self._in_flight is not None:
+            ck, self._in_flight = self._in_flight, None
+            ck.wait()
+
+    def close(self) -> None:
+        self.wait()
+        for ck in self._by_root.values():
+            ck.close()
+        self._by_root.clear()
