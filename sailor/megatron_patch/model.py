@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.checkpoint import checkpoint
 
+from sailor import catalog
 from sailor.megatron_patch.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -276,34 +277,9 @@ def init_stage(stage: GPTStage, seed: int) -> None:
 
 
 TINY_MODELS: dict[str, ModelSpec] = {
-    "tiny-gpt": ModelSpec(
-        name="tiny-gpt",
-        num_layers=4,
-        hidden_size=32,
-        num_heads=4,
-        ffn_hidden_size=64,
-        seq_length=16,
-        vocab_size=64,
-        global_batch_size=8,
-        precision="fp32",
-    ),
-    "tiny-llama": ModelSpec(
-        name="tiny-llama",
-        num_layers=4,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=64,
-        seq_length=16,
-        vocab_size=64,
-        activation="swiglu",
-        norm="rmsnorm",
-        position_embedding="rope",
-        tie_embeddings=False,
-        global_batch_size=8,
-        precision="fp32",
-    ),
+    name: spec for name, spec in catalog.models().items() if name.startswith("tiny-")
 }
+"""CPU test models of the catalog (GPT-2 and Llama shapes), by name."""
 """Tiny CPU configurations of the two architecture families the catalog holds."""
 
 
