@@ -3,8 +3,9 @@
 Workers are separate processes started with explicit ranks and rendezvous (no torchrun):
 ``worker_argv`` is a template whose ``{plan} {rank} {world_size} {master} {control}
 {load_dir} {load_step} {error_file} {run_dir}`` are filled per rank. Progress arrives as JSON
-lines on stdout (see ``sim_worker``); stop and save requests go through a control file the
-workers re-read at every iteration boundary, written atomically. On abort or deadline the
+lines on stdout (see ``sailor.megatron_patch.worker`` and ``sim_worker``); stop and save
+requests go through a control file the workers re-read at every iteration boundary, written
+atomically. On abort or deadline the
 workers get SIGTERM, then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause
 (error file, else the stderr tail) is kept for the agent to report.
 """
@@ -25,11 +26,37 @@ import structlog
 from sailor.coordination import TaskSet
 from sailor.schemas.commands import Launch
 
-__all__ = ["DEFAULT_WORKER_ARGV", "Supervisor", "WorkerView"]
+__all__ = ["DEFAULT_WORKER_ARGV", "SIM_WORKER_ARGV", "Supervisor", "WorkerView"]
 
 _log = structlog.get_logger("sailor.agent")
 
 DEFAULT_WORKER_ARGV: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "sailor.worker",
+    "--plan",
+    "{plan}",
+    "--rank",
+    "{rank}",
+    "--world-size",
+    "{world_size}",
+    "--master",
+    "{master}",
+    "--control",
+    "{control}",
+    "--ckpt-dir",
+    "{load_dir}",
+    "--load-step",
+    "{load_step}",
+    "--error-file",
+    "{error_file}",
+    "--progress",
+    "{run_dir}/progress-{rank}.jsonl",
+)
+"""The real training worker (``sailor.worker``: sailor.megatron_patch with layer-keyed
+checkpoints). ``SIM_WORKER_ARGV`` is the torch-free stand-in for protocol tests."""
+
+SIM_WORKER_ARGV: tuple[str, ...] = (
     sys.executable,
     "-m",
     "sailor.agent.sim_worker",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field
@@ -53,8 +53,21 @@ class ControllerConfig(Frozen):
     )
     stop_ahead_steps: int = Field(default=1, ge=1, description="Stop this many steps ahead.")
     base_port: int = Field(default=29500, gt=0, description="Rendezvous port base.")
-    model: str = Field(default="tiny-gpt", description="Model name (stand-in planner).")
-    num_layers: int = Field(default=4, gt=0, description="Global layers (stand-in planner).")
+    planner: Literal["sailor", "data_parallel"] = Field(
+        default="sailor",
+        description="'sailor': sailor.planner search/replan; 'data_parallel': the stand-in.",
+    )
+    model: str = Field(
+        default="tiny-gpt", description="Catalog model name (e.g. tiny-gpt) or ModelSpec file."
+    )
+    profiles: tuple[Path, ...] = Field(default=(), description="ProfileDB files (else analytic).")
+    network: Path | None = Field(default=None, description="NetworkProfile file.")
+    prices: Path | None = Field(default=None, description="PriceTable file (else the catalog's).")
+    calibration: Path | None = Field(default=None, description="Calibration file.")
+    objective: Literal["throughput", "cost", "throughput_per_cost"] = Field(
+        default="throughput", description="Planner objective."
+    )
+    num_layers: int = Field(default=6, gt=0, description="Global layers (stand-in planner).")
     global_batch_size: int = Field(default=8, gt=0, description="Samples per iteration.")
     max_gpus: int = Field(default=0, ge=0, description="Cap for the stand-in planner; 0 = all.")
 

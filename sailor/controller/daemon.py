@@ -22,7 +22,8 @@ from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import DecideConfig, Observed, Send, decide
 from sailor.controller.executor import Executor
-from sailor.controller.planning import DataParallelPlanner, Planner
+from sailor.controller.planning import Planner
+from sailor.controller.sailor_planner import planner_from_config
 from sailor.coordination import (
     Clock,
     EtcdStore,
@@ -56,9 +57,7 @@ class Controller:
         self.cfg = config
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
-        self.planner = planner or DataParallelPlanner(
-            config.model, config.num_layers, config.global_batch_size, config.max_gpus
-        )
+        self.planner = planner or planner_from_config(config)
         self.decide_cfg = DecideConfig(
             deadlines=config.deadlines,
             checkpoint_dir=config.checkpoint_dir,

@@ -272,7 +272,11 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
     elif d.phase is Phase.CHECKPOINT and _plan_nodes_at(
         d, o, lambda s: s.saved_step >= d.stop_step
     ):
-        actions.append(SetDesired(_move(d, Phase.COMMIT, o.now, cfg), "all shards durable"))
+        # Workers that learned of the stop step late stop and save a little after it (all at
+        # the same step: they agree on it collectively); commit the step they saved.
+        saved = min(o.status[n].saved_step for n in d.placement)
+        nxt = _move(d, Phase.COMMIT, o.now, cfg, stop_step=saved)
+        actions.append(SetDesired(nxt, f"all shards of step {saved} durable"))
     return actions
 
 

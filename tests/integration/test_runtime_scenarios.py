@@ -73,6 +73,9 @@ class Cluster:
             notice_margin_s=1.0,
             deadlines=PhaseDeadlines(quiesce=15, checkpoint=15, launch=10, load=30, verify=30),
             global_batch_size=8,
+            # sim workers train no real model: the stand-in planner uses every node, which
+            # the protocol assertions below rely on
+            planner="data_parallel",
         )
 
     def start_controller(self, name: str) -> Controller:

@@ -1,0 +1,196 @@
+"""The controller's planner backed by ``sailor.planner``: search once, replan on changes.
+
+``SailorPlanner.plan(nodes, previous)`` turns the usable nodes into a planner ``Pool`` (one
+entry per GPU type, zone, node shape and spot flag), runs the full :func:`sailor.planner.search`
+for the first layout (or when a node shape the last search never saw appears), and the
+incremental :func:`sailor.planner.replan` on later membership changes, warm-started from the
+last search's cost tables and plan. The best ranked plan is bound to concrete nodes with
+:func:`sailor.controller.planning.place` and carries its predicted figures.
+
+Inputs come from the controller config: the model (a catalog name such as ``tiny-gpt`` or
+``OPT-350``, or a ModelSpec JSON/YAML file) and optional profiles, network, prices and
+calibration files. Without profiles the simulator's analytic estimates from the catalog's
+GPU specs are used (``cpu`` nodes get the catalog's nominal ``cpu`` spec). The search is
+pure and runs in the executor's worker thread; a lock keeps two plans from interleaving.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from sailor import catalog
+from sailor.controller.config import ControllerConfig, load_mapping
+from sailor.controller.planning import (
+    DataParallelPlanner,
+    PlacementError,
+    Planner,
+    PlanResult,
+    place,
+)
+from sailor.planner import Constraints, NoFeasiblePlanError, Objective, replan, search
+from sailor.planner.search import SearchResult
+from sailor.schemas.calibration import Calibration
+from sailor.schemas.hardware import NodeSpec, Pool, PoolEntry
+from sailor.schemas.model import ModelSpec
+from sailor.schemas.network import NetworkProfile
+from sailor.schemas.plan import Plan, PlanPrediction
+from sailor.schemas.prices import PriceTable
+from sailor.schemas.profile import ProfileDB
+
+__all__ = ["SailorPlanner", "load_model_spec", "planner_from_config", "pool_of"]
+
+_Shape = tuple[str, str, int, bool]
+
+
+def load_model_spec(name: str, global_batch_size: int | None = None) -> ModelSpec:
+    """A catalog model by name or a ModelSpec file, optionally with another batch size."""
+    path = Path(name)
+    if path.suffix in (".json", ".yaml", ".yml") and path.exists():
+        spec = ModelSpec.model_validate(load_mapping(path))
+    else:
+        spec = catalog.model(name)
+    if global_batch_size is not None:
+        spec = spec.model_copy(update={"global_batch_size": global_batch_size})
+    return spec
+
+
+def _shape(n: NodeSpec) -> _Shape:
+    return (n.gpu_type, n.zone, n.gpus, n.spot)
+
+
+def pool_of(nodes: Sequence[NodeSpec]) -> Pool:
+    """The planner's pool for a set of nodes: counts per (GPU type, zone, shape, spot)."""
+    counts: dict[_Shape, int] = {}
+    for n in nodes:
+        counts[_shape(n)] = counts.get(_shape(n), 0) + 1
+    return Pool(
+        entries=tuple(
+            PoolEntry(gpu_type=g, zone=z, nodes=k, gpus_per_node=per, spot=spot)
+            for (g, z, per, spot), k in sorted(counts.items())
+        )
+    )
+
+
+class SailorPlanner:
+    """``Planner`` of the controller on top of ``sailor.planner`` (search, then replan)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        *,
+        profiles: ProfileDB | None = None,
+        network: NetworkProfile | None = None,
+        prices: PriceTable | None = None,
+        calibration: Calibration | None = None,
+        objective: Objective = "throughput",
+        constraints: Constraints | None = None,
+        spot: bool = True,
+    ) -> None:
+        self.model = model
+        self.profiles = profiles or ProfileDB(model=model.name)
+        self.network = network or NetworkProfile()
+        self.prices = prices or catalog.prices()
+        self.calibration = calibration or catalog.calibration()
+        self.objective: Objective = objective
+        self.constraints = constraints or Constraints()
+        self.spot = spot
+        self._last: SearchResult | None = None
+        self._shapes: frozenset[_Shape] = frozenset()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_files(
+        cls,
+        model: str,
+        global_batch_size: int | None = None,
+        *,
+        profiles: Sequence[Path] = (),
+        network: Path | None = None,
+        prices: Path | None = None,
+        calibration: Path | None = None,
+        objective: Objective = "throughput",
+    ) -> SailorPlanner:
+        """Build from the controller config's model name and optional input files."""
+        spec = load_model_spec(model, global_batch_size)
+        db = ProfileDB(model=spec.name)
+        for p in profiles:
+            part = ProfileDB.model_validate(load_mapping(p))
+            if part.model != spec.name:
+                raise ValueError(f"{p}: profiles of model={part.model!r}, planning {spec.name!r}")
+            db = db.merged(part)
+        return cls(
+            spec,
+            profiles=db,
+            network=NetworkProfile.model_validate(load_mapping(network)) if network else None,
+            prices=PriceTable.model_validate(load_mapping(prices)) if prices else None,
+            calibration=(
+                Calibration.model_validate(load_mapping(calibration)) if calibration else None
+            ),
+            objective=objective,
+        )
+
+    def _search(self, pool: Pool, shapes: frozenset[_Shape]) -> tuple[SearchResult, str]:
+        if self._last is not None and shapes <= self._shapes:
+            return replan(self._last, pool), "replan"
+        res = search(
+            self.model,
+            self.profiles,
+            pool,
+            self.network,
+            self.prices,
+            self.objective,
+            self.constraints,
+            gpu_specs=catalog.gpus(),
+            calibration=self.calibration,
+            spot=self.spot,
+            top_k=3,
+        )
+        return res, "search"
+
+    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        """The best plan for ``nodes``, placed on them; raises if none is feasible."""
+        if not nodes:
+            raise PlacementError("no node to plan for")
+        pool = pool_of(nodes)
+        shapes = frozenset(_shape(n) for n in nodes)
+        with self._lock:
+            res, how = self._search(pool, shapes)
+            if not res.plans:
+                raise NoFeasiblePlanError(res.reason or "no feasible plan")
+            self._last = res
+            self._shapes = self._shapes | shapes
+        best = res.plans[0]
+        est = best.estimate
+        predicted = PlanPrediction(
+            iteration_time_s=est.iteration_time_s,
+            throughput_iter_s=est.throughput_iter_s,
+            peak_memory_bytes=est.peak_memory_bytes,
+            cost_per_iter_usd=est.cost_per_iter_usd,
+        )
+        bound, placement = place(best.plan.model_copy(update={"predicted": predicted}), nodes)
+        shape = "+".join(f"{len(p.stages)}st" for p in bound.pipelines)
+        before = previous.num_gpus if previous else 0
+        reason = (
+            f"sailor planner ({how}): {bound.num_gpus} GPUs, pipelines {shape}, "
+            f"{est.throughput_iter_s:.3g} it/s predicted (was {before} GPUs)"
+        )
+        return PlanResult(bound, placement, reason)
+
+
+def planner_from_config(config: ControllerConfig) -> Planner:
+    """The planner ``config.planner`` names, built from the config's model and files."""
+    if config.planner == "data_parallel":
+        return DataParallelPlanner(
+            config.model, config.num_layers, config.global_batch_size, config.max_gpus
+        )
+    return SailorPlanner.from_files(
+        config.model,
+        config.global_batch_size,
+        profiles=config.profiles,
+        network=config.network,
+        prices=config.prices,
+        calibration=config.calibration,
+        objective=config.objective,
+    )
