@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--poll-s", type=float, default=0.02, help="Control-file poll while holding at a stop."
     )
+    p.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="Pace iterations to at least this long (tests: leave CPU to the control plane).",
+    )
     return p
 
 
@@ -197,6 +203,7 @@ class _Boundary:
         self.pending_save = -1
         self.last_saved = -1
         self.stopped_at = -1
+        self.last_boundary = time.monotonic()
 
     def _request(self) -> ControlRequest:
         if not self.args.control:
@@ -225,6 +232,11 @@ class _Boundary:
     def __call__(self, tr: Trainer) -> bool:
         self.status.step = tr.step
         a = self.args
+        if a.min_step_s > 0:
+            left = a.min_step_s - (time.monotonic() - self.last_boundary)
+            if left > 0:
+                time.sleep(left)
+            self.last_boundary = time.monotonic()
         if a.fail_at_step is not None and tr.step == a.fail_at_step:
             raise InjectedFailureError(f"injected failure at step {tr.step} on rank {a.rank}")
         # The save in flight overlapped one iteration; report it once durable.
