@@ -344,7 +344,11 @@ def _split_to_fit(
     for depth in range(2, min(n, max1 + max2) + 1):
         if not small and depth not in unfit:
             continue
-        for a in range(max(1, depth - max2), min(max1, depth - 1) + 1):
+        lo, hi = max(1, depth - max2), min(max1, depth - 1)
+        # small pools: every split; otherwise the two extremes that fit (as many stages of
+        # either type as the pool holds), which bound the rest
+        splits = range(lo, hi + 1) if small else sorted({lo, hi} if lo <= hi else set())
+        for a in splits:
             seq = (k1,) * a + (k2,) * (depth - a)
             key = ("split", seq, b)
             hit = state.templates.get(key)

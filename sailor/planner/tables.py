@@ -88,10 +88,16 @@ class LayerArrays:
     estimated: bool
 
     def stage_compute(self) -> FloatArray:
-        """``C[i, j]`` = fwd+bwd of layers i..j per microbatch (inf where j < i)."""
-        c = self.comp[None, 1:] - self.comp[:-1, None]
-        n = len(self.comp) - 1
-        return np.where(np.triu(np.ones((n, n), dtype=bool)), c, np.inf)
+        """``C[i, j]`` = fwd+bwd of layers i..j per microbatch (inf where j < i); computed
+        once per table (callers must not modify it)."""
+        hit = self.__dict__.get("_stage_compute")
+        if hit is None:
+            c = self.comp[None, 1:] - self.comp[:-1, None]
+            n = len(self.comp) - 1
+            hit = np.where(np.triu(np.ones((n, n), dtype=bool)), c, np.inf)
+            object.__setattr__(self, "_stage_compute", hit)
+        out: FloatArray = hit
+        return out
 
 
 class CostTables:
