@@ -1,18 +1,22 @@
 """Checkpoint throughput against the disk's own sequential speed, measured in the same run.
 
-For a model of a few hundred MB (fp32 weights + two AdamW moments), on one local directory:
+For a model of a few hundred MB (fp32 weights + two AdamW moments), on one local directory,
+each figure repeated ``--reps`` times, each repetition paired with its own baseline run right
+after it (median and min-max of the paired ratios are printed):
 
-* save: snapshot (what training waits for, ms per GB) and persist (shards + part + manifest +
-  marker, fsync'd, SHA-256 per tensor) in GB/s, against a plain sequential write + fsync of
-  the same number of bytes to one file in the same directory;
-* resharded load: every rank of a new layout (2 stages x TP=2: each layer is read by both TP
-  ranks of its stage and sliced) reading with checksum verification, in GB/s of bytes read,
-  against a plain sequential read of the same bytes. Page cache is evicted (fadvise
-  DONTNEED) before each read, for both;
+* save: snapshot (what training waits for, ms per GB; the first save into fresh memory and the
+  later ones into the reused buffers) and persist (shards + part + manifest + marker, fsync'd,
+  per-block checksums) in GB/s, against a plain sequential write + fsync of the same number of
+  bytes to one file in the same directory;
+* resharded load: every rank of a new layout (2 stages x TP=2: each rank range-reads only its
+  slice of each layer) reading with checksum verification, in GB/s of bytes read, against a
+  plain sequential read of the same bytes into a reused buffer. Twice: into fresh tensors
+  (``load`` allocates), and into preallocated tensors (``load(into=...)``, as a resume into an
+  already built model). Page cache is evicted (fadvise DONTNEED) before each read, for both;
 * time to checkpoint one stage of ``--stage-gb`` GB (default 1), to set against a 30 s
   preemption notice.
 
-Prints setup, machine and figures. Never asserts a timing.
+Prints setup, machine, checksum algorithm and figures. Never asserts a timing.
 Run: ``python benchmarks/checkpoint_throughput.py [--dir DIR] [--mb 300] [--stage-gb 1]``.
 """
 
@@ -35,7 +39,11 @@ from sailor.checkpoint import (
     ParamState,
     TrainingGlobals,
     load_for_rank,
+    place_of,
+    split_key,
+    tp_slice,
 )
+from sailor.checkpoint.blocks import MAX_BLOCKS, default_algorithm
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 
 GB = 1e9
@@ -114,16 +122,31 @@ def _plain_read(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def _save_once(
-    root: Path, state: dict[str, ParamState], layers: int, step: int
-) -> tuple[float, float]:
-    plan = _plan("save", [(0, layers - 1, 1)], layers)
-    ck = Checkpointer(LocalStorage(root), plan, 0, keep=1)
+def _save_once(ck: Checkpointer, state: dict[str, ParamState], step: int) -> tuple[float, float]:
     snap = ck.save(state, TrainingGlobals(step, step, {"seed": 0}))
     res = ck.wait()
-    ck.close()
     assert res is not None and res.manifest is not None
     return snap, res.persist_s + res.commit_s
+
+
+def _one_stage(layers: int) -> Plan:
+    return _plan("save", [(0, layers - 1, 1)], layers)
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def _dest(plan: Plan, rank: int, state: dict[str, ParamState]) -> dict[str, ParamState]:
+    """Preallocated, touched tensors of this rank's slices (a built model's own buffers)."""
+    place = place_of(plan, rank)
+    out = {}
+    for key, p in state.items():
+        if split_key(key)[0] in place.layers:
+            out[key] = p.map(
+                lambda t, d=p.tp_dim: torch.ones_like(tp_slice(t, d, place.tp_rank, place.tp_size))
+            )
+    return out
 
 
 def main() -> None:
@@ -147,72 +170,97 @@ def main() -> None:
         f"torch {torch.__version__}, dir {base} ({shutil.disk_usage(base).free / GB:.0f} GB free)"
     )
     print(f"model: {args.layers} layers, {nbytes / GB:.3f} GB (fp32 weights + 2 AdamW moments)")
-    print(f"reps: {args.reps} (median shown); fsync on; SHA-256 per tensor")
+    print(
+        f"reps: {args.reps} (median, min-max of paired ratios); fsync on; checksum "
+        f"{default_algorithm()} per block of <= {MAX_BLOCKS} per tensor"
+    )
 
+    # Save: one Checkpointer, as in training (the first save allocates, later ones reuse).
     chunk = os.urandom(64 << 20)
     snaps, saves, plain_w = [], [], []
+    root = base / "ckpt"
+    ck = Checkpointer(LocalStorage(root), _one_stage(args.layers), 0, keep=1)
     for rep in range(args.reps):
-        root = base / "ckpt"
-        s, p = _save_once(root, state, args.layers, rep + 1)
+        s, p = _save_once(ck, state, rep + 1)
         snaps.append(s)
         saves.append(p)
         plain = base / "plain.bin"
         plain_w.append(_plain_write(plain, nbytes, chunk))
         plain.unlink()
-    save_gbs = nbytes / GB / statistics.median(saves)
-    plain_wgbs = nbytes / GB / statistics.median(plain_w)
-    snap_ms_per_gb = statistics.median(snaps) * 1e3 / (nbytes / GB)
+    ck.close()
+    save_ratio = [w / s for s, w in zip(saves, plain_w, strict=True)]
+    step = args.reps
 
-    # Resharded load: 2 stages x TP=2; each TP rank reads its stage's layers whole, then slices.
-    root = base / "ckpt"
+    # Resharded load: 2 stages x TP=2; each TP rank range-reads its slice of its stage's layers.
     half = args.layers // 2
     new = _plan("load", [(0, half - 1, 2), (half, args.layers - 1, 2)], args.layers)
-    loads, plain_r = [], []
-    read_bytes = 0
+    ranks = range(len(new.ranks()))
+    dests = {r: _dest(new, r, state) for r in ranks}
     plain = base / "plain.bin"
     _plain_write(plain, nbytes, chunk)
+    runs: dict[str, tuple[list[float], list[float]]] = {"fresh": ([], []), "into": ([], [])}
+    read_bytes = 0
     for _ in range(args.reps):
-        _evict(root)
-        t0 = time.perf_counter()
-        read_bytes = 0
-        for r in range(len(new.ranks())):
-            got = load_for_rank(LocalStorage(root), new, r)
-            read_bytes += got.bytes_read
-        loads.append(time.perf_counter() - t0)
-        _evict(plain)
-        plain_r.append(_plain_read(plain, read_bytes))
+        for mode, (loads, plain_r) in runs.items():
+            _evict(root)
+            t0 = time.perf_counter()
+            read_bytes = 0
+            for r in ranks:
+                into = dests[r] if mode == "into" else None
+                got = load_for_rank(LocalStorage(root), new, r, step=step, into=into)
+                read_bytes += got.bytes_read
+            loads.append(time.perf_counter() - t0)
+            _evict(plain)
+            plain_r.append(_plain_read(plain, read_bytes))
     plain.unlink()
-    load_gbs = read_bytes / GB / statistics.median(loads)
-    plain_rgbs = read_bytes / GB / statistics.median(plain_r)
 
     # One stage of --stage-gb: snapshot + persist + commit.
-    big = _state(max(2, int(args.stage_gb * 8)), args.stage_gb * GB)
+    big_layers = max(2, int(args.stage_gb * 8))
+    big = _state(big_layers, args.stage_gb * GB)
     big_bytes = sum(p.nbytes for p in big.values())
     shutil.rmtree(base / "stage", ignore_errors=True)
-    s_snap, s_persist = _save_once(base / "stage", big, max(2, int(args.stage_gb * 8)), 1)
+    ck = Checkpointer(LocalStorage(base / "stage"), _one_stage(big_layers), 0, keep=1)
+    s_snap, s_persist = _save_once(ck, big, 1)
+    ck.close()
     del big
 
     print()
-    print(f"{'figure':<44}{'sailor':>12}{'plain':>12}{'ratio':>8}")
+    print(f"{'figure (median of paired runs)':<46}{'sailor':>9}{'plain':>9}  ratio (min-max)")
     print(
-        f"{'save (persist+commit), GB/s':<44}{save_gbs:>12.3f}{plain_wgbs:>12.3f}"
-        f"{save_gbs / plain_wgbs:>8.2f}"
+        f"{'save (persist+commit), GB/s':<46}{nbytes / GB / statistics.median(saves):>9.3f}"
+        f"{nbytes / GB / statistics.median(plain_w):>9.3f}  {_spread(save_ratio)}"
+    )
+    for mode, (loads, plain_r) in runs.items():
+        ratio = [p / s for s, p in zip(loads, plain_r, strict=True)]
+        label = f"resharded load 2x TP2 {mode}, GB/s read"
+        print(
+            f"{label:<46}{read_bytes / GB / statistics.median(loads):>9.3f}"
+            f"{read_bytes / GB / statistics.median(plain_r):>9.3f}  {_spread(ratio)}"
+        )
+    print(
+        f"bytes read by the new layout: {read_bytes / GB:.3f} GB "
+        f"({read_bytes / nbytes:.2f}x the checkpoint)"
+    )
+    per_gb = [x * 1e3 / (nbytes / GB) for x in snaps]
+    later = per_gb[1:] or per_gb
+    print(
+        f"snapshot stall, ms per GB: first save {per_gb[0]:.0f}, later saves (reused "
+        f"buffers) {statistics.median(later):.0f} ({min(later):.0f}-{max(later):.0f})"
     )
     print(
-        f"{'resharded load (2 stages x TP2), GB/s read':<44}{load_gbs:>12.3f}{plain_rgbs:>12.3f}"
-        f"{load_gbs / plain_rgbs:>8.2f}"
-    )
-    print(f"{'snapshot stall, ms per GB':<44}{snap_ms_per_gb:>12.1f}")
-    print(
-        f"stage of {big_bytes / GB:.2f} GB: snapshot {s_snap:.2f} s (training stall), "
-        f"persist+commit {s_persist:.2f} s, total {s_snap + s_persist:.2f} s "
+        f"stage of {big_bytes / GB:.2f} GB (first save): snapshot {s_snap:.2f} s (training "
+        f"stall), persist+commit {s_persist:.2f} s, total {s_snap + s_persist:.2f} s "
         f"(vs a 30 s preemption notice)"
     )
     print(
-        f"raw: save s {[round(x, 3) for x in saves]}, plain write s "
-        f"{[round(x, 3) for x in plain_w]}, load s {[round(x, 3) for x in loads]}, "
-        f"plain read s {[round(x, 3) for x in plain_r]}, snapshot s {[round(x, 3) for x in snaps]}"
+        f"raw s: save {[round(x, 3) for x in saves]}, plain write "
+        f"{[round(x, 3) for x in plain_w]}, snapshot {[round(x, 3) for x in snaps]}"
     )
+    for mode, (loads, plain_r) in runs.items():
+        print(
+            f"raw s: load {mode} {[round(x, 3) for x in loads]}, plain read "
+            f"{[round(x, 3) for x in plain_r]}"
+        )
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
 

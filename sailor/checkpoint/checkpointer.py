@@ -289,8 +289,10 @@ def load_for_rank(
     *,
     step: int | None = None,
     tp_dims: Mapping[str, int | None] | None = None,
+    into: Mapping[str, ParamState] | None = None,
 ) -> Loaded:
-    """Load exactly the layers ``rank`` owns under ``plan``, sliced for its TP rank."""
+    """Load exactly the layers ``rank`` owns under ``plan``, sliced for its TP rank
+    (into the caller's tensors where ``into`` has them; see ``reader.load``)."""
     place = place_of(plan, rank)
     return load(
         storage,
@@ -299,4 +301,5 @@ def load_for_rank(
         tp_size=place.tp_size,
         step=step,
         tp_dims=tp_dims,
+        into=into,
     )
