@@ -139,6 +139,7 @@ def main() -> None:
             ax.set_ylabel("search time (s)")
             if name == "GPUs":
                 ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
             ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
