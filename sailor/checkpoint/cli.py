@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import typer
 
 from sailor.checkpoint.errors import CheckpointError
-from sailor.checkpoint.gc import collect
-from sailor.checkpoint.reader import committed_steps, latest_step, read_manifest, verify
 from sailor.checkpoint.storage import open_storage
 
 __all__ = ["LsRow", "ckpt_app", "gc_paths", "inspect_text", "ls_rows", "verify_report"]
@@ -37,6 +35,8 @@ class LsRow:
 
 def ls_rows(url: str) -> list[LsRow]:
     """One row per committed checkpoint (status 'ok', or why its manifest is unreadable)."""
+    from sailor.checkpoint.reader import committed_steps, read_manifest
+
     storage = open_storage(url)
     rows = []
     for step in committed_steps(storage):
@@ -53,6 +53,8 @@ def ls_rows(url: str) -> list[LsRow]:
 
 def inspect_text(url: str, step: int | None = None, tensors: bool = False) -> str:
     """The manifest summary of a step (latest if None): globals, layout, per-layer sizes."""
+    from sailor.checkpoint.reader import latest_step, read_manifest
+
     storage = open_storage(url)
     s = latest_step(storage) if step is None else step
     m = read_manifest(storage, s)
@@ -78,6 +80,8 @@ def inspect_text(url: str, step: int | None = None, tensors: bool = False) -> st
 
 def verify_report(url: str, step: int | None = None) -> dict[int, list[str]]:
     """Problems per committed step (all steps if None); empty lists mean verified."""
+    from sailor.checkpoint.reader import committed_steps, verify
+
     storage = open_storage(url)
     steps = committed_steps(storage) if step is None else [step]
     return {s: verify(storage, s) for s in steps}
@@ -87,6 +91,8 @@ def gc_paths(
     url: str, keep: int | None = None, grace_s: float = 0.0, dry_run: bool = False
 ) -> list[str]:
     """Delete uncommitted debris (and committed checkpoints beyond ``keep``)."""
+    from sailor.checkpoint.gc import collect
+
     return collect(open_storage(url), keep=keep, grace_s=grace_s, dry_run=dry_run)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from sailor.checkpoint.cli import ckpt_app
 from sailor.cli.catalog_cmd import catalog_app
+from sailor.cli.config_cmd import config_app
 from sailor.cli.demo_cmd import demo
 from sailor.cli.import_cmd import import_app
 from sailor.cli.plan_cmd import plan_cmd
@@ -28,11 +30,13 @@ app.command("simulate")(simulate_cmd)
 app.command("plan")(plan_cmd)
 app.add_typer(import_app, name="import")
 app.add_typer(catalog_app, name="catalog")
+app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(profile_app, name="profile")
 app.command("controller")(controller)
 app.command("agent")(agent)
 app.command("status")(status)
 app.command("audit")(audit)
+app.add_typer(config_app, name="config")
 app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 

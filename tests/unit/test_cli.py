@@ -143,3 +143,14 @@ def test_demo_plans_and_simulates(tmp_path: Path) -> None:
     assert 0 < summary["best_throughput_iter_s"] <= summary["upper_bound_iter_s"]
     assert summary["best_throughput_iter_s"] >= summary["homogeneous_grid_iter_s"]
     assert (tmp_path / "demo-timeline.png").stat().st_size > 1000
+
+
+def test_cli_import_does_not_load_torch() -> None:
+    # The controller runs through this CLI on a head VM without GPUs: importing the command
+    # table must not drag in torch (1.5 s and hundreds of MB per daemon start).
+    import subprocess
+    import sys
+
+    code = "import sys, sailor.cli.main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
