@@ -136,6 +136,12 @@ def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
         for row in _stage_summary(r):
             t.add_row(*row[:5])
         con.print(t)
+        if e.uses_estimates:
+            con.print(
+                "  [yellow]rests on estimated profiles[/yellow] for "
+                + ", ".join(sorted({k.split("@")[0] for k in e.gpus_by_type_zone}))
+                + ": measure them with `sailor profile layers` or import measurements"
+            )
         if r.moved_layer_replicas:
             con.print(
                 f"  moves {r.moved_layer_replicas} layer replicas (layers {list(r.moved_layers)})"

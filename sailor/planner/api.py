@@ -136,6 +136,7 @@ class RankedPlan:
             "cost_per_hour_usd": self.cost_per_hour_usd,
             "peak_memory_bytes": e.peak_memory_bytes,
             "gpus_by_type_zone": e.gpus_by_type_zone,
+            "uses_estimates": e.uses_estimates,
             "upper_bound_fraction": self.upper_bound_fraction,
             "moved_layers": list(self.moved_layers),
             "moved_layer_replicas": self.moved_layer_replicas,
