@@ -36,6 +36,7 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
@@ -78,6 +79,7 @@ class Agent:
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
         self.stopping = asyncio.Event()
+        self.sd = SystemdNotifier.from_env()
         self.max_epoch = 0
         self.applied: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
         self.supervisor = Supervisor(config.work_dir / self.node.node_id, config.worker_argv)
@@ -104,12 +106,15 @@ class Agent:
         try:
             await commands.serve(self.node.node_id, self._on_command)
             await self._register()
+            self.sd.ready(f"registered node {self.node.node_id}")
             self._tasks.spawn("status", self._status_loop())
             self._tasks.spawn("registration", self._registration_loop())
             for w in self.watchers:
                 self._tasks.spawn(f"watch-{w.name}", self._watch(w))
             await self.stopping.wait()
         finally:
+            if self.stopping.is_set():
+                self.sd.stopping()
             await self._shutdown(store, nc, commands)
 
     async def _retry(self, make: Any) -> Any:
@@ -187,6 +192,7 @@ class Agent:
     async def _status_loop(self) -> None:
         last = b""
         while True:
+            self.sd.watchdog()  # the status loop is the agent's pulse; no ping: systemd restarts
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.supervisor.changed.wait(), self.cfg.status_interval_s)
             self.supervisor.changed.clear()

@@ -39,6 +39,7 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import EventAdapter, PreemptionNotice
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord
@@ -67,6 +68,7 @@ class Controller:
         )
         self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
         self.stopping = asyncio.Event()
+        self.sd = SystemdNotifier.from_env()
         self.leadership: Leadership | None = None
         self.desired: DesiredState | None = None
         self.decisions = 0
@@ -83,8 +85,10 @@ class Controller:
         nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity))
         if store is None or nc is None:
             return
+        self.sd.ready("standby: connected to etcd and NATS")
         try:
             while not self.stopping.is_set():
+                self.sd.watchdog()
                 try:
                     lead = await campaign(
                         store,
@@ -97,6 +101,7 @@ class Controller:
                 except TemporaryError:
                     continue
                 self.leadership = lead
+                self.sd.status(f"leader, epoch {lead.epoch}")
                 self.audit.write(
                     "leader", self.clock.now(), epoch=lead.epoch, who=self.cfg.identity
                 )
@@ -104,11 +109,14 @@ class Controller:
                     await self._lead(store, nc, lead)
                 finally:
                     self.leadership = None
+                    self.sd.status("standby")
                     if self.stopping.is_set():
                         await lead.resign()
                     else:
                         await lead.abandon()
         finally:
+            if self.stopping.is_set():
+                self.sd.stopping()
             await store.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 3)
@@ -144,6 +152,7 @@ class Controller:
             tasks.spawn("events", self._consume(bus, store, lead))
             tasks.spawn("etcd-poll", self._poll(store))
             while not self.stopping.is_set() and lead.held:
+                self.sd.watchdog()
                 await self._sleep_until_woken(desired)
                 if self.stopping.is_set() or not lead.held:
                     break
@@ -179,6 +188,7 @@ class Controller:
                 kv = await store.get(self.keys.desired)
                 break
             except TemporaryError:
+                self.sd.watchdog()
                 await self.clock.sleep(0.2)
         prev = None
         if kv is not None:

@@ -1,0 +1,150 @@
+"""deploy/cloud-init/agent.yaml: valid cloud-config that installs, configures and starts the agent.
+
+The embedded config script runs here against a fake ``nvidia-smi`` and ``cloud-init query``
+and the config it writes must pass ``sailor config check``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sailor.cli.config_cmd import Kind, check_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CLOUD_INIT = ROOT / "deploy/cloud-init/agent.yaml"
+
+
+def _doc() -> dict[str, Any]:
+    text = CLOUD_INIT.read_text()
+    assert text.startswith("#cloud-config\n")
+    doc = yaml.safe_load(text)
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _file(path: str) -> str:
+    files = {f["path"]: f for f in _doc()["write_files"]}
+    return str(files[path]["content"])
+
+
+def test_top_level_keys_and_boot_steps() -> None:
+    doc = _doc()
+    assert set(doc) == {"package_update", "packages", "write_files", "runcmd"}
+    assert "python3-venv" in doc["packages"]
+    cmds = [" ".join(c) if isinstance(c, list) else c for c in doc["runcmd"]]
+    order = [
+        "systemd-sysusers",
+        "pip install",
+        "sailor-agent-config",
+        "config check",
+        "daemon-reload",
+        "enable --now sailor-agent.service",
+    ]
+    at = [next(i for i, c in enumerate(cmds) if step in c) for step in order]
+    assert at == sorted(at), cmds
+    env = _file("/etc/sailor/install.env")
+    for var in (
+        "SAILOR_PACKAGE=@SAILOR_PACKAGE@",
+        "SAILOR_HEAD=@SAILOR_HEAD@",
+        "SAILOR_JOB=@SAILOR_JOB@",
+    ):
+        assert var in env
+
+
+def test_embedded_unit_and_sysusers_match_deploy_systemd() -> None:
+    unit = (ROOT / "deploy/systemd/sailor-agent.service").read_text()
+    assert _file("/etc/systemd/system/sailor-agent.service") == unit
+    sysusers = (ROOT / "deploy/systemd/sailor.sysusers.conf").read_text()
+    assert _file("/usr/lib/sysusers.d/sailor.conf") == sysusers
+
+
+def _fake_bin(tmp: Path, gpus: str) -> Path:
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{gpus}'\n")
+    (bin_dir / "cloud-init").write_text(
+        '#!/bin/sh\ncase "$2" in\n'
+        "v1.instance_id) echo 5551234;;\n"
+        "v1.availability_zone) echo europe-west4-a;;\n"
+        "v1.cloud_name) echo gcp;;\nesac\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return bin_dir
+
+
+def _run_script(tmp: Path, gpus: str, **env: str) -> subprocess.CompletedProcess[str]:
+    script = tmp / "sailor-agent-config"
+    script.write_text(_file("/usr/local/sbin/sailor-agent-config"))
+    bin_dir = _fake_bin(tmp, gpus)
+    full = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SAILOR_HEAD": "10.0.0.2",
+        "SAILOR_AGENT_CONFIG": str(tmp / "etc/agent.yaml"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(script)], env=full, capture_output=True, text=True, timeout=20
+    )
+
+
+@pytest.mark.parametrize(
+    ("smi", "gpu", "count"),
+    [
+        ("NVIDIA A100-SXM4-40GB, 40960\\n" * 8, "A100-40", 8),
+        ("NVIDIA A100-SXM4-80GB, 81920\\n" * 2, "A100-80", 2),
+        ("NVIDIA H100 80GB HBM3, 81559\\n" * 8, "H100-80", 8),
+        ("NVIDIA L4, 23034\\n", "L4", 1),
+        ("Tesla T4, 15360\\n" * 4, "T4", 4),
+    ],
+)
+def test_config_script_writes_a_valid_agent_config(
+    tmp_path: Path, smi: str, gpu: str, count: int
+) -> None:
+    res = _run_script(tmp_path, smi, SAILOR_JOB="llm")
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "etc/agent.yaml"
+    code, kind, messages = check_config(out)
+    assert (code, kind, messages) == (0, Kind.agent, [])
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["job"] == "llm"
+    assert cfg["node"] == {
+        "node_id": "5551234",
+        "gpu_type": gpu,
+        "gpus": count,
+        "zone": "europe-west4-a",
+        "spot": True,
+        "address": cfg["node"]["address"],
+    }
+    assert cfg["nats_url"] == "nats://10.0.0.2:4222" and cfg["etcd_endpoint"] == "10.0.0.2:2379"
+    assert cfg["watchers"] == [
+        {"kind": "gcp", "target": "http://metadata.google.internal"},
+        {"kind": "file", "target": "/var/lib/sailor/drain"},
+    ]
+
+
+def test_config_script_refuses_an_unknown_gpu(tmp_path: Path) -> None:
+    res = _run_script(tmp_path, "NVIDIA B200, 183359\\n")
+    assert res.returncode == 1
+    assert "NVIDIA B200" in res.stderr and "not in the catalog" in res.stderr
+    assert not (tmp_path / "etc/agent.yaml").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("cloud-init") is None, reason="cloud-init not installed (optional)"
+)
+def test_cloud_init_schema() -> None:
+    res = subprocess.run(
+        ["cloud-init", "schema", "--config-file", str(CLOUD_INIT)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
