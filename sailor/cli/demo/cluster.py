@@ -1,0 +1,127 @@
+"""The demo's cluster on one machine: a controller and agents as real ``sailor`` processes.
+
+Every agent registers a ``cpu`` node (one "GPU": one tiny-gpt worker rank over gloo) in zone
+``local-a``, with a file watcher for preemption notices. Why ``cpu`` and one zone: the
+planner plans for what the nodes say they are; labelled GPUs (A100, V100…) or several zones
+make it find a one-GPU layout best for a model this small (measured with
+``SailorPlanner.plan``: 3 labelled nodes → 1 GPU used), so the demo would not show layouts
+changing with membership. With ``cpu`` nodes in one zone it uses all of them (3 nodes: a
+3-stage pipeline; 2 nodes: data parallel 2). The configs are the files an operator writes
+(``sailor controller --config``, ``sailor agent --config``). Must never talk to the
+servers itself; :mod:`sailor.cli.demo.observe` reads, this module only starts and injures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sailor.agent.daemon import AgentConfig, WatcherConfig
+from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
+from sailor.cli.demo.processes import ProcessRegistry
+from sailor.cli.demo.servers import Servers, free_port
+from sailor.controller.config import ControllerConfig
+from sailor.controller.phases import PhaseDeadlines
+from sailor.schemas.hardware import NodeSpec
+
+__all__ = ["JOB", "DemoCluster"]
+
+JOB = "demo"
+_SAILOR = (sys.executable, "-m", "sailor.cli.main")
+
+
+@dataclass
+class DemoCluster:
+    """Starts the controller and agents of one demo run and injects its faults."""
+
+    reg: ProcessRegistry
+    servers: Servers
+    root: Path
+    global_batch_size: int
+    min_step_s: float
+
+    @property
+    def audit_log(self) -> Path:
+        return self.root / "audit.jsonl"
+
+    @property
+    def agents_dir(self) -> Path:
+        return self.root / "agents"
+
+    def controller_config(self) -> ControllerConfig:
+        return ControllerConfig(
+            job=JOB,
+            identity="demo-controller",
+            nats_url=self.servers.nats_url,
+            etcd_endpoint=self.servers.etcd_endpoint,
+            audit_log=self.audit_log,
+            checkpoint_dir=str(self.root / "ckpt"),
+            lease_ttl_s=2,
+            debounce_s=0.05,
+            resync_s=0.5,
+            poll_s=0.1,
+            # two steps of slack for the stop: the agents report steps ~0.2 s late
+            stop_ahead_steps=2,
+            notice_margin_s=1.0,
+            deadlines=PhaseDeadlines(quiesce=20, checkpoint=20, launch=15, load=60, verify=60),
+            planner="sailor",
+            model="tiny-gpt",
+            global_batch_size=self.global_batch_size,
+            base_port=free_port(),
+        )
+
+    def agent_config(self, node: str) -> AgentConfig:
+        return AgentConfig(
+            job=JOB,
+            node=NodeSpec(
+                node_id=node, gpu_type="cpu", gpus=1, zone="local-a", spot=True, address="127.0.0.1"
+            ),
+            nats_url=self.servers.nats_url,
+            etcd_endpoint=self.servers.etcd_endpoint,
+            lease_ttl_s=2,
+            work_dir=self.agents_dir,
+            # paced steps leave the 2 shared cores to the control plane; a short collective
+            # timeout bounds how long survivors of a lost node wait on it
+            worker_argv=(
+                *DEFAULT_WORKER_ARGV,
+                *("--min-step-s", str(self.min_step_s), "--timeout-s", "30"),
+            ),
+            watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
+            watch_poll_s=0.1,
+        )
+
+    def notice_file(self, node: str) -> Path:
+        return self.root / f"preempt-{node}"
+
+    def start_controller(self) -> None:
+        path = self.root / "controller.json"
+        path.write_text(self.controller_config().model_dump_json(indent=2))
+        self.reg.start("controller", [*_SAILOR, "controller", "--config", str(path)])
+
+    def start_agent(self, node: str) -> None:
+        path = self.root / f"agent-{node}.json"
+        path.write_text(self.agent_config(node).model_dump_json(indent=2))
+        self.reg.start(f"agent-{node}", [*_SAILOR, "agent", "--config", str(path)])
+
+    def preempt(self, node: str, in_s: float) -> float:
+        """Drop a spot-preemption notice where the node's file watcher looks; return its time."""
+        t = time.time()
+        tmp = self.notice_file(node).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"in_s": in_s}))
+        tmp.replace(self.notice_file(node))
+        return t
+
+    def lose(self, node: str) -> float:
+        """SIGKILL the node's agent and its workers, without notice; return the time."""
+        t = time.time()
+        self.reg.kill_node(f"agent-{node}")
+        return t
+
+    def stop(self) -> None:
+        """SIGTERM agents (their workers stop with them), then the controller."""
+        agents = [n for n in self.reg.procs if n.startswith("agent-")]
+        self.reg.stop(agents, grace_s=8.0)
+        self.reg.stop(["controller"], grace_s=5.0)

@@ -1,0 +1,70 @@
+"""``sailor demo``: a one-machine cluster that trains through a preemption, a loss and a join.
+
+Starts nats-server and etcd (the project's install), a controller and agents as real
+``sailor`` processes, each agent a ``cpu`` node running real tiny-gpt workers; trains; then a
+spot-preemption notice, a node lost without notice and a node joining, each followed by a
+reconfiguration; ends with a summary against an uninterrupted run and a PNG. ``--plan``
+adds (``--plan-only`` runs only) the planning showcase on a bundled heterogeneous pool.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+__all__ = ["demo"]
+
+
+def demo(
+    out: Path = typer.Option(Path("out"), help="Where the PNG (and the plan) go."),
+    steps: int = typer.Option(5, help="Steps trained between two injected changes."),
+    nodes: int = typer.Option(3, help="Agents at the start (>= 3); one more joins later."),
+    min_step_s: float = typer.Option(
+        0.1, help="Pace of a worker step (s): leaves the cores to the control plane."
+    ),
+    notice_s: float = typer.Option(20.0, help="Deadline of the spot-preemption notice (s)."),
+    timeout_s: float = typer.Option(90.0, help="Give up if a phase takes longer (s)."),
+    plan: bool = typer.Option(False, "--plan", help="First plan OPT-350 on a bundled pool."),
+    plan_only: bool = typer.Option(False, "--plan-only", help="Only the planning section."),
+    keep: bool = typer.Option(False, help="Keep the run directory (logs, audit, checkpoints)."),
+    as_json: bool = typer.Option(False, "--json", help="No live view; print a JSON summary."),
+) -> None:
+    """One-machine cluster: train, survive a preemption, a node loss and a join; summarize."""
+    from sailor.cli.demo.run import Interrupted, run_demo
+    from sailor.cli.demo.scenario import DemoSettings
+
+    con = Console(quiet=as_json)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {}
+    if plan or plan_only:
+        from sailor.cli.demo.plan_section import plan_section
+
+        result["plan"] = plan_section(con, out)
+    if not plan_only:
+        try:
+            settings = DemoSettings(
+                initial_nodes=nodes,
+                steps_between=steps,
+                min_step_s=min_step_s,
+                notice_s=notice_s,
+                phase_timeout_s=timeout_s,
+            )
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        con.rule("[bold]A one-machine cluster: preemption notice, node loss, node join")
+        try:
+            result["cluster"] = run_demo(settings, out, con, keep, show_live=not as_json)
+        except Interrupted as exc:
+            typer.echo(f"sailor demo: {exc}: stopped, every process ended", err=True)
+            raise typer.Exit(128 + exc.signum) from None
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    cl = result.get("cluster")
+    if cl is not None:
+        ok = cl["losses"]["ok"] and all(r["resumed"] for r in cl["reconfigurations"])
+        if not ok or cl["leftover_processes"]:
+            raise typer.Exit(1)

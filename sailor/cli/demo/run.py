@@ -1,0 +1,148 @@
+"""One demo run from start to cleanup: servers, cluster, scenario, reference, report.
+
+Owns every process and the temporary directory. Ctrl-C (SIGINT) and SIGTERM both end the
+scenario at once and run the same cleanup as a normal exit: SIGTERM to the agents (they stop
+their workers) and the controller, then the servers, then SIGKILL to anything left that
+carries the run's marker (workers orphaned by the killed agent included), then the temporary
+directory goes. Signals are ignored while cleaning up, so a second Ctrl-C cannot leave half.
+A SIGKILL of the demo itself cannot be handled; its children then outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rich.console import Console, RenderableType
+from rich.live import Live
+
+from sailor.cli.demo.cluster import DemoCluster
+from sailor.cli.demo.processes import ProcessRegistry
+from sailor.cli.demo.reconfig import reconfigurations
+from sailor.cli.demo.report import compare_losses, print_summary, summary
+from sailor.cli.demo.scenario import DemoSettings, Scenario
+from sailor.cli.demo.servers import start_servers
+
+__all__ = ["Interrupted", "run_demo"]
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: stop and clean up (a BaseException, like Ctrl-C)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int, _frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _cleanup(reg: ProcessRegistry, cluster: DemoCluster | None, tmp: Path, keep: bool) -> list[int]:
+    try:
+        if cluster is not None:
+            cluster.stop()
+        reg.stop(["nats", "etcd"], grace_s=5.0)
+    finally:
+        left = reg.kill_all()
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return left
+
+
+def _scenario(scn: Scenario, live: Live | None) -> None:
+    async def main() -> None:
+        await scn.run()
+
+    if live is None:
+        asyncio.run(main())
+        return
+    with live:
+        asyncio.run(main())
+
+
+def run_demo(
+    settings: DemoSettings, out: Path, con: Console, keep: bool, show_live: bool
+) -> dict[str, Any]:
+    """Run the cluster demo; return the summary. Raises Interrupted after cleaning up."""
+    from sailor.controller.audit import check, read_records
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="sailor-demo-"))
+    reg = ProcessRegistry(log_dir=tmp / "logs")
+    cluster: DemoCluster | None = None
+    t_start = time.time()
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with _signals_raise():
+            servers = start_servers(reg, tmp)
+            con.print(
+                f"  nats-server {servers.nats_url}, etcd {servers.etcd_endpoint}; run dir {tmp}"
+            )
+            cluster = DemoCluster(
+                reg=reg,
+                servers=servers,
+                root=tmp,
+                global_batch_size=settings.global_batch_size,
+                min_step_s=settings.min_step_s,
+            )
+            live = Live(console=con, refresh_per_second=4, transient=False) if show_live else None
+            show: Callable[[RenderableType], None] | None = live.update if live else None
+            say = None if show_live else (lambda line: con.print(f"  {line}"))
+            scn = Scenario(cluster=cluster, settings=settings, show=show, say=say, t0=t_start)
+            _scenario(scn, live)
+        records = read_records([cluster.audit_log])
+        scn.steps.poll()
+    finally:
+        leftovers = _cleanup(reg, cluster, tmp, keep)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return _report(scn, records, check(records).ok, settings, out, con, t_start, leftovers)
+
+
+def _report(
+    scn: Scenario,
+    records: list[dict[str, Any]],
+    audit_ok: bool,
+    settings: DemoSettings,
+    out: Path,
+    con: Console,
+    t_start: float,
+    leftovers: list[int],
+) -> dict[str, Any]:
+    from sailor.cli.demo.plot import plot_run
+    from sailor.megatron_patch.engine import TrainConfig
+    from sailor.megatron_patch.model import tiny_model
+    from sailor.megatron_patch.reference import train_reference
+
+    wall = time.time() - t_start
+    points = scn.steps.series()
+    last = max((p.step for p in points), default=0)
+    gbs = settings.global_batch_size
+    con.print(f"  uninterrupted reference: {last} steps in one process …")
+    ref = train_reference(tiny_model("tiny-gpt", gbs), gbs, last, TrainConfig(seed=0)).losses
+    commits = [int(r["step"]) for r in records if r.get("kind") == "commit"]
+    reconfs = reconfigurations(records, scn.injections, points)
+    png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png")
+    summ = summary(points, reconfs, compare_losses(points, ref, commits), wall, str(png), audit_ok)
+    summ["leftover_processes"] = leftovers
+    print_summary(con, summ)
+    return summ

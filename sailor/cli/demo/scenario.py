@@ -1,0 +1,159 @@
+"""The demo's script: start the nodes, train, preempt one, lose one, add one; watch it.
+
+1. ``initial_nodes`` agents register (n1…); then the controller starts and plans for all
+   of them (so the first layout already uses every node).
+2. After ``steps_between`` steps: a spot-preemption notice for n1 (``notice_s`` ahead)
+   through its file watcher → checkpoint inside the deadline → new layout without n1; n1's
+   agent is then stopped, as its VM would be.
+3. After ``steps_between`` steps: n2's agent and its workers are SIGKILLed (no notice) →
+   its lease expires → abort → relaunch from the newest commit on the survivors.
+4. After ``steps_between`` steps: a new agent joins → replan → resume with it.
+5. Train ``steps_between`` more steps.
+
+Each wait has a timeout (``phase_timeout_s``); the live view is refreshed from etcd and the
+progress files while waiting. Must never clean up: :mod:`sailor.cli.demo.run` owns that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rich.console import RenderableType
+
+from sailor.cli.demo.cluster import JOB, DemoCluster
+from sailor.cli.demo.live import render
+from sailor.cli.demo.observe import ClusterView, StateReader, StepReader
+from sailor.cli.demo.plot import throughput_series
+from sailor.cli.demo.reconfig import Injection
+
+__all__ = ["DemoSettings", "DemoTimeoutError", "Scenario"]
+
+
+class DemoTimeoutError(RuntimeError):
+    """The cluster did not reach the expected state in time (not retried)."""
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    initial_nodes: int = 3
+    steps_between: int = 5
+    min_step_s: float = 0.1
+    notice_s: float = 20.0
+    global_batch_size: int = 4
+    phase_timeout_s: float = 90.0
+    poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.initial_nodes < 3:
+            raise ValueError(f"initial_nodes={self.initial_nodes}: the demo needs >= 3")
+        if self.steps_between < 1:
+            raise ValueError(f"steps_between={self.steps_between}: must be >= 1")
+        if self.notice_s <= 2.0:
+            raise ValueError(f"notice_s={self.notice_s}: too short to checkpoint (> 2 s)")
+
+
+@dataclass
+class Scenario:
+    cluster: DemoCluster
+    settings: DemoSettings
+    show: Callable[[RenderableType], None] | None = None
+    say: Callable[[str], None] | None = None
+    injections: list[Injection] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    view: ClusterView = field(default_factory=ClusterView)
+    t0: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.steps = StepReader(self.cluster.agents_dir)
+        self.state = StateReader(self.cluster.servers.etcd_endpoint, JOB)
+
+    def _note(self, text: str) -> None:
+        line = f"{time.time() - self.t0:6.1f}s  {text}"
+        self.log.append(line)
+        if self.say is not None:
+            self.say(line)
+
+    async def _tick(self) -> None:
+        # a failed read (etcd busy on 2 cores) only skips one refresh
+        with contextlib.suppress(Exception):
+            self.view = await self.state.read()
+        self.steps.poll()
+        if self.show is not None:
+            series = throughput_series(self.steps.series()[-12:], self.settings.global_batch_size)
+            thr = series[-1][1] if series else None
+            self.show(render(self.view, self.steps.latest(), thr, self.log, time.time() - self.t0))
+
+    async def _until(self, ok: Callable[[], bool], what: str) -> None:
+        end = time.monotonic() + self.settings.phase_timeout_s
+        while True:
+            await self._tick()
+            if ok():
+                return
+            if time.monotonic() > end:
+                raise DemoTimeoutError(f"{what}: not within {self.settings.phase_timeout_s:.0f} s")
+            await asyncio.sleep(self.settings.poll_s)
+
+    async def _running_after(self, gen: int) -> int:
+        await self._until(
+            lambda: self.view.phase == "running" and self.view.generation > gen,
+            f"RUNNING after generation {gen}",
+        )
+        self._note(f"RUNNING generation {self.view.generation}: {self.view.plan}")
+        return self.view.generation
+
+    async def _train(self, gen: int, steps: int) -> None:
+        start = self.view.load_step if self.view.load_step > 0 else 0
+
+        def reached() -> bool:
+            top = max(
+                (p.step for p in self.steps.points.values() if p.generation == gen), default=-1
+            )
+            return top >= start + steps
+
+        await self._until(reached, f"{steps} steps of generation {gen}")
+
+    def _inject(self, kind: str, node: str) -> None:
+        self.injections.append(Injection(kind=kind, node=node, time=time.time()))
+
+    async def run(self) -> list[Injection]:
+        s, c = self.settings, self.cluster
+        try:
+            names = [f"n{i + 1}" for i in range(s.initial_nodes)]
+            for n in names:
+                c.start_agent(n)
+            self._note(f"agents {', '.join(names)} started (cpu nodes, zone local-a)")
+            await self._until(lambda: len(self.view.nodes) >= len(names), "agents registered")
+            self._inject("start", ",".join(names))
+            c.start_controller()
+            self._note("controller started: plans for the registered nodes")
+            gen = await self._running_after(-1)
+            await self._train(gen, s.steps_between)
+
+            self._inject("preemption notice", "n1")
+            c.preempt("n1", s.notice_s)
+            self._note(f"spot-preemption notice for n1 ({s.notice_s:.0f} s ahead)")
+            gen = await self._running_after(gen)
+            c.reg.stop(["agent-n1"], grace_s=5.0)
+            self._note("n1's VM is gone (agent stopped)")
+            await self._train(gen, s.steps_between)
+
+            self._inject("node lost", "n2")
+            c.lose("n2")
+            self._note("n2 lost without notice: agent and workers SIGKILLed")
+            gen = await self._running_after(gen)
+            await self._train(gen, s.steps_between)
+
+            new = f"n{s.initial_nodes + 1}"
+            self._inject("node joined", new)
+            c.start_agent(new)
+            self._note(f"{new} joins")
+            gen = await self._running_after(gen)
+            await self._train(gen, s.steps_between)
+            self._note("done: stopping the cluster")
+            return self.injections
+        finally:
+            await self.state.close()
