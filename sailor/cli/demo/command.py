@@ -21,15 +21,18 @@ __all__ = ["demo"]
 
 def demo(
     out: Path = typer.Option(Path("out"), help="Where the PNG (and the plan) go."),
-    steps: int = typer.Option(5, help="Steps trained between two injected changes."),
+    steps: int = typer.Option(30, help="Steps trained between two injected changes."),
     nodes: int = typer.Option(3, help="Agents at the start (>= 3); one more joins later."),
     min_step_s: float = typer.Option(
-        0.1, help="Pace of a worker step (s): leaves the cores to the control plane."
+        0.05, help="Pace of a worker step (s): leaves the cores to the control plane."
     ),
     notice_s: float = typer.Option(20.0, help="Deadline of the spot-preemption notice (s)."),
     timeout_s: float = typer.Option(90.0, help="Give up if a phase takes longer (s)."),
     plan: bool = typer.Option(False, "--plan", help="First plan OPT-350 on a bundled pool."),
     plan_only: bool = typer.Option(False, "--plan-only", help="Only the planning section."),
+    train: bool = typer.Option(
+        True, hidden=True, help="--no-train = --plan-only (the earlier demo's flag)."
+    ),
     keep: bool = typer.Option(False, help="Keep the run directory (logs, audit, checkpoints)."),
     as_json: bool = typer.Option(False, "--json", help="No live view; print a JSON summary."),
 ) -> None:
@@ -38,6 +41,7 @@ def demo(
     from sailor.cli.demo.scenario import DemoSettings
 
     con = Console(quiet=as_json)
+    plan_only = plan_only or not train
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {}
     if plan or plan_only:

@@ -102,13 +102,14 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
         "change",
         "node",
         "resumed",
-        "gen",
+        "generation",
         "from step",
         "recovery s",
-        "no-step gap s",
-        "redone",
-        *_PHASES,
+        "no-step s",
+        "redone steps",
+        title="reconfigurations",
     )
+    ph_t = Table("change", *_PHASES, title="seconds per phase")
     for r in summ["reconfigurations"]:
         ph = r["phases_s"]
         t.add_row(
@@ -120,9 +121,10 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
             f"{r['recovery_s']:.2f}" if r["recovery_s"] is not None else "—",
             f"{r['gap_s']:.2f}" if r["gap_s"] is not None else "—",
             str(r["redone_steps"]),
-            *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES),
         )
+        ph_t.add_row(r["cause"], *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES))
     con.print(t)
+    con.print(ph_t)
     lo = summ["losses"]
     c = Table("committed step", "loss (cluster)", "loss (uninterrupted)", "|diff|")
     for row in lo["committed"]:

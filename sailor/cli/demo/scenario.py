@@ -40,8 +40,8 @@ class DemoTimeoutError(RuntimeError):
 @dataclass(frozen=True)
 class DemoSettings:
     initial_nodes: int = 3
-    steps_between: int = 5
-    min_step_s: float = 0.1
+    steps_between: int = 30
+    min_step_s: float = 0.05
     notice_s: float = 20.0
     global_batch_size: int = 4
     phase_timeout_s: float = 90.0

@@ -1,0 +1,114 @@
+"""``sailor demo`` end to end, as a user runs it: a subprocess, real servers, real workers.
+
+The JSON run must show the three injected changes (preemption notice, node lost, node
+joined) each resumed, every committed step's loss equal to the uninterrupted reference, the
+PNG written, and no process left behind. The interrupted runs (SIGINT as Ctrl-C, SIGTERM)
+must end every process they started, workers of the agents included. "Left behind" is found
+without psutil: every descendant inherits an environment variable unique to the test, and
+``/proc/*/environ`` is scanned for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sailor.cli.demo.processes import marked_pids
+from sailor.cli.demo.report import LOSS_ATOL
+
+_TEST_ENV = "SAILOR_DEMO_TEST_TOKEN"
+_FAST = ("--steps", "10", "--min-step-s", "0.05", "--timeout-s", "60")
+
+
+def _demo(tmp: Path, token: str, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, _TEST_ENV: token, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "sailor.cli.main", "demo", "--out", str(tmp / "out"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # a test failure must not leave the demo to the terminal
+    )
+
+
+def _left(token: str) -> list[int]:
+    end = time.monotonic() + 3.0
+    left = marked_pids(token, _TEST_ENV)
+    while left and time.monotonic() < end:  # exits race with the scan for a moment
+        time.sleep(0.1)
+        left = marked_pids(token, _TEST_ENV)
+    return left
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _kill_leftovers(token: str) -> None:
+    for pid in marked_pids(token, _TEST_ENV):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_json_end_to_end(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    proc = _demo(tmp_path, token, "--json", *_FAST)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+        left = _left(token)
+        _kill_leftovers(token)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert not left, [_cmdline(p) for p in left]
+    summ = json.loads(out)["cluster"]
+    causes = [r["cause"] for r in summ["reconfigurations"]]
+    assert causes == ["start", "preemption notice", "node lost", "node joined"]
+    assert all(r["resumed"] for r in summ["reconfigurations"]), summ["reconfigurations"]
+    lost = summ["reconfigurations"][2]
+    assert lost["phases_s"].get("teardown") is not None  # an abort, not a checkpoint
+    # a notice and a join checkpoint first, so no step is retrained
+    assert summ["reconfigurations"][1]["redone_steps"] == 0
+    losses = summ["losses"]
+    assert losses["ok"] and losses["max_abs_diff"] <= LOSS_ATOL
+    committed = [c["step"] for c in losses["committed"]]
+    assert len(committed) >= 2  # the notice's and the join's checkpoints
+    assert all(c["abs_diff"] <= LOSS_ATOL for c in losses["committed"])
+    assert summ["audit_ok"] and summ["leftover_processes"] == []
+    png = Path(summ["png"])
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
+    token = uuid.uuid4().hex
+    proc = _demo(tmp_path, token, "--json", *_FAST)
+    try:
+        end = time.monotonic() + 90
+        # interrupt once real workers run: the hardest moment (agents' own sessions, gloo)
+        while not any("sailor.worker" in _cmdline(p) for p in marked_pids(token, _TEST_ENV)):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < end, "no worker started"
+            time.sleep(0.2)
+        os.kill(proc.pid, sig)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        left = _left(token)
+        _kill_leftovers(token)
+    assert proc.returncode == 128 + sig, err.decode()[-3000:]
+    assert not left, [_cmdline(p) for p in left]
+    run_dirs = [ln for ln in err.decode().splitlines() if "sailor-demo-" in ln]
+    assert not run_dirs or all(not Path(p).exists() for p in run_dirs)

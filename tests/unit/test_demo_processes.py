@@ -1,0 +1,49 @@
+"""The demo's process registry finds and ends every marked process, workers included."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from sailor.cli.demo.processes import ProcessRegistry, children_of, marked_pids
+
+# A parent that starts a child in a session of its own, as an agent starts its workers.
+_PARENT = (
+    "import subprocess, sys, time;"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+    " start_new_session=True); time.sleep(60)"
+)
+
+
+def _wait(cond: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:  # type: ignore[operator]
+        time.sleep(0.05)
+
+
+def test_kill_node_takes_its_workers(tmp_path: Path) -> None:
+    reg = ProcessRegistry(log_dir=tmp_path)
+    try:
+        agent = reg.start("agent-x", [sys.executable, "-c", _PARENT])
+        _wait(lambda: len(children_of(agent.pid)) == 1)
+        (worker,) = children_of(agent.pid)
+        assert worker in marked_pids(reg.token) and agent.pid in marked_pids(reg.token)
+        victims = reg.kill_node("agent-x")
+        assert set(victims) == {agent.pid, worker}
+        _wait(lambda: not marked_pids(reg.token))
+        assert marked_pids(reg.token) == []
+    finally:
+        reg.kill_all()
+
+
+def test_kill_all_reaches_orphans(tmp_path: Path) -> None:
+    reg = ProcessRegistry(log_dir=tmp_path)
+    try:
+        agent = reg.start("agent-y", [sys.executable, "-c", _PARENT])
+        _wait(lambda: len(children_of(agent.pid)) == 1)
+        reg.stop(["agent-y"], grace_s=2.0)  # the parent goes; its worker is orphaned
+        assert len(marked_pids(reg.token)) == 1
+    finally:
+        assert reg.kill_all() == []
+    assert marked_pids(reg.token) == []
