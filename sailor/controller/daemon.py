@@ -13,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -75,14 +76,20 @@ class Controller:
         self._wake = asyncio.Event()
         self._urgent = False
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Measurement hooks (benchmarks/runtime_burst.py): handled events by outcome, and an
+        # optional observer called once per handled event with (event id or msg id, outcome,
+        # received time, handled time). Bounded: a Counter of three keys; no per-event memory.
+        self.event_counts: collections.Counter[str] = collections.Counter()
+        self.on_event: Callable[[str, str, float, float], None] | None = None
 
     def wake(self, urgent: bool = False) -> None:
         self._urgent = self._urgent or urgent
         self._wake.set()
 
     async def run(self) -> None:
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint))
-        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity))
+        sec = self.cfg.security
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
+        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity, 5.0, sec))
         if store is None or nc is None:
             return
         self.sd.ready("standby: connected to etcd and NATS")
@@ -283,7 +290,16 @@ class Controller:
     async def _handle_event(
         self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership
     ) -> None:
-        now = self.clock.now()
+        received = self.clock.now()
+        outcome, event_id = await self._apply_event(data, msg_id, store, lead, received)
+        self.event_counts[outcome] += 1
+        if self.on_event is not None:
+            self.on_event(event_id or msg_id, outcome, received, self.clock.now())
+
+    async def _apply_event(
+        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, now: float
+    ) -> tuple[str, str]:
+        """Validate and record one event; returns (outcome, event id)."""
         try:
             ev = EventAdapter.validate_json(data)
         except ValidationError as exc:
@@ -294,10 +310,10 @@ class Controller:
                 msg_id=msg_id[:128],
                 reason=str(exc).splitlines()[0][:300],
             )
-            return
+            return "rejected", ""
         if ev.event_id in self._seen:
             self.audit.write("event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id)
-            return
+            return "duplicate", ev.event_id
         self._seen[ev.event_id] = None
         while len(self._seen) > 200_000:
             self._seen.popitem(last=False)
@@ -312,7 +328,7 @@ class Controller:
                 node_id=ev.node_id,
                 reason="node is not registered",
             )
-            return
+            return "rejected", ev.event_id
         if isinstance(ev, PreemptionNotice):
             if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
                 self.audit.write(
@@ -324,7 +340,7 @@ class Controller:
                     node_id=ev.node_id,
                     reason=f"deadline {ev.deadline} outside the accepted window",
                 )
-                return
+                return "rejected", ev.event_id
             rec = NoticeRecord(
                 node_id=ev.node_id, deadline=ev.deadline, event_id=ev.event_id, source=ev.source
             )
@@ -345,6 +361,7 @@ class Controller:
                 latency_s=round(now - ev.time, 4),
             )
         self.wake(urgent=isinstance(ev, PreemptionNotice))
+        return "accepted", ev.event_id
 
 
 def _is_send(action: object) -> bool:

@@ -1,0 +1,529 @@
+"""Controller decision latency (event received → new desired plan in etcd) at 64/512/2048 nodes.
+
+Setup: a real nats-server (JetStream) and etcd 3.4 on loopback (``runtime_servers.py``); the
+real ``Controller`` in this process with ``planner="sailor"`` (``sailor.planner`` search, then
+``replan``) planning OPT-350 (catalog, global batch 1024) on spot 4-GPU nodes, half A100-40
+and half V100-16, in us-central1-a, with analytic profiles. The agents are simulated in a
+*separate process* (so they do not share the controller's event loop and GIL) by
+``SimCluster``: one NATS connection and one etcd client shared by all simulated nodes, but
+per node exactly what ``sailor.agent`` does through ``sailor.coordination``: its own lease,
+``nodes/<id>`` bound to it, ``status/<id>`` under it, a command subscription answering each
+command with a ``CommandAck`` (epoch check, at-most-once per command id), and join / leave /
+preemption events on the JetStream stream with ``event_id`` as the message id. Simulated
+workers are instantaneous: a Launch makes the node report a step after the load step, a Stop
+its stop step, a Checkpoint that step saved, an Abort idle.
+
+Per cluster size, after the first layout runs, rounds of three events, each waited for until
+the controller is RUNNING again in a new generation:
+
+- leave: a node of the running layout leaves (NodeLeft, then its lease is revoked, as an
+  agent on SIGTERM) → abort → teardown (Abort to every busy node) → replan;
+- join: a new node of a known shape registers and publishes NodeJoined → quiesce + replan;
+- notice: a node of the layout publishes a PreemptionNotice (deadline in 120 s) → quiesce +
+  replan (the node then leaves, unmeasured).
+
+From the controller's audit log, per event: ``received`` (the ``event`` record), ``decision``
+(first desired-state write after it), ``plan`` (the desired state carrying the new plan,
+cause "plan ready"), and ``planning_s`` (the ``plan`` record: time inside the planner
+thread). Coordination overhead = (received → plan) − planner. ``agent → plan`` starts at
+the simulated agent's first action (for a join, the etcd registration that the controller's
+100 ms revision poll may see before the event arrives). Controller knobs as in
+runtime_reconfig.py: debounce 50 ms (it is inside the overhead), revision poll 100 ms.
+Target (issue 7): ≤ 200 ms at 512 nodes. Prints; asserts nothing.
+
+Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_servers import free_port, servers
+
+from sailor.controller.audit import read_records
+from sailor.controller.config import ControllerConfig
+from sailor.controller.daemon import Controller
+from sailor.coordination import (
+    EtcdLease,
+    EtcdStore,
+    Keys,
+    NatsCommands,
+    NatsEventBus,
+    TemporaryError,
+    connect_etcd,
+    connect_nats,
+)
+from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
+from sailor.schemas.events import Heartbeat, NodeJoined, NodeLeft, PreemptionNotice
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import AgentStatus, CommandAck, Phase
+
+__all__ = ["SimCluster", "SimHandle", "node_spec"]
+
+MODEL = "OPT-350"
+GLOBAL_BATCH = 1024  # OPT-350's batch in the catalog
+ZONE = "us-central1-a"
+GPU_TYPES = ("A100-40", "V100-16")
+SIM_LEASE_TTL_S = 60  # keepalive every 20 s: 2048 leases cost ~100 refreshes/s, not ~3000
+ROUNDS = {64: 5, 512: 3, 2048: 2}
+SETUP_CONCURRENCY = 128
+
+
+def node_spec(i: int) -> NodeSpec:
+    return NodeSpec(
+        node_id=f"n{i:05d}",
+        gpu_type=GPU_TYPES[i % len(GPU_TYPES)],
+        gpus=4,
+        zone=ZONE,
+        spot=True,
+        address=f"10.0.{i // 250}.{i % 250 + 1}",
+    )
+
+
+class _SimNode:
+    """What one agent keeps: lease, status, highest epoch, applied command ids."""
+
+    def __init__(self, spec: NodeSpec, lease: EtcdLease) -> None:
+        self.spec = spec
+        self.lease = lease
+        self.status = AgentStatus(node_id=spec.node_id)
+        self.max_epoch = 0
+        self.applied: dict[str, CommandAck] = {}
+        self.lock = asyncio.Lock()
+
+
+class SimCluster:
+    """Many simulated agents over one NATS connection and one etcd client."""
+
+    def __init__(self, job: str, nats_url: str, etcd_endpoint: str) -> None:
+        self.keys = Keys(job=job)
+        self.nats_url = nats_url
+        self.etcd_endpoint = etcd_endpoint
+        self.nodes: dict[str, _SimNode] = {}
+        self.store: EtcdStore | None = None
+        self.nc: Any = None
+        self.bus: NatsEventBus | None = None
+        self.commands: NatsCommands | None = None
+        self.published: dict[str, tuple[str, Any]] = {}  # event id -> (kind, event), in order
+        self.sent_at: dict[str, float] = {}  # event id -> time of its first publish
+
+    async def start(self, create_stream: bool = True) -> None:
+        self.store = await connect_etcd(self.etcd_endpoint, op_timeout=10.0)
+        self.nc = await connect_nats(self.nats_url, f"sim-{self.keys.job}")
+        self.bus = NatsEventBus(self.nc, self.keys, durable="unused", op_timeout=10.0)
+        if create_stream:
+            # Setup only: lets the nodes register before the controller starts, so that the
+            # first layout is planned for the whole cluster (agents never create the stream).
+            await self.bus.ensure_stream()
+        self.commands = NatsCommands(self.nc, self.keys)
+
+    async def publish(self, kind: str, event: Any, msg_id: str | None = None) -> bool:
+        """Publish like ``Agent._publish`` (bounded retries); False if the stream deduped it."""
+        assert self.bus is not None
+        if event.event_id not in self.published:
+            self.published[event.event_id] = (kind, event)
+            self.sent_at[event.event_id] = time.time()
+        for _ in range(20):
+            try:
+                return await self.bus.publish(
+                    kind, event.model_dump_json().encode(), msg_id or event.event_id
+                )
+            except TemporaryError:
+                await asyncio.sleep(0.25)
+        raise RuntimeError(f"event {event.event_id} not published")
+
+    async def join(self, spec: NodeSpec, tag: str = "join") -> tuple[float, str]:
+        """Register under a lease, serve commands, publish NodeJoined; (start time, event id)."""
+        assert self.store is not None and self.commands is not None
+        t0 = time.time()
+        lease = await self.store.lease(SIM_LEASE_TTL_S)
+        node = self.nodes.get(spec.node_id)
+        if node is not None:
+            node.lease = lease  # re-registration under a fresh lease, as after a lost lease
+        else:
+            node = _SimNode(spec, lease)
+            self.nodes[spec.node_id] = node
+            await self.commands.serve(spec.node_id, lambda data, n=node: self._on_command(n, data))
+        await self.store.put(self.keys.node(spec.node_id), spec.model_dump_json().encode(), lease)
+        await self._put_status(node)
+        ev = NodeJoined(
+            event_id=f"{spec.node_id}-{tag}", node_id=spec.node_id, time=time.time(), node=spec
+        )
+        await self.publish("node_joined", ev)
+        return t0, ev.event_id
+
+    async def leave(self, node_id: str, tag: str = "leave") -> tuple[float, str]:
+        """As an agent on SIGTERM: publish NodeLeft, then revoke the lease."""
+        node = self.nodes.pop(node_id)
+        t0 = time.time()
+        ev = NodeLeft(event_id=f"{node_id}-{tag}", node_id=node_id, time=t0, reason="shutdown")
+        await self.publish("node_left", ev)
+        await node.lease.revoke()
+        return t0, ev.event_id
+
+    async def notice(self, node_id: str, in_s: float, tag: str = "notice") -> tuple[float, str]:
+        t0 = time.time()
+        ev = PreemptionNotice(
+            event_id=f"{node_id}-{tag}",
+            node_id=node_id,
+            time=t0,
+            deadline=t0 + in_s,
+            source="bench",
+        )
+        await self.publish("preemption_notice", ev)
+        return t0, ev.event_id
+
+    def heartbeat(self, node_id: str, tag: str) -> Heartbeat:
+        st = self.nodes[node_id].status
+        return Heartbeat(
+            event_id=f"{node_id}-{tag}",
+            node_id=node_id,
+            time=time.time(),
+            plan_id=st.plan_id,
+            step=max(st.step, 0),
+        )
+
+    async def _put_status(self, node: _SimNode) -> None:
+        assert self.store is not None
+        st = node.status.model_copy(update={"time": time.time(), "epoch": node.max_epoch})
+        with contextlib.suppress(TemporaryError):  # a node that left: its lease is gone
+            await self.store.put(
+                self.keys.status(node.spec.node_id), st.model_dump_json().encode(), node.lease
+            )
+
+    async def _on_command(self, node: _SimNode, data: bytes) -> bytes:
+        async with node.lock:
+            return (await self._apply(node, data)).model_dump_json().encode()
+
+    async def _apply(self, node: _SimNode, data: bytes) -> CommandAck:
+        nid = node.spec.node_id
+        cmd = CommandAdapter.validate_json(data)
+        if cmd.node_id != nid or cmd.epoch < node.max_epoch:
+            return CommandAck(
+                command_id=cmd.command_id,
+                node_id=nid,
+                accepted=False,
+                reason="stale or misaddressed",
+                epoch_seen=node.max_epoch,
+            )
+        if cmd.command_id in node.applied:
+            return node.applied[cmd.command_id].model_copy(update={"duplicate": True})
+        node.max_epoch = cmd.epoch
+        st = node.status
+        # Instantaneous simulated workers: each command's effect is reported at once.
+        if isinstance(cmd, Launch):
+            st = st.model_copy(
+                update={
+                    "generation": cmd.generation,
+                    "plan_id": cmd.plan_id,
+                    "state": "running",
+                    "start_step": cmd.load_step,
+                    "step": max(cmd.load_step, 0) + 1,
+                    "saved_step": -1,
+                }
+            )
+        elif isinstance(cmd, Stop):
+            st = st.model_copy(update={"step": max(st.step, cmd.at_step)})
+        elif isinstance(cmd, Checkpoint):
+            st = st.model_copy(update={"step": max(st.step, cmd.step), "saved_step": cmd.step})
+        elif isinstance(cmd, Abort):
+            st = st.model_copy(update={"state": "idle"})
+        node.status = st
+        await self._put_status(node)
+        ack = CommandAck(
+            command_id=cmd.command_id, node_id=nid, accepted=True, epoch_seen=node.max_epoch
+        )
+        node.applied[cmd.command_id] = ack
+        return ack
+
+    async def join_many(self, specs: list[NodeSpec]) -> None:
+        sem = asyncio.Semaphore(SETUP_CONCURRENCY)
+
+        async def one(s: NodeSpec) -> None:
+            async with sem:
+                await self.join(s)
+
+        await asyncio.gather(*(one(s) for s in specs))
+
+    async def close(self) -> None:
+        if self.commands is not None:
+            await self.commands.close()
+        if self.store is not None:
+            await self.store.close()  # stops keepalives; the servers are discarded afterwards
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5)
+
+
+# --- the simulated cluster in its own process, driven over a pipe --------------------------
+
+
+def _sim_main(job: str, nats_url: str, etcd: str, n: int, conn: Connection) -> None:
+    asyncio.run(_sim_loop(job, nats_url, etcd, n, conn))
+
+
+async def _sim_loop(job: str, nats_url: str, etcd: str, n: int, conn: Connection) -> None:
+    sim = SimCluster(job, nats_url, etcd)
+    try:
+        await sim.start()
+        t0 = time.perf_counter()
+        await sim.join_many([node_spec(i) for i in range(n)])
+        conn.send(("ready", time.perf_counter() - t0))
+        while True:
+            msg = await asyncio.to_thread(conn.recv)
+            op, args = msg[0], msg[1:]
+            if op == "stop":
+                break
+            try:
+                if op == "join":
+                    out: Any = await sim.join(node_spec(int(args[0])))
+                elif op == "leave":
+                    out = await sim.leave(str(args[0]))
+                elif op == "notice":
+                    out = await sim.notice(str(args[0]), float(args[1]))
+                elif op == "burst":
+                    # imported here: runtime_burst imports this module
+                    from runtime_burst import run_burst
+
+                    out = await run_burst(sim, *args)
+                else:
+                    out = RuntimeError(f"unknown op {op}")
+            except Exception as exc:  # reported to the parent, which raises
+                out = exc
+            conn.send(out)
+    finally:
+        await sim.close()
+        conn.send(("closed",))
+
+
+class SimHandle:
+    """The parent's side: start the simulated cluster process and call it (bounded waits)."""
+
+    def __init__(self, job: str, nats_url: str, etcd: str, n: int) -> None:
+        # spawn, not fork: the parent already runs grpc and asyncio threads
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_sim_main, args=(job, nats_url, etcd, n, child), name=f"sim-{job}"
+        )
+        self.proc.start()
+        child.close()
+
+    def _recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"simulated cluster silent for {timeout}s")
+        out = self.conn.recv()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    async def ready(self, timeout: float) -> float:
+        return float((await asyncio.to_thread(self._recv, timeout))[1])
+
+    async def call(self, *msg: Any, timeout: float = 60.0) -> Any:
+        self.conn.send(msg)
+        return await asyncio.to_thread(self._recv, timeout)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send(("stop",))
+            await asyncio.to_thread(self._recv, 30.0)
+        await asyncio.to_thread(self.proc.join, 10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.join, 5)
+
+
+# --- the measurement ------------------------------------------------------------------------
+
+
+def controller_config(job: str, tmp: Path, nats: str, etcd: str, **kw: Any) -> ControllerConfig:
+    return ControllerConfig(
+        job=job,
+        identity=f"ctl-{job}",
+        nats_url=nats,
+        etcd_endpoint=etcd,
+        audit_log=tmp / f"audit-{job}.jsonl",
+        checkpoint_dir=str(tmp / "ckpt"),
+        debounce_s=0.05,
+        poll_s=0.1,
+        resync_s=1.0,
+        command_timeout_s=5.0,  # 768 concurrent requests at 2048 nodes on 2 shared cores
+        base_port=free_port(),
+        planner="sailor",
+        model=MODEL,
+        global_batch_size=GLOBAL_BATCH,  # the config's default (8) would override the catalog's
+        **kw,
+    )
+
+
+async def wait_running(ctl: Controller, after_gen: int, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        d = ctl.desired
+        if d is not None and d.phase is Phase.RUNNING and d.generation > after_gen:
+            return
+        await asyncio.sleep(0.01)
+    raise RuntimeError(f"RUNNING after generation {after_gen} not reached in {timeout}s")
+
+
+def _measure(recs: list[dict[str, Any]], event_id: str, t_agent: float) -> dict[str, float]:
+    got = [r for r in recs if float(r["time"]) >= t_agent - 1e-3]
+    recv = next(r for r in got if r["kind"] == "event" and r.get("event_id") == event_id)
+    t_recv = float(recv["time"])
+    decision = next(r for r in got if r["kind"] == "phase")
+    plan = next(r for r in got if r["kind"] == "plan")
+    written = next(
+        r
+        for r in got
+        if r["kind"] == "phase" and r.get("cause") == "plan ready" and r["time"] >= plan["time"]
+    )
+    total = float(written["time"]) - t_recv
+    planner = float(plan["planning_s"])
+    return {
+        "transport": t_recv - t_agent,
+        "decision": float(decision["time"]) - t_recv,
+        "total": total,
+        "planner": planner,
+        "coord": total - planner,
+        "agent_total": float(written["time"]) - t_agent,
+        "gpus": float(plan["gpus"]),
+    }
+
+
+async def run_size(tmp: Path, nats: str, etcd: str, n: int, rounds: int) -> dict[str, Any]:
+    job = f"lat{n}"
+    sim = SimHandle(job, nats, etcd, n)
+    ctl: Controller | None = None
+    task: asyncio.Task[None] | None = None
+    out: dict[str, Any] = {"n": n, "events": []}
+    try:
+        out["register_s"] = await sim.ready(timeout=300)
+        cfg = controller_config(job, tmp, nats, etcd)
+        ctl = Controller(cfg)
+        t0 = time.perf_counter()
+        task = asyncio.create_task(ctl.run(), name=f"bench-ctl-{job}")
+        await wait_running(ctl, -1, 300)
+        out["first_layout_s"] = time.perf_counter() - t0
+        audit = tmp / f"audit-{job}.jsonl"
+        next_id = n
+        for _ in range(rounds):
+            for kind in ("leave", "join", "notice"):
+                await asyncio.sleep(0.3)  # let the loop go quiet
+                d = ctl.desired
+                if d is None:
+                    raise RuntimeError("controller lost its desired state")
+                gen = d.generation
+                placed = sorted(d.placement)
+                victim = placed[len(placed) // 2]
+                if kind == "leave":
+                    t_agent, eid = await sim.call("leave", victim)
+                elif kind == "join":
+                    t_agent, eid = await sim.call("join", next_id)
+                    next_id += 1
+                else:
+                    t_agent, eid = await sim.call("notice", victim, 120.0)
+                await wait_running(ctl, gen, 300)
+                row = _measure(read_records([audit]), eid, t_agent)
+                row["kind"] = kind  # type: ignore[assignment]
+                out["events"].append(row)
+                if kind == "notice":
+                    await sim.call("leave", victim)  # the reclaimed node goes away
+        out["decisions"] = ctl.decisions
+        out["event_counts"] = dict(ctl.event_counts)
+    finally:
+        if ctl is not None and task is not None:
+            ctl.stopping.set()
+            ctl.wake()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 30)
+        await sim.stop()
+    return out
+
+
+def _p95(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(0.95 * (len(s) - 1))))]
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:7.0f}"
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    cols = ("total", "planner", "coord", "decision", "transport", "agent_total")
+    print(
+        "\nper size, all events (ms): total = event received -> desired state with the new plan"
+        " in etcd;\n  planner = inside sailor.planner; coord = total - planner;"
+        " decision = received -> first desired write;\n  transport = agent publish -> received;"
+        " agent_total = agent's first action -> plan in etcd"
+    )
+    head = " ".join(f"{c + ' p50':>12} {c + ' p95':>12}" for c in cols)
+    print(f"{'nodes':>6} {'events':>6} {head}")
+    for r in results:
+        ev = r["events"]
+        cells = " ".join(
+            f"{_ms(statistics.median([e[c] for e in ev])):>12} {_ms(_p95([e[c] for e in ev])):>12}"
+            for c in cols
+        )
+        print(f"{r['n']:>6} {len(ev):>6} {cells}")
+    print("\nmedian by event kind (ms): total / planner / coord / decision")
+    for r in results:
+        for kind in ("leave", "join", "notice"):
+            ev = [e for e in r["events"] if e["kind"] == kind]
+            if not ev:
+                continue
+            med = [_ms(statistics.median([e[c] for e in ev])).strip() for c in cols[:4]]
+            print(f"{r['n']:>6} {kind:<7} n={len(ev)}  " + " / ".join(med))
+    print("\nsetup per size")
+    for r in results:
+        gpus = sorted({int(e["gpus"]) for e in r["events"]})
+        print(
+            f"{r['n']:>6} nodes ({4 * r['n']} GPUs): registered in {r['register_s']:.2f} s, "
+            f"first layout (search + launch) {r['first_layout_s']:.1f} s, plans use {gpus} GPUs, "
+            f"controller passes {r['decisions']}, events {r['event_counts']}"
+        )
+    print("\ntarget (issue 7): <= 200 ms at 512 nodes (reported, not asserted)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,512,2048")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per size (0: 5/3/2)")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
+    print(
+        f"python {platform.python_version()}; controller in-process, planner=sailor, {MODEL} "
+        f"(gbs 1024), nodes 4x {'/'.join(GPU_TYPES)} spot in {ZONE}; simulated agents in one "
+        "separate process (shared NATS + etcd connection, one lease per node)"
+    )
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sailor-latency-") as d:
+        tmp = Path(d)
+        with servers(tmp) as (nats, etcd):
+            for n in sizes:
+                rounds = args.rounds or ROUNDS.get(n, 2)
+                t0 = time.perf_counter()
+                results.append(asyncio.run(run_size(tmp, nats, etcd, n, rounds)))
+                print(f"  {n} nodes done in {time.perf_counter() - t0:.0f} s", flush=True)
+    report(results)
+
+
+if __name__ == "__main__":
+    main()
