@@ -37,6 +37,7 @@ from sailor.coordination import (
     connect_nats,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
+from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
@@ -68,6 +69,9 @@ class AgentConfig(Frozen):
     watchers: tuple[WatcherConfig, ...] = Field(default=(), description="Preemption sources.")
     watch_poll_s: float = Field(default=0.5, gt=0, description="Watcher poll period.")
     status_interval_s: float = Field(default=0.2, gt=0, description="Status write period.")
+    security: SecurityConfig | None = Field(
+        default=None, description="TLS and NATS login (docs/operations.md#security); off if absent."
+    )
 
 
 class Agent:
@@ -96,12 +100,15 @@ class Agent:
         self._crashed = False
 
     async def run(self) -> None:
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint))
-        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.node.node_id))
+        sec = self.cfg.security
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
+        nc = await self._retry(
+            lambda: connect_nats(self.cfg.nats_url, self.node.node_id, security=sec)
+        )
         if store is None or nc is None:
             return
         self._store = store
-        self._bus = NatsEventBus(nc, self.keys, durable="unused")
+        self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
         try:
             await commands.serve(self.node.node_id, self._on_command)

@@ -6,6 +6,7 @@ import typer
 
 from sailor.checkpoint.cli import ckpt_app
 from sailor.cli.catalog_cmd import catalog_app
+from sailor.cli.certs_cmd import certs_app
 from sailor.cli.config_cmd import config_app
 from sailor.cli.demo_cmd import demo
 from sailor.cli.import_cmd import import_app
@@ -37,6 +38,7 @@ app.command("agent")(agent)
 app.command("status")(status)
 app.command("audit")(audit)
 app.add_typer(config_app, name="config")
+app.add_typer(certs_app, name="certs")
 app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 

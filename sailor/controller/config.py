@@ -11,6 +11,7 @@ import yaml
 from pydantic import Field
 
 from sailor.controller.phases import PhaseDeadlines
+from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
 
 __all__ = ["ControllerConfig", "load_mapping"]
@@ -70,6 +71,9 @@ class ControllerConfig(Frozen):
     num_layers: int = Field(default=6, gt=0, description="Global layers (stand-in planner).")
     global_batch_size: int = Field(default=8, gt=0, description="Samples per iteration.")
     max_gpus: int = Field(default=0, ge=0, description="Cap for the stand-in planner; 0 = all.")
+    security: SecurityConfig | None = Field(
+        default=None, description="TLS and NATS login (docs/operations.md#security); off if absent."
+    )
 
     @classmethod
     def load(cls, path: Path) -> ControllerConfig:

@@ -8,16 +8,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from sailor.coordination import Keys, connect_etcd
+from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord
 
 __all__ = ["read_status"]
 
 
-async def read_status(endpoint: str, job: str) -> dict[str, Any]:
+async def read_status(
+    endpoint: str, job: str, security: SecurityConfig | None = None
+) -> dict[str, Any]:
     """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint."""
     keys = Keys(job=job)
-    store = await connect_etcd(endpoint)
+    store = await connect_etcd(endpoint, security=security)
     try:
         leader = await store.get(keys.leader)
         desired_kv = await store.get(keys.desired)

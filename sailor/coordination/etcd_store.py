@@ -23,7 +23,14 @@ import structlog
 
 from sailor.coordination.api import KeyValue
 from sailor.coordination.clock import Clock, SystemClock
-from sailor.coordination.errors import FencedError, TemporaryError, UnavailableError
+from sailor.coordination.errors import (
+    FencedError,
+    PermanentError,
+    TemporaryError,
+    UnavailableError,
+)
+from sailor.coordination.etcd_tls import TlsClient
+from sailor.coordination.security.settings import SecurityConfig
 from sailor.coordination.tasks import TaskSet
 
 __all__ = ["EtcdLease", "EtcdStore", "connect_etcd"]
@@ -126,6 +133,12 @@ class EtcdStore:
             return UnavailableError("etcd call timed out")
         if isinstance(exc, aetcd.exceptions.ConnectionFailedError):
             return UnavailableError("etcd unavailable", error=str(exc))
+        if isinstance(exc, aetcd.exceptions.UnauthenticatedError) or (
+            isinstance(exc, aetcd.exceptions.ClientError)
+            and "permission denied" in str(exc).lower()
+        ):
+            # RBAC refused this identity: retrying cannot help
+            return PermanentError("etcd permission denied", error=str(exc))
         if isinstance(exc, aetcd.exceptions.ClientError):
             return TemporaryError("etcd error", error=repr(exc))
         return exc
@@ -201,16 +214,31 @@ class EtcdStore:
 
 
 async def connect_etcd(
-    endpoint: str, op_timeout: float = 2.0, clock: Clock | None = None
+    endpoint: str,
+    op_timeout: float = 2.0,
+    clock: Clock | None = None,
+    security: SecurityConfig | None = None,
 ) -> EtcdStore:
-    """Connect to ``host:port``. Connecting is lazy in grpc; the first call proves it."""
+    """Connect to ``host:port``. Connecting is lazy in grpc; the first call proves it.
+
+    With ``security``: TLS verified against its CA, with our client certificate (whose common
+    name is our etcd user when the server runs with ``--client-cert-auth`` and RBAC).
+    """
     host, _, port = endpoint.rpartition(":")
-    client = aetcd.Client(
-        host=host or "127.0.0.1",
-        port=int(port),
-        timeout=int(max(1, op_timeout)),
-        options=dict(_GRPC_OPTIONS),
-    )
+    kwargs: dict[str, Any] = {
+        "host": host or "127.0.0.1",
+        "port": int(port),
+        "timeout": int(max(1, op_timeout)),
+        "options": dict(_GRPC_OPTIONS),
+    }
+    if security is None:
+        client = aetcd.Client(**kwargs)
+    else:
+        try:
+            ca, key, cert = security.grpc_pem()
+        except OSError as exc:
+            raise PermanentError("bad etcd security settings", error=str(exc)) from None
+        client = TlsClient(ca_pem=ca, key_pem=key, cert_pem=cert, **kwargs)
     store = EtcdStore(client, op_timeout=op_timeout, clock=clock)
     try:
         await store.revision()

@@ -11,7 +11,9 @@ etcd (all under ``/sailor/<job>/``)::
 
 NATS::
 
-    sailor.<job>.events.<kind>   JetStream stream SAILOR_<JOB>_EVENTS (dedup by Nats-Msg-Id)
+    sailor.<job>.events.<source>.<kind>   JetStream stream SAILOR_<JOB>_EVENTS (dedup by
+                                 Nats-Msg-Id); <source> is the publishing node's id, so a NATS
+                                 permission can let an agent publish only its own node's events
     sailor.<job>.cmd.<node id>   commands to one agent, request/reply (the reply is the ack)
 """
 
@@ -87,8 +89,18 @@ class Keys(Frozen):
     def event_subjects(self) -> str:
         return f"sailor.{safe_token(self.job)}.events.>"
 
-    def event_subject(self, kind: str) -> str:
-        return f"sailor.{safe_token(self.job)}.events.{safe_token(kind)}"
+    def event_subject(self, kind: str, source: str = "_") -> str:
+        """Subject of one event; ``source`` is the publishing node ("_": not a node)."""
+        return f"sailor.{safe_token(self.job)}.events.{safe_token(source)}.{safe_token(kind)}"
+
+    def source_event_subjects(self, source: str) -> str:
+        """Every event subject one node may publish on (a NATS permission)."""
+        return f"sailor.{safe_token(self.job)}.events.{safe_token(source)}.>"
+
+    @property
+    def command_subjects(self) -> str:
+        """Every node's command subject (the controller's publish permission)."""
+        return f"sailor.{safe_token(self.job)}.cmd.*"
 
     def command_subject(self, node_id: str) -> str:
         return f"sailor.{safe_token(self.job)}.cmd.{safe_token(node_id)}"

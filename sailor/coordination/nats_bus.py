@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any
 
 import nats
@@ -30,6 +31,8 @@ from nats.aio.client import Client as NatsClient
 from sailor.coordination.api import CommandHandler, Delivery
 from sailor.coordination.errors import PermanentError, TemporaryError, UnavailableError
 from sailor.coordination.keys import Keys, safe_token
+from sailor.coordination.security.nats_auth import inbox_prefix
+from sailor.coordination.security.settings import SecurityConfig
 
 __all__ = ["NatsCommands", "NatsEventBus", "connect_nats"]
 
@@ -39,12 +42,30 @@ DUPLICATE_WINDOW_S = 120.0
 """JetStream's default dedup window (2 min): longer than any publisher's retry loop."""
 
 
-async def connect_nats(url: str, name: str, timeout: float = 5.0) -> NatsClient:
-    """Connect with bounded first attempt and unbounded, fast reconnects afterwards."""
+async def connect_nats(
+    url: str, name: str, timeout: float = 5.0, security: SecurityConfig | None = None
+) -> NatsClient:
+    """Connect with bounded first attempt and unbounded, fast reconnects afterwards.
+
+    With ``security``: TLS verified against its CA (and our client certificate, if any), the
+    NATS user and password from its login file, and a reply inbox of our own
+    (``_INBOX_<user>``) so that the server's permissions can keep other clients out of it.
+    """
 
     async def _quiet(exc: Exception) -> None:
         _log.debug("nats_error", client=name, error=repr(exc))
 
+    extra: dict[str, Any] = {}
+    if security is not None:
+        try:
+            extra["tls"] = security.ssl_context()
+            login = security.nats_login()
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise PermanentError("bad NATS security settings", error=str(exc)) from None
+        if login is not None:
+            extra["user"] = login.user
+            extra["password"] = login.password.get_secret_value()
+            extra["inbox_prefix"] = inbox_prefix(login.user)
     nc = NatsClient()
     try:
         await asyncio.wait_for(
@@ -58,6 +79,7 @@ async def connect_nats(url: str, name: str, timeout: float = 5.0) -> NatsClient:
                 ping_interval=2,
                 max_outstanding_pings=3,
                 error_cb=_quiet,
+                **extra,
             ),
             timeout,
         )
@@ -78,8 +100,10 @@ class NatsEventBus:
         durable: str,
         op_timeout: float = 2.0,
         ack_wait: float = 30.0,
+        source: str = "_",
     ) -> None:
         self._nc = nc
+        self._source = source
         self._keys = keys
         self._durable = safe_token(durable)
         self._timeout = op_timeout
@@ -106,7 +130,7 @@ class NatsEventBus:
     async def publish(self, subject_kind: str, data: bytes, msg_id: str) -> bool:
         try:
             ack = await self._js.publish(
-                self._keys.event_subject(subject_kind),
+                self._keys.event_subject(subject_kind, self._source),
                 data,
                 timeout=self._timeout,
                 headers={"Nats-Msg-Id": msg_id},

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.secure_servers import Pki, apply_job_rbac, etcd_argv, make_pki, nats_argv
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -127,6 +129,37 @@ def etcd_server(tmp_path: Path) -> Iterator[Server]:
     ]
     server = Server("etcd", argv, port, tmp_path / "etcd.log")
     server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """A CA and every certificate and NATS login of ``secure_servers`` (job ``secjob``)."""
+    return make_pki(tmp_path)
+
+
+@pytest.fixture
+def secure_nats_server(tmp_path: Path, pki: Pki) -> Iterator[Server]:
+    """nats-server -js with TLS (client certificates required), users and permissions."""
+    port = free_port()
+    store = tmp_path / "nats-secure"
+    store.mkdir()
+    argv = nats_argv(_nats_binary(), pki, port, store)
+    server = Server("nats", argv, port, tmp_path / "nats-secure.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def secure_etcd_server(tmp_path: Path, pki: Pki) -> Iterator[Server]:
+    """etcd 3.4 over TLS with --client-cert-auth and the job's RBAC applied (auth on)."""
+    port, peer = free_port(), free_port()
+    argv = etcd_argv(pki, port, peer, tmp_path / "etcd-secure")
+    server = Server("etcd", argv, port, tmp_path / "etcd-secure.log")
+    server.start()
+    apply_job_rbac(pki, f"127.0.0.1:{port}")
     yield server
     server.stop()
 

@@ -1,0 +1,124 @@
+"""etcd RBAC for one job, and the etcd flags that turn on TLS with client certificates.
+
+Pure: a plan of users, roles and key-range permissions, applied by
+``sailor.coordination.etcd_auth``. With ``--client-cert-auth`` etcd takes the user name from
+the client certificate's common name, so each identity's certificate *is* its login:
+
+- ``root`` (the operator): etcd's built-in root role; used only to apply this plan;
+- a controller (CN = its identity): read-write on ``/sailor/<job>/``;
+- an agent (CN = its node id): read-write only on ``nodes/<id>`` and ``status/<id>``.
+
+Every role also reads the revision probe key (``EtcdStore.revision``), which lies outside
+the job's prefix. etcd 3.4 checks that a request's key range lies inside a granted range, so
+an agent's put on another node's key is refused with "permission denied".
+Must never import NATS or etcd clients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import PurePath
+
+from sailor.coordination.keys import Keys
+
+__all__ = [
+    "REVISION_PROBE",
+    "EtcdPermission",
+    "EtcdRbacPlan",
+    "EtcdRole",
+    "Perm",
+    "etcd_tls_flags",
+    "prefix_end",
+    "rbac_plan",
+]
+
+ROOT = "root"
+REVISION_PROBE = b"/sailor/\x00revision-probe"
+"""The key ``EtcdStore.revision`` reads as a prefix (kept in sync by a unit test)."""
+
+
+class Perm(StrEnum):
+    read = "READ"
+    write = "WRITE"
+    readwrite = "READWRITE"
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """etcd's range end of a prefix: the prefix with its last byte incremented."""
+    out = bytearray(prefix)
+    for i in reversed(range(len(out))):
+        if out[i] < 0xFF:
+            out[i] += 1
+            return bytes(out[: i + 1])
+    return b"\x00"  # every key
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdPermission:
+    perm: Perm
+    key: bytes
+    range_end: bytes = b""  # empty: the single key
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdRole:
+    name: str
+    permissions: tuple[EtcdPermission, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdRbacPlan:
+    """Users (name -> role names) and roles to create, then ``auth enable``."""
+
+    users: tuple[tuple[str, tuple[str, ...]], ...]
+    roles: tuple[EtcdRole, ...]
+
+
+def _probe() -> EtcdPermission:
+    return EtcdPermission(Perm.read, REVISION_PROBE, prefix_end(REVISION_PROBE))
+
+
+def rbac_plan(keys: Keys, controllers: tuple[str, ...], nodes: tuple[str, ...]) -> EtcdRbacPlan:
+    """Roles and users for one job's controllers and agents (root is always included)."""
+    overlap = sorted(set(controllers) & set(nodes))
+    if overlap or ROOT in controllers or ROOT in nodes:
+        raise ValueError(f"identities must be distinct and not 'root', got overlap {overlap}")
+    root = keys.root.encode()
+    ctl_role = EtcdRole(
+        f"sailor-{keys.job}-controller",
+        (EtcdPermission(Perm.readwrite, root, prefix_end(root)), _probe()),
+    )
+    roles = [ctl_role]
+    users: list[tuple[str, tuple[str, ...]]] = [(ROOT, (ROOT,))]
+    users += [(c, (ctl_role.name,)) for c in controllers]
+    for node in nodes:
+        role = EtcdRole(
+            f"sailor-{keys.job}-node-{node}",
+            (
+                EtcdPermission(Perm.readwrite, keys.node(node).encode()),
+                EtcdPermission(Perm.readwrite, keys.status(node).encode()),
+                _probe(),
+            ),
+        )
+        roles.append(role)
+        users.append((node, (role.name,)))
+    return EtcdRbacPlan(users=tuple(users), roles=tuple(roles))
+
+
+def etcd_tls_flags(ca_file: PurePath, cert_file: PurePath, key_file: PurePath) -> list[str]:
+    """Flags for an etcd member: TLS on client and peer URLs, client certificates required.
+
+    The client and peer URLs must use ``https://`` as well (not generated here: they depend
+    on the member's addresses).
+    """
+    return [
+        "--client-cert-auth",
+        f"--trusted-ca-file={ca_file}",
+        f"--cert-file={cert_file}",
+        f"--key-file={key_file}",
+        "--peer-client-cert-auth",
+        f"--peer-trusted-ca-file={ca_file}",
+        f"--peer-cert-file={cert_file}",
+        f"--peer-key-file={key_file}",
+    ]

@@ -1,0 +1,71 @@
+"""The daemons' security settings (opt-in): which CA, certificate, key and NATS login to use.
+
+Holds *paths*, never secrets: the NATS password is read from its 0600 file only when
+connecting, and comes back as a ``SecretStr`` so that a repr, a log line or a JSON dump of
+any config shows ``**********``. ``ssl_context`` builds the client side of TLS for NATS.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+
+from sailor.schemas._base import Frozen
+
+__all__ = ["NatsLogin", "SecurityConfig", "read_nats_login"]
+
+
+class NatsLogin(Frozen):
+    """A NATS user and password, as written by ``sailor certs issue`` (``<name>.nats.json``)."""
+
+    user: str = Field(min_length=1, description="NATS user name (the node id for an agent).")
+    password: SecretStr = Field(description="NATS password (never logged).")
+    role: str = Field(default="agent", description="controller or agent.")
+
+
+class SecurityConfig(Frozen):
+    """TLS and authentication for NATS and etcd; absent = plain TCP, no auth (development)."""
+
+    ca_file: Path = Field(description="CA certificate (PEM) that signed the servers' certs.")
+    cert_file: Path | None = Field(default=None, description="This client's certificate (PEM).")
+    key_file: Path | None = Field(default=None, description="This client's private key (PEM).")
+    nats_login_file: Path | None = Field(
+        default=None, description="NATS user/password file (JSON, mode 0600)."
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> SecurityConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError(
+                f"cert_file and key_file go together (cert_file={self.cert_file}, "
+                f"key_file={self.key_file})"
+            )
+        return self
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """Client TLS context: verify the server against the CA, present our certificate."""
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(self.ca_file))
+        if self.cert_file is not None and self.key_file is not None:
+            ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return ctx
+
+    def grpc_pem(self) -> tuple[bytes, bytes | None, bytes | None]:
+        """(CA, key, certificate) bytes for grpc's ``ssl_channel_credentials``."""
+        ca = self.ca_file.read_bytes()
+        key = None if self.key_file is None else self.key_file.read_bytes()
+        cert = None if self.cert_file is None else self.cert_file.read_bytes()
+        return ca, key, cert
+
+    def nats_login(self) -> NatsLogin | None:
+        return None if self.nats_login_file is None else read_nats_login(self.nats_login_file)
+
+
+def read_nats_login(path: Path) -> NatsLogin:
+    """Read a login file; the error names the file, never its content."""
+    try:
+        return NatsLogin.model_validate(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a NATS login file ({type(exc).__name__})") from None
