@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
+from pydantic import BaseModel
 
 from sailor.cli._io import fail, write_json
+from sailor.importers.sailor_extra import import_any
 from sailor.importers.sailor_format import (
     ImportFormatError,
     import_egress,
@@ -77,3 +80,29 @@ def sailor_plan(
         write_json(import_plan(path, model, global_batch_size=gbs), out)
     except ImportFormatError as exc:
         raise fail(str(exc)) from exc
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, Exception):
+        return {"error": str(obj)}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+@import_app.command("sailor-file")
+def sailor_file(
+    path: Path = typer.Argument(..., help="Any data file of the original artifact."),
+    model: str = typer.Option("OPT-350", help="Model a plan file trains."),
+    out: Path | None = typer.Option(None, "-o", "--out", help="Output file (default stdout)."),
+) -> None:
+    """Recognise the format of one file of the original artifact and convert it."""
+    try:
+        result = import_any(path, model=model, reference_dir=path.resolve().parent.parent)
+    except ImportFormatError as exc:
+        raise fail(str(exc)) from exc
+    write_json(_jsonable(result) if not isinstance(result, BaseModel) else result, out)

@@ -38,7 +38,13 @@ from sailor.schemas.plan import (
     layer_segments,
 )
 from sailor.schemas.prices import EgressPrice, GPUPrice, PriceTable
-from sailor.schemas.profile import DeviceOverhead, LayerProfile, LayerSize, ProfileDB
+from sailor.schemas.profile import (
+    DeviceOverhead,
+    LayerMemory,
+    LayerProfile,
+    LayerSize,
+    ProfileDB,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -62,6 +68,7 @@ __all__ = [
     "Heartbeat",
     "Launch",
     "LayerKind",
+    "LayerMemory",
     "LayerProfile",
     "LayerSize",
     "Link",

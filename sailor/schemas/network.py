@@ -113,7 +113,22 @@ class NetworkProfile(Frozen):
             same_zones = a.zone == src.zone and b.zone == dst.zone
             if same_zones and (best is None or c.max_gbps < best.max_gbps):
                 best = c
-        return best
+        if best is not None:
+            return best
+        # Zone-agnostic curves (zone '*', e.g. per-GPU-type fits) apply inside one zone.
+        if src.zone == dst.zone:
+            for (a, b), c in idx.items():
+                if (
+                    a.zone == "*" == b.zone
+                    and (a.gpu_type, a.gpus_per_node)
+                    == (
+                        src.gpu_type,
+                        src.gpus_per_node,
+                    )
+                    and (b.gpu_type, b.gpus_per_node) == (dst.gpu_type, dst.gpus_per_node)
+                ):
+                    return c
+        return None
 
     def intra(self, gpu_type: str, gpus_per_node: int) -> BandwidthCurve | None:
         """Curve between GPUs of one node."""

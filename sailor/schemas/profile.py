@@ -17,6 +17,7 @@ from sailor.schemas.model import LayerKind
 
 __all__ = [
     "DeviceOverhead",
+    "LayerMemory",
     "LayerProfile",
     "LayerSize",
     "ProfileDB",
@@ -59,6 +60,21 @@ class LayerSize(Frozen):
     source: ProfileSource = Field(default="measured", description="Provenance.")
 
 
+class LayerMemory(Frozen):
+    """Memory one layer needs on a GPU at a TP degree and microbatch size (bytes, per GPU).
+
+    What the Varuna-style memory profiles hold: the footprint of the layer's weights, gradients,
+    optimizer state and activations of one microbatch, as measured by the tool that made them.
+    """
+
+    gpu_type: str = Field(default="*", description="GPU type, '*' when the source does not say.")
+    tp: int = Field(gt=0, description="Tensor-parallel degree.")
+    microbatch_size: int = Field(gt=0, description="Microbatch size.")
+    layer: int = Field(ge=0, description="Global layer index.")
+    bytes: int = Field(ge=0, description="Bytes per GPU.")
+    source: ProfileSource = Field(default="imported", description="Provenance.")
+
+
 class DeviceOverhead(Frozen):
     """Memory a training process uses beyond model state and activations, per GPU type.
 
@@ -79,6 +95,9 @@ class ProfileDB(Frozen):
     timings: tuple[LayerProfile, ...] = Field(default=(), description="Per-layer timings.")
     sizes: tuple[LayerSize, ...] = Field(default=(), description="Per-layer sizes.")
     overheads: tuple[DeviceOverhead, ...] = Field(default=(), description="Memory overheads.")
+    memory: tuple[LayerMemory, ...] = Field(
+        default=(), description="Per-layer memory footprints (e.g. imported Varuna profiles)."
+    )
     meta: dict[str, str] = Field(
         default_factory=dict, description="Device, software versions, date, tool."
     )
@@ -158,6 +177,7 @@ class ProfileDB(Frozen):
             model=self.model,
             timings=other.timings + self.timings,
             sizes=other.sizes + self.sizes,
+            memory=other.memory + self.memory,
             overheads=other.overheads
             + tuple(
                 o

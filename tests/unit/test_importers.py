@@ -169,3 +169,51 @@ def test_malformed_profile_and_network_name_file_and_field(tmp_path: Path) -> No
     n.write_text("{not json")
     with pytest.raises(ImportFormatError, match="not valid JSON"):
         import_network(n)
+
+
+def test_every_reference_file_imports_through_the_dispatcher(reference: Path) -> None:
+    from sailor.importers.sailor_extra import import_any
+    from sailor.schemas import Plan
+
+    files = [f for f in sorted(reference.rglob("*")) if f.is_file()]
+    data = [f for f in files if f.name not in ("LICENSE", "README.md")]
+    assert len(data) >= 40
+    for f in data:
+        result = import_any(f, reference_dir=reference)
+        assert result is not None, f
+        if f.name.startswith("plan_config_"):
+            assert isinstance(result, Plan)
+    with pytest.raises(ImportFormatError, match="not a format"):
+        import_any(reference / "LICENSE", reference_dir=reference)
+
+
+def test_extra_formats_content(reference: Path) -> None:
+    from sailor.importers.sailor_extra import (
+        import_availability_trace,
+        import_ds_config,
+        import_network_coeffs,
+        import_varuna_memory,
+    )
+    from sailor.schemas import Endpoint
+
+    mem = import_varuna_memory(reference / "profiles" / "varuna_profile_OPT.json", "OPT-350")
+    assert mem.memory and all(m.bytes > 0 for m in mem.memory)
+    net = import_network_coeffs(reference / "providers" / "network_coeffs_all_homo.json")
+    ep = Endpoint(zone="us-central1-a", gpu_type="A100-40", gpus_per_node=4)
+    curve = net.inter(ep, ep)  # zone-agnostic fit applies inside a zone
+    assert curve is not None and curve.gbps(1e8) > 0
+    states = import_availability_trace(
+        reference / "traces" / "a100_trace.json", gpu_type="A100-40", zone="z"
+    )
+    assert states[0][1].total_gpus >= 1
+    ds = import_ds_config(reference / "configs" / "ds_config.json")
+    assert ds.optimizer == "AdamW" and ds.micro_batch_size == 1
+
+
+def test_trace_going_back_in_time_is_rejected(tmp_path: Path) -> None:
+    from sailor.importers.sailor_extra import import_availability_trace
+
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps([{"Time": 5, "GPUs": 2}, {"Time": 1, "GPUs": 2}]))
+    with pytest.raises(ImportFormatError, match=r"\[1\]\.Time"):
+        import_availability_trace(f, gpu_type="A100-40", zone="z")
