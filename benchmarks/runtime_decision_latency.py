@@ -10,8 +10,11 @@ per node exactly what ``sailor.agent`` does through ``sailor.coordination``: its
 ``nodes/<id>`` bound to it, ``status/<id>`` under it, a command subscription answering each
 command with a ``CommandAck`` (epoch check, at-most-once per command id), and join / leave /
 preemption events on the JetStream stream with ``event_id`` as the message id. Simulated
-workers are instantaneous: a Launch makes the node report a step after the load step, a Stop
-its stop step, a Checkpoint that step saved, an Abort idle.
+workers are instantaneous: a Launch (which names its plan by id and digest) is resolved as
+the agent does, from the desired state in etcd through ``sailor.agent.plan_source`` — one
+cache for the whole simulated process, so each plan is read once here, where real agents
+read it once per node, in parallel, from their own machines — then makes the node report a
+step after the load step, a Stop its stop step, a Checkpoint that step saved, an Abort idle.
 
 Per cluster size, after the first layout runs, rounds of three events, each waited for until
 the controller is RUNNING again in a new generation:
@@ -28,7 +31,10 @@ cause "plan ready"), and ``planning_s`` (the ``plan`` record: time inside the pl
 thread). Coordination overhead = (received → plan) − planner. ``agent → plan`` starts at
 the simulated agent's first action (for a join, the etcd registration that the controller's
 100 ms revision poll may see before the event arrives). Controller knobs as in
-runtime_reconfig.py: debounce 50 ms (it is inside the overhead), revision poll 100 ms.
+runtime_reconfig.py: debounce 50 ms (it is inside the overhead, once per event), revision
+poll 100 ms; the planner runs in its warm worker process (``planner_process``).
+``--baseline`` adds, per size, a run with the planner in a thread (``planner_process:
+false``) in the same session, for comparison.
 Target (issue 7): ≤ 200 ms at 512 nodes. Prints; asserts nothing.
 
 Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]``
@@ -54,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime_servers import free_port, servers
 
+from sailor.agent.plan_source import PlanSource
 from sailor.controller.audit import read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
@@ -120,6 +127,13 @@ class SimCluster:
         self.commands: NatsCommands | None = None
         self.published: dict[str, tuple[str, Any]] = {}  # event id -> (kind, event), in order
         self.sent_at: dict[str, float] = {}  # event id -> time of its first publish
+        self.plans = PlanSource(self._read_desired)
+        self.plan_reads = 0
+
+    async def _read_desired(self) -> Any:
+        assert self.store is not None
+        self.plan_reads += 1
+        return await self.store.get(self.keys.desired)
 
     async def start(self, create_stream: bool = True) -> None:
         self.store = await connect_etcd(self.etcd_endpoint, op_timeout=10.0)
@@ -226,6 +240,16 @@ class SimCluster:
         st = node.status
         # Instantaneous simulated workers: each command's effect is reported at once.
         if isinstance(cmd, Launch):
+            try:
+                await self.plans.resolve(cmd)
+            except TemporaryError as exc:  # as the agent: refuse unapplied, to be re-sent
+                return CommandAck(
+                    command_id=cmd.command_id,
+                    node_id=nid,
+                    accepted=False,
+                    reason=str(exc),
+                    epoch_seen=node.max_epoch,
+                )
             st = st.model_copy(
                 update={
                     "generation": cmd.generation,
@@ -295,6 +319,8 @@ async def _sim_loop(job: str, nats_url: str, etcd: str, n: int, conn: Connection
                     out = await sim.leave(str(args[0]))
                 elif op == "notice":
                     out = await sim.notice(str(args[0]), float(args[1]))
+                elif op == "plan_reads":
+                    out = sim.plan_reads
                 elif op == "burst":
                     # imported here: runtime_burst imports this module
                     from runtime_burst import run_burst
@@ -406,15 +432,17 @@ def _measure(recs: list[dict[str, Any]], event_id: str, t_agent: float) -> dict[
     }
 
 
-async def run_size(tmp: Path, nats: str, etcd: str, n: int, rounds: int) -> dict[str, Any]:
-    job = f"lat{n}"
+async def run_size(
+    tmp: Path, nats: str, etcd: str, n: int, rounds: int, process: bool = True
+) -> dict[str, Any]:
+    job = f"lat{n}" + ("" if process else "t")
     sim = SimHandle(job, nats, etcd, n)
     ctl: Controller | None = None
     task: asyncio.Task[None] | None = None
-    out: dict[str, Any] = {"n": n, "events": []}
+    out: dict[str, Any] = {"n": n, "events": [], "process": process}
     try:
         out["register_s"] = await sim.ready(timeout=300)
-        cfg = controller_config(job, tmp, nats, etcd)
+        cfg = controller_config(job, tmp, nats, etcd, planner_process=process)
         ctl = Controller(cfg)
         t0 = time.perf_counter()
         task = asyncio.create_task(ctl.run(), name=f"bench-ctl-{job}")
@@ -438,7 +466,7 @@ async def run_size(tmp: Path, nats: str, etcd: str, n: int, rounds: int) -> dict
                     next_id += 1
                 else:
                     t_agent, eid = await sim.call("notice", victim, 120.0)
-                await wait_running(ctl, gen, 300)
+                await wait_running(ctl, gen, 120)
                 row = _measure(read_records([audit]), eid, t_agent)
                 row["kind"] = kind  # type: ignore[assignment]
                 out["events"].append(row)
@@ -446,6 +474,7 @@ async def run_size(tmp: Path, nats: str, etcd: str, n: int, rounds: int) -> dict
                     await sim.call("leave", victim)  # the reclaimed node goes away
         out["decisions"] = ctl.decisions
         out["event_counts"] = dict(ctl.event_counts)
+        out["plan_reads"] = await sim.call("plan_reads")
     finally:
         if ctl is not None and task is not None:
             ctl.stopping.set()
@@ -465,6 +494,10 @@ def _ms(x: float) -> str:
     return f"{1000 * x:7.0f}"
 
 
+def _mode(r: dict[str, Any]) -> str:
+    return "process" if r["process"] else "thread"
+
+
 def report(results: list[dict[str, Any]]) -> None:
     cols = ("total", "planner", "coord", "decision", "transport", "agent_total")
     print(
@@ -474,14 +507,17 @@ def report(results: list[dict[str, Any]]) -> None:
         " agent_total = agent's first action -> plan in etcd"
     )
     head = " ".join(f"{c + ' p50':>12} {c + ' p95':>12}" for c in cols)
-    print(f"{'nodes':>6} {'events':>6} {head}")
+    print(f"{'nodes':>6} {'planner':>7} {'events':>6} {head}")
     for r in results:
         ev = r["events"]
+        if r.get("error"):
+            print(f"{r['n']:>6} {_mode(r):>7} failed: {r['error']}")
+            continue
         cells = " ".join(
             f"{_ms(statistics.median([e[c] for e in ev])):>12} {_ms(_p95([e[c] for e in ev])):>12}"
             for c in cols
         )
-        print(f"{r['n']:>6} {len(ev):>6} {cells}")
+        print(f"{r['n']:>6} {_mode(r):>7} {len(ev):>6} {cells}")
     print("\nmedian by event kind (ms): total / planner / coord / decision")
     for r in results:
         for kind in ("leave", "join", "notice"):
@@ -489,14 +525,17 @@ def report(results: list[dict[str, Any]]) -> None:
             if not ev:
                 continue
             med = [_ms(statistics.median([e[c] for e in ev])).strip() for c in cols[:4]]
-            print(f"{r['n']:>6} {kind:<7} n={len(ev)}  " + " / ".join(med))
+            print(f"{r['n']:>6} {_mode(r):>7} {kind:<7} n={len(ev)}  " + " / ".join(med))
     print("\nsetup per size")
     for r in results:
+        if r.get("error"):
+            continue
         gpus = sorted({int(e["gpus"]) for e in r["events"]})
         print(
             f"{r['n']:>6} nodes ({4 * r['n']} GPUs): registered in {r['register_s']:.2f} s, "
             f"first layout (search + launch) {r['first_layout_s']:.1f} s, plans use {gpus} GPUs, "
-            f"controller passes {r['decisions']}, events {r['event_counts']}"
+            f"controller passes {r['decisions']}, events {r['event_counts']}, "
+            f"plan reads by the agents {r.get('plan_reads', '?')} ({_mode(r)})"
         )
     print("\ntarget (issue 7): <= 200 ms at 512 nodes (reported, not asserted)")
 
@@ -505,6 +544,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64,512,2048")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per size (0: 5/3/2)")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run each size with the planner in a thread (planner_process: false)",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
@@ -518,10 +562,16 @@ def main() -> None:
         tmp = Path(d)
         with servers(tmp) as (nats, etcd):
             for n in sizes:
-                rounds = args.rounds or ROUNDS.get(n, 2)
-                t0 = time.perf_counter()
-                results.append(asyncio.run(run_size(tmp, nats, etcd, n, rounds)))
-                print(f"  {n} nodes done in {time.perf_counter() - t0:.0f} s", flush=True)
+                for process in (True, False) if args.baseline else (True,):
+                    rounds = args.rounds or ROUNDS.get(n, 2)
+                    t0 = time.perf_counter()
+                    try:
+                        res = asyncio.run(run_size(tmp, nats, etcd, n, rounds, process))
+                    except Exception as exc:  # reported in the table, the other sizes still run
+                        res = {"n": n, "process": process, "events": [], "error": repr(exc)}
+                    results.append(res)
+                    took = time.perf_counter() - t0
+                    print(f"  {n} nodes ({_mode(res)}) done in {took:.0f} s", flush=True)
     report(results)
 
 

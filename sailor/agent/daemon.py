@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from pydantic import Field, ValidationError
 
+from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
 from sailor.agent.watchers import PreemptionWatcher, make_watcher
 from sailor.coordination import (
@@ -28,6 +29,7 @@ from sailor.coordination import (
     EtcdLease,
     EtcdStore,
     Keys,
+    KeyValue,
     NatsCommands,
     NatsEventBus,
     SystemClock,
@@ -98,6 +100,7 @@ class Agent:
         self._failure_reported = ""
         self._lock = asyncio.Lock()
         self._crashed = False
+        self._plans = PlanSource(self._read_desired)
 
     async def run(self) -> None:
         sec = self.cfg.security
@@ -270,7 +273,11 @@ class Agent:
             return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
         self.max_epoch = cmd.epoch
         if isinstance(cmd, Launch):
-            await self.supervisor.launch(cmd)
+            try:  # a Launch names its plan; read it from etcd (cached by plan id)
+                plan = await self._plans.resolve(cmd)
+            except TemporaryError as exc:  # not applied: the controller re-sends it
+                return self._refuse(cmd.command_id, f"plan {cmd.plan_id}: {exc}"[:1000])
+            await self.supervisor.launch(cmd.model_copy(update={"plan": plan}))
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
@@ -288,6 +295,11 @@ class Agent:
             self.applied.popitem(last=False)
         self.supervisor.changed.set()
         return ack
+
+    async def _read_desired(self) -> KeyValue | None:
+        if self._store is None:
+            raise PlanUnavailableError("not connected to etcd")
+        return await self._store.get(self.keys.desired)
 
     def _refuse(self, command_id: str, reason: str) -> CommandAck:
         return CommandAck(

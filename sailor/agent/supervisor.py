@@ -132,6 +132,9 @@ class Supervisor:
         return self.workers[0].loss if self.workers else None
 
     async def launch(self, cmd: Launch) -> None:
+        """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first)."""
+        if cmd.plan is None:
+            raise ValueError(f"launch {cmd.command_id}: plan {cmd.plan_id} not resolved")
         await self.abort()
         gen_dir = self.run_dir / f"gen-{cmd.generation:05d}"
         gen_dir.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,12 @@ class ControllerConfig(Frozen):
     audit_max_bytes: int = Field(default=64 << 20, gt=0, description="Rotate beyond this size.")
     checkpoint_dir: str = Field(default="checkpoints", description="Checkpoint root for workers.")
     lease_ttl_s: int = Field(default=2, ge=1, description="Leader lease TTL (takeover ~2 TTLs).")
-    debounce_s: float = Field(default=0.3, ge=0, description="Coalesce non-urgent wake-ups.")
+    debounce_s: float = Field(
+        default=0.3,
+        ge=0,
+        description="Coalesce outside wake-ups (joins, leaves, status changes) once; "
+        "preemption notices and the loop's own follow-ups are not debounced.",
+    )
     resync_s: float = Field(default=1.0, gt=0, description="Reconcile at least this often.")
     poll_s: float = Field(default=0.1, gt=0, description="etcd revision poll period.")
     command_timeout_s: float = Field(default=1.0, gt=0, description="Wait for one ack.")
@@ -57,6 +62,11 @@ class ControllerConfig(Frozen):
     planner: Literal["sailor", "data_parallel"] = Field(
         default="sailor",
         description="'sailor': sailor.planner search/replan; 'data_parallel': the stand-in.",
+    )
+    planner_process: bool = Field(
+        default=True,
+        description="Run planner 'sailor' in a warm worker process (not a thread sharing "
+        "the loop's GIL); the worker keeps the search state replan starts from.",
     )
     model: str = Field(
         default="tiny-gpt", description="Catalog model name (e.g. tiny-gpt) or ModelSpec file."

@@ -2,9 +2,12 @@
 
 One process per controller; several may run, one leads. The leader's loop: wake on an event
 (JetStream, acked after handling), on a change in etcd (revision poll) or every ``resync_s``;
-debounce ordinary wake-ups but not a preemption notice; read the observed state from etcd;
-``decide``; apply. If the lease is lost or a guarded write is fenced, the term ends and the
-controller campaigns again as a standby. Must never import torch or the agent.
+debounce outside wake-ups (joins, leaves, status changes) once, by ``debounce_s``, but not a
+preemption notice nor the loop's own follow-ups (a pass that changed the desired state, a
+finished plan, a fully answered command fan-out); read the observed state from etcd (parsed
+records cached per key, re-validated only when their value changed); ``decide``; apply.
+If the lease is lost or a guarded write is fenced, the term ends and the controller
+campaigns again as a standby. Must never import torch or the agent.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import DecideConfig, Observed, Send, decide
 from sailor.controller.executor import Executor
+from sailor.controller.observed import ObservedCache
+from sailor.controller.plan_worker import ProcessPlanner
 from sailor.controller.planning import Planner
 from sailor.controller.sailor_planner import planner_from_config
 from sailor.coordination import (
@@ -42,8 +47,7 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import EventAdapter, PreemptionNotice
-from sailor.schemas.hardware import NodeSpec
-from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord
+from sailor.schemas.runtime import DesiredState, NoticeRecord
 
 __all__ = ["Controller", "run_controller"]
 
@@ -59,6 +63,8 @@ class Controller:
         self.cfg = config
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
+        if planner is None and config.planner == "sailor" and config.planner_process:
+            planner = ProcessPlanner(config)
         self.planner = planner or planner_from_config(config)
         self.decide_cfg = DecideConfig(
             deadlines=config.deadlines,
@@ -93,6 +99,8 @@ class Controller:
         if store is None or nc is None:
             return
         self.sd.ready("standby: connected to etcd and NATS")
+        warm = self.planner.warm_up() if isinstance(self.planner, ProcessPlanner) else None
+        warming = asyncio.create_task(warm, name="controller:planner-warm-up") if warm else None
         try:
             while not self.stopping.is_set():
                 self.sd.watchdog()
@@ -107,7 +115,6 @@ class Controller:
                     )
                 except TemporaryError:
                     continue
-                self.leadership = lead
                 self.sd.status(f"leader, epoch {lead.epoch}")
                 self.audit.write(
                     "leader", self.clock.now(), epoch=lead.epoch, who=self.cfg.identity
@@ -124,6 +131,12 @@ class Controller:
         finally:
             if self.stopping.is_set():
                 self.sd.stopping()
+            if warming is not None:
+                warming.cancel()
+                with contextlib.suppress(BaseException):
+                    await warming
+            if isinstance(self.planner, ProcessPlanner):
+                self.planner.close()
             await store.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 3)
@@ -154,8 +167,10 @@ class Controller:
             self.cfg.command_timeout_s,
             self.cfg.resend_s,
         )
+        cache = ObservedCache(self.keys, self._reject)
         try:
             desired = await self._adopt(store, executor, lead)
+            self.leadership = lead  # public once it has a desired state to show
             tasks.spawn("events", self._consume(bus, store, lead))
             tasks.spawn("etcd-poll", self._poll(store))
             while not self.stopping.is_set() and lead.held:
@@ -168,20 +183,20 @@ class Controller:
                     if ready is not None:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
-                    observed = await self._observe(store, executor)
+                    observed = await self._observe(store, executor, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)
                     self.desired = desired
                     if actions and any(not _is_send(a) for a in actions):
-                        self.wake()
+                        self.wake(urgent=True)  # our own follow-up: debounced already
                 except FencedError as exc:
                     self.audit.write("fenced", self.clock.now(), epoch=lead.epoch, error=str(exc))
                     return
                 except TemporaryError as exc:
                     _log.warning("reconcile_retry", error=str(exc))
                     await self.clock.sleep(exc.retry_after or 0.2)
-                    self.wake()
+                    self.wake(urgent=True)
             if not lead.held:
                 self.audit.write("deposed", self.clock.now(), epoch=lead.epoch)
         finally:
@@ -230,44 +245,19 @@ class Controller:
                 last = rev
                 self.wake()
 
-    async def _observe(self, store: EtcdStore, ex: Executor) -> Observed:
-        nodes: dict[str, NodeSpec] = {}
-        for kv in await store.get_prefix(self.keys.nodes):
-            spec = self._parse(NodeSpec, kv.value, kv.key)
-            if spec is not None and kv.key == self.keys.node(spec.node_id):
-                nodes[spec.node_id] = spec
-        status: dict[str, AgentStatus] = {}
-        for kv in await store.get_prefix(self.keys.statuses):
-            st = self._parse(AgentStatus, kv.value, kv.key)
-            if st is not None and kv.key == self.keys.status(st.node_id):
-                status[st.node_id] = st
-        notices: dict[str, NoticeRecord] = {}
-        for kv in await store.get_prefix(self.keys.notices):
-            rec = self._parse(NoticeRecord, kv.value, kv.key)
-            if rec is not None:
-                notices[rec.node_id] = rec
-        commits = []
-        for kv in await store.get_prefix(self.keys.checkpoints):
-            c = self._parse(CommitRecord, kv.value, kv.key)
-            if c is not None:
-                commits.append(c)
+    async def _observe(self, store: EtcdStore, ex: Executor, cache: ObservedCache) -> Observed:
+        snap = await cache.refresh(store)
         return Observed(
             now=self.clock.now(),
-            nodes=nodes,
-            status=status,
-            notices=notices,
-            commits=tuple(commits),
+            nodes=snap.nodes,
+            status=snap.status,
+            notices=snap.notices,
+            commits=snap.commits,
             acked=frozenset(ex.acked),
         )
 
-    def _parse(self, model: Any, raw: bytes, key: str) -> Any:
-        try:
-            return model.model_validate_json(raw)
-        except ValidationError as exc:
-            self.audit.write(
-                "record_rejected", self.clock.now(), key=key, error=str(exc).splitlines()[0]
-            )
-            return None
+    def _reject(self, key: str, error: str) -> None:
+        self.audit.write("record_rejected", self.clock.now(), key=key, error=error)
 
     async def _consume(self, bus: NatsEventBus, store: EtcdStore, lead: Leadership) -> None:
         while True:

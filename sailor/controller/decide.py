@@ -16,7 +16,7 @@ from pydantic import Field
 
 from sailor.controller.phases import PhaseDeadlines, check_transition
 from sailor.schemas._base import Frozen
-from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
+from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop, plan_digest
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
@@ -332,6 +332,8 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is Phase.LAUNCH:
         actions: list[Action] = []
         pending = False
+        # By reference: the plan is in the desired state this phase was written with.
+        digest = plan_digest(d.plan)
         for n in sorted(d.placement):
             cmd = Launch(
                 command_id=_cid(d, "launch", n),
@@ -339,7 +341,7 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
                 plan_id=d.plan.plan_id,
                 node_id=n,
                 deadline=d.phase_deadline,
-                plan=d.plan,
+                plan_sha256=digest,
                 ranks=d.placement[n],
                 world_size=d.plan.num_gpus,
                 master=d.master,

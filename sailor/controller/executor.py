@@ -2,9 +2,12 @@
 
 The executor is the I/O half of decide-then-apply. Every etcd write goes through the
 leader's epoch guard; a ``FencedError`` means this controller was deposed and it must stop.
-Commands are sent concurrently, each waiting a bounded time for its ack; a command not
-acked is simply decided again on a later pass (and re-sent at most every ``resend_s``).
-Planning runs in a worker thread as a named task, so it overlaps the checkpoint.
+Commands are sent concurrently in background tasks, each waiting a bounded time for its ack;
+``apply`` does not wait for them, so a finished plan is adopted on the next pass rather than
+after the slowest ack of a fan-out to every placed node. A command not acked is simply decided
+again on a later pass (never two copies in flight; re-sent at most every ``resend_s``).
+Planning runs as a named task — in the planner's worker process when it has one (``aplan``),
+else in a thread — so it overlaps the checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Executor:
         planner: Planner,
         clock: Clock,
         tasks: TaskSet,
-        wake: Callable[[], None],
+        wake: Callable[[bool], None],
         command_timeout_s: float = 1.0,
         resend_s: float = 0.5,
     ) -> None:
@@ -64,6 +67,7 @@ class Executor:
         self.resend_s = resend_s
         self.acked: set[str] = set()
         self._sent_at: dict[str, float] = {}
+        self._inflight: set[str] = set()
         self._replanning: tuple[str, ...] | None = None
         self.plan_ready: tuple[tuple[str, ...], PlanResult] | None = None
 
@@ -114,9 +118,33 @@ class Executor:
                 )
             elif isinstance(a, Replan):
                 self._start_replan(a)
-        if sends:
-            await asyncio.gather(*(self._send(s) for s in sends))
+        for s in sends:
+            self._spawn_send(s)
         return desired
+
+    @property
+    def inflight(self) -> int:
+        """Commands sent and not yet answered (or timed out)."""
+        return len(self._inflight)
+
+    def _spawn_send(self, action: Send) -> None:
+        cid = action.command.command_id
+        if cid in self._inflight or cid in self.acked:
+            return
+        if self.clock.now() - self._sent_at.get(cid, -1e9) < self.resend_s:
+            return
+        self._inflight.add(cid)
+
+        async def run() -> None:
+            try:
+                await self._send(action)
+            finally:
+                self._inflight.discard(cid)
+                # one pass when a fan-out is fully answered, not one per ack
+                if not self._inflight:
+                    self.wake(True)
+
+        self.tasks.spawn(f"cmd-{cid}", run())
 
     def _start_replan(self, action: Replan) -> None:
         membership = tuple(n.node_id for n in action.nodes)
@@ -129,9 +157,12 @@ class Executor:
         async def run() -> None:
             t0 = self.clock.now()
             try:
-                result = await asyncio.wait_for(
-                    asyncio.to_thread(self.planner.plan, action.nodes, action.previous), 60.0
-                )
+                aplan = getattr(self.planner, "aplan", None)
+                if aplan is not None:
+                    work = aplan(action.nodes, action.previous)
+                else:
+                    work = asyncio.to_thread(self.planner.plan, action.nodes, action.previous)
+                result = await asyncio.wait_for(work, 60.0)
             except Exception as exc:
                 self.audit.write("plan_failed", self.clock.now(), epoch=self.epoch, error=repr(exc))
                 self._replanning = None
@@ -153,7 +184,7 @@ class Executor:
                 planning_s=round(self.clock.now() - t0, 4),
                 predicted=None if pred is None else pred.model_dump(),
             )
-            self.wake()
+            self.wake(True)  # adopt it now: no debounce between a finished plan and etcd
 
         self.tasks.spawn(f"replan-{len(membership)}", run())
 
@@ -176,8 +207,6 @@ class Executor:
     async def _send(self, action: Send) -> None:
         cmd = action.command
         now = self.clock.now()
-        if now - self._sent_at.get(cmd.command_id, -1e9) < self.resend_s:
-            return
         self._sent_at[cmd.command_id] = now
         self.audit.write(
             "command",
