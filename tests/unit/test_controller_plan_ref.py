@@ -19,16 +19,16 @@ def _plan(n: int = 2) -> Plan:
     return DataParallelPlanner("tiny-gpt", 4, 8).plan(nodes, None).plan
 
 
-def _launch(plan: Plan, **kw: object) -> Launch:
+def _launch(ref: Plan, **kw: object) -> Launch:
     base: dict[str, object] = {
         "command_id": "c1",
         "epoch": 1,
-        "plan_id": plan.plan_id,
+        "plan_id": ref.plan_id,
         "node_id": "n0",
         "ranks": (0,),
         "world_size": 2,
         "master": "127.0.0.1:1",
-        "plan_sha256": plan_digest(plan),
+        "plan_sha256": plan_digest(ref),
     }
     base.update(kw)
     return Launch(**base)  # type: ignore[arg-type]
