@@ -64,9 +64,11 @@ class ControllerConfig(Frozen):
         description="'sailor': sailor.planner search/replan; 'data_parallel': the stand-in.",
     )
     planner_process: bool = Field(
-        default=True,
+        default=False,
         description="Run planner 'sailor' in a warm worker process (not a thread sharing "
-        "the loop's GIL); the worker keeps the search state replan starts from.",
+        "the loop's GIL); the worker keeps the search state replan starts from. Off by "
+        "default: on a 2-core head VM the extra process competed with etcd and NATS and "
+        "measured slower than the thread (docs/runtime.md).",
     )
     model: str = Field(
         default="tiny-gpt", description="Catalog model name (e.g. tiny-gpt) or ModelSpec file."
