@@ -19,9 +19,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sailor.planner.pricing import GpuPricing, Resource
 from sailor.planner.tables import CostTables, Kind
 from sailor.planner.templates import PipelineTemplate
-from sailor.schemas import Pipeline, Plan, Stage
+from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve
 
 __all__ = [
@@ -34,9 +35,6 @@ __all__ = [
     "min_time_allocation",
     "to_plan",
 ]
-
-Resource = tuple[str, str, int]
-"""(GPU type, zone, GPUs per node)."""
 
 
 @dataclass(frozen=True)
@@ -103,18 +101,20 @@ def fill_for_time(
     t_budget: float,
     overhead: dict[int, float],
     first: PipelineTemplate | None = None,
+    limit: int | None = None,
 ) -> tuple[list[PipelineTemplate], int]:
-    """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others),
-    and the samples they cover."""
-    scored: list[tuple[float, int, PipelineTemplate]] = []
+    """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others;
+    at most ``limit`` pipelines), and the samples they cover."""
+    scored: list[tuple[float, int, int, PipelineTemplate]] = []
     per: dict[int, int] = {}  # samples one pipeline of the template covers
     for i, t in enumerate(templates):
         m = t.max_microbatches(t_budget - overhead[id(t)])
         if m > 0:
             per[id(t)] = m * t.mbs
-            scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, i, t))
-    scored.sort(key=lambda x: (x[0], x[1]))
-    chosen = _pack([t for _, _, t in scored], caps)
+            scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, -m * t.mbs, i, t))
+    # on a tie in samples per GPU, fewer and larger pipelines first: fewer gradient holders
+    scored.sort(key=lambda x: (x[0], x[1], x[2]))
+    chosen = _pack([t for *_, t in scored], caps, limit)
     samples = sum(per[id(t)] for t in chosen)
     return chosen, samples
 
@@ -126,14 +126,16 @@ def min_time_allocation(
     overhead: dict[int, float],
     t_max: float | None = None,
     first: PipelineTemplate | None = None,
+    limit: int | None = None,
 ) -> list[PipelineTemplate] | None:
-    """Least budget (bisection, 0.2 %) whose packing covers ``gbs`` samples; its pipelines."""
+    """Least budget (bisection, 0.2 %) whose packing of at most ``limit`` pipelines covers
+    ``gbs`` samples; its pipelines."""
     if not templates:
         return None
     lo = min(t.fill_s + overhead[id(t)] for t in templates)
     hi = max(lo, 1e-6) * 2
     for _ in range(60):
-        chosen, s = fill_for_time(templates, caps, hi, overhead, first)
+        chosen, s = fill_for_time(templates, caps, hi, overhead, first, limit)
         if s >= gbs:
             break
         if t_max is not None and hi > t_max:
@@ -144,7 +146,7 @@ def min_time_allocation(
     best = chosen
     while hi - lo > 0.002 * hi:
         mid = (lo + hi) / 2
-        chosen, s = fill_for_time(templates, caps, mid, overhead, first)
+        chosen, s = fill_for_time(templates, caps, mid, overhead, first, limit)
         if s >= gbs:
             hi, best = mid, chosen
         else:
@@ -298,8 +300,32 @@ def ring_of(pipes: Iterable[PipelineTemplate]) -> list[Kind]:
     return sorted(kinds, key=lambda k: (k.zone, k.gpu_type, k.tp, k.gpus_per_node))
 
 
-def fast_estimate(alloc: Allocation, tables: CostTables, sync: SyncModel) -> FastFigures:
-    """Closed-form iteration time and $ of an allocation."""
+def p2p_egress(t: PipelineTemplate, tables: CostTables) -> tuple[tuple[str, str, float], ...]:
+    """Bytes per microbatch a pipeline sends across zones, as the simulator counts them:
+    forward the sender's output plus one attention mask per TP rank, backward the output."""
+    hit: tuple[tuple[str, str, float], ...] | None = t.__dict__.get("_egress")
+    if hit is None:
+        rows: list[tuple[str, str, float]] = []
+        for a, b in itertools.pairwise(t.stages):
+            if a.kind.zone == b.kind.zone:
+                continue
+            arr = tables.arrays(a.kind.gpu_type, a.kind.tp, t.mbs)
+            out = t.mbs * float(arr.out_layer[a.last_layer]) if arr is not None else 0.0
+            rows.append((a.kind.zone, b.kind.zone, out + a.kind.tp * tables.mask_bytes))
+            rows.append((b.kind.zone, a.kind.zone, out))
+        hit = tuple(rows)
+        object.__setattr__(t, "_egress", hit)
+    return hit
+
+
+def fast_estimate(
+    alloc: Allocation,
+    tables: CostTables,
+    sync: SyncModel,
+    pricing: GpuPricing | None = None,
+) -> FastFigures:
+    """Closed-form iteration time and $ of an allocation (GPUs at ``pricing``'s rates, cheapest
+    first; else the tables' uniform rate)."""
     pipes = [t for t, _ in alloc.pipelines]
     ring = ring_of(pipes)
     n = len(pipes)
@@ -329,13 +355,20 @@ def fast_estimate(alloc: Allocation, tables: CostTables, sync: SyncModel) -> Fas
         + ar_total
         + upd
     )
-    per_s = sum(tables.price_per_s(g, z) * k for (g, z, _), k in alloc.gpus_by_resource().items())
+    use = alloc.gpus_by_resource()
+    if pricing is not None:
+        per_s = pricing.per_s(use)
+    else:
+        per_s = sum(tables.price_per_s(g, z) * k for (g, z, _), k in use.items())
     zones = sorted({k.zone for k in ring})
     egress = 0.0
+    prices = tables.inputs.prices
+    for t, m in alloc.pipelines:  # pipelines whose stages span zones
+        for src, dst, nbytes in p2p_egress(t, tables):
+            egress += m * nbytes / 1e9 * prices.egress_per_gb(src, dst)
     if len(zones) > 1 and n > 1:
         total_params = float(tables.inputs.model.total_params)
         per_crossing = 2.0 * (n - 1) / n * total_params * pb
-        prices = tables.inputs.prices
         for i, z in enumerate(zones):
             egress += per_crossing / 1e9 * prices.egress_per_gb(z, zones[(i + 1) % len(zones)])
     return FastFigures(
@@ -346,25 +379,56 @@ def fast_estimate(alloc: Allocation, tables: CostTables, sync: SyncModel) -> Fas
     )
 
 
-def to_plan(alloc: Allocation, model_name: str, gbs: int, plan_id: str = "") -> Plan:
-    """The allocation as a Plan (pipelines ordered by zone, then GPU type)."""
+def to_plan(
+    alloc: Allocation,
+    model_name: str,
+    gbs: int,
+    plan_id: str = "",
+    pricing: GpuPricing | None = None,
+) -> Plan:
+    """The allocation as a Plan (pipelines ordered by zone, then GPU type).
+
+    With ``pricing``, every replica group carries the spot flag of the GPUs it rents
+    (cheapest first, as :meth:`GpuPricing.per_s` charges them)."""
     pipes = sorted(
         alloc.pipelines,
         key=lambda tm: (tm[0].stages[0].kind.zone, tm[0].stages[0].kind.gpu_type, -tm[1]),
     )
-    stages: dict[int, tuple[Stage, ...]] = {}  # one validated Stage tuple per template
-    for t, _ in pipes:
-        if id(t) not in stages:
-            stages[id(t)] = tuple(
-                Stage(first_layer=s.first_layer, last_layer=s.last_layer, replica=s.kind.replica())
-                for s in t.stages
+    flags: list[list[bool | None]] = [[None] * t.depth for t, _ in pipes]
+    if pricing is not None:
+        slots: dict[Resource, list[tuple[int, int, int]]] = {}
+        for pi, (t, _) in enumerate(pipes):
+            for si, s in enumerate(t.stages):
+                k = s.kind
+                slots.setdefault((k.gpu_type, k.zone, k.gpus_per_node), []).append((pi, si, k.tp))
+        for r, rows in slots.items():
+            got = pricing.flags(r, [tp for *_, tp in rows])
+            for (pi, si, _), flag in zip(rows, got, strict=True):
+                flags[pi][si] = flag
+    replicas: dict[tuple[Kind, bool | None], ReplicaGroup] = {}
+    stages: dict[tuple[int, tuple[bool | None, ...]], tuple[Stage, ...]] = {}
+    for pi, (t, _) in enumerate(pipes):
+        key = (id(t), tuple(flags[pi]))
+        if key in stages:
+            continue
+        row: list[Stage] = []
+        for s, f in zip(t.stages, flags[pi], strict=True):
+            rk = (s.kind, f)
+            if rk not in replicas:
+                base = s.kind.replica()
+                replicas[rk] = base if f is None else base.model_copy(update={"spot": f})
+            row.append(
+                Stage(first_layer=s.first_layer, last_layer=s.last_layer, replica=replicas[rk])
             )
+        stages[key] = tuple(row)
     return Plan(
         plan_id=plan_id,
         model=model_name,
         global_batch_size=gbs,
         pipelines=tuple(
-            Pipeline(stages=stages[id(t)], microbatch_size=t.mbs, num_microbatches=m)
-            for t, m in pipes
+            Pipeline(
+                stages=stages[(id(t), tuple(flags[pi]))], microbatch_size=t.mbs, num_microbatches=m
+            )
+            for pi, (t, m) in enumerate(pipes)
         ),
     )

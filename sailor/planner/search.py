@@ -49,6 +49,7 @@ from sailor.planner.api import (
     SearchStats,
 )
 from sailor.planner.moves import moved_layers
+from sailor.planner.pricing import GpuPricing
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import (
     PipelineTemplate,
@@ -125,6 +126,8 @@ class SearchState:
     pruned_memory: int = 0
     shortlist: dict[int, PipelineTemplate] = field(default_factory=dict)
     """Templates used by any allocation of the last search: where a replan looks first."""
+    pricing: GpuPricing | None = None
+    """Prices of the pool being searched (each entry's spot flag); set per search."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,9 @@ def _check_inputs(inputs: Inputs, pool: Pool) -> None:
                 f"(known: {', '.join(sorted(known))})"
             )
         try:
-            inputs.prices.gpu_hour(e.gpu_type, e.zone, inputs.spot)
+            inputs.prices.gpu_hour(
+                e.gpu_type, e.zone, e.spot if inputs.spot is None else inputs.spot
+            )
         except KeyError as exc:
             raise PlannerInputError(f"pool GPU type {e.gpu_type!r} has no price") from exc
 
@@ -294,6 +299,7 @@ def _templates(
             stats["computed"] += 1
         return hit
 
+    singles_of: dict[Resource, list[PipelineTemplate]] = {}
     for zone, rs in sorted(by_zone.items()):
         kinds_by_r = {
             r: [Kind(r[0], tp, zone, r[2]) for tp in _tp_candidates(r[2])] for r in sorted(rs)
@@ -303,7 +309,9 @@ def _templates(
         for r, ks in kinds_by_r.items():
             for k in ks:
                 for b in mbs_by_type[r[0]]:
-                    singles.extend(t for t in get((k,), b) if _fits(t, caps))
+                    fit = [t for t in get((k,), b) if _fits(t, caps)]
+                    singles.extend(fit)
+                    singles_of.setdefault(r, []).extend(fit)
         out.extend(singles)
         if len(rs) > 1:
             out.extend(_aligned(state, singles, kinds_by_r, mbs_by_type, caps))
@@ -316,6 +324,67 @@ def _templates(
                             found = get((k1, k2), b)
                             out.extend(t for t in found if _fits(t, caps))
                             out.extend(_split_to_fit(state, found, k1, k2, b, caps))
+    if len(by_zone) > 1:
+        out.extend(_cross_zone(state, caps, singles_of, get))
+    return out
+
+
+_CROSS_ZONE_KINDS = 1
+"""Per resource that hosts whole pipelines in its own zone, the (TP, microbatch size) of its
+best few single-zone templates (by samples per GPU-second) are the stage kinds it offers to
+pipelines that span zones. A resource that hosts no whole pipeline offers every TP degree and
+microbatch size: spanning zones is then the only way to use it."""
+
+
+def _cross_zone(
+    state: SearchState,
+    caps: Mapping[Resource, int],
+    singles_of: Mapping[Resource, list[PipelineTemplate]],
+    get: Callable[[tuple[Kind, ...], int], list[PipelineTemplate]],
+) -> list[PipelineTemplate]:
+    """Pipelines whose first stages run in one zone and the rest in another.
+
+    They pay off when a zone's GPUs cannot hold a whole pipeline (a model that needs more
+    stages than one zone has nodes of its type) or a zone has leftover GPUs that can join a
+    pipeline as stages; the hop between the two zones runs over the cross-zone link curve
+    (:meth:`CostTables.link`) and its bytes pay egress both ways (:func:`p2p_egress`).
+    Pools up to :data:`_SMALL_POOL_GPUS` pair every kind; larger ones only the best kinds of
+    each resource, which keeps the DPs to a few per ordered pair of resources.
+    """
+    inputs = state.tables.inputs
+    small = sum(caps.values()) <= _SMALL_POOL_GPUS
+    offer: dict[Resource, list[tuple[int, int]]] = {}
+    for r in sorted(caps):
+        ts = sorted(singles_of.get(r, []), key=lambda t: -_rate(t))
+        every = [(tp, b) for tp in _tp_candidates(r[2]) for b in _mbs_candidates(inputs, r[0])]
+        if small or not ts:
+            offer[r] = every
+            continue
+        best: list[tuple[int, int]] = []
+        for t in ts:
+            tb = (t.stages[0].kind.tp, t.mbs)
+            if tb not in best:
+                best.append(tb)
+            if len(best) >= _CROSS_ZONE_KINDS:
+                break
+        offer[r] = best
+    out: list[PipelineTemplate] = []
+    done: set[tuple[Kind, Kind, int]] = set()
+    for r1 in sorted(caps):
+        for r2 in sorted(caps):
+            if r1[1] == r2[1]:
+                continue
+            both = set(_mbs_candidates(inputs, r1[0])) & set(_mbs_candidates(inputs, r2[0]))
+            for tp1, b1 in offer[r1]:
+                for tp2, b2 in offer[r2]:
+                    k1, k2 = Kind(r1[0], tp1, r1[1], r1[2]), Kind(r2[0], tp2, r2[1], r2[2])
+                    for b in sorted({b1, b2} & both):
+                        if (k1, k2, b) in done:
+                            continue
+                        done.add((k1, k2, b))
+                        found = get((k1, k2), b)
+                        out.extend(t for t in found if _fits(t, caps))
+                        out.extend(_split_to_fit(state, found, k1, k2, b, caps))
     return out
 
 
@@ -549,6 +618,18 @@ def _allocations(
         a = assign_microbatches(chosen, gbs, over)
         if a:
             out.append(Allocation(tuple(a), "least time"))
+    if sum(scenario.values()) <= _SMALL_POOL_GPUS:
+        # the sync guess above assumes many pipelines; in a small pool one or two large
+        # pipelines (fewer ring hops, across zones too) may win: price and pack those too
+        for n_pipes in (1, 2):
+            if n_pipes >= n_guess:
+                break
+            over_n = overheads_for(ts, ring, n_pipes, sync, tables.inputs.model.param_bytes())
+            few = min_time_allocation(ts, scenario, gbs, over_n, limit=n_pipes)
+            if few:
+                a = assign_microbatches(few, gbs, over_n)
+                if a:
+                    out.append(Allocation(tuple(a), f"least time, at most {n_pipes} pipelines"))
     # a pipeline that spans GPU types packs worse by samples per GPU alone (it may be the
     # only way to use a type that cannot hold a stage by itself): also pack the best few first
     mixed = [t for t in ts if len(t.gpus_by_resource()) > 1]
@@ -595,9 +676,11 @@ def _allocations(
             min(t.fill_s + over[id(t)] for t in ts),
             _least_time(chosen, gbs, over) or t0,
         )
+        pricing = state.pricing
         price = {
             id(t): sum(
-                tables.price_per_s(g, z) * n for (g, z, _), n in t.gpus_by_resource().items()
+                (pricing.cheapest_per_s(r) if pricing else tables.price_per_s(r[0], r[1])) * n
+                for r, n in t.gpus_by_resource().items()
             )
             for t in ts
         }
@@ -644,7 +727,7 @@ def search(
     *,
     gpu_specs: Mapping[str, GPUSpec],
     calibration: Calibration | None = None,
-    spot: bool = False,
+    spot: bool | None = None,
     top_k: int = 5,
     simulate_top: int = 8,
     progress: Progress | None = None,
@@ -682,7 +765,7 @@ def plan(
     *,
     gpu_specs: Mapping[str, GPUSpec],
     calibration: Calibration | None = None,
-    spot: bool = False,
+    spot: bool | None = None,
     top_k: int = 5,
 ) -> list[RankedPlan]:
     """Best plans first; raises :class:`NoFeasiblePlanError` (with the reason) if there is none."""
@@ -731,6 +814,8 @@ def search_with_tables(
     inputs = tables.inputs
     _check_inputs(inputs, pool)
     caps = resources_of(pool, constraints)
+    state.pricing = GpuPricing.of(pool, inputs.prices, inputs.spot)
+    pricing = state.pricing
 
     def empty(reason: str, ub: float = 0.0, cands: Sequence[Candidate] = ()) -> SearchResult:
         return SearchResult(
@@ -804,7 +889,7 @@ def search_with_tables(
         else:
             new = _allocations(state, templates, scenarios[i], objective, constraints, mixed_all)
         for a in new:
-            f = fast_estimate(a, tables, sync)
+            f = fast_estimate(a, tables, sync, pricing)
             best_thr = max(best_thr, 1.0 / f.iteration_s)
         allocs.extend(new)
     state.shortlist = {id(t): t for a in allocs for t, _ in a.pipelines}
@@ -812,7 +897,7 @@ def search_with_tables(
         if a.key in seen:
             continue
         seen.add(a.key)
-        cands.append(Candidate(alloc=a, fast=fast_estimate(a, tables, sync)))
+        cands.append(Candidate(alloc=a, fast=fast_estimate(a, tables, sync, pricing)))
     ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
     forced = {a.key for a in extra}  # a replan always judges its warm start
     ok.sort(
@@ -834,7 +919,7 @@ def search_with_tables(
         c = ok[idx]
         idx += 1
         budget -= 1
-        p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=f"sailor-{idx}")
+        p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=f"sailor-{idx}", pricing=pricing)
         try:
             est = simulate(
                 p,
@@ -844,7 +929,7 @@ def search_with_tables(
                 inputs.prices,
                 calibration=inputs.calibration,
                 gpu_specs=inputs.gpu_specs,
-                spot=inputs.spot,
+                spot=bool(inputs.spot),
             )
         except (ProfileLookupError, KeyError, ValueError) as exc:
             judged.append(Candidate(c.alloc, c.fast, None, p, (f"simulator: {exc}",)))

@@ -49,7 +49,8 @@ class Inputs:
     prices: PriceTable
     gpu_specs: Mapping[str, GPUSpec]
     calibration: Calibration = field(default_factory=Calibration)
-    spot: bool = False
+    spot: bool | None = None
+    """None: each pool entry's own spot flag; True/False: every GPU at spot/on-demand rates."""
 
 
 @dataclass(frozen=True, order=True)
@@ -242,4 +243,5 @@ class CostTables:
         return tf, tb
 
     def price_per_s(self, gpu_type: str, zone: str) -> float:
-        return self.inputs.prices.gpu_hour(gpu_type, zone, self.inputs.spot) / 3600.0
+        """On-demand unless ``spot=True`` (the search prices a pool through ``GpuPricing``)."""
+        return self.inputs.prices.gpu_hour(gpu_type, zone, bool(self.inputs.spot)) / 3600.0

@@ -38,6 +38,11 @@ class ReplicaGroup(Frozen):
     )
     node_id: str = Field(default="", description="Node it is placed on (set at launch).")
     first_gpu: int = Field(default=0, ge=0, description="First local GPU index on the node.")
+    spot: bool | None = Field(
+        default=None,
+        description="Priced at spot rates (True) or on-demand (False); None: the simulator's "
+        "spot argument decides.",
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> ReplicaGroup:

@@ -9,8 +9,9 @@ The model (docs/simulator-model.md) follows what the training framework does on 
 4. after its last backward every stage pays the fixed sync cost, then all-reduces each of its
    layer segments with the other holders (a segment's ring starts when all its holders are
    ready), then runs its optimizer step; the iteration ends with the last step;
-5. memory per GPU (:mod:`memory`); cost = GPU-hours by type and zone at their price (on-demand
-   unless ``spot=True``) + cross-zone bytes at the egress price.
+5. memory per GPU (:mod:`memory`); cost = GPU-hours by type and zone at their price (each
+   replica group's own ``spot`` flag, else on-demand unless ``spot=True``) + cross-zone bytes
+   at the egress price.
 
 Pure: takes frozen values and returns one; no I/O, no clock, no globals.
 """
@@ -92,8 +93,9 @@ def simulate(
 
     ``gpu_specs`` (GPU type -> spec sheet) gives memory capacities and enables analytic
     estimates for GPU types or TP degrees without a profile. ``spot`` prices GPUs at spot
-    rates. Raises :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has
-    neither a profile nor a spec, ``KeyError`` if it has no price.
+    rates, except replica groups whose own ``spot`` flag is set. Raises
+    :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has neither a profile
+    nor a spec, ``KeyError`` if it has no price.
     """
     return _run(plan, model, profiles, network, prices, calibration, gpu_specs, method, spot)[0]
 
@@ -282,7 +284,8 @@ def _run(
     for p in plan.pipelines:
         for s in p.stages:
             r = s.replica
-            compute_usd += r.tp * prices.gpu_hour(r.gpu_type, r.zone, spot) * iteration / 3600
+            on_spot = spot if r.spot is None else r.spot
+            compute_usd += r.tp * prices.gpu_hour(r.gpu_type, r.zone, on_spot) * iteration / 3600
     egress_usd = sum(
         nbytes / 1e9 * prices.egress_per_gb(src, dst)
         for (src, dst), nbytes in sorted(egress_bytes.items())

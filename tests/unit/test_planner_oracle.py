@@ -41,39 +41,40 @@ def _compositions(n: int) -> Iterator[tuple[int, ...]]:
             yield (*cuts, n - 1)
 
 
-def _shapes(n_layers: int, caps: dict[str, int]) -> list[tuple[tuple[int, int, str, int], ...]]:
-    types = [g for g, c in caps.items() if c > 0]
-    kinds = [(g, tp) for g in types for tp in (1, 2)]
+Kind = tuple[str, int, str]  # GPU type, TP, zone
+Res = tuple[str, str]  # GPU type, zone
+
+
+def _shapes(n_layers: int, caps: dict[Res, int]) -> list[tuple[tuple[int, int, Kind], ...]]:
+    kinds = [(g, tp, z) for (g, z), c in caps.items() if c > 0 for tp in (1, 2)]
     out = []
     for lasts in _compositions(n_layers):
         depth = len(lasts)
         firsts = (0, *(x + 1 for x in lasts[:-1]))
-        patterns: set[tuple[tuple[str, int], ...]] = set()
+        patterns: set[tuple[Kind, ...]] = set()
         for k in kinds:
             patterns.add((k,) * depth)
         for ka, kb in itertools.permutations(kinds, 2):
-            if ka[0] == kb[0]:
+            if (ka[0], ka[2]) == (kb[0], kb[2]):  # two kinds: another GPU type or zone
                 continue
             for switch in range(1, depth):
                 patterns.add((ka,) * switch + (kb,) * (depth - switch))
         for pat in patterns:
-            need: dict[str, int] = {}
-            for g, tp in pat:
-                need[g] = need.get(g, 0) + tp
-            if all(need[g] <= caps[g] for g in need):
+            need: dict[Res, int] = {}
+            for g, tp, z in pat:
+                need[(g, z)] = need.get((g, z), 0) + tp
+            if all(need[r] <= caps[r] for r in need):
                 out.append(
                     tuple(
-                        (a, b, g, tp)
-                        for (a, b), (g, tp) in zip(
-                            zip(firsts, lasts, strict=True), pat, strict=True
-                        )
+                        (a, b, k)
+                        for (a, b), k in zip(zip(firsts, lasts, strict=True), pat, strict=True)
                     )
                 )
     return out
 
 
-def _multisets(shapes: list, caps: dict[str, int]) -> Iterator[list]:
-    use = [{g: sum(tp for *_, gg, tp in s if gg == g) for g in caps} for s in shapes]
+def _multisets(shapes: list, caps: dict[Res, int]) -> Iterator[list]:
+    use = [{r: sum(k[1] for *_, k in s if (k[0], k[2]) == r) for r in caps} for s in shapes]
 
     def rec(i: int, left: dict[str, int], cur: list) -> Iterator[list]:
         if cur:
@@ -93,16 +94,16 @@ def _pipe(shape: tuple, mbs: int, m: int) -> Pipeline:
             Stage(
                 first_layer=a,
                 last_layer=b,
-                replica=ReplicaGroup(gpu_type=g, zone=ZONE, tp=tp, gpus_per_node=2),
+                replica=ReplicaGroup(gpu_type=g, zone=z, tp=tp, gpus_per_node=2),
             )
-            for a, b, g, tp in shape
+            for a, b, (g, tp, z) in shape
         ),
         microbatch_size=mbs,
         num_microbatches=m,
     )
 
 
-def brute_force(env: Env, caps: dict[str, int]) -> float:
+def brute_force(env: Env, caps: dict[Res, int]) -> float:
     n = env.model.num_all_layers
     gbs = env.model.global_batch_size
     shapes = _shapes(n, caps)
@@ -176,7 +177,7 @@ def test_planner_matches_brute_force(
         params_mb=0.5,
         gbs=gbs,
     )
-    caps = {"fast": 2 * fast_nodes, "slow": 2 * slow_nodes}
+    caps = {("fast", ZONE): 2 * fast_nodes, ("slow", ZONE): 2 * slow_nodes}
     pool = make_pool({("fast", ZONE): fast_nodes, ("slow", ZONE): slow_nodes})
     res = search(**env.kw(), pool=pool, gpu_specs=env.specs)  # type: ignore[arg-type]
     truth = brute_force(env, caps)
@@ -185,3 +186,53 @@ def test_planner_matches_brute_force(
         assert not res.plans, "brute force found nothing feasible but the planner did"
         return
     assert got >= TOLERANCE * truth, (got, truth, res.plans[0].explain if res.plans else res.reason)
+
+
+ZONE_B = "us-test1-b"
+TOLERANCE_ZONES = 0.95
+"""Across zones the worst ratio seen over 4 x 30 examples was 0.963 (4 layers, one fast node
+in each zone, pipelines spanning them: the packing heuristic, not the partition DP)."""
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    weights=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=3, max_size=5),
+    nodes=st.sampled_from([(1, 0, 1), (0, 1, 1), (1, 0, 0), (0, 0, 1)]),
+    slow_speed=st.sampled_from([1.5, 2.5]),
+    mem=st.sampled_from([140, 250, 400]),
+    cross_zone_gbps=st.sampled_from([0.05, 0.5]),
+    gbs=st.sampled_from([4, 8]),
+)
+def test_planner_matches_brute_force_across_two_zones(
+    weights: list[float],
+    nodes: tuple[int, int, int],
+    slow_speed: float,
+    mem: int,
+    cross_zone_gbps: float,
+    gbs: int,
+) -> None:
+    """Two zones: a node of fast or slow GPUs in one, a node of fast GPUs in the other (at
+    most 4 GPUs: 6 take the brute force minutes); pipelines may span the zones (the hop over
+    the cross-zone curve). Small memories force that. Tolerance :data:`TOLERANCE_ZONES`; a
+    6-GPU example (fast+slow node in one zone, fast in the other, 0.05 GB/s between them)
+    missed by 0.943: a sync-dominated case the allocation's sync guess misprices."""
+    fast_a, slow_a, fast_b = nodes
+    env = make_env(
+        weights=tuple(weights),
+        speed={"fast": 1.0, "slow": slow_speed},
+        memory_mb={"fast": mem, "slow": mem},
+        params_mb=0.5,
+        gbs=gbs,
+        zones=(ZONE, ZONE_B),
+        cross_zone_gbps=cross_zone_gbps,
+    )
+    caps = {("fast", ZONE): 2 * fast_a, ("slow", ZONE): 2 * slow_a, ("fast", ZONE_B): 2 * fast_b}
+    pool = make_pool({("fast", ZONE): fast_a, ("slow", ZONE): slow_a, ("fast", ZONE_B): fast_b})
+    res = search(**env.kw(), pool=pool, gpu_specs=env.specs)  # type: ignore[arg-type]
+    truth = brute_force(env, {r: c for r, c in caps.items() if c > 0})
+    got = res.plans[0].throughput_iter_s if res.plans else 0.0
+    if truth == 0.0:
+        assert not res.plans, "brute force found nothing feasible but the planner did"
+        return
+    why = res.plans[0].explain if res.plans else res.reason
+    assert got >= TOLERANCE_ZONES * truth, (got, truth, why)

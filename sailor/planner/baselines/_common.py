@@ -46,7 +46,7 @@ def judge(
                 inp.prices,
                 calibration=inp.calibration,
                 gpu_specs=inp.gpu_specs,
-                spot=inp.spot,
+                spot=bool(inp.spot),
             )
         except (ProfileLookupError, KeyError, ValueError):
             continue
