@@ -207,7 +207,11 @@ def plan_cmd(
     zones: str | None = typer.Option(None, help="Allowed zones, comma-separated."),
     regions: str | None = typer.Option(None, help="Allowed regions, comma-separated."),
     gbs: int | None = typer.Option(None, help="Global batch size (default: the model's)."),
-    spot: bool = typer.Option(False, help="Price GPUs at spot rates."),
+    spot: bool | None = typer.Option(
+        None,
+        "--spot/--on-demand",
+        help="Price every GPU at spot (or on-demand) rates; default: each pool entry's flag.",
+    ),
     one_mbs: bool = typer.Option(
         False, "--one-mbs", help="One microbatch size for every pipeline (exportable)."
     ),

@@ -105,15 +105,14 @@ def fill_for_time(
 ) -> tuple[list[PipelineTemplate], int]:
     """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others;
     at most ``limit`` pipelines), and the samples they cover."""
-    scored: list[tuple[float, int, int, PipelineTemplate]] = []
+    scored: list[tuple[float, int, PipelineTemplate]] = []
     per: dict[int, int] = {}  # samples one pipeline of the template covers
     for i, t in enumerate(templates):
         m = t.max_microbatches(t_budget - overhead[id(t)])
         if m > 0:
             per[id(t)] = m * t.mbs
-            scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, -m * t.mbs, i, t))
-    # on a tie in samples per GPU, fewer and larger pipelines first: fewer gradient holders
-    scored.sort(key=lambda x: (x[0], x[1], x[2]))
+            scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, i, t))
+    scored.sort(key=lambda x: (x[0], x[1]))
     chosen = _pack([t for *_, t in scored], caps, limit)
     samples = sum(per[id(t)] for t in chosen)
     return chosen, samples
