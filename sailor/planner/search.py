@@ -6,6 +6,7 @@ Estimate, then solve:
    simulator's own cost functions, for every (GPU type, TP, microbatch size) of the pool.
 2. **Templates** (:mod:`templates`): per zone, for each stage kind (GPU type, TP) and each
    ordered pair of kinds, a DP gives the best uneven partition for every depth; memory prunes.
+   Pairs of kinds in two zones give pipelines that span zones (:func:`_cross_zone`).
 3. **Scenarios**: which GPU types and zones to use at all. For each non-empty subset of GPU
    types and each prefix of the zones (ordered by region, then capacity) the search knows the
    ring a gradient all-reduce would run over, so it can price every template's sync.
