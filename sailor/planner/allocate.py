@@ -111,7 +111,9 @@ def fill_for_time(
         m = t.max_microbatches(t_budget - overhead[id(t)])
         if m > 0:
             per[id(t)] = m * t.mbs
-            scored.append((-math.inf if t is first else -(m * t.mbs) / t.gpus, i, t))
+            # with a cap on pipelines, the pipelines that cover the most samples go first
+            gain = m * t.mbs if limit is not None else m * t.mbs / t.gpus
+            scored.append((-math.inf if t is first else -gain, i, t))
     scored.sort(key=lambda x: (x[0], x[1]))
     chosen = _pack([t for *_, t in scored], caps, limit)
     samples = sum(per[id(t)] for t in chosen)
