@@ -51,6 +51,9 @@ async def test_an_agent_writes_only_its_own_keys(
         # the controller reads and writes the whole job
         assert [kv.key for kv in await ctl.get_prefix(KEYS.nodes)] == [KEYS.node("node-a")]
         await ctl.put(KEYS.desired, b"d")
+        # an agent reads (only reads) the desired state: Launch names its plan there
+        got = await agent.get(KEYS.desired)
+        assert got is not None and got.value == b"d"
         await lease.revoke()
         assert await ctl.get(KEYS.node("node-a")) is None
     finally:

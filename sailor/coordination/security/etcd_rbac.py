@@ -6,7 +6,8 @@ the client certificate's common name, so each identity's certificate *is* its lo
 
 - ``root`` (the operator): etcd's built-in root role; used only to apply this plan;
 - a controller (CN = its identity): read-write on ``/sailor/<job>/``;
-- an agent (CN = its node id): read-write only on ``nodes/<id>`` and ``status/<id>``.
+- an agent (CN = its node id): read-write only on ``nodes/<id>`` and ``status/<id>``, and
+  read-only on ``desired`` (a Launch names its plan; the agent reads it there).
 
 Every role also reads the revision probe key (``EtcdStore.revision``), which lies outside
 the job's prefix. etcd 3.4 checks that a request's key range lies inside a granted range, so
@@ -98,6 +99,8 @@ def rbac_plan(keys: Keys, controllers: tuple[str, ...], nodes: tuple[str, ...]) 
             (
                 EtcdPermission(Perm.readwrite, keys.node(node).encode()),
                 EtcdPermission(Perm.readwrite, keys.status(node).encode()),
+                # Launch names its plan; the agent reads it from the desired state (read only).
+                EtcdPermission(Perm.read, keys.desired.encode()),
                 _probe(),
             ),
         )
