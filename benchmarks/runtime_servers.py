@@ -7,38 +7,21 @@ a temporary directory, stopped at the end. No mocks.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from sailor.localnet import free_port, wait_port
+
 __all__ = ["free_port", "servers"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.02)
-    raise RuntimeError(f"port {port} did not open within {timeout}s")
 
 
 def _start(argv: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
-    _wait_port(port, 15.0)
+    wait_port(port, 15.0)
     return proc
 
 

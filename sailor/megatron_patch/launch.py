@@ -9,7 +9,6 @@ file and exit status. It is what the agent does on many nodes, reduced to one.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sailor.localnet import free_port
 from sailor.schemas.plan import Plan
 
 __all__ = ["LocalRun", "free_port", "launch_local"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -23,6 +23,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from sailor.localnet import free_port
+
 __all__ = ["RankFailedError", "init_gloo", "rank_args", "run_ranks", "write_result"]
 
 
@@ -34,12 +36,6 @@ class RankFailedError(RuntimeError):
         tail = "\n".join(stderr.strip().splitlines()[-15:])
         super().__init__(f"{module} rank {rank}: {why}\n{tail}")
         self.module, self.rank, self.why, self.stderr = module, rank, why, stderr
-
-
-def _free_port() -> int:
-    from sailor.megatron_patch.launch import free_port
-
-    return free_port()
 
 
 def run_ranks(
@@ -54,7 +50,7 @@ def run_ranks(
 
     if world < 1:
         raise ValueError(f"world={world}: need at least one rank")
-    master = f"127.0.0.1:{_free_port()}"
+    master = f"127.0.0.1:{free_port()}"
     env = {**os.environ, **(extra_env or {})}
     with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
         d = Path(tmp)

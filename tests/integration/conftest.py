@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,26 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from sailor.localnet import free_port, wait_port
 from tests.integration.secure_servers import Pki, apply_job_rbac, etcd_argv, make_pki, nats_argv
 
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.02)
-    raise RuntimeError(f"port {port} did not open within {timeout}s")
 
 
 class Server:
@@ -56,7 +39,7 @@ class Server:
         fh = self.log.open("ab")
         self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT)
         fh.close()
-        _wait_port(self.port, 15.0)
+        wait_port(self.port, 15.0, self.name)
 
     def stop(self) -> None:
         if self.proc is None:

@@ -7,7 +7,6 @@ trip (save, commit, list, load resharded, verify, detect corruption, gc) on the 
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,19 +26,14 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint.format import step_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from sailor.localnet import free_port
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     pytest.importorskip("s3fs", reason="s3fs not installed")
     server_mod = pytest.importorskip("moto.server", reason="moto[server] not installed")
-    port = _free_port()
+    port = free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

@@ -9,36 +9,18 @@ Must never reuse an existing server or data directory.
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from sailor.cli.demo.processes import ProcessRegistry
+from sailor.localnet import free_port, wait_port
 
 __all__ = ["ServerError", "Servers", "free_port", "start_servers"]
 
 
 class ServerError(RuntimeError):
-    """A server binary is missing or did not open its port (not retried)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.02)
-    raise ServerError(f"{what} did not open port {port} within {timeout_s:.0f} s")
+    """A server binary is missing (not retried); a port not opened raises PortTimeoutError."""
 
 
 def _binaries() -> tuple[str, str]:
@@ -79,6 +61,6 @@ def start_servers(reg: ProcessRegistry, data: Path) -> Servers:
             *("--log-level", "warn"),
         ],
     )
-    _wait_port(np_, 15.0, "nats-server")
-    _wait_port(ep, 15.0, "etcd")
+    wait_port(np_, 15.0, "nats-server")
+    wait_port(ep, 15.0, "etcd")
     return Servers(nats_url=f"nats://127.0.0.1:{np_}", etcd_endpoint=f"127.0.0.1:{ep}")
