@@ -46,7 +46,7 @@ from sailor.coordination import (
     connect_nats,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
-from sailor.schemas.events import EventAdapter, PreemptionNotice
+from sailor.schemas.events import Event, EventAdapter, PreemptionNotice
 from sailor.schemas.runtime import DesiredState, NoticeRecord
 
 __all__ = ["Controller", "run_controller"]
@@ -286,6 +286,21 @@ class Controller:
         if self.on_event is not None:
             self.on_event(event_id or msg_id, outcome, received, self.clock.now())
 
+    def _reject_event(
+        self, ev: Event, now: float, lead: Leadership, reason: str
+    ) -> tuple[str, str]:
+        """Audit a well-formed event the controller refuses; the outcome to return."""
+        self.audit.write(
+            "event_rejected",
+            now,
+            epoch=lead.epoch,
+            event_id=ev.event_id,
+            event_kind=ev.kind,
+            node_id=ev.node_id,
+            reason=reason,
+        )
+        return "rejected", ev.event_id
+
     async def _apply_event(
         self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, now: float
     ) -> tuple[str, str]:
@@ -309,28 +324,12 @@ class Controller:
             self._seen.popitem(last=False)
         registered = await store.get(self.keys.node(ev.node_id))
         if ev.kind != "node_left" and registered is None:
-            self.audit.write(
-                "event_rejected",
-                now,
-                epoch=lead.epoch,
-                event_id=ev.event_id,
-                event_kind=ev.kind,
-                node_id=ev.node_id,
-                reason="node is not registered",
-            )
-            return "rejected", ev.event_id
+            return self._reject_event(ev, now, lead, "node is not registered")
         if isinstance(ev, PreemptionNotice):
             if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
-                self.audit.write(
-                    "event_rejected",
-                    now,
-                    epoch=lead.epoch,
-                    event_id=ev.event_id,
-                    event_kind=ev.kind,
-                    node_id=ev.node_id,
-                    reason=f"deadline {ev.deadline} outside the accepted window",
+                return self._reject_event(
+                    ev, now, lead, f"deadline {ev.deadline} outside the accepted window"
                 )
-                return "rejected", ev.event_id
             rec = NoticeRecord(
                 node_id=ev.node_id, deadline=ev.deadline, event_id=ev.event_id, source=ev.source
             )
