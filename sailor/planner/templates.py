@@ -17,6 +17,7 @@ and ``j`` are handled at once as numpy matrices, O(L³·K²) per kind sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,38 +218,8 @@ def _backtrack(
         j, y = int(bj[i]), int(by[i])
         ranges.append((i, j, x))
         i, p, x = j + 1, x, y
-    stages: list[StageTemplate] = []
-    for s, (a, b, x) in enumerate(ranges):
-        arr = arrs[x]
-        t = float(arr.comp[b + 1] - arr.comp[a])
-        if s + 1 < len(ranges):
-            y = ranges[s + 1][2]
-            tf, tb = tables.link(kinds[x], kinds[y], mbs)
-            t += float(tf[b] + tb[b])
-        if s > 0:
-            px = ranges[s - 1][2]
-            tf, tb = tables.link(kinds[px], kinds[x], mbs)
-            t += float(tf[a - 1] + tb[a - 1])
-        mem = float(tables.stage_memory(arr, depth - s)[a, b])
-        stages.append(
-            StageTemplate(
-                first_layer=a,
-                last_layer=b,
-                kind=kinds[x],
-                time_s=t,
-                update_s=float(arr.upd[b + 1] - arr.upd[a]),
-                params=float(arr.params[b + 1] - arr.params[a]),
-                memory_bytes=mem,
-            )
-        )
-    times = [s.time_s for s in stages]
-    return PipelineTemplate(
-        stages=tuple(stages),
-        mbs=mbs,
-        period_s=max(times),
-        fill_s=sum(times),
-        estimated=any(a.estimated for a in arrs),
-    )
+    placed = [(a, b, kinds[x], arrs[x]) for a, b, x in ranges]
+    return _assemble(tables, mbs, placed, estimated=any(a.estimated for a in arrs))
 
 
 def with_cuts(
@@ -262,42 +233,16 @@ def with_cuts(
     arr = tables.arrays(kind.gpu_type, kind.tp, mbs)
     if arr is None:
         return None
-    depth = len(last_layers)
-    first = 0
-    stages: list[StageTemplate] = []
-    tf, tb = tables.link(kind, kind, mbs) if depth > 1 else (None, None)
+    firsts = (0, *(b + 1 for b in last_layers[:-1]))
+    placed = [(f, b, kind, arr) for f, b in zip(firsts, last_layers, strict=True)]
     cap = tables.capacity(kind.gpu_type)
-    for s, b in enumerate(last_layers):
-        a = first
-        mem = float(tables.stage_memory(arr, depth - s)[a, b])
-        if mem > cap:
-            return None
-        t = float(arr.comp[b + 1] - arr.comp[a])
-        if tf is not None and tb is not None:
-            if s + 1 < depth:
-                t += float(tf[b] + tb[b])
-            if s > 0:
-                t += float(tf[a - 1] + tb[a - 1])
-        stages.append(
-            StageTemplate(
-                first_layer=a,
-                last_layer=b,
-                kind=kind,
-                time_s=t,
-                update_s=float(arr.upd[b + 1] - arr.upd[a]),
-                params=float(arr.params[b + 1] - arr.params[a]),
-                memory_bytes=mem,
-            )
-        )
-        first = b + 1
-    times = [s.time_s for s in stages]
-    return PipelineTemplate(
-        stages=tuple(stages),
-        mbs=mbs,
-        period_s=max(times),
-        fill_s=sum(times),
-        estimated=arr.estimated,
-    )
+    depth = len(placed)
+    # stage_memory is cached per in-flight count: the check is an index lookup per stage
+    if any(
+        tables.stage_memory(arr, depth - s)[f, b] > cap for s, (f, b, _, _) in enumerate(placed)
+    ):
+        return None
+    return _assemble(tables, mbs, placed, estimated=arr.estimated)
 
 
 def fixed_kinds(tables: CostTables, seq: tuple[Kind, ...], mbs: int) -> PipelineTemplate | None:
@@ -355,35 +300,50 @@ def fixed_kinds(tables: CostTables, seq: tuple[Kind, ...], mbs: int) -> Pipeline
         j = int(choice[s][i])
         lasts.append(j)
         i = j + 1
+    firsts = (0, *(b + 1 for b in lasts[:-1]))
+    placed = [(f, b, seq[i], arrs[i]) for i, (f, b) in enumerate(zip(firsts, lasts, strict=True))]
+    return _assemble(tables, mbs, placed, estimated=any(x.estimated for x in arrs))
+
+
+def _assemble(
+    tables: CostTables,
+    mbs: int,
+    placed: Sequence[tuple[int, int, Kind, LayerArrays]],
+    *,
+    estimated: bool,
+) -> PipelineTemplate:
+    """The template of stages ``(first, last, kind, arrays)`` in pipeline order.
+
+    A stage's time is its compute plus the blocking transfers to and from its neighbours;
+    its memory holds ``depth - s`` microbatches in flight (1F1B).
+    """
+    depth = len(placed)
     stages: list[StageTemplate] = []
-    first = 0
-    for s, b in enumerate(lasts):
-        a = first
-        arr = arrs[s]
-        t_s = float(arr.comp[b + 1] - arr.comp[a])
+    for s, (a, b, kind, arr) in enumerate(placed):
+        mem = float(tables.stage_memory(arr, depth - s)[a, b])
+        t = float(arr.comp[b + 1] - arr.comp[a])
         if s + 1 < depth:
-            tf, tb = tables.link(seq[s], seq[s + 1], mbs)
-            t_s += float(tf[b] + tb[b])
+            tf, tb = tables.link(kind, placed[s + 1][2], mbs)
+            t += float(tf[b] + tb[b])
         if s > 0:
-            tf, tb = tables.link(seq[s - 1], seq[s], mbs)
-            t_s += float(tf[a - 1] + tb[a - 1])
+            tf, tb = tables.link(placed[s - 1][2], kind, mbs)
+            t += float(tf[a - 1] + tb[a - 1])
         stages.append(
             StageTemplate(
                 first_layer=a,
                 last_layer=b,
-                kind=seq[s],
-                time_s=t_s,
+                kind=kind,
+                time_s=t,
                 update_s=float(arr.upd[b + 1] - arr.upd[a]),
                 params=float(arr.params[b + 1] - arr.params[a]),
-                memory_bytes=float(tables.stage_memory(arr, depth - s)[a, b]),
+                memory_bytes=mem,
             )
         )
-        first = b + 1
-    times = [s.time_s for s in stages]
+    times = [st.time_s for st in stages]
     return PipelineTemplate(
         stages=tuple(stages),
         mbs=mbs,
         period_s=max(times),
         fill_s=sum(times),
-        estimated=any(x.estimated for x in arrs),
+        estimated=estimated,
     )
