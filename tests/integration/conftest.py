@@ -1,160 +1,104 @@
-"""Real servers for the runtime's integration tests: nats-server -js and etcd 3.4.
+"""Real servers for the integration tests: nats-server -js and etcd 3.4, secure by default.
 
-Each test gets fresh servers on free loopback ports with data in a temp dir; both are stopped
-after the test. ``restart()`` stops and starts a server on the same port and data dir (the
-chaos of a server restart). ``no_task_leak`` fails a test that leaves asyncio tasks behind.
-No mocks of either server.
+Each test gets fresh servers from :mod:`sailor.localservers` on free loopback ports with data
+in a temp dir, both stopped after the test. **Security is on**, as in a deployment: TLS with
+client certificates on both, a NATS login per identity with the per-node permissions, etcd
+RBAC (see ``IDENTITIES`` for who has a certificate). ``servers.security(name)`` is the
+``security:`` setting of one identity. ``plain_servers`` (no TLS, no auth) is only for tests
+about something else that say why. ``Server.restart()`` stops and starts a server on the same
+port and data dir. ``no_task_leak`` fails a test that leaves asyncio tasks behind. No mocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from sailor.localnet import free_port, wait_port
-from tests.integration.secure_servers import Pki, apply_job_rbac, etcd_argv, make_pki, nats_argv
+from sailor.localnet import free_port
+from sailor.localservers import (
+    Identities,
+    LocalServers,
+    ServerMissingError,
+    ServerProcess,
+    start_local_servers,
+)
+from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
 
-VENV_BIN = Path(sys.executable).parent
+__all__ = ["IDENTITIES", "Server", "free_port"]
 
+Server = ServerProcess
 
-class Server:
-    """One server process we started, restartable on the same port and data dir."""
-
-    def __init__(self, name: str, argv: list[str], port: int, log: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.port = port
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        fh = self.log.open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT)
-        fh.close()
-        wait_port(self.port, 15.0, self.name)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        self.proc = None
-
-    def restart(self, down_s: float = 0.5) -> None:
-        self.stop()
-        time.sleep(down_s)
-        self.start()
+IDENTITIES = Identities(
+    jobs=("t", "contract", JOB, "chaos"),
+    controllers=("c1", "c2", "c3", CONTROLLER),
+    agents=(*(f"n{i}" for i in range(1, 7)), *NODES),
+)
+"""Every job, controller and node id the integration tests use (certificates and logins are
+fixed when the servers start, as in a deployment)."""
 
 
-def _nats_binary() -> str:
-    cand = VENV_BIN / "nats-server"
-    if cand.exists():
-        return str(cand)
-    found = shutil.which("nats-server")
-    if not found:
-        pytest.skip("nats-server not installed (deploy/install-servers.sh)")
-    return found
+def _start(root: Path, secure: bool) -> LocalServers:
+    try:
+        return start_local_servers(root, IDENTITIES, secure=secure)
+    except ServerMissingError as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[Server]:
-    port = free_port()
-    store = tmp_path / "nats"
-    store.mkdir()
-    argv = [_nats_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
-    server = Server("nats", argv, port, tmp_path / "nats.log")
-    server.start()
-    yield server
-    server.stop()
+def servers(tmp_path: Path) -> Iterator[LocalServers]:
+    """nats-server and etcd with TLS, logins, permissions and RBAC (the default)."""
+    s = _start(tmp_path / "servers", secure=True)
+    yield s
+    s.stop()
 
 
 @pytest.fixture
-def etcd_server(tmp_path: Path) -> Iterator[Server]:
-    etcd = shutil.which("etcd")
-    if not etcd:
-        pytest.skip("etcd not installed (deploy/install-servers.sh)")
-    port, peer = free_port(), free_port()
-    data = tmp_path / "etcd"
-    argv = [
-        etcd,
-        "--name",
-        "t",
-        "--data-dir",
-        str(data),
-        "--listen-client-urls",
-        f"http://127.0.0.1:{port}",
-        "--advertise-client-urls",
-        f"http://127.0.0.1:{port}",
-        "--listen-peer-urls",
-        f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls",
-        f"http://127.0.0.1:{peer}",
-        "--initial-cluster",
-        f"t=http://127.0.0.1:{peer}",
-        "--heartbeat-interval",
-        "10",
-        "--election-timeout",
-        "50",
-        "--log-level",
-        "warn",
-    ]
-    server = Server("etcd", argv, port, tmp_path / "etcd.log")
-    server.start()
-    yield server
-    server.stop()
+def plain_servers(tmp_path: Path) -> Iterator[LocalServers]:
+    """Both servers without TLS or auth: only for a test that says why it needs that."""
+    s = _start(tmp_path / "plain-servers", secure=False)
+    yield s
+    s.stop()
 
 
 @pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    """A CA and every certificate and NATS login of ``secure_servers`` (job ``secjob``)."""
-    return make_pki(tmp_path)
+def nats_server(servers: LocalServers) -> Server:
+    return servers.nats
 
 
 @pytest.fixture
-def secure_nats_server(tmp_path: Path, pki: Pki) -> Iterator[Server]:
-    """nats-server -js with TLS (client certificates required), users and permissions."""
-    port = free_port()
-    store = tmp_path / "nats-secure"
-    store.mkdir()
-    argv = nats_argv(_nats_binary(), pki, port, store)
-    server = Server("nats", argv, port, tmp_path / "nats-secure.log")
-    server.start()
-    yield server
-    server.stop()
+def etcd_server(servers: LocalServers) -> Server:
+    return servers.etcd
 
 
 @pytest.fixture
-def secure_etcd_server(tmp_path: Path, pki: Pki) -> Iterator[Server]:
-    """etcd 3.4 over TLS with --client-cert-auth and the job's RBAC applied (auth on)."""
-    port, peer = free_port(), free_port()
-    argv = etcd_argv(pki, port, peer, tmp_path / "etcd-secure")
-    server = Server("etcd", argv, port, tmp_path / "etcd-secure.log")
-    server.start()
-    apply_job_rbac(pki, f"127.0.0.1:{port}")
-    yield server
-    server.stop()
+def nats_url(servers: LocalServers) -> str:
+    return servers.nats_url
 
 
 @pytest.fixture
-def nats_url(nats_server: Server) -> str:
-    return f"nats://127.0.0.1:{nats_server.port}"
+def etcd_endpoint(servers: LocalServers) -> str:
+    return servers.etcd_endpoint
 
 
 @pytest.fixture
-def etcd_endpoint(etcd_server: Server) -> str:
-    return f"127.0.0.1:{etcd_server.port}"
+def pki(servers: LocalServers) -> Pki:
+    """The servers' CA, certificates and NATS logins (job ``secure_servers.JOB``)."""
+    assert servers.pki_dir is not None
+    return Pki(servers.pki_dir)
+
+
+@pytest.fixture
+def secure_nats_server(servers: LocalServers) -> Server:
+    return servers.nats
+
+
+@pytest.fixture
+def secure_etcd_server(servers: LocalServers) -> Server:
+    return servers.etcd
 
 
 @pytest.fixture

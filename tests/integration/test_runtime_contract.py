@@ -1,4 +1,11 @@
-"""Contract tests of the coordination protocols against the real servers (no mocks)."""
+"""Contract tests of the coordination protocols against the real servers (no mocks).
+
+Plain servers (no TLS, no auth), the one exception to the secure fixtures: these test the
+backends' own contract (guarded writes, leases, fencing, dedup, redelivery, request/reply),
+which does not depend on auth, and one client plays the controller and an agent at once,
+which the per-node permissions forbid by design. The same calls over TLS with logins,
+permissions and RBAC are in ``test_security_*.py``.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +23,31 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.localservers import LocalServers, ServerProcess
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
 KEYS = Keys(job="contract")
+
+
+@pytest.fixture
+def nats_server(plain_servers: LocalServers) -> ServerProcess:
+    return plain_servers.nats
+
+
+@pytest.fixture
+def etcd_server(plain_servers: LocalServers) -> ServerProcess:
+    return plain_servers.etcd
+
+
+@pytest.fixture
+def nats_url(plain_servers: LocalServers) -> str:
+    return plain_servers.nats_url
+
+
+@pytest.fixture
+def etcd_endpoint(plain_servers: LocalServers) -> str:
+    return plain_servers.etcd_endpoint
 
 
 async def test_state_store_guarded_writes_and_leases(etcd_endpoint: str) -> None:

@@ -23,6 +23,7 @@ import pytest
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
 from sailor.controller.audit import read_records
 from sailor.controller.config import ControllerConfig
+from sailor.localservers import LocalServers
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.reference import train_reference
@@ -40,8 +41,8 @@ WORKER = (*DEFAULT_WORKER_ARGV, "--min-step-s", "0.1", "--timeout-s", "60")
 
 
 class RealCluster(Cluster):
-    def __init__(self, tmp: Path, nats_url: str, etcd: str) -> None:
-        super().__init__(tmp, nats_url, etcd)
+    def __init__(self, tmp: Path, servers: LocalServers) -> None:
+        super().__init__(tmp, servers)
         self.worker = WORKER
         self.base_port = free_port()
 
@@ -69,8 +70,8 @@ class RealCluster(Cluster):
 
 
 @pytest.fixture
-async def real(tmp_path: Path, nats_url: str, etcd_endpoint: str) -> AsyncIterator[RealCluster]:
-    c = RealCluster(tmp_path, nats_url, etcd_endpoint)
+async def real(tmp_path: Path, servers: LocalServers) -> AsyncIterator[RealCluster]:
+    c = RealCluster(tmp_path, servers)
     try:
         yield c
     finally:

@@ -2,7 +2,8 @@
 
 Workers are the light ``sim_worker`` (real subprocesses speaking the worker protocol, with a
 layout-independent loss), so each scenario takes seconds. After each, ``sailor audit`` must
-pass.
+pass. The servers are secure (conftest): every daemon connects with its own certificate and
+NATS login, as in a deployment.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
 from sailor.controller.phases import PhaseDeadlines
+from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import Phase
 
@@ -48,19 +50,22 @@ WORKER = (
 
 
 class Cluster:
-    def __init__(self, tmp: Path, nats_url: str, etcd: str) -> None:
+    def __init__(self, tmp: Path, servers: LocalServers, job: str = "t") -> None:
         import sys
 
         self.tmp = tmp
-        self.nats_url = nats_url
-        self.etcd = etcd
+        self.servers = servers
+        self.security = servers.security
+        self.job = job
+        self.nats_url = servers.nats_url
+        self.etcd = servers.etcd_endpoint
         self.worker = tuple(a.replace("{python}", sys.executable) for a in WORKER)
         self.controllers: dict[str, tuple[Controller, asyncio.Task[None]]] = {}
         self.agents: dict[str, tuple[Agent, asyncio.Task[None]]] = {}
 
     def ctl_config(self, name: str) -> ControllerConfig:
         return ControllerConfig(
-            job="t",
+            job=self.job,
             identity=name,
             nats_url=self.nats_url,
             etcd_endpoint=self.etcd,
@@ -76,6 +81,7 @@ class Cluster:
             # sim workers train no real model: the stand-in planner uses every node, which
             # the protocol assertions below rely on
             planner="data_parallel",
+            security=self.security(name),
         )
 
     def start_controller(self, name: str) -> Controller:
@@ -90,7 +96,7 @@ class Cluster:
             else ()
         )
         cfg = AgentConfig(
-            job="t",
+            job=self.job,
             node=NodeSpec(node_id=node_id, gpu_type=gpu, gpus=1, zone="z-a-1", address="127.0.0.1"),
             nats_url=self.nats_url,
             etcd_endpoint=self.etcd,
@@ -99,6 +105,7 @@ class Cluster:
             worker_argv=self.worker,
             watchers=watchers,
             watch_poll_s=0.2,
+            security=self.security(node_id),
         )
         agent = Agent(cfg)
         self.agents[node_id] = (agent, asyncio.create_task(agent.run(), name=f"test-{node_id}"))
@@ -168,8 +175,8 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path, nats_url: str, etcd_endpoint: str) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, nats_url, etcd_endpoint)
+async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path, servers)
     try:
         yield c
     finally:
@@ -240,7 +247,8 @@ async def test_standby_takes_over_and_deposed_leader_is_refused(cluster: Cluster
     # make the agent see the new epoch, then replay a command of the old epoch
     agent = cluster.agents["n1"][0]
     agent.max_epoch = max(agent.max_epoch, new.leadership.epoch)
-    nc = await connect_nats(cluster.nats_url, "forger")
+    # the deposed leader's own login (only a controller may publish commands)
+    nc = await connect_nats(cluster.nats_url, "c1-again", security=cluster.security("c1"))
     try:
         stale = Abort(command_id="stale-1", epoch=old_epoch, node_id="n1", reason="deposed")
         raw = await NatsCommands(nc, new.keys).request("n1", CommandAdapter.dump_json(stale), 2)
@@ -258,9 +266,10 @@ async def test_forged_and_malformed_events_are_rejected(cluster: Cluster) -> Non
     cluster.start_controller("c1")
     cluster.start_agent("n1")
     ctl = await cluster.wait_phase(Phase.RUNNING, 30)
-    nc = await connect_nats(cluster.nats_url, "forger")
+    # a hostile agent: n1's own login may publish only on n1's event subjects
+    nc = await connect_nats(cluster.nats_url, "forger", security=cluster.security("n1"))
     try:
-        bus = NatsEventBus(nc, ctl.keys, durable="x")
+        bus = NatsEventBus(nc, ctl.keys, durable="x", source="n1")
         await bus.publish("node_joined", b"not json", msg_id="bad-1")
         await bus.publish("node_left", b'{"kind":"node_left","schema_version":99}', msg_id="bad-2")
         forged = {

@@ -7,7 +7,8 @@ make it find a one-GPU layout best for a model this small (measured with
 ``SailorPlanner.plan``: 3 labelled nodes → 1 GPU used), so the demo would not show layouts
 changing with membership. With ``cpu`` nodes in one zone it uses all of them (3 nodes: a
 3-stage pipeline; 2 nodes: data parallel 2). The configs are the files an operator writes
-(``sailor controller --config``, ``sailor agent --config``). Must never talk to the
+(``sailor controller --config``, ``sailor agent --config``), each with its own certificate
+and NATS login (security on, as in a deployment). Must never talk to the
 servers itself; :mod:`sailor.cli.demo.observe` reads, this module only starts and injures.
 """
 
@@ -22,15 +23,22 @@ from pathlib import Path
 from sailor.agent.daemon import AgentConfig, WatcherConfig
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
 from sailor.cli.demo.processes import ProcessRegistry
-from sailor.cli.demo.servers import Servers, free_port
+from sailor.cli.demo.servers import free_port
 from sailor.controller.config import ControllerConfig
 from sailor.controller.phases import PhaseDeadlines
+from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
 
-__all__ = ["JOB", "DemoCluster"]
+__all__ = ["CONTROLLER", "JOB", "DemoCluster", "node_names"]
 
 JOB = "demo"
+CONTROLLER = "demo-controller"
 _SAILOR = (sys.executable, "-m", "sailor.cli.main")
+
+
+def node_names(initial: int) -> list[str]:
+    """n1 … n<initial + 1>: the first nodes and the one that joins later."""
+    return [f"n{i + 1}" for i in range(initial + 1)]
 
 
 @dataclass
@@ -38,7 +46,7 @@ class DemoCluster:
     """Starts the controller and agents of one demo run and injects its faults."""
 
     reg: ProcessRegistry
-    servers: Servers
+    servers: LocalServers
     root: Path
     global_batch_size: int
     min_step_s: float
@@ -54,7 +62,7 @@ class DemoCluster:
     def controller_config(self) -> ControllerConfig:
         return ControllerConfig(
             job=JOB,
-            identity="demo-controller",
+            identity=CONTROLLER,
             nats_url=self.servers.nats_url,
             etcd_endpoint=self.servers.etcd_endpoint,
             audit_log=self.audit_log,
@@ -71,6 +79,7 @@ class DemoCluster:
             model="tiny-gpt",
             global_batch_size=self.global_batch_size,
             base_port=free_port(),
+            security=self.servers.security(CONTROLLER),
         )
 
     def agent_config(self, node: str) -> AgentConfig:
@@ -91,6 +100,7 @@ class DemoCluster:
             ),
             watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
             watch_poll_s=0.1,
+            security=self.servers.security(node),
         )
 
     def notice_file(self, node: str) -> Path:

@@ -10,6 +10,7 @@ adds (``--plan-only`` runs only) the planning showcase on a bundled heterogeneou
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,13 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="No live view; print a JSON summary."),
 ) -> None:
     """One-machine cluster: train, survive a preemption, a node loss and a join; summarize."""
+    import structlog
+
     from sailor.cli.demo.run import Interrupted, run_demo
     from sailor.cli.demo.scenario import DemoSettings
+
+    # the demo's own log lines (e.g. applying etcd RBAC) go to stderr: stdout is for --json
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
     con = Console(quiet=as_json)
     plan_only = plan_only or not train

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sailor.coordination import EtcdStore, Keys, connect_etcd
+from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import AgentStatus, DesiredState
@@ -77,14 +78,15 @@ def plan_summary(plan: Plan | None, placement: dict[str, tuple[int, ...]]) -> st
 class StateReader:
     """Reads ``desired``, nodes and statuses of the demo job from etcd over one connection."""
 
-    def __init__(self, endpoint: str, job: str) -> None:
+    def __init__(self, endpoint: str, job: str, security: SecurityConfig | None = None) -> None:
         self.endpoint = endpoint
+        self.security = security
         self.keys = Keys(job=job)
         self._store: EtcdStore | None = None
 
     async def read(self) -> ClusterView:
         if self._store is None:
-            self._store = await connect_etcd(self.endpoint)
+            self._store = await connect_etcd(self.endpoint, security=self.security)
         s = self._store
         desired_kv = await s.get(self.keys.desired)
         node_kvs = await s.get_prefix(self.keys.nodes)

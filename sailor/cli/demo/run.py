@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.live import Live
 
-from sailor.cli.demo.cluster import DemoCluster
+from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.reconfig import reconfigurations
 from sailor.cli.demo.report import compare_losses, print_summary, summary
@@ -93,9 +93,11 @@ def run_demo(
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with _signals_raise():
-            servers = start_servers(reg, tmp)
+            nodes = node_names(settings.initial_nodes)
+            servers = start_servers(reg, tmp, JOB, CONTROLLER, nodes)
             con.print(
-                f"  nats-server {servers.nats_url}, etcd {servers.etcd_endpoint}; run dir {tmp}"
+                f"  nats-server {servers.nats_url}, etcd {servers.etcd_endpoint} (TLS, logins, "
+                f"permissions, RBAC); run dir {tmp}"
             )
             cluster = DemoCluster(
                 reg=reg,

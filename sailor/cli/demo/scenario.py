@@ -29,6 +29,7 @@ from sailor.cli.demo.live import render
 from sailor.cli.demo.observe import ClusterView, StateReader, StepReader
 from sailor.cli.demo.plot import throughput_series
 from sailor.cli.demo.reconfig import Injection
+from sailor.localservers import ADMIN
 
 __all__ = ["DemoSettings", "DemoTimeoutError", "Scenario"]
 
@@ -69,7 +70,8 @@ class Scenario:
 
     def __post_init__(self) -> None:
         self.steps = StepReader(self.cluster.agents_dir)
-        self.state = StateReader(self.cluster.servers.etcd_endpoint, JOB)
+        srv = self.cluster.servers
+        self.state = StateReader(srv.etcd_endpoint, JOB, srv.security(ADMIN))
 
     def _note(self, text: str) -> None:
         line = f"{time.time() - self.t0:6.1f}s  {text}"

@@ -1,66 +1,39 @@
-"""nats-server (JetStream) and etcd for the demo, from the project's own install.
+"""nats-server (JetStream) and etcd for the demo, secured as a deployment secures them.
 
-``deploy/install-servers.sh`` puts ``nats-server`` into the virtualenv's ``bin`` and etcd
-comes from the Debian package; both are started on free loopback ports with fresh data in
-the demo's temporary directory, exactly as the integration tests and benchmarks start them.
-Must never reuse an existing server or data directory.
+Started by :mod:`sailor.localservers` (the launcher the tests, the chaos suite and the
+benchmarks use) under the demo's process registry, on free loopback ports with fresh data in
+the demo's temporary directory: a fresh CA, TLS with client certificates on both servers, a
+NATS login per daemon with the per-node permissions, and etcd RBAC (agents write only their
+own keys). The demo's observer reads etcd as the operator (``root``). Must never reuse an
+existing server or data directory.
 """
 
 from __future__ import annotations
 
-import shutil
-import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 from sailor.cli.demo.processes import ProcessRegistry
-from sailor.localnet import free_port, wait_port
+from sailor.localnet import free_port
+from sailor.localservers import (
+    Identities,
+    LocalServers,
+    ServerMissingError,
+    start_local_servers,
+)
 
-__all__ = ["ServerError", "Servers", "free_port", "start_servers"]
+__all__ = ["ServerError", "free_port", "start_servers"]
 
-
-class ServerError(RuntimeError):
-    """A server binary is missing (not retried); a port not opened raises PortTimeoutError."""
-
-
-def _binaries() -> tuple[str, str]:
-    venv_nats = Path(sys.executable).parent / "nats-server"
-    nats = str(venv_nats) if venv_nats.exists() else shutil.which("nats-server")
-    etcd = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
-    if not nats or not etcd:
-        raise ServerError(
-            f"nats-server ({nats or 'missing'}) and etcd ({etcd or 'missing'}) are needed: "
-            "run deploy/install-servers.sh (or `make demo`)"
-        )
-    return nats, etcd
+ServerError = ServerMissingError
 
 
-@dataclass(frozen=True)
-class Servers:
-    nats_url: str
-    etcd_endpoint: str
+def start_servers(
+    reg: ProcessRegistry, data: Path, job: str, controller: str, nodes: Sequence[str]
+) -> LocalServers:
+    """Start both servers under ``reg`` (names ``nats``, ``etcd``) with security on."""
 
+    def spawn(name: str, argv: Sequence[str], _log: Path):  # type: ignore[no-untyped-def]
+        return reg.start(name, argv)
 
-def start_servers(reg: ProcessRegistry, data: Path) -> Servers:
-    """Start both servers under ``reg`` (names ``nats``, ``etcd``) and wait for their ports."""
-    nats, etcd = _binaries()
-    np_, ep, pp = free_port(), free_port(), free_port()
-    (data / "nats").mkdir(parents=True, exist_ok=True)
-    reg.start("nats", [nats, "-js", "-a", "127.0.0.1", "-p", str(np_), "-sd", str(data / "nats")])
-    reg.start(
-        "etcd",
-        [
-            *(etcd, "--name", "demo", "--data-dir", str(data / "etcd")),
-            *("--listen-client-urls", f"http://127.0.0.1:{ep}"),
-            *("--advertise-client-urls", f"http://127.0.0.1:{ep}"),
-            *("--listen-peer-urls", f"http://127.0.0.1:{pp}"),
-            *("--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}"),
-            *("--initial-cluster", f"demo=http://127.0.0.1:{pp}"),
-            # one member on loopback: short heartbeats make the first election instant
-            *("--heartbeat-interval", "10", "--election-timeout", "50"),
-            *("--log-level", "warn"),
-        ],
-    )
-    wait_port(np_, 15.0, "nats-server")
-    wait_port(ep, 15.0, "etcd")
-    return Servers(nats_url=f"nats://127.0.0.1:{np_}", etcd_endpoint=f"127.0.0.1:{ep}")
+    ids = Identities(jobs=(job,), controllers=(controller,), agents=tuple(nodes))
+    return start_local_servers(data, ids, secure=True, spawn=spawn)

@@ -17,6 +17,7 @@ Must never import NATS or etcd clients.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import PurePath
@@ -30,6 +31,7 @@ __all__ = [
     "EtcdRole",
     "Perm",
     "etcd_tls_flags",
+    "merge_plans",
     "prefix_end",
     "rbac_plan",
 ]
@@ -107,6 +109,21 @@ def rbac_plan(keys: Keys, controllers: tuple[str, ...], nodes: tuple[str, ...]) 
         roles.append(role)
         users.append((node, (role.name,)))
     return EtcdRbacPlan(users=tuple(users), roles=tuple(roles))
+
+
+def merge_plans(plans: Sequence[EtcdRbacPlan]) -> EtcdRbacPlan:
+    """One plan for several jobs on one etcd: every role, each user with all its roles."""
+    roles: dict[str, EtcdRole] = {}
+    users: dict[str, list[str]] = {}
+    for plan in plans:
+        for role in plan.roles:
+            roles.setdefault(role.name, role)
+        for user, names in plan.users:
+            have = users.setdefault(user, [])
+            have += [n for n in names if n not in have]
+    return EtcdRbacPlan(
+        users=tuple((u, tuple(r)) for u, r in users.items()), roles=tuple(roles.values())
+    )
 
 
 def etcd_tls_flags(ca_file: PurePath, cert_file: PurePath, key_file: PurePath) -> list[str]:

