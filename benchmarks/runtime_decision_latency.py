@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import multiprocessing as mp
 import os
 import platform
@@ -408,6 +409,26 @@ async def wait_running(ctl: Controller, after_gen: int, timeout: float) -> None:
     raise RuntimeError(f"RUNNING after generation {after_gen} not reached in {timeout}s")
 
 
+async def wait_handled(ctl: Controller, count: int, timeout: float) -> None:
+    """Until the controller has handled ``count`` events (any outcome)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while sum(ctl.event_counts.values()) < count:
+        if loop.time() > end:
+            raise RuntimeError(f"{count} events not handled in {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+async def _measure_when_logged(audit: Path, event_id: str, t_agent: float) -> dict[str, float]:
+    """``_measure`` once the event's own record is in the log (bounded wait)."""
+    for _ in range(300):
+        recs = read_records([audit])
+        if any(r["kind"] == "event" and r.get("event_id") == event_id for r in recs):
+            return _measure(recs, event_id, t_agent)
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"no audit record of event {event_id} after 30 s")
+
+
 def _measure(recs: list[dict[str, Any]], event_id: str, t_agent: float) -> dict[str, float]:
     got = [r for r in recs if float(r["time"]) >= t_agent - 1e-3]
     recv = next(r for r in got if r["kind"] == "event" and r.get("event_id") == event_id)
@@ -433,7 +454,7 @@ def _measure(recs: list[dict[str, Any]], event_id: str, t_agent: float) -> dict[
 
 
 async def run_size(
-    tmp: Path, nats: str, etcd: str, n: int, rounds: int, process: bool = True
+    tmp: Path, nats: str, etcd: str, n: int, rounds: int, process: bool = False
 ) -> dict[str, Any]:
     job = f"lat{n}" + ("" if process else "t")
     sim = SimHandle(job, nats, etcd, n)
@@ -448,6 +469,10 @@ async def run_size(
         task = asyncio.create_task(ctl.run(), name=f"bench-ctl-{job}")
         await wait_running(ctl, -1, 300)
         out["first_layout_s"] = time.perf_counter() - t0
+        # The setup's n join events may still be queued in the stream: measure from a drained
+        # consumer, else an event's record can trail the decision its etcd change caused.
+        await wait_handled(ctl, n, 120)
+        out["setup_drained_s"] = time.perf_counter() - t0
         audit = tmp / f"audit-{job}.jsonl"
         next_id = n
         for _ in range(rounds):
@@ -467,7 +492,7 @@ async def run_size(
                 else:
                     t_agent, eid = await sim.call("notice", victim, 120.0)
                 await wait_running(ctl, gen, 120)
-                row = _measure(read_records([audit]), eid, t_agent)
+                row = await _measure_when_logged(audit, eid, t_agent)
                 row["kind"] = kind  # type: ignore[assignment]
                 out["events"].append(row)
                 if kind == "notice":
@@ -549,6 +574,12 @@ def main() -> None:
         action="store_true",
         help="also run each size with the planner in a thread (planner_process: false)",
     )
+    ap.add_argument(
+        "--profile",
+        metavar="FILE",
+        default="",
+        help="cProfile the controller's process (event loop thread) per size into FILE-<n>.prof",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
@@ -562,13 +593,21 @@ def main() -> None:
         tmp = Path(d)
         with servers(tmp) as (nats, etcd):
             for n in sizes:
-                for process in (True, False) if args.baseline else (True,):
+                for process in (False, True) if args.baseline else (False,):
                     rounds = args.rounds or ROUNDS.get(n, 2)
                     t0 = time.perf_counter()
+                    prof = cProfile.Profile() if args.profile else None
                     try:
+                        if prof is not None:
+                            prof.enable()
                         res = asyncio.run(run_size(tmp, nats, etcd, n, rounds, process))
                     except Exception as exc:  # reported in the table, the other sizes still run
                         res = {"n": n, "process": process, "events": [], "error": repr(exc)}
+                    finally:
+                        if prof is not None:
+                            prof.disable()
+                            mode = "process" if process else "thread"
+                            prof.dump_stats(f"{args.profile}-{n}-{mode}.prof")
                     results.append(res)
                     took = time.perf_counter() - t0
                     print(f"  {n} nodes ({_mode(res)}) done in {took:.0f} s", flush=True)

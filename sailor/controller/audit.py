@@ -2,8 +2,18 @@
 
 Every event received (or rejected), decision, plan, command, ack, phase change and checkpoint
 commit is one record with ``time``, ``kind``, ``epoch``, ``plan_id``, ``command_id`` and
-``cause`` where they apply. Records are rendered by structlog's JSON renderer and fsynced
-before the writer returns, so a record survives a crash of the controller right after it.
+``cause`` where they apply. Records are rendered by structlog's JSON renderer.
+
+Durability is a group commit: ``write`` appends a record (handed to the OS at once, so a
+reader sees it) and ``await durable()`` returns once every record written before the call is
+fsynced. The controller calls it before it acts on what the records say — before it acks the
+events of a fetched batch, before it sends a fan-out of commands, before it counts an ack and
+at the end of every reconcile pass — so nothing it acknowledged or did is missing after a
+crash, while one fsync covers a whole batch. The fsync runs in a worker thread: a per-record
+fsync on the event loop was 7.6 s of a 20 s run at 512 nodes (1.2 ms each, 6,173 records;
+``benchmarks/runtime_decision_latency.py --profile``) and capped event handling at ~580/s.
+``write(..., sync=True)`` keeps the old fsync-before-return for the rare records written
+outside a pass (leadership changes).
 
 ``check`` replays one or more logs (several controllers, merged by time) and reports
 violated invariants:
@@ -16,6 +26,7 @@ violated invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -30,7 +41,7 @@ __all__ = ["AuditLog", "AuditReport", "check", "read_records", "timeline"]
 
 
 class AuditLog:
-    """Append-only JSON-lines writer with fsync and size rotation (``LOG.1``, ``LOG.2``…)."""
+    """Append-only JSON-lines writer with group-committed fsync and size rotation (``LOG.1``…)."""
 
     def __init__(self, path: Path, max_bytes: int = 64 << 20, backups: int = 5) -> None:
         self.path = path
@@ -39,8 +50,13 @@ class AuditLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._render = structlog.processors.JSONRenderer(sort_keys=True)
         self._fh = path.open("ab")
+        self._written = 0  # records written so far
+        self._synced = 0  # of them, known fsynced
+        self._syncing: asyncio.Task[None] | None = None
+        self.fsyncs = 0  # measurement: how many fsyncs the records took
 
-    def write(self, kind: str, time: float, **fields: Any) -> None:
+    def write(self, kind: str, time: float, sync: bool = False, **fields: Any) -> None:
+        """Append one record; with ``sync``, fsync it (and all before it) before returning."""
         record = {"kind": kind, "time": round(time, 6), **fields}
         line = self._render(None, "", record)
         data = (line if isinstance(line, str) else line.decode()).encode() + b"\n"
@@ -48,9 +64,50 @@ class AuditLog:
             self._rotate()
         self._fh.write(data)
         self._fh.flush()
+        self._written += 1
+        if sync:
+            self.sync()
+
+    @property
+    def pending(self) -> int:
+        """Records written and not yet known to be fsynced."""
+        return self._written - self._synced
+
+    def sync(self) -> None:
+        """fsync now, on the calling thread."""
+        if self._synced == self._written:
+            return
+        self._fh.flush()
         os.fsync(self._fh.fileno())
+        self.fsyncs += 1
+        self._synced = self._written
+
+    async def durable(self) -> None:
+        """Return once every record written before this call is fsynced (group commit).
+
+        Concurrent callers share fsyncs: a caller that finds one in flight waits for it and,
+        if its own records came after that fsync began, for the next one.
+        """
+        target = self._written
+        while self._synced < target:
+            if self._syncing is None or self._syncing.done():
+                self._syncing = asyncio.create_task(self._fsync(), name="audit:fsync")
+            await asyncio.shield(self._syncing)
+
+    async def _fsync(self) -> None:
+        upto = self._written
+        self._fh.flush()
+        # a duplicate of the descriptor: a rotation on the loop thread may close the original
+        fd = os.dup(self._fh.fileno())
+        try:
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            os.close(fd)
+        self.fsyncs += 1
+        self._synced = max(self._synced, upto)
 
     def _rotate(self) -> None:
+        self.sync()  # the old part is complete and durable before it is renamed
         self._fh.close()
         for i in range(self.backups - 1, 0, -1):
             src = self.path.with_name(f"{self.path.name}.{i}")
@@ -60,6 +117,8 @@ class AuditLog:
         self._fh = self.path.open("ab")
 
     def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.sync()
         with contextlib.suppress(OSError):
             self._fh.close()
 

@@ -1,12 +1,15 @@
 """``sailor controller``: the asyncio daemon around ``decide``.
 
 One process per controller; several may run, one leads. The leader's loop: wake on an event
-(JetStream, acked after handling), on a change in etcd (revision poll) or every ``resync_s``;
-debounce outside wake-ups (joins, leaves, status changes) once, by ``debounce_s``, but not a
-preemption notice nor the loop's own follow-ups (a pass that changed the desired state, a
-finished plan, a fully answered command fan-out); read the observed state from etcd (parsed
-records cached per key, re-validated only when their value changed); ``decide``; apply.
-If the lease is lost or a guarded write is fenced, the term ends and the controller
+(JetStream), on a change in etcd (a watch delta of the observed prefixes) or every
+``resync_s``; debounce outside wake-ups (joins, leaves, status changes) once, by
+``debounce_s``, but not a preemption notice nor the loop's own follow-ups (a pass that
+changed the desired state, a finished plan, a fully answered command fan-out); take the
+observed state from the watch-kept mirrors (``observed.py``: no etcd read per pass, records
+re-validated only when they changed); ``decide``; apply; make the pass's audit records
+durable (one fsync). Events are handled a fetched batch at a time: validated and recorded,
+one fsync for the batch, then acked. A poll every ``poll_s`` checks the mirrors against
+etcd. If the lease is lost or a guarded write is fenced, the term ends and the controller
 campaigns again as a standby. Must never import torch or the agent.
 """
 
@@ -24,7 +27,7 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import DecideConfig, Observed, Send, decide
+from sailor.controller.decide import DecideConfig, Observed, decide
 from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
 from sailor.controller.plan_worker import ProcessPlanner
@@ -117,7 +120,7 @@ class Controller:
                     continue
                 self.sd.status(f"leader, epoch {lead.epoch}")
                 self.audit.write(
-                    "leader", self.clock.now(), epoch=lead.epoch, who=self.cfg.identity
+                    "leader", self.clock.now(), sync=True, epoch=lead.epoch, who=self.cfg.identity
                 )
                 try:
                     await self._lead(store, nc, lead)
@@ -167,12 +170,16 @@ class Controller:
             self.cfg.command_timeout_s,
             self.cfg.resend_s,
         )
-        cache = ObservedCache(self.keys, self._reject)
+        cache = ObservedCache(store, self.keys, self._reject, on_change=self.wake)
         try:
             desired = await self._adopt(store, executor, lead)
+            while not await self._start_cache(cache, lead):
+                await self.clock.sleep(0.2)
+                if self.stopping.is_set() or not lead.held:
+                    return
             self.leadership = lead  # public once it has a desired state to show
-            tasks.spawn("events", self._consume(bus, store, lead))
-            tasks.spawn("etcd-poll", self._poll(store))
+            tasks.spawn("events", self._consume(bus, store, lead, cache))
+            tasks.spawn("etcd-check", self._check(cache))
             while not self.stopping.is_set() and lead.held:
                 self.sd.watchdog()
                 await self._sleep_until_woken(desired)
@@ -183,25 +190,38 @@ class Controller:
                     if ready is not None:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
-                    observed = await self._observe(store, executor, cache)
+                    observed = self._observe(executor, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)
                     self.desired = desired
-                    if actions and any(not _is_send(a) for a in actions):
+                    await self.audit.durable()  # this pass's records, before the next acts
+                    if executor.progressed:
                         self.wake(urgent=True)  # our own follow-up: debounced already
                 except FencedError as exc:
-                    self.audit.write("fenced", self.clock.now(), epoch=lead.epoch, error=str(exc))
+                    self.audit.write(
+                        "fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc)
+                    )
                     return
                 except TemporaryError as exc:
                     _log.warning("reconcile_retry", error=str(exc))
                     await self.clock.sleep(exc.retry_after or 0.2)
                     self.wake(urgent=True)
             if not lead.held:
-                self.audit.write("deposed", self.clock.now(), epoch=lead.epoch)
+                self.audit.write("deposed", self.clock.now(), sync=True, epoch=lead.epoch)
         finally:
             await tasks.close()
+            await cache.close()
             await bus.close()
+
+    async def _start_cache(self, cache: ObservedCache, lead: Leadership) -> bool:
+        try:
+            await cache.start()
+        except TemporaryError as exc:
+            _log.warning("observed_read_retry", error=str(exc))
+            self.sd.watchdog()
+            return False
+        return True
 
     async def _adopt(self, store: EtcdStore, ex: Executor, lead: Leadership) -> DesiredState:
         """Take over the previous leader's desired state under our epoch."""
@@ -233,20 +253,15 @@ class Controller:
         self._urgent = False
         self._wake.clear()
 
-    async def _poll(self, store: EtcdStore) -> None:
-        last = -1
+    async def _check(self, cache: ObservedCache) -> None:
+        """Every ``poll_s``: compare the mirrors with etcd (a stale one is re-read)."""
         while True:
             await self.clock.sleep(self.cfg.poll_s)
-            try:
-                rev = await store.revision()
-            except TemporaryError:
-                continue
-            if rev != last:
-                last = rev
+            if not await cache.check():
                 self.wake()
 
-    async def _observe(self, store: EtcdStore, ex: Executor, cache: ObservedCache) -> Observed:
-        snap = await cache.refresh(store)
+    def _observe(self, ex: Executor, cache: ObservedCache) -> Observed:
+        snap = cache.snapshot()
         return Observed(
             now=self.clock.now(),
             nodes=snap.nodes,
@@ -259,7 +274,10 @@ class Controller:
     def _reject(self, key: str, error: str) -> None:
         self.audit.write("record_rejected", self.clock.now(), key=key, error=error)
 
-    async def _consume(self, bus: NatsEventBus, store: EtcdStore, lead: Leadership) -> None:
+    async def _consume(
+        self, bus: NatsEventBus, store: EtcdStore, lead: Leadership, cache: ObservedCache
+    ) -> None:
+        """Fetch a batch, handle each event, fsync the batch's records once, then ack it."""
         while True:
             try:
                 await bus.ensure_stream()
@@ -268,20 +286,27 @@ class Controller:
                 _log.warning("event_fetch_retry", error=str(exc))
                 await self.clock.sleep(0.3)
                 continue
+            handled = []
             for d in batch:
                 try:
-                    await self._handle_event(d.data, d.msg_id, store, lead)
-                    await d.ack()
+                    await self._handle_event(d.data, d.msg_id, store, lead, cache)
+                    handled.append(d)
                 except FencedError:
                     return
                 except TemporaryError as exc:
                     _log.warning("event_retry", error=str(exc))  # not acked: redelivered
+            await self.audit.durable()
+            for d in handled:
+                try:
+                    await d.ack()
+                except TemporaryError as exc:  # redelivered, then handled as a duplicate
+                    _log.warning("event_ack_failed", error=str(exc))
 
     async def _handle_event(
-        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership
+        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, cache: ObservedCache
     ) -> None:
         received = self.clock.now()
-        outcome, event_id = await self._apply_event(data, msg_id, store, lead, received)
+        outcome, event_id = await self._apply_event(data, msg_id, store, lead, cache, received)
         self.event_counts[outcome] += 1
         if self.on_event is not None:
             self.on_event(event_id or msg_id, outcome, received, self.clock.now())
@@ -302,7 +327,13 @@ class Controller:
         return "rejected", ev.event_id
 
     async def _apply_event(
-        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, now: float
+        self,
+        data: bytes,
+        msg_id: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+        now: float,
     ) -> tuple[str, str]:
         """Validate and record one event; returns (outcome, event id)."""
         try:
@@ -319,12 +350,25 @@ class Controller:
         if ev.event_id in self._seen:
             self.audit.write("event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id)
             return "duplicate", ev.event_id
+        outcome = await self._apply_new_event(ev, store, lead, cache, now)
+        # Seen only once handled: an event that failed (etcd unavailable) is redelivered
+        # and must then be applied, not dropped as a duplicate.
         self._seen[ev.event_id] = None
         while len(self._seen) > 200_000:
             self._seen.popitem(last=False)
-        registered = await store.get(self.keys.node(ev.node_id))
-        if ev.kind != "node_left" and registered is None:
-            return self._reject_event(ev, now, lead, "node is not registered")
+        return outcome
+
+    async def _apply_new_event(
+        self, ev: Event, store: EtcdStore, lead: Leadership, cache: ObservedCache, now: float
+    ) -> tuple[str, str]:
+        if ev.kind != "node_left":
+            # The mirror answers for a node it holds; a node it does not hold may have
+            # registered after its last delta, so etcd is asked (forged ids end up here).
+            registered = cache.registered(ev.node_id)
+            if registered is None:
+                registered = await store.get(self.keys.node(ev.node_id)) is not None
+            if not registered:
+                return self._reject_event(ev, now, lead, "node is not registered")
         if isinstance(ev, PreemptionNotice):
             if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
                 return self._reject_event(
@@ -351,10 +395,6 @@ class Controller:
             )
         self.wake(urgent=isinstance(ev, PreemptionNotice))
         return "accepted", ev.event_id
-
-
-def _is_send(action: object) -> bool:
-    return isinstance(action, Send)
 
 
 async def run_controller(config: ControllerConfig) -> None:

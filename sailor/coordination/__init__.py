@@ -24,6 +24,7 @@ from sailor.coordination.errors import (
 )
 from sailor.coordination.etcd_store import EtcdLease, EtcdStore, connect_etcd
 from sailor.coordination.keys import Keys, safe_token
+from sailor.coordination.mirror import PrefixMirror
 from sailor.coordination.nats_bus import NatsCommands, NatsEventBus, connect_nats
 from sailor.coordination.tasks import TaskSet
 
@@ -44,6 +45,7 @@ __all__ = [
     "NatsCommands",
     "NatsEventBus",
     "PermanentError",
+    "PrefixMirror",
     "StateStore",
     "SystemClock",
     "TaskSet",

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+import aetcd.utils
 import structlog
+from aetcd import rpc
 
 from sailor.coordination.api import KeyValue
 from sailor.coordination.clock import Clock, SystemClock
@@ -150,6 +152,68 @@ class EtcdStore:
     async def get_prefix(self, prefix: str) -> list[KeyValue]:
         items = await self.call(self.client.get_prefix(prefix.encode()))
         return [_kv(i) for i in items]
+
+    async def get_prefix_at(self, prefix: str) -> tuple[int, list[KeyValue]]:
+        """Every key under ``prefix`` and the store revision they were read at (one range)."""
+        items = await self.call(self.client.get_prefix(prefix.encode()))
+        return int(items.header.revision), [_kv(i) for i in items]
+
+    async def prefix_fingerprint(self, prefix: str) -> tuple[int, int]:
+        """(number of keys, highest mod revision) under ``prefix``, in one cheap range call.
+
+        A copy of the prefix that missed a change differs from this: a missed put leaves a
+        key newer than any the copy holds, a missed delete leaves the copy a key too many.
+        """
+        req = rpc.RangeRequest(
+            key=prefix.encode(),
+            range_end=aetcd.utils.prefix_range_end(prefix.encode()),
+            limit=1,
+            sort_order=rpc.RangeRequest.DESCEND,
+            sort_target=rpc.RangeRequest.MOD,
+            keys_only=True,
+        )
+
+        async def _range() -> Any:
+            await self.client.connect()
+            try:
+                return await self.client.kvstub.Range(
+                    req, timeout=self._op_timeout, metadata=self.client.metadata
+                )
+            except rpc.AioRpcError as exc:
+                aetcd.exceptions._handle_exception(exc)  # raises aetcd's error for the code
+
+        resp = await self.call(_range())
+        top = int(resp.kvs[0].mod_revision) if resp.kvs else 0
+        return int(resp.count), top
+
+    async def watch_prefix(
+        self, prefix: str, start_revision: int
+    ) -> AsyncIterator[tuple[str, KeyValue | None, int]]:
+        """Changes under ``prefix`` from ``start_revision`` on, in order: (key, kv or None
+        for a delete, revision). Ends by raising TemporaryError when the watch breaks (or a
+        compaction removed revisions it needed); the caller re-reads and watches again. A
+        stream that stops silently (aetcd does not report every etcd restart) is the caller's
+        to notice, e.g. with ``prefix_fingerprint``.
+        """
+        watch = await self.call(
+            self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
+        )
+        try:
+            async for ev in watch:
+                key = ev.kv.key.decode()
+                rev = int(ev.kv.mod_revision)
+                if ev.kind == "DELETE":
+                    yield key, None, rev
+                else:
+                    yield key, _kv(ev.kv), rev
+        except Exception as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise self._convert(exc) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.cancel(), self._op_timeout)
 
     async def put(self, key: str, value: bytes, lease: Any = None) -> int:
         resp = await self.call(

@@ -207,6 +207,23 @@ def test_teardown_clears_notices_of_gone_nodes_and_goes_idle_without_nodes() -> 
     assert kinds(a) == ["clearnotice", "set:idle"] and isinstance(a[0], ClearNotice)
 
 
+def test_teardown_after_abort_plans_while_workers_are_torn_down() -> None:
+    d = running((1, 2), phase=Phase.TEARDOWN, phase_deadline=NOW + 10)
+    a = decide(d, obs(nodes(1), [st(1, state="running")]), CFG)
+    assert kinds(a) == ["send:abort:n1", "replan"]
+    res = DataParallelPlanner("m", 4, 8).plan((node(1),), None)
+    planned = d.model_copy(
+        update={
+            "next_plan": res.plan,
+            "next_placement": res.placement,
+            "next_membership": ("n1",),
+        }
+    )
+    # planned, but a worker still runs: no launch yet, and no second plan
+    assert kinds(decide(planned, obs(nodes(1), [st(1, state="running")]), CFG)) == ["send:abort:n1"]
+    assert kinds(decide(planned, obs(nodes(1), [st(1, state="idle")]), CFG)) == ["set:launch"]
+
+
 def test_stale_generation_status_is_ignored() -> None:
     d = running((1,), gen=3, phase=Phase.LOAD, phase_deadline=NOW + 10)
     assert decide(d, obs(nodes(1), [st(1, gen=2)]), CFG) == []

@@ -1,0 +1,165 @@
+"""An in-memory copy of every key under one etcd prefix, kept current by a watch.
+
+``PrefixMirror`` reads the prefix once (one range, at revision R) and then applies the watch
+deltas from R + 1 on, in order, so its copy is the prefix's state at its ``revision``; etcd
+guarantees a watch from a revision delivers every later change under the prefix exactly once
+and in order, so the copy misses nothing while the watch lives. The controller built its
+observed state from four full prefix reads per reconcile pass before (2 × 512 keys at 512
+nodes, read and compared on every pass); with the mirror a pass reads no key at all.
+
+What can go wrong, and what the mirror does:
+
+- the watch breaks (etcd restart, network, a compaction past our revision): the watch task
+  sees an error, waits ``retry_s`` and reads the whole prefix again (a *resync*: the keys that
+  differ are marked changed), then watches from the new revision;
+- the watch stops silently (aetcd does not report every broken stream): ``check()``, called
+  periodically by the owner, compares the copy's (key count, highest mod revision) with the
+  server's (``EtcdStore.prefix_fingerprint``, one small range call). The two differ whenever
+  the copy missed a change; if they still differ at the next check and no delta arrived in
+  between, the mirror resyncs.
+
+Readers take ``changed()``: the keys that changed since their last call (``None`` before
+the first read: everything). Never writes to etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import structlog
+
+from sailor.coordination.api import KeyValue
+from sailor.coordination.errors import TemporaryError
+from sailor.coordination.etcd_store import EtcdStore
+from sailor.coordination.tasks import TaskSet
+
+__all__ = ["PrefixMirror"]
+
+_log = structlog.get_logger("sailor.etcd")
+
+
+class PrefixMirror:
+    """The keys under ``prefix``, as of ``revision``; call ``start`` then ``check`` often."""
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        prefix: str,
+        on_change: Callable[[], None] | None = None,
+        retry_s: float = 0.2,
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.on_change = on_change
+        self.retry_s = retry_s
+        self.revision = 0
+        self.resyncs = 0  # measurement: full re-reads after the first
+        self.deltas = 0  # measurement: watch changes applied
+        self._kvs: dict[str, KeyValue] = {}
+        self._changed: set[str] = set()
+        self._suspect: tuple[int, int] | None = None
+        self._deltas_at_suspect = -1
+        self._tasks = TaskSet(f"mirror:{prefix}")
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Read the prefix and start watching; TemporaryError if etcd did not answer."""
+        await self._read()
+        self._watch = self._tasks.spawn("watch", self._follow())
+
+    def get(self, key: str) -> KeyValue | None:
+        return self._kvs.get(key)
+
+    def items(self) -> dict[str, KeyValue]:
+        """Every key and value (the mirror's own dict: do not modify)."""
+        return self._kvs
+
+    def changed(self) -> set[str]:
+        """Keys changed (put or deleted) since the last call; clears the set."""
+        out, self._changed = self._changed, set()
+        return out
+
+    async def _read(self) -> None:
+        rev, kvs = await self.store.get_prefix_at(self.prefix)
+        fresh = {kv.key: kv for kv in kvs}
+        for key in self._kvs.keys() | fresh.keys():
+            old, new = self._kvs.get(key), fresh.get(key)
+            if old is None or new is None or old.mod_revision != new.mod_revision:
+                self._changed.add(key)
+        self._kvs = fresh
+        self.revision = rev
+        self._suspect = None
+        if self.on_change is not None and self._changed:
+            self.on_change()
+
+    def _apply(self, key: str, kv: KeyValue | None, rev: int) -> None:
+        if rev <= self.revision:
+            return  # already in the copy (a delta the read that preceded the watch saw)
+        if kv is None:
+            self._kvs.pop(key, None)
+        else:
+            self._kvs[key] = kv
+        self.revision = rev
+        self.deltas += 1
+        self._changed.add(key)
+
+    async def _follow(self) -> None:
+        """Apply watch deltas; on a broken watch, re-read and watch again (forever)."""
+        first = True
+        while True:
+            try:
+                if not first:
+                    self.resyncs += 1
+                    await self._read()
+                first = False
+                async for key, kv, rev in self.store.watch_prefix(self.prefix, self.revision + 1):
+                    self._apply(key, kv, rev)
+                    if self.on_change is not None:
+                        self.on_change()
+            except TemporaryError as exc:
+                _log.info("mirror_watch_broken", prefix=self.prefix, error=str(exc))
+            await asyncio.sleep(self.retry_s)
+
+    async def check(self) -> bool:
+        """Compare with the server; resync on a second mismatch with no delta between.
+
+        Returns True if the copy agreed with the server (or the server could not be asked).
+        """
+        try:
+            count, top = await self.store.prefix_fingerprint(self.prefix)
+        except TemporaryError:
+            return True
+        mine_top = max((kv.mod_revision for kv in self._kvs.values()), default=0)
+        if (count, top) == (len(self._kvs), mine_top):
+            self._suspect = None
+            return True
+        if self._suspect is not None and self.deltas == self._deltas_at_suspect:
+            _log.warning(
+                "mirror_stale",
+                prefix=self.prefix,
+                server=(count, top),
+                mirror=(len(self._kvs), mine_top),
+            )
+            self._suspect = None
+            await self._restart()
+            return False
+        self._suspect = (count, top)
+        self._deltas_at_suspect = self.deltas
+        return False
+
+    async def _restart(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(BaseException):
+                await self._watch
+        try:
+            await self._read()
+            self.resyncs += 1
+        except TemporaryError:
+            pass  # the watch task re-reads
+        self._watch = self._tasks.spawn("watch", self._follow())
+
+    async def close(self) -> None:
+        await self._tasks.close()
