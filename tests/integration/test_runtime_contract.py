@@ -18,6 +18,8 @@ from sailor.coordination import (
     Keys,
     NatsCommands,
     NatsEventBus,
+    PrefixMirror,
+    TemporaryError,
     UnavailableError,
     campaign,
     connect_etcd,
@@ -219,4 +221,75 @@ async def test_clients_survive_server_restarts(
         await lease.revoke()
     finally:
         await nc.close()
+        await store.close()
+
+
+async def _until(cond: object, mirror: PrefixMirror | None = None, timeout: float = 10.0) -> None:
+    """Poll ``cond()`` (running the mirror's staleness check, as the controller's poll does)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():  # type: ignore[operator]
+        assert loop.time() < end, "condition not reached"
+        if mirror is not None:
+            await mirror.check()
+        await asyncio.sleep(0.05)
+
+
+async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
+    etcd_endpoint: str,
+) -> None:
+    store = await connect_etcd(etcd_endpoint)
+    woken: list[int] = []
+    m = PrefixMirror(store, "/mirror/", on_change=lambda: woken.append(1))
+    try:
+        await store.put("/mirror/a", b"1")
+        await m.start()
+        a = m.get("/mirror/a")
+        assert a is not None and a.value == b"1" and m.changed() == {"/mirror/a"}
+        lease = await store.lease(5)
+        await store.put("/mirror/b", b"2", lease=lease)
+        await store.put("/mirror/a", b"3")
+        await store.put("/mirrors-not", b"x")  # outside the prefix
+        await _until(lambda: m.get("/mirror/b") is not None and m.get("/mirror/a").value == b"3")  # type: ignore[union-attr]
+        assert m.changed() == {"/mirror/a", "/mirror/b"} and woken
+        assert set(m.items()) == {"/mirror/a", "/mirror/b"}
+        await lease.revoke()  # a lease that ends deletes its keys: a delete delta
+        await _until(lambda: m.get("/mirror/b") is None)
+        assert m.changed() == {"/mirror/b"} and await m.check()
+        # a watch that stops without an error (as aetcd's may when etcd restarts)
+        assert m._watch is not None
+        m._watch.cancel()
+        await asyncio.sleep(0.05)
+        await store.put("/mirror/c", b"4")
+        assert not await m.check()  # differs from the server: suspect
+        assert not await m.check()  # and no delta came since: re-read, watch again
+        assert m.get("/mirror/c") is not None and m.resyncs == 1
+        assert m.changed() == {"/mirror/c"}
+        await store.put("/mirror/d", b"5")
+        await _until(lambda: m.get("/mirror/d") is not None)  # by the new watch
+        assert await m.check() and m.resyncs == 1
+    finally:
+        await m.close()
+        await store.close()
+
+
+async def test_prefix_mirror_survives_an_etcd_restart(
+    etcd_server: ServerProcess, etcd_endpoint: str
+) -> None:
+    store = await connect_etcd(etcd_endpoint)
+    m = PrefixMirror(store, "/mirror2/")
+    try:
+        await store.put("/mirror2/a", b"1")
+        await m.start()
+        await asyncio.to_thread(etcd_server.restart)
+        for _ in range(100):
+            try:
+                await store.put("/mirror2/b", b"2")
+                break
+            except TemporaryError:
+                await asyncio.sleep(0.1)
+        await _until(lambda: m.get("/mirror2/b") is not None, mirror=m, timeout=20)
+        assert m.get("/mirror2/a") is not None
+    finally:
+        await m.close()
         await store.close()

@@ -1,0 +1,51 @@
+"""The audit log's group commit: records readable at once, durable after ``durable()``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sailor.controller.audit import AuditLog, read_records
+
+
+async def test_concurrent_durable_calls_share_fsyncs(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "a.jsonl")
+    for i in range(100):
+        log.write("event", float(i), event_id=f"e{i}")
+    assert log.pending == 100
+    assert [r["event_id"] for r in read_records([log.path])][:3] == ["e0", "e1", "e2"]
+
+    async def ack(i: int) -> None:
+        log.write("ack", 100.0 + i, command_id=f"c{i}")
+        await log.durable()
+
+    await asyncio.gather(*(ack(i) for i in range(50)))
+    assert log.pending == 0
+    assert log.fsyncs <= 3  # 150 records, one fsync for most of them
+    await log.durable()  # nothing pending: no fsync
+    assert log.fsyncs <= 3
+    log.close()
+    assert len(read_records([log.path])) == 150
+
+
+async def test_durable_covers_records_written_while_an_fsync_runs(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.write("event", 1.0)
+    first = asyncio.ensure_future(log.durable())
+    await asyncio.sleep(0)  # the first fsync is under way
+    log.write("event", 2.0)
+    await log.durable()  # must wait for a second fsync, not return on the first
+    assert log.pending == 0
+    await first
+    log.close()
+
+
+def test_sync_write_and_rotation_leave_nothing_pending(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "a.jsonl", max_bytes=200)
+    log.write("leader", 1.0, sync=True, epoch=7)
+    assert log.pending == 0
+    for i in range(10):
+        log.write("event", 2.0 + i, event_id=f"e{i}")
+    log.close()
+    recs = read_records([log.path])
+    assert len(recs) == 11 and (tmp_path / "a.jsonl.1").exists()
