@@ -1,15 +1,20 @@
 """Close the loop on this machine: profile, simulate, run the real training, compare.
 
 1. Profile the tiny GPT's layers on this CPU (``sailor.profiler.layers``: tp 1, mbs 1..8,
-   1 torch thread as the worker uses) and the process overhead (2 gloo ranks).
+   1 torch thread as the worker uses), the process overhead (2 gloo ranks) and the
+   framework's time outside the layers (``sailor.profiler.framework_time``: the real engine
+   on the nano model, never these plans).
 2. Probe loopback point-to-point bandwidth between two gloo processes
    (``sailor.profiler.network_probe``, 4 KiB..16 MiB: the activations this model sends are
-   8-64 KiB) and fit the curve -> NetworkProfile link (local, cpu, 1) <-> (local, cpu, 1).
-3. Calibration for ``cpu``: no constant is fitted to the plans. ``sends_attention_mask``
-   is False because ``megatron_patch`` sends only activations (``schedule.P2P``); the memory
-   overhead is the ``DeviceOverhead`` measured in step 1; the rest are the documented
-   defaults (no hook correction, network efficiency 1, no fixed sync cost, no allocator
-   factor).
+   8-64 KiB) and fit the curve with its per-message latency -> NetworkProfile link
+   (local, cpu, 1) <-> (local, cpu, 1).
+3. Calibration for ``cpu``: no constant is fitted to the plans. What ``megatron_patch`` does
+   is stated, not fitted: it sends only activations (``sends_attention_mask=False``), its
+   sends are asynchronous (``blocking_p2p=False``: a link delay), it all-reduces the tied
+   embedding gradient in a group of its own (``tied_allreduce``) and ends every iteration
+   with a loss all-reduce over all ranks (``loss_allreduce``). The memory overhead is the
+   ``DeviceOverhead`` measured in step 1; the other constants are the documented defaults
+   (no hook correction, network efficiency 1, no fixed sync cost, no allocator factor).
 4. For each plan (1-4 ranks: pipeline depths, uneven splits, microbatch sizes, two
    pipelines), run the real training framework with its local launcher
    (``megatron_patch.launch.launch_local``) through ``sailor.profiler.rss_worker`` (the
@@ -60,6 +65,7 @@ from sailor.simulator import simulate
 MIB = 2**20
 EP = Endpoint(zone="local", gpu_type="cpu", gpus_per_node=1)
 RG = ReplicaGroup(gpu_type="cpu", zone="local", tp=1, gpus_per_node=1)
+PHASES = ("compute", "sync", "optim", "rest")
 
 
 def _pipe(bounds: list[tuple[int, int]], mbs: int, m: int) -> Pipeline:
@@ -97,8 +103,12 @@ def plans(spec: ModelSpec) -> list[Plan]:
 
 def _run_plan(
     plan: Plan, model_file: Path, steps: int, skip: int, work: Path
-) -> tuple[float, float, int]:
-    """(median step s, stdev of step s, max peak RSS growth bytes) of one real run."""
+) -> tuple[float, dict[str, float], int]:
+    """(median step s, median phases of rank 0, max peak RSS growth bytes) of one real run.
+
+    Phases (the engine's ``StepResult``): ``compute`` = zeroing gradients + 1F1B + waiting
+    for sends, ``sync`` = gradient all-reduces, ``optim`` = optimizer step, ``rest`` = the
+    loss all-reduce and the step's bookkeeping."""
     run = launch_local(
         plan,
         steps,
@@ -110,12 +120,17 @@ def _run_plan(
     )
     if not run.ok:
         raise RuntimeError(f"{plan.plan_id}: ranks failed: {run.errors} {run.stderr[0][-2000:]}")
-    steps_s = [float(e["step_s"]) for e in run.steps(0)][skip:]
+    recs = run.steps(0)[skip:]
+    steps_s = [float(e["step_s"]) for e in recs]
+    phases = {k: statistics.median(float(e[f"{k}_s"]) for e in recs) for k in PHASES[:3]}
+    phases["rest"] = statistics.median(
+        float(e["step_s"]) - sum(float(e[f"{k}_s"]) for k in PHASES[:3]) for e in recs
+    )
     growth = max(
         json.loads((work / f"rss-{r}.json").read_text())["growth_bytes"]
         for r in range(len(plan.ranks()))
     )
-    return statistics.median(steps_s), statistics.stdev(steps_s), int(growth)
+    return statistics.median(steps_s), phases, int(growth)
 
 
 def main() -> None:
@@ -154,6 +169,12 @@ def main() -> None:
             )
     for o in db.overheads:
         print(f"  process overhead {o.bytes / MIB:.1f} MiB ({o.source})")
+    for f in db.framework:
+        print(
+            f"  framework time: {f.iteration_s * 1e3:.3f} ms per iteration, "
+            f"{f.microbatch_s * 1e3:.3f} ms per microbatch, {f.sample_s * 1e6:.1f} us per "
+            f"sample ({f.source})"
+        )
 
     t0 = time.time()
     pts = run_probe(ProbeSettings(min_bytes=4 << 10, max_bytes=16 << 20))
@@ -169,6 +190,7 @@ def main() -> None:
             f"(± {p.time.stdev_s * 1e3:.3f}) {p.gbps:6.3f} GB/s, fit {100 * r:+.0f}%"
         )
     print(f"  fit: {curve.model_dump_json()}")
+    print(f"  per-message latency {curve.latency_s * 1e3:.3f} ms")
 
     cal = Calibration(
         gpus=(
@@ -178,6 +200,9 @@ def main() -> None:
             ),
         ),
         sends_attention_mask=False,
+        blocking_p2p=False,
+        tied_allreduce=True,
+        loss_allreduce=True,
     )
     prices = PriceTable(
         gpus=(
@@ -219,11 +244,13 @@ def _compare(
             )
             meas_t: list[float] = []
             meas_m: list[int] = []
+            meas_p: list[dict[str, float]] = []
             for rep in range(args.repeats):
                 work = Path(tmp) / f"{plan.plan_id}-{rep}"
-                t, _, m = _run_plan(plan, model_file, args.steps, args.skip, work)
+                t, ph, m = _run_plan(plan, model_file, args.steps, args.skip, work)
                 meas_t.append(t)
                 meas_m.append(m)
+                meas_p.append(ph)
             t_med = statistics.median(meas_t)
             m_med = statistics.median(meas_m)
             et = (est.iteration_time_s - t_med) / t_med
@@ -235,6 +262,15 @@ def _compare(
                 f"{plan.plan_id:16s} {len(plan.ranks()):5d} {t_med * 1e3:9.2f} {spread:>17s} "
                 f"{est.iteration_time_s * 1e3:8.2f} {100 * et:+6.1f}% {m_med / MIB:9.1f} "
                 f"{est.peak_memory_bytes / MIB:8.1f} {100 * em:+6.1f}%"
+            )
+            ph = {k: statistics.median(p[k] for p in meas_p) for k in PHASES}
+            tb = est.time
+            print(
+                "    rank 0 ms: "
+                + " ".join(f"{k} {v * 1e3:.2f}" for k, v in ph.items())
+                + f" | sim: pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "
+                f"(compute {tb.compute_s * 1e3:.2f}) sync+end {tb.grad_sync_s * 1e3:.2f} "
+                f"update {tb.update_s * 1e3:.2f}"
             )
     print(
         f"\nmean |error|: step time {100 * statistics.fmean(terr):.1f}% "

@@ -8,7 +8,10 @@ range becomes the curve's clamp (``min_bytes``, ``max_bytes``) and its largest m
 bandwidth the upper clamp (``max_gbps``), so the fit is never extrapolated.
 
 Optionally (:func:`split_latency`) a fixed per-message latency is taken out first: the
-one-way time of the smallest message minus its bytes at the peak bandwidth. The curve is then
+median over the :data:`LATENCY_SIZES` smallest messages of their one-way time minus their
+bytes at the peak bandwidth (one size alone was not enough: on a shared host a single size
+can land in a quiet moment, 0.25 ms against 1.9-2.0 ms for the next three sizes in one of our
+probes, and the pipelines' many small messages then looked 8x cheaper). The curve is then
 fitted to ``bytes / (time − latency)`` and the latency goes into ``BandwidthCurve.latency_s``
 (``transfer_time = latency + bytes / GB/s``). Without it, the quadratic in ``L`` has to bend
 a latency-bound region (bandwidth ∝ bytes, i.e. exponential in ``L``) and misses the small
@@ -23,13 +26,24 @@ Pure: numbers in, schemas out.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
 
 from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile
 
-__all__ = ["fit_curve", "fit_link", "fit_residuals", "split_latency", "with_link"]
+__all__ = [
+    "LATENCY_SIZES",
+    "fit_curve",
+    "fit_link",
+    "fit_residuals",
+    "split_latency",
+    "with_link",
+]
+
+LATENCY_SIZES = 3
+"""How many of the smallest message sizes the latency is taken from (their median)."""
 
 
 def fit_curve(points: Sequence[tuple[int, float]], latency_s: float = 0.0) -> BandwidthCurve:
@@ -60,8 +74,8 @@ def split_latency(points: Sequence[tuple[int, float]]) -> tuple[float, list[tupl
     if not points:
         raise ValueError("points: empty")
     peak = max(b / t for b, t in points if t > 0)
-    b0, t0 = min(points)
-    latency = max(0.0, t0 - b0 / peak)
+    small = sorted(points)[:LATENCY_SIZES]
+    latency = max(0.0, statistics.median(t - b / peak for b, t in small))
     out = []
     for b, t in points:
         rest = t - latency

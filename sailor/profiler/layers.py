@@ -14,7 +14,8 @@ above: :mod:`tp_procs`). The database gets one :class:`LayerProfile` per global 
   per-microbatch terms, e.g. position ids, are then spread thinnest). Sizes are written
   only when the device computes in the model's precision: a CPU run of an fp16 model runs
   in fp32 (as the engine does on CPU) and its byte counts would be wrong for GPUs.
-* on CPU, the process overhead (:mod:`overhead`) as the GPU type's ``DeviceOverhead``.
+* on CPU, the process overhead (:mod:`overhead`) as the GPU type's ``DeviceOverhead``, and
+  the framework's time outside the layers (:mod:`framework_time`) as its ``FrameworkTime``.
 * ``meta``: device, software versions, date, repetition settings, and the peak memory
   growth of each measurement (the schema has no per-layer field for it).
 
@@ -34,7 +35,7 @@ import torch
 from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
 from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
-from sailor.schemas.profile import DeviceOverhead
+from sailor.schemas.profile import DeviceOverhead, FrameworkTime
 
 __all__ = ["LayerRun", "device_description", "profile_layers", "to_profile_db"]
 
@@ -53,6 +54,8 @@ class LayerRun:
     """torch intra-op threads on CPU (the worker's default is 1)."""
     measure_memory: bool = True
     measure_overhead: bool = True
+    """On CPU: the process memory overhead (overhead.py) and the engine's time outside the
+    layers (framework_time.py), both from the real engine on the nano model."""
     statistic: str = "median"
     """Central value written to the database: 'median' (default) or 'mean' (timing.py)."""
     in_situ: bool = True
@@ -142,10 +145,20 @@ def profile_layers(
         from sailor.profiler.overhead import measure_cpu_overhead
 
         overhead = measure_cpu_overhead(run.threads)
+    framework: FrameworkTime | None = None
+    if run.device == "cpu" and run.measure_overhead:
+        note("framework time (real engine, nano model)", 0)
+        from sailor.profiler.framework_time import measure_framework_time
+
+        framework, _ = measure_framework_time(run.spec, run.gpu_type, run.threads, run.statistic)
     meta = _meta(run, out)
     db = to_profile_db(
         run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic
     )
+    if framework is not None:
+        date = meta.get(f"{run.gpu_type}.date", "")
+        stamped = framework.model_copy(update={"source": f"{framework.source} {date}"})
+        db = db.model_copy(update={"framework": (stamped,)})
     return db, out
 
 

@@ -8,7 +8,8 @@ GPU type, TP):
   overwrites its previous figures, an estimate re-made with more GPUs replaces the old one);
 * a worse new entry never replaces a better old one: an estimate merged into a database
   that holds a measurement at the same key is dropped;
-* overheads (measured by definition) are replaced by the new one of the same key;
+* overheads and framework times (measured by definition) are replaced by the new one of
+  the same key (GPU type, TP / GPU type); per-layer memory footprints of both are kept;
 * ``meta`` is the union, the new values winning.
 
 Unlike :meth:`ProfileDB.merged` (which keeps both entries and picks at query time), the
@@ -68,11 +69,16 @@ def merge_db(old: ProfileDB | None, new: ProfileDB) -> tuple[ProfileDB, int]:
     over: dict[tuple[str, int], DeviceOverhead] = {(o.gpu_type, o.tp): o for o in old.overheads}
     for o in new.overheads:
         over[(o.gpu_type, o.tp)] = o
+    frame = {f.gpu_type: f for f in old.framework}
+    for f in new.framework:
+        frame[f.gpu_type] = f
     merged = ProfileDB(
         model=old.model,
         timings=timings,
         sizes=sizes,
         overheads=tuple(over[k] for k in sorted(over)),
+        framework=tuple(frame[k] for k in sorted(frame)),
+        memory=tuple(dict.fromkeys(old.memory + new.memory)),
         meta={**old.meta, **new.meta},
     )
     return merged, d1 + d2

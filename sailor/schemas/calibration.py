@@ -99,6 +99,32 @@ class Calibration(Frozen):
             "Megatron-DeepSpeed's GPT pipeline model, the framework the reference plans ran on."
         ),
     )
+    blocking_p2p: bool = Field(
+        default=True,
+        description=(
+            "Pipeline sends block the sender until the receiver has the message, so a "
+            "transfer occupies both stages (DeepSpeed's pipe engine). False: sends are "
+            "asynchronous and only the receiver waits; the transfer is a delay on the link "
+            "(megatron_patch: isend, blocking recv)."
+        ),
+    )
+    tied_allreduce: bool = Field(
+        default=False,
+        description=(
+            "With tied embeddings, the ranks holding the embedding or the LM head all-reduce "
+            "the tied gradient in a collective of its own after the segment all-reduces "
+            "(megatron_patch). False: not modelled separately (DeepSpeed's ReduceTiedGrads "
+            "is inside the measured sync_fixed_s)."
+        ),
+    )
+    loss_allreduce: bool = Field(
+        default=False,
+        description=(
+            "Every iteration ends with an all-reduce of the loss over all ranks, after the "
+            "optimizer step (megatron_patch; it is also the iteration's barrier). False: "
+            "not modelled (DeepSpeed reports the loss without a collective in the step)."
+        ),
+    )
 
     @field_validator("gpus")
     @classmethod

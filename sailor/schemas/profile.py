@@ -17,6 +17,7 @@ from sailor.schemas.model import LayerKind
 
 __all__ = [
     "DeviceOverhead",
+    "FrameworkTime",
     "LayerMemory",
     "LayerProfile",
     "LayerSize",
@@ -88,6 +89,44 @@ class DeviceOverhead(Frozen):
     source: str = Field(description="Measurement it came from.")
 
 
+class FrameworkTime(Frozen):
+    """Time the training framework spends per iteration outside the profiled layers.
+
+    Measured on the real training engine running a model whose layers cost almost nothing
+    (``sailor.profiler.framework_time``), minus that model's own layer profile. Absent (all
+    zero) for imported profiles: their framework's fixed costs are in the calibration
+    (``GPUCalibration.sync_fixed_s``) or unknown.
+    """
+
+    gpu_type: str = Field(description="GPU type (device) measured.")
+    iteration_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Fixed time per iteration on every rank (zeroing gradients, the schedule's set-up, "
+            "the optimizer's per-step work beyond the per-layer updates, the end of the "
+            "iteration on one rank), s."
+        ),
+    )
+    microbatch_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Time per microbatch per stage outside the layers (schedule step, loss scaling, "
+            "autograd entry), s."
+        ),
+    )
+    sample_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Data-pipeline time per sample on a stage that reads the data (first and last "
+            "stage), s."
+        ),
+    )
+    source: str = Field(description="Measurement it came from.")
+
+
 class ProfileDB(Frozen):
     """All profiles of one model."""
 
@@ -95,6 +134,10 @@ class ProfileDB(Frozen):
     timings: tuple[LayerProfile, ...] = Field(default=(), description="Per-layer timings.")
     sizes: tuple[LayerSize, ...] = Field(default=(), description="Per-layer sizes.")
     overheads: tuple[DeviceOverhead, ...] = Field(default=(), description="Memory overheads.")
+    framework: tuple[FrameworkTime, ...] = Field(
+        default=(),
+        description="Framework time outside the layers, per GPU type (at most one each).",
+    )
     memory: tuple[LayerMemory, ...] = Field(
         default=(), description="Per-layer memory footprints (e.g. imported Varuna profiles)."
     )
@@ -107,6 +150,9 @@ class ProfileDB(Frozen):
         for t in self.timings:
             if t.bwd_s < 0 or t.fwd_s < 0:
                 raise field_error("timings", t, "negative time")
+        kinds = [f.gpu_type for f in self.framework]
+        if len(kinds) != len(set(kinds)):
+            raise field_error("framework", kinds, "at most one entry per GPU type")
         return self
 
     # Indexing is computed once per (immutable) instance.
@@ -165,6 +211,13 @@ class ProfileDB(Frozen):
         any_tp = [o for o in self.overheads if o.gpu_type == gpu_type]
         return any_tp[0] if any_tp else None
 
+    def framework_time(self, gpu_type: str) -> FrameworkTime | None:
+        """The measured framework time of ``gpu_type``, if any."""
+        for f in self.framework:
+            if f.gpu_type == gpu_type:
+                return f
+        return None
+
     def is_estimated(self, gpu_type: str) -> bool:
         srcs = {t.source for t in self.timings if t.gpu_type == gpu_type}
         return bool(srcs) and srcs <= {"estimated"}
@@ -184,5 +237,7 @@ class ProfileDB(Frozen):
                 for o in self.overheads
                 if not any(p.gpu_type == o.gpu_type and p.tp == o.tp for p in other.overheads)
             ),
+            framework=other.framework
+            + tuple(f for f in self.framework if other.framework_time(f.gpu_type) is None),
             meta={**self.meta, **other.meta},
         )

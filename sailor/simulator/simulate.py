@@ -2,13 +2,19 @@
 
 The model (docs/simulator-model.md) follows what the training framework does on each rank:
 
-1. compute per stage from per-layer profiles (:mod:`lookup`);
-2. pipeline transfers between consecutive stages, blocking at both ends (DeepSpeed's
-   send/recv), so their time is charged to both stages;
+1. compute per stage from per-layer profiles (:mod:`lookup`), plus the framework's measured
+   time outside the layers (``ProfileDB.framework``: per microbatch on every stage, per
+   sample on a stage that reads the data, per iteration on every stage);
+2. pipeline transfers between consecutive stages: blocking at both ends (DeepSpeed's
+   send/recv), so their time is charged to both stages; or, with
+   ``Calibration.blocking_p2p=False`` (asynchronous sends), a delay on the link;
 3. each pipeline runs 1F1B (:mod:`pipeline`: closed form or replay);
-4. after its last backward every stage pays the fixed sync cost, then all-reduces each of its
-   layer segments with the other holders (a segment's ring starts when all its holders are
-   ready), then runs its optimizer step; the iteration ends with the last step;
+4. after its last backward every stage pays the fixed sync cost and the framework's
+   per-iteration time, then all-reduces each of its layer segments with the other holders
+   (a segment's ring starts when all its holders are ready), then the tied embedding
+   gradient if the calibration says the framework reduces it separately, then runs its
+   optimizer step; the iteration ends with the last step, plus a loss all-reduce over all
+   ranks if the calibration says the framework runs one;
 5. memory per GPU (:mod:`memory`); cost = GPU-hours by type and zone at their price (each
    replica group's own ``spot`` flag, else on-demand unless ``spot=True``) + cross-zone bytes
    at the egress price.
@@ -37,15 +43,18 @@ from sailor.schemas import (
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
+from sailor.schemas.profile import FrameworkTime
 from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
-from sailor.simulator.network_model import inter_curve, intra_curve, ring_allreduce
+from sailor.simulator.network_model import AllReduce, inter_curve, intra_curve, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
 
 __all__ = ["Method", "Timeline", "simulate", "simulate_with_timeline"]
 
 Method = Literal["closed_form", "replay"]
 _MASK_BYTES_PER_ELEMENT = 2
+_LOSS_BYTES = 8
+"""The loss all-reduce of megatron_patch: one float64."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,8 @@ class _Stage:
     send_f: float
     send_b: float
     sizes: tuple[LayerSize, ...]
+    fw: float = 0.0
+    """Framework time per microbatch outside the layers (schedule step, data)."""
 
 
 class _Notes:
@@ -161,6 +172,9 @@ def _run(
                 uses_estimates |= any(z.source == "estimated" for z in sizes_by_tp[r.tp])
             costs = tables[key].layers[s.first_layer : s.last_layer + 1]
             uses_estimates |= any(c.estimated for c in costs)
+            ft = _framework(profiles, r.gpu_type)
+            # stages that read the data: the first (inputs) and the last (labels)
+            reads = s.first_layer == 0 or s.last_layer == model.num_all_layers - 1
             row.append(
                 _Stage(
                     f=sum(c.fwd_s for c in costs),
@@ -169,6 +183,7 @@ def _run(
                     send_f=0.0,
                     send_b=0.0,
                     sizes=sizes_by_tp[r.tp][s.first_layer : s.last_layer + 1],
+                    fw=ft.microbatch_s + (p.microbatch_size * ft.sample_s if reads else 0.0),
                 )
             )
         for i in range(len(row) - 1):
@@ -209,14 +224,14 @@ def _run(
     stage_end: list[tuple[float, ...]] = []
     ops: list[TimelineOp] = []
     for pi, (p, row) in enumerate(zip(plan.pipelines, stages, strict=True)):
-        fs, bs = _blocking(row)
+        fs, bs, delay = _per_microbatch(row, cal.blocking_p2p)
         if method == "replay":
-            run = replay_1f1b(fs, bs, p.num_microbatches, pipeline=pi, record=True)
+            run = replay_1f1b(fs, bs, p.num_microbatches, delay, pipeline=pi, record=True)
             pipe_end.append(run.end_s)
             stage_end.append(run.stage_end_s)
             ops.extend(run.ops)
         else:
-            t = closed_form_1f1b(fs, bs, p.num_microbatches)
+            t = closed_form_1f1b(fs, bs, p.num_microbatches, delay)
             pipe_end.append(t)
             stage_end.append(tuple(t for _ in row))
 
@@ -224,7 +239,9 @@ def _run(
     ready: dict[tuple[int, int], float] = {}
     for pi, p in enumerate(plan.pipelines):
         for si, s in enumerate(p.stages):
-            ready[(pi, si)] = stage_end[pi][si] + cal.for_gpu(s.replica.gpu_type).sync_fixed_s
+            g = s.replica.gpu_type
+            fixed = cal.for_gpu(g).sync_fixed_s + _framework(profiles, g).iteration_s
+            ready[(pi, si)] = stage_end[pi][si] + fixed
     sync_of: dict[tuple[int, int], float] = dict.fromkeys(ready, 0.0)
     # DeepSpeed reduces the stage's gradients after the last backward; segments go in
     # reverse layer order, as gradients become available in backward
@@ -249,8 +266,27 @@ def _run(
             sync_of[h] += ar.time_s
         for src, dst, nbytes in ar.cross_zone_bytes:
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
+    tied = _tied_allreduce(plan, model, network, cal) if cal.tied_allreduce else None
+    if tied is not None:
+        holders, ar = tied
+        notes.add(*ar.notes)
+        start = max(ready[h] for h in holders)
+        for h in holders:
+            ready[h] = start + ar.time_s
+            sync_of[h] += ar.time_s
+        for src, dst, nbytes in ar.cross_zone_bytes:
+            egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
     end = {h: ready[h] + stages[h[0]][h[1]].u for h in ready}
     iteration = max(end.values())
+    if cal.loss_allreduce:
+        # one scalar over every rank, after the step; it is the iteration's barrier
+        everyone = [
+            s.replica for p in plan.pipelines for s in p.stages for _ in range(s.replica.tp)
+        ]
+        eff = min(cal.for_gpu(g.gpu_type).network_efficiency for g in everyone)
+        loss_ar = ring_allreduce(network, everyone, _LOSS_BYTES, 1.0, eff)
+        notes.add(*loss_ar.notes)
+        iteration += loss_ar.time_s
     if iteration <= 0:
         raise ValueError("simulated iteration time is zero: the profiles hold no time")
 
@@ -293,12 +329,12 @@ def _run(
 
     # --- breakdown of the critical path --------------------------------------------------
     crit = max(range(len(pipe_end)), key=lambda i: pipe_end[i])
-    fs, bs = _blocking(stages[crit])
+    fs, bs, _ = _per_microbatch(stages[crit], cal.blocking_p2p)
     m = plan.pipelines[crit].num_microbatches
     bott = max(range(len(fs)), key=lambda i: fs[i] + bs[i])
     raw = stages[crit][bott]
-    compute = m * (raw.f + raw.b)
-    p2p = max(0.0, m * (fs[bott] + bs[bott] - raw.f - raw.b))
+    compute = m * (raw.f + raw.b + raw.fw)
+    p2p = max(0.0, m * (fs[bott] + bs[bott] - raw.f - raw.b - raw.fw))
     bubble = max(0.0, pipe_end[crit] - compute - p2p)
     tail = iteration - pipe_end[crit]
     last = max(end, key=lambda h: end[h])
@@ -309,7 +345,7 @@ def _run(
         StageTime(
             pipeline=pi,
             stage=si,
-            fwd_s=st.f,
+            fwd_s=st.f + st.fw,
             bwd_s=st.b,
             send_s=st.send_f,
             update_s=st.u,
@@ -347,19 +383,63 @@ def _run(
 
 
 def _replace(st: _Stage, *, send_f: float, send_b: float) -> _Stage:
-    return _Stage(f=st.f, b=st.b, u=st.u, send_f=send_f, send_b=send_b, sizes=st.sizes)
+    return _Stage(f=st.f, b=st.b, u=st.u, send_f=send_f, send_b=send_b, sizes=st.sizes, fw=st.fw)
 
 
-def _blocking(row: list[_Stage]) -> tuple[list[float], list[float]]:
-    """Per-microbatch F and B of each stage with blocking transfers charged to both ends."""
+_NO_FRAMEWORK_TIME = FrameworkTime(gpu_type="*", source="none measured")
+
+
+def _framework(profiles: ProfileDB, gpu_type: str) -> FrameworkTime:
+    """The framework time measured for ``gpu_type``, else zero (imported profiles)."""
+    return profiles.framework_time(gpu_type) or _NO_FRAMEWORK_TIME
+
+
+def _per_microbatch(
+    row: list[_Stage], blocking: bool
+) -> tuple[list[float], list[float], list[float]]:
+    """Per-microbatch F and B of each stage, and the delay of each link.
+
+    Blocking transfers are charged to both ends (no link delay); asynchronous ones are a
+    delay on the link (the larger of the two directions; the replay has one per link).
+    """
     fs: list[float] = []
     bs: list[float] = []
     for i, st in enumerate(row):
-        prev_f = row[i - 1].send_f if i else 0.0
-        prev_b = row[i - 1].send_b if i else 0.0
-        fs.append(st.f + st.send_f + prev_f)
-        bs.append(st.b + st.send_b + prev_b)
-    return fs, bs
+        prev_f = row[i - 1].send_f if i and blocking else 0.0
+        prev_b = row[i - 1].send_b if i and blocking else 0.0
+        own_f = st.send_f if blocking else 0.0
+        own_b = st.send_b if blocking else 0.0
+        fs.append(st.f + st.fw + own_f + prev_f)
+        bs.append(st.b + own_b + prev_b)
+    delay = [] if blocking else [max(st.send_f, st.send_b) for st in row[:-1]]
+    return fs, bs, delay
+
+
+def _tied_allreduce(
+    plan: Plan, model: ModelSpec, network: NetworkProfile, cal: Calibration
+) -> tuple[list[tuple[int, int]], AllReduce] | None:
+    """The tied embedding gradient's all-reduce among the stages holding the embedding or the
+    head (megatron_patch's last sync group): its holders and its time; None without one.
+
+    The ``vocab x hidden`` matrix is replicated on the TP ranks of a stage; the ring is
+    modelled over the stages' nodes, as for a segment.
+    """
+    if not model.tie_embeddings:
+        return None
+    head = model.num_all_layers - 1
+    holders = [
+        (pi, si)
+        for pi, p in enumerate(plan.pipelines)
+        for si, s in enumerate(p.stages)
+        if s.first_layer == 0 or s.last_layer == head
+    ]
+    if len(holders) < 2:
+        return None  # one stage holds both copies: a local sum
+    groups = [plan.pipelines[pi].stages[si].replica for pi, si in holders]
+    n_el = float(model.vocab_size * model.hidden_size)
+    node_bytes = max(g.tp for g in groups) * n_el * model.param_bytes()
+    eff = min(cal.for_gpu(g.gpu_type).network_efficiency for g in groups)
+    return holders, ring_allreduce(network, groups, node_bytes, n_el, eff)
 
 
 def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:

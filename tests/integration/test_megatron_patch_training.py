@@ -151,3 +151,28 @@ def test_a_crashing_rank_stops_every_rank_quickly(tmp_path: Path) -> None:
         err = run.errors[rank]
         assert err is not None and err["origin"] == "peer", err
         assert len(run.steps(rank)) == 2
+
+
+def _looped_sample(vocab: int, seq: int, seed: int, n: int) -> torch.Tensor:
+    """The synthetic data rule stepped one position at a time (the original loop)."""
+    rule = torch.Generator().manual_seed(seed)
+    mult = int(torch.randint(1, vocab, (1,), generator=rule))
+    add = int(torch.randint(0, vocab, (1,), generator=rule))
+    g = torch.Generator().manual_seed((seed * 6_364_136_223 + n + 1) % (2**63))
+    cur = int(torch.randint(0, vocab, (1,), generator=g))
+    noise = torch.rand(seq + 1, generator=g) < 0.1
+    rand_tok = torch.randint(0, vocab, (seq + 1,), generator=g)
+    out = torch.empty(seq + 1, dtype=torch.long)
+    for i in range(seq + 1):
+        out[i] = int(rand_tok[i]) if bool(noise[i]) else cur
+        cur = (cur * mult + add) % vocab
+    return out
+
+
+@pytest.mark.parametrize(("vocab", "seq", "seed"), [(64, 16, 0), (8, 4, 1), (50257, 1024, 3)])
+def test_vectorised_data_equals_the_loop(vocab: int, seq: int, seed: int) -> None:
+    from sailor.megatron_patch.data import SyntheticTokens
+
+    ds = SyntheticTokens(vocab, seq, seed)
+    for n in (0, 1, 17, 123_456):
+        assert torch.equal(ds.sample(n), _looped_sample(vocab, seq, seed, n))

@@ -117,3 +117,17 @@ def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     net = NetworkProfile.model_validate_json(out.read_text())
     assert len(net.links) == 1 and net.links[0].src.gpu_type == "cpu"
+
+
+def test_framework_time_on_the_real_engine() -> None:
+    from sailor.profiler.framework_time import measure_framework_time
+
+    ft, run = measure_framework_time(catalog.model("tiny-gpt"), steps=10)
+    assert ft.gpu_type == "cpu" and "nano" in ft.source
+    assert run.step_many_s > run.step_one_s > 0
+    assert run.nano_fwd_bwd_s > 0 and run.nano_update_s > 0
+    assert ft.sample_s > 0 and ft.iteration_s >= 0 and ft.microbatch_s >= 0
+    # a database carries it, and the simulator's lookup finds it
+    db = ProfileDB(model="tiny-gpt", framework=(ft,))
+    assert db.framework_time("cpu") == ft
+    assert db.framework_time("A100-40") is None

@@ -59,6 +59,38 @@ def test_latency_split_recovers_latency_and_bandwidth() -> None:
         assert curve.transfer_time(b) == pytest.approx(lat + b / (bw * 1e9), rel=0.06)
 
 
+def test_latency_ignores_one_quiet_small_message() -> None:
+    lat, bw = 2e-3, 5.0
+    pts = [(b, lat + b / (bw * 1e9)) for b in SIZES]
+    pts[0] = (pts[0][0], 0.05 * lat)  # the smallest size landed in a quiet moment
+    got, _ = split_latency(pts)
+    assert got == pytest.approx(lat, rel=0.05)
+
+
+def test_framework_time_from_two_microbatch_counts() -> None:
+    from sailor.profiler.framework_time import FrameworkRun, framework_from
+
+    # engine: 1 ms per iteration, 0.3 ms per microbatch, nano layers 0.2 ms, update 0.4 ms
+    it, mb, fb, up, d = 1e-3, 0.3e-3, 0.2e-3, 0.4e-3, 0.01e-3
+    run = FrameworkRun(
+        step_one_s=it + up + (mb + fb + d),
+        step_many_s=it + up + 8 * (mb + fb + d),
+        microbatches=8,
+        nano_fwd_bwd_s=fb,
+        nano_update_s=up,
+        nano_sample_s=d,
+        sample_s=0.02e-3,
+    )
+    ft = framework_from(run, "cpu", "test")
+    assert ft.iteration_s == pytest.approx(it)
+    assert ft.microbatch_s == pytest.approx(mb)
+    assert ft.sample_s == pytest.approx(0.02e-3)
+    noisy = FrameworkRun(**{**run.__dict__, "nano_fwd_bwd_s": 1.0})
+    assert framework_from(noisy, "cpu", "test").microbatch_s == 0.0  # clamped, not negative
+    with pytest.raises(ValueError, match="microbatches"):
+        framework_from(FrameworkRun(**{**run.__dict__, "microbatches": 1}), "cpu", "test")
+
+
 def test_with_link_replaces_either_direction() -> None:
     a = Endpoint(zone="z1", gpu_type="cpu", gpus_per_node=1)
     b = Endpoint(zone="z2", gpu_type="cpu", gpus_per_node=1)
