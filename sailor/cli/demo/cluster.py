@@ -14,15 +14,18 @@ servers itself; :mod:`sailor.cli.demo.observe` reads, this module only starts an
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sailor.agent.daemon import AgentConfig, WatcherConfig
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
-from sailor.cli.demo.processes import ProcessRegistry
+from sailor.cli.demo.processes import ProcessRegistry, children_of
 from sailor.cli.demo.servers import free_port
 from sailor.controller.config import ControllerConfig
 from sailor.controller.phases import PhaseDeadlines
@@ -43,29 +46,44 @@ def node_names(initial: int) -> list[str]:
 
 @dataclass
 class DemoCluster:
-    """Starts the controller and agents of one demo run and injects its faults."""
+    """Starts the controllers and agents of one run and injects its faults.
+
+    The demo runs one controller; the chaos suite (tests/chaos) also a standby, and uses the
+    fault injections beyond the demo's (SIGKILL of a controller or a worker, SIGSTOP).
+    """
 
     reg: ProcessRegistry
     servers: LocalServers
     root: Path
     global_batch_size: int
     min_step_s: float
+    job: str = JOB
+    # one rendezvous base for every controller of the run (a standby launches like the leader)
+    base_port: int = field(default_factory=free_port)
 
     @property
     def audit_log(self) -> Path:
-        return self.root / "audit.jsonl"
+        return self.audit_path(CONTROLLER)
+
+    def audit_path(self, controller: str) -> Path:
+        name = "audit.jsonl" if controller == CONTROLLER else f"audit-{controller}.jsonl"
+        return self.root / name
+
+    def audit_logs(self) -> list[Path]:
+        """Every controller's audit log (``sailor audit`` merges them by time)."""
+        return sorted(p for p in self.root.glob("audit*.jsonl") if p.is_file())
 
     @property
     def agents_dir(self) -> Path:
         return self.root / "agents"
 
-    def controller_config(self) -> ControllerConfig:
+    def controller_config(self, name: str = CONTROLLER) -> ControllerConfig:
         return ControllerConfig(
-            job=JOB,
-            identity=CONTROLLER,
+            job=self.job,
+            identity=name,
             nats_url=self.servers.nats_url,
             etcd_endpoint=self.servers.etcd_endpoint,
-            audit_log=self.audit_log,
+            audit_log=self.audit_path(name),
             checkpoint_dir=str(self.root / "ckpt"),
             lease_ttl_s=2,
             debounce_s=0.05,
@@ -78,13 +96,13 @@ class DemoCluster:
             planner="sailor",
             model="tiny-gpt",
             global_batch_size=self.global_batch_size,
-            base_port=free_port(),
-            security=self.servers.security(CONTROLLER),
+            base_port=self.base_port,
+            security=self.servers.security(name),
         )
 
     def agent_config(self, node: str) -> AgentConfig:
         return AgentConfig(
-            job=JOB,
+            job=self.job,
             node=NodeSpec(
                 node_id=node, gpu_type="cpu", gpus=1, zone="local-a", spot=True, address="127.0.0.1"
             ),
@@ -106,10 +124,15 @@ class DemoCluster:
     def notice_file(self, node: str) -> Path:
         return self.root / f"preempt-{node}"
 
-    def start_controller(self) -> None:
-        path = self.root / "controller.json"
-        path.write_text(self.controller_config().model_dump_json(indent=2))
-        self.reg.start("controller", [*_SAILOR, "controller", "--config", str(path)])
+    @staticmethod
+    def controller_process(name: str = CONTROLLER) -> str:
+        return "controller" if name == CONTROLLER else f"controller-{name}"
+
+    def start_controller(self, name: str = CONTROLLER) -> None:
+        path = self.root / f"{self.controller_process(name)}.json"
+        path.write_text(self.controller_config(name).model_dump_json(indent=2))
+        cmd = [*_SAILOR, "controller", "--config", str(path)]
+        self.reg.start(self.controller_process(name), cmd)
 
     def start_agent(self, node: str) -> None:
         path = self.root / f"agent-{node}.json"
@@ -130,8 +153,37 @@ class DemoCluster:
         self.reg.kill_node(f"agent-{node}")
         return t
 
+    def kill_controller(self, name: str = CONTROLLER) -> float:
+        """SIGKILL a controller (no resignation: a standby waits for its lease to expire)."""
+        t = time.time()
+        self.reg.kill_node(self.controller_process(name))
+        return t
+
+    def kill_worker(self, node: str) -> int:
+        """SIGKILL one training worker of ``node`` (its agent stays); return its pid."""
+        workers = children_of(self.reg.procs[f"agent-{node}"].pid)
+        if not workers:
+            raise LookupError(f"{node} runs no worker")
+        os.kill(workers[0], signal.SIGKILL)
+        return workers[0]
+
+    def freeze(self, process: str) -> float:
+        """SIGSTOP one process (e.g. ``agent-n2``): it neither talks nor answers (a partition)."""
+        t = time.time()
+        os.kill(self.reg.procs[process].pid, signal.SIGSTOP)
+        return t
+
+    def thaw(self, process: str) -> float:
+        t = time.time()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.reg.procs[process].pid, signal.SIGCONT)
+        return t
+
     def stop(self) -> None:
-        """SIGTERM agents (their workers stop with them), then the controller."""
+        """SIGTERM agents (their workers stop with them), then the controllers."""
+        for name in self.reg.procs:  # a frozen process cannot act on SIGTERM
+            if name.startswith(("agent-", "controller")):
+                self.thaw(name)
         agents = [n for n in self.reg.procs if n.startswith("agent-")]
         self.reg.stop(agents, grace_s=8.0)
-        self.reg.stop(["controller"], grace_s=5.0)
+        self.reg.stop([n for n in self.reg.procs if n.startswith("controller")], grace_s=5.0)

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 from rich.console import RenderableType
 
-from sailor.cli.demo.cluster import JOB, DemoCluster
+from sailor.cli.demo.cluster import DemoCluster
 from sailor.cli.demo.live import render
 from sailor.cli.demo.observe import ClusterView, StateReader, StepReader
 from sailor.cli.demo.plot import throughput_series
 from sailor.cli.demo.reconfig import Injection
 from sailor.localservers import ADMIN
 
-__all__ = ["DemoSettings", "DemoTimeoutError", "Scenario"]
+__all__ = ["DemoSettings", "DemoTimeoutError", "Driver", "Scenario"]
 
 
 class DemoTimeoutError(RuntimeError):
@@ -58,7 +58,13 @@ class DemoSettings:
 
 
 @dataclass
-class Scenario:
+class Driver:
+    """Waits on the cluster as an operator would (etcd and progress files), and logs injections.
+
+    The demo's script is :class:`Scenario`; the chaos suite (tests/chaos) writes its own
+    scripts on this.
+    """
+
     cluster: DemoCluster
     settings: DemoSettings
     show: Callable[[RenderableType], None] | None = None
@@ -71,15 +77,15 @@ class Scenario:
     def __post_init__(self) -> None:
         self.steps = StepReader(self.cluster.agents_dir)
         srv = self.cluster.servers
-        self.state = StateReader(srv.etcd_endpoint, JOB, srv.security(ADMIN))
+        self.state = StateReader(srv.etcd_endpoint, self.cluster.job, srv.security(ADMIN))
 
-    def _note(self, text: str) -> None:
+    def note(self, text: str) -> None:
         line = f"{time.time() - self.t0:6.1f}s  {text}"
         self.log.append(line)
         if self.say is not None:
             self.say(line)
 
-    async def _tick(self) -> None:
+    async def tick(self) -> None:
         # a failed read (etcd busy on 2 cores) only skips one refresh
         with contextlib.suppress(Exception):
             self.view = await self.state.read()
@@ -89,25 +95,25 @@ class Scenario:
             thr = series[-1][1] if series else None
             self.show(render(self.view, self.steps.latest(), thr, self.log, time.time() - self.t0))
 
-    async def _until(self, ok: Callable[[], bool], what: str) -> None:
+    async def until(self, ok: Callable[[], bool], what: str) -> None:
         end = time.monotonic() + self.settings.phase_timeout_s
         while True:
-            await self._tick()
+            await self.tick()
             if ok():
                 return
             if time.monotonic() > end:
                 raise DemoTimeoutError(f"{what}: not within {self.settings.phase_timeout_s:.0f} s")
             await asyncio.sleep(self.settings.poll_s)
 
-    async def _running_after(self, gen: int) -> int:
-        await self._until(
+    async def running_after(self, gen: int) -> int:
+        await self.until(
             lambda: self.view.phase == "running" and self.view.generation > gen,
             f"RUNNING after generation {gen}",
         )
-        self._note(f"RUNNING generation {self.view.generation}: {self.view.plan}")
+        self.note(f"RUNNING generation {self.view.generation}: {self.view.plan}")
         return self.view.generation
 
-    async def _train(self, gen: int, steps: int) -> None:
+    async def train(self, gen: int, steps: int) -> None:
         start = self.view.load_step if self.view.load_step > 0 else 0
 
         def reached() -> bool:
@@ -116,10 +122,15 @@ class Scenario:
             )
             return top >= start + steps
 
-        await self._until(reached, f"{steps} steps of generation {gen}")
+        await self.until(reached, f"{steps} steps of generation {gen}")
 
-    def _inject(self, kind: str, node: str) -> None:
+    def inject(self, kind: str, node: str) -> None:
         self.injections.append(Injection(kind=kind, node=node, time=time.time()))
+
+
+@dataclass
+class Scenario(Driver):
+    """The demo's script (module docstring)."""
 
     async def run(self) -> list[Injection]:
         s, c = self.settings, self.cluster
@@ -127,35 +138,35 @@ class Scenario:
             names = [f"n{i + 1}" for i in range(s.initial_nodes)]
             for n in names:
                 c.start_agent(n)
-            self._note(f"agents {', '.join(names)} started (cpu nodes, zone local-a)")
-            await self._until(lambda: len(self.view.nodes) >= len(names), "agents registered")
-            self._inject("start", ",".join(names))
+            self.note(f"agents {', '.join(names)} started (cpu nodes, zone local-a)")
+            await self.until(lambda: len(self.view.nodes) >= len(names), "agents registered")
+            self.inject("start", ",".join(names))
             c.start_controller()
-            self._note("controller started: plans for the registered nodes")
-            gen = await self._running_after(-1)
-            await self._train(gen, s.steps_between)
+            self.note("controller started: plans for the registered nodes")
+            gen = await self.running_after(-1)
+            await self.train(gen, s.steps_between)
 
-            self._inject("preemption notice", "n1")
+            self.inject("preemption notice", "n1")
             c.preempt("n1", s.notice_s)
-            self._note(f"spot-preemption notice for n1 ({s.notice_s:.0f} s ahead)")
-            gen = await self._running_after(gen)
+            self.note(f"spot-preemption notice for n1 ({s.notice_s:.0f} s ahead)")
+            gen = await self.running_after(gen)
             c.reg.stop(["agent-n1"], grace_s=5.0)
-            self._note("n1's VM is gone (agent stopped)")
-            await self._train(gen, s.steps_between)
+            self.note("n1's VM is gone (agent stopped)")
+            await self.train(gen, s.steps_between)
 
-            self._inject("node lost", "n2")
+            self.inject("node lost", "n2")
             c.lose("n2")
-            self._note("n2 lost without notice: agent and workers SIGKILLed")
-            gen = await self._running_after(gen)
-            await self._train(gen, s.steps_between)
+            self.note("n2 lost without notice: agent and workers SIGKILLed")
+            gen = await self.running_after(gen)
+            await self.train(gen, s.steps_between)
 
             new = f"n{s.initial_nodes + 1}"
-            self._inject("node joined", new)
+            self.inject("node joined", new)
             c.start_agent(new)
-            self._note(f"{new} joins")
-            gen = await self._running_after(gen)
-            await self._train(gen, s.steps_between)
-            self._note("done: stopping the cluster")
+            self.note(f"{new} joins")
+            gen = await self.running_after(gen)
+            await self.train(gen, s.steps_between)
+            self.note("done: stopping the cluster")
             return self.injections
         finally:
             await self.state.close()
