@@ -5,18 +5,24 @@ each figure repeated ``--reps`` times, each repetition paired with its own basel
 after it (median and min-max of the paired ratios are printed):
 
 * save: snapshot (what training waits for, ms per GB; the first save into fresh memory and the
-  later ones into the reused buffers) and persist (shards + part + manifest + marker, fsync'd,
-  per-block checksums) in GB/s, against a plain sequential write + fsync of the same number of
-  bytes to one file in the same directory;
+  later ones into the reused buffers) and persist + commit (shards + part + manifest + marker,
+  each fsync'd with its directory, per-block checksums, until the commit marker is durable)
+  in GB/s, against a plain sequential write + fsync of the same number of bytes to one new
+  file in the same directory. Retention (deleting the previous checkpoint, after the commit)
+  is timed and printed separately: the plain write deletes nothing either;
 * resharded load: every rank of a new layout (2 stages x TP=2: each rank range-reads only its
   slice of each layer) reading with checksum verification, in GB/s of bytes read, against a
   plain sequential read of the same bytes into a reused buffer. Twice: into fresh tensors
   (``load`` allocates), and into preallocated tensors (``load(into=...)``, as a resume into an
-  already built model). Page cache is evicted (fadvise DONTNEED) before each read, for both;
+  already built model). Page cache is evicted (fadvise DONTNEED) before each read, for both
+  sides, so both read from the disk (on a VM: through the host's cache, the same for both);
 * time to checkpoint one stage of ``--stage-gb`` GB (default 1), to set against a 30 s
   preemption notice.
 
-Prints setup, machine, checksum algorithm and figures. Never asserts a timing.
+In each repetition the two sides of a pair run back to back, in alternating order (sailor
+first in even repetitions, plain first in odd ones), so a disk or neighbour slowing down over
+the run does not favour either side. Prints setup, machine (CPUs, load average before and
+after), checksum algorithm and figures. Never asserts a timing.
 Run: ``python benchmarks/checkpoint_throughput.py [--dir DIR] [--mb 300] [--stage-gb 1]``.
 """
 
@@ -88,6 +94,10 @@ def _state(layers: int, total_bytes: float, hidden: int = 1024) -> dict[str, Par
     return out
 
 
+def _loadavg() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
+
+
 def _evict(path: Path) -> None:
     for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
         fd = os.open(f, os.O_RDONLY)
@@ -122,11 +132,14 @@ def _plain_read(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def _save_once(ck: Checkpointer, state: dict[str, ParamState], step: int) -> tuple[float, float]:
+def _save_once(
+    ck: Checkpointer, state: dict[str, ParamState], step: int
+) -> tuple[float, float, float]:
+    """(snapshot, persist + commit, retention) seconds of one save."""
     snap = ck.save(state, TrainingGlobals(step, step, {"seed": 0}))
     res = ck.wait()
     assert res is not None and res.manifest is not None
-    return snap, res.persist_s + res.commit_s
+    return snap, res.persist_s + res.commit_s, res.retention_s
 
 
 def _one_stage(layers: int) -> Plan:
@@ -166,6 +179,7 @@ def main() -> None:
     print(
         f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}"
     )
+    print(f"load average at start: {_loadavg()}")
     print(
         f"torch {torch.__version__}, dir {base} ({shutil.disk_usage(base).free / GB:.0f} GB free)"
     )
@@ -177,15 +191,19 @@ def main() -> None:
 
     # Save: one Checkpointer, as in training (the first save allocates, later ones reuse).
     chunk = os.urandom(64 << 20)
-    snaps, saves, plain_w = [], [], []
+    snaps, saves, plain_w, retention = [], [], [], []
     root = base / "ckpt"
     ck = Checkpointer(LocalStorage(root), _one_stage(args.layers), 0, keep=1)
+    plain = base / "plain.bin"
     for rep in range(args.reps):
-        s, p = _save_once(ck, state, rep + 1)
+        if rep % 2:
+            plain_w.append(_plain_write(plain, nbytes, chunk))
+        s, p, r = _save_once(ck, state, rep + 1)
         snaps.append(s)
         saves.append(p)
-        plain = base / "plain.bin"
-        plain_w.append(_plain_write(plain, nbytes, chunk))
+        retention.append(r)
+        if not rep % 2:
+            plain_w.append(_plain_write(plain, nbytes, chunk))
         plain.unlink()
     ck.close()
     save_ratio = [w / s for s, w in zip(saves, plain_w, strict=True)]
@@ -200,18 +218,24 @@ def main() -> None:
     _plain_write(plain, nbytes, chunk)
     runs: dict[str, tuple[list[float], list[float]]] = {"fresh": ([], []), "into": ([], [])}
     read_bytes = 0
-    for _ in range(args.reps):
+    read_bytes = sum(load_for_rank(LocalStorage(root), new, r, step=step).bytes_read for r in ranks)
+    for rep in range(args.reps):
         for mode, (loads, plain_r) in runs.items():
+            if rep % 2:
+                _evict(plain)
+                plain_r.append(_plain_read(plain, read_bytes))
             _evict(root)
             t0 = time.perf_counter()
-            read_bytes = 0
+            got_bytes = 0
             for r in ranks:
                 into = dests[r] if mode == "into" else None
                 got = load_for_rank(LocalStorage(root), new, r, step=step, into=into)
-                read_bytes += got.bytes_read
+                got_bytes += got.bytes_read
             loads.append(time.perf_counter() - t0)
-            _evict(plain)
-            plain_r.append(_plain_read(plain, read_bytes))
+            assert got_bytes == read_bytes
+            if not rep % 2:
+                _evict(plain)
+                plain_r.append(_plain_read(plain, read_bytes))
     plain.unlink()
 
     # One stage of --stage-gb: snapshot + persist + commit.
@@ -220,14 +244,15 @@ def main() -> None:
     big_bytes = sum(p.nbytes for p in big.values())
     shutil.rmtree(base / "stage", ignore_errors=True)
     ck = Checkpointer(LocalStorage(base / "stage"), _one_stage(big_layers), 0, keep=1)
-    s_snap, s_persist = _save_once(ck, big, 1)
+    s_snap, s_persist, _ = _save_once(ck, big, 1)
     ck.close()
     del big
 
     print()
     print(f"{'figure (median of paired runs)':<46}{'sailor':>9}{'plain':>9}  ratio (min-max)")
     print(
-        f"{'save (persist+commit), GB/s':<46}{nbytes / GB / statistics.median(saves):>9.3f}"
+        f"{'save (persist+commit, durable), GB/s':<46}"
+        f"{nbytes / GB / statistics.median(saves):>9.3f}"
         f"{nbytes / GB / statistics.median(plain_w):>9.3f}  {_spread(save_ratio)}"
     )
     for mode, (loads, plain_r) in runs.items():
@@ -253,6 +278,14 @@ def main() -> None:
         f"(vs a 30 s preemption notice)"
     )
     print(
+        f"retention after each commit (delete the previous step, not in the save figure): "
+        f"{[round(x, 3) for x in retention]} s"
+    )
+    print(f"save ratios: {[round(x, 2) for x in save_ratio]}")
+    for mode, (loads, plain_r) in runs.items():
+        ratio = [p / s for s, p in zip(loads, plain_r, strict=True)]
+        print(f"load {mode} ratios: {[round(x, 2) for x in ratio]}")
+    print(
         f"raw s: save {[round(x, 3) for x in saves]}, plain write "
         f"{[round(x, 3) for x in plain_w]}, snapshot {[round(x, 3) for x in snaps]}"
     )
@@ -261,6 +294,7 @@ def main() -> None:
             f"raw s: load {mode} {[round(x, 3) for x in loads]}, plain read "
             f"{[round(x, 3) for x in plain_r]}"
         )
+    print(f"load average at end: {_loadavg()}")
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
 

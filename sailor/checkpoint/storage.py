@@ -1,9 +1,10 @@
 """Storage backends for checkpoints: a small interface, a local directory and fsspec (S3).
 
 The checkpoint code needs only whole-object semantics: write an object so that it appears
-complete or not at all, read it (or a byte range of it), list, stat, delete. Local files get
-that from write-to-temp + fsync + rename; object stores get it from PUT / multipart-complete.
-Paths are '/'-separated and relative to the backend's root.
+complete or not at all (or several at once, in parallel, all durable on return), read it or
+byte ranges of it through one open handle, list, stat, delete. Local files get that from
+write-to-temp + fsync + rename; object stores get it from PUT / multipart-complete and ranged
+GETs. Paths are '/'-separated and relative to the backend's root.
 
 This module must never interpret checkpoint contents; it moves bytes.
 """
@@ -14,15 +15,30 @@ import contextlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from sailor.checkpoint.errors import StorageError
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+__all__ = ["FsspecStorage", "LocalStorage", "RangeReader", "Storage", "open_storage"]
 
 Chunk = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class RangeReader(Protocol):
+    """One object opened for range reads; ``read_into`` may be called from several threads."""
+
+    size: int
+    """Bytes of the object when it was opened."""
+
+    def read_into(self, buf: memoryview, start: int) -> int:
+        """Fill ``buf`` from byte ``start``; returns bytes read (short at the end)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -39,8 +55,20 @@ class Storage(Protocol):
         """Read ``length`` bytes from ``start`` (all to the end if None)."""
         ...
 
+    def write_all(
+        self, objects: Sequence[tuple[str, Iterable[Chunk]]], *, workers: int = 4
+    ) -> list[int]:
+        """Write several objects, up to ``workers`` at a time (each object's chunks are
+        consumed on one thread). Each appears complete or not at all; all are durable when
+        this returns. If it raises, some objects may exist, none torn. Returns bytes of each."""
+        ...
+
     def read_into(self, path: str, buf: memoryview, start: int = 0) -> int:
         """Fill ``buf`` from ``start``; returns bytes read (short if the object is shorter)."""
+        ...
+
+    def open_read(self, path: str) -> RangeReader:
+        """Open an object for many range reads; FileNotFoundError if absent."""
         ...
 
     def size(self, path: str) -> int:
@@ -87,7 +115,7 @@ class LocalStorage:
         try:
             with tmp.open("wb", buffering=0) as f:
                 for c in chunks:
-                    n += f.write(c)
+                    n += _write_fully(f, c)
                 if self.fsync:
                     os.fsync(f.fileno())
             tmp.replace(dst)
@@ -98,6 +126,56 @@ class LocalStorage:
                 tmp.unlink()
             raise StorageError(f"cannot write {dst}: {exc}", retryable=True) from exc
         return n
+
+    def write_all(
+        self, objects: Sequence[tuple[str, Iterable[Chunk]]], *, workers: int = 4
+    ) -> list[int]:
+        # Temp files written and fsync'd on parallel threads (the page-cache copies, the
+        # callers' chunk generators and the flushes overlap), then renamed, then each
+        # directory fsync'd once, instead of a write-fsync-rename-fsync round per file.
+        # 8 files of 37 MB: 0.26 s one after the other with an fsync each, 0.18-0.24 s this
+        # way; one plain 0.3 GB file: 0.18-0.22 s (this VM's ext4 disk, same run).
+        todo = [(self._p(path), chunks) for path, chunks in objects]
+        tmps: list[Path | None] = [None] * len(todo)
+
+        def one(i: int) -> int:
+            dst, chunks = todo[i]
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+            tmps[i] = tmp
+            try:
+                with tmp.open("wb", buffering=0) as f:
+                    n = sum(_write_fully(f, c) for c in chunks)
+                    if self.fsync:
+                        os.fsync(f.fileno())
+            except OSError as exc:
+                raise StorageError(f"cannot write {dst}: {exc}", retryable=True) from exc
+            return n
+
+        try:
+            with ThreadPoolExecutor(max(1, min(workers, len(todo))), "ckpt-write") as pool:
+                sizes = list(pool.map(one, range(len(todo))))
+            for i, (dst, _chunks) in enumerate(todo):
+                tmp, tmps[i] = tmps[i], None
+                if tmp is not None:
+                    try:
+                        tmp.replace(dst)
+                    except OSError as exc:
+                        tmps[i] = tmp
+                        raise StorageError(f"cannot write {dst}: {exc}", retryable=True) from exc
+        except BaseException:
+            for tmp in tmps:
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+            raise
+        if self.fsync:
+            for d in sorted({dst.parent for dst, _c in todo}):
+                _fsync_dir(d)
+        return sizes
+
+    def open_read(self, path: str) -> RangeReader:
+        return _LocalReader(self._p(path))
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         with self._p(path).open("rb") as f:
@@ -145,6 +223,28 @@ class LocalStorage:
                 p.unlink()
 
 
+class _LocalReader:
+    """One file descriptor; positional reads (``preadv``) so threads can share it."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def read_into(self, buf: memoryview, start: int) -> int:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self._fd, [buf[got:]], start + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class FsspecStorage:
     """Any fsspec file system, e.g. ``s3://bucket/prefix`` through s3fs.
 
@@ -181,6 +281,17 @@ class FsspecStorage:
         except (OSError, ValueError) as exc:
             raise StorageError(f"cannot write {self.url}/{path}: {exc}", retryable=True) from exc
         return n
+
+    def write_all(
+        self, objects: Sequence[tuple[str, Iterable[Chunk]]], *, workers: int = 4
+    ) -> list[int]:
+        # Each object is its own PUT (visible only when complete), so parallel uploads need
+        # nothing more; durable once the store acknowledged them.
+        with ThreadPoolExecutor(max(1, min(workers, len(objects))), "ckpt-put") as pool:
+            return list(pool.map(lambda o: self.write(o[0], o[1]), objects))
+
+    def open_read(self, path: str) -> RangeReader:
+        return _FsspecReader(self, path, self.size(path))
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         end = None if length is None else start + length
@@ -227,6 +338,25 @@ class FsspecStorage:
         self.fs.invalidate_cache()
 
 
+class _FsspecReader:
+    """Range reads of one object: each ``read_into`` is one ranged GET (``Range: bytes=a-b``),
+    issued concurrently when called from several threads; the size is taken once (HEAD)."""
+
+    def __init__(self, storage: FsspecStorage, path: str, size: int) -> None:
+        self._storage = storage
+        self._path = path
+        self.size = size
+
+    def read_into(self, buf: memoryview, start: int) -> int:
+        n = max(0, min(len(buf), self.size - start))
+        if n == 0:
+            return 0
+        return self._storage.read_into(self._path, buf[:n], start)
+
+    def close(self) -> None:
+        pass
+
+
 def open_storage(url: str | Path, **options: Any) -> Storage:
     """A backend for a plain path / file:// URL (local) or any other fsspec URL."""
     s = str(url)
@@ -235,6 +365,15 @@ def open_storage(url: str | Path, **options: Any) -> Storage:
     if "://" not in s:
         return LocalStorage(s, **options)
     return FsspecStorage(s, **options)
+
+
+def _write_fully(f: Any, c: Chunk) -> int:
+    # An unbuffered write may be short (Linux caps one write at 2 GiB - 4 KiB): loop.
+    mv = memoryview(c).cast("B")
+    done = 0
+    while done < len(mv):
+        done += f.write(mv[done:])
+    return done
 
 
 def _fsync_dir(d: Path) -> None:

@@ -1,15 +1,17 @@
 """Persisting shards and committing a checkpoint: the write half of the I/O shell.
 
 Order of a save (each step durable before the next starts):
-1. every writer rank writes its layer files (``persist_layers``), then its part file;
+1. every writer rank writes its layer files (``persist_layers``, several at once), makes them
+   durable, then writes its part file;
 2. the committer waits for a part from every writer rank, assembles the manifest, writes it;
 3. the committer writes the commit marker (manifest size + SHA-256): the checkpoint exists;
 4. only then does retention delete older checkpoints and debris.
 
 A crash before 3 leaves a step directory without a marker: invisible to readers, collected by
-gc. Each tensor is put in its stored layout and hashed per block (``blocks.py``) on a helper
-thread while the previous tensor is written (torch copies, hashing and file writes all release
-the GIL), so checksums cost almost no extra wall time.
+gc. Layer files are written on parallel threads; on each, a tensor is put in its stored layout
+(into a reused buffer) and hashed per block (``blocks.py``) just before it is written, so the
+copies and checksums of one file overlap the writes of the others (torch copies and file
+writes release the GIL; xxhash holds it, at ~10 GB/s).
 
 Never holds locks across ranks or calls torch.distributed: the commit rendezvous goes through
 the storage itself, so it also works from a background thread.
@@ -21,7 +23,6 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from sailor.checkpoint.blocks import (
     rows_of,
     tensor_digest,
 )
+from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import CheckpointError
 from sailor.checkpoint.format import (
     MANIFEST,
@@ -56,7 +58,7 @@ from sailor.schemas.checkpoint import (
     TensorKind,
 )
 
-__all__ = ["commit", "persist_layer", "persist_layers", "save_full", "tensor_bytes"]
+__all__ = ["WRITE_WORKERS", "commit", "persist_layers", "save_full", "tensor_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -65,53 +67,27 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """One tensor in its stored layout, with its block digests."""
-
-    data: memoryview
-    major_dim: int
-    block_rows: int
-    blocks: list[str]
+WRITE_WORKERS = 4
+"""Layer files written at once. 4 threads writing 8 files of 37 MB with an fsync each took
+0.18-0.24 s here vs 0.26 s one file after the other (and 0.18-0.22 s for one plain 0.3 GB
+file, same run); beyond the disk's queue more threads only add page-cache contention."""
 
 
-def _prepare(t: torch.Tensor, major_dim: int, algorithm: str) -> _Prepared:
-    """Stored layout (TP dim first: one transposed copy if that dim is not 0) and digests.
+@dataclass
+class _Layer:
+    """One layer file being written: its tensors in file order and, once written, entries."""
 
-    Runs on the helper thread: torch's copy and both hashes release the GIL.
-    """
-    stored = t.detach().movedim(major_dim, 0) if major_dim else t.detach()
-    data = tensor_bytes(stored)
-    rows = rows_of(tuple(t.shape), major_dim)
-    br = block_rows_for(tuple(t.shape), major_dim, len(data))
-    row_bytes = len(data) // rows if rows else 0
-    return _Prepared(data, major_dim, br, block_digests(algorithm, data, rows, row_bytes, br))
+    layer: int
+    path: str
+    items: list[tuple[str, TensorKind, torch.Tensor, int | None]]
+    entries: list[TensorEntry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _n, _k, t, _d in self.items)
 
 
-def persist_layer(
-    storage: Storage,
-    step: int,
-    save_id: str,
-    layer: int,
-    params: Mapping[str, ParamState],
-    *,
-    rank: int = -1,
-    hasher: ThreadPoolExecutor | None = None,
-    before_write: Callable[[str], None] | None = None,
-    checksum: str | None = None,
-) -> ShardEntry:
-    """Write every full tensor of one layer to one file; return its entry for the manifest.
-
-    ``params`` maps parameter names (without the layer prefix) to full, CPU tensors. Each is
-    written in its stored layout (``blocks.py``) with per-block digests of ``checksum``
-    (default: the fastest available). The next tensor is prepared (transposed if needed,
-    hashed) on the helper thread while the current one is written.
-    ``before_write`` is a test hook called with the shard path.
-    """
-    algorithm = checksum or default_algorithm()
-    own_pool = hasher is None
-    pool = hasher or ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
-    path = f"{step_dir(step)}/{shard_name(layer, save_id)}"
+def _layer_of(layer: int, path: str, params: Mapping[str, ParamState]) -> _Layer:
     items: list[tuple[str, TensorKind, torch.Tensor, int | None]] = []
     for pname in sorted(params):
         p = params[pname]
@@ -120,54 +96,66 @@ def persist_layer(
             if t.device.type != "cpu":
                 raise CheckpointError(f"{layer}.{pname}.{kind} is on {t.device}, not CPU")
             items.append((pname, kind, t, p.tp_dim))
-    entries: list[TensorEntry] = []
+    return _Layer(layer, path, items, [])
 
-    def chunks() -> Iterator[memoryview]:
-        futures = [pool.submit(_prepare, t, dim or 0, algorithm) for _n, _k, t, dim in items[:2]]
+
+def _stored(t: torch.Tensor, major_dim: int, scratch: torch.Tensor | None) -> memoryview:
+    """The bytes of ``t`` in its stored layout (TP dim first), transposed into ``scratch``
+    (at least ``t``'s size) if the major dim is not 0."""
+    if not major_dim:
+        return tensor_bytes(t)
+    src = t.detach().movedim(major_dim, 0)
+    if scratch is None:
+        return tensor_bytes(src)
+    nbytes = t.numel() * t.element_size()
+    dst = scratch[:nbytes].view(t.dtype).view(src.shape)
+    dst.copy_(src)
+    return tensor_bytes(dst)
+
+
+def _chunks(lay: _Layer, algorithm: str, scratch: ScratchPool) -> Iterator[memoryview]:
+    """The bytes of one layer file, tensor by tensor, each put in its stored layout and
+    block-hashed just before it is written (on the storage's writer thread for this file);
+    fills ``lay.entries``."""
+    buf: torch.Tensor | None = None
+    try:
         offset = 0
-        for i, (pname, kind, t, tp_dim) in enumerate(items):
-            prep = futures[i].result()
-            if i + 2 < len(items):
-                _n, _k, t2, d2 = items[i + 2]
-                futures.append(pool.submit(_prepare, t2, d2 or 0, algorithm))
-            entries.append(
+        for pname, kind, t, tp_dim in lay.items:
+            major = tp_dim or 0
+            nbytes = t.numel() * t.element_size()
+            if major and (buf is None or buf.numel() < nbytes):
+                if buf is not None:
+                    scratch.give(buf)
+                buf = None  # not handed back twice if take raises
+                buf = scratch.take(nbytes)
+            data = _stored(t, major, buf if major else None)
+            shape = tuple(t.shape)
+            rows = rows_of(shape, major)
+            br = block_rows_for(shape, major, len(data))
+            row_bytes = len(data) // rows if rows else 0
+            blocks = block_digests(algorithm, data, rows, row_bytes, br)
+            lay.entries.append(
                 TensorEntry(
-                    name=f"{layer}.{pname}.{kind}",
-                    layer=layer,
+                    name=f"{lay.layer}.{pname}.{kind}",
+                    layer=lay.layer,
                     param=pname,
                     kind=kind,
-                    shape=tuple(t.shape),
+                    shape=shape,
                     dtype=str(t.dtype).removeprefix("torch."),
                     tp_dim=tp_dim,
                     offset=offset,
-                    nbytes=len(prep.data),
-                    sha256=tensor_digest(prep.blocks),
-                    major_dim=prep.major_dim,
-                    block_rows=prep.block_rows,
-                    blocks=tuple(prep.blocks),
+                    nbytes=len(data),
+                    sha256=tensor_digest(blocks),
+                    major_dim=major,
+                    block_rows=br,
+                    blocks=tuple(blocks),
                 )
             )
-            offset += len(prep.data)
-            yield prep.data
-
-    try:
-        if before_write is not None:
-            before_write(path)
-        size = storage.write(path, chunks())
+            offset += len(data)
+            yield data
     finally:
-        if own_pool:
-            pool.shutdown(wait=True)
-    if len(entries) != len(items):
-        raise CheckpointError(f"{path}: storage consumed {len(entries)} of {len(items)} tensors")
-    return ShardEntry(
-        path=shard_name(layer, save_id),
-        size=size,
-        sha256=merkle_root(e.sha256 for e in entries),
-        checksum=algorithm,
-        layers=(layer,),
-        tensors=tuple(entries),
-        writer_rank=rank,
-    )
+        if buf is not None:
+            scratch.give(buf)
 
 
 def persist_layers(
@@ -177,35 +165,59 @@ def persist_layers(
     by_layer: Mapping[int, Mapping[str, ParamState]],
     *,
     rank: int = 0,
-    before_write: Callable[[str], None] | None = None,
     checksum: str | None = None,
+    workers: int = WRITE_WORKERS,
+    scratch: ScratchPool | None = None,
 ) -> ShardPart:
-    """Write this rank's layers, then its part file (the signal to the committer)."""
+    """Write this rank's layers, one file each, then its part file (the committer's signal).
+
+    The layer files are written ``workers`` at a time (largest first) and are all durable
+    (fsync'd, renamed, directory fsync'd: ``Storage.write_all``) before the part file is
+    written, so the committer never names a shard that a crash could still lose. Each tensor
+    is stored with its TP dim first and per-block digests of ``checksum`` (default: the
+    fastest available; ``blocks.py``). ``scratch`` keeps the transposing copies' buffers
+    between saves (the ``Checkpointer`` passes its own).
+    """
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
-        shards = tuple(
-            persist_layer(
-                storage,
-                step,
-                save_id,
-                layer,
-                by_layer[layer],
-                rank=rank,
-                hasher=pool,
-                before_write=before_write,
-                checksum=checksum,
+    algorithm = checksum or default_algorithm()
+    pool = scratch if scratch is not None else ScratchPool()
+    d = step_dir(step)
+    layers = [
+        _layer_of(layer, f"{d}/{shard_name(layer, save_id)}", by_layer[layer])
+        for layer in sorted(by_layer)
+    ]
+    order = sorted(layers, key=lambda lay: -lay.nbytes)
+    sizes = storage.write_all(
+        [(lay.path, _chunks(lay, algorithm, pool)) for lay in order], workers=workers
+    )
+    size_of = {lay.layer: n for lay, n in zip(order, sizes, strict=True)}
+    shards = []
+    for lay in layers:
+        if len(lay.entries) != len(lay.items):
+            raise CheckpointError(
+                f"{storage.url}/{lay.path}: storage consumed {len(lay.entries)} of "
+                f"{len(lay.items)} tensors"
             )
-            for layer in sorted(by_layer)
+        shards.append(
+            ShardEntry(
+                path=shard_name(lay.layer, save_id),
+                size=size_of[lay.layer],
+                sha256=merkle_root(e.sha256 for e in lay.entries),
+                checksum=algorithm,
+                layers=(lay.layer,),
+                tensors=tuple(lay.entries),
+                writer_rank=rank,
+            )
         )
     part = ShardPart(
         save_id=save_id,
         step=step,
         rank=rank,
-        shards=shards,
+        shards=tuple(shards),
         persist_s=time.perf_counter() - t0,
     )
     data = part.model_dump_json().encode()
-    storage.write(f"{step_dir(step)}/{part_name(save_id, rank)}", [data])
+    storage.write(f"{d}/{part_name(save_id, rank)}", [data])
     return part
 
 

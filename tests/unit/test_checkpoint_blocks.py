@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint import blocks as blocks_mod
+from sailor.checkpoint import fetch as fetch_mod
+from sailor.checkpoint import reader as reader_mod
 from sailor.checkpoint.blocks import (
     MAX_BLOCKS,
     MIN_BLOCK_BYTES,
@@ -36,6 +39,7 @@ from sailor.checkpoint.blocks import (
     default_algorithm,
     plan_read,
 )
+from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.format import MANIFEST, MARKER, step_dir
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.checkpoint import TENSOR_KINDS
@@ -286,3 +290,82 @@ def test_checkpointer_reuses_its_snapshot_buffers(tmp_path: Path) -> None:
     assert torch.equal(got.params["0.row"].weight, saved)
     assert torch.equal(got.params["0.col"].exp_avg, _state()["0.col"].exp_avg + 1.0)
     assert verify(LocalStorage(tmp_path), 1) == [] and verify(LocalStorage(tmp_path), 2) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["fresh", "into", "into-strided"])
+def test_chunked_reads_give_the_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, mode: str
+) -> None:
+    """Many chunks per tensor (one 256 KB block each) and the transposing copy cut into 16 KB
+    pieces: every slice still equals the full tensor's, into fresh tensors, contiguous
+    destinations and strided ones, with and without a ``tp_dims`` override."""
+    monkeypatch.setattr(fetch_mod, "READ_CHUNK", 1)  # one block per read
+    monkeypatch.setattr(reader_mod, "_TRANSPOSE_BYTES", 16 << 10)
+    _save(tmp_path)
+    full = _state()
+    # 64 does not split 3 ways: then col/row are read whole (override to None); with TP 2
+    # and 4, "row" is cut along dim 0 instead of its stored dim 1 (override, not ranged).
+    dims: dict[str, int | None] = (
+        {"0.col": None, "0.row": None} if tp == 3 else {"0.row": 0} if tp in (2, 4) else {}
+    )
+    for r in range(tp):
+        into = None
+        if mode != "fresh":
+            into = {}
+            for key, p in full.items():
+                dim = dims.get(key, p.tp_dim)
+                shape = tp_slice(p.weight, dim, r, tp).shape
+                if mode == "into":
+                    ts = [torch.zeros(*shape) for _ in KINDS]
+                else:  # every other column of a wider tensor: not contiguous
+                    ts = [torch.zeros(*shape[:-1], shape[-1] * 2)[..., ::2] for _ in KINDS]
+                into[key] = ParamState(*ts, tp_dim=dim)
+        got = load(LocalStorage(tmp_path), [0], tp_rank=r, tp_size=tp, tp_dims=dims, into=into)
+        for key, p in got.params.items():
+            dim = dims.get(key, full[key].tp_dim)
+            for k in KINDS:
+                want = tp_slice(full[key].tensor(k), dim, r, tp)
+                assert torch.equal(p.tensor(k), want), (key, k, r)
+                if into is not None:
+                    assert p.tensor(k) is into[key].tensor(k)
+
+
+def test_chunked_read_names_the_bad_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetch_mod, "READ_CHUNK", 1)
+    _save(tmp_path)
+    shard = read_manifest(LocalStorage(tmp_path), 1).shards[0]
+    row = next(t for t in shard.tensors if t.name == "0.row.exp_avg")
+    block_bytes = row.nbytes // len(row.blocks)
+    _flip(_shard_path(tmp_path), row.offset + 3 * block_bytes + 5)  # block 3: TP rank 1 of 2
+    got = load(LocalStorage(tmp_path), [0], tp_rank=0, tp_size=2)  # does not read it
+    assert torch.equal(got.params["0.row"].exp_avg, tp_slice(_state()["0.row"].exp_avg, 1, 0, 2))
+    for tp_rank, tp_size in [(1, 2), (0, 1)]:
+        with pytest.raises(CorruptCheckpointError, match=rf"{shard.path}.*0\.row\.exp_avg block 3"):
+            load(LocalStorage(tmp_path), [0], tp_rank=tp_rank, tp_size=tp_size)
+
+
+def test_scratch_pool_reuses_and_bounds() -> None:
+    pool = ScratchPool(limit=2)
+    a = pool.take(100)
+    b = pool.take(50)
+    pool.give(a)
+    assert pool.take(80) is a  # the smallest that fits
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(10) is b
+    c = pool.take(1000)  # none of the free ones fits: a is dropped, a new one allocated
+    assert c.numel() == 1000 and pool.held_bytes == 0
+    taken = threading.Event()
+
+    def third() -> None:
+        pool.give(pool.take(1))
+        taken.set()
+
+    th = threading.Thread(target=third)
+    th.start()
+    assert not taken.wait(0.05)  # two out: the third taker waits
+    pool.give(c)
+    assert taken.wait(5)
+    th.join()
+    pool.give(b)

@@ -1,7 +1,7 @@
 """SIGKILL the writer at random points of a save: the last commit survives; gc sweeps debris.
 
 A child process saves step 2 over a committed step 1 and kills itself (SIGKILL, no cleanup)
-inside its k-th storage write, either before the write starts or after its first chunk
+inside its k-th object written, either before the write starts or after its first chunk
 (k and the moment drawn from a seeded RNG: inside a shard, between shards, after the part,
 before the marker, inside the marker). Another child saves continuously with retention while
 the parent kills it after a random delay. After every kill: the newest committed checkpoint
@@ -42,19 +42,25 @@ from sailor.checkpoint import LocalStorage, ParamState, TrainingGlobals, save_fu
 
 root, kill_at, when, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "loop"
 
+# Counts objects written (each object of a write_all counts, in order) and kills the process
+# before the kill_at-th one starts or after its first chunk.
 class Killing(LocalStorage):
     calls = 0
-    def write(self, path, chunks):
+    def _wrap(self, chunks):
         k = Killing.calls
         Killing.calls += 1
-        if k == kill_at and when == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
         def gen():
+            if k == kill_at and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
             for i, c in enumerate(chunks):
                 yield c
                 if k == kill_at and i == 0:
                     os.kill(os.getpid(), signal.SIGKILL)
-        return super().write(path, gen())
+        return gen()
+    def write(self, path, chunks):
+        return super().write(path, self._wrap(chunks))
+    def write_all(self, objects, **kw):
+        return super().write_all([(p, self._wrap(c)) for p, c in objects], **kw)
 
 g = torch.Generator().manual_seed(3)
 state = {
@@ -97,7 +103,8 @@ def _check_recoverable(root: Path, at_least: int) -> None:
         assert verify(s, stp) == []
 
 
-# Writes of one save: LAYERS shards, one part, one manifest, one marker.
+# Objects of one save: LAYERS shards (written in parallel, so the others are mid-write too),
+# one part, one manifest, one marker.
 # Always the riskiest two (inside the manifest, inside the marker), plus a seeded random sample.
 _ALL = [(k, w) for k in range(LAYERS + 3) for w in ("before", "after")]
 _RISKY = [(LAYERS + 1, "after"), (LAYERS + 2, "after")]

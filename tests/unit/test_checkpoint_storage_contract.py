@@ -8,6 +8,7 @@ trip (save, commit, list, load resharded, verify, detect corruption, gc) on the 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,46 @@ def test_failed_write_leaves_nothing_visible(storage: Storage) -> None:
         storage.write("d/obj", chunks())
     assert not storage.exists("d/obj")
     assert [p for p in storage.walk("d") if p.endswith("obj")] == []
+
+
+def test_write_all_and_ranged_reads(storage: Storage) -> None:
+    blobs = {f"w/obj{i}": bytes(range(256)) * (i + 1) * 64 for i in range(5)}
+    sizes = storage.write_all([(p, [b[:100], memoryview(b)[100:]]) for p, b in blobs.items()])
+    assert sizes == [len(b) for b in blobs.values()]
+    assert storage.walk("w") == sorted(blobs)
+    reader = storage.open_read("w/obj4")
+    try:
+        data = blobs["w/obj4"]
+        assert reader.size == len(data)
+        # Ranges read concurrently through one handle, the last one short.
+        starts = list(range(0, len(data), 4000))
+        bufs = [bytearray(4096) for _ in starts]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(
+                pool.map(
+                    lambda i: reader.read_into(memoryview(bufs[i]), starts[i]), range(len(starts))
+                )
+            )
+        for start, buf, n in zip(starts, bufs, got, strict=True):
+            assert n == min(4096, len(data) - start)
+            assert bytes(buf[:n]) == data[start : start + n]
+    finally:
+        reader.close()
+    with pytest.raises(FileNotFoundError):
+        storage.open_read("w/missing")
+
+
+def test_failed_write_all_leaves_that_object_invisible(storage: Storage) -> None:
+    def bad() -> Iterator[bytes]:
+        yield b"partial" * 1000
+        raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError):
+        storage.write_all([("f/good", [b"fine"]), ("f/bad", bad())])
+    assert not storage.exists("f/bad")
+    # Nothing torn is visible: whatever exists under f/ is a complete object.
+    for path in storage.walk("f"):
+        assert path == "f/good" and storage.read(path) == b"fine"
 
 
 def _state(seed: int) -> dict[str, ParamState]:
