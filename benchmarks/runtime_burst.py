@@ -164,6 +164,7 @@ async def scenario(tmp: Path, nats: str, etcd: str) -> dict[str, Any]:
         await asyncio.sleep(0.5)
         handled.clear()  # the setup's join events
         before = dict(ctl.event_counts)
+        batches_before, fsyncs_before = ctl.event_batches, ctl.audit.fsyncs
         burst = await sim.call("burst", timeout=DRAIN_TIMEOUT_S)
         expected = len(burst["sent"]) + len(burst["late"])
         loop = asyncio.get_running_loop()
@@ -186,6 +187,8 @@ async def scenario(tmp: Path, nats: str, etcd: str) -> dict[str, Any]:
             "unacked": unacked,
             "audit": read_records([tmp / f"audit-{job}.jsonl"]),
             "decisions": ctl.decisions,
+            "batches": ctl.event_batches - batches_before,
+            "fsyncs": ctl.audit.fsyncs - fsyncs_before,
         }
     finally:
         if ctl is not None and task is not None:
@@ -237,7 +240,16 @@ def report(r: dict[str, Any]) -> None:
         f"{len(applied_twice)}; retries stored by JetStream {b['retried_stored']}"
     )
     print(f"durable consumer at the end: pending {r['pending']}, ack pending {r['unacked']}")
-    print(f"controller reconcile passes during the run: {r['decisions']}")
+    print(
+        f"controller reconcile passes during the run: {r['decisions']}; event batches "
+        f"{r['batches']} ({len(r['handled']) / max(r['batches'], 1):.0f} events each); "
+        f"audit fsyncs {r['fsyncs']}"
+    )
+    plans = [x for x in r["audit"] if x["kind"] == "plan"]
+    print(
+        f"plans computed during the run: {len(plans)}, "
+        f"{sum(float(x.get('planning_s', 0)) for x in plans):.1f} s in the planner"
+    )
     first = {}
     for eid, outcome, rx, done in r["handled"]:
         key = (eid, outcome == "duplicate")

@@ -32,9 +32,11 @@ thread). Coordination overhead = (received → plan) − planner. ``agent → pl
 the simulated agent's first action (for a join, the etcd registration that the controller's
 100 ms revision poll may see before the event arrives). Controller knobs as in
 runtime_reconfig.py: debounce 50 ms (it is inside the overhead, once per event), revision
-poll 100 ms; the planner runs in its warm worker process (``planner_process``).
-``--baseline`` adds, per size, a run with the planner in a thread (``planner_process:
-false``) in the same session, for comparison.
+poll 100 ms; the planner runs in a thread (``planner_process: false``, the default).
+``--baseline`` adds, per size, a run with the planner in its warm worker process
+(``planner_process: true``) in the same session, for comparison. ``--profile FILE``
+writes a cProfile of the controller's process (its event-loop thread) per size. Each size
+starts measuring once the controller has handled the setup's join events.
 Target (issue 7): ≤ 200 ms at 512 nodes. Prints; asserts nothing.
 
 Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]``

@@ -6,7 +6,8 @@ Setup: a real nats-server and etcd, one controller (``sailor.planner``), two age
 baseline of a kill-and-restart measured in the same run); n2 joins (join → replan → resume);
 n1 gets a preemption notice with a 30 s deadline (→ checkpoint → resume on n2).
 
-For each reconfiguration: downtime = event received by the controller → RUNNING (the first
+For each reconfiguration: downtime = event received by the controller (or its first phase change,
+if its watch saw the etcd change first) → RUNNING (the first
 step of the new layout done on every node), and the time spent in each phase, read from
 the controller's audit log. Anchors (issue 7): target ≤ 10 s; torchrun's kill-and-restart
 takes 30 s or more; the original Sailor waits a 30 s grace period. Prints; asserts nothing.
@@ -125,8 +126,11 @@ def _split(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last_phase = ""
     for r in recs:
         wakes = r["kind"] == "event" and r.get("event_kind") in _CAUSES
-        if wakes and (cur is None or "running" in cur):
-            cause = "first launch" if cur is None else r["event_kind"]
+        # The controller may act on the etcd change (the node's registration, seen by its
+        # watch) before it handles the event: a row starts at whichever comes first.
+        leaves = r["kind"] == "phase" and r.get("phase") in ("launch", "quiesce", "teardown")
+        if (wakes or leaves) and (cur is None or "running" in cur):
+            cause = "first launch" if cur is None else r.get("event_kind") or r.get("cause")
             cur = {"cause": cause, "t0": r["time"], "phases": {}}
             last_t, last_phase = r["time"], "decide"
         if r["kind"] != "phase" or cur is None:

@@ -12,6 +12,8 @@ at the end of every reconcile pass — so nothing it acknowledged or did is miss
 crash, while one fsync covers a whole batch. The fsync runs in a worker thread: a per-record
 fsync on the event loop was 7.6 s of a 20 s run at 512 nodes (1.2 ms each, 6,173 records;
 ``benchmarks/runtime_decision_latency.py --profile``) and capped event handling at ~580/s.
+The thread is the log's own, not asyncio's shared default executor: there an fsync queued
+for 6 s behind the in-process agents' blocking calls (``benchmarks/runtime_reconfig.py``).
 ``write(..., sync=True)`` keeps the old fsync-before-return for the rare records written
 outside a pass (leadership changes).
 
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,7 @@ class AuditLog:
         self._synced = 0  # of them, known fsynced
         self._syncing: asyncio.Task[None] | None = None
         self.fsyncs = 0  # measurement: how many fsyncs the records took
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="audit-fsync")
 
     def write(self, kind: str, time: float, sync: bool = False, **fields: Any) -> None:
         """Append one record; with ``sync``, fsync it (and all before it) before returning."""
@@ -100,7 +104,7 @@ class AuditLog:
         # a duplicate of the descriptor: a rotation on the loop thread may close the original
         fd = os.dup(self._fh.fileno())
         try:
-            await asyncio.to_thread(os.fsync, fd)
+            await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, fd)
         finally:
             os.close(fd)
         self.fsyncs += 1
@@ -117,6 +121,7 @@ class AuditLog:
         self._fh = self.path.open("ab")
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         with contextlib.suppress(OSError, ValueError):
             self.sync()
         with contextlib.suppress(OSError):

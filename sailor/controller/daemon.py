@@ -90,6 +90,7 @@ class Controller:
         # received time, handled time). Bounded: a Counter of three keys; no per-event memory.
         self.event_counts: collections.Counter[str] = collections.Counter()
         self.on_event: Callable[[str, str, float, float], None] | None = None
+        self.event_batches = 0  # fetched batches that held events (one fsync each)
 
     def wake(self, urgent: bool = False) -> None:
         self._urgent = self._urgent or urgent
@@ -286,6 +287,7 @@ class Controller:
                 _log.warning("event_fetch_retry", error=str(exc))
                 await self.clock.sleep(0.3)
                 continue
+            self.event_batches += 1 if batch else 0
             handled = []
             for d in batch:
                 try:

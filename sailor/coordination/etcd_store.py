@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 import aetcd
@@ -188,16 +188,21 @@ class EtcdStore:
 
     async def watch_prefix(
         self, prefix: str, start_revision: int
-    ) -> AsyncIterator[tuple[str, KeyValue | None, int]]:
+    ) -> AsyncGenerator[tuple[str, KeyValue | None, int], None]:
         """Changes under ``prefix`` from ``start_revision`` on, in order: (key, kv or None
         for a delete, revision). Ends by raising TemporaryError when the watch breaks (or a
         compaction removed revisions it needed); the caller re-reads and watches again. A
         stream that stops silently (aetcd does not report every etcd restart) is the caller's
         to notice, e.g. with ``prefix_fingerprint``.
         """
-        watch = await self.call(
-            self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
-        )
+        # Not under ``call``'s wait_for: cancelling a watch while aetcd creates it lets the
+        # server's reply be matched to the *next* watch created on the shared stream (seen
+        # under load: a mirror of ckpt/ received status/ keys). aetcd bounds the creation
+        # with the client timeout itself (WatchTimeoutError).
+        try:
+            watch = await self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
+        except Exception as exc:
+            raise self._convert(exc) from exc
         try:
             async for ev in watch:
                 key = ev.kv.key.decode()

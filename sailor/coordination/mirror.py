@@ -15,8 +15,12 @@ What can go wrong, and what the mirror does:
 - the watch stops silently (aetcd does not report every broken stream): ``check()``, called
   periodically by the owner, compares the copy's (key count, highest mod revision) with the
   server's (``EtcdStore.prefix_fingerprint``, one small range call). The two differ whenever
-  the copy missed a change; if they still differ at the next check and no delta arrived in
-  between, the mirror resyncs.
+  the copy missed a change; if they keep differing for ``stale_after_s`` with no delta
+  arriving, the mirror resyncs. Not sooner: etcd feeds a watcher that fell behind in
+  catch-up rounds every 100 ms, and in the 10,000-event burst (benchmarks/runtime_burst.py)
+  a two-polls rule re-read healthy but lagging prefixes dozens of times;
+- a delta for a key outside the prefix (a watch reply matched to the wrong watch, an aetcd
+  race on a shared stream) is never applied: the watch is treated as broken.
 
 Readers take ``changed()``: the keys that changed since their last call (``None`` before
 the first read: everything). Never writes to etcd.
@@ -49,18 +53,21 @@ class PrefixMirror:
         prefix: str,
         on_change: Callable[[], None] | None = None,
         retry_s: float = 0.2,
+        stale_after_s: float = 1.0,
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.on_change = on_change
         self.retry_s = retry_s
+        self.stale_after_s = stale_after_s
         self.revision = 0
         self.resyncs = 0  # measurement: full re-reads after the first
         self.deltas = 0  # measurement: watch changes applied
         self._kvs: dict[str, KeyValue] = {}
         self._changed: set[str] = set()
-        self._suspect: tuple[int, int] | None = None
+        self._suspect_since: float | None = None
         self._deltas_at_suspect = -1
+        self._creating = False  # a watch is being created: not safe to cancel
         self._tasks = TaskSet(f"mirror:{prefix}")
         self._watch: asyncio.Task[None] | None = None
 
@@ -90,7 +97,7 @@ class PrefixMirror:
                 self._changed.add(key)
         self._kvs = fresh
         self.revision = rev
-        self._suspect = None
+        self._suspect_since = None
         if self.on_change is not None and self._changed:
             self.on_change()
 
@@ -114,16 +121,24 @@ class PrefixMirror:
                     self.resyncs += 1
                     await self._read()
                 first = False
-                async for key, kv, rev in self.store.watch_prefix(self.prefix, self.revision + 1):
+                self._creating = True
+                changes = self.store.watch_prefix(self.prefix, self.revision + 1)
+                async for key, kv, rev in changes:
+                    self._creating = False
+                    if not key.startswith(self.prefix):
+                        _log.warning("mirror_foreign_key", prefix=self.prefix, key=key)
+                        break
                     self._apply(key, kv, rev)
                     if self.on_change is not None:
                         self.on_change()
+                await changes.aclose()
             except TemporaryError as exc:
                 _log.info("mirror_watch_broken", prefix=self.prefix, error=str(exc))
+            self._creating = False
             await asyncio.sleep(self.retry_s)
 
     async def check(self) -> bool:
-        """Compare with the server; resync on a second mismatch with no delta between.
+        """Compare with the server; resync after ``stale_after_s`` of mismatch with no delta.
 
         Returns True if the copy agreed with the server (or the server could not be asked).
         """
@@ -133,20 +148,18 @@ class PrefixMirror:
             return True
         mine_top = max((kv.mod_revision for kv in self._kvs.values()), default=0)
         if (count, top) == (len(self._kvs), mine_top):
-            self._suspect = None
+            self._suspect_since = None
             return True
-        if self._suspect is not None and self.deltas == self._deltas_at_suspect:
-            _log.warning(
-                "mirror_stale",
-                prefix=self.prefix,
-                server=(count, top),
-                mirror=(len(self._kvs), mine_top),
-            )
-            self._suspect = None
-            await self._restart()
+        now = asyncio.get_running_loop().time()
+        if self._suspect_since is None or self.deltas != self._deltas_at_suspect:
+            self._suspect_since, self._deltas_at_suspect = now, self.deltas  # lag, so far
             return False
-        self._suspect = (count, top)
-        self._deltas_at_suspect = self.deltas
+        if now - self._suspect_since < self.stale_after_s or self._creating:
+            return False
+        mine = (len(self._kvs), mine_top)
+        _log.warning("mirror_stale", prefix=self.prefix, server=(count, top), mirror=mine)
+        self._suspect_since = None
+        await self._restart()
         return False
 
     async def _restart(self) -> None:

@@ -240,7 +240,7 @@ async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
 ) -> None:
     store = await connect_etcd(etcd_endpoint)
     woken: list[int] = []
-    m = PrefixMirror(store, "/mirror/", on_change=lambda: woken.append(1))
+    m = PrefixMirror(store, "/mirror/", on_change=lambda: woken.append(1), stale_after_s=0.0)
     try:
         await store.put("/mirror/a", b"1")
         await m.start()
