@@ -228,7 +228,11 @@ class _LocalReader:
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self._fd).st_size
+        try:
+            self.size = os.fstat(self._fd).st_size
+        except OSError:
+            os.close(self._fd)
+            raise
 
     def read_into(self, buf: memoryview, start: int) -> int:
         got = 0
