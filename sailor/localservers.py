@@ -252,6 +252,7 @@ def _run_async(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 
 def _apply_rbac(endpoint: str, pki: Path, ids: Identities) -> None:
+    from sailor.coordination.errors import TemporaryError
     from sailor.coordination.etcd_auth import apply_rbac
     from sailor.coordination.etcd_store import connect_etcd
     from sailor.coordination.keys import Keys
@@ -262,7 +263,17 @@ def _apply_rbac(endpoint: str, pki: Path, ids: Identities) -> None:
     )
 
     async def _go() -> None:
-        store = await connect_etcd(endpoint, op_timeout=10.0, security=admin)
+        # etcd accepts TCP a moment before its TLS listener completes handshakes (seen as
+        # "Handshake read failed" on a loaded machine): retry the first connection
+        end = time.monotonic() + 30.0
+        while True:
+            try:
+                store = await connect_etcd(endpoint, op_timeout=10.0, security=admin)
+                break
+            except TemporaryError:
+                if time.monotonic() > end:
+                    raise
+                await asyncio.sleep(0.2)
         try:
             await apply_rbac(store, plan)
         finally:

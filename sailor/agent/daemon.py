@@ -258,13 +258,7 @@ class Agent:
         try:
             cmd = CommandAdapter.validate_json(data)
         except ValidationError as exc:
-            return CommandAck(
-                command_id="?",
-                node_id=self.node.node_id,
-                accepted=False,
-                reason=f"malformed: {str(exc).splitlines()[0][:200]}",
-                epoch_seen=self.max_epoch,
-            )
+            return self._refuse("?", f"malformed: {str(exc).splitlines()[0][:200]}")
         if cmd.node_id != self.node.node_id:
             return self._refuse(cmd.command_id, f"addressed to {cmd.node_id}")
         if cmd.epoch < self.max_epoch:
@@ -302,6 +296,14 @@ class Agent:
         return await self._store.get(self.keys.desired)
 
     def _refuse(self, command_id: str, reason: str) -> CommandAck:
+        """The refusal ack, and a journal line: every refused command is on record twice."""
+        _log.warning(
+            "command_refused",
+            node=self.node.node_id,
+            command_id=command_id[:128],
+            reason=reason[:300],
+            epoch_seen=self.max_epoch,
+        )
         return CommandAck(
             command_id=command_id,
             node_id=self.node.node_id,

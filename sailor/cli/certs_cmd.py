@@ -78,9 +78,18 @@ def nats_config_cmd(
     listen: str = typer.Option("127.0.0.1:4222", "--listen", help="host:port to listen on."),
     store_dir: Path = typer.Option(Path("/var/lib/sailor/nats"), "--store-dir"),
     server: str = typer.Option("nats", "--server", help="Name of the server certificate."),
+    authorization_only: bool = typer.Option(
+        False,
+        "--authorization-only",
+        help="Write only DIR/nats-authorization.conf (users and permissions), which "
+        "deploy/config/nats-server.conf includes.",
+    ),
 ) -> None:
     """Write DIR/nats-server.conf: TLS, JetStream, users and permissions (mode 0600)."""
-    typer.echo(f"written: {write_nats_config(directory, job, listen, store_dir, server)}")
+    path = write_nats_config(
+        directory, job, listen, store_dir, server, authorization_only=authorization_only
+    )
+    typer.echo(f"written: {path}")
 
 
 @certs_app.command("etcd-flags")

@@ -162,10 +162,22 @@ def test_nats_config_is_valid(tmp_path: Path) -> None:
     nats = VENV / "bin" / "nats-server"
     if not nats.is_file():
         pytest.skip("nats-server not installed (make install-servers)")
+    from sailor.coordination.security.certs import CertKind
+    from sailor.coordination.security.pki import Role, init_ca, issue_cert, write_nats_config
+
     conf = (ROOT / "deploy/config/nats-server.conf").read_text()
     assert 'store_dir: "/var/lib/sailor-nats"' in conf  # the unit's StateDirectory
+    assert "verify: true" in conf and 'include "pki/nats-authorization.conf"' in conf
+    # the PKI `sailor certs` makes, where the config expects it (relative to the config)
+    pki = tmp_path / "pki"
+    init_ca(pki, "ca", days=1)
+    issue_cert(pki, "nats", CertKind.server, days=1)
+    issue_cert(pki, "controller", CertKind.client, role=Role.controller, days=1)
+    issue_cert(pki, "gpu-node-1", CertKind.client, role=Role.agent, days=1)
+    write_nats_config(pki, "default", "", tmp_path, "nats", authorization_only=True)
     local = tmp_path / "nats.conf"
-    local.write_text(conf.replace("/var/lib/sailor-nats", str(tmp_path / "js")))
+    conf = conf.replace("/var/lib/sailor-nats", str(tmp_path / "js"))
+    local.write_text(conf.replace("/etc/sailor/pki", str(pki)))
     res = subprocess.run([str(nats), "-c", str(local), "-t"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 

@@ -34,7 +34,12 @@ from sailor.coordination.security.certs import (
     load_ca,
     new_key,
 )
-from sailor.coordination.security.nats_auth import NatsRole, NatsUser, nats_server_config
+from sailor.coordination.security.nats_auth import (
+    NatsRole,
+    NatsUser,
+    nats_authorization_config,
+    nats_server_config,
+)
 from sailor.coordination.security.settings import read_nats_login
 
 __all__ = ["Role", "init_ca", "issue_cert", "write_nats_config"]
@@ -107,17 +112,24 @@ def write_nats_config(
     store_dir: Path,
     server: str,
     verify: bool = True,
+    authorization_only: bool = False,
 ) -> Path:
     """DIR/nats-server.conf from every ``*.nats.json`` login in DIR (0600: it holds passwords).
 
     ``job`` may name several jobs served by the one server; each login then gets its
-    permissions in every one of them.
+    permissions in every one of them. ``authorization_only``: DIR/nats-authorization.conf
+    with the users and permissions only, which deploy/config/nats-server.conf includes.
     """
     jobs = (job,) if isinstance(job, str) else tuple(job)
     users = []
     for path in sorted(directory.glob("*.nats.json")):
         login = read_nats_login(path)
         users.append(NatsUser(login.user, login.password.get_secret_value(), NatsRole(login.role)))
+    if authorization_only:
+        auth = directory / "nats-authorization.conf"
+        text = nats_authorization_config(tuple(Keys(job=j) for j in jobs), tuple(users))
+        _write(auth, text.encode(), secret=True)
+        return auth
     text = nats_server_config(
         tuple(Keys(job=j) for j in jobs),
         tuple(users),
