@@ -13,6 +13,7 @@ form, ring all-reduce and cost model, so that only the best few allocations are 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 from sailor.planner.pricing import GpuPricing, Resource
 from sailor.planner.tables import CostTables, Kind
 from sailor.planner.templates import PipelineTemplate
-from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas import BandwidthCurve, Pipeline, Plan, ReplicaGroup, Stage
 from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve
 
 __all__ = [
     "Allocation",
     "FastFigures",
+    "Recipe",
     "Resource",
     "assign_microbatches",
     "cheapest_for_time",
@@ -38,17 +40,79 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """How an allocation was made, so that a replan can make it again on a changed pool.
+
+    ``scenario``: the resources it may use; ``method``: ``least`` (least time over every
+    template), ``few`` (least time with at most ``n_pipes`` pipelines), ``first`` (least time
+    with template ``first`` packed first), ``group`` (least time on the partition ``cuts``),
+    ``cheapest`` (cheapest pipelines within ``factor`` times the least time); ``mbs``: only
+    templates of this microbatch size (one microbatch size per plan).
+    """
+
+    scenario: tuple[Resource, ...]
+    method: str
+    n_pipes: int = 0
+    first: tuple[object, ...] | None = None
+    cuts: tuple[int, ...] = ()
+    factor: float = 0.0
+    mbs: int | None = None
+
+
+@dataclass(frozen=True)
 class Allocation:
     """Pipelines (template, microbatches), one entry per pipeline."""
 
     pipelines: tuple[tuple[PipelineTemplate, int], ...]
     how: str
+    recipe: Recipe | None = None
+
+    def groups(self) -> tuple[tuple[PipelineTemplate, int, int], ...]:
+        """(template, pipelines, most microbatches) per distinct template, first seen first."""
+        g = self.__dict__.get("_groups")
+        if g is None:
+            first: dict[int, PipelineTemplate] = {}
+            count: dict[int, int] = {}
+            most: dict[int, int] = {}
+            for t, m in self.pipelines:
+                k = id(t)
+                if k not in first:
+                    first[k], count[k], most[k] = t, 0, m
+                count[k] += 1
+                most[k] = max(most[k], m)
+            g = tuple((t, count[k], most[k]) for k, t in first.items())
+            object.__setattr__(self, "_groups", g)
+        out: tuple[tuple[PipelineTemplate, int, int], ...] = g
+        return out
+
+    def plan_order(self) -> list[tuple[PipelineTemplate, int]]:
+        """The pipelines in the order :func:`to_plan` writes them (zone, GPU type, most
+        microbatches first; stable)."""
+        return sorted(
+            self.pipelines,
+            key=lambda tm: (tm[0].stages[0].kind.zone, tm[0].stages[0].kind.gpu_type, -tm[1]),
+        )
+
+    def plan_runs(self) -> tuple[tuple[PipelineTemplate, int], ...]:
+        """:meth:`plan_order` as runs of one template: (template, pipelines in the run)."""
+        r = self.__dict__.get("_runs")
+        if r is None:
+            runs: list[tuple[PipelineTemplate, int]] = []
+            for t, _ in self.plan_order():
+                if runs and runs[-1][0] is t:
+                    runs[-1] = (t, runs[-1][1] + 1)
+                else:
+                    runs.append((t, 1))
+            r = tuple(runs)
+            object.__setattr__(self, "_runs", r)
+        out: tuple[tuple[PipelineTemplate, int], ...] = r
+        return out
 
     def gpus_by_resource(self) -> dict[Resource, int]:
         out: dict[Resource, int] = {}
-        for t, _ in self.pipelines:
+        for t, c, _ in self.groups():
             for r, n in t.gpus_by_resource().items():
-                out[r] = out.get(r, 0) + n
+                out[r] = out.get(r, 0) + n * c
         return out
 
     @property
@@ -231,20 +295,38 @@ class SyncModel:
 
     def __init__(self, tables: CostTables) -> None:
         self.tables = tables
-        self._curves: dict[tuple[Kind, Kind], object] = {}
+        self._curves: dict[tuple[Kind, Kind], BandwidthCurve] = {}
         self._rings: dict[tuple[tuple[Kind, ...], int, float, float], float] = {}
+        self._segments: dict[tuple[object, ...], float] = {}
+        self._fixed: dict[str, float] = {}
 
-    def _step(self, a: Kind, b: Kind, chunk: float) -> float:
+    def _curve(self, a: Kind, b: Kind) -> BandwidthCurve:
         key = (a, b)
         curve = self._curves.get(key)
         if curve is None:
             curve = inter_curve(self.tables.inputs.network, a.replica(), b.replica())[0]
             self._curves[key] = curve
+        return curve
+
+    def _step(self, a: Kind, b: Kind, chunk: float) -> float:
         cal = self.tables.inputs.calibration
         eff = min(
             cal.for_gpu(a.gpu_type).network_efficiency, cal.for_gpu(b.gpu_type).network_efficiency
         )
-        return float(curve.transfer_time(chunk)) / eff  # type: ignore[attr-defined]
+        return self._curve(a, b).transfer_time(chunk) / eff
+
+    def fixed_s(self, gpu_type: str) -> float:
+        """Time between a stage's last backward and its gradient all-reduce, as the simulator
+        charges it: the calibrated fixed sync cost plus the framework's per-iteration time."""
+        hit = self._fixed.get(gpu_type)
+        if hit is None:
+            inp = self.tables.inputs
+            ft = inp.profiles.framework_time(gpu_type)
+            hit = inp.calibration.for_gpu(gpu_type).sync_fixed_s + (
+                ft.iteration_s if ft is not None else 0.0
+            )
+            self._fixed[gpu_type] = hit
+        return hit
 
     def ring_time(self, ring: Sequence[Kind], n: int, node_bytes: float, elements: float) -> float:
         """``n`` holders of the kinds in ``ring`` (zone-sorted distinct kinds)."""
@@ -269,6 +351,48 @@ class SyncModel:
         out = 2.0 * (n - 1) * step * buckets
         self._rings[memo] = out
         return out
+
+    def segment_ring(
+        self,
+        runs: Sequence[tuple[Kind, int]],
+        node_bytes: float,
+        elements: float,
+        efficiency: float,
+    ) -> float:
+        """:func:`sailor.simulator.network_model.ring_allreduce` over nodes given as runs of
+        (endpoint, nodes) in plan order: the ring sorts them by zone (stable) and a step lasts
+        as long as its slowest hop (one efficiency, the ring's lowest)."""
+        n = sum(c for _, c in runs)
+        if n <= 1 or node_bytes <= 0:
+            return 0.0
+        merged: list[tuple[Kind, int]] = []
+        for k, c in sorted(runs, key=lambda kc: kc[0].zone):
+            if merged and merged[-1][0] == k:
+                merged[-1] = (k, merged[-1][1] + c)
+            else:
+                merged.append((k, c))
+        pairs: set[tuple[Kind, Kind]] = set()
+        for i, (k, c) in enumerate(merged):
+            if c > 1:
+                pairs.add((k, k))
+            pairs.add((k, merged[(i + 1) % len(merged)][0]))
+        memo = (frozenset(pairs), n, node_bytes, elements, efficiency)
+        hit = self._segments.get(memo)
+        if hit is not None:
+            return hit
+        buckets = max(1, math.ceil(elements / BUCKET_ELEMENTS))
+        chunk = node_bytes / buckets / n
+        step = 0.0
+        for a, b in pairs:
+            step = max(step, self._curve(a, b).transfer_time(chunk) / efficiency)
+        out = 2.0 * (n - 1) * step * buckets
+        self._segments[memo] = out
+        return out
+
+
+def _endpoint(k: Kind) -> Kind:
+    """The node a stage of kind ``k`` runs on, as a network endpoint (TP does not matter)."""
+    return k if k.tp == 1 else Kind(k.gpu_type, 1, k.zone, k.gpus_per_node)
 
 
 def overheads_for(
@@ -296,11 +420,6 @@ def overheads_for(
     return out
 
 
-def ring_of(pipes: Iterable[PipelineTemplate]) -> list[Kind]:
-    kinds = {s.kind for t in pipes for s in t.stages}
-    return sorted(kinds, key=lambda k: (k.zone, k.gpu_type, k.tp, k.gpus_per_node))
-
-
 def p2p_egress(t: PipelineTemplate, tables: CostTables) -> tuple[tuple[str, str, float], ...]:
     """Bytes per microbatch a pipeline sends across zones, as the simulator counts them:
     forward the sender's output plus one attention mask per TP rank, backward the output."""
@@ -326,47 +445,63 @@ def fast_estimate(
     pricing: GpuPricing | None = None,
 ) -> FastFigures:
     """Closed-form iteration time and $ of an allocation (GPUs at ``pricing``'s rates, cheapest
-    first; else the tables' uniform rate)."""
-    pipes = [t for t, _ in alloc.pipelines]
-    ring = ring_of(pipes)
-    n = len(pipes)
+    first; else the tables' uniform rate).
+
+    The time follows the simulator's schedule: each pipeline's 1F1B closed form, then one
+    ring all-reduce per layer segment of the common refinement of the partitions, in reverse
+    layer order, each starting once every stage holding the segment is ready (the rings of
+    segments held by different stages run side by side), then each stage's optimizer step.
+    Pipelines of one template are alike, so the work is per template, not per pipeline.
+    """
+    groups = alloc.groups()
+    n = len(alloc.pipelines)
     pb = tables.inputs.model.param_bytes()
     cal = tables.inputs.calibration
-    distinct = {id(t): t for t in pipes}
-    cuts = sorted({s.first_layer for t in distinct.values() for s in t.stages})
-    n_layers = pipes[0].stages[-1].last_layer + 1
-    bounds = [*cuts, n_layers]
+    index = {id(t): i for i, (t, _, _) in enumerate(groups)}
+    runs = [(index[id(t)], c) for t, c in alloc.plan_runs()]
+    firsts = [[s.first_layer for s in t.stages] for t, _, _ in groups]
+    ready = [
+        [t.pipe_time(most) + sync.fixed_s(s.kind.gpu_type) for s in t.stages]
+        for t, _, most in groups
+    ]
+    cuts = sorted({f for fs in firsts for f in fs})
+    bounds = [*cuts, groups[0][0].stages[-1].last_layer + 1]
     ar_total = 0.0
-    for a, b in itertools.pairwise(bounds):
+    for a, b in reversed(list(itertools.pairwise(bounds))):
+        at = [bisect.bisect_right(fs, a) - 1 for fs in firsts]
         node_bytes = 0.0
         elements = 0.0
-        for t in distinct.values():
-            st = next(s for s in t.stages if s.first_layer <= a <= s.last_layer)
+        eff = math.inf
+        for (t, _, _), si in zip(groups, at, strict=True):
+            st = t.stages[si]
             arr = tables.arrays(st.kind.gpu_type, st.kind.tp, t.mbs)
             el = float(arr.params[b] - arr.params[a]) if arr is not None else st.params
             node_bytes = max(node_bytes, st.kind.tp * el * pb)
             elements = max(elements, el)
-        ar_total += sync.ring_time(ring, n, node_bytes, elements)
-    upd = max(s.update_s for t in distinct.values() for s in t.stages)
-    it = (
-        max(
-            t.pipe_time(m) + max(cal.for_gpu(s.kind.gpu_type).sync_fixed_s for s in t.stages)
-            for t, m in alloc.pipelines
-        )
-        + ar_total
-        + upd
+            eff = min(eff, cal.for_gpu(st.kind.gpu_type).network_efficiency)
+        ring = [(_endpoint(groups[g][0].stages[at[g]].kind), c) for g, c in runs]
+        ar = sync.segment_ring(ring, node_bytes, elements, eff)
+        start = max(ready[g][si] for g, si in enumerate(at))
+        for g, si in enumerate(at):
+            ready[g][si] = start + ar
+        ar_total += ar
+    it = max(
+        r + s.update_s
+        for (t, _, _), row in zip(groups, ready, strict=True)
+        for s, r in zip(t.stages, row, strict=True)
     )
     use = alloc.gpus_by_resource()
     if pricing is not None:
         per_s = pricing.per_s(use)
     else:
         per_s = sum(tables.price_per_s(g, z) * k for (g, z, _), k in use.items())
-    zones = sorted({k.zone for k in ring})
+    zones = sorted({s.kind.zone for t, _, _ in groups for s in t.stages})
     egress = 0.0
     prices = tables.inputs.prices
-    for t, m in alloc.pipelines:  # pipelines whose stages span zones
-        for src, dst, nbytes in p2p_egress(t, tables):
-            egress += m * nbytes / 1e9 * prices.egress_per_gb(src, dst)
+    if any(p2p_egress(t, tables) for t, _, _ in groups):
+        for t, m in alloc.pipelines:  # pipelines whose stages span zones
+            for src, dst, nbytes in p2p_egress(t, tables):
+                egress += m * nbytes / 1e9 * prices.egress_per_gb(src, dst)
     if len(zones) > 1 and n > 1:
         total_params = float(tables.inputs.model.total_params)
         per_crossing = 2.0 * (n - 1) / n * total_params * pb

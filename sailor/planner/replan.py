@@ -1,22 +1,42 @@
-"""Incremental replanning: a new pool, the previous search's tables and plan.
+"""Incremental replanning: a new pool, the previous search's tables, recipes and plan.
 
 When nodes join or leave, the GPU types, zones and VM shapes rarely change, so every cost
 table and pipeline template of the previous search is still valid (they never depend on node
-counts). :func:`replan` reuses them, adds one warm-start candidate (the current allocation,
-trimmed to the pipelines the new pool still hosts or grown with more pipelines of the same
-templates, microbatches re-spread), reruns the allocation and the simulator on the few best,
-and, among plans whose objective is within ``tolerance`` of the best, prefers the one that
-moves the fewest layer replicas (:mod:`moves`).
+counts), and so is the template list of a large pool (cached per pool shape). What changes
+is how many pipelines fit. :func:`replan` therefore
+
+1. adapts the current allocation (the **warm start**: pipelines the new pool cannot host
+   dropped, slowest first; pipelines of its templates added on GPUs that joined);
+2. re-runs the **recipes** of the previous search's best allocations (which scenario, which
+   packing rule: :class:`~sailor.planner.allocate.Recipe`) on the new pool's counts, plus
+   the least-time packing of the whole pool;
+3. ranks them by the closed form, which follows the simulator's schedule, and simulates the
+   one that moves the fewest layer replicas among those within ``tolerance`` of the best
+   (:mod:`moves`); the returned plan always carries the simulator's figures.
+
+``full=True`` runs the whole allocation search instead (every scenario and rule).
 """
 
 from __future__ import annotations
 
-from sailor.planner.allocate import Allocation, assign_microbatches
-from sailor.planner.search import SearchResult, resources_of, search_with_tables
+import numpy as np
+
+from sailor.planner.allocate import Allocation, Recipe, assign_microbatches
+from sailor.planner.search import (
+    SearchResult,
+    resources_of,
+    search_recipes,
+    search_with_tables,
+)
 from sailor.planner.templates import PipelineTemplate
 from sailor.schemas import Pool
 
 __all__ = ["replan", "warm_start"]
+
+_RECIPES = 6
+"""Recipes of the previous search's best allocations a replan re-runs. The previous search
+ranked them on a pool that differs by a few nodes; its best few are where the new best is.
+On the benchmark pools (64-2,048 nodes) the winner was always among the first three."""
 
 
 def warm_start(
@@ -32,9 +52,7 @@ def warm_start(
             for r, k in need.items():
                 left[r] -= k
             kept.append(t)
-    templates = sorted(
-        {id(t): t for t, _ in alloc.pipelines}.values(), key=lambda t: t.period_s / t.mbs
-    )
+    templates = sorted((t for t, _, _ in alloc.groups()), key=lambda t: t.period_s / t.mbs)
     for t in templates:
         need = t.gpus_by_resource()
         while all(left.get(r, 0) >= k for r, k in need.items()):
@@ -46,40 +64,106 @@ def warm_start(
     return Allocation(tuple(a), "warm start: current plan adapted to the new pool") if a else None
 
 
+_Holders = dict[tuple[str, str], "np.ndarray"]
+
+
+def _holders(alloc: Allocation, n_layers: int) -> _Holders:
+    """Per (GPU type, zone), how many stages hold each layer (:func:`moves.moved_layers`
+    counts the same on plans; here per template, not per pipeline)."""
+    out: _Holders = {}
+    for t, count, _ in alloc.groups():
+        for s in t.stages:
+            key = (s.kind.gpu_type, s.kind.zone)
+            row = out.get(key)
+            if row is None:
+                row = out[key] = np.zeros(n_layers, dtype=np.int64)
+            row[s.first_layer : s.last_layer + 1] += count
+    return out
+
+
+def _moved(before: _Holders, after: _Holders) -> tuple[tuple[int, ...], int]:
+    layers: set[int] = set()
+    replicas = 0
+    for key, row in after.items():
+        old = before.get(key)
+        extra = row if old is None else np.maximum(row - old, 0)
+        replicas += int(extra.sum())
+        layers.update(int(i) for i in np.flatnonzero(extra))
+    return tuple(sorted(layers)), replicas
+
+
+def _recipes_of(previous: SearchResult, limit: int) -> list[Recipe]:
+    """The recipes of the previous plans' allocations, then of its other candidates, best
+    first (the search ranked them by the closed form, which follows the simulator)."""
+    out: list[Recipe] = []
+    allocs = [*previous.allocations, *(c.alloc for c in previous.candidates)]
+    for a in allocs:
+        r = a.recipe
+        if r is not None and r not in out:
+            out.append(r)
+            if len(out) >= limit:
+                break
+    return out
+
+
 def replan(
     previous: SearchResult,
     new_pool: Pool,
     *,
     tolerance: float = 0.02,
-    top_k: int | None = None,
-    simulate_top: int = 2,
+    top_k: int = 1,
+    simulate_top: int = 4,
     full: bool = False,
+    recipes: int = _RECIPES,
 ) -> SearchResult:
     """Plans for ``new_pool`` warm-started from ``previous`` (its tables, templates, plan).
 
-    Ranked as a full search would, except that plans within ``tolerance`` (relative) of the
-    best objective are ordered by the layer replicas they would move from the current plan.
-    Unless ``full``, allocations draw only on the templates the previous search used plus the
-    best few per resource set (the cost tables and every template stay available).
+    Returns the best ``top_k`` plans (one by default: the controller needs one), ranked as a
+    full search would, except that plans within ``tolerance`` (relative) of the best
+    objective are ordered by the layer replicas they would move from the current plan.
+    Unless ``full``, only the warm start and the re-run recipes of the previous search's best
+    ``recipes`` allocations are candidates (see the module docstring).
     """
     state = previous.state
     gbs = state.tables.inputs.model.global_batch_size
     caps = resources_of(new_pool, previous.constraints)
-    extra: list[Allocation] = []
     current = previous.plans[0].plan if previous.plans else None
-    if previous.allocations:
-        w = warm_start(previous.allocations[0], caps, gbs)
+    old = previous.allocations[0] if previous.allocations else None
+    extra: list[Allocation] = []
+    if old is not None:
+        w = warm_start(old, caps, gbs)
         if w is not None:
             extra.append(w)
-    return search_with_tables(
+    todo = _recipes_of(previous, recipes)
+    if full or not todo or old is None:
+        return search_with_tables(
+            state,
+            new_pool,
+            previous.objective,
+            previous.constraints,
+            top_k=top_k,
+            simulate_top=max(simulate_top, top_k),
+            previous=current,
+            extra=extra,
+            prefer_less_movement=tolerance,
+            shortlist_only=not full,
+        )
+    if not previous.constraints.one_microbatch_size:
+        whole = Recipe(tuple(sorted(caps)), "least")
+        if whole not in todo:
+            todo.append(whole)
+    n_layers = state.tables.inputs.model.num_all_layers
+    before = _holders(old, n_layers)
+    return search_recipes(
         state,
         new_pool,
         previous.objective,
         previous.constraints,
-        top_k=top_k or max(1, len(previous.plans)),
-        simulate_top=simulate_top,
-        previous=current,
+        todo,
         extra=extra,
-        prefer_less_movement=tolerance,
-        shortlist_only=not full,
+        previous=current,
+        moves_of=lambda a: _moved(before, _holders(a, n_layers)),
+        tolerance=tolerance,
+        top_k=top_k,
+        simulate_top=simulate_top,
     )

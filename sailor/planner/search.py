@@ -25,12 +25,13 @@ Pure: values in, values out (a progress callback may be passed). No clock: calle
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 
 from sailor.planner.allocate import (
     Allocation,
     FastFigures,
+    Recipe,
     Resource,
     SyncModel,
     assign_microbatches,
@@ -78,6 +79,7 @@ __all__ = [
     "plan",
     "resources_of",
     "search",
+    "search_recipes",
     "search_with_tables",
     "throughput_upper_bound",
 ]
@@ -129,6 +131,8 @@ class SearchState:
     """Templates used by any allocation of the last search: where a replan looks first."""
     pricing: GpuPricing | None = None
     """Prices of the pool being searched (each entry's spot flag); set per search."""
+    template_sets: dict[tuple[object, ...], list[PipelineTemplate]] = field(default_factory=dict)
+    """Templates (dominated ones dropped) per pool shape: see :func:`_template_set`."""
 
 
 @dataclass(frozen=True)
@@ -588,49 +592,74 @@ def _fast_ok(f: FastFigures, c: Constraints, slack: float) -> bool:
     )
 
 
-def _allocations(
-    state: SearchState,
-    templates: Sequence[PipelineTemplate],
-    scenario: dict[Resource, int],
+@dataclass
+class _Scenario:
+    """One scenario's templates and their sync overheads, shared by its recipes."""
+
+    scenario: dict[Resource, int]
+    ts: list[PipelineTemplate]
+    ring: list[Kind]
+    n_guess: int
+    over: dict[int, float]
+    gbs: int
+    least: list[PipelineTemplate] | None = None
+    least_done: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        state: SearchState,
+        templates: Sequence[PipelineTemplate],
+        scenario: dict[Resource, int],
+    ) -> _Scenario | None:
+        tables = state.tables
+        ts = [t for t in templates if _fits(t, scenario)]
+        if not ts:
+            return None
+        gbs = tables.inputs.model.global_batch_size
+        ring = sorted(
+            {Kind(g, 1, z, k) for (g, z, k) in scenario},
+            key=lambda k: (k.zone, k.gpu_type, k.gpus_per_node),
+        )
+        n_guess = max(2, min(gbs, sum(scenario.values()) // max(1, min(t.gpus for t in ts))))
+        # a template's sync overhead depends on the ring and the guessed pipeline count only:
+        # kept on the template (a replan on a large pool finds them all)
+        key = (tuple(ring), n_guess)
+        missing = [t for t in ts if key not in t.__dict__.setdefault("_over", {})]
+        if missing:
+            fresh = overheads_for(
+                missing, ring, n_guess, _sync_model(state), tables.inputs.model.param_bytes()
+            )
+            for t in missing:
+                t.__dict__["_over"][key] = fresh[id(t)]
+        over = {id(t): t.__dict__["_over"][key] for t in ts}
+        return cls(scenario, ts, ring, n_guess, over, gbs)
+
+    def least_time(self) -> list[PipelineTemplate] | None:
+        if not self.least_done:
+            self.least = min_time_allocation(self.ts, self.scenario, self.gbs, self.over)
+            self.least_done = True
+        return self.least
+
+
+def _recipes(
+    ctx: _Scenario,
     objective: Objective,
     constraints: Constraints,
-    mixed_all: int = _MIXED_ALL,
-) -> list[Allocation]:
-    tables = state.tables
-    gbs = tables.inputs.model.global_batch_size
-    ts = [t for t in templates if _fits(t, scenario)]
-    if not ts:
-        return []
-    ring = sorted(
-        {Kind(g, 1, z, k) for (g, z, k) in scenario},
-        key=lambda k: (k.zone, k.gpu_type, k.gpus_per_node),
-    )
-    sync = _sync_model(state)
-    n_guess = max(2, min(gbs, sum(scenario.values()) // max(1, min(t.gpus for t in ts))))
-    over = overheads_for(ts, ring, n_guess, sync, tables.inputs.model.param_bytes())
-    out: list[Allocation] = []
-    t_max = (
-        1.0 / constraints.min_throughput_iter_s
-        if constraints.min_throughput_iter_s is not None
-        else None
-    )
-    chosen = min_time_allocation(ts, scenario, gbs, over, t_max=None)
-    if chosen:
-        a = assign_microbatches(chosen, gbs, over)
-        if a:
-            out.append(Allocation(tuple(a), "least time"))
-    if sum(scenario.values()) <= _SMALL_POOL_GPUS:
-        # the sync guess above assumes many pipelines; in a small pool one or two large
+    mixed_all: int,
+    mbs: int | None,
+) -> list[Recipe]:
+    """The allocations a scenario tries (see :class:`Recipe`), in the search's order."""
+    ts, gbs = ctx.ts, ctx.gbs
+    sc = tuple(sorted(ctx.scenario))
+    out = [Recipe(sc, "least", mbs=mbs)]
+    if sum(ctx.scenario.values()) <= _SMALL_POOL_GPUS:
+        # the sync guess assumes many pipelines; in a small pool one or two large
         # pipelines (fewer ring hops, across zones too) may win: price and pack those too
         for n_pipes in (1, 2):
-            if n_pipes >= n_guess:
+            if n_pipes >= ctx.n_guess:
                 break
-            over_n = overheads_for(ts, ring, n_pipes, sync, tables.inputs.model.param_bytes())
-            few = min_time_allocation(ts, scenario, gbs, over_n, limit=n_pipes)
-            if few:
-                a = assign_microbatches(few, gbs, over_n)
-                if a:
-                    out.append(Allocation(tuple(a), f"least time, at most {n_pipes} pipelines"))
+            out.append(Recipe(sc, "few", n_pipes=n_pipes, mbs=mbs))
     # a pipeline that spans GPU types packs worse by samples per GPU alone (it may be the
     # only way to use a type that cannot hold a stage by itself): also pack the best few first
     mixed = [t for t in ts if len(t.gpus_by_resource()) > 1]
@@ -639,61 +668,118 @@ def _allocations(
         by_fill = sorted(mixed, key=lambda t: t.fill_s)[:_MIXED_FIRST]  # small batches
         alone = sorted(mixed, key=lambda t: t.pipe_time(max(1, gbs // t.mbs)))[:_MIXED_FIRST]
         mixed = list({id(t): t for t in by_rate + by_fill + alone}.values())
-    for t in mixed:
-        picked = min_time_allocation(ts, scenario, gbs, over, first=t)
-        if picked:
-            a = assign_microbatches(picked, gbs, over)
-            if a:
-                out.append(Allocation(tuple(a), "least time, a pipeline spanning GPU types first"))
+    out.extend(Recipe(sc, "first", first=t.key, mbs=mbs) for t in mixed)
     # the same on one shared partition: one set of sync segments (across GPU types too);
     # the best partition of each depth, best first
-    groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
-    for t in ts:
-        if len({s.kind.gpu_type for s in t.stages}) == 1:
-            groups.setdefault(_cuts(t), []).append(t)
     best_per_depth: dict[int, list[PipelineTemplate]] = {}
-    for g in groups.values():
+    for g in _partition_groups(ts).values():
         d = len(_cuts(g[0]))
         cur = best_per_depth.get(d)
         if cur is None or max(_rate(t) for t in g) > max(_rate(t) for t in cur):
             best_per_depth[d] = g
     ranked = sorted(best_per_depth.values(), key=lambda g: -max(_rate(t) for t in g))
-    for g in ranked[:_GROUPS_PER_SCENARIO]:
-        if len(g) == len(ts):
-            continue
-        picked = min_time_allocation(g, scenario, gbs, over)
-        if picked:
-            a = assign_microbatches(picked, gbs, over)
-            if a:
-                out.append(Allocation(tuple(a), f"least time on one partition {list(_cuts(g[0]))}"))
+    out.extend(
+        Recipe(sc, "group", cuts=_cuts(g[0]), mbs=mbs)
+        for g in ranked[:_GROUPS_PER_SCENARIO]
+        if len(g) != len(ts)
+    )
     want_cost = (
         objective != "throughput"
         or constraints.max_cost_per_iter_usd is not None
         or constraints.max_cost_per_hour_usd is not None
     )
-    if want_cost and chosen:
-        t0 = max(t.pipe_time(1) + over[id(t)] for t in chosen[:1])
-        base = max(
-            min(t.fill_s + over[id(t)] for t in ts),
-            _least_time(chosen, gbs, over) or t0,
+    if want_cost:
+        out.extend(Recipe(sc, "cheapest", factor=f, mbs=mbs) for f in _COST_T_FACTORS)
+    return out
+
+
+def _partition_groups(
+    ts: Sequence[PipelineTemplate],
+) -> dict[tuple[int, ...], list[PipelineTemplate]]:
+    """Single-GPU-type templates by partition (their last layers)."""
+    groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
+    for t in ts:
+        if len({s.kind.gpu_type for s in t.stages}) == 1:
+            groups.setdefault(_cuts(t), []).append(t)
+    return groups
+
+
+def _run_recipe(
+    state: SearchState, ctx: _Scenario, r: Recipe, constraints: Constraints
+) -> Allocation | None:
+    """The allocation ``r`` makes in ``ctx`` (None if it makes none)."""
+    ts, gbs, over, sc = ctx.ts, ctx.gbs, ctx.over, ctx.scenario
+    picked: list[PipelineTemplate] | None
+    if r.method == "least":
+        picked, how = ctx.least_time(), "least time"
+    elif r.method == "few":
+        over = overheads_for(
+            ts, ctx.ring, r.n_pipes, _sync_model(state), state.tables.inputs.model.param_bytes()
         )
+        picked = min_time_allocation(ts, sc, gbs, over, limit=r.n_pipes)
+        how = f"least time, at most {r.n_pipes} pipelines"
+    elif r.method == "first":
+        first = next((t for t in ts if t.key == r.first), None)
+        if first is None:
+            return None
+        picked = min_time_allocation(ts, sc, gbs, over, first=first)
+        how = "least time, a pipeline spanning GPU types first"
+    elif r.method == "group":
+        g = _partition_groups(ts).get(r.cuts)
+        if not g:
+            return None
+        picked = min_time_allocation(g, sc, gbs, over)
+        how = f"least time on one partition {list(r.cuts)}"
+    elif r.method == "cheapest":
+        chosen = ctx.least_time()
+        if not chosen:
+            return None
+        alone = chosen[0].pipe_time(1) + over[id(chosen[0])]
+        base = max(min(t.fill_s + over[id(t)] for t in ts), _least_time(chosen, gbs, over) or alone)
+        budget = base * r.factor
+        t_max = (
+            1.0 / constraints.min_throughput_iter_s
+            if constraints.min_throughput_iter_s is not None
+            else None
+        )
+        if t_max is not None and budget > t_max * 1.05:
+            return None
         pricing = state.pricing
+        tables = state.tables
         price = {
             id(t): sum(
-                (pricing.cheapest_per_s(r) if pricing else tables.price_per_s(r[0], r[1])) * n
-                for r, n in t.gpus_by_resource().items()
+                (pricing.cheapest_per_s(rs) if pricing else tables.price_per_s(rs[0], rs[1])) * n
+                for rs, n in t.gpus_by_resource().items()
             )
             for t in ts
         }
-        for f in _COST_T_FACTORS:
-            budget = base * f
-            if t_max is not None and budget > t_max * 1.05:
-                break
-            bought = cheapest_for_time(ts, scenario, gbs, budget, over, price)
-            if bought:
-                a = assign_microbatches(bought, gbs, over)
-                if a:
-                    out.append(Allocation(tuple(a), f"cheapest within {f:g}x least time"))
+        picked = cheapest_for_time(ts, sc, gbs, budget, over, price)
+        how = f"cheapest within {r.factor:g}x least time"
+    else:
+        raise ValueError(f"recipe method {r.method!r}")
+    if not picked:
+        return None
+    a = assign_microbatches(picked, gbs, over)
+    return Allocation(tuple(a), how, r) if a else None
+
+
+def _allocations(
+    state: SearchState,
+    templates: Sequence[PipelineTemplate],
+    scenario: dict[Resource, int],
+    objective: Objective,
+    constraints: Constraints,
+    mixed_all: int = _MIXED_ALL,
+    mbs: int | None = None,
+) -> list[Allocation]:
+    ctx = _Scenario.of(state, templates, scenario)
+    if ctx is None:
+        return []
+    out: list[Allocation] = []
+    for r in _recipes(ctx, objective, constraints, mixed_all, mbs):
+        a = _run_recipe(state, ctx, r, constraints)
+        if a is not None:
+            out.append(a)
     return out
 
 
@@ -802,64 +888,24 @@ def search_with_tables(
     prefer_less_movement: float = 0.0,
     shortlist_only: bool = False,
 ) -> SearchResult:
-    """The search on given (possibly warm) tables; :func:`replan` calls it too.
+    """The search on given (possibly warm) tables; :func:`replan` calls it too (``full``).
 
+    ``extra`` allocations (a replan's warm start) are always simulated first.
     ``shortlist_only``: allocate only over the templates the last search used plus the best
-    few per resource set by steady rate (a replan after a small pool change).
+    few per resource set by steady rate.
     """
-    if objective not in OBJECTIVES:
-        raise PlannerInputError(f"objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
-    if top_k < 1:
-        raise PlannerInputError(f"top_k={top_k}: must be >= 1")
+    prep = _prepare(state, pool, objective, constraints, top_k, previous)
+    if isinstance(prep, SearchResult):
+        return prep
+    caps, ub, templates, computed = prep
     tables = state.tables
-    inputs = tables.inputs
-    _check_inputs(inputs, pool)
-    caps = resources_of(pool, constraints)
-    state.pricing = GpuPricing.of(pool, inputs.prices, inputs.spot)
-    pricing = state.pricing
-
-    def empty(reason: str, ub: float = 0.0, cands: Sequence[Candidate] = ()) -> SearchResult:
-        return SearchResult(
-            plans=(),
-            reason=reason,
-            objective=objective,
-            constraints=constraints,
-            upper_bound_iter_s=ub,
-            candidates=tuple(cands),
-            stats=SearchStats(pruned_memory=state.pruned_memory),
-            state=state,
-            pool=pool,
-            previous=previous,
-        )
-
-    if not caps:
-        return empty("no GPU of the pool is allowed by the constraints (zones, regions, caps)")
-    ub = _bound(tables, caps)
-    if constraints.min_throughput_iter_s is not None and constraints.min_throughput_iter_s > ub:
-        return empty(
-            f"min_throughput={constraints.min_throughput_iter_s:.4g} it/s exceeds the pool's "
-            f"upper bound {ub:.4g} it/s (perfect scaling of the fastest compute)",
-            ub,
-        )
-    tstats = {"computed": 0}
-    templates = _prune_dominated(_templates(state, caps, tstats))
     mixed_all = _MIXED_ALL if sum(caps.values()) <= _SMALL_POOL_GPUS else 0
     if shortlist_only and state.shortlist:
         templates = _shortlist(templates, state.shortlist)
         mixed_all = 0
-    if not templates:
-        why = [f for f in (tables.failure(g, 1, 1) for (g, _z, _k) in caps) if f is not None]
-        return empty(
-            f"model {inputs.model.name} fits on no stage of any GPU type in the pool at any "
-            "depth, TP degree and microbatch size (memory)"
-            + (f"; profile lookups failed: {'; '.join(why)}" if why else ""),
-            ub,
-        )
     scenarios = _scenarios(caps)
     scen_bounds = sorted(((_bound(tables, s), i) for i, s in enumerate(scenarios)), reverse=True)
     sync = _sync_model(state)
-    seen: set[tuple[object, ...]] = set()
-    cands: list[Candidate] = []
     best_thr = 0.0
     pruned_bound = 0
     total = len(scenarios) + simulate_top
@@ -885,105 +931,358 @@ def search_with_tables(
                     objective,
                     constraints,
                     mixed_all,
+                    b,
                 )
             ]
         else:
             new = _allocations(state, templates, scenarios[i], objective, constraints, mixed_all)
         for a in new:
-            f = fast_estimate(a, tables, sync, pricing)
+            f = fast_estimate(a, tables, sync, state.pricing)
             best_thr = max(best_thr, 1.0 / f.iteration_s)
         allocs.extend(new)
     state.shortlist = {id(t): t for a in allocs for t, _ in a.pipelines}
+    cands = _candidates(state, allocs)
+    ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
+    forced = {a.key for a in extra}  # a replan always judges its warm start
+    ok.sort(key=lambda c: (c.alloc.key not in forced, -_fast_score(objective, c)))
+    top = max((_fast_score(objective, x) for x in ok), default=0.0)
+
+    def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
+        if len(feasible) >= top_k and len(judged) >= simulate_top:
+            return True
+        last = judged[-1] if judged else None
+        if last is None or not feasible or last is not feasible[-1]:
+            return False
+        if last.alloc.key not in forced or prefer_less_movement <= 0:
+            return False
+        # the warm start is within the tolerance of the best estimate: it moves the least
+        # state, so nothing else would be preferred; stop simulating
+        return _sim_score(objective, last) >= top - abs(top) * prefer_less_movement
+
+    def moves_of(c: Candidate) -> tuple[tuple[int, ...], int]:
+        return moved_layers(previous, c.plan) if c.plan is not None else ((), 0)
+
+    return _judge(
+        state,
+        pool,
+        objective,
+        constraints,
+        ok,
+        len(cands),
+        enough,
+        6 * simulate_top,
+        moves_of,
+        previous,
+        prefer_less_movement,
+        top_k,
+        ub,
+        SearchStats(
+            templates=len(templates),
+            allocations=len(cands),
+            pruned_memory=state.pruned_memory,
+            pruned_bound=pruned_bound,
+            notes=(f"{computed} template DPs run, {len(scenarios)} scenarios",),
+        ),
+        progress=(lambda k: progress(len(scenarios) + min(k, simulate_top), total))
+        if progress is not None
+        else None,
+        done=(lambda: progress(total, total)) if progress is not None else None,
+    )
+
+
+def search_recipes(
+    state: SearchState,
+    pool: Pool,
+    objective: Objective,
+    constraints: Constraints,
+    recipes: Sequence[Recipe],
+    *,
+    extra: Sequence[Allocation] = (),
+    previous: Plan | None = None,
+    moves_of: Callable[[Allocation], tuple[tuple[int, ...], int]] | None = None,
+    tolerance: float = 0.02,
+    top_k: int = 1,
+    simulate_top: int = 4,
+) -> SearchResult:
+    """A replan's search: the allocations ``recipes`` make on ``pool``, plus ``extra``.
+
+    Each recipe runs on its scenario restricted to the resources the pool still has, over
+    the templates a full search of the pool would use (cached per pool shape). Candidates are
+    ranked by the closed form, which follows the simulator; among those within ``tolerance``
+    of the best, the one that moves the fewest layer replicas (``moves_of``) is simulated
+    first. Simulation stops once ``top_k`` plans are feasible and the best simulated one is
+    within ``tolerance`` of the best estimate (or after ``simulate_top`` simulations).
+    """
+    prep = _prepare(state, pool, objective, constraints, top_k, previous)
+    if isinstance(prep, SearchResult):
+        return prep
+    caps, ub, templates, computed = prep
+    ctxs: dict[tuple[object, ...], _Scenario | None] = {}
+    allocs: list[Allocation] = list(extra)
+    done: set[Recipe] = set()
+    for r in recipes:
+        sc = {res: caps[res] for res in r.scenario if res in caps}
+        if not sc:
+            continue
+        r = replace(r, scenario=tuple(sorted(sc)))
+        if r in done:
+            continue
+        done.add(r)
+        key = (r.scenario, r.mbs)
+        if key not in ctxs:
+            ts = [t for t in templates if r.mbs is None or t.mbs == r.mbs]
+            ctxs[key] = _Scenario.of(state, ts, sc)
+        ctx = ctxs[key]
+        if ctx is None:
+            continue
+        a = _run_recipe(state, ctx, r, constraints)
+        if a is not None:
+            allocs.append(a)
+    cands = _candidates(state, allocs)
+    ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
+    ok.sort(key=lambda c: -_fast_score(objective, c))
+    top = _fast_score(objective, ok[0]) if ok else 0.0
+    span = abs(top) * tolerance
+    moved: dict[int, tuple[tuple[int, ...], int]] = {}
+    if moves_of is not None:
+        close = [c for c in ok if _fast_score(objective, c) >= top - span]
+        for c in close:
+            moved[id(c.alloc)] = moves_of(c.alloc)
+        close.sort(key=lambda c: (moved[id(c.alloc)][1], -_fast_score(objective, c)))
+        ok = close + ok[len(close) :]
+
+    def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
+        if len(feasible) < top_k:
+            return False
+        best = max(_sim_score(objective, c) for c in feasible)
+        return best >= top - span
+
+    def moves(c: Candidate) -> tuple[tuple[int, ...], int]:
+        hit = moved.get(id(c.alloc))
+        if hit is None:
+            hit = moves_of(c.alloc) if moves_of is not None else ((), 0)
+        return hit
+
+    return _judge(
+        state,
+        pool,
+        objective,
+        constraints,
+        ok,
+        len(cands),
+        enough,
+        simulate_top,
+        moves,
+        previous,
+        tolerance if moves_of is not None else 0.0,
+        top_k,
+        ub,
+        SearchStats(
+            templates=len(templates),
+            allocations=len(cands),
+            pruned_memory=state.pruned_memory,
+            notes=(f"{computed} template DPs run, {len(done)} recipes re-run",),
+        ),
+    )
+
+
+def _prepare(
+    state: SearchState,
+    pool: Pool,
+    objective: Objective,
+    constraints: Constraints,
+    top_k: int,
+    previous: Plan | None,
+) -> tuple[dict[Resource, int], float, list[PipelineTemplate], int] | SearchResult:
+    """Checked inputs, allowed resources, upper bound and templates; or the empty result."""
+    if objective not in OBJECTIVES:
+        raise PlannerInputError(f"objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if top_k < 1:
+        raise PlannerInputError(f"top_k={top_k}: must be >= 1")
+    tables = state.tables
+    inputs = tables.inputs
+    _check_inputs(inputs, pool)
+    caps = resources_of(pool, constraints)
+    state.pricing = GpuPricing.of(pool, inputs.prices, inputs.spot)
+
+    def empty(reason: str, ub: float = 0.0) -> SearchResult:
+        return _empty(state, pool, objective, constraints, previous, reason, ub)
+
+    if not caps:
+        return empty("no GPU of the pool is allowed by the constraints (zones, regions, caps)")
+    ub = _bound(tables, caps)
+    if constraints.min_throughput_iter_s is not None and constraints.min_throughput_iter_s > ub:
+        return empty(
+            f"min_throughput={constraints.min_throughput_iter_s:.4g} it/s exceeds the pool's "
+            f"upper bound {ub:.4g} it/s (perfect scaling of the fastest compute)",
+            ub,
+        )
+    templates, computed = _template_set(state, caps)
+    if not templates:
+        why = [f for f in (tables.failure(g, 1, 1) for (g, _z, _k) in caps) if f is not None]
+        return empty(
+            f"model {inputs.model.name} fits on no stage of any GPU type in the pool at any "
+            "depth, TP degree and microbatch size (memory)"
+            + (f"; profile lookups failed: {'; '.join(why)}" if why else ""),
+            ub,
+        )
+    return caps, ub, templates, computed
+
+
+def _empty(
+    state: SearchState,
+    pool: Pool,
+    objective: Objective,
+    constraints: Constraints,
+    previous: Plan | None,
+    reason: str,
+    ub: float = 0.0,
+    cands: Sequence[Candidate] = (),
+) -> SearchResult:
+    return SearchResult(
+        plans=(),
+        reason=reason,
+        objective=objective,
+        constraints=constraints,
+        upper_bound_iter_s=ub,
+        candidates=tuple(cands),
+        stats=SearchStats(pruned_memory=state.pruned_memory),
+        state=state,
+        pool=pool,
+        previous=previous,
+    )
+
+
+def _template_set(
+    state: SearchState, caps: Mapping[Resource, int]
+) -> tuple[list[PipelineTemplate], int]:
+    """The pool's templates, dominated ones dropped, and the number of DPs run for them.
+
+    Cached per pool shape: a template needs at most ``layers x GPUs per node`` GPUs of a
+    resource, and no rule that picks templates looks further (see :func:`_saturated`), so
+    pools that differ only above that count share one list (a replan after nodes join or
+    leave a large pool finds it ready).
+    """
+    n = state.tables.inputs.model.num_all_layers
+    key = tuple(sorted((r, min(c, _saturated(r, n))) for r, c in caps.items()))
+    hit = state.template_sets.get(key)
+    if hit is not None:
+        return hit, 0
+    tstats = {"computed": 0}
+    out = _prune_dominated(_templates(state, dict(key), tstats))
+    state.template_sets[key] = out
+    return out, tstats["computed"]
+
+
+def _saturated(r: Resource, n_layers: int) -> int:
+    """GPUs of ``r`` above which the template rules see no difference: every template fits
+    (at most ``n_layers`` stages of at most a node each), every split of a depth between two
+    kinds fits, and neither the small-pool rules (:data:`_SMALL_POOL_GPUS`, :data:`_SPLIT_ALL`)
+    apply."""
+    return max(r[2] * n_layers, _SMALL_POOL_GPUS + 1, r[2] * (_SPLIT_ALL + 1))
+
+
+def _candidates(state: SearchState, allocs: Sequence[Allocation]) -> list[Candidate]:
+    sync = _sync_model(state)
+    seen: set[tuple[object, ...]] = set()
+    out: list[Candidate] = []
     for a in allocs:
         if a.key in seen:
             continue
         seen.add(a.key)
-        cands.append(Candidate(alloc=a, fast=fast_estimate(a, tables, sync, pricing)))
-    ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
-    forced = {a.key for a in extra}  # a replan always judges its warm start
-    ok.sort(
-        key=lambda c: (
-            c.alloc.key not in forced,
-            -_score(
-                objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour
-            ),
+        out.append(Candidate(alloc=a, fast=fast_estimate(a, state.tables, sync, state.pricing)))
+    return out
+
+
+def _simulate_candidate(
+    state: SearchState, c: Candidate, constraints: Constraints, plan_id: str
+) -> Candidate:
+    """``c`` with its plan, the simulator's estimate and the constraints it breaks."""
+    inputs = state.tables.inputs
+    gbs = inputs.model.global_batch_size
+    p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=plan_id, pricing=state.pricing)
+    try:
+        est = simulate(
+            p,
+            inputs.model,
+            inputs.profiles,
+            inputs.network,
+            inputs.prices,
+            calibration=inputs.calibration,
+            gpu_specs=inputs.gpu_specs,
+            spot=bool(inputs.spot),
         )
+    except (ProfileLookupError, KeyError, ValueError) as exc:
+        return Candidate(c.alloc, c.fast, None, p, (f"simulator: {exc}",))
+    viol = list(constraints.violations(est, c.fast.cost_per_hour))
+    if not est.fits_in_memory:
+        viol.append(f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
+    return Candidate(c.alloc, c.fast, est, p, tuple(viol))
+
+
+def _sim_score(objective: Objective, c: Candidate) -> float:
+    assert c.estimate is not None
+    return _score(
+        objective, c.estimate.throughput_iter_s, c.estimate.cost_per_iter_usd, c.fast.cost_per_hour
     )
+
+
+def _judge(
+    state: SearchState,
+    pool: Pool,
+    objective: Objective,
+    constraints: Constraints,
+    ok: Sequence[Candidate],
+    n_cands: int,
+    enough: Callable[[Sequence[Candidate], Sequence[Candidate]], bool],
+    limit: int,
+    moves_of: Callable[[Candidate], tuple[tuple[int, ...], int]],
+    previous: Plan | None,
+    prefer_less_movement: float,
+    top_k: int,
+    ub: float,
+    stats: SearchStats,
+    progress: Callable[[int], None] | None = None,
+    done: Callable[[], None] | None = None,
+) -> SearchResult:
+    """Simulate ``ok`` in order until ``enough`` (at most ``limit``), then rank the feasible
+    plans by the simulator's figures (within ``prefer_less_movement`` of the best, by the
+    layer replicas they move from ``previous``)."""
     judged: list[Candidate] = []
     feasible: list[Candidate] = []
-    budget = simulate_top
     idx = 0
-    gbs = inputs.model.global_batch_size
-    while (
-        idx < len(ok) and (len(feasible) < max(top_k, 1) or budget > 0) and idx < 6 * simulate_top
-    ):
-        c = ok[idx]
+    while idx < len(ok) and idx < limit:
+        cand = _simulate_candidate(state, ok[idx], constraints, f"sailor-{idx + 1}")
         idx += 1
-        budget -= 1
-        p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=f"sailor-{idx}", pricing=pricing)
-        try:
-            est = simulate(
-                p,
-                inputs.model,
-                inputs.profiles,
-                inputs.network,
-                inputs.prices,
-                calibration=inputs.calibration,
-                gpu_specs=inputs.gpu_specs,
-                spot=bool(inputs.spot),
-            )
-        except (ProfileLookupError, KeyError, ValueError) as exc:
-            judged.append(Candidate(c.alloc, c.fast, None, p, (f"simulator: {exc}",)))
-            continue
-        viol = list(constraints.violations(est, c.fast.cost_per_hour))
-        if not est.fits_in_memory:
-            viol.append(f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
-        cand = Candidate(c.alloc, c.fast, est, p, tuple(viol))
         judged.append(cand)
-        if not viol:
+        if cand.estimate is not None and not cand.violations:
             feasible.append(cand)
-            if c.alloc.key in forced and prefer_less_movement > 0 and ok:
-                # the warm start is within the tolerance of the best estimate: it moves the
-                # least state, so nothing else would be preferred; stop simulating
-                top = max(_fast_score(objective, x) for x in ok)
-                mine = _score(
-                    objective, est.throughput_iter_s, est.cost_per_iter_usd, c.fast.cost_per_hour
-                )
-                if mine >= top - abs(top) * prefer_less_movement:
-                    break
         if progress is not None:
-            progress(len(scenarios) + min(idx, simulate_top), total)
-    if progress is not None:
-        progress(total, total)
+            progress(idx)
+        if enough(judged, feasible):
+            break
+    if done is not None:
+        done()
     kept = judged + list(ok[idx:])
     if not feasible:
         if not ok:
             reason = (
                 "no allocation meets the constraints by the search's estimate "
-                f"({len(cands)} allocations looked at)"
+                f"({n_cands} allocations looked at)"
             )
         else:
             reasons = sorted({v for c in judged for v in c.violations})
             reason = "no simulated plan is feasible: " + "; ".join(reasons[:5])
-        return empty(reason, ub, kept)
+        return _empty(state, pool, objective, constraints, previous, reason, ub, kept)
 
-    def final_score(c: Candidate) -> float:
-        assert c.estimate is not None
-        return _score(
-            objective,
-            c.estimate.throughput_iter_s,
-            c.estimate.cost_per_iter_usd,
-            c.fast.cost_per_hour,
-        )
-
-    feasible.sort(key=lambda c: -final_score(c))
-    moves = {id(c): moved_layers(previous, c.plan) if c.plan else ((), 0) for c in feasible}
+    feasible.sort(key=lambda c: -_sim_score(objective, c))
+    moves = {id(c): moves_of(c) for c in feasible}
     if previous is not None and prefer_less_movement > 0:
-        top = final_score(feasible[0])
+        top = _sim_score(objective, feasible[0])
         span = abs(top) * prefer_less_movement
-        close = [c for c in feasible if final_score(c) >= top - span]
-        rest = [c for c in feasible if final_score(c) < top - span]
-        close.sort(key=lambda c: (moves[id(c)][1], -final_score(c)))
+        close = [c for c in feasible if _sim_score(objective, c) >= top - span]
+        rest = [c for c in feasible if _sim_score(objective, c) < top - span]
+        close.sort(key=lambda c: (moves[id(c)][1], -_sim_score(objective, c)))
         feasible = close + rest
     ranked: list[RankedPlan] = []
     for r, c in enumerate(feasible[:top_k]):
@@ -1001,14 +1300,6 @@ def search_with_tables(
                 explain=_explain(c, ub),
             )
         )
-    stats = SearchStats(
-        templates=len(templates),
-        allocations=len(cands),
-        simulated=len(judged),
-        pruned_memory=state.pruned_memory,
-        pruned_bound=pruned_bound,
-        notes=(f"{tstats['computed']} template DPs run, {len(scenarios)} scenarios",),
-    )
     return SearchResult(
         allocations=tuple(c.alloc for c in feasible[:top_k]),
         plans=tuple(ranked),
@@ -1017,7 +1308,7 @@ def search_with_tables(
         constraints=constraints,
         upper_bound_iter_s=ub,
         candidates=tuple(kept),
-        stats=stats,
+        stats=replace(stats, simulated=len(judged)),
         state=state,
         pool=pool,
         previous=previous,
