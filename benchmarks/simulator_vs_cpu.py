@@ -18,13 +18,25 @@
 4. For each plan (1-4 ranks: pipeline depths, uneven splits, microbatch sizes, two
    pipelines), run the real training framework with its local launcher
    (``megatron_patch.launch.launch_local``) through ``sailor.profiler.rss_worker`` (the
-   unchanged worker, plus its peak RSS growth), ``--repeats`` times; the measured step time
-   is the median of rank 0's ``step_s`` after ``--skip`` warm-up steps, the measured memory
-   the largest peak-RSS growth of any rank. Compare with ``simulate(method="replay")``.
+   unchanged worker, plus its peak RSS growth); the measured step time is the mean (or
+   median, ``--statistic``) of rank 0's ``step_s`` after ``--skip`` warm-up steps, the
+   measured memory the largest peak-RSS growth of any rank. Compare with
+   ``simulate(method="replay")``.
 
-Prints the machine, the load average before and after (this host is shared: other jobs
-make timings noisy), per-plan figures with the spread over repeats, and mean |error|.
-Never asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 12]``.
+Steps 1-4 are one **round**; ``--repeats`` rounds are run, each profiling again right
+before its plans: on this shared host the load (other jobs) moves the speed of everything
+2-3x within minutes, so a round compares a profile with runs under the same conditions.
+Per plan: the median over rounds of the measured time, of the prediction and of the error,
+with the errors' range.
+
+``--statistic mean`` (default): layer times, probe times, framework time and the measured
+step are means. A step is a sum of many layers and messages, so its expectation is the sum
+of their means; a sum of medians is biased low when the times are skewed by interference
+(they are: bimodal message latencies, 0.06 vs 2 ms).
+
+Prints the machine, the load average of each round, per-plan figures, per-phase times of
+rank 0 next to the simulator's breakdown, and mean / median / worst |error|. Never
+asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 12]``.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import torch
 
 from sailor import catalog
 from sailor.megatron_patch.launch import launch_local
+from sailor.profiler.collective_probe import collective_latencies
 from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
 from sailor.profiler.layers import LayerRun, device_description, profile_layers
 from sailor.profiler.network_probe import ProbeSettings, run_probe
@@ -102,9 +115,9 @@ def plans(spec: ModelSpec) -> list[Plan]:
 
 
 def _run_plan(
-    plan: Plan, model_file: Path, steps: int, skip: int, work: Path
+    plan: Plan, model_file: Path, steps: int, skip: int, work: Path, statistic: str
 ) -> tuple[float, dict[str, float], int]:
-    """(median step s, median phases of rank 0, max peak RSS growth bytes) of one real run.
+    """(central step s, median phases of rank 0, max peak RSS growth bytes) of one real run.
 
     Phases (the engine's ``StepResult``): ``compute`` = zeroing gradients + 1F1B + waiting
     for sends, ``sync`` = gradient all-reduces, ``optim`` = optimizer step, ``rest`` = the
@@ -130,25 +143,12 @@ def _run_plan(
         json.loads((work / f"rss-{r}.json").read_text())["growth_bytes"]
         for r in range(len(plan.ranks()))
     )
-    return statistics.median(steps_s), phases, int(growth)
+    central = statistics.fmean(steps_s) if statistic == "mean" else statistics.median(steps_s)
+    return central, phases, int(growth)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-gpt", help="catalog model")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--skip", type=int, default=3, help="warm-up steps not counted")
-    ap.add_argument("--statistic", default="median", help="profile central value: median or mean")
-    args = ap.parse_args()
-    spec = catalog.model(args.model)
-    print("== setup")
-    print(f"machine: {platform.platform()}, {device_description('cpu')}, {os.cpu_count()} cores")
-    print(f"python {platform.python_version()}, torch {torch.__version__}; 1 thread per rank")
-    print(f"profile statistic: {args.statistic}; {args.repeats} repeats of {args.steps} steps")
-    print(f"load average at start: {os.getloadavg()}")
-    print(f"model: {spec.model_dump_json()}")
-
+def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile]:
+    """Steps 1-2 of a round: layers, overheads, framework time, p2p and all-reduce probes."""
     t0 = time.time()
     db, _ = profile_layers(
         LayerRun(
@@ -156,42 +156,68 @@ def main() -> None:
             gpu_type="cpu",
             mbs=(1, 2, 4, 8),
             settings=RepeatSettings(),
-            statistic=args.statistic,
+            statistic=statistic,
         )
     )
-    print(f"\n== profile ({time.time() - t0:.0f} s)")
+    print(f"== profile ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
     for t in db.timings:
-        if t.layer in (0, 1, spec.num_all_layers - 1):
+        if t.layer in (0, 1, spec.num_all_layers - 1) and t.microbatch_size in (1, 8):
             print(
                 f"  mbs {t.microbatch_size} {t.kind:9s} fwd {t.fwd_s * 1e3:.3f} "
                 f"bwd {t.bwd_s * 1e3:.3f} update {t.update_s * 1e3:.3f} ms "
                 f"(± {t.fwd_spread_s * 1e3:.3f}/{t.bwd_spread_s * 1e3:.3f})"
             )
     for o in db.overheads:
-        print(f"  process overhead {o.bytes / MIB:.1f} MiB ({o.source})")
+        print(f"  process overhead {o.bytes / MIB:.1f} MiB")
     for f in db.framework:
         print(
             f"  framework time: {f.iteration_s * 1e3:.3f} ms per iteration, "
             f"{f.microbatch_s * 1e3:.3f} ms per microbatch, {f.sample_s * 1e6:.1f} us per "
-            f"sample ({f.source})"
+            "sample"
         )
-
     t0 = time.time()
     pts = run_probe(ProbeSettings(min_bytes=4 << 10, max_bytes=16 << 20))
-    pairs = [(p.nbytes, p.time.central(args.statistic)) for p in pts]
+    pairs = [(p.nbytes, p.time.central(statistic)) for p in pts]
     curve = fit_link(pairs)
     res = fit_residuals(curve, pairs)
     net = with_link(NetworkProfile(), EP, EP, curve, source="loopback probe")
-    print(f"\n== network probe ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
+    load = f", load {os.getloadavg()[0]:.2f}"
+    net = net.model_copy(
+        update={"collectives": tuple(collective_latencies(EP, (2, 3, 4), statistic, load=load))}
+    )
+    print(f"== network probe ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
     for p, r in zip(pts, res, strict=True):
-        print(
-            f"  {p.nbytes:>10,} B one-way {p.time.median_s * 1e3:7.3f} ms "
-            f"(mean {p.time.mean_s * 1e3:.3f}) "
-            f"(± {p.time.stdev_s * 1e3:.3f}) {p.gbps:6.3f} GB/s, fit {100 * r:+.0f}%"
-        )
-    print(f"  fit: {curve.model_dump_json()}")
-    print(f"  per-message latency {curve.latency_s * 1e3:.3f} ms")
+        if p.nbytes <= 64 << 10 or p.nbytes >= 8 << 20:
+            print(
+                f"  {p.nbytes:>10,} B one-way median {p.time.median_s * 1e3:7.3f} ms, "
+                f"mean {p.time.mean_s * 1e3:.3f} (± {p.time.stdev_s * 1e3:.3f}), "
+                f"fit {100 * r:+.0f}%"
+            )
+    print(
+        f"  p2p latency {curve.latency_s * 1e3:.3f} ms, peak {curve.max_gbps:.2f} GB/s; "
+        "all-reduce of 8 B: "
+        + ", ".join(f"{c.ranks} ranks {c.latency_s * 1e3:.3f} ms" for c in net.collectives)
+    )
+    return db, net
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny-gpt", help="catalog model")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of profile + all plans")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=3, help="warm-up steps not counted")
+    ap.add_argument(
+        "--statistic", default="mean", help="central value of profiles and steps: mean or median"
+    )
+    args = ap.parse_args()
+    spec = catalog.model(args.model)
+    print("== setup")
+    print(f"machine: {platform.platform()}, {device_description('cpu')}, {os.cpu_count()} cores")
+    print(f"python {platform.python_version()}, torch {torch.__version__}; 1 thread per rank")
+    print(f"statistic: {args.statistic}; {args.repeats} rounds; {args.steps} steps per run")
+    print(f"load average at start: {os.getloadavg()}")
+    print(f"model: {spec.model_dump_json()}")
     cal = Calibration(
         gpus=(
             GPUCalibration(
@@ -209,73 +235,78 @@ def main() -> None:
             GPUPrice(gpu_type="cpu", region="local", on_demand_usd_per_hour=0, spot_usd_per_hour=0),
         )
     )
-    _compare(spec, db, net, cal, prices, args)
-
-
-def _compare(
-    spec: ModelSpec,
-    db: ProfileDB,
-    net: NetworkProfile,
-    cal: Calibration,
-    prices: PriceTable,
-    args: argparse.Namespace,
-) -> None:
-    print("\n== plans: measured (median over repeats, [min..max]) vs simulated (replay)")
-    head = (
-        f"{'plan':16s} {'ranks':>5s} {'meas ms':>9s} {'spread':>17s} {'sim ms':>8s} "
-        f"{'err':>7s} {'meas MiB':>9s} {'sim MiB':>8s} {'err':>7s}"
-    )
-    print(head)
-    terr: list[float] = []
-    merr: list[float] = []
+    rows: dict[str, list[tuple[float, float, float, float, dict[str, float], str]]] = {}
     with tempfile.TemporaryDirectory(prefix="sailor-bench-") as tmp:
         model_file = Path(tmp) / "model.json"
         model_file.write_text(spec.model_dump_json())
-        for plan in plans(spec):
-            est = simulate(
-                plan,
-                spec,
-                db,
-                net,
-                prices,
-                calibration=cal,
-                gpu_specs=catalog.gpus(),
-                method="replay",
-            )
-            meas_t: list[float] = []
-            meas_m: list[int] = []
-            meas_p: list[dict[str, float]] = []
-            for rep in range(args.repeats):
-                work = Path(tmp) / f"{plan.plan_id}-{rep}"
-                t, ph, m = _run_plan(plan, model_file, args.steps, args.skip, work)
-                meas_t.append(t)
-                meas_m.append(m)
-                meas_p.append(ph)
-            t_med = statistics.median(meas_t)
-            m_med = statistics.median(meas_m)
-            et = (est.iteration_time_s - t_med) / t_med
-            em = (est.peak_memory_bytes - m_med) / m_med
-            terr.append(abs(et))
-            merr.append(abs(em))
-            spread = f"[{min(meas_t) * 1e3:.1f}..{max(meas_t) * 1e3:.1f}]"
-            print(
-                f"{plan.plan_id:16s} {len(plan.ranks()):5d} {t_med * 1e3:9.2f} {spread:>17s} "
-                f"{est.iteration_time_s * 1e3:8.2f} {100 * et:+6.1f}% {m_med / MIB:9.1f} "
-                f"{est.peak_memory_bytes / MIB:8.1f} {100 * em:+6.1f}%"
-            )
-            ph = {k: statistics.median(p[k] for p in meas_p) for k in PHASES}
-            tb = est.time
-            print(
-                "    rank 0 ms: "
-                + " ".join(f"{k} {v * 1e3:.2f}" for k, v in ph.items())
-                + f" | sim: pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "
-                f"(compute {tb.compute_s * 1e3:.2f}) sync+end {tb.grad_sync_s * 1e3:.2f} "
-                f"update {tb.update_s * 1e3:.2f}"
-            )
+        for rnd in range(args.repeats):
+            print(f"\n===== round {rnd + 1}/{args.repeats}, load {os.getloadavg()}")
+            db, net = _profile(spec, args.statistic)
+            for plan in plans(spec):
+                est = simulate(
+                    plan,
+                    spec,
+                    db,
+                    net,
+                    prices,
+                    calibration=cal,
+                    gpu_specs=catalog.gpus(),
+                    method="replay",
+                )
+                work = Path(tmp) / f"{plan.plan_id}-{rnd}"
+                t, ph, m = _run_plan(plan, model_file, args.steps, args.skip, work, args.statistic)
+                tb = est.time
+                sim = (
+                    f"pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "
+                    f"sync+end {tb.grad_sync_s * 1e3:.2f} update {tb.update_s * 1e3:.2f}"
+                )
+                rows.setdefault(plan.plan_id, []).append(
+                    (t, est.iteration_time_s, m, est.peak_memory_bytes, ph, sim)
+                )
+                print(
+                    f"  {plan.plan_id:16s} meas {t * 1e3:7.2f} ms sim "
+                    f"{est.iteration_time_s * 1e3:7.2f} ms "
+                    f"({100 * (est.iteration_time_s - t) / t:+6.1f}%), load "
+                    f"{os.getloadavg()[0]:.1f}"
+                )
+    _report(rows, args.repeats)
+
+
+def _report(
+    rows: dict[str, list[tuple[float, float, float, float, dict[str, float], str]]],
+    repeats: int,
+) -> None:
+    print("\n== plans: median over rounds (errors' range over rounds), simulated with replay")
     print(
-        f"\nmean |error|: step time {100 * statistics.fmean(terr):.1f}% "
-        f"(worst {100 * max(terr):.1f}%), peak memory {100 * statistics.fmean(merr):.1f}% "
-        f"(worst {100 * max(merr):.1f}%) over {len(terr)} plans, {args.repeats} repeats each"
+        f"{'plan':16s} {'meas ms':>8s} {'sim ms':>8s} {'err':>7s} {'err range':>17s} "
+        f"{'meas MiB':>9s} {'sim MiB':>8s} {'err':>7s}"
+    )
+    terr: list[float] = []
+    merr: list[float] = []
+    for pid, rs in rows.items():
+        errs = [(sim - t) / t for t, sim, *_ in rs]
+        et = statistics.median(errs)
+        em = statistics.median((sm - mm) / mm for _, _, mm, sm, _, _ in rs)
+        terr.append(abs(et))
+        merr.append(abs(em))
+        print(
+            f"{pid:16s} {statistics.median(r[0] for r in rs) * 1e3:8.2f} "
+            f"{statistics.median(r[1] for r in rs) * 1e3:8.2f} {100 * et:+6.1f}% "
+            f"{f'[{100 * min(errs):+.0f}..{100 * max(errs):+.0f}%]':>17s} "
+            f"{statistics.median(r[2] for r in rs) / MIB:9.1f} "
+            f"{statistics.median(r[3] for r in rs) / MIB:8.1f} {100 * em:+6.1f}%"
+        )
+        ph = {k: statistics.median(r[4][k] for r in rs) for k in PHASES}
+        print(
+            "    rank 0 ms: "
+            + " ".join(f"{k} {v * 1e3:.2f}" for k, v in ph.items())
+            + f" | sim (last round): {rs[-1][5]}"
+        )
+    print(
+        f"\n|error| over {len(terr)} plans, {repeats} rounds each: step time mean "
+        f"{100 * statistics.fmean(terr):.1f}% / median {100 * statistics.median(terr):.1f}% / "
+        f"worst {100 * max(terr):.1f}%; peak memory mean {100 * statistics.fmean(merr):.1f}% / "
+        f"median {100 * statistics.median(merr):.1f}% / worst {100 * max(merr):.1f}%"
     )
     print(f"load average at end: {os.getloadavg()}")
 

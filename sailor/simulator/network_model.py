@@ -12,7 +12,11 @@ ends. When a link is missing the fallbacks are, in order, and each is recorded i
 Intra-node transfers use the profile's intra-node curve of the GPU type, else the spec
 sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
 
-Every bandwidth is derated by the network efficiency η of the calibration. Pure: no I/O.
+Every bandwidth is derated by the network efficiency η of the calibration. A ring all-reduce
+pays the links' per-message latency at each of its ``2(n-1)`` steps, unless the network
+profile holds a measured all-reduce latency for the ring's endpoint kind
+(``NetworkProfile.collectives``): then it pays that once, plus the steps' bandwidth time.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -141,6 +145,10 @@ def ring_allreduce(
     ring = sorted(groups, key=lambda g: g.zone)
     buckets = max(1, math.ceil(elements_per_gpu / BUCKET_ELEMENTS))
     chunk = node_bytes / buckets / n
+    kinds = {
+        Endpoint(zone=g.zone, gpu_type=g.gpu_type, gpus_per_node=g.gpus_per_node) for g in ring
+    }
+    measured = network.collective_latency(next(iter(kinds)), n) if len(kinds) == 1 else None
     notes: list[str] = []
     step = 0.0
     crossings: list[tuple[str, str, float]] = []
@@ -149,11 +157,15 @@ def ring_allreduce(
         curve, note = inter_curve(network, a, b)
         if note:
             notes.append(note)
-        step = max(step, curve.transfer_time(chunk) / efficiency)
+        per_step = curve.transfer_time(chunk)
+        if measured is not None:
+            per_step -= curve.latency_s  # paid once per all-reduce below, as measured
+        step = max(step, per_step / efficiency)
         if a.zone != b.zone:
             crossings.append((a.zone, b.zone, 2.0 * (n - 1) * chunk * buckets))
+    fixed = 0.0 if measured is None else measured * buckets
     return AllReduce(
-        time_s=2.0 * (n - 1) * step * buckets,
+        time_s=2.0 * (n - 1) * step * buckets + fixed,
         cross_zone_bytes=tuple(crossings),
         notes=tuple(notes),
     )

@@ -131,3 +131,15 @@ def test_framework_time_on_the_real_engine() -> None:
     db = ProfileDB(model="tiny-gpt", framework=(ft,))
     assert db.framework_time("cpu") == ft
     assert db.framework_time("A100-40") is None
+
+
+def test_allreduce_latency_probe_between_gloo_processes() -> None:
+    from sailor.profiler.collective_probe import collective_latencies
+    from sailor.schemas import Endpoint
+
+    ep = Endpoint(zone="local", gpu_type="cpu", gpus_per_node=1)
+    (c,) = collective_latencies(ep, ranks=(2,), reps=10)
+    assert c.ranks == 2 and c.endpoint == ep
+    assert 0 < c.latency_s < 1.0
+    net = NetworkProfile(collectives=(c,))
+    assert net.collective_latency(ep, 2) == c.latency_s

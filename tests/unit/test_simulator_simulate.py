@@ -449,3 +449,36 @@ def test_tied_and_loss_allreduce_only_when_asked() -> None:
     a = simulate(one_stage, tied_model, PROFILES, net, PRICES)
     b = simulate(one_stage, tied_model, PROFILES, net, PRICES, calibration=both)
     assert b.iteration_time_s == pytest.approx(a.iteration_time_s)  # one rank: no ring
+
+
+def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
+    from sailor.schemas.network import CollectiveLatency
+    from sailor.simulator.network_model import ring_allreduce
+
+    ep = Endpoint(zone="z-a", gpu_type="A", gpus_per_node=2)
+    curve = BandwidthCurve(coeffs=(0, 0, 1.0), max_gbps=1.0, latency_s=2e-3)
+    link = Link(src=ep, dst=ep, curve=curve)
+    plain = NetworkProfile(links=(link,))
+    coll = CollectiveLatency(endpoint=ep, ranks=2, latency_s=0.5e-3)
+    measured = plain.model_copy(update={"collectives": (coll,)})
+    assert measured.collective_latency(ep, 2) == pytest.approx(0.5e-3)
+    assert measured.collective_latency(ep, 4) == pytest.approx(1.5e-3)  # 3x the ring steps
+    assert plain.collective_latency(ep, 2) is None
+    groups = [_rg(), _rg()]
+    nbytes = 1e6
+    # per-step p2p latency: 2 steps of (2 ms + 0.5 MB at 1 GB/s)
+    assert ring_allreduce(plain, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
+        2 * (2e-3 + 0.5e-3)
+    )
+    # measured: the all-reduce latency once, plus the steps' bandwidth time
+    assert ring_allreduce(measured, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
+        0.5e-3 + 2 * 0.5e-3
+    )
+    # a ring over two endpoint kinds has no measurement: per-step latency again
+    mixed = [_rg(), _rg(gpu="B")]
+    both = measured.model_copy(
+        update={
+            "links": (link, Link(src=ep, dst=ep.model_copy(update={"gpu_type": "B"}), curve=curve))
+        }
+    )
+    assert ring_allreduce(both, mixed, nbytes, 1e6, 1.0).time_s == pytest.approx(2 * 2.5e-3)
