@@ -217,14 +217,17 @@ def main() -> None:
     plain = base / "plain.bin"
     _plain_write(plain, nbytes, chunk)
     runs: dict[str, tuple[list[float], list[float]]] = {"fresh": ([], []), "into": ([], [])}
-    read_bytes = 0
+    cpu: dict[str, list[float]] = {"fresh": [], "into": [], "plain": []}
     read_bytes = sum(load_for_rank(LocalStorage(root), new, r, step=step).bytes_read for r in ranks)
     for rep in range(args.reps):
         for mode, (loads, plain_r) in runs.items():
             if rep % 2:
                 _evict(plain)
+                c0 = time.process_time()
                 plain_r.append(_plain_read(plain, read_bytes))
+                cpu["plain"].append(time.process_time() - c0)
             _evict(root)
+            c0 = time.process_time()
             t0 = time.perf_counter()
             got_bytes = 0
             for r in ranks:
@@ -232,10 +235,13 @@ def main() -> None:
                 got = load_for_rank(LocalStorage(root), new, r, step=step, into=into)
                 got_bytes += got.bytes_read
             loads.append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
             assert got_bytes == read_bytes
             if not rep % 2:
                 _evict(plain)
+                c0 = time.process_time()
                 plain_r.append(_plain_read(plain, read_bytes))
+                cpu["plain"].append(time.process_time() - c0)
     plain.unlink()
 
     # One stage of --stage-gb: snapshot + persist + commit.
@@ -265,6 +271,10 @@ def main() -> None:
     print(
         f"bytes read by the new layout: {read_bytes / GB:.3f} GB "
         f"({read_bytes / nbytes:.2f}x the checkpoint)"
+    )
+    print(
+        "CPU s of this process per load (user+sys, all threads; what a busy machine charges): "
+        + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in cpu.items())
     )
     per_gb = [x * 1e3 / (nbytes / GB) for x in snaps]
     later = per_gb[1:] or per_gb

@@ -1,10 +1,13 @@
 """How one tensor is laid out and checksummed inside a shard: major dim, row blocks, digests.
 
-Stored layout: the tensor with its TP dimension moved to the front
-(``t.movedim(major_dim, 0).contiguous()``; ``major_dim`` is ``tp_dim``, or 0 if replicated).
-Then the slice of any TP rank of any TP degree that divides the dimension is one contiguous
-byte range, so a loading rank range-reads exactly its slice, for column- (dim 0) and
-row-parallel (dim 1) weights alike.
+Stored layout: the tensor is cut along its TP dimension (``major_dim``; 0 if replicated)
+into blocks of ``block_rows`` indices of that dim, stored back to back. For ``major_dim`` 0
+that is the plain row-major tensor. For ``major_dim`` > 0 each block is a tile,
+``t.narrow(major_dim, first, block_rows)`` made contiguous (``TensorEntry.tiled``); before
+tiles the whole tensor was stored as ``t.movedim(major_dim, 0)`` (still read). Either way the
+slice of any TP rank of any TP degree that divides the dimension is one contiguous byte range
+of whole rows of the major dim, so a loading rank range-reads exactly its slice, for column-
+(dim 0) and row-parallel (dim 1) weights alike.
 
 Checksums: the stored bytes are cut into blocks of ``block_rows`` rows of the major dim (the
 last block may be shorter) and each block gets its own digest. A rank checks the blocks it

@@ -201,8 +201,35 @@ class _Placer:
     keep1: int
     cross: tuple[int, int, int] | None
 
+    def _place_tiles(self, chunk: torch.Tensor, a: int, b: int, lo: int, hi: int) -> None:
+        """Tiles (``TensorEntry.tiled``): each block is the tensor's own rows ``k..k+n`` of
+        its major dim, contiguous; copying its part of the slice is a row-segment gather."""
+        t = self.t
+        major, br = t.major_dim, t.block_rows
+        rows = rows_of(t.shape, major)
+        row_bytes = t.nbytes // rows
+        dtype = getattr(torch, t.dtype)
+        for k0 in range(a, b, br):
+            k1 = min(k0 + br, b)
+            t0, t1 = max(k0, lo), min(k1, hi)
+            if t1 <= t0:
+                continue
+            shape = list(t.shape)
+            shape[major] = k1 - k0
+            off = (k0 - a) * row_bytes
+            tile = chunk[off : off + (k1 - k0) * row_bytes].view(dtype).view(shape)
+            src = tile.narrow(major, t0 - k0, t1 - t0)
+            if self.cross is not None:
+                src = src.narrow(*self.cross)
+            self.dest.narrow(major, t0 - self.keep0, t1 - t0).copy_(src)
+
     def __call__(self, chunk: torch.Tensor, a: int, b: int, temp: Temp) -> None:
         t = self.t
+        if t.tiled and t.shape:
+            lo, hi = max(a, self.keep0), min(b, self.keep1)
+            if hi > lo:
+                self._place_tiles(chunk, a, b, lo, hi)
+            return
         stored = chunk.view(getattr(torch, t.dtype)).reshape(_stored_shape(t, b - a))
         if not t.shape:  # a 0-dim tensor is one row
             self.dest.copy_(stored)
@@ -216,8 +243,16 @@ class _Placer:
             src = rows.narrow(*self.cross) if self.cross is not None else rows
             self.dest.narrow(0, lo - self.keep0, hi - lo).copy_(src)
             return
-        # Stored with another major dim: transpose a piece at a time into a small contiguous
-        # buffer (cache-resident), then copy that into the destination's rows.
+        if (lo, hi) == (self.keep0, self.keep1) and self.dest.is_contiguous():
+            # The chunk is the whole slice: one transposing copy into a contiguous
+            # destination takes torch's blocked-transpose path (3.9 GB/s here for a
+            # 1024 x 762 slice, against 2.5 GB/s piece by piece).
+            src = rows.movedim(0, major)
+            self.dest.copy_(src.narrow(*self.cross) if self.cross is not None else src)
+            return
+        # Part of the slice: transpose a piece at a time into a small contiguous buffer
+        # (cache-resident), then copy that into the destination's rows; transposing straight
+        # into a column block of the destination ran at 0.5-2 GB/s here.
         row_bytes = max(1, rows[0].numel() * rows.element_size())
         step = max(1, _TRANSPOSE_BYTES // row_bytes)
         for r in range(0, hi - lo, step):
@@ -322,7 +357,10 @@ def _fetch_one(
     else:
         plan = ReadPlan(0, rows, 0, rows, 0)
     out = dest if dest is not None else torch.empty(want, dtype=getattr(torch, t.dtype))
-    exact = plan.exact and (ranged or not cut) and t.major_dim == 0
+    # Read straight into the destination when its bytes are exactly the rows read: always
+    # for a major dim of 0; for tiles, when the rows read are one tile (TP = block count).
+    one_tile = t.tiled and plan.row1 - plan.row0 <= t.block_rows
+    exact = plan.exact and (ranged or not cut) and (t.major_dim == 0 or one_tile)
     if exact and out.device.type == "cpu" and out.is_contiguous():
         return fetcher.fetch(reader, where, algorithm, t, plan, out, direct=_bytes_of(out))
     keep0, keep1, cross = 0, rows, None

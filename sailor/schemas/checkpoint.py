@@ -5,8 +5,9 @@ files hold nothing but raw tensor bytes, back to back; everything needed to read
 shape, dtype, byte offset, checksum, tensor-parallel dimension) lives here, so a reader of any
 layout can find, check and slice the tensors of the layers it owns without opening other files.
 
-Checksums (``sailor/checkpoint/blocks.py``): a tensor is stored with its TP dim first
-(``major_dim``) and checksummed per block of ``block_rows`` rows of that dim (``blocks``, with
+Checksums (``sailor/checkpoint/blocks.py``): a tensor is stored cut along its TP dim
+(``major_dim``; tiles in its own dim order if ``tiled``, else that dim moved first) and
+checksummed per block of ``block_rows`` rows of that dim (``blocks``, with
 the shard's ``checksum`` algorithm), so a rank reading only its TP slice checks only the
 blocks it reads. ``TensorEntry.sha256`` is then the SHA-256 over the raw block digests.
 Checkpoints written before blocks existed have ``block_rows == 0``, ``major_dim == 0`` and
@@ -73,6 +74,12 @@ class TensorEntry(Frozen):
     blocks: tuple[str, ...] = Field(
         default=(), description="Hex digest of each block, with the shard's checksum algorithm."
     )
+    tiled: bool = Field(
+        default=False,
+        description="If major_dim > 0: each block is stored as a tile in the tensor's own dim "
+        "order (t.narrow(major_dim, first row, block rows), contiguous), tiles back to back. "
+        "False: the whole tensor is stored as movedim(major_dim, 0) (older checkpoints).",
+    )
 
     @model_validator(mode="after")
     def _dim(self) -> TensorEntry:
@@ -93,6 +100,8 @@ class TensorEntry(Frozen):
                 )
         elif self.blocks:
             raise field_error("blocks", len(self.blocks), "given without block_rows")
+        if self.tiled and not self.block_rows:
+            raise field_error("tiled", self.tiled, "needs block_rows > 0 (tiles are blocks)")
         return self
 
     @property

@@ -192,7 +192,7 @@ def test_sha256_checkpoints_still_load_and_verify(tmp_path: Path, mode: str) -> 
             e["offset"] = sum(len(c) for c in chunks[:-1])
             e["sha256"] = hashlib.sha256(raw).hexdigest()
             digests.append(e["sha256"])
-            for f in ("major_dim", "block_rows", "blocks"):
+            for f in ("major_dim", "block_rows", "blocks", "tiled"):
                 del e[f]
         (d / shard.path).write_bytes(b"".join(chunks))
         root = hashlib.sha256(b"".join(bytes.fromhex(x) for x in digests)).hexdigest()
@@ -221,6 +221,77 @@ def test_sha256_checkpoints_still_load_and_verify(tmp_path: Path, mode: str) -> 
     assert t.name in verify(s, 1)[0]
     with pytest.raises(CorruptCheckpointError, match=t.name):
         load(s, [0], tp_rank=0, tp_size=2)
+
+
+def _rewrite_manifest(d: Path, doc: dict[str, object]) -> None:
+    raw_m = json.dumps(doc, indent=1).encode()
+    (d / MANIFEST).write_bytes(raw_m)
+    marker = json.loads((d / MARKER).read_text())
+    marker["manifest_sha256"] = hashlib.sha256(raw_m).hexdigest()
+    marker["manifest_size"] = len(raw_m)
+    (d / MARKER).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("chunk", [1, 4 << 20])
+def test_transposed_block_checkpoints_still_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Checkpoints written with blocks but before tiles stored a tensor with TP dim 1 whole,
+    as movedim(1, 0) (``tiled`` absent): they still verify and load for every TP degree."""
+    monkeypatch.setattr(fetch_mod, "READ_CHUNK", chunk)
+    monkeypatch.setattr(reader_mod, "_TRANSPOSE_BYTES", 16 << 10)
+    _save(tmp_path)
+    d = tmp_path / step_dir(1)
+    m = read_manifest(LocalStorage(tmp_path), 1)
+    shard = m.shards[0]
+    algo = shard.checksum
+    doc = json.loads((d / MANIFEST).read_text())
+    data = bytearray((d / shard.path).read_bytes())
+    full = _state()
+    for t, e in zip(shard.tensors, doc["shards"][0]["tensors"], strict=True):
+        del e["tiled"]
+        if not t.major_dim:
+            continue
+        raw = full[t.key].tensor(t.kind).movedim(t.major_dim, 0).contiguous().numpy().tobytes()
+        data[t.offset : t.offset + t.nbytes] = raw
+        row_bytes = t.nbytes // t.shape[t.major_dim]
+        step = t.block_rows * row_bytes
+        blocks = [
+            blocks_mod.digest(algo, memoryview(raw)[i : i + step]) for i in range(0, len(raw), step)
+        ]
+        e["blocks"] = blocks
+        e["sha256"] = blocks_mod.tensor_digest(blocks)
+    (d / shard.path).write_bytes(bytes(data))
+    digests = [e["sha256"] for e in doc["shards"][0]["tensors"]]
+    doc["shards"][0]["sha256"] = hashlib.sha256(
+        b"".join(bytes.fromhex(x) for x in digests)
+    ).hexdigest()
+    _rewrite_manifest(d, doc)
+    s = LocalStorage(tmp_path)
+    assert not any(t.tiled for t in read_manifest(s, 1).shards[0].tensors)
+    assert verify(s, 1) == []
+    for tp in (1, 2, 4):
+        for r in range(tp):
+            for dims in (None, {"0.row": 0}):
+                got = load(s, [0], tp_rank=r, tp_size=tp, tp_dims=dims)
+                for key, p in got.params.items():
+                    dim = (dims or {}).get(key, full[key].tp_dim)
+                    for k in KINDS:
+                        want = tp_slice(full[key].tensor(k), dim, r, tp)
+                        assert torch.equal(p.tensor(k), want), (tp, r, key, k)
+
+
+def test_tiles_of_one_block_are_read_straight_into_place(tmp_path: Path) -> None:
+    """TP = block count: the rank's slice of a tiled tensor is one tile, read into ``into``."""
+    _save(tmp_path)
+    row = read_manifest(LocalStorage(tmp_path), 1).shards[0].tensors
+    t = next(x for x in row if x.name == "0.row.weight")
+    assert t.tiled and t.major_dim == 1 and len(t.blocks) == 4
+    full = _state()["0.row"]
+    dest = {"0.row": full.map(lambda x: torch.zeros(4096, 16))}
+    for r in range(4):
+        got = load(LocalStorage(tmp_path), [0], tp_rank=r, tp_size=4, into=dest)
+        assert torch.equal(got.params["0.row"].weight, tp_slice(full.weight, 1, r, 4))
 
 
 def test_missing_algorithm_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
