@@ -20,10 +20,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from sailor.planner.pricing import GpuPricing, Resource
 from sailor.planner.tables import CostTables, Kind
 from sailor.planner.templates import PipelineTemplate
-from sailor.schemas import BandwidthCurve, Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas import BandwidthCurve, Endpoint, Pipeline, Plan, ReplicaGroup, Stage
 from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve
 
 __all__ = [
@@ -159,6 +161,71 @@ def _pack(
     return out
 
 
+class _Packer:
+    """:func:`fill_for_time` for one template list at many budgets: the per-template figures
+    as arrays, so that a budget costs a few numpy operations plus the packing loop."""
+
+    def __init__(
+        self,
+        templates: Sequence[PipelineTemplate],
+        caps: dict[Resource, int],
+        overhead: dict[int, float],
+        first: PipelineTemplate | None,
+        limit: int | None,
+    ) -> None:
+        self.templates = list(templates)
+        self.caps = caps
+        self.limit = limit
+        self.fill = np.array([t.fill_s for t in templates])
+        self.period = np.array([t.period_s for t in templates])
+        self.over = np.array([overhead[id(t)] for t in templates])
+        self.mbs = np.array([float(t.mbs) for t in templates])
+        self.gpus = np.array([float(t.gpus) for t in templates])
+        self.first = np.array([t is first for t in templates])
+        self.index = np.arange(len(self.templates))
+
+    def order(self, t_budget: float) -> tuple[np.ndarray, np.ndarray]:
+        """Templates that fit a microbatch in ``t_budget``, best first; samples per pipeline."""
+        t = t_budget - self.over
+        ok = t >= self.fill
+        # PipelineTemplate.max_microbatches, vectorized
+        m = np.where(ok, np.floor((t - self.fill) / self.period * (1 + 1e-12)) + 1, 0.0)
+        per = m * self.mbs
+        # with a cap on pipelines, the pipelines that cover the most samples go first
+        gain = per if self.limit is not None else per / self.gpus
+        key = np.where(self.first, -np.inf, -gain)
+        sel = self.index[ok & (m > 0)]
+        return sel[np.lexsort((sel, key[sel]))], per
+
+    def fill_for_time(
+        self, t_budget: float, enough: float | None = None
+    ) -> tuple[list[PipelineTemplate], float]:
+        """The pipelines packed within ``t_budget`` and the samples they cover; with
+        ``enough``, stop packing once that many samples are covered."""
+        order, per = self.order(t_budget)
+        left = dict(self.caps)
+        out: list[PipelineTemplate] = []
+        samples = 0.0
+        limit = self.limit
+        for i in order:
+            t = self.templates[int(i)]
+            need = t.gpus_by_resource()
+            n = min(left.get(r, 0) // k for r, k in need.items())
+            if limit is not None:
+                n = min(n, limit - len(out))
+            if n <= 0:
+                continue
+            for r, k in need.items():
+                left[r] -= n * k
+            out.extend([t] * n)
+            samples += n * float(per[i])
+            if enough is not None and samples >= enough:
+                break
+            if limit is not None and len(out) >= limit:
+                break
+        return out, samples
+
+
 def fill_for_time(
     templates: Sequence[PipelineTemplate],
     caps: dict[Resource, int],
@@ -169,19 +236,8 @@ def fill_for_time(
 ) -> tuple[list[PipelineTemplate], int]:
     """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others;
     at most ``limit`` pipelines), and the samples they cover."""
-    scored: list[tuple[float, int, PipelineTemplate]] = []
-    per: dict[int, int] = {}  # samples one pipeline of the template covers
-    for i, t in enumerate(templates):
-        m = t.max_microbatches(t_budget - overhead[id(t)])
-        if m > 0:
-            per[id(t)] = m * t.mbs
-            # with a cap on pipelines, the pipelines that cover the most samples go first
-            gain = m * t.mbs if limit is not None else m * t.mbs / t.gpus
-            scored.append((-math.inf if t is first else -gain, i, t))
-    scored.sort(key=lambda x: (x[0], x[1]))
-    chosen = _pack([t for *_, t in scored], caps, limit)
-    samples = sum(per[id(t)] for t in chosen)
-    return chosen, samples
+    chosen, samples = _Packer(templates, caps, overhead, first, limit).fill_for_time(t_budget)
+    return chosen, round(samples)
 
 
 def min_time_allocation(
@@ -197,10 +253,11 @@ def min_time_allocation(
     ``gbs`` samples; its pipelines."""
     if not templates:
         return None
-    lo = min(t.fill_s + overhead[id(t)] for t in templates)
+    packer = _Packer(templates, caps, overhead, first, limit)
+    lo = float(np.min(packer.fill + packer.over))
     hi = max(lo, 1e-6) * 2
     for _ in range(60):
-        chosen, s = fill_for_time(templates, caps, hi, overhead, first, limit)
+        _, s = packer.fill_for_time(hi, gbs)
         if s >= gbs:
             break
         if t_max is not None and hi > t_max:
@@ -208,15 +265,14 @@ def min_time_allocation(
         hi *= 2
     else:
         return None
-    best = chosen
     while hi - lo > 0.002 * hi:
         mid = (lo + hi) / 2
-        chosen, s = fill_for_time(templates, caps, mid, overhead, first, limit)
+        _, s = packer.fill_for_time(mid, gbs)
         if s >= gbs:
-            hi, best = mid, chosen
+            hi = mid
         else:
             lo = mid
-    return best
+    return packer.fill_for_time(hi)[0]
 
 
 def cheapest_for_time(
@@ -258,35 +314,53 @@ def assign_microbatches(
     """Spread ``gbs`` samples exactly: each microbatch to the pipeline that finishes it first.
 
     Returns None when the microbatch sizes cannot add up to ``gbs``. Pipelines left without
-    a microbatch are dropped.
+    a microbatch are dropped. Pipelines of one template finish their microbatches together,
+    so the merge runs over templates (ties: the template whose first pipeline comes first),
+    and a template that cannot take its next microbatches on all its pipelines gives them
+    to its first ones; one whose microbatch exceeds what is left never takes another.
     """
     if not pipes:
         return None
     sizes = sorted({t.mbs for t in pipes})
     if gbs % math.gcd(*sizes):
         return None
-    counts = [0] * len(pipes)
-    heap = [(t.fill_s + overhead[id(t)], i) for i, t in enumerate(pipes)]
+    group_of: dict[int, int] = {}
+    reps: list[PipelineTemplate] = []
+    members: list[list[int]] = []
+    for i, t in enumerate(pipes):
+        g = group_of.get(id(t))
+        if g is None:
+            g = group_of[id(t)] = len(reps)
+            reps.append(t)
+            members.append([])
+        members[g].append(i)
+    level = [0] * len(reps)  # microbatches every pipeline of the group has
+    partial: dict[int, int] = {}  # group -> its first pipelines that took one more
+    heap = [(t.fill_s + overhead[id(t)], members[g][0], g) for g, t in enumerate(reps)]
     heapq.heapify(heap)
     left = gbs
-    parked: list[tuple[float, int]] = []
     while left > 0:
         if not heap:
             return None
-        end, i = heapq.heappop(heap)
-        t = pipes[i]
+        end, first, g = heapq.heappop(heap)
+        t = reps[g]
         if t.mbs > left:
-            parked.append((end, i))
-            continue
-        counts[i] += 1
-        left -= t.mbs
-        heapq.heappush(heap, (end + t.period_s, i))
-        if parked and left > 0:
-            for p in parked:
-                heapq.heappush(heap, p)
-            parked.clear()
+            continue  # what is left only shrinks: this template is done
+        n = len(members[g])
+        if n * t.mbs <= left:
+            level[g] += 1
+            left -= n * t.mbs
+            heapq.heappush(heap, (end + t.period_s, first, g))
+        else:
+            partial[g] = left // t.mbs
+            left -= partial[g] * t.mbs
     if left:
         return None
+    counts = [0] * len(pipes)
+    for g, ms in enumerate(members):
+        extra = partial.get(g, 0)
+        for j, i in enumerate(ms):
+            counts[i] = level[g] + (1 if j < extra else 0)
     return [(t, c) for t, c in zip(pipes, counts, strict=True) if c > 0]
 
 
@@ -360,8 +434,10 @@ class SyncModel:
         efficiency: float,
     ) -> float:
         """:func:`sailor.simulator.network_model.ring_allreduce` over nodes given as runs of
-        (endpoint, nodes) in plan order: the ring sorts them by zone (stable) and a step lasts
-        as long as its slowest hop (one efficiency, the ring's lowest)."""
+        (endpoint, nodes) in plan order: the ring sorts them by zone (stable), a step lasts as
+        long as its slowest hop (one efficiency, the ring's lowest), and a measured all-reduce
+        latency of the endpoint kind, when every node is of one kind, replaces the per-step
+        link latency."""
         n = sum(c for _, c in runs)
         if n <= 1 or node_bytes <= 0:
             return 0.0
@@ -380,12 +456,21 @@ class SyncModel:
         hit = self._segments.get(memo)
         if hit is not None:
             return hit
+        measured = None
+        if len(merged) == 1:  # one endpoint kind: a measured all-reduce latency applies
+            k = merged[0][0]
+            end = Endpoint(zone=k.zone, gpu_type=k.gpu_type, gpus_per_node=k.gpus_per_node)
+            measured = self.tables.inputs.network.collective_latency(end, n)
         buckets = max(1, math.ceil(elements / BUCKET_ELEMENTS))
         chunk = node_bytes / buckets / n
         step = 0.0
         for a, b in pairs:
-            step = max(step, self._curve(a, b).transfer_time(chunk) / efficiency)
-        out = 2.0 * (n - 1) * step * buckets
+            curve = self._curve(a, b)
+            per_step = curve.transfer_time(chunk)
+            if measured is not None:
+                per_step -= curve.latency_s  # paid once per all-reduce, as measured
+            step = max(step, per_step / efficiency)
+        out = 2.0 * (n - 1) * step * buckets + (0.0 if measured is None else measured * buckets)
         self._segments[memo] = out
         return out
 

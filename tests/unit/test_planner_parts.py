@@ -3,6 +3,7 @@ microbatch assignment, replanning, moved layers, baselines."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -14,7 +15,8 @@ from sailor.planner.allocate import assign_microbatches
 from sailor.planner.baselines import heterogeneity_blind, megatron_grid
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import best_partitions, with_cuts
-from sailor.schemas import Pipeline, Plan, Stage
+from sailor.schemas import Endpoint, Pipeline, Plan, Stage
+from sailor.schemas.network import CollectiveLatency
 from sailor.simulator import simulate
 from sailor.simulator.lookup import layer_sizes
 from sailor.simulator.memory import stage_memory
@@ -177,12 +179,27 @@ def test_baselines_return_feasible_plans_no_better_than_the_planner(baseline: ob
         assert len({p.microbatch_size for p in r.plan.pipelines}) == 1
 
 
-@pytest.mark.parametrize("zones", [(ZONE,), (ZONE, "us-test1-b")])
-def test_closed_form_of_an_allocation_equals_the_simulator(zones: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("zones", "measured"), [((ZONE,), False), ((ZONE,), True), ((ZONE, "us-test1-b"), False)]
+)
+def test_closed_form_of_an_allocation_equals_the_simulator(
+    zones: tuple[str, ...], measured: bool
+) -> None:
     """The search's closed form follows the simulator's schedule (segment rings held by
-    different stages run side by side), so with blocking sends it predicts every simulated
-    plan's iteration time: the replan may rank by it and simulate only its choice."""
+    different stages run side by side; a measured all-reduce latency paid once per ring of
+    one endpoint kind), so with blocking sends it predicts every simulated plan's iteration
+    time: the replan may rank by it and simulate only its choice."""
     env = make_env(weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, zones=zones)
+    if measured:
+        colls = tuple(
+            CollectiveLatency(
+                endpoint=Endpoint(zone=ZONE, gpu_type=g, gpus_per_node=2), ranks=4, latency_s=2e-3
+            )
+            for g in ("fast", "slow")
+        )
+        env = dataclasses.replace(
+            env, network=env.network.model_copy(update={"collectives": colls})
+        )
     nodes = {("fast", z): 2 for z in zones} | {("slow", z): 4 for z in zones}
     res = search(**env.kw(), pool=make_pool(nodes), gpu_specs=env.specs, simulate_top=12)  # type: ignore[arg-type]
     judged = [c for c in res.candidates if c.estimate is not None]
