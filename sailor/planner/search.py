@@ -604,6 +604,7 @@ class _Scenario:
     gbs: int
     least: list[PipelineTemplate] | None = None
     least_done: bool = False
+    groups: dict[tuple[int, ...], list[PipelineTemplate]] | None = None
 
     @classmethod
     def of(
@@ -634,6 +635,12 @@ class _Scenario:
                 t.__dict__["_over"][key] = fresh[id(t)]
         over = {id(t): t.__dict__["_over"][key] for t in ts}
         return cls(scenario, ts, ring, n_guess, over, gbs)
+
+    def partitions(self) -> dict[tuple[int, ...], list[PipelineTemplate]]:
+        """:func:`_partition_groups` of the scenario's templates (computed once)."""
+        if self.groups is None:
+            self.groups = _partition_groups(self.ts)
+        return self.groups
 
     def least_time(self) -> list[PipelineTemplate] | None:
         if not self.least_done:
@@ -672,7 +679,7 @@ def _recipes(
     # the same on one shared partition: one set of sync segments (across GPU types too);
     # the best partition of each depth, best first
     best_per_depth: dict[int, list[PipelineTemplate]] = {}
-    for g in _partition_groups(ts).values():
+    for g in ctx.partitions().values():
         d = len(_cuts(g[0]))
         cur = best_per_depth.get(d)
         if cur is None or max(_rate(t) for t in g) > max(_rate(t) for t in cur):
@@ -725,7 +732,7 @@ def _run_recipe(
         picked = min_time_allocation(ts, sc, gbs, over, first=first)
         how = "least time, a pipeline spanning GPU types first"
     elif r.method == "group":
-        g = _partition_groups(ts).get(r.cuts)
+        g = ctx.partitions().get(r.cuts)
         if not g:
             return None
         picked = min_time_allocation(g, sc, gbs, over)
