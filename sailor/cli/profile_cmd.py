@@ -158,6 +158,12 @@ def layers_cmd(
         con.print(f"(blocks 2..{n - 3} are in the database, not shown)")
     for o in db.overheads:
         con.print(f"process overhead ({o.gpu_type}): {o.bytes / 2**20:.1f} MiB — {o.source}")
+    for f in db.framework:
+        con.print(
+            f"framework time ({f.gpu_type}): {f.iteration_s * 1e3:.3f} ms per iteration, "
+            f"{f.microbatch_s * 1e3:.3f} ms per microbatch, {f.sample_s * 1e6:.1f} us per "
+            "sample outside the layers"
+        )
     if not db.sizes:
         con.print(
             "[yellow]sizes not written: this device does not compute in the model's precision"
@@ -183,11 +189,23 @@ def network_cmd(
     bytes_per_size: int = typer.Option(256 << 20, help="Bytes to move per message size."),
     latency: bool = typer.Option(True, help="Fit a per-message latency before the curve."),
     statistic: str = typer.Option("median", help="Per-size time: median or mean (with stalls)."),
+    collectives: str = typer.Option(
+        "2,3,4",
+        help="Rank counts for the all-reduce latency probe, comma-separated ('' skips it).",
+    ),
 ) -> None:
-    """Point-to-point bandwidth vs message size between two gloo processes (loopback here)."""
+    """Point-to-point bandwidth vs message size between two gloo processes (loopback here).
+
+    Then the fixed cost of a tiny all-reduce among each of ``--collectives`` rank counts
+    (what the simulator charges a ring once, instead of the p2p latency per ring step).
+    """
+    from sailor.profiler.collective_probe import collective_latencies
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
     from sailor.profiler.network_probe import ProbeSettings, run_probe
 
+    ranks = _ints(collectives, "collectives") if collectives.strip() else ()
+    if any(n < 2 for n in ranks):
+        raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
     try:
         settings = ProbeSettings(
             min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size
@@ -215,6 +233,18 @@ def network_cmd(
     )
     old = load_model(out, NetworkProfile) if out.exists() else None
     net = with_link(old, src, dst, curve, intra=intra, source=source)
+    lats = []
+    if ranks:
+        with con.status(f"timing a tiny all-reduce among {', '.join(map(str, ranks))} ranks..."):
+            lats = collective_latencies(
+                src, ranks, statistic, load=f", load average {os.getloadavg()[0]:.2f}"
+            )
+        kept = tuple(
+            c for c in net.collectives if not (c.endpoint == src and c.ranks in set(ranks))
+        )
+        net = NetworkProfile.model_validate(
+            {**net.model_dump(), "collectives": [c.model_dump() for c in (*kept, *lats)]}
+        )
     write_json(net, out)
     t = Table(
         title=f"{src.zone}/{src.gpu_type}x{src.gpus_per_node} -> {dst.zone}/"
@@ -239,6 +269,8 @@ def network_cmd(
         f"mean |time error| {100 * statistics.fmean(abs(r) for r in resid):.1f}%; "
         f"load average {load:.2f}"
     )
+    for c in lats:
+        con.print(f"all-reduce latency among {c.ranks} ranks: {c.latency_s * 1e3:.3f} ms")
     con.print(f"written to {out}")
 
 

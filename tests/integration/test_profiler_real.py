@@ -112,11 +112,17 @@ def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
             "262144",
             "--bytes-per-size",
             "1048576",
+            "--collectives",
+            "2",
         ],
     )
     assert r.exit_code == 0, r.output
     net = NetworkProfile.model_validate_json(out.read_text())
     assert len(net.links) == 1 and net.links[0].src.gpu_type == "cpu"
+    assert [c.ranks for c in net.collectives] == [2]
+    assert net.collectives[0].latency_s > 0 and "all_reduce" in net.collectives[0].source
+    bad = CliRunner().invoke(app, ["profile", "network", "-o", str(out), "--collectives", "1"])
+    assert bad.exit_code != 0 and "--collectives='1'" in bad.output
 
 
 def test_framework_time_on_the_real_engine() -> None:
