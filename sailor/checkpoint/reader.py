@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -320,6 +320,9 @@ def load(
                         tp_rank, tp_size,
                     )  # fmt: skip
                     results.append((key, t, dim, fut))
+            # One wake-up when everything is in, not one per tensor: on a busy machine each
+            # wake-up of this thread waits for a time slice.
+            wait([fut for _k, _t, _d, fut in results])
             for key, t, dim, fut in results:
                 got.setdefault(key, {})[t.kind] = fut.result()
                 dims[key] = dim
