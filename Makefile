@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - set up and run the main job on the bundled example
 #   make test   - set up and run lint, types, layer contracts and the tests
+#   make chaos  - every chaos scenario (tests/chaos, docs/chaos.md) and their table
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck contracts pytest bench clean setup
+.PHONY: demo test lint typecheck contracts pytest bench chaos clean setup
 
 $(STAMP): pyproject.toml deploy/install-servers.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +35,13 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck contracts pytest
+
+# All chaos scenarios (make test runs the CI subset); the table is printed at the end.
+chaos: $(STAMP)
+	@echo "chaos: $$(date -u +%FT%TZ), $$(nproc) cores, load average $$(cut -d' ' -f1-3 /proc/loadavg)"
+	SAILOR_CHAOS=all SAILOR_CHAOS_TABLE=$$(mktemp /tmp/sailor-chaos-XXXXXX.jsonl) \
+		$(BIN)/pytest -q tests/chaos
+	@echo "chaos: done $$(date -u +%FT%TZ), load average $$(cut -d' ' -f1-3 /proc/loadavg)"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/simulator_accuracy.py
