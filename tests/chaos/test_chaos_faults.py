@@ -14,22 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import ChaosRun, Outcome
+from tests.chaos.harness import ChaosRun, verdict
 
 pytestmark = pytest.mark.chaos
-
-
-def verdict(out: Outcome, min_reconf: int) -> None:
-    detail = (
-        f"{out.scenario}: audit {out.audit_violations}, loss diff {out.max_loss_diff:.2e}, "
-        f"param diff {out.max_param_diff:.2e}@{out.params_step}, lost {out.steps_lost}\n"
-        + "\n".join(out.notes)
-    )
-    assert out.audit_ok, detail
-    assert out.losses_ok, detail
-    assert out.params_ok, detail
-    assert out.steps_lost == 0, detail
-    assert out.reconfigurations >= min_reconf, detail
 
 
 async def test_preemption_with_notice(tmp_path: Path) -> None:
@@ -114,7 +101,9 @@ async def _restart(run: ChaosRun, which: str, hard: bool) -> None:
     server = run.servers.nats if which == "nats" else run.servers.etcd
     run.fault(f"{'SIGKILL' if hard else 'SIGTERM'} {which}, down 1 s, restart")
     await asyncio.to_thread(server.restart, 1.0, hard)
-    await run.advance(gen, 10)  # training went on, nothing relaunched
+    # training went on, nothing relaunched; ~3 s of steps also let every client reconnect
+    # (a notice right after an etcd restart is test_notice_during_etcd_outage)
+    await run.advance(gen, 60)
     assert await run.generation() == gen
     out = await run.finish(gen, drain="n2")  # the control plane still reconfigures
     verdict(out, min_reconf=1)
@@ -150,3 +139,84 @@ async def test_partition_agent_from_servers(tmp_path: Path) -> None:
         gen = run.drive.view.generation
         out = await run.finish(gen, drain="n3")
     verdict(out, min_reconf=3)
+
+
+async def test_duplicate_delayed_and_reordered_events(tmp_path: Path) -> None:
+    """Events only wake the controller (level-triggered): none of these changes the layout."""
+    import time
+
+    from sailor.coordination import Keys, NatsEventBus, connect_nats
+    from sailor.schemas.events import Heartbeat, NodeJoined, NodeLeft, WorkerFailed
+    from sailor.schemas.hardware import NodeSpec
+
+    async with ChaosRun(tmp_path, "duplicate/delayed/reordered events") as run:
+        gen = await run.start(["n1", "n2"])
+        # n1's own login: what a confused (or replaying) agent n1 can publish
+        run.fault("12 duplicate, 300 s old and reordered events from n1's login")
+        sec = run.servers.security("n1")
+        nc = await connect_nats(run.servers.nats_url, "n1-replay", security=sec)
+        bus = NatsEventBus(nc, Keys(job=run.cluster.job), durable="unused", source="n1")
+        now = time.time()
+        spec = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="local-a", address="127.0.0.1")
+        joined = NodeJoined(event_id="chaos-join", node_id="n1", time=now, node=spec)
+        stale_left = NodeLeft(event_id="chaos-left-old", node_id="n1", time=now - 300, reason="x")
+        old_fail = WorkerFailed(
+            event_id="chaos-fail-old", node_id="n1", time=now - 300, plan_id="gone", cause="old"
+        )
+        beats = [
+            Heartbeat(event_id=f"chaos-beat-{i}", node_id="n1", time=now - i, step=i)
+            for i in range(5)
+        ]
+        try:
+            run.drive.note("same event twice under one msg id (stream dedup)")
+            assert await bus.publish("node_joined", joined.model_dump_json().encode(), "m-1")
+            assert not await bus.publish("node_joined", joined.model_dump_json().encode(), "m-1")
+            run.drive.note("same event id under new msg ids (controller dedup)")
+            for mid in ("m-2", "m-3"):
+                await bus.publish("node_joined", joined.model_dump_json().encode(), mid)
+            run.drive.note("delayed: a 300 s old NodeLeft and WorkerFailed of a live node")
+            await bus.publish("node_left", stale_left.model_dump_json().encode(), "m-4")
+            await bus.publish("worker_failed", old_fail.model_dump_json().encode(), "m-5")
+            run.drive.note("reordered: leave before join, heartbeats newest first")
+            left2 = stale_left.model_copy(update={"event_id": "chaos-left-2", "time": now + 1})
+            await bus.publish("node_left", left2.model_dump_json().encode(), "m-6")
+            join2 = joined.model_copy(update={"event_id": "chaos-join-2", "time": now})
+            await bus.publish("node_joined", join2.model_dump_json().encode(), "m-7")
+            for b in beats:
+                await bus.publish("heartbeat", b.model_dump_json().encode(), b.event_id)
+        finally:
+            await nc.close()
+        await run.advance(gen, 10)
+        assert await run.generation() == gen  # nothing was relaunched
+        recs = run.records()
+        assert sum(r.get("kind") == "event_duplicate" for r in recs) >= 2
+        out = await run.finish(gen, drain="n2")
+    verdict(out, min_reconf=1)
+
+
+@pytest.mark.chaos_long
+@pytest.mark.xfail(
+    strict=True,
+    reason="controller bug, reported in /work/notes/chaos-to-runtime.md: an event whose "
+    "handling fails (etcd unavailable) is not acked and comes back only after JetStream's "
+    "ack_wait (30 s), so a 30 s notice that arrives during an etcd outage is acted on after "
+    "its deadline: abort, relaunch from the last commit, the notice's checkpoint never made",
+)
+async def test_notice_during_etcd_outage(tmp_path: Path) -> None:
+    async with ChaosRun(tmp_path, "notice during etcd outage") as run:
+        gen = await run.start(["n1", "n2", "n3"])
+        node = sorted(run.placed())[-1]
+        run.fault(f"SIGKILL etcd; notice {node} (30 s) while it is down; etcd back after 2 s")
+        await asyncio.to_thread(run.servers.etcd.kill)
+        run.cluster.preempt(node, 30.0)
+        await asyncio.sleep(2.0)  # the outage itself is the fault: a fixed 2 s
+        await asyncio.to_thread(run.servers.etcd.start)
+        gen = await run.running_without({node})
+        run.reg.stop([f"agent-{node}"], grace_s=5.0)
+        recs = run.records()
+        # the notice was honoured: the layout without the node loaded a checkpoint taken
+        # after the notice, not the last commit from before it
+        launches = [r for r in recs if r.get("kind") == "phase" and r.get("phase") == "launch"]
+        assert launches and int(launches[-1]["load_step"]) > 0, launches[-1:]
+        out = await run.finish(gen, drain="n1")
+    verdict(out, min_reconf=2)

@@ -1,0 +1,310 @@
+"""Fuzzing: hypothesis-made malformed and hostile input on every subject and key daemons read.
+
+A running controller and agent (the in-process scenario harness of
+tests/integration/test_runtime_scenarios.py, sim workers, secure servers) receive:
+
+- on the event subjects the controller consumes (``sailor.<job>.events.<node>.<kind>``),
+  published with agent n1's own login (all an agent may publish on): random bytes, random
+  JSON, and events with one field made hostile (wrong types, huge or negative numbers, NaN,
+  unknown kinds and fields, a future schema version);
+- on the etcd keys the controller mirrors (``nodes/``, ``status/``, ``notices/``, ``ckpt/``):
+  the same kinds of values, written with the owning agent's certificate (its own keys) or
+  the operator's (the controller's keys);
+- on agent n1's command subject, with a controller's login (a buggy controller: only
+  controllers may publish commands): malformed commands, and well-formed ones addressed to
+  another node or carrying a stale epoch.
+
+Nothing may crash: the controller still leads and RUNNING, the agent still serves and its
+workers still step, ``sailor audit`` passes. Every rejection is on record: an
+``event_rejected`` audit record per malformed event (by its message id), a
+``record_rejected`` per malformed etcd value, and for a command a refusing ack plus the
+agent's ``command_refused`` log line. Examples are drawn with a fixed seed (``derandomize``),
+so a CI failure reproduces; the failing payload is in the assertion message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import Phase as HPhase
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from sailor.controller.audit import read_records
+from sailor.coordination import Keys, NatsCommands, NatsEventBus, connect_etcd, connect_nats
+from sailor.localservers import ADMIN, LocalServers
+from sailor.schemas.commands import CommandAdapter
+from sailor.schemas.events import EventAdapter
+from sailor.schemas.runtime import AgentStatus, CommandAck, CommitRecord, NoticeRecord, Phase
+from tests.integration.test_runtime_scenarios import Cluster
+
+pytestmark = [pytest.mark.chaos, pytest.mark.usefixtures("no_task_leak")]
+
+JOB = "chaos"
+KEYS = Keys(job=JOB)
+# examples per fuzzed input kind: 40 in CI (``make test``), 200 in ``make chaos``
+N_EXAMPLES = 200 if os.environ.get("SAILOR_CHAOS") == "all" else 40
+T = TypeVar("T")
+
+
+def draw(strategy: st.SearchStrategy[T], n: int) -> list[T]:
+    """``n`` examples of ``strategy``, the same ones on every run (fixed seed)."""
+    out: list[T] = []
+
+    @settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[HPhase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(x: T) -> None:
+        out.append(x)
+
+    collect()
+    return out[:n]
+
+
+_HOSTILE_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.just("x" * 5000),
+    st.just(math.inf),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+
+
+def _mutated(base: dict[str, Any]) -> st.SearchStrategy[bytes]:
+    """``base`` with one field replaced by a hostile value, dropped, or an unknown one added."""
+    keys = sorted(base)
+
+    def build(choice: int, key: str, value: Any) -> bytes:
+        d = dict(base)
+        if choice == 0:
+            d[key] = value
+        elif choice == 1:
+            d.pop(key, None)
+        else:
+            d[f"unknown_{key}"] = value
+        return json.dumps(d, allow_nan=True).encode()
+
+    return st.builds(build, st.integers(0, 2), st.sampled_from(keys), _HOSTILE_SCALARS)
+
+
+def _hostile(base: dict[str, Any]) -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.binary(max_size=200),
+        st.text(max_size=100).map(str.encode),
+        st.recursive(_HOSTILE_SCALARS, lambda c: st.lists(c, max_size=3), max_leaves=5).map(
+            lambda v: json.dumps(v, allow_nan=True).encode()
+        ),
+        _mutated(base),
+        _mutated(base),  # twice: near-valid input is where validation bugs hide
+    )
+
+
+def _valid(adapter_or_model: Any, data: bytes) -> bool:
+    try:
+        if hasattr(adapter_or_model, "validate_json"):
+            adapter_or_model.validate_json(data)
+        else:
+            adapter_or_model.model_validate_json(data)
+    except (ValidationError, ValueError):
+        return False
+    return True
+
+
+async def _until(ok: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not ok():
+        if loop.time() > end:
+            raise AssertionError(what())
+        await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def running(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path, servers, job=JOB)
+    try:
+        c.start_controller("c1")
+        c.start_agent("n1")
+        ctl = await c.wait_phase(Phase.RUNNING, 60)
+        await c.wait_step(ctl, ["n1"], 2, 30)
+        yield c
+    finally:
+        await c.close()
+
+
+async def _still_fine(c: Cluster) -> None:
+    """Nothing crashed: the leader is RUNNING, the agent's workers step on, the audit passes."""
+    ctl = c.controllers["c1"][0]
+    assert not c.controllers["c1"][1].done() and not c.agents["n1"][1].done()
+    assert ctl.leadership is not None and ctl.desired is not None
+    step = c.agents["n1"][0].supervisor.step
+    await c.wait_step(ctl, ["n1"], step + 2, 30)
+    assert c.controllers["c1"][0].desired.phase is Phase.RUNNING
+    c.audit()
+
+
+def _records(c: Cluster, kind: str) -> list[dict[str, Any]]:
+    return [r for r in read_records(sorted(c.tmp.glob("audit-*.jsonl"))) if r["kind"] == kind]
+
+
+async def test_fuzz_event_subjects(running: Cluster) -> None:
+    c = running
+    base = {
+        "kind": "node_joined",
+        "schema_version": 1,
+        "event_id": "e",
+        "node_id": "n1",
+        "time": 1.0,
+        "node": {"node_id": "n1", "gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"},
+    }
+    kinds = st.sampled_from(
+        ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat", "x", "é"]
+    )
+    payloads = draw(st.tuples(kinds, _hostile(base)), N_EXAMPLES)
+    nc = await connect_nats(c.nats_url, "fuzz-n1", security=c.security("n1"))
+    bad: dict[str, bytes] = {}
+    try:
+        bus = NatsEventBus(nc, KEYS, durable="unused", source="n1")
+        for i, (kind, data) in enumerate(payloads):
+            await bus.publish(kind, data, msg_id=f"fuzz-{i}")
+            if not _valid(EventAdapter, data):
+                bad[f"fuzz-{i}"] = data
+    finally:
+        await nc.close()
+    assert len(bad) >= N_EXAMPLES // 2  # the strategy does produce malformed events
+
+    def audited() -> set[str]:
+        return {str(r.get("msg_id")) for r in _records(c, "event_rejected")}
+
+    await _until(
+        lambda: set(bad) <= audited(),
+        30,
+        lambda: f"not audited: {[(m, bad[m][:80]) for m in sorted(set(bad) - audited())][:5]}",
+    )
+    await _still_fine(c)
+
+
+async def test_fuzz_etcd_keys(running: Cluster) -> None:
+    c = running
+    status = AgentStatus(node_id="n2", epoch=1, state="idle", time=1.0).model_dump(mode="json")
+    notice = NoticeRecord(node_id="n3", deadline=1.0, event_id="e").model_dump(mode="json")
+    commit = CommitRecord(step=999_999, directory="/ckpt").model_dump(mode="json")
+    node = {"node_id": "n2", "gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"}
+    # (key, writer, model the controller parses it with, base record)
+    targets = [
+        (KEYS.node("n2"), "n2", None, node),
+        (KEYS.status("n2"), "n2", AgentStatus, status),
+        (KEYS.notice("n3"), ADMIN, NoticeRecord, notice),
+        (KEYS.checkpoint(999_999), ADMIN, CommitRecord, commit),
+    ]
+    stores = {
+        w: await connect_etcd(c.etcd, security=c.security(w)) for w in {t[1] for t in targets}
+    }
+    try:
+        for key, writer, _model, base in targets:
+            values = draw(_hostile(base), N_EXAMPLES // 4)
+            last = b""
+            for data in values:
+                if data == last or _valid_record(key, data):
+                    continue  # an unchanged value is not re-read; a valid one is not a rejection
+                n_before = sum(r.get("key") == key for r in _records(c, "record_rejected"))
+                await stores[writer].put(key, data)
+                last = data
+                await _until(
+                    lambda k=key, n=n_before: (
+                        sum(r.get("key") == k for r in _records(c, "record_rejected")) > n
+                    ),
+                    15,
+                    lambda k=key, d=data: f"{k}: no record_rejected for {d[:120]!r}",
+                )
+    finally:
+        for s in stores.values():
+            await s.close()
+    await _still_fine(c)
+
+
+def _valid_record(key: str, data: bytes) -> bool:
+    from sailor.schemas.hardware import NodeSpec
+
+    model: Any = (
+        NodeSpec
+        if key.startswith(KEYS.nodes)
+        else AgentStatus
+        if key.startswith(KEYS.statuses)
+        else NoticeRecord
+        if key.startswith(KEYS.notices)
+        else CommitRecord
+    )
+    return _valid(model, data)
+
+
+async def test_fuzz_command_subject(running: Cluster) -> None:
+    c = running
+    agent = c.agents["n1"][0]
+    base = {"kind": "abort", "schema_version": 1, "command_id": "c", "epoch": 0, "node_id": "n1"}
+    payloads = draw(_hostile(base), N_EXAMPLES)
+    # well-formed but refused: another node's command, and a stale epoch
+    payloads.append(json.dumps({**base, "command_id": "other", "node_id": "n2"}).encode())
+    payloads.append(json.dumps({**base, "command_id": "stale", "epoch": 0}).encode())
+    nc = await connect_nats(c.nats_url, "fuzz-c2", security=c.security("c2"))
+    cmds = NatsCommands(nc, KEYS)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for data in payloads:
+                if _valid(CommandAdapter, data):
+                    cmd = CommandAdapter.validate_json(data)
+                    if cmd.node_id == "n1" and cmd.epoch >= agent.max_epoch:
+                        continue  # a valid current command from a controller is obeyed
+                raw = await cmds.request("n1", data, timeout=5.0)
+                ack = CommandAck.model_validate_json(raw)
+                assert not ack.accepted and ack.reason, (data[:120], ack)
+        refused = [e for e in logs if e.get("event") == "command_refused"]
+        sent = sum(1 for _ in refused)
+        assert sent >= len(payloads) - 1, (sent, len(payloads))
+    finally:
+        await cmds.close()
+        await nc.close()
+    await _still_fine(c)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="controller bug, reported in /work/notes/chaos-to-runtime.md: a well-formed record "
+    "under another node's key (nodes/n2 holding n1's spec) is dropped without an audit record "
+    "(ObservedCache.snapshot filters key != prefix + node_id silently)",
+)
+async def test_record_under_another_nodes_key_is_audited(running: Cluster) -> None:
+    c = running
+    from sailor.schemas.hardware import NodeSpec
+
+    spec = NodeSpec(node_id="n1", gpu_type="A100-40", gpus=1, zone="z-a-1", address="127.0.0.1")
+    store = await connect_etcd(c.etcd, security=c.security("n2"))
+    try:
+        await store.put(KEYS.node("n2"), spec.model_dump_json().encode())  # n2's own key
+        await _until(
+            lambda: any(r.get("key") == KEYS.node("n2") for r in _records(c, "record_rejected")),
+            10,
+            lambda: "nodes/n2 holding n1's spec was not audited",
+        )
+    finally:
+        await store.close()
+    await _still_fine(c)
