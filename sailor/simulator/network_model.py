@@ -34,6 +34,7 @@ __all__ = [
     "FALLBACK_SAME_REGION_GBPS",
     "FALLBACK_SAME_ZONE_GBPS",
     "AllReduce",
+    "LinkCurves",
     "inter_curve",
     "intra_curve",
     "ring_allreduce",
@@ -115,6 +116,39 @@ def intra_curve(
     )
 
 
+class LinkCurves:
+    """The curve lookups of one simulation, each worked out once.
+
+    :func:`inter_curve` depends only on the (zone, GPU type, GPUs per node) of both ends and
+    :func:`intra_curve` on (GPU type, GPUs): a plan of hundreds of pipelines asks for the same
+    few pairs thousands of times (every stage boundary, every step of every ring), and each
+    answer builds its endpoints and, without a measured link, a fallback curve. Holds only
+    what ``network`` and ``specs`` give; meant to live for one simulation.
+    """
+
+    def __init__(self, network: NetworkProfile, specs: Mapping[str, GPUSpec]) -> None:
+        self.network = network
+        self.specs = specs
+        self._inter: dict[tuple[str, str, int, str, str, int], tuple[BandwidthCurve, str]] = {}
+        self._intra: dict[tuple[str, int], tuple[BandwidthCurve, str]] = {}
+
+    def inter(self, a: ReplicaGroup, b: ReplicaGroup) -> tuple[BandwidthCurve, str]:
+        """:func:`inter_curve` of ``a`` and ``b``."""
+        key = (a.zone, a.gpu_type, a.gpus_per_node, b.zone, b.gpu_type, b.gpus_per_node)
+        hit = self._inter.get(key)
+        if hit is None:
+            hit = self._inter[key] = inter_curve(self.network, a, b)
+        return hit
+
+    def intra(self, gpu_type: str, gpus: int) -> tuple[BandwidthCurve, str]:
+        """:func:`intra_curve` of ``gpus`` GPUs of ``gpu_type``."""
+        key = (gpu_type, gpus)
+        hit = self._intra.get(key)
+        if hit is None:
+            hit = self._intra[key] = intra_curve(self.network, gpu_type, gpus, self.specs)
+        return hit
+
+
 @dataclass(frozen=True)
 class AllReduce:
     """A ring all-reduce: its time, and the bytes each zone pair carries."""
@@ -130,6 +164,8 @@ def ring_allreduce(
     node_bytes: float,
     elements_per_gpu: float,
     efficiency: float,
+    *,
+    links: LinkCurves | None = None,
 ) -> AllReduce:
     """Ring all-reduce of ``node_bytes`` per node among the nodes of ``groups``.
 
@@ -137,35 +173,46 @@ def ring_allreduce(
     NICs, so one step moves ``node_bytes / n`` per node over the node-level curve. A step
     lasts as long as the slowest link of the ring; a ring has ``2(n-1)`` steps. The ring
     visits the zones in order, so it crosses each zone boundary once. Gradients go in
-    buckets of :data:`BUCKET_ELEMENTS` elements, one after the other.
+    buckets of :data:`BUCKET_ELEMENTS` elements, one after the other. Each distinct pair of
+    neighbours is priced once (``links`` shares the lookups across rings); each note is
+    listed once, in ring order.
     """
     n = len(groups)
     if n <= 1 or node_bytes <= 0:
         return AllReduce(0.0, (), ())
+    links = links if links is not None else LinkCurves(network, {})
     ring = sorted(groups, key=lambda g: g.zone)
     buckets = max(1, math.ceil(elements_per_gpu / BUCKET_ELEMENTS))
     chunk = node_bytes / buckets / n
-    kinds = {
-        Endpoint(zone=g.zone, gpu_type=g.gpu_type, gpus_per_node=g.gpus_per_node) for g in ring
-    }
-    measured = network.collective_latency(next(iter(kinds)), n) if len(kinds) == 1 else None
+    kinds = [(g.zone, g.gpu_type, g.gpus_per_node) for g in ring]
+    measured = None
+    if len(set(kinds)) == 1:
+        zone, gpu_type, gpus = kinds[0]
+        ep = Endpoint(zone=zone, gpu_type=gpu_type, gpus_per_node=gpus)
+        measured = network.collective_latency(ep, n)
+    # neighbour pairs by kind, first occurrence first (the order of the notes)
+    pairs: dict[tuple[tuple[str, str, int], tuple[str, str, int]], int] = {}
+    for i, pair in enumerate(zip(kinds, kinds[1:] + kinds[:1], strict=True)):
+        pairs.setdefault(pair, i)
     notes: list[str] = []
     step = 0.0
-    crossings: list[tuple[str, str, float]] = []
-    for i, a in enumerate(ring):
-        b = ring[(i + 1) % n]
-        curve, note = inter_curve(network, a, b)
-        if note:
+    for i in pairs.values():
+        curve, note = links.inter(ring[i], ring[(i + 1) % n])
+        if note and note not in notes:
             notes.append(note)
         per_step = curve.transfer_time(chunk)
         if measured is not None:
             per_step -= curve.latency_s  # paid once per all-reduce below, as measured
         step = max(step, per_step / efficiency)
-        if a.zone != b.zone:
-            crossings.append((a.zone, b.zone, 2.0 * (n - 1) * chunk * buckets))
+    crossed = 2.0 * (n - 1) * chunk * buckets
+    crossings = tuple(
+        (za, zb, crossed)
+        for (za, _, _), (zb, _, _) in zip(kinds, kinds[1:] + kinds[:1], strict=True)
+        if za != zb
+    )
     fixed = 0.0 if measured is None else measured * buckets
     return AllReduce(
         time_s=2.0 * (n - 1) * step * buckets + fixed,
-        cross_zone_bytes=tuple(crossings),
+        cross_zone_bytes=crossings,
         notes=tuple(notes),
     )

@@ -19,11 +19,17 @@ The model (docs/simulator-model.md) follows what the training framework does on 
    replica group's own ``spot`` flag, else on-demand unless ``spot=True``) + cross-zone bytes
    at the egress price.
 
+The model's work is done once per distinct pipeline of a plan (alike pipelines share their
+figures) and link curves are looked up once per pair of endpoint kinds; what is left per
+stage is bookkeeping and the answer's own rows, validated in one pass.
+
 Pure: takes frozen values and returns one; no I/O, no clock, no globals.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -31,22 +37,23 @@ from typing import Literal
 from sailor.schemas import (
     Calibration,
     Estimate,
+    GPUCalibration,
     GPUSpec,
     LayerSize,
     MemoryBreakdown,
     ModelSpec,
     NetworkProfile,
+    Pipeline,
     Plan,
     PriceTable,
     ProfileDB,
-    StageTime,
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
 from sailor.schemas.profile import FrameworkTime
 from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
-from sailor.simulator.network_model import AllReduce, inter_curve, intra_curve, ring_allreduce
+from sailor.simulator.network_model import AllReduce, LinkCurves, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
 
 __all__ = ["Method", "Timeline", "simulate", "simulate_with_timeline"]
@@ -78,6 +85,27 @@ class _Stage:
     """Framework time per microbatch outside the layers (schedule step, data)."""
 
 
+_StageKey = tuple[int, int, str, int, int, str]
+"""(first layer, last layer, GPU type, TP, GPUs per node, zone) of a stage."""
+_PipeKey = tuple[int, tuple[_StageKey, ...], tuple[bool, ...]]
+"""A pipeline's microbatch size, stages, and which consecutive stages share a node."""
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """The per-microbatch figures of every pipeline with one :data:`_PipeKey`."""
+
+    row: tuple[_Stage, ...]
+    fs: tuple[float, ...]
+    bs: tuple[float, ...]
+    delay: tuple[float, ...]
+    crossings: tuple[tuple[str, str, float, float], ...]
+    """(sender zone, receiver zone, forward bytes, backward bytes) of each cross-zone link,
+    per microbatch."""
+    stage_of_layer: tuple[int, ...]
+    stages: tuple[_StageKey, ...]
+
+
 class _Notes:
     def __init__(self) -> None:
         self.items: dict[str, None] = {}
@@ -86,6 +114,54 @@ class _Notes:
         for n in notes:
             if n:
                 self.items[n] = None
+
+
+class _Inputs:
+    """One simulation's inputs and lookups: profile tables, layer sizes, link curves and
+    per-GPU-type constants, each worked out on first use; the notes in the order they arose."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        profiles: ProfileDB,
+        network: NetworkProfile,
+        cal: Calibration,
+        specs: Mapping[str, GPUSpec],
+    ) -> None:
+        self.model = model
+        self.profiles = profiles
+        self.cal = cal
+        self.specs = specs
+        self.links = LinkCurves(network, specs)
+        self.notes = _Notes()
+        self.uses_estimates = network.estimated
+        self.tables: dict[tuple[str, int, int], StageCosts] = {}
+        self.sizes_by_tp: dict[int, tuple[LayerSize, ...]] = {}
+        self._gcal: dict[str, GPUCalibration] = {}
+        self._framework: dict[str, FrameworkTime] = {}
+
+    def gcal(self, gpu_type: str) -> GPUCalibration:
+        c = self._gcal.get(gpu_type)
+        if c is None:
+            c = self._gcal[gpu_type] = self.cal.for_gpu(gpu_type)
+        return c
+
+    def framework(self, gpu_type: str) -> FrameworkTime:
+        """The framework time measured for ``gpu_type``, else zero (imported profiles)."""
+        f = self._framework.get(gpu_type)
+        if f is None:
+            f = self.profiles.framework_time(gpu_type) or _NO_FRAMEWORK_TIME
+            self._framework[gpu_type] = f
+        return f
+
+    def sizes(self, tp: int) -> tuple[LayerSize, ...]:
+        sz = self.sizes_by_tp.get(tp)
+        if sz is None:
+            sz, notes = layer_sizes(self.profiles, self.model, tp)
+            self.sizes_by_tp[tp] = sz
+            self.notes.add(*notes)
+            self.uses_estimates |= any(z.source == "estimated" for z in sz)
+        return sz
 
 
 def simulate(
@@ -108,7 +184,9 @@ def simulate(
     :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has neither a profile
     nor a spec, ``KeyError`` if it has no price.
     """
-    return _run(plan, model, profiles, network, prices, calibration, gpu_specs, method, spot)[0]
+    return _run(
+        plan, model, profiles, network, prices, calibration, gpu_specs, method, spot, False
+    )[0]
 
 
 def simulate_with_timeline(
@@ -123,10 +201,92 @@ def simulate_with_timeline(
     spot: bool = False,
 ) -> tuple[Estimate, Timeline]:
     """:func:`simulate` with the replay, plus every forward and backward on every stage."""
-    est, tl = _run(plan, model, profiles, network, prices, calibration, gpu_specs, "replay", spot)
+    est, tl = _run(
+        plan, model, profiles, network, prices, calibration, gpu_specs, "replay", spot, True
+    )
     if tl is None:
         raise RuntimeError("replay produced no timeline")
     return est, tl
+
+
+def _pipe_key(p: Pipeline) -> _PipeKey:
+    stages = p.stages
+    reps = [s.replica for s in stages]
+    return (
+        p.microbatch_size,
+        tuple(
+            (s.first_layer, s.last_layer, r.gpu_type, r.tp, r.gpus_per_node, r.zone)
+            for s, r in zip(stages, reps, strict=True)
+        ),
+        tuple(bool(a.node_id) and a.node_id == b.node_id for a, b in itertools.pairwise(reps)),
+    )
+
+
+def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
+    """Compute and transfers per stage of ``p``, per microbatch (independent of its count)."""
+    model, cal = inp.model, inp.cal
+    row: list[_Stage] = []
+    for s in p.stages:
+        r = s.replica
+        key = (r.gpu_type, r.tp, p.microbatch_size)
+        table = inp.tables.get(key)
+        if table is None:
+            table = layer_table(inp.profiles, model, inp.gcal(r.gpu_type), inp.specs, *key)
+            inp.tables[key] = table
+            inp.notes.add(*table.notes)
+        sizes = inp.sizes(r.tp)
+        costs = table.layers[s.first_layer : s.last_layer + 1]
+        inp.uses_estimates |= any(c.estimated for c in costs)
+        ft = inp.framework(r.gpu_type)
+        # stages that read the data: the first (inputs) and the last (labels)
+        reads = s.first_layer == 0 or s.last_layer == model.num_all_layers - 1
+        row.append(
+            _Stage(
+                f=sum(c.fwd_s for c in costs),
+                b=sum(c.bwd_s for c in costs),
+                u=sum(c.update_s for c in costs),
+                send_f=0.0,
+                send_b=0.0,
+                sizes=sizes[s.first_layer : s.last_layer + 1],
+                fw=ft.microbatch_s + (p.microbatch_size * ft.sample_s if reads else 0.0),
+            )
+        )
+    crossings: list[tuple[str, str, float, float]] = []
+    for i in range(len(row) - 1):
+        a, b = p.stages[i].replica, p.stages[i + 1].replica
+        out = p.microbatch_size * row[i].sizes[-1].output_bytes_per_sample
+        eff = min(inp.gcal(a.gpu_type).network_efficiency, inp.gcal(b.gpu_type).network_efficiency)
+        same_node = bool(a.node_id) and a.node_id == b.node_id
+        if same_node:
+            curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node)
+        else:
+            curve, note = inp.links.inter(a, b)
+        inp.notes.add(note)
+        inp.uses_estimates |= note.startswith("no link") or note.startswith("no intra")
+        gather = 0.0
+        if b.tp > 1:
+            gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
+            inp.notes.add(gnote)
+            gather = gcurve.transfer_time(out)
+        # each of the a.tp sender GPUs sends 1/tp of the output (+ the unsplit mask);
+        # they send at once over the node's NICs: node-level bytes on the node curve
+        node_f = a.tp * (out / a.tp + mask)
+        node_b = float(out)
+        t_f = curve.transfer_time(node_f) / eff + gather
+        t_b = curve.transfer_time(node_b) / eff + gather
+        row[i] = _replace(row[i], send_f=t_f, send_b=t_b)
+        if a.zone != b.zone:
+            crossings.append((a.zone, b.zone, node_f, node_b))
+    fs, bs, delay = _per_microbatch(row, cal.blocking_p2p)
+    return _Kind(
+        row=tuple(row),
+        fs=tuple(fs),
+        bs=tuple(bs),
+        delay=tuple(delay),
+        crossings=tuple(crossings),
+        stage_of_layer=tuple(si for si, s in enumerate(p.stages) for _ in s.layers),
+        stages=pkey[1],
+    )
 
 
 def _run(
@@ -139,7 +299,15 @@ def _run(
     gpu_specs: Mapping[str, GPUSpec] | None,
     method: Method,
     spot: bool,
+    timeline: bool,
 ) -> tuple[Estimate, Timeline | None]:
+    # Pipelines alike in everything the model reads (microbatch size, stages' layers, GPU
+    # type, TP, node shape, zone, which neighbours share a node; and the microbatch count
+    # for the schedule, the in-flight count for memory) get the same figures, so each is
+    # worked out once per distinct pipeline (a 512-node plan has ~340 pipelines of 2-3
+    # kinds). Sums over stages and pipelines still run one by one in plan order, so the
+    # answer is bit for bit that of pricing every stage on its own
+    # (tests/unit/test_simulator_golden.py).
     if plan.num_layers != model.num_all_layers:
         raise ValueError(
             f"plan.num_layers={plan.num_layers}: model {model.name} has "
@@ -149,124 +317,87 @@ def _run(
         raise ValueError(f"method={method!r}: use 'closed_form' or 'replay'")
     cal = calibration or Calibration()
     specs = gpu_specs or {}
-    notes = _Notes()
-    uses_estimates = network.estimated
-    tables: dict[tuple[str, int, int], StageCosts] = {}
-    sizes_by_tp: dict[int, tuple[LayerSize, ...]] = {}
+    inp = _Inputs(model, profiles, network, cal, specs)
+    notes = inp.notes
     mask = _MASK_BYTES_PER_ELEMENT * model.seq_length**2 if cal.sends_attention_mask else 0
+    pipelines = plan.pipelines
 
-    # --- per-stage compute and transfers -------------------------------------------------
-    stages: list[list[_Stage]] = []
+    # --- per-stage compute and transfers, once per distinct pipeline ---------------------
+    by_key: dict[_PipeKey, _Kind] = {}
+    kinds: list[_Kind] = []
     egress_bytes: dict[tuple[str, str], float] = {}
-    for p in plan.pipelines:
-        row: list[_Stage] = []
-        for s in p.stages:
-            r = s.replica
-            key = (r.gpu_type, r.tp, p.microbatch_size)
-            if key not in tables:
-                tables[key] = layer_table(profiles, model, cal.for_gpu(r.gpu_type), specs, *key)
-                notes.add(*tables[key].notes)
-            if r.tp not in sizes_by_tp:
-                sizes_by_tp[r.tp], n_sz = layer_sizes(profiles, model, r.tp)
-                notes.add(*n_sz)
-                uses_estimates |= any(z.source == "estimated" for z in sizes_by_tp[r.tp])
-            costs = tables[key].layers[s.first_layer : s.last_layer + 1]
-            uses_estimates |= any(c.estimated for c in costs)
-            ft = _framework(profiles, r.gpu_type)
-            # stages that read the data: the first (inputs) and the last (labels)
-            reads = s.first_layer == 0 or s.last_layer == model.num_all_layers - 1
-            row.append(
-                _Stage(
-                    f=sum(c.fwd_s for c in costs),
-                    b=sum(c.bwd_s for c in costs),
-                    u=sum(c.update_s for c in costs),
-                    send_f=0.0,
-                    send_b=0.0,
-                    sizes=sizes_by_tp[r.tp][s.first_layer : s.last_layer + 1],
-                    fw=ft.microbatch_s + (p.microbatch_size * ft.sample_s if reads else 0.0),
-                )
-            )
-        for i in range(len(row) - 1):
-            a, b = p.stages[i].replica, p.stages[i + 1].replica
-            out = p.microbatch_size * row[i].sizes[-1].output_bytes_per_sample
-            eff = min(
-                cal.for_gpu(a.gpu_type).network_efficiency,
-                cal.for_gpu(b.gpu_type).network_efficiency,
-            )
-            same_node = bool(a.node_id) and a.node_id == b.node_id
-            if same_node:
-                curve, note = intra_curve(network, a.gpu_type, a.gpus_per_node, specs)
-            else:
-                curve, note = inter_curve(network, a, b)
-            notes.add(note)
-            uses_estimates |= note.startswith("no link") or note.startswith("no intra")
-            gather = 0.0
-            if b.tp > 1:
-                gcurve, gnote = intra_curve(network, b.gpu_type, b.tp, specs)
-                notes.add(gnote)
-                gather = gcurve.transfer_time(out)
-            # each of the a.tp sender GPUs sends 1/tp of the output (+ the unsplit mask);
-            # they send at once over the node's NICs: node-level bytes on the node curve
-            node_f = a.tp * (out / a.tp + mask)
-            node_b = float(out)
-            t_f = curve.transfer_time(node_f) / eff + gather
-            t_b = curve.transfer_time(node_b) / eff + gather
-            row[i] = _replace(row[i], send_f=t_f, send_b=t_b)
-            if a.zone != b.zone:
-                k = (a.zone, b.zone)
-                egress_bytes[k] = egress_bytes.get(k, 0.0) + p.num_microbatches * node_f
-                k2 = (b.zone, a.zone)
-                egress_bytes[k2] = egress_bytes.get(k2, 0.0) + p.num_microbatches * node_b
-        stages.append(row)
+    for p in pipelines:
+        key = _pipe_key(p)
+        kind = by_key.get(key)
+        if kind is None:
+            kind = by_key[key] = _kind(inp, p, key, mask)
+        kinds.append(kind)
+        m = p.num_microbatches
+        for za, zb, node_f, node_b in kind.crossings:
+            egress_bytes[(za, zb)] = egress_bytes.get((za, zb), 0.0) + m * node_f
+            egress_bytes[(zb, za)] = egress_bytes.get((zb, za), 0.0) + m * node_b
 
     # --- pipelines -----------------------------------------------------------------------
     pipe_end: list[float] = []
     stage_end: list[tuple[float, ...]] = []
     ops: list[TimelineOp] = []
-    for pi, (p, row) in enumerate(zip(plan.pipelines, stages, strict=True)):
-        fs, bs, delay = _per_microbatch(row, cal.blocking_p2p)
-        if method == "replay":
-            run = replay_1f1b(fs, bs, p.num_microbatches, delay, pipeline=pi, record=True)
-            pipe_end.append(run.end_s)
-            stage_end.append(run.stage_end_s)
-            ops.extend(run.ops)
-        else:
-            t = closed_form_1f1b(fs, bs, p.num_microbatches, delay)
-            pipe_end.append(t)
-            stage_end.append(tuple(t for _ in row))
+    runs: dict[tuple[int, int], tuple[float, tuple[float, ...], int, tuple[TimelineOp, ...]]] = {}
+    for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
+        rkey = (id(kind), p.num_microbatches)
+        done = runs.get(rkey)
+        if done is None:
+            if method == "replay":
+                run = replay_1f1b(
+                    kind.fs, kind.bs, p.num_microbatches, kind.delay, pipeline=pi, record=timeline
+                )
+                done = (run.end_s, run.stage_end_s, pi, run.ops)
+            else:
+                t = closed_form_1f1b(kind.fs, kind.bs, p.num_microbatches, kind.delay)
+                done = (t, tuple(t for _ in kind.row), pi, ())
+            runs[rkey] = done
+        pipe_end.append(done[0])
+        stage_end.append(done[1])
+        if timeline:
+            if done[2] == pi:
+                ops.extend(done[3])
+            else:
+                ops.extend(dataclasses.replace(op, pipeline=pi) for op in done[3])
 
     # --- gradient sync per layer segment, then the optimizer step ------------------------
+    fixed_of: dict[str, float] = {}
     ready: dict[tuple[int, int], float] = {}
-    for pi, p in enumerate(plan.pipelines):
+    for pi, p in enumerate(pipelines):
+        ends = stage_end[pi]
         for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
-            fixed = cal.for_gpu(g).sync_fixed_s + _framework(profiles, g).iteration_s
-            ready[(pi, si)] = stage_end[pi][si] + fixed
+            fixed = fixed_of.get(g)
+            if fixed is None:
+                fixed = inp.gcal(g).sync_fixed_s + inp.framework(g).iteration_s
+                fixed_of[g] = fixed
+            ready[(pi, si)] = ends[si] + fixed
     sync_of: dict[tuple[int, int], float] = dict.fromkeys(ready, 0.0)
+    sizes_by_tp = inp.sizes_by_tp
+    param_bytes = model.param_bytes()
     # DeepSpeed reduces the stage's gradients after the last backward; segments go in
     # reverse layer order, as gradients become available in backward
-    for seg in reversed(plan.segments()):
-        groups = [plan.pipelines[pi].stages[si].replica for pi, si in seg.holders]
+    for lo, hi, holders in reversed(_segments(plan, kinds)):
+        groups = [pipelines[pi].stages[si].replica for pi, si in holders]
         node_bytes = 0.0
         elements = 0.0
-        for pi, si in seg.holders:
-            r = plan.pipelines[pi].stages[si].replica
-            n_el = sum(
-                sizes_by_tp[r.tp][layer].params
-                for layer in range(seg.first_layer, seg.last_layer + 1)
-            )
-            node_bytes = max(node_bytes, r.tp * n_el * model.param_bytes())
+        for tp in dict.fromkeys(r.tp for r in groups):  # each TP degree once, first seen first
+            n_el = sum(sizes_by_tp[tp][layer].params for layer in range(lo, hi + 1))
+            node_bytes = max(node_bytes, tp * n_el * param_bytes)
             elements = max(elements, float(n_el))
-        eff = min(cal.for_gpu(g.gpu_type).network_efficiency for g in groups)
-        ar = ring_allreduce(network, groups, node_bytes, elements, eff)
+        eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+        ar = ring_allreduce(network, groups, node_bytes, elements, eff, links=inp.links)
         notes.add(*ar.notes)
-        start = max(ready[h] for h in seg.holders)
-        for h in seg.holders:
+        start = max(ready[h] for h in holders)
+        for h in holders:
             ready[h] = start + ar.time_s
             sync_of[h] += ar.time_s
         for src, dst, nbytes in ar.cross_zone_bytes:
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
-    tied = _tied_allreduce(plan, model, network, cal) if cal.tied_allreduce else None
+    tied = _tied_allreduce(plan, model, inp) if cal.tied_allreduce else None
     if tied is not None:
         holders, ar = tied
         notes.add(*ar.notes)
@@ -276,33 +407,40 @@ def _run(
             sync_of[h] += ar.time_s
         for src, dst, nbytes in ar.cross_zone_bytes:
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
-    end = {h: ready[h] + stages[h[0]][h[1]].u for h in ready}
+    end = {h: ready[h] + kinds[h[0]].row[h[1]].u for h in ready}
     iteration = max(end.values())
     if cal.loss_allreduce:
         # one scalar over every rank, after the step; it is the iteration's barrier
-        everyone = [
-            s.replica for p in plan.pipelines for s in p.stages for _ in range(s.replica.tp)
-        ]
-        eff = min(cal.for_gpu(g.gpu_type).network_efficiency for g in everyone)
-        loss_ar = ring_allreduce(network, everyone, _LOSS_BYTES, 1.0, eff)
+        everyone = [s.replica for p in pipelines for s in p.stages for _ in range(s.replica.tp)]
+        eff = min(
+            inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in everyone)
+        )
+        loss_ar = ring_allreduce(network, everyone, _LOSS_BYTES, 1.0, eff, links=inp.links)
         notes.add(*loss_ar.notes)
         iteration += loss_ar.time_s
     if iteration <= 0:
         raise ValueError("simulated iteration time is zero: the profiles hold no time")
 
-    # --- memory --------------------------------------------------------------------------
-    memory: list[MemoryBreakdown] = []
-    for pi, (p, row) in enumerate(zip(plan.pipelines, stages, strict=True)):
-        for si, (s, st) in enumerate(zip(p.stages, row, strict=True)):
+    # --- memory, once per distinct stage -------------------------------------------------
+    # Stages of alike pipelines at the same place share one validated breakdown; the
+    # Estimate validates every stage's copy (with its own indices) in one pass below.
+    memory: list[dict[str, object]] = []
+    mem_of: dict[tuple[int, int, int, bool], dict[str, object]] = {}
+    distinct: list[MemoryBreakdown] = []
+    for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
+        for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
-            gcal = cal.for_gpu(g)
             spec = specs.get(g)
-            memory.append(
-                stage_memory(
+            in_flight = min(p.depth - si, p.num_microbatches)
+            mkey = (id(kind), si, in_flight, s.recompute)
+            mb = mem_of.get(mkey)
+            if mb is None:
+                gcal = inp.gcal(g)
+                one = stage_memory(
                     model=model,
-                    sizes=st.sizes,
+                    sizes=kind.row[si].sizes,
                     microbatch_size=p.microbatch_size,
-                    in_flight=min(p.depth - si, p.num_microbatches),
+                    in_flight=in_flight,
                     recompute=s.recompute,
                     alloc_factor=gcal.alloc_factor,
                     overhead_bytes=_overhead(gcal.memory_overhead_bytes, profiles, g, s.replica.tp),
@@ -311,17 +449,25 @@ def _run(
                     stage=si,
                     gpu_type=g,
                 )
-            )
+                distinct.append(one)
+                mb = mem_of[mkey] = one.model_dump()
+            memory.append({**mb, "pipeline": pi, "stage": si})
             if spec is None:
                 notes.add(f"no GPU spec for {g}: memory capacity unknown, not checked")
 
     # --- cost ----------------------------------------------------------------------------
     compute_usd = 0.0
-    for p in plan.pipelines:
+    usd_of: dict[tuple[int, str, str, bool], float] = {}
+    for p in pipelines:
         for s in p.stages:
             r = s.replica
             on_spot = spot if r.spot is None else r.spot
-            compute_usd += r.tp * prices.gpu_hour(r.gpu_type, r.zone, on_spot) * iteration / 3600
+            ckey = (r.tp, r.gpu_type, r.zone, on_spot)
+            usd = usd_of.get(ckey)
+            if usd is None:
+                usd = r.tp * prices.gpu_hour(r.gpu_type, r.zone, on_spot) * iteration / 3600
+                usd_of[ckey] = usd
+            compute_usd += usd
     egress_usd = sum(
         nbytes / 1e9 * prices.egress_per_gb(src, dst)
         for (src, dst), nbytes in sorted(egress_bytes.items())
@@ -329,57 +475,101 @@ def _run(
 
     # --- breakdown of the critical path --------------------------------------------------
     crit = max(range(len(pipe_end)), key=lambda i: pipe_end[i])
-    fs, bs, _ = _per_microbatch(stages[crit], cal.blocking_p2p)
-    m = plan.pipelines[crit].num_microbatches
+    fs, bs = kinds[crit].fs, kinds[crit].bs
+    m = pipelines[crit].num_microbatches
     bott = max(range(len(fs)), key=lambda i: fs[i] + bs[i])
-    raw = stages[crit][bott]
+    raw = kinds[crit].row[bott]
     compute = m * (raw.f + raw.b + raw.fw)
     p2p = max(0.0, m * (fs[bott] + bs[bott] - raw.f - raw.b - raw.fw))
     bubble = max(0.0, pipe_end[crit] - compute - p2p)
     tail = iteration - pipe_end[crit]
     last = max(end, key=lambda h: end[h])
-    update = min(stages[last[0]][last[1]].u, max(tail, 0.0))
+    update = min(kinds[last[0]].row[last[1]].u, max(tail, 0.0))
     grad_sync = max(0.0, tail - update)
 
-    stage_times = tuple(
-        StageTime(
-            pipeline=pi,
-            stage=si,
-            fwd_s=st.f + st.fw,
-            bwd_s=st.b,
-            send_s=st.send_f,
-            update_s=st.u,
-            grad_sync_s=sync_of[(pi, si)],
-        )
-        for pi, row in enumerate(stages)
-        for si, st in enumerate(row)
-    )
+    stage_times = [
+        {
+            "pipeline": pi,
+            "stage": si,
+            "fwd_s": st.f + st.fw,
+            "bwd_s": st.b,
+            "send_s": st.send_f,
+            "update_s": st.u,
+            "grad_sync_s": sync_of[(pi, si)],
+        }
+        for pi, kind in enumerate(kinds)
+        for si, st in enumerate(kind.row)
+    ]
     samples = plan.global_batch_size
-    est = Estimate(
-        iteration_time_s=iteration,
-        throughput_iter_s=1.0 / iteration,
-        throughput_samples_s=samples / iteration,
-        time=TimeBreakdown(
-            compute_s=compute, p2p_s=p2p, bubble_s=bubble, grad_sync_s=grad_sync, update_s=update
-        ),
-        stages=stage_times,
-        memory=tuple(memory),
-        peak_memory_bytes=max(mb.total for mb in memory),
-        fits_in_memory=all(mb.fits or mb.capacity == 0 for mb in memory),
-        compute_cost_usd=compute_usd,
-        egress_cost_usd=egress_usd,
-        cost_per_iter_usd=compute_usd + egress_usd,
-        gpus_by_type_zone=plan.gpus_by_type_zone(),
-        uses_estimates=uses_estimates,
-        model=method,
-        notes=tuple(notes.items),
+    # One validation of the whole answer: every StageTime and MemoryBreakdown is built and
+    # checked by pydantic's core in one pass (a third of the time of one constructor call
+    # per stage, which dominated large plans).
+    est = Estimate.model_validate(
+        {
+            "iteration_time_s": iteration,
+            "throughput_iter_s": 1.0 / iteration,
+            "throughput_samples_s": samples / iteration,
+            "time": TimeBreakdown(
+                compute_s=compute,
+                p2p_s=p2p,
+                bubble_s=bubble,
+                grad_sync_s=grad_sync,
+                update_s=update,
+            ),
+            "stages": stage_times,
+            "memory": memory,
+            "peak_memory_bytes": max(mb.total for mb in distinct),
+            "fits_in_memory": all(mb.fits or mb.capacity == 0 for mb in distinct),
+            "compute_cost_usd": compute_usd,
+            "egress_cost_usd": egress_usd,
+            "cost_per_iter_usd": compute_usd + egress_usd,
+            "gpus_by_type_zone": _gpus_by_type_zone(kinds),
+            "uses_estimates": inp.uses_estimates,
+            "model": method,
+            "notes": tuple(notes.items),
+        }
     )
-    timeline = (
+    tl = (
         Timeline(ops=tuple(ops), pipeline_end_s=tuple(pipe_end), iteration_time_s=iteration)
-        if method == "replay"
+        if method == "replay" and timeline
         else None
     )
-    return est, timeline
+    return est, tl
+
+
+def _segments(plan: Plan, kinds: list[_Kind]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """``plan.segments()`` as (first layer, last layer, holders), from the distinct pipelines.
+
+    The common refinement of the partitions: every stage starts a segment, and a segment
+    lies inside one stage of each pipeline.
+    """
+    cuts: set[int] = set()
+    for kind in {id(k): k for k in kinds}.values():
+        cuts.update(
+            i
+            for i, si in enumerate(kind.stage_of_layer)
+            if i == 0 or si != kind.stage_of_layer[i - 1]
+        )
+    bounds = [*sorted(cuts), plan.num_layers]
+    return [
+        (a, b - 1, [(pi, kind.stage_of_layer[a]) for pi, kind in enumerate(kinds)])
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+def _gpus_by_type_zone(kinds: list[_Kind]) -> dict[str, int]:
+    """``plan.gpus_by_type_zone()``, counted once per distinct pipeline."""
+    count: dict[int, int] = {}
+    of: dict[int, _Kind] = {}
+    for k in kinds:
+        count[id(k)] = count.get(id(k), 0) + 1
+        of[id(k)] = k
+    out: dict[str, int] = {}
+    for i, k in of.items():
+        for _, _, gpu_type, tp, _, zone in k.stages:
+            key = f"{gpu_type}@{zone}"
+            out[key] = out.get(key, 0) + tp * count[i]
+    return dict(sorted(out.items()))
 
 
 def _replace(st: _Stage, *, send_f: float, send_b: float) -> _Stage:
@@ -387,11 +577,6 @@ def _replace(st: _Stage, *, send_f: float, send_b: float) -> _Stage:
 
 
 _NO_FRAMEWORK_TIME = FrameworkTime(gpu_type="*", source="none measured")
-
-
-def _framework(profiles: ProfileDB, gpu_type: str) -> FrameworkTime:
-    """The framework time measured for ``gpu_type``, else zero (imported profiles)."""
-    return profiles.framework_time(gpu_type) or _NO_FRAMEWORK_TIME
 
 
 def _per_microbatch(
@@ -416,7 +601,7 @@ def _per_microbatch(
 
 
 def _tied_allreduce(
-    plan: Plan, model: ModelSpec, network: NetworkProfile, cal: Calibration
+    plan: Plan, model: ModelSpec, inp: _Inputs
 ) -> tuple[list[tuple[int, int]], AllReduce] | None:
     """The tied embedding gradient's all-reduce among the stages holding the embedding or the
     head (megatron_patch's last sync group): its holders and its time; None without one.
@@ -438,8 +623,10 @@ def _tied_allreduce(
     groups = [plan.pipelines[pi].stages[si].replica for pi, si in holders]
     n_el = float(model.vocab_size * model.hidden_size)
     node_bytes = max(g.tp for g in groups) * n_el * model.param_bytes()
-    eff = min(cal.for_gpu(g.gpu_type).network_efficiency for g in groups)
-    return holders, ring_allreduce(network, groups, node_bytes, n_el, eff)
+    eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+    return holders, ring_allreduce(
+        inp.links.network, groups, node_bytes, n_el, eff, links=inp.links
+    )
 
 
 def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:
