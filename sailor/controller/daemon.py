@@ -35,6 +35,7 @@ from sailor.controller.planning import Planner
 from sailor.controller.sailor_planner import planner_from_config
 from sailor.coordination import (
     Clock,
+    Delivery,
     EtcdStore,
     FencedError,
     Keys,
@@ -55,6 +56,9 @@ from sailor.schemas.runtime import DesiredState, NoticeRecord
 __all__ = ["Controller", "run_controller"]
 
 _log = structlog.get_logger("sailor.controller")
+
+EVENT_RETRY_S = 10.0
+"""How long an event is retried in place (etcd unavailable) before it is given back, s."""
 
 
 class Controller:
@@ -291,18 +295,47 @@ class Controller:
             handled = []
             for d in batch:
                 try:
-                    await self._handle_event(d.data, d.msg_id, store, lead, cache)
-                    handled.append(d)
+                    if await self._handle_with_retry(d, store, lead, cache):
+                        handled.append(d)
                 except FencedError:
                     return
-                except TemporaryError as exc:
-                    _log.warning("event_retry", error=str(exc))  # not acked: redelivered
             await self.audit.durable()
             for d in handled:
                 try:
                     await d.ack()
                 except TemporaryError as exc:  # redelivered, then handled as a duplicate
                     _log.warning("event_ack_failed", error=str(exc))
+
+    async def _handle_with_retry(
+        self, d: Delivery, store: EtcdStore, lead: Leadership, cache: ObservedCache
+    ) -> bool:
+        """Handle one event, retrying in place through a short etcd outage; True if handled.
+
+        A notice must not wait for the stream's ack_wait (30 s) to be tried again: its
+        deadline may be that long. After ``EVENT_RETRY_S`` the event is given back with a
+        short redelivery delay, so one event that keeps failing does not hold up the rest.
+        """
+        t0 = self.clock.now()
+        pause = 0.1
+        while True:
+            try:
+                await self._handle_event(d.data, d.msg_id, store, lead, cache)
+                return True
+            except TemporaryError as exc:
+                _log.warning("event_retry", msg_id=d.msg_id, error=str(exc))
+                if (
+                    self.stopping.is_set()
+                    or not lead.held
+                    or self.clock.now() - t0 >= EVENT_RETRY_S
+                ):
+                    break
+                await self.clock.sleep(min(max(pause, exc.retry_after or 0.0), 1.0))
+                pause *= 2
+        try:
+            await d.nak(0.5)
+        except TemporaryError as exc:  # redelivered after ack_wait instead
+            _log.warning("event_nak_failed", error=str(exc))
+        return False
 
     async def _handle_event(
         self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, cache: ObservedCache

@@ -40,9 +40,12 @@ Reject = Callable[[str, str], None]
 class _Prefix(Generic[_M]):
     """Parsed records of one mirrored prefix, keyed by etcd key, re-validated only on change."""
 
-    def __init__(self, model: type[_M], mirror: PrefixMirror) -> None:
+    def __init__(
+        self, model: type[_M], mirror: PrefixMirror, key_of: Callable[[_M], str] | None = None
+    ) -> None:
         self.model = model
         self.mirror = mirror
+        self.key_of = key_of  # the key a record must be stored under, if fixed by its content
         self.raw: dict[str, bytes] = {}
         self.parsed: dict[str, _M] = {}
         self.validated = 0
@@ -61,10 +64,18 @@ class _Prefix(Generic[_M]):
             self.raw[key] = kv.value
             self.validated += 1
             try:
-                self.parsed[key] = self.model.model_validate_json(kv.value)
+                rec = self.model.model_validate_json(kv.value)
             except ValidationError as exc:
                 self.parsed.pop(key, None)
                 reject(key, str(exc).splitlines()[0])
+                continue
+            if self.key_of is not None and (own := self.key_of(rec)) != key:
+                # A well-formed record under another node's key (a confused or hostile
+                # writer): never believed, and audited once per value written.
+                self.parsed.pop(key, None)
+                reject(key, f"record belongs under {own!r}, not under {key!r}")
+                continue
+            self.parsed[key] = rec
         return bool(changed)
 
 
@@ -91,9 +102,19 @@ class ObservedCache:
         self.keys = keys
         self.store = store
         self.reject = reject
-        self._nodes = _Prefix(NodeSpec, PrefixMirror(store, keys.nodes, on_change))
-        self._status = _Prefix(AgentStatus, PrefixMirror(store, keys.statuses, on_change))
-        self._notices = _Prefix(NoticeRecord, PrefixMirror(store, keys.notices, on_change))
+        self._nodes = _Prefix(
+            NodeSpec, PrefixMirror(store, keys.nodes, on_change), lambda r: keys.node(r.node_id)
+        )
+        self._status = _Prefix(
+            AgentStatus,
+            PrefixMirror(store, keys.statuses, on_change),
+            lambda r: keys.status(r.node_id),
+        )
+        self._notices = _Prefix(
+            NoticeRecord,
+            PrefixMirror(store, keys.notices, on_change),
+            lambda r: keys.notice(r.node_id),
+        )
         self._commits = _Prefix(CommitRecord, PrefixMirror(store, keys.checkpoints, on_change))
         self._all = (self._nodes, self._status, self._notices, self._commits)
         self._last: Snapshot | None = None
@@ -130,17 +151,9 @@ class ObservedCache:
         changed = [p.update(self.reject) for p in self._all]  # every mirror, no short cut
         if self._last is not None and not any(changed):
             return self._last
-        nodes_at, status_at = self.keys.nodes, self.keys.statuses
-        nodes = {
-            spec.node_id: spec
-            for key, spec in self._nodes.parsed.items()
-            if key == nodes_at + spec.node_id
-        }
-        status = {
-            st.node_id: st
-            for key, st in self._status.parsed.items()
-            if key == status_at + st.node_id
-        }
+        # every parsed record sits under its own key (``_Prefix.key_of``)
+        nodes = {spec.node_id: spec for spec in self._nodes.parsed.values()}
+        status = {st.node_id: st for st in self._status.parsed.values()}
         notices = {r.node_id: r for r in self._notices.parsed.values()}
         parsed = self._commits.parsed
         commits = tuple(parsed[key] for key in sorted(parsed))  # keys sort by step

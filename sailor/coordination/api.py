@@ -86,13 +86,15 @@ class StateStore(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """One event delivered from the bus; ``ack`` it after handling."""
+    """One event delivered from the bus; ``ack`` it after handling, or ``nak`` it to retry."""
 
     data: bytes
     msg_id: str
     subject: str
     redelivered: int
     ack: Callable[[], Awaitable[None]]
+    nak: Callable[[float], Awaitable[None]]
+    """Give the event back for redelivery after the given delay, s (not after ``ack_wait``)."""
 
 
 class EventBus(Protocol):

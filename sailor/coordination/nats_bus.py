@@ -180,6 +180,7 @@ class NatsEventBus:
                     subject=m.subject,
                     redelivered=int(meta.num_delivered) - 1 if meta else 0,
                     ack=_acker(m),
+                    nak=_naker(m),
                 )
             )
         return out
@@ -199,6 +200,16 @@ def _acker(msg: Any) -> Any:
             raise UnavailableError("ack failed", error=repr(exc)) from exc
 
     return ack
+
+
+def _naker(msg: Any) -> Any:
+    async def nak(delay: float) -> None:
+        try:
+            await msg.nak(delay=delay)
+        except nats.errors.Error as exc:
+            raise UnavailableError("nak failed", error=repr(exc)) from exc
+
+    return nak
 
 
 class NatsCommands:
