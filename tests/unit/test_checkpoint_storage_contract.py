@@ -7,6 +7,7 @@ trip (save, commit, list, load resharded, verify, detect corruption, gc) on the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,6 +141,82 @@ def test_write_all_and_ranged_reads(storage: Storage) -> None:
         reader.close()
     with pytest.raises(FileNotFoundError):
         storage.open_read("w/missing")
+
+
+def test_large_unaligned_range_reads(storage: Storage) -> None:
+    """Reads of 1-16 MB at unaligned offsets (locally these go around the page cache with
+    O_DIRECT, through an aligned buffer), concurrently, including a short one at the end."""
+    data = torch.randint(0, 256, (9 << 20,), generator=torch.Generator().manual_seed(1))
+    raw = data.to(torch.uint8).numpy().tobytes()
+    storage.write("big/obj", [raw])
+    reader = storage.open_read("big/obj")
+    try:
+        ranges = [
+            (0, 1 << 20),
+            (4097, 3 << 20),
+            (12345, (2 << 20) + 3),
+            (len(raw) - (1 << 20) - 7, 2 << 20),
+        ]
+
+        def one(r: tuple[int, int]) -> tuple[int, bytes]:
+            buf = bytearray(r[1])
+            n = reader.read_into(memoryview(buf), r[0])
+            return n, bytes(buf[:n])
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, ranges))
+        for (start, length), (n, b) in zip(ranges, got, strict=True):
+            assert n == min(length, len(raw) - start)
+            assert b == raw[start : start + n]
+    finally:
+        reader.close()
+
+
+def test_local_reader_falls_back_when_direct_io_is_refused(tmp_path: Path) -> None:
+    from sailor.checkpoint import storage as storage_mod
+
+    raw = bytes(range(256)) * (8 << 12)  # 8 MB
+    (tmp_path / "obj").write_bytes(raw)
+    reader = storage_mod._LocalReader(tmp_path / "obj")
+    if reader._dfd < 0:
+        reader.close()
+        pytest.skip("this file system refuses O_DIRECT at open: nothing to fall back from")
+
+    def refuse(buf: memoryview, start: int) -> int:
+        raise OSError(22, "Invalid argument")  # what a file system without O_DIRECT says
+
+    reader._direct = refuse  # type: ignore[method-assign]
+    reader._residency = None  # the file was just written: pretend it is not cached
+    try:
+        buf = bytearray(2 << 20)
+        assert reader.read_into(memoryview(buf), 1001) == len(buf)
+        assert bytes(buf) == raw[1001 : 1001 + len(buf)]
+        assert reader._dfd == -1  # buffered from now on
+    finally:
+        reader.close()
+
+
+def test_local_reader_sees_what_the_page_cache_holds(tmp_path: Path) -> None:
+    from sailor.checkpoint import storage as storage_mod
+
+    path = tmp_path / "obj"
+    path.write_bytes(bytes(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    reader = storage_mod._LocalReader(path)
+    try:
+        if reader._residency is None or not reader._residency._addr:
+            pytest.skip("no O_DIRECT or no mincore here")
+        assert not reader._residency.cached(0, 2 << 20)  # evicted: read around the cache
+        buf = bytearray(2 << 20)
+        reader._buffered(memoryview(buf), 0)  # now the first 2 MB are cached
+        assert reader._residency.cached(4096, 1 << 20)
+    finally:
+        reader.close()
 
 
 def test_failed_write_all_leaves_that_object_invisible(storage: Storage) -> None:
