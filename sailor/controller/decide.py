@@ -10,7 +10,7 @@ through ``decide`` reproduces the run. No I/O, no clock, no globals.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import Field
 
@@ -46,6 +46,15 @@ class DecideConfig(Frozen):
         default=1, ge=1, description="Agreed stop step = highest reported step + this."
     )
     base_port: int = Field(default=29500, gt=0, description="Rendezvous port of generation 0.")
+    notice_expiry_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A notice is forgotten this long after its deadline, in any phase: a node still "
+            "registered then was never reclaimed or came back with the same id (a new VM), and "
+            "is usable again. Longer than the agents' registration lease TTL."
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ class Commit:
 
 @dataclass(frozen=True)
 class ClearNotice:
-    """Forget the notice of a node that is gone."""
+    """Forget the notice of a node that is gone, or whose deadline is long past."""
 
     node_id: str
 
@@ -386,6 +395,11 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
 def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> list[Action]:
     """What to do next. Empty when the world matches the desired state."""
     d, o = desired, observed
+    expired = sorted(n for n, r in o.notices.items() if o.now > r.deadline + config.notice_expiry_s)
+    if expired:
+        kept = {n: r for n, r in o.notices.items() if n not in expired}
+        rest = decide(d, replace(o, notices=kept), config)
+        return [*(ClearNotice(n) for n in expired), *rest]
     if d.phase is Phase.IDLE:
         return _idle(d, o, config)
     if d.phase is Phase.RUNNING:

@@ -246,3 +246,14 @@ def test_replan_carries_previous_plan() -> None:
     a = decide(d, obs(nodes(1, 2), [st(1)]), CFG)
     rp = next(x for x in a if isinstance(x, Replan))
     assert rp.previous == d.plan and [n.node_id for n in rp.nodes] == ["n1", "n2"]
+
+
+def test_a_node_back_long_after_its_notice_is_usable_again() -> None:
+    d = running((1,))
+    ns = nodes(1, 2)  # n2 got a notice, was left out, and is registered again (same id)
+    recent = {"n2": NoticeRecord(node_id="n2", deadline=NOW - 30)}
+    assert decide(d, obs(ns, [st(1)], notices=recent), CFG) == []
+    old = {"n2": NoticeRecord(node_id="n2", deadline=NOW - CFG.notice_expiry_s - 1)}
+    a = decide(d, obs(ns, [st(1)], notices=old), CFG)
+    assert isinstance(a[0], ClearNotice) and a[0].node_id == "n2"
+    assert kinds(a)[1:] == kinds(decide(d, obs(ns, [st(1)]), CFG)) != []
