@@ -249,7 +249,10 @@ def _aligned_scratch(nbytes: int) -> memoryview:
     got: tuple[mmap.mmap, memoryview] | None = getattr(_THREAD_ALIGNED, "buf", None)
     if got is None or len(got[1]) < nbytes:
         size = -(-max(nbytes, _DIRECT_MIN) // _HUGE) * _HUGE
-        m = mmap.mmap(-1, size + _HUGE)
+        # Private, not Python's default shared mapping: shared anonymous memory is shmem,
+        # which gets no transparent huge pages here (shmem_enabled: never).
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        m = mmap.mmap(-1, size + _HUGE, flags=flags) if flags else mmap.mmap(-1, size + _HUGE)
         # The 2 MB-aligned part, advised as huge pages: physically contiguous memory lets
         # one request carry a whole chunk (a request holds at most 254 segments here, ~1 MB
         # of scattered 4 KB pages).
