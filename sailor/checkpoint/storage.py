@@ -244,8 +244,9 @@ _THREAD_ALIGNED = threading.local()
 
 
 def _aligned_scratch(nbytes: int) -> memoryview:
-    """This thread's page-aligned buffer of at least ``nbytes`` (an anonymous mapping, kept
-    for the thread's next reads; at most ``_DIRECT_MAX`` + 2 pages)."""
+    """This thread's 2 MB-aligned buffer of at least ``nbytes`` (a private anonymous mapping
+    advised as huge pages, kept for the thread's next reads; at most ``_DIRECT_MAX`` plus
+    8 KB of alignment, rounded up to 2 MB, plus 2 MB mapped to align it)."""
     got: tuple[mmap.mmap, memoryview] | None = getattr(_THREAD_ALIGNED, "buf", None)
     if got is None or len(got[1]) < nbytes:
         size = -(-max(nbytes, _DIRECT_MIN) // _HUGE) * _HUGE
