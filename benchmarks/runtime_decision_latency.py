@@ -574,7 +574,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         action="store_true",
-        help="also run each size with the planner in a thread (planner_process: false)",
+        help="also run each size with the planner in its worker process (planner_process: true)",
     )
     ap.add_argument(
         "--profile",

@@ -2,14 +2,23 @@
 
 ``ProcessPlanner`` keeps one spawned worker process that builds the controller's planner once
 (from the controller config) and keeps it across calls, so the planner's warm state — the last
-search's cost tables, templates and plan, which ``replan`` starts from — lives in the worker.
-Each call ships the usable nodes and the previous plan (a few hundred kB at 2,048 nodes) and
-gets a ``PlanResult`` back.
+search's cost tables, templates and plan, which ``replan`` starts from — lives in the worker
+and never crosses the pipe.
 
-Why a process: in a thread the search (pure Python) holds the GIL against the controller's
-event loop; at 512 nodes a 0.12–0.2 s replan took 0.26–0.75 s in the thread, and the loop's
-etcd and NATS work stalled meanwhile (docs/runtime.md, figures). A worker that dies is
-replaced on the next call (its warm state is lost: the next plan is a full search).
+What crosses it is kept small, because at 512 nodes pickling the node specs, the previous plan
+and the result cost as much as the replan itself (~10 ms each way per plan of 340 pipelines,
+plus the garbage collections that unpickling thousands of objects sets off):
+
+* the worker keeps the node specs of the last call and the plans it was last given or
+  returned; a call sends the node ids, only the specs the worker does not hold (or that
+  changed), and the previous plan by id when the worker holds it;
+* the result comes back as the plan's JSON (pydantic writes it in ~2 ms; a pickle took
+  ~9 ms) and is validated on this side.
+
+The parent mirrors what the worker holds; when the two disagree (a call cancelled or failed
+half-way, a worker restarted) the worker refuses with :class:`StaleWorkerStateError` and the call
+is sent again in full. A worker that dies is replaced on the next call (its warm state is
+lost: the next plan is a full search).
 
 Never used by tests that inject their own ``Planner``: only ``planner_process: true`` with a
 config-built planner goes here.
@@ -19,16 +28,41 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
+from dataclasses import dataclass
 
 from sailor.controller.config import ControllerConfig
 from sailor.controller.planning import Planner, PlanResult
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 
-__all__ = ["ProcessPlanner"]
+__all__ = ["ProcessPlanner", "StaleWorkerStateError"]
+
+
+class StaleWorkerStateError(RuntimeError):
+    """The call names a node or plan the worker does not hold: send it again in full."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One planning request as it crosses the pipe."""
+
+    ids: tuple[str, ...]
+    """Node ids, in the caller's order."""
+    specs: tuple[NodeSpec, ...]
+    """Specs of the nodes the worker does not hold yet (or holds in another version)."""
+    previous_id: str | None
+    """Plan id of the previous plan when the worker holds it (``previous`` is then None)."""
+    previous: Plan | None
+    reset: bool
+    """Drop everything held before applying this call."""
+
+
+# --- the worker process's side ---------------------------------------------------------------
 
 _planner: Planner | None = None  # the worker process's planner (one per worker)
+_nodes: dict[str, NodeSpec] = {}  # node specs of the last call
+_plans: dict[str, Plan] = {}  # the last call's previous plan and result, by plan id
 
 
 def _init(config_json: str) -> None:
@@ -42,10 +76,35 @@ def _ping() -> bool:
     return _planner is not None
 
 
-def _plan(nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+def _plan(call: _Call) -> tuple[str, dict[str, tuple[int, ...]], str]:
+    """Plan in the worker: (the plan's JSON, placement, reason)."""
+    global _nodes, _plans
     if _planner is None:  # the initializer failed; the pool reports that as a broken pool
         raise RuntimeError("planner worker not initialised")
-    return _planner.plan(nodes, previous)
+    if call.reset:
+        _nodes, _plans = {}, {}
+    known = _nodes
+    known.update((n.node_id, n) for n in call.specs)
+    try:
+        nodes = tuple(known[i] for i in call.ids)
+    except KeyError as exc:
+        raise StaleWorkerStateError(
+            f"node {exc.args[0]!r} not held by the planner worker"
+        ) from None
+    previous = call.previous
+    if call.previous_id is not None:
+        previous = _plans.get(call.previous_id)
+        if previous is None:
+            raise StaleWorkerStateError(f"plan {call.previous_id!r} not held by the planner worker")
+    _nodes = {n.node_id: n for n in nodes}
+    _plans = {previous.plan_id: previous} if previous is not None and previous.plan_id else {}
+    res = _planner.plan(nodes, previous)
+    if res.plan.plan_id:
+        _plans[res.plan.plan_id] = res.plan
+    return res.plan.model_dump_json(), res.placement, res.reason
+
+
+# --- the controller's side -------------------------------------------------------------------
 
 
 class ProcessPlanner:
@@ -54,6 +113,11 @@ class ProcessPlanner:
     def __init__(self, config: ControllerConfig) -> None:
         self._config_json = config.model_dump_json()
         self._pool: ProcessPoolExecutor | None = None
+        # what the worker holds after the calls sent so far (it runs them in order)
+        self._nodes: dict[str, NodeSpec] = {}
+        self._plans: set[str] = set()
+        self._reset = True
+        self._sent = 0  # calls submitted; a result updates the mirror only if it is the last
 
     def _ensure(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -64,7 +128,39 @@ class ProcessPlanner:
                 initializer=_init,
                 initargs=(self._config_json,),
             )
+            self._forget()
         return self._pool
+
+    def _forget(self) -> None:
+        self._nodes, self._plans, self._reset = {}, set(), True
+
+    def _call(self, nodes: tuple[NodeSpec, ...], previous: Plan | None, full: bool) -> _Call:
+        """The request for ``nodes``, leaving out what the worker holds (all of it if ``full``)."""
+        if full:
+            self._forget()
+        held = self._nodes
+        specs = tuple(n for n in nodes if (h := held.get(n.node_id)) is not n and h != n)
+        pid = previous.plan_id if previous is not None else ""
+        by_id = bool(pid) and pid in self._plans
+        call = _Call(
+            ids=tuple(n.node_id for n in nodes),
+            specs=specs,
+            previous_id=pid if by_id else None,
+            previous=None if by_id else previous,
+            reset=self._reset,
+        )
+        self._nodes = {n.node_id: n for n in nodes}
+        self._plans = {pid} if pid else set()
+        self._reset = False
+        self._sent += 1
+        return call
+
+    def _result(self, seq: int, out: tuple[str, dict[str, tuple[int, ...]], str]) -> PlanResult:
+        plan_json, placement, reason = out
+        plan = Plan.model_validate_json(plan_json)
+        if seq == self._sent and plan.plan_id:
+            self._plans.add(plan.plan_id)
+        return PlanResult(plan, placement, reason)
 
     async def warm_up(self) -> None:
         """Start the worker and build its planner now, not on the first event."""
@@ -72,17 +168,41 @@ class ProcessPlanner:
 
     async def aplan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._ensure(), _plan, nodes, previous)
-        except BrokenExecutor:
-            self.close()  # the worker died; the next call starts a fresh one
-            raise
+        for full in (False, True):
+            pool = self._ensure()
+            call = self._call(nodes, previous, full)
+            seq = self._sent
+            try:
+                out = await loop.run_in_executor(pool, _plan, call)
+            except StaleWorkerStateError:
+                continue  # the mirror was wrong: once more, in full
+            except BrokenExecutor:
+                self.close()  # the worker died; the next call starts a fresh one
+                raise
+            except BaseException:  # failed or cancelled half-way: the next call goes in full
+                self._forget()
+                raise
+            return await asyncio.to_thread(self._result, seq, out)
+        raise StaleWorkerStateError("planner worker refused a full call")
 
     def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
         """Blocking form (the ``Planner`` protocol)."""
-        return self._ensure().submit(_plan, nodes, previous).result()
+        for full in (False, True):
+            pool = self._ensure()
+            call = self._call(nodes, previous, full)
+            seq = self._sent
+            fut: Future[tuple[str, dict[str, tuple[int, ...]], str]] = pool.submit(_plan, call)
+            try:
+                return self._result(seq, fut.result())
+            except StaleWorkerStateError:
+                continue
+            except BaseException:
+                self._forget()
+                raise
+        raise StaleWorkerStateError("planner worker refused a full call")
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        self._forget()

@@ -1,0 +1,86 @@
+"""The planner's worker process: the same plans as in a thread, and only what changed sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import sailor.controller.plan_worker as pw
+from sailor.controller.config import ControllerConfig
+from sailor.controller.plan_worker import ProcessPlanner, StaleWorkerStateError
+from sailor.controller.sailor_planner import planner_from_config
+from sailor.schemas.hardware import NodeSpec
+
+
+def _config(tmp_path: Path) -> ControllerConfig:
+    return ControllerConfig(
+        job="pw",
+        identity="ctl-pw",
+        nats_url="nats://127.0.0.1:1",
+        etcd_endpoint="127.0.0.1:2",
+        audit_log=tmp_path / "audit.jsonl",
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        planner="sailor",
+        model="OPT-350",
+        global_batch_size=64,
+        planner_process=True,
+    )
+
+
+def _node(i: int) -> NodeSpec:
+    return NodeSpec(
+        node_id=f"n{i:03d}",
+        gpu_type=("A100-40", "V100-16")[i % 2],
+        gpus=4,
+        zone="us-central1-a",
+        spot=True,
+        address=f"10.0.0.{i + 1}",
+    )
+
+
+def test_worker_plans_like_the_thread_and_resends_in_full_when_out_of_step(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path)
+    local = planner_from_config(cfg)
+    remote = ProcessPlanner(cfg)
+    try:
+        nodes = tuple(_node(i) for i in range(8))
+        prev_local = prev_remote = None
+        changes = [lambda ns: ns, lambda ns: ns[:-1], lambda ns: (*ns, _node(20))]
+        for change in changes:
+            nodes = change(nodes)
+            a = local.plan(nodes, prev_local)
+            b = remote.plan(nodes, prev_remote)
+            assert b == a  # plan (through its JSON), placement and reason
+            prev_local, prev_remote = a.plan, b.plan
+        # after the first call only the new node's spec and no plan crossed the pipe
+        call = remote._call((*nodes, _node(21)), prev_remote, full=False)
+        assert [n.node_id for n in call.specs] == ["n021"]
+        assert call.previous is None and call.previous_id == prev_remote.plan_id
+        remote._forget()
+        # the mirror claims a plan the worker never held: refused, then sent in full
+        remote._nodes = {n.node_id: n for n in nodes}
+        remote._plans = {"p-unknown"}
+        remote._reset = False
+        stale = prev_remote.model_copy(update={"plan_id": "p-unknown"})
+        again = remote.plan(nodes, stale)
+        assert again == local.plan(nodes, stale)
+    finally:
+        remote.close()
+
+
+def test_worker_refuses_what_it_does_not_hold(tmp_path: Path) -> None:
+    pw._planner = planner_from_config(_config(tmp_path))
+    try:
+        nodes = tuple(_node(i) for i in range(4))
+        full = pw._Call(tuple(n.node_id for n in nodes), nodes, None, None, reset=True)
+        plan_json, placement, _ = pw._plan(full)
+        assert set(placement) <= {n.node_id for n in nodes} and plan_json
+        with pytest.raises(StaleWorkerStateError, match="n099"):
+            pw._plan(pw._Call(("n000", "n099"), (), None, None, reset=False))
+        with pytest.raises(StaleWorkerStateError, match="p-none"):
+            pw._plan(pw._Call(("n000",), (), "p-none", None, reset=False))
+    finally:
+        pw._planner, pw._nodes, pw._plans = None, {}, {}
