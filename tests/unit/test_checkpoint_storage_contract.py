@@ -173,11 +173,11 @@ def test_large_unaligned_range_reads(storage: Storage) -> None:
 
 
 def test_local_reader_falls_back_when_direct_io_is_refused(tmp_path: Path) -> None:
-    from sailor.checkpoint import storage as storage_mod
+    from sailor.checkpoint.local_read import LocalReader
 
     raw = bytes(range(256)) * (8 << 12)  # 8 MB
     (tmp_path / "obj").write_bytes(raw)
-    reader = storage_mod._LocalReader(tmp_path / "obj")
+    reader = LocalReader(tmp_path / "obj")
     if reader._dfd < 0:
         reader.close()
         pytest.skip("this file system refuses O_DIRECT at open: nothing to fall back from")
@@ -197,7 +197,7 @@ def test_local_reader_falls_back_when_direct_io_is_refused(tmp_path: Path) -> No
 
 
 def test_local_reader_sees_what_the_page_cache_holds(tmp_path: Path) -> None:
-    from sailor.checkpoint import storage as storage_mod
+    from sailor.checkpoint.local_read import LocalReader
 
     path = tmp_path / "obj"
     path.write_bytes(bytes(4 << 20))
@@ -207,7 +207,7 @@ def test_local_reader_sees_what_the_page_cache_holds(tmp_path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    reader = storage_mod._LocalReader(path)
+    reader = LocalReader(path)
     try:
         if reader._residency is None or not reader._residency._addr:
             pytest.skip("no O_DIRECT or no mincore here")
