@@ -39,9 +39,11 @@ test: lint typecheck contracts pytest
 # All chaos scenarios (make test runs the CI subset); the table is printed at the end.
 chaos: $(STAMP)
 	@echo "chaos: $$(date -u +%FT%TZ), $$(nproc) cores, load average $$(cut -d' ' -f1-3 /proc/loadavg)"
-	SAILOR_CHAOS=all SAILOR_CHAOS_TABLE=$$(mktemp /tmp/sailor-chaos-XXXXXX.jsonl) \
-		$(BIN)/pytest -q tests/chaos
-	@echo "chaos: done $$(date -u +%FT%TZ), load average $$(cut -d' ' -f1-3 /proc/loadavg)"
+	t=$$(mktemp /tmp/sailor-chaos-XXXXXX.jsonl); \
+		SAILOR_CHAOS=all SAILOR_CHAOS_TABLE=$$t $(BIN)/pytest -q tests/chaos; rc=$$?; \
+		rm -f $$t; \
+		echo "chaos: done $$(date -u +%FT%TZ), load average $$(cut -d' ' -f1-3 /proc/loadavg)"; \
+		exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/simulator_accuracy.py

@@ -24,11 +24,21 @@ from tests.integration.conftest import no_task_leak, servers  # noqa: F401
 _ALL = os.environ.get("SAILOR_CHAOS") == "all"
 
 
+_OWN_TABLE: list[str] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(TABLE_ENV):
         fd, path = tempfile.mkstemp(prefix="sailor-chaos-", suffix=".jsonl")
         os.close(fd)
         os.environ[TABLE_ENV] = path
+        _OWN_TABLE.append(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _OWN_TABLE:  # ours only: a table file make chaos named is left to it
+        Path(path).unlink(missing_ok=True)
+        os.environ.pop(TABLE_ENV, None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -286,13 +286,8 @@ async def test_fuzz_command_subject(running: Cluster) -> None:
     await _still_fine(c)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controller bug, reported in /work/notes/chaos-to-runtime.md: a well-formed record "
-    "under another node's key (nodes/n2 holding n1's spec) is dropped without an audit record "
-    "(ObservedCache.snapshot filters key != prefix + node_id silently)",
-)
 async def test_record_under_another_nodes_key_is_audited(running: Cluster) -> None:
+    """Found by this suite: such a record used to be dropped without an audit record."""
     c = running
     from sailor.schemas.hardware import NodeSpec
 
