@@ -297,9 +297,10 @@ def start_local_servers(
         _make_pki(pki, ids)
     np_, ep, pp = free_port(), free_port(), free_port()
     run = spawn or _popen
-    nats = ServerProcess("nats", _nats_argv(nats_bin, root, np_, ids, pki), np_, root / "nats.log")
-    etcd = ServerProcess("etcd", _etcd_argv(etcd_bin, root, ep, pp, pki), ep, root / "etcd.log")
-    nats.spawn = etcd.spawn = run
+    nats_argv = _nats_argv(nats_bin, root, np_, ids, pki)
+    nats = ServerProcess("nats", nats_argv, np_, root / "nats.log", spawn=run)
+    etcd_argv = _etcd_argv(etcd_bin, root, ep, pp, pki)
+    etcd = ServerProcess("etcd", etcd_argv, ep, root / "etcd.log", spawn=run)
     servers = LocalServers(nats=nats, etcd=etcd, identities=ids, pki_dir=pki)
     try:
         nats.start()

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -165,7 +166,7 @@ class ChaosRun:
         self.t0 = time.time()
 
     async def __aenter__(self) -> ChaosRun:
-        def spawn(name: str, argv: Sequence[str], _log: Path):  # type: ignore[no-untyped-def]
+        def spawn(name: str, argv: Sequence[str], _log: Path) -> subprocess.Popen[bytes]:
             return self.reg.start(name, argv)
 
         ids = Identities(jobs=(JOB,), controllers=CONTROLLERS, agents=NODES)

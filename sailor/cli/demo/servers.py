@@ -10,6 +10,7 @@ existing server or data directory.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,8 +33,8 @@ def start_servers(
 ) -> LocalServers:
     """Start both servers under ``reg`` (names ``nats``, ``etcd``) with security on."""
 
-    def spawn(name: str, argv: Sequence[str], _log: Path):  # type: ignore[no-untyped-def]
-        return reg.start(name, argv)
+    def spawn(name: str, argv: Sequence[str], _log: Path) -> subprocess.Popen[bytes]:
+        return reg.start(name, argv)  # its log goes to the registry's log directory
 
     ids = Identities(jobs=(job,), controllers=(controller,), agents=tuple(nodes))
     return start_local_servers(data, ids, secure=True, spawn=spawn)
