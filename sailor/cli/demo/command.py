@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 import typer
 from rich.console import Console
@@ -38,13 +38,8 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="No live view; print a JSON summary."),
 ) -> None:
     """One-machine cluster: train, survive a preemption, a node loss and a join; summarize."""
-    import structlog
-
     from sailor.cli.demo.run import Interrupted, run_demo
     from sailor.cli.demo.scenario import DemoSettings
-
-    # the demo's own log lines (e.g. applying etcd RBAC) go to stderr: stdout is for --json
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
     con = Console(quiet=as_json)
     plan_only = plan_only or not train
@@ -55,6 +50,7 @@ def demo(
 
         result["plan"] = plan_section(con, out)
     if not plan_only:
+        _log_to_stderr()
         try:
             settings = DemoSettings(
                 initial_nodes=nodes,
@@ -78,3 +74,21 @@ def demo(
         ok = cl["losses"]["ok"] and all(r["resumed"] for r in cl["reconfigurations"])
         if not ok or cl["leftover_processes"]:
             raise typer.Exit(1)
+
+
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is at each write (a test runner may swap and close it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _log_to_stderr() -> None:
+    """The demo's own log lines (e.g. applying etcd RBAC) go to stderr: stdout is for --json."""
+    import structlog
+
+    stream = cast(TextIO, _CurrentStderr())  # only write() and flush() are used
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(stream))
