@@ -88,6 +88,10 @@ class Controller:
         self.decisions = 0
         self._wake = asyncio.Event()
         self._urgent = False
+        self._urgent_wake = asyncio.Event()  # cuts a debounce short
+        # Notices written to etcd that the mirror has not shown a pass yet (node id -> time):
+        # the wake-up their watch delta brings is urgent too, not debounced.
+        self._unseen_notices: dict[str, float] = {}
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Measurement hooks (benchmarks/runtime_burst.py): handled events by outcome, and an
         # optional observer called once per handled event with (event id or msg id, outcome,
@@ -97,7 +101,9 @@ class Controller:
         self.event_batches = 0  # fetched batches that held events (one fsync each)
 
     def wake(self, urgent: bool = False) -> None:
-        self._urgent = self._urgent or urgent
+        if urgent or self._unseen_notices:
+            self._urgent = True
+            self._urgent_wake.set()
         self._wake.set()
 
     async def run(self) -> None:
@@ -254,8 +260,10 @@ class Controller:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
         if not self._urgent and self.cfg.debounce_s:
-            await self.clock.sleep(self.cfg.debounce_s)
+            with contextlib.suppress(TimeoutError):  # an urgent wake-up ends the debounce
+                await asyncio.wait_for(self._urgent_wake.wait(), self.cfg.debounce_s)
         self._urgent = False
+        self._urgent_wake.clear()
         self._wake.clear()
 
     async def _check(self, cache: ObservedCache) -> None:
@@ -267,6 +275,13 @@ class Controller:
 
     def _observe(self, ex: Executor, cache: ObservedCache) -> Observed:
         snap = cache.snapshot()
+        if self._unseen_notices:
+            now = self.clock.now()
+            self._unseen_notices = {
+                n: t
+                for n, t in self._unseen_notices.items()
+                if n not in snap.notices and now - t < 2.0  # bounded: never waits on a lost one
+            }
         return Observed(
             now=self.clock.now(),
             nodes=snap.nodes,
@@ -418,6 +433,7 @@ class Controller:
                 self.keys.leader,
                 lead.epoch,
             )
+            self._unseen_notices[ev.node_id] = self.clock.now()
         if ev.kind != "heartbeat":
             self.audit.write(
                 "event",
