@@ -67,6 +67,8 @@ BASE_NODES = 64
 CHURN_NODES = 1_000  # x (join, re-join, leave) = 3,000 events
 HEARTBEATS = 3_500
 RETRIES = 2_500  # same message id: dropped by JetStream
+PROCESS = "--thread-planner" not in sys.argv[1:]
+"""Planner in its worker process (the default), or in a thread with ``--thread-planner``."""
 LATE_DUPLICATES = 1_000  # same event id, new message id: dropped by the controller
 CONCURRENCY = 64
 DRAIN_TIMEOUT_S = 600.0
@@ -157,7 +159,7 @@ async def scenario(tmp: Path, nats: str, etcd: str) -> dict[str, Any]:
     handled: list[tuple[str, str, float, float]] = []
     try:
         await sim.ready(timeout=120)
-        ctl = Controller(controller_config(job, tmp, nats, etcd))
+        ctl = Controller(controller_config(job, tmp, nats, etcd, planner_process=PROCESS))
         ctl.on_event = lambda eid, outcome, rx, done: handled.append((eid, outcome, rx, done))
         task = asyncio.create_task(ctl.run(), name="bench-ctl-burst")
         await wait_running(ctl, -1, 300)
@@ -290,7 +292,8 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
     print(
-        f"python {platform.python_version()}; controller in-process (planner=sailor, {MODEL}, "
+        f"python {platform.python_version()}; controller in-process (planner=sailor in a "
+        f"{'process' if PROCESS else 'thread'}, {MODEL}, "
         f"{BASE_NODES} running 4x {'/'.join(GPU_TYPES)} nodes in {ZONE}); simulated agents and "
         f"publishers in one separate process, {CONCURRENCY} publishes in flight"
     )

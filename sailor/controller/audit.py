@@ -4,16 +4,16 @@ Every event received (or rejected), decision, plan, command, ack, phase change a
 commit is one record with ``time``, ``kind``, ``epoch``, ``plan_id``, ``command_id`` and
 ``cause`` where they apply. Records are rendered by structlog's JSON renderer.
 
-Durability is a group commit: ``write`` appends a record (handed to the OS at once, so a
-reader sees it) and ``await durable()`` returns once every record written before the call is
-fsynced. The controller calls it before it acts on what the records say — before it acks the
-events of a fetched batch, before it sends a fan-out of commands, before it counts an ack and
-at the end of every reconcile pass — so nothing it acknowledged or did is missing after a
-crash, while one fsync covers a whole batch. The fsync runs in a worker thread: a per-record
-fsync on the event loop was 7.6 s of a 20 s run at 512 nodes (1.2 ms each, 6,173 records;
-``benchmarks/runtime_decision_latency.py --profile``) and capped event handling at ~580/s.
-The thread is the log's own, not asyncio's shared default executor: there an fsync queued
-for 6 s behind the in-process agents' blocking calls (``benchmarks/runtime_reconfig.py``).
+Durability is a group commit: ``write`` appends a record to the log's buffer, with no
+system call (under a burst a flush and a seek per record cost ~1 ms each, waiting for the
+GIL), and ``await durable()`` hands everything written so far to the OS and returns once it
+is fsynced. The controller calls it before it acts on what the records say: before it acks
+the events of a fetched batch, before it sends a fan-out of commands, before it counts an
+ack and at the end of every reconcile pass. So nothing it acknowledged or did is missing
+after a crash, while one fsync covers a whole batch. The fsync runs in the log's own worker
+thread: a per-record fsync on the event loop was 7.6 s of a 20 s run at 512 nodes and
+capped event handling at ~580/s; in asyncio's shared default executor an fsync queued for
+6 s behind the in-process agents' blocking calls (``benchmarks/runtime_reconfig.py``).
 ``write(..., sync=True)`` keeps the old fsync-before-return for the rare records written
 outside a pass (leadership changes).
 
@@ -53,6 +53,7 @@ class AuditLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._render = structlog.processors.JSONRenderer(sort_keys=True)
         self._fh = path.open("ab")
+        self._size = self._fh.tell()  # bytes in the current part, tracked without a syscall
         self._written = 0  # records written so far
         self._synced = 0  # of them, known fsynced
         self._syncing: asyncio.Task[None] | None = None
@@ -64,10 +65,10 @@ class AuditLog:
         record = {"kind": kind, "time": round(time, 6), **fields}
         line = self._render(None, "", record)
         data = (line if isinstance(line, str) else line.decode()).encode() + b"\n"
-        if self._fh.tell() + len(data) > self.max_bytes:
+        if self._size + len(data) > self.max_bytes:
             self._rotate()
-        self._fh.write(data)
-        self._fh.flush()
+        self._fh.write(data)  # buffered: durable() (or sync) flushes and fsyncs
+        self._size += len(data)
         self._written += 1
         if sync:
             self.sync()
@@ -119,6 +120,7 @@ class AuditLog:
                 src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
         self.path.replace(self.path.with_name(f"{self.path.name}.1"))
         self._fh = self.path.open("ab")
+        self._size = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import threading
+import time
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -69,7 +72,19 @@ def _init(config_json: str) -> None:
     global _planner
     from sailor.controller.sailor_planner import planner_from_config
 
+    _watch_parent(os.getppid())
     _planner = planner_from_config(ControllerConfig.model_validate_json(config_json))
+
+
+def _watch_parent(parent: int, period_s: float = 1.0) -> None:
+    """Exit when the controller is gone (SIGKILL): the pool's queue never tells a worker."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _ping() -> bool:
