@@ -49,21 +49,43 @@ def trainer_params(tr: Trainer) -> dict[str, ParamState]:
 
 
 def restore_trainer(tr: Trainer, root: str, step: int) -> None:
-    """Load the layers ``tr`` owns from the committed checkpoint ``step`` under ``root``."""
+    """Load the layers ``tr`` owns from the committed checkpoint ``step`` under ``root``.
+
+    On CPU with fp32 parameters the weights are read straight into the parameters and the
+    Adam moments into new tensors that become the optimizer's state (no second copy); other
+    parameters (CUDA, lower precision) are loaded first and copied over.
+    """
     dims = {k: d for k, (_t, d) in stage_state(tr.stage).items()}
-    got = load_for_rank(LocalStorage(root), tr.plan, tr.role.rank, step=step, tp_dims=dims)
+    into = _destinations(tr, dims)
+    got = load_for_rank(
+        LocalStorage(root), tr.plan, tr.role.rank, step=step, tp_dims=dims, into=into
+    )
     adam_step = float(got.globals.extra.get("adam_step", got.globals.step))
     with torch.no_grad():
         for key, p in tr.stage.keyed_parameters():
             ps = got.params[key]
-            p.copy_(ps.weight.to(p.device, p.dtype))
+            if ps.weight.data_ptr() != p.data_ptr():
+                p.copy_(ps.weight.to(p.device, p.dtype))
             if adam_step <= 0:
                 continue
+            owned = into is not None  # the moments were read into tensors of our own
             tr.optimizer.state[p] = {
                 "step": torch.tensor(adam_step),
-                "exp_avg": ps.exp_avg.to(p.device).clone(),
-                "exp_avg_sq": ps.exp_avg_sq.to(p.device).clone(),
+                "exp_avg": ps.exp_avg if owned else ps.exp_avg.to(p.device).clone(),
+                "exp_avg_sq": ps.exp_avg_sq if owned else ps.exp_avg_sq.to(p.device).clone(),
             }
+
+
+def _destinations(tr: Trainer, dims: dict[str, int | None]) -> dict[str, ParamState] | None:
+    """Where a load may write directly: the parameters themselves and fresh moment tensors,
+    if every parameter is a contiguous fp32 CPU tensor (what the checkpoint stores)."""
+    out: dict[str, ParamState] = {}
+    for key, p in tr.stage.keyed_parameters():
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+            return None
+        w = p.detach()
+        out[key] = ParamState(w, torch.empty_like(w), torch.empty_like(w), dims[key])
+    return out
 
 
 class LayerCheckpointIO:
