@@ -33,23 +33,9 @@ KEYS = Keys(job="contract")
 
 
 @pytest.fixture
-def nats_server(plain_servers: LocalServers) -> ServerProcess:
-    return plain_servers.nats
-
-
-@pytest.fixture
-def etcd_server(plain_servers: LocalServers) -> ServerProcess:
-    return plain_servers.etcd
-
-
-@pytest.fixture
-def nats_url(plain_servers: LocalServers) -> str:
-    return plain_servers.nats_url
-
-
-@pytest.fixture
-def etcd_endpoint(plain_servers: LocalServers) -> str:
-    return plain_servers.etcd_endpoint
+def servers(plain_servers: LocalServers) -> LocalServers:
+    """This module's servers are plain (see the docstring); the URL fixtures follow them."""
+    return plain_servers
 
 
 async def test_state_store_guarded_writes_and_leases(etcd_endpoint: str) -> None:

@@ -23,10 +23,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import json
 import random
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,11 +33,9 @@ from sailor.schemas import (
     Calibration,
     Endpoint,
     GPUCalibration,
-    GPUPrice,
     NetworkProfile,
     Pipeline,
     Plan,
-    PriceTable,
     ProfileDB,
     ReplicaGroup,
     Stage,
@@ -47,9 +43,9 @@ from sailor.schemas import (
 from sailor.schemas.network import CollectiveLatency
 from sailor.schemas.profile import FrameworkTime
 from sailor.simulator import simulate, simulate_with_timeline
+from tests.reference_opt350 import REF
 from tests.unit.test_simulator_simulate import MODEL, PRICES, PROFILES, SPECS, N, _network
 
-REF = Path(__file__).parents[2] / ".." / "shared" / "reference" / "sailor"
 RANDOM_CASES = 48
 
 Case = tuple[str, Callable[[], tuple[Any, ...]], dict[str, Any]]
@@ -168,46 +164,15 @@ def _random_cases() -> Iterator[Case]:
 def _reference_cases() -> Iterator[Case]:
     if not REF.is_dir():
         return
-    from sailor.catalog import gpus, models
-    from sailor.importers.sailor_format import import_network, import_plan, import_profiles
-    from sailor.simulator import MeasuredRun, calibrate_gpu
+    from sailor.catalog import gpus
+    from sailor.simulator import calibrate_gpu
+    from tests.reference_opt350 import load_opt350
 
     cache: dict[str, Any] = {}
 
     def setup() -> dict[str, Any]:
         if not cache:
-            model = models()["OPT-350"]
-            profiles = import_profiles(
-                REF / "profiles" / "profiles_tmp.json",
-                REF / "profiles" / "llm_info.json",
-                "OPT-350",
-            )
-            network = import_network(
-                REF / "providers" / "multizone_bandwidths.json",
-                REF / "providers" / "intra_node_bandwidths.json",
-            )
-            prices = PriceTable(
-                gpus=(
-                    GPUPrice(
-                        gpu_type="GH-96",
-                        region="us-central1",
-                        on_demand_usd_per_hour=11.06,
-                        spot_usd_per_hour=11.06,
-                    ),
-                )
-            )
-            runs = []
-            for f in sorted((REF / "validation" / "OPT-350").glob("N*/plan_config_*.json")):
-                d = json.loads(f.read_text())
-                runs.append(
-                    MeasuredRun(
-                        name=f.stem,
-                        plan=import_plan(f, "OPT-350"),
-                        iteration_time_s=d["real"],
-                        peak_memory_bytes=d["max_mem"],
-                        grad_reduce_s=d["red_grads"],
-                    )
-                )
+            model, profiles, network, prices, runs = load_opt350()
             cal = Calibration(gpus=(calibrate_gpu(runs, model, profiles, network, prices),))
             cache.update(
                 model=model, profiles=profiles, network=network, prices=prices, runs=runs, cal=cal

@@ -7,54 +7,21 @@ The full table with leave-one-out figures is ``benchmarks/simulator_accuracy.py`
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 import pytest
 
-from sailor.catalog import gpus, models
-from sailor.importers.sailor_format import import_network, import_plan, import_profiles
-from sailor.schemas import Calibration, GPUPrice, PriceTable
-from sailor.simulator import MeasuredRun, calibrate_gpu, simulate
+from sailor.catalog import gpus
+from sailor.schemas import Calibration
+from sailor.simulator import calibrate_gpu, simulate
+from tests.reference_opt350 import REF, load_opt350
 
-REF = Path(__file__).parents[2] / ".." / "shared" / "reference" / "sailor"
 pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="reference data not present")
 
 
 @pytest.fixture(scope="module")
 def setup() -> tuple[object, ...]:
-    model = models()["OPT-350"]
-    profiles = import_profiles(
-        REF / "profiles" / "profiles_tmp.json", REF / "profiles" / "llm_info.json", "OPT-350"
-    )
-    network = import_network(
-        REF / "providers" / "multizone_bandwidths.json",
-        REF / "providers" / "intra_node_bandwidths.json",
-    )
-    prices = PriceTable(
-        gpus=(
-            GPUPrice(
-                gpu_type="GH-96",
-                region="us-central1",
-                on_demand_usd_per_hour=11.06,
-                spot_usd_per_hour=11.06,
-            ),
-        )
-    )
-    runs = []
-    for f in sorted((REF / "validation" / "OPT-350").glob("N*/plan_config_*.json")):
-        d = json.loads(f.read_text())
-        runs.append(
-            MeasuredRun(
-                name=f.stem,
-                plan=import_plan(f, "OPT-350"),
-                iteration_time_s=d["real"],
-                peak_memory_bytes=d["max_mem"],
-                grad_reduce_s=d["red_grads"],
-            )
-        )
-    return model, profiles, network, prices, runs
+    return load_opt350()
 
 
 def test_calibration_constants_are_physical(setup: tuple[object, ...]) -> None:
