@@ -17,7 +17,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,24 +140,35 @@ class FastFigures:
     sync_s: float
 
 
-def _pack(
-    order: Sequence[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
-) -> list[PipelineTemplate]:
-    """Take pipelines of each template in ``order`` while resources last."""
+def _takes(
+    order: Iterable[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
+) -> Iterator[tuple[int, PipelineTemplate, int]]:
+    """(position in ``order``, template, pipelines taken) for each template of ``order``
+    that still fits, taking as many pipelines of it as the resources (and ``limit``) allow."""
     left = dict(caps)
-    out: list[PipelineTemplate] = []
-    for t in order:
+    taken = 0
+    for pos, t in enumerate(order):
         need = t.gpus_by_resource()
         n = min(left.get(r, 0) // k for r, k in need.items())
         if limit is not None:
-            n = min(n, limit - len(out))
+            n = min(n, limit - taken)
         if n <= 0:
             continue
         for r, k in need.items():
             left[r] -= n * k
+        taken += n
+        yield pos, t, n
+        if limit is not None and taken >= limit:
+            return
+
+
+def _pack(
+    order: Sequence[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
+) -> list[PipelineTemplate]:
+    """Take pipelines of each template in ``order`` while resources last."""
+    out: list[PipelineTemplate] = []
+    for _, t, n in _takes(order, caps, limit):
         out.extend([t] * n)
-        if limit is not None and len(out) >= limit:
-            break
     return out
 
 
@@ -203,25 +214,13 @@ class _Packer:
         """The pipelines packed within ``t_budget`` and the samples they cover; with
         ``enough``, stop packing once that many samples are covered."""
         order, per = self.order(t_budget)
-        left = dict(self.caps)
         out: list[PipelineTemplate] = []
         samples = 0.0
-        limit = self.limit
-        for i in order:
-            t = self.templates[int(i)]
-            need = t.gpus_by_resource()
-            n = min(left.get(r, 0) // k for r, k in need.items())
-            if limit is not None:
-                n = min(n, limit - len(out))
-            if n <= 0:
-                continue
-            for r, k in need.items():
-                left[r] -= n * k
+        picked = (self.templates[int(i)] for i in order)
+        for pos, t, n in _takes(picked, self.caps, self.limit):
             out.extend([t] * n)
-            samples += n * float(per[i])
+            samples += n * float(per[order[pos]])
             if enough is not None and samples >= enough:
-                break
-            if limit is not None and len(out) >= limit:
                 break
         return out, samples
 
