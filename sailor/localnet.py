@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
-__all__ = ["PortTimeoutError", "free_port", "wait_port"]
+__all__ = ["PortTimeoutError", "ProcessExitedError", "free_port", "wait_port"]
 
 
 class PortTimeoutError(RuntimeError):
@@ -24,13 +25,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout_s: float, what: str = "server") -> None:
-    """Return once something accepts connections on 127.0.0.1:``port``."""
+class ProcessExitedError(PortTimeoutError):
+    """The process exited before it opened its port (e.g. a port taken since ``free_port``)."""
+
+
+def wait_port(
+    port: int,
+    timeout_s: float,
+    what: str = "server",
+    exit_code: Callable[[], int | None] | None = None,
+) -> None:
+    """Return once something accepts connections on 127.0.0.1:``port``; with ``exit_code``
+    (``Popen.poll``), fail at once if the process has exited."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         with socket.socket() as s:
             s.settimeout(0.2)
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
+        if exit_code is not None and (rc := exit_code()) is not None:
+            raise ProcessExitedError(f"{what} exited with code {rc} before opening port {port}")
         time.sleep(0.02)
     raise PortTimeoutError(f"{what} did not open port {port} within {timeout_s:.0f} s")

@@ -34,7 +34,7 @@ from sailor.coordination.security.certs import CertKind
 from sailor.coordination.security.etcd_rbac import etcd_tls_flags, merge_plans, rbac_plan
 from sailor.coordination.security.pki import Role, init_ca, issue_cert, write_nats_config
 from sailor.coordination.security.settings import SecurityConfig
-from sailor.localnet import free_port, wait_port
+from sailor.localnet import ProcessExitedError, free_port, wait_port
 
 __all__ = [
     "ADMIN",
@@ -95,7 +95,7 @@ class ServerProcess:
     def start(self, timeout_s: float = 15.0) -> None:
         self.proc = self.spawn(self.name, self.argv, self.log)
         self.starts += 1
-        wait_port(self.port, timeout_s, self.name)
+        wait_port(self.port, timeout_s, self.name, self.proc.poll)
 
     @property
     def running(self) -> bool:
@@ -295,22 +295,36 @@ def start_local_servers(
     pki = root / "pki" if secure else None
     if pki is not None:
         _make_pki(pki, ids)
-    np_, ep, pp = free_port(), free_port(), free_port()
     run = spawn or _popen
-    nats_argv = _nats_argv(nats_bin, root, np_, ids, pki)
-    nats = ServerProcess("nats", nats_argv, np_, root / "nats.log", spawn=run)
-    etcd_argv = _etcd_argv(etcd_bin, root, ep, pp, pki)
-    etcd = ServerProcess("etcd", etcd_argv, ep, root / "etcd.log", spawn=run)
-    servers = LocalServers(nats=nats, etcd=etcd, identities=ids, pki_dir=pki)
-    try:
-        nats.start()
-        etcd.start()
-        if pki is not None:
-            _apply_rbac(servers.etcd_endpoint, pki, ids)
-    except BaseException:
-        servers.stop()
-        raise
-    return servers
+    for attempt in range(_PORT_ATTEMPTS):
+        # A port free a moment ago can be taken before the server binds it (seen in CI:
+        # "bind: address already in use" on etcd's peer port): start again on new ports.
+        np_, ep, pp = free_port(), free_port(), free_port()
+        nats_argv = _nats_argv(nats_bin, root, np_, ids, pki)
+        nats = ServerProcess("nats", nats_argv, np_, root / "nats.log", spawn=run)
+        etcd_argv = _etcd_argv(etcd_bin, root, ep, pp, pki)
+        etcd = ServerProcess("etcd", etcd_argv, ep, root / "etcd.log", spawn=run)
+        servers = LocalServers(nats=nats, etcd=etcd, identities=ids, pki_dir=pki)
+        try:
+            nats.start()
+            etcd.start()
+            if pki is not None:
+                _apply_rbac(servers.etcd_endpoint, pki, ids)
+        except ProcessExitedError:
+            servers.stop()
+            if attempt + 1 == _PORT_ATTEMPTS:
+                raise
+            for d in (root / "nats", root / "etcd"):  # fresh data, as on the first try
+                shutil.rmtree(d, ignore_errors=True)
+            continue
+        except BaseException:
+            servers.stop()
+            raise
+        return servers
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
 
 
 @contextmanager

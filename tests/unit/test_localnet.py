@@ -1,0 +1,24 @@
+"""Loopback port helpers: a server that dies before binding fails fast, not after the timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sailor.localnet import PortTimeoutError, ProcessExitedError, free_port, wait_port
+
+
+def test_wait_port_fails_fast_when_the_process_exits() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(ProcessExitedError, match="exited with code 3"):
+        wait_port(free_port(), 30.0, "stand-in", proc.poll)
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_wait_port_times_out_without_a_listener() -> None:
+    with pytest.raises(PortTimeoutError, match="did not open port"):
+        wait_port(free_port(), 0.3, "nothing")
