@@ -45,8 +45,9 @@ class ControllerConfig(Frozen):
     debounce_s: float = Field(
         default=0.3,
         ge=0,
-        description="Coalesce outside wake-ups (joins, leaves, status changes) once; "
-        "preemption notices and the loop's own follow-ups are not debounced.",
+        description="Coalesce outside wake-ups (joins, leaves of unused nodes, status "
+        "changes) once; preemption notices, the loss of a node a layout uses and the loop's "
+        "own follow-ups are not debounced.",
     )
     resync_s: float = Field(default=1.0, gt=0, description="Reconcile at least this often.")
     poll_s: float = Field(default=0.1, gt=0, description="etcd revision poll period.")

@@ -2,9 +2,10 @@
 
 One process per controller; several may run, one leads. The leader's loop: wake on an event
 (JetStream), on a change in etcd (a watch delta of the observed prefixes) or every
-``resync_s``; debounce outside wake-ups (joins, leaves, status changes) once, by
-``debounce_s``, but not a preemption notice nor the loop's own follow-ups (a pass that
-changed the desired state, a finished plan, a fully answered command fan-out); take the
+``resync_s``; debounce outside wake-ups (joins, leaves of idle nodes, status changes) once,
+by ``debounce_s``, but not an urgent one (:func:`urgent_wake`: a preemption notice, a node of
+the layout leaving or losing its lease) nor the loop's own follow-ups (a pass that changed
+the desired state, a finished plan, a fully answered command fan-out); take the
 observed state from the watch-kept mirrors (``observed.py``: no etcd read per pass, records
 re-validated only when they changed); ``decide``; apply; make the pass's audit records
 durable (one fsync). Events are handled a fetched batch at a time: validated and recorded,
@@ -53,12 +54,30 @@ from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, PreemptionNotice
 from sailor.schemas.runtime import DesiredState, NoticeRecord
 
-__all__ = ["Controller", "run_controller"]
+__all__ = ["Controller", "run_controller", "urgent_wake"]
 
 _log = structlog.get_logger("sailor.controller")
 
 EVENT_RETRY_S = 10.0
 """How long an event is retried in place (etcd unavailable) before it is given back, s."""
+
+
+def urgent_wake(kind: str, node_id: str, desired: DesiredState | None) -> bool:
+    """Whether a wake-up about ``node_id`` (an event ``kind``) must skip the debounce.
+
+    The debounce coalesces a burst of joins into one reconfiguration; waiting is worth it
+    only while the job still runs. A preemption notice is urgent (its deadline runs), and so
+    is a node of the running or the next layout leaving (``node_left``: the event, or its
+    registration disappearing with its lease): the job is broken already, so a debounce only
+    adds downtime before the abort. A leave of a node no layout uses, a join, a status change
+    stay debounced. A burst of leaves still coalesces: what arrives while a pass runs is
+    handled by the next one, and a loss during a transition aborts and replans once more.
+    """
+    if kind == "preemption_notice":
+        return True
+    if kind != "node_left" or desired is None:
+        return False
+    return node_id in desired.placement or node_id in desired.next_placement
 
 
 class Controller:
@@ -181,7 +200,9 @@ class Controller:
             self.cfg.command_timeout_s,
             self.cfg.resend_s,
         )
-        cache = ObservedCache(store, self.keys, self._reject, on_change=self.wake)
+        cache = ObservedCache(
+            store, self.keys, self._reject, on_change=self.wake, on_node_gone=self._node_gone
+        )
         try:
             desired = await self._adopt(store, executor, lead)
             while not await self._start_cache(cache, lead):
@@ -290,6 +311,11 @@ class Controller:
             commits=snap.commits,
             acked=frozenset(ex.acked),
         )
+
+    def _node_gone(self, node_id: str) -> None:
+        """A registration disappeared (lease lost or revoked): urgent if a layout used it."""
+        if urgent_wake("node_left", node_id, self.desired):
+            self.wake(urgent=True)
 
     def _reject(self, key: str, error: str) -> None:
         self.audit.write("record_rejected", self.clock.now(), key=key, error=error)
@@ -444,7 +470,7 @@ class Controller:
                 node_id=ev.node_id,
                 latency_s=round(now - ev.time, 4),
             )
-        self.wake(urgent=isinstance(ev, PreemptionNotice))
+        self.wake(urgent=urgent_wake(ev.kind, ev.node_id, self.desired))
         return "accepted", ev.event_id
 
 

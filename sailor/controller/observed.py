@@ -11,7 +11,9 @@ registration check); now a pass costs what changed.
 Still level-triggered: the mirrors are copies of the state, not a log of events the loop
 reacts to, and ``check()`` (the controller's poll) compares each with the server and re-reads
 a prefix whose watch died silently, so a missed notification cannot leave the view stale.
-Rejected records are reported once per distinct value, not once per pass.
+Rejected records are reported once per distinct value, not once per pass. ``on_node_gone``
+is told the id of each node whose key disappears (lease lost or revoked) as the delta
+arrives, so the owner can tell a lost node of the running layout from any other change.
 
 Never writes to etcd; no clock; the caller stamps ``Observed.now``.
 """
@@ -98,12 +100,22 @@ class ObservedCache:
         keys: Keys,
         reject: Reject,
         on_change: Callable[[], None] | None = None,
+        on_node_gone: Callable[[str], None] | None = None,
     ) -> None:
         self.keys = keys
         self.store = store
         self.reject = reject
+        gone = None
+        if on_node_gone is not None:
+            cut = len(keys.nodes)
+
+            def gone(key: str) -> None:
+                on_node_gone(key[cut:])
+
         self._nodes = _Prefix(
-            NodeSpec, PrefixMirror(store, keys.nodes, on_change), lambda r: keys.node(r.node_id)
+            NodeSpec,
+            PrefixMirror(store, keys.nodes, on_change, on_delete=gone),
+            lambda r: keys.node(r.node_id),
         )
         self._status = _Prefix(
             AgentStatus,

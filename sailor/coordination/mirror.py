@@ -23,7 +23,9 @@ What can go wrong, and what the mirror does:
   race on a shared stream) is never applied: the watch is treated as broken.
 
 Readers take ``changed()``: the keys that changed since their last call (``None`` before
-the first read: everything). Never writes to etcd.
+the first read: everything). ``on_delete`` is told each key that disappears (a watch delta or
+a resync), for an owner whose urgency depends on which key went (the controller: a node of
+the running layout). Never writes to etcd.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ class PrefixMirror:
         on_change: Callable[[], None] | None = None,
         retry_s: float = 0.2,
         stale_after_s: float = 1.0,
+        on_delete: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.on_change = on_change
+        self.on_delete = on_delete  # called with each key that disappears, before on_change
         self.retry_s = retry_s
         self.stale_after_s = stale_after_s
         self.revision = 0
@@ -95,9 +99,13 @@ class PrefixMirror:
             old, new = self._kvs.get(key), fresh.get(key)
             if old is None or new is None or old.mod_revision != new.mod_revision:
                 self._changed.add(key)
+        gone = self._kvs.keys() - fresh.keys()
         self._kvs = fresh
         self.revision = rev
         self._suspect_since = None
+        if self.on_delete is not None:
+            for key in sorted(gone):
+                self.on_delete(key)
         if self.on_change is not None and self._changed:
             self.on_change()
 
@@ -105,7 +113,8 @@ class PrefixMirror:
         if rev <= self.revision:
             return  # already in the copy (a delta the read that preceded the watch saw)
         if kv is None:
-            self._kvs.pop(key, None)
+            if self._kvs.pop(key, None) is not None and self.on_delete is not None:
+                self.on_delete(key)
         else:
             self._kvs[key] = kv
         self.revision = rev

@@ -226,7 +226,14 @@ async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
 ) -> None:
     store = await connect_etcd(etcd_endpoint)
     woken: list[int] = []
-    m = PrefixMirror(store, "/mirror/", on_change=lambda: woken.append(1), stale_after_s=0.0)
+    deleted: list[str] = []
+    m = PrefixMirror(
+        store,
+        "/mirror/",
+        on_change=lambda: woken.append(1),
+        stale_after_s=0.0,
+        on_delete=deleted.append,
+    )
     try:
         await store.put("/mirror/a", b"1")
         await m.start()
@@ -242,15 +249,22 @@ async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
         await lease.revoke()  # a lease that ends deletes its keys: a delete delta
         await _until(lambda: m.get("/mirror/b") is None)
         assert m.changed() == {"/mirror/b"} and await m.check()
+        assert deleted == ["/mirror/b"]  # told which key went, once
+        lease_e = await store.lease(5)
+        await store.put("/mirror/e", b"6", lease=lease_e)
+        await _until(lambda: m.get("/mirror/e") is not None)
+        m.changed()
         # a watch that stops without an error (as aetcd's may when etcd restarts)
         assert m._watch is not None
         m._watch.cancel()
         await asyncio.sleep(0.05)
         await store.put("/mirror/c", b"4")
+        await lease_e.revoke()  # deleted while nobody watches: the re-read finds it gone
         assert not await m.check()  # differs from the server: suspect
         assert not await m.check()  # and no delta came since: re-read, watch again
         assert m.get("/mirror/c") is not None and m.resyncs == 1
-        assert m.changed() == {"/mirror/c"}
+        assert m.changed() == {"/mirror/c", "/mirror/e"}
+        assert deleted == ["/mirror/b", "/mirror/e"]
         await store.put("/mirror/d", b"5")
         await _until(lambda: m.get("/mirror/d") is not None)  # by the new watch
         assert await m.check() and m.resyncs == 1

@@ -60,6 +60,7 @@ class Cluster:
         self.nats_url = servers.nats_url
         self.etcd = servers.etcd_endpoint
         self.worker = tuple(a.replace("{python}", sys.executable) for a in WORKER)
+        self.debounce_s = 0.2
         self.controllers: dict[str, tuple[Controller, asyncio.Task[None]]] = {}
         self.agents: dict[str, tuple[Agent, asyncio.Task[None]]] = {}
 
@@ -72,7 +73,7 @@ class Cluster:
             audit_log=self.tmp / f"audit-{name}.jsonl",
             checkpoint_dir=str(self.tmp / "ckpt"),
             lease_ttl_s=1,
-            debounce_s=0.2,
+            debounce_s=self.debounce_s,
             resync_s=0.5,
             stop_ahead_steps=3,
             notice_margin_s=1.0,
@@ -217,6 +218,27 @@ async def test_node_lost_without_notice_resumes_from_last_commit(cluster: Cluste
     ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
     assert list(ctl.desired.placement) == ["n1"]
     assert ctl.desired.load_step == committed
+    cluster.audit()
+
+
+async def test_leave_of_a_placed_node_is_not_debounced(cluster: Cluster) -> None:
+    """A node of the running layout leaving aborts at once, not after the debounce."""
+    cluster.debounce_s = 4.0
+    cluster.start_agent("n1")
+    cluster.start_agent("n2")
+    cluster.start_controller("c1")  # its first pass is debounced: both have registered by then
+    ctl = await cluster.wait_phase(Phase.RUNNING, 60)
+    while sorted(ctl.desired.placement) != ["n1", "n2"]:  # else n2 joins a second layout
+        ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
+    gen = ctl.desired.generation
+    await cluster.stop_agent("n2")  # NodeLeft, then the lease revoked
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
+    assert list(ctl.desired.placement) == ["n1"]
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    left = next(r for r in recs if r["kind"] == "event" and r["event_kind"] == "node_left")
+    abort = next(r for r in recs if r["kind"] == "phase" and str(r["cause"]).startswith("abort"))
+    # debounced, the abort would follow the key's deletion by at least 4 s
+    assert abort["time"] - left["time"] < 2.0, (left, abort)
     cluster.audit()
 
 
