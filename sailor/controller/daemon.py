@@ -309,7 +309,7 @@ class Controller:
             status=snap.status,
             notices=snap.notices,
             commits=snap.commits,
-            acked=frozenset(ex.acked),
+            acked=ex.acked_view,
         )
 
     def _node_gone(self, node_id: str) -> None:

@@ -68,6 +68,7 @@ class Executor:
         self.command_timeout_s = command_timeout_s
         self.resend_s = resend_s
         self.acked: set[str] = set()
+        self._acked_view: frozenset[str] | None = None
         self._sent_at: dict[str, float] = {}
         self._inflight: set[str] = set()
         self._replanning: tuple[str, ...] | None = None
@@ -151,6 +152,14 @@ class Executor:
             for s in due:
                 self._spawn_send(s)
         return desired
+
+    @property
+    def acked_view(self) -> frozenset[str]:
+        """``acked`` frozen for ``Observed``; copied again only after an ack was added (it
+        grows over the term: a copy per pass was O(every command acked so far))."""
+        if self._acked_view is None:
+            self._acked_view = frozenset(self.acked)
+        return self._acked_view
 
     @property
     def inflight(self) -> int:
@@ -266,3 +275,4 @@ class Executor:
         if ack.accepted:
             await self.audit.durable()  # group commit with the other acks of the fan-out
             self.acked.add(cmd.command_id)
+            self._acked_view = None

@@ -16,6 +16,7 @@ from sailor.controller.decide import (
 )
 from sailor.controller.phases import LEGAL, check_transition
 from sailor.controller.planning import DataParallelPlanner
+from sailor.schemas.commands import Command, CommandAdapter, Launch, plan_digest
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
 
@@ -257,3 +258,46 @@ def test_a_node_back_long_after_its_notice_is_usable_again() -> None:
     a = decide(d, obs(ns, [st(1)], notices=old), CFG)
     assert isinstance(a[0], ClearNotice) and a[0].node_id == "n2"
     assert kinds(a)[1:] == kinds(decide(d, obs(ns, [st(1)]), CFG)) != []
+
+
+def test_commands_built_without_validation_are_valid_commands() -> None:
+    """decide builds commands from the desired state's values without re-validating them:
+    each must still be exactly what validating it would give (the agent validates it)."""
+    res = DataParallelPlanner("m", 4, 8).plan((node(1), node(2)), None)
+    ns = nodes(1, 2)
+    sent: list[Command] = []
+    d = running((1, 2), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW + 10)
+    sent += [a.command for a in decide(d, obs(ns, []), CFG) if isinstance(a, Send)]
+    d = running((1, 2), phase=Phase.TEARDOWN, phase_deadline=NOW + 10, cause="x" * 300)
+    sent += [a.command for a in decide(d, obs(ns, [st(1), st(2)]), CFG) if isinstance(a, Send)]
+    for load in (-1, 12):
+        d = running(
+            (1, 2),
+            gen=2,
+            phase=Phase.LAUNCH,
+            phase_deadline=NOW + 10,
+            plan=res.plan,
+            placement=res.placement,
+            load_step=load,
+            master="h:29502",
+        )
+        sent += [a.command for a in decide(d, obs(ns, []), CFG) if isinstance(a, Send)]
+    assert sorted({c.kind for c in sent}) == ["abort", "checkpoint", "launch", "stop"]
+    assert len(sent) == 10
+    for cmd in sent:
+        assert CommandAdapter.validate_json(CommandAdapter.dump_json(cmd)) == cmd
+        if isinstance(cmd, Launch):
+            assert cmd.plan_sha256 == plan_digest(res.plan) and cmd.world_size == 2
+
+
+def test_launch_digest_follows_the_plan() -> None:
+    """The digest is remembered per plan object: another plan gets its own."""
+    ns = nodes(1, 2)
+    for ids in ((1, 2), (1,), (1, 2)):
+        res = DataParallelPlanner("m", 4, 8).plan(tuple(node(i) for i in ids), None)
+        d = running(ids, gen=2, phase=Phase.LAUNCH, phase_deadline=NOW + 10, master="h:1")
+        d = d.model_copy(update={"plan": res.plan, "placement": res.placement})
+        for _ in range(2):
+            cmds = [a.command for a in decide(d, obs(ns, []), CFG) if isinstance(a, Send)]
+            assert [c.plan_sha256 for c in cmds] == [plan_digest(res.plan)] * len(ids)  # type: ignore[union-attr]
+            assert [c.world_size for c in cmds] == [res.plan.num_gpus] * len(ids)  # type: ignore[union-attr]
