@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,8 @@ def test_worker_plans_like_the_thread_and_resends_in_full_when_out_of_step(
         stale = prev_remote.model_copy(update={"plan_id": "p-unknown"})
         again = remote.plan(nodes, stale)
         assert again == local.plan(nodes, stale)
+        # no automatic collection in the worker: it collects between calls
+        assert remote._pool is not None and remote._pool.submit(gc.isenabled).result() is False
     finally:
         remote.close()
 
@@ -84,3 +88,31 @@ def test_worker_refuses_what_it_does_not_hold(tmp_path: Path) -> None:
             pw._plan(pw._Call(("n000",), (), "p-none", None, reset=False))
     finally:
         pw._planner, pw._nodes, pw._plans = None, {}, {}
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node = self
+
+
+def test_worker_collection_frees_new_cycles_and_now_and_then_frozen_ones() -> None:
+    collections = pw._collections
+    try:
+        pw._collections = 0
+        old = _Node()
+        old_ref = weakref.ref(old)
+        pw._collect()  # old (still referenced) is frozen
+        assert gc.get_freeze_count() > 0
+        young = _Node()
+        young_ref = weakref.ref(young)
+        del young, old
+        pw._collect()
+        assert young_ref() is None  # a cycle made since the last collection: freed
+        for _ in range(pw._FULL_EVERY - 3):
+            pw._collect()
+        assert old_ref() is not None  # frozen: not scanned ...
+        pw._collect()
+        assert old_ref() is None  # ... until every _FULL_EVERY-th collection
+    finally:
+        pw._collections = collections
+        gc.unfreeze()
