@@ -27,16 +27,19 @@ the controller is RUNNING again in a new generation:
 
 From the controller's audit log, per event: ``received`` (the ``event`` record), ``decision``
 (first desired-state write after it), ``plan`` (the desired state carrying the new plan,
-cause "plan ready"), and ``planning_s`` (the ``plan`` record: time inside the planner
-thread). Coordination overhead = (received → plan) − planner. ``agent → plan`` starts at
-the simulated agent's first action (for a join, the etcd registration that the controller's
-100 ms revision poll may see before the event arrives). Controller knobs as in
-runtime_reconfig.py: debounce 50 ms (it is inside the overhead, once per event), revision
-poll 100 ms; the planner runs in a thread (``planner_process: false``, the default).
-``--baseline`` adds, per size, a run with the planner in its warm worker process
-(``planner_process: true``) in the same session, for comparison. ``--profile FILE``
-writes a cProfile of the controller's process (its event-loop thread) per size. Each size
-starts measuring once the controller has handled the setup's join events.
+cause "plan ready"), and ``planning_s`` (the ``plan`` record: time from the start of the
+planning call to its result, in the planner's worker process or thread). Coordination
+overhead = (received → plan) − planner. ``agent → plan`` starts at the simulated agent's
+first action (for a join, the etcd registration that the controller's watch may see before
+the event arrives). Controller knobs as in runtime_reconfig.py: debounce 50 ms (inside the
+overhead of a join; a leave of a placed node and a notice are not debounced), revision poll
+100 ms; the planner runs as configured by default, in its warm worker process
+(``planner_process: true``: the ``process`` rows). ``--baseline`` adds, per size, a run with
+the planner in a thread of the controller (``planner_process: false``: the ``thread`` rows)
+in the same session, for comparison. ``--profile FILE`` writes a cProfile of the
+controller's process (its event-loop thread only: not the planner's thread or process) per
+size and mode. Each size starts measuring once the controller has handled the setup's join
+events.
 Target (issue 7): ≤ 200 ms at 512 nodes. Prints; asserts nothing.
 
 Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]``
@@ -48,6 +51,8 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -64,7 +69,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_servers import free_port, servers
 
 from sailor.agent.plan_source import PlanSource
-from sailor.controller.audit import read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
 from sailor.coordination import (
@@ -421,10 +425,30 @@ async def wait_handled(ctl: Controller, count: int, timeout: float) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _measure_when_logged(audit: Path, event_id: str, t_agent: float) -> dict[str, float]:
+def _records_from(audit: Path, offset: int) -> list[dict[str, Any]]:
+    """The log's records from byte ``offset`` on (the log is not rotated in this run).
+
+    Not the whole log each time: parsing all of it (~20,000 records by the end at 512 nodes)
+    in the controller's process after every event made tens of thousands of objects that
+    set off full garbage collections of the controller's process later, inside the
+    measured path of the next event.
+    """
+    with audit.open("rb") as fh:
+        fh.seek(max(0, offset - 1))
+        data = fh.read()
+    # from the first line that starts at or after the offset (it may fall inside a record)
+    start = data.find(b"\n") + 1 if offset else 0
+    recs = [json.loads(line) for line in data[start:].splitlines() if line.strip()]
+    recs.sort(key=lambda r: float(r.get("time", 0.0)))  # by time, as read_records
+    return recs
+
+
+async def _measure_when_logged(
+    audit: Path, event_id: str, t_agent: float, offset: int
+) -> dict[str, float]:
     """``_measure`` once the event's own record is in the log (bounded wait)."""
     for _ in range(300):
-        recs = read_records([audit])
+        recs = _records_from(audit, offset)
         if any(r["kind"] == "event" and r.get("event_id") == event_id for r in recs):
             return _measure(recs, event_id, t_agent)
         await asyncio.sleep(0.1)
@@ -456,16 +480,19 @@ def _measure(recs: list[dict[str, Any]], event_id: str, t_agent: float) -> dict[
 
 
 async def run_size(
-    tmp: Path, nats: str, etcd: str, n: int, rounds: int, process: bool = False
+    tmp: Path, nats: str, etcd: str, n: int, rounds: int, thread: bool = False
 ) -> dict[str, Any]:
-    job = f"lat{n}" + ("" if process else "t")
+    """One size; the controller as configured by default, or with ``thread``, planning in a
+    thread (``planner_process: false``)."""
+    job = f"lat{n}" + ("t" if thread else "")
     sim = SimHandle(job, nats, etcd, n)
     ctl: Controller | None = None
     task: asyncio.Task[None] | None = None
-    out: dict[str, Any] = {"n": n, "events": [], "process": process}
+    extra: dict[str, Any] = {"planner_process": False} if thread else {}
+    cfg = controller_config(job, tmp, nats, etcd, **extra)
+    out: dict[str, Any] = {"n": n, "events": [], "process": cfg.planner_process}
     try:
         out["register_s"] = await sim.ready(timeout=300)
-        cfg = controller_config(job, tmp, nats, etcd, planner_process=process)
         ctl = Controller(cfg)
         t0 = time.perf_counter()
         task = asyncio.create_task(ctl.run(), name=f"bench-ctl-{job}")
@@ -484,6 +511,7 @@ async def run_size(
                 if d is None:
                     raise RuntimeError("controller lost its desired state")
                 gen = d.generation
+                offset = audit.stat().st_size
                 placed = sorted(d.placement)
                 victim = placed[len(placed) // 2]
                 if kind == "leave":
@@ -494,7 +522,7 @@ async def run_size(
                 else:
                     t_agent, eid = await sim.call("notice", victim, 120.0)
                 await wait_running(ctl, gen, 120)
-                row = await _measure_when_logged(audit, eid, t_agent)
+                row = await _measure_when_logged(audit, eid, t_agent, offset)
                 row["kind"] = kind  # type: ignore[assignment]
                 out["events"].append(row)
                 if kind == "notice":
@@ -510,6 +538,29 @@ async def run_size(
                 await asyncio.wait_for(task, 30)
         await sim.stop()
     return out
+
+
+class _GcTimes:
+    """Garbage collections of this (the controller's) process: count and seconds per generation."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        g = info["generation"]
+        self.count[g] += 1
+        self.seconds[g] += time.perf_counter() - self._t0
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"gen{g} {c} ({1000 * t:.0f} ms)"
+            for g, (c, t) in enumerate(zip(self.count, self.seconds, strict=True))
+        )
 
 
 def _p95(xs: list[float]) -> float:
@@ -562,7 +613,8 @@ def report(results: list[dict[str, Any]]) -> None:
             f"{r['n']:>6} nodes ({4 * r['n']} GPUs): registered in {r['register_s']:.2f} s, "
             f"first layout (search + launch) {r['first_layout_s']:.1f} s, plans use {gpus} GPUs, "
             f"controller passes {r['decisions']}, events {r['event_counts']}, "
-            f"plan reads by the agents {r.get('plan_reads', '?')} ({_mode(r)})"
+            f"plan reads by the agents {r.get('plan_reads', '?')}, controller process's "
+            f"garbage collections {r.get('gc', '?')} ({_mode(r)})"
         )
     print("\ntarget (issue 7): <= 200 ms at 512 nodes (reported, not asserted)")
 
@@ -574,7 +626,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         action="store_true",
-        help="also run each size with the planner in its worker process (planner_process: true)",
+        help="also run each size with the planner in a thread (planner_process: false)",
     )
     ap.add_argument(
         "--profile",
@@ -595,21 +647,25 @@ def main() -> None:
         tmp = Path(d)
         with servers(tmp) as (nats, etcd):
             for n in sizes:
-                for process in (False, True) if args.baseline else (False,):
+                for thread in (False, True) if args.baseline else (False,):
                     rounds = args.rounds or ROUNDS.get(n, 2)
                     t0 = time.perf_counter()
                     prof = cProfile.Profile() if args.profile else None
+                    res: dict[str, Any] = {"n": n, "process": not thread, "events": []}
+                    gcs = _GcTimes()
+                    gc.callbacks.append(gcs)
                     try:
                         if prof is not None:
                             prof.enable()
-                        res = asyncio.run(run_size(tmp, nats, etcd, n, rounds, process))
+                        res = asyncio.run(run_size(tmp, nats, etcd, n, rounds, thread))
                     except Exception as exc:  # reported in the table, the other sizes still run
-                        res = {"n": n, "process": process, "events": [], "error": repr(exc)}
+                        res["error"] = repr(exc)
                     finally:
+                        gc.callbacks.remove(gcs)
+                        res["gc"] = str(gcs)
                         if prof is not None:
                             prof.disable()
-                            mode = "process" if process else "thread"
-                            prof.dump_stats(f"{args.profile}-{n}-{mode}.prof")
+                            prof.dump_stats(f"{args.profile}-{n}-{_mode(res)}.prof")
                     results.append(res)
                     took = time.perf_counter() - t0
                     print(f"  {n} nodes ({_mode(res)}) done in {took:.0f} s", flush=True)
