@@ -157,6 +157,7 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
             mbs=(1, 2, 4, 8),
             settings=RepeatSettings(),
             statistic=statistic,
+            host_ranks=4,
         )
     )
     print(f"== profile ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
@@ -167,6 +168,15 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
                 f"bwd {t.bwd_s * 1e3:.3f} update {t.update_s * 1e3:.3f} ms "
                 f"(± {t.fwd_spread_s * 1e3:.3f}/{t.bwd_spread_s * 1e3:.3f})"
             )
+    for host in db.hosts:
+        print(
+            f"  host sharing: {host.cores} cores, slowdown with 1..4 "
+            "ranks computing "
+            + " / ".join(
+                f"{x:.2f}±{e:.2f}" for x, e in zip(host.slowdown, host.slowdown_spread, strict=True)
+            )
+            + f", wake-up {host.wake_s * 1e3:.3f} ms"
+        )
     for o in db.overheads:
         print(f"  process overhead {o.bytes / MIB:.1f} MiB")
     for f in db.framework:
@@ -252,6 +262,7 @@ def main() -> None:
                     calibration=cal,
                     gpu_specs=catalog.gpus(),
                     method="replay",
+                    shared_host=True,
                 )
                 work = Path(tmp) / f"{plan.plan_id}-{rnd}"
                 t, ph, m = _run_plan(plan, model_file, args.steps, args.skip, work, args.statistic)

@@ -77,6 +77,11 @@ def layers_cmd(
     min_time: float = typer.Option(0.2, help="Repeat until the timed runs add up to this (s)."),
     memory: bool = typer.Option(True, help="Measure peak memory growth (a separate pass)."),
     overhead: bool = typer.Option(True, help="Measure the process overhead (CPU only)."),
+    host_ranks: int = typer.Option(
+        4,
+        help="CPU: measure how 1..N ranks on this host share its cores (0: skip). The "
+        "simulator uses it for plans whose ranks run on one host.",
+    ),
     statistic: str = typer.Option(
         "median", help="median (the layer's own cost) or mean (includes a busy host's stalls)."
     ),
@@ -106,6 +111,7 @@ def layers_cmd(
             measure_memory=memory,
             measure_overhead=overhead and device == "cpu",
             statistic=statistic,
+            host_ranks=host_ranks if device == "cpu" else 0,
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
@@ -163,6 +169,13 @@ def layers_cmd(
             f"framework time ({f.gpu_type}): {f.iteration_s * 1e3:.3f} ms per iteration, "
             f"{f.microbatch_s * 1e3:.3f} ms per microbatch, {f.sample_s * 1e6:.1f} us per "
             "sample outside the layers"
+        )
+    for h in db.hosts:
+        con.print(
+            f"host sharing ({h.gpu_type}, {h.cores} cores): slowdown with 1..{len(h.slowdown)} "
+            "ranks computing "
+            + " / ".join(f"{x:.2f}" for x in h.slowdown)
+            + f"; wake-up {h.wake_s * 1e3:.3f} ms"
         )
     if not db.sizes:
         con.print(

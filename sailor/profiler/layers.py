@@ -35,7 +35,7 @@ import torch
 from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
 from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
-from sailor.schemas.profile import DeviceOverhead, FrameworkTime
+from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
 
 __all__ = ["LayerRun", "device_description", "profile_layers", "to_profile_db"]
 
@@ -60,6 +60,9 @@ class LayerRun:
     """Central value written to the database: 'median' (default) or 'mean' (timing.py)."""
     in_situ: bool = True
     """Time every layer inside the whole model (in_situ.py); False: each kind alone."""
+    host_ranks: int = 0
+    """On CPU: measure how up to this many ranks share the host's cores (host_sharing.py);
+    0: not measured."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -77,6 +80,8 @@ class LayerRun:
             raise ValueError(f"statistic={self.statistic!r}: use 'median' or 'mean'")
         if not self.mbs or any(b < 1 for b in self.mbs):
             raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
+        if self.host_ranks < 0:
+            raise ValueError(f"host_ranks={self.host_ranks}: must be >= 0")
         if self.device == "cuda" and any(t > 1 for t in self.tps):
             raise ValueError("tp > 1 is measured with gloo ranks on CPU only; use --tp 1 on cuda")
 
@@ -151,6 +156,21 @@ def profile_layers(
         from sailor.profiler.framework_time import measure_framework_time
 
         framework, _ = measure_framework_time(run.spec, run.gpu_type, run.threads, run.statistic)
+    host: HostSharing | None = None
+    if run.device == "cpu" and run.host_ranks:
+        note(f"host sharing (1..{run.host_ranks} ranks at once)", 0)
+        from sailor.profiler.host_sharing import HostRun, measure_host_sharing
+
+        mbs = sorted(run.mbs)[len(run.mbs) // 2]
+        host = measure_host_sharing(
+            HostRun(
+                spec=run.spec,
+                gpu_type=run.gpu_type,
+                mbs=mbs,
+                max_ranks=run.host_ranks,
+                threads=run.threads,
+            )
+        )
     meta = _meta(run, out)
     db = to_profile_db(
         run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic
@@ -159,6 +179,11 @@ def profile_layers(
         date = meta.get(f"{run.gpu_type}.date", "")
         stamped = framework.model_copy(update={"source": f"{framework.source} {date}"})
         db = db.model_copy(update={"framework": (stamped,)})
+    if host is not None:
+        date = meta.get(f"{run.gpu_type}.date", "")
+        db = db.model_copy(
+            update={"hosts": (host.model_copy(update={"source": f"{host.source} {date}"}),)}
+        )
     return db, out
 
 

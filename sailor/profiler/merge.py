@@ -72,12 +72,16 @@ def merge_db(old: ProfileDB | None, new: ProfileDB) -> tuple[ProfileDB, int]:
     frame = {f.gpu_type: f for f in old.framework}
     for f in new.framework:
         frame[f.gpu_type] = f
+    hosts = {h.gpu_type: h for h in old.hosts}
+    for h in new.hosts:
+        hosts[h.gpu_type] = h
     merged = ProfileDB(
         model=old.model,
         timings=timings,
         sizes=sizes,
         overheads=tuple(over[k] for k in sorted(over)),
         framework=tuple(frame[k] for k in sorted(frame)),
+        hosts=tuple(hosts[k] for k in sorted(hosts)),
         memory=tuple(dict.fromkeys(old.memory + new.memory)),
         meta={**old.meta, **new.meta},
     )

@@ -18,6 +18,7 @@ from sailor.schemas.model import LayerKind
 __all__ = [
     "DeviceOverhead",
     "FrameworkTime",
+    "HostSharing",
     "LayerMemory",
     "LayerProfile",
     "LayerSize",
@@ -127,6 +128,42 @@ class FrameworkTime(Frozen):
     source: str = Field(description="Measurement it came from.")
 
 
+class HostSharing(Frozen):
+    """How ranks started on one host share its cores (CPU devices; absent for GPUs).
+
+    Measured by ``sailor.profiler.host_sharing`` with the profiled model's own layers, never
+    on the plans it predicts. The simulator uses it only when it is told that a plan's ranks
+    run on one host (``simulate(..., shared_host=True)``, as ``launch_local`` runs them).
+    """
+
+    gpu_type: str = Field(description="Device kind measured (e.g. cpu).")
+    cores: int = Field(ge=1, description="Cores of the host the ranks may run on.")
+    slowdown: tuple[float, ...] = Field(
+        min_length=1,
+        description=(
+            "slowdown[n-1]: the time of the model's work while n ranks compute at once, over "
+            "its time alone (slowdown[0] = 1)."
+        ),
+    )
+    wake_s: float = Field(
+        ge=0,
+        description=(
+            "Mean extra delay before a rank blocked on a receive runs again when its message "
+            "arrives while at least `cores` ranks compute, s."
+        ),
+    )
+    slowdown_spread: tuple[float, ...] = Field(
+        default=(), description="Standard deviation of each slowdown factor across its ranks."
+    )
+    source: str = Field(description="Measurement it came from.")
+
+    @model_validator(mode="after")
+    def _check(self) -> HostSharing:
+        if any(f <= 0 for f in self.slowdown):
+            raise field_error("slowdown", self.slowdown, "factors must be > 0")
+        return self
+
+
 class ProfileDB(Frozen):
     """All profiles of one model."""
 
@@ -137,6 +174,11 @@ class ProfileDB(Frozen):
     framework: tuple[FrameworkTime, ...] = Field(
         default=(),
         description="Framework time outside the layers, per GPU type (at most one each).",
+    )
+    hosts: tuple[HostSharing, ...] = Field(
+        default=(),
+        description="How co-located ranks share a host's cores, per device kind (at most one "
+        "each).",
     )
     memory: tuple[LayerMemory, ...] = Field(
         default=(), description="Per-layer memory footprints (e.g. imported Varuna profiles)."
@@ -153,6 +195,9 @@ class ProfileDB(Frozen):
         kinds = [f.gpu_type for f in self.framework]
         if len(kinds) != len(set(kinds)):
             raise field_error("framework", kinds, "at most one entry per GPU type")
+        hosts = [h.gpu_type for h in self.hosts]
+        if len(hosts) != len(set(hosts)):
+            raise field_error("hosts", hosts, "at most one entry per device kind")
         return self
 
     # Indexing is computed once per (immutable) instance.
@@ -218,6 +263,13 @@ class ProfileDB(Frozen):
                 return f
         return None
 
+    def host_sharing(self, gpu_type: str) -> HostSharing | None:
+        """The measured host sharing of ``gpu_type``, if any."""
+        for h in self.hosts:
+            if h.gpu_type == gpu_type:
+                return h
+        return None
+
     def is_estimated(self, gpu_type: str) -> bool:
         srcs = {t.source for t in self.timings if t.gpu_type == gpu_type}
         return bool(srcs) and srcs <= {"estimated"}
@@ -239,5 +291,7 @@ class ProfileDB(Frozen):
             ),
             framework=other.framework
             + tuple(f for f in self.framework if other.framework_time(f.gpu_type) is None),
+            hosts=other.hosts
+            + tuple(h for h in self.hosts if other.host_sharing(h.gpu_type) is None),
             meta={**self.meta, **other.meta},
         )

@@ -55,6 +55,7 @@ from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.network_model import AllReduce, LinkCurves, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
+from sailor.simulator.shared_host import HostModel, SharedPipe, replay_shared
 
 __all__ = ["Method", "Timeline", "simulate", "simulate_with_timeline"]
 
@@ -175,6 +176,7 @@ def simulate(
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     method: Method = "closed_form",
     spot: bool = False,
+    shared_host: bool = False,
 ) -> Estimate:
     """Simulated iteration time, peak memory per GPU and $ per iteration of ``plan``.
 
@@ -183,9 +185,24 @@ def simulate(
     rates, except replica groups whose own ``spot`` flag is set. Raises
     :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has neither a profile
     nor a spec, ``KeyError`` if it has no price.
+
+    ``shared_host``: every rank of ``plan`` runs on one host (CPU ranks started together, as
+    ``launch_local`` does) and shares its cores as the profile's ``HostSharing`` for their
+    device says (:mod:`shared_host`); without such an entry each rank keeps a device of its
+    own, and a note says so.
     """
     return _run(
-        plan, model, profiles, network, prices, calibration, gpu_specs, method, spot, False
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        calibration,
+        gpu_specs,
+        method,
+        spot,
+        False,
+        shared_host,
     )[0]
 
 
@@ -199,10 +216,21 @@ def simulate_with_timeline(
     calibration: Calibration | None = None,
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     spot: bool = False,
+    shared_host: bool = False,
 ) -> tuple[Estimate, Timeline]:
     """:func:`simulate` with the replay, plus every forward and backward on every stage."""
     est, tl = _run(
-        plan, model, profiles, network, prices, calibration, gpu_specs, "replay", spot, True
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        calibration,
+        gpu_specs,
+        "replay",
+        spot,
+        True,
+        shared_host,
     )
     if tl is None:
         raise RuntimeError("replay produced no timeline")
@@ -300,6 +328,7 @@ def _run(
     method: Method,
     spot: bool,
     timeline: bool,
+    shared_host: bool = False,
 ) -> tuple[Estimate, Timeline | None]:
     # Pipelines alike in everything the model reads (microbatch size, stages' layers, GPU
     # type, TP, node shape, zone, which neighbours share a node; and the microbatch count
@@ -341,8 +370,31 @@ def _run(
     pipe_end: list[float] = []
     stage_end: list[tuple[float, ...]] = []
     ops: list[TimelineOp] = []
+    host = _host_model(inp, plan) if shared_host else None
+    if host is not None:
+        if method != "replay":
+            notes.add("ranks share one host: pipelines replayed together (no closed form)")
+        for prun in replay_shared(
+            [
+                SharedPipe(
+                    f=k.fs,
+                    b=k.bs,
+                    delay=k.delay or tuple(0.0 for _ in k.fs[1:]),
+                    m=p.num_microbatches,
+                    tp=tuple(s.replica.tp for s in p.stages),
+                )
+                for p, k in zip(pipelines, kinds, strict=True)
+            ],
+            host,
+            record=timeline,
+        ):
+            pipe_end.append(prun.end_s)
+            stage_end.append(prun.stage_end_s)
+            ops.extend(prun.ops)
     runs: dict[tuple[int, int], tuple[float, tuple[float, ...], int, tuple[TimelineOp, ...]]] = {}
     for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
+        if host is not None:
+            break
         rkey = (id(kind), p.num_microbatches)
         done = runs.get(rkey)
         if done is None:
@@ -364,6 +416,11 @@ def _run(
                 ops.extend(dataclasses.replace(op, pipeline=pi) for op in done[3])
 
     # --- gradient sync per layer segment, then the optimizer step ------------------------
+    # on a shared host every rank's end of iteration and optimizer step run at about the
+    # same time (after the pipelines drain), at the slowdown of all of them computing
+    tail_factor = (
+        host.factor(sum(s.replica.tp for p in pipelines for s in p.stages)) if host else 1.0
+    )
     fixed_of: dict[str, float] = {}
     ready: dict[tuple[int, int], float] = {}
     for pi, p in enumerate(pipelines):
@@ -372,7 +429,7 @@ def _run(
             g = s.replica.gpu_type
             fixed = fixed_of.get(g)
             if fixed is None:
-                fixed = inp.gcal(g).sync_fixed_s + inp.framework(g).iteration_s
+                fixed = inp.gcal(g).sync_fixed_s + tail_factor * inp.framework(g).iteration_s
                 fixed_of[g] = fixed
             ready[(pi, si)] = ends[si] + fixed
     sync_of: dict[tuple[int, int], float] = dict.fromkeys(ready, 0.0)
@@ -407,7 +464,7 @@ def _run(
             sync_of[h] += ar.time_s
         for src, dst, nbytes in ar.cross_zone_bytes:
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
-    end = {h: ready[h] + kinds[h[0]].row[h[1]].u for h in ready}
+    end = {h: ready[h] + tail_factor * kinds[h[0]].row[h[1]].u for h in ready}
     iteration = max(end.values())
     if cal.loss_allreduce:
         # one scalar over every rank, after the step; it is the iteration's barrier
@@ -627,6 +684,24 @@ def _tied_allreduce(
     return holders, ring_allreduce(
         inp.links.network, groups, node_bytes, n_el, eff, links=inp.links
     )
+
+
+def _host_model(inp: _Inputs, plan: Plan) -> HostModel | None:
+    """The measured sharing of the one host all of ``plan``'s ranks run on, if known."""
+    kinds = sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages})
+    hs = inp.profiles.host_sharing(kinds[0]) if len(kinds) == 1 else None
+    if hs is None:
+        inp.notes.add(
+            f"shared host: no host-sharing profile for {'/'.join(kinds)}; each rank is "
+            "simulated on a device of its own"
+        )
+        return None
+    inp.notes.add(
+        f"ranks share one host of {hs.cores} cores (slowdown "
+        + "/".join(f"{x:.2f}" for x in hs.slowdown)
+        + f", wake-up {hs.wake_s * 1e3:.2f} ms)"
+    )
+    return HostModel(cores=hs.cores, slowdown=hs.slowdown, wake_s=hs.wake_s)
 
 
 def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:

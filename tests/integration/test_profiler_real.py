@@ -74,13 +74,16 @@ def test_cli_layers_merges_into_the_database(tmp_path: Path) -> None:
     args = ["profile", "layers", "--model", "tiny-gpt", "--mbs", "1", "-o", str(out)]
     args += ["--min-reps", "2", "--max-reps", "3", "--warmup", "1", "--min-time", "0"]
     args += ["--no-overhead", "--no-memory"]
-    r = CliRunner().invoke(app, args)
+    r = CliRunner().invoke(app, [*args, "--host-ranks", "2"])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, args)
+    assert "host sharing (cpu" in r.output
+    r = CliRunner().invoke(app, [*args, "--host-ranks", "0"])
     assert r.exit_code == 0, r.output
     db = ProfileDB.model_validate_json(out.read_text())
     keys = [(t.gpu_type, t.tp, t.microbatch_size, t.layer) for t in db.timings]
     assert len(keys) == len(set(keys)) == catalog.model("tiny-gpt").num_all_layers
+    # the second run measured no host: the first run's figures stay
+    assert [len(h.slowdown) for h in db.hosts] == [2]
 
 
 def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
@@ -149,3 +152,20 @@ def test_allreduce_latency_probe_between_gloo_processes() -> None:
     assert 0 < c.latency_s < 1.0
     net = NetworkProfile(collectives=(c,))
     assert net.collective_latency(ep, 2) == c.latency_s
+
+
+def test_host_sharing_measured_with_real_ranks() -> None:
+    from sailor.profiler.host_sharing import HostRun, measure_host_sharing
+    from sailor.profiler.merge import merge_db
+
+    h = measure_host_sharing(
+        HostRun(spec=catalog.model("tiny-gpt"), mbs=2, max_ranks=3, window_s=0.3, wake_messages=30),
+        deadline_s=300,
+    )
+    assert h.gpu_type == "cpu" and h.cores >= 1 and len(h.slowdown) == 3
+    assert h.slowdown[0] == 1.0 and all(x > 0 for x in h.slowdown)
+    assert len(h.slowdown_spread) == 3 and h.wake_s >= 0
+    # it merges into a database that already holds another measure of the host
+    old = ProfileDB(model="tiny-gpt", hosts=(h.model_copy(update={"wake_s": 9.0}),))
+    merged, _ = merge_db(old, ProfileDB(model="tiny-gpt", hosts=(h,)))
+    assert merged.host_sharing("cpu") == h

@@ -1,0 +1,207 @@
+"""How ranks started on one host share its cores: the slowdown curve and the wake-up delay.
+
+A GPU rank owns its device. CPU ranks that ``launch_local`` starts on one host share its
+cores, and two effects decide their speed; both are measured here with the profiled model's
+own layers (one stage holding all of them, forward + backward + the engine's AdamW step at
+one microbatch size), never on the plans the simulator will predict:
+
+* **slowdown(n)**: ``n`` ranks run that training step over and over at once for a window of
+  ``window_s``; ``slowdown[n-1]`` is their mean step time over the mean step time of one rank
+  alone. The rounds go ``1..K`` then ``K..1`` and each factor is the mean of its two rounds,
+  so a drift of the host's load during the measure hits every factor alike.
+* **wake_s**: one rank sends a timestamp to another, blocked on the receive, and keeps
+  computing; the receiver notes when it runs again. Measured once with ``cores - 1`` other
+  ranks computing (so that ``cores`` ranks compute when the message lands: the receiver must
+  wait for the scheduler to give it a core) and once with none (a core is free);
+  ``wake_s`` is the difference of the mean delays (the transfer itself cancels out).
+
+The ranks are real processes joined by a gloo group (:mod:`procs`), with the worker's one
+intra-op thread each. The simulator uses the result only for plans it is told run on one
+host (``simulate(..., shared_host=True)``): see ``sailor.simulator.shared_host``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sailor.schemas import ModelSpec
+from sailor.schemas.profile import HostSharing
+
+__all__ = ["HOST_SOURCE", "HostRun", "host_sharing_from", "measure_host_sharing"]
+
+HOST_SOURCE = "sailor.profiler.host_sharing"
+_WAKE_WARMUP = 10
+
+
+@dataclass(frozen=True)
+class HostRun:
+    """What to measure: up to ``max_ranks`` ranks at once, each window ``window_s``."""
+
+    spec: ModelSpec
+    gpu_type: str = "cpu"
+    mbs: int = 1
+    max_ranks: int = 4
+    window_s: float = 1.0
+    wake_messages: int = 150
+    threads: int = 1
+    cores: int = 0
+    """Cores the ranks may run on (0: this process's CPU affinity)."""
+
+    def __post_init__(self) -> None:
+        if self.max_ranks < 1:
+            raise ValueError(f"max_ranks={self.max_ranks}: need at least 1")
+        if self.window_s <= 0:
+            raise ValueError(f"window_s={self.window_s}: must be > 0")
+        if self.mbs < 1:
+            raise ValueError(f"mbs={self.mbs}: must be >= 1")
+        if self.wake_messages < 1:
+            raise ValueError(f"wake_messages={self.wake_messages}: must be >= 1")
+
+    @property
+    def host_cores(self) -> int:
+        return self.cores or len(os.sched_getaffinity(0))
+
+
+def measure_host_sharing(run: HostRun, deadline_s: float = 600.0) -> HostSharing:
+    """Run the measurement ranks and reduce their times to a :class:`HostSharing`."""
+    from sailor.profiler.procs import run_ranks
+
+    cores = run.host_cores
+    world = max(run.max_ranks, cores + 1, 2)
+    config = {
+        "spec": run.spec.model_dump(mode="json"),
+        "mbs": run.mbs,
+        "max_ranks": run.max_ranks,
+        "window_s": run.window_s,
+        "wake_messages": run.wake_messages,
+        "threads": run.threads,
+        "cores": cores,
+    }
+    results = run_ranks(__name__, world, config, deadline_s=deadline_s)
+    return host_sharing_from(results, run.gpu_type, cores, run.max_ranks)
+
+
+def host_sharing_from(
+    results: list[dict[str, Any]], gpu_type: str, cores: int, max_ranks: int
+) -> HostSharing:
+    """Reduce the ranks' raw times (``_rank_main``'s output) to the factors."""
+    steps: dict[int, list[float]] = {}  # n -> every rank's mean step time over its rounds
+    for r in results:
+        for n_text, means in r["steps"].items():
+            steps.setdefault(int(n_text), []).extend(means)
+    alone = statistics.fmean(steps[1])
+    slowdown = tuple(statistics.fmean(steps[n]) / alone for n in range(1, max_ranks + 1))
+    spread = tuple(
+        statistics.pstdev(steps[n]) / alone if len(steps[n]) > 1 else 0.0
+        for n in range(1, max_ranks + 1)
+    )
+    wake = results[1]["wake"]
+    wake_s = max(0.0, statistics.fmean(wake["loaded"]) - statistics.fmean(wake["idle"]))
+    return HostSharing(
+        gpu_type=gpu_type,
+        cores=cores,
+        slowdown=(1.0, *slowdown[1:]),
+        slowdown_spread=spread,
+        wake_s=wake_s,
+        source=(
+            f"{HOST_SOURCE}: 1..{max_ranks} ranks of the model's training step at once; "
+            f"wake-up with {cores - 1} busy ranks vs none; {cores} cores"
+        ),
+    )
+
+
+# --- the rank side ---------------------------------------------------------------------------
+
+
+def _rank_main(argv: list[str] | None = None) -> int:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from sailor.megatron_patch.engine import TrainConfig, make_optimizer
+    from sailor.megatron_patch.model import GPTStage
+    from sailor.profiler.procs import init_gloo, rank_args, write_result
+
+    args, cfg = rank_args(argv)
+    torch.set_num_threads(int(cfg["threads"]))
+    init_gloo(args, timeout_s=300.0)
+    rank, world = args.rank, args.world_size
+    spec = ModelSpec.model_validate(cfg["spec"])
+    mbs, window = int(cfg["mbs"]), float(cfg["window_s"])
+    n_layers = spec.num_all_layers
+    stage = GPTStage(spec, 0, n_layers - 1, seed=rank)
+    opt = make_optimizer(stage.parameters(), TrainConfig())
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
+    labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        x: torch.Tensor = tokens
+        for i, mod in enumerate(stage.layers.values()):
+            x = mod(x, labels) if i == n_layers - 1 else mod(x)
+        x.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    def loop(seconds: float) -> list[float]:
+        times: list[float] = []
+        end = time.perf_counter() + seconds
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= end:
+                return times
+            step()
+            times.append(time.perf_counter() - t0)
+
+    loop(0.3)  # warm-up: allocator, autograd, optimizer state
+    k_max = int(cfg["max_ranks"])
+    steps: dict[str, list[float]] = {}
+    for n in [*range(1, k_max + 1), *range(k_max, 0, -1)]:
+        dist.barrier()
+        if rank < n:
+            times = loop(window)
+            steps.setdefault(str(n), []).append(statistics.fmean(times))
+    out: dict[str, Any] = {"rank": rank, "steps": steps}
+
+    # wake-up: rank 0 sends timestamps and keeps computing; rank 1 waits for them
+    cores = int(cfg["cores"])
+    wake: dict[str, list[float]] = {}
+    stamp = torch.zeros(1, dtype=torch.float64)
+    for label, busy in (("idle", 0), ("loaded", cores - 1)):
+        dist.barrier()
+        burners = range(2, 2 + min(busy, world - 2))
+        stop = Path(args.out).with_name(f"stop-{label}")  # gloo's irecv never completes
+        if rank in burners:
+            while not stop.exists():
+                step()
+        elif rank == 0:
+            for _ in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
+                step()
+                stamp[0] = time.monotonic()
+                req = dist.isend(stamp, dst=1)
+                step()  # still computing when the message lands
+                if req is not None:
+                    req.wait()
+            stop.touch()
+        elif rank == 1:
+            delays: list[float] = []
+            for i in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
+                dist.recv(stamp, src=0)
+                if i >= _WAKE_WARMUP:
+                    delays.append(time.monotonic() - float(stamp[0]))
+            wake[label] = delays
+    out["wake"] = wake
+    dist.barrier()
+    write_result(args, out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())

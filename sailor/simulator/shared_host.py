@@ -1,0 +1,193 @@
+"""1F1B replay of pipelines whose ranks share one host's cores.
+
+On GPUs every rank owns its device, and :func:`~sailor.simulator.pipeline.replay_1f1b` replays
+each pipeline on its own. Ranks started together on one CPU host (``launch_local``: the
+1-4 ranks of a plan on this machine) share the host's cores, and two effects of that sharing
+decide their step time (``docs/simulator-model.md``, "Ranks sharing a host"):
+
+* **Processor sharing.** While ``n`` ranks compute at once, each computes at
+  ``1 / slowdown(n)`` of its speed alone. ``slowdown`` is measured by the profiler with ``n``
+  copies of the model's own layers running together (``sailor.profiler.host_sharing``); it is
+  about 1 while ``n`` fits the cores and grows past them.
+* **Wake-up.** A rank blocked on a receive whose message arrives while at least ``cores``
+  ranks compute is not run at once: it waits for the scheduler to give it a core, ``wake_s``
+  on average (measured by a ping-pong under load). A rank that is computing when its message
+  arrives needs no wake-up, nor does one woken on a free core.
+
+Every pipeline of the plan is replayed at once, in event order: a computing rank's remaining
+work drains at the rate set by how many ranks compute (a stage of TP degree ``t`` counts as
+``t`` ranks). The order of operations on each stage is 1F1B's, as in the replay of one
+pipeline, so with ``slowdown = 1`` and ``wake_s = 0`` the answer is that replay's.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from sailor.simulator.pipeline import PipelineRun, TimelineOp, one_f_one_b_order
+
+__all__ = ["HostModel", "SharedPipe", "replay_shared"]
+
+_EPS = 1e-12
+_ARRIVE, _START = 0, 1  # event kinds
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """How ranks on one host slow each other down (``ProfileDB.hosts`` holds the measure)."""
+
+    cores: int
+    slowdown: tuple[float, ...]
+    """``slowdown[n-1]``: time of work while ``n`` ranks compute / time alone."""
+    wake_s: float
+
+    def __post_init__(self) -> None:
+        if self.cores < 1:
+            raise ValueError(f"cores={self.cores}: need at least one")
+        if not self.slowdown or any(s <= 0 for s in self.slowdown):
+            raise ValueError(f"slowdown={self.slowdown}: need positive factors, at least one")
+        if self.wake_s < 0:
+            raise ValueError(f"wake_s={self.wake_s}: must be >= 0")
+
+    def factor(self, n: int) -> float:
+        """Slowdown while ``n`` ranks compute; past the measured range, a fair share of the
+        last measured factor (``n`` ranks take ``n / K`` times as long as ``K`` did)."""
+        if n <= 1:
+            return 1.0 if n <= 0 else self.slowdown[0]
+        k = len(self.slowdown)
+        if n <= k:
+            return self.slowdown[n - 1]
+        return self.slowdown[-1] * n / k
+
+
+@dataclass(frozen=True)
+class SharedPipe:
+    """One pipeline's per-microbatch F and B per stage, link delays, microbatches, TP."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    delay: tuple[float, ...]
+    m: int
+    tp: tuple[int, ...]
+
+
+_Key = tuple[Literal["F", "B"], int]
+
+
+def replay_shared(
+    pipes: Sequence[SharedPipe], host: HostModel, *, record: bool = False
+) -> list[PipelineRun]:
+    """Replay every pipeline at once on one shared host; one :class:`PipelineRun` each."""
+    ranks: list[tuple[int, int]] = [(pi, s) for pi, p in enumerate(pipes) for s in range(len(p.f))]
+    for pi, p in enumerate(pipes):
+        if not p.f or len(p.f) != len(p.b) or len(p.tp) != len(p.f):
+            raise ValueError(f"pipeline {pi}: F, B and TP need one entry per stage")
+        if len(p.delay) != len(p.f) - 1:
+            raise ValueError(f"pipeline {pi}: {len(p.delay)} delays for {len(p.f)} stages")
+        if p.m < 1:
+            raise ValueError(f"pipeline {pi}: m={p.m}: need at least one microbatch")
+    index = {r: i for i, r in enumerate(ranks)}
+    orders = [one_f_one_b_order(len(pipes[pi].f), s, pipes[pi].m) for pi, s in ranks]
+    weight = [pipes[pi].tp[s] for pi, s in ranks]
+    ptr = [0] * len(ranks)
+    arrived: list[dict[_Key, float]] = [{} for _ in ranks]  # message arrival times
+    waiting: list[_Key | None] = [None] * len(ranks)  # what a blocked rank waits for
+    running: dict[int, float] = {}  # rank -> remaining work (seconds alone)
+    started: dict[int, float] = {}
+    end = [0.0] * len(ranks)
+    ops: list[TimelineOp] = []
+    events: list[tuple[float, int, int, int, _Key | None]] = []  # (t, seq, kind, rank, key)
+    seq = 0
+    busy = 0  # ranks computing, weighted by TP
+    t = 0.0
+    remaining = sum(len(o) for o in orders)
+
+    def work(r: int) -> float:
+        kind, _ = orders[r][ptr[r]]
+        pi, s = ranks[r]
+        return pipes[pi].f[s] if kind == "F" else pipes[pi].b[s]
+
+    def need(r: int) -> _Key | None:
+        """The message the next operation of rank ``r`` waits for (None: none)."""
+        kind, i = orders[r][ptr[r]]
+        pi, s = ranks[r]
+        if kind == "F":
+            return ("F", i) if s > 0 else None
+        return ("B", i) if s < len(pipes[pi].f) - 1 else None
+
+    def start(r: int, now: float) -> None:
+        nonlocal busy
+        running[r] = work(r)
+        started[r] = now
+        busy += weight[r]
+
+    def push(when: float, kind: int, r: int, key: _Key | None) -> None:
+        nonlocal seq
+        heapq.heappush(events, (when, seq, kind, r, key))
+        seq += 1
+
+    def advance(r: int, now: float) -> None:
+        """Rank ``r`` is awake at ``now`` with its next operation to run, if any."""
+        if ptr[r] >= len(orders[r]):
+            return
+        key = need(r)
+        if key is None or arrived[r].get(key, now + 1.0) <= now:
+            start(r, now)
+        else:
+            waiting[r] = key
+
+    for r in range(len(ranks)):
+        advance(r, 0.0)
+    while remaining:
+        rate = host.factor(busy)
+        t_done = min((t + w * rate for w in running.values()), default=float("inf"))
+        t_event = events[0][0] if events else float("inf")
+        t_next = min(t_done, t_event)
+        if t_next == float("inf"):
+            raise RuntimeError(f"shared-host replay stalled with {remaining} operations left")
+        for r in running:
+            running[r] -= (t_next - t) / rate
+        t = t_next
+        if t_event <= t_done:
+            _, _, kind, r, key = heapq.heappop(events)
+            if kind == _START:
+                start(r, t)
+            elif key is not None:
+                arrived[r][key] = t
+                if waiting[r] == key:
+                    waiting[r] = None
+                    delay = host.wake_s if busy >= host.cores else 0.0
+                    if delay > 0:
+                        push(t + delay, _START, r, None)
+                    else:
+                        start(r, t)
+            continue
+        done = [r for r, w in running.items() if w * rate <= _EPS * max(1.0, t)]
+        for r in done:
+            del running[r]
+            busy -= weight[r]
+            kind_op, i = orders[r][ptr[r]]
+            pi, s = ranks[r]
+            p = pipes[pi]
+            end[r] = t
+            if record:
+                ops.append(TimelineOp(pi, s, i, kind_op, started[r], t))
+            if kind_op == "F" and s < len(p.f) - 1:
+                push(t + p.delay[s], _ARRIVE, index[(pi, s + 1)], ("F", i))
+            elif kind_op == "B" and s > 0:
+                push(t + p.delay[s - 1], _ARRIVE, index[(pi, s - 1)], ("B", i))
+            ptr[r] += 1
+            remaining -= 1
+        for r in done:
+            advance(r, t)
+    out: list[PipelineRun] = []
+    for pi, p in enumerate(pipes):
+        stage_end = tuple(end[index[(pi, s)]] for s in range(len(p.f)))
+        mine = tuple(op for op in ops if op.pipeline == pi)
+        out.append(PipelineRun(end_s=max(stage_end), stage_end_s=stage_end, ops=mine))
+    return out

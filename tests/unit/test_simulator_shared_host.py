@@ -1,0 +1,141 @@
+"""Pipelines on one shared host: the processor-sharing replay and simulate(shared_host=True)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sailor.schemas import ProfileDB
+from sailor.schemas.profile import HostSharing
+from sailor.simulator import simulate
+from sailor.simulator.pipeline import replay_1f1b
+from sailor.simulator.shared_host import HostModel, SharedPipe, replay_shared
+from tests.unit.test_simulator_simulate import (
+    MODEL,
+    PRICES,
+    PROFILES,
+    SPECS,
+    _network,
+    _pipe,
+    _plan,
+)
+
+_times = st.lists(st.floats(0.05, 3.0), min_size=1, max_size=5)
+_ALONE = HostModel(cores=64, slowdown=(1.0,) * 16, wake_s=0.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_times, st.data(), st.integers(1, 8))
+def test_without_sharing_it_is_the_replay_of_each_pipeline(
+    f: list[float], data: st.DataObject, m: int
+) -> None:
+    n = len(f)
+    b = data.draw(st.lists(st.floats(0.05, 3.0), min_size=n, max_size=n))
+    d = data.draw(st.lists(st.floats(0.0, 1.0), min_size=n - 1, max_size=n - 1))
+    want = replay_1f1b(f, b, m, d)
+    got = replay_shared([SharedPipe(tuple(f), tuple(b), tuple(d), m, (1,) * n)], _ALONE)[0]
+    assert got.end_s == pytest.approx(want.end_s, rel=1e-9)
+    assert got.stage_end_s == pytest.approx(want.stage_end_s, rel=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_times, st.data(), st.integers(1, 6), st.integers(1, 3))
+def test_one_core_shared_fairly_does_all_the_work_back_to_back(
+    f: list[float], data: st.DataObject, m: int, pipes: int
+) -> None:
+    # without link delays some rank can always run, so one fairly shared core never idles:
+    # the iteration is the sum of every operation's work
+    n = len(f)
+    b = data.draw(st.lists(st.floats(0.05, 3.0), min_size=n, max_size=n))
+    one_core = HostModel(cores=1, slowdown=tuple(float(k) for k in range(1, 9)), wake_s=0.0)
+    p = SharedPipe(tuple(f), tuple(b), (0.0,) * (n - 1), m, (1,) * n)
+    runs = replay_shared([p] * pipes, one_core)
+    assert max(r.end_s for r in runs) == pytest.approx(pipes * m * (sum(f) + sum(b)), rel=1e-9)
+
+
+def test_wake_up_delays_only_an_oversubscribed_host() -> None:
+    p = SharedPipe((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (0.0, 0.0), 4, (1, 1, 1))
+    slow = (1.0, 1.0, 1.5, 2.0)
+    base = replay_shared([p], HostModel(cores=2, slowdown=slow, wake_s=0.0))[0].end_s
+    woken = replay_shared([p], HostModel(cores=2, slowdown=slow, wake_s=0.25))[0].end_s
+    later = replay_shared([p], HostModel(cores=2, slowdown=slow, wake_s=0.5))[0].end_s
+    assert base < woken < later
+    # with a core per rank nobody waits for one
+    roomy = replay_shared([p], HostModel(cores=3, slowdown=(1.0,) * 3, wake_s=0.5))[0].end_s
+    assert roomy == pytest.approx(replay_1f1b(p.f, p.b, 4).end_s)
+
+
+def test_a_tp_stage_counts_as_its_ranks() -> None:
+    host = HostModel(cores=1, slowdown=(1.0, 2.0), wake_s=0.0)
+    one = replay_shared([SharedPipe((1.0,), (1.0,), (), 3, (1,))], host)[0].end_s
+    two = replay_shared([SharedPipe((1.0,), (1.0,), (), 3, (2,))], host)[0].end_s
+    assert two == pytest.approx(2 * one)
+
+
+def test_factor_past_the_measured_range_is_a_fair_share() -> None:
+    h = HostModel(cores=2, slowdown=(1.0, 1.1, 1.6, 2.2), wake_s=0.0)
+    assert h.factor(0) == 1.0 and h.factor(3) == 1.6
+    assert h.factor(8) == pytest.approx(2.2 * 8 / 4)
+
+
+@pytest.mark.parametrize(
+    ("kw", "word"),
+    [
+        ({"cores": 0, "slowdown": (1.0,), "wake_s": 0.0}, "cores"),
+        ({"cores": 1, "slowdown": (), "wake_s": 0.0}, "slowdown"),
+        ({"cores": 1, "slowdown": (1.0, -1.0), "wake_s": 0.0}, "slowdown"),
+        ({"cores": 1, "slowdown": (1.0,), "wake_s": -1.0}, "wake_s"),
+    ],
+)
+def test_bad_host_models_are_refused(kw: dict[str, object], word: str) -> None:
+    with pytest.raises(ValueError, match=word):
+        HostModel(**kw)  # type: ignore[arg-type]
+
+
+def test_bad_pipelines_are_refused() -> None:
+    with pytest.raises(ValueError, match="delays"):
+        replay_shared([SharedPipe((1.0, 1.0), (1.0, 1.0), (), 2, (1, 1))], _ALONE)
+    with pytest.raises(ValueError, match="m=0"):
+        replay_shared([SharedPipe((1.0,), (1.0,), (), 0, (1,))], _ALONE)
+
+
+def _db(slowdown: tuple[float, ...], wake_s: float) -> ProfileDB:
+    host = HostSharing(gpu_type="A", cores=2, slowdown=slowdown, wake_s=wake_s, source="test")
+    return PROFILES.model_copy(update={"hosts": (host,)})
+
+
+def test_simulate_on_a_shared_host() -> None:
+    plan = _plan(_pipe([2, 4, 6], 2, 6), _pipe([2, 4, 6], 2, 6))  # 8 ranks
+    kw = {"gpu_specs": SPECS, "method": "replay"}
+    alone = simulate(plan, MODEL, PROFILES, _network(), PRICES, **kw)  # type: ignore[arg-type]
+    # no HostSharing entry: each rank keeps its own device, and a note says so
+    none = simulate(plan, MODEL, PROFILES, _network(), PRICES, shared_host=True, **kw)  # type: ignore[arg-type]
+    assert none.iteration_time_s == alone.iteration_time_s
+    assert any("no host-sharing profile" in n for n in none.notes)
+    # a host on which sharing costs nothing gives the ordinary replay
+    free = _db((1.0,) * 8, 0.0)
+    same = simulate(plan, MODEL, free, _network(), PRICES, shared_host=True, **kw)  # type: ignore[arg-type]
+    assert same.iteration_time_s == pytest.approx(alone.iteration_time_s, rel=1e-9)
+    # 8 ranks on 2 cores: slower than 8 devices, not slower than one core doing it all
+    shared = _db((1.0, 1.0, 1.5, 2.0), 1e-4)
+    est = simulate(plan, MODEL, shared, _network(), PRICES, shared_host=True, **kw)  # type: ignore[arg-type]
+    assert est.iteration_time_s > 1.5 * alone.iteration_time_s
+    assert any("share one host of 2 cores" in n for n in est.notes)
+    # without shared_host the entry is ignored (GPUs own their devices)
+    assert simulate(plan, MODEL, shared, _network(), PRICES, **kw).iteration_time_s == (  # type: ignore[arg-type]
+        alone.iteration_time_s
+    )
+
+
+def test_host_sharing_schema_checks_and_merge() -> None:
+    with pytest.raises(ValueError, match="slowdown"):
+        HostSharing(gpu_type="cpu", cores=2, slowdown=(1.0, 0.0), wake_s=0.0, source="t")
+    with pytest.raises(ValueError, match="cores"):
+        HostSharing(gpu_type="cpu", cores=0, slowdown=(1.0,), wake_s=0.0, source="t")
+    h = HostSharing(gpu_type="cpu", cores=2, slowdown=(1.0,), wake_s=0.0, source="t")
+    with pytest.raises(ValueError, match="hosts"):
+        ProfileDB(model="m", hosts=(h, h))
+    newer = h.model_copy(update={"wake_s": 1e-3})
+    merged = ProfileDB(model="m", hosts=(h,)).merged(ProfileDB(model="m", hosts=(newer,)))
+    assert merged.host_sharing("cpu") == newer and merged.host_sharing("gpu") is None
