@@ -313,6 +313,19 @@ def _report(
             + " ".join(f"{k} {v * 1e3:.2f}" for k, v in ph.items())
             + f" | sim (last round): {rs[-1][5]}"
         )
+    if repeats > 1:
+        # how far the same plan's measured step moves between rounds: no prediction from a
+        # profile can be closer to a round than this, on this host at this load
+        moves = [
+            (max(r[0] for r in rs) - min(r[0] for r in rs)) / statistics.median(r[0] for r in rs)
+            for rs in rows.values()
+        ]
+        print(
+            "\nrepeatability: a plan's measured step moves by "
+            f"{100 * statistics.median(moves):.0f}% "
+            f"(median over plans; worst {100 * max(moves):.0f}%) between its {repeats} rounds "
+            "((max - min) / median)"
+        )
     print(
         f"\n|error| over {len(terr)} plans, {repeats} rounds each: step time mean "
         f"{100 * statistics.fmean(terr):.1f}% / median {100 * statistics.median(terr):.1f}% / "
