@@ -88,7 +88,11 @@ def place(plan: Plan, nodes: tuple[NodeSpec, ...]) -> tuple[Plan, dict[str, tupl
                 )
             first = spec[nid].gpus - free[nid]
             free[nid] -= r.tp
-            bound = ReplicaGroup(
+            # Not validated again (model_construct): the plan's own validated values, with
+            # a node that has ``tp`` free GPUs, so tp <= first_gpu + tp <= gpus_per_node
+            # holds by construction. Validating 1,000 stages, their replica groups and 340
+            # pipelines was ~25 ms of a ~85 ms plan at 512 nodes (model_copy: 40 ms).
+            bound = ReplicaGroup.model_construct(
                 gpu_type=r.gpu_type,
                 zone=r.zone,
                 tp=r.tp,
@@ -96,11 +100,10 @@ def place(plan: Plan, nodes: tuple[NodeSpec, ...]) -> tuple[Plan, dict[str, tupl
                 node_id=nid,
                 first_gpu=first,
             )
-            # built, not model_copy'd: copying 1,000 stages cost 40 ms at 512 nodes
-            stages.append(Stage(**{**dict(s), "replica": bound}))
+            stages.append(Stage.model_construct(**{**s.__dict__, "replica": bound}))
             ranks.setdefault(nid, []).extend(range(rank, rank + r.tp))
             rank += r.tp
-        pipelines.append(Pipeline(**{**dict(p), "stages": tuple(stages)}))
+        pipelines.append(Pipeline.model_construct(**{**p.__dict__, "stages": tuple(stages)}))
     bound_plan = plan.model_copy(update={"pipelines": tuple(pipelines), "plan_id": ""})
     bound_plan = bound_plan.model_copy(update={"plan_id": _plan_id(bound_plan)})
     return bound_plan, {k: tuple(v) for k, v in sorted(ranks.items())}
