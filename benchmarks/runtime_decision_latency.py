@@ -70,7 +70,7 @@ from runtime_servers import free_port, servers
 
 from sailor.agent.plan_source import PlanSource
 from sailor.controller.config import ControllerConfig
-from sailor.controller.daemon import Controller
+from sailor.controller.daemon import Controller, freeze_startup_heap
 from sailor.coordination import (
     EtcdLease,
     EtcdStore,
@@ -493,6 +493,7 @@ async def run_size(
     out: dict[str, Any] = {"n": n, "events": [], "process": cfg.planner_process}
     try:
         out["register_s"] = await sim.ready(timeout=300)
+        freeze_startup_heap()  # as the daemon's entry point (run_controller) does
         ctl = Controller(cfg)
         t0 = time.perf_counter()
         task = asyncio.create_task(ctl.run(), name=f"bench-ctl-{job}")
