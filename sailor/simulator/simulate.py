@@ -353,13 +353,17 @@ def _run(
 
     # --- per-stage compute and transfers, once per distinct pipeline ---------------------
     by_key: dict[_PipeKey, _Kind] = {}
+    by_object: dict[int, _Kind] = {}  # the planner's plans repeat one Pipeline object
     kinds: list[_Kind] = []
     egress_bytes: dict[tuple[str, str], float] = {}
     for p in pipelines:
-        key = _pipe_key(p)
-        kind = by_key.get(key)
+        kind = by_object.get(id(p))
         if kind is None:
-            kind = by_key[key] = _kind(inp, p, key, mask)
+            key = _pipe_key(p)
+            kind = by_key.get(key)
+            if kind is None:
+                kind = by_key[key] = _kind(inp, p, key, mask)
+            by_object[id(p)] = kind
         kinds.append(kind)
         m = p.num_microbatches
         for za, zb, node_f, node_b in kind.crossings:
