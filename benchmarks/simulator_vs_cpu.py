@@ -36,7 +36,8 @@ of their means; a sum of medians is biased low when the times are skewed by inte
 
 Prints the machine, the load average of each round, per-plan figures, per-phase times of
 rank 0 next to the simulator's breakdown, and mean / median / worst |error|. Never
-asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 12]``.
+asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 12]
+[--model-file SPEC.json]``.
 """
 
 from __future__ import annotations
@@ -214,6 +215,13 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-gpt", help="catalog model")
+    ap.add_argument(
+        "--model-file",
+        type=Path,
+        default=None,
+        help="ModelSpec JSON to use instead of --model (e.g. a wider model whose layers take "
+        "milliseconds, so that compute, not the host's scheduling of messages, dominates)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="rounds of profile + all plans")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps not counted")
@@ -221,7 +229,11 @@ def main() -> None:
         "--statistic", default="mean", help="central value of profiles and steps: mean or median"
     )
     args = ap.parse_args()
-    spec = catalog.model(args.model)
+    spec = (
+        ModelSpec.model_validate_json(args.model_file.read_text())
+        if args.model_file is not None
+        else catalog.model(args.model)
+    )
     print("== setup")
     print(f"machine: {platform.platform()}, {device_description('cpu')}, {os.cpu_count()} cores")
     print(f"python {platform.python_version()}, torch {torch.__version__}; 1 thread per rank")

@@ -4,7 +4,9 @@ Level-triggered: the decision depends only on the desired state (etcd ``desired`
 observed state (registered nodes, agent statuses, preemption notices, committed checkpoints,
 acks of this epoch and the time), never on which event woke the loop. So a duplicated, late
 or reordered event cannot change what happens, and replaying an audit log's observations
-through ``decide`` reproduces the run. No I/O, no clock, no globals.
+through ``decide`` reproduces the run. No I/O, no clock, no state of its own: the one
+module-level value is a memo of the last plan's digest and world size (:func:`_plan_facts`),
+a function of that plan object alone.
 """
 
 from __future__ import annotations
