@@ -5,10 +5,15 @@ cores, and two effects decide their speed; both are measured here with the profi
 own layers (one stage holding all of them, forward + backward + the engine's AdamW step at
 one microbatch size), never on the plans the simulator will predict:
 
-* **slowdown(n)**: ``n`` ranks run that training step over and over at once for a window of
-  ``window_s``; ``slowdown[n-1]`` is their mean step time over the mean step time of one rank
-  alone. The rounds go ``1..K`` then ``K..1`` and each factor is the mean of its two rounds,
-  so a drift of the host's load during the measure hits every factor alike.
+* **slowdown(n)**: ``n`` ranks run that training step at once, as many steps as one rank
+  alone does in ``window_s``; with others, each step also sends one activation (one
+  microbatch's hidden states) to the next rank of the round and receives one from the
+  previous, posted before the step and waited for after it, as a pipeline stage's
+  asynchronous sends are: the communication threads of the backend take their share of the
+  cores, as they do in training. ``slowdown[n-1]`` is their mean step time over the mean step
+  time of one rank alone (which sends nothing). The rounds go ``1..K`` then ``K..1`` and each
+  factor is the mean of its two rounds, so a drift of the host's load hits every factor
+  alike.
 * **wake_s**: one rank sends a timestamp to another, blocked on the receive, and keeps
   computing; the receiver notes when it runs again. Measured once with ``cores - 1`` other
   ranks computing (so that ``cores`` ranks compute when the message lands: the receiver must
@@ -160,13 +165,41 @@ def _rank_main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - t0)
 
     loop(0.3)  # warm-up: allocator, autograd, optimizer state
+    # every round runs the same number of steps on each of its ranks (they exchange
+    # messages in lockstep): as many as one rank alone does in a window
+    alone = torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        alone[0] = statistics.fmean(loop(min(window, 0.5)))
+    dist.broadcast(alone, src=0)
+    count = max(10, round(window / float(alone[0])))
+    out_act = torch.zeros(mbs * spec.seq_length * spec.hidden_size)
+    in_act = torch.zeros_like(out_act)
+
+    def ring(n: int) -> list[float]:
+        """``count`` steps; with others, each step also sends one activation to the next
+        rank of the round and receives one from the previous, as a pipeline stage does."""
+        times: list[float] = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            reqs = []
+            if n > 1:
+                reqs = [
+                    dist.irecv(in_act, src=(rank - 1) % n),
+                    dist.isend(out_act, dst=(rank + 1) % n),
+                ]
+            step()
+            for r in reqs:
+                if r is not None:
+                    r.wait()
+            times.append(time.perf_counter() - t0)
+        return times
+
     k_max = int(cfg["max_ranks"])
     steps: dict[str, list[float]] = {}
     for n in [*range(1, k_max + 1), *range(k_max, 0, -1)]:
         dist.barrier()
         if rank < n:
-            times = loop(window)
-            steps.setdefault(str(n), []).append(statistics.fmean(times))
+            steps.setdefault(str(n), []).append(statistics.fmean(ring(n)))
     out: dict[str, Any] = {"rank": rank, "steps": steps}
 
     # wake-up: rank 0 sends timestamps and keeps computing; rank 1 waits for them
