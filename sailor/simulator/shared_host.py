@@ -136,8 +136,9 @@ def replay_shared(
         if ptr[r] >= len(orders[r]):
             return
         key = need(r)
-        if key is None or arrived[r].get(key, now + 1.0) <= now:
-            start(r, now)
+        landed = arrived[r].get(key) if key is not None else now
+        if landed is not None and landed <= now:
+            start(r, now)  # awake and its message is in: no wake-up to wait for
         else:
             waiting[r] = key
 
