@@ -194,7 +194,13 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
     net = with_link(NetworkProfile(), EP, EP, curve, source="loopback probe")
     load = f", load {os.getloadavg()[0]:.2f}"
     net = net.model_copy(
-        update={"collectives": tuple(collective_latencies(EP, (2, 3, 4), statistic, load=load))}
+        update={
+            "collectives": tuple(
+                collective_latencies(
+                    EP, (2, 3, 4), statistic, load=load, sizes=(256 << 10, 4 << 20)
+                )
+            )
+        }
     )
     print(f"== network probe ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
     for p, r in zip(pts, res, strict=True):
@@ -208,6 +214,8 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
         f"  p2p latency {curve.latency_s * 1e3:.3f} ms, peak {curve.max_gbps:.2f} GB/s; "
         "all-reduce of 8 B: "
         + ", ".join(f"{c.ranks} ranks {c.latency_s * 1e3:.3f} ms" for c in net.collectives)
+        + "; bus bandwidth "
+        + ", ".join(f"{c.ranks} ranks {c.bus_gbps or 0:.2f} GB/s" for c in net.collectives)
     )
     return db, net
 

@@ -206,11 +206,16 @@ def network_cmd(
         "2,3,4",
         help="Rank counts for the all-reduce latency probe, comma-separated ('' skips it).",
     ),
+    collective_sizes: str = typer.Option(
+        "262144,4194304",
+        help="All-reduce sizes (bytes) for the backend's bus bandwidth ('' skips it).",
+    ),
 ) -> None:
     """Point-to-point bandwidth vs message size between two gloo processes (loopback here).
 
     Then the fixed cost of a tiny all-reduce among each of ``--collectives`` rank counts
-    (what the simulator charges a ring once, instead of the p2p latency per ring step).
+    (what the simulator charges a ring once, instead of the p2p latency per ring step), and
+    the all-reduce's bus bandwidth from ``--collective-sizes``.
     """
     from sailor.profiler.collective_probe import collective_latencies
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
@@ -219,6 +224,9 @@ def network_cmd(
     ranks = _ints(collectives, "collectives") if collectives.strip() else ()
     if any(n < 2 for n in ranks):
         raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
+    sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
+    if any(b < 8 for b in sizes):
+        raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
     try:
         settings = ProbeSettings(
             min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size
@@ -250,7 +258,11 @@ def network_cmd(
     if ranks:
         with con.status(f"timing a tiny all-reduce among {', '.join(map(str, ranks))} ranks..."):
             lats = collective_latencies(
-                src, ranks, statistic, load=f", load average {os.getloadavg()[0]:.2f}"
+                src,
+                ranks,
+                statistic,
+                load=f", load average {os.getloadavg()[0]:.2f}",
+                sizes=sizes,
             )
         kept = tuple(
             c for c in net.collectives if not (c.endpoint == src and c.ranks in set(ranks))
@@ -283,7 +295,8 @@ def network_cmd(
         f"load average {load:.2f}"
     )
     for c in lats:
-        con.print(f"all-reduce latency among {c.ranks} ranks: {c.latency_s * 1e3:.3f} ms")
+        bus = f", bus bandwidth {c.bus_gbps:.2f} GB/s" if c.bus_gbps else ""
+        con.print(f"all-reduce among {c.ranks} ranks: latency {c.latency_s * 1e3:.3f} ms{bus}")
     con.print(f"written to {out}")
 
 

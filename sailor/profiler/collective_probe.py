@@ -9,11 +9,17 @@ latency overestimated the training's loss and tied-embedding all-reduces several
 
 Procedure: ``n`` gloo processes on loopback (:func:`~sailor.profiler.procs.run_ranks`);
 each repetition is a barrier, then one timed ``all_reduce`` of an 8-byte tensor (the size of
-``megatron_patch``'s loss all-reduce; the bandwidth of larger ones comes from the link
-curve). A few untimed warm-ups first. Each rank keeps the median or mean of its times; the
-latency is the largest over ranks (the collective ends for everyone when the last rank
-leaves it). The result is a :class:`~sailor.schemas.network.CollectiveLatency` per ``n``,
-stored in ``NetworkProfile.collectives``.
+``megatron_patch``'s loss all-reduce). A few untimed warm-ups first. Each rank keeps the
+median or mean of its times; the latency is the largest over ranks (the collective ends for
+everyone when the last rank leaves it).
+
+**Bandwidth** (``sizes``, e.g. 256 KiB and 4 MiB: gradients): the same, at each size; the
+backend's bus bandwidth is the least-squares slope through the origin of ``t(B) − latency``
+against the bytes a ring moves per rank, ``2(n−1)/n · B``. gloo's all-reduce on a shared
+host runs well below what a ring over the point-to-point curve would (4 MB among 2 ranks
+here: ~3.3 ms against ~1.6 ms), so the simulator prices the bytes at the measured bandwidth
+when it has one. The result is a :class:`~sailor.schemas.network.CollectiveLatency` per
+``n``, stored in ``NetworkProfile.collectives``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from sailor.profiler.procs import run_ranks
 from sailor.profiler.timing import Stats
 from sailor.schemas.network import CollectiveLatency, Endpoint
 
-__all__ = ["ALLREDUCE_BYTES", "collective_latencies", "run_allreduce_probe"]
+__all__ = ["ALLREDUCE_BYTES", "bus_gbps", "collective_latencies", "run_allreduce_probe"]
 
 ALLREDUCE_BYTES = 8
 """Bytes all-reduced per repetition: one float64 (megatron_patch's loss all-reduce)."""
@@ -33,14 +39,35 @@ _WARMUP = 5
 
 
 def run_allreduce_probe(
-    ranks: int, reps: int = 60, threads: int = 1, deadline_s: float = 300.0
-) -> list[Stats]:
-    """Per-rank statistics of one tiny all-reduce among ``ranks`` fresh gloo processes."""
+    ranks: int,
+    reps: int = 60,
+    threads: int = 1,
+    deadline_s: float = 300.0,
+    sizes: tuple[int, ...] = (),
+) -> dict[int, list[Stats]]:
+    """Per-size, per-rank statistics of all-reduces among ``ranks`` fresh gloo processes:
+    :data:`ALLREDUCE_BYTES` and each of ``sizes`` (bytes)."""
     if ranks < 2:
         raise ValueError(f"ranks={ranks}: an all-reduce needs at least 2")
-    cfg = {"reps": reps, "threads": threads}
+    if any(b < 8 for b in sizes):
+        raise ValueError(f"sizes={sizes}: sizes are bytes, at least 8")
+    all_sizes = sorted({ALLREDUCE_BYTES, *sizes})
+    cfg = {"reps": reps, "threads": threads, "sizes": all_sizes}
     res = run_ranks("sailor.profiler.collective_probe", ranks, cfg, deadline_s=deadline_s)
-    return [Stats.from_dict(r["time"]) for r in res]
+    return {b: [Stats.from_dict(r["times"][str(b)]) for r in res] for b in all_sizes}
+
+
+def bus_gbps(ranks: int, latency_s: float, points: list[tuple[int, float]]) -> float | None:
+    """Bus bandwidth (GB/s) from (bytes, seconds) all-reduce points above the latency: the
+    least-squares slope through the origin of time − latency against ``2(n−1)/n · bytes``;
+    None when no point lies above the latency."""
+    xs = [2 * (ranks - 1) / ranks * b for b, _ in points]
+    ys = [t - latency_s for _, t in points]
+    sxy = sum(x * y for x, y in zip(xs, ys, strict=True))
+    sxx = sum(x * x for x in xs)
+    if sxx <= 0 or sxy <= 0:
+        return None
+    return sxx / sxy / 1e9
 
 
 def collective_latencies(
@@ -50,21 +77,28 @@ def collective_latencies(
     reps: int = 60,
     threads: int = 1,
     load: str = "",
+    sizes: tuple[int, ...] = (),
 ) -> list[CollectiveLatency]:
-    """Measure the all-reduce latency for each rank count in ``ranks``."""
+    """Measure the all-reduce latency (and, with ``sizes``, bus bandwidth) for each rank
+    count in ``ranks``."""
     out: list[CollectiveLatency] = []
     for n in ranks:
-        per_rank = run_allreduce_probe(n, reps, threads)
-        lat = max(s.central(statistic) for s in per_rank)
+        per_size = run_allreduce_probe(n, reps, threads, sizes=sizes)
+        central = {b: max(s.central(statistic) for s in st) for b, st in per_size.items()}
+        lat = central[ALLREDUCE_BYTES]
+        big = [(b, t) for b, t in central.items() if b > ALLREDUCE_BYTES]
+        bus = bus_gbps(n, lat, big) if big else None
         out.append(
             CollectiveLatency(
                 endpoint=endpoint,
                 ranks=n,
                 latency_s=lat,
+                bus_gbps=bus,
+                max_bytes=max(b for b, _ in big) if bus is not None else 0,
                 source=(
-                    f"gloo all_reduce of {ALLREDUCE_BYTES} B among {n} processes on loopback, "
-                    f"{reps} reps after a barrier each, {statistic} per rank, slowest rank "
-                    f"(sailor.profiler.collective_probe){load}"
+                    f"gloo all_reduce of {', '.join(str(b) for b in sorted(central))} B among "
+                    f"{n} processes on loopback, {reps} reps after a barrier each, {statistic} "
+                    f"per rank, slowest rank (sailor.profiler.collective_probe){load}"
                 ),
             )
         )
@@ -82,16 +116,19 @@ def _rank_main(argv: list[str] | None = None) -> int:
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
     init_gloo(args, timeout_s=120.0)
-    buf = torch.zeros(ALLREDUCE_BYTES // 8, dtype=torch.float64)
-    times: list[float] = []
-    for i in range(int(cfg["reps"]) + _WARMUP):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)
-        if i >= _WARMUP:
-            times.append(time.perf_counter() - t0)
+    out: dict[str, dict[str, float]] = {}
+    for nbytes in cfg.get("sizes", [ALLREDUCE_BYTES]):
+        buf = torch.zeros(max(1, int(nbytes) // 8), dtype=torch.float64)
+        times: list[float] = []
+        for i in range(int(cfg["reps"]) + _WARMUP):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= _WARMUP:
+                times.append(time.perf_counter() - t0)
+        out[str(nbytes)] = Stats.of(times).to_dict()
     dist.barrier()
-    write_result(args, {"rank": args.rank, "time": Stats.of(times).to_dict()})
+    write_result(args, {"rank": args.rank, "times": out})
     dist.destroy_process_group()
     return 0
 

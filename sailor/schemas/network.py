@@ -83,6 +83,17 @@ class CollectiveLatency(Frozen):
     endpoint: Endpoint = Field(description="Endpoint kind of every rank (one zone, GPU type).")
     ranks: int = Field(ge=2, description="Ranks in the all-reduce.")
     latency_s: float = Field(ge=0, description="Time of one all-reduce of a tiny tensor, s.")
+    bus_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Bus bandwidth of the all-reduce as the backend runs it, measured at larger "
+            "sizes (up to max_bytes): an all-reduce of B bytes among n ranks takes "
+            "latency_s + 2(n-1)/n * B / bus_gbps. None: not measured (the ring is priced "
+            "from the link curves)."
+        ),
+    )
+    max_bytes: int = Field(default=0, ge=0, description="Largest size measured, bytes.")
     source: str = Field(default="", description="Measurement it came from.")
 
 
@@ -116,6 +127,15 @@ class NetworkProfile(Frozen):
             return None
         near = min(mine, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
         return near.latency_s * (ranks - 1) / (near.ranks - 1)
+
+    def collective_bus_gbps(self, endpoint: Endpoint, ranks: int) -> float | None:
+        """Measured all-reduce bus bandwidth among ``ranks`` ranks of ``endpoint`` (that of
+        the nearest measured rank count: a ring's bus bandwidth hardly depends on it), or
+        None if none was measured."""
+        mine = [c for c in self.collectives if c.endpoint == endpoint and c.bus_gbps]
+        if not mine or ranks < 2:
+            return None
+        return min(mine, key=lambda c: (abs(c.ranks - ranks), -c.ranks)).bus_gbps
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy without the lookup caches of this instance (they index the old data)."""

@@ -15,7 +15,9 @@ sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
 Every bandwidth is derated by the network efficiency η of the calibration. A ring all-reduce
 pays the links' per-message latency at each of its ``2(n-1)`` steps, unless the network
 profile holds a measured all-reduce latency for the ring's endpoint kind
-(``NetworkProfile.collectives``): then it pays that once, plus the steps' bandwidth time.
+(``NetworkProfile.collectives``): then it pays that once, plus the steps' bandwidth time; and
+when that measurement also holds the all-reduce's bus bandwidth as the backend runs it, the
+bytes move at that bandwidth (``2(n-1)/n · B / bus``) instead of over the link curves.
 Pure: no I/O.
 """
 
@@ -186,10 +188,13 @@ def ring_allreduce(
     chunk = node_bytes / buckets / n
     kinds = [(g.zone, g.gpu_type, g.gpus_per_node) for g in ring]
     measured = None
+    bus_gbps = None
     if len(set(kinds)) == 1:
         zone, gpu_type, gpus = kinds[0]
         ep = Endpoint(zone=zone, gpu_type=gpu_type, gpus_per_node=gpus)
         measured = network.collective_latency(ep, n)
+        if measured is not None:
+            bus_gbps = network.collective_bus_gbps(ep, n)
     # neighbour pairs by kind, first occurrence first (the order of the notes)
     pairs: dict[tuple[tuple[str, str, int], tuple[str, str, int]], int] = {}
     for i, pair in enumerate(zip(kinds, kinds[1:] + kinds[:1], strict=True)):
@@ -200,9 +205,12 @@ def ring_allreduce(
         curve, note = links.inter(ring[i], ring[(i + 1) % n])
         if note and note not in notes:
             notes.append(note)
-        per_step = curve.transfer_time(chunk)
-        if measured is not None:
-            per_step -= curve.latency_s  # paid once per all-reduce below, as measured
+        if bus_gbps is not None:
+            per_step = chunk / (bus_gbps * 1e9)  # the backend's measured bandwidth
+        else:
+            per_step = curve.transfer_time(chunk)
+            if measured is not None:
+                per_step -= curve.latency_s  # paid once per all-reduce below, as measured
         step = max(step, per_step / efficiency)
     crossed = 2.0 * (n - 1) * chunk * buckets
     crossings = tuple(

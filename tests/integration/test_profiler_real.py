@@ -117,6 +117,8 @@ def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
             "1048576",
             "--collectives",
             "2",
+            "--collective-sizes",
+            "1048576",
         ],
     )
     assert r.exit_code == 0, r.output
@@ -124,6 +126,8 @@ def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
     assert len(net.links) == 1 and net.links[0].src.gpu_type == "cpu"
     assert [c.ranks for c in net.collectives] == [2]
     assert net.collectives[0].latency_s > 0 and "all_reduce" in net.collectives[0].source
+    # 1 MiB takes longer than 8 B on any host: a bus bandwidth is found
+    assert (net.collectives[0].bus_gbps or 0) > 0 and net.collectives[0].max_bytes == 1 << 20
     bad = CliRunner().invoke(app, ["profile", "network", "-o", str(out), "--collectives", "1"])
     assert bad.exit_code != 0 and "--collectives='1'" in bad.output
 
@@ -149,7 +153,7 @@ def test_allreduce_latency_probe_between_gloo_processes() -> None:
     ep = Endpoint(zone="local", gpu_type="cpu", gpus_per_node=1)
     (c,) = collective_latencies(ep, ranks=(2,), reps=10)
     assert c.ranks == 2 and c.endpoint == ep
-    assert 0 < c.latency_s < 1.0
+    assert 0 < c.latency_s < 1.0 and c.bus_gbps is None  # no sizes asked
     net = NetworkProfile(collectives=(c,))
     assert net.collective_latency(ep, 2) == c.latency_s
 

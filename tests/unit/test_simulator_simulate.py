@@ -482,3 +482,24 @@ def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
         }
     )
     assert ring_allreduce(both, mixed, nbytes, 1e6, 1.0).time_s == pytest.approx(2 * 2.5e-3)
+    # with the backend's bus bandwidth measured, the bytes move at it: 2(n-1)/n * B / bus
+    fast = coll.model_copy(update={"bus_gbps": 0.25, "max_bytes": 4 << 20})
+    busy = plain.model_copy(update={"collectives": (fast,)})
+    assert busy.collective_bus_gbps(ep, 2) == 0.25 and measured.collective_bus_gbps(ep, 2) is None
+    assert ring_allreduce(busy, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
+        0.5e-3 + 2 * 1 / 2 * nbytes / 0.25e9
+    )
+    # ... and the calibration's network efficiency still derates it
+    assert ring_allreduce(busy, groups, nbytes, 1e6, 0.5).time_s == pytest.approx(
+        0.5e-3 + 2 * nbytes / 0.25e9
+    )
+
+
+def test_bus_bandwidth_fit() -> None:
+    from sailor.profiler.collective_probe import bus_gbps
+
+    lat = 1e-4
+    # 4 ranks at 2 GB/s bus: t = lat + 1.5 * B / 2e9
+    pts = [(b, lat + 1.5 * b / 2e9) for b in (1 << 18, 1 << 22)]
+    assert bus_gbps(4, lat, pts) == pytest.approx(2.0)
+    assert bus_gbps(2, lat, [(1 << 20, lat / 2)]) is None  # nothing above the latency
