@@ -175,12 +175,11 @@ def profile_layers(
     db = to_profile_db(
         run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic
     )
+    date = meta.get(f"{run.gpu_type}.date", "")
     if framework is not None:
-        date = meta.get(f"{run.gpu_type}.date", "")
         stamped = framework.model_copy(update={"source": f"{framework.source} {date}"})
         db = db.model_copy(update={"framework": (stamped,)})
     if host is not None:
-        date = meta.get(f"{run.gpu_type}.date", "")
         db = db.model_copy(
             update={"hosts": (host.model_copy(update={"source": f"{host.source} {date}"}),)}
         )

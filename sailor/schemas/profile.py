@@ -163,6 +163,16 @@ class HostSharing(Frozen):
             raise field_error("slowdown", self.slowdown, "factors must be > 0")
         return self
 
+    def factor(self, n: int) -> float:
+        """Slowdown while ``n`` ranks compute; past the measured range, a fair share of the
+        last measured factor (``n`` ranks take ``n / K`` times as long as ``K`` did)."""
+        if n <= 1:
+            return 1.0 if n <= 0 else self.slowdown[0]
+        k = len(self.slowdown)
+        if n <= k:
+            return self.slowdown[n - 1]
+        return self.slowdown[-1] * n / k
+
 
 class ProfileDB(Frozen):
     """All profiles of one model."""

@@ -29,40 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from sailor.schemas.profile import HostSharing
 from sailor.simulator.pipeline import PipelineRun, TimelineOp, one_f_one_b_order
 
-__all__ = ["HostModel", "SharedPipe", "replay_shared"]
+__all__ = ["SharedPipe", "replay_shared"]
 
 _EPS = 1e-12
 _ARRIVE, _START = 0, 1  # event kinds
-
-
-@dataclass(frozen=True)
-class HostModel:
-    """How ranks on one host slow each other down (``ProfileDB.hosts`` holds the measure)."""
-
-    cores: int
-    slowdown: tuple[float, ...]
-    """``slowdown[n-1]``: time of work while ``n`` ranks compute / time alone."""
-    wake_s: float
-
-    def __post_init__(self) -> None:
-        if self.cores < 1:
-            raise ValueError(f"cores={self.cores}: need at least one")
-        if not self.slowdown or any(s <= 0 for s in self.slowdown):
-            raise ValueError(f"slowdown={self.slowdown}: need positive factors, at least one")
-        if self.wake_s < 0:
-            raise ValueError(f"wake_s={self.wake_s}: must be >= 0")
-
-    def factor(self, n: int) -> float:
-        """Slowdown while ``n`` ranks compute; past the measured range, a fair share of the
-        last measured factor (``n`` ranks take ``n / K`` times as long as ``K`` did)."""
-        if n <= 1:
-            return 1.0 if n <= 0 else self.slowdown[0]
-        k = len(self.slowdown)
-        if n <= k:
-            return self.slowdown[n - 1]
-        return self.slowdown[-1] * n / k
 
 
 @dataclass(frozen=True)
@@ -80,9 +53,10 @@ _Key = tuple[Literal["F", "B"], int]
 
 
 def replay_shared(
-    pipes: Sequence[SharedPipe], host: HostModel, *, record: bool = False
+    pipes: Sequence[SharedPipe], host: HostSharing, *, record: bool = False
 ) -> list[PipelineRun]:
-    """Replay every pipeline at once on one shared host; one :class:`PipelineRun` each."""
+    """Replay every pipeline at once on one shared host (its measured
+    :class:`~sailor.schemas.profile.HostSharing`); one :class:`PipelineRun` each."""
     ranks: list[tuple[int, int]] = [(pi, s) for pi, p in enumerate(pipes) for s in range(len(p.f))]
     for pi, p in enumerate(pipes):
         if not p.f or len(p.f) != len(p.b) or len(p.tp) != len(p.f):

@@ -50,12 +50,12 @@ from sailor.schemas import (
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
-from sailor.schemas.profile import FrameworkTime
+from sailor.schemas.profile import FrameworkTime, HostSharing
 from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.network_model import AllReduce, LinkCurves, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
-from sailor.simulator.shared_host import HostModel, SharedPipe, replay_shared
+from sailor.simulator.shared_host import SharedPipe, replay_shared
 
 __all__ = ["Method", "Timeline", "simulate", "simulate_with_timeline"]
 
@@ -395,29 +395,34 @@ def _run(
             pipe_end.append(prun.end_s)
             stage_end.append(prun.stage_end_s)
             ops.extend(prun.ops)
-    runs: dict[tuple[int, int], tuple[float, tuple[float, ...], int, tuple[TimelineOp, ...]]] = {}
-    for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
-        if host is not None:
-            break
-        rkey = (id(kind), p.num_microbatches)
-        done = runs.get(rkey)
-        if done is None:
-            if method == "replay":
-                run = replay_1f1b(
-                    kind.fs, kind.bs, p.num_microbatches, kind.delay, pipeline=pi, record=timeline
-                )
-                done = (run.end_s, run.stage_end_s, pi, run.ops)
-            else:
-                t = closed_form_1f1b(kind.fs, kind.bs, p.num_microbatches, kind.delay)
-                done = (t, tuple(t for _ in kind.row), pi, ())
-            runs[rkey] = done
-        pipe_end.append(done[0])
-        stage_end.append(done[1])
-        if timeline:
-            if done[2] == pi:
-                ops.extend(done[3])
-            else:
-                ops.extend(dataclasses.replace(op, pipeline=pi) for op in done[3])
+    else:
+        runs: dict[tuple[int, int], tuple[float, tuple[float, ...], int, tuple[TimelineOp, ...]]]
+        runs = {}
+        for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
+            rkey = (id(kind), p.num_microbatches)
+            done = runs.get(rkey)
+            if done is None:
+                if method == "replay":
+                    run = replay_1f1b(
+                        kind.fs,
+                        kind.bs,
+                        p.num_microbatches,
+                        kind.delay,
+                        pipeline=pi,
+                        record=timeline,
+                    )
+                    done = (run.end_s, run.stage_end_s, pi, run.ops)
+                else:
+                    t = closed_form_1f1b(kind.fs, kind.bs, p.num_microbatches, kind.delay)
+                    done = (t, tuple(t for _ in kind.row), pi, ())
+                runs[rkey] = done
+            pipe_end.append(done[0])
+            stage_end.append(done[1])
+            if timeline:
+                if done[2] == pi:
+                    ops.extend(done[3])
+                else:
+                    ops.extend(dataclasses.replace(op, pipeline=pi) for op in done[3])
 
     # --- gradient sync per layer segment, then the optimizer step ------------------------
     # on a shared host every rank's end of iteration and optimizer step run at about the
@@ -690,7 +695,7 @@ def _tied_allreduce(
     )
 
 
-def _host_model(inp: _Inputs, plan: Plan) -> HostModel | None:
+def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
     """The measured sharing of the one host all of ``plan``'s ranks run on, if known."""
     kinds = sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages})
     hs = inp.profiles.host_sharing(kinds[0]) if len(kinds) == 1 else None
@@ -705,7 +710,7 @@ def _host_model(inp: _Inputs, plan: Plan) -> HostModel | None:
         + "/".join(f"{x:.2f}" for x in hs.slowdown)
         + f", wake-up {hs.wake_s * 1e3:.2f} ms)"
     )
-    return HostModel(cores=hs.cores, slowdown=hs.slowdown, wake_s=hs.wake_s)
+    return hs
 
 
 def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:

@@ -10,7 +10,7 @@ from sailor.schemas import ProfileDB
 from sailor.schemas.profile import HostSharing
 from sailor.simulator import simulate
 from sailor.simulator.pipeline import replay_1f1b
-from sailor.simulator.shared_host import HostModel, SharedPipe, replay_shared
+from sailor.simulator.shared_host import SharedPipe, replay_shared
 from tests.unit.test_simulator_simulate import (
     MODEL,
     PRICES,
@@ -21,8 +21,14 @@ from tests.unit.test_simulator_simulate import (
     _plan,
 )
 
+
+def _host(cores: int, slowdown: tuple[float, ...], wake_s: float) -> HostSharing:
+    """A measured host as the profiler stores it."""
+    return HostSharing(gpu_type="cpu", cores=cores, slowdown=slowdown, wake_s=wake_s, source="t")
+
+
 _times = st.lists(st.floats(0.05, 3.0), min_size=1, max_size=5)
-_ALONE = HostModel(cores=64, slowdown=(1.0,) * 16, wake_s=0.0)
+_ALONE = _host(cores=64, slowdown=(1.0,) * 16, wake_s=0.0)
 
 
 @settings(max_examples=150, deadline=None)
@@ -48,7 +54,7 @@ def test_one_core_shared_fairly_does_all_the_work_back_to_back(
     # the iteration is the sum of every operation's work
     n = len(f)
     b = data.draw(st.lists(st.floats(0.05, 3.0), min_size=n, max_size=n))
-    one_core = HostModel(cores=1, slowdown=tuple(float(k) for k in range(1, 9)), wake_s=0.0)
+    one_core = _host(cores=1, slowdown=tuple(float(k) for k in range(1, 9)), wake_s=0.0)
     p = SharedPipe(tuple(f), tuple(b), (0.0,) * (n - 1), m, (1,) * n)
     runs = replay_shared([p] * pipes, one_core)
     assert max(r.end_s for r in runs) == pytest.approx(pipes * m * (sum(f) + sum(b)), rel=1e-9)
@@ -57,24 +63,24 @@ def test_one_core_shared_fairly_does_all_the_work_back_to_back(
 def test_wake_up_delays_only_an_oversubscribed_host() -> None:
     p = SharedPipe((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (0.0, 0.0), 4, (1, 1, 1))
     slow = (1.0, 1.0, 1.5, 2.0)
-    base = replay_shared([p], HostModel(cores=2, slowdown=slow, wake_s=0.0))[0].end_s
-    woken = replay_shared([p], HostModel(cores=2, slowdown=slow, wake_s=0.25))[0].end_s
-    later = replay_shared([p], HostModel(cores=2, slowdown=slow, wake_s=0.5))[0].end_s
+    base = replay_shared([p], _host(cores=2, slowdown=slow, wake_s=0.0))[0].end_s
+    woken = replay_shared([p], _host(cores=2, slowdown=slow, wake_s=0.25))[0].end_s
+    later = replay_shared([p], _host(cores=2, slowdown=slow, wake_s=0.5))[0].end_s
     assert base < woken < later
     # with a core per rank nobody waits for one
-    roomy = replay_shared([p], HostModel(cores=3, slowdown=(1.0,) * 3, wake_s=0.5))[0].end_s
+    roomy = replay_shared([p], _host(cores=3, slowdown=(1.0,) * 3, wake_s=0.5))[0].end_s
     assert roomy == pytest.approx(replay_1f1b(p.f, p.b, 4).end_s)
 
 
 def test_a_tp_stage_counts_as_its_ranks() -> None:
-    host = HostModel(cores=1, slowdown=(1.0, 2.0), wake_s=0.0)
+    host = _host(cores=1, slowdown=(1.0, 2.0), wake_s=0.0)
     one = replay_shared([SharedPipe((1.0,), (1.0,), (), 3, (1,))], host)[0].end_s
     two = replay_shared([SharedPipe((1.0,), (1.0,), (), 3, (2,))], host)[0].end_s
     assert two == pytest.approx(2 * one)
 
 
 def test_factor_past_the_measured_range_is_a_fair_share() -> None:
-    h = HostModel(cores=2, slowdown=(1.0, 1.1, 1.6, 2.2), wake_s=0.0)
+    h = _host(cores=2, slowdown=(1.0, 1.1, 1.6, 2.2), wake_s=0.0)
     assert h.factor(0) == 1.0 and h.factor(3) == 1.6
     assert h.factor(8) == pytest.approx(2.2 * 8 / 4)
 
@@ -90,7 +96,7 @@ def test_factor_past_the_measured_range_is_a_fair_share() -> None:
 )
 def test_bad_host_models_are_refused(kw: dict[str, object], word: str) -> None:
     with pytest.raises(ValueError, match=word):
-        HostModel(**kw)  # type: ignore[arg-type]
+        HostSharing(gpu_type="cpu", source="t", **kw)  # type: ignore[arg-type]
 
 
 def test_bad_pipelines_are_refused() -> None:
