@@ -41,25 +41,3 @@ def test_a_task_that_ran_still_returns_its_value() -> None:
         return int(out)
 
     assert asyncio.run(main()) == 7
-
-
-def test_close_cancels_again_a_task_that_swallowed_the_first_cancel() -> None:
-    swallowed: list[int] = []
-
-    async def stubborn() -> None:
-        while True:  # a retry loop around a call that turns a cancel into its own error
-            try:
-                await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                if swallowed:
-                    raise
-                swallowed.append(1)
-
-    async def main() -> bool:
-        tasks = TaskSet("test")
-        t = tasks.spawn("stubborn", stubborn())
-        await asyncio.sleep(0)
-        await tasks.close(timeout=2.0)
-        return t.done()
-
-    assert asyncio.run(main()) and swallowed == [1]
