@@ -34,9 +34,6 @@ class TaskSet:
         task = asyncio.create_task(self._guard(name, coro), name=f"{self._owner}:{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        # A task cancelled before its first step never starts ``coro``; close it, else it is
-        # garbage-collected as "never awaited" (a no-op when it ran to its end).
-        task.add_done_callback(lambda _: coro.close())
         return task
 
     async def _guard(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
