@@ -176,7 +176,8 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
             + " / ".join(
                 f"{x:.2f}±{e:.2f}" for x, e in zip(host.slowdown, host.slowdown_spread, strict=True)
             )
-            + f", wake-up {host.wake_s * 1e3:.3f} ms"
+            + f", wake-up {host.wake_s * 1e3:.3f} ms, rendezvous {host.rendezvous_s * 1e3:.3f} "
+            f"ms (busy host {host.rendezvous_busy_s * 1e3:.3f} ms)"
         )
     for o in db.overheads:
         print(f"  process overhead {o.bytes / MIB:.1f} MiB")

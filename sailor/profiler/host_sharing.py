@@ -19,6 +19,14 @@ one microbatch size), never on the plans the simulator will predict:
   ranks computing (so that ``cores`` ranks compute when the message lands: the receiver must
   wait for the scheduler to give it a core) and once with none (a core is free);
   ``wake_s`` is the difference of the mean delays (the transfer itself cancels out).
+* **rendezvous_s / rendezvous_busy_s**: gloo hands a send over only once the receiver has
+  posted its receive (the receiver notifies, then the sender's communication thread writes),
+  so a receive posted after its send waits for that exchange even though the data was "sent"
+  long before. One rank sends an activation and blocks until it is taken (a stage that has
+  sent waits for its next message: in 1F1B the sender is rarely still computing when the
+  receive comes); the other computes a step, then posts the receive and times it: the mean
+  wait with no other rank computing (``rendezvous_s``) and with ``cores`` others computing
+  (``rendezvous_busy_s``: the sender's threads wait for a core).
 
 The ranks are real processes joined by a gloo group (:mod:`procs`), with the worker's one
 intra-op thread each. The simulator uses the result only for plans it is told run on one
@@ -77,7 +85,7 @@ def measure_host_sharing(run: HostRun, deadline_s: float = 600.0) -> HostSharing
     from sailor.profiler.procs import run_ranks
 
     cores = run.host_cores
-    world = max(run.max_ranks, cores + 1, 2)
+    world = max(run.max_ranks, cores + 2)
     config = {
         "spec": run.spec.model_dump(mode="json"),
         "mbs": run.mbs,
@@ -107,15 +115,19 @@ def host_sharing_from(
     )
     wake = results[1]["wake"]
     wake_s = max(0.0, statistics.fmean(wake["loaded"]) - statistics.fmean(wake["idle"]))
+    hand = results[1].get("rendezvous", {})
     return HostSharing(
         gpu_type=gpu_type,
         cores=cores,
         slowdown=(1.0, *slowdown[1:]),
         slowdown_spread=spread,
         wake_s=wake_s,
+        rendezvous_s=statistics.fmean(hand["idle"]) if hand.get("idle") else 0.0,
+        rendezvous_busy_s=statistics.fmean(hand["loaded"]) if hand.get("loaded") else 0.0,
         source=(
             f"{HOST_SOURCE}: 1..{max_ranks} ranks of the model's training step at once; "
-            f"wake-up with {cores - 1} busy ranks vs none; {cores} cores"
+            f"wake-up with {cores - 1} busy ranks vs none; receives posted after their "
+            f"send, with {cores} busy ranks and none; {cores} cores"
         ),
     )
 
@@ -230,6 +242,34 @@ def _rank_main(argv: list[str] | None = None) -> int:
                     delays.append(time.monotonic() - float(stamp[0]))
             wake[label] = delays
     out["wake"] = wake
+
+    # rendezvous: rank 0 sends an activation and blocks until it is taken, as a pipeline
+    # stage that has sent waits for its next message; rank 1 computes a step of its own
+    # before it posts the receive, so the send is always first
+    hand: dict[str, list[float]] = {}
+    for label, busy in (("idle", 0), ("loaded", cores)):
+        dist.barrier()
+        burners = range(2, 2 + min(busy, world - 2))
+        stop = Path(args.out).with_name(f"stop-rdv-{label}")
+        if rank in burners:
+            while not stop.exists():
+                step()
+        elif rank == 0:
+            for _ in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
+                req = dist.isend(out_act, dst=1)
+                if req is not None:
+                    req.wait()
+            stop.touch()
+        elif rank == 1:
+            waits: list[float] = []
+            for i in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
+                step()
+                t0 = time.perf_counter()
+                dist.recv(in_act, src=0)
+                if i >= _WAKE_WARMUP:
+                    waits.append(time.perf_counter() - t0)
+            hand[label] = waits
+    out["rendezvous"] = hand
     dist.barrier()
     write_result(args, out)
     dist.destroy_process_group()

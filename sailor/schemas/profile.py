@@ -152,6 +152,23 @@ class HostSharing(Frozen):
             "arrives while at least `cores` ranks compute, s."
         ),
     )
+    rendezvous_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Mean wait of a receive posted after its message was sent, while a core is free, s. "
+            "The backend hands an unmatched send over only when the receiver asks for it "
+            "(gloo's rendezvous: notify, then the sender's communication thread writes)."
+        ),
+    )
+    rendezvous_busy_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "The same wait when the receive is posted while at least `cores` ranks compute: "
+            "the sender's communication thread waits for a core, s."
+        ),
+    )
     slowdown_spread: tuple[float, ...] = Field(
         default=(), description="Standard deviation of each slowdown factor across its ranks."
     )

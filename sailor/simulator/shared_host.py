@@ -13,11 +13,17 @@ decide their step time (``docs/simulator-model.md``, "Ranks sharing a host"):
   ranks compute is not run at once: it waits for the scheduler to give it a core, ``wake_s``
   on average (measured by a ping-pong under load). A rank that is computing when its message
   arrives needs no wake-up, nor does one woken on a free core.
+* **Rendezvous.** A receive posted after its message was sent waits for the hand-over: the
+  backend (gloo) sends an unmatched message only when the receiver asks for it, and the
+  sender's communication thread must run to write it. ``rendezvous_s`` on average with a core
+  free, ``rendezvous_busy_s`` while at least ``cores`` ranks compute (both measured by the
+  profiler with the model's layers). A receive posted first pays only the link delay.
 
 Every pipeline of the plan is replayed at once, in event order: a computing rank's remaining
 work drains at the rate set by how many ranks compute (a stage of TP degree ``t`` counts as
 ``t`` ranks). The order of operations on each stage is 1F1B's, as in the replay of one
-pipeline, so with ``slowdown = 1`` and ``wake_s = 0`` the answer is that replay's.
+pipeline, so with ``slowdown = 1`` and no wake-up or rendezvous delay the answer is that
+replay's.
 
 Pure: no I/O, no clock.
 """
@@ -110,11 +116,20 @@ def replay_shared(
         if ptr[r] >= len(orders[r]):
             return
         key = need(r)
-        landed = arrived[r].get(key) if key is not None else now
-        if landed is not None and landed <= now:
-            start(r, now)  # awake and its message is in: no wake-up to wait for
-        else:
+        if key is None:
+            start(r, now)
+            return
+        landed = arrived[r].get(key)
+        if landed is None or landed > now:
             waiting[r] = key
+            return
+        # the message was sent before this receive was posted: the backend hands it over
+        # only now that the receiver asks for it (rendezvous)
+        hand = host.rendezvous_busy_s if busy >= host.cores else host.rendezvous_s
+        if hand > 0:
+            push(now + hand, _START, r, None)
+        else:
+            start(r, now)
 
     for r in range(len(ranks)):
         advance(r, 0.0)

@@ -708,7 +708,8 @@ def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
     inp.notes.add(
         f"ranks share one host of {hs.cores} cores (slowdown "
         + "/".join(f"{x:.2f}" for x in hs.slowdown)
-        + f", wake-up {hs.wake_s * 1e3:.2f} ms)"
+        + f", wake-up {hs.wake_s * 1e3:.2f} ms, rendezvous {hs.rendezvous_s * 1e3:.2f}/"
+        f"{hs.rendezvous_busy_s * 1e3:.2f} ms)"
     )
     return hs
 

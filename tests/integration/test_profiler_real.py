@@ -169,6 +169,8 @@ def test_host_sharing_measured_with_real_ranks() -> None:
     assert h.gpu_type == "cpu" and h.cores >= 1 and len(h.slowdown) == 3
     assert h.slowdown[0] == 1.0 and all(x > 0 for x in h.slowdown)
     assert len(h.slowdown_spread) == 3 and h.wake_s >= 0
+    # a receive posted after its send waits for the hand-over: never instantly
+    assert h.rendezvous_s > 0 and h.rendezvous_busy_s > 0
     # it merges into a database that already holds another measure of the host
     old = ProfileDB(model="tiny-gpt", hosts=(h.model_copy(update={"wake_s": 9.0}),))
     merged, _ = merge_db(old, ProfileDB(model="tiny-gpt", hosts=(h,)))

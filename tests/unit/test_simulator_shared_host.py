@@ -72,6 +72,36 @@ def test_wake_up_delays_only_an_oversubscribed_host() -> None:
     assert roomy == pytest.approx(replay_1f1b(p.f, p.b, 4).end_s)
 
 
+def test_a_receive_posted_after_its_send_waits_for_the_hand_over() -> None:
+    # stage 0 sends its forward of mb 1 while stage 1 still runs mb 0 (F 1 + B 4): the
+    # receive of mb 1 is posted after the send, so it pays the rendezvous; the receives
+    # posted first (mb 0, every backward) pay nothing more
+    p = SharedPipe((1.0, 1.0), (1.0, 4.0), (0.0,), 2, (1, 1))
+    base = _host(cores=2, slowdown=(1.0, 1.0), wake_s=0.0)
+    plain = replay_shared([p], base, record=True)[0]
+    hand = replay_shared([p], base.model_copy(update={"rendezvous_s": 0.5}), record=True)[0]
+    start = {(o.stage, o.kind, o.microbatch): o.start_s for o in hand.ops}
+    before = {(o.stage, o.kind, o.microbatch): o.start_s for o in plain.ops}
+    assert start[(1, "F", 1)] == pytest.approx(before[(1, "F", 1)] + 0.5)
+    assert start[(1, "F", 0)] == before[(1, "F", 0)]
+    assert hand.end_s == pytest.approx(plain.end_s + 0.5)
+    # the busy-host figure applies only while `cores` ranks compute: never on 2 free cores
+    busy = base.model_copy(update={"rendezvous_busy_s": 9.0})
+    assert replay_shared([p], busy)[0].end_s == pytest.approx(plain.end_s)
+    # while another pipeline keeps the one core busy, it applies
+    burner = SharedPipe((50.0,), (50.0,), (), 1, (1,))
+    one_core = _host(cores=1, slowdown=(1.0, 2.0, 3.0), wake_s=0.0)
+    runs = [
+        replay_shared([p, burner], h, record=True)[0]
+        for h in (one_core.model_copy(update={"rendezvous_busy_s": 0.5}), one_core)
+    ]
+    f1 = [
+        next(o.start_s for o in r.ops if (o.stage, o.kind, o.microbatch) == (1, "F", 1))
+        for r in runs
+    ]
+    assert f1[0] == pytest.approx(f1[1] + 0.5)
+
+
 def test_a_tp_stage_counts_as_its_ranks() -> None:
     host = _host(cores=1, slowdown=(1.0, 2.0), wake_s=0.0)
     one = replay_shared([SharedPipe((1.0,), (1.0,), (), 3, (1,))], host)[0].end_s
@@ -92,6 +122,7 @@ def test_factor_past_the_measured_range_is_a_fair_share() -> None:
         ({"cores": 1, "slowdown": (), "wake_s": 0.0}, "slowdown"),
         ({"cores": 1, "slowdown": (1.0, -1.0), "wake_s": 0.0}, "slowdown"),
         ({"cores": 1, "slowdown": (1.0,), "wake_s": -1.0}, "wake_s"),
+        ({"cores": 1, "slowdown": (1.0,), "wake_s": 0.0, "rendezvous_s": -1.0}, "rendezvous_s"),
     ],
 )
 def test_bad_host_models_are_refused(kw: dict[str, object], word: str) -> None:
