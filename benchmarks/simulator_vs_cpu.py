@@ -116,7 +116,7 @@ def plans(spec: ModelSpec) -> list[Plan]:
 
 
 def _run_plan(
-    plan: Plan, model_file: Path, steps: int, skip: int, work: Path, statistic: str
+    plan: Plan, model_file: Path, steps: int, skip: int, work: Path, statistic: str, pin: bool
 ) -> tuple[float, dict[str, float], int]:
     """(central step s, median phases of rank 0, max peak RSS growth bytes) of one real run.
 
@@ -131,6 +131,7 @@ def _run_plan(
         extra_args=["--rss-out", str(work / "rss-{rank}.json")],
         module="sailor.profiler.rss_worker",
         deadline_s=600,
+        pin_cores=pin,
     )
     if not run.ok:
         raise RuntimeError(f"{plan.plan_id}: ranks failed: {run.errors} {run.stderr[0][-2000:]}")
@@ -148,7 +149,7 @@ def _run_plan(
     return central, phases, int(growth)
 
 
-def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile]:
+def _profile(spec: ModelSpec, statistic: str, pin: bool) -> tuple[ProfileDB, NetworkProfile]:
     """Steps 1-2 of a round: layers, overheads, framework time, p2p and all-reduce probes."""
     t0 = time.time()
     db, _ = profile_layers(
@@ -159,6 +160,7 @@ def _profile(spec: ModelSpec, statistic: str) -> tuple[ProfileDB, NetworkProfile
             settings=RepeatSettings(),
             statistic=statistic,
             host_ranks=4,
+            host_pin=pin,
         )
     )
     print(f"== profile ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
@@ -237,6 +239,12 @@ def main() -> None:
     ap.add_argument(
         "--statistic", default="mean", help="central value of profiles and steps: mean or median"
     )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="bind rank r to core r %% cores, in the runs (launch_local(pin_cores=True)) and in "
+        "the host-sharing profile",
+    )
     args = ap.parse_args()
     spec = (
         ModelSpec.model_validate_json(args.model_file.read_text())
@@ -247,6 +255,7 @@ def main() -> None:
     print(f"machine: {platform.platform()}, {device_description('cpu')}, {os.cpu_count()} cores")
     print(f"python {platform.python_version()}, torch {torch.__version__}; 1 thread per rank")
     print(f"statistic: {args.statistic}; {args.repeats} rounds; {args.steps} steps per run")
+    print(f"ranks bound to cores (rank % cores): {args.pin}")
     print(f"load average at start: {os.getloadavg()}")
     print(f"model: {spec.model_dump_json()}")
     cal = Calibration(
@@ -272,7 +281,7 @@ def main() -> None:
         model_file.write_text(spec.model_dump_json())
         for rnd in range(args.repeats):
             print(f"\n===== round {rnd + 1}/{args.repeats}, load {os.getloadavg()}")
-            db, net = _profile(spec, args.statistic)
+            db, net = _profile(spec, args.statistic, args.pin)
             for plan in plans(spec):
                 est = simulate(
                     plan,
@@ -286,7 +295,9 @@ def main() -> None:
                     shared_host=True,
                 )
                 work = Path(tmp) / f"{plan.plan_id}-{rnd}"
-                t, ph, m = _run_plan(plan, model_file, args.steps, args.skip, work, args.statistic)
+                t, ph, m = _run_plan(
+                    plan, model_file, args.steps, args.skip, work, args.statistic, args.pin
+                )
                 tb = est.time
                 sim = (
                     f"pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "

@@ -82,6 +82,11 @@ def layers_cmd(
         help="CPU: measure how 1..N ranks on this host share its cores (0: skip). The "
         "simulator uses it for plans whose ranks run on one host.",
     ),
+    host_pin: bool = typer.Option(
+        False,
+        help="CPU: measure host sharing with rank r bound to core r % cores, for runs that "
+        "bind their ranks the same way (launch_local(pin_cores=True)).",
+    ),
     statistic: str = typer.Option(
         "median", help="median (the layer's own cost) or mean (includes a busy host's stalls)."
     ),
@@ -112,6 +117,7 @@ def layers_cmd(
             measure_overhead=overhead and device == "cpu",
             statistic=statistic,
             host_ranks=host_ranks if device == "cpu" else 0,
+            host_pin=host_pin,
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc

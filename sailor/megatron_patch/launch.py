@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor.localnet import free_port
+from sailor.megatron_patch.affinity import available_cores, format_cores, round_robin
 from sailor.schemas.plan import Plan
 
 __all__ = ["LocalRun", "free_port", "launch_local"]
@@ -59,10 +60,13 @@ def launch_local(
     deadline_s: float = 300.0,
     timeout_s: float = 60.0,
     module: str = "sailor.megatron_patch.worker",
+    pin_cores: bool = False,
 ) -> LocalRun:
     """Run all ranks of ``plan`` locally for ``steps`` iterations and collect their reports.
 
     ``module`` is the entry point run per rank (the worker, or the DeepSpeed adapter).
+    ``pin_cores`` binds rank ``r`` to core ``r % cores`` of those this process may use
+    (:mod:`~sailor.megatron_patch.affinity`).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
@@ -70,6 +74,7 @@ def launch_local(
     world = len(plan.ranks())
     master = f"127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen[bytes]] = []
+    placement = round_robin(world, available_cores()) if pin_cores else None
     t0 = time.monotonic()
     for r in range(world):
         cmd = [
@@ -97,6 +102,8 @@ def launch_local(
         ]
         if model:
             cmd += ["--model", model]
+        if placement is not None:
+            cmd += ["--cpu-cores", format_cores(placement[r])]
         cmd += extra_args or []
         cmd += (per_rank_args or {}).get(r, [])
         err = (workdir / f"stderr-{r}.txt").open("wb")

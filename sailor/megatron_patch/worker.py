@@ -50,6 +50,12 @@ _T_START = time.time()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from sailor.megatron_patch.affinity import (  # noqa: E402
+    available_cores,
+    bind,
+    format_cores,
+    parse_cores,
+)
 from sailor.megatron_patch.control import (  # noqa: E402
     ControlRequest,
     agree,
@@ -124,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--poll-s", type=float, default=0.02, help="Control-file poll while holding at a stop."
+    )
+    p.add_argument(
+        "--cpu-cores",
+        default=None,
+        help="Bind this rank (and the threads it starts) to these cores, e.g. 0 or 0,2-3.",
     )
     p.add_argument(
         "--min-step-s",
@@ -312,6 +323,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "pipeline": role.pipeline,
             "stage": role.stage,
             "tp_rank": role.tp_rank,
+            "cpu_cores": format_cores(set(available_cores())),
             "layers": [role.first_layer, role.last_layer],
         }
     )
@@ -355,6 +367,9 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
     args = build_parser().parse_args(argv)
     status = _Status()
     try:
+        if args.cpu_cores is not None:
+            # before the process group starts the backend's threads: they inherit the binding
+            bind(parse_cores(args.cpu_cores))
         return run(args, status, ckpt)
     except BaseException as exc:  # the first cause of any failure is reported
         record = failure_record(exc, args.rank, status.step, status.in_training)

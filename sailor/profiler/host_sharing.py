@@ -13,7 +13,10 @@ one microbatch size), never on the plans the simulator will predict:
   cores, as they do in training. ``slowdown[n-1]`` is their mean step time over the mean step
   time of one rank alone (which sends nothing). The rounds go ``1..K`` then ``K..1`` and each
   factor is the mean of its two rounds, so a drift of the host's load hits every factor
-  alike.
+  alike. With ``pin`` (rank ``r`` bound to core ``r % cores``, as
+  ``launch_local(pin_cores=True)`` binds a plan's ranks) the factor is each rank's own work,
+  the waits left out: the simulator shares each core among the ranks bound to it and takes
+  only the rest of the factor as the cost of sharing the host.
 * **wake_s**: one rank sends a timestamp to another, blocked on the receive, and keeps
   computing; the receiver notes when it runs again. Measured once with ``cores - 1`` other
   ranks computing (so that ``cores`` ranks compute when the message lands: the receiver must
@@ -64,6 +67,8 @@ class HostRun:
     threads: int = 1
     cores: int = 0
     """Cores the ranks may run on (0: this process's CPU affinity)."""
+    pin: bool = False
+    """Bind rank ``r`` to core ``r % cores``, as ``launch_local(pin_cores=True)`` does."""
 
     def __post_init__(self) -> None:
         if self.max_ranks < 1:
@@ -94,18 +99,24 @@ def measure_host_sharing(run: HostRun, deadline_s: float = 600.0) -> HostSharing
         "wake_messages": run.wake_messages,
         "threads": run.threads,
         "cores": cores,
+        "pin": run.pin,
     }
     results = run_ranks(__name__, world, config, deadline_s=deadline_s)
-    return host_sharing_from(results, run.gpu_type, cores, run.max_ranks)
+    return host_sharing_from(results, run.gpu_type, cores, run.max_ranks, pinned=run.pin)
 
 
 def host_sharing_from(
-    results: list[dict[str, Any]], gpu_type: str, cores: int, max_ranks: int
+    results: list[dict[str, Any]], gpu_type: str, cores: int, max_ranks: int, pinned: bool = False
 ) -> HostSharing:
-    """Reduce the ranks' raw times (``_rank_main``'s output) to the factors."""
+    """Reduce the ranks' raw times (``_rank_main``'s output) to the factors.
+
+    Unbound ranks: whole steps, waits included (the ring runs in lockstep, so a rank that
+    waits for a slower one is slowed by it, as unbound ranks moved between cores are).
+    Bound ranks: each rank's own work only; the simulator shares each core among the ranks
+    bound to it and keeps the rest of the factor as the cost of sharing the host."""
     steps: dict[int, list[float]] = {}  # n -> every rank's mean step time over its rounds
     for r in results:
-        for n_text, means in r["steps"].items():
+        for n_text, means in r["compute" if pinned else "steps"].items():
             steps.setdefault(int(n_text), []).extend(means)
     alone = statistics.fmean(steps[1])
     slowdown = tuple(statistics.fmean(steps[n]) / alone for n in range(1, max_ranks + 1))
@@ -124,10 +135,12 @@ def host_sharing_from(
         wake_s=wake_s,
         rendezvous_s=statistics.fmean(hand["idle"]) if hand.get("idle") else 0.0,
         rendezvous_busy_s=statistics.fmean(hand["loaded"]) if hand.get("loaded") else 0.0,
+        pinned=pinned,
         source=(
             f"{HOST_SOURCE}: 1..{max_ranks} ranks of the model's training step at once; "
             f"wake-up with {cores - 1} busy ranks vs none; receives posted after their "
             f"send, with {cores} busy ranks and none; {cores} cores"
+            + ("; rank r bound to core r % cores" if pinned else "")
         ),
     )
 
@@ -146,6 +159,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
     from sailor.profiler.procs import init_gloo, rank_args, write_result
 
     args, cfg = rank_args(argv)
+    if cfg.get("pin"):
+        from sailor.megatron_patch.affinity import available_cores, bind, round_robin
+
+        bind(round_robin(args.world_size, available_cores())[args.rank])
     torch.set_num_threads(int(cfg["threads"]))
     init_gloo(args, timeout_s=300.0)
     rank, world = args.rank, args.world_size
@@ -187,10 +204,12 @@ def _rank_main(argv: list[str] | None = None) -> int:
     out_act = torch.zeros(mbs * spec.seq_length * spec.hidden_size)
     in_act = torch.zeros_like(out_act)
 
-    def ring(n: int) -> list[float]:
+    def ring(n: int) -> tuple[list[float], list[float]]:
         """``count`` steps; with others, each step also sends one activation to the next
-        rank of the round and receives one from the previous, as a pipeline stage does."""
+        rank of the round and receives one from the previous, as a pipeline stage does.
+        The times of whole steps (waits included) and of the step's own work."""
         times: list[float] = []
+        work: list[float] = []
         for _ in range(count):
             t0 = time.perf_counter()
             reqs = []
@@ -199,20 +218,25 @@ def _rank_main(argv: list[str] | None = None) -> int:
                     dist.irecv(in_act, src=(rank - 1) % n),
                     dist.isend(out_act, dst=(rank + 1) % n),
                 ]
+            t1 = time.perf_counter()
             step()
+            work.append(time.perf_counter() - t1)
             for r in reqs:
                 if r is not None:
                     r.wait()
             times.append(time.perf_counter() - t0)
-        return times
+        return times, work
 
     k_max = int(cfg["max_ranks"])
     steps: dict[str, list[float]] = {}
+    compute: dict[str, list[float]] = {}
     for n in [*range(1, k_max + 1), *range(k_max, 0, -1)]:
         dist.barrier()
         if rank < n:
-            steps.setdefault(str(n), []).append(statistics.fmean(ring(n)))
-    out: dict[str, Any] = {"rank": rank, "steps": steps}
+            whole, own = ring(n)
+            steps.setdefault(str(n), []).append(statistics.fmean(whole))
+            compute.setdefault(str(n), []).append(statistics.fmean(own))
+    out: dict[str, Any] = {"rank": rank, "steps": steps, "compute": compute}
 
     # wake-up: rank 0 sends timestamps and keeps computing; rank 1 waits for them
     cores = int(cfg["cores"])

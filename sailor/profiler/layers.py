@@ -63,6 +63,8 @@ class LayerRun:
     host_ranks: int = 0
     """On CPU: measure how up to this many ranks share the host's cores (host_sharing.py);
     0: not measured."""
+    host_pin: bool = False
+    """Measure host sharing with rank r bound to core r % cores (runs that pin their ranks)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -169,6 +171,7 @@ def profile_layers(
                 mbs=mbs,
                 max_ranks=run.host_ranks,
                 threads=run.threads,
+                pin=run.host_pin,
             )
         )
     meta = _meta(run, out)

@@ -169,6 +169,13 @@ class HostSharing(Frozen):
             "the sender's communication thread waits for a core, s."
         ),
     )
+    pinned: bool = Field(
+        default=False,
+        description=(
+            "Measured with rank r bound to core r % cores (launch_local(pin_cores=True)): the "
+            "simulator then shares each core among the ranks bound to it."
+        ),
+    )
     slowdown_spread: tuple[float, ...] = Field(
         default=(), description="Standard deviation of each slowdown factor across its ranks."
     )

@@ -13,6 +13,13 @@ decide their step time (``docs/simulator-model.md``, "Ranks sharing a host"):
   ranks compute is not run at once: it waits for the scheduler to give it a core, ``wake_s``
   on average (measured by a ping-pong under load). A rank that is computing when its message
   arrives needs no wake-up, nor does one woken on a free core.
+* **Bound ranks** (``host.pinned``: the profile was measured, and the plan is run, with
+  global rank ``g`` bound to core ``g % cores``). Each core is shared by the computing ranks
+  bound to it: a rank runs ``k`` times slower than alone while ``k`` ranks compute on its core
+  (a TP stage: its most loaded core), times what is left of the measured factor once the fair
+  share of its measurement is taken out (:func:`residual`: for bound ranks the profiler
+  measures each rank's own compute time, whose mean over ranks ``0..n-1`` is that residual
+  times their mean per-core share, :func:`fair_share`).
 * **Rendezvous.** A receive posted after its message was sent waits for the hand-over: the
   backend (gloo) sends an unmatched message only when the receiver asks for it, and the
   sender's communication thread must run to write it. ``rendezvous_s`` on average with a core
@@ -38,7 +45,7 @@ from typing import Literal
 from sailor.schemas.profile import HostSharing
 from sailor.simulator.pipeline import PipelineRun, TimelineOp, one_f_one_b_order
 
-__all__ = ["SharedPipe", "replay_shared"]
+__all__ = ["SharedPipe", "fair_share", "replay_shared", "residual", "slowest"]
 
 _EPS = 1e-12
 _ARRIVE, _START = 0, 1  # event kinds
@@ -58,6 +65,31 @@ class SharedPipe:
 _Key = tuple[Literal["F", "B"], int]
 
 
+def fair_share(n: int, cores: int) -> float:
+    """Mean over ranks ``0..n-1`` bound round robin of how many of them share its core."""
+    if n <= 0:
+        return 1.0
+    per_core = [len(range(c, n, cores)) for c in range(min(n, cores))]
+    return sum(k * k for k in per_core) / n
+
+
+def residual(host: HostSharing, n: int) -> float:
+    """Bound ranks: the measured slowdown of ``n`` ranks at once over their fair per-core
+    share, i.e. what sharing the host costs beyond sharing a core (caches, memory, the
+    backend's threads). Unbound ranks: the slowdown itself."""
+    if not host.pinned:
+        return host.factor(n)
+    return host.factor(n) / fair_share(n, host.cores) if n > 0 else 1.0
+
+
+def slowest(host: HostSharing, n: int) -> float:
+    """How many times slower than alone the slowest of ``n`` ranks computing at once runs
+    (bound: the ``ceil(n / cores)`` ranks of the most shared core)."""
+    if not host.pinned:
+        return host.factor(n)
+    return residual(host, n) * -(-n // host.cores) if n > 0 else 1.0
+
+
 def replay_shared(
     pipes: Sequence[SharedPipe], host: HostSharing, *, record: bool = False
 ) -> list[PipelineRun]:
@@ -72,6 +104,14 @@ def replay_shared(
         if p.m < 1:
             raise ValueError(f"pipeline {pi}: m={p.m}: need at least one microbatch")
     index = {r: i for i, r in enumerate(ranks)}
+    # bound ranks (host.pinned): global rank g runs on core g % cores; a stage of TP degree t
+    # is t consecutive global ranks (Plan.ranks order: pipeline, stage, TP rank)
+    cores_of: list[tuple[int, ...]] = []
+    g = 0
+    for pi, s in ranks:
+        width = pipes[pi].tp[s]
+        cores_of.append(tuple((g + j) % host.cores for j in range(width)))
+        g += width
     orders = [one_f_one_b_order(len(pipes[pi].f), s, pipes[pi].m) for pi, s in ranks]
     weight = [pipes[pi].tp[s] for pi, s in ranks]
     ptr = [0] * len(ranks)
@@ -125,7 +165,9 @@ def replay_shared(
             return
         # the message was sent before this receive was posted: the backend hands it over
         # only now that the receiver asks for it (rendezvous)
-        hand = host.rendezvous_busy_s if busy >= host.cores else host.rendezvous_s
+        pi, si = ranks[r]
+        sender = index[(pi, si - 1 if key[0] == "F" else si + 1)]
+        hand = host.rendezvous_busy_s if crowded(sender) else host.rendezvous_s
         if hand > 0:
             push(now + hand, _START, r, None)
         else:
@@ -133,15 +175,36 @@ def replay_shared(
 
     for r in range(len(ranks)):
         advance(r, 0.0)
+
+    def crowded(r: int) -> bool:
+        """Whether rank ``r`` would wait for a core now: every core busy (unbound ranks), or
+        a rank computing on one of its own cores (bound ranks)."""
+        if not host.pinned:
+            return busy >= host.cores
+        mine = set(cores_of[r])
+        return any(mine.intersection(cores_of[o]) for o in running)
+
+    def slowness() -> dict[int, float]:
+        """How many times slower than alone each computing rank runs now."""
+        if not host.pinned:
+            f = host.factor(busy)
+            return dict.fromkeys(running, f)
+        load: dict[int, int] = {}
+        for r in running:
+            for c in cores_of[r]:
+                load[c] = load.get(c, 0) + 1
+        rest = residual(host, busy)
+        return {r: rest * max(load[c] for c in cores_of[r]) for r in running}
+
     while remaining:
-        rate = host.factor(busy)
-        t_done = min((t + w * rate for w in running.values()), default=float("inf"))
+        slow = slowness()
+        t_done = min((t + w * slow[r] for r, w in running.items()), default=float("inf"))
         t_event = events[0][0] if events else float("inf")
         t_next = min(t_done, t_event)
         if t_next == float("inf"):
             raise RuntimeError(f"shared-host replay stalled with {remaining} operations left")
         for r in running:
-            running[r] -= (t_next - t) / rate
+            running[r] -= (t_next - t) / slow[r]
         t = t_next
         if t_event <= t_done:
             _, _, kind, r, key = heapq.heappop(events)
@@ -151,13 +214,13 @@ def replay_shared(
                 arrived[r][key] = t
                 if waiting[r] == key:
                     waiting[r] = None
-                    delay = host.wake_s if busy >= host.cores else 0.0
+                    delay = host.wake_s if crowded(r) else 0.0
                     if delay > 0:
                         push(t + delay, _START, r, None)
                     else:
                         start(r, t)
             continue
-        done = [r for r, w in running.items() if w * rate <= _EPS * max(1.0, t)]
+        done = [r for r, w in running.items() if w * slow[r] <= _EPS * max(1.0, t)]
         for r in done:
             del running[r]
             busy -= weight[r]

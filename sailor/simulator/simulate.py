@@ -55,7 +55,7 @@ from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.network_model import AllReduce, LinkCurves, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
-from sailor.simulator.shared_host import SharedPipe, replay_shared
+from sailor.simulator.shared_host import SharedPipe, replay_shared, slowest
 
 __all__ = ["Method", "Timeline", "simulate", "simulate_with_timeline"]
 
@@ -428,7 +428,7 @@ def _run(
     # on a shared host every rank's end of iteration and optimizer step run at about the
     # same time (after the pipelines drain), at the slowdown of all of them computing
     tail_factor = (
-        host.factor(sum(s.replica.tp for p in pipelines for s in p.stages)) if host else 1.0
+        slowest(host, sum(s.replica.tp for p in pipelines for s in p.stages)) if host else 1.0
     )
     fixed_of: dict[str, float] = {}
     ready: dict[tuple[int, int], float] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sailor.megatron_patch.affinity import available_cores, format_cores
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.launch import LocalRun, launch_local
 from sailor.megatron_patch.model import tiny_model
@@ -176,3 +177,22 @@ def test_vectorised_data_equals_the_loop(vocab: int, seq: int, seed: int) -> Non
     ds = SyntheticTokens(vocab, seq, seed)
     for n in (0, 1, 17, 123_456):
         assert torch.equal(ds.sample(n), _looped_sample(vocab, seq, seed, n))
+
+
+def test_pinned_ranks_run_bound_round_robin_and_train_the_same(tmp_path: Path) -> None:
+    plan = _plan(
+        "tiny-gpt",
+        Pipeline(stages=(_stage(0, 2), _stage(3, 5)), microbatch_size=2, num_microbatches=2),
+        Pipeline(stages=(_stage(0, 5),), microbatch_size=4, num_microbatches=1),
+    )
+    free = launch_local(plan, 2, tmp_path / "free", deadline_s=240)
+    bound = launch_local(plan, 2, tmp_path / "bound", deadline_s=240, pin_cores=True)
+    _check_ok(free)
+    _check_ok(bound)
+    cores = available_cores()
+    for rank in range(3):
+        ready = next(e for e in bound.progress[rank] if e["event"] == "ready")
+        assert ready["cpu_cores"] == str(cores[rank % len(cores)])
+        loose = next(e for e in free.progress[rank] if e["event"] == "ready")
+        assert loose["cpu_cores"] == format_cores(set(cores))
+        assert [s["loss"] for s in bound.steps(rank)] == [s["loss"] for s in free.steps(rank)]

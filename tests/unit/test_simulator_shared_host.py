@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +12,7 @@ from sailor.schemas import ProfileDB
 from sailor.schemas.profile import HostSharing
 from sailor.simulator import simulate
 from sailor.simulator.pipeline import replay_1f1b
-from sailor.simulator.shared_host import SharedPipe, replay_shared
+from sailor.simulator.shared_host import SharedPipe, fair_share, replay_shared
 from tests.unit.test_simulator_simulate import (
     MODEL,
     PRICES,
@@ -100,6 +102,48 @@ def test_a_receive_posted_after_its_send_waits_for_the_hand_over() -> None:
         for r in runs
     ]
     assert f1[0] == pytest.approx(f1[1] + 0.5)
+
+
+def test_bound_ranks_share_only_their_own_core() -> None:
+    # three one-stage pipelines on 2 cores: ranks 0 and 2 are bound to core 0, rank 1 to
+    # core 1. A host whose factor is only the fair share (their mean per-core share, 5/3)
+    # leaves rank 1 at full speed and halves ranks 0 and 2; unbound, the three run alike
+    p = SharedPipe((1.0,), (1.0,), (), 3, (1,))
+    fair = _host(cores=2, slowdown=(1.0, 1.0, 5 / 3), wake_s=0.0)
+    bound = [r.end_s for r in replay_shared([p] * 3, fair.model_copy(update={"pinned": True}))]
+    assert bound == pytest.approx([12.0, 6.0, 12.0])
+    free = [r.end_s for r in replay_shared([p] * 3, fair)]
+    assert free == pytest.approx([10.0] * 3)  # all three at 3/5 of their speed throughout
+    # what the measurement leaves beyond the fair share slows every bound rank alike: three
+    # ranks bound share cores 2, 1, 2 (mean 5/3), so a factor of 2.5 leaves 1.5. Rank 1 ends
+    # at 6 * 1.5; ranks 0 and 2 have done 9 / 3 = 3 of their 6 by then and finish the rest
+    # two to a core, where the fair share (2/1, two ranks on two cores) leaves nothing more
+    heavy = fair.model_copy(update={"pinned": True, "slowdown": (1.0, 1.0, 2.5)})
+    assert [r.end_s for r in replay_shared([p] * 3, heavy)] == pytest.approx([15.0, 9.0, 15.0])
+    assert fair_share(3, 2) == pytest.approx(5 / 3) and fair_share(4, 2) == 2.0
+    assert fair_share(2, 2) == 1.0 and fair_share(5, 1) == 5.0
+
+
+def test_bound_ranks_wait_for_a_wake_up_only_on_a_busy_core_of_their_own() -> None:
+    # a 2-stage pipeline bound to cores 0 and 1 plus a one-stage pipeline on core 0: stage 1
+    # (core 1) never shares its core, so each of its forwards starts as soon as the
+    # activation is in and it is free; unbound, with both cores busy, it waits to be woken
+    p = SharedPipe((1.0, 1.0), (1.0, 1.0), (0.0,), 4, (1, 1))
+    other = SharedPipe((30.0,), (30.0,), (), 1, (1,))
+    h = _host(cores=2, slowdown=(1.0, 1.0, 1.5), wake_s=0.5)
+
+    def late_starts(host: HostSharing) -> list[float]:
+        ops = replay_shared([p, other], host, record=True)[0].ops
+        end = {(o.stage, o.kind, o.microbatch): o.end_s for o in ops}
+        mine = sorted((o for o in ops if o.stage == 1), key=lambda o: o.start_s)
+        return [
+            o.start_s - max(end[(0, "F", o.microbatch)], prev.end_s)
+            for prev, o in itertools.pairwise(mine)
+            if o.kind == "F"
+        ]
+
+    assert late_starts(h.model_copy(update={"pinned": True})) == pytest.approx([0.0] * 3)
+    assert max(late_starts(h)) == pytest.approx(0.5)
 
 
 def test_a_tp_stage_counts_as_its_ranks() -> None:
