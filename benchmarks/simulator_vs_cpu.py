@@ -37,7 +37,8 @@ of their means; a sum of medians is biased low when the times are skewed by inte
 Prints the machine, the load average of each round, per-plan figures, per-phase times of
 rank 0 next to the simulator's breakdown, and mean / median / worst |error|. Never
 asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 12]
-[--model-file SPEC.json]``.
+[--model-file SPEC.json] [--no-pin]``. By default every rank is bound to core ``rank % cores``
+(``launch_local(pin_cores=True)``) and the host-sharing profile is measured the same way.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def _profile(spec: ModelSpec, statistic: str, pin: bool) -> tuple[ProfileDB, Net
                 f"{x:.2f}±{e:.2f}" for x, e in zip(host.slowdown, host.slowdown_spread, strict=True)
             )
             + f", wake-up {host.wake_s * 1e3:.3f} ms, rendezvous {host.rendezvous_s * 1e3:.3f} "
-            f"ms (busy host {host.rendezvous_busy_s * 1e3:.3f} ms)"
+            f"ms (busy host {host.rendezvous_busy_s * 1e3:.3f} ms), collective wake-up "
+            f"{host.collective_wake_s * 1e3:.3f} ms"
         )
     for o in db.overheads:
         print(f"  process overhead {o.bytes / MIB:.1f} MiB")
@@ -241,9 +243,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--pin",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="bind rank r to core r %% cores, in the runs (launch_local(pin_cores=True)) and in "
-        "the host-sharing profile",
+        "the host-sharing profile (default; --no-pin leaves placement to the scheduler)",
     )
     args = ap.parse_args()
     spec = (

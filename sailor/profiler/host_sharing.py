@@ -22,6 +22,11 @@ one microbatch size), never on the plans the simulator will predict:
   ranks computing (so that ``cores`` ranks compute when the message lands: the receiver must
   wait for the scheduler to give it a core) and once with none (a core is free);
   ``wake_s`` is the difference of the mean delays (the transfer itself cancels out).
+* **collective_wake_s**: ranks 0 and 1 compute a step, all-reduce 8 bytes, then all-reduce
+  them again at once: the mean time from the later entry to the later exit of the first
+  minus that of the second. The backend's threads sleep while the ranks compute and must be
+  woken (several hand-overs between threads and processes) by a collective entered after
+  computing, as the first gradient all-reduce and the loss all-reduce of an iteration are.
 * **rendezvous_s / rendezvous_busy_s**: gloo hands a send over only once the receiver has
   posted its receive (the receiver notifies, then the sender's communication thread writes),
   so a receive posted after its send waits for that exchange even though the data was "sent"
@@ -127,6 +132,7 @@ def host_sharing_from(
     wake = results[1]["wake"]
     wake_s = max(0.0, statistics.fmean(wake["loaded"]) - statistics.fmean(wake["idle"]))
     hand = results[1].get("rendezvous", {})
+    collective_wake_s = _collective_wake(results[0].get("collective"), results[1].get("collective"))
     return HostSharing(
         gpu_type=gpu_type,
         cores=cores,
@@ -136,6 +142,7 @@ def host_sharing_from(
         rendezvous_s=statistics.fmean(hand["idle"]) if hand.get("idle") else 0.0,
         rendezvous_busy_s=statistics.fmean(hand["loaded"]) if hand.get("loaded") else 0.0,
         pinned=pinned,
+        collective_wake_s=collective_wake_s,
         source=(
             f"{HOST_SOURCE}: 1..{max_ranks} ranks of the model's training step at once; "
             f"wake-up with {cores - 1} busy ranks vs none; receives posted after their "
@@ -143,6 +150,20 @@ def host_sharing_from(
             + ("; rank r bound to core r % cores" if pinned else "")
         ),
     )
+
+
+def _collective_wake(a: dict[str, list[float]] | None, b: dict[str, list[float]] | None) -> float:
+    """Mean extra time of an all-reduce entered after computing over one entered right after
+    another: each from the later entry to the later exit of the two ranks."""
+    if not a or not b or not a["cold_in"]:
+        return 0.0
+
+    def spans(kind: str) -> list[float]:
+        ins = zip(a[f"{kind}_in"], b[f"{kind}_in"], strict=True)
+        outs = zip(a[f"{kind}_out"], b[f"{kind}_out"], strict=True)
+        return [max(o) - max(i) for i, o in zip(ins, outs, strict=True)]
+
+    return max(0.0, statistics.fmean(spans("cold")) - statistics.fmean(spans("hot")))
 
 
 # --- the rank side ---------------------------------------------------------------------------
@@ -294,6 +315,28 @@ def _rank_main(argv: list[str] | None = None) -> int:
                     waits.append(time.perf_counter() - t0)
             hand[label] = waits
     out["rendezvous"] = hand
+
+    # a collective entered after computing: ranks 0 and 1 compute a step, then all-reduce 8
+    # bytes (the loss); then once more at once (the backend's threads awake). Clock stamps of
+    # entry and exit; the host's monotonic clock is shared by the ranks
+    pair = dist.new_group([0, 1])
+    word = torch.zeros(1, dtype=torch.float64)
+    cold: dict[str, list[float]] = {"cold_in": [], "cold_out": [], "hot_in": [], "hot_out": []}
+    dist.barrier()
+    if rank < 2:
+        for i in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
+            step()
+            marks = [time.perf_counter()]
+            dist.all_reduce(word, group=pair)
+            marks.append(time.perf_counter())
+            dist.all_reduce(word, group=pair)
+            marks.append(time.perf_counter())
+            if i >= _WAKE_WARMUP:
+                cold["cold_in"].append(marks[0])
+                cold["cold_out"].append(marks[1])
+                cold["hot_in"].append(marks[1])
+                cold["hot_out"].append(marks[2])
+    out["collective"] = cold
     dist.barrier()
     write_result(args, out)
     dist.destroy_process_group()

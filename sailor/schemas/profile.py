@@ -169,6 +169,14 @@ class HostSharing(Frozen):
             "the sender's communication thread waits for a core, s."
         ),
     )
+    collective_wake_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Mean extra time of a collective entered after computing (the backend's threads "
+            "asleep) over one entered right after another, s."
+        ),
+    )
     pinned: bool = Field(
         default=False,
         description=(

@@ -442,6 +442,10 @@ def _run(
                 fixed_of[g] = fixed
             ready[(pi, si)] = ends[si] + fixed
     sync_of: dict[tuple[int, int], float] = dict.fromkeys(ready, 0.0)
+    # on a shared host, the first collective a rank enters after computing also wakes the
+    # backend's threads (measured: HostSharing.collective_wake_s)
+    cold_s = host.collective_wake_s if host is not None else 0.0
+    warm: set[tuple[int, int]] = set()
     sizes_by_tp = inp.sizes_by_tp
     param_bytes = model.param_bytes()
     # DeepSpeed reduces the stage's gradients after the last backward; segments go in
@@ -457,20 +461,24 @@ def _run(
         eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
         ar = ring_allreduce(network, groups, node_bytes, elements, eff, links=inp.links)
         notes.add(*ar.notes)
+        took = ar.time_s + (cold_s if ar.time_s > 0 and not warm.issuperset(holders) else 0.0)
         start = max(ready[h] for h in holders)
         for h in holders:
-            ready[h] = start + ar.time_s
-            sync_of[h] += ar.time_s
+            ready[h] = start + took
+            sync_of[h] += took
+        if ar.time_s > 0:
+            warm.update(holders)
         for src, dst, nbytes in ar.cross_zone_bytes:
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
     tied = _tied_allreduce(plan, model, inp) if cal.tied_allreduce else None
     if tied is not None:
         holders, ar = tied
         notes.add(*ar.notes)
+        took = ar.time_s + (cold_s if ar.time_s > 0 and not warm.issuperset(holders) else 0.0)
         start = max(ready[h] for h in holders)
         for h in holders:
-            ready[h] = start + ar.time_s
-            sync_of[h] += ar.time_s
+            ready[h] = start + took
+            sync_of[h] += took
         for src, dst, nbytes in ar.cross_zone_bytes:
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
     end = {h: ready[h] + tail_factor * kinds[h[0]].row[h[1]].u for h in ready}
@@ -483,7 +491,8 @@ def _run(
         )
         loss_ar = ring_allreduce(network, everyone, _LOSS_BYTES, 1.0, eff, links=inp.links)
         notes.add(*loss_ar.notes)
-        iteration += loss_ar.time_s
+        # entered after the optimizer step: the backend's threads have gone to sleep again
+        iteration += loss_ar.time_s + (cold_s if loss_ar.time_s > 0 else 0.0)
     if iteration <= 0:
         raise ValueError("simulated iteration time is zero: the profiles hold no time")
 
@@ -709,7 +718,8 @@ def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
         f"ranks share one host of {hs.cores} cores (slowdown "
         + "/".join(f"{x:.2f}" for x in hs.slowdown)
         + f", wake-up {hs.wake_s * 1e3:.2f} ms, rendezvous {hs.rendezvous_s * 1e3:.2f}/"
-        f"{hs.rendezvous_busy_s * 1e3:.2f} ms)"
+        f"{hs.rendezvous_busy_s * 1e3:.2f} ms, collective wake-up "
+        f"{hs.collective_wake_s * 1e3:.2f} ms{', ranks bound to cores' if hs.pinned else ''})"
     )
     return hs
 

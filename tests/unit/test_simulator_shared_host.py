@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sailor.schemas import ProfileDB
+from sailor.schemas import Calibration, Pipeline, ProfileDB, Stage
 from sailor.schemas.profile import HostSharing
 from sailor.simulator import simulate
 from sailor.simulator.pipeline import replay_1f1b
@@ -18,9 +18,11 @@ from tests.unit.test_simulator_simulate import (
     PRICES,
     PROFILES,
     SPECS,
+    N,
     _network,
     _pipe,
     _plan,
+    _rg,
 )
 
 
@@ -220,3 +222,26 @@ def test_host_sharing_schema_checks_and_merge() -> None:
     newer = h.model_copy(update={"wake_s": 1e-3})
     merged = ProfileDB(model="m", hosts=(h,)).merged(ProfileDB(model="m", hosts=(newer,)))
     assert merged.host_sharing("cpu") == newer and merged.host_sharing("gpu") is None
+
+
+def test_a_collective_entered_after_computing_pays_the_wake_up_once() -> None:
+    kw = {"gpu_specs": SPECS, "method": "replay", "shared_host": True}
+    base = _db((1.0,) * 8, 0.0)
+    cold = base.model_copy(
+        update={"hosts": (base.hosts[0].model_copy(update={"collective_wake_s": 0.25}),)}
+    )
+
+    def gap(plan: object, cal: Calibration) -> float:
+        a = simulate(plan, MODEL, base, _network(), PRICES, calibration=cal, **kw)  # type: ignore[arg-type]
+        b = simulate(plan, MODEL, cold, _network(), PRICES, calibration=cal, **kw)  # type: ignore[arg-type]
+        return b.iteration_time_s - a.iteration_time_s
+
+    two = _plan(_pipe([2, 4, 6], 2, 6), _pipe([2, 4, 6], 2, 6))
+    # the gradient all-reduces: only the first is entered after computing
+    assert gap(two, Calibration()) == pytest.approx(0.25)
+    # the loss all-reduce follows the optimizer step: once more
+    assert gap(two, Calibration(loss_allreduce=True)) == pytest.approx(0.5)
+    # one rank: no collective at all
+    whole = Stage(first_layer=0, last_layer=N - 1, replica=_rg())
+    one = _plan(Pipeline(stages=(whole,), microbatch_size=2, num_microbatches=6))
+    assert gap(one, Calibration(loss_allreduce=True)) == 0.0
