@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,11 +260,14 @@ def _rank_main(argv: list[str] | None = None) -> int:
             compute.setdefault(str(n), []).append(statistics.fmean(own))
     out: dict[str, Any] = {"rank": rank, "steps": steps, "compute": compute}
 
-    # wake-up: rank 0 sends timestamps and keeps computing; rank 1 waits for them
     cores = int(cfg["cores"])
-    wake: dict[str, list[float]] = {}
-    stamp = torch.zeros(1, dtype=torch.float64)
-    for label, busy in (("idle", 0), ("loaded", cores - 1)):
+    messages = int(cfg["wake_messages"]) + _WAKE_WARMUP
+
+    def duel(
+        label: str, busy: int, send: Callable[[], None], receive: Callable[[], list[float]]
+    ) -> list[float] | None:
+        """Rank 0 runs ``send`` and rank 1 ``receive`` (its result) while ``busy`` of the
+        other ranks compute, until rank 0 is done."""
         dist.barrier()
         burners = range(2, 2 + min(busy, world - 2))
         stop = Path(args.out).with_name(f"stop-{label}")  # gloo's irecv never completes
@@ -271,49 +275,62 @@ def _rank_main(argv: list[str] | None = None) -> int:
             while not stop.exists():
                 step()
         elif rank == 0:
-            for _ in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
-                step()
-                stamp[0] = time.monotonic()
-                req = dist.isend(stamp, dst=1)
-                step()  # still computing when the message lands
-                if req is not None:
-                    req.wait()
+            send()
             stop.touch()
         elif rank == 1:
-            delays: list[float] = []
-            for i in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
-                dist.recv(stamp, src=0)
-                if i >= _WAKE_WARMUP:
-                    delays.append(time.monotonic() - float(stamp[0]))
-            wake[label] = delays
-    out["wake"] = wake
+            return receive()
+        return None
+
+    # wake-up: rank 0 sends timestamps and keeps computing; rank 1 waits for them
+    stamp = torch.zeros(1, dtype=torch.float64)
+
+    def send_stamps() -> None:
+        for _ in range(messages):
+            step()
+            stamp[0] = time.monotonic()
+            req = dist.isend(stamp, dst=1)
+            step()  # still computing when the message lands
+            if req is not None:
+                req.wait()
+
+    def note_delays() -> list[float]:
+        delays: list[float] = []
+        for i in range(messages):
+            dist.recv(stamp, src=0)
+            if i >= _WAKE_WARMUP:
+                delays.append(time.monotonic() - float(stamp[0]))
+        return delays
 
     # rendezvous: rank 0 sends an activation and blocks until it is taken, as a pipeline
     # stage that has sent waits for its next message; rank 1 computes a step of its own
     # before it posts the receive, so the send is always first
+    def send_first() -> None:
+        for _ in range(messages):
+            req = dist.isend(out_act, dst=1)
+            if req is not None:
+                req.wait()
+
+    def receive_late() -> list[float]:
+        waits: list[float] = []
+        for i in range(messages):
+            step()
+            t0 = time.perf_counter()
+            dist.recv(in_act, src=0)
+            if i >= _WAKE_WARMUP:
+                waits.append(time.perf_counter() - t0)
+        return waits
+
+    wake: dict[str, list[float]] = {}
     hand: dict[str, list[float]] = {}
+    for label, busy in (("idle", 0), ("loaded", cores - 1)):
+        got = duel(f"wake-{label}", busy, send_stamps, note_delays)
+        if got is not None:
+            wake[label] = got
     for label, busy in (("idle", 0), ("loaded", cores)):
-        dist.barrier()
-        burners = range(2, 2 + min(busy, world - 2))
-        stop = Path(args.out).with_name(f"stop-rdv-{label}")
-        if rank in burners:
-            while not stop.exists():
-                step()
-        elif rank == 0:
-            for _ in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
-                req = dist.isend(out_act, dst=1)
-                if req is not None:
-                    req.wait()
-            stop.touch()
-        elif rank == 1:
-            waits: list[float] = []
-            for i in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
-                step()
-                t0 = time.perf_counter()
-                dist.recv(in_act, src=0)
-                if i >= _WAKE_WARMUP:
-                    waits.append(time.perf_counter() - t0)
-            hand[label] = waits
+        got = duel(f"rdv-{label}", busy, send_first, receive_late)
+        if got is not None:
+            hand[label] = got
+    out["wake"] = wake
     out["rendezvous"] = hand
 
     # a collective entered after computing: ranks 0 and 1 compute a step, then all-reduce 8
@@ -324,7 +341,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     cold: dict[str, list[float]] = {"cold_in": [], "cold_out": [], "hot_in": [], "hot_out": []}
     dist.barrier()
     if rank < 2:
-        for i in range(int(cfg["wake_messages"]) + _WAKE_WARMUP):
+        for i in range(messages):
             step()
             marks = [time.perf_counter()]
             dist.all_reduce(word, group=pair)

@@ -173,9 +173,6 @@ def replay_shared(
         else:
             start(r, now)
 
-    for r in range(len(ranks)):
-        advance(r, 0.0)
-
     def crowded(r: int) -> bool:
         """Whether rank ``r`` would wait for a core now: every core busy (unbound ranks), or
         a rank computing on one of its own cores (bound ranks)."""
@@ -195,6 +192,9 @@ def replay_shared(
                 load[c] = load.get(c, 0) + 1
         rest = residual(host, busy)
         return {r: rest * max(load[c] for c in cores_of[r]) for r in running}
+
+    for r in range(len(ranks)):
+        advance(r, 0.0)
 
     while remaining:
         slow = slowness()
