@@ -23,9 +23,11 @@
    measured memory the largest peak-RSS growth of any rank. Compare with
    ``simulate(method="replay")``.
 
-Steps 1-4 are one **round**; ``--repeats`` rounds are run, each profiling again right
-before its plans: on this shared host the load (other jobs) moves the speed of everything
-2-3x within minutes, so a round compares a profile with runs under the same conditions.
+Steps 1-4 are one **round**; ``--repeats`` rounds are run. The profile brackets each round's
+runs: it is taken before them and again after them, and the prediction is the mean of the
+two simulations (the "after" profile is the next round's "before"). On this shared host the
+speed of everything drifts within minutes; bracketing cancels a drift that is steady over a
+round, which a profile taken only before the runs does not.
 Per plan: the median over rounds of the measured time, of the prediction and of the error,
 with the errors' range.
 
@@ -282,39 +284,52 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sailor-bench-") as tmp:
         model_file = Path(tmp) / "model.json"
         model_file.write_text(spec.model_dump_json())
+        before = _profile(spec, args.statistic, args.pin)
         for rnd in range(args.repeats):
             print(f"\n===== round {rnd + 1}/{args.repeats}, load {os.getloadavg()}")
-            db, net = _profile(spec, args.statistic, args.pin)
+            runs = []
             for plan in plans(spec):
-                est = simulate(
-                    plan,
-                    spec,
-                    db,
-                    net,
-                    prices,
-                    calibration=cal,
-                    gpu_specs=catalog.gpus(),
-                    method="replay",
-                    shared_host=True,
-                )
                 work = Path(tmp) / f"{plan.plan_id}-{rnd}"
-                t, ph, m = _run_plan(
-                    plan, model_file, args.steps, args.skip, work, args.statistic, args.pin
+                runs.append(
+                    (
+                        plan,
+                        _run_plan(
+                            plan, model_file, args.steps, args.skip, work, args.statistic, args.pin
+                        ),
+                        os.getloadavg()[0],
+                    )
                 )
-                tb = est.time
+            after = _profile(spec, args.statistic, args.pin)
+            for plan, (t, ph, m), load in runs:
+                ests = [
+                    simulate(
+                        plan,
+                        spec,
+                        db,
+                        net,
+                        prices,
+                        calibration=cal,
+                        gpu_specs=catalog.gpus(),
+                        method="replay",
+                        shared_host=True,
+                    )
+                    for db, net in (before, after)
+                ]
+                it = statistics.fmean(e.iteration_time_s for e in ests)
+                mem = statistics.fmean(e.peak_memory_bytes for e in ests)
+                tb = ests[-1].time
                 sim = (
                     f"pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "
                     f"sync+end {tb.grad_sync_s * 1e3:.2f} update {tb.update_s * 1e3:.2f}"
                 )
-                rows.setdefault(plan.plan_id, []).append(
-                    (t, est.iteration_time_s, m, est.peak_memory_bytes, ph, sim)
-                )
+                rows.setdefault(plan.plan_id, []).append((t, it, m, mem, ph, sim))
+                pre, post = (e.iteration_time_s * 1e3 for e in ests)
                 print(
-                    f"  {plan.plan_id:16s} meas {t * 1e3:7.2f} ms sim "
-                    f"{est.iteration_time_s * 1e3:7.2f} ms "
-                    f"({100 * (est.iteration_time_s - t) / t:+6.1f}%), load "
-                    f"{os.getloadavg()[0]:.1f}"
+                    f"  {plan.plan_id:16s} meas {t * 1e3:7.2f} ms sim {it * 1e3:7.2f} ms "
+                    f"({100 * (it - t) / t:+6.1f}%; profile before {pre:.2f}, after {post:.2f}), "
+                    f"load {load:.1f}"
                 )
+            before = after
     _report(rows, args.repeats)
 
 
