@@ -5,7 +5,7 @@ Usage::
     python -m sailor.megatron_patch.worker --plan PLAN.json --rank R --world-size W \\
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
-        [--control control.json] [--ckpt-dir DIR --load-step S]
+        [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3]
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
@@ -17,7 +17,9 @@ the short collective timeout (``--timeout-s``, default 60 s) a crashed stage mak
 rank exit within a bounded time.
 
 Backend: NCCL when CUDA is available (device ``cuda:LOCAL_RANK``, the replica group's
-``first_gpu`` plus the TP rank), else gloo on CPU; ``--backend`` overrides.
+``first_gpu`` plus the TP rank), else gloo on CPU; ``--backend`` overrides. ``--cpu-cores``
+binds the rank, and the threads it starts, to those cores (:mod:`affinity`); the ``ready``
+record reports the cores it runs on (``cpu_cores``).
 
 Agent protocol (``--control``, see :mod:`sailor.megatron_patch.control`): every rank then
 also prints ``ready``/``step`` lines, plus ``{"event": "saved", "step"}`` once its part of a
