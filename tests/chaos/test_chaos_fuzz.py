@@ -76,6 +76,13 @@ def draw(strategy: st.SearchStrategy[T], n: int) -> list[T]:
     return out[:n]
 
 
+async def adraw(strategy: st.SearchStrategy[T], n: int) -> list[T]:
+    """:func:`draw` off the event loop. Generating 40 hostile payloads takes ~1.5 s; on the
+    loop that runs the cluster it starved the 1 s leases of the controller and the agent
+    (CI: the leader re-elected and n1 'lost without notice' mid-test)."""
+    return await asyncio.to_thread(draw, strategy, n)
+
+
 _HOSTILE_SCALARS = st.one_of(
     st.none(),
     st.booleans(),
@@ -179,7 +186,7 @@ async def test_fuzz_event_subjects(running: Cluster) -> None:
     kinds = st.sampled_from(
         ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat", "x", "é"]
     )
-    payloads = draw(st.tuples(kinds, _hostile(base)), N_EXAMPLES)
+    payloads = await adraw(st.tuples(kinds, _hostile(base)), N_EXAMPLES)
     nc = await connect_nats(c.nats_url, "fuzz-n1", security=c.security("n1"))
     bad: dict[str, bytes] = {}
     try:
@@ -221,7 +228,7 @@ async def test_fuzz_etcd_keys(running: Cluster) -> None:
     }
     try:
         for key, writer, _model, base in targets:
-            values = draw(_hostile(base), N_EXAMPLES // 4)
+            values = await adraw(_hostile(base), N_EXAMPLES // 4)
             last = b""
             for data in values:
                 if data == last or _valid_record(key, data):
@@ -261,7 +268,7 @@ async def test_fuzz_command_subject(running: Cluster) -> None:
     c = running
     agent = c.agents["n1"][0]
     base = {"kind": "abort", "schema_version": 1, "command_id": "c", "epoch": 0, "node_id": "n1"}
-    payloads = draw(_hostile(base), N_EXAMPLES)
+    payloads = await adraw(_hostile(base), N_EXAMPLES)
     # well-formed but refused: another node's command, and a stale epoch
     payloads.append(json.dumps({**base, "command_id": "other", "node_id": "n2"}).encode())
     payloads.append(json.dumps({**base, "command_id": "stale", "epoch": 0}).encode())
