@@ -9,7 +9,6 @@ for a long-lived task in the daemons.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -34,6 +33,9 @@ class TaskSet:
         task = asyncio.create_task(self._guard(name, coro), name=f"{self._owner}:{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # A task cancelled before its first step never starts ``coro``; close it, else it is
+        # garbage-collected as "never awaited" (a no-op when it ran to its end).
+        task.add_done_callback(lambda _: coro.close())
         return task
 
     async def _guard(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -51,12 +53,20 @@ class TaskSet:
     def names(self) -> list[str]:
         return sorted(t.get_name() for t in self._tasks)
 
-    async def close(self, timeout: float = 5.0) -> None:
-        """Cancel every task and wait (bounded) for them to finish."""
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait(tasks, timeout=timeout)
+    async def close(self, timeout: float = 5.0, recancel_s: float = 0.1) -> None:
+        """Cancel every task and wait (bounded) for them to finish.
+
+        A task still running ``recancel_s`` after a cancel is cancelled again: a library
+        call may swallow one cancellation (a client that turns it into its own error), and
+        a retry loop around such a call would then run on after close."""
+        pending = set(self._tasks)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while pending:
+            for t in pending:
+                t.cancel()
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(recancel_s, left))
         self._tasks.clear()
