@@ -52,7 +52,10 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -60,6 +63,8 @@ from sailor import catalog
 from sailor.megatron_patch.launch import launch_local
 from sailor.profiler.collective_probe import collective_latencies
 from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
+from sailor.profiler.host_sharing import HostRun, measure_host_sharing
+from sailor.profiler.host_speed import SpeedCheck, SpeedProbe, is_quiet, nominal
 from sailor.profiler.layers import LayerRun, device_description, profile_layers
 from sailor.profiler.network_probe import ProbeSettings, run_probe
 from sailor.profiler.timing import RepeatSettings
@@ -152,20 +157,92 @@ def _run_plan(
     return central, phases, int(growth)
 
 
-def _profile(spec: ModelSpec, statistic: str, pin: bool) -> tuple[ProfileDB, NetworkProfile]:
-    """Steps 1-2 of a round: layers, overheads, framework time, p2p and all-reduce probes."""
+T = TypeVar("T")
+Bracket = tuple[SpeedCheck, SpeedCheck]
+
+
+@dataclass
+class _Gate:
+    """Host speed checks (``sailor.profiler.host_speed``) before and after each measurement.
+
+    A measurement is retried, up to ``tries`` times, while a check around it finds the host
+    slower than its usual speed (other tenants' load); the last try is kept either way, and
+    every bracket is judged again at the end against the usual speed of the whole run."""
+
+    probe: SpeedProbe
+    tries: int
+    tolerance: float
+    checks: list[SpeedCheck] = field(default_factory=list)
+
+    def check(self) -> SpeedCheck:
+        c = self.probe.check()
+        self.checks.append(c)
+        return c
+
+    def quiet(self, bracket: Bracket) -> bool:
+        usual = nominal(self.checks)
+        return all(is_quiet(c, usual, self.tolerance) for c in bracket)
+
+    def run(self, label: str, fn: Callable[[], T]) -> tuple[T, Bracket]:
+        for attempt in range(1, self.tries + 1):
+            pre = self.check()
+            out = fn()
+            bracket = (pre, self.check())
+            ok = self.quiet(bracket)
+            if not ok or attempt > 1:
+                worst = max(c.slowest_ratio(nominal(self.checks)) for c in bracket)
+                print(
+                    f"  [{label}] host {'at its usual speed' if ok else 'disturbed'} "
+                    f"(slowest time x{worst:.2f} of usual), try {attempt}/{self.tries}"
+                )
+            if ok or attempt == self.tries:
+                return out, bracket
+        raise RuntimeError("unreachable: the last try returns")
+
+
+@dataclass(frozen=True)
+class _Profile:
+    db: ProfileDB
+    net: NetworkProfile
+    brackets: tuple[Bracket, ...]
+
+
+@dataclass(frozen=True)
+class _Row:
+    measured_s: float
+    predicted_s: float
+    measured_bytes: float
+    predicted_bytes: float
+    phases: dict[str, float]
+    sim: str
+    brackets: tuple[Bracket, ...]
+    """Host checks around the run and around every part of both profiles it was predicted from."""
+
+
+def _profile(spec: ModelSpec, statistic: str, pin: bool, gate: _Gate) -> _Profile:
+    """Steps 1-2 of a round, each part between two host speed checks: layers, overhead and
+    framework time; host sharing; p2p and all-reduce probes."""
     t0 = time.time()
-    db, _ = profile_layers(
-        LayerRun(
-            spec=spec,
-            gpu_type="cpu",
-            mbs=(1, 2, 4, 8),
-            settings=RepeatSettings(),
-            statistic=statistic,
-            host_ranks=4,
-            host_pin=pin,
-        )
+    mbs = (1, 2, 4, 8)
+    layers, b_layers = gate.run(
+        "profile layers",
+        lambda: profile_layers(
+            LayerRun(
+                spec=spec,
+                gpu_type="cpu",
+                mbs=mbs,
+                settings=RepeatSettings(),
+                statistic=statistic,
+            )
+        )[0],
     )
+    host, b_host = gate.run(
+        "profile host sharing",
+        lambda: measure_host_sharing(
+            HostRun(spec=spec, gpu_type="cpu", mbs=sorted(mbs)[len(mbs) // 2], pin=pin)
+        ),
+    )
+    db = layers.model_copy(update={"hosts": (host,)})
     print(f"== profile ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
     for t in db.timings:
         if t.layer in (0, 1, spec.num_all_layers - 1) and t.microbatch_size in (1, 8):
@@ -174,17 +251,27 @@ def _profile(spec: ModelSpec, statistic: str, pin: bool) -> tuple[ProfileDB, Net
                 f"bwd {t.bwd_s * 1e3:.3f} update {t.update_s * 1e3:.3f} ms "
                 f"(± {t.fwd_spread_s * 1e3:.3f}/{t.bwd_spread_s * 1e3:.3f})"
             )
-    for host in db.hosts:
-        print(
-            f"  host sharing: {host.cores} cores, slowdown with 1..4 "
-            "ranks computing "
-            + " / ".join(
-                f"{x:.2f}±{e:.2f}" for x, e in zip(host.slowdown, host.slowdown_spread, strict=True)
-            )
-            + f", wake-up {host.wake_s * 1e3:.3f} ms, rendezvous {host.rendezvous_s * 1e3:.3f} "
-            f"ms (busy host {host.rendezvous_busy_s * 1e3:.3f} ms), collective wake-up "
-            f"{host.collective_wake_s * 1e3:.3f} ms"
+    print(
+        f"  host sharing: {host.cores} cores, slowdown with 1..4 ranks computing "
+        + " / ".join(
+            f"{x:.2f}±{e:.2f}" for x, e in zip(host.slowdown, host.slowdown_spread, strict=True)
         )
+        + f", wake-up {host.wake_s * 1e3:.3f} ms, rendezvous {host.rendezvous_s * 1e3:.3f} "
+        f"ms (busy host {host.rendezvous_busy_s * 1e3:.3f} ms)"
+    )
+    print(
+        "  all-reduce entered after compute / after an all-reduce / after the update, "
+        "2..4 ranks (ms): "
+        + "  ".join(
+            f"{a * 1e3:.2f}/{b * 1e3:.2f}/{c * 1e3:.2f}"
+            for a, b, c in zip(
+                host.allreduce_after_compute_s,
+                host.allreduce_after_allreduce_s,
+                host.allreduce_after_update_s,
+                strict=True,
+            )
+        )
+    )
     for o in db.overheads:
         print(f"  process overhead {o.bytes / MIB:.1f} MiB")
     for f in db.framework:
@@ -194,29 +281,38 @@ def _profile(spec: ModelSpec, statistic: str, pin: bool) -> tuple[ProfileDB, Net
             "sample"
         )
     t0 = time.time()
-    pts = run_probe(ProbeSettings(min_bytes=4 << 10, max_bytes=16 << 20))
-    pairs = [(p.nbytes, p.time.central(statistic)) for p in pts]
-    curve = fit_link(pairs)
-    res = fit_residuals(curve, pairs)
-    net = with_link(NetworkProfile(), EP, EP, curve, source="loopback probe")
-    load = f", load {os.getloadavg()[0]:.2f}"
-    net = net.model_copy(
-        update={
-            "collectives": tuple(
-                collective_latencies(
-                    EP, (2, 3, 4), statistic, load=load, sizes=(256 << 10, 4 << 20)
+
+    def probe_network() -> tuple[NetworkProfile, list[tuple[int, float, float, float, float]]]:
+        pts = run_probe(ProbeSettings(min_bytes=4 << 10, max_bytes=16 << 20))
+        pairs = [(p.nbytes, p.time.central(statistic)) for p in pts]
+        curve = fit_link(pairs)
+        res = fit_residuals(curve, pairs)
+        net = with_link(NetworkProfile(), EP, EP, curve, source="loopback probe")
+        load = f", load {os.getloadavg()[0]:.2f}"
+        net = net.model_copy(
+            update={
+                "collectives": tuple(
+                    collective_latencies(
+                        EP, (2, 3, 4), statistic, load=load, sizes=(256 << 10, 4 << 20)
+                    )
                 )
-            )
-        }
-    )
+            }
+        )
+        rows = [
+            (p.nbytes, p.time.median_s, p.time.mean_s, p.time.stdev_s, r)
+            for p, r in zip(pts, res, strict=True)
+        ]
+        return net, rows
+
+    (net, rows), b_net = gate.run("profile network", probe_network)
     print(f"== network probe ({time.time() - t0:.0f} s), load {os.getloadavg()[0]:.2f}")
-    for p, r in zip(pts, res, strict=True):
-        if p.nbytes <= 64 << 10 or p.nbytes >= 8 << 20:
+    for nbytes, med, mean, sd, r in rows:
+        if nbytes <= 64 << 10 or nbytes >= 8 << 20:
             print(
-                f"  {p.nbytes:>10,} B one-way median {p.time.median_s * 1e3:7.3f} ms, "
-                f"mean {p.time.mean_s * 1e3:.3f} (± {p.time.stdev_s * 1e3:.3f}), "
-                f"fit {100 * r:+.0f}%"
+                f"  {nbytes:>10,} B one-way median {med * 1e3:7.3f} ms, "
+                f"mean {mean * 1e3:.3f} (± {sd * 1e3:.3f}), fit {100 * r:+.0f}%"
             )
+    curve = net.links[0].curve
     print(
         f"  p2p latency {curve.latency_s * 1e3:.3f} ms, peak {curve.max_gbps:.2f} GB/s; "
         "all-reduce of 8 B: "
@@ -224,7 +320,7 @@ def _profile(spec: ModelSpec, statistic: str, pin: bool) -> tuple[ProfileDB, Net
         + "; bus bandwidth "
         + ", ".join(f"{c.ranks} ranks {c.bus_gbps or 0:.2f} GB/s" for c in net.collectives)
     )
-    return db, net
+    return _Profile(db, net, (b_layers, b_host, b_net))
 
 
 def main() -> None:
@@ -238,8 +334,8 @@ def main() -> None:
         "milliseconds, so that compute, not the host's scheduling of messages, dominates)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="rounds of profile + all plans")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--skip", type=int, default=3, help="warm-up steps not counted")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--skip", type=int, default=5, help="warm-up steps not counted")
     ap.add_argument(
         "--statistic", default="mean", help="central value of profiles and steps: mean or median"
     )
@@ -250,7 +346,26 @@ def main() -> None:
         help="bind rank r to core r %% cores, in the runs (launch_local(pin_cores=True)) and in "
         "the host-sharing profile (default; --no-pin leaves placement to the scheduler)",
     )
+    ap.add_argument(
+        "--tries",
+        type=int,
+        default=3,
+        help="measure a profile part or a run again, up to this many times, while the host "
+        "speed check around it finds the host slower than usual",
+    )
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.2,
+        help="a host speed check is 'usual' if every core's time is within this fraction of "
+        "the fastest seen",
+    )
     args = ap.parse_args()
+    if args.tries < 1 or args.steps <= args.skip or args.repeats < 1:
+        raise SystemExit(
+            f"--tries={args.tries} must be >= 1, --steps={args.steps} > --skip={args.skip}, "
+            f"--repeats={args.repeats} >= 1"
+        )
     spec = (
         ModelSpec.model_validate_json(args.model_file.read_text())
         if args.model_file is not None
@@ -280,40 +395,50 @@ def main() -> None:
             GPUPrice(gpu_type="cpu", region="local", on_demand_usd_per_hour=0, spot_usd_per_hour=0),
         )
     )
-    rows: dict[str, list[tuple[float, float, float, float, dict[str, float], str]]] = {}
-    with tempfile.TemporaryDirectory(prefix="sailor-bench-") as tmp:
+    rows: dict[str, list[_Row]] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="sailor-bench-") as tmp,
+        SpeedProbe(spec, mbs=2) as probe,
+    ):
+        gate = _Gate(probe, args.tries, args.tolerance)
+        for _ in range(6):  # the host's usual speed: the fastest of a few checks to start
+            gate.check()
+            time.sleep(0.5)
+        print(
+            f"host speed check (the model's step, mbs 2, each core alone then all at once), "
+            f"fastest of 6: {nominal(gate.checks).describe()}"
+        )
         model_file = Path(tmp) / "model.json"
         model_file.write_text(spec.model_dump_json())
-        before = _profile(spec, args.statistic, args.pin)
+        before = _profile(spec, args.statistic, args.pin, gate)
         for rnd in range(args.repeats):
             print(f"\n===== round {rnd + 1}/{args.repeats}, load {os.getloadavg()}")
             runs = []
             for plan in plans(spec):
-                work = Path(tmp) / f"{plan.plan_id}-{rnd}"
-                runs.append(
-                    (
-                        plan,
-                        _run_plan(
-                            plan, model_file, args.steps, args.skip, work, args.statistic, args.pin
-                        ),
-                        os.getloadavg()[0],
+
+                def one(plan: Plan = plan, rnd: int = rnd) -> tuple[float, dict[str, float], int]:
+                    work = Path(tmp) / f"{plan.plan_id}-{rnd}-{time.monotonic_ns()}"
+                    return _run_plan(
+                        plan, model_file, args.steps, args.skip, work, args.statistic, args.pin
                     )
-                )
-            after = _profile(spec, args.statistic, args.pin)
-            for plan, (t, ph, m), load in runs:
+
+                got, bracket = gate.run(plan.plan_id, one)
+                runs.append((plan, got, bracket, os.getloadavg()[0]))
+            after = _profile(spec, args.statistic, args.pin, gate)
+            for plan, (t, ph, m), bracket, load in runs:
                 ests = [
                     simulate(
                         plan,
                         spec,
-                        db,
-                        net,
+                        prof.db,
+                        prof.net,
                         prices,
                         calibration=cal,
                         gpu_specs=catalog.gpus(),
                         method="replay",
                         shared_host=True,
                     )
-                    for db, net in (before, after)
+                    for prof in (before, after)
                 ]
                 it = statistics.fmean(e.iteration_time_s for e in ests)
                 mem = statistics.fmean(e.peak_memory_bytes for e in ests)
@@ -322,52 +447,80 @@ def main() -> None:
                     f"pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "
                     f"sync+end {tb.grad_sync_s * 1e3:.2f} update {tb.update_s * 1e3:.2f}"
                 )
-                rows.setdefault(plan.plan_id, []).append((t, it, m, mem, ph, sim))
+                brackets = (bracket, *before.brackets, *after.brackets)
+                rows.setdefault(plan.plan_id, []).append(_Row(t, it, m, mem, ph, sim, brackets))
                 pre, post = (e.iteration_time_s * 1e3 for e in ests)
                 print(
                     f"  {plan.plan_id:16s} meas {t * 1e3:7.2f} ms sim {it * 1e3:7.2f} ms "
                     f"({100 * (it - t) / t:+6.1f}%; profile before {pre:.2f}, after {post:.2f}), "
-                    f"load {load:.1f}"
+                    f"load {load:.1f}, host {'usual' if gate.quiet(bracket) else 'disturbed'}"
                 )
             before = after
-    _report(rows, args.repeats)
+    _report(rows, args.repeats, gate)
 
 
-def _report(
-    rows: dict[str, list[tuple[float, float, float, float, dict[str, float], str]]],
-    repeats: int,
-) -> None:
-    print("\n== plans: median over rounds (errors' range over rounds), simulated with replay")
+def _table(rows: dict[str, list[_Row]], title: str) -> tuple[list[float], list[float]]:
+    print(f"\n== {title}")
     print(
-        f"{'plan':16s} {'meas ms':>8s} {'sim ms':>8s} {'err':>7s} {'err range':>17s} "
-        f"{'meas MiB':>9s} {'sim MiB':>8s} {'err':>7s}"
+        f"{'plan':16s} {'rounds':>6s} {'meas ms':>8s} {'sim ms':>8s} {'err':>7s} "
+        f"{'err range':>17s} {'meas MiB':>9s} {'sim MiB':>8s} {'err':>7s}"
     )
     terr: list[float] = []
     merr: list[float] = []
     for pid, rs in rows.items():
-        errs = [(sim - t) / t for t, sim, *_ in rs]
+        if not rs:
+            print(f"{pid:16s} {0:6d}   (no round)")
+            continue
+        errs = [(r.predicted_s - r.measured_s) / r.measured_s for r in rs]
         et = statistics.median(errs)
-        em = statistics.median((sm - mm) / mm for _, _, mm, sm, _, _ in rs)
+        em = statistics.median(
+            (r.predicted_bytes - r.measured_bytes) / r.measured_bytes for r in rs
+        )
         terr.append(abs(et))
         merr.append(abs(em))
         print(
-            f"{pid:16s} {statistics.median(r[0] for r in rs) * 1e3:8.2f} "
-            f"{statistics.median(r[1] for r in rs) * 1e3:8.2f} {100 * et:+6.1f}% "
+            f"{pid:16s} {len(rs):6d} {statistics.median(r.measured_s for r in rs) * 1e3:8.2f} "
+            f"{statistics.median(r.predicted_s for r in rs) * 1e3:8.2f} {100 * et:+6.1f}% "
             f"{f'[{100 * min(errs):+.0f}..{100 * max(errs):+.0f}%]':>17s} "
-            f"{statistics.median(r[2] for r in rs) / MIB:9.1f} "
-            f"{statistics.median(r[3] for r in rs) / MIB:8.1f} {100 * em:+6.1f}%"
+            f"{statistics.median(r.measured_bytes for r in rs) / MIB:9.1f} "
+            f"{statistics.median(r.predicted_bytes for r in rs) / MIB:8.1f} {100 * em:+6.1f}%"
         )
-        ph = {k: statistics.median(r[4][k] for r in rs) for k in PHASES}
+        ph = {k: statistics.median(r.phases[k] for r in rs) for k in PHASES}
         print(
             "    rank 0 ms: "
             + " ".join(f"{k} {v * 1e3:.2f}" for k, v in ph.items())
-            + f" | sim (last round): {rs[-1][5]}"
+            + f" | sim (last round): {rs[-1].sim}"
         )
+    return terr, merr
+
+
+def _summary(terr: list[float], merr: list[float], what: str) -> None:
+    if not terr:
+        print(f"\n|error| {what}: no plan")
+        return
+    print(
+        f"\n|error| {what}, {len(terr)} plans: step time mean "
+        f"{100 * statistics.fmean(terr):.1f}% / median {100 * statistics.median(terr):.1f}% / "
+        f"worst {100 * max(terr):.1f}%; peak memory mean {100 * statistics.fmean(merr):.1f}% / "
+        f"median {100 * statistics.median(merr):.1f}% / worst {100 * max(merr):.1f}%"
+    )
+
+
+def _report(rows: dict[str, list[_Row]], repeats: int, gate: _Gate) -> None:
+    usual = nominal(gate.checks)
+    slow = [c.slowest_ratio(usual) for c in gate.checks]
+    print(
+        f"\n== host: usual speed (fastest of {len(gate.checks)} checks) {usual.describe()}; "
+        f"checks slower than usual by more than {100 * gate.tolerance:.0f}%: "
+        f"{sum(r > 1 + gate.tolerance for r in slow)} of {len(slow)} (slowest x{max(slow):.2f})"
+    )
+    terr, merr = _table(rows, "every round: median over rounds (errors' range), replay")
     if repeats > 1:
         # how far the same plan's measured step moves between rounds: no prediction from a
         # profile can be closer to a round than this, on this host at this load
         moves = [
-            (max(r[0] for r in rs) - min(r[0] for r in rs)) / statistics.median(r[0] for r in rs)
+            (max(r.measured_s for r in rs) - min(r.measured_s for r in rs))
+            / statistics.median(r.measured_s for r in rs)
             for rs in rows.values()
         ]
         print(
@@ -376,12 +529,18 @@ def _report(
             f"(median over plans; worst {100 * max(moves):.0f}%) between its {repeats} rounds "
             "((max - min) / median)"
         )
-    print(
-        f"\n|error| over {len(terr)} plans, {repeats} rounds each: step time mean "
-        f"{100 * statistics.fmean(terr):.1f}% / median {100 * statistics.median(terr):.1f}% / "
-        f"worst {100 * max(terr):.1f}%; peak memory mean {100 * statistics.fmean(merr):.1f}% / "
-        f"median {100 * statistics.median(merr):.1f}% / worst {100 * max(merr):.1f}%"
+    _summary(terr, merr, f"over every round ({repeats} per plan)")
+    quiet = {
+        pid: [r for r in rs if all(gate.quiet(b) for b in r.brackets)] for pid, rs in rows.items()
+    }
+    kept = sum(len(rs) for rs in quiet.values())
+    total = sum(len(rs) for rs in rows.values())
+    qerr, qmerr = _table(
+        quiet,
+        f"rounds where the host ran at its usual speed around the run and around every part "
+        f"of both profiles ({kept} of {total})",
     )
+    _summary(qerr, qmerr, "over those rounds")
     print(f"load average at end: {os.getloadavg()}")
 
 

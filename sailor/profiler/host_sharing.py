@@ -22,11 +22,17 @@ one microbatch size), never on the plans the simulator will predict:
   ranks computing (so that ``cores`` ranks compute when the message lands: the receiver must
   wait for the scheduler to give it a core) and once with none (a core is free);
   ``wake_s`` is the difference of the mean delays (the transfer itself cancels out).
-* **collective_wake_s**: ranks 0 and 1 compute a step, all-reduce 8 bytes, then all-reduce
-  them again at once: the mean time from the later entry to the later exit of the first
-  minus that of the second. The backend's threads sleep while the ranks compute and must be
-  woken (several hand-overs between threads and processes) by a collective entered after
-  computing, as the first gradient all-reduce and the loss all-reduce of an iteration are.
+* **all-reduces as the engine enters them**: for ``n = 2..K`` ranks, each iteration is the
+  end of a training step as :mod:`~sailor.megatron_patch.engine` runs it: every rank computes
+  the model's forward and backward, all-reduces a gradient-sized buffer in a group of its own,
+  then another in a second group, steps the optimizer, and all-reduces one scalar (the loss)
+  in a third; no barrier in between (the loss all-reduce is the iteration's barrier, as in
+  training). Each all-reduce's time runs from the later entry to the later exit. On a shared
+  host these are not the all-reduce of the collective probe (a barrier, then one all-reduce):
+  the backend's threads sleep while the ranks compute and are woken by several hand-overs
+  between threads and processes, and a core that has gone idle waits for the scheduler; traced
+  here, a 2-rank all-reduce of 8 KB took 2-3 ms on average right after the backward, 0.3-0.8
+  ms right after the optimizer step, against 0.4-0.7 ms after a barrier.
 * **rendezvous_s / rendezvous_busy_s**: gloo hands a send over only once the receiver has
   posted its receive (the receiver notifies, then the sender's communication thread writes),
   so a receive posted after its send waits for that exchange even though the data was "sent"
@@ -58,6 +64,11 @@ __all__ = ["HOST_SOURCE", "HostRun", "host_sharing_from", "measure_host_sharing"
 
 HOST_SOURCE = "sailor.profiler.host_sharing"
 _WAKE_WARMUP = 10
+_ENTRY_WARMUP = 5
+_ALLREDUCE_BYTES = 8192
+"""Gradient all-reduces of the entry measurement: 8 KB, the size of a small model's tied
+embedding gradient; larger ones add their bandwidth time (the collective probe's bus
+bandwidth) in the simulator."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class HostRun:
     max_ranks: int = 4
     window_s: float = 1.0
     wake_messages: int = 150
+    entry_iterations: int = 80
+    """Iterations of the engine's end of step per rank count (the all-reduce entry times)."""
     threads: int = 1
     cores: int = 0
     """Cores the ranks may run on (0: this process's CPU affinity)."""
@@ -85,6 +98,8 @@ class HostRun:
             raise ValueError(f"mbs={self.mbs}: must be >= 1")
         if self.wake_messages < 1:
             raise ValueError(f"wake_messages={self.wake_messages}: must be >= 1")
+        if self.entry_iterations < 1:
+            raise ValueError(f"entry_iterations={self.entry_iterations}: must be >= 1")
 
     @property
     def host_cores(self) -> int:
@@ -103,6 +118,7 @@ def measure_host_sharing(run: HostRun, deadline_s: float = 600.0) -> HostSharing
         "max_ranks": run.max_ranks,
         "window_s": run.window_s,
         "wake_messages": run.wake_messages,
+        "entry_iterations": run.entry_iterations,
         "threads": run.threads,
         "cores": cores,
         "pin": run.pin,
@@ -133,7 +149,7 @@ def host_sharing_from(
     wake = results[1]["wake"]
     wake_s = max(0.0, statistics.fmean(wake["loaded"]) - statistics.fmean(wake["idle"]))
     hand = results[1].get("rendezvous", {})
-    collective_wake_s = _collective_wake(results[0].get("collective"), results[1].get("collective"))
+    after_compute, after_allreduce, after_update = _entry_spans(results, max_ranks)
     return HostSharing(
         gpu_type=gpu_type,
         cores=cores,
@@ -143,28 +159,38 @@ def host_sharing_from(
         rendezvous_s=statistics.fmean(hand["idle"]) if hand.get("idle") else 0.0,
         rendezvous_busy_s=statistics.fmean(hand["loaded"]) if hand.get("loaded") else 0.0,
         pinned=pinned,
-        collective_wake_s=collective_wake_s,
+        allreduce_after_compute_s=after_compute,
+        allreduce_after_allreduce_s=after_allreduce,
+        allreduce_after_update_s=after_update,
+        allreduce_probe_bytes=int(results[0].get("entry_bytes", 0)) if after_compute else 0,
         source=(
             f"{HOST_SOURCE}: 1..{max_ranks} ranks of the model's training step at once; "
             f"wake-up with {cores - 1} busy ranks vs none; receives posted after their "
-            f"send, with {cores} busy ranks and none; {cores} cores"
-            + ("; rank r bound to core r % cores" if pinned else "")
+            f"send, with {cores} busy ranks and none; the engine's all-reduces after "
+            f"compute, after an all-reduce and after the update, 2..{max_ranks} ranks; "
+            f"{cores} cores" + ("; rank r bound to core r % cores" if pinned else "")
         ),
     )
 
 
-def _collective_wake(a: dict[str, list[float]] | None, b: dict[str, list[float]] | None) -> float:
-    """Mean extra time of an all-reduce entered after computing over one entered right after
-    another: each from the later entry to the later exit of the two ranks."""
-    if not a or not b or not a["cold_in"]:
-        return 0.0
-
-    def spans(kind: str) -> list[float]:
-        ins = zip(a[f"{kind}_in"], b[f"{kind}_in"], strict=True)
-        outs = zip(a[f"{kind}_out"], b[f"{kind}_out"], strict=True)
-        return [max(o) - max(i) for i, o in zip(ins, outs, strict=True)]
-
-    return max(0.0, statistics.fmean(spans("cold")) - statistics.fmean(spans("hot")))
+def _entry_spans(
+    results: list[dict[str, Any]], max_ranks: int
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Mean time of each of the engine's three all-reduces per rank count (n = 2..max_ranks),
+    from the later entry to the later exit: (after compute, after an all-reduce, after the
+    optimizer step). Empty when the probe did not time them (older output)."""
+    out: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for n in range(2, max_ranks + 1):
+        per_rank = [r["entries"][str(n)] for r in results if str(n) in r.get("entries", {})]
+        if len(per_rank) < n:
+            return (), (), ()
+        spans: tuple[list[float], list[float], list[float]] = ([], [], [])
+        for marks in zip(*per_rank, strict=True):
+            for kind, (enter, leave) in enumerate(((0, 1), (1, 2), (3, 4))):
+                spans[kind].append(max(m[leave] for m in marks) - max(m[enter] for m in marks))
+        for kind in range(3):
+            out[kind].append(statistics.fmean(spans[kind]))
+    return tuple(out[0]), tuple(out[1]), tuple(out[2])
 
 
 # --- the rank side ---------------------------------------------------------------------------
@@ -197,12 +223,15 @@ def _rank_main(argv: list[str] | None = None) -> int:
     tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
     labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
+    def forward_backward() -> None:
         x: torch.Tensor = tokens
         for i, mod in enumerate(stage.layers.values()):
             x = mod(x, labels) if i == n_layers - 1 else mod(x)
         x.backward()  # type: ignore[no-untyped-call]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        forward_backward()
         opt.step()
 
     def loop(seconds: float) -> list[float]:
@@ -333,27 +362,38 @@ def _rank_main(argv: list[str] | None = None) -> int:
     out["wake"] = wake
     out["rendezvous"] = hand
 
-    # a collective entered after computing: ranks 0 and 1 compute a step, then all-reduce 8
-    # bytes (the loss); then once more at once (the backend's threads awake). Clock stamps of
-    # entry and exit; the host's monotonic clock is shared by the ranks
-    pair = dist.new_group([0, 1])
-    word = torch.zeros(1, dtype=torch.float64)
-    cold: dict[str, list[float]] = {"cold_in": [], "cold_out": [], "hot_in": [], "hot_out": []}
-    dist.barrier()
-    if rank < 2:
-        for i in range(messages):
-            step()
-            marks = [time.perf_counter()]
-            dist.all_reduce(word, group=pair)
-            marks.append(time.perf_counter())
-            dist.all_reduce(word, group=pair)
-            marks.append(time.perf_counter())
-            if i >= _WAKE_WARMUP:
-                cold["cold_in"].append(marks[0])
-                cold["cold_out"].append(marks[1])
-                cold["hot_in"].append(marks[1])
-                cold["hot_out"].append(marks[2])
-    out["collective"] = cold
+    # the end of a training step as the engine runs it, for n = 2..K ranks: forward and
+    # backward, a gradient all-reduce, a second one in another group, the optimizer step,
+    # the loss all-reduce (the barrier of the iteration). Stamps on the host's monotonic
+    # clock, shared by the ranks; reduced across ranks in host_sharing_from
+    grad = torch.zeros(_ALLREDUCE_BYTES // 4)
+    follow = torch.zeros_like(grad)
+    loss = torch.zeros(1, dtype=torch.float64)
+    entries: dict[str, list[list[float]]] = {}
+    for n in range(2, k_max + 1):
+        members = list(range(n))
+        groups = [dist.new_group(members) for _ in range(3)]  # every rank of the world calls
+        dist.barrier()
+        if rank >= n:
+            continue
+        marks: list[list[float]] = []
+        for i in range(int(cfg["entry_iterations"]) + _ENTRY_WARMUP):
+            opt.zero_grad(set_to_none=False)
+            forward_backward()
+            t = [time.perf_counter()]
+            dist.all_reduce(grad, group=groups[0])
+            t.append(time.perf_counter())
+            dist.all_reduce(follow, group=groups[1])
+            t.append(time.perf_counter())
+            opt.step()
+            t.append(time.perf_counter())
+            dist.all_reduce(loss, group=groups[2])
+            t.append(time.perf_counter())
+            if i >= _ENTRY_WARMUP:
+                marks.append(t)
+        entries[str(n)] = marks
+    out["entries"] = entries
+    out["entry_bytes"] = _ALLREDUCE_BYTES
     dist.barrier()
     write_result(args, out)
     dist.destroy_process_group()

@@ -174,7 +174,38 @@ class HostSharing(Frozen):
         ge=0,
         description=(
             "Mean extra time of a collective entered after computing (the backend's threads "
-            "asleep) over one entered right after another, s."
+            "asleep) over one entered right after another, s. Older probes; the simulator "
+            "uses it only when `allreduce_after_compute_s` is empty."
+        ),
+    )
+    allreduce_after_compute_s: tuple[float, ...] = Field(
+        default=(),
+        description=(
+            "[n-2] for n = 2, 3, ...: mean time of a small all-reduce among n ranks that enter "
+            "it right after computing the model's forward and backward (the engine's first "
+            "gradient collective of an iteration), from the later entry to the later exit, s."
+        ),
+    )
+    allreduce_after_allreduce_s: tuple[float, ...] = Field(
+        default=(),
+        description=(
+            "[n-2]: the same for an all-reduce entered right after another one in another "
+            "group (the engine's next gradient collectives), s."
+        ),
+    )
+    allreduce_after_update_s: tuple[float, ...] = Field(
+        default=(),
+        description=(
+            "[n-2]: the same for an all-reduce of one scalar entered right after the "
+            "optimizer step (the engine's loss all-reduce that ends an iteration), s."
+        ),
+    )
+    allreduce_probe_bytes: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Bytes of the gradient all-reduces timed for `allreduce_after_compute_s` and "
+            "`allreduce_after_allreduce_s` (their bandwidth time is part of the figure)."
         ),
     )
     pinned: bool = Field(
@@ -193,7 +224,39 @@ class HostSharing(Frozen):
     def _check(self) -> HostSharing:
         if any(f <= 0 for f in self.slowdown):
             raise field_error("slowdown", self.slowdown, "factors must be > 0")
+        entries = (
+            ("allreduce_after_compute_s", self.allreduce_after_compute_s),
+            ("allreduce_after_allreduce_s", self.allreduce_after_allreduce_s),
+            ("allreduce_after_update_s", self.allreduce_after_update_s),
+        )
+        for name, values in entries:
+            if any(v < 0 for v in values):
+                raise field_error(name, values, "times must be >= 0")
+            if len(values) != len(self.allreduce_after_compute_s):
+                raise field_error(
+                    name,
+                    values,
+                    f"needs one entry per rank count, as allreduce_after_compute_s has "
+                    f"{len(self.allreduce_after_compute_s)}",
+                )
         return self
+
+    def allreduce_entry_s(self, after: Literal["compute", "allreduce", "update"], n: int) -> float:
+        """Measured mean time of an all-reduce among ``n`` ranks entered after ``after``
+        (0 for one rank; past the measured rank counts, the largest one measured)."""
+        values = {
+            "compute": self.allreduce_after_compute_s,
+            "allreduce": self.allreduce_after_allreduce_s,
+            "update": self.allreduce_after_update_s,
+        }[after]
+        if n <= 1 or not values:
+            return 0.0
+        return values[min(n, len(values) + 1) - 2]
+
+    @property
+    def measures_allreduce_entries(self) -> bool:
+        """Whether the probe timed the engine's all-reduces as it enters them."""
+        return bool(self.allreduce_after_compute_s)
 
     def factor(self, n: int) -> float:
         """Slowdown while ``n`` ranks compute; past the measured range, a fair share of the

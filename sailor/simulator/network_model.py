@@ -158,6 +158,8 @@ class AllReduce:
     time_s: float
     cross_zone_bytes: tuple[tuple[str, str, float], ...]
     notes: tuple[str, ...]
+    latency_s: float = 0.0
+    """The part of ``time_s`` that is per-message latency (the rest moves bytes)."""
 
 
 def ring_allreduce(
@@ -201,17 +203,22 @@ def ring_allreduce(
         pairs.setdefault(pair, i)
     notes: list[str] = []
     step = 0.0
+    step_latency = 0.0  # the per-message latency inside the slowest step
     for i in pairs.values():
         curve, note = links.inter(ring[i], ring[(i + 1) % n])
         if note and note not in notes:
             notes.append(note)
+        latency = 0.0
         if bus_gbps is not None:
             per_step = chunk / (bus_gbps * 1e9)  # the backend's measured bandwidth
         else:
             per_step = curve.transfer_time(chunk)
             if measured is not None:
                 per_step -= curve.latency_s  # paid once per all-reduce below, as measured
-        step = max(step, per_step / efficiency)
+            else:
+                latency = min(curve.latency_s, per_step)
+        if per_step / efficiency > step:
+            step, step_latency = per_step / efficiency, latency / efficiency
     crossed = 2.0 * (n - 1) * chunk * buckets
     crossings = tuple(
         (za, zb, crossed)
@@ -223,4 +230,5 @@ def ring_allreduce(
         time_s=2.0 * (n - 1) * step * buckets + fixed,
         cross_zone_bytes=crossings,
         notes=tuple(notes),
+        latency_s=2.0 * (n - 1) * step_latency * buckets + fixed,
     )

@@ -442,9 +442,8 @@ def _run(
                 fixed_of[g] = fixed
             ready[(pi, si)] = ends[si] + fixed
     sync_of: dict[tuple[int, int], float] = dict.fromkeys(ready, 0.0)
-    # on a shared host, the first collective a rank enters after computing also wakes the
-    # backend's threads (measured: HostSharing.collective_wake_s)
-    cold_s = host.collective_wake_s if host is not None else 0.0
+    # on a shared host, how long an all-reduce takes depends on what its ranks did just
+    # before (computing, another all-reduce, the optimizer step): _host_allreduce
     warm: set[tuple[int, int]] = set()
     sizes_by_tp = inp.sizes_by_tp
     param_bytes = model.param_bytes()
@@ -461,7 +460,7 @@ def _run(
         eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
         ar = ring_allreduce(network, groups, node_bytes, elements, eff, links=inp.links)
         notes.add(*ar.notes)
-        took = ar.time_s + (cold_s if ar.time_s > 0 and not warm.issuperset(holders) else 0.0)
+        took = _host_allreduce(host, ar, len(holders), node_bytes, _after(warm, holders))
         start = max(ready[h] for h in holders)
         for h in holders:
             ready[h] = start + took
@@ -472,9 +471,9 @@ def _run(
             egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
     tied = _tied_allreduce(plan, model, inp) if cal.tied_allreduce else None
     if tied is not None:
-        holders, ar = tied
+        holders, ar, tied_bytes = tied
         notes.add(*ar.notes)
-        took = ar.time_s + (cold_s if ar.time_s > 0 and not warm.issuperset(holders) else 0.0)
+        took = _host_allreduce(host, ar, len(holders), tied_bytes, _after(warm, holders))
         start = max(ready[h] for h in holders)
         for h in holders:
             ready[h] = start + took
@@ -491,8 +490,8 @@ def _run(
         )
         loss_ar = ring_allreduce(network, everyone, _LOSS_BYTES, 1.0, eff, links=inp.links)
         notes.add(*loss_ar.notes)
-        # entered after the optimizer step: the backend's threads have gone to sleep again
-        iteration += loss_ar.time_s + (cold_s if loss_ar.time_s > 0 else 0.0)
+        # entered right after the optimizer step
+        iteration += _host_allreduce(host, loss_ar, len(everyone), _LOSS_BYTES, "update")
     if iteration <= 0:
         raise ValueError("simulated iteration time is zero: the profiles hold no time")
 
@@ -675,11 +674,44 @@ def _per_microbatch(
     return fs, bs, delay
 
 
+def _after(
+    warm: set[tuple[int, int]], holders: list[tuple[int, int]]
+) -> Literal["compute", "allreduce"]:
+    """What the holders of a gradient all-reduce did just before: all of them another
+    all-reduce, or (some of them) computing."""
+    return "allreduce" if warm.issuperset(holders) else "compute"
+
+
+def _host_allreduce(
+    host: HostSharing | None,
+    ar: AllReduce,
+    n: int,
+    node_bytes: float,
+    after: Literal["compute", "allreduce", "update"],
+) -> float:
+    """Time of all-reduce ``ar`` among ``n`` ranks entered right after ``after``.
+
+    On a device of its own per rank, the modelled ring. On a shared host whose profile timed
+    the engine's all-reduces as it enters them (``HostSharing.allreduce_after_*``): that
+    measured time (its latency and the bandwidth time of the probe's bytes), plus the ring's
+    bandwidth time for the bytes beyond those. Older host profiles: the ring, plus the
+    measured wake-up of the backend's threads on a collective entered after computing.
+    """
+    if host is None or ar.time_s <= 0:
+        return ar.time_s
+    if host.measures_allreduce_entries:
+        moving = ar.time_s - ar.latency_s
+        beyond = max(0.0, 1.0 - host.allreduce_probe_bytes / node_bytes) if node_bytes else 0.0
+        return host.allreduce_entry_s(after, n) + moving * beyond
+    return ar.time_s + (host.collective_wake_s if after != "allreduce" else 0.0)
+
+
 def _tied_allreduce(
     plan: Plan, model: ModelSpec, inp: _Inputs
-) -> tuple[list[tuple[int, int]], AllReduce] | None:
+) -> tuple[list[tuple[int, int]], AllReduce, float] | None:
     """The tied embedding gradient's all-reduce among the stages holding the embedding or the
-    head (megatron_patch's last sync group): its holders and its time; None without one.
+    head (megatron_patch's last sync group): its holders, its time and the bytes per node;
+    None without one.
 
     The ``vocab x hidden`` matrix is replicated on the TP ranks of a stage; the ring is
     modelled over the stages' nodes, as for a segment.
@@ -699,8 +731,10 @@ def _tied_allreduce(
     n_el = float(model.vocab_size * model.hidden_size)
     node_bytes = max(g.tp for g in groups) * n_el * model.param_bytes()
     eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
-    return holders, ring_allreduce(
-        inp.links.network, groups, node_bytes, n_el, eff, links=inp.links
+    return (
+        holders,
+        ring_allreduce(inp.links.network, groups, node_bytes, n_el, eff, links=inp.links),
+        node_bytes,
     )
 
 
@@ -718,8 +752,16 @@ def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
         f"ranks share one host of {hs.cores} cores (slowdown "
         + "/".join(f"{x:.2f}" for x in hs.slowdown)
         + f", wake-up {hs.wake_s * 1e3:.2f} ms, rendezvous {hs.rendezvous_s * 1e3:.2f}/"
-        f"{hs.rendezvous_busy_s * 1e3:.2f} ms, collective wake-up "
-        f"{hs.collective_wake_s * 1e3:.2f} ms{', ranks bound to cores' if hs.pinned else ''})"
+        f"{hs.rendezvous_busy_s * 1e3:.2f} ms, "
+        + (
+            "2-rank all-reduce after compute / all-reduce / update "
+            f"{hs.allreduce_entry_s('compute', 2) * 1e3:.2f}/"
+            f"{hs.allreduce_entry_s('allreduce', 2) * 1e3:.2f}/"
+            f"{hs.allreduce_entry_s('update', 2) * 1e3:.2f} ms"
+            if hs.measures_allreduce_entries
+            else f"collective wake-up {hs.collective_wake_s * 1e3:.2f} ms"
+        )
+        + f"{', ranks bound to cores' if hs.pinned else ''})"
     )
     return hs
 

@@ -163,7 +163,14 @@ def test_host_sharing_measured_with_real_ranks() -> None:
     from sailor.profiler.merge import merge_db
 
     h = measure_host_sharing(
-        HostRun(spec=catalog.model("tiny-gpt"), mbs=2, max_ranks=3, window_s=0.3, wake_messages=30),
+        HostRun(
+            spec=catalog.model("tiny-gpt"),
+            mbs=2,
+            max_ranks=3,
+            window_s=0.3,
+            wake_messages=30,
+            entry_iterations=10,
+        ),
         deadline_s=300,
     )
     assert h.gpu_type == "cpu" and h.cores >= 1 and len(h.slowdown) == 3
@@ -171,7 +178,29 @@ def test_host_sharing_measured_with_real_ranks() -> None:
     assert len(h.slowdown_spread) == 3 and h.wake_s >= 0
     # a receive posted after its send waits for the hand-over: never instantly
     assert h.rendezvous_s > 0 and h.rendezvous_busy_s > 0
+    # the engine's all-reduces as it enters them, for 2 and 3 ranks: never instant
+    assert len(h.allreduce_after_compute_s) == 2 and h.allreduce_probe_bytes > 0
+    for values in (
+        h.allreduce_after_compute_s,
+        h.allreduce_after_allreduce_s,
+        h.allreduce_after_update_s,
+    ):
+        assert all(v > 0 for v in values)
     # it merges into a database that already holds another measure of the host
     old = ProfileDB(model="tiny-gpt", hosts=(h.model_copy(update={"wake_s": 9.0}),))
     merged, _ = merge_db(old, ProfileDB(model="tiny-gpt", hosts=(h,)))
     assert merged.host_sharing("cpu") == h
+
+
+def test_host_speed_check_runs_the_model_on_every_core() -> None:
+    from sailor.profiler.host_speed import SpeedProbe, is_quiet, nominal
+
+    spec = catalog.model("tiny-gpt")
+    with SpeedProbe(spec, mbs=2, cores=[0, 0]) as probe:
+        checks = [probe.check(window_s=0.05) for _ in range(2)]
+    for c in checks:
+        assert len(c.alone_s) == 2 and all(t > 0 for t in (*c.alone_s, *c.together_s))
+    # two processes bound to one core: together, each gets about half of it
+    assert min(c.together_s[0] / c.alone_s[0] for c in checks) > 1.3
+    usual = nominal(checks)
+    assert any(is_quiet(c, usual, tolerance=0.5) for c in checks)

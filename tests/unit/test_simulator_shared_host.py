@@ -245,3 +245,67 @@ def test_a_collective_entered_after_computing_pays_the_wake_up_once() -> None:
     whole = Stage(first_layer=0, last_layer=N - 1, replica=_rg())
     one = _plan(Pipeline(stages=(whole,), microbatch_size=2, num_microbatches=6))
     assert gap(one, Calibration(loss_allreduce=True)) == 0.0
+
+
+def test_all_reduces_take_the_measured_time_of_what_their_ranks_did_just_before() -> None:
+    kw = {"gpu_specs": SPECS, "method": "replay", "shared_host": True}
+    base = _db((1.0,) * 8, 0.0)
+
+    def with_entries(compute: float, chained: float, update: float, probe_bytes: int) -> object:
+        host = base.hosts[0].model_copy(
+            update={
+                "allreduce_after_compute_s": (compute, compute),
+                "allreduce_after_allreduce_s": (chained, chained),
+                "allreduce_after_update_s": (update, update),
+                "allreduce_probe_bytes": probe_bytes,
+            }
+        )
+        return base.model_copy(update={"hosts": (host,)})
+
+    tied = MODEL.model_copy(update={"tie_embeddings": True})
+
+    def it(db: object, plan: object, cal: Calibration) -> float:
+        return simulate(plan, tied, db, _network(), PRICES, calibration=cal, **kw).iteration_time_s  # type: ignore[arg-type]
+
+    two = _plan(_pipe([2, 4, 6], 2, 6), _pipe([2, 4, 6], 2, 6))
+    cal = Calibration(loss_allreduce=True, tied_allreduce=True)
+    # probing as many bytes as the largest all-reduce moves: the measured times replace the
+    # ring's. Each stage's gradients are all-reduced with its twin in the other pipeline
+    # (entered after computing), then the first and last stages all-reduce the tied
+    # embedding (entered after that all-reduce), then the loss all-reduce after the update
+    huge = 1 << 40
+    small = it(with_entries(0.1, 0.01, 0.001, huge), two, cal)
+    large = it(with_entries(0.2, 0.01, 0.001, huge), two, cal)
+    assert large - small == pytest.approx(0.1)
+    more = it(with_entries(0.1, 0.02, 0.001, huge), two, cal)
+    assert more - small == pytest.approx(0.01)  # the tied embedding's all-reduce
+    last = it(with_entries(0.1, 0.01, 0.003, huge), two, cal)
+    assert last - small == pytest.approx(0.002)
+    # a probe of fewer bytes leaves the ring's bandwidth time for the rest: slower
+    assert it(with_entries(0.1, 0.01, 0.001, 1), two, cal) > small
+    # the loss all-reduce alone with one rank: nothing
+    whole = Stage(first_layer=0, last_layer=N - 1, replica=_rg())
+    one = _plan(Pipeline(stages=(whole,), microbatch_size=2, num_microbatches=6))
+    assert it(with_entries(0.1, 0.01, 0.5, huge), one, cal) == it(base, one, cal)
+
+
+def test_host_sharing_entry_times_need_one_value_per_rank_count() -> None:
+    h = _host(cores=2, slowdown=(1.0, 1.0), wake_s=0.0)
+    with pytest.raises(ValueError, match="allreduce_after_update_s"):
+        h.model_validate(
+            {
+                **h.model_dump(),
+                "allreduce_after_compute_s": (1e-3, 2e-3),
+                "allreduce_after_allreduce_s": (1e-3, 2e-3),
+                "allreduce_after_update_s": (1e-3,),
+            }
+        )
+    with pytest.raises(ValueError, match="allreduce_after_compute_s"):
+        h.model_validate(
+            {
+                **h.model_dump(),
+                "allreduce_after_compute_s": (-1e-3,),
+                "allreduce_after_allreduce_s": (1e-3,),
+                "allreduce_after_update_s": (1e-3,),
+            }
+        )

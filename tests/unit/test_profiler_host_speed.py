@@ -1,0 +1,39 @@
+"""Judging host speed checks against the host's usual speed (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sailor.profiler.host_speed import SpeedCheck, is_quiet, nominal
+
+
+def _check(alone: tuple[float, ...], together: tuple[float, ...], at: float = 0.0) -> SpeedCheck:
+    return SpeedCheck(at_s=at, alone_s=alone, together_s=together)
+
+
+def test_the_usual_speed_is_the_fastest_seen_per_core_and_mode() -> None:
+    checks = [
+        _check((7e-3, 14e-3), (7.2e-3, 15e-3), at=1.0),  # core 1 shared with another tenant
+        _check((7.5e-3, 7e-3), (14e-3, 7.1e-3), at=2.0),  # core 0 slowed while both compute
+    ]
+    usual = nominal(checks)
+    assert usual.alone_s == (7e-3, 7e-3) and usual.together_s == (7.2e-3, 7.1e-3)
+    assert usual.at_s == 2.0
+    assert not is_quiet(checks[0], usual) and not is_quiet(checks[1], usual)
+    assert is_quiet(_check((7.7e-3, 7.5e-3), (8e-3, 8.2e-3)), usual, tolerance=0.2)
+    assert checks[0].slowest_ratio(usual) == pytest.approx(15 / 7.1)
+
+
+def test_bad_checks_name_the_values() -> None:
+    with pytest.raises(ValueError, match="one time per core"):
+        _check((1.0,), (1.0, 2.0))
+    with pytest.raises(ValueError, match="must be > 0"):
+        _check((0.0,), (1.0,))
+    with pytest.raises(ValueError, match="at least one"):
+        nominal([])
+    with pytest.raises(ValueError, match="same cores"):
+        nominal([_check((1.0,), (1.0,)), _check((1.0, 1.0), (1.0, 1.0))])
+    with pytest.raises(ValueError, match="tolerance"):
+        is_quiet(_check((1.0,), (1.0,)), _check((1.0,), (1.0,)), tolerance=-1)
+    with pytest.raises(ValueError, match="cores"):
+        _check((1.0,), (1.0,)).slowest_ratio(_check((1.0, 1.0), (1.0, 1.0)))
