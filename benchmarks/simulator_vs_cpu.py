@@ -52,7 +52,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -64,7 +64,14 @@ from sailor.megatron_patch.launch import launch_local
 from sailor.profiler.collective_probe import collective_latencies
 from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
 from sailor.profiler.host_sharing import HostRun, measure_host_sharing
-from sailor.profiler.host_speed import SpeedCheck, SpeedProbe, is_quiet, nominal
+from sailor.profiler.host_speed import (
+    SpeedCheck,
+    SpeedProbe,
+    drift,
+    mean_check,
+    nominal,
+    same_speed,
+)
 from sailor.profiler.layers import LayerRun, device_description, profile_layers
 from sailor.profiler.network_probe import ProbeSettings, run_probe
 from sailor.profiler.timing import RepeatSettings
@@ -165,9 +172,10 @@ Bracket = tuple[SpeedCheck, SpeedCheck]
 class _Gate:
     """Host speed checks (``sailor.profiler.host_speed``) before and after each measurement.
 
-    A measurement is retried, up to ``tries`` times, while a check around it finds the host
-    slower than its usual speed (other tenants' load); the last try is kept either way, and
-    every bracket is judged again at the end against the usual speed of the whole run."""
+    A measurement is taken again, up to ``tries`` times, while the host changed speed during
+    it (its two checks differ by more than ``tolerance``) or, given ``reference`` (the checks
+    around the profile a run will be predicted from), while it ran at another speed than
+    that; the last try is kept either way, and every round is judged again at the end."""
 
     probe: SpeedProbe
     tries: int
@@ -179,21 +187,33 @@ class _Gate:
         self.checks.append(c)
         return c
 
-    def quiet(self, bracket: Bracket) -> bool:
-        usual = nominal(self.checks)
-        return all(is_quiet(c, usual, self.tolerance) for c in bracket)
+    def steady(self, bracket: Bracket) -> bool:
+        return same_speed(*bracket, tolerance=self.tolerance)
 
-    def run(self, label: str, fn: Callable[[], T]) -> tuple[T, Bracket]:
+    def agrees(self, bracket: Bracket, reference: Sequence[Bracket]) -> bool:
+        """Steady, and at the speed of the host around ``reference`` (mean of its checks)."""
+        ref = mean_check([c for b in reference for c in b])
+        return self.steady(bracket) and same_speed(mean_check(bracket), ref, self.tolerance)
+
+    def run(
+        self, label: str, fn: Callable[[], T], reference: Sequence[Bracket] = ()
+    ) -> tuple[T, Bracket]:
         for attempt in range(1, self.tries + 1):
             pre = self.check()
             out = fn()
             bracket = (pre, self.check())
-            ok = self.quiet(bracket)
+            ok = self.agrees(bracket, reference) if reference else self.steady(bracket)
             if not ok or attempt > 1:
-                worst = max(c.slowest_ratio(nominal(self.checks)) for c in bracket)
+                moved = drift(*bracket)
+                off = (
+                    drift(mean_check(bracket), mean_check([c for b in reference for c in b]))
+                    if reference
+                    else 0.0
+                )
                 print(
-                    f"  [{label}] host {'at its usual speed' if ok else 'disturbed'} "
-                    f"(slowest time x{worst:.2f} of usual), try {attempt}/{self.tries}"
+                    f"  [{label}] try {attempt}/{self.tries}: host speed moved {100 * moved:.0f}%"
+                    + (f" during it, {100 * off:.0f}% off the profile's" if reference else "")
+                    + ("" if ok else " -> again" if attempt < self.tries else " -> kept")
                 )
             if ok or attempt == self.tries:
                 return out, bracket
@@ -215,8 +235,10 @@ class _Row:
     predicted_bytes: float
     phases: dict[str, float]
     sim: str
-    brackets: tuple[Bracket, ...]
-    """Host checks around the run and around every part of both profiles it was predicted from."""
+    run_bracket: Bracket
+    """Host checks before and after the run."""
+    profile_brackets: tuple[Bracket, ...]
+    """Host checks around every part of both profiles the run was predicted from."""
 
 
 def _profile(spec: ModelSpec, statistic: str, pin: bool, gate: _Gate) -> _Profile:
@@ -401,12 +423,9 @@ def main() -> None:
         SpeedProbe(spec, mbs=2) as probe,
     ):
         gate = _Gate(probe, args.tries, args.tolerance)
-        for _ in range(6):  # the host's usual speed: the fastest of a few checks to start
-            gate.check()
-            time.sleep(0.5)
         print(
-            f"host speed check (the model's step, mbs 2, each core alone then all at once), "
-            f"fastest of 6: {nominal(gate.checks).describe()}"
+            "host speed check (the model's step, mbs 2, each core alone then all at once): "
+            f"{gate.check().describe()}"
         )
         model_file = Path(tmp) / "model.json"
         model_file.write_text(spec.model_dump_json())
@@ -422,7 +441,7 @@ def main() -> None:
                         plan, model_file, args.steps, args.skip, work, args.statistic, args.pin
                     )
 
-                got, bracket = gate.run(plan.plan_id, one)
+                got, bracket = gate.run(plan.plan_id, one, before.brackets)
                 runs.append((plan, got, bracket, os.getloadavg()[0]))
             after = _profile(spec, args.statistic, args.pin, gate)
             for plan, (t, ph, m), bracket, load in runs:
@@ -453,7 +472,12 @@ def main() -> None:
                 print(
                     f"  {plan.plan_id:16s} meas {t * 1e3:7.2f} ms sim {it * 1e3:7.2f} ms "
                     f"({100 * (it - t) / t:+6.1f}%; profile before {pre:.2f}, after {post:.2f}), "
-                    f"load {load:.1f}, host {'usual' if gate.quiet(bracket) else 'disturbed'}"
+                    f"load {load:.1f}, host speed "
+                    + (
+                        "as for its profiles"
+                        if gate.agrees(bracket, (*before.brackets, *after.brackets))
+                        else "not as for its profiles"
+                    )
                 )
             before = after
     _report(rows, args.repeats, gate)
@@ -510,9 +534,9 @@ def _report(rows: dict[str, list[_Row]], repeats: int, gate: _Gate) -> None:
     usual = nominal(gate.checks)
     slow = [c.slowest_ratio(usual) for c in gate.checks]
     print(
-        f"\n== host: usual speed (fastest of {len(gate.checks)} checks) {usual.describe()}; "
-        f"checks slower than usual by more than {100 * gate.tolerance:.0f}%: "
-        f"{sum(r > 1 + gate.tolerance for r in slow)} of {len(slow)} (slowest x{max(slow):.2f})"
+        f"\n== host speed: fastest seen {usual.describe()}; {len(gate.checks)} checks, "
+        f"slowest time in each over the fastest seen: median x{statistics.median(slow):.2f}, "
+        f"worst x{max(slow):.2f}"
     )
     terr, merr = _table(rows, "every round: median over rounds (errors' range), replay")
     if repeats > 1:
@@ -530,15 +554,17 @@ def _report(rows: dict[str, list[_Row]], repeats: int, gate: _Gate) -> None:
             "((max - min) / median)"
         )
     _summary(terr, merr, f"over every round ({repeats} per plan)")
-    quiet = {
-        pid: [r for r in rs if all(gate.quiet(b) for b in r.brackets)] for pid, rs in rows.items()
+    same = {
+        pid: [r for r in rs if gate.agrees(r.run_bracket, r.profile_brackets)]
+        for pid, rs in rows.items()
     }
-    kept = sum(len(rs) for rs in quiet.values())
+    kept = sum(len(rs) for rs in same.values())
     total = sum(len(rs) for rs in rows.values())
     qerr, qmerr = _table(
-        quiet,
-        f"rounds where the host ran at its usual speed around the run and around every part "
-        f"of both profiles ({kept} of {total})",
+        same,
+        "rounds whose run saw the host of its profiles (steady during the run, and within "
+        f"{100 * gate.tolerance:.0f}% of the mean speed around both profiles' parts): "
+        f"{kept} of {total}",
     )
     _summary(qerr, qmerr, "over those rounds")
     print(f"load average at end: {os.getloadavg()}")

@@ -12,10 +12,11 @@ only meaningful when the profile and the run saw the same host.
 and its optimizer, warmed up and then idle (blocked on a pipe: no CPU while waiting).
 :meth:`SpeedProbe.check` takes ~``(cores + 1) x window_s``: each core runs the model's
 training step alone for a window, then all cores at once; a :class:`SpeedCheck` holds the
-mean step time of every core in both. Comparing checks with the fastest seen
-(:func:`nominal`, :func:`is_quiet`) says whether the host ran at its usual speed around a
-measurement. The benchmark ``simulator_vs_cpu.py`` checks before and after every profile
-part and every run, and reports which ones the host disturbed.
+mean step time of every core in both. Comparing checks (:func:`drift`, :func:`same_speed`,
+over stretches: :func:`mean_check`) says whether the host kept its speed during a
+measurement and whether two measurements saw the same host; :func:`nominal` is the fastest
+seen (the host undisturbed). The benchmark ``simulator_vs_cpu.py`` checks before and after
+every profile part and every run, and reports which runs saw the host of their profile.
 
 The processes compute only inside a check; between checks they do not run at all, so they do
 not disturb what is measured in between.
@@ -34,7 +35,7 @@ from types import TracebackType
 
 from sailor.schemas import ModelSpec
 
-__all__ = ["SpeedCheck", "SpeedProbe", "is_quiet", "nominal"]
+__all__ = ["SpeedCheck", "SpeedProbe", "drift", "mean_check", "nominal", "same_speed"]
 
 _READY = "ready"
 
@@ -95,11 +96,32 @@ def nominal(checks: Sequence[SpeedCheck]) -> SpeedCheck:
     )
 
 
-def is_quiet(check: SpeedCheck, usual: SpeedCheck, tolerance: float = 0.2) -> bool:
-    """Whether every time of ``check`` is within ``tolerance`` of the host's usual speed."""
+def mean_check(checks: Sequence[SpeedCheck]) -> SpeedCheck:
+    """The mean of several checks, time by time (the host over a longer stretch)."""
+    if not checks:
+        raise ValueError("checks: need at least one speed check")
+    cores = len(checks[0].alone_s)
+    if any(len(c.alone_s) != cores for c in checks):
+        raise ValueError("checks: all must cover the same cores")
+    n = len(checks)
+    return SpeedCheck(
+        at_s=max(c.at_s for c in checks),
+        alone_s=tuple(sum(c.alone_s[i] for c in checks) / n for i in range(cores)),
+        together_s=tuple(sum(c.together_s[i] for c in checks) / n for i in range(cores)),
+    )
+
+
+def drift(a: SpeedCheck, b: SpeedCheck) -> float:
+    """How far apart two checks are: the largest ratio between the same time in both, minus
+    one (0: the same host speed; 1: some time doubled)."""
+    return max(a.slowest_ratio(b), b.slowest_ratio(a)) - 1.0
+
+
+def same_speed(a: SpeedCheck, b: SpeedCheck, tolerance: float = 0.2) -> bool:
+    """Whether the host ran at the same speed in both checks, within ``tolerance``."""
     if tolerance < 0:
         raise ValueError(f"tolerance={tolerance}: must be >= 0")
-    return check.slowest_ratio(usual) <= 1.0 + tolerance
+    return drift(a, b) <= tolerance
 
 
 class SpeedProbe:
