@@ -466,8 +466,9 @@ def main() -> None:
                     f"pipeline {(tb.compute_s + tb.p2p_s + tb.bubble_s) * 1e3:.2f} "
                     f"sync+end {tb.grad_sync_s * 1e3:.2f} update {tb.update_s * 1e3:.2f}"
                 )
-                brackets = (bracket, *before.brackets, *after.brackets)
-                rows.setdefault(plan.plan_id, []).append(_Row(t, it, m, mem, ph, sim, brackets))
+                rows.setdefault(plan.plan_id, []).append(
+                    _Row(t, it, m, mem, ph, sim, bracket, (*before.brackets, *after.brackets))
+                )
                 pre, post = (e.iteration_time_s * 1e3 for e in ests)
                 print(
                     f"  {plan.plan_id:16s} meas {t * 1e3:7.2f} ms sim {it * 1e3:7.2f} ms "
