@@ -23,11 +23,15 @@ one microbatch size), never on the plans the simulator will predict:
   wait for the scheduler to give it a core) and once with none (a core is free);
   ``wake_s`` is the difference of the mean delays (the transfer itself cancels out).
 * **all-reduces as the engine enters them**: for ``n = 2..K`` ranks, each iteration is the
-  end of a training step as :mod:`~sailor.megatron_patch.engine` runs it: every rank computes
-  the model's forward and backward, all-reduces a gradient-sized buffer in a group of its own,
-  then another in a second group, steps the optimizer, and all-reduces one scalar (the loss)
-  in a third; no barrier in between (the loss all-reduce is the iteration's barrier, as in
-  training). Each all-reduce's time runs from the later entry to the later exit. On a shared
+  end of a training step as :mod:`~sailor.megatron_patch.engine` runs it: ranks 0 and 1
+  compute the model's forward and backward, every rank all-reduces a gradient-sized buffer
+  in a group of its own, then another in a second group, ranks 0 and 1 step the optimizer,
+  and every rank all-reduces one scalar (the loss) in a third; no barrier in between (the
+  loss all-reduce is the iteration's barrier, as in training). Ranks 2.. do not compute: they
+  wait in each all-reduce, as the stages of a pipeline that finish before its first stage
+  (had all ``n`` ranks computed the same work at once, ranks sharing a core would arrive by
+  the scheduler's time slices, which no plan does). Each all-reduce's time runs from the later
+  entry to the later exit. On a shared
   host these are not the all-reduce of the collective probe (a barrier, then one all-reduce):
   the backend's threads sleep while the ranks compute and are woken by several hand-overs
   between threads and processes, and a core that has gone idle waits for the scheduler; traced
@@ -376,16 +380,22 @@ def _rank_main(argv: list[str] | None = None) -> int:
         dist.barrier()
         if rank >= n:
             continue
+        # ranks 0 and 1 (on different cores when bound) compute; the others have finished
+        # their share before and wait in each all-reduce, as the stages of a pipeline that
+        # drains before its first stage does
+        computes = rank < 2
         marks: list[list[float]] = []
         for i in range(int(cfg["entry_iterations"]) + _ENTRY_WARMUP):
-            opt.zero_grad(set_to_none=False)
-            forward_backward()
+            if computes:
+                opt.zero_grad(set_to_none=False)
+                forward_backward()
             t = [time.perf_counter()]
             dist.all_reduce(grad, group=groups[0])
             t.append(time.perf_counter())
             dist.all_reduce(follow, group=groups[1])
             t.append(time.perf_counter())
-            opt.step()
+            if computes:
+                opt.step()
             t.append(time.perf_counter())
             dist.all_reduce(loss, group=groups[2])
             t.append(time.perf_counter())
