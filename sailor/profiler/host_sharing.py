@@ -85,7 +85,7 @@ class HostRun:
     max_ranks: int = 4
     window_s: float = 1.0
     wake_messages: int = 150
-    entry_iterations: int = 80
+    entry_iterations: int = 150
     """Iterations of the engine's end of step per rank count (the all-reduce entry times)."""
     threads: int = 1
     cores: int = 0
