@@ -50,7 +50,7 @@ of their means; a sum of medians is biased low when the times are skewed by inte
 
 Prints the machine, the load average of each round, per-plan figures, per-phase times of
 rank 0 next to the simulator's breakdown, the host checks, and mean / median / worst |error|.
-Never asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 40]
+Never asserts. Run: ``python benchmarks/simulator_vs_cpu.py [--repeats 3] [--steps 60]
 [--tries 2] [--tolerance 0.2] [--model-file SPEC.json] [--no-pin]``. By default every rank
 is bound to core ``rank % cores`` (``launch_local(pin_cores=True)``) and the host-sharing
 profile is measured the same way.
@@ -386,7 +386,7 @@ def main() -> None:
         "milliseconds, so that compute, not the host's scheduling of messages, dominates)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="rounds of profile + all plans")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=5, help="warm-up steps not counted")
     ap.add_argument(
         "--statistic", default="mean", help="central value of profiles and steps: mean or median"

@@ -1,6 +1,6 @@
 """``sailor profile``: measure layers and links on this machine; estimate GPUs not at hand.
 
-* ``sailor profile layers --model M --device cpu|cuda --tp 1,2 --mbs 1,2,4,8 -o DB.json``
+* ``sailor profile layers --model M --device cpu|cuda --tp 1,2,4 --mbs 1,2,4,8 -o DB.json``
 * ``sailor profile network -o NET.json [--zone Z --gpu-type G --gpus-per-node K ...]``
 * ``sailor profile estimate --gpu H100-80 --from DB.json [-o OUT.json]``
 
@@ -64,7 +64,11 @@ def layers_cmd(
     model: str = typer.Option("tiny-gpt", help="Catalog model name."),
     model_file: Path | None = typer.Option(None, help="ModelSpec file (instead of --model)."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    tp: str = typer.Option("1", help="TP degrees, comma-separated (TP>1: gloo ranks on CPU)."),
+    tp: str = typer.Option(
+        "1",
+        help="TP degrees, comma-separated (TP>1: gloo ranks on CPU; on cuda one NCCL rank per "
+        "GPU of this host).",
+    ),
     mbs: str = typer.Option("1,2,4,8", help="Microbatch sizes, comma-separated."),
     out: Path = typer.Option(..., "-o", "--out", help="ProfileDB JSON to merge into."),
     gpu_type: str | None = typer.Option(

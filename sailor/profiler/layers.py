@@ -84,8 +84,6 @@ class LayerRun:
             raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
         if self.host_ranks < 0:
             raise ValueError(f"host_ranks={self.host_ranks}: must be >= 0")
-        if self.device == "cuda" and any(t > 1 for t in self.tps):
-            raise ValueError("tp > 1 is measured with gloo ranks on CPU only; use --tp 1 on cuda")
 
     @property
     def total(self) -> int:
@@ -133,7 +131,8 @@ def profile_layers(
                 note(f"tp=1 mbs={mbs}", 1)
         else:
             n = len(run.mbs)
-            note(f"tp={tp}: {tp} gloo ranks, mbs {list(run.mbs)}", 0)
+            ranks = "gloo ranks" if run.device == "cpu" else "NCCL ranks, one GPU each"
+            note(f"tp={tp}: {tp} {ranks}, mbs {list(run.mbs)}", 0)
             out.extend(
                 measure_tp(
                     run.spec,
@@ -143,6 +142,7 @@ def profile_layers(
                     run.threads,
                     measure_memory=run.measure_memory,
                     in_situ=run.in_situ,
+                    device=run.device,
                 )
             )
             note(f"tp={tp} done", n)

@@ -25,7 +25,7 @@ from typing import Any
 
 from sailor.localnet import free_port
 
-__all__ = ["RankFailedError", "init_gloo", "rank_args", "run_ranks", "write_result"]
+__all__ = ["RankFailedError", "init_gloo", "init_group", "rank_args", "run_ranks", "write_result"]
 
 
 class RankFailedError(RuntimeError):
@@ -111,10 +111,15 @@ def rank_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
 
 def init_gloo(args: argparse.Namespace, timeout_s: float = 120.0) -> None:
     """Join the gloo group of the run (rank, world size, rendezvous from ``args``)."""
+    init_group(args, "gloo", timeout_s)
+
+
+def init_group(args: argparse.Namespace, backend: str, timeout_s: float = 120.0) -> None:
+    """Join the run's process group with ``backend`` (gloo on CPU, nccl on GPUs)."""
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://{args.master}",
         rank=args.rank,
         world_size=args.world_size,

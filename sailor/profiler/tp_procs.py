@@ -1,4 +1,8 @@
-"""Layer measurements at TP degree > 1: the TP ranks run as real gloo processes.
+"""Layer measurements at TP degree > 1: the TP ranks run as real processes.
+
+On CPU the ranks are gloo processes on this host; on CUDA each rank owns one GPU
+(``cuda:rank``) and joins an NCCL group, so the block's all-reduces run over NVLink/PCIe as in
+training, and every layer is timed with CUDA events (:mod:`in_situ`).
 
 A TP-``t`` block is measured the way it trains: ``t`` processes, each holding its shard of
 the block (:class:`~sailor.megatron_patch.tp_layers.TPContext` over a real process group),
@@ -27,9 +31,24 @@ from sailor.profiler.procs import run_ranks
 from sailor.profiler.timing import RepeatSettings, Stats
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["combine_ranks", "measure_tp"]
+__all__ = ["combine_ranks", "measure_tp", "rank_device"]
 
 _MIN_FIXED_REPS = 10
+
+
+def rank_device(device: str, rank: int, gpus: int) -> tuple[str, str]:
+    """The backend and the device of TP rank ``rank`` (pure): gloo on the CPU, or NCCL with
+    GPU ``rank`` of the ``gpus`` this host has."""
+    if device == "cpu":
+        return "gloo", "cpu"
+    if device != "cuda":
+        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+    if rank >= gpus:
+        raise ValueError(
+            f"--tp: TP rank {rank} needs GPU {rank}, but this host has {gpus} GPU(s); "
+            "measure TP degrees up to the GPUs of one node"
+        )
+    return "nccl", f"cuda:{rank}"
 
 
 def measure_tp(
@@ -41,10 +60,18 @@ def measure_tp(
     measure_memory: bool = True,
     deadline_s: float = 1800.0,
     in_situ: bool = True,
+    device: str = "cpu",
 ) -> list[LayerMeasurement]:
-    """Measure ``kinds`` at every microbatch size in ``mbs_list`` with ``tp`` gloo ranks."""
+    """Measure every layer at every microbatch size in ``mbs_list`` with ``tp`` ranks (gloo
+    processes on CPU; on CUDA one NCCL process per GPU)."""
     if tp < 2:
         raise ValueError(f"tp={tp}: measure_tp is for TP > 1; tp=1 runs in-process")
+    if device == "cuda":
+        import torch
+
+        rank_device(device, tp - 1, torch.cuda.device_count())  # every rank has its GPU
+    else:
+        rank_device(device, 0, 0)
     reps = max(settings.min_reps, _MIN_FIXED_REPS)
     fixed = RepeatSettings(warmup=settings.warmup, min_reps=reps, max_reps=reps, min_time_s=0.0)
     config = {
@@ -54,6 +81,7 @@ def measure_tp(
         "threads": threads,
         "measure_memory": measure_memory,
         "in_situ": in_situ,
+        "device": device,
     }
     results = run_ranks("sailor.profiler.tp_procs", tp, config, deadline_s=deadline_s)
     per_rank = [[LayerMeasurement.from_dict(d) for d in r["measurements"]] for r in results]
@@ -92,14 +120,20 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     from sailor.megatron_patch.tp_layers import TPContext
     from sailor.profiler.layer_bench import measure_kinds
-    from sailor.profiler.procs import init_gloo, rank_args, write_result
+    from sailor.profiler.procs import init_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
     spec = ModelSpec.model_validate(cfg["spec"])
     settings = RepeatSettings(**cfg["settings"])
-    init_gloo(args)
-    group = dist.new_group(list(range(args.world_size)))
+    kind = str(cfg.get("device", "cpu"))
+    gpus = torch.cuda.device_count() if kind == "cuda" else 0
+    backend, dev_name = rank_device(kind, args.rank, gpus)
+    dev = torch.device(dev_name)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    init_group(args, backend)
+    group = dist.new_group(list(range(args.world_size)), backend=backend)
     ctx = TPContext(size=args.world_size, rank=args.rank, group=group)
     out: list[dict[str, Any]] = []
     for mbs in cfg["mbs"]:
@@ -107,7 +141,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
         ms = measure_kinds(
             spec,
             int(mbs),
-            torch.device("cpu"),
+            dev,
             settings,
             tp=ctx,
             in_situ=bool(cfg.get("in_situ", True)),
