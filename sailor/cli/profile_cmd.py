@@ -220,18 +220,33 @@ def network_cmd(
         "262144,4194304",
         help="All-reduce sizes (bytes) for the backend's bus bandwidth ('' skips it).",
     ),
+    device: str = typer.Option(
+        "cpu", help="cpu (gloo, host memory) or cuda (NCCL, GPU memory: one GPU per rank)."
+    ),
+    rank: int | None = typer.Option(
+        None,
+        help="Between two nodes: run only this side (0 or 1) here; the other node runs the "
+        "other side with the same --master. Rank 0 writes --out. Default: both on loopback.",
+    ),
+    master: str | None = typer.Option(
+        None, help="HOST:PORT where rank 0 listens (with --rank; the port must be free there)."
+    ),
+    gpu: int = typer.Option(0, help="With --rank and cuda: the GPU of this node to use."),
 ) -> None:
-    """Point-to-point bandwidth vs message size between two gloo processes (loopback here).
+    """Point-to-point bandwidth vs message size between two ranks with the training backend
+    (gloo on cpu, NCCL on cuda): both on loopback here, or one per node (--rank, --master).
 
-    Then the fixed cost of a tiny all-reduce among each of ``--collectives`` rank counts
-    (what the simulator charges a ring once, instead of the p2p latency per ring step), and
-    the all-reduce's bus bandwidth from ``--collective-sizes``.
+    Then, on loopback, the fixed cost of a tiny all-reduce among each of ``--collectives``
+    rank counts (what the simulator charges a ring once, instead of the p2p latency per ring
+    step), and the all-reduce's bus bandwidth from ``--collective-sizes``.
     """
     from sailor.profiler.collective_probe import collective_latencies
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
     from sailor.profiler.network_probe import ProbeSettings, run_probe
 
-    ranks = _ints(collectives, "collectives") if collectives.strip() else ()
+    ranks = _ints(collectives, "collectives") if collectives.strip() and rank is None else ()
+    if rank is not None and (rank not in (0, 1) or not master):
+        raise fail(f"--rank={rank}, --master={master!r}: a side is --rank 0 or 1, with --master")
     if any(n < 2 for n in ranks):
         raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
     sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
@@ -239,7 +254,7 @@ def network_cmd(
         raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
     try:
         settings = ProbeSettings(
-            min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size
+            min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size, device=device
         )
         src = Endpoint(zone=zone, gpu_type=gpu_type, gpus_per_node=gpus_per_node)
         dst = Endpoint(
@@ -249,18 +264,28 @@ def network_cmd(
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    con = Console()
-    with con.status("probing 2 gloo ranks on loopback..."):
-        points = run_probe(settings)
     if statistic not in ("median", "mean"):
         raise fail(f"--statistic={statistic!r}: use median or mean")
+    con = Console()
+    backend = "gloo" if device == "cpu" else "NCCL"
+    where = "on loopback" if rank is None else f"rank {rank} of 2, rank 0 at {master}"
+    try:
+        with con.status(f"probing 2 {backend} ranks ({where})..."):
+            points = run_probe(settings, rank=rank, master=master, gpu=gpu)
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    if rank == 1:
+        con.print(f"rank 1 done: rank 0 at {master} writes the link")
+        return
     pairs = [(p.nbytes, p.time.central(statistic)) for p in points]
     curve = fit_link(pairs, latency=latency)
     resid = fit_residuals(curve, pairs)
     load = os.getloadavg()[0]
     source = (
-        f"sailor profile network: torch.distributed gloo send/recv ping-pong, 2 processes on "
-        f"loopback, {len(points)} sizes {min_bytes}..{max_bytes} B, load average {load:.2f}"
+        f"sailor profile network: torch.distributed {backend} send/recv ping-pong "
+        f"({device}), 2 processes "
+        + ("on loopback" if rank is None else f"on two nodes (rank 0 at {master})")
+        + f", {len(points)} sizes {min_bytes}..{max_bytes} B, load average {load:.2f}"
     )
     old = load_model(out, NetworkProfile) if out.exists() else None
     net = with_link(old, src, dst, curve, intra=intra, source=source)
@@ -273,6 +298,7 @@ def network_cmd(
                 statistic,
                 load=f", load average {os.getloadavg()[0]:.2f}",
                 sizes=sizes,
+                device=device,
             )
         kept = tuple(
             c for c in net.collectives if not (c.endpoint == src and c.ranks in set(ranks))

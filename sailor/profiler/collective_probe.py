@@ -7,8 +7,10 @@ ping-pong one-way time was 1.7-2 ms at load 6-9, while a whole all-reduce of one
 among 2-4 ranks took a fraction of that; charging the ring's ``2(n-1)`` steps at the p2p
 latency overestimated the training's loss and tied-embedding all-reduces several times.
 
-Procedure: ``n`` gloo processes on loopback (:func:`~sailor.profiler.procs.run_ranks`);
-each repetition is a barrier, then one timed ``all_reduce`` of an 8-byte tensor (the size of
+Procedure: ``n`` processes on loopback (:func:`~sailor.profiler.procs.run_ranks`): gloo on
+the CPU, or NCCL with one GPU per rank (``device="cuda"``, the GPU synchronised before and
+after each timed call); each repetition is a barrier, then one timed ``all_reduce`` of an
+8-byte tensor (the size of
 ``megatron_patch``'s loss all-reduce). A few untimed warm-ups first. Each rank keeps the
 median or mean of its times; the latency is the largest over ranks (the collective ends for
 everyone when the last rank leaves it).
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import sys
 
-from sailor.profiler.procs import run_ranks
+from sailor.profiler.procs import rank_device, run_ranks
 from sailor.profiler.timing import Stats
 from sailor.schemas.network import CollectiveLatency, Endpoint
 
@@ -44,15 +46,22 @@ def run_allreduce_probe(
     threads: int = 1,
     deadline_s: float = 300.0,
     sizes: tuple[int, ...] = (),
+    device: str = "cpu",
 ) -> dict[int, list[Stats]]:
-    """Per-size, per-rank statistics of all-reduces among ``ranks`` fresh gloo processes:
-    :data:`ALLREDUCE_BYTES` and each of ``sizes`` (bytes)."""
+    """Per-size, per-rank statistics of all-reduces among ``ranks`` fresh processes (gloo on
+    cpu, NCCL with one GPU each on cuda): :data:`ALLREDUCE_BYTES` and each of ``sizes``."""
     if ranks < 2:
         raise ValueError(f"ranks={ranks}: an all-reduce needs at least 2")
     if any(b < 8 for b in sizes):
         raise ValueError(f"sizes={sizes}: sizes are bytes, at least 8")
+    if device == "cuda":
+        import torch
+
+        rank_device(device, ranks - 1, torch.cuda.device_count())
+    else:
+        rank_device(device, 0, 0)
     all_sizes = sorted({ALLREDUCE_BYTES, *sizes})
-    cfg = {"reps": reps, "threads": threads, "sizes": all_sizes}
+    cfg = {"reps": reps, "threads": threads, "sizes": all_sizes, "device": device}
     res = run_ranks("sailor.profiler.collective_probe", ranks, cfg, deadline_s=deadline_s)
     return {b: [Stats.from_dict(r["times"][str(b)]) for r in res] for b in all_sizes}
 
@@ -78,12 +87,14 @@ def collective_latencies(
     threads: int = 1,
     load: str = "",
     sizes: tuple[int, ...] = (),
+    device: str = "cpu",
 ) -> list[CollectiveLatency]:
     """Measure the all-reduce latency (and, with ``sizes``, bus bandwidth) for each rank
     count in ``ranks``."""
     out: list[CollectiveLatency] = []
+    backend = "gloo" if device == "cpu" else "NCCL"
     for n in ranks:
-        per_size = run_allreduce_probe(n, reps, threads, sizes=sizes)
+        per_size = run_allreduce_probe(n, reps, threads, sizes=sizes, device=device)
         central = {b: max(s.central(statistic) for s in st) for b, st in per_size.items()}
         lat = central[ALLREDUCE_BYTES]
         big = [(b, t) for b, t in central.items() if b > ALLREDUCE_BYTES]
@@ -96,7 +107,7 @@ def collective_latencies(
                 bus_gbps=bus,
                 max_bytes=max(b for b, _ in big) if bus is not None else 0,
                 source=(
-                    f"gloo all_reduce of {', '.join(str(b) for b in sorted(central))} B among "
+                    f"{backend} all_reduce of {', '.join(str(b) for b in sorted(central))} B among "
                     f"{n} processes on loopback, {reps} reps after a barrier each, {statistic} "
                     f"per rank, slowest rank (sailor.profiler.collective_probe){load}"
                 ),
@@ -111,19 +122,29 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from sailor.profiler.procs import init_gloo, rank_args, write_result
+    from sailor.profiler.procs import init_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
-    init_gloo(args, timeout_s=120.0)
+    kind = str(cfg.get("device", "cpu"))
+    backend, name = rank_device(kind, args.rank, torch.cuda.device_count() if kind == "cuda" else 0)
+    dev = torch.device(name)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    init_group(args, backend, timeout_s=120.0)
     out: dict[str, dict[str, float]] = {}
     for nbytes in cfg.get("sizes", [ALLREDUCE_BYTES]):
-        buf = torch.zeros(max(1, int(nbytes) // 8), dtype=torch.float64)
+        buf = torch.zeros(max(1, int(nbytes) // 8), dtype=torch.float64, device=dev)
         times: list[float] = []
         for i in range(int(cfg["reps"]) + _WARMUP):
             dist.barrier()
+            if cuda:
+                torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
             dist.all_reduce(buf)
+            if cuda:
+                torch.cuda.synchronize(dev)  # NCCL returns before the reduction is done
             if i >= _WARMUP:
                 times.append(time.perf_counter() - t0)
         out[str(nbytes)] = Stats.of(times).to_dict()

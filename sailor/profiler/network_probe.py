@@ -1,11 +1,21 @@
 """Point-to-point bandwidth between two ranks as a function of message size.
 
-Two processes joined by ``torch.distributed`` (gloo here; the agent runs the same probe
-between nodes with the backend in use) play ping-pong: rank 0 sends a message of ``n``
-bytes with ``dist.send``, rank 1 receives it with ``dist.recv`` and sends it back. One
-direction takes half the round trip, timed on rank 0 with the monotonic clock. Ping-pong
-rather than a stream of sends: it times a transfer from start to complete delivery, which
-is what a pipeline stage waits for, and it needs no clock shared by the two hosts.
+Two processes joined by ``torch.distributed`` with the backend training uses play
+ping-pong: rank 0 sends a message of ``n`` bytes with ``dist.send``, rank 1 receives it with
+``dist.recv`` and sends it back. One direction takes half the round trip, timed on rank 0
+with the monotonic clock. Ping-pong rather than a stream of sends: it times a transfer from
+start to complete delivery, which is what a pipeline stage waits for, and it needs no clock
+shared by the two hosts.
+
+* ``device="cpu"``: gloo, messages in host memory;
+* ``device="cuda"``: NCCL, messages in GPU memory (rank ``r`` on GPU ``r`` on loopback, GPU
+  ``gpu`` of its node between nodes); rank 0 synchronises the GPU before reading the clock,
+  since NCCL's send and receive return before the transfer is done.
+
+On loopback (:func:`run_probe` default) both ranks run here. Between two nodes each node runs
+one rank (``rank=0`` on one, ``rank=1`` on the other, both given rank 0's ``host:port``):
+that is the link the simulator needs for a pair of nodes, and it is what ``sailor profile
+network --rank R --master HOST:PORT`` runs.
 
 Sizes double from ``min_bytes`` to ``max_bytes``. Repetitions per size are fixed in
 advance from the size (both ranks must agree without talking): enough to move about
@@ -21,7 +31,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from sailor.profiler.procs import run_ranks
+from sailor.profiler.procs import rank_device, run_ranks
 from sailor.profiler.timing import Stats
 
 __all__ = ["ProbePoint", "ProbeSettings", "probe_sizes", "run_probe"]
@@ -38,8 +48,12 @@ class ProbeSettings:
     min_reps: int = 3
     max_reps: int = 50
     threads: int = 1
+    device: str = "cpu"
+    """cpu (gloo, host memory) or cuda (NCCL, GPU memory)."""
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda'")
         if not 4 <= self.min_bytes <= self.max_bytes:
             raise ValueError(
                 f"min_bytes={self.min_bytes}, max_bytes={self.max_bytes}: "
@@ -74,10 +88,43 @@ def probe_sizes(s: ProbeSettings) -> list[tuple[int, int]]:
     return out
 
 
-def run_probe(settings: ProbeSettings, deadline_s: float = 600.0) -> list[ProbePoint]:
-    """Probe loopback between two fresh gloo processes; one point per message size."""
-    cfg = {"sizes": probe_sizes(settings), "threads": settings.threads}
-    res = run_ranks("sailor.profiler.network_probe", 2, cfg, deadline_s=deadline_s)
+def run_probe(
+    settings: ProbeSettings,
+    deadline_s: float = 600.0,
+    rank: int | None = None,
+    master: str | None = None,
+    gpu: int = 0,
+) -> list[ProbePoint]:
+    """Probe the link between two fresh ranks; one point per message size.
+
+    Default: both ranks here, on loopback. ``rank`` (0 or 1) with ``master`` (``host:port``
+    where rank 0 listens): only that rank runs here, on GPU ``gpu`` of this node with cuda;
+    the other runs on the peer node. Rank 0 returns the points, rank 1 an empty list."""
+    if rank is not None and (rank not in (0, 1) or not master):
+        raise ValueError(f"rank={rank}, master={master!r}: one side is rank 0 or 1, with master")
+    if settings.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        needed = [gpu] if rank is not None else [0, 1]
+        for index in needed:
+            rank_device("cuda", index, gpus)
+    cfg = {
+        "sizes": probe_sizes(settings),
+        "threads": settings.threads,
+        "device": settings.device,
+        "gpu": gpu if rank is not None else None,
+    }
+    res = run_ranks(
+        "sailor.profiler.network_probe",
+        2,
+        cfg,
+        deadline_s=deadline_s,
+        master=master,
+        ranks=None if rank is None else [rank],
+    )
+    if rank == 1:
+        return []
     return [
         ProbePoint(nbytes=int(p["nbytes"]), time=Stats.from_dict(p["time"]))
         for p in res[0]["points"]
@@ -90,21 +137,33 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from sailor.profiler.procs import init_gloo, rank_args, write_result
+    from sailor.profiler.procs import init_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
-    init_gloo(args, timeout_s=300.0)
+    kind = str(cfg.get("device", "cpu"))
+    index = args.rank if cfg.get("gpu") is None else int(cfg["gpu"])
+    gpus = torch.cuda.device_count() if kind == "cuda" else 0
+    backend, name = rank_device(kind, index, gpus)
+    dev = torch.device(name)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    init_group(args, backend, timeout_s=300.0)
     peer = 1 - args.rank
     points = []
     for nbytes, reps in cfg["sizes"]:
-        buf = torch.ones(int(nbytes) // 4, dtype=torch.float32)
+        buf = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=dev)
         times: list[float] = []
         for i in range(int(reps) + 1):
             if args.rank == 0:
+                if cuda:
+                    torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
                 dist.send(buf, dst=peer)
                 dist.recv(buf, src=peer)
+                if cuda:
+                    torch.cuda.synchronize(dev)  # NCCL returns before the bytes are in
                 if i > 0:  # the first exchange is the warm-up
                     times.append((time.perf_counter() - t0) / 2)
             else:
@@ -113,6 +172,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             points.append({"nbytes": int(nbytes), "time": Stats.of(times).to_dict()})
         del buf
+    if cuda:
+        torch.cuda.synchronize(dev)
     dist.barrier()
     write_result(args, {"rank": args.rank, "points": points})
     dist.destroy_process_group()

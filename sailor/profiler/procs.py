@@ -19,13 +19,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sailor.localnet import free_port
 
-__all__ = ["RankFailedError", "init_gloo", "init_group", "rank_args", "run_ranks", "write_result"]
+__all__ = [
+    "RankFailedError",
+    "init_gloo",
+    "init_group",
+    "rank_args",
+    "rank_device",
+    "run_ranks",
+    "write_result",
+]
 
 
 class RankFailedError(RuntimeError):
@@ -38,26 +47,50 @@ class RankFailedError(RuntimeError):
         self.module, self.rank, self.why, self.stderr = module, rank, why, stderr
 
 
+def rank_device(device: str, index: int, gpus: int) -> tuple[str, str]:
+    """The backend and the device of a measurement rank (pure): gloo on the CPU, or NCCL with
+    GPU ``index`` of the ``gpus`` this host has."""
+    if device == "cpu":
+        return "gloo", "cpu"
+    if device != "cuda":
+        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+    if not 0 <= index < gpus:
+        raise ValueError(
+            f"a rank needs GPU {index}, but this host has {gpus} GPU(s): one rank per GPU"
+        )
+    return "nccl", f"cuda:{index}"
+
+
 def run_ranks(
     module: str,
     world: int,
     config: dict[str, Any],
     deadline_s: float = 600.0,
     extra_env: dict[str, str] | None = None,
+    master: str | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``python -m module`` as ``world`` gloo ranks; each rank's JSON result, in order."""
+    """Run ``python -m module`` as the ``world`` ranks of a group; each rank's JSON result, in
+    order. ``ranks`` starts only some of them here (the others run on other hosts, joining at
+    ``master``, ``host:port`` of rank 0); default: all of them, on loopback."""
     import os
 
     if world < 1:
         raise ValueError(f"world={world}: need at least one rank")
-    master = f"127.0.0.1:{free_port()}"
+    mine = list(range(world)) if ranks is None else list(ranks)
+    if not mine or any(not 0 <= r < world for r in mine):
+        raise ValueError(f"ranks={mine}: need ranks in 0..{world - 1}")
+    if master is None:
+        if len(mine) != world:
+            raise ValueError("master: ranks on other hosts need the address of rank 0")
+        master = f"127.0.0.1:{free_port()}"
     env = {**os.environ, **(extra_env or {})}
     with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
         d = Path(tmp)
         cfg = d / "config.json"
         cfg.write_text(json.dumps(config))
         procs: list[subprocess.Popen[bytes]] = []
-        for r in range(world):
+        for r in mine:
             cmd = [
                 sys.executable,
                 "-m",
@@ -89,12 +122,12 @@ def run_ranks(
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for r, p in enumerate(procs):
+        for r, p in zip(mine, procs, strict=True):
             stderr = (d / f"stderr-{r}.txt").read_text(errors="replace")
             if p.returncode != 0 or not (d / f"out-{r}.json").exists():
                 why = f"missed the {deadline_s:.0f} s deadline" if late else f"exit {p.returncode}"
                 raise RankFailedError(module, r, why, stderr)
-        return [json.loads((d / f"out-{r}.json").read_text()) for r in range(world)]
+        return [json.loads((d / f"out-{r}.json").read_text()) for r in mine]
 
 
 def rank_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:

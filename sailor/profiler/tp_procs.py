@@ -27,28 +27,13 @@ from dataclasses import asdict
 from typing import Any
 
 from sailor.profiler.layer_bench import LayerMeasurement
-from sailor.profiler.procs import run_ranks
+from sailor.profiler.procs import rank_device, run_ranks
 from sailor.profiler.timing import RepeatSettings, Stats
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["combine_ranks", "measure_tp", "rank_device"]
+__all__ = ["combine_ranks", "measure_tp"]
 
 _MIN_FIXED_REPS = 10
-
-
-def rank_device(device: str, rank: int, gpus: int) -> tuple[str, str]:
-    """The backend and the device of TP rank ``rank`` (pure): gloo on the CPU, or NCCL with
-    GPU ``rank`` of the ``gpus`` this host has."""
-    if device == "cpu":
-        return "gloo", "cpu"
-    if device != "cuda":
-        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
-    if rank >= gpus:
-        raise ValueError(
-            f"--tp: TP rank {rank} needs GPU {rank}, but this host has {gpus} GPU(s); "
-            "measure TP degrees up to the GPUs of one node"
-        )
-    return "nccl", f"cuda:{rank}"
 
 
 def measure_tp(
@@ -69,7 +54,12 @@ def measure_tp(
     if device == "cuda":
         import torch
 
-        rank_device(device, tp - 1, torch.cuda.device_count())  # every rank has its GPU
+        gpus = torch.cuda.device_count()
+        if gpus < tp:
+            raise ValueError(
+                f"--tp {tp} on cuda: one rank per GPU, but this host has {gpus} GPU(s); "
+                "measure TP degrees up to the GPUs of one node"
+            )
     else:
         rank_device(device, 0, 0)
     reps = max(settings.min_reps, _MIN_FIXED_REPS)

@@ -206,3 +206,47 @@ def test_host_speed_check_runs_the_model_on_every_core() -> None:
     usual = nominal(checks)
     assert all(c.slowest_ratio(usual) >= 1.0 for c in checks)
     assert drift(checks[0], checks[1]) >= 0.0
+
+
+def test_network_probe_one_side_per_node(tmp_path: Path) -> None:
+    """Each node runs one side (--rank, --master), as between two nodes; here both on
+    loopback, rank 1 as a separate `sailor` process."""
+    import subprocess
+    import sys
+
+    from sailor.localnet import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "net.json"
+    common = ["--min-bytes", "65536", "--max-bytes", "262144", "--bytes-per-size", "1048576"]
+    cmd = [sys.executable, "-m", "sailor.cli.main", "profile", "network", "-o"]
+    peer = subprocess.Popen(
+        [*cmd, str(tmp_path / "x"), *common, "--rank", "1", "--master", master],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    r = CliRunner().invoke(
+        app,
+        ["profile", "network", "-o", str(out), *common, "--rank", "0", "--master", master],
+    )
+    said, _ = peer.communicate(timeout=120)
+    assert r.exit_code == 0, r.output
+    assert peer.returncode == 0 and "rank 1 done" in said, said
+    assert not (tmp_path / "x").exists()  # rank 1 writes nothing
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert len(net.links) == 1 and "two nodes" in net.source
+    assert net.links[0].curve.max_gbps > 0 and not net.collectives  # collectives: loopback only
+
+
+def test_network_probe_refuses_bad_sides_and_missing_gpus(tmp_path: Path) -> None:
+    import torch
+
+    out = str(tmp_path / "net.json")
+    bad = CliRunner().invoke(app, ["profile", "network", "-o", out, "--rank", "2"])
+    assert bad.exit_code != 0 and "--rank=2" in bad.output
+    alone = CliRunner().invoke(app, ["profile", "network", "-o", out, "--rank", "0"])
+    assert alone.exit_code != 0 and "--master=None" in alone.output
+    if torch.cuda.device_count() < 2:
+        gpu = CliRunner().invoke(app, ["profile", "network", "-o", out, "--device", "cuda"])
+        assert gpu.exit_code != 0 and "GPU(s)" in gpu.output
