@@ -197,11 +197,12 @@ def test_host_speed_check_runs_the_model_on_every_core() -> None:
 
     spec = catalog.model("tiny-gpt")
     with SpeedProbe(spec, mbs=2, cores=[0, 0]) as probe:
-        checks = [probe.check(window_s=0.05) for _ in range(2)]
+        checks = [probe.check(window_s=0.1) for _ in range(3)]
     for c in checks:
         assert len(c.alone_s) == 2 and all(t > 0 for t in (*c.alone_s, *c.together_s))
-    # two processes bound to one core: together, each gets about half of it
-    assert min(c.together_s[0] / c.alone_s[0] for c in checks) > 1.3
+    # two processes bound to one core: together, each gets about half of it (in at least one
+    # check: another tenant may slow the core down during an "alone" window)
+    assert max(c.together_s[0] / c.alone_s[0] for c in checks) > 1.3
     # the fastest seen is no slower than any check
     usual = nominal(checks)
     assert all(c.slowest_ratio(usual) >= 1.0 for c in checks)
