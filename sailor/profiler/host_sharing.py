@@ -228,10 +228,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
 
     def forward_backward() -> None:
-        x: torch.Tensor = tokens
-        for i, mod in enumerate(stage.layers.values()):
-            x = mod(x, labels) if i == n_layers - 1 else mod(x)
-        x.backward()  # type: ignore[no-untyped-call]
+        stage(tokens, labels).backward()
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
