@@ -29,7 +29,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -79,36 +79,31 @@ class SpeedCheck:
         return f"alone {ms} ms, all cores {together} ms"
 
 
+def _per_core(checks: Sequence[SpeedCheck], reduce: Callable[[list[float]], float]) -> SpeedCheck:
+    """``reduce`` over the checks of each core's time alone and together; the latest time."""
+    if not checks:
+        raise ValueError("checks: need at least one speed check")
+    cores = len(checks[0].alone_s)
+    if any(len(c.alone_s) != cores for c in checks):
+        raise ValueError("checks: all must cover the same cores")
+    return SpeedCheck(
+        at_s=max(c.at_s for c in checks),
+        alone_s=tuple(reduce([c.alone_s[i] for c in checks]) for i in range(cores)),
+        together_s=tuple(reduce([c.together_s[i] for c in checks]) for i in range(cores)),
+    )
+
+
 def nominal(checks: Sequence[SpeedCheck]) -> SpeedCheck:
     """The host at its usual speed: per core, the fastest time seen alone and together.
 
     Other tenants only ever slow a core down, so the fastest of many checks is the host
     undisturbed (a core cannot run the same work faster than it can)."""
-    if not checks:
-        raise ValueError("checks: need at least one speed check")
-    cores = len(checks[0].alone_s)
-    if any(len(c.alone_s) != cores for c in checks):
-        raise ValueError("checks: all must cover the same cores")
-    return SpeedCheck(
-        at_s=max(c.at_s for c in checks),
-        alone_s=tuple(min(c.alone_s[i] for c in checks) for i in range(cores)),
-        together_s=tuple(min(c.together_s[i] for c in checks) for i in range(cores)),
-    )
+    return _per_core(checks, min)
 
 
 def mean_check(checks: Sequence[SpeedCheck]) -> SpeedCheck:
     """The mean of several checks, time by time (the host over a longer stretch)."""
-    if not checks:
-        raise ValueError("checks: need at least one speed check")
-    cores = len(checks[0].alone_s)
-    if any(len(c.alone_s) != cores for c in checks):
-        raise ValueError("checks: all must cover the same cores")
-    n = len(checks)
-    return SpeedCheck(
-        at_s=max(c.at_s for c in checks),
-        alone_s=tuple(sum(c.alone_s[i] for c in checks) / n for i in range(cores)),
-        together_s=tuple(sum(c.together_s[i] for c in checks) / n for i in range(cores)),
-    )
+    return _per_core(checks, lambda ts: sum(ts) / len(ts))
 
 
 def drift(a: SpeedCheck, b: SpeedCheck) -> float:
@@ -245,14 +240,10 @@ def _main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
     labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen)
-    layers = list(stage.layers.values())
 
     def step() -> None:
         opt.zero_grad(set_to_none=False)
-        x: torch.Tensor = tokens
-        for i, mod in enumerate(layers):
-            x = mod(x, labels) if i == len(layers) - 1 else mod(x)
-        x.backward()  # type: ignore[no-untyped-call]
+        stage(tokens, labels).backward()
         opt.step()
 
     end = time.monotonic() + 0.3  # warm-up: allocator, autograd, optimizer state
