@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 
-from sailor.profiler.procs import rank_device, run_ranks
+from sailor.profiler.procs import check_devices, run_ranks
 from sailor.profiler.timing import Stats
 from sailor.schemas.network import CollectiveLatency, Endpoint
 
@@ -54,12 +54,7 @@ def run_allreduce_probe(
         raise ValueError(f"ranks={ranks}: an all-reduce needs at least 2")
     if any(b < 8 for b in sizes):
         raise ValueError(f"sizes={sizes}: sizes are bytes, at least 8")
-    if device == "cuda":
-        import torch
-
-        rank_device(device, ranks - 1, torch.cuda.device_count())
-    else:
-        rank_device(device, 0, 0)
+    check_devices(device, range(ranks))
     all_sizes = sorted({ALLREDUCE_BYTES, *sizes})
     cfg = {"reps": reps, "threads": threads, "sizes": all_sizes, "device": device}
     res = run_ranks("sailor.profiler.collective_probe", ranks, cfg, deadline_s=deadline_s)
@@ -122,17 +117,12 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from sailor.profiler.procs import init_group, rank_args, write_result
+    from sailor.profiler.procs import join_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
-    kind = str(cfg.get("device", "cpu"))
-    backend, name = rank_device(kind, args.rank, torch.cuda.device_count() if kind == "cuda" else 0)
-    dev = torch.device(name)
+    dev = join_group(args, str(cfg.get("device", "cpu")), args.rank, timeout_s=120.0)
     cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(dev)
-    init_group(args, backend, timeout_s=120.0)
     out: dict[str, dict[str, float]] = {}
     for nbytes in cfg.get("sizes", [ALLREDUCE_BYTES]):
         buf = torch.zeros(max(1, int(nbytes) // 8), dtype=torch.float64, device=dev)

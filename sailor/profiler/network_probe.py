@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from sailor.profiler.procs import rank_device, run_ranks
+from sailor.profiler.procs import check_devices, run_ranks
 from sailor.profiler.timing import Stats
 
 __all__ = ["ProbePoint", "ProbeSettings", "probe_sizes", "run_probe"]
@@ -102,13 +102,7 @@ def run_probe(
     the other runs on the peer node. Rank 0 returns the points, rank 1 an empty list."""
     if rank is not None and (rank not in (0, 1) or not master):
         raise ValueError(f"rank={rank}, master={master!r}: one side is rank 0 or 1, with master")
-    if settings.device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count()
-        needed = [gpu] if rank is not None else [0, 1]
-        for index in needed:
-            rank_device("cuda", index, gpus)
+    check_devices(settings.device, [gpu] if rank is not None else [0, 1])
     cfg = {
         "sizes": probe_sizes(settings),
         "threads": settings.threads,
@@ -137,19 +131,13 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from sailor.profiler.procs import init_group, rank_args, write_result
+    from sailor.profiler.procs import join_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
-    kind = str(cfg.get("device", "cpu"))
     index = args.rank if cfg.get("gpu") is None else int(cfg["gpu"])
-    gpus = torch.cuda.device_count() if kind == "cuda" else 0
-    backend, name = rank_device(kind, index, gpus)
-    dev = torch.device(name)
+    dev = join_group(args, str(cfg.get("device", "cpu")), index, timeout_s=300.0)
     cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(dev)
-    init_group(args, backend, timeout_s=300.0)
     peer = 1 - args.rank
     points = []
     for nbytes, reps in cfg["sizes"]:

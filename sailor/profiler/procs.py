@@ -1,4 +1,4 @@
-"""Run a measurement as N real processes joined by a gloo process group on loopback.
+"""Run a measurement as N real processes joined by a process group (gloo, or NCCL on GPUs).
 
 The TP-degree layer measurements and the link probe need several ranks of
 ``torch.distributed``, as in training. Each rank is a fresh ``python -m <module>`` process
@@ -8,7 +8,9 @@ result as JSON to ``FILE``. :func:`run_ranks` starts them, waits with a deadline
 still running then is killed) and returns every rank's result, or raises
 :class:`RankFailedError` with the first failing rank's stderr.
 
-Rank side: :func:`rank_args` parses those options and :func:`init_gloo` joins the group.
+Rank side: :func:`rank_args` parses those options; :func:`init_gloo` joins the group on the
+CPU, :func:`join_group` with the backend of a device (:func:`check_devices` first, in the
+parent, refuses a missing GPU before any rank starts).
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sailor.localnet import free_port
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "RankFailedError",
+    "check_devices",
     "init_gloo",
-    "init_group",
+    "join_group",
     "rank_args",
     "rank_device",
     "run_ranks",
@@ -144,11 +150,38 @@ def rank_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[s
 
 def init_gloo(args: argparse.Namespace, timeout_s: float = 120.0) -> None:
     """Join the gloo group of the run (rank, world size, rendezvous from ``args``)."""
-    init_group(args, "gloo", timeout_s)
+    _init_group(args, "gloo", timeout_s)
 
 
-def init_group(args: argparse.Namespace, backend: str, timeout_s: float = 120.0) -> None:
-    """Join the run's process group with ``backend`` (gloo on CPU, nccl on GPUs)."""
+def check_devices(device: str, indices: Iterable[int]) -> None:
+    """Refuse, before any rank starts, a device kind other than cpu or cuda, or a GPU index
+    this host does not have (:func:`rank_device`)."""
+    gpus = 0
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+    for index in indices:
+        rank_device(device, index, gpus)
+
+
+def join_group(
+    args: argparse.Namespace, device: str, index: int, timeout_s: float = 120.0
+) -> torch.device:
+    """Join the run's process group with the backend of ``device`` (gloo on cpu; NCCL on
+    cuda, GPU ``index`` made current) and return the rank's device."""
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    backend, name = rank_device(device, index, gpus)
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    _init_group(args, backend, timeout_s)
+    return dev
+
+
+def _init_group(args: argparse.Namespace, backend: str, timeout_s: float) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(

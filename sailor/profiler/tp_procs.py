@@ -110,20 +110,14 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     from sailor.megatron_patch.tp_layers import TPContext
     from sailor.profiler.layer_bench import measure_kinds
-    from sailor.profiler.procs import init_group, rank_args, write_result
+    from sailor.profiler.procs import join_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
     spec = ModelSpec.model_validate(cfg["spec"])
     settings = RepeatSettings(**cfg["settings"])
-    kind = str(cfg.get("device", "cpu"))
-    gpus = torch.cuda.device_count() if kind == "cuda" else 0
-    backend, dev_name = rank_device(kind, args.rank, gpus)
-    dev = torch.device(dev_name)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    init_group(args, backend)
-    group = dist.new_group(list(range(args.world_size)), backend=backend)
+    dev = join_group(args, str(cfg.get("device", "cpu")), args.rank)
+    group = dist.new_group(list(range(args.world_size)), backend=dist.get_backend())
     ctx = TPContext(size=args.world_size, rank=args.rank, group=group)
     out: list[dict[str, Any]] = []
     for mbs in cfg["mbs"]:
