@@ -91,6 +91,7 @@ from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import (
     Calibration,
     Endpoint,
+    Estimate,
     GPUCalibration,
     GPUPrice,
     ModelSpec,
@@ -205,8 +206,9 @@ class _Gate:
 
     def agrees(self, bracket: Bracket, reference: Sequence[Bracket]) -> bool:
         """Steady, and at the speed of the host around ``reference`` (mean of its checks)."""
-        ref = mean_check([c for b in reference for c in b])
-        return self.steady(bracket) and same_speed(mean_check(bracket), ref, self.tolerance)
+        return self.steady(bracket) and same_speed(
+            mean_check(bracket), _around(reference), self.tolerance
+        )
 
     def run(
         self, label: str, fn: Callable[[], T], reference: Sequence[Bracket] = ()
@@ -218,11 +220,7 @@ class _Gate:
             ok = self.agrees(bracket, reference) if reference else self.steady(bracket)
             if not ok or attempt > 1:
                 moved = drift(*bracket)
-                off = (
-                    drift(mean_check(bracket), mean_check([c for b in reference for c in b]))
-                    if reference
-                    else 0.0
-                )
+                off = drift(mean_check(bracket), _around(reference)) if reference else 0.0
                 print(
                     f"  [{label}] try {attempt}/{self.tries}: host speed moved {100 * moved:.0f}%"
                     + (f" during it, {100 * off:.0f}% off the profile's" if reference else "")
@@ -231,6 +229,11 @@ class _Gate:
             if ok or attempt == self.tries:
                 return out, bracket
         raise RuntimeError("unreachable: the last try returns")
+
+
+def _around(brackets: Sequence[Bracket]) -> SpeedCheck:
+    """The host around some measurements: the mean of their checks."""
+    return mean_check([c for b in brackets for c in b])
 
 
 @dataclass(frozen=True)
@@ -475,36 +478,27 @@ def main() -> None:
                 runs.append((plan, got, bracket, os.getloadavg()[0]))
             after = _profile(spec, args.statistic, args.pin, gate)
             for plan, (t, ph, m), bracket, load in runs:
-                ests = [
-                    simulate(
+
+                def predict(db: ProfileDB, net: NetworkProfile, plan: Plan = plan) -> Estimate:
+                    return simulate(
                         plan,
                         spec,
-                        prof.db,
-                        prof.net,
+                        db,
+                        net,
                         prices,
                         calibration=cal,
                         gpu_specs=catalog.gpus(),
                         method="replay",
                         shared_host=True,
                     )
-                    for prof in (before, after)
-                ]
+
+                ests = [predict(prof.db, prof.net) for prof in (before, after)]
                 it = statistics.fmean(e.iteration_time_s for e in ests)
                 # baseline in the same run: the same profiles without the all-reduce entry
                 # times (every all-reduce priced from the collective probe's latency after a
                 # barrier and its bus bandwidth)
                 base = statistics.fmean(
-                    simulate(
-                        plan,
-                        spec,
-                        _without_entries(prof.db),
-                        prof.net,
-                        prices,
-                        calibration=cal,
-                        gpu_specs=catalog.gpus(),
-                        method="replay",
-                        shared_host=True,
-                    ).iteration_time_s
+                    predict(_without_entries(prof.db), prof.net).iteration_time_s
                     for prof in (before, after)
                 )
                 mem = statistics.fmean(e.peak_memory_bytes for e in ests)
