@@ -212,7 +212,9 @@ def _probe_lines(f: NodeFacts) -> list[CheckLine]:
         "runs on NVSwitch machines (A100/H100 SXM)"
     )
     if p.error:
-        return [_line("collective", "fail", f"NCCL probe among {p.ranks} GPU(s) failed: {p.error}", fix)]
+        return [
+            _line("collective", "fail", f"NCCL probe among {p.ranks} GPU(s) failed: {p.error}", fix)
+        ]
     if not p.all_reduce_ok:
         return [_line("collective", "fail", "all-reduce returned a wrong sum", fix)]
     bw = f", bus bandwidth {p.bus_gbps:.1f} GB/s" if p.bus_gbps is not None else ""

@@ -141,7 +141,8 @@ def catalog_gpu_name(
         return _refuse(
             cuda_name,
             memory_bytes,
-            "ambiguous: its memory fits " + ", ".join(t or "a GPU not in the catalog" for t in types),
+            "ambiguous: its memory fits "
+            + ", ".join(t or "a GPU not in the catalog" for t in types),
             gpus,
             [t for t in types if t],
         )
