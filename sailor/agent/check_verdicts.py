@@ -73,7 +73,14 @@ def _node_line(f: NodeFacts) -> CheckLine:
 
 def _gpu_lines(f: NodeFacts, allow_cpu: bool) -> list[CheckLine]:
     if not f.gathered:
-        return [_line("cuda", "warn", "GPU facts not gathered (check skipped)")]
+        return [
+            _line(
+                "cuda",
+                "warn",
+                "GPU facts not gathered (the agent's check mode is off)",
+                "run sailor check --config <agent config> on this node",
+            )
+        ]
     if not f.cuda_available:
         build = (
             f"torch {f.torch_version} is a CPU-only build"
