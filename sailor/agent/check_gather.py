@@ -106,7 +106,7 @@ def gather_gpu(probe: bool = True, deadline_s: float = 120.0) -> dict[str, Any]:
     out["cuda_available"] = True
     out["driver_version"] = driver_version()
     with contextlib.suppress(Exception):
-        v = torch.cuda.nccl.version()
+        v = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
         out["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     gpus = catalog.gpus()
     devices = []

@@ -311,3 +311,28 @@ def test_sailor_check_on_this_machine_says_there_is_no_gpu() -> None:
 
     res = runner.invoke(app, ["check"])
     assert res.exit_code == 1 and "not ready" in res.stdout
+
+
+def test_profile_names_the_cuda_device_by_its_catalog_type(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sailor profile layers|network --device cuda`` without --gpu-type: the catalog type
+    of device 0, not its CUDA name (the planner matches profiles by catalog type). torch's
+    device queries are replaced: this host has no GPU."""
+    import types
+
+    import torch
+    import typer
+
+    from sailor.cli.profile_cmd import _local_gpu_type
+
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_028_306_944)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    assert _local_gpu_type("cuda") == "H100-80"
+    assert _local_gpu_type("cpu") == "cpu"
+    props.name, props.total_memory = "NVIDIA A10G", 23_836_033_024
+    with pytest.raises(typer.Exit):
+        _local_gpu_type("cuda")
+    err = capsys.readouterr().err
+    assert "'NVIDIA A10G' with 22.2 GiB: not in the catalog" in err and "--gpu-type" in err
