@@ -101,6 +101,21 @@ class NodeFacts(Frozen):
             raise field_error("devices", idx, "device indices must be 0..n-1 in order")
         return self
 
+    def summary(self) -> dict[str, object]:
+        """A few fields for a log or audit record: kind, GPU types, driver, NCCL, probe."""
+        out: dict[str, object] = {"kind": self.node_kind}
+        if self.gathered:
+            out["cuda"] = self.cuda_available
+            out["gpus"] = [d.catalog_name or d.cuda_name for d in self.devices]
+            out["driver"] = self.driver_version
+            out["nccl"] = self.nccl_version
+        if self.probe is not None:
+            out["probe_ok"] = (
+                not self.probe.error and self.probe.all_reduce_ok and self.probe.p2p_ok
+            )
+            out["bus_gbps"] = self.probe.bus_gbps
+        return out
+
 
 class CheckLine(Frozen):
     """One verdict: what was checked, the finding, and what to do when it is not ok."""

@@ -152,3 +152,25 @@ def test_the_collective_probe_ranks_check_all_reduce_and_p2p() -> None:
     assert probe.error == "", probe.error
     assert probe.all_reduce_ok and probe.p2p_ok and probe.backend == "gloo"
     assert probe.bus_gbps is not None and probe.bus_gbps > 0
+
+
+async def test_the_controller_audits_the_facts_of_a_join(
+    servers: LocalServers, tmp_path: Path
+) -> None:
+    from sailor.controller.audit import read_records
+    from sailor.schemas.runtime import Phase
+    from tests.integration.test_runtime_scenarios import Cluster
+
+    cluster = Cluster(tmp_path, servers)
+    try:
+        cluster.start_controller("c1")
+        cluster.start_agent("n1", gpu="cpu")
+        await cluster.wait_phase(Phase.RUNNING, 30)
+    finally:
+        await cluster.close()
+    joins = [
+        r
+        for r in read_records([tmp_path / "audit-c1.jsonl"])
+        if r["kind"] == "event" and r["event_kind"] == "node_joined"
+    ]
+    assert joins and joins[0]["facts"] == {"kind": "cpu"}, joins
