@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -186,15 +188,22 @@ async def gather_gpu_subprocess(probe: bool = True, timeout_s: float = 300.0) ->
     cmd = [sys.executable, "-m", "sailor.agent.check_gather", "--deadline", str(timeout_s / 2)]
     if not probe:
         cmd.append("--no-probe")
+    # its own session: the probe's ranks are its children, and a kill takes them too
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *cmd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
         return {"gathered": True, "cuda_error": f"the check process outlived {timeout_s:.0f} s"}
+    finally:  # also on cancellation (the agent stopped during its check)
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-5:]
         why = f"the check process exited {proc.returncode}: " + " | ".join(tail)

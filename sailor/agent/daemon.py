@@ -127,7 +127,14 @@ class Agent:
         self.refused = ""
 
     async def run(self) -> None:
-        facts = await self.check_node()
+        check = asyncio.create_task(self.check_node(), name=f"agent-{self.node.node_id}-check")
+        stop = asyncio.create_task(self.stopping.wait(), name=f"agent-{self.node.node_id}-stop")
+        await asyncio.wait({check, stop}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (check, stop):  # SIGTERM during the check: stop it (its child is killed)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        facts = check.result() if not check.cancelled() else None
         if facts is None:
             return
         sec = self.cfg.security

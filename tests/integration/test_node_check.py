@@ -140,6 +140,14 @@ async def test_a_gpu_node_without_a_gpu_does_not_join(
     finally:
         await store.close()
 
+    # stopped during its check: the agent leaves at once, its check process killed
+    quitter = Agent(cfg)
+    task = asyncio.create_task(quitter.run(), name="test-agent-quitter")
+    await asyncio.sleep(0.5)
+    quitter.stopping.set()
+    await asyncio.wait_for(task, 5)
+    assert not quitter.refused
+
     # report mode: the same node joins, its facts saying what is missing
     report = Agent(cfg.model_copy(update={"check": CheckSettings(mode="report")}))
     facts = await asyncio.wait_for(report.check_node(), 120)
