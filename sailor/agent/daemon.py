@@ -1,6 +1,8 @@
 """``sailor agent``: one per node. Registration lease, commands, watchers, supervisor.
 
-The agent registers its node under an etcd lease kept alive in the background (a lease that
+The agent first checks its node (the GPU checks of ``sailor check``, in a child process;
+skipped on CPU nodes): a GPU node that fails them does not join (``check.mode: enforce``).
+It then registers its node under an etcd lease kept alive in the background (a lease that
 expires is a node that left), publishes join/leave events, serves commands on its own NATS
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
