@@ -166,14 +166,16 @@ def _reference_cases() -> Iterator[Case]:
         return
     from sailor.catalog import gpus
     from sailor.simulator import calibrate_gpu
-    from tests.reference_opt350 import load_opt350
+    from tests.reference_opt350 import DEEPSPEED, load_opt350
 
     cache: dict[str, Any] = {}
 
     def setup() -> dict[str, Any]:
         if not cache:
             model, profiles, network, prices, runs = load_opt350()
-            cal = Calibration(gpus=(calibrate_gpu(runs, model, profiles, network, prices),))
+            cal = DEEPSPEED.with_gpu(
+                calibrate_gpu(runs, model, profiles, network, prices, base=DEEPSPEED)
+            )
             cache.update(
                 model=model, profiles=profiles, network=network, prices=prices, runs=runs, cal=cal
             )
