@@ -367,6 +367,8 @@ def _run(
     spec_precision = model.precision
     model = _at_precision(model, _precision(plan, model, specs))
     inp = _Inputs(model, profiles, network, cal, specs, spec_precision)
+    if plan.precision is None:
+        inp.notes.add(f"plan precision not recorded: {model.precision} derived from its GPU types")
     notes = inp.notes
     mask = _MASK_BYTES_PER_ELEMENT * model.seq_length**2 if cal.sends_attention_mask else 0
     pipelines = plan.pipelines
