@@ -51,6 +51,7 @@ from sailor.schemas import (
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
 from sailor.schemas.precision import (
+    CPU_DEVICE_TYPE,
     GRAD_ALLREDUCE_BYTES,
     Precision,
     compute_bytes,
@@ -791,8 +792,14 @@ def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
 
 def _precision(plan: Plan, model: ModelSpec, specs: Mapping[str, GPUSpec]) -> Precision:
     """The plan's precision (derived from its GPU types if not recorded); bf16 on a GPU type
-    without bf16 units is refused."""
+    without bf16 units, and 16 bits with CPU ranks (the engine computes in fp32 on a CPU), are
+    refused."""
     prec = plan.resolved_precision(specs, model.precision)
+    if prec != "fp32" and CPU_DEVICE_TYPE in plan.gpu_types:
+        raise ValueError(
+            f"plan.precision={prec!r}: CPU ranks compute in fp32; record fp32, or leave "
+            "precision unset to derive it"
+        )
     if prec == "bf16":
         without = [g for g in plan.gpu_types if (sp := specs.get(g)) and not supports_bf16(sp)]
         if without:

@@ -196,6 +196,29 @@ def test_compute_at_the_plan_precision_peak() -> None:
         fwd("bf16", no_bf16)
 
 
+def test_cpu_plans_run_fp32() -> None:
+    cpu = {**SPECS, "cpu": gpus()["cpu"]}
+    profiles = ProfileDB(model="tiny")  # estimated layers, no cpu price needed beyond this
+    prices = PriceTable(
+        gpus=(
+            GPUPrice(gpu_type="cpu", region="*", on_demand_usd_per_hour=0.0, spot_usd_per_hour=0.0),
+        )
+    )
+    plan = _plan(_pipe([4], 1, 2, [_rg("cpu"), _rg("cpu")]))
+    est = simulate(plan, MODEL, profiles, _network(), prices, gpu_specs=cpu)
+    assert all(m.weight_copies == 0 for m in est.memory)
+    assert any("fp32 derived" in n for n in est.notes)
+    with pytest.raises(ValueError, match="CPU ranks compute in fp32"):
+        simulate(
+            plan.model_copy(update={"precision": "bf16"}),
+            MODEL,
+            profiles,
+            _network(),
+            prices,
+            gpu_specs=cpu,
+        )
+
+
 def test_activations_on_the_wire_in_the_plan_precision() -> None:
     # the profile's sizes are in the model spec's precision (fp16: 2 bytes); an fp32 plan
     # sends twice the bytes of a bf16 one
