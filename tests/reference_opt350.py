@@ -11,12 +11,17 @@ from pathlib import Path
 
 from sailor.catalog import models
 from sailor.importers.sailor_format import import_network, import_plan, import_profiles
-from sailor.schemas import GPUPrice, ModelSpec, NetworkProfile, PriceTable, ProfileDB
+from sailor.schemas import Calibration, GPUPrice, ModelSpec, NetworkProfile, PriceTable, ProfileDB
 from sailor.simulator import MeasuredRun
 
-__all__ = ["REF", "load_opt350"]
+__all__ = ["DEEPSPEED", "REF", "load_opt350"]
 
 REF = Path(__file__).parents[1] / ".." / "shared" / "reference" / "sailor"
+
+
+DEEPSPEED = Calibration(mixed_precision="fp16_optimizer")
+"""The framework the reference plans ran on: Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer
+(16-bit weights and gradients, gradients all-reduced in fp16), not Sailor's autocast engine."""
 
 
 def load_opt350() -> tuple[ModelSpec, ProfileDB, NetworkProfile, PriceTable, list[MeasuredRun]]:

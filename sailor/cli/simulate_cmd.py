@@ -57,7 +57,7 @@ def _print(est: Estimate, plan: Plan) -> None:
     con = Console()
     t = Table(
         title=f"plan {plan.plan_id or '-'}: {len(plan.pipelines)} pipelines, "
-        f"{plan.num_gpus} GPUs ({est.model})"
+        f"{plan.num_gpus} GPUs ({est.model}, {plan.precision or 'precision derived'})"
     )
     t.add_column("figure")
     t.add_column("value", justify="right")
@@ -88,6 +88,7 @@ def _print(est: Estimate, plan: Plan) -> None:
         "grads",
         "optim",
         "activ.",
+        "w. copies",
         "overhead",
         "total GiB",
         "capacity GiB",
@@ -103,6 +104,7 @@ def _print(est: Estimate, plan: Plan) -> None:
             f"{r.gradients / g:.2f}",
             f"{r.optimizer / g:.2f}",
             f"{r.activations / g:.2f}",
+            f"{r.weight_copies / g:.2f}",
             f"{r.overhead / g:.2f}",
             f"{r.total / g:.2f}",
             f"{r.capacity / g:.1f}",

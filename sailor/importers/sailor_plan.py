@@ -10,6 +10,8 @@ degree ``d`` becomes ``d`` pipelines with the same split; replica ``j`` of every
 pipeline ``j``. The original requires one degree for all stages of a template; a template that
 violates it is rejected. The global batch is spread over the pipelines in whole microbatches
 (``gbs / mbs`` of them; the first pipelines take one more when they do not divide evenly).
+The format has no precision: the original trains in fp16 (Megatron-DeepSpeed), so an imported
+plan records ``precision="fp16"`` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -19,19 +21,35 @@ from typing import Any
 
 from sailor.importers._read import ImportFormatError, as_int, get, load_json
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.precision import Precision
 
 __all__ = ["export_plan", "import_plan", "plan_from_dict"]
 
 
-def import_plan(path: str | Path, model: str, *, global_batch_size: int | None = None) -> Plan:
+def import_plan(
+    path: str | Path,
+    model: str,
+    *,
+    global_batch_size: int | None = None,
+    precision: Precision = "fp16",
+) -> Plan:
     """A ``plan_config_*.json`` (or a planner-result ``plan``) as a Sailor Plan."""
     return plan_from_dict(
-        load_json(path), model, file=str(path), global_batch_size=global_batch_size
+        load_json(path),
+        model,
+        file=str(path),
+        global_batch_size=global_batch_size,
+        precision=precision,
     )
 
 
 def plan_from_dict(
-    d: Any, model: str, *, file: str = "<plan>", global_batch_size: int | None = None
+    d: Any,
+    model: str,
+    *,
+    file: str = "<plan>",
+    global_batch_size: int | None = None,
+    precision: Precision = "fp16",
 ) -> Plan:
     mbs = as_int(get(d, "mbs", file, "mbs"), file, "mbs", min_value=1)
     gbs = global_batch_size
@@ -67,7 +85,13 @@ def plan_from_dict(
         )
     name = Path(file).stem if file != "<plan>" else "imported"
     try:
-        return Plan(plan_id=name, model=model, global_batch_size=gbs, pipelines=tuple(pipelines))
+        return Plan(
+            plan_id=name,
+            model=model,
+            global_batch_size=gbs,
+            pipelines=tuple(pipelines),
+            precision=precision,
+        )
     except ValueError as exc:
         raise ImportFormatError(file, "pipeline_list", str(exc)) from exc
 

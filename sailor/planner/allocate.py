@@ -539,7 +539,7 @@ def fast_estimate(
     """
     groups = alloc.groups()
     n = len(alloc.pipelines)
-    pb = tables.inputs.model.param_bytes()
+    pb = tables.grad_bytes
     cal = tables.inputs.calibration
     index = {id(t): i for i, (t, _, _) in enumerate(groups)}
     runs = [(index[id(t)], c) for t, c in alloc.plan_runs()]

@@ -628,9 +628,7 @@ class _Scenario:
         key = (tuple(ring), n_guess)
         missing = [t for t in ts if key not in t.__dict__.setdefault("_over", {})]
         if missing:
-            fresh = overheads_for(
-                missing, ring, n_guess, _sync_model(state), tables.inputs.model.param_bytes()
-            )
+            fresh = overheads_for(missing, ring, n_guess, _sync_model(state), tables.grad_bytes)
             for t in missing:
                 t.__dict__["_over"][key] = fresh[id(t)]
         over = {id(t): t.__dict__["_over"][key] for t in ts}
@@ -720,9 +718,7 @@ def _run_recipe(
     if r.method == "least":
         picked, how = ctx.least_time(), "least time"
     elif r.method == "few":
-        over = overheads_for(
-            ts, ctx.ring, r.n_pipes, _sync_model(state), state.tables.inputs.model.param_bytes()
-        )
+        over = overheads_for(ts, ctx.ring, r.n_pipes, _sync_model(state), state.tables.grad_bytes)
         picked = min_time_allocation(ts, sc, gbs, over, limit=r.n_pipes)
         how = f"least time, at most {r.n_pipes} pipelines"
     elif r.method == "first":
@@ -1208,6 +1204,7 @@ def _simulate_candidate(
     inputs = state.tables.inputs
     gbs = inputs.model.global_batch_size
     p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=plan_id, pricing=state.pricing)
+    p = p.with_precision(inputs.gpu_specs, inputs.model.precision)
     try:
         est = simulate(
             p,

@@ -30,8 +30,14 @@ from sailor.schemas import (
     ReplicaGroup,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
+from sailor.schemas.precision import (
+    GRAD_ALLREDUCE_BYTES,
+    choose_precision,
+    compute_bytes,
+    wire_bytes,
+)
 from sailor.simulator.lookup import layer_sizes, layer_table
-from sailor.simulator.memory import state_bytes_per_param
+from sailor.simulator.memory import state_bytes_per_param, weight_copy_bytes
 from sailor.simulator.network_model import inter_curve, intra_curve
 
 __all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
@@ -85,7 +91,8 @@ class LayerArrays:
     params: FloatArray  # parameters per GPU
     act: FloatArray  # activation bytes per sample per GPU
     act_layer: FloatArray  # per layer: activation bytes per sample
-    out_layer: FloatArray  # per layer: output bytes per sample
+    per_mb: FloatArray  # bytes per microbatch in flight (autocast weight copies)
+    out_layer: FloatArray  # per layer: bytes per sample sent to the next stage
     estimated: bool
 
     def stage_compute(self) -> FloatArray:
@@ -113,16 +120,49 @@ class CostTables:
         self._links: dict[tuple[Kind, Kind, int], tuple[FloatArray, FloatArray]] = {}
         self._failed: dict[tuple[str, int, int], str] = {}
         self._mem: dict[tuple[str, int, int, int], FloatArray] = {}
+        self._models: dict[str, ModelSpec] = {}
         self.notes: list[str] = []
         m = inputs.model
-        w, g, o, step = state_bytes_per_param(m)
-        self.state_bytes = float(w + g + o)
-        self.step_bytes = float(step)
         self.mask_bytes = (
             float(2 * m.seq_length**2) if inputs.calibration.sends_attention_mask else 0.0
         )
+        # bytes per gradient element in the gradient all-reduces, as the simulator prices them
+        cal = inputs.calibration
+        self.grad_bytes = (
+            GRAD_ALLREDUCE_BYTES if cal.mixed_precision == "autocast" else m.param_bytes()
+        )
         self.hits = 0
         self.misses = 0
+
+    # -- precision ---------------------------------------------------------------------
+    def model_on(self, gpu_type: str) -> ModelSpec:
+        """The model at the precision a job on ``gpu_type`` alone runs in.
+
+        The tables are per GPU type and outlive a pool, so they price each type at its own
+        precision; a plan mixing types runs one precision for all (Plan.precision). bf16 and
+        fp16 cost the same bytes and, on catalog GPUs with both, the same peak; only fp32
+        differs, and the plans the search returns are re-simulated at their own precision.
+        """
+        m = self._models.get(gpu_type)
+        if m is None:
+            base = self.inputs.model
+            prec = choose_precision((gpu_type,), self.inputs.gpu_specs, base.precision)
+            m = base if prec == base.precision else base.model_copy(update={"precision": prec})
+            self._models[gpu_type] = m
+        return m
+
+    def state_bytes(self, gpu_type: str) -> tuple[float, float, float]:
+        """(model state, step transient, autocast copy) bytes per parameter on ``gpu_type``."""
+        m = self.model_on(gpu_type)
+        scheme = self.inputs.calibration.mixed_precision
+        w, g, o, step = state_bytes_per_param(m, scheme)
+        return float(w + g + o), float(step), float(weight_copy_bytes(m, 1, scheme))
+
+    def wire_scale(self, gpu_type: str) -> float:
+        """Wire bytes per byte of a profiled output size on ``gpu_type`` (as the simulator:
+        profiled sizes are in the model spec's precision, the wire in the plan's)."""
+        m = self.model_on(gpu_type)
+        return wire_bytes(m.precision) / compute_bytes(self.inputs.model.precision)
 
     # -- layers ------------------------------------------------------------------------
     def arrays(self, gpu_type: str, tp: int, mbs: int) -> LayerArrays | None:
@@ -137,16 +177,17 @@ class CostTables:
         self.misses += 1
         inp = self.inputs
         try:
+            model = self.model_on(gpu_type)
             costs = layer_table(
                 inp.profiles,
-                inp.model,
+                model,
                 inp.calibration.for_gpu(gpu_type),
                 inp.gpu_specs,
                 gpu_type,
                 tp,
                 mbs,
             )
-            sizes, _ = layer_sizes(inp.profiles, inp.model, tp)
+            sizes, _ = layer_sizes(inp.profiles, model, tp)
         except (KeyError, ValueError) as exc:
             self._failed[key] = str(exc)
             return None
@@ -154,7 +195,17 @@ class CostTables:
         upd = np.array([c.update_s for c in costs.layers])
         params = np.array([float(s.params) for s in sizes])
         act = np.array([float(s.activation_bytes_per_sample) for s in sizes])
-        out = np.array([float(s.output_bytes_per_sample) for s in sizes])
+        copy_per_param = self.state_bytes(gpu_type)[2]
+        per_mb = np.array(
+            [max(copy_per_param * s.params, float(s.per_microbatch_bytes)) for s in sizes]
+        )
+        scale = self.wire_scale(gpu_type)
+        out = np.array(
+            [
+                float(s.output_bytes_per_sample) * (1.0 if s.source == "estimated" else scale)
+                for s in sizes
+            ]
+        )
         z = np.zeros(1)
         arr = LayerArrays(
             gpu_type=gpu_type,
@@ -165,6 +216,7 @@ class CostTables:
             params=np.concatenate([z, np.cumsum(params)]),
             act=np.concatenate([z, np.cumsum(act)]),
             act_layer=act,
+            per_mb=np.concatenate([z, np.cumsum(per_mb)]),
             out_layer=out,
             estimated=costs.estimated or any(s.source == "estimated" for s in sizes),
         )
@@ -201,8 +253,10 @@ class CostTables:
         params = a.params[None, 1:] - a.params[:-1, None]
         acts_kept = a.act[None, 1:] - a.act[:-1, None]
         acts = np.floor(kappa * (a.mbs * acts_kept * in_flight + a.mbs * a.act_layer[None, :]))
-        state = params * self.state_bytes
-        total = np.maximum(state + acts, state + params * self.step_bytes)
+        copies = (a.per_mb[None, 1:] - a.per_mb[:-1, None]) * in_flight
+        state_b, step_b, _ = self.state_bytes(a.gpu_type)
+        state = params * state_b
+        total = np.maximum(state + acts + copies, state + params * step_b)
         out: FloatArray = total + self.overhead(a.gpu_type, a.tp)
         self._mem[key] = out
         return out

@@ -9,9 +9,11 @@ above: :mod:`tp_procs`). The database gets one :class:`LayerProfile` per global 
   and repeating it is cheaper and no less accurate. (The original artifact also copied
   blocks, but timed them with per-layer hooks and borrowed the optimizer step from a
   2-layer model; here each layer kind's update is its own AdamW step.)
-* sizes per (TP, layer): parameters per TP rank, activation bytes saved for backward per
-  sample and the output bytes per sample, from the largest microbatch measured (constant
-  per-microbatch terms, e.g. position ids, are then spread thinnest). Sizes are written
+* sizes per (TP, layer): parameters per TP rank; the bytes saved for backward fitted over
+  the microbatch sizes measured as a part per sample (activations) and a part per
+  microbatch (under autocast the compute-dtype copy of the layer's weights, which does not
+  grow with the microbatch: :func:`saved_bytes_fit`); the output bytes per sample from the
+  largest microbatch measured. Sizes are written
   only when the device computes in the model's precision: a CPU run of an fp16 model runs
   in fp32 (as the engine does on CPU) and its byte counts would be wrong for GPUs.
 * on CPU, the process overhead (:mod:`overhead`) as the GPU type's ``DeviceOverhead``, and
@@ -37,7 +39,13 @@ from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
 
-__all__ = ["LayerRun", "device_description", "profile_layers", "to_profile_db"]
+__all__ = [
+    "LayerRun",
+    "device_description",
+    "profile_layers",
+    "saved_bytes_fit",
+    "to_profile_db",
+]
 
 
 @dataclass(frozen=True)
@@ -222,6 +230,34 @@ def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
     }
 
 
+def saved_bytes_fit(points: list[tuple[int, int]]) -> tuple[int, int]:
+    """(bytes per sample, bytes per microbatch) of a layer's saved-for-backward bytes,
+    fitted over microbatch sizes: ``saved(b) = per_microbatch + b * per_sample``.
+
+    Under autocast a forward saves the compute-dtype cast of every weight once, whatever the
+    microbatch size; dividing the saved bytes by the microbatch size would count those copies
+    as activations and scale them with it (an 8-block 8B-Llama stage profiled up to
+    microbatch 8 and run at microbatch 1 with 4 in flight holds ~14 GB of copies; that
+    division predicted ~1.7 GB). Least squares over the measured sizes
+    (saved bytes are counted exactly, so the points lie on a line); one size, or a negative
+    intercept, gives no per-microbatch part: bytes / size at the largest microbatch.
+    """
+    by_b = dict(sorted(points))
+    bmax = max(by_b)
+    through_origin = round(by_b[bmax] / bmax), 0
+    if len(by_b) < 2:
+        return through_origin
+    n = len(by_b)
+    mb = sum(by_b) / n
+    my = sum(by_b.values()) / n
+    var = sum((b - mb) ** 2 for b in by_b)
+    slope = sum((b - mb) * (y - my) for b, y in by_b.items()) / var
+    intercept = my - slope * mb
+    if intercept < 0 or slope < 0:
+        return through_origin
+    return round(slope), round(intercept)
+
+
 def to_profile_db(
     spec: ModelSpec,
     gpu_type: str,
@@ -268,12 +304,14 @@ def to_profile_db(
                 if not cands:
                     continue
                 big = max(cands, key=lambda m: m.mbs)
+                per_sample, per_mb = saved_bytes_fit([(m.mbs, m.saved_bytes) for m in cands])
                 sizes.append(
                     LayerSize(
                         tp=tp,
                         layer=layer,
                         params=big.params,
-                        activation_bytes_per_sample=round(big.saved_bytes / big.mbs),
+                        activation_bytes_per_sample=per_sample,
+                        per_microbatch_bytes=per_mb,
                         output_bytes_per_sample=round(big.output_bytes / big.mbs),
                         input_bytes_per_sample=round(big.input_bytes / big.mbs),
                         source="measured",

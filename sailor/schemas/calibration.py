@@ -12,6 +12,8 @@ See ``docs/simulator-model.md`` for how each constant enters the model.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from sailor.schemas._base import Frozen, field_error
@@ -123,6 +125,18 @@ class Calibration(Frozen):
             "Every iteration ends with an all-reduce of the loss over all ranks, after the "
             "optimizer step (megatron_patch; it is also the iteration's barrier). False: "
             "not modelled (DeepSpeed reports the loss without a collective in the step)."
+        ),
+    )
+    mixed_precision: Literal["autocast", "fp16_optimizer"] = Field(
+        default="autocast",
+        description=(
+            "How the framework runs a 16-bit plan (Plan.precision bf16 or fp16). 'autocast' "
+            "(megatron_patch, the engine that runs Sailor's jobs): fp32 weights, gradients "
+            "and optimizer state, gradients all-reduced in fp32, and each in-flight "
+            "microbatch keeps a compute-dtype copy of the stage's weights "
+            "(schemas.precision). 'fp16_optimizer' (DeepSpeed's FP16_Optimizer, the "
+            "framework of the reference plans): 16-bit weights and gradients, gradients "
+            "all-reduced in 16 bits, an fp32 master copy, no per-microbatch copies."
         ),
     )
 

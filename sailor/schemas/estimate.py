@@ -37,10 +37,20 @@ class MemoryBreakdown(Frozen):
     pipeline: int = Field(ge=0, description="Pipeline index.")
     stage: int = Field(ge=0, description="Stage index.")
     gpu_type: str = Field(description="GPU type.")
-    weights: int = Field(ge=0, description="Weights (compute precision and fp32 master).")
+    weights: int = Field(
+        ge=0,
+        description="Weights kept between iterations (fp32, plus a 16-bit copy without autocast).",
+    )
     gradients: int = Field(ge=0, description="Gradient buffers.")
     optimizer: int = Field(ge=0, description="Optimizer state.")
     activations: int = Field(ge=0, description="Activations of microbatches in flight (1F1B).")
+    weight_copies: int = Field(
+        default=0,
+        ge=0,
+        description="Per microbatch in flight, the compute-dtype copy of the stage's weights "
+        "that autocast keeps for backward (0 in fp32 and without autocast), or the profile's "
+        "measured per-microbatch bytes if larger.",
+    )
     overhead: int = Field(ge=0, description="Framework/runtime overhead and transient buffers.")
     total: int = Field(ge=0, description="Sum: the predicted peak.")
     capacity: int = Field(ge=0, description="Device memory of the GPU type.")

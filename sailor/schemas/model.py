@@ -12,10 +12,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.precision import Precision, compute_bytes
 
 __all__ = ["LayerKind", "ModelSpec", "Precision"]
 
-Precision = Literal["fp32", "fp16", "bf16"]
 LayerKind = Literal["embedding", "block", "head"]
 
 
@@ -39,7 +39,12 @@ class ModelSpec(Frozen):
     )
     tie_embeddings: bool = Field(default=True, description="LM head shares the embedding matrix.")
     global_batch_size: int = Field(gt=0, description="Samples (sequences) per iteration.")
-    precision: Precision = Field(default="fp16", description="Compute precision.")
+    precision: Precision = Field(
+        default="fp16",
+        description="Requested compute precision. 'fp32' is kept; otherwise mixed precision, "
+        "and the plan's GPUs decide between bf16 and fp16 (Plan.precision, "
+        "schemas.precision.choose_precision). The plan's precision is what runs and is priced.",
+    )
     optimizer: Literal["adam", "sgd"] = Field(default="adam", description="Optimizer.")
 
     @model_validator(mode="after")
@@ -99,4 +104,4 @@ class ModelSpec(Frozen):
 
     def param_bytes(self) -> int:
         """Bytes per parameter of the weights used in compute."""
-        return 4 if self.precision == "fp32" else 2
+        return compute_bytes(self.precision)

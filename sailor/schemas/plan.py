@@ -11,10 +11,13 @@ pipeline) all-reduce it, weighted by the samples each pipeline processed.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.hardware import GPUSpec
+from sailor.schemas.precision import Precision, choose_precision
 
 __all__ = [
     "Pipeline",
@@ -151,6 +154,12 @@ class Plan(Frozen):
     global_batch_size: int = Field(gt=0, description="Samples per iteration.")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1, description="Data-parallel pipelines.")
     predicted: PlanPrediction | None = Field(default=None, description="Simulator figures.")
+    precision: Precision | None = Field(
+        default=None,
+        description="Compute precision of the job, one for every rank (schemas.precision): "
+        "what the engine runs and the simulator prices. None (plans written before it was "
+        "recorded): derived from the plan's GPU types by resolved_precision.",
+    )
 
     @field_validator("pipelines")
     @classmethod
@@ -183,6 +192,24 @@ class Plan(Frozen):
     @property
     def num_gpus(self) -> int:
         return sum(p.gpus for p in self.pipelines)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """GPU types of the plan, in order of first use."""
+        return tuple(dict.fromkeys(s.replica.gpu_type for p in self.pipelines for s in p.stages))
+
+    def resolved_precision(
+        self, specs: Mapping[str, GPUSpec], requested: Precision = "bf16"
+    ) -> Precision:
+        """The recorded precision, else the one :func:`choose_precision` gives the plan's GPU
+        types (``requested``: the model spec's precision)."""
+        if self.precision is not None:
+            return self.precision
+        return choose_precision(self.gpu_types, specs, requested)
+
+    def with_precision(self, specs: Mapping[str, GPUSpec], requested: Precision = "bf16") -> Plan:
+        """This plan with its precision recorded (derived as :meth:`resolved_precision`)."""
+        return self.model_copy(update={"precision": self.resolved_precision(specs, requested)})
 
     def gpus_by_type_zone(self) -> dict[str, int]:
         """'<gpu>@<zone>' -> GPUs used."""

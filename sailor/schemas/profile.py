@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 ProfileSource = Literal["measured", "imported", "estimated"]
+
 _RANK: dict[str, int] = {"measured": 0, "imported": 1, "estimated": 2}
 
 
@@ -59,6 +60,15 @@ class LayerSize(Frozen):
         ge=0, description="Bytes of the layer's output per sample (what a stage boundary sends)."
     )
     input_bytes_per_sample: int = Field(default=0, ge=0, description="Input bytes per sample.")
+    per_microbatch_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes saved for backward once per microbatch whatever its size, per TP "
+        "rank: the intercept of the saved bytes fitted over microbatch sizes (the slope is "
+        "activation_bytes_per_sample). Under autocast mostly the compute-dtype copy of the "
+        "layer's weights (schemas.precision); 0 when not measured (one microbatch size, "
+        "imported or estimated sizes).",
+    )
     source: ProfileSource = Field(default="measured", description="Provenance.")
 
 

@@ -1,20 +1,27 @@
 """Peak memory of one GPU of one stage, with its breakdown.
 
-``M = weights + gradients + optimizer + κ·(b·A·min(S-s, m) + b·a_last) + M0``
+``M = weights + gradients + optimizer + κ·(b·A·min(S-s, m) + b·a_last) + C·min(S-s, m) + M0``
 (docs/simulator-model.md, section 6):
 
 * model state per parameter held by the GPU (parameters of the stage at its TP degree), by
-  precision and optimizer, as DeepSpeed's FP16_Optimizer / fp32 training keep it (no ZeRO):
-  mixed precision keeps compute-precision weights (2) and gradients (2), an fp32 master copy
-  (4); Adam adds two fp32 moments (8), SGD one fp32 momentum (4). fp32 training keeps
-  weights (4) and gradients (4) plus the optimizer state.
+  the plan's precision, the framework's mixed-precision scheme and the optimizer (no ZeRO):
+  under autocast (megatron_patch) fp32 weights (4) and gradients (4) in every precision;
+  DeepSpeed's FP16_Optimizer keeps 16-bit weights (2) and gradients (2) and an fp32 master
+  copy (4); fp32 training keeps weights (4) and gradients (4). Adam adds two fp32 moments
+  (8), SGD one fp32 momentum (4).
 * activations: ``A`` = activation bytes per sample of the stage's layers (allocation growth
   during forward); under 1F1B stage ``s`` of ``S`` holds ``min(S-s, m)`` microbatches; the
   first backward's working set is about the forward footprint of the stage's last layer
   (``a_last``). With recomputation only each layer's input is kept, plus one layer's
   activations during its recomputation.
+* weight copies ``C``: under autocast each forward casts the stage's weights to the compute
+  dtype and autograd keeps the casts until that microbatch's backward, so every microbatch in
+  flight holds one copy (``params × 2`` bytes in bf16/fp16, none in fp32); it does not grow
+  with the microbatch size. A profile's measured per-microbatch bytes stand in where larger.
+  With recomputation the forward's casts are not kept (the recomputation casts again): one
+  copy, for the layer being recomputed, is in the working set.
 * ``κ``: caching-allocator factor (reserved / allocated), ``M0``: non-tensor overhead.
-* During the optimizer step activations are freed, but mixed precision materialises fp32
+* During the optimizer step activations are freed, but FP16_Optimizer materialises fp32
   gradients (+4 B/param): the peak is the larger of the two phases; any excess of the step
   phase is reported as overhead (a transient buffer).
 
@@ -24,18 +31,34 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from sailor.schemas import LayerSize, MemoryBreakdown, ModelSpec
+from sailor.schemas.precision import MASTER_BYTES, compute_bytes, keeps_weight_copies
 
-__all__ = ["stage_memory", "state_bytes_per_param"]
+__all__ = ["MixedPrecision", "stage_memory", "state_bytes_per_param", "weight_copy_bytes"]
+
+MixedPrecision = Literal["autocast", "fp16_optimizer"]
+"""``Calibration.mixed_precision``: how the framework runs a 16-bit plan."""
 
 
-def state_bytes_per_param(model: ModelSpec) -> tuple[int, int, int, int]:
-    """(weights incl. master copy, gradients, optimizer, step transient) bytes per parameter."""
+def state_bytes_per_param(
+    model: ModelSpec, scheme: MixedPrecision = "autocast"
+) -> tuple[int, int, int, int]:
+    """(weights incl. master copy, gradients, optimizer, step transient) bytes per parameter,
+    in ``model.precision`` (the plan's precision)."""
     opt = 8 if model.optimizer == "adam" else 4
-    if model.precision == "fp32":
-        return 4, 4, opt, 0
-    return 2 + 4, 2, opt, 4
+    if model.precision == "fp32" or scheme == "autocast":
+        return MASTER_BYTES, MASTER_BYTES, opt, 0
+    half = compute_bytes(model.precision)
+    return half + MASTER_BYTES, half, opt, MASTER_BYTES
+
+
+def weight_copy_bytes(model: ModelSpec, params: int, scheme: MixedPrecision = "autocast") -> int:
+    """Bytes of one microbatch's autocast copy of ``params`` weights (0 without autocast)."""
+    if scheme != "autocast" or not keeps_weight_copies(model.precision):
+        return 0
+    return params * compute_bytes(model.precision)
 
 
 def stage_memory(
@@ -51,6 +74,7 @@ def stage_memory(
     pipeline: int,
     stage: int,
     gpu_type: str,
+    scheme: MixedPrecision = "autocast",
 ) -> MemoryBreakdown:
     """Peak memory of one GPU running ``sizes`` (the stage's layers at its TP degree)."""
     if not sizes:
@@ -58,22 +82,27 @@ def stage_memory(
     if in_flight < 1:
         raise ValueError(f"in_flight={in_flight}: at least one microbatch is in flight")
     params = sum(s.params for s in sizes)
-    w_b, g_b, o_b, step_b = state_bytes_per_param(model)
+    w_b, g_b, o_b, step_b = state_bytes_per_param(model, scheme)
     weights, grads, optim = params * w_b, params * g_b, params * o_b
     b = microbatch_size
+    per_mb = [
+        max(weight_copy_bytes(model, s.params, scheme), s.per_microbatch_bytes) for s in sizes
+    ]
     if recompute:
         kept = sum(s.input_bytes_per_sample or s.output_bytes_per_sample for s in sizes)
         working = max(s.activation_bytes_per_sample for s in sizes)
         act_raw = b * kept * in_flight + b * working
+        copies = max(per_mb)
     else:
         kept = sum(s.activation_bytes_per_sample for s in sizes)
         act_raw = b * kept * in_flight + b * sizes[-1].activation_bytes_per_sample
+        copies = sum(per_mb) * in_flight
     acts = int(alloc_factor * act_raw)
-    during_backward = weights + grads + optim + acts
+    during_backward = weights + grads + optim + acts + copies
     during_step = weights + grads + optim + params * step_b
     transient = max(0, during_step - during_backward)
     overhead = overhead_bytes + transient
-    total = weights + grads + optim + acts + overhead
+    total = weights + grads + optim + acts + copies + overhead
     return MemoryBreakdown(
         pipeline=pipeline,
         stage=stage,
@@ -82,6 +111,7 @@ def stage_memory(
         gradients=grads,
         optimizer=optim,
         activations=acts,
+        weight_copies=copies,
         overhead=overhead,
         total=total,
         capacity=capacity_bytes,

@@ -50,6 +50,14 @@ from sailor.schemas import (
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
+from sailor.schemas.precision import (
+    CPU_DEVICE_TYPE,
+    GRAD_ALLREDUCE_BYTES,
+    Precision,
+    compute_bytes,
+    supports_bf16,
+    wire_bytes,
+)
 from sailor.schemas.profile import FrameworkTime, HostSharing
 from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
@@ -128,8 +136,10 @@ class _Inputs:
         network: NetworkProfile,
         cal: Calibration,
         specs: Mapping[str, GPUSpec],
+        sizes_precision: Precision,
     ) -> None:
         self.model = model
+        self.wire_scale = wire_bytes(model.precision) / compute_bytes(sizes_precision)
         self.profiles = profiles
         self.cal = cal
         self.specs = specs
@@ -154,6 +164,15 @@ class _Inputs:
             f = self.profiles.framework_time(gpu_type) or _NO_FRAMEWORK_TIME
             self._framework[gpu_type] = f
         return f
+
+    def wire(self, size: LayerSize) -> float:
+        """Bytes per sample a stage ending with ``size``'s layer sends to the next stage (and
+        gets back as its gradient): the layer's output in the wire dtype of the plan's
+        precision. Profiled and imported sizes are in the model spec's precision (the
+        profiler writes sizes only from a device computing in it); estimated ones in the
+        plan's."""
+        scale = 1.0 if size.source == "estimated" else self.wire_scale
+        return size.output_bytes_per_sample * scale
 
     def sizes(self, tp: int) -> tuple[LayerSize, ...]:
         sz = self.sizes_by_tp.get(tp)
@@ -282,7 +301,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
     crossings: list[tuple[str, str, float, float]] = []
     for i in range(len(row) - 1):
         a, b = p.stages[i].replica, p.stages[i + 1].replica
-        out = p.microbatch_size * row[i].sizes[-1].output_bytes_per_sample
+        out = p.microbatch_size * inp.wire(row[i].sizes[-1])
         eff = min(inp.gcal(a.gpu_type).network_efficiency, inp.gcal(b.gpu_type).network_efficiency)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
@@ -346,7 +365,11 @@ def _run(
         raise ValueError(f"method={method!r}: use 'closed_form' or 'replay'")
     cal = calibration or Calibration()
     specs = gpu_specs or {}
-    inp = _Inputs(model, profiles, network, cal, specs)
+    spec_precision = model.precision
+    model = _at_precision(model, _precision(plan, model, specs))
+    inp = _Inputs(model, profiles, network, cal, specs, spec_precision)
+    if plan.precision is None:
+        inp.notes.add(f"plan precision not recorded: {model.precision} derived from its GPU types")
     notes = inp.notes
     mask = _MASK_BYTES_PER_ELEMENT * model.seq_length**2 if cal.sends_attention_mask else 0
     pipelines = plan.pipelines
@@ -446,7 +469,7 @@ def _run(
     # before (computing, another all-reduce, the optimizer step): _host_allreduce
     warm: set[tuple[int, int]] = set()
     sizes_by_tp = inp.sizes_by_tp
-    param_bytes = model.param_bytes()
+    grad_bytes = _grad_bytes(model, cal)
     # DeepSpeed reduces the stage's gradients after the last backward; segments go in
     # reverse layer order, as gradients become available in backward
     for lo, hi, holders in reversed(_segments(plan, kinds)):
@@ -455,7 +478,7 @@ def _run(
         elements = 0.0
         for tp in dict.fromkeys(r.tp for r in groups):  # each TP degree once, first seen first
             n_el = sum(sizes_by_tp[tp][layer].params for layer in range(lo, hi + 1))
-            node_bytes = max(node_bytes, tp * n_el * param_bytes)
+            node_bytes = max(node_bytes, tp * n_el * grad_bytes)
             elements = max(elements, float(n_el))
         eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
         ar = ring_allreduce(network, groups, node_bytes, elements, eff, links=inp.links)
@@ -522,6 +545,7 @@ def _run(
                     pipeline=pi,
                     stage=si,
                     gpu_type=g,
+                    scheme=cal.mixed_precision,
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()
@@ -729,7 +753,7 @@ def _tied_allreduce(
         return None  # one stage holds both copies: a local sum
     groups = [plan.pipelines[pi].stages[si].replica for pi, si in holders]
     n_el = float(model.vocab_size * model.hidden_size)
-    node_bytes = max(g.tp for g in groups) * n_el * model.param_bytes()
+    node_bytes = max(g.tp for g in groups) * n_el * _grad_bytes(model, inp.cal)
     eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
     return (
         holders,
@@ -764,6 +788,42 @@ def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
         + f"{', ranks bound to cores' if hs.pinned else ''})"
     )
     return hs
+
+
+def _precision(plan: Plan, model: ModelSpec, specs: Mapping[str, GPUSpec]) -> Precision:
+    """The plan's precision (derived from its GPU types if not recorded); bf16 on a GPU type
+    without bf16 units, and 16 bits with CPU ranks (the engine computes in fp32 on a CPU), are
+    refused."""
+    prec = plan.resolved_precision(specs, model.precision)
+    if prec != "fp32" and CPU_DEVICE_TYPE in plan.gpu_types:
+        raise ValueError(
+            f"plan.precision={prec!r}: CPU ranks compute in fp32; record fp32, or leave "
+            "precision unset to derive it"
+        )
+    if prec == "bf16":
+        without = [g for g in plan.gpu_types if (sp := specs.get(g)) and not supports_bf16(sp)]
+        if without:
+            raise ValueError(
+                f"plan.precision='bf16': {', '.join(without)} has no bf16 units (catalog bf16 "
+                "peak 0); record fp16, or leave precision unset to derive it"
+            )
+    return prec
+
+
+def _at_precision(model: ModelSpec, precision: Precision) -> ModelSpec:
+    """``model`` computing in ``precision``: the plan's choice is what runs and is priced
+    (compute peak of analytic estimates, estimated layer sizes, model state)."""
+    if model.precision == precision:
+        return model
+    return model.model_copy(update={"precision": precision})
+
+
+def _grad_bytes(model: ModelSpec, cal: Calibration) -> int:
+    """Bytes per gradient element in the gradient all-reduces: the engine reduces its fp32
+    gradients (autocast); DeepSpeed's FP16_Optimizer reduces the 16-bit ones."""
+    if cal.mixed_precision == "autocast":
+        return GRAD_ALLREDUCE_BYTES
+    return model.param_bytes()
 
 
 def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:

@@ -12,9 +12,8 @@ import statistics
 import pytest
 
 from sailor.catalog import gpus
-from sailor.schemas import Calibration
 from sailor.simulator import calibrate_gpu, simulate
-from tests.reference_opt350 import REF, load_opt350
+from tests.reference_opt350 import DEEPSPEED, REF, load_opt350
 
 pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="reference data not present")
 
@@ -26,7 +25,7 @@ def setup() -> tuple[object, ...]:
 
 def test_calibration_constants_are_physical(setup: tuple[object, ...]) -> None:
     model, profiles, network, prices, runs = setup
-    cal = calibrate_gpu(runs, model, profiles, network, prices, gpu_specs=gpus())  # type: ignore[arg-type]
+    cal = calibrate_gpu(runs, model, profiles, network, prices, gpu_specs=gpus(), base=DEEPSPEED)  # type: ignore[arg-type]
     assert 0.0 < cal.profiler_overhead_s < 2e-3
     assert 0.05 < cal.network_efficiency <= 1.0
     assert 1.0 <= cal.alloc_factor < 1.5
@@ -36,7 +35,7 @@ def test_calibration_constants_are_physical(setup: tuple[object, ...]) -> None:
 
 def test_accuracy_regression_guard(setup: tuple[object, ...]) -> None:
     model, profiles, network, prices, runs = setup
-    cal = Calibration(gpus=(calibrate_gpu(runs, model, profiles, network, prices),))  # type: ignore[arg-type]
+    cal = DEEPSPEED.with_gpu(calibrate_gpu(runs, model, profiles, network, prices, base=DEEPSPEED))  # type: ignore[arg-type]
     et, em = [], []
     for r in runs:  # type: ignore[attr-defined]
         for method in ("closed_form", "replay"):

@@ -29,6 +29,7 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
 )
+from sailor.schemas.precision import GRAD_ALLREDUCE_BYTES
 from sailor.simulator import ProfileLookupError, simulate, simulate_with_timeline
 from sailor.simulator.lookup import layer_table
 
@@ -259,11 +260,27 @@ def test_memory_monotone_in_microbatch_size(mbs: int, depth: int) -> None:
 
 
 def test_memory_breakdown_mixed_precision_adam() -> None:
-    est = simulate(_plan(_pipe([], 1, 1)), MODEL, PROFILES, _network(), PRICES)
+    # DeepSpeed's FP16_Optimizer: 16-bit weights and gradients, an fp32 master copy
+    cal = Calibration(mixed_precision="fp16_optimizer")
+    est = simulate(_plan(_pipe([], 1, 1)), MODEL, PROFILES, _network(), PRICES, calibration=cal)
     m = est.memory[0]
     params = N * 1_000_000
     assert (m.weights, m.gradients, m.optimizer) == (6 * params, 2 * params, 8 * params)
+    assert m.weight_copies == 0
     assert m.total == m.weights + m.gradients + m.optimizer + m.activations + m.overhead
+
+
+def test_memory_breakdown_autocast_adam() -> None:
+    # the engine: fp32 weights, gradients and moments; one 16-bit weight copy per microbatch
+    # in flight (here 1 stage, so 1)
+    est = simulate(_plan(_pipe([], 1, 1)), MODEL, PROFILES, _network(), PRICES)
+    m = est.memory[0]
+    params = N * 1_000_000
+    assert (m.weights, m.gradients, m.optimizer) == (4 * params, 4 * params, 8 * params)
+    assert m.weight_copies == 2 * params
+    assert m.total == (
+        m.weights + m.gradients + m.optimizer + m.activations + m.weight_copies + m.overhead
+    )
 
 
 def test_first_stage_holds_more_microbatches() -> None:
@@ -442,7 +459,8 @@ def test_tied_and_loss_allreduce_only_when_asked() -> None:
     both = Calibration(tied_allreduce=True, loss_allreduce=True)
     est = simulate(plan, tied_model, PROFILES, net, PRICES, calibration=both)
     # each a 2-member ring: 2 steps of (latency + bytes / bandwidth)
-    tied_bytes = 128 * 64 * tied_model.param_bytes() / 2
+    # the engine all-reduces the fp32 gradient of the tied matrix
+    tied_bytes = 128 * 64 * GRAD_ALLREDUCE_BYTES / 2
     expect = 2 * (lat + tied_bytes / 1e12) + 2 * (lat + 8 / 2 / 1e12)
     assert est.iteration_time_s - base.iteration_time_s == pytest.approx(expect, rel=1e-6)
     one_stage = _plan(_pipe([], 1, 4))  # one stage holds both copies: no tied collective

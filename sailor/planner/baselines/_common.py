@@ -36,7 +36,8 @@ def judge(
     """Simulate the grid points in order of their prefilter score; keep the feasible best."""
     inp = tables.inputs
     ranked: list[tuple[float, Plan, Estimate, float]] = []
-    for _, p, per_hour in plans:
+    for _, plan, per_hour in plans:
+        p = plan.with_precision(inp.gpu_specs, inp.model.precision)
         try:
             est = simulate(
                 p,

@@ -1,0 +1,102 @@
+"""One training precision per job: which one, and what it costs in bytes.
+
+A job computes in one precision on every rank. The plan records it (``Plan.precision``), the
+engine (``sailor.megatron_patch``) runs it, and the simulator prices it with the byte counts
+below. What the engine does with each precision:
+
+* ``bf16``: torch autocast to bfloat16 over fp32 weights, fp32 gradients and fp32 AdamW
+  state; no loss scaling (bf16 has fp32's exponent range).
+* ``fp16``: the same with float16, plus dynamic loss scaling (fp16 overflows where bf16 does
+  not). Chosen where some GPU of the plan has no bf16 units (V100, T4, Turing cards).
+* ``fp32``: no autocast. CPU ranks always run it (the engine computes in fp32 on CPU).
+
+Under autocast each forward casts the stage's weights to the compute dtype, and autograd
+keeps those casts until the microbatch's backward: every microbatch in flight holds its own
+compute-dtype copy of the stage's weights (:func:`keeps_weight_copies`).
+
+Must never import torch or read a file: the simulator and planner use it, and the engine
+must keep its constants true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+from sailor.schemas.hardware import GPUSpec
+
+__all__ = [
+    "CPU_DEVICE_TYPE",
+    "GRAD_ALLREDUCE_BYTES",
+    "MASTER_BYTES",
+    "Precision",
+    "choose_precision",
+    "compute_bytes",
+    "keeps_weight_copies",
+    "loss_scaling",
+    "supports_bf16",
+    "wire_bytes",
+]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+CPU_DEVICE_TYPE = "cpu"
+"""The catalog's "GPU type" of a CPU rank (``sailor/catalog/gpus.json``)."""
+
+MASTER_BYTES = 4
+"""Bytes per element of the weights, gradients and optimizer state the engine keeps: fp32
+whatever the compute precision (autocast casts on the fly)."""
+
+GRAD_ALLREDUCE_BYTES = MASTER_BYTES
+"""Bytes per gradient element in the engine's gradient all-reduce: the engine reduces the
+fp32 gradients as they are (``megatron_patch/grad_sync.py``), in every precision."""
+
+
+def compute_bytes(precision: Precision) -> int:
+    """Bytes per element of tensors computed in ``precision`` (activations, weight casts)."""
+    return 4 if precision == "fp32" else 2
+
+
+def wire_bytes(precision: Precision) -> int:
+    """Bytes per element of an activation or its gradient sent between pipeline stages: the
+    compute dtype (what the layers produce under autocast)."""
+    return compute_bytes(precision)
+
+
+def keeps_weight_copies(precision: Precision) -> bool:
+    """Whether each in-flight microbatch holds a compute-dtype copy of the stage's weights
+    (autocast saves the casts for backward); never in fp32."""
+    return precision != "fp32"
+
+
+def loss_scaling(precision: Precision) -> bool:
+    """Whether the engine runs dynamic loss scaling (fp16 only)."""
+    return precision == "fp16"
+
+
+def supports_bf16(spec: GPUSpec) -> bool:
+    """Whether the catalog gives the GPU type a bf16 peak (it has bf16 units)."""
+    return spec.peak_tflops_bf16 > 0
+
+
+def choose_precision(
+    gpu_types: Iterable[str],
+    specs: Mapping[str, GPUSpec],
+    requested: Precision = "bf16",
+) -> Precision:
+    """The precision of a job on ``gpu_types``.
+
+    ``requested="fp32"`` (a model spec asking for full precision) is kept. Otherwise: fp32
+    when any rank is a CPU (the engine computes in fp32 there, and a job has one precision);
+    bf16 when every GPU type's spec has a bf16 peak; else fp16. A GPU type without a spec
+    cannot be shown to have bf16 units, so it counts as one without (fp16 costs the same
+    bytes; only its loss scaling differs).
+    """
+    types = list(dict.fromkeys(gpu_types))
+    if not types:
+        raise ValueError("gpu_types=[]: a job needs at least one device type")
+    if requested == "fp32" or CPU_DEVICE_TYPE in types:
+        return "fp32"
+    if all((s := specs.get(g)) is not None and supports_bf16(s) for g in types):
+        return "bf16"
+    return "fp16"

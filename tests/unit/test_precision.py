@@ -1,0 +1,375 @@
+"""One precision per job: chosen from the plan's GPUs, recorded in the plan, priced as the
+engine runs it (compute peak, fp32 gradient all-reduce, wire dtype, autocast weight copies)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from sailor.catalog import gpus, models
+from sailor.planner import plan as make_plans
+from sailor.profiler.layers import saved_bytes_fit, to_profile_db
+from sailor.schemas import (
+    BandwidthCurve,
+    Calibration,
+    GPUPrice,
+    GPUSpec,
+    NetworkProfile,
+    Pipeline,
+    Plan,
+    Pool,
+    PoolEntry,
+    PriceTable,
+    ProfileDB,
+    ReplicaGroup,
+    Stage,
+)
+from sailor.schemas.precision import (
+    GRAD_ALLREDUCE_BYTES,
+    choose_precision,
+    compute_bytes,
+    keeps_weight_copies,
+    loss_scaling,
+    wire_bytes,
+)
+from sailor.simulator import simulate
+from tests.unit.test_planner_search import make_env
+from tests.unit.test_simulator_simulate import (
+    MODEL,
+    PRICES,
+    PROFILES,
+    SPECS,
+    _network,
+    _pipe,
+    _plan,
+    _rg,
+)
+
+DEEPSPEED = Calibration(mixed_precision="fp16_optimizer")
+
+# -- choice -----------------------------------------------------------------------------------
+
+
+def test_bf16_where_every_gpu_has_it_else_fp16_and_fp32_on_cpu() -> None:
+    cat = gpus()
+    assert choose_precision(["A100-40", "H100-80"], cat) == "bf16"
+    # catalog: V100, T4, Titan-RTX, RTX-2080 have no bf16 units
+    for old in ("V100-16", "T4", "Titan-RTX", "RTX-2080"):
+        assert choose_precision(["A100-40", old], cat) == "fp16"
+    # the catalog's cpu type has a nominal bf16 peak; the engine still computes in fp32
+    assert cat["cpu"].peak_tflops_bf16 > 0
+    assert choose_precision(["cpu"], cat) == "fp32"
+    assert choose_precision(["A100-40"], cat, requested="fp32") == "fp32"
+    # a GPU type without a spec cannot be shown to have bf16
+    assert choose_precision(["A100-40", "mystery"], cat) == "fp16"
+    with pytest.raises(ValueError, match="gpu_types"):
+        choose_precision([], cat)
+
+
+def test_engine_byte_constants() -> None:
+    assert GRAD_ALLREDUCE_BYTES == 4  # the engine all-reduces fp32 gradients
+    assert [compute_bytes(p) for p in ("fp32", "bf16", "fp16")] == [4, 2, 2]
+    assert [wire_bytes(p) for p in ("fp32", "bf16", "fp16")] == [4, 2, 2]
+    assert not keeps_weight_copies("fp32") and keeps_weight_copies("bf16")
+    assert loss_scaling("fp16") and not loss_scaling("bf16")
+
+
+# -- the plan records it ----------------------------------------------------------------------
+
+
+def _one_stage_plan(gpu_type: str, precision: str | None = None) -> Plan:
+    n = MODEL.num_all_layers
+    return Plan(
+        model="tiny",
+        global_batch_size=4,
+        pipelines=(
+            Pipeline(
+                stages=(
+                    Stage(
+                        first_layer=0,
+                        last_layer=n - 1,
+                        replica=ReplicaGroup(gpu_type=gpu_type, zone="z-a", gpus_per_node=2),
+                    ),
+                ),
+                microbatch_size=1,
+                num_microbatches=4,
+            ),
+        ),
+        precision=precision,  # type: ignore[arg-type]
+    )
+
+
+def test_old_plan_json_loads_and_derives_its_precision() -> None:
+    old = json.loads(_one_stage_plan("V100-16").model_dump_json())
+    del old["precision"]  # written before the field existed
+    p = Plan.model_validate(old)
+    assert p.precision is None
+    assert p.resolved_precision(gpus()) == "fp16"
+    assert p.with_precision(gpus()).precision == "fp16"
+    assert _one_stage_plan("H100-80").resolved_precision(gpus()) == "bf16"
+    assert _one_stage_plan("H100-80", "fp32").resolved_precision(gpus()) == "fp32"
+    rt = Plan.model_validate_json(_one_stage_plan("H100-80", "bf16").model_dump_json())
+    assert rt.precision == "bf16"
+    with pytest.raises(ValueError, match="precision"):
+        Plan.model_validate({**old, "precision": "int8"})
+
+
+def test_imported_plans_record_fp16() -> None:
+    from sailor.importers.sailor_plan import plan_from_dict
+
+    d = {
+        "mbs": 1,
+        "gbs": 2,
+        "pipeline_list": [
+            {
+                "num_stages": 1,
+                "layers_per_stage": [[0, 1, 2]],
+                "dp": [1],
+                "tmp_per_stage": [[[[["A100-40", 4, "us-central1-a"]], 1]]],
+            }
+        ],
+    }
+    # the original trains in fp16 (Megatron-DeepSpeed); its format does not say so
+    assert plan_from_dict(d, "x").precision == "fp16"
+    assert plan_from_dict(d, "x", precision="bf16").precision == "bf16"
+
+
+def test_planner_plans_carry_their_precision() -> None:
+    env = make_env(gbs=8)
+    pool = Pool(entries=(PoolEntry(gpu_type="fast", zone="us-test1-a", nodes=2, gpus_per_node=2),))
+    ranked = make_plans(**env.kw(), pool=pool, gpu_specs=env.specs)  # type: ignore[arg-type]
+    assert ranked and all(r.plan.precision == "bf16" for r in ranked)
+    no_bf16 = {g: s.model_copy(update={"peak_tflops_bf16": 0.0}) for g, s in env.specs.items()}
+    ranked = make_plans(**env.kw(), pool=pool, gpu_specs=no_bf16)  # type: ignore[arg-type]
+    assert ranked and all(r.plan.precision == "fp16" for r in ranked)
+
+
+# -- the simulator prices it ------------------------------------------------------------------
+
+
+def _flat(gbps: float) -> NetworkProfile:
+    """``_network`` with every curve flat at ``gbps`` and no latency."""
+    base = _network()
+    curve = BandwidthCurve(coeffs=(0.0, 0.0, gbps), max_gbps=gbps)
+    return NetworkProfile(
+        links=tuple(ln.model_copy(update={"curve": curve}) for ln in base.links),
+        intra_node=tuple(ln.model_copy(update={"curve": curve}) for ln in base.intra_node),
+    )
+
+
+def test_gradients_are_all_reduced_in_fp32() -> None:
+    # two replicas of one stage: a 2-member ring moves 2(d-1)/d of the bytes each way
+    plan = _plan(_pipe([], 1, 2), _pipe([], 1, 2))
+    est = simulate(plan, MODEL, PROFILES, _flat(1.0), PRICES, gpu_specs=SPECS)
+    params = MODEL.num_all_layers * 1_000_000
+    want = 2 * (2 - 1) * (params * 4 / 2) / 1e9
+    assert est.stages[0].grad_sync_s == pytest.approx(want, rel=1e-9)
+    # DeepSpeed's FP16_Optimizer (the reference plans) reduces 16-bit gradients
+    ds = simulate(plan, MODEL, PROFILES, _flat(1.0), PRICES, gpu_specs=SPECS, calibration=DEEPSPEED)
+    assert ds.stages[0].grad_sync_s == pytest.approx(want / 2, rel=1e-9)
+
+
+def test_compute_at_the_plan_precision_peak() -> None:
+    # GPU type E has no profile: the roofline estimate at the plan's precision's peak (fp32
+    # 10 TFLOP/s, 16-bit 100); memory bandwidth made ample so that every layer is
+    # compute-bound
+    fast = {g: s.model_copy(update={"memory_bandwidth_gbps": 1e9}) for g, s in SPECS.items()}
+    groups = [_rg("E")]
+
+    def fwd(precision: str | None, specs: dict[str, GPUSpec] = fast) -> float:
+        p = _plan(_pipe([], 4, 1, groups)).model_copy(update={"precision": precision})
+        est = simulate(p, MODEL, PROFILES, _network(), PRICES, gpu_specs=specs)
+        return est.stages[0].fwd_s
+
+    assert fwd("fp32") == pytest.approx(10 * fwd("bf16"))
+    assert fwd(None) == fwd("bf16")  # E has bf16 units: derived bf16
+    # a GPU type without bf16 units: derived fp16, priced at its fp16 peak (here 50)
+    no_bf16 = {
+        **fast,
+        "E": fast["E"].model_copy(update={"peak_tflops_bf16": 0.0, "peak_tflops_fp16": 50.0}),
+    }
+    assert fwd(None, no_bf16) == pytest.approx(2 * fwd("bf16"))
+    assert fwd(None, no_bf16) == fwd("fp16", no_bf16)
+    with pytest.raises(ValueError, match="no bf16 units"):
+        fwd("bf16", no_bf16)
+
+
+def test_cpu_plans_run_fp32() -> None:
+    cpu = {**SPECS, "cpu": gpus()["cpu"]}
+    profiles = ProfileDB(model="tiny")  # estimated layers, no cpu price needed beyond this
+    prices = PriceTable(
+        gpus=(
+            GPUPrice(gpu_type="cpu", region="*", on_demand_usd_per_hour=0.0, spot_usd_per_hour=0.0),
+        )
+    )
+    plan = _plan(_pipe([4], 1, 2, [_rg("cpu"), _rg("cpu")]))
+    est = simulate(plan, MODEL, profiles, _network(), prices, gpu_specs=cpu)
+    assert all(m.weight_copies == 0 for m in est.memory)
+    assert any("fp32 derived" in n for n in est.notes)
+    with pytest.raises(ValueError, match="CPU ranks compute in fp32"):
+        simulate(
+            plan.model_copy(update={"precision": "bf16"}),
+            MODEL,
+            profiles,
+            _network(),
+            prices,
+            gpu_specs=cpu,
+        )
+
+
+def test_activations_on_the_wire_in_the_plan_precision() -> None:
+    # the profile's sizes are in the model spec's precision (fp16: 2 bytes); an fp32 plan
+    # sends twice the bytes of a bf16 one
+    cal = Calibration(sends_attention_mask=False, blocking_p2p=False)
+    plan = _plan(_pipe([4], 2, 4))
+
+    def send(precision: str) -> float:
+        p = plan.model_copy(update={"precision": precision})
+        est = simulate(p, MODEL, PROFILES, _flat(1.0), PRICES, gpu_specs=SPECS, calibration=cal)
+        return est.stages[0].send_s
+
+    assert send("bf16") == pytest.approx(2 * 100_000 / 1e9)
+    assert send("fp32") == pytest.approx(2 * send("bf16"))
+
+
+# -- autocast weight copies -------------------------------------------------------------------
+
+
+def test_eight_block_llama_stage_holds_a_weight_copy_per_microbatch_in_flight() -> None:
+    """An 8-block 8B-Llama stage with 4 microbatches in flight keeps ~14 GB of bf16 copies
+    (8 x 218M params x 2 B x 4); dividing the profiled saved bytes by the microbatch size
+    predicted ~1.7 GB."""
+    llama = models()["LLAMA-3-8"]
+    n = llama.num_all_layers
+    cuts = [0, 8, 16, 24, 32, n]  # stage 1: blocks 8..15, stages - stage = 4
+    pipe = Pipeline(
+        stages=tuple(
+            Stage(
+                first_layer=a,
+                last_layer=b - 1,
+                replica=ReplicaGroup(gpu_type="H100-80", zone="z", gpus_per_node=8),
+            )
+            for a, b in itertools.pairwise(cuts)
+        ),
+        microbatch_size=1,
+        num_microbatches=8,
+    )
+    plan = Plan(model=llama.name, global_batch_size=8, pipelines=(pipe,))
+    prices = PriceTable(
+        gpus=(
+            GPUPrice(
+                gpu_type="H100-80", region="*", on_demand_usd_per_hour=1.0, spot_usd_per_hour=1.0
+            ),
+        )
+    )
+    est = simulate(
+        plan, llama, ProfileDB(model=llama.name), NetworkProfile(), prices, gpu_specs=gpus()
+    )
+    stage1 = est.memory[1]
+    block = llama.layer_params(1)
+    assert stage1.weight_copies == 8 * block * 2 * 4
+    assert 13e9 < stage1.weight_copies < 15e9
+    assert est.memory[4].weight_copies == sum(llama.layer_params(i) for i in range(32, n)) * 2
+    # fp32: no copies
+    fp32 = simulate(
+        plan.model_copy(update={"precision": "fp32"}),
+        llama,
+        ProfileDB(model=llama.name),
+        NetworkProfile(),
+        prices,
+        gpu_specs=gpus(),
+    )
+    assert all(m.weight_copies == 0 for m in fp32.memory)
+
+
+def test_a_plan_that_fit_without_the_copies_is_refused() -> None:
+    # 4 single-GPU nodes of 160 MiB: without the copies (DeepSpeed's accounting) the planner's
+    # best plan, 4 stages (2, 1, 1, 1), fits at exactly 160 MiB; its first stage holds 4
+    # copies (+48 MiB) and no longer fits, so the planner now refuses it
+    env = make_env(memory_mb={"fast": 160}, speed={"fast": 1.0}, gpus_per_node=1, gbs=16)
+    pool = Pool(entries=(PoolEntry(gpu_type="fast", zone="us-test1-a", nodes=4, gpus_per_node=1),))
+    before = make_plans(**env.kw(), pool=pool, gpu_specs=env.specs, calibration=DEEPSPEED)  # type: ignore[arg-type]
+    old = before[0].plan
+    assert before[0].estimate.fits_in_memory
+    est = simulate(old, env.model, env.profiles, env.network, env.prices, gpu_specs=env.specs)
+    assert not est.fits_in_memory
+    assert est.memory[0].weight_copies > 0
+    after = make_plans(**env.kw(), pool=pool, gpu_specs=env.specs)  # type: ignore[arg-type]
+    layouts = {
+        (r.plan.pipelines[0].partition(), r.plan.pipelines[0].microbatch_size) for r in after
+    }
+    assert (old.pipelines[0].partition(), old.pipelines[0].microbatch_size) not in layouts
+    assert all(r.estimate.fits_in_memory for r in after)
+
+
+def test_recomputation_keeps_one_copy() -> None:
+    plan = _plan(_pipe([4], 1, 8))
+    stages = [s.model_copy(update={"recompute": True}) for s in plan.pipelines[0].stages]
+    rec = plan.model_copy(
+        update={"pipelines": (plan.pipelines[0].model_copy(update={"stages": tuple(stages)}),)}
+    )
+    est = simulate(rec, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    assert est.memory[0].weight_copies == 1_000_000 * 2  # one layer's copy while recomputed
+
+
+# -- the profiler separates the copy from the activations -------------------------------------
+
+
+def test_saved_bytes_fit_separates_the_per_microbatch_copy() -> None:
+    copy, per_sample = 3_000_000, 40_000
+    pts = [(b, copy + b * per_sample) for b in (1, 2, 4, 8)]
+    assert saved_bytes_fit(pts) == (per_sample, copy)
+    assert saved_bytes_fit([(4, 400)]) == (100, 0)  # one size: no intercept to fit
+    assert saved_bytes_fit([(1, 50), (2, 200)]) == (100, 0)  # negative intercept: none
+
+
+def test_profile_db_records_the_copy_not_as_activations() -> None:
+    from sailor.profiler.layer_bench import LayerMeasurement
+    from sailor.profiler.timing import Stats
+
+    st = Stats.of([1e-3, 1e-3, 1e-3])
+    spec = MODEL
+    ms = [
+        LayerMeasurement(
+            kind=kind,
+            tp=1,
+            mbs=b,
+            fwd=st,
+            bwd=st,
+            update=st,
+            params=1000,
+            saved_bytes=2000 + b * 500,
+            output_bytes=b * 64,
+            input_bytes=b * 64,
+            peak_growth_bytes=0,
+        )
+        for kind in ("embedding", "block", "head")
+        for b in (1, 2, 4)
+    ]
+    db = to_profile_db(spec, "cpu", ms, {})
+    size = db.size(1, 1)
+    assert size is not None
+    assert (size.activation_bytes_per_sample, size.per_microbatch_bytes) == (500, 2000)
+
+
+def test_autocast_copy_is_measured_as_a_per_microbatch_intercept() -> None:
+    """On CPU, bf16 autocast saves the cast of a Linear's weight once per forward: the fit
+    over microbatch sizes puts it in the intercept, not the per-sample slope."""
+    torch = pytest.importorskip("torch")
+    from sailor.profiler.memory import saved_tensor_bytes
+
+    lin = torch.nn.Linear(256, 256, bias=False)
+    points = []
+    for b in (1, 2, 4):
+        x = torch.randn(b, 8, 256, requires_grad=True)
+
+        def fwd(x=x):  # type: ignore[no-untyped-def]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return lin(x).float().sum()
+
+        points.append((b, saved_tensor_bytes(fwd, lin.parameters())))
+    per_sample, per_mb = saved_bytes_fit(points)
+    assert per_mb == 256 * 256 * 2  # the bf16 copy of the weight
+    assert per_sample == 8 * 256 * 2  # the bf16 input saved for the weight gradient
