@@ -355,14 +355,20 @@ def run(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; on failure writes the first cause like the worker and exits 1."""
-    from sailor.megatron_patch.errors import failure_record, write_error_file
+    import faulthandler
+
+    from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
     from sailor.megatron_patch.worker import build_parser
 
     args = build_parser().parse_args(argv)
+    err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None
+    if err:
+        # NCCL's watchdog may abort() the process: leave the Python stacks for the parent.
+        Path(err).parent.mkdir(parents=True, exist_ok=True)
+        faulthandler.enable(file=fault_path(err).open("w"), all_threads=True)
     try:
         return run(argv)
     except BaseException as exc:  # the first cause of any failure is reported
-        err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None
         write_error_file(err, failure_record(exc, args.rank, -1, in_training=True))
         print(json.dumps({"event": "failed", "message": str(exc)}), file=sys.stderr, flush=True)
         os._exit(1)
