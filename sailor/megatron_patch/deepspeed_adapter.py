@@ -50,7 +50,7 @@ from sailor import catalog
 from sailor.megatron_patch.data import SyntheticTokens
 from sailor.megatron_patch.devices import (
     CPU_GPU_TYPES,
-    check_devices,
+    check_rank_device,
     choose_backend,
     local_device,
     nccl_error_env,
@@ -287,9 +287,7 @@ def run(argv: list[str] | None = None) -> int:
     os.environ.update(deepspeed_env(plan, args.rank, args.world_size, args.master, backend))
     device = torch.device("cpu")
     if backend == "nccl":
-        pi, si, _t = plan.ranks()[args.rank]
-        node = plan.pipelines[pi].stages[si].replica.node_id
-        check_devices(plan, torch.cuda.device_count(), node=node)
+        check_rank_device(plan, args.rank, torch.cuda.device_count())
         device = torch.device("cuda", local_device(plan, args.rank))
         torch.cuda.set_device(device)  # before the process group: NCCL binds to it
         os.environ.update(nccl_error_env(os.environ))

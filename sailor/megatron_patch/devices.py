@@ -29,6 +29,7 @@ __all__ = [
     "DeviceMappingError",
     "backend_for",
     "check_devices",
+    "check_rank_device",
     "choose_backend",
     "device_of",
     "local_device",
@@ -86,11 +87,15 @@ def choose_backend(plan: Plan, requested: str | None, cuda_available: bool) -> B
 
 def local_device(plan: Plan, rank: int) -> int:
     """The node-local GPU index of ``rank``: its replica group's ``first_gpu`` + TP rank."""
+    pi, si, t = _rank_of(plan, rank)
+    return plan.pipelines[pi].stages[si].replica.first_gpu + t
+
+
+def _rank_of(plan: Plan, rank: int) -> tuple[int, int, int]:
     ranks = plan.ranks()
     if not 0 <= rank < len(ranks):
         raise DeviceMappingError(f"rank={rank}: the plan has ranks 0..{len(ranks) - 1}")
-    pi, si, t = ranks[rank]
-    return plan.pipelines[pi].stages[si].replica.first_gpu + t
+    return ranks[rank]
 
 
 def device_of(plan: Plan, rank: int, backend: str) -> str:
@@ -136,6 +141,28 @@ def check_devices(plan: Plan, device_count: int, node: str | None = None) -> Non
                         "not overlap"
                     )
                 owner[g] = where
+
+
+def check_rank_device(plan: Plan, rank: int, device_count: int) -> None:
+    """What one rank checks before it takes its GPU: its replica group fits the node's
+    ``device_count`` GPUs and, when the plan says which node it is on (``node_id``), no other
+    group placed on that node shares a GPU with it or with each other.
+
+    An unplaced plan (no ``node_id``) says nothing about which ranks share a host; its
+    launcher checks that (``launch_local``: :func:`check_devices` over all ranks), and NCCL
+    itself refuses two ranks of one communicator on one GPU at its first collective.
+    """
+    pi, si, _t = _rank_of(plan, rank)
+    r = plan.pipelines[pi].stages[si].replica
+    if r.node_id:
+        check_devices(plan, device_count, node=r.node_id)
+    elif r.first_gpu + r.tp > device_count:
+        first = sum(1 for x in plan.ranks() if (x[0], x[1]) < (pi, si))
+        raise DeviceMappingError(
+            f"{_where(pi, si, first, r.tp)} needs cuda:{r.first_gpu}..cuda:"
+            f"{r.first_gpu + r.tp - 1} (first_gpu={r.first_gpu}, tp={r.tp}), but this host has "
+            f"{device_count} GPU(s)"
+        )
 
 
 def pack_one_host(plan: Plan) -> Plan:

@@ -73,7 +73,7 @@ from sailor.megatron_patch.control import (  # noqa: E402
     read_control,
 )
 from sailor.megatron_patch.devices import (  # noqa: E402
-    check_devices,
+    check_rank_device,
     choose_backend,
     local_device,
     nccl_error_env,
@@ -207,10 +207,7 @@ def _device(backend: str, plan: Plan, rank: int) -> torch.device:
     """The rank's device, made current (before the process group: NCCL binds to it)."""
     if backend != "nccl":
         return torch.device("cpu")
-    pi, si, _t = plan.ranks()[rank]
-    check_devices(
-        plan, torch.cuda.device_count(), node=plan.pipelines[pi].stages[si].replica.node_id
-    )
+    check_rank_device(plan, rank, torch.cuda.device_count())
     local = local_device(plan, rank)
     torch.cuda.set_device(local)
     return torch.device("cuda", local)

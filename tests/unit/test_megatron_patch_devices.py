@@ -21,6 +21,7 @@ from sailor.megatron_patch.devices import (
     DeviceMappingError,
     backend_for,
     check_devices,
+    check_rank_device,
     choose_backend,
     device_of,
     local_device,
@@ -106,6 +107,16 @@ def test_a_gpu_the_host_lacks_is_refused() -> None:
     plan = _plan((_rg(tp=2, node="a", first=2),))
     with pytest.raises(DeviceMappingError, match=r"ranks 0\.\.1\) needs cuda:2\.\.cuda:3.*2 GPU"):
         check_devices(plan, 2, node="a")
+
+
+def test_a_rank_checks_its_node_or_only_itself_when_unplaced() -> None:
+    placed = _plan((_rg(node="n1"),), (_rg(node="n1"),))
+    with pytest.raises(DeviceMappingError, match="cuda:0 on node 'n1'"):
+        check_rank_device(placed, 0, 4)
+    # Unplaced: one rank per host (run by hand) is legitimate; only its own GPUs are checked.
+    check_rank_device(GPU_PLAN, 1, 1)
+    with pytest.raises(DeviceMappingError, match=r"pipelines\[1\]\.stages\[0\] \(ranks 1\.\.2\)"):
+        check_rank_device(_plan((_rg(),), (_rg(tp=2),)), 2, 1)
 
 
 def test_an_unplaced_plan_is_packed_onto_distinct_gpus() -> None:
