@@ -1,6 +1,8 @@
 """``sailor agent``: one per node. Registration lease, commands, watchers, supervisor.
 
-The agent registers its node under an etcd lease kept alive in the background (a lease that
+The agent first checks its node (the GPU checks of ``sailor check``, in a child process;
+skipped on CPU nodes): a GPU node that fails them does not join (``check.mode: enforce``).
+It then registers its node under an etcd lease kept alive in the background (a lease that
 expires is a node that left), publishes join/leave events, serves commands on its own NATS
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
@@ -14,13 +16,16 @@ import asyncio
 import collections
 import contextlib
 import signal
+import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from pydantic import Field, ValidationError
 
+from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
+from sailor.agent.check_verdicts import judge
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
 from sailor.agent.watchers import PreemptionWatcher, make_watcher
@@ -44,9 +49,10 @@ from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.node_check import EndpointFacts, NodeFacts
 from sailor.schemas.runtime import AgentStatus, CommandAck
 
-__all__ = ["Agent", "AgentConfig", "WatcherConfig", "run_agent"]
+__all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
 
@@ -54,6 +60,21 @@ _log = structlog.get_logger("sailor.agent")
 class WatcherConfig(Frozen):
     kind: str = Field(description="gcp, aws, azure or file.")
     target: str = Field(description="Metadata base URL, or a path for 'file'.")
+
+
+class CheckSettings(Frozen):
+    """The node check the agent runs before it joins (``sailor check``, docs/operations.md)."""
+
+    mode: Literal["enforce", "report", "off"] = Field(
+        default="enforce",
+        description="enforce: a GPU node that fails the check does not join; report: it joins "
+        "and logs the failures; off: no GPU checks (sim workers standing in for GPUs on a CPU "
+        "host). CPU nodes (gpu_type cpu) skip the GPU checks in every mode.",
+    )
+    probe: bool = Field(default=True, description="Run the one-node NCCL collective probe.")
+    timeout_s: float = Field(
+        default=300.0, gt=0, description="Deadline of the GPU checks, probe included, s."
+    )
 
 
 class AgentConfig(Frozen):
@@ -73,6 +94,9 @@ class AgentConfig(Frozen):
     status_interval_s: float = Field(default=0.2, gt=0, description="Status write period.")
     security: SecurityConfig | None = Field(
         default=None, description="TLS and NATS login (docs/operations.md#security); off if absent."
+    )
+    check: CheckSettings = Field(
+        default_factory=CheckSettings, description="The node check run before joining."
     )
 
 
@@ -101,15 +125,40 @@ class Agent:
         self._lock = asyncio.Lock()
         self._crashed = False
         self._plans = PlanSource(self._read_desired)
+        self.facts: NodeFacts | None = None
+        self.refused = ""
 
     async def run(self) -> None:
+        check = asyncio.create_task(self.check_node(), name=f"agent-{self.node.node_id}-check")
+        stop = asyncio.create_task(self.stopping.wait(), name=f"agent-{self.node.node_id}-stop")
+        await asyncio.wait({check, stop}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (check, stop):  # SIGTERM during the check: stop it (its child is killed)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        facts = check.result() if not check.cancelled() else None
+        if facts is None:
+            return
         sec = self.cfg.security
+        t0 = time.monotonic()
         store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
+        t1 = time.monotonic()
         nc = await self._retry(
             lambda: connect_nats(self.cfg.nats_url, self.node.node_id, security=sec)
         )
         if store is None or nc is None:
             return
+        tls = sec is not None
+        self.facts = facts.model_copy(
+            update={  # the agent's own connections are the reachability facts of its join
+                "etcd": EndpointFacts(
+                    url=self.cfg.etcd_endpoint, reachable=True, tls=tls, seconds=t1 - t0
+                ),
+                "nats": EndpointFacts(
+                    url=self.cfg.nats_url, reachable=True, tls=tls, seconds=time.monotonic() - t1
+                ),
+            }
+        )
         self._store = store
         self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
@@ -126,6 +175,42 @@ class Agent:
             if self.stopping.is_set():
                 self.sd.stopping()
             await self._shutdown(store, nc, commands)
+
+    async def check_node(self) -> NodeFacts | None:
+        """The node's facts, or None when the check failed in ``enforce`` mode (the agent then
+        does not join: ``refused`` says why). CPU nodes and mode ``off`` gather nothing."""
+        settings = self.cfg.check
+        if self.node.gpu_type == "cpu" or settings.mode == "off":
+            return node_facts(self.node)
+        gpu = await gather_gpu_subprocess(probe=settings.probe, timeout_s=settings.timeout_s)
+        facts = node_facts(self.node, gpu)
+        report = judge(facts, node_id=self.node.node_id)
+        bad = [line for line in report.lines if line.verdict == "fail"]
+        for line in report.lines:
+            if line.verdict != "ok" and line.check not in ("nats", "etcd"):
+                _log.warning(
+                    "node_check",
+                    node=self.node.node_id,
+                    check=line.check,
+                    verdict=line.verdict,
+                    detail=line.detail[:500],
+                    action=line.action[:300],
+                )
+        if not bad:
+            return facts
+        why = "; ".join(f"{line.check}: {line.detail}" for line in bad)[:2000]
+        if settings.mode == "report":
+            _log.warning("node_check_failed_joining_anyway", node=self.node.node_id, why=why)
+            return facts
+        self.refused = why
+        _log.error(
+            "node_check_failed_not_joining",
+            node=self.node.node_id,
+            gpu_type=self.node.gpu_type,
+            why=why,
+            fix="run `sailor check --config <agent config>` on this node for what to do",
+        )
+        return None
 
     async def _retry(self, make: Any) -> Any:
         while not self.stopping.is_set():
@@ -172,6 +257,7 @@ class Agent:
                 node_id=self.node.node_id,
                 time=self.clock.now(),
                 node=self.node,
+                facts=self.facts,
             ),
         )
 
@@ -347,10 +433,12 @@ class Agent:
         self._lease = None
 
 
-async def run_agent(config: AgentConfig) -> None:
-    """Run until SIGTERM/SIGINT (a preemption looks like this too), then leave cleanly."""
+async def run_agent(config: AgentConfig) -> int:
+    """Run until SIGTERM/SIGINT (a preemption looks like this too), then leave cleanly.
+    Returns the exit status: 1 when the node check refused to join, else 0."""
     agent = Agent(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stopping.set)
     await agent.run()
+    return 1 if agent.refused else 0

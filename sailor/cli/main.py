@@ -7,6 +7,7 @@ import typer
 from sailor.checkpoint.cli import ckpt_app
 from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.certs_cmd import certs_app
+from sailor.cli.check_cmd import check
 from sailor.cli.config_cmd import config_app
 from sailor.cli.demo_cmd import demo
 from sailor.cli.import_cmd import import_app
@@ -36,6 +37,7 @@ app.add_typer(profile_app, name="profile")
 app.command("controller")(controller)
 app.command("agent")(agent)
 app.command("status")(status)
+app.command("check")(check)
 app.command("audit")(audit)
 app.add_typer(config_app, name="config")
 app.add_typer(certs_app, name="certs")

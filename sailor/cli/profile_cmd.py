@@ -55,6 +55,22 @@ def _model(name: str, model_file: Path | None) -> ModelSpec:
         raise fail(str(exc.args[0]) + "; or pass --model-file") from exc
 
 
+def _local_gpu_type(device: str) -> str:
+    """The catalog type of this host's CUDA device 0 (cuda), or 'cpu'; a device the catalog
+    does not know is refused with its name, memory and the types it could be."""
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        return catalog_gpu_name(props.name, props.total_memory, catalog.gpus())
+    except UnknownGPUError as exc:
+        raise fail(str(exc)) from exc
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
@@ -72,7 +88,9 @@ def layers_cmd(
     mbs: str = typer.Option("1,2,4,8", help="Microbatch sizes, comma-separated."),
     out: Path = typer.Option(..., "-o", "--out", help="ProfileDB JSON to merge into."),
     gpu_type: str | None = typer.Option(
-        None, help="GPU type name in the database (default: 'cpu', or the CUDA device name)."
+        None,
+        help="GPU type name in the database (default: 'cpu', or the catalog type of CUDA "
+        "device 0, e.g. H100-80 for 'NVIDIA H100 80GB HBM3').",
     ),
     threads: int = typer.Option(1, help="torch intra-op threads on CPU (worker default: 1)."),
     warmup: int = typer.Option(3, help="Untimed runs before timing."),
@@ -96,18 +114,13 @@ def layers_cmd(
     ),
 ) -> None:
     """Time and size each layer kind of the training framework per TP degree and mbs."""
-    import torch
 
     from sailor.profiler.layers import LayerRun, profile_layers
     from sailor.profiler.timing import RepeatSettings
 
     spec = _model(model, model_file)
     if gpu_type is None:
-        gpu_type = (
-            str(torch.cuda.get_device_name(0))
-            if device == "cuda" and torch.cuda.is_available()
-            else "cpu"
-        )
+        gpu_type = _local_gpu_type(device)
     try:
         run = LayerRun(
             spec=spec,
@@ -201,7 +214,11 @@ def layers_cmd(
 def network_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="NetworkProfile JSON to merge into."),
     zone: str = typer.Option("local", help="Zone of the sending endpoint."),
-    gpu_type: str = typer.Option("cpu", help="GPU type of the sending endpoint."),
+    gpu_type: str | None = typer.Option(
+        None,
+        help="GPU type of the sending endpoint (default: 'cpu', or the catalog type of CUDA "
+        "device 0 with --device cuda).",
+    ),
     gpus_per_node: int = typer.Option(1, help="GPUs per node of the sending endpoint."),
     dst_zone: str | None = typer.Option(None, help="Receiving zone (default: --zone)."),
     dst_gpu_type: str | None = typer.Option(None, help="Receiving GPU type (default: same)."),
@@ -252,6 +269,8 @@ def network_cmd(
     sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
     if any(b < 8 for b in sizes):
         raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
+    if gpu_type is None:
+        gpu_type = _local_gpu_type(device)
     try:
         settings = ProbeSettings(
             min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size, device=device

@@ -28,7 +28,9 @@ def agent(config: Path = typer.Option(..., "--config", help="Agent config file."
     from sailor.agent.daemon import AgentConfig, run_agent
     from sailor.controller.config import load_mapping
 
-    asyncio.run(run_agent(AgentConfig.model_validate(load_mapping(config))))
+    code = asyncio.run(run_agent(AgentConfig.model_validate(load_mapping(config))))
+    if code:
+        raise typer.Exit(code)  # the node check failed: the log says why
 
 
 def status(

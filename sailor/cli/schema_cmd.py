@@ -9,6 +9,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from sailor import schemas as s
 from sailor.cli._io import fail
+from sailor.schemas.node_check import CheckReport
 
 __all__ = ["SCHEMAS", "schema"]
 
@@ -27,6 +28,7 @@ SCHEMAS: dict[str, type[BaseModel] | TypeAdapter[object]] = {
     "event": s.EventAdapter,  # type: ignore[dict-item]
     "command": s.CommandAdapter,  # type: ignore[dict-item]
     "checkpoint-manifest": s.CheckpointManifest,
+    "check-report": CheckReport,
 }
 
 

@@ -52,7 +52,7 @@ from sailor.coordination import (
     connect_nats,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
-from sailor.schemas.events import Event, EventAdapter, PreemptionNotice
+from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
 from sailor.schemas.runtime import DesiredState, NoticeRecord
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller", "urgent_wake"]
@@ -462,6 +462,8 @@ class Controller:
             )
             self._unseen_notices[ev.node_id] = self.clock.now()
         if ev.kind != "heartbeat":
+            facts = ev.facts if isinstance(ev, NodeJoined) else None
+            extra: dict[str, Any] = {"facts": facts.summary()} if facts is not None else {}
             self.audit.write(
                 "event",
                 now,
@@ -470,6 +472,7 @@ class Controller:
                 event_kind=ev.kind,
                 node_id=ev.node_id,
                 latency_s=round(now - ev.time, 4),
+                **extra,
             )
         self.wake(urgent=urgent_wake(ev.kind, ev.node_id, self.desired))
         return "accepted", ev.event_id

@@ -12,6 +12,7 @@ from pydantic import Field, TypeAdapter
 
 from sailor.schemas._base import WireMessage
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.node_check import NodeFacts
 
 __all__ = [
     "Event",
@@ -35,6 +36,11 @@ class NodeJoined(_EventBase):
 
     kind: Literal["node_joined"] = Field(default="node_joined", description="Event kind.")
     node: NodeSpec = Field(description="The node that joined.")
+    facts: NodeFacts | None = Field(
+        default=None,
+        description="What the agent's start-up check found (CUDA, devices, NCCL, servers); "
+        "None from an agent that does not report it.",
+    )
 
 
 class NodeLeft(_EventBase):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.daemon import Agent, AgentConfig, WatcherConfig
+from sailor.agent.daemon import Agent, AgentConfig, CheckSettings, WatcherConfig
 from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
@@ -107,6 +107,9 @@ class Cluster:
             watchers=watchers,
             watch_poll_s=0.2,
             security=self.security(node_id),
+            # sim workers stand in for the GPUs on this CPU host: no GPU check (a GPU node
+            # without a GPU would refuse to join)
+            check=CheckSettings(mode="off"),
         )
         agent = Agent(cfg)
         self.agents[node_id] = (agent, asyncio.create_task(agent.run(), name=f"test-{node_id}"))

@@ -1,0 +1,84 @@
+"""``sailor check``: is this VM ready to join as a node? Run it on a new GPU VM before its agent.
+
+Gathers CUDA and driver, NCCL, the devices with their catalog types, bf16/fp16 and memory,
+runs a one-node NCCL all-reduce and send/recv probe among the GPUs, and reaches NATS and
+etcd with the node's own credentials (``--config agent.yaml``: URL, endpoint, TLS, login);
+prints one ok / warn / fail line per check with what to do (``--json``: a ``CheckReport``).
+
+Exit codes: 0 the node can serve (no line failed; warnings allowed); 1 it cannot; 2 the
+config cannot be read. A machine without a GPU fails as a GPU node; it passes when the
+config's ``node.gpu_type`` is ``cpu`` (a CPU node: GPU checks skipped, nothing spawned), or
+with ``--allow-cpu`` (its "no GPU" becomes a warning, to check the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sailor.cli._io import load_model
+
+if TYPE_CHECKING:
+    from sailor.schemas.node_check import CheckReport
+
+__all__ = ["check"]
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+def check(
+    config: Path | None = typer.Option(
+        None, "--config", help="Agent config (node, NATS, etcd, security); without it: GPUs only."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the CheckReport as JSON."),
+    allow_cpu: bool = typer.Option(
+        False, "--allow-cpu", help="No GPU on a GPU node is a warning, not a failure."
+    ),
+    probe: bool = typer.Option(True, help="Run the NCCL all-reduce and send/recv probe."),
+    timeout: float = typer.Option(5.0, help="Seconds to wait for NATS and for etcd."),
+    probe_deadline: float = typer.Option(120.0, help="Seconds the NCCL probe may take."),
+) -> None:
+    """Check this node: GPUs, CUDA, NCCL, a one-node collective, NATS and etcd."""
+    from sailor.agent.check_gather import gather_gpu, node_facts, reach_servers
+    from sailor.agent.check_verdicts import judge
+    from sailor.agent.daemon import AgentConfig
+
+    cfg = load_model(config, AgentConfig) if config is not None else None
+    node = cfg.node if cfg is not None else None
+    facts = node_facts(node)
+    if facts.node_kind == "gpu":
+        facts = node_facts(node, gather_gpu(probe=probe, deadline_s=probe_deadline))
+    if cfg is not None:
+        nats, etcd = asyncio.run(
+            reach_servers(cfg.nats_url, cfg.etcd_endpoint, cfg.security, cfg.node.node_id, timeout)
+        )
+        facts = facts.model_copy(update={"nats": nats, "etcd": etcd})
+    report = judge(facts, node_id=node.node_id if node else "", allow_cpu=allow_cpu)
+    if as_json:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        _print(report)
+    if not report.serves:
+        raise typer.Exit(1)
+
+
+def _print(report: CheckReport) -> None:
+    f = report.facts
+    con = Console()
+    who = f"node {report.node_id}" if report.node_id else "this machine"
+    con.print(f"[bold]sailor check[/] {who} on {f.hostname}")
+    t = Table("check", "verdict", "finding", "what to do")
+    for line in report.lines:
+        t.add_row(
+            line.check, f"[{_STYLE[line.verdict]}]{line.verdict}[/]", line.detail, line.action
+        )
+    con.print(t)
+    if report.serves:
+        con.print(f"[green]ready[/]: this node can serve ({report.verdict})")
+    else:
+        con.print("[bold red]not ready[/]: this node cannot serve as configured")
