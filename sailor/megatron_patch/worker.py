@@ -342,6 +342,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "event": "ready",
             "rank": args.rank,
             "backend": backend,
+            "device": str(device),
             "init_s": t0 - _T_START,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
