@@ -251,7 +251,7 @@ class Supervisor:
         with contextlib.suppress(OSError):
             fault = fault_path(err).read_text(errors="replace")
         record = signal_failure_record(
-            w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail)
+            w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail), pid=w.proc.pid
         )
         with contextlib.suppress(OSError):
             write_error_file(err, record)

@@ -114,7 +114,12 @@ def _signal_name(signum: int) -> str:
 
 
 def signal_failure_record(
-    rank: int, returncode: int, step: int, fault_text: str = "", stderr_tail: str = ""
+    rank: int,
+    returncode: int,
+    step: int,
+    fault_text: str = "",
+    stderr_tail: str = "",
+    pid: int | None = None,
 ) -> FailureRecord:
     """The record a parent writes for a worker that died by a signal (``returncode`` < 0,
     as ``subprocess`` reports it) or exited without writing its own.
@@ -139,7 +144,7 @@ def signal_failure_record(
         "returncode": returncode,
         "message": f"rank {rank} {what} after step {step} without an error record{hint}",
         "traceback": (fault_text or stderr_tail)[-8000:],
-        "pid": None,
+        "pid": pid,
         "time": time.time(),
         "written_by": "parent",
     }

@@ -156,7 +156,7 @@ def launch_local(
         ef = workdir / f"error-{r}.json"
         rc = run.returncodes[r]
         if rc not in (None, 0) and r not in run.killed and read_error_file(ef) is None:
-            _record_silent_death(workdir, r, rc, run.progress[r])
+            _record_silent_death(workdir, r, rc, run.progress[r], procs[r].pid)
         run.errors.append(read_error_file(ef))
         run.stderr.append((workdir / f"stderr-{r}.txt").read_text(errors="replace"))
     return run
@@ -176,7 +176,7 @@ def _local_backend(plan: Plan, backend: str | None) -> tuple[str, Plan]:
 
 
 def _record_silent_death(
-    workdir: Path, rank: int, returncode: int, progress: list[dict[str, Any]]
+    workdir: Path, rank: int, returncode: int, progress: list[dict[str, Any]], pid: int
 ) -> None:
     """Write the record of a rank that exited (by a signal) without writing its own."""
     steps = [int(e["step"]) for e in progress if e.get("event") == "step"]
@@ -184,7 +184,7 @@ def _record_silent_death(
     fault = ""
     with contextlib.suppress(OSError):
         fault = fault_path(ef).read_text(errors="replace")
-    record = signal_failure_record(rank, returncode, steps[-1] if steps else -1, fault)
+    record = signal_failure_record(rank, returncode, steps[-1] if steps else -1, fault, pid=pid)
     write_error_file(ef, record)
     with (workdir / f"stderr-{rank}.txt").open("a") as f:
         f.write(json.dumps({"event": "failed", **record}) + "\n")

@@ -46,6 +46,7 @@ def _check_record(record: dict[str, object] | None) -> None:
     assert record["signal"] == "SIGABRT" and record["returncode"] == -signal.SIGABRT
     assert record["rank"] == 0 and record["step"] == 2, record
     assert record["written_by"] == "parent" and record["retry"] is True
+    assert isinstance(record["pid"], int)
     # faulthandler's stacks: the main thread was in the worker's iteration-boundary hook.
     assert "Fatal Python error: Aborted" in str(record["traceback"]), record["traceback"]
     assert "worker.py" in str(record["traceback"])
