@@ -199,8 +199,15 @@ def nccl_error_env(environ: Mapping[str, str]) -> dict[str, str]:
     the NCCL communicator") aborts the communicator and keeps the process: the hung kernels
     return and the next operation on the aborted communicator raises in the calling thread,
     where the worker writes its error file and exits at once (it never trains on after an
-    error, so the data a failed collective left behind is never used). Source: PyTorch's
-    "ProcessGroupNCCL Environment Variables" page.
+    error, so the data a failed collective left behind is never used). Sources: PyTorch's
+    "ProcessGroupNCCL Environment Variables" page (torch 2.13 as installed: default 3);
+    pytorch/pytorch#84386 (mode 2: abort collectives and communicators, keep the process).
+
+    The bet and its fallback: mode 3 exists because ``ncclCommAbort`` itself can hang with
+    some NCCL versions (pytorch/pytorch#102599). If it hangs here, the watchdog's heartbeat
+    monitor (on by default) aborts the process after its heartbeat timeout, and the parent's
+    record below still reports it, later. Whether mode 2 raises promptly on a real NCCL
+    timeout is for a GPU run to confirm (``tests/gpu/test_launch_nccl.py``).
 
     ``TORCH_NCCL_BLOCKING_WAIT`` is left off: it would make every collective block the host
     until the GPU finishes (the documented performance cost). The parent process still
