@@ -7,7 +7,10 @@ lines on stdout (see ``sailor.megatron_patch.worker`` and ``sim_worker``); stop 
 requests go through a control file the workers re-read at every iteration boundary, written
 atomically. On abort or deadline the
 workers get SIGTERM, then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause
-(error file, else the stderr tail) is kept for the agent to report.
+(error file, else the stderr tail) is kept for the agent to report. A worker that dies
+without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
+thread) gets one written here, with the signal, the last step it reported and the Python
+stacks its ``faulthandler`` left (:func:`~sailor.megatron_patch.errors.signal_failure_record`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ from pathlib import Path
 import structlog
 
 from sailor.coordination import TaskSet
+from sailor.megatron_patch.errors import (
+    fault_path,
+    read_error_file,
+    signal_failure_record,
+    write_error_file,
+)
 from sailor.schemas.commands import Launch
 
 __all__ = ["DEFAULT_WORKER_ARGV", "SIM_WORKER_ARGV", "Supervisor", "WorkerView"]
@@ -223,14 +232,32 @@ class Supervisor:
     async def _wait(self, w: WorkerView, gen_dir: Path) -> None:
         code = await w.proc.wait()
         w.exit_code = code
-        if code != 0 and not self.expect_exit and not self.failure:
+        if code != 0 and not self.expect_exit:
             err = gen_dir / f"error-{w.rank}.json"
-            cause = ""
-            with contextlib.suppress(OSError):
-                cause = err.read_text()[:2000]
-            self.failure = cause or f"rank {w.rank} exit {code}: " + " | ".join(w.stderr_tail[-3:])
-            _log.warning("worker_failed", rank=w.rank, code=code, cause=self.failure[:300])
+            if read_error_file(err) is None:
+                self._record_silent_death(w, code, err)
+            if not self.failure:
+                cause = ""
+                with contextlib.suppress(OSError):
+                    cause = err.read_text()[:2000]
+                tail = " | ".join(w.stderr_tail[-3:])
+                self.failure = cause or f"rank {w.rank} exit {code}: {tail}"
+                _log.warning("worker_failed", rank=w.rank, code=code, cause=self.failure[:300])
         self.changed.set()
+
+    def _record_silent_death(self, w: WorkerView, code: int, err: Path) -> None:
+        """The error record of a worker that could not write its own (killed by a signal)."""
+        fault = ""
+        with contextlib.suppress(OSError):
+            fault = fault_path(err).read_text(errors="replace")
+        record = signal_failure_record(
+            w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail), pid=w.proc.pid
+        )
+        with contextlib.suppress(OSError):
+            write_error_file(err, record)
+        line = json.dumps({"event": "failed", **record})
+        w.stderr_tail = [*w.stderr_tail[-19:], line]
+        _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
 
     async def abort(self) -> None:
         """SIGTERM every worker, SIGKILL after the grace period; then forget them."""

@@ -17,6 +17,13 @@ What we keep from Sailor in the DeepSpeed run:
   (``"{layer}.{param}"``) are exactly the keys of ``state.stage_state``;
 - the layout-free initialisation and the same data, so its losses match the reference.
 
+Devices and precision, the same rules as the worker's (:mod:`devices`): the backend comes
+from the plan (gloo for ``cpu`` replica groups, NCCL for GPUs), a rank's ``LOCAL_RANK`` is
+its replica group's ``first_gpu`` (plus the TP rank, 0 here), made current before the
+process group starts; :func:`deepspeed_precision` picks bf16 where every GPU type of the plan
+has it, else fp16 with dynamic loss scaling, fp32 on the CPU. Step times synchronize the
+device before each clock read (CUDA kernels run asynchronously).
+
 Tied embeddings are not mapped (DeepSpeed's ``TiedLayerSpec`` would need the head's norm
 split off); use an untied model. deepspeed is imported only inside :func:`run`.
 
@@ -30,15 +37,24 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from sailor import catalog
 from sailor.megatron_patch.data import SyntheticTokens
+from sailor.megatron_patch.devices import (
+    CPU_GPU_TYPES,
+    check_rank_device,
+    choose_backend,
+    local_device,
+    nccl_error_env,
+)
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.tp_layers import TPContext
@@ -47,11 +63,17 @@ from sailor.schemas.plan import Plan
 
 __all__ = [
     "DeepSpeedLayout",
+    "Precision",
     "UnsupportedPlanError",
     "deepspeed_config",
+    "deepspeed_env",
     "deepspeed_layout",
+    "deepspeed_precision",
+    "device_sync",
     "main",
 ]
+
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 class UnsupportedPlanError(ValueError):
@@ -109,15 +131,85 @@ def deepspeed_layout(plan: Plan) -> DeepSpeedLayout:
     )
 
 
-def deepspeed_config(layout: DeepSpeedLayout, plan: Plan) -> dict[str, Any]:
-    """The DeepSpeed JSON config of a layout (fp32; optimizer passed as an object)."""
-    return {
+def deepspeed_precision(
+    plan: Plan, backend: str, device_bf16: Callable[[], bool] | None = None
+) -> Precision:
+    """One training precision for every rank of ``plan`` (pure but for ``device_bf16``).
+
+    fp32 on the CPU (gloo). On GPUs bf16 where every GPU type of the plan has bf16 units (the
+    catalog's ``peak_tflops_bf16 > 0``; V100, T4, RTX-2080 have none), else fp16 with dynamic
+    loss scaling. A GPU type the catalog does not know is asked of the device itself
+    (``device_bf16``, e.g. ``torch.cuda.is_bf16_supported``); without it, it counts as
+    lacking bf16 (fp16 runs everywhere).
+    """
+    if backend != "nccl":
+        return "fp32"
+    known = catalog.gpus()
+    for gpu_type in sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages}):
+        if gpu_type in CPU_GPU_TYPES:
+            continue
+        spec = known.get(gpu_type)
+        has_bf16 = spec.peak_tflops_bf16 > 0 if spec else bool(device_bf16 and device_bf16())
+        if not has_bf16:
+            return "fp16"
+    return "bf16"
+
+
+def deepspeed_config(
+    layout: DeepSpeedLayout, plan: Plan, precision: Precision = "fp32"
+) -> dict[str, Any]:
+    """The DeepSpeed JSON config of a layout (optimizer passed as an object).
+
+    ``precision`` adds DeepSpeed's ``bf16`` section, or its ``fp16`` section with dynamic
+    loss scaling (``loss_scale: 0``; DeepSpeed's documented defaults for the window,
+    hysteresis and initial scale 2**16; ``min_loss_scale`` 1).
+    """
+    cfg: dict[str, Any] = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        cfg["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    return cfg
+
+
+def deepspeed_env(
+    plan: Plan, rank: int, world_size: int, master: str, backend: str
+) -> dict[str, str]:
+    """The environment DeepSpeed reads for ``rank`` (pure).
+
+    ``LOCAL_RANK`` is the rank's GPU on its node (``first_gpu`` + TP rank), not its global
+    rank: DeepSpeed makes ``cuda:LOCAL_RANK`` current. On the CPU it is 0.
+    """
+    addr, port = master.rsplit(":", 1)
+    local = local_device(plan, rank) if backend == "nccl" else 0
+    return {
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local),
+    }
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What to call before reading the clock: wait for the device's queued kernels (a no-op
+    on the CPU, where work is done when the call returns)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 @torch.no_grad()
@@ -190,17 +282,17 @@ def run(argv: list[str] | None = None) -> int:
     if spec.tie_embeddings:
         raise UnsupportedPlanError(f"model {spec.name!r} ties embeddings: not mapped to DeepSpeed")
     layout = deepspeed_layout(plan)
+    backend = choose_backend(plan, args.backend, torch.cuda.is_available())
     torch.set_num_threads(args.threads)
-    addr, port = args.master.rsplit(":", 1)
-    os.environ.update(
-        {
-            "MASTER_ADDR": addr,
-            "MASTER_PORT": port,
-            "RANK": str(args.rank),
-            "WORLD_SIZE": str(args.world_size),
-            "LOCAL_RANK": "0" if not torch.cuda.is_available() else str(args.rank),
-        }
-    )
+    os.environ.update(deepspeed_env(plan, args.rank, args.world_size, args.master, backend))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        check_rank_device(plan, args.rank, torch.cuda.device_count())
+        device = torch.device("cuda", local_device(plan, args.rank))
+        torch.cuda.set_device(device)  # before the process group: NCCL binds to it
+        os.environ.update(nccl_error_env(os.environ))
+    precision = deepspeed_precision(plan, backend, torch.cuda.is_bf16_supported)
+    sync = device_sync(device)
     from datetime import timedelta
 
     import deepspeed
@@ -213,15 +305,13 @@ def run(argv: list[str] | None = None) -> int:
     # (measured ~70 s with 4 ranks on this 2-core machine); gloo does the collectives
     # without it, so skip the build.
     ds_torch_comm.build_shm_op = lambda: None  # type: ignore[attr-defined]
-    deepspeed.init_distributed(
-        dist_backend=args.backend or "gloo", timeout=timedelta(seconds=args.timeout_s)
-    )
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=args.timeout_s))
     cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
     module = _build_module(plan, spec, layout, cfg.seed)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=make_optimizer(module.parameters(), cfg),
-        config=deepspeed_config(layout, plan),
+        config=deepspeed_config(layout, plan, precision),
     )
     data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
     pipe_idx = args.rank // layout.num_stages
@@ -234,8 +324,10 @@ def run(argv: list[str] | None = None) -> int:
             data.batch(range(first + m * mbs, first + (m + 1) * mbs))
             for m in range(layout.gradient_accumulation_steps)
         ]
+        sync()
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=iter(batches))
+        sync()
         dt = time.perf_counter() - t0
         pos += plan.global_batch_size
         line = {
@@ -247,6 +339,7 @@ def run(argv: list[str] | None = None) -> int:
             "samples_per_s": plan.global_batch_size / dt,
             "step_s": dt,
             "engine": "deepspeed",
+            "precision": precision,
         }
         if progress is not None:
             with progress.open("a") as f:
@@ -260,14 +353,20 @@ def run(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; on failure writes the first cause like the worker and exits 1."""
-    from sailor.megatron_patch.errors import failure_record, write_error_file
+    import faulthandler
+
+    from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
     from sailor.megatron_patch.worker import build_parser
 
     args = build_parser().parse_args(argv)
+    err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None
+    if err:
+        # NCCL's watchdog may abort() the process: leave the Python stacks for the parent.
+        Path(err).parent.mkdir(parents=True, exist_ok=True)
+        faulthandler.enable(file=fault_path(err).open("w"), all_threads=True)
     try:
         return run(argv)
     except BaseException as exc:  # the first cause of any failure is reported
-        err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None
         write_error_file(err, failure_record(exc, args.rank, -1, in_training=True))
         print(json.dumps({"event": "failed", "message": str(exc)}), file=sys.stderr, flush=True)
         os._exit(1)

@@ -8,12 +8,18 @@ closed its connections or stopped answering within the timeout). The agent repor
 local causes; peer records only confirm that the rank stopped. Both are ``retry=True``
 from the runtime's point of view: restart from the last committed checkpoint, maybe on
 another layout; a bad configuration (``ValueError`` before training) is ``retry=False``.
+
+A worker killed by a signal cannot write its record (NCCL's watchdog aborts the process from
+a C++ thread: ``SIGABRT``, no Python exception). Its parent (the agent's supervisor, or
+``launch_local``) then writes :func:`signal_failure_record` in its place, with the Python
+stacks the worker's ``faulthandler`` left in :func:`fault_path` of its error file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -24,6 +30,9 @@ __all__ = [
     "InjectedFailureError",
     "classify",
     "failure_record",
+    "fault_path",
+    "read_error_file",
+    "signal_failure_record",
     "write_error_file",
 ]
 
@@ -89,3 +98,62 @@ def write_error_file(path: str | Path | None, record: FailureRecord) -> None:
     tmp = p.with_suffix(p.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(record) + "\n")
     tmp.replace(p)
+
+
+def fault_path(error_file: str | Path) -> Path:
+    """Where a worker's ``faulthandler`` writes its Python stacks on a fatal signal: next to
+    its error file (not into it: the error file holds one JSON record)."""
+    return Path(f"{error_file}.fault")
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def signal_failure_record(
+    rank: int,
+    returncode: int,
+    step: int,
+    fault_text: str = "",
+    stderr_tail: str = "",
+    pid: int | None = None,
+) -> FailureRecord:
+    """The record a parent writes for a worker that died by a signal (``returncode`` < 0,
+    as ``subprocess`` reports it) or exited without writing its own.
+
+    ``step`` is the last step the parent saw the rank report (-1: none). A ``SIGABRT`` under
+    NCCL is most often the watchdog giving up on a collective (a dead or silent peer), but
+    the parent cannot tell, so the origin is this rank (``local``) and the retry policy is
+    the runtime's usual one.
+    """
+    name = _signal_name(-returncode) if returncode < 0 else ""
+    what = f"killed by {name}" if name else f"exited with status {returncode}"
+    hint = ""
+    if name == "SIGABRT":
+        hint = " (under NCCL: the watchdog aborts a rank whose collective timed out)"
+    return {
+        "rank": rank,
+        "step": step,
+        "origin": "local",
+        "retry": True,
+        "error_type": "Signal" if name else "Exit",
+        "signal": name,
+        "returncode": returncode,
+        "message": f"rank {rank} {what} after step {step} without an error record{hint}",
+        "traceback": (fault_text or stderr_tail)[-8000:],
+        "pid": pid,
+        "time": time.time(),
+        "written_by": "parent",
+    }
+
+
+def read_error_file(path: str | Path) -> FailureRecord | None:
+    """The record in ``path``, or None if there is none (or it is not a JSON object)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

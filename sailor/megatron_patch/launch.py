@@ -4,10 +4,18 @@ Starts ``python -m sailor.megatron_patch.worker`` once per rank on this machine 
 loopback port as the rendezvous, waits for all of them (bounded by ``deadline_s``: a rank
 still alive then is killed and reported), and collects each rank's progress lines, error
 file and exit status. It is what the agent does on many nodes, reduced to one.
+
+The backend is the plan's (:func:`~sailor.megatron_patch.devices.choose_backend`: gloo for a
+``cpu`` plan, NCCL for a GPU plan) unless the caller names one, and every rank gets it as
+``--backend``. A GPU plan that was never placed gets consecutive GPUs of this host
+(:func:`~sailor.megatron_patch.devices.pack_one_host`); any plan under NCCL is checked
+against this host's GPUs before a rank starts. Like the agent's supervisor, it writes the
+error record of a rank killed by a signal (which cannot write its own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -18,6 +26,18 @@ from typing import Any
 
 from sailor.localnet import free_port
 from sailor.megatron_patch.affinity import available_cores, format_cores, round_robin
+from sailor.megatron_patch.devices import (
+    backend_for,
+    check_devices,
+    choose_backend,
+    pack_one_host,
+)
+from sailor.megatron_patch.errors import (
+    fault_path,
+    read_error_file,
+    signal_failure_record,
+    write_error_file,
+)
 from sailor.schemas.plan import Plan
 
 __all__ = ["LocalRun", "free_port", "launch_local"]
@@ -35,6 +55,8 @@ class LocalRun:
     stderr: list[str] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)
     """Ranks still running at the deadline (killed)."""
+    backend: str = ""
+    """The backend every rank ran with."""
 
     def steps(self, rank: int = 0) -> list[dict[str, Any]]:
         return [e for e in self.progress[rank] if e.get("event") == "step"]
@@ -61,13 +83,16 @@ def launch_local(
     timeout_s: float = 60.0,
     module: str = "sailor.megatron_patch.worker",
     pin_cores: bool = False,
+    backend: str | None = None,
 ) -> LocalRun:
     """Run all ranks of ``plan`` locally for ``steps`` iterations and collect their reports.
 
     ``module`` is the entry point run per rank (the worker, or the DeepSpeed adapter).
     ``pin_cores`` binds rank ``r`` to core ``r % cores`` of those this process may use
-    (:mod:`~sailor.megatron_patch.affinity`).
+    (:mod:`~sailor.megatron_patch.affinity`). ``backend``: ``"gloo"`` or ``"nccl"``; None
+    takes the plan's (a GPU plan then needs CUDA here: pass ``"gloo"`` to run it on CPU).
     """
+    chosen, plan = _local_backend(plan, backend)
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
     plan_path.write_text(plan.model_dump_json())
@@ -99,6 +124,8 @@ def launch_local(
             str(workdir / "error-{rank}.json"),
             "--dump-state",
             str(workdir / "state-{rank}.pt"),
+            "--backend",
+            chosen,
         ]
         if model:
             cmd += ["--model", model]
@@ -109,7 +136,7 @@ def launch_local(
         err = (workdir / f"stderr-{r}.txt").open("wb")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=str(workdir)))
         err.close()
-    run = LocalRun(returncodes=[None] * world, exit_times_s=[float("nan")] * world)
+    run = LocalRun(returncodes=[None] * world, exit_times_s=[float("nan")] * world, backend=chosen)
     while any(rc is None for rc in run.returncodes):
         for r, p in enumerate(procs):
             if run.returncodes[r] is None and p.poll() is not None:
@@ -127,6 +154,37 @@ def launch_local(
     for r in range(world):
         run.progress.append(_read_jsonl(workdir / f"progress-{r}.jsonl"))
         ef = workdir / f"error-{r}.json"
-        run.errors.append(json.loads(ef.read_text()) if ef.exists() else None)
+        rc = run.returncodes[r]
+        if rc not in (None, 0) and r not in run.killed and read_error_file(ef) is None:
+            _record_silent_death(workdir, r, rc, run.progress[r], procs[r].pid)
+        run.errors.append(read_error_file(ef))
         run.stderr.append((workdir / f"stderr-{r}.txt").read_text(errors="replace"))
     return run
+
+
+def _local_backend(plan: Plan, backend: str | None) -> tuple[str, Plan]:
+    """The backend of a local run and the plan as the ranks get it (GPUs checked, an unplaced
+    GPU plan packed onto this host's GPUs)."""
+    if (backend or backend_for(plan)) != "nccl":
+        return choose_backend(plan, backend, cuda_available=False), plan
+    import torch  # only a GPU run needs to ask
+
+    chosen = choose_backend(plan, backend, torch.cuda.is_available())
+    packed = pack_one_host(plan)
+    check_devices(packed, torch.cuda.device_count())
+    return chosen, packed
+
+
+def _record_silent_death(
+    workdir: Path, rank: int, returncode: int, progress: list[dict[str, Any]], pid: int
+) -> None:
+    """Write the record of a rank that exited (by a signal) without writing its own."""
+    steps = [int(e["step"]) for e in progress if e.get("event") == "step"]
+    ef = workdir / f"error-{rank}.json"
+    fault = ""
+    with contextlib.suppress(OSError):
+        fault = fault_path(ef).read_text(errors="replace")
+    record = signal_failure_record(rank, returncode, steps[-1] if steps else -1, fault, pid=pid)
+    write_error_file(ef, record)
+    with (workdir / f"stderr-{rank}.txt").open("a") as f:
+        f.write(json.dumps({"event": "failed", **record}) + "\n")

@@ -16,8 +16,14 @@ the process exits with status 1 at once (``os._exit``: never wait on dead peers)
 the short collective timeout (``--timeout-s``, default 60 s) a crashed stage makes every
 rank exit within a bounded time.
 
-Backend: NCCL when CUDA is available (device ``cuda:LOCAL_RANK``, the replica group's
-``first_gpu`` plus the TP rank), else gloo on CPU; ``--backend`` overrides. ``--cpu-cores``
+Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
+groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
+``--backend gloo`` runs a GPU plan on the CPU. Under NCCL the rank uses GPU ``first_gpu`` +
+TP rank of its replica group, checked against the node's GPUs and the other ranks placed
+there, made current before the process group starts (``device_id``), and NCCL's async error
+handling is set so a dead peer raises instead of aborting the process. A rank that still dies
+by a signal leaves its Python stacks in ``<error file>.fault`` (``faulthandler``) and its
+parent writes the error record (:func:`errors.signal_failure_record`). ``--cpu-cores``
 binds the rank, and the threads it starts, to those cores (:mod:`affinity`); the ``ready``
 record reports the cores it runs on (``cpu_cores``).
 
@@ -39,6 +45,8 @@ CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import os
 import sys
@@ -64,10 +72,17 @@ from sailor.megatron_patch.control import (  # noqa: E402
     agree_dir,
     read_control,
 )
+from sailor.megatron_patch.devices import (  # noqa: E402
+    check_rank_device,
+    choose_backend,
+    local_device,
+    nccl_error_env,
+)
 from sailor.megatron_patch.engine import StepResult, TrainConfig, Trainer  # noqa: E402
 from sailor.megatron_patch.errors import (  # noqa: E402
     InjectedFailureError,
     failure_record,
+    fault_path,
     write_error_file,
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
@@ -124,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-file", default=None, help="Where the first cause is written.")
     p.add_argument("--dump-state", default=None, help="torch.save the final stage_state here.")
     p.add_argument("--fail-at-step", type=int, default=None, help="Testing: raise there.")
+    p.add_argument(
+        "--abort-at-step",
+        type=int,
+        default=None,
+        help="Testing: abort() there (SIGABRT, as NCCL's watchdog does: no Python exception).",
+    )
     p.add_argument("--control", default=None, help="Agent control file (stop/save requests).")
     p.add_argument("--ckpt-dir", default="", help="Checkpoint root to resume from.")
     p.add_argument("--load-step", type=int, default=-1, help="Committed step to resume; -1 none.")
@@ -183,10 +204,11 @@ class _Progress:
 
 
 def _device(backend: str, plan: Plan, rank: int) -> torch.device:
+    """The rank's device, made current (before the process group: NCCL binds to it)."""
     if backend != "nccl":
         return torch.device("cpu")
-    pi, si, t = plan.ranks()[rank]
-    local = plan.pipelines[pi].stages[si].replica.first_gpu + t
+    check_rank_device(plan, rank, torch.cuda.device_count())
+    local = local_device(plan, rank)
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 
@@ -252,6 +274,8 @@ class _Boundary:
             self.last_boundary = time.monotonic()
         if a.fail_at_step is not None and tr.step == a.fail_at_step:
             raise InjectedFailureError(f"injected failure at step {tr.step} on rank {a.rank}")
+        if a.abort_at_step is not None and tr.step == a.abort_at_step:
+            os.abort()
         # The save in flight overlapped one iteration; report it once durable.
         self._finish_save()
         req = self._request()
@@ -288,9 +312,12 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         raise ValueError("--load-step needs a checkpoint implementation (run `sailor worker`)")
     if resume and ckpt is not None:
         args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = choose_backend(plan, args.backend, torch.cuda.is_available())
     if backend == "gloo":
         torch.set_num_threads(args.threads)
+    device = _device(backend, plan, args.rank)
+    if backend == "nccl":
+        os.environ.update(nccl_error_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
     progress = _Progress(_sub(args.progress, args.rank), echo=echo)
     cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
@@ -301,8 +328,8 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         rank=args.rank,
         world_size=args.world_size,
         timeout=timedelta(seconds=args.timeout_s),
+        device_id=device if device.type == "cuda" else None,
     )
-    device = _device(backend, plan, args.rank)
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
     t_groups = time.time()
     trainer = Trainer(plan, spec, role, groups, cfg, device, args.start_step, args.consumed_samples)
@@ -315,6 +342,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "event": "ready",
             "rank": args.rank,
             "backend": backend,
+            "device": str(device),
             "init_s": t0 - _T_START,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
@@ -368,14 +396,26 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
     """
     args = build_parser().parse_args(argv)
     status = _Status()
+    err_file = _sub(args.error_file, args.rank)
+    if err_file:
+        # A fatal signal (NCCL's watchdog abort, a segfault) skips the handler below: leave
+        # the Python stacks where the parent looks when it writes the record instead.
+        Path(err_file).parent.mkdir(parents=True, exist_ok=True)
+        faulthandler.enable(file=fault_path(err_file).open("w"), all_threads=True)
     try:
         if args.cpu_cores is not None:
             # before the process group starts the backend's threads: they inherit the binding
             bind(parse_cores(args.cpu_cores))
-        return run(args, status, ckpt)
+        code = run(args, status, ckpt)
+        if err_file:
+            faulthandler.disable()
+            with contextlib.suppress(OSError):
+                if fault_path(err_file).stat().st_size == 0:
+                    fault_path(err_file).unlink()
+        return code
     except BaseException as exc:  # the first cause of any failure is reported
         record = failure_record(exc, args.rank, status.step, status.in_training)
-        write_error_file(_sub(args.error_file, args.rank), record)
+        write_error_file(err_file, record)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         # Never run destructors or barriers that could wait on dead peers.
         os._exit(1)

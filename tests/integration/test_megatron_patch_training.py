@@ -31,7 +31,7 @@ def _stage(a: int, b: int, tp: int = 1, recompute: bool = False) -> Stage:
     return Stage(
         first_layer=a,
         last_layer=b,
-        replica=ReplicaGroup(gpu_type="A100", zone="z", tp=tp, gpus_per_node=4),
+        replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=tp, gpus_per_node=4),
         recompute=recompute,
     )
 

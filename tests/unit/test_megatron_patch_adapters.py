@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from sailor.megatron_patch.deepspeed_adapter import UnsupportedPlanError, deepspeed_layout
+from sailor.megatron_patch.deepspeed_adapter import (
+    UnsupportedPlanError,
+    deepspeed_config,
+    deepspeed_env,
+    deepspeed_layout,
+    deepspeed_precision,
+    device_sync,
+)
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 
@@ -88,3 +96,71 @@ def test_megatron_layout_rejects_heterogeneous_plans() -> None:
     except ImportError:
         with pytest.raises(ImportError, match="optional"):
             initialize_megatron(lay)
+
+
+def _placed(gpu: str, node: str, first: int) -> Pipeline:
+    rg = ReplicaGroup(gpu_type=gpu, zone="z", gpus_per_node=4, node_id=node, first_gpu=first)
+    return Pipeline(
+        stages=(
+            Stage(first_layer=0, last_layer=3, replica=rg),
+            Stage(
+                first_layer=4, last_layer=5, replica=rg.model_copy(update={"first_gpu": first + 1})
+            ),
+        ),
+        microbatch_size=2,
+        num_microbatches=2,
+    )
+
+
+def test_deepspeed_local_rank_is_the_gpu_of_the_rank_on_its_node() -> None:
+    # Pipeline 0 on GPUs 2, 3 of node a; pipeline 1 on GPUs 0, 1 of node b. DeepSpeed makes
+    # cuda:LOCAL_RANK current: the global rank (2, 3 on node b) was the wrong GPU.
+    plan = _plan(_placed("A100-40", "a", 2), _placed("A100-40", "b", 0))
+    local = [deepspeed_env(plan, r, 4, "10.0.0.1:29500", "nccl")["LOCAL_RANK"] for r in range(4)]
+    assert local == ["2", "3", "0", "1"]
+    env = deepspeed_env(plan, 3, 4, "10.0.0.1:29500", "gloo")
+    assert env == {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+    }
+
+
+@pytest.mark.parametrize(
+    ("gpus", "backend", "device_bf16", "expected"),
+    [
+        (("A100-40", "H100-80"), "nccl", False, "bf16"),
+        (("A100-40", "V100-16"), "nccl", True, "fp16"),  # one GPU type without bf16 units
+        (("T4", "T4"), "nccl", True, "fp16"),
+        (("A100-40", "A100-40"), "gloo", True, "fp32"),  # the CPU run of a GPU plan
+        (("cpu", "cpu"), "gloo", True, "fp32"),
+        (("MI300X", "MI300X"), "nccl", True, "bf16"),  # not in the catalog: ask the device
+        (("MI300X", "MI300X"), "nccl", False, "fp16"),
+    ],
+)
+def test_deepspeed_precision_is_one_for_the_job(
+    gpus: tuple[str, str], backend: str, device_bf16: bool, expected: str
+) -> None:
+    plan = _plan(_placed(gpus[0], "a", 0), _placed(gpus[1], "b", 0))
+    assert deepspeed_precision(plan, backend, lambda: device_bf16) == expected
+
+
+def test_deepspeed_config_has_the_precision_section() -> None:
+    plan = _plan(_pipe([(0, 3), (4, 5)]), _pipe([(0, 3), (4, 5)]))
+    lay = deepspeed_layout(plan)
+    assert "bf16" not in deepspeed_config(lay, plan) and "fp16" not in deepspeed_config(lay, plan)
+    assert deepspeed_config(lay, plan, "bf16")["bf16"] == {"enabled": True}
+    fp16 = deepspeed_config(lay, plan, "fp16")["fp16"]
+    assert fp16["enabled"] is True and fp16["loss_scale"] == 0  # 0: dynamic loss scaling
+    assert "bf16" not in deepspeed_config(lay, plan, "fp16")
+
+
+def test_deepspeed_step_timing_waits_for_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    device_sync(torch.device("cpu"))()
+    assert synced == []
+    device_sync(torch.device("cuda", 1))()
+    assert synced == [torch.device("cuda", 1)]
