@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.profiler.layer_bench import LayerMeasurement
+from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, time_once
 from sailor.schemas.model import ModelSpec
 
@@ -86,12 +86,7 @@ def measure_model(
     gen = torch.Generator().manual_seed(seed * 7919 + mbs)
     tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)
     labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)
-    bf16 = device.type == "cuda" and spec.precision != "fp32"
-
-    def autocast() -> AbstractContextManager[Any]:
-        if bf16:
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        return nullcontext()
+    precision = compute_precision(spec, device)
 
     current = [0]
     saved: list[dict[int, int]] = [{} for _ in range(n)]
@@ -110,7 +105,7 @@ def measure_model(
         fwd_marks = [clock.mark()]
         inputs: list[torch.Tensor] = []
         x: torch.Tensor = tokens
-        with autocast():
+        with autocast(device, precision):
             for i, mod in enumerate(mods):
                 current[0] = i
                 if i > 0:

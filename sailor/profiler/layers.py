@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
+from sailor.profiler.precision import ComputePrecision, compute_precision
 from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
@@ -174,9 +175,10 @@ def profile_layers(
                 pin=run.host_pin,
             )
         )
-    meta = _meta(run, out)
+    precision = compute_precision(run.spec, dev)
+    meta = {**_meta(run, out), f"{run.gpu_type}.precision": precision}
     db = to_profile_db(
-        run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic
+        run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic, precision
     )
     date = meta.get(f"{run.gpu_type}.date", "")
     if framework is not None:
@@ -230,8 +232,10 @@ def to_profile_db(
     write_sizes: bool = True,
     overhead_bytes: int | None = None,
     statistic: str = "median",
+    precision: ComputePrecision | None = None,
 ) -> ProfileDB:
-    """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures)."""
+    """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures),
+    timed in ``precision`` (:mod:`precision`; None: not recorded)."""
     by_kind = {(m.tp, m.mbs, m.kind): m for m in ms if m.layer < 0}
     by_layer = {(m.tp, m.mbs, m.layer): m for m in ms if m.layer >= 0}
 
@@ -258,6 +262,7 @@ def to_profile_db(
                     fwd_spread_s=m.fwd.stdev_s,
                     bwd_spread_s=m.bwd.stdev_s,
                     source="measured",
+                    precision=precision,
                 )
             )
     sizes: list[LayerSize] = []
