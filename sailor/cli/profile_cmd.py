@@ -46,6 +46,24 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     return vals
 
 
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS |= {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _bytes(text: str, what: str) -> int:
+    """A byte count with an optional unit (KiB/MiB/GiB/TiB, K/M/G binary, KB/MB/GB decimal)."""
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num) :]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError) as exc:
+        raise fail(f"--{what}={text!r}: expected bytes, e.g. 40GiB, 512MiB or 1000000") from exc
+    if value <= 0:
+        raise fail(f"--{what}={text!r}: must be > 0")
+    return int(value)
+
+
 def _model(name: str, model_file: Path | None) -> ModelSpec:
     if model_file is not None:
         return load_model(model_file, ModelSpec)
@@ -94,6 +112,16 @@ def layers_cmd(
     statistic: str = typer.Option(
         "median", help="median (the layer's own cost) or mean (includes a busy host's stalls)."
     ),
+    in_situ: bool = typer.Option(
+        True,
+        help="Time the layers in place inside the model (a window of it when the whole does "
+        "not fit the device); --no-in-situ: each layer kind alone.",
+    ),
+    memory_limit: str | None = typer.Option(
+        None,
+        help="Bytes the measurements may use per device (e.g. 40GiB, 512MiB, 1000000). On cuda "
+        "the GPU's free memory less a margin bounds it anyway; on cpu default: no bound.",
+    ),
 ) -> None:
     """Time and size each layer kind of the training framework per TP degree and mbs."""
     import torch
@@ -122,6 +150,8 @@ def layers_cmd(
             statistic=statistic,
             host_ranks=host_ranks if device == "cpu" else 0,
             host_pin=host_pin,
+            in_situ=in_situ,
+            memory_limit=None if memory_limit is None else _bytes(memory_limit, "memory-limit"),
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc

@@ -218,16 +218,23 @@ def measure_kinds(
     tp: TPContext | None = None,
     in_situ: bool = True,
     measure_memory: bool = True,
+    blocks: int | None = None,
 ) -> list[LayerMeasurement]:
     """Every layer at ``mbs``: in place (:mod:`in_situ`, one entry per global layer, peak
-    growth from each kind alone) or one entry per kind measured alone."""
-    if not in_situ:
+    growth from each kind alone) or one entry per kind measured alone.
+
+    ``blocks``: the window :func:`~sailor.profiler.memory_bound.plan_window` chose for the
+    device (the embedding, that many blocks and the head in place; 0: each kind alone); None:
+    the whole model."""
+    if not in_situ or blocks == 0:
         return [
             measure_layer(spec, k, mbs, device, settings, tp, measure_memory) for k in KIND_LAYER
         ]
-    from sailor.profiler.in_situ import measure_model
+    from sailor.profiler.in_situ import measure_window
 
-    out = measure_model(spec, mbs, device, settings, tp)
+    out = measure_window(
+        spec, spec.num_layers if blocks is None else blocks, mbs, device, settings, tp
+    )
     if measure_memory:
         peaks = {
             k: measure_layer(spec, k, mbs, device, _PEAK_ONLY, tp).peak_growth_bytes

@@ -3,12 +3,20 @@ in, the memory bound it measures within, and the all-reduce fit of the collectiv
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from sailor import catalog
+from sailor.profiler import memory_bound as mb
 from sailor.profiler import precision as prec
-from sailor.schemas import LayerProfile
+from sailor.profiler.layer_bench import measure_kinds
+from sailor.profiler.layers import LayerRun, profile_layers
+from sailor.profiler.memory import peak_growth_bytes
+from sailor.profiler.timing import RepeatSettings
+from sailor.schemas import LayerProfile, ModelSpec, ProfileDB
 
 TINY = catalog.model("tiny-gpt")
 
@@ -80,3 +88,140 @@ def test_profile_records_its_precision() -> None:
     db = to_profile_db(TINY, "T4", ms, {}, precision="fp16")
     assert {t.precision for t in db.timings} == {"fp16"}
     assert LayerProfile.model_fields["precision"].default is None  # older files still load
+
+
+# --- the memory bound (issue 24, item 3) ------------------------------------------------------
+
+FAST = RepeatSettings(warmup=1, min_reps=1, max_reps=1, min_time_s=0.0)
+CPU = torch.device("cpu")
+
+
+class _Built:
+    """Every stage the profiler builds: (first layer, last layer, model blocks, parameters)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from sailor.megatron_patch.model import GPTStage
+        from sailor.profiler import in_situ, layer_bench
+
+        self.stages: list[tuple[int, int, int, int]] = []
+        built = self.stages
+
+        class Recording(GPTStage):
+            def __init__(self, spec: ModelSpec, first: int, last: int, **kw: Any) -> None:
+                super().__init__(spec, first, last, **kw)
+                n = sum(p.numel() for p in self.parameters())
+                built.append((first, last, spec.num_layers, n))
+
+        monkeypatch.setattr(in_situ, "GPTStage", Recording)
+        monkeypatch.setattr(layer_bench, "GPTStage", Recording)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
+def test_estimate_bounds_what_the_layers_hold(name: str) -> None:
+    """The estimate is an upper bound of what autograd keeps per layer, of each layer's peak
+    alone and of the whole model's peak allocation, measured on the CPU."""
+    spec = catalog.model(name)
+    for mbs in (1, 4):
+        ms = measure_kinds(spec, mbs, CPU, FAST, measure_memory=True)
+        for m in ms:
+            est = mb.layer_bytes(spec, m.layer, 1, 4)
+            assert m.saved_bytes <= mbs * est.kept_per_sample, (m.layer, m.saved_bytes)
+            assert m.peak_growth_bytes <= est.alone(mbs), (m.layer, m.peak_growth_bytes)
+        whole = mb.window_bytes(spec, range(spec.num_all_layers), 1, mbs, 4)
+        peak = peak_growth_bytes(
+            lambda b=mbs: measure_kinds(spec, b, CPU, FAST, measure_memory=False), CPU
+        )
+        assert 0 < peak <= whole
+
+
+def test_window_is_measured_within_the_bound_with_the_whole_structure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a limit the whole model exceeds, the profiler builds the embedding, the blocks that
+    fit and the head; what it allocates stays within the limit, and the database has every
+    layer of every (TP, mbs), with the sizes of the whole-model run."""
+    mbs = (1, 4)
+    limit = mb.window_bytes(TINY, mb.window_layers(TINY, 2), 1, max(mbs), 4)
+    assert mb.window_bytes(TINY, range(TINY.num_all_layers), 1, max(mbs), 4) > limit
+
+    def run(memory_limit: int | None) -> LayerRun:
+        return LayerRun(
+            spec=TINY,
+            gpu_type="cpu",
+            mbs=mbs,
+            settings=FAST,
+            measure_memory=False,
+            measure_overhead=False,
+            memory_limit=memory_limit,
+        )
+
+    whole, _ = profile_layers(run(None))
+    built = _Built(monkeypatch)
+    box: list[ProfileDB] = []
+    peak = peak_growth_bytes(lambda: box.append(profile_layers(run(limit))[0]), CPU)
+    bounded = box[0]
+    # one window per mbs: 3 blocks fit at mbs 1, 2 at mbs 4; never the whole model's 4
+    assert [blocks for _, _, blocks, _ in built.stages] == [3, 2]
+    assert max(n for *_, n in built.stages) * mb.STATE_BYTES_PER_PARAM <= limit
+    assert 0 < peak <= limit, f"allocated {peak:,} B over a limit of {limit:,} B"
+
+    def keys(db: ProfileDB) -> list[tuple[str, int, int, int, str]]:
+        return sorted((t.gpu_type, t.tp, t.microbatch_size, t.layer, t.kind) for t in db.timings)
+
+    assert keys(bounded) == keys(whole)
+    assert len(keys(whole)) == len(mbs) * TINY.num_all_layers
+    assert [s.model_dump() for s in bounded.sizes] == [s.model_dump() for s in whole.sizes]
+    assert all(t.fwd_s > 0 and t.bwd_s > 0 for t in bounded.timings)
+    assert "2 of 4 blocks" in bounded.meta["cpu.memory_bound"]
+
+
+def test_layer_too_large_alone_is_refused_with_the_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer that cannot fit even alone is refused before anything is built, naming the
+    layer, the bytes it needs and the bytes available."""
+    block = mb.layer_bytes(TINY, 1, 1, 4).alone(8)
+    built = _Built(monkeypatch)
+    run = LayerRun(
+        spec=TINY, gpu_type="cpu", settings=FAST, measure_overhead=False, memory_limit=block - 1
+    )
+    with pytest.raises(mb.LayerTooLargeError) as err:
+        profile_layers(run)
+    assert (err.value.layer, err.value.kind, err.value.mbs) == (1, "block", 8)
+    assert err.value.needed == block and err.value.available == block - 1
+    assert f"{block:,} B" in str(err.value) and f"{block - 1:,} B" in str(err.value)
+    assert "layer 1 (block)" in str(err.value)
+    assert built.stages == []
+
+
+def test_catalog_models_get_a_window_on_catalog_gpus() -> None:
+    """The models the issue names: GPT-Neo-2.7B on a 40 GB card, an 8B Llama and OPT-30B on
+    80 GB are measured through a window, not built whole."""
+    for name, gpu, mbs in (
+        ("GPT-Neo-2.7", "A100-40", 8),
+        ("LLAMA-3-8", "H100-80", 1),
+        ("OPT-30", "A100-80", 4),
+    ):
+        spec = catalog.model(name)
+        budget = int(catalog.gpu(gpu).memory_bytes * (1 - mb.MARGIN_FRACTION))
+        w = mb.plan_window(spec, 1, mbs, 2, budget)
+        assert 1 <= w.blocks < spec.num_layers and w.needed_bytes <= budget, (name, w)
+    llama = catalog.model("LLAMA-3-8")
+    with pytest.raises(mb.LayerTooLargeError, match=r"layer 33 \(head\)"):
+        mb.plan_window(llama, 1, 8, 2, 80 << 30)  # its logits at mbs 8 alone exceed 80 GB
+
+
+def test_cli_memory_limit_and_in_situ_switch(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sailor.cli.main import app
+
+    out = tmp_path / "db.json"
+    res = CliRunner().invoke(
+        app,
+        ["profile", "layers", "-o", str(out), "--memory-limit", "1KiB", "--no-in-situ"],
+    )
+    assert res.exit_code != 0
+    assert "available" in res.output and "1,024 B" in res.output
+    bad = CliRunner().invoke(app, ["profile", "layers", "-o", str(out), "--memory-limit", "x"])
+    assert bad.exit_code != 0 and "--memory-limit='x'" in bad.output
