@@ -199,8 +199,8 @@ class Window:
     """The budget it was planned for (None: no bound)."""
 
     def describe(self, spec: ModelSpec) -> str:
-        lim = "no bound" if self.limit_bytes is None else f"{self.limit_bytes / 2**30:.2f} GiB"
-        need = f"~{self.needed_bytes / 2**30:.2f} GiB of {lim}"
+        lim = "no bound" if self.limit_bytes is None else _size(self.limit_bytes)
+        need = f"~{_size(self.needed_bytes)} of {lim}"
         if self.blocks >= spec.num_layers:
             return f"whole model in place ({need})"
         if self.blocks == 0:
@@ -209,6 +209,13 @@ class Window:
             f"embedding, {self.blocks} of {spec.num_layers} blocks and head in place ({need}); "
             f"blocks {self.blocks}..{spec.num_layers - 1} take a measured block's figures"
         )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def plan_window(
