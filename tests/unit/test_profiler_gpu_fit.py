@@ -3,6 +3,7 @@ in, the memory bound it measures within, and the all-reduce fit of the collectiv
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,12 @@ import torch
 from sailor import catalog
 from sailor.profiler import memory_bound as mb
 from sailor.profiler import precision as prec
+from sailor.profiler.collective_probe import fit_allreduce, sweep_sizes
 from sailor.profiler.layer_bench import measure_kinds
 from sailor.profiler.layers import LayerRun, profile_layers
 from sailor.profiler.memory import peak_growth_bytes
 from sailor.profiler.timing import RepeatSettings
-from sailor.schemas import LayerProfile, ModelSpec, ProfileDB
+from sailor.schemas import LayerProfile, ModelSpec, ProfileDB, ReplicaGroup
 
 TINY = catalog.model("tiny-gpt")
 
@@ -228,3 +230,75 @@ def test_cli_memory_limit_and_in_situ_switch(tmp_path: Path) -> None:
     assert "available" in res.output and "1,024 B" in res.output
     bad = CliRunner().invoke(app, ["profile", "layers", "-o", str(out), "--memory-limit", "x"])
     assert bad.exit_code != 0 and "--memory-limit='x'" in bad.output
+
+
+# --- the collective probe and the rings it prices (issue 24, item 11) ---------------------------
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_allreduce_fit_recovers_latency_and_bandwidth(ranks: int) -> None:
+    """Synthetic NCCL-like sweep: 40 us + 2(n-1)/n B at 150 GB/s, with ±3 % noise."""
+    rng = random.Random(ranks)
+    lat, bus = 40e-6, 150.0
+    sizes = sweep_sizes("cuda")
+    assert min(sizes) <= 1 << 10 and max(sizes) >= 64 << 20  # the sweep reaches the bandwidth
+    pts = [
+        (b, (lat + 2 * (ranks - 1) / ranks * b / (bus * 1e9)) * rng.uniform(0.97, 1.03))
+        for b in sizes
+    ]
+    fit = fit_allreduce(ranks, pts)
+    assert fit.bus_gbps == pytest.approx(bus, rel=0.05)
+    assert fit.latency_s == pytest.approx(lat, rel=0.5, abs=20e-6)
+    exact = fit_allreduce(ranks, [(b, lat + 2 * (ranks - 1) / ranks * b / 150e9) for b in sizes])
+    assert exact.latency_s == pytest.approx(lat) and exact.bus_gbps == pytest.approx(bus)
+    # the first version's two latency-bound sizes: 256 KiB and 4 MiB at NCCL's latency of
+    # ~40 us and a small-message protocol half as fast; the sweep's line is not fooled by them
+    flat = [(b, t) for b, t in pts if b > 64 << 20] + [(256 << 10, 60e-6), (4 << 20, 100e-6)]
+    assert fit_allreduce(ranks, flat).bus_gbps == pytest.approx(bus, rel=0.1)
+    # times that do not grow: no bandwidth; a negative intercept is clamped
+    assert fit_allreduce(ranks, [(1 << 10, 1e-3), (1 << 20, 1e-3)]).bus_gbps is None
+    neg = fit_allreduce(2, [(1 << 20, 1e-6), (1 << 24, 1.6e-4)])
+    assert neg.latency_s == 0.0 and neg.bus_gbps is not None and neg.bus_gbps > 0
+
+
+def _ring(node_ids: list[str]) -> list[ReplicaGroup]:
+    return [ReplicaGroup(gpu_type="A", zone="z-a", gpus_per_node=8, node_id=n) for n in node_ids]
+
+
+def test_ring_across_nodes_is_not_priced_with_the_intra_node_probe() -> None:
+    """The probe of one node's GPUs (NVLink: 5 us, 200 GB/s) must not price a data-parallel
+    ring over nodes; it takes the inter-node links, or an inter-node measurement."""
+    from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile
+    from sailor.schemas.network import CollectiveLatency
+    from sailor.simulator.network_model import ring_allreduce, ring_scope
+
+    ep = Endpoint(zone="z-a", gpu_type="A", gpus_per_node=8)
+    nic = BandwidthCurve(coeffs=(0, 0, 5.0), max_gbps=5.0, latency_s=50e-6)
+    links = NetworkProfile(links=(Link(src=ep, dst=ep, curve=nic),))
+    nvlink = CollectiveLatency(endpoint=ep, ranks=4, latency_s=5e-6, bus_gbps=200.0)
+    assert nvlink.scope == "intra_node"  # the loopback/one-node probe, as before this field
+    probed = links.model_copy(update={"collectives": (nvlink,)})
+    nbytes = 64e6
+    across = _ring(["", "", "", ""])  # unplaced: each on a node of its own
+    assert ring_scope(across) == "inter_node"
+    assert ring_scope(_ring(["n1", "n2", "n1", "n1"])) == "inter_node"
+    plain = ring_allreduce(links, across, nbytes, 16e6, 1.0).time_s
+    assert plain == pytest.approx(6 * (50e-6 + nbytes / 4 / 5e9))
+    assert ring_allreduce(probed, across, nbytes, 16e6, 1.0).time_s == pytest.approx(plain)
+    spread = _ring(["n1", "n2", "n3", "n4"])
+    assert ring_allreduce(probed, spread, nbytes, 16e6, 1.0).time_s == pytest.approx(plain)
+    # four groups on one node: the intra-node probe applies (latency once, its bus bandwidth)
+    one_node = _ring(["n1"] * 4)
+    assert ring_scope(one_node) == "intra_node"
+    assert ring_allreduce(probed, one_node, nbytes, 16e6, 1.0).time_s == pytest.approx(
+        5e-6 + 2 * 3 / 4 * nbytes / 200e9
+    )
+    # an inter-node measurement (sailor profile network --rank 0|1) prices the spanning ring
+    ib = CollectiveLatency(endpoint=ep, ranks=2, latency_s=30e-6, bus_gbps=20.0, scope="inter_node")
+    both = links.model_copy(update={"collectives": (nvlink, ib)})
+    assert ring_allreduce(both, across, nbytes, 16e6, 1.0).time_s == pytest.approx(
+        30e-6 * 3 + 2 * 3 / 4 * nbytes / 20e9  # latency scaled from 2 to 4 ranks
+    )
+    assert ring_allreduce(both, one_node, nbytes, 16e6, 1.0).time_s == pytest.approx(
+        5e-6 + 2 * 3 / 4 * nbytes / 200e9
+    )
