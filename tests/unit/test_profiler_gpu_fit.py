@@ -302,3 +302,38 @@ def test_ring_across_nodes_is_not_priced_with_the_intra_node_probe() -> None:
     assert ring_allreduce(both, one_node, nbytes, 16e6, 1.0).time_s == pytest.approx(
         5e-6 + 2 * 3 / 4 * nbytes / 200e9
     )
+
+
+def test_cuda_budget_is_the_free_memory_less_a_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cuda the window is planned from each GPU's free memory (the least of the GPUs a TP
+    degree uses) less the margin; an explicit limit can only lower it. The TP 1 pass gives
+    its cached memory back before the TP > 1 ranks start."""
+    from sailor.profiler import layers
+
+    total = 40 << 30
+    free = {0: 38 << 30, 1: 30 << 30}
+    asked: list[int] = []
+
+    def mem_get_info(i: int) -> tuple[int, int]:
+        asked.append(i)
+        return free[i], total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    neo = catalog.model("GPT-Neo-2.7")
+    run = LayerRun(spec=neo, gpu_type="A100-40", device="cuda", tps=(1, 2), mbs=(1, 8))
+    windows = layers.plan_windows(run, "bf16")
+    margin = max(mb.MARGIN_BYTES, int(mb.MARGIN_FRACTION * total))
+    assert windows[(1, 8)].limit_bytes == free[0] - margin
+    assert windows[(2, 8)].limit_bytes == free[1] - margin  # the TP 2 ranks use GPUs 0 and 1
+    assert set(asked) == {0, 1}
+    assert 0 < windows[(1, 8)].blocks < windows[(1, 1)].blocks <= neo.num_layers
+    assert all(w.needed_bytes <= (w.limit_bytes or 0) for w in windows.values())
+    capped = LayerRun(spec=neo, gpu_type="A100-40", device="cuda", mbs=(8,), memory_limit=16 << 30)
+    assert layers.plan_windows(capped, "bf16")[(1, 8)].limit_bytes == 16 << 30
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    layers._release(torch.device("cpu"))
+    assert emptied == []
+    layers._release(torch.device("cuda", 0))
+    assert emptied == [True]
