@@ -62,7 +62,8 @@ class LayerRun:
     statistic: str = "median"
     """Central value written to the database: 'median' (default) or 'mean' (timing.py)."""
     in_situ: bool = True
-    """Time every layer inside the whole model (in_situ.py); False: each kind alone."""
+    """Time every layer inside the whole model (in_situ.py), or inside the window of it the
+    device holds (memory_bound.py); False: each kind alone."""
     host_ranks: int = 0
     """On CPU: measure how up to this many ranks share the host's cores (host_sharing.py);
     0: not measured."""
@@ -249,7 +250,11 @@ def _sizes_valid(run: LayerRun) -> bool:
 def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
     g = run.gpu_type
     peaks = {f"tp{m.tp}.mbs{m.mbs}.{m.kind}": m.peak_growth_bytes for m in ms}
-    method = "in place: whole model, timestamps between layers" if run.in_situ else "each alone"
+    method = (
+        "in place: the whole model or a window of it (memory_bound), timestamps between layers"
+        if run.in_situ
+        else "each alone"
+    )
     s = run.settings
     return {
         "tool": "sailor profile layers",

@@ -14,7 +14,7 @@ from sailor import catalog
 from sailor.profiler import memory_bound as mb
 from sailor.profiler import precision as prec
 from sailor.profiler.collective_probe import fit_allreduce, sweep_sizes
-from sailor.profiler.layer_bench import measure_kinds
+from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
 from sailor.profiler.layers import LayerRun, profile_layers
 from sailor.profiler.memory import peak_growth_bytes
 from sailor.profiler.timing import RepeatSettings
@@ -65,7 +65,6 @@ def test_precision_asks_the_gpu_by_default(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_profile_records_its_precision() -> None:
     """The database says what the layers computed in (fp32 on the CPU)."""
-    from sailor.profiler.layer_bench import LayerMeasurement
     from sailor.profiler.layers import to_profile_db
     from sailor.profiler.timing import Stats
 
@@ -162,9 +161,13 @@ def test_window_is_measured_within_the_bound_with_the_whole_structure(
     whole = wbox[0]
     assert whole_peak > limit  # the whole model, as measured before the bound, exceeds it
     built = _Built(monkeypatch)
-    box: list[ProfileDB] = []
-    peak = peak_growth_bytes(lambda: box.append(profile_layers(run(limit))[0]), CPU)
-    bounded = box[0]
+    box: list[tuple[ProfileDB, list[LayerMeasurement]]] = []
+    peak = peak_growth_bytes(lambda: box.append(profile_layers(run(limit))), CPU)
+    bounded, ms = box[0]
+    # mbs 4: embedding, block 1, the window's last block as block 4 (before the head), head,
+    # and the interior block as the per-kind entry for blocks 2 and 3
+    assert [m.layer for m in ms if m.mbs == 4] == [0, 1, 4, 5, -1]
+    assert [m.layer for m in ms if m.mbs == 1] == [0, 1, 2, 4, 5, -1]
     # one window per mbs: 3 blocks fit at mbs 1, 2 at mbs 4; never the whole model's 4
     assert [blocks for _, _, blocks, _ in built.stages] == [3, 2]
     assert max(n for *_, n in built.stages) * mb.STATE_BYTES_PER_PARAM <= limit
