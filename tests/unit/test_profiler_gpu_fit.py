@@ -21,6 +21,8 @@ from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, ModelSpec, ProfileDB, ReplicaGroup
 
 TINY = catalog.model("tiny-gpt")
+FAST = RepeatSettings(warmup=1, min_reps=1, max_reps=1, min_time_s=0.0)
+CPU = torch.device("cpu")
 
 
 # --- precision (issue 24, item 6) -------------------------------------------------------------
@@ -63,6 +65,32 @@ def test_precision_asks_the_gpu_by_default(monkeypatch: pytest.MonkeyPatch) -> N
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
+def test_layers_are_timed_in_the_precision_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both measurements (in place and alone) run their forward under the autocast dtype the
+    device's precision names: a GPU without bf16 gets fp16 (CPU autocast stands in for it)."""
+    from sailor.profiler import in_situ, layer_bench
+
+    real = torch.autocast
+    used: list[tuple[str, torch.dtype]] = []
+
+    def recording(device_type: str, dtype: torch.dtype) -> Any:
+        used.append((device_type, dtype))
+        return real(device_type=device_type, dtype=dtype)
+
+    def no_bf16(spec: ModelSpec, device: torch.device) -> prec.ComputePrecision:
+        return prec.compute_precision(spec, torch.device("cuda"), lambda: False)
+
+    monkeypatch.setattr(torch, "autocast", recording)
+    monkeypatch.setattr(in_situ, "compute_precision", no_bf16)
+    monkeypatch.setattr(layer_bench, "compute_precision", no_bf16)
+    fp16_model = TINY.model_copy(update={"precision": "fp16"})
+    measure_kinds(fp16_model, 1, CPU, FAST, measure_memory=False)
+    assert used and set(used) == {("cpu", torch.float16)}
+    used.clear()
+    measure_kinds(fp16_model, 1, CPU, FAST, in_situ=False, measure_memory=False)
+    assert used and set(used) == {("cpu", torch.float16)}
+
+
 def test_profile_records_its_precision() -> None:
     """The database says what the layers computed in (fp32 on the CPU)."""
     from sailor.profiler.layers import to_profile_db
@@ -92,9 +120,6 @@ def test_profile_records_its_precision() -> None:
 
 
 # --- the memory bound (issue 24, item 3) ------------------------------------------------------
-
-FAST = RepeatSettings(warmup=1, min_reps=1, max_reps=1, min_time_s=0.0)
-CPU = torch.device("cpu")
 
 
 class _Built:
