@@ -223,10 +223,13 @@ def plan_windows(run: LayerRun, precision: ComputePrecision) -> dict[tuple[int, 
     uses, less a margin, at most ``run.memory_limit``; on the CPU the limit alone).
     Raises :class:`~sailor.profiler.memory_bound.LayerTooLargeError` for a layer that does
     not fit alone."""
+    from sailor.profiler.procs import check_devices
+
     e = 4 if precision == "fp32" else 2
     out: dict[tuple[int, int], Window] = {}
     for tp in run.tps:
         gpus = list(range(tp)) if run.device == "cuda" else []
+        check_devices(run.device, gpus)  # a TP degree above the host's GPUs: refused here
         limit = device_budget(gpus, run.memory_limit)
         for mbs in run.mbs:
             out[(tp, mbs)] = plan_window(run.spec, tp, mbs, e, limit, run.in_situ)

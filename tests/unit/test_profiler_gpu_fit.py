@@ -347,6 +347,7 @@ def test_cuda_budget_is_the_free_memory_less_a_margin(monkeypatch: pytest.Monkey
         return free[i], total
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     neo = catalog.model("GPT-Neo-2.7")
     run = LayerRun(spec=neo, gpu_type="A100-40", device="cuda", tps=(1, 2), mbs=(1, 8))
     windows = layers.plan_windows(run, "bf16")
@@ -358,6 +359,9 @@ def test_cuda_budget_is_the_free_memory_less_a_margin(monkeypatch: pytest.Monkey
     assert all(w.needed_bytes <= (w.limit_bytes or 0) for w in windows.values())
     capped = LayerRun(spec=neo, gpu_type="A100-40", device="cuda", mbs=(8,), memory_limit=16 << 30)
     assert layers.plan_windows(capped, "bf16")[(1, 8)].limit_bytes == 16 << 30
+    four = LayerRun(spec=neo, gpu_type="A100-40", device="cuda", tps=(4,), mbs=(1,))
+    with pytest.raises(ValueError, match="needs GPU 2, but this host has 2"):
+        layers.plan_windows(four, "bf16")  # refused before asking a GPU it does not have
 
     emptied: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
