@@ -10,6 +10,7 @@ replaces its own earlier figures) and prints a summary table.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -227,6 +228,10 @@ def layers_cmd(
             + " / ".join(f"{x:.2f}" for x in h.slowdown)
             + f"; wake-up {h.wake_s * 1e3:.3f} ms"
         )
+    bound = json.loads(db.meta.get(f"{gpu_type}.memory_bound", "{}"))
+    for key, desc in bound.items():
+        con.print(f"memory bound {key}: {desc}")
+    con.print(f"precision: {db.meta.get(f'{gpu_type}.precision', '?')}")
     if not db.sizes:
         con.print(
             "[yellow]sizes not written: this device does not compute in the model's precision"
