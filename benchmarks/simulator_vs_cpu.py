@@ -74,7 +74,7 @@ import torch
 
 from sailor import catalog
 from sailor.megatron_patch.launch import launch_local
-from sailor.profiler.collective_probe import collective_latencies
+from sailor.profiler.collective_probe import collective_latencies, sweep_sizes
 from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
 from sailor.profiler.host_sharing import HostRun, measure_host_sharing
 from sailor.profiler.host_speed import (
@@ -344,13 +344,12 @@ def _profile(spec: ModelSpec, statistic: str, pin: bool, gate: _Gate) -> _Profil
         res = fit_residuals(curve, pairs)
         net = with_link(NetworkProfile(), EP, EP, curve, source="loopback probe")
         load = f", load {os.getloadavg()[0]:.2f}"
+        # every "node" of these plans is a process of this host and their link is the
+        # loopback probed above: the loopback all-reduce is what a ring between them does
+        coll = collective_latencies(EP, (2, 3, 4), statistic, load=load, sizes=sweep_sizes("cpu"))
         net = net.model_copy(
             update={
-                "collectives": tuple(
-                    collective_latencies(
-                        EP, (2, 3, 4), statistic, load=load, sizes=(256 << 10, 4 << 20)
-                    )
-                )
+                "collectives": tuple(c.model_copy(update={"scope": "inter_node"}) for c in coll)
             }
         )
         rows = [

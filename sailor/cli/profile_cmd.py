@@ -10,6 +10,7 @@ replaces its own earlier figures) and prints a summary table.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -24,6 +25,7 @@ from sailor import catalog
 from sailor.cli._io import fail, load_model, write_json
 from sailor.profiler.merge import load_db, merge_db, save_db
 from sailor.schemas import Endpoint, ModelSpec, NetworkProfile
+from sailor.schemas.network import CollectiveLatency
 
 if TYPE_CHECKING:
     from sailor.profiler.calibrated_estimate import LooRow
@@ -44,6 +46,33 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     if not vals:
         raise fail(f"--{what}: empty")
     return vals
+
+
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS |= {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _bytes(text: str, what: str) -> int:
+    """A byte count with an optional unit (KiB/MiB/GiB/TiB, K/M/G binary, KB/MB/GB decimal)."""
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num) :]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError) as exc:
+        raise fail(f"--{what}={text!r}: expected bytes, e.g. 40GiB, 512MiB or 1000000") from exc
+    if value <= 0:
+        raise fail(f"--{what}={text!r}: must be > 0")
+    return int(value)
+
+
+def _next_port(master: str) -> str:
+    """``host:port+1``: where the collective probe's rank 0 listens after the link probe."""
+    host, _, port = master.rpartition(":")
+    try:
+        return f"{host}:{int(port) + 1}"
+    except ValueError as exc:
+        raise fail(f"--master={master!r}: expected HOST:PORT") from exc
 
 
 def _model(name: str, model_file: Path | None) -> ModelSpec:
@@ -112,6 +141,16 @@ def layers_cmd(
     statistic: str = typer.Option(
         "median", help="median (the layer's own cost) or mean (includes a busy host's stalls)."
     ),
+    in_situ: bool = typer.Option(
+        True,
+        help="Time the layers in place inside the model (a window of it when the whole does "
+        "not fit the device); --no-in-situ: each layer kind alone.",
+    ),
+    memory_limit: str | None = typer.Option(
+        None,
+        help="Bytes the measurements may use per device (e.g. 40GiB, 512MiB, 1000000). On cuda "
+        "the GPU's free memory less a margin bounds it anyway; on cpu default: no bound.",
+    ),
 ) -> None:
     """Time and size each layer kind of the training framework per TP degree and mbs."""
 
@@ -135,6 +174,8 @@ def layers_cmd(
             statistic=statistic,
             host_ranks=host_ranks if device == "cpu" else 0,
             host_pin=host_pin,
+            in_situ=in_situ,
+            memory_limit=None if memory_limit is None else _bytes(memory_limit, "memory-limit"),
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
@@ -200,6 +241,10 @@ def layers_cmd(
             + " / ".join(f"{x:.2f}" for x in h.slowdown)
             + f"; wake-up {h.wake_s * 1e3:.3f} ms"
         )
+    bound = json.loads(db.meta.get(f"{gpu_type}.memory_bound", "{}"))
+    for key, desc in bound.items():
+        con.print(f"memory bound {key}: {desc}")
+    con.print(f"precision: {db.meta.get(f'{gpu_type}.precision', '?')}")
     if not db.sizes:
         con.print(
             "[yellow]sizes not written: this device does not compute in the model's precision"
@@ -231,11 +276,13 @@ def network_cmd(
     statistic: str = typer.Option("median", help="Per-size time: median or mean (with stalls)."),
     collectives: str = typer.Option(
         "2,3,4",
-        help="Rank counts for the all-reduce latency probe, comma-separated ('' skips it).",
+        help="Rank counts for the all-reduce probe on this node, comma-separated ('' skips it). "
+        "With --rank: one rank per node, 2 ranks.",
     ),
     collective_sizes: str = typer.Option(
-        "262144,4194304",
-        help="All-reduce sizes (bytes) for the backend's bus bandwidth ('' skips it).",
+        "auto",
+        help="All-reduce sizes (bytes) for the backend's bus bandwidth, fitted by least squares "
+        "('auto': 1 KiB..256 MiB on cuda, 64 KiB..4 MiB on cpu; '' skips it).",
     ),
     device: str = typer.Option(
         "cpu", help="cpu (gloo, host memory) or cuda (NCCL, GPU memory: one GPU per rank)."
@@ -246,27 +293,36 @@ def network_cmd(
         "other side with the same --master. Rank 0 writes --out. Default: both on loopback.",
     ),
     master: str | None = typer.Option(
-        None, help="HOST:PORT where rank 0 listens (with --rank; the port must be free there)."
+        None,
+        help="HOST:PORT where rank 0 listens (with --rank): the link probe on PORT, the "
+        "all-reduce probe on PORT+1 (both must be free there).",
     ),
     gpu: int = typer.Option(0, help="With --rank and cuda: the GPU of this node to use."),
 ) -> None:
     """Point-to-point bandwidth vs message size between two ranks with the training backend
     (gloo on cpu, NCCL on cuda): both on loopback here, or one per node (--rank, --master).
 
-    Then, on loopback, the fixed cost of a tiny all-reduce among each of ``--collectives``
-    rank counts (what the simulator charges a ring once, instead of the p2p latency per ring
-    step), and the all-reduce's bus bandwidth from ``--collective-sizes``.
+    Then the fixed cost of a tiny all-reduce (what the simulator charges a ring once, instead
+    of the p2p latency per ring step) and the all-reduce's bus bandwidth fitted over
+    ``--collective-sizes``: on this node among each of ``--collectives`` rank counts
+    (recorded as intra-node: rings inside one node), or with --rank between the two nodes,
+    one rank each, at the port after --master's (recorded as inter-node: rings across nodes).
     """
-    from sailor.profiler.collective_probe import collective_latencies
+    from sailor.profiler.collective_probe import collective_latencies, sweep_sizes
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
     from sailor.profiler.network_probe import ProbeSettings, run_probe
 
-    ranks = _ints(collectives, "collectives") if collectives.strip() and rank is None else ()
+    ranks = _ints(collectives, "collectives") if collectives.strip() else ()
     if rank is not None and (rank not in (0, 1) or not master):
         raise fail(f"--rank={rank}, --master={master!r}: a side is --rank 0 or 1, with --master")
     if any(n < 2 for n in ranks):
         raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
-    sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
+    if rank is not None and ranks:
+        ranks = (2,)  # one rank per node
+    if collective_sizes.strip() == "auto":
+        sizes = sweep_sizes(device)
+    else:
+        sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
     if any(b < 8 for b in sizes):
         raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
     if gpu_type is None:
@@ -293,8 +349,27 @@ def network_cmd(
             points = run_probe(settings, rank=rank, master=master, gpu=gpu)
     except ValueError as exc:
         raise fail(str(exc)) from exc
+    coll_master = None if master is None else _next_port(master)
+
+    def probe_collectives() -> list[CollectiveLatency]:
+        between = "on this node" if rank is None else f"between 2 nodes (rank 0 at {coll_master})"
+        with con.status(f"timing all-reduces {between}: {', '.join(map(str, ranks))} ranks..."):
+            return collective_latencies(
+                src,
+                ranks,
+                statistic,
+                load=f", load average {os.getloadavg()[0]:.2f}",
+                sizes=sizes,
+                device=device,
+                rank=rank,
+                master=coll_master,
+                gpu=gpu,
+            )
+
     if rank == 1:
-        con.print(f"rank 1 done: rank 0 at {master} writes the link")
+        if ranks:
+            probe_collectives()
+        con.print(f"rank 1 done: rank 0 at {master} writes the link and the all-reduce")
         return
     pairs = [(p.nbytes, p.time.central(statistic)) for p in points]
     curve = fit_link(pairs, latency=latency)
@@ -308,19 +383,14 @@ def network_cmd(
     )
     old = load_model(out, NetworkProfile) if out.exists() else None
     net = with_link(old, src, dst, curve, intra=intra, source=source)
-    lats = []
+    lats: list[CollectiveLatency] = []
     if ranks:
-        with con.status(f"timing a tiny all-reduce among {', '.join(map(str, ranks))} ranks..."):
-            lats = collective_latencies(
-                src,
-                ranks,
-                statistic,
-                load=f", load average {os.getloadavg()[0]:.2f}",
-                sizes=sizes,
-                device=device,
-            )
+        lats = probe_collectives()
+        scope = lats[0].scope
         kept = tuple(
-            c for c in net.collectives if not (c.endpoint == src and c.ranks in set(ranks))
+            c
+            for c in net.collectives
+            if not (c.endpoint == src and c.ranks in set(ranks) and c.scope == scope)
         )
         net = NetworkProfile.model_validate(
             {**net.model_dump(), "collectives": [c.model_dump() for c in (*kept, *lats)]}
@@ -351,7 +421,10 @@ def network_cmd(
     )
     for c in lats:
         bus = f", bus bandwidth {c.bus_gbps:.2f} GB/s" if c.bus_gbps else ""
-        con.print(f"all-reduce among {c.ranks} ranks: latency {c.latency_s * 1e3:.3f} ms{bus}")
+        con.print(
+            f"all-reduce among {c.ranks} ranks ({c.scope.replace('_', '-')}): latency "
+            f"{c.latency_s * 1e3:.3f} ms{bus}"
+        )
     con.print(f"written to {out}")
 
 

@@ -459,7 +459,8 @@ class SyncModel:
         if len(merged) == 1:  # one endpoint kind: a measured all-reduce latency applies
             k = merged[0][0]
             end = Endpoint(zone=k.zone, gpu_type=k.gpu_type, gpus_per_node=k.gpus_per_node)
-            measured = self.tables.inputs.network.collective_latency(end, n)
+            # the nodes of a ring are distinct nodes: only an inter-node measurement applies
+            measured = self.tables.inputs.network.collective_latency(end, n, "inter_node")
         buckets = max(1, math.ceil(elements / BUCKET_ELEMENTS))
         chunk = node_bytes / buckets / n
         step = 0.0

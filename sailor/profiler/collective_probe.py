@@ -1,4 +1,5 @@
-"""All-reduce latency: how long one all-reduce of a tiny tensor takes among ``n`` ranks.
+"""All-reduce cost: the fixed time of a tiny all-reduce among ``n`` ranks, and the bus
+bandwidth of large ones, measured where the ranks are (one node, or one rank per node).
 
 The link probe (:mod:`network_probe`) times ping-pong, which is what a pipeline receiver
 waits for. A collective is different: every rank arrives, and each of its steps is one
@@ -7,37 +8,100 @@ ping-pong one-way time was 1.7-2 ms at load 6-9, while a whole all-reduce of one
 among 2-4 ranks took a fraction of that; charging the ring's ``2(n-1)`` steps at the p2p
 latency overestimated the training's loss and tied-embedding all-reduces several times.
 
-Procedure: ``n`` processes on loopback (:func:`~sailor.profiler.procs.run_ranks`): gloo on
-the CPU, or NCCL with one GPU per rank (``device="cuda"``, the GPU synchronised before and
-after each timed call); each repetition is a barrier, then one timed ``all_reduce`` of an
-8-byte tensor (the size of
-``megatron_patch``'s loss all-reduce). A few untimed warm-ups first. Each rank keeps the
-median or mean of its times; the latency is the largest over ranks (the collective ends for
-everyone when the last rank leaves it).
+Procedure: ``n`` processes (:func:`~sailor.profiler.procs.run_ranks`): gloo on the CPU, or
+NCCL with one GPU per rank (``device="cuda"``, the GPU synchronised before and after each
+timed call); each repetition is a barrier, then one timed ``all_reduce``. A few untimed
+warm-ups first. Each rank keeps the median or mean of its times at each size; the figure of
+a size is the largest over ranks (the collective ends for everyone when the last rank leaves
+it). The ranks exchange their times at the end, so a rank on another node reports them too.
 
-**Bandwidth** (``sizes``, e.g. 256 KiB and 4 MiB: gradients): the same, at each size; the
-backend's bus bandwidth is the least-squares slope through the origin of ``t(B) − latency``
-against the bytes a ring moves per rank, ``2(n−1)/n · B``. gloo's all-reduce on a shared
-host runs well below what a ring over the point-to-point curve would (4 MB among 2 ranks
-here: ~3.3 ms against ~1.6 ms), so the simulator prices the bytes at the measured bandwidth
-when it has one. The result is a :class:`~sailor.schemas.network.CollectiveLatency` per
-``n``, stored in ``NetworkProfile.collectives``.
+**Sizes**: 8 B (``megatron_patch``'s loss all-reduce) and a sweep (:func:`sweep_sizes`):
+1 KiB to 256 MiB on GPUs, where NCCL is latency-bound below a few MiB and reaches its bus
+bandwidth only at tens of MiB (the 256 KiB and 4 MiB of the first version measured its
+latency twice); 64 KiB to 4 MiB on the CPU, where gloo is slow enough that 4 MiB is well
+past its latency, and larger messages would only make the probe slow.
+
+**Fit** (:func:`fit_allreduce`): ``t(B) = α + 2(n−1)/n · B / bus`` by ordinary least squares
+over the sweep, in seconds: the residuals of large messages are the largest, so they set
+the bandwidth, and the small ones the intercept. The record keeps the 8-byte time as the
+latency (what a tiny all-reduce costs: NCCL's small-message protocol is not on the large
+messages' line) and the fitted bus bandwidth.
+
+**Where** (``scope`` of :class:`~sailor.schemas.network.CollectiveLatency`): ``intra_node``
+for ranks on this host (NVLink/PCIe between its GPUs, or loopback); ``inter_node`` for one
+rank per node (``rank``/``master``, as the link probe's two-node mode). The simulator prices a
+data-parallel ring that spans nodes only with an inter-node measurement (or the links).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from sailor.profiler.procs import check_devices, run_ranks
 from sailor.profiler.timing import Stats
-from sailor.schemas.network import CollectiveLatency, Endpoint
+from sailor.schemas.network import CollectiveLatency, CollectiveScope, Endpoint
 
-__all__ = ["ALLREDUCE_BYTES", "bus_gbps", "collective_latencies", "run_allreduce_probe"]
+__all__ = [
+    "ALLREDUCE_BYTES",
+    "AllReduceFit",
+    "bus_gbps",
+    "collective_latencies",
+    "fit_allreduce",
+    "run_allreduce_probe",
+    "sweep_sizes",
+]
 
 ALLREDUCE_BYTES = 8
 """Bytes all-reduced per repetition: one float64 (megatron_patch's loss all-reduce)."""
 
 _WARMUP = 5
+
+_REP_BYTES = 1 << 30
+"""Bytes all-reduced per size at most (but at least 5 repetitions): 256 MiB gets 5."""
+
+_MIN_REPS = 5
+
+
+def sweep_sizes(device: str) -> tuple[int, ...]:
+    """Message sizes of the bandwidth sweep: 1 KiB..256 MiB (x4) on cuda, 64 KiB..4 MiB on cpu."""
+    if device == "cuda":
+        return tuple(1 << k for k in range(10, 29, 2))
+    return tuple(1 << k for k in range(16, 23, 2))
+
+
+@dataclass(frozen=True)
+class AllReduceFit:
+    """``t(B) = latency_s + 2(n−1)/n · B / (bus_gbps · 1e9)`` fitted over a size sweep."""
+
+    latency_s: float
+    bus_gbps: float | None
+    """None: the times do not grow with the size (no bandwidth term to fit)."""
+
+
+def fit_allreduce(ranks: int, points: list[tuple[int, float]]) -> AllReduceFit:
+    """Least-squares ``latency + bytes moved / bus`` over (bytes, seconds) ``points`` of an
+    all-reduce among ``ranks`` ranks; the bytes a ring moves per rank are ``2(n−1)/n · B``.
+    A negative intercept (noise at the small sizes) is clamped to 0 and the slope refitted
+    through the origin."""
+    if ranks < 2:
+        raise ValueError(f"ranks={ranks}: an all-reduce needs at least 2")
+    if len({b for b, _ in points}) < 2:
+        raise ValueError(f"points={points}: need at least two sizes")
+    xs = [2 * (ranks - 1) / ranks * b for b, _ in points]
+    ys = [t for _, t in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx
+    latency = my - slope * mx
+    if latency < 0:
+        latency = 0.0
+        slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if slope <= 0:
+        return AllReduceFit(latency_s=max(0.0, my), bus_gbps=None)
+    return AllReduceFit(latency_s=latency, bus_gbps=1.0 / slope / 1e9)
 
 
 def run_allreduce_probe(
@@ -47,24 +111,48 @@ def run_allreduce_probe(
     deadline_s: float = 300.0,
     sizes: tuple[int, ...] = (),
     device: str = "cpu",
+    rank: int | None = None,
+    master: str | None = None,
+    gpu: int = 0,
 ) -> dict[int, list[Stats]]:
     """Per-size, per-rank statistics of all-reduces among ``ranks`` fresh processes (gloo on
-    cpu, NCCL with one GPU each on cuda): :data:`ALLREDUCE_BYTES` and each of ``sizes``."""
+    cpu, NCCL with one GPU each on cuda): :data:`ALLREDUCE_BYTES` and each of ``sizes``.
+
+    Default: every rank here, on loopback. ``rank`` with ``master`` (``host:port`` where rank
+    0 listens): only that rank runs here (on GPU ``gpu`` with cuda), one rank per node; every
+    side gets every rank's statistics."""
     if ranks < 2:
         raise ValueError(f"ranks={ranks}: an all-reduce needs at least 2")
     if any(b < 8 for b in sizes):
         raise ValueError(f"sizes={sizes}: sizes are bytes, at least 8")
-    check_devices(device, range(ranks))
+    if rank is not None and (not 0 <= rank < ranks or not master):
+        raise ValueError(f"rank={rank}, master={master!r}: a side is a rank < {ranks}, with master")
+    check_devices(device, [gpu] if rank is not None else range(ranks))
     all_sizes = sorted({ALLREDUCE_BYTES, *sizes})
-    cfg = {"reps": reps, "threads": threads, "sizes": all_sizes, "device": device}
-    res = run_ranks("sailor.profiler.collective_probe", ranks, cfg, deadline_s=deadline_s)
-    return {b: [Stats.from_dict(r["times"][str(b)]) for r in res] for b in all_sizes}
+    cfg = {
+        "reps": reps,
+        "threads": threads,
+        "sizes": all_sizes,
+        "device": device,
+        "gpu": gpu if rank is not None else None,
+    }
+    res = run_ranks(
+        "sailor.profiler.collective_probe",
+        ranks,
+        cfg,
+        deadline_s=deadline_s,
+        master=master,
+        ranks=None if rank is None else [rank],
+    )
+    every = res[0]["all"]
+    return {b: [Stats.from_dict(r[str(b)]) for r in every] for b in all_sizes}
 
 
 def bus_gbps(ranks: int, latency_s: float, points: list[tuple[int, float]]) -> float | None:
     """Bus bandwidth (GB/s) from (bytes, seconds) all-reduce points above the latency: the
     least-squares slope through the origin of time − latency against ``2(n−1)/n · bytes``;
-    None when no point lies above the latency."""
+    None when no point lies above the latency. (The first version's fit; the probe now fits
+    latency and bandwidth together over a sweep, :func:`fit_allreduce`.)"""
     xs = [2 * (ranks - 1) / ranks * b for b, _ in points]
     ys = [t - latency_s for _, t in points]
     sxy = sum(x * y for x, y in zip(xs, ys, strict=True))
@@ -83,28 +171,44 @@ def collective_latencies(
     load: str = "",
     sizes: tuple[int, ...] = (),
     device: str = "cpu",
+    rank: int | None = None,
+    master: str | None = None,
+    gpu: int = 0,
 ) -> list[CollectiveLatency]:
-    """Measure the all-reduce latency (and, with ``sizes``, bus bandwidth) for each rank
-    count in ``ranks``."""
+    """Measure the all-reduce latency (and, with ``sizes``, the bus bandwidth fitted over
+    them) for each rank count in ``ranks``: on this host (``intra_node``), or with ``rank``
+    and ``master`` one rank per node (``inter_node``; rank 0 listens at ``master``)."""
     out: list[CollectiveLatency] = []
     backend = "gloo" if device == "cpu" else "NCCL"
+    scope: CollectiveScope = "intra_node" if rank is None else "inter_node"
+    where = (
+        "processes on loopback" if rank is None else f"nodes, one rank each (rank 0 at {master})"
+    )
     for n in ranks:
-        per_size = run_allreduce_probe(n, reps, threads, sizes=sizes, device=device)
+        per_size = run_allreduce_probe(
+            n, reps, threads, sizes=sizes, device=device, rank=rank, master=master, gpu=gpu
+        )
         central = {b: max(s.central(statistic) for s in st) for b, st in per_size.items()}
         lat = central[ALLREDUCE_BYTES]
-        big = [(b, t) for b, t in central.items() if b > ALLREDUCE_BYTES]
-        bus = bus_gbps(n, lat, big) if big else None
+        bus = None
+        big = [b for b in central if b > ALLREDUCE_BYTES]
+        fitted = ""
+        if big:
+            fit = fit_allreduce(n, sorted(central.items()))
+            bus = fit.bus_gbps
+            fitted = f", least-squares latency {fit.latency_s * 1e6:.1f} us over the sweep"
         out.append(
             CollectiveLatency(
                 endpoint=endpoint,
                 ranks=n,
                 latency_s=lat,
                 bus_gbps=bus,
-                max_bytes=max(b for b, _ in big) if bus is not None else 0,
+                max_bytes=max(big) if bus is not None else 0,
+                scope=scope,
                 source=(
                     f"{backend} all_reduce of {', '.join(str(b) for b in sorted(central))} B among "
-                    f"{n} processes on loopback, {reps} reps after a barrier each, {statistic} "
-                    f"per rank, slowest rank (sailor.profiler.collective_probe){load}"
+                    f"{n} {where}, up to {reps} reps after a barrier each, {statistic} per rank, "
+                    f"slowest rank{fitted} (sailor.profiler.collective_probe){load}"
                 ),
             )
         )
@@ -121,13 +225,16 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
-    dev = join_group(args, str(cfg.get("device", "cpu")), args.rank, timeout_s=120.0)
+    gpu = cfg.get("gpu")
+    index = args.rank if gpu is None else int(gpu)  # one node: rank r on GPU r
+    dev = join_group(args, str(cfg.get("device", "cpu")), index, timeout_s=120.0)
     cuda = dev.type == "cuda"
     out: dict[str, dict[str, float]] = {}
     for nbytes in cfg.get("sizes", [ALLREDUCE_BYTES]):
         buf = torch.zeros(max(1, int(nbytes) // 8), dtype=torch.float64, device=dev)
         times: list[float] = []
-        for i in range(int(cfg["reps"]) + _WARMUP):
+        reps = max(_MIN_REPS, min(int(cfg["reps"]), _REP_BYTES // max(1, int(nbytes))))
+        for i in range(reps + _WARMUP):
             dist.barrier()
             if cuda:
                 torch.cuda.synchronize(dev)
@@ -138,8 +245,12 @@ def _rank_main(argv: list[str] | None = None) -> int:
             if i >= _WARMUP:
                 times.append(time.perf_counter() - t0)
         out[str(nbytes)] = Stats.of(times).to_dict()
-    dist.barrier()
-    write_result(args, {"rank": args.rank, "times": out})
+        del buf
+        if cuda:
+            torch.cuda.empty_cache()  # 256 MiB buffers: give each back before the next
+    every: list[dict[str, dict[str, float]] | None] = [None] * args.world_size
+    dist.all_gather_object(every, out)  # a rank on another node reports every rank's times
+    write_result(args, {"rank": args.rank, "times": out, "all": every})
     dist.destroy_process_group()
     return 0
 

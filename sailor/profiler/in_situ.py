@@ -15,16 +15,19 @@ where it runs in training, after the layer before it and with the whole model's 
   other, each timed: the step of *that* layer with the cache state of a full step.
 * **Saved for backward**: saved-tensor hooks attribute each saved tensor to the layer running.
 
-Every global layer is measured, blocks included (no copying of one block to the others).
+Every global layer is measured, blocks included (no copying of one block to the others),
+when the whole model fits the device. When it does not (:mod:`memory_bound` decides before
+anything is built), :func:`measure_window` measures a GPT of the first ``k`` blocks between
+the same embedding and head, and the blocks outside it take a measured block's figures.
 Peak memory growth stays with :mod:`layer_bench` (it needs a layer alone). Works inside TP
 ranks too (the stage is built with the rank's :class:`TPContext`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -33,10 +36,12 @@ from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.profiler.layer_bench import LayerMeasurement
+from sailor.profiler.memory_bound import window_layers, window_spec
+from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, time_once
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["measure_model"]
+__all__ = ["measure_model", "measure_window"]
 
 
 class _Clock:
@@ -86,12 +91,7 @@ def measure_model(
     gen = torch.Generator().manual_seed(seed * 7919 + mbs)
     tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)
     labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)
-    bf16 = device.type == "cuda" and spec.precision != "fp32"
-
-    def autocast() -> AbstractContextManager[Any]:
-        if bf16:
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        return nullcontext()
+    precision = compute_precision(spec, device)
 
     current = [0]
     saved: list[dict[int, int]] = [{} for _ in range(n)]
@@ -110,7 +110,7 @@ def measure_model(
         fwd_marks = [clock.mark()]
         inputs: list[torch.Tensor] = []
         x: torch.Tensor = tokens
-        with autocast():
+        with autocast(device, precision):
             for i, mod in enumerate(mods):
                 current[0] = i
                 if i > 0:
@@ -171,6 +171,29 @@ def measure_model(
             )
         )
     return out
+
+
+def measure_window(
+    spec: ModelSpec,
+    blocks: int,
+    mbs: int,
+    device: torch.device,
+    settings: RepeatSettings,
+    tp: TPContext | None = None,
+    seed: int = 0,
+) -> list[LayerMeasurement]:
+    """:func:`measure_model` of the window of ``blocks`` blocks (:mod:`memory_bound`), in global
+    layer indices: the embedding, blocks ``1..blocks-1``, the window's last block as the block
+    before the head, the head; plus one per-kind block entry (``layer=-1``, an interior block
+    of the window) for the blocks outside it. The whole model when ``blocks`` covers it."""
+    if blocks >= spec.num_layers:
+        return measure_model(spec, mbs, device, settings, tp, seed)
+    ms = measure_model(window_spec(spec, blocks), mbs, device, settings, tp, seed)
+    where = window_layers(spec, blocks)
+    out = [dataclasses.replace(m, layer=where[i]) for i, m in enumerate(ms)]
+    # an interior block: preceded by a block (or the embedding when blocks < 3), followed by one
+    representative = ms[(blocks + 1) // 2]
+    return [*out, dataclasses.replace(representative, layer=-1)]
 
 
 def _stamp(marks: dict[int, int], i: int, clock: _Clock) -> Callable[[torch.Tensor], None]:

@@ -13,8 +13,9 @@ microbatches (the engine zeroes them in place, never frees them), so no repetiti
 allocating gradient buffers. The optimizer step is timed separately on the layer's own
 parameters: the update time of *this* layer, not a share of a small model's step.
 
-On CUDA with a non-fp32 model, forward runs under bf16 autocast with fp32 master weights,
-as the engine does. On CPU everything is fp32, as the engine does.
+On CUDA with a non-fp32 model, forward runs under autocast with fp32 master weights, as the
+engine does, in bf16 where the GPU supports it and fp16 elsewhere (:mod:`precision`). On CPU
+everything is fp32, as the engine does.
 
 With ``tp > 1`` this runs inside each TP rank (``tp_procs``), with a real process group:
 the block's all-reduces are part of its time. Returns plain values; writes nothing.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.profiler.memory import peak_growth_bytes, saved_tensor_bytes
+from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, repeat, time_once
 from sailor.schemas.model import LayerKind, ModelSpec
 
@@ -141,15 +142,10 @@ def measure_layer(
     params = list(stage.parameters())
     gen = torch.Generator().manual_seed(seed * 7919 + mbs)
     x, labels = _inputs(spec, kind, mbs, device, gen)
-    bf16 = device.type == "cuda" and spec.precision != "fp32"
-
-    def autocast() -> AbstractContextManager[Any]:
-        if bf16:
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        return nullcontext()
+    precision = compute_precision(spec, device)
 
     def forward() -> torch.Tensor:
-        with autocast():
+        with autocast(device, precision):
             out: torch.Tensor = stage(x, labels)
         return out
 
@@ -222,16 +218,23 @@ def measure_kinds(
     tp: TPContext | None = None,
     in_situ: bool = True,
     measure_memory: bool = True,
+    blocks: int | None = None,
 ) -> list[LayerMeasurement]:
     """Every layer at ``mbs``: in place (:mod:`in_situ`, one entry per global layer, peak
-    growth from each kind alone) or one entry per kind measured alone."""
-    if not in_situ:
+    growth from each kind alone) or one entry per kind measured alone.
+
+    ``blocks``: the window :func:`~sailor.profiler.memory_bound.plan_window` chose for the
+    device (the embedding, that many blocks and the head in place; 0: each kind alone); None:
+    the whole model."""
+    if not in_situ or blocks == 0:
         return [
             measure_layer(spec, k, mbs, device, settings, tp, measure_memory) for k in KIND_LAYER
         ]
-    from sailor.profiler.in_situ import measure_model
+    from sailor.profiler.in_situ import measure_window
 
-    out = measure_model(spec, mbs, device, settings, tp)
+    out = measure_window(
+        spec, spec.num_layers if blocks is None else blocks, mbs, device, settings, tp
+    )
     if measure_memory:
         peaks = {
             k: measure_layer(spec, k, mbs, device, _PEAK_ONLY, tp).peak_growth_bytes

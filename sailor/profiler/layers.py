@@ -27,6 +27,7 @@ I/O: runs torch and child processes; writes nothing (the CLI merges and saves).
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import platform
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
+from sailor.profiler.memory_bound import Window, device_budget, plan_window
+from sailor.profiler.precision import ComputePrecision, compute_precision
 from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
@@ -42,6 +45,7 @@ from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
 __all__ = [
     "LayerRun",
     "device_description",
+    "plan_windows",
     "profile_layers",
     "saved_bytes_fit",
     "to_profile_db",
@@ -67,12 +71,16 @@ class LayerRun:
     statistic: str = "median"
     """Central value written to the database: 'median' (default) or 'mean' (timing.py)."""
     in_situ: bool = True
-    """Time every layer inside the whole model (in_situ.py); False: each kind alone."""
+    """Time every layer inside the whole model (in_situ.py), or inside the window of it the
+    device holds (memory_bound.py); False: each kind alone."""
     host_ranks: int = 0
     """On CPU: measure how up to this many ranks share the host's cores (host_sharing.py);
     0: not measured."""
     host_pin: bool = False
     """Measure host sharing with rank r bound to core r % cores (runs that pin their ranks)."""
+    memory_limit: int | None = None
+    """Bytes the layer measurements may use per device (memory_bound.py). On CUDA the device's
+    free memory less a margin bounds it anyway; on the CPU None means no bound."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -92,6 +100,8 @@ class LayerRun:
             raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
         if self.host_ranks < 0:
             raise ValueError(f"host_ranks={self.host_ranks}: must be >= 0")
+        if self.memory_limit is not None and self.memory_limit <= 0:
+            raise ValueError(f"memory_limit={self.memory_limit}: must be > 0 bytes")
 
     @property
     def total(self) -> int:
@@ -126,17 +136,28 @@ def profile_layers(
     dev = torch.device("cuda", 0) if run.device == "cuda" else torch.device("cpu")
     if run.device == "cpu":
         torch.set_num_threads(run.threads)
+    precision = compute_precision(run.spec, dev)
+    windows = plan_windows(run, precision)  # refuses a layer too large before building any
     out: list[LayerMeasurement] = []
     for tp in run.tps:
+        blocks = {mbs: windows[(tp, mbs)].blocks for mbs in run.mbs}
         if tp == 1:
             for mbs in run.mbs:
                 note(f"tp=1 mbs={mbs}", 0)
                 out.extend(
                     measure_kinds(
-                        run.spec, mbs, dev, run.settings, None, run.in_situ, run.measure_memory
+                        run.spec,
+                        mbs,
+                        dev,
+                        run.settings,
+                        None,
+                        run.in_situ,
+                        run.measure_memory,
+                        blocks=blocks[mbs],
                     )
                 )
                 note(f"tp=1 mbs={mbs}", 1)
+            _release(dev)  # the TP > 1 ranks start on the same GPU(s)
         else:
             n = len(run.mbs)
             ranks = "gloo ranks" if run.device == "cpu" else "NCCL ranks, one GPU each"
@@ -151,6 +172,7 @@ def profile_layers(
                     measure_memory=run.measure_memory,
                     in_situ=run.in_situ,
                     device=run.device,
+                    blocks=blocks,
                 )
             )
             note(f"tp={tp} done", n)
@@ -182,9 +204,16 @@ def profile_layers(
                 pin=run.host_pin,
             )
         )
-    meta = _meta(run, out)
+    meta = {
+        **_meta(run, out),
+        f"{run.gpu_type}.precision": precision,
+        f"{run.gpu_type}.memory_bound": json.dumps(
+            {f"tp{tp}.mbs{b}": w.describe(run.spec) for (tp, b), w in windows.items()},
+            sort_keys=True,
+        ),
+    }
     db = to_profile_db(
-        run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic
+        run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic, precision
     )
     date = meta.get(f"{run.gpu_type}.date", "")
     if framework is not None:
@@ -197,6 +226,34 @@ def profile_layers(
     return db, out
 
 
+def plan_windows(run: LayerRun, precision: ComputePrecision) -> dict[tuple[int, int], Window]:
+    """What each (TP, mbs) measurement of ``run`` builds (:mod:`memory_bound`), decided before
+    anything is built: the device's budget (the least free memory of the GPUs a TP degree
+    uses, less a margin, at most ``run.memory_limit``; on the CPU the limit alone).
+    Raises :class:`~sailor.profiler.memory_bound.LayerTooLargeError` for a layer that does
+    not fit alone."""
+    from sailor.profiler.procs import check_devices
+
+    e = 4 if precision == "fp32" else 2
+    out: dict[tuple[int, int], Window] = {}
+    for tp in run.tps:
+        gpus = list(range(tp)) if run.device == "cuda" else []
+        check_devices(run.device, gpus)  # a TP degree above the host's GPUs: refused here
+        limit = device_budget(gpus, run.memory_limit)
+        for mbs in run.mbs:
+            out[(tp, mbs)] = plan_window(run.spec, tp, mbs, e, limit, run.in_situ)
+    return out
+
+
+def _release(dev: torch.device) -> None:
+    """Give the TP = 1 pass's cached GPU memory back to the driver: its tensors are gone, but
+    the caching allocator would keep their blocks on ``cuda:0`` while the TP > 1 rank 0
+    starts there."""
+    if dev.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _sizes_valid(run: LayerRun) -> bool:
     compute_fp32 = run.device == "cpu" or run.spec.precision == "fp32"
     return compute_fp32 == (run.spec.precision == "fp32")
@@ -205,7 +262,11 @@ def _sizes_valid(run: LayerRun) -> bool:
 def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
     g = run.gpu_type
     peaks = {f"tp{m.tp}.mbs{m.mbs}.{m.kind}": m.peak_growth_bytes for m in ms}
-    method = "in place: whole model, timestamps between layers" if run.in_situ else "each alone"
+    method = (
+        "in place: the whole model or a window of it (memory_bound), timestamps between layers"
+        if run.in_situ
+        else "each alone"
+    )
     s = run.settings
     return {
         "tool": "sailor profile layers",
@@ -266,8 +327,10 @@ def to_profile_db(
     write_sizes: bool = True,
     overhead_bytes: int | None = None,
     statistic: str = "median",
+    precision: ComputePrecision | None = None,
 ) -> ProfileDB:
-    """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures)."""
+    """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures),
+    timed in ``precision`` (:mod:`precision`; None: not recorded)."""
     by_kind = {(m.tp, m.mbs, m.kind): m for m in ms if m.layer < 0}
     by_layer = {(m.tp, m.mbs, m.layer): m for m in ms if m.layer >= 0}
 
@@ -294,6 +357,7 @@ def to_profile_db(
                     fwd_spread_s=m.fwd.stdev_s,
                     bwd_spread_s=m.bwd.stdev_s,
                     source="measured",
+                    precision=precision,
                 )
             )
     sizes: list[LayerSize] = []

@@ -46,9 +46,11 @@ def measure_tp(
     deadline_s: float = 1800.0,
     in_situ: bool = True,
     device: str = "cpu",
+    blocks: dict[int, int] | None = None,
 ) -> list[LayerMeasurement]:
     """Measure every layer at every microbatch size in ``mbs_list`` with ``tp`` ranks (gloo
-    processes on CPU; on CUDA one NCCL process per GPU)."""
+    processes on CPU; on CUDA one NCCL process per GPU). ``blocks``: per mbs, the window the
+    memory bound allows (:mod:`memory_bound`; absent: the whole model)."""
     if tp < 2:
         raise ValueError(f"tp={tp}: measure_tp is for TP > 1; tp=1 runs in-process")
     if device == "cuda":
@@ -72,6 +74,7 @@ def measure_tp(
         "measure_memory": measure_memory,
         "in_situ": in_situ,
         "device": device,
+        "blocks": {str(b): n for b, n in (blocks or {}).items()},
     }
     results = run_ranks("sailor.profiler.tp_procs", tp, config, deadline_s=deadline_s)
     per_rank = [[LayerMeasurement.from_dict(d) for d in r["measurements"]] for r in results]
@@ -130,6 +133,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
             tp=ctx,
             in_situ=bool(cfg.get("in_situ", True)),
             measure_memory=bool(cfg["measure_memory"]),
+            blocks=cfg.get("blocks", {}).get(str(mbs)),
         )
         out.extend(m.to_dict() for m in ms)
     dist.barrier()

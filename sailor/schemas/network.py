@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
 from sailor.schemas._base import Frozen, field_error
 
-__all__ = ["BandwidthCurve", "CollectiveLatency", "Endpoint", "Link", "NetworkProfile"]
+__all__ = [
+    "BandwidthCurve",
+    "CollectiveLatency",
+    "CollectiveScope",
+    "Endpoint",
+    "Link",
+    "NetworkProfile",
+]
+
+CollectiveScope = Literal["intra_node", "inter_node"]
+"""Where the ranks of a measured collective were: all on one node, or one per node."""
 
 _MIN_GBPS = 1e-3
 """Floor of any evaluated bandwidth (1 MB/s): a fit that dips to zero must not divide by zero."""
@@ -95,6 +105,15 @@ class CollectiveLatency(Frozen):
     )
     max_bytes: int = Field(default=0, ge=0, description="Largest size measured, bytes.")
     source: str = Field(default="", description="Measurement it came from.")
+    scope: CollectiveScope = Field(
+        default="intra_node",
+        description=(
+            "Where the ranks were: 'intra_node' (GPUs or processes of one node, over its "
+            "own links or loopback; what every probe before this field measured) or "
+            "'inter_node' (one rank per node, over the network between nodes). The "
+            "simulator prices a ring with the measurement of its own scope only."
+        ),
+    )
 
 
 class NetworkProfile(Frozen):
@@ -116,23 +135,32 @@ class NetworkProfile(Frozen):
         ),
     )
 
-    def collective_latency(self, endpoint: Endpoint, ranks: int) -> float | None:
-        """All-reduce latency among ``ranks`` ranks of ``endpoint``, or None if not measured.
+    def collective_latency(
+        self, endpoint: Endpoint, ranks: int, scope: CollectiveScope = "intra_node"
+    ) -> float | None:
+        """All-reduce latency among ``ranks`` ranks of ``endpoint`` measured in ``scope``, or
+        None if not measured.
 
         A rank count not measured is scaled from the nearest measured one by the number of
         ring steps, ``2(n-1)``.
         """
-        mine = [c for c in self.collectives if c.endpoint == endpoint]
+        mine = [c for c in self.collectives if c.endpoint == endpoint and c.scope == scope]
         if not mine or ranks < 2:
             return None
         near = min(mine, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
         return near.latency_s * (ranks - 1) / (near.ranks - 1)
 
-    def collective_bus_gbps(self, endpoint: Endpoint, ranks: int) -> float | None:
-        """Measured all-reduce bus bandwidth among ``ranks`` ranks of ``endpoint`` (that of
-        the nearest measured rank count: a ring's bus bandwidth hardly depends on it), or
-        None if none was measured."""
-        mine = [c for c in self.collectives if c.endpoint == endpoint and c.bus_gbps]
+    def collective_bus_gbps(
+        self, endpoint: Endpoint, ranks: int, scope: CollectiveScope = "intra_node"
+    ) -> float | None:
+        """Measured all-reduce bus bandwidth among ``ranks`` ranks of ``endpoint`` in
+        ``scope`` (that of the nearest measured rank count: a ring's bus bandwidth hardly
+        depends on it), or None if none was measured."""
+        mine = [
+            c
+            for c in self.collectives
+            if c.endpoint == endpoint and c.bus_gbps and c.scope == scope
+        ]
         if not mine or ranks < 2:
             return None
         return min(mine, key=lambda c: (abs(c.ranks - ranks), -c.ranks)).bus_gbps

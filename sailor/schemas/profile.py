@@ -45,6 +45,13 @@ class LayerProfile(Frozen):
     fwd_spread_s: float = Field(default=0.0, ge=0, description="Std. dev. of forward time.")
     bwd_spread_s: float = Field(default=0.0, ge=0, description="Std. dev. of backward time.")
     source: ProfileSource = Field(default="measured", description="Provenance.")
+    precision: Literal["fp32", "fp16", "bf16"] | None = Field(
+        default=None,
+        description=(
+            "Precision the layer computed in when measured (the autocast dtype; fp32: no "
+            "autocast). None: not recorded (imported, estimated or older profiles)."
+        ),
+    )
 
 
 class LayerSize(Frozen):

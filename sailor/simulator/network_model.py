@@ -14,10 +14,13 @@ sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
 
 Every bandwidth is derated by the network efficiency η of the calibration. A ring all-reduce
 pays the links' per-message latency at each of its ``2(n-1)`` steps, unless the network
-profile holds a measured all-reduce latency for the ring's endpoint kind
+profile holds a measured all-reduce latency for the ring's endpoint kind and scope
 (``NetworkProfile.collectives``): then it pays that once, plus the steps' bandwidth time; and
 when that measurement also holds the all-reduce's bus bandwidth as the backend runs it, the
-bytes move at that bandwidth (``2(n-1)/n · B / bus``) instead of over the link curves.
+bytes move at that bandwidth (``2(n-1)/n · B / bus``) instead of over the link curves. The
+scope must match (:func:`ring_scope`): a probe of the GPUs of one node (NVLink, PCIe or
+loopback) never prices a ring whose members are on different nodes; that ring takes an
+inter-node measurement (``sailor profile network --rank 0|1``) or the inter-node links.
 Pure: no I/O.
 """
 
@@ -28,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
+from sailor.schemas.network import CollectiveScope
 
 __all__ = [
     "BUCKET_ELEMENTS",
@@ -40,6 +44,7 @@ __all__ = [
     "inter_curve",
     "intra_curve",
     "ring_allreduce",
+    "ring_scope",
 ]
 
 FALLBACK_SAME_ZONE_GBPS = 2.4
@@ -162,6 +167,17 @@ class AllReduce:
     """The part of ``time_s`` that is per-message latency (the rest moves bytes)."""
 
 
+def ring_scope(groups: Sequence[ReplicaGroup]) -> CollectiveScope:
+    """Whether a ring among ``groups`` stays inside one node: every group placed on the same
+    node (``node_id``, set at launch), as a pipeline's stages are judged for a point-to-point
+    transfer. Unplaced groups are taken to be on nodes of their own (the ring model prices
+    each hop over the node-to-node curve)."""
+    first = groups[0].node_id if groups else ""
+    if first and all(g.node_id == first for g in groups):
+        return "intra_node"
+    return "inter_node"
+
+
 def ring_allreduce(
     network: NetworkProfile,
     groups: Sequence[ReplicaGroup],
@@ -191,12 +207,13 @@ def ring_allreduce(
     kinds = [(g.zone, g.gpu_type, g.gpus_per_node) for g in ring]
     measured = None
     bus_gbps = None
+    scope = ring_scope(groups)
     if len(set(kinds)) == 1:
         zone, gpu_type, gpus = kinds[0]
         ep = Endpoint(zone=zone, gpu_type=gpu_type, gpus_per_node=gpus)
-        measured = network.collective_latency(ep, n)
+        measured = network.collective_latency(ep, n, scope)
         if measured is not None:
-            bus_gbps = network.collective_bus_gbps(ep, n)
+            bus_gbps = network.collective_bus_gbps(ep, n, scope)
     # neighbour pairs by kind, first occurrence first (the order of the notes)
     pairs: dict[tuple[tuple[str, str, int], tuple[str, str, int]], int] = {}
     for i, pair in enumerate(zip(kinds, kinds[1:] + kinds[:1], strict=True)):

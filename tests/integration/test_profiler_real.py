@@ -152,7 +152,7 @@ def test_allreduce_latency_probe_between_gloo_processes() -> None:
 
     ep = Endpoint(zone="local", gpu_type="cpu", gpus_per_node=1)
     (c,) = collective_latencies(ep, ranks=(2,), reps=10)
-    assert c.ranks == 2 and c.endpoint == ep
+    assert c.ranks == 2 and c.endpoint == ep and c.scope == "intra_node"
     assert 0 < c.latency_s < 1.0 and c.bus_gbps is None  # no sizes asked
     net = NetworkProfile(collectives=(c,))
     assert net.collective_latency(ep, 2) == c.latency_s
@@ -220,6 +220,7 @@ def test_network_probe_one_side_per_node(tmp_path: Path) -> None:
     master = f"127.0.0.1:{free_port()}"
     out = tmp_path / "net.json"
     common = ["--min-bytes", "65536", "--max-bytes", "262144", "--bytes-per-size", "1048576"]
+    common += ["--collective-sizes", "65536,1048576"]
     cmd = [sys.executable, "-m", "sailor.cli.main", "profile", "network", "-o"]
     peer = subprocess.Popen(
         [*cmd, str(tmp_path / "x"), *common, "--rank", "1", "--master", master],
@@ -237,7 +238,11 @@ def test_network_probe_one_side_per_node(tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()  # rank 1 writes nothing
     net = NetworkProfile.model_validate_json(out.read_text())
     assert len(net.links) == 1 and "two nodes" in net.source
-    assert net.links[0].curve.max_gbps > 0 and not net.collectives  # collectives: loopback only
+    assert net.links[0].curve.max_gbps > 0
+    # the all-reduce between the two sides, one rank each: an inter-node measurement
+    (c,) = net.collectives
+    assert (c.ranks, c.scope) == (2, "inter_node") and c.latency_s > 0
+    assert "2 nodes, one rank each" in c.source
 
 
 def test_network_probe_refuses_bad_sides_and_missing_gpus(tmp_path: Path) -> None:

@@ -193,7 +193,10 @@ def test_closed_form_of_an_allocation_equals_the_simulator(
     if measured:
         colls = tuple(
             CollectiveLatency(
-                endpoint=Endpoint(zone=ZONE, gpu_type=g, gpus_per_node=2), ranks=4, latency_s=2e-3
+                endpoint=Endpoint(zone=ZONE, gpu_type=g, gpus_per_node=2),
+                ranks=4,
+                latency_s=2e-3,
+                scope="inter_node",  # the plans' rings are over nodes
             )
             for g in ("fast", "slow")
         )

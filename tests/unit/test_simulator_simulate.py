@@ -477,11 +477,13 @@ def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
     curve = BandwidthCurve(coeffs=(0, 0, 1.0), max_gbps=1.0, latency_s=2e-3)
     link = Link(src=ep, dst=ep, curve=curve)
     plain = NetworkProfile(links=(link,))
-    coll = CollectiveLatency(endpoint=ep, ranks=2, latency_s=0.5e-3)
+    # one rank per node, as the ring of two groups on nodes of their own
+    coll = CollectiveLatency(endpoint=ep, ranks=2, latency_s=0.5e-3, scope="inter_node")
     measured = plain.model_copy(update={"collectives": (coll,)})
-    assert measured.collective_latency(ep, 2) == pytest.approx(0.5e-3)
-    assert measured.collective_latency(ep, 4) == pytest.approx(1.5e-3)  # 3x the ring steps
-    assert plain.collective_latency(ep, 2) is None
+    assert measured.collective_latency(ep, 2, "inter_node") == pytest.approx(0.5e-3)
+    # 3x the ring steps
+    assert measured.collective_latency(ep, 4, "inter_node") == pytest.approx(1.5e-3)
+    assert plain.collective_latency(ep, 2, "inter_node") is None
     groups = [_rg(), _rg()]
     nbytes = 1e6
     # per-step p2p latency: 2 steps of (2 ms + 0.5 MB at 1 GB/s)
@@ -503,7 +505,8 @@ def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
     # with the backend's bus bandwidth measured, the bytes move at it: 2(n-1)/n * B / bus
     fast = coll.model_copy(update={"bus_gbps": 0.25, "max_bytes": 4 << 20})
     busy = plain.model_copy(update={"collectives": (fast,)})
-    assert busy.collective_bus_gbps(ep, 2) == 0.25 and measured.collective_bus_gbps(ep, 2) is None
+    assert busy.collective_bus_gbps(ep, 2, "inter_node") == 0.25
+    assert measured.collective_bus_gbps(ep, 2, "inter_node") is None
     assert ring_allreduce(busy, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
         0.5e-3 + 2 * 1 / 2 * nbytes / 0.25e9
     )
