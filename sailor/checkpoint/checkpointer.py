@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sailor.comm import api as comm
 from sailor.checkpoint.assignment import (
     layout_summary,
     place_of,
@@ -49,6 +48,7 @@ from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
 from sailor.checkpoint.writer import commit, persist_layers
+from sailor.comm import api as comm
 from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest
 from sailor.schemas.plan import Plan
 

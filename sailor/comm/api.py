@@ -70,8 +70,9 @@ class Backend(Protocol):
 
     def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, group: Any) -> None: ...
 
-    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-        ...
+    def all_gather_into_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor, group: Any
+    ) -> None: ...
 
     def gather(
         self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group: Any

@@ -64,7 +64,9 @@ class CommOp:
     def describe(self) -> str:
         if self.kind in P2P_KINDS:
             where = "to" if self.kind == "send" else "from"
-            return f"{self.kind} {where} {self.peer} ({self.dtype}x{self.numel}, batch {self.batch})"
+            return (
+                f"{self.kind} {where} {self.peer} ({self.dtype}x{self.numel}, batch {self.batch})"
+            )
         if self.kind == "wait":
             return f"wait on batch {self.batch}"
         return f"{self.kind} on {list(self.group)} ({self.dtype}x{self.numel} {self.detail})"
@@ -218,7 +220,8 @@ def _run_rank(st: _State, rank: int, log: Sequence[CommOp]) -> bool:
 def _why(st: _State, p: _Posted) -> str:
     if not p.started:
         first = next(q for q in st.side[(p.rank, p.op.peer)] if not q.done)
-        return f"not started: channel to {p.op.peer} busy with its #{first.index} {first.op.describe()}"
+        busy = f"#{first.index} {first.op.describe()}"
+        return f"not started: channel to {p.op.peer} busy with its {busy}"
     other = "recv" if p.op.kind == "send" else "send"
     return f"started, waiting for {p.op.peer} to start the matching {other}"
 
@@ -240,7 +243,9 @@ def _deadlock(st: _State, logs: Mapping[int, Sequence[CommOp]]) -> ReplayResult:
             continue
         for p in (q for ops in st.batches.values() for q in ops):
             if p.rank == rank and not p.done:
-                stuck.append(Stuck(rank, p.index, p.op.describe(), "never completes: " + _why(st, p)))
+                stuck.append(
+                    Stuck(rank, p.index, p.op.describe(), "never completes: " + _why(st, p))
+                )
     lines = [f"rank {s.rank} at #{s.index} {s.op}: {s.reason}" for s in stuck]
     return ReplayResult("deadlock", tuple(stuck), "deadlock:\n" + "\n".join(lines))
 
@@ -255,12 +260,21 @@ def replay(logs: Mapping[int, Sequence[CommOp]]) -> ReplayResult:
                     (Stuck(rank, i, op.describe(), "peer is not another rank of the logs"),),
                     f"rank {rank} #{i}: {op.describe()}",
                 )
-            if op.kind not in P2P_KINDS and op.kind != "wait" and (
-                rank not in op.group or any(m not in logs for m in op.group)
+            if (
+                op.kind not in P2P_KINDS
+                and op.kind != "wait"
+                and (rank not in op.group or any(m not in logs for m in op.group))
             ):
                 return ReplayResult(
                     "mismatch",
-                    (Stuck(rank, i, op.describe(), "group is not a set of ranks of the logs holding this rank"),),
+                    (
+                        Stuck(
+                            rank,
+                            i,
+                            op.describe(),
+                            "group is not a set of ranks of the logs holding this rank",
+                        ),
+                    ),
                     f"rank {rank} #{i}: {op.describe()}",
                 )
     st = _State(pc=dict.fromkeys(logs, 0))

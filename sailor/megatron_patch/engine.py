@@ -161,9 +161,7 @@ class Trainer:
         self.precision: Precision = precision or device_precision(device)
         if self.precision != "fp32" and device.type != "cuda":
             raise ValueError(f"precision={self.precision!r} needs a CUDA device, got {device}")
-        self.optimizer = make_optimizer(
-            self.stage.parameters(), cfg, foreach=device.type == "cuda"
-        )
+        self.optimizer = make_optimizer(self.stage.parameters(), cfg, foreach=device.type == "cuda")
         self.data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
         self.p2p = P2P(
             role,

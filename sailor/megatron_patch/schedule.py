@@ -134,7 +134,7 @@ class _Stage:
         if role.is_last_stage and labels is None:
             labels = self.get(mb)[1]
         with self.autocast():
-            out = self.stage(x, labels if role.is_last_stage else None)
+            out: torch.Tensor = self.stage(x, labels if role.is_last_stage else None)
         self.saved[mb] = (x, out)
         if not role.is_last_stage:
             return out

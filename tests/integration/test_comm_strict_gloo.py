@@ -27,7 +27,9 @@ def _stage(a: int, b: int, tp: int = 1) -> Stage:
     )
 
 
-def test_gloo_run_logs_pass_the_nccl_replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gloo_run_logs_pass_the_nccl_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a = Pipeline(
         stages=(_stage(0, 1), _stage(2, 3, tp=2), _stage(4, 5)),
         microbatch_size=1,

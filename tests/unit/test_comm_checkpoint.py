@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from sailor.checkpoint.checkpointer import Checkpointer
 from sailor.checkpoint.state import ParamState
 from sailor.checkpoint.storage import LocalStorage

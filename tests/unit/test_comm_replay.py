@@ -79,7 +79,11 @@ def test_collectives_on_two_groups_in_opposite_orders_deadlock() -> None:
     assert replay(logs).ok
     crossed = {0: [_ar((0, 2)), _ar((0, 1))], 1: [_ar((0, 1))], 2: [_ar((0, 2))]}
     assert replay(crossed).ok
-    cycle = {0: [_ar((0, 1)), _ar((0, 2))], 1: [_ar((1, 2)), _ar((0, 1))], 2: [_ar((0, 2)), _ar((1, 2))]}
+    cycle = {
+        0: [_ar((0, 1)), _ar((0, 2))],
+        1: [_ar((1, 2)), _ar((0, 1))],
+        2: [_ar((0, 2)), _ar((1, 2))],
+    }
     res = replay(cycle)
     assert res.status == "deadlock" and {s.rank for s in res.stuck} == {0, 1, 2}
 

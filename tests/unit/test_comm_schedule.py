@@ -48,9 +48,7 @@ def _pipeline_plan(stages: int, microbatches: int, with_tp: bool = True) -> Plan
         bounds.append((first, first + n - 1))
         first += n
     pipe = Pipeline(
-        stages=tuple(
-            _stage(a, b, _TPS[s] if with_tp else 1) for s, (a, b) in enumerate(bounds)
-        ),
+        stages=tuple(_stage(a, b, _TPS[s] if with_tp else 1) for s, (a, b) in enumerate(bounds)),
         microbatch_size=1,
         num_microbatches=microbatches,
     )

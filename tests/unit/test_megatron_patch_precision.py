@@ -38,7 +38,12 @@ from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 @pytest.mark.parametrize(
     ("device", "bf16", "expected"),
-    [("cpu", False, "fp32"), ("cpu", True, "fp32"), ("cuda", True, "bf16"), ("cuda", False, "fp16")],
+    [
+        ("cpu", False, "fp32"),
+        ("cpu", True, "fp32"),
+        ("cuda", True, "bf16"),
+        ("cuda", False, "fp16"),
+    ],
 )
 def test_precision_follows_the_device(device: str, bf16: bool, expected: str) -> None:
     assert pick_precision(device, bf16) == expected
@@ -104,7 +109,7 @@ def test_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path
 
 def test_gradient_reduce_buffers_are_fp32_on_the_rank_device() -> None:
     """Even with half-precision gradients the all-reduce runs in fp32 (GRAD_REDUCE_DTYPE)."""
-    assert GRAD_REDUCE_DTYPE == torch.float32
+    assert torch.float32 == GRAD_REDUCE_DTYPE
 
     def st(a: int, b: int) -> Stage:
         return Stage(
