@@ -169,10 +169,31 @@ def _two_pipelines() -> Plan:
     return Plan(model="tiny-gpt", global_batch_size=a.samples + b.samples, pipelines=(a, b))
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-llama"])
-def test_real_stages_on_meta_pass_replay_and_device_checks(model: str) -> None:
+def _three_pipelines() -> Plan:
+    a = Pipeline(stages=(_stage(0, 5, tp=2),), microbatch_size=1, num_microbatches=2)
+    b = Pipeline(stages=(_stage(0, 2), _stage(3, 5)), microbatch_size=3, num_microbatches=1)
+    c = Pipeline(
+        stages=(_stage(0, 1, tp=2), _stage(2, 3, tp=4), _stage(4, 5)),
+        microbatch_size=1,
+        num_microbatches=5,
+    )
+    samples = a.samples + b.samples + c.samples
+    return Plan(model="tiny-gpt", global_batch_size=samples, pipelines=(a, b, c))
+
+
+@pytest.mark.parametrize(
+    ("model", "make"),
+    [
+        ("tiny-gpt", _two_pipelines),
+        ("tiny-llama", _two_pipelines),
+        ("tiny-gpt", _three_pipelines),
+    ],
+)
+def test_real_stages_on_meta_pass_replay_and_device_checks(
+    model: str, make: Callable[[], Plan]
+) -> None:
     """The real GPTStage (TP collectives, recompute, tied embeddings, grad sync) on meta."""
-    plan = _two_pipelines().model_copy(update={"model": model})
+    plan = make().model_copy(update={"model": model})
     logs = record_iteration(plan, tiny_model(model, plan.global_batch_size))
     res = replay(logs)
     assert res.ok, res.message
