@@ -52,6 +52,7 @@ from sailor.megatron_patch.precision import (
     autocast_of,
     compute_dtype,
     device_precision,
+    scaled_step,
 )
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.schedule import P2P, run_1f1b
@@ -182,15 +183,7 @@ class Trainer:
         if self.scaler is None:
             self.optimizer.step()
             return
-        params = list(self.stage.parameters())
-        overflow = self.scaler.agree_overflow(self.scaler.local_overflow(params, self.device))
-        scale = self.scaler.scale
-        self.scaler.update(overflow)
-        if overflow:
-            self.optimizer.zero_grad(set_to_none=False)
-            return
-        self.scaler.unscale_(params, scale)
-        self.optimizer.step()
+        scaled_step(self.optimizer, list(self.stage.parameters()), self.scaler, self.device)
 
     def train_step(self) -> StepResult:
         """Run one iteration (collective over all ranks)."""

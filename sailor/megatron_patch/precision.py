@@ -30,6 +30,7 @@ __all__ = [
     "compute_dtype",
     "device_precision",
     "pick_precision",
+    "scaled_step",
 ]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -130,3 +131,26 @@ class LossScaler:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(inv)
+
+
+def scaled_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    scaler: LossScaler,
+    device: torch.device,
+    group: Any = None,
+) -> bool:
+    """One fp16 optimizer step: skipped by every rank if any rank overflowed.
+
+    Gradients hold ``loss * scaler.scale``; they are unscaled before a step that is taken.
+    Returns whether the step was taken. Collective over ``group`` (the world by default).
+    """
+    overflow = scaler.agree_overflow(scaler.local_overflow(params, device), group)
+    scale = scaler.scale
+    scaler.update(overflow)
+    if overflow:
+        optimizer.zero_grad(set_to_none=False)
+        return False
+    scaler.unscale_(params, scale)
+    optimizer.step()
+    return True

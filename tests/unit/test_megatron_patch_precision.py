@@ -29,6 +29,7 @@ from sailor.megatron_patch.precision import (
     autocast_of,
     compute_dtype,
     pick_precision,
+    scaled_step,
 )
 from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.sync_groups import rank_sync_items, sync_groups
@@ -86,23 +87,26 @@ def test_scaler_detects_inf_and_nan_and_unscales() -> None:
 def _scaler_worker(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=1.0)
     scaler = LossScaler(scale=1024.0, growth_interval=2)
     seen = []
     for step in range(3):
-        p.grad = torch.ones(4)
+        p.grad = torch.full((4,), scaler.scale)  # a gradient of 1 under the loss scale
         if step == 0 and rank == 1:
             p.grad[2] = math.inf  # only rank 1 overflows
-        flag = scaler.local_overflow([p], torch.device("cpu"))
-        overflow = scaler.agree_overflow(flag)
-        scaler.update(overflow)
-        seen.append((overflow, scaler.scale))
+        taken = scaled_step(opt, [p], scaler, torch.device("cpu"))
+        seen.append((taken, scaler.scale, p.detach().tolist()))
     Path(out, f"{rank}.txt").write_text(repr(seen))
     dist.destroy_process_group()
 
 
 def test_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
     mp.spawn(_scaler_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    expected = [(True, 512.0), (False, 512.0), (False, 1024.0)]
+    expected = [
+        (False, 512.0, [0.0] * 4),  # skipped everywhere, scale halved
+        (True, 512.0, [-1.0] * 4),  # unscaled gradient of 1, lr 1
+        (True, 1024.0, [-2.0] * 4),  # two good steps: the scale grows
+    ]
     for rank in (0, 1):
         assert eval((tmp_path / f"{rank}.txt").read_text()) == expected
 
