@@ -14,6 +14,9 @@ copies of one save are kept and overwritten by the next (``reuse_buffers``): one
 worth of host memory stays allocated between saves, and steady-state snapshots skip the
 first-touch page faults of fresh memory.
 
+The TP gather runs on the tensors' own device (NCCL communicates GPU tensors only) through
+``sailor.comm``; the gathered pieces go to host memory after the collective.
+
 Background threads never call torch.distributed: all collectives happen in ``save`` on the
 caller's thread, in the same order on every rank of a TP group, so they cannot interleave with
 the framework's own collectives. Which layers a rank writes and loads is decided by the pure
@@ -45,6 +48,7 @@ from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
 from sailor.checkpoint.writer import commit, persist_layers
+from sailor.comm import api as comm
 from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest
 from sailor.schemas.plan import Plan
 
@@ -146,7 +150,7 @@ class Checkpointer:
         if not (dist.is_available() and dist.is_initialized()):
             return uuid.uuid4().hex[:12]
         box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else ""]
-        dist.broadcast_object_list(box, src=0)
+        comm.broadcast_object_list(box, src=0)
         return str(box[0])
 
     def _snapshot(
@@ -188,19 +192,22 @@ class Checkpointer:
         """Gather one layer's TP-sharded tensors to ``writer``, as one flat message per rank."""
         names = sorted(lp)
         sharded = [(n, k) for n in names for k in TENSOR_KINDS if lp[n].tp_dim is not None]
-        flat = (
-            torch.cat([lp[n].tensor(k).detach().reshape(-1).cpu() for n, k in sharded])
-            if sharded
-            else torch.empty(0)
-        )
         me = self.rank == writer
-        bufs = [torch.empty_like(flat) for _ in self.place.group_ranks] if me else None
-        dist.gather(flat, bufs, dst=writer, group=self.tp_group)
-        if not me or bufs is None:
+        bufs: list[torch.Tensor] | None = None
+        if sharded:
+            # Every TP rank of the group holds the same layers, hence the same ``sharded``
+            # list: all of them take part in the gather, or none does.
+            flat = torch.cat([lp[n].tensor(k).detach().reshape(-1) for n, k in sharded])
+            dev_bufs = [torch.empty_like(flat) for _ in self.place.group_ranks] if me else None
+            comm.gather(flat, dev_bufs, dst=writer, group=self.tp_group)
+            bufs = [_to_host(b) for b in dev_bufs] if dev_bufs is not None else None
+        if not me:
             return {}
         out: dict[str, dict[str, torch.Tensor]] = {}
         off = 0
         for n, k in sharded:
+            if bufs is None:  # set whenever ``sharded`` is non-empty on the writer
+                raise CheckpointError(f"{n}: gathered nothing")
             t = lp[n].tensor(k)
             pieces = [b[off : off + t.numel()].view(t.shape) for b in bufs]
             dim = lp[n].tp_dim
@@ -268,8 +275,21 @@ class Checkpointer:
         )
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (the tensor itself if it is there already).
+
+    A meta tensor (shape-only dry runs of the save under ``sailor.comm.strict``) has no data
+    to copy: its host copy is an uninitialised buffer of its shape.
+    """
+    if t.is_meta:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return t.to("cpu")
+
+
 def _cpu_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     # A real copy even on CPU: training mutates its tensors in place after the snapshot.
+    if t.is_meta:
+        return into if into is not None and into.shape == t.shape else _to_host(t)
     if into is not None and into.shape == t.shape and into.dtype == t.dtype:
         return into.copy_(t.detach())
     return t.detach().to("cpu", copy=True)

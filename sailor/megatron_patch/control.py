@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sailor.comm import api as comm
+
 __all__ = ["ControlRequest", "agree", "agree_dir", "read_control"]
 
 _NONE = -1
@@ -81,7 +83,7 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
     t = torch.tensor([local.stop_at_step, local.save_step], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, op="max")
     stop, save = (int(x) for x in t.tolist())
     return ControlRequest(stop_at_step=stop, save_step=save, save_dir=local.save_dir)
 
@@ -91,7 +93,7 @@ def agree_dir(local_dir: str) -> str:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local_dir
     got: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, local_dir)
+    comm.all_gather_object(got, local_dir)
     for d in got:
         if isinstance(d, str) and d:
             return d

@@ -23,34 +23,51 @@ Interfaces others use (keep stable):
   ``state.stage_state(trainer.stage)`` and ``state.optimizer_state(trainer.stage,
   trainer.optimizer)`` to checkpoint.
 
-Precision: fp32 on CPU; on GPU bf16 autocast with fp32 master weights and fp32 optimizer
-state (``precision`` of the ModelSpec other than fp32 selects it; fp16 is run as bf16,
-which needs no loss scaling).
+Precision (``precision``): fp32 on CPU; on GPU bf16 autocast with fp32 master weights and
+fp32 optimizer state where the GPU has bf16, else fp16 autocast with a dynamic loss scale
+whose overflow skip is agreed by every rank (``precision.LossScaler``).
+
+Timing synchronizes the device before each clock read (``clock``); the loss is read from
+the device once per iteration, after the optimizer step.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 
+from sailor.comm import api as comm
+from sailor.megatron_patch.clock import timestamp
 from sailor.megatron_patch.data import SyntheticTokens, microbatch_indices
 from sailor.megatron_patch.grad_sync import sync_gradients
 from sailor.megatron_patch.groups import ProcessGroups
 from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.precision import (
+    LossScaler,
+    Precision,
+    autocast_of,
+    compute_dtype,
+    device_precision,
+    scaled_step,
+)
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.schedule import P2P, run_1f1b
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
-__all__ = ["IterationHook", "StepResult", "TrainConfig", "Trainer", "make_optimizer"]
+__all__ = [
+    "IterationHook",
+    "StepResult",
+    "TrainConfig",
+    "Trainer",
+    "make_optimizer",
+    "to_device",
+]
 
 
 class TrainConfig(Frozen):
@@ -64,15 +81,19 @@ class TrainConfig(Frozen):
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
 
 
-def make_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW as every rank and the reference build it (non-foreach: bitwise per element)."""
+def make_optimizer(params: Any, cfg: TrainConfig, foreach: bool = False) -> torch.optim.AdamW:
+    """AdamW as every rank and the reference build it.
+
+    Non-foreach by default (bitwise per element, what the CPU exactness tests compare);
+    the engine asks for ``foreach`` on CUDA, where the per-parameter kernels would dominate.
+    """
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,
+        foreach=foreach,
     )
 
 
@@ -95,6 +116,13 @@ class StepResult:
         return self.samples / self.step_s if self.step_s > 0 else 0.0
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: pinned and non-blocking to a GPU, a plain move otherwise."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 IterationHook = Callable[["Trainer"], bool]
 """Called at every iteration boundary; return True to stop there."""
 
@@ -112,6 +140,7 @@ class Trainer:
         device: torch.device,
         step: int = 0,
         consumed_samples: int = 0,
+        precision: Precision | None = None,
     ) -> None:
         if spec.num_all_layers != plan.num_layers:
             raise ValueError(
@@ -130,49 +159,63 @@ class Trainer:
             recompute=role.recompute,
             seed=cfg.seed,
         ).to(device)
-        self.optimizer = make_optimizer(self.stage.parameters(), cfg)
+        self.precision: Precision = precision or device_precision(device)
+        if self.precision != "fp32" and device.type != "cuda":
+            raise ValueError(f"precision={self.precision!r} needs a CUDA device, got {device}")
+        self.optimizer = make_optimizer(self.stage.parameters(), cfg, foreach=device.type == "cuda")
         self.data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
-        self.p2p = P2P(role, (role.microbatch_size, spec.seq_length, spec.hidden_size), device)
+        self.p2p = P2P(
+            role,
+            (role.microbatch_size, spec.seq_length, spec.hidden_size),
+            device,
+            wire_dtype=compute_dtype(self.precision),
+        )
         self.loss_scale = role.microbatch_size / plan.global_batch_size
-        self._bf16 = device.type == "cuda" and spec.precision != "fp32"
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        self._autocast = autocast_of(self.precision, device)
+        self.scaler = LossScaler() if self.precision == "fp16" else None
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.data.batch(microbatch_indices(self.role, self.consumed_samples, mb))
-        return x.to(self.device), y.to(self.device)
+        return to_device(x, self.device), to_device(y, self.device)
+
+    def _optimizer_step(self) -> None:
+        """AdamW; under fp16 only if no rank overflowed (agreed), gradients unscaled first."""
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        scaled_step(self.optimizer, list(self.stage.parameters()), self.scaler, self.device)
 
     def train_step(self) -> StepResult:
         """Run one iteration (collective over all ranks)."""
-        t0 = time.perf_counter()
+        t0 = timestamp(self.device)
         self.optimizer.zero_grad(set_to_none=False)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         local_loss = run_1f1b(
             self.stage,
             self.role,
             self.p2p,
             self._microbatch,
-            self.loss_scale,
-            self._autocast if self._bf16 else None,
+            self.loss_scale * scale if scale != 1.0 else self.loss_scale,
+            self._autocast,
         )
-        self.p2p.wait_sends()
-        t1 = time.perf_counter()
+        t1 = timestamp(self.device)
         sync_gradients(self.stage, self.groups.sync)
-        t2 = time.perf_counter()
-        self.optimizer.step()
-        t3 = time.perf_counter()
+        t2 = timestamp(self.device)
+        self._optimizer_step()
+        t3 = timestamp(self.device)
         report = self.role.is_last_stage and self.role.tp_rank == 0
-        loss = torch.tensor(
-            [local_loss if report else 0.0], dtype=torch.float64, device=self.device
-        )
-        dist.all_reduce(loss)
+        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if report:
+            loss += local_loss / scale if scale != 1.0 else local_loss
+        comm.all_reduce(loss)
         self.step += 1
         self.consumed_samples += self.plan.global_batch_size
-        t4 = time.perf_counter()
+        value = float(loss.item())
+        t4 = timestamp(self.device)
         return StepResult(
             step=self.step,
             consumed_samples=self.consumed_samples,
-            loss=float(loss.item()),
+            loss=value,
             step_s=t4 - t0,
             compute_s=t1 - t0,
             sync_s=t2 - t1,

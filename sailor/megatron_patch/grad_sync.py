@@ -10,6 +10,11 @@ replica holds the gradient of the mean loss over the whole global batch.
 The flat layout of a group's buffer is identical on all its ranks: parameters in global
 layer order, then module order, and for TP-sharded parameters the chunk the group owns,
 which has the same shape whatever the holder's TP degree.
+
+The reduction runs in :data:`GRAD_REDUCE_DTYPE` (fp32, as Megatron reduces bf16 runs' gradients
+by default): gradients live in fp32 next to the fp32 master weights, and summing them in
+half precision over many replicas would lose the small contributions. The simulator prices
+the same dtype. Buffers are on the gradients' device (the rank's device).
 """
 
 from __future__ import annotations
@@ -17,13 +22,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from sailor.comm import api as comm
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.sync_groups import SyncItem
 from sailor.megatron_patch.tp_layers import tp_dim_of
 
-__all__ = ["sync_gradients", "tied_names"]
+__all__ = ["GRAD_REDUCE_DTYPE", "sync_gradients", "tied_names"]
+
+GRAD_REDUCE_DTYPE = torch.float32
+"""The dtype gradients are all-reduced in (and priced at by the simulator)."""
 
 
 def tied_names(stage: GPTStage) -> tuple[str, str]:
@@ -58,10 +66,10 @@ def _views(stage: GPTStage, item: SyncItem, skip: set[str]) -> list[torch.Tensor
 def _all_reduce_views(views: list[torch.Tensor], scale: float, group: Any) -> None:
     if not views:
         return
-    flat = torch.cat([v.reshape(-1) for v in views])
+    flat = torch.cat([v.reshape(-1).to(GRAD_REDUCE_DTYPE) for v in views])
     if scale != 1.0:
         flat.mul_(scale)
-    dist.all_reduce(flat, group=group)
+    comm.all_reduce(flat, group=group)
     off = 0
     for v in views:
         n = v.numel()
@@ -84,8 +92,9 @@ def sync_gradients(stage: GPTStage, sync: list[tuple[SyncItem, Any]]) -> None:
     for item, pg in sync:
         if item.group.kind == "tied":
             had_tied_group = True
-            buf = torch.stack([_grad(p) for p in tied_local]).sum(0) * item.scale
-            dist.all_reduce(buf, group=pg)
+            buf = torch.stack([_grad(p).to(GRAD_REDUCE_DTYPE) for p in tied_local]).sum(0)
+            buf = buf * item.scale
+            comm.all_reduce(buf, group=pg)
             for p in tied_local:
                 _grad(p).copy_(buf)
             continue

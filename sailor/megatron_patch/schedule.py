@@ -10,9 +10,17 @@ which is what the correctness tests check.
 
 Schedule (PipeDream-flush / Megatron 1F1B): stage ``s`` of ``P`` runs
 ``w = min(P - s - 1, m)`` warm-up forwards, then alternates one forward and one backward
-``m - w`` times, then runs the ``w`` remaining backwards. Sends are asynchronous (their
-handles are kept until the end of the iteration) and receives are blocking, so no rank can
-wait on a send and the schedule cannot deadlock. Activations cross stages in fp32.
+``m - w`` times, then runs the ``w`` remaining backwards.
+
+Exchanges are paired as Megatron pairs them (``send_forward_recv_backward``,
+``send_backward_recv_forward``, plus the lone receive/send of warm-up and cool-down), each
+posted as one ``batch_isend_irecv`` and waited before the schedule goes on. With NCCL both
+directions between two ranks share one ordered channel and a large send completes only when
+its receive has started: a lone send followed by a blocking receive deadlocks as soon as two
+neighbours do it to each other (``sailor.comm.nccl_replay`` shows it at (2 stages, 2
+microbatches)). Waiting each exchange also frees every sent tensor at once instead of
+holding it to the end of the iteration. Activations and gradients cross stages in the
+compute dtype (``wire_dtype``): fp32 runs send fp32, bf16/fp16 runs send bf16/fp16.
 
 Every receive is bounded by the process-group timeout: a dead neighbour makes it raise
 instead of hanging.
@@ -25,55 +33,65 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from sailor.comm import api as comm
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.roles import RankRole
 
 __all__ = ["P2P", "run_1f1b", "schedule_order"]
 
-_FWD, _BWD = 0, 1
-
 
 class P2P:
-    """Activation and gradient exchange of one rank with its neighbour stages."""
+    """Activation and gradient exchange of one rank with its neighbour stages.
 
-    def __init__(self, role: RankRole, shape: tuple[int, ...], device: torch.device) -> None:
+    Every method posts one ``batch_isend_irecv`` and waits on it: when it returns, the sent
+    tensors may be freed and the received one is filled. ``None`` stands for "no such
+    neighbour" (first stage backward, last stage forward).
+    """
+
+    def __init__(
+        self,
+        role: RankRole,
+        shape: tuple[int, ...],
+        device: torch.device,
+        wire_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.role = role
         self.shape = shape
         self.device = device
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self.wire_dtype = wire_dtype
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        dist.recv(buf, src=src, tag=tag)
+    def _exchange(
+        self, t: torch.Tensor | None, dsts: tuple[int, ...], src: int | None
+    ) -> torch.Tensor | None:
+        ops: list[comm.P2POp] = []
+        if t is not None and dsts:
+            sent = t.detach().to(self.wire_dtype).contiguous()
+            ops.extend(comm.P2POp("send", sent, dst) for dst in dsts)
+        buf = None
+        if src is not None:
+            buf = torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
+            ops.append(comm.P2POp("recv", buf, src))
+        comm.wait_all(comm.batch_isend_irecv(ops))
         return buf
 
-    def _send(self, t: torch.Tensor, dsts: tuple[int, ...], tag: int) -> None:
-        t = t.detach().to(torch.float32).contiguous()
-        for dst in dsts:
-            self._pending.append((dist.isend(t, dst=dst, tag=tag), t))
+    def recv_forward(self) -> torch.Tensor | None:
+        return self._exchange(None, (), self.role.fwd_recv_from)
 
-    def recv_forward(self, mb: int) -> torch.Tensor:
-        if self.role.fwd_recv_from is None:
-            raise ValueError("the first stage receives no activations")
-        return self._recv(self.role.fwd_recv_from, 2 * mb + _FWD)
+    def send_forward(self, t: torch.Tensor | None) -> None:
+        self._exchange(t, self.role.fwd_send_to, None)
 
-    def send_forward(self, t: torch.Tensor, mb: int) -> None:
-        self._send(t, self.role.fwd_send_to, 2 * mb + _FWD)
+    def recv_backward(self) -> torch.Tensor | None:
+        return self._exchange(None, (), self.role.bwd_recv_from)
 
-    def recv_backward(self, mb: int) -> torch.Tensor:
-        if self.role.bwd_recv_from is None:
-            raise ValueError("the last stage receives no gradients")
-        return self._recv(self.role.bwd_recv_from, 2 * mb + _BWD)
+    def send_backward(self, t: torch.Tensor | None) -> None:
+        self._exchange(t, self.role.bwd_send_to, None)
 
-    def send_backward(self, t: torch.Tensor, mb: int) -> None:
-        self._send(t, self.role.bwd_send_to, 2 * mb + _BWD)
+    def send_forward_recv_backward(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return self._exchange(t, self.role.fwd_send_to, self.role.bwd_recv_from)
 
-    def wait_sends(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+    def send_backward_recv_forward(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return self._exchange(t, self.role.bwd_send_to, self.role.fwd_recv_from)
 
 
 def schedule_order(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
@@ -87,6 +105,61 @@ def schedule_order(num_stages: int, stage: int, num_microbatches: int) -> list[t
     return order
 
 
+class _Stage:
+    """The forward and backward of one microbatch on this rank (no communication)."""
+
+    def __init__(
+        self,
+        stage: GPTStage,
+        role: RankRole,
+        get_microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        loss_scale: float,
+        autocast: Callable[[], AbstractContextManager[Any]],
+        total: torch.Tensor,
+    ) -> None:
+        self.stage, self.role, self.get = stage, role, get_microbatch
+        self.loss_scale, self.autocast, self.total = loss_scale, autocast, total
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, mb: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run microbatch ``mb``; returns the activation to send (None on the last stage)."""
+        role = self.role
+        labels = None
+        if received is None:
+            if not role.is_first_stage:
+                raise RuntimeError(f"stage {role.stage}: no activation received for mb {mb}")
+            x, labels = self.get(mb)
+        else:
+            x = received.requires_grad_()
+        if role.is_last_stage and labels is None:
+            labels = self.get(mb)[1]
+        with self.autocast():
+            out: torch.Tensor = self.stage(x, labels if role.is_last_stage else None)
+        self.saved[mb] = (x, out)
+        if not role.is_last_stage:
+            return out
+        out = out * self.loss_scale
+        self.saved[mb] = (x, out)
+        # Summed on the device in float64 (as the float sum it replaces): no host sync here.
+        self.total.add_(out.detach().to(self.total.dtype))
+        return None
+
+    def backward(self, mb: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of ``mb``; returns the input gradient to send (None on the first stage)."""
+        x, out = self.saved.pop(mb)
+        if self.role.is_last_stage:
+            out.backward()  # type: ignore[no-untyped-call]
+        else:
+            if grad is None:
+                raise RuntimeError(f"stage {self.role.stage}: no gradient received for mb {mb}")
+            torch.autograd.backward(out, grad.to(out.dtype))
+        if self.role.is_first_stage:
+            return None
+        if x.grad is None:
+            raise RuntimeError(f"stage {self.role.stage}: no input gradient for mb {mb}")
+        return x.grad
+
+
 def run_1f1b(
     stage: GPTStage,
     role: RankRole,
@@ -94,41 +167,31 @@ def run_1f1b(
     get_microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     loss_scale: float,
     autocast: Callable[[], AbstractContextManager[Any]] | None = None,
-) -> float:
+) -> torch.Tensor:
     """Run one iteration's forwards and backwards; gradients accumulate in ``stage``.
 
     ``get_microbatch(m)`` returns ``(inputs, labels)`` of microbatch ``m`` (only called on
     the first and last stage). Each microbatch's mean loss is multiplied by ``loss_scale``
-    before backward. Returns the sum of the scaled losses (0.0 off the last stage).
+    before backward. Returns the sum of the scaled losses as a float64 scalar on the
+    stage's device (0 off the last stage); reading it is the caller's one host sync.
+    The order of microbatches is :func:`schedule_order`'s.
     """
-    ctx = autocast or nullcontext
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    total = 0.0
-    for op, mb in schedule_order(role.num_stages, role.stage, role.num_microbatches):
-        if op == "F":
-            labels = None
-            if role.is_first_stage:
-                x, labels = get_microbatch(mb)
-            else:
-                x = p2p.recv_forward(mb).requires_grad_()
-            if role.is_last_stage and labels is None:
-                labels = get_microbatch(mb)[1]
-            with ctx():
-                out = stage(x, labels if role.is_last_stage else None)
-            if role.is_last_stage:
-                out = out * loss_scale
-                total += float(out.detach())
-            else:
-                p2p.send_forward(out, mb)
-            saved[mb] = (x, out)
+    device = p2p.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    run = _Stage(stage, role, get_microbatch, loss_scale, autocast or nullcontext, total)
+    m = role.num_microbatches
+    warm = min(role.num_stages - role.stage - 1, m)
+    rest = m - warm
+    for i in range(warm):
+        p2p.send_forward(run.forward(i, p2p.recv_forward()))
+    received = p2p.recv_forward() if rest > 0 else None
+    for i in range(rest):
+        grad = p2p.send_forward_recv_backward(run.forward(warm + i, received))
+        dx = run.backward(i, grad)
+        if i == rest - 1:
+            p2p.send_backward(dx)
         else:
-            x, out = saved.pop(mb)
-            if role.is_last_stage:
-                out.backward()  # type: ignore[no-untyped-call]
-            else:
-                torch.autograd.backward(out, p2p.recv_backward(mb).to(out.dtype))
-            if not role.is_first_stage:
-                if x.grad is None:
-                    raise RuntimeError(f"stage {role.stage}: no input gradient for mb {mb}")
-                p2p.send_backward(x.grad, mb)
+            received = p2p.send_backward_recv_forward(dx)
+    for j in range(warm):
+        p2p.send_backward(run.backward(rest + j, p2p.recv_backward()))
     return total

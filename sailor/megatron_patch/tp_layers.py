@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from sailor.comm import api as comm
 
 __all__ = [
     "ColumnParallelLinear",
@@ -77,7 +78,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
         g = grads[0].contiguous()
-        dist.all_reduce(g, group=ctx.group)
+        comm.all_reduce(g, group=ctx.group)
         return g, None
 
 
@@ -85,7 +86,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        comm.all_reduce(out, group=group)
         return out
 
     @staticmethod

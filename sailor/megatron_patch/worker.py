@@ -60,6 +60,8 @@ _T_START = time.time()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from sailor.comm import api as comm  # noqa: E402
+from sailor.comm import strict as strict_comm  # noqa: E402
 from sailor.megatron_patch.affinity import (  # noqa: E402
     available_cores,
     bind,
@@ -87,6 +89,7 @@ from sailor.megatron_patch.errors import (  # noqa: E402
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.model import TINY_MODELS, tiny_model  # noqa: E402
+from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.schemas.model import ModelSpec  # noqa: E402
@@ -330,9 +333,22 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         timeout=timedelta(seconds=args.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
+    if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
+        comm.install_backend(strict[0])
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
     t_groups = time.time()
-    trainer = Trainer(plan, spec, role, groups, cfg, device, args.start_step, args.consumed_samples)
+    trainer = Trainer(
+        plan,
+        spec,
+        role,
+        groups,
+        cfg,
+        device,
+        args.start_step,
+        args.consumed_samples,
+        precision=job_precision(plan, spec, device),
+    )
     if resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
     t_loaded = time.time()
@@ -384,6 +400,8 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     if dump:
         torch.save({k: (t.cpu(), d) for k, (t, d) in stage_state(trainer.stage).items()}, dump)
     progress.emit({"event": "done", "rank": args.rank, "step": trainer.step})
+    if strict is not None:
+        strict[0].write(strict[1])
     dist.barrier()
     dist.destroy_process_group()
     return 0

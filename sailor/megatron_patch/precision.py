@@ -1,0 +1,175 @@
+"""The compute precision of a rank and the fp16 dynamic loss scaler.
+
+``fp32``: no autocast (CPU, and the exactness tests). ``bf16``: autocast bf16 with fp32
+master weights, gradients and optimizer state (as Megatron with ``--bf16``): no loss
+scaling. ``fp16``: autocast fp16 with fp32 master weights and dynamic loss scaling (as
+Megatron's ``DynamicGradScaler``): the loss is multiplied by the scale before backward; a
+step whose gradients hold an inf or nan on ANY rank is skipped by EVERY rank (one all-reduce
+MAX of the overflow flag over the world) and the scale is halved; after ``growth_interval``
+good steps in a row it doubles.
+
+bf16 is never forced on a GPU without it: :func:`pick_precision` falls back to fp16 (the
+catalog's V100, T4, Titan-RTX and RTX-2080 have no bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sailor import catalog
+from sailor.comm import api as comm
+from sailor.schemas.model import ModelSpec
+from sailor.schemas.plan import Plan
+from sailor.schemas.precision import Precision
+
+__all__ = [
+    "LossScaler",
+    "Precision",
+    "autocast_of",
+    "compute_dtype",
+    "device_precision",
+    "job_precision",
+    "pick_precision",
+    "scaled_step",
+]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def pick_precision(device_type: str, bf16_supported: bool) -> Precision:
+    """fp32 off CUDA; bf16 on a GPU that has it, else fp16 (pure)."""
+    if device_type != "cuda":
+        return "fp32"
+    return "bf16" if bf16_supported else "fp16"
+
+
+def device_precision(device: torch.device) -> Precision:
+    """:func:`pick_precision` for this process's ``device``."""
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return pick_precision(device.type, bf16)
+
+
+def job_precision(plan: Plan, spec: ModelSpec, device: torch.device) -> Precision:
+    """The precision a rank of ``plan`` runs: the plan's (recorded, else derived from its GPU
+    types and the spec's request) on a GPU; fp32 on a CPU device (a GPU plan run on gloo for
+    a test computes in fp32). A plan asking bf16 of a GPU without it is refused."""
+    if device.type != "cuda":
+        return "fp32"
+    chosen = plan.resolved_precision(catalog.gpus(), spec.precision)
+    if chosen == "bf16" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"plan precision='bf16': {device} ({name}) has no bf16; plan it as fp16 "
+            "(a GPU type without bf16 in the catalog) or set the plan's precision to fp16"
+        )
+    return chosen
+
+
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """The dtype of activations (and of the pipeline's wire) under ``precision``."""
+    return _DTYPES[precision]
+
+
+def autocast_of(
+    precision: Precision, device: torch.device
+) -> Callable[[], AbstractContextManager[Any]] | None:
+    """A factory of the autocast context for ``precision`` (None for fp32)."""
+    if precision == "fp32":
+        return None
+    dtype = _DTYPES[precision]
+
+    def ctx() -> AbstractContextManager[Any]:
+        return torch.autocast(device_type=device.type, dtype=dtype)
+
+    return ctx
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scale of an fp16 run (every rank holds the same state)."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+    good_steps: int = 0
+    skipped_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1):
+            raise ValueError(
+                f"LossScaler(scale={self.scale}, growth_factor={self.growth_factor}, "
+                f"backoff_factor={self.backoff_factor}) is invalid"
+            )
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval={self.growth_interval} must be >= 1")
+
+    def update(self, overflow: bool) -> None:
+        """Apply one step's agreed outcome to the scale (pure state change)."""
+        if overflow:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    @staticmethod
+    @torch.no_grad()
+    def local_overflow(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+        """1.0 on ``device`` if any local gradient holds an inf or nan, else 0.0 (no sync)."""
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for p in params:
+            if p.grad is not None:
+                flag = torch.maximum(flag, (~torch.isfinite(p.grad)).any().to(flag.dtype))
+        return flag
+
+    @staticmethod
+    def agree_overflow(flag: torch.Tensor, group: Any = None) -> bool:
+        """True on every rank if any rank's flag is set (all-reduce MAX over ``group``)."""
+        comm.all_reduce(flag, op="max", group=group)
+        return bool(flag.item() > 0)
+
+    @staticmethod
+    @torch.no_grad()
+    def unscale_(params: Iterable[torch.nn.Parameter], scale: float) -> None:
+        """Divide every gradient by ``scale`` in place."""
+        inv = 1.0 / scale
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+
+def scaled_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    scaler: LossScaler,
+    device: torch.device,
+    group: Any = None,
+) -> bool:
+    """One fp16 optimizer step: skipped by every rank if any rank overflowed.
+
+    Gradients hold ``loss * scaler.scale``; they are unscaled before a step that is taken.
+    Returns whether the step was taken. Collective over ``group`` (the world by default).
+    """
+    overflow = scaler.agree_overflow(scaler.local_overflow(params, device), group)
+    scale = scaler.scale
+    scaler.update(overflow)
+    if overflow:
+        optimizer.zero_grad(set_to_none=False)
+        return False
+    scaler.unscale_(params, scale)
+    optimizer.step()
+    return True
