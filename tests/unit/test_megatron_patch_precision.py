@@ -152,7 +152,8 @@ def test_timestamp_synchronizes_cuda_and_not_cpu(monkeypatch: pytest.MonkeyPatch
 
 def _one_stage_plan(gpu: str, precision: str | None = None) -> Plan:
     rg = ReplicaGroup(gpu_type=gpu, zone="z", tp=1, gpus_per_node=4)
-    pipe = Pipeline(stages=(Stage(first_layer=0, last_layer=5, replica=rg),), microbatch_size=1)
+    stage = Stage(first_layer=0, last_layer=5, replica=rg)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=1)
     return Plan(
         model="tiny-gpt",
         global_batch_size=1,
