@@ -13,6 +13,14 @@ tensor-parallel (q, k, v, MLP-in column-parallel; attention-out, MLP-out row-par
 embedding, norms and LM head are replicated on the TP ranks of a stage (simple and exact;
 on big vocabularies a vocab-parallel head would save memory, not done here).
 
+Family details ``ModelSpec`` does not carry (biases, tanh GELU, post-norm, parallel residual,
+partial rotary, rotary base, position offset, a narrower word embedding with
+``project_in``/``project_out``) come from an :class:`~sailor.megatron_patch.architecture.
+Architecture` (default: the engine's own decoder); that is how the ``transformers`` GPT-2,
+OPT, GPT-NeoX and Llama families are built (``megatron_patch.hf``). Their weights keep the
+names below whatever the family: q, k and v stay three column-parallel matrices (a fused
+layout is a conversion concern, not the engine's).
+
 Tied embeddings: the head keeps its own copy of the embedding matrix, initialised equal and
 kept equal by summing both gradients (``sync_groups``: the tied group), as Megatron does.
 
@@ -32,6 +40,7 @@ from torch.nn import functional as F  # noqa: N812
 from torch.utils.checkpoint import checkpoint
 
 from sailor import catalog
+from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -42,21 +51,29 @@ from sailor.megatron_patch.tp_layers import (
 )
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["TINY_MODELS", "GPTStage", "full_init", "shard", "tiny_model"]
+__all__ = ["TINY_MODELS", "Architecture", "GPTStage", "full_init", "shard", "tiny_model"]
 
 _INIT_STD = 0.02
 
 
-def _norm(spec: ModelSpec) -> nn.Module:
+_OWN = Architecture()
+
+
+def _norm(spec: ModelSpec, arch: Architecture) -> nn.Module:
     if spec.norm == "rmsnorm":
-        return nn.RMSNorm(spec.hidden_size, eps=1e-5)
-    return nn.LayerNorm(spec.hidden_size, eps=1e-5)
+        return nn.RMSNorm(spec.hidden_size, eps=arch.norm_eps)
+    return nn.LayerNorm(spec.hidden_size, eps=arch.norm_eps)
 
 
-def _rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding on ``x`` of shape [batch, heads, seq, head_dim]."""
+def _rope(x: torch.Tensor, theta: float = 10000.0, dim: int | None = None) -> torch.Tensor:
+    """Rotary position embedding on ``x`` of shape [batch, heads, seq, head_dim].
+
+    The first ``dim`` features of each head rotate (all of them by default), in the
+    "rotate half" pairing of GPT-NeoX and Llama (feature ``i`` with ``i + dim/2``); the rest
+    pass through (GPT-NeoX's partial rotary).
+    """
     _, _, s, d = x.shape
-    half = d // 2
+    half = (dim or d) // 2
     freqs = 1.0 / theta ** (torch.arange(half, device=x.device, dtype=torch.float32) / half)
     ang = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * freqs[None, :]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
@@ -68,26 +85,41 @@ def _rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
 class Embedding(nn.Module):
     """Global layer 0: token (+ learned position) embedding; replicated on TP ranks."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, arch: Architecture = _OWN) -> None:
         super().__init__()
-        self.wte = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        width = arch.embed_dim or spec.hidden_size
+        self.wte = nn.Embedding(spec.vocab_size, width)
         set_tp_dim(self.wte.weight, None)
+        self.project_in: nn.Linear | None = None
+        if width != spec.hidden_size:
+            self.project_in = nn.Linear(width, spec.hidden_size, bias=False)
+            set_tp_dim(self.project_in.weight, None)
         self.wpe: nn.Embedding | None = None
+        self.offset = arch.position_offset
         if spec.position_embedding == "learned":
-            self.wpe = nn.Embedding(spec.seq_length, spec.hidden_size)
+            rows = (arch.max_positions or spec.seq_length) + arch.position_offset
+            if rows < spec.seq_length + arch.position_offset:
+                raise ValueError(
+                    f"seq_length={spec.seq_length} exceeds the {arch.max_positions} "
+                    "learned positions"
+                )
+            self.wpe = nn.Embedding(rows, spec.hidden_size)
             set_tp_dim(self.wpe.weight, None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = self.wte(tokens)
+        if self.project_in is not None:
+            x = self.project_in(x)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))[None]
+            pos = torch.arange(tokens.shape[1], device=tokens.device) + self.offset
+            x = x + self.wpe(pos)[None]
         return x
 
 
 class Block(nn.Module):
     """Pre-norm transformer block with Megatron-style tensor parallelism."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPContext, arch: Architecture = _OWN) -> None:
         super().__init__()
         h, hd = spec.hidden_size, spec.head_dim
         if spec.num_heads % tp.size or spec.kv_heads % tp.size:
@@ -100,15 +132,21 @@ class Block(nn.Module):
         self.kv_heads = spec.kv_heads // tp.size
         self.head_dim = hd
         self.rope = spec.position_embedding == "rope"
+        self.rope_theta, self.rotary_dim = arch.rope_theta, arch.rotary_dim
+        self.pre_norm, self.parallel = arch.pre_norm, arch.parallel_residual
+        if self.parallel and not self.pre_norm:
+            raise ValueError("a parallel residual needs pre-norm blocks")
         self.swiglu = spec.activation == "swiglu"
         self.act = F.relu if spec.activation == "relu" else F.gelu
-        bias = not self.swiglu
-        self.ln1 = _norm(spec)
-        self.attn_q = ColumnParallelLinear(h, spec.num_heads * hd, tp, bias=True)
-        self.attn_k = ColumnParallelLinear(h, spec.kv_heads * hd, tp, bias=True)
-        self.attn_v = ColumnParallelLinear(h, spec.kv_heads * hd, tp, bias=True)
-        self.attn_out = RowParallelLinear(spec.num_heads * hd, h, tp, bias=True)
-        self.ln2 = _norm(spec)
+        self.gelu_approx = "tanh" if arch.gelu_tanh and spec.activation == "gelu" else "none"
+        bias = not self.swiglu if arch.mlp_bias is None else arch.mlp_bias
+        ab = arch.attn_bias
+        self.ln1 = _norm(spec, arch)
+        self.attn_q = ColumnParallelLinear(h, spec.num_heads * hd, tp, bias=ab)
+        self.attn_k = ColumnParallelLinear(h, spec.kv_heads * hd, tp, bias=ab)
+        self.attn_v = ColumnParallelLinear(h, spec.kv_heads * hd, tp, bias=ab)
+        self.attn_out = RowParallelLinear(spec.num_heads * hd, h, tp, bias=ab)
+        self.ln2 = _norm(spec, arch)
         self.mlp_in = ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=bias)
         self.mlp_gate = (
             ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=False) if self.swiglu else None
@@ -117,40 +155,66 @@ class Block(nn.Module):
         for p in (*self.ln1.parameters(), *self.ln2.parameters()):
             set_tp_dim(p, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        a = copy_to_tp(self.ln1(x), self.tp)
+    def _attention(self, a: torch.Tensor) -> torch.Tensor:
+        b, s, _ = a.shape
+        a = copy_to_tp(a, self.tp)
         q = self.attn_q(a).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.attn_k(a).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.attn_v(a).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.rope:
-            q, k = _rope(q), _rope(k)
+            q = _rope(q, self.rope_theta, self.rotary_dim)
+            k = _rope(k, self.rope_theta, self.rotary_dim)
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_out(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-        m = copy_to_tp(self.ln2(x), self.tp)
+        out: torch.Tensor = self.attn_out(
+            o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        )
+        return out
+
+    def _mlp(self, m: torch.Tensor) -> torch.Tensor:
+        m = copy_to_tp(m, self.tp)
         if self.mlp_gate is not None:
             hid = F.silu(self.mlp_gate(m)) * self.mlp_in(m)
+        elif self.act is F.gelu:
+            hid = F.gelu(self.mlp_in(m), approximate=self.gelu_approx)
         else:
             hid = self.act(self.mlp_in(m))
-        out: torch.Tensor = x + self.mlp_out(hid)
+        out: torch.Tensor = self.mlp_out(hid)
         return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel:  # GPT-NeoX: both branches read the block's input
+            return x + self._attention(self.ln1(x)) + self._mlp(self.ln2(x))
+        if not self.pre_norm:  # post-norm (OPT-350m): normalise after each residual
+            x = self.ln1(x + self._attention(x))
+            out: torch.Tensor = self.ln2(x + self._mlp(x))
+            return out
+        x = x + self._attention(self.ln1(x))
+        return x + self._mlp(self.ln2(x))
 
 
 class Head(nn.Module):
     """Global layer L+1: final norm, LM head and mean cross-entropy; replicated on TP ranks."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, arch: Architecture = _OWN) -> None:
         super().__init__()
-        self.norm = _norm(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        width = arch.embed_dim or spec.hidden_size
+        self.norm = _norm(spec, arch) if arch.final_norm else None
+        self.project_out: nn.Linear | None = None
+        if width != spec.hidden_size:
+            self.project_out = nn.Linear(spec.hidden_size, width, bias=False)
+        self.lm_head = nn.Linear(width, spec.vocab_size, bias=False)
         for p in self.parameters():
             set_tp_dim(p, None)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.lm_head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        logits: torch.Tensor = self.lm_head(x)
         return logits
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -158,14 +222,14 @@ class Head(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build_layer(spec: ModelSpec, layer: int, tp: TPContext) -> nn.Module:
+def build_layer(spec: ModelSpec, layer: int, tp: TPContext, arch: Architecture = _OWN) -> nn.Module:
     """The module of one global layer (sharded for ``tp``), uninitialised."""
     kind = spec.layer_kind(layer)
     if kind == "embedding":
-        return Embedding(spec)
+        return Embedding(spec, arch)
     if kind == "head":
-        return Head(spec)
-    return Block(spec, tp)
+        return Head(spec, arch)
+    return Block(spec, tp, arch)
 
 
 class GPTStage(nn.Module):
@@ -185,6 +249,7 @@ class GPTStage(nn.Module):
         recompute: bool = False,
         seed: int = 0,
         tie_in_module: bool = False,
+        arch: Architecture | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= first_layer <= last_layer < spec.num_all_layers:
@@ -192,11 +257,15 @@ class GPTStage(nn.Module):
                 f"layers {first_layer}..{last_layer} outside 0..{spec.num_all_layers - 1}"
             )
         self.spec = spec
+        self.arch = arch or _OWN
         self.first_layer, self.last_layer = first_layer, last_layer
         self.tp = tp or TPContext()
         self.recompute = recompute
         self.layers = nn.ModuleDict(
-            {str(i): build_layer(spec, i, self.tp) for i in range(first_layer, last_layer + 1)}
+            {
+                str(i): build_layer(spec, i, self.tp, self.arch)
+                for i in range(first_layer, last_layer + 1)
+            }
         )
         init_stage(self, seed)
         head_key = str(spec.num_all_layers - 1)
@@ -280,7 +349,6 @@ TINY_MODELS: dict[str, ModelSpec] = {
     name: spec for name, spec in catalog.models().items() if name.startswith("tiny-")
 }
 """CPU test models of the catalog (GPT-2 and Llama shapes), by name."""
-"""Tiny CPU configurations of the two architecture families the catalog holds."""
 
 
 def tiny_model(name: str, global_batch_size: int | None = None) -> ModelSpec:
