@@ -17,12 +17,22 @@ few iterations, which makes the tests meaningful.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from sailor.megatron_patch.roles import RankRole
 
-__all__ = ["SyntheticTokens", "microbatch_indices"]
+__all__ = ["SyntheticTokens", "TokenBatches", "microbatch_indices"]
+
+
+class TokenBatches(Protocol):
+    """A data source of the engine: samples by global index, each a pure function of its
+    index (so every layout reads the same tokens at the same position)."""
+
+    def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, labels)``, int64, shape ``[len(indices), seq_length]``."""
+        ...
 
 
 @dataclass(frozen=True)

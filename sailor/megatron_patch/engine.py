@@ -8,10 +8,19 @@ One iteration on every rank:
    by ``microbatch_size / global_batch_size``;
 3. gradient sync per layer segment (``grad_sync``), a plain SUM that thereby weights each
    pipeline by the samples it processed;
-4. AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
-   full step);
-5. one all-reduce of the loss over the world (also the end-of-iteration barrier);
-6. ``step += 1``, ``consumed_samples += global_batch_size``; the hook runs.
+4. optionally, clipping by the global gradient norm (``clipping``: each element counted once
+   whatever the layout, so equal to single-process clipping);
+5. AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
+   full step) at the learning rate of the schedule for this step (``optim.lr_at``, a pure
+   function of ``step``: a resumed run continues the schedule exactly), with weight decay
+   per group (``optim.param_groups``);
+6. one all-reduce of the loss over the world (also the end-of-iteration barrier);
+7. ``step += 1``, ``consumed_samples += global_batch_size``; every ``eval_every`` steps the
+   validation loss (forward only, over the same ``eval_batches`` global batches each time);
+   the hook runs.
+
+Data comes from anything with ``batch(indices) -> (inputs, labels)`` (``data.TokenBatches``):
+the seeded synthetic tokens by default, a real corpus when the caller passes one.
 
 Interfaces others use (keep stable):
 
@@ -41,11 +50,14 @@ import torch
 from pydantic import Field
 
 from sailor.comm import api as comm
+from sailor.megatron_patch.architecture import Architecture
+from sailor.megatron_patch.clipping import clip_by_global_norm
 from sailor.megatron_patch.clock import timestamp
-from sailor.megatron_patch.data import SyntheticTokens, microbatch_indices
+from sailor.megatron_patch.data import SyntheticTokens, TokenBatches, microbatch_indices
 from sailor.megatron_patch.grad_sync import sync_gradients
 from sailor.megatron_patch.groups import ProcessGroups
 from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.optim import DecayGroups, LRSchedule, lr_at, param_groups
 from sailor.megatron_patch.precision import (
     LossScaler,
     Precision,
@@ -55,7 +67,7 @@ from sailor.megatron_patch.precision import (
     scaled_step,
 )
 from sailor.megatron_patch.roles import RankRole
-from sailor.megatron_patch.schedule import P2P, run_1f1b
+from sailor.megatron_patch.schedule import P2P, run_1f1b, run_forward
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -67,6 +79,7 @@ __all__ = [
     "Trainer",
     "make_optimizer",
     "to_device",
+    "validation_data",
 ]
 
 
@@ -79,6 +92,30 @@ class TrainConfig(Frozen):
     beta1: float = Field(default=0.9, gt=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(default=0.95, gt=0, lt=1, description="AdamW beta2.")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    schedule: LRSchedule = Field(
+        default_factory=LRSchedule, description="Warmup and decay of lr, by step."
+    )
+    clip_grad_norm: float = Field(
+        default=0.0, ge=0, description="Clip gradients to this global norm; 0: no clipping."
+    )
+    decay_groups: DecayGroups = Field(
+        default_factory=DecayGroups, description="Parameters without weight decay."
+    )
+    eval_every: int = Field(
+        default=0, ge=0, description="Validation loss every this many steps; 0: never."
+    )
+    eval_batches: int = Field(
+        default=1, gt=0, description="Global batches of the validation split per evaluation."
+    )
+
+
+VALIDATION_SEED_OFFSET = 1_000_003
+"""The synthetic data's validation split: the same rule under seed ``seed + offset``."""
+
+
+def validation_data(spec: ModelSpec, cfg: TrainConfig) -> SyntheticTokens:
+    """The synthetic validation split (a real corpus brings its own)."""
+    return SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed + VALIDATION_SEED_OFFSET)
 
 
 def make_optimizer(params: Any, cfg: TrainConfig, foreach: bool = False) -> torch.optim.AdamW:
@@ -110,6 +147,12 @@ class StepResult:
     optim_s: float
     samples: int
     """Samples of this iteration (the global batch)."""
+    lr: float = 0.0
+    """Learning rate of this iteration's optimizer step."""
+    grad_norm: float | None = None
+    """Global gradient norm before clipping (when clipping is on)."""
+    eval_loss: float | None = None
+    """Validation loss after this iteration (every ``eval_every`` steps)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -141,6 +184,9 @@ class Trainer:
         step: int = 0,
         consumed_samples: int = 0,
         precision: Precision | None = None,
+        arch: Architecture | None = None,
+        data: TokenBatches | None = None,
+        eval_data: TokenBatches | None = None,
     ) -> None:
         if spec.num_all_layers != plan.num_layers:
             raise ValueError(
@@ -158,12 +204,20 @@ class Trainer:
             tp=groups.tp,
             recompute=role.recompute,
             seed=cfg.seed,
+            arch=arch,
         ).to(device)
         self.precision: Precision = precision or device_precision(device)
         if self.precision != "fp32" and device.type != "cuda":
             raise ValueError(f"precision={self.precision!r} needs a CUDA device, got {device}")
-        self.optimizer = make_optimizer(self.stage.parameters(), cfg, foreach=device.type == "cuda")
-        self.data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+        groups_ = param_groups(
+            self.stage.keyed_parameters(), cfg.weight_decay, cfg.decay_groups, spec.tie_embeddings
+        )
+        self.optimizer = make_optimizer(groups_, cfg, foreach=device.type == "cuda")
+        self.data: TokenBatches = data or SyntheticTokens(
+            spec.vocab_size, spec.seq_length, cfg.seed
+        )
+        self.eval_data: TokenBatches = eval_data or validation_data(spec, cfg)
+        self.last_grad_norm: float | None = None
         self.p2p = P2P(
             role,
             (role.microbatch_size, spec.seq_length, spec.hidden_size),
@@ -178,12 +232,46 @@ class Trainer:
         x, y = self.data.batch(microbatch_indices(self.role, self.consumed_samples, mb))
         return to_device(x, self.device), to_device(y, self.device)
 
-    def _optimizer_step(self) -> None:
-        """AdamW; under fp16 only if no rank overflowed (agreed), gradients unscaled first."""
+    def _clip(self) -> None:
+        self.last_grad_norm = clip_by_global_norm(
+            self.stage, self.role, self.cfg.clip_grad_norm, self.device
+        )
+
+    def _optimizer_step(self) -> float:
+        """AdamW at this step's rate, after clipping; under fp16 only if no rank overflowed
+        (agreed), gradients unscaled (then clipped) first. Returns the rate."""
+        lr = lr_at(self.cfg.schedule, self.cfg.lr, self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        clip = self._clip if self.cfg.clip_grad_norm > 0 else None
         if self.scaler is None:
+            if clip is not None:
+                clip()
             self.optimizer.step()
-            return
-        scaled_step(self.optimizer, list(self.stage.parameters()), self.scaler, self.device)
+            return lr
+        params = list(self.stage.parameters())
+        scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip)
+        return lr
+
+    def evaluate(self) -> float:
+        """Mean loss over the validation split's first ``eval_batches`` global batches
+        (forward only; collective over all ranks; the same value on every rank)."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        batches = self.cfg.eval_batches
+        for k in range(batches):
+            pos = k * self.plan.global_batch_size
+
+            def get(mb: int, pos: int = pos) -> tuple[torch.Tensor, torch.Tensor]:
+                x, y = self.eval_data.batch(microbatch_indices(self.role, pos, mb))
+                return to_device(x, self.device), to_device(y, self.device)
+
+            local = run_forward(
+                self.stage, self.role, self.p2p, get, self.loss_scale, self._autocast
+            )
+            if self.role.is_last_stage and self.role.tp_rank == 0:
+                total += local
+        comm.all_reduce(total)
+        return float(total.item()) / batches
 
     def train_step(self) -> StepResult:
         """Run one iteration (collective over all ranks)."""
@@ -201,7 +289,7 @@ class Trainer:
         t1 = timestamp(self.device)
         sync_gradients(self.stage, self.groups.sync)
         t2 = timestamp(self.device)
-        self._optimizer_step()
+        lr = self._optimizer_step()
         t3 = timestamp(self.device)
         report = self.role.is_last_stage and self.role.tp_rank == 0
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -212,6 +300,8 @@ class Trainer:
         self.consumed_samples += self.plan.global_batch_size
         value = float(loss.item())
         t4 = timestamp(self.device)
+        every = self.cfg.eval_every
+        eval_loss = self.evaluate() if every and self.step % every == 0 else None
         return StepResult(
             step=self.step,
             consumed_samples=self.consumed_samples,
@@ -221,6 +311,9 @@ class Trainer:
             sync_s=t2 - t1,
             optim_s=t3 - t2,
             samples=self.plan.global_batch_size,
+            lr=lr,
+            grad_norm=self.last_grad_norm if self.cfg.clip_grad_norm > 0 else None,
+            eval_loss=eval_loss,
         )
 
     def run(

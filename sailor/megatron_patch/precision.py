@@ -158,10 +158,12 @@ def scaled_step(
     scaler: LossScaler,
     device: torch.device,
     group: Any = None,
+    before_step: Callable[[], None] | None = None,
 ) -> bool:
     """One fp16 optimizer step: skipped by every rank if any rank overflowed.
 
-    Gradients hold ``loss * scaler.scale``; they are unscaled before a step that is taken.
+    Gradients hold ``loss * scaler.scale``; they are unscaled before a step that is taken,
+    then ``before_step`` runs (gradient clipping sees true gradients).
     Returns whether the step was taken. Collective over ``group`` (the world by default).
     """
     overflow = scaler.agree_overflow(scaler.local_overflow(params, device), group)
@@ -171,5 +173,7 @@ def scaled_step(
         optimizer.zero_grad(set_to_none=False)
         return False
     scaler.unscale_(params, scale)
+    if before_step is not None:
+        before_step()
     optimizer.step()
     return True

@@ -2,9 +2,10 @@
 
 No process group, no pipeline, no TP: the whole model (tied embeddings really tied, one
 shared matrix) on one device, one forward and backward over the whole global batch per
-iteration, AdamW. It reads the same samples at the same data positions as the engine and
-starts from the same layout-free initialisation, so in fp32 the engine's losses and
-parameters must agree with it to rounding.
+iteration, ``torch.nn.utils.clip_grad_norm_`` when clipping is on, AdamW with the same
+weight-decay groups and learning-rate schedule. It reads the same samples at the same data
+positions as the engine and starts from the same layout-free initialisation, so in fp32 the
+engine's losses and parameters must agree with it to rounding.
 
 Used by the correctness tests and as the baseline of ``benchmarks/engine_throughput.py``.
 """
@@ -19,6 +20,7 @@ import torch
 from sailor.megatron_patch.data import SyntheticTokens
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.optim import lr_at, param_groups
 from sailor.schemas.model import ModelSpec
 
 __all__ = ["ReferenceRun", "train_reference"]
@@ -43,12 +45,15 @@ def train_reference(
 ) -> ReferenceRun:
     """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory."""
     model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True)
-    opt = make_optimizer(model.parameters(), cfg)
+    groups = param_groups(
+        model.keyed_parameters(), cfg.weight_decay, cfg.decay_groups, spec.tie_embeddings
+    )
+    opt = make_optimizer(groups, cfg)
     data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
     mbs = microbatch_size or global_batch_size
     run = ReferenceRun()
     pos = consumed_samples
-    for _ in range(steps):
+    for k in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         total = 0.0
@@ -58,6 +63,10 @@ def train_reference(
             loss = model(x, y) * (n / global_batch_size)
             loss.backward()
             total += float(loss.detach())
+        if cfg.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg.schedule, cfg.lr, consumed_samples // global_batch_size + k)
         opt.step()
         pos += global_batch_size
         run.losses.append(total)

@@ -38,7 +38,7 @@ from sailor.comm import api as comm
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.roles import RankRole
 
-__all__ = ["P2P", "run_1f1b", "schedule_order"]
+__all__ = ["P2P", "run_1f1b", "run_forward", "schedule_order"]
 
 
 class P2P:
@@ -194,4 +194,28 @@ def run_1f1b(
             received = p2p.send_backward_recv_forward(dx)
     for j in range(warm):
         p2p.send_backward(run.backward(rest + j, p2p.recv_backward()))
+    return total
+
+
+def run_forward(
+    stage: GPTStage,
+    role: RankRole,
+    p2p: P2P,
+    get_microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    loss_scale: float,
+    autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> torch.Tensor:
+    """Forwards only (evaluation): every microbatch in order, no gradients kept.
+
+    Returns the sum of the scaled microbatch losses on the last stage (0 elsewhere), as
+    :func:`run_1f1b` does. Each stage receives microbatch ``i`` before it sends it on, so
+    the chain of sends and receives has no cycle.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=p2p.device)
+    run = _Stage(stage, role, get_microbatch, loss_scale, autocast or nullcontext, total)
+    with torch.no_grad():
+        for i in range(role.num_microbatches):
+            out = run.forward(i, p2p.recv_forward())
+            run.saved.pop(i)
+            p2p.send_forward(out)
     return total

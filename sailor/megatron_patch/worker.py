@@ -7,6 +7,13 @@ Usage::
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
         [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3]
 
+Training options (``TrainConfig``): ``--lr --weight-decay --no-decay bias,norm,embedding
+--lr-warmup-steps --lr-decay constant|linear|cosine --lr-total-steps --min-lr-ratio
+--clip-grad-norm --eval-every --eval-batches``. ``--hf-model DIR`` builds a ``transformers``
+model (GPT-2, OPT, GPT-NeoX, Llama) from a local directory's ``config.json`` and, when it
+holds safetensors weights, starts from them (each rank reads only its layers;
+``megatron_patch.hf``); ``--seq-length`` sets its training sequence length.
+
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
 "compute_s", "sync_s", "optim_s", "time"}``) plus ``{"event": "ready", "setup_s", ...}`` once
@@ -68,6 +75,7 @@ from sailor.megatron_patch.affinity import (  # noqa: E402
     format_cores,
     parse_cores,
 )
+from sailor.megatron_patch.architecture import Architecture  # noqa: E402
 from sailor.megatron_patch.control import (  # noqa: E402
     ControlRequest,
     agree,
@@ -89,13 +97,14 @@ from sailor.megatron_patch.errors import (  # noqa: E402
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.model import TINY_MODELS, tiny_model  # noqa: E402
+from sailor.megatron_patch.optim import DecayGroups  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
 
-__all__ = ["CheckpointIO", "build_parser", "load_model", "main"]
+__all__ = ["CheckpointIO", "build_parser", "load_model", "main", "train_config"]
 
 
 class CheckpointIO(Protocol):
@@ -135,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument(
+        "--no-decay", default="", help="Comma list of bias,norm,embedding exempt from decay."
+    )
+    p.add_argument("--lr-warmup-steps", type=int, default=0)
+    p.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant")
+    p.add_argument("--lr-total-steps", type=int, default=0, help="End of the lr decay.")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0)
+    p.add_argument("--clip-grad-norm", type=float, default=0.0, help="0: no clipping.")
+    p.add_argument("--eval-every", type=int, default=0, help="Validation loss period; 0 never.")
+    p.add_argument("--eval-batches", type=int, default=1)
+    p.add_argument("--hf-model", default=None, help="Local transformers model directory.")
+    p.add_argument("--seq-length", type=int, default=0, help="With --hf-model; 0: its maximum.")
+    p.add_argument("--dump-grads", default=None, help="torch.save the last step's gradients.")
     p.add_argument("--timeout-s", type=float, default=60.0, help="Collective/p2p timeout.")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU.")
@@ -183,6 +205,36 @@ def load_model(arg: str | None, plan: Plan) -> ModelSpec:
     if spec.global_batch_size != plan.global_batch_size:
         spec = spec.model_copy(update={"global_batch_size": plan.global_batch_size})
     return spec
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of the worker's options (validated: a wrong value is named)."""
+    no_decay = tuple(x for x in args.no_decay.split(",") if x)
+    return TrainConfig.model_validate(
+        {
+            "seed": args.seed,
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "schedule": {
+                "warmup_steps": args.lr_warmup_steps,
+                "decay": args.lr_decay,
+                "total_steps": args.lr_total_steps,
+                "min_lr_ratio": args.min_lr_ratio,
+            },
+            "clip_grad_norm": args.clip_grad_norm,
+            "decay_groups": DecayGroups.model_validate({"no_decay": no_decay}),
+            "eval_every": args.eval_every,
+            "eval_batches": args.eval_batches,
+        }
+    )
+
+
+def _model(args: argparse.Namespace, plan: Plan) -> tuple[ModelSpec, Architecture | None]:
+    if not args.hf_model:
+        return load_model(args.model, plan), None
+    from sailor.megatron_patch.hf.checkpoint import load_model as load_hf
+
+    return load_hf(args.hf_model, args.seq_length or None, plan.global_batch_size)
 
 
 def _sub(path: str | None, rank: int) -> str | None:
@@ -306,7 +358,7 @@ class _Boundary:
 def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
     plan = Plan.model_validate_json(Path(args.plan).read_text())
-    spec = load_model(args.model, plan)
+    spec, arch = _model(args, plan)
     role = role_of(plan, args.rank)
     if role.world_size != args.world_size:
         raise ValueError(f"--world-size={args.world_size}: the plan has {role.world_size} ranks")
@@ -323,7 +375,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         os.environ.update(nccl_error_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
     progress = _Progress(_sub(args.progress, args.rank), echo=echo)
-    cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
+    cfg = train_config(args)
     t0 = time.time()
     dist.init_process_group(
         backend,
@@ -348,9 +400,14 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         args.start_step,
         args.consumed_samples,
         precision=job_precision(plan, spec, device),
+        arch=arch,
     )
     if resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
+    elif args.hf_model and any(Path(args.hf_model).glob("*.safetensors")):
+        from sailor.megatron_patch.hf.checkpoint import load_stage
+
+        load_stage(trainer.stage, args.hf_model)
     t_loaded = time.time()
     status.in_training, status.step = True, trainer.step
     progress.emit(
@@ -387,6 +444,9 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
                 "compute_s": res.compute_s,
                 "sync_s": res.sync_s,
                 "optim_s": res.optim_s,
+                "lr": res.lr,
+                "grad_norm": res.grad_norm,
+                "eval_loss": res.eval_loss,
                 "since_start_s": time.time() - _T_START,
                 "time": time.time(),
             }
@@ -399,6 +459,14 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     dump = _sub(args.dump_state, args.rank)
     if dump:
         torch.save({k: (t.cpu(), d) for k, (t, d) in stage_state(trainer.stage).items()}, dump)
+    dump_grads = _sub(args.dump_grads, args.rank)
+    if dump_grads:
+        grads = {
+            k: p.grad.detach().cpu()
+            for k, p in trainer.stage.keyed_parameters()
+            if p.grad is not None
+        }
+        torch.save(grads, dump_grads)
     progress.emit({"event": "done", "rank": args.rank, "step": trainer.step})
     if strict is not None:
         strict[0].write(strict[1])

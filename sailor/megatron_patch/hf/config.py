@@ -210,7 +210,7 @@ def from_hf_config(
         seq_length=seq,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
         global_batch_size=global_batch_size,
-        precision=precision,  # type: ignore[arg-type]
+        precision=precision,
         **sizes,
     )
     return spec, arch

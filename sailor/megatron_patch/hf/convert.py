@@ -145,12 +145,15 @@ def _split_qkv(fam: str, spec: ModelSpec, t: torch.Tensor) -> tuple[torch.Tensor
     h, hd, n = spec.hidden_size, spec.head_dim, spec.num_heads
     if fam == "gpt2":  # Conv1D [h, 3h] (bias [3h]): columns q | k | v
         t = t.t() if t.dim() == 2 else t
-        return tuple(x.contiguous() for x in t.split(h, dim=0))
+        return tuple(x.contiguous() for x in torch.split(t, h, dim=0))
     per_head = t.reshape(n, 3, hd, *t.shape[1:])  # NeoX: [head, (q, k, v), head_dim, ...]
     return tuple(per_head[:, j].reshape(n * hd, *t.shape[1:]).contiguous() for j in range(3))
 
 
-def _fuse_qkv(fam: str, spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
+def _fuse_qkv(
+    fam: str, spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """The fused qkv weight or bias in the family's layout (inverse of :func:`_split_qkv`)."""
     if fam == "gpt2":
         cat = torch.cat([q, k, v], dim=0)
         return (cat.t() if cat.dim() == 2 else cat).contiguous()

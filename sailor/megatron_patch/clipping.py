@@ -1,0 +1,73 @@
+"""Gradient clipping by the global norm of a heterogeneous layout, equal to one process's.
+
+After the gradient sync every holder of a parameter slice has the same (summed) gradient,
+so summing every rank's local squared norms would count a slice once per holder: once per
+pipeline (data-parallel replicas), once per TP rank for a replicated parameter (norms,
+row-parallel biases, embeddings, head), and twice for tied embeddings (the embedding and
+the head's copy are one parameter of the single-process model). :func:`counts_in_norm`
+picks exactly one holder of every element:
+
+- pipeline 0 only (every pipeline holds every layer);
+- a TP-sharded parameter on every TP rank of its stage (the shards partition it);
+- a replicated parameter on TP rank 0 only;
+- with tied embeddings, the head's ``lm_head.weight`` never (layer 0's copy counts).
+
+:func:`clip_by_global_norm` sums the counted squares in float64, all-reduces them over the
+world once, and scales every local gradient by ``min(1, max_norm / (norm + 1e-6))``, the
+coefficient ``torch.nn.utils.clip_grad_norm_`` applies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from sailor.comm import api as comm
+from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.roles import RankRole
+from sailor.megatron_patch.tp_layers import tp_dim_of
+
+__all__ = ["clip_by_global_norm", "counts_in_norm"]
+
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+def counts_in_norm(
+    name: str, tp_dim: int | None, role: RankRole, tied: bool, head_layer: int
+) -> bool:
+    """Whether this rank's gradient of parameter ``name`` enters the global norm."""
+    if role.pipeline != 0:
+        return False
+    if tp_dim is None and role.tp_rank != 0:
+        return False
+    return not (tied and name == f"{head_layer}.lm_head.weight")
+
+
+def clip_by_global_norm(
+    stage: GPTStage,
+    role: RankRole,
+    max_norm: float,
+    device: torch.device,
+    group: Any = None,
+) -> float:
+    """Scale the local gradients to a global norm of at most ``max_norm``; returns the norm
+    before clipping (the same on every rank). Collective over ``group`` (the world)."""
+    head = stage.spec.num_all_layers - 1
+    tied = stage.spec.tie_embeddings
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    grads: list[torch.Tensor] = []
+    for name, p in stage.keyed_parameters():
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        if counts_in_norm(name, tp_dim_of(p), role, tied, head):
+            sq += p.grad.detach().double().pow(2).sum()
+    comm.all_reduce(sq, group=group)
+    norm = math.sqrt(float(sq.item()))
+    coef = max_norm / (norm + _EPS)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm

@@ -1,0 +1,111 @@
+"""The engine's stages of ``transformers`` models against ``transformers`` itself (one process).
+
+Per family: the whole model as one engine stage, with the weights of a random
+``transformers`` model converted to layer-keyed names, gives the same loss and gradients
+(fp32); importing a saved directory into uneven stages at TP 1/2/4 reads exactly the full
+tensors sliced; export gives a directory ``from_pretrained`` loads into the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sailor.megatron_patch.hf.checkpoint import export, load_config, load_model, read_layers
+from sailor.megatron_patch.hf.config import UnsupportedConfigError, from_hf_config
+from sailor.megatron_patch.hf.convert import canonical_name, engine_to_hf, hf_to_engine
+from sailor.megatron_patch.model import GPTStage, shard
+from sailor.megatron_patch.state import load_full_state
+from sailor.megatron_patch.tp_layers import TPContext, tp_dim_of
+from tests.hf_models import SEQ, VOCAB, lm_loss, save_tiny, tiny_config, tiny_model
+
+FAMILIES = ["gpt2", "opt", "gpt_neox", "llama"]
+
+
+def _engine(family: str, model: object) -> GPTStage:
+    spec, arch = from_hf_config(tiny_config(family), SEQ, 4)
+    stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch, tie_in_module=True)
+    load_full_state(stage, hf_to_engine(spec, arch, model.state_dict()))  # type: ignore[attr-defined]
+    return stage
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_gradients_equal_transformers(family: str) -> None:
+    model = tiny_model(family)
+    stage = _engine(family, model)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    ref = lm_loss(model, x, y)
+    loss = stage(x, y)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    ref.backward()
+    loss.backward()
+    spec, arch = stage.spec, stage.arch
+    mine = engine_to_hf(spec, arch, {n: p.grad for n, p in stage.keyed_parameters()})
+    theirs = {canonical_name(arch, n): p.grad for n, p in model.named_parameters()}
+    assert set(theirs) <= {canonical_name(arch, n) for n in mine}
+    for name, grad in theirs.items():
+        # atol relative to the tensor's scale: some gradients are exactly 0 in exact
+        # arithmetic (the key bias: softmax is shift-invariant) and only rounding remains.
+        scale = float(grad.abs().max()) + 1e-12
+        torch.testing.assert_close(
+            mine[name], grad, rtol=1e-4, atol=1e-5 * max(scale, 1e-3), msg=name
+        )
+
+
+def _tp(size: int, rank: int) -> TPContext:
+    return TPContext(size=size, rank=rank, group=object())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_into_uneven_stages_at_any_tp_and_export_back(family: str, tmp_path: Path) -> None:
+    model = save_tiny(family, tmp_path / "in")
+    spec, arch = load_model(tmp_path / "in", SEQ, 4)
+    full = hf_to_engine(spec, arch, model.state_dict())
+    layers = spec.num_all_layers  # 6: embedding, 4 blocks, head
+    gathered: dict[str, torch.Tensor] = {}
+    for first, last, tp in ((0, 0, 1), (1, 3, 2), (4, 5, 2), (0, 2, 1), (3, 5, 1)):
+        if family == "llama" and tp > 2:  # 2 KV heads
+            continue
+        part = read_layers(tmp_path / "in", spec, arch, range(first, last + 1))
+        for rank in range(tp):
+            stage = GPTStage(spec, first, last, tp=_tp(tp, rank), arch=arch)
+            load_full_state(stage, part)
+            for name, p in stage.keyed_parameters():
+                want = shard(full[name], tp_dim_of(p), tp, rank)
+                assert torch.equal(p.detach(), want), (first, last, tp, rank, name)
+        gathered.update(part)
+    assert set(gathered) == set(full)
+    assert layers == 6
+
+    out = export(gathered, spec, arch, load_config(tmp_path / "in"), tmp_path / "out")
+    import transformers
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x).logits, model(input_ids=x).logits)
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_a_config_the_engine_cannot_reproduce_is_refused_by_name() -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    with pytest.raises(UnsupportedConfigError, match="rope_parameters"):
+        from_hf_config(cfg, 16)
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, scale_attn_by_inverse_layer_idx=True)
+    with pytest.raises(UnsupportedConfigError, match="scale_attn_by_inverse_layer_idx=True"):
+        from_hf_config(gpt2, 16)
+    with pytest.raises(UnsupportedConfigError, match="model_type"):
+        from_hf_config(transformers.BertConfig(), 16)
