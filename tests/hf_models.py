@@ -5,7 +5,9 @@ qkv, tanh GELU and learned positions (tied); OPT's position offset of 2, post-no
 without a final norm and a narrower word embedding with ``project_in``/``project_out``
 (tied, ReLU); GPT-NeoX's parallel residual, partial rotary (half the head) and per-head
 fused qkv (untied); Llama's RMSNorm, SwiGLU, grouped-query attention and rope theta
-(untied). Dropout is 0 so the ``transformers`` model is deterministic in training mode.
+(untied). OPT and Llama have a pad token (its embedding row gets no gradient from the
+lookup, as ``nn.Embedding(padding_idx=...)``), and the synthetic data contains it.
+Dropout is 0 so the ``transformers`` model is deterministic in training mode.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def tiny_config(family: str) -> Any:
             intermediate_size=48,
             max_position_embeddings=32,
             rope_theta=500000.0,
+            pad_token_id=2,
             **common,
         )
     raise ValueError(family)

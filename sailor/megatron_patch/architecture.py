@@ -46,6 +46,9 @@ class Architecture:
     """Rows of the learned position table; None: the training sequence length."""
     position_offset: int = 0
     """Learned positions start at this row (OPT: 2)."""
+    padding_idx: int | None = None
+    """Token whose embedding row gets no gradient from the lookup (``nn.Embedding``'s
+    ``padding_idx``: OPT and Llama set it to the pad token)."""
     embed_dim: int | None = None
     """Width of the word embedding when narrower than the hidden size (OPT ``project_in``
     after the embedding, ``project_out`` before the head); None: the hidden size."""

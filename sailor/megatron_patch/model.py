@@ -88,7 +88,7 @@ class Embedding(nn.Module):
     def __init__(self, spec: ModelSpec, arch: Architecture = _OWN) -> None:
         super().__init__()
         width = arch.embed_dim or spec.hidden_size
-        self.wte = nn.Embedding(spec.vocab_size, width)
+        self.wte = nn.Embedding(spec.vocab_size, width, padding_idx=arch.padding_idx)
         set_tp_dim(self.wte.weight, None)
         self.project_in: nn.Linear | None = None
         if width != spec.hidden_size:

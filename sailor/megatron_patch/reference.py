@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.data import SyntheticTokens
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
@@ -42,9 +43,10 @@ def train_reference(
     cfg: TrainConfig,
     consumed_samples: int = 0,
     microbatch_size: int | None = None,
+    arch: Architecture | None = None,
 ) -> ReferenceRun:
     """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory."""
-    model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True)
+    model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True, arch=arch)
     groups = param_groups(
         model.keyed_parameters(), cfg.weight_decay, cfg.decay_groups, spec.tie_embeddings
     )

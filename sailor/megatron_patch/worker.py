@@ -82,6 +82,7 @@ from sailor.megatron_patch.control import (  # noqa: E402
     agree_dir,
     read_control,
 )
+from sailor.megatron_patch.data import TokenBatches  # noqa: E402
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
@@ -104,7 +105,14 @@ from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
 
-__all__ = ["CheckpointIO", "build_parser", "load_model", "main", "train_config"]
+__all__ = [
+    "CheckpointIO",
+    "build_parser",
+    "load_architecture",
+    "load_model",
+    "main",
+    "train_config",
+]
 
 
 class CheckpointIO(Protocol):
@@ -156,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=1)
     p.add_argument("--hf-model", default=None, help="Local transformers model directory.")
     p.add_argument("--seq-length", type=int, default=0, help="With --hf-model; 0: its maximum.")
+    p.add_argument(
+        "--data",
+        choices=sorted(DATA_SOURCES),
+        default="synthetic",
+        help="Training data source (synthetic: seeded tokens, a pure function of the position).",
+    )
     p.add_argument("--dump-grads", default=None, help="torch.save the last step's gradients.")
     p.add_argument("--timeout-s", type=float, default=60.0, help="Collective/p2p timeout.")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
@@ -201,10 +215,35 @@ def load_model(arg: str | None, plan: Plan) -> ModelSpec:
     path = Path(name)
     if not path.exists():
         raise ValueError(f"--model={name!r}: neither a file nor a tiny model {sorted(TINY_MODELS)}")
-    spec = ModelSpec.model_validate_json(path.read_text())
+    raw = json.loads(path.read_text())
+    spec = ModelSpec.model_validate(raw["spec"] if "architecture" in raw else raw)
     if spec.global_batch_size != plan.global_batch_size:
         spec = spec.model_copy(update={"global_batch_size": plan.global_batch_size})
     return spec
+
+
+def load_architecture(arg: str | None) -> Architecture | None:
+    """The ``Architecture`` of a model file ``{"spec": ..., "architecture": ...}`` (written by
+    ``hf.checkpoint.model_file``); None for a plain ModelSpec file or a tiny model."""
+    if not arg or not Path(arg).is_file():
+        return None
+    raw = json.loads(Path(arg).read_text())
+    return Architecture(**raw["architecture"]) if "architecture" in raw else None
+
+
+DATA_SOURCES = ("synthetic",)
+"""Data sources the worker can read. The one switch where a tokenized corpus (Megatron
+indexed dataset, ``sailor.data``) plugs in once it exists: anything with
+``batch(indices) -> (inputs, labels)`` (``data.TokenBatches``) given to the Trainer."""
+
+
+def data_sources(
+    name: str, spec: ModelSpec, cfg: TrainConfig
+) -> tuple[TokenBatches | None, TokenBatches | None]:
+    """``(train, validation)`` data of ``--data`` (None: the Trainer's synthetic default)."""
+    if name == "synthetic":
+        return None, None
+    raise ValueError(f"--data={name!r}: known {list(DATA_SOURCES)}")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -230,8 +269,11 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _model(args: argparse.Namespace, plan: Plan) -> tuple[ModelSpec, Architecture | None]:
-    if not args.hf_model:
-        return load_model(args.model, plan), None
+    """The model: ``--model`` (a name, a ModelSpec file or a model file with its
+    architecture), else ``--hf-model``'s config (which imports ``transformers``, seconds per
+    rank: launchers pass the model file they resolved once instead)."""
+    if args.model or not args.hf_model:
+        return load_model(args.model, plan), load_architecture(args.model)
     from sailor.megatron_patch.hf.checkpoint import load_model as load_hf
 
     return load_hf(args.hf_model, args.seq_length or None, plan.global_batch_size)
@@ -376,6 +418,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     echo = args.rank == 0 or bool(args.control)
     progress = _Progress(_sub(args.progress, args.rank), echo=echo)
     cfg = train_config(args)
+    train_data, eval_data = data_sources(args.data, spec, cfg)
     t0 = time.time()
     dist.init_process_group(
         backend,
@@ -401,6 +444,8 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         args.consumed_samples,
         precision=job_precision(plan, spec, device),
         arch=arch,
+        data=train_data,
+        eval_data=eval_data,
     )
     if resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)

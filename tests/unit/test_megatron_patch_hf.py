@@ -47,13 +47,13 @@ def test_loss_and_gradients_equal_transformers(family: str) -> None:
     mine = engine_to_hf(spec, arch, {n: p.grad for n, p in stage.keyed_parameters()})
     theirs = {canonical_name(arch, n): p.grad for n, p in model.named_parameters()}
     assert set(theirs) <= {canonical_name(arch, n) for n in mine}
+    total = sum(float(g.norm()) ** 2 for g in theirs.values()) ** 0.5
     for name, grad in theirs.items():
-        # atol relative to the tensor's scale: some gradients are exactly 0 in exact
-        # arithmetic (the key bias: softmax is shift-invariant) and only rounding remains.
-        scale = float(grad.abs().max()) + 1e-12
-        torch.testing.assert_close(
-            mine[name], grad, rtol=1e-4, atol=1e-5 * max(scale, 1e-3), msg=name
-        )
+        # relative to the tensor's norm, plus 1e-6 of the whole gradient's: some gradients
+        # are exactly 0 in exact arithmetic (the key bias: softmax is shift-invariant) and
+        # only rounding remains of them.
+        err = float((mine[name] - grad).norm())
+        assert err <= 1e-5 * float(grad.norm()) + 1e-6 * total, (name, err, float(grad.norm()))
 
 
 def _tp(size: int, rank: int) -> TPContext:
@@ -104,7 +104,9 @@ def test_a_config_the_engine_cannot_reproduce_is_refused_by_name() -> None:
     )
     with pytest.raises(UnsupportedConfigError, match="rope_parameters"):
         from_hf_config(cfg, 16)
-    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, scale_attn_by_inverse_layer_idx=True)
+    gpt2 = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, scale_attn_by_inverse_layer_idx=True
+    )
     with pytest.raises(UnsupportedConfigError, match="scale_attn_by_inverse_layer_idx=True"):
         from_hf_config(gpt2, 16)
     with pytest.raises(UnsupportedConfigError, match="model_type"):

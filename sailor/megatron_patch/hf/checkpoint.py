@@ -5,6 +5,8 @@
   only the tensors of the stage's layers (``safe_open`` is lazy), so every rank of any plan
   (uneven stages, any TP degree) imports the same model: full tensors are converted to the
   engine's names and sliced to the rank's TP shard (``state.load_full_state``).
+- :func:`model_file` is the resolved model (spec and architecture) the worker's ``--model``
+  takes, so ranks need not import ``transformers`` (seconds per process);
 - :func:`export` writes ``config.json`` and ``model.safetensors`` from the engine's full
   (gathered) tensors; ``AutoModelForCausalLM.from_pretrained(dir)`` loads it.
 
@@ -14,6 +16,8 @@ engine itself keeps no dependency on them (HF conversion stays at the edge).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,14 @@ from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.state import load_full_state
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["export", "load_config", "load_model", "load_stage", "read_layers"]
+__all__ = [
+    "export",
+    "load_config",
+    "load_model",
+    "load_stage",
+    "model_file",
+    "read_layers",
+]
 
 
 def load_config(model_dir: str | Path) -> Any:
@@ -42,6 +53,14 @@ def load_model(
 ) -> tuple[ModelSpec, Architecture]:
     """``(ModelSpec, Architecture)`` of a local model directory's config."""
     return from_hf_config(load_config(model_dir), seq_length, global_batch_size)
+
+
+def model_file(spec: ModelSpec, arch: Architecture) -> str:
+    """The JSON the worker's ``--model`` takes for this model (no ``transformers`` import
+    needed by the ranks): ``{"spec": ModelSpec, "architecture": Architecture}``."""
+    return json.dumps(
+        {"spec": spec.model_dump(mode="json"), "architecture": dataclasses.asdict(arch)}
+    )
 
 
 def _files(model_dir: Path) -> list[Path]:

@@ -118,6 +118,7 @@ def _opt(cfg: Any) -> tuple[dict[str, Any], Architecture]:
         final_norm=pre and not getattr(cfg, "_remove_final_layer_norm", False),
         max_positions=int(cfg.max_position_embeddings),
         position_offset=2,  # OPTLearnedPositionalEmbedding: rows 0 and 1 are never used
+        padding_idx=cfg.pad_token_id,
         embed_dim=None if width == h else width,
     )
     return sizes, arch
@@ -178,6 +179,7 @@ def _llama(cfg: Any) -> tuple[dict[str, Any], Architecture]:
         attn_bias=bool(cfg.attention_bias),
         mlp_bias=bool(cfg.mlp_bias),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
+        padding_idx=cfg.pad_token_id,
     )
     return sizes, arch
 
