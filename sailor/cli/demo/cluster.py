@@ -1,6 +1,7 @@
 """The demo's cluster on one machine: a controller and agents as real ``sailor`` processes.
 
-Every agent registers a ``cpu`` node (one "GPU": one tiny-gpt worker rank over gloo) in zone
+Every agent registers a ``cpu`` node (one "GPU": one worker rank over gloo; the demo's GPT-2
+at tiny-gpt's sizes, ``demo.model``) in zone
 ``local-a``, with a file watcher for preemption notices. Why ``cpu`` and one zone: the
 planner plans for what the nodes say they are; labelled GPUs (A100, V100…) or several zones
 make it find a one-GPU layout best for a model this small (measured with
@@ -57,6 +58,10 @@ class DemoCluster:
     root: Path
     global_batch_size: int
     min_step_s: float
+    model_file: Path | None = None
+    """Workers' ``--model`` (the demo's GPT-2, ``demo.model``); None: the plan's tiny-gpt."""
+    data: str = "synthetic"
+    """Workers' ``--data`` (``demo.model.DEMO_DATA``)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -115,6 +120,8 @@ class DemoCluster:
             worker_argv=(
                 *DEFAULT_WORKER_ARGV,
                 *("--min-step-s", str(self.min_step_s), "--timeout-s", "30"),
+                *("--data", self.data),
+                *(("--model", str(self.model_file)) if self.model_file else ()),
             ),
             watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
             watch_poll_s=0.1,

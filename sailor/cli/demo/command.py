@@ -1,10 +1,11 @@
 """``sailor demo``: a one-machine cluster that trains through a preemption, a loss and a join.
 
 Starts nats-server and etcd (the project's install), a controller and agents as real
-``sailor`` processes, each agent a ``cpu`` node running real tiny-gpt workers; trains; then a
-spot-preemption notice, a node lost without notice and a node joining, each followed by a
-reconfiguration; ends with a summary against an uninterrupted run and a PNG. ``--plan``
-adds (``--plan-only`` runs only) the planning showcase on a bundled heterogeneous pool.
+``sailor`` processes, each agent a ``cpu`` node running real workers (a tiny GPT-2, see
+``demo.model``); trains; then a spot-preemption notice, a node lost without notice and a
+node joining, each followed by a reconfiguration; ends with a summary against an
+uninterrupted run and a PNG. ``--plan`` adds (``--plan-only`` runs only) the planning
+showcase on a bundled heterogeneous pool.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def plot_run(
     ax1.legend(fontsize=7, loc="upper right")
     ax2.set_ylabel("samples/s")
     ax2.set_xlabel("seconds since start (shaded: change → new layout running)")
-    ax1.set_title("sailor demo: tiny-gpt on a one-machine cluster of agents")
+    ax1.set_title("sailor demo: a tiny GPT-2 on a one-machine cluster of agents")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -25,6 +25,7 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 
 from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
+from sailor.cli.demo.model import DEMO_DATA, write_model_file
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.reconfig import reconfigurations
 from sailor.cli.demo.report import compare_losses, print_summary, summary
@@ -105,6 +106,8 @@ def run_demo(
                 root=tmp,
                 global_batch_size=settings.global_batch_size,
                 min_step_s=settings.min_step_s,
+                model_file=write_model_file(tmp / "model.json", settings.global_batch_size),
+                data=DEMO_DATA,
             )
             live = Live(console=con, refresh_per_second=4, transient=False) if show_live else None
             show: Callable[[RenderableType], None] | None = live.update if live else None
@@ -130,9 +133,9 @@ def _report(
     t_start: float,
     leftovers: list[int],
 ) -> dict[str, Any]:
+    from sailor.cli.demo.model import demo_model
     from sailor.cli.demo.plot import plot_run
     from sailor.megatron_patch.engine import TrainConfig
-    from sailor.megatron_patch.model import tiny_model
     from sailor.megatron_patch.reference import train_reference
 
     wall = time.time() - t_start
@@ -140,7 +143,8 @@ def _report(
     last = max((p.step for p in points), default=0)
     gbs = settings.global_batch_size
     con.print(f"  uninterrupted reference: {last} steps in one process …")
-    ref = train_reference(tiny_model("tiny-gpt", gbs), gbs, last, TrainConfig(seed=0)).losses
+    spec, arch = demo_model(gbs)
+    ref = train_reference(spec, gbs, last, TrainConfig(seed=0), arch=arch).losses
     commits = [int(r["step"]) for r in records if r.get("kind") == "commit"]
     reconfs = reconfigurations(records, scn.injections, points)
     png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png")
