@@ -50,6 +50,17 @@ def tiny_config(family: str) -> Any:
             pad_token_id=2,
             **common,
         )
+    if family == "opt-prenorm":  # OPT-125m's block layout: pre-norm, final norm, no projections
+        return transformers.OPTConfig(
+            hidden_size=32,
+            num_hidden_layers=4,
+            ffn_dim=64,
+            max_position_embeddings=32,
+            num_attention_heads=4,
+            dropout=0.0,
+            pad_token_id=2,
+            **common,
+        )
     if family == "gpt_neox":
         return transformers.GPTNeoXConfig(
             hidden_size=32,

@@ -31,7 +31,7 @@ def _engine(family: str, model: object) -> GPTStage:
     return stage
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "opt-prenorm"])
 def test_loss_and_gradients_equal_transformers(family: str) -> None:
     model = tiny_model(family)
     stage = _engine(family, model)
