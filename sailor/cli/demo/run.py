@@ -11,6 +11,7 @@ A SIGKILL of the demo itself cannot be handled; its children then outlive it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import shutil
 import signal
 import tempfile
@@ -92,6 +93,10 @@ def run_demo(
     cluster: DemoCluster | None = None
     t_start = time.time()
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Resolving the model imports transformers (seconds): overlap it with the servers' start.
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="demo-model")
+    model_file = pool.submit(write_model_file, tmp / "model.json", settings.global_batch_size)
+    pool.shutdown(wait=False)
     try:
         with _signals_raise():
             nodes = node_names(settings.initial_nodes)
@@ -106,7 +111,7 @@ def run_demo(
                 root=tmp,
                 global_batch_size=settings.global_batch_size,
                 min_step_s=settings.min_step_s,
-                model_file=write_model_file(tmp / "model.json", settings.global_batch_size),
+                model_file=model_file.result(timeout=120),
                 data=DEMO_DATA,
             )
             live = Live(console=con, refresh_per_second=4, transient=False) if show_live else None
