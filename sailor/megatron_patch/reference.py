@@ -40,9 +40,15 @@ def train_reference(
     cfg: TrainConfig,
     consumed_samples: int = 0,
     microbatch_size: int | None = None,
+    device: torch.device | None = None,
 ) -> ReferenceRun:
-    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory."""
-    model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True)
+    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory.
+
+    ``device`` (default the CPU) holds the model and the batches; the initialisation is drawn
+    on the CPU either way, so every device starts from the same weights. Returned parameters
+    are on that device."""
+    dev = device or torch.device("cpu")
+    model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True).to(dev)
     opt = make_optimizer(model.parameters(), cfg)
     data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
     mbs = microbatch_size or global_batch_size
@@ -55,6 +61,7 @@ def train_reference(
         for first in range(0, global_batch_size, mbs):
             n = min(mbs, global_batch_size - first)
             x, y = data.batch(range(pos + first, pos + first + n))
+            x, y = x.to(dev), y.to(dev)
             loss = model(x, y) * (n / global_batch_size)
             loss.backward()
             total += float(loss.detach())

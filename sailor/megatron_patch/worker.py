@@ -9,12 +9,12 @@ Usage::
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
-"compute_s", "sync_s", "optim_s", "time"}``) plus ``{"event": "ready", "setup_s", ...}`` once
-the groups and the stage are built and ``{"event": "done", ...}`` at the end; rank 0 also
-prints them to stdout. On failure the first cause goes to the error file (``errors``) and
-the process exits with status 1 at once (``os._exit``: never wait on dead peers), so with
-the short collective timeout (``--timeout-s``, default 60 s) a crashed stage makes every
-rank exit within a bounded time.
+"compute_s", "sync_s", "optim_s", "precision", "time"}``) plus ``{"event": "ready",
+"setup_s", ...}`` once the groups and the stage are built and ``{"event": "done", ...}`` at
+the end; rank 0 also prints them to stdout. On failure the first cause goes to the error
+file (``errors``) and the process exits with status 1 at once (``os._exit``: never wait on
+dead peers), so with the short collective timeout (``--timeout-s``, default 60 s) a crashed
+stage makes every rank exit within a bounded time.
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
@@ -337,6 +337,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
         comm.install_backend(strict[0])
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
+    # Under NCCL the first call on a communicator must involve all its ranks before a batched
+    # p2p that only some of them post (torch's batch_isend_irecv contract): one world
+    # all-reduce here instead of relying on whichever collective happens to come first.
+    comm.all_reduce(torch.zeros(1, device=device))
     t_groups = time.time()
     trainer = Trainer(
         plan,
@@ -359,6 +363,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "rank": args.rank,
             "backend": backend,
             "device": str(device),
+            "precision": trainer.precision,
             "init_s": t0 - _T_START,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
@@ -387,6 +392,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
                 "compute_s": res.compute_s,
                 "sync_s": res.sync_s,
                 "optim_s": res.optim_s,
+                "precision": trainer.precision,
                 "since_start_s": time.time() - _T_START,
                 "time": time.time(),
             }
@@ -402,7 +408,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     progress.emit({"event": "done", "rank": args.rank, "step": trainer.step})
     if strict is not None:
         strict[0].write(strict[1])
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
     return 0
 
