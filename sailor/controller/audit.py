@@ -21,6 +21,8 @@ outside a pass (leadership changes).
 violated invariants:
 
 - epochs of successive leaders only grow;
+- every accepted event kept the subject it arrived on, and that subject is its own node's
+  (one node's agent may not speak for another: ``controller/daemon.py`` refuses it);
 - no command was accepted by an agent from an epoch lower than one it had accepted before;
 - every accepted preemption notice is followed by a phase change to RUNNING;
 - no committed step is lost: every launch loads the newest commit recorded before it.
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from sailor.coordination.keys import event_subject_source, safe_token
 
 __all__ = ["AuditLog", "AuditReport", "check", "read_records", "timeline"]
 
@@ -190,9 +194,11 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     f"t={t:.3f}: {node} accepted {r.get('command_id')} from stale epoch {epoch}"
                 )
             acked_epoch[node] = max(acked_epoch.get(node, -1), epoch)
-        elif kind == "event" and r.get("event_kind") == "preemption_notice":
-            rep.preemptions += 1
-            pending_notices.append((t, str(r.get("node_id"))))
+        elif kind == "event":
+            _check_subject(r, t, rep)
+            if r.get("event_kind") == "preemption_notice":
+                rep.preemptions += 1
+                pending_notices.append((t, str(r.get("node_id"))))
         elif kind == "commit":
             step = int(r.get("step", -1))
             rep.commits.append(step)
@@ -212,6 +218,16 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     for nt, n in pending_notices:
         rep.violations.append(f"t={nt:.3f}: preemption notice for {n} never led to a resumed run")
     return rep
+
+
+def _check_subject(r: dict[str, Any], t: float, rep: AuditReport) -> None:
+    """An accepted event must name its subject, and the subject must be its node's."""
+    what = f"t={t:.3f}: event {r.get('event_id')} about {r.get('node_id')}"
+    source = event_subject_source(str(r.get("subject", "")))
+    if source is None:
+        rep.violations.append(f"{what} kept no event subject")
+    elif source != safe_token(str(r.get("node_id", ""))):
+        rep.violations.append(f"{what} was accepted from {source}'s subject")
 
 
 def timeline(records: list[dict[str, Any]]) -> list[str]:

@@ -50,6 +50,7 @@ from sailor.coordination import (
     campaign,
     connect_etcd,
     connect_nats,
+    safe_token,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, PreemptionNotice
@@ -361,7 +362,7 @@ class Controller:
         pause = 0.1
         while True:
             try:
-                await self._handle_event(d.data, d.msg_id, store, lead, cache)
+                await self._handle_event(d.data, d.msg_id, d.subject, store, lead, cache)
                 return True
             except TemporaryError as exc:
                 _log.warning("event_retry", msg_id=d.msg_id, error=str(exc))
@@ -380,16 +381,24 @@ class Controller:
         return False
 
     async def _handle_event(
-        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, cache: ObservedCache
+        self,
+        data: bytes,
+        msg_id: str,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
     ) -> None:
         received = self.clock.now()
-        outcome, event_id = await self._apply_event(data, msg_id, store, lead, cache, received)
+        outcome, event_id = await self._apply_event(
+            data, msg_id, subject, store, lead, cache, received
+        )
         self.event_counts[outcome] += 1
         if self.on_event is not None:
             self.on_event(event_id or msg_id, outcome, received, self.clock.now())
 
     def _reject_event(
-        self, ev: Event, now: float, lead: Leadership, reason: str
+        self, ev: Event, subject: str, now: float, lead: Leadership, reason: str
     ) -> tuple[str, str]:
         """Audit a well-formed event the controller refuses; the outcome to return."""
         self.audit.write(
@@ -399,6 +408,7 @@ class Controller:
             event_id=ev.event_id,
             event_kind=ev.kind,
             node_id=ev.node_id,
+            subject=subject[:256],
             reason=reason,
         )
         return "rejected", ev.event_id
@@ -407,6 +417,7 @@ class Controller:
         self,
         data: bytes,
         msg_id: str,
+        subject: str,
         store: EtcdStore,
         lead: Leadership,
         cache: ObservedCache,
@@ -421,13 +432,25 @@ class Controller:
                 now,
                 epoch=lead.epoch,
                 msg_id=msg_id[:128],
+                subject=subject[:256],
                 reason=str(exc).splitlines()[0][:300],
             )
             return "rejected", ""
+        source = self.keys.event_source(subject)
+        if source != safe_token(ev.node_id):
+            # An agent may publish only on its own node's subjects (its NATS permission), so
+            # the subject says who sent this: one node must not speak for another. Checked
+            # before the duplicate check, and the id is not remembered: a forgery that reuses
+            # a genuine event's id must not make the genuine one a duplicate.
+            return self._reject_event(
+                ev, subject, now, lead, f"sent on {source!r}'s subject, about {ev.node_id!r}"
+            )
         if ev.event_id in self._seen:
-            self.audit.write("event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id)
+            self.audit.write(
+                "event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id, subject=subject
+            )
             return "duplicate", ev.event_id
-        outcome = await self._apply_new_event(ev, store, lead, cache, now)
+        outcome = await self._apply_new_event(ev, subject, store, lead, cache, now)
         # Seen only once handled: an event that failed (etcd unavailable) is redelivered
         # and must then be applied, not dropped as a duplicate.
         self._seen[ev.event_id] = None
@@ -436,7 +459,13 @@ class Controller:
         return outcome
 
     async def _apply_new_event(
-        self, ev: Event, store: EtcdStore, lead: Leadership, cache: ObservedCache, now: float
+        self,
+        ev: Event,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+        now: float,
     ) -> tuple[str, str]:
         if ev.kind != "node_left":
             # The mirror answers for a node it holds; a node it does not hold may have
@@ -445,11 +474,11 @@ class Controller:
             if registered is None:
                 registered = await store.get(self.keys.node(ev.node_id)) is not None
             if not registered:
-                return self._reject_event(ev, now, lead, "node is not registered")
+                return self._reject_event(ev, subject, now, lead, "node is not registered")
         if isinstance(ev, PreemptionNotice):
             if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
                 return self._reject_event(
-                    ev, now, lead, f"deadline {ev.deadline} outside the accepted window"
+                    ev, subject, now, lead, f"deadline {ev.deadline} outside the accepted window"
                 )
             rec = NoticeRecord(
                 node_id=ev.node_id, deadline=ev.deadline, event_id=ev.event_id, source=ev.source
@@ -469,6 +498,7 @@ class Controller:
                 event_id=ev.event_id,
                 event_kind=ev.kind,
                 node_id=ev.node_id,
+                subject=subject,
                 latency_s=round(now - ev.time, 4),
             )
         self.wake(urgent=urgent_wake(ev.kind, ev.node_id, self.desired))
