@@ -20,7 +20,9 @@ def controller(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.daemon import run_controller
 
-    asyncio.run(run_controller(ControllerConfig.load(config)))
+    code = asyncio.run(run_controller(ControllerConfig.load(config)))
+    if code:  # failed: systemd restarts it
+        raise typer.Exit(code)
 
 
 def agent(config: Path = typer.Option(..., "--config", help="Agent config file.")) -> None:
@@ -28,7 +30,9 @@ def agent(config: Path = typer.Option(..., "--config", help="Agent config file."
     from sailor.agent.daemon import AgentConfig, run_agent
     from sailor.controller.config import load_mapping
 
-    asyncio.run(run_agent(AgentConfig.model_validate(load_mapping(config))))
+    code = asyncio.run(run_agent(AgentConfig.model_validate(load_mapping(config))))
+    if code:  # failed: systemd restarts it
+        raise typer.Exit(code)
 
 
 def status(

@@ -21,6 +21,8 @@ outside a pass (leadership changes).
 violated invariants:
 
 - epochs of successive leaders only grow;
+- generations never go back, within a term or across leaders (a leader that could not read
+  the desired state refuses to lead rather than start again from generation 0);
 - every accepted event kept the subject it arrived on, and that subject is its own node's
   (one node's agent may not speak for another: ``controller/daemon.py`` refuses it);
 - no command was accepted by an agent from an epoch lower than one it had accepted before;
@@ -177,6 +179,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     acked_epoch: dict[str, int] = {}
     pending_notices: list[tuple[float, str]] = []
     newest_commit = -1
+    last_gen = -1
     for r in records:
         kind = r.get("kind")
         t = float(r.get("time", 0.0))
@@ -205,6 +208,12 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             newest_commit = max(newest_commit, step)
         elif kind == "phase":
             phase = r.get("phase")
+            gen = int(r.get("generation", -1))
+            if gen < last_gen:
+                rep.violations.append(
+                    f"t={t:.3f}: generation {gen} after {last_gen}: generations went back"
+                )
+            last_gen = max(last_gen, gen)
             if phase == "running":
                 pending_notices = [(nt, n) for nt, n in pending_notices if nt > t]
             if phase == "launch":

@@ -69,7 +69,9 @@ class EtcdLease:
         self.ttl = ttl
         self._clock = clock
         self._alive = True
-        self._tasks = TaskSet(f"lease-{lease.id}")
+        # A keepalive that crashed refreshes no more: the lease is as good as lost, and its
+        # owner must know it (a leader ends its term, an agent registers again).
+        self._tasks = TaskSet(f"lease-{lease.id}", on_crash=self._keepalive_crashed)
         self._tasks.spawn("keepalive", self._keepalive())
 
     @property
@@ -94,6 +96,10 @@ class EtcdLease:
             if reply is None or int(reply.TTL) <= 0:
                 _log.warning("lease_lost", lease=self.id)
                 self._alive = False
+
+    def _keepalive_crashed(self, name: str, exc: BaseException) -> None:
+        _log.error("lease_keepalive_crashed", lease=self.id, error=repr(exc))
+        self._alive = False
 
     async def revoke(self) -> None:
         self._alive = False

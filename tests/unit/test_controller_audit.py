@@ -70,3 +70,20 @@ def test_check_requires_each_event_to_come_on_its_own_nodes_subject() -> None:
     assert len(rep.violations) == 3
     assert "accepted from n1's subject" in rep.violations[0]
     assert all("kept no event subject" in v for v in rep.violations[1:])
+
+
+def test_check_requires_generations_to_grow_across_leaders() -> None:
+    def phase(t: float, epoch: int, gen: int) -> dict[str, object]:
+        return {"kind": "phase", "time": t, "epoch": epoch, "generation": gen, "phase": "idle"}
+
+    recs = [
+        {"kind": "leader", "time": 0.0, "epoch": 5},
+        phase(1.0, 5, 3),
+        phase(2.0, 5, 4),
+        {"kind": "leader", "time": 3.0, "epoch": 9},
+        phase(4.0, 9, 4),
+    ]
+    assert check(recs).ok
+    reset = [*recs, {"kind": "leader", "time": 5.0, "epoch": 12}, phase(6.0, 12, 0)]
+    rep = check(reset)
+    assert rep.violations == ["t=6.000: generation 0 after 4: generations went back"]
