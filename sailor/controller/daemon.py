@@ -166,6 +166,8 @@ class Controller:
                 )
                 try:
                     await self._lead(store, nc, lead)
+                except Exception as exc:  # the leader's own loop: nothing may end it quietly
+                    self.fail("leader loop crashed", epoch=lead.epoch, error=repr(exc)[:500])
                 finally:
                     self.leadership = None
                     self.sd.status("standby")

@@ -2,8 +2,8 @@
 
 Real secure servers and daemons in process (the harness of ``test_runtime_scenarios.py``):
 
-- a crash of any long-lived task of the controller (its event consumer, its etcd check)
-  takes it down: a ``failed`` audit record, leadership resigned, ``run`` raises;
+- a crash of any long-lived task of the controller (its event consumer, its etcd check, the
+  leader's loop itself) takes it down: a ``failed`` audit record, leadership resigned, ``run`` raises;
 - a fenced write in the event consumer ends the term (not just the consumer);
 - an agent task that crashes is restarted; one that keeps crashing takes the agent down;
 - a lease whose keepalive crashed is reported lost;
@@ -78,7 +78,7 @@ async def _heartbeat(c: Cluster, node: str = "n1") -> None:
         await nc.close()
 
 
-@pytest.mark.parametrize("where", ["events", "etcd-check"])
+@pytest.mark.parametrize("where", ["events", "etcd-check", "loop"])
 async def test_a_crashed_controller_task_takes_the_controller_down(
     cluster: Cluster, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -92,6 +92,13 @@ async def test_a_crashed_controller_task_takes_the_controller_down(
 
         monkeypatch.setattr(ctl, "_apply_event", broken)
         await _heartbeat(cluster)
+    elif where == "loop":
+
+        def broken_decide(*args: Any, **kw: Any) -> Any:
+            raise KeyError("a bug in decide")
+
+        monkeypatch.setattr("sailor.controller.daemon.decide", broken_decide)
+        ctl.wake(urgent=True)
     else:
 
         async def broken_check(self: Any) -> bool:
@@ -274,3 +281,15 @@ async def test_the_epoch_fence_survives_an_agent_restart(cluster: Cluster) -> No
         assert not ack.accepted and "stale epoch" in ack.reason
     finally:
         await nc.close()
+
+
+async def test_a_lost_fence_file_is_made_good_from_the_desired_state(cluster: Cluster) -> None:
+    cluster.start_controller("c1")
+    agent = cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    epoch = ctl.leadership.epoch if ctl.leadership else 0
+    assert agent.max_epoch == epoch
+    await cluster.stop_agent("n1")
+    (cluster.tmp / "agents" / "n1.epoch").unlink()  # a new run directory
+    again = cluster.start_agent("n1")
+    await _until(lambda: again.max_epoch == epoch, 20, "fence not raised from etcd")
