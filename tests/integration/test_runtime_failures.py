@@ -3,7 +3,8 @@
 Real secure servers and daemons in process (the harness of ``test_runtime_scenarios.py``):
 
 - a crash of any long-lived task of the controller (its event consumer, its etcd check, the
-  leader's loop itself) takes it down: a ``failed`` audit record, leadership resigned, ``run`` raises;
+  leader's loop itself) takes it down: a ``failed`` audit record, leadership resigned,
+  ``run`` raises;
 - a fenced write in the event consumer ends the term (not just the consumer);
 - an agent task that crashes is restarted; one that keeps crashing takes the agent down;
 - a lease whose keepalive crashed is reported lost;
