@@ -86,10 +86,11 @@ class Executor:
         self.command_timeout_s = command_timeout_s
         self.resend_s = resend_s
         self.replan_timeout_s = replan_timeout_s
-        # generation -> command ids acked / sent (with the time), see KEEP_GENERATIONS
-        self._acked: dict[int, set[str]] = {}
+        self._acked: set[str] = set()
         self._acked_view: frozenset[str] | None = None
-        self._sent_at: dict[int, dict[str, float]] = {}
+        self._sent_at: dict[str, float] = {}
+        # generation (of the desired state when sent) -> the ids sent then: what to prune
+        self._by_generation: dict[int, list[str]] = {}
         self._generation = 0
         self._inflight: set[str] = set()
         self._replanning: tuple[str, ...] | None = None
@@ -158,11 +159,13 @@ class Executor:
         due = [s for s in sends if self._due(s.command.command_id)]
         if due:
             now = self.clock.now()
-            sent_at = self._sent_at.setdefault(self._generation, {})
+            ids = self._by_generation.setdefault(self._generation, [])
             for s in due:
                 cmd = s.command
                 self._inflight.add(cmd.command_id)
-                sent_at[cmd.command_id] = now
+                if cmd.command_id not in self._sent_at:
+                    ids.append(cmd.command_id)
+                self._sent_at[cmd.command_id] = now
                 self.audit.write(
                     "command",
                     now,
@@ -174,7 +177,7 @@ class Executor:
                 )
             await self.audit.durable()  # one fsync for the fan-out, before any request
             for s in due:
-                self._spawn_send(s, self._generation)
+                self._spawn_send(s)
         return desired
 
     def _prune(self, generation: int) -> None:
@@ -183,9 +186,10 @@ class Executor:
             return
         self._generation = generation
         floor = generation - KEEP_GENERATIONS + 1
-        for table in (self._acked, self._sent_at):
-            for g in [g for g in table if g < floor]:
-                del table[g]
+        for g in [g for g in self._by_generation if g < floor]:
+            for cid in self._by_generation.pop(g):
+                self._acked.discard(cid)
+                self._sent_at.pop(cid, None)
         self._acked_view = None
 
     @property
@@ -199,13 +203,13 @@ class Executor:
         pass after acks came in (not per ack), and only from the kept generations (a
         generation's commands: a few per node), never from every command of the term."""
         if self._acked_view is None:
-            self._acked_view = frozenset().union(*self._acked.values())
+            self._acked_view = frozenset(self._acked)
         return self._acked_view
 
     @property
     def remembered(self) -> int:
         """Command ids held (acked and sent-at entries): bounded by the kept generations."""
-        return sum(map(len, self._acked.values())) + sum(map(len, self._sent_at.values()))
+        return len(self._acked) + len(self._sent_at)
 
     @property
     def inflight(self) -> int:
@@ -214,17 +218,16 @@ class Executor:
 
     def _due(self, cid: str) -> bool:
         """Send ``cid`` now? Not if in flight, acked, or sent less than ``resend_s`` ago."""
-        if cid in self._inflight or any(cid in a for a in self._acked.values()):
+        if cid in self._inflight or cid in self._acked:
             return False
-        sent = max((t[cid] for t in self._sent_at.values() if cid in t), default=-1e9)
-        return self.clock.now() - sent >= self.resend_s
+        return self.clock.now() - self._sent_at.get(cid, -1e9) >= self.resend_s
 
-    def _spawn_send(self, action: Send, generation: int) -> None:
+    def _spawn_send(self, action: Send) -> None:
         cid = action.command.command_id
 
         async def run() -> None:
             try:
-                await self._send(action, generation)
+                await self._send(action)
             finally:
                 self._inflight.discard(cid)
                 # one pass when a fan-out is fully answered, not one per ack
@@ -306,7 +309,7 @@ class Executor:
             }
         )
 
-    async def _send(self, action: Send, generation: int) -> None:
+    async def _send(self, action: Send) -> None:
         """Request (its ``command`` record is already durable) and record the ack."""
         cmd = action.command
         try:
@@ -334,6 +337,6 @@ class Executor:
         )
         if ack.accepted:
             await self.audit.durable()  # group commit with the other acks of the fan-out
-            if generation >= self._generation - KEEP_GENERATIONS + 1:  # else pruned meanwhile
-                self._acked.setdefault(generation, set()).add(cmd.command_id)
+            if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
+                self._acked.add(cmd.command_id)
                 self._acked_view = None
