@@ -316,7 +316,10 @@ class Agent:
             return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
         if cmd.epoch > self.max_epoch:
             # durable before the command is applied: a restart must not forget it
-            await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
+            try:
+                await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
+            except OSError as exc:  # not applied (refused, on record): the controller re-sends
+                return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
         self.max_epoch = cmd.epoch
         if isinstance(cmd, Launch):
             try:  # a Launch names its plan; read it from etcd (cached by plan id)
