@@ -131,6 +131,9 @@ class SimCluster:
         self.store: EtcdStore | None = None
         self.nc: Any = None
         self.bus: NatsEventBus | None = None
+        # one publisher per node: the controller takes an event only from its own node's
+        # subject (sailor.<job>.events.<node>.<kind>), as an agent publishes it
+        self._buses: dict[str, NatsEventBus] = {}
         self.commands: NatsCommands | None = None
         self.published: dict[str, tuple[str, Any]] = {}  # event id -> (kind, event), in order
         self.sent_at: dict[str, float] = {}  # event id -> time of its first publish
@@ -154,13 +157,19 @@ class SimCluster:
 
     async def publish(self, kind: str, event: Any, msg_id: str | None = None) -> bool:
         """Publish like ``Agent._publish`` (bounded retries); False if the stream deduped it."""
-        assert self.bus is not None
+        assert self.nc is not None
+        bus = self._buses.get(event.node_id)
+        if bus is None:
+            bus = NatsEventBus(
+                self.nc, self.keys, durable="unused", op_timeout=10.0, source=event.node_id
+            )
+            self._buses[event.node_id] = bus
         if event.event_id not in self.published:
             self.published[event.event_id] = (kind, event)
             self.sent_at[event.event_id] = time.time()
         for _ in range(20):
             try:
-                return await self.bus.publish(
+                return await bus.publish(
                     kind, event.model_dump_json().encode(), msg_id or event.event_id
                 )
             except TemporaryError:

@@ -7,6 +7,10 @@ expires is a node that left), publishes join/leave events, serves commands on it
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
 the moment a watcher sees one. SIGTERM: stop the workers, publish NodeLeft, revoke the lease.
+The epoch fence is persisted (``fence.py``) and raised to the desired state's epoch on start,
+so a restarted agent still refuses a deposed controller. A long-lived task that crashes is
+restarted with backoff; one that keeps crashing takes the agent down (``run`` raises
+``DaemonFailedError``, the process exits non-zero and systemd restarts it).
 Must never import the controller.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import signal
 import time
 import uuid
@@ -26,11 +31,13 @@ from pydantic import Field, ValidationError
 
 from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
 from sailor.agent.check_verdicts import judge
+from sailor.agent.fence import EpochFence
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
 from sailor.agent.watchers import PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
+    DaemonFailedError,
     EtcdLease,
     EtcdStore,
     Keys,
@@ -55,6 +62,11 @@ from sailor.schemas.runtime import AgentStatus, CommandAck
 __all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
+
+TASK_BACKOFF_S = 0.5
+"""First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
+TASK_MAX_CRASHES = 5
+"""Crashes in a row (none after a minute of running) after which the agent gives up."""
 
 
 class WatcherConfig(Frozen):
@@ -110,7 +122,10 @@ class Agent:
         self.clock = clock or SystemClock()
         self.stopping = asyncio.Event()
         self.sd = SystemdNotifier.from_env()
-        self.max_epoch = 0
+        # the highest epoch accepted: persisted, so that it outlives this process
+        self._fence = EpochFence(config.work_dir / f"{self.node.node_id}.epoch")
+        self.max_epoch = self._fence.epoch
+        self.failure: str | None = None  # why this agent must exit non-zero
         self.applied: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
         self.supervisor = Supervisor(config.work_dir / self.node.node_id, config.worker_argv)
         self.watchers: list[PreemptionWatcher] = [
@@ -120,7 +135,7 @@ class Agent:
         self._lease: EtcdLease | None = None
         self._store: EtcdStore | None = None
         self._bus: NatsEventBus | None = None
-        self._tasks = TaskSet(f"agent-{self.node.node_id}")
+        self._tasks = TaskSet(f"agent-{self.node.node_id}", on_crash=self._task_crashed)
         self._failure_reported = ""
         self._lock = asyncio.Lock()
         self._crashed = False
@@ -163,18 +178,52 @@ class Agent:
         self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
         try:
+            await self._fence_from_desired()
             await commands.serve(self.node.node_id, self._on_command)
             await self._register()
             self.sd.ready(f"registered node {self.node.node_id}")
-            self._tasks.spawn("status", self._status_loop())
-            self._tasks.spawn("registration", self._registration_loop())
+            self._keep("status", self._status_loop)
+            self._keep("registration", self._registration_loop)
             for w in self.watchers:
-                self._tasks.spawn(f"watch-{w.name}", self._watch(w))
+                self._keep(f"watch-{w.name}", lambda w=w: self._watch(w))
             await self.stopping.wait()
         finally:
             if self.stopping.is_set():
                 self.sd.stopping()
             await self._shutdown(store, nc, commands)
+        if self.failure is not None:
+            raise DaemonFailedError("agent failed", reason=self.failure)
+
+    def _keep(self, name: str, factory: Any) -> None:
+        """A long-lived task: restarted with backoff, the agent's end if it keeps crashing."""
+        self._tasks.keep(name, factory, backoff_s=TASK_BACKOFF_S, max_crashes=TASK_MAX_CRASHES)
+
+    def _task_crashed(self, name: str, exc: BaseException) -> None:
+        self.failure = self.failure or f"task {name} kept crashing: {exc!r}"[:500]
+        _log.error("agent_failed", node=self.node.node_id, reason=self.failure)
+        self.sd.status(f"failed: {self.failure}"[:200])
+        self.stopping.set()
+
+    async def _fence_from_desired(self) -> None:
+        """Raise the fence to the epoch of the desired state (its newest writer's) before
+        serving commands: a fence file lost with the run directory is covered too."""
+        while not self.stopping.is_set():
+            try:
+                kv = await self._read_desired()
+                break
+            except TemporaryError:
+                await self.clock.sleep(0.3)
+        else:
+            return
+        if kv is None:
+            return
+        try:
+            epoch = json.loads(kv.value)["epoch"]
+        except (ValueError, KeyError, TypeError):
+            return  # not ours to judge: the controller refuses an unreadable desired state
+        if isinstance(epoch, int) and epoch > self.max_epoch:
+            await asyncio.to_thread(self._fence.raise_to, epoch)
+            self.max_epoch = epoch
 
     async def check_node(self) -> NodeFacts | None:
         """The node's facts, or None when the check failed in ``enforce`` mode (the agent then
@@ -351,6 +400,12 @@ class Agent:
             return self._refuse(cmd.command_id, f"stale epoch {cmd.epoch} < {self.max_epoch}")
         if cmd.command_id in self.applied:
             return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
+        if cmd.epoch > self.max_epoch:
+            # durable before the command is applied: a restart must not forget it
+            try:
+                await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
+            except OSError as exc:  # not applied (refused, on record): the controller re-sends
+                return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
         self.max_epoch = cmd.epoch
         if isinstance(cmd, Launch):
             try:  # a Launch names its plan; read it from etcd (cached by plan id)
@@ -435,10 +490,14 @@ class Agent:
 
 async def run_agent(config: AgentConfig) -> int:
     """Run until SIGTERM/SIGINT (a preemption looks like this too), then leave cleanly.
-    Returns the exit status: 1 when the node check refused to join, else 0."""
+    Returns the exit status: 1 when the node check refused to join or the agent failed."""
     agent = Agent(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stopping.set)
-    await agent.run()
+    try:
+        await agent.run()
+    except DaemonFailedError as exc:
+        _log.error("agent_exit", error=str(exc))
+        return 1
     return 1 if agent.refused else 0

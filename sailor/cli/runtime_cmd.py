@@ -20,7 +20,9 @@ def controller(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.daemon import run_controller
 
-    asyncio.run(run_controller(ControllerConfig.load(config)))
+    code = asyncio.run(run_controller(ControllerConfig.load(config)))
+    if code:  # failed: systemd restarts it
+        raise typer.Exit(code)
 
 
 def agent(config: Path = typer.Option(..., "--config", help="Agent config file.")) -> None:
@@ -29,8 +31,8 @@ def agent(config: Path = typer.Option(..., "--config", help="Agent config file."
     from sailor.controller.config import load_mapping
 
     code = asyncio.run(run_agent(AgentConfig.model_validate(load_mapping(config))))
-    if code:
-        raise typer.Exit(code)  # the node check failed: the log says why
+    if code:  # the node check refused to join, or the agent failed: the log says why
+        raise typer.Exit(code)
 
 
 def status(

@@ -69,7 +69,9 @@ class EtcdLease:
         self.ttl = ttl
         self._clock = clock
         self._alive = True
-        self._tasks = TaskSet(f"lease-{lease.id}")
+        # A keepalive that crashed refreshes no more: the lease is as good as lost, and its
+        # owner must know it (a leader ends its term, an agent registers again).
+        self._tasks = TaskSet(f"lease-{lease.id}", on_crash=self._keepalive_crashed)
         self._tasks.spawn("keepalive", self._keepalive())
 
     @property
@@ -94,6 +96,10 @@ class EtcdLease:
             if reply is None or int(reply.TTL) <= 0:
                 _log.warning("lease_lost", lease=self.id)
                 self._alive = False
+
+    def _keepalive_crashed(self, name: str, exc: BaseException) -> None:
+        _log.error("lease_keepalive_crashed", lease=self.id, error=repr(exc))
+        self._alive = False
 
     async def revoke(self) -> None:
         self._alive = False
@@ -226,30 +232,46 @@ class EtcdStore:
         )
         return int(resp.header.revision)
 
+    async def _txn(self, compare: list[Any], success: list[Any]) -> tuple[bool, int]:
+        """One transaction (no failure branch): (succeeded, the store revision after it).
+
+        aetcd's ``transaction`` drops the response header, so the Txn RPC is called here
+        directly: the revision comes from the same response that says the write happened,
+        never from a second call that could fail after the write succeeded.
+        """
+        req = rpc.TxnRequest(
+            compare=[c.build_message() for c in compare],
+            success=self.client._ops_to_requests(success),
+            failure=[],
+        )
+
+        async def _call() -> Any:
+            await self.client.connect()
+            try:
+                return await self.client.kvstub.Txn(
+                    req, timeout=self._op_timeout, metadata=self.client.metadata
+                )
+            except rpc.AioRpcError as exc:
+                aetcd.exceptions._handle_exception(exc)  # raises aetcd's error for the code
+
+        resp = await self.call(_call())
+        return bool(resp.succeeded), int(resp.header.revision)
+
     async def put_guarded(
         self, key: str, value: bytes, guard_key: str, epoch: int, lease: Any = None
     ) -> int:
         tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction(
-                compare=[tx.create(guard_key.encode()) == epoch],
-                success=[tx.put(key.encode(), value, None if lease is None else lease.id)],
-                failure=[],
-            )
+        ok, revision = await self._txn(
+            [tx.create(guard_key.encode()) == epoch],
+            [tx.put(key.encode(), value, None if lease is None else lease.id)],
         )
         if not ok:
             raise FencedError("guarded write refused", key=key, epoch=epoch)
-        return await self.revision()
+        return revision
 
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None:
         tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction(
-                compare=[tx.create(guard_key.encode()) == epoch],
-                success=[tx.delete(key.encode())],
-                failure=[],
-            )
-        )
+        ok, _ = await self._txn([tx.create(guard_key.encode()) == epoch], [tx.delete(key.encode())])
         if not ok:
             raise FencedError("guarded delete refused", key=key, epoch=epoch)
 

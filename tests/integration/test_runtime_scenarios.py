@@ -316,6 +316,115 @@ async def test_forged_and_malformed_events_are_rejected(cluster: Cluster) -> Non
     cluster.audit()
 
 
+async def test_an_agent_cannot_speak_for_another_node(cluster: Cluster) -> None:
+    """n1, with its own certificate and login, sends events about n2 on its own subjects (the
+    only ones NATS lets it publish on) and tries to write n2's status: nothing changes but
+    one audit record per event, each naming the subject it came on."""
+    import time
+
+    from sailor.coordination import (
+        Keys,
+        NatsEventBus,
+        PermanentError,
+        TemporaryError,
+        connect_etcd,
+        connect_nats,
+    )
+    from sailor.schemas.events import (
+        Heartbeat,
+        NodeJoined,
+        NodeLeft,
+        PreemptionNotice,
+        WorkerFailed,
+    )
+    from sailor.schemas.runtime import AgentStatus
+
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    while sorted(ctl.desired.placement) != ["n1", "n2"]:
+        ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    before = ctl.desired
+    keys = Keys(job=cluster.job)
+    now = time.time()
+    n2 = cluster.agents["n2"][0].node
+    forged = [
+        (
+            "preemption_notice",
+            PreemptionNotice(
+                event_id="f-notice", node_id="n2", time=now, deadline=now + 30, source="forged"
+            ),
+        ),
+        ("node_joined", NodeJoined(event_id="f-join", node_id="n2", time=now, node=n2)),
+        ("node_left", NodeLeft(event_id="f-leave", node_id="n2", time=now, reason="forged")),
+        (
+            "worker_failed",
+            WorkerFailed(
+                event_id="f-fail",
+                node_id="n2",
+                time=now,
+                plan_id=before.plan.plan_id if before.plan else "",
+                cause="forged",
+            ),
+        ),
+        ("heartbeat", Heartbeat(event_id="f-beat", node_id="n2", time=now, step=10**6)),
+    ]
+    nc = await connect_nats(cluster.nats_url, "n1-forger", security=cluster.security("n1"))
+    store = await connect_etcd(cluster.etcd, security=cluster.security("n1"))
+    try:
+        bus = NatsEventBus(nc, keys, durable="unused", source="n1")
+        for kind, ev in forged:
+            await bus.publish(kind, ev.model_dump_json().encode(), ev.event_id)
+        # n2's subjects are not n1's to publish on (NATS refuses), nor n2's status to write
+        other = NatsEventBus(nc, keys, durable="unused", source="n2", op_timeout=0.5)
+        with pytest.raises(TemporaryError):
+            await other.publish("node_left", forged[2][1].model_dump_json().encode(), "f-2")
+        status = AgentStatus(node_id="n2", epoch=before.epoch, state="failed", time=now)
+        with pytest.raises(PermanentError):
+            await store.put(keys.status("n2"), status.model_dump_json().encode())
+    finally:
+        await store.close()
+        await nc.close()
+
+    ids = {ev.event_id for _, ev in forged}
+
+    def rejected() -> dict[str, dict[str, object]]:
+        recs = read_records([cluster.tmp / "audit-c1.jsonl"])
+        return {
+            str(r["event_id"]): r
+            for r in recs
+            if r["kind"] == "event_rejected" and r.get("event_id") in ids
+        }
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 15
+    while set(rejected()) != ids:
+        assert loop.time() < end, f"not all refused: {sorted(ids - set(rejected()))}"
+        await asyncio.sleep(0.1)
+    for r in rejected().values():
+        assert str(r["subject"]).startswith(f"sailor.{cluster.job}.events.n1.")
+        assert "n1" in str(r["reason"]) and r["node_id"] == "n2"
+    await asyncio.sleep(1.5)  # time for a wrong reaction to show
+    recs = read_records([cluster.tmp / "audit-c1.jsonl"])
+    assert not [r for r in recs if r["kind"] == "event" and r.get("event_id") in ids]
+    after = cluster.controllers["c1"][0].desired
+    assert after.phase is Phase.RUNNING and after.generation == before.generation
+    assert sorted(after.placement) == ["n1", "n2"]
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        assert await store.get(keys.notice("n2")) is None
+    finally:
+        await store.close()
+    # every accepted event kept its subject, and it was its own node's
+    assert all(
+        str(r.get("subject", "")).startswith(f"sailor.{cluster.job}.events.{r['node_id']}.")
+        for r in recs
+        if r["kind"] == "event"
+    )
+    cluster.audit()
+
+
 async def test_nats_and_etcd_restart_mid_run(
     cluster: Cluster, nats_server: object, etcd_server: object
 ) -> None:
