@@ -17,7 +17,7 @@ data_app = typer.Typer(help="Tokenized training data (Megatron .bin/.idx).", no_
 
 @data_app.command("prepare")
 def prepare_cmd(
-    inputs: list[Path] = typer.Argument(  # noqa: B008
+    inputs: list[Path] = typer.Argument(
         None, help="Text files (one document each) or, with --jsonl-field, JSON-lines files."
     ),
     out: Path = typer.Option(..., "--out", help="Output prefix: OUT.bin/.idx/.json."),
@@ -59,7 +59,8 @@ def prepare_cmd(
             known = ", ".join(corpus.BUILTIN_CORPORA)
             raise fail(f"--builtin-corpus={builtin_corpus!r} is unknown; known: {known}")
         docs = corpus.builtin_corpus(builtin_corpus)
-        kind, names, version = "builtin", (builtin_corpus,), corpus.python_version()
+        names: tuple[str, ...] = (builtin_corpus,)
+        kind, version = "builtin", corpus.python_version()
     else:
         for p in inputs:
             if not p.is_file():
@@ -69,7 +70,8 @@ def prepare_cmd(
             if jsonl_field
             else corpus.text_documents(inputs)
         )
-        kind, names, version = ("jsonl" if jsonl_field else "text"), tuple(map(str, inputs)), None
+        names = tuple(map(str, inputs))
+        kind, version = ("jsonl" if jsonl_field else "text"), None
     opts = PrepareOptions(
         out=out,
         tokenizer=tokenizer,

@@ -348,8 +348,8 @@ class IndexedDatasetWriter:
             f.write(np.asarray(self._docs, dtype=np.int64).tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, self.idx_path)
+        self._tmp_bin.replace(self.bin_path)
+        tmp_idx.replace(self.idx_path)
 
     def abort(self) -> None:
         """Drop what was written (nothing appears under the final names)."""

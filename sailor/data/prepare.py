@@ -135,7 +135,7 @@ def prepare(
         for lo in range(0, len(texts), _CHUNK_DOCS):
             chunk = [texts[int(i)] for i in order[lo : lo + _CHUNK_DOCS]]
             for enc in tok.encode_batch(chunk, add_special_tokens=False):
-                ids = np.asarray(enc.ids + [eod_id], dtype=np.int64)
+                ids = np.asarray([*enc.ids, eod_id], dtype=np.int64)
                 writer.add_document(ids)
                 tokens_per_doc.append(len(ids))
             done_bytes += sum(len(t.encode("utf-8")) for t in chunk)

@@ -65,7 +65,9 @@ def open_prepared(
     if manifest is None and not mpath.is_file():
         ds = IndexedDataset(prefix)
         splits = document_split(ds.num_documents, validation_fraction)
-        return PreparedData(ds, None, {"train": splits["train"], "validation": splits["validation"]})
+        return PreparedData(
+            ds, None, {"train": splits["train"], "validation": splits["validation"]}
+        )
     if validation_fraction:
         raise ValueError(
             f"validation_fraction={validation_fraction}: the manifest {mpath} gives the splits"
@@ -74,13 +76,14 @@ def open_prepared(
     ds = IndexedDataset(prefix)
     if ds.num_documents != m.num_documents:
         raise IndexedDatasetError(
-            ds.idx_path, 26, f"{ds.num_documents} documents, the manifest {mpath} says "
-            f"{m.num_documents}",
+            ds.idx_path,
+            26,
+            f"{ds.num_documents} documents, the manifest {mpath} says {m.num_documents}",
         )
     if ds.num_tokens != m.num_tokens:
         raise IndexedDatasetError(
             ds.bin_path, 0, f"{ds.num_tokens} tokens, the manifest {mpath} says {m.num_tokens}"
         )
-    splits: dict[Split, range] = {k: r.documents for k, r in m.splits.items()}
-    splits.setdefault("validation", range(m.num_documents, m.num_documents))
-    return PreparedData(ds, m, splits)
+    ranges: dict[Split, range] = {k: r.documents for k, r in m.splits.items()}
+    ranges.setdefault("validation", range(m.num_documents, m.num_documents))
+    return PreparedData(ds, m, ranges)

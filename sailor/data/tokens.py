@@ -84,6 +84,10 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return len(self._stream)
 
+    def max_token(self) -> int:
+        """Largest token id of the split (one pass over it)."""
+        return int(self._stream.max(initial=0))
+
     @property
     def num_windows(self) -> int:
         """Distinct samples per epoch."""
@@ -113,7 +117,8 @@ class TokenDataset:
 
     def sample(self, k: int) -> npt.NDArray[np.int64]:
         """Tokens of sample ``k``, shape ``[seq_length + 1]``."""
-        return self.samples([k])[0]
+        out: npt.NDArray[np.int64] = self.samples([k])[0]
+        return out
 
     def batch(
         self, indices: Sequence[int] | range

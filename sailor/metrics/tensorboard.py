@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -119,12 +120,15 @@ class EventFileWriter:
             raise ValueError(f"{self.path}: writer is closed")
         self._f.write(_record(data))
 
-    def add_scalars(self, step: int, values: dict[str, float], wall_time: float | None = None) -> None:
+    def add_scalars(
+        self, step: int, values: Mapping[str, float | None], wall_time: float | None = None
+    ) -> None:
         """One event with a scalar per tag (``None`` values are left out)."""
         vals = {k: float(v) for k, v in values.items() if v is not None}
         if vals:
-            self._write(_event(time.time() if wall_time is None else wall_time, step,
-                               _scalar_summary(vals)))
+            self._write(
+                _event(time.time() if wall_time is None else wall_time, step, _scalar_summary(vals))
+            )
 
     def flush(self) -> None:
         if self._f is not None:
@@ -146,7 +150,7 @@ class ScalarEvent:
     scalars: dict[str, float] = field(default_factory=dict)
 
 
-class _Corrupt(ValueError):
+class _CorruptError(ValueError):
     pass
 
 
@@ -154,7 +158,7 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
     shift = n = 0
     while True:
         if i >= len(buf):
-            raise _Corrupt("varint runs past the end")
+            raise _CorruptError("varint runs past the end")
         b = buf[i]
         i += 1
         n |= (b & 0x7F) << shift
@@ -180,9 +184,9 @@ def _fields(buf: bytes) -> list[tuple[int, int, int | bytes]]:
             n, i = _read_varint(buf, i)
             val, i = buf[i : i + n], i + n
         else:
-            raise _Corrupt(f"wire type {wire} not supported")
+            raise _CorruptError(f"wire type {wire} not supported")
         if i > len(buf):
-            raise _Corrupt(f"field {no} runs past the end")
+            raise _CorruptError(f"field {no} runs past the end")
         out.append((no, wire, val))
     return out
 
@@ -233,7 +237,7 @@ def read_events(path: Path | str) -> list[ScalarEvent]:
             raise ValueError(f"{path}: at byte {off + 12}: data CRC mismatch")
         try:
             out.append(_decode_event(body))
-        except (_Corrupt, struct.error, UnicodeDecodeError) as exc:
+        except (_CorruptError, struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: at byte {off + 12}: bad Event: {exc}") from exc
         off = end
     return out

@@ -107,7 +107,8 @@ class DatasetManifest(WireMessage):
             raise field_error("splits", covered, f"do not tile documents 0..{self.num_documents}")
         if sum(r.tokens for r in self.splits.values()) != self.num_tokens:
             raise field_error(
-                "splits", {k: v.tokens for k, v in self.splits.items()},
+                "splits",
+                {k: v.tokens for k, v in self.splits.items()},
                 f"token counts do not add up to num_tokens={self.num_tokens}",
             )
         return self

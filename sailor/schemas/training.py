@@ -303,8 +303,9 @@ def parse_training_config(text: str, source: str = "<config>") -> TrainingConfig
     try:
         raw: Any = json.loads(text) if source.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"{source}: not valid {'JSON' if source.endswith('.json') else 'YAML'}"
-                         f": {exc}") from exc
+        raise ValueError(
+            f"{source}: not valid {'JSON' if source.endswith('.json') else 'YAML'}: {exc}"
+        ) from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: a training config is a mapping, got {type(raw).__name__}")
     try:
