@@ -41,9 +41,10 @@ def test_permute_is_a_bijection(n: int, key: int) -> None:
 def test_permute_pinned_values() -> None:
     """Frozen: changing these reorders every resumed run's data (checkpoints hold positions)."""
     assert permute(np.arange(10), 10, 1).tolist() == [7, 2, 8, 9, 3, 0, 6, 4, 5, 1]
-    assert permute([123_456], 1_000_000, 7).tolist() == permute(
-        np.arange(1_000_000), 1_000_000, 7
-    )[[123_456]].tolist()
+    assert (
+        permute([123_456], 1_000_000, 7).tolist()
+        == permute(np.arange(1_000_000), 1_000_000, 7)[[123_456]].tolist()
+    )
 
 
 def test_windows_cover_the_stream_once_per_epoch(dataset: IndexedDataset) -> None:
