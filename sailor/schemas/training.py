@@ -315,9 +315,14 @@ def parse_training_config(text: str, source: str = "<config>") -> TrainingConfig
         for err in exc.errors(include_url=False):
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in _TAGS))
             msg = err["msg"].removeprefix("Value error, ")
-            if "input" in err and err["type"] != "value_error":
+            if err["type"] == "missing":
+                lines.append(f"{source}: {_where(loc)}: {msg}")
+            elif "input" in err and err["type"] != "value_error":
                 lines.append(f"{source}: {_where(loc)}={err['input']!r}: {msg}")
-            elif loc:  # a validator's field_error: "field=value: why", relative to loc
+            elif loc and msg.startswith(str(loc[-1])):  # a field validator names its field
+                head = _where(loc[:-1])
+                lines.append(f"{source}: {head}.{msg}" if loc[:-1] else f"{source}: {msg}")
+            elif loc:  # a model validator's field_error: "field=value: why", relative to loc
                 lines.append(f"{source}: {_where(loc)}.{msg}")
             else:
                 lines.append(f"{source}: {msg}")
