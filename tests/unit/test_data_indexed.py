@@ -53,7 +53,8 @@ def test_layout_is_megatrons(tmp_path: Path) -> None:
     assert pointers.tolist() == [0, 16, 24, 48]
     assert docs.tolist() == [0, 1, 2, 3, 4]
     assert len(raw) == HEADER_SIZE + 4 * 4 + 8 * 4 + 8 * 5
-    assert (tmp_path / "ds.bin").read_bytes() == np.asarray(sum(DOCS, []), np.int32).tobytes()
+    flat = np.asarray([t for d in DOCS for t in d], np.int32)
+    assert (tmp_path / "ds.bin").read_bytes() == flat.tobytes()
 
 
 def test_multi_sequence_documents(tmp_path: Path) -> None:
@@ -69,10 +70,10 @@ def test_multi_sequence_documents(tmp_path: Path) -> None:
 
 
 def test_writer_refuses_ids_beyond_dtype_and_leaves_nothing(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"sequence 1: token ids 0\.\.70000 do not fit uint16"):
-        with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
-            w.add_document([1])
-            w.add_document([70000, 0])
+    w = IndexedDatasetWriter(tmp_path / "ds", np.uint16)
+    with pytest.raises(ValueError, match=r"sequence 1: token ids 0\.\.70000 do not fit uint16"), w:
+        w.add_document([1])
+        w.add_document([70000, 0])
     assert list(tmp_path.iterdir()) == []
 
 

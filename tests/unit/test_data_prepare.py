@@ -19,10 +19,11 @@ from sailor.schemas.dataset import DatasetManifest
 
 runner = CliRunner()
 
-_WORDS = (
+_SENTENCE = (
     "the pipeline stage sends activations to the next stage while the optimizer waits for "
     "gradients from every replica of the layer and the planner prices each plan"
-).split()
+)
+_WORDS = _SENTENCE.split()
 
 
 def _texts(n: int) -> list[str]:

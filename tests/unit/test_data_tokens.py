@@ -25,7 +25,7 @@ SEQ = 8
 def dataset(tmp_path: Path) -> IndexedDataset:
     rng = np.random.default_rng(0)
     with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
-        for d in range(20):
+        for _ in range(20):
             n = int(rng.integers(3, 40))
             w.add_document([*rng.integers(1, 500, n).tolist(), 0])  # 0 = EOD
     return IndexedDataset(tmp_path / "ds")
