@@ -102,3 +102,12 @@ def test_weight_decay_groups() -> None:
     assert not o.decays("3.attn_q.bias") and not o.decays("3.ln1.weight")
     assert not o.decays("5.norm.weight")
     assert OptimizerConfig(no_decay=()).decays("3.attn_q.bias")
+
+
+def test_deploy_example_is_valid() -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "deploy/config/training.example.yaml"
+    tc = parse_training_config(path.read_text(), str(path))
+    assert isinstance(tc.data, IndexedData) and tc.schedule.decay == "cosine"
+    assert tc.lr_at(0) == pytest.approx(1e-5)
