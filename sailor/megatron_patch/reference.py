@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sailor.megatron_patch.data import SyntheticTokens
+from sailor.megatron_patch.data import SyntheticTokens, TokenSource
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.schemas.model import ModelSpec
@@ -40,11 +40,16 @@ def train_reference(
     cfg: TrainConfig,
     consumed_samples: int = 0,
     microbatch_size: int | None = None,
+    data: TokenSource | None = None,
 ) -> ReferenceRun:
-    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory."""
+    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory.
+
+    ``data``: the samples (default: the engine's synthetic tokens of ``cfg.seed``).
+    """
     model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True)
     opt = make_optimizer(model.parameters(), cfg)
-    data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    if data is None:
+        data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
     mbs = microbatch_size or global_batch_size
     run = ReferenceRun()
     pos = consumed_samples

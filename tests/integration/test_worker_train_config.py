@@ -1,7 +1,8 @@
 """``sailor worker --train-config``: real text from ``sailor data prepare`` through the engine.
 
-Two layouts (one rank; a two-stage pipeline with other microbatches) read the same samples of a
-prepared corpus at the same data positions, so their losses agree at every step; rank 0
+Two layouts (one rank; a two-stage pipeline with other microbatches) and plain single-process
+training read the same samples of a prepared corpus at the same data positions, so their
+losses agree at every step; rank 0
 writes the step metrics as JSON lines and TensorBoard events. A config with a wrong field
 is refused by the rank before any process group starts, naming the field and value.
 """
@@ -17,9 +18,13 @@ import pytest
 
 from sailor.data.corpus import builtin_corpus
 from sailor.data.prepare import PrepareOptions, prepare
+from sailor.megatron_patch.data import build_dataset
+from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.launch import launch_local
+from sailor.megatron_patch.reference import train_reference
 from sailor.metrics import read_events
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.training import SpecFileModel, parse_training_config
 
 STEPS = 4
 VOCAB = 320
@@ -73,6 +78,15 @@ def test_layouts_agree_on_prepared_text(config: Path, tmp_path: Path) -> None:
     assert len(losses[0]) == STEPS
     assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
     assert losses[0][-1] < losses[0][0]
+
+    # and one plain process on the same samples (the reference takes the data set)
+    tc = parse_training_config(config.read_text(), str(config))
+    assert isinstance(tc.model, SpecFileModel) and tc.model.spec is not None
+    spec = tc.model.spec
+    data = build_dataset(tc.data, spec, tc.seed, base_dir=config.parent)
+    cfg = TrainConfig(seed=tc.seed, lr=tc.optimizer.lr, weight_decay=tc.optimizer.weight_decay)
+    ref = train_reference(spec, 4, STEPS, cfg, data=data)
+    assert losses[0] == pytest.approx(ref.losses, rel=1e-5, abs=1e-6)
 
     out = config.parent / "out"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
