@@ -31,7 +31,9 @@ def prepare_cmd(
         None, "--jsonl-field", help="INPUTS are JSON lines; the document text is this field."
     ),
     tokenizer: Path | None = typer.Option(
-        None, "--tokenizer", help="A tokenizers/transformers tokenizer.json (local file)."
+        None,
+        "--tokenizer",
+        help="A tokenizers/transformers tokenizer.json, or a directory holding one (local).",
     ),
     vocab_size: int = typer.Option(
         4096, "--vocab-size", help="Without --tokenizer: train a byte-level BPE of this size."

@@ -37,9 +37,16 @@ Gemma-style, Llama-3, BERT-style)."""
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    """A tokenizer from a local ``tokenizer.json``."""
+    """A tokenizer from a local ``tokenizer.json``, or a directory holding one (what
+    ``transformers``' ``save_pretrained`` writes for a fast tokenizer)."""
     from tokenizers import Tokenizer
 
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{path}: no tokenizer.json in this directory (only fast tokenizers are read)"
+            )
+        path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no tokenizer file")
     try:

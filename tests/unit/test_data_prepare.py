@@ -96,7 +96,9 @@ def test_jsonl_with_a_tokenizer_file(tmp_path: Path) -> None:
         str(txt), "--out", str(first), "--vocab-size", "280", "--validation-fraction", "0"
     )
     assert m0.splits["validation"].documents == range(1, 1)
-    tok_file = first.parent / m0.tokenizer.path
+    tok_dir = tmp_path / "tok"  # as transformers' save_pretrained leaves a fast tokenizer
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_bytes((first.parent / m0.tokenizer.path).read_bytes())
 
     jl = tmp_path / "docs.jsonl"
     jl.write_text("\n".join(json.dumps({"id": i, "content": t}) for i, t in enumerate(texts)))
@@ -106,7 +108,7 @@ def test_jsonl_with_a_tokenizer_file(tmp_path: Path) -> None:
         "--jsonl-field",
         "content",
         "--tokenizer",
-        str(tok_file),
+        str(tok_dir),
         "--out",
         str(out),
         "--validation-fraction",
