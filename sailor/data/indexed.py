@@ -117,7 +117,11 @@ class IndexedDataset:
         size = idx.stat().st_size
         with idx.open("rb") as f:
             head = f.read(HEADER_SIZE)
-        if len(head) < len(INDEX_MAGIC) or head[: len(INDEX_MAGIC)] != INDEX_MAGIC:
+        if len(head) < len(INDEX_MAGIC) and INDEX_MAGIC.startswith(head):
+            raise IndexedDatasetError(
+                idx, size, f"truncated header: {size} bytes, the header needs {HEADER_SIZE}"
+            )
+        if head[: len(INDEX_MAGIC)] != INDEX_MAGIC:
             raise IndexedDatasetError(
                 idx, 0, f"magic {head[:9]!r} is not {INDEX_MAGIC!r} (not an MMIDIDX index)"
             )

@@ -230,7 +230,7 @@ def _config_model(tc: TrainingConfig, base: Path, arg: str | None, plan: Plan) -
     if isinstance(src, SpecFileModel):
         if src.spec is not None:
             return src.spec.model_copy(update={"global_batch_size": plan.global_batch_size})
-        return load_model(str(base / src.path if src.path else ""), plan)
+        return load_model(str(base / (src.path or "")), plan)
     raise ValueError(
         f"model.kind={src.kind!r}: Hugging Face models are not built by this engine yet"
     )

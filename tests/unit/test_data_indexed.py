@@ -131,6 +131,10 @@ def test_truncated_index_is_refused_with_offset(tmp_path: Path) -> None:
     raw = i.read_bytes()
     i.write_bytes(raw[:20])
     _refused(tmp_path / "ds", "ds.idx", 20, "truncated header")
+    i.write_bytes(raw[:4])
+    _refused(tmp_path / "ds", "ds.idx", 4, "truncated header")
+    i.write_bytes(b"")
+    _refused(tmp_path / "ds", "ds.idx", 0, "truncated header")
     i.write_bytes(raw[: HEADER_SIZE + 16 + 5])  # inside the pointers
     _refused(tmp_path / "ds", "ds.idx", HEADER_SIZE + 16, "the sequence pointers need bytes")
     i.write_bytes(raw[:-8])  # last document index missing
