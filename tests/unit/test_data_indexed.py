@@ -176,3 +176,28 @@ def test_empty_dataset(tmp_path: Path) -> None:
         pass
     ds = IndexedDataset(tmp_path / "ds.idx")
     assert len(ds) == 0 and ds.num_documents == 0 and ds.num_tokens == 0
+
+
+def test_megatron_reads_ours_and_we_read_megatrons(tmp_path: Path) -> None:
+    """Cross-check with Megatron-core's own reader and builder, when it is importable."""
+    mc = pytest.importorskip(
+        "megatron.core.datasets.indexed_dataset",
+        reason="megatron-core is not installed (optional); the byte layout test above pins "
+        "the format",
+    )
+    import torch
+
+    _write(tmp_path / "ours")
+    theirs = mc.IndexedDataset(str(tmp_path / "ours"))
+    assert len(theirs) == len(DOCS)
+    assert [theirs[i].tolist() for i in range(len(DOCS))] == DOCS
+    assert theirs.document_indices.tolist() == [0, 1, 2, 3, 4]
+
+    builder = mc.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.int32)
+    for d in DOCS:
+        builder.add_item(torch.tensor(d))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "m.idx"))
+    ours = IndexedDataset(tmp_path / "m")
+    assert ours.dtype == np.int32 and ours.num_documents == len(DOCS)
+    assert [ours[i].tolist() for i in range(len(ours))] == DOCS
