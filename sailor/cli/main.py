@@ -9,6 +9,7 @@ from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.certs_cmd import certs_app
 from sailor.cli.check_cmd import check
 from sailor.cli.config_cmd import config_app
+from sailor.cli.data_cmd import data_app
 from sailor.cli.demo_cmd import demo
 from sailor.cli.import_cmd import import_app
 from sailor.cli.plan_cmd import plan_cmd
@@ -41,6 +42,7 @@ app.command("check")(check)
 app.command("audit")(audit)
 app.add_typer(config_app, name="config")
 app.add_typer(certs_app, name="certs")
+app.add_typer(data_app, name="data")
 app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 

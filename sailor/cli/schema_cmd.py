@@ -29,6 +29,8 @@ SCHEMAS: dict[str, type[BaseModel] | TypeAdapter[object]] = {
     "command": s.CommandAdapter,  # type: ignore[dict-item]
     "checkpoint-manifest": s.CheckpointManifest,
     "check-report": CheckReport,
+    "training-config": s.TrainingConfig,
+    "dataset-manifest": s.DatasetManifest,
 }
 
 

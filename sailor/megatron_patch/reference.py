@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sailor.megatron_patch.data import SyntheticTokens
+from sailor.megatron_patch.data import SyntheticTokens, TokenSource
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.schemas.model import ModelSpec
@@ -41,16 +41,20 @@ def train_reference(
     consumed_samples: int = 0,
     microbatch_size: int | None = None,
     device: torch.device | None = None,
+    data: TokenSource | None = None,
 ) -> ReferenceRun:
     """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory.
 
     ``device`` (default the CPU) holds the model and the batches; the initialisation is drawn
     on the CPU either way, so every device starts from the same weights. Returned parameters
-    are on that device."""
+    are on that device. ``data``: the samples (default: the engine's synthetic tokens of
+    ``cfg.seed``).
+    """
     dev = device or torch.device("cpu")
     model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True).to(dev)
     opt = make_optimizer(model.parameters(), cfg)
-    data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    if data is None:
+        data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
     mbs = microbatch_size or global_batch_size
     run = ReferenceRun()
     pos = consumed_samples

@@ -5,7 +5,8 @@ Usage::
     python -m sailor.megatron_patch.worker --plan PLAN.json --rank R --world-size W \\
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
-        [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3]
+        [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3] \\
+        [--train-config run.yaml]
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
@@ -36,6 +37,14 @@ in lockstep with the other ranks) until a save request, SIGTERM or ``--pause-tim
 ``--ckpt-dir DIR --load-step S`` resumes from the committed checkpoint of step ``S`` under any
 layout: the trainer starts at its step and data position.
 
+``--train-config FILE`` (a :class:`~sailor.schemas.training.TrainingConfig`, YAML or JSON) is
+read and validated first, before the backend or any process group starts: a wrong field is a
+configuration error naming the field and its value. It gives the model (unless ``--model``),
+the seed and AdamW settings, the data set (synthetic or a Megatron indexed dataset, paths
+relative to the file) and where rank 0 writes per-step metrics (JSON lines, TensorBoard:
+:mod:`sailor.metrics`). LR schedule, clipping, evaluation and periodic checkpoints of the
+config are not applied by this engine yet.
+
 Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
 package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
 sailor.worker`` pass the layer-keyed one of :mod:`sailor.worker.ckpt_glue`. The ``sailor``
@@ -60,6 +69,7 @@ _T_START = time.time()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from sailor import catalog  # noqa: E402
 from sailor.comm import api as comm  # noqa: E402
 from sailor.comm import strict as strict_comm  # noqa: E402
 from sailor.megatron_patch.affinity import (  # noqa: E402
@@ -74,6 +84,7 @@ from sailor.megatron_patch.control import (  # noqa: E402
     agree_dir,
     read_control,
 )
+from sailor.megatron_patch.data import build_dataset  # noqa: E402
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
@@ -92,8 +103,15 @@ from sailor.megatron_patch.model import TINY_MODELS, tiny_model  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
+from sailor.metrics import MetricsLogger, step_metrics  # noqa: E402
 from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
+from sailor.schemas.training import (  # noqa: E402
+    BuiltinModel,
+    SpecFileModel,
+    TrainingConfig,
+    parse_training_config,
+)
 
 __all__ = ["CheckpointIO", "build_parser", "load_model", "main"]
 
@@ -163,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Bind this rank (and the threads it starts) to these cores, e.g. 0 or 0,2-3.",
     )
     p.add_argument(
+        "--train-config",
+        default=None,
+        help="TrainingConfig file (YAML/JSON): model, data, optimizer, metrics; see "
+        "`sailor schema training-config`.",
+    )
+    p.add_argument(
         "--min-step-s",
         type=float,
         default=0.0,
@@ -183,6 +207,36 @@ def load_model(arg: str | None, plan: Plan) -> ModelSpec:
     if spec.global_batch_size != plan.global_batch_size:
         spec = spec.model_copy(update={"global_batch_size": plan.global_batch_size})
     return spec
+
+
+def load_train_config(path: str) -> TrainingConfig:
+    """The training config of ``--train-config``; a wrong field is a ``ValueError`` naming
+    the file, the field and its value (a configuration error: not retried)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--train-config={path!r}: cannot read ({exc.strerror or exc})") from exc
+    return parse_training_config(text, path)
+
+
+def _config_model(tc: TrainingConfig, base: Path, arg: str | None, plan: Plan) -> ModelSpec:
+    """The model of the run: ``--model`` if given, else the config's model source."""
+    src = tc.model
+    if arg is not None:
+        return load_model(arg, plan)
+    if isinstance(src, BuiltinModel):
+        if src.name in TINY_MODELS:
+            return tiny_model(src.name, plan.global_batch_size)
+        return catalog.model(src.name).model_copy(
+            update={"global_batch_size": plan.global_batch_size}
+        )
+    if isinstance(src, SpecFileModel):
+        if src.spec is not None:
+            return src.spec.model_copy(update={"global_batch_size": plan.global_batch_size})
+        return load_model(str(base / (src.path or "")), plan)
+    raise ValueError(
+        f"model.kind={src.kind!r}: Hugging Face models are not built by this engine yet"
+    )
 
 
 def _sub(path: str | None, rank: int) -> str | None:
@@ -303,10 +357,25 @@ class _Boundary:
         self.progress.emit({"event": "stopped", "rank": self.args.rank, "step": tr.step})
 
 
+def _metrics_logger(tc: TrainingConfig | None, base: Path, rank: int) -> MetricsLogger | None:
+    """Rank 0's metrics logger (the figures are global per iteration), if the config asks."""
+    if tc is None or rank != 0:
+        return None
+    m = tc.metrics
+    if m.jsonl is None and m.tensorboard_dir is None:
+        return None
+    jsonl = base / (_sub(m.jsonl, rank) or "") if m.jsonl else None
+    tb = base / m.tensorboard_dir if m.tensorboard_dir else None
+    return MetricsLogger(jsonl, tb)
+
+
 def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
+    tc = load_train_config(args.train_config) if args.train_config else None
     plan = Plan.model_validate_json(Path(args.plan).read_text())
-    spec = load_model(args.model, plan)
+    base = Path(args.train_config).parent if args.train_config else Path.cwd()
+    spec = load_model(args.model, plan) if tc is None else _config_model(tc, base, args.model, plan)
+    data = build_dataset(tc.data, spec, tc.seed, base_dir=base) if tc is not None else None
     role = role_of(plan, args.rank)
     if role.world_size != args.world_size:
         raise ValueError(f"--world-size={args.world_size}: the plan has {role.world_size} ranks")
@@ -324,6 +393,17 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     echo = args.rank == 0 or bool(args.control)
     progress = _Progress(_sub(args.progress, args.rank), echo=echo)
     cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
+    if tc is not None:
+        o = tc.optimizer
+        cfg = TrainConfig(
+            seed=tc.seed,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            beta1=o.betas[0],
+            beta2=o.betas[1],
+            eps=o.eps,
+        )
+    metrics = _metrics_logger(tc, base, args.rank)
     t0 = time.time()
     dist.init_process_group(
         backend,
@@ -353,6 +433,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         args.consumed_samples,
         precision=job_precision(plan, spec, device),
     )
+    if data is not None:
+        # The Trainer reads its samples through data.batch(indices) (TokenSource); until it
+        # takes the data set as an argument, the worker swaps it in before the first step.
+        trainer.data = data  # type: ignore[assignment]
     if resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
     t_loaded = time.time()
@@ -397,9 +481,31 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
                 "time": time.time(),
             }
         )
+        if metrics is not None and res.step % metrics_every == 0:
+            metrics.log(
+                res.step,
+                step_metrics(
+                    plan,
+                    spec,
+                    step=res.step,
+                    step_s=res.step_s,
+                    loss=res.loss,
+                    lr=cfg.lr,
+                    precision=precision,
+                    specs=catalog.gpus(),
+                ),
+            )
 
+    precision = plan.resolved_precision(catalog.gpus(), spec.precision)
+    if tc is not None and tc.precision != "auto":
+        precision = tc.precision
+    if backend == "gloo":
+        precision = "fp32"  # the engine computes in fp32 on CPU
+    metrics_every = tc.metrics.every_steps if tc is not None else 1
     boundary = _Boundary(args, status, progress, ckpt, device)
     trainer.run(args.steps, hook=boundary, on_step=on_step)
+    if metrics is not None:
+        metrics.close()
     if ckpt is not None:
         ckpt.close()
     dump = _sub(args.dump_state, args.rank)

@@ -15,6 +15,7 @@ from sailor.schemas.commands import (
     Prepare,
     Stop,
 )
+from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
 from sailor.schemas.estimate import Estimate, MemoryBreakdown, StageTime, TimeBreakdown
 from sailor.schemas.events import (
     Event,
@@ -45,6 +46,7 @@ from sailor.schemas.profile import (
     LayerSize,
     ProfileDB,
 )
+from sailor.schemas.training import TrainingConfig, parse_training_config
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -55,7 +57,10 @@ __all__ = [
     "CheckpointManifest",
     "Command",
     "CommandAdapter",
+    "CorpusSource",
+    "DatasetManifest",
     "DeviceOverhead",
+    "DocumentRange",
     "EgressPrice",
     "Endpoint",
     "Estimate",
@@ -96,8 +101,11 @@ __all__ = [
     "Stop",
     "TensorEntry",
     "TimeBreakdown",
+    "TokenizerInfo",
+    "TrainingConfig",
     "WireMessage",
     "WorkerFailed",
     "Zone",
     "layer_segments",
+    "parse_training_config",
 ]
