@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor import catalog
+from sailor.cli.tables import print_table
 from sailor.schemas import NetworkProfile, Pool, ProfileDB
 
 __all__ = ["plan_section"]
@@ -89,7 +90,7 @@ def plan_section(con: Console, out: Path) -> dict[str, Any]:
             str(p.num_gpus),
             desc,
         )
-    con.print(t)
+    print_table(con, t)
     best = ranked[0]
     ratio = best.estimate.throughput_iter_s / base[0].estimate.throughput_iter_s if base else 0.0
     con.print(
