@@ -113,6 +113,10 @@ def plan_section(con: Console, out: Path) -> dict[str, Any]:
         f"{est.peak_memory_bytes / 2**30:.1f} GiB; schedule drawn to {png}"
     )
     (out / "demo-plan.json").write_text(best.plan.model_dump_json(indent=2))
+    con.print(
+        f"  best plan written to {out / 'demo-plan.json'} "
+        f"(`sailor simulate {out / 'demo-plan.json'}` shows its breakdown)"
+    )
     return {
         "search_time_s": search_s,
         "best_throughput_iter_s": best.estimate.throughput_iter_s,
