@@ -61,9 +61,16 @@ def plot_run(
     cmap = plt.get_cmap("tab10")
     for i, g in enumerate(gens):
         ps = sorted((p for p in points if p.generation == g), key=lambda p: p.time)
-        style = {"color": cmap(i % 10), "ms": 3}
-        ax1.plot([p.time - t0 for p in ps], [p.loss for p in ps], ".-", **style)
-        ax3.plot([p.step for p in ps], [p.loss for p in ps], ".", label=f"generation {g}", **style)
+        color = cmap(i % 10)
+        ax1.plot([p.time - t0 for p in ps], [p.loss for p in ps], ".-", color=color, ms=3)
+        ax3.plot(
+            [p.step for p in ps],
+            [p.loss for p in ps],
+            ".",
+            color=color,
+            ms=3,
+            label=f"generation {g}",
+        )
     if reference:
         ax3.plot(
             range(1, len(reference) + 1),
