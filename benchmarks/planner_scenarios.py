@@ -266,8 +266,9 @@ def main() -> None:
                 print(f"    peer {peer}")
             if "orig_time" in r:
                 print(
-                    "    original planner search time (its own report, excluding its 6-9 s "
-                    f"precomputation): {r['orig_time']:.2f} s"
+                    "    original planner search time, quoted, not measured in this run: "
+                    f"{r['orig_time']:.2f} s, excluding its 6-9 s precomputation (source: its "
+                    "own report in the artifact's planner_results/)"
                 )
 
 

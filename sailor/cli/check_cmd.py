@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli._io import load_model
+from sailor.cli.tables import print_table
 
 if TYPE_CHECKING:
     from sailor.schemas.node_check import CheckReport
@@ -77,7 +78,7 @@ def _print(report: CheckReport) -> None:
         t.add_row(
             line.check, f"[{_STYLE[line.verdict]}]{line.verdict}[/]", line.detail, line.action
         )
-    con.print(t)
+    print_table(con, t)
     if report.serves:
         con.print(f"[green]ready[/]: this node can serve ({report.verdict})")
     else:

@@ -13,7 +13,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sailor import catalog
-from sailor.cli._io import fail, load_model, load_raw
+from sailor.cli._io import fail, load_model, load_raw, write_json
+from sailor.cli.tables import print_table
 from sailor.importers.sailor_format import export_plan
 from sailor.planner import (
     Constraints,
@@ -135,7 +136,7 @@ def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
             t.add_column(col)
         for row in _stage_summary(r):
             t.add_row(*row[:5])
-        con.print(t)
+        print_table(con, t)
         if e.uses_estimates:
             con.print(
                 "  [yellow]rests on estimated profiles[/yellow] for "
@@ -222,6 +223,12 @@ def plan_cmd(
     export_sailor: Path | None = typer.Option(
         None, help="Write the best plan in the original artifact's plan-config format."
     ),
+    output: Path | None = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Write the best plan as a Plan file (`sailor schema plan`) for `sailor simulate`.",
+    ),
 ) -> None:
     """Search plans: which GPUs to use and how to parallelize the model on them."""
     t0 = time.perf_counter()
@@ -299,6 +306,10 @@ def plan_cmd(
         )
     else:
         _print(res, elapsed, explain)
+    if output is not None and res.plans:
+        write_json(res.plans[0].plan, output)
+        if show:
+            Console(stderr=True).print(f"plan #1 written to {output}")
     if export_sailor is not None and res.plans:
         _export(res, export_sailor)
     if not res.plans:

@@ -23,14 +23,21 @@ from rich.table import Table
 
 from sailor import catalog
 from sailor.cli._io import fail, load_model, write_json
-from sailor.profiler.merge import load_db, merge_db, save_db
-from sailor.schemas import Endpoint, ModelSpec, NetworkProfile
+from sailor.cli.tables import print_table
+from sailor.profiler.merge import merge_db, save_db
+from sailor.schemas import Endpoint, ModelSpec, NetworkProfile, ProfileDB
 from sailor.schemas.network import CollectiveLatency
 
 if TYPE_CHECKING:
     from sailor.profiler.calibrated_estimate import LooRow
 
 __all__ = ["profile_app"]
+
+
+def _existing_db(path: Path) -> ProfileDB | None:
+    """The database to merge into: None if ``path`` does not exist yet."""
+    return load_model(path, ProfileDB) if path.exists() else None
+
 
 profile_app = typer.Typer(
     help="Measure layer times/sizes and link bandwidth here; estimate other GPUs.",
@@ -129,9 +136,10 @@ def layers_cmd(
     memory: bool = typer.Option(True, help="Measure peak memory growth (a separate pass)."),
     overhead: bool = typer.Option(True, help="Measure the process overhead (CPU only)."),
     host_ranks: int = typer.Option(
-        4,
-        help="CPU: measure how 1..N ranks on this host share its cores (0: skip). The "
-        "simulator uses it for plans whose ranks run on one host.",
+        0,
+        help="CPU test scaffolding, opt-in: measure how 1..N ranks on this host share its "
+        "cores (0, the default: skip). Only the CPU closed-loop benchmark "
+        "(benchmarks/simulator_vs_cpu.py) uses it; GPU ranks have a device each.",
     ),
     host_pin: bool = typer.Option(
         False,
@@ -197,7 +205,7 @@ def layers_cmd(
         except (RuntimeError, ValueError) as exc:
             raise fail(str(exc)) from exc
         bar.update(task, description="done")
-    merged, dropped = merge_db(load_db(out), db)
+    merged, dropped = merge_db(_existing_db(out), db)
     save_db(merged, out)
     t = Table(title=f"{spec.name} on {gpu_type} ({db.meta.get(f'{gpu_type}.device', device)})")
     for col in ("layer", "kind", "tp", "mbs", "fwd ms", "±", "bwd ms", "±", "update ms"):
@@ -223,7 +231,7 @@ def layers_cmd(
             f"{m.saved_bytes / 1024:.1f}",
             f"{m.peak_growth_bytes / 1024:.1f}",
         )
-    con.print(t)
+    print_table(con, t)
     if n > len(shown):
         con.print(f"(blocks 2..{n - 3} are in the database, not shown)")
     for o in db.overheads:
@@ -411,7 +419,7 @@ def network_cmd(
             f"{curve.gbps(p.nbytes):.3f}",
             f"{100 * r:+.1f}%",
         )
-    con.print(t)
+    print_table(con, t)
     c0, c1, c2 = curve.coeffs
     con.print(
         f"GB/s = {c0:.4g}·L² + {c1:.4g}·L + {c2:.4g} (L = log2(bytes/1e6)), "
@@ -446,9 +454,7 @@ def estimate_cmd(
         measured_grid,
     )
 
-    db = load_db(from_db)
-    if db is None:
-        raise fail(f"{from_db}: no such file")
+    db = load_model(from_db, ProfileDB)
     spec = _model(db.model, model_file)
     specs = catalog.gpus()
     if gpu not in specs:
@@ -468,7 +474,7 @@ def estimate_cmd(
         }
     )
     target = out or from_db
-    merged, dropped = merge_db(load_db(target), est)
+    merged, dropped = merge_db(_existing_db(target), est)
     save_db(merged, target)
     con = Console()
     con.print(
@@ -491,7 +497,7 @@ def estimate_cmd(
     for g, rs in sorted(by.items()):
         t.add_row(g, str(len(rs)), *_errs(rs))
     t.add_row("all", str(len(rows)), *_errs(rows), style="bold")
-    con.print(t)
+    print_table(con, t)
 
 
 def _errs(rs: list[LooRow]) -> list[str]:

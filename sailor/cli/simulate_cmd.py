@@ -10,6 +10,7 @@ from rich.table import Table
 
 from sailor import catalog
 from sailor.cli._io import fail, load_model, write_json
+from sailor.cli.tables import print_table
 from sailor.schemas import Estimate, ModelSpec, NetworkProfile, Plan, PriceTable, ProfileDB
 from sailor.schemas.calibration import Calibration
 from sailor.simulator import ProfileLookupError, simulate, simulate_with_timeline
@@ -79,7 +80,7 @@ def _print(est: Estimate, plan: Plan) -> None:
         t.add_row(name, f"{v:.4f}")
     t.add_row("fits in memory", "yes" if est.fits_in_memory else "NO")
     t.add_row("rests on estimated profiles", "yes" if est.uses_estimates else "no")
-    con.print(t)
+    print_table(con, t)
     m = Table(
         "pipeline",
         "stage",
@@ -109,7 +110,7 @@ def _print(est: Estimate, plan: Plan) -> None:
             f"{r.total / g:.2f}",
             f"{r.capacity / g:.1f}",
         )
-    con.print(m)
+    print_table(con, m)
     for n in est.notes:
         con.print(f"[dim]note: {n}[/dim]")
 

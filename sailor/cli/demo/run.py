@@ -143,7 +143,7 @@ def _report(
     ref = train_reference(tiny_model("tiny-gpt", gbs), gbs, last, TrainConfig(seed=0)).losses
     commits = [int(r["step"]) for r in records if r.get("kind") == "commit"]
     reconfs = reconfigurations(records, scn.injections, points)
-    png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png")
+    png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png", reference=ref)
     summ = summary(points, reconfs, compare_losses(points, ref, commits), wall, str(png), audit_ok)
     summ["leftover_processes"] = leftovers
     print_summary(con, summ)
