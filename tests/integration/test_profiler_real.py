@@ -193,7 +193,14 @@ def test_host_sharing_measured_with_real_ranks() -> None:
 
 
 def test_host_speed_check_runs_the_model_on_every_core() -> None:
-    from sailor.profiler.host_speed import SpeedProbe, drift, nominal
+    """The probe measures the host, and its comparisons see a core being shared.
+
+    Catches processes that do not measure the same work (both run one model on one core,
+    so at the usual speed their times alone agree), "together" windows that do not overlap,
+    and a usual speed or drift that loses the difference between a free core and a shared
+    one (the disturbance the check exists to flag).
+    """
+    from sailor.profiler.host_speed import SpeedCheck, SpeedProbe, nominal, same_speed
 
     spec = catalog.model("tiny-gpt")
     with SpeedProbe(spec, mbs=2, cores=[0, 0]) as probe:
@@ -203,10 +210,16 @@ def test_host_speed_check_runs_the_model_on_every_core() -> None:
     # two processes bound to one core: together, each gets about half of it (in at least one
     # check: another tenant may slow the core down during an "alone" window)
     assert max(c.together_s[0] / c.alone_s[0] for c in checks) > 1.3
-    # the fastest seen is no slower than any check
     usual = nominal(checks)
-    assert all(c.slowest_ratio(usual) >= 1.0 for c in checks)
-    assert drift(checks[0], checks[1]) >= 0.0
+    # the same model on the same core: at the usual (fastest seen) speed the two processes
+    # alone take the same time (measured 0.85-1.15 apart with load average 16 on 2 cores)
+    ratio = usual.alone_s[0] / usual.alone_s[1]
+    assert 1 / 1.5 < ratio < 1.5, usual.describe()
+    # the host as it is alone against the same host with its core shared by two processes:
+    # not the same speed (drift measured 0.49-1.15 under that load, ~1 when quiet)
+    free = SpeedCheck(at_s=usual.at_s, alone_s=usual.alone_s, together_s=usual.alone_s)
+    shared = SpeedCheck(at_s=usual.at_s, alone_s=usual.together_s, together_s=usual.together_s)
+    assert not same_speed(free, shared), usual.describe()
 
 
 def test_network_probe_one_side_per_node(tmp_path: Path) -> None:
