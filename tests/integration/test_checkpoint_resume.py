@@ -28,6 +28,7 @@ import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -130,21 +131,12 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         step, consumed = io.position(job["resume_from"], job["resume_step"])
     tr = Trainer(plan, spec, role, groups, TrainConfig(seed=0), torch.device("cpu"), step, consumed)
     if job["resume_from"]:
-        # Record whether restore_trainer took the zero-copy path (fp32 CPU parameters).
-        load_for_rank, into_used = ckpt_glue.load_for_rank, []
-
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            into_used.append(kwargs.get("into") is not None)
-            return load_for_rank(*args, **kwargs)
-
         ptrs = [p.data_ptr() for p in tr.stage.parameters()]
-        ckpt_glue.load_for_rank = spy  # type: ignore[assignment]
-        try:
+        # Watched to see that restore_trainer took the zero-copy path (fp32 CPU parameters).
+        with mock.patch.object(ckpt_glue, "load_for_rank", wraps=load_for_rank) as read:
             io.restore(tr, job["resume_from"], job["resume_step"])
-        finally:
-            ckpt_glue.load_for_rank = load_for_rank  # type: ignore[assignment]
         check = _restored(tr, job["resume_from"], plan, rank, job["resume_step"])
-        check["into"] = into_used == [True]
+        check["into"] = [c.kwargs.get("into") is not None for c in read.call_args_list] == [True]
         check["same_storage"] = ptrs == [p.data_ptr() for p in tr.stage.parameters()]
         check["position"] = [tr.step, tr.consumed_samples]
         Path(job["save_to"], f"restored-{rank}.json").write_text(json.dumps(check))
@@ -153,7 +145,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         io.wait()  # the save in flight overlapped one iteration, as in the worker
         if t.step in job["save_at"]:
             io.save(t, job["save_to"])
-        return t.step >= job["end_step"]
+        return bool(t.step >= job["end_step"])
 
     losses = [r.loss for r in tr.run(job["end_step"] - step, hook=hook)]
     io.close()

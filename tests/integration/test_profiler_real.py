@@ -195,10 +195,10 @@ def test_host_sharing_measured_with_real_ranks() -> None:
 def test_host_speed_check_runs_the_model_on_every_core() -> None:
     """The probe measures the host, and its comparisons see a core being shared.
 
-    Catches processes that do not measure the same work (both run one model on one core,
-    so at the usual speed their times alone agree), "together" windows that do not overlap,
-    and a usual speed or drift that loses the difference between a free core and a shared
-    one (the disturbance the check exists to flag).
+    Catches a usual speed that is not a speed the host showed (a mean, a model, a mix of
+    cores or modes), and "together" windows that do not overlap or a drift that misses the
+    difference between a free core and a shared one (the disturbance the check exists to
+    flag).
     """
     from sailor.profiler.host_speed import SpeedCheck, SpeedProbe, nominal, same_speed
 
@@ -211,14 +211,18 @@ def test_host_speed_check_runs_the_model_on_every_core() -> None:
     # check: another tenant may slow the core down during an "alone" window)
     assert max(c.together_s[0] / c.alone_s[0] for c in checks) > 1.3
     usual = nominal(checks)
-    # the same model on the same core: at the usual (fastest seen) speed the two processes
-    # alone take the same time (measured 0.85-1.15 apart with load average 16 on 2 cores)
-    ratio = usual.alone_s[0] / usual.alone_s[1]
-    assert 1 / 1.5 < ratio < 1.5, usual.describe()
+    # the usual speed is the fastest each process showed, per mode: a time measured, not
+    # one made up between checks or taken from the other mode
+    for mode in ("alone_s", "together_s"):
+        for core in range(2):
+            seen = [getattr(c, mode)[core] for c in checks]
+            assert getattr(usual, mode)[core] == min(seen), (mode, core, seen)
     # the host as it is alone against the same host with its core shared by two processes:
-    # not the same speed (drift measured 0.49-1.15 under that load, ~1 when quiet)
+    # slower (some time by 1.49-2.15x with load average 16 on 2 cores; the direction
+    # matters, as noise can move a time either way), and not the same speed
     free = SpeedCheck(at_s=usual.at_s, alone_s=usual.alone_s, together_s=usual.alone_s)
     shared = SpeedCheck(at_s=usual.at_s, alone_s=usual.together_s, together_s=usual.together_s)
+    assert shared.slowest_ratio(free) > 1.2, usual.describe()
     assert not same_speed(free, shared), usual.describe()
 
 
