@@ -170,6 +170,11 @@ def deepspeed_config(
         "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise
+        # (runtime/constants.py GRADIENT_CLIPPING_DEFAULT; engine._take_model_step), and
+        # Sailor's engine does not clip: with clipping, AdamW sees each step's gradients
+        # scaled by another factor and drifts from the reference by ~0.4 lr per element.
+        "gradient_clipping": 0.0,
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -26,11 +26,13 @@ __all__ = ["ReferenceRun", "train_reference"]
 
 @dataclass
 class ReferenceRun:
-    """Losses per iteration, final full parameters, and seconds per iteration."""
+    """Losses per iteration, final full parameters and AdamW moments, seconds per iteration."""
 
     losses: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     step_s: list[float] = field(default_factory=list)
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """``(exp_avg, exp_avg_sq)`` per key after the last step (empty after 0 steps)."""
 
 
 def train_reference(
@@ -74,4 +76,9 @@ def train_reference(
         run.losses.append(total)
         run.step_s.append(time.perf_counter() - t0)
     run.params = {k: p.detach().clone() for k, p in model.keyed_parameters()}
+    run.moments = {
+        k: (st["exp_avg"].clone(), st["exp_avg_sq"].clone())
+        for k, p in model.keyed_parameters()
+        if (st := opt.state.get(p))
+    }
     return run

@@ -17,7 +17,9 @@ The verdict of one run (:class:`Outcome`) is measured, not asserted here:
   runs of hundreds of steps);
 - the final parameters: the run ends with a drain (a preemption notice for one node), so its
   last step is committed; that checkpoint's weights must equal the reference's after as many
-  steps, within ``PARAM_ATOL``;
+  steps, within ``PARAM_ATOL``, and its AdamW moments the reference's, within
+  ``MOMENT_ATOL`` (nothing trains from that last checkpoint, so its weights cannot show
+  moments saved wrongly);
 - reconfigurations (launches after the first), the no-step downtime of each (last step of
   the older layouts -> first step of the new one), steps redone, and steps lost: a launch
   that loads an older step than the newest commit before it (must be 0).
@@ -34,7 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sailor.cli.demo.cluster import DemoCluster
 from sailor.cli.demo.observe import StepPoint
@@ -44,7 +46,19 @@ from sailor.cli.demo.scenario import DemoSettings, Driver
 from sailor.controller.audit import check, read_records
 from sailor.localservers import Identities, start_local_servers
 
-__all__ = ["GBS", "JOB", "NODES", "PARAM_ATOL", "TABLE_ENV", "ChaosRun", "Outcome"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "GBS",
+    "JOB",
+    "MOMENT_ATOL",
+    "NODES",
+    "PARAM_ATOL",
+    "TABLE_ENV",
+    "ChaosRun",
+    "Outcome",
+]
 
 JOB = "chaos"
 GBS = 4
@@ -55,6 +69,11 @@ PARAM_ATOL = 2e-6
 """fp32 rounding of other reduction orders across layouts after a few steps (tests/integration/
 test_checkpoint_resume.py measured weight gaps <= 4.6e-7). Over longer runs the bound is
 ``max(PARAM_ATOL, 3 x floor)``, the floor measured in the same run (``_param_diffs``)."""
+MOMENT_ATOL = 2e-6
+"""AdamW moments, as for the weights: the floor (reduction order only, tiny-gpt, GBS 4) measured
+4e-8 to 1.2e-7 over 3 to 100 steps, largest in the embedding's moments (~0.1-0.9); the resume
+test's state gaps across layouts, moments included, <= 5.6e-7. A moment restored as zero or
+from another step differs by ~its size, 1e-2 to 1 in most tensors."""
 TABLE_ENV = "SAILOR_CHAOS_TABLE"
 """File the runs append their outcome to (one JSON line each); tests/chaos/conftest.py
 prints the table from it."""
@@ -81,12 +100,21 @@ class Outcome:
     params_ok: bool
     max_param_diff: float
     param_floor: float
+    moments_ok: bool
+    max_moment_diff: float
+    moment_floor: float
     wall_s: float
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.audit_ok and self.losses_ok and self.params_ok and self.steps_lost == 0
+        return (
+            self.audit_ok
+            and self.losses_ok
+            and self.params_ok
+            and self.moments_ok
+            and self.steps_lost == 0
+        )
 
     def record(self) -> None:
         path = os.environ.get(TABLE_ENV)
@@ -123,14 +151,33 @@ def _steps_lost(records: Sequence[dict[str, Any]]) -> int:
     return lost
 
 
-def _param_diffs(ckpt: Path, step: int) -> tuple[float, float]:
-    """(largest |checkpoint - reference|, the same between two uninterrupted references).
+class _Diffs(NamedTuple):
+    """Largest |checkpoint - reference| and the floor of reduction order, per kind of state."""
 
-    The second is the floor that reduction order alone produces: the reference trained with
-    the whole global batch at once against the same trained one and two samples at a time.
-    Measured here: 1.5e-6 after 10 steps, 5.7e-6 to 1.1e-5 after 40, 2.9e-5 after 80, nearly
-    all in the attention key biases, whose gradient is zero in exact arithmetic (softmax
-    ignores a constant added to every key), so AdamW scales pure rounding noise to ~lr.
+    weights: float
+    weight_floor: float
+    moments: float
+    """Over both AdamW moments (``exp_avg``, ``exp_avg_sq``)."""
+    moment_floor: float
+
+    @property
+    def weights_ok(self) -> bool:
+        return self.weights <= max(PARAM_ATOL, 3 * self.weight_floor)
+
+    @property
+    def moments_ok(self) -> bool:
+        return self.moments <= max(MOMENT_ATOL, 3 * self.moment_floor)
+
+
+def _param_diffs(ckpt: Path, step: int) -> _Diffs:
+    """Checkpoint ``step``'s weights and AdamW moments against the reference's, with floors.
+
+    A floor is the same difference between two uninterrupted references, what reduction
+    order alone produces: the reference trained with the whole global batch at once against
+    the same trained two samples at a time. Measured here for the weights: 1.5e-6 after 10
+    steps, 5.7e-6 to 1.1e-5 after 40, 2.9e-5 after 80, nearly all in the attention key
+    biases, whose gradient is zero in exact arithmetic (softmax ignores a constant added to
+    every key), so AdamW scales pure rounding noise to ~lr. The moments' floor stays ~1e-7.
     """
     from sailor.checkpoint import LocalStorage, load
     from sailor.megatron_patch.engine import TrainConfig
@@ -139,14 +186,27 @@ def _param_diffs(ckpt: Path, step: int) -> tuple[float, float]:
 
     spec = tiny_model("tiny-gpt", GBS)
     got = load(LocalStorage(ckpt), range(spec.num_all_layers), step=step).params
-    ref = train_reference(spec, GBS, step, TrainConfig(seed=0)).params
-    alt = train_reference(spec, GBS, step, TrainConfig(seed=0), microbatch_size=2).params
-    missing = sorted(set(ref) - set(got))
+    ref = train_reference(spec, GBS, step, TrainConfig(seed=0))
+    alt = train_reference(spec, GBS, step, TrainConfig(seed=0), microbatch_size=2)
+    missing = sorted(set(ref.params) - set(got))
     if missing:
         raise AssertionError(f"checkpoint {step} lacks {missing[:5]}")
-    diff = max(float((got[k].weight - ref[k]).abs().max()) for k in ref)
-    floor = max(float((alt[k] - ref[k]).abs().max()) for k in ref)
-    return diff, floor
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max())
+
+    return _Diffs(
+        weights=max(gap(got[k].weight, ref.params[k]) for k in ref.params),
+        weight_floor=max(gap(alt.params[k], ref.params[k]) for k in ref.params),
+        moments=max(
+            max(gap(got[k].exp_avg, m), gap(got[k].exp_avg_sq, v))
+            for k, (m, v) in ref.moments.items()
+        ),
+        moment_floor=max(
+            max(gap(alt.moments[k][0], m), gap(alt.moments[k][1], v))
+            for k, (m, v) in ref.moments.items()
+        ),
+    )
 
 
 class ChaosRun:
@@ -314,8 +374,9 @@ class ChaosRun:
         downtimes, redone = _downtimes(points)
         launches = sum(r.get("kind") == "phase" and r.get("phase") == "launch" for r in records)
         p_step = commits[-1] if commits else -1
-        p_diff, floor = (
-            _param_diffs(self.root / "ckpt", p_step) if p_step > 0 else (float("inf"), 0.0)
+        inf = float("inf")
+        diffs = (
+            _param_diffs(self.root / "ckpt", p_step) if p_step > 0 else _Diffs(inf, 0.0, inf, 0.0)
         )
         out = Outcome(
             scenario=self.scenario,
@@ -333,9 +394,12 @@ class ChaosRun:
             max_loss_diff=losses.max_abs_diff,
             loss_floor=loss_floor,
             params_step=p_step,
-            params_ok=p_diff <= max(PARAM_ATOL, 3 * floor),
-            max_param_diff=p_diff,
-            param_floor=floor,
+            params_ok=diffs.weights_ok,
+            max_param_diff=diffs.weights,
+            param_floor=diffs.weight_floor,
+            moments_ok=diffs.moments_ok,
+            max_moment_diff=diffs.moments,
+            moment_floor=diffs.moment_floor,
             wall_s=round(time.time() - self.t0, 1),
             notes=list(self.drive.log),
         )
@@ -347,11 +411,12 @@ def verdict(out: Outcome, min_reconf: int) -> None:
     """Assert what every scenario must show (the notes explain a failure)."""
     detail = (
         f"{out.scenario}: audit {out.audit_violations}, loss diff {out.max_loss_diff:.2e}, "
-        f"param diff {out.max_param_diff:.2e}@{out.params_step}, lost {out.steps_lost}\n"
-        + "\n".join(out.notes)
+        f"param diff {out.max_param_diff:.2e}@{out.params_step}, "
+        f"moment diff {out.max_moment_diff:.2e}, lost {out.steps_lost}\n" + "\n".join(out.notes)
     )
     assert out.audit_ok, detail
     assert out.losses_ok, detail
     assert out.params_ok, detail
+    assert out.moments_ok, detail
     assert out.steps_lost == 0, detail
     assert out.reconfigurations >= min_reconf, detail
