@@ -40,7 +40,9 @@ from sailor.schemas import (
 )
 from sailor.simulator import MeasuredRun, Method, calibrate_gpu, simulate
 
-DEEPSPEED = Calibration(mixed_precision="fp16_optimizer")
+DEEPSPEED = Calibration(
+    mixed_precision="fp16_optimizer", p2p_across_tp="scatter_gather", sends_attention_mask=False
+)
 """The reference plans ran on Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer (16-bit
 weights and gradients, gradients all-reduced in fp16), not on Sailor's autocast engine."""
 
