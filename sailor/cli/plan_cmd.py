@@ -120,7 +120,7 @@ def _interval_lines(rp: RobustPlan) -> list[str]:
     t = iv.throughput_iter_s
     c = iv.cost_per_iter_usd
     m = iv.peak_memory_bytes
-    out = [
+    return [
         f"  interval over the uncertainty set: {t.low:.4f} / {t.median:.4f} / {t.high:.4f} it/s "
         f"(low / median / high), ${c.low:.4f} / {c.median:.4f} / {c.high:.4f} per iteration, "
         f"peak {m.low / 2**30:.1f} / {m.median / 2**30:.1f} / {m.high / 2**30:.1f} GiB",
@@ -132,7 +132,6 @@ def _interval_lines(rp: RobustPlan) -> list[str]:
         ),
         f"  worst ratio to each corner's best plan: {rp.worst_ratio:.2f}",
     ]
-    return out
 
 
 def _print(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
-from sailor.planner.search import Progress, SearchResult, _explain, search
+from sailor.planner.search import Progress, SearchResult, explain_candidate, search
 from sailor.schemas import (
     Calibration,
     Estimate,
@@ -227,7 +227,7 @@ def robust_search(
                 c.plan,
                 c.estimate,
                 c.fast.cost_per_hour,
-                (found, *_explain(c, res.upper_bound_iter_s)),
+                (found, *explain_candidate(c, res.upper_bound_iter_s)),
             )
             for c in res.candidates
             if c.plan is not None and c.estimate is not None
@@ -293,11 +293,8 @@ def robust_search(
     for r in kept:
         rt = ratios(r)
         worst_ratio = min(rt[n] for n in judged)
-        if risk == "robust":
-            key = (worst_ratio, rt[MEDIAN])
-        else:
-            key = (rt[judged[0]], rt[MEDIAN])
-        scored.append((key, worst_ratio, rt, r))
+        # robust: the worst judged corner; optimistic/median: their one corner
+        scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r))
     scored.sort(key=lambda x: x[0], reverse=True)
     out = []
     for i, (_, worst_ratio, rt, (p, ests, cph, viol)) in enumerate(scored[:top_k]):
