@@ -316,7 +316,7 @@ def plan_cmd(
                 calibration=cal,
                 spot=spot,
                 top_k=top,
-                risk=risk,  # type: ignore[arg-type]
+                risk=risk,
                 progress=tick,
             )
             res = _as_search_result(rres)

@@ -270,12 +270,12 @@ def robust_search(
         rows2.append((p, ests, cph, viol))
     kept = [r for r in rows2 if not any(r[3][n] for n in judged)]
     if not kept:
-        worst = min(rows2, key=lambda r: sum(len(r[3][n]) for n in judged))
-        why = "; ".join(f"{n}: {', '.join(worst[3][n])}" for n in judged if worst[3][n])
+        closest = min(rows2, key=lambda r: sum(len(r[3][n]) for n in judged))
+        broke = "; ".join(f"{n}: {', '.join(closest[3][n])}" for n in judged if closest[3][n])
         return RobustResult(
             (),
             f"no candidate fits and meets the constraints in every judged corner "
-            f"({', '.join(judged)}); closest: {why}",
+            f"({', '.join(judged)}); closest: {broke}",
             risk,
             objective,
             searched,
