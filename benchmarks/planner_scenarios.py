@@ -65,7 +65,7 @@ def scenarios() -> list[dict[str, Any]]:
                 "peers": [("flashflex_heterogeneous_imbalanced.json", i)],
             }
         )
-    for i, n in ((0, 32), (2, 128)):
+    for i, n in ((0, 32), (1, 80), (2, 128)):
         out.append(
             {
                 "name": f"A100 5 zones x{n}",
