@@ -24,6 +24,7 @@ asserts a timing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -127,8 +128,12 @@ def _value(e: Estimate, cost: bool) -> float:
     return e.cost_per_iter_usd if cost else e.throughput_iter_s
 
 
-def run(model: str, quick: bool) -> list[dict[str, Any]]:
+def run(model: str, quick: bool, p2p: str | None = None) -> list[dict[str, Any]]:
     s = load(model)
+    if p2p is not None:  # what if the engine moved activations across TP another way
+        s = dataclasses.replace(
+            s, calibration=s.calibration.model_copy(update={"p2p_across_tp": p2p})
+        )
     ref = json.loads((REFERENCE / "planner_results/original_planner_ae_scenarios.json").read_text())
     rows: list[dict[str, Any]] = []
     for sc in scenarios():
@@ -238,6 +243,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the largest scenarios")
     ap.add_argument("--models", default="OPT-350,GPT-Neo-2.7")
+    ap.add_argument(
+        "--p2p",
+        choices=("scatter_gather", "full_copies"),
+        default=None,
+        help="override the engine's p2p across TP (default: the built-in calibration's)",
+    )
     args = ap.parse_args()
     print("# planner scenarios, every plan judged in every corner of the uncertainty set")
     print(f"machine: {machine()}")
@@ -254,7 +265,9 @@ def main() -> None:
             f"\n## {model}: GBS {s.model.global_batch_size}, {s.model.num_all_layers} layers, "
             f"calibration: {'catalog' if s.calibration.gpus else 'defaults'}"
         )
-        rows = run(model, args.quick)
+        if args.p2p:
+            print(f"engine p2p across TP overridden: {args.p2p}")
+        rows = run(model, args.quick, args.p2p)
         if model == "OPT-350":
             print(
                 "\n| scenario | robust / original, per corner (" + ", ".join(CORNERS) + ") | "

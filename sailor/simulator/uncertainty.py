@@ -10,8 +10,9 @@ than sampling, the set is four corners, each a whole :class:`Calibration`:
 * ``optimistic``: every constant at its cheap end; the cheapest deployment (DeepSpeed's
   FP16_Optimizer: 16-bit gradient all-reduce, no autocast copies; scatter + gather across TP).
 * ``median``: every constant at its median; the configured engine as it is.
-* ``pessimistic``: every constant at its costly end; the configured engine with the costly
-  choice where deployments differ (fp32 gradients on the wire, full copies across TP).
+* ``pessimistic``: every constant at its costly end; the costlier of the deployments in the
+  set, which is the configured engine's structure (autocast: fp32 gradients on the wire; its
+  own p2p across TP, full copies until the engine sends 1/t per rank).
 * ``original``: the original Sailor artifact's cost model (docs ORIGINAL.md): nothing
   calibrated (efficiency 1, no hook correction, no fixed sync cost), fp32 gradients in a ring
   per GPU over a 1-GPU VM's link curve, one copy of the activation per stage boundary, 24 B
@@ -162,8 +163,11 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
                 sends_attention_mask=False,
                 extra_state_bytes_per_param=0.0,
             )
-        elif corner == "pessimistic":
-            update.update(grad_allreduce_bytes=4, p2p_across_tp="full_copies")
+        elif corner == "pessimistic" and cal.mixed_precision == "autocast":
+            # the costlier of the deployments in the set (the configured engine,
+            # Megatron-DeepSpeed) is the configured engine's structure: fp32 gradients and
+            # its own p2p across TP (full copies until the engine sends less)
+            update.update(grad_allreduce_bytes=4)
         out.append((corner, cal.model_copy(update=update)))
     return tuple(out)
 
