@@ -33,6 +33,7 @@ from functools import lru_cache
 
 from sailor.schemas import (
     Calibration,
+    ConstantRange,
     CornerFigures,
     Estimate,
     EstimateInterval,
@@ -74,12 +75,13 @@ _ORIGINAL_EXTRA_STATE = 8.0
 copies 4); DeepSpeed's FP16_Optimizer state is 16 (2 + 2 + 4 + 8): 8 more."""
 
 
-def _end(r: object, corner: str, costly_high: bool) -> float:
-    lo, med, hi = r.low, r.median, r.high  # type: ignore[attr-defined]
+def _end(r: ConstantRange, corner: str, costly_high: bool) -> float:
+    """``r``'s value in ``corner``: its median, or the cheap or costly end (the costly end is
+    ``high`` when a larger value costs more)."""
     if corner == MEDIAN:
-        return float(med)
+        return r.median
     cheap = corner == "optimistic"
-    return float(lo if cheap == costly_high else hi)
+    return r.low if cheap == costly_high else r.high
 
 
 def _constants(
