@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from sailor.catalog import calibration as catalog_calibration
 from sailor.catalog import gpus as catalog_gpus
 from sailor.catalog import models as catalog_models
 from sailor.importers.sailor_format import (
@@ -38,7 +39,6 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
-from sailor.catalog import calibration as catalog_calibration
 from sailor.simulator import MeasuredRun, Method, calibrate_gpu, simulate
 from sailor.simulator.uncertainty import simulate_interval
 
