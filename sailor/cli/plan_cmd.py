@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -21,8 +22,8 @@ from sailor.planner import (
     PlannerInputError,
     RankedPlan,
     SearchResult,
-    search,
 )
+from sailor.planner.robust import RISKS, RobustPlan, RobustResult, as_ranked, robust_search
 from sailor.schemas import (
     Calibration,
     ModelSpec,
@@ -114,7 +115,32 @@ def _stage_summary(r: RankedPlan) -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
-def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
+def _interval_lines(rp: RobustPlan) -> list[str]:
+    """A plan's figures in every corner and its regret against each corner's best."""
+    iv = rp.interval
+    t = iv.throughput_iter_s
+    c = iv.cost_per_iter_usd
+    m = iv.peak_memory_bytes
+    return [
+        f"  interval over the uncertainty set: {t.low:.4f} / {t.median:.4f} / {t.high:.4f} it/s "
+        f"(low / median / high), ${c.low:.4f} / {c.median:.4f} / {c.high:.4f} per iteration, "
+        f"peak {m.low / 2**30:.1f} / {m.median / 2**30:.1f} / {m.high / 2**30:.1f} GiB",
+        "  per corner: "
+        + "; ".join(
+            f"{f.corner} {f.throughput_iter_s:.4f} it/s ${f.cost_per_iter_usd:.4f} "
+            f"regret {rp.regret[f.corner]:.0%}{'' if f.fits_in_memory else ' OOM'}"
+            for f in iv.corners
+        ),
+        f"  worst ratio to each corner's best plan: {rp.worst_ratio:.2f}",
+    ]
+
+
+def _print(
+    res: SearchResult,
+    elapsed: float,
+    explain: bool,
+    robust: dict[int, RobustPlan] | None = None,
+) -> None:
     con = Console()
     for r in res.plans:
         e = r.estimate
@@ -137,6 +163,9 @@ def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
         for row in _stage_summary(r):
             t.add_row(*row[:5])
         print_table(con, t)
+        if robust and r.rank in robust:
+            for line in _interval_lines(robust[r.rank]):
+                con.print(line)
         if e.uses_estimates:
             con.print(
                 "  [yellow]rests on estimated profiles[/yellow] for "
@@ -217,6 +246,15 @@ def plan_cmd(
         False, "--one-mbs", help="One microbatch size for every pipeline (exportable)."
     ),
     top: int = typer.Option(3, "--top", help="Plans to show."),
+    risk: str = typer.Option(
+        "robust",
+        "--risk",
+        help=(
+            "What the plan bets on: optimistic | median (rank in that corner of the "
+            "uncertainty set) | robust (fits and meets every limit in every corner; ranked "
+            "by the worst ratio to each corner's best plan)."
+        ),
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     explain: bool = typer.Option(False, "--explain", help="Why each plan: shapes and breakdown."),
     pareto: Path | None = typer.Option(None, help="Plot throughput vs $/iteration to this PNG."),
@@ -234,6 +272,8 @@ def plan_cmd(
     t0 = time.perf_counter()
     if objective not in _OBJECTIVES:
         raise fail(f"--objective {objective!r}: use one of {', '.join(sorted(_OBJECTIVES))}")
+    if risk not in RISKS:
+        raise fail(f"--risk {risk!r}: use one of {', '.join(RISKS)}")
     m = _model(model, gbs)
     pool_v = load_model(pool, Pool) if pool.exists() else None
     if pool_v is None:
@@ -271,7 +311,7 @@ def plan_cmd(
             def tick(done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total)
 
-            res = search(
+            rres = robust_search(
                 m,
                 db,
                 pool_v,
@@ -283,8 +323,10 @@ def plan_cmd(
                 calibration=cal,
                 spot=spot,
                 top_k=top,
+                risk=risk,
                 progress=tick,
             )
+            res = _as_search_result(rres)
     except PlannerInputError as exc:
         raise fail(str(exc)) from exc
     elapsed = time.perf_counter() - t0
@@ -299,13 +341,21 @@ def plan_cmd(
                     "search_time_s": elapsed,
                     "upper_bound_iter_s": res.upper_bound_iter_s,
                     "reason": res.reason,
-                    "plans": [r.to_json() for r in res.plans],
+                    "risk": risk,
+                    "plans": [
+                        {**r.to_json(), **rp.to_json()}
+                        for r, rp in zip(res.plans, rres.plans, strict=True)
+                    ],
                 },
                 indent=2,
             )
         )
     else:
-        _print(res, elapsed, explain)
+        _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
+        Console().print(
+            f"risk {risk}: searched the {', '.join(rres.searched)} corner(s); "
+            f"{rres.candidates} distinct plans judged in every corner"
+        )
     if output is not None and res.plans:
         write_json(res.plans[0].plan, output)
         if show:
@@ -314,6 +364,19 @@ def plan_cmd(
         _export(res, export_sailor)
     if not res.plans:
         raise fail(f"no feasible plan: {res.reason}", code=1)
+
+
+def _as_search_result(rres: RobustResult) -> SearchResult:
+    """The median (else the first) corner's search result, carrying the ranked robust
+    plans with their median-corner figures (what the printing and export read)."""
+    base = rres.results.get("median") or next(iter(rres.results.values()))
+    ub = base.upper_bound_iter_s
+    return dataclasses.replace(
+        base,
+        plans=tuple(as_ranked(p, ub) for p in rres.plans),
+        reason=rres.reason,
+        allocations=(),
+    )
 
 
 def _export(res: SearchResult, out: Path) -> None:

@@ -1331,6 +1331,11 @@ def _judge(
     )
 
 
+def explain_candidate(c: Candidate, ub: float) -> tuple[str, ...]:
+    """How the search built ``c`` and what the simulator said of it (``--explain``)."""
+    return _explain(c, ub)
+
+
 def _explain(c: Candidate, ub: float) -> tuple[str, ...]:
     # Pipelines grouped by template key, in first-seen order, each group described by its
     # last template. A key is looked up once per template object, not once per pipeline:

@@ -4,7 +4,7 @@ Pure data: no I/O, no torch. Every model is frozen and forbids unknown fields.
 """
 
 from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage
-from sailor.schemas.calibration import Calibration, GPUCalibration
+from sailor.schemas.calibration import Calibration, ConstantRange, GPUCalibration, GPUPrior
 from sailor.schemas.checkpoint import CheckpointManifest, ShardEntry, TensorEntry
 from sailor.schemas.commands import (
     Abort,
@@ -16,7 +16,15 @@ from sailor.schemas.commands import (
     Stop,
 )
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
-from sailor.schemas.estimate import Estimate, MemoryBreakdown, StageTime, TimeBreakdown
+from sailor.schemas.estimate import (
+    CornerFigures,
+    Estimate,
+    EstimateInterval,
+    Interval,
+    MemoryBreakdown,
+    StageTime,
+    TimeBreakdown,
+)
 from sailor.schemas.events import (
     Event,
     EventAdapter,
@@ -57,6 +65,8 @@ __all__ = [
     "CheckpointManifest",
     "Command",
     "CommandAdapter",
+    "ConstantRange",
+    "CornerFigures",
     "CorpusSource",
     "DatasetManifest",
     "DeviceOverhead",
@@ -64,13 +74,16 @@ __all__ = [
     "EgressPrice",
     "Endpoint",
     "Estimate",
+    "EstimateInterval",
     "Event",
     "EventAdapter",
     "Frozen",
     "GPUCalibration",
     "GPUPrice",
+    "GPUPrior",
     "GPUSpec",
     "Heartbeat",
+    "Interval",
     "Launch",
     "LayerKind",
     "LayerMemory",

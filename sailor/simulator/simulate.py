@@ -47,6 +47,7 @@ from sailor.schemas import (
     Plan,
     PriceTable,
     ProfileDB,
+    ReplicaGroup,
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
@@ -302,7 +303,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
     for i in range(len(row) - 1):
         a, b = p.stages[i].replica, p.stages[i + 1].replica
         out = p.microbatch_size * inp.wire(row[i].sizes[-1])
-        eff = min(inp.gcal(a.gpu_type).network_efficiency, inp.gcal(b.gpu_type).network_efficiency)
+        eff = min(inp.gcal(a.gpu_type).p2p_eta, inp.gcal(b.gpu_type).p2p_eta)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
             curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node)
@@ -311,14 +312,20 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
         inp.notes.add(note)
         inp.uses_estimates |= note.startswith("no link") or note.startswith("no intra")
         gather = 0.0
-        if b.tp > 1:
-            gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
-            inp.notes.add(gnote)
-            gather = gcurve.transfer_time(out)
-        # each of the a.tp sender GPUs sends 1/tp of the output (+ the unsplit mask);
-        # they send at once over the node's NICs: node-level bytes on the node curve
-        node_f = a.tp * (out / a.tp + mask)
-        node_b = float(out)
+        if cal.p2p_across_tp == "full_copies" and (a.tp > 1 or b.tp > 1):
+            # each receiver rank takes the whole activation from one sender (b.tp copies
+            # forward), each sender rank the whole gradient back (a.tp copies); no gather
+            node_f = b.tp * out + a.tp * mask
+            node_b = float(a.tp * out)
+        else:
+            if b.tp > 1:
+                gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
+                inp.notes.add(gnote)
+                gather = gcurve.transfer_time(out)
+            # each of the a.tp sender GPUs sends 1/tp of the output (+ the unsplit mask);
+            # they send at once over the node's NICs: node-level bytes on the node curve
+            node_f = a.tp * (out / a.tp + mask)
+            node_b = float(out)
         t_f = curve.transfer_time(node_f) / eff + gather
         t_b = curve.transfer_time(node_b) / eff + gather
         row[i] = _replace(row[i], send_f=t_f, send_b=t_b)
@@ -470,6 +477,7 @@ def _run(
     warm: set[tuple[int, int]] = set()
     sizes_by_tp = inp.sizes_by_tp
     grad_bytes = _grad_bytes(model, cal)
+    per_gpu_of: dict[int, ReplicaGroup] = {}
     # DeepSpeed reduces the stage's gradients after the last backward; segments go in
     # reverse layer order, as gradients become available in backward
     for lo, hi, holders in reversed(_segments(plan, kinds)):
@@ -481,6 +489,8 @@ def _run(
             node_bytes = max(node_bytes, tp * n_el * grad_bytes)
             elements = max(elements, float(n_el))
         eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+        if cal.ring_links == "per_gpu":
+            groups, node_bytes = _per_gpu(groups, per_gpu_of), elements * grad_bytes
         ar = ring_allreduce(network, groups, node_bytes, elements, eff, links=inp.links)
         notes.add(*ar.notes)
         took = _host_allreduce(host, ar, len(holders), node_bytes, _after(warm, holders))
@@ -540,12 +550,13 @@ def _run(
                     in_flight=in_flight,
                     recompute=s.recompute,
                     alloc_factor=gcal.alloc_factor,
-                    overhead_bytes=_overhead(gcal.memory_overhead_bytes, profiles, g, s.replica.tp),
+                    overhead_bytes=_overhead(gcal, profiles, g, s.replica.tp),
                     capacity_bytes=spec.memory_bytes if spec else 0,
                     pipeline=pi,
                     stage=si,
                     gpu_type=g,
                     scheme=cal.mixed_precision,
+                    extra_state_bytes_per_param=cal.extra_state_bytes_per_param,
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()
@@ -755,6 +766,8 @@ def _tied_allreduce(
     n_el = float(model.vocab_size * model.hidden_size)
     node_bytes = max(g.tp for g in groups) * n_el * _grad_bytes(model, inp.cal)
     eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+    if inp.cal.ring_links == "per_gpu":
+        groups, node_bytes = _per_gpu(groups, {}), n_el * _grad_bytes(model, inp.cal)
     return (
         holders,
         ring_allreduce(inp.links.network, groups, node_bytes, n_el, eff, links=inp.links),
@@ -821,14 +834,30 @@ def _at_precision(model: ModelSpec, precision: Precision) -> ModelSpec:
 def _grad_bytes(model: ModelSpec, cal: Calibration) -> int:
     """Bytes per gradient element in the gradient all-reduces: the engine reduces its fp32
     gradients (autocast); DeepSpeed's FP16_Optimizer reduces the 16-bit ones."""
+    if cal.grad_allreduce_bytes is not None:
+        return cal.grad_allreduce_bytes
     if cal.mixed_precision == "autocast":
         return GRAD_ALLREDUCE_BYTES
     return model.param_bytes()
 
 
-def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:
-    """Non-tensor memory: calibration, else the profile's measured overhead, else 1 GiB."""
-    if explicit is not None:
-        return explicit
+def _overhead(gcal: GPUCalibration, profiles: ProfileDB, gpu_type: str, tp: int) -> int:
+    """Non-tensor memory: calibration, else the profile's measured overhead, else 1 GiB;
+    plus the calibration's extra for a GPU in a TP group."""
+    extra = gcal.memory_overhead_tp_bytes if tp > 1 else 0
+    if gcal.memory_overhead_bytes is not None:
+        return gcal.memory_overhead_bytes + extra
     o = profiles.overhead(gpu_type, tp)
-    return o.bytes if o is not None else DEFAULT_MEMORY_OVERHEAD_BYTES
+    return (o.bytes if o is not None else DEFAULT_MEMORY_OVERHEAD_BYTES) + extra
+
+
+def _per_gpu(groups: list[ReplicaGroup], memo: dict[int, ReplicaGroup]) -> list[ReplicaGroup]:
+    """``groups`` as 1-GPU VMs of their type and zone (``Calibration.ring_links='per_gpu'``,
+    the original artifact's ring: each rank's ring over a 1-GPU VM's link curve)."""
+    out = []
+    for r in groups:
+        one = memo.get(id(r))
+        if one is None:
+            one = memo[id(r)] = r.model_copy(update={"gpus_per_node": 1, "tp": 1})
+        out.append(one)
+    return out

@@ -47,7 +47,9 @@ from tests.unit.test_simulator_simulate import (
     _rg,
 )
 
-DEEPSPEED = Calibration(mixed_precision="fp16_optimizer")
+DEEPSPEED = Calibration(
+    mixed_precision="fp16_optimizer", p2p_across_tp="scatter_gather", sends_attention_mask=False
+)
 
 # -- choice -----------------------------------------------------------------------------------
 
