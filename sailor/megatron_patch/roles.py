@@ -207,9 +207,7 @@ def role_of(plan: Plan, rank: int) -> RankRole:
         first = rank_of(plan, pi, si - 1, 0)
         pieces = boundary_pieces(pipe.stages[si - 1].replica.tp, tp)
         prev_chunks = pieces[0].chunks
-        prev_pieces = tuple(
-            Piece(first + p.sender, p.lo, p.hi) for p in pieces if p.receiver == t
-        )
+        prev_pieces = tuple(Piece(first + p.sender, p.lo, p.hi) for p in pieces if p.receiver == t)
     next_pieces: tuple[Piece, ...] = ()
     next_chunks = 0
     if si < pipe.depth - 1:

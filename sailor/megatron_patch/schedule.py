@@ -100,9 +100,7 @@ class P2P:
         c = self._chunk(chunks)
         lo = own[0]
         mine = torch.empty((own[1] - lo) * c, dtype=self.wire_dtype, device=self.device)
-        ops = [
-            comm.P2POp("recv", mine[(p.lo - lo) * c : (p.hi - lo) * c], p.peer) for p in pieces
-        ]
+        ops = [comm.P2POp("recv", mine[(p.lo - lo) * c : (p.hi - lo) * c], p.peer) for p in pieces]
         return ops, mine
 
     def _whole(self, mine: torch.Tensor, chunks: int) -> torch.Tensor:

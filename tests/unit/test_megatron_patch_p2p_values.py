@@ -84,9 +84,7 @@ def _plan(a: int, b: int) -> Plan:
             replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=tp, gpus_per_node=4),
         )
 
-    pipe = Pipeline(
-        stages=(stage(0, 2, a), stage(3, 5, b)), microbatch_size=1, num_microbatches=1
-    )
+    pipe = Pipeline(stages=(stage(0, 2, a), stage(3, 5, b)), microbatch_size=1, num_microbatches=1)
     return Plan(model="tiny-gpt", global_batch_size=1, pipelines=(pipe,))
 
 

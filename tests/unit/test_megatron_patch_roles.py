@@ -6,6 +6,7 @@ uneven partitions, mixed TP degrees per stage and per replica, several pipelines
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from hypothesis import given, settings
@@ -83,13 +84,9 @@ def test_boundary_pieces_of_every_tp_change() -> None:
     assert boundary_pieces(4, 1) == _bp(4, (0, 0, 0, 1), (1, 0, 1, 2), (2, 0, 2, 3), (3, 0, 3, 4))
     assert boundary_pieces(2, 4) == _bp(4, (0, 0, 0, 1), (0, 1, 1, 2), (1, 2, 2, 3), (1, 3, 3, 4))
     assert boundary_pieces(4, 2) == _bp(4, (0, 0, 0, 1), (1, 0, 1, 2), (2, 1, 2, 3), (3, 1, 3, 4))
-    assert boundary_pieces(2, 8) == _bp(
-        8, *((j // 4, j, j, j + 1) for j in range(8))
-    )
+    assert boundary_pieces(2, 8) == _bp(8, *((j // 4, j, j, j + 1) for j in range(8)))
     # Not a power of two (the plan schema refuses it today; the pairing does not need it).
-    assert boundary_pieces(2, 3) == _bp(
-        6, (0, 0, 0, 2), (0, 1, 2, 3), (1, 1, 3, 4), (1, 2, 4, 6)
-    )
+    assert boundary_pieces(2, 3) == _bp(6, (0, 0, 0, 2), (0, 1, 2, 3), (1, 1, 3, 4), (1, 2, 4, 6))
     import pytest
 
     with pytest.raises(ValueError, match="tp_send=0"):
@@ -105,7 +102,7 @@ def test_boundary_pieces_send_every_chunk_once(a: int, b: int) -> None:
     assert [(p.lo, p.hi) for p in pieces] == sorted((p.lo, p.hi) for p in pieces)
     assert pieces[0].lo == 0 and pieces[-1].hi == n
     assert all(p.lo < p.hi for p in pieces)
-    assert all(x.hi == y.lo for x, y in zip(pieces, pieces[1:], strict=False))
+    assert all(x.hi == y.lo for x, y in itertools.pairwise(pieces))
     for side, k in (("sender", a), ("receiver", b)):
         for r in range(k):
             mine = sorted((p.lo, p.hi) for p in pieces if getattr(p, side) == r)
@@ -237,7 +234,9 @@ def test_random_plans_p2p_pairs_match(plan: Plan) -> None:
     roles = [role_of(plan, r) for r in range(world)]
     # Every piece a rank sends forward is one its peer receives, with the same chunks
     # (and the same pair carries the gradient back).
-    sent = Counter((r.rank, p.peer, p.lo, p.hi, r.next_chunks) for r in roles for p in r.next_pieces)
+    sent = Counter(
+        (r.rank, p.peer, p.lo, p.hi, r.next_chunks) for r in roles for p in r.next_pieces
+    )
     got = Counter((p.peer, r.rank, p.lo, p.hi, r.prev_chunks) for r in roles for p in r.prev_pieces)
     assert sent == got
     for r in roles:
@@ -247,7 +246,7 @@ def test_random_plans_p2p_pairs_match(plan: Plan) -> None:
         for pieces, own in ((r.prev_pieces, r.prev_slice), (r.next_pieces, r.next_slice)):
             if pieces:
                 assert pieces[0].lo == own[0] and pieces[-1].hi == own[1]
-                assert all(x.hi == y.lo for x, y in zip(pieces, pieces[1:], strict=False))
+                assert all(x.hi == y.lo for x, y in itertools.pairwise(pieces))
         for p in r.prev_pieces:
             src = roles[p.peer]
             assert (src.pipeline, src.stage + 1) == (r.pipeline, r.stage)
