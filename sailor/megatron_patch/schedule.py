@@ -1,10 +1,11 @@
 """Pipeline p2p and the 1F1B schedule of one pipeline, run by each of its ranks.
 
 Why our own 1F1B and not ``torch.distributed.pipelining``: a Sailor plan gives each pipeline
-its own microbatch size and count and each stage its own TP degree, with one activation
-send per receiver across a TP-degree change (``roles``). ``pipelining`` schedules assume one
-stage per rank connected to the neighbour ranks of a uniform pipeline group and take the
-microbatch split from the whole batch; fitting the mixed-TP fan-out into it would mean
+its own microbatch size and count and each stage its own TP degree, with a scatter + gather
+across every boundary, TP-degree changes included (``roles.boundary_pieces``).
+``pipelining`` schedules assume one stage per rank connected to the neighbour ranks of a
+uniform pipeline group and take the microbatch split from the whole batch; fitting the
+mixed-TP exchange into it would mean
 subclassing its stage I/O anyway. The schedule itself is ~60 lines (below) and is exact,
 which is what the correctness tests check.
 
@@ -21,6 +22,18 @@ neighbours do it to each other (``sailor.comm.nccl_replay`` shows it at (2 stage
 microbatches)). Waiting each exchange also frees every sent tensor at once instead of
 holding it to the end of the iteration. Activations and gradients cross stages in the
 compute dtype (``wire_dtype``): fp32 runs send fp32, bf16/fp16 runs send bf16/fp16.
+
+Scatter + gather (Megatron's ``scatter_gather_tensors_in_pipeline``, for any pair of TP
+degrees): per microbatch exactly one activation crosses a boundary forward and one input
+gradient backward, cut into ``lcm(tp_s, tp_{s+1})`` chunks of the flattened tensor (padded
+to a multiple of that count; the padding is dropped on arrival). Each sender sends its
+``1/tp_s`` slice, split among the receivers it overlaps; each receiver gets its
+``1/tp_{s+1}`` slice and the receiving stage all-gathers the slices over its TP group,
+inside one node (``all_gather_into_tensor``), after the exchange's wait. The gradient goes
+back along the same pairs and the sending stage all-gathers it. Before, every receiver took
+a full copy: ``tp_{s+1}`` activations forward and ``tp_s`` gradients backward. The TP ranks
+of a stage run the same schedule, so their all-gathers come in the same order on all of
+them; ``nccl_replay`` checks the exchanges and gathers together on every plan shape.
 
 Every receive is bounded by the process-group timeout: a dead neighbour makes it raise
 instead of hanging.
