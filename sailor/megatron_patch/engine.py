@@ -169,6 +169,7 @@ class Trainer:
             (role.microbatch_size, spec.seq_length, spec.hidden_size),
             device,
             wire_dtype=compute_dtype(self.precision),
+            tp_group=groups.tp.group,
         )
         self.loss_scale = role.microbatch_size / plan.global_batch_size
         self._autocast = autocast_of(self.precision, device)
