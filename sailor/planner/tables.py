@@ -295,19 +295,26 @@ class CostTables:
             inp.calibration.for_gpu(b.gpu_type).p2p_eta,
         )
         copies = self.p2p_copies(a, b)
-        gcurve = (
+        # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
+        gcurve_f = (
             intra_curve(inp.network, b.gpu_type, b.tp, inp.gpu_specs)[0]
             if b.tp > 1 and copies is None
+            else None
+        )
+        gcurve_b = (
+            intra_curve(inp.network, a.gpu_type, a.tp, inp.gpu_specs)[0]
+            if a.tp > 1 and copies is None
             else None
         )
         tf = np.empty(len(arr.out_layer))
         tb = np.empty(len(arr.out_layer))
         for j, per_sample in enumerate(arr.out_layer):
             out = mbs * float(per_sample)
-            gather = gcurve.transfer_time(out) if gcurve is not None else 0.0
+            gather_f = gcurve_f.transfer_time(out) if gcurve_f is not None else 0.0
+            gather_b = gcurve_b.transfer_time(out) if gcurve_b is not None else 0.0
             fwd, bwd = (out, out) if copies is None else (copies[0] * out, copies[1] * out)
-            tf[j] = curve.transfer_time(fwd + a.tp * self.mask_bytes) / eff + gather
-            tb[j] = curve.transfer_time(bwd) / eff + gather
+            tf[j] = curve.transfer_time(fwd + a.tp * self.mask_bytes) / eff + gather_f
+            tb[j] = curve.transfer_time(bwd) / eff + gather_b
         self._links[key] = (tf, tb)
         return tf, tb
 

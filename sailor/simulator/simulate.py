@@ -311,23 +311,29 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
             curve, note = inp.links.inter(a, b)
         inp.notes.add(note)
         inp.uses_estimates |= note.startswith("no link") or note.startswith("no intra")
-        gather = 0.0
+        gather_f = gather_b = 0.0
         if cal.p2p_across_tp == "full_copies" and (a.tp > 1 or b.tp > 1):
             # each receiver rank takes the whole activation from one sender (b.tp copies
             # forward), each sender rank the whole gradient back (a.tp copies); no gather
             node_f = b.tp * out + a.tp * mask
             node_b = float(a.tp * out)
         else:
+            # one copy crosses in each direction, in 1/t slices sent at once over the node's
+            # NICs (node-level bytes on the node curve; + the unsplit mask where sent); the
+            # receiving TP group all-gathers it inside its node: stage s+1 (b.tp ranks)
+            # forward, stage s (a.tp ranks) backward, as the engine's roles.boundary_pieces
             if b.tp > 1:
                 gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
                 inp.notes.add(gnote)
-                gather = gcurve.transfer_time(out)
-            # each of the a.tp sender GPUs sends 1/tp of the output (+ the unsplit mask);
-            # they send at once over the node's NICs: node-level bytes on the node curve
+                gather_f = gcurve.transfer_time(out)
+            if a.tp > 1:
+                gcurve, gnote = inp.links.intra(a.gpu_type, a.tp)
+                inp.notes.add(gnote)
+                gather_b = gcurve.transfer_time(out)
             node_f = a.tp * (out / a.tp + mask)
             node_b = float(out)
-        t_f = curve.transfer_time(node_f) / eff + gather
-        t_b = curve.transfer_time(node_b) / eff + gather
+        t_f = curve.transfer_time(node_f) / eff + gather_f
+        t_b = curve.transfer_time(node_b) / eff + gather_b
         row[i] = _replace(row[i], send_f=t_f, send_b=t_b)
         if a.zone != b.zone:
             crossings.append((a.zone, b.zone, node_f, node_b))
