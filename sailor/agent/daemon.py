@@ -50,6 +50,10 @@ __all__ = ["Agent", "AgentConfig", "WatcherConfig", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
 
+PUBLISH_BACKOFF_MAX_S = 2.0
+"""Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
+~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
+
 
 class WatcherConfig(Frozen):
     kind: str = Field(description="gcp, aws, azure or file.")
@@ -93,6 +97,7 @@ class Agent:
             make_watcher(w.kind, w.target, self.clock) for w in config.watchers
         ]
         self.noticed = False
+        self.notice: PreemptionNotice | None = None  # also in the status record (etcd path)
         self._lease: EtcdLease | None = None
         self._store: EtcdStore | None = None
         self._bus: NatsEventBus | None = None
@@ -135,17 +140,31 @@ class Agent:
                 await self.clock.sleep(0.5)
         return None
 
-    async def _publish(self, kind: str, event: Any) -> None:
+    async def _publish(self, kind: str, event: Any, until: float | None = None) -> bool:
+        """Publish ``event``; True once JetStream stored it.
+
+        Without ``until``: 20 tries 0.25 s apart. With it (a Unix time): keep trying, with
+        backoff up to ``PUBLISH_BACKOFF_MAX_S``, until that time has passed. One message id
+        for every try, so a publish that reached the stream before its ack was lost is
+        stored once (the stream's duplicate window, 2 min, outlasts any notice we retry).
+        """
         assert_bus = self._bus
         if assert_bus is None:
-            return
-        for _ in range(20):
+            return False
+        pause, tries = 0.25, 0
+        while (tries < 20) if until is None else (self.clock.now() < until):
+            tries += 1
             try:
                 await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
-                return
-            except TemporaryError:
-                await self.clock.sleep(0.25)
-        _log.warning("event_not_published", kind=kind, event_id=event.event_id)
+                return True
+            except TemporaryError as exc:
+                if until is not None:
+                    _log.warning("event_publish_retry", kind=kind, tries=tries, error=str(exc))
+                await self.clock.sleep(pause)
+                if until is not None:
+                    pause = min(pause * 2, PUBLISH_BACKOFF_MAX_S)
+        _log.warning("event_not_published", kind=kind, event_id=event.event_id, tries=tries)
+        return False
 
     def _event_id(self, kind: str) -> str:
         return f"{self.node.node_id}-{kind}-{uuid.uuid4().hex[:12]}"
@@ -196,6 +215,7 @@ class Agent:
             start_step=sup.start_step,
             saved_step=sup.saved_step,
             failure=sup.failure[:4000],
+            notice=self.notice,
             time=self.clock.now(),
         )
 
@@ -237,16 +257,19 @@ class Agent:
             notice = await watcher.check()
             if notice is not None:
                 self.noticed = True
-                await self._publish(
-                    "preemption_notice",
-                    PreemptionNotice(
-                        event_id=self._event_id("notice"),
-                        node_id=self.node.node_id,
-                        time=self.clock.now(),
-                        deadline=notice.deadline,
-                        source=notice.source,
-                    ),
+                event = PreemptionNotice(
+                    event_id=self._event_id("notice"),
+                    node_id=self.node.node_id,
+                    time=self.clock.now(),
+                    deadline=notice.deadline,
+                    source=notice.source,
                 )
+                # Two paths to the controller: the status record in etcd (written by the
+                # status loop, which wakes now) and the event, retried until the deadline.
+                # Either one alone is enough, so a NATS outage does not lose the notice.
+                self.notice = event
+                self.supervisor.changed.set()
+                await self._publish("preemption_notice", event, until=notice.deadline)
                 return
             await self.clock.sleep(self.cfg.watch_poll_s)
 

@@ -21,7 +21,7 @@ import collections
 import contextlib
 import gc
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -53,7 +53,7 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, PreemptionNotice
-from sailor.schemas.runtime import DesiredState, NoticeRecord
+from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller", "urgent_wake"]
 
@@ -224,6 +224,7 @@ class Controller:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
                     observed = self._observe(executor, cache)
+                    await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)
@@ -312,6 +313,34 @@ class Controller:
             commits=snap.commits,
             acked=ex.acked_view,
         )
+
+    async def _notices_from_status(
+        self,
+        status: Mapping[str, AgentStatus],
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+    ) -> None:
+        """The etcd path of preemption notices: a notice an agent keeps in its status record
+        (it does so at once, while NATS may be down) is handled once, as the event it is.
+
+        Fenced like the event: RBAC lets an agent write only its own ``status/<id>``, the
+        mirror believes a status only under its node's key, and the notice must name that
+        node; then the event's own checks apply (registered node, deadline window) and its
+        event id makes the NATS copy, whenever it arrives, a duplicate.
+        """
+        for node_id, st in sorted(status.items()):
+            ev = st.notice
+            if ev is None or ev.event_id in self._seen:
+                continue
+            if ev.node_id != node_id:
+                self._reject_event(ev, self.clock.now(), lead, f"in the status of {node_id}")
+                self._seen[ev.event_id] = None
+                continue
+            data = ev.model_dump_json().encode()
+            msg_id = f"status/{node_id}"
+            await self._handle_event(data, msg_id, store, lead, cache)
+            await self.audit.durable()
 
     def _node_gone(self, node_id: str) -> None:
         """A registration disappeared (lease lost or revoked): urgent if a layout used it."""
