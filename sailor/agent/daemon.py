@@ -38,6 +38,7 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
@@ -60,13 +61,11 @@ class WatcherConfig(Frozen):
     target: str = Field(description="Metadata base URL, or a path for 'file'.")
 
 
-class AgentConfig(Frozen):
+class AgentConfig(ServerEndpoints):
     """Everything ``sailor agent`` needs."""
 
     job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
     node: NodeSpec = Field(description="This node (GPU type and count, zone, spot, address).")
-    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
-    etcd_endpoint: str = Field(default="127.0.0.1:2379", description="etcd host:port.")
     lease_ttl_s: int = Field(default=2, ge=1, description="Registration lease TTL.")
     work_dir: Path = Field(default=Path("sailor-agent"), description="Run files of workers.")
     worker_argv: tuple[str, ...] = Field(
@@ -109,9 +108,9 @@ class Agent:
 
     async def run(self) -> None:
         sec = self.cfg.security
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
         nc = await self._retry(
-            lambda: connect_nats(self.cfg.nats_url, self.node.node_id, security=sec)
+            lambda: connect_nats(self.cfg.nats_urls, self.node.node_id, security=sec)
         )
         if store is None or nc is None:
             return

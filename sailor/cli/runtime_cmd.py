@@ -40,7 +40,7 @@ def status(
     from sailor.controller.status import read_status
 
     cfg = ControllerConfig.load(config)
-    snap = asyncio.run(read_status(cfg.etcd_endpoint, cfg.job, cfg.security))
+    snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security))
     if as_json:
         typer.echo(json.dumps(snap, indent=2, default=str))
         return

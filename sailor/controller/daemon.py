@@ -128,8 +128,10 @@ class Controller:
 
     async def run(self) -> None:
         sec = self.cfg.security
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
-        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity, 5.0, sec))
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
+        nc = await self._retry(
+            lambda: connect_nats(self.cfg.nats_urls, self.cfg.identity, 5.0, sec)
+        )
         if store is None or nc is None:
             return
         self.sd.ready("standby: connected to etcd and NATS")
@@ -187,7 +189,12 @@ class Controller:
 
     async def _lead(self, store: EtcdStore, nc: Any, lead: Leadership) -> None:
         tasks = TaskSet(f"controller-{lead.epoch}")
-        bus = NatsEventBus(nc, self.keys, durable=f"controller-{self.keys.job}")
+        bus = NatsEventBus(
+            nc,
+            self.keys,
+            durable=f"controller-{self.keys.job}",
+            replicas=self.cfg.event_stream_replicas,
+        )
         executor = Executor(
             store,
             NatsCommands(nc, self.keys),
