@@ -155,8 +155,16 @@ class ChaosRun:
     Everything it started is ended on exit, failure or not (marker scan included).
     """
 
-    def __init__(self, tmp: Path, scenario: str, steps_between: int = 8) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        scenario: str,
+        steps_between: int = 8,
+        nats_servers: int = 1,
+        etcd_members: int = 1,
+    ) -> None:
         self.scenario = scenario
+        self.cluster_sizes = (nats_servers, etcd_members)  # > 1: server clusters on loopback
         self.root = tmp / "run"
         self.reg = ProcessRegistry(log_dir=self.root / "logs")
         self.settings = DemoSettings(
@@ -171,7 +179,10 @@ class ChaosRun:
 
         ids = Identities(jobs=(JOB,), controllers=CONTROLLERS, agents=NODES)
         try:
-            self.servers = start_local_servers(self.root, ids, secure=True, spawn=spawn)
+            n_nats, n_etcd = self.cluster_sizes
+            self.servers = start_local_servers(
+                self.root, ids, secure=True, spawn=spawn, nats_servers=n_nats, etcd_members=n_etcd
+            )
             self.cluster = DemoCluster(
                 reg=self.reg,
                 servers=self.servers,
@@ -191,7 +202,8 @@ class ChaosRun:
             await self.drive.state.close()
         try:
             self.cluster.stop()
-            self.reg.stop(["nats", "etcd"], grace_s=5.0)
+            members = [*self.servers.nats_members, *self.servers.etcd_members]
+            self.reg.stop([m.name for m in members], grace_s=5.0)
         finally:
             left = self.reg.kill_all()
             if exc[0] is None and not left and not os.environ.get("SAILOR_CHAOS_KEEP"):
