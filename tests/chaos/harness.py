@@ -162,13 +162,14 @@ class ChaosRun:
         steps_between: int = 8,
         nats_servers: int = 1,
         etcd_members: int = 1,
+        min_step_s: float = 0.05,
     ) -> None:
         self.scenario = scenario
         self.cluster_sizes = (nats_servers, etcd_members)  # > 1: server clusters on loopback
         self.root = tmp / "run"
         self.reg = ProcessRegistry(log_dir=self.root / "logs")
         self.settings = DemoSettings(
-            steps_between=steps_between, min_step_s=0.05, phase_timeout_s=120.0, poll_s=0.2
+            steps_between=steps_between, min_step_s=min_step_s, phase_timeout_s=120.0, poll_s=0.2
         )
         self.faults: list[str] = []
         self.t0 = time.time()

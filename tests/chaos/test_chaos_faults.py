@@ -215,7 +215,9 @@ async def test_notice_during_nats_outage(tmp_path: Path) -> None:
     notice in its status record (etcd) and retries the event until the deadline; the
     controller acts on the etcd copy at once, and the checkpoint commits before the deadline
     (the old agent gave up after 20 tries 0.25 s apart)."""
-    async with ChaosRun(tmp_path, "notice during NATS outage") as run:
+    # 0.2 s steps: the workers train on through the 10 s outage, and every step they take
+    # is one the verdict's reference runs must train too (two runs, ~50 steps instead of ~200)
+    async with ChaosRun(tmp_path, "notice during NATS outage", min_step_s=0.2) as run:
         gen = await run.start(["n1", "n2", "n3"])
         node = sorted(run.placed())[-1]
         run.fault(f"SIGTERM nats; notice {node} (30 s) while it is down; nats back after 10 s")
