@@ -26,11 +26,13 @@ __all__ = ["ReferenceRun", "train_reference"]
 
 @dataclass
 class ReferenceRun:
-    """Losses per iteration, final full parameters, and seconds per iteration."""
+    """Losses per iteration, final full parameters, and seconds per iteration (and the
+    parameters after ``params_at`` iterations, when asked for)."""
 
     losses: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     step_s: list[float] = field(default_factory=list)
+    params_at: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def train_reference(
@@ -40,8 +42,13 @@ def train_reference(
     cfg: TrainConfig,
     consumed_samples: int = 0,
     microbatch_size: int | None = None,
+    params_at: int | None = None,
 ) -> ReferenceRun:
-    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory."""
+    """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory.
+
+    ``params_at``: also keep the parameters after that many iterations (``params_at``), so a
+    caller that needs the losses of a long run and the weights of a shorter one (the chaos
+    verdict) trains once."""
     model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True)
     opt = make_optimizer(model.parameters(), cfg)
     data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
@@ -62,5 +69,7 @@ def train_reference(
         pos += global_batch_size
         run.losses.append(total)
         run.step_s.append(time.perf_counter() - t0)
+        if len(run.losses) == params_at:
+            run.params_at = {k: p.detach().clone() for k, p in model.keyed_parameters()}
     run.params = {k: p.detach().clone() for k, p in model.keyed_parameters()}
     return run

@@ -123,8 +123,11 @@ def _steps_lost(records: Sequence[dict[str, Any]]) -> int:
     return lost
 
 
-def _param_diffs(ckpt: Path, step: int) -> tuple[float, float]:
-    """(largest |checkpoint - reference|, the same between two uninterrupted references).
+def _param_diffs(
+    ckpt: Path, step: int, ref: dict[str, Any], alt: dict[str, Any]
+) -> tuple[float, float]:
+    """(largest |checkpoint - reference|, the same between two uninterrupted references),
+    ``ref`` and ``alt`` being the references' parameters after ``step`` steps.
 
     The second is the floor that reduction order alone produces: the reference trained with
     the whole global batch at once against the same trained one and two samples at a time.
@@ -133,14 +136,10 @@ def _param_diffs(ckpt: Path, step: int) -> tuple[float, float]:
     ignores a constant added to every key), so AdamW scales pure rounding noise to ~lr.
     """
     from sailor.checkpoint import LocalStorage, load
-    from sailor.megatron_patch.engine import TrainConfig
     from sailor.megatron_patch.model import tiny_model
-    from sailor.megatron_patch.reference import train_reference
 
     spec = tiny_model("tiny-gpt", GBS)
     got = load(LocalStorage(ckpt), range(spec.num_all_layers), step=step).params
-    ref = train_reference(spec, GBS, step, TrainConfig(seed=0)).params
-    alt = train_reference(spec, GBS, step, TrainConfig(seed=0), microbatch_size=2).params
     missing = sorted(set(ref) - set(got))
     if missing:
         raise AssertionError(f"checkpoint {step} lacks {missing[:5]}")
@@ -318,17 +317,22 @@ class ChaosRun:
         points = self.drive.steps.series()
         last = max((p.step for p in points), default=0)
         spec = tiny_model("tiny-gpt", GBS)
-        ref = train_reference(spec, GBS, last, TrainConfig(seed=0))
-        alt = train_reference(spec, GBS, last, TrainConfig(seed=0), microbatch_size=2)
+        commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
+        p_step = commits[-1] if commits else -1
+        # one pair of reference runs for both checks: losses to the last step, weights at
+        # the last commit (it was four runs; they dominated a scenario's time under load)
+        at = p_step if 0 < p_step <= last else None
+        ref = train_reference(spec, GBS, last, TrainConfig(seed=0), params_at=at)
+        alt = train_reference(spec, GBS, last, TrainConfig(seed=0), microbatch_size=2, params_at=at)
         pairs = zip(ref.losses, alt.losses, strict=True)
         loss_floor = max((abs(a - b) for a, b in pairs), default=0.0)
-        commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
         losses = compare_losses(points, ref.losses, commits)
         downtimes, redone = _downtimes(points)
         launches = sum(r.get("kind") == "phase" and r.get("phase") == "launch" for r in records)
-        p_step = commits[-1] if commits else -1
         p_diff, floor = (
-            _param_diffs(self.root / "ckpt", p_step) if p_step > 0 else (float("inf"), 0.0)
+            _param_diffs(self.root / "ckpt", p_step, ref.params_at, alt.params_at)
+            if at is not None
+            else (float("inf"), 0.0)
         )
         out = Outcome(
             scenario=self.scenario,
