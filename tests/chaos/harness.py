@@ -31,7 +31,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,22 @@ def _param_diffs(
     diff = max(float((got[k].weight - ref[k]).abs().max()) for k in ref)
     floor = max(float((alt[k] - ref[k]).abs().max()) for k in ref)
     return diff, floor
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the verdict's reference runs. Its default (one per core)
+    spins at a barrier each op waiting for the other thread; on the shared 2 cores (load
+    average 20 from other work) 20 tiny-gpt steps took 80-119 s on two threads and 1.4-1.9 s
+    on one, and the reference runs were most of a scenario's wall time."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class ChaosRun:
@@ -322,8 +338,11 @@ class ChaosRun:
         # one pair of reference runs for both checks: losses to the last step, weights at
         # the last commit (it was four runs; they dominated a scenario's time under load)
         at = p_step if 0 < p_step <= last else None
-        ref = train_reference(spec, GBS, last, TrainConfig(seed=0), params_at=at)
-        alt = train_reference(spec, GBS, last, TrainConfig(seed=0), microbatch_size=2, params_at=at)
+        with _one_torch_thread():
+            ref = train_reference(spec, GBS, last, TrainConfig(seed=0), params_at=at)
+            alt = train_reference(
+                spec, GBS, last, TrainConfig(seed=0), microbatch_size=2, params_at=at
+            )
         pairs = zip(ref.losses, alt.losses, strict=True)
         loss_floor = max((abs(a - b) for a, b in pairs), default=0.0)
         losses = compare_losses(points, ref.losses, commits)
