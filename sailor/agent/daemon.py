@@ -4,7 +4,9 @@ The agent registers its node under an etcd lease kept alive in the background (a
 expires is a node that left), publishes join/leave events, serves commands on its own NATS
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
-the moment a watcher sees one. SIGTERM: stop the workers, publish NodeLeft, revoke the lease.
+the moment a watcher sees one (retried until its deadline, and kept in the status record so
+that it reaches the controller through etcd while NATS is down). SIGTERM: stop the workers,
+publish NodeLeft, revoke the lease.
 Must never import the controller.
 """
 
@@ -143,7 +145,8 @@ class Agent:
         """Publish ``event``; True once JetStream stored it.
 
         Without ``until``: 20 tries 0.25 s apart. With it (a Unix time): keep trying, with
-        backoff up to ``PUBLISH_BACKOFF_MAX_S``, until that time has passed. One message id
+        backoff up to ``PUBLISH_BACKOFF_MAX_S``, until that time has passed (one try at least,
+        even when it has passed already). One message id
         for every try, so a publish that reached the stream before its ack was lost is
         stored once (the stream's duplicate window, 2 min, outlasts any notice we retry).
         """
@@ -151,7 +154,7 @@ class Agent:
         if assert_bus is None:
             return False
         pause, tries = 0.25, 0
-        while (tries < 20) if until is None else (self.clock.now() < until):
+        while (tries < 20) if until is None else (tries == 0 or self.clock.now() < until):
             tries += 1
             try:
                 await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
