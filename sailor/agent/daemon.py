@@ -6,11 +6,13 @@ It then registers its node under an etcd lease kept alive in the background (a l
 expires is a node that left), publishes join/leave events, serves commands on its own NATS
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
-the moment a watcher sees one. SIGTERM: stop the workers, publish NodeLeft, revoke the lease.
-The epoch fence is persisted (``fence.py``) and raised to the desired state's epoch on start,
-so a restarted agent still refuses a deposed controller. A long-lived task that crashes is
-restarted with backoff; one that keeps crashing takes the agent down (``run`` raises
-``DaemonFailedError``, the process exits non-zero and systemd restarts it).
+the moment a watcher sees one (retried until its deadline, and kept in the status record so
+that it reaches the controller through etcd while NATS is down). SIGTERM: stop the workers,
+publish NodeLeft, revoke the lease. The epoch fence is persisted (``fence.py``) and raised to
+the desired state's epoch on start, so a restarted agent still refuses a deposed controller.
+A long-lived task that crashes is restarted with backoff; one that keeps crashing takes the
+agent down (``run`` raises ``DaemonFailedError``, the process exits non-zero and systemd
+restarts it).
 Must never import the controller.
 """
 
@@ -50,6 +52,7 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
@@ -67,6 +70,9 @@ TASK_BACKOFF_S = 0.5
 """First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
 TASK_MAX_CRASHES = 5
 """Crashes in a row (none after a minute of running) after which the agent gives up."""
+PUBLISH_BACKOFF_MAX_S = 2.0
+"""Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
+~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
 
 
 class WatcherConfig(Frozen):
@@ -89,13 +95,11 @@ class CheckSettings(Frozen):
     )
 
 
-class AgentConfig(Frozen):
+class AgentConfig(ServerEndpoints):
     """Everything ``sailor agent`` needs."""
 
     job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
     node: NodeSpec = Field(description="This node (GPU type and count, zone, spot, address).")
-    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
-    etcd_endpoint: str = Field(default="127.0.0.1:2379", description="etcd host:port.")
     lease_ttl_s: int = Field(default=2, ge=1, description="Registration lease TTL.")
     work_dir: Path = Field(default=Path("sailor-agent"), description="Run files of workers.")
     worker_argv: tuple[str, ...] = Field(
@@ -132,6 +136,7 @@ class Agent:
             make_watcher(w.kind, w.target, self.clock) for w in config.watchers
         ]
         self.noticed = False
+        self.notice: PreemptionNotice | None = None  # also in the status record (etcd path)
         self._lease: EtcdLease | None = None
         self._store: EtcdStore | None = None
         self._bus: NatsEventBus | None = None
@@ -156,10 +161,10 @@ class Agent:
             return
         sec = self.cfg.security
         t0 = time.monotonic()
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
         t1 = time.monotonic()
         nc = await self._retry(
-            lambda: connect_nats(self.cfg.nats_url, self.node.node_id, security=sec)
+            lambda: connect_nats(self.cfg.nats_urls, self.node.node_id, security=sec)
         )
         if store is None or nc is None:
             return
@@ -167,10 +172,13 @@ class Agent:
         self.facts = facts.model_copy(
             update={  # the agent's own connections are the reachability facts of its join
                 "etcd": EndpointFacts(
-                    url=self.cfg.etcd_endpoint, reachable=True, tls=tls, seconds=t1 - t0
+                    url=",".join(self.cfg.etcd_endpoints), reachable=True, tls=tls, seconds=t1 - t0
                 ),
                 "nats": EndpointFacts(
-                    url=self.cfg.nats_url, reachable=True, tls=tls, seconds=time.monotonic() - t1
+                    url=",".join(self.cfg.nats_urls),
+                    reachable=True,
+                    tls=tls,
+                    seconds=time.monotonic() - t1,
                 ),
             }
         )
@@ -269,17 +277,32 @@ class Agent:
                 await self.clock.sleep(0.5)
         return None
 
-    async def _publish(self, kind: str, event: Any) -> None:
+    async def _publish(self, kind: str, event: Any, until: float | None = None) -> bool:
+        """Publish ``event``; True once JetStream stored it.
+
+        Without ``until``: 20 tries 0.25 s apart. With it (a Unix time): keep trying, with
+        backoff up to ``PUBLISH_BACKOFF_MAX_S``, until that time has passed (one try at least,
+        even when it has passed already). One message id
+        for every try, so a publish that reached the stream before its ack was lost is
+        stored once (the stream's duplicate window, 2 min, outlasts any notice we retry).
+        """
         assert_bus = self._bus
         if assert_bus is None:
-            return
-        for _ in range(20):
+            return False
+        pause, tries = 0.25, 0
+        while (tries < 20) if until is None else (tries == 0 or self.clock.now() < until):
+            tries += 1
             try:
                 await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
-                return
-            except TemporaryError:
-                await self.clock.sleep(0.25)
-        _log.warning("event_not_published", kind=kind, event_id=event.event_id)
+                return True
+            except TemporaryError as exc:
+                if until is not None:
+                    _log.warning("event_publish_retry", kind=kind, tries=tries, error=str(exc))
+                await self.clock.sleep(pause)
+                if until is not None:
+                    pause = min(pause * 2, PUBLISH_BACKOFF_MAX_S)
+        _log.warning("event_not_published", kind=kind, event_id=event.event_id, tries=tries)
+        return False
 
     def _event_id(self, kind: str) -> str:
         return f"{self.node.node_id}-{kind}-{uuid.uuid4().hex[:12]}"
@@ -331,6 +354,7 @@ class Agent:
             start_step=sup.start_step,
             saved_step=sup.saved_step,
             failure=sup.failure[:4000],
+            notice=self.notice,
             time=self.clock.now(),
         )
 
@@ -372,16 +396,19 @@ class Agent:
             notice = await watcher.check()
             if notice is not None:
                 self.noticed = True
-                await self._publish(
-                    "preemption_notice",
-                    PreemptionNotice(
-                        event_id=self._event_id("notice"),
-                        node_id=self.node.node_id,
-                        time=self.clock.now(),
-                        deadline=notice.deadline,
-                        source=notice.source,
-                    ),
+                event = PreemptionNotice(
+                    event_id=self._event_id("notice"),
+                    node_id=self.node.node_id,
+                    time=self.clock.now(),
+                    deadline=notice.deadline,
+                    source=notice.source,
                 )
+                # Two paths to the controller: the status record in etcd (written by the
+                # status loop, which wakes now) and the event, retried until the deadline.
+                # Either one alone is enough, so a NATS outage does not lose the notice.
+                self.notice = event
+                self.supervisor.changed.set()
+                await self._publish("preemption_notice", event, until=notice.deadline)
                 return
             await self.clock.sleep(self.cfg.watch_poll_s)
 

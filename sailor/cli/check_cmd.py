@@ -56,7 +56,9 @@ def check(
         facts = node_facts(node, gather_gpu(probe=probe, deadline_s=probe_deadline))
     if cfg is not None:
         nats, etcd = asyncio.run(
-            reach_servers(cfg.nats_url, cfg.etcd_endpoint, cfg.security, cfg.node.node_id, timeout)
+            reach_servers(
+                cfg.nats_urls, cfg.etcd_endpoints, cfg.security, cfg.node.node_id, timeout
+            )
         )
         facts = facts.model_copy(update={"nats": nats, "etcd": etcd})
     report = judge(facts, node_id=node.node_id if node else "", allow_cpu=allow_cpu)

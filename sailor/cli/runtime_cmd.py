@@ -66,7 +66,7 @@ def status(
 
     cfg = load_config(config, ControllerConfig)
     _check_security_files(config, cfg.security)
-    snap = asyncio.run(read_status(cfg.etcd_endpoint, cfg.job, cfg.security))
+    snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security))
     if as_json:
         typer.echo(json.dumps(snap, indent=2, default=str))
         return

@@ -28,7 +28,7 @@ import collections
 import contextlib
 import gc
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -62,7 +62,7 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
-from sailor.schemas.runtime import DesiredState, NoticeRecord
+from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller", "urgent_wake"]
 
@@ -139,8 +139,10 @@ class Controller:
 
     async def run(self) -> None:
         sec = self.cfg.security
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
-        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity, 5.0, sec))
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
+        nc = await self._retry(
+            lambda: connect_nats(self.cfg.nats_urls, self.cfg.identity, 5.0, sec)
+        )
         if store is None or nc is None:
             return
         self.sd.ready("standby: connected to etcd and NATS")
@@ -216,7 +218,12 @@ class Controller:
 
     async def _lead(self, store: EtcdStore, nc: Any, lead: Leadership) -> None:
         tasks = TaskSet(f"controller-{lead.epoch}", on_crash=self._task_crashed)
-        bus = NatsEventBus(nc, self.keys, durable=f"controller-{self.keys.job}")
+        bus = NatsEventBus(
+            nc,
+            self.keys,
+            durable=f"controller-{self.keys.job}",
+            replicas=self.cfg.event_stream_replicas,
+        )
         executor = Executor(
             store,
             NatsCommands(nc, self.keys),
@@ -256,6 +263,7 @@ class Controller:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
                     observed = self._observe(executor, cache)
+                    await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)
@@ -361,6 +369,39 @@ class Controller:
             commits=snap.commits,
             acked=ex.acked_view,
         )
+
+    async def _notices_from_status(
+        self,
+        status: Mapping[str, AgentStatus],
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+    ) -> None:
+        """The etcd path of preemption notices: a notice an agent keeps in its status record
+        (it does so at once, while NATS may be down) is handled once, as the event it is.
+
+        Fenced like the event: RBAC lets an agent write only its own ``status/<id>``, the
+        mirror believes a status only under its node's key, and the notice must name that
+        node; then the event's own checks apply (registered node, deadline window) and its
+        event id makes the NATS copy, whenever it arrives, a duplicate.
+        """
+        for node_id, st in sorted(status.items()):
+            ev = st.notice
+            if ev is None or ev.event_id in self._seen:
+                continue
+            # The status key vouches for its node as the subject does for a published event
+            # (RBAC: an agent writes only its own status): the node's own event subject.
+            subject = self.keys.event_subject(ev.kind, node_id)
+            if ev.node_id != node_id:
+                self._reject_event(
+                    ev, subject, self.clock.now(), lead, f"in the status of {node_id}"
+                )
+                self._seen[ev.event_id] = None
+                continue
+            data = ev.model_dump_json().encode()
+            msg_id = f"status/{node_id}"
+            await self._handle_event(data, msg_id, subject, store, lead, cache)
+            await self.audit.durable()
 
     def _node_gone(self, node_id: str) -> None:
         """A registration disappeared (lease lost or revoked): urgent if a layout used it."""

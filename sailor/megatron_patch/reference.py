@@ -26,13 +26,16 @@ __all__ = ["ReferenceRun", "train_reference"]
 
 @dataclass
 class ReferenceRun:
-    """Losses per iteration, final full parameters and AdamW moments, seconds per iteration."""
+    """Losses per iteration, final full parameters and AdamW moments, seconds per iteration
+    (and the parameters and moments after ``params_at`` iterations, when asked for)."""
 
     losses: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     step_s: list[float] = field(default_factory=list)
     moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """``(exp_avg, exp_avg_sq)`` per key after the last step (empty after 0 steps)."""
+    params_at: dict[str, torch.Tensor] = field(default_factory=dict)
+    moments_at: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def train_reference(
@@ -44,13 +47,16 @@ def train_reference(
     microbatch_size: int | None = None,
     device: torch.device | None = None,
     data: TokenSource | None = None,
+    params_at: int | None = None,
 ) -> ReferenceRun:
     """Train ``steps`` iterations on one process; ``microbatch_size`` only bounds memory.
 
     ``device`` (default the CPU) holds the model and the batches; the initialisation is drawn
     on the CPU either way, so every device starts from the same weights. Returned parameters
     are on that device. ``data``: the samples (default: the engine's synthetic tokens of
-    ``cfg.seed``).
+    ``cfg.seed``). ``params_at``: also keep the parameters and moments after that many
+    iterations, so a caller that needs the losses of a long run and the state of a shorter
+    one (the chaos verdict) trains once.
     """
     dev = device or torch.device("cpu")
     model = GPTStage(spec, 0, spec.num_all_layers - 1, seed=cfg.seed, tie_in_module=True).to(dev)
@@ -75,10 +81,19 @@ def train_reference(
         pos += global_batch_size
         run.losses.append(total)
         run.step_s.append(time.perf_counter() - t0)
+        if len(run.losses) == params_at:
+            run.params_at = {k: p.detach().clone() for k, p in model.keyed_parameters()}
+            run.moments_at = _moments(model, opt)
     run.params = {k: p.detach().clone() for k, p in model.keyed_parameters()}
-    run.moments = {
+    run.moments = _moments(model, opt)
+    return run
+
+
+def _moments(
+    model: GPTStage, opt: torch.optim.Optimizer
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {
         k: (st["exp_avg"].clone(), st["exp_avg_sq"].clone())
         for k, p in model.keyed_parameters()
         if (st := opt.state.get(p))
     }
-    return run

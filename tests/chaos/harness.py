@@ -33,7 +33,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,6 +48,8 @@ from sailor.localservers import Identities, start_local_servers
 
 if TYPE_CHECKING:
     import torch
+
+    from sailor.megatron_patch.reference import ReferenceRun
 
 __all__ = [
     "GBS",
@@ -169,8 +171,9 @@ class _Diffs(NamedTuple):
         return self.moments <= max(MOMENT_ATOL, 3 * self.moment_floor)
 
 
-def _param_diffs(ckpt: Path, step: int) -> _Diffs:
-    """Checkpoint ``step``'s weights and AdamW moments against the reference's, with floors.
+def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alt: ReferenceRun) -> _Diffs:
+    """Checkpoint ``step``'s weights and AdamW moments against the reference's (``ref`` and
+    ``alt`` trained with ``params_at=step``), with floors.
 
     A floor is the same difference between two uninterrupted references, what reduction
     order alone produces: the reference trained with the whole global batch at once against
@@ -180,15 +183,11 @@ def _param_diffs(ckpt: Path, step: int) -> _Diffs:
     every key), so AdamW scales pure rounding noise to ~lr. The moments' floor stays ~1e-7.
     """
     from sailor.checkpoint import LocalStorage, load
-    from sailor.megatron_patch.engine import TrainConfig
     from sailor.megatron_patch.model import tiny_model
-    from sailor.megatron_patch.reference import train_reference
 
     spec = tiny_model("tiny-gpt", GBS)
     got = load(LocalStorage(ckpt), range(spec.num_all_layers), step=step).params
-    ref = train_reference(spec, GBS, step, TrainConfig(seed=0))
-    alt = train_reference(spec, GBS, step, TrainConfig(seed=0), microbatch_size=2)
-    missing = sorted(set(ref.params) - set(got))
+    missing = sorted(set(ref.params_at) - set(got))
     if missing:
         raise AssertionError(f"checkpoint {step} lacks {missing[:5]}")
 
@@ -196,17 +195,33 @@ def _param_diffs(ckpt: Path, step: int) -> _Diffs:
         return float((a - b).abs().max())
 
     return _Diffs(
-        weights=max(gap(got[k].weight, ref.params[k]) for k in ref.params),
-        weight_floor=max(gap(alt.params[k], ref.params[k]) for k in ref.params),
+        weights=max(gap(got[k].weight, ref.params_at[k]) for k in ref.params_at),
+        weight_floor=max(gap(alt.params_at[k], ref.params_at[k]) for k in ref.params_at),
         moments=max(
             max(gap(got[k].exp_avg, m), gap(got[k].exp_avg_sq, v))
-            for k, (m, v) in ref.moments.items()
+            for k, (m, v) in ref.moments_at.items()
         ),
         moment_floor=max(
-            max(gap(alt.moments[k][0], m), gap(alt.moments[k][1], v))
-            for k, (m, v) in ref.moments.items()
+            max(gap(alt.moments_at[k][0], m), gap(alt.moments_at[k][1], v))
+            for k, (m, v) in ref.moments_at.items()
         ),
     )
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the verdict's reference runs. Its default (one per core)
+    spins at a barrier each op waiting for the other thread; on the shared 2 cores (load
+    average 20 from other work) 20 tiny-gpt steps took 80-119 s on two threads and 1.4-1.9 s
+    on one, and the reference runs were most of a scenario's wall time."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class ChaosRun:
@@ -215,12 +230,21 @@ class ChaosRun:
     Everything it started is ended on exit, failure or not (marker scan included).
     """
 
-    def __init__(self, tmp: Path, scenario: str, steps_between: int = 8) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        scenario: str,
+        steps_between: int = 8,
+        nats_servers: int = 1,
+        etcd_members: int = 1,
+        min_step_s: float = 0.05,
+    ) -> None:
         self.scenario = scenario
+        self.cluster_sizes = (nats_servers, etcd_members)  # > 1: server clusters on loopback
         self.root = tmp / "run"
         self.reg = ProcessRegistry(log_dir=self.root / "logs")
         self.settings = DemoSettings(
-            steps_between=steps_between, min_step_s=0.05, phase_timeout_s=120.0, poll_s=0.2
+            steps_between=steps_between, min_step_s=min_step_s, phase_timeout_s=120.0, poll_s=0.2
         )
         self.faults: list[str] = []
         self.t0 = time.time()
@@ -231,7 +255,10 @@ class ChaosRun:
 
         ids = Identities(jobs=(JOB,), controllers=CONTROLLERS, agents=NODES)
         try:
-            self.servers = start_local_servers(self.root, ids, secure=True, spawn=spawn)
+            n_nats, n_etcd = self.cluster_sizes
+            self.servers = start_local_servers(
+                self.root, ids, secure=True, spawn=spawn, nats_servers=n_nats, etcd_members=n_etcd
+            )
             self.cluster = DemoCluster(
                 reg=self.reg,
                 servers=self.servers,
@@ -251,7 +278,8 @@ class ChaosRun:
             await self.drive.state.close()
         try:
             self.cluster.stop()
-            self.reg.stop(["nats", "etcd"], grace_s=5.0)
+            members = [*self.servers.nats_members, *self.servers.etcd_members]
+            self.reg.stop([m.name for m in members], grace_s=5.0)
         finally:
             left = self.reg.kill_all()
             if exc[0] is None and not left and not os.environ.get("SAILOR_CHAOS_KEEP"):
@@ -365,18 +393,26 @@ class ChaosRun:
         points = self.drive.steps.series()
         last = max((p.step for p in points), default=0)
         spec = tiny_model("tiny-gpt", GBS)
-        ref = train_reference(spec, GBS, last, TrainConfig(seed=0))
-        alt = train_reference(spec, GBS, last, TrainConfig(seed=0), microbatch_size=2)
+        commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
+        p_step = commits[-1] if commits else -1
+        # one pair of reference runs for both checks: losses to the last step, weights at
+        # the last commit (it was four runs; they dominated a scenario's time under load)
+        at = p_step if 0 < p_step <= last else None
+        with _one_torch_thread():
+            ref = train_reference(spec, GBS, last, TrainConfig(seed=0), params_at=at)
+            alt = train_reference(
+                spec, GBS, last, TrainConfig(seed=0), microbatch_size=2, params_at=at
+            )
         pairs = zip(ref.losses, alt.losses, strict=True)
         loss_floor = max((abs(a - b) for a, b in pairs), default=0.0)
-        commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
         losses = compare_losses(points, ref.losses, commits)
         downtimes, redone = _downtimes(points)
         launches = sum(r.get("kind") == "phase" and r.get("phase") == "launch" for r in records)
-        p_step = commits[-1] if commits else -1
         inf = float("inf")
         diffs = (
-            _param_diffs(self.root / "ckpt", p_step) if p_step > 0 else _Diffs(inf, 0.0, inf, 0.0)
+            _param_diffs(self.root / "ckpt", p_step, ref, alt)
+            if at is not None
+            else _Diffs(inf, 0.0, inf, 0.0)
         )
         out = Outcome(
             scenario=self.scenario,

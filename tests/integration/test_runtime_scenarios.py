@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -440,4 +441,43 @@ async def test_nats_and_etcd_restart_mid_run(
     cluster.start_agent("n2")
     ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
     assert sorted(ctl.desired.placement) == ["n1", "n2"]
+    cluster.audit()
+
+
+async def test_notice_while_nats_is_down_goes_through_etcd(
+    cluster: Cluster, nats_server: object
+) -> None:
+    """Issue 18, item 5: NATS down when the notice arrives. The leader learns it from the
+    agent's status record at once (QUIESCE while NATS is still down); the event follows once
+    NATS is back and is a duplicate. The outage is 4 s here (the chaos scenario *notice during
+    NATS outage* has the 10 s one, and checks that the checkpoint commits before the deadline
+    with real workers: this sim worker saves only at the exact step asked, which the outage
+    lets it pass)."""
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", watch_file=True)
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    while sorted(ctl.desired.placement) != ["n1", "n2"]:
+        ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    gen = ctl.desired.generation
+    await asyncio.to_thread(nats_server.stop)  # type: ignore[attr-defined]
+    loop = asyncio.get_running_loop()
+    t_down = loop.time()
+    (cluster.tmp / "preempt-n1").write_text(json.dumps({"deadline": time.time() + 25}))
+    while ctl.desired.phase is Phase.RUNNING and loop.time() - t_down < 4:
+        await asyncio.sleep(0.05)
+    assert ctl.desired.phase is not Phase.RUNNING, "notice not acted on while NATS was down"
+    assert "preemption notice" in ctl.desired.cause
+    await asyncio.sleep(max(0.0, 4 - (loop.time() - t_down)))
+    await asyncio.to_thread(nats_server.start)  # type: ignore[attr-defined]
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
+    assert list(ctl.desired.placement) == ["n2"]
+    for _ in range(100):  # the agent's retried publish arrives once NATS is back
+        recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+        if any(r["kind"] == "event_duplicate" for r in recs):
+            break
+        await asyncio.sleep(0.1)
+    notices = [r for r in recs if r["kind"] == "event" and r["event_kind"] == "preemption_notice"]
+    assert len(notices) == 1, notices  # applied once
+    assert any(r["kind"] == "event_duplicate" for r in recs)
     cluster.audit()

@@ -81,8 +81,10 @@ class DemoCluster:
         return ControllerConfig(
             job=self.job,
             identity=name,
-            nats_url=self.servers.nats_url,
-            etcd_endpoint=self.servers.etcd_endpoint,
+            nats_urls=self.servers.nats_urls,
+            etcd_endpoints=self.servers.etcd_endpoints,
+            # R3 on a 3-server NATS cluster: losing one server loses no event
+            event_stream_replicas=min(3, len(self.servers.nats_urls)),
             audit_log=self.audit_path(name),
             checkpoint_dir=str(self.root / "ckpt"),
             lease_ttl_s=2,
@@ -106,8 +108,8 @@ class DemoCluster:
             node=NodeSpec(
                 node_id=node, gpu_type="cpu", gpus=1, zone="local-a", spot=True, address="127.0.0.1"
             ),
-            nats_url=self.servers.nats_url,
-            etcd_endpoint=self.servers.etcd_endpoint,
+            nats_urls=self.servers.nats_urls,
+            etcd_endpoints=self.servers.etcd_endpoints,
             lease_ttl_s=2,
             work_dir=self.agents_dir,
             # paced steps leave the 2 shared cores to the control plane; a short collective
