@@ -10,7 +10,7 @@
 * :mod:`calibrated_estimate`: roofline estimates for GPUs not at hand, scaled by the
   efficiency measured on the GPUs that are, with a leave-one-GPU-out check;
 * :mod:`merge`: measured beats imported beats estimated when databases are merged;
-* :mod:`rss_worker`: a training worker that reports its peak RSS growth (end-to-end checks).
+* :mod:`rss_probe`: a training worker that reports its peak RSS growth (end-to-end checks).
 
 May import torch and ``megatron_patch``; never the controller, agent or coordination.
 The package root imports no torch, so the pure parts load fast.

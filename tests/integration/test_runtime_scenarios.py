@@ -1,6 +1,6 @@
 """Runtime scenarios with real nats-server, etcd, controllers, agents and worker processes.
 
-Workers are the light ``sim_worker`` (real subprocesses speaking the worker protocol, with a
+Workers are the light ``toy_trainer`` (real subprocesses speaking the worker protocol, with a
 layout-independent loss), so each scenario takes seconds. After each, ``sailor audit`` must
 pass. The servers are secure (conftest): every daemon connects with its own certificate and
 NATS login, as in a deployment.
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("no_task_leak")
 WORKER = (
     "{python}",
     "-m",
-    "sailor.agent.sim_worker",
+    "sailor.agent.toy_trainer",
     "--plan",
     "{plan}",
     "--rank",

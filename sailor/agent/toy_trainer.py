@@ -1,4 +1,4 @@
-"""A light stand-in training worker speaking the agent's worker protocol (no torch).
+"""A toy training process speaking the agent's worker protocol (no torch): a stand-in for training.
 
 Used where real training is beside the point: protocol tests, large simulated clusters in
 the benchmarks, and runs on machines without torch. It "trains" a 4-parameter model on a
