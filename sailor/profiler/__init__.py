@@ -1,9 +1,10 @@
 """The profiler: layer timing and memory on the local device, link bandwidth, estimates.
 
-* :mod:`layers` (with :mod:`layer_bench`, :mod:`in_situ`, :mod:`tp_procs`, :mod:`timing`,
-  :mod:`memory`, :mod:`overhead`): measure the training framework's real layers per (TP,
-  microbatch size) and build a :class:`~sailor.schemas.ProfileDB`; :mod:`memory_bound`
-  decides first what fits the device, :mod:`precision` what the layers compute in;
+* :mod:`layers` (with :mod:`layer_bench`, :mod:`in_situ`, :mod:`layer_measurement`,
+  :mod:`tp_procs`, :mod:`timing`, :mod:`memory`, :mod:`overhead`): measure the training
+  framework's real layers per (TP, microbatch size) and build a
+  :class:`~sailor.schemas.ProfileDB`; :mod:`memory_bound` decides first what fits the device,
+  :mod:`precision` what the layers compute in;
 * :mod:`collective_probe`: all-reduce latency and bus bandwidth, on one node or across two;
 * :mod:`network_probe` and :mod:`curve_fit`: point-to-point bandwidth vs message size
   between two ranks, fitted to the simulator's curve and written into a NetworkProfile;
