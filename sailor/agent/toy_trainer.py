@@ -64,7 +64,7 @@ def _save(root: str, step: int, w: list[float], rank: int, world: int, timeout: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sailor-sim-worker")
+    p = argparse.ArgumentParser(prog="sailor-toy-trainer")
     p.add_argument("--plan", required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)

@@ -79,7 +79,7 @@ class Cluster:
             notice_margin_s=1.0,
             deadlines=PhaseDeadlines(quiesce=15, checkpoint=15, launch=10, load=30, verify=30),
             global_batch_size=8,
-            # sim workers train no real model: the stand-in planner uses every node, which
+            # toy trainers train no real model: the stand-in planner uses every node, which
             # the protocol assertions below rely on
             planner="data_parallel",
             security=self.security(name),
@@ -107,7 +107,7 @@ class Cluster:
             watchers=watchers,
             watch_poll_s=0.2,
             security=self.security(node_id),
-            # sim workers stand in for the GPUs on this CPU host: no GPU check (a GPU node
+            # toy trainers stand in for the GPUs on this CPU host: no GPU check (a GPU node
             # without a GPU would refuse to join)
             check=CheckSettings(mode="off"),
         )
