@@ -1,7 +1,7 @@
 """Downtime per reconfiguration with real servers and real CPU workers, split by phase.
 
 Setup: a real nats-server and etcd, one controller (``sailor.planner``), two agents of one
-``cpu`` "GPU" each on this machine, workers ``python -m sailor.worker`` training tiny-gpt
+``cpu`` "GPU" each on this machine, workers ``python -m sailor.training_process`` training tiny-gpt
 (global batch 4, gloo). Scenario: n1 trains alone (cold start: IDLE → first step, the
 baseline of a kill-and-restart measured in the same run); n2 joins (join → replan → resume);
 n1 gets a preemption notice with a 30 s deadline (→ checkpoint → resume on n2).

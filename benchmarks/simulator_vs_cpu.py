@@ -17,7 +17,7 @@
    (no hook correction, network efficiency 1, no fixed sync cost, no allocator factor).
 4. For each plan (1-4 ranks: pipeline depths, uneven splits, microbatch sizes, two
    pipelines), run the real training framework with its local launcher
-   (``megatron_patch.launch.launch_local``) through ``sailor.profiler.rss_worker`` (the
+   (``megatron_patch.launch.launch_local``) through ``sailor.profiler.rss_probe`` (the
    unchanged worker, plus its peak RSS growth); the measured step time is the mean (or
    median, ``--statistic``) of rank 0's ``step_s`` after ``--skip`` warm-up steps, the
    measured memory the largest peak-RSS growth of any rank. Compare with
@@ -158,7 +158,7 @@ def _run_plan(
         work,
         model=str(model_file),
         extra_args=["--rss-out", str(work / "rss-{rank}.json")],
-        module="sailor.profiler.rss_worker",
+        module="sailor.profiler.rss_probe",
         deadline_s=600,
         pin_cores=pin,
     )

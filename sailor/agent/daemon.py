@@ -86,7 +86,7 @@ class CheckSettings(Frozen):
     mode: Literal["enforce", "report", "off"] = Field(
         default="enforce",
         description="enforce: a GPU node that fails the check does not join; report: it joins "
-        "and logs the failures; off: no GPU checks (sim workers standing in for GPUs on a CPU "
+        "and logs the failures; off: no GPU checks (toy trainers standing in for GPUs on a CPU "
         "host). CPU nodes (gpu_type cpu) skip the GPU checks in every mode.",
     )
     probe: bool = Field(default=True, description="Run the one-node NCCL collective probe.")

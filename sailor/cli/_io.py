@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from sailor.cli.errors import CliError
+from sailor.cli.schema_names import SCHEMAS
 
 __all__ = ["fail", "load_config", "load_model", "load_raw", "write_json"]
 
@@ -24,8 +25,6 @@ def fail(msg: str, code: int = 2) -> CliError:
 
 
 def _schema_hint(cls: type[BaseModel]) -> str:
-    from sailor.cli.schema_cmd import SCHEMAS
-
     names = [n for n, c in SCHEMAS.items() if c is cls]
     return f"see `sailor schema {names[0]}`" if names else "fix the field(s) named"
 

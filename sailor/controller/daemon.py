@@ -39,9 +39,7 @@ from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import DecideConfig, Observed, decide
 from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
-from sailor.controller.plan_worker import ProcessPlanner
-from sailor.controller.planning import Planner
-from sailor.controller.sailor_planner import planner_from_config
+from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
 from sailor.coordination import (
     Clock,
     DaemonFailedError,

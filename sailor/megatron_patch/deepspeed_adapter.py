@@ -5,7 +5,7 @@ and the same layer partition, one microbatch size and count, no tensor paralleli
 pipe engine leaves TP to Megatron), one activation-checkpointing setting for all stages.
 :func:`deepspeed_layout` (pure) checks a plan against that and returns the DeepSpeed
 settings, or raises :class:`UnsupportedPlanError` naming what does not fit; the
-heterogeneous plans run on Sailor's own engine (``worker``).
+heterogeneous plans run on Sailor's own engine (``rank_main``).
 
 What we keep from Sailor in the DeepSpeed run:
 
@@ -279,7 +279,7 @@ def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: in
 
 def run(argv: list[str] | None = None) -> int:
     """One rank of a plan on DeepSpeed; progress and state dumps like the worker's."""
-    from sailor.megatron_patch.worker import build_parser, load_model
+    from sailor.megatron_patch.rank_main import build_parser, load_model
 
     args = build_parser().parse_args(argv)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     import faulthandler
 
     from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
-    from sailor.megatron_patch.worker import build_parser
+    from sailor.megatron_patch.rank_main import build_parser
 
     args = build_parser().parse_args(argv)
     err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
+from sailor.profiler.layer_bench import measure_kinds
+from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.memory_bound import Window, device_budget, plan_window
 from sailor.profiler.precision import ComputePrecision, compute_precision
 from sailor.profiler.timing import RepeatSettings

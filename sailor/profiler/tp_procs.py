@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from sailor.profiler.layer_bench import LayerMeasurement
+from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.procs import rank_device, run_ranks
 from sailor.profiler.timing import RepeatSettings, Stats
 from sailor.schemas.model import ModelSpec

@@ -1,7 +1,7 @@
 """Fuzzing: hypothesis-made malformed and hostile input on every subject and key daemons read.
 
 A running controller and agent (the in-process scenario harness of
-tests/integration/test_runtime_scenarios.py, sim workers, secure servers) receive:
+tests/integration/test_runtime_scenarios.py, toy trainers, secure servers) receive:
 
 - on the event subjects the controller consumes (``sailor.<job>.events.<node>.<kind>``),
   published with agent n1's own login (all an agent may publish on): random bytes, random

@@ -176,7 +176,7 @@ def _save_then_resume(
 ) -> tuple[LocalRun, LocalRun, LocalRun]:
     """Run A uninterrupted for ``total`` steps; run A to ``save_at`` saving there; resume
     under B for the rest. Returns (uninterrupted, first part, resumed)."""
-    module = "sailor.worker"
+    module = "sailor.training_process"
     whole = launch_local(plan_a, total, tmp_path / "whole", module=module, deadline_s=300)
     _ok(whole)
     ckpt = tmp_path / "ckpt"

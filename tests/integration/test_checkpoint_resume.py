@@ -13,7 +13,7 @@ A). Every resumed run's losses must equal A's losses at the same steps, and its 
 and both AdamW moments must equal A's checkpoint at the same step, within fp32 rounding of the
 different reduction orders (TP splits, sync groups) — not bitwise across layouts, but tight.
 
-The glue between the two packages is the shipped one (``sailor.worker.ckpt_glue``:
+The glue between the two packages is the shipped one (``sailor.training_process.ckpt_glue``:
 ``LayerCheckpointIO`` over ``trainer_params`` and ``restore_trainer``), called as the worker
 calls it: ``position`` and ``restore`` before training, ``save`` at a boundary and ``wait``
 at the next one, ``close`` at the end. Right after each restore, every rank's weights, both
@@ -43,8 +43,8 @@ from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.state import optimizer_state, stage_state
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
-from sailor.worker import ckpt_glue
-from sailor.worker.ckpt_glue import LayerCheckpointIO
+from sailor.training_process import ckpt_glue
+from sailor.training_process.ckpt_glue import LayerCheckpointIO
 
 MODEL = "tiny-gpt"
 GBS = 4

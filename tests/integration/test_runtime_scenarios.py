@@ -1,6 +1,6 @@
 """Runtime scenarios with real nats-server, etcd, controllers, agents and worker processes.
 
-Workers are the light ``sim_worker`` (real subprocesses speaking the worker protocol, with a
+Workers are the light ``toy_trainer`` (real subprocesses speaking the worker protocol, with a
 layout-independent loss), so each scenario takes seconds. After each, ``sailor audit`` must
 pass. The servers are secure (conftest): every daemon connects with its own certificate and
 NATS login, as in a deployment.
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("no_task_leak")
 WORKER = (
     "{python}",
     "-m",
-    "sailor.agent.sim_worker",
+    "sailor.agent.toy_trainer",
     "--plan",
     "{plan}",
     "--rank",
@@ -80,7 +80,7 @@ class Cluster:
             notice_margin_s=1.0,
             deadlines=PhaseDeadlines(quiesce=15, checkpoint=15, launch=10, load=30, verify=30),
             global_batch_size=8,
-            # sim workers train no real model: the stand-in planner uses every node, which
+            # toy trainers train no real model: the stand-in planner uses every node, which
             # the protocol assertions below rely on
             planner="data_parallel",
             security=self.security(name),
@@ -108,7 +108,7 @@ class Cluster:
             watchers=watchers,
             watch_poll_s=0.2,
             security=self.security(node_id),
-            # sim workers stand in for the GPUs on this CPU host: no GPU check (a GPU node
+            # toy trainers stand in for the GPUs on this CPU host: no GPU check (a GPU node
             # without a GPU would refuse to join)
             check=CheckSettings(mode="off"),
         )

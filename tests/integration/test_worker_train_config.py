@@ -110,7 +110,7 @@ def test_wrong_field_refused_before_any_process_group(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "sailor.megatron_patch.worker",
+        "sailor.megatron_patch.rank_main",
         "--plan",
         str(tmp_path / "plan.json"),
         "--rank",

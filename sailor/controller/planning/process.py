@@ -48,7 +48,8 @@ from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from sailor.controller.config import ControllerConfig
-from sailor.controller.planning import Planner, PlanResult
+from sailor.controller.planning.api import Planner, PlanResult
+from sailor.controller.planning.in_process import planner_from_config
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 
@@ -88,8 +89,6 @@ at 512 nodes, between calls): bounds what a cycle among them could hold on to.""
 
 def _init(config_json: str) -> None:
     global _planner
-    from sailor.controller.sailor_planner import planner_from_config
-
     _watch_parent(os.getppid())
     _planner = planner_from_config(ControllerConfig.model_validate_json(config_json))
     gc.disable()  # collections run between calls (_collect), not inside them

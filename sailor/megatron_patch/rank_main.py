@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m sailor.megatron_patch.worker --plan PLAN.json --rank R --world-size W \\
+    python -m sailor.megatron_patch.rank_main --plan PLAN.json --rank R --world-size W \\
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
         [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3] \\
@@ -47,8 +47,8 @@ config are not applied by this engine yet.
 
 Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
 package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
-sailor.worker`` pass the layer-keyed one of :mod:`sailor.worker.ckpt_glue`. The ``sailor``
-CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
+sailor.training_process`` pass the layer-keyed one of :mod:`sailor.training_process.ckpt_glue`.
+The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
 """
 
 from __future__ import annotations

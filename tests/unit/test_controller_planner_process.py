@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import sailor.controller.plan_worker as pw
+import sailor.controller.planning.process as pw
 from sailor.controller.config import ControllerConfig
-from sailor.controller.plan_worker import ProcessPlanner, StaleWorkerStateError
-from sailor.controller.sailor_planner import planner_from_config
+from sailor.controller.planning import ProcessPlanner, StaleWorkerStateError, planner_from_config
 from sailor.schemas.hardware import NodeSpec
 
 
