@@ -1,4 +1,13 @@
-"""1F1B replay of pipelines whose ranks share one host's cores.
+"""CPU test scaffolding: plans whose ranks share one CPU host's cores, replayed together.
+
+Only the CPU end-to-end check (``benchmarks/simulator_vs_cpu.py``) uses this module, to compare
+the simulator with plans run on this machine; the GPU path of :func:`~sailor.simulator.simulate`
+never reads it. Its entry points, :func:`simulate_on_shared_host` and
+:func:`simulate_on_shared_host_with_timeline`, run the simulator with a
+:class:`~sailor.simulator.simulate.RankTiming` of ranks sharing the host, as the profile's
+:class:`~sailor.schemas.profile.HostSharing` for their device measured it
+(:mod:`sailor.profiler.cpu_host`); without such an entry each rank keeps a device of its own,
+and a note says so.
 
 On GPUs every rank owns its device, and :func:`~sailor.simulator.pipeline.replay_1f1b` replays
 each pipeline on its own. Ranks started together on one CPU host (``launch_local``: the
@@ -7,7 +16,7 @@ decide their step time (``docs/simulator-model.md``, "Ranks sharing a host"):
 
 * **Processor sharing.** While ``n`` ranks compute at once, each computes at
   ``1 / slowdown(n)`` of its speed alone. ``slowdown`` is measured by the profiler with ``n``
-  copies of the model's own layers running together (``sailor.profiler.host_sharing``); it is
+  copies of the model's own layers running together (``sailor.profiler.cpu_host.sharing``); it is
   about 1 while ``n`` fits the cores and grows past them.
 * **Wake-up.** A rank blocked on a receive whose message arrives while at least ``cores``
   ranks compute is not run at once: it waits for the scheduler to give it a core, ``wake_s``
@@ -32,20 +41,50 @@ work drains at the rate set by how many ranks compute (a stage of TP degree ``t`
 pipeline, so with ``slowdown = 1`` and no wake-up or rendezvous delay the answer is that
 replay's.
 
-Pure: no I/O, no clock.
+Pure: no I/O, no clock. Must never be imported by the GPU path (simulate, planner).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
+from sailor.schemas import (
+    Calibration,
+    Estimate,
+    GPUSpec,
+    ModelSpec,
+    NetworkProfile,
+    Pipeline,
+    Plan,
+    PriceTable,
+    ProfileDB,
+)
 from sailor.schemas.profile import HostSharing
+from sailor.simulator.network_model import AllReduce
 from sailor.simulator.pipeline import PipelineRun, TimelineOp, one_f_one_b_order
+from sailor.simulator.simulate import (
+    Method,
+    Notes,
+    OwnDevices,
+    PipelineKind,
+    PipelineRuns,
+    Timeline,
+    simulate_ranks,
+)
 
-__all__ = ["SharedPipe", "fair_share", "replay_shared", "residual", "slowest"]
+__all__ = [
+    "SharedHost",
+    "SharedPipe",
+    "fair_share",
+    "replay_shared",
+    "residual",
+    "simulate_on_shared_host",
+    "simulate_on_shared_host_with_timeline",
+    "slowest",
+]
 
 _EPS = 1e-12
 _ARRIVE, _START = 0, 1  # event kinds
@@ -244,3 +283,187 @@ def replay_shared(
         mine = tuple(op for op in ops if op.pipeline == pi)
         out.append(PipelineRun(end_s=max(stage_end), stage_end_s=stage_end, ops=mine))
     return out
+
+
+def simulate_on_shared_host(
+    plan: Plan,
+    model: ModelSpec,
+    profiles: ProfileDB,
+    network: NetworkProfile,
+    prices: PriceTable,
+    *,
+    calibration: Calibration | None = None,
+    gpu_specs: Mapping[str, GPUSpec] | None = None,
+    method: Method = "closed_form",
+    spot: bool = False,
+) -> Estimate:
+    """:func:`~sailor.simulator.simulate` for a plan whose ranks all run on one host (CPU
+    ranks started together, as ``launch_local`` does) and share its cores."""
+    return simulate_ranks(
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        SharedHost(profiles, plan),
+        calibration=calibration,
+        gpu_specs=gpu_specs,
+        method=method,
+        spot=spot,
+    )[0]
+
+
+def simulate_on_shared_host_with_timeline(
+    plan: Plan,
+    model: ModelSpec,
+    profiles: ProfileDB,
+    network: NetworkProfile,
+    prices: PriceTable,
+    *,
+    calibration: Calibration | None = None,
+    gpu_specs: Mapping[str, GPUSpec] | None = None,
+    spot: bool = False,
+) -> tuple[Estimate, Timeline]:
+    """:func:`simulate_on_shared_host` with the replay, plus every forward and backward."""
+    est, tl = simulate_ranks(
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        SharedHost(profiles, plan),
+        calibration=calibration,
+        gpu_specs=gpu_specs,
+        method="replay",
+        spot=spot,
+        timeline=True,
+    )
+    if tl is None:
+        raise RuntimeError("replay produced no timeline")
+    return est, tl
+
+
+@dataclass
+class SharedHost:
+    """:class:`~sailor.simulator.simulate.RankTiming` of a plan's ranks on one shared host.
+
+    The host's measured sharing is looked up when the pipelines run (its note follows the
+    pipelines' own); without one, every step is :class:`OwnDevices`'. One object per
+    simulation: it remembers which stages' last act was an all-reduce.
+    """
+
+    profiles: ProfileDB
+    plan: Plan
+    host: HostSharing | None = None
+    warm: set[tuple[int, int]] = field(default_factory=set)
+    """Stages whose last act was a gradient all-reduce (of some time)."""
+
+    def run_pipelines(
+        self,
+        pipelines: Sequence[Pipeline],
+        kinds: Sequence[PipelineKind],
+        method: Method,
+        timeline: bool,
+        notes: Notes,
+    ) -> PipelineRuns:
+        self.host = _host_model(self.profiles, self.plan, notes)
+        if self.host is None:
+            return OwnDevices().run_pipelines(pipelines, kinds, method, timeline, notes)
+        if method != "replay":
+            notes.add("ranks share one host: pipelines replayed together (no closed form)")
+        out = PipelineRuns([], [], [])
+        pipes = [
+            SharedPipe(
+                f=k.fs,
+                b=k.bs,
+                delay=k.delay or tuple(0.0 for _ in k.fs[1:]),
+                m=p.num_microbatches,
+                tp=tuple(s.replica.tp for s in p.stages),
+            )
+            for p, k in zip(pipelines, kinds, strict=True)
+        ]
+        for prun in replay_shared(pipes, self.host, record=timeline):
+            out.end_s.append(prun.end_s)
+            out.stage_end_s.append(prun.stage_end_s)
+            out.ops.extend(prun.ops)
+        return out
+
+    def end_slowdown(self, pipelines: Sequence[Pipeline]) -> float:
+        # every rank's end of iteration and optimizer step run at about the same time (after
+        # the pipelines drain), at the slowdown of all of them computing
+        if self.host is None:
+            return 1.0
+        return slowest(self.host, sum(s.replica.tp for p in pipelines for s in p.stages))
+
+    def grad_allreduce_s(
+        self,
+        ar: AllReduce,
+        holders: Sequence[tuple[int, int]],
+        node_bytes: float,
+        *,
+        chains: bool,
+    ) -> float:
+        # how long an all-reduce takes depends on what its ranks did just before
+        # (computing, another all-reduce)
+        after: Literal["compute", "allreduce"] = (
+            "allreduce" if self.warm.issuperset(holders) else "compute"
+        )
+        took = _host_allreduce(self.host, ar, len(holders), node_bytes, after)
+        if chains and ar.time_s > 0:
+            self.warm.update(holders)
+        return took
+
+    def loss_allreduce_s(self, ar: AllReduce, ranks: int, node_bytes: float) -> float:
+        return _host_allreduce(self.host, ar, ranks, node_bytes, "update")
+
+
+def _host_allreduce(
+    host: HostSharing | None,
+    ar: AllReduce,
+    n: int,
+    node_bytes: float,
+    after: Literal["compute", "allreduce", "update"],
+) -> float:
+    """Time of all-reduce ``ar`` among ``n`` ranks entered right after ``after``.
+
+    On a device of its own per rank, the modelled ring. On a shared host whose profile timed
+    the engine's all-reduces as it enters them (``HostSharing.allreduce_after_*``): that
+    measured time (its latency and the bandwidth time of the probe's bytes), plus the ring's
+    bandwidth time for the bytes beyond those. Older host profiles: the ring, plus the
+    measured wake-up of the backend's threads on a collective entered after computing.
+    """
+    if host is None or ar.time_s <= 0:
+        return ar.time_s
+    if host.measures_allreduce_entries:
+        moving = ar.time_s - ar.latency_s
+        beyond = max(0.0, 1.0 - host.allreduce_probe_bytes / node_bytes) if node_bytes else 0.0
+        return host.allreduce_entry_s(after, n) + moving * beyond
+    return ar.time_s + (host.collective_wake_s if after != "allreduce" else 0.0)
+
+
+def _host_model(profiles: ProfileDB, plan: Plan, notes: Notes) -> HostSharing | None:
+    """The measured sharing of the one host all of ``plan``'s ranks run on, if known."""
+    kinds = sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages})
+    hs = profiles.host_sharing(kinds[0]) if len(kinds) == 1 else None
+    if hs is None:
+        notes.add(
+            f"shared host: no host-sharing profile for {'/'.join(kinds)}; each rank is "
+            "simulated on a device of its own"
+        )
+        return None
+    notes.add(
+        f"ranks share one host of {hs.cores} cores (slowdown "
+        + "/".join(f"{x:.2f}" for x in hs.slowdown)
+        + f", wake-up {hs.wake_s * 1e3:.2f} ms, rendezvous {hs.rendezvous_s * 1e3:.2f}/"
+        f"{hs.rendezvous_busy_s * 1e3:.2f} ms, "
+        + (
+            "2-rank all-reduce after compute / all-reduce / update "
+            f"{hs.allreduce_entry_s('compute', 2) * 1e3:.2f}/"
+            f"{hs.allreduce_entry_s('allreduce', 2) * 1e3:.2f}/"
+            f"{hs.allreduce_entry_s('update', 2) * 1e3:.2f} ms"
+            if hs.measures_allreduce_entries
+            else f"collective wake-up {hs.collective_wake_s * 1e3:.2f} ms"
+        )
+        + f"{', ranks bound to cores' if hs.pinned else ''})"
+    )
+    return hs
