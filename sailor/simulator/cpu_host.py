@@ -134,7 +134,6 @@ def replay_shared(
 ) -> list[PipelineRun]:
     """Replay every pipeline at once on one shared host (its measured
     :class:`~sailor.schemas.profile.HostSharing`); one :class:`PipelineRun` each."""
-    ranks: list[tuple[int, int]] = [(pi, s) for pi, p in enumerate(pipes) for s in range(len(p.f))]
     for pi, p in enumerate(pipes):
         if not p.f or len(p.f) != len(p.b) or len(p.tp) != len(p.f):
             raise ValueError(f"pipeline {pi}: F, B and TP need one entry per stage")
@@ -142,147 +141,184 @@ def replay_shared(
             raise ValueError(f"pipeline {pi}: {len(p.delay)} delays for {len(p.f)} stages")
         if p.m < 1:
             raise ValueError(f"pipeline {pi}: m={p.m}: need at least one microbatch")
-    index = {r: i for i, r in enumerate(ranks)}
-    # bound ranks (host.pinned): global rank g runs on core g % cores; a stage of TP degree t
-    # is t consecutive global ranks (Plan.ranks order: pipeline, stage, TP rank)
-    cores_of: list[tuple[int, ...]] = []
-    g = 0
-    for pi, s in ranks:
-        width = pipes[pi].tp[s]
-        cores_of.append(tuple((g + j) % host.cores for j in range(width)))
-        g += width
-    orders = [one_f_one_b_order(len(pipes[pi].f), s, pipes[pi].m) for pi, s in ranks]
-    weight = [pipes[pi].tp[s] for pi, s in ranks]
-    ptr = [0] * len(ranks)
-    arrived: list[dict[_Key, float]] = [{} for _ in ranks]  # message arrival times
-    waiting: list[_Key | None] = [None] * len(ranks)  # what a blocked rank waits for
-    running: dict[int, float] = {}  # rank -> remaining work (seconds alone)
-    started: dict[int, float] = {}
-    end = [0.0] * len(ranks)
-    ops: list[TimelineOp] = []
-    events: list[tuple[float, int, int, int, _Key | None]] = []  # (t, seq, kind, rank, key)
-    seq = 0
-    busy = 0  # ranks computing, weighted by TP
-    t = 0.0
-    remaining = sum(len(o) for o in orders)
+    replay = _SharedReplay(pipes, host, record)
+    replay.run()
+    return replay.pipeline_runs()
 
-    def work(r: int) -> float:
-        kind, _ = orders[r][ptr[r]]
-        pi, s = ranks[r]
-        return pipes[pi].f[s] if kind == "F" else pipes[pi].b[s]
 
-    def need(r: int) -> _Key | None:
+class _SharedReplay:
+    """One replay in progress: each rank's 1F1B order and position in it, what it computes
+    or waits for, the messages that reached it, and the queue of events (arrivals, and
+    delayed starts after a wake-up or a hand-over)."""
+
+    def __init__(self, pipes: Sequence[SharedPipe], host: HostSharing, record: bool) -> None:
+        self.pipes, self.host, self.record = pipes, host, record
+        self.ranks = [(pi, s) for pi, p in enumerate(pipes) for s in range(len(p.f))]
+        self.index = {r: i for i, r in enumerate(self.ranks)}
+        # bound ranks (host.pinned): global rank g runs on core g % cores; a stage of TP
+        # degree t is t consecutive global ranks (Plan.ranks order: pipeline, stage, TP rank)
+        self.cores_of: list[tuple[int, ...]] = []
+        g = 0
+        for pi, s in self.ranks:
+            width = pipes[pi].tp[s]
+            self.cores_of.append(tuple((g + j) % host.cores for j in range(width)))
+            g += width
+        self.orders = [one_f_one_b_order(len(pipes[pi].f), s, pipes[pi].m) for pi, s in self.ranks]
+        self.weight = [pipes[pi].tp[s] for pi, s in self.ranks]
+        n = len(self.ranks)
+        self.ptr = [0] * n
+        self.arrived: list[dict[_Key, float]] = [{} for _ in range(n)]  # message arrival times
+        self.waiting: list[_Key | None] = [None] * n  # what a blocked rank waits for
+        self.running: dict[int, float] = {}  # rank -> remaining work (seconds alone)
+        self.started: dict[int, float] = {}
+        self.end = [0.0] * n
+        self.ops: list[TimelineOp] = []
+        self.events: list[
+            tuple[float, int, int, int, _Key | None]
+        ] = []  # (t, seq, kind, rank, key)
+        self.seq = 0
+        self.busy = 0  # ranks computing, weighted by TP
+        self.t = 0.0
+        self.remaining = sum(len(o) for o in self.orders)
+
+    def run(self) -> None:
+        """Advance time from event to event (a message lands, a delayed start, a rank's
+        operation done) until every operation has run."""
+        for r in range(len(self.ranks)):
+            self.advance(r, 0.0)
+        running = self.running
+        while self.remaining:
+            slow = self.slowness()
+            t = self.t
+            t_done = min((t + w * slow[r] for r, w in running.items()), default=float("inf"))
+            t_event = self.events[0][0] if self.events else float("inf")
+            t_next = min(t_done, t_event)
+            if t_next == float("inf"):
+                raise RuntimeError(
+                    f"shared-host replay stalled with {self.remaining} operations left"
+                )
+            for r in running:
+                running[r] -= (t_next - t) / slow[r]
+            self.t = t_next
+            if t_event <= t_done:
+                self.on_event()
+            else:
+                self.finish(
+                    [r for r, w in running.items() if w * slow[r] <= _EPS * max(1.0, t_next)]
+                )
+
+    def on_event(self) -> None:
+        """The next event: a delayed start, or a message landing (which wakes its receiver
+        if it waits for it, after the wake-up delay while the host is crowded)."""
+        t = self.t
+        _, _, kind, r, key = heapq.heappop(self.events)
+        if kind == _START:
+            self.start(r, t)
+        elif key is not None:
+            self.arrived[r][key] = t
+            if self.waiting[r] == key:
+                self.waiting[r] = None
+                delay = self.host.wake_s if self.crowded(r) else 0.0
+                if delay > 0:
+                    self.push(t + delay, _START, r, None)
+                else:
+                    self.start(r, t)
+
+    def finish(self, done: list[int]) -> None:
+        """Ranks ``done`` end their operation now: send its output on, move on to the next."""
+        t = self.t
+        for r in done:
+            del self.running[r]
+            self.busy -= self.weight[r]
+            kind_op, i = self.orders[r][self.ptr[r]]
+            pi, s = self.ranks[r]
+            p = self.pipes[pi]
+            self.end[r] = t
+            if self.record:
+                self.ops.append(TimelineOp(pi, s, i, kind_op, self.started[r], t))
+            if kind_op == "F" and s < len(p.f) - 1:
+                self.push(t + p.delay[s], _ARRIVE, self.index[(pi, s + 1)], ("F", i))
+            elif kind_op == "B" and s > 0:
+                self.push(t + p.delay[s - 1], _ARRIVE, self.index[(pi, s - 1)], ("B", i))
+            self.ptr[r] += 1
+            self.remaining -= 1
+        for r in done:
+            self.advance(r, t)
+
+    def work(self, r: int) -> float:
+        kind, _ = self.orders[r][self.ptr[r]]
+        pi, s = self.ranks[r]
+        return self.pipes[pi].f[s] if kind == "F" else self.pipes[pi].b[s]
+
+    def need(self, r: int) -> _Key | None:
         """The message the next operation of rank ``r`` waits for (None: none)."""
-        kind, i = orders[r][ptr[r]]
-        pi, s = ranks[r]
+        kind, i = self.orders[r][self.ptr[r]]
+        pi, s = self.ranks[r]
         if kind == "F":
             return ("F", i) if s > 0 else None
-        return ("B", i) if s < len(pipes[pi].f) - 1 else None
+        return ("B", i) if s < len(self.pipes[pi].f) - 1 else None
 
-    def start(r: int, now: float) -> None:
-        nonlocal busy
-        running[r] = work(r)
-        started[r] = now
-        busy += weight[r]
+    def start(self, r: int, now: float) -> None:
+        self.running[r] = self.work(r)
+        self.started[r] = now
+        self.busy += self.weight[r]
 
-    def push(when: float, kind: int, r: int, key: _Key | None) -> None:
-        nonlocal seq
-        heapq.heappush(events, (when, seq, kind, r, key))
-        seq += 1
+    def push(self, when: float, kind: int, r: int, key: _Key | None) -> None:
+        heapq.heappush(self.events, (when, self.seq, kind, r, key))
+        self.seq += 1
 
-    def advance(r: int, now: float) -> None:
+    def advance(self, r: int, now: float) -> None:
         """Rank ``r`` is awake at ``now`` with its next operation to run, if any."""
-        if ptr[r] >= len(orders[r]):
+        if self.ptr[r] >= len(self.orders[r]):
             return
-        key = need(r)
+        key = self.need(r)
         if key is None:
-            start(r, now)
+            self.start(r, now)
             return
-        landed = arrived[r].get(key)
+        landed = self.arrived[r].get(key)
         if landed is None or landed > now:
-            waiting[r] = key
+            self.waiting[r] = key
             return
         # the message was sent before this receive was posted: the backend hands it over
         # only now that the receiver asks for it (rendezvous)
-        pi, si = ranks[r]
-        sender = index[(pi, si - 1 if key[0] == "F" else si + 1)]
-        hand = host.rendezvous_busy_s if crowded(sender) else host.rendezvous_s
+        pi, si = self.ranks[r]
+        sender = self.index[(pi, si - 1 if key[0] == "F" else si + 1)]
+        host = self.host
+        hand = host.rendezvous_busy_s if self.crowded(sender) else host.rendezvous_s
         if hand > 0:
-            push(now + hand, _START, r, None)
+            self.push(now + hand, _START, r, None)
         else:
-            start(r, now)
+            self.start(r, now)
 
-    def crowded(r: int) -> bool:
+    def crowded(self, r: int) -> bool:
         """Whether rank ``r`` would wait for a core now: every core busy (unbound ranks), or
         a rank computing on one of its own cores (bound ranks)."""
-        if not host.pinned:
-            return busy >= host.cores
-        mine = set(cores_of[r])
-        return any(mine.intersection(cores_of[o]) for o in running)
+        if not self.host.pinned:
+            return self.busy >= self.host.cores
+        mine = set(self.cores_of[r])
+        return any(mine.intersection(self.cores_of[o]) for o in self.running)
 
-    def slowness() -> dict[int, float]:
+    def slowness(self) -> dict[int, float]:
         """How many times slower than alone each computing rank runs now."""
+        host, running = self.host, self.running
         if not host.pinned:
-            f = host.factor(busy)
+            f = host.factor(self.busy)
             return dict.fromkeys(running, f)
         load: dict[int, int] = {}
         for r in running:
-            for c in cores_of[r]:
+            for c in self.cores_of[r]:
                 load[c] = load.get(c, 0) + 1
-        rest = residual(host, busy)
-        return {r: rest * max(load[c] for c in cores_of[r]) for r in running}
+        rest = residual(host, self.busy)
+        return {r: rest * max(load[c] for c in self.cores_of[r]) for r in running}
 
-    for r in range(len(ranks)):
-        advance(r, 0.0)
-
-    while remaining:
-        slow = slowness()
-        t_done = min((t + w * slow[r] for r, w in running.items()), default=float("inf"))
-        t_event = events[0][0] if events else float("inf")
-        t_next = min(t_done, t_event)
-        if t_next == float("inf"):
-            raise RuntimeError(f"shared-host replay stalled with {remaining} operations left")
-        for r in running:
-            running[r] -= (t_next - t) / slow[r]
-        t = t_next
-        if t_event <= t_done:
-            _, _, kind, r, key = heapq.heappop(events)
-            if kind == _START:
-                start(r, t)
-            elif key is not None:
-                arrived[r][key] = t
-                if waiting[r] == key:
-                    waiting[r] = None
-                    delay = host.wake_s if crowded(r) else 0.0
-                    if delay > 0:
-                        push(t + delay, _START, r, None)
-                    else:
-                        start(r, t)
-            continue
-        done = [r for r, w in running.items() if w * slow[r] <= _EPS * max(1.0, t)]
-        for r in done:
-            del running[r]
-            busy -= weight[r]
-            kind_op, i = orders[r][ptr[r]]
-            pi, s = ranks[r]
-            p = pipes[pi]
-            end[r] = t
-            if record:
-                ops.append(TimelineOp(pi, s, i, kind_op, started[r], t))
-            if kind_op == "F" and s < len(p.f) - 1:
-                push(t + p.delay[s], _ARRIVE, index[(pi, s + 1)], ("F", i))
-            elif kind_op == "B" and s > 0:
-                push(t + p.delay[s - 1], _ARRIVE, index[(pi, s - 1)], ("B", i))
-            ptr[r] += 1
-            remaining -= 1
-        for r in done:
-            advance(r, t)
-    out: list[PipelineRun] = []
-    for pi, p in enumerate(pipes):
-        stage_end = tuple(end[index[(pi, s)]] for s in range(len(p.f)))
-        mine = tuple(op for op in ops if op.pipeline == pi)
-        out.append(PipelineRun(end_s=max(stage_end), stage_end_s=stage_end, ops=mine))
-    return out
+    def pipeline_runs(self) -> list[PipelineRun]:
+        """One :class:`PipelineRun` per pipeline: its stages' ends and (recorded) ops."""
+        out: list[PipelineRun] = []
+        for pi, p in enumerate(self.pipes):
+            stage_end = tuple(self.end[self.index[(pi, s)]] for s in range(len(p.f)))
+            mine = tuple(op for op in self.ops if op.pipeline == pi)
+            out.append(PipelineRun(end_s=max(stage_end), stage_end_s=stage_end, ops=mine))
+        return out
 
 
 def simulate_on_shared_host(
