@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -274,15 +275,9 @@ def plan_cmd(
         raise fail(f"--objective {objective!r}: use one of {', '.join(sorted(_OBJECTIVES))}")
     if risk not in RISKS:
         raise fail(f"--risk {risk!r}: use one of {', '.join(RISKS)}")
-    m = _model(model, gbs)
-    pool_v = load_model(pool, Pool) if pool.exists() else None
-    if pool_v is None:
-        load_raw(pool)  # names the unreadable file
-        raise fail(f"{pool}: cannot read")
-    db = _profiles(m, profiles)
-    net = load_model(network, NetworkProfile) if network else NetworkProfile()
-    price = _prices(prices)
-    cal = _calibration(calibration)
+    m, pool_v, db, net, price, cal = _inputs(
+        model, gbs, pool, profiles, network, prices, calibration
+    )
     try:
         cons = Constraints(
             max_cost_per_iter_usd=max_cost_per_iter,
@@ -296,6 +291,72 @@ def plan_cmd(
     except PlannerInputError as exc:
         raise fail(str(exc)) from exc
     show = not as_json
+
+    def search(progress: Callable[[int, int], None]) -> RobustResult:
+        return robust_search(
+            m,
+            db,
+            pool_v,
+            net,
+            price,
+            objective,  # type: ignore[arg-type]
+            cons,
+            gpu_specs=catalog.gpus(),
+            calibration=cal,
+            spot=spot,
+            top_k=top,
+            risk=risk,
+            progress=progress,
+        )
+
+    rres = _search_with_bar(search, show)
+    res = _as_search_result(rres)
+    elapsed = time.perf_counter() - t0
+    if pareto is not None:
+        _pareto(res, pareto)
+    if as_json:
+        typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres))
+    else:
+        _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
+        Console().print(
+            f"risk {risk}: searched the {', '.join(rres.searched)} corner(s); "
+            f"{rres.candidates} distinct plans judged in every corner"
+        )
+    if output is not None and res.plans:
+        write_json(res.plans[0].plan, output)
+        if show:
+            Console(stderr=True).print(f"plan #1 written to {output}")
+    if export_sailor is not None and res.plans:
+        _export(res, export_sailor)
+    if not res.plans:
+        raise fail(f"no feasible plan: {res.reason}", code=1)
+
+
+def _inputs(
+    model: str,
+    gbs: int | None,
+    pool: Path,
+    profiles: list[Path] | None,
+    network: Path | None,
+    prices: Path | None,
+    calibration: Path | None,
+) -> tuple[ModelSpec, Pool, ProfileDB, NetworkProfile, PriceTable, Calibration]:
+    """The search's inputs from the command's files (catalog defaults where none is given)."""
+    m = _model(model, gbs)
+    pool_v = load_model(pool, Pool) if pool.exists() else None
+    if pool_v is None:
+        load_raw(pool)  # names the unreadable file
+        raise fail(f"{pool}: cannot read")
+    db = _profiles(m, profiles)
+    net = load_model(network, NetworkProfile) if network else NetworkProfile()
+    return m, pool_v, db, net, _prices(prices), _calibration(calibration)
+
+
+def _search_with_bar(
+    search: Callable[[Callable[[int, int], None]], RobustResult], show: bool
+) -> RobustResult:
+    """``search(progress)`` under a transient progress bar on stderr (none if not
+    ``show``); the planner's input errors as one-line CLI errors."""
     try:
         with Progress(
             TextColumn("searching"),
@@ -311,59 +372,35 @@ def plan_cmd(
             def tick(done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total)
 
-            rres = robust_search(
-                m,
-                db,
-                pool_v,
-                net,
-                price,
-                objective,  # type: ignore[arg-type]
-                cons,
-                gpu_specs=catalog.gpus(),
-                calibration=cal,
-                spot=spot,
-                top_k=top,
-                risk=risk,
-                progress=tick,
-            )
-            res = _as_search_result(rres)
+            return search(tick)
     except PlannerInputError as exc:
         raise fail(str(exc)) from exc
-    elapsed = time.perf_counter() - t0
-    if pareto is not None:
-        _pareto(res, pareto)
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "model": m.name,
-                    "objective": objective,
-                    "search_time_s": elapsed,
-                    "upper_bound_iter_s": res.upper_bound_iter_s,
-                    "reason": res.reason,
-                    "risk": risk,
-                    "plans": [
-                        {**r.to_json(), **rp.to_json()}
-                        for r, rp in zip(res.plans, rres.plans, strict=True)
-                    ],
-                },
-                indent=2,
-            )
-        )
-    else:
-        _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
-        Console().print(
-            f"risk {risk}: searched the {', '.join(rres.searched)} corner(s); "
-            f"{rres.candidates} distinct plans judged in every corner"
-        )
-    if output is not None and res.plans:
-        write_json(res.plans[0].plan, output)
-        if show:
-            Console(stderr=True).print(f"plan #1 written to {output}")
-    if export_sailor is not None and res.plans:
-        _export(res, export_sailor)
-    if not res.plans:
-        raise fail(f"no feasible plan: {res.reason}", code=1)
+
+
+def _json_answer(
+    model: str,
+    objective: str,
+    risk: str,
+    elapsed: float,
+    res: SearchResult,
+    rres: RobustResult,
+) -> str:
+    """``sailor plan --json``: the search's figures and every returned plan with its
+    figures in every corner."""
+    return json.dumps(
+        {
+            "model": model,
+            "objective": objective,
+            "search_time_s": elapsed,
+            "upper_bound_iter_s": res.upper_bound_iter_s,
+            "reason": res.reason,
+            "risk": risk,
+            "plans": [
+                {**r.to_json(), **rp.to_json()} for r, rp in zip(res.plans, rres.plans, strict=True)
+            ],
+        },
+        indent=2,
+    )
 
 
 def _as_search_result(rres: RobustResult) -> SearchResult:

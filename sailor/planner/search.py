@@ -911,50 +911,16 @@ def search_with_tables(
     if isinstance(prep, SearchResult):
         return prep
     caps, ub, templates, computed = prep
-    tables = state.tables
     mixed_all = _MIXED_ALL if sum(caps.values()) <= _SMALL_POOL_GPUS else 0
     if shortlist_only and state.shortlist:
         templates = _shortlist(templates, state.shortlist)
         mixed_all = 0
     scenarios = _scenarios(caps)
-    scen_bounds = sorted(
-        ((pool_bound(tables, s), i) for i, s in enumerate(scenarios)), reverse=True
-    )
-    sync = _sync_model(state)
-    best_thr = 0.0
-    pruned_bound = 0
     total = len(scenarios) + simulate_top
-    allocs: list[Allocation] = list(extra)
-    for step, (bnd, i) in enumerate(scen_bounds):
-        if progress is not None:
-            progress(step, total)
-        if (
-            objective == "throughput"
-            and bnd < best_thr
-            and constraints.max_cost_per_iter_usd is None
-        ):
-            pruned_bound += 1
-            continue
-        if constraints.one_microbatch_size:
-            new = [
-                a
-                for b in sorted({t.mbs for t in templates})
-                for a in _allocations(
-                    state,
-                    [t for t in templates if t.mbs == b],
-                    scenarios[i],
-                    objective,
-                    constraints,
-                    mixed_all,
-                    b,
-                )
-            ]
-        else:
-            new = _allocations(state, templates, scenarios[i], objective, constraints, mixed_all)
-        for a in new:
-            f = fast_estimate(a, tables, sync, state.pricing)
-            best_thr = max(best_thr, 1.0 / f.iteration_s)
-        allocs.extend(new)
+    allocs, pruned_bound = _allocate_by_bound(
+        state, templates, scenarios, objective, constraints, mixed_all, progress, total
+    )
+    allocs = [*extra, *allocs]
     state.shortlist = {id(t): t for a in allocs for t, _ in a.pipelines}
     cands = _candidates(state, allocs)
     ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
@@ -962,17 +928,7 @@ def search_with_tables(
     ok.sort(key=lambda c: (c.alloc.key not in forced, -_fast_score(objective, c)))
     top = max((_fast_score(objective, x) for x in ok), default=0.0)
 
-    def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
-        if len(feasible) >= top_k and len(judged) >= simulate_top:
-            return True
-        last = judged[-1] if judged else None
-        if last is None or not feasible or last is not feasible[-1]:
-            return False
-        if last.alloc.key not in forced or prefer_less_movement <= 0:
-            return False
-        # the warm start is within the tolerance of the best estimate: it moves the least
-        # state, so nothing else would be preferred; stop simulating
-        return _sim_score(objective, last) >= top - abs(top) * prefer_less_movement
+    enough = _enough(objective, forced, top, top_k, simulate_top, prefer_less_movement)
 
     def moves_of(c: Candidate) -> tuple[tuple[int, ...], int]:
         return moved_layers(previous, c.plan) if c.plan is not None else ((), 0)
@@ -1003,6 +959,98 @@ def search_with_tables(
         else None,
         done=(lambda: progress(total, total)) if progress is not None else None,
     )
+
+
+def _allocate_by_bound(
+    state: SearchState,
+    templates: Sequence[PipelineTemplate],
+    scenarios: list[dict[Resource, int]],
+    objective: Objective,
+    constraints: Constraints,
+    mixed_all: int,
+    progress: Progress | None,
+    total: int,
+) -> tuple[list[Allocation], int]:
+    """Allocations of every scenario, the most promising (highest bound) first; a
+    throughput search without a cost limit skips a scenario whose bound is below the best
+    fast estimate so far. Returns the allocations and how many scenarios were skipped."""
+    tables = state.tables
+    scen_bounds = sorted(
+        ((pool_bound(tables, s), i) for i, s in enumerate(scenarios)), reverse=True
+    )
+    sync = _sync_model(state)
+    best_thr = 0.0
+    pruned_bound = 0
+    allocs: list[Allocation] = []
+    for step, (bnd, i) in enumerate(scen_bounds):
+        if progress is not None:
+            progress(step, total)
+        if (
+            objective == "throughput"
+            and bnd < best_thr
+            and constraints.max_cost_per_iter_usd is None
+        ):
+            pruned_bound += 1
+            continue
+        new = _scenario_allocations(
+            state, templates, scenarios[i], objective, constraints, mixed_all
+        )
+        for a in new:
+            f = fast_estimate(a, tables, sync, state.pricing)
+            best_thr = max(best_thr, 1.0 / f.iteration_s)
+        allocs.extend(new)
+    return allocs, pruned_bound
+
+
+def _scenario_allocations(
+    state: SearchState,
+    templates: Sequence[PipelineTemplate],
+    scenario: dict[Resource, int],
+    objective: Objective,
+    constraints: Constraints,
+    mixed_all: int,
+) -> list[Allocation]:
+    """One scenario's allocations (with one microbatch size: per size, over its templates)."""
+    if not constraints.one_microbatch_size:
+        return _allocations(state, templates, scenario, objective, constraints, mixed_all)
+    return [
+        a
+        for b in sorted({t.mbs for t in templates})
+        for a in _allocations(
+            state,
+            [t for t in templates if t.mbs == b],
+            scenario,
+            objective,
+            constraints,
+            mixed_all,
+            b,
+        )
+    ]
+
+
+def _enough(
+    objective: Objective,
+    forced: set[tuple[object, ...]],
+    top: float,
+    top_k: int,
+    simulate_top: int,
+    prefer_less_movement: float,
+) -> Callable[[Sequence[Candidate], Sequence[Candidate]], bool]:
+    """When the search has simulated enough candidates (``judged``, of which ``feasible``)."""
+
+    def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
+        if len(feasible) >= top_k and len(judged) >= simulate_top:
+            return True
+        last = judged[-1] if judged else None
+        if last is None or not feasible or last is not feasible[-1]:
+            return False
+        if last.alloc.key not in forced or prefer_less_movement <= 0:
+            return False
+        # the warm start is within the tolerance of the best estimate: it moves the least
+        # state, so nothing else would be preferred; stop simulating
+        return _sim_score(objective, last) >= top - abs(top) * prefer_less_movement
+
+    return enough
 
 
 def search_recipes(

@@ -159,7 +159,7 @@ def test_allreduce_latency_probe_between_gloo_processes() -> None:
 
 
 def test_host_sharing_measured_with_real_ranks() -> None:
-    from sailor.profiler.host_sharing import HostRun, measure_host_sharing
+    from sailor.profiler.cpu_host.sharing import HostRun, measure_host_sharing
     from sailor.profiler.merge import merge_db
 
     h = measure_host_sharing(
@@ -200,7 +200,7 @@ def test_host_speed_check_runs_the_model_on_every_core() -> None:
     difference between a free core and a shared one (the disturbance the check exists to
     flag).
     """
-    from sailor.profiler.host_speed import SpeedCheck, SpeedProbe, nominal, same_speed
+    from sailor.profiler.cpu_host.speed import SpeedCheck, SpeedProbe, nominal, same_speed
 
     spec = catalog.model("tiny-gpt")
     with SpeedProbe(spec, mbs=2, cores=[0, 0]) as probe:
