@@ -87,6 +87,13 @@ def prepare_cmd(
         source_field=jsonl_field,
         python_version=version,
     )
+    if tokenizer is not None:  # a bad tokenizer is refused, by its name, before any reading
+        from sailor.data.tokenizer import load_tokenizer
+
+        try:
+            load_tokenizer(tokenizer)
+        except (ValueError, FileNotFoundError) as exc:
+            raise fail(f"--tokenizer: {exc}") from exc
     console = Console(stderr=True)
     bar = Progress(
         TextColumn("{task.description:<16}"),  # read / train-tokenizer / tokenize
@@ -108,7 +115,7 @@ def prepare_cmd(
         with bar:
             m = prepare(docs, opts, progress)
     except (ValueError, FileNotFoundError) as exc:
-        raise fail(str(exc)) from exc
+        raise fail(f"{', '.join(names)}: {exc}") from exc
     tr, va = m.splits["train"], m.splits["validation"]
     typer.echo(
         f"{out}.bin/.idx: {m.num_documents} documents, {m.num_tokens:,} tokens "
