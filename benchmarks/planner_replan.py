@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from sailor import catalog
-from sailor.controller.sailor_planner import SailorPlanner, load_model_spec, pool_of
+from sailor.controller.planning import SailorPlanner, load_model_spec, pool_of
 from sailor.planner import moved_layers, replan, search
 from sailor.planner.search import SearchResult
 from sailor.schemas.hardware import NodeSpec, Pool

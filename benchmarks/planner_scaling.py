@@ -18,12 +18,14 @@ Run: ``python benchmarks/planner_scaling.py [--plot out.png]``. Prints; never as
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
 from planner_common import Setup, load, machine, pool
 
 from sailor.planner import replan, search
+from sailor.planner.robust import RISKS, robust_search
 
 A, V, A80, GH = "A100-40", "V100-16", "A100-80", "GH-96"
 ZONES = [
@@ -54,6 +56,49 @@ def timed_search(s: Setup, counts: dict[tuple[str, str], int]) -> tuple[Any, flo
     return res, time.perf_counter() - w0, time.process_time() - c0
 
 
+def _risk_levels(s: Setup, repeat: int) -> None:
+    """CPU s of one search at 512 GPUs of two types: the point search (configured calibration)
+    and robust_search at each risk level (best of ``repeat``)."""
+    p = pool({(A, ZONES[0]): 128, (V, ZONES[0]): 384})
+    print("\n## risk levels: 512 GPUs (128 A100-40 + 384 V100-16, one zone)")
+    print("| search | CPU s (best of runs) | wall s | corners searched | plans judged |")
+    print("|---|---|---|---|---|")
+    runs = []
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        search(
+            s.model,
+            s.profiles,
+            p,
+            s.network,
+            s.prices,
+            gpu_specs=s.specs,
+            calibration=s.calibration,
+            top_k=1,
+        )
+        runs.append((time.process_time() - c0, time.perf_counter() - w0))
+    c, w = min(runs)
+    print(f"| point (configured calibration) | {c:.2f} | {w:.2f} | - | - |")
+    for risk in RISKS:
+        runs2 = []
+        for _ in range(repeat):
+            w0, c0 = time.perf_counter(), time.process_time()
+            res = robust_search(
+                s.model,
+                s.profiles,
+                p,
+                s.network,
+                s.prices,
+                gpu_specs=s.specs,
+                calibration=s.calibration,
+                risk=risk,
+                top_k=1,
+            )
+            runs2.append((time.process_time() - c0, time.perf_counter() - w0, res))
+        c, w, res = min(runs2, key=lambda r: r[0])
+        print(f"| risk {risk} | {c:.2f} | {w:.2f} | {','.join(res.searched)} | {res.candidates} |")
+
+
 def row(label: str, n: int, res: Any, wall: float, cpu: float) -> dict[str, Any]:
     thr = res.plans[0].throughput_iter_s if res.plans else 0.0
     print(
@@ -67,7 +112,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", default=None, help="write the plot to this PNG")
     ap.add_argument("--repeat", type=int, default=1, help="best of N runs per point")
+    ap.add_argument(
+        "--sections",
+        default="gpus,types,zones,risk,replan",
+        help="comma-separated subset of gpus,types,zones,risk,replan",
+    )
     args = ap.parse_args()
+    want = set(args.sections.split(","))
     s = load("OPT-350")
     print("# planner scaling (OPT-350, GBS 1024; judge: sailor.simulator)")
     print(f"machine: {machine()}")
@@ -78,23 +129,28 @@ def main() -> None:
         runs = [timed_search(s, counts) for _ in range(args.repeat)]
         return min(runs, key=lambda r: r[1])
 
+    print(f"load average: {os.getloadavg()}")
+    if "risk" in want:
+        _risk_levels(s, args.repeat)
     print("\n## GPUs (A100-40 : V100-16 = 1 : 3, one zone)")
     print(hdr + "\n|---|---|---|---|---|---|---|---|")
-    for n in (32, 64, 128, 256, 512, 1024, 2048):
+    for n in (32, 64, 128, 256, 512, 1024, 2048) if "gpus" in want else ():
         counts = {(A, ZONES[0]): n // 4, (V, ZONES[0]): 3 * n // 4}
         series["GPUs"].append(row("GPUs", n, *best_of(counts)))
     print("\n## GPU types (128 GPUs each, one zone)")
     print(hdr + "\n|---|---|---|---|---|---|---|---|")
     types = [A, V, A80, GH]
-    for k in range(1, 5):
+    for k in range(1, 5) if "types" in want else ():
         counts = {(g, ZONES[0]): 128 for g in types[:k]}
         series["GPU types"].append(row("types", k, *best_of(counts)))
     print("\n## zones (128 A100-40 each)")
     print(hdr + "\n|---|---|---|---|---|---|---|---|")
-    for k in range(1, 9):
+    for k in range(1, 9) if "zones" in want else ():
         counts = {(A, z): 128 for z in ZONES[:k]}
         series["zones"].append(row("zones", k, *best_of(counts)))
 
+    if "replan" not in want:
+        return
     print("\n## replan: one node (4 GPUs) leaves a 512-GPU pool")
     print(
         "| node that leaves | replan wall ms | CPU ms | replan it/s | full search it/s | gap | "

@@ -153,7 +153,7 @@ async def _consumer_state(nats: str, keys: Keys, durable: str) -> tuple[int, int
 
 async def scenario(tmp: Path, nats: str, etcd: str) -> dict[str, Any]:
     job = "burst"
-    sim = SimHandle(job, nats, etcd, BASE_NODES)
+    sim = SimHandle(job, nats, etcd, BASE_NODES, ops={"burst": run_burst})
     ctl: Controller | None = None
     task: asyncio.Task[None] | None = None
     handled: list[tuple[str, str, float, float]] = []

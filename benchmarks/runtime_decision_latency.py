@@ -60,6 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,9 @@ class SimCluster:
         self.store: EtcdStore | None = None
         self.nc: Any = None
         self.bus: NatsEventBus | None = None
+        # one publisher per node: the controller takes an event only from its own node's
+        # subject (sailor.<job>.events.<node>.<kind>), as an agent publishes it
+        self._buses: dict[str, NatsEventBus] = {}
         self.commands: NatsCommands | None = None
         self.published: dict[str, tuple[str, Any]] = {}  # event id -> (kind, event), in order
         self.sent_at: dict[str, float] = {}  # event id -> time of its first publish
@@ -154,13 +158,19 @@ class SimCluster:
 
     async def publish(self, kind: str, event: Any, msg_id: str | None = None) -> bool:
         """Publish like ``Agent._publish`` (bounded retries); False if the stream deduped it."""
-        assert self.bus is not None
+        assert self.nc is not None
+        bus = self._buses.get(event.node_id)
+        if bus is None:
+            bus = NatsEventBus(
+                self.nc, self.keys, durable="unused", op_timeout=10.0, source=event.node_id
+            )
+            self._buses[event.node_id] = bus
         if event.event_id not in self.published:
             self.published[event.event_id] = (kind, event)
             self.sent_at[event.event_id] = time.time()
         for _ in range(20):
             try:
-                return await self.bus.publish(
+                return await bus.publish(
                     kind, event.model_dump_json().encode(), msg_id or event.event_id
                 )
             except TemporaryError:
@@ -303,11 +313,21 @@ class SimCluster:
 # --- the simulated cluster in its own process, driven over a pipe --------------------------
 
 
-def _sim_main(job: str, nats_url: str, etcd: str, n: int, conn: Connection) -> None:
-    asyncio.run(_sim_loop(job, nats_url, etcd, n, conn))
+# An extra operation the simulated cluster's process runs on request: ``op(sim, *args)``.
+# Benchmarks built on this one (``runtime_burst.py``) pass theirs in, so this module never
+# imports them (no import circle).
+SimOp = Callable[..., Awaitable[Any]]
 
 
-async def _sim_loop(job: str, nats_url: str, etcd: str, n: int, conn: Connection) -> None:
+def _sim_main(
+    job: str, nats_url: str, etcd: str, n: int, conn: Connection, ops: dict[str, SimOp]
+) -> None:
+    asyncio.run(_sim_loop(job, nats_url, etcd, n, conn, ops))
+
+
+async def _sim_loop(
+    job: str, nats_url: str, etcd: str, n: int, conn: Connection, ops: dict[str, SimOp]
+) -> None:
     sim = SimCluster(job, nats_url, etcd)
     try:
         await sim.start()
@@ -328,11 +348,8 @@ async def _sim_loop(job: str, nats_url: str, etcd: str, n: int, conn: Connection
                     out = await sim.notice(str(args[0]), float(args[1]))
                 elif op == "plan_reads":
                     out = sim.plan_reads
-                elif op == "burst":
-                    # imported here: runtime_burst imports this module
-                    from runtime_burst import run_burst
-
-                    out = await run_burst(sim, *args)
+                elif op in ops:
+                    out = await ops[op](sim, *args)
                 else:
                     out = RuntimeError(f"unknown op {op}")
             except Exception as exc:  # reported to the parent, which raises
@@ -346,12 +363,17 @@ async def _sim_loop(job: str, nats_url: str, etcd: str, n: int, conn: Connection
 class SimHandle:
     """The parent's side: start the simulated cluster process and call it (bounded waits)."""
 
-    def __init__(self, job: str, nats_url: str, etcd: str, n: int) -> None:
-        # spawn, not fork: the parent already runs grpc and asyncio threads
+    def __init__(
+        self, job: str, nats_url: str, etcd: str, n: int, ops: dict[str, SimOp] | None = None
+    ) -> None:
+        # spawn, not fork: the parent already runs grpc and asyncio threads; ``ops`` must be
+        # module-level functions (pickled by name, imported again in the child)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_sim_main, args=(job, nats_url, etcd, n, child), name=f"sim-{job}"
+            target=_sim_main,
+            args=(job, nats_url, etcd, n, child, dict(ops or {})),
+            name=f"sim-{job}",
         )
         self.proc.start()
         child.close()

@@ -17,7 +17,7 @@
    (no hook correction, network efficiency 1, no fixed sync cost, no allocator factor).
 4. For each plan (1-4 ranks: pipeline depths, uneven splits, microbatch sizes, two
    pipelines), run the real training framework with its local launcher
-   (``megatron_patch.launch.launch_local``) through ``sailor.profiler.rss_worker`` (the
+   (``megatron_patch.launch.launch_local``) through ``sailor.profiler.rss_probe`` (the
    unchanged worker, plus its peak RSS growth); the measured step time is the mean (or
    median, ``--statistic``) of rank 0's ``step_s`` after ``--skip`` warm-up steps, the
    measured memory the largest peak-RSS growth of any rank. Compare with
@@ -31,7 +31,7 @@ round, which a profile taken only before the runs does not.
 Per plan: the median over rounds of the measured time, of the prediction and of the error,
 with the errors' range.
 
-**Host speed checks** (``sailor.profiler.host_speed``). The development machine is a 2-vCPU
+**Host speed checks** (``sailor.profiler.cpu_host.speed``). The development machine is a 2-vCPU
 guest whose cores other tenants slow down by up to 2x for seconds to minutes, invisibly to
 the guest (no steal time): one rank of the same plan, 400 steps each, measured 13.6, 25.6 and
 13.0 ms a step in three runs a minute apart. So each profile part (layers with overhead and
@@ -75,9 +75,8 @@ import torch
 from sailor import catalog
 from sailor.megatron_patch.launch import launch_local
 from sailor.profiler.collective_probe import collective_latencies, sweep_sizes
-from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
-from sailor.profiler.host_sharing import HostRun, measure_host_sharing
-from sailor.profiler.host_speed import (
+from sailor.profiler.cpu_host.sharing import HostRun, measure_host_sharing
+from sailor.profiler.cpu_host.speed import (
     SpeedCheck,
     SpeedProbe,
     drift,
@@ -85,6 +84,7 @@ from sailor.profiler.host_speed import (
     nominal,
     same_speed,
 )
+from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
 from sailor.profiler.layers import LayerRun, device_description, profile_layers
 from sailor.profiler.network_probe import ProbeSettings, run_probe
 from sailor.profiler.timing import RepeatSettings
@@ -103,7 +103,7 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
 )
-from sailor.simulator import simulate
+from sailor.simulator.cpu_host import simulate_on_shared_host
 
 MIB = 2**20
 EP = Endpoint(zone="local", gpu_type="cpu", gpus_per_node=1)
@@ -158,7 +158,7 @@ def _run_plan(
         work,
         model=str(model_file),
         extra_args=["--rss-out", str(work / "rss-{rank}.json")],
-        module="sailor.profiler.rss_worker",
+        module="sailor.profiler.rss_probe",
         deadline_s=600,
         pin_cores=pin,
     )
@@ -184,7 +184,7 @@ Bracket = tuple[SpeedCheck, SpeedCheck]
 
 @dataclass
 class _Gate:
-    """Host speed checks (``sailor.profiler.host_speed``) before and after each measurement.
+    """Host speed checks (``sailor.profiler.cpu_host.speed``) before and after each measurement.
 
     A measurement is taken again, up to ``tries`` times, while the host changed speed during
     it (its two checks differ by more than ``tolerance``) or, given ``reference`` (the checks
@@ -479,7 +479,7 @@ def main() -> None:
             for plan, (t, ph, m), bracket, load in runs:
 
                 def predict(db: ProfileDB, net: NetworkProfile, plan: Plan = plan) -> Estimate:
-                    return simulate(
+                    return simulate_on_shared_host(
                         plan,
                         spec,
                         db,
@@ -488,7 +488,6 @@ def main() -> None:
                         calibration=cal,
                         gpu_specs=catalog.gpus(),
                         method="replay",
-                        shared_host=True,
                     )
 
                 ests = [predict(prof.db, prof.net) for prof in (before, after)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -92,9 +93,17 @@ class ServerProcess:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
-    def start(self, timeout_s: float = 15.0) -> None:
+    def start(self, timeout_s: float = 15.0, wait: bool = True) -> None:
+        """Start; wait until the port accepts connections unless ``wait`` is False (the
+        members of a cluster are all started before any of them is waited for)."""
         self.proc = self.spawn(self.name, self.argv, self.log)
         self.starts += 1
+        if wait:
+            self.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} is not started")
         wait_port(self.port, timeout_s, self.name, self.proc.poll)
 
     @property
@@ -165,13 +174,23 @@ class Identities:
 
 @dataclass
 class LocalServers:
-    """Both servers of one run, and the client settings of every identity."""
+    """Both servers of one run, and the client settings of every identity.
+
+    ``nats`` and ``etcd`` are the first member of each; ``nats_members`` and
+    ``etcd_members`` hold every member when the run has clusters (one each otherwise), and
+    ``nats_urls`` / ``etcd_endpoints`` are what a client is configured with.
+    """
 
     nats: ServerProcess
     etcd: ServerProcess
     identities: Identities
     pki_dir: Path | None
-    _started: list[ServerProcess] = field(default_factory=list)
+    nats_members: list[ServerProcess] = field(default_factory=list)
+    etcd_members: list[ServerProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nats_members = self.nats_members or [self.nats]
+        self.etcd_members = self.etcd_members or [self.etcd]
 
     @property
     def secure(self) -> bool:
@@ -184,6 +203,14 @@ class LocalServers:
     @property
     def etcd_endpoint(self) -> str:
         return f"127.0.0.1:{self.etcd.port}"
+
+    @property
+    def nats_urls(self) -> tuple[str, ...]:
+        return tuple(f"nats://127.0.0.1:{m.port}" for m in self.nats_members)
+
+    @property
+    def etcd_endpoints(self) -> tuple[str, ...]:
+        return tuple(f"127.0.0.1:{m.port}" for m in self.etcd_members)
 
     def security(self, name: str) -> SecurityConfig | None:
         """The ``security:`` settings of identity ``name`` (None when the servers are plain)."""
@@ -201,7 +228,7 @@ class LocalServers:
         )
 
     def stop(self) -> None:
-        for s in (self.nats, self.etcd):
+        for s in (*self.nats_members, *self.etcd_members):
             s.stop()
 
 
@@ -225,20 +252,58 @@ def _nats_argv(binary: str, root: Path, port: int, ids: Identities, pki: Path | 
     return [binary, "-c", str(conf)]
 
 
-def _etcd_argv(binary: str, root: Path, port: int, peer: int, pki: Path | None) -> list[str]:
+def _nats_cluster_argv(
+    binary: str, root: Path, ports: Sequence[int], routes: Sequence[int], i: int,
+    ids: Identities, pki: Path | None,
+) -> list[str]:  # fmt: skip
+    """Member ``i`` of a NATS cluster on loopback: JetStream clustered over the routes
+    (R3 streams need 3 servers), the same TLS, logins and permissions for clients."""
+    name = f"sailor-{i + 1}"
+    store = root / f"nats-{i + 1}"
+    store.mkdir(parents=True, exist_ok=True)
+    peers = [f"nats-route://127.0.0.1:{r}" for j, r in enumerate(routes) if j != i]
+    if pki is None:
+        return [
+            *(binary, "-js", "-a", "127.0.0.1", "-p", str(ports[i]), "-sd", str(store)),
+            *("--server_name", name, "--cluster_name", "sailor"),
+            *("--cluster", f"nats://127.0.0.1:{routes[i]}", "--routes", ",".join(peers)),
+        ]
+    base = write_nats_config(pki, ids.jobs, f"127.0.0.1:{ports[i]}", store, "nats")
+    conf = json.loads(base.read_text().split("\n", 1)[1])
+    # routes stay inside loopback here; a deployment puts TLS on them too (deploy/config)
+    conf.update(
+        server_name=name,
+        cluster={"name": "sailor", "listen": f"127.0.0.1:{routes[i]}", "routes": peers},
+    )
+    path = pki / f"nats-server-{i + 1}.conf"
+    path.write_text(json.dumps(conf, indent=2) + "\n")
+    path.chmod(0o600)
+    return [binary, "-c", str(path)]
+
+
+def _etcd_argv(
+    binary: str, root: Path, port: int, peer: int, pki: Path | None,
+    cluster: Sequence[tuple[int, int]] = (), i: int = 0,
+) -> list[str]:  # fmt: skip
+    """One member; with ``cluster`` ((client, peer) ports of every member), member ``i``."""
     scheme = "http" if pki is None else "https"
+    name = f"m{i + 1}" if cluster else "local"
+    peers = ",".join(f"m{j + 1}=http://127.0.0.1:{p}" for j, (_, p) in enumerate(cluster))
     argv = [
-        *(binary, "--name", "local", "--data-dir", str(root / "etcd")),
+        *(binary, "--name", name, "--data-dir", str(root / ("etcd" if not cluster else name))),
         *("--listen-client-urls", f"{scheme}://127.0.0.1:{port}"),
         *("--advertise-client-urls", f"{scheme}://127.0.0.1:{port}"),
         *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
         *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
-        *("--initial-cluster", f"local=http://127.0.0.1:{peer}"),
+        *("--initial-cluster", peers or f"local=http://127.0.0.1:{peer}"),
         # one member on loopback: short heartbeats make the first election instant
-        # (DESIGN.md: healthy in ~50 ms)
-        *("--heartbeat-interval", "10", "--election-timeout", "50"),
+        # (DESIGN.md: healthy in ~50 ms); three members on 2 loaded cores would call
+        # elections all the time at 50 ms, so they get 50/500 ms
+        *(("--heartbeat-interval", "10", "--election-timeout", "50") if not cluster else
+          ("--heartbeat-interval", "50", "--election-timeout", "500",
+           "--initial-cluster-token", "sailor-local")),
         *("--log-level", "warn"),
-    ]
+    ]  # fmt: skip
     if pki is not None:
         # client side only: a single member has no peers to authenticate
         argv += etcd_tls_flags(pki / "ca.crt", pki / "etcd.crt", pki / "etcd.key")[:4]
@@ -251,7 +316,7 @@ def _run_async(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
         ex.submit(lambda: asyncio.run(make())).result()
 
 
-def _apply_rbac(endpoint: str, pki: Path, ids: Identities) -> None:
+def _apply_rbac(endpoint: str | Sequence[str], pki: Path, ids: Identities) -> None:
     from sailor.coordination.errors import TemporaryError
     from sailor.coordination.etcd_auth import apply_rbac
     from sailor.coordination.etcd_store import connect_etcd
@@ -282,15 +347,63 @@ def _apply_rbac(endpoint: str, pki: Path, ids: Identities) -> None:
     _run_async(_go)
 
 
+def _members(
+    root: Path, ids: Identities, pki: Path | None, run: Spawn, n_nats: int, n_etcd: int
+) -> tuple[list[ServerProcess], list[ServerProcess]]:
+    """The server processes (not started) on fresh ports: one of each, or clusters."""
+    nats_bin, etcd_bin = server_binaries()
+    if n_nats == 1:
+        np_ = free_port()
+        nats_argv = _nats_argv(nats_bin, root, np_, ids, pki)
+        nats = [ServerProcess("nats", nats_argv, np_, root / "nats.log", spawn=run)]
+    else:
+        ports, routes = [free_port() for _ in range(n_nats)], [free_port() for _ in range(n_nats)]
+        nats = [
+            ServerProcess(
+                f"nats-{i + 1}",
+                _nats_cluster_argv(nats_bin, root, ports, routes, i, ids, pki),
+                ports[i],
+                root / f"nats-{i + 1}.log",
+                spawn=run,
+            )
+            for i in range(n_nats)
+        ]
+    if n_etcd == 1:
+        ep, pp = free_port(), free_port()
+        etcd_argv = _etcd_argv(etcd_bin, root, ep, pp, pki)
+        etcd = [ServerProcess("etcd", etcd_argv, ep, root / "etcd.log", spawn=run)]
+    else:
+        cluster = [(free_port(), free_port()) for _ in range(n_etcd)]
+        etcd = [
+            ServerProcess(
+                f"etcd-{i + 1}",
+                _etcd_argv(etcd_bin, root, c, p, pki, cluster, i),
+                c,
+                root / f"etcd-{i + 1}.log",
+                spawn=run,
+            )
+            for i, (c, p) in enumerate(cluster)
+        ]
+    return nats, etcd
+
+
 def start_local_servers(
     root: Path,
     identities: Identities | None = None,
     secure: bool = True,
     spawn: Spawn | None = None,
+    nats_servers: int = 1,
+    etcd_members: int = 1,
 ) -> LocalServers:
-    """Start nats-server (JetStream) and etcd with fresh data under ``root``; wait for both."""
+    """Start nats-server (JetStream) and etcd with fresh data under ``root``; wait for both.
+
+    ``nats_servers`` / ``etcd_members`` > 1: a NATS cluster (clustered JetStream) and an
+    etcd cluster of that many members on loopback, as production runs them (3 each).
+    """
+    if nats_servers < 1 or etcd_members < 1:
+        raise ValueError(f"nats_servers={nats_servers}, etcd_members={etcd_members}: need >= 1")
     ids = identities or Identities()
-    nats_bin, etcd_bin = server_binaries()
+    server_binaries()
     root.mkdir(parents=True, exist_ok=True)
     pki = root / "pki" if secure else None
     if pki is not None:
@@ -299,22 +412,30 @@ def start_local_servers(
     for attempt in range(_PORT_ATTEMPTS):
         # A port free a moment ago can be taken before the server binds it (seen in CI:
         # "bind: address already in use" on etcd's peer port): start again on new ports.
-        np_, ep, pp = free_port(), free_port(), free_port()
-        nats_argv = _nats_argv(nats_bin, root, np_, ids, pki)
-        nats = ServerProcess("nats", nats_argv, np_, root / "nats.log", spawn=run)
-        etcd_argv = _etcd_argv(etcd_bin, root, ep, pp, pki)
-        etcd = ServerProcess("etcd", etcd_argv, ep, root / "etcd.log", spawn=run)
-        servers = LocalServers(nats=nats, etcd=etcd, identities=ids, pki_dir=pki)
+        nats, etcd = _members(root, ids, pki, run, nats_servers, etcd_members)
+        servers = LocalServers(
+            nats=nats[0],
+            etcd=etcd[0],
+            identities=ids,
+            pki_dir=pki,
+            nats_members=nats,
+            etcd_members=etcd,
+        )
         try:
-            nats.start()
-            etcd.start()
+            for m in (*nats, *etcd):  # all members up before any is waited for
+                m.start(wait=False)
+            for m in (*nats, *etcd):
+                m.wait()
             if pki is not None:
-                _apply_rbac(servers.etcd_endpoint, pki, ids)
+                _apply_rbac(servers.etcd_endpoints, pki, ids)
         except ProcessExitedError:
             servers.stop()
             if attempt + 1 == _PORT_ATTEMPTS:
                 raise
-            for d in (root / "nats", root / "etcd"):  # fresh data, as on the first try
+            for d in root.glob("nats*"):  # fresh data, as on the first try
+                if d.is_dir():
+                    shutil.rmtree(d, ignore_errors=True)
+            for d in (root / "etcd", *root.glob("m[0-9]")):
                 shutil.rmtree(d, ignore_errors=True)
             continue
         except BaseException:

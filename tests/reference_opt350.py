@@ -19,7 +19,9 @@ __all__ = ["DEEPSPEED", "REF", "load_opt350"]
 REF = Path(__file__).parents[1] / ".." / "shared" / "reference" / "sailor"
 
 
-DEEPSPEED = Calibration(mixed_precision="fp16_optimizer")
+DEEPSPEED = Calibration(
+    mixed_precision="fp16_optimizer", p2p_across_tp="scatter_gather", sends_attention_mask=False
+)
 """The framework the reference plans ran on: Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer
 (16-bit weights and gradients, gradients all-reduced in fp16), not Sailor's autocast engine."""
 

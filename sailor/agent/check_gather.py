@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,25 +214,31 @@ async def gather_gpu_subprocess(probe: bool = True, timeout_s: float = 300.0) ->
 
 
 async def reach_servers(
-    nats_url: str,
-    etcd_endpoint: str,
+    nats_urls: str | Sequence[str],
+    etcd_endpoints: str | Sequence[str],
     security: SecurityConfig | None,
     name: str,
     timeout_s: float = 5.0,
 ) -> tuple[EndpointFacts, EndpointFacts]:
-    """Connect to NATS and etcd as this node (its ``security``) and ask each one thing."""
+    """Connect to NATS and etcd as this node (its ``security``) and ask each one thing; a
+    list of servers (a cluster) is reached as the daemons reach it, through any member."""
     return await asyncio.gather(
-        _reach_nats(nats_url, security, name, timeout_s),
-        _reach_etcd(etcd_endpoint, security, timeout_s),
+        _reach_nats(_listed(nats_urls), security, name, timeout_s),
+        _reach_etcd(_listed(etcd_endpoints), security, timeout_s),
     )
 
 
+def _listed(urls: str | Sequence[str]) -> list[str]:
+    return [urls] if isinstance(urls, str) else list(urls)
+
+
 async def _reach_nats(
-    url: str, security: SecurityConfig | None, name: str, timeout_s: float
+    urls: list[str], security: SecurityConfig | None, name: str, timeout_s: float
 ) -> EndpointFacts:
+    url = ",".join(urls)
     t0 = time.monotonic()
     try:
-        nc = await connect_nats(url, f"{name}-check", timeout=timeout_s, security=security)
+        nc = await connect_nats(urls, f"{name}-check", timeout=timeout_s, security=security)
         try:
             await nc.flush(timeout=max(1, int(timeout_s)))  # a round trip to the server
         finally:
@@ -245,12 +252,14 @@ async def _reach_nats(
 
 
 async def _reach_etcd(
-    endpoint: str, security: SecurityConfig | None, timeout_s: float
+    endpoints: list[str], security: SecurityConfig | None, timeout_s: float
 ) -> EndpointFacts:
+    endpoint = ",".join(endpoints)
     t0 = time.monotonic()
     try:
         store = await asyncio.wait_for(
-            connect_etcd(endpoint, op_timeout=timeout_s, security=security), timeout_s + 1
+            connect_etcd(endpoints, op_timeout=timeout_s, security=security),
+            timeout_s * len(endpoints) + 1,
         )  # connect_etcd reads the revision: a round trip, authenticated
         await store.close()
     except Exception as exc:

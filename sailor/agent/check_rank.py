@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
+    from sailor.comm import api as comm
+
     dev = join_group(args, cfg["device"], args.rank, timeout_s=60.0)
     rank, world = args.rank, args.world_size
 
@@ -41,17 +43,17 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         x = torch.full((8,), float(rank + 1), device=dev)
-        dist.all_reduce(x)
+        comm.all_reduce(x)
         all_reduce_ok = bool((x == world * (world + 1) / 2).all().item())
 
         nbytes = int(cfg["bytes"])
         big = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-        dist.all_reduce(big)  # warm-up: NCCL builds its rings on the first call
+        comm.all_reduce(big)  # warm-up: NCCL builds its rings on the first call
         times = []
         for _ in range(3):
             sync()
             t0 = time.perf_counter()
-            dist.all_reduce(big)
+            comm.all_reduce(big)
             sync()
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
@@ -62,11 +64,10 @@ def main(argv: list[str] | None = None) -> None:
             send = torch.full((1024,), float(rank), device=dev)
             recv = torch.full((1024,), -1.0, device=dev)
             ops = [
-                dist.P2POp(dist.isend, send, (rank + 1) % world),
-                dist.P2POp(dist.irecv, recv, (rank - 1) % world),
+                comm.P2POp("send", send, (rank + 1) % world),
+                comm.P2POp("recv", recv, (rank - 1) % world),
             ]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            comm.wait_all(comm.batch_isend_irecv(ops))
             sync()
             p2p_ok = bool((recv == float((rank - 1) % world)).all().item())
         write_result(args, {"all_reduce_ok": all_reduce_ok, "p2p_ok": p2p_ok, "bus_gbps": bus})

@@ -46,8 +46,8 @@ def judge(facts: NodeFacts, node_id: str = "", allow_cpu: bool = False) -> Check
     if facts.node_kind == "gpu":
         lines += _gpu_lines(facts, allow_cpu)
     lines += [
-        _endpoint_line("nats", facts.nats, "nats_url"),
-        _endpoint_line("etcd", facts.etcd, "etcd_endpoint"),
+        _endpoint_line("nats", facts.nats, "nats_urls"),
+        _endpoint_line("etcd", facts.etcd, "etcd_endpoints"),
     ]
     serves = not any(line.verdict == "fail" for line in lines)
     return CheckReport(node_id=node_id, lines=tuple(lines), facts=facts, serves=serves)

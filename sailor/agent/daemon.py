@@ -6,7 +6,13 @@ It then registers its node under an etcd lease kept alive in the background (a l
 expires is a node that left), publishes join/leave events, serves commands on its own NATS
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
-the moment a watcher sees one. SIGTERM: stop the workers, publish NodeLeft, revoke the lease.
+the moment a watcher sees one (retried until its deadline, and kept in the status record so
+that it reaches the controller through etcd while NATS is down). SIGTERM: stop the workers,
+publish NodeLeft, revoke the lease. The epoch fence is persisted (``fence.py``) and raised to
+the desired state's epoch on start, so a restarted agent still refuses a deposed controller.
+A long-lived task that crashes is restarted with backoff; one that keeps crashing takes the
+agent down (``run`` raises ``DaemonFailedError``, the process exits non-zero and systemd
+restarts it).
 Must never import the controller.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import signal
 import time
 import uuid
@@ -26,11 +33,13 @@ from pydantic import Field, ValidationError
 
 from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
 from sailor.agent.check_verdicts import judge
+from sailor.agent.fence import EpochFence
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
 from sailor.agent.watchers import PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
+    DaemonFailedError,
     EtcdLease,
     EtcdStore,
     Keys,
@@ -43,6 +52,7 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
@@ -56,6 +66,14 @@ __all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"
 
 _log = structlog.get_logger("sailor.agent")
 
+TASK_BACKOFF_S = 0.5
+"""First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
+TASK_MAX_CRASHES = 5
+"""Crashes in a row (none after a minute of running) after which the agent gives up."""
+PUBLISH_BACKOFF_MAX_S = 2.0
+"""Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
+~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
+
 
 class WatcherConfig(Frozen):
     kind: str = Field(description="gcp, aws, azure or file.")
@@ -68,7 +86,7 @@ class CheckSettings(Frozen):
     mode: Literal["enforce", "report", "off"] = Field(
         default="enforce",
         description="enforce: a GPU node that fails the check does not join; report: it joins "
-        "and logs the failures; off: no GPU checks (sim workers standing in for GPUs on a CPU "
+        "and logs the failures; off: no GPU checks (toy trainers standing in for GPUs on a CPU "
         "host). CPU nodes (gpu_type cpu) skip the GPU checks in every mode.",
     )
     probe: bool = Field(default=True, description="Run the one-node NCCL collective probe.")
@@ -77,13 +95,11 @@ class CheckSettings(Frozen):
     )
 
 
-class AgentConfig(Frozen):
+class AgentConfig(ServerEndpoints):
     """Everything ``sailor agent`` needs."""
 
     job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
     node: NodeSpec = Field(description="This node (GPU type and count, zone, spot, address).")
-    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
-    etcd_endpoint: str = Field(default="127.0.0.1:2379", description="etcd host:port.")
     lease_ttl_s: int = Field(default=2, ge=1, description="Registration lease TTL.")
     work_dir: Path = Field(default=Path("sailor-agent"), description="Run files of workers.")
     worker_argv: tuple[str, ...] = Field(
@@ -110,17 +126,21 @@ class Agent:
         self.clock = clock or SystemClock()
         self.stopping = asyncio.Event()
         self.sd = SystemdNotifier.from_env()
-        self.max_epoch = 0
+        # the highest epoch accepted: persisted, so that it outlives this process
+        self._fence = EpochFence(config.work_dir / f"{self.node.node_id}.epoch")
+        self.max_epoch = self._fence.epoch
+        self.failure: str | None = None  # why this agent must exit non-zero
         self.applied: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
         self.supervisor = Supervisor(config.work_dir / self.node.node_id, config.worker_argv)
         self.watchers: list[PreemptionWatcher] = [
             make_watcher(w.kind, w.target, self.clock) for w in config.watchers
         ]
         self.noticed = False
+        self.notice: PreemptionNotice | None = None  # also in the status record (etcd path)
         self._lease: EtcdLease | None = None
         self._store: EtcdStore | None = None
         self._bus: NatsEventBus | None = None
-        self._tasks = TaskSet(f"agent-{self.node.node_id}")
+        self._tasks = TaskSet(f"agent-{self.node.node_id}", on_crash=self._task_crashed)
         self._failure_reported = ""
         self._lock = asyncio.Lock()
         self._crashed = False
@@ -141,10 +161,10 @@ class Agent:
             return
         sec = self.cfg.security
         t0 = time.monotonic()
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
         t1 = time.monotonic()
         nc = await self._retry(
-            lambda: connect_nats(self.cfg.nats_url, self.node.node_id, security=sec)
+            lambda: connect_nats(self.cfg.nats_urls, self.node.node_id, security=sec)
         )
         if store is None or nc is None:
             return
@@ -152,10 +172,13 @@ class Agent:
         self.facts = facts.model_copy(
             update={  # the agent's own connections are the reachability facts of its join
                 "etcd": EndpointFacts(
-                    url=self.cfg.etcd_endpoint, reachable=True, tls=tls, seconds=t1 - t0
+                    url=",".join(self.cfg.etcd_endpoints), reachable=True, tls=tls, seconds=t1 - t0
                 ),
                 "nats": EndpointFacts(
-                    url=self.cfg.nats_url, reachable=True, tls=tls, seconds=time.monotonic() - t1
+                    url=",".join(self.cfg.nats_urls),
+                    reachable=True,
+                    tls=tls,
+                    seconds=time.monotonic() - t1,
                 ),
             }
         )
@@ -163,18 +186,52 @@ class Agent:
         self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
         try:
+            await self._fence_from_desired()
             await commands.serve(self.node.node_id, self._on_command)
             await self._register()
             self.sd.ready(f"registered node {self.node.node_id}")
-            self._tasks.spawn("status", self._status_loop())
-            self._tasks.spawn("registration", self._registration_loop())
+            self._keep("status", self._status_loop)
+            self._keep("registration", self._registration_loop)
             for w in self.watchers:
-                self._tasks.spawn(f"watch-{w.name}", self._watch(w))
+                self._keep(f"watch-{w.name}", lambda w=w: self._watch(w))
             await self.stopping.wait()
         finally:
             if self.stopping.is_set():
                 self.sd.stopping()
             await self._shutdown(store, nc, commands)
+        if self.failure is not None:
+            raise DaemonFailedError("agent failed", reason=self.failure)
+
+    def _keep(self, name: str, factory: Any) -> None:
+        """A long-lived task: restarted with backoff, the agent's end if it keeps crashing."""
+        self._tasks.keep(name, factory, backoff_s=TASK_BACKOFF_S, max_crashes=TASK_MAX_CRASHES)
+
+    def _task_crashed(self, name: str, exc: BaseException) -> None:
+        self.failure = self.failure or f"task {name} kept crashing: {exc!r}"[:500]
+        _log.error("agent_failed", node=self.node.node_id, reason=self.failure)
+        self.sd.status(f"failed: {self.failure}"[:200])
+        self.stopping.set()
+
+    async def _fence_from_desired(self) -> None:
+        """Raise the fence to the epoch of the desired state (its newest writer's) before
+        serving commands: a fence file lost with the run directory is covered too."""
+        while not self.stopping.is_set():
+            try:
+                kv = await self._read_desired()
+                break
+            except TemporaryError:
+                await self.clock.sleep(0.3)
+        else:
+            return
+        if kv is None:
+            return
+        try:
+            epoch = json.loads(kv.value)["epoch"]
+        except (ValueError, KeyError, TypeError):
+            return  # not ours to judge: the controller refuses an unreadable desired state
+        if isinstance(epoch, int) and epoch > self.max_epoch:
+            await asyncio.to_thread(self._fence.raise_to, epoch)
+            self.max_epoch = epoch
 
     async def check_node(self) -> NodeFacts | None:
         """The node's facts, or None when the check failed in ``enforce`` mode (the agent then
@@ -220,17 +277,32 @@ class Agent:
                 await self.clock.sleep(0.5)
         return None
 
-    async def _publish(self, kind: str, event: Any) -> None:
+    async def _publish(self, kind: str, event: Any, until: float | None = None) -> bool:
+        """Publish ``event``; True once JetStream stored it.
+
+        Without ``until``: 20 tries 0.25 s apart. With it (a Unix time): keep trying, with
+        backoff up to ``PUBLISH_BACKOFF_MAX_S``, until that time has passed (one try at least,
+        even when it has passed already). One message id
+        for every try, so a publish that reached the stream before its ack was lost is
+        stored once (the stream's duplicate window, 2 min, outlasts any notice we retry).
+        """
         assert_bus = self._bus
         if assert_bus is None:
-            return
-        for _ in range(20):
+            return False
+        pause, tries = 0.25, 0
+        while (tries < 20) if until is None else (tries == 0 or self.clock.now() < until):
+            tries += 1
             try:
                 await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
-                return
-            except TemporaryError:
-                await self.clock.sleep(0.25)
-        _log.warning("event_not_published", kind=kind, event_id=event.event_id)
+                return True
+            except TemporaryError as exc:
+                if until is not None:
+                    _log.warning("event_publish_retry", kind=kind, tries=tries, error=str(exc))
+                await self.clock.sleep(pause)
+                if until is not None:
+                    pause = min(pause * 2, PUBLISH_BACKOFF_MAX_S)
+        _log.warning("event_not_published", kind=kind, event_id=event.event_id, tries=tries)
+        return False
 
     def _event_id(self, kind: str) -> str:
         return f"{self.node.node_id}-{kind}-{uuid.uuid4().hex[:12]}"
@@ -282,6 +354,7 @@ class Agent:
             start_step=sup.start_step,
             saved_step=sup.saved_step,
             failure=sup.failure[:4000],
+            notice=self.notice,
             time=self.clock.now(),
         )
 
@@ -323,16 +396,19 @@ class Agent:
             notice = await watcher.check()
             if notice is not None:
                 self.noticed = True
-                await self._publish(
-                    "preemption_notice",
-                    PreemptionNotice(
-                        event_id=self._event_id("notice"),
-                        node_id=self.node.node_id,
-                        time=self.clock.now(),
-                        deadline=notice.deadline,
-                        source=notice.source,
-                    ),
+                event = PreemptionNotice(
+                    event_id=self._event_id("notice"),
+                    node_id=self.node.node_id,
+                    time=self.clock.now(),
+                    deadline=notice.deadline,
+                    source=notice.source,
                 )
+                # Two paths to the controller: the status record in etcd (written by the
+                # status loop, which wakes now) and the event, retried until the deadline.
+                # Either one alone is enough, so a NATS outage does not lose the notice.
+                self.notice = event
+                self.supervisor.changed.set()
+                await self._publish("preemption_notice", event, until=notice.deadline)
                 return
             await self.clock.sleep(self.cfg.watch_poll_s)
 
@@ -351,6 +427,12 @@ class Agent:
             return self._refuse(cmd.command_id, f"stale epoch {cmd.epoch} < {self.max_epoch}")
         if cmd.command_id in self.applied:
             return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
+        if cmd.epoch > self.max_epoch:
+            # durable before the command is applied: a restart must not forget it
+            try:
+                await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
+            except OSError as exc:  # not applied (refused, on record): the controller re-sends
+                return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
         self.max_epoch = cmd.epoch
         if isinstance(cmd, Launch):
             try:  # a Launch names its plan; read it from etcd (cached by plan id)
@@ -435,10 +517,14 @@ class Agent:
 
 async def run_agent(config: AgentConfig) -> int:
     """Run until SIGTERM/SIGINT (a preemption looks like this too), then leave cleanly.
-    Returns the exit status: 1 when the node check refused to join, else 0."""
+    Returns the exit status: 1 when the node check refused to join or the agent failed."""
     agent = Agent(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stopping.set)
-    await agent.run()
+    try:
+        await agent.run()
+    except DaemonFailedError as exc:
+        _log.error("agent_exit", error=str(exc))
+        return 1
     return 1 if agent.refused else 0

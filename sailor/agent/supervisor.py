@@ -3,7 +3,7 @@
 Workers are separate processes started with explicit ranks and rendezvous (no torchrun):
 ``worker_argv`` is a template whose ``{plan} {rank} {world_size} {master} {control}
 {load_dir} {load_step} {error_file} {run_dir}`` are filled per rank. Progress arrives as JSON
-lines on stdout (see ``sailor.megatron_patch.worker`` and ``sim_worker``); stop and save
+lines on stdout (see ``sailor.megatron_patch.rank_main`` and ``toy_trainer``); stop and save
 requests go through a control file the workers re-read at every iteration boundary, written
 atomically. On abort or deadline the
 workers get SIGTERM, then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause
@@ -35,14 +35,14 @@ from sailor.megatron_patch.errors import (
 )
 from sailor.schemas.commands import Launch
 
-__all__ = ["DEFAULT_WORKER_ARGV", "SIM_WORKER_ARGV", "Supervisor", "WorkerView"]
+__all__ = ["DEFAULT_WORKER_ARGV", "TOY_TRAINER_ARGV", "Supervisor", "WorkerView"]
 
 _log = structlog.get_logger("sailor.agent")
 
 DEFAULT_WORKER_ARGV: tuple[str, ...] = (
     sys.executable,
     "-m",
-    "sailor.worker",
+    "sailor.training_process",
     "--plan",
     "{plan}",
     "--rank",
@@ -62,13 +62,13 @@ DEFAULT_WORKER_ARGV: tuple[str, ...] = (
     "--progress",
     "{run_dir}/progress-{rank}.jsonl",
 )
-"""The real training worker (``sailor.worker``: sailor.megatron_patch with layer-keyed
-checkpoints). ``SIM_WORKER_ARGV`` is the torch-free stand-in for protocol tests."""
+"""The real training worker (``sailor.training_process``: sailor.megatron_patch with layer-keyed
+checkpoints). ``TOY_TRAINER_ARGV`` is the torch-free stand-in for protocol tests."""
 
-SIM_WORKER_ARGV: tuple[str, ...] = (
+TOY_TRAINER_ARGV: tuple[str, ...] = (
     sys.executable,
     "-m",
-    "sailor.agent.sim_worker",
+    "sailor.agent.toy_trainer",
     "--plan",
     "{plan}",
     "--rank",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 
@@ -20,6 +21,27 @@ __all__ = ["LsRow", "ckpt_app", "gc_paths", "inspect_text", "ls_rows", "verify_r
 ckpt_app = typer.Typer(
     help="Inspect, verify and garbage-collect checkpoints.", no_args_is_help=True
 )
+
+
+class _NoRoot(typer.BadParameter):
+    """A checkpoint root that is not there: the command fails (exit 1) without creating it."""
+
+    exit_code = 1
+
+
+def _root(directory: str) -> str:
+    """A local root must be an existing directory: reading one must not create it."""
+    local = directory[len("file://") :] if directory.startswith("file://") else directory
+    if "://" not in local and not Path(local).is_dir():
+        what = "is not a directory" if Path(local).exists() else "does not exist"
+        raise _NoRoot(
+            f"no committed checkpoint under {directory}: it {what}; pass the checkpoint root "
+            "the workers save to (the controller config's checkpoint_dir)"
+        )
+    return directory
+
+
+_ROOT_HELP = "Checkpoint root (path or URL)."
 
 
 @dataclass(frozen=True)
@@ -97,7 +119,7 @@ def gc_paths(
 
 
 @ckpt_app.command("ls")
-def ls_cmd(directory: str = typer.Argument(..., help="Checkpoint root (path or URL).")) -> None:
+def ls_cmd(directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root)) -> None:
     """List committed checkpoints."""
     rows = ls_rows(directory)
     if not rows:
@@ -113,7 +135,7 @@ def ls_cmd(directory: str = typer.Argument(..., help="Checkpoint root (path or U
 
 @ckpt_app.command("inspect")
 def inspect_cmd(
-    directory: str = typer.Argument(..., help="Checkpoint root (path or URL)."),
+    directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root),
     step: int | None = typer.Option(None, help="Step (default: latest committed)."),
     tensors: bool = typer.Option(False, help="Also list every tensor."),
 ) -> None:
@@ -121,13 +143,12 @@ def inspect_cmd(
     try:
         typer.echo(inspect_text(directory, step, tensors))
     except CheckpointError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from exc
+        raise _NoRoot(str(exc)) from exc
 
 
 @ckpt_app.command("verify")
 def verify_cmd(
-    directory: str = typer.Argument(..., help="Checkpoint root (path or URL)."),
+    directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root),
     step: int | None = typer.Option(None, help="Only this step (default: every committed)."),
 ) -> None:
     """Verify every checksum of every committed checkpoint; exit 1 if any fails."""
@@ -146,7 +167,7 @@ def verify_cmd(
 
 @ckpt_app.command("gc")
 def gc_cmd(
-    directory: str = typer.Argument(..., help="Checkpoint root (path or URL)."),
+    directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root),
     keep: int | None = typer.Option(None, help="Also keep only the newest K committed."),
     grace: float = typer.Option(
         0.0, help="Spare uncommitted saves touched within this many seconds (a save running)."

@@ -10,41 +10,71 @@ import typer
 import yaml
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["fail", "load_model", "load_raw", "write_json"]
+from sailor.cli.errors import CliError
+from sailor.cli.schema_names import SCHEMAS
+
+__all__ = ["fail", "load_config", "load_model", "load_raw", "write_json"]
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def fail(msg: str, code: int = 2) -> typer.Exit:
-    """Print an error to stderr and return the exit to raise."""
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(code)
+def fail(msg: str, code: int = 2) -> CliError:
+    """The error to raise: the CLI entry (:mod:`sailor.cli.errors`) prints ``error: MSG``
+    as one line on stderr and exits with ``code``."""
+    return CliError(msg, code)
+
+
+def _schema_hint(cls: type[BaseModel]) -> str:
+    names = [n for n, c in SCHEMAS.items() if c is cls]
+    return f"see `sailor schema {names[0]}`" if names else "fix the field(s) named"
 
 
 def load_raw(path: Path) -> Any:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise fail(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        raise fail(f"{path}: cannot read ({exc.strerror or exc}): check the path") from exc
+    if not text.strip():
+        raise fail(f"{path}: the file is empty: pass a file with content")
     try:
         if path.suffix in (".yaml", ".yml"):
             return yaml.safe_load(text)
         return json.loads(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise fail(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from exc
+        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+        raise fail(f"{path}: not valid {kind}: {exc}: fix the syntax") from exc
+
+
+def _validate(path: Path, raw: Any, cls: type[M]) -> M:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        fields = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {e.get('input')!r:.60})"
+            for e in exc.errors()
+        )
+        raise fail(f"{path}: not a valid {cls.__name__}: {fields}: {_schema_hint(cls)}") from exc
 
 
 def load_model(path: Path, cls: type[M]) -> M:
     """Validate a file against a schema; on failure name the file, each field and value."""
-    raw = load_raw(path)
+    return _validate(path, load_raw(path), cls)
+
+
+def load_config(path: Path, cls: type[M]) -> M:
+    """A daemon's config (YAML, TOML or JSON, by suffix; YAML otherwise), errors naming it."""
+    import tomllib
+
+    from sailor.controller.config import load_mapping
+
     try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        lines = [
-            f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {e.get('input')!r:.80})"
-            for e in exc.errors()
-        ]
-        raise fail(f"{path}: not a valid {cls.__name__}:\n" + "\n".join(lines)) from exc
+        raw = load_mapping(path)
+    except OSError as exc:
+        raise fail(f"{path}: cannot read ({exc.strerror or exc}): check the path") from exc
+    except (ValueError, yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        msg = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
+        raise fail(f"{msg}: a mapping of the config's fields is expected") from exc
+    return _validate(path, raw, cls)
 
 
 def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -> None:

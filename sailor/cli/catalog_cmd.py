@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor import catalog
+from sailor.cli.tables import print_table
 
 __all__ = ["catalog_app"]
 
@@ -27,7 +28,7 @@ def gpus() -> None:
             g.intra_node_link,
             str(g.default_gpus_per_node),
         )
-    Console().print(t)
+    print_table(Console(), t)
 
 
 @catalog_app.command("models")
@@ -46,7 +47,7 @@ def models() -> None:
             f"{m.total_params / 1e9:.2f}",
             str(m.global_batch_size),
         )
-    Console().print(t)
+    print_table(Console(), t)
 
 
 @catalog_app.command("prices")
@@ -58,4 +59,4 @@ def prices() -> None:
         t.add_row(
             g.gpu_type, g.region, f"{g.on_demand_usd_per_hour:.2f}", f"{g.spot_usd_per_hour:.2f}"
         )
-    Console().print(t)
+    print_table(Console(), t)

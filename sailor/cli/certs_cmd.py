@@ -18,6 +18,7 @@ from pathlib import Path
 
 import typer
 
+from sailor.cli._io import fail
 from sailor.coordination.keys import Keys
 from sailor.coordination.security.certs import CertKind
 from sailor.coordination.security.etcd_rbac import etcd_tls_flags, rbac_plan
@@ -31,9 +32,16 @@ certs_app = typer.Typer(
 )
 
 
+def _require(path: Path) -> None:
+    if not path.is_file():
+        raise fail(
+            f"{path}: no such file: create the CA with `sailor certs init {path.parent}` first"
+        )
+
+
 @certs_app.command("init")
 def init_cmd(
-    directory: Path = typer.Argument(..., help="Directory for the CA and certificates."),
+    directory: Path = typer.Argument(..., help="Directory to write the CA and certificates to."),
     name: str = typer.Option("sailor-ca", "--name", help="CA common name."),
     days: int = typer.Option(3650, "--days", help="Validity in days."),
     force: bool = typer.Option(False, "--force", help="Replace an existing CA."),
@@ -42,8 +50,7 @@ def init_cmd(
     try:
         path = init_ca(directory, name, days, force)
     except (FileExistsError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(exc), code=1) from None
     typer.echo(f"CA written: {path}")
 
 
@@ -62,11 +69,11 @@ def issue_cmd(
     days: int = typer.Option(825, "--days", help="Validity in days."),
 ) -> None:
     """Issue a server or client certificate; controller/agent clients also get a NATS login."""
+    _require(directory / "ca.crt")
     try:
         paths = issue_cert(directory, name, kind, tuple(host), role, days)
     except (OSError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise fail(str(exc), code=1) from None
     for p in paths:
         typer.echo(f"written: {p}")
 
@@ -86,6 +93,7 @@ def nats_config_cmd(
     ),
 ) -> None:
     """Write DIR/nats-server.conf: TLS, JetStream, users and permissions (mode 0600)."""
+    _require(directory / "ca.crt")
     path = write_nats_config(
         directory, job, listen, store_dir, server, authorization_only=authorization_only
     )
@@ -99,6 +107,7 @@ def etcd_flags_cmd(
 ) -> None:
     """Print the etcd flags for TLS with client-certificate authentication."""
     d = directory.resolve()
+    _require(d / "ca.crt")
     for flag in etcd_tls_flags(d / "ca.crt", d / f"{server}.crt", d / f"{server}.key"):
         typer.echo(flag)
 
@@ -116,6 +125,8 @@ def etcd_rbac_cmd(
     from sailor.coordination.etcd_auth import apply_rbac
     from sailor.coordination.etcd_store import connect_etcd
 
+    for name in ("ca", admin):
+        _require(directory / f"{name}.crt")
     plan = rbac_plan(Keys(job=job), tuple(controller), tuple(node))
     sec = SecurityConfig(
         ca_file=directory / "ca.crt",

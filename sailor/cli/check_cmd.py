@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli._io import load_model
+from sailor.cli.tables import print_table
 
 if TYPE_CHECKING:
     from sailor.schemas.node_check import CheckReport
@@ -55,7 +56,9 @@ def check(
         facts = node_facts(node, gather_gpu(probe=probe, deadline_s=probe_deadline))
     if cfg is not None:
         nats, etcd = asyncio.run(
-            reach_servers(cfg.nats_url, cfg.etcd_endpoint, cfg.security, cfg.node.node_id, timeout)
+            reach_servers(
+                cfg.nats_urls, cfg.etcd_endpoints, cfg.security, cfg.node.node_id, timeout
+            )
         )
         facts = facts.model_copy(update={"nats": nats, "etcd": etcd})
     report = judge(facts, node_id=node.node_id if node else "", allow_cpu=allow_cpu)
@@ -77,7 +80,7 @@ def _print(report: CheckReport) -> None:
         t.add_row(
             line.check, f"[{_STYLE[line.verdict]}]{line.verdict}[/]", line.detail, line.action
         )
-    con.print(t)
+    print_table(con, t)
     if report.serves:
         con.print(f"[green]ready[/]: this node can serve ({report.verdict})")
     else:

@@ -20,6 +20,8 @@ from typing import Any
 import typer
 from pydantic import BaseModel, ValidationError
 
+from sailor.cli._io import fail
+
 __all__ = ["Kind", "check_config", "config_app"]
 
 config_app = typer.Typer(help="Daemon config files.", no_args_is_help=True)
@@ -105,9 +107,9 @@ def check(
     if code == 0:
         typer.echo(f"{file}: OK ({found.value if found else '?'} config)")
         return
+    if code == 2:  # cannot read or parse: one message, naming the file
+        raise fail(f"{'; '.join(messages)}: pass a readable YAML, TOML or JSON config", code)
     label = f" ({found.value} config)" if found else ""
     for m in messages:
-        typer.echo(f"{file}{label}: {m}" if code == 1 else m, err=True)
-    if code == 1:
-        typer.echo(f"{file}: {len(messages)} error(s)", err=True)
-    raise typer.Exit(code)
+        typer.echo(f"{file}{label}: {m}", err=True)
+    raise fail(f"{file}: {len(messages)} error(s), listed above: fix the fields named", code)

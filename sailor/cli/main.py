@@ -9,7 +9,9 @@ from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.certs_cmd import certs_app
 from sailor.cli.check_cmd import check
 from sailor.cli.config_cmd import config_app
+from sailor.cli.data_cmd import data_app
 from sailor.cli.demo_cmd import demo
+from sailor.cli.errors import OneLineErrors
 from sailor.cli.import_cmd import import_app
 from sailor.cli.plan_cmd import plan_cmd
 from sailor.cli.profile_cmd import profile_app
@@ -22,6 +24,7 @@ __all__ = ["app"]
 
 app = typer.Typer(
     name="sailor",
+    cls=OneLineErrors,
     help="Plan and run training on heterogeneous, geo-distributed, dynamic GPU clusters.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -41,6 +44,7 @@ app.command("check")(check)
 app.command("audit")(audit)
 app.add_typer(config_app, name="config")
 app.add_typer(certs_app, name="certs")
+app.add_typer(data_app, name="data")
 app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +15,16 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sailor import catalog
-from sailor.cli._io import fail, load_model, load_raw
+from sailor.cli._io import fail, load_model, load_raw, write_json
+from sailor.cli.tables import print_table
 from sailor.importers.sailor_format import export_plan
 from sailor.planner import (
     Constraints,
     PlannerInputError,
     RankedPlan,
     SearchResult,
-    search,
 )
+from sailor.planner.robust import RISKS, RobustPlan, RobustResult, as_ranked, robust_search
 from sailor.schemas import (
     Calibration,
     ModelSpec,
@@ -113,7 +116,32 @@ def _stage_summary(r: RankedPlan) -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
-def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
+def _interval_lines(rp: RobustPlan) -> list[str]:
+    """A plan's figures in every corner and its regret against each corner's best."""
+    iv = rp.interval
+    t = iv.throughput_iter_s
+    c = iv.cost_per_iter_usd
+    m = iv.peak_memory_bytes
+    return [
+        f"  interval over the uncertainty set: {t.low:.4f} / {t.median:.4f} / {t.high:.4f} it/s "
+        f"(low / median / high), ${c.low:.4f} / {c.median:.4f} / {c.high:.4f} per iteration, "
+        f"peak {m.low / 2**30:.1f} / {m.median / 2**30:.1f} / {m.high / 2**30:.1f} GiB",
+        "  per corner: "
+        + "; ".join(
+            f"{f.corner} {f.throughput_iter_s:.4f} it/s ${f.cost_per_iter_usd:.4f} "
+            f"regret {rp.regret[f.corner]:.0%}{'' if f.fits_in_memory else ' OOM'}"
+            for f in iv.corners
+        ),
+        f"  worst ratio to each corner's best plan: {rp.worst_ratio:.2f}",
+    ]
+
+
+def _print(
+    res: SearchResult,
+    elapsed: float,
+    explain: bool,
+    robust: dict[int, RobustPlan] | None = None,
+) -> None:
     con = Console()
     for r in res.plans:
         e = r.estimate
@@ -135,7 +163,10 @@ def _print(res: SearchResult, elapsed: float, explain: bool) -> None:
             t.add_column(col)
         for row in _stage_summary(r):
             t.add_row(*row[:5])
-        con.print(t)
+        print_table(con, t)
+        if robust and r.rank in robust:
+            for line in _interval_lines(robust[r.rank]):
+                con.print(line)
         if e.uses_estimates:
             con.print(
                 "  [yellow]rests on estimated profiles[/yellow] for "
@@ -216,26 +247,37 @@ def plan_cmd(
         False, "--one-mbs", help="One microbatch size for every pipeline (exportable)."
     ),
     top: int = typer.Option(3, "--top", help="Plans to show."),
+    risk: str = typer.Option(
+        "robust",
+        "--risk",
+        help=(
+            "What the plan bets on: optimistic | median (rank in that corner of the "
+            "uncertainty set) | robust (fits and meets every limit in every corner; ranked "
+            "by the worst ratio to each corner's best plan)."
+        ),
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     explain: bool = typer.Option(False, "--explain", help="Why each plan: shapes and breakdown."),
     pareto: Path | None = typer.Option(None, help="Plot throughput vs $/iteration to this PNG."),
     export_sailor: Path | None = typer.Option(
         None, help="Write the best plan in the original artifact's plan-config format."
     ),
+    output: Path | None = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Write the best plan as a Plan file (`sailor schema plan`) for `sailor simulate`.",
+    ),
 ) -> None:
     """Search plans: which GPUs to use and how to parallelize the model on them."""
     t0 = time.perf_counter()
     if objective not in _OBJECTIVES:
         raise fail(f"--objective {objective!r}: use one of {', '.join(sorted(_OBJECTIVES))}")
-    m = _model(model, gbs)
-    pool_v = load_model(pool, Pool) if pool.exists() else None
-    if pool_v is None:
-        load_raw(pool)  # names the unreadable file
-        raise fail(f"{pool}: cannot read")
-    db = _profiles(m, profiles)
-    net = load_model(network, NetworkProfile) if network else NetworkProfile()
-    price = _prices(prices)
-    cal = _calibration(calibration)
+    if risk not in RISKS:
+        raise fail(f"--risk {risk!r}: use one of {', '.join(RISKS)}")
+    m, pool_v, db, net, price, cal = _inputs(
+        model, gbs, pool, profiles, network, prices, calibration
+    )
     try:
         cons = Constraints(
             max_cost_per_iter_usd=max_cost_per_iter,
@@ -249,6 +291,72 @@ def plan_cmd(
     except PlannerInputError as exc:
         raise fail(str(exc)) from exc
     show = not as_json
+
+    def search(progress: Callable[[int, int], None]) -> RobustResult:
+        return robust_search(
+            m,
+            db,
+            pool_v,
+            net,
+            price,
+            objective,  # type: ignore[arg-type]
+            cons,
+            gpu_specs=catalog.gpus(),
+            calibration=cal,
+            spot=spot,
+            top_k=top,
+            risk=risk,
+            progress=progress,
+        )
+
+    rres = _search_with_bar(search, show)
+    res = _as_search_result(rres)
+    elapsed = time.perf_counter() - t0
+    if pareto is not None:
+        _pareto(res, pareto)
+    if as_json:
+        typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres))
+    else:
+        _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
+        Console().print(
+            f"risk {risk}: searched the {', '.join(rres.searched)} corner(s); "
+            f"{rres.candidates} distinct plans judged in every corner"
+        )
+    if output is not None and res.plans:
+        write_json(res.plans[0].plan, output)
+        if show:
+            Console(stderr=True).print(f"plan #1 written to {output}")
+    if export_sailor is not None and res.plans:
+        _export(res, export_sailor)
+    if not res.plans:
+        raise fail(f"no feasible plan: {res.reason}", code=1)
+
+
+def _inputs(
+    model: str,
+    gbs: int | None,
+    pool: Path,
+    profiles: list[Path] | None,
+    network: Path | None,
+    prices: Path | None,
+    calibration: Path | None,
+) -> tuple[ModelSpec, Pool, ProfileDB, NetworkProfile, PriceTable, Calibration]:
+    """The search's inputs from the command's files (catalog defaults where none is given)."""
+    m = _model(model, gbs)
+    pool_v = load_model(pool, Pool) if pool.exists() else None
+    if pool_v is None:
+        load_raw(pool)  # names the unreadable file
+        raise fail(f"{pool}: cannot read")
+    db = _profiles(m, profiles)
+    net = load_model(network, NetworkProfile) if network else NetworkProfile()
+    return m, pool_v, db, net, _prices(prices), _calibration(calibration)
+
+
+def _search_with_bar(
+    search: Callable[[Callable[[int, int], None]], RobustResult], show: bool
+) -> RobustResult:
+    """``search(progress)`` under a transient progress bar on stderr (none if not
+    ``show``); the planner's input errors as one-line CLI errors."""
     try:
         with Progress(
             TextColumn("searching"),
@@ -264,45 +372,48 @@ def plan_cmd(
             def tick(done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total)
 
-            res = search(
-                m,
-                db,
-                pool_v,
-                net,
-                price,
-                objective,  # type: ignore[arg-type]
-                cons,
-                gpu_specs=catalog.gpus(),
-                calibration=cal,
-                spot=spot,
-                top_k=top,
-                progress=tick,
-            )
+            return search(tick)
     except PlannerInputError as exc:
         raise fail(str(exc)) from exc
-    elapsed = time.perf_counter() - t0
-    if pareto is not None:
-        _pareto(res, pareto)
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "model": m.name,
-                    "objective": objective,
-                    "search_time_s": elapsed,
-                    "upper_bound_iter_s": res.upper_bound_iter_s,
-                    "reason": res.reason,
-                    "plans": [r.to_json() for r in res.plans],
-                },
-                indent=2,
-            )
-        )
-    else:
-        _print(res, elapsed, explain)
-    if export_sailor is not None and res.plans:
-        _export(res, export_sailor)
-    if not res.plans:
-        raise fail(f"no feasible plan: {res.reason}", code=1)
+
+
+def _json_answer(
+    model: str,
+    objective: str,
+    risk: str,
+    elapsed: float,
+    res: SearchResult,
+    rres: RobustResult,
+) -> str:
+    """``sailor plan --json``: the search's figures and every returned plan with its
+    figures in every corner."""
+    return json.dumps(
+        {
+            "model": model,
+            "objective": objective,
+            "search_time_s": elapsed,
+            "upper_bound_iter_s": res.upper_bound_iter_s,
+            "reason": res.reason,
+            "risk": risk,
+            "plans": [
+                {**r.to_json(), **rp.to_json()} for r, rp in zip(res.plans, rres.plans, strict=True)
+            ],
+        },
+        indent=2,
+    )
+
+
+def _as_search_result(rres: RobustResult) -> SearchResult:
+    """The median (else the first) corner's search result, carrying the ranked robust
+    plans with their median-corner figures (what the printing and export read)."""
+    base = rres.results.get("median") or next(iter(rres.results.values()))
+    ub = base.upper_bound_iter_s
+    return dataclasses.replace(
+        base,
+        plans=tuple(as_ranked(p, ub) for p in rres.plans),
+        reason=rres.reason,
+        allocations=(),
+    )
 
 
 def _export(res: SearchResult, out: Path) -> None:

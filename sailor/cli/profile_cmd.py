@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,14 +25,24 @@ from rich.table import Table
 
 from sailor import catalog
 from sailor.cli._io import fail, load_model, write_json
-from sailor.profiler.merge import load_db, merge_db, save_db
-from sailor.schemas import Endpoint, ModelSpec, NetworkProfile
+from sailor.cli.tables import print_table
+from sailor.profiler.merge import merge_db, save_db
+from sailor.schemas import BandwidthCurve, Endpoint, ModelSpec, NetworkProfile, ProfileDB
 from sailor.schemas.network import CollectiveLatency
 
 if TYPE_CHECKING:
     from sailor.profiler.calibrated_estimate import LooRow
+    from sailor.profiler.layer_measurement import LayerMeasurement
+    from sailor.profiler.layers import LayerRun
+    from sailor.profiler.network_probe import ProbePoint
 
 __all__ = ["profile_app"]
+
+
+def _existing_db(path: Path) -> ProfileDB | None:
+    """The database to merge into: None if ``path`` does not exist yet."""
+    return load_model(path, ProfileDB) if path.exists() else None
+
 
 profile_app = typer.Typer(
     help="Measure layer times/sizes and link bandwidth here; estimate other GPUs.",
@@ -129,9 +141,10 @@ def layers_cmd(
     memory: bool = typer.Option(True, help="Measure peak memory growth (a separate pass)."),
     overhead: bool = typer.Option(True, help="Measure the process overhead (CPU only)."),
     host_ranks: int = typer.Option(
-        4,
-        help="CPU: measure how 1..N ranks on this host share its cores (0: skip). The "
-        "simulator uses it for plans whose ranks run on one host.",
+        0,
+        help="CPU test scaffolding, opt-in: measure how 1..N ranks on this host share its "
+        "cores (0, the default: skip). Only the CPU closed-loop benchmark "
+        "(benchmarks/simulator_vs_cpu.py) uses it; GPU ranks have a device each.",
     ),
     host_pin: bool = typer.Option(
         False,
@@ -154,7 +167,7 @@ def layers_cmd(
 ) -> None:
     """Time and size each layer kind of the training framework per TP degree and mbs."""
 
-    from sailor.profiler.layers import LayerRun, profile_layers
+    from sailor.profiler.layers import LayerRun
     from sailor.profiler.timing import RepeatSettings
 
     spec = _model(model, model_file)
@@ -180,6 +193,22 @@ def layers_cmd(
     except ValueError as exc:
         raise fail(str(exc)) from exc
     con = Console()
+    db, ms = _profile_with_bar(con, run, f"profiling {spec.name} on {gpu_type}")
+    merged, dropped = merge_db(_existing_db(out), db)
+    save_db(merged, out)
+    _print_layers(con, spec, gpu_type, device, db, ms)
+    con.print(
+        f"merged into {out} ({len(merged.timings)} timings; {dropped} entries kept from "
+        "a better source)"
+    )
+
+
+def _profile_with_bar(
+    con: Console, run: LayerRun, title: str
+) -> tuple[ProfileDB, list[LayerMeasurement]]:
+    """``profile_layers(run)`` under a progress bar; its errors as one-line CLI errors."""
+    from sailor.profiler.layers import profile_layers
+
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -187,7 +216,7 @@ def layers_cmd(
         TimeElapsedColumn(),
         console=con,
     ) as bar:
-        task = bar.add_task(f"profiling {spec.name} on {gpu_type}", total=run.total)
+        task = bar.add_task(title, total=run.total)
 
         def progress(desc: str, n: int) -> None:
             bar.update(task, description=desc, advance=n)
@@ -197,8 +226,19 @@ def layers_cmd(
         except (RuntimeError, ValueError) as exc:
             raise fail(str(exc)) from exc
         bar.update(task, description="done")
-    merged, dropped = merge_db(load_db(out), db)
-    save_db(merged, out)
+    return db, ms
+
+
+def _print_layers(
+    con: Console,
+    spec: ModelSpec,
+    gpu_type: str,
+    device: str,
+    db: ProfileDB,
+    ms: list[LayerMeasurement],
+) -> None:
+    """The measured layers (embedding, first and last block, head), then what else the
+    profile holds: overhead, framework time, host sharing, memory bound, precision."""
     t = Table(title=f"{spec.name} on {gpu_type} ({db.meta.get(f'{gpu_type}.device', device)})")
     for col in ("layer", "kind", "tp", "mbs", "fwd ms", "±", "bwd ms", "±", "update ms"):
         t.add_column(col, justify="right")
@@ -223,7 +263,7 @@ def layers_cmd(
             f"{m.saved_bytes / 1024:.1f}",
             f"{m.peak_growth_bytes / 1024:.1f}",
         )
-    con.print(t)
+    print_table(con, t)
     if n > len(shown):
         con.print(f"(blocks 2..{n - 3} are in the database, not shown)")
     for o in db.overheads:
@@ -249,10 +289,6 @@ def layers_cmd(
         con.print(
             "[yellow]sizes not written: this device does not compute in the model's precision"
         )
-    con.print(
-        f"merged into {out} ({len(merged.timings)} timings; {dropped} entries kept from "
-        "a better source)"
-    )
 
 
 @profile_app.command("network")
@@ -308,23 +344,10 @@ def network_cmd(
     (recorded as intra-node: rings inside one node), or with --rank between the two nodes,
     one rank each, at the port after --master's (recorded as inter-node: rings across nodes).
     """
-    from sailor.profiler.collective_probe import collective_latencies, sweep_sizes
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
     from sailor.profiler.network_probe import ProbeSettings, run_probe
 
-    ranks = _ints(collectives, "collectives") if collectives.strip() else ()
-    if rank is not None and (rank not in (0, 1) or not master):
-        raise fail(f"--rank={rank}, --master={master!r}: a side is --rank 0 or 1, with --master")
-    if any(n < 2 for n in ranks):
-        raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
-    if rank is not None and ranks:
-        ranks = (2,)  # one rank per node
-    if collective_sizes.strip() == "auto":
-        sizes = sweep_sizes(device)
-    else:
-        sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
-    if any(b < 8 for b in sizes):
-        raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
+    ranks, sizes = _collective_plan(collectives, collective_sizes, rank, master, device)
     if gpu_type is None:
         gpu_type = _local_gpu_type(device)
     try:
@@ -349,26 +372,19 @@ def network_cmd(
             points = run_probe(settings, rank=rank, master=master, gpu=gpu)
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    coll_master = None if master is None else _next_port(master)
-
-    def probe_collectives() -> list[CollectiveLatency]:
-        between = "on this node" if rank is None else f"between 2 nodes (rank 0 at {coll_master})"
-        with con.status(f"timing all-reduces {between}: {', '.join(map(str, ranks))} ranks..."):
-            return collective_latencies(
-                src,
-                ranks,
-                statistic,
-                load=f", load average {os.getloadavg()[0]:.2f}",
-                sizes=sizes,
-                device=device,
-                rank=rank,
-                master=coll_master,
-                gpu=gpu,
-            )
-
+    probe = _CollectiveProbe(
+        src,
+        ranks,
+        statistic,
+        sizes,
+        device,
+        rank,
+        None if master is None else _next_port(master),
+        gpu,
+    )
     if rank == 1:
         if ranks:
-            probe_collectives()
+            probe.run(con)
         con.print(f"rank 1 done: rank 0 at {master} writes the link and the all-reduce")
         return
     pairs = [(p.nbytes, p.time.central(statistic)) for p in points]
@@ -383,19 +399,104 @@ def network_cmd(
     )
     old = load_model(out, NetworkProfile) if out.exists() else None
     net = with_link(old, src, dst, curve, intra=intra, source=source)
-    lats: list[CollectiveLatency] = []
-    if ranks:
-        lats = probe_collectives()
-        scope = lats[0].scope
-        kept = tuple(
-            c
-            for c in net.collectives
-            if not (c.endpoint == src and c.ranks in set(ranks) and c.scope == scope)
+    lats = probe.run(con) if ranks else []
+    write_json(_with_collectives(net, src, ranks, lats), out)
+    _print_link(con, src, dst, points, statistic, curve, resid, load)
+    for c in lats:
+        bus = f", bus bandwidth {c.bus_gbps:.2f} GB/s" if c.bus_gbps else ""
+        con.print(
+            f"all-reduce among {c.ranks} ranks ({c.scope.replace('_', '-')}): latency "
+            f"{c.latency_s * 1e3:.3f} ms{bus}"
         )
-        net = NetworkProfile.model_validate(
-            {**net.model_dump(), "collectives": [c.model_dump() for c in (*kept, *lats)]}
+    con.print(f"written to {out}")
+
+
+def _collective_plan(
+    collectives: str, collective_sizes: str, rank: int | None, master: str | None, device: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The all-reduce probe's rank counts and sizes from the options, checked."""
+    from sailor.profiler.collective_probe import sweep_sizes
+
+    ranks = _ints(collectives, "collectives") if collectives.strip() else ()
+    if rank is not None and (rank not in (0, 1) or not master):
+        raise fail(f"--rank={rank}, --master={master!r}: a side is --rank 0 or 1, with --master")
+    if any(n < 2 for n in ranks):
+        raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
+    if rank is not None and ranks:
+        ranks = (2,)  # one rank per node
+    if collective_sizes.strip() == "auto":
+        sizes = sweep_sizes(device)
+    else:
+        sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
+    if any(b < 8 for b in sizes):
+        raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
+    return ranks, sizes
+
+
+@dataclass(frozen=True)
+class _CollectiveProbe:
+    """The all-reduce probe as ``sailor profile network`` runs it after the link probe."""
+
+    src: Endpoint
+    ranks: tuple[int, ...]
+    statistic: str
+    sizes: tuple[int, ...]
+    device: str
+    rank: int | None
+    master: str | None
+    """Where rank 0 listens for it (the port after the link probe's), with --rank."""
+    gpu: int
+
+    def run(self, con: Console) -> list[CollectiveLatency]:
+        from sailor.profiler.collective_probe import collective_latencies
+
+        between = (
+            "on this node" if self.rank is None else f"between 2 nodes (rank 0 at {self.master})"
         )
-    write_json(net, out)
+        counts = ", ".join(map(str, self.ranks))
+        with con.status(f"timing all-reduces {between}: {counts} ranks..."):
+            return collective_latencies(
+                self.src,
+                self.ranks,
+                self.statistic,
+                load=f", load average {os.getloadavg()[0]:.2f}",
+                sizes=self.sizes,
+                device=self.device,
+                rank=self.rank,
+                master=self.master,
+                gpu=self.gpu,
+            )
+
+
+def _with_collectives(
+    net: NetworkProfile, src: Endpoint, ranks: tuple[int, ...], lats: list[CollectiveLatency]
+) -> NetworkProfile:
+    """``net`` with ``lats`` replacing its all-reduces of ``src`` at those rank counts and
+    scope."""
+    if not lats:
+        return net
+    scope = lats[0].scope
+    kept = tuple(
+        c
+        for c in net.collectives
+        if not (c.endpoint == src and c.ranks in set(ranks) and c.scope == scope)
+    )
+    return NetworkProfile.model_validate(
+        {**net.model_dump(), "collectives": [c.model_dump() for c in (*kept, *lats)]}
+    )
+
+
+def _print_link(
+    con: Console,
+    src: Endpoint,
+    dst: Endpoint,
+    points: Sequence[ProbePoint],
+    statistic: str,
+    curve: BandwidthCurve,
+    resid: Sequence[float],
+    load: float,
+) -> None:
+    """The probe's points against the fitted curve, then the curve."""
     t = Table(
         title=f"{src.zone}/{src.gpu_type}x{src.gpus_per_node} -> {dst.zone}/"
         f"{dst.gpu_type}x{dst.gpus_per_node}"
@@ -411,7 +512,7 @@ def network_cmd(
             f"{curve.gbps(p.nbytes):.3f}",
             f"{100 * r:+.1f}%",
         )
-    con.print(t)
+    print_table(con, t)
     c0, c1, c2 = curve.coeffs
     con.print(
         f"GB/s = {c0:.4g}·L² + {c1:.4g}·L + {c2:.4g} (L = log2(bytes/1e6)), "
@@ -419,13 +520,6 @@ def network_cmd(
         f"mean |time error| {100 * statistics.fmean(abs(r) for r in resid):.1f}%; "
         f"load average {load:.2f}"
     )
-    for c in lats:
-        bus = f", bus bandwidth {c.bus_gbps:.2f} GB/s" if c.bus_gbps else ""
-        con.print(
-            f"all-reduce among {c.ranks} ranks ({c.scope.replace('_', '-')}): latency "
-            f"{c.latency_s * 1e3:.3f} ms{bus}"
-        )
-    con.print(f"written to {out}")
 
 
 @profile_app.command("estimate")
@@ -446,9 +540,7 @@ def estimate_cmd(
         measured_grid,
     )
 
-    db = load_db(from_db)
-    if db is None:
-        raise fail(f"{from_db}: no such file")
+    db = load_model(from_db, ProfileDB)
     spec = _model(db.model, model_file)
     specs = catalog.gpus()
     if gpu not in specs:
@@ -468,7 +560,7 @@ def estimate_cmd(
         }
     )
     target = out or from_db
-    merged, dropped = merge_db(load_db(target), est)
+    merged, dropped = merge_db(_existing_db(target), est)
     save_db(merged, target)
     con = Console()
     con.print(
@@ -491,7 +583,7 @@ def estimate_cmd(
     for g, rs in sorted(by.items()):
         t.add_row(g, str(len(rs)), *_errs(rs))
     t.add_row("all", str(len(rows)), *_errs(rows), style="bold")
-    con.print(t)
+    print_table(con, t)
 
 
 def _errs(rs: list[LooRow]) -> list[str]:

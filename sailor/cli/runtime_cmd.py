@@ -10,7 +10,25 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sailor.cli._io import fail, load_config
+from sailor.cli.tables import print_table
+from sailor.coordination.security import SecurityConfig
+
 __all__ = ["agent", "audit", "controller", "status"]
+
+
+def _check_security_files(config: Path, security: SecurityConfig | None) -> None:
+    """Name a missing CA, certificate, key or login file before connecting to anything."""
+    if security is None:
+        return
+    for name in ("ca_file", "cert_file", "key_file", "nats_login_file"):
+        path = getattr(security, name)
+        if path is not None and not path.exists():
+            raise fail(
+                f"{config}: security.{name}={str(path)!r}: no such file: create the files with "
+                "`sailor certs` and point the config at them (docs/operations.md#security), or "
+                "remove the security section to use plain development servers"
+            )
 
 
 def controller(
@@ -20,17 +38,22 @@ def controller(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.daemon import run_controller
 
-    asyncio.run(run_controller(ControllerConfig.load(config)))
+    cfg = load_config(config, ControllerConfig)
+    _check_security_files(config, cfg.security)
+    code = asyncio.run(run_controller(cfg))
+    if code:  # failed: systemd restarts it
+        raise typer.Exit(code)
 
 
 def agent(config: Path = typer.Option(..., "--config", help="Agent config file.")) -> None:
     """Run the agent of this node until SIGTERM."""
     from sailor.agent.daemon import AgentConfig, run_agent
-    from sailor.controller.config import load_mapping
 
-    code = asyncio.run(run_agent(AgentConfig.model_validate(load_mapping(config))))
-    if code:
-        raise typer.Exit(code)  # the node check failed: the log says why
+    cfg = load_config(config, AgentConfig)
+    _check_security_files(config, cfg.security)
+    code = asyncio.run(run_agent(cfg))
+    if code:  # the node check refused to join, or the agent failed: the log says why
+        raise typer.Exit(code)
 
 
 def status(
@@ -41,8 +64,9 @@ def status(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.status import read_status
 
-    cfg = ControllerConfig.load(config)
-    snap = asyncio.run(read_status(cfg.etcd_endpoint, cfg.job, cfg.security))
+    cfg = load_config(config, ControllerConfig)
+    _check_security_files(config, cfg.security)
+    snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security))
     if as_json:
         typer.echo(json.dumps(snap, indent=2, default=str))
         return
@@ -56,7 +80,7 @@ def status(
     t = Table(*cols)
     for n in snap["nodes"]:
         t.add_row(*(str(n.get(k, "")) for k in cols))
-    con.print(t)
+    print_table(con, t)
 
 
 def audit(
@@ -66,7 +90,19 @@ def audit(
     """Check a run's audit log for invariants and print its timeline."""
     from sailor.controller.audit import check, read_records, timeline
 
+    for log in logs:
+        if not log.exists() and not list(log.parent.glob(log.name + ".*")):
+            raise fail(
+                f"{log}: no such audit log: pass the file the controller writes (its config's "
+                "audit_log; rotated parts .1 .. .5 beside it are read too)"
+            )
     records = read_records(logs)
+    if not records:
+        raise fail(
+            f"{', '.join(map(str, logs))}: no records: an audit of nothing is a failure; pass "
+            "the log of a run (the controller's audit_log)",
+            code=1,
+        )
     rep = check(records)
     if not quiet:
         for line in timeline(records):
@@ -78,5 +114,9 @@ def audit(
     for v in rep.violations:
         typer.echo(f"VIOLATION {v}", err=True)
     if not rep.ok:
-        raise typer.Exit(1)
+        raise fail(
+            f"{', '.join(map(str, logs))}: {len(rep.violations)} violation(s), listed above: "
+            "the run broke an invariant (docs/runtime.md)",
+            code=1,
+        )
     typer.echo("audit ok")

@@ -5,31 +5,12 @@ from __future__ import annotations
 import json
 
 import typer
-from pydantic import BaseModel, TypeAdapter
+from pydantic import TypeAdapter
 
-from sailor import schemas as s
 from sailor.cli._io import fail
-from sailor.schemas.node_check import CheckReport
+from sailor.cli.schema_names import SCHEMAS
 
 __all__ = ["SCHEMAS", "schema"]
-
-SCHEMAS: dict[str, type[BaseModel] | TypeAdapter[object]] = {
-    "gpu": s.GPUSpec,
-    "zone": s.Zone,
-    "node": s.NodeSpec,
-    "pool": s.Pool,
-    "network": s.NetworkProfile,
-    "prices": s.PriceTable,
-    "model": s.ModelSpec,
-    "layer-profile": s.LayerProfile,
-    "profiles": s.ProfileDB,
-    "plan": s.Plan,
-    "estimate": s.Estimate,
-    "event": s.EventAdapter,  # type: ignore[dict-item]
-    "command": s.CommandAdapter,  # type: ignore[dict-item]
-    "checkpoint-manifest": s.CheckpointManifest,
-    "check-report": CheckReport,
-}
 
 
 def schema(

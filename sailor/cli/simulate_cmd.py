@@ -10,9 +10,19 @@ from rich.table import Table
 
 from sailor import catalog
 from sailor.cli._io import fail, load_model, write_json
-from sailor.schemas import Estimate, ModelSpec, NetworkProfile, Plan, PriceTable, ProfileDB
+from sailor.cli.tables import print_table
+from sailor.schemas import (
+    Estimate,
+    EstimateInterval,
+    ModelSpec,
+    NetworkProfile,
+    Plan,
+    PriceTable,
+    ProfileDB,
+)
 from sailor.schemas.calibration import Calibration
 from sailor.simulator import ProfileLookupError, simulate, simulate_with_timeline
+from sailor.simulator.uncertainty import simulate_interval
 
 __all__ = ["load_inputs", "simulate_cmd"]
 
@@ -53,6 +63,38 @@ def load_inputs(
     return model, db, net, price
 
 
+def _print_interval(iv: EstimateInterval) -> None:
+    con = Console()
+    t = Table(
+        "figure",
+        "low",
+        "median",
+        "high",
+        *(c.corner for c in iv.corners),
+        title="over the uncertainty set (corners: docs/simulator-model.md, section 7c)",
+    )
+    g = 2**30
+    for name, span, attr, scale in (
+        ("iteration time (s)", iv.iteration_time_s, "iteration_time_s", 1.0),
+        ("throughput (it/s)", iv.throughput_iter_s, "throughput_iter_s", 1.0),
+        ("$ per iteration", iv.cost_per_iter_usd, "cost_per_iter_usd", 1.0),
+        ("peak memory (GiB)", iv.peak_memory_bytes, "peak_memory_bytes", 1.0 / g),
+    ):
+        t.add_row(
+            name,
+            *(f"{v * scale:.4f}" for v in (span.low, span.median, span.high)),
+            *(f"{getattr(c, attr) * scale:.4f}" for c in iv.corners),
+        )
+    t.add_row(
+        "fits in memory",
+        "",
+        "",
+        "yes" if iv.fits_in_memory else "NO",
+        *("yes" if c.fits_in_memory else "NO" for c in iv.corners),
+    )
+    print_table(con, t)
+
+
 def _print(est: Estimate, plan: Plan) -> None:
     con = Console()
     t = Table(
@@ -79,7 +121,7 @@ def _print(est: Estimate, plan: Plan) -> None:
         t.add_row(name, f"{v:.4f}")
     t.add_row("fits in memory", "yes" if est.fits_in_memory else "NO")
     t.add_row("rests on estimated profiles", "yes" if est.uses_estimates else "no")
-    con.print(t)
+    print_table(con, t)
     m = Table(
         "pipeline",
         "stage",
@@ -109,7 +151,7 @@ def _print(est: Estimate, plan: Plan) -> None:
             f"{r.total / g:.2f}",
             f"{r.capacity / g:.1f}",
         )
-    con.print(m)
+    print_table(con, m)
     for n in est.notes:
         con.print(f"[dim]note: {n}[/dim]")
 
@@ -154,13 +196,28 @@ def simulate_cmd(
                 method="replay" if method == "replay" else "closed_form",
                 spot=spot,
             )
+        # "fits in memory" is judged at the high end of the uncertainty set
+        _, iv = simulate_interval(
+            plan,
+            model,
+            db,
+            net,
+            price,
+            calibration=cal,
+            gpu_specs=catalog.gpus(),
+            method="replay" if method == "replay" else "closed_form",
+            spot=spot,
+        )
     except (ProfileLookupError, KeyError, ValueError) as exc:
         raise fail(f"{plan_file}: {exc}") from exc
     if as_json:
         out = est.model_dump(mode="json")
         out["peak_memory_bytes"] = est.peak_memory_bytes
+        out["interval"] = iv.model_dump(mode="json")
+        out["fits_in_memory_all_corners"] = iv.fits_in_memory
         write_json(out, None)
     else:
         _print(est, plan)
+        _print_interval(iv)
         if timeline is not None:
             Console().print(f"timeline written to {timeline}")

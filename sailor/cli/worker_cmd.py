@@ -1,7 +1,7 @@
 """``sailor worker ARGS``: run one training rank (what the agent launches on a node).
 
 A thin wrapper: every argument after ``worker`` goes unparsed to
-:func:`sailor.worker.main` (``--plan --rank --world-size --master [--control]
+:func:`sailor.training_process.main` (``--plan --rank --world-size --master [--control]
 [--ckpt-dir --load-step] ...``; ``sailor worker --help`` lists them). torch is imported
 only when the command runs, so the rest of the CLI stays quick to start.
 """
@@ -15,7 +15,7 @@ __all__ = ["worker"]
 
 def worker(ctx: typer.Context) -> None:
     """Run one rank of a plan (arguments: see `sailor worker --help`)."""
-    from sailor.worker import main
+    from sailor.training_process import main
 
     raise typer.Exit(main(list(ctx.args)))
 

@@ -21,6 +21,10 @@ outside a pass (leadership changes).
 violated invariants:
 
 - epochs of successive leaders only grow;
+- generations never go back, within a term or across leaders (a leader that could not read
+  the desired state refuses to lead rather than start again from generation 0);
+- every accepted event kept the subject it arrived on, and that subject is its own node's
+  (one node's agent may not speak for another: ``controller/daemon.py`` refuses it);
 - no command was accepted by an agent from an epoch lower than one it had accepted before;
 - every accepted preemption notice is followed by a phase change to RUNNING;
 - no committed step is lost: every launch loads the newest commit recorded before it.
@@ -39,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from sailor.coordination.keys import event_subject_source, safe_token
 
 __all__ = ["AuditLog", "AuditReport", "check", "read_records", "timeline"]
 
@@ -173,6 +179,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     acked_epoch: dict[str, int] = {}
     pending_notices: list[tuple[float, str]] = []
     newest_commit = -1
+    last_gen = -1
     for r in records:
         kind = r.get("kind")
         t = float(r.get("time", 0.0))
@@ -190,15 +197,23 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     f"t={t:.3f}: {node} accepted {r.get('command_id')} from stale epoch {epoch}"
                 )
             acked_epoch[node] = max(acked_epoch.get(node, -1), epoch)
-        elif kind == "event" and r.get("event_kind") == "preemption_notice":
-            rep.preemptions += 1
-            pending_notices.append((t, str(r.get("node_id"))))
+        elif kind == "event":
+            _check_subject(r, t, rep)
+            if r.get("event_kind") == "preemption_notice":
+                rep.preemptions += 1
+                pending_notices.append((t, str(r.get("node_id"))))
         elif kind == "commit":
             step = int(r.get("step", -1))
             rep.commits.append(step)
             newest_commit = max(newest_commit, step)
         elif kind == "phase":
             phase = r.get("phase")
+            gen = int(r.get("generation", -1))
+            if gen < last_gen:
+                rep.violations.append(
+                    f"t={t:.3f}: generation {gen} after {last_gen}: generations went back"
+                )
+            last_gen = max(last_gen, gen)
             if phase == "running":
                 pending_notices = [(nt, n) for nt, n in pending_notices if nt > t]
             if phase == "launch":
@@ -212,6 +227,16 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     for nt, n in pending_notices:
         rep.violations.append(f"t={nt:.3f}: preemption notice for {n} never led to a resumed run")
     return rep
+
+
+def _check_subject(r: dict[str, Any], t: float, rep: AuditReport) -> None:
+    """An accepted event must name its subject, and the subject must be its node's."""
+    what = f"t={t:.3f}: event {r.get('event_id')} about {r.get('node_id')}"
+    source = event_subject_source(str(r.get("subject", "")))
+    if source is None:
+        rep.violations.append(f"{what} kept no event subject")
+    elif source != safe_token(str(r.get("node_id", ""))):
+        rep.violations.append(f"{what} was accepted from {source}'s subject")
 
 
 def timeline(records: list[dict[str, Any]]) -> list[str]:

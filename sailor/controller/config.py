@@ -11,8 +11,8 @@ import yaml
 from pydantic import Field
 
 from sailor.controller.phases import PhaseDeadlines
+from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.security import SecurityConfig
-from sailor.schemas._base import Frozen
 
 __all__ = ["ControllerConfig", "load_mapping"]
 
@@ -31,13 +31,19 @@ def load_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-class ControllerConfig(Frozen):
+class ControllerConfig(ServerEndpoints):
     """Everything ``sailor controller`` needs."""
 
     job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
     identity: str = Field(default="controller", min_length=1, description="This controller.")
-    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
-    etcd_endpoint: str = Field(default="127.0.0.1:2379", description="etcd host:port.")
+    event_stream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="Copies of the JetStream event stream (and its consumer) on a NATS "
+        "cluster: 3 on a 3-server cluster, so that losing a server loses no event; 1 on a "
+        "single server (more than the cluster's servers cannot be placed).",
+    )
     audit_log: Path = Field(default=Path("sailor-audit.jsonl"), description="Audit log path.")
     audit_max_bytes: int = Field(default=64 << 20, gt=0, description="Rotate beyond this size.")
     checkpoint_dir: str = Field(default="checkpoints", description="Checkpoint root for workers.")

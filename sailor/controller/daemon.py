@@ -10,8 +10,15 @@ observed state from the watch-kept mirrors (``observed.py``: no etcd read per pa
 re-validated only when they changed); ``decide``; apply; make the pass's audit records
 durable (one fsync). Events are handled a fetched batch at a time: validated and recorded,
 one fsync for the batch, then acked. A poll every ``poll_s`` checks the mirrors against
-etcd. If the lease is lost or a guarded write is fenced, the term ends and the controller
-campaigns again as a standby. Must never import torch or the agent.
+etcd. If the lease is lost or a guarded write is fenced (by the loop or by the event
+consumer), the term ends and the controller campaigns again as a standby.
+
+Nothing fails in silence: a crash of any task of the term (the event consumer, the etcd
+check, a command, a replan) or a desired state it cannot read on takeover takes the
+controller down — a ``failed`` audit record, leadership resigned, ``run`` raises
+``DaemonFailedError`` and the process exits non-zero (systemd restarts it). A controller
+never leads from a blank state over one it could not read: generations stay monotone across
+leaders. Must never import torch or the agent.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import collections
 import contextlib
 import gc
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -32,11 +39,10 @@ from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import DecideConfig, Observed, decide
 from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
-from sailor.controller.plan_worker import ProcessPlanner
-from sailor.controller.planning import Planner
-from sailor.controller.sailor_planner import planner_from_config
+from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
 from sailor.coordination import (
     Clock,
+    DaemonFailedError,
     Delivery,
     EtcdStore,
     FencedError,
@@ -50,10 +56,11 @@ from sailor.coordination import (
     campaign,
     connect_etcd,
     connect_nats,
+    safe_token,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
-from sailor.schemas.runtime import DesiredState, NoticeRecord
+from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller", "urgent_wake"]
 
@@ -119,6 +126,8 @@ class Controller:
         self.event_counts: collections.Counter[str] = collections.Counter()
         self.on_event: Callable[[str, str, float, float], None] | None = None
         self.event_batches = 0  # fetched batches that held events (one fsync each)
+        self.failure: str | None = None  # why this controller must exit non-zero
+        self._fenced_epoch = -1  # a term the event consumer found fenced: it ends
 
     def wake(self, urgent: bool = False) -> None:
         if urgent or self._unseen_notices:
@@ -128,8 +137,10 @@ class Controller:
 
     async def run(self) -> None:
         sec = self.cfg.security
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoint, security=sec))
-        nc = await self._retry(lambda: connect_nats(self.cfg.nats_url, self.cfg.identity, 5.0, sec))
+        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
+        nc = await self._retry(
+            lambda: connect_nats(self.cfg.nats_urls, self.cfg.identity, 5.0, sec)
+        )
         if store is None or nc is None:
             return
         self.sd.ready("standby: connected to etcd and NATS")
@@ -155,6 +166,8 @@ class Controller:
                 )
                 try:
                     await self._lead(store, nc, lead)
+                except Exception as exc:  # the leader's own loop: nothing may end it quietly
+                    self.fail("leader loop crashed", epoch=lead.epoch, error=repr(exc)[:500])
                 finally:
                     self.leadership = None
                     self.sd.status("standby")
@@ -175,6 +188,22 @@ class Controller:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 3)
             self.audit.close()
+        if self.failure is not None:
+            raise DaemonFailedError("controller failed", reason=self.failure)
+
+    def fail(self, reason: str, **fields: Any) -> None:
+        """Take the controller down: audit, alert, resign, and make ``run`` raise."""
+        if self.failure is None:
+            self.failure = reason
+        _log.error("controller_failed", reason=reason, **fields)
+        with contextlib.suppress(OSError, ValueError):  # the audit log may be what failed
+            self.audit.write("failed", self.clock.now(), sync=True, reason=reason[:500], **fields)
+        self.sd.status(f"failed: {reason}"[:200])
+        self.stopping.set()
+        self.wake(urgent=True)
+
+    def _task_crashed(self, name: str, exc: BaseException) -> None:
+        self.fail(f"task {name} crashed", error=repr(exc)[:500])
 
     async def _retry(self, make: Any) -> Any:
         while not self.stopping.is_set():
@@ -186,8 +215,13 @@ class Controller:
         return None
 
     async def _lead(self, store: EtcdStore, nc: Any, lead: Leadership) -> None:
-        tasks = TaskSet(f"controller-{lead.epoch}")
-        bus = NatsEventBus(nc, self.keys, durable=f"controller-{self.keys.job}")
+        tasks = TaskSet(f"controller-{lead.epoch}", on_crash=self._task_crashed)
+        bus = NatsEventBus(
+            nc,
+            self.keys,
+            durable=f"controller-{self.keys.job}",
+            replicas=self.cfg.event_stream_replicas,
+        )
         executor = Executor(
             store,
             NatsCommands(nc, self.keys),
@@ -205,7 +239,10 @@ class Controller:
             store, self.keys, self._reject, on_change=self.wake, on_node_gone=self._node_gone
         )
         try:
-            desired = await self._adopt(store, executor, lead)
+            adopted = await self._adopt(store, executor, lead)
+            if adopted is None:
+                return
+            desired = adopted
             while not await self._start_cache(cache, lead):
                 await self.clock.sleep(0.2)
                 if self.stopping.is_set() or not lead.held:
@@ -213,10 +250,10 @@ class Controller:
             self.leadership = lead  # public once it has a desired state to show
             tasks.spawn("events", self._consume(bus, store, lead, cache))
             tasks.spawn("etcd-check", self._check(cache))
-            while not self.stopping.is_set() and lead.held:
+            while self._term_goes_on(lead):
                 self.sd.watchdog()
                 await self._sleep_until_woken(desired)
-                if self.stopping.is_set() or not lead.held:
+                if not self._term_goes_on(lead):
                     break
                 try:
                     ready = executor.adopt_plan(desired)
@@ -224,6 +261,7 @@ class Controller:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
                     observed = self._observe(executor, cache)
+                    await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)
@@ -247,6 +285,9 @@ class Controller:
             await cache.close()
             await bus.close()
 
+    def _term_goes_on(self, lead: Leadership) -> bool:
+        return not self.stopping.is_set() and lead.held and self._fenced_epoch != lead.epoch
+
     async def _start_cache(self, cache: ObservedCache, lead: Leadership) -> bool:
         try:
             await cache.start()
@@ -256,8 +297,13 @@ class Controller:
             return False
         return True
 
-    async def _adopt(self, store: EtcdStore, ex: Executor, lead: Leadership) -> DesiredState:
-        """Take over the previous leader's desired state under our epoch."""
+    async def _adopt(self, store: EtcdStore, ex: Executor, lead: Leadership) -> DesiredState | None:
+        """Take over the previous leader's desired state under our epoch.
+
+        None if it cannot be read (the controller then fails): starting from a blank state
+        would restart generations at 0, and agents would reuse the run directories of
+        generation 0 under a different plan, with the committed checkpoints forgotten.
+        """
         while True:
             try:
                 kv = await store.get(self.keys.desired)
@@ -267,8 +313,17 @@ class Controller:
                 await self.clock.sleep(0.2)
         prev = None
         if kv is not None:
-            with contextlib.suppress(ValidationError):
+            try:
                 prev = DesiredState.model_validate_json(kv.value)
+            except ValidationError as exc:
+                self.fail(
+                    "desired state unreadable: refusing to lead from a blank state",
+                    epoch=lead.epoch,
+                    key=kv.key,
+                    mod_revision=kv.mod_revision,
+                    error=str(exc).splitlines()[0][:300],
+                )
+                return None
         desired = (prev or DesiredState(epoch=lead.epoch)).model_copy(update={"epoch": lead.epoch})
         await ex.write_desired(desired, "took over" if prev else "first leader")
         self.desired = desired
@@ -313,6 +368,39 @@ class Controller:
             acked=ex.acked_view,
         )
 
+    async def _notices_from_status(
+        self,
+        status: Mapping[str, AgentStatus],
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+    ) -> None:
+        """The etcd path of preemption notices: a notice an agent keeps in its status record
+        (it does so at once, while NATS may be down) is handled once, as the event it is.
+
+        Fenced like the event: RBAC lets an agent write only its own ``status/<id>``, the
+        mirror believes a status only under its node's key, and the notice must name that
+        node; then the event's own checks apply (registered node, deadline window) and its
+        event id makes the NATS copy, whenever it arrives, a duplicate.
+        """
+        for node_id, st in sorted(status.items()):
+            ev = st.notice
+            if ev is None or ev.event_id in self._seen:
+                continue
+            # The status key vouches for its node as the subject does for a published event
+            # (RBAC: an agent writes only its own status): the node's own event subject.
+            subject = self.keys.event_subject(ev.kind, node_id)
+            if ev.node_id != node_id:
+                self._reject_event(
+                    ev, subject, self.clock.now(), lead, f"in the status of {node_id}"
+                )
+                self._seen[ev.event_id] = None
+                continue
+            data = ev.model_dump_json().encode()
+            msg_id = f"status/{node_id}"
+            await self._handle_event(data, msg_id, subject, store, lead, cache)
+            await self.audit.durable()
+
     def _node_gone(self, node_id: str) -> None:
         """A registration disappeared (lease lost or revoked): urgent if a layout used it."""
         if urgent_wake("node_left", node_id, self.desired):
@@ -339,7 +427,13 @@ class Controller:
                 try:
                     if await self._handle_with_retry(d, store, lead, cache):
                         handled.append(d)
-                except FencedError:
+                except FencedError as exc:
+                    # deposed: the term ends (the loop sees it), not just this consumer
+                    self.audit.write(
+                        "fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc)
+                    )
+                    self._fenced_epoch = lead.epoch
+                    self.wake(urgent=True)
                     return
             await self.audit.durable()
             for d in handled:
@@ -361,7 +455,7 @@ class Controller:
         pause = 0.1
         while True:
             try:
-                await self._handle_event(d.data, d.msg_id, store, lead, cache)
+                await self._handle_event(d.data, d.msg_id, d.subject, store, lead, cache)
                 return True
             except TemporaryError as exc:
                 _log.warning("event_retry", msg_id=d.msg_id, error=str(exc))
@@ -373,6 +467,21 @@ class Controller:
                     break
                 await self.clock.sleep(min(max(pause, exc.retry_after or 0.0), 1.0))
                 pause *= 2
+            except FencedError:
+                raise
+            except Exception as exc:
+                # Not to be retried (an etcd refusal, the audit log failing): on record, then
+                # the consumer crashes and takes the controller down (``_task_crashed``).
+                with contextlib.suppress(OSError, ValueError):
+                    self.audit.write(
+                        "event_failed",
+                        self.clock.now(),
+                        epoch=lead.epoch,
+                        msg_id=d.msg_id[:128],
+                        subject=d.subject[:256],
+                        error=repr(exc)[:300],
+                    )
+                raise
         try:
             await d.nak(0.5)
         except TemporaryError as exc:  # redelivered after ack_wait instead
@@ -380,16 +489,24 @@ class Controller:
         return False
 
     async def _handle_event(
-        self, data: bytes, msg_id: str, store: EtcdStore, lead: Leadership, cache: ObservedCache
+        self,
+        data: bytes,
+        msg_id: str,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
     ) -> None:
         received = self.clock.now()
-        outcome, event_id = await self._apply_event(data, msg_id, store, lead, cache, received)
+        outcome, event_id = await self._apply_event(
+            data, msg_id, subject, store, lead, cache, received
+        )
         self.event_counts[outcome] += 1
         if self.on_event is not None:
             self.on_event(event_id or msg_id, outcome, received, self.clock.now())
 
     def _reject_event(
-        self, ev: Event, now: float, lead: Leadership, reason: str
+        self, ev: Event, subject: str, now: float, lead: Leadership, reason: str
     ) -> tuple[str, str]:
         """Audit a well-formed event the controller refuses; the outcome to return."""
         self.audit.write(
@@ -399,6 +516,7 @@ class Controller:
             event_id=ev.event_id,
             event_kind=ev.kind,
             node_id=ev.node_id,
+            subject=subject[:256],
             reason=reason,
         )
         return "rejected", ev.event_id
@@ -407,6 +525,7 @@ class Controller:
         self,
         data: bytes,
         msg_id: str,
+        subject: str,
         store: EtcdStore,
         lead: Leadership,
         cache: ObservedCache,
@@ -421,13 +540,25 @@ class Controller:
                 now,
                 epoch=lead.epoch,
                 msg_id=msg_id[:128],
+                subject=subject[:256],
                 reason=str(exc).splitlines()[0][:300],
             )
             return "rejected", ""
+        source = self.keys.event_source(subject)
+        if source != safe_token(ev.node_id):
+            # An agent may publish only on its own node's subjects (its NATS permission), so
+            # the subject says who sent this: one node must not speak for another. Checked
+            # before the duplicate check, and the id is not remembered: a forgery that reuses
+            # a genuine event's id must not make the genuine one a duplicate.
+            return self._reject_event(
+                ev, subject, now, lead, f"sent on {source!r}'s subject, about {ev.node_id!r}"
+            )
         if ev.event_id in self._seen:
-            self.audit.write("event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id)
+            self.audit.write(
+                "event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id, subject=subject
+            )
             return "duplicate", ev.event_id
-        outcome = await self._apply_new_event(ev, store, lead, cache, now)
+        outcome = await self._apply_new_event(ev, subject, store, lead, cache, now)
         # Seen only once handled: an event that failed (etcd unavailable) is redelivered
         # and must then be applied, not dropped as a duplicate.
         self._seen[ev.event_id] = None
@@ -436,7 +567,13 @@ class Controller:
         return outcome
 
     async def _apply_new_event(
-        self, ev: Event, store: EtcdStore, lead: Leadership, cache: ObservedCache, now: float
+        self,
+        ev: Event,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+        now: float,
     ) -> tuple[str, str]:
         if ev.kind != "node_left":
             # The mirror answers for a node it holds; a node it does not hold may have
@@ -445,11 +582,11 @@ class Controller:
             if registered is None:
                 registered = await store.get(self.keys.node(ev.node_id)) is not None
             if not registered:
-                return self._reject_event(ev, now, lead, "node is not registered")
+                return self._reject_event(ev, subject, now, lead, "node is not registered")
         if isinstance(ev, PreemptionNotice):
             if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
                 return self._reject_event(
-                    ev, now, lead, f"deadline {ev.deadline} outside the accepted window"
+                    ev, subject, now, lead, f"deadline {ev.deadline} outside the accepted window"
                 )
             rec = NoticeRecord(
                 node_id=ev.node_id, deadline=ev.deadline, event_id=ev.event_id, source=ev.source
@@ -471,6 +608,7 @@ class Controller:
                 event_id=ev.event_id,
                 event_kind=ev.kind,
                 node_id=ev.node_id,
+                subject=subject,
                 latency_s=round(now - ev.time, 4),
                 **extra,
             )
@@ -492,8 +630,8 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-async def run_controller(config: ControllerConfig) -> None:
-    """Run until SIGTERM/SIGINT; then resign leadership and exit."""
+async def run_controller(config: ControllerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then resign leadership; the exit status (1: failed)."""
     freeze_startup_heap()
     ctl = Controller(config)
     loop = asyncio.get_running_loop()
@@ -503,6 +641,12 @@ async def run_controller(config: ControllerConfig) -> None:
     stop = asyncio.create_task(ctl.stopping.wait(), name="controller:stop-signal")
     await asyncio.wait({runner, stop}, return_when=asyncio.FIRST_COMPLETED)
     ctl.wake()
-    with contextlib.suppress(TimeoutError):
+    try:
         await asyncio.wait_for(runner, 10)
-    stop.cancel()
+    except TimeoutError:
+        pass
+    except DaemonFailedError as exc:
+        _log.error("controller_exit", error=str(exc))
+    finally:
+        stop.cancel()
+    return 1 if ctl.failure is not None else 0

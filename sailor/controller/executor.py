@@ -9,7 +9,15 @@ again on a later pass (never two copies in flight; re-sent at most every ``resen
 The ``command`` records of a fan-out are made durable with one fsync before the first
 request goes out, and an ack counts (``acked``) only once its record is durable.
 Planning runs as a named task — in the planner's worker process when it has one (``aplan``),
-else in a thread — so it overlaps the checkpoint.
+else in a thread — so it overlaps the checkpoint. A replan that times out, or that a replan for
+a newer membership replaces, is cancelled; cancelling ``aplan`` kills the worker process's
+search (``ProcessPlanner``), so a later replan never queues behind an abandoned one. (A search
+in a thread cannot be stopped: it runs to its end, its result dropped.)
+
+Memory is bounded by generations, not by the leadership term: the ids of acked and sent
+commands are kept per generation (of the desired state when sent), and only the current and
+the previous generation are kept (``KEEP_GENERATIONS``); a command of an older generation is
+never decided again (benchmarks/runtime_soak.py: flat over 10,000 reconfigurations).
 """
 
 from __future__ import annotations
@@ -38,6 +46,15 @@ __all__ = ["Executor"]
 
 _log = structlog.get_logger("sailor.controller")
 
+KEEP_GENERATIONS = 2
+"""Generations whose sent and acked command ids are kept: the current one, and the one before
+(a Send decided in the pass that moved to a new generation is filed under the new one, so
+this is a margin, not a need)."""
+
+REPLAN_TIMEOUT_S = 60.0
+"""A search still running after this long is cancelled and the replan fails (``plan_failed``);
+decide asks again on a later pass."""
+
 
 class Executor:
     """I/O for one leadership term."""
@@ -55,6 +72,7 @@ class Executor:
         wake: Callable[[bool], None],
         command_timeout_s: float = 1.0,
         resend_s: float = 0.5,
+        replan_timeout_s: float = REPLAN_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.commands = commands
@@ -67,11 +85,16 @@ class Executor:
         self.wake = wake
         self.command_timeout_s = command_timeout_s
         self.resend_s = resend_s
-        self.acked: set[str] = set()
+        self.replan_timeout_s = replan_timeout_s
+        self._acked: set[str] = set()
         self._acked_view: frozenset[str] | None = None
         self._sent_at: dict[str, float] = {}
+        # generation (of the desired state when sent) -> the ids sent then: what to prune
+        self._by_generation: dict[int, list[str]] = {}
+        self._generation = 0
         self._inflight: set[str] = set()
         self._replanning: tuple[str, ...] | None = None
+        self._replan_task: asyncio.Task[None] | None = None
         self.plan_ready: tuple[tuple[str, ...], PlanResult] | None = None
         self.progressed = False
 
@@ -132,12 +155,16 @@ class Executor:
                 await self.store.delete_guarded(
                     self.keys.notice(a.node_id), self.keys.leader, self.epoch
                 )
+        self._prune(desired.generation)
         due = [s for s in sends if self._due(s.command.command_id)]
         if due:
             now = self.clock.now()
+            ids = self._by_generation.setdefault(self._generation, [])
             for s in due:
                 cmd = s.command
                 self._inflight.add(cmd.command_id)
+                if cmd.command_id not in self._sent_at:
+                    ids.append(cmd.command_id)
                 self._sent_at[cmd.command_id] = now
                 self.audit.write(
                     "command",
@@ -153,13 +180,36 @@ class Executor:
                 self._spawn_send(s)
         return desired
 
+    def _prune(self, generation: int) -> None:
+        """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""
+        if generation <= self._generation:
+            return
+        self._generation = generation
+        floor = generation - KEEP_GENERATIONS + 1
+        for g in [g for g in self._by_generation if g < floor]:
+            for cid in self._by_generation.pop(g):
+                self._acked.discard(cid)
+                self._sent_at.pop(cid, None)
+        self._acked_view = None
+
+    @property
+    def acked(self) -> frozenset[str]:
+        """Acked command ids of the kept generations (see ``acked_view``)."""
+        return self.acked_view
+
     @property
     def acked_view(self) -> frozenset[str]:
-        """``acked`` frozen for ``Observed``; copied again only after an ack was added (it
-        grows over the term: a copy per pass was O(every command acked so far))."""
+        """The kept generations' acked ids, frozen for ``Observed``: rebuilt at most once per
+        pass after acks came in (not per ack), and only from the kept generations (a
+        generation's commands: a few per node), never from every command of the term."""
         if self._acked_view is None:
-            self._acked_view = frozenset(self.acked)
+            self._acked_view = frozenset(self._acked)
         return self._acked_view
+
+    @property
+    def remembered(self) -> int:
+        """Command ids held (acked and sent-at entries): bounded by the kept generations."""
+        return len(self._acked) + len(self._sent_at)
 
     @property
     def inflight(self) -> int:
@@ -168,7 +218,7 @@ class Executor:
 
     def _due(self, cid: str) -> bool:
         """Send ``cid`` now? Not if in flight, acked, or sent less than ``resend_s`` ago."""
-        if cid in self._inflight or cid in self.acked:
+        if cid in self._inflight or cid in self._acked:
             return False
         return self.clock.now() - self._sent_at.get(cid, -1e9) >= self.resend_s
 
@@ -193,6 +243,11 @@ class Executor:
             return False
         if self.plan_ready is not None and self.plan_ready[0] == membership:
             return False
+        old = self._replan_task
+        if old is not None and not old.done():
+            # Replaced by a newer membership: stop its search (the worker process's would
+            # otherwise run on, and this one queue behind it).
+            old.cancel()
         self._replanning = membership
 
         async def run() -> None:
@@ -203,10 +258,18 @@ class Executor:
                     work = aplan(action.nodes, action.previous)
                 else:
                     work = asyncio.to_thread(self.planner.plan, action.nodes, action.previous)
-                result = await asyncio.wait_for(work, 60.0)
+                # on timeout wait_for cancels ``work``: aplan's search is killed with it
+                result = await asyncio.wait_for(work, self.replan_timeout_s)
             except Exception as exc:
-                self.audit.write("plan_failed", self.clock.now(), epoch=self.epoch, error=repr(exc))
-                self._replanning = None
+                self.audit.write(
+                    "plan_failed",
+                    self.clock.now(),
+                    epoch=self.epoch,
+                    nodes=len(membership),
+                    error=repr(exc) if str(exc) else type(exc).__name__,
+                )
+                if self._replanning == membership:  # not one that a newer replan replaced
+                    self._replanning = None
                 return
             if self._replanning != membership:
                 return
@@ -227,7 +290,7 @@ class Executor:
             )
             self.wake(True)  # adopt it now: no debounce between a finished plan and etcd
 
-        self.tasks.spawn(f"replan-{len(membership)}", run())
+        self._replan_task = self.tasks.spawn(f"replan-{len(membership)}", run())
         return True
 
     def adopt_plan(self, desired: DesiredState) -> DesiredState | None:
@@ -274,5 +337,6 @@ class Executor:
         )
         if ack.accepted:
             await self.audit.durable()  # group commit with the other acks of the fan-out
-            self.acked.add(cmd.command_id)
-            self._acked_view = None
+            if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
+                self._acked.add(cmd.command_id)
+                self._acked_view = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -16,7 +17,7 @@ __all__ = ["read_status"]
 
 
 async def read_status(
-    endpoint: str, job: str, security: SecurityConfig | None = None
+    endpoint: str | Sequence[str], job: str, security: SecurityConfig | None = None
 ) -> dict[str, Any]:
     """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint."""
     keys = Keys(job=job)

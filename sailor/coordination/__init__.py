@@ -17,6 +17,7 @@ from sailor.coordination.clock import Clock, ManualClock, SystemClock
 from sailor.coordination.election import Leadership, campaign
 from sailor.coordination.errors import (
     CoordinationError,
+    DaemonFailedError,
     FencedError,
     PermanentError,
     TemporaryError,
@@ -32,6 +33,7 @@ __all__ = [
     "Clock",
     "CommandChannel",
     "CoordinationError",
+    "DaemonFailedError",
     "Delivery",
     "EtcdLease",
     "EtcdStore",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "CoordinationError",
+    "DaemonFailedError",
     "FencedError",
     "PermanentError",
     "TemporaryError",
@@ -54,3 +55,9 @@ class PermanentError(CoordinationError):
 
 class FencedError(PermanentError):
     """A guarded write was refused: the writer's epoch is no longer the leader's."""
+
+
+class DaemonFailedError(PermanentError):
+    """A daemon stops because it cannot go on safely (a long-lived task kept crashing, its
+    state is unreadable): the process exits non-zero and its supervisor (systemd) restarts it.
+    """

@@ -8,13 +8,21 @@ refused with ``FencedError``: a deposed leader can change nothing.
 Reconnects: the grpc channel reconnects by itself; we cap its back-off at 1 s (grpc's default
 grows to 120 s, which would turn a 2 s etcd restart into minutes of downtime) and put a timeout
 on every call. This module must never import NATS or any daemon code.
+
+Failover: aetcd's client talks to one endpoint, so the store keeps a list (every member of
+the etcd cluster) and one client per endpoint, made when first used. A call that fails as
+unavailable (connection refused or reset, or no answer within the timeout) moves the store
+to the next endpoint for the calls after it; the failed call itself is the caller's to retry
+(``UnavailableError`` is a ``TemporaryError``). Calls in flight on the old client finish or
+fail there; its watches break and the mirror re-reads and watches again on the new one.
+Leases, revisions and watches are the cluster's, not a member's, so nothing else changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aetcd
@@ -69,7 +77,9 @@ class EtcdLease:
         self.ttl = ttl
         self._clock = clock
         self._alive = True
-        self._tasks = TaskSet(f"lease-{lease.id}")
+        # A keepalive that crashed refreshes no more: the lease is as good as lost, and its
+        # owner must know it (a leader ends its term, an agent registers again).
+        self._tasks = TaskSet(f"lease-{lease.id}", on_crash=self._keepalive_crashed)
         self._tasks.spawn("keepalive", self._keepalive())
 
     @property
@@ -95,6 +105,10 @@ class EtcdLease:
                 _log.warning("lease_lost", lease=self.id)
                 self._alive = False
 
+    def _keepalive_crashed(self, name: str, exc: BaseException) -> None:
+        _log.error("lease_keepalive_crashed", lease=self.id, error=repr(exc))
+        self._alive = False
+
     async def revoke(self) -> None:
         self._alive = False
         await self._tasks.close()
@@ -108,18 +122,48 @@ class EtcdLease:
 
 
 class EtcdStore:
-    """``StateStore`` on etcd v3."""
+    """``StateStore`` on etcd v3, failing over along ``endpoints`` (module docstring)."""
 
     def __init__(
-        self, client: aetcd.Client, op_timeout: float = 2.0, clock: Clock | None = None
+        self,
+        client: aetcd.Client,
+        op_timeout: float = 2.0,
+        clock: Clock | None = None,
+        endpoints: Sequence[str] = (),
+        make_client: Callable[[str], aetcd.Client] | None = None,
     ) -> None:
         self.client = client
         self._op_timeout = op_timeout
         self._clock = clock or SystemClock()
         self._leases: list[EtcdLease] = []
+        self.endpoints = tuple(endpoints)
+        self._clients: dict[str, aetcd.Client] = {self.endpoints[0]: client} if endpoints else {}
+        self._make_client = make_client
+        self._at = 0  # index of the endpoint in use
+        self.failovers = 0  # also the generation of ``client``: one failover per failure
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the calls go to now ("" for a store made from a bare client)."""
+        return self.endpoints[self._at] if self.endpoints else ""
+
+    def _failover(self, seen: int, error: Exception) -> None:
+        """Move to the next endpoint, once per failure of the client in use: calls that
+        failed together on the same client (``seen`` = its generation) move it one step."""
+        if len(self.endpoints) < 2 or self._make_client is None or seen != self.failovers:
+            return
+        old = self.endpoint
+        self._at = (self._at + 1) % len(self.endpoints)
+        self.failovers += 1
+        ep = self.endpoints[self._at]
+        if ep not in self._clients:
+            self._clients[ep] = self._make_client(ep)
+        self.client = self._clients[ep]
+        _log.warning("etcd_failover", frm=old, to=ep, error=str(error))
 
     async def call(self, awaitable: Awaitable[_T]) -> _T:
         """Await one client call with a timeout, converting client errors."""
+        seen = self.failovers
         try:
             return await asyncio.wait_for(awaitable, self._op_timeout)
         except Exception as exc:
@@ -127,7 +171,10 @@ class EtcdStore:
             if task is not None and task.cancelling():
                 # grpc turns our cancellation into an RPC error; never swallow it
                 raise asyncio.CancelledError from exc
-            raise self._convert(exc) from exc
+            err = self._convert(exc)
+            if isinstance(err, UnavailableError):
+                self._failover(seen, err)
+            raise err from exc
 
     @staticmethod
     def _convert(exc: Exception) -> Exception:
@@ -199,10 +246,14 @@ class EtcdStore:
         # server's reply be matched to the *next* watch created on the shared stream (seen
         # under load: a mirror of ckpt/ received status/ keys). aetcd bounds the creation
         # with the client timeout itself (WatchTimeoutError).
+        seen = self.failovers
         try:
             watch = await self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
         except Exception as exc:
-            raise self._convert(exc) from exc
+            err = self._convert(exc)
+            if isinstance(err, UnavailableError):
+                self._failover(seen, err)
+            raise err from exc
         try:
             async for ev in watch:
                 key = ev.kv.key.decode()
@@ -226,30 +277,46 @@ class EtcdStore:
         )
         return int(resp.header.revision)
 
+    async def _txn(self, compare: list[Any], success: list[Any]) -> tuple[bool, int]:
+        """One transaction (no failure branch): (succeeded, the store revision after it).
+
+        aetcd's ``transaction`` drops the response header, so the Txn RPC is called here
+        directly: the revision comes from the same response that says the write happened,
+        never from a second call that could fail after the write succeeded.
+        """
+        req = rpc.TxnRequest(
+            compare=[c.build_message() for c in compare],
+            success=self.client._ops_to_requests(success),
+            failure=[],
+        )
+
+        async def _call() -> Any:
+            await self.client.connect()
+            try:
+                return await self.client.kvstub.Txn(
+                    req, timeout=self._op_timeout, metadata=self.client.metadata
+                )
+            except rpc.AioRpcError as exc:
+                aetcd.exceptions._handle_exception(exc)  # raises aetcd's error for the code
+
+        resp = await self.call(_call())
+        return bool(resp.succeeded), int(resp.header.revision)
+
     async def put_guarded(
         self, key: str, value: bytes, guard_key: str, epoch: int, lease: Any = None
     ) -> int:
         tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction(
-                compare=[tx.create(guard_key.encode()) == epoch],
-                success=[tx.put(key.encode(), value, None if lease is None else lease.id)],
-                failure=[],
-            )
+        ok, revision = await self._txn(
+            [tx.create(guard_key.encode()) == epoch],
+            [tx.put(key.encode(), value, None if lease is None else lease.id)],
         )
         if not ok:
             raise FencedError("guarded write refused", key=key, epoch=epoch)
-        return await self.revision()
+        return revision
 
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None:
         tx = self.client.transactions
-        ok, _ = await self.call(
-            self.client.transaction(
-                compare=[tx.create(guard_key.encode()) == epoch],
-                success=[tx.delete(key.encode())],
-                failure=[],
-            )
-        )
+        ok, _ = await self._txn([tx.create(guard_key.encode()) == epoch], [tx.delete(key.encode())])
         if not ok:
             raise FencedError("guarded delete refused", key=key, epoch=epoch)
 
@@ -278,40 +345,63 @@ class EtcdStore:
         for lease in self._leases:
             await lease.stop_keepalive()
         self._leases.clear()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.close(), self._op_timeout)
+        clients = list(self._clients.values()) or [self.client]
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), self._op_timeout)
 
 
 async def connect_etcd(
-    endpoint: str,
+    endpoint: str | Sequence[str],
     op_timeout: float = 2.0,
     clock: Clock | None = None,
     security: SecurityConfig | None = None,
 ) -> EtcdStore:
-    """Connect to ``host:port``. Connecting is lazy in grpc; the first call proves it.
+    """Connect to ``host:port``, or to the first of a list of members that answers (the
+    store then fails over along the list). Connecting is lazy in grpc; a call proves it.
 
     With ``security``: TLS verified against its CA, with our client certificate (whose common
     name is our etcd user when the server runs with ``--client-cert-auth`` and RBAC).
     """
-    host, _, port = endpoint.rpartition(":")
-    kwargs: dict[str, Any] = {
-        "host": host or "127.0.0.1",
-        "port": int(port),
-        "timeout": int(max(1, op_timeout)),
-        "options": dict(_GRPC_OPTIONS),
-    }
-    if security is None:
-        client = aetcd.Client(**kwargs)
-    else:
+    endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
+    if not endpoints:
+        raise PermanentError("no etcd endpoint given")
+    pem = None
+    if security is not None:
         try:
-            ca, key, cert = security.grpc_pem()
+            pem = security.grpc_pem()
         except OSError as exc:
             raise PermanentError("bad etcd security settings", error=str(exc)) from None
-        client = TlsClient(ca_pem=ca, key_pem=key, cert_pem=cert, **kwargs)
-    store = EtcdStore(client, op_timeout=op_timeout, clock=clock)
-    try:
-        await store.revision()
-    except Exception:
-        await store.close()
-        raise
-    return store
+
+    def make(ep: str) -> aetcd.Client:
+        host, _, port = ep.rpartition(":")
+        kwargs: dict[str, Any] = {
+            "host": (host or "127.0.0.1").strip("[]"),
+            "port": int(port),
+            "timeout": int(max(1, op_timeout)),
+            "options": dict(_GRPC_OPTIONS),
+        }
+        if pem is None:
+            return aetcd.Client(**kwargs)
+        ca, key, cert = pem
+        return TlsClient(ca_pem=ca, key_pem=key, cert_pem=cert, **kwargs)
+
+    store = EtcdStore(
+        make(endpoints[0]),
+        op_timeout=op_timeout,
+        clock=clock,
+        endpoints=endpoints,
+        make_client=make,
+    )
+    for tries_left in range(len(endpoints) - 1, -1, -1):
+        try:
+            await store.revision()  # an unavailable member moves the store to the next
+            return store
+        except UnavailableError:
+            if tries_left == 0:
+                await store.close()
+                raise
+        except Exception:
+            await store.close()
+            raise
+    raise AssertionError("unreachable")

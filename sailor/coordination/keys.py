@@ -25,7 +25,7 @@ from pydantic import Field
 
 from sailor.schemas._base import Frozen
 
-__all__ = ["Keys", "safe_token"]
+__all__ = ["Keys", "event_subject_source", "safe_token"]
 
 _TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -33,6 +33,17 @@ _TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 def safe_token(text: str) -> str:
     """A NATS subject token / stream name part: letters, digits, '_' and '-' only."""
     return _TOKEN.sub("_", text) or "_"
+
+
+def event_subject_source(subject: str, job: str | None = None) -> str | None:
+    """The ``<source>`` of ``sailor.<job>.events.<source>.<kind>`` (of ``job`` if given), or
+    None when ``subject`` is not an event subject."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != "sailor" or parts[2] != "events":
+        return None
+    if job is not None and parts[1] != safe_token(job):
+        return None
+    return parts[3]
 
 
 class Keys(Frozen):
@@ -92,6 +103,14 @@ class Keys(Frozen):
     def event_subject(self, kind: str, source: str = "_") -> str:
         """Subject of one event; ``source`` is the publishing node ("_": not a node)."""
         return f"sailor.{safe_token(self.job)}.events.{safe_token(source)}.{safe_token(kind)}"
+
+    def event_source(self, subject: str) -> str | None:
+        """The ``<source>`` token of one of this job's event subjects; None for another subject.
+
+        The publisher's NATS permission covers only its own node's subjects, so this token is
+        who sent the event; the controller requires it to be the node the event is about.
+        """
+        return event_subject_source(subject, self.job)
 
     def source_event_subjects(self, source: str) -> str:
         """Every event subject one node may publish on (a NATS permission)."""

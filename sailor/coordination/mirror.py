@@ -78,7 +78,9 @@ class PrefixMirror:
     async def start(self) -> None:
         """Read the prefix and start watching; TemporaryError if etcd did not answer."""
         await self._read()
-        self._watch = self._tasks.spawn("watch", self._follow())
+        # a crash that is no broken watch (a bug, a refusal) restarts it with backoff; the
+        # copy stays as it was meanwhile, and ``check`` sees it fall behind
+        self._watch = self._tasks.keep("watch", self._follow, max_crashes=0)
 
     def get(self, key: str) -> KeyValue | None:
         return self._kvs.get(key)
@@ -181,7 +183,7 @@ class PrefixMirror:
             self.resyncs += 1
         except TemporaryError:
             pass  # the watch task re-reads
-        self._watch = self._tasks.spawn("watch", self._follow())
+        self._watch = self._tasks.keep("watch", self._follow, max_crashes=0)
 
     async def close(self) -> None:
         await self._tasks.close()

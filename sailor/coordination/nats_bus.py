@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+from collections.abc import Sequence
 from typing import Any
 
 import nats
@@ -43,9 +44,16 @@ DUPLICATE_WINDOW_S = 120.0
 
 
 async def connect_nats(
-    url: str, name: str, timeout: float = 5.0, security: SecurityConfig | None = None
+    url: str | Sequence[str],
+    name: str,
+    timeout: float = 5.0,
+    security: SecurityConfig | None = None,
 ) -> NatsClient:
     """Connect with bounded first attempt and unbounded, fast reconnects afterwards.
+
+    ``url`` may list every server of a NATS cluster: nats-py keeps them as its server pool,
+    connects to the first that answers and, when the connection drops, reconnects along the
+    pool (and to the servers the cluster announces), so losing one server is a reconnect.
 
     With ``security``: TLS verified against its CA (and our client certificate, if any), the
     NATS user and password from its login file, and a reply inbox of our own
@@ -66,11 +74,12 @@ async def connect_nats(
             extra["user"] = login.user
             extra["password"] = login.password.get_secret_value()
             extra["inbox_prefix"] = inbox_prefix(login.user)
+    servers = [url] if isinstance(url, str) else list(url)
     nc = NatsClient()
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=[url],
+                servers=servers,
                 name=name,
                 connect_timeout=2,
                 reconnect_time_wait=0.2,  # type: ignore[arg-type]  # seconds; the stub says int
@@ -86,7 +95,7 @@ async def connect_nats(
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         with contextlib.suppress(Exception):
             await nc.close()
-        raise UnavailableError("nats unreachable", url=url, error=repr(exc)) from exc
+        raise UnavailableError("nats unreachable", url=",".join(servers), error=repr(exc)) from exc
     return nc
 
 
@@ -101,6 +110,7 @@ class NatsEventBus:
         op_timeout: float = 2.0,
         ack_wait: float = 30.0,
         source: str = "_",
+        replicas: int = 1,
     ) -> None:
         self._nc = nc
         self._source = source
@@ -109,16 +119,19 @@ class NatsEventBus:
         self._timeout = op_timeout
         self._js = nc.jetstream(timeout=op_timeout)
         self._ack_wait = ack_wait
+        self._replicas = replicas
         self._sub: Any = None
 
     async def ensure_stream(self) -> None:
-        """Create the stream if missing (idempotent)."""
+        """Create the stream if missing (idempotent); ``replicas`` copies on a NATS cluster
+        (3: the stream and its consumer survive the loss of one server)."""
         config = nats.js.api.StreamConfig(
             name=self._keys.stream,
             subjects=[self._keys.event_subjects],
             storage=nats.js.api.StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
             max_age=24 * 3600.0,
+            num_replicas=self._replicas,
         )
         try:
             await self._js.add_stream(config)

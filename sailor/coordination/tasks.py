@@ -4,12 +4,18 @@ Every long-lived task of a daemon is created here: it has a name, its exception 
 handed to ``on_crash``) instead of vanishing, and ``close()`` cancels and awaits all of them
 with a timeout, so a daemon leaks no task on shutdown. Never use bare ``asyncio.create_task``
 for a long-lived task in the daemons.
+
+A crashed long-lived task must never pass in silence: either it is restarted (``keep``: with
+exponential backoff, and after ``max_crashes`` crashes in a row handed to ``on_crash``), or
+its crash goes to ``on_crash`` at once (``spawn``), whose owner takes the daemon down (a
+non-zero exit; systemd restarts it). A TaskSet without ``on_crash`` is for tasks whose
+owner notices their end by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -48,6 +54,52 @@ class TaskSet:
             if self._on_crash is not None:
                 self._on_crash(name, exc)
             return None
+
+    def keep(
+        self,
+        name: str,
+        factory: Callable[[], Coroutine[Any, Any, Any]],
+        *,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        max_crashes: int = 5,
+        healthy_s: float = 60.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> asyncio.Task[Any]:
+        """Run ``factory()`` as a long-lived task, restarted when it crashes.
+
+        Restarts wait ``backoff_s``, doubling up to ``max_backoff_s``; a run that lasted
+        ``healthy_s`` resets the count and the delay. The ``max_crashes``-th crash in a row is
+        not restarted but handed to ``on_crash`` (0: restart forever). Returning ends it.
+        """
+
+        async def supervise() -> Any:
+            loop = asyncio.get_running_loop()
+            crashes, delay = 0, backoff_s
+            while True:
+                started = loop.time()
+                try:
+                    return await factory()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if loop.time() - started >= healthy_s:
+                        crashes, delay = 0, backoff_s
+                    crashes += 1
+                    if max_crashes and crashes >= max_crashes:
+                        raise  # _guard logs it and calls on_crash
+                    _log.error(
+                        "task_restarting",
+                        owner=self._owner,
+                        task=name,
+                        error=repr(exc),
+                        crashes=crashes,
+                        after_s=delay,
+                    )
+                await sleep(delay)
+                delay = min(delay * 2, max_backoff_s)
+
+        return self.spawn(name, supervise())
 
     @property
     def names(self) -> list[str]:

@@ -12,23 +12,43 @@ Each sample is ``seq_length + 1`` tokens: inputs are the first ``seq_length``, l
 The tokens follow one seeded rule for the whole data set (an affine recurrence mod vocab from
 a random start per sample) with 10% noise tokens, so that the loss actually falls within a
 few iterations, which makes the tests meaningful.
+
+Real data: :class:`IndexedTokens` serves samples of a Megatron indexed dataset
+(:class:`sailor.data.TokenDataset`, also a pure function of ``(seed, n)``) through the same
+``batch(indices) -> (inputs, labels)``; :func:`build_dataset` picks one of the two from a
+training config's ``data`` section. Both satisfy :class:`TokenSource`, what the engine reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
 
+from sailor.data import TokenDataset, open_prepared
 from sailor.megatron_patch.roles import RankRole
+from sailor.schemas.model import ModelSpec
+from sailor.schemas.training import DataConfig, IndexedData
 
-__all__ = ["SyntheticTokens", "TokenBatches", "microbatch_indices"]
+__all__ = [
+    "VALIDATION_SEED_OFFSET",
+    "IndexedTokens",
+    "SyntheticTokens",
+    "TokenSource",
+    "build_dataset",
+    "microbatch_indices",
+]
 
 
-class TokenBatches(Protocol):
-    """A data source of the engine: samples by global index, each a pure function of its
-    index (so every layout reads the same tokens at the same position)."""
+VALIDATION_SEED_OFFSET = 1_000_003
+"""The synthetic data's validation split: the same rule under seed ``seed + offset``
+(other samples than training's, from the same distribution)."""
+
+
+class TokenSource(Protocol):
+    """What the engine reads: sample ``n`` is a pure function of ``(seed, n)``."""
 
     def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, labels)``, int64, shape ``[len(indices), seq_length]``."""
@@ -84,6 +104,57 @@ class SyntheticTokens:
         """``(inputs, labels)`` of shape ``[len(indices), seq_length]`` for these samples."""
         toks = torch.stack([self.sample(n) for n in indices])
         return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+
+
+@dataclass(frozen=True)
+class IndexedTokens:
+    """Samples of an indexed dataset split as torch tensors (CPU, int64)."""
+
+    tokens: TokenDataset
+
+    def sample(self, n: int) -> torch.Tensor:
+        """Token ids of sample ``n``, shape ``[seq_length + 1]``."""
+        return torch.from_numpy(self.tokens.sample(n))
+
+    def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.tokens.batch(indices)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _resolve(path: str, base: Path | None) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or base is None else base / p
+
+
+def build_dataset(
+    data: DataConfig,
+    spec: ModelSpec,
+    seed: int,
+    split: Literal["train", "validation"] = "train",
+    base_dir: Path | None = None,
+) -> SyntheticTokens | IndexedTokens:
+    """The data set of a training config's ``data`` section, at the model's sequence length.
+
+    Relative paths are taken from ``base_dir`` (the config file's directory). An indexed
+    data set whose token ids the model's vocabulary cannot embed is refused: by the
+    manifest's vocabulary size, or, without a manifest, by the largest id of the split
+    (one pass over it).
+    """
+    if not isinstance(data, IndexedData):
+        offset = VALIDATION_SEED_OFFSET if split == "validation" else 0
+        return SyntheticTokens(spec.vocab_size, spec.seq_length, seed + offset)
+    manifest = _resolve(data.manifest, base_dir) if data.manifest is not None else None
+    prepared = open_prepared(_resolve(data.prefix, base_dir), manifest, data.validation_fraction)
+    tokens = prepared.tokens(split, spec.seq_length, seed)
+    vocab = prepared.vocab_size
+    if vocab is None:
+        vocab = tokens.max_token() + 1
+    if vocab > spec.vocab_size:
+        raise ValueError(
+            f"data.prefix={data.prefix!r}: token ids need a vocabulary of {vocab}, the model "
+            f"{spec.name!r} has vocab_size={spec.vocab_size}"
+        )
+    return IndexedTokens(tokens)
 
 
 def microbatch_indices(role: RankRole, consumed_samples: int, microbatch: int) -> range:

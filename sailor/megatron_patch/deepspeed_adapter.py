@@ -5,7 +5,7 @@ and the same layer partition, one microbatch size and count, no tensor paralleli
 pipe engine leaves TP to Megatron), one activation-checkpointing setting for all stages.
 :func:`deepspeed_layout` (pure) checks a plan against that and returns the DeepSpeed
 settings, or raises :class:`UnsupportedPlanError` naming what does not fit; the
-heterogeneous plans run on Sailor's own engine (``worker``).
+heterogeneous plans run on Sailor's own engine (``rank_main``).
 
 What we keep from Sailor in the DeepSpeed run:
 
@@ -170,6 +170,11 @@ def deepspeed_config(
         "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise
+        # (runtime/constants.py GRADIENT_CLIPPING_DEFAULT; engine._take_model_step), and
+        # Sailor's engine does not clip: with clipping, AdamW sees each step's gradients
+        # scaled by another factor and drifts from the reference by ~0.4 lr per element.
+        "gradient_clipping": 0.0,
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -274,7 +279,7 @@ def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: in
 
 def run(argv: list[str] | None = None) -> int:
     """One rank of a plan on DeepSpeed; progress and state dumps like the worker's."""
-    from sailor.megatron_patch.worker import build_parser, load_model
+    from sailor.megatron_patch.rank_main import build_parser, load_model
 
     args = build_parser().parse_args(argv)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     import faulthandler
 
     from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
-    from sailor.megatron_patch.worker import build_parser
+    from sailor.megatron_patch.rank_main import build_parser
 
     args = build_parser().parse_args(argv)
     err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None

@@ -90,7 +90,7 @@ def record_iteration(
         )
         stage = build_stage(spec, role, tp)
         shape = (role.microbatch_size, spec.seq_length, spec.hidden_size)
-        p2p = P2P(role, shape, META, wire_dtype=wire_dtype)
+        p2p = P2P(role, shape, META, wire_dtype=wire_dtype, tp_group=tp.group)
         tokens = torch.zeros((role.microbatch_size, spec.seq_length), dtype=torch.long, device=META)
 
         def get(mb: int, tokens: torch.Tensor = tokens) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ One iteration on every rank:
 4. optionally, clipping by the global gradient norm (``clipping``: each element counted once
    whatever the layout, so equal to single-process clipping);
 5. AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
-   full step) at the learning rate of the schedule for this step (``optim.lr_at``, a pure
+   full step) at the learning rate of the schedule for this step (``ScheduleConfig.lr_at``, a pure
    function of ``step``: a resumed run continues the schedule exactly), with weight decay
    per group (``optim.param_groups``);
 6. one all-reduce of the loss over the world (also the end-of-iteration barrier);
@@ -19,7 +19,7 @@ One iteration on every rank:
    validation loss (forward only, over the same ``eval_batches`` global batches each time);
    the hook runs.
 
-Data comes from anything with ``batch(indices) -> (inputs, labels)`` (``data.TokenBatches``):
+Data comes from anything with ``batch(indices) -> (inputs, labels)`` (``data.TokenSource``):
 the seeded synthetic tokens by default, a real corpus when the caller passes one.
 
 Interfaces others use (keep stable):
@@ -53,11 +53,16 @@ from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.clipping import clip_by_global_norm
 from sailor.megatron_patch.clock import timestamp
-from sailor.megatron_patch.data import SyntheticTokens, TokenBatches, microbatch_indices
+from sailor.megatron_patch.data import (
+    VALIDATION_SEED_OFFSET,
+    SyntheticTokens,
+    TokenSource,
+    microbatch_indices,
+)
 from sailor.megatron_patch.grad_sync import sync_gradients
 from sailor.megatron_patch.groups import ProcessGroups
 from sailor.megatron_patch.model import GPTStage
-from sailor.megatron_patch.optim import DecayGroups, LRSchedule, lr_at, param_groups
+from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.precision import (
     LossScaler,
     Precision,
@@ -71,6 +76,7 @@ from sailor.megatron_patch.schedule import P2P, run_1f1b, run_forward
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
+from sailor.schemas.training import NoDecay, ScheduleConfig, TrainingConfig
 
 __all__ = [
     "IterationHook",
@@ -92,14 +98,14 @@ class TrainConfig(Frozen):
     beta1: float = Field(default=0.9, gt=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(default=0.95, gt=0, lt=1, description="AdamW beta2.")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    schedule: LRSchedule = Field(
-        default_factory=LRSchedule, description="Warmup and decay of lr, by step."
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig, description="Warmup and decay of lr, by step."
     )
     clip_grad_norm: float = Field(
         default=0.0, ge=0, description="Clip gradients to this global norm; 0: no clipping."
     )
-    decay_groups: DecayGroups = Field(
-        default_factory=DecayGroups, description="Parameters without weight decay."
+    no_decay: tuple[NoDecay, ...] = Field(
+        default=(), description="Parameter kinds without weight decay (empty: decay all)."
     )
     eval_every: int = Field(
         default=0, ge=0, description="Validation loss every this many steps; 0: never."
@@ -108,9 +114,24 @@ class TrainConfig(Frozen):
         default=1, gt=0, description="Global batches of the validation split per evaluation."
     )
 
-
-VALIDATION_SEED_OFFSET = 1_000_003
-"""The synthetic data's validation split: the same rule under seed ``seed + offset``."""
+    @classmethod
+    def of(cls, tc: TrainingConfig) -> TrainConfig:
+        """The engine's settings of a training config (what every rank and the reference
+        run under it)."""
+        o = tc.optimizer
+        return cls(
+            seed=tc.seed,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            beta1=o.betas[0],
+            beta2=o.betas[1],
+            eps=o.eps,
+            no_decay=o.no_decay,
+            schedule=tc.schedule,
+            clip_grad_norm=tc.clipping.max_norm or 0.0,
+            eval_every=tc.eval.every_steps,
+            eval_batches=tc.eval.batches,
+        )
 
 
 def validation_data(spec: ModelSpec, cfg: TrainConfig) -> SyntheticTokens:
@@ -185,8 +206,8 @@ class Trainer:
         consumed_samples: int = 0,
         precision: Precision | None = None,
         arch: Architecture | None = None,
-        data: TokenBatches | None = None,
-        eval_data: TokenBatches | None = None,
+        data: TokenSource | None = None,
+        eval_data: TokenSource | None = None,
     ) -> None:
         if spec.num_all_layers != plan.num_layers:
             raise ValueError(
@@ -210,19 +231,18 @@ class Trainer:
         if self.precision != "fp32" and device.type != "cuda":
             raise ValueError(f"precision={self.precision!r} needs a CUDA device, got {device}")
         groups_ = param_groups(
-            self.stage.keyed_parameters(), cfg.weight_decay, cfg.decay_groups, spec.tie_embeddings
+            self.stage.keyed_parameters(), cfg.weight_decay, cfg.no_decay, spec.tie_embeddings
         )
         self.optimizer = make_optimizer(groups_, cfg, foreach=device.type == "cuda")
-        self.data: TokenBatches = data or SyntheticTokens(
-            spec.vocab_size, spec.seq_length, cfg.seed
-        )
-        self.eval_data: TokenBatches = eval_data or validation_data(spec, cfg)
+        self.data: TokenSource = data or SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+        self.eval_data: TokenSource = eval_data or validation_data(spec, cfg)
         self.last_grad_norm: float | None = None
         self.p2p = P2P(
             role,
             (role.microbatch_size, spec.seq_length, spec.hidden_size),
             device,
             wire_dtype=compute_dtype(self.precision),
+            tp_group=groups.tp.group,
         )
         self.loss_scale = role.microbatch_size / plan.global_batch_size
         self._autocast = autocast_of(self.precision, device)
@@ -240,7 +260,7 @@ class Trainer:
     def _optimizer_step(self) -> float:
         """AdamW at this step's rate, after clipping; under fp16 only if no rank overflowed
         (agreed), gradients unscaled (then clipped) first. Returns the rate."""
-        lr = lr_at(self.cfg.schedule, self.cfg.lr, self.step)
+        lr = self.cfg.schedule.lr_at(self.step, self.cfg.lr)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         clip = self._clip if self.cfg.clip_grad_norm > 0 else None

@@ -1,6 +1,6 @@
 """Run every rank of a plan as local worker processes (tests, benchmarks, single-node use).
 
-Starts ``python -m sailor.megatron_patch.worker`` once per rank on this machine with a free
+Starts ``python -m sailor.megatron_patch.rank_main`` once per rank on this machine with a free
 loopback port as the rendezvous, waits for all of them (bounded by ``deadline_s``: a rank
 still alive then is killed and reported), and collects each rank's progress lines, error
 file and exit status. It is what the agent does on many nodes, reduced to one.
@@ -81,7 +81,7 @@ def launch_local(
     per_rank_args: dict[int, list[str]] | None = None,
     deadline_s: float = 300.0,
     timeout_s: float = 60.0,
-    module: str = "sailor.megatron_patch.worker",
+    module: str = "sailor.megatron_patch.rank_main",
     pin_cores: bool = False,
     backend: str | None = None,
 ) -> LocalRun:

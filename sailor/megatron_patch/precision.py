@@ -58,13 +58,22 @@ def device_precision(device: torch.device) -> Precision:
     return pick_precision(device.type, bf16)
 
 
-def job_precision(plan: Plan, spec: ModelSpec, device: torch.device) -> Precision:
-    """The precision a rank of ``plan`` runs: the plan's (recorded, else derived from its GPU
-    types and the spec's request) on a GPU; fp32 on a CPU device (a GPU plan run on gloo for
-    a test computes in fp32). A plan asking bf16 of a GPU without it is refused."""
+def job_precision(
+    plan: Plan, spec: ModelSpec, device: torch.device, requested: str = "auto"
+) -> Precision:
+    """The precision a rank of ``plan`` runs: on a GPU, ``requested`` (the training config's
+    ``precision``) unless it is ``'auto'``, else the plan's (recorded, else derived from its
+    GPU types and the spec's request); fp32 on a CPU device (a GPU plan run on gloo for a
+    test computes in fp32). bf16 asked of a GPU without it is refused."""
     if device.type != "cuda":
         return "fp32"
-    chosen = plan.resolved_precision(catalog.gpus(), spec.precision)
+    if requested not in ("auto", *_DTYPES):
+        raise ValueError(f"precision={requested!r}: one of auto, {', '.join(_DTYPES)}")
+    chosen: Precision = (
+        plan.resolved_precision(catalog.gpus(), spec.precision)
+        if requested == "auto"
+        else requested  # type: ignore[assignment]
+    )
     if chosen == "bf16" and not torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(device)
         raise ValueError(

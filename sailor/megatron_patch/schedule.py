@@ -1,10 +1,11 @@
 """Pipeline p2p and the 1F1B schedule of one pipeline, run by each of its ranks.
 
 Why our own 1F1B and not ``torch.distributed.pipelining``: a Sailor plan gives each pipeline
-its own microbatch size and count and each stage its own TP degree, with one activation
-send per receiver across a TP-degree change (``roles``). ``pipelining`` schedules assume one
-stage per rank connected to the neighbour ranks of a uniform pipeline group and take the
-microbatch split from the whole batch; fitting the mixed-TP fan-out into it would mean
+its own microbatch size and count and each stage its own TP degree, with a scatter + gather
+across every boundary, TP-degree changes included (``roles.boundary_pieces``).
+``pipelining`` schedules assume one stage per rank connected to the neighbour ranks of a
+uniform pipeline group and take the microbatch split from the whole batch; fitting the
+mixed-TP exchange into it would mean
 subclassing its stage I/O anyway. The schedule itself is ~60 lines (below) and is exact,
 which is what the correctness tests check.
 
@@ -22,12 +23,25 @@ microbatches)). Waiting each exchange also frees every sent tensor at once inste
 holding it to the end of the iteration. Activations and gradients cross stages in the
 compute dtype (``wire_dtype``): fp32 runs send fp32, bf16/fp16 runs send bf16/fp16.
 
+Scatter + gather (Megatron's ``scatter_gather_tensors_in_pipeline``, for any pair of TP
+degrees): per microbatch exactly one activation crosses a boundary forward and one input
+gradient backward, cut into ``lcm(tp_s, tp_{s+1})`` chunks of the flattened tensor (padded
+to a multiple of that count; the padding is dropped on arrival). Each sender sends its
+``1/tp_s`` slice, split among the receivers it overlaps; each receiver gets its
+``1/tp_{s+1}`` slice and the receiving stage all-gathers the slices over its TP group,
+inside one node (``all_gather_into_tensor``), after the exchange's wait. The gradient goes
+back along the same pairs and the sending stage all-gathers it. Before, every receiver took
+a full copy: ``tp_{s+1}`` activations forward and ``tp_s`` gradients backward. The TP ranks
+of a stage run the same schedule, so their all-gathers come in the same order on all of
+them; ``nccl_replay`` checks the exchanges and gathers together on every plan shape.
+
 Every receive is bounded by the process-group timeout: a dead neighbour makes it raise
 instead of hanging.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -36,7 +50,7 @@ import torch
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.model import GPTStage
-from sailor.megatron_patch.roles import RankRole
+from sailor.megatron_patch.roles import Piece, RankRole
 
 __all__ = ["P2P", "run_1f1b", "run_forward", "schedule_order"]
 
@@ -44,9 +58,14 @@ __all__ = ["P2P", "run_1f1b", "run_forward", "schedule_order"]
 class P2P:
     """Activation and gradient exchange of one rank with its neighbour stages.
 
-    Every method posts one ``batch_isend_irecv`` and waits on it: when it returns, the sent
-    tensors may be freed and the received one is filled. ``None`` stands for "no such
-    neighbour" (first stage backward, last stage forward).
+    Scatter + gather across every boundary (``roles.boundary_pieces``): a tensor is
+    flattened, padded to a multiple of the boundary's chunk count, and each of this rank's
+    pieces goes to its peer; a receiving rank fills its own slice and, if its stage has TP
+    ranks, all-gathers the slices inside its TP group (``tp_group``) into the full tensor.
+
+    Every method posts one ``batch_isend_irecv`` and waits on it (then all-gathers): when
+    it returns, the sent tensors may be freed and the received one is whole. ``None``
+    stands for "no such neighbour" (first stage backward, last stage forward).
     """
 
     def __init__(
@@ -55,43 +74,96 @@ class P2P:
         shape: tuple[int, ...],
         device: torch.device,
         wire_dtype: torch.dtype = torch.float32,
+        tp_group: Any = None,
     ) -> None:
+        if role.tp > 1 and role.num_stages > 1 and tp_group is None:
+            raise ValueError(
+                f"rank {role.rank}: stage {role.stage} has tp={role.tp} and neighbours; "
+                "its p2p all-gathers received slices and needs the TP group"
+            )
         self.role = role
         self.shape = shape
         self.device = device
         self.wire_dtype = wire_dtype
+        self.tp_group = tp_group
+        self.numel = math.prod(shape)
+
+    def _chunk(self, chunks: int) -> int:
+        """Elements per chunk: the tensor padded up to a multiple of ``chunks``."""
+        return -(-self.numel // chunks)
+
+    def _send_ops(
+        self, t: torch.Tensor | None, pieces: tuple[Piece, ...], chunks: int
+    ) -> list[comm.P2POp]:
+        if t is None or not pieces:
+            return []
+        c = self._chunk(chunks)
+        flat = t.detach().to(self.wire_dtype).reshape(-1)
+        if flat.numel() != self.numel:
+            raise ValueError(f"rank {self.role.rank}: sending {tuple(t.shape)}, not {self.shape}")
+        if c * chunks != self.numel:
+            flat = torch.nn.functional.pad(flat, (0, c * chunks - self.numel))
+        return [comm.P2POp("send", flat[p.lo * c : p.hi * c], p.peer) for p in pieces]
+
+    def _recv_ops(
+        self, pieces: tuple[Piece, ...], chunks: int, own: tuple[int, int]
+    ) -> tuple[list[comm.P2POp], torch.Tensor | None]:
+        if not pieces:
+            return [], None
+        c = self._chunk(chunks)
+        lo = own[0]
+        mine = torch.empty((own[1] - lo) * c, dtype=self.wire_dtype, device=self.device)
+        ops = [comm.P2POp("recv", mine[(p.lo - lo) * c : (p.hi - lo) * c], p.peer) for p in pieces]
+        return ops, mine
+
+    def _whole(self, mine: torch.Tensor, chunks: int) -> torch.Tensor:
+        """This rank's received slice, all-gathered over its TP group into the full tensor."""
+        full = mine
+        if self.role.tp > 1:
+            full = torch.empty(self._chunk(chunks) * chunks, dtype=mine.dtype, device=self.device)
+            comm.all_gather_into_tensor(full, mine, self.tp_group)
+        return full[: self.numel].view(self.shape)
 
     def _exchange(
-        self, t: torch.Tensor | None, dsts: tuple[int, ...], src: int | None
+        self,
+        t: torch.Tensor | None,
+        send: tuple[tuple[Piece, ...], int],
+        recv: tuple[tuple[Piece, ...], int, tuple[int, int]] | None,
     ) -> torch.Tensor | None:
-        ops: list[comm.P2POp] = []
-        if t is not None and dsts:
-            sent = t.detach().to(self.wire_dtype).contiguous()
-            ops.extend(comm.P2POp("send", sent, dst) for dst in dsts)
-        buf = None
-        if src is not None:
-            buf = torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
-            ops.append(comm.P2POp("recv", buf, src))
-        comm.wait_all(comm.batch_isend_irecv(ops))
-        return buf
+        ops = self._send_ops(t, *send)
+        recv_ops, mine = self._recv_ops(*recv) if recv is not None else ([], None)
+        comm.wait_all(comm.batch_isend_irecv(ops + recv_ops))
+        if mine is None or recv is None:
+            return None
+        return self._whole(mine, recv[1])
+
+    def _from_prev(self) -> tuple[tuple[Piece, ...], int, tuple[int, int]]:
+        r = self.role
+        return r.prev_pieces, r.prev_chunks, r.prev_slice
+
+    def _from_next(self) -> tuple[tuple[Piece, ...], int, tuple[int, int]]:
+        r = self.role
+        return r.next_pieces, r.next_chunks, r.next_slice
 
     def recv_forward(self) -> torch.Tensor | None:
-        return self._exchange(None, (), self.role.fwd_recv_from)
+        return self._exchange(None, ((), 1), self._from_prev())
 
     def send_forward(self, t: torch.Tensor | None) -> None:
-        self._exchange(t, self.role.fwd_send_to, None)
+        self._exchange(t, (self.role.next_pieces, self.role.next_chunks), None)
 
     def recv_backward(self) -> torch.Tensor | None:
-        return self._exchange(None, (), self.role.bwd_recv_from)
+        return self._exchange(None, ((), 1), self._from_next())
 
     def send_backward(self, t: torch.Tensor | None) -> None:
-        self._exchange(t, self.role.bwd_send_to, None)
+        self._exchange(t, (self.role.prev_pieces, self.role.prev_chunks), None)
 
     def send_forward_recv_backward(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        return self._exchange(t, self.role.fwd_send_to, self.role.bwd_recv_from)
+        r = self.role
+        return self._exchange(t, (r.next_pieces, r.next_chunks), self._from_next())
 
     def send_backward_recv_forward(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        return self._exchange(t, self.role.bwd_send_to, self.role.fwd_recv_from)
+        r = self.role
+        return self._exchange(t, (r.prev_pieces, r.prev_chunks), self._from_prev())
 
 
 def schedule_order(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:

@@ -372,12 +372,22 @@ class SyncModel:
         self._rings: dict[tuple[tuple[Kind, ...], int, float, float], float] = {}
         self._segments: dict[tuple[object, ...], float] = {}
         self._fixed: dict[str, float] = {}
+        self.per_gpu = tables.inputs.calibration.ring_links == "per_gpu"
+        """Each rank's ring over a 1-GPU VM's curve with its own bytes (the original's)."""
+
+    def node_bytes(self, tp: int, elements: float, grad_bytes: float) -> float:
+        """Bytes one ring member moves: a node's TP ranks together, or one rank."""
+        return elements * grad_bytes * (1 if self.per_gpu else tp)
 
     def _curve(self, a: Kind, b: Kind) -> BandwidthCurve:
         key = (a, b)
         curve = self._curves.get(key)
         if curve is None:
-            curve = inter_curve(self.tables.inputs.network, a.replica(), b.replica())[0]
+            ra, rb = a.replica(), b.replica()
+            if self.per_gpu:
+                ra = ra.model_copy(update={"gpus_per_node": 1, "tp": 1})
+                rb = rb.model_copy(update={"gpus_per_node": 1, "tp": 1})
+            curve = inter_curve(self.tables.inputs.network, ra, rb)[0]
             self._curves[key] = curve
         return curve
 
@@ -456,7 +466,7 @@ class SyncModel:
         if hit is not None:
             return hit
         measured = None
-        if len(merged) == 1:  # one endpoint kind: a measured all-reduce latency applies
+        if len(merged) == 1 and not self.per_gpu:  # one endpoint kind: measured latency
             k = merged[0][0]
             end = Endpoint(zone=k.zone, gpu_type=k.gpu_type, gpus_per_node=k.gpus_per_node)
             # the nodes of a ring are distinct nodes: only an inter-node measurement applies
@@ -497,7 +507,9 @@ def overheads_for(
     cal = sync.tables.inputs.calibration
     for t in templates:
         ar = sum(
-            sync.ring_time(ring, n_pipes, s.kind.tp * s.params * param_bytes, s.params)
+            sync.ring_time(
+                ring, n_pipes, sync.node_bytes(s.kind.tp, s.params, param_bytes), s.params
+            )
             for s in t.stages
         )
         fixed = max(cal.for_gpu(s.kind.gpu_type).sync_fixed_s for s in t.stages)
@@ -516,8 +528,9 @@ def p2p_egress(t: PipelineTemplate, tables: CostTables) -> tuple[tuple[str, str,
                 continue
             arr = tables.arrays(a.kind.gpu_type, a.kind.tp, t.mbs)
             out = t.mbs * float(arr.out_layer[a.last_layer]) if arr is not None else 0.0
-            rows.append((a.kind.zone, b.kind.zone, out + a.kind.tp * tables.mask_bytes))
-            rows.append((b.kind.zone, a.kind.zone, out))
+            cp = tables.p2p_copies(a.kind, b.kind) or (1, 1)
+            rows.append((a.kind.zone, b.kind.zone, cp[0] * out + a.kind.tp * tables.mask_bytes))
+            rows.append((b.kind.zone, a.kind.zone, cp[1] * out))
         hit = tuple(rows)
         object.__setattr__(t, "_egress", hit)
     return hit
@@ -561,7 +574,7 @@ def fast_estimate(
             st = t.stages[si]
             arr = tables.arrays(st.kind.gpu_type, st.kind.tp, t.mbs)
             el = float(arr.params[b] - arr.params[a]) if arr is not None else st.params
-            node_bytes = max(node_bytes, st.kind.tp * el * pb)
+            node_bytes = max(node_bytes, sync.node_bytes(st.kind.tp, el, pb))
             elements = max(elements, el)
             eff = min(eff, cal.for_gpu(st.kind.gpu_type).network_efficiency)
         ring = [(_endpoint(groups[g][0].stages[at[g]].kind), c) for g, c in runs]

@@ -76,12 +76,17 @@ __all__ = [
     "Candidate",
     "Progress",
     "SearchResult",
+    "mbs_candidates",
+    "objective_score",
+    "per_gpu_rate",
     "plan",
+    "pool_bound",
     "resources_of",
     "search",
     "search_recipes",
     "search_with_tables",
     "throughput_upper_bound",
+    "tp_candidates",
 ]
 
 Progress = Callable[[int, int], None]
@@ -207,7 +212,8 @@ def _check_inputs(inputs: Inputs, pool: Pool) -> None:
             raise PlannerInputError(f"pool GPU type {e.gpu_type!r} has no price") from exc
 
 
-def _mbs_candidates(inputs: Inputs, gpu_type: str) -> list[int]:
+def mbs_candidates(inputs: Inputs, gpu_type: str) -> list[int]:
+    """Microbatch sizes to try on ``gpu_type`` (powers of two dividing the batch; memoized)."""
     memo: dict[str, list[int]] = inputs.__dict__.setdefault("_mbs_memo", {})
     hit = memo.get(gpu_type)
     if hit is None:
@@ -229,7 +235,8 @@ def _mbs_grid(inputs: Inputs, gpu_type: str) -> list[int]:
     return out or [1]
 
 
-def _tp_candidates(gpus_per_node: int) -> list[int]:
+def tp_candidates(gpus_per_node: int) -> list[int]:
+    """Tensor-parallel degrees to try: powers of two up to the GPUs of one node."""
     out = []
     t = 1
     while t <= gpus_per_node:
@@ -241,11 +248,11 @@ def _tp_candidates(gpus_per_node: int) -> list[int]:
 # -- upper bound -----------------------------------------------------------------------------
 
 
-def _per_gpu_rate(tables: CostTables, gpu_type: str, gpus_per_node: int) -> float:
+def per_gpu_rate(tables: CostTables, gpu_type: str, gpus_per_node: int) -> float:
     """Best samples/s one GPU of the type can compute (fwd+bwd only, any TP and mbs)."""
     best = 0.0
-    for tp in _tp_candidates(gpus_per_node):
-        for b in _mbs_candidates(tables.inputs, gpu_type):
+    for tp in tp_candidates(gpus_per_node):
+        for b in mbs_candidates(tables.inputs, gpu_type):
             a = tables.arrays(gpu_type, tp, b)
             if a is None or a.comp[-1] <= 0:
                 continue
@@ -253,8 +260,9 @@ def _per_gpu_rate(tables: CostTables, gpu_type: str, gpus_per_node: int) -> floa
     return best
 
 
-def _bound(tables: CostTables, caps: Mapping[Resource, int]) -> float:
-    rate = sum(_per_gpu_rate(tables, g, k) * n for (g, _z, k), n in caps.items())
+def pool_bound(tables: CostTables, caps: Mapping[Resource, int]) -> float:
+    """Iterations/s no plan on ``caps`` can beat: every GPU at its best rate, no overhead."""
+    rate = sum(per_gpu_rate(tables, g, k) * n for (g, _z, k), n in caps.items())
     return rate / tables.inputs.model.global_batch_size
 
 
@@ -278,7 +286,7 @@ def throughput_upper_bound(
         gpu_specs=gpu_specs,
         calibration=calibration or Calibration(),
     )
-    return _bound(CostTables(inputs), resources_of(pool, Constraints()))
+    return pool_bound(CostTables(inputs), resources_of(pool, Constraints()))
 
 
 # -- templates -------------------------------------------------------------------------------
@@ -307,9 +315,9 @@ def _templates(
     singles_of: dict[Resource, list[PipelineTemplate]] = {}
     for zone, rs in sorted(by_zone.items()):
         kinds_by_r = {
-            r: [Kind(r[0], tp, zone, r[2]) for tp in _tp_candidates(r[2])] for r in sorted(rs)
+            r: [Kind(r[0], tp, zone, r[2]) for tp in tp_candidates(r[2])] for r in sorted(rs)
         }
-        mbs_by_type = {r[0]: _mbs_candidates(inputs, r[0]) for r in rs}
+        mbs_by_type = {r[0]: mbs_candidates(inputs, r[0]) for r in rs}
         singles: list[PipelineTemplate] = []
         for r, ks in kinds_by_r.items():
             for k in ks:
@@ -361,7 +369,7 @@ def _cross_zone(
     offer: dict[Resource, list[tuple[int, int]]] = {}
     for r in sorted(caps):
         ts = sorted(singles_of.get(r, []), key=lambda t: -_rate(t))
-        every = [(tp, b) for tp in _tp_candidates(r[2]) for b in _mbs_candidates(inputs, r[0])]
+        every = [(tp, b) for tp in tp_candidates(r[2]) for b in mbs_candidates(inputs, r[0])]
         if small or not ts:
             offer[r] = every
             continue
@@ -379,7 +387,7 @@ def _cross_zone(
         for r2 in sorted(caps):
             if r1[1] == r2[1]:
                 continue
-            both = set(_mbs_candidates(inputs, r1[0])) & set(_mbs_candidates(inputs, r2[0]))
+            both = set(mbs_candidates(inputs, r1[0])) & set(mbs_candidates(inputs, r2[0]))
             for tp1, b1 in offer[r1]:
                 for tp2, b2 in offer[r2]:
                     k1, k2 = Kind(r1[0], tp1, r1[1], r1[2]), Kind(r2[0], tp2, r2[1], r2[2])
@@ -566,8 +574,8 @@ def _scenarios(caps: Mapping[Resource, int]) -> list[dict[Resource, int]]:
     return out
 
 
-def _score(objective: Objective, thr: float, cost_iter: float, cost_hour: float) -> float:
-    """Larger is better."""
+def objective_score(objective: Objective, thr: float, cost_iter: float, cost_hour: float) -> float:
+    """The objective as one number, larger is better (shared with the baselines)."""
     if objective == "throughput":
         return thr
     if objective == "cost":
@@ -576,7 +584,9 @@ def _score(objective: Objective, thr: float, cost_iter: float, cost_hour: float)
 
 
 def _fast_score(objective: Objective, c: Candidate) -> float:
-    return _score(objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour)
+    return objective_score(
+        objective, 1.0 / c.fast.iteration_s, c.fast.cost_per_iter, c.fast.cost_per_hour
+    )
 
 
 def _fast_ok(f: FastFigures, c: Constraints, slack: float) -> bool:
@@ -901,48 +911,16 @@ def search_with_tables(
     if isinstance(prep, SearchResult):
         return prep
     caps, ub, templates, computed = prep
-    tables = state.tables
     mixed_all = _MIXED_ALL if sum(caps.values()) <= _SMALL_POOL_GPUS else 0
     if shortlist_only and state.shortlist:
         templates = _shortlist(templates, state.shortlist)
         mixed_all = 0
     scenarios = _scenarios(caps)
-    scen_bounds = sorted(((_bound(tables, s), i) for i, s in enumerate(scenarios)), reverse=True)
-    sync = _sync_model(state)
-    best_thr = 0.0
-    pruned_bound = 0
     total = len(scenarios) + simulate_top
-    allocs: list[Allocation] = list(extra)
-    for step, (bnd, i) in enumerate(scen_bounds):
-        if progress is not None:
-            progress(step, total)
-        if (
-            objective == "throughput"
-            and bnd < best_thr
-            and constraints.max_cost_per_iter_usd is None
-        ):
-            pruned_bound += 1
-            continue
-        if constraints.one_microbatch_size:
-            new = [
-                a
-                for b in sorted({t.mbs for t in templates})
-                for a in _allocations(
-                    state,
-                    [t for t in templates if t.mbs == b],
-                    scenarios[i],
-                    objective,
-                    constraints,
-                    mixed_all,
-                    b,
-                )
-            ]
-        else:
-            new = _allocations(state, templates, scenarios[i], objective, constraints, mixed_all)
-        for a in new:
-            f = fast_estimate(a, tables, sync, state.pricing)
-            best_thr = max(best_thr, 1.0 / f.iteration_s)
-        allocs.extend(new)
+    allocs, pruned_bound = _allocate_by_bound(
+        state, templates, scenarios, objective, constraints, mixed_all, progress, total
+    )
+    allocs = [*extra, *allocs]
     state.shortlist = {id(t): t for a in allocs for t, _ in a.pipelines}
     cands = _candidates(state, allocs)
     ok = [c for c in cands if _fast_ok(c.fast, constraints, 1.15)]
@@ -950,17 +928,7 @@ def search_with_tables(
     ok.sort(key=lambda c: (c.alloc.key not in forced, -_fast_score(objective, c)))
     top = max((_fast_score(objective, x) for x in ok), default=0.0)
 
-    def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
-        if len(feasible) >= top_k and len(judged) >= simulate_top:
-            return True
-        last = judged[-1] if judged else None
-        if last is None or not feasible or last is not feasible[-1]:
-            return False
-        if last.alloc.key not in forced or prefer_less_movement <= 0:
-            return False
-        # the warm start is within the tolerance of the best estimate: it moves the least
-        # state, so nothing else would be preferred; stop simulating
-        return _sim_score(objective, last) >= top - abs(top) * prefer_less_movement
+    enough = _enough(objective, forced, top, top_k, simulate_top, prefer_less_movement)
 
     def moves_of(c: Candidate) -> tuple[tuple[int, ...], int]:
         return moved_layers(previous, c.plan) if c.plan is not None else ((), 0)
@@ -991,6 +959,98 @@ def search_with_tables(
         else None,
         done=(lambda: progress(total, total)) if progress is not None else None,
     )
+
+
+def _allocate_by_bound(
+    state: SearchState,
+    templates: Sequence[PipelineTemplate],
+    scenarios: list[dict[Resource, int]],
+    objective: Objective,
+    constraints: Constraints,
+    mixed_all: int,
+    progress: Progress | None,
+    total: int,
+) -> tuple[list[Allocation], int]:
+    """Allocations of every scenario, the most promising (highest bound) first; a
+    throughput search without a cost limit skips a scenario whose bound is below the best
+    fast estimate so far. Returns the allocations and how many scenarios were skipped."""
+    tables = state.tables
+    scen_bounds = sorted(
+        ((pool_bound(tables, s), i) for i, s in enumerate(scenarios)), reverse=True
+    )
+    sync = _sync_model(state)
+    best_thr = 0.0
+    pruned_bound = 0
+    allocs: list[Allocation] = []
+    for step, (bnd, i) in enumerate(scen_bounds):
+        if progress is not None:
+            progress(step, total)
+        if (
+            objective == "throughput"
+            and bnd < best_thr
+            and constraints.max_cost_per_iter_usd is None
+        ):
+            pruned_bound += 1
+            continue
+        new = _scenario_allocations(
+            state, templates, scenarios[i], objective, constraints, mixed_all
+        )
+        for a in new:
+            f = fast_estimate(a, tables, sync, state.pricing)
+            best_thr = max(best_thr, 1.0 / f.iteration_s)
+        allocs.extend(new)
+    return allocs, pruned_bound
+
+
+def _scenario_allocations(
+    state: SearchState,
+    templates: Sequence[PipelineTemplate],
+    scenario: dict[Resource, int],
+    objective: Objective,
+    constraints: Constraints,
+    mixed_all: int,
+) -> list[Allocation]:
+    """One scenario's allocations (with one microbatch size: per size, over its templates)."""
+    if not constraints.one_microbatch_size:
+        return _allocations(state, templates, scenario, objective, constraints, mixed_all)
+    return [
+        a
+        for b in sorted({t.mbs for t in templates})
+        for a in _allocations(
+            state,
+            [t for t in templates if t.mbs == b],
+            scenario,
+            objective,
+            constraints,
+            mixed_all,
+            b,
+        )
+    ]
+
+
+def _enough(
+    objective: Objective,
+    forced: set[tuple[object, ...]],
+    top: float,
+    top_k: int,
+    simulate_top: int,
+    prefer_less_movement: float,
+) -> Callable[[Sequence[Candidate], Sequence[Candidate]], bool]:
+    """When the search has simulated enough candidates (``judged``, of which ``feasible``)."""
+
+    def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
+        if len(feasible) >= top_k and len(judged) >= simulate_top:
+            return True
+        last = judged[-1] if judged else None
+        if last is None or not feasible or last is not feasible[-1]:
+            return False
+        if last.alloc.key not in forced or prefer_less_movement <= 0:
+            return False
+        # the warm start is within the tolerance of the best estimate: it moves the least
+        # state, so nothing else would be preferred; stop simulating
+        return _sim_score(objective, last) >= top - abs(top) * prefer_less_movement
+
+    return enough
 
 
 def search_recipes(
@@ -1113,7 +1173,7 @@ def _prepare(
 
     if not caps:
         return empty("no GPU of the pool is allowed by the constraints (zones, regions, caps)")
-    ub = _bound(tables, caps)
+    ub = pool_bound(tables, caps)
     if constraints.min_throughput_iter_s is not None and constraints.min_throughput_iter_s > ub:
         return empty(
             f"min_throughput={constraints.min_throughput_iter_s:.4g} it/s exceeds the pool's "
@@ -1226,7 +1286,7 @@ def _simulate_candidate(
 
 def _sim_score(objective: Objective, c: Candidate) -> float:
     assert c.estimate is not None
-    return _score(
+    return objective_score(
         objective, c.estimate.throughput_iter_s, c.estimate.cost_per_iter_usd, c.fast.cost_per_hour
     )
 
@@ -1317,6 +1377,11 @@ def _judge(
         pool=pool,
         previous=previous,
     )
+
+
+def explain_candidate(c: Candidate, ub: float) -> tuple[str, ...]:
+    """How the search built ``c`` and what the simulator said of it (``--explain``)."""
+    return _explain(c, ub)
 
 
 def _explain(c: Candidate, ub: float) -> tuple[str, ...]:

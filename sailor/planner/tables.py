@@ -129,7 +129,11 @@ class CostTables:
         # bytes per gradient element in the gradient all-reduces, as the simulator prices them
         cal = inputs.calibration
         self.grad_bytes = (
-            GRAD_ALLREDUCE_BYTES if cal.mixed_precision == "autocast" else m.param_bytes()
+            cal.grad_allreduce_bytes
+            if cal.grad_allreduce_bytes is not None
+            else GRAD_ALLREDUCE_BYTES
+            if cal.mixed_precision == "autocast"
+            else m.param_bytes()
         )
         self.hits = 0
         self.misses = 0
@@ -234,10 +238,12 @@ class CostTables:
     def overhead(self, gpu_type: str, tp: int) -> float:
         """Non-tensor memory, as the simulator takes it."""
         c = self.inputs.calibration.for_gpu(gpu_type)
+        extra = float(c.memory_overhead_tp_bytes) if tp > 1 else 0.0
         if c.memory_overhead_bytes is not None:
-            return float(c.memory_overhead_bytes)
+            return float(c.memory_overhead_bytes) + extra
         o = self.inputs.profiles.overhead(gpu_type, tp)
-        return float(o.bytes) if o is not None else float(DEFAULT_MEMORY_OVERHEAD_BYTES)
+        base = float(o.bytes) if o is not None else float(DEFAULT_MEMORY_OVERHEAD_BYTES)
+        return base + extra
 
     def stage_memory(self, a: LayerArrays, in_flight: int) -> FloatArray:
         """``M[i, j]``: peak bytes of a stage of layers i..j holding ``in_flight`` microbatches.
@@ -257,6 +263,9 @@ class CostTables:
         state_b, step_b, _ = self.state_bytes(a.gpu_type)
         state = params * state_b
         total = np.maximum(state + acts + copies, state + params * step_b)
+        extra = self.inputs.calibration.extra_state_bytes_per_param
+        if extra:
+            total = total + np.floor(extra * params)
         out: FloatArray = total + self.overhead(a.gpu_type, a.tp)
         self._mem[key] = out
         return out
@@ -282,19 +291,40 @@ class CostTables:
         if note:
             self.notes.append(note)
         eff = min(
-            inp.calibration.for_gpu(a.gpu_type).network_efficiency,
-            inp.calibration.for_gpu(b.gpu_type).network_efficiency,
+            inp.calibration.for_gpu(a.gpu_type).p2p_eta,
+            inp.calibration.for_gpu(b.gpu_type).p2p_eta,
         )
-        gcurve = intra_curve(inp.network, b.gpu_type, b.tp, inp.gpu_specs)[0] if b.tp > 1 else None
+        copies = self.p2p_copies(a, b)
+        # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
+        gcurve_f = (
+            intra_curve(inp.network, b.gpu_type, b.tp, inp.gpu_specs)[0]
+            if b.tp > 1 and copies is None
+            else None
+        )
+        gcurve_b = (
+            intra_curve(inp.network, a.gpu_type, a.tp, inp.gpu_specs)[0]
+            if a.tp > 1 and copies is None
+            else None
+        )
         tf = np.empty(len(arr.out_layer))
         tb = np.empty(len(arr.out_layer))
         for j, per_sample in enumerate(arr.out_layer):
             out = mbs * float(per_sample)
-            gather = gcurve.transfer_time(out) if gcurve is not None else 0.0
-            tf[j] = curve.transfer_time(out + a.tp * self.mask_bytes) / eff + gather
-            tb[j] = curve.transfer_time(out) / eff + gather
+            gather_f = gcurve_f.transfer_time(out) if gcurve_f is not None else 0.0
+            gather_b = gcurve_b.transfer_time(out) if gcurve_b is not None else 0.0
+            fwd, bwd = (out, out) if copies is None else (copies[0] * out, copies[1] * out)
+            tf[j] = curve.transfer_time(fwd + a.tp * self.mask_bytes) / eff + gather_f
+            tb[j] = curve.transfer_time(bwd) / eff + gather_b
         self._links[key] = (tf, tb)
         return tf, tb
+
+    def p2p_copies(self, a: Kind, b: Kind) -> tuple[int, int] | None:
+        """Copies of the activation (forward) and of its gradient (backward) that cross the
+        link from ``a`` to ``b`` under ``Calibration.p2p_across_tp='full_copies'``; None when
+        one copy crosses and a TP receiver all-gathers it (as the simulator)."""
+        if self.inputs.calibration.p2p_across_tp == "full_copies" and (a.tp > 1 or b.tp > 1):
+            return b.tp, a.tp
+        return None
 
     def price_per_s(self, gpu_type: str, zone: str) -> float:
         """On-demand unless ``spot=True`` (the search prices a pool through ``GpuPricing``)."""

@@ -221,6 +221,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from sailor.comm import api as comm
     from sailor.profiler.procs import join_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
@@ -235,11 +236,11 @@ def _rank_main(argv: list[str] | None = None) -> int:
         times: list[float] = []
         reps = max(_MIN_REPS, min(int(cfg["reps"]), _REP_BYTES // max(1, int(nbytes))))
         for i in range(reps + _WARMUP):
-            dist.barrier()
+            comm.barrier()
             if cuda:
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            comm.all_reduce(buf)
             if cuda:
                 torch.cuda.synchronize(dev)  # NCCL returns before the reduction is done
             if i >= _WARMUP:
@@ -249,7 +250,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.empty_cache()  # 256 MiB buffers: give each back before the next
     every: list[dict[str, dict[str, float]] | None] = [None] * args.world_size
-    dist.all_gather_object(every, out)  # a rank on another node reports every rank's times
+    comm.all_gather_object(every, out)  # a rank on another node reports every rank's times
     write_result(args, {"rank": args.rank, "times": out, "all": every})
     dist.destroy_process_group()
     return 0

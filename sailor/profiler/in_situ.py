@@ -35,7 +35,7 @@ import torch
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.tp_layers import TPContext
-from sailor.profiler.layer_bench import LayerMeasurement
+from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.memory_bound import window_layers, window_spec
 from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, time_once

@@ -23,93 +23,26 @@ the block's all-reduces are part of its time. Returns plain values; writes nothi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.tp_layers import TPContext
+from sailor.profiler.in_situ import measure_window
+from sailor.profiler.layer_measurement import KIND_LAYER, LayerMeasurement
 from sailor.profiler.memory import peak_growth_bytes, saved_tensor_bytes
 from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, repeat, time_once
 from sailor.schemas.model import LayerKind, ModelSpec
 
-__all__ = ["KIND_LAYER", "LayerMeasurement", "kind_layer", "measure_kinds", "measure_layer"]
-
-KIND_LAYER: tuple[LayerKind, ...] = ("embedding", "block", "head")
-"""Layer kinds in the order they are measured."""
+__all__ = ["kind_layer", "measure_kinds", "measure_layer"]
 
 
 def kind_layer(spec: ModelSpec, kind: LayerKind) -> int:
     """The global layer index measured for ``kind`` (blocks: the first block)."""
     return {"embedding": 0, "block": 1, "head": spec.num_all_layers - 1}[kind]
-
-
-@dataclass(frozen=True)
-class LayerMeasurement:
-    """What one layer kind costs at one (TP degree, microbatch size), per TP rank."""
-
-    kind: LayerKind
-    tp: int
-    mbs: int
-    fwd: Stats
-    bwd: Stats
-    update: Stats
-    params: int
-    """Parameters on one TP rank."""
-    saved_bytes: int
-    """Bytes saved for backward by one microbatch (parameters excluded)."""
-    output_bytes: int
-    """Bytes of the layer's output for one microbatch (0 for the head: a scalar loss)."""
-    input_bytes: int
-    """Bytes of the layer's input for one microbatch."""
-    peak_growth_bytes: int
-    """Peak growth of allocated bytes over one forward + backward."""
-    layer: int = -1
-    """Global layer index when measured in place (:mod:`in_situ`); -1: the kind, measured alone."""
-
-    def with_peak(self, peak: int) -> LayerMeasurement:
-        return dataclasses.replace(self, peak_growth_bytes=peak)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "tp": self.tp,
-            "mbs": self.mbs,
-            "fwd": self.fwd.to_dict(),
-            "bwd": self.bwd.to_dict(),
-            "update": self.update.to_dict(),
-            "params": self.params,
-            "saved_bytes": self.saved_bytes,
-            "output_bytes": self.output_bytes,
-            "input_bytes": self.input_bytes,
-            "peak_growth_bytes": self.peak_growth_bytes,
-            "layer": self.layer,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LayerMeasurement:
-        kind = str(d["kind"])
-        if kind not in KIND_LAYER:
-            raise ValueError(f"kind={kind!r}: not one of {KIND_LAYER}")
-        return cls(
-            kind=kind,  # type: ignore[arg-type,unused-ignore]
-            tp=int(d["tp"]),
-            mbs=int(d["mbs"]),
-            fwd=Stats.from_dict(d["fwd"]),
-            bwd=Stats.from_dict(d["bwd"]),
-            update=Stats.from_dict(d["update"]),
-            params=int(d["params"]),
-            saved_bytes=int(d["saved_bytes"]),
-            output_bytes=int(d["output_bytes"]),
-            input_bytes=int(d["input_bytes"]),
-            peak_growth_bytes=int(d["peak_growth_bytes"]),
-            layer=int(d.get("layer", -1)),
-        )
 
 
 def _inputs(
@@ -230,8 +163,6 @@ def measure_kinds(
         return [
             measure_layer(spec, k, mbs, device, settings, tp, measure_memory) for k in KIND_LAYER
         ]
-    from sailor.profiler.in_situ import measure_window
-
     out = measure_window(
         spec, spec.num_layers if blocks is None else blocks, mbs, device, settings, tp
     )

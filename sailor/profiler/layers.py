@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
+from sailor.profiler.layer_bench import measure_kinds
+from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.memory_bound import Window, device_budget, plan_window
 from sailor.profiler.precision import ComputePrecision, compute_precision
 from sailor.profiler.timing import RepeatSettings
@@ -74,8 +75,8 @@ class LayerRun:
     """Time every layer inside the whole model (in_situ.py), or inside the window of it the
     device holds (memory_bound.py); False: each kind alone."""
     host_ranks: int = 0
-    """On CPU: measure how up to this many ranks share the host's cores (host_sharing.py);
-    0: not measured."""
+    """On CPU: measure how up to this many ranks share the host's cores (CPU test scaffolding,
+    cpu_host/sharing.py); 0 (the default): not measured."""
     host_pin: bool = False
     """Measure host sharing with rank r bound to core r % cores (runs that pin their ranks)."""
     memory_limit: int | None = None
@@ -191,7 +192,7 @@ def profile_layers(
     host: HostSharing | None = None
     if run.device == "cpu" and run.host_ranks:
         note(f"host sharing (1..{run.host_ranks} ranks at once)", 0)
-        from sailor.profiler.host_sharing import HostRun, measure_host_sharing
+        from sailor.profiler.cpu_host.sharing import HostRun, measure_host_sharing
 
         mbs = sorted(run.mbs)[len(run.mbs) // 2]
         host = measure_host_sharing(

@@ -30,6 +30,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from sailor.profiler.procs import check_devices, run_ranks
 from sailor.profiler.timing import Stats
@@ -125,12 +129,26 @@ def run_probe(
     ]
 
 
+def _send(buf: torch.Tensor, peer: int) -> None:
+    """One send, posted as a batch of one and waited (the project's p2p has no lone send)."""
+    from sailor.comm import api as comm
+
+    comm.wait_all(comm.batch_isend_irecv([comm.P2POp("send", buf, peer)]))
+
+
+def _recv(buf: torch.Tensor, peer: int) -> None:
+    from sailor.comm import api as comm
+
+    comm.wait_all(comm.batch_isend_irecv([comm.P2POp("recv", buf, peer)]))
+
+
 def _rank_main(argv: list[str] | None = None) -> int:
     import time
 
     import torch
     import torch.distributed as dist
 
+    from sailor.comm import api as comm
     from sailor.profiler.procs import join_group, rank_args, write_result
 
     args, cfg = rank_args(argv)
@@ -148,21 +166,21 @@ def _rank_main(argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
-                dist.send(buf, dst=peer)
-                dist.recv(buf, src=peer)
+                _send(buf, peer)
+                _recv(buf, peer)
                 if cuda:
                     torch.cuda.synchronize(dev)  # NCCL returns before the bytes are in
                 if i > 0:  # the first exchange is the warm-up
                     times.append((time.perf_counter() - t0) / 2)
             else:
-                dist.recv(buf, src=peer)
-                dist.send(buf, dst=peer)
+                _recv(buf, peer)
+                _send(buf, peer)
         if args.rank == 0:
             points.append({"nbytes": int(nbytes), "time": Stats.of(times).to_dict()})
         del buf
     if cuda:
         torch.cuda.synchronize(dev)
-    dist.barrier()
+    comm.barrier()
     write_result(args, {"rank": args.rank, "points": points})
     dist.destroy_process_group()
     return 0

@@ -7,7 +7,7 @@ allocator arenas. Measured by running the real worker on a model too small to ma
 * a 2-stage pipeline (2 ranks on loopback, the local launcher, 3 steps) of a "nano" GPT
   (2 blocks, hidden 8, vocabulary 8, sequence 4: ~1,000 parameters, a few KiB of state and
   activations);
-* each rank runs through :mod:`sailor.profiler.rss_worker`, which takes the baseline RSS after
+* each rank runs through :mod:`sailor.profiler.rss_probe`, which takes the baseline RSS after
   importing the worker and reports the peak RSS growth of the run;
 * the overhead is the larger of the two ranks' growth, minus the nano model's modelled state
   and activations (16 bytes per parameter for fp32 AdamW plus its saved activations; under
@@ -43,7 +43,7 @@ NANO_MODEL = ModelSpec(
 """A model whose tensors are negligible: what the worker costs without a model."""
 
 OVERHEAD_SOURCE = (
-    "peak RSS growth of a real worker rank (sailor.profiler.rss_worker; baseline after "
+    "peak RSS growth of a real worker rank (sailor.profiler.rss_probe; baseline after "
     "imports) training a 2-stage pipeline of a ~1k-parameter model for 3 steps on 2 gloo "
     "ranks on loopback, larger of the 2 ranks (sailor.profiler.overhead)"
 )
@@ -86,7 +86,7 @@ def measure_cpu_overhead(threads: int = 1, deadline_s: float = 180.0) -> int:
             work,
             model=str(model_file),
             extra_args=["--threads", str(threads), "--rss-out", str(work / "rss-{rank}.json")],
-            module="sailor.profiler.rss_worker",
+            module="sailor.profiler.rss_probe",
             deadline_s=deadline_s,
         )
         if not run.ok:

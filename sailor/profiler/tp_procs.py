@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from sailor.profiler.layer_bench import LayerMeasurement
+from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.procs import rank_device, run_ranks
 from sailor.profiler.timing import RepeatSettings, Stats
 from sailor.schemas.model import ModelSpec
@@ -111,6 +111,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from sailor.comm import api as comm
     from sailor.megatron_patch.tp_layers import TPContext
     from sailor.profiler.layer_bench import measure_kinds
     from sailor.profiler.procs import join_group, rank_args, write_result
@@ -124,7 +125,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     ctx = TPContext(size=args.world_size, rank=args.rank, group=group)
     out: list[dict[str, Any]] = []
     for mbs in cfg["mbs"]:
-        dist.barrier()
+        comm.barrier()
         ms = measure_kinds(
             spec,
             int(mbs),
@@ -136,7 +137,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
             blocks=cfg.get("blocks", {}).get(str(mbs)),
         )
         out.extend(m.to_dict() for m in ms)
-    dist.barrier()
+    comm.barrier()
     write_result(args, {"rank": args.rank, "measurements": out})
     dist.destroy_process_group()
     return 0

@@ -4,7 +4,7 @@ Pure data: no I/O, no torch. Every model is frozen and forbids unknown fields.
 """
 
 from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage
-from sailor.schemas.calibration import Calibration, GPUCalibration
+from sailor.schemas.calibration import Calibration, ConstantRange, GPUCalibration, GPUPrior
 from sailor.schemas.checkpoint import CheckpointManifest, ShardEntry, TensorEntry
 from sailor.schemas.commands import (
     Abort,
@@ -15,7 +15,16 @@ from sailor.schemas.commands import (
     Prepare,
     Stop,
 )
-from sailor.schemas.estimate import Estimate, MemoryBreakdown, StageTime, TimeBreakdown
+from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
+from sailor.schemas.estimate import (
+    CornerFigures,
+    Estimate,
+    EstimateInterval,
+    Interval,
+    MemoryBreakdown,
+    StageTime,
+    TimeBreakdown,
+)
 from sailor.schemas.events import (
     Event,
     EventAdapter,
@@ -45,6 +54,7 @@ from sailor.schemas.profile import (
     LayerSize,
     ProfileDB,
 )
+from sailor.schemas.training import TrainingConfig, parse_training_config
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -55,17 +65,25 @@ __all__ = [
     "CheckpointManifest",
     "Command",
     "CommandAdapter",
+    "ConstantRange",
+    "CornerFigures",
+    "CorpusSource",
+    "DatasetManifest",
     "DeviceOverhead",
+    "DocumentRange",
     "EgressPrice",
     "Endpoint",
     "Estimate",
+    "EstimateInterval",
     "Event",
     "EventAdapter",
     "Frozen",
     "GPUCalibration",
     "GPUPrice",
+    "GPUPrior",
     "GPUSpec",
     "Heartbeat",
+    "Interval",
     "Launch",
     "LayerKind",
     "LayerMemory",
@@ -96,8 +114,11 @@ __all__ = [
     "Stop",
     "TensorEntry",
     "TimeBreakdown",
+    "TokenizerInfo",
+    "TrainingConfig",
     "WireMessage",
     "WorkerFailed",
     "Zone",
     "layer_segments",
+    "parse_training_config",
 ]

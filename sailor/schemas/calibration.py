@@ -14,20 +14,76 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
 
 __all__ = [
     "DEFAULT_MEMORY_OVERHEAD_BYTES",
     "Calibration",
+    "ConstantRange",
     "GPUCalibration",
+    "GPUPrior",
 ]
 
 DEFAULT_MEMORY_OVERHEAD_BYTES = 1 << 30
 """1 GiB of non-tensor memory per training process when nothing was measured: the CUDA
 context with its loaded kernel modules (~0.3-0.5 GiB on Ampere/Hopper with lazy loading),
 cuBLAS/cuDNN workspaces and NCCL communicator buffers (a few MiB per channel and peer)."""
+
+
+class ConstantRange(Frozen):
+    """What is known about one constant: a low, a median and a high value, and why.
+
+    ``low <= median <= high`` in the constant's own units. Which end is pessimistic depends on
+    the constant (a low network efficiency and a high allocator factor both cost more); the
+    corners of :mod:`sailor.simulator.uncertainty` pick the end that costs more.
+    """
+
+    low: float = Field(description="Lowest value the evidence supports.")
+    median: float = Field(description="Central value used by the median corner.")
+    high: float = Field(description="Highest value the evidence supports.")
+    evidence: str = Field(default="", description="The measurements, figures or physics behind it.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ConstantRange:
+        if not self.low <= self.median <= self.high:
+            raise field_error(
+                "low/median/high", (self.low, self.median, self.high), "must be ordered"
+            )
+        return self
+
+
+class GPUPrior(Frozen):
+    """Ranges of every constant calibration fits, for a GPU type without measurements (the
+    catalog's prior) or around a calibrated type's fit (its leave-one-out spread)."""
+
+    profiler_overhead_s: ConstantRange = Field(description="Profiler hook cost per layer, s.")
+    network_efficiency: ConstantRange = Field(
+        description="Fraction of the probed link bandwidth the gradient all-reduces reach."
+    )
+    p2p_efficiency: ConstantRange = Field(
+        description="Fraction of the probed link bandwidth pipeline transfers reach."
+    )
+    sync_fixed_s: ConstantRange = Field(description="Fixed sync cost per iteration, s.")
+    alloc_factor: ConstantRange = Field(
+        description="Caching-allocator factor (reserved/allocated)."
+    )
+    memory_overhead_bytes: ConstantRange = Field(description="Non-tensor memory per GPU, bytes.")
+    source: str = Field(default="", description="Where the ranges come from.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> GPUPrior:
+        for name in ("network_efficiency", "p2p_efficiency"):
+            r: ConstantRange = getattr(self, name)
+            if r.low <= 0 or r.high > 1:
+                raise field_error(name, (r.low, r.high), "an efficiency lies in (0, 1]")
+        if self.alloc_factor.low < 1:
+            raise field_error("alloc_factor.low", self.alloc_factor.low, "must be >= 1")
+        for name in ("profiler_overhead_s", "sync_fixed_s", "memory_overhead_bytes"):
+            if getattr(self, name).low < 0:
+                raise field_error(f"{name}.low", getattr(self, name).low, "must be >= 0")
+        return self
 
 
 class GPUCalibration(Frozen):
@@ -50,6 +106,15 @@ class GPUCalibration(Frozen):
         description=(
             "Fraction of the probed link bandwidth the training framework's collectives and "
             "pipeline transfers reach. Default 1.0: the probe is taken as the truth."
+        ),
+    )
+    p2p_efficiency: float | None = Field(
+        default=None,
+        gt=0,
+        le=1.0,
+        description=(
+            "Fraction of the probed link bandwidth pipeline transfers reach. None: the same "
+            "as network_efficiency (what a calibration from gradient reduce times gives)."
         ),
     )
     sync_fixed_s: float = Field(
@@ -77,10 +142,31 @@ class GPUCalibration(Frozen):
             "(DEFAULT_MEMORY_OVERHEAD_BYTES)."
         ),
     )
+    memory_overhead_tp_bytes: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Extra non-tensor memory of a GPU in a TP group (TP > 1), bytes. 0 in the engine's "
+            "model; the original artifact's memory model adds 1 GB (2 GB at TP 1, 3 GB above)."
+        ),
+    )
     source: str = Field(
         default="default: physically motivated, not fitted (docs/simulator-model.md)",
         description="Measurements these constants were derived from.",
     )
+    spread: GPUPrior | None = Field(
+        default=None,
+        description=(
+            "The constants' leave-one-out spread (each constant refitted without each measured "
+            "run): the range the uncertainty corners use for this calibrated GPU type. None: "
+            "the point values only."
+        ),
+    )
+
+    @property
+    def p2p_eta(self) -> float:
+        """Efficiency of pipeline transfers (network_efficiency unless set apart)."""
+        return self.network_efficiency if self.p2p_efficiency is None else self.p2p_efficiency
 
 
 class Calibration(Frozen):
@@ -93,12 +179,60 @@ class Calibration(Frozen):
         default_factory=lambda: GPUCalibration(gpu_type="*"),
         description="Constants for GPU types without an entry.",
     )
+    prior: GPUPrior | None = Field(
+        default=None,
+        description=(
+            "Ranges of every fitted constant for GPU types without a calibration, with their "
+            "evidence (the catalog's). The uncertainty corners take their constants from it; "
+            "None: only the point default is known."
+        ),
+    )
     sends_attention_mask: bool = Field(
-        default=True,
+        default=False,
         description=(
             "The pipeline engine sends the causal attention mask (seq x seq, 2 bytes per "
-            "element, not split over TP) with every forward activation. True for "
-            "Megatron-DeepSpeed's GPT pipeline model, the framework the reference plans ran on."
+            "element, not split over TP) from every TP rank with every forward activation. "
+            "False: Sailor's engine sends activations only, and the measured "
+            "Megatron-DeepSpeed runs show no such cost; kept for a deployment that does."
+        ),
+    )
+    p2p_across_tp: Literal["scatter_gather", "full_copies"] = Field(
+        default="scatter_gather",
+        description=(
+            "How an activation crosses a stage boundary with TP > 1. 'scatter_gather' "
+            "(Megatron-DeepSpeed): each sender rank sends 1/t of it and the receiving TP "
+            "group all-gathers it inside its node (one copy crosses the link). "
+            "'full_copies': each of the receiver's TP ranks gets the whole activation from "
+            "one sender (t copies cross the link, no all-gather)."
+        ),
+    )
+    grad_allreduce_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        le=4,
+        description=(
+            "Bytes per gradient element in the gradient all-reduces. None: what "
+            "mixed_precision implies (4 under autocast, the compute dtype's under "
+            "fp16_optimizer); set to price another deployment (e.g. the original artifact's "
+            "fp32 gradients)."
+        ),
+    )
+    ring_links: Literal["node", "per_gpu"] = Field(
+        default="node",
+        description=(
+            "What a gradient ring's bytes cross. 'node': the TP ranks of a node run their "
+            "rings at once over the node's NICs (node-level bytes on the node's curve). "
+            "'per_gpu' (the original artifact's model): each rank's ring moves its own "
+            "bytes over the link curve of a 1-GPU VM of its type."
+        ),
+    )
+    extra_state_bytes_per_param: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Model-state bytes per parameter beyond the engine's (communication buffers, "
+            "extra copies). 0 for the engine; 8 reproduces the original artifact's 24 B per "
+            "parameter over DeepSpeed's 16."
         ),
     )
     blocking_p2p: bool = Field(

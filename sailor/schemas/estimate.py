@@ -6,7 +6,15 @@ from pydantic import Field
 
 from sailor.schemas._base import Frozen
 
-__all__ = ["Estimate", "MemoryBreakdown", "StageTime", "TimeBreakdown"]
+__all__ = [
+    "CornerFigures",
+    "Estimate",
+    "EstimateInterval",
+    "Interval",
+    "MemoryBreakdown",
+    "StageTime",
+    "TimeBreakdown",
+]
 
 
 class TimeBreakdown(Frozen):
@@ -78,3 +86,42 @@ class Estimate(Frozen):
     uses_estimates: bool = Field(description="Some figure rests on estimated profiles.")
     model: str = Field(default="closed_form", description="'closed_form' or 'replay'.")
     notes: tuple[str, ...] = Field(default=(), description="Assumptions and fallbacks used.")
+
+
+class Interval(Frozen):
+    """A figure over the uncertainty set: its least, median-corner and largest value."""
+
+    low: float = Field(description="Least value over the corners.")
+    median: float = Field(description="Value in the median corner.")
+    high: float = Field(description="Largest value over the corners.")
+
+
+class CornerFigures(Frozen):
+    """The headline figures of one plan in one corner of the uncertainty set."""
+
+    corner: str = Field(description="Corner name (optimistic, median, pessimistic, original).")
+    iteration_time_s: float = Field(gt=0, description="Seconds per iteration.")
+    throughput_iter_s: float = Field(gt=0, description="Iterations per second.")
+    cost_per_iter_usd: float = Field(ge=0, description="$ per iteration.")
+    peak_memory_bytes: int = Field(ge=0, description="Largest memory of any GPU.")
+    fits_in_memory: bool = Field(description="Every GPU within its capacity in this corner.")
+
+
+class EstimateInterval(Frozen):
+    """A plan's figures over a small deterministic set of corners of the cost model's
+    uncertainty (sailor.simulator.uncertainty): each corner's figures, and per figure the
+    low / median / high. Fits in memory only if it fits in every corner."""
+
+    corners: tuple[CornerFigures, ...] = Field(description="Figures per corner, in set order.")
+    iteration_time_s: Interval = Field(description="Seconds per iteration.")
+    throughput_iter_s: Interval = Field(description="Iterations per second.")
+    cost_per_iter_usd: Interval = Field(description="$ per iteration.")
+    peak_memory_bytes: Interval = Field(description="Largest memory of any GPU, bytes.")
+    fits_in_memory: bool = Field(description="Fits at the high end (in every corner).")
+
+    def corner(self, name: str) -> CornerFigures:
+        """The figures of corner ``name``."""
+        for c in self.corners:
+            if c.corner == name:
+                return c
+        raise KeyError(f"corner={name!r} not in {[c.corner for c in self.corners]}")

@@ -148,9 +148,10 @@ class FrameworkTime(Frozen):
 class HostSharing(Frozen):
     """How ranks started on one host share its cores (CPU devices; absent for GPUs).
 
-    Measured by ``sailor.profiler.host_sharing`` with the profiled model's own layers, never
-    on the plans it predicts. The simulator uses it only when it is told that a plan's ranks
-    run on one host (``simulate(..., shared_host=True)``, as ``launch_local`` runs them).
+    CPU test scaffolding: measured by ``sailor.profiler.cpu_host.sharing`` with the profiled
+    model's own layers, never on the plans it predicts; read only by
+    ``sailor.simulator.cpu_host`` (a plan's ranks all on one host, as ``launch_local`` runs
+    them), never by the GPU path. Kept here so that profile files holding it still load.
     """
 
     gpu_type: str = Field(description="Device kind measured (e.g. cpu).")

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from sailor.schemas._base import WireMessage
+from sailor.schemas.events import PreemptionNotice
 from sailor.schemas.plan import Plan
 
 __all__ = [
@@ -84,6 +85,11 @@ class AgentStatus(WireMessage):
     start_step: int = Field(default=-1, ge=-1, description="Step the workers started from.")
     saved_step: int = Field(default=-1, ge=-1, description="Last step its workers saved.")
     failure: str = Field(default="", max_length=4096, description="First failure cause.")
+    notice: PreemptionNotice | None = Field(
+        default=None,
+        description="The node's preemption notice, also published as an event: the second "
+        "path to the controller while NATS is down (the leader validates it as an event).",
+    )
     time: float = Field(default=0.0, ge=0, description="Unix time of this report.")
 
 

@@ -75,6 +75,7 @@ def stage_memory(
     stage: int,
     gpu_type: str,
     scheme: MixedPrecision = "autocast",
+    extra_state_bytes_per_param: float = 0.0,
 ) -> MemoryBreakdown:
     """Peak memory of one GPU running ``sizes`` (the stage's layers at its TP degree)."""
     if not sizes:
@@ -101,7 +102,8 @@ def stage_memory(
     during_backward = weights + grads + optim + acts + copies
     during_step = weights + grads + optim + params * step_b
     transient = max(0, during_step - during_backward)
-    overhead = overhead_bytes + transient
+    # bytes per parameter a deployment holds beyond the engine's state (Calibration)
+    overhead = overhead_bytes + transient + int(extra_state_bytes_per_param * params)
     total = weights + grads + optim + acts + copies + overhead
     return MemoryBreakdown(
         pipeline=pipeline,

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from sailor.schemas import (
     Calibration,
@@ -47,6 +47,7 @@ from sailor.schemas import (
     Plan,
     PriceTable,
     ProfileDB,
+    ReplicaGroup,
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
@@ -58,14 +59,24 @@ from sailor.schemas.precision import (
     supports_bf16,
     wire_bytes,
 )
-from sailor.schemas.profile import FrameworkTime, HostSharing
+from sailor.schemas.profile import FrameworkTime
 from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.network_model import AllReduce, LinkCurves, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
-from sailor.simulator.shared_host import SharedPipe, replay_shared, slowest
 
-__all__ = ["Method", "Timeline", "simulate", "simulate_with_timeline"]
+__all__ = [
+    "Method",
+    "Notes",
+    "OwnDevices",
+    "PipelineKind",
+    "PipelineRuns",
+    "RankTiming",
+    "Timeline",
+    "simulate",
+    "simulate_ranks",
+    "simulate_with_timeline",
+]
 
 Method = Literal["closed_form", "replay"]
 _MASK_BYTES_PER_ELEMENT = 2
@@ -98,10 +109,12 @@ _StageKey = tuple[int, int, str, int, int, str]
 """(first layer, last layer, GPU type, TP, GPUs per node, zone) of a stage."""
 _PipeKey = tuple[int, tuple[_StageKey, ...], tuple[bool, ...]]
 """A pipeline's microbatch size, stages, and which consecutive stages share a node."""
+_Rank = tuple[int, int]
+"""(pipeline, stage) of a plan."""
 
 
 @dataclass(frozen=True)
-class _Kind:
+class PipelineKind:
     """The per-microbatch figures of every pipeline with one :data:`_PipeKey`."""
 
     row: tuple[_Stage, ...]
@@ -115,7 +128,9 @@ class _Kind:
     stages: tuple[_StageKey, ...]
 
 
-class _Notes:
+class Notes:
+    """The notes of one simulation, once each, in the order they arose."""
+
     def __init__(self) -> None:
         self.items: dict[str, None] = {}
 
@@ -144,7 +159,7 @@ class _Inputs:
         self.cal = cal
         self.specs = specs
         self.links = LinkCurves(network, specs)
-        self.notes = _Notes()
+        self.notes = Notes()
         self.uses_estimates = network.estimated
         self.tables: dict[tuple[str, int, int], StageCosts] = {}
         self.sizes_by_tp: dict[int, tuple[LayerSize, ...]] = {}
@@ -184,6 +199,106 @@ class _Inputs:
         return sz
 
 
+@dataclass
+class PipelineRuns:
+    """Each pipeline's end, each of its stages' end of last backward, and the recorded ops."""
+
+    end_s: list[float]
+    stage_end_s: list[tuple[float, ...]]
+    ops: list[TimelineOp]
+
+
+class RankTiming(Protocol):
+    """How the placement of a plan's ranks times its pipelines and collectives.
+
+    The simulator's own, :class:`OwnDevices`, is the GPU case: every rank owns its device. The
+    CPU test scaffolding (:mod:`sailor.simulator.cpu_host`) supplies ranks sharing one host's
+    cores. One object per simulation: it may keep state between calls, which come in the
+    order of the iteration (pipelines, gradient all-reduces, loss all-reduce).
+    """
+
+    def run_pipelines(
+        self,
+        pipelines: Sequence[Pipeline],
+        kinds: Sequence[PipelineKind],
+        method: Method,
+        timeline: bool,
+        notes: Notes,
+    ) -> PipelineRuns:
+        """Run 1F1B on every pipeline (``kinds[i]``: the figures of ``pipelines[i]``)."""
+        ...
+
+    def end_slowdown(self, pipelines: Sequence[Pipeline]) -> float:
+        """How many times slower than alone the end of iteration and the optimizer step run."""
+        ...
+
+    def grad_allreduce_s(
+        self, ar: AllReduce, holders: Sequence[_Rank], node_bytes: float, *, chains: bool
+    ) -> float:
+        """Time of gradient all-reduce ``ar`` among the stages ``holders`` (``chains``: a
+        segment's, which the next one may follow at once; the tied embedding's does not)."""
+        ...
+
+    def loss_allreduce_s(self, ar: AllReduce, ranks: int, node_bytes: float) -> float:
+        """Time of the loss all-reduce ``ar`` over every rank, right after the step."""
+        ...
+
+
+class OwnDevices:
+    """Every rank owns its device (GPUs): pipelines run on their own, collectives take the
+    modelled ring's time."""
+
+    def run_pipelines(
+        self,
+        pipelines: Sequence[Pipeline],
+        kinds: Sequence[PipelineKind],
+        method: Method,
+        timeline: bool,
+        notes: Notes,
+    ) -> PipelineRuns:
+        # alike pipelines with the same microbatch count are run once
+        out = PipelineRuns([], [], [])
+        runs: dict[tuple[int, int], tuple[float, tuple[float, ...], int, tuple[TimelineOp, ...]]]
+        runs = {}
+        for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
+            rkey = (id(kind), p.num_microbatches)
+            done = runs.get(rkey)
+            if done is None:
+                if method == "replay":
+                    run = replay_1f1b(
+                        kind.fs,
+                        kind.bs,
+                        p.num_microbatches,
+                        kind.delay,
+                        pipeline=pi,
+                        record=timeline,
+                    )
+                    done = (run.end_s, run.stage_end_s, pi, run.ops)
+                else:
+                    t = closed_form_1f1b(kind.fs, kind.bs, p.num_microbatches, kind.delay)
+                    done = (t, tuple(t for _ in kind.row), pi, ())
+                runs[rkey] = done
+            out.end_s.append(done[0])
+            out.stage_end_s.append(done[1])
+            if timeline:
+                if done[2] == pi:
+                    out.ops.extend(done[3])
+                else:
+                    out.ops.extend(dataclasses.replace(op, pipeline=pi) for op in done[3])
+        return out
+
+    def end_slowdown(self, pipelines: Sequence[Pipeline]) -> float:
+        return 1.0
+
+    def grad_allreduce_s(
+        self, ar: AllReduce, holders: Sequence[_Rank], node_bytes: float, *, chains: bool
+    ) -> float:
+        return ar.time_s
+
+    def loss_allreduce_s(self, ar: AllReduce, ranks: int, node_bytes: float) -> float:
+        return ar.time_s
+
+
 def simulate(
     plan: Plan,
     model: ModelSpec,
@@ -195,7 +310,6 @@ def simulate(
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     method: Method = "closed_form",
     spot: bool = False,
-    shared_host: bool = False,
 ) -> Estimate:
     """Simulated iteration time, peak memory per GPU and $ per iteration of ``plan``.
 
@@ -204,11 +318,6 @@ def simulate(
     rates, except replica groups whose own ``spot`` flag is set. Raises
     :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has neither a profile
     nor a spec, ``KeyError`` if it has no price.
-
-    ``shared_host``: every rank of ``plan`` runs on one host (CPU ranks started together, as
-    ``launch_local`` does) and shares its cores as the profile's ``HostSharing`` for their
-    device says (:mod:`shared_host`); without such an entry each rank keeps a device of its
-    own, and a note says so.
     """
     return _run(
         plan,
@@ -221,7 +330,7 @@ def simulate(
         method,
         spot,
         False,
-        shared_host,
+        OwnDevices(),
     )[0]
 
 
@@ -235,7 +344,6 @@ def simulate_with_timeline(
     calibration: Calibration | None = None,
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     spot: bool = False,
-    shared_host: bool = False,
 ) -> tuple[Estimate, Timeline]:
     """:func:`simulate` with the replay, plus every forward and backward on every stage."""
     est, tl = _run(
@@ -249,11 +357,42 @@ def simulate_with_timeline(
         "replay",
         spot,
         True,
-        shared_host,
+        OwnDevices(),
     )
     if tl is None:
         raise RuntimeError("replay produced no timeline")
     return est, tl
+
+
+def simulate_ranks(
+    plan: Plan,
+    model: ModelSpec,
+    profiles: ProfileDB,
+    network: NetworkProfile,
+    prices: PriceTable,
+    ranks: RankTiming,
+    *,
+    calibration: Calibration | None = None,
+    gpu_specs: Mapping[str, GPUSpec] | None = None,
+    method: Method = "closed_form",
+    spot: bool = False,
+    timeline: bool = False,
+) -> tuple[Estimate, Timeline | None]:
+    """:func:`simulate` with the ranks placed and timed by ``ranks`` (a fresh object per
+    call), and the timeline if ``timeline`` and the method is the replay."""
+    return _run(
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        calibration,
+        gpu_specs,
+        method,
+        spot,
+        timeline,
+        ranks,
+    )
 
 
 def _pipe_key(p: Pipeline) -> _PipeKey:
@@ -269,7 +408,7 @@ def _pipe_key(p: Pipeline) -> _PipeKey:
     )
 
 
-def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
+def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKind:
     """Compute and transfers per stage of ``p``, per microbatch (independent of its count)."""
     model, cal = inp.model, inp.cal
     row: list[_Stage] = []
@@ -302,7 +441,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
     for i in range(len(row) - 1):
         a, b = p.stages[i].replica, p.stages[i + 1].replica
         out = p.microbatch_size * inp.wire(row[i].sizes[-1])
-        eff = min(inp.gcal(a.gpu_type).network_efficiency, inp.gcal(b.gpu_type).network_efficiency)
+        eff = min(inp.gcal(a.gpu_type).p2p_eta, inp.gcal(b.gpu_type).p2p_eta)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
             curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node)
@@ -310,22 +449,34 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> _Kind:
             curve, note = inp.links.inter(a, b)
         inp.notes.add(note)
         inp.uses_estimates |= note.startswith("no link") or note.startswith("no intra")
-        gather = 0.0
-        if b.tp > 1:
-            gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
-            inp.notes.add(gnote)
-            gather = gcurve.transfer_time(out)
-        # each of the a.tp sender GPUs sends 1/tp of the output (+ the unsplit mask);
-        # they send at once over the node's NICs: node-level bytes on the node curve
-        node_f = a.tp * (out / a.tp + mask)
-        node_b = float(out)
-        t_f = curve.transfer_time(node_f) / eff + gather
-        t_b = curve.transfer_time(node_b) / eff + gather
+        gather_f = gather_b = 0.0
+        if cal.p2p_across_tp == "full_copies" and (a.tp > 1 or b.tp > 1):
+            # each receiver rank takes the whole activation from one sender (b.tp copies
+            # forward), each sender rank the whole gradient back (a.tp copies); no gather
+            node_f = b.tp * out + a.tp * mask
+            node_b = float(a.tp * out)
+        else:
+            # one copy crosses in each direction, in 1/t slices sent at once over the node's
+            # NICs (node-level bytes on the node curve; + the unsplit mask where sent); the
+            # receiving TP group all-gathers it inside its node: stage s+1 (b.tp ranks)
+            # forward, stage s (a.tp ranks) backward, as the engine's roles.boundary_pieces
+            if b.tp > 1:
+                gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
+                inp.notes.add(gnote)
+                gather_f = gcurve.transfer_time(out)
+            if a.tp > 1:
+                gcurve, gnote = inp.links.intra(a.gpu_type, a.tp)
+                inp.notes.add(gnote)
+                gather_b = gcurve.transfer_time(out)
+            node_f = a.tp * (out / a.tp + mask)
+            node_b = float(out)
+        t_f = curve.transfer_time(node_f) / eff + gather_f
+        t_b = curve.transfer_time(node_b) / eff + gather_b
         row[i] = _replace(row[i], send_f=t_f, send_b=t_b)
         if a.zone != b.zone:
             crossings.append((a.zone, b.zone, node_f, node_b))
     fs, bs, delay = _per_microbatch(row, cal.blocking_p2p)
-    return _Kind(
+    return PipelineKind(
         row=tuple(row),
         fs=tuple(fs),
         bs=tuple(bs),
@@ -347,7 +498,7 @@ def _run(
     method: Method,
     spot: bool,
     timeline: bool,
-    shared_host: bool = False,
+    ranks: RankTiming,
 ) -> tuple[Estimate, Timeline | None]:
     # Pipelines alike in everything the model reads (microbatch size, stages' layers, GPU
     # type, TP, node shape, zone, which neighbours share a node; and the microbatch count
@@ -370,15 +521,63 @@ def _run(
     inp = _Inputs(model, profiles, network, cal, specs, spec_precision)
     if plan.precision is None:
         inp.notes.add(f"plan precision not recorded: {model.precision} derived from its GPU types")
-    notes = inp.notes
-    mask = _MASK_BYTES_PER_ELEMENT * model.seq_length**2 if cal.sends_attention_mask else 0
     pipelines = plan.pipelines
 
-    # --- per-stage compute and transfers, once per distinct pipeline ---------------------
-    by_key: dict[_PipeKey, _Kind] = {}
-    by_object: dict[int, _Kind] = {}  # the planner's plans repeat one Pipeline object
-    kinds: list[_Kind] = []
     egress_bytes: dict[tuple[str, str], float] = {}
+    kinds = _pipeline_kinds(inp, pipelines, egress_bytes)
+    runs = ranks.run_pipelines(pipelines, kinds, method, timeline, inp.notes)
+    slowdown = ranks.end_slowdown(pipelines)
+    ready, sync_of = _gradient_sync(plan, inp, kinds, runs, slowdown, ranks, egress_bytes)
+    end = {h: ready[h] + slowdown * kinds[h[0]].row[h[1]].u for h in ready}
+    iteration = max(end.values()) + _loss_allreduce_s(inp, pipelines, ranks)
+    if iteration <= 0:
+        raise ValueError("simulated iteration time is zero: the profiles hold no time")
+    memory, distinct = _memory(inp, pipelines, kinds)
+    compute_usd = _compute_usd(prices, pipelines, spot, iteration)
+    egress_usd = sum(
+        nbytes / 1e9 * prices.egress_per_gb(src, dst)
+        for (src, dst), nbytes in sorted(egress_bytes.items())
+    )
+    samples = plan.global_batch_size
+    # One validation of the whole answer: every StageTime and MemoryBreakdown is built and
+    # checked by pydantic's core in one pass (a third of the time of one constructor call
+    # per stage, which dominated large plans).
+    est = Estimate.model_validate(
+        {
+            "iteration_time_s": iteration,
+            "throughput_iter_s": 1.0 / iteration,
+            "throughput_samples_s": samples / iteration,
+            "time": _critical_path(pipelines, kinds, runs.end_s, end, iteration),
+            "stages": _stage_times(kinds, sync_of),
+            "memory": memory,
+            "peak_memory_bytes": max(mb.total for mb in distinct),
+            "fits_in_memory": all(mb.fits or mb.capacity == 0 for mb in distinct),
+            "compute_cost_usd": compute_usd,
+            "egress_cost_usd": egress_usd,
+            "cost_per_iter_usd": compute_usd + egress_usd,
+            "gpus_by_type_zone": _gpus_by_type_zone(kinds),
+            "uses_estimates": inp.uses_estimates,
+            "model": method,
+            "notes": tuple(inp.notes.items),
+        }
+    )
+    tl = (
+        Timeline(ops=tuple(runs.ops), pipeline_end_s=tuple(runs.end_s), iteration_time_s=iteration)
+        if method == "replay" and timeline
+        else None
+    )
+    return est, tl
+
+
+def _pipeline_kinds(
+    inp: _Inputs, pipelines: Sequence[Pipeline], egress_bytes: dict[tuple[str, str], float]
+) -> list[PipelineKind]:
+    """Per-stage compute and transfers of each pipeline, worked out once per distinct
+    pipeline; adds the pipeline transfers' cross-zone bytes to ``egress_bytes``."""
+    mask = _MASK_BYTES_PER_ELEMENT * inp.model.seq_length**2 if inp.cal.sends_attention_mask else 0
+    by_key: dict[_PipeKey, PipelineKind] = {}
+    by_object: dict[int, PipelineKind] = {}  # the planner's plans repeat one Pipeline object
+    kinds: list[PipelineKind] = []
     for p in pipelines:
         kind = by_object.get(id(p))
         if kind is None:
@@ -392,84 +591,52 @@ def _run(
         for za, zb, node_f, node_b in kind.crossings:
             egress_bytes[(za, zb)] = egress_bytes.get((za, zb), 0.0) + m * node_f
             egress_bytes[(zb, za)] = egress_bytes.get((zb, za), 0.0) + m * node_b
+    return kinds
 
-    # --- pipelines -----------------------------------------------------------------------
-    pipe_end: list[float] = []
-    stage_end: list[tuple[float, ...]] = []
-    ops: list[TimelineOp] = []
-    host = _host_model(inp, plan) if shared_host else None
-    if host is not None:
-        if method != "replay":
-            notes.add("ranks share one host: pipelines replayed together (no closed form)")
-        for prun in replay_shared(
-            [
-                SharedPipe(
-                    f=k.fs,
-                    b=k.bs,
-                    delay=k.delay or tuple(0.0 for _ in k.fs[1:]),
-                    m=p.num_microbatches,
-                    tp=tuple(s.replica.tp for s in p.stages),
-                )
-                for p, k in zip(pipelines, kinds, strict=True)
-            ],
-            host,
-            record=timeline,
-        ):
-            pipe_end.append(prun.end_s)
-            stage_end.append(prun.stage_end_s)
-            ops.extend(prun.ops)
-    else:
-        runs: dict[tuple[int, int], tuple[float, tuple[float, ...], int, tuple[TimelineOp, ...]]]
-        runs = {}
-        for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
-            rkey = (id(kind), p.num_microbatches)
-            done = runs.get(rkey)
-            if done is None:
-                if method == "replay":
-                    run = replay_1f1b(
-                        kind.fs,
-                        kind.bs,
-                        p.num_microbatches,
-                        kind.delay,
-                        pipeline=pi,
-                        record=timeline,
-                    )
-                    done = (run.end_s, run.stage_end_s, pi, run.ops)
-                else:
-                    t = closed_form_1f1b(kind.fs, kind.bs, p.num_microbatches, kind.delay)
-                    done = (t, tuple(t for _ in kind.row), pi, ())
-                runs[rkey] = done
-            pipe_end.append(done[0])
-            stage_end.append(done[1])
-            if timeline:
-                if done[2] == pi:
-                    ops.extend(done[3])
-                else:
-                    ops.extend(dataclasses.replace(op, pipeline=pi) for op in done[3])
 
-    # --- gradient sync per layer segment, then the optimizer step ------------------------
-    # on a shared host every rank's end of iteration and optimizer step run at about the
-    # same time (after the pipelines drain), at the slowdown of all of them computing
-    tail_factor = (
-        slowest(host, sum(s.replica.tp for p in pipelines for s in p.stages)) if host else 1.0
-    )
+def _gradient_sync(
+    plan: Plan,
+    inp: _Inputs,
+    kinds: list[PipelineKind],
+    runs: PipelineRuns,
+    slowdown: float,
+    ranks: RankTiming,
+    egress_bytes: dict[tuple[str, str], float],
+) -> tuple[dict[_Rank, float], dict[_Rank, float]]:
+    """When each stage is ready for its optimizer step, and its time in gradient all-reduces.
+
+    After its last backward a stage pays the fixed sync cost and the framework's
+    per-iteration time (``slowdown`` times), then all-reduces each layer segment with its
+    other holders, then the tied embedding; adds their cross-zone bytes to ``egress_bytes``.
+    """
+    pipelines = plan.pipelines
+    cal = inp.cal
     fixed_of: dict[str, float] = {}
-    ready: dict[tuple[int, int], float] = {}
+    ready: dict[_Rank, float] = {}
     for pi, p in enumerate(pipelines):
-        ends = stage_end[pi]
+        ends = runs.stage_end_s[pi]
         for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
             fixed = fixed_of.get(g)
             if fixed is None:
-                fixed = inp.gcal(g).sync_fixed_s + tail_factor * inp.framework(g).iteration_s
+                fixed = inp.gcal(g).sync_fixed_s + slowdown * inp.framework(g).iteration_s
                 fixed_of[g] = fixed
             ready[(pi, si)] = ends[si] + fixed
-    sync_of: dict[tuple[int, int], float] = dict.fromkeys(ready, 0.0)
-    # on a shared host, how long an all-reduce takes depends on what its ranks did just
-    # before (computing, another all-reduce, the optimizer step): _host_allreduce
-    warm: set[tuple[int, int]] = set()
+    sync_of: dict[_Rank, float] = dict.fromkeys(ready, 0.0)
+
+    def reduce(holders: list[_Rank], ar: AllReduce, node_bytes: float, chains: bool) -> None:
+        inp.notes.add(*ar.notes)
+        took = ranks.grad_allreduce_s(ar, holders, node_bytes, chains=chains)
+        start = max(ready[h] for h in holders)
+        for h in holders:
+            ready[h] = start + took
+            sync_of[h] += took
+        for src, dst, nbytes in ar.cross_zone_bytes:
+            egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
+
     sizes_by_tp = inp.sizes_by_tp
-    grad_bytes = _grad_bytes(model, cal)
+    grad_bytes = _grad_bytes(inp.model, cal)
+    per_gpu_of: dict[int, ReplicaGroup] = {}
     # DeepSpeed reduces the stage's gradients after the last backward; segments go in
     # reverse layer order, as gradients become available in backward
     for lo, hi, holders in reversed(_segments(plan, kinds)):
@@ -481,79 +648,76 @@ def _run(
             node_bytes = max(node_bytes, tp * n_el * grad_bytes)
             elements = max(elements, float(n_el))
         eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
-        ar = ring_allreduce(network, groups, node_bytes, elements, eff, links=inp.links)
-        notes.add(*ar.notes)
-        took = _host_allreduce(host, ar, len(holders), node_bytes, _after(warm, holders))
-        start = max(ready[h] for h in holders)
-        for h in holders:
-            ready[h] = start + took
-            sync_of[h] += took
-        if ar.time_s > 0:
-            warm.update(holders)
-        for src, dst, nbytes in ar.cross_zone_bytes:
-            egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
-    tied = _tied_allreduce(plan, model, inp) if cal.tied_allreduce else None
+        if cal.ring_links == "per_gpu":
+            groups, node_bytes = _per_gpu(groups, per_gpu_of), elements * grad_bytes
+        ar = ring_allreduce(inp.links.network, groups, node_bytes, elements, eff, links=inp.links)
+        reduce(holders, ar, node_bytes, True)
+    tied = _tied_allreduce(plan, inp.model, inp) if cal.tied_allreduce else None
     if tied is not None:
-        holders, ar, tied_bytes = tied
-        notes.add(*ar.notes)
-        took = _host_allreduce(host, ar, len(holders), tied_bytes, _after(warm, holders))
-        start = max(ready[h] for h in holders)
-        for h in holders:
-            ready[h] = start + took
-            sync_of[h] += took
-        for src, dst, nbytes in ar.cross_zone_bytes:
-            egress_bytes[(src, dst)] = egress_bytes.get((src, dst), 0.0) + nbytes
-    end = {h: ready[h] + tail_factor * kinds[h[0]].row[h[1]].u for h in ready}
-    iteration = max(end.values())
-    if cal.loss_allreduce:
-        # one scalar over every rank, after the step; it is the iteration's barrier
-        everyone = [s.replica for p in pipelines for s in p.stages for _ in range(s.replica.tp)]
-        eff = min(
-            inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in everyone)
-        )
-        loss_ar = ring_allreduce(network, everyone, _LOSS_BYTES, 1.0, eff, links=inp.links)
-        notes.add(*loss_ar.notes)
-        # entered right after the optimizer step
-        iteration += _host_allreduce(host, loss_ar, len(everyone), _LOSS_BYTES, "update")
-    if iteration <= 0:
-        raise ValueError("simulated iteration time is zero: the profiles hold no time")
+        reduce(*tied, False)
+    return ready, sync_of
 
-    # --- memory, once per distinct stage -------------------------------------------------
-    # Stages of alike pipelines at the same place share one validated breakdown; the
-    # Estimate validates every stage's copy (with its own indices) in one pass below.
+
+def _loss_allreduce_s(inp: _Inputs, pipelines: Sequence[Pipeline], ranks: RankTiming) -> float:
+    """The loss all-reduce over every rank after the optimizer step, if the calibration says
+    the framework runs one: it is the iteration's barrier."""
+    if not inp.cal.loss_allreduce:
+        return 0.0
+    everyone = [s.replica for p in pipelines for s in p.stages for _ in range(s.replica.tp)]
+    eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in everyone))
+    loss_ar = ring_allreduce(inp.links.network, everyone, _LOSS_BYTES, 1.0, eff, links=inp.links)
+    inp.notes.add(*loss_ar.notes)
+    return ranks.loss_allreduce_s(loss_ar, len(everyone), _LOSS_BYTES)
+
+
+def _memory(
+    inp: _Inputs, pipelines: Sequence[Pipeline], kinds: list[PipelineKind]
+) -> tuple[list[dict[str, object]], list[MemoryBreakdown]]:
+    """Every stage's memory rows (unvalidated), and the distinct validated breakdowns.
+
+    Stages of alike pipelines at the same place share one validated breakdown; the Estimate
+    validates every stage's copy (with its own indices) in one pass.
+    """
     memory: list[dict[str, object]] = []
     mem_of: dict[tuple[int, int, int, bool], dict[str, object]] = {}
     distinct: list[MemoryBreakdown] = []
     for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
         for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
-            spec = specs.get(g)
+            spec = inp.specs.get(g)
             in_flight = min(p.depth - si, p.num_microbatches)
             mkey = (id(kind), si, in_flight, s.recompute)
             mb = mem_of.get(mkey)
             if mb is None:
                 gcal = inp.gcal(g)
                 one = stage_memory(
-                    model=model,
+                    model=inp.model,
                     sizes=kind.row[si].sizes,
                     microbatch_size=p.microbatch_size,
                     in_flight=in_flight,
                     recompute=s.recompute,
                     alloc_factor=gcal.alloc_factor,
-                    overhead_bytes=_overhead(gcal.memory_overhead_bytes, profiles, g, s.replica.tp),
+                    overhead_bytes=_overhead(gcal, inp.profiles, g, s.replica.tp),
                     capacity_bytes=spec.memory_bytes if spec else 0,
                     pipeline=pi,
                     stage=si,
                     gpu_type=g,
-                    scheme=cal.mixed_precision,
+                    scheme=inp.cal.mixed_precision,
+                    extra_state_bytes_per_param=inp.cal.extra_state_bytes_per_param,
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()
             memory.append({**mb, "pipeline": pi, "stage": si})
             if spec is None:
-                notes.add(f"no GPU spec for {g}: memory capacity unknown, not checked")
+                inp.notes.add(f"no GPU spec for {g}: memory capacity unknown, not checked")
+    return memory, distinct
 
-    # --- cost ----------------------------------------------------------------------------
+
+def _compute_usd(
+    prices: PriceTable, pipelines: Sequence[Pipeline], spot: bool, iteration: float
+) -> float:
+    """GPU-hours of one iteration at each replica group's price (its own spot flag, else
+    ``spot``), summed stage by stage in plan order."""
     compute_usd = 0.0
     usd_of: dict[tuple[int, str, str, bool], float] = {}
     for p in pipelines:
@@ -566,12 +730,18 @@ def _run(
                 usd = r.tp * prices.gpu_hour(r.gpu_type, r.zone, on_spot) * iteration / 3600
                 usd_of[ckey] = usd
             compute_usd += usd
-    egress_usd = sum(
-        nbytes / 1e9 * prices.egress_per_gb(src, dst)
-        for (src, dst), nbytes in sorted(egress_bytes.items())
-    )
+    return compute_usd
 
-    # --- breakdown of the critical path --------------------------------------------------
+
+def _critical_path(
+    pipelines: Sequence[Pipeline],
+    kinds: list[PipelineKind],
+    pipe_end: list[float],
+    end: dict[_Rank, float],
+    iteration: float,
+) -> TimeBreakdown:
+    """The iteration split along its critical path: the slowest pipeline's bottleneck stage
+    (compute, transfers, bubble), then the tail (gradient sync, the last optimizer step)."""
     crit = max(range(len(pipe_end)), key=lambda i: pipe_end[i])
     fs, bs = kinds[crit].fs, kinds[crit].bs
     m = pipelines[crit].num_microbatches
@@ -584,8 +754,14 @@ def _run(
     last = max(end, key=lambda h: end[h])
     update = min(kinds[last[0]].row[last[1]].u, max(tail, 0.0))
     grad_sync = max(0.0, tail - update)
+    return TimeBreakdown(
+        compute_s=compute, p2p_s=p2p, bubble_s=bubble, grad_sync_s=grad_sync, update_s=update
+    )
 
-    stage_times = [
+
+def _stage_times(kinds: list[PipelineKind], sync_of: dict[_Rank, float]) -> list[dict[str, object]]:
+    """Every stage's time rows (unvalidated), in plan order."""
+    return [
         {
             "pipeline": pi,
             "stage": si,
@@ -598,44 +774,11 @@ def _run(
         for pi, kind in enumerate(kinds)
         for si, st in enumerate(kind.row)
     ]
-    samples = plan.global_batch_size
-    # One validation of the whole answer: every StageTime and MemoryBreakdown is built and
-    # checked by pydantic's core in one pass (a third of the time of one constructor call
-    # per stage, which dominated large plans).
-    est = Estimate.model_validate(
-        {
-            "iteration_time_s": iteration,
-            "throughput_iter_s": 1.0 / iteration,
-            "throughput_samples_s": samples / iteration,
-            "time": TimeBreakdown(
-                compute_s=compute,
-                p2p_s=p2p,
-                bubble_s=bubble,
-                grad_sync_s=grad_sync,
-                update_s=update,
-            ),
-            "stages": stage_times,
-            "memory": memory,
-            "peak_memory_bytes": max(mb.total for mb in distinct),
-            "fits_in_memory": all(mb.fits or mb.capacity == 0 for mb in distinct),
-            "compute_cost_usd": compute_usd,
-            "egress_cost_usd": egress_usd,
-            "cost_per_iter_usd": compute_usd + egress_usd,
-            "gpus_by_type_zone": _gpus_by_type_zone(kinds),
-            "uses_estimates": inp.uses_estimates,
-            "model": method,
-            "notes": tuple(notes.items),
-        }
-    )
-    tl = (
-        Timeline(ops=tuple(ops), pipeline_end_s=tuple(pipe_end), iteration_time_s=iteration)
-        if method == "replay" and timeline
-        else None
-    )
-    return est, tl
 
 
-def _segments(plan: Plan, kinds: list[_Kind]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+def _segments(
+    plan: Plan, kinds: list[PipelineKind]
+) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """``plan.segments()`` as (first layer, last layer, holders), from the distinct pipelines.
 
     The common refinement of the partitions: every stage starts a segment, and a segment
@@ -655,10 +798,10 @@ def _segments(plan: Plan, kinds: list[_Kind]) -> list[tuple[int, int, list[tuple
     ]
 
 
-def _gpus_by_type_zone(kinds: list[_Kind]) -> dict[str, int]:
+def _gpus_by_type_zone(kinds: list[PipelineKind]) -> dict[str, int]:
     """``plan.gpus_by_type_zone()``, counted once per distinct pipeline."""
     count: dict[int, int] = {}
-    of: dict[int, _Kind] = {}
+    of: dict[int, PipelineKind] = {}
     for k in kinds:
         count[id(k)] = count.get(id(k), 0) + 1
         of[id(k)] = k
@@ -698,38 +841,6 @@ def _per_microbatch(
     return fs, bs, delay
 
 
-def _after(
-    warm: set[tuple[int, int]], holders: list[tuple[int, int]]
-) -> Literal["compute", "allreduce"]:
-    """What the holders of a gradient all-reduce did just before: all of them another
-    all-reduce, or (some of them) computing."""
-    return "allreduce" if warm.issuperset(holders) else "compute"
-
-
-def _host_allreduce(
-    host: HostSharing | None,
-    ar: AllReduce,
-    n: int,
-    node_bytes: float,
-    after: Literal["compute", "allreduce", "update"],
-) -> float:
-    """Time of all-reduce ``ar`` among ``n`` ranks entered right after ``after``.
-
-    On a device of its own per rank, the modelled ring. On a shared host whose profile timed
-    the engine's all-reduces as it enters them (``HostSharing.allreduce_after_*``): that
-    measured time (its latency and the bandwidth time of the probe's bytes), plus the ring's
-    bandwidth time for the bytes beyond those. Older host profiles: the ring, plus the
-    measured wake-up of the backend's threads on a collective entered after computing.
-    """
-    if host is None or ar.time_s <= 0:
-        return ar.time_s
-    if host.measures_allreduce_entries:
-        moving = ar.time_s - ar.latency_s
-        beyond = max(0.0, 1.0 - host.allreduce_probe_bytes / node_bytes) if node_bytes else 0.0
-        return host.allreduce_entry_s(after, n) + moving * beyond
-    return ar.time_s + (host.collective_wake_s if after != "allreduce" else 0.0)
-
-
 def _tied_allreduce(
     plan: Plan, model: ModelSpec, inp: _Inputs
 ) -> tuple[list[tuple[int, int]], AllReduce, float] | None:
@@ -755,39 +866,13 @@ def _tied_allreduce(
     n_el = float(model.vocab_size * model.hidden_size)
     node_bytes = max(g.tp for g in groups) * n_el * _grad_bytes(model, inp.cal)
     eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+    if inp.cal.ring_links == "per_gpu":
+        groups, node_bytes = _per_gpu(groups, {}), n_el * _grad_bytes(model, inp.cal)
     return (
         holders,
         ring_allreduce(inp.links.network, groups, node_bytes, n_el, eff, links=inp.links),
         node_bytes,
     )
-
-
-def _host_model(inp: _Inputs, plan: Plan) -> HostSharing | None:
-    """The measured sharing of the one host all of ``plan``'s ranks run on, if known."""
-    kinds = sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages})
-    hs = inp.profiles.host_sharing(kinds[0]) if len(kinds) == 1 else None
-    if hs is None:
-        inp.notes.add(
-            f"shared host: no host-sharing profile for {'/'.join(kinds)}; each rank is "
-            "simulated on a device of its own"
-        )
-        return None
-    inp.notes.add(
-        f"ranks share one host of {hs.cores} cores (slowdown "
-        + "/".join(f"{x:.2f}" for x in hs.slowdown)
-        + f", wake-up {hs.wake_s * 1e3:.2f} ms, rendezvous {hs.rendezvous_s * 1e3:.2f}/"
-        f"{hs.rendezvous_busy_s * 1e3:.2f} ms, "
-        + (
-            "2-rank all-reduce after compute / all-reduce / update "
-            f"{hs.allreduce_entry_s('compute', 2) * 1e3:.2f}/"
-            f"{hs.allreduce_entry_s('allreduce', 2) * 1e3:.2f}/"
-            f"{hs.allreduce_entry_s('update', 2) * 1e3:.2f} ms"
-            if hs.measures_allreduce_entries
-            else f"collective wake-up {hs.collective_wake_s * 1e3:.2f} ms"
-        )
-        + f"{', ranks bound to cores' if hs.pinned else ''})"
-    )
-    return hs
 
 
 def _precision(plan: Plan, model: ModelSpec, specs: Mapping[str, GPUSpec]) -> Precision:
@@ -821,14 +906,30 @@ def _at_precision(model: ModelSpec, precision: Precision) -> ModelSpec:
 def _grad_bytes(model: ModelSpec, cal: Calibration) -> int:
     """Bytes per gradient element in the gradient all-reduces: the engine reduces its fp32
     gradients (autocast); DeepSpeed's FP16_Optimizer reduces the 16-bit ones."""
+    if cal.grad_allreduce_bytes is not None:
+        return cal.grad_allreduce_bytes
     if cal.mixed_precision == "autocast":
         return GRAD_ALLREDUCE_BYTES
     return model.param_bytes()
 
 
-def _overhead(explicit: int | None, profiles: ProfileDB, gpu_type: str, tp: int) -> int:
-    """Non-tensor memory: calibration, else the profile's measured overhead, else 1 GiB."""
-    if explicit is not None:
-        return explicit
+def _overhead(gcal: GPUCalibration, profiles: ProfileDB, gpu_type: str, tp: int) -> int:
+    """Non-tensor memory: calibration, else the profile's measured overhead, else 1 GiB;
+    plus the calibration's extra for a GPU in a TP group."""
+    extra = gcal.memory_overhead_tp_bytes if tp > 1 else 0
+    if gcal.memory_overhead_bytes is not None:
+        return gcal.memory_overhead_bytes + extra
     o = profiles.overhead(gpu_type, tp)
-    return o.bytes if o is not None else DEFAULT_MEMORY_OVERHEAD_BYTES
+    return (o.bytes if o is not None else DEFAULT_MEMORY_OVERHEAD_BYTES) + extra
+
+
+def _per_gpu(groups: list[ReplicaGroup], memo: dict[int, ReplicaGroup]) -> list[ReplicaGroup]:
+    """``groups`` as 1-GPU VMs of their type and zone (``Calibration.ring_links='per_gpu'``,
+    the original artifact's ring: each rank's ring over a 1-GPU VM's link curve)."""
+    out = []
+    for r in groups:
+        one = memo.get(id(r))
+        if one is None:
+            one = memo[id(r)] = r.model_copy(update={"gpus_per_node": 1, "tp": 1})
+        out.append(one)
+    return out

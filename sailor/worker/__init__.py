@@ -1,12 +1,11 @@
-"""The training worker the agent launches: ``sailor.megatron_patch`` wired to ``sailor.checkpoint``.
+"""Deprecated alias of :mod:`sailor.training_process` (the training process the agent launches).
 
-Neither package may import the other (import-linter layers), so the glue that turns a
-trainer's stage into layer-keyed checkpoint state and back lives here, one layer above both.
-``python -m sailor.worker ARGS`` and ``sailor worker ARGS`` run one rank (see
-:mod:`sailor.megatron_patch.worker` for the arguments and the agent protocol).
+Kept only because agent configs written against the earlier example name the module in
+``worker_argv`` (``python -m sailor.worker ...``): such an agent, upgraded in place, would
+otherwise fail to start its workers at its next plan, mid-run, rather than at start-up. New
+code and configs use ``sailor.training_process``; nothing in Sailor imports this package.
 """
 
-from sailor.worker.ckpt_glue import LayerCheckpointIO, restore_trainer, trainer_params
-from sailor.worker.entry import main
+from sailor.training_process import main
 
-__all__ = ["LayerCheckpointIO", "main", "restore_trainer", "trainer_params"]
+__all__ = ["main"]

@@ -1,7 +1,7 @@
-"""``python -m sailor.worker ARGS``: one rank of a plan, as the agent launches it."""
+"""``python -m sailor.worker ARGS``: deprecated alias of ``python -m sailor.training_process``."""
 
 import sys
 
-from sailor.worker.entry import main
+from sailor.training_process import main
 
 sys.exit(main())

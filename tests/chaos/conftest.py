@@ -65,7 +65,7 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
     tr = terminalreporter
     tr.section("chaos scenarios")
     head = ("scenario", "injected faults", "reconf", "downtime per reconf (s)", "redone",
-            "lost", "audit", "losses", "params", "wall s", "result")  # fmt: skip
+            "lost", "audit", "losses", "params", "moments", "wall s", "result")  # fmt: skip
     body = [
         (
             r["scenario"],
@@ -77,6 +77,7 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
             "ok" if r["audit_ok"] else "FAIL",
             f"{r['max_loss_diff']:.1e}",
             f"{r['max_param_diff']:.1e} (floor {r['param_floor']:.1e}) @{r['params_step']}",
+            f"{r['max_moment_diff']:.1e} (floor {r['moment_floor']:.1e})",
             f"{r['wall_s']:.0f}",
             "PASS" if r["ok"] else "FAIL",
         )

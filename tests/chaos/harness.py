@@ -17,7 +17,9 @@ The verdict of one run (:class:`Outcome`) is measured, not asserted here:
   runs of hundreds of steps);
 - the final parameters: the run ends with a drain (a preemption notice for one node), so its
   last step is committed; that checkpoint's weights must equal the reference's after as many
-  steps, within ``PARAM_ATOL``;
+  steps, within ``PARAM_ATOL``, and its AdamW moments the reference's, within
+  ``MOMENT_ATOL`` (nothing trains from that last checkpoint, so its weights cannot show
+  moments saved wrongly);
 - reconfigurations (launches after the first), the no-step downtime of each (last step of
   the older layouts -> first step of the new one), steps redone, and steps lost: a launch
   that loads an older step than the newest commit before it (must be 0).
@@ -31,10 +33,10 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sailor.cli.demo.cluster import DemoCluster
 from sailor.cli.demo.observe import StepPoint
@@ -44,7 +46,21 @@ from sailor.cli.demo.scenario import DemoSettings, Driver
 from sailor.controller.audit import check, read_records
 from sailor.localservers import Identities, start_local_servers
 
-__all__ = ["GBS", "JOB", "NODES", "PARAM_ATOL", "TABLE_ENV", "ChaosRun", "Outcome"]
+if TYPE_CHECKING:
+    import torch
+
+    from sailor.megatron_patch.reference import ReferenceRun
+
+__all__ = [
+    "GBS",
+    "JOB",
+    "MOMENT_ATOL",
+    "NODES",
+    "PARAM_ATOL",
+    "TABLE_ENV",
+    "ChaosRun",
+    "Outcome",
+]
 
 JOB = "chaos"
 GBS = 4
@@ -55,6 +71,11 @@ PARAM_ATOL = 2e-6
 """fp32 rounding of other reduction orders across layouts after a few steps (tests/integration/
 test_checkpoint_resume.py measured weight gaps <= 4.6e-7). Over longer runs the bound is
 ``max(PARAM_ATOL, 3 x floor)``, the floor measured in the same run (``_param_diffs``)."""
+MOMENT_ATOL = 2e-6
+"""AdamW moments, as for the weights: the floor (reduction order only, tiny-gpt, GBS 4) measured
+4e-8 to 1.2e-7 over 3 to 100 steps, largest in the embedding's moments (~0.1-0.9); the resume
+test's state gaps across layouts, moments included, <= 5.6e-7. A moment restored as zero or
+from another step differs by ~its size, 1e-2 to 1 in most tensors."""
 TABLE_ENV = "SAILOR_CHAOS_TABLE"
 """File the runs append their outcome to (one JSON line each); tests/chaos/conftest.py
 prints the table from it."""
@@ -81,12 +102,21 @@ class Outcome:
     params_ok: bool
     max_param_diff: float
     param_floor: float
+    moments_ok: bool
+    max_moment_diff: float
+    moment_floor: float
     wall_s: float
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.audit_ok and self.losses_ok and self.params_ok and self.steps_lost == 0
+        return (
+            self.audit_ok
+            and self.losses_ok
+            and self.params_ok
+            and self.moments_ok
+            and self.steps_lost == 0
+        )
 
     def record(self) -> None:
         path = os.environ.get(TABLE_ENV)
@@ -123,30 +153,75 @@ def _steps_lost(records: Sequence[dict[str, Any]]) -> int:
     return lost
 
 
-def _param_diffs(ckpt: Path, step: int) -> tuple[float, float]:
-    """(largest |checkpoint - reference|, the same between two uninterrupted references).
+class _Diffs(NamedTuple):
+    """Largest |checkpoint - reference| and the floor of reduction order, per kind of state."""
 
-    The second is the floor that reduction order alone produces: the reference trained with
-    the whole global batch at once against the same trained one and two samples at a time.
-    Measured here: 1.5e-6 after 10 steps, 5.7e-6 to 1.1e-5 after 40, 2.9e-5 after 80, nearly
-    all in the attention key biases, whose gradient is zero in exact arithmetic (softmax
-    ignores a constant added to every key), so AdamW scales pure rounding noise to ~lr.
+    weights: float
+    weight_floor: float
+    moments: float
+    """Over both AdamW moments (``exp_avg``, ``exp_avg_sq``)."""
+    moment_floor: float
+
+    @property
+    def weights_ok(self) -> bool:
+        return self.weights <= max(PARAM_ATOL, 3 * self.weight_floor)
+
+    @property
+    def moments_ok(self) -> bool:
+        return self.moments <= max(MOMENT_ATOL, 3 * self.moment_floor)
+
+
+def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alt: ReferenceRun) -> _Diffs:
+    """Checkpoint ``step``'s weights and AdamW moments against the reference's (``ref`` and
+    ``alt`` trained with ``params_at=step``), with floors.
+
+    A floor is the same difference between two uninterrupted references, what reduction
+    order alone produces: the reference trained with the whole global batch at once against
+    the same trained two samples at a time. Measured here for the weights: 1.5e-6 after 10
+    steps, 5.7e-6 to 1.1e-5 after 40, 2.9e-5 after 80, nearly all in the attention key
+    biases, whose gradient is zero in exact arithmetic (softmax ignores a constant added to
+    every key), so AdamW scales pure rounding noise to ~lr. The moments' floor stays ~1e-7.
     """
     from sailor.checkpoint import LocalStorage, load
-    from sailor.megatron_patch.engine import TrainConfig
     from sailor.megatron_patch.model import tiny_model
-    from sailor.megatron_patch.reference import train_reference
 
     spec = tiny_model("tiny-gpt", GBS)
     got = load(LocalStorage(ckpt), range(spec.num_all_layers), step=step).params
-    ref = train_reference(spec, GBS, step, TrainConfig(seed=0)).params
-    alt = train_reference(spec, GBS, step, TrainConfig(seed=0), microbatch_size=2).params
-    missing = sorted(set(ref) - set(got))
+    missing = sorted(set(ref.params_at) - set(got))
     if missing:
         raise AssertionError(f"checkpoint {step} lacks {missing[:5]}")
-    diff = max(float((got[k].weight - ref[k]).abs().max()) for k in ref)
-    floor = max(float((alt[k] - ref[k]).abs().max()) for k in ref)
-    return diff, floor
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max())
+
+    return _Diffs(
+        weights=max(gap(got[k].weight, ref.params_at[k]) for k in ref.params_at),
+        weight_floor=max(gap(alt.params_at[k], ref.params_at[k]) for k in ref.params_at),
+        moments=max(
+            max(gap(got[k].exp_avg, m), gap(got[k].exp_avg_sq, v))
+            for k, (m, v) in ref.moments_at.items()
+        ),
+        moment_floor=max(
+            max(gap(alt.moments_at[k][0], m), gap(alt.moments_at[k][1], v))
+            for k, (m, v) in ref.moments_at.items()
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the verdict's reference runs. Its default (one per core)
+    spins at a barrier each op waiting for the other thread; on the shared 2 cores (load
+    average 20 from other work) 20 tiny-gpt steps took 80-119 s on two threads and 1.4-1.9 s
+    on one, and the reference runs were most of a scenario's wall time."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class ChaosRun:
@@ -155,12 +230,21 @@ class ChaosRun:
     Everything it started is ended on exit, failure or not (marker scan included).
     """
 
-    def __init__(self, tmp: Path, scenario: str, steps_between: int = 8) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        scenario: str,
+        steps_between: int = 8,
+        nats_servers: int = 1,
+        etcd_members: int = 1,
+        min_step_s: float = 0.05,
+    ) -> None:
         self.scenario = scenario
+        self.cluster_sizes = (nats_servers, etcd_members)  # > 1: server clusters on loopback
         self.root = tmp / "run"
         self.reg = ProcessRegistry(log_dir=self.root / "logs")
         self.settings = DemoSettings(
-            steps_between=steps_between, min_step_s=0.05, phase_timeout_s=120.0, poll_s=0.2
+            steps_between=steps_between, min_step_s=min_step_s, phase_timeout_s=120.0, poll_s=0.2
         )
         self.faults: list[str] = []
         self.t0 = time.time()
@@ -171,7 +255,10 @@ class ChaosRun:
 
         ids = Identities(jobs=(JOB,), controllers=CONTROLLERS, agents=NODES)
         try:
-            self.servers = start_local_servers(self.root, ids, secure=True, spawn=spawn)
+            n_nats, n_etcd = self.cluster_sizes
+            self.servers = start_local_servers(
+                self.root, ids, secure=True, spawn=spawn, nats_servers=n_nats, etcd_members=n_etcd
+            )
             self.cluster = DemoCluster(
                 reg=self.reg,
                 servers=self.servers,
@@ -191,7 +278,8 @@ class ChaosRun:
             await self.drive.state.close()
         try:
             self.cluster.stop()
-            self.reg.stop(["nats", "etcd"], grace_s=5.0)
+            members = [*self.servers.nats_members, *self.servers.etcd_members]
+            self.reg.stop([m.name for m in members], grace_s=5.0)
         finally:
             left = self.reg.kill_all()
             if exc[0] is None and not left and not os.environ.get("SAILOR_CHAOS_KEEP"):
@@ -305,17 +393,26 @@ class ChaosRun:
         points = self.drive.steps.series()
         last = max((p.step for p in points), default=0)
         spec = tiny_model("tiny-gpt", GBS)
-        ref = train_reference(spec, GBS, last, TrainConfig(seed=0))
-        alt = train_reference(spec, GBS, last, TrainConfig(seed=0), microbatch_size=2)
+        commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
+        p_step = commits[-1] if commits else -1
+        # one pair of reference runs for both checks: losses to the last step, weights at
+        # the last commit (it was four runs; they dominated a scenario's time under load)
+        at = p_step if 0 < p_step <= last else None
+        with _one_torch_thread():
+            ref = train_reference(spec, GBS, last, TrainConfig(seed=0), params_at=at)
+            alt = train_reference(
+                spec, GBS, last, TrainConfig(seed=0), microbatch_size=2, params_at=at
+            )
         pairs = zip(ref.losses, alt.losses, strict=True)
         loss_floor = max((abs(a - b) for a, b in pairs), default=0.0)
-        commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
         losses = compare_losses(points, ref.losses, commits)
         downtimes, redone = _downtimes(points)
         launches = sum(r.get("kind") == "phase" and r.get("phase") == "launch" for r in records)
-        p_step = commits[-1] if commits else -1
-        p_diff, floor = (
-            _param_diffs(self.root / "ckpt", p_step) if p_step > 0 else (float("inf"), 0.0)
+        inf = float("inf")
+        diffs = (
+            _param_diffs(self.root / "ckpt", p_step, ref, alt)
+            if at is not None
+            else _Diffs(inf, 0.0, inf, 0.0)
         )
         out = Outcome(
             scenario=self.scenario,
@@ -333,9 +430,12 @@ class ChaosRun:
             max_loss_diff=losses.max_abs_diff,
             loss_floor=loss_floor,
             params_step=p_step,
-            params_ok=p_diff <= max(PARAM_ATOL, 3 * floor),
-            max_param_diff=p_diff,
-            param_floor=floor,
+            params_ok=diffs.weights_ok,
+            max_param_diff=diffs.weights,
+            param_floor=diffs.weight_floor,
+            moments_ok=diffs.moments_ok,
+            max_moment_diff=diffs.moments,
+            moment_floor=diffs.moment_floor,
             wall_s=round(time.time() - self.t0, 1),
             notes=list(self.drive.log),
         )
@@ -347,11 +447,12 @@ def verdict(out: Outcome, min_reconf: int) -> None:
     """Assert what every scenario must show (the notes explain a failure)."""
     detail = (
         f"{out.scenario}: audit {out.audit_violations}, loss diff {out.max_loss_diff:.2e}, "
-        f"param diff {out.max_param_diff:.2e}@{out.params_step}, lost {out.steps_lost}\n"
-        + "\n".join(out.notes)
+        f"param diff {out.max_param_diff:.2e}@{out.params_step}, "
+        f"moment diff {out.max_moment_diff:.2e}, lost {out.steps_lost}\n" + "\n".join(out.notes)
     )
     assert out.audit_ok, detail
     assert out.losses_ok, detail
     assert out.params_ok, detail
+    assert out.moments_ok, detail
     assert out.steps_lost == 0, detail
     assert out.reconfigurations >= min_reconf, detail

@@ -1,12 +1,13 @@
 """Fuzzing: hypothesis-made malformed and hostile input on every subject and key daemons read.
 
 A running controller and agent (the in-process scenario harness of
-tests/integration/test_runtime_scenarios.py, sim workers, secure servers) receive:
+tests/integration/test_runtime_scenarios.py, toy trainers, secure servers) receive:
 
 - on the event subjects the controller consumes (``sailor.<job>.events.<node>.<kind>``),
   published with agent n1's own login (all an agent may publish on): random bytes, random
   JSON, and events with one field made hostile (wrong types, huge or negative numbers, NaN,
-  unknown kinds and fields, a future schema version);
+  unknown kinds and fields, a future schema version); and well-formed events of every kind
+  about another node (cross-node forgeries), which must be refused for their subject;
 - on the etcd keys the controller mirrors (``nodes/``, ``status/``, ``notices/``, ``ckpt/``):
   the same kinds of values, written with the owning agent's certificate (its own keys) or
   the operator's (the controller's keys);
@@ -207,6 +208,62 @@ async def test_fuzz_event_subjects(running: Cluster) -> None:
         30,
         lambda: f"not audited: {[(m, bad[m][:80]) for m in sorted(set(bad) - audited())][:5]}",
     )
+    await _still_fine(c)
+
+
+async def test_fuzz_cross_node_forgeries(running: Cluster) -> None:
+    """Well-formed events of every kind about another node (n2, unknown ids, look-alikes of
+    n1), sent on n1's own subjects with n1's login: each refused and audited with its
+    subject, none acted on (no notice written, the layout untouched)."""
+    c = running
+    before = c.controllers["c1"][0].desired
+    now = 1.0e9  # inside no notice window: a refusal for the subject must come first
+    others = st.one_of(
+        st.sampled_from(["n2", "n1x", "N1", "n1 ", "n1.x", "n_1", "ghost", "é", "n1\x00"]),
+        st.text(min_size=1, max_size=20).filter(lambda t: t != "n1"),
+    )
+    kinds = st.sampled_from(
+        ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat"]
+    )
+    drawn = await adraw(st.tuples(kinds, others, st.floats(0, 2e9)), N_EXAMPLES)
+    spec = {"gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"}
+    extra: dict[str, Callable[[str, float], dict[str, Any]]] = {
+        "node_joined": lambda n, t: {"node": {"node_id": n, **spec}},
+        "node_left": lambda n, t: {"reason": "forged"},
+        "preemption_notice": lambda n, t: {"deadline": t, "source": "forged"},
+        "worker_failed": lambda n, t: {"cause": "forged"},
+        "heartbeat": lambda n, t: {"step": 10**6},
+    }
+    sent: dict[str, tuple[str, str]] = {}
+    nc = await connect_nats(c.nats_url, "fuzz-forger", security=c.security("n1"))
+    try:
+        bus = NatsEventBus(nc, KEYS, durable="unused", source="n1")
+        for i, (kind, node, t) in enumerate(drawn):
+            eid = f"forged-{i}"
+            ev = {"kind": kind, "event_id": eid, "node_id": node, "time": now}
+            data = json.dumps({**ev, **extra[kind](node, t)}).encode()
+            if not _valid(EventAdapter, data):
+                continue  # only well-formed events: the subject check is what must refuse
+            await bus.publish(kind, data, msg_id=eid)
+            sent[eid] = (kind, node)
+    finally:
+        await nc.close()
+    assert len(sent) >= N_EXAMPLES // 2
+
+    def refused() -> dict[str, dict[str, Any]]:
+        return {str(r.get("event_id")): r for r in _records(c, "event_rejected")}
+
+    await _until(
+        lambda: set(sent) <= set(refused()),
+        30,
+        lambda: f"not refused: {[sent[e] for e in sorted(set(sent) - set(refused()))][:5]}",
+    )
+    got = refused()
+    for eid in sent:
+        assert str(got[eid]["subject"]).startswith(f"sailor.{JOB}.events.n1."), got[eid]
+    assert not [r for r in _records(c, "event") if r.get("event_id") in sent]
+    after = c.controllers["c1"][0].desired
+    assert after.generation == before.generation and after.placement == before.placement
     await _still_fine(c)
 
 

@@ -13,8 +13,12 @@ A). Every resumed run's losses must equal A's losses at the same steps, and its 
 and both AdamW moments must equal A's checkpoint at the same step, within fp32 rounding of the
 different reduction orders (TP splits, sync groups) — not bitwise across layouts, but tight.
 
-The glue between the two packages (``_params``, ``_restore``) is what a worker does; it lives
-here because ``sailor.checkpoint`` may not import the training framework.
+The glue between the two packages is the shipped one (``sailor.training_process.ckpt_glue``:
+``LayerCheckpointIO`` over ``trainer_params`` and ``restore_trainer``), called as the worker
+calls it: ``position`` and ``restore`` before training, ``save`` at a boundary and ``wait``
+at the next one, ``close`` at the end. Right after each restore, every rank's weights, both
+AdamW moments and the AdamW step must equal what the checkpoint holds for it, bitwise, and
+the weights must have been read straight into the parameters (the ``into=`` path).
 """
 
 from __future__ import annotations
@@ -24,22 +28,14 @@ import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sailor.checkpoint import (
-    Checkpointer,
-    LocalStorage,
-    ParamState,
-    TrainingGlobals,
-    load,
-    load_for_rank,
-    read_manifest,
-    verify,
-)
+from sailor.checkpoint import LocalStorage, ParamState, load, load_for_rank, read_manifest, verify
 from sailor.megatron_patch.engine import TrainConfig, Trainer
 from sailor.megatron_patch.groups import build_process_groups
 from sailor.megatron_patch.launch import free_port
@@ -47,6 +43,8 @@ from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.state import optimizer_state, stage_state
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.training_process import ckpt_glue
+from sailor.training_process.ckpt_glue import LayerCheckpointIO
 
 MODEL = "tiny-gpt"
 GBS = 4
@@ -89,27 +87,29 @@ PLAN_B2 = _plan(
 )
 
 
-def _params(tr: Trainer) -> dict[str, ParamState]:
-    opt = optimizer_state(tr.stage, tr.optimizer)
-    return {
-        k: ParamState(t, opt[k]["exp_avg"], opt[k]["exp_avg_sq"], d)
-        for k, (t, d) in stage_state(tr.stage).items()
-    }
+def _restored(tr: Trainer, root: str, plan: Plan, rank: int, step: int) -> dict[str, Any]:
+    """How this rank's live state, right after ``restore``, differs from the checkpoint.
 
-
-def _restore(tr: Trainer, root: str, plan: Plan, rank: int, step: int) -> None:
+    The checkpoint is read again on its own (no ``into=``) and compared bitwise with the
+    parameters, the optimizer's moments and its step count.
+    """
     dims = {k: d for k, (_t, d) in stage_state(tr.stage).items()}
-    got = load_for_rank(LocalStorage(root), plan, rank, step=step, tp_dims=dims)
-    adam_step = float(got.globals.extra["adam_step"])
-    with torch.no_grad():
-        for key, p in tr.stage.keyed_parameters():
-            ps = got.params[key]
-            p.copy_(ps.weight)
-            tr.optimizer.state[p] = {
-                "step": torch.tensor(adam_step),
-                "exp_avg": ps.exp_avg.clone(),
-                "exp_avg_sq": ps.exp_avg_sq.clone(),
-            }
+    want = load_for_rank(LocalStorage(root), plan, rank, step=step, tp_dims=dims).params
+    opt = optimizer_state(tr.stage, tr.optimizer)
+    gaps = dict.fromkeys(("weight", "exp_avg", "exp_avg_sq"), 0.0)
+    for key, (t, _d) in stage_state(tr.stage).items():
+        if key not in opt:  # reported by "keys"
+            continue
+        got = {"weight": t, "exp_avg": opt[key]["exp_avg"], "exp_avg_sq": opt[key]["exp_avg_sq"]}
+        for kind, x in got.items():
+            w = want[key].tensor(kind)  # type: ignore[arg-type]
+            gap = float((x - w).abs().max()) if x.shape == w.shape else math.inf
+            gaps[kind] = max(gaps[kind], gap)
+    return {
+        "keys": sorted(dims) == sorted(opt),
+        "steps": sorted({s["step"] for s in opt.values()}),
+        "gaps": gaps,
+    }
 
 
 def _rank_main(rank: int, job: dict[str, Any]) -> None:
@@ -125,26 +125,30 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         timeout=timedelta(seconds=60),
     )
     groups = build_process_groups(plan, role, spec.tie_embeddings, 60.0)
+    io = LayerCheckpointIO(keep=None)
     step, consumed = 0, 0
     if job["resume_from"]:
-        m = read_manifest(LocalStorage(job["resume_from"]), job["resume_step"])
-        step, consumed = m.step, m.consumed_samples
+        step, consumed = io.position(job["resume_from"], job["resume_step"])
     tr = Trainer(plan, spec, role, groups, TrainConfig(seed=0), torch.device("cpu"), step, consumed)
     if job["resume_from"]:
-        _restore(tr, job["resume_from"], plan, rank, job["resume_step"])
-    ck = Checkpointer(LocalStorage(job["save_to"]), plan, rank, keep=None, tp_group=groups.tp.group)
+        ptrs = [p.data_ptr() for p in tr.stage.parameters()]
+        # Watched to see that restore_trainer took the zero-copy path (fp32 CPU parameters).
+        with mock.patch.object(ckpt_glue, "load_for_rank", wraps=load_for_rank) as read:
+            io.restore(tr, job["resume_from"], job["resume_step"])
+        check = _restored(tr, job["resume_from"], plan, rank, job["resume_step"])
+        check["into"] = [c.kwargs.get("into") is not None for c in read.call_args_list] == [True]
+        check["same_storage"] = ptrs == [p.data_ptr() for p in tr.stage.parameters()]
+        check["position"] = [tr.step, tr.consumed_samples]
+        Path(job["save_to"], f"restored-{rank}.json").write_text(json.dumps(check))
 
     def hook(t: Trainer) -> bool:
+        io.wait()  # the save in flight overlapped one iteration, as in the worker
         if t.step in job["save_at"]:
-            steps = {s["step"] for s in optimizer_state(t.stage, t.optimizer).values()}
-            if steps != {t.step}:
-                raise RuntimeError(f"AdamW steps {steps} != iteration {t.step}")
-            g = TrainingGlobals(t.step, t.consumed_samples, {"adam_step": t.step, "seed": 0})
-            ck.save(_params(t), g)
-        return t.step >= job["end_step"]
+            io.save(t, job["save_to"])
+        return bool(t.step >= job["end_step"])
 
     losses = [r.loss for r in tr.run(job["end_step"] - step, hook=hook)]
-    ck.close()
+    io.close()
     if rank == 0:
         Path(job["save_to"], "losses.json").write_text(json.dumps(losses))
     dist.barrier()
@@ -217,12 +221,33 @@ def _gaps(
     return loss_gap, state_gap
 
 
+def _check_restored(root: Path, plan: Plan, step: int) -> None:
+    """Every rank's state right after ``restore_trainer`` is the checkpoint's, bitwise.
+
+    Catches a restore that drops or misplaces a moment, leaves the AdamW step at 0 or sets
+    another (bias correction would then differ), slices a TP shard wrongly, or stops
+    reading into the live parameters (the ``into=`` path).
+    """
+    for rank in range(len(plan.ranks())):
+        got = json.loads((root / f"restored-{rank}.json").read_text())
+        assert got["keys"], (plan.plan_id, rank, "parameters without AdamW state")
+        assert got["steps"] == [step], (plan.plan_id, rank, got["steps"])
+        assert got["gaps"] == {"weight": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, (
+            plan.plan_id,
+            rank,
+            got["gaps"],
+        )
+        assert got["into"] and got["same_storage"], (plan.plan_id, rank, got)
+        assert got["position"] == [step, step * GBS], (plan.plan_id, rank, got["position"])
+
+
 @pytest.mark.parametrize("pid", ["B1", "B2"])
 def test_resume_under_other_layout_equals_uninterrupted(
     baseline: tuple[Path, list[float]], resumed: dict[str, tuple[Path, list[float]]], pid: str
 ) -> None:
     root_a, losses_a = baseline
     root, losses = resumed[pid]
+    _check_restored(root, {"B1": PLAN_B1, "B2": PLAN_B2}[pid], N)
     loss_gap, state_gap = _gaps(losses, losses_a[N : N + M], root, root_a, N + M)
     assert loss_gap <= LOSS_ATOL and state_gap <= PARAM_ATOL
     m = read_manifest(LocalStorage(root), N + M)
@@ -237,5 +262,6 @@ def test_a_to_b_to_a(
     root_a, losses_a = baseline
     b, _ = resumed["B1"]
     losses = _run(PLAN_A, tmp_path / "A2", N + M + K, [N + M + K], (b, N + M))
+    _check_restored(tmp_path / "A2", PLAN_A, N + M)
     loss_gap, state_gap = _gaps(losses, losses_a[N + M :], tmp_path / "A2", root_a, N + M + K)
     assert loss_gap <= LOSS_ATOL and state_gap <= PARAM_ATOL

@@ -98,7 +98,9 @@ def test_demo_interrupted_leaves_no_process(tmp_path: Path, sig: signal.Signals)
     try:
         end = time.monotonic() + 90
         # interrupt once real workers run: the hardest moment (agents' own sessions, gloo)
-        while not any("sailor.worker" in _cmdline(p) for p in marked_pids(token, _TEST_ENV)):
+        while not any(
+            "sailor.training_process" in _cmdline(p) for p in marked_pids(token, _TEST_ENV)
+        ):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
             assert time.monotonic() < end, "no worker started"
             time.sleep(0.2)

@@ -3,9 +3,10 @@
 For each family (GPT-2, OPT, GPT-NeoX, Llama; tiny random configs, ``tests.hf_models``),
 the engine runs a plan with uneven stages, mixed TP degrees and per-pipeline microbatch
 sizes and counts (real gloo processes through ``launch_local``), starting from a saved
-``transformers`` directory (``--hf-model``). A single-process ``transformers`` model,
-trained with code the engine does not share — ``torch.optim.AdamW`` with its own
-weight-decay groups (by HF name), ``transformers``' cosine schedule with warmup,
+``transformers`` directory (a training config's ``kind: huggingface, load_weights:
+true``). A single-process ``transformers`` model, trained with code the engine does not
+share — ``torch.optim.AdamW`` with its own weight-decay groups (by HF name),
+``transformers``' cosine schedule with warmup,
 ``torch.nn.utils.clip_grad_norm_`` — must give, in fp32:
 
 - the same loss at every step (rel 1e-5) and the same validation loss (rel 1e-5);
@@ -19,14 +20,14 @@ weight-decay groups (by HF name), ``transformers``' cosine schedule with warmup,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from sailor.megatron_patch.data import SyntheticTokens
-from sailor.megatron_patch.engine import VALIDATION_SEED_OFFSET
+from sailor.megatron_patch.data import VALIDATION_SEED_OFFSET, SyntheticTokens
 from sailor.megatron_patch.hf.checkpoint import load_model, model_file
 from sailor.megatron_patch.hf.convert import canonical_name, engine_to_hf
 from sailor.megatron_patch.launch import launch_local
@@ -39,12 +40,29 @@ LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-8
 WARMUP, TOTAL, MIN_RATIO = 1, 5, 0.1
 CLIP = 0.05
 EVAL_EVERY = 2
-ARGS = [
-    "--lr", str(LR), "--weight-decay", str(WD), "--no-decay", "bias,norm,embedding",
-    "--lr-warmup-steps", str(WARMUP), "--lr-decay", "cosine", "--lr-total-steps", str(TOTAL),
-    "--min-lr-ratio", str(MIN_RATIO), "--clip-grad-norm", str(CLIP),
-    "--eval-every", str(EVAL_EVERY), "--seq-length", str(SEQ),
-]  # fmt: skip
+
+
+def _training_config(hf_dir: str) -> dict[str, Any]:
+    """The run's TrainingConfig: the transformers directory's weights, AdamW without decay
+    on biases, norms and embeddings, cosine schedule with warmup, clipping, evaluation."""
+    return {
+        "model": {"kind": "huggingface", "path": hf_dir, "load_weights": True, "seq_length": SEQ},
+        "optimizer": {
+            "lr": LR,
+            "betas": list(BETAS),
+            "eps": EPS,
+            "weight_decay": WD,
+            "no_decay": ["bias", "norm", "embedding"],
+        },
+        "schedule": {
+            "warmup_steps": WARMUP,
+            "decay": "cosine",
+            "total_steps": TOTAL,
+            "min_lr_ratio": MIN_RATIO,
+        },
+        "clipping": {"max_norm": CLIP},
+        "eval": {"every_steps": EVAL_EVERY, "batches": 1},
+    }
 
 
 def _stage(a: int, b: int, tp: int = 1, recompute: bool = False) -> Stage:
@@ -152,7 +170,8 @@ def test_heterogeneous_engine_trains_like_transformers(family: str, tmp_path: Pa
     model = save_tiny(family, tmp_path / "hf")
     spec, arch = load_model(tmp_path / "hf", SEQ, plan.global_batch_size)
     (tmp_path / "model.json").write_text(model_file(spec, arch))  # resolved once, not per rank
-    args = [*ARGS, "--hf-model", str(tmp_path / "hf"), "--dump-grads", "grads-{rank}.pt"]
+    (tmp_path / "train.json").write_text(json.dumps(_training_config("hf")))
+    args = ["--train-config", str(tmp_path / "train.json"), "--dump-grads", "grads-{rank}.pt"]
     args += ["--model", str(tmp_path / "model.json")]
     run = launch_local(plan, STEPS, tmp_path / "run", extra_args=args, deadline_s=400)
     if not run.ok:

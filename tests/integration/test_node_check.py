@@ -83,14 +83,14 @@ def test_sailor_check_with_an_agent_config(servers: LocalServers, tmp_path: Path
     assert not report.facts.gathered  # a CPU node: no GPU checks, nothing spawned
 
     bad_cfg = _agent_config(servers, tmp_path, "n1").model_copy(
-        update={"etcd_endpoint": f"127.0.0.1:{free_port()}"}
+        update={"etcd_endpoints": (f"127.0.0.1:{free_port()}",)}
     )
     bad = _write_config(bad_cfg, tmp_path / "bad.yaml")
     res = runner.invoke(app, ["check", "--config", str(bad), "--json", "--timeout", "1"])
     assert res.exit_code == 1, res.output
     report = CheckReport.model_validate_json(res.stdout)
     etcd = next(line for line in report.lines if line.check == "etcd")
-    assert etcd.verdict == "fail" and "etcd_endpoint" in etcd.action
+    assert etcd.verdict == "fail" and "etcd_endpoints" in etcd.action
 
 
 async def test_the_join_event_carries_the_node_facts(servers: LocalServers, tmp_path: Path) -> None:

@@ -293,3 +293,33 @@ async def test_prefix_mirror_survives_an_etcd_restart(
     finally:
         await m.close()
         await store.close()
+
+
+async def test_put_guarded_takes_the_revision_from_its_own_transaction(
+    etcd_endpoint: str,
+) -> None:
+    """A call after the write that fails must not turn the write's success into an error
+    (the caller would retry a write that happened): the revision is the transaction's own."""
+    store = await connect_etcd(etcd_endpoint)
+    try:
+        lease = await store.lease(5)
+        created = await store.create_if_absent("/g/leader", b"me", lease)
+        assert created is not None
+        calls: list[str] = []
+
+        async def failing_revision() -> int:
+            calls.append("revision")
+            raise UnavailableError("etcd unavailable after the write")
+
+        store.revision = failing_revision  # type: ignore[method-assign]
+        rev = await store.put_guarded("/g/desired", b"v", "/g/leader", created.create_revision)
+        kv = await store.get("/g/desired")
+        assert kv is not None and kv.value == b"v" and kv.mod_revision == rev
+        assert calls == []
+        with pytest.raises(FencedError):
+            await store.put_guarded("/g/desired", b"w", "/g/leader", created.create_revision + 1)
+        await store.delete_guarded("/g/desired", "/g/leader", created.create_revision)
+        assert await store.get("/g/desired") is None
+        await lease.revoke()
+    finally:
+        await store.close()

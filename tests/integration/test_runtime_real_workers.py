@@ -1,8 +1,8 @@
 """The runtime with real training workers: join → replan → resume, preemption → resume.
 
 Real nats-server and etcd, one controller planning with ``sailor.planner`` and two agents
-(``cpu`` nodes) launching ``python -m sailor.worker`` (tiny-gpt, gloo). n1 trains alone; n2
-joins, the controller replans for two nodes, the workers stop at an agreed step, save a
+(``cpu`` nodes) launching ``python -m sailor.training_process`` (tiny-gpt, gloo). n1 trains
+alone; n2 joins, the controller replans for two nodes, the workers stop at an agreed step, save a
 layer-keyed checkpoint, and the new layout resumes from it; then n1 gets a preemption notice
 with a 30 s deadline: the checkpoint must be committed inside it and training resumes on n2
 alone. Every loss every generation reported — in particular at every committed step — must

@@ -1,8 +1,8 @@
 """The real worker speaks the agent's protocol and resumes under another layout exactly.
 
-Two ranks of ``python -m sailor.worker`` (tiny-gpt, CPU, gloo) in layout A (two data-parallel
-replicas) are told through their control files to stop and save at step 3; two ranks in
-layout B (one pipeline of two stages) resume from that checkpoint, reach step 5, hold there
+Two ranks of ``python -m sailor.training_process`` (tiny-gpt, CPU, gloo) in layout A (two
+data-parallel replicas) are told through their control files to stop and save at step 3; two
+ranks in layout B (one pipeline of two stages) resume from that checkpoint, reach step 5, hold there
 until a save is asked for, save and stop. The losses of both runs must equal an
 uninterrupted single-process reference at every step (fp32 rounding).
 """
@@ -72,7 +72,13 @@ class _Ranks:
         self.procs = [
             subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "sailor.worker", "--plan", str(self.dir / "plan.json")),
+                    *(
+                        sys.executable,
+                        "-m",
+                        "sailor.training_process",
+                        "--plan",
+                        str(self.dir / "plan.json"),
+                    ),
                     *("--rank", str(r), "--world-size", str(plan.num_gpus), "--master", master),
                     *("--control", str(self.control), "--ckpt-dir", str(ckpt)),
                     *("--load-step", str(load_step), "--timeout-s", "60"),

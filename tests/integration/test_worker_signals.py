@@ -49,7 +49,7 @@ def _check_record(record: dict[str, object] | None) -> None:
     assert isinstance(record["pid"], int)
     # faulthandler's stacks: the main thread was in the worker's iteration-boundary hook.
     assert "Fatal Python error: Aborted" in str(record["traceback"]), record["traceback"]
-    assert "worker.py" in str(record["traceback"])
+    assert "rank_main.py" in str(record["traceback"])
 
 
 def test_signal_record_names_the_signal() -> None:

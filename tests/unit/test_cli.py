@@ -93,6 +93,17 @@ def test_simulate_json_and_timeline(reference: Path, tmp_path: Path) -> None:
         assert data[key] > 0
     # Measured 1.602 s for this plan; the imported profile must land near it.
     assert abs(data["iteration_time_s"] - 1.602) / 1.602 < 0.10
+    # the interval over the uncertainty set, fits judged at its high end
+    iv = data["interval"]
+    assert [c["corner"] for c in iv["corners"]] == [
+        "optimistic",
+        "median",
+        "pessimistic",
+        "original",
+    ]
+    t = iv["iteration_time_s"]
+    assert t["low"] <= t["median"] <= t["high"]
+    assert data["fits_in_memory_all_corners"] == all(c["fits_in_memory"] for c in iv["corners"])
     png = tmp_path / "tl.png"
     res = runner.invoke(
         app, ["simulate", str(out), "--profiles", str(prof), "--timeline", str(png)]

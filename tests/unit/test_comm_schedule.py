@@ -75,7 +75,10 @@ def _stand_in(spec: ModelSpec, role: RankRole, tp: TPContext) -> GPTStage:
 
 
 def _old_1f1b(stage: GPTStage, role: RankRole, p2p: P2P, get: Get) -> None:
-    """The schedule before the fix, through ``sailor.comm``: lone sends, blocking receives."""
+    """The schedule before the fix, through ``sailor.comm``: lone sends, blocking receives.
+
+    Used on TP-1 plans only, where every boundary is one whole-tensor message per peer.
+    """
     pending: list[comm.Work] = []
 
     def recv(src: int | None) -> torch.Tensor:
@@ -91,20 +94,20 @@ def _old_1f1b(stage: GPTStage, role: RankRole, p2p: P2P, get: Get) -> None:
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for op, mb in schedule_order(role.num_stages, role.stage, role.num_microbatches):
         if op == "F":
-            x = get(mb)[0] if role.is_first_stage else recv(role.fwd_recv_from).requires_grad_()
+            x = get(mb)[0] if role.is_first_stage else recv(role.prev_peers[0]).requires_grad_()
             out = stage(x, get(mb)[1] if role.is_last_stage else None)
             if not role.is_last_stage:
-                send(out, role.fwd_send_to)
+                send(out, role.next_peers)
             saved[mb] = (x, out)
         else:
             x, out = saved.pop(mb)
             if role.is_last_stage:
                 out.backward()
             else:
-                torch.autograd.backward(out, recv(role.bwd_recv_from))
+                torch.autograd.backward(out, recv(role.next_peers[0]))
             if not role.is_first_stage:
                 assert x.grad is not None
-                send(x.grad, role.bwd_send_to)
+                send(x.grad, role.prev_peers)
     comm.wait_all(pending)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from sailor.controller.audit import AuditLog, read_records
+from sailor.controller.audit import AuditLog, check, read_records
 
 
 async def test_concurrent_durable_calls_share_fsyncs(tmp_path: Path) -> None:
@@ -49,3 +49,41 @@ def test_sync_write_and_rotation_leave_nothing_pending(tmp_path: Path) -> None:
     log.close()
     recs = read_records([log.path])
     assert len(recs) == 11 and (tmp_path / "a.jsonl.1").exists()
+
+
+def test_check_requires_each_event_to_come_on_its_own_nodes_subject() -> None:
+    def event(eid: str, node: str, subject: str | None) -> dict[str, object]:
+        rec: dict[str, object] = {"kind": "event", "time": 1.0, "event_id": eid, "node_id": node}
+        if subject is not None:
+            rec["subject"] = subject
+        return {**rec, "event_kind": "node_joined"}
+
+    ok = check([event("a", "n1", "sailor.j.events.n1.node_joined")])
+    assert ok.ok, ok.violations
+    rep = check(
+        [
+            event("b", "n2", "sailor.j.events.n1.node_joined"),
+            event("c", "n2", None),
+            event("d", "n2", "sailor.j.cmd.n2"),
+        ]
+    )
+    assert len(rep.violations) == 3
+    assert "accepted from n1's subject" in rep.violations[0]
+    assert all("kept no event subject" in v for v in rep.violations[1:])
+
+
+def test_check_requires_generations_to_grow_across_leaders() -> None:
+    def phase(t: float, epoch: int, gen: int) -> dict[str, object]:
+        return {"kind": "phase", "time": t, "epoch": epoch, "generation": gen, "phase": "idle"}
+
+    recs = [
+        {"kind": "leader", "time": 0.0, "epoch": 5},
+        phase(1.0, 5, 3),
+        phase(2.0, 5, 4),
+        {"kind": "leader", "time": 3.0, "epoch": 9},
+        phase(4.0, 9, 4),
+    ]
+    assert check(recs).ok
+    reset = [*recs, {"kind": "leader", "time": 5.0, "epoch": 12}, phase(6.0, 12, 0)]
+    rep = check(reset)
+    assert rep.violations == ["t=6.000: generation 0 after 4: generations went back"]

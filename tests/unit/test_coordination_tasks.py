@@ -63,3 +63,34 @@ def test_close_cancels_again_a_task_that_swallowed_the_first_cancel() -> None:
         return t.done()
 
     assert asyncio.run(main()) and swallowed == [1]
+
+
+async def test_keep_restarts_with_backoff_then_hands_the_crash_over() -> None:
+    runs: list[str] = []
+    sleeps: list[float] = []
+    crashed: list[tuple[str, str]] = []
+
+    async def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+
+    async def flaky() -> str:
+        runs.append("run")
+        if len(runs) < 3:
+            raise RuntimeError(f"crash {len(runs)}")
+        return "done"
+
+    tasks = TaskSet("test", on_crash=lambda name, exc: crashed.append((name, str(exc))))
+    t = tasks.keep("flaky", flaky, backoff_s=0.5, sleep=fake_sleep)
+    assert await t == "done"
+    assert runs == ["run"] * 3 and sleeps == [0.5, 1.0] and crashed == []
+
+    async def broken() -> None:
+        raise ValueError("for good")
+
+    t = tasks.keep(
+        "broken", broken, backoff_s=0.5, max_backoff_s=1.5, max_crashes=4, sleep=fake_sleep
+    )
+    await t
+    assert sleeps[2:] == [0.5, 1.0, 1.5]  # three restarts, then the fourth crash is handed over
+    assert crashed == [("broken", "for good")]
+    await tasks.close()

@@ -123,11 +123,25 @@ def test_config_script_writes_a_valid_agent_config(
         "spot": True,
         "address": cfg["node"]["address"],
     }
-    assert cfg["nats_url"] == "nats://10.0.0.2:4222" and cfg["etcd_endpoint"] == "10.0.0.2:2379"
+    assert cfg["nats_urls"] == ["nats://10.0.0.2:4222"] and cfg["etcd_endpoints"] == [
+        "10.0.0.2:2379"
+    ]
     assert cfg["watchers"] == [
         {"kind": "gcp", "target": "http://metadata.google.internal"},
         {"kind": "file", "target": "/var/lib/sailor/drain"},
     ]
+
+
+def test_config_script_lists_every_server_of_the_clusters(tmp_path: Path) -> None:
+    servers = "10.0.0.2,10.0.0.3,10.0.0.4"
+    res = _run_script(tmp_path, "NVIDIA L4, 23034\\n", SAILOR_SERVERS=servers)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "etc/agent.yaml"
+    assert check_config(out) == (0, Kind.agent, [])
+    cfg = yaml.safe_load(out.read_text())
+    hosts = servers.split(",")
+    assert cfg["nats_urls"] == [f"nats://{h}:4222" for h in hosts]
+    assert cfg["etcd_endpoints"] == [f"{h}:2379" for h in hosts]
 
 
 def test_config_script_refuses_an_unknown_gpu(tmp_path: Path) -> None:

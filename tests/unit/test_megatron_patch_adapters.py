@@ -50,6 +50,22 @@ def test_deepspeed_layout_rejects_what_it_cannot_run(plan: Plan, why: str) -> No
         deepspeed_layout(plan)
 
 
+def test_deepspeed_config_leaves_the_update_to_sailors_adamw() -> None:
+    """DeepSpeed, reading the adapter's config, neither clips nor swaps the optimizer.
+
+    Catches the adapter inheriting DeepSpeed's default global-norm clipping at 1.0
+    (``GRADIENT_CLIPPING_DEFAULT``), which rescales each step's gradients before AdamW and
+    drifts the parameters from Sailor's engine; and a DeepSpeed optimizer or scheduler
+    section, which would replace the AdamW the adapter passes in.
+    """
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    plan = _plan(_pipe([(0, 3), (4, 5)]), _pipe([(0, 3), (4, 5)]))
+    cfg = deepspeed_config(deepspeed_layout(plan), plan)
+    assert ds_config.get_gradient_clipping(cfg) == 0.0
+    assert ds_config.get_optimizer_name(cfg) is None
+    assert ds_config.get_scheduler_name(cfg) is None
+
+
 def test_megatron_layout_maps_groups_and_rank_order() -> None:
     from sailor.megatron_patch.megatron_adapter import megatron_layout
     from sailor.megatron_patch.roles import role_of

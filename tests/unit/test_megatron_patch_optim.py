@@ -13,10 +13,11 @@ import torch
 
 from sailor.megatron_patch.clipping import counts_in_norm
 from sailor.megatron_patch.model import GPTStage, tiny_model
-from sailor.megatron_patch.optim import DecayGroups, LRSchedule, decays, lr_at, param_groups
+from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.tp_layers import TPContext, tp_dim_of
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.training import NoDecay, ScheduleConfig, decays
 
 
 def _hf_rates(kind: str, warmup: int, total: int, min_ratio: float, steps: int) -> list[float]:
@@ -44,24 +45,26 @@ def _hf_rates(kind: str, warmup: int, total: int, min_ratio: float, steps: int) 
 def test_schedule_equals_transformers_and_resumes_anywhere(
     kind: str, warmup: int, total: int, min_ratio: float
 ) -> None:
-    sched = LRSchedule(warmup_steps=warmup, decay=kind, total_steps=total, min_lr_ratio=min_ratio)  # type: ignore[arg-type]
+    sched = ScheduleConfig(
+        warmup_steps=warmup, decay=kind, total_steps=total, min_lr_ratio=min_ratio
+    )  # type: ignore[arg-type]
     theirs = _hf_rates(kind, warmup, total, min_ratio, total + 1)
-    mine = [lr_at(sched, 1.0, s) for s in range(total + 3)]
+    mine = [sched.lr_at(s, 1.0) for s in range(total + 3)]
     assert mine[: total + 1] == pytest.approx(theirs, rel=1e-12, abs=1e-15)
     # past the end it stays at the floor (transformers' cosine would rise again)
     assert mine[total:] == pytest.approx([min_ratio] * 3, abs=1e-15)
-    resumed = [lr_at(sched, 1.0, s) for s in range(5, total + 3)]  # restart at step 5
+    resumed = [sched.lr_at(s, 1.0) for s in range(5, total + 3)]  # restart at step 5
     assert resumed == mine[5:]
 
 
 def test_schedule_refuses_a_decay_that_ends_before_warmup() -> None:
-    with pytest.raises(ValueError, match="total_steps"):
-        LRSchedule(warmup_steps=5, decay="cosine", total_steps=5)
-    assert lr_at(LRSchedule(), 0.1, 123) == 0.1
+    with pytest.raises(ValueError, match="warmup_steps=5: must be below total_steps=5"):
+        ScheduleConfig(warmup_steps=5, decay="cosine", total_steps=5)
+    assert ScheduleConfig().lr_at(123, 0.1) == 0.1
 
 
 def test_decay_groups_by_layer_keyed_name() -> None:
-    groups = DecayGroups(no_decay=("bias", "norm", "embedding"))
+    groups: tuple[NoDecay, ...] = ("bias", "norm", "embedding")
     assert not decays("0.wte.weight", groups, tied=True)
     assert not decays("0.wpe.weight", groups, tied=True)
     assert not decays("3.ln1.weight", groups, tied=True)
@@ -71,7 +74,7 @@ def test_decay_groups_by_layer_keyed_name() -> None:
     assert decays("7.lm_head.weight", groups, tied=False)
     assert decays("3.attn_q.weight", groups, tied=True)
     assert decays("0.project_in.weight", groups, tied=True)
-    assert decays("3.ln1.weight", DecayGroups(), tied=True)
+    assert decays("3.ln1.weight", (), tied=True)
     spec = tiny_model("tiny-gpt")
     stage = GPTStage(spec, 0, spec.num_all_layers - 1, tie_in_module=True)
     pg = param_groups(stage.keyed_parameters(), 0.1, groups, spec.tie_embeddings)

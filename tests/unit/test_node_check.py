@@ -314,7 +314,7 @@ def test_sailor_check_on_this_machine_says_there_is_no_gpu() -> None:
 
 
 def test_profile_names_the_cuda_device_by_its_catalog_type(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``sailor profile layers|network --device cuda`` without --gpu-type: the catalog type
     of device 0, not its CUDA name (the planner matches profiles by catalog type). torch's
@@ -332,7 +332,7 @@ def test_profile_names_the_cuda_device_by_its_catalog_type(
     assert _local_gpu_type("cuda") == "H100-80"
     assert _local_gpu_type("cpu") == "cpu"
     props.name, props.total_memory = "NVIDIA A10G", 23_836_033_024
-    with pytest.raises(typer.Exit):
+    with pytest.raises(typer.Exit) as raised:  # the CLI entry prints it as one line
         _local_gpu_type("cuda")
-    err = capsys.readouterr().err
+    err = str(raised.value)
     assert "'NVIDIA A10G' with 22.2 GiB: not in the catalog" in err and "--gpu-type" in err

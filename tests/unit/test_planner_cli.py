@@ -95,6 +95,11 @@ def test_plan_json_export_and_pareto(reference: Path, tmp_path: Path) -> None:
     first = out["plans"][0]
     assert first["throughput_iter_s"] > 0 and first["cost_per_iter_usd"] > 0
     assert first["plan"]["pipelines"]
+    # robust by default: each plan's interval and its regret against each corner's best
+    assert out["risk"] == "robust"
+    assert set(first["regret"]) == {"optimistic", "median", "pessimistic", "original"}
+    assert first["interval"]["fits_in_memory"]
+    assert 0 < first["worst_ratio"] <= 1
     # the exported plan reads back as the same plan
     back = plan_from_dict(json.loads(exported.read_text()), "OPT-350")
     assert back.num_gpus == sum(first["gpus_by_type_zone"].values())
@@ -102,6 +107,9 @@ def test_plan_json_export_and_pareto(reference: Path, tmp_path: Path) -> None:
     table = runner.invoke(app, [*base, "--explain", "--objective", "cost", "--top", "1"])
     assert table.exit_code == 0, table.output
     assert "of bound" in table.stdout and "simulated:" in table.stdout
+    assert "interval over the uncertainty set" in table.stdout and "regret" in table.stdout
+    bad = runner.invoke(app, [*base, "--risk", "reckless"])
+    assert bad.exit_code != 0 and "--risk" in bad.output
 
 
 def test_plan_errors(reference: Path, tmp_path: Path) -> None:

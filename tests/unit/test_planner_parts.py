@@ -247,3 +247,33 @@ def test_large_pools_of_one_shape_share_their_template_list() -> None:
     assert len(again.state.template_sets) == lists
     small = replan(first, make_pool({("fast", ZONE): 1, ("slow", ZONE): 2}))
     assert len(small.state.template_sets) == lists + 1
+
+
+@pytest.mark.parametrize("corner", ["optimistic", "median", "pessimistic", "original"])
+def test_closed_form_equals_the_simulator_in_every_corner(corner: str) -> None:
+    """The tables mirror each deployment structure of the uncertainty set (p2p efficiency,
+    full copies across TP, fp32 gradients, per-GPU rings, extra state bytes), so the search
+    prices plans in any corner as the simulator does."""
+    from sailor import catalog
+    from sailor.schemas import Calibration
+    from sailor.simulator.uncertainty import corners
+
+    base = Calibration(prior=catalog.calibration().prior, p2p_across_tp="full_copies")
+    cal = dict(corners(base))[corner]
+    # GPUs large enough for the corners' GiB of non-tensor memory
+    env = make_env(
+        weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, memory_mb={"fast": 8000, "slow": 6000}
+    )
+    res = search(
+        **env.kw(),  # type: ignore[arg-type]
+        pool=make_pool({("fast", ZONE): 2, ("slow", ZONE): 4}),
+        gpu_specs=env.specs,
+        calibration=cal,
+        simulate_top=12,
+    )
+    judged = [c for c in res.candidates if c.estimate is not None]
+    assert len(judged) >= 4
+    assert any(s.replica.tp > 1 for c in judged for p in c.plan.pipelines for s in p.stages)  # type: ignore[union-attr]
+    for c in judged:
+        assert c.estimate is not None
+        assert c.fast.iteration_s == pytest.approx(c.estimate.iteration_time_s, rel=1e-9)

@@ -54,7 +54,8 @@ def test_cross_zone_hop_pays_egress_both_ways_as_the_simulator_charges() -> None
     pipe = best.plan.pipelines[0]
     m, b = pipe.num_microbatches, pipe.microbatch_size
     out = b * 256 * 1024  # output bytes per sample of every toy layer
-    mask = 2 * cheap.model.seq_length**2
+    # the default calibration sends no attention mask (Calibration.sends_attention_mask)
+    mask = 0
     per_gb = cheap.prices.egress_per_gb(Z1, Z2)
     expect = m * ((out + mask) + out) / 1e9 * per_gb
     assert best.estimate.egress_cost_usd == pytest.approx(expect, rel=1e-9)

@@ -47,7 +47,9 @@ from tests.unit.test_simulator_simulate import (
     _rg,
 )
 
-DEEPSPEED = Calibration(mixed_precision="fp16_optimizer")
+DEEPSPEED = Calibration(
+    mixed_precision="fp16_optimizer", p2p_across_tp="scatter_gather", sends_attention_mask=False
+)
 
 # -- choice -----------------------------------------------------------------------------------
 
@@ -326,7 +328,7 @@ def test_saved_bytes_fit_separates_the_per_microbatch_copy() -> None:
 
 
 def test_profile_db_records_the_copy_not_as_activations() -> None:
-    from sailor.profiler.layer_bench import LayerMeasurement
+    from sailor.profiler.layer_measurement import LayerMeasurement
     from sailor.profiler.timing import Stats
 
     st = Stats.of([1e-3, 1e-3, 1e-3])

@@ -14,7 +14,8 @@ from sailor import catalog
 from sailor.profiler import memory_bound as mb
 from sailor.profiler import precision as prec
 from sailor.profiler.collective_probe import fit_allreduce, sweep_sizes
-from sailor.profiler.layer_bench import LayerMeasurement, measure_kinds
+from sailor.profiler.layer_bench import measure_kinds
+from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.layers import LayerRun, profile_layers
 from sailor.profiler.memory import peak_growth_bytes
 from sailor.profiler.timing import RepeatSettings

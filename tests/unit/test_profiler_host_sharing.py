@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sailor.profiler.host_sharing import host_sharing_from
+from sailor.profiler.cpu_host.sharing import host_sharing_from
 
 
 def _rank(rank: int, shift: float) -> dict[str, object]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sailor.profiler.host_speed import SpeedCheck, drift, mean_check, nominal, same_speed
+from sailor.profiler.cpu_host.speed import SpeedCheck, drift, mean_check, nominal, same_speed
 
 
 def _check(alone: tuple[float, ...], together: tuple[float, ...], at: float = 0.0) -> SpeedCheck:

@@ -1,7 +1,7 @@
 """The simulator on the original artifact's 15 measured OPT-350 plans (GH-96).
 
-A regression guard for the calibrated model, not a fit: the constants come from
-``calibrate_gpu`` (each from the measurement that isolates it), and the bounds are loose.
+Out of sample: every plan is predicted with constants ``calibrate_gpu`` derived from the
+other 14 runs (leave-one-out), for the closed form and the replay.
 The full table with leave-one-out figures is ``benchmarks/simulator_accuracy.py``.
 """
 
@@ -33,26 +33,48 @@ def test_calibration_constants_are_physical(setup: tuple[object, ...]) -> None:
     assert "N1_D1_M4_G1" in cal.source
 
 
-def test_accuracy_regression_guard(setup: tuple[object, ...]) -> None:
+def _loo_errors(setup: tuple[object, ...], method: str) -> tuple[list[float], list[float]]:
+    """Signed time and memory errors of every run, each predicted with constants calibrated
+    on the other 14 runs only (out of sample)."""
     model, profiles, network, prices, runs = setup
-    cal = DEEPSPEED.with_gpu(calibrate_gpu(runs, model, profiles, network, prices, base=DEEPSPEED))  # type: ignore[arg-type]
     et, em = [], []
-    for r in runs:  # type: ignore[attr-defined]
-        for method in ("closed_form", "replay"):
-            est = simulate(
-                r.plan,
-                model,
-                profiles,
-                network,
-                prices,
-                calibration=cal,  # type: ignore[arg-type]
-                gpu_specs=gpus(),
-                method=method,
-            )  # type: ignore[arg-type]
-            assert est.fits_in_memory
-            assert not est.uses_estimates
-        et.append(abs(est.iteration_time_s / r.iteration_time_s - 1))
-        em.append(abs(est.peak_memory_bytes / r.peak_memory_bytes - 1))
-    assert statistics.mean(et) < 0.08
-    assert statistics.mean(em) < 0.03
-    assert max(em) < 0.10
+    for i, r in enumerate(runs):  # type: ignore[arg-type]
+        rest = runs[:i] + runs[i + 1 :]  # type: ignore[index]
+        cal = DEEPSPEED.with_gpu(
+            calibrate_gpu(rest, model, profiles, network, prices, gpu_specs=gpus(), base=DEEPSPEED)  # type: ignore[arg-type]
+        )
+        est = simulate(
+            r.plan,
+            model,  # type: ignore[arg-type]
+            profiles,  # type: ignore[arg-type]
+            network,  # type: ignore[arg-type]
+            prices,  # type: ignore[arg-type]
+            calibration=cal,
+            gpu_specs=gpus(),
+            method=method,  # type: ignore[arg-type]
+        )
+        assert est.fits_in_memory
+        assert not est.uses_estimates
+        et.append(est.iteration_time_s / r.iteration_time_s - 1)
+        em.append(est.peak_memory_bytes / r.peak_memory_bytes - 1)
+    return et, em
+
+
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_leave_one_out_accuracy(setup: tuple[object, ...], method: str) -> None:
+    """Out of sample. Measured: time 10.1% mean / 21.6% worst (closed form and replay alike;
+    worst N1_D1_M4_G1 held out, which leaves no pair to fit the hook cost, and N4_D4, whose
+    reduce time shows a straggler), memory 1.8% / 7.3%. Guards just above those figures."""
+    et, em = _loo_errors(setup, method)
+    t, m = [abs(e) for e in et], [abs(e) for e in em]
+    assert statistics.mean(t) < 0.11
+    assert max(t) < 0.23
+    assert statistics.mean(m) < 0.025
+    assert max(m) < 0.08
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 target (6% mean, 15% worst) not met out of sample")
+def test_leave_one_out_meets_target(setup: tuple[object, ...]) -> None:
+    t = [abs(e) for e in _loo_errors(setup, "closed_form")[0]]
+    assert statistics.mean(t) <= 0.06
+    assert max(t) <= 0.15

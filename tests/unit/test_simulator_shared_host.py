@@ -1,4 +1,4 @@
-"""Pipelines on one shared host: the processor-sharing replay and simulate(shared_host=True)."""
+"""Pipelines on one shared host: the processor-sharing replay and simulate_on_shared_host."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ from hypothesis import strategies as st
 from sailor.schemas import Calibration, Pipeline, ProfileDB, Stage
 from sailor.schemas.profile import HostSharing
 from sailor.simulator import simulate
+from sailor.simulator.cpu_host import (
+    SharedPipe,
+    fair_share,
+    replay_shared,
+    simulate_on_shared_host,
+)
 from sailor.simulator.pipeline import replay_1f1b
-from sailor.simulator.shared_host import SharedPipe, fair_share, replay_shared
 from tests.unit.test_simulator_simulate import (
     MODEL,
     PRICES,
@@ -193,19 +198,19 @@ def test_simulate_on_a_shared_host() -> None:
     kw = {"gpu_specs": SPECS, "method": "replay"}
     alone = simulate(plan, MODEL, PROFILES, _network(), PRICES, **kw)  # type: ignore[arg-type]
     # no HostSharing entry: each rank keeps its own device, and a note says so
-    none = simulate(plan, MODEL, PROFILES, _network(), PRICES, shared_host=True, **kw)  # type: ignore[arg-type]
+    none = simulate_on_shared_host(plan, MODEL, PROFILES, _network(), PRICES, **kw)  # type: ignore[arg-type]
     assert none.iteration_time_s == alone.iteration_time_s
     assert any("no host-sharing profile" in n for n in none.notes)
     # a host on which sharing costs nothing gives the ordinary replay
     free = _db((1.0,) * 8, 0.0)
-    same = simulate(plan, MODEL, free, _network(), PRICES, shared_host=True, **kw)  # type: ignore[arg-type]
+    same = simulate_on_shared_host(plan, MODEL, free, _network(), PRICES, **kw)  # type: ignore[arg-type]
     assert same.iteration_time_s == pytest.approx(alone.iteration_time_s, rel=1e-9)
     # 8 ranks on 2 cores: slower than 8 devices, not slower than one core doing it all
     shared = _db((1.0, 1.0, 1.5, 2.0), 1e-4)
-    est = simulate(plan, MODEL, shared, _network(), PRICES, shared_host=True, **kw)  # type: ignore[arg-type]
+    est = simulate_on_shared_host(plan, MODEL, shared, _network(), PRICES, **kw)  # type: ignore[arg-type]
     assert est.iteration_time_s > 1.5 * alone.iteration_time_s
     assert any("share one host of 2 cores" in n for n in est.notes)
-    # without shared_host the entry is ignored (GPUs own their devices)
+    # through simulate the entry is ignored (GPUs own their devices)
     assert simulate(plan, MODEL, shared, _network(), PRICES, **kw).iteration_time_s == (  # type: ignore[arg-type]
         alone.iteration_time_s
     )
@@ -225,15 +230,15 @@ def test_host_sharing_schema_checks_and_merge() -> None:
 
 
 def test_a_collective_entered_after_computing_pays_the_wake_up_once() -> None:
-    kw = {"gpu_specs": SPECS, "method": "replay", "shared_host": True}
+    kw = {"gpu_specs": SPECS, "method": "replay"}
     base = _db((1.0,) * 8, 0.0)
     cold = base.model_copy(
         update={"hosts": (base.hosts[0].model_copy(update={"collective_wake_s": 0.25}),)}
     )
 
     def gap(plan: object, cal: Calibration) -> float:
-        a = simulate(plan, MODEL, base, _network(), PRICES, calibration=cal, **kw)  # type: ignore[arg-type]
-        b = simulate(plan, MODEL, cold, _network(), PRICES, calibration=cal, **kw)  # type: ignore[arg-type]
+        a = simulate_on_shared_host(plan, MODEL, base, _network(), PRICES, calibration=cal, **kw)  # type: ignore[arg-type]
+        b = simulate_on_shared_host(plan, MODEL, cold, _network(), PRICES, calibration=cal, **kw)  # type: ignore[arg-type]
         return b.iteration_time_s - a.iteration_time_s
 
     two = _plan(_pipe([2, 4, 6], 2, 6), _pipe([2, 4, 6], 2, 6))
@@ -248,7 +253,7 @@ def test_a_collective_entered_after_computing_pays_the_wake_up_once() -> None:
 
 
 def test_all_reduces_take_the_measured_time_of_what_their_ranks_did_just_before() -> None:
-    kw = {"gpu_specs": SPECS, "method": "replay", "shared_host": True}
+    kw = {"gpu_specs": SPECS, "method": "replay"}
     base = _db((1.0,) * 8, 0.0)
 
     def with_entries(compute: float, chained: float, update: float, probe_bytes: int) -> object:
@@ -265,7 +270,9 @@ def test_all_reduces_take_the_measured_time_of_what_their_ranks_did_just_before(
     tied = MODEL.model_copy(update={"tie_embeddings": True})
 
     def it(db: object, plan: object, cal: Calibration) -> float:
-        return simulate(plan, tied, db, _network(), PRICES, calibration=cal, **kw).iteration_time_s  # type: ignore[arg-type]
+        return simulate_on_shared_host(
+            plan, tied, db, _network(), PRICES, calibration=cal, **kw
+        ).iteration_time_s  # type: ignore[arg-type]
 
     two = _plan(_pipe([2, 4, 6], 2, 6), _pipe([2, 4, 6], 2, 6))
     cal = Calibration(loss_allreduce=True, tied_allreduce=True)

@@ -58,10 +58,9 @@ class DemoCluster:
     root: Path
     global_batch_size: int
     min_step_s: float
-    model_file: Path | None = None
-    """Workers' ``--model`` (the demo's GPT-2, ``demo.model``); None: the plan's tiny-gpt."""
-    data: str = "synthetic"
-    """Workers' ``--data`` (``demo.model.DEMO_DATA``)."""
+    training_file: Path | None = None
+    """The training config every worker runs (``demo.model``); None: the plan's tiny-gpt on
+    synthetic tokens."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -86,8 +85,10 @@ class DemoCluster:
         return ControllerConfig(
             job=self.job,
             identity=name,
-            nats_url=self.servers.nats_url,
-            etcd_endpoint=self.servers.etcd_endpoint,
+            nats_urls=self.servers.nats_urls,
+            etcd_endpoints=self.servers.etcd_endpoints,
+            # R3 on a 3-server NATS cluster: losing one server loses no event
+            event_stream_replicas=min(3, len(self.servers.nats_urls)),
             audit_log=self.audit_path(name),
             checkpoint_dir=str(self.root / "ckpt"),
             lease_ttl_s=2,
@@ -111,8 +112,8 @@ class DemoCluster:
             node=NodeSpec(
                 node_id=node, gpu_type="cpu", gpus=1, zone="local-a", spot=True, address="127.0.0.1"
             ),
-            nats_url=self.servers.nats_url,
-            etcd_endpoint=self.servers.etcd_endpoint,
+            nats_urls=self.servers.nats_urls,
+            etcd_endpoints=self.servers.etcd_endpoints,
             lease_ttl_s=2,
             work_dir=self.agents_dir,
             # paced steps leave the 2 shared cores to the control plane; a short collective
@@ -120,8 +121,7 @@ class DemoCluster:
             worker_argv=(
                 *DEFAULT_WORKER_ARGV,
                 *("--min-step-s", str(self.min_step_s), "--timeout-s", "30"),
-                *("--data", self.data),
-                *(("--model", str(self.model_file)) if self.model_file else ()),
+                *(("--train-config", str(self.training_file)) if self.training_file else ()),
             ),
             watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
             watch_poll_s=0.1,

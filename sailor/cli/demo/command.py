@@ -22,7 +22,11 @@ __all__ = ["demo"]
 
 
 def demo(
-    out: Path = typer.Option(Path("out"), help="Where the PNG (and the plan) go."),
+    out: Path = typer.Option(
+        Path("out"),
+        help="Where the files go: demo-cluster.png; with --plan or --plan-only also "
+        "demo-timeline.png and demo-plan.json (the best plan, a file `sailor simulate` reads).",
+    ),
     steps: int = typer.Option(30, help="Steps trained between two injected changes."),
     nodes: int = typer.Option(3, help="Agents at the start (>= 3); one more joins later."),
     min_step_s: float = typer.Option(

@@ -1,27 +1,50 @@
-"""What the demo trains: a GPT-2 (``transformers.GPT2Config``) at ``tiny-gpt``'s sizes.
+"""What the demo trains: a GPT-2 (``transformers.GPT2Config``) on the Python documentation.
 
-The architecture is GPT-2's as ``transformers`` defines it (tanh GELU, learned positions,
-tied embeddings, its LayerNorm epsilon), resolved once here through
-``megatron_patch.hf`` into the model file every worker reads (``--model``), so the ranks
-never import ``transformers``. The sizes are those of the catalog's ``tiny-gpt`` (4 blocks,
-hidden 32, 4 heads, FFN 64, vocabulary 64, sequence 16): the controller plans and prices
-``tiny-gpt``, whose layers are the same shapes, and the demo keeps its runtime.
+- **Model**: GPT-2's architecture as ``transformers`` defines it (tanh GELU, learned
+  positions, tied embeddings, its LayerNorm epsilon), resolved once here through
+  ``megatron_patch.hf`` into the model file every worker reads, so the ranks never import
+  ``transformers``. Its blocks have the sizes of the catalog's ``tiny-gpt`` (4 blocks,
+  hidden 32, 4 heads, FFN 64, sequence 16), which the controller plans and prices; its
+  vocabulary is the corpus tokenizer's (:data:`VOCAB`).
+- **Data**: the reference prose the Python installation ships (``python-docs``, about
+  0.5 MB: the standard library's module docstrings), tokenized by ``sailor data prepare``'s
+  code with a byte-level BPE of :data:`VOCAB` tokens trained on it, into a Megatron indexed
+  dataset with a validation split. Available offline on every machine; samples are a pure
+  function of (seed, position), so every layout after every change reads the same tokens.
+- **Training config**: one ``TrainingConfig`` file naming both, which every rank validates.
 
-**Data switch** (:data:`DEMO_DATA`): the workers' ``--data``. Today ``synthetic`` (seeded
-tokens, a pure function of the position, so a resumed layout reads the same samples). A
-real corpus prepared by ``sailor data prepare`` (Megatron indexed dataset, another branch)
-plugs in here and in ``megatron_patch.worker.data_sources``, nowhere else.
+:func:`prepare_demo` writes all three into the run directory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_DATA", "demo_config", "demo_model", "write_model_file"]
+import yaml
 
-DEMO_DATA = "synthetic"
-"""The one switch of the demo's training data (see the module docstring)."""
+__all__ = ["CORPUS", "VOCAB", "DemoTraining", "demo_config", "demo_model", "prepare_demo"]
+
+CORPUS = "python-docs"
+"""The built-in corpus the demo trains on (``sailor.data.corpus``)."""
+
+VOCAB = 512
+"""The trained BPE's vocabulary, and the model's."""
+
+SEQ = 16
+"""Training sequence length (tiny-gpt's)."""
+
+
+@dataclass(frozen=True)
+class DemoTraining:
+    """The files of the demo's training: the resolved model, the data set, the config."""
+
+    model_file: Path
+    data_prefix: Path
+    training_file: Path
+    prepare_command: str
+    """The ``sailor data prepare`` command that makes the same data set."""
 
 
 def demo_config() -> Any:
@@ -29,8 +52,8 @@ def demo_config() -> Any:
     import transformers
 
     return transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=16,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
         n_embd=32,
         n_layer=4,
         n_head=4,
@@ -47,12 +70,46 @@ def demo_model(global_batch_size: int) -> tuple[Any, Any]:
     """``(ModelSpec, Architecture)`` of the demo model."""
     from sailor.megatron_patch.hf.config import from_hf_config
 
-    return from_hf_config(demo_config(), 16, global_batch_size, name="gpt2-tiny")
+    return from_hf_config(demo_config(), SEQ, global_batch_size, name="gpt2-tiny")
 
 
-def write_model_file(path: Path, global_batch_size: int) -> Path:
-    """Write the model file the workers' ``--model`` reads; returns ``path``."""
+def training_config(model_file: str, data_prefix: str) -> dict[str, Any]:
+    """The demo's ``TrainingConfig`` (as data; validated by every rank)."""
+    return {
+        "model": {"kind": "spec", "path": model_file},
+        "data": {"kind": "indexed", "prefix": data_prefix},
+        "seed": 0,
+        "optimizer": {"lr": 3e-3},
+    }
+
+
+def prepare_demo(root: Path, global_batch_size: int) -> DemoTraining:
+    """Resolve the model, prepare the corpus and write the training config under ``root``."""
+    from sailor.data import corpus
+    from sailor.data.prepare import PrepareOptions, prepare
     from sailor.megatron_patch.hf.checkpoint import model_file
 
-    path.write_text(model_file(*demo_model(global_batch_size)))
-    return path
+    model = root / "model.json"
+    model.write_text(model_file(*demo_model(global_batch_size)))
+    prefix = root / "data" / "pydocs"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    opts = PrepareOptions(
+        out=prefix,
+        vocab_size=VOCAB,
+        source_kind="builtin",
+        source_inputs=(CORPUS,),
+        python_version=corpus.python_version(),
+    )
+    manifest = prepare(corpus.builtin_corpus(CORPUS), opts)
+    if manifest.tokenizer.vocab_size > VOCAB:
+        raise ValueError(f"tokenizer vocab_size={manifest.tokenizer.vocab_size} > {VOCAB}")
+    training = root / "training.yaml"
+    training.write_text(yaml.safe_dump(training_config("model.json", "data/pydocs")))
+    return DemoTraining(
+        model_file=model,
+        data_prefix=prefix,
+        training_file=training,
+        prepare_command=(
+            f"sailor data prepare --builtin-corpus {CORPUS} --vocab-size {VOCAB} --out {prefix}"
+        ),
+    )

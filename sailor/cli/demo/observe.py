@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,9 @@ def plan_summary(plan: Plan | None, placement: dict[str, tuple[int, ...]]) -> st
 class StateReader:
     """Reads ``desired``, nodes and statuses of the demo job from etcd over one connection."""
 
-    def __init__(self, endpoint: str, job: str, security: SecurityConfig | None = None) -> None:
+    def __init__(
+        self, endpoint: str | Sequence[str], job: str, security: SecurityConfig | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.security = security
         self.keys = Keys(job=job)

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor import catalog
+from sailor.cli.tables import print_table
 from sailor.schemas import NetworkProfile, Pool, ProfileDB
 
 __all__ = ["plan_section"]
@@ -89,7 +90,7 @@ def plan_section(con: Console, out: Path) -> dict[str, Any]:
             str(p.num_gpus),
             desc,
         )
-    con.print(t)
+    print_table(con, t)
     best = ranked[0]
     ratio = best.estimate.throughput_iter_s / base[0].estimate.throughput_iter_s if base else 0.0
     con.print(
@@ -112,6 +113,10 @@ def plan_section(con: Console, out: Path) -> dict[str, Any]:
         f"{est.peak_memory_bytes / 2**30:.1f} GiB; schedule drawn to {png}"
     )
     (out / "demo-plan.json").write_text(best.plan.model_dump_json(indent=2))
+    con.print(
+        f"  best plan written to {out / 'demo-plan.json'} "
+        f"(`sailor simulate {out / 'demo-plan.json'}` shows its breakdown)"
+    )
     return {
         "search_time_s": search_s,
         "best_throughput_iter_s": best.estimate.throughput_iter_s,

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from sailor.cli.demo.observe import StepPoint
 from sailor.cli.demo.reconfig import Reconfiguration
+from sailor.cli.tables import print_table
 
 __all__ = ["LOSS_ATOL", "LossComparison", "compare_losses", "print_summary", "summary"]
 
@@ -123,8 +124,8 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
             str(r["redone_steps"]),
         )
         ph_t.add_row(r["cause"], *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES))
-    con.print(t)
-    con.print(ph_t)
+    print_table(con, t)
+    print_table(con, ph_t)
     lo = summ["losses"]
     c = Table("committed step", "loss (cluster)", "loss (uninterrupted)", "|diff|")
     for row in lo["committed"]:
@@ -134,7 +135,7 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
             f"{row['reference']:.6f}",
             f"{row['abs_diff']:.1e}",
         )
-    con.print(c)
+    print_table(con, c)
     verdict = "[green]match[/]" if lo["ok"] else "[red]DIFFER[/]"
     con.print(
         f"  losses {verdict}: {lo['steps_compared']} reported steps (all generations, redone "

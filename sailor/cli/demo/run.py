@@ -26,7 +26,7 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 
 from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
-from sailor.cli.demo.model import DEMO_DATA, write_model_file
+from sailor.cli.demo.model import CORPUS, prepare_demo
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.reconfig import reconfigurations
 from sailor.cli.demo.report import compare_losses, print_summary, summary
@@ -58,15 +58,13 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(s, signal.SIG_IGN)
 
 
-def _cleanup(reg: ProcessRegistry, cluster: DemoCluster | None, tmp: Path, keep: bool) -> list[int]:
+def _cleanup(reg: ProcessRegistry, cluster: DemoCluster | None) -> list[int]:
     try:
         if cluster is not None:
             cluster.stop()
         reg.stop(["nats", "etcd"], grace_s=5.0)
     finally:
         left = reg.kill_all()
-        if not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
     return left
 
 
@@ -93,9 +91,10 @@ def run_demo(
     cluster: DemoCluster | None = None
     t_start = time.time()
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    # Resolving the model imports transformers (seconds): overlap it with the servers' start.
+    # Resolving the model (a transformers import) and tokenizing the corpus take seconds:
+    # overlap them with the servers' start.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="demo-model")
-    model_file = pool.submit(write_model_file, tmp / "model.json", settings.global_batch_size)
+    training = pool.submit(prepare_demo, tmp, settings.global_batch_size)
     pool.shutdown(wait=False)
     try:
         with _signals_raise():
@@ -111,8 +110,11 @@ def run_demo(
                 root=tmp,
                 global_batch_size=settings.global_batch_size,
                 min_step_s=settings.min_step_s,
-                model_file=model_file.result(timeout=120),
-                data=DEMO_DATA,
+                training_file=training.result(timeout=120).training_file,
+            )
+            con.print(
+                f"  training: GPT-2 (transformers config) on {CORPUS!r}, "
+                f"prepared as `{training.result().prepare_command}`"
             )
             live = Live(console=con, refresh_per_second=4, transient=False) if show_live else None
             show: Callable[[RenderableType], None] | None = live.update if live else None
@@ -121,11 +123,20 @@ def run_demo(
             _scenario(scn, live)
         records = read_records([cluster.audit_log])
         scn.steps.poll()
+    except BaseException:
+        _cleanup(reg, cluster)
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
-        leftovers = _cleanup(reg, cluster, tmp, keep)
         for s, h in old.items():
             signal.signal(s, h)
-    return _report(scn, records, check(records).ok, settings, out, con, t_start, leftovers)
+    leftovers = _cleanup(reg, cluster)
+    try:  # the run directory holds the data set the reference reads
+        return _report(scn, records, check(records).ok, settings, out, con, t_start, leftovers)
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _report(
@@ -140,8 +151,10 @@ def _report(
 ) -> dict[str, Any]:
     from sailor.cli.demo.model import demo_model
     from sailor.cli.demo.plot import plot_run
+    from sailor.megatron_patch.data import build_dataset
     from sailor.megatron_patch.engine import TrainConfig
     from sailor.megatron_patch.reference import train_reference
+    from sailor.schemas.training import parse_training_config
 
     wall = time.time() - t_start
     points = scn.steps.series()
@@ -149,10 +162,15 @@ def _report(
     gbs = settings.global_batch_size
     con.print(f"  uninterrupted reference: {last} steps in one process …")
     spec, arch = demo_model(gbs)
-    ref = train_reference(spec, gbs, last, TrainConfig(seed=0), arch=arch).losses
+    tfile = scn.cluster.training_file
+    if tfile is None:
+        raise ValueError("the demo cluster has no training config")
+    tc = parse_training_config(tfile.read_text(), str(tfile))
+    data = build_dataset(tc.data, spec, tc.seed, base_dir=tfile.parent)
+    ref = train_reference(spec, gbs, last, TrainConfig.of(tc), arch=arch, data=data).losses
     commits = [int(r["step"]) for r in records if r.get("kind") == "commit"]
     reconfs = reconfigurations(records, scn.injections, points)
-    png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png")
+    png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png", reference=ref)
     summ = summary(points, reconfs, compare_losses(points, ref, commits), wall, str(png), audit_ok)
     summ["leftover_processes"] = leftovers
     print_summary(con, summ)

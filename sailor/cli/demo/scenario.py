@@ -77,7 +77,7 @@ class Driver:
     def __post_init__(self) -> None:
         self.steps = StepReader(self.cluster.agents_dir)
         srv = self.cluster.servers
-        self.state = StateReader(srv.etcd_endpoint, self.cluster.job, srv.security(ADMIN))
+        self.state = StateReader(srv.etcd_endpoints, self.cluster.job, srv.security(ADMIN))
 
     def note(self, text: str) -> None:
         line = f"{time.time() - self.t0:6.1f}s  {text}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sailor.planner.api import Constraints, NoFeasiblePlanError, Objective, RankedPlan
-from sailor.planner.search import _score
+from sailor.planner.search import objective_score
 from sailor.planner.tables import CostTables
 from sailor.schemas import Estimate, Plan
 from sailor.simulator import ProfileLookupError, simulate
@@ -53,7 +53,7 @@ def judge(
             continue
         if not est.fits_in_memory or constraints.violations(est, per_hour):
             continue
-        sc = _score(objective, est.throughput_iter_s, est.cost_per_iter_usd, per_hour)
+        sc = objective_score(objective, est.throughput_iter_s, est.cost_per_iter_usd, per_hour)
         ranked.append((sc, p, est, per_hour))
     if not ranked:
         raise NoFeasiblePlanError(

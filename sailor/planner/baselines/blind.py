@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
 from sailor.planner.search import (
-    _bound,
-    _mbs_candidates,
-    _per_gpu_rate,
-    _score,
-    _tp_candidates,
+    mbs_candidates,
+    objective_score,
+    per_gpu_rate,
+    pool_bound,
     resources_of,
+    tp_candidates,
 )
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import with_cuts
@@ -63,9 +63,9 @@ def heterogeneity_blind(
     gbs = model.global_batch_size
     n_layers = model.num_all_layers
     caps = resources_of(pool, cons)
-    ub = _bound(tables, caps)
+    ub = pool_bound(tables, caps)
     # the slowest type, and the smallest node of the pool (TP must fit every node)
-    slow = min(caps, key=lambda r: _per_gpu_rate(tables, r[0], r[2]))
+    slow = min(caps, key=lambda r: per_gpu_rate(tables, r[0], r[2]))
     node = min(r[2] for r in caps)
     smallest = min(caps, key=lambda r: tables.capacity(r[0]))
     total = sum(caps.values())
@@ -76,8 +76,8 @@ def heterogeneity_blind(
         n = min(e.gpus, caps.get(r, 0) - sum(1 for s in slots if s == r))
         slots.extend([r] * max(0, n))
     points: list[tuple[float, Plan, float]] = []
-    for tp in _tp_candidates(node):
-        for b in _mbs_candidates(tables.inputs, slow[0]):
+    for tp in tp_candidates(node):
+        for b in mbs_candidates(tables.inputs, slow[0]):
             for pp in range(1, n_layers + 1):
                 dp = total // (tp * pp)
                 while dp > 0 and gbs % (dp * b):
@@ -104,7 +104,9 @@ def heterogeneity_blind(
                         k = (s.replica.gpu_type, s.replica.zone)
                         used[k] = used.get(k, 0) + s.replica.tp
                 hour = per_hour(tables, used)
-                points.append((_score(objective, 1.0 / it, hour / 3600 * it, hour), plan, hour))
+                points.append(
+                    (objective_score(objective, 1.0 / it, hour / 3600 * it, hour), plan, hour)
+                )
     points.sort(key=lambda x: -x[0])
     return judge(tables, points[: max(simulate_top, top_k)], objective, cons, top_k, ub, "blind")
 

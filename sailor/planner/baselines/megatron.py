@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
-from sailor.planner.search import _mbs_candidates, _score, _tp_candidates, resources_of
+from sailor.planner.search import mbs_candidates, objective_score, resources_of, tp_candidates
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import with_cuts
 from sailor.schemas import (
@@ -56,12 +56,12 @@ def megatron_grid(
     n_layers = model.num_all_layers
     caps = resources_of(pool, cons)
     points: list[tuple[float, Plan, float]] = []
-    from sailor.planner.search import _bound
+    from sailor.planner.search import pool_bound
 
-    ub = _bound(tables, caps)
+    ub = pool_bound(tables, caps)
     for (g, z, k), n_gpus in sorted(caps.items()):
-        for tp in _tp_candidates(k):
-            for b in _mbs_candidates(tables.inputs, g):
+        for tp in tp_candidates(k):
+            for b in mbs_candidates(tables.inputs, g):
                 for pp in range(1, n_layers + 1):
                     dp = n_gpus // (tp * pp)
                     while dp > 0 and gbs % (dp * b):
@@ -74,7 +74,7 @@ def megatron_grid(
                     m = gbs // (dp * b)
                     it = t.pipe_time(m)
                     hour = per_hour(tables, {(g, z): dp * pp * tp})
-                    sc = _score(objective, 1.0 / it, hour / 3600 * it, hour)
+                    sc = objective_score(objective, 1.0 / it, hour / 3600 * it, hour)
                     pipe = Pipeline(
                         stages=tuple(
                             Stage(

@@ -1,14 +1,14 @@
-"""A training worker that also reports its peak RSS growth (for end-to-end memory checks).
+"""Probe: one training rank, unchanged, that also reports its peak RSS growth (memory checks).
 
-``python -m sailor.profiler.rss_worker --rss-out FILE [worker options]`` imports the worker
+``python -m sailor.profiler.rss_probe --rss-out FILE [worker options]`` imports the worker
 (torch, torch.distributed, the framework), takes the process's RSS as the baseline, resets
-the kernel's peak-RSS counter, runs :func:`sailor.megatron_patch.worker.main` unchanged, and
+the kernel's peak-RSS counter, runs :func:`sailor.megatron_patch.rank_main.main` unchanged, and
 writes ``{"baseline_bytes", "peak_bytes", "growth_bytes"}`` to ``FILE`` (``{rank}`` is
 replaced by the rank). The baseline is taken at the same point as in
 :mod:`sailor.profiler.overhead`, so the process overhead measured there and the growth
 measured here count the same things.
 
-Used as ``launch_local(..., module="sailor.profiler.rss_worker", extra_args=[...])``; the
+Used as ``launch_local(..., module="sailor.profiler.rss_probe", extra_args=[...])``; the
 training framework needs no hook for it. Linux only (``/proc/self``).
 """
 
@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     i = rest.index("--rss-out")
     del rest[i : i + 2]
 
-    from sailor.megatron_patch import worker
+    from sailor.megatron_patch import rank_main
     from sailor.profiler.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     base = rss_bytes()
     reset_ok = reset_peak_rss()
-    code = worker.main(rest)
+    code = rank_main.main(rest)
     peak = peak_rss_bytes()
     out = Path(ours.rss_out.replace("{rank}", str(ours.rank)))
     out.write_text(

@@ -3,9 +3,10 @@
 ``Planner`` is the small interface the executor calls on every membership change (in a
 thread: planning may take a while and overlaps the checkpoint). ``DataParallelPlanner`` is a
 stand-in that needs no profiles: one single-stage pipeline per GPU (tp=1), as many as divide
-the global batch. The real planner (``sailor.planner.replan``) plugs in behind the same
-interface. ``place`` is pure: it binds every replica group of a plan to a concrete node with
-free GPUs of the right type and zone, and returns node -> global ranks.
+the global batch. The real planner (``SailorPlanner`` of :mod:`.in_process`, on
+``sailor.planner``) plugs in behind the same interface. ``place`` is pure: it binds every
+replica group of a plan to a concrete node with free GPUs of the right type and zone, and
+returns node -> global ranks.
 """
 
 from __future__ import annotations

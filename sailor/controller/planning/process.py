@@ -26,7 +26,10 @@ Every ``_FULL_EVERY``-th collection unfreezes first, so a cycle that does appear
 The parent mirrors what the worker holds; when the two disagree (a call cancelled or failed
 half-way, a worker restarted) the worker refuses with :class:`StaleWorkerStateError` and the call
 is sent again in full. A worker that dies is replaced on the next call (its warm state is
-lost: the next plan is a full search).
+lost: the next plan is a full search). A call cancelled while the worker runs it (the
+executor's replan timeout, or a newer replan replacing it) kills the worker (:meth:`kill`):
+a search cannot be interrupted inside the worker, and left running it would hold the pool's
+one worker while every later call queued behind it.
 
 Never used by tests that inject their own ``Planner``: only ``planner_process: true`` with a
 config-built planner goes here.
@@ -45,7 +48,8 @@ from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from sailor.controller.config import ControllerConfig
-from sailor.controller.planning import Planner, PlanResult
+from sailor.controller.planning.api import Planner, PlanResult
+from sailor.controller.planning.in_process import planner_from_config
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 
@@ -85,8 +89,6 @@ at 512 nodes, between calls): bounds what a cycle among them could hold on to.""
 
 def _init(config_json: str) -> None:
     global _planner
-    from sailor.controller.sailor_planner import planner_from_config
-
     _watch_parent(os.getppid())
     _planner = planner_from_config(ControllerConfig.model_validate_json(config_json))
     gc.disable()  # collections run between calls (_collect), not inside them
@@ -223,7 +225,10 @@ class ProcessPlanner:
             except BrokenExecutor:
                 self.close()  # the worker died; the next call starts a fresh one
                 raise
-            except BaseException:  # failed or cancelled half-way: the next call goes in full
+            except asyncio.CancelledError:
+                self.kill()  # the search would run on in the worker: stop it
+                raise
+            except BaseException:  # failed half-way: the next call goes in full
                 self._forget()
                 raise
             self._collect_after(pool)
@@ -253,6 +258,18 @@ class ProcessPlanner:
                 self._forget()
                 raise
         raise StaleWorkerStateError("planner worker refused a full call")
+
+    def kill(self) -> None:
+        """Terminate the worker now (a search under way included); the next call starts a
+        fresh one. The search is pure computation: there is nothing to clean up."""
+        pool, self._pool = self._pool, None
+        self._forget()
+        if pool is None:
+            return
+        for p in dict(getattr(pool, "_processes", None) or {}).values():
+            with contextlib.suppress(Exception):
+                p.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -5,7 +5,7 @@ entry per GPU type, zone, node shape and spot flag), runs the full :func:`sailor
 for the first layout (or when a node shape the last search never saw appears), and the
 incremental :func:`sailor.planner.replan` on later membership changes, warm-started from the
 last search's cost tables and plan. The best ranked plan is bound to concrete nodes with
-:func:`sailor.controller.planning.place` and carries its predicted figures.
+:func:`sailor.controller.planning.api.place` and carries its predicted figures.
 
 Inputs come from the controller config: the model (a catalog name such as ``tiny-gpt`` or
 ``OPT-350``, or a ModelSpec JSON/YAML file) and optional profiles, network, prices and
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sailor import catalog
 from sailor.controller.config import ControllerConfig, load_mapping
-from sailor.controller.planning import (
+from sailor.controller.planning.api import (
     DataParallelPlanner,
     PlacementError,
     Planner,

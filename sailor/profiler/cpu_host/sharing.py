@@ -1,4 +1,4 @@
-"""How ranks started on one host share its cores: the slowdown curve and the wake-up delay.
+"""CPU test scaffolding: how ranks started on one host share its cores (slowdown, wake-up).
 
 A GPU rank owns its device. CPU ranks that ``launch_local`` starts on one host share its
 cores, and two effects decide their speed; both are measured here with the profiled model's
@@ -48,7 +48,7 @@ one microbatch size), never on the plans the simulator will predict:
 
 The ranks are real processes joined by a gloo group (:mod:`procs`), with the worker's one
 intra-op thread each. The simulator uses the result only for plans it is told run on one
-host (``simulate(..., shared_host=True)``): see ``sailor.simulator.shared_host``.
+host (``sailor.simulator.cpu_host.simulate_on_shared_host``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from sailor.schemas.profile import HostSharing
 
 __all__ = ["HOST_SOURCE", "HostRun", "host_sharing_from", "measure_host_sharing"]
 
-HOST_SOURCE = "sailor.profiler.host_sharing"
+HOST_SOURCE = "sailor.profiler.cpu_host.sharing"
 _WAKE_WARMUP = 10
 _ENTRY_WARMUP = 5
 _ALLREDUCE_BYTES = 8192

@@ -1,4 +1,4 @@
-"""Is this host running at its usual speed right now? A quick check of every core.
+"""CPU test scaffolding: is this host running at its usual speed right now? Every core checked.
 
 A profile describes the host as it was while it was measured. On a dedicated machine that
 holds; on a cloud VM whose cores are shared with other tenants it does not, and the drift is

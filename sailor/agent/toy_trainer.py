@@ -1,4 +1,4 @@
-"""A light stand-in training worker speaking the agent's worker protocol (no torch).
+"""A toy training process speaking the agent's worker protocol (no torch): a stand-in for training.
 
 Used where real training is beside the point: protocol tests, large simulated clusters in
 the benchmarks, and runs on machines without torch. It "trains" a 4-parameter model on a
@@ -64,7 +64,7 @@ def _save(root: str, step: int, w: list[float], rank: int, world: int, timeout: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sailor-sim-worker")
+    p = argparse.ArgumentParser(prog="sailor-toy-trainer")
     p.add_argument("--plan", required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)

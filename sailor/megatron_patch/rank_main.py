@@ -2,26 +2,29 @@
 
 Usage::
 
-    python -m sailor.megatron_patch.worker --plan PLAN.json --rank R --world-size W \\
+    python -m sailor.megatron_patch.rank_main --plan PLAN.json --rank R --world-size W \\
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
-        [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3]
+        [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3] \\
+        [--train-config run.yaml]
 
-Training options (``TrainConfig``): ``--lr --weight-decay --no-decay bias,norm,embedding
---lr-warmup-steps --lr-decay constant|linear|cosine --lr-total-steps --min-lr-ratio
---clip-grad-norm --eval-every --eval-batches``. ``--hf-model DIR`` builds a ``transformers``
-model (GPT-2, OPT, GPT-NeoX, Llama) from a local directory's ``config.json`` and, when it
-holds safetensors weights, starts from them (each rank reads only its layers;
-``megatron_patch.hf``); ``--seq-length`` sets its training sequence length.
+Training options come from ``--train-config`` (a ``TrainingConfig`` file, the one the
+controller hands every rank): model source (a catalog name, a ModelSpec, or a local
+``transformers`` directory of the GPT-2, OPT, GPT-NeoX or Llama family, optionally starting
+from its safetensors weights, each rank reading only its layers: ``megatron_patch.hf``),
+data, AdamW, LR schedule, clipping, evaluation, precision and metrics. Without one,
+``--seed --lr --weight-decay`` set the engine's defaults. ``--model`` (a name, a ModelSpec
+file, or a model file ``{"spec", "architecture"}`` that ``hf.model_file`` wrote, so ranks
+need not import ``transformers``) wins over the config's model.
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
-"compute_s", "sync_s", "optim_s", "time"}``) plus ``{"event": "ready", "setup_s", ...}`` once
-the groups and the stage are built and ``{"event": "done", ...}`` at the end; rank 0 also
-prints them to stdout. On failure the first cause goes to the error file (``errors``) and
-the process exits with status 1 at once (``os._exit``: never wait on dead peers), so with
-the short collective timeout (``--timeout-s``, default 60 s) a crashed stage makes every
-rank exit within a bounded time.
+"compute_s", "sync_s", "optim_s", "precision", "time"}``) plus ``{"event": "ready",
+"setup_s", ...}`` once the groups and the stage are built and ``{"event": "done", ...}`` at
+the end; rank 0 also prints them to stdout. On failure the first cause goes to the error
+file (``errors``) and the process exits with status 1 at once (``os._exit``: never wait on
+dead peers), so with the short collective timeout (``--timeout-s``, default 60 s) a crashed
+stage makes every rank exit within a bounded time.
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
@@ -43,10 +46,18 @@ in lockstep with the other ranks) until a save request, SIGTERM or ``--pause-tim
 ``--ckpt-dir DIR --load-step S`` resumes from the committed checkpoint of step ``S`` under any
 layout: the trainer starts at its step and data position.
 
+``--train-config FILE`` (a :class:`~sailor.schemas.training.TrainingConfig`, YAML or JSON) is
+read and validated first, before the backend or any process group starts: a wrong field is a
+configuration error naming the field and its value. It gives the model (unless ``--model``),
+the seed and AdamW settings, the data set (synthetic or a Megatron indexed dataset, paths
+relative to the file) and where rank 0 writes per-step metrics (JSON lines, TensorBoard:
+:mod:`sailor.metrics`). LR schedule, clipping, evaluation and periodic checkpoints of the
+config are not applied by this engine yet.
+
 Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
 package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
-sailor.worker`` pass the layer-keyed one of :mod:`sailor.worker.ckpt_glue`. The ``sailor``
-CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
+sailor.training_process`` pass the layer-keyed one of :mod:`sailor.training_process.ckpt_glue`.
+The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ _T_START = time.time()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from sailor import catalog  # noqa: E402
 from sailor.comm import api as comm  # noqa: E402
 from sailor.comm import strict as strict_comm  # noqa: E402
 from sailor.megatron_patch.affinity import (  # noqa: E402
@@ -82,7 +94,7 @@ from sailor.megatron_patch.control import (  # noqa: E402
     agree_dir,
     read_control,
 )
-from sailor.megatron_patch.data import TokenBatches  # noqa: E402
+from sailor.megatron_patch.data import build_dataset  # noqa: E402
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
@@ -98,12 +110,19 @@ from sailor.megatron_patch.errors import (  # noqa: E402
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.model import TINY_MODELS, tiny_model  # noqa: E402
-from sailor.megatron_patch.optim import DecayGroups  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
+from sailor.metrics import MetricsLogger, step_metrics  # noqa: E402
 from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
+from sailor.schemas.training import (  # noqa: E402
+    BuiltinModel,
+    HuggingFaceModel,
+    SpecFileModel,
+    TrainingConfig,
+    parse_training_config,
+)
 
 __all__ = [
     "CheckpointIO",
@@ -152,24 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument(
-        "--no-decay", default="", help="Comma list of bias,norm,embedding exempt from decay."
-    )
-    p.add_argument("--lr-warmup-steps", type=int, default=0)
-    p.add_argument("--lr-decay", choices=["constant", "linear", "cosine"], default="constant")
-    p.add_argument("--lr-total-steps", type=int, default=0, help="End of the lr decay.")
-    p.add_argument("--min-lr-ratio", type=float, default=0.0)
-    p.add_argument("--clip-grad-norm", type=float, default=0.0, help="0: no clipping.")
-    p.add_argument("--eval-every", type=int, default=0, help="Validation loss period; 0 never.")
-    p.add_argument("--eval-batches", type=int, default=1)
-    p.add_argument("--hf-model", default=None, help="Local transformers model directory.")
-    p.add_argument("--seq-length", type=int, default=0, help="With --hf-model; 0: its maximum.")
-    p.add_argument(
-        "--data",
-        choices=sorted(DATA_SOURCES),
-        default="synthetic",
-        help="Training data source (synthetic: seeded tokens, a pure function of the position).",
-    )
     p.add_argument("--dump-grads", default=None, help="torch.save the last step's gradients.")
     p.add_argument("--timeout-s", type=float, default=60.0, help="Collective/p2p timeout.")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
@@ -197,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-cores",
         default=None,
         help="Bind this rank (and the threads it starts) to these cores, e.g. 0 or 0,2-3.",
+    )
+    p.add_argument(
+        "--train-config",
+        default=None,
+        help="TrainingConfig file (YAML/JSON): model, data, optimizer, metrics; see "
+        "`sailor schema training-config`.",
     )
     p.add_argument(
         "--min-step-s",
@@ -231,52 +238,58 @@ def load_architecture(arg: str | None) -> Architecture | None:
     return Architecture(**raw["architecture"]) if "architecture" in raw else None
 
 
-DATA_SOURCES = ("synthetic",)
-"""Data sources the worker can read. The one switch where a tokenized corpus (Megatron
-indexed dataset, ``sailor.data``) plugs in once it exists: anything with
-``batch(indices) -> (inputs, labels)`` (``data.TokenBatches``) given to the Trainer."""
+def load_train_config(path: str) -> TrainingConfig:
+    """The training config of ``--train-config``; a wrong field is a ``ValueError`` naming
+    the file, the field and its value (a configuration error: not retried)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--train-config={path!r}: cannot read ({exc.strerror or exc})") from exc
+    return parse_training_config(text, path)
 
 
-def data_sources(
-    name: str, spec: ModelSpec, cfg: TrainConfig
-) -> tuple[TokenBatches | None, TokenBatches | None]:
-    """``(train, validation)`` data of ``--data`` (None: the Trainer's synthetic default)."""
-    if name == "synthetic":
-        return None, None
-    raise ValueError(f"--data={name!r}: known {list(DATA_SOURCES)}")
+def train_config(tc: TrainingConfig | None, args: argparse.Namespace) -> TrainConfig:
+    """The engine's ``TrainConfig``: from the training config, else ``--seed/--lr/
+    --weight-decay`` with the engine's defaults."""
+    if tc is None:
+        return TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
+    return TrainConfig.of(tc)
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
-    """The ``TrainConfig`` of the worker's options (validated: a wrong value is named)."""
-    no_decay = tuple(x for x in args.no_decay.split(",") if x)
-    return TrainConfig.model_validate(
-        {
-            "seed": args.seed,
-            "lr": args.lr,
-            "weight_decay": args.weight_decay,
-            "schedule": {
-                "warmup_steps": args.lr_warmup_steps,
-                "decay": args.lr_decay,
-                "total_steps": args.lr_total_steps,
-                "min_lr_ratio": args.min_lr_ratio,
-            },
-            "clip_grad_norm": args.clip_grad_norm,
-            "decay_groups": DecayGroups.model_validate({"no_decay": no_decay}),
-            "eval_every": args.eval_every,
-            "eval_batches": args.eval_batches,
-        }
-    )
-
-
-def _model(args: argparse.Namespace, plan: Plan) -> tuple[ModelSpec, Architecture | None]:
-    """The model: ``--model`` (a name, a ModelSpec file or a model file with its
-    architecture), else ``--hf-model``'s config (which imports ``transformers``, seconds per
-    rank: launchers pass the model file they resolved once instead)."""
-    if args.model or not args.hf_model:
-        return load_model(args.model, plan), load_architecture(args.model)
+def _config_model(
+    tc: TrainingConfig, base: Path, plan: Plan
+) -> tuple[ModelSpec, Architecture | None, Path | None]:
+    """The model of the config's source: ``(spec, architecture, weights directory)``."""
+    src = tc.model
+    gbs = {"global_batch_size": plan.global_batch_size}
+    if isinstance(src, BuiltinModel):
+        if src.name in TINY_MODELS:
+            return tiny_model(src.name, plan.global_batch_size), None, None
+        return catalog.model(src.name).model_copy(update=gbs), None, None
+    if isinstance(src, SpecFileModel):
+        if src.spec is not None:
+            return src.spec.model_copy(update=gbs), None, None
+        path = str(base / (src.path or ""))
+        return load_model(path, plan), load_architecture(path), None
+    # A Hugging Face directory: its config.json through transformers (seconds per rank;
+    # launchers that start many ranks resolve it once into a model file: hf.model_file).
     from sailor.megatron_patch.hf.checkpoint import load_model as load_hf
 
-    return load_hf(args.hf_model, args.seq_length or None, plan.global_batch_size)
+    root = base / src.path
+    spec, arch = load_hf(root, src.seq_length, plan.global_batch_size)
+    return spec, arch, root if src.load_weights else None
+
+
+def _model(
+    args: argparse.Namespace, tc: TrainingConfig | None, base: Path, plan: Plan
+) -> tuple[ModelSpec, Architecture | None, Path | None]:
+    """The model: ``--model`` (a name, a ModelSpec file or a model file with its
+    architecture) wins, else the training config's source, else the plan's model name."""
+    if args.model is None and tc is not None:
+        return _config_model(tc, base, plan)
+    src = tc.model if tc is not None else None
+    weights = base / src.path if isinstance(src, HuggingFaceModel) and src.load_weights else None
+    return load_model(args.model, plan), load_architecture(args.model), weights
 
 
 def _sub(path: str | None, rank: int) -> str | None:
@@ -397,10 +410,24 @@ class _Boundary:
         self.progress.emit({"event": "stopped", "rank": self.args.rank, "step": tr.step})
 
 
+def _metrics_logger(tc: TrainingConfig | None, base: Path, rank: int) -> MetricsLogger | None:
+    """Rank 0's metrics logger (the figures are global per iteration), if the config asks."""
+    if tc is None or rank != 0:
+        return None
+    m = tc.metrics
+    if m.jsonl is None and m.tensorboard_dir is None:
+        return None
+    jsonl = base / (_sub(m.jsonl, rank) or "") if m.jsonl else None
+    tb = base / m.tensorboard_dir if m.tensorboard_dir else None
+    return MetricsLogger(jsonl, tb)
+
+
 def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
+    tc = load_train_config(args.train_config) if args.train_config else None
     plan = Plan.model_validate_json(Path(args.plan).read_text())
-    spec, arch = _model(args, plan)
+    base = Path(args.train_config).parent if args.train_config else Path.cwd()
+    spec, arch, weights = _model(args, tc, base, plan)
     role = role_of(plan, args.rank)
     if role.world_size != args.world_size:
         raise ValueError(f"--world-size={args.world_size}: the plan has {role.world_size} ranks")
@@ -417,8 +444,12 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         os.environ.update(nccl_error_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
     progress = _Progress(_sub(args.progress, args.rank), echo=echo)
-    cfg = train_config(args)
-    train_data, eval_data = data_sources(args.data, spec, cfg)
+    cfg = train_config(tc, args)
+    train_data = build_dataset(tc.data, spec, tc.seed, base_dir=base) if tc is not None else None
+    eval_data = None
+    if tc is not None and tc.eval.every_steps:
+        eval_data = build_dataset(tc.data, spec, tc.seed, "validation", base_dir=base)
+    metrics = _metrics_logger(tc, base, args.rank)
     t0 = time.time()
     dist.init_process_group(
         backend,
@@ -432,6 +463,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
         comm.install_backend(strict[0])
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
+    # Under NCCL the first call on a communicator must involve all its ranks before a batched
+    # p2p that only some of them post (torch's batch_isend_irecv contract): one world
+    # all-reduce here instead of relying on whichever collective happens to come first.
+    comm.all_reduce(torch.zeros(1, device=device))
     t_groups = time.time()
     trainer = Trainer(
         plan,
@@ -442,17 +477,17 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         device,
         args.start_step,
         args.consumed_samples,
-        precision=job_precision(plan, spec, device),
+        precision=job_precision(plan, spec, device, tc.precision if tc else "auto"),
         arch=arch,
         data=train_data,
         eval_data=eval_data,
     )
     if resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
-    elif args.hf_model and any(Path(args.hf_model).glob("*.safetensors")):
+    elif weights is not None:
         from sailor.megatron_patch.hf.checkpoint import load_stage
 
-        load_stage(trainer.stage, args.hf_model)
+        load_stage(trainer.stage, weights)
     t_loaded = time.time()
     status.in_training, status.step = True, trainer.step
     progress.emit(
@@ -461,6 +496,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "rank": args.rank,
             "backend": backend,
             "device": str(device),
+            "precision": trainer.precision,
             "init_s": t0 - _T_START,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
@@ -492,13 +528,31 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
                 "lr": res.lr,
                 "grad_norm": res.grad_norm,
                 "eval_loss": res.eval_loss,
+                "precision": trainer.precision,
                 "since_start_s": time.time() - _T_START,
                 "time": time.time(),
             }
         )
+        if metrics is not None and res.step % metrics_every == 0:
+            metrics.log(
+                res.step,
+                step_metrics(
+                    plan,
+                    spec,
+                    step=res.step,
+                    step_s=res.step_s,
+                    loss=res.loss,
+                    lr=res.lr,
+                    precision=trainer.precision,
+                    specs=catalog.gpus(),
+                ),
+            )
 
+    metrics_every = tc.metrics.every_steps if tc is not None else 1
     boundary = _Boundary(args, status, progress, ckpt, device)
     trainer.run(args.steps, hook=boundary, on_step=on_step)
+    if metrics is not None:
+        metrics.close()
     if ckpt is not None:
         ckpt.close()
     dump = _sub(args.dump_state, args.rank)
@@ -515,7 +569,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     progress.emit({"event": "done", "rank": args.rank, "step": trainer.step})
     if strict is not None:
         strict[0].write(strict[1])
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import os
+import time
 import weakref
 from pathlib import Path
 
 import pytest
 
-import sailor.controller.plan_worker as pw
+import sailor.controller.planning.process as pw
 from sailor.controller.config import ControllerConfig
-from sailor.controller.plan_worker import ProcessPlanner, StaleWorkerStateError
-from sailor.controller.sailor_planner import planner_from_config
+from sailor.controller.planning import ProcessPlanner, StaleWorkerStateError, planner_from_config
 from sailor.schemas.hardware import NodeSpec
 
 
@@ -116,3 +119,39 @@ def test_worker_collection_frees_new_cycles_and_now_and_then_frozen_ones() -> No
     finally:
         pw._collections = collections
         gc.unfreeze()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (terminated, not yet reaped) counts as gone
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return False
+
+
+async def test_a_cancelled_call_kills_the_search_and_the_next_call_runs_at_once(
+    tmp_path: Path,
+) -> None:
+    """A timed-out replan must not leave its search holding the pool's one worker."""
+    remote = ProcessPlanner(_config(tmp_path))
+    try:
+        await remote.warm_up()
+        assert remote._pool is not None
+        pids = list(remote._pool._processes)  # type: ignore[attr-defined]
+        # the worker is busy (a search that will not end soon); the call queues behind it
+        remote._pool.submit(time.sleep, 600)
+        nodes = tuple(_node(i) for i in range(4))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(remote.aplan(nodes, None), 0.5)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, pids)):
+            assert time.monotonic() < deadline, f"worker {pids} still running its search"
+            await asyncio.sleep(0.05)
+        # a fresh worker answers the next call (not queued behind the old search)
+        res = await asyncio.wait_for(remote.aplan(nodes, None), 120)
+        assert res.plan.num_gpus > 0
+    finally:
+        remote.close()

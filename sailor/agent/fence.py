@@ -1,0 +1,65 @@
+"""The agent's epoch fence, kept on disk so that it outlives the agent process.
+
+An agent refuses a command whose epoch is lower than the highest it has accepted: a deposed
+controller (a lower epoch) must change nothing. Held only in memory, the fence was lost with
+the process, and a restarted agent obeyed a deposed controller again. So the fence is a small
+file in the agent's run directory, raised (written to a temporary file, fsynced, renamed,
+directory fsynced) *before* the command that raised it is applied and acked; on start it is
+read back, and the agent also raises it to the epoch of the desired state in etcd (the newest
+leader that wrote it), which covers a lost or new run directory.
+
+An unreadable fence file is not guessed at: ``FenceUnreadableError`` (the agent exits, an
+operator looks). Must never import the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["EpochFence", "FenceUnreadableError"]
+
+
+class FenceUnreadableError(RuntimeError):
+    """The fence file exists but does not hold an epoch."""
+
+
+class EpochFence:
+    """The highest epoch accepted, persisted at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.epoch = self._load()
+
+    def _load(self) -> int:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        try:
+            epoch = json.loads(raw)["epoch"]
+            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+                raise ValueError(f"epoch {epoch!r}")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FenceUnreadableError(f"{self.path}: {exc!r}"[:300]) from exc
+        return epoch
+
+    def raise_to(self, epoch: int) -> bool:
+        """Raise the fence to ``epoch`` (durably, before returning); False if not higher."""
+        if epoch <= self.epoch:
+            return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("wb") as fh:
+            fh.write(json.dumps({"epoch": epoch}).encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(self.path)
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.epoch = epoch
+        return True

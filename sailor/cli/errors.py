@@ -1,0 +1,101 @@
+"""The one place a CLI error becomes the line a user reads: ``error: WHAT: WHAT TO DO``.
+
+Every command's failure reaches :class:`OneLineErrors` (the root command group), which prints
+one line on stderr and exits non-zero; no traceback reaches the user. Commands raise
+:class:`CliError` for what they check themselves (``sailor.cli._io.fail`` builds one), and any
+other exception is described from what it carries: the file of an ``OSError``, the fields and
+values of a pydantic ``ValidationError``, the message of anything else.
+
+``SAILOR_TRACEBACK=1`` lets unexpected exceptions through with their traceback (for a bug
+report). This module must never decide what a command does: it only words its failure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import typer
+from typer._click.exceptions import NoArgsIsHelpError, UsageError
+from typer.core import TyperGroup
+
+__all__ = ["CliError", "OneLineErrors", "describe"]
+
+_DEBUG_ENV = "SAILOR_TRACEBACK"
+
+
+class CliError(typer.Exit):
+    """A failure the user can fix: ``message`` names the file or field, the value and what to
+    do; ``code`` is the exit status (2: bad input, 1: the command ran and failed). A
+    ``typer.Exit``, so that code calling a command's helpers sees the exit it always saw."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(code)
+        self.message = message
+        self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _flat(text: str) -> str:
+    """One line: newlines (multi-line library messages) become "; "."""
+    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _validation(exc: Any) -> str:
+    fields = "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {e.get('input')!r:.60})"
+        for e in exc.errors()
+    )
+    return f"not a valid {exc.title}: {fields}: fix the field(s) named"
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """(the one line, without ``error:``, and the exit status) for ``exc``."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, CliError):
+        return _flat(str(exc)), exc.code
+    if isinstance(exc, FileNotFoundError):
+        return f"{exc.filename}: no such file or directory: check the path", 2
+    if isinstance(exc, IsADirectoryError):
+        return f"{exc.filename}: is a directory, a file is expected: pass the file", 2
+    if isinstance(exc, PermissionError):
+        return f"{exc.filename}: permission denied: check its owner and mode", 2
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}", 1
+    if isinstance(exc, ValidationError):
+        return _flat(_validation(exc)), 2
+    if type(exc).__module__.startswith("sailor."):  # Sailor's own errors are worded for users
+        retry = getattr(exc, "retry_after", None)
+        what = "temporary: retry" if retry is not None else "see the message"
+        return _flat(f"{exc}: {what}"), 1
+    hint = f" (a bug? {_DEBUG_ENV}=1 shows where)"
+    return _flat(f"{type(exc).__name__}: {exc}") + hint, 1
+
+
+class OneLineErrors(TyperGroup):
+    """The root command group: runs the command and turns any exception into one line."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            if isinstance(exc, NoArgsIsHelpError):
+                raise  # a bare group: typer prints its help
+            where = exc.ctx.command_path if exc.ctx is not None else "sailor"
+            what = _flat(exc.format_message()).rstrip(".")
+            typer.echo(f"error: {what}: see `{where} --help`", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except CliError as exc:
+            typer.echo(f"error: {_flat(exc.message)}", err=True)
+            raise typer.Exit(exc.code) from None
+        except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt):
+            raise  # exits and Ctrl-C: typer handles them
+        except Exception as exc:
+            if os.environ.get(_DEBUG_ENV):
+                raise
+            line, code = describe(exc)
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(code) from None

@@ -1,0 +1,183 @@
+"""``sailor data prepare``'s core: documents in, indexed dataset + manifest out.
+
+Steps, in order: read the documents (empty ones are skipped; ``max_bytes`` stops reading
+after that much text), get a tokenizer (a local ``tokenizer.json``, or a byte-level BPE
+trained on these documents), shuffle the documents once with ``seed`` (a Feistel
+permutation, :mod:`sailor.data.permutation`) and split them: the first ones are the train
+split, the last ``ceil(validation_fraction * documents)`` the validation split. Each
+document is tokenized without the tokenizer's own special tokens and followed by the
+end-of-document id (Megatron's ``preprocess_data.py --append-eod``), and stored as one
+sequence. Then ``OUT.bin``/``OUT.idx`` (:class:`IndexedDatasetWriter`), a copy of the
+tokenizer (``OUT.tokenizer.json``) and the manifest (``OUT.json``,
+:class:`~sailor.schemas.dataset.DatasetManifest`).
+
+The documents are held in memory (the tokenizer trains on them and the shuffle needs them
+all): fine for corpora of a few GB, not for a web crawl (shard it first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from sailor.data.indexed import IndexedDatasetWriter, dtype_for_vocab, paths_of
+from sailor.data.permutation import permute
+from sailor.data.tokenizer import (
+    DEFAULT_EOD_TOKEN,
+    eod_of,
+    file_sha256,
+    load_tokenizer,
+    train_byte_bpe,
+)
+from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
+
+__all__ = ["PrepareOptions", "manifest_path", "prepare"]
+
+_CHUNK_DOCS = 64
+"""Documents per ``encode_batch`` call: large enough for the Rust side's threads, small
+enough for a progress bar that moves."""
+
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``; phases "read" (bytes), "train-tokenizer" (0/1),
+"tokenize" (bytes)."""
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How to prepare (everything but the documents)."""
+
+    out: Path
+    """Output prefix: OUT.bin, OUT.idx, OUT.json, OUT.tokenizer.json."""
+    tokenizer: Path | None = None
+    """A tokenizers JSON file; None: train a byte-level BPE on the corpus."""
+    vocab_size: int = 4096
+    """Vocabulary of the trained BPE (ignored with a tokenizer file)."""
+    eod_token: str | None = None
+    """End-of-document token; None: the first known one the tokenizer has."""
+    validation_fraction: float = 0.1
+    seed: int = 0
+    max_bytes: int | None = None
+    source_kind: Literal["text", "jsonl", "builtin"] = "text"
+    source_inputs: tuple[str, ...] = ()
+    source_field: str | None = None
+    python_version: str | None = None
+
+
+def manifest_path(prefix: Path | str) -> Path:
+    """Where the manifest of data set ``prefix`` lives: ``PREFIX.json``."""
+    idx, _ = paths_of(prefix)
+    return idx.with_suffix(".json")
+
+
+def _read(
+    documents: Iterable[tuple[str, str]], max_bytes: int | None, progress: Progress | None
+) -> tuple[list[str], int]:
+    texts: list[str] = []
+    total = 0
+    for _, text in documents:
+        if not text.strip():
+            continue
+        texts.append(text)
+        total += len(text.encode("utf-8"))
+        if progress:
+            progress("read", total, max_bytes or 0)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return texts, total
+
+
+def _split_sizes(n: int, fraction: float) -> tuple[int, int]:
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation_fraction={fraction}: must be in [0, 1)")
+    n_val = math.ceil(fraction * n) if fraction > 0 else 0
+    if n_val >= n:
+        raise ValueError(
+            f"validation_fraction={fraction} of {n} documents leaves none for training"
+        )
+    return n - n_val, n_val
+
+
+def prepare(
+    documents: Iterable[tuple[str, str]],
+    opts: PrepareOptions,
+    progress: Progress | None = None,
+) -> DatasetManifest:
+    """Tokenize ``documents`` (``(name, text)`` pairs) into an indexed dataset; returns the
+    manifest it wrote."""
+    texts, total_bytes = _read(documents, opts.max_bytes, progress)
+    if not texts:
+        raise ValueError(f"no non-empty documents in {list(opts.source_inputs)}")
+    n_train, n_val = _split_sizes(len(texts), opts.validation_fraction)
+
+    if opts.tokenizer is not None:
+        tok = load_tokenizer(opts.tokenizer)
+        kind: Literal["file", "trained-bpe"] = "file"
+    else:
+        if progress:
+            progress("train-tokenizer", 0, 1)
+        tok = train_byte_bpe(texts, opts.vocab_size, opts.eod_token or DEFAULT_EOD_TOKEN)
+        kind = "trained-bpe"
+        if progress:
+            progress("train-tokenizer", 1, 1)
+    eod_token, eod_id = eod_of(tok, opts.eod_token)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = dtype_for_vocab(vocab)
+
+    order = permute(np.arange(len(texts)), len(texts), opts.seed) if len(texts) > 1 else [0]
+    tokens_per_doc: list[int] = []
+    done_bytes = 0
+    with IndexedDatasetWriter(opts.out, dtype) as writer:
+        for lo in range(0, len(texts), _CHUNK_DOCS):
+            chunk = [texts[int(i)] for i in order[lo : lo + _CHUNK_DOCS]]
+            for enc in tok.encode_batch(chunk, add_special_tokens=False):
+                ids = np.asarray([*enc.ids, eod_id], dtype=np.int64)
+                writer.add_document(ids)
+                tokens_per_doc.append(len(ids))
+            done_bytes += sum(len(t.encode("utf-8")) for t in chunk)
+            if progress:
+                progress("tokenize", done_bytes, total_bytes)
+
+    idx_path, _ = paths_of(opts.out)
+    tok_path = idx_path.with_name(idx_path.stem + ".tokenizer.json")
+    tok.save(str(tok_path))
+    n_tokens = sum(tokens_per_doc)
+    train_tokens = sum(tokens_per_doc[:n_train])
+    manifest = DatasetManifest(
+        prefix=idx_path.stem,
+        dtype="uint16" if dtype == np.uint16 else "int32",
+        tokenizer=TokenizerInfo(
+            kind=kind,
+            path=tok_path.name,
+            sha256=file_sha256(tok_path),
+            vocab_size=vocab,
+            eod_token=eod_token,
+            eod_id=eod_id,
+        ),
+        num_documents=len(texts),
+        num_tokens=n_tokens,
+        shuffle_seed=opts.seed,
+        splits={
+            "train": DocumentRange(first=0, end=n_train, tokens=train_tokens),
+            "validation": DocumentRange(
+                first=n_train, end=n_train + n_val, tokens=n_tokens - train_tokens
+            ),
+        },
+        source=CorpusSource(
+            kind=opts.source_kind,
+            inputs=opts.source_inputs,
+            field=opts.source_field,
+            python_version=opts.python_version,
+            max_bytes=opts.max_bytes,
+            bytes=total_bytes,
+        ),
+    )
+    out = manifest_path(opts.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2) + "\n")
+    tmp.replace(out)
+    return manifest

@@ -1,0 +1,99 @@
+"""Tokenizers for ``sailor data prepare``: a ``tokenizers`` JSON file, or a byte-level BPE
+trained on the corpus itself.
+
+A Hugging Face ``tokenizer.json`` (what ``tokenizers`` and ``transformers`` save) is loaded
+from a local file; nothing is downloaded. Without one, :func:`train_byte_bpe` trains a small
+byte-level BPE (GPT-2's scheme: bytes mapped to printable characters, so every text
+round-trips and no token is unknown) with one special token, the end-of-document marker, as
+id 0. Training is deterministic for a given corpus and vocabulary size (a single-threaded
+merge loop in ``tokenizers``).
+
+Must never download: only local files are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = [
+    "DEFAULT_EOD_TOKEN",
+    "EOD_CANDIDATES",
+    "eod_of",
+    "file_sha256",
+    "load_tokenizer",
+    "train_byte_bpe",
+]
+
+DEFAULT_EOD_TOKEN = "<|endoftext|>"
+EOD_CANDIDATES = (DEFAULT_EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+"""Looked for, in order, when no ``--eod-token`` is given (GPT-2/NeoX, OPT/Llama-2,
+Gemma-style, Llama-3, BERT-style)."""
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer from a local ``tokenizer.json``, or a directory holding one (what
+    ``transformers``' ``save_pretrained`` writes for a fast tokenizer)."""
+    from tokenizers import Tokenizer
+
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{path}: no tokenizer.json in this directory (only fast tokenizers are read)"
+            )
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no tokenizer file")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"{path}: not a tokenizers JSON file: {exc}") from exc
+
+
+def train_byte_bpe(
+    texts: Iterable[str], vocab_size: int, eod_token: str = DEFAULT_EOD_TOKEN
+) -> Tokenizer:
+    """A byte-level BPE of ``vocab_size`` ids trained on ``texts``; ``eod_token`` is id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257 + 1:
+        raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least 258 ids")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eod_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def eod_of(tok: Tokenizer, requested: str | None) -> tuple[str, int]:
+    """``(token, id)`` of the end-of-document token: ``requested``, or the first of
+    :data:`EOD_CANDIDATES` the vocabulary has."""
+    names = [requested] if requested else list(EOD_CANDIDATES)
+    for name in names:
+        tid = tok.token_to_id(name)
+        if tid is not None:
+            return name, int(tid)
+    raise ValueError(
+        f"eod_token={requested!r}: not in the tokenizer's vocabulary"
+        if requested
+        else f"the tokenizer has none of {list(EOD_CANDIDATES)}; name one with --eod-token"
+    )
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

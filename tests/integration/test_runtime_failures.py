@@ -1,0 +1,298 @@
+"""No failure passes in silence: injected crashes, a corrupted desired state, a restarted agent.
+
+Real secure servers and daemons in process (the harness of ``test_runtime_scenarios.py``):
+
+- a crash of any long-lived task of the controller (its event consumer, its etcd check, the
+  leader's loop itself) takes it down: a ``failed`` audit record, leadership resigned,
+  ``run`` raises;
+- a fenced write in the event consumer ends the term (not just the consumer);
+- an agent task that crashes is restarted; one that keeps crashing takes the agent down;
+- a lease whose keepalive crashed is reported lost;
+- an unreadable desired state on takeover: the controller refuses to lead, the key is left
+  as it was;
+- the agent's epoch fence survives a restart: a deposed controller's command is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sailor.agent.daemon as agent_daemon
+from sailor.controller.audit import read_records
+from sailor.coordination import (
+    DaemonFailedError,
+    FencedError,
+    Keys,
+    NatsCommands,
+    NatsEventBus,
+    connect_etcd,
+    connect_nats,
+)
+from sailor.coordination.mirror import PrefixMirror
+from sailor.localservers import LocalServers
+from sailor.schemas.commands import Abort, CommandAdapter
+from sailor.schemas.events import Heartbeat
+from sailor.schemas.runtime import CommandAck, Phase
+from tests.integration.test_runtime_scenarios import Cluster
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> Any:
+    c = Cluster(tmp_path, servers)
+    try:
+        yield c
+    finally:
+        for name in list(c.controllers):
+            _, task = c.controllers[name]
+            if task.done():
+                c.controllers.pop(name)
+        await c.close()
+
+
+def _records(c: Cluster, name: str, kind: str) -> list[dict[str, Any]]:
+    return [r for r in read_records([c.tmp / f"audit-{name}.jsonl"]) if r["kind"] == kind]
+
+
+async def _until(pred: Any, timeout: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, what
+        await asyncio.sleep(0.05)
+
+
+async def _heartbeat(c: Cluster, node: str = "n1") -> None:
+    """An event from ``node``'s own login, for the consumer to handle."""
+    nc = await connect_nats(c.nats_url, f"{node}-beat", security=c.security(node))
+    try:
+        bus = NatsEventBus(nc, Keys(job=c.job), durable="unused", source=node)
+        beat = Heartbeat(event_id=f"beat-{time.time_ns()}", node_id=node, time=time.time())
+        await bus.publish("heartbeat", beat.model_dump_json().encode(), beat.event_id)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("where", ["events", "etcd-check", "loop"])
+async def test_a_crashed_controller_task_takes_the_controller_down(
+    cluster: Cluster, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctl = cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    await cluster.wait_phase(Phase.RUNNING, 40)
+    if where == "events":
+
+        async def broken(*args: Any, **kw: Any) -> Any:
+            raise OSError(28, "No space left on device")  # e.g. the audit log's disk
+
+        monkeypatch.setattr(ctl, "_apply_event", broken)
+        await _heartbeat(cluster)
+    elif where == "loop":
+
+        def broken_decide(*args: Any, **kw: Any) -> Any:
+            raise KeyError("a bug in decide")
+
+        monkeypatch.setattr("sailor.controller.daemon.decide", broken_decide)
+        ctl.wake(urgent=True)
+    else:
+
+        async def broken_check(self: Any) -> bool:
+            raise PermissionError("etcd permission denied")
+
+        monkeypatch.setattr("sailor.controller.observed.ObservedCache.check", broken_check)
+    _, task = cluster.controllers["c1"]
+    with pytest.raises(DaemonFailedError):
+        await asyncio.wait_for(asyncio.shield(task), 20)
+    assert ctl.failure is not None and where in ctl.failure
+    failed = _records(cluster, "c1", "failed")
+    assert failed and where in failed[0]["reason"]
+    if where == "events":
+        assert _records(cluster, "c1", "event_failed")
+    # it resigned: the leader key is gone at once, a standby need not wait for the lease
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c2"))
+    try:
+        assert await store.get(Keys(job=cluster.job).leader) is None
+    finally:
+        await store.close()
+
+
+async def test_a_fenced_event_write_ends_the_term(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctl = cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    await cluster.wait_phase(Phase.RUNNING, 40)
+    first = ctl.leadership
+    assert first is not None
+    calls = 0
+    real = ctl._apply_event
+
+    async def fenced_once(*args: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise FencedError("guarded write refused", key="notices/n1", epoch=first.epoch)
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(ctl, "_apply_event", fenced_once)
+    await _heartbeat(cluster)
+    # the term ends and the controller campaigns again: a new epoch, leading again
+    await _until(
+        lambda: ctl.leadership is not None and ctl.leadership.epoch > first.epoch,
+        20,
+        "the term did not end after the consumer was fenced",
+    )
+    assert _records(cluster, "c1", "fenced")
+    assert not cluster.controllers["c1"][1].done()
+    await cluster.wait_phase(Phase.RUNNING, 40)
+    cluster.audit()
+
+
+async def test_a_crashing_agent_task_is_restarted_then_takes_the_agent_down(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(agent_daemon, "TASK_BACKOFF_S", 0.05)
+    cluster.start_controller("c1")
+    agent = cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    real = agent.status
+    crashes = 0
+    mode = "once"
+
+    def status() -> Any:
+        nonlocal crashes
+        if mode == "always" or crashes == 0:
+            crashes += 1
+            raise RuntimeError("injected")
+        return real()
+
+    monkeypatch.setattr(agent, "status", status)
+    # one crash: the status loop is restarted and the run goes on
+    await _until(lambda: crashes >= 1, 10, "status loop not run")
+    step = agent.supervisor.step
+    await cluster.wait_step(ctl, ["n1"], step + 3, 30)
+    assert not cluster.agents["n1"][1].done() and agent.failure is None
+    # crashing for good: restarted with backoff, then the agent gives up with an error
+    mode = "always"
+    _, task = cluster.agents["n1"]
+    with pytest.raises(DaemonFailedError):
+        await asyncio.wait_for(asyncio.shield(task), 20)
+    cluster.agents.pop("n1")
+    assert crashes >= agent_daemon.TASK_MAX_CRASHES
+    assert agent.failure is not None and "status" in agent.failure
+
+
+async def test_a_lease_whose_keepalive_crashed_is_reported_lost(cluster: Cluster) -> None:
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        lease = await store.lease(1)
+
+        def broken(lease_id: int) -> Any:
+            raise RuntimeError("injected")
+
+        store.client.refresh_lease = broken  # type: ignore[method-assign]
+        await _until(lambda: not lease.alive, 5, "a dead keepalive left the lease 'alive'")
+        await lease.revoke()
+    finally:
+        await store.close()
+
+
+async def test_a_crashed_mirror_watch_is_restarted(cluster: Cluster) -> None:
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    prefix = Keys(job=cluster.job).statuses
+    seen: list[int] = []
+
+    def on_change() -> None:
+        seen.append(1)
+        if len(seen) == 1:
+            raise RuntimeError("injected")  # a bug in the owner's callback
+
+    mirror = PrefixMirror(store, prefix, on_change=on_change)
+    try:
+        await mirror.start()
+        await store.put(prefix + "a", b"1")
+        await _until(lambda: len(seen) >= 1, 5, "no change seen")
+        await asyncio.sleep(0.7)  # the restart's backoff
+        await store.put(prefix + "b", b"2")
+        await _until(lambda: mirror.get(prefix + "b") is not None, 10, "watch not restarted")
+    finally:
+        await mirror.close()
+        await store.close()
+
+
+async def test_an_unreadable_desired_state_is_not_replaced_by_a_blank_one(
+    cluster: Cluster,
+) -> None:
+    keys = Keys(job=cluster.job)
+    admin = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        garbage = b'{"phase": "running", "generation": "seven"'
+        await admin.put(keys.desired, garbage)
+        ctl = cluster.start_controller("c1")
+        _, task = cluster.controllers["c1"]
+        with pytest.raises(DaemonFailedError):
+            await asyncio.wait_for(asyncio.shield(task), 20)
+        kv = await admin.get(keys.desired)
+        assert kv is not None and kv.value == garbage  # left for an operator, not reset
+        assert await admin.get(keys.leader) is None  # resigned
+        failed = _records(cluster, "c1", "failed")
+        assert failed and "desired state unreadable" in failed[0]["reason"]
+        assert ctl.leadership is None and ctl.desired is None
+        assert not _records(cluster, "c1", "phase")  # nothing was written as a leader
+    finally:
+        await admin.close()
+
+
+async def test_the_epoch_fence_survives_an_agent_restart(cluster: Cluster) -> None:
+    """A command of a deposed controller is refused by a restarted agent, even once the
+    desired state is gone from etcd (the fence file alone)."""
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    epoch = ctl.leadership.epoch if ctl.leadership else 0
+    await cluster.stop_controller("c1")
+    await cluster.stop_agent("n1")
+    admin = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        await admin.client.delete(Keys(job=cluster.job).desired.encode())
+    finally:
+        await admin.close()
+    agent = cluster.start_agent("n1")  # a new process as far as the fence goes
+    assert agent.max_epoch == epoch
+    nc = await connect_nats(cluster.nats_url, "c-deposed", security=cluster.security("c1"))
+    try:
+        commands = NatsCommands(nc, Keys(job=cluster.job))
+        stale = Abort(command_id="stale-after-restart", epoch=epoch - 1, node_id="n1", reason="x")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 20
+        while True:  # until the agent serves its subject
+            try:
+                raw = await commands.request("n1", CommandAdapter.dump_json(stale), 2)
+                break
+            except Exception:
+                assert loop.time() < end, "agent not serving"
+                await asyncio.sleep(0.2)
+        ack = CommandAck.model_validate_json(raw)
+        assert not ack.accepted and "stale epoch" in ack.reason
+    finally:
+        await nc.close()
+
+
+async def test_a_lost_fence_file_is_made_good_from_the_desired_state(cluster: Cluster) -> None:
+    cluster.start_controller("c1")
+    agent = cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    epoch = ctl.leadership.epoch if ctl.leadership else 0
+    assert agent.max_epoch == epoch
+    await cluster.stop_agent("n1")
+    (cluster.tmp / "agents" / "n1.epoch").unlink()  # a new run directory
+    again = cluster.start_agent("n1")
+    # raised before it serves commands or registers, not by the next command it accepts
+    await _until(lambda: again._lease is not None, 20, "agent did not register")
+    assert again.max_epoch == epoch

@@ -1,0 +1,136 @@
+"""``sailor worker --train-config``: real text from ``sailor data prepare`` through the engine.
+
+Two layouts (one rank; a two-stage pipeline with other microbatches) and plain single-process
+training read the same samples of a prepared corpus at the same data positions, so their
+losses agree at every step; rank 0
+writes the step metrics as JSON lines and TensorBoard events. A config with a wrong field
+is refused by the rank before any process group starts, naming the field and value.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sailor.data.corpus import builtin_corpus
+from sailor.data.prepare import PrepareOptions, prepare
+from sailor.megatron_patch.data import build_dataset
+from sailor.megatron_patch.engine import TrainConfig
+from sailor.megatron_patch.launch import launch_local
+from sailor.megatron_patch.reference import train_reference
+from sailor.metrics import read_events
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.training import SpecFileModel, parse_training_config
+
+STEPS = 4
+VOCAB = 320
+
+CONFIG = f"""
+model:
+  kind: spec
+  spec: {{name: tiny-text, num_layers: 2, hidden_size: 32, num_heads: 4, ffn_hidden_size: 64,
+         seq_length: 16, vocab_size: {VOCAB}, global_batch_size: 4, precision: fp32}}
+data: {{kind: indexed, prefix: data/pydocs}}
+seed: 1
+optimizer: {{lr: 0.003, weight_decay: 0.0}}
+metrics: {{jsonl: out/metrics.jsonl, tensorboard_dir: out/tb}}
+"""
+
+
+def _stage(a: int, b: int) -> Stage:
+    return Stage(first_layer=a, last_layer=b, replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1))
+
+
+def _plan(*pipelines: Pipeline) -> Plan:
+    return Plan(
+        model="tiny-text",
+        global_batch_size=sum(p.samples for p in pipelines),
+        pipelines=pipelines,
+    )
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("textrun")
+    prepare(
+        builtin_corpus("python-docs"),
+        PrepareOptions(out=root / "data" / "pydocs", vocab_size=VOCAB, max_bytes=40_000),
+    )
+    path = root / "run.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+def test_layouts_agree_on_prepared_text(config: Path, tmp_path: Path) -> None:
+    one = _plan(Pipeline(stages=(_stage(0, 3),), microbatch_size=2, num_microbatches=2))
+    two = _plan(
+        Pipeline(stages=(_stage(0, 1), _stage(2, 3)), microbatch_size=1, num_microbatches=4)
+    )
+    losses = []
+    for name, plan in (("one", one), ("two", two)):
+        run = launch_local(plan, STEPS, tmp_path / name, extra_args=["--train-config", str(config)])
+        assert run.ok, (run.errors, run.stderr)
+        losses.append([s["loss"] for s in run.steps(0)])
+    assert len(losses[0]) == STEPS
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
+    assert losses[0][-1] < losses[0][0]
+
+    # and one plain process on the same samples (the reference takes the data set)
+    tc = parse_training_config(config.read_text(), str(config))
+    assert isinstance(tc.model, SpecFileModel) and tc.model.spec is not None
+    spec = tc.model.spec
+    data = build_dataset(tc.data, spec, tc.seed, base_dir=config.parent)
+    cfg = TrainConfig.of(tc)
+    ref = train_reference(spec, 4, STEPS, cfg, data=data)
+    assert losses[0] == pytest.approx(ref.losses, rel=1e-5, abs=1e-6)
+
+    out = config.parent / "out"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[-STEPS:]] == list(range(1, STEPS + 1))
+    last = rows[-1]
+    assert last["tokens_per_s"] == pytest.approx(4 * 16 / last["step_s"])
+    assert last["mfu/cpu"] is None and last["lr"] == 0.003
+    tb_files = sorted((out / "tb").glob("events.out.tfevents.*"))
+    assert len(tb_files) == 2  # one per run, rank 0 only
+    events = read_events(tb_files[-1])
+    assert [e.step for e in events[1:]] == list(range(1, STEPS + 1))
+    assert events[-1].scalars["loss"] == pytest.approx(losses[1][-1], rel=1e-6)
+
+
+def test_wrong_field_refused_before_any_process_group(tmp_path: Path) -> None:
+    plan = _plan(Pipeline(stages=(_stage(0, 3),), microbatch_size=1, num_microbatches=4))
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    bad = tmp_path / "run.yaml"
+    bad.write_text(CONFIG.replace("lr: 0.003", "lr: -0.5"))
+    # world size 2 with one rank started: reaching the rendezvous would block for the timeout
+    cmd = [
+        sys.executable,
+        "-m",
+        "sailor.megatron_patch.rank_main",
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--master",
+        "127.0.0.1:9",
+        "--steps",
+        "1",
+        "--timeout-s",
+        "600",
+        "--error-file",
+        str(tmp_path / "err.json"),
+        "--train-config",
+        str(bad),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    err = json.loads((tmp_path / "err.json").read_text())
+    assert err["origin"] == "config" and err["retry"] is False
+    assert "optimizer.lr=-0.5: Input should be greater than 0" in err["message"]
+    assert "init_process_group" not in err["traceback"]

@@ -1,0 +1,154 @@
+"""Every CLI command, fed a missing, an empty or a malformed input, fails with one line.
+
+The commands are enumerated from the CLI's parser (a new command is covered without editing this
+file). Each file parameter that the command reads gets the bad file; each other required value
+gets a name that does not exist. The command must exit non-zero, print no traceback, and print
+exactly one ``error:`` line naming the bad file or value.
+
+A command is run only if it has an input to spoil: commands without one (``demo``, ``catalog
+gpus``, ``profile network`` ...) would run for real, and are listed by
+``test_commands_without_inputs_are_the_known_ones``. Parameters that *write* (``-o``,
+``--pareto`` ...: their help says "write" or "output") get a fresh path in a temporary folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from sailor.cli.errors import CliError, describe
+from sailor.cli.main import app
+
+runner = CliRunner()
+
+BAD_NAME = "no-such-name"
+
+
+def _leaves(cmd: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if hasattr(cmd, "commands"):
+        for name, sub in sorted(cmd.commands.items()):
+            yield from _leaves(sub, (*path, name))
+    else:
+        yield path, cmd
+
+
+def _is_path(param: Any) -> bool:
+    return "Path" in str(param.bare_type())
+
+
+def _writes(param: Any) -> bool:
+    text = f"{param.name} {param.help or ''}".lower()
+    return param.name in ("out", "output") or "write" in text or "output" in text
+
+
+def _inputs(cmd: Any) -> list[Any]:
+    """The parameters a bad input can go to: files it reads, and required values."""
+    return [
+        p
+        for p in cmd.params
+        if not getattr(p, "is_flag", False) and (not _writes(p) if _is_path(p) else p.required)
+    ]
+
+
+COMMANDS = dict(_leaves(typer.main.get_command(app)))
+WITH_INPUTS = sorted(" ".join(k) for k, c in COMMANDS.items() if _inputs(c))
+
+
+def _argv(cmd: Any, bad: Path, out_dir: Path) -> list[str]:
+    argv: list[str] = []
+    for p in cmd.params:
+        if getattr(p, "is_flag", False):
+            continue
+        if _is_path(p) and _writes(p):
+            if not p.required:
+                continue
+            value = str(out_dir / f"{p.name}.out")
+        elif _is_path(p):
+            value = str(bad)
+        elif p.required:
+            value = BAD_NAME
+        else:
+            continue
+        argv += [value] if p.param_type_name == "argument" else [p.opts[0], value]
+    return argv
+
+
+def _bad_file(mode: str, tmp: Path, suffix: str) -> Path:
+    path = tmp / f"input-{mode}{suffix}"
+    if mode == "empty":
+        path.write_text("")
+    elif mode == "malformed":
+        path.write_text("{ this: is [ not valid\n" if suffix == ".yaml" else "{not json")
+    return path  # "missing": never created
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+@pytest.mark.parametrize("mode", ["missing", "empty", "malformed"])
+@pytest.mark.parametrize("name", WITH_INPUTS)
+def test_bad_input_is_one_line_error(
+    name: str, mode: str, suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a bad name given as a relative path stays in the test's folder
+    cmd = COMMANDS[tuple(name.split())]
+    bad = _bad_file(mode, tmp_path, suffix)
+    argv = [*name.split(), *_argv(cmd, bad, tmp_path / "written")]
+    res = runner.invoke(app, argv)
+    shown = f"$ sailor {' '.join(argv)}\n{res.output}"
+    assert res.exit_code != 0, shown
+    assert isinstance(res.exception, SystemExit), shown  # not an exception escaping the CLI
+    assert "Traceback" not in res.output, shown
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, shown
+    assert bad.name in errors[0] or BAD_NAME in errors[0], shown
+
+
+def test_commands_without_inputs_are_the_known_ones() -> None:
+    """The commands the test above cannot spoil: they read no file and need no value."""
+    without = {" ".join(k) for k, c in COMMANDS.items() if not _inputs(c)}
+    assert without == {
+        "catalog gpus",
+        "catalog models",
+        "catalog prices",
+        "certs init",  # DIRECTORY is written to
+        "demo",
+        "profile network",  # -o is merged into when it exists, else written
+        "worker",
+    }
+
+
+def test_describe_words_each_kind_of_exception() -> None:
+    from pydantic import BaseModel, ValidationError
+
+    class Job(BaseModel):
+        gpus: int
+
+    try:
+        Job.model_validate({"gpus": "many"})
+    except ValidationError as exc:
+        line, code = describe(exc)
+    assert "gpus" in line and "'many'" in line and "\n" not in line and code == 2
+    line, _ = describe(FileNotFoundError(2, "No such file or directory", "a.yaml"))
+    assert line.startswith("a.yaml: no such file")
+    line, code = describe(CliError("x.json: two\nlines", code=1))
+    assert line == "x.json: two; lines" and code == 1
+    line, code = describe(RuntimeError("boom"))
+    assert line.startswith("RuntimeError: boom") and "SAILOR_TRACEBACK" in line and code == 1
+
+
+def test_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sailor.cli.catalog_cmd as catalog_cmd
+
+    def boom() -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(catalog_cmd.catalog, "gpus", boom)
+    res = runner.invoke(app, ["catalog", "gpus"])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert res.stderr.strip().splitlines() == [
+        "error: RuntimeError: boom; second line (a bug? SAILOR_TRACEBACK=1 shows where)"
+    ]

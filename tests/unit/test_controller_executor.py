@@ -1,0 +1,200 @@
+"""The executor's replans (timeout, replacement) and its memory (bounded by generations).
+
+In process, with stand-ins for etcd and NATS: a store that records guarded writes, a command
+channel that acks every command, a planner whose search the test holds or lets go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from sailor.controller.audit import AuditLog
+from sailor.controller.decide import Replan, Send
+from sailor.controller.executor import KEEP_GENERATIONS, Executor
+from sailor.controller.planning import DataParallelPlanner, PlanResult
+from sailor.coordination import Keys, SystemClock, TaskSet
+from sailor.schemas.commands import Stop
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.plan import Plan
+from sailor.schemas.runtime import CommandAck, DesiredState
+
+
+class _Store:
+    async def put_guarded(self, key: str, value: bytes, guard: str, epoch: int) -> int:
+        return 1
+
+
+class _Commands:
+    async def request(self, node_id: str, data: bytes, timeout: float) -> bytes:
+        cid = json.loads(data)["command_id"]
+        return CommandAck(command_id=cid, node_id=node_id, accepted=True).model_dump_json().encode()
+
+
+class _Lead:
+    epoch = 7
+    held = True
+
+
+class _HeldPlanner:
+    """``aplan`` runs until released (or cancelled); records what happened to each call."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, ...]] = []
+        self.cancelled: list[tuple[str, ...]] = []
+        self.release: dict[tuple[str, ...], asyncio.Future[PlanResult | Exception]] = {}
+
+    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        return DataParallelPlanner("tiny-gpt", 4, global_batch_size=8).plan(nodes, previous)
+
+    async def aplan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        ids = tuple(n.node_id for n in nodes)
+        self.started.append(ids)
+        fut = self.release[ids] = asyncio.get_running_loop().create_future()
+        try:
+            out = await fut
+        except asyncio.CancelledError:
+            self.cancelled.append(ids)
+            raise
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+def _node(i: int) -> NodeSpec:
+    return NodeSpec(node_id=f"n{i}", gpu_type="A100-40", gpus=1, zone="z-a-1")
+
+
+def _executor(tmp_path: Path, planner: Any, **kw: Any) -> tuple[Executor, TaskSet, AuditLog]:
+    tasks = TaskSet("test-executor")
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    ex = Executor(
+        _Store(),  # type: ignore[arg-type]
+        _Commands(),  # type: ignore[arg-type]
+        Keys(job="ex"),
+        audit,
+        _Lead(),  # type: ignore[arg-type]
+        planner,
+        SystemClock(),
+        tasks,
+        lambda urgent: None,
+        **kw,
+    )
+    return ex, tasks, audit
+
+
+def _records(audit: AuditLog, kind: str) -> list[dict[str, Any]]:
+    audit.sync()
+    lines = audit.path.read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+async def _until(pred: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_timed_out_replan_is_cancelled_and_asked_again(tmp_path: Path) -> None:
+    planner = _HeldPlanner()
+    ex, tasks, audit = _executor(tmp_path, planner, replan_timeout_s=0.2)
+    try:
+        nodes = (_node(1), _node(2))
+        assert ex._start_replan(Replan(nodes, None, "join"))
+        await _until(lambda: planner.cancelled == [("n1", "n2")])  # the search was stopped
+        await _until(lambda: bool(_records(audit, "plan_failed")))
+        assert ex._replanning is None  # so the next pass starts it again
+        assert ex._start_replan(Replan(nodes, None, "join"))
+        await _until(lambda: len(planner.started) == 2)
+        planner.release[("n1", "n2")].set_result(planner.plan(nodes, None))
+        await _until(lambda: ex.plan_ready is not None)
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+async def test_a_replaced_replan_is_cancelled_and_cannot_clear_the_newer_one(
+    tmp_path: Path,
+) -> None:
+    planner = _HeldPlanner()
+    ex, tasks, audit = _executor(tmp_path, planner)
+    try:
+        a, b = (_node(1), _node(2)), (_node(1), _node(2), _node(3))
+        assert ex._start_replan(Replan(a, None, "join"))
+        await _until(lambda: len(planner.started) == 1)
+        assert ex._start_replan(Replan(b, None, "join"))
+        # the older search is stopped, not left running for the newer one to queue behind
+        await _until(lambda: planner.cancelled == [("n1", "n2")])
+        assert ex._replanning == ("n1", "n2", "n3")
+        assert not ex._start_replan(Replan(b, None, "join"))  # under way: not started twice
+        # the newer one fails: that clears it (and only it)
+        await _until(lambda: len(planner.started) == 2)
+        planner.release[("n1", "n2", "n3")].set_result(RuntimeError("no plan"))
+        await _until(lambda: ex._replanning is None)
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+async def test_a_failing_older_replan_leaves_the_newer_one_running(tmp_path: Path) -> None:
+    """The replaced replan ends in an error (a client may turn a cancel into its own error):
+    the newer membership's replan must still count as under way, else it is started twice."""
+    gate: dict[int, asyncio.Future[None]] = {}
+
+    class _Planner:
+        async def aplan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+            fut = gate[len(nodes)] = asyncio.get_running_loop().create_future()
+            try:
+                await fut
+            except asyncio.CancelledError:
+                raise RuntimeError("search interrupted") from None
+            raise RuntimeError("search failed")
+
+        def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+            raise NotImplementedError
+
+    ex, tasks, audit = _executor(tmp_path, _Planner())
+    try:
+        assert ex._start_replan(Replan((_node(1),), None, "join"))
+        await _until(lambda: 1 in gate)
+        assert ex._start_replan(Replan((_node(1), _node(2)), None, "join"))
+        await _until(lambda: 2 in gate)
+        if not gate[1].done():
+            gate[1].set_result(None)  # the replaced search ends, and fails, after all
+        await asyncio.sleep(0.1)
+        assert ex._replanning == ("n1", "n2")
+    finally:
+        for f in gate.values():
+            if not f.done():
+                f.set_result(None)
+        await tasks.close()
+        audit.close()
+
+
+async def test_acked_and_sent_commands_are_pruned_by_generation(tmp_path: Path) -> None:
+    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    try:
+        nodes = [f"n{i}" for i in range(4)]
+        for gen in range(30):
+            desired = DesiredState(epoch=7, generation=gen)
+            sends: list[Any] = [
+                Send(Stop(command_id=f"e7-g{gen}-stop-{n}", epoch=7, node_id=n, at_step=gen))
+                for n in nodes
+            ]
+            await ex.apply(sends, desired)
+            await _until(lambda: ex.inflight == 0)
+            assert {f"e7-g{gen}-stop-{n}" for n in nodes} <= ex.acked_view
+            # acked commands are not sent again
+            await ex.apply(sends, desired)
+            assert ex.inflight == 0
+        # only the kept generations are remembered (acked and sent-at: 2 entries per command)
+        assert ex.remembered == 2 * len(nodes) * KEEP_GENERATIONS
+        assert len(ex.acked_view) == len(nodes) * KEEP_GENERATIONS
+        assert "e7-g0-stop-n0" not in ex.acked_view
+    finally:
+        await tasks.close()
+        audit.close()

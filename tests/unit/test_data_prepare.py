@@ -1,0 +1,223 @@
+"""``sailor data prepare`` end to end on small corpora: text, JSONL, a tokenizer file, the
+built-in Python corpora; the result opens as a data set with its manifest."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
+
+from sailor.cli.main import app
+from sailor.data import open_prepared
+from sailor.data.corpus import builtin_corpus
+from sailor.schemas.dataset import DatasetManifest
+
+runner = CliRunner()
+
+_SENTENCE = (
+    "the pipeline stage sends activations to the next stage while the optimizer waits for "
+    "gradients from every replica of the layer and the planner prices each plan"
+)
+_WORDS = _SENTENCE.split()
+
+
+def _texts(n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [
+        " ".join(rng.choice(_WORDS, int(rng.integers(20, 80)))) + f". Document {i}."
+        for i in range(n)
+    ]
+
+
+def _prepare(*args: str) -> DatasetManifest:
+    res = runner.invoke(app, ["data", "prepare", *args, "--quiet"])
+    assert res.exit_code == 0, res.output
+    out = Path(args[args.index("--out") + 1])
+    return DatasetManifest.model_validate_json(out.with_suffix(".json").read_text())
+
+
+def test_text_files_end_to_end(tmp_path: Path) -> None:
+    texts = _texts(30)
+    files = []
+    for i, t in enumerate(texts):
+        files.append(tmp_path / f"doc{i:02}.txt")
+        files[-1].write_text(t)
+    (tmp_path / "empty.txt").write_text("  \n")
+    out = tmp_path / "out" / "corpus"
+    m = _prepare(
+        *map(str, files),
+        str(tmp_path / "empty.txt"),
+        "--out",
+        str(out),
+        "--vocab-size",
+        "300",
+        "--validation-fraction",
+        "0.2",
+    )
+    assert m.num_documents == 30  # the empty file is skipped
+    assert m.splits["train"].documents == range(0, 24)
+    assert m.splits["validation"].documents == range(24, 30)
+    assert m.tokenizer.kind == "trained-bpe" and m.tokenizer.vocab_size == 300
+    assert (m.tokenizer.eod_token, m.tokenizer.eod_id) == ("<|endoftext|>", 0)
+    assert m.dtype == "uint16" and m.source.kind == "text"
+
+    pd = open_prepared(out)
+    ds = pd.dataset
+    tok = Tokenizer.from_file(str(out.parent / m.tokenizer.path))
+    decoded = []
+    for d in range(ds.num_documents):
+        ids = ds.document_tokens(d, d + 1).tolist()
+        assert ids[-1] == 0 and 0 not in ids[:-1]  # one EOD, at the end
+        decoded.append(tok.decode(ids[:-1]))
+    assert sorted(decoded) == sorted(texts)  # byte-level BPE round-trips every text
+    assert decoded != texts  # documents were shuffled before the split
+    assert sum(len(ds[i]) for i in range(len(ds))) == m.num_tokens
+
+    # deterministic: the same inputs give the same bytes
+    again = tmp_path / "again" / "corpus"
+    _prepare(
+        *map(str, files), "--out", str(again), "--vocab-size", "300", "--validation-fraction", "0.2"
+    )
+    for suffix in (".bin", ".idx"):
+        assert again.with_suffix(suffix).read_bytes() == out.with_suffix(suffix).read_bytes()
+
+
+def test_jsonl_with_a_tokenizer_file(tmp_path: Path) -> None:
+    first = tmp_path / "a" / "c"
+    texts = _texts(12)
+    txt = tmp_path / "t.txt"
+    txt.write_text("\n".join(texts))
+    m0 = _prepare(
+        str(txt), "--out", str(first), "--vocab-size", "280", "--validation-fraction", "0"
+    )
+    assert m0.splits["validation"].documents == range(1, 1)
+    tok_dir = tmp_path / "tok"  # as transformers' save_pretrained leaves a fast tokenizer
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_bytes((first.parent / m0.tokenizer.path).read_bytes())
+
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("\n".join(json.dumps({"id": i, "content": t}) for i, t in enumerate(texts)))
+    out = tmp_path / "b" / "c"
+    m = _prepare(
+        str(jl),
+        "--jsonl-field",
+        "content",
+        "--tokenizer",
+        str(tok_dir),
+        "--out",
+        str(out),
+        "--validation-fraction",
+        "0.25",
+    )
+    assert m.tokenizer.kind == "file" and m.tokenizer.vocab_size == 280
+    assert m.source.kind == "jsonl" and m.source.field == "content"
+    assert m.num_documents == 12 and m.splits["validation"].documents == range(9, 12)
+
+    jl.write_text(json.dumps({"content": "x"}) + "\n" + json.dumps({"text": "y"}) + "\n")
+    res = runner.invoke(
+        app,
+        [
+            "data",
+            "prepare",
+            str(jl),
+            "--jsonl-field",
+            "content",
+            "--out",
+            str(tmp_path / "bad"),
+            "--quiet",
+        ],
+    )
+    assert res.exit_code == 2
+    assert f"{jl}:2: no field 'content'" in res.output
+
+
+def test_eod_token_must_exist(tmp_path: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text(" ".join(_texts(3)))
+    res = runner.invoke(
+        app,
+        [
+            "data",
+            "prepare",
+            str(txt),
+            "--out",
+            str(tmp_path / "o"),
+            "--vocab-size",
+            "280",
+            "--eod-token",
+            "<eos>",
+            "--validation-fraction",
+            "0",
+            "--quiet",
+        ],
+    )
+    # the trained BPE gets the requested EOD as its special token
+    assert res.exit_code == 0, res.output
+    m = DatasetManifest.model_validate_json((tmp_path / "o.json").read_text())
+    assert m.tokenizer.eod_token == "<eos>" and m.tokenizer.eod_id == 0
+    res = runner.invoke(
+        app,
+        [
+            "data",
+            "prepare",
+            str(txt),
+            "--out",
+            str(tmp_path / "p"),
+            "--tokenizer",
+            str(tmp_path / "o.tokenizer.json"),
+            "--eod-token",
+            "</s>",
+            "--validation-fraction",
+            "0",
+            "--quiet",
+        ],
+    )
+    assert res.exit_code == 2 and "eod_token='</s>': not in the tokenizer's vocabulary" in (
+        res.output
+    )
+
+
+def test_builtin_python_docs(tmp_path: Path) -> None:
+    out = tmp_path / "pydocs"
+    m = _prepare(
+        "--builtin-corpus",
+        "python-docs",
+        "--out",
+        str(out),
+        "--vocab-size",
+        "512",
+        "--max-bytes",
+        "80000",
+    )
+    assert m.source.kind == "builtin" and m.source.inputs == ("python-docs",)
+    assert m.source.python_version and m.source.python_version.startswith("cpython 3.")
+    assert m.source.bytes >= 80000 and m.num_tokens > 10000
+    pd = open_prepared(out)
+    assert pd.tokens("validation", 16, 0).num_windows > 10
+    res = runner.invoke(app, ["data", "info", str(out)])
+    assert res.exit_code == 0 and "validation: documents" in res.output
+
+
+def test_builtin_corpora_exist_here() -> None:
+    docs = list(itertools.islice(builtin_corpus("python-stdlib"), 2))
+    assert len(docs) == 2 and docs[0][0].endswith(".py") and len(docs[0][1]) > 100
+    name, text = next(builtin_corpus("python-docs"))
+    assert name.startswith("pydoc_data.topics") and len(text) > 100
+    with pytest.raises(ValueError, match="builtin corpus 'nope' is unknown"):
+        next(builtin_corpus("nope"))
+
+
+def test_cli_refusals(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["data", "prepare", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "give INPUTS or --builtin-corpus" in res.output
+    res = runner.invoke(app, ["data", "prepare", "--builtin-corpus", "wiki", "--out", "o"])
+    assert res.exit_code == 2 and "--builtin-corpus='wiki' is unknown" in res.output
+    (tmp_path / "x.idx").write_bytes(b"garbage")
+    (tmp_path / "x.bin").write_bytes(b"")
+    res = runner.invoke(app, ["data", "info", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "x.idx: at byte 0" in res.output

@@ -1,0 +1,65 @@
+"""``EtcdStore`` failover along its endpoint list, without servers (issue 18, item 9).
+
+Calls that fail together as unavailable move the store one endpoint on, not one per call;
+other errors do not move it; one client per endpoint, reused when the list wraps around.
+The loopback clusters are tests/integration/test_runtime_clusters.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aetcd.exceptions
+import pytest
+
+from sailor.coordination import TemporaryError, UnavailableError
+from sailor.coordination.etcd_store import EtcdStore
+
+
+class _Client:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    async def close(self) -> None:
+        pass
+
+
+def _store(endpoints: tuple[str, ...]) -> tuple[EtcdStore, list[str]]:
+    made: list[str] = []
+
+    def make(ep: str) -> _Client:
+        made.append(ep)
+        return _Client(ep)
+
+    return EtcdStore(make(endpoints[0]), endpoints=endpoints, make_client=make), made
+
+
+async def _fail(exc: Exception) -> None:
+    await asyncio.sleep(0)
+    raise exc
+
+
+async def test_concurrent_failures_move_one_endpoint_on() -> None:
+    store, made = _store(("a:1", "b:1", "c:1"))
+    down = aetcd.exceptions.ConnectionFailedError("connection refused")
+    results = await asyncio.gather(
+        *(store.call(_fail(down)) for _ in range(5)), return_exceptions=True
+    )
+    assert all(isinstance(r, UnavailableError) for r in results)
+    assert store.endpoint == "b:1" and store.client.endpoint == "b:1" and store.failovers == 1
+    with pytest.raises(UnavailableError):
+        await store.call(_fail(down))
+    with pytest.raises(UnavailableError):
+        await store.call(_fail(down))
+    assert store.endpoint == "a:1" and made == ["a:1", "b:1", "c:1"]  # wrapped, client reused
+
+
+async def test_other_errors_and_single_endpoints_do_not_move() -> None:
+    store, _ = _store(("a:1", "b:1"))
+    with pytest.raises(TemporaryError):
+        await store.call(_fail(aetcd.exceptions.ClientError("etcdserver: too many requests")))
+    assert store.endpoint == "a:1" and store.failovers == 0
+    single, _ = _store(("a:1",))
+    with pytest.raises(UnavailableError):
+        await single.call(_fail(aetcd.exceptions.ConnectionFailedError("refused")))
+    assert single.endpoint == "a:1" and single.failovers == 0

@@ -1,0 +1,78 @@
+"""Robust planning (sailor.planner.robust): plans that fit and meet every limit in every
+corner of the uncertainty set, ranked by their worst ratio to each corner's best plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from sailor import catalog
+from sailor.planner import Constraints
+from sailor.planner.robust import robust_search
+from sailor.schemas import Calibration
+from sailor.simulator import simulate
+from sailor.simulator.uncertainty import CORNERS, corners
+from tests.unit.test_planner_search import make_env, make_pool
+
+ZONE = "us-test1-a"
+CAL = Calibration(prior=catalog.calibration().prior, p2p_across_tp="full_copies")
+ENV = make_env(
+    weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, memory_mb={"fast": 8000, "slow": 6000}
+)
+POOL = make_pool({("fast", ZONE): 2, ("slow", ZONE): 4})
+
+
+def _run(risk: str, cons: Constraints | None = None) -> object:
+    return robust_search(
+        **ENV.kw(),  # type: ignore[arg-type]
+        pool=POOL,
+        constraints=cons,
+        gpu_specs=ENV.specs,
+        calibration=CAL,
+        risk=risk,  # type: ignore[arg-type]
+        top_k=3,
+    )
+
+
+def test_robust_plans_hold_in_every_corner_and_carry_interval_and_regret() -> None:
+    res = _run("robust")
+    assert res.plans  # type: ignore[attr-defined]
+    by = dict(corners(CAL))
+    for p in res.plans:  # type: ignore[attr-defined]
+        assert p.interval.fits_in_memory
+        assert tuple(c.corner for c in p.interval.corners) == CORNERS
+        for c in p.interval.corners:  # the interval is the simulator's, corner by corner
+            e = simulate(p.plan, **ENV.kw(), calibration=by[c.corner], gpu_specs=ENV.specs)  # type: ignore[arg-type]
+            assert e.iteration_time_s == pytest.approx(c.iteration_time_s, rel=1e-12)
+        assert all(r >= -1e-12 for r in p.regret.values())
+        assert p.worst_ratio == pytest.approx(min(1 - r for r in p.regret.values()))
+    ranks = [p.worst_ratio for p in res.plans]  # type: ignore[attr-defined]
+    assert ranks == sorted(ranks, reverse=True)
+    # the best plan of some corner has no regret there
+    for c in CORNERS:
+        assert min(p.regret[c] for p in res.plans) >= -1e-12  # type: ignore[attr-defined]
+
+
+def test_min_throughput_holds_in_the_worst_corner() -> None:
+    opt = _run("optimistic")
+    best_opt = opt.plans[0].interval.throughput_iter_s  # type: ignore[attr-defined]
+    # a floor the optimistic plan meets only in its own corner
+    floor = (best_opt.low + best_opt.high) / 2
+    res = _run("robust", Constraints(min_throughput_iter_s=floor))
+    for p in res.plans:  # type: ignore[attr-defined]
+        assert p.interval.throughput_iter_s.low >= floor * (1 - 1e-9)
+    if not res.plans:  # type: ignore[attr-defined]
+        assert "every judged corner" in res.reason or res.reason  # type: ignore[attr-defined]
+
+
+def test_each_risk_level_ranks_in_its_corner() -> None:
+    for risk in ("optimistic", "median"):
+        res = _run(risk)
+        corner = risk
+        top = res.plans[0]  # type: ignore[attr-defined]
+        assert top.regret[corner] == pytest.approx(0.0, abs=1e-12)
+        assert res.searched == (corner,)  # type: ignore[attr-defined]
+
+
+def test_unknown_risk_is_refused() -> None:
+    with pytest.raises(ValueError, match="risk="):
+        _run("reckless")
