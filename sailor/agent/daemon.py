@@ -439,7 +439,11 @@ class Agent:
                 plan = await self._plans.resolve(cmd)
             except TemporaryError as exc:  # not applied: the controller re-sends it
                 return self._refuse(cmd.command_id, f"plan {cmd.plan_id}: {exc}"[:1000])
-            await self.supervisor.launch(cmd.model_copy(update={"plan": plan}))
+            try:  # and its training config, by digest (none: the workers' defaults)
+                training = await self._plans.training(cmd)
+            except TemporaryError as exc:
+                return self._refuse(cmd.command_id, f"training config: {exc}"[:1000])
+            await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):

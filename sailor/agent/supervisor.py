@@ -2,12 +2,15 @@
 
 Workers are separate processes started with explicit ranks and rendezvous (no torchrun):
 ``worker_argv`` is a template whose ``{plan} {rank} {world_size} {master} {control}
-{load_dir} {load_step} {error_file} {run_dir}`` are filled per rank. Progress arrives as JSON
-lines on stdout (see ``sailor.megatron_patch.rank_main`` and ``toy_trainer``); stop and save
-requests go through a control file the workers re-read at every iteration boundary, written
-atomically. On abort or deadline the
-workers get SIGTERM, then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause
-(error file, else the stderr tail) is kept for the agent to report. A worker that dies
+{load_dir} {load_step} {error_file} {run_dir}`` are filled per rank. A launch with a training
+config writes it to ``{run_dir}/training.json`` and appends ``--train-config`` and that file to
+every worker's argv, whatever the template (the real worker and the toy trainer both take it;
+argparse's last occurrence wins, so the controller's config overrides one a template names).
+Progress arrives as JSON lines on stdout (see ``sailor.megatron_patch.rank_main`` and
+``toy_trainer``); stop and save requests go through a control file the workers re-read at
+every iteration boundary, written atomically. On abort or deadline the workers get SIGTERM,
+then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause (error file, else the
+stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
 stacks its ``faulthandler`` left (:func:`~sailor.megatron_patch.errors.signal_failure_record`).
@@ -34,6 +37,7 @@ from sailor.megatron_patch.errors import (
     write_error_file,
 )
 from sailor.schemas.commands import Launch
+from sailor.schemas.training import TrainingConfig
 
 __all__ = ["DEFAULT_WORKER_ARGV", "TOY_TRAINER_ARGV", "Supervisor", "WorkerView"]
 
@@ -92,6 +96,7 @@ TOY_TRAINER_ARGV: tuple[str, ...] = (
 class WorkerView:
     rank: int
     proc: asyncio.subprocess.Process
+    argv: tuple[str, ...] = ()
     step: int = -1
     loss: float | None = None
     saved_step: int = -1
@@ -140,8 +145,9 @@ class Supervisor:
     def loss(self) -> float | None:
         return self.workers[0].loss if self.workers else None
 
-    async def launch(self, cmd: Launch) -> None:
-        """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first)."""
+    async def launch(self, cmd: Launch, training: TrainingConfig | None = None) -> None:
+        """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first),
+        with ``training`` (resolved from ``cmd.training_sha256``) if the job has one."""
         if cmd.plan is None:
             raise ValueError(f"launch {cmd.command_id}: plan {cmd.plan_id} not resolved")
         await self.abort()
@@ -149,6 +155,11 @@ class Supervisor:
         gen_dir.mkdir(parents=True, exist_ok=True)
         plan_path = gen_dir / "plan.json"
         plan_path.write_text(cmd.plan.model_dump_json())
+        extra: tuple[str, ...] = ()
+        if training is not None:
+            train_path = gen_dir / "training.json"
+            train_path.write_text(training.model_dump_json(indent=1))
+            extra = ("--train-config", str(train_path))
         self._control = gen_dir / "control.json"
         self._control_state = {}
         self._write_control()
@@ -168,14 +179,14 @@ class Supervisor:
                 "error_file": str(gen_dir / f"error-{rank}.json"),
                 "run_dir": str(gen_dir),
             }
-            argv = [a.format(**subst) for a in self.worker_argv]
+            argv = (*(a.format(**subst) for a in self.worker_argv), *extra)
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
-            view = WorkerView(rank=rank, proc=proc)
+            view = WorkerView(rank=rank, proc=proc, argv=argv)
             self.workers.append(view)
             self._tasks.spawn(f"rank-{rank}-out", self._read_stdout(view))
             self._tasks.spawn(f"rank-{rank}-err", self._read_stderr(view))

@@ -10,7 +10,10 @@ Protocol (shared with the real worker's adapter):
   "loss"}``, ``{"event": "saved", "step"}``, ``{"event": "stopped", "step"}``;
 - ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR}``, re-read
   at every iteration boundary (written atomically by the agent);
-- ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit.
+- ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
+- ``--train-config FILE``: the job's training config, which the agent appends to any worker's
+  argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
+  naming field and value), otherwise unused: the toy model has nothing to configure.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ def _save(root: str, step: int, w: list[float], rank: int, world: int, timeout: 
     raise TimeoutError(f"not every rank saved step {step} within {timeout}s")
 
 
+def _check_train_config(path: str) -> None:
+    """Refuse an invalid training config like the real worker (imported only when given:
+    pydantic adds to the start-up of the many toy workers that run without one)."""
+    from sailor.schemas.training import parse_training_config
+
+    parse_training_config(Path(path).read_text(), path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sailor-toy-trainer")
     p.add_argument("--plan", required=True)
@@ -76,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--error-file", default="")
     p.add_argument("--fail-at-step", type=int, default=-1)
+    p.add_argument("--train-config", default="")
     a = p.parse_args(argv)
     try:
+        if a.train_config:
+            _check_train_config(a.train_config)
         step, w = 0, [0.0, 0.0, 0.0, 0.0]
         if a.load_dir and a.load_step >= 0:
             d = _ckpt_dir(a.load_dir, a.load_step)

@@ -3,9 +3,11 @@
 The file is read exactly as the daemon reads it (YAML, TOML or JSON by suffix, through
 ``sailor.controller.config.load_mapping``) and validated by the daemon's own schema
 (``ControllerConfig`` or ``AgentConfig``), so a file that passes here is one the daemon
-starts with. Which daemon: ``--kind``, else the file's shape: an agent config must have a
-``node:`` section and a controller config has none. (The schemas forbid unknown keys, so a
-``kind:`` key inside the file would make the daemon refuse it; the kind is not written there.)
+starts with; a controller config's ``training`` file is read and validated too, as the
+controller does at start. Which daemon: ``--kind``, else the file's shape: an agent config
+must have a ``node:`` section and a controller config has none. (The schemas forbid unknown
+keys, so a ``kind:`` key inside the file would make the daemon refuse it; the kind is not
+written there.)
 
 Exit codes: 0 valid; 1 invalid (every error printed with its field and value); 2 the file
 cannot be read or parsed, or the kind is unknown. Never connects to NATS or etcd.
@@ -60,9 +62,18 @@ def _errors(exc: ValidationError) -> list[str]:
     return lines
 
 
-def _extra_checks(kind: Kind, cfg: Any) -> list[str]:
+def _extra_checks(kind: Kind, cfg: Any, path: Path) -> list[str]:
     """Checks the schema cannot express but the daemon would fail on at start-up."""
     lines: list[str] = []
+    if kind is Kind.controller and cfg.training is not None:
+        from sailor.controller.training import TrainingConfigError, load_training
+
+        training = cfg.anchored(path).training
+        try:
+            load_training(training)
+        except TrainingConfigError as exc:
+            for line in str(exc).splitlines():
+                lines.append(f"training: {line} (value: {str(cfg.training)!r})")
     if kind is Kind.agent:
         from sailor.agent.watchers import make_watcher
         from sailor.coordination import SystemClock
@@ -91,7 +102,7 @@ def check_config(path: Path, kind: Kind | None = None) -> tuple[int, Kind | None
         cfg = _schema(kind).model_validate(data)
     except ValidationError as exc:
         return 1, kind, _errors(exc)
-    extra = _extra_checks(kind, cfg)
+    extra = _extra_checks(kind, cfg, path)
     return (1 if extra else 0), kind, extra
 
 

@@ -31,6 +31,21 @@ def _check_security_files(config: Path, security: SecurityConfig | None) -> None
             )
 
 
+def _check_training(config: Path, training: Path | None) -> None:
+    """Refuse an unreadable or invalid training config before connecting to anything."""
+    if training is None:
+        return
+    from sailor.controller.training import TrainingConfigError, load_training
+
+    try:
+        load_training(training)
+    except TrainingConfigError as exc:
+        raise fail(
+            f"{config}: training: {exc}: fix the training config "
+            "(`sailor schema training-config`), or remove `training:` to run without one"
+        ) from exc
+
+
 def controller(
     config: Path = typer.Option(..., "--config", help="Controller config file."),
 ) -> None:
@@ -38,8 +53,9 @@ def controller(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.daemon import run_controller
 
-    cfg = load_config(config, ControllerConfig)
+    cfg = load_config(config, ControllerConfig).anchored(config)
     _check_security_files(config, cfg.security)
+    _check_training(config, cfg.training)
     code = asyncio.run(run_controller(cfg))
     if code:  # failed: systemd restarts it
         raise typer.Exit(code)

@@ -96,7 +96,21 @@ class ControllerConfig(ServerEndpoints):
     security: SecurityConfig | None = Field(
         default=None, description="TLS and NATS login (docs/operations.md#security); off if absent."
     )
+    training: Path | None = Field(
+        default=None,
+        description="TrainingConfig file (YAML or JSON; `sailor schema training-config`) "
+        "handed to every worker. Relative: to this config file's directory (when read with "
+        "`sailor controller --config`), else the working directory. Validated at start: an "
+        "invalid one stops the controller. None: the workers' own defaults.",
+    )
 
     @classmethod
     def load(cls, path: Path) -> ControllerConfig:
-        return cls.model_validate(load_mapping(path))
+        return cls.model_validate(load_mapping(path)).anchored(path)
+
+    def anchored(self, config_file: Path) -> ControllerConfig:
+        """This config with a relative ``training`` path taken from ``config_file``'s
+        directory (the file it was read from)."""
+        if self.training is None or self.training.is_absolute():
+            return self
+        return self.model_copy(update={"training": config_file.absolute().parent / self.training})

@@ -13,6 +13,10 @@ one fsync for the batch, then acked. A poll every ``poll_s`` checks the mirrors 
 etcd. If the lease is lost or a guarded write is fenced (by the loop or by the event
 consumer), the term ends and the controller campaigns again as a standby.
 
+The job's training config (``ControllerConfig.training``) is read, validated and anchored
+when the ``Controller`` is built (``training.py``): an invalid one raises there, before any
+connection or task; each launch hands it to the workers through the desired state.
+
 Nothing fails in silence: a crash of any task of the term (the event consumer, the etcd
 check, a command, a replan) or a desired state it cannot read on takeover takes the
 controller down — a ``failed`` audit record, leadership resigned, ``run`` raises
@@ -40,6 +44,7 @@ from sailor.controller.decide import DecideConfig, Observed, decide
 from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
+from sailor.controller.training import load_training
 from sailor.coordination import (
     Clock,
     DaemonFailedError,
@@ -95,6 +100,8 @@ class Controller:
         self, config: ControllerConfig, planner: Planner | None = None, clock: Clock | None = None
     ) -> None:
         self.cfg = config
+        # read and validated before anything starts: an invalid file stops the controller
+        self.training = load_training(config.training) if config.training is not None else None
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
         if planner is None and config.planner == "sailor" and config.planner_process:
@@ -106,6 +113,7 @@ class Controller:
             notice_margin_s=config.notice_margin_s,
             stop_ahead_steps=config.stop_ahead_steps,
             base_port=config.base_port,
+            training=self.training,
         )
         self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
         self.stopping = asyncio.Event()

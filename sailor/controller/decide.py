@@ -21,10 +21,19 @@ from pydantic import Field
 
 from sailor.controller.phases import PhaseDeadlines, check_transition
 from sailor.schemas._base import Frozen
-from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop, plan_digest
+from sailor.schemas.commands import (
+    Abort,
+    Checkpoint,
+    Command,
+    Launch,
+    Stop,
+    plan_digest,
+    training_digest,
+)
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
+from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "Action",
@@ -59,6 +68,11 @@ class DecideConfig(Frozen):
             "registered then was never reclaimed or came back with the same id (a new VM), and "
             "is usable again. Longer than the agents' registration lease TTL."
         ),
+    )
+    training: TrainingConfig | None = Field(
+        default=None,
+        description="Training config every launch hands to the workers (its paths absolute); "
+        "a generation keeps the one it was launched with. None: the workers' defaults.",
     )
 
 
@@ -248,6 +262,7 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
         next_membership=(),
         load_step=load_step,
         master=_master(o, d.next_placement, gen, cfg),
+        training=cfg.training,
     )
     return [SetDesired(state, f"launch generation {gen} from step {load_step}")]
 
@@ -403,6 +418,7 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         # digest and world size once per plan, not per node: at 512 nodes recomputing them
         # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
         digest, world = _plan_facts(d.plan)
+        training = training_digest(d.training) if d.training is not None else ""
         for n in sorted(d.placement):
             cid = _cid(d, "launch", n)
             if cid in o.acked:
@@ -422,6 +438,7 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
                 checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
                 load_step=d.load_step,
                 generation=d.generation,
+                training_sha256=training,
             )
             actions.append(Send(cmd))
         if not pending:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -39,8 +40,8 @@ from sailor.coordination import (
     TaskSet,
     TemporaryError,
 )
-from sailor.schemas.commands import CommandAdapter
-from sailor.schemas.runtime import CommandAck, DesiredState
+from sailor.schemas.commands import CommandAdapter, training_digest
+from sailor.schemas.runtime import CommandAck, DesiredState, Phase
 
 __all__ = ["Executor"]
 
@@ -105,6 +106,10 @@ class Executor:
     async def write_desired(self, state: DesiredState, reason: str) -> None:
         data = state.model_dump_json().encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
+        extra: dict[str, Any] = {}
+        if state.phase is Phase.LAUNCH:  # which training config this generation runs
+            t = state.training
+            extra["training_sha256"] = training_digest(t) if t is not None else ""
         self.audit.write(
             "phase",
             self.clock.now(),
@@ -115,6 +120,7 @@ class Executor:
             stop_step=state.stop_step,
             load_step=state.load_step,
             cause=reason,
+            **extra,
         )
 
     async def apply(self, actions: list[Action], desired: DesiredState) -> DesiredState:

@@ -9,6 +9,8 @@ the plan's JSON (:func:`plan_digest`) — and the agent reads the plan from the 
 in etcd (``DesiredState.plan``), checking the digest. Carrying the whole plan in every Launch
 made the launch fan-out quadratic in bytes (a 2,048-node plan is ~0.5 MB, sent to each of
 768 placed nodes). ``plan`` stays accepted for older controllers: an agent uses it if set.
+The run's training config is named the same way: ``training_sha256`` (:func:`training_digest`)
+of ``DesiredState.training``; '' when the job has none (and from older controllers).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import Field, TypeAdapter, model_validator
 
 from sailor.schemas._base import WireMessage, field_error
 from sailor.schemas.plan import Plan
+from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "Abort",
@@ -30,12 +33,18 @@ __all__ = [
     "Prepare",
     "Stop",
     "plan_digest",
+    "training_digest",
 ]
 
 
 def plan_digest(plan: Plan) -> str:
     """SHA-256 (hex) of the plan's JSON: what a Launch by reference must resolve to."""
     return hashlib.sha256(plan.model_dump_json().encode()).hexdigest()
+
+
+def training_digest(config: TrainingConfig) -> str:
+    """SHA-256 (hex) of the training config's JSON: what ``Launch.training_sha256`` names."""
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
 
 
 class _CommandBase(WireMessage):
@@ -87,6 +96,11 @@ class Launch(_CommandBase):
         default=-1, ge=-1, description="Committed step to load from ``checkpoint``; -1 = latest."
     )
     generation: int = Field(default=0, ge=0, description="Controller's launch counter.")
+    training_sha256: str = Field(
+        default="",
+        description="training_digest() of the desired state's training config, which the "
+        "workers are given; '' = none (the workers' own defaults).",
+    )
 
     @model_validator(mode="after")
     def _plan_named(self) -> Launch:

@@ -16,6 +16,7 @@ from pydantic import Field
 from sailor.schemas._base import WireMessage
 from sailor.schemas.events import PreemptionNotice
 from sailor.schemas.plan import Plan
+from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "AgentState",
@@ -68,6 +69,11 @@ class DesiredState(WireMessage):
     stop_step: int = Field(default=-1, ge=-1, description="Agreed step to stop and save at.")
     load_step: int = Field(default=-1, ge=-1, description="Checkpoint the launch loads; -1 none.")
     master: str = Field(default="", description="Rendezvous host:port of the current launch.")
+    training: TrainingConfig | None = Field(
+        default=None,
+        description="Training config of the generation launched (set at each launch, its "
+        "paths absolute); None: the workers' own defaults.",
+    )
     cause: str = Field(default="", max_length=1024, description="Why the last change began.")
     aborted: bool = Field(default=False, description="This reconfiguration was aborted.")
 

@@ -16,9 +16,10 @@ from sailor.controller.decide import (
 )
 from sailor.controller.phases import LEGAL, check_transition
 from sailor.controller.planning import DataParallelPlanner
-from sailor.schemas.commands import Command, CommandAdapter, Launch, plan_digest
+from sailor.schemas.commands import Command, CommandAdapter, Launch, plan_digest, training_digest
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
+from sailor.schemas.training import BuiltinModel, TrainingConfig
 
 CFG = DecideConfig(checkpoint_dir="/ck", stop_ahead_steps=2, notice_margin_s=5)
 NOW = 1000.0
@@ -301,3 +302,26 @@ def test_launch_digest_follows_the_plan() -> None:
             cmds = [a.command for a in decide(d, obs(ns, []), CFG) if isinstance(a, Send)]
             assert [c.plan_sha256 for c in cmds] == [plan_digest(res.plan)] * len(ids)  # type: ignore[union-attr]
             assert [c.world_size for c in cmds] == [res.plan.num_gpus] * len(ids)  # type: ignore[union-attr]
+
+
+def test_launch_names_the_training_config_of_its_generation() -> None:
+    """A launch puts the configured training config into the desired state and names it by
+    digest in every Launch; a generation keeps the config it was launched with."""
+    training = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), seed=3)
+    cfg = CFG.model_copy(update={"training": training})
+    res = DataParallelPlanner("m", 4, 8).plan((node(1), node(2)), None)
+    d = DesiredState(
+        epoch=7, next_plan=res.plan, next_placement=res.placement, next_membership=("n1", "n2")
+    )
+    launched = decide(d, obs(nodes(1, 2), []), cfg)[0].state  # type: ignore[union-attr]
+    assert launched.phase is Phase.LAUNCH and launched.training == training
+    for c, want in ((cfg, training_digest(training)), (CFG, training_digest(training))):
+        cmds = [a.command for a in decide(launched, obs(nodes(1, 2), []), c) if isinstance(a, Send)]
+        assert [cmd.training_sha256 for cmd in cmds] == [want, want]  # type: ignore[union-attr]
+        for cmd in cmds:
+            assert CommandAdapter.validate_json(CommandAdapter.dump_json(cmd)) == cmd
+    # no training config: none in the desired state, '' in the Launch
+    plain = decide(d, obs(nodes(1, 2), []), CFG)[0].state  # type: ignore[union-attr]
+    assert plain.training is None
+    cmds = [a.command for a in decide(plain, obs(nodes(1, 2), []), CFG) if isinstance(a, Send)]
+    assert {cmd.training_sha256 for cmd in cmds} == {""}  # type: ignore[union-attr]

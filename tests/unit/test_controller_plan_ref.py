@@ -1,6 +1,9 @@
-"""Launch by plan reference: the schema's compatibility and the agent's PlanSource."""
+"""Launch by reference (plan and training config): the schemas' compatibility and the agent's
+PlanSource."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -8,10 +11,11 @@ from pydantic import ValidationError
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.controller.planning import DataParallelPlanner
 from sailor.coordination import KeyValue
-from sailor.schemas.commands import CommandAdapter, Launch, plan_digest
+from sailor.schemas.commands import CommandAdapter, Launch, plan_digest, training_digest
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState
+from sailor.schemas.training import BuiltinModel, TrainingConfig
 
 
 def _plan(n: int = 2) -> Plan:
@@ -63,3 +67,49 @@ async def test_plan_source_reads_once_checks_digest_and_refuses_unknown() -> Non
         await PlanSource(get).resolve(_launch(plan, plan_sha256="0" * 64))
     with pytest.raises(PlanUnavailableError, match="not in the desired state"):
         await src.resolve(_launch(_plan(1)))
+
+
+def _training(seed: int = 0) -> TrainingConfig:
+    return TrainingConfig(model=BuiltinModel(name="tiny-gpt"), seed=seed)
+
+
+def test_older_messages_without_a_training_config_still_parse() -> None:
+    """A desired state and a Launch written before training configs existed."""
+    plan = _plan()
+    old_desired = DesiredState(epoch=1, plan=plan).model_dump(mode="json")
+    del old_desired["training"]
+    assert DesiredState.model_validate(old_desired).training is None
+    old_launch = json.loads(CommandAdapter.dump_json(_launch(plan)))
+    del old_launch["training_sha256"]
+    assert CommandAdapter.validate_python(old_launch).training_sha256 == ""  # type: ignore[union-attr]
+    # the digest survives the trip through etcd (JSON and back)
+    t = _training(5)
+    again = DesiredState.model_validate_json(DesiredState(epoch=1, training=t).model_dump_json())
+    assert again.training == t and training_digest(again.training) == training_digest(t)
+
+
+async def test_training_source_shares_the_plan_read_and_checks_the_digest() -> None:
+    plan, t = _plan(), _training(5)
+    reads = 0
+    desired = DesiredState(epoch=1, plan=plan, training=t).model_dump_json().encode()
+
+    async def get() -> KeyValue:
+        nonlocal reads
+        reads += 1
+        return KeyValue("/d", desired, 1, 1)
+
+    src = PlanSource(get)
+    cmd = _launch(plan, training_sha256=training_digest(t))
+    assert await src.resolve(cmd) == plan
+    assert await src.training(cmd) == t
+    assert reads == 1  # the plan's read kept the config
+    assert await src.training(_launch(plan)) is None  # names none: nothing read
+    with pytest.raises(PlanUnavailableError, match="training config digest mismatch"):
+        await PlanSource(get).training(_launch(plan, training_sha256=training_digest(_training())))
+    bare = DesiredState(epoch=1, plan=plan).model_dump_json().encode()
+
+    async def get_bare() -> KeyValue:
+        return KeyValue("/d", bare, 1, 1)
+
+    with pytest.raises(PlanUnavailableError, match="no training config"):
+        await PlanSource(get_bare).training(cmd)

@@ -1,0 +1,40 @@
+"""The controller's training config: read, validated and anchored once, at start.
+
+``ControllerConfig.training`` names a ``TrainingConfig`` file. :func:`load_training` reads it,
+validates it (``parse_training_config``: every problem as ``FILE: field=value: why``) and
+makes its relative paths absolute against the file's directory (``anchor_training_paths``),
+so the one config the controller hands to every worker means the same files on every node.
+A file that cannot be read or is invalid raises :class:`TrainingConfigError` before the
+controller connects to anything: a job must not launch workers on a config they would refuse
+one by one. Must never import torch or the agent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sailor.schemas.training import TrainingConfig, parse_training_config
+from sailor.schemas.training_paths import anchor_training_paths
+
+__all__ = ["TrainingConfigError", "load_training"]
+
+
+class TrainingConfigError(ValueError):
+    """The training config cannot be used; the message names the file, field and value.
+    Not retried: the file must be fixed."""
+
+
+def load_training(path: Path) -> TrainingConfig:
+    """The config of ``path`` (relative: to the working directory), paths made absolute."""
+    path = path.absolute()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TrainingConfigError(
+            f"{path}: cannot read the training config ({exc.strerror or exc})"
+        ) from exc
+    try:
+        config = parse_training_config(text, str(path))
+    except ValueError as exc:
+        raise TrainingConfigError(str(exc)) from exc
+    return anchor_training_paths(config, path.parent.as_posix())

@@ -1,0 +1,108 @@
+"""The controller's training config: loaded and anchored at start, an invalid one refused
+before anything starts (the daemon, ``sailor controller``, ``sailor config check``), and the
+toy trainer validating what the agent hands it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from sailor.agent import toy_trainer
+from sailor.cli.main import app
+from sailor.controller.config import ControllerConfig
+from sailor.controller.daemon import Controller
+from sailor.controller.training import TrainingConfigError, load_training
+from sailor.schemas.training import IndexedData, SpecFileModel
+
+GOOD = """
+model: {kind: spec, path: spec.json}
+data: {kind: indexed, prefix: data/corpus}
+metrics: {jsonl: out/m.jsonl}
+"""
+BAD = "model: {kind: builtin, name: tiny-gpt}\noptimizer: {lr: -0.5}\n"
+
+
+def _controller_file(tmp: Path, training: str, text: str) -> Path:
+    (tmp / "train").mkdir(exist_ok=True)
+    (tmp / "train" / training).write_text(text)
+    cfg = tmp / "controller.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "nats_urls": ["nats://127.0.0.1:9"],  # nothing listens: must not be reached
+                "etcd_endpoints": ["127.0.0.1:9"],
+                "audit_log": str(tmp / "audit.jsonl"),
+                "planner": "data_parallel",
+                "training": f"train/{training}",
+            }
+        )
+    )
+    return cfg
+
+
+def test_load_training_anchors_paths_at_the_files_directory(tmp_path: Path) -> None:
+    cfg_file = _controller_file(tmp_path, "run.yaml", GOOD)
+    cfg = ControllerConfig.load(cfg_file)
+    assert cfg.training == tmp_path / "train" / "run.yaml"  # relative to the config file
+    t = load_training(cfg.training)
+    assert t.model == SpecFileModel(path=f"{tmp_path}/train/spec.json")
+    assert t.data == IndexedData(prefix=f"{tmp_path}/train/data/corpus")
+    assert t.metrics.jsonl == f"{tmp_path}/train/out/m.jsonl"
+    # a config built in code keeps its path (relative: the working directory)
+    assert ControllerConfig(training=Path("x.yaml")).anchored(Path("/etc/c.yaml")).training == (
+        Path("/etc/x.yaml")
+    )
+    assert ControllerConfig(training=Path("/a/x.yaml")).anchored(cfg_file).training == Path(
+        "/a/x.yaml"
+    )
+
+
+def test_an_invalid_training_config_stops_the_controller_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    cfg = ControllerConfig.load(_controller_file(tmp_path, "run.yaml", BAD))
+    with pytest.raises(TrainingConfigError) as err:
+        Controller(cfg)
+    assert str(err.value) == (
+        f"{tmp_path}/train/run.yaml: optimizer.lr=-0.5: Input should be greater than 0"
+    )
+    assert not (tmp_path / "audit.jsonl").exists()  # nothing was started, not even the log
+    missing = cfg.model_copy(update={"training": tmp_path / "nope.yaml"})
+    with pytest.raises(TrainingConfigError, match=r"nope\.yaml: cannot read the training config"):
+        Controller(missing)
+
+
+def test_sailor_controller_refuses_it_in_one_line_naming_file_field_and_value(
+    tmp_path: Path,
+) -> None:
+    cfg_file = _controller_file(tmp_path, "run.json", json.dumps(yaml.safe_load(BAD)))
+    res = CliRunner().invoke(app, ["controller", "--config", str(cfg_file)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.output
+    assert lines[0].startswith(f"error: {cfg_file}: training: {tmp_path}/train/run.json: ")
+    assert "optimizer.lr=-0.5: Input should be greater than 0" in lines[0]
+
+
+def test_config_check_validates_the_training_file(tmp_path: Path) -> None:
+    cfg_file = _controller_file(tmp_path, "run.yaml", BAD)
+    res = CliRunner().invoke(app, ["config", "check", str(cfg_file)])
+    assert res.exit_code == 1, res.output
+    assert "training: " in res.output and "optimizer.lr=-0.5" in res.output
+    _controller_file(tmp_path, "run.yaml", GOOD)
+    res = CliRunner().invoke(app, ["config", "check", str(cfg_file)])
+    assert res.exit_code == 0, res.output
+
+
+def test_toy_trainer_validates_the_config_it_is_handed(tmp_path: Path) -> None:
+    bad = tmp_path / "training.json"
+    bad.write_text(json.dumps(yaml.safe_load(BAD)))
+    err = tmp_path / "error.json"
+    args = ["--plan", "p", "--rank", "0", "--world-size", "1", "--control", str(tmp_path / "c")]
+    code = toy_trainer.main([*args, "--error-file", str(err), "--train-config", str(bad)])
+    assert code == 1
+    assert "optimizer.lr=-0.5" in json.loads(err.read_text())["message"]
