@@ -59,8 +59,8 @@ class DemoCluster:
     global_batch_size: int
     min_step_s: float
     training_file: Path | None = None
-    """The training config every worker runs (``demo.model``); None: the plan's tiny-gpt on
-    synthetic tokens."""
+    """The training config the controller hands every worker (``demo.model``); None: the
+    plan's tiny-gpt on synthetic tokens."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -102,6 +102,7 @@ class DemoCluster:
             planner="sailor",
             model="tiny-gpt",
             global_batch_size=self.global_batch_size,
+            training=self.training_file,
             base_port=self.base_port,
             security=self.servers.security(name),
         )
@@ -121,7 +122,6 @@ class DemoCluster:
             worker_argv=(
                 *DEFAULT_WORKER_ARGV,
                 *("--min-step-s", str(self.min_step_s), "--timeout-s", "30"),
-                *(("--train-config", str(self.training_file)) if self.training_file else ()),
             ),
             watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
             watch_poll_s=0.1,

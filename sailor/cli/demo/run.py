@@ -29,7 +29,7 @@ from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
 from sailor.cli.demo.model import CORPUS, prepare_demo
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.reconfig import reconfigurations
-from sailor.cli.demo.report import compare_losses, print_summary, summary
+from sailor.cli.demo.report import compare_losses, loss_tolerance, print_summary, summary
 from sailor.cli.demo.scenario import DemoSettings, Scenario
 from sailor.cli.demo.servers import start_servers
 
@@ -167,11 +167,18 @@ def _report(
         raise ValueError("the demo cluster has no training config")
     tc = parse_training_config(tfile.read_text(), str(tfile))
     data = build_dataset(tc.data, spec, tc.seed, base_dir=tfile.parent)
-    ref = train_reference(spec, gbs, last, TrainConfig.of(tc), arch=arch, data=data).losses
+    cfg = TrainConfig.of(tc)
+    ref = train_reference(spec, gbs, last, cfg, arch=arch, data=data).losses
+    # the same run in another reduction order: the floor rounding alone reaches
+    other = train_reference(
+        spec, gbs, last, cfg, microbatch_size=max(1, gbs // 2), arch=arch, data=data
+    )
+    tol = loss_tolerance(ref, other.losses)
     commits = [int(r["step"]) for r in records if r.get("kind") == "commit"]
     reconfs = reconfigurations(records, scn.injections, points)
     png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png", reference=ref)
-    summ = summary(points, reconfs, compare_losses(points, ref, commits), wall, str(png), audit_ok)
+    losses = compare_losses(points, ref, commits, tol)
+    summ = summary(points, reconfs, losses, wall, str(png), audit_ok, ref, spec.vocab_size)
     summ["leftover_processes"] = leftovers
     print_summary(con, summ)
     return summ
