@@ -4,8 +4,10 @@ Built on what the demo already has, not a third copy: :mod:`sailor.localservers`
 nats-server and etcd with TLS, logins, permissions and RBAC under the demo's
 ``ProcessRegistry`` (every child carries one marker; cleanup SIGKILLs whatever still carries
 it), ``DemoCluster`` starts ``sailor controller`` / ``sailor agent`` processes whose agents
-run real tiny-gpt workers (gloo, CPU, fp32) and injects faults, and ``Driver`` waits on etcd
-and the workers' progress files as an operator would.
+run real workers (gloo, CPU, fp32) on the demo's training config — a GPT-2 on the Python
+docs prepared by ``sailor data prepare``'s code, handed to every worker by the controller
+(:func:`demo_training`, prepared once per process) — and injects faults, and ``Driver``
+waits on etcd and the workers' progress files as an operator would.
 
 The verdict of one run (:class:`Outcome`) is measured, not asserted here:
 
@@ -27,11 +29,14 @@ The verdict of one run (:class:`Outcome`) is measured, not asserted here:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sailor.cli.demo.cluster import DemoCluster
+from sailor.cli.demo.model import DemoTraining, demo_model, prepare_demo
 from sailor.cli.demo.observe import StepPoint
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.report import LOSS_ATOL, compare_losses
@@ -49,7 +55,11 @@ from sailor.localservers import Identities, start_local_servers
 if TYPE_CHECKING:
     import torch
 
+    from sailor.megatron_patch.architecture import Architecture
+    from sailor.megatron_patch.data import TokenSource
+    from sailor.megatron_patch.engine import TrainConfig
     from sailor.megatron_patch.reference import ReferenceRun
+    from sailor.schemas.model import ModelSpec
 
 __all__ = [
     "GBS",
@@ -64,6 +74,36 @@ __all__ = [
 
 JOB = "chaos"
 GBS = 4
+
+
+@functools.cache
+def demo_training() -> DemoTraining:
+    """The demo's model, data set and training config, prepared once per process."""
+    root = Path(tempfile.mkdtemp(prefix="sailor-chaos-data-"))
+    atexit.register(shutil.rmtree, root, True)
+    return prepare_demo(root, GBS)
+
+
+class _Training(NamedTuple):
+    spec: ModelSpec
+    arch: Architecture
+    cfg: TrainConfig
+    data: TokenSource
+
+
+def _training() -> _Training:
+    """What the workers train, for the reference: spec, architecture, settings, samples."""
+    from sailor.megatron_patch.data import build_dataset
+    from sailor.megatron_patch.engine import TrainConfig
+    from sailor.schemas.training import parse_training_config
+
+    t = demo_training()
+    tc = parse_training_config(t.training_file.read_text(), str(t.training_file))
+    spec, arch = demo_model(GBS)
+    data = build_dataset(tc.data, spec, tc.seed, base_dir=t.training_file.parent)
+    return _Training(spec, arch, TrainConfig.of(tc), data)
+
+
 NODES = tuple(f"n{i}" for i in range(1, 11))
 """Node ids with a certificate and a login (the trace replay uses the most)."""
 CONTROLLERS = ("c1", "c2")
@@ -183,9 +223,8 @@ def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alt: ReferenceRun) ->
     every key), so AdamW scales pure rounding noise to ~lr. The moments' floor stays ~1e-7.
     """
     from sailor.checkpoint import LocalStorage, load
-    from sailor.megatron_patch.model import tiny_model
 
-    spec = tiny_model("tiny-gpt", GBS)
+    spec = _training().spec
     got = load(LocalStorage(ckpt), range(spec.num_all_layers), step=step).params
     missing = sorted(set(ref.params_at) - set(got))
     if missing:
@@ -265,6 +304,7 @@ class ChaosRun:
                 root=self.root,
                 global_batch_size=GBS,
                 min_step_s=self.settings.min_step_s,
+                training_file=demo_training().training_file,
                 job=JOB,
             )
             self.drive = Driver(cluster=self.cluster, settings=self.settings, t0=self.t0)
@@ -383,8 +423,6 @@ class ChaosRun:
         return self.outcome()
 
     def outcome(self) -> Outcome:
-        from sailor.megatron_patch.engine import TrainConfig
-        from sailor.megatron_patch.model import tiny_model
         from sailor.megatron_patch.reference import train_reference
 
         records = read_records(self.cluster.audit_logs())
@@ -392,16 +430,25 @@ class ChaosRun:
         self.drive.steps.poll()
         points = self.drive.steps.series()
         last = max((p.step for p in points), default=0)
-        spec = tiny_model("tiny-gpt", GBS)
+        tr = _training()
         commits = sorted({int(r["step"]) for r in records if r.get("kind") == "commit"})
         p_step = commits[-1] if commits else -1
         # one pair of reference runs for both checks: losses to the last step, weights at
         # the last commit (it was four runs; they dominated a scenario's time under load)
         at = p_step if 0 < p_step <= last else None
         with _one_torch_thread():
-            ref = train_reference(spec, GBS, last, TrainConfig(seed=0), params_at=at)
+            ref = train_reference(
+                tr.spec, GBS, last, tr.cfg, arch=tr.arch, data=tr.data, params_at=at
+            )
             alt = train_reference(
-                spec, GBS, last, TrainConfig(seed=0), microbatch_size=2, params_at=at
+                tr.spec,
+                GBS,
+                last,
+                tr.cfg,
+                microbatch_size=2,
+                arch=tr.arch,
+                data=tr.data,
+                params_at=at,
             )
         pairs = zip(ref.losses, alt.losses, strict=True)
         loss_floor = max((abs(a - b) for a, b in pairs), default=0.0)
