@@ -2,13 +2,14 @@
 #   make demo   - set up and run the main job on the bundled example
 #   make test   - set up and run lint, types, layer contracts and the tests
 #   make chaos  - every chaos scenario (tests/chaos, docs/chaos.md) and their table
+#   make long-test - the tests make test leaves out (marked long; scaffolding, repeats)
 #   make gpu-test - the GPU tests (tests/gpu, docs/gpu.md); each skips with its reason without CUDA
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck contracts pytest bench chaos gpu-test clean setup
+.PHONY: demo test lint typecheck contracts pytest bench chaos long-test gpu-test clean setup
 
 $(STAMP): pyproject.toml deploy/install-servers.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +46,11 @@ chaos: $(STAMP)
 		rm -f $$t; \
 		echo "chaos: done $$(date -u +%FT%TZ), load average $$(cut -d' ' -f1-3 /proc/loadavg)"; \
 		exit $$rc
+
+# The tests marked long (tests/conftest.py): CPU host-sharing scaffolding, further random
+# crash points, layouts another test of make test already covers.
+long-test: $(STAMP)
+	SAILOR_LONG=1 $(BIN)/pytest -q -m long
 
 # On a GPU host: the NCCL, CUDA and bf16 paths (tests/gpu); here every test skips with its reason.
 gpu-test: $(STAMP)

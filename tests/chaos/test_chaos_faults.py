@@ -19,6 +19,7 @@ from tests.chaos.harness import ChaosRun, verdict
 pytestmark = pytest.mark.chaos
 
 
+@pytest.mark.chaos_long
 async def test_preemption_with_notice(tmp_path: Path) -> None:
     async with ChaosRun(tmp_path, "preemption with notice") as run:
         gen = await run.start(["n1", "n2", "n3"])
@@ -28,6 +29,7 @@ async def test_preemption_with_notice(tmp_path: Path) -> None:
     verdict(out, min_reconf=2)
 
 
+@pytest.mark.chaos_long
 async def test_agent_sigkill_without_notice(tmp_path: Path) -> None:
     async with ChaosRun(tmp_path, "agent SIGKILL") as run:
         gen = await run.start(["n1", "n2", "n3"])
@@ -71,6 +73,7 @@ async def test_second_preemption_during_reconfiguration(tmp_path: Path) -> None:
     verdict(out, min_reconf=2)
 
 
+@pytest.mark.chaos_long
 async def test_controller_failover_and_fencing(tmp_path: Path) -> None:
     async with ChaosRun(tmp_path, "controller SIGKILL + fencing") as run:
         gen = await run.start(["n1", "n2"], controllers=("c1", "c2"))
@@ -135,6 +138,7 @@ async def test_partition_agent_from_servers(tmp_path: Path) -> None:
     verdict(out, min_reconf=3)
 
 
+@pytest.mark.chaos_long
 async def test_duplicate_delayed_and_reordered_events(tmp_path: Path) -> None:
     """Events only wake the controller (level-triggered): none of these changes the layout."""
     import time

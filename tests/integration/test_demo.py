@@ -96,7 +96,9 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.long)]
+)
 def test_demo_interrupted_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
     token = uuid.uuid4().hex
     proc = _demo(tmp_path, token, "--json", *_FAST)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from sailor import catalog
@@ -69,6 +70,7 @@ def test_tp2_layers_run_as_two_gloo_ranks() -> None:
     assert db.timing("cpu", 2, 1, 1) is not None
 
 
+@pytest.mark.long
 def test_cli_layers_merges_into_the_database(tmp_path: Path) -> None:
     out = tmp_path / "db.json"
     args = ["profile", "layers", "--model", "tiny-gpt", "--mbs", "1", "-o", str(out)]
@@ -158,6 +160,7 @@ def test_allreduce_latency_probe_between_gloo_processes() -> None:
     assert net.collective_latency(ep, 2) == c.latency_s
 
 
+@pytest.mark.long
 def test_host_sharing_measured_with_real_ranks() -> None:
     from sailor.profiler.cpu_host.sharing import HostRun, measure_host_sharing
     from sailor.profiler.merge import merge_db
@@ -192,6 +195,7 @@ def test_host_sharing_measured_with_real_ranks() -> None:
     assert merged.host_sharing("cpu") == h
 
 
+@pytest.mark.long
 def test_host_speed_check_runs_the_model_on_every_core() -> None:
     """The probe measures the host, and its comparisons see a core being shared.
 

@@ -108,7 +108,12 @@ def _check_recoverable(root: Path, at_least: int) -> None:
 # Always the riskiest two (inside the manifest, inside the marker), plus a seeded random sample.
 _ALL = [(k, w) for k in range(LAYERS + 3) for w in ("before", "after")]
 _RISKY = [(LAYERS + 1, "after"), (LAYERS + 2, "after")]
-_POINTS = _RISKY + random.Random(2024).sample([p for p in _ALL if p not in _RISKY], 5)
+_SAMPLE = random.Random(2024).sample([p for p in _ALL if p not in _RISKY], 5)
+_POINTS = [
+    *_RISKY,
+    _SAMPLE[0],
+    *(pytest.param(*p, marks=pytest.mark.long) for p in _SAMPLE[1:]),  # make long-test
+]
 
 
 @pytest.mark.parametrize(("k", "when"), _POINTS)
