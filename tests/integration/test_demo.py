@@ -66,7 +66,7 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     token = uuid.uuid4().hex
     proc = _demo(tmp_path, token, "--json", *_FAST)
     try:
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=300)  # ~50 s alone; make test runs 2 at once
     finally:
         proc.kill()
         left = _left(token)
