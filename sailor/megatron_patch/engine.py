@@ -95,8 +95,8 @@ class TrainConfig(Frozen):
     seed: int = Field(default=0, ge=0, description="Seed of init and data.")
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
-    beta1: float = Field(default=0.9, gt=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(default=0.95, gt=0, lt=1, description="AdamW beta2.")
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2.")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     schedule: ScheduleConfig = Field(
         default_factory=ScheduleConfig, description="Warmup and decay of lr, by step."
