@@ -36,6 +36,7 @@ from sailor import catalog
 from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
 from sailor.coordination import connect_etcd, connect_nats
 from sailor.coordination.security import SecurityConfig
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import DeviceFacts, EndpointFacts, NodeFacts, ProbeFacts
 
@@ -57,7 +58,7 @@ NVLink and PCIe (its bus bandwidth levels off from a few MiB); 1 MiB keeps gloo 
 def node_facts(node: NodeSpec | None, gpu: dict[str, Any] | None = None) -> NodeFacts:
     """The facts of ``node`` (None: no config, a GPU node of any type) with the GPU facts
     ``gpu`` (from :func:`gather_gpu`; None or empty: not gathered)."""
-    kind = "cpu" if node is not None and node.gpu_type == "cpu" else "gpu"
+    kind = "cpu" if node is not None and is_cpu_type(node.gpu_type) else "gpu"
     return NodeFacts(
         node_kind=kind,
         gpu_type=node.gpu_type if node is not None else "",

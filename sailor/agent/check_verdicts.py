@@ -59,7 +59,7 @@ def _line(check: str, verdict: Verdict, detail: str, action: str = "") -> CheckL
 
 def _node_line(f: NodeFacts) -> CheckLine:
     if f.node_kind == "cpu":
-        return _line("node", "ok", "cpu node (config gpu_type: cpu): GPU checks skipped")
+        return _line("node", "ok", f"cpu node (config gpu_type: {f.gpu_type}): GPU checks skipped")
     if not f.gpu_type:
         return _line(
             "node",

@@ -10,6 +10,8 @@ the moment a watcher sees one (retried until its deadline, and kept in the statu
 that it reaches the controller through etcd while NATS is down). SIGTERM: stop the workers,
 publish NodeLeft, revoke the lease. The epoch fence is persisted (``fence.py``) and raised to
 the desired state's epoch on start, so a restarted agent still refuses a deposed controller.
+With ``cpu_quota`` set, the workers run in the node's cgroup under that quota (``cpu_quota.py``;
+``set_cpu_quota`` changes it at run time), and the cgroup is removed when the agent stops.
 A long-lived task that crashes is restarted with backoff; one that keeps crashing takes the
 agent down (``run`` raises ``DaemonFailedError``, the process exits non-zero and systemd
 restarts it).
@@ -29,10 +31,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
+from sailor.agent.cgroup_layout import validate_cores
 from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
 from sailor.agent.check_verdicts import judge
+from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
@@ -57,6 +61,7 @@ from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
@@ -87,7 +92,7 @@ class CheckSettings(Frozen):
         default="enforce",
         description="enforce: a GPU node that fails the check does not join; report: it joins "
         "and logs the failures; off: no GPU checks (toy trainers standing in for GPUs on a CPU "
-        "host). CPU nodes (gpu_type cpu) skip the GPU checks in every mode.",
+        "host). CPU nodes (gpu_type cpu or cpu-<kind>) skip the GPU checks in every mode.",
     )
     probe: bool = Field(default=True, description="Run the one-node NCCL collective probe.")
     timeout_s: float = Field(
@@ -114,6 +119,21 @@ class AgentConfig(ServerEndpoints):
     check: CheckSettings = Field(
         default_factory=CheckSettings, description="The node check run before joining."
     )
+    cpu_quota: float | None = Field(
+        default=None,
+        gt=0,
+        description="CPU cores' worth this node's workers may use together (e.g. 0.4), "
+        "enforced by the cgroup cpu controller (v1 cpu.cfs_quota_us or v2 cpu.max, 100 ms "
+        "period): one machine hosts nodes of different speed, each of a CPU kind "
+        "(node.gpu_type cpu-<kind>; docs/runtime.md). None: no quota (a GPU node has none "
+        "unless set here). Where no writable cpu controller exists the agent warns and runs "
+        "its workers unthrottled, and its status says cpu_quota: unavailable.",
+    )
+
+    @field_validator("cpu_quota")
+    @classmethod
+    def _enforceable(cls, v: float | None) -> float | None:
+        return None if v is None else validate_cores(v)
 
 
 class Agent:
@@ -147,8 +167,41 @@ class Agent:
         self._plans = PlanSource(self._read_desired)
         self.facts: NodeFacts | None = None
         self.refused = ""
+        self.quota: CpuQuota | None = None  # the workers' CPU quota (cpu_quota.py), if any
 
     async def run(self) -> None:
+        if self.cfg.cpu_quota is not None:
+            self.quota = await asyncio.to_thread(
+                CpuQuota.start, self.cfg.job, self.node.node_id, self.cfg.cpu_quota
+            )
+            self.supervisor.exec_prefix = self.quota.exec_prefix
+        try:
+            await self._run()
+        finally:  # the workers are gone (stopped in _shutdown, or never started)
+            if self.quota is not None:
+                await asyncio.to_thread(self.quota.close)
+
+    def cpu_quota(self) -> QuotaState:
+        """The workers' CPU quota as the kernel holds it: cores, 'unavailable' or None."""
+        return None if self.quota is None else self.quota.state()
+
+    async def set_cpu_quota(self, cores: float | None) -> QuotaState:
+        """Change the CPU quota of this node's workers now (None: lift it); returns the new
+        state. A node started without a quota gets its cgroup now, and its running workers
+        are moved into it (processes they started themselves are not). Where no writable
+        cpu controller exists this warns and changes nothing (``'unavailable'``)."""
+        if self.quota is None:
+            self.quota = await asyncio.to_thread(
+                CpuQuota.start, self.cfg.job, self.node.node_id, cores
+            )
+            self.supervisor.exec_prefix = self.quota.exec_prefix
+            await asyncio.to_thread(self.quota.adopt, self.supervisor.pids())
+        else:
+            await asyncio.to_thread(self.quota.set, cores)
+        self.supervisor.changed.set()
+        return self.quota.state()
+
+    async def _run(self) -> None:
         check = asyncio.create_task(self.check_node(), name=f"agent-{self.node.node_id}-check")
         stop = asyncio.create_task(self.stopping.wait(), name=f"agent-{self.node.node_id}-stop")
         await asyncio.wait({check, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -171,6 +224,7 @@ class Agent:
         tls = sec is not None
         self.facts = facts.model_copy(
             update={  # the agent's own connections are the reachability facts of its join
+                "cpu_quota": self.cpu_quota(),
                 "etcd": EndpointFacts(
                     url=",".join(self.cfg.etcd_endpoints), reachable=True, tls=tls, seconds=t1 - t0
                 ),
@@ -237,7 +291,7 @@ class Agent:
         """The node's facts, or None when the check failed in ``enforce`` mode (the agent then
         does not join: ``refused`` says why). CPU nodes and mode ``off`` gather nothing."""
         settings = self.cfg.check
-        if self.node.gpu_type == "cpu" or settings.mode == "off":
+        if is_cpu_type(self.node.gpu_type) or settings.mode == "off":
             return node_facts(self.node)
         gpu = await gather_gpu_subprocess(probe=settings.probe, timeout_s=settings.timeout_s)
         facts = node_facts(self.node, gpu)
@@ -355,6 +409,7 @@ class Agent:
             saved_step=sup.saved_step,
             failure=sup.failure[:4000],
             notice=self.notice,
+            cpu_quota=self.cpu_quota(),
             time=self.clock.now(),
         )
 
@@ -510,10 +565,13 @@ class Agent:
             await asyncio.wait_for(nc.close(), 3)
 
     async def crash(self) -> None:
-        """Testing: vanish without notice (no leave event, lease left to expire)."""
+        """Testing: vanish without notice (no leave event, lease left to expire). The CPU
+        quota's cgroup is removed as on a stop: local housekeeping nobody else sees."""
         self._crashed = True
         await self._tasks.close()
         await self.supervisor.abort()
+        if self.quota is not None:
+            await asyncio.to_thread(self.quota.close)
         if self._lease is not None:
             await self._lease.stop_keepalive()
         self._lease = None

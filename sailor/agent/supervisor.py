@@ -14,6 +14,9 @@ stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
 stacks its ``faulthandler`` left (:func:`~sailor.megatron_patch.errors.signal_failure_record`).
+A node with a CPU quota sets ``exec_prefix`` (``cpu_quota.CpuQuota.exec_prefix``): each worker
+is started through it and joins the node's cgroup before its own code runs; the prefix ends
+in an ``exec``, so the worker keeps the pid the supervisor signals and waits for.
 """
 
 from __future__ import annotations
@@ -108,9 +111,16 @@ class WorkerView:
 class Supervisor:
     """Workers of the current generation on this node."""
 
-    def __init__(self, run_dir: Path, worker_argv: tuple[str, ...] = DEFAULT_WORKER_ARGV) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        worker_argv: tuple[str, ...] = DEFAULT_WORKER_ARGV,
+        exec_prefix: tuple[str, ...] = (),
+    ) -> None:
         self.run_dir = run_dir
         self.worker_argv = worker_argv
+        self.exec_prefix = exec_prefix
+        """Put before every worker's argv (a CPU quota's cgroup join); () for none."""
         self.kill_grace_s = 3.0
         self.generation = -1
         self.plan_id = ""
@@ -144,6 +154,10 @@ class Supervisor:
     @property
     def loss(self) -> float | None:
         return self.workers[0].loss if self.workers else None
+
+    def pids(self) -> list[int]:
+        """Process ids of the workers still running."""
+        return [w.proc.pid for w in self.workers if w.exit_code is None]
 
     async def launch(self, cmd: Launch, training: TrainingConfig | None = None) -> None:
         """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first),
@@ -181,6 +195,7 @@ class Supervisor:
             }
             argv = (*(a.format(**subst) for a in self.worker_argv), *extra)
             proc = await asyncio.create_subprocess_exec(
+                *self.exec_prefix,
                 *argv,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,

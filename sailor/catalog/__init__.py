@@ -14,6 +14,7 @@ from typing import Any
 
 from sailor.schemas import GPUPrice, GPUSpec, ModelSpec, PriceTable
 from sailor.schemas.calibration import Calibration
+from sailor.schemas.device_kind import spec_of
 from sailor.schemas.prices import EgressPrice
 
 __all__ = ["calibration", "gpu", "gpus", "model", "models", "prices"]
@@ -56,11 +57,16 @@ def calibration() -> Calibration:
 
 
 def gpu(name: str) -> GPUSpec:
-    """One GPU type; a clear error names the unknown type and the known ones."""
+    """One GPU type (a CPU kind ``cpu-<kind>``: the ``cpu`` entry under its name); a clear
+    error names the unknown type and the known ones."""
     table = gpus()
-    if name not in table:
-        raise KeyError(f"gpu_type={name!r} is not in the catalog (known: {', '.join(table)})")
-    return table[name]
+    spec = spec_of(table, name)
+    if spec is None:
+        raise KeyError(
+            f"gpu_type={name!r} is not in the catalog (known: {', '.join(table)}, "
+            "and CPU kinds cpu-<kind>)"
+        )
+    return spec
 
 
 def model(name: str) -> ModelSpec:

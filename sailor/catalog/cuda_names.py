@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sailor.schemas import GPUSpec
+from sailor.schemas.device_kind import is_cpu_type
 
 __all__ = [
     "CUDA_NAMES",
@@ -164,6 +165,6 @@ def _refuse(
     """Raise, naming the catalog GPUs whose memory the device fits (or ``candidates``)."""
     if candidates is None:
         candidates = [
-            n for n, g in gpus.items() if n != "cpu" and _fits(memory_bytes, g.memory_bytes)
+            n for n, g in gpus.items() if not is_cpu_type(n) and _fits(memory_bytes, g.memory_bytes)
         ]
     raise UnknownGPUError(cuda_name, memory_bytes, why, candidates)

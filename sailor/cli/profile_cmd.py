@@ -1,6 +1,7 @@
 """``sailor profile``: measure layers and links on this machine; estimate GPUs not at hand.
 
 * ``sailor profile layers --model M --device cpu|cuda --tp 1,2,4 --mbs 1,2,4,8 -o DB.json``
+  (``--kind cpu-slow --cpu-quota 0.4``: a CPU kind, measured under its nodes' quota)
 * ``sailor profile network -o NET.json [--zone Z --gpu-type G --gpus-per-node K ...]``
 * ``sailor profile estimate --gpu H100-80 --from DB.json [-o OUT.json]``
 
@@ -28,6 +29,7 @@ from sailor.cli._io import fail, load_model, write_json
 from sailor.cli.tables import print_table
 from sailor.profiler.merge import merge_db, save_db
 from sailor.schemas import BandwidthCurve, Endpoint, ModelSpec, NetworkProfile, ProfileDB
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.network import CollectiveLatency
 
 if TYPE_CHECKING:
@@ -37,6 +39,13 @@ if TYPE_CHECKING:
     from sailor.profiler.network_probe import ProbePoint
 
 __all__ = ["profile_app"]
+
+_QUOTA_MIN_TIME_S = 2.0
+"""Timed span per measurement under a CPU quota: 20 periods of 100 ms (cgroup_layout). The
+slowdown a quota causes (wall over CPU time, ``timing.CpuClock``) is exact over whole
+periods; a span of 20 keeps the part period at its ends to a few per cent."""
+_QUOTA_MAX_REPS = 100_000
+"""Under a quota the timed span, not the repetition count, ends a measurement."""
 
 
 def _existing_db(path: Path) -> ProfileDB | None:
@@ -130,14 +139,32 @@ def layers_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="ProfileDB JSON to merge into."),
     gpu_type: str | None = typer.Option(
         None,
-        help="GPU type name in the database (default: 'cpu', or the catalog type of CUDA "
-        "device 0, e.g. H100-80 for 'NVIDIA H100 80GB HBM3').",
+        "--kind",
+        "--gpu-type",
+        help="Device type the profile is recorded under: a GPU type, or a CPU kind "
+        "(cpu-<kind>, e.g. cpu-slow) whose nodes the planner tells apart by this profile "
+        "(default: 'cpu', or the catalog type of CUDA device 0, e.g. H100-80 for "
+        "'NVIDIA H100 80GB HBM3').",
+    ),
+    cpu_quota: float | None = typer.Option(
+        None,
+        help="Measure under a CPU quota of this many cores (the cgroup cpu controller, as an "
+        "agent's cpu_quota; e.g. 0.4): the speed of a kind whose nodes run under it. Needs a "
+        "writable cpu controller (refused without one). Under a quota the defaults become "
+        f"--statistic scaled, --min-time {_QUOTA_MIN_TIME_S:g} and --max-reps "
+        f"{_QUOTA_MAX_REPS} (see the docs).",
     ),
     threads: int = typer.Option(1, help="torch intra-op threads on CPU (worker default: 1)."),
     warmup: int = typer.Option(3, help="Untimed runs before timing."),
     min_reps: int = typer.Option(5, help="At least this many timed runs."),
-    max_reps: int = typer.Option(50, help="At most this many timed runs."),
-    min_time: float = typer.Option(0.2, help="Repeat until the timed runs add up to this (s)."),
+    max_reps: int | None = typer.Option(
+        None, help=f"At most this many timed runs (default 50; {_QUOTA_MAX_REPS} under a quota)."
+    ),
+    min_time: float | None = typer.Option(
+        None,
+        help="Repeat until the timed runs add up to this (s; default 0.2, "
+        f"{_QUOTA_MIN_TIME_S:g} under a quota).",
+    ),
     memory: bool = typer.Option(True, help="Measure peak memory growth (a separate pass)."),
     overhead: bool = typer.Option(True, help="Measure the process overhead (CPU only)."),
     host_ranks: int = typer.Option(
@@ -151,8 +178,11 @@ def layers_cmd(
         help="CPU: measure host sharing with rank r bound to core r % cores, for runs that "
         "bind their ranks the same way (launch_local(pin_cores=True)).",
     ),
-    statistic: str = typer.Option(
-        "median", help="median (the layer's own cost) or mean (includes a busy host's stalls)."
+    statistic: str | None = typer.Option(
+        None,
+        help="median (the layer's own cost; the default), mean (includes a busy host's "
+        "stalls), or scaled (each layer's median times the measurement's wall over CPU time: "
+        "a quota's stalls shared out by the layers' costs; the default under --cpu-quota).",
     ),
     in_situ: bool = typer.Option(
         True,
@@ -173,6 +203,16 @@ def layers_cmd(
     spec = _model(model, model_file)
     if gpu_type is None:
         gpu_type = _local_gpu_type(device)
+    if is_cpu_type(gpu_type) and device != "cpu":
+        raise fail(f"--kind={gpu_type!r} is a CPU kind: measure it with --device cpu")
+    con = Console()
+    throttled = cpu_quota is not None
+    if throttled and statistic == "median":
+        con.print(
+            "[yellow]warning:[/] --statistic median under --cpu-quota: the median repetition "
+            "ran before its period's quota was spent, so it shows the unthrottled speed "
+            "(the default under a quota, scaled, keeps the stalls)"
+        )
     try:
         run = LayerRun(
             spec=spec,
@@ -180,11 +220,17 @@ def layers_cmd(
             device=device,
             tps=_ints(tp, "tp"),
             mbs=_ints(mbs, "mbs"),
-            settings=RepeatSettings(warmup, min_reps, max_reps, min_time),
+            settings=RepeatSettings(
+                warmup,
+                min_reps,
+                max_reps if max_reps is not None else (_QUOTA_MAX_REPS if throttled else 50),
+                min_time if min_time is not None else (_QUOTA_MIN_TIME_S if throttled else 0.2),
+            ),
             threads=threads,
             measure_memory=memory,
             measure_overhead=overhead and device == "cpu",
-            statistic=statistic,
+            statistic=statistic or ("scaled" if throttled else "median"),
+            cpu_quota=cpu_quota,
             host_ranks=host_ranks if device == "cpu" else 0,
             host_pin=host_pin,
             in_situ=in_situ,
@@ -192,8 +238,11 @@ def layers_cmd(
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    con = Console()
-    db, ms = _profile_with_bar(con, run, f"profiling {spec.name} on {gpu_type}")
+    title = f"profiling {spec.name} on {gpu_type}"
+    if cpu_quota is None:
+        db, ms = _profile_with_bar(con, run, title)
+    else:
+        db, ms = _profile_under_quota(con, run, f"{title} (quota {cpu_quota:g} cores)")
     merged, dropped = merge_db(_existing_db(out), db)
     save_db(merged, out)
     _print_layers(con, spec, gpu_type, device, db, ms)
@@ -201,6 +250,31 @@ def layers_cmd(
         f"merged into {out} ({len(merged.timings)} timings; {dropped} entries kept from "
         "a better source)"
     )
+
+
+def _profile_under_quota(
+    con: Console, run: LayerRun, title: str
+) -> tuple[ProfileDB, list[LayerMeasurement]]:
+    """``_profile_with_bar`` with this process (and the ranks it starts) in a cgroup of
+    ``run.cpu_quota`` cores; refused where no writable cpu controller exists, since timings
+    recorded under a kind's name must have been measured at its speed."""
+    from sailor.agent.cpu_quota import CpuQuotaUnavailableError, process_quota
+    from sailor.profiler.layers import preload
+
+    cores = run.cpu_quota
+    if cores is None:
+        return _profile_with_bar(con, run, title)
+    preload()
+    try:
+        with process_quota(cores, run.gpu_type) as cg:
+            con.print(f"measuring under {cores:g} cores: cgroup {cg.path}")
+            return _profile_with_bar(con, run, title)
+    except CpuQuotaUnavailableError as exc:
+        raise fail(
+            f"--cpu-quota={cores:g}: {exc}; refusing to record {run.gpu_type!r} timings unthrottled"
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise fail(f"--cpu-quota={cores:g}: {exc}") from exc
 
 
 def _profile_with_bar(

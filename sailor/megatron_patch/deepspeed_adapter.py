@@ -49,7 +49,6 @@ from torch.nn import functional as F  # noqa: N812
 from sailor import catalog
 from sailor.megatron_patch.data import SyntheticTokens
 from sailor.megatron_patch.devices import (
-    CPU_GPU_TYPES,
     check_rank_device,
     choose_backend,
     local_device,
@@ -58,6 +57,7 @@ from sailor.megatron_patch.devices import (
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.tp_layers import TPContext
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -146,7 +146,7 @@ def deepspeed_precision(
         return "fp32"
     known = catalog.gpus()
     for gpu_type in sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages}):
-        if gpu_type in CPU_GPU_TYPES:
+        if is_cpu_type(gpu_type):
             continue
         spec = known.get(gpu_type)
         has_bf16 = spec.peak_tflops_bf16 > 0 if spec else bool(device_bf16 and device_bf16())

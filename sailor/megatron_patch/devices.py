@@ -1,10 +1,10 @@
 """Which communication backend a job uses and which device each of its ranks runs on (pure).
 
 The backend is a decision made from the plan, not from what the host happens to have: a
-plan on ``cpu`` replica groups runs on gloo even where CUDA is visible (the CPU test suite
-on a GPU host), a plan on GPU types runs on NCCL and refuses to start where CUDA is missing
-(run it on CPU only by asking for gloo). An explicit ``--backend`` overrides the default
-within those rules.
+plan on CPU replica groups (``cpu`` or a CPU kind ``cpu-<kind>``: ``is_cpu_type``) runs on
+gloo even where CUDA is visible (the CPU test suite on a GPU host), a plan on GPU types runs
+on NCCL and refuses to start where CUDA is missing (run it on CPU only by asking for gloo).
+An explicit ``--backend`` overrides the default within those rules.
 
 A rank of a GPU plan uses GPU ``replica.first_gpu + tp_rank`` of its node (the controller's
 placement sets ``first_gpu``; :func:`pack_one_host` does it for a plan launched on one
@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 __all__ = [
-    "CPU_GPU_TYPES",
     "Backend",
     "DeviceMappingError",
     "backend_for",
@@ -39,9 +39,6 @@ __all__ = [
 
 Backend = Literal["gloo", "nccl"]
 
-CPU_GPU_TYPES = frozenset({"cpu"})
-"""Replica-group ``gpu_type`` values that mean "host CPU, no GPU" (the demo and the tests)."""
-
 
 class DeviceMappingError(ValueError):
     """The plan's backend or GPUs do not fit this host (a configuration error: not retryable
@@ -49,9 +46,10 @@ class DeviceMappingError(ValueError):
 
 
 def backend_for(plan: Plan) -> Backend:
-    """The default backend of ``plan``: gloo for a plan on ``cpu`` replica groups, NCCL for a
-    plan on GPUs; a plan mixing both is refused (one backend per job)."""
-    kinds = {s.replica.gpu_type in CPU_GPU_TYPES for p in plan.pipelines for s in p.stages}
+    """The default backend of ``plan``: gloo for a plan on CPU replica groups (``cpu`` and CPU
+    kinds, mixed as they like), NCCL for a plan on GPUs; a plan mixing CPUs and GPUs is
+    refused (one backend per job)."""
+    kinds = {is_cpu_type(s.replica.gpu_type) for p in plan.pipelines for s in p.stages}
     if kinds == {True}:
         return "gloo"
     if kinds == {False}:

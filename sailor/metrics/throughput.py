@@ -5,9 +5,9 @@ MFU of GPU type ``g`` = (model FLOPs the plan gives type ``g`` per iteration / s
 that is the usual ``flops_per_token x tokens/s / (peak x GPUs)``; on a heterogeneous plan
 each type is charged only with the layers and samples its stages run, so a slow type shows
 as a low MFU instead of dragging every type's figure. Peaks come from the catalog
-(``GPUSpec.peak_tflops``: spec-sheet dense peaks). A CPU has no meaningful peak (the
-catalog's ``cpu`` figure is a nominal placeholder), so its MFU is ``None``, as is that of a
-type the catalog does not know.
+(``GPUSpec.peak_tflops``: spec-sheet dense peaks). A CPU (``cpu`` or a CPU kind) has no
+meaningful peak (the catalog's ``cpu`` figure is a nominal placeholder), so its MFU is
+``None``, as is that of a type the catalog does not know.
 
 Pure: no I/O, no clock, no torch.
 """
@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sailor.metrics.flops import flops_per_iteration_by_gpu_type, gpus_by_type
+from sailor.schemas.device_kind import is_cpu_type, spec_of
 from sailor.schemas.hardware import GPUSpec
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
-from sailor.schemas.precision import CPU_DEVICE_TYPE, Precision
+from sailor.schemas.precision import Precision
 
 __all__ = ["mfu_by_gpu_type", "step_metrics"]
 
@@ -39,9 +40,9 @@ def mfu_by_gpu_type(
     gpus = gpus_by_type(plan)
     out: dict[str, float | None] = {}
     for g, f in flops.items():
-        gs = specs.get(g)
+        gs = spec_of(specs, g)
         peak = gs.peak_tflops(precision) * 1e12 if gs is not None else 0.0
-        if g == CPU_DEVICE_TYPE or peak <= 0:
+        if is_cpu_type(g) or peak <= 0:
             out[g] = None
             continue
         out[g] = f / step_s / (peak * gpus[g])

@@ -70,6 +70,7 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
+from sailor.schemas.device_kind import spec_of
 from sailor.simulator import ProfileLookupError, simulate
 
 __all__ = [
@@ -199,7 +200,7 @@ def _check_inputs(inputs: Inputs, pool: Pool) -> None:
         )
     known = set(inputs.gpu_specs) | set(inputs.profiles.gpu_types())
     for e in pool.entries:
-        if e.gpu_type not in known:
+        if e.gpu_type not in known and spec_of(inputs.gpu_specs, e.gpu_type) is None:
             raise PlannerInputError(
                 f"pool GPU type {e.gpu_type!r} is unknown: no profile and no spec "
                 f"(known: {', '.join(sorted(known))})"

@@ -30,6 +30,7 @@ from sailor.schemas import (
     ReplicaGroup,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
+from sailor.schemas.device_kind import spec_of
 from sailor.schemas.precision import (
     GRAD_ALLREDUCE_BYTES,
     choose_precision,
@@ -232,7 +233,7 @@ class CostTables:
 
     # -- memory --------------------------------------------------------------------------
     def capacity(self, gpu_type: str) -> float:
-        spec = self.inputs.gpu_specs.get(gpu_type)
+        spec = spec_of(self.inputs.gpu_specs, gpu_type)
         return float(spec.memory_bytes) if spec is not None else float("inf")
 
     def overhead(self, gpu_type: str, tp: int) -> float:

@@ -30,7 +30,7 @@ import datetime as dt
 import gc
 import json
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +39,7 @@ from sailor.profiler.layer_bench import measure_kinds
 from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.memory_bound import Window, device_budget, plan_window
 from sailor.profiler.precision import ComputePrecision, compute_precision
-from sailor.profiler.timing import RepeatSettings
+from sailor.profiler.timing import STATISTICS, CpuClock, RepeatSettings, Stats, throttle_factor
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
 
@@ -47,6 +47,7 @@ __all__ = [
     "LayerRun",
     "device_description",
     "plan_windows",
+    "preload",
     "profile_layers",
     "saved_bytes_fit",
     "to_profile_db",
@@ -70,7 +71,8 @@ class LayerRun:
     """On CPU: the process memory overhead (overhead.py) and the engine's time outside the
     layers (framework_time.py), both from the real engine on the nano model."""
     statistic: str = "median"
-    """Central value written to the database: 'median' (default) or 'mean' (timing.py)."""
+    """Central value written to the database: 'median' (default), 'mean', or 'scaled' (under
+    a CPU quota: each layer's median times its measurement's wall over CPU time; timing.py)."""
     in_situ: bool = True
     """Time every layer inside the whole model (in_situ.py), or inside the window of it the
     device holds (memory_bound.py); False: each kind alone."""
@@ -82,6 +84,9 @@ class LayerRun:
     memory_limit: int | None = None
     """Bytes the layer measurements may use per device (memory_bound.py). On CUDA the device's
     free memory less a margin bounds it anyway; on the CPU None means no bound."""
+    cpu_quota: float | None = None
+    """The CPU quota (cores) the caller runs the measurement under, recorded in ``meta``;
+    applying it is the caller's (``sailor profile layers --cpu-quota``: a cgroup)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -95,18 +100,29 @@ class LayerRun:
                     f"tps={self.tps}: tp={t} must divide num_heads={self.spec.num_heads} "
                     f"and kv_heads={self.spec.kv_heads}"
                 )
-        if self.statistic not in ("median", "mean"):
-            raise ValueError(f"statistic={self.statistic!r}: use 'median' or 'mean'")
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"statistic={self.statistic!r}: use one of {', '.join(STATISTICS)}")
         if not self.mbs or any(b < 1 for b in self.mbs):
             raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
         if self.host_ranks < 0:
             raise ValueError(f"host_ranks={self.host_ranks}: must be >= 0")
         if self.memory_limit is not None and self.memory_limit <= 0:
             raise ValueError(f"memory_limit={self.memory_limit}: must be > 0 bytes")
+        if self.cpu_quota is not None and self.cpu_quota <= 0:
+            raise ValueError(f"cpu_quota={self.cpu_quota}: must be > 0 cores")
 
     @property
     def total(self) -> int:
         return len(self.tps) * len(self.mbs)
+
+
+def preload() -> None:
+    """Import what the measurements import on first use, so that a run under a CPU quota
+    spends its quota measuring: building the first optimizer imports ``torch._dynamo``
+    (~3 s of CPU here, 7.5 s of wall time at 0.4 cores)."""
+    from sailor.megatron_patch.engine import TrainConfig, make_optimizer
+
+    make_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig())
 
 
 def device_description(device: str) -> str:
@@ -140,23 +156,26 @@ def profile_layers(
     precision = compute_precision(run.spec, dev)
     windows = plan_windows(run, precision)  # refuses a layer too large before building any
     out: list[LayerMeasurement] = []
+    slowdown: dict[tuple[int, int], float] = {}  # wall over CPU time, where measured here
     for tp in run.tps:
         blocks = {mbs: windows[(tp, mbs)].blocks for mbs in run.mbs}
         if tp == 1:
             for mbs in run.mbs:
                 note(f"tp=1 mbs={mbs}", 0)
-                out.extend(
-                    measure_kinds(
-                        run.spec,
-                        mbs,
-                        dev,
-                        run.settings,
-                        None,
-                        run.in_situ,
-                        run.measure_memory,
-                        blocks=blocks[mbs],
+                with CpuClock() as clock:
+                    out.extend(
+                        measure_kinds(
+                            run.spec,
+                            mbs,
+                            dev,
+                            run.settings,
+                            None,
+                            run.in_situ,
+                            run.measure_memory,
+                            blocks=blocks[mbs],
+                        )
                     )
-                )
+                slowdown[(1, mbs)] = clock.slowdown
                 note(f"tp=1 mbs={mbs}", 1)
             _release(dev)  # the TP > 1 ranks start on the same GPU(s)
         else:
@@ -214,7 +233,15 @@ def profile_layers(
         ),
     }
     db = to_profile_db(
-        run.spec, run.gpu_type, out, meta, _sizes_valid(run), overhead, run.statistic, precision
+        run.spec,
+        run.gpu_type,
+        out,
+        meta,
+        _sizes_valid(run),
+        overhead,
+        run.statistic,
+        precision,
+        slowdown,
     )
     date = meta.get(f"{run.gpu_type}.date", "")
     if framework is not None:
@@ -269,7 +296,7 @@ def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
         else "each alone"
     )
     s = run.settings
-    return {
+    out = {
         "tool": "sailor profile layers",
         f"{g}.device": device_description(run.device),
         f"{g}.date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -290,6 +317,9 @@ def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
             else "torch.profiler CPU allocator events (profile_memory=True)"
         ),
     }
+    if run.cpu_quota is not None:
+        out[f"{g}.cpu_quota"] = f"{run.cpu_quota:g} cores (cgroup cpu controller, 100 ms period)"
+    return out
 
 
 def saved_bytes_fit(points: list[tuple[int, int]]) -> tuple[int, int]:
@@ -329,17 +359,27 @@ def to_profile_db(
     overhead_bytes: int | None = None,
     statistic: str = "median",
     precision: ComputePrecision | None = None,
+    slowdown: Mapping[tuple[int, int], float] | None = None,
 ) -> ProfileDB:
     """The ProfileDB of measurements ``ms`` (every global layer gets its kind's figures),
-    timed in ``precision`` (:mod:`precision`; None: not recorded)."""
+    timed in ``precision`` (:mod:`precision`; None: not recorded). ``statistic="scaled"``
+    multiplies the medians of each (TP, mbs) by its ``slowdown`` (wall over CPU time of its
+    measurement), or where there is none by its :func:`throttle_factor` (timing.py)."""
     by_kind = {(m.tp, m.mbs, m.kind): m for m in ms if m.layer < 0}
     by_layer = {(m.tp, m.mbs, m.layer): m for m in ms if m.layer >= 0}
 
     def get(tp: int, mbs: int, layer: int) -> LayerMeasurement | None:
         return by_layer.get((tp, mbs, layer)) or by_kind.get((tp, mbs, spec.layer_kind(layer)))
 
+    def central(stats: Stats, factor: float) -> float:
+        return stats.median_s * factor if statistic == "scaled" else stats.central(statistic)
+
     timings: list[LayerProfile] = []
     for tp, mbs in sorted({(m.tp, m.mbs) for m in ms}):
+        group = [m for m in by_layer.values() if (m.tp, m.mbs) == (tp, mbs)]
+        factor = (slowdown or {}).get((tp, mbs)) or throttle_factor(
+            s for m in group for s in (m.fwd, m.bwd, m.update)
+        )
         for layer in range(spec.num_all_layers):
             kind = spec.layer_kind(layer)
             m = get(tp, mbs, layer)
@@ -352,9 +392,9 @@ def to_profile_db(
                     microbatch_size=mbs,
                     layer=layer,
                     kind=kind,
-                    fwd_s=m.fwd.central(statistic),
-                    bwd_s=m.bwd.central(statistic),
-                    update_s=m.update.central(statistic),
+                    fwd_s=central(m.fwd, factor),
+                    bwd_s=central(m.bwd, factor),
+                    update_s=central(m.update, factor),
                     fwd_spread_s=m.fwd.stdev_s,
                     bwd_spread_s=m.bwd.stdev_s,
                     source="measured",

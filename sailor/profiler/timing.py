@@ -16,6 +16,18 @@ cost. The **mean** is kept too (``--statistic mean``): it includes that interfer
 rate it happened, which is what a long training step on the same busy host also pays. The
 spread is the standard deviation of all repetitions, so noisy figures say so.
 
+Under a CPU quota (``sailor profile layers --cpu-quota``) neither fits a layer alone: the
+median repetition ran before its period's quota was spent (the unthrottled speed), and a
+layer's mean depends on how many of the run's stalls, one per 100 ms period, happened to
+land in it (tiny-gpt at 0.4 cores, 1 s timed: per-layer ratios to the unthrottled times from
+1.4 to 10). The **scaled** statistic gives each layer its median times the measurement's
+slowdown: wall time over the measuring thread's CPU time (:class:`CpuClock`), which counts
+every stall wherever it fell (the sum of means over the sum of medians,
+:func:`throttle_factor`, was tried first: it counts only the stalls that fell inside a timed
+interval, and gave 2.2-4.6x for an expected ~2.5x over runs of 1 s). That bets that a quota
+slows every layer of a process alike, which a time share does. Where the measurement ran in
+other processes (TP ranks) and no CPU time was taken, :func:`throttle_factor` stands in.
+
 Never imports the simulator or planner; holds no global state.
 """
 
@@ -23,13 +35,24 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["RepeatSettings", "Stats", "repeat", "time_once"]
+__all__ = [
+    "STATISTICS",
+    "CpuClock",
+    "RepeatSettings",
+    "Stats",
+    "repeat",
+    "throttle_factor",
+    "time_once",
+]
+
+STATISTICS = ("median", "mean", "scaled")
+"""The central values a profile may record (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +100,8 @@ class Stats:
         )
 
     def central(self, statistic: str) -> float:
-        """The median or the mean."""
-        return self.mean_s if statistic == "mean" else self.median_s
+        """The median or the mean (``scaled`` of one operation alone: its mean)."""
+        return self.mean_s if statistic in ("mean", "scaled") else self.median_s
 
     def to_dict(self) -> dict[str, float]:
         return {
@@ -96,6 +119,29 @@ class Stats:
             n=int(d["n"]),
             mean_s=float(d.get("mean_s", d["median_s"])),
         )
+
+
+class CpuClock:
+    """Wall time over the calling thread's CPU time across a block (``with CpuClock() as c``;
+    then ``c.slowdown``): 1 on a free core, 1/cores under a CPU quota, more on a busy host."""
+
+    def __enter__(self) -> CpuClock:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        self.slowdown = 1.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cpu = time.thread_time() - self._cpu
+        wall = time.perf_counter() - self._wall
+        self.slowdown = wall / cpu if cpu > 0 else 1.0
+
+
+def throttle_factor(stats: Iterable[Stats]) -> float:
+    """The sum of the means over the sum of the medians of ``stats`` (1 if the medians add
+    up to 0): how much longer the operations took on average than undisturbed."""
+    items = list(stats)
+    med = sum(s.median_s for s in items)
+    return sum(s.mean_s for s in items) / med if med > 0 else 1.0
 
 
 def time_once(fn: Callable[[], Any], device: torch.device) -> float:

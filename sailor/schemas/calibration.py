@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.device_kind import catalog_type
 
 __all__ = [
     "DEFAULT_MEMORY_OVERHEAD_BYTES",
@@ -285,14 +286,18 @@ class Calibration(Frozen):
         return v
 
     def for_gpu(self, gpu_type: str) -> GPUCalibration:
-        """Constants of ``gpu_type``, or the default when it has none."""
-        for c in self.gpus:
-            if c.gpu_type == gpu_type:
-                return c
+        """Constants of ``gpu_type``; a CPU kind without its own takes the ``cpu`` entry's
+        (``schemas.device_kind``); else the default."""
+        for name in dict.fromkeys((gpu_type, catalog_type(gpu_type))):
+            for c in self.gpus:
+                if c.gpu_type == name:
+                    return c
         return self.default
 
     def is_calibrated(self, gpu_type: str) -> bool:
-        return any(c.gpu_type == gpu_type for c in self.gpus)
+        """Whether ``gpu_type`` has constants of its own (or, a CPU kind, the ``cpu`` entry)."""
+        names = {gpu_type, catalog_type(gpu_type)}
+        return any(c.gpu_type in names for c in self.gpus)
 
     def with_gpu(self, cal: GPUCalibration) -> Calibration:
         """A copy with ``cal`` replacing any entry of its GPU type."""

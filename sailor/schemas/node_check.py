@@ -93,6 +93,11 @@ class NodeFacts(Frozen):
     probe: ProbeFacts | None = Field(default=None, description="NCCL probe; None: not run.")
     nats: EndpointFacts | None = Field(default=None, description="NATS; None: not checked.")
     etcd: EndpointFacts | None = Field(default=None, description="etcd; None: not checked.")
+    cpu_quota: float | Literal["unavailable"] | None = Field(
+        default=None,
+        description="CPU quota of the node's workers at join, cores' worth ('unavailable': "
+        "configured, but no writable cpu controller here, so unthrottled; None: no quota).",
+    )
 
     @model_validator(mode="after")
     def _indices(self) -> NodeFacts:
@@ -109,6 +114,8 @@ class NodeFacts(Frozen):
             out["gpus"] = [d.catalog_name or d.cuda_name for d in self.devices]
             out["driver"] = self.driver_version
             out["nccl"] = self.nccl_version
+        if self.cpu_quota is not None:
+            out["cpu_quota"] = self.cpu_quota
         if self.probe is not None:
             out["probe_ok"] = (
                 not self.probe.error and self.probe.all_reduce_ok and self.probe.p2p_ok

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
+from sailor.schemas.device_kind import any_cpu_type, spec_of
 from sailor.schemas.hardware import GPUSpec
 
 __all__ = [
-    "CPU_DEVICE_TYPE",
     "GRAD_ALLREDUCE_BYTES",
     "MASTER_BYTES",
     "Precision",
@@ -39,9 +39,6 @@ __all__ = [
 ]
 
 Precision = Literal["fp32", "bf16", "fp16"]
-
-CPU_DEVICE_TYPE = "cpu"
-"""The catalog's "GPU type" of a CPU rank (``sailor/catalog/gpus.json``)."""
 
 MASTER_BYTES = 4
 """Bytes per element of the weights, gradients and optimizer state the engine keeps: fp32
@@ -87,7 +84,8 @@ def choose_precision(
     """The precision of a job on ``gpu_types``.
 
     ``requested="fp32"`` (a model spec asking for full precision) is kept. Otherwise: fp32
-    when any rank is a CPU (the engine computes in fp32 there, and a job has one precision);
+    when any rank is a CPU, ``cpu`` or a CPU kind (the engine computes in fp32 there, and a
+    job has one precision);
     bf16 when every GPU type's spec has a bf16 peak; else fp16. A GPU type without a spec
     cannot be shown to have bf16 units, so it counts as one without (fp16 costs the same
     bytes; only its loss scaling differs).
@@ -95,8 +93,8 @@ def choose_precision(
     types = list(dict.fromkeys(gpu_types))
     if not types:
         raise ValueError("gpu_types=[]: a job needs at least one device type")
-    if requested == "fp32" or CPU_DEVICE_TYPE in types:
+    if requested == "fp32" or any_cpu_type(types):
         return "fp32"
-    if all((s := specs.get(g)) is not None and supports_bf16(s) for g in types):
+    if all((s := spec_of(specs, g)) is not None and supports_bf16(s) for g in types):
         return "bf16"
     return "fp16"

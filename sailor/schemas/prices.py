@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.device_kind import catalog_type
 
 __all__ = ["EgressPrice", "GPUPrice", "PriceTable"]
 
@@ -53,15 +54,19 @@ class PriceTable(Frozen):
         return v
 
     def gpu_hour(self, gpu_type: str, zone: str, spot: bool = False) -> float:
-        """$ per GPU-hour; zone-specific entry first, then the region's, then any region's."""
+        """$ per GPU-hour; zone-specific entry first, then the region's, then any region's.
+
+        A CPU kind (``cpu-<kind>``) without a price of its own is priced as ``cpu``
+        (``schemas.device_kind``)."""
         region = zone.rsplit("-", 1)[0] if zone.count("-") >= 2 else zone
-        by_zone = [p for p in self.gpus if p.gpu_type == gpu_type and p.zone == zone]
-        by_region = [p for p in self.gpus if p.gpu_type == gpu_type and p.region == region]
-        anywhere = [p for p in self.gpus if p.gpu_type == gpu_type]
-        for cands in (by_zone, by_region, anywhere):
-            if cands:
-                p = cands[0]
-                return p.spot_usd_per_hour if spot else p.on_demand_usd_per_hour
+        for name in dict.fromkeys((gpu_type, catalog_type(gpu_type))):
+            by_zone = [p for p in self.gpus if p.gpu_type == name and p.zone == zone]
+            by_region = [p for p in self.gpus if p.gpu_type == name and p.region == region]
+            anywhere = [p for p in self.gpus if p.gpu_type == name]
+            for cands in (by_zone, by_region, anywhere):
+                if cands:
+                    p = cands[0]
+                    return p.spot_usd_per_hour if spot else p.on_demand_usd_per_hour
         raise KeyError(f"gpu_type={gpu_type!r}: no price in the price table")
 
     def egress_per_gb(self, src_zone: str, dst_zone: str) -> float:

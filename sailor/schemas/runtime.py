@@ -96,6 +96,12 @@ class AgentStatus(WireMessage):
         description="The node's preemption notice, also published as an event: the second "
         "path to the controller while NATS is down (the leader validates it as an event).",
     )
+    cpu_quota: float | Literal["unavailable"] | None = Field(
+        default=None,
+        description="The CPU quota its workers run under, cores' worth for all of them "
+        "(AgentConfig.cpu_quota, as the kernel holds it now); 'unavailable': configured, but "
+        "this host has no writable cpu controller, so they run unthrottled; None: no quota.",
+    )
     time: float = Field(default=0.0, ge=0, description="Unix time of this report.")
 
 

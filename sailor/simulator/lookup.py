@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
+from sailor.schemas.device_kind import spec_of
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 
 __all__ = [
@@ -193,7 +194,7 @@ def layer_table(
     sizes, notes_l = layer_sizes(profiles, model, tp)
     notes = list(notes_l)
     grid = _real_grid(profiles, gpu_type)
-    spec = gpu_specs.get(gpu_type)
+    spec = spec_of(gpu_specs, gpu_type)
     tag = f"{gpu_type} tp={tp} mbs={mbs}"
 
     def estimate(t: int) -> list[LayerProfile]:

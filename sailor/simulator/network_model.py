@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
+from sailor.schemas.device_kind import spec_of
 from sailor.schemas.network import CollectiveScope
 
 __all__ = [
@@ -112,7 +113,7 @@ def intra_curve(
     curve = network.intra(gpu_type, gpus)
     if curve is not None:
         return curve, ""
-    spec = specs.get(gpu_type)
+    spec = spec_of(specs, gpu_type)
     if spec is not None:
         return _flat(spec.intra_node_link_gbps), (
             f"no intra-node curve for {gpu_type}: spec-sheet {spec.intra_node_link} "

@@ -51,8 +51,8 @@ from sailor.schemas import (
     TimeBreakdown,
 )
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
+from sailor.schemas.device_kind import any_cpu_type, spec_of
 from sailor.schemas.precision import (
-    CPU_DEVICE_TYPE,
     GRAD_ALLREDUCE_BYTES,
     Precision,
     compute_bytes,
@@ -684,7 +684,7 @@ def _memory(
     for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
         for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
-            spec = inp.specs.get(g)
+            spec = spec_of(inp.specs, g)
             in_flight = min(p.depth - si, p.num_microbatches)
             mkey = (id(kind), si, in_flight, s.recompute)
             mb = mem_of.get(mkey)
@@ -880,13 +880,13 @@ def _precision(plan: Plan, model: ModelSpec, specs: Mapping[str, GPUSpec]) -> Pr
     without bf16 units, and 16 bits with CPU ranks (the engine computes in fp32 on a CPU), are
     refused."""
     prec = plan.resolved_precision(specs, model.precision)
-    if prec != "fp32" and CPU_DEVICE_TYPE in plan.gpu_types:
+    if prec != "fp32" and any_cpu_type(plan.gpu_types):
         raise ValueError(
             f"plan.precision={prec!r}: CPU ranks compute in fp32; record fp32, or leave "
             "precision unset to derive it"
         )
     if prec == "bf16":
-        without = [g for g in plan.gpu_types if (sp := specs.get(g)) and not supports_bf16(sp)]
+        without = [g for g in plan.gpu_types if (sp := spec_of(specs, g)) and not supports_bf16(sp)]
         if without:
             raise ValueError(
                 f"plan.precision='bf16': {', '.join(without)} has no bf16 units (catalog bf16 "

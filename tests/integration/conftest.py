@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -128,3 +130,43 @@ def _is_library_internal(task: asyncio.Task[object]) -> bool:
     qual = getattr(coro, "__qualname__", "") or ""
     module = getattr(getattr(coro, "cr_code", None), "co_filename", "") or ""
     return "grpc" in module or "grpc" in qual
+
+
+@pytest.fixture
+def favoured_cpu() -> Iterator[Path]:
+    """This test process, and what it starts from now on, in a fresh cgroup of ten times the
+    default CPU weight; skips where CPU quotas cannot be used (``sailor.agent.cpu_quota``).
+
+    For tests that measure what a CPU quota does: other jobs share this machine's two cores
+    (load averages of 6-7 were seen), and a process of default weight then gets ~0.4 core
+    with or without a quota, which hides the quota. With the weight, the quota is the only
+    limit of the test's own processes. Node cgroups the test creates go below this one
+    (their base is the creating process's own cgroup); it is removed after the test.
+    """
+    from sailor.agent.cpu_quota import detect
+
+    where = detect()
+    if isinstance(where, str):
+        pytest.skip(f"CPU quotas cannot be tested here: {where}")
+    base = Path(where.base)
+    home = base / f"sailor-test-{os.getpid()}"
+    home.mkdir()
+    pid = str(os.getpid())
+    try:
+        if where.version == 1:
+            (home / "cpu.shares").write_text("10240")  # default 1024
+        else:  # v2: only where the base hands the cpu controller down (else unweighted)
+            with contextlib.suppress(OSError):
+                (home / "cpu.weight").write_text("1000")  # default 100
+        (home / "cgroup.procs").write_text(pid)
+        yield home
+    finally:
+        (base / "cgroup.procs").write_text(pid)
+        for _ in range(40):  # children of the test may take a moment to be reaped
+            try:
+                home.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)

@@ -191,3 +191,51 @@ def test_loo_on_reference_beats_plain_roofline(reference) -> None:  # type: igno
     cal = sum(abs(r.err) for r in rows) / len(rows)
     roof = sum(abs(r.roofline_err) for r in rows) / len(rows)
     assert cal < roof
+
+
+def test_the_scaled_statistic_spreads_a_quotas_slowdown_over_the_medians() -> None:
+    """Under a CPU quota a layer gets its median times the measurement's slowdown (wall over
+    CPU time), wherever the stalls fell; without one, the sum of means over medians."""
+    import time
+
+    from sailor.profiler.layer_measurement import LayerMeasurement
+    from sailor.profiler.layers import to_profile_db
+    from sailor.profiler.timing import CpuClock, Stats, throttle_factor
+
+    spec = catalog.model("tiny-gpt")
+
+    def one(layer: int, stall: float) -> LayerMeasurement:
+        x = 1e-3 * (layer + 1)
+        st = Stats.of([x, x, x, x + stall])
+        return LayerMeasurement(
+            kind=spec.layer_kind(layer),
+            tp=1,
+            mbs=1,
+            fwd=st,
+            bwd=Stats.of([x, x, x]),
+            update=Stats.of([x, x, x]),
+            params=1,
+            saved_bytes=0,
+            output_bytes=0,
+            input_bytes=0,
+            peak_growth_bytes=0,
+            layer=layer,
+        )
+
+    # the one 60 ms stall of the run fell into layer 0's forward
+    ms = [one(i, 0.06 if i == 0 else 0.0) for i in range(spec.num_all_layers)]
+    scaled = to_profile_db(spec, "cpu-slow", ms, {}, statistic="scaled", slowdown={(1, 1): 2.5})
+    for t in scaled.timings:
+        x = 1e-3 * (t.layer + 1)
+        assert (t.fwd_s, t.bwd_s, t.update_s) == pytest.approx((2.5 * x, 2.5 * x, 2.5 * x))
+    factor = throttle_factor(s for m in ms for s in (m.fwd, m.bwd, m.update))
+    assert factor == pytest.approx(1 + 0.015 / (3 * 21e-3))
+    fallback = to_profile_db(spec, "cpu-slow", ms, {}, statistic="scaled")
+    t3 = fallback.timing("cpu-slow", 1, 1, 3)
+    assert t3 is not None and t3.fwd_s == pytest.approx(4e-3 * factor)
+    t0 = to_profile_db(spec, "cpu-slow", ms, {}, statistic="mean").timing("cpu-slow", 1, 1, 0)
+    assert t0 is not None and t0.fwd_s == pytest.approx(1e-3 + 0.015)
+    assert throttle_factor([]) == 1.0
+    with CpuClock() as idle:
+        time.sleep(0.05)
+    assert idle.slowdown > 5  # asleep: wall time without CPU time

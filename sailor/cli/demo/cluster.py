@@ -107,12 +107,23 @@ class DemoCluster:
             security=self.servers.security(name),
         )
 
-    def agent_config(self, node: str) -> AgentConfig:
+    def agent_config(
+        self, node: str, gpu_type: str = "cpu", cpu_quota: float | None = None
+    ) -> AgentConfig:
+        """The agent config of ``node``: a ``cpu`` node without a quota by default; a CPU
+        kind (``gpu_type="cpu-slow"``) and the quota its workers run under (``cpu_quota``,
+        cores) make one machine host nodes of different speed (docs/runtime.md)."""
         return AgentConfig(
             job=self.job,
             node=NodeSpec(
-                node_id=node, gpu_type="cpu", gpus=1, zone="local-a", spot=True, address="127.0.0.1"
+                node_id=node,
+                gpu_type=gpu_type,
+                gpus=1,
+                zone="local-a",
+                spot=True,
+                address="127.0.0.1",
             ),
+            cpu_quota=cpu_quota,
             nats_urls=self.servers.nats_urls,
             etcd_endpoints=self.servers.etcd_endpoints,
             lease_ttl_s=2,
