@@ -356,6 +356,7 @@ class Agent:
             failure=sup.failure[:4000],
             notice=self.notice,
             time=self.clock.now(),
+            timings=sup.timings() if state == "running" else (),
         )
 
     async def _status_loop(self) -> None:
