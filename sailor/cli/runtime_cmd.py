@@ -125,7 +125,8 @@ def audit(
             typer.echo(line)
     typer.echo(
         f"{rep.records} records, {rep.preemptions} preemptions, "
-        f"{rep.reconfigurations} launches, commits {rep.commits}"
+        f"{rep.reconfigurations} launches, commits {rep.commits}, "
+        f"{rep.calibrations} calibration versions, {rep.recalibrations} calibration-driven replans"
     )
     for v in rep.violations:
         typer.echo(f"VIOLATION {v}", err=True)
