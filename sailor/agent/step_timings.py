@@ -95,6 +95,7 @@ class StepWindow:
         self.skip_first = skip_first
         self.seen = 0
         self.samples: deque[StepSample] = deque(maxlen=window)
+        self._summary: RankTimings | None = None  # of the samples as they are now
 
     def add(self, msg: Mapping[str, object]) -> None:
         """Take one step line (ignored if it carries no timing)."""
@@ -104,9 +105,13 @@ class StepWindow:
         self.seen += 1
         if self.seen > self.skip_first:
             self.samples.append(s)
+            self._summary = None
 
     def summary(self) -> RankTimings | None:
-        """Medians of the window, or None before the first kept sample."""
+        """Medians of the window, or None before the first kept sample (worked out once per
+        new sample: the agent's status loop asks every 50 ms)."""
+        if self._summary is not None:
+            return self._summary
         xs = list(self.samples)
         if not xs:
             return None
@@ -114,7 +119,7 @@ class StepWindow:
         def med(attr: str) -> float:
             return float(statistics.median(getattr(s, attr) for s in xs))
 
-        return RankTimings(
+        self._summary = RankTimings(
             rank=self.rank,
             steps=len(xs),
             last_step=max(0, xs[-1].step),
@@ -129,3 +134,4 @@ class StepWindow:
             sync_spread=_spread([s.sync_s for s in xs]),
             p2p_spread=_spread([s.p2p_s for s in xs]),
         )
+        return self._summary

@@ -51,24 +51,16 @@ from sailor.schemas import (
     GPUSpec,
     ModelSpec,
     NetworkProfile,
-    Pipeline,
     Plan,
     PriceTable,
     ProfileDB,
     StageTime,
 )
 from sailor.schemas.online_calibration import ConstantName, FittedConstant, OnlineFit, RankTimings
-from sailor.simulator.simulate import (
-    Method,
-    Notes,
-    OwnDevices,
-    PipelineKind,
-    PipelineRuns,
-    simulate,
-    simulate_ranks,
-)
+from sailor.simulator.simulate import simulate
+from sailor.simulator.stage_ends import replay_stage_ends
 
-__all__ = ["fit_online", "replay_stage_ends", "robust_spread", "scale_ends", "with_constant"]
+__all__ = ["fit_online", "robust_spread", "scale_ends", "with_constant"]
 
 _MAD_TO_SIGMA = 1.4826
 """MAD x this = the standard deviation of a normal sample."""
@@ -295,54 +287,6 @@ def _fit_compute(
             )
         )
     return cal
-
-
-class _StageEnds(OwnDevices):
-    """The simulator's own timing, keeping each pipeline's stage ends of the 1F1B replay
-    (worked out once per distinct pipeline, without recording every operation)."""
-
-    def __init__(self) -> None:
-        self.runs: PipelineRuns | None = None
-
-    def run_pipelines(
-        self,
-        pipelines: Sequence[Pipeline],
-        kinds: Sequence[PipelineKind],
-        method: Method,
-        timeline: bool,
-        notes: Notes,
-    ) -> PipelineRuns:
-        self.runs = super().run_pipelines(pipelines, kinds, method, timeline, notes)
-        return self.runs
-
-
-def replay_stage_ends(
-    plan: Plan,
-    model: ModelSpec,
-    profiles: ProfileDB,
-    network: NetworkProfile,
-    prices: PriceTable,
-    cal: Calibration,
-    specs: Mapping[str, GPUSpec],
-) -> tuple[Estimate, dict[tuple[int, int], float]]:
-    """The replay's estimate of ``plan`` and, per (pipeline, stage), when the stage's last
-    backward ends (its pipeline phase, from the iteration's start)."""
-    rec = _StageEnds()
-    est, _ = simulate_ranks(
-        plan,
-        model,
-        profiles,
-        network,
-        prices,
-        rec,
-        calibration=cal,
-        gpu_specs=specs,
-        method="replay",
-    )
-    if rec.runs is None:
-        raise RuntimeError("the simulator ran no pipeline")
-    ends = {(pi, si): t for pi, row in enumerate(rec.runs.stage_end_s) for si, t in enumerate(row)}
-    return est, ends
 
 
 def _pred_waits(

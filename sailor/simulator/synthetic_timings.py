@@ -26,7 +26,7 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.online_calibration import RankTimings
-from sailor.simulator.online_fit import replay_stage_ends
+from sailor.simulator.stage_ends import replay_stage_ends
 
 __all__ = ["expected_rank_timings"]
 
