@@ -21,6 +21,7 @@ import pytest
 
 from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings
+from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
 from sailor.localservers import LocalServers
 from sailor.schemas.online_calibration import CalibrationPointer, CalibrationRecord
@@ -85,8 +86,15 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
     cluster.start_agent("n1", gpu=FAST)
     cluster.start_agent("n2", gpu=SLOW)
 
-    # the controller's first calibration version, fitted on the layout the prior chose
-    cal = await cluster.wait_record(lambda r: r["kind"] == "calibration", 60, "a calibration")
+    # the first calibration version fitted on a layout that uses the slow kind (the prior's
+    # two-stage pipeline; a first layout on n1 alone may come before it if n2 joins late)
+    def slow_fitted(r: dict[str, Any]) -> bool:
+        return r["kind"] == "calibration" and any(
+            c["gpu_type"] == SLOW and c["name"] == "compute_scale" and c["fitted"]
+            for c in r["constants"]
+        )
+
+    cal = await cluster.wait_record(slow_fitted, 60, "a calibration of the slow kind")
     slow = next(
         c for c in cal["constants"] if c["gpu_type"] == SLOW and c["name"] == "compute_scale"
     )
@@ -142,6 +150,8 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
     finally:
         await store.close()
     assert rec.version == ptr.version >= 1
+    snap = await read_status(cluster.etcd, cluster.job, cluster.security("c1"))
+    assert snap["calibration_version"] == ptr.version  # what `sailor status` shows
     assert abs(rec.fit.calibration.for_gpu(SLOW).compute_scale / TRUE_SCALE - 1) < 0.05
 
     # failover: the next leader reads the calibration back and keeps the layout
