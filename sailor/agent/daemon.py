@@ -411,6 +411,7 @@ class Agent:
             notice=self.notice,
             cpu_quota=self.cpu_quota(),
             time=self.clock.now(),
+            timings=sup.timings() if state == "running" else (),
         )
 
     async def _status_loop(self) -> None:

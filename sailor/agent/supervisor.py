@@ -8,7 +8,8 @@ every worker's argv, whatever the template (the real worker and the toy trainer 
 argparse's last occurrence wins, so the controller's config overrides one a template names).
 Progress arrives as JSON lines on stdout (see ``sailor.megatron_patch.rank_main`` and
 ``toy_trainer``); stop and save requests go through a control file the workers re-read at
-every iteration boundary, written atomically. On abort or deadline the workers get SIGTERM,
+every iteration boundary, written atomically. The timings of each rank's last steps are kept
+(:mod:`step_timings`) for the status record. On abort or deadline the workers get SIGTERM,
 then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause (error file, else the
 stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from sailor.agent.step_timings import StepWindow
 from sailor.coordination import TaskSet
 from sailor.megatron_patch.errors import (
     fault_path,
@@ -40,6 +42,7 @@ from sailor.megatron_patch.errors import (
     write_error_file,
 )
 from sailor.schemas.commands import Launch
+from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["DEFAULT_WORKER_ARGV", "TOY_TRAINER_ARGV", "Supervisor", "WorkerView"]
@@ -106,6 +109,7 @@ class WorkerView:
     started: bool = False
     exit_code: int | None = None
     stderr_tail: list[str] = field(default_factory=list)
+    timings: StepWindow | None = None
 
 
 class Supervisor:
@@ -159,6 +163,16 @@ class Supervisor:
         """Process ids of the workers still running."""
         return [w.proc.pid for w in self.workers if w.exit_code is None]
 
+    def timings(self) -> tuple[RankTimings, ...]:
+        """Per rank of this generation, the medians of its last steps' timings (ranks that
+        reported none are left out)."""
+        out = []
+        for w in self.workers:
+            t = w.timings.summary() if w.timings is not None else None
+            if t is not None:
+                out.append(t)
+        return tuple(out)
+
     async def launch(self, cmd: Launch, training: TrainingConfig | None = None) -> None:
         """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first),
         with ``training`` (resolved from ``cmd.training_sha256``) if the job has one."""
@@ -201,7 +215,7 @@ class Supervisor:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
-            view = WorkerView(rank=rank, proc=proc, argv=argv)
+            view = WorkerView(rank=rank, proc=proc, argv=argv, timings=StepWindow(rank))
             self.workers.append(view)
             self._tasks.spawn(f"rank-{rank}-out", self._read_stdout(view))
             self._tasks.spawn(f"rank-{rank}-err", self._read_stderr(view))
@@ -243,6 +257,8 @@ class Supervisor:
                 w.step = int(msg.get("step", w.step))
                 loss = msg.get("loss")
                 w.loss = float(loss) if isinstance(loss, int | float) else w.loss
+                if w.timings is not None:
+                    w.timings.add(msg)
             elif ev == "saved":
                 w.saved_step = int(msg.get("step", w.saved_step))
             elif ev == "stopped":

@@ -13,7 +13,13 @@ Protocol (shared with the real worker's adapter):
 - ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
 - ``--train-config FILE``: the job's training config, which the agent appends to any worker's
   argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
-  naming field and value), otherwise unused: the toy model has nothing to configure.
+  naming field and value), otherwise unused: the toy model has nothing to configure;
+- ``--slowness "KIND=X,..."`` (or the environment's ``SAILOR_TOY_SLOWNESS``): each step line
+  also carries the timings online calibration reads (``fwd_s``, ``bwd_s``, ``p2p_s``,
+  ``sync_s``, ``optim_s``, ``step_s``, ``microbatches``), made up from the cost model for a
+  cluster whose GPU types KIND compute X times slower than profiled, with ``--timing-noise``
+  relative noise (:mod:`toy_timings`: simulated, not measured; the toy's own pace stays
+  ``--step-s``). Without it, step lines carry no timings, as before.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sailor.agent.toy_timings import ToyTimings
 
 __all__ = ["main"]
 
@@ -74,6 +84,13 @@ def _check_train_config(path: str) -> None:
     parse_training_config(Path(path).read_text(), path)
 
 
+def _timings(a: argparse.Namespace) -> ToyTimings:
+    """The made-up step timings of this rank (imported only when asked: see toy_timings)."""
+    from sailor.agent.toy_timings import ToyTimings, parse_slowness
+
+    return ToyTimings(Path(a.plan), a.rank, parse_slowness(a.slowness), a.timing_noise)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sailor-toy-trainer")
     p.add_argument("--plan", required=True)
@@ -88,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--error-file", default="")
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--train-config", default="")
+    p.add_argument("--slowness", default=os.environ.get("SAILOR_TOY_SLOWNESS"))
+    p.add_argument("--timing-noise", type=float, default=0.02)
     a = p.parse_args(argv)
     try:
         if a.train_config:
@@ -99,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(f"no committed checkpoint at {d}")
             state = json.loads((d / "state.json").read_text())
             step, w = int(state["step"]), [float(x) for x in state["w"]]
+        timings = _timings(a) if a.slowness is not None else None
         _emit({"event": "ready", "rank": a.rank, "start_step": step})
         control = Path(a.control)
         while step < a.max_steps:
@@ -109,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             if step == a.fail_at_step:
                 raise RuntimeError(f"injected failure at step {step}")
-            _emit({"event": "step", "rank": a.rank, "step": step, "loss": round(loss, 10)})
+            line: dict[str, object] = {"event": "step", "rank": a.rank, "step": step}
+            line["loss"] = round(loss, 10)
+            if timings is not None:
+                line.update(timings.step(step))
+            _emit(line)
             try:
                 ctl = json.loads(control.read_text() or "{}")
             except (OSError, ValueError):

@@ -90,7 +90,8 @@ def status(
     con.print(
         f"job [bold]{cfg.job}[/]  leader {snap['leader']}  epoch {snap['epoch']}  "
         f"phase [bold]{snap['phase']}[/]  generation {snap['generation']}  "
-        f"plan {snap['plan_id']}  last checkpoint {snap['last_checkpoint']}"
+        f"plan {snap['plan_id']}  last checkpoint {snap['last_checkpoint']}  "
+        f"calibration v{snap['calibration_version'] or 0}"
     )
     cols = ("node", "gpu", "gpus", "zone", "spot", "state", "step", "loss", "notice")
     t = Table(*cols)
@@ -125,7 +126,8 @@ def audit(
             typer.echo(line)
     typer.echo(
         f"{rep.records} records, {rep.preemptions} preemptions, "
-        f"{rep.reconfigurations} launches, commits {rep.commits}"
+        f"{rep.reconfigurations} launches, commits {rep.commits}, "
+        f"{rep.calibrations} calibration versions, {rep.recalibrations} calibration-driven replans"
     )
     for v in rep.violations:
         typer.echo(f"VIOLATION {v}", err=True)

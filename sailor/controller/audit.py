@@ -27,7 +27,14 @@ violated invariants:
   (one node's agent may not speak for another: ``controller/daemon.py`` refuses it);
 - no command was accepted by an agent from an epoch lower than one it had accepted before;
 - every accepted preemption notice is followed by a phase change to RUNNING;
-- no committed step is lost: every launch loads the newest commit recorded before it.
+- no committed step is lost: every launch loads the newest commit recorded before it;
+- every calibration-driven replan (a phase change whose cause starts with
+  ``recalibration``) follows a ``replan_decision`` of its generation that reconfigured, whose
+  numbers satisfy the rule by themselves (``recalibrate.rule_violations``: the gain exceeds the
+  downtime with the margin, the fit was stable, the improvement is large enough and holds at
+  both ends of the fitted range, the derived figures match their inputs), and that names a
+  calibration version recorded before it (``calibration``, or ``calibration_restored`` by a
+  new leader); at most one such replan per generation (no flapping).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Any
 
 import structlog
 
+from sailor.controller.recalibrate import rule_violations
 from sailor.coordination.keys import event_subject_source, safe_token
 
 __all__ = ["AuditLog", "AuditReport", "check", "read_records", "timeline"]
@@ -166,6 +174,10 @@ class AuditReport:
     preemptions: int = 0
     commits: list[int] = field(default_factory=list)
     reconfigurations: int = 0
+    calibrations: int = 0
+    """Calibration versions recorded (``calibration`` records)."""
+    recalibrations: int = 0
+    """Calibration-driven replans (phase changes with cause ``recalibration``)."""
 
     @property
     def ok(self) -> bool:
@@ -180,6 +192,9 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     pending_notices: list[tuple[float, str]] = []
     newest_commit = -1
     last_gen = -1
+    versions: set[int] = set()
+    decided: dict[int, dict[str, Any]] = {}  # generation -> its decision to reconfigure
+    recalibrated: set[int] = set()  # generations a calibration-driven replan began in
     for r in records:
         kind = r.get("kind")
         t = float(r.get("time", 0.0))
@@ -202,6 +217,12 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             if r.get("event_kind") == "preemption_notice":
                 rep.preemptions += 1
                 pending_notices.append((t, str(r.get("node_id"))))
+        elif kind in ("calibration", "calibration_restored"):
+            versions.add(int(r.get("version", -1)))
+            rep.calibrations += kind == "calibration"
+        elif kind == "replan_decision" and r.get("reconfigure"):
+            _check_decision(r, t, versions, rep)
+            decided[int(r.get("generation", -1))] = r
         elif kind == "commit":
             step = int(r.get("step", -1))
             rep.commits.append(step)
@@ -214,6 +235,18 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     f"t={t:.3f}: generation {gen} after {last_gen}: generations went back"
                 )
             last_gen = max(last_gen, gen)
+            if str(r.get("cause", "")).startswith("recalibration"):
+                rep.recalibrations += 1
+                if gen not in decided:
+                    rep.violations.append(
+                        f"t={t:.3f}: calibration-driven replan of generation {gen} without a "
+                        "replan_decision that reconfigured"
+                    )
+                if gen in recalibrated:
+                    rep.violations.append(
+                        f"t={t:.3f}: second calibration-driven replan in generation {gen}"
+                    )
+                recalibrated.add(gen)
             if phase == "running":
                 pending_notices = [(nt, n) for nt, n in pending_notices if nt > t]
             if phase == "launch":
@@ -227,6 +260,17 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     for nt, n in pending_notices:
         rep.violations.append(f"t={nt:.3f}: preemption notice for {n} never led to a resumed run")
     return rep
+
+
+def _check_decision(r: dict[str, Any], t: float, versions: set[int], rep: AuditReport) -> None:
+    """A decision to reconfigure must satisfy the rule by its own numbers and name a
+    calibration version recorded before it."""
+    what = f"t={t:.3f}: replan_decision of generation {r.get('generation')}"
+    for why in rule_violations(r):
+        rep.violations.append(f"{what}: {why}")
+    version = r.get("calibration_version")
+    if not isinstance(version, int) or version not in versions:
+        rep.violations.append(f"{what} names calibration v{version}, never recorded before it")
 
 
 def _check_subject(r: dict[str, Any], t: float, rep: AuditReport) -> None:
@@ -244,7 +288,18 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
     if not records:
         return []
     t0 = float(records[0].get("time", 0.0))
-    keep = {"leader", "event", "event_rejected", "phase", "commit", "plan", "fenced"}
+    keep = {
+        "leader",
+        "event",
+        "event_rejected",
+        "phase",
+        "commit",
+        "plan",
+        "fenced",
+        "calibration",
+        "calibration_restored",
+        "replan_decision",
+    }
     lines: list[str] = []
     for r in records:
         kind = r.get("kind")
@@ -256,6 +311,8 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
             for k, v in r.items()
             if k not in {"kind", "time", "_source"} and v not in ("", None)
         }
-        desc = " ".join(f"{k}={v}" for k, v in sorted(extra.items()) if k != "plan")
+        desc = " ".join(
+            f"{k}={v}" for k, v in sorted(extra.items()) if k not in ("plan", "constants")
+        )
         lines.append(f"{t:9.3f}s  {kind:<15} {desc[:160]}")
     return lines

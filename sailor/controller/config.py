@@ -13,8 +13,16 @@ from pydantic import Field
 from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.security import SecurityConfig
+from sailor.schemas._base import Frozen
 
-__all__ = ["ControllerConfig", "load_mapping"]
+__all__ = ["ControllerConfig", "OnlineCalibrationSettings", "load_mapping"]
+
+DEFAULT_TIME_BETWEEN_CHANGES_S = 475.0
+"""Expected seconds between membership changes when nothing else is configured: the shortest
+mean of the reference data's A100 spot availability traces (``traces/a100_trace_original.json``
+475 s, ``a100_trace_16.json`` 483 s, ``a100_trace.json`` 1,186 s between changes;
+``tests/unit/test_controller_recalibrate.py`` re-derives it when the data is present). The
+shortest: a shorter horizon asks more of a replan before it pays."""
 
 
 def load_mapping(path: Path) -> dict[str, Any]:
@@ -29,6 +37,60 @@ def load_mapping(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: must hold a mapping, got {type(data).__name__}")
     return data
+
+
+class OnlineCalibrationSettings(Frozen):
+    """Online calibration (docs/runtime.md, "Online calibration"): fit the running cluster's
+    cost-model constants from the workers' step timings, keep them in etcd, plan with them,
+    and replan when the fitted model says it pays (``controller/recalibrate.py``)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Fit, keep and plan with the fitted calibration (planner 'sailor' only: "
+        "the data-parallel stand-in prices nothing).",
+    )
+    replan: bool = Field(
+        default=True, description="Reconfigure when the rule says so (else fit and audit only)."
+    )
+    min_steps: int = Field(
+        default=5, ge=2, description="Steps every rank's medians must span before a fit."
+    )
+    interval_s: float = Field(default=10.0, gt=0, description="Least time between two fits, s.")
+    stable_tolerance: float = Field(
+        default=0.1,
+        gt=0,
+        description="A fit is stable when no compute scale moved by more than this fraction "
+        "(or its own uncertainty, if larger) since the previous fit; a new calibration version "
+        "is kept only when one moved more than that since the kept one.",
+    )
+    stable_reports: int = Field(
+        default=3, ge=1, description="Consecutive stable fits of a generation before a replan."
+    )
+    min_improvement: float = Field(
+        default=0.05, ge=0, lt=1, description="Least relative improvement that may replan."
+    )
+    margin: float = Field(
+        default=0.5,
+        ge=0,
+        description="Hysteresis: the time saved must exceed the downtime x (1 + margin).",
+    )
+    default_downtime_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Reconfiguration downtime assumed until this controller has measured one "
+        "(docs/runtime.md: 3-11 s for tiny-gpt on CPU workers; real models load for longer).",
+    )
+    time_between_changes_s: float = Field(
+        default=DEFAULT_TIME_BETWEEN_CHANGES_S,
+        gt=0,
+        description="Expected seconds between membership changes (the horizon a replan must "
+        "pay off within); see membership_trace.",
+    )
+    membership_trace: Path | None = Field(
+        default=None,
+        description='An availability trace ([{"Time": s, "GPUs": n}, ...]) whose mean time '
+        "between changes replaces time_between_changes_s. Relative: to the config file.",
+    )
 
 
 class ControllerConfig(ServerEndpoints):
@@ -104,13 +166,24 @@ class ControllerConfig(ServerEndpoints):
         "invalid one stops the controller. None: the workers' own defaults.",
     )
 
+    online_calibration: OnlineCalibrationSettings = Field(
+        default_factory=OnlineCalibrationSettings,
+        description="Online calibration and calibration-driven replanning.",
+    )
+
     @classmethod
     def load(cls, path: Path) -> ControllerConfig:
         return cls.model_validate(load_mapping(path)).anchored(path)
 
     def anchored(self, config_file: Path) -> ControllerConfig:
-        """This config with a relative ``training`` path taken from ``config_file``'s
-        directory (the file it was read from)."""
-        if self.training is None or self.training.is_absolute():
-            return self
-        return self.model_copy(update={"training": config_file.absolute().parent / self.training})
+        """This config with relative ``training`` and membership trace paths taken from
+        ``config_file``'s directory (the file it was read from)."""
+        base = config_file.absolute().parent
+        out = self
+        if self.training is not None and not self.training.is_absolute():
+            out = out.model_copy(update={"training": base / self.training})
+        trace = self.online_calibration.membership_trace
+        if trace is not None and not trace.is_absolute():
+            oc = self.online_calibration.model_copy(update={"membership_trace": base / trace})
+            out = out.model_copy(update={"online_calibration": oc})
+        return out

@@ -17,6 +17,10 @@ The job's training config (``ControllerConfig.training``) is read, validated and
 when the ``Controller`` is built (``training.py``): an invalid one raises there, before any
 connection or task; each launch hands it to the workers through the desired state.
 
+Online calibration (``online_calibration.py``): each pass hands ``decide`` the calibrator's
+verdict (if one says to reconfigure) and may start a fit of the agents' step timings; a new
+leader reads the kept calibration back from etcd before its first pass.
+
 Nothing fails in silence: a crash of any task of the term (the event consumer, the etcd
 check, a command, a replan) or a desired state it cannot read on takeover takes the
 controller down — a ``failed`` audit record, leadership resigned, ``run`` raises
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import gc
 import signal
 from collections.abc import Callable, Mapping
@@ -43,6 +48,7 @@ from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import DecideConfig, Observed, decide
 from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
+from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
 from sailor.controller.training import load_training
 from sailor.coordination import (
@@ -116,6 +122,8 @@ class Controller:
             training=self.training,
         )
         self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
+        # reads the cost model's inputs now, like the training config: a broken file stops it
+        self.calibrator = Calibrator(config, self.planner, self.audit, self.clock, self.training)
         self.stopping = asyncio.Event()
         self.sd = SystemdNotifier.from_env()
         self.leadership: Leadership | None = None
@@ -251,6 +259,8 @@ class Controller:
             if adopted is None:
                 return
             desired = adopted
+            if not await self._restore_calibration(store, lead):
+                return
             while not await self._start_cache(cache, lead):
                 await self.clock.sleep(0.2)
                 if self.stopping.is_set() or not lead.held:
@@ -268,13 +278,23 @@ class Controller:
                     if ready is not None:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
-                    observed = self._observe(executor, cache)
+                    observed = self._observe(executor, cache, desired)
                     await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)
                     self.desired = desired
                     await self.audit.durable()  # this pass's records, before the next acts
+                    self.calibrator.note(desired)
+                    self.calibrator.maybe_fit(
+                        desired,
+                        observed,
+                        tasks,
+                        store,
+                        lead,
+                        self.wake,
+                        functools.partial(self._fenced, lead),
+                    )
                     if executor.progressed:
                         self.wake(urgent=True)  # our own follow-up: debounced already
                 except FencedError as exc:
@@ -292,6 +312,24 @@ class Controller:
             await tasks.close()
             await cache.close()
             await bus.close()
+
+    def _fenced(self, lead: Leadership, exc: FencedError) -> None:
+        """A guarded write outside the loop (online calibration's) was refused: deposed."""
+        self.audit.write("fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc))
+        self._fenced_epoch = lead.epoch
+        self.wake(urgent=True)
+
+    async def _restore_calibration(self, store: EtcdStore, lead: Leadership) -> bool:
+        """Read the kept online calibration back (retried through an etcd outage); False
+        if the term ended meanwhile."""
+        while self._term_goes_on(lead):
+            try:
+                await self.calibrator.restore(store, lead)
+                return True
+            except TemporaryError:
+                self.sd.watchdog()
+                await self.clock.sleep(0.2)
+        return False
 
     def _term_goes_on(self, lead: Leadership) -> bool:
         return not self.stopping.is_set() and lead.held and self._fenced_epoch != lead.epoch
@@ -358,7 +396,7 @@ class Controller:
             if not await cache.check():
                 self.wake()
 
-    def _observe(self, ex: Executor, cache: ObservedCache) -> Observed:
+    def _observe(self, ex: Executor, cache: ObservedCache, desired: DesiredState) -> Observed:
         snap = cache.snapshot()
         if self._unseen_notices:
             now = self.clock.now()
@@ -374,6 +412,7 @@ class Controller:
             notices=snap.notices,
             commits=snap.commits,
             acked=ex.acked_view,
+            recalibration=self.calibrator.note(desired),
         )
 
     async def _notices_from_status(

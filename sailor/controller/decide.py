@@ -41,6 +41,7 @@ __all__ = [
     "Commit",
     "DecideConfig",
     "Observed",
+    "RecalibrationAdvice",
     "Replan",
     "Send",
     "SetDesired",
@@ -77,8 +78,22 @@ class DecideConfig(Frozen):
 
 
 @dataclass(frozen=True)
+class RecalibrationAdvice:
+    """Online calibration's verdict that another layout pays (``controller/recalibrate.py``,
+    audited as a ``replan_decision`` record): the plan to switch to, placed on the nodes it
+    was made for, in the generation it was decided in."""
+
+    generation: int
+    plan: Plan
+    placement: Mapping[str, tuple[int, ...]]
+    membership: tuple[str, ...]
+    cause: str
+
+
+@dataclass(frozen=True)
 class Observed:
-    """What the controller sees, read from etcd (plus acks it received in this epoch)."""
+    """What the controller sees, read from etcd (plus acks it received in this epoch, and the
+    online-calibration verdict, if one says to reconfigure)."""
 
     now: float
     nodes: Mapping[str, NodeSpec]
@@ -86,6 +101,7 @@ class Observed:
     notices: Mapping[str, NoticeRecord] = field(default_factory=dict)
     commits: tuple[CommitRecord, ...] = ()
     acked: frozenset[str] = frozenset()
+    recalibration: RecalibrationAdvice | None = None
 
     @cached_property
     def usable(self) -> tuple[str, ...]:
@@ -287,6 +303,9 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         if usable != d.membership:
             # an unused node left: nothing runs there, just remember the new membership
             return [SetDesired(d.model_copy(update={"membership": usable}), "membership shrank")]
+        adv = o.recalibration
+        if adv is not None and adv.generation == d.generation and adv.membership == usable:
+            return _recalibrate(d, o, cfg, adv)
         return []
     steps = [o.status[n].step for n in d.placement if n in o.status]
     stop = max(steps, default=0) + cfg.stop_ahead_steps
@@ -300,6 +319,28 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     state = _move(d, Phase.QUIESCE, o.now, cfg, stop_step=stop, cause=cause, aborted=False)
     state = state.model_copy(update={"phase_deadline": deadline, "next_plan": None})
     return [SetDesired(state, cause), *_replan_if_needed(state, o, cause)]
+
+
+def _recalibrate(
+    d: DesiredState, o: Observed, cfg: DecideConfig, adv: RecalibrationAdvice
+) -> list[Action]:
+    """Quiesce toward the layout online calibration found better: the plan is known already
+    (made for these very nodes), so it is the next plan at once and nothing is replanned."""
+    steps = [o.status[n].step for n in d.placement if n in o.status]
+    stop = max(steps, default=0) + cfg.stop_ahead_steps
+    state = _move(
+        d,
+        Phase.QUIESCE,
+        o.now,
+        cfg,
+        stop_step=stop,
+        cause=adv.cause[:1024],
+        aborted=False,
+        next_plan=adv.plan,
+        next_placement=dict(adv.placement),
+        next_membership=adv.membership,
+    )
+    return [SetDesired(state, adv.cause[:1024])]
 
 
 def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.online_calibration import CalibrationPointer
 from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord
 
 __all__ = ["read_status"]
@@ -29,6 +30,7 @@ async def read_status(
         statuses = await store.get_prefix(keys.statuses)
         notices = await store.get_prefix(keys.notices)
         ckpts = await store.get_prefix(keys.checkpoints)
+        calib = await store.get(keys.calibration)
     finally:
         await store.close()
     d = None
@@ -76,5 +78,14 @@ async def read_status(
         "gpus_by_type_zone": d.plan.gpus_by_type_zone() if d and d.plan else {},
         "cause": d.cause if d else "",
         "last_checkpoint": last,
+        "calibration_version": _calibration_version(calib.value) if calib else None,
         "nodes": rows,
     }
+
+
+def _calibration_version(raw: bytes) -> int | None:
+    """The current online-calibration version (``calibration/current``), None if unreadable."""
+    try:
+        return CalibrationPointer.model_validate_json(raw).version
+    except ValidationError:
+        return None

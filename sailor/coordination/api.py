@@ -12,7 +12,7 @@ Each has one contract test against its real server (tests/integration/test_runti
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,6 +67,16 @@ class StateStore(Protocol):
         self, key: str, value: bytes, guard_key: str, epoch: int, lease: Lease | None = None
     ) -> int:
         """Write only if ``guard_key`` still has create revision ``epoch``; else FencedError."""
+        ...
+
+    async def put_all_guarded(
+        self,
+        items: Sequence[tuple[str, bytes]],
+        guard_key: str,
+        epoch: int,
+        delete: Sequence[str] = (),
+    ) -> int:
+        """Like ``put_guarded`` for several keys (and deletions) in one transaction."""
         ...
 
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None: ...

@@ -314,6 +314,27 @@ class EtcdStore:
             raise FencedError("guarded write refused", key=key, epoch=epoch)
         return revision
 
+    async def put_all_guarded(
+        self,
+        items: Sequence[tuple[str, bytes]],
+        guard_key: str,
+        epoch: int,
+        delete: Sequence[str] = (),
+    ) -> int:
+        """Write every (key, value) of ``items`` and delete ``delete`` in one transaction,
+        only if ``guard_key`` still has create revision ``epoch`` (all or nothing)."""
+        tx = self.client.transactions
+        ok, revision = await self._txn(
+            [tx.create(guard_key.encode()) == epoch],
+            [tx.put(k.encode(), v, None) for k, v in items]
+            + [tx.delete(k.encode()) for k in delete],
+        )
+        if not ok:
+            raise FencedError(
+                "guarded write refused", key=",".join(k for k, _ in items), epoch=epoch
+            )
+        return revision
+
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None:
         tx = self.client.transactions
         ok, _ = await self._txn([tx.create(guard_key.encode()) == epoch], [tx.delete(key.encode())])

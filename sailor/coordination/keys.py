@@ -8,6 +8,8 @@ etcd (all under ``/sailor/<job>/``)::
     status/<id>       AgentStatus, bound to the agent's lease
     notices/<id>      NoticeRecord: a preemption notice seen for a node (guarded)
     ckpt/<step>       CommitRecord: a checkpoint committed by every shard (guarded)
+    calibration/current         CalibrationPointer: the current fitted calibration (guarded)
+    calibration/versions/<n>    CalibrationRecord: fitted calibration version n (guarded)
 
 NATS::
 
@@ -91,6 +93,19 @@ class Keys(Frozen):
     def checkpoint(self, step: int) -> str:
         # zero-padded so that a prefix listing comes back in step order
         return f"{self.checkpoints}{step:012d}"
+
+    @property
+    def calibration(self) -> str:
+        """Pointer to the current online-calibration version."""
+        return self.root + "calibration/current"
+
+    @property
+    def calibrations(self) -> str:
+        return self.root + "calibration/versions/"
+
+    def calibration_version(self, version: int) -> str:
+        # zero-padded so that a prefix listing comes back in version order
+        return f"{self.calibrations}{version:08d}"
 
     @property
     def stream(self) -> str:

@@ -37,7 +37,10 @@ fp32 optimizer state where the GPU has bf16, else fp16 autocast with a dynamic l
 whose overflow skip is agreed by every rank (``precision.LossScaler``).
 
 Timing synchronizes the device before each clock read (``clock``); the loss is read from
-the device once per iteration, after the optimizer step.
+the device once per iteration, after the optimizer step. Inside the 1F1B phase, forward,
+backward and pipeline exchanges are timed apart (``clock.SpanTimer``: CUDA events on a GPU,
+no extra synchronization) for online calibration: ``StepResult.fwd_s``/``bwd_s`` per
+microbatch and ``p2p_s`` per step.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from pydantic import Field
 from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.clipping import clip_by_global_norm
-from sailor.megatron_patch.clock import timestamp
+from sailor.megatron_patch.clock import SpanTimer, timestamp
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,
     SyntheticTokens,
@@ -174,10 +177,22 @@ class StepResult:
     """Global gradient norm before clipping (when clipping is on)."""
     eval_loss: float | None = None
     """Validation loss after this iteration (every ``eval_every`` steps)."""
+    fwd_s: float = 0.0
+    """Mean forward compute of one microbatch on this rank's stage (p2p excluded)."""
+    bwd_s: float = 0.0
+    """Mean backward compute of one microbatch on this rank's stage."""
+    p2p_s: float = 0.0
+    """Time in pipeline exchanges this iteration (transfers and waits for neighbours)."""
+    microbatches: int = 0
+    """Microbatches this rank ran."""
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.step_s if self.step_s > 0 else 0.0
+
+
+def _mean(span: tuple[float, int] | None) -> float:
+    return span[0] / span[1] if span and span[1] else 0.0
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -247,6 +262,7 @@ class Trainer:
         self.loss_scale = role.microbatch_size / plan.global_batch_size
         self._autocast = autocast_of(self.precision, device)
         self.scaler = LossScaler() if self.precision == "fp16" else None
+        self.spans = SpanTimer(device)
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.data.batch(microbatch_indices(self.role, self.consumed_samples, mb))
@@ -305,8 +321,10 @@ class Trainer:
             self._microbatch,
             self.loss_scale * scale if scale != 1.0 else self.loss_scale,
             self._autocast,
+            self.spans,
         )
         t1 = timestamp(self.device)
+        spans = self.spans.collect()  # after the sync: every span's events are done
         sync_gradients(self.stage, self.groups.sync)
         t2 = timestamp(self.device)
         lr = self._optimizer_step()
@@ -334,6 +352,10 @@ class Trainer:
             lr=lr,
             grad_norm=self.last_grad_norm if self.cfg.clip_grad_norm > 0 else None,
             eval_loss=eval_loss,
+            fwd_s=_mean(spans.get("fwd")),
+            bwd_s=_mean(spans.get("bwd")),
+            p2p_s=spans.get("p2p", (0.0, 0))[0],
+            microbatches=self.role.num_microbatches,
         )
 
     def run(

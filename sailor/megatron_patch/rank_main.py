@@ -19,12 +19,15 @@ need not import ``transformers``) wins over the config's model.
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
-"compute_s", "sync_s", "optim_s", "precision", "time"}``) plus ``{"event": "ready",
-"setup_s", ...}`` once the groups and the stage are built and ``{"event": "done", ...}`` at
-the end; rank 0 also prints them to stdout. On failure the first cause goes to the error
-file (``errors``) and the process exits with status 1 at once (``os._exit``: never wait on
-dead peers), so with the short collective timeout (``--timeout-s``, default 60 s) a crashed
-stage makes every rank exit within a bounded time.
+"compute_s", "sync_s", "optim_s", "fwd_s", "bwd_s", "p2p_s", "microbatches", "precision",
+"time"}``: ``fwd_s``/``bwd_s`` are this rank's compute per microbatch, ``p2p_s`` its time in
+pipeline exchanges; the agent carries their medians to the controller for online
+calibration) plus ``{"event": "ready", "setup_s", ...}`` once the groups and the stage are
+built and ``{"event": "done", ...}`` at the end; rank 0 also prints them to stdout. On
+failure the first cause goes to the error file (``errors``) and the process exits with
+status 1 at once (``os._exit``: never wait on dead peers), so with the short collective
+timeout (``--timeout-s``, default 60 s) a crashed stage makes every rank exit within a
+bounded time.
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
@@ -525,6 +528,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
                 "compute_s": res.compute_s,
                 "sync_s": res.sync_s,
                 "optim_s": res.optim_s,
+                "fwd_s": res.fwd_s,
+                "bwd_s": res.bwd_s,
+                "p2p_s": res.p2p_s,
+                "microbatches": res.microbatches,
                 "lr": res.lr,
                 "grad_norm": res.grad_norm,
                 "eval_loss": res.eval_loss,

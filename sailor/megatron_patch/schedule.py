@@ -49,10 +49,24 @@ from typing import Any
 import torch
 
 from sailor.comm import api as comm
+from sailor.megatron_patch.clock import SpanTimer
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.roles import Piece, RankRole
 
 __all__ = ["P2P", "run_1f1b", "run_forward", "schedule_order"]
+
+
+class _Untimed:
+    """The timer of an untimed run: nothing measured, nothing kept."""
+
+    def begin(self) -> None:
+        return None
+
+    def end(self, name: str, mark: object) -> None:
+        return None
+
+
+_UNTIMED = _Untimed()
 
 
 class P2P:
@@ -239,6 +253,7 @@ def run_1f1b(
     get_microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     loss_scale: float,
     autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+    timer: SpanTimer | None = None,
 ) -> torch.Tensor:
     """Run one iteration's forwards and backwards; gradients accumulate in ``stage``.
 
@@ -246,26 +261,49 @@ def run_1f1b(
     the first and last stage). Each microbatch's mean loss is multiplied by ``loss_scale``
     before backward. Returns the sum of the scaled losses as a float64 scalar on the
     stage's device (0 off the last stage); reading it is the caller's one host sync.
-    The order of microbatches is :func:`schedule_order`'s.
+    The order of microbatches is :func:`schedule_order`'s. ``timer`` (optional) gets one
+    ``fwd`` and one ``bwd`` span per microbatch (this rank's compute, data reads included)
+    and one ``p2p`` span per exchange (transfers, the TP all-gather of what arrived, and any
+    wait for a neighbour stage): what online calibration needs, apart.
     """
     device = p2p.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     run = _Stage(stage, role, get_microbatch, loss_scale, autocast or nullcontext, total)
+    t = timer or _UNTIMED
     m = role.num_microbatches
     warm = min(role.num_stages - role.stage - 1, m)
     rest = m - warm
+
+    def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        mark = t.begin()
+        out = run.forward(i, x)
+        t.end("fwd", mark)
+        return out
+
+    def bwd(i: int, g: torch.Tensor | None) -> torch.Tensor | None:
+        mark = t.begin()
+        out = run.backward(i, g)
+        t.end("bwd", mark)
+        return out
+
+    def xchg(fn: Callable[..., torch.Tensor | None], *a: torch.Tensor | None) -> Any:
+        mark = t.begin()
+        out = fn(*a)
+        t.end("p2p", mark)
+        return out
+
     for i in range(warm):
-        p2p.send_forward(run.forward(i, p2p.recv_forward()))
-    received = p2p.recv_forward() if rest > 0 else None
+        xchg(p2p.send_forward, fwd(i, xchg(p2p.recv_forward)))
+    received = xchg(p2p.recv_forward) if rest > 0 else None
     for i in range(rest):
-        grad = p2p.send_forward_recv_backward(run.forward(warm + i, received))
-        dx = run.backward(i, grad)
+        grad = xchg(p2p.send_forward_recv_backward, fwd(warm + i, received))
+        dx = bwd(i, grad)
         if i == rest - 1:
-            p2p.send_backward(dx)
+            xchg(p2p.send_backward, dx)
         else:
-            received = p2p.send_backward_recv_forward(dx)
+            received = xchg(p2p.send_backward_recv_forward, dx)
     for j in range(warm):
-        p2p.send_backward(run.backward(rest + j, p2p.recv_backward()))
+        xchg(p2p.send_backward, bwd(rest + j, xchg(p2p.recv_backward)))
     return total
 
 

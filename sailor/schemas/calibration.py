@@ -71,6 +71,11 @@ class GPUPrior(Frozen):
         description="Caching-allocator factor (reserved/allocated)."
     )
     memory_overhead_bytes: ConstantRange = Field(description="Non-tensor memory per GPU, bytes.")
+    compute_scale: ConstantRange | None = Field(
+        default=None,
+        description="Measured layer compute over profiled (online calibration); None: the "
+        "type's point value in every corner.",
+    )
     source: str = Field(default="", description="Where the ranges come from.")
 
     @model_validator(mode="after")
@@ -84,6 +89,8 @@ class GPUPrior(Frozen):
         for name in ("profiler_overhead_s", "sync_fixed_s", "memory_overhead_bytes"):
             if getattr(self, name).low < 0:
                 raise field_error(f"{name}.low", getattr(self, name).low, "must be >= 0")
+        if self.compute_scale is not None and self.compute_scale.low <= 0:
+            raise field_error("compute_scale.low", self.compute_scale.low, "must be > 0")
         return self
 
 
@@ -91,6 +98,17 @@ class GPUCalibration(Frozen):
     """Constants for one GPU type (``gpu_type='*'`` for the default)."""
 
     gpu_type: str = Field(description="GPU type these constants belong to; '*' = default.")
+    compute_scale: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "Measured over profiled forward and backward time of a layer on this GPU type: "
+            "every profiled (or estimated) layer's fwd_s and bwd_s is multiplied by it, after "
+            "the profiler-hook correction; nothing else (optimizer update, framework time, "
+            "transfers) is. Fitted online from the running job's step reports "
+            "(sailor.simulator.online_fit). Default 1.0: the profile is the truth."
+        ),
+    )
     profiler_overhead_s: float = Field(
         default=0.0,
         ge=0,

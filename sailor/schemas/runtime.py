@@ -15,6 +15,7 @@ from pydantic import Field
 
 from sailor.schemas._base import WireMessage
 from sailor.schemas.events import PreemptionNotice
+from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.plan import Plan
 from sailor.schemas.training import TrainingConfig
 
@@ -103,6 +104,11 @@ class AgentStatus(WireMessage):
         "this host has no writable cpu controller, so they run unthrottled; None: no quota.",
     )
     time: float = Field(default=0.0, ge=0, description="Unix time of this report.")
+    timings: tuple[RankTimings, ...] = Field(
+        default=(),
+        description="Per rank of this node, the medians of its last steps' timings (online "
+        "calibration); empty when its workers report none.",
+    )
 
 
 class CommandAck(WireMessage):

@@ -15,7 +15,10 @@ Rules, in order (docs/simulator-model.md, section 1):
 Then two corrections of known profile defects: the profiler's per-layer hook cost is removed
 while a layer is latency-bound (``Calibration.profiler_overhead_s``), and an embedding
 backward recorded below its forward is raised to the forward (a scatter-add moves the same
-bytes as the gather). A profile whose ``update_s`` is one value for every layer is read as the
+bytes as the gather). Last, forward and backward are multiplied by the GPU type's measured
+``compute_scale`` (online calibration: how much slower or faster than its profile the
+running cluster's GPUs of that type compute; 1 by default); the update time is not.
+A profile whose ``update_s`` is one value for every layer is read as the
 optimizer step of the profiling model (embedding + 2 blocks + head) and spread over layers by
 parameter count.
 
@@ -241,8 +244,11 @@ def layer_table(
         notes.append(f"{tag}: no profile for this GPU type; analytic roofline estimate")
         estimated = True
     out: list[LayerCost] = []
+    k = cal.compute_scale
+    if k != 1.0:
+        notes.append(f"{gpu_type}: layer compute x{k:.3g} (calibrated compute_scale)")
     for layer, (f, g, u) in enumerate(rows):
         if layer == 0 and g < f:
             g = f
-        out.append(LayerCost(fwd_s=f, bwd_s=g, update_s=u, estimated=estimated))
+        out.append(LayerCost(fwd_s=f * k, bwd_s=g * k, update_s=u, estimated=estimated))
     return StageCosts(layers=tuple(out), notes=tuple(notes))

@@ -87,9 +87,16 @@ def _end(r: ConstantRange, corner: str, costly_high: bool) -> float:
 def _constants(
     gpu_type: str, prior: GPUPrior, corner: str, source: str, base: GPUCalibration
 ) -> GPUCalibration:
-    """``base`` with every fitted constant at ``corner``'s end of ``prior``."""
+    """``base`` with every fitted constant at ``corner``'s end of ``prior`` (its measured
+    ``compute_scale`` kept unless the prior has a range for it)."""
+    scale = (
+        base.compute_scale
+        if prior.compute_scale is None
+        else _end(prior.compute_scale, corner, True)
+    )
     return base.model_copy(
         update={
+            "compute_scale": scale,
             "gpu_type": gpu_type,
             # a larger hook correction, efficiency, removes time: cheap end is high
             "profiler_overhead_s": _end(prior.profiler_overhead_s, corner, False),
@@ -104,9 +111,12 @@ def _constants(
     )
 
 
-def _original_constants(gpu_type: str) -> GPUCalibration:
+def _original_constants(gpu_type: str, compute_scale: float = 1.0) -> GPUCalibration:
+    """The original's constants; a measured ``compute_scale`` is kept: it is how fast the
+    hardware is against its profile, not a modelling choice the original made."""
     return GPUCalibration(
         gpu_type=gpu_type,
+        compute_scale=compute_scale,
         profiler_overhead_s=0.0,
         network_efficiency=1.0,
         p2p_efficiency=1.0,
@@ -130,8 +140,10 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
         if corner == "original":
             c = cal.model_copy(
                 update={
-                    "gpus": tuple(_original_constants(g.gpu_type) for g in cal.gpus),
-                    "default": _original_constants("*"),
+                    "gpus": tuple(
+                        _original_constants(g.gpu_type, g.compute_scale) for g in cal.gpus
+                    ),
+                    "default": _original_constants("*", cal.default.compute_scale),
                     "mixed_precision": "fp16_optimizer",
                     "grad_allreduce_bytes": 4,
                     "ring_links": "per_gpu",

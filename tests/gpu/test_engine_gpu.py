@@ -223,3 +223,26 @@ def test_tp2_checkpoint_resumes_at_tp1(gpus: Callable[[int], None], tmp_path: Pa
     tp1 = _plan("tiny-gpt", [(0, layers - 1, 1)], 2, 2, "fp32", layers)
     whole, _, resumed = _save_then_resume(tp2, tp1, tmp_path, 2, 4)
     assert _losses(resumed, 0) == pytest.approx(_losses(whole, 0)[2:], rel=1e-4)
+
+
+def test_span_timer_reads_cuda_events_after_the_sync(gpus: Callable[[int], None]) -> None:
+    """On CUDA a span is two events on the stream (no host sync); collect() after a device
+    sync reads the device's time, not the host's launch time."""
+    from sailor.megatron_patch.clock import SpanTimer, timestamp
+
+    gpus(1)
+    dev = torch.device("cuda", 0)
+    t = SpanTimer(dev)
+    a = torch.randn(2048, 2048, device=dev)
+    t0 = timestamp(dev)
+    for _ in range(3):
+        mark = t.begin()
+        for _ in range(10):
+            a = a @ a
+            a = a / a.norm()
+        t.end("fwd", mark)
+    wall = timestamp(dev) - t0
+    spans = t.collect()
+    assert spans["fwd"][1] == 3
+    assert 0 < spans["fwd"][0] <= wall * 1.05
+    assert t.collect() == {}

@@ -323,3 +323,32 @@ async def test_put_guarded_takes_the_revision_from_its_own_transaction(
         await lease.revoke()
     finally:
         await store.close()
+
+
+async def test_put_all_guarded_writes_every_key_or_none(etcd_endpoint: str) -> None:
+    """Online calibration keeps a version and its pointer in one guarded transaction."""
+    store = await connect_etcd(etcd_endpoint)
+    try:
+        lease = await store.lease(5)
+        created = await store.create_if_absent("/m/leader", b"me", lease)
+        assert created is not None
+        epoch = created.create_revision
+        await store.put("/m/v/1", b"old")
+        await store.put_all_guarded(
+            [("/m/v/2", b"two"), ("/m/current", b"2")], "/m/leader", epoch, delete=["/m/v/1"]
+        )
+        assert [(k.key, k.value) for k in await store.get_prefix("/m/")] == [
+            ("/m/current", b"2"),
+            ("/m/leader", b"me"),
+            ("/m/v/2", b"two"),
+        ]
+        with pytest.raises(FencedError):
+            await store.put_all_guarded(
+                [("/m/v/3", b"x"), ("/m/current", b"3")], "/m/leader", epoch + 1
+            )
+        assert await store.get("/m/v/3") is None
+        current = await store.get("/m/current")
+        assert current is not None and current.value == b"2"
+        await lease.revoke()
+    finally:
+        await store.close()

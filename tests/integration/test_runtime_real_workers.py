@@ -104,6 +104,12 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     assert d2.load_step == max(commits)
     assert loop.time() - t_notice < 30
     await real.wait_step(ctl, ["n2"], d2.load_step + 2, 30)
+    # online calibration's input: the real worker times its microbatches apart from the rest
+    timings = real.agents["n2"][0].status().timings
+    assert timings and timings[0].rank in d2.placement["n2"], timings
+    for t in timings:
+        assert t.fwd_s > 0 and t.bwd_s > 0 and t.microbatches >= 1
+        assert t.microbatches * (t.fwd_s + t.bwd_s) <= t.step_s, t
     plans = [r for r in recs if r["kind"] == "plan"]
     assert plans and all("sailor planner" in r["reason"] for r in plans)
 

@@ -87,3 +87,83 @@ def test_check_requires_generations_to_grow_across_leaders() -> None:
     reset = [*recs, {"kind": "leader", "time": 5.0, "epoch": 12}, phase(6.0, 12, 0)]
     rep = check(reset)
     assert rep.violations == ["t=6.000: generation 0 after 4: generations went back"]
+
+
+def _recalibration_log() -> list[dict[str, object]]:
+    """A run whose fit said to reconfigure once, with the numbers to back it."""
+    from sailor.controller.recalibrate import (
+        RecalibrationPolicy,
+        ReplanInputs,
+        decide_recalibration,
+    )
+
+    d = decide_recalibration(
+        ReplanInputs(
+            generation=1,
+            calibration_version=1,
+            running_plan="p-a",
+            best_plan="p-b",
+            running_s=4.4,
+            best_s=2.5,
+            worst_improvement=0.42,
+            downtime_s=5.0,
+            time_to_change_s=475.0,
+            stable_reports=2,
+        ),
+        RecalibrationPolicy(stable_reports=2),
+    )
+    assert d.reconfigure
+    return [
+        {"kind": "leader", "time": 0.0, "epoch": 5},
+        {"kind": "phase", "time": 1.0, "phase": "running", "generation": 1, "cause": "x"},
+        {"kind": "calibration", "time": 2.0, "version": 1, "generation": 1},
+        {"kind": "replan_decision", "time": 3.0, "epoch": 5, **d.model_dump()},
+        {
+            "kind": "phase",
+            "time": 3.1,
+            "phase": "quiesce",
+            "generation": 1,
+            "cause": "recalibration: v1 says p-b",
+        },
+        {"kind": "phase", "time": 5.0, "phase": "running", "generation": 2, "cause": "y"},
+    ]
+
+
+def test_check_accepts_a_recalibration_that_the_rule_backs() -> None:
+    rep = check(_recalibration_log())
+    assert rep.ok, rep.violations
+    assert rep.recalibrations == 1 and rep.calibrations == 1
+
+
+def test_check_reports_a_tampered_or_unbacked_recalibration() -> None:
+    log = _recalibration_log()
+    # the gain written bigger than its inputs give
+    tampered = [dict(r) for r in log]
+    tampered[3]["gain_s"] = 1e6
+    rep = check(tampered)
+    assert any("gain_s" in v for v in rep.violations), rep.violations
+    # the inputs changed so that the rule no longer holds (the downtime was longer)
+    tampered = [dict(r) for r in log]
+    tampered[3]["downtime_s"] = 500.0
+    assert any("the rule says no" in v for v in check(tampered).violations)
+    # a calibration version that was never recorded
+    assert any(
+        "never recorded" in v
+        for v in check([r for r in log if r["kind"] != "calibration"]).violations
+    )
+    # a replan with cause recalibration and no decision behind it
+    assert any(
+        "without a replan_decision" in v
+        for v in check([r for r in log if r["kind"] != "replan_decision"]).violations
+    )
+    # a second one in the same generation: flapping
+    again = {**log[4], "time": 3.5}
+    assert any(
+        "second calibration-driven" in v for v in check([*log[:5], again, log[5]]).violations
+    )
+
+
+def test_check_accepts_a_version_a_new_leader_restored() -> None:
+    log = _recalibration_log()
+    log[2] = {"kind": "calibration_restored", "time": 2.0, "version": 1, "epoch": 6}
+    assert check(log).ok

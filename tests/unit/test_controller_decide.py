@@ -9,6 +9,7 @@ from sailor.controller.decide import (
     Commit,
     DecideConfig,
     Observed,
+    RecalibrationAdvice,
     Replan,
     Send,
     SetDesired,
@@ -325,3 +326,45 @@ def test_launch_names_the_training_config_of_its_generation() -> None:
     assert plain.training is None
     cmds = [a.command for a in decide(plain, obs(nodes(1, 2), []), CFG) if isinstance(a, Send)]
     assert {cmd.training_sha256 for cmd in cmds} == {""}  # type: ignore[union-attr]
+
+
+def _advice(gen: int = 1, members: tuple[str, ...] = ("n1", "n2")) -> RecalibrationAdvice:
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(node(int(n[1:])) for n in members[:1]), None)
+    return RecalibrationAdvice(
+        generation=gen,
+        plan=res.plan,
+        placement=res.placement,
+        membership=members,
+        cause="recalibration: v1 says so",
+    )
+
+
+def test_recalibration_verdict_quiesces_toward_its_plan_without_replanning() -> None:
+    adv = _advice()
+    a = decide(running((1, 2)), obs(nodes(1, 2), [st(1), st(2, step=12)], recalibration=adv), CFG)
+    assert kinds(a) == ["set:quiesce"]
+    new = a[0].state  # type: ignore[union-attr]
+    assert new.cause.startswith("recalibration") and new.stop_step == 14
+    assert new.next_plan == adv.plan and new.next_membership == ("n1", "n2")
+    # the quiesce that follows sends Stop/Checkpoint but does not plan again
+    a = decide(new, obs(nodes(1, 2), [st(1), st(2, step=12)], recalibration=adv), CFG)
+    assert "replan" not in kinds(a) and kinds(a)[0] == "send:stop:n1"
+
+
+@pytest.mark.parametrize(
+    ("adv", "ns", "why"),
+    [
+        (_advice(gen=0), nodes(1, 2), "decided for another generation"),
+        (_advice(members=("n1", "n2", "n3")), nodes(1, 2), "made for other nodes"),
+        (_advice(), nodes(1, 2, 3), "a join goes first (and replans with the calibration)"),
+    ],
+)
+def test_recalibration_verdict_that_no_longer_applies_is_ignored(
+    adv: RecalibrationAdvice, ns: dict[str, NodeSpec], why: str
+) -> None:
+    a = decide(running((1, 2)), obs(ns, [st(1), st(2)], recalibration=adv), CFG)
+    if len(ns) == 3:
+        assert kinds(a) == ["set:quiesce", "replan"], why
+        assert a[0].state.cause.startswith("nodes joined")  # type: ignore[union-attr]
+    else:
+        assert a == [], why

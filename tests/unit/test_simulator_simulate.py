@@ -524,3 +524,51 @@ def test_bus_bandwidth_fit() -> None:
     pts = [(b, lat + 1.5 * b / 2e9) for b in (1 << 18, 1 << 22)]
     assert bus_gbps(4, lat, pts) == pytest.approx(2.0)
     assert bus_gbps(2, lat, [(1 << 20, lat / 2)]) is None  # nothing above the latency
+
+
+def test_compute_scale_multiplies_layer_compute_and_nothing_else() -> None:
+    one = layer_table(PROFILES, MODEL, GPUCalibration(gpu_type="B"), SPECS, "B", 1, 2)
+    two = layer_table(
+        PROFILES, MODEL, GPUCalibration(gpu_type="B", compute_scale=2.0), SPECS, "B", 1, 2
+    )
+    for a, b in zip(one.layers, two.layers, strict=True):
+        assert (b.fwd_s, b.bwd_s, b.update_s) == pytest.approx(
+            (2 * a.fwd_s, 2 * a.bwd_s, a.update_s)
+        )
+    # on a single stage it doubles exactly the compute of the iteration
+    single = _plan(_pipe([], 1, 4))
+    scaled = Calibration(gpus=(GPUCalibration(gpu_type="A", compute_scale=2.0),))
+    est = _sim(single, calibration=scaled)
+    assert est.iteration_time_s == pytest.approx(  # type: ignore[attr-defined]
+        4 * 2 * N * 3e-3 + sum(1e-4 * (i + 1) for i in range(N)), rel=1e-6
+    )
+    # a mixed plan: only B's stages compute twice as long; transfers, sync, updates, memory
+    # and A's stages are untouched
+    plan = _plan(
+        _pipe([4], 2, 2, [_rg("A", "z-a"), _rg("B", "z-b", tp=2)]),
+        _pipe([3], 2, 2, [_rg("B", "z-a"), _rg("A", "z-b")]),
+    )
+    base = _sim(plan)
+    slow_b = _sim(
+        plan, calibration=Calibration(gpus=(GPUCalibration(gpu_type="B", compute_scale=2.0),))
+    )
+    kinds = {
+        (pi, si): p.stages[si].replica.gpu_type
+        for pi, p in enumerate(plan.pipelines)
+        for si in range(p.depth)
+    }
+    for s0, s1 in zip(base.stages, slow_b.stages, strict=True):  # type: ignore[attr-defined]
+        k = 2.0 if kinds[(s0.pipeline, s0.stage)] == "B" else 1.0
+        assert s1.fwd_s == pytest.approx(k * s0.fwd_s) and s1.bwd_s == pytest.approx(k * s0.bwd_s)
+        assert (s1.send_s, s1.update_s, s1.grad_sync_s) == pytest.approx(
+            (s0.send_s, s0.update_s, s0.grad_sync_s)
+        )
+    assert slow_b.memory == base.memory  # type: ignore[attr-defined]
+    assert slow_b.iteration_time_s > base.iteration_time_s  # type: ignore[attr-defined]
+
+
+def test_uncertainty_corners_keep_a_measured_compute_scale() -> None:
+    from sailor.simulator.uncertainty import corners
+
+    cal = Calibration(gpus=(GPUCalibration(gpu_type="B", compute_scale=2.5),))
+    assert [c.for_gpu("B").compute_scale for _, c in corners(cal)] == [2.5] * 4

@@ -12,12 +12,15 @@ Inputs come from the controller config: the model (a catalog name such as ``tiny
 calibration files. Without profiles the simulator's analytic estimates from the catalog's
 GPU specs are used (``cpu`` nodes get the catalog's nominal ``cpu`` spec). The search is
 pure and runs in the executor's worker thread; a lock keeps two plans from interleaving.
+``set_calibration`` swaps in the calibration online calibration fitted (the next plan searches
+afresh with it); ``load_cost_inputs`` reads the same inputs for the controller's own fit.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from sailor import catalog
@@ -32,14 +35,22 @@ from sailor.controller.planning.api import (
 from sailor.planner import Constraints, NoFeasiblePlanError, Objective, replan, search
 from sailor.planner.search import SearchResult
 from sailor.schemas.calibration import Calibration
-from sailor.schemas.hardware import NodeSpec, Pool, PoolEntry
+from sailor.schemas.hardware import GPUSpec, NodeSpec, Pool, PoolEntry
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.network import NetworkProfile
 from sailor.schemas.plan import Plan, PlanPrediction
 from sailor.schemas.prices import PriceTable
 from sailor.schemas.profile import ProfileDB
 
-__all__ = ["SailorPlanner", "load_model_spec", "planner_from_config", "pool_of"]
+__all__ = [
+    "CostInputs",
+    "SailorPlanner",
+    "cost_inputs_of",
+    "load_cost_inputs",
+    "load_model_spec",
+    "planner_from_config",
+    "pool_of",
+]
 
 _Shape = tuple[str, str, int, bool]
 
@@ -54,6 +65,64 @@ def load_model_spec(name: str, global_batch_size: int | None = None) -> ModelSpe
     if global_batch_size is not None:
         spec = spec.model_copy(update={"global_batch_size": global_batch_size})
     return spec
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost model prices a plan with: the controller config's model and files."""
+
+    model: ModelSpec
+    profiles: ProfileDB
+    network: NetworkProfile
+    prices: PriceTable
+    calibration: Calibration
+    gpu_specs: Mapping[str, GPUSpec]
+
+
+def load_cost_inputs(
+    model: str,
+    global_batch_size: int | None = None,
+    *,
+    profiles: Sequence[Path] = (),
+    network: Path | None = None,
+    prices: Path | None = None,
+    calibration: Path | None = None,
+) -> CostInputs:
+    """The model, profiles, network, prices and calibration the config names (defaults: no
+    profile, the default network, the catalog's prices, calibration and GPU specs)."""
+    spec = load_model_spec(model, global_batch_size)
+    db = ProfileDB(model=spec.name)
+    for p in profiles:
+        part = ProfileDB.model_validate(load_mapping(p))
+        if part.model != spec.name:
+            raise ValueError(f"{p}: profiles of model={part.model!r}, planning {spec.name!r}")
+        db = db.merged(part)
+    return CostInputs(
+        model=spec,
+        profiles=db,
+        network=NetworkProfile.model_validate(load_mapping(network))
+        if network
+        else NetworkProfile(),
+        prices=PriceTable.model_validate(load_mapping(prices)) if prices else catalog.prices(),
+        calibration=(
+            Calibration.model_validate(load_mapping(calibration))
+            if calibration
+            else catalog.calibration()
+        ),
+        gpu_specs=catalog.gpus(),
+    )
+
+
+def cost_inputs_of(config: ControllerConfig) -> CostInputs:
+    """:func:`load_cost_inputs` of a controller config."""
+    return load_cost_inputs(
+        config.model,
+        config.global_batch_size,
+        profiles=config.profiles,
+        network=config.network,
+        prices=config.prices,
+        calibration=config.calibration,
+    )
 
 
 def _shape(n: NodeSpec) -> _Shape:
@@ -113,23 +182,32 @@ class SailorPlanner:
         objective: Objective = "throughput",
     ) -> SailorPlanner:
         """Build from the controller config's model name and optional input files."""
-        spec = load_model_spec(model, global_batch_size)
-        db = ProfileDB(model=spec.name)
-        for p in profiles:
-            part = ProfileDB.model_validate(load_mapping(p))
-            if part.model != spec.name:
-                raise ValueError(f"{p}: profiles of model={part.model!r}, planning {spec.name!r}")
-            db = db.merged(part)
+        c = load_cost_inputs(
+            model,
+            global_batch_size,
+            profiles=profiles,
+            network=network,
+            prices=prices,
+            calibration=calibration,
+        )
         return cls(
-            spec,
-            profiles=db,
-            network=NetworkProfile.model_validate(load_mapping(network)) if network else None,
-            prices=PriceTable.model_validate(load_mapping(prices)) if prices else None,
-            calibration=(
-                Calibration.model_validate(load_mapping(calibration)) if calibration else None
-            ),
+            c.model,
+            profiles=c.profiles,
+            network=c.network,
+            prices=c.prices,
+            calibration=c.calibration,
             objective=objective,
         )
+
+    def set_calibration(self, calibration: Calibration) -> None:
+        """Plan with ``calibration`` from the next call on (online calibration). The last
+        search's cost tables were priced with the old one, so the next call searches afresh."""
+        with self._lock:
+            if calibration == self.calibration:
+                return
+            self.calibration = calibration
+            self._last = None
+            self._shapes = frozenset()
 
     def _search(self, pool: Pool, shapes: frozenset[_Shape]) -> tuple[SearchResult, str]:
         if self._last is not None and shapes <= self._shapes:

@@ -31,6 +31,10 @@ executor's replan timeout, or a newer replan replacing it) kills the worker (:me
 a search cannot be interrupted inside the worker, and left running it would hold the pool's
 one worker while every later call queued behind it.
 
+Online calibration's fitted calibration (``set_calibration``) goes with every call and is
+applied by the worker when it differs from the one it holds (its next plan then searches
+afresh).
+
 Never used by tests that inject their own ``Planner``: only ``planner_process: true`` with a
 config-built planner goes here.
 """
@@ -50,6 +54,7 @@ from dataclasses import dataclass
 from sailor.controller.config import ControllerConfig
 from sailor.controller.planning.api import Planner, PlanResult
 from sailor.controller.planning.in_process import planner_from_config
+from sailor.schemas.calibration import Calibration
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 
@@ -73,11 +78,15 @@ class _Call:
     previous: Plan | None
     reset: bool
     """Drop everything held before applying this call."""
+    calibration: str | None = None
+    """The calibration to plan with (JSON; online calibration), None: the config's. Sent with
+    every call (a few kB): a restarted worker gets it too."""
 
 
 # --- the worker process's side ---------------------------------------------------------------
 
 _planner: Planner | None = None  # the worker process's planner (one per worker)
+_calibration: str | None = None  # the calibration JSON the worker's planner plans with
 _nodes: dict[str, NodeSpec] = {}  # node specs of the last call
 _plans: dict[str, Plan] = {}  # the last call's previous plan and result, by plan id
 _collections = 0  # collections run by _collect
@@ -122,9 +131,14 @@ def _ping() -> bool:
 
 def _plan(call: _Call) -> tuple[str, dict[str, tuple[int, ...]], str]:
     """Plan in the worker: (the plan's JSON, placement, reason)."""
-    global _nodes, _plans
+    global _nodes, _plans, _calibration
     if _planner is None:  # the initializer failed; the pool reports that as a broken pool
         raise RuntimeError("planner worker not initialised")
+    if call.calibration is not None and call.calibration != _calibration:
+        setter = getattr(_planner, "set_calibration", None)
+        if setter is not None:
+            setter(Calibration.model_validate_json(call.calibration))
+        _calibration = call.calibration
     if call.reset:
         _nodes, _plans = {}, {}
     known = _nodes
@@ -162,6 +176,11 @@ class ProcessPlanner:
         self._plans: set[str] = set()
         self._reset = True
         self._sent = 0  # calls submitted; a result updates the mirror only if it is the last
+        self._calibration: str | None = None
+
+    def set_calibration(self, calibration: Calibration) -> None:
+        """Plan with ``calibration`` from the next call on (sent along with every call)."""
+        self._calibration = calibration.model_dump_json()
 
     def _ensure(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -192,6 +211,7 @@ class ProcessPlanner:
             previous_id=pid if by_id else None,
             previous=None if by_id else previous,
             reset=self._reset,
+            calibration=self._calibration,
         )
         self._nodes = {n.node_id: n for n in nodes}
         self._plans = {pid} if pid else set()

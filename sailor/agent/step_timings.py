@@ -1,0 +1,137 @@
+"""Per-rank step timings for online calibration: the last steps a worker reported, summarized.
+
+A worker's progress line of each step (``{"event": "step", ...}``) carries what the
+controller's fit needs (``fwd_s``/``bwd_s`` per microbatch, ``p2p_s``, ``sync_s``,
+``optim_s``, ``step_s``; see ``sailor.megatron_patch.rank_main``). :class:`StepWindow` keeps
+the last :data:`WINDOW` of them per rank, skipping the first step after a launch (allocator
+warm-up, lazy initialisation), and :meth:`StepWindow.summary` reduces them to one compact
+:class:`~sailor.schemas.online_calibration.RankTimings`: medians, and the relative
+step-to-step spread (standard deviation over median) of compute, sync and pipeline waits.
+The agent puts one per rank in its status record (``AgentStatus.timings``). A line without
+those fields (an older worker, the toy trainer without ``--slowness``) adds nothing.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sailor.schemas.online_calibration import RankTimings
+
+__all__ = ["SKIP_FIRST", "WINDOW", "StepSample", "StepWindow", "sample_of"]
+
+WINDOW = 16
+"""Steps a summary spans: enough for a median that one slow step does not move, short enough
+that a change of speed shows within a few status writes."""
+
+SKIP_FIRST = 1
+"""Steps after a launch not summarized (the first iteration pays one-off start-up costs)."""
+
+_FIELDS = ("fwd_s", "bwd_s", "p2p_s", "sync_s", "optim_s", "step_s")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    step: int
+    microbatches: int
+    fwd_s: float
+    bwd_s: float
+    p2p_s: float
+    sync_s: float
+    optim_s: float
+    step_s: float
+
+
+def _number(msg: Mapping[str, object], key: str) -> float | None:
+    v = msg.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if v >= 0 else None
+
+
+def sample_of(msg: Mapping[str, object]) -> StepSample | None:
+    """The timing sample of one step line, or None if it carries no complete timing."""
+    vals = {k: _number(msg, k) for k in _FIELDS}
+    step, mbs = msg.get("step"), msg.get("microbatches", 0)
+    if any(v is None for v in vals.values()) or not isinstance(step, int):
+        return None
+    if not vals["step_s"] or not isinstance(mbs, int):
+        return None
+    return StepSample(
+        step=step,
+        microbatches=mbs,
+        fwd_s=vals["fwd_s"] or 0.0,
+        bwd_s=vals["bwd_s"] or 0.0,
+        p2p_s=vals["p2p_s"] or 0.0,
+        sync_s=vals["sync_s"] or 0.0,
+        optim_s=vals["optim_s"] or 0.0,
+        step_s=vals["step_s"] or 0.0,
+    )
+
+
+def _spread(xs: list[float]) -> float:
+    """Relative spread: sample standard deviation / median (0 if fewer than two or median 0).
+
+    Not the MAD: over the few steps of a short window (3-16) the MAD is mostly much smaller
+    than the spread (of 3 values it is the smaller of two deviations), and a fit that reads
+    it would claim more certainty than it has; an outlier step widens this one instead."""
+    if len(xs) < 2:
+        return 0.0
+    mid = statistics.median(xs)
+    if mid <= 0:
+        return 0.0
+    return statistics.stdev(xs) / mid
+
+
+class StepWindow:
+    """The last :data:`WINDOW` timing samples of one rank (of one launch)."""
+
+    def __init__(self, rank: int, window: int = WINDOW, skip_first: int = SKIP_FIRST) -> None:
+        self.rank = rank
+        self.skip_first = skip_first
+        self.seen = 0
+        self.samples: deque[StepSample] = deque(maxlen=window)
+        self._summary: RankTimings | None = None  # of the samples as they are now
+
+    def add(self, msg: Mapping[str, object]) -> None:
+        """Take one step line (ignored if it carries no timing)."""
+        s = sample_of(msg)
+        if s is None:
+            return
+        self.seen += 1
+        if self.seen > self.skip_first:
+            self.samples.append(s)
+            self._summary = None
+
+    def summary(self) -> RankTimings | None:
+        """Medians of the window, or None before the first kept sample (worked out once per
+        new sample: the agent's status loop asks every 50 ms)."""
+        if self._summary is not None:
+            return self._summary
+        xs = list(self.samples)
+        if not xs:
+            return None
+
+        def med(attr: str) -> float:
+            return float(statistics.median(getattr(s, attr) for s in xs))
+
+        self._summary = RankTimings(
+            rank=self.rank,
+            steps=len(xs),
+            last_step=max(0, xs[-1].step),
+            microbatches=xs[-1].microbatches,
+            fwd_s=med("fwd_s"),
+            bwd_s=med("bwd_s"),
+            p2p_s=med("p2p_s"),
+            sync_s=med("sync_s"),
+            optim_s=med("optim_s"),
+            step_s=med("step_s"),
+            compute_spread=_spread([s.fwd_s + s.bwd_s for s in xs]),
+            sync_spread=_spread([s.sync_s for s in xs]),
+            p2p_spread=_spread([s.p2p_s for s in xs]),
+        )
+        return self._summary

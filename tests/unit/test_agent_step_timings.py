@@ -1,0 +1,83 @@
+"""Step timings from worker progress lines to the agent's status record; the toy's made-up ones."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from sailor.agent.step_timings import WINDOW, StepWindow, sample_of
+from sailor.agent.toy_timings import ToyTimings, parse_slowness
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import AgentStatus
+
+
+def line(step: int, fwd: float = 0.01, **kw: object) -> dict[str, object]:
+    return {
+        "event": "step",
+        "step": step,
+        "loss": 1.0,
+        "fwd_s": fwd,
+        "bwd_s": 2 * fwd,
+        "p2p_s": 0.003,
+        "sync_s": 0.004,
+        "optim_s": 0.005,
+        "step_s": 0.1,
+        "microbatches": 4,
+        **kw,
+    }
+
+
+def test_window_skips_the_first_step_and_keeps_medians_of_the_last_ones() -> None:
+    w = StepWindow(rank=3)
+    assert w.summary() is None
+    w.add(line(1, fwd=9.0))  # start-up: not summarized
+    assert w.summary() is None
+    for s, fwd in zip(range(2, 7), (0.010, 0.012, 0.011, 0.013, 0.50), strict=True):
+        w.add(line(s, fwd=fwd))
+    t = w.summary()
+    assert t is not None
+    assert (t.rank, t.steps, t.last_step, t.microbatches) == (3, 5, 6, 4)
+    assert t.fwd_s == pytest.approx(0.012) and t.bwd_s == pytest.approx(0.024)
+    assert t.step_s == 0.1 and t.p2p_s == 0.003 and t.sync_s == 0.004 and t.optim_s == 0.005
+    xs = [3 * f for f in (0.010, 0.012, 0.011, 0.013, 0.50)]
+    assert t.compute_spread == pytest.approx(statistics.stdev(xs) / statistics.median(xs))
+    for s in range(7, 7 + 2 * WINDOW):
+        w.add(line(s))
+    assert w.summary().steps == WINDOW  # type: ignore[union-attr]
+
+
+def test_lines_without_timings_add_nothing_and_old_status_records_still_parse() -> None:
+    assert sample_of({"event": "step", "step": 3, "loss": 1.0}) is None
+    assert sample_of(line(3, step_s=0)) is None
+    assert sample_of(line(3, fwd_s="fast")) is None
+    w = StepWindow(rank=0, skip_first=0)
+    w.add({"event": "step", "step": 1, "loss": 0.5})
+    assert w.summary() is None
+    old = {"node_id": "n1", "generation": 2, "state": "running", "step": 5}
+    assert AgentStatus.model_validate_json(json.dumps(old)).timings == ()
+
+
+def test_toy_timings_follow_the_slowness_of_the_kinds(tmp_path: Path) -> None:
+    from sailor.controller.planning.in_process import SailorPlanner
+
+    nodes = tuple(
+        NodeSpec(node_id=f"n{i}", gpu_type=g, gpus=1, zone="z-a-1", address="h")
+        for i, g in ((1, "A100-40"), (2, "A100-40"))
+    )
+    res = SailorPlanner.from_files("tiny-gpt", 8).plan(nodes, None)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(res.plan.model_dump_json())
+    fast = ToyTimings(plan_file, 0, {}, noise=0.0).step(4)
+    slow = ToyTimings(plan_file, 0, parse_slowness("A100-40=3"), noise=0.0).step(4)
+    assert slow["fwd_s"] == pytest.approx(3 * fast["fwd_s"])
+    assert slow["bwd_s"] == pytest.approx(3 * fast["bwd_s"])
+    assert slow["optim_s"] == pytest.approx(fast["optim_s"])
+    noisy = ToyTimings(plan_file, 0, {}, noise=0.05)
+    assert noisy.step(4) == noisy.step(4) != noisy.step(5)  # deterministic per step
+    with pytest.raises(ValueError, match="KIND=FACTOR"):
+        parse_slowness("A100-40")
+    with pytest.raises(ValueError, match="KIND=FACTOR"):
+        parse_slowness("A100-40=-1")

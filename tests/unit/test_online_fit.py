@@ -1,0 +1,167 @@
+"""The online fit: constants recovered from the timings a known cluster would report.
+
+Timings come from :func:`expected_rank_timings` under a "true" calibration (a slow kind, a
+poor network), so the fit has a known answer; noise between ranks widens its ranges.
+OPT-350 on the catalog's A100-40 and V100-16 specs (analytic profiles), as a controller
+without profile files plans it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sailor import catalog
+from sailor.schemas import (
+    Calibration,
+    NetworkProfile,
+    Pipeline,
+    Plan,
+    ProfileDB,
+    ReplicaGroup,
+    Stage,
+)
+from sailor.schemas.online_calibration import OnlineFit, RankTimings
+from sailor.simulator.online_fit import fit_online, with_constant
+from sailor.simulator.synthetic_timings import expected_rank_timings
+
+FAST, SLOW = "A100-40", "V100-16"
+MODEL = catalog.model("OPT-350").model_copy(update={"global_batch_size": 32})
+PROFILES = ProfileDB(model=MODEL.name)
+NETWORK = NetworkProfile()
+PRICES = catalog.prices()
+SPECS = catalog.gpus()
+BASE = catalog.calibration()
+
+
+def _rg(gpu: str, node: str) -> ReplicaGroup:
+    return ReplicaGroup(gpu_type=gpu, zone="z-a-1", tp=1, gpus_per_node=1, node_id=node)
+
+
+def _pipeline_plan() -> Plan:
+    """Two stages: V100 holds layers 0-9, A100 10-25 (the prior's choice for this pair)."""
+    stages = (
+        Stage(first_layer=0, last_layer=9, replica=_rg(SLOW, "n2")),
+        Stage(first_layer=10, last_layer=25, replica=_rg(FAST, "n1")),
+    )
+    return Plan(
+        plan_id="pp",
+        model=MODEL.name,
+        global_batch_size=32,
+        pipelines=(Pipeline(stages=stages, microbatch_size=1, num_microbatches=32),),
+    )
+
+
+def _dp_plan(kinds: tuple[str, ...]) -> Plan:
+    m = 32 // len(kinds)
+    return Plan(
+        plan_id="dp",
+        model=MODEL.name,
+        global_batch_size=32,
+        pipelines=tuple(
+            Pipeline(
+                stages=(Stage(first_layer=0, last_layer=25, replica=_rg(g, f"n{i}")),),
+                microbatch_size=1,
+                num_microbatches=m,
+            )
+            for i, g in enumerate(kinds)
+        ),
+    )
+
+
+def _timings(plan: Plan, truth: Calibration) -> tuple[RankTimings, ...]:
+    return expected_rank_timings(
+        plan, MODEL, PROFILES, NETWORK, PRICES, calibration=truth, gpu_specs=SPECS
+    )
+
+
+def _fit(plan: Plan, timings: tuple[RankTimings, ...], base: Calibration = BASE) -> OnlineFit:
+    return fit_online(
+        plan, timings, MODEL, PROFILES, NETWORK, PRICES, calibration=base, gpu_specs=SPECS
+    )
+
+
+def _const(fit: OnlineFit, gpu: str, name: str) -> float:
+    c = fit.constant(gpu, name)
+    assert c is not None
+    return c.value
+
+
+def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> None:
+    plan = _pipeline_plan()
+    truth = with_constant(BASE, SLOW, compute_scale=2.5, p2p_efficiency=0.3, sync_fixed_s=0.01)
+    truth = with_constant(truth, FAST, compute_scale=0.8, p2p_efficiency=0.3)
+    fit = _fit(plan, _timings(plan, truth))
+    assert _const(fit, SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
+    assert _const(fit, FAST, "compute_scale") == pytest.approx(0.8, rel=1e-6)
+    assert _const(fit, SLOW, "p2p_efficiency") == pytest.approx(0.3, rel=0.01)
+    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.01, rel=1e-6)
+    assert fit.calibration.for_gpu(SLOW).compute_scale == pytest.approx(2.5, rel=1e-6)
+    # a single pipeline all-reduces nothing: the network efficiency is not identified
+    eta = fit.constant(SLOW, "network_efficiency")
+    assert eta is not None and not eta.fitted and eta.value == BASE.for_gpu(SLOW).network_efficiency
+    # the running plan was predicted 2x too fast; after the fit within the closed form's
+    # distance from the replay the timings came from
+    assert fit.error_before < -0.4
+    assert abs(fit.error_after) < 0.03
+    print(
+        f"pipeline fit: error {fit.error_before:+.3f} -> {fit.error_after:+.3f}; "
+        f"p2p {_const(fit, SLOW, 'p2p_efficiency'):.4f} (true 0.3)"
+    )
+
+
+def test_data_parallel_recovers_network_efficiency_from_the_last_arriver() -> None:
+    plan = _dp_plan((FAST, SLOW))
+    truth = with_constant(BASE, SLOW, compute_scale=1.5, network_efficiency=0.2)
+    truth = with_constant(truth, FAST, network_efficiency=0.2)
+    timings = _timings(plan, truth)
+    # the fast replica waits in the all-reduce for the slow one: its sync is the longer
+    assert timings[0].sync_s > timings[1].sync_s
+    fit = _fit(plan, timings)
+    assert _const(fit, SLOW, "network_efficiency") == pytest.approx(0.2, rel=0.01)
+    assert _const(fit, FAST, "network_efficiency") == pytest.approx(0.2, rel=0.01)
+    assert _const(fit, SLOW, "compute_scale") == pytest.approx(1.5, rel=1e-6)
+    assert abs(fit.error_after) < abs(fit.error_before)
+
+
+def test_noise_between_ranks_widens_the_range() -> None:
+    plan = _dp_plan((SLOW,) * 4)
+    truth = with_constant(BASE, SLOW, compute_scale=2.0)
+    clean = _timings(plan, truth)
+
+    def noisy(spread: float) -> tuple[RankTimings, ...]:
+        out = []
+        for t, k in zip(
+            clean, (1 - spread, 1 - spread / 3, 1 + spread / 3, 1 + spread), strict=True
+        ):
+            out.append(
+                t.model_copy(
+                    update={
+                        "fwd_s": t.fwd_s * k,
+                        "bwd_s": t.bwd_s * k,
+                        "steps": 8,
+                        "compute_spread": spread,
+                    }
+                )
+            )
+        return tuple(out)
+
+    widths = []
+    for spread in (0.0, 0.02, 0.2):
+        c = _fit(plan, noisy(spread)).constant(SLOW, "compute_scale")
+        assert c is not None and c.low <= 2.0 <= c.high
+        assert c.value == pytest.approx(2.0, rel=spread / 2 + 1e-9)
+        widths.append(c.relative_uncertainty)
+    assert widths[0] == 0.0 < widths[1] < widths[2]
+
+
+def test_kinds_not_running_keep_their_constants_and_foreign_ranks_are_ignored() -> None:
+    plan = _dp_plan((FAST,))
+    base = with_constant(BASE, "H100-80", compute_scale=1.7)
+    timings = (*_timings(plan, with_constant(base, FAST, compute_scale=1.2)),)
+    stray = timings[0].model_copy(update={"rank": 5})
+    fit = _fit(plan, (*timings, stray), base)
+    assert fit.calibration.for_gpu("H100-80").compute_scale == 1.7
+    assert fit.calibration.for_gpu(FAST).compute_scale == pytest.approx(1.2)
+    assert any("rank 5" in n for n in fit.notes)
+    with pytest.raises(ValueError, match="no timing"):
+        _fit(plan, (stray,), base)
