@@ -28,7 +28,7 @@ from sailor.agent.daemon import AgentConfig, WatcherConfig
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
 from sailor.cli.demo.processes import ProcessRegistry, children_of
 from sailor.cli.demo.servers import free_port
-from sailor.controller.config import ControllerConfig
+from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings
 from sailor.controller.phases import PhaseDeadlines
 from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
@@ -61,6 +61,13 @@ class DemoCluster:
     training_file: Path | None = None
     """The training config the controller hands every worker (``demo.model``); None: the
     plan's tiny-gpt on synthetic tokens."""
+    kinds: dict[str, tuple[str, float | None]] = field(default_factory=dict)
+    """Per node: its kind (``gpu_type``, e.g. ``cpu-slow``) and CPU quota in cores; a node not
+    named is a ``cpu`` node without a quota."""
+    online_calibration: OnlineCalibrationSettings | None = None
+    """The controller's online calibration settings; None: the config's defaults."""
+    model: str = "tiny-gpt"
+    """What the controller plans (a catalog name or a ModelSpec file)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -100,9 +107,14 @@ class DemoCluster:
             notice_margin_s=1.0,
             deadlines=PhaseDeadlines(quiesce=20, checkpoint=20, launch=15, load=60, verify=60),
             planner="sailor",
-            model="tiny-gpt",
+            model=self.model,
             global_batch_size=self.global_batch_size,
             training=self.training_file,
+            **(
+                {"online_calibration": self.online_calibration}
+                if self.online_calibration is not None
+                else {}
+            ),
             base_port=self.base_port,
             security=self.servers.security(name),
         )
@@ -154,8 +166,16 @@ class DemoCluster:
 
     def start_agent(self, node: str) -> None:
         path = self.root / f"agent-{node}.json"
-        path.write_text(self.agent_config(node).model_dump_json(indent=2))
+        kind, quota = self.kinds.get(node, ("cpu", None))
+        path.write_text(self.agent_config(node, kind, quota).model_dump_json(indent=2))
         self.reg.start(f"agent-{node}", [*_SAILOR, "agent", "--config", str(path)])
+
+    def set_quota(self, node: str, cores: float | None) -> None:
+        """Change the CPU quota of ``node``'s workers from outside its agent (a node that
+        becomes slow mid-run, as under a noisy neighbour or thermal throttling)."""
+        from sailor.agent.cpu_quota import node_cgroup
+
+        node_cgroup(self.job, node).set_quota(cores)
 
     def preempt(self, node: str, in_s: float) -> float:
         """Drop a spot-preemption notice where the node's file watcher looks; return its time."""
