@@ -30,6 +30,7 @@ import structlog
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.decide import Action, ClearNotice, Commit, Replan, Send, SetDesired
+from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
 from sailor.coordination import (
     Clock,
@@ -107,9 +108,13 @@ class Executor:
         data = state.model_dump_json().encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
-        if state.phase is Phase.LAUNCH:  # which training config this generation runs
+        if state.phase is Phase.LAUNCH:  # which training config and layout this generation runs
             t = state.training
             extra["training_sha256"] = training_digest(t) if t is not None else ""
+            if state.plan is not None:
+                extra["layout"] = layout_of(state.plan, state.placement)
+                pred = state.plan.predicted
+                extra["predicted_step_s"] = pred.iteration_time_s if pred is not None else None
         self.audit.write(
             "phase",
             self.clock.now(),

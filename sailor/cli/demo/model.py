@@ -4,8 +4,8 @@
   positions, tied embeddings, its LayerNorm epsilon), resolved once here through
   ``megatron_patch.hf`` into the model file every worker reads, so the ranks never import
   ``transformers``. Its blocks have the sizes of the catalog's ``tiny-gpt`` (4 blocks,
-  hidden 32, 4 heads, FFN 64, sequence 16), which the controller plans and prices; its
-  vocabulary is the corpus tokenizer's (:data:`VOCAB`).
+  hidden 32, 4 heads, FFN 64, sequence 16); its vocabulary is the corpus tokenizer's
+  (:data:`VOCAB`). The controller plans and prices this model (its ``ModelSpec`` file).
 - **Data**: the reference prose the Python installation ships (``python-docs``, about
   0.5 MB: the standard library's module docstrings), tokenized by ``sailor data prepare``'s
   code with a byte-level BPE of :data:`VOCAB` tokens trained on it, into a Megatron indexed
@@ -24,7 +24,14 @@ from typing import Any
 
 import yaml
 
-__all__ = ["CORPUS", "VOCAB", "DemoTraining", "demo_config", "demo_model", "prepare_demo"]
+__all__ = [
+    "CORPUS",
+    "VOCAB",
+    "DemoTraining",
+    "demo_config",
+    "demo_model",
+    "prepare_demo",
+]
 
 CORPUS = "python-docs"
 """The built-in corpus the demo trains on (``sailor.data.corpus``)."""
@@ -41,6 +48,8 @@ class DemoTraining:
     """The files of the demo's training: the resolved model, the data set, the config."""
 
     model_file: Path
+    spec_file: Path
+    """The model's ``ModelSpec`` alone: what the controller plans and prices."""
     data_prefix: Path
     training_file: Path
     prepare_command: str
@@ -90,7 +99,9 @@ def prepare_demo(root: Path, global_batch_size: int) -> DemoTraining:
     from sailor.megatron_patch.hf.checkpoint import model_file
 
     model = root / "model.json"
-    model.write_text(model_file(*demo_model(global_batch_size)))
+    spec, arch = demo_model(global_batch_size)
+    model.write_text(model_file(spec, arch))
+    (root / "spec.json").write_text(spec.model_dump_json(indent=2))  # what the controller plans
     prefix = root / "data" / "pydocs"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     opts = PrepareOptions(
@@ -107,6 +118,7 @@ def prepare_demo(root: Path, global_batch_size: int) -> DemoTraining:
     training.write_text(yaml.safe_dump(training_config("model.json", "data/pydocs")))
     return DemoTraining(
         model_file=model,
+        spec_file=root / "spec.json",
         data_prefix=prefix,
         training_file=training,
         prepare_command=(

@@ -7,6 +7,7 @@ batches, fp32). ``summary`` assembles the JSON-able result; ``print_summary`` dr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from sailor.cli.tables import print_table
 
 __all__ = [
     "LOSS_ATOL",
+    "LOSS_RTOL",
     "LossComparison",
     "compare_losses",
     "loss_tolerance",
@@ -33,6 +35,13 @@ LOSS_ATOL = 2e-6
 test_checkpoint_resume.py measured <= 2.4e-7; the runtime tests use this bound). The demo's
 tolerance is the larger of this and 3× the measured floor: what reduction order alone does
 to the losses of two uninterrupted runs over as many steps (:func:`loss_tolerance`)."""
+
+
+LOSS_RTOL = 1e-5
+"""Relative part of the bound: over a hundred steps and more of real text, the rounding of
+another layout's reduction order grows past what two single-process orders show (measured
+here: up to 2.9e-5 at loss 5.3 after 160 steps across four layouts, the committed steps
+within 4.3e-6); a wrong sample, rate or gradient moves the loss by 1e-3 and more."""
 
 
 def loss_tolerance(reference: Sequence[float], other_order: Sequence[float]) -> float:
@@ -54,10 +63,13 @@ class LossComparison:
     max_abs_diff: float
     max_abs_diff_committed: float
     tolerance: float = LOSS_ATOL
+    max_excess: float = 0.0
+    """Largest ``|diff| - LOSS_RTOL x |reference|`` over the compared steps."""
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.tolerance and len(self.committed) == len(
+        """Every step within ``tolerance + LOSS_RTOL x |reference|``; every commit seen."""
+        return self.max_excess <= self.tolerance and len(self.committed) == len(
             self.committed_steps
         )
 
@@ -70,11 +82,14 @@ def compare_losses(
 ) -> LossComparison:
     """Every reported step against ``reference[step - 1]``; commits by their step."""
     worst = 0.0
+    over = 0.0  # the largest excess over the relative part of the bound
     n = 0
     by_step: dict[int, float] = {}
     for p in sorted(points, key=lambda p: (p.step, p.generation)):
         if 1 <= p.step <= len(reference):
-            worst = max(worst, abs(p.loss - reference[p.step - 1]))
+            ref = reference[p.step - 1]
+            worst = max(worst, abs(p.loss - ref))
+            over = max(over, abs(p.loss - ref) - LOSS_RTOL * abs(ref))
             n += 1
             by_step.setdefault(p.step, p.loss)
     committed = tuple((s, by_step[s], reference[s - 1]) for s in sorted(commits) if s in by_step)
@@ -84,6 +99,7 @@ def compare_losses(
         committed_steps=tuple(sorted(commits)),
         committed=committed,
         max_abs_diff=worst,
+        max_excess=over,
         max_abs_diff_committed=worst_c,
         tolerance=tolerance,
     )
@@ -131,6 +147,32 @@ def summary(
     }
 
 
+def layouts(
+    records: Sequence[dict[str, Any]], points: Sequence[StepPoint], skip: int = 3
+) -> list[dict[str, Any]]:
+    """Per generation: the layout its launch record names, the simulator's predicted step and
+    the measured one (median time between consecutive steps of that generation, its first
+    ``skip`` steps left out: start-up, first-touch allocation)."""
+    out = []
+    for r in records:
+        if r.get("kind") != "phase" or r.get("phase") != "launch" or "layout" not in r:
+            continue
+        gen = int(r["generation"])
+        times = sorted(p.time for p in points if p.generation == gen)[skip:]
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        measured = gaps[len(gaps) // 2] if gaps else None
+        out.append(
+            {
+                "generation": gen,
+                "layout": r["layout"],
+                "predicted_step_s": r.get("predicted_step_s"),
+                "measured_step_s": measured,
+                "steps": len(times) + min(skip, len(times)),
+            }
+        )
+    return out
+
+
 def print_summary(con: Console, summ: dict[str, Any]) -> None:
     con.rule("[bold]Summary")
     con.print(
@@ -164,6 +206,25 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
         ph_t.add_row(r["cause"], *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES))
     print_table(con, t)
     print_table(con, ph_t)
+    if summ.get("layouts"):
+        from sailor.controller.layout import describe_layout
+
+        lt = Table(
+            "generation",
+            "layout (kind layers [tp] per stage; mbs×microbatches)",
+            "predicted s/step",
+            "measured s/step",
+            title="layouts: the simulator's step beside the measured one",
+        )
+        for g in summ["layouts"]:
+            pr, me = g["predicted_step_s"], g["measured_step_s"]
+            lt.add_row(
+                str(g["generation"]),
+                describe_layout(g["layout"]),
+                f"{pr:.3f}" if pr is not None else "—",
+                f"{me:.3f}" if me is not None else "—",
+            )
+        print_table(con, lt)
     lo = summ["losses"]
     c = Table("committed step", "loss (cluster)", "loss (uninterrupted)", "|diff|")
     for row in lo["committed"]:
@@ -178,7 +239,8 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
     con.print(
         f"  losses {verdict}: {lo['steps_compared']} reported steps (all generations, redone "
         f"steps included), largest |diff| {lo['max_abs_diff']:.1e} "
-        f"(tolerance {lo['tolerance']:.1e}: 3x what reduction order alone does)"
+        f"(bound {lo['tolerance']:.1e} + {LOSS_RTOL:.0e} x loss: 3x what reduction order "
+        "alone does, and rounding's growth over long runs)"
     )
     if lo.get("first_mean") is not None:
         con.print(

@@ -29,9 +29,16 @@ from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
 from sailor.cli.demo.model import CORPUS, prepare_demo
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.reconfig import reconfigurations
-from sailor.cli.demo.report import compare_losses, loss_tolerance, print_summary, summary
+from sailor.cli.demo.report import (
+    compare_losses,
+    layouts,
+    loss_tolerance,
+    print_summary,
+    summary,
+)
 from sailor.cli.demo.scenario import DemoSettings, Scenario
 from sailor.cli.demo.servers import start_servers
+from sailor.controller.config import OnlineCalibrationSettings
 
 __all__ = ["Interrupted", "run_demo"]
 
@@ -42,6 +49,16 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+DEMO_CALIBRATION = OnlineCalibrationSettings(
+    replan=False, min_steps=5, interval_s=1.0, stable_reports=2
+)
+"""Online calibration in the demo: fit every second from five steps on, and price the next
+membership change's plan with the fit (the first layout is planned from the catalog's
+nominal ``cpu`` spec; the summary's layout table shows the prediction converge); no
+calibration-driven reconfiguration of its own (the demo's four changes stay the ones it
+injects)."""
 
 
 def _raise(signum: int, _frame: FrameType | None) -> None:
@@ -111,6 +128,8 @@ def run_demo(
                 global_batch_size=settings.global_batch_size,
                 min_step_s=settings.min_step_s,
                 training_file=training.result(timeout=120).training_file,
+                model=str(training.result().spec_file),
+                online_calibration=DEMO_CALIBRATION,
             )
             con.print(
                 f"  training: GPT-2 (transformers config) on {CORPUS!r}, "
@@ -179,6 +198,7 @@ def _report(
     png = plot_run(points, reconfs, gbs, t_start, out / "demo-cluster.png", reference=ref)
     losses = compare_losses(points, ref, commits, tol)
     summ = summary(points, reconfs, losses, wall, str(png), audit_ok, ref, spec.vocab_size)
+    summ["layouts"] = layouts(records, points)
     summ["leftover_processes"] = leftovers
     print_summary(con, summ)
     return summ
