@@ -50,6 +50,7 @@ from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.report import LOSS_ATOL, compare_losses
 from sailor.cli.demo.scenario import DemoSettings, Driver
 from sailor.controller.audit import check, read_records
+from sailor.controller.config import OnlineCalibrationSettings
 from sailor.localservers import Identities, start_local_servers
 
 if TYPE_CHECKING:
@@ -305,6 +306,9 @@ class ChaosRun:
                 global_batch_size=GBS,
                 min_step_s=self.settings.min_step_s,
                 training_file=demo_training().training_file,
+                model=str(demo_training().spec_file),
+                # fits and plans with them, but the scenario's faults are the only changes
+                online_calibration=OnlineCalibrationSettings(replan=False),
                 job=JOB,
             )
             self.drive = Driver(cluster=self.cluster, settings=self.settings, t0=self.t0)
