@@ -54,8 +54,10 @@ read and validated first, before the backend or any process group starts: a wron
 configuration error naming the field and its value. It gives the model (unless ``--model``),
 the seed and AdamW settings, the data set (synthetic or a Megatron indexed dataset, paths
 relative to the file) and where rank 0 writes per-step metrics (JSON lines, TensorBoard:
-:mod:`sailor.metrics`). LR schedule, clipping, evaluation and periodic checkpoints of the
-config are not applied by this engine yet.
+:mod:`sailor.metrics`), the LR schedule, clipping, evaluation and precision, and periodic
+checkpoints (``checkpoint.every_steps`` into ``checkpoint.dir`` with its own retention
+``keep``, durable before training goes on, reported as ``periodic_checkpoint``; the agent's
+save requests keep their own directory).
 
 Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
 package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
@@ -121,6 +123,7 @@ from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
 from sailor.schemas.training import (  # noqa: E402
     BuiltinModel,
+    CheckpointConfig,
     HuggingFaceModel,
     SpecFileModel,
     TrainingConfig,
@@ -148,8 +151,10 @@ class CheckpointIO(Protocol):
         """Load this rank's layers, sliced for its TP rank, and its AdamW moments."""
         ...
 
-    def save(self, trainer: Trainer, root: str) -> float:
-        """Snapshot now (collective), persist in the background; returns the stall seconds."""
+    def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
+        """Snapshot now (collective), persist in the background; returns the stall seconds.
+        ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
+        commit); None: the implementation's default."""
         ...
 
     def wait(self) -> None:
@@ -344,9 +349,11 @@ class _Boundary:
         progress: _Progress,
         ckpt: CheckpointIO | None,
         device: torch.device,
+        periodic: CheckpointConfig | None = None,
     ) -> None:
         self.args, self.status, self.progress, self.ckpt = args, status, progress, ckpt
         self.device = device
+        self.periodic = periodic if periodic is not None and periodic.every_steps else None
         self.saved_requests: set[int] = set()
         self.pending_save = -1
         self.last_saved = -1
@@ -364,6 +371,22 @@ class _Boundary:
         self.ckpt.wait()
         self.last_saved, self.pending_save = self.pending_save, -1
         self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
+
+    def _periodic_save(self, tr: Trainer) -> None:
+        """The training config's checkpoint every ``every_steps`` (its own directory and
+        retention, apart from the agent's): a save that is durable before training goes on,
+        reported as ``periodic_checkpoint`` (not ``saved``: the agent's protocol is about its
+        own requests). Every rank takes the same decision from the step alone."""
+        p = self.periodic
+        if p is None or p.dir is None or tr.step == self.args.start_step or tr.step % p.every_steps:
+            return
+        if self.ckpt is None:
+            raise RuntimeError("checkpoint.every_steps needs a checkpoint implementation")
+        self.ckpt.save(tr, p.dir, keep=p.keep)
+        self.ckpt.wait()
+        self.progress.emit(
+            {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}
+        )
 
     def _maybe_save(self, tr: Trainer, req: ControlRequest, holding: bool) -> None:
         if not req.wants_save or req.save_step in self.saved_requests:
@@ -391,6 +414,7 @@ class _Boundary:
             os.abort()
         # The save in flight overlapped one iteration; report it once durable.
         self._finish_save()
+        self._periodic_save(tr)
         req = self._request()
         self._maybe_save(tr, req, holding=False)
         if req.wants_stop and tr.step >= req.stop_at_step:
@@ -556,7 +580,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             )
 
     metrics_every = tc.metrics.every_steps if tc is not None else 1
-    boundary = _Boundary(args, status, progress, ckpt, device)
+    periodic = None
+    if tc is not None and tc.checkpoint.dir is not None:
+        periodic = tc.checkpoint.model_copy(update={"dir": str(base / tc.checkpoint.dir)})
+    boundary = _Boundary(args, status, progress, ckpt, device, periodic)
     trainer.run(args.steps, hook=boundary, on_step=on_step)
     if metrics is not None:
         metrics.close()

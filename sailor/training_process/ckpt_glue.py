@@ -103,27 +103,27 @@ class LayerCheckpointIO:
     def restore(self, trainer: Trainer, root: str, step: int) -> None:
         restore_trainer(trainer, root, step)
 
-    def _checkpointer(self, tr: Trainer, root: str) -> Checkpointer:
+    def _checkpointer(self, tr: Trainer, root: str, keep: int | None = None) -> Checkpointer:
         ck = self._by_root.get(root)
         if ck is None:
             ck = Checkpointer(
                 LocalStorage(root),
                 tr.plan,
                 tr.role.rank,
-                keep=self.keep,
+                keep=self.keep if keep is None else keep,
                 tp_group=tr.groups.tp.group,
             )
             self._by_root[root] = ck
         return ck
 
-    def save(self, trainer: Trainer, root: str) -> float:
+    def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
         opt = optimizer_state(trainer.stage, trainer.optimizer)
         steps = {s["step"] for s in opt.values()}
         if opt and steps != {trainer.step}:
             raise RuntimeError(f"AdamW steps {sorted(steps)} != iteration {trainer.step}")
         extra: dict[str, Any] = {"adam_step": trainer.step, "seed": trainer.cfg.seed}
         g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
-        ck = self._checkpointer(trainer, root)
+        ck = self._checkpointer(trainer, root, keep)
         self._in_flight = ck
         return ck.save(trainer_params(trainer), g)
 

@@ -134,3 +134,39 @@ def test_wrong_field_refused_before_any_process_group(tmp_path: Path) -> None:
     assert err["origin"] == "config" and err["retry"] is False
     assert "optimizer.lr=-0.5: Input should be greater than 0" in err["message"]
     assert "init_process_group" not in err["traceback"]
+
+
+def test_periodic_checkpoints_of_the_config_keep_their_own_retention(
+    config: Path, tmp_path: Path
+) -> None:
+    """``checkpoint: {dir, every_steps: 2, keep: 1}``: steps 2 and 4 are saved under the
+    config's directory (anchored at the config file) and only the newest stays; the run
+    resumes from it with the uninterrupted run's next loss."""
+    from sailor.checkpoint import LocalStorage
+    from sailor.checkpoint.reader import committed_steps
+
+    path = config.parent / "run-ckpt.yaml"
+    path.write_text(CONFIG + "checkpoint: {dir: ckpt-periodic, every_steps: 2, keep: 1}\n")
+    plan = _plan(
+        Pipeline(stages=(_stage(0, 1), _stage(2, 3)), microbatch_size=1, num_microbatches=4)
+    )
+    args = ["--train-config", str(path)]
+    run = launch_local(
+        plan, STEPS + 1, tmp_path / "a", extra_args=args, module="sailor.training_process"
+    )
+    assert run.ok, (run.errors, run.stderr)
+    root = config.parent / "ckpt-periodic"
+    assert committed_steps(LocalStorage(str(root))) == [4]
+    events = [e for e in run.progress[0] if e.get("event") == "periodic_checkpoint"]
+    assert [e["step"] for e in events] == [2, 4]
+    resumed = launch_local(
+        plan,
+        1,
+        tmp_path / "b",
+        extra_args=[*args, "--ckpt-dir", str(root), "--load-step", "4"],
+        module="sailor.training_process",
+    )
+    assert resumed.ok, (resumed.errors, resumed.stderr)
+    assert [s["loss"] for s in resumed.steps(0)] == pytest.approx(
+        [s["loss"] for s in run.steps(0)][4:], rel=1e-6
+    )
