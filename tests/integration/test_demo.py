@@ -88,9 +88,12 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     committed = [c["step"] for c in losses["committed"]]
     assert len(committed) >= 2  # the notice's and the join's checkpoints
     assert all(c["abs_diff"] <= tol + LOSS_RTOL * c["reference"] for c in losses["committed"])
-    # every generation's layout is in its launch record, beside its predicted step
-    assert [g["generation"] for g in summ["layouts"]] == [1, 2, 3, 4]
-    assert all(g["predicted_step_s"] and g["measured_step_s"] for g in summ["layouts"])
+    # every generation's layout is in its launch record, beside its predicted step (a slow
+    # start may launch on the first nodes to register, then on all: five generations)
+    gens = [g["generation"] for g in summ["layouts"]]
+    assert gens == sorted(gens) and len(gens) >= 4, gens
+    assert all(g["predicted_step_s"] for g in summ["layouts"])
+    assert sum(g["measured_step_s"] is not None for g in summ["layouts"]) >= 4
     # a GPT-2 on the Python docs: the loss falls well below the uniform guess ln(512)
     assert losses["last_mean"] < losses["first_mean"] - 0.3, losses
     assert losses["last_mean"] < losses["uniform"] - 0.5, losses
