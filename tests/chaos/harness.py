@@ -92,8 +92,10 @@ class _Training(NamedTuple):
     data: TokenSource
 
 
+@functools.cache
 def _training() -> _Training:
-    """What the workers train, for the reference: spec, architecture, settings, samples."""
+    """What the workers train, for the reference: spec, architecture, settings, samples
+    (read once per process: the verdict and the checkpoint comparison both ask)."""
     from sailor.megatron_patch.data import build_dataset
     from sailor.megatron_patch.engine import TrainConfig
     from sailor.schemas.training import parse_training_config
