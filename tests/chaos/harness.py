@@ -14,9 +14,9 @@ The verdict of one run (:class:`Outcome`) is measured, not asserted here:
 - ``sailor audit`` over every controller's log (the checker of ``sailor.controller.audit``);
 - every loss any generation reported, redone steps included, against an uninterrupted
   single-process run (``train_reference``, same seed and global batches) within
-  ``max(LOSS_ATOL, 3 x floor)``, the floor being what reduction order alone does to the
-  losses of two uninterrupted runs over as many steps (it grows past LOSS_ATOL only in
-  runs of hundreds of steps);
+  ``max(LOSS_ATOL, 3 x floor) + LOSS_RTOL x |loss|``, the demo's rule, the floor being what
+  reduction order alone does to the losses of uninterrupted runs over as many steps (it
+  grows past LOSS_ATOL only in runs of hundreds of steps);
 - the final parameters: the run ends with a drain (a preemption notice for one node), so its
   last step is committed; that checkpoint's weights must equal the reference's after as many
   steps, within ``PARAM_ATOL``, and its AdamW moments the reference's, within
@@ -119,6 +119,17 @@ MOMENT_ATOL = 2e-6
 4e-8 to 1.2e-7 over 3 to 100 steps, largest in the embedding's moments (~0.1-0.9); the resume
 test's state gaps across layouts, moments included, <= 5.6e-7. A moment restored as zero or
 from another step differs by ~its size, 1e-2 to 1 in most tensors."""
+ALT_MICROBATCHES = (2, 1)
+"""The uninterrupted references the floors are measured against (microbatch sizes of the
+global batch): one other reduction order is one draw of rounding's spread; the demo's GPT-2 on
+real text measured 1.3e-3 to 5.6e-3 between the three orders after 200 steps (lr 3e-3)."""
+MOMENT_RTOL = 1e-4
+"""Relative part of the moments' bound, as ``LOSS_RTOL`` for the losses: over hundreds of
+steps on real text (lr 1e-3) rounding moves a moment by ~1e-5 of its size between two
+single-process orders (the floor: 9.2e-7 at a moment of 0.074 after 336 steps), and a run
+through a dozen layouts with TP, which the floor's orders do not have, moved one by 3.3e-6
+(the trace replay, 3.6x its floor); a moment saved as zero or a step off is off by 5e-2 of
+its size and more (tests/chaos/test_chaos_verdict.py)."""
 TABLE_ENV = "SAILOR_CHAOS_TABLE"
 """File the runs append their outcome to (one JSON line each); tests/chaos/conftest.py
 prints the table from it."""
@@ -204,6 +215,8 @@ class _Diffs(NamedTuple):
     moments: float
     """Over both AdamW moments (``exp_avg``, ``exp_avg_sq``)."""
     moment_floor: float
+    moment_excess: float
+    """Largest ``|checkpoint - reference| - MOMENT_RTOL x |reference|`` over the moments."""
 
     @property
     def weights_ok(self) -> bool:
@@ -211,19 +224,20 @@ class _Diffs(NamedTuple):
 
     @property
     def moments_ok(self) -> bool:
-        return self.moments <= max(MOMENT_ATOL, 3 * self.moment_floor)
+        return self.moment_excess <= max(MOMENT_ATOL, 3 * self.moment_floor)
 
 
-def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alt: ReferenceRun) -> _Diffs:
+def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alts: Sequence[ReferenceRun]) -> _Diffs:
     """Checkpoint ``step``'s weights and AdamW moments against the reference's (``ref`` and
-    ``alt`` trained with ``params_at=step``), with floors.
+    ``alts`` trained with ``params_at=step``), with floors.
 
-    A floor is the same difference between two uninterrupted references, what reduction
-    order alone produces: the reference trained with the whole global batch at once against
-    the same trained two samples at a time. Measured here for the weights: 1.5e-6 after 10
-    steps, 5.7e-6 to 1.1e-5 after 40, 2.9e-5 after 80, nearly all in the attention key
-    biases, whose gradient is zero in exact arithmetic (softmax ignores a constant added to
-    every key), so AdamW scales pure rounding noise to ~lr. The moments' floor stays ~1e-7.
+    A floor is the same difference between uninterrupted references, what reduction order
+    alone produces: the reference trained with the whole global batch at once against the
+    same trained in smaller microbatches (:data:`ALT_MICROBATCHES`), the largest gap of any.
+    Measured here for the weights (synthetic tokens): 1.5e-6 after 10 steps, 5.7e-6 to 1.1e-5
+    after 40, 2.9e-5 after 80, nearly all in the attention key biases, whose gradient is zero
+    in exact arithmetic (softmax ignores a constant added to every key), so AdamW scales pure
+    rounding noise to ~lr. The moments' floor stays ~1e-7.
     """
     from sailor.checkpoint import LocalStorage, load
 
@@ -236,15 +250,25 @@ def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alt: ReferenceRun) ->
     def gap(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max())
 
+    def excess(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(((a - b).abs() - MOMENT_RTOL * b.abs()).max())
+
     return _Diffs(
         weights=max(gap(got[k].weight, ref.params_at[k]) for k in ref.params_at),
-        weight_floor=max(gap(alt.params_at[k], ref.params_at[k]) for k in ref.params_at),
+        weight_floor=max(
+            gap(alt.params_at[k], ref.params_at[k]) for alt in alts for k in ref.params_at
+        ),
         moments=max(
             max(gap(got[k].exp_avg, m), gap(got[k].exp_avg_sq, v))
             for k, (m, v) in ref.moments_at.items()
         ),
         moment_floor=max(
             max(gap(alt.moments_at[k][0], m), gap(alt.moments_at[k][1], v))
+            for alt in alts
+            for k, (m, v) in ref.moments_at.items()
+        ),
+        moment_excess=max(
+            max(excess(got[k].exp_avg, m), excess(got[k].exp_avg_sq, v))
             for k, (m, v) in ref.moments_at.items()
         ),
     )
@@ -446,26 +470,33 @@ class ChaosRun:
             ref = train_reference(
                 tr.spec, GBS, last, tr.cfg, arch=tr.arch, data=tr.data, params_at=at
             )
-            alt = train_reference(
-                tr.spec,
-                GBS,
-                last,
-                tr.cfg,
-                microbatch_size=2,
-                arch=tr.arch,
-                data=tr.data,
-                params_at=at,
-            )
-        pairs = zip(ref.losses, alt.losses, strict=True)
-        loss_floor = max((abs(a - b) for a, b in pairs), default=0.0)
-        losses = compare_losses(points, ref.losses, commits)
+            alts = [
+                train_reference(
+                    tr.spec,
+                    GBS,
+                    last,
+                    tr.cfg,
+                    microbatch_size=mbs,
+                    arch=tr.arch,
+                    data=tr.data,
+                    params_at=at,
+                )
+                for mbs in ALT_MICROBATCHES
+            ]
+        loss_floor = max(
+            (abs(a - b) for alt in alts for a, b in zip(ref.losses, alt.losses, strict=True)),
+            default=0.0,
+        )
+        # the demo's rule: max(LOSS_ATOL, 3 x floor) + LOSS_RTOL x |loss| (the relative part
+        # for what the single-process floors cannot show: TP's split softmax, other layouts)
+        losses = compare_losses(points, ref.losses, commits, max(LOSS_ATOL, 3 * loss_floor))
         downtimes, redone = _downtimes(points)
         launches = sum(r.get("kind") == "phase" and r.get("phase") == "launch" for r in records)
         inf = float("inf")
         diffs = (
-            _param_diffs(self.root / "ckpt", p_step, ref, alt)
+            _param_diffs(self.root / "ckpt", p_step, ref, alts)
             if at is not None
-            else _Diffs(inf, 0.0, inf, 0.0)
+            else _Diffs(inf, 0.0, inf, 0.0, inf)
         )
         out = Outcome(
             scenario=self.scenario,
@@ -478,8 +509,7 @@ class ChaosRun:
             commits=commits,
             audit_ok=report.ok,
             audit_violations=list(report.violations),
-            losses_ok=len(losses.committed) == len(commits)
-            and losses.max_abs_diff <= max(LOSS_ATOL, 3 * loss_floor),
+            losses_ok=losses.ok,
             max_loss_diff=losses.max_abs_diff,
             loss_floor=loss_floor,
             params_step=p_step,

@@ -18,7 +18,7 @@ from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.reference import ReferenceRun, train_reference
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
-from tests.chaos.harness import GBS, _param_diffs
+from tests.chaos.harness import ALT_MICROBATCHES, GBS, _param_diffs
 
 STEPS = 3
 
@@ -43,28 +43,32 @@ def _save(root: Path, params: dict[str, ParamState]) -> None:
 
 
 @pytest.fixture(scope="module")
-def refs() -> tuple[ReferenceRun, ReferenceRun]:
-    """The verdict's two uninterrupted references (whole batch; two samples at a time)."""
+def refs() -> tuple[ReferenceRun, ...]:
+    """The verdict's uninterrupted references (whole batch; then smaller microbatches)."""
     spec = tiny_model("tiny-gpt", GBS)
-    ref = train_reference(spec, GBS, STEPS, TrainConfig(seed=0), params_at=STEPS)
-    alt = train_reference(spec, GBS, STEPS, TrainConfig(seed=0), microbatch_size=2, params_at=STEPS)
-    return ref, alt
+    cfg = TrainConfig(seed=0)
+    ref = train_reference(spec, GBS, STEPS, cfg, params_at=STEPS)
+    alts = [
+        train_reference(spec, GBS, STEPS, cfg, microbatch_size=m, params_at=STEPS)
+        for m in ALT_MICROBATCHES
+    ]
+    return ref, *alts
 
 
 @pytest.fixture(scope="module")
-def reference(refs: tuple[ReferenceRun, ReferenceRun]) -> dict[str, ParamState]:
+def reference(refs: tuple[ReferenceRun, ...]) -> dict[str, ParamState]:
     ref = refs[0]
     return {k: ParamState(w, *ref.moments[k]) for k, w in ref.params.items()}
 
 
 def test_a_checkpoint_of_the_uninterrupted_run_passes(
     reference: dict[str, ParamState],
-    refs: tuple[ReferenceRun, ReferenceRun],
+    refs: tuple[ReferenceRun, ...],
     tmp_path: Path,
 ) -> None:
     """The floors stay below the bounds, and the reference checks equal to itself."""
     _save(tmp_path, reference)
-    diffs = _param_diffs(tmp_path, STEPS, *refs)
+    diffs = _param_diffs(tmp_path, STEPS, refs[0], refs[1:])
     assert diffs.weights == 0.0 and diffs.moments == 0.0, diffs
     assert diffs.weights_ok and diffs.moments_ok, diffs
 
@@ -82,13 +86,13 @@ def _one_decay_too_many(ps: ParamState) -> ParamState:
 @pytest.mark.parametrize("mangle", [_zero_moments, _one_decay_too_many])
 def test_moments_saved_wrong_fail_with_the_right_weights(
     reference: dict[str, ParamState],
-    refs: tuple[ReferenceRun, ReferenceRun],
+    refs: tuple[ReferenceRun, ...],
     tmp_path: Path,
     mangle: Callable[[ParamState], ParamState],
 ) -> None:
     """Catches a verdict that compares weights only: these checkpoints hold the reference's
     exact weights, so only the moments can tell them from the uninterrupted run."""
     _save(tmp_path, {k: mangle(ps) for k, ps in reference.items()})
-    diffs = _param_diffs(tmp_path, STEPS, *refs)
+    diffs = _param_diffs(tmp_path, STEPS, refs[0], refs[1:])
     assert diffs.weights == 0.0 and diffs.weights_ok, diffs
     assert not diffs.moments_ok, diffs

@@ -83,12 +83,19 @@ def demo_model(global_batch_size: int) -> tuple[Any, Any]:
 
 
 def training_config(model_file: str, data_prefix: str) -> dict[str, Any]:
-    """The demo's ``TrainingConfig`` (as data; validated by every rank)."""
+    """The demo's ``TrainingConfig`` (as data; validated by every rank).
+
+    AdamW at lr 1e-3, stable over long runs: two single-process runs differing only in
+    microbatch size stay 2e-4 apart in any weight after 336 steps. At 3e-3 the loss falls
+    faster at first (last-ten mean 5.30 against 5.46 after 60 steps) but ends higher (5.12
+    against 5.02 after 336), and rounding grows ~2x every 20 steps past step 100 to 9e-2 apart
+    after 336: the run is at the edge of stability, where no exactness check can see through
+    the noise (the chaos suite's trace replay trains 336 steps)."""
     return {
         "model": {"kind": "spec", "path": model_file},
         "data": {"kind": "indexed", "prefix": data_prefix},
         "seed": 0,
-        "optimizer": {"lr": 3e-3},
+        "optimizer": {"lr": 1e-3},
     }
 
 
