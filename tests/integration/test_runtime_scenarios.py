@@ -102,7 +102,10 @@ class Cluster:
             node=NodeSpec(node_id=node_id, gpu_type=gpu, gpus=1, zone="z-a-1", address="127.0.0.1"),
             nats_url=self.nats_url,
             etcd_endpoint=self.etcd,
-            lease_ttl_s=1,
+            # the product's default: these agents share the test's event loop, and under a
+            # loaded host (two pytest workers, load 8) a 1 s lease expired mid-test (a node
+            # "lost without notice" and re-registered, an extra generation)
+            lease_ttl_s=2,
             work_dir=self.tmp / "agents",
             worker_argv=self.worker,
             watchers=watchers,
