@@ -326,8 +326,8 @@ def plan_cmd(
     if pareto is not None:
         _pareto(res, pareto)
     if as_json:
-        dep = {"name": deployment or "calibration", **cal.structure()}
-        typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres, dep))
+        priced = {"name": deployment or "calibration", **cal.structure()}
+        typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres, priced))
     else:
         _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
         Console().print(
