@@ -326,14 +326,14 @@ def plan_cmd(
     if pareto is not None:
         _pareto(res, pareto)
     if as_json:
-        priced = {"name": deployment or "calibration", **cal.structure()}
+        priced = {"name": dep.name if dep else "calibration", **cal.structure()}
         typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres, priced))
     else:
         _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
         Console().print(
             f"risk {risk}: searched the {', '.join(rres.searched)} corner(s); "
             f"{rres.candidates} distinct plans judged in every corner; priced for deployment "
-            f"{deployment or 'of the calibration'} (p2p across TP {cal.p2p_across_tp}, "
+            f"{dep.name if dep else 'of the calibration'} (p2p across TP {cal.p2p_across_tp}, "
             f"{cal.mixed_precision})"
         )
     if output is not None and res.plans:

@@ -219,7 +219,7 @@ def simulate_cmd(
         out["peak_memory_bytes"] = est.peak_memory_bytes
         out["interval"] = iv.model_dump(mode="json")
         out["fits_in_memory_all_corners"] = iv.fits_in_memory
-        out["deployment"] = {"name": deployment or "calibration", **cal.structure()}
+        out["deployment"] = {"name": dep.name if dep else "calibration", **cal.structure()}
         write_json(out, None)
     else:
         _print(est, plan)
