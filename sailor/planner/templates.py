@@ -152,16 +152,20 @@ def best_partitions(
     choice: list[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = []
     results: list[PipelineTemplate] = []
     best_period = inf
+    rows = np.arange(n)
     for k in range(1, depth_cap + 1):
         cur: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
         ch: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         mem_ok = [tables.stage_memory(a, k) <= c for a, c in zip(arrs, cap, strict=True)]
-        for x, p in combos:
+        # one allocation per depth for every combo's vectors (rows of these blocks; a few
+        # small allocations per combo and depth were a tenth of the DP's time)
+        blk_m = np.full((len(combos), *shape), inf)
+        blk_s = np.full((len(combos), *shape), inf)
+        blk_j = np.full((len(combos), *shape), -1, dtype=np.int64)
+        blk_y = np.full((len(combos), *shape), -1, dtype=np.int64)
+        for ci, (x, p) in enumerate(combos):
             if True:
-                bm = np.full(shape, inf)
-                bs = np.full(shape, inf)
-                bj = np.full(shape, -1, dtype=np.int64)
-                by = np.full(shape, -1, dtype=np.int64)
+                bm, bs, bj, by = blk_m[ci], blk_s[ci], blk_j[ci], blk_y[ci]
                 if k == 1:
                     if x != q - 1:
                         cur[(x, p)], ch[(x, p)] = (bm, bs), (bj, by)
@@ -186,7 +190,6 @@ def best_partitions(
                         best = mx.min(axis=1)
                         tie = mx <= best[:, None] * (1 + _TIE)
                         jsel = np.argmin(np.where(tie, sm, inf), axis=1)
-                        rows = np.arange(n)
                         cm, cs = mx[rows, jsel], sm[rows, jsel]
                         better = (cm < bm[:n] * (1 - _TIE)) | (
                             (cm <= bm[:n] * (1 + _TIE)) & (cs < bs[:n])
