@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from sailor.catalog import calibration as catalog_calibration
-from sailor.catalog import deployment as catalog_deployment
 from sailor.catalog import gpus as catalog_gpus
 from sailor.catalog import models as catalog_models
 from sailor.importers.sailor_format import (
@@ -43,7 +42,7 @@ from sailor.schemas import (
 from sailor.simulator import MeasuredRun, Method, calibrate_gpu, simulate
 from sailor.simulator.uncertainty import simulate_interval
 
-DEEPSPEED = Calibration().with_deployment(catalog_deployment("megatron-deepspeed"))
+DEEPSPEED = Calibration().with_deployment(catalog_calibration().fitted_structure("GH-96"))
 """The reference plans ran on Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer (16-bit
 weights and gradients, gradients all-reduced in fp16), not on Sailor's autocast engine: the
 structure the catalog's GH-96 fit records (``fitted_under``) and every replay here uses."""
