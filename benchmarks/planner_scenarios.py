@@ -33,6 +33,7 @@ from typing import Any
 
 from planner_common import REFERENCE, Setup, load, machine, pool
 
+from sailor.catalog import deployment as catalog_deployment
 from sailor.importers.sailor_format import ImportFormatError, plan_from_dict
 from sailor.planner import Constraints, NoFeasiblePlanError
 from sailor.planner.baselines import heterogeneity_blind, megatron_grid
@@ -128,8 +129,14 @@ def _value(e: Estimate, cost: bool) -> float:
     return e.cost_per_iter_usd if cost else e.throughput_iter_s
 
 
-def run(model: str, quick: bool, p2p: str | None = None) -> list[dict[str, Any]]:
+def run(
+    model: str, quick: bool, p2p: str | None = None, deployment: str | None = None
+) -> list[dict[str, Any]]:
     s = load(model)
+    if deployment is not None:  # price another deployment than the calibration's own
+        s = dataclasses.replace(
+            s, calibration=s.calibration.with_deployment(catalog_deployment(deployment))
+        )
     if p2p is not None:  # what if the engine moved activations across TP another way
         s = dataclasses.replace(
             s, calibration=s.calibration.model_copy(update={"p2p_across_tp": p2p})
@@ -249,6 +256,12 @@ def main() -> None:
         default=None,
         help="override the engine's p2p across TP (default: the built-in calibration's)",
     )
+    ap.add_argument(
+        "--deployment",
+        default=None,
+        help="catalog deployment to price (sailor, megatron-deepspeed; default: the "
+        "calibration's own, Sailor's engine)",
+    )
     args = ap.parse_args()
     print("# planner scenarios, every plan judged in every corner of the uncertainty set")
     print(f"machine: {machine()}")
@@ -265,9 +278,17 @@ def main() -> None:
             f"\n## {model}: GBS {s.model.global_batch_size}, {s.model.num_all_layers} layers, "
             f"calibration: {'catalog' if s.calibration.gpus else 'defaults'}"
         )
+        cal = s.calibration
+        if args.deployment:
+            cal = cal.with_deployment(catalog_deployment(args.deployment))
+        print(
+            f"deployment priced: {args.deployment or 'the calibration own'} "
+            f"(p2p across TP {cal.p2p_across_tp}, {cal.mixed_precision}); the pessimistic "
+            "corner prices full copies across TP"
+        )
         if args.p2p:
             print(f"engine p2p across TP overridden: {args.p2p}")
-        rows = run(model, args.quick, args.p2p)
+        rows = run(model, args.quick, args.p2p, args.deployment)
         if model == "OPT-350":
             print(
                 "\n| scenario | robust / original, per corner (" + ", ".join(CORNERS) + ") | "

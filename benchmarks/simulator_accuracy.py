@@ -42,11 +42,10 @@ from sailor.schemas import (
 from sailor.simulator import MeasuredRun, Method, calibrate_gpu, simulate
 from sailor.simulator.uncertainty import simulate_interval
 
-DEEPSPEED = Calibration(
-    mixed_precision="fp16_optimizer", p2p_across_tp="scatter_gather", sends_attention_mask=False
-)
+DEEPSPEED = Calibration().with_deployment(catalog_calibration().fitted_structure("GH-96"))
 """The reference plans ran on Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer (16-bit
-weights and gradients, gradients all-reduced in fp16), not on Sailor's autocast engine."""
+weights and gradients, gradients all-reduced in fp16), not on Sailor's autocast engine: the
+structure the catalog's GH-96 fit records (``fitted_under``) and every replay here uses."""
 
 REF = Path(__file__).parents[1] / ".." / "shared" / "reference" / "sailor"
 GIB = 1024**3
@@ -128,7 +127,14 @@ def main() -> None:
         for g in gpu_types:
             mine = [r for r in runs if r.plan.pipelines[0].stages[0].replica.gpu_type == g]
             gcal = calibrate_gpu(
-                mine, model, profiles, network, prices, gpu_specs=specs, base=DEEPSPEED
+                mine,
+                model,
+                profiles,
+                network,
+                prices,
+                gpu_specs=specs,
+                base=DEEPSPEED,
+                deployment_name="megatron-deepspeed",
             )
             cal = cal.with_gpu(gcal)
             print(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sailor.catalog import models
+from sailor.catalog import calibration, models
 from sailor.importers.sailor_format import import_network, import_plan, import_profiles
 from sailor.schemas import Calibration, GPUPrice, ModelSpec, NetworkProfile, PriceTable, ProfileDB
 from sailor.simulator import MeasuredRun
@@ -19,11 +19,11 @@ __all__ = ["DEEPSPEED", "REF", "load_opt350"]
 REF = Path(__file__).parents[1] / ".." / "shared" / "reference" / "sailor"
 
 
-DEEPSPEED = Calibration(
-    mixed_precision="fp16_optimizer", p2p_across_tp="scatter_gather", sends_attention_mask=False
-)
-"""The framework the reference plans ran on: Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer
-(16-bit weights and gradients, gradients all-reduced in fp16), not Sailor's autocast engine."""
+DEEPSPEED = Calibration().with_deployment(calibration().fitted_structure("GH-96"))
+"""The framework the reference plans ran on, as the catalog's GH-96 fit records it
+(``GPUCalibration.fitted_under``: the catalog deployment ``megatron-deepspeed``, DeepSpeed's
+pipe engine with FP16_Optimizer, 16-bit gradients all-reduced, activations partitioned
+across TP), not Sailor's autocast engine; with no constant fitted."""
 
 
 def load_opt350() -> tuple[ModelSpec, ProfileDB, NetworkProfile, PriceTable, list[MeasuredRun]]:

@@ -14,10 +14,24 @@ from typing import Any
 
 from sailor.schemas import GPUPrice, GPUSpec, ModelSpec, PriceTable
 from sailor.schemas.calibration import Calibration
+from sailor.schemas.deployment import Deployment
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.prices import EgressPrice
 
-__all__ = ["calibration", "gpu", "gpus", "model", "models", "prices"]
+__all__ = [
+    "DEFAULT_DEPLOYMENT",
+    "calibration",
+    "deployment",
+    "deployments",
+    "gpu",
+    "gpus",
+    "model",
+    "models",
+    "prices",
+]
+
+DEFAULT_DEPLOYMENT = "sailor"
+"""The deployment plans are priced for unless told otherwise: Sailor's own engine."""
 
 
 def _load(name: str) -> Any:
@@ -54,6 +68,20 @@ def prices() -> PriceTable:
 def calibration() -> Calibration:
     """Simulator constants per GPU type, each with the measurement it came from."""
     return Calibration.model_validate(_load("calibration.json"))
+
+
+@cache
+def deployments() -> dict[str, Deployment]:
+    """Every catalog deployment (the structures a plan can be priced for) by name."""
+    return {d["name"]: Deployment(**d) for d in _load("deployments.json")["deployments"]}
+
+
+def deployment(name: str) -> Deployment:
+    """One deployment; a clear error names the unknown one and the known ones."""
+    table = deployments()
+    if name not in table:
+        raise KeyError(f"deployment={name!r} is not in the catalog (known: {', '.join(table)})")
+    return table[name]
 
 
 def gpu(name: str) -> GPUSpec:

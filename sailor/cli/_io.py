@@ -12,8 +12,23 @@ from pydantic import BaseModel, ValidationError
 
 from sailor.cli.errors import CliError
 from sailor.cli.schema_names import SCHEMAS
+from sailor.schemas.deployment import Deployment
 
-__all__ = ["fail", "load_config", "load_model", "load_raw", "write_json"]
+__all__ = [
+    "DEPLOYMENT_HELP",
+    "fail",
+    "load_config",
+    "load_deployment",
+    "load_model",
+    "load_raw",
+    "write_json",
+]
+
+DEPLOYMENT_HELP = (
+    "Deployment to price: a catalog name (sailor: Sailor's engine, the built-in "
+    "calibration's; megatron-deepspeed: the framework of the GH200 fit) or a Deployment file "
+    "(`sailor schema deployment`). Default: the calibration's own structure."
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -75,6 +90,21 @@ def load_config(path: Path, cls: type[M]) -> M:
         msg = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"
         raise fail(f"{msg}: a mapping of the config's fields is expected") from exc
     return _validate(path, raw, cls)
+
+
+def load_deployment(spec: str) -> Deployment:
+    """A catalog deployment by name, else a Deployment file; the error names both."""
+    from sailor import catalog
+
+    if spec in catalog.deployments():
+        return catalog.deployment(spec)
+    path = Path(spec)
+    if path.suffix in (".json", ".yaml", ".yml") or path.exists():
+        return load_model(path, Deployment)
+    raise fail(
+        f"--deployment {spec!r}: neither a catalog deployment "
+        f"({', '.join(catalog.deployments())}) nor a Deployment file"
+    )
 
 
 def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -> None:

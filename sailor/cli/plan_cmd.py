@@ -15,7 +15,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sailor import catalog
-from sailor.cli._io import fail, load_model, load_raw, write_json
+from sailor.cli._io import (
+    DEPLOYMENT_HELP,
+    fail,
+    load_deployment,
+    load_model,
+    load_raw,
+    write_json,
+)
 from sailor.cli.tables import print_table
 from sailor.importers.sailor_format import export_plan
 from sailor.planner import (
@@ -230,6 +237,7 @@ def plan_cmd(
     network: Path | None = typer.Option(None, help="NetworkProfile file."),
     prices: Path | None = typer.Option(None, help="PriceTable file (default: catalog)."),
     calibration: Path | None = typer.Option(None, help="Calibration file (default: catalog)."),
+    deployment: str | None = typer.Option(None, "--deployment", help=DEPLOYMENT_HELP),
     objective: str = typer.Option("throughput", help="throughput | cost | throughput_per_cost"),
     max_cost_per_iter: float | None = typer.Option(None, help="Max $ per iteration."),
     max_cost_per_hour: float | None = typer.Option(None, help="Max $ per hour."),
@@ -275,9 +283,12 @@ def plan_cmd(
         raise fail(f"--objective {objective!r}: use one of {', '.join(sorted(_OBJECTIVES))}")
     if risk not in RISKS:
         raise fail(f"--risk {risk!r}: use one of {', '.join(RISKS)}")
+    dep = load_deployment(deployment) if deployment is not None else None
     m, pool_v, db, net, price, cal = _inputs(
         model, gbs, pool, profiles, network, prices, calibration
     )
+    if dep is not None:
+        cal = cal.with_deployment(dep)
     try:
         cons = Constraints(
             max_cost_per_iter_usd=max_cost_per_iter,
@@ -315,12 +326,15 @@ def plan_cmd(
     if pareto is not None:
         _pareto(res, pareto)
     if as_json:
-        typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres))
+        priced = {"name": dep.name if dep else "calibration", **cal.structure()}
+        typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres, priced))
     else:
         _print(res, elapsed, explain, {p.rank: p for p in rres.plans})
         Console().print(
             f"risk {risk}: searched the {', '.join(rres.searched)} corner(s); "
-            f"{rres.candidates} distinct plans judged in every corner"
+            f"{rres.candidates} distinct plans judged in every corner; priced for deployment "
+            f"{dep.name if dep else 'of the calibration'} (p2p across TP {cal.p2p_across_tp}, "
+            f"{cal.mixed_precision})"
         )
     if output is not None and res.plans:
         write_json(res.plans[0].plan, output)
@@ -384,6 +398,7 @@ def _json_answer(
     elapsed: float,
     res: SearchResult,
     rres: RobustResult,
+    deployment: dict[str, Any],
 ) -> str:
     """``sailor plan --json``: the search's figures and every returned plan with its
     figures in every corner."""
@@ -395,6 +410,7 @@ def _json_answer(
             "upper_bound_iter_s": res.upper_bound_iter_s,
             "reason": res.reason,
             "risk": risk,
+            "deployment": deployment,
             "plans": [
                 {**r.to_json(), **rp.to_json()} for r, rp in zip(res.plans, rres.plans, strict=True)
             ],

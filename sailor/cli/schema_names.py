@@ -24,6 +24,7 @@ SCHEMAS: dict[str, type[BaseModel] | TypeAdapter[object]] = {
     "layer-profile": s.LayerProfile,
     "profiles": s.ProfileDB,
     "plan": s.Plan,
+    "deployment": s.Deployment,
     "estimate": s.Estimate,
     "event": s.EventAdapter,  # type: ignore[dict-item]
     "command": s.CommandAdapter,  # type: ignore[dict-item]

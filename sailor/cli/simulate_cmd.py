@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor import catalog
-from sailor.cli._io import fail, load_model, write_json
+from sailor.cli._io import DEPLOYMENT_HELP, fail, load_deployment, load_model, write_json
 from sailor.cli.tables import print_table
 from sailor.schemas import (
     Estimate,
@@ -164,6 +164,7 @@ def simulate_cmd(
     calibration: Path | None = typer.Option(
         None, help="Calibration file (default: the built-in one)."
     ),
+    deployment: str | None = typer.Option(None, "--deployment", help=DEPLOYMENT_HELP),
     model_file: Path | None = typer.Option(None, help="ModelSpec file (default: catalog)."),
     method: str = typer.Option("closed_form", help="closed_form or replay."),
     spot: bool = typer.Option(False, help="Price GPUs at spot rates."),
@@ -173,9 +174,12 @@ def simulate_cmd(
     """Simulate one plan: time and its breakdown, memory per GPU, $ per iteration."""
     if method not in ("closed_form", "replay"):
         raise fail(f"method={method!r}: use closed_form or replay")
+    dep = load_deployment(deployment) if deployment is not None else None
     plan = load_model(plan_file, Plan)
     model, db, net, price = load_inputs(plan.model, model_file, profiles, network, prices)
     cal = load_model(calibration, Calibration) if calibration else catalog.calibration()
+    if dep is not None:
+        cal = cal.with_deployment(dep)
     try:
         if timeline is not None:
             from sailor.simulator.timeline_plot import plot_timeline
@@ -215,6 +219,7 @@ def simulate_cmd(
         out["peak_memory_bytes"] = est.peak_memory_bytes
         out["interval"] = iv.model_dump(mode="json")
         out["fits_in_memory_all_corners"] = iv.fits_in_memory
+        out["deployment"] = {"name": dep.name if dep else "calibration", **cal.structure()}
         write_json(out, None)
     else:
         _print(est, plan)

@@ -237,6 +237,12 @@ def robust_search(
             if k not in cands:
                 cands[k] = (p, {name: e}, cph)
                 explain[k] = why
+        # a plan another corner's search already chose may be among this search's simulated
+        # candidates too: keep its estimate here, so that judging it does not simulate it again
+        for p, e, _cph, _why in rows:
+            hit = cands.get(_key(p))
+            if hit is not None and name not in hit[1]:
+                hit[1][name] = e
     plans: list[tuple[Plan, dict[str, Estimate], float]] = []
     for p, known, cph in cands.values():
         try:

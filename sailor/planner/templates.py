@@ -148,57 +148,72 @@ def best_partitions(
     mid_t = {
         (x, p, y): stage_time(x, p, y)[:, : n - 1] for x, p in combos for y in (x, x + 1) if y < q
     }
-    prev: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
     choice: list[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = []
     results: list[PipelineTemplate] = []
     best_period = inf
+    cidx = {c: i for i, c in enumerate(combos)}
+    # every (combo, next kind y) of a stage that another follows, batched: the DP's (i, j)
+    # matrices of one depth go through numpy together (per-combo calls on 26 x 25 matrices
+    # were mostly call overhead). y = x comes first for each combo, as the ties expect.
+    trip = [(ci, x, p, y) for ci, (x, p) in enumerate(combos) for y in (x, x + 1) if y < q]
+    t_all = np.stack([mid_t[(x, p, y)] for _, x, p, y in trip])  # (T, n, n-1)
+    t_x = np.array([x for _, x, _, _ in trip])
+    t_y = np.array([y for _, _, _, y in trip], dtype=np.int64)
+    t_prev = np.array([cidx[(y, x)] for _, x, _, y in trip])  # (y, x) is always a combo
+    first = np.array([i for i, tr in enumerate(trip) if tr[3] == tr[1]])  # combo order
+    second = np.array([i for i, tr in enumerate(trip) if tr[3] != tr[1]], dtype=np.int64)
+    second_c = np.array([trip[i][0] for i in second], dtype=np.int64)
+    t_rows, i_rows = np.arange(len(trip))[:, None], np.arange(n)[None, :]
+    prev_m = prev_s = np.empty((0, n + 1))
     for k in range(1, depth_cap + 1):
         cur: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
         ch: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         mem_ok = [tables.stage_memory(a, k) <= c for a, c in zip(arrs, cap, strict=True)]
-        for x, p in combos:
-            if True:
-                bm = np.full(shape, inf)
-                bs = np.full(shape, inf)
-                bj = np.full(shape, -1, dtype=np.int64)
-                by = np.full(shape, -1, dtype=np.int64)
-                if k == 1:
-                    if x != q - 1:
-                        cur[(x, p)], ch[(x, p)] = (bm, bs), (bj, by)
-                        continue
-                    t = last_t[(x, p)]
-                    ok = mem_ok[x][:, n - 1]
-                    pruned += int(np.sum(~ok & np.isfinite(t)))
-                    t = np.where(ok, t, inf)
-                    bm[:n], bs[:n] = t, t
-                    bj[:n] = n - 1
-                    by[:n] = x
-                else:
-                    for y in (x, x + 1):
-                        if y >= q or (y, x) not in prev:
-                            continue
-                        nm, ns = prev[(y, x)]
-                        t = mid_t[(x, p, y)]  # j < n-1: a stage follows
-                        ok = mem_ok[x][:, : n - 1]
-                        t = np.where(ok, t, inf)
-                        mx = np.maximum(t, nm[None, 1:n])
-                        sm = t + ns[None, 1:n]
-                        best = mx.min(axis=1)
-                        tie = mx <= best[:, None] * (1 + _TIE)
-                        jsel = np.argmin(np.where(tie, sm, inf), axis=1)
-                        rows = np.arange(n)
-                        cm, cs = mx[rows, jsel], sm[rows, jsel]
-                        better = (cm < bm[:n] * (1 - _TIE)) | (
-                            (cm <= bm[:n] * (1 + _TIE)) & (cs < bs[:n])
-                        )
-                        better &= np.isfinite(cm)
-                        bm[:n] = np.where(better, cm, bm[:n])
-                        bs[:n] = np.where(better, cs, bs[:n])
-                        bj[:n] = np.where(better, jsel, bj[:n])
-                        by[:n] = np.where(better, y, by[:n])
-                cur[(x, p)], ch[(x, p)] = (bm, bs), (bj, by)
+        blk_m = np.full((len(combos), *shape), inf)
+        blk_s = np.full((len(combos), *shape), inf)
+        blk_j = np.full((len(combos), *shape), -1, dtype=np.int64)
+        blk_y = np.full((len(combos), *shape), -1, dtype=np.int64)
+        if k == 1:
+            for ci, (x, p) in enumerate(combos):
+                if x != q - 1:
+                    continue
+                t = last_t[(x, p)]
+                ok = mem_ok[x][:, n - 1]
+                pruned += int(np.sum(~ok & np.isfinite(t)))
+                t = np.where(ok, t, inf)
+                blk_m[ci, :n], blk_s[ci, :n] = t, t
+                blk_j[ci, :n] = n - 1
+                blk_y[ci, :n] = x
+        else:
+            ok_all = np.stack([m[:, : n - 1] for m in mem_ok])[t_x]
+            t = np.where(ok_all, t_all, inf)  # j < n-1: a stage follows
+            mx = np.maximum(t, prev_m[t_prev][:, None, 1:n])
+            sm = t + prev_s[t_prev][:, None, 1:n]
+            best = mx.min(axis=2)
+            tie = mx <= best[:, :, None] * (1 + _TIE)
+            jsel = np.argmin(np.where(tie, sm, inf), axis=2)
+            cm, cs = mx[t_rows, i_rows, jsel], sm[t_rows, i_rows, jsel]
+            fin = np.isfinite(cm)
+            # the first y of each combo beats the empty start wherever it is finite
+            f = fin[first]
+            blk_m[:, :n] = np.where(f, cm[first], inf)
+            blk_s[:, :n] = np.where(f, cs[first], inf)
+            blk_j[:, :n] = np.where(f, jsel[first], -1)
+            blk_y[:, :n] = np.where(f, t_y[first][:, None], -1)
+            if second.size:
+                bm, bs = blk_m[second_c, :n], blk_s[second_c, :n]
+                c2, s2 = cm[second], cs[second]
+                better = ((c2 < bm * (1 - _TIE)) | ((c2 <= bm * (1 + _TIE)) & (s2 < bs))) & fin[
+                    second
+                ]
+                blk_m[second_c, :n] = np.where(better, c2, bm)
+                blk_s[second_c, :n] = np.where(better, s2, bs)
+                blk_j[second_c, :n] = np.where(better, jsel[second], blk_j[second_c, :n])
+                blk_y[second_c, :n] = np.where(better, t_y[second][:, None], blk_y[second_c, :n])
+        for ci, c in enumerate(combos):
+            cur[c], ch[c] = (blk_m[ci], blk_s[ci]), (blk_j[ci], blk_y[ci])
+        prev_m, prev_s = blk_m, blk_s
         choice.append(ch)
-        prev = cur
         period, fill = cur[(0, none)][0][0], cur[(0, none)][1][0]
         if np.isfinite(period) and period < best_period * (1 - 1e-6):
             best_period = float(period)

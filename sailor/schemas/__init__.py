@@ -16,6 +16,7 @@ from sailor.schemas.commands import (
     Stop,
 )
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
+from sailor.schemas.deployment import Deployment, DeploymentStructure
 from sailor.schemas.estimate import (
     CornerFigures,
     Estimate,
@@ -69,6 +70,8 @@ __all__ = [
     "CornerFigures",
     "CorpusSource",
     "DatasetManifest",
+    "Deployment",
+    "DeploymentStructure",
     "DeviceOverhead",
     "DocumentRange",
     "EgressPrice",

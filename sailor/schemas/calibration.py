@@ -12,11 +12,10 @@ See ``docs/simulator-model.md`` for how each constant enters the model.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.deployment import Deployment, DeploymentStructure
 from sailor.schemas.device_kind import catalog_type
 
 __all__ = [
@@ -181,6 +180,15 @@ class GPUCalibration(Frozen):
             "the point values only."
         ),
     )
+    fitted_under: Deployment | None = Field(
+        default=None,
+        description=(
+            "The deployment the measured runs behind these constants ran on (part of their "
+            "provenance): what a replay of those runs and the accuracy tests simulate with "
+            "(Calibration.as_fitted). Not what a plan is priced with: that is the "
+            "Calibration's own structure. None: not fitted to measured runs."
+        ),
+    )
 
     @property
     def p2p_eta(self) -> float:
@@ -188,8 +196,11 @@ class GPUCalibration(Frozen):
         return self.network_efficiency if self.p2p_efficiency is None else self.p2p_efficiency
 
 
-class Calibration(Frozen):
-    """All calibration constants the simulator uses, per GPU type, with a default."""
+class Calibration(DeploymentStructure):
+    """All calibration constants the simulator uses, per GPU type, with a default, and the
+    deployment structure it prices (:class:`DeploymentStructure`: the deployment being
+    planned or simulated, by default Sailor's engine; a fit's own deployment is its
+    ``GPUCalibration.fitted_under``)."""
 
     gpus: tuple[GPUCalibration, ...] = Field(
         default=(), description="Calibrated GPU types (at most one entry per type)."
@@ -204,92 +215,6 @@ class Calibration(Frozen):
             "Ranges of every fitted constant for GPU types without a calibration, with their "
             "evidence (the catalog's). The uncertainty corners take their constants from it; "
             "None: only the point default is known."
-        ),
-    )
-    sends_attention_mask: bool = Field(
-        default=False,
-        description=(
-            "The pipeline engine sends the causal attention mask (seq x seq, 2 bytes per "
-            "element, not split over TP) from every TP rank with every forward activation. "
-            "False: Sailor's engine sends activations only, and the measured "
-            "Megatron-DeepSpeed runs show no such cost; kept for a deployment that does."
-        ),
-    )
-    p2p_across_tp: Literal["scatter_gather", "full_copies"] = Field(
-        default="scatter_gather",
-        description=(
-            "How an activation crosses a stage boundary with TP > 1. 'scatter_gather' "
-            "(Megatron-DeepSpeed): each sender rank sends 1/t of it and the receiving TP "
-            "group all-gathers it inside its node (one copy crosses the link). "
-            "'full_copies': each of the receiver's TP ranks gets the whole activation from "
-            "one sender (t copies cross the link, no all-gather)."
-        ),
-    )
-    grad_allreduce_bytes: int | None = Field(
-        default=None,
-        ge=1,
-        le=4,
-        description=(
-            "Bytes per gradient element in the gradient all-reduces. None: what "
-            "mixed_precision implies (4 under autocast, the compute dtype's under "
-            "fp16_optimizer); set to price another deployment (e.g. the original artifact's "
-            "fp32 gradients)."
-        ),
-    )
-    ring_links: Literal["node", "per_gpu"] = Field(
-        default="node",
-        description=(
-            "What a gradient ring's bytes cross. 'node': the TP ranks of a node run their "
-            "rings at once over the node's NICs (node-level bytes on the node's curve). "
-            "'per_gpu' (the original artifact's model): each rank's ring moves its own "
-            "bytes over the link curve of a 1-GPU VM of its type."
-        ),
-    )
-    extra_state_bytes_per_param: float = Field(
-        default=0.0,
-        ge=0,
-        description=(
-            "Model-state bytes per parameter beyond the engine's (communication buffers, "
-            "extra copies). 0 for the engine; 8 reproduces the original artifact's 24 B per "
-            "parameter over DeepSpeed's 16."
-        ),
-    )
-    blocking_p2p: bool = Field(
-        default=True,
-        description=(
-            "Pipeline sends block the sender until the receiver has the message, so a "
-            "transfer occupies both stages (DeepSpeed's pipe engine). False: sends are "
-            "asynchronous and only the receiver waits; the transfer is a delay on the link "
-            "(megatron_patch: isend, blocking recv)."
-        ),
-    )
-    tied_allreduce: bool = Field(
-        default=False,
-        description=(
-            "With tied embeddings, the ranks holding the embedding or the LM head all-reduce "
-            "the tied gradient in a collective of its own after the segment all-reduces "
-            "(megatron_patch). False: not modelled separately (DeepSpeed's ReduceTiedGrads "
-            "is inside the measured sync_fixed_s)."
-        ),
-    )
-    loss_allreduce: bool = Field(
-        default=False,
-        description=(
-            "Every iteration ends with an all-reduce of the loss over all ranks, after the "
-            "optimizer step (megatron_patch; it is also the iteration's barrier). False: "
-            "not modelled (DeepSpeed reports the loss without a collective in the step)."
-        ),
-    )
-    mixed_precision: Literal["autocast", "fp16_optimizer"] = Field(
-        default="autocast",
-        description=(
-            "How the framework runs a 16-bit plan (Plan.precision bf16 or fp16). 'autocast' "
-            "(megatron_patch, the engine that runs Sailor's jobs): fp32 weights, gradients "
-            "and optimizer state, gradients all-reduced in fp32, and each in-flight "
-            "microbatch keeps a compute-dtype copy of the stage's weights "
-            "(schemas.precision). 'fp16_optimizer' (DeepSpeed's FP16_Optimizer, the "
-            "framework of the reference plans): 16-bit weights and gradients, gradients "
-            "all-reduced in 16 bits, an fp32 master copy, no per-microbatch copies."
         ),
     )
 
@@ -316,6 +241,27 @@ class Calibration(Frozen):
         """Whether ``gpu_type`` has constants of its own (or, a CPU kind, the ``cpu`` entry)."""
         names = {gpu_type, catalog_type(gpu_type)}
         return any(c.gpu_type in names for c in self.gpus)
+
+    def with_deployment(self, deployment: DeploymentStructure) -> Calibration:
+        """A copy that prices ``deployment``'s structure (the constants unchanged)."""
+        return self.model_copy(update=deployment.structure())
+
+    def fitted_structure(self, gpu_type: str) -> Deployment:
+        """The deployment ``gpu_type``'s constants were fitted under; a clear error when the
+        type has no fit that records one."""
+        own = self.for_gpu(gpu_type)
+        if not self.is_calibrated(gpu_type) or own.fitted_under is None:
+            fitted = [c.gpu_type for c in self.gpus if c.fitted_under is not None]
+            raise ValueError(
+                f"gpu_type={gpu_type!r}: no fit with a recorded deployment "
+                f"(fitted_under) in this calibration (fitted types: {fitted or 'none'})"
+            )
+        return own.fitted_under
+
+    def as_fitted(self, gpu_type: str) -> Calibration:
+        """This calibration pricing the structure ``gpu_type``'s fit was made under: what a
+        replay of its measured runs simulates with."""
+        return self.with_deployment(self.fitted_structure(gpu_type))
 
     def with_gpu(self, cal: GPUCalibration) -> Calibration:
         """A copy with ``cal`` replacing any entry of its GPU type."""

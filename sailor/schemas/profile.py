@@ -327,7 +327,7 @@ class ProfileDB(Frozen):
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy without the lookup caches of this instance (they index the old data)."""
         copy = super().model_copy(update=update, deep=deep)
-        for key in ("_tidx", "_sidx"):
+        for key in ("_tidx", "_sidx", "_grids"):
             copy.__dict__.pop(key, None)
         return copy
 
@@ -365,12 +365,18 @@ class ProfileDB(Frozen):
         return sorted({t.gpu_type for t in self.timings})
 
     def grid(self, gpu_type: str) -> dict[int, list[int]]:
-        """TP degree -> sorted microbatch sizes profiled for ``gpu_type``."""
-        out: dict[int, set[int]] = {}
-        for (g, tp, mbs, _), _t in self._timing_index().items():
-            if g == gpu_type:
-                out.setdefault(tp, set()).add(mbs)
-        return {tp: sorted(v) for tp, v in sorted(out.items())}
+        """TP degree -> sorted microbatch sizes profiled for ``gpu_type`` (a fresh copy; the
+        index behind it is built once: every simulated stage asks, ~1 ms a scan)."""
+        grids = self.__dict__.get("_grids")
+        if grids is None:
+            acc: dict[str, dict[int, set[int]]] = {}
+            for g, tp, mbs, _ in self._timing_index():
+                acc.setdefault(g, {}).setdefault(tp, set()).add(mbs)
+            grids = {
+                g: {tp: sorted(v) for tp, v in sorted(by_tp.items())} for g, by_tp in acc.items()
+            }
+            self.__dict__["_grids"] = grids
+        return {tp: list(v) for tp, v in grids.get(gpu_type, {}).items()}
 
     def overhead(self, gpu_type: str, tp: int) -> DeviceOverhead | None:
         exact = [o for o in self.overheads if o.gpu_type == gpu_type and o.tp == tp]

@@ -16,6 +16,10 @@ times (docs/simulator-model.md, sections 1, 4 and 6):
   with the smallest and largest activation footprint; 1 without two such runs.
 * ``memory_overhead_bytes`` (M0): median of measured − modelled peak memory over all runs.
 
+The runs are simulated with ``base``'s deployment structure, which must be the one they ran
+on (η is relative to the gradient bytes it implies); the result records it as
+``fitted_under``, so that replays of the same runs use it whatever deployment is planned.
+
 Pure: measurements come in as values; nothing is read from disk here.
 """
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 from sailor.schemas import (
     Calibration,
+    Deployment,
     GPUCalibration,
     GPUSpec,
     ModelSpec,
@@ -110,8 +115,10 @@ def calibrate_gpu(
     *,
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     base: Calibration | None = None,
+    deployment_name: str = "measured",
 ) -> GPUCalibration:
-    """Constants of the one GPU type the ``runs`` used (see the module docstring)."""
+    """Constants of the one GPU type the ``runs`` used (see the module docstring), with
+    ``base``'s structure recorded as ``fitted_under`` (named ``deployment_name``)."""
     if not runs:
         raise ValueError("runs=[]: calibration needs at least one measured run")
     gpu = _gpu_of(runs[0].plan)
@@ -181,4 +188,14 @@ def calibrate_gpu(
     resid = [r.peak_memory_bytes - sim(step, r)[1] for r in runs]
     m0 = max(0, int(statistics.median(resid)))
     why.append(f"M0={m0 / 2**30:.2f} GiB: median residual of {len(runs)} runs")
-    return step.model_copy(update={"memory_overhead_bytes": m0, "source": "; ".join(why)})
+    return step.model_copy(
+        update={
+            "memory_overhead_bytes": m0,
+            "source": "; ".join(why),
+            "fitted_under": Deployment(
+                name=deployment_name,
+                description="the structure the runs were simulated with (calibrate_gpu base)",
+                **base.structure(),
+            ),
+        }
+    )

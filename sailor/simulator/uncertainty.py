@@ -9,10 +9,13 @@ than sampling, the set is four corners, each a whole :class:`Calibration`:
 
 * ``optimistic``: every constant at its cheap end; the cheapest deployment (DeepSpeed's
   FP16_Optimizer: 16-bit gradient all-reduce, no autocast copies; scatter + gather across TP).
-* ``median``: every constant at its median; the configured engine as it is.
-* ``pessimistic``: every constant at its costly end; the costlier of the deployments in the
-  set, which is the configured engine's structure (autocast: fp32 gradients on the wire; its
-  own p2p across TP, full copies until the engine sends 1/t per rank).
+* ``median``: every constant at its median; the configured deployment as it is (the
+  built-in calibration prices Sailor's engine: autocast, scatter + gather across TP).
+* ``pessimistic``: every constant at its costly end; the costlier choice wherever the
+  deployments of the set differ: fp32 gradients on the wire, and each of the receiver's TP
+  ranks taking a full copy of the activation across a TP boundary (``full_copies``: the
+  engine before it sent slices, a DeepSpeed pipe engine with ``pipe_partitioned`` off, and
+  the structure the measured GH200 pipelined runs agree with better, docs section 2).
 * ``original``: the original Sailor artifact's cost model (docs ORIGINAL.md): nothing
   calibrated (efficiency 1, no hook correction, no fixed sync cost), fp32 gradients in a ring
   per GPU over a 1-GPU VM's link curve, one copy of the activation per stage boundary, 24 B
@@ -177,11 +180,15 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
                 sends_attention_mask=False,
                 extra_state_bytes_per_param=0.0,
             )
-        elif corner == "pessimistic" and cal.mixed_precision == "autocast":
-            # the costlier of the deployments in the set (the configured engine,
-            # Megatron-DeepSpeed) is the configured engine's structure: fp32 gradients and
-            # its own p2p across TP (full copies until the engine sends less)
-            update.update(grad_allreduce_bytes=4)
+        elif corner == "pessimistic":
+            # the costlier choice where deployments differ: full copies across a TP boundary
+            # (the measured GH200 pipelined runs agree with it better than with the
+            # scatter + gather their engine does, docs/simulator-model.md section 2), and
+            # fp32 gradients on the wire for an autocast engine (an fp16_optimizer one keeps
+            # its 16-bit all-reduce: that is what it does, not a range)
+            update.update(p2p_across_tp="full_copies")
+            if cal.mixed_precision == "autocast":
+                update.update(grad_allreduce_bytes=4)
         out.append((corner, cal.model_copy(update=update)))
     return tuple(out)
 

@@ -97,6 +97,9 @@ def test_plan_json_export_and_pareto(reference: Path, tmp_path: Path) -> None:
     assert first["plan"]["pipelines"]
     # robust by default: each plan's interval and its regret against each corner's best
     assert out["risk"] == "robust"
+    # priced for Sailor's engine unless told otherwise
+    assert out["deployment"]["name"] == "calibration"
+    assert out["deployment"]["p2p_across_tp"] == "scatter_gather"
     assert set(first["regret"]) == {"optimistic", "median", "pessimistic", "original"}
     assert first["interval"]["fits_in_memory"]
     assert 0 < first["worst_ratio"] <= 1
@@ -117,6 +120,10 @@ def test_plan_errors(reference: Path, tmp_path: Path) -> None:
     pool = _pool(tmp_path, POOL)
     res = runner.invoke(app, ["plan", "--model", "nope", "--pool", str(pool)])
     assert res.exit_code == 2 and "not in the catalog" in res.output
+    res = runner.invoke(
+        app, ["plan", "--model", "OPT-350", "--pool", str(pool), "--deployment", "deepspeed"]
+    )
+    assert res.exit_code == 2 and "'deepspeed'" in res.output and "sailor" in res.output
     bad = _pool(
         tmp_path, "entries:\n  - {gpu_type: A100-40, zone: z, nodes: -1, gpus_per_node: 4}\n", "bad"
     )

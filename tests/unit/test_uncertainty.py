@@ -55,7 +55,8 @@ def test_corners_take_each_end_and_the_original_model() -> None:
     assert opt.alloc_factor <= med.alloc_factor <= pes.alloc_factor
     assert (opt.memory_overhead_bytes or 0) < (pes.memory_overhead_bytes or 0)
     assert by["pessimistic"].grad_allreduce_bytes == 4
-    assert by["pessimistic"].p2p_across_tp == CAL.p2p_across_tp  # the configured engine's
+    assert by["pessimistic"].p2p_across_tp == "full_copies"  # deployment uncertainty
+    assert by["median"].p2p_across_tp == CAL.p2p_across_tp == "scatter_gather"  # the engine's
     assert by["optimistic"].p2p_across_tp == "scatter_gather"
     orig = by["original"]
     assert orig.ring_links == "per_gpu" and orig.grad_allreduce_bytes == 4
