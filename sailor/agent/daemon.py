@@ -130,6 +130,16 @@ class AgentConfig(ServerEndpoints):
         "its workers unthrottled, and its status says cpu_quota: unavailable.",
     )
 
+    cpu_quota_from: Literal["exec", "ready"] = Field(
+        default="exec",
+        description="When a worker comes under the quota. 'exec': before its first "
+        "instruction (start-up, the torch import and the rendezvous are throttled too: a "
+        "node's whole life is slow). 'ready': once it reports ready to train (groups built, "
+        "checkpoint loaded), so the quota throttles training, checkpoint saves and the stop, "
+        "and a slow node's start does not lengthen every reconfiguration's downtime "
+        "(sailor demo; docs/runtime.md).",
+    )
+
     @field_validator("cpu_quota")
     @classmethod
     def _enforceable(cls, v: float | None) -> float | None:
@@ -174,12 +184,30 @@ class Agent:
             self.quota = await asyncio.to_thread(
                 CpuQuota.start, self.cfg.job, self.node.node_id, self.cfg.cpu_quota
             )
-            self.supervisor.exec_prefix = self.quota.exec_prefix
+            self._attach_workers()
         try:
             await self._run()
         finally:  # the workers are gone (stopped in _shutdown, or never started)
             if self.quota is not None:
                 await asyncio.to_thread(self.quota.close)
+
+    def _attach_workers(self) -> None:
+        """Workers join the quota's cgroup at exec (the shell prefix) or once ready (the
+        supervisor's ``on_ready`` moves the pid in: all its threads, the gloo ones too)."""
+        if self.quota is None:
+            return
+        if self.cfg.cpu_quota_from == "exec":
+            self.supervisor.exec_prefix = self.quota.exec_prefix
+            return
+        quota = self.quota
+
+        async def join(pid: int) -> None:
+            try:
+                await asyncio.to_thread(quota.adopt, (pid,))
+            except OSError as exc:  # the worker trains on, unthrottled: say so
+                _log.warning("cpu_quota_join_failed", pid=pid, error=str(exc))
+
+        self.supervisor.on_ready = join
 
     def cpu_quota(self) -> QuotaState:
         """The workers' CPU quota as the kernel holds it: cores, 'unavailable' or None."""
@@ -194,7 +222,7 @@ class Agent:
             self.quota = await asyncio.to_thread(
                 CpuQuota.start, self.cfg.job, self.node.node_id, cores
             )
-            self.supervisor.exec_prefix = self.quota.exec_prefix
+            self._attach_workers()
             await asyncio.to_thread(self.quota.adopt, self.supervisor.pids())
         else:
             await asyncio.to_thread(self.quota.set, cores)

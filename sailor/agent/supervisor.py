@@ -17,7 +17,9 @@ thread) gets one written here, with the signal, the last step it reported and th
 stacks its ``faulthandler`` left (:func:`~sailor.megatron_patch.errors.signal_failure_record`).
 A node with a CPU quota sets ``exec_prefix`` (``cpu_quota.CpuQuota.exec_prefix``): each worker
 is started through it and joins the node's cgroup before its own code runs; the prefix ends
-in an ``exec``, so the worker keeps the pid the supervisor signals and waits for.
+in an ``exec``, so the worker keeps the pid the supervisor signals and waits for. Or the
+quota applies from the worker's ``ready`` report on (``on_ready`` moves its pid in), leaving
+its start-up unthrottled.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +128,9 @@ class Supervisor:
         self.worker_argv = worker_argv
         self.exec_prefix = exec_prefix
         """Put before every worker's argv (a CPU quota's cgroup join); () for none."""
+        self.on_ready: Callable[[int], Awaitable[None]] | None = None
+        """Called with a worker's pid when it reports ready to train (a CPU quota that
+        applies from then on: ``AgentConfig.cpu_quota_from='ready'``); None for nothing."""
         self.kill_grace_s = 3.0
         self.generation = -1
         self.plan_id = ""
@@ -252,6 +258,8 @@ class Supervisor:
             ev = msg.get("event")
             if ev == "ready":
                 w.started = True
+                if self.on_ready is not None:
+                    await self.on_ready(w.proc.pid)
             elif ev == "step":
                 w.started = True
                 w.step = int(msg.get("step", w.step))

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from sailor.agent.daemon import AgentConfig, WatcherConfig
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
@@ -68,6 +69,11 @@ class DemoCluster:
     """The controller's online calibration settings; None: the config's defaults."""
     model: str = "tiny-gpt"
     """What the controller plans (a catalog name or a ModelSpec file)."""
+    calibration_file: Path | None = None
+    """The controller's calibration file (the demo's prior for its kinds); None: the
+    catalog's."""
+    quota_from: Literal["exec", "ready"] = "exec"
+    """When a worker comes under its node's quota (``AgentConfig.cpu_quota_from``)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -110,6 +116,7 @@ class DemoCluster:
             model=self.model,
             global_batch_size=self.global_batch_size,
             training=self.training_file,
+            calibration=self.calibration_file,
             **(
                 {"online_calibration": self.online_calibration}
                 if self.online_calibration is not None
@@ -136,6 +143,7 @@ class DemoCluster:
                 address="127.0.0.1",
             ),
             cpu_quota=cpu_quota,
+            cpu_quota_from=self.quota_from,
             nats_urls=self.servers.nats_urls,
             etcd_endpoints=self.servers.etcd_endpoints,
             lease_ttl_s=2,

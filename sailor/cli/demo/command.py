@@ -29,8 +29,10 @@ def demo(
     ),
     steps: int = typer.Option(30, help="Steps trained between two injected changes."),
     nodes: int = typer.Option(3, help="Agents at the start (>= 3); one more joins later."),
-    min_step_s: float = typer.Option(
-        0.05, help="Pace of a worker step (s): leaves the cores to the control plane."
+    min_step_s: float | None = typer.Option(
+        None,
+        help="Pace of a worker step (s). Default: unpaced under the nodes' CPU quotas; "
+        "0.05 where quotas are unavailable (leaves the cores to the control plane).",
     ),
     notice_s: float = typer.Option(20.0, help="Deadline of the spot-preemption notice (s)."),
     timeout_s: float = typer.Option(90.0, help="Give up if a phase takes longer (s)."),
@@ -43,6 +45,7 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="No live view; print a JSON summary."),
 ) -> None:
     """One-machine cluster: train, survive a preemption, a node loss and a join; summarize."""
+    from sailor.cli.demo.kinds import DEMO_GLOBAL_BATCH
     from sailor.cli.demo.run import Interrupted, run_demo
     from sailor.cli.demo.scenario import DemoSettings
 
@@ -60,7 +63,8 @@ def demo(
             settings = DemoSettings(
                 initial_nodes=nodes,
                 steps_between=steps,
-                min_step_s=min_step_s,
+                min_step_s=min_step_s if min_step_s is not None else DemoSettings.min_step_s,
+                global_batch_size=DEMO_GLOBAL_BATCH,
                 notice_s=notice_s,
                 phase_timeout_s=timeout_s,
             )
@@ -68,7 +72,9 @@ def demo(
             raise typer.BadParameter(str(exc)) from exc
         con.rule("[bold]A one-machine cluster: preemption notice, node loss, node join")
         try:
-            result["cluster"] = run_demo(settings, out, con, keep, show_live=not as_json)
+            result["cluster"] = run_demo(
+                settings, out, con, keep, show_live=not as_json, auto_pace=min_step_s is None
+            )
         except Interrupted as exc:
             typer.echo(f"sailor demo: {exc}: stopped, every process ended", err=True)
             raise typer.Exit(128 + exc.signum) from None

@@ -124,6 +124,17 @@ class Driver:
 
         await self.until(reached, f"{steps} steps of generation {gen}")
 
+    def _kinds(self, nodes: list[str]) -> str:
+        """``n1 cpu-full 0.5 cores, n2 cpu-slow 0.2 cores`` (``cpu`` nodes: ``cpu nodes``)."""
+        kinds = self.cluster.kinds
+        if not any(n in kinds for n in nodes):
+            return "cpu nodes"
+        parts = []
+        for n in nodes:
+            kind, cores = kinds.get(n, ("cpu", None))
+            parts.append(f"{n} {kind}" + (f" {cores:g} cores" if cores is not None else ""))
+        return ", ".join(parts)
+
     def inject(self, kind: str, node: str) -> None:
         self.injections.append(Injection(kind=kind, node=node, time=time.time()))
 
@@ -138,7 +149,7 @@ class Scenario(Driver):
             names = [f"n{i + 1}" for i in range(s.initial_nodes)]
             for n in names:
                 c.start_agent(n)
-            self.note(f"agents {', '.join(names)} started (cpu nodes, zone local-a)")
+            self.note(f"agents {', '.join(names)} started ({self._kinds(names)}, zone local-a)")
             await self.until(lambda: len(self.view.nodes) >= len(names), "agents registered")
             self.inject("start", ",".join(names))
             c.start_controller()
@@ -163,7 +174,7 @@ class Scenario(Driver):
             new = f"n{s.initial_nodes + 1}"
             self.inject("node joined", new)
             c.start_agent(new)
-            self.note(f"{new} joins")
+            self.note(f"{new} joins ({self._kinds([new])})")
             gen = await self.running_after(gen)
             await self.train(gen, s.steps_between)
             self.note("done: stopping the cluster")
