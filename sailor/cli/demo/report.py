@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sailor.cli.demo.layouts import print_layouts
 from sailor.cli.demo.observe import StepPoint
 from sailor.cli.demo.reconfig import Reconfiguration
 from sailor.cli.tables import print_table
@@ -146,34 +147,6 @@ def summary(
     }
 
 
-def layouts(
-    records: Sequence[dict[str, Any]], points: Sequence[StepPoint], skip: int = 3
-) -> list[dict[str, Any]]:
-    """Per generation: the layout its launch record names, the simulator's predicted step and
-    the measured one: the mean time between consecutive steps of that generation, its first
-    ``skip`` steps left out (start-up, first-touch allocation, a quota applied at ``ready``).
-    The mean, not the median: under a CPU quota a worker runs at full speed until the
-    period's quota is spent, then stalls to the period's end (100 ms), so most steps take the
-    unthrottled time and a few the stall; only the mean is the rate the quota allows."""
-    out = []
-    for r in records:
-        if r.get("kind") != "phase" or r.get("phase") != "launch" or "layout" not in r:
-            continue
-        gen = int(r["generation"])
-        times = sorted(p.time for p in points if p.generation == gen)[skip:]
-        measured = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else None
-        out.append(
-            {
-                "generation": gen,
-                "layout": r["layout"],
-                "predicted_step_s": r.get("predicted_step_s"),
-                "measured_step_s": measured,
-                "steps": len(times) + min(skip, len(times)),
-            }
-        )
-    return out
-
-
 def print_summary(con: Console, summ: dict[str, Any]) -> None:
     con.rule("[bold]Summary")
     con.print(
@@ -207,25 +180,10 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
         ph_t.add_row(r["cause"], *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES))
     print_table(con, t)
     print_table(con, ph_t)
+    if summ.get("node_kinds"):
+        _print_kinds(con, summ["node_kinds"])
     if summ.get("layouts"):
-        from sailor.controller.layout import describe_layout
-
-        lt = Table(
-            "generation",
-            "layout (kind layers [tp] per stage; mbs×microbatches)",
-            "predicted s/step",
-            "measured s/step",
-            title="layouts: the simulator's step beside the measured one",
-        )
-        for g in summ["layouts"]:
-            pr, me = g["predicted_step_s"], g["measured_step_s"]
-            lt.add_row(
-                str(g["generation"]),
-                describe_layout(g["layout"]),
-                f"{pr:.3f}" if pr is not None else "—",
-                f"{me:.3f}" if me is not None else "—",
-            )
-        print_table(con, lt)
+        print_layouts(con, summ["layouts"])
     lo = summ["losses"]
     c = Table("committed step", "loss (cluster)", "loss (uninterrupted)", "|diff|")
     for row in lo["committed"]:
@@ -251,3 +209,15 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
         )
     if summ["png"]:
         con.print(f"  loss and throughput over time: {summ['png']}")
+
+
+def _print_kinds(con: Console, kinds: dict[str, Any]) -> None:
+    nodes = ", ".join(f"{n} {v['kind']} {v['cpu_quota']:g}" for n, v in kinds["nodes"].items())
+    q = kinds["quota"]
+    if q["available"]:
+        con.print(f"  node kinds (cores of CPU quota, {q['where']}): {nodes}")
+    else:
+        con.print(
+            f"  [bold yellow]CPU quotas unavailable ({q['why']}): the nodes ran unthrottled "
+            f"(paced at {kinds['min_step_s']:g} s); kinds as planned: {nodes}[/]"
+        )

@@ -29,12 +29,12 @@ from rich.live import Live
 
 from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
 from sailor.cli.demo.kinds import demo_kinds, write_prior
+from sailor.cli.demo.layouts import layouts
 from sailor.cli.demo.model import CORPUS, prepare_demo
 from sailor.cli.demo.processes import ProcessRegistry
 from sailor.cli.demo.reconfig import reconfigurations
 from sailor.cli.demo.report import (
     compare_losses,
-    layouts,
     loss_tolerance,
     print_summary,
     summary,
