@@ -3,6 +3,7 @@
 * A worker the agent's supervisor starts under a node's quota joins the node's cgroup before
   its own code runs, uses about the quota's share of a core, and speeds up when the quota is
   raised while it runs; the cgroup is gone after the stop.
+* With ``cpu_quota_from='ready'`` a worker starts unthrottled and joins when it reports ready.
 * An agent of a CPU kind with a quota reports it in its join event and its status (the
   controller's audit and etcd), changes it at run time, and removes its cgroup on stop.
 
@@ -127,6 +128,77 @@ async def test_a_worker_runs_at_its_quota_and_speeds_up_when_it_is_raised(tmp_pa
         assert quota.close()
     assert not cg.path.exists()
     assert not cg.path.parent.exists()  # sailor/<job>: nothing else used it
+
+
+READY_THEN_BUSY = (
+    sys.executable,
+    "-c",
+    "import json, time\n"
+    "t = time.monotonic()\n"
+    "while time.monotonic() - t < 1.0: pass\n"  # start-up: a second of CPU, unthrottled
+    "print(json.dumps({{'event': 'ready'}}), flush=True)\n"  # braces: argv is a template
+    "while True: pass\n",
+)
+"""A worker that computes through its start-up, reports ready, then trains (a busy loop)."""
+
+
+def _in_cgroup(pid: int, rel: object) -> bool:
+    return any(
+        line.endswith(f"/{rel}") for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    )
+
+
+@needs_cgroup
+@pytest.mark.usefixtures("favoured_cpu")
+async def test_a_quota_from_ready_leaves_the_start_up_unthrottled(tmp_path: Path) -> None:
+    """``cpu_quota_from='ready'``: the worker starts outside the node's cgroup (its start-up,
+    torch's import and the rendezvous for a real one, runs at full speed) and is moved in when
+    it reports ready; from then on it runs at the quota."""
+    node = NodeSpec(node_id="n1", gpu_type="cpu-slow", gpus=1, zone="z", address="127.0.0.1")
+    job = f"t-{uuid.uuid4().hex[:8]}"
+    cfg = AgentConfig(
+        job=job,
+        node=node,
+        work_dir=tmp_path,
+        worker_argv=READY_THEN_BUSY,
+        cpu_quota=0.3,
+        cpu_quota_from="ready",
+    )
+    agent = Agent(cfg)
+    agent.quota = CpuQuota.start(job, "n1", 0.3)
+    agent._attach_workers()
+    cg = agent.quota.cgroup
+    assert cg is not None and agent.supervisor.exec_prefix == ()
+    launch = Launch(
+        command_id="c1",
+        epoch=1,
+        node_id="n1",
+        plan=PLAN,
+        ranks=(0,),
+        world_size=1,
+        master=f"127.0.0.1:{free_port()}",
+        generation=1,
+    )
+    sup = agent.supervisor
+    await sup.launch(launch)
+    try:
+        pid = sup.workers[0].proc.pid
+        await asyncio.sleep(0.3)
+        assert not sup.workers[0].started and not _in_cgroup(pid, cg.rel)
+        early = await _share(pid, 0.5)  # start-up: outside the quota
+        async with asyncio.timeout(10):
+            while not sup.workers[0].started:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert _in_cgroup(pid, cg.rel) and cg.pids() == [pid]
+        await asyncio.sleep(0.3)
+        late = await _share(pid, 2.0)
+        print(f"start-up {early:.3f} cores, after ready {late:.3f} cores (quota 0.3)")
+        assert early >= 0.5, early
+        assert 0.15 <= late <= 0.45, late
+    finally:
+        await sup.abort()
+        assert agent.quota.close()
 
 
 @needs_cgroup
