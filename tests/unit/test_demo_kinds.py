@@ -161,3 +161,22 @@ def test_layouts_pair_each_launch_with_its_mean_step() -> None:
     text = con.export_text()
     assert "cpu-full 0-4 | cpu-slow 5-5 (2×3)" in text and "[tp]" in text
     assert "0.020" in text and "0.032" in text and "-38%" in text
+
+
+def test_without_cgroups_the_demo_says_so_and_paces(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sailor.agent import cpu_quota
+    from sailor.cli.demo import run
+
+    why = "no writable cpu controller (cgroup v1: no hierarchy mounted with the cpu controller)"
+    monkeypatch.setattr(cpu_quota, "detect", lambda proc=None: why)
+    quota = run.quota_support()
+    assert quota == {"available": False, "why": why}
+    con = Console(quiet=True)  # --json: the console is quiet, stderr still says it
+    run._say_kinds(con, demo_kinds(["n1", "n2"]), quota)
+    err = capsys.readouterr().err
+    assert "CPU quotas unavailable" in err and why in err and "UNTHROTTLED" in err
+    assert "cpu-slow at 0.2 cores: n2" in err
+    assert run.demo_pace(quota) == run.UNTHROTTLED_PACE_S > 0
+    assert run.demo_pace({"available": True, "where": "cgroup v1"}) == 0.0

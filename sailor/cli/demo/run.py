@@ -114,6 +114,12 @@ def quota_support() -> dict[str, Any]:
     return {"available": True, "where": where.describe()}
 
 
+def demo_pace(quota: dict[str, Any]) -> float:
+    """A worker step's pace: none under quotas (they must bind), else
+    :data:`UNTHROTTLED_PACE_S`."""
+    return 0.0 if quota["available"] else UNTHROTTLED_PACE_S
+
+
 def _say_kinds(con: Console, kinds: dict[str, tuple[str, float]], quota: dict[str, Any]) -> None:
     by_kind: dict[tuple[str, float], list[str]] = {}
     for node, kq in kinds.items():
@@ -148,8 +154,7 @@ def run_demo(
 
     quota = quota_support()
     if auto_pace:
-        pace = 0.0 if quota["available"] else UNTHROTTLED_PACE_S
-        settings = dataclasses.replace(settings, min_step_s=pace)
+        settings = dataclasses.replace(settings, min_step_s=demo_pace(quota))
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="sailor-demo-"))
