@@ -11,7 +11,8 @@ that it reaches the controller through etcd while NATS is down). SIGTERM: stop t
 publish NodeLeft, revoke the lease. The epoch fence is persisted (``fence.py``) and raised to
 the desired state's epoch on start, so a restarted agent still refuses a deposed controller.
 With ``cpu_quota`` set, the workers run in the node's cgroup under that quota (``cpu_quota.py``;
-``set_cpu_quota`` changes it at run time), and the cgroup is removed when the agent stops.
+``set_cpu_quota`` changes it at run time; from exec, or from each worker's ``ready`` report
+with ``cpu_quota_from='ready'``), and the cgroup is removed when the agent stops.
 A long-lived task that crashes is restarted with backoff; one that keeps crashing takes the
 agent down (``run`` raises ``DaemonFailedError``, the process exits non-zero and systemd
 restarts it).
