@@ -123,7 +123,7 @@ def test_layout_shape_per_kind_and_per_pipeline() -> None:
     assert [p["samples"] for p in shape["pipelines"]] == [6, 6]
     assert shape["pipelines"][0]["kinds"] == ["cpu-full", "cpu-slow"]
     assert shape["uneven"]  # 5 and 1 layers in one pipeline
-    assert describe_kinds(shape) == "cpu-full 5+6 layers tp1 (n1, n3) · cpu-slow 1 layer tp1 (n2)"
+    assert describe_kinds(shape) == "cpu-full 5+6 tp1 (n1,n3) · cpu-slow 1 tp1 (n2)"
     even = [{**_MIXED[1], "mb": 2}, {**_MIXED[1], "mb": 2}]
     assert not layout_shape(even)["uneven"]
     unequal = [{**_MIXED[1], "mb": 4}, {**_MIXED[1], "mbs": 4, "mb": 1}]

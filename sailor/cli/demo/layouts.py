@@ -63,15 +63,14 @@ def layout_shape(layout: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def describe_kinds(shape: dict[str, Any]) -> str:
-    """``cpu-full 5+6 layers tp1 (n1, n3) · cpu-slow 1 layer tp1 (n2)``."""
+def describe_kinds(shape: dict[str, Any], sep: str = " · ") -> str:
+    """``cpu-full 5+6 tp1 (n1,n3) · cpu-slow 1 tp1 (n2)``: per kind, the layers of each of
+    its stages, its TP degrees and its nodes."""
     parts = []
     for kind, k in shape["kinds"].items():
-        n = k["layers"]
-        unit = "layer" if n == [1] else "layers"
         tp = "/".join(f"tp{t}" for t in k["tp"])
-        parts.append(f"{kind} {'+'.join(map(str, n))} {unit} {tp} ({', '.join(k['nodes'])})")
-    return " · ".join(parts)
+        parts.append(f"{kind} {'+'.join(map(str, k['layers']))} {tp} ({','.join(k['nodes'])})")
+    return sep.join(parts)
 
 
 def layouts(
@@ -111,20 +110,20 @@ def print_layouts(con: Console, rows: Sequence[dict[str, Any]]) -> None:
     """The layout table of the summary."""
     t = Table(
         "gen",
-        "layers and TP per kind (nodes)",
-        escape("stages per pipeline: kind layers [tp] (mbs×microbatches)"),
+        "per kind: layers per stage, TP (nodes)",
+        escape("per pipeline: kind layers [tp] per stage (mbs×microbatches)"),
         "predicted s/step",
         "measured s/step",
         "error",
-        title="layouts: the simulator's step (from the kinds' prior) beside the measured mean",
+        title="layouts: the simulator's step (the kinds' prior) beside the measured mean",
     )
     for g in rows:
         pr, me, err = g["predicted_step_s"], g["measured_step_s"], g.get("prediction_error")
         shape = g.get("shape") or layout_shape(g["layout"])
         t.add_row(
             str(g["generation"]),
-            escape(describe_kinds(shape)),
-            escape(describe_layout(g["layout"])),
+            escape(describe_kinds(shape, "\n")),
+            escape(describe_layout(g["layout"]).replace("  +  ", "\n")),
             f"{pr:.3f}" if pr is not None else "—",
             f"{me:.3f}" if me is not None else "—",
             f"{err:+.0%}" if err is not None else "—",
