@@ -89,4 +89,16 @@ def test_plan_summary() -> None:
         ),
     )
     assert plan_summary(pp, {"n2": (1,), "n1": (0,)}) == "2 stages layers 0-2|3-5 on n1,n2"
+    one = Stage(first_layer=0, last_layer=5, replica=_cpu())
+    dp = Plan(
+        plan_id="q",
+        model="tiny-gpt",
+        global_batch_size=12,
+        pipelines=(
+            Pipeline(stages=(one,), microbatch_size=2, num_microbatches=4),
+            Pipeline(stages=(one,), microbatch_size=4, num_microbatches=1),
+        ),
+    )
+    want = "DP 2 × layers 0-5 (8 + 4 samples) on n2,n3"
+    assert plan_summary(dp, {"n3": (0,), "n2": (1,)}) == want
     assert plan_summary(None, {}) == "—"

@@ -64,7 +64,8 @@ class StepPoint:
 
 
 def plan_summary(plan: Plan | None, placement: dict[str, tuple[int, ...]]) -> str:
-    """``3 stages 0-1|2-3|4-5 on n1,n2,n3`` / ``DP 2 × 0-5 on n2,n3``."""
+    """``3 stages 0-1|2-3|4-5 on n1,n2,n3`` / ``DP 2 × 0-5 on n2,n3`` / ``DP 2 × layers 0-5
+    (8 + 4 samples) on n2,n3`` (replicas with different shares of the batch)."""
     if plan is None:
         return "—"
     pipes = ["|".join(f"{s.first_layer}-{s.last_layer}" for s in p.stages) for p in plan.pipelines]
@@ -72,8 +73,10 @@ def plan_summary(plan: Plan | None, placement: dict[str, tuple[int, ...]]) -> st
     dp = f"DP {len(pipes)} × " if len(pipes) > 1 else ""
     stages = len(plan.pipelines[0].stages)
     pp = f"{stages} stages " if stages > 1 else ""
+    samples = [p.microbatch_size * p.num_microbatches for p in plan.pipelines]
+    share = f" ({' + '.join(map(str, samples))} samples)" if len(set(samples)) > 1 else ""
     on = ",".join(sorted(placement))
-    return f"{dp}{pp}layers {shape} on {on}"
+    return f"{dp}{pp}layers {shape}{share} on {on}"
 
 
 class StateReader:
