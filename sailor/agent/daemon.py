@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, model_validator
 
-from sailor.agent.cgroup_layout import validate_cores
+from sailor.agent.cgroup_layout import CFS_PERIOD_US, MIN_QUOTA_US, validate_cores
 from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
 from sailor.agent.check_verdicts import judge
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
@@ -130,10 +130,26 @@ class AgentConfig(ServerEndpoints):
         "its workers unthrottled, and its status says cpu_quota: unavailable.",
     )
 
-    @field_validator("cpu_quota")
-    @classmethod
-    def _enforceable(cls, v: float | None) -> float | None:
-        return None if v is None else validate_cores(v)
+    cpu_quota_period_ms: float = Field(
+        default=CFS_PERIOD_US / 1000,
+        ge=MIN_QUOTA_US / 1000,
+        le=1000,
+        description="The cgroup's enforcement period, ms (the kernel takes 1 ms to 1 s; "
+        "default 100, its own). Within a period a throttled worker runs at full speed until "
+        "its quota is spent, then stalls: a shorter period spreads the quota more evenly "
+        "over steps shorter than a few periods, at the cost of more preemptions.",
+    )
+
+    @model_validator(mode="after")
+    def _enforceable(self) -> AgentConfig:
+        if self.cpu_quota is not None:
+            validate_cores(self.cpu_quota, self.cpu_quota_period_us)
+        return self
+
+    @property
+    def cpu_quota_period_us(self) -> int:
+        """The period as the kernel takes it, whole microseconds."""
+        return round(self.cpu_quota_period_ms * 1000)
 
 
 class Agent:
@@ -172,7 +188,11 @@ class Agent:
     async def run(self) -> None:
         if self.cfg.cpu_quota is not None:
             self.quota = await asyncio.to_thread(
-                CpuQuota.start, self.cfg.job, self.node.node_id, self.cfg.cpu_quota
+                CpuQuota.start,
+                self.cfg.job,
+                self.node.node_id,
+                self.cfg.cpu_quota,
+                period_us=self.cfg.cpu_quota_period_us,
             )
             self.supervisor.exec_prefix = self.quota.exec_prefix
         try:
@@ -192,7 +212,11 @@ class Agent:
         cpu controller exists this warns and changes nothing (``'unavailable'``)."""
         if self.quota is None:
             self.quota = await asyncio.to_thread(
-                CpuQuota.start, self.cfg.job, self.node.node_id, cores
+                CpuQuota.start,
+                self.cfg.job,
+                self.node.node_id,
+                cores,
+                period_us=self.cfg.cpu_quota_period_us,
             )
             self.supervisor.exec_prefix = self.quota.exec_prefix
             await asyncio.to_thread(self.quota.adopt, self.supervisor.pids())

@@ -68,6 +68,11 @@ class DemoCluster:
     """The controller's online calibration settings; None: the config's defaults."""
     model: str = "tiny-gpt"
     """What the controller plans (a catalog name or a ModelSpec file)."""
+    profiles: tuple[Path, ...] = ()
+    """ProfileDB files the controller plans with (its prior: e.g. one per kind); none: the
+    analytic estimates."""
+    cpu_quota_period_ms: float | None = None
+    """The cgroup period of the nodes with a quota; None: the agent's default (100 ms)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -110,6 +115,7 @@ class DemoCluster:
             model=self.model,
             global_batch_size=self.global_batch_size,
             training=self.training_file,
+            profiles=self.profiles,
             **(
                 {"online_calibration": self.online_calibration}
                 if self.online_calibration is not None
@@ -136,6 +142,11 @@ class DemoCluster:
                 address="127.0.0.1",
             ),
             cpu_quota=cpu_quota,
+            **(
+                {"cpu_quota_period_ms": self.cpu_quota_period_ms}
+                if self.cpu_quota_period_ms is not None
+                else {}
+            ),
             nats_urls=self.servers.nats_urls,
             etcd_endpoints=self.servers.etcd_endpoints,
             lease_ttl_s=2,
