@@ -285,9 +285,7 @@ class CpuQuota:
             cg = NodeCgroup.create(where, rel, cores, period_us)
         except OSError as exc:
             return cls._unavailable(node_id, cores, f"{where.describe()}: creating {rel}: {exc}")
-        _log.info(
-            "cpu_quota", node=node_id, cores=cores, period_us=period_us, cgroup=str(cg.path)
-        )
+        _log.info("cpu_quota", node=node_id, cores=cores, period_us=period_us, cgroup=str(cg.path))
         return cls(cg, cores)
 
     @classmethod

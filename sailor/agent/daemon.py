@@ -70,6 +70,8 @@ from sailor.schemas.runtime import AgentStatus, CommandAck
 __all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
+_UNSEEN = object()
+"""No quota read yet (the first reading is no change)."""
 
 TASK_BACKOFF_S = 0.5
 """First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
@@ -184,6 +186,7 @@ class Agent:
         self.facts: NodeFacts | None = None
         self.refused = ""
         self.quota: CpuQuota | None = None  # the workers' CPU quota (cpu_quota.py), if any
+        self._quota_seen: QuotaState | object = _UNSEEN  # as of the last status write
 
     async def run(self) -> None:
         if self.cfg.cpu_quota is not None:
@@ -438,6 +441,16 @@ class Agent:
             timings=sup.timings() if state == "running" else (),
         )
 
+    def _follow_quota(self) -> None:
+        """A quota changed (here or from outside: the kernel's value is read) changes the
+        workers' speed: the step timings measured before it are dropped."""
+        now = self.cpu_quota()
+        if now != self._quota_seen:
+            if self._quota_seen is not _UNSEEN:
+                _log.info("cpu_quota_changed", node=self.node.node_id, cores=now)
+                self.supervisor.restart_timings()
+            self._quota_seen = now
+
     async def _status_loop(self) -> None:
         last = b""
         while True:
@@ -445,6 +458,7 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.supervisor.changed.wait(), self.cfg.status_interval_s)
             self.supervisor.changed.clear()
+            self._follow_quota()
             st = self.status()
             body = st.model_dump_json(exclude={"time"}).encode()
             if body != last and self._store is not None and self._lease is not None:
