@@ -97,17 +97,25 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
     )
 
 
+def _step_time(s: StepSample) -> float:
+    return s.step_s
+
+
+def _compute(s: StepSample) -> float:
+    return s.fwd_s + s.bwd_s
+
+
 def _shifted(xs: list[StepSample]) -> bool:
     """The last :data:`SHIFT_RUN` samples all lie beyond :data:`SHIFT_RATIO` of the earlier
     ones' median, on one side, in step time or in compute (at least as many earlier ones)."""
     if len(xs) < 2 * SHIFT_RUN:
         return False
     old, new = xs[:-SHIFT_RUN], xs[-SHIFT_RUN:]
-    for value in (lambda s: s.step_s, lambda s: s.fwd_s + s.bwd_s):
-        mid = statistics.median(value(s) for s in old)
+    for pick in (_step_time, _compute):
+        mid = statistics.median(pick(s) for s in old)
         if mid <= 0:
             continue
-        ratios = [value(s) / mid for s in new]
+        ratios = [pick(s) / mid for s in new]
         if all(r > SHIFT_RATIO for r in ratios) or all(r * SHIFT_RATIO < 1 for r in ratios):
             return True
     return False
