@@ -65,7 +65,7 @@ def load_model_spec(name: str, global_batch_size: int | None = None) -> ModelSpe
     path = Path(name)
     if path.suffix in (".json", ".yaml", ".yml") and path.exists():
         data = load_mapping(path)
-        if set(data) == {"spec", "architecture"} and isinstance(data["spec"], Mapping):
+        if set(data) == {"spec", "architecture"} and isinstance(data["spec"], dict):
             data = data["spec"]
         spec = ModelSpec.model_validate(data)
     else:
