@@ -79,7 +79,7 @@ from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase
 from sailor.schemas.training import TrainingConfig
 from sailor.simulator import simulate
-from sailor.simulator.online_fit import fit_online, scale_ends
+from sailor.simulator.online_fit import fit_online, range_corners
 
 __all__ = ["KEEP_VERSIONS", "Calibrator", "load_trace"]
 
@@ -401,7 +401,10 @@ class Calibrator:
         assert_inp = self.inputs
         if cal is None or assert_inp is None:
             raise RuntimeError("calibration lost during a fit")
-        corners = [cal, *scale_ends(cal, fit.constants)]
+        # the point estimate, then every corner of the fitted ranges: the best plan must win
+        # at all of them (a mixed corner, one kind faster and another slower than fitted,
+        # is where a plan that moves work between kinds loses)
+        corners = [cal, *range_corners(cal, fit.constants)]
         times = await asyncio.to_thread(
             lambda: [(self._price(plan, c), self._price(best.plan, c)) for c in corners]
         )
@@ -417,7 +420,9 @@ class Calibrator:
             same_layout=best.plan.pipelines == plan.pipelines,
             running_s=running_s,
             best_s=best_s,
+            measured_s=fit.measured_step_s,
             worst_improvement=worst,
+            corners=len(corners) - 1,
             downtime_s=downtime,
             downtime_source=source,
             time_to_change_s=self.time_to_change_s,

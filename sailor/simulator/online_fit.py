@@ -40,6 +40,7 @@ Pure: values in, one value out; no I/O, no clock.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -60,7 +61,7 @@ from sailor.schemas.online_calibration import ConstantName, FittedConstant, Onli
 from sailor.simulator.simulate import simulate
 from sailor.simulator.stage_ends import replay_stage_ends
 
-__all__ = ["fit_online", "robust_spread", "scale_ends", "with_constant"]
+__all__ = ["fit_online", "range_corners", "robust_spread", "scale_ends", "with_constant"]
 
 _MAD_TO_SIGMA = 1.4826
 """MAD x this = the standard deviation of a normal sample."""
@@ -424,6 +425,46 @@ def scale_ends(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calib
         if c != cal:
             out.append(c)
     return out
+
+
+_CORNER_DIMS = 6
+"""At most this many ranges are spanned by :func:`range_corners` (2^6 = 64 corners, two
+simulations each per judgement); beyond, the widest ones (relative to their value)."""
+
+
+def range_corners(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calibration]:
+    """``cal`` at every corner of the fitted ranges: each fitted compute scale (per kind) and
+    the pipeline efficiency at the low or the high end of its range, in every combination.
+
+    Both ends of all scales at once (:func:`scale_ends`) miss the corners that matter for a
+    heterogeneous plan: one kind faster than fitted while another is slower moves work
+    between them, and a plan that shifts work to the first wins at both uniform ends yet
+    loses there. A plan is bet on only if it wins at all of them. ``cal`` itself is not
+    among them; a constant without a range (low == high) adds none.
+    """
+    dims: list[tuple[float, list[tuple[str, str]], float, float]] = []
+    for k in fitted:
+        if k.name == "compute_scale" and k.fitted and k.high > k.low:
+            dims.append((_width(k), [(k.gpu_type, "compute_scale")], k.low, k.high))
+    p2p = [k for k in fitted if k.name == "p2p_efficiency" and k.fitted and k.high > k.low]
+    if p2p:  # one value for every kind in multi-stage pipelines: one dimension
+        k = p2p[0]
+        dims.append((_width(k), [(x.gpu_type, "p2p_efficiency") for x in p2p], k.low, k.high))
+    dims = sorted(dims, key=lambda d: -d[0])[:_CORNER_DIMS]
+    if not dims:
+        return []
+    out: list[Calibration] = []
+    for ends in itertools.product((0, 1), repeat=len(dims)):
+        c = cal
+        for (_, targets, low, high), end in zip(dims, ends, strict=True):
+            for g, name in targets:
+                c = with_constant(c, g, **{name: high if end else low})
+        out.append(c)
+    return out
+
+
+def _width(k: FittedConstant) -> float:
+    return (k.high - k.low) / max(abs(k.value), 1e-12)
 
 
 def _groups(plan: Plan) -> dict[tuple[int, int], int]:

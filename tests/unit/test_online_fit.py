@@ -20,8 +20,8 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
 )
-from sailor.schemas.online_calibration import OnlineFit, RankTimings
-from sailor.simulator.online_fit import fit_online, with_constant
+from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
+from sailor.simulator.online_fit import fit_online, range_corners, scale_ends, with_constant
 from sailor.simulator.synthetic_timings import expected_rank_timings
 
 FAST, SLOW = "A100-40", "V100-16"
@@ -165,3 +165,52 @@ def test_kinds_not_running_keep_their_constants_and_foreign_ranks_are_ignored() 
     assert any("rank 5" in n for n in fit.notes)
     with pytest.raises(ValueError, match="no timing"):
         _fit(plan, (stray,), base)
+
+
+def _ranged(gpu: str, name: str, value: float, low: float, high: float) -> FittedConstant:
+    return FittedConstant(
+        gpu_type=gpu, name=name, value=value, low=low, high=high, previous=1.0, samples=2,
+        fitted=True, evidence="test",
+    )  # fmt: skip
+
+
+def test_range_corners_span_every_combination_of_the_fitted_ends() -> None:
+    fitted = [
+        _ranged(FAST, "compute_scale", 1.0, 0.8, 1.5),
+        _ranged(SLOW, "compute_scale", 2.0, 1.6, 2.4),
+        _ranged(FAST, "p2p_efficiency", 0.5, 0.4, 0.7),
+        _ranged(SLOW, "p2p_efficiency", 0.5, 0.4, 0.7),
+        _ranged(FAST, "sync_fixed_s", 0.01, 0.0, 0.02),  # not a corner dimension
+    ]
+    corners = range_corners(BASE, fitted)
+    seen = {
+        (c.for_gpu(FAST).compute_scale, c.for_gpu(SLOW).compute_scale, c.for_gpu(SLOW).p2p_eta)
+        for c in corners
+    }
+    assert seen == {(f, s, e) for f in (0.8, 1.5) for s in (1.6, 2.4) for e in (0.4, 0.7)}
+    assert all(c.for_gpu(FAST).p2p_eta == c.for_gpu(SLOW).p2p_eta for c in corners)
+    assert range_corners(BASE, [_ranged(FAST, "compute_scale", 1.0, 1.0, 1.0)]) == []
+
+
+def test_a_plan_that_moves_work_between_kinds_can_lose_at_a_mixed_corner() -> None:
+    """The running plan gives both kinds 8 units of work, the best one 11 to the fast kind and
+    5 to the slow: it wins at the point estimate and at both uniform ends of the ranges, and
+    loses where the fast kind is at its slowest and the slow one at its fastest. The rule bets
+    on it only if it wins at every corner: range_corners includes that one, scale_ends not."""
+    fitted = [
+        _ranged(FAST, "compute_scale", 1.0, 0.8, 1.5),
+        _ranged(SLOW, "compute_scale", 2.0, 1.6, 2.4),
+    ]
+
+    def gains(cals: list[Calibration]) -> list[float]:
+        out = []
+        for c in cals:
+            kf, ks = c.for_gpu(FAST).compute_scale, c.for_gpu(SLOW).compute_scale
+            running, best = max(8 * kf, 8 * ks), max(11 * kf, 5 * ks)
+            out.append(1 - best / running)
+        return out
+
+    point = with_constant(with_constant(BASE, FAST, compute_scale=1.0), SLOW, compute_scale=2.0)
+    assert gains([point])[0] > 0.3
+    assert min(gains(scale_ends(point, fitted))) > 0  # the uniform ends would bet on it
+    assert min(gains(range_corners(point, fitted))) < 0  # a mixed corner does not
