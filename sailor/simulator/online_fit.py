@@ -23,7 +23,8 @@ iteration times):
   mostly fill, drain and imbalance, which the compute scales set, so its range is solved
   at both ends of the compute scales' ranges as well as of the waits' own spread.
 * ``sync_fixed_s`` (c): per kind, the median ``sync_s`` of its ranks without a gradient
-  all-reduce (a stage no other pipeline holds, no tied embedding).
+  all-reduce (a stage no other pipeline holds and no copy of a tied embedding that another
+  stage holds: that copy's all-reduce waits for the other stage, which is no fixed cost).
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
   η = simulated all-reduce time at η = 1 / (that sync − c). A kind's η is the geometric mean
@@ -202,7 +203,7 @@ def fit_online(
     cal = _fit_p2p(
         plan, ranks, kinds, cal, constants, notes, model, profiles, network, prices, specs
     )
-    cal = _fit_sync(plan, ranks, kinds, cal, sim, constants, notes)
+    cal = _fit_sync(plan, ranks, kinds, cal, sim, constants, notes, _tied_holders(plan, model))
     before = sim(cal0)
     after = sim(cal)
     notes.extend(_optimizer_notes(ranks, _stage_rows(after)))
@@ -489,6 +490,24 @@ def _groups(plan: Plan) -> dict[tuple[int, int], int]:
     return {x: ids[find(x)] for x in list(parent)}
 
 
+def _tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
+    """(pipeline, stage) of the stages in the engine's tied-embedding group when it spans
+    stages: the embedding's and the head's copies are all-reduced together after the
+    segments (``megatron_patch.sync_groups``), so a holder's measured sync includes waiting
+    for the other copy's stage to finish its backward (in 1F1B the head's stage ends first
+    and waits out the pipeline's drain). That wait is not a fixed cost of the sync."""
+    if not model.tie_embeddings:
+        return frozenset()
+    head = plan.num_layers - 1
+    holders = frozenset(
+        (pi, si)
+        for pi, p in enumerate(plan.pipelines)
+        for si, st in enumerate(p.stages)
+        if st.first_layer == 0 or st.last_layer == head
+    )
+    return holders if len(holders) > 1 else frozenset()
+
+
 def _fit_sync(
     plan: Plan,
     ranks: list[_Rank],
@@ -497,9 +516,24 @@ def _fit_sync(
     sim: Callable[[Calibration], Estimate],
     out: list[FittedConstant],
     notes: list[str],
+    tied: frozenset[tuple[int, int]] = frozenset(),
 ) -> Calibration:
     rows1 = _stage_rows(sim(_with_all(cal, kinds, network_efficiency=1.0)))
-    lone = [r for r in ranks if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0]
+    lone = [
+        r
+        for r in ranks
+        if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 and (r.pipeline, r.stage) not in tied
+    ]
+    waiting = sum(
+        1
+        for r in ranks
+        if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 and (r.pipeline, r.stage) in tied
+    )
+    if waiting:
+        notes.append(
+            f"{waiting} rank(s) without a segment all-reduce hold a tied embedding copy: their "
+            "sync waits for the other copy's stage (not read as sync_fixed_s)"
+        )
     fixed: dict[str, float] = {}
     for g in kinds:
         prev = cal.for_gpu(g).sync_fixed_s

@@ -94,7 +94,10 @@ def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> Non
     assert _const(fit, SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
     assert _const(fit, FAST, "compute_scale") == pytest.approx(0.8, rel=1e-6)
     assert _const(fit, SLOW, "p2p_efficiency") == pytest.approx(0.3, rel=0.01)
-    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.01, rel=1e-6)
+    # both stages hold a copy of the tied embedding: their syncs wait for each other, and
+    # neither identifies the fixed cost (tests below)
+    fixed = fit.constant(SLOW, "sync_fixed_s")
+    assert fixed is not None and not fixed.fitted
     assert fit.calibration.for_gpu(SLOW).compute_scale == pytest.approx(2.5, rel=1e-6)
     # a single pipeline all-reduces nothing: the network efficiency is not identified
     eta = fit.constant(SLOW, "network_efficiency")
@@ -214,3 +217,35 @@ def test_a_plan_that_moves_work_between_kinds_can_lose_at_a_mixed_corner() -> No
     assert gains([point])[0] > 0.3
     assert min(gains(scale_ends(point, fitted))) > 0  # the uniform ends would bet on it
     assert min(gains(range_corners(point, fitted))) < 0  # a mixed corner does not
+
+
+def test_a_tied_embeddings_wait_is_not_read_as_fixed_sync_cost() -> None:
+    """Three stages, the embedding on the first and the head on the last: the engine
+    all-reduces the two copies after the segments, so the head's stage, done first in 1F1B,
+    waits there for the first stage (its measured sync holds the pipeline's drain). The
+    fixed cost comes from the middle stage alone."""
+    stages = (
+        Stage(first_layer=0, last_layer=8, replica=_rg(SLOW, "n1")),
+        Stage(first_layer=9, last_layer=17, replica=_rg(SLOW, "n2")),
+        Stage(first_layer=18, last_layer=25, replica=_rg(FAST, "n3")),
+    )
+    plan = Plan(
+        plan_id="pp3",
+        model=MODEL.name,
+        global_batch_size=32,
+        pipelines=(Pipeline(stages=stages, microbatch_size=1, num_microbatches=32),),
+    )
+    truth = with_constant(BASE, SLOW, sync_fixed_s=0.01)
+    truth = with_constant(truth, FAST, sync_fixed_s=0.01)
+    timings = list(_timings(plan, truth))
+    # what the engine measures on the holders: the tied all-reduce's wait (0.4 s on the head)
+    timings[0] = timings[0].model_copy(update={"sync_s": timings[0].sync_s + 0.002})
+    timings[2] = timings[2].model_copy(update={"sync_s": timings[2].sync_s + 0.4})
+    fit = _fit(plan, tuple(timings))
+    slow = fit.constant(SLOW, "sync_fixed_s")
+    fast = fit.constant(FAST, "sync_fixed_s")
+    assert slow is not None and slow.fitted and slow.samples == 1
+    assert slow.value == pytest.approx(0.01, rel=1e-6)
+    assert fast is not None and not fast.fitted  # only the head's stage is of this kind
+    assert fast.value == BASE.for_gpu(FAST).sync_fixed_s
+    assert any("tied embedding" in n for n in fit.notes)
