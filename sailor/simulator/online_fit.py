@@ -23,8 +23,10 @@ iteration times):
   mostly fill, drain and imbalance, which the compute scales set, so its range is solved
   at both ends of the compute scales' ranges as well as of the waits' own spread.
 * ``sync_fixed_s`` (c): per kind, the median ``sync_s`` of its ranks without a gradient
-  all-reduce (a stage no other pipeline holds and no copy of a tied embedding that another
-  stage holds: that copy's all-reduce waits for the other stage, which is no fixed cost).
+  all-reduce (a stage no other pipeline holds). Of the stages holding a copy of a tied
+  embedding (the engine all-reduces the copies in a group of their own after the segments)
+  only the last to arrive counts: the others' syncs hold their wait for it, in 1F1B the
+  pipeline's drain, which is no fixed cost.
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
   η = simulated all-reduce time at η = 1 / (that sync − c). A kind's η is the geometric mean
@@ -524,15 +526,24 @@ def _fit_sync(
         for r in ranks
         if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 and (r.pipeline, r.stage) not in tied
     ]
-    waiting = sum(
-        1
-        for r in ranks
-        if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 and (r.pipeline, r.stage) in tied
-    )
-    if waiting:
+    # the tied copies' all-reduce is a collective of its own: its last arriver (least sync)
+    # waited for no one, so its sync is the fixed cost (the tied all-reduce inside it, as
+    # the calibration's tied_allreduce=False says); the others' syncs hold their waits. Only
+    # where no holder also all-reduces a segment (else the order of arrival is unknown).
+    holders = [r for r in ranks if (r.pipeline, r.stage) in tied]
+    if holders and all(rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 for r in holders):
+        last = min(holders, key=lambda r: r.t.sync_s)
+        lone.append(last)
+        if len(holders) > 1:
+            notes.append(
+                f"tied embedding: rank {last.rank} arrived last at its all-reduce (sync "
+                f"{last.t.sync_s:.3g} s); the {len(holders) - 1} other holder(s) waited for it "
+                "(not read as sync_fixed_s)"
+            )
+    elif holders:
         notes.append(
-            f"{waiting} rank(s) without a segment all-reduce hold a tied embedding copy: their "
-            "sync waits for the other copy's stage (not read as sync_fixed_s)"
+            f"{len(holders)} rank(s) hold a tied embedding copy and all-reduce segments: their "
+            "syncs are not read as sync_fixed_s"
         )
     fixed: dict[str, float] = {}
     for g in kinds:

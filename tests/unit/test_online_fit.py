@@ -90,14 +90,16 @@ def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> Non
     plan = _pipeline_plan()
     truth = with_constant(BASE, SLOW, compute_scale=2.5, p2p_efficiency=0.3, sync_fixed_s=0.01)
     truth = with_constant(truth, FAST, compute_scale=0.8, p2p_efficiency=0.3)
-    fit = _fit(plan, _timings(plan, truth))
+    timings = list(_timings(plan, truth))
+    # as the engine measures it: the head's stage, done first, waits at the tied all-reduce
+    timings[1] = timings[1].model_copy(update={"sync_s": timings[1].sync_s + 0.05})
+    fit = _fit(plan, tuple(timings))
     assert _const(fit, SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
     assert _const(fit, FAST, "compute_scale") == pytest.approx(0.8, rel=1e-6)
     assert _const(fit, SLOW, "p2p_efficiency") == pytest.approx(0.3, rel=0.01)
-    # both stages hold a copy of the tied embedding: their syncs wait for each other, and
-    # neither identifies the fixed cost (tests below)
-    fixed = fit.constant(SLOW, "sync_fixed_s")
-    assert fixed is not None and not fixed.fitted
+    # both stages hold a copy of the tied embedding: the first, done last in 1F1B, arrived
+    # last at their all-reduce, and gives the fixed cost (tests below)
+    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.01, rel=1e-6)
     assert fit.calibration.for_gpu(SLOW).compute_scale == pytest.approx(2.5, rel=1e-6)
     # a single pipeline all-reduces nothing: the network efficiency is not identified
     eta = fit.constant(SLOW, "network_efficiency")
@@ -223,7 +225,7 @@ def test_a_tied_embeddings_wait_is_not_read_as_fixed_sync_cost() -> None:
     """Three stages, the embedding on the first and the head on the last: the engine
     all-reduces the two copies after the segments, so the head's stage, done first in 1F1B,
     waits there for the first stage (its measured sync holds the pipeline's drain). The
-    fixed cost comes from the middle stage alone."""
+    fixed cost comes from the middle stage and the first, which arrived last."""
     stages = (
         Stage(first_layer=0, last_layer=8, replica=_rg(SLOW, "n1")),
         Stage(first_layer=9, last_layer=17, replica=_rg(SLOW, "n2")),
@@ -238,13 +240,12 @@ def test_a_tied_embeddings_wait_is_not_read_as_fixed_sync_cost() -> None:
     truth = with_constant(BASE, SLOW, sync_fixed_s=0.01)
     truth = with_constant(truth, FAST, sync_fixed_s=0.01)
     timings = list(_timings(plan, truth))
-    # what the engine measures on the holders: the tied all-reduce's wait (0.4 s on the head)
-    timings[0] = timings[0].model_copy(update={"sync_s": timings[0].sync_s + 0.002})
+    # what the engine measures on the head's stage: the wait for the first (0.4 s)
     timings[2] = timings[2].model_copy(update={"sync_s": timings[2].sync_s + 0.4})
     fit = _fit(plan, tuple(timings))
     slow = fit.constant(SLOW, "sync_fixed_s")
     fast = fit.constant(FAST, "sync_fixed_s")
-    assert slow is not None and slow.fitted and slow.samples == 1
+    assert slow is not None and slow.fitted and slow.samples == 2
     assert slow.value == pytest.approx(0.01, rel=1e-6)
     assert fast is not None and not fast.fitted  # only the head's stage is of this kind
     assert fast.value == BASE.for_gpu(FAST).sync_fixed_s

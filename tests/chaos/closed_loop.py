@@ -1,0 +1,223 @@
+"""Closed-loop runs on real processes: node kinds under CPU quotas, a prior, and the figures of
+online calibration (issue 20, 5a and 5b; docs/runtime.md, "Measured with real workers").
+
+Built on the chaos harness (:class:`~tests.chaos.harness.ChaosRun`: servers, the demo's
+cluster of real controller, agent and worker processes, the uninterrupted reference and the
+verdict): this module adds what both closed-loop tests need and the harness does not have.
+
+- :func:`prior_profiles`: the prior the controller plans with. The demo model's layers are
+  profiled here as ``cpu-full`` (``sailor profile layers``, unthrottled), and the same figures
+  are written again as ``cpu-slow``: the slow kind *profiled as full speed*, which is wrong by
+  whatever its quota makes it.
+- :func:`closed_loop_run`: a :class:`ChaosRun` whose nodes have kinds and quotas, whose
+  controller plans with the prior and fits online with replanning on.
+- :func:`start_all`: agents, then the controller, RUNNING (without the harness's training
+  steps: the controller may reconfigure on its own at any step).
+- :func:`figures`: what one calibration-driven replan measured, from the audit log and the
+  workers' progress files (steps and seconds to detect, prediction error before and after,
+  step before and after, downtime).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sailor.cli.demo.observe import StepPoint
+from sailor.controller.config import OnlineCalibrationSettings
+from sailor.schemas.profile import ProfileDB
+from tests.chaos.harness import ChaosRun, demo_training
+
+__all__ = [
+    "FULL",
+    "SLOW",
+    "LoopFigures",
+    "closed_loop_run",
+    "figures",
+    "prior_profiles",
+    "start_all",
+]
+
+FULL, SLOW = "cpu-full", "cpu-slow"
+
+SETTINGS = OnlineCalibrationSettings(
+    # a fit per half second once every rank has 3 steps of one speed; two fits that agree
+    # before a verdict (the defaults, 3 fits 10 s apart, are for jobs of hours)
+    interval_s=0.5,
+    min_steps=3,
+    stable_reports=2,
+    # before the first reconfiguration of the run is measured: what runtime_reconfig.py
+    # measured here (2.2-4.4 s), rounded up
+    default_downtime_s=5.0,
+)
+
+
+@functools.cache
+def prior_profiles() -> tuple[Path, Path]:
+    """``cpu-full`` profiled on this machine and the same figures as ``cpu-slow`` (the wrong
+    prior); profiled once per process (~10 s). Microbatch sizes 1, 2 and 4: all the harness's
+    global batch of 4 allows."""
+    spec = demo_training().spec_file
+    full = spec.parent / "prior-cpu-full.json"
+    slow = spec.parent / "prior-cpu-slow.json"
+    cmd = [
+        sys.executable, "-m", "sailor.cli.main", "profile", "layers", "--model-file", str(spec),
+        "--kind", FULL, "--mbs", "1,2,4", "--no-overhead", "-o", str(full),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    # every mention of the kind: timings, sizes, memory, and the meta keys "cpu-full.<what>"
+    slow.write_text(full.read_text().replace(f'"{FULL}', f'"{SLOW}'))
+    if ProfileDB.model_validate_json(slow.read_text()).gpu_types() != [SLOW]:
+        raise AssertionError(f"{slow}: not a profile of {SLOW} alone")
+    return full, slow
+
+
+def closed_loop_run(
+    tmp: Path,
+    scenario: str,
+    kinds: Mapping[str, tuple[str, float | None]],
+    steps_between: int = 6,
+    **cluster: Any,
+) -> ChaosRun:
+    """A chaos run of nodes with kinds and quotas, planned with :func:`prior_profiles`, fitting
+    online with replanning on (``cluster`` overrides any DemoCluster field)."""
+    options: dict[str, Any] = {
+        "kinds": dict(kinds),
+        "profiles": prior_profiles(),
+        "online_calibration": SETTINGS,
+        **cluster,
+    }
+    return ChaosRun(tmp, scenario, steps_between=steps_between, cluster=options)
+
+
+async def start_all(run: ChaosRun, nodes: Sequence[str]) -> int:
+    """Agents first (the first plan uses them all), then the controller; the first RUNNING
+    generation."""
+    for n in nodes:
+        run.cluster.start_agent(n)
+    await run.drive.until(lambda: len(run.drive.view.nodes) >= len(nodes), "registered")
+    run.cluster.start_controller("c1")
+    return await run.drive.running_after(-1)
+
+
+def records_of(run: ChaosRun, kind: str, generation: int | None = None) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in run.records()
+        if r.get("kind") == kind and (generation is None or r.get("generation") == generation)
+    ]
+
+
+def decision_of(run: ChaosRun) -> dict[str, Any] | None:
+    """The first calibration-driven replan decided (a ``replan_decision`` that reconfigured)."""
+    return next((r for r in records_of(run, "replan_decision") if r["reconfigure"]), None)
+
+
+def error(r: Mapping[str, Any]) -> float:
+    """A replan decision's prediction error on the running plan: predicted / measured - 1."""
+    return float(r["running_s"]) / float(r["measured_s"]) - 1.0
+
+
+@dataclass(frozen=True)
+class LoopFigures:
+    """What one calibration-driven replan measured (a row of docs/runtime.md's table)."""
+
+    old_generation: int
+    new_generation: int
+    steps_to_detect: int
+    """Steps the old layout trained, from its first, until the replan was decided."""
+    seconds_to_detect: float
+    """From the old layout's first step to the decision."""
+    error_first: float
+    """The first prediction error of the old layout (the first fit's ``error_before``: the
+    plan as the prior priced it against its measured step)."""
+    error_last: float
+    """The last ``replan_decision`` of the new layout: predicted under the kept calibration
+    against its measured step."""
+    step_before_s: float
+    """The old layout's measured step (the workers' ``step_s``, median over ranks and the last
+    window, as the last fit of it saw it)."""
+    step_after_s: float
+    wall_before_s: float
+    """Median wall-clock time between the old layout's consecutive steps (the agents' pacing
+    of ``min_step_s`` included)."""
+    wall_after_s: float
+    downtime_s: float
+    """Last step of the old layout to the first of the new one."""
+    decision: Mapping[str, Any]
+
+    def row(self) -> str:
+        return (
+            f"detected after {self.steps_to_detect} steps ({self.seconds_to_detect:.1f} s); "
+            f"error {self.error_first:+.0%} -> {self.error_last:+.0%}; step "
+            f"{self.step_before_s:.3f} -> {self.step_after_s:.3f} s (wall {self.wall_before_s:.3f}"
+            f" -> {self.wall_after_s:.3f} s); downtime {self.downtime_s:.1f} s"
+        )
+
+
+def _wall_step(points: Sequence[StepPoint], gen: int) -> float:
+    mine = sorted((p for p in points if p.generation == gen), key=lambda p: p.step)
+    gaps = [b.time - a.time for a, b in zip(mine, mine[1:], strict=False) if b.step == a.step + 1]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def figures(run: ChaosRun, old: int, new: int) -> LoopFigures:
+    """The figures of the replan from generation ``old`` to ``new`` (both have run)."""
+    decided = decision_of(run)
+    if decided is None or decided["generation"] != old:
+        raise AssertionError(f"no calibration-driven replan of generation {old}: {decided}")
+    run.drive.steps.poll()
+    points = run.drive.steps.series()
+    olds = [p for p in points if p.generation == old]
+    news = [p for p in points if p.generation == new]
+    first = min(olds, key=lambda p: p.time)
+    t = float(decided["time"])
+    cal_old = records_of(run, "calibration", old)
+    judged_old = [r for r in records_of(run, "replan_decision", old) if r.get("measured_s")]
+    judged_new = [r for r in records_of(run, "replan_decision", new) if r.get("measured_s")]
+    if not cal_old or not judged_new:
+        raise AssertionError(f"no fit of generation {old} or no decision of {new}")
+    return LoopFigures(
+        old_generation=old,
+        new_generation=new,
+        steps_to_detect=sum(1 for p in olds if p.time <= t),
+        seconds_to_detect=round(t - first.time, 2),
+        error_first=float(cal_old[0]["error_before"]),
+        error_last=error(judged_new[-1]),
+        step_before_s=float(judged_old[-1]["measured_s"]),
+        step_after_s=float(judged_new[-1]["measured_s"]),
+        wall_before_s=_wall_step(points, old),
+        wall_after_s=_wall_step(points, new),
+        downtime_s=round(min(p.time for p in news) - max(p.time for p in olds), 2),
+        decision=decided,
+    )
+
+
+def dump(run: ChaosRun, fig: LoopFigures, path: Path | None = None) -> str:
+    """The figures and the run's fits and decisions, one JSON object (for the docs' table)."""
+    rows = {
+        "figures": {k: v for k, v in fig.__dict__.items() if k != "decision"},
+        "decision": dict(fig.decision),
+        "calibrations": [
+            {k: r.get(k) for k in ("generation", "version", "error_before", "error_after")}
+            for r in records_of(run, "calibration")
+        ],
+        "decisions": [
+            {
+                k: r.get(k)
+                for k in ("generation", "running_s", "best_s", "measured_s", "reason", "corners")
+            }
+            for r in records_of(run, "replan_decision")
+        ],
+    }
+    text = json.dumps(rows, indent=1, default=str)
+    if path is not None:
+        path.write_text(text)
+    return text

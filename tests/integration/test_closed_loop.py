@@ -1,0 +1,85 @@
+"""The closed loop with real processes (issue 20, 5a): a controller learns a cluster its prior
+got wrong, and replans.
+
+Four nodes of the demo's cluster (real ``sailor controller``/``sailor agent`` processes, real
+workers training the demo's GPT-2 over gloo): n1 and n2 of kind ``cpu-full`` without a quota,
+n3 and n4 of kind ``cpu-slow`` whose workers run under a CPU quota of 0.4 cores (cgroups). The
+controller's prior is wrong: ``cpu-slow`` is profiled as full speed (the ``cpu-full`` profile
+under the other name, tests/chaos/closed_loop.py), so its first plan gives the slow nodes as
+much work as the full ones. Online calibration must notice within a bounded number of steps,
+fit, keep the calibration and replan once; the new layout's measured step must be faster
+than the old one's; the running plan's prediction error must fall from its first value to at
+most 10 %; and the losses and weights must equal an uninterrupted run (the chaos verdict).
+
+The figures are printed (docs/runtime.md, "Measured with real workers"); nothing asserts a
+speed beyond the new layout being faster. Takes 1-2 minutes: marked ``long``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.closed_loop import (
+    FULL,
+    SLOW,
+    closed_loop_run,
+    decision_of,
+    dump,
+    figures,
+    records_of,
+    start_all,
+)
+from tests.chaos.harness import verdict
+
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("favoured_cpu")]
+
+NODES = ("n1", "n2", "n3", "n4")
+SLOW_QUOTA = 0.4
+MAX_STEPS_TO_DETECT = 40
+"""The bound on steps before the replan is decided: a fit needs 3 steps of every rank after
+the first (skipped), two fits that agree, and a plan search; measured here 5-16 (the doc's
+table). The bound leaves room for a loaded machine, not for a controller that never notices."""
+MAX_ERROR_AFTER = 0.10
+
+
+async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
+    kinds = {
+        "n1": (FULL, None),
+        "n2": (FULL, None),
+        "n3": (SLOW, SLOW_QUOTA),
+        "n4": (SLOW, SLOW_QUOTA),
+    }
+    async with closed_loop_run(tmp_path, "closed loop: slow kind priced as full", kinds) as run:
+        run.fault(f"{SLOW} (n3, n4) under {SLOW_QUOTA} cores, profiled as {FULL}")
+        old = await start_all(run, NODES)
+        assert run.placed() & {"n3", "n4"}, f"the prior's plan leaves the slow nodes out: {old}"
+
+        await run.drive.until(lambda: decision_of(run) is not None, "a calibration-driven replan")
+        decided = decision_of(run)
+        assert decided is not None and decided["generation"] == old, decided
+        new = await run.drive.running_after(old)
+        causes = [r.get("cause", "") for r in records_of(run, "phase", old)]
+        assert any(str(c).startswith("recalibration") for c in causes), causes
+
+        # the new layout reports and is judged (priced with the kept calibration)
+        def judged() -> bool:
+            return any(r.get("measured_s") for r in records_of(run, "replan_decision", new))
+
+        await run.drive.until(judged, f"a decision on generation {new}")
+        await run.drive.train(new, 4)  # a few more fits of the new layout
+        fig = figures(run, old, new)
+        report = dump(run, fig, tmp_path.parent / f"closed-loop-{os.getpid()}.json")
+        out = await run.finish(new, drain="n1")
+    print(f"closed loop (wrong prior): {fig.row()}\n{report}")
+
+    assert fig.steps_to_detect <= MAX_STEPS_TO_DETECT, fig.row()
+    assert fig.step_after_s < fig.step_before_s, fig.row()
+    assert abs(fig.error_last) <= MAX_ERROR_AFTER, fig.row()
+    assert abs(fig.error_last) < abs(fig.error_first), fig.row()
+    # one calibration-driven replan, of the old layout (none flapping back on the new one)
+    replans = [r["generation"] for r in records_of(run, "replan_decision") if r["reconfigure"]]
+    assert [g for g in replans if g <= new] == [old], replans
+    verdict(out, min_reconf=1)
