@@ -532,12 +532,12 @@ def _fit_sync(
     # where no holder also all-reduces a segment (else the order of arrival is unknown).
     holders = [r for r in ranks if (r.pipeline, r.stage) in tied]
     if holders and all(rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 for r in holders):
-        last = min(holders, key=lambda r: r.t.sync_s)
-        lone.append(last)
+        arrived = min(holders, key=lambda r: r.t.sync_s)
+        lone.append(arrived)
         if len(holders) > 1:
             notes.append(
-                f"tied embedding: rank {last.rank} arrived last at its all-reduce (sync "
-                f"{last.t.sync_s:.3g} s); the {len(holders) - 1} other holder(s) waited for it "
+                f"tied embedding: rank {arrived.rank} arrived last at its all-reduce (sync "
+                f"{arrived.t.sync_s:.3g} s); the {len(holders) - 1} other holder(s) waited for it "
                 "(not read as sync_fixed_s)"
             )
     elif holders:

@@ -206,7 +206,14 @@ def dump(run: ChaosRun, fig: LoopFigures, path: Path | None = None) -> str:
         "figures": {k: v for k, v in fig.__dict__.items() if k != "decision"},
         "decision": dict(fig.decision),
         "calibrations": [
-            {k: r.get(k) for k in ("generation", "version", "error_before", "error_after")}
+            {k: r.get(k) for k in ("generation", "version", "error_before", "error_after", "notes")}
+            | {
+                "constants": [
+                    f"{c['gpu_type']}.{c['name']}={c['value']:.4g} [{c['low']:.4g}, "
+                    f"{c['high']:.4g}]{'' if c['fitted'] else ' (kept)'}"
+                    for c in r.get("constants", [])
+                ]
+            }
             for r in records_of(run, "calibration")
         ],
         "decisions": [
