@@ -21,6 +21,7 @@ verdict): this module adds what both closed-loop tests need and the harness does
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import statistics
 import subprocess
@@ -164,7 +165,7 @@ class LoopFigures:
 
 def _wall_step(points: Sequence[StepPoint], gen: int) -> float:
     mine = sorted((p for p in points if p.generation == gen), key=lambda p: p.step)
-    gaps = [b.time - a.time for a, b in zip(mine, mine[1:], strict=False) if b.step == a.step + 1]
+    gaps = [b.time - a.time for a, b in itertools.pairwise(mine) if b.step == a.step + 1]
     return statistics.median(gaps) if gaps else float("nan")
 
 
