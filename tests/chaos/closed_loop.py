@@ -20,12 +20,15 @@ verdict): this module adds what both closed-loop tests need and the harness does
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import json
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +44,15 @@ __all__ = [
     "SLOW",
     "LoopFigures",
     "closed_loop_run",
+    "decision_of",
+    "dump",
+    "error",
     "figures",
     "prior_profiles",
+    "records_of",
+    "settle",
     "start_all",
+    "throttle_when_ready",
 ]
 
 FULL, SLOW = "cpu-full", "cpu-slow"
@@ -61,23 +70,36 @@ SETTINGS = OnlineCalibrationSettings(
 
 
 @functools.cache
-def prior_profiles() -> tuple[Path, Path]:
-    """``cpu-full`` profiled on this machine and the same figures as ``cpu-slow`` (the wrong
-    prior); profiled once per process (~10 s). Microbatch sizes 1, 2 and 4: all the harness's
-    global batch of 4 allows."""
+def _full_profile() -> Path:
     spec = demo_training().spec_file
-    full = spec.parent / "prior-cpu-full.json"
-    slow = spec.parent / "prior-cpu-slow.json"
+    full = spec.parent / f"prior-{FULL}.json"
     cmd = [
         sys.executable, "-m", "sailor.cli.main", "profile", "layers", "--model-file", str(spec),
-        "--kind", FULL, "--mbs", "1,2,4", "--no-overhead", "-o", str(full),
+        "--kind", FULL, "--mbs", "1,2,4", "-o", str(full),
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    # every mention of the kind: timings, sizes, memory, and the meta keys "cpu-full.<what>"
-    slow.write_text(full.read_text().replace(f'"{FULL}', f'"{SLOW}'))
-    if ProfileDB.model_validate_json(slow.read_text()).gpu_types() != [SLOW]:
-        raise AssertionError(f"{slow}: not a profile of {SLOW} alone")
-    return full, slow
+    return full
+
+
+def prior_profiles(kinds: Sequence[str] = (FULL, SLOW)) -> tuple[Path, ...]:
+    """``cpu-full`` profiled on this machine, unthrottled, and its figures under each other
+    kind's name (the prior that says every kind computes at full speed). Profiled once per
+    process (~40 s: the framework's time outside the layers is measured too, so that the fit
+    can tell it from the layers'); microbatch sizes 1, 2 and 4, all that the harness's global
+    batch of 4 allows."""
+    full = _full_profile()
+    out = []
+    for kind in kinds:
+        if kind == FULL:
+            out.append(full)
+            continue
+        path = full.with_name(f"prior-{kind}.json")
+        # every mention of the kind: timings, sizes, memory, and the meta keys "cpu-full.<what>"
+        path.write_text(full.read_text().replace(f'"{FULL}', f'"{kind}'))
+        if ProfileDB.model_validate_json(path.read_text()).gpu_types() != [kind]:
+            raise AssertionError(f"{path}: not a profile of {kind} alone")
+        out.append(path)
+    return tuple(out)
 
 
 def closed_loop_run(
@@ -91,7 +113,7 @@ def closed_loop_run(
     online with replanning on (``cluster`` overrides any DemoCluster field)."""
     options: dict[str, Any] = {
         "kinds": dict(kinds),
-        "profiles": prior_profiles(),
+        "profiles": prior_profiles(sorted({k for k, _ in kinds.values()})),
         "online_calibration": SETTINGS,
         **cluster,
     }
@@ -108,6 +130,42 @@ async def start_all(run: ChaosRun, nodes: Sequence[str]) -> int:
     return await run.drive.running_after(-1)
 
 
+def _ready(run: ChaosRun, node: str) -> bool:
+    for f in (run.cluster.agents_dir / node).glob("gen-*/progress-*.jsonl"):
+        with contextlib.suppress(OSError):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("event") == "ready":
+                        return True
+    return False
+
+
+async def throttle_when_ready(
+    run: ChaosRun, nodes: Sequence[str], cores: float, timeout_s: float = 120.0
+) -> dict[str, float]:
+    """Lower each node's quota to ``cores`` the moment its first worker is ready (its groups
+    and stage built), before its first step; return when each was lowered.
+
+    Why not from the start: a worker's start-up (importing torch, building the groups: ~2 s
+    of CPU here) under a few hundredths of a core takes longer than the rendezvous timeout
+    of the demo's workers (30 s), and every rank would wait for it. The slow kind's steps,
+    all of them, run under the quota; its start-up does not."""
+    pending = list(nodes)
+    at: dict[str, float] = {}
+    end = time.monotonic() + timeout_s
+    while pending:
+        for n in list(pending):
+            if _ready(run, n):
+                run.cluster.set_quota(n, cores)
+                at[n] = time.time()
+                pending.remove(n)
+                run.drive.note(f"{n}: worker ready, quota lowered to {cores} cores")
+        if time.monotonic() > end:
+            raise AssertionError(f"{pending}: no worker ready within {timeout_s:.0f} s")
+        await asyncio.sleep(0.01)
+    return at
+
+
 def records_of(run: ChaosRun, kind: str, generation: int | None = None) -> list[dict[str, Any]]:
     return [
         r
@@ -116,9 +174,35 @@ def records_of(run: ChaosRun, kind: str, generation: int | None = None) -> list[
     ]
 
 
-def decision_of(run: ChaosRun) -> dict[str, Any] | None:
-    """The first calibration-driven replan decided (a ``replan_decision`` that reconfigured)."""
-    return next((r for r in records_of(run, "replan_decision") if r["reconfigure"]), None)
+def decision_of(run: ChaosRun, since: float = 0.0) -> dict[str, Any] | None:
+    """The first calibration-driven replan decided (a ``replan_decision`` that reconfigured)
+    after time ``since``."""
+    return next(
+        (
+            r
+            for r in records_of(run, "replan_decision")
+            if r["reconfigure"] and float(r["time"]) > since
+        ),
+        None,
+    )
+
+
+async def settle(run: ChaosRun, gen: int, rounds: int = 3) -> int:
+    """The generation the fitted model keeps: follow calibration-driven replans (the prior's
+    first fits may move the layout) until a generation's fits are stable and it stays."""
+    for _ in range(rounds):
+
+        def judged(g: int = gen) -> bool:
+            return any(
+                r["reconfigure"] or r["stable_reports"] >= r["required_stable"]
+                for r in records_of(run, "replan_decision", g)
+            )
+
+        await run.drive.until(judged, f"a stable judgement of generation {gen}")
+        if not any(r["reconfigure"] for r in records_of(run, "replan_decision", gen)):
+            return gen
+        gen = await run.drive.running_after(gen)
+    raise AssertionError(f"no layout kept after {rounds} calibration-driven replans")
 
 
 def error(r: Mapping[str, Any]) -> float:
@@ -133,12 +217,14 @@ class LoopFigures:
     old_generation: int
     new_generation: int
     steps_to_detect: int
-    """Steps the old layout trained, from its first, until the replan was decided."""
+    """Steps the old layout trained, from its first (or from the slowdown), until the replan
+    was decided."""
     seconds_to_detect: float
-    """From the old layout's first step to the decision."""
+    """From the old layout's first step (or the slowdown) to the decision."""
     error_first: float
-    """The first prediction error of the old layout (the first fit's ``error_before``: the
-    plan as the prior priced it against its measured step)."""
+    """The first prediction error of the old layout: the first fit's ``error_before`` (the
+    plan as the prior priced it against its measured step), or after a slowdown the first
+    judgement's (the kept calibration's price against the slowed step)."""
     error_last: float
     """The last ``replan_decision`` of the new layout: predicted under the kept calibration
     against its measured step."""
@@ -169,28 +255,39 @@ def _wall_step(points: Sequence[StepPoint], gen: int) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def figures(run: ChaosRun, old: int, new: int) -> LoopFigures:
-    """The figures of the replan from generation ``old`` to ``new`` (both have run)."""
-    decided = decision_of(run)
+def figures(run: ChaosRun, old: int, new: int, since: float | None = None) -> LoopFigures:
+    """The figures of the replan from generation ``old`` to ``new`` (both have run). Without
+    ``since`` detection counts from the old layout's first step and the first error is the
+    first fit's (the prior's); with it (the time a node slowed down) both count from then."""
+    decided = decision_of(run, since or 0.0)
     if decided is None or decided["generation"] != old:
         raise AssertionError(f"no calibration-driven replan of generation {old}: {decided}")
     run.drive.steps.poll()
     points = run.drive.steps.series()
     olds = [p for p in points if p.generation == old]
     news = [p for p in points if p.generation == new]
-    first = min(olds, key=lambda p: p.time)
+    start = min(p.time for p in olds) if since is None else since
     t = float(decided["time"])
-    cal_old = records_of(run, "calibration", old)
     judged_old = [r for r in records_of(run, "replan_decision", old) if r.get("measured_s")]
     judged_new = [r for r in records_of(run, "replan_decision", new) if r.get("measured_s")]
-    if not cal_old or not judged_new:
-        raise AssertionError(f"no fit of generation {old} or no decision of {new}")
+    if since is None:
+        cal_old = records_of(run, "calibration", old)
+        if not cal_old:
+            raise AssertionError(f"no fit of generation {old}")
+        first = float(cal_old[0]["error_before"])
+    else:
+        after = [r for r in judged_old if float(r["time"]) > since]
+        if not after:
+            raise AssertionError(f"no judgement of generation {old} after {since}")
+        first = error(after[0])
+    if not judged_new:
+        raise AssertionError(f"no judgement of generation {new}")
     return LoopFigures(
         old_generation=old,
         new_generation=new,
-        steps_to_detect=sum(1 for p in olds if p.time <= t),
-        seconds_to_detect=round(t - first.time, 2),
-        error_first=float(cal_old[0]["error_before"]),
+        steps_to_detect=sum(1 for p in olds if start <= p.time <= t),
+        seconds_to_detect=round(t - start, 2),
+        error_first=first,
         error_last=error(judged_new[-1]),
         step_before_s=float(judged_old[-1]["measured_s"]),
         step_after_s=float(judged_new[-1]["measured_s"]),
