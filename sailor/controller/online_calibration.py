@@ -324,9 +324,18 @@ class Calibrator:
 
     def _moved(self, fit: OnlineFit, kept: Calibration) -> list[str]:
         """Fitted constants that moved from the kept calibration by more than the tolerance
-        (or their own uncertainty)."""
+        (or their own uncertainty); and the running plan's prediction, when the kept
+        calibration misses its measured step by more than the tolerance and the fit halves
+        the miss. Without the latter, constants whose ranges are wide (two ranks of a kind,
+        steps of a few milliseconds on shared cores) stay as first fitted on the previous
+        layout, and a new layout is priced from what the old one showed: the fit's own
+        prediction of the plan that runs is the evidence that the new constants are
+        better (``fit.error_before`` is the kept calibration's error: it is fitted from it)."""
         out = []
         tol = self.settings.stable_tolerance
+        before, after = fit.error_before, fit.error_after
+        if abs(before) > tol and abs(after) <= abs(before) / 2:
+            out.append(f"running plan: error {before:+.1%} -> {after:+.1%}")
         for c in fit.constants:
             if not c.fitted:
                 continue

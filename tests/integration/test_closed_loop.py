@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.long, pytest.mark.usefixtures("favoured_cpu")]
 NODES = ("n1", "n2", "n3", "n4")
 SLOW_QUOTA = float(os.environ.get("LOOPX_SLOW_Q", "0.05"))
 PERIOD_MS = float(os.environ.get("LOOPX_PERIOD", "20"))
+FULL_QUOTA = float(os.environ.get("LOOPX_FULL_Q", "0")) or None
 MAX_STEPS_TO_DETECT = 40
 """The bound on steps before the replan is decided: a fit needs 3 steps of every rank after
 the first (skipped), two fits that agree, and a plan search; measured here 5-16 (the doc's
@@ -51,7 +52,7 @@ MAX_ERROR_AFTER = 0.10
 async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
     # the slow nodes start with a quota a worker does not reach (1 core: the cgroup exists)
     # and are throttled once their workers are ready (start-up would outlast the rendezvous)
-    kinds = {"n1": (FULL, None), "n2": (FULL, None), "n3": (SLOW, 1.0), "n4": (SLOW, 1.0)}
+    kinds = {"n1": (FULL, 1.0), "n2": (FULL, 1.0), "n3": (SLOW, 1.0), "n4": (SLOW, 1.0)}
     async with closed_loop_run(
         tmp_path, "closed loop: slow kind priced as full", kinds, cpu_quota_period_ms=PERIOD_MS
     ) as run:
@@ -59,8 +60,12 @@ async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
             f"{SLOW} (n3, n4) under {SLOW_QUOTA} cores from their first step, profiled as {FULL}"
         )
         throttle = asyncio.create_task(throttle_when_ready(run, ("n3", "n4"), SLOW_QUOTA))
+        if FULL_QUOTA:
+            throttle2 = asyncio.create_task(throttle_when_ready(run, ("n1", "n2"), FULL_QUOTA))
         old = await start_all(run, NODES)
         await throttle
+        if FULL_QUOTA:
+            await throttle2
         assert run.placed() & {"n3", "n4"}, f"the prior's plan leaves the slow nodes out: {old}"
 
         await run.drive.until(lambda: decision_of(run) is not None, "a calibration-driven replan")
