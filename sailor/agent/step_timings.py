@@ -68,6 +68,8 @@ class StepSample:
     sync_s: float
     optim_s: float
     step_s: float
+    rest_s: float = 0.0
+    """step_s - compute_s - sync_s - optim_s (0 without compute_s)."""
 
 
 def _number(msg: Mapping[str, object], key: str) -> float | None:
@@ -85,6 +87,9 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
         return None
     if not vals["step_s"] or not isinstance(mbs, int):
         return None
+    compute = _number(msg, "compute_s")
+    step_s, sync_s, optim_s = vals["step_s"] or 0.0, vals["sync_s"] or 0.0, vals["optim_s"] or 0.0
+    rest = max(0.0, step_s - compute - sync_s - optim_s) if compute is not None else 0.0
     return StepSample(
         step=step,
         microbatches=mbs,
@@ -93,7 +98,8 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
         p2p_s=vals["p2p_s"] or 0.0,
         sync_s=vals["sync_s"] or 0.0,
         optim_s=vals["optim_s"] or 0.0,
-        step_s=vals["step_s"] or 0.0,
+        step_s=step_s,
+        rest_s=rest,
     )
 
 
@@ -192,6 +198,7 @@ class StepWindow:
             sync_s=med("sync_s"),
             optim_s=med("optim_s"),
             step_s=med("step_s"),
+            rest_s=med("rest_s"),
             compute_spread=_spread([s.fwd_s + s.bwd_s for s in xs]),
             sync_spread=_spread([s.sync_s for s in xs]),
             p2p_spread=_spread([s.p2p_s for s in xs]),

@@ -72,6 +72,13 @@ class RankTimings(Frozen):
     )
     optim_s: float = Field(ge=0, description="Optimizer step per step, s.")
     step_s: float = Field(gt=0, description="Whole iteration, s.")
+    rest_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="The iteration outside the pipeline, the sync and the optimizer step "
+        "(step_s - compute_s - sync_s - optim_s of each step: zeroing the gradients, the "
+        "loss all-reduce after the optimizer), s. 0 where a worker does not report compute_s.",
+    )
     compute_spread: float = Field(
         default=0.0,
         ge=0,

@@ -22,8 +22,11 @@ iteration times):
   the prediction (halving η_p2p adds ≥ 5 % of the measured waits); else kept. The waits are
   mostly fill, drain and imbalance, which the compute scales set, so its range is solved
   at both ends of the compute scales' ranges as well as of the waits' own spread.
-* ``sync_fixed_s`` (c): per kind, the median ``sync_s`` of its ranks without a gradient
-  all-reduce (a stage no other pipeline holds). Of the stages holding a copy of a tied
+* ``sync_fixed_s`` (c): per kind, the median over its ranks without a gradient all-reduce
+  (a stage no other pipeline holds) of their ``sync_s`` and the rest of their step outside
+  the pipeline, the sync and the optimizer (``rest_s``: zeroing gradients, the engine's loss
+  all-reduce), less the framework time per iteration the profile holds (which the simulator
+  adds beside c). Of the stages holding a copy of a tied
   embedding (the engine all-reduces the copies in a group of their own after the segments)
   only the last to arrive counts: the others' syncs hold their wait for it, in 1F1B the
   pipeline's drain, which is no fixed cost.
@@ -205,7 +208,10 @@ def fit_online(
     cal = _fit_p2p(
         plan, ranks, kinds, cal, constants, notes, model, profiles, network, prices, specs
     )
-    cal = _fit_sync(plan, ranks, kinds, cal, sim, constants, notes, _tied_holders(plan, model))
+    frame = {g: f.iteration_s for g in kinds if (f := profiles.framework_time(g)) is not None}
+    cal = _fit_sync(
+        plan, ranks, kinds, cal, sim, constants, notes, _tied_holders(plan, model), frame
+    )
     before = sim(cal0)
     after = sim(cal)
     notes.extend(_optimizer_notes(ranks, _stage_rows(after)))
@@ -519,7 +525,9 @@ def _fit_sync(
     out: list[FittedConstant],
     notes: list[str],
     tied: frozenset[tuple[int, int]] = frozenset(),
+    iteration_s: Mapping[str, float] | None = None,
 ) -> Calibration:
+    iteration_s = iteration_s or {}
     rows1 = _stage_rows(sim(_with_all(cal, kinds, network_efficiency=1.0)))
     lone = [
         r
@@ -553,7 +561,14 @@ def _fit_sync(
             out.append(_kept(g, "sync_fixed_s", prev, "every rank of this kind all-reduces"))
             fixed[g] = prev
             continue
-        vals = [r.t.sync_s for r in xs]
+        fixed[g] = statistics.median(r.t.sync_s for r in xs)  # the sync's own: for η below
+        # the iteration's fixed time beyond the framework time the profile holds: the sync
+        # outside the all-reduces and the rest of the step outside the pipeline, the sync and
+        # the optimizer (zeroing the gradients; the engine's loss all-reduce, which the
+        # simulator adds only with loss_allreduce). The simulator adds c where the sync
+        # starts: for the iteration's length, where in it the time is spent does not matter.
+        frame = iteration_s.get(g, 0.0)
+        vals = [max(0.0, r.t.sync_s + r.t.rest_s - frame) for r in xs]
         value = statistics.median(vals)
         _, low, high = _interval(
             value,
@@ -562,7 +577,6 @@ def _fit_sync(
             [r.t.sync_spread for r in xs],
             sum(r.t.steps for r in xs),
         )
-        fixed[g] = value
         out.append(
             FittedConstant(
                 gpu_type=g,
@@ -573,7 +587,11 @@ def _fit_sync(
                 previous=prev,
                 samples=len(xs),
                 fitted=True,
-                evidence=f"median sync of {len(xs)} rank(s) without a gradient all-reduce",
+                evidence=(
+                    f"median over {len(xs)} rank(s) without a gradient all-reduce of their sync "
+                    f"and the step's rest outside pipeline, sync and optimizer, less the "
+                    f"profiled framework time per iteration ({frame:.3g} s)"
+                ),
             )
         )
         cal = with_constant(cal, g, sync_fixed_s=value)

@@ -149,3 +149,13 @@ def test_the_agent_drops_timings_when_its_quota_changes(tmp_path: Path) -> None:
     q.cores = 0.2
     agent._follow_quota()
     assert window.summary() is None and window.restarts == 1
+
+
+def test_the_rest_of_the_step_outside_compute_sync_and_optimizer() -> None:
+    s = sample_of(line(3, compute_s=0.06, step_s=0.1))  # sync 0.004, optim 0.005
+    assert s is not None and s.rest_s == pytest.approx(0.031)
+    assert sample_of(line(3)).rest_s == 0.0  # type: ignore[union-attr]  # no compute_s
+    w = StepWindow(rank=0, skip_first=0)
+    for st in range(1, 4):
+        w.add(line(st, compute_s=0.06, step_s=0.1))
+    assert w.summary().rest_s == pytest.approx(0.031)  # type: ignore[union-attr]

@@ -250,3 +250,27 @@ def test_a_tied_embeddings_wait_is_not_read_as_fixed_sync_cost() -> None:
     assert fast is not None and not fast.fitted  # only the head's stage is of this kind
     assert fast.value == BASE.for_gpu(FAST).sync_fixed_s
     assert any("tied embedding" in n for n in fit.notes)
+
+
+def test_the_fixed_cost_takes_in_the_rest_of_the_step_beyond_the_profiled_framework_time() -> None:
+    """The engine's step outside pipeline, sync and optimizer (zeroing gradients, the loss
+    all-reduce: ``rest_s``) is a fixed cost of each iteration; the framework time per
+    iteration the profile holds is already in the simulator, so it is taken off."""
+    from sailor.schemas.profile import FrameworkTime
+
+    frame = FrameworkTime(gpu_type=SLOW, iteration_s=0.001, source="test")
+    profiles = PROFILES.model_copy(update={"framework": (frame,)})
+    plan = _pipeline_plan()
+    truth = with_constant(BASE, SLOW, sync_fixed_s=0.01)
+    timings = expected_rank_timings(
+        plan, MODEL, profiles, NETWORK, PRICES, calibration=truth, gpu_specs=SPECS
+    )
+    timings = tuple(
+        t.model_copy(update={"rest_s": 0.004, "sync_s": t.sync_s + (0.05 if t.rank else 0)})
+        for t in timings
+    )
+    fit = fit_online(
+        plan, timings, MODEL, profiles, NETWORK, PRICES, calibration=BASE, gpu_specs=SPECS
+    )
+    # the first stage arrived last at the tied all-reduce: its sync 0.01, rest 0.004, less 0.001
+    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.013, rel=1e-6)
