@@ -29,13 +29,14 @@ def _cluster(tmp_path: Path, **kw: object) -> DemoCluster:
 
 def test_defaults_plan_analytically_at_the_kernels_period(tmp_path: Path) -> None:
     c = _cluster(tmp_path, kinds={"n1": ("cpu-slow", 0.4)})
-    assert c.controller_config().profiles == ()
+    assert c.controller_config().profiles == () and c.controller_config().network is None
     assert c.agent_config("n1", "cpu-slow", 0.4).cpu_quota_period_ms == 100
 
 
-def test_prior_profiles_and_quota_period(tmp_path: Path) -> None:
+def test_prior_profiles_network_and_quota_period(tmp_path: Path) -> None:
     prior = (tmp_path / "full.json", tmp_path / "slow.json")
-    c = _cluster(tmp_path, profiles=prior, cpu_quota_period_ms=20.0)
-    assert c.controller_config().profiles == prior
+    net = tmp_path / "net.json"
+    c = _cluster(tmp_path, profiles=prior, network=net, cpu_quota_period_ms=20.0)
+    assert c.controller_config().profiles == prior and c.controller_config().network == net
     cfg = c.agent_config("n1", "cpu-slow", 0.4)
     assert cfg.cpu_quota == 0.4 and cfg.cpu_quota_period_us == 20_000

@@ -71,6 +71,9 @@ class DemoCluster:
     profiles: tuple[Path, ...] = ()
     """ProfileDB files the controller plans with (its prior: e.g. one per kind); none: the
     analytic estimates."""
+    network: Path | None = None
+    """A NetworkProfile file the controller plans with (e.g. ``sailor profile network`` on
+    loopback); None: the default network."""
     cpu_quota_period_ms: float | None = None
     """The cgroup period of the nodes with a quota; None: the agent's default (100 ms)."""
     job: str = JOB
@@ -116,6 +119,7 @@ class DemoCluster:
             global_batch_size=self.global_batch_size,
             training=self.training_file,
             profiles=self.profiles,
+            network=self.network,
             **(
                 {"online_calibration": self.online_calibration}
                 if self.online_calibration is not None
