@@ -3,10 +3,11 @@ got wrong, and replans.
 
 Four nodes of the demo's cluster (real ``sailor controller``/``sailor agent`` processes, real
 workers training the demo's GPT-2 over gloo): n1 and n2 of kind ``cpu-full`` without a quota,
-n3 and n4 of kind ``cpu-slow`` whose workers run under a CPU quota of 0.4 cores (cgroups). The
-controller's prior is wrong: ``cpu-slow`` is profiled as full speed (the ``cpu-full`` profile
-under the other name, tests/chaos/closed_loop.py), so its first plan gives the slow nodes as
-much work as the full ones. Online calibration must notice within a bounded number of steps,
+n3 and n4 of kind ``cpu-slow`` whose workers run every step under a CPU quota of 0.05 cores
+(cgroups, see ``SLOW_QUOTA``). The controller's prior is wrong: ``cpu-slow`` is profiled as
+full speed (the ``cpu-full`` profile under the other name, tests/chaos/closed_loop.py; the
+network is gloo's loopback, probed), so its first plan gives the slow nodes as much work as
+the full ones. Online calibration must notice within a bounded number of steps,
 fit, keep the calibration and replan once; the new layout's measured step must be faster
 than the old one's; the running plan's prediction error must fall from its first value to at
 most 10 %; and the losses and weights must equal an uninterrupted run (the chaos verdict).
@@ -39,9 +40,14 @@ from tests.chaos.harness import verdict
 pytestmark = [pytest.mark.long, pytest.mark.usefixtures("favoured_cpu")]
 
 NODES = ("n1", "n2", "n3", "n4")
-SLOW_QUOTA = float(os.environ.get("LOOPX_SLOW_Q", "0.05"))
-PERIOD_MS = float(os.environ.get("LOOPX_PERIOD", "20"))
-FULL_QUOTA = float(os.environ.get("LOOPX_FULL_Q", "0")) or None
+SLOW_QUOTA = 0.05
+"""Cores for each slow node. A worker of the demo's model, paced by the agents to a step
+per 50 ms, uses about a tenth of a core: under 0.4 cores (the issue's example) it did not
+slow at all (measured: the same per-microbatch compute on both kinds). Under 0.05 it
+computes several times slower than the full nodes and waits out its quota in every step."""
+PERIOD_MS = 20.0
+"""The cgroup period: 1 ms of CPU per 20 ms (the kernel's least quota) spreads the stalls
+over the step instead of one long stall per 100 ms period."""
 MAX_STEPS_TO_DETECT = 40
 """The bound on steps before the replan is decided: a fit needs 3 steps of every rank after
 the first (skipped), two fits that agree, and a plan search; measured here 5-16 (the doc's
@@ -52,7 +58,7 @@ MAX_ERROR_AFTER = 0.10
 async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
     # the slow nodes start with a quota a worker does not reach (1 core: the cgroup exists)
     # and are throttled once their workers are ready (start-up would outlast the rendezvous)
-    kinds = {"n1": (FULL, 1.0), "n2": (FULL, 1.0), "n3": (SLOW, 1.0), "n4": (SLOW, 1.0)}
+    kinds = {"n1": (FULL, None), "n2": (FULL, None), "n3": (SLOW, 1.0), "n4": (SLOW, 1.0)}
     async with closed_loop_run(
         tmp_path, "closed loop: slow kind priced as full", kinds, cpu_quota_period_ms=PERIOD_MS
     ) as run:
@@ -60,12 +66,8 @@ async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
             f"{SLOW} (n3, n4) under {SLOW_QUOTA} cores from their first step, profiled as {FULL}"
         )
         throttle = asyncio.create_task(throttle_when_ready(run, ("n3", "n4"), SLOW_QUOTA))
-        if FULL_QUOTA:
-            throttle2 = asyncio.create_task(throttle_when_ready(run, ("n1", "n2"), FULL_QUOTA))
         old = await start_all(run, NODES)
         await throttle
-        if FULL_QUOTA:
-            await throttle2
         assert run.placed() & {"n3", "n4"}, f"the prior's plan leaves the slow nodes out: {old}"
 
         await run.drive.until(lambda: decision_of(run) is not None, "a calibration-driven replan")
