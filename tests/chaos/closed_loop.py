@@ -266,7 +266,7 @@ class LoopFigures:
     error_first: float
     """The first prediction error of the old layout: the first fit's ``error_before`` (the
     plan as the prior priced it against its measured step), or after a slowdown the first
-    judgement's (the kept calibration's price against the slowed step)."""
+    fit's after it (as the calibration kept before the slowdown prices it)."""
     error_last: float
     """The last ``replan_decision`` of the new layout: predicted under the kept calibration
     against its measured step."""
@@ -275,8 +275,8 @@ class LoopFigures:
     window, as the last fit of it saw it)."""
     step_after_s: float
     wall_before_s: float
-    """Median wall-clock time between the old layout's consecutive steps (the agents' pacing
-    of ``min_step_s`` included)."""
+    """Median wall-clock time between the old layout's consecutive steps (from the slowdown,
+    if any; the agents' pacing of ``min_step_s`` included)."""
     wall_after_s: float
     downtime_s: float
     """Last step of the old layout to the first of the new one."""
@@ -318,10 +318,12 @@ def figures(run: ChaosRun, old: int, new: int, since: float | None = None) -> Lo
             raise AssertionError(f"no fit of generation {old}")
         first = float(cal_old[0]["error_before"])
     else:
-        after = [r for r in judged_old if float(r["time"]) > since]
-        if not after:
-            raise AssertionError(f"no judgement of generation {old} after {since}")
-        first = error(after[0])
+        # the first fit after the slowdown: its error_before is the plan as the calibration
+        # kept before the slowdown prices it, against the slowed step
+        cal_after = [r for r in records_of(run, "calibration", old) if float(r["time"]) > since]
+        if not cal_after:
+            raise AssertionError(f"no fit of generation {old} after {since}")
+        first = float(cal_after[0]["error_before"])
     if not judged_new:
         raise AssertionError(f"no judgement of generation {new}")
     return LoopFigures(
@@ -333,7 +335,7 @@ def figures(run: ChaosRun, old: int, new: int, since: float | None = None) -> Lo
         error_last=error(judged_new[-1]),
         step_before_s=float(judged_old[-1]["measured_s"]),
         step_after_s=float(judged_new[-1]["measured_s"]),
-        wall_before_s=_wall_step(points, old),
+        wall_before_s=_wall_step([p for p in points if p.time >= start], old),
         wall_after_s=_wall_step(points, new),
         downtime_s=round(min(p.time for p in news) - max(p.time for p in olds), 2),
         decision=decided,
