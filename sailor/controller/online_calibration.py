@@ -143,6 +143,7 @@ class Calibrator:
         self._last_fit_step = -1
         self._decided = -1  # generation a recalibration replan was decided in
         self._failed = -1  # generation whose fit or judgement failed (not retried)
+        self._refit = -1  # generation whose misprediction was kept (once per generation)
         self._phases: list[tuple[str, float]] = []
         self._phase: tuple[int, Phase] | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -277,6 +278,10 @@ class Calibrator:
         self.last_fit = fit
         self._last_fit_step = newest
         moved = self._moved(fit, base)
+        if not moved and self._refit != d.generation and self._stable >= self.policy.stable_reports:
+            moved = self._mispredicts(fit)
+            if moved:
+                self._refit = d.generation
         if self.version == 0 or moved:
             await self._keep(fit, d, store, lead, moved)
         if not self.settings.replan or d.generation <= self._decided or not self._runs(d):
@@ -322,20 +327,24 @@ class Calibrator:
                 return False
         return True
 
+    def _mispredicts(self, fit: OnlineFit) -> list[str]:
+        """The running plan's prediction, when the kept calibration misses its measured step
+        by more than the tolerance and the fit halves the miss (once per generation, when
+        its fits are stable: the caller). Without it, constants whose ranges are wide (two
+        ranks of a kind, steps of a few milliseconds on shared cores) never count as moved,
+        stay as first fitted on the previous layout, and a new layout is priced from what
+        the old one showed. ``fit.error_before`` is the kept calibration's error (the fit
+        starts from it)."""
+        before, after = fit.error_before, fit.error_after
+        if abs(before) > self.settings.stable_tolerance and abs(after) <= abs(before) / 2:
+            return [f"running plan: error {before:+.1%} -> {after:+.1%}"]
+        return []
+
     def _moved(self, fit: OnlineFit, kept: Calibration) -> list[str]:
         """Fitted constants that moved from the kept calibration by more than the tolerance
-        (or their own uncertainty); and the running plan's prediction, when the kept
-        calibration misses its measured step by more than the tolerance and the fit halves
-        the miss. Without the latter, constants whose ranges are wide (two ranks of a kind,
-        steps of a few milliseconds on shared cores) stay as first fitted on the previous
-        layout, and a new layout is priced from what the old one showed: the fit's own
-        prediction of the plan that runs is the evidence that the new constants are
-        better (``fit.error_before`` is the kept calibration's error: it is fitted from it)."""
+        (or their own uncertainty)."""
         out = []
         tol = self.settings.stable_tolerance
-        before, after = fit.error_before, fit.error_after
-        if abs(before) > tol and abs(after) <= abs(before) / 2:
-            out.append(f"running plan: error {before:+.1%} -> {after:+.1%}")
         for c in fit.constants:
             if not c.fitted:
                 continue

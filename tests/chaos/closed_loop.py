@@ -28,7 +28,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +48,11 @@ __all__ = [
     "dump",
     "error",
     "figures",
+    "layout_nodes",
     "prior_network",
     "prior_profiles",
     "records_of",
+    "replan_away_from",
     "settle",
     "start_all",
     "throttle_when_ready",
@@ -182,30 +183,44 @@ def _ready(run: ChaosRun, node: str) -> bool:
     return False
 
 
-async def throttle_when_ready(
-    run: ChaosRun, nodes: Sequence[str], cores: float, timeout_s: float = 120.0
-) -> dict[str, float]:
+async def throttle_when_ready(run: ChaosRun, nodes: Sequence[str], cores: float) -> None:
     """Lower each node's quota to ``cores`` the moment its first worker is ready (its groups
-    and stage built), before its first step; return when each was lowered.
+    and stage built), before its first step. Runs until cancelled (a node the planner never
+    uses is never throttled).
 
     Why not from the start: a worker's start-up (importing torch, building the groups: ~2 s
     of CPU here) under a few hundredths of a core takes longer than the rendezvous timeout
     of the demo's workers (30 s), and every rank would wait for it. The slow kind's steps,
     all of them, run under the quota; its start-up does not."""
     pending = list(nodes)
-    at: dict[str, float] = {}
-    end = time.monotonic() + timeout_s
     while pending:
         for n in list(pending):
             if _ready(run, n):
                 run.cluster.set_quota(n, cores)
-                at[n] = time.time()
                 pending.remove(n)
                 run.drive.note(f"{n}: worker ready, quota lowered to {cores} cores")
-        if time.monotonic() > end:
-            raise AssertionError(f"{pending}: no worker ready within {timeout_s:.0f} s")
         await asyncio.sleep(0.01)
-    return at
+
+
+def layout_nodes(run: ChaosRun, generation: int) -> set[str]:
+    """The nodes of a generation's layout (its ``launch`` record)."""
+    for r in records_of(run, "phase", generation):
+        if r.get("phase") == "launch":
+            return {n for p in r.get("layout", []) for st in p["stages"] for n in st["nodes"]}
+    return set()
+
+
+def replan_away_from(run: ChaosRun, nodes: set[str], since: float = 0.0) -> dict[str, Any] | None:
+    """The first calibration-driven replan decided after ``since`` in a generation whose
+    layout uses one of ``nodes``."""
+    for r in records_of(run, "replan_decision"):
+        if (
+            r["reconfigure"]
+            and float(r["time"]) > since
+            and layout_nodes(run, int(r["generation"])) & nodes
+        ):
+            return r
+    return None
 
 
 def records_of(run: ChaosRun, kind: str, generation: int | None = None) -> list[dict[str, Any]]:
@@ -297,13 +312,14 @@ def _wall_step(points: Sequence[StepPoint], gen: int) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def figures(run: ChaosRun, old: int, new: int, since: float | None = None) -> LoopFigures:
-    """The figures of the replan from generation ``old`` to ``new`` (both have run). Without
-    ``since`` detection counts from the old layout's first step and the first error is the
-    first fit's (the prior's); with it (the time a node slowed down) both count from then."""
-    decided = decision_of(run, since or 0.0)
-    if decided is None or decided["generation"] != old:
-        raise AssertionError(f"no calibration-driven replan of generation {old}: {decided}")
+def figures(
+    run: ChaosRun, decided: Mapping[str, Any], new: int, since: float | None = None
+) -> LoopFigures:
+    """The figures of the replan ``decided`` (a ``replan_decision`` that reconfigured) from
+    its generation to ``new`` (both have run). Without ``since`` detection counts from the old
+    layout's first step and the first error is its first fit's; with it (the time a node
+    slowed down) both count from then."""
+    old = int(decided["generation"])
     run.drive.steps.poll()
     points = run.drive.steps.series()
     olds = [p for p in points if p.generation == old]

@@ -214,10 +214,11 @@ def test_a_fit_that_predicts_the_running_plan_better_is_kept(
     cal = _calibrator(tmp_path, planned[0])
     kept = with_constant(Calibration(), SLOW, compute_scale=2.5)
     wide = _fit({SLOW: 2.6}, rel=0.5)
-    assert cal._moved(wide, kept) == []
+    assert cal._moved(wide, kept) == [] and cal._mispredicts(wide) == []
     better = wide.model_copy(update={"predicted_before_s": 0.66, "predicted_after_s": 0.97})
-    assert cal._moved(better, kept) == ["running plan: error -34.0% -> -3.0%"]
+    assert cal._moved(better, kept) == []
+    assert cal._mispredicts(better) == ["running plan: error -34.0% -> -3.0%"]
     close = wide.model_copy(update={"predicted_before_s": 0.95, "predicted_after_s": 1.0})
-    assert cal._moved(close, kept) == []
+    assert cal._mispredicts(close) == []
     little = wide.model_copy(update={"predicted_before_s": 0.66, "predicted_after_s": 0.8})
-    assert cal._moved(little, kept) == []
+    assert cal._mispredicts(little) == []
