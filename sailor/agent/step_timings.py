@@ -70,6 +70,8 @@ class StepSample:
     step_s: float
     rest_s: float = 0.0
     """step_s - compute_s - sync_s - optim_s (0 without compute_s)."""
+    between_s: float = 0.0
+    """compute_s - p2p_s - microbatches x (fwd_s + bwd_s) (0 without compute_s)."""
 
 
 def _number(msg: Mapping[str, object], key: str) -> float | None:
@@ -90,6 +92,8 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
     compute = _number(msg, "compute_s")
     step_s, sync_s, optim_s = vals["step_s"] or 0.0, vals["sync_s"] or 0.0, vals["optim_s"] or 0.0
     rest = max(0.0, step_s - compute - sync_s - optim_s) if compute is not None else 0.0
+    spans = mbs * ((vals["fwd_s"] or 0.0) + (vals["bwd_s"] or 0.0)) if isinstance(mbs, int) else 0
+    between = max(0.0, compute - (vals["p2p_s"] or 0.0) - spans) if compute is not None else 0.0
     return StepSample(
         step=step,
         microbatches=mbs,
@@ -100,6 +104,7 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
         optim_s=vals["optim_s"] or 0.0,
         step_s=step_s,
         rest_s=rest,
+        between_s=between,
     )
 
 
@@ -199,6 +204,7 @@ class StepWindow:
             optim_s=med("optim_s"),
             step_s=med("step_s"),
             rest_s=med("rest_s"),
+            between_s=med("between_s"),
             compute_spread=_spread([s.fwd_s + s.bwd_s for s in xs]),
             sync_spread=_spread([s.sync_s for s in xs]),
             p2p_spread=_spread([s.p2p_s for s in xs]),

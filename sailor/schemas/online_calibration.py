@@ -72,6 +72,13 @@ class RankTimings(Frozen):
     )
     optim_s: float = Field(ge=0, description="Optimizer step per step, s.")
     step_s: float = Field(gt=0, description="Whole iteration, s.")
+    between_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="The pipeline phase outside the timed forward and backward passes and "
+        "the exchanges (compute_s - p2p_s - microbatches x (fwd_s + bwd_s) of each step: "
+        "reading the data, the loss, the schedule's own code), s. 0 without compute_s.",
+    )
     rest_s: float = Field(
         default=0.0,
         ge=0,

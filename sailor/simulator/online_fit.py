@@ -258,7 +258,10 @@ def _fit_compute(
         a, b = one[(r.pipeline, r.stage)], two[(r.pipeline, r.stage)]
         layers = (b.fwd_s + b.bwd_s) - (a.fwd_s + a.bwd_s)
         outside = (a.fwd_s + a.bwd_s) - layers  # framework time the scale does not touch
-        measured = r.t.fwd_s + r.t.bwd_s - outside
+        # the whole pipeline compute per microbatch: the timed passes and the code between
+        # them (data, loss, the schedule's own), as the simulator's stage time holds both
+        between = r.t.between_s / r.m if r.m else 0.0
+        measured = r.t.fwd_s + r.t.bwd_s + between - outside
         if layers <= 0 or measured <= 0:
             notes.append(
                 f"rank {r.rank}: no layer compute to compare ({measured:.3g} s measured, "
@@ -568,7 +571,19 @@ def _fit_sync(
         # simulator adds only with loss_allreduce). The simulator adds c where the sync
         # starts: for the iteration's length, where in it the time is spent does not matter.
         frame = iteration_s.get(g, 0.0)
-        vals = [max(0.0, r.t.sync_s + r.t.rest_s - frame) for r in xs]
+        # the optimizer step is not fitted: what it takes beyond its profiled time is a
+        # fixed cost of the iteration too (a CPU's, not a network's)
+        vals = [
+            max(
+                0.0,
+                r.t.sync_s
+                + r.t.rest_s
+                + r.t.optim_s
+                - rows1[(r.pipeline, r.stage)].update_s
+                - frame,
+            )
+            for r in xs
+        ]
         value = statistics.median(vals)
         _, low, high = _interval(
             value,

@@ -159,3 +159,10 @@ def test_the_rest_of_the_step_outside_compute_sync_and_optimizer() -> None:
     for st in range(1, 4):
         w.add(line(st, compute_s=0.06, step_s=0.1))
     assert w.summary().rest_s == pytest.approx(0.031)  # type: ignore[union-attr]
+
+
+def test_the_pipeline_phase_between_the_timed_passes() -> None:
+    # compute 0.14 = p2p 0.003 + 4 microbatches x (0.01 + 0.02) + 0.017 between
+    s = sample_of(line(3, compute_s=0.14, step_s=0.2))
+    assert s is not None and s.between_s == pytest.approx(0.017)
+    assert s.rest_s == pytest.approx(0.051)

@@ -274,3 +274,26 @@ def test_the_fixed_cost_takes_in_the_rest_of_the_step_beyond_the_profiled_framew
     )
     # the first stage arrived last at the tied all-reduce: its sync 0.01, rest 0.004, less 0.001
     assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.013, rel=1e-6)
+
+
+def test_code_between_the_passes_is_compute_and_a_slow_optimizer_a_fixed_cost() -> None:
+    """What the engine spends per microbatch outside its timed passes (data, loss: between_s)
+    is pipeline compute, as the simulator's stage time holds it; an optimizer step slower
+    than profiled (not fitted) is a fixed cost of the iteration."""
+    plan = _dp_plan((SLOW,))
+    truth = with_constant(BASE, SLOW, compute_scale=2.0, sync_fixed_s=0.0)
+    (t,) = _timings(plan, truth)
+    m = t.microbatches
+    plain = _fit(plan, (t,))
+    # the same total per microbatch, a tenth of it outside the timed passes
+    share = 0.1 * (t.fwd_s + t.bwd_s)
+    moved = t.model_copy(
+        update={"fwd_s": t.fwd_s - share, "between_s": share * m, "optim_s": t.optim_s + 0.002}
+    )
+    fit = _fit(plan, (moved,))
+    assert _const(fit, SLOW, "compute_scale") == pytest.approx(
+        _const(plain, SLOW, "compute_scale"), rel=1e-6
+    )
+    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(
+        _const(plain, SLOW, "sync_fixed_s") + 0.002, rel=1e-6
+    )
