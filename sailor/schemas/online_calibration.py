@@ -83,8 +83,10 @@ class RankTimings(Frozen):
         default=0.0,
         ge=0,
         description="The iteration outside the pipeline, the sync and the optimizer step "
-        "(step_s - compute_s - sync_s - optim_s of each step: zeroing the gradients, the "
-        "loss all-reduce after the optimizer), s. 0 where a worker does not report compute_s.",
+        "(zeroing the gradients, the loss all-reduce after the optimizer): step_s less the "
+        "medians of the parts above (microbatches x (fwd_s + bwd_s), between_s, p2p_s, "
+        "sync_s, optim_s), so that the parts add up to the median step, s. 0 where a worker "
+        "does not report compute_s.",
     )
     compute_spread: float = Field(
         default=0.0,

@@ -54,6 +54,7 @@ __all__ = [
     "records_of",
     "replan_away_from",
     "settle",
+    "settled_judgements",
     "start_all",
     "throttle_when_ready",
 ]
@@ -283,8 +284,8 @@ class LoopFigures:
     plan as the prior priced it against its measured step), or after a slowdown the first
     fit's after it (as the calibration kept before the slowdown prices it)."""
     error_last: float
-    """The last ``replan_decision`` of the new layout: predicted under the kept calibration
-    against its measured step."""
+    """The new layout's judgements once a fit of it was kept (median of their errors):
+    predicted under the kept calibration against the measured step."""
     step_before_s: float
     """The old layout's measured step (the workers' ``step_s``, median over ranks and the last
     window, as the last fit of it saw it)."""
@@ -312,6 +313,16 @@ def _wall_step(points: Sequence[StepPoint], gen: int) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def settled_judgements(run: ChaosRun, gen: int) -> list[dict[str, Any]]:
+    """The judgements of generation ``gen`` priced with a calibration fitted on it (after its
+    first kept fit; all of them if none was kept: the calibration before it held)."""
+    judged = [r for r in records_of(run, "replan_decision", gen) if r.get("measured_s")]
+    fitted = records_of(run, "calibration", gen)
+    if not fitted:
+        return judged
+    return [r for r in judged if float(r["time"]) > float(fitted[0]["time"])]
+
+
 def figures(
     run: ChaosRun, decided: Mapping[str, Any], new: int, since: float | None = None
 ) -> LoopFigures:
@@ -327,7 +338,6 @@ def figures(
     start = min(p.time for p in olds) if since is None else since
     t = float(decided["time"])
     judged_old = [r for r in records_of(run, "replan_decision", old) if r.get("measured_s")]
-    judged_new = [r for r in records_of(run, "replan_decision", new) if r.get("measured_s")]
     if since is None:
         cal_old = records_of(run, "calibration", old)
         if not cal_old:
@@ -340,7 +350,8 @@ def figures(
         if not cal_after:
             raise AssertionError(f"no fit of generation {old} after {since}")
         first = float(cal_after[0]["error_before"])
-    if not judged_new:
+    settled = settled_judgements(run, new)
+    if not settled:
         raise AssertionError(f"no judgement of generation {new}")
     return LoopFigures(
         old_generation=old,
@@ -348,9 +359,9 @@ def figures(
         steps_to_detect=sum(1 for p in olds if start <= p.time <= t),
         seconds_to_detect=round(t - start, 2),
         error_first=first,
-        error_last=error(judged_new[-1]),
+        error_last=statistics.median(error(r) for r in settled),
         step_before_s=float(judged_old[-1]["measured_s"]),
-        step_after_s=float(judged_new[-1]["measured_s"]),
+        step_after_s=statistics.median(float(r["measured_s"]) for r in settled),
         wall_before_s=_wall_step([p for p in points if p.time >= start], old),
         wall_after_s=_wall_step(points, new),
         downtime_s=round(min(p.time for p in news) - max(p.time for p in olds), 2),

@@ -152,13 +152,21 @@ def test_the_agent_drops_timings_when_its_quota_changes(tmp_path: Path) -> None:
 
 
 def test_the_rest_of_the_step_outside_compute_sync_and_optimizer() -> None:
-    s = sample_of(line(3, compute_s=0.06, step_s=0.1))  # sync 0.004, optim 0.005
-    assert s is not None and s.rest_s == pytest.approx(0.031)
+    # compute 0.14 = p2p 0.003 + 4 x (0.01 + 0.02) + 0.017 between; sync 0.004, optim 0.005
+    s = sample_of(line(3, compute_s=0.14, step_s=0.2))
+    assert s is not None and s.rest_s == pytest.approx(0.051)
     assert sample_of(line(3)).rest_s == 0.0  # type: ignore[union-attr]  # no compute_s
     w = StepWindow(rank=0, skip_first=0)
     for st in range(1, 4):
-        w.add(line(st, compute_s=0.06, step_s=0.1))
-    assert w.summary().rest_s == pytest.approx(0.031)  # type: ignore[union-attr]
+        w.add(line(st, compute_s=0.14, step_s=0.2))
+    assert w.summary().rest_s == pytest.approx(0.051)  # type: ignore[union-attr]
+    # skewed steps: the parts' medians miss part of the median step, which the rest takes
+    w = StepWindow(rank=0, skip_first=0)
+    for st, (sync, step) in enumerate([(0.004, 0.2), (0.004, 0.21), (0.02, 0.215)], start=1):
+        w.add(line(st, compute_s=0.14, sync_s=sync, step_s=step))
+    t = w.summary()
+    assert t is not None and t.step_s == 0.21 and t.sync_s == 0.004
+    assert t.rest_s == pytest.approx(0.21 - (0.12 + 0.017 + 0.003 + 0.004 + 0.005))
 
 
 def test_the_pipeline_phase_between_the_timed_passes() -> None:
