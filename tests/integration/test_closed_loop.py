@@ -84,8 +84,11 @@ async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
 
             # the new layout reports, is fitted and judged: three judgements priced with a
             # calibration of its own (or with the one before it, if its fits moved nothing)
+            # (or a verdict on it: no judgement follows one; asserted below)
             def judged() -> bool:
-                return len(settled_judgements(run, new)) >= 3
+                again = any(r["reconfigure"] for r in records_of(run, "replan_decision", new))
+                failed = records_of(run, "calibration_failed", new)
+                return len(settled_judgements(run, new)) >= 3 or again or bool(failed)
 
             await run.drive.until(judged, f"judgements of generation {new}")
             fig = figures(run, decided, new)
@@ -105,4 +108,5 @@ async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
     assert abs(fig.error_last) <= MAX_ERROR_AFTER, fig.row()
     assert abs(fig.error_last) < abs(fig.error_first), fig.row()
     assert not kept, f"generation {fig.new_generation} replanned again: {kept}"  # no flapping
+    assert not records_of(run, "calibration_failed"), records_of(run, "calibration_failed")
     verdict(out, min_reconf=1)
