@@ -48,6 +48,7 @@ __all__ = [
     "dump",
     "error",
     "figures",
+    "judged",
     "layout_nodes",
     "prior_network",
     "prior_profiles",
@@ -321,6 +322,19 @@ def settled_judgements(run: ChaosRun, gen: int) -> list[dict[str, Any]]:
     if not fitted:
         return judged
     return [r for r in judged if float(r["time"]) > float(fitted[0]["time"])]
+
+
+async def judged(run: ChaosRun, gen: int, enough: int = 3) -> None:
+    """Wait until generation ``gen`` is judged ``enough`` times with a calibration of its own
+    (or with the one before, if its fits moved nothing), or gets a verdict or a failed fit
+    (no judgement follows either; the caller asserts)."""
+
+    def done() -> bool:
+        again = any(r["reconfigure"] for r in records_of(run, "replan_decision", gen))
+        failed = records_of(run, "calibration_failed", gen)
+        return len(settled_judgements(run, gen)) >= enough or again or bool(failed)
+
+    await run.drive.until(done, f"judgements of generation {gen}")
 
 
 def figures(

@@ -30,10 +30,10 @@ from tests.chaos.closed_loop import (
     closed_loop_run,
     dump,
     figures,
+    judged,
     layout_nodes,
     records_of,
     replan_away_from,
-    settled_judgements,
     start_all,
     throttle_when_ready,
 )
@@ -82,18 +82,12 @@ async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
             new = await run.drive.running_after(old)
             assert layout_nodes(run, new), new
 
-            # the new layout reports, is fitted and judged: three judgements priced with a
-            # calibration of its own (or with the one before it, if its fits moved nothing)
-            # (or a verdict on it: no judgement follows one; asserted below)
-            def judged() -> bool:
-                again = any(r["reconfigure"] for r in records_of(run, "replan_decision", new))
-                failed = records_of(run, "calibration_failed", new)
-                return len(settled_judgements(run, new)) >= 3 or again or bool(failed)
-
-            await run.drive.until(judged, f"judgements of generation {new}")
+            # the new layout reports, is fitted and judged
+            await judged(run, new)
             fig = figures(run, decided, new)
             report = dump(run, fig, tmp_path.parent / f"closed-loop-{os.getpid()}.json")
             kept = [r for r in records_of(run, "replan_decision", new) if r["reconfigure"]]
+            failed = records_of(run, "calibration_failed")
         finally:
             throttle.cancel()
         # the slow nodes leave (their workers would start under the quota: longer than the
@@ -108,5 +102,5 @@ async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
     assert abs(fig.error_last) <= MAX_ERROR_AFTER, fig.row()
     assert abs(fig.error_last) < abs(fig.error_first), fig.row()
     assert not kept, f"generation {fig.new_generation} replanned again: {kept}"  # no flapping
-    assert not records_of(run, "calibration_failed"), records_of(run, "calibration_failed")
+    assert not failed, failed
     verdict(out, min_reconf=1)
