@@ -285,8 +285,8 @@ class LoopFigures:
     plan as the prior priced it against its measured step), or after a slowdown the first
     fit's after it (as the calibration kept before the slowdown prices it)."""
     error_last: float
-    """The new layout's judgements once a fit of it was kept (median of their errors):
-    predicted under the kept calibration against the measured step."""
+    """The new layout's last three judgements once a fit of it was kept (median of their
+    errors): predicted under the kept calibration against the measured step."""
     step_before_s: float
     """The old layout's measured step (the workers' ``step_s``, median over ranks and the last
     window, as the last fit of it saw it)."""
@@ -324,10 +324,12 @@ def settled_judgements(run: ChaosRun, gen: int) -> list[dict[str, Any]]:
     return [r for r in judged if float(r["time"]) > float(fitted[0]["time"])]
 
 
-async def judged(run: ChaosRun, gen: int, enough: int = 3) -> None:
+async def judged(run: ChaosRun, gen: int, enough: int = 5) -> None:
     """Wait until generation ``gen`` is judged ``enough`` times with a calibration of its own
     (or with the one before, if its fits moved nothing), or gets a verdict or a failed fit
-    (no judgement follows either; the caller asserts)."""
+    (no judgement follows either; the caller asserts). Five: a fit of a new layout is kept
+    once its fits agree (two at least), so the first judgements may still price it with the
+    previous layout's calibration (:func:`figures` takes the last three)."""
 
     def done() -> bool:
         again = any(r["reconfigure"] for r in records_of(run, "replan_decision", gen))
@@ -364,7 +366,7 @@ def figures(
         if not cal_after:
             raise AssertionError(f"no fit of generation {old} after {since}")
         first = float(cal_after[0]["error_before"])
-    settled = settled_judgements(run, new)
+    settled = settled_judgements(run, new)[-3:]
     if not settled:
         raise AssertionError(f"no judgement of generation {new}")
     return LoopFigures(
