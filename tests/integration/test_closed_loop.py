@@ -6,14 +6,16 @@ workers training the demo's GPT-2 over gloo): n1 and n2 of kind ``cpu-full`` wit
 n3 and n4 of kind ``cpu-slow`` whose workers run every step under a CPU quota of 0.05 cores
 (cgroups, see ``SLOW_QUOTA``). The controller's prior is wrong: ``cpu-slow`` is profiled as
 full speed (the ``cpu-full`` profile under the other name, tests/chaos/closed_loop.py; the
-network is gloo's loopback, probed), so its first plan gives the slow nodes as much work as
-the full ones. Online calibration must notice within a bounded number of steps,
-fit, keep the calibration and replan once; the new layout's measured step must be faster
-than the old one's; the running plan's prediction error must fall from its first value to at
-most 10 %; and the losses and weights must equal an uninterrupted run (the chaos verdict).
+network is gloo's loopback, probed), so it prices every layout of these nodes alike and
+puts the slow kind to work, in its first plan or after its first fits (a kind not running
+keeps its prior). Once a layout on a slow node runs, online calibration must notice within a
+bounded number of steps, fit, keep the calibration and replan; the new layout's measured
+step must be faster than the old one's and it must not be replanned again; the running
+plan's prediction error must fall from its first value to at most 10 %; and the losses and
+weights must equal an uninterrupted run (the chaos verdict).
 
 The figures are printed (docs/runtime.md, "Measured with real workers"); nothing asserts a
-speed beyond the new layout being faster. Takes 1-2 minutes: marked ``long``.
+speed beyond the new layout being faster. Takes about a minute: marked ``long``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ PERIOD_MS = 20.0
 over the step instead of one long stall per 100 ms period."""
 MAX_STEPS_TO_DETECT = 40
 """The bound on steps before the replan is decided: a fit needs 3 steps of every rank after
-the first (skipped), two fits that agree, and a plan search; measured here 5-16 (the doc's
-table). The bound leaves room for a loaded machine, not for a controller that never notices."""
+the first (skipped), two fits that agree, and a plan search; measured here 6-7 (docs/runtime.md,
+"Measured with real workers"). The bound leaves room for a loaded machine, not for a
+controller that never notices."""
 MAX_ERROR_AFTER = 0.10
 
 
