@@ -246,9 +246,12 @@ def decision_of(run: ChaosRun, since: float = 0.0) -> dict[str, Any] | None:
     )
 
 
-async def settle(run: ChaosRun, gen: int, rounds: int = 3) -> int:
-    """The generation the fitted model keeps: follow calibration-driven replans (the prior's
-    first fits may move the layout) until a generation's fits are stable and it stays."""
+async def settle(run: ChaosRun, gen: int, rounds: int = 6) -> int:
+    """The generation the fitted model keeps: follow calibration-driven replans until a
+    generation's fits are stable and it stays. The prior's first fits may move the layout,
+    and with kinds the prior prices alike the controller tries each: a kind not running
+    keeps its prior, so it looks faster than one measured slower than its profile (one
+    replan per generation, each after the new layout reported); hence up to six."""
     for _ in range(rounds):
 
         def judged(g: int = gen) -> bool:
