@@ -40,6 +40,7 @@ from typing import Literal
 import structlog
 
 from sailor.agent.cgroup_layout import (
+    CFS_PERIOD_US,
     CandidateFacts,
     Hierarchy,
     cgroup_relpath,
@@ -108,10 +109,15 @@ def _facts(h: Hierarchy) -> CandidateFacts:
 class NodeCgroup:
     """One cgroup with a cpu quota, created by this module (or found by name)."""
 
-    def __init__(self, hierarchy: Hierarchy, rel: PurePosixPath) -> None:
+    def __init__(
+        self, hierarchy: Hierarchy, rel: PurePosixPath, period_us: int | None = None
+    ) -> None:
         self.hierarchy = hierarchy
         self.rel = rel
         self.path = Path(hierarchy.base) / rel
+        self.period_us = period_us
+        """The enforcement period quotas are written with; None: the one the kernel holds
+        (a cgroup found by name keeps the period its agent chose)."""
 
     @classmethod
     def create(
@@ -119,9 +125,10 @@ class NodeCgroup:
         hierarchy: Hierarchy,
         rel: PurePosixPath,
         cores: float | None,
+        period_us: int = CFS_PERIOD_US,
     ) -> NodeCgroup:
         """Create ``rel`` under the hierarchy's base (reusing one a killed agent left) with
-        a quota of ``cores`` (None: no limit)."""
+        a quota of ``cores`` (None: no limit) per period of ``period_us``."""
         for attempt in range(3):
             try:
                 _make(hierarchy, rel)
@@ -130,7 +137,7 @@ class NodeCgroup:
                 # another agent of the job removed an empty parent between our mkdirs
                 if attempt == 2:
                     raise
-        cg = cls(hierarchy, rel)
+        cg = cls(hierarchy, rel, period_us)
         cg.set_quota(cores)
         return cg
 
@@ -140,11 +147,24 @@ class NodeCgroup:
 
     def set_quota(self, cores: float | None) -> None:
         """Write the quota (None: no limit); takes effect at once for the processes inside."""
+        period = self.period_us if self.period_us is not None else self.period()
+        if cores is not None:
+            validate_cores(cores, period)
         if self.hierarchy.version == 1:
-            for name, value in v1_quota_writes(cores):
+            for name, value in v1_quota_writes(cores, period):
                 (self.path / name).write_text(value)
         else:
-            (self.path / "cpu.max").write_text(v2_cpu_max(cores))
+            (self.path / "cpu.max").write_text(v2_cpu_max(cores, period))
+
+    def period(self) -> int:
+        """The enforcement period the kernel holds, us (the default where none is readable)."""
+        try:
+            if self.hierarchy.version == 1:
+                return int((self.path / "cpu.cfs_period_us").read_text())
+            parts = (self.path / "cpu.max").read_text().split()
+            return int(parts[1]) if len(parts) > 1 else CFS_PERIOD_US
+        except (OSError, ValueError):
+            return CFS_PERIOD_US
 
     def quota(self) -> float | None:
         """The quota the kernel holds, cores' worth (None: no limit)."""
@@ -244,20 +264,28 @@ class CpuQuota:
         """Why the quota is unavailable ('' when it is applied)."""
 
     @classmethod
-    def start(cls, job: str, node_id: str, cores: float | None, proc: Path = _PROC) -> CpuQuota:
-        """Create the node's cgroup with ``cores`` (None: none yet, no limit). Where that is
-        impossible, warn and return an unavailable quota (the workers run unthrottled)."""
+    def start(
+        cls,
+        job: str,
+        node_id: str,
+        cores: float | None,
+        proc: Path = _PROC,
+        period_us: int = CFS_PERIOD_US,
+    ) -> CpuQuota:
+        """Create the node's cgroup with ``cores`` (None: none yet, no limit) per period of
+        ``period_us``. Where that is impossible, warn and return an unavailable quota (the
+        workers run unthrottled)."""
         if cores is not None:
-            validate_cores(cores)
+            validate_cores(cores, period_us)
         rel = cgroup_relpath(job, node_id)
         where = detect(proc)
         if isinstance(where, str):
             return cls._unavailable(node_id, cores, where)
         try:
-            cg = NodeCgroup.create(where, rel, cores)
+            cg = NodeCgroup.create(where, rel, cores, period_us)
         except OSError as exc:
             return cls._unavailable(node_id, cores, f"{where.describe()}: creating {rel}: {exc}")
-        _log.info("cpu_quota", node=node_id, cores=cores, cgroup=str(cg.path))
+        _log.info("cpu_quota", node=node_id, cores=cores, period_us=period_us, cgroup=str(cg.path))
         return cls(cg, cores)
 
     @classmethod
@@ -292,7 +320,8 @@ class CpuQuota:
     def set(self, cores: float | None) -> None:
         """Change the quota now (None: lift it). Unavailable: warn, stay unthrottled."""
         if cores is not None:
-            validate_cores(cores)
+            period = self.cgroup.period_us if self.cgroup is not None else None
+            validate_cores(cores, period or CFS_PERIOD_US)
         self.requested = cores
         if self.cgroup is None:
             _log.warning("cpu_quota_unavailable", requested_cores=cores, why=self.reason)

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, model_validator
 
-from sailor.agent.cgroup_layout import validate_cores
+from sailor.agent.cgroup_layout import CFS_PERIOD_US, MIN_QUOTA_US, validate_cores
 from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
 from sailor.agent.check_verdicts import judge
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
@@ -71,6 +71,8 @@ from sailor.schemas.runtime import AgentStatus, CommandAck
 __all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
+_UNSEEN = object()
+"""No quota read yet (the first reading is no change)."""
 
 TASK_BACKOFF_S = 0.5
 """First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
@@ -141,10 +143,26 @@ class AgentConfig(ServerEndpoints):
         "(sailor demo; docs/runtime.md).",
     )
 
-    @field_validator("cpu_quota")
-    @classmethod
-    def _enforceable(cls, v: float | None) -> float | None:
-        return None if v is None else validate_cores(v)
+    cpu_quota_period_ms: float = Field(
+        default=CFS_PERIOD_US / 1000,
+        ge=MIN_QUOTA_US / 1000,
+        le=1000,
+        description="The cgroup's enforcement period, ms (the kernel takes 1 ms to 1 s; "
+        "default 100, its own). Within a period a throttled worker runs at full speed until "
+        "its quota is spent, then stalls: a shorter period spreads the quota more evenly "
+        "over steps shorter than a few periods, at the cost of more preemptions.",
+    )
+
+    @model_validator(mode="after")
+    def _enforceable(self) -> AgentConfig:
+        if self.cpu_quota is not None:
+            validate_cores(self.cpu_quota, self.cpu_quota_period_us)
+        return self
+
+    @property
+    def cpu_quota_period_us(self) -> int:
+        """The period as the kernel takes it, whole microseconds."""
+        return round(self.cpu_quota_period_ms * 1000)
 
 
 class Agent:
@@ -179,11 +197,16 @@ class Agent:
         self.facts: NodeFacts | None = None
         self.refused = ""
         self.quota: CpuQuota | None = None  # the workers' CPU quota (cpu_quota.py), if any
+        self._quota_seen: QuotaState | object = _UNSEEN  # as of the last status write
 
     async def run(self) -> None:
         if self.cfg.cpu_quota is not None:
             self.quota = await asyncio.to_thread(
-                CpuQuota.start, self.cfg.job, self.node.node_id, self.cfg.cpu_quota
+                CpuQuota.start,
+                self.cfg.job,
+                self.node.node_id,
+                self.cfg.cpu_quota,
+                period_us=self.cfg.cpu_quota_period_us,
             )
             self._attach_workers()
         try:
@@ -221,7 +244,11 @@ class Agent:
         cpu controller exists this warns and changes nothing (``'unavailable'``)."""
         if self.quota is None:
             self.quota = await asyncio.to_thread(
-                CpuQuota.start, self.cfg.job, self.node.node_id, cores
+                CpuQuota.start,
+                self.cfg.job,
+                self.node.node_id,
+                cores,
+                period_us=self.cfg.cpu_quota_period_us,
             )
             self._attach_workers()
             await asyncio.to_thread(self.quota.adopt, self.supervisor.pids())
@@ -443,6 +470,16 @@ class Agent:
             timings=sup.timings() if state == "running" else (),
         )
 
+    def _follow_quota(self) -> None:
+        """A quota changed (here or from outside: the kernel's value is read) changes the
+        workers' speed: the step timings measured before it are dropped."""
+        now = self.cpu_quota()
+        if now != self._quota_seen:
+            if self._quota_seen is not _UNSEEN:
+                _log.info("cpu_quota_changed", node=self.node.node_id, cores=now)
+                self.supervisor.restart_timings()
+            self._quota_seen = now
+
     async def _status_loop(self) -> None:
         last = b""
         while True:
@@ -450,6 +487,7 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.supervisor.changed.wait(), self.cfg.status_interval_s)
             self.supervisor.changed.clear()
+            self._follow_quota()
             st = self.status()
             body = st.model_dump_json(exclude={"time"}).encode()
             if body != last and self._store is not None and self._lease is not None:

@@ -10,6 +10,14 @@ step-to-step spread (standard deviation over median) of compute, sync and pipeli
 The agent puts one per rank in its status record (``AgentStatus.timings``). A line without
 those fields (an older worker, the toy trainer without ``--slowness``) adds nothing.
 
+A window holds steps of one speed only: the controller's fit reads its medians as the
+cluster's constants, and a window straddling a change of speed would average the old speed
+and the new. So the steps before a change are dropped: on the agent's word
+(:meth:`StepWindow.restart`, when the node's CPU quota changed), and when the window sees one
+itself (:data:`SHIFT_RUN` steps in a row whose step time or compute lies beyond
+:data:`SHIFT_RATIO` of the earlier steps' median, all on one side: a neighbour that slowed
+down, which this node learns of only through its waits).
+
 Pure: no I/O, no clock.
 """
 
@@ -22,7 +30,15 @@ from dataclasses import dataclass
 
 from sailor.schemas.online_calibration import RankTimings
 
-__all__ = ["SKIP_FIRST", "WINDOW", "StepSample", "StepWindow", "sample_of"]
+__all__ = [
+    "SHIFT_RATIO",
+    "SHIFT_RUN",
+    "SKIP_FIRST",
+    "WINDOW",
+    "StepSample",
+    "StepWindow",
+    "sample_of",
+]
 
 WINDOW = 16
 """Steps a summary spans: enough for a median that one slow step does not move, short enough
@@ -30,6 +46,14 @@ that a change of speed shows within a few status writes."""
 
 SKIP_FIRST = 1
 """Steps after a launch not summarized (the first iteration pays one-off start-up costs)."""
+
+SHIFT_RUN = 3
+"""Consecutive steps beyond :data:`SHIFT_RATIO` that mark a change of speed."""
+
+SHIFT_RATIO = 1.3
+"""How far (as a ratio, either way) from the earlier steps' median a step must lie to count
+toward a change of speed. Steps on the 2 shared cores here jitter by 10-20 % (step-to-step
+spread of the demo's workers); a quota lowered from 0.5 to 0.2 cores moves them ~2x."""
 
 _FIELDS = ("fwd_s", "bwd_s", "p2p_s", "sync_s", "optim_s", "step_s")
 
@@ -44,6 +68,11 @@ class StepSample:
     sync_s: float
     optim_s: float
     step_s: float
+    rest_s: float = 0.0
+    """step_s - compute_s - sync_s - optim_s (0 without compute_s); the summary's is the
+    median step less the medians of its parts."""
+    between_s: float = 0.0
+    """compute_s - p2p_s - microbatches x (fwd_s + bwd_s) (0 without compute_s)."""
 
 
 def _number(msg: Mapping[str, object], key: str) -> float | None:
@@ -61,6 +90,11 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
         return None
     if not vals["step_s"] or not isinstance(mbs, int):
         return None
+    compute = _number(msg, "compute_s")
+    step_s, sync_s, optim_s = vals["step_s"] or 0.0, vals["sync_s"] or 0.0, vals["optim_s"] or 0.0
+    rest = max(0.0, step_s - compute - sync_s - optim_s) if compute is not None else 0.0
+    spans = mbs * ((vals["fwd_s"] or 0.0) + (vals["bwd_s"] or 0.0)) if isinstance(mbs, int) else 0
+    between = max(0.0, compute - (vals["p2p_s"] or 0.0) - spans) if compute is not None else 0.0
     return StepSample(
         step=step,
         microbatches=mbs,
@@ -69,8 +103,34 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
         p2p_s=vals["p2p_s"] or 0.0,
         sync_s=vals["sync_s"] or 0.0,
         optim_s=vals["optim_s"] or 0.0,
-        step_s=vals["step_s"] or 0.0,
+        step_s=step_s,
+        rest_s=rest,
+        between_s=between,
     )
+
+
+def _step_time(s: StepSample) -> float:
+    return s.step_s
+
+
+def _compute(s: StepSample) -> float:
+    return s.fwd_s + s.bwd_s
+
+
+def _shifted(xs: list[StepSample]) -> bool:
+    """The last :data:`SHIFT_RUN` samples all lie beyond :data:`SHIFT_RATIO` of the earlier
+    ones' median, on one side, in step time or in compute (at least as many earlier ones)."""
+    if len(xs) < 2 * SHIFT_RUN:
+        return False
+    old, new = xs[:-SHIFT_RUN], xs[-SHIFT_RUN:]
+    for pick in (_step_time, _compute):
+        mid = statistics.median(pick(s) for s in old)
+        if mid <= 0:
+            continue
+        ratios = [pick(s) / mid for s in new]
+        if all(r > SHIFT_RATIO for r in ratios) or all(r * SHIFT_RATIO < 1 for r in ratios):
+            return True
+    return False
 
 
 def _spread(xs: list[float]) -> float:
@@ -95,6 +155,8 @@ class StepWindow:
         self.skip_first = skip_first
         self.seen = 0
         self.samples: deque[StepSample] = deque(maxlen=window)
+        self.restarts = 0
+        """Times steps before a change of speed were dropped."""
         self._summary: RankTimings | None = None  # of the samples as they are now
 
     def add(self, msg: Mapping[str, object]) -> None:
@@ -106,6 +168,18 @@ class StepWindow:
         if self.seen > self.skip_first:
             self.samples.append(s)
             self._summary = None
+            if _shifted(list(self.samples)):
+                self.restarts += 1
+                for _ in range(len(self.samples) - SHIFT_RUN):
+                    self.samples.popleft()
+
+    def restart(self) -> None:
+        """Drop the steps so far: the speed changed (the next step is kept: the first step
+        after a launch is skipped for its one-off costs, not for the speed)."""
+        if self.samples:
+            self.restarts += 1
+        self.samples.clear()
+        self._summary = None
 
     def summary(self) -> RankTimings | None:
         """Medians of the window, or None before the first kept sample (worked out once per
@@ -119,6 +193,19 @@ class StepWindow:
         def med(attr: str) -> float:
             return float(statistics.median(getattr(s, attr) for s in xs))
 
+        # the rest: the median step less the medians of its parts, so that the parts the fit
+        # reads add up to the step it is compared with (steps of milliseconds on shared cores
+        # are skewed: the median of a sum exceeds the sum of the medians by ~5-10 % here)
+        m = xs[-1].microbatches
+        parts = (
+            m * (med("fwd_s") + med("bwd_s"))
+            + med("between_s")
+            + med("p2p_s")
+            + med("sync_s")
+            + med("optim_s")
+        )
+        timed = any(s.rest_s or s.between_s for s in xs)  # compute_s reported
+        rest = max(0.0, med("step_s") - parts) if timed else 0.0
         self._summary = RankTimings(
             rank=self.rank,
             steps=len(xs),
@@ -130,6 +217,8 @@ class StepWindow:
             sync_s=med("sync_s"),
             optim_s=med("optim_s"),
             step_s=med("step_s"),
+            rest_s=rest,
+            between_s=med("between_s"),
             compute_spread=_spread([s.fwd_s + s.bwd_s for s in xs]),
             sync_spread=_spread([s.sync_s for s in xs]),
             p2p_spread=_spread([s.p2p_s for s in xs]),

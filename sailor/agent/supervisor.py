@@ -179,6 +179,12 @@ class Supervisor:
                 out.append(t)
         return tuple(out)
 
+    def restart_timings(self) -> None:
+        """Drop the step timings so far (the node's speed changed: its quota)."""
+        for w in self.workers:
+            if w.timings is not None:
+                w.timings.restart()
+
     async def launch(self, cmd: Launch, training: TrainingConfig | None = None) -> None:
         """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first),
         with ``training`` (resolved from ``cmd.training_sha256``) if the job has one."""

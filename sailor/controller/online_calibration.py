@@ -79,7 +79,7 @@ from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase
 from sailor.schemas.training import TrainingConfig
 from sailor.simulator import simulate
-from sailor.simulator.online_fit import fit_online, scale_ends
+from sailor.simulator.online_fit import fit_online, range_corners
 
 __all__ = ["KEEP_VERSIONS", "Calibrator", "load_trace"]
 
@@ -143,6 +143,7 @@ class Calibrator:
         self._last_fit_step = -1
         self._decided = -1  # generation a recalibration replan was decided in
         self._failed = -1  # generation whose fit or judgement failed (not retried)
+        self._refit = -1  # generation whose misprediction was kept (once per generation)
         self._phases: list[tuple[str, float]] = []
         self._phase: tuple[int, Phase] | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -277,6 +278,10 @@ class Calibrator:
         self.last_fit = fit
         self._last_fit_step = newest
         moved = self._moved(fit, base)
+        if not moved and self._refit != d.generation and self._stable >= self.policy.stable_reports:
+            moved = self._mispredicts(fit)
+            if moved:
+                self._refit = d.generation
         if self.version == 0 or moved:
             await self._keep(fit, d, store, lead, moved)
         if not self.settings.replan or d.generation <= self._decided or not self._runs(d):
@@ -321,6 +326,19 @@ class Calibrator:
             if abs(c.value - p.value) > allowed:
                 return False
         return True
+
+    def _mispredicts(self, fit: OnlineFit) -> list[str]:
+        """The running plan's prediction, when the kept calibration misses its measured step
+        by more than the tolerance and the fit halves the miss (once per generation, when
+        its fits are stable: the caller). Without it, constants whose ranges are wide (two
+        ranks of a kind, steps of a few milliseconds on shared cores) never count as moved,
+        stay as first fitted on the previous layout, and a new layout is priced from what
+        the old one showed. ``fit.error_before`` is the kept calibration's error (the fit
+        starts from it)."""
+        before, after = fit.error_before, fit.error_after
+        if abs(before) > self.settings.stable_tolerance and abs(after) <= abs(before) / 2:
+            return [f"running plan: error {before:+.1%} -> {after:+.1%}"]
+        return []
 
     def _moved(self, fit: OnlineFit, kept: Calibration) -> list[str]:
         """Fitted constants that moved from the kept calibration by more than the tolerance
@@ -401,7 +419,10 @@ class Calibrator:
         assert_inp = self.inputs
         if cal is None or assert_inp is None:
             raise RuntimeError("calibration lost during a fit")
-        corners = [cal, *scale_ends(cal, fit.constants)]
+        # the point estimate, then every corner of the fitted ranges: the best plan must win
+        # at all of them (a mixed corner, one kind faster and another slower than fitted,
+        # is where a plan that moves work between kinds loses)
+        corners = [cal, *range_corners(cal, fit.constants)]
         times = await asyncio.to_thread(
             lambda: [(self._price(plan, c), self._price(best.plan, c)) for c in corners]
         )
@@ -417,7 +438,9 @@ class Calibrator:
             same_layout=best.plan.pipelines == plan.pipelines,
             running_s=running_s,
             best_s=best_s,
+            measured_s=fit.measured_step_s,
             worst_improvement=worst,
+            corners=len(corners) - 1,
             downtime_s=downtime,
             downtime_source=source,
             time_to_change_s=self.time_to_change_s,

@@ -13,8 +13,9 @@ to run (the expected time to the next membership change, or the remaining steps 
 
 * ``gain_s = H · improvement > D · (1 + margin)`` (``improvement = 1 - best_s / running_s``);
 * ``improvement >= min_improvement`` (a few percent is within what the fit cannot tell);
-* ``worst_improvement > 0``: the best plan also beats the running one at both ends of the
-  fitted compute scales' ranges (the bet holds across the fit's uncertainty);
+* ``worst_improvement > 0``: the best plan also beats the running one at every corner of
+  the fitted ranges (each kind's compute scale and the pipeline efficiency at either end,
+  in every combination: the bet holds across the fit's uncertainty);
 * the fit was stable over ``stable_reports`` consecutive reports of this generation;
 * the best plan is another layout (not the running plan's pipelines and placement);
 * no calibration-driven replan was decided for this generation already: after one, the new
@@ -80,8 +81,17 @@ class ReplanInputs(Frozen):
     )
     running_s: float = Field(gt=0, description="Running plan's iteration, fitted model, s.")
     best_s: float = Field(gt=0, description="Best plan's iteration, fitted model, s.")
+    measured_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="The running plan's measured iteration (median over ranks), s: beside "
+        "running_s, the fitted model's error on the plan it judges. None in older records.",
+    )
     worst_improvement: float = Field(
-        description="Least 1 - best/running over the fitted compute scales' range ends."
+        description="Least 1 - best/running over the corners of the fitted ranges."
+    )
+    corners: int = Field(
+        default=0, ge=0, description="Corners of the fitted ranges priced (besides the point)."
     )
     downtime_s: float = Field(ge=0, description="Expected reconfiguration downtime, s.")
     downtime_source: str = Field(default="", description="Measured (how many) or configured.")
@@ -125,7 +135,7 @@ def decide_recalibration(inp: ReplanInputs, policy: RecalibrationPolicy) -> Repl
     elif improvement < policy.min_improvement:
         why = f"improvement {improvement:.1%} below {policy.min_improvement:.1%}"
     elif inp.worst_improvement <= 0:
-        why = f"no gain at an end of the fitted range ({inp.worst_improvement:.1%})"
+        why = f"no gain at a corner of the fitted ranges ({inp.worst_improvement:.1%})"
     elif gain <= threshold:
         why = f"gain {gain:.1f} s over {horizon:.0f} s does not pay {threshold:.1f} s"
     reconfigure = not why

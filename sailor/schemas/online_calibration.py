@@ -72,6 +72,22 @@ class RankTimings(Frozen):
     )
     optim_s: float = Field(ge=0, description="Optimizer step per step, s.")
     step_s: float = Field(gt=0, description="Whole iteration, s.")
+    between_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="The pipeline phase outside the timed forward and backward passes and "
+        "the exchanges (compute_s - p2p_s - microbatches x (fwd_s + bwd_s) of each step: "
+        "reading the data, the loss, the schedule's own code), s. 0 without compute_s.",
+    )
+    rest_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="The iteration outside the pipeline, the sync and the optimizer step "
+        "(zeroing the gradients, the loss all-reduce after the optimizer): step_s less the "
+        "medians of the parts above (microbatches x (fwd_s + bwd_s), between_s, p2p_s, "
+        "sync_s, optim_s), so that the parts add up to the median step, s. 0 where a worker "
+        "does not report compute_s.",
+    )
     compute_spread: float = Field(
         default=0.0,
         ge=0,

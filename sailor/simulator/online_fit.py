@@ -22,8 +22,14 @@ iteration times):
   the prediction (halving η_p2p adds ≥ 5 % of the measured waits); else kept. The waits are
   mostly fill, drain and imbalance, which the compute scales set, so its range is solved
   at both ends of the compute scales' ranges as well as of the waits' own spread.
-* ``sync_fixed_s`` (c): per kind, the median ``sync_s`` of its ranks without a gradient
-  all-reduce (a stage no other pipeline holds, no tied embedding).
+* ``sync_fixed_s`` (c): per kind, the median over its ranks without a gradient all-reduce
+  (a stage no other pipeline holds) of their ``sync_s`` and the rest of their step outside
+  the pipeline, the sync and the optimizer (``rest_s``: zeroing gradients, the engine's loss
+  all-reduce), less the framework time per iteration the profile holds (which the simulator
+  adds beside c). Of the stages holding a copy of a tied
+  embedding (the engine all-reduces the copies in a group of their own after the segments)
+  only the last to arrive counts: the others' syncs hold their wait for it, in 1F1B the
+  pipeline's drain, which is no fixed cost.
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
   η = simulated all-reduce time at η = 1 / (that sync − c). A kind's η is the geometric mean
@@ -40,6 +46,7 @@ Pure: values in, one value out; no I/O, no clock.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -60,7 +67,7 @@ from sailor.schemas.online_calibration import ConstantName, FittedConstant, Onli
 from sailor.simulator.simulate import simulate
 from sailor.simulator.stage_ends import replay_stage_ends
 
-__all__ = ["fit_online", "robust_spread", "scale_ends", "with_constant"]
+__all__ = ["fit_online", "range_corners", "robust_spread", "scale_ends", "with_constant"]
 
 _MAD_TO_SIGMA = 1.4826
 """MAD x this = the standard deviation of a normal sample."""
@@ -201,7 +208,10 @@ def fit_online(
     cal = _fit_p2p(
         plan, ranks, kinds, cal, constants, notes, model, profiles, network, prices, specs
     )
-    cal = _fit_sync(plan, ranks, kinds, cal, sim, constants, notes)
+    frame = {g: f.iteration_s for g in kinds if (f := profiles.framework_time(g)) is not None}
+    cal = _fit_sync(
+        plan, ranks, kinds, cal, sim, constants, notes, _tied_holders(plan, model), frame
+    )
     before = sim(cal0)
     after = sim(cal)
     notes.extend(_optimizer_notes(ranks, _stage_rows(after)))
@@ -248,7 +258,10 @@ def _fit_compute(
         a, b = one[(r.pipeline, r.stage)], two[(r.pipeline, r.stage)]
         layers = (b.fwd_s + b.bwd_s) - (a.fwd_s + a.bwd_s)
         outside = (a.fwd_s + a.bwd_s) - layers  # framework time the scale does not touch
-        measured = r.t.fwd_s + r.t.bwd_s - outside
+        # the whole pipeline compute per microbatch: the timed passes and the code between
+        # them (data, loss, the schedule's own), as the simulator's stage time holds both
+        between = r.t.between_s / r.m if r.m else 0.0
+        measured = r.t.fwd_s + r.t.bwd_s + between - outside
         if layers <= 0 or measured <= 0:
             notes.append(
                 f"rank {r.rank}: no layer compute to compare ({measured:.3g} s measured, "
@@ -426,6 +439,46 @@ def scale_ends(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calib
     return out
 
 
+_CORNER_DIMS = 6
+"""At most this many ranges are spanned by :func:`range_corners` (2^6 = 64 corners, two
+simulations each per judgement); beyond, the widest ones (relative to their value)."""
+
+
+def range_corners(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calibration]:
+    """``cal`` at every corner of the fitted ranges: each fitted compute scale (per kind) and
+    the pipeline efficiency at the low or the high end of its range, in every combination.
+
+    Both ends of all scales at once (:func:`scale_ends`) miss the corners that matter for a
+    heterogeneous plan: one kind faster than fitted while another is slower moves work
+    between them, and a plan that shifts work to the first wins at both uniform ends yet
+    loses there. A plan is bet on only if it wins at all of them. ``cal`` itself is not
+    among them; a constant without a range (low == high) adds none.
+    """
+    dims: list[tuple[float, list[tuple[str, str]], float, float]] = []
+    for k in fitted:
+        if k.name == "compute_scale" and k.fitted and k.high > k.low:
+            dims.append((_width(k), [(k.gpu_type, "compute_scale")], k.low, k.high))
+    p2p = [k for k in fitted if k.name == "p2p_efficiency" and k.fitted and k.high > k.low]
+    if p2p:  # one value for every kind in multi-stage pipelines: one dimension
+        k = p2p[0]
+        dims.append((_width(k), [(x.gpu_type, "p2p_efficiency") for x in p2p], k.low, k.high))
+    dims = sorted(dims, key=lambda d: -d[0])[:_CORNER_DIMS]
+    if not dims:
+        return []
+    out: list[Calibration] = []
+    for ends in itertools.product((0, 1), repeat=len(dims)):
+        c = cal
+        for (_, targets, low, high), end in zip(dims, ends, strict=True):
+            for g, name in targets:
+                c = with_constant(c, g, **{name: high if end else low})
+        out.append(c)
+    return out
+
+
+def _width(k: FittedConstant) -> float:
+    return (k.high - k.low) / max(abs(k.value), 1e-12)
+
+
 def _groups(plan: Plan) -> dict[tuple[int, int], int]:
     """(pipeline, stage) -> id of its replica group: stages that share a layer segment."""
     parent: dict[tuple[int, int], tuple[int, int]] = {}
@@ -448,6 +501,24 @@ def _groups(plan: Plan) -> dict[tuple[int, int], int]:
     return {x: ids[find(x)] for x in list(parent)}
 
 
+def _tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
+    """(pipeline, stage) of the stages in the engine's tied-embedding group when it spans
+    stages: the embedding's and the head's copies are all-reduced together after the
+    segments (``megatron_patch.sync_groups``), so a holder's measured sync includes waiting
+    for the other copy's stage to finish its backward (in 1F1B the head's stage ends first
+    and waits out the pipeline's drain). That wait is not a fixed cost of the sync."""
+    if not model.tie_embeddings:
+        return frozenset()
+    head = plan.num_layers - 1
+    holders = frozenset(
+        (pi, si)
+        for pi, p in enumerate(plan.pipelines)
+        for si, st in enumerate(p.stages)
+        if st.first_layer == 0 or st.last_layer == head
+    )
+    return holders if len(holders) > 1 else frozenset()
+
+
 def _fit_sync(
     plan: Plan,
     ranks: list[_Rank],
@@ -456,9 +527,35 @@ def _fit_sync(
     sim: Callable[[Calibration], Estimate],
     out: list[FittedConstant],
     notes: list[str],
+    tied: frozenset[tuple[int, int]] = frozenset(),
+    iteration_s: Mapping[str, float] | None = None,
 ) -> Calibration:
+    iteration_s = iteration_s or {}
     rows1 = _stage_rows(sim(_with_all(cal, kinds, network_efficiency=1.0)))
-    lone = [r for r in ranks if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0]
+    lone = [
+        r
+        for r in ranks
+        if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 and (r.pipeline, r.stage) not in tied
+    ]
+    # the tied copies' all-reduce is a collective of its own: its last arriver (least sync)
+    # waited for no one, so its sync is the fixed cost (the tied all-reduce inside it, as
+    # the calibration's tied_allreduce=False says); the others' syncs hold their waits. Only
+    # where no holder also all-reduces a segment (else the order of arrival is unknown).
+    holders = [r for r in ranks if (r.pipeline, r.stage) in tied]
+    if holders and all(rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 for r in holders):
+        arrived = min(holders, key=lambda r: r.t.sync_s)
+        lone.append(arrived)
+        if len(holders) > 1:
+            notes.append(
+                f"tied embedding: rank {arrived.rank} arrived last at its all-reduce (sync "
+                f"{arrived.t.sync_s:.3g} s); the {len(holders) - 1} other holder(s) waited for it "
+                "(not read as sync_fixed_s)"
+            )
+    elif holders:
+        notes.append(
+            f"{len(holders)} rank(s) hold a tied embedding copy and all-reduce segments: their "
+            "syncs are not read as sync_fixed_s"
+        )
     fixed: dict[str, float] = {}
     for g in kinds:
         prev = cal.for_gpu(g).sync_fixed_s
@@ -467,7 +564,26 @@ def _fit_sync(
             out.append(_kept(g, "sync_fixed_s", prev, "every rank of this kind all-reduces"))
             fixed[g] = prev
             continue
-        vals = [r.t.sync_s for r in xs]
+        fixed[g] = statistics.median(r.t.sync_s for r in xs)  # the sync's own: for η below
+        # the iteration's fixed time beyond the framework time the profile holds: the sync
+        # outside the all-reduces and the rest of the step outside the pipeline, the sync and
+        # the optimizer (zeroing the gradients; the engine's loss all-reduce, which the
+        # simulator adds only with loss_allreduce). The simulator adds c where the sync
+        # starts: for the iteration's length, where in it the time is spent does not matter.
+        frame = iteration_s.get(g, 0.0)
+        # the optimizer step is not fitted: what it takes beyond its profiled time is a
+        # fixed cost of the iteration too (a CPU's, not a network's)
+        vals = [
+            max(
+                0.0,
+                r.t.sync_s
+                + r.t.rest_s
+                + r.t.optim_s
+                - rows1[(r.pipeline, r.stage)].update_s
+                - frame,
+            )
+            for r in xs
+        ]
         value = statistics.median(vals)
         _, low, high = _interval(
             value,
@@ -476,7 +592,6 @@ def _fit_sync(
             [r.t.sync_spread for r in xs],
             sum(r.t.steps for r in xs),
         )
-        fixed[g] = value
         out.append(
             FittedConstant(
                 gpu_type=g,
@@ -487,7 +602,11 @@ def _fit_sync(
                 previous=prev,
                 samples=len(xs),
                 fitted=True,
-                evidence=f"median sync of {len(xs)} rank(s) without a gradient all-reduce",
+                evidence=(
+                    f"median over {len(xs)} rank(s) without a gradient all-reduce of their sync "
+                    f"and the step's rest outside pipeline, sync and optimizer, less the "
+                    f"profiled framework time per iteration ({frame:.3g} s)"
+                ),
             )
         )
         cal = with_constant(cal, g, sync_fixed_s=value)

@@ -38,7 +38,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -304,8 +304,12 @@ class ChaosRun:
         nats_servers: int = 1,
         etcd_members: int = 1,
         min_step_s: float = 0.05,
+        cluster: Mapping[str, Any] | None = None,
     ) -> None:
         self.scenario = scenario
+        self.cluster_options = dict(cluster or {})
+        """DemoCluster fields beyond the harness's own (node kinds and quotas, prior profiles,
+        online calibration settings: tests/chaos/closed_loop.py)."""
         self.cluster_sizes = (nats_servers, etcd_members)  # > 1: server clusters on loopback
         self.root = tmp / "run"
         self.reg = ProcessRegistry(log_dir=self.root / "logs")
@@ -325,17 +329,21 @@ class ChaosRun:
             self.servers = start_local_servers(
                 self.root, ids, secure=True, spawn=spawn, nats_servers=n_nats, etcd_members=n_etcd
             )
+            options: dict[str, Any] = {
+                "training_file": demo_training().training_file,
+                "model": str(demo_training().spec_file),
+                # fits and plans with them, but the scenario's faults are the only changes
+                "online_calibration": OnlineCalibrationSettings(replan=False),
+                **self.cluster_options,
+            }
             self.cluster = DemoCluster(
                 reg=self.reg,
                 servers=self.servers,
                 root=self.root,
                 global_batch_size=GBS,
                 min_step_s=self.settings.min_step_s,
-                training_file=demo_training().training_file,
-                model=str(demo_training().spec_file),
-                # fits and plans with them, but the scenario's faults are the only changes
-                online_calibration=OnlineCalibrationSettings(replan=False),
                 job=JOB,
+                **options,
             )
             self.drive = Driver(cluster=self.cluster, settings=self.settings, t0=self.t0)
         except BaseException:

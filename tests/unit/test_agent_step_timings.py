@@ -81,3 +81,96 @@ def test_toy_timings_follow_the_slowness_of_the_kinds(tmp_path: Path) -> None:
         parse_slowness("A100-40")
     with pytest.raises(ValueError, match="KIND=FACTOR"):
         parse_slowness("A100-40=-1")
+
+
+def test_a_change_of_speed_drops_the_steps_before_it() -> None:
+    """A neighbour slowed down (this rank's step time rose 2.5x): three steps at the new
+    speed replace the window, so its medians are the new speed, not a mix."""
+    w = StepWindow(rank=0, skip_first=0)
+    for s in range(1, 9):
+        w.add(line(s, step_s=0.1))
+    for s in range(9, 12):
+        w.add(line(s, step_s=0.25, sync_s=0.15))
+    t = w.summary()
+    assert t is not None and w.restarts == 1
+    assert (t.steps, t.step_s, t.sync_s) == (3, 0.25, 0.15)
+    # its own compute slowed (its quota lowered) while the step time is paced: also a change
+    w2 = StepWindow(rank=1, skip_first=0)
+    for s in range(1, 7):
+        w2.add(line(s, fwd=0.01))
+    for s in range(7, 10):
+        w2.add(line(s, fwd=0.03))
+    assert w2.summary().steps == 3 and w2.summary().fwd_s == 0.03  # type: ignore[union-attr]
+
+
+def test_jitter_and_a_lone_slow_step_are_no_change_of_speed() -> None:
+    w = StepWindow(rank=0, skip_first=0)
+    steps = [0.1, 0.12, 0.09, 0.11, 0.125, 0.5, 0.1, 0.12, 0.125, 0.12, 0.08, 0.11]
+    for s, x in enumerate(steps, start=1):
+        w.add(line(s, step_s=x))
+    assert w.restarts == 0 and w.summary().steps == len(steps)  # type: ignore[union-attr]
+
+
+def test_restart_drops_everything_and_the_next_step_counts() -> None:
+    w = StepWindow(rank=0)
+    for s in range(1, 6):
+        w.add(line(s))
+    w.restart()
+    assert w.summary() is None and w.restarts == 1
+    w.add(line(6, fwd=0.02))
+    assert w.summary().steps == 1 and w.summary().fwd_s == 0.02  # type: ignore[union-attr]
+
+
+def test_the_agent_drops_timings_when_its_quota_changes(tmp_path: Path) -> None:
+    """The kernel's quota read in the status loop differs from the last one (set by the agent
+    or from outside): the workers' windows restart; the first reading is no change."""
+    from sailor.agent.daemon import Agent, AgentConfig
+    from sailor.agent.supervisor import WorkerView
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu-slow", gpus=1, zone="z")
+    agent = Agent(AgentConfig(node=node, work_dir=tmp_path))
+    window = StepWindow(rank=0, skip_first=0)
+    for s in range(1, 5):
+        window.add(line(s))
+    agent.supervisor.workers = [WorkerView(rank=0, proc=None, argv=(), timings=window)]  # type: ignore[arg-type]
+
+    class Quota:
+        cores: float | None = 0.5
+
+        def state(self) -> float | None:
+            return self.cores
+
+    q = Quota()
+    agent.quota = q  # type: ignore[assignment]
+    agent._follow_quota()
+    assert window.summary().steps == 4  # type: ignore[union-attr]
+    agent._follow_quota()
+    assert window.summary().steps == 4  # type: ignore[union-attr]
+    q.cores = 0.2
+    agent._follow_quota()
+    assert window.summary() is None and window.restarts == 1
+
+
+def test_the_rest_of_the_step_outside_compute_sync_and_optimizer() -> None:
+    # compute 0.14 = p2p 0.003 + 4 x (0.01 + 0.02) + 0.017 between; sync 0.004, optim 0.005
+    s = sample_of(line(3, compute_s=0.14, step_s=0.2))
+    assert s is not None and s.rest_s == pytest.approx(0.051)
+    assert sample_of(line(3)).rest_s == 0.0  # type: ignore[union-attr]  # no compute_s
+    w = StepWindow(rank=0, skip_first=0)
+    for st in range(1, 4):
+        w.add(line(st, compute_s=0.14, step_s=0.2))
+    assert w.summary().rest_s == pytest.approx(0.051)  # type: ignore[union-attr]
+    # skewed steps: the parts' medians miss part of the median step, which the rest takes
+    w = StepWindow(rank=0, skip_first=0)
+    for st, (sync, step) in enumerate([(0.004, 0.2), (0.004, 0.21), (0.02, 0.215)], start=1):
+        w.add(line(st, compute_s=0.14, sync_s=sync, step_s=step))
+    t = w.summary()
+    assert t is not None and t.step_s == 0.21 and t.sync_s == 0.004
+    assert t.rest_s == pytest.approx(0.21 - (0.12 + 0.017 + 0.003 + 0.004 + 0.005))
+
+
+def test_the_pipeline_phase_between_the_timed_passes() -> None:
+    # compute 0.14 = p2p 0.003 + 4 microbatches x (0.01 + 0.02) + 0.017 between
+    s = sample_of(line(3, compute_s=0.14, step_s=0.2))
+    assert s is not None and s.between_s == pytest.approx(0.017)
+    assert s.rest_s == pytest.approx(0.051)

@@ -56,7 +56,7 @@ def inputs(**kw: object) -> ReplanInputs:
         # 30 steps left at 1 s: 30 s x 20 % = 6 s < 15 s
         ({"remaining_steps": 30}, False, "does not pay"),
         ({"stable_reports": 2}, False, "stable over 2"),
-        ({"worst_improvement": -0.01}, False, "no gain at an end"),
+        ({"worst_improvement": -0.01}, False, "no gain at a corner"),
         ({"best_plan": "p-run"}, False, "running layout"),
         ({"same_layout": True}, False, "running layout"),
         ({"decided_generation": 4}, False, "decided in generation 4"),
@@ -184,3 +184,14 @@ def test_settings_are_validated_and_a_trace_path_is_anchored(tmp_path: Path) -> 
     cfg = ControllerConfig.load(cfg_file)
     assert cfg.online_calibration.membership_trace == cfg_file.parent / "trace.json"
     assert cfg.online_calibration.margin == 1.0 and cfg.online_calibration.enabled
+
+
+def test_a_decision_records_the_measured_step_beside_the_predicted_one() -> None:
+    d = decide_recalibration(inputs(measured_s=1.25, corners=8), POLICY)
+    record = {"kind": "replan_decision", "time": 5.0, "epoch": 3, **json.loads(d.model_dump_json())}
+    assert record["measured_s"] == 1.25 and record["running_s"] == 1.0 and record["corners"] == 8
+    assert rule_violations(record) == []
+    older = {k: v for k, v in record.items() if k not in ("measured_s", "corners")}
+    assert rule_violations(older) == []  # records written before the field still check
+    with pytest.raises(ValueError, match="measured_s"):
+        inputs(measured_s=0.0)

@@ -226,3 +226,45 @@ def test_the_quota_setting_and_its_reports_are_validated() -> None:
         assert AgentStatus.model_validate_json(st.model_dump_json()).cpu_quota == value
         facts = NodeFacts(node_kind="cpu", cpu_quota=value)
         assert facts.summary().get("cpu_quota") == value
+
+
+def test_the_period_is_configurable_and_validated() -> None:
+    node = NodeSpec(node_id="n1", gpu_type="cpu-slow", gpus=1, zone="z")
+    cfg = AgentConfig(node=node, cpu_quota=0.4)
+    assert cfg.cpu_quota_period_ms == 100 and cfg.cpu_quota_period_us == 100_000
+    assert AgentConfig(node=node, cpu_quota=0.4, cpu_quota_period_ms=20).cpu_quota_period_us == (
+        20_000
+    )
+    for bad in (0.5, 0, 1001):  # the kernel takes 1 ms to 1 s
+        with pytest.raises(ValidationError, match="cpu_quota_period_ms"):
+            AgentConfig(node=node, cpu_quota=0.4, cpu_quota_period_ms=bad)
+    # 0.05 cores is 5 ms per 100 ms, but 0.5 ms per 10 ms: below the kernel's 1 ms
+    assert AgentConfig(node=node, cpu_quota=0.05).cpu_quota == 0.05
+    with pytest.raises(ValidationError, match="minimum quota"):
+        AgentConfig(node=node, cpu_quota=0.05, cpu_quota_period_ms=10)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_node_cgroup_writes_its_period_and_an_outside_change_keeps_it(
+    tmp_path: Path, version: int
+) -> None:
+    """Files stand in for the kernel's: the period the agent chose is written with the quota,
+    and a quota set from outside (``node_cgroup``, which knows no period) keeps it."""
+    from sailor.agent.cgroup_layout import Hierarchy
+    from sailor.agent.cpu_quota import NodeCgroup
+
+    h = Hierarchy(version=version, base=PurePosixPath(tmp_path))  # type: ignore[arg-type]
+    rel = PurePosixPath("sailor/job/n1")
+    for d in (tmp_path, tmp_path / "sailor", tmp_path / "sailor/job"):  # v2 hands cpu down
+        d.mkdir(exist_ok=True)
+        (d / "cgroup.subtree_control").write_text("cpu")
+    cg = NodeCgroup.create(h, rel, 0.4, period_us=20_000)
+    if version == 1:
+        assert (cg.path / "cpu.cfs_period_us").read_text() == "20000"
+        assert (cg.path / "cpu.cfs_quota_us").read_text() == "8000"
+    else:
+        assert (cg.path / "cpu.max").read_text() == "8000 20000"
+    assert cg.period() == 20_000 and cg.quota() == pytest.approx(0.4)
+    outside = NodeCgroup(h, rel)  # found by name, as node_cgroup() does
+    outside.set_quota(0.1)
+    assert cg.period() == 20_000 and cg.quota() == pytest.approx(0.1)

@@ -20,8 +20,8 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
 )
-from sailor.schemas.online_calibration import OnlineFit, RankTimings
-from sailor.simulator.online_fit import fit_online, with_constant
+from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
+from sailor.simulator.online_fit import fit_online, range_corners, scale_ends, with_constant
 from sailor.simulator.synthetic_timings import expected_rank_timings
 
 FAST, SLOW = "A100-40", "V100-16"
@@ -90,10 +90,15 @@ def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> Non
     plan = _pipeline_plan()
     truth = with_constant(BASE, SLOW, compute_scale=2.5, p2p_efficiency=0.3, sync_fixed_s=0.01)
     truth = with_constant(truth, FAST, compute_scale=0.8, p2p_efficiency=0.3)
-    fit = _fit(plan, _timings(plan, truth))
+    timings = list(_timings(plan, truth))
+    # as the engine measures it: the head's stage, done first, waits at the tied all-reduce
+    timings[1] = timings[1].model_copy(update={"sync_s": timings[1].sync_s + 0.05})
+    fit = _fit(plan, tuple(timings))
     assert _const(fit, SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
     assert _const(fit, FAST, "compute_scale") == pytest.approx(0.8, rel=1e-6)
     assert _const(fit, SLOW, "p2p_efficiency") == pytest.approx(0.3, rel=0.01)
+    # both stages hold a copy of the tied embedding: the first, done last in 1F1B, arrived
+    # last at their all-reduce, and gives the fixed cost (tests below)
     assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.01, rel=1e-6)
     assert fit.calibration.for_gpu(SLOW).compute_scale == pytest.approx(2.5, rel=1e-6)
     # a single pipeline all-reduces nothing: the network efficiency is not identified
@@ -165,3 +170,130 @@ def test_kinds_not_running_keep_their_constants_and_foreign_ranks_are_ignored() 
     assert any("rank 5" in n for n in fit.notes)
     with pytest.raises(ValueError, match="no timing"):
         _fit(plan, (stray,), base)
+
+
+def _ranged(gpu: str, name: str, value: float, low: float, high: float) -> FittedConstant:
+    return FittedConstant(
+        gpu_type=gpu, name=name, value=value, low=low, high=high, previous=1.0, samples=2,
+        fitted=True, evidence="test",
+    )  # fmt: skip
+
+
+def test_range_corners_span_every_combination_of_the_fitted_ends() -> None:
+    fitted = [
+        _ranged(FAST, "compute_scale", 1.0, 0.8, 1.5),
+        _ranged(SLOW, "compute_scale", 2.0, 1.6, 2.4),
+        _ranged(FAST, "p2p_efficiency", 0.5, 0.4, 0.7),
+        _ranged(SLOW, "p2p_efficiency", 0.5, 0.4, 0.7),
+        _ranged(FAST, "sync_fixed_s", 0.01, 0.0, 0.02),  # not a corner dimension
+    ]
+    corners = range_corners(BASE, fitted)
+    seen = {
+        (c.for_gpu(FAST).compute_scale, c.for_gpu(SLOW).compute_scale, c.for_gpu(SLOW).p2p_eta)
+        for c in corners
+    }
+    assert seen == {(f, s, e) for f in (0.8, 1.5) for s in (1.6, 2.4) for e in (0.4, 0.7)}
+    assert all(c.for_gpu(FAST).p2p_eta == c.for_gpu(SLOW).p2p_eta for c in corners)
+    assert range_corners(BASE, [_ranged(FAST, "compute_scale", 1.0, 1.0, 1.0)]) == []
+
+
+def test_a_plan_that_moves_work_between_kinds_can_lose_at_a_mixed_corner() -> None:
+    """The running plan gives both kinds 8 units of work, the best one 11 to the fast kind and
+    5 to the slow: it wins at the point estimate and at both uniform ends of the ranges, and
+    loses where the fast kind is at its slowest and the slow one at its fastest. The rule bets
+    on it only if it wins at every corner: range_corners includes that one, scale_ends not."""
+    fitted = [
+        _ranged(FAST, "compute_scale", 1.0, 0.8, 1.5),
+        _ranged(SLOW, "compute_scale", 2.0, 1.6, 2.4),
+    ]
+
+    def gains(cals: list[Calibration]) -> list[float]:
+        out = []
+        for c in cals:
+            kf, ks = c.for_gpu(FAST).compute_scale, c.for_gpu(SLOW).compute_scale
+            running, best = max(8 * kf, 8 * ks), max(11 * kf, 5 * ks)
+            out.append(1 - best / running)
+        return out
+
+    point = with_constant(with_constant(BASE, FAST, compute_scale=1.0), SLOW, compute_scale=2.0)
+    assert gains([point])[0] > 0.3
+    assert min(gains(scale_ends(point, fitted))) > 0  # the uniform ends would bet on it
+    assert min(gains(range_corners(point, fitted))) < 0  # a mixed corner does not
+
+
+def test_a_tied_embeddings_wait_is_not_read_as_fixed_sync_cost() -> None:
+    """Three stages, the embedding on the first and the head on the last: the engine
+    all-reduces the two copies after the segments, so the head's stage, done first in 1F1B,
+    waits there for the first stage (its measured sync holds the pipeline's drain). The
+    fixed cost comes from the middle stage and the first, which arrived last."""
+    stages = (
+        Stage(first_layer=0, last_layer=8, replica=_rg(SLOW, "n1")),
+        Stage(first_layer=9, last_layer=17, replica=_rg(SLOW, "n2")),
+        Stage(first_layer=18, last_layer=25, replica=_rg(FAST, "n3")),
+    )
+    plan = Plan(
+        plan_id="pp3",
+        model=MODEL.name,
+        global_batch_size=32,
+        pipelines=(Pipeline(stages=stages, microbatch_size=1, num_microbatches=32),),
+    )
+    truth = with_constant(BASE, SLOW, sync_fixed_s=0.01)
+    truth = with_constant(truth, FAST, sync_fixed_s=0.01)
+    timings = list(_timings(plan, truth))
+    # what the engine measures on the head's stage: the wait for the first (0.4 s)
+    timings[2] = timings[2].model_copy(update={"sync_s": timings[2].sync_s + 0.4})
+    fit = _fit(plan, tuple(timings))
+    slow = fit.constant(SLOW, "sync_fixed_s")
+    fast = fit.constant(FAST, "sync_fixed_s")
+    assert slow is not None and slow.fitted and slow.samples == 2
+    assert slow.value == pytest.approx(0.01, rel=1e-6)
+    assert fast is not None and not fast.fitted  # only the head's stage is of this kind
+    assert fast.value == BASE.for_gpu(FAST).sync_fixed_s
+    assert any("tied embedding" in n for n in fit.notes)
+
+
+def test_the_fixed_cost_takes_in_the_rest_of_the_step_beyond_the_profiled_framework_time() -> None:
+    """The engine's step outside pipeline, sync and optimizer (zeroing gradients, the loss
+    all-reduce: ``rest_s``) is a fixed cost of each iteration; the framework time per
+    iteration the profile holds is already in the simulator, so it is taken off."""
+    from sailor.schemas.profile import FrameworkTime
+
+    frame = FrameworkTime(gpu_type=SLOW, iteration_s=0.001, source="test")
+    profiles = PROFILES.model_copy(update={"framework": (frame,)})
+    plan = _pipeline_plan()
+    truth = with_constant(BASE, SLOW, sync_fixed_s=0.01)
+    timings = expected_rank_timings(
+        plan, MODEL, profiles, NETWORK, PRICES, calibration=truth, gpu_specs=SPECS
+    )
+    timings = tuple(
+        t.model_copy(update={"rest_s": 0.004, "sync_s": t.sync_s + (0.05 if t.rank else 0)})
+        for t in timings
+    )
+    fit = fit_online(
+        plan, timings, MODEL, profiles, NETWORK, PRICES, calibration=BASE, gpu_specs=SPECS
+    )
+    # the first stage arrived last at the tied all-reduce: its sync 0.01, rest 0.004, less 0.001
+    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.013, rel=1e-6)
+
+
+def test_code_between_the_passes_is_compute_and_a_slow_optimizer_a_fixed_cost() -> None:
+    """What the engine spends per microbatch outside its timed passes (data, loss: between_s)
+    is pipeline compute, as the simulator's stage time holds it; an optimizer step slower
+    than profiled (not fitted) is a fixed cost of the iteration."""
+    plan = _dp_plan((SLOW,))
+    truth = with_constant(BASE, SLOW, compute_scale=2.0, sync_fixed_s=0.0)
+    (t,) = _timings(plan, truth)
+    m = t.microbatches
+    plain = _fit(plan, (t,))
+    # the same total per microbatch, a tenth of it outside the timed passes
+    share = 0.1 * (t.fwd_s + t.bwd_s)
+    moved = t.model_copy(
+        update={"fwd_s": t.fwd_s - share, "between_s": share * m, "optim_s": t.optim_s + 0.002}
+    )
+    fit = _fit(plan, (moved,))
+    assert _const(fit, SLOW, "compute_scale") == pytest.approx(
+        _const(plain, SLOW, "compute_scale"), rel=1e-6
+    )
+    assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(
+        _const(plain, SLOW, "sync_fixed_s") + 0.002, rel=1e-6
+    )

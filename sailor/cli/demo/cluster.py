@@ -74,6 +74,14 @@ class DemoCluster:
     catalog's."""
     quota_from: Literal["exec", "ready"] = "exec"
     """When a worker comes under its node's quota (``AgentConfig.cpu_quota_from``)."""
+    profiles: tuple[Path, ...] = ()
+    """ProfileDB files the controller plans with (its prior: e.g. one per kind); none: the
+    analytic estimates."""
+    network: Path | None = None
+    """A NetworkProfile file the controller plans with (e.g. ``sailor profile network`` on
+    loopback); None: the default network."""
+    cpu_quota_period_ms: float | None = None
+    """The cgroup period of the nodes with a quota; None: the agent's default (100 ms)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -117,6 +125,8 @@ class DemoCluster:
             global_batch_size=self.global_batch_size,
             training=self.training_file,
             calibration=self.calibration_file,
+            profiles=self.profiles,
+            network=self.network,
             **(
                 {"online_calibration": self.online_calibration}
                 if self.online_calibration is not None
@@ -144,6 +154,11 @@ class DemoCluster:
             ),
             cpu_quota=cpu_quota,
             cpu_quota_from=self.quota_from,
+            **(
+                {"cpu_quota_period_ms": self.cpu_quota_period_ms}
+                if self.cpu_quota_period_ms is not None
+                else {}
+            ),
             nats_urls=self.servers.nats_urls,
             etcd_endpoints=self.servers.etcd_endpoints,
             lease_ttl_s=2,

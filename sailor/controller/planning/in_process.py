@@ -56,10 +56,18 @@ _Shape = tuple[str, str, int, bool]
 
 
 def load_model_spec(name: str, global_batch_size: int | None = None) -> ModelSpec:
-    """A catalog model by name or a ModelSpec file, optionally with another batch size."""
+    """A catalog model by name or a model file, optionally with another batch size.
+
+    A file holds a bare ``ModelSpec``, or the worker's model file ``{"spec": ModelSpec,
+    "architecture": ...}`` (``megatron_patch.hf.checkpoint.model_file``, the demo's
+    ``model.json``), whose spec is taken and architecture left to the workers: the
+    controller plans and prices the very file the workers train."""
     path = Path(name)
     if path.suffix in (".json", ".yaml", ".yml") and path.exists():
-        spec = ModelSpec.model_validate(load_mapping(path))
+        data = load_mapping(path)
+        if set(data) == {"spec", "architecture"} and isinstance(data["spec"], dict):
+            data = data["spec"]
+        spec = ModelSpec.model_validate(data)
     else:
         spec = catalog.model(name)
     if global_batch_size is not None:
