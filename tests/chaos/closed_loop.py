@@ -20,8 +20,6 @@ verdict): this module adds what both closed-loop tests need and the harness does
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import itertools
 import json
@@ -57,7 +55,6 @@ __all__ = [
     "settle",
     "settled_judgements",
     "start_all",
-    "throttle_when_ready",
 ]
 
 FULL, SLOW = "cpu-full", "cpu-slow"
@@ -173,35 +170,6 @@ async def start_all(run: ChaosRun, nodes: Sequence[str]) -> int:
     await run.drive.until(lambda: len(run.drive.view.nodes) >= len(nodes), "registered")
     run.cluster.start_controller("c1")
     return await run.drive.running_after(-1)
-
-
-def _ready(run: ChaosRun, node: str) -> bool:
-    for f in (run.cluster.agents_dir / node).glob("gen-*/progress-*.jsonl"):
-        with contextlib.suppress(OSError):
-            for line in f.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    if json.loads(line).get("event") == "ready":
-                        return True
-    return False
-
-
-async def throttle_when_ready(run: ChaosRun, nodes: Sequence[str], cores: float) -> None:
-    """Lower each node's quota to ``cores`` the moment its first worker is ready (its groups
-    and stage built), before its first step. Runs until cancelled (a node the planner never
-    uses is never throttled).
-
-    Why not from the start: a worker's start-up (importing torch, building the groups: ~2 s
-    of CPU here) under a few hundredths of a core takes longer than the rendezvous timeout
-    of the demo's workers (30 s), and every rank would wait for it. The slow kind's steps,
-    all of them, run under the quota; its start-up does not."""
-    pending = list(nodes)
-    while pending:
-        for n in list(pending):
-            if _ready(run, n):
-                run.cluster.set_quota(n, cores)
-                pending.remove(n)
-                run.drive.note(f"{n}: worker ready, quota lowered to {cores} cores")
-        await asyncio.sleep(0.01)
 
 
 def layout_nodes(run: ChaosRun, generation: int) -> set[str]:

@@ -20,7 +20,6 @@ speed beyond the new layout being faster. Takes about a minute: marked ``long``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -37,7 +36,6 @@ from tests.chaos.closed_loop import (
     records_of,
     replan_away_from,
     start_all,
-    throttle_when_ready,
 )
 from tests.chaos.harness import verdict
 
@@ -61,42 +59,43 @@ MAX_ERROR_AFTER = 0.10
 
 
 async def test_a_wrong_prior_is_learned_and_replanned(tmp_path: Path) -> None:
-    # the slow nodes start with a quota a worker does not reach (1 core: the cgroup exists)
-    # and are throttled once their workers are ready (start-up would outlast the rendezvous)
-    kinds = {"n1": (FULL, None), "n2": (FULL, None), "n3": (SLOW, 1.0), "n4": (SLOW, 1.0)}
+    # the slow nodes' workers come under the quota once ready (AgentConfig.cpu_quota_from):
+    # start-up under 0.05 cores would outlast the rendezvous; every step runs under it
+    kinds = {
+        "n1": (FULL, None),
+        "n2": (FULL, None),
+        "n3": (SLOW, SLOW_QUOTA),
+        "n4": (SLOW, SLOW_QUOTA),
+    }
     slow = {"n3", "n4"}
     async with closed_loop_run(
-        tmp_path, "closed loop: slow kind priced as full", kinds, cpu_quota_period_ms=PERIOD_MS
+        tmp_path,
+        "closed loop: slow kind priced as full",
+        kinds,
+        cpu_quota_period_ms=PERIOD_MS,
+        quota_from="ready",
     ) as run:
         run.fault(f"{SLOW} (n3, n4) at {SLOW_QUOTA} cores from their first step, priced as {FULL}")
-        throttle = asyncio.create_task(throttle_when_ready(run, sorted(slow), SLOW_QUOTA))
-        try:
-            first = await start_all(run, NODES)
-            # the prior prices every layout of these four nodes alike (the kinds at one speed):
-            # the first plan, or the first fits' (a kind not running keeps its prior, so an
-            # unmeasured kind looks as fast as the profile), puts the slow kind to work
-            await run.drive.until(
-                lambda: replan_away_from(run, slow) is not None,
-                "a calibration-driven replan of a layout on the slow kind",
-            )
-            decided = replan_away_from(run, slow)
-            assert decided is not None
-            old = int(decided["generation"])
-            new = await run.drive.running_after(old)
-            assert layout_nodes(run, new), new
+        first = await start_all(run, NODES)
+        # the prior prices every layout of these four nodes alike (the kinds at one speed):
+        # the first plan, or the first fits' (a kind not running keeps its prior, so an
+        # unmeasured kind looks as fast as the profile), puts the slow kind to work
+        await run.drive.until(
+            lambda: replan_away_from(run, slow) is not None,
+            "a calibration-driven replan of a layout on the slow kind",
+        )
+        decided = replan_away_from(run, slow)
+        assert decided is not None
+        old = int(decided["generation"])
+        new = await run.drive.running_after(old)
+        assert layout_nodes(run, new), new
 
-            # the new layout reports, is fitted and judged
-            await judged(run, new)
-            fig = figures(run, decided, new)
-            report = dump(run, fig, tmp_path.parent / f"closed-loop-{os.getpid()}.json")
-            kept = [r for r in records_of(run, "replan_decision", new) if r["reconfigure"]]
-            failed = records_of(run, "calibration_failed")
-        finally:
-            throttle.cancel()
-        # the slow nodes leave (their workers would start under the quota: longer than the
-        # rendezvous waits), then the drain that commits the last step
-        for n in sorted(slow):
-            new = await run.preempt(n, new)
+        # the new layout reports, is fitted and judged
+        await judged(run, new)
+        fig = figures(run, decided, new)
+        report = dump(run, fig, tmp_path.parent / f"closed-loop-{os.getpid()}.json")
+        kept = [r for r in records_of(run, "replan_decision", new) if r["reconfigure"]]
+        failed = records_of(run, "calibration_failed")
         out = await run.finish(new, drain="n1")
     print(f"closed loop (wrong prior, first layout generation {first}): {fig.row()}\n{report}")
 
