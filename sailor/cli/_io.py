@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from sailor.cli.errors import CliError
 from sailor.cli.schema_names import SCHEMAS
+from sailor.schemas.calibration import Calibration
 from sailor.schemas.deployment import Deployment
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "load_deployment",
     "load_model",
     "load_raw",
+    "priced_for",
     "write_json",
 ]
 
@@ -105,6 +107,17 @@ def load_deployment(spec: str) -> Deployment:
         f"--deployment {spec!r}: neither a catalog deployment "
         f"({', '.join(catalog.deployments())}) nor a Deployment file"
     )
+
+
+def priced_for(
+    cal: Calibration, deployment: Deployment | None
+) -> tuple[Calibration, dict[str, Any]]:
+    """``cal`` pricing ``deployment``'s structure (None: its own), and what ``--json``
+    reports of it: the deployment's name (``calibration`` for its own) and structure."""
+    if deployment is not None:
+        cal = cal.with_deployment(deployment)
+    name = deployment.name if deployment is not None else "calibration"
+    return cal, {"name": name, **cal.structure()}
 
 
 def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -> None:

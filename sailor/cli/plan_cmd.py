@@ -21,6 +21,7 @@ from sailor.cli._io import (
     load_deployment,
     load_model,
     load_raw,
+    priced_for,
     write_json,
 )
 from sailor.cli.tables import print_table
@@ -287,8 +288,7 @@ def plan_cmd(
     m, pool_v, db, net, price, cal = _inputs(
         model, gbs, pool, profiles, network, prices, calibration
     )
-    if dep is not None:
-        cal = cal.with_deployment(dep)
+    cal, priced = priced_for(cal, dep)
     try:
         cons = Constraints(
             max_cost_per_iter_usd=max_cost_per_iter,
@@ -326,7 +326,6 @@ def plan_cmd(
     if pareto is not None:
         _pareto(res, pareto)
     if as_json:
-        priced = {"name": dep.name if dep else "calibration", **cal.structure()}
         typer.echo(_json_answer(m.name, objective, risk, elapsed, res, rres, priced))
     else:
         _print(res, elapsed, explain, {p.rank: p for p in rres.plans})

@@ -9,7 +9,14 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor import catalog
-from sailor.cli._io import DEPLOYMENT_HELP, fail, load_deployment, load_model, write_json
+from sailor.cli._io import (
+    DEPLOYMENT_HELP,
+    fail,
+    load_deployment,
+    load_model,
+    priced_for,
+    write_json,
+)
 from sailor.cli.tables import print_table
 from sailor.schemas import (
     Estimate,
@@ -178,8 +185,7 @@ def simulate_cmd(
     plan = load_model(plan_file, Plan)
     model, db, net, price = load_inputs(plan.model, model_file, profiles, network, prices)
     cal = load_model(calibration, Calibration) if calibration else catalog.calibration()
-    if dep is not None:
-        cal = cal.with_deployment(dep)
+    cal, priced = priced_for(cal, dep)
     try:
         if timeline is not None:
             from sailor.simulator.timeline_plot import plot_timeline
@@ -219,7 +225,7 @@ def simulate_cmd(
         out["peak_memory_bytes"] = est.peak_memory_bytes
         out["interval"] = iv.model_dump(mode="json")
         out["fits_in_memory_all_corners"] = iv.fits_in_memory
-        out["deployment"] = {"name": dep.name if dep else "calibration", **cal.structure()}
+        out["deployment"] = priced
         write_json(out, None)
     else:
         _print(est, plan)
