@@ -93,7 +93,7 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
     compute = _number(msg, "compute_s")
     step_s, sync_s, optim_s = vals["step_s"] or 0.0, vals["sync_s"] or 0.0, vals["optim_s"] or 0.0
     rest = max(0.0, step_s - compute - sync_s - optim_s) if compute is not None else 0.0
-    spans = mbs * ((vals["fwd_s"] or 0.0) + (vals["bwd_s"] or 0.0)) if isinstance(mbs, int) else 0
+    spans = mbs * ((vals["fwd_s"] or 0.0) + (vals["bwd_s"] or 0.0))
     between = max(0.0, compute - (vals["p2p_s"] or 0.0) - spans) if compute is not None else 0.0
     return StepSample(
         step=step,

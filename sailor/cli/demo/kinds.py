@@ -18,8 +18,8 @@ layers --kind --cpu-quota`` takes seconds per kind, longer than a reconfiguratio
 kind's ``compute_scale`` over the catalog's nominal ``cpu`` spec is :data:`CORE_SCALE` (one
 free core of this kind of machine against the nominal spec) over its quota in cores — a
 kind at 0.2 cores computes 1/0.2 = 5 times slower than one core. Everything else comes from
-the catalog's ``cpu`` entry. The controller's online calibration refits ``compute_scale``
-per kind from the running job (the demo prices later layouts with the fit).
+the catalog's ``cpu`` entry. The demo plans and prices every layout with this prior: its
+online calibration is off (``run.DEMO_CALIBRATION`` says why).
 
 Pure: no I/O except :func:`write_prior`, which writes the prior as a calibration file.
 """
