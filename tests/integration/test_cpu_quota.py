@@ -61,6 +61,20 @@ PLAN = Plan(
 )
 
 
+def _launch() -> Launch:
+    """Generation 1 of the one-rank plan on n1."""
+    return Launch(
+        command_id="c1",
+        epoch=1,
+        node_id="n1",
+        plan=PLAN,
+        ranks=(0,),
+        world_size=1,
+        master=f"127.0.0.1:{free_port()}",
+        generation=1,
+    )
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of ``pid`` so far (proc(5): fields 14 and 15 of stat)."""
     text = Path(f"/proc/{pid}/stat").read_text()
@@ -91,16 +105,7 @@ async def test_a_worker_runs_at_its_quota_and_speeds_up_when_it_is_raised(tmp_pa
     cg = quota.cgroup
     assert cg is not None
     sup = Supervisor(tmp_path, worker_argv=BUSY, exec_prefix=quota.exec_prefix)
-    launch = Launch(
-        command_id="c1",
-        epoch=1,
-        node_id="n1",
-        plan=PLAN,
-        ranks=(0,),
-        world_size=1,
-        master=f"127.0.0.1:{free_port()}",
-        generation=1,
-    )
+    launch = _launch()
     await sup.launch(launch)
     try:
         pid = sup.workers[0].proc.pid
@@ -169,16 +174,7 @@ async def test_a_quota_from_ready_leaves_the_start_up_unthrottled(tmp_path: Path
     agent._attach_workers()
     cg = agent.quota.cgroup
     assert cg is not None and agent.supervisor.exec_prefix == ()
-    launch = Launch(
-        command_id="c1",
-        epoch=1,
-        node_id="n1",
-        plan=PLAN,
-        ranks=(0,),
-        world_size=1,
-        master=f"127.0.0.1:{free_port()}",
-        generation=1,
-    )
+    launch = _launch()
     sup = agent.supervisor
     await sup.launch(launch)
     try:
