@@ -113,6 +113,15 @@ class AgentConfig(ServerEndpoints):
     worker_argv: tuple[str, ...] = Field(
         default=DEFAULT_WORKER_ARGV, description="Worker command template (see supervisor)."
     )
+    warm_spares: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Worker processes kept started and waiting (torch imported, nothing "
+        "built) for in-place launches: a joining node's or a new rank's start-up then stays "
+        "out of the reconfiguration's downtime; the controller counts a joined node once its "
+        "spares are up (ControllerConfig.in_place). 0: none.",
+    )
     watchers: tuple[WatcherConfig, ...] = Field(default=(), description="Preemption sources.")
     watch_poll_s: float = Field(default=0.5, gt=0, description="Watcher poll period.")
     status_interval_s: float = Field(default=0.2, gt=0, description="Status write period.")
@@ -180,7 +189,9 @@ class Agent:
         self.max_epoch = self._fence.epoch
         self.failure: str | None = None  # why this agent must exit non-zero
         self.applied: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
-        self.supervisor = Supervisor(config.work_dir / self.node.node_id, config.worker_argv)
+        self.supervisor = Supervisor(
+            config.work_dir / self.node.node_id, config.worker_argv, warm_spares=config.warm_spares
+        )
         self.watchers: list[PreemptionWatcher] = [
             make_watcher(w.kind, w.target, self.clock) for w in config.watchers
         ]
@@ -298,6 +309,7 @@ class Agent:
         try:
             await self._fence_from_desired()
             await commands.serve(self.node.node_id, self._on_command)
+            await self.supervisor.top_up_spares()
             await self._register()
             self.sd.ready(f"registered node {self.node.node_id}")
             self._keep("status", self._status_loop)
@@ -463,7 +475,10 @@ class Agent:
             loss=sup.loss,
             start_step=sup.start_step,
             saved_step=sup.saved_step,
-            failure=sup.failure[:4000],
+            failure=(sup.failure or sup.held_failure)[:4000],
+            held_step=sup.held_step if state == "held" else -1,
+            spares=sup.spares_ready,
+            spares_wanted=sup.warm_spares,
             notice=self.notice,
             cpu_quota=self.cpu_quota(),
             time=self.clock.now(),
@@ -572,7 +587,7 @@ class Agent:
         elif isinstance(cmd, Checkpoint):
             self.supervisor.save_at(cmd.step, cmd.directory)
         elif isinstance(cmd, Abort):
-            await self.supervisor.abort()
+            await self.supervisor.abort(hold=cmd.hold)
         ack = CommandAck(
             command_id=cmd.command_id,
             node_id=self.node.node_id,
@@ -609,7 +624,7 @@ class Agent:
 
     async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
         await self._tasks.close()
-        await self.supervisor.abort()
+        await self.supervisor.close()
         if self._crashed:
             await commands.close()
             await store.close()
@@ -637,7 +652,7 @@ class Agent:
         quota's cgroup is removed as on a stop: local housekeeping nobody else sees."""
         self._crashed = True
         await self._tasks.close()
-        await self.supervisor.abort()
+        await self.supervisor.close()
         if self.quota is not None:
             await asyncio.to_thread(self.quota.close)
         if self._lease is not None:

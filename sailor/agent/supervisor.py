@@ -20,12 +20,26 @@ is started through it and joins the node's cgroup before its own code runs; the 
 in an ``exec``, so the worker keeps the pid the supervisor signals and waits for. Or the
 quota applies from the worker's ``ready`` report on (``on_ready`` moves its pid in), leaving
 its start-up unthrottled.
+
+In-place reconfiguration (``Launch.in_place``, docs/runtime.md#in-place-reconfiguration):
+workers are started with ``--in-place`` and, instead of exiting at the stop step (or when
+their world breaks: a peer died), print ``held`` and wait. An in-place Launch hands each of
+this node's ranks to a held worker, else to a warm spare (``--warm``: a process started ahead
+of need, torch imported, nothing built), else to a new process, by writing a *directive*
+``{"relayout": {"generation", "argv"}}`` into the control file the worker polls: ``argv`` is
+the options a new process would have been started with for that rank. Workers left over
+are let go (SIGTERM). ``abort(hold=True)`` asks the running workers to leave their world and
+hold (SIGUSR1: a rank blocked on a peer that failed leaves its wait at once) and kills those
+that do not within the grace period. ``warm_spares`` processes are kept ready for the next
+in-place launch (started after a generation's workers are all up, so that their start-up
+stays out of a reconfiguration's critical path).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -48,7 +62,13 @@ from sailor.schemas.commands import Launch
 from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.training import TrainingConfig
 
-__all__ = ["DEFAULT_WORKER_ARGV", "TOY_TRAINER_ARGV", "Supervisor", "WorkerView"]
+__all__ = [
+    "DEFAULT_WORKER_ARGV",
+    "TOY_TRAINER_ARGV",
+    "Supervisor",
+    "WorkerView",
+    "worker_options",
+]
 
 _log = structlog.get_logger("sailor.agent")
 
@@ -101,6 +121,16 @@ TOY_TRAINER_ARGV: tuple[str, ...] = (
 )
 
 
+def worker_options(argv: tuple[str, ...]) -> list[str]:
+    """The options of a worker's command line: from its first ``--`` argument on (what a
+    held worker re-parses; the program part, e.g. ``python -m sailor.training_process``, is
+    the process it already is)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            return list(argv[i:])
+    return []
+
+
 @dataclass
 class WorkerView:
     rank: int
@@ -113,16 +143,32 @@ class WorkerView:
     exit_code: int | None = None
     stderr_tail: list[str] = field(default_factory=list)
     timings: StepWindow | None = None
+    control: Path | None = None
+    """The control file the worker polls now (a held worker gets its directive there)."""
+    error_file: Path | None = None
+    generation: int = -1
+    held: bool = False
+    """Alive and out of any world, waiting for a directive (``--in-place``)."""
+    held_step: int = -1
+    broken: str = ""
+    """Why its world broke, if it holds after a failure ('' after a clean stop)."""
+    warm: bool = False
+    """A spare that reported it is ready for a directive."""
+    tasks: TaskSet | None = None
+
+
+_spare_ids = itertools.count()
 
 
 class Supervisor:
-    """Workers of the current generation on this node."""
+    """Workers of the current generation on this node (and its warm spares)."""
 
     def __init__(
         self,
         run_dir: Path,
         worker_argv: tuple[str, ...] = DEFAULT_WORKER_ARGV,
         exec_prefix: tuple[str, ...] = (),
+        warm_spares: int = 0,
     ) -> None:
         self.run_dir = run_dir
         self.worker_argv = worker_argv
@@ -131,13 +177,20 @@ class Supervisor:
         self.on_ready: Callable[[int], Awaitable[None]] | None = None
         """Called with a worker's pid when it reports ready to train (a CPU quota that
         applies from then on: ``AgentConfig.cpu_quota_from='ready'``); None for nothing."""
+        self.warm_spares = warm_spares
+        """Spare worker processes kept ready for in-place launches."""
         self.kill_grace_s = 3.0
         self.generation = -1
         self.plan_id = ""
         self.start_step = -1
         self.workers: list[WorkerView] = []
+        self.spares: list[WorkerView] = []
         self.failure = ""
         self.expect_exit = False
+        self.in_place = False
+        """The current generation's workers were started able to hold."""
+        self.last_path = ""
+        """How the current generation came up: 'restart' or 'in_place' (reused/new counts)."""
         self.changed = asyncio.Event()
         self._tasks = TaskSet("supervisor")
         self._control: Path | None = None
@@ -149,9 +202,25 @@ class Supervisor:
             return "failed"
         if not self.workers:
             return "idle"
+        alive = [w for w in self.workers if w.exit_code is None]
+        if alive and all(w.held for w in alive) and len(alive) == len(self.workers):
+            return "held"
         if all(w.exit_code is not None for w in self.workers):
             return "stopped"
         return "running" if all(w.started for w in self.workers) else "starting"
+
+    @property
+    def held_failure(self) -> str:
+        """Why the held workers' world broke ('' if none did)."""
+        return next((w.broken for w in self.workers if w.held and w.broken), "")
+
+    @property
+    def held_step(self) -> int:
+        return min((w.held_step for w in self.workers if w.held), default=-1)
+
+    @property
+    def spares_ready(self) -> int:
+        return sum(1 for w in self.spares if w.warm and w.exit_code is None)
 
     @property
     def step(self) -> int:
@@ -166,8 +235,8 @@ class Supervisor:
         return self.workers[0].loss if self.workers else None
 
     def pids(self) -> list[int]:
-        """Process ids of the workers still running."""
-        return [w.proc.pid for w in self.workers if w.exit_code is None]
+        """Process ids of the workers (and spares) still running."""
+        return [w.proc.pid for w in (*self.workers, *self.spares) if w.exit_code is None]
 
     def timings(self) -> tuple[RankTimings, ...]:
         """Per rank of this generation, the medians of its last steps' timings (ranks that
@@ -185,12 +254,12 @@ class Supervisor:
             if w.timings is not None:
                 w.timings.restart()
 
-    async def launch(self, cmd: Launch, training: TrainingConfig | None = None) -> None:
-        """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first),
-        with ``training`` (resolved from ``cmd.training_sha256``) if the job has one."""
-        if cmd.plan is None:
-            raise ValueError(f"launch {cmd.command_id}: plan {cmd.plan_id} not resolved")
-        await self.abort()
+    def _gen_files(
+        self, cmd: Launch, training: TrainingConfig | None
+    ) -> tuple[Path, Path, tuple[str, ...]]:
+        """The generation's directory with its plan (and training config) written, its
+        control file, and the options every worker gets beyond the template."""
+        assert cmd.plan is not None
         gen_dir = self.run_dir / f"gen-{cmd.generation:05d}"
         gen_dir.mkdir(parents=True, exist_ok=True)
         plan_path = gen_dir / "plan.json"
@@ -200,46 +269,141 @@ class Supervisor:
             train_path = gen_dir / "training.json"
             train_path.write_text(training.model_dump_json(indent=1))
             extra = ("--train-config", str(train_path))
-        self._control = gen_dir / "control.json"
+        if cmd.in_place:
+            extra = (*extra, "--in-place")
+        return gen_dir, plan_path, extra
+
+    def _argv(
+        self, cmd: Launch, rank: int, gen_dir: Path, plan_path: Path, extra: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        subst = {
+            "plan": str(plan_path),
+            "rank": str(rank),
+            "world_size": str(cmd.world_size),
+            "master": cmd.master,
+            "control": str(gen_dir / "control.json"),
+            "load_dir": cmd.checkpoint,
+            "load_step": str(cmd.load_step),
+            "error_file": str(gen_dir / f"error-{rank}.json"),
+            "run_dir": str(gen_dir),
+        }
+        return (*(a.format(**subst) for a in self.worker_argv), *extra)
+
+    async def launch(self, cmd: Launch, training: TrainingConfig | None = None) -> None:
+        """Start this node's ranks of ``cmd.plan`` (the agent resolves a plan reference first),
+        with ``training`` (resolved from ``cmd.training_sha256``) if the job has one. In
+        place: hand them to held workers and warm spares first."""
+        if cmd.plan is None:
+            raise ValueError(f"launch {cmd.command_id}: plan {cmd.plan_id} not resolved")
+        if cmd.in_place:
+            # running (not held) workers cannot take a directive: the controller asks them
+            # to hold first; any left over are killed
+            await self._kill([w for w in self.workers if not w.held])
+            reusable = [w for w in self.workers if w.held and w.exit_code is None]
+        else:
+            await self.abort()
+            reusable = []
+        gen_dir, plan_path, extra = self._gen_files(cmd, training)
         self._control_state = {}
+        self._control = gen_dir / "control.json"
         self._write_control()
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
         self.start_step = cmd.load_step
         self.expect_exit = False
-        self.workers = []
-        for rank in cmd.ranks:
-            subst = {
-                "plan": str(plan_path),
-                "rank": str(rank),
-                "world_size": str(cmd.world_size),
-                "master": cmd.master,
-                "control": str(self._control),
-                "load_dir": cmd.checkpoint,
-                "load_step": str(cmd.load_step),
-                "error_file": str(gen_dir / f"error-{rank}.json"),
-                "run_dir": str(gen_dir),
-            }
-            argv = (*(a.format(**subst) for a in self.worker_argv), *extra)
-            proc = await asyncio.create_subprocess_exec(
-                *self.exec_prefix,
-                *argv,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-            view = WorkerView(rank=rank, proc=proc, argv=argv, timings=StepWindow(rank))
-            self.workers.append(view)
-            self._tasks.spawn(f"rank-{rank}-out", self._read_stdout(view))
-            self._tasks.spawn(f"rank-{rank}-err", self._read_stderr(view))
-            self._tasks.spawn(f"rank-{rank}-wait", self._wait(view, gen_dir))
+        self.in_place = cmd.in_place
+        # A held worker keeps its rank where it can (it holds those layers), then any.
+        reusable.sort(key=lambda w: (w.rank not in cmd.ranks, w.rank))
+        spares = [w for w in self.spares if w.warm and w.exit_code is None]
+        assigned: list[WorkerView] = []
+        fresh = reused = 0
+        for rank in sorted(cmd.ranks):
+            argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
+            same = next((w for w in reusable if w.rank == rank), None)
+            w = same or (reusable[0] if reusable else None) or (spares[0] if spares else None)
+            if w is not None:
+                (reusable if w in reusable else spares).remove(w)
+                if w in self.spares:
+                    self.spares.remove(w)
+                self._hand_over(w, rank, cmd.generation, argv, gen_dir)
+                reused += 1
+            else:
+                w = await self._spawn(rank, argv, gen_dir, cmd.generation)
+                fresh += 1
+            assigned.append(w)
+        await self._kill(reusable)  # held workers this layout has no rank for
+        self.workers = assigned
+        self.last_path = f"in_place reused={reused} new={fresh}" if cmd.in_place else "restart"
+        _log.info("launched", generation=cmd.generation, path=self.last_path)
         self.changed.set()
+
+    def _hand_over(
+        self, w: WorkerView, rank: int, generation: int, argv: tuple[str, ...], gen_dir: Path
+    ) -> None:
+        """Give a held worker or a spare the rank: the directive in the file it polls."""
+        assert w.control is not None
+        directive = {"relayout": {"generation": generation, "argv": worker_options(argv)}}
+        _write_atomic(w.control, json.dumps(directive))
+        w.rank, w.argv, w.generation = rank, argv, generation
+        w.control = gen_dir / "control.json"
+        w.error_file = gen_dir / f"error-{rank}.json"
+        w.held = w.warm = w.started = False
+        w.broken, w.held_step = "", -1
+        w.step, w.saved_step, w.loss = -1, -1, None
+        w.timings = StepWindow(rank)
+
+    async def _spawn(
+        self, rank: int, argv: tuple[str, ...], gen_dir: Path, generation: int
+    ) -> WorkerView:
+        proc = await asyncio.create_subprocess_exec(
+            *self.exec_prefix,
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        view = WorkerView(
+            rank=rank,
+            proc=proc,
+            argv=argv,
+            timings=StepWindow(rank),
+            control=gen_dir / "control.json",
+            error_file=gen_dir / f"error-{rank}.json",
+            generation=generation,
+            tasks=TaskSet(f"worker-{proc.pid}"),
+        )
+        assert view.tasks is not None
+        view.tasks.spawn("out", self._read_stdout(view))
+        view.tasks.spawn("err", self._read_stderr(view))
+        self._tasks.spawn(f"wait-{proc.pid}", self._wait(view))
+        return view
+
+    async def top_up_spares(self) -> None:
+        """Start warm spares until ``warm_spares`` are alive (a spare's options are the
+        template's with placeholders and ``--warm --in-place``: its real ones come with
+        the directive that gives it a rank)."""
+        self.spares = [w for w in self.spares if w.exit_code is None]
+        while len(self.spares) < self.warm_spares:
+            d = self.run_dir / "spares" / f"spare-{next(_spare_ids):04d}-{os.getpid()}"
+            d.mkdir(parents=True, exist_ok=True)
+            subst = {
+                "plan": "",
+                "rank": "-1",
+                "world_size": "1",
+                "master": "",
+                "control": str(d / "control.json"),
+                "load_dir": "",
+                "load_step": "-1",
+                "error_file": str(d / "error.json"),
+                "run_dir": str(d),
+            }
+            argv = (*(a.format(**subst) for a in self.worker_argv), "--warm", "--in-place")
+            w = await self._spawn(-1, argv, d, -1)
+            self.spares.append(w)
 
     def _write_control(self) -> None:
         if self._control is None:
             return
-        tmp = self._control.with_name("control.json.tmp")
-        tmp.write_text(json.dumps(self._control_state))
-        tmp.replace(self._control)
+        _write_atomic(self._control, json.dumps(self._control_state))
 
     def stop_at(self, step: int) -> None:
         self._control_state["stop_at_step"] = step
@@ -266,6 +430,8 @@ class Supervisor:
                 w.started = True
                 if self.on_ready is not None:
                     await self.on_ready(w.proc.pid)
+                if self.warm_spares and self.workers and all(x.started for x in self.workers):
+                    self._tasks.spawn("spares", self.top_up_spares())
             elif ev == "step":
                 w.started = True
                 w.step = int(msg.get("step", w.step))
@@ -276,7 +442,16 @@ class Supervisor:
             elif ev == "saved":
                 w.saved_step = int(msg.get("step", w.saved_step))
             elif ev == "stopped":
-                self.expect_exit = True
+                if not self.in_place:
+                    self.expect_exit = True
+            elif ev == "held":
+                w.held = True
+                w.held_step = int(msg.get("step", -1))
+                w.broken = str(msg.get("cause", "")) if msg.get("broken") else ""
+                if w.broken:
+                    _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
+            elif ev == "warm":
+                w.warm = True
             self.changed.set()
 
     async def _read_stderr(self, w: WorkerView) -> None:
@@ -285,11 +460,16 @@ class Supervisor:
         async for raw in w.proc.stderr:
             w.stderr_tail = [*w.stderr_tail[-19:], raw.decode(errors="replace").rstrip()]
 
-    async def _wait(self, w: WorkerView, gen_dir: Path) -> None:
+    async def _wait(self, w: WorkerView) -> None:
         code = await w.proc.wait()
         w.exit_code = code
+        if w.tasks is not None:
+            await w.tasks.close(timeout=2.0)
+        if w not in self.workers:  # a spare, or a worker already let go
+            self.changed.set()
+            return
         if code != 0 and not self.expect_exit:
-            err = gen_dir / f"error-{w.rank}.json"
+            err = w.error_file or self.run_dir / f"error-{w.rank}.json"
             if read_error_file(err) is None:
                 self._record_silent_death(w, code, err)
             if not self.failure:
@@ -315,24 +495,64 @@ class Supervisor:
         w.stderr_tail = [*w.stderr_tail[-19:], line]
         _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
 
-    async def abort(self) -> None:
-        """SIGTERM every worker, SIGKILL after the grace period; then forget them."""
-        self.expect_exit = True
-        alive = [w for w in self.workers if w.exit_code is None]
+    async def _kill(self, workers: list[WorkerView]) -> None:
+        """SIGTERM ``workers``, SIGKILL after the grace period."""
+        alive = [w for w in workers if w.exit_code is None]
         for w in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
-        if alive:
-            _done, pending = await asyncio.wait(
-                [asyncio.ensure_future(w.proc.wait()) for w in alive], timeout=self.kill_grace_s
-            )
-            for w in alive:
-                if w.exit_code is None and w.proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(w.proc.pid, signal.SIGKILL)
-            if pending:
-                await asyncio.wait(pending, timeout=self.kill_grace_s)
-        await self._tasks.close(timeout=2.0)
+        if not alive:
+            return
+        _done, pending = await asyncio.wait(
+            [asyncio.ensure_future(w.proc.wait()) for w in alive], timeout=self.kill_grace_s
+        )
+        for w in alive:
+            if w.exit_code is None and w.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+        if pending:
+            await asyncio.wait(pending, timeout=self.kill_grace_s)
+
+    async def abort(self, hold: bool = False) -> None:
+        """Kill every worker (SIGTERM, SIGKILL after the grace period) and forget them. With
+        ``hold`` (in-place workers only): ask them to leave their world and hold instead
+        (SIGUSR1), killing only those that do not hold within the grace period."""
+        if hold and self.in_place and self.workers:
+            self.failure = ""
+            waiting = [w for w in self.workers if w.exit_code is None and not w.held]
+            for w in waiting:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGUSR1)
+            end = asyncio.get_running_loop().time() + self.kill_grace_s
+            while any(not w.held and w.exit_code is None for w in waiting):
+                left = end - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                self.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), left)
+            self.expect_exit = True
+            await self._kill([w for w in self.workers if not w.held])
+            self.workers = [w for w in self.workers if w.held and w.exit_code is None]
+            for w in self.workers:  # asked to: the controller knows why (no failure report)
+                w.broken = ""
+            self.changed.set()
+            return
+        self.expect_exit = True
+        await self._kill(self.workers)
         self.workers = []
         self.failure = ""
         self.changed.set()
+
+    async def close(self) -> None:
+        """Kill the workers and the spares; end every task (the agent is shutting down)."""
+        await self.abort()
+        await self._kill(self.spares)
+        self.spares = []
+        await self._tasks.close(timeout=2.0)
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(data)
+    tmp.replace(path)

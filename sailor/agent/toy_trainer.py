@@ -19,7 +19,11 @@ Protocol (shared with the real worker's adapter):
   ``sync_s``, ``optim_s``, ``step_s``, ``microbatches``), made up from the cost model for a
   cluster whose GPU types KIND compute X times slower than profiled, with ``--timing-noise``
   relative noise (:mod:`toy_timings`: simulated, not measured; the toy's own pace stays
-  ``--step-s``). Without it, step lines carry no timings, as before.
+  ``--step-s``). Without it, step lines carry no timings, as before;
+- ``--in-place`` / ``--warm`` / SIGUSR1: the in-place protocol of the real worker (hold at
+  the stop step or when the world is aborted, ``held`` line, relayout directive in the
+  control file; see ``sailor.agent.supervisor``): a held toy keeps its weights when the
+  directive's ``--load-step`` is the step it holds, else reads the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -91,7 +96,7 @@ def _timings(a: argparse.Namespace) -> ToyTimings:
     return ToyTimings(Path(a.plan), a.rank, parse_slowness(a.slowness), a.timing_noise)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sailor-toy-trainer")
     p.add_argument("--plan", required=True)
     p.add_argument("--rank", type=int, required=True)
@@ -107,45 +112,125 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-config", default="")
     p.add_argument("--slowness", default=os.environ.get("SAILOR_TOY_SLOWNESS"))
     p.add_argument("--timing-noise", type=float, default=0.02)
-    a = p.parse_args(argv)
+    p.add_argument("--in-place", action="store_true", help="Hold instead of exiting.")
+    p.add_argument("--warm", action="store_true", help="A spare: wait for a directive.")
+    p.add_argument("--pause-timeout-s", type=float, default=600.0)
+    return p
+
+
+class _Held:
+    """What a held toy keeps: its step and weights, and whether its world broke."""
+
+    def __init__(self, step: int, w: list[float], broken: bool) -> None:
+        self.step, self.w, self.broken = step, w, broken
+
+
+_aborted = False
+
+
+def _on_usr1(_sig: int, _frame: object) -> None:
+    global _aborted
+    _aborted = True
+
+
+def _directive(control: Path, after: int, timeout_s: float) -> tuple[int, list[str]] | None:
+    """``(generation, argv)`` of a relayout directive of a generation above ``after``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            ctl = json.loads(control.read_text() or "{}")
+        except (OSError, ValueError):
+            ctl = {}
+        d = ctl.get("relayout") if isinstance(ctl, dict) else None
+        if isinstance(d, dict) and int(d.get("generation", -1)) > after:
+            return int(d["generation"]), [str(x) for x in d.get("argv", [])]
+        time.sleep(0.01)
+    return None
+
+
+def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
+    """Train one generation; returns the held state (``--in-place``) or None (exit 0)."""
+    global _aborted
+    if a.train_config:
+        _check_train_config(a.train_config)
+    step, w = 0, [0.0, 0.0, 0.0, 0.0]
+    if held is not None and not held.broken and held.step == a.load_step:
+        step, w = held.step, held.w  # kept in memory: nothing read back
+    elif a.load_dir and a.load_step >= 0:
+        d = _ckpt_dir(a.load_dir, a.load_step)
+        if not (d / "COMMIT").exists():
+            raise FileNotFoundError(f"no committed checkpoint at {d}")
+        state = json.loads((d / "state.json").read_text())
+        step, w = int(state["step"]), [float(x) for x in state["w"]]
+    timings = _timings(a) if a.slowness is not None else None
+    path = "in_place" if held is not None else "restart"
+    _aborted = False
+    _emit({"event": "ready", "rank": a.rank, "start_step": step, "path": path})
+    control = Path(a.control)
+    while step < a.max_steps:
+        time.sleep(a.step_s)
+        if _aborted and a.in_place:
+            _emit(
+                {
+                    "event": "held",
+                    "rank": a.rank,
+                    "step": step,
+                    "broken": True,
+                    "cause": "world aborted (SIGUSR1)",
+                }
+            )
+            return _Held(step, w, broken=True)
+        tgt = _target(step)
+        w = [wi - 0.3 * (wi - ti) for wi, ti in zip(w, tgt, strict=True)]
+        loss = sum((wi - ti) ** 2 for wi, ti in zip(w, tgt, strict=True))
+        step += 1
+        if step == a.fail_at_step:
+            raise RuntimeError(f"injected failure at step {step}")
+        line: dict[str, object] = {"event": "step", "rank": a.rank, "step": step}
+        line["loss"] = round(loss, 10)
+        if timings is not None:
+            line.update(timings.step(step))
+        _emit(line)
+        try:
+            ctl = json.loads(control.read_text() or "{}")
+        except (OSError, ValueError):
+            ctl = {}
+        if ctl.get("save_step") == step and ctl.get("save_dir"):
+            _save(str(ctl["save_dir"]), step, w, a.rank, a.world_size, timeout=30.0)
+            _emit({"event": "saved", "rank": a.rank, "step": step})
+        stop = ctl.get("stop_at_step")
+        if stop is not None and step >= int(stop):
+            _emit({"event": "stopped", "rank": a.rank, "step": step})
+            if not a.in_place:
+                return None
+            # hold once the save of this step (if one is asked) is done: it was, above
+            _emit({"event": "held", "rank": a.rank, "step": step, "broken": False})
+            return _Held(step, w, broken=False)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    signal.signal(signal.SIGUSR1, _on_usr1)
+    held: _Held | None = None
+    generation = -1
     try:
-        if a.train_config:
-            _check_train_config(a.train_config)
-        step, w = 0, [0.0, 0.0, 0.0, 0.0]
-        if a.load_dir and a.load_step >= 0:
-            d = _ckpt_dir(a.load_dir, a.load_step)
-            if not (d / "COMMIT").exists():
-                raise FileNotFoundError(f"no committed checkpoint at {d}")
-            state = json.loads((d / "state.json").read_text())
-            step, w = int(state["step"]), [float(x) for x in state["w"]]
-        timings = _timings(a) if a.slowness is not None else None
-        _emit({"event": "ready", "rank": a.rank, "start_step": step})
-        control = Path(a.control)
-        while step < a.max_steps:
-            time.sleep(a.step_s)
-            tgt = _target(step)
-            w = [wi - 0.3 * (wi - ti) for wi, ti in zip(w, tgt, strict=True)]
-            loss = sum((wi - ti) ** 2 for wi, ti in zip(w, tgt, strict=True))
-            step += 1
-            if step == a.fail_at_step:
-                raise RuntimeError(f"injected failure at step {step}")
-            line: dict[str, object] = {"event": "step", "rank": a.rank, "step": step}
-            line["loss"] = round(loss, 10)
-            if timings is not None:
-                line.update(timings.step(step))
-            _emit(line)
-            try:
-                ctl = json.loads(control.read_text() or "{}")
-            except (OSError, ValueError):
-                ctl = {}
-            if ctl.get("save_step") == step and ctl.get("save_dir"):
-                _save(str(ctl["save_dir"]), step, w, a.rank, a.world_size, timeout=30.0)
-                _emit({"event": "saved", "rank": a.rank, "step": step})
-            stop = ctl.get("stop_at_step")
-            if stop is not None and step >= int(stop):
-                _emit({"event": "stopped", "rank": a.rank, "step": step})
+        if a.warm:
+            _emit({"event": "warm", "pid": os.getpid()})
+            got = _directive(Path(a.control), generation, a.pause_timeout_s)
+            if got is None:
                 return 0
-        return 0
+            generation, opts = got
+            a = _parser().parse_args(opts)
+        while True:
+            held = _generation(a, held)
+            if held is None:
+                return 0
+            got = _directive(Path(a.control), generation, a.pause_timeout_s)
+            if got is None:
+                return 0
+            generation, opts = got
+            a = _parser().parse_args(opts)
     except Exception as exc:
         if a.error_file:
             _write_atomic(

@@ -178,6 +178,10 @@ class AuditReport:
     """Calibration versions recorded (``calibration`` records)."""
     recalibrations: int = 0
     """Calibration-driven replans (phase changes with cause ``recalibration``)."""
+    in_place: int = 0
+    """Launches that took the in-place path."""
+    fallbacks: int = 0
+    """Restart launches that fell back after an in-place launch failed."""
 
     @property
     def ok(self) -> bool:
@@ -195,6 +199,8 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     versions: set[int] = set()
     decided: dict[int, dict[str, Any]] = {}  # generation -> its decision to reconfigure
     recalibrated: set[int] = set()  # generations a calibration-driven replan began in
+    in_place_gen = -1  # the generation last launched in place
+    failed_in_place = -1  # an in-place generation aborted before it ran
     for r in records:
         kind = r.get("kind")
         t = float(r.get("time", 0.0))
@@ -249,6 +255,11 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                 recalibrated.add(gen)
             if phase == "running":
                 pending_notices = [(nt, n) for nt, n in pending_notices if nt > t]
+            if phase == "teardown" and gen == in_place_gen and in_place_failed_abort(r):
+                failed_in_place = gen
+            if phase == "launch":
+                failed_in_place = _check_path(r, t, gen, failed_in_place, rep)
+                in_place_gen = gen if r.get("path") == "in_place" else -1
             if phase == "launch":
                 rep.reconfigurations += 1
                 load = int(r.get("load_step", -1))
@@ -260,6 +271,41 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     for nt, n in pending_notices:
         rep.violations.append(f"t={nt:.3f}: preemption notice for {n} never led to a resumed run")
     return rep
+
+
+_LAUNCHING_PHASES = ("launch", "load", "verify")
+
+
+def in_place_failed_abort(r: dict[str, Any]) -> bool:
+    """A teardown record that aborts a generation while it came up (its in-place path failed)."""
+    cause = str(r.get("cause", ""))
+    return cause.startswith("abort: during ") and cause[len("abort: during ") :].startswith(
+        _LAUNCHING_PHASES
+    )
+
+
+def _check_path(
+    r: dict[str, Any], t: float, gen: int, failed_in_place: int, rep: AuditReport
+) -> int:
+    """A launch after a failed in-place launch must take the restart path and say why; every
+    launch of a log that records paths names one. Returns the failure still pending."""
+    path = r.get("path")
+    if path == "in_place":
+        rep.in_place += 1
+    if failed_in_place < 0:
+        return -1
+    if path == "in_place":
+        rep.violations.append(
+            f"t={t:.3f}: generation {gen} launched in place again after the in-place launch "
+            f"of generation {failed_in_place} failed (no fallback to the restart path)"
+        )
+    elif path == "restart":
+        rep.fallbacks += 1
+        if "fallback" not in str(r.get("path_reason", "")):
+            rep.violations.append(
+                f"t={t:.3f}: generation {gen} fell back to the restart path without saying why"
+            )
+    return -1
 
 
 def _check_decision(r: dict[str, Any], t: float, versions: set[int], rep: AuditReport) -> None:

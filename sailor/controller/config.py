@@ -127,6 +127,13 @@ class ControllerConfig(ServerEndpoints):
         default=3600.0, gt=0, description="Reject notices whose deadline is further out."
     )
     stop_ahead_steps: int = Field(default=1, ge=1, description="Stop this many steps ahead.")
+    in_place: bool = Field(
+        default=False,
+        description="Reconfigure in place: workers survive a layout change, keep the layers "
+        "they keep and fetch the ones they gain from their peers (docs/runtime.md#in-place-"
+        "reconfiguration); any failure of that path falls back to the restart path for the "
+        "next launch. False: every reconfiguration restarts the workers.",
+    )
     base_port: int = Field(default=29500, gt=0, description="Rendezvous port base.")
     planner: Literal["sailor", "data_parallel"] = Field(
         default="sailor",

@@ -118,6 +118,7 @@ class Controller:
             checkpoint_dir=config.checkpoint_dir,
             notice_margin_s=config.notice_margin_s,
             stop_ahead_steps=config.stop_ahead_steps,
+            in_place=config.in_place,
             base_port=config.base_port,
             training=self.training,
         )

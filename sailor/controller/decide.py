@@ -61,6 +61,12 @@ class DecideConfig(Frozen):
         default=1, ge=1, description="Agreed stop step = highest reported step + this."
     )
     base_port: int = Field(default=29500, gt=0, description="Rendezvous port of generation 0.")
+    in_place: bool = Field(
+        default=False,
+        description="Launch in place (``Launch.in_place``: the workers survive, hold and "
+        "are handed the next generation's ranks) unless the in-place launch of the current "
+        "generation failed, which falls back to the restart path once.",
+    )
     notice_expiry_s: float = Field(
         default=60.0,
         gt=0,
@@ -218,13 +224,29 @@ def _unhealthy(d: DesiredState, o: Observed) -> str:
         return f"node lost without notice: {','.join(lost)}"
     for n in sorted(d.placement):
         st = o.status.get(n)
-        if st is not None and st.generation == d.generation and st.state == "failed":
+        if st is None or st.generation != d.generation:
+            continue
+        if st.state == "failed":
             return f"worker failed on {n}: {st.failure[:200]}"
+        if st.state == "held" and st.failure:
+            # in-place workers whose world broke (a peer died) hold instead of exiting
+            return f"worker world broke on {n}: {st.failure[:200]}"
     return ""
+
+
+_LAUNCHING = (Phase.LAUNCH, Phase.LOAD, Phase.VERIFY)
+
+
+def _in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
+    """Whether the next launch (and the teardown before it) takes the in-place path."""
+    return cfg.in_place and not d.in_place_failed
 
 
 def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
     last = o.last_commit
+    # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
+    # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
+    failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
     state = _move(
         d,
         Phase.TEARDOWN,
@@ -237,6 +259,7 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
         stop_step=-1,
         aborted=True,
         cause=cause,
+        in_place_failed=d.in_place_failed or failed_in_place,
     )
     return [SetDesired(state, f"abort: {cause}")]
 
@@ -264,6 +287,12 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
     if plan is None:
         return []
     gen = d.generation + 1
+    if _in_place_next(d, cfg):
+        path, why = "in_place", "in place (configured)"
+    elif cfg.in_place:
+        path, why = "restart", f"fallback: the in-place launch of generation {d.generation} failed"
+    else:
+        path, why = "restart", "restart (in place not configured)"
     state = _move(
         d,
         Phase.LAUNCH,
@@ -279,8 +308,10 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
         load_step=load_step,
         master=_master(o, d.next_placement, gen, cfg),
         training=cfg.training,
+        path=path,
+        path_reason=why,
     )
-    return [SetDesired(state, f"launch generation {gen} from step {load_step}")]
+    return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}")]
 
 
 def _plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], bool]) -> bool:
@@ -298,11 +329,15 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         return _abort(d, o, cfg, why)
     noticed = sorted(n for n in d.placement if n in o.notices)
     usable = o.usable
-    new_nodes = sorted(set(usable) - set(d.membership))
+    joined = sorted(set(usable) - set(d.membership))
+    # In place, a joined node counts once its warm spares are up: quiescing for it earlier
+    # would put its workers' start (importing torch, CUDA) back into the gap.
+    new_nodes = [n for n in joined if not cfg.in_place or _spares_ready(o, n)]
     if not noticed and not new_nodes:
-        if usable != d.membership:
+        known = tuple(n for n in usable if n not in joined)
+        if known != d.membership:
             # an unused node left: nothing runs there, just remember the new membership
-            return [SetDesired(d.model_copy(update={"membership": usable}), "membership shrank")]
+            return [SetDesired(d.model_copy(update={"membership": known}), "membership shrank")]
         adv = o.recalibration
         if adv is not None and adv.generation == d.generation and adv.membership == usable:
             return _recalibrate(d, o, cfg, adv)
@@ -319,6 +354,12 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     state = _move(d, Phase.QUIESCE, o.now, cfg, stop_step=stop, cause=cause, aborted=False)
     state = state.model_copy(update={"phase_deadline": deadline, "next_plan": None})
     return [SetDesired(state, cause), *_replan_if_needed(state, o, cause)]
+
+
+def _spares_ready(o: Observed, node: str) -> bool:
+    """The node's agent reported as many warm spare workers as it keeps."""
+    st = o.status.get(node)
+    return st is not None and st.spares >= st.spares_wanted
 
 
 def _recalibrate(
@@ -411,12 +452,13 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
 
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     actions: list[Action] = []
-    busy = sorted(n for n, st in o.status.items() if n in o.nodes and st.state != "idle")
+    in_place = _in_place_next(d, cfg)
     plan_id = d.plan.plan_id if d.plan else ""
-    for n in busy:
-        cid = _cid(d, "abort", n)
+
+    def abort(n: str, hold: bool) -> None:
+        cid = _cid(d, "hold" if hold else "abort", n)
         if cid in o.acked:
-            continue
+            return
         cmd = _command(
             Abort,
             command_id=cid,
@@ -425,8 +467,25 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             node_id=n,
             deadline=d.phase_deadline,
             reason=d.cause[:200],
+            hold=hold,
         )
         actions.append(Send(cmd))
+
+    live = {n: st for n, st in o.status.items() if n in o.nodes}
+    if in_place:
+        # Workers leave their world and hold (kept for the in-place launch); held ones wait,
+        # unless the next layout does not use their node (then they are let go).
+        busy = sorted(n for n, st in live.items() if st.state not in ("idle", "held"))
+        for n in busy:
+            abort(n, hold=True)
+        if d.next_plan is not None:
+            for n, st in sorted(live.items()):
+                if st.state == "held" and n not in d.next_placement:
+                    abort(n, hold=False)
+    else:
+        busy = sorted(n for n, st in live.items() if st.state != "idle")
+        for n in busy:
+            abort(n, hold=False)
     for n in sorted(o.notices):
         if n not in o.nodes:
             actions.append(ClearNotice(n))
@@ -480,6 +539,7 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
                 load_step=d.load_step,
                 generation=d.generation,
                 training_sha256=training,
+                in_place=d.path == "in_place",
             )
             actions.append(Send(cmd))
         if not pending:
@@ -490,7 +550,7 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
         return []
     if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
-        done = _move(d, Phase.RUNNING, o.now, cfg, aborted=False)
+        done = _move(d, Phase.RUNNING, o.now, cfg, aborted=False, in_place_failed=False)
         return [SetDesired(done, f"first step after {d.load_step} done")]
     return []
 

@@ -111,6 +111,8 @@ class Executor:
         if state.phase is Phase.LAUNCH:  # which training config and layout this generation runs
             t = state.training
             extra["training_sha256"] = training_digest(t) if t is not None else ""
+            extra["path"] = state.path
+            extra["path_reason"] = state.path_reason
             if state.plan is not None:
                 extra["layout"] = layout_of(state.plan, state.placement)
                 pred = state.plan.predicted

@@ -101,6 +101,13 @@ class Launch(_CommandBase):
         description="training_digest() of the desired state's training config, which the "
         "workers are given; '' = none (the workers' own defaults).",
     )
+    in_place: bool = Field(
+        default=False,
+        description="Reconfigure in place: hand the ranks to this node's held or warm worker "
+        "processes (they rebuild for the new plan and fetch the layers they gain from their "
+        "peers), starting new processes only for ranks left over; every worker is started "
+        "able to hold (``--in-place``). False: today's restart path (kill, start, load).",
+    )
 
     @model_validator(mode="after")
     def _plan_named(self) -> Launch:
@@ -114,6 +121,12 @@ class Abort(_CommandBase):
 
     kind: Literal["abort"] = Field(default="abort", description="Command kind.")
     reason: str = Field(default="", description="Why.")
+    hold: bool = Field(
+        default=False,
+        description="Abandon the current world but keep the worker processes, holding for an "
+        "in-place Launch (workers that do not hold within the grace period are killed); "
+        "False: kill them.",
+    )
 
 
 Command = Annotated[Prepare | Stop | Checkpoint | Launch | Abort, Field(discriminator="kind")]

@@ -25,6 +25,7 @@ __all__ = [
     "CommandAck",
     "CommitRecord",
     "DesiredState",
+    "LaunchPath",
     "NoticeRecord",
     "Phase",
 ]
@@ -44,7 +45,13 @@ class Phase(StrEnum):
     VERIFY = "verify"
 
 
-AgentState = Literal["idle", "running", "stopped", "failed"]
+AgentState = Literal["idle", "running", "stopped", "failed", "held"]
+"""``held``: the workers are alive, out of any process group, waiting to be handed the ranks
+of the next generation in place (``Launch.in_place``)."""
+
+LaunchPath = Literal["restart", "in_place"]
+"""How a generation's workers came to be: new processes loading the checkpoint, or the
+processes of the previous generation (plus warm spares) rebuilt in place."""
 
 
 class DesiredState(WireMessage):
@@ -77,6 +84,17 @@ class DesiredState(WireMessage):
     )
     cause: str = Field(default="", max_length=1024, description="Why the last change began.")
     aborted: bool = Field(default=False, description="This reconfiguration was aborted.")
+    path: LaunchPath = Field(
+        default="restart", description="How the current generation's workers were launched."
+    )
+    path_reason: str = Field(
+        default="", max_length=1024, description="Why that path (a fallback names its cause)."
+    )
+    in_place_failed: bool = Field(
+        default=False,
+        description="The in-place launch of the current generation failed: the next launch "
+        "takes the restart path.",
+    )
 
 
 class AgentStatus(WireMessage):
@@ -92,6 +110,16 @@ class AgentStatus(WireMessage):
     start_step: int = Field(default=-1, ge=-1, description="Step the workers started from.")
     saved_step: int = Field(default=-1, ge=-1, description="Last step its workers saved.")
     failure: str = Field(default="", max_length=4096, description="First failure cause.")
+    held_step: int = Field(
+        default=-1,
+        ge=-1,
+        description="State ``held``: the step the workers hold the state of (for a world that "
+        "broke, the last step they completed).",
+    )
+    spares: int = Field(default=0, ge=0, description="Warm spare worker processes ready now.")
+    spares_wanted: int = Field(
+        default=0, ge=0, description="Warm spares the agent keeps (AgentConfig.warm_spares)."
+    )
     notice: PreemptionNotice | None = Field(
         default=None,
         description="The node's preemption notice, also published as an event: the second "

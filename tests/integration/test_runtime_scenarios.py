@@ -62,6 +62,8 @@ class Cluster:
         self.etcd = servers.etcd_endpoint
         self.worker = tuple(a.replace("{python}", sys.executable) for a in WORKER)
         self.debounce_s = 0.2
+        self.in_place = False  # ControllerConfig.in_place
+        self.warm_spares = 0  # AgentConfig.warm_spares
         self.controllers: dict[str, tuple[Controller, asyncio.Task[None]]] = {}
         self.agents: dict[str, tuple[Agent, asyncio.Task[None]]] = {}
 
@@ -84,6 +86,7 @@ class Cluster:
             # the protocol assertions below rely on
             planner="data_parallel",
             security=self.security(name),
+            in_place=self.in_place,
         )
 
     def start_controller(self, name: str) -> Controller:
@@ -114,6 +117,7 @@ class Cluster:
             # toy trainers stand in for the GPUs on this CPU host: no GPU check (a GPU node
             # without a GPU would refuse to join)
             check=CheckSettings(mode="off"),
+            warm_spares=self.warm_spares,
         )
         agent = Agent(cfg)
         self.agents[node_id] = (agent, asyncio.create_task(agent.run(), name=f"test-{node_id}"))
