@@ -167,3 +167,36 @@ def test_check_accepts_a_version_a_new_leader_restored() -> None:
     log = _recalibration_log()
     log[2] = {"kind": "calibration_restored", "time": 2.0, "version": 1, "epoch": 6}
     assert check(log).ok
+
+
+def test_check_requires_a_fallback_after_a_failed_in_place_launch() -> None:
+    def launch(t: float, gen: int, path: str, why: str) -> dict[str, object]:
+        return {
+            "kind": "phase",
+            "time": t,
+            "generation": gen,
+            "phase": "launch",
+            "load_step": -1,
+            "path": path,
+            "path_reason": why,
+        }
+
+    aborted = {
+        "kind": "phase",
+        "time": 2.0,
+        "generation": 1,
+        "phase": "teardown",
+        "cause": "abort: during load: worker failed on n1: boom",
+    }
+    fallback = launch(3.0, 2, "restart", "fallback: the in-place launch of generation 1 failed")
+    good = [launch(1.0, 1, "in_place", "in place (configured)"), aborted, fallback]
+    rep = check(good)
+    assert rep.ok and rep.in_place == 1 and rep.fallbacks == 1
+    again = [*good[:2], launch(3.0, 2, "in_place", "in place (configured)")]
+    assert "launched in place again" in check(again).violations[0]
+    silent = [*good[:2], launch(3.0, 2, "restart", "")]
+    assert "without saying why" in check(silent).violations[0]
+    # an abort while running is no failure of the in-place path: in place again is fine
+    running_abort = {**aborted, "cause": "abort: node lost without notice: n2"}
+    ok = [good[0], running_abort, launch(3.0, 2, "in_place", "in place (configured)")]
+    assert check(ok).ok

@@ -368,3 +368,113 @@ def test_recalibration_verdict_that_no_longer_applies_is_ignored(
         assert a[0].state.cause.startswith("nodes joined")  # type: ignore[union-attr]
     else:
         assert a == [], why
+
+
+# --- in-place reconfiguration -------------------------------------------------------------
+
+IN_PLACE = CFG.model_copy(update={"in_place": True})
+
+
+def _planned(d: DesiredState, ids: tuple[int, ...]) -> DesiredState:
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(node(i) for i in ids), None)
+    return d.model_copy(
+        update={
+            "next_plan": res.plan,
+            "next_placement": res.placement,
+            "next_membership": tuple(f"n{i}" for i in ids),
+        }
+    )
+
+
+def _spare_st(i: int, spares: int, wanted: int = 1) -> AgentStatus:
+    return st(i, gen=-1, state="idle").model_copy(
+        update={"spares": spares, "spares_wanted": wanted}
+    )
+
+
+def test_in_place_teardown_keeps_held_workers_and_launches_them_in_place() -> None:
+    d = _planned(running((1, 2, 3), phase=Phase.TEARDOWN, load_step=12), (1, 2))
+    ns = nodes(1, 2, 3)
+    gone = {"n3": NoticeRecord(node_id="n3", deadline=NOW + 30)}  # n3 is being reclaimed
+    # held workers are not aborted; a running one is asked to hold; held ones the next
+    # layout has no rank for (n3) are let go
+    a = decide(
+        d,
+        obs(ns, [st(1, state="held"), st(2, state="running"), st(3, state="held")], notices=gone),
+        IN_PLACE,
+    )
+    sends = [x.command for x in a if isinstance(x, Send)]
+    assert [(c.kind, c.node_id, c.hold) for c in sends] == [  # type: ignore[union-attr]
+        ("abort", "n2", True),
+        ("abort", "n3", False),
+    ]
+    assert "set:launch" not in kinds(a)  # n2 still running
+    a = decide(
+        d,
+        obs(ns, [st(1, state="held"), st(2, state="held"), st(3, state="held")], notices=gone),
+        IN_PLACE,
+    )
+    assert kinds(a)[-1] == "set:launch"
+    nxt = a[-1].state  # type: ignore[union-attr]
+    assert nxt.path == "in_place" and "in place" in nxt.path_reason
+    launches = [x.command for x in decide(nxt, obs(ns, []), IN_PLACE) if isinstance(x, Send)]
+    assert launches and all(isinstance(c, Launch) and c.in_place for c in launches)
+    # without in_place the same teardown kills every worker and restarts
+    a = decide(
+        d,
+        obs(ns, [st(1, state="held"), st(2, state="running"), st(3, state="idle")], notices=gone),
+        CFG,
+    )
+    assert [(x.command.node_id, x.command.hold) for x in a if isinstance(x, Send)] == [  # type: ignore[union-attr]
+        ("n1", False),
+        ("n2", False),
+    ]
+
+
+def test_a_failed_in_place_launch_falls_back_to_restart_once() -> None:
+    d = running((1, 2), phase=Phase.LOAD, phase_deadline=NOW - 1, path="in_place")
+    a = decide(d, obs(nodes(1, 2), [st(1), st(2)]), IN_PLACE)
+    torn = a[0].state  # type: ignore[union-attr]
+    assert torn.phase is Phase.TEARDOWN and torn.in_place_failed
+    # the fallback kills held workers instead of keeping them, then restarts
+    planned = _planned(torn, (1, 2))
+    a = decide(planned, obs(nodes(1, 2), [st(1, state="held"), st(2, state="idle")]), IN_PLACE)
+    assert [(x.command.node_id, x.command.hold) for x in a if isinstance(x, Send)] == [
+        ("n1", False)
+    ]  # type: ignore[union-attr]
+    a = decide(planned, obs(nodes(1, 2), [st(1, state="idle"), st(2, state="idle")]), IN_PLACE)
+    nxt = a[-1].state  # type: ignore[union-attr]
+    assert nxt.path == "restart" and "fallback" in nxt.path_reason
+    assert not any(
+        x.command.in_place
+        for x in decide(nxt, obs(nodes(1, 2), []), IN_PLACE)
+        if isinstance(x, Send)
+    )  # type: ignore[union-attr]
+    # once it runs, the next launch is in place again
+    verify = nxt.model_copy(update={"phase": Phase.VERIFY, "phase_deadline": NOW + 10})
+    a = decide(verify, obs(nodes(1, 2), [st(1, gen=2, step=13), st(2, gen=2, step=13)]), IN_PLACE)
+    assert a[0].state.phase is Phase.RUNNING and not a[0].state.in_place_failed  # type: ignore[union-attr]
+    # an abort of a restart launch is no failure of the in-place path
+    d = running((1, 2), phase=Phase.LOAD, phase_deadline=NOW - 1, path="restart")
+    assert not decide(d, obs(nodes(1, 2), [st(1), st(2)]), IN_PLACE)[0].state.in_place_failed  # type: ignore[union-attr]
+
+
+def test_in_place_join_waits_for_the_warm_spares() -> None:
+    d = running((1,))
+    ns = nodes(1, 2)
+    assert decide(d, obs(ns, [st(1), _spare_st(2, spares=0)]), IN_PLACE) == []
+    assert decide(d, obs(ns, [st(1)]), IN_PLACE) == []  # no status yet
+    a = decide(d, obs(ns, [st(1), _spare_st(2, spares=1)]), IN_PLACE)
+    assert kinds(a)[0] == "set:quiesce" and "n2" in a[0].state.cause  # type: ignore[union-attr]
+    # an agent that keeps no spares is ready at once; without in_place nothing waits
+    assert (
+        kinds(decide(d, obs(ns, [st(1), _spare_st(2, 0, wanted=0)]), IN_PLACE))[0] == "set:quiesce"
+    )
+    assert kinds(decide(d, obs(ns, [st(1), _spare_st(2, spares=0)]), CFG))[0] == "set:quiesce"
+
+
+def test_a_held_worker_whose_world_broke_aborts_the_layout() -> None:
+    d = running((1, 2))
+    broke = st(2, state="held").model_copy(update={"failure": "Connection closed by peer"})
+    a = decide(d, obs(nodes(1, 2), [st(1), broke]), IN_PLACE)
+    assert kinds(a) == ["set:teardown"] and "world broke on n2" in a[0].state.cause  # type: ignore[union-attr]
