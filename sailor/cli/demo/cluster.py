@@ -82,6 +82,11 @@ class DemoCluster:
     loopback); None: the default network."""
     cpu_quota_period_ms: float | None = None
     """The cgroup period of the nodes with a quota; None: the agent's default (100 ms)."""
+    in_place: bool = False
+    """Reconfigure in place (``ControllerConfig.in_place``: workers survive, move only what
+    moved; docs/runtime.md#in-place-reconfiguration); False: restart the workers."""
+    warm_spares: int = 1
+    """Warm spare workers per agent (``AgentConfig.warm_spares``; used in place only)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -133,6 +138,7 @@ class DemoCluster:
                 else {}
             ),
             base_port=self.base_port,
+            in_place=self.in_place,
             security=self.servers.security(name),
         )
 
@@ -171,6 +177,7 @@ class DemoCluster:
             ),
             watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
             watch_poll_s=0.1,
+            warm_spares=self.warm_spares if self.in_place else 0,
             security=self.servers.security(node),
         )
 
