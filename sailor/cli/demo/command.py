@@ -41,6 +41,12 @@ def demo(
     train: bool = typer.Option(
         True, hidden=True, help="--no-train = --plan-only (the earlier demo's flag)."
     ),
+    in_place: bool = typer.Option(
+        True,
+        "--in-place/--restart",
+        help="Reconfigure in place (the workers survive and fetch only the layers they gain) "
+        "or by restarting them (new processes read the checkpoint back), to compare.",
+    ),
     keep: bool = typer.Option(False, help="Keep the run directory (logs, audit, checkpoints)."),
     as_json: bool = typer.Option(False, "--json", help="No live view; print a JSON summary."),
 ) -> None:
@@ -67,6 +73,7 @@ def demo(
                 global_batch_size=DEMO_GLOBAL_BATCH,
                 notice_s=notice_s,
                 phase_timeout_s=timeout_s,
+                in_place=in_place,
             )
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc

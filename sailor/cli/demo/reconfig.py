@@ -40,6 +40,8 @@ class Reconfiguration:
     phases: dict[str, float] = field(default_factory=dict)
     gap_s: float | None = None
     redone_steps: int = 0
+    path: str = ""
+    """How the new generation came up: ``in_place`` or ``restart`` (its launch record)."""
 
     @property
     def resumed(self) -> bool:
@@ -59,6 +61,7 @@ class Reconfiguration:
             "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 3),
             "gap_s": None if self.gap_s is None else round(self.gap_s, 3),
             "redone_steps": self.redone_steps,
+            "path": self.path,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
         }
 
@@ -83,12 +86,15 @@ def _one(
     last_t, last_name = inj.time, "detect"
     running_at: float | None = None
     gen, load = gen0, -1
+    path = ""
     for c in changes:
         t = float(c["time"])
         if t < inj.time or t >= until:
             continue
         phases[last_name] = phases.get(last_name, 0.0) + t - last_t
         last_t, last_name = t, str(c["phase"])
+        if c["phase"] == "launch":
+            path = str(c.get("path", ""))
         if c["phase"] == "running" and int(c["generation"]) > gen0:
             running_at, gen, load = t, int(c["generation"]), int(c["load_step"])
             break
@@ -108,6 +114,7 @@ def _one(
         phases=phases,
         gap_s=gap,
         redone_steps=max(0, reached - max(load, 0)) if inj.kind == "node lost" else 0,
+        path=path,
     )
 
 

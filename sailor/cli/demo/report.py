@@ -162,6 +162,7 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
         "recovery s",
         "no-step s",
         "redone steps",
+        "path",
         title="reconfigurations",
     )
     ph_t = Table("change", *_PHASES, title="seconds per phase")
@@ -176,6 +177,7 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
             f"{r['recovery_s']:.2f}" if r["recovery_s"] is not None else "—",
             f"{r['gap_s']:.2f}" if r["gap_s"] is not None else "—",
             str(r["redone_steps"]),
+            r.get("path", "") or "—",
         )
         ph_t.add_row(r["cause"], *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES))
     print_table(con, t)

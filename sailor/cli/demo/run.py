@@ -189,6 +189,7 @@ def run_demo(
                 kinds=dict(kinds),
                 calibration_file=write_prior(tmp / "prior-calibration.json", kinds),
                 quota_from="ready",
+                in_place=settings.in_place,
             )
             con.print(
                 f"  training: GPT-2 (transformers config) on {CORPUS!r}, "

@@ -47,6 +47,8 @@ class DemoSettings:
     global_batch_size: int = 4
     phase_timeout_s: float = 90.0
     poll_s: float = 0.25
+    in_place: bool = True
+    """Reconfigure in place (the workers survive); False: restart them (the older path)."""
 
     def __post_init__(self) -> None:
         if self.initial_nodes < 3:
