@@ -336,6 +336,18 @@ def with_cuts(
     return _assemble(tables, mbs, placed, estimated=arr.estimated)
 
 
+def repriced(tables: CostTables, t: PipelineTemplate) -> PipelineTemplate | None:
+    """``t``'s shape (layer ranges, kinds, microbatch size) priced by ``tables`` (another
+    corner's constants: :mod:`sailor.planner.robust`); None if a stage cannot be priced."""
+    placed: list[tuple[int, int, Kind, LayerArrays]] = []
+    for st in t.stages:
+        arr = tables.arrays(st.kind.gpu_type, st.kind.tp, t.mbs)
+        if arr is None:
+            return None
+        placed.append((st.first_layer, st.last_layer, st.kind, arr))
+    return _assemble(tables, t.mbs, placed, estimated=any(p[3].estimated for p in placed))
+
+
 def fixed_kinds(tables: CostTables, seq: tuple[Kind, ...], mbs: int) -> PipelineTemplate | None:
     """Best partition when stage ``s`` must run on ``seq[s]`` (None if nothing fits).
 
@@ -409,15 +421,22 @@ def _assemble(
     its memory holds ``depth - s`` microbatches in flight (1F1B).
     """
     depth = len(placed)
+    # the link after each stage (a template has at most three distinct ones: look each up once)
+    links: list[list[float]] = []
+    for s in range(depth - 1):
+        ka, kb = placed[s][2], placed[s + 1][2]
+        if s == 0 or ka is not placed[s - 1][2] or kb is not placed[s][2]:
+            lk = tables.link_total(ka, kb, mbs)
+        links.append(lk)
     stages: list[StageTemplate] = []
     for s, (a, b, kind, arr) in enumerate(placed):
         mem = float(tables.stage_memory(arr, depth - s)[a, b])
         comp, upd, params = arr.prefix_lists()  # Python floats: the same sums, cheaper
         t = comp[b + 1] - comp[a]
         if s + 1 < depth:
-            t += tables.link_total(kind, placed[s + 1][2], mbs)[b]
+            t += links[s][b]
         if s > 0:
-            t += tables.link_total(placed[s - 1][2], kind, mbs)[a - 1]
+            t += links[s - 1][a - 1]
         stages.append(
             StageTemplate(
                 first_layer=a,
