@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from sailor import catalog
 from sailor.controller.planning import SailorPlanner, load_model_spec, pool_of
 from sailor.planner import moved_layers, replan, search
+from sailor.planner.robust import RobustResult, robust_replan, robust_search
 from sailor.planner.search import SearchResult
 from sailor.schemas.hardware import NodeSpec, Pool
 
@@ -163,12 +164,68 @@ def run_size(planner: SailorPlanner, n: int, reps: int, prof: cProfile.Profile |
         )
 
 
+def _full_robust(planner: SailorPlanner, pool: Pool) -> RobustResult:
+    """``sailor plan --risk robust``'s search of ``pool``."""
+    return robust_search(
+        planner.model,
+        planner.profiles,
+        pool,
+        planner.network,
+        planner.prices,
+        planner.objective,
+        planner.constraints,
+        gpu_specs=catalog.gpus(),
+        calibration=planner.calibration,
+        spot=planner.spot,
+        top_k=3,
+    )
+
+
+def run_size_robust(planner: SailorPlanner, n: int, reps: int) -> None:
+    """``robust_replan`` after a leave and a join; quality = the plan's it/s in its worst
+    corner (the interval's low end) against a full robust search of the new pool."""
+    nodes = [node_spec(i) for i in range(n)]
+    c0 = time.process_time()
+    first = _full_robust(planner, pool_of(nodes))
+    print(
+        f"\n{n} nodes ({4 * n} GPUs), risk robust: full robust search cpu "
+        f"{1000 * (time.process_time() - c0):.0f} ms"
+    )
+    leave = list(nodes)
+    del leave[len(nodes) // 2]
+    for kind, pool in (("leave", pool_of(leave)), ("join", pool_of([*nodes, node_spec(n)]))):
+        tm = Timing([], [])
+        res: RobustResult | None = None
+        for _ in range(reps):
+            warm = copy.deepcopy(first)
+            gc.collect()
+            c0, w0 = time.process_time(), time.perf_counter()
+            res = robust_replan(warm, pool)
+            tm.cpu.append(time.process_time() - c0)
+            tm.wall.append(time.perf_counter() - w0)
+        assert res is not None and res.plans
+        full = _full_robust(planner, pool)
+        got = res.plans[0].interval.throughput_iter_s.low
+        ref = full.plans[0].interval.throughput_iter_s.low
+        print(
+            f"  {kind:<6} {pool.total_gpus:>5} GPUs  {tm.row()}   worst-corner it/s {got:.4g} vs "
+            f"full robust search {ref:.4g} (gap {100 * (1 - got / ref):+.2f} %), "
+            f"{res.candidates} plans judged, moves {res.plans[0].moved_layer_replicas}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--sizes", default="64,512,2048")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument(
         "--profile", action="store_true", help="cProfile the replans of the 512-node pool"
+    )
+    ap.add_argument(
+        "--risk",
+        choices=("point", "robust"),
+        default="point",
+        help="point: replan() in the configured calibration; robust: robust_replan()",
     )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -181,7 +238,9 @@ def main() -> None:
         f"analytic profiles; {args.reps} replans per case; times in ms"
     )
     planner = SailorPlanner(load_model_spec(MODEL, GLOBAL_BATCH))
-    for n in sizes:
+    for n in sizes if args.risk == "robust" else ():
+        run_size_robust(planner, n, args.reps)
+    for n in sizes if args.risk == "point" else ():
         prof = cProfile.Profile() if args.profile and n == 512 else None
         run_size(planner, n, args.reps, prof)
         if prof is not None:

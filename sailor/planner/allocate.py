@@ -149,7 +149,15 @@ def _takes(
     taken = 0
     for pos, t in enumerate(order):
         need = t.gpus_by_resource()
-        n = min(left.get(r, 0) // k for r, k in need.items())
+        # min over the resources of pipelines that fit, as a loop: most templates late in
+        # the order meet an exhausted resource first (a replan's packing asks ~100,000 times)
+        n = -1
+        for r, k in need.items():
+            v = left.get(r, 0) // k
+            if n < 0 or v < n:
+                n = v
+                if n <= 0:
+                    break
         if limit is not None:
             n = min(n, limit - taken)
         if n <= 0:

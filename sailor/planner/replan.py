@@ -15,6 +15,11 @@ is how many pipelines fit. :func:`replan` therefore
    (:mod:`moves`); the returned plan always carries the simulator's figures.
 
 ``full=True`` runs the whole allocation search instead (every scenario and rule).
+
+``running`` names the plan that runs now when it is not the previous search's best (a robust
+plan another corner's search found: :func:`sailor.planner.robust.robust_replan`): its
+allocation, re-priced with this search's tables, is the warm start, and moves are counted
+from it.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from sailor.planner.search import (
     search_recipes,
     search_with_tables,
 )
-from sailor.planner.templates import PipelineTemplate
-from sailor.schemas import Pool
+from sailor.planner.templates import PipelineTemplate, repriced
+from sailor.schemas import Plan, Pool
 
-__all__ = ["replan", "warm_start"]
+__all__ = ["replan", "repriced_allocation", "warm_start"]
 
 _RECIPES = 6
 """Recipes of the previous search's best allocations a replan re-runs. The previous search
@@ -106,6 +111,19 @@ def _recipes_of(previous: SearchResult, limit: int) -> list[Recipe]:
     return out
 
 
+def repriced_allocation(alloc: Allocation, previous: SearchResult) -> Allocation | None:
+    """``alloc`` (templates of any corner's search) with every template re-priced by
+    ``previous``'s tables; None if one cannot be priced there."""
+    tables = previous.state.tables
+    by_id: dict[int, PipelineTemplate] = {}
+    for t, _, _ in alloc.groups():
+        r = repriced(tables, t)
+        if r is None:
+            return None
+        by_id[id(t)] = r
+    return Allocation(tuple((by_id[id(t)], m) for t, m in alloc.pipelines), alloc.how, alloc.recipe)
+
+
 def replan(
     previous: SearchResult,
     new_pool: Pool,
@@ -115,6 +133,7 @@ def replan(
     simulate_top: int = 4,
     full: bool = False,
     recipes: int = _RECIPES,
+    running: tuple[Plan, Allocation] | None = None,
 ) -> SearchResult:
     """Plans for ``new_pool`` warm-started from ``previous`` (its tables, templates, plan).
 
@@ -129,6 +148,10 @@ def replan(
     caps = resources_of(new_pool, previous.constraints)
     current = previous.plans[0].plan if previous.plans else None
     old = previous.allocations[0] if previous.allocations else None
+    if running is not None:
+        here = repriced_allocation(running[1], previous)
+        if here is not None:
+            current, old = running[0], here
     extra: list[Allocation] = []
     if old is not None:
         w = warm_start(old, caps, gbs)

@@ -27,7 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sailor.planner.allocate import Allocation
 from sailor.planner.api import Constraints, Objective, RankedPlan
+from sailor.planner.moves import moved_layers
+from sailor.planner.replan import replan
 from sailor.planner.search import Progress, SearchResult, explain_candidate, search
 from sailor.schemas import (
     Calibration,
@@ -51,6 +54,7 @@ __all__ = [
     "RobustResult",
     "as_ranked",
     "judge_in_corners",
+    "robust_replan",
     "robust_search",
 ]
 
@@ -90,6 +94,10 @@ class RobustPlan:
     """Per corner, the limits it breaks there (empty for returned plans in judged corners)."""
     explain: tuple[str, ...] = ()
     """Which corner's search found it, and that search's account of it."""
+    allocation: Allocation | None = None
+    """The allocation behind the plan in the search that found it (a replan's warm start)."""
+    moved_layer_replicas: int = 0
+    """After a replan: layer replicas that move from the plan that ran before."""
 
     def to_json(self) -> dict[str, object]:
         iv = self.interval
@@ -115,7 +123,9 @@ class RobustResult:
     candidates: int
     """Distinct plans judged in every corner."""
     results: dict[str, SearchResult]
-    """Each searched corner's own search result."""
+    """Each searched corner's own search result (a replan's starting point)."""
+    calibration: Calibration | None = None
+    """The calibration whose corners judged the plans."""
 
 
 def _score(objective: Objective, e: Estimate, cost_per_hour: float) -> float:
@@ -199,13 +209,9 @@ def robust_search(
     cal = calibration or Calibration()
     cons = constraints or Constraints()
     by_name = dict(corners(cal))
-    searched = _SEARCHED[risk]
-    judged = _JUDGED[risk]
     results: dict[str, SearchResult] = {}
-    cands: dict[tuple[object, ...], tuple[Plan, dict[str, Estimate], float]] = {}
-    explain: dict[tuple[object, ...], tuple[str, ...]] = {}
-    for name in searched:
-        res = search(
+    for name in _SEARCHED[risk]:
+        results[name] = search(
             model,
             profiles,
             pool,
@@ -219,50 +225,136 @@ def robust_search(
             top_k=per_corner,
             progress=progress,
         )
-        results[name] = res
+    return _rank(results, risk, objective, cons, cal, spot, top_k, per_corner)
+
+
+def robust_replan(
+    previous: RobustResult,
+    new_pool: Pool,
+    *,
+    tolerance: float = 0.02,
+    top_k: int = 1,
+) -> RobustResult:
+    """Plans for ``new_pool`` at ``previous``'s risk level, warm-started from ``previous``.
+
+    Each corner ``previous`` searched is replanned incrementally
+    (:func:`sailor.planner.replan.replan`, from the plan that runs now, ``previous``'s best,
+    re-priced in that corner); the plans the replans simulate are judged in every corner and
+    ranked as :func:`robust_search` ranks (under ``robust``: they must fit and meet every
+    constraint in every corner, and the worst ratio to each corner's best decides). Among
+    plans within ``tolerance`` of the best ratio, the one that moves the fewest layer
+    replicas from the running plan comes first. Regrets are against the candidates the
+    replans found.
+    """
+    if previous.calibration is None:
+        raise ValueError("previous has no calibration: pass a result of robust_search")
+    run = previous.plans[0] if previous.plans else None
+    running = (run.plan, run.allocation) if run is not None and run.allocation else None
+    results = {
+        name: replan(previous.results[name], new_pool, tolerance=tolerance, running=running)
+        for name in previous.searched
+    }
+    some = next(iter(previous.results.values()))
+    return _rank(
+        results,
+        previous.risk,
+        previous.objective,
+        some.constraints,
+        previous.calibration,
+        some.state.tables.inputs.spot,
+        top_k,
+        _PER_CORNER,
+        running=run.plan if run is not None else None,
+        tolerance=tolerance,
+    )
+
+
+_PER_CORNER = 4
+"""Finalists per corner search (``robust_search``'s default ``per_corner``)."""
+
+_Row = tuple[Plan, dict[str, Estimate], float, "Allocation | None"]
+
+
+def _rank(
+    results: Mapping[str, SearchResult],
+    risk: Risk,
+    objective: Objective,
+    cons: Constraints,
+    cal: Calibration,
+    spot: bool | None,
+    top_k: int,
+    per_corner: int,
+    *,
+    running: Plan | None = None,
+    tolerance: float = 0.0,
+) -> RobustResult:
+    """Judge the finalists of every corner's search in every corner and rank them by
+    ``risk``'s rule; with ``running``, plans within ``tolerance`` of the best ratio are
+    ordered by the layer replicas they move from it."""
+    by_name = dict(corners(cal))
+    searched = tuple(results)
+    judged = _JUDGED[risk]
+    some = next(iter(results.values()))
+    inp = some.state.tables.inputs
+    cands: dict[tuple[object, ...], _Row] = {}
+    explain: dict[tuple[object, ...], tuple[str, ...]] = {}
+    for name, res in results.items():
         found = f"found by the {name} corner's search"
-        rows = [(r.plan, r.estimate, r.cost_per_hour_usd, (found, *r.explain)) for r in res.plans]
+        allocs = res.allocations if len(res.allocations) == len(res.plans) else ()
+        rows = [
+            (
+                r.plan,
+                r.estimate,
+                r.cost_per_hour_usd,
+                (found, *r.explain),
+                allocs[i] if allocs else None,
+            )
+            for i, r in enumerate(res.plans)
+        ]
         rows += [
             (
                 c.plan,
                 c.estimate,
                 c.fast.cost_per_hour,
                 (found, *explain_candidate(c, res.upper_bound_iter_s)),
+                c.alloc,
             )
             for c in res.candidates
             if c.plan is not None and c.estimate is not None
         ]
-        for p, e, cph, why in rows[: 2 * per_corner]:
+        for p, e, cph, why, alloc in rows[: 2 * per_corner]:
             k = _key(p)
             if k not in cands:
-                cands[k] = (p, {name: e}, cph)
+                cands[k] = (p, {name: e}, cph, alloc)
                 explain[k] = why
         # a plan another corner's search already chose may be among this search's simulated
         # candidates too: keep its estimate here, so that judging it does not simulate it again
-        for p, e, _cph, _why in rows:
+        for p, e, _cph, _why, _alloc in rows:
             hit = cands.get(_key(p))
             if hit is not None and name not in hit[1]:
                 hit[1][name] = e
-    plans: list[tuple[Plan, dict[str, Estimate], float]] = []
-    for p, known, cph in cands.values():
+    plans: list[_Row] = []
+    for p, known, cph, alloc in cands.values():
         try:
             ests = judge_in_corners(
                 p,
-                model,
-                profiles,
-                network,
-                prices,
+                inp.model,
+                inp.profiles,
+                inp.network,
+                inp.prices,
                 calibration=cal,
-                gpu_specs=gpu_specs,
+                gpu_specs=inp.gpu_specs,
                 spot=spot,
                 known=known,
             )
         except (ProfileLookupError, KeyError, ValueError):
             continue
-        plans.append((p, ests, cph))
+        plans.append((p, ests, cph, alloc))
     if not plans:
         reasons = "; ".join(f"{n}: {r.reason}" for n, r in results.items() if r.reason)
-        return RobustResult((), reasons or "no plan", risk, objective, searched, 0, results)
+        return RobustResult(
+            (), reasons or "no plan", risk, objective, searched, 0, dict(results), cal
+        )
 
     def broken(e: Estimate, cph: float) -> tuple[str, ...]:
         v = list(cons.violations(e, cph))
@@ -270,14 +362,11 @@ def robust_search(
             v.append(f"peak memory {e.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
         return tuple(v)
 
-    rows2 = []
-    for p, ests, cph in plans:
-        viol = {n: broken(e, cph) for n, e in ests.items()}
-        rows2.append((p, ests, cph, viol))
-    kept = [r for r in rows2 if not any(r[3][n] for n in judged)]
+    rows2 = [(r, {n: broken(e, r[2]) for n, e in r[1].items()}) for r in plans]
+    kept = [r for r in rows2 if not any(r[1][n] for n in judged)]
     if not kept:
-        closest = min(rows2, key=lambda r: sum(len(r[3][n]) for n in judged))
-        broke = "; ".join(f"{n}: {', '.join(closest[3][n])}" for n in judged if closest[3][n])
+        closest = min(rows2, key=lambda r: sum(len(r[1][n]) for n in judged))
+        broke = "; ".join(f"{n}: {', '.join(closest[1][n])}" for n in judged if closest[1][n])
         return RobustResult(
             (),
             f"no candidate fits and meets the constraints in every judged corner "
@@ -286,24 +375,27 @@ def robust_search(
             objective,
             searched,
             len(plans),
-            results,
+            dict(results),
+            cal,
         )
     best = {
-        n: max(_score(objective, r[1][n], r[2]) for r in kept) for n in by_name
+        n: max(_score(objective, r[0][1][n], r[0][2]) for r in kept) for n in by_name
     }  # best kept plan per corner
-
-    def ratios(r: tuple[Plan, dict[str, Estimate], float, object]) -> dict[str, float]:
-        return {n: _score(objective, r[1][n], r[2]) / best[n] for n in by_name}
-
     scored = []
-    for r in kept:
-        rt = ratios(r)
+    for r, viol in kept:
+        rt = {n: _score(objective, r[1][n], r[2]) / best[n] for n in by_name}
         worst_ratio = min(rt[n] for n in judged)
         # robust: the worst judged corner; optimistic/median: their one corner
-        scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r))
+        scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r, viol))
     scored.sort(key=lambda x: x[0], reverse=True)
+    if running is not None and scored:
+        # a replan: among plans within ``tolerance`` of the best ratio, move the least first
+        top = scored[0][1]
+        near = [x for x in scored if x[1] >= top * (1 - tolerance)]
+        near.sort(key=lambda x: moved_layers(running, x[3][0])[1])  # stable: ratio order kept
+        scored = near + [x for x in scored if x[1] < top * (1 - tolerance)]
     out = []
-    for i, (_, worst_ratio, rt, (p, ests, cph, viol)) in enumerate(scored[:top_k]):
+    for i, (_, worst_ratio, rt, (p, ests, cph, alloc), viol) in enumerate(scored[:top_k]):
         out.append(
             RobustPlan(
                 rank=i + 1,
@@ -315,9 +407,11 @@ def robust_search(
                 cost_per_hour_usd=cph,
                 violations={n: v for n, v in viol.items() if v},
                 explain=explain.get(_key(p), ()),
+                allocation=alloc,
+                moved_layer_replicas=(moved_layers(running, p)[1] if running is not None else 0),
             )
         )
-    return RobustResult(tuple(out), "", risk, objective, searched, len(plans), results)
+    return RobustResult(tuple(out), "", risk, objective, searched, len(plans), dict(results), cal)
 
 
 def as_ranked(p: RobustPlan, upper_bound_iter_s: float = 0.0) -> RankedPlan:

@@ -55,7 +55,7 @@ from sailor.planner.pricing import GpuPricing
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import (
     PipelineTemplate,
-    best_partitions,
+    best_partitions_many,
     fixed_kinds,
     with_cuts,
 )
@@ -303,22 +303,51 @@ def _templates(
         by_zone.setdefault(r[1], []).append(r)
     out: list[PipelineTemplate] = []
 
-    def get(kinds: tuple[Kind, ...], b: int) -> list[PipelineTemplate]:
-        key = (kinds, b)
-        hit = state.templates.get(key)
-        if hit is None:
-            hit, pruned = best_partitions(tables, kinds, b)
+    def prefetch(keys: Sequence[tuple[tuple[Kind, ...], int]]) -> None:
+        """Run the DPs of ``keys`` not yet computed together (:func:`best_partitions_many`)."""
+        todo = list(dict.fromkeys(k for k in keys if k not in state.templates))
+        for key, (hit, pruned) in zip(todo, best_partitions_many(tables, todo), strict=True):
             state.templates[key] = hit
             state.pruned_memory += pruned
             stats["computed"] += 1
-        return hit
 
-    singles_of: dict[Resource, list[PipelineTemplate]] = {}
+    def get(kinds: tuple[Kind, ...], b: int) -> list[PipelineTemplate]:
+        key = (kinds, b)
+        if key not in state.templates:
+            prefetch([key])
+        return state.templates[key]
+
+    zones: list[tuple[str, list[Resource], dict[Resource, list[Kind]], dict[str, list[int]]]] = []
     for zone, rs in sorted(by_zone.items()):
         kinds_by_r = {
             r: [Kind(r[0], tp, zone, r[2]) for tp in tp_candidates(r[2])] for r in sorted(rs)
         }
         mbs_by_type = {r[0]: mbs_candidates(inputs, r[0]) for r in rs}
+        zones.append((zone, rs, kinds_by_r, mbs_by_type))
+    # every zone's DPs of one kind and of two, each set in one batch (the loops below ask
+    # for exactly these)
+    prefetch(
+        [
+            ((k,), b)
+            for _, rs, kinds_by_r, mbs_by_type in zones
+            for r, ks in kinds_by_r.items()
+            for k in ks
+            for b in mbs_by_type[r[0]]
+        ]
+    )
+    prefetch(
+        [
+            ((k1, k2), b)
+            for _, rs, kinds_by_r, mbs_by_type in zones
+            for ra, rb in combinations(sorted(rs), 2)
+            for r1, r2 in ((ra, rb), (rb, ra))
+            for k1 in kinds_by_r[r1]
+            for k2 in kinds_by_r[r2]
+            for b in sorted(set(mbs_by_type[r1[0]]) & set(mbs_by_type[r2[0]]))
+        ]
+    )
+    singles_of: dict[Resource, list[PipelineTemplate]] = {}
+    for _zone, rs, kinds_by_r, mbs_by_type in zones:
         singles: list[PipelineTemplate] = []
         for r, ks in kinds_by_r.items():
             for k in ks:
@@ -339,7 +368,7 @@ def _templates(
                             out.extend(t for t in found if _fits(t, caps))
                             out.extend(_split_to_fit(state, found, k1, k2, b, caps))
     if len(by_zone) > 1:
-        out.extend(_cross_zone(state, caps, singles_of, get))
+        out.extend(_cross_zone(state, caps, singles_of, get, prefetch))
     return out
 
 
@@ -355,6 +384,7 @@ def _cross_zone(
     caps: Mapping[Resource, int],
     singles_of: Mapping[Resource, list[PipelineTemplate]],
     get: Callable[[tuple[Kind, ...], int], list[PipelineTemplate]],
+    prefetch: Callable[[Sequence[tuple[tuple[Kind, ...], int]]], None],
 ) -> list[PipelineTemplate]:
     """Pipelines whose first stages run in one zone and the rest in another.
 
@@ -382,8 +412,7 @@ def _cross_zone(
             if len(best) >= _CROSS_ZONE_KINDS:
                 break
         offer[r] = best
-    out: list[PipelineTemplate] = []
-    done: set[tuple[Kind, Kind, int]] = set()
+    todo: dict[tuple[Kind, Kind, int], None] = {}
     for r1 in sorted(caps):
         for r2 in sorted(caps):
             if r1[1] == r2[1]:
@@ -393,12 +422,13 @@ def _cross_zone(
                 for tp2, b2 in offer[r2]:
                     k1, k2 = Kind(r1[0], tp1, r1[1], r1[2]), Kind(r2[0], tp2, r2[1], r2[2])
                     for b in sorted({b1, b2} & both):
-                        if (k1, k2, b) in done:
-                            continue
-                        done.add((k1, k2, b))
-                        found = get((k1, k2), b)
-                        out.extend(t for t in found if _fits(t, caps))
-                        out.extend(_split_to_fit(state, found, k1, k2, b, caps))
+                        todo.setdefault((k1, k2, b))
+    prefetch([((k1, k2), b) for k1, k2, b in todo])  # one batch of DPs
+    out: list[PipelineTemplate] = []
+    for k1, k2, b in todo:
+        found = get((k1, k2), b)
+        out.extend(t for t in found if _fits(t, caps))
+        out.extend(_split_to_fit(state, found, k1, k2, b, caps))
     return out
 
 

@@ -108,6 +108,17 @@ class LayerArrays:
         out: FloatArray = hit
         return out
 
+    def prefix_lists(self) -> tuple[list[float], list[float], list[float]]:
+        """``comp``, ``upd`` and ``params`` as Python floats (same values), computed once:
+        assembling a template reads a few entries per stage, where a numpy scalar costs
+        more than the arithmetic."""
+        hit = self.__dict__.get("_prefix_lists")
+        if hit is None:
+            hit = (self.comp.tolist(), self.upd.tolist(), self.params.tolist())
+            object.__setattr__(self, "_prefix_lists", hit)
+        out: tuple[list[float], list[float], list[float]] = hit
+        return out
+
 
 class CostTables:
     """Memo of layer arrays, link times and memory constants for one set of inputs.
@@ -119,6 +130,7 @@ class CostTables:
         self.inputs = inputs
         self._arrays: dict[tuple[str, int, int], LayerArrays] = {}
         self._links: dict[tuple[Kind, Kind, int], tuple[FloatArray, FloatArray]] = {}
+        self._link_totals: dict[tuple[Kind, Kind, int], list[float]] = {}
         self._failed: dict[tuple[str, int, int], str] = {}
         self._mem: dict[tuple[str, int, int, int], FloatArray] = {}
         self._models: dict[str, ModelSpec] = {}
@@ -318,6 +330,16 @@ class CostTables:
             tb[j] = curve.transfer_time(bwd) / eff + gather_b
         self._links[key] = (tf, tb)
         return tf, tb
+
+    def link_total(self, a: Kind, b: Kind, mbs: int) -> list[float]:
+        """Forward plus backward blocking transfer time after each layer, from ``a`` to
+        ``b`` (:meth:`link`, summed), as Python floats; computed once per link."""
+        key = (a, b, mbs)
+        hit = self._link_totals.get(key)
+        if hit is None:
+            tf, tb = self.link(a, b, mbs)
+            hit = self._link_totals[key] = (tf + tb).tolist()
+        return hit
 
     def p2p_copies(self, a: Kind, b: Kind) -> tuple[int, int] | None:
         """Copies of the activation (forward) and of its gradient (backward) that cross the

@@ -24,7 +24,7 @@ import numpy as np
 
 from sailor.planner.tables import CostTables, FloatArray, Kind, LayerArrays
 
-__all__ = ["PipelineTemplate", "StageTemplate", "best_partitions"]
+__all__ = ["PipelineTemplate", "StageTemplate", "best_partitions", "best_partitions_many"]
 
 _TIE = 1e-9
 
@@ -105,143 +105,212 @@ def best_partitions(
     Returns the templates (dominated depths dropped: a deeper pipeline is kept only if its
     period is shorter) and the number of (stage, depth) cells pruned by memory.
     """
-    arrs: list[LayerArrays] = []
-    for kind in kinds:
-        a = tables.arrays(kind.gpu_type, kind.tp, mbs)
-        if a is None:
-            return [], 0
-        arrs.append(a)
-    n = len(arrs[0].comp) - 1
-    q = len(kinds)
-    depth_cap = min(n, max_depth or n)
-    comp = [a.stage_compute() for a in arrs]
-    cap = [tables.capacity(kind.gpu_type) for kind in kinds]
-    # link[x][y] = (tf+tb) after each layer from kind x to kind y
-    link: dict[tuple[int, int], FloatArray] = {}
-    for x in range(q):
-        for y in (x, x + 1):
-            if y < q:
-                tf, tb = tables.link(kinds[x], kinds[y], mbs)
-                link[(x, y)] = tf + tb
-    none = q  # "no previous stage"
-    inf = np.inf
-    # V[(x, p)] = (max, sum) vectors over i, for the current k
-    shape = (n + 1,)
-    pruned = 0
+    return best_partitions_many(tables, [(kinds, mbs)], max_depth)[0]
 
-    def stage_time(x: int, p: int, y: int | None) -> FloatArray:
-        t = comp[x].copy()
-        if y is not None:
-            t = t + link[(x, y)][None, :]
-        if p != none:
-            recv = np.concatenate([[inf], link[(p, x)][:-1]])  # boundary after layer i-1
-            t = t + recv[:, None]
+
+def best_partitions_many(
+    tables: CostTables,
+    requests: Sequence[tuple[tuple[Kind, ...], int]],
+    max_depth: int | None = None,
+) -> list[tuple[list[PipelineTemplate], int]]:
+    """:func:`best_partitions` of every ``(kinds, mbs)`` request, in order.
+
+    The DPs of one kind count go through numpy together: one DP's matrices are a few
+    hundred cells (26 x 25 for OPT-350), so per-DP numpy calls are mostly call overhead.
+    The answers are those of one DP at a time, cell for cell.
+    """
+    out: list[tuple[list[PipelineTemplate], int]] = [([], 0) for _ in requests]
+    groups: dict[tuple[int, int], list[_Request]] = {}
+    for r, (kinds, mbs) in enumerate(requests):
+        arrs: list[LayerArrays] = []
+        for kind in kinds:
+            a = tables.arrays(kind.gpu_type, kind.tp, mbs)
+            if a is None:
+                break
+            arrs.append(a)
         else:
-            t[1:, :] = inf  # the first stage starts at layer 0
-        return t
+            n = len(arrs[0].comp) - 1
+            groups.setdefault((len(kinds), n), []).append(_Request(r, kinds, mbs, arrs))
+    for (q, n), reqs in groups.items():
+        for req, res in zip(reqs, _dp(tables, q, n, reqs, max_depth), strict=True):
+            out[req.index] = res
+    return out
 
+
+@dataclass(frozen=True)
+class _Request:
+    index: int
+    kinds: tuple[Kind, ...]
+    mbs: int
+    arrs: list[LayerArrays]
+
+
+def _dp(
+    tables: CostTables, q: int, n: int, reqs: Sequence[_Request], max_depth: int | None
+) -> list[tuple[list[PipelineTemplate], int]]:
+    """The backward DP of the module docstring for ``len(reqs)`` requests of ``q`` kinds and
+    ``n`` layers at once (rows of every matrix: request-major, then combo or trip)."""
+    inf = np.inf
+    none = q  # "no previous stage"
+    depth_cap = min(n, max_depth or n)
+    # combos (x, p): the current kind and the one before it; trips add the next kind y
     combos: list[tuple[int, int]] = []
     for x in range(q):
         for p in ([none] if x == 0 else []) + [pp for pp in (x - 1, x) if pp >= 0]:
             combos.append((x, p))
-    last_t = {(x, p): stage_time(x, p, None)[:, n - 1] for x, p in combos if x == q - 1}
-    mid_t = {
-        (x, p, y): stage_time(x, p, y)[:, : n - 1] for x, p in combos for y in (x, x + 1) if y < q
-    }
-    choice: list[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = []
-    results: list[PipelineTemplate] = []
-    best_period = inf
     cidx = {c: i for i, c in enumerate(combos)}
-    # every (combo, next kind y) of a stage that another follows, batched: the DP's (i, j)
-    # matrices of one depth go through numpy together (per-combo calls on 26 x 25 matrices
-    # were mostly call overhead). y = x comes first for each combo, as the ties expect.
+    n_c = len(combos)
+    # y = x comes first for each combo (the ties expect it); every combo has one
     trip = [(ci, x, p, y) for ci, (x, p) in enumerate(combos) for y in (x, x + 1) if y < q]
-    t_all = np.stack([mid_t[(x, p, y)] for _, x, p, y in trip])  # (T, n, n-1)
-    t_x = np.array([x for _, x, _, _ in trip])
-    t_y = np.array([y for _, _, _, y in trip], dtype=np.int64)
-    t_prev = np.array([cidx[(y, x)] for _, x, _, y in trip])  # (y, x) is always a combo
-    first = np.array([i for i, tr in enumerate(trip) if tr[3] == tr[1]])  # combo order
-    second = np.array([i for i, tr in enumerate(trip) if tr[3] != tr[1]], dtype=np.int64)
-    second_c = np.array([trip[i][0] for i in second], dtype=np.int64)
-    t_rows, i_rows = np.arange(len(trip))[:, None], np.arange(n)[None, :]
+    n_t = len(trip)
+    n_g = len(reqs)
+    # the distinct layer arrays, for the memory masks of each depth
+    uniq: dict[int, int] = {}
+    ulist: list[LayerArrays] = []
+    for rq in reqs:
+        for a in rq.arrs:
+            if id(a) not in uniq:
+                uniq[id(a)] = len(ulist)
+                ulist.append(a)
+    ucap = [tables.capacity(a.gpu_type) for a in ulist]
+    t_all = np.empty((n_g * n_t, n, n - 1))
+    last_t = np.full((n_g * n_c, n), inf)
+    last_rows = [g * n_c + ci for g in range(n_g) for ci, (x, _) in enumerate(combos) if x == q - 1]
+    for g, rq in enumerate(reqs):
+        comp = [a.stage_compute() for a in rq.arrs]
+        link: dict[tuple[int, int], FloatArray] = {}
+        for x in range(q):
+            for y in (x, x + 1):
+                if y < q:
+                    tf, tb = tables.link(rq.kinds[x], rq.kinds[y], rq.mbs)
+                    link[(x, y)] = tf + tb
+
+        for ti, (_, x, p, y) in enumerate(trip):
+            recv = link[(p, x)] if p != none else None
+            t_all[g * n_t + ti] = _stage_time(comp[x], recv, link[(x, y)])[:, : n - 1]
+        for ci, (x, p) in enumerate(combos):
+            if x == q - 1:
+                recv = link[(p, x)] if p != none else None
+                last_t[g * n_c + ci] = _stage_time(comp[x], recv, None)[:, n - 1]
+    t_u = np.array([uniq[id(rq.arrs[x])] for rq in reqs for _, x, _, _ in trip], dtype=np.int64)
+    t_y = np.array([y for _ in reqs for _, _, _, y in trip], dtype=np.int64)
+    t_prev = np.array(
+        [g * n_c + cidx[(y, x)] for g in range(n_g) for _, x, _, y in trip], dtype=np.int64
+    )  # (y, x) is always a combo
+    first = np.array(
+        [g * n_t + ti for g in range(n_g) for ti, tr in enumerate(trip) if tr[3] == tr[1]],
+        dtype=np.int64,
+    )  # request, then combo order: row g * n_c + ci of the blocks below
+    second = np.array(
+        [g * n_t + ti for g in range(n_g) for ti, tr in enumerate(trip) if tr[3] != tr[1]],
+        dtype=np.int64,
+    )
+    second_c = np.array(
+        [g * n_c + tr[0] for g in range(n_g) for tr in trip if tr[3] != tr[1]], dtype=np.int64
+    )
+    l_rows = np.array(last_rows, dtype=np.int64)
+    l_u = np.array([uniq[id(reqs[r // n_c].arrs[q - 1])] for r in last_rows], dtype=np.int64)
+    start = cidx[(0, none)]
+    pruned = np.zeros(n_g, dtype=np.int64)
+    best_period = np.full(n_g, inf)
+    results: list[list[PipelineTemplate]] = [[] for _ in reqs]
+    choice: list[tuple[np.ndarray, np.ndarray]] = []
     prev_m = prev_s = np.empty((0, n + 1))
     for k in range(1, depth_cap + 1):
-        cur: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
-        ch: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        mem_ok = [tables.stage_memory(a, k) <= c for a, c in zip(arrs, cap, strict=True)]
-        blk_m = np.full((len(combos), *shape), inf)
-        blk_s = np.full((len(combos), *shape), inf)
-        blk_j = np.full((len(combos), *shape), -1, dtype=np.int64)
-        blk_y = np.full((len(combos), *shape), -1, dtype=np.int64)
+        blk_m = np.full((n_g * n_c, n + 1), inf)
+        blk_s = np.full((n_g * n_c, n + 1), inf)
+        blk_j = np.full((n_g * n_c, n + 1), -1, dtype=np.int64)
+        blk_y = np.full((n_g * n_c, n + 1), -1, dtype=np.int64)
         if k == 1:
-            for ci, (x, p) in enumerate(combos):
-                if x != q - 1:
-                    continue
-                t = last_t[(x, p)]
-                ok = mem_ok[x][:, n - 1]
-                pruned += int(np.sum(~ok & np.isfinite(t)))
-                t = np.where(ok, t, inf)
-                blk_m[ci, :n], blk_s[ci, :n] = t, t
-                blk_j[ci, :n] = n - 1
-                blk_y[ci, :n] = x
+            ok1 = np.stack(
+                [tables.stage_memory(a, 1)[:, n - 1] <= c for a, c in zip(ulist, ucap, strict=True)]
+            )[l_u]
+            t = last_t[l_rows]
+            pruned += (~ok1 & np.isfinite(t)).reshape(n_g, -1).sum(axis=1)
+            t = np.where(ok1, t, inf)
+            blk_m[l_rows, :n], blk_s[l_rows, :n] = t, t
+            blk_j[l_rows, :n] = n - 1
+            blk_y[l_rows, :n] = q - 1
         else:
-            ok_all = np.stack([m[:, : n - 1] for m in mem_ok])[t_x]
-            t = np.where(ok_all, t_all, inf)  # j < n-1: a stage follows
-            mx = np.maximum(t, prev_m[t_prev][:, None, 1:n])
-            sm = t + prev_s[t_prev][:, None, 1:n]
+            # k stages from layer i need i <= n - k, and the stage i..j leaves k - 1 layers at
+            # least: j <= n - k. Outside that square every cell is infinite, so the DP skips it.
+            m = n - k + 1
+            ok = np.stack(
+                [tables.stage_memory(a, k)[:m, :m] <= c for a, c in zip(ulist, ucap, strict=True)]
+            )[t_u]
+            t = np.where(ok, t_all[:, :m, :m], inf)  # j < n-1: a stage follows
+            mx = np.maximum(t, prev_m[t_prev, None, 1 : m + 1])
+            sm = t + prev_s[t_prev, None, 1 : m + 1]
             best = mx.min(axis=2)
             tie = mx <= best[:, :, None] * (1 + _TIE)
             jsel = np.argmin(np.where(tie, sm, inf), axis=2)
-            cm, cs = mx[t_rows, i_rows, jsel], sm[t_rows, i_rows, jsel]
+            cm = np.take_along_axis(mx, jsel[:, :, None], axis=2)[:, :, 0]
+            cs = np.take_along_axis(sm, jsel[:, :, None], axis=2)[:, :, 0]
             fin = np.isfinite(cm)
             # the first y of each combo beats the empty start wherever it is finite
             f = fin[first]
-            blk_m[:, :n] = np.where(f, cm[first], inf)
-            blk_s[:, :n] = np.where(f, cs[first], inf)
-            blk_j[:, :n] = np.where(f, jsel[first], -1)
-            blk_y[:, :n] = np.where(f, t_y[first][:, None], -1)
+            blk_m[:, :m] = np.where(f, cm[first], inf)
+            blk_s[:, :m] = np.where(f, cs[first], inf)
+            blk_j[:, :m] = np.where(f, jsel[first], -1)
+            blk_y[:, :m] = np.where(f, t_y[first][:, None], -1)
             if second.size:
-                bm, bs = blk_m[second_c, :n], blk_s[second_c, :n]
+                bm, bs = blk_m[second_c, :m], blk_s[second_c, :m]
                 c2, s2 = cm[second], cs[second]
                 better = ((c2 < bm * (1 - _TIE)) | ((c2 <= bm * (1 + _TIE)) & (s2 < bs))) & fin[
                     second
                 ]
-                blk_m[second_c, :n] = np.where(better, c2, bm)
-                blk_s[second_c, :n] = np.where(better, s2, bs)
-                blk_j[second_c, :n] = np.where(better, jsel[second], blk_j[second_c, :n])
-                blk_y[second_c, :n] = np.where(better, t_y[second][:, None], blk_y[second_c, :n])
-        for ci, c in enumerate(combos):
-            cur[c], ch[c] = (blk_m[ci], blk_s[ci]), (blk_j[ci], blk_y[ci])
+                blk_m[second_c, :m] = np.where(better, c2, bm)
+                blk_s[second_c, :m] = np.where(better, s2, bs)
+                blk_j[second_c, :m] = np.where(better, jsel[second], blk_j[second_c, :m])
+                blk_y[second_c, :m] = np.where(better, t_y[second][:, None], blk_y[second_c, :m])
         prev_m, prev_s = blk_m, blk_s
-        choice.append(ch)
-        period, fill = cur[(0, none)][0][0], cur[(0, none)][1][0]
-        if np.isfinite(period) and period < best_period * (1 - 1e-6):
-            best_period = float(period)
-            results.append(_backtrack(tables, arrs, kinds, choice, k, n, mbs, float(fill)))
-    return results, pruned
+        choice.append((blk_j, blk_y))
+        period = blk_m[start::n_c, 0]
+        better_g = np.isfinite(period) & (period < best_period * (1 - 1e-6))
+        for gi in np.flatnonzero(better_g).tolist():
+            best_period[gi] = period[gi]
+            path = _path(choice, gi * n_c, cidx, k, none)
+            rq = reqs[gi]
+            placed = [(a, b, rq.kinds[x], rq.arrs[x]) for a, b, x in path]
+            est = any(a.estimated for a in rq.arrs)
+            results[gi].append(_assemble(tables, rq.mbs, placed, estimated=est))
+        if not np.isfinite(blk_m).any():
+            break  # no k-deep tail from any layer: none deeper either (each needs one)
+    return [(res, int(p)) for res, p in zip(results, pruned, strict=True)]
 
 
-def _backtrack(
-    tables: CostTables,
-    arrs: list[LayerArrays],
-    kinds: tuple[Kind, ...],
-    choice: list[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]],
+def _stage_time(comp: FloatArray, recv: FloatArray | None, send: FloatArray | None) -> FloatArray:
+    """``T[i, j]``: stage i..j's compute plus its blocking receive (the link after layer
+    i - 1; None: the first stage, which starts at layer 0) and send (the link after j; None:
+    the last stage)."""
+    t = comp.copy()
+    if send is not None:
+        t = t + send[None, :]
+    if recv is not None:
+        t = t + np.concatenate([[np.inf], recv[:-1]])[:, None]  # boundary after layer i-1
+    else:
+        t[1:, :] = np.inf  # the first stage starts at layer 0
+    return t
+
+
+def _path(
+    choice: Sequence[tuple[np.ndarray, np.ndarray]],
+    row0: int,
+    cidx: dict[tuple[int, int], int],
     depth: int,
-    n: int,
-    mbs: int,
-    fill: float,
-) -> PipelineTemplate:
-    q = len(kinds)
-    none = q
+    none: int,
+) -> list[tuple[int, int, int]]:
+    """(first layer, last layer, kind index) of each stage of the best ``depth``-deep
+    partition of the request whose rows start at ``row0``."""
     ranges: list[tuple[int, int, int]] = []
     i, x, p = 0, 0, none
     for k in range(depth, 0, -1):
-        bj, by = choice[k - 1][(x, p)]
-        j, y = int(bj[i]), int(by[i])
+        bj, by = choice[k - 1]
+        row = row0 + cidx[(x, p)]
+        j, y = int(bj[row, i]), int(by[row, i])
         ranges.append((i, j, x))
         i, p, x = j + 1, x, y
-    placed = [(a, b, kinds[x], arrs[x]) for a, b, x in ranges]
-    return _assemble(tables, mbs, placed, estimated=any(a.estimated for a in arrs))
+    return ranges
 
 
 def with_cuts(
@@ -265,6 +334,18 @@ def with_cuts(
     ):
         return None
     return _assemble(tables, mbs, placed, estimated=arr.estimated)
+
+
+def repriced(tables: CostTables, t: PipelineTemplate) -> PipelineTemplate | None:
+    """``t``'s shape (layer ranges, kinds, microbatch size) priced by ``tables`` (another
+    corner's constants: :mod:`sailor.planner.robust`); None if a stage cannot be priced."""
+    placed: list[tuple[int, int, Kind, LayerArrays]] = []
+    for st in t.stages:
+        arr = tables.arrays(st.kind.gpu_type, st.kind.tp, t.mbs)
+        if arr is None:
+            return None
+        placed.append((st.first_layer, st.last_layer, st.kind, arr))
+    return _assemble(tables, t.mbs, placed, estimated=any(p[3].estimated for p in placed))
 
 
 def fixed_kinds(tables: CostTables, seq: tuple[Kind, ...], mbs: int) -> PipelineTemplate | None:
@@ -340,24 +421,30 @@ def _assemble(
     its memory holds ``depth - s`` microbatches in flight (1F1B).
     """
     depth = len(placed)
+    # the link after each stage (a template has at most three distinct ones: look each up once)
+    links: list[list[float]] = []
+    for s in range(depth - 1):
+        ka, kb = placed[s][2], placed[s + 1][2]
+        if s == 0 or ka is not placed[s - 1][2] or kb is not placed[s][2]:
+            lk = tables.link_total(ka, kb, mbs)
+        links.append(lk)
     stages: list[StageTemplate] = []
     for s, (a, b, kind, arr) in enumerate(placed):
         mem = float(tables.stage_memory(arr, depth - s)[a, b])
-        t = float(arr.comp[b + 1] - arr.comp[a])
+        comp, upd, params = arr.prefix_lists()  # Python floats: the same sums, cheaper
+        t = comp[b + 1] - comp[a]
         if s + 1 < depth:
-            tf, tb = tables.link(kind, placed[s + 1][2], mbs)
-            t += float(tf[b] + tb[b])
+            t += links[s][b]
         if s > 0:
-            tf, tb = tables.link(placed[s - 1][2], kind, mbs)
-            t += float(tf[a - 1] + tb[a - 1])
+            t += links[s - 1][a - 1]
         stages.append(
             StageTemplate(
                 first_layer=a,
                 last_layer=b,
                 kind=kind,
                 time_s=t,
-                update_s=float(arr.upd[b + 1] - arr.upd[a]),
-                params=float(arr.params[b + 1] - arr.params[a]),
+                update_s=upd[b + 1] - upd[a],
+                params=params[b + 1] - params[a],
                 memory_bytes=mem,
             )
         )

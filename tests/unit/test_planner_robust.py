@@ -7,7 +7,8 @@ import pytest
 
 from sailor import catalog
 from sailor.planner import Constraints
-from sailor.planner.robust import robust_search
+from sailor.planner.replan import replan
+from sailor.planner.robust import _key, robust_replan, robust_search
 from sailor.schemas import Calibration
 from sailor.simulator import simulate
 from sailor.simulator.uncertainty import CORNERS, corners
@@ -76,3 +77,41 @@ def test_each_risk_level_ranks_in_its_corner() -> None:
 def test_unknown_risk_is_refused() -> None:
     with pytest.raises(ValueError, match="risk="):
         _run("reckless")
+
+
+def test_robust_replan_holds_in_every_corner_after_a_node_leaves() -> None:
+    first = _run("robust")
+    smaller = make_pool({("fast", ZONE): 2, ("slow", ZONE): 2})
+    res = robust_replan(first, smaller, top_k=3)  # type: ignore[arg-type]
+    assert res.plans and res.risk == "robust" and res.searched == first.searched  # type: ignore[attr-defined]
+    by = dict(corners(CAL))
+    for p in res.plans:
+        assert p.plan.num_gpus <= smaller.total_gpus
+        assert p.interval.fits_in_memory  # in every corner
+        for c in p.interval.corners:  # the simulator's figures, corner by corner
+            e = simulate(p.plan, **ENV.kw(), calibration=by[c.corner], gpu_specs=ENV.specs)  # type: ignore[arg-type]
+            assert e.iteration_time_s == pytest.approx(c.iteration_time_s, rel=1e-12)
+        assert p.worst_ratio == pytest.approx(min(1 - r for r in p.regret.values()))
+    # the chain goes on: a replan's result is the next replan's previous
+    again = robust_replan(res, make_pool({("fast", ZONE): 2, ("slow", ZONE): 4}))
+    assert again.plans and again.plans[0].interval.fits_in_memory
+
+
+def test_robust_replan_keeps_a_throughput_floor_in_the_worst_corner() -> None:
+    opt = _run("optimistic")
+    best_opt = opt.plans[0].interval.throughput_iter_s  # type: ignore[attr-defined]
+    floor = best_opt.low / 2
+    first = _run("robust", Constraints(min_throughput_iter_s=floor))
+    res = robust_replan(first, make_pool({("fast", ZONE): 2, ("slow", ZONE): 3}), top_k=3)  # type: ignore[arg-type]
+    for p in res.plans:
+        assert p.interval.throughput_iter_s.low >= floor * (1 - 1e-9)
+        assert not p.violations
+
+
+def test_median_risk_replan_is_the_median_corner_replan() -> None:
+    first = _run("median")
+    smaller = make_pool({("fast", ZONE): 2, ("slow", ZONE): 2})
+    res = robust_replan(first, smaller)  # type: ignore[arg-type]
+    point = replan(first.results["median"], smaller)  # type: ignore[attr-defined]
+    assert res.searched == ("median",)
+    assert _key(res.plans[0].plan) == _key(point.plans[0].plan)

@@ -1,0 +1,109 @@
+"""The planner's speed-ups change no answer: the robust plan of each of the original
+artifact's 11 planner scenarios (benchmarks/planner_scenarios.py) and of the 512-GPU scaling
+pool, as chosen before the template DPs were batched (commit 9c9d52a), and the batched DPs
+against one DP at a time.
+
+The plan identities were recorded on that commit (a hash of the plan's pipelines and stages,
+``robust._key``, up to pipeline order) with the plan's worst ratio over the corners. Needs the
+original artifact's files (``../shared/reference/sailor``); skipped without them. Two
+scenarios run in ``make test``; the rest are marked ``long``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.planner.robust import _key, robust_search
+from sailor.planner.tables import CostTables, Inputs, Kind
+from sailor.planner.templates import best_partitions, best_partitions_many
+from tests.reference_opt350 import REF
+from tests.unit.test_planner_search import make_env
+
+BENCH = Path(__file__).parents[2] / "benchmarks"
+
+# scenario name -> (hash of the robust plan's _key, its worst ratio), recorded on 9c9d52a
+BEFORE: dict[str, tuple[str, float]] = {
+    "homog A100 x32": ("b4f0e236118fea1c", 0.9469999813011727),
+    "homog A100 x80": ("3055fc69a0ca1de3", 0.9628162247736481),
+    "homog A100 x128": ("9e1cdd599bc90cda", 0.9499126148050316),
+    "A100+V100 32+96": ("620cfb253f618e0a", 0.895792212774199),
+    "A100+V100 80+240": ("1960ded1e149140e", 0.9278249832421107),
+    "A100+V100 128+384": ("216c9c861ce48b0f", 0.8643213122190867),
+    "A100 5 zones x32": ("f1f701379b309c47", 0.9201085334639639),
+    "A100 5 zones x80": ("c076135bd4cfcc4f", 0.892342021298183),
+    "A100 5 zones x128": ("70f6428889b75ee1", 0.7332810268862038),
+    "min $ s.t. >= 0.2 it/s": ("9e1cdd599bc90cda", 0.9727105175603497),
+    "max it/s s.t. <= $1.2/it": ("7eed4974b16e3bb8", 0.8632713013409086),
+}
+"""The 512-GPU scaling pool (128 A100-40 + 384 V100-16) is the A100+V100 128+384 scenario."""
+
+_QUICK = {"homog A100 x32", "A100+V100 32+96"}
+
+
+def _scenario(name: str) -> dict[str, Any]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from planner_scenarios import scenarios  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(BENCH))
+    return next(s for s in scenarios() if s["name"] == name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in _QUICK else pytest.param(n, marks=pytest.mark.long) for n in BEFORE],
+)
+def test_robust_plan_is_the_one_chosen_before_the_speedups(name: str) -> None:
+    if not REF.exists():
+        pytest.skip(f"needs the original artifact's files at {REF}")
+    sys.path.insert(0, str(BENCH))
+    try:
+        from planner_common import load, pool  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(BENCH))
+    from sailor.planner import Constraints
+
+    s = load("OPT-350")
+    sc = _scenario(name)
+    res = robust_search(
+        s.model,
+        s.profiles,
+        pool(sc["pool"]),
+        s.network,
+        s.prices,
+        sc.get("objective", "throughput"),
+        sc.get("cons", Constraints()),
+        gpu_specs=s.specs,
+        calibration=s.calibration,
+        risk="robust",
+        top_k=1,
+    )
+    digest = hashlib.sha256(repr(_key(res.plans[0].plan)).encode()).hexdigest()[:16]
+    assert (digest, res.plans[0].worst_ratio) == BEFORE[name]
+
+
+def test_batched_dps_equal_one_dp_at_a_time() -> None:
+    env = make_env(
+        weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0, 1.5), gbs=64, memory_mb={"fast": 200, "slow": 150}
+    )
+    inputs = Inputs(env.model, env.profiles, env.network, env.prices, env.specs)
+    kinds = [Kind(g, tp, "us-test1-a", 2) for g in ("fast", "slow") for tp in (1, 2)]
+    reqs = [((k,), b) for k in kinds for b in (1, 2)]
+    reqs += [((a, b), m) for a in kinds for b in kinds if a != b for m in (1, 2)]
+    batched = best_partitions_many(CostTables(inputs), reqs)
+    for (kinds_, mbs), (got, pruned) in zip(reqs, batched, strict=True):
+        want, want_pruned = best_partitions(CostTables(inputs), kinds_, mbs)
+        assert pruned == want_pruned
+        assert [(t.key, t.period_s, t.fill_s) for t in got] == [
+            (t.key, t.period_s, t.fill_s) for t in want
+        ]
+        assert [[st.memory_bytes for st in t.stages] for t in got] == [
+            [st.memory_bytes for st in t.stages] for t in want
+        ]
+    assert any(got for got, _ in batched)
+    assert any(p for _, p in batched)  # memory pruned somewhere: the masks are exercised
