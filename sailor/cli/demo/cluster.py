@@ -87,6 +87,9 @@ class DemoCluster:
     moved; docs/runtime.md#in-place-reconfiguration); False: restart the workers."""
     warm_spares: int = 1
     """Warm spare workers per agent (``AgentConfig.warm_spares``; used in place only)."""
+    worker_extra: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per node, options added to its workers' command line (the chaos suite's injected
+    failures, e.g. ``--fail-relayout FILE``)."""
     job: str = JOB
     # one rendezvous base for every controller of the run (a standby launches like the leader)
     base_port: int = field(default_factory=free_port)
@@ -174,6 +177,7 @@ class DemoCluster:
             worker_argv=(
                 *DEFAULT_WORKER_ARGV,
                 *("--min-step-s", str(self.min_step_s), "--timeout-s", "30"),
+                *self.worker_extra.get(node, ()),
             ),
             watchers=(WatcherConfig(kind="file", target=str(self.notice_file(node))),),
             watch_poll_s=0.1,
