@@ -14,6 +14,10 @@ this machine (benchmarks/comm_abort.py reproduces it):
 - ``ProcessGroup.abort()`` neither wakes waits on other ranks nor closes sockets;
   ``distributed_c10d._abort_process_group()`` then ``init_process_group`` at a new port
   works (7-35 ms), and the new world's groups work;
+- gloo's point-to-point works (``isend``/``irecv``) never report ``is_completed()`` before
+  ``wait()`` was called (the wait does the work): they cannot be polled. Their ``wait`` runs
+  on a helper thread (:func:`wait_p2p`) while the caller waits on an event in short slices;
+  after an abort a new helper thread serves the new world (the old one stays blocked);
 - dropping the last reference to a ``Work`` (or its group) whose operation is still blocked
   hangs in the destructor (it joins the backend's worker thread): abandoned works and
   groups must stay referenced until the process ends (then ``os._exit``).
@@ -32,6 +36,8 @@ This module never decides when to abort: the worker does.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from typing import Any
 
@@ -47,6 +53,7 @@ __all__ = [
     "request_abort",
     "set_polling",
     "wait",
+    "wait_p2p",
 ]
 
 # The poll: a few immediate checks, then sleeps of a tenth of the time waited so far (at
@@ -136,6 +143,57 @@ def wait(work: Any) -> Any:
     except BaseException:
         keep_alive(work)
         raise
+
+
+# How often a caller blocked in wait_p2p looks at the abort flag (the wake-up on completion
+# is immediate: an event): within 10 ms of SIGUSR1, 100 wake-ups/s while it waits.
+_P2P_SLICE_S = 0.01
+
+
+class _Waiter:
+    """One daemon thread that calls ``wait()`` on the works it is given, in order."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._serve, name="sailor-p2p-waiter", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work, done, errors = self.jobs.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the caller
+                errors.append(exc)
+            done.set()
+
+
+_waiter: _Waiter | None = None
+
+
+def wait_p2p(work: Any) -> Any:
+    """Wait for a gloo point-to-point ``work`` (see the module docstring), abortably."""
+    global _waiter
+    if not _polling:
+        return work.wait()
+    if _abort:
+        keep_alive(work)
+        _raise_aborted()
+    if _waiter is None:
+        _waiter = _Waiter()
+    done = threading.Event()
+    errors: list[BaseException] = []
+    _waiter.jobs.put((work, done, errors))
+    while not done.wait(_P2P_SLICE_S):
+        if _abort:
+            keep_alive(work)
+            _waiter = None  # blocked for good: the next world gets its own thread
+            _raise_aborted()
+    if errors:
+        keep_alive(work)
+        raise errors[0]
+    return True
 
 
 def abandon_world() -> None:

@@ -96,13 +96,14 @@ _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class _PolledWork:
-    """A handle whose ``wait`` is abortable (:func:`sailor.comm.abort.wait`)."""
+    """A handle whose ``wait`` is abortable (:mod:`sailor.comm.abort`: polled, or, for
+    gloo's point-to-point works, which cannot be polled, waited on a helper thread)."""
 
-    def __init__(self, work: Any) -> None:
-        self.work = work
+    def __init__(self, work: Any, gloo: bool) -> None:
+        self.work, self.gloo = work, gloo
 
     def wait(self) -> Any:
-        return abort.wait(self.work)
+        return abort.wait_p2p(self.work) if self.gloo else abort.wait(self.work)
 
 
 class TorchBackend:
@@ -142,7 +143,8 @@ class TorchBackend:
             for o in ops
         ]
         works = list(dist.batch_isend_irecv(p2p))
-        return [_PolledWork(w) for w in works]
+        gloo = dist.get_backend() == "gloo"
+        return [_PolledWork(w, gloo) for w in works]
 
     def all_gather_object(self, outs: list[Any], obj: Any, group: Any) -> None:
         _check_abort()

@@ -20,7 +20,6 @@ layers no live rank holds are the caller's to restore through its ``CheckpointIO
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,34 +81,28 @@ def parse_directive(text: str, last_generation: int) -> tuple[int, list[str]] | 
     return gen, list(argv)
 
 
-@dataclass
-class _Term:
-    seen: bool = False
-
-
 def await_directive(
-    control: str | None, last_generation: int, poll_s: float, timeout_s: float
+    control: str | None,
+    last_generation: int,
+    poll_s: float,
+    timeout_s: float,
+    stop: Callable[[], bool],
 ) -> tuple[int, list[str]] | None:
     """Poll ``control`` alone (no collective) for a newer directive, up to ``timeout_s``.
 
-    None on ``SIGTERM`` (handled here: the process then exits 0) or on the timeout.
+    None once ``stop()`` (the caller's SIGTERM flag) or on the timeout.
     """
-    term = _Term()
-    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(term, "seen", True))
-    try:
-        end = time.monotonic() + timeout_s
-        while not term.seen and time.monotonic() < end:
-            if control:
-                try:
-                    got = parse_directive(Path(control).read_text(), last_generation)
-                except OSError:
-                    got = None
-                if got is not None:
-                    return got
-            time.sleep(poll_s)
-        return None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    end = time.monotonic() + timeout_s
+    while not stop() and time.monotonic() < end:
+        if control:
+            try:
+                got = parse_directive(Path(control).read_text(), last_generation)
+            except OSError:
+                got = None
+            if got is not None:
+                return got
+        time.sleep(poll_s)
+    return None
 
 
 @dataclass(frozen=True)

@@ -375,6 +375,9 @@ class _Status:
         """The rank of the current generation (in-place: it changes)."""
         self.error_file = error_file
         """Where the current generation's first cause goes."""
+        self.holding = False
+        """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
+        self.terminated = False
 
 
 class _Boundary:
@@ -520,7 +523,7 @@ def _hold_broken(
     exc: BaseException,
 ) -> Held:
     """Leave a failed world at once (no waiting on dead peers) and hold, broken."""
-    status.in_training = False
+    status.in_training, status.holding = False, True
     comm_abort.abandon_world()
     comm_abort.clear_abort()
     if ckpt is not None:
@@ -587,10 +590,19 @@ def _run_in_place(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO 
         if status.in_training:  # a held (or warm, or relayouting) rank ignores it
             comm_abort.request_abort()
 
+    def on_term(_sig: int, _frame: Any) -> None:
+        if status.holding:
+            status.terminated = True
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as without --in-place: the default
+        os.kill(os.getpid(), signal.SIGTERM)
+
     signal.signal(signal.SIGUSR1, on_usr1)
+    signal.signal(signal.SIGTERM, on_term)
     held: Held | None = None
     generation = -1
     if args.warm:
+        status.holding = True
         print(json.dumps({"event": "warm", "pid": os.getpid()}), flush=True)
     else:
         out = _generation(args, status, ckpt, None, generation)
@@ -598,14 +610,17 @@ def _run_in_place(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO 
             return _leave(out.code)
         held = out.held
     while True:
-        got = await_directive(args.control, generation, args.poll_s, args.pause_timeout_s)
+        got = await_directive(
+            args.control, generation, args.poll_s, args.pause_timeout_s, lambda: status.terminated
+        )
         if got is None:
-            if held is not None and held.broken:
+            if held is not None and held.broken and not status.terminated:
                 raise RuntimeError(f"held broken without a relayout directive: {held.cause}")
             return _leave(0)
         generation, argv = got
         args = build_parser().parse_args(argv)
         args.in_place = True
+        status.holding = False
         out = _generation(args, status, ckpt, held, generation)
         if out.held is None:
             return _leave(out.code)
@@ -686,8 +701,8 @@ def _generation(
     previous_backend = None
     if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
         previous_backend = comm.install_backend(strict[0])
-        if args.in_place:  # one log directory per world
-            strict = (strict[0], strict[1] / f"gen-{generation}")
+        if args.in_place:  # one log directory per world (its master address)
+            strict = (strict[0], strict[1] / f"world-{args.master.replace(':', '-')}")
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
     # Under NCCL the first call on a communicator must involve all its ranks before a batched
     # p2p that only some of them post (torch's batch_isend_irecv contract): one world
@@ -724,7 +739,7 @@ def _generation(
     )
     t_built = time.time()
     relayout: dict[str, Any] = {}
-    if peers is not None:
+    if peers is not None and (peers.holders or resume):
         relayout = _relayout(args, trainer, held, peers, ckpt, device, resume)
         relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
     elif resume and ckpt is not None:
@@ -817,7 +832,7 @@ def _generation(
         if strict is not None:
             strict[0].write(strict[1])
             comm.install_backend(previous_backend or comm.TorchBackend())
-        status.in_training = False
+        status.in_training, status.holding = False, True
         kept = Held(trainer, args.rank, trainer.step, trainer.consumed_samples, False, generation)
         progress.emit(_held_line(kept))
         return _Outcome(0, kept)
