@@ -243,7 +243,7 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(tmp_path: Pa
     fresh = job.ready("g2", 2)
     assert fresh["kept_keys"] == 0 and fresh["checkpoint_keys"] == 0
     assert fresh["received_keys"] > 0 and fresh["start_step"] == 4
-    print("relayout 2->3 (fresh rank):", {k: v for k, v in fresh.items() if k.endswith("_s")})
+    print("in-place 2->3 (ranks 0, 1 held, 2 fresh):", _ready_times(job, "g2", range(3)))
     job.terminate(["w0", "w1", "fresh"])
     got = {**job.losses("g0"), **job.losses("g1"), **job.losses("g2")}
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
@@ -253,8 +253,7 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(tmp_path: Pa
     assert {s: got[s] for s in want} == want
     _assert_same_state(ip, rs, 4)
     _assert_same_state(ip, rs, 6)
-    restart = {k: v for k, v in job.ready("r2", 2).items() if k.endswith("_s")}
-    print("restart 2->3 (fresh rank):", restart)
+    print("restart 2->3 (fresh processes):", _ready_times(job, "r2", range(3)))
     # each world's calls, the exchanges included, replay under NCCL's semantics
     for m, n in ((m0, 2), (m1, 2), (m2, 3)):
         logs = read_logs(tmp_path / "strict" / f"world-{m.replace(':', '-')}")
@@ -262,3 +261,123 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(tmp_path: Pa
         res = replay(logs)
         assert res.ok, res.message
     assert any(op.kind == "recv" for op in logs[2])
+
+
+def _ready_times(job: _Job, gen: str, ranks: range) -> list[dict[str, float]]:
+    return [
+        {k: round(v, 3) for k, v in job.ready(gen, r).items() if k.endswith("_s")} for r in ranks
+    ]
+
+
+def test_warm_spare_becomes_a_rank(tmp_path: Path) -> None:
+    """(b) One rank holds at its stop step; a ``--warm`` spare (placeholder arguments)
+    becomes rank 1 of a DP2 world and gets every layer from it; equal to the restart path."""
+    job = _Job(tmp_path)
+    ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
+    warm_control = tmp_path / "warm-control.json"
+    job.start(
+        "spare",
+        [
+            *("--plan", "", "--rank", "-1", "--world-size", "1", "--master", ""),
+            *("--control", str(warm_control), "--warm", "--poll-s", "0.02"),
+        ],
+    )
+    job.start("w0", job.argv("g0", ONE, 0, f"127.0.0.1:{free_port()}"))
+    _stop_save(job, "g0", range(1), 2, ip)
+    job.held("g0", range(1), 2)
+    out = tmp_path / "proc-spare.out"
+    end = time.monotonic() + 60
+    while '"event": "warm"' not in out.read_text() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert '"event": "warm"' in out.read_text()
+
+    m1 = f"127.0.0.1:{free_port()}"
+    _stop_save(job, "g1", range(2), 4, ip)
+    _directive(job, "g0", 0, 1, job.argv("g1", DP2, 0, m1, ip, 2))
+    tmp = tmp_path / "warm.tmp"
+    argv = job.argv("g1", DP2, 1, m1, ip, 2)
+    tmp.write_text(json.dumps({"relayout": {"generation": 1, "argv": argv}}))
+    tmp.replace(warm_control)
+    job.held("g1", range(2), 4)
+    spare = job.ready("g1", 1)
+    assert spare["kept_keys"] == 0 and spare["received_keys"] > 0
+    assert spare["checkpoint_keys"] == 0 and spare["start_step"] == 2
+    assert job.ready("g1", 0)["kept_keys"] > 0 and job.ready("g1", 0)["received_keys"] == 0
+    print("warm spare 1->2:", _ready_times(job, "g1", range(2)))
+    job.terminate(["w0", "spare"])
+
+    want = _restart(job, "r1", DP2, ip, 2, 4, rs)
+    got = job.losses("g1")
+    assert sorted(want) == [3, 4] and {s: got[s] for s in want} == want
+    _assert_same_state(ip, rs, 4)
+
+
+def test_loss_without_notice_rolls_back_in_process(tmp_path: Path) -> None:
+    """(c) Three DP ranks; rank 2 is killed with SIGKILL mid-training. The survivors hold
+    broken within ~1 s (SIGUSR1 for any that does not, as the agent does); a directive
+    with ``--load-step`` = the committed step rolls them back in process into DP2, which
+    then trains exactly like the restart path from that checkpoint."""
+    job = _Job(tmp_path)
+    ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
+    m0 = f"127.0.0.1:{free_port()}"
+    for r in range(3):
+        job.start(f"w{r}", [*job.argv("g0", DP3, r, m0), "--min-step-s", "0.3"])
+    job.control("g0", range(3), {"save_step": 2, "save_dir": str(ip)})
+    job.wait_for("g0", range(3), lambda x: x.get("event") == "saved", "saved")
+    job.wait_for("g0", range(1), lambda x: x.get("event") == "step" and x["step"] >= 4, "step 4")
+    job.procs["w2"].kill()
+    job.procs["w2"].wait()
+    killed = time.monotonic()
+    del job.procs["w2"]
+    broken = lambda x: x.get("event") == "held" and x["broken"]  # noqa: E731
+    signalled = []
+    for r in range(2):
+        left = 1.0 - (time.monotonic() - killed)
+        try:
+            job.wait_for("g0", range(r, r + 1), broken, "held broken", timeout=max(left, 0.05))
+        except AssertionError:
+            job.procs[f"w{r}"].send_signal(signal.SIGUSR1)
+            signalled.append(r)
+    lines = job.wait_for("g0", range(2), broken, "held broken", timeout=5)
+    held_after = time.monotonic() - killed
+    print(f"held broken {held_after:.2f} s after the kill; SIGUSR1 to {signalled}:", lines)
+    assert all(x["step"] >= 4 for x in lines)
+    assert not (tmp_path / "g0" / "error-0.json").exists()
+
+    m1 = f"127.0.0.1:{free_port()}"
+    _stop_save(job, "g1", range(2), 4, ip)
+    for r in range(2):
+        _directive(job, "g0", r, 1, job.argv("g1", DP2, r, m1, ip, 2))
+    job.held("g1", range(2), 4)
+    for r in range(2):
+        ready = job.ready("g1", r)
+        assert ready["kept_keys"] == ready["received_keys"] == 0
+        assert ready["checkpoint_keys"] > 0 and ready["start_step"] == 2
+    job.terminate(["w0", "w1"])
+
+    want = _restart(job, "r1", DP2, ip, 2, 4, rs)
+    got = job.losses("g1")
+    assert sorted(want) == [3, 4] and {s: got[s] for s in want} == want
+    _assert_same_state(ip, rs, 4)
+
+
+def test_a_failure_inside_the_relayout_is_a_normal_failure(tmp_path: Path) -> None:
+    """(d) Two held ranks are told to relayout; one is killed right away. The other must
+    fail (error file, exit 1) within about its timeout, not hang."""
+    job = _Job(tmp_path)
+    ip = tmp_path / "ckpt-ip"
+    m0 = f"127.0.0.1:{free_port()}"
+    for r in range(2):
+        job.start(f"w{r}", job.argv("g0", PP2, r, m0))
+    _stop_save(job, "g0", range(2), 2, ip)
+    job.held("g0", range(2), 2)
+    m1 = f"127.0.0.1:{free_port()}"
+    for r in range(2):
+        _directive(job, "g0", r, 1, [*job.argv("g1", DP2, r, m1, ip, 2)[:-1], "--in-place"])
+    job.procs["w1"].kill()
+    t = time.monotonic()
+    code = job.procs["w0"].wait(timeout=90)
+    print(f"relayout failure: exit {code} after {time.monotonic() - t:.1f} s")
+    assert code == 1
+    record = json.loads((tmp_path / "g1" / "error-0.json").read_text())
+    assert record["rank"] == 0 and record["retry"] is True
