@@ -6,10 +6,11 @@ Two measurements, each in fresh processes on loopback (gloo, one thread per proc
    of 262144 fp32 elements, N calls through ``sailor.comm.api`` (async + polled wait) beside
    the same calls as plain blocking ``torch.distributed`` calls, same processes.
 2. Leaving a blocked wait: 3 ranks; rank 2 is killed with SIGKILL; rank 1 waits in an
-   ``irecv`` from rank 2 (never completes under gloo), rank 0 in an ``irecv`` from the live
-   rank 1. Both get SIGUSR1 (as the agent sends it); printed: seconds from the signal to
-   leaving the wait, to abandon the world, and to run an all-reduce in a new 2-rank world
-   at a new port.
+   ``irecv`` from rank 2 (it fails on its own: "Connection closed by peer", a negative
+   ``signal_to_leave_s``), rank 0 in an ``irecv`` from the live rank 1, which never fails
+   on its own. Both get SIGUSR1 (as the agent sends it); printed: seconds from the signal
+   to leaving the wait, to abandon the world, and to run an all-reduce in a new 2-rank
+   world at a new port.
 
 Prints its figures; asserts nothing about time.
 
@@ -41,7 +42,13 @@ def _child(kind: str, rank: int, world: int, port: int, port2: int, calls: int) 
 
     torch.set_num_threads(1)
     abort.set_polling(True)
-    signal.signal(signal.SIGUSR1, lambda *_: abort.request_abort())
+    old_world = [True]  # as the worker: only a rank still in the old world aborts
+
+    def on_usr1(*_: object) -> None:
+        if old_world[0]:
+            abort.request_abort()
+
+    signal.signal(signal.SIGUSR1, on_usr1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -79,8 +86,10 @@ def _child(kind: str, rank: int, world: int, port: int, port2: int, calls: int) 
     x = torch.zeros(4)
     try:
         comm.wait_all(comm.batch_isend_irecv([comm.P2POp("recv", x, rank + 1)]))
-    except abort.CommAbortedError:
+    except RuntimeError as exc:  # CommAbortedError, or the peer's closed connection
         out["left_at"] = time.time()
+        out["left_by"] = type(exc).__name__
+    old_world[0] = False
     t = time.perf_counter()
     abort.abandon_world()
     abort.clear_abort()

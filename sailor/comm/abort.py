@@ -5,18 +5,18 @@ world: a rank whose peer died must leave every wait promptly, drop the old group
 hanging, and join a new world. What torch 2.13 gloo does, measured with three processes on
 this machine (benchmarks/comm_abort.py reproduces it):
 
-- an all-reduce with a peer killed by ``SIGKILL`` raises "Connection closed by peer" on the
-  other ranks within ~30 ms; but an ``irecv`` from the killed peer never completes (not
-  within the 30 s process-group timeout either), and a rank blocked on a *live* peer that
-  itself failed waits until that peer's socket closes or the timeout;
+- an all-reduce or an ``irecv`` with a peer killed by ``SIGKILL`` raises "Connection closed
+  by peer" within ~30 ms (the ``irecv`` only inside ``wait()``); a rank blocked on a *live*
+  peer that itself failed waits until that peer's socket closes or the timeout;
 - ``Work.wait(timeout)`` cannot be used to poll: on its timeout gloo closes the pair
   ("Application timeout caused pair closure"), breaking the world at the first poll;
 - ``ProcessGroup.abort()`` neither wakes waits on other ranks nor closes sockets;
   ``distributed_c10d._abort_process_group()`` then ``init_process_group`` at a new port
   works (7-35 ms), and the new world's groups work;
 - gloo's point-to-point works (``isend``/``irecv``) never report ``is_completed()`` before
-  ``wait()`` was called (the wait does the work): they cannot be polled. Their ``wait`` runs
-  on a helper thread (:func:`wait_p2p`) while the caller waits on an event in short slices;
+  ``wait()`` was called (the wait does the work, and sees a dead peer): they cannot be
+  polled. Their ``wait`` runs
+  on a helper thread (:func:`wait_threaded`) while the caller waits on an event in short slices;
   after an abort a new helper thread serves the new world (the old one stays blocked);
 - dropping the last reference to a ``Work`` (or its group) whose operation is still blocked
   hangs in the destructor (it joins the backend's worker thread): abandoned works and
@@ -50,19 +50,21 @@ __all__ = [
     "abort_requested",
     "clear_abort",
     "keep_alive",
+    "polling",
     "request_abort",
     "set_polling",
     "wait",
-    "wait_p2p",
+    "wait_threaded",
 ]
 
-# The poll: a few immediate checks, then sleeps of a tenth of the time waited so far (at
-# least 20 us, at most 1 ms): a wait ends at most ~10% (+20 us) after its operation, an
-# abort is seen within ~1 ms, and a long idle wait costs ~1000 wake-ups/s. Sleeps doubling
-# up to 1 ms instead cost +88% on a 1 MiB all-reduce (2.25 -> 4.23 ms, 2 ranks, this
-# machine). Measured overhead (benchmarks/comm_abort.py, 2 ranks, same run): 1-element
-# all-reduce 505 -> 678 us (+170 us on this loaded 2-core machine), 1 MiB 2464 -> 2220 us
-# (noise). Hence polling only where it is needed (set_polling).
+# The poll (works that report completion: NCCL's): a few immediate checks, then sleeps of
+# a tenth of the time waited so far (at least 20 us, at most 1 ms): an abort is seen within
+# ~1 ms and a long idle wait costs ~1000 wake-ups/s. On gloo (benchmarks/comm_abort.py,
+# 2 ranks, this loaded 2-core machine) such polling cost +170..+320 us on a 1-element
+# all-reduce and up to +50% at 1 MiB (sleeps overshoot on a loaded host); waiting on the
+# helper thread instead (wait_threaded) costs +75 us (745 -> 820 us) and +37 us at 1 MiB
+# (2537 -> 2574 us), so gloo uses the helper thread for every work. Opt-in either way
+# (set_polling).
 _SPINS = 20
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3
@@ -84,6 +86,11 @@ def set_polling(on: bool) -> None:
     that takes part in in-place reconfiguration turns polling on before its first group."""
     global _polling
     _polling = on
+
+
+def polling() -> bool:
+    """Whether waits are abortable (:func:`set_polling`)."""
+    return _polling
 
 
 def request_abort() -> None:
@@ -145,7 +152,7 @@ def wait(work: Any) -> Any:
         raise
 
 
-# How often a caller blocked in wait_p2p looks at the abort flag (the wake-up on completion
+# How often a caller blocked in wait_threaded looks at the abort flag (the wake-up on completion
 # is immediate: an event): within 10 ms of SIGUSR1, 100 wake-ups/s while it waits.
 _P2P_SLICE_S = 0.01
 
@@ -172,8 +179,8 @@ class _Waiter:
 _waiter: _Waiter | None = None
 
 
-def wait_p2p(work: Any) -> Any:
-    """Wait for a gloo point-to-point ``work`` (see the module docstring), abortably."""
+def wait_threaded(work: Any) -> Any:
+    """Wait for a gloo ``work`` on the helper thread (see the module docstring), abortably."""
     global _waiter
     if not _polling:
         return work.wait()

@@ -95,15 +95,24 @@ class Backend(Protocol):
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-class _PolledWork:
-    """A handle whose ``wait`` is abortable (:mod:`sailor.comm.abort`: polled, or, for
-    gloo's point-to-point works, which cannot be polled, waited on a helper thread)."""
+def _wait(work: Any) -> Any:
+    """Wait abortably (:mod:`sailor.comm.abort`): gloo works on the helper thread (its p2p
+    works cannot be polled, and a waited event wakes at once where a polling sleep
+    oversleeps on a loaded host), other backends' (NCCL) by polling ``is_completed()``."""
+    if not abort.polling():
+        return work.wait() if work is not None else None
+    gloo = dist.get_backend() == "gloo"
+    return abort.wait_threaded(work) if gloo else abort.wait(work)
 
-    def __init__(self, work: Any, gloo: bool) -> None:
-        self.work, self.gloo = work, gloo
+
+class _PolledWork:
+    """A handle whose ``wait`` is abortable (:func:`_wait`)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
 
     def wait(self) -> Any:
-        return abort.wait_p2p(self.work) if self.gloo else abort.wait(self.work)
+        return _wait(self.work)
 
 
 class TorchBackend:
@@ -113,27 +122,28 @@ class TorchBackend:
     :func:`sailor.comm.abort.wait`, so a rank blocked on a failed peer leaves when the
     worker abandons the world (``SIGUSR1``). The object collectives (rare: control
     agreement, handshakes) stay blocking; they check the abort flag before they start.
+    Without ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
     """
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Any) -> None:
-        abort.wait(dist.all_reduce(tensor, op=_REDUCE[op], group=group, async_op=True))
+        _wait(dist.all_reduce(tensor, op=_REDUCE[op], group=group, async_op=True))
 
     def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
-        abort.wait(dist.all_gather(outs, tensor, group=group, async_op=True))
+        _wait(dist.all_gather(outs, tensor, group=group, async_op=True))
 
     def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-        abort.wait(dist.all_gather_into_tensor(out, tensor, group=group, async_op=True))
+        _wait(dist.all_gather_into_tensor(out, tensor, group=group, async_op=True))
 
     def gather(
         self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group: Any
     ) -> None:
-        abort.wait(dist.gather(tensor, outs, dst=dst, group=group, async_op=True))
+        _wait(dist.gather(tensor, outs, dst=dst, group=group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        abort.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
+        _wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
     def barrier(self, group: Any) -> None:
-        abort.wait(dist.barrier(group=group, async_op=True))
+        _wait(dist.barrier(group=group, async_op=True))
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         if not ops:
@@ -143,8 +153,7 @@ class TorchBackend:
             for o in ops
         ]
         works = list(dist.batch_isend_irecv(p2p))
-        gloo = dist.get_backend() == "gloo"
-        return [_PolledWork(w, gloo) for w in works]
+        return [_PolledWork(w) for w in works]
 
     def all_gather_object(self, outs: list[Any], obj: Any, group: Any) -> None:
         _check_abort()

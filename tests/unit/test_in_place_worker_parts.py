@@ -56,7 +56,7 @@ def polling() -> Iterator[None]:
     abort.clear_abort()
 
 
-@pytest.mark.parametrize("waiter", [abort.wait, abort.wait_p2p])
+@pytest.mark.parametrize("waiter", [abort.wait, abort.wait_threaded])
 def test_abort_leaves_a_blocked_wait_promptly(polling: None, waiter: object) -> None:
     work = _Never()
     threading.Timer(0.1, abort.request_abort).start()
@@ -69,7 +69,7 @@ def test_abort_leaves_a_blocked_wait_promptly(polling: None, waiter: object) -> 
 
 
 def test_completed_works_pass_and_no_polling_blocks_plainly(polling: None) -> None:
-    assert abort.wait(_Done()) is True and abort.wait_p2p(_Done()) is True
+    assert abort.wait(_Done()) is True and abort.wait_threaded(_Done()) is True
     assert abort.wait(None) is None
     abort.request_abort()
     with pytest.raises(abort.CommAbortedError):
