@@ -6,7 +6,7 @@ Usage::
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
         [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3] \\
-        [--train-config run.yaml]
+        [--train-config run.yaml] [--in-place | --warm]
 
 Training options come from ``--train-config`` (a ``TrainingConfig`` file, the one the
 controller hands every rank): model source (a catalog name, a ModelSpec, or a local
@@ -58,6 +58,23 @@ relative to the file) and where rank 0 writes per-step metrics (JSON lines, Tens
 checkpoints (``checkpoint.every_steps`` into ``checkpoint.dir`` with its own retention
 ``keep``, durable before training goes on, reported as ``periodic_checkpoint``; the agent's
 save requests keep their own directory).
+
+In-place reconfiguration (``--in-place``; the agent's contract: ``/tmp/exp/protocol.md``,
+the worker's side: ``docs/training.md``): the process runs *generations*
+(:func:`_generation`, one per world; without ``--in-place`` the only one, exactly the worker
+as before). At the stop step, once its save is durable, the rank prints ``stopped`` then
+``{"event": "held", "rank", "step", "broken": false}``, keeps its trainer and polls its
+control file alone for ``{"relayout": {"generation": G, "argv": [...]}}``; a communication
+failure in training (a peer died, or ``SIGUSR1``: every wait of ``sailor.comm`` leaves at
+once) abandons the world without waiting and holds with ``"broken": true`` and the cause
+(no error file). The directive's argv is re-parsed and run as the next generation in this
+process: new world, one handshake, then :mod:`~sailor.megatron_patch.relayout` decides per
+layer kept / received / checkpoint and :mod:`~sailor.megatron_patch.in_place` exchanges
+(one ordered ``batch_isend_irecv``); the ``ready`` line adds ``path: "in_place"``, key
+counts, ``bytes_received`` and the phase seconds. ``--warm``: a spare that only waits for
+a directive (``{"event": "warm", "pid"}``). Held or warm, SIGTERM exits 0. A failure
+inside a relayout is an ordinary failure (error file, exit 1). A process that abandoned a
+world ends with ``os._exit`` (blocked works must never be destroyed: ``sailor.comm.abort``).
 
 Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
 package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
