@@ -717,8 +717,8 @@ def _generation(
     metrics = _metrics_logger(tc, base, args.rank)
     _t_start = _T_START
     t0 = time.time()
-    if args.in_place:  # the ready line's init_s: from the directive, not the process start
-        _t_start = t_gen
+    if args.in_place and generation >= 0:  # init_s/setup_s from the directive, not the
+        _t_start = t_gen  # process start (a process's first generation: from its start)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{args.master}",
