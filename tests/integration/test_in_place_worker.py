@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,17 @@ class _Job:
         return next(x for x in self.lines(gen, rank) if x.get("event") == "ready")
 
 
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[_Job]:
+    """The test's processes; any still running at the end (a failed test) are killed."""
+    j = _Job(tmp_path)
+    yield j
+    for p in j.procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _directive(job: _Job, old_gen: str, old_rank: int, generation: int, argv: list[str]) -> None:
     job.control(old_gen, [old_rank], {"relayout": {"generation": generation, "argv": argv}})
 
@@ -212,10 +224,11 @@ def _restart(
     return job.losses(gen)
 
 
-def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(tmp_path: Path) -> None:
+def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
+    tmp_path: Path, job: _Job
+) -> None:
     """(a) PP2 --stop/save at 2--> DP2 (both kept, in place) --stop/save at 4--> DP_TP, a
     third, fresh --in-place process joining as a TP shard; equal to the restart path."""
-    job = _Job(tmp_path)
     ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
     m0 = f"127.0.0.1:{free_port()}"
     env = {ENV_VAR: str(tmp_path / "strict")}  # every call checked under NCCL's rules
@@ -269,10 +282,9 @@ def _ready_times(job: _Job, gen: str, ranks: range) -> list[dict[str, float]]:
     ]
 
 
-def test_warm_spare_becomes_a_rank(tmp_path: Path) -> None:
+def test_warm_spare_becomes_a_rank(tmp_path: Path, job: _Job) -> None:
     """(b) One rank holds at its stop step; a ``--warm`` spare (placeholder arguments)
     becomes rank 1 of a DP2 world and gets every layer from it; equal to the restart path."""
-    job = _Job(tmp_path)
     ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
     warm_control = tmp_path / "warm-control.json"
     job.start(
@@ -312,12 +324,11 @@ def test_warm_spare_becomes_a_rank(tmp_path: Path) -> None:
     _assert_same_state(ip, rs, 4)
 
 
-def test_loss_without_notice_rolls_back_in_process(tmp_path: Path) -> None:
+def test_loss_without_notice_rolls_back_in_process(tmp_path: Path, job: _Job) -> None:
     """(c) Three DP ranks; rank 2 is killed with SIGKILL mid-training. The survivors hold
     broken within ~1 s (SIGUSR1 for any that does not, as the agent does); a directive
     with ``--load-step`` = the committed step rolls them back in process into DP2, which
     then trains exactly like the restart path from that checkpoint."""
-    job = _Job(tmp_path)
     ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
     m0 = f"127.0.0.1:{free_port()}"
     for r in range(3):
@@ -361,10 +372,9 @@ def test_loss_without_notice_rolls_back_in_process(tmp_path: Path) -> None:
     _assert_same_state(ip, rs, 4)
 
 
-def test_a_failure_inside_the_relayout_is_a_normal_failure(tmp_path: Path) -> None:
+def test_a_failure_inside_the_relayout_is_a_normal_failure(tmp_path: Path, job: _Job) -> None:
     """(d) Two held ranks are told to relayout; one is killed right away. The other must
     fail (error file, exit 1) within about its timeout, not hang."""
-    job = _Job(tmp_path)
     ip = tmp_path / "ckpt-ip"
     m0 = f"127.0.0.1:{free_port()}"
     for r in range(2):
