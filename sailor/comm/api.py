@@ -1,7 +1,8 @@
 """The collectives and point-to-point calls the engine, checkpoint and profiler make.
 
 Every call goes to the process's current :class:`Backend`: plain ``torch.distributed`` by
-default (one indirection, no copy, no check), or one a test installs with
+default (one indirection, no copy, no check; every wait polled so that a worker can
+abandon a failed world: :mod:`sailor.comm.abort`), or one a test installs with
 :func:`use_backend` (``sailor.comm.strict`` records and checks every call against NCCL's
 rules). Code that communicates calls these functions and never ``torch.distributed``
 directly, so that what a test checks is the code that runs on GPUs.
@@ -22,6 +23,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+
+from sailor.comm import abort
 
 __all__ = [
     "Backend",
@@ -92,28 +95,55 @@ class Backend(Protocol):
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+def _wait(work: Any) -> Any:
+    """Wait abortably (:mod:`sailor.comm.abort`): gloo works on the helper thread (its p2p
+    works cannot be polled, and a waited event wakes at once where a polling sleep
+    oversleeps on a loaded host), other backends' (NCCL) by polling ``is_completed()``."""
+    if not abort.polling():
+        return work.wait() if work is not None else None
+    gloo = dist.get_backend() == "gloo"
+    return abort.wait_threaded(work) if gloo else abort.wait(work)
+
+
+class _PolledWork:
+    """A handle whose ``wait`` is abortable (:func:`_wait`)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> Any:
+        return _wait(self.work)
+
+
 class TorchBackend:
-    """``torch.distributed`` as it is (the default)."""
+    """``torch.distributed`` as it is (the default), with abortable waits.
+
+    Every tensor operation is posted asynchronously and waited on through
+    :func:`sailor.comm.abort.wait`, so a rank blocked on a failed peer leaves when the
+    worker abandons the world (``SIGUSR1``). The object collectives (rare: control
+    agreement, handshakes) stay blocking; they check the abort flag before they start.
+    Without ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
+    """
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Any) -> None:
-        dist.all_reduce(tensor, op=_REDUCE[op], group=group)
+        _wait(dist.all_reduce(tensor, op=_REDUCE[op], group=group, async_op=True))
 
     def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, group: Any) -> None:
-        dist.all_gather(outs, tensor, group=group)
+        _wait(dist.all_gather(outs, tensor, group=group, async_op=True))
 
     def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-        dist.all_gather_into_tensor(out, tensor, group=group)
+        _wait(dist.all_gather_into_tensor(out, tensor, group=group, async_op=True))
 
     def gather(
         self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, group: Any
     ) -> None:
-        dist.gather(tensor, outs, dst=dst, group=group)
+        _wait(dist.gather(tensor, outs, dst=dst, group=group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        dist.broadcast(tensor, src=src, group=group)
+        _wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
     def barrier(self, group: Any) -> None:
-        dist.barrier(group=group)
+        _wait(dist.barrier(group=group, async_op=True))
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         if not ops:
@@ -122,13 +152,21 @@ class TorchBackend:
             dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer)
             for o in ops
         ]
-        return list(dist.batch_isend_irecv(p2p))
+        works = list(dist.batch_isend_irecv(p2p))
+        return [_PolledWork(w) for w in works]
 
     def all_gather_object(self, outs: list[Any], obj: Any, group: Any) -> None:
+        _check_abort()
         dist.all_gather_object(outs, obj, group=group)
 
     def broadcast_object_list(self, objs: list[Any], src: int, group: Any) -> None:
+        _check_abort()
         dist.broadcast_object_list(objs, src=src, group=group)
+
+
+def _check_abort() -> None:
+    if abort.abort_requested():
+        raise abort.CommAbortedError("communication aborted: world abandoned (SIGUSR1)")
 
 
 _current: Backend = TorchBackend()
@@ -194,9 +232,15 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
 
 
 def wait_all(works: Sequence[Work]) -> None:
-    """Wait on every handle of a :func:`batch_isend_irecv`."""
-    for w in works:
-        w.wait()
+    """Wait on every handle of a :func:`batch_isend_irecv`; if one fails, the others are
+    kept alive (they may be blocked on a dead peer: see :mod:`sailor.comm.abort`)."""
+    try:
+        for w in works:
+            w.wait()
+    except BaseException:
+        for w in works:
+            abort.keep_alive(w)
+        raise
 
 
 def all_gather_object(outs: list[Any], obj: Any, group: Any = None) -> None:

@@ -6,7 +6,7 @@ Usage::
         --master 127.0.0.1:29500 --steps N [--model MODEL.json | tiny-gpt] \\
         [--progress progress-{rank}.jsonl] [--error-file error-{rank}.json] \\
         [--control control.json] [--ckpt-dir DIR --load-step S] [--cpu-cores 0,2-3] \\
-        [--train-config run.yaml]
+        [--train-config run.yaml] [--in-place | --warm]
 
 Training options come from ``--train-config`` (a ``TrainingConfig`` file, the one the
 controller hands every rank): model source (a catalog name, a ModelSpec, or a local
@@ -59,6 +59,23 @@ checkpoints (``checkpoint.every_steps`` into ``checkpoint.dir`` with its own ret
 ``keep``, durable before training goes on, reported as ``periodic_checkpoint``; the agent's
 save requests keep their own directory).
 
+In-place reconfiguration (``--in-place``; the agent's contract: ``/tmp/exp/protocol.md``,
+the worker's side: ``docs/training.md``): the process runs *generations*
+(:func:`_generation`, one per world; without ``--in-place`` the only one, exactly the worker
+as before). At the stop step, once its save is durable, the rank prints ``stopped`` then
+``{"event": "held", "rank", "step", "broken": false}``, keeps its trainer and polls its
+control file alone for ``{"relayout": {"generation": G, "argv": [...]}}``; a communication
+failure in training (a peer died, or ``SIGUSR1``: every wait of ``sailor.comm`` leaves at
+once) abandons the world without waiting and holds with ``"broken": true`` and the cause
+(no error file). The directive's argv is re-parsed and run as the next generation in this
+process: new world, one handshake, then :mod:`~sailor.megatron_patch.relayout` decides per
+layer kept / received / checkpoint and :mod:`~sailor.megatron_patch.in_place` exchanges
+(one ordered ``batch_isend_irecv``); the ``ready`` line adds ``path: "in_place"``, key
+counts, ``bytes_received`` and the phase seconds. ``--warm``: a spare that only waits for
+a directive (``{"event": "warm", "pid"}``). Held or warm, SIGTERM exits 0. A failure
+inside a relayout is an ordinary failure (error file, exit 1). A process that abandoned a
+world ends with ``os._exit`` (blocked works must never be destroyed: ``sailor.comm.abort``).
+
 Checkpoints go through a :class:`CheckpointIO` the caller passes to :func:`main` (this
 package may not import ``sailor.checkpoint``); ``sailor worker`` / ``python -m
 sailor.training_process`` pass the layer-keyed one of :mod:`sailor.training_process.ckpt_glue`.
@@ -72,8 +89,10 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -84,6 +103,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from sailor import catalog  # noqa: E402
+from sailor.comm import abort as comm_abort  # noqa: E402
 from sailor.comm import api as comm  # noqa: E402
 from sailor.comm import strict as strict_comm  # noqa: E402
 from sailor.megatron_patch.affinity import (  # noqa: E402
@@ -106,16 +126,30 @@ from sailor.megatron_patch.devices import (  # noqa: E402
     local_device,
     nccl_error_env,
 )
-from sailor.megatron_patch.engine import StepResult, TrainConfig, Trainer  # noqa: E402
+from sailor.megatron_patch.engine import (  # noqa: E402
+    StepResult,
+    TrainConfig,
+    Trainer,
+    make_optimizer,
+)
 from sailor.megatron_patch.errors import (  # noqa: E402
     InjectedFailureError,
+    classify,
     failure_record,
     fault_path,
     write_error_file,
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
+from sailor.megatron_patch.in_place import (  # noqa: E402
+    Held,
+    Peers,
+    await_directive,
+    exchange,
+    handshake,
+)
 from sailor.megatron_patch.model import TINY_MODELS, tiny_model  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
+from sailor.megatron_patch.relayout import schedule  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.metrics import MetricsLogger, step_metrics  # noqa: E402
@@ -151,6 +185,11 @@ class CheckpointIO(Protocol):
         """Load this rank's layers, sliced for its TP rank, and its AdamW moments."""
         ...
 
+    def restore_layers(self, trainer: Trainer, root: str, step: int, layers: list[int]) -> None:
+        """Like ``restore`` for ``layers`` (a subset of this rank's) only: an in-place
+        relayout reads what no live rank holds."""
+        ...
+
     def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
         """Snapshot now (collective), persist in the background; returns the stall seconds.
         ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
@@ -163,6 +202,11 @@ class CheckpointIO(Protocol):
 
     def close(self) -> None:
         """Finish the save in flight and release threads."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything tied to the current world without waiting (it was abandoned:
+        a save in flight may wait on dead peers); the next save starts afresh."""
         ...
 
 
@@ -212,6 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="TrainingConfig file (YAML/JSON): model, data, optimizer, metrics; see "
         "`sailor schema training-config`.",
+    )
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="Take part in in-place reconfiguration: hold after the stop step or a "
+        "communication failure and run the next generation a relayout directive gives.",
+    )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="A spare: import, build nothing, wait for a relayout directive on --control "
+        "(--plan/--rank/--world-size/--master are then placeholders).",
     )
     p.add_argument(
         "--min-step-s",
@@ -334,9 +390,16 @@ def _device(backend: str, plan: Plan, rank: int) -> torch.device:
 class _Status:
     """Where the worker is, for the failure record."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = -1, error_file: str | None = None) -> None:
         self.in_training = False
         self.step = -1
+        self.rank = rank
+        """The rank of the current generation (in-place: it changes)."""
+        self.error_file = error_file
+        """Where the current generation's first cause goes."""
+        self.holding = False
+        """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
+        self.terminated = False
 
 
 class _Boundary:
@@ -449,8 +512,183 @@ def _metrics_logger(tc: TrainingConfig | None, base: Path, rank: int) -> Metrics
     return MetricsLogger(jsonl, tb)
 
 
+@dataclass
+class _Outcome:
+    """How a generation ended: the exit status, or held for the next generation."""
+
+    code: int
+    held: Held | None
+
+
+def _comm_failure(exc: BaseException) -> bool:
+    """A failure of the world (a peer died or the world was abandoned), not of this rank."""
+    if isinstance(exc, comm_abort.CommAbortedError):
+        return True
+    return not isinstance(exc, InjectedFailureError) and classify(exc, True) == "peer"
+
+
+def _held_line(h: Held) -> dict[str, Any]:
+    line: dict[str, Any] = {"event": "held", "rank": h.old_rank, "step": h.step}
+    line["broken"] = h.broken
+    if h.broken:
+        line["cause"] = h.cause
+    return line
+
+
+def _hold_broken(
+    args: argparse.Namespace,
+    status: _Status,
+    trainer: Trainer,
+    progress: _Progress,
+    ckpt: CheckpointIO | None,
+    generation: int,
+    exc: BaseException,
+) -> Held:
+    """Leave a failed world at once (no waiting on dead peers) and hold, broken."""
+    status.in_training, status.holding = False, True
+    comm_abort.abandon_world()
+    comm_abort.clear_abort()
+    if ckpt is not None:
+        ckpt.reset()
+    comm.install_backend(comm.TorchBackend())  # a strict backend's log is of a dead world
+    cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    h = Held(None, args.rank, trainer.step, trainer.consumed_samples, True, generation, cause)
+    progress.emit(_held_line(h))
+    return h
+
+
+def _teardown(held: Held | None) -> float:
+    """Leave the previous generation's world (held unbroken: still initialised, idle)."""
+    t = time.perf_counter()
+    if held is not None and not held.broken and dist.is_initialized():
+        dist.destroy_process_group()
+    return time.perf_counter() - t
+
+
+def _relayout(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    held: Held | None,
+    peers: Peers,
+    ckpt: CheckpointIO | None,
+    device: torch.device,
+    resume: bool,
+) -> dict[str, Any]:
+    """Fill the new stage: kept and received layers (every rank takes part in the
+    exchange), then the layers no live rank holds from checkpoint ``--load-step``."""
+    sched = schedule(peers.old_plan, peers.holders, trainer.plan)
+    source = held.trainer if held is not None and args.rank in peers.holders else None
+    t = time.time()
+    st = exchange(trainer, source, sched, trainer.step, device)
+    t_transfer = time.time()
+    layers = st.checkpoint_layers
+    if layers:
+        if not resume or ckpt is None:
+            raise RuntimeError(
+                f"layers {layers} of rank {args.rank}: no live holder and no checkpoint "
+                "(--ckpt-dir/--load-step)"
+            )
+        if layers == list(trainer.role.layers):
+            ckpt.restore(trainer, args.ckpt_dir, args.load_step)
+        else:
+            ckpt.restore_layers(trainer, args.ckpt_dir, args.load_step, layers)
+    n_ckpt = sum(1 for k, _p in trainer.stage.keyed_parameters() if int(k.split(".")[0]) in layers)
+    return {
+        "path": "in_place",
+        "kept_keys": st.kept_keys,
+        "received_keys": st.received_keys,
+        "checkpoint_keys": n_ckpt,
+        "bytes_received": st.bytes_received,
+        "transfer_s": t_transfer - t,
+        "load_s": time.time() - t_transfer,
+    }
+
+
+def _warm_up() -> None:
+    """Pay torch's lazy imports ahead of need: the first AdamW built in a process imports
+    ``torch._dynamo`` (1.53 s of a fresh rank's 1.72 s stage build, measured on this
+    2-core machine), which a warm spare should not pay after its directive."""
+    make_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig())
+
+
+def _run_in_place(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None) -> int:
+    """Generations in one process: run one, hold, apply the next directive, and so on."""
+    comm_abort.set_polling(True)
+    _warm_up()
+
+    def on_usr1(_sig: int, _frame: Any) -> None:
+        if status.in_training:  # a held (or warm, or relayouting) rank ignores it
+            comm_abort.request_abort()
+
+    def on_term(_sig: int, _frame: Any) -> None:
+        if status.holding:
+            status.terminated = True
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as without --in-place: the default
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+    signal.signal(signal.SIGTERM, on_term)
+    held: Held | None = None
+    generation = -1
+    if args.warm:
+        status.holding = True
+        print(json.dumps({"event": "warm", "pid": os.getpid()}), flush=True)
+    else:
+        out = _generation(args, status, ckpt, None, generation)
+        if out.held is None:
+            return _leave(out.code)
+        held = out.held
+    while True:
+        got = await_directive(
+            args.control, generation, args.poll_s, args.pause_timeout_s, lambda: status.terminated
+        )
+        if got is None:
+            if held is not None and held.broken and not status.terminated:
+                raise RuntimeError(f"held broken without a relayout directive: {held.cause}")
+            return _leave(0)
+        generation, argv = got
+        args = build_parser().parse_args(argv)
+        args.in_place = True
+        status.holding = False
+        out = _generation(args, status, ckpt, held, generation)
+        if out.held is None:
+            return _leave(out.code)
+        held = out.held
+
+
+def _leave(code: int) -> int:
+    """The end of an in-place process: with abandoned worlds, no destructors (they could
+    join threads blocked on dead peers: ``sailor.comm.abort``)."""
+    if comm_abort.abandoned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if dist.is_initialized():  # held unbroken, told to exit: the idle world goes
+        dist.destroy_process_group()
+    return code
+
+
 def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
+    if args.in_place or args.warm:
+        return _run_in_place(args, status, ckpt)
+    return _generation(args, status, ckpt, None, -1).code
+
+
+def _generation(
+    args: argparse.Namespace,
+    status: _Status,
+    ckpt: CheckpointIO | None,
+    held: Held | None,
+    generation: int,
+) -> _Outcome:
+    """One generation: build the world and the stage, train, then finish (``code``) or, with
+    ``--in-place``, hold for the next generation (``held``). Without ``--in-place`` this is
+    the worker as it always was: the only generation of its process."""
+    status.rank, status.error_file = args.rank, _sub(args.error_file, args.rank)
+    t_gen = time.time()
+    teardown_s = _teardown(held) if args.in_place else 0.0
     tc = load_train_config(args.train_config) if args.train_config else None
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     base = Path(args.train_config).parent if args.train_config else Path.cwd()
@@ -477,7 +715,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     if tc is not None and tc.eval.every_steps:
         eval_data = build_dataset(tc.data, spec, tc.seed, "validation", base_dir=base)
     metrics = _metrics_logger(tc, base, args.rank)
+    _t_start = _T_START
     t0 = time.time()
+    if args.in_place and generation >= 0:  # init_s/setup_s from the directive, not the
+        _t_start = t_gen  # process start (a process's first generation: from its start)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{args.master}",
@@ -487,13 +728,30 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         device_id=device if device.type == "cuda" else None,
     )
     strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
+    previous_backend = None
     if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
-        comm.install_backend(strict[0])
+        previous_backend = comm.install_backend(strict[0])
+        if args.in_place:  # one log directory per world (its master address)
+            strict = (strict[0], strict[1] / f"world-{args.master.replace(':', '-')}")
     groups = build_process_groups(plan, role, spec.tie_embeddings, args.timeout_s)
     # Under NCCL the first call on a communicator must involve all its ranks before a batched
     # p2p that only some of them post (torch's batch_isend_irecv contract): one world
     # all-reduce here instead of relying on whichever collective happens to come first.
     comm.all_reduce(torch.zeros(1, device=device))
+    peers = None
+    if args.in_place:
+        peers = handshake(held, args.load_step if resume else -1, args.rank, args.world_size)
+        if peers.holders:
+            if resume and (peers.step, peers.consumed_samples) != (
+                args.start_step,
+                args.consumed_samples,
+            ):
+                raise RuntimeError(
+                    f"holders at (step, consumed_samples) = ({peers.step}, "
+                    f"{peers.consumed_samples}), checkpoint {args.load_step} at "
+                    f"({args.start_step}, {args.consumed_samples})"
+                )
+            args.start_step, args.consumed_samples = peers.step, peers.consumed_samples
     t_groups = time.time()
     trainer = Trainer(
         plan,
@@ -509,7 +767,12 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         data=train_data,
         eval_data=eval_data,
     )
-    if resume and ckpt is not None:
+    t_built = time.time()
+    relayout: dict[str, Any] = {}
+    if peers is not None and (peers.holders or resume):
+        relayout = _relayout(args, trainer, held, peers, ckpt, device, resume)
+        relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
+    elif resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
     elif weights is not None:
         from sailor.megatron_patch.hf.checkpoint import load_stage
@@ -524,10 +787,10 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "backend": backend,
             "device": str(device),
             "precision": trainer.precision,
-            "init_s": t0 - _T_START,
+            "init_s": t0 - _t_start,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
-            "setup_s": time.time() - _T_START,
+            "setup_s": time.time() - _t_start,
             "start_step": trainer.step,
             "consumed_samples": trainer.consumed_samples,
             "num_groups": groups.num_groups_created,
@@ -536,6 +799,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
             "tp_rank": role.tp_rank,
             "cpu_cores": format_cores(set(available_cores())),
             "layers": [role.first_layer, role.last_layer],
+            **relayout,
         }
     )
 
@@ -584,11 +848,24 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
     if tc is not None and tc.checkpoint.dir is not None:
         periodic = tc.checkpoint.model_copy(update={"dir": str(base / tc.checkpoint.dir)})
     boundary = _Boundary(args, status, progress, ckpt, device, periodic)
-    trainer.run(args.steps, hook=boundary, on_step=on_step)
+    try:
+        trainer.run(args.steps, hook=boundary, on_step=on_step)
+    except Exception as exc:
+        if not (args.in_place and _comm_failure(exc)):
+            raise
+        return _Outcome(0, _hold_broken(args, status, trainer, progress, ckpt, generation, exc))
     if metrics is not None:
         metrics.close()
     if ckpt is not None:
         ckpt.close()
+    if args.in_place and boundary.stopped_at >= 0:
+        if strict is not None:
+            strict[0].write(strict[1])
+            comm.install_backend(previous_backend or comm.TorchBackend())
+        status.in_training, status.holding = False, True
+        kept = Held(trainer, args.rank, trainer.step, trainer.consumed_samples, False, generation)
+        progress.emit(_held_line(kept))
+        return _Outcome(0, kept)
     dump = _sub(args.dump_state, args.rank)
     if dump:
         torch.save({k: (t.cpu(), d) for k, (t, d) in stage_state(trainer.stage).items()}, dump)
@@ -605,7 +882,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
         strict[0].write(strict[1])
     comm.barrier()
     dist.destroy_process_group()
-    return 0
+    return _Outcome(0, None)
 
 
 def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int:
@@ -614,8 +891,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
     ``ckpt`` saves and restores checkpoints (needed for ``--load-step`` and save requests).
     """
     args = build_parser().parse_args(argv)
-    status = _Status()
     err_file = _sub(args.error_file, args.rank)
+    status = _Status(args.rank, err_file)
     if err_file:
         # A fatal signal (NCCL's watchdog abort, a segfault) skips the handler below: leave
         # the Python stacks where the parent looks when it writes the record instead.
@@ -633,8 +910,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
                     fault_path(err_file).unlink()
         return code
     except BaseException as exc:  # the first cause of any failure is reported
-        record = failure_record(exc, args.rank, status.step, status.in_training)
-        write_error_file(err_file, record)
+        record = failure_record(exc, status.rank, status.step, status.in_training)
+        write_error_file(status.error_file, record)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         # Never run destructors or barriers that could wait on dead peers.
         os._exit(1)

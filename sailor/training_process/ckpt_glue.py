@@ -2,9 +2,10 @@
 
 - :func:`trainer_params`: the rank's parameters with both AdamW moments as ``ParamState``,
   keyed ``"{global_layer}.{param_name}"`` (what ``Checkpointer.save`` takes);
-- :func:`restore_trainer`: the layers this rank owns under *its* plan, read from a checkpoint
-  saved under any layout and sliced for its TP rank, copied into the live parameters, with
-  the AdamW moments and step count restored;
+- :func:`restore_trainer`: the layers this rank owns under *its* plan (or a subset of them:
+  what an in-place relayout could not get from a live rank), read from a checkpoint saved
+  under any layout and sliced for its TP rank, copied into the live parameters, with the
+  AdamW moments and step count restored;
 - :class:`LayerCheckpointIO`: the worker's ``CheckpointIO`` on top of those: an async save at
   the iteration boundary (snapshot on the caller's thread, persist on a background thread;
   each layer is written once across replicas, the manifest is committed by rank 0), and
@@ -17,6 +18,7 @@ etcd or the agent: it is called inside a worker process.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from sailor.checkpoint import (
     LocalStorage,
     ParamState,
     TrainingGlobals,
+    load,
     load_for_rank,
     read_manifest,
 )
@@ -48,21 +51,45 @@ def trainer_params(tr: Trainer) -> dict[str, ParamState]:
     return out
 
 
-def restore_trainer(tr: Trainer, root: str, step: int) -> None:
-    """Load the layers ``tr`` owns from the committed checkpoint ``step`` under ``root``.
+def restore_trainer(
+    tr: Trainer, root: str, step: int, layers: Collection[int] | None = None
+) -> None:
+    """Load the layers ``tr`` owns (or only ``layers`` of them) from the committed
+    checkpoint ``step`` under ``root``.
 
     On CPU with fp32 parameters the weights are read straight into the parameters and the
     Adam moments into new tensors that become the optimizer's state (no second copy); other
-    parameters (CUDA, lower precision) are loaded first and copied over.
+    parameters (CUDA, lower precision) are loaded first and copied over. ``layers`` (the
+    layers no live rank holds at an in-place relayout) reads just those layers' blocks.
     """
-    dims = {k: d for k, (_t, d) in stage_state(tr.stage).items()}
+    if layers is not None:
+        unknown = set(layers) - set(tr.role.layers)
+        if unknown:
+            raise ValueError(f"layers {sorted(unknown)} are not on rank {tr.role.rank}")
+    wanted = set(tr.role.layers if layers is None else layers)
+    if not wanted:
+        return
+    params = [(k, p) for k, p in tr.stage.keyed_parameters() if int(k.split(".", 1)[0]) in wanted]
+    dims = {
+        k: d for k, (_t, d) in stage_state(tr.stage).items() if int(k.split(".", 1)[0]) in wanted
+    }
     into = _destinations(tr, dims)
-    got = load_for_rank(
-        LocalStorage(root), tr.plan, tr.role.rank, step=step, tp_dims=dims, into=into
-    )
+    storage = LocalStorage(root)
+    if layers is None:
+        got = load_for_rank(storage, tr.plan, tr.role.rank, step=step, tp_dims=dims, into=into)
+    else:
+        got = load(
+            storage,
+            sorted(wanted),
+            tp_rank=tr.role.tp_rank,
+            tp_size=tr.role.tp,
+            step=step,
+            tp_dims=dims,
+            into=into,
+        )
     adam_step = float(got.globals.extra.get("adam_step", got.globals.step))
     with torch.no_grad():
-        for key, p in tr.stage.keyed_parameters():
+        for key, p in params:
             ps = got.params[key]
             if ps.weight.data_ptr() != p.data_ptr():
                 p.copy_(ps.weight.to(p.device, p.dtype))
@@ -81,6 +108,8 @@ def _destinations(tr: Trainer, dims: dict[str, int | None]) -> dict[str, ParamSt
     if every parameter is a contiguous fp32 CPU tensor (what the checkpoint stores)."""
     out: dict[str, ParamState] = {}
     for key, p in tr.stage.keyed_parameters():
+        if key not in dims:
+            continue
         if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
             return None
         w = p.detach()
@@ -102,6 +131,9 @@ class LayerCheckpointIO:
 
     def restore(self, trainer: Trainer, root: str, step: int) -> None:
         restore_trainer(trainer, root, step)
+
+    def restore_layers(self, trainer: Trainer, root: str, step: int, layers: list[int]) -> None:
+        restore_trainer(trainer, root, step, layers)
 
     def _checkpointer(self, tr: Trainer, root: str, keep: int | None = None) -> Checkpointer:
         ck = self._by_root.get(root)
@@ -131,6 +163,12 @@ class LayerCheckpointIO:
         if self._in_flight is not None:
             ck, self._in_flight = self._in_flight, None
             ck.wait()
+
+    def reset(self) -> None:
+        # The world was abandoned: a save in flight may wait on dead peers (the committer
+        # polls for their parts); its thread is left to finish or time out on its own.
+        self._in_flight = None
+        self._by_root.clear()
 
     def close(self) -> None:
         self.wait()

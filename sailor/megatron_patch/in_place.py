@@ -1,0 +1,276 @@
+"""The I/O shell of in-place reconfiguration: directives, handshake, state exchange.
+
+A worker started with ``--in-place`` (see ``rank_main`` and ``/docs/training.md``, "In-place
+reconfiguration") survives a reconfiguration: it holds after its stop step (or after a
+communication failure, "broken"), waits for a relayout directive in its control file, and
+runs the next generation in the same process. This module is what that needs around the
+pure schedule of :mod:`~sailor.megatron_patch.relayout`:
+
+- :func:`parse_directive` / :func:`await_directive`: the directive
+  ``{"relayout": {"generation": G, "argv": [...]}}`` (newer generations only);
+- :func:`handshake`: once per new world, every rank's ``(old rank | -1, step, broken,
+  old plan id, consumed samples)``, gathered; the old plan from the lowest valid holder;
+- :func:`exchange`: the kept shards copied, the received ones in one globally ordered
+  ``batch_isend_irecv`` (NCCL's pairing rules), concatenated along the TP dim and sliced.
+
+It never reads checkpoints (``megatron_patch`` may not import ``sailor.checkpoint``): the
+layers no live rank holds are the caller's to restore through its ``CheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sailor.comm import api as comm
+from sailor.megatron_patch.engine import Trainer
+from sailor.megatron_patch.relayout import Schedule
+from sailor.megatron_patch.state import gather_full, optimizer_state, shard, stage_state
+from sailor.megatron_patch.tp_layers import tp_dim_of
+from sailor.schemas.plan import Plan
+
+__all__ = [
+    "ExchangeStats",
+    "Held",
+    "Peers",
+    "await_directive",
+    "exchange",
+    "handshake",
+    "parse_directive",
+]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Held:
+    """What a held rank keeps for the next generation."""
+
+    trainer: Trainer | None
+    """The last generation's trainer (None: broken, or a fresh/warm process)."""
+    old_rank: int
+    step: int
+    consumed_samples: int
+    broken: bool
+    generation: int
+    """The last generation this process applied (-1: none yet)."""
+    cause: str = ""
+
+
+def parse_directive(text: str, last_generation: int) -> tuple[int, list[str]] | None:
+    """``(generation, argv)`` of a relayout directive newer than ``last_generation``; None
+    for anything else (no directive, an old one, a half-written or malformed file)."""
+    try:
+        data = json.loads(text or "{}")
+    except ValueError:
+        return None
+    d = data.get("relayout") if isinstance(data, dict) else None
+    if not isinstance(d, dict):
+        return None
+    gen, argv = d.get("generation"), d.get("argv")
+    if isinstance(gen, bool) or not isinstance(gen, int) or gen <= last_generation:
+        return None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        return None
+    return gen, list(argv)
+
+
+def await_directive(
+    control: str | None,
+    last_generation: int,
+    poll_s: float,
+    timeout_s: float,
+    stop: Callable[[], bool],
+) -> tuple[int, list[str]] | None:
+    """Poll ``control`` alone (no collective) for a newer directive, up to ``timeout_s``.
+
+    None once ``stop()`` (the caller's SIGTERM flag) or on the timeout.
+    """
+    end = time.monotonic() + timeout_s
+    while not stop() and time.monotonic() < end:
+        if control:
+            try:
+                got = parse_directive(Path(control).read_text(), last_generation)
+            except OSError:
+                got = None
+            if got is not None:
+                return got
+        time.sleep(poll_s)
+    return None
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The handshake's result, the same on every rank of the new world."""
+
+    old_plan: Plan | None
+    holders: dict[int, int]
+    """New rank -> old rank of every valid holder (unbroken, at the relayout step)."""
+    step: int
+    consumed_samples: int
+
+
+def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> Peers:
+    """Every rank's held state, gathered (collective over the new world).
+
+    A holder is valid if it is not broken and holds step ``load_step`` (any step, all
+    equal, when ``load_step`` < 0: a relayout without a checkpoint). Its step and data
+    position must agree with the other valid holders'; the old plan is broadcast from the
+    lowest valid holder, and every valid holder must have held that plan.
+    """
+    tr = held.trainer if held is not None and not held.broken else None
+    mine = (
+        (held.old_rank, held.step, held.broken, tr.plan.plan_id, held.consumed_samples)
+        if held is not None and tr is not None
+        else (-1, -1, True, "", -1)
+    )
+    got: list[Any] = [None] * world_size
+    comm.all_gather_object(got, mine)
+    valid = {
+        r: g
+        for r, g in enumerate(got)
+        if g[0] >= 0 and not g[2] and (load_step < 0 or g[1] == load_step)
+    }
+    if not valid:
+        return Peers(None, {}, -1, -1)
+    positions = {(g[1], g[4]) for g in valid.values()}
+    plans = {g[3] for g in valid.values()}
+    if len(positions) != 1 or len(plans) != 1:
+        raise RuntimeError(
+            f"holders disagree: (step, consumed_samples) {sorted(positions)}, plans {plans}"
+        )
+    src = min(valid)
+    box: list[Any] = [tr.plan.model_dump_json() if tr is not None and src == rank else None]
+    comm.broadcast_object_list(box, src=src)
+    old_plan = Plan.model_validate_json(box[0])
+    if old_plan.plan_id not in plans:
+        raise RuntimeError(f"old plan {old_plan.plan_id!r} is not the holders' {plans}")
+    ((step, consumed),) = positions
+    return Peers(old_plan, {r: g[0] for r, g in valid.items()}, step, consumed)
+
+
+def _layer(key: str) -> int:
+    return int(key.split(".", 1)[0])
+
+
+def _keys_by_layer(names: list[str]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for k in sorted(names):
+        out.setdefault(_layer(k), []).append(k)
+    return out
+
+
+@dataclass
+class ExchangeStats:
+    """What an exchange did on this rank."""
+
+    kept_keys: int = 0
+    received_keys: int = 0
+    bytes_received: int = 0
+    checkpoint_layers: list[int] = field(default_factory=list)
+
+
+def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
+    """The held trainer's shards by key: ``weight`` and, after a step, both moments."""
+    if tr is None:
+        return {}
+    opt = optimizer_state(tr.stage, tr.optimizer)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (t, _d) in stage_state(tr.stage).items():
+        out[key] = {"weight": t}
+        if key in opt:
+            out[key].update({m: opt[key][m] for m in _MOMENTS})
+    return out
+
+
+@torch.no_grad()
+def exchange(
+    new: Trainer,
+    old: Trainer | None,
+    sched: Schedule,
+    step: int,
+    device: torch.device,
+    now: Callable[[], float] = time.perf_counter,
+) -> ExchangeStats:
+    """Fill ``new``'s stage and AdamW state from the schedule: kept shards copied from
+    ``old``, received ones over one ``batch_isend_irecv`` (collective over the new world:
+    every rank calls it, senders included). Checkpoint layers are left to the caller
+    (``ExchangeStats.checkpoint_layers``)."""
+    me = new.role.rank
+    mine = sched.of(me)
+    kinds = ("weight", *_MOMENTS) if step > 0 else ("weight",)
+    held = _old_shards(old)
+    params = dict(new.stage.keyed_parameters())
+    new_keys = _keys_by_layer(list(params))
+    old_keys = _keys_by_layer(list(held))
+    stats = ExchangeStats(checkpoint_layers=list(mine.checkpoint))
+
+    def install(key: str, tensors: dict[str, torch.Tensor]) -> None:
+        p = params[key]
+        p.copy_(tensors["weight"].to(p.device, p.dtype))
+        if step > 0:
+            new.optimizer.state[p] = {
+                "step": torch.tensor(float(step)),
+                **{m: tensors[m].to(p.device).clone() for m in _MOMENTS},
+            }
+
+    for layer in mine.kept:
+        for key in new_keys[layer]:
+            install(key, held[key])
+            stats.kept_keys += 1
+
+    ops: list[comm.P2POp] = []
+    inbox: list[tuple[str, int, str, torch.Tensor]] = []  # key, shard index, kind, tensor
+    for t in sched.transfers:
+        if t.receiver == me:
+            keys = new_keys[t.layer]
+        elif me in t.sources:
+            keys = old_keys[t.layer]
+        else:
+            continue
+        for key in keys:
+            for i, src in enumerate(t.sources):
+                for kind in kinds:
+                    if src == t.receiver:  # the receiver's own old shard: no message
+                        if me == src:
+                            inbox.append((key, i, kind, held[key][kind]))
+                        continue
+                    if me == src:
+                        ops.append(comm.P2POp("send", held[key][kind].contiguous(), t.receiver))
+                    elif me == t.receiver:
+                        shape = _old_shape(params[key], new.role.tp, len(t.sources))
+                        buf = torch.empty(shape, device=device)
+                        ops.append(comm.P2POp("recv", buf, src))
+                        inbox.append((key, i, kind, buf))
+                        stats.bytes_received += buf.numel() * buf.element_size()
+    comm.wait_all(comm.batch_isend_irecv(ops))
+
+    got: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for key, i, kind, buf in inbox:
+        got.setdefault(key, {}).setdefault(kind, {})[i] = buf
+    tp = new.stage.tp
+    for key, by_kind in got.items():
+        dim = tp_dim_of(params[key])
+        full = {k: gather_full([v[i] for i in sorted(v)], dim) for k, v in by_kind.items()}
+        install(key, {k: shard(f, dim, tp.size, tp.rank) for k, f in full.items()})
+        stats.received_keys += 1
+    return stats
+
+
+def _old_shape(p: torch.Tensor, new_tp: int, old_tp: int) -> tuple[int, ...]:
+    """The shape of one old TP shard of ``p`` (a shard of TP degree ``new_tp``)."""
+    dim = tp_dim_of(p)
+    shape = list(p.shape)
+    if dim is None:
+        return tuple(shape)
+    full = shape[dim] * new_tp
+    if full % old_tp:
+        raise RuntimeError(f"dim {dim} of size {full} does not split into {old_tp} shards")
+    shape[dim] = full // old_tp
+    return tuple(shape)

@@ -1,0 +1,154 @@
+"""The transfer schedule of an in-place relayout: a pure function of (old plan, survivors,
+new plan).
+
+At an in-place reconfiguration (issue 21) some ranks of the old world survive with their
+state at step S intact ("holders"); each is a rank of the new world too. For every layer of
+every new rank's stage this module decides where its state (weights, both AdamW moments)
+comes from:
+
+- **kept**: the rank held that layer in the old plan with the same TP degree and TP rank:
+  its shards are already the right ones;
+- **received**: from one *complete* surviving old replica group holding the layer (all of
+  its TP ranks are holders): the receiver gets every TP shard (old TP-rank order),
+  concatenates them along the parameter's TP dim and slices its own shard. Sources are
+  spread over the surviving replicas (a group the receiver is itself part of first: its own
+  shard then needs no message; else round-robin per layer), so that no single replica
+  sends every copy;
+- **checkpoint**: no complete surviving group holds it: read from the committed
+  checkpoint (only those layers).
+
+The schedule is by layer: every key of a layer (``"{layer}.{param}"``, see ``state``) has
+the owners of its layer. With tied embeddings both copies are ordinary keys of their
+layers (``0.wte.weight`` of layer 0, ``{L+1}.lm_head.weight`` of the head), each moved
+with its own layer. :attr:`Schedule.transfers` is in one global order (receiver, layer),
+the order in which every rank posts its part of the single ``batch_isend_irecv``, so that
+each pair of ranks posts matching sends and receives in the same order (NCCL's rule).
+
+This module must never import torch or do I/O: every rank computes the same schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sailor.megatron_patch.roles import RankRole, replica_ranks, role_of
+from sailor.schemas.plan import Plan
+
+__all__ = ["RankSchedule", "Schedule", "Transfer", "schedule"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One layer moved to one new rank from one complete old replica group."""
+
+    receiver: int
+    """New rank that receives."""
+    layer: int
+    sources: tuple[int, ...]
+    """New ranks holding the layer's TP shards, in old TP-rank order (may include the
+    receiver itself: that shard is copied locally)."""
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """Where one new rank's layers come from."""
+
+    rank: int
+    kept: tuple[int, ...]
+    received: tuple[int, ...]
+    checkpoint: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every new rank's sources and the global transfer order."""
+
+    ranks: tuple[RankSchedule, ...]
+    transfers: tuple[Transfer, ...]
+
+    def of(self, rank: int) -> RankSchedule:
+        return self.ranks[rank]
+
+    def sends_of(self, rank: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` sends a shard of (to another rank), in the global order."""
+        return tuple(t for t in self.transfers if rank in t.sources and t.receiver != rank)
+
+
+def _check_holders(old: Plan | None, new: Plan, holders: Mapping[int, int]) -> None:
+    if holders and old is None:
+        raise ValueError(f"holders {dict(holders)} without an old plan")
+    n_old = len(old.ranks()) if old is not None else 0
+    n_new = len(new.ranks())
+    for r, o in holders.items():
+        if not 0 <= r < n_new:
+            raise ValueError(f"holder new rank {r} outside the new world of {n_new}")
+        if not 0 <= o < n_old:
+            raise ValueError(f"holder old rank {o} (new rank {r}) outside the old world of {n_old}")
+    if len(set(holders.values())) != len(holders):
+        raise ValueError(f"two new ranks hold the same old rank: {dict(holders)}")
+    if old is not None and old.num_layers != new.num_layers:
+        raise ValueError(f"old plan has {old.num_layers} layers, new plan {new.num_layers}")
+
+
+def _complete_groups(old: Plan, survivors: Mapping[int, int]) -> dict[int, list[tuple[int, ...]]]:
+    """Per layer: the complete surviving old replica groups, as new ranks in TP order."""
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for pi, p in enumerate(old.pipelines):
+        for si, s in enumerate(p.stages):
+            ranks = replica_ranks(old, pi, si)
+            if not all(o in survivors for o in ranks):
+                continue
+            as_new = tuple(survivors[o] for o in ranks)
+            for layer in range(s.first_layer, s.last_layer + 1):
+                out.setdefault(layer, []).append(as_new)
+    return out
+
+
+def _kept(old_role: RankRole | None, new_role: RankRole, layer: int) -> bool:
+    return (
+        old_role is not None
+        and layer in old_role.layers
+        and old_role.tp == new_role.tp
+        and old_role.tp_rank == new_role.tp_rank
+    )
+
+
+def schedule(old: Plan | None, holders: Mapping[int, int], new: Plan) -> Schedule:
+    """The transfer schedule of a relayout from ``old`` to ``new``.
+
+    ``holders`` maps each new rank whose state at the relayout step is intact (an unbroken
+    holder at that step) to its rank in ``old``; every other new rank (fresh, broken, or
+    behind) contributes nothing. With no holders every layer comes from the checkpoint.
+    """
+    _check_holders(old, new, holders)
+    survivors = {o: r for r, o in holders.items()}
+    groups = _complete_groups(old, survivors) if old is not None else {}
+    spread: dict[int, int] = {}
+    ranks: list[RankSchedule] = []
+    transfers: list[Transfer] = []
+    for r in range(len(new.ranks())):
+        role = role_of(new, r)
+        old_role = role_of(old, holders[r]) if old is not None and r in holders else None
+        kept: list[int] = []
+        received: list[int] = []
+        ckpt: list[int] = []
+        for layer in role.layers:
+            if _kept(old_role, role, layer):
+                kept.append(layer)
+                continue
+            cands = groups.get(layer, [])
+            if not cands:
+                ckpt.append(layer)
+                continue
+            own = [g for g in cands if r in g]
+            if own:
+                src = own[0]
+            else:
+                i = spread.get(layer, 0)
+                spread[layer] = i + 1
+                src = cands[i % len(cands)]
+            received.append(layer)
+            transfers.append(Transfer(receiver=r, layer=layer, sources=src))
+        ranks.append(RankSchedule(r, tuple(kept), tuple(received), tuple(ckpt)))
+    return Schedule(tuple(ranks), tuple(transfers))
