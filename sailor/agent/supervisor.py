@@ -193,7 +193,6 @@ class Supervisor:
         """How the current generation came up: 'restart' or 'in_place' (reused/new counts)."""
         self.changed = asyncio.Event()
         self._tasks = TaskSet("supervisor")
-        self._control: Path | None = None
         self._control_state: dict[str, object] = {}
 
     @property
@@ -281,7 +280,7 @@ class Supervisor:
             "rank": str(rank),
             "world_size": str(cmd.world_size),
             "master": cmd.master,
-            "control": str(gen_dir / "control.json"),
+            "control": str(_control_file(gen_dir, rank)),
             "load_dir": cmd.checkpoint,
             "load_step": str(cmd.load_step),
             "error_file": str(gen_dir / f"error-{rank}.json"),
@@ -305,8 +304,6 @@ class Supervisor:
             reusable = []
         gen_dir, plan_path, extra = self._gen_files(cmd, training)
         self._control_state = {}
-        self._control = gen_dir / "control.json"
-        self._write_control()
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
         self.start_step = cmd.load_step
         self.expect_exit = False
@@ -317,6 +314,7 @@ class Supervisor:
         assigned: list[WorkerView] = []
         fresh = reused = 0
         for rank in sorted(cmd.ranks):
+            _write_atomic(_control_file(gen_dir, rank), "{}")
             argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
             same = next((w for w in reusable if w.rank == rank), None)
             w = same or (reusable[0] if reusable else None) or (spares[0] if spares else None)
@@ -344,7 +342,7 @@ class Supervisor:
         directive = {"relayout": {"generation": generation, "argv": worker_options(argv)}}
         _write_atomic(w.control, json.dumps(directive))
         w.rank, w.argv, w.generation = rank, argv, generation
-        w.control = gen_dir / "control.json"
+        w.control = _control_file(gen_dir, rank)
         w.error_file = gen_dir / f"error-{rank}.json"
         w.held = w.warm = w.started = False
         w.broken, w.held_step = "", -1
@@ -366,7 +364,7 @@ class Supervisor:
             proc=proc,
             argv=argv,
             timings=StepWindow(rank),
-            control=gen_dir / "control.json",
+            control=_control_file(gen_dir, rank),
             error_file=gen_dir / f"error-{rank}.json",
             generation=generation,
             tasks=TaskSet(f"worker-{proc.pid}"),
@@ -385,6 +383,7 @@ class Supervisor:
         while len(self.spares) < self.warm_spares:
             d = self.run_dir / "spares" / f"spare-{next(_spare_ids):04d}-{os.getpid()}"
             d.mkdir(parents=True, exist_ok=True)
+            _write_atomic(d / "control.json", "{}")
             subst = {
                 "plan": "",
                 "rank": "-1",
@@ -398,12 +397,16 @@ class Supervisor:
             }
             argv = (*(a.format(**subst) for a in self.worker_argv), "--warm", "--in-place")
             w = await self._spawn(-1, argv, d, -1)
+            w.control = d / "control.json"
             self.spares.append(w)
 
     def _write_control(self) -> None:
-        if self._control is None:
-            return
-        _write_atomic(self._control, json.dumps(self._control_state))
+        """The stop/save requests, into every worker's control file (one per rank: a held
+        worker's directive names that rank alone)."""
+        data = json.dumps(self._control_state)
+        for w in self.workers:
+            if w.control is not None and w.exit_code is None:
+                _write_atomic(w.control, data)
 
     def stop_at(self, step: int) -> None:
         self._control_state["stop_at_step"] = step
@@ -550,6 +553,11 @@ class Supervisor:
         await self._kill(self.spares)
         self.spares = []
         await self._tasks.close(timeout=2.0)
+
+
+def _control_file(gen_dir: Path, rank: int) -> Path:
+    """A rank's control file in its generation's directory."""
+    return gen_dir / f"control-{rank}.json"
 
 
 def _write_atomic(path: Path, data: str) -> None:
