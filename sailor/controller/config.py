@@ -159,6 +159,12 @@ class ControllerConfig(ServerEndpoints):
     objective: Literal["throughput", "cost", "throughput_per_cost"] = Field(
         default="throughput", description="Planner objective."
     )
+    risk: Literal["optimistic", "median", "robust"] = Field(
+        default="robust",
+        description="What the sailor planner bets on (docs/planner.md, 'Robust planning'): "
+        "robust = fit and meet every limit in every corner of the cost model's uncertainty "
+        "set, ranked by the worst case; median/optimistic = that one corner. Replans keep it.",
+    )
     num_layers: int = Field(default=6, gt=0, description="Global layers (stand-in planner).")
     global_batch_size: int = Field(default=8, gt=0, description="Samples per iteration.")
     max_gpus: int = Field(default=0, ge=0, description="Cap for the stand-in planner; 0 = all.")

@@ -380,6 +380,7 @@ class SyncModel:
         self._rings: dict[tuple[tuple[Kind, ...], int, float, float], float] = {}
         self._segments: dict[tuple[object, ...], float] = {}
         self._fixed: dict[str, float] = {}
+        self._effs: dict[tuple[Kind, Kind], tuple[BandwidthCurve, float]] = {}
         self.per_gpu = tables.inputs.calibration.ring_links == "per_gpu"
         """Each rank's ring over a 1-GPU VM's curve with its own bytes (the original's)."""
 
@@ -400,11 +401,15 @@ class SyncModel:
         return curve
 
     def _step(self, a: Kind, b: Kind, chunk: float) -> float:
-        cal = self.tables.inputs.calibration
-        eff = min(
-            cal.for_gpu(a.gpu_type).network_efficiency, cal.for_gpu(b.gpu_type).network_efficiency
-        )
-        return self._curve(a, b).transfer_time(chunk) / eff
+        hit = self._effs.get((a, b))
+        if hit is None:
+            cal = self.tables.inputs.calibration
+            eff = min(
+                cal.for_gpu(a.gpu_type).network_efficiency,
+                cal.for_gpu(b.gpu_type).network_efficiency,
+            )
+            hit = self._effs[(a, b)] = (self._curve(a, b), eff)
+        return hit[0].transfer_time(chunk) / hit[1]
 
     def fixed_s(self, gpu_type: str) -> float:
         """Time between a stage's last backward and its gradient all-reduce, as the simulator
@@ -513,14 +518,25 @@ def overheads_for(
     """
     out: dict[int, float] = {}
     cal = sync.tables.inputs.calibration
+    # ring and count are fixed here: a stage's all-reduce depends on its TP degree and
+    # parameters only, and the fixed cost on its GPU type (a replan prices thousands of
+    # stages of a few hundred distinct shapes; the sums below are the same additions)
+    rings: dict[tuple[int, float], float] = {}
+    fixed_of: dict[str, float] = {}
     for t in templates:
-        ar = sum(
-            sync.ring_time(
-                ring, n_pipes, sync.node_bytes(s.kind.tp, s.params, param_bytes), s.params
-            )
-            for s in t.stages
-        )
-        fixed = max(cal.for_gpu(s.kind.gpu_type).sync_fixed_s for s in t.stages)
+        ar = 0.0
+        fixed = -math.inf
+        for s in t.stages:
+            k = s.kind
+            hit = rings.get((k.tp, s.params))
+            if hit is None:
+                nb = sync.node_bytes(k.tp, s.params, param_bytes)
+                hit = rings[(k.tp, s.params)] = sync.ring_time(ring, n_pipes, nb, s.params)
+            ar += hit
+            f = fixed_of.get(k.gpu_type)
+            if f is None:
+                f = fixed_of[k.gpu_type] = cal.for_gpu(k.gpu_type).sync_fixed_s
+            fixed = max(fixed, f)
         out[id(t)] = fixed + ar + max(s.update_s for s in t.stages)
     return out
 

@@ -79,21 +79,7 @@ class Constraints:
 
     def violations(self, est: Estimate, cost_per_hour: float) -> list[str]:
         """Why an estimate breaks these constraints (empty if it meets them)."""
-        out: list[str] = []
-        if self.max_cost_per_iter_usd is not None and est.cost_per_iter_usd > (
-            self.max_cost_per_iter_usd * (1 + 1e-9)
-        ):
-            out.append(
-                f"cost_per_iter={est.cost_per_iter_usd:.4g} > {self.max_cost_per_iter_usd:.4g}"
-            )
-        if self.max_cost_per_hour_usd is not None and cost_per_hour > (
-            self.max_cost_per_hour_usd * (1 + 1e-9)
-        ):
-            out.append(f"cost_per_hour={cost_per_hour:.4g} > {self.max_cost_per_hour_usd:.4g}")
-        if self.min_throughput_iter_s is not None and est.throughput_iter_s < (
-            self.min_throughput_iter_s * (1 - 1e-9)
-        ):
-            out.append(f"throughput={est.throughput_iter_s:.4g} < {self.min_throughput_iter_s:.4g}")
+        out = self.limit_violations(est.throughput_iter_s, est.cost_per_iter_usd, cost_per_hour)
         by_type: dict[str, int] = {}
         for k, n in est.gpus_by_type_zone.items():
             g, _, _z = k.partition("@")
@@ -102,6 +88,25 @@ class Constraints:
             cap = self.gpu_cap(g)
             if cap is not None and n > cap:
                 out.append(f"{g}: {n} GPUs > max {cap}")
+        return out
+
+    def limit_violations(
+        self, throughput_iter_s: float, cost_per_iter_usd: float, cost_per_hour: float
+    ) -> list[str]:
+        """Which of the budget and throughput limits these figures break (not the GPU caps)."""
+        out: list[str] = []
+        if self.max_cost_per_iter_usd is not None and cost_per_iter_usd > (
+            self.max_cost_per_iter_usd * (1 + 1e-9)
+        ):
+            out.append(f"cost_per_iter={cost_per_iter_usd:.4g} > {self.max_cost_per_iter_usd:.4g}")
+        if self.max_cost_per_hour_usd is not None and cost_per_hour > (
+            self.max_cost_per_hour_usd * (1 + 1e-9)
+        ):
+            out.append(f"cost_per_hour={cost_per_hour:.4g} > {self.max_cost_per_hour_usd:.4g}")
+        if self.min_throughput_iter_s is not None and throughput_iter_s < (
+            self.min_throughput_iter_s * (1 - 1e-9)
+        ):
+            out.append(f"throughput={throughput_iter_s:.4g} < {self.min_throughput_iter_s:.4g}")
         return out
 
 

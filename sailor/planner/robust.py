@@ -24,14 +24,24 @@ Pure: values in, values out (docs/planner.md, "Robust planning").
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from sailor.planner.allocate import Allocation
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.moves import moved_layers
+from sailor.planner.pricing import GpuPricing
 from sailor.planner.replan import replan
-from sailor.planner.search import Progress, SearchResult, explain_candidate, search
+from sailor.planner.search import (
+    Progress,
+    SearchResult,
+    SearchState,
+    closed_form,
+    explain_candidate,
+    search,
+)
+from sailor.planner.tables import CostTables
+from sailor.planner.templates import repriced
 from sailor.schemas import (
     Calibration,
     Estimate,
@@ -126,15 +136,18 @@ class RobustResult:
     """Each searched corner's own search result (a replan's starting point)."""
     calibration: Calibration | None = None
     """The calibration whose corners judged the plans."""
+    judges: Mapping[str, SearchState] = field(default_factory=dict)
+    """Cost tables of the judged corners no search covers (``optimistic`` under ``robust``),
+    built by a replan for its closed form and reused by the next one."""
 
 
-def _score(objective: Objective, e: Estimate, cost_per_hour: float) -> float:
+def _score_of(objective: Objective, f: _Figures, cost_per_hour: float) -> float:
     """Larger is better, positive: it/s, iterations per $, or it/s per $/h."""
     if objective == "throughput":
-        return e.throughput_iter_s
+        return f.throughput_iter_s
     if objective == "cost":
-        return 1.0 / e.cost_per_iter_usd if e.cost_per_iter_usd > 0 else float("inf")
-    return e.throughput_iter_s / cost_per_hour if cost_per_hour > 0 else 0.0
+        return 1.0 / f.cost_per_iter_usd if f.cost_per_iter_usd > 0 else float("inf")
+    return f.throughput_iter_s / cost_per_hour if cost_per_hour > 0 else 0.0
 
 
 def _key(p: Plan) -> tuple[object, ...]:
@@ -245,6 +258,12 @@ def robust_replan(
     plans within ``tolerance`` of the best ratio, the one that moves the fewest layer
     replicas from the running plan comes first. Regrets are against the candidates the
     replans found.
+
+    A plan's figures in a corner whose replan did not simulate it are first the closed form
+    (its allocation priced by that corner's tables, which follows the simulator's schedule
+    and prices), and the simulator is asked only for the plans that come out on top: they
+    are re-ranked with its figures until every returned plan is simulated in every corner.
+    A plan whose stages do not fit by the tables' memory bound is simulated right away.
     """
     if previous.calibration is None:
         raise ValueError("previous has no calibration: pass a result of robust_search")
@@ -254,25 +273,76 @@ def robust_replan(
         name: replan(previous.results[name], new_pool, tolerance=tolerance, running=running)
         for name in previous.searched
     }
-    some = next(iter(previous.results.values()))
-    return _rank(
+    some = next(iter(results.values()))
+    inp = some.state.tables.inputs
+    by_name = dict(corners(previous.calibration))
+    judges = dict(previous.judges)
+    for name in _JUDGED[previous.risk]:
+        if name not in results and name not in judges:
+            judges[name] = SearchState(tables=CostTables(replace(inp, calibration=by_name[name])))
+    for st in judges.values():
+        st.pricing = GpuPricing.of(new_pool, inp.prices, inp.spot)
+    out = _rank(
         results,
         previous.risk,
         previous.objective,
         some.constraints,
         previous.calibration,
-        some.state.tables.inputs.spot,
+        inp.spot,
         top_k,
         _PER_CORNER,
         running=run.plan if run is not None else None,
         tolerance=tolerance,
+        closed={**{n: r.state for n, r in results.items()}, **judges},
     )
+    return replace(out, judges=judges)
 
 
 _PER_CORNER = 4
 """Finalists per corner search (``robust_search``'s default ``per_corner``)."""
 
-_Row = tuple[Plan, dict[str, Estimate], float, "Allocation | None"]
+
+@dataclass(frozen=True)
+class _Figures:
+    """A plan's figures in one corner: the simulator's (``estimate`` set) or the closed
+    form's (its time and $ follow the simulator's; memory is the tables' bound, checked
+    before: only plans that fit by it are left to the closed form)."""
+
+    throughput_iter_s: float
+    cost_per_iter_usd: float
+    violations: tuple[str, ...]
+    estimate: Estimate | None = None
+
+
+_Row = tuple[Plan, dict[str, _Figures], float, "Allocation | None"]
+_Scored = tuple[tuple[float, float], float, dict[str, float], _Row, dict[str, tuple[str, ...]]]
+
+
+def _simulated(e: Estimate, cons: Constraints, cph: float) -> _Figures:
+    v = list(cons.violations(e, cph))
+    if not e.fits_in_memory:
+        v.append(f"peak memory {e.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
+    return _Figures(e.throughput_iter_s, e.cost_per_iter_usd, tuple(v), e)
+
+
+def _closed_form(
+    alloc: Allocation, state: SearchState, cons: Constraints, cph: float
+) -> _Figures | None:
+    """``alloc``'s closed-form figures in ``state``'s corner; None if a template cannot be
+    priced there or a stage exceeds its GPU by the tables' memory bound (which holds every
+    stage's 1F1B microbatches in flight: at least the simulator's figure)."""
+    tables = state.tables
+    by_id = {}
+    for t, _, _ in alloc.groups():
+        r = repriced(tables, t)
+        if r is None or any(st.memory_bytes > tables.capacity(st.kind.gpu_type) for st in r.stages):
+            return None
+        by_id[id(t)] = r
+    f = closed_form(
+        state, Allocation(tuple((by_id[id(t)], m) for t, m in alloc.pipelines), alloc.how)
+    )
+    thr = 1.0 / f.iteration_s
+    return _Figures(thr, f.cost_per_iter, tuple(cons.limit_violations(thr, f.cost_per_iter, cph)))
 
 
 def _rank(
@@ -287,16 +357,20 @@ def _rank(
     *,
     running: Plan | None = None,
     tolerance: float = 0.0,
+    closed: Mapping[str, SearchState] | None = None,
 ) -> RobustResult:
     """Judge the finalists of every corner's search in every corner and rank them by
     ``risk``'s rule; with ``running``, plans within ``tolerance`` of the best ratio are
-    ordered by the layer replicas they move from it."""
+    ordered by the layer replicas they move from it. With ``closed`` (per corner, the
+    tables of its closed form), unknown figures start as the closed form and only the plans
+    ranked first are simulated (:func:`robust_replan`)."""
     by_name = dict(corners(cal))
     searched = tuple(results)
     judged = _JUDGED[risk]
     some = next(iter(results.values()))
     inp = some.state.tables.inputs
-    cands: dict[tuple[object, ...], _Row] = {}
+    cands: dict[tuple[object, ...], tuple[Plan, dict[str, Estimate], float, Allocation | None]]
+    cands = {}
     explain: dict[tuple[object, ...], tuple[str, ...]] = {}
     for name, res in results.items():
         found = f"found by the {name} corner's search"
@@ -333,40 +407,76 @@ def _rank(
             hit = cands.get(_key(p))
             if hit is not None and name not in hit[1]:
                 hit[1][name] = e
+
+    def simulated_in(p: Plan, name: str) -> Estimate:
+        return simulate(
+            p,
+            inp.model,
+            inp.profiles,
+            inp.network,
+            inp.prices,
+            calibration=by_name[name],
+            gpu_specs=inp.gpu_specs,
+            spot=bool(spot),
+        )
+
     plans: list[_Row] = []
     for p, known, cph, alloc in cands.values():
         try:
-            ests = judge_in_corners(
-                p,
-                inp.model,
-                inp.profiles,
-                inp.network,
-                inp.prices,
-                calibration=cal,
-                gpu_specs=inp.gpu_specs,
-                spot=spot,
-                known=known,
-            )
+            if closed is None:
+                ests = judge_in_corners(
+                    p,
+                    inp.model,
+                    inp.profiles,
+                    inp.network,
+                    inp.prices,
+                    calibration=cal,
+                    gpu_specs=inp.gpu_specs,
+                    spot=spot,
+                    known=known,
+                )
+                figs = {n: _simulated(e, cons, cph) for n, e in ests.items()}
+            else:
+                figs = {n: _simulated(e, cons, cph) for n, e in known.items()}
+                for n in by_name:
+                    if n in figs:
+                        continue
+                    st = closed.get(n)
+                    f = _closed_form(alloc, st, cons, cph) if st and alloc else None
+                    figs[n] = f or _simulated(simulated_in(p, n), cons, cph)
         except (ProfileLookupError, KeyError, ValueError):
             continue
-        plans.append((p, ests, cph, alloc))
+        plans.append((p, figs, cph, alloc))
     if not plans:
         reasons = "; ".join(f"{n}: {r.reason}" for n, r in results.items() if r.reason)
         return RobustResult(
             (), reasons or "no plan", risk, objective, searched, 0, dict(results), cal
         )
 
-    def broken(e: Estimate, cph: float) -> tuple[str, ...]:
-        v = list(cons.violations(e, cph))
-        if not e.fits_in_memory:
-            v.append(f"peak memory {e.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
-        return tuple(v)
-
-    rows2 = [(r, {n: broken(e, r[2]) for n, e in r[1].items()}) for r in plans]
-    kept = [r for r in rows2 if not any(r[1][n] for n in judged)]
-    if not kept:
-        closest = min(rows2, key=lambda r: sum(len(r[1][n]) for n in judged))
-        broke = "; ".join(f"{n}: {', '.join(closest[1][n])}" for n in judged if closest[1][n])
+    while True:
+        scored = _order(plans, judged, objective, by_name, running, tolerance)
+        if not scored:
+            break
+        # the simulator has the last word: simulate what is ranked first where only the
+        # closed form is known, and rank again until the first top_k are all simulated
+        todo = [(x[3], n) for x in scored[:top_k] for n in by_name if not x[3][1][n].estimate]
+        if not todo:
+            break
+        for r, n in todo:
+            try:
+                r[1][n] = _simulated(simulated_in(r[0], n), cons, r[2])
+            except (ProfileLookupError, KeyError, ValueError):
+                plans = [x for x in plans if x is not r]
+                break
+        if not plans:
+            return RobustResult((), "no plan", risk, objective, searched, 0, dict(results), cal)
+    if not scored:
+        closest = min(plans, key=lambda r: sum(len(r[1][n].violations) for n in judged))
+        broke = "; ".join(
+            f"{n}: {', '.join(closest[1][n].violations)}"
+            for n in judged
+            if closest[1][n].violations
+        )
         return RobustResult(
             (),
             f"no candidate fits and meets the constraints in every judged corner "
@@ -378,24 +488,9 @@ def _rank(
             dict(results),
             cal,
         )
-    best = {
-        n: max(_score(objective, r[0][1][n], r[0][2]) for r in kept) for n in by_name
-    }  # best kept plan per corner
-    scored = []
-    for r, viol in kept:
-        rt = {n: _score(objective, r[1][n], r[2]) / best[n] for n in by_name}
-        worst_ratio = min(rt[n] for n in judged)
-        # robust: the worst judged corner; optimistic/median: their one corner
-        scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r, viol))
-    scored.sort(key=lambda x: x[0], reverse=True)
-    if running is not None and scored:
-        # a replan: among plans within ``tolerance`` of the best ratio, move the least first
-        top = scored[0][1]
-        near = [x for x in scored if x[1] >= top * (1 - tolerance)]
-        near.sort(key=lambda x: moved_layers(running, x[3][0])[1])  # stable: ratio order kept
-        scored = near + [x for x in scored if x[1] < top * (1 - tolerance)]
     out = []
-    for i, (_, worst_ratio, rt, (p, ests, cph, alloc), viol) in enumerate(scored[:top_k]):
+    for i, (_, worst_ratio, rt, (p, figs, cph, alloc), viol) in enumerate(scored[:top_k]):
+        ests = {n: f.estimate for n, f in figs.items() if f.estimate is not None}
         out.append(
             RobustPlan(
                 rank=i + 1,
@@ -412,6 +507,40 @@ def _rank(
             )
         )
     return RobustResult(tuple(out), "", risk, objective, searched, len(plans), dict(results), cal)
+
+
+def _order(
+    plans: list[_Row],
+    judged: tuple[str, ...],
+    objective: Objective,
+    by_name: Mapping[str, Calibration],
+    running: Plan | None,
+    tolerance: float,
+) -> list[_Scored]:
+    """The plans that fit and meet every limit in every judged corner, best first (empty if
+    none does): by the worst judged corner's ratio to that corner's best kept plan, then the
+    median corner's; with ``running``, those within ``tolerance`` of the best by moves."""
+    kept = [r for r in plans if not any(r[1][n].violations for n in judged)]
+    if not kept:
+        return []
+    best = {
+        n: max(_score_of(objective, r[1][n], r[2]) for r in kept) for n in by_name
+    }  # best kept plan per corner
+    scored: list[_Scored] = []
+    for r in kept:
+        rt = {n: _score_of(objective, r[1][n], r[2]) / best[n] for n in by_name}
+        worst_ratio = min(rt[n] for n in judged)
+        # robust: the worst judged corner; optimistic/median: their one corner
+        viol = {n: f.violations for n, f in r[1].items()}
+        scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r, viol))
+    scored.sort(key=lambda x: x[0], reverse=True)
+    if running is not None and scored:
+        # a replan: among plans within ``tolerance`` of the best ratio, move the least first
+        top = scored[0][1]
+        near = [x for x in scored if x[1] >= top * (1 - tolerance)]
+        near.sort(key=lambda x: moved_layers(running, x[3][0])[1])  # stable: ratio order kept
+        scored = near + [x for x in scored if x[1] < top * (1 - tolerance)]
+    return scored
 
 
 def as_ranked(p: RobustPlan, upper_bound_iter_s: float = 0.0) -> RankedPlan:

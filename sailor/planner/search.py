@@ -77,6 +77,8 @@ __all__ = [
     "Candidate",
     "Progress",
     "SearchResult",
+    "SearchState",
+    "closed_form",
     "mbs_candidates",
     "objective_score",
     "per_gpu_rate",
@@ -842,6 +844,12 @@ def _sync_model(state: SearchState) -> SyncModel:
         cached = SyncModel(state.tables)
         state.__dict__["_sync"] = cached
     return cached
+
+
+def closed_form(state: SearchState, alloc: Allocation) -> FastFigures:
+    """The search's closed-form figures of ``alloc`` (templates priced by ``state``'s tables)
+    on the pool ``state`` was last priced for."""
+    return fast_estimate(alloc, state.tables, _sync_model(state), state.pricing)
 
 
 # -- the search ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from sailor import catalog
 from sailor.planner import Constraints
 from sailor.planner.replan import replan
-from sailor.planner.robust import _key, robust_replan, robust_search
+from sailor.planner.robust import _PER_CORNER, _key, _rank, robust_replan, robust_search
 from sailor.schemas import Calibration
 from sailor.simulator import simulate
 from sailor.simulator.uncertainty import CORNERS, corners
@@ -115,3 +115,40 @@ def test_median_risk_replan_is_the_median_corner_replan() -> None:
     point = replan(first.results["median"], smaller)  # type: ignore[attr-defined]
     assert res.searched == ("median",)
     assert _key(res.plans[0].plan) == _key(point.plans[0].plan)
+
+
+@pytest.mark.parametrize(
+    "counts,floor",
+    [((2, 2), False), ((2, 3), False), ((1, 4), False), ((2, 5), False), ((2, 3), True)],
+)
+def test_robust_replan_ranks_as_the_simulator_would(counts: tuple[int, int], floor: bool) -> None:
+    """The replan's closed-form screening (simulate only what comes out on top) picks the
+    plans, worst ratios and regrets that simulating every plan in every corner gives."""
+    cons = None
+    if floor:
+        low = _run("optimistic").plans[0].interval.throughput_iter_s.low  # type: ignore[attr-defined]
+        cons = Constraints(min_throughput_iter_s=low / 2)
+    first = _run("robust", cons)
+    pool = make_pool({("fast", ZONE): counts[0], ("slow", ZONE): counts[1]})
+    res = robust_replan(first, pool, top_k=3)  # type: ignore[arg-type]
+    assert res.judges.keys() == {"optimistic"}  # the one judged corner no search covers
+    some = next(iter(res.results.values()))
+    run = first.plans[0].plan  # type: ignore[attr-defined]
+    every = _rank(  # the same replans' plans, each simulated in every corner
+        res.results,
+        res.risk,
+        res.objective,
+        some.constraints,
+        CAL,
+        some.state.tables.inputs.spot,
+        3,
+        _PER_CORNER,
+        running=run,
+        tolerance=0.02,
+    )
+    assert res.candidates == every.candidates
+    assert [_key(p.plan) for p in res.plans] == [_key(p.plan) for p in every.plans]
+    for a, b in zip(res.plans, every.plans, strict=True):
+        assert a.interval == b.interval
+        assert a.worst_ratio == pytest.approx(b.worst_ratio, rel=1e-9)
+        assert a.regret == pytest.approx(b.regret, rel=1e-9, abs=1e-12)

@@ -1,11 +1,14 @@
 """The controller's planner backed by ``sailor.planner``: search once, replan on changes.
 
 ``SailorPlanner.plan(nodes, previous)`` turns the usable nodes into a planner ``Pool`` (one
-entry per GPU type, zone, node shape and spot flag), runs the full :func:`sailor.planner.search`
-for the first layout (or when a node shape the last search never saw appears), and the
-incremental :func:`sailor.planner.replan` on later membership changes, warm-started from the
-last search's cost tables and plan. The best ranked plan is bound to concrete nodes with
-:func:`sailor.controller.planning.api.place` and carries its predicted figures.
+entry per GPU type, zone, node shape and spot flag), runs the full search at the configured
+risk level (:func:`sailor.planner.robust.robust_search`, ``robust`` by default: the plan must
+fit and meet every limit in every corner of the cost model's uncertainty set) for the first
+layout (or when a node shape the last search never saw appears), and the incremental
+:func:`sailor.planner.robust.robust_replan` at the same risk level on later membership
+changes, warm-started from the last search's cost tables and plan. The best ranked plan is
+bound to concrete nodes with :func:`sailor.controller.planning.api.place` and carries its
+predicted figures (the median corner's).
 
 Inputs come from the controller config: the model (a catalog name such as ``tiny-gpt`` or
 ``OPT-350``, or a ModelSpec JSON/YAML file) and optional profiles, network, prices and
@@ -32,8 +35,8 @@ from sailor.controller.planning.api import (
     PlanResult,
     place,
 )
-from sailor.planner import Constraints, NoFeasiblePlanError, Objective, replan, search
-from sailor.planner.search import SearchResult
+from sailor.planner import Constraints, NoFeasiblePlanError, Objective
+from sailor.planner.robust import Risk, RobustResult, robust_replan, robust_search
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.hardware import GPUSpec, NodeSpec, Pool, PoolEntry
 from sailor.schemas.model import ModelSpec
@@ -164,6 +167,7 @@ class SailorPlanner:
         objective: Objective = "throughput",
         constraints: Constraints | None = None,
         spot: bool = True,
+        risk: Risk = "robust",
     ) -> None:
         self.model = model
         self.profiles = profiles or ProfileDB(model=model.name)
@@ -173,7 +177,8 @@ class SailorPlanner:
         self.objective: Objective = objective
         self.constraints = constraints or Constraints()
         self.spot = spot
-        self._last: SearchResult | None = None
+        self.risk: Risk = risk
+        self._last: RobustResult | None = None
         self._shapes: frozenset[_Shape] = frozenset()
         self._lock = threading.Lock()
 
@@ -188,6 +193,7 @@ class SailorPlanner:
         prices: Path | None = None,
         calibration: Path | None = None,
         objective: Objective = "throughput",
+        risk: Risk = "robust",
     ) -> SailorPlanner:
         """Build from the controller config's model name and optional input files."""
         c = load_cost_inputs(
@@ -205,6 +211,7 @@ class SailorPlanner:
             prices=c.prices,
             calibration=c.calibration,
             objective=objective,
+            risk=risk,
         )
 
     def set_calibration(self, calibration: Calibration) -> None:
@@ -217,10 +224,10 @@ class SailorPlanner:
             self._last = None
             self._shapes = frozenset()
 
-    def _search(self, pool: Pool, shapes: frozenset[_Shape]) -> tuple[SearchResult, str]:
-        if self._last is not None and shapes <= self._shapes:
-            return replan(self._last, pool), "replan"
-        res = search(
+    def _search(self, pool: Pool, shapes: frozenset[_Shape]) -> tuple[RobustResult, str]:
+        if self._last is not None and self._last.plans and shapes <= self._shapes:
+            return robust_replan(self._last, pool), "replan"
+        res = robust_search(
             self.model,
             self.profiles,
             pool,
@@ -230,6 +237,7 @@ class SailorPlanner:
             self.constraints,
             gpu_specs=catalog.gpus(),
             calibration=self.calibration,
+            risk=self.risk,
             spot=self.spot,
             top_k=3,
         )
@@ -260,7 +268,8 @@ class SailorPlanner:
         before = previous.num_gpus if previous else 0
         reason = (
             f"sailor planner ({how}): {bound.num_gpus} GPUs, pipelines {shape}, "
-            f"{est.throughput_iter_s:.3g} it/s predicted (was {before} GPUs)"
+            f"{est.throughput_iter_s:.3g} it/s predicted (was {before} GPUs); risk {res.risk}: "
+            f"{best.interval.throughput_iter_s.low:.3g} it/s in its worst corner"
         )
         return PlanResult(bound, placement, reason)
 
@@ -279,4 +288,5 @@ def planner_from_config(config: ControllerConfig) -> Planner:
         prices=config.prices,
         calibration=config.calibration,
         objective=config.objective,
+        risk=config.risk,
     )
