@@ -232,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-state", default=None, help="torch.save the final stage_state here.")
     p.add_argument("--fail-at-step", type=int, default=None, help="Testing: raise there.")
     p.add_argument(
+        "--fail-relayout",
+        default=None,
+        metavar="FILE",
+        help="Testing: fail the first in-place relayout of a held rank (after its new world "
+        "formed, before the exchange) on any process of this job that finds no FILE; FILE is "
+        "created first, so exactly one relayout fails.",
+    )
+    p.add_argument(
         "--abort-at-step",
         type=int,
         default=None,
@@ -576,6 +584,11 @@ def _relayout(
 ) -> dict[str, Any]:
     """Fill the new stage: kept and received layers (every rank takes part in the
     exchange), then the layers no live rank holds from checkpoint ``--load-step``."""
+    if args.fail_relayout and held is not None:
+        mark = Path(args.fail_relayout)
+        with contextlib.suppress(FileExistsError):
+            mark.open("x").close()
+            raise InjectedFailureError(f"injected relayout failure on rank {args.rank}")
     sched = schedule(peers.old_plan, peers.holders, trainer.plan)
     source = held.trainer if held is not None and args.rank in peers.holders else None
     t = time.time()

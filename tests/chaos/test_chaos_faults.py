@@ -74,6 +74,27 @@ async def test_second_preemption_during_reconfiguration(tmp_path: Path) -> None:
 
 
 @pytest.mark.chaos_long
+async def test_failure_during_the_in_place_path(tmp_path: Path) -> None:
+    """n2's held worker fails its first in-place relayout (after the new world formed, before
+    the exchange): the controller aborts the generation coming up and relaunches on the
+    restart path from the commit the notice made, once; the next change is in place again."""
+    mark = tmp_path / "relayout-failed"
+    opts = {"worker_extra": {"n2": ("--fail-relayout", str(mark))}}
+    async with ChaosRun(tmp_path, "failure in the in-place path", cluster=opts) as run:
+        gen = await run.start(["n1", "n2", "n3"])
+        run.fault("notice n1; n2's held worker fails its relayout")
+        gen = await run.preempt("n1", gen)
+        assert mark.exists()
+        launches = [r for r in run.records() if r.get("phase") == "launch"]
+        assert [r.get("path") for r in launches[-2:]] == ["in_place", "restart"], launches
+        assert "fallback" in str(launches[-1].get("path_reason"))
+        out = await run.finish(gen, drain="n3")
+        launches = [r for r in run.records() if r.get("phase") == "launch"]
+    assert launches[-1].get("path") == "in_place", launches[-1]
+    verdict(out, min_reconf=3)
+
+
+@pytest.mark.chaos_long
 async def test_controller_failover_and_fencing(tmp_path: Path) -> None:
     async with ChaosRun(tmp_path, "controller SIGKILL + fencing") as run:
         gen = await run.start(["n1", "n2"], controllers=("c1", "c2"))

@@ -82,7 +82,7 @@ class DemoCluster:
     loopback); None: the default network."""
     cpu_quota_period_ms: float | None = None
     """The cgroup period of the nodes with a quota; None: the agent's default (100 ms)."""
-    in_place: bool = False
+    in_place: bool = True
     """Reconfigure in place (``ControllerConfig.in_place``: workers survive, move only what
     moved; docs/runtime.md#in-place-reconfiguration); False: restart the workers."""
     warm_spares: int = 1
