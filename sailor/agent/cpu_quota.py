@@ -262,6 +262,8 @@ class CpuQuota:
         self.requested = requested
         self.reason = reason
         """Why the quota is unavailable ('' when it is applied)."""
+        self._suspended: float | None = None
+        """The quota :meth:`suspend` lifted, until :meth:`resume`."""
 
     @classmethod
     def start(
@@ -328,6 +330,23 @@ class CpuQuota:
             return
         self.cgroup.set_quota(cores)
         _log.info("cpu_quota_set", cores=cores, cgroup=str(self.cgroup.path))
+
+    def suspend(self) -> None:
+        """Lift the quota for a while (an in-place relayout of workers under
+        ``cpu_quota_from='ready'``: like a start, it is not training), keeping what the kernel
+        held; :meth:`resume` puts it back. A change from outside in between is overwritten."""
+        if self.cgroup is None or self._suspended is not None:
+            return
+        held = self.state()
+        if isinstance(held, float):
+            self._suspended = held
+            self.cgroup.set_quota(None)
+
+    def resume(self) -> None:
+        """Put back the quota :meth:`suspend` lifted (nothing if none was)."""
+        if self.cgroup is not None and self._suspended is not None:
+            held, self._suspended = self._suspended, None
+            self.cgroup.set_quota(held)
 
     def adopt(self, pids: Iterable[int]) -> None:
         """Move running processes in (workers started before the node had a cgroup)."""

@@ -228,7 +228,8 @@ class Agent:
 
     def _attach_workers(self) -> None:
         """Workers join the quota's cgroup at exec (the shell prefix) or once ready (the
-        supervisor's ``on_ready`` moves the pid in: all its threads, the gloo ones too)."""
+        supervisor's ``on_ready`` moves the pid in: all its threads, the gloo ones too; an
+        in-place relayout lifts the quota until its workers are ready again)."""
         if self.quota is None:
             return
         if self.cfg.cpu_quota_from == "exec":
@@ -236,13 +237,24 @@ class Agent:
             return
         quota = self.quota
 
+        sup = self.supervisor
+
         async def join(pid: int) -> None:
             try:
                 await asyncio.to_thread(quota.adopt, (pid,))
+                if all(w.started for w in sup.workers):  # a relayout's lift ends
+                    await asyncio.to_thread(quota.resume)
             except OSError as exc:  # the worker trains on, unthrottled: say so
                 _log.warning("cpu_quota_join_failed", pid=pid, error=str(exc))
 
-        self.supervisor.on_ready = join
+        async def lift() -> None:
+            try:
+                await asyncio.to_thread(quota.suspend)
+            except OSError as exc:
+                _log.warning("cpu_quota_lift_failed", error=str(exc))
+
+        sup.on_ready = join
+        sup.on_handover = lift
 
     def cpu_quota(self) -> QuotaState:
         """The workers' CPU quota as the kernel holds it: cores, 'unavailable' or None."""

@@ -177,6 +177,9 @@ class Supervisor:
         self.on_ready: Callable[[int], Awaitable[None]] | None = None
         """Called with a worker's pid when it reports ready to train (a CPU quota that
         applies from then on: ``AgentConfig.cpu_quota_from='ready'``); None for nothing."""
+        self.on_handover: Callable[[], Awaitable[None]] | None = None
+        """Called before held workers or spares are handed ranks (an in-place relayout:
+        a quota that applies from ``ready`` on is lifted until they report ready again)."""
         self.warm_spares = warm_spares
         """Spare worker processes kept ready for in-place launches."""
         self.kill_grace_s = 3.0
@@ -310,7 +313,11 @@ class Supervisor:
         self.in_place = cmd.in_place
         # A held worker keeps its rank where it can (it holds those layers), then any.
         reusable.sort(key=lambda w: (w.rank not in cmd.ranks, w.rank))
-        spares = [w for w in self.spares if w.warm and w.exit_code is None]
+        # A spare still starting takes its directive too (it reads it once warm): sooner
+        # than a new process, which would also compete with it for the cores.
+        spares = sorted((w for w in self.spares if w.exit_code is None), key=lambda w: not w.warm)
+        if (reusable or spares) and self.on_handover is not None:
+            await self.on_handover()
         assigned: list[WorkerView] = []
         fresh = reused = 0
         for rank in sorted(cmd.ranks):
