@@ -1,6 +1,6 @@
 """Abandoning a world: abortable waits, and leaving process groups whose peers failed.
 
-In-place reconfiguration (issue 21) keeps a worker process alive across a failure of its
+In-place reconfiguration keeps a worker process alive across a failure of its
 world: a rank whose peer died must leave every wait promptly, drop the old groups without
 hanging, and join a new world. What torch 2.13 gloo does, measured with three processes on
 this machine (benchmarks/comm_abort.py reproduces it):

@@ -59,7 +59,7 @@ checkpoints (``checkpoint.every_steps`` into ``checkpoint.dir`` with its own ret
 ``keep``, durable before training goes on, reported as ``periodic_checkpoint``; the agent's
 save requests keep their own directory).
 
-In-place reconfiguration (``--in-place``; the agent's contract: ``/tmp/exp/protocol.md``,
+In-place reconfiguration (``--in-place``; the agent side: docs/runtime.md,
 the worker's side: ``docs/training.md``): the process runs *generations*
 (:func:`_generation`, one per world; without ``--in-place`` the only one, exactly the worker
 as before). At the stop step, once its save is durable, the rank prints ``stopped`` then

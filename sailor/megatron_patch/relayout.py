@@ -1,7 +1,7 @@
 """The transfer schedule of an in-place relayout: a pure function of (old plan, survivors,
 new plan).
 
-At an in-place reconfiguration (issue 21) some ranks of the old world survive with their
+At an in-place reconfiguration some ranks of the old world survive with their
 state at step S intact ("holders"); each is a rank of the new world too. For every layer of
 every new rank's stage this module decides where its state (weights, both AdamW moments)
 comes from:

@@ -1,8 +1,8 @@
-"""The worker side of in-place reconfiguration (issue 21), against the restart path.
+"""The worker side of in-place reconfiguration, against the restart path.
 
 Real processes of ``python -m sailor.training_process`` (tiny-gpt, CPU, gloo), driven by a
 small harness that writes control files and relayout directives exactly as the agent will
-(``/tmp/exp/protocol.md``; ``docs/training.md``, "In-place reconfiguration"). Each in-place
+(``docs/runtime.md``; ``docs/training.md``, "In-place reconfiguration"). Each in-place
 run is compared with the restart path: fresh processes resuming from the checkpoint of the
 same step under the same plans. Losses and the saved state (weights, both AdamW moments)
 must be equal bitwise: the state a relayout installs is the checkpoint's, bit for bit, and
