@@ -1,4 +1,4 @@
-"""What abandoning a gloo world costs and how fast a blocked rank leaves
+"""What abandoning a gloo world costs and how fast a blocked rank leaves.
 
 Two measurements, each in fresh processes on loopback (gloo, one thread per process):
 
