@@ -26,6 +26,7 @@ __all__ = [
     "LossComparison",
     "compare_losses",
     "loss_tolerance",
+    "print_paths",
     "print_summary",
     "summary",
 ]
@@ -145,6 +146,24 @@ def summary(
         "audit_ok": audit_ok,
         "png": png,
     }
+
+
+def print_paths(con: Console, restart: dict[str, Any], in_place: dict[str, Any]) -> None:
+    """Each change's no-step gap and seconds per phase on both paths (``--compare-restart``:
+    the same scenario run twice, restart first)."""
+    t = Table("change", "path", "no-step s", "recovery s", *_PHASES, title="restart vs in place")
+    pairs = zip(restart["reconfigurations"], in_place["reconfigurations"], strict=False)
+    for a, b in pairs:
+        for r in (a, b):
+            ph = r["phases_s"]
+            t.add_row(
+                r["cause"],
+                r.get("path", "") or "—",
+                f"{r['gap_s']:.2f}" if r["gap_s"] is not None else "—",
+                f"{r['recovery_s']:.2f}" if r["recovery_s"] is not None else "—",
+                *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES),
+            )
+    print_table(con, t)
 
 
 def print_summary(con: Console, summ: dict[str, Any]) -> None:
