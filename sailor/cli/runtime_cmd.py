@@ -127,7 +127,8 @@ def audit(
     typer.echo(
         f"{rep.records} records, {rep.preemptions} preemptions, "
         f"{rep.reconfigurations} launches, commits {rep.commits}, "
-        f"{rep.calibrations} calibration versions, {rep.recalibrations} calibration-driven replans"
+        f"{rep.calibrations} calibration versions, {rep.recalibrations} calibration-driven "
+        f"replans, {rep.in_place} launches in place, {rep.fallbacks} fallbacks to restart"
     )
     for v in rep.violations:
         typer.echo(f"VIOLATION {v}", err=True)
