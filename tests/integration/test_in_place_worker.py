@@ -282,6 +282,7 @@ def _ready_times(job: _Job, gen: str, ranks: range) -> list[dict[str, float]]:
     ]
 
 
+@pytest.mark.long  # CI: the demo test hands ranks to warm spares
 def test_warm_spare_becomes_a_rank(tmp_path: Path, job: _Job) -> None:
     """(b) One rank holds at its stop step; a ``--warm`` spare (placeholder arguments)
     becomes rank 1 of a DP2 world and gets every layer from it; equal to the restart path."""
@@ -372,6 +373,7 @@ def test_loss_without_notice_rolls_back_in_process(tmp_path: Path, job: _Job) ->
     _assert_same_state(ip, rs, 4)
 
 
+@pytest.mark.long  # CI: the runtime fallback test; make chaos: a failed relayout
 def test_a_failure_inside_the_relayout_is_a_normal_failure(tmp_path: Path, job: _Job) -> None:
     """(d) Two held ranks are told to relayout; one is killed right away. The other must
     fail (error file, exit 1) within about its timeout, not hang."""
