@@ -133,6 +133,8 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
     )
     cfg = DecideConfig(checkpoint_dir=str(tmp / "ckpt"), stop_ahead_steps=2)
     nodes = {f"n{i}": _node(i) for i in range(4)}
+    for n in nodes:  # a real agent writes its status as soon as it starts
+        agents.status[n] = AgentStatus(node_id=n, state="idle", time=0.0)
     desired = DesiredState(epoch=1)
     done, passes, t0 = 0, 0, time.perf_counter()
     rows: list[dict[str, float]] = []
@@ -171,6 +173,7 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
                     agents.status.pop("n4", None)
                 else:
                     nodes["n4"] = _node(4)
+                    agents.status["n4"] = AgentStatus(node_id="n4", state="idle", time=0.0)
             was_running = running
             if ex.inflight or ex._replanning is not None:
                 woke.clear()

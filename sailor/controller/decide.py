@@ -286,6 +286,12 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
     plan = d.next_plan
     if plan is None:
         return []
+    if any(n not in o.status for n in d.next_placement):
+        # A registered node without a status record: its agent has just started, or its
+        # lease has just expired and the node key's deletion is still on its way (the two
+        # keys' watches report independently). Launching now would abort at once on a loss
+        # (and count against the in-place path): wait for the next observation.
+        return []
     gen = d.generation + 1
     if _in_place_next(d, cfg):
         path, why = "in_place", "in place (configured)"
