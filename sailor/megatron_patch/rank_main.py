@@ -95,7 +95,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any
 
 _T_START = time.time()
 
@@ -112,13 +112,8 @@ from sailor.megatron_patch.affinity import (  # noqa: E402
     format_cores,
     parse_cores,
 )
-from sailor.megatron_patch.architecture import Architecture  # noqa: E402
-from sailor.megatron_patch.control import (  # noqa: E402
-    ControlRequest,
-    agree,
-    agree_dir,
-    read_control,
-)
+from sailor.megatron_patch.boundary import Boundary, Progress, Status, sub_rank  # noqa: E402
+from sailor.megatron_patch.checkpoint_io import CheckpointIO  # noqa: E402
 from sailor.megatron_patch.data import build_dataset  # noqa: E402
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
@@ -128,13 +123,9 @@ from sailor.megatron_patch.devices import (  # noqa: E402
 )
 from sailor.megatron_patch.engine import (  # noqa: E402
     StepResult,
-    TrainConfig,
     Trainer,
-    make_optimizer,
 )
 from sailor.megatron_patch.errors import (  # noqa: E402
-    InjectedFailureError,
-    classify,
     failure_record,
     fault_path,
     write_error_file,
@@ -142,27 +133,35 @@ from sailor.megatron_patch.errors import (  # noqa: E402
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.in_place import (  # noqa: E402
     Held,
-    Peers,
     await_directive,
-    exchange,
     handshake,
 )
-from sailor.megatron_patch.model import TINY_MODELS, tiny_model  # noqa: E402
+from sailor.megatron_patch.in_place_steps import (  # noqa: E402
+    comm_failure,
+    fill_stage,
+    held_line,
+    hold_broken,
+    leave_process,
+    leave_world,
+    warm_up,
+)
+from sailor.megatron_patch.model_source import (  # noqa: E402
+    load_architecture,
+    load_model,
+    load_train_config,
+    model_of,
+    train_config,
+)
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
-from sailor.megatron_patch.relayout import schedule  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.metrics import MetricsLogger, step_metrics  # noqa: E402
-from sailor.schemas.model import ModelSpec  # noqa: E402
 from sailor.schemas.plan import Plan  # noqa: E402
 from sailor.schemas.training import (  # noqa: E402
-    BuiltinModel,
-    CheckpointConfig,
-    HuggingFaceModel,
-    SpecFileModel,
     TrainingConfig,
-    parse_training_config,
 )
+
+_Status = Status  # the name tests and older callers use
 
 __all__ = [
     "CheckpointIO",
@@ -172,42 +171,6 @@ __all__ = [
     "main",
     "train_config",
 ]
-
-
-class CheckpointIO(Protocol):
-    """What the worker needs of a checkpoint implementation (called on every rank)."""
-
-    def position(self, root: str, step: int) -> tuple[int, int]:
-        """``(step, consumed_samples)`` of the committed checkpoint ``step`` under ``root``."""
-        ...
-
-    def restore(self, trainer: Trainer, root: str, step: int) -> None:
-        """Load this rank's layers, sliced for its TP rank, and its AdamW moments."""
-        ...
-
-    def restore_layers(self, trainer: Trainer, root: str, step: int, layers: list[int]) -> None:
-        """Like ``restore`` for ``layers`` (a subset of this rank's) only: an in-place
-        relayout reads what no live rank holds."""
-        ...
-
-    def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
-        """Snapshot now (collective), persist in the background; returns the stall seconds.
-        ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
-        commit); None: the implementation's default."""
-        ...
-
-    def wait(self) -> None:
-        """Block until this rank's part of the save in flight is durable (and committed)."""
-        ...
-
-    def close(self) -> None:
-        """Finish the save in flight and release threads."""
-        ...
-
-    def reset(self) -> None:
-        """Forget everything tied to the current world without waiting (it was abandoned:
-        a save in flight may wait on dead peers); the next save starts afresh."""
-        ...
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,105 +249,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(arg: str | None, plan: Plan) -> ModelSpec:
-    """A ModelSpec from a JSON file, a tiny model name, or the plan's model name."""
-    name = arg or plan.model
-    if name in TINY_MODELS:
-        return tiny_model(name, plan.global_batch_size)
-    path = Path(name)
-    if not path.exists():
-        raise ValueError(f"--model={name!r}: neither a file nor a tiny model {sorted(TINY_MODELS)}")
-    raw = json.loads(path.read_text())
-    spec = ModelSpec.model_validate(raw["spec"] if "architecture" in raw else raw)
-    if spec.global_batch_size != plan.global_batch_size:
-        spec = spec.model_copy(update={"global_batch_size": plan.global_batch_size})
-    return spec
-
-
-def load_architecture(arg: str | None) -> Architecture | None:
-    """The ``Architecture`` of a model file ``{"spec": ..., "architecture": ...}`` (written by
-    ``hf.checkpoint.model_file``); None for a plain ModelSpec file or a tiny model."""
-    if not arg or not Path(arg).is_file():
-        return None
-    raw = json.loads(Path(arg).read_text())
-    return Architecture(**raw["architecture"]) if "architecture" in raw else None
-
-
-def load_train_config(path: str) -> TrainingConfig:
-    """The training config of ``--train-config``; a wrong field is a ``ValueError`` naming
-    the file, the field and its value (a configuration error: not retried)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"--train-config={path!r}: cannot read ({exc.strerror or exc})") from exc
-    return parse_training_config(text, path)
-
-
-def train_config(tc: TrainingConfig | None, args: argparse.Namespace) -> TrainConfig:
-    """The engine's ``TrainConfig``: from the training config, else ``--seed/--lr/
-    --weight-decay`` with the engine's defaults."""
-    if tc is None:
-        return TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
-    return TrainConfig.of(tc)
-
-
-def _config_model(
-    tc: TrainingConfig, base: Path, plan: Plan
-) -> tuple[ModelSpec, Architecture | None, Path | None]:
-    """The model of the config's source: ``(spec, architecture, weights directory)``."""
-    src = tc.model
-    gbs = {"global_batch_size": plan.global_batch_size}
-    if isinstance(src, BuiltinModel):
-        if src.name in TINY_MODELS:
-            return tiny_model(src.name, plan.global_batch_size), None, None
-        return catalog.model(src.name).model_copy(update=gbs), None, None
-    if isinstance(src, SpecFileModel):
-        if src.spec is not None:
-            return src.spec.model_copy(update=gbs), None, None
-        path = str(base / (src.path or ""))
-        return load_model(path, plan), load_architecture(path), None
-    # A Hugging Face directory: its config.json through transformers (seconds per rank;
-    # launchers that start many ranks resolve it once into a model file: hf.model_file).
-    from sailor.megatron_patch.hf.checkpoint import load_model as load_hf
-
-    root = base / src.path
-    spec, arch = load_hf(root, src.seq_length, plan.global_batch_size)
-    return spec, arch, root if src.load_weights else None
-
-
-def _model(
-    args: argparse.Namespace, tc: TrainingConfig | None, base: Path, plan: Plan
-) -> tuple[ModelSpec, Architecture | None, Path | None]:
-    """The model: ``--model`` (a name, a ModelSpec file or a model file with its
-    architecture) wins, else the training config's source, else the plan's model name."""
-    if args.model is None and tc is not None:
-        return _config_model(tc, base, plan)
-    src = tc.model if tc is not None else None
-    weights = base / src.path if isinstance(src, HuggingFaceModel) and src.load_weights else None
-    return load_model(args.model, plan), load_architecture(args.model), weights
-
-
-def _sub(path: str | None, rank: int) -> str | None:
-    return path.replace("{rank}", str(rank)) if path else None
-
-
-class _Progress:
-    def __init__(self, path: str | None, echo: bool) -> None:
-        self._f: TextIO | None = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._f = Path(path).open("a")  # noqa: SIM115 - open for the whole run
-        self._echo = echo
-
-    def emit(self, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj)
-        if self._f is not None:
-            self._f.write(line + "\n")
-            self._f.flush()
-        if self._echo:
-            print(line, flush=True)
-
-
 def _device(backend: str, plan: Plan, rank: int) -> torch.device:
     """The rank's device, made current (before the process group: NCCL binds to it)."""
     if backend != "nccl":
@@ -395,119 +259,6 @@ def _device(backend: str, plan: Plan, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-class _Status:
-    """Where the worker is, for the failure record."""
-
-    def __init__(self, rank: int = -1, error_file: str | None = None) -> None:
-        self.in_training = False
-        self.step = -1
-        self.rank = rank
-        """The rank of the current generation (in-place: it changes)."""
-        self.error_file = error_file
-        """Where the current generation's first cause goes."""
-        self.holding = False
-        """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
-        self.terminated = False
-
-
-class _Boundary:
-    """The iteration-boundary hook: injected failure, control requests, save, stop, hold."""
-
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        status: _Status,
-        progress: _Progress,
-        ckpt: CheckpointIO | None,
-        device: torch.device,
-        periodic: CheckpointConfig | None = None,
-    ) -> None:
-        self.args, self.status, self.progress, self.ckpt = args, status, progress, ckpt
-        self.device = device
-        self.periodic = periodic if periodic is not None and periodic.every_steps else None
-        self.saved_requests: set[int] = set()
-        self.pending_save = -1
-        self.last_saved = -1
-        self.stopped_at = -1
-        self.last_boundary = time.monotonic()
-
-    def _request(self) -> ControlRequest:
-        if not self.args.control:
-            return ControlRequest()
-        return agree(read_control(self.args.control), self.device)
-
-    def _finish_save(self) -> None:
-        if self.pending_save < 0 or self.ckpt is None:
-            return
-        self.ckpt.wait()
-        self.last_saved, self.pending_save = self.pending_save, -1
-        self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
-
-    def _periodic_save(self, tr: Trainer) -> None:
-        """The training config's checkpoint every ``every_steps`` (its own directory and
-        retention, apart from the agent's): a save that is durable before training goes on,
-        reported as ``periodic_checkpoint`` (not ``saved``: the agent's protocol is about its
-        own requests). Every rank takes the same decision from the step alone."""
-        p = self.periodic
-        if p is None or p.dir is None or tr.step == self.args.start_step or tr.step % p.every_steps:
-            return
-        if self.ckpt is None:
-            raise RuntimeError("checkpoint.every_steps needs a checkpoint implementation")
-        self.ckpt.save(tr, p.dir, keep=p.keep)
-        self.ckpt.wait()
-        self.progress.emit(
-            {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}
-        )
-
-    def _maybe_save(self, tr: Trainer, req: ControlRequest, holding: bool) -> None:
-        if not req.wants_save or req.save_step in self.saved_requests:
-            return
-        if tr.step < req.save_step and not holding:
-            return
-        self.saved_requests.add(req.save_step)
-        root = agree_dir(req.save_dir)
-        if not root or self.ckpt is None:
-            raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
-        self.ckpt.save(tr, root)
-        self.pending_save = tr.step
-
-    def __call__(self, tr: Trainer) -> bool:
-        self.status.step = tr.step
-        a = self.args
-        if a.min_step_s > 0:
-            left = a.min_step_s - (time.monotonic() - self.last_boundary)
-            if left > 0:
-                time.sleep(left)
-            self.last_boundary = time.monotonic()
-        if a.fail_at_step is not None and tr.step == a.fail_at_step:
-            raise InjectedFailureError(f"injected failure at step {tr.step} on rank {a.rank}")
-        if a.abort_at_step is not None and tr.step == a.abort_at_step:
-            os.abort()
-        # The save in flight overlapped one iteration; report it once durable.
-        self._finish_save()
-        self._periodic_save(tr)
-        req = self._request()
-        self._maybe_save(tr, req, holding=False)
-        if req.wants_stop and tr.step >= req.stop_at_step:
-            self._hold(tr, req)
-            return True
-        return bool(tr.step >= a.start_step + a.steps)
-
-    def _hold(self, tr: Trainer, req: ControlRequest) -> None:
-        """At the stop step: wait (in lockstep) until a save of this step is durable."""
-        # A poll count, not a clock: every rank must leave the loop at the same poll, since
-        # each poll is a collective.
-        polls = int(self.args.pause_timeout_s / self.args.poll_s)
-        while self.pending_save < 0 and self.last_saved < tr.step and polls > 0:
-            polls -= 1
-            time.sleep(self.args.poll_s)
-            req = self._request()
-            self._maybe_save(tr, req, holding=True)
-        self._finish_save()
-        self.stopped_at = tr.step
-        self.progress.emit({"event": "stopped", "rank": self.args.rank, "step": tr.step})
-
-
 def _metrics_logger(tc: TrainingConfig | None, base: Path, rank: int) -> MetricsLogger | None:
     """Rank 0's metrics logger (the figures are global per iteration), if the config asks."""
     if tc is None or rank != 0:
@@ -515,7 +266,7 @@ def _metrics_logger(tc: TrainingConfig | None, base: Path, rank: int) -> Metrics
     m = tc.metrics
     if m.jsonl is None and m.tensorboard_dir is None:
         return None
-    jsonl = base / (_sub(m.jsonl, rank) or "") if m.jsonl else None
+    jsonl = base / (sub_rank(m.jsonl, rank) or "") if m.jsonl else None
     tb = base / m.tensorboard_dir if m.tensorboard_dir else None
     return MetricsLogger(jsonl, tb)
 
@@ -528,106 +279,10 @@ class _Outcome:
     held: Held | None
 
 
-def _comm_failure(exc: BaseException) -> bool:
-    """A failure of the world (a peer died or the world was abandoned), not of this rank."""
-    if isinstance(exc, comm_abort.CommAbortedError):
-        return True
-    return not isinstance(exc, InjectedFailureError) and classify(exc, True) == "peer"
-
-
-def _held_line(h: Held) -> dict[str, Any]:
-    line: dict[str, Any] = {"event": "held", "rank": h.old_rank, "step": h.step}
-    line["broken"] = h.broken
-    if h.broken:
-        line["cause"] = h.cause
-    return line
-
-
-def _hold_broken(
-    args: argparse.Namespace,
-    status: _Status,
-    trainer: Trainer,
-    progress: _Progress,
-    ckpt: CheckpointIO | None,
-    generation: int,
-    exc: BaseException,
-) -> Held:
-    """Leave a failed world at once (no waiting on dead peers) and hold, broken."""
-    status.in_training, status.holding = False, True
-    comm_abort.abandon_world()
-    comm_abort.clear_abort()
-    if ckpt is not None:
-        ckpt.reset()
-    comm.install_backend(comm.TorchBackend())  # a strict backend's log is of a dead world
-    cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    h = Held(None, args.rank, trainer.step, trainer.consumed_samples, True, generation, cause)
-    progress.emit(_held_line(h))
-    return h
-
-
-def _teardown(held: Held | None) -> float:
-    """Leave the previous generation's world (held unbroken: still initialised, idle)."""
-    t = time.perf_counter()
-    if held is not None and not held.broken and dist.is_initialized():
-        dist.destroy_process_group()
-    return time.perf_counter() - t
-
-
-def _relayout(
-    args: argparse.Namespace,
-    trainer: Trainer,
-    held: Held | None,
-    peers: Peers,
-    ckpt: CheckpointIO | None,
-    device: torch.device,
-    resume: bool,
-) -> dict[str, Any]:
-    """Fill the new stage: kept and received layers (every rank takes part in the
-    exchange), then the layers no live rank holds from checkpoint ``--load-step``."""
-    if args.fail_relayout and held is not None:
-        mark = Path(args.fail_relayout)
-        with contextlib.suppress(FileExistsError):
-            mark.open("x").close()
-            raise InjectedFailureError(f"injected relayout failure on rank {args.rank}")
-    sched = schedule(peers.old_plan, peers.holders, trainer.plan)
-    source = held.trainer if held is not None and args.rank in peers.holders else None
-    t = time.time()
-    st = exchange(trainer, source, sched, trainer.step, device)
-    t_transfer = time.time()
-    layers = st.checkpoint_layers
-    if layers:
-        if not resume or ckpt is None:
-            raise RuntimeError(
-                f"layers {layers} of rank {args.rank}: no live holder and no checkpoint "
-                "(--ckpt-dir/--load-step)"
-            )
-        if layers == list(trainer.role.layers):
-            ckpt.restore(trainer, args.ckpt_dir, args.load_step)
-        else:
-            ckpt.restore_layers(trainer, args.ckpt_dir, args.load_step, layers)
-    n_ckpt = sum(1 for k, _p in trainer.stage.keyed_parameters() if int(k.split(".")[0]) in layers)
-    return {
-        "path": "in_place",
-        "kept_keys": st.kept_keys,
-        "received_keys": st.received_keys,
-        "checkpoint_keys": n_ckpt,
-        "bytes_received": st.bytes_received,
-        "transfer_s": t_transfer - t,
-        "load_s": time.time() - t_transfer,
-    }
-
-
-def _warm_up() -> None:
-    """Pay torch's lazy imports ahead of need: the first AdamW built in a process imports
-    ``torch._dynamo`` (1.53 s of a fresh rank's 1.72 s stage build, measured on this
-    2-core machine), which a warm spare should not pay after its directive."""
-    make_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig())
-
-
-def _run_in_place(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None) -> int:
+def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None) -> int:
     """Generations in one process: run one, hold, apply the next directive, and so on."""
     comm_abort.set_polling(True)
-    _warm_up()
+    warm_up()
 
     def on_usr1(_sig: int, _frame: Any) -> None:
         if status.in_training:  # a held (or warm, or relayouting) rank ignores it
@@ -650,7 +305,7 @@ def _run_in_place(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO 
     else:
         out = _generation(args, status, ckpt, None, generation)
         if out.held is None:
-            return _leave(out.code)
+            return leave_process(out.code)
         held = out.held
     while True:
         got = await_directive(
@@ -659,30 +314,18 @@ def _run_in_place(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO 
         if got is None:
             if held is not None and held.broken and not status.terminated:
                 raise RuntimeError(f"held broken without a relayout directive: {held.cause}")
-            return _leave(0)
+            return leave_process(0)
         generation, argv = got
         args = build_parser().parse_args(argv)
         args.in_place = True
         status.holding = False
         out = _generation(args, status, ckpt, held, generation)
         if out.held is None:
-            return _leave(out.code)
+            return leave_process(out.code)
         held = out.held
 
 
-def _leave(code: int) -> int:
-    """The end of an in-place process: with abandoned worlds, no destructors (they could
-    join threads blocked on dead peers: ``sailor.comm.abort``)."""
-    if comm_abort.abandoned():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if dist.is_initialized():  # held unbroken, told to exit: the idle world goes
-        dist.destroy_process_group()
-    return code
-
-
-def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = None) -> int:
+def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
     if args.in_place or args.warm:
         return _run_in_place(args, status, ckpt)
@@ -691,7 +334,7 @@ def run(args: argparse.Namespace, status: _Status, ckpt: CheckpointIO | None = N
 
 def _generation(
     args: argparse.Namespace,
-    status: _Status,
+    status: Status,
     ckpt: CheckpointIO | None,
     held: Held | None,
     generation: int,
@@ -699,13 +342,13 @@ def _generation(
     """One generation: build the world and the stage, train, then finish (``code``) or, with
     ``--in-place``, hold for the next generation (``held``). Without ``--in-place`` this is
     the worker as it always was: the only generation of its process."""
-    status.rank, status.error_file = args.rank, _sub(args.error_file, args.rank)
+    status.rank, status.error_file = args.rank, sub_rank(args.error_file, args.rank)
     t_gen = time.time()
-    teardown_s = _teardown(held) if args.in_place else 0.0
+    teardown_s = leave_world(held) if args.in_place else 0.0
     tc = load_train_config(args.train_config) if args.train_config else None
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     base = Path(args.train_config).parent if args.train_config else Path.cwd()
-    spec, arch, weights = _model(args, tc, base, plan)
+    spec, arch, weights = model_of(args, tc, base, plan)
     role = role_of(plan, args.rank)
     if role.world_size != args.world_size:
         raise ValueError(f"--world-size={args.world_size}: the plan has {role.world_size} ranks")
@@ -721,7 +364,7 @@ def _generation(
     if backend == "nccl":
         os.environ.update(nccl_error_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
-    progress = _Progress(_sub(args.progress, args.rank), echo=echo)
+    progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
     cfg = train_config(tc, args)
     train_data = build_dataset(tc.data, spec, tc.seed, base_dir=base) if tc is not None else None
     eval_data = None
@@ -783,7 +426,7 @@ def _generation(
     t_built = time.time()
     relayout: dict[str, Any] = {}
     if peers is not None and (peers.holders or resume):
-        relayout = _relayout(args, trainer, held, peers, ckpt, device, resume)
+        relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
         relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
     elif resume and ckpt is not None:
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
@@ -860,13 +503,13 @@ def _generation(
     periodic = None
     if tc is not None and tc.checkpoint.dir is not None:
         periodic = tc.checkpoint.model_copy(update={"dir": str(base / tc.checkpoint.dir)})
-    boundary = _Boundary(args, status, progress, ckpt, device, periodic)
+    boundary = Boundary(args, status, progress, ckpt, device, periodic)
     try:
         trainer.run(args.steps, hook=boundary, on_step=on_step)
     except Exception as exc:
-        if not (args.in_place and _comm_failure(exc)):
+        if not (args.in_place and comm_failure(exc)):
             raise
-        return _Outcome(0, _hold_broken(args, status, trainer, progress, ckpt, generation, exc))
+        return _Outcome(0, hold_broken(args, status, trainer, progress, ckpt, generation, exc))
     if metrics is not None:
         metrics.close()
     if ckpt is not None:
@@ -877,12 +520,12 @@ def _generation(
             comm.install_backend(previous_backend or comm.TorchBackend())
         status.in_training, status.holding = False, True
         kept = Held(trainer, args.rank, trainer.step, trainer.consumed_samples, False, generation)
-        progress.emit(_held_line(kept))
+        progress.emit(held_line(kept))
         return _Outcome(0, kept)
-    dump = _sub(args.dump_state, args.rank)
+    dump = sub_rank(args.dump_state, args.rank)
     if dump:
         torch.save({k: (t.cpu(), d) for k, (t, d) in stage_state(trainer.stage).items()}, dump)
-    dump_grads = _sub(args.dump_grads, args.rank)
+    dump_grads = sub_rank(args.dump_grads, args.rank)
     if dump_grads:
         grads = {
             k: p.grad.detach().cpu()
@@ -904,8 +547,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
     ``ckpt`` saves and restores checkpoints (needed for ``--load-step`` and save requests).
     """
     args = build_parser().parse_args(argv)
-    err_file = _sub(args.error_file, args.rank)
-    status = _Status(args.rank, err_file)
+    err_file = sub_rank(args.error_file, args.rank)
+    status = Status(args.rank, err_file)
     if err_file:
         # A fatal signal (NCCL's watchdog abort, a segfault) skips the handler below: leave
         # the Python stacks where the parent looks when it writes the record instead.

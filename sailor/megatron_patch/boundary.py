@@ -1,0 +1,159 @@
+"""A worker's iteration boundary: progress lines, where the rank is, and the hook that acts
+on the agent's control file (injected failures, saves, the stop step and the hold there).
+
+The agent's protocol (``sailor.agent.supervisor``): JSON progress lines on stdout, a
+control file re-read at every boundary and agreed on by every rank (:mod:`control`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from sailor.megatron_patch.checkpoint_io import CheckpointIO
+from sailor.megatron_patch.control import ControlRequest, agree, agree_dir, read_control
+from sailor.megatron_patch.engine import Trainer
+from sailor.megatron_patch.errors import InjectedFailureError
+from sailor.schemas.training import CheckpointConfig
+
+__all__ = ["Boundary", "Progress", "Status", "sub_rank"]
+
+
+def sub_rank(path: str | None, rank: int) -> str | None:
+    return path.replace("{rank}", str(rank)) if path else None
+
+
+class Progress:
+    def __init__(self, path: str | None, echo: bool) -> None:
+        self._f: TextIO | None = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._f = Path(path).open("a")  # noqa: SIM115 - open for the whole run
+        self._echo = echo
+
+    def emit(self, obj: dict[str, Any]) -> None:
+        line = json.dumps(obj)
+        if self._f is not None:
+            self._f.write(line + "\n")
+            self._f.flush()
+        if self._echo:
+            print(line, flush=True)
+
+
+class Status:
+    """Where the worker is, for the failure record."""
+
+    def __init__(self, rank: int = -1, error_file: str | None = None) -> None:
+        self.in_training = False
+        self.step = -1
+        self.rank = rank
+        """The rank of the current generation (in-place: it changes)."""
+        self.error_file = error_file
+        """Where the current generation's first cause goes."""
+        self.holding = False
+        """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
+        self.terminated = False
+
+
+class Boundary:
+    """The iteration-boundary hook: injected failure, control requests, save, stop, hold."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        status: Status,
+        progress: Progress,
+        ckpt: CheckpointIO | None,
+        device: torch.device,
+        periodic: CheckpointConfig | None = None,
+    ) -> None:
+        self.args, self.status, self.progress, self.ckpt = args, status, progress, ckpt
+        self.device = device
+        self.periodic = periodic if periodic is not None and periodic.every_steps else None
+        self.saved_requests: set[int] = set()
+        self.pending_save = -1
+        self.last_saved = -1
+        self.stopped_at = -1
+        self.last_boundary = time.monotonic()
+
+    def _request(self) -> ControlRequest:
+        if not self.args.control:
+            return ControlRequest()
+        return agree(read_control(self.args.control), self.device)
+
+    def _finish_save(self) -> None:
+        if self.pending_save < 0 or self.ckpt is None:
+            return
+        self.ckpt.wait()
+        self.last_saved, self.pending_save = self.pending_save, -1
+        self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
+
+    def _periodic_save(self, tr: Trainer) -> None:
+        """The training config's checkpoint every ``every_steps`` (its own directory and
+        retention, apart from the agent's): a save that is durable before training goes on,
+        reported as ``periodic_checkpoint`` (not ``saved``: the agent's protocol is about its
+        own requests). Every rank takes the same decision from the step alone."""
+        p = self.periodic
+        if p is None or p.dir is None or tr.step == self.args.start_step or tr.step % p.every_steps:
+            return
+        if self.ckpt is None:
+            raise RuntimeError("checkpoint.every_steps needs a checkpoint implementation")
+        self.ckpt.save(tr, p.dir, keep=p.keep)
+        self.ckpt.wait()
+        self.progress.emit(
+            {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}
+        )
+
+    def _maybe_save(self, tr: Trainer, req: ControlRequest, holding: bool) -> None:
+        if not req.wants_save or req.save_step in self.saved_requests:
+            return
+        if tr.step < req.save_step and not holding:
+            return
+        self.saved_requests.add(req.save_step)
+        root = agree_dir(req.save_dir)
+        if not root or self.ckpt is None:
+            raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
+        self.ckpt.save(tr, root)
+        self.pending_save = tr.step
+
+    def __call__(self, tr: Trainer) -> bool:
+        self.status.step = tr.step
+        a = self.args
+        if a.min_step_s > 0:
+            left = a.min_step_s - (time.monotonic() - self.last_boundary)
+            if left > 0:
+                time.sleep(left)
+            self.last_boundary = time.monotonic()
+        if a.fail_at_step is not None and tr.step == a.fail_at_step:
+            raise InjectedFailureError(f"injected failure at step {tr.step} on rank {a.rank}")
+        if a.abort_at_step is not None and tr.step == a.abort_at_step:
+            os.abort()
+        # The save in flight overlapped one iteration; report it once durable.
+        self._finish_save()
+        self._periodic_save(tr)
+        req = self._request()
+        self._maybe_save(tr, req, holding=False)
+        if req.wants_stop and tr.step >= req.stop_at_step:
+            self._hold(tr, req)
+            return True
+        return bool(tr.step >= a.start_step + a.steps)
+
+    def _hold(self, tr: Trainer, req: ControlRequest) -> None:
+        """At the stop step: wait (in lockstep) until a save of this step is durable."""
+        # A poll count, not a clock: every rank must leave the loop at the same poll, since
+        # each poll is a collective.
+        polls = int(self.args.pause_timeout_s / self.args.poll_s)
+        while self.pending_save < 0 and self.last_saved < tr.step and polls > 0:
+            polls -= 1
+            time.sleep(self.args.poll_s)
+            req = self._request()
+            self._maybe_save(tr, req, holding=True)
+        self._finish_save()
+        self.stopped_at = tr.step
+        self.progress.emit({"event": "stopped", "rank": self.args.rank, "step": tr.step})

@@ -1,0 +1,50 @@
+"""What the worker needs of a checkpoint implementation.
+
+``sailor.megatron_patch`` may not import ``sailor.checkpoint`` (import-linter): the worker
+(:mod:`rank_main`) takes any object with these methods; ``sailor worker`` passes the
+layer-keyed one of ``sailor.training_process.ckpt_glue``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from sailor.megatron_patch.engine import Trainer
+
+__all__ = ["CheckpointIO"]
+
+
+class CheckpointIO(Protocol):
+    """What the worker needs of a checkpoint implementation (called on every rank)."""
+
+    def position(self, root: str, step: int) -> tuple[int, int]:
+        """``(step, consumed_samples)`` of the committed checkpoint ``step`` under ``root``."""
+        ...
+
+    def restore(self, trainer: Trainer, root: str, step: int) -> None:
+        """Load this rank's layers, sliced for its TP rank, and its AdamW moments."""
+        ...
+
+    def restore_layers(self, trainer: Trainer, root: str, step: int, layers: list[int]) -> None:
+        """Like ``restore`` for ``layers`` (a subset of this rank's) only: an in-place
+        relayout reads what no live rank holds."""
+        ...
+
+    def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
+        """Snapshot now (collective), persist in the background; returns the stall seconds.
+        ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
+        commit); None: the implementation's default."""
+        ...
+
+    def wait(self) -> None:
+        """Block until this rank's part of the save in flight is durable (and committed)."""
+        ...
+
+    def close(self) -> None:
+        """Finish the save in flight and release threads."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything tied to the current world without waiting (it was abandoned:
+        a save in flight may wait on dead peers); the next save starts afresh."""
+        ...
