@@ -334,6 +334,10 @@ class ChaosRun:
                 "model": str(demo_training().spec_file),
                 # fits and plans with them, but the scenario's faults are the only changes
                 "online_calibration": OnlineCalibrationSettings(replan=False),
+                # in place, without warm spares (a join starts its worker then): each spare
+                # is one more torch import per agent on the 2 cores; scenarios that join
+                # ask for them
+                "warm_spares": 0,
                 **self.cluster_options,
             }
             self.cluster = DemoCluster(

@@ -41,7 +41,11 @@ async def test_replay_a100_spot_trace(tmp_path: Path, reference: Path) -> None:
     fresh = iter(NODES)
     live = [next(fresh) for _ in range(steps[0][1])]
     joins = sum(b[1] > a[1] for a, b in itertools.pairwise(steps))
-    async with ChaosRun(tmp_path, "A100 spot trace replay", steps_between=STEPS) as run:
+    # five joins: each agent keeps a warm spare, so a join costs no worker start
+    spares = {"warm_spares": 1}
+    async with ChaosRun(
+        tmp_path, "A100 spot trace replay", steps_between=STEPS, cluster=spares
+    ) as run:
         run.fault(f"{len(steps) - 1} changes, 2-4 nodes, t=0..{steps[-1][0]} s ({joins} joins)")
         gen = await run.start(live)
         for t, gpus in steps[1:]:

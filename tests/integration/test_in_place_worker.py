@@ -325,6 +325,7 @@ def test_warm_spare_becomes_a_rank(tmp_path: Path, job: _Job) -> None:
     _assert_same_state(ip, rs, 4)
 
 
+@pytest.mark.long  # CI: the demo test loses a node in place (real workers, exact losses)
 def test_loss_without_notice_rolls_back_in_process(tmp_path: Path, job: _Job) -> None:
     """(c) Three DP ranks; rank 2 is killed with SIGKILL mid-training. The survivors hold
     broken within ~1 s (SIGUSR1 for any that does not, as the agent does); a directive
