@@ -137,6 +137,7 @@ from sailor.megatron_patch.in_place import (  # noqa: E402
     handshake,
 )
 from sailor.megatron_patch.in_place_steps import (  # noqa: E402
+    await_store,
     comm_failure,
     fill_stage,
     held_line,
@@ -375,6 +376,8 @@ def _generation(
     t0 = time.time()
     if args.in_place and generation >= 0:  # init_s/setup_s from the directive, not the
         _t_start = t_gen  # process start (a process's first generation: from its start)
+    if args.in_place and args.rank != 0:
+        await_store(args.master, args.timeout_s)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{args.master}",
