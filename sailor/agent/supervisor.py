@@ -192,10 +192,9 @@ class Supervisor:
         self.expect_exit = False
         self.in_place = False
         """The current generation's workers were started able to hold."""
-        self.last_path = ""
-        """How the current generation came up: 'restart' or 'in_place' (reused/new counts)."""
         self.changed = asyncio.Event()
         self._tasks = TaskSet("supervisor")
+        self._topping_up = asyncio.Lock()  # one top-up at a time: never more than warm_spares
         self._control_state: dict[str, object] = {}
 
     @property
@@ -337,8 +336,8 @@ class Supervisor:
             assigned.append(w)
         await self._kill(reusable)  # held workers this layout has no rank for
         self.workers = assigned
-        self.last_path = f"in_place reused={reused} new={fresh}" if cmd.in_place else "restart"
-        _log.info("launched", generation=cmd.generation, path=self.last_path)
+        path = f"in_place reused={reused} new={fresh}" if cmd.in_place else "restart"
+        _log.info("launched", generation=cmd.generation, path=path)
         self.changed.set()
 
     def _hand_over(
@@ -386,6 +385,10 @@ class Supervisor:
         """Start warm spares until ``warm_spares`` are alive (a spare's options are the
         template's with placeholders and ``--warm --in-place``: its real ones come with
         the directive that gives it a rank)."""
+        async with self._topping_up:
+            await self._top_up()
+
+    async def _top_up(self) -> None:
         self.spares = [w for w in self.spares if w.exit_code is None]
         while len(self.spares) < self.warm_spares:
             d = self.run_dir / "spares" / f"spare-{next(_spare_ids):04d}-{os.getpid()}"
