@@ -203,6 +203,7 @@ class Agent:
         self._tasks = TaskSet(f"agent-{self.node.node_id}", on_crash=self._task_crashed)
         self._failure_reported = ""
         self._lock = asyncio.Lock()
+        self._closing = False  # shutting down or crashed: commands are refused
         self._crashed = False
         self._plans = PlanSource(self._read_desired)
         self.facts: NodeFacts | None = None
@@ -564,7 +565,20 @@ class Agent:
 
     async def _on_command(self, data: bytes) -> bytes:
         async with self._lock:
+            if self._closing:  # the workers are gone for good: start none now
+                return (
+                    self._refuse(_command_id(data), "agent shutting down")
+                    .model_dump_json()
+                    .encode()
+                )
             return (await self._apply(data)).model_dump_json().encode()
+
+    async def _close_supervisor(self) -> None:
+        """Kill the workers, once no command is being applied and none will be: a Launch
+        handled during a shutdown would otherwise start workers nobody stops."""
+        async with self._lock:
+            self._closing = True
+        await self.supervisor.close()
 
     async def _apply(self, data: bytes) -> CommandAck:
         try:
@@ -636,7 +650,7 @@ class Agent:
 
     async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
         await self._tasks.close()
-        await self.supervisor.close()
+        await self._close_supervisor()
         if self._crashed:
             await commands.close()
             await store.close()
@@ -664,12 +678,20 @@ class Agent:
         quota's cgroup is removed as on a stop: local housekeeping nobody else sees."""
         self._crashed = True
         await self._tasks.close()
-        await self.supervisor.close()
+        await self._close_supervisor()
         if self.quota is not None:
             await asyncio.to_thread(self.quota.close)
         if self._lease is not None:
             await self._lease.stop_keepalive()
         self._lease = None
+
+
+def _command_id(data: bytes) -> str:
+    """The command id of a raw command, or "?" (for a refusal's ack)."""
+    try:
+        return str(CommandAdapter.validate_json(data).command_id)
+    except ValidationError:
+        return "?"
 
 
 async def run_agent(config: AgentConfig) -> int:

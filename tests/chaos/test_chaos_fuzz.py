@@ -160,13 +160,30 @@ async def running(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluste
 
 
 async def _still_fine(c: Cluster) -> None:
-    """Nothing crashed: the leader is RUNNING, the agent's workers step on, the audit passes."""
+    """Nothing crashed: the leader is RUNNING, the agent's workers step on, the audit passes.
+
+    On a loaded host (CI: two pytest workers on two cores) a lease of this shared event
+    loop can still expire mid-test: n1 is "lost without notice" and a new generation
+    starts. That is the runtime recovering, not a crash, so RUNNING is awaited (within
+    60 s) rather than asserted at once; a daemon that died or stopped serving still fails.
+    """
     ctl = c.controllers["c1"][0]
     assert not c.controllers["c1"][1].done() and not c.agents["n1"][1].done()
     assert ctl.leadership is not None and ctl.desired is not None
-    step = c.agents["n1"][0].supervisor.step
-    await c.wait_step(ctl, ["n1"], step + 2, 30)
-    assert c.controllers["c1"][0].desired.phase is Phase.RUNNING
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 60
+    while True:
+        await _until(
+            lambda: ctl.desired is not None and ctl.desired.phase is Phase.RUNNING,
+            max(end - loop.time(), 0.1),
+            lambda: f"not RUNNING again: {ctl.desired}",
+        )
+        step = c.agents["n1"][0].supervisor.step
+        await c.wait_step(ctl, ["n1"], step + 2, 30)
+        if ctl.desired.phase is Phase.RUNNING or loop.time() > end:
+            break
+    assert not c.controllers["c1"][1].done() and not c.agents["n1"][1].done()
+    assert ctl.desired.phase is Phase.RUNNING, ctl.desired
     c.audit()
 
 

@@ -488,3 +488,39 @@ async def test_notice_while_nats_is_down_goes_through_etcd(
     assert len(notices) == 1, notices  # applied once
     assert any(r["kind"] == "event_duplicate" for r in recs)
     cluster.audit()
+
+
+async def test_a_launch_during_the_agents_shutdown_starts_no_worker(cluster: Cluster) -> None:
+    """A Launch handled while the agent shuts down is refused, or its workers are killed
+    with the rest: no worker process (nor its reader tasks) outlives the agent."""
+    from sailor.schemas.commands import Launch
+    from sailor.schemas.runtime import CommandAck
+
+    cluster.start_controller("c1")
+    agent = cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    await cluster.wait_step(ctl, ["n1"], 1, 15)
+    d = ctl.desired
+    assert d is not None and d.plan is not None
+    launch = (
+        Launch(
+            command_id="late",
+            epoch=d.epoch,
+            node_id="n1",
+            plan=d.plan,
+            ranks=(0,),
+            world_size=1,
+            master="127.0.0.1:1",
+            generation=d.generation + 1,
+        )
+        .model_dump_json()
+        .encode()
+    )
+    _, raw = await asyncio.gather(agent._close_supervisor(), agent._on_command(launch))
+    ack = CommandAck.model_validate_json(raw)
+    live = [w for w in agent.supervisor.workers if w.exit_code is None]
+    assert not live, (ack, live)
+    raw = await agent._on_command(launch.replace(b'"late"', b'"later"'))
+    ack = CommandAck.model_validate_json(raw)
+    assert not ack.accepted and ack.reason == "agent shutting down", ack
+    assert not [w for w in agent.supervisor.workers if w.exit_code is None]
