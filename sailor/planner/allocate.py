@@ -524,21 +524,40 @@ def overheads_for(
     rings: dict[tuple[int, float], float] = {}
     fixed_of: dict[str, float] = {}
     for t in templates:
+        shapes, gpu_types, update = _sync_shape(t)
         ar = 0.0
-        fixed = -math.inf
-        for s in t.stages:
-            k = s.kind
-            hit = rings.get((k.tp, s.params))
+        for key in shapes:
+            hit = rings.get(key)
             if hit is None:
-                nb = sync.node_bytes(k.tp, s.params, param_bytes)
-                hit = rings[(k.tp, s.params)] = sync.ring_time(ring, n_pipes, nb, s.params)
+                tp, params = key
+                nb = sync.node_bytes(tp, params, param_bytes)
+                hit = rings[key] = sync.ring_time(ring, n_pipes, nb, params)
             ar += hit
-            f = fixed_of.get(k.gpu_type)
+        fixed = -math.inf
+        for g in gpu_types:
+            f = fixed_of.get(g)
             if f is None:
-                f = fixed_of[k.gpu_type] = cal.for_gpu(k.gpu_type).sync_fixed_s
+                f = fixed_of[g] = cal.for_gpu(g).sync_fixed_s
             fixed = max(fixed, f)
-        out[id(t)] = fixed + ar + max(s.update_s for s in t.stages)
+        out[id(t)] = fixed + ar + update
     return out
+
+
+def _sync_shape(
+    t: PipelineTemplate,
+) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...], float]:
+    """What :func:`overheads_for` reads of a template, kept on it: its stages' (TP degree,
+    parameters) in order, its GPU types, and its slowest optimizer step."""
+    hit: tuple[tuple[tuple[int, float], ...], tuple[str, ...], float] | None
+    hit = t.__dict__.get("_sync_shape")
+    if hit is None:
+        hit = (
+            tuple((s.kind.tp, s.params) for s in t.stages),
+            tuple(dict.fromkeys(s.kind.gpu_type for s in t.stages)),
+            max(s.update_s for s in t.stages),
+        )
+        object.__setattr__(t, "_sync_shape", hit)
+    return hit
 
 
 def p2p_egress(t: PipelineTemplate, tables: CostTables) -> tuple[tuple[str, str, float], ...]:

@@ -8,19 +8,28 @@ layer replicas means a faster reconfiguration.
 
 from __future__ import annotations
 
-from sailor.schemas import Plan
+from sailor.schemas import Pipeline, Plan
 
 __all__ = ["moved_layers"]
 
 
 def _holders(plan: Plan) -> dict[tuple[str, str, int], int]:
-    out: dict[tuple[str, str, int], int] = {}
+    # a planner's plan repeats one Pipeline object per template: count each distinct once
+    count: dict[int, int] = {}
+    distinct: list[Pipeline] = []
     for p in plan.pipelines:
+        if id(p) not in count:
+            count[id(p)] = 0
+            distinct.append(p)
+        count[id(p)] += 1
+    out: dict[tuple[str, str, int], int] = {}
+    for p in distinct:
+        c = count[id(p)]
         for s in p.stages:
             r = s.replica
             for layer in s.layers:
                 k = (r.gpu_type, r.zone, layer)
-                out[k] = out.get(k, 0) + 1
+                out[k] = out.get(k, 0) + c
     return out
 
 

@@ -23,7 +23,7 @@ Pure: values in, values out (docs/planner.md, "Robust planning").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -138,7 +138,7 @@ class RobustResult:
     """The calibration whose corners judged the plans."""
     judges: Mapping[str, SearchState] = field(default_factory=dict)
     """Cost tables of the judged corners no search covers (``optimistic`` under ``robust``),
-    built by a replan for its closed form and reused by the next one."""
+    for their closed form: built by the search, reused by every replan after it."""
 
 
 def _score_of(objective: Objective, f: _Figures, cost_per_hour: float) -> float:
@@ -238,7 +238,39 @@ def robust_search(
             top_k=per_corner,
             progress=progress,
         )
-    return _rank(results, risk, objective, cons, cal, spot, top_k, per_corner)
+    judges = _judges(results, {}, risk, cal, pool)
+    out = _rank(
+        results,
+        risk,
+        objective,
+        cons,
+        cal,
+        spot,
+        top_k,
+        per_corner,
+        closed={**{n: r.state for n, r in results.items()}, **judges},
+    )
+    return replace(out, judges=judges)
+
+
+def _judges(
+    results: Mapping[str, SearchResult],
+    have: Mapping[str, SearchState],
+    risk: Risk,
+    cal: Calibration,
+    pool: Pool,
+) -> dict[str, SearchState]:
+    """Cost tables for the closed form of the judged corners no search covered (``have``
+    kept, others built), priced for ``pool``."""
+    inp = next(iter(results.values())).state.tables.inputs
+    by_name = dict(corners(cal))
+    judges = dict(have)
+    for name in _JUDGED[risk]:
+        if name not in results and name not in judges:
+            judges[name] = SearchState(tables=CostTables(replace(inp, calibration=by_name[name])))
+    for st in judges.values():
+        st.pricing = GpuPricing.of(pool, inp.prices, inp.spot)
+    return judges
 
 
 def robust_replan(
@@ -275,13 +307,7 @@ def robust_replan(
     }
     some = next(iter(results.values()))
     inp = some.state.tables.inputs
-    by_name = dict(corners(previous.calibration))
-    judges = dict(previous.judges)
-    for name in _JUDGED[previous.risk]:
-        if name not in results and name not in judges:
-            judges[name] = SearchState(tables=CostTables(replace(inp, calibration=by_name[name])))
-    for st in judges.values():
-        st.pricing = GpuPricing.of(new_pool, inp.prices, inp.spot)
+    judges = _judges(results, previous.judges, previous.risk, previous.calibration, new_pool)
     out = _rank(
         results,
         previous.risk,
@@ -355,15 +381,17 @@ def _rank(
     top_k: int,
     per_corner: int,
     *,
+    closed: Mapping[str, SearchState] | None,
     running: Plan | None = None,
     tolerance: float = 0.0,
-    closed: Mapping[str, SearchState] | None = None,
 ) -> RobustResult:
     """Judge the finalists of every corner's search in every corner and rank them by
     ``risk``'s rule; with ``running``, plans within ``tolerance`` of the best ratio are
-    ordered by the layer replicas they move from it. With ``closed`` (per corner, the
-    tables of its closed form), unknown figures start as the closed form and only the plans
-    ranked first are simulated (:func:`robust_replan`)."""
+    ordered by the layer replicas they move from it. A figure no search simulated starts as
+    the closed form (``closed``: per corner, the tables it prices with) and only the plans
+    ranked first are simulated, until every returned plan is simulated in every corner.
+    ``closed=None`` simulates every plan in every corner (the reference the tests compare
+    the screening with)."""
     by_name = dict(corners(cal))
     searched = tuple(results)
     judged = _JUDGED[risk]
@@ -420,30 +448,25 @@ def _rank(
             spot=bool(spot),
         )
 
+    moved: dict[int, int] = {}  # id(plan) -> layer replicas moved from ``running``
+
+    def moves_of(p: Plan) -> int:
+        hit = moved.get(id(p))
+        if hit is None:
+            hit = moved[id(p)] = moved_layers(running, p)[1]
+        return hit
+
+    moves = moves_of if running is not None else None
     plans: list[_Row] = []
     for p, known, cph, alloc in cands.values():
         try:
-            if closed is None:
-                ests = judge_in_corners(
-                    p,
-                    inp.model,
-                    inp.profiles,
-                    inp.network,
-                    inp.prices,
-                    calibration=cal,
-                    gpu_specs=inp.gpu_specs,
-                    spot=spot,
-                    known=known,
-                )
-                figs = {n: _simulated(e, cons, cph) for n, e in ests.items()}
-            else:
-                figs = {n: _simulated(e, cons, cph) for n, e in known.items()}
-                for n in by_name:
-                    if n in figs:
-                        continue
-                    st = closed.get(n)
-                    f = _closed_form(alloc, st, cons, cph) if st and alloc else None
-                    figs[n] = f or _simulated(simulated_in(p, n), cons, cph)
+            figs = {n: _simulated(e, cons, cph) for n, e in known.items()}
+            for n in by_name:
+                if n in figs:
+                    continue
+                st = closed.get(n) if closed is not None else None
+                f = _closed_form(alloc, st, cons, cph) if st and alloc else None
+                figs[n] = f or _simulated(simulated_in(p, n), cons, cph)
         except (ProfileLookupError, KeyError, ValueError):
             continue
         plans.append((p, figs, cph, alloc))
@@ -454,7 +477,7 @@ def _rank(
         )
 
     while True:
-        scored = _order(plans, judged, objective, by_name, running, tolerance)
+        scored = _order(plans, judged, objective, by_name, moves, tolerance)
         if not scored:
             break
         # the simulator has the last word: simulate what is ranked first where only the
@@ -503,7 +526,7 @@ def _rank(
                 violations={n: v for n, v in viol.items() if v},
                 explain=explain.get(_key(p), ()),
                 allocation=alloc,
-                moved_layer_replicas=(moved_layers(running, p)[1] if running is not None else 0),
+                moved_layer_replicas=moves(p) if moves is not None else 0,
             )
         )
     return RobustResult(tuple(out), "", risk, objective, searched, len(plans), dict(results), cal)
@@ -514,12 +537,13 @@ def _order(
     judged: tuple[str, ...],
     objective: Objective,
     by_name: Mapping[str, Calibration],
-    running: Plan | None,
+    moves: Callable[[Plan], int] | None,
     tolerance: float,
 ) -> list[_Scored]:
     """The plans that fit and meet every limit in every judged corner, best first (empty if
     none does): by the worst judged corner's ratio to that corner's best kept plan, then the
-    median corner's; with ``running``, those within ``tolerance`` of the best by moves."""
+    median corner's; with ``moves`` (a replan: layer replicas moved from the running plan),
+    those within ``tolerance`` of the best by moves."""
     kept = [r for r in plans if not any(r[1][n].violations for n in judged)]
     if not kept:
         return []
@@ -534,11 +558,11 @@ def _order(
         viol = {n: f.violations for n, f in r[1].items()}
         scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r, viol))
     scored.sort(key=lambda x: x[0], reverse=True)
-    if running is not None and scored:
+    if moves is not None and scored:
         # a replan: among plans within ``tolerance`` of the best ratio, move the least first
         top = scored[0][1]
         near = [x for x in scored if x[1] >= top * (1 - tolerance)]
-        near.sort(key=lambda x: moved_layers(running, x[3][0])[1])  # stable: ratio order kept
+        near.sort(key=lambda x: moves(x[3][0]))  # stable: ratio order kept
         scored = near + [x for x in scored if x[1] < top * (1 - tolerance)]
     return scored
 

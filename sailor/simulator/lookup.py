@@ -22,7 +22,10 @@ A profile whose ``update_s`` is one value for every layer is read as the
 optimizer step of the profiling model (embedding + 2 blocks + head) and spread over layers by
 parameter count.
 
-Pure: no I/O, no globals; results are plain values.
+Pure: no I/O; results are plain, immutable values. :func:`layer_sizes` and
+:func:`layer_table` are memoized (:class:`~sailor.simulator.memo.IdentityMemo`: the profile
+database and the model by identity, the rest by value), so the many ``simulate()`` calls of
+a search share their tables.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from dataclasses import dataclass
 from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.device_kind import spec_of
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
+from sailor.simulator.memo import IdentityMemo
 
 __all__ = [
     "PROFILING_MODEL_BLOCKS",
     "LayerCost",
     "ProfileLookupError",
     "StageCosts",
+    "forget_tables",
     "layer_sizes",
     "layer_table",
 ]
@@ -74,10 +79,26 @@ class StageCosts:
         return any(c.estimated for c in self.layers)
 
 
+_MEMO = IdentityMemo(1024)
+"""Layer sizes and tables by (profiles, model) identity and the other inputs' values: a
+search touches a few dozen (GPU type, TP, mbs) per calibration corner."""
+
+
+def forget_tables() -> None:
+    """Empty the memo (a benchmark timing a cold search)."""
+    _MEMO.clear()
+
+
 def layer_sizes(
     profiles: ProfileDB, model: ModelSpec, tp: int
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     """Sizes of every layer at ``tp``: profiled where present, estimated otherwise."""
+    return _MEMO.get((profiles, model), ("sizes", tp), lambda: _layer_sizes(profiles, model, tp))
+
+
+def _layer_sizes(
+    profiles: ProfileDB, model: ModelSpec, tp: int
+) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     out: list[LayerSize] = []
     missing = 0
     for layer in range(model.num_all_layers):
@@ -193,11 +214,27 @@ def layer_table(
     mbs: int,
 ) -> StageCosts:
     """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``."""
+    spec = spec_of(gpu_specs, gpu_type)
+    return _MEMO.get(
+        (profiles, model),
+        ("table", cal, spec, gpu_type, tp, mbs),
+        lambda: _layer_table(profiles, model, cal, spec, gpu_type, tp, mbs),
+    )
+
+
+def _layer_table(
+    profiles: ProfileDB,
+    model: ModelSpec,
+    cal: GPUCalibration,
+    spec: GPUSpec | None,
+    gpu_type: str,
+    tp: int,
+    mbs: int,
+) -> StageCosts:
     n = model.num_all_layers
     sizes, notes_l = layer_sizes(profiles, model, tp)
     notes = list(notes_l)
     grid = _real_grid(profiles, gpu_type)
-    spec = spec_of(gpu_specs, gpu_type)
     tag = f"{gpu_type} tp={tp} mbs={mbs}"
 
     def estimate(t: int) -> list[LayerProfile]:

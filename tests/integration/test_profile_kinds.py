@@ -52,8 +52,11 @@ def test_a_kind_profiled_under_its_quota_is_slower(tmp_path: Path) -> None:
         f"cpu-slow / cpu-full at quota {QUOTA}: {overall:.2f} over all layers; per layer "
         + ", ".join(f"{r:.2f}" for r in ratios)
     )
-    assert overall >= 1.5, ratios
-    assert statistics.median(ratios) >= 1.5, ratios
+    # 0.4 of a core against up to a whole one: 2.5x on an idle host; the other pytest worker
+    # still takes its share of the full kind's core (CI: 1.50 over all layers, per layer
+    # 1.44-1.63), so the bound is what a quota that is in force cannot miss
+    assert overall >= 1.3, ratios
+    assert statistics.median(ratios) >= 1.3, ratios
     # the profile says what it was measured under
     assert db.meta["cpu-slow.cpu_quota"].startswith("0.4 cores")
     assert "scaled" in db.meta["cpu-slow.repetitions"]

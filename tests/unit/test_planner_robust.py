@@ -132,6 +132,7 @@ def test_robust_replan_ranks_as_the_simulator_would(counts: tuple[int, int], flo
     pool = make_pool({("fast", ZONE): counts[0], ("slow", ZONE): counts[1]})
     res = robust_replan(first, pool, top_k=3)  # type: ignore[arg-type]
     assert res.judges.keys() == {"optimistic"}  # the one judged corner no search covers
+    assert res.judges["optimistic"] is first.judges["optimistic"]  # type: ignore[attr-defined]
     some = next(iter(res.results.values()))
     run = first.plans[0].plan  # type: ignore[attr-defined]
     every = _rank(  # the same replans' plans, each simulated in every corner
@@ -143,12 +144,43 @@ def test_robust_replan_ranks_as_the_simulator_would(counts: tuple[int, int], flo
         some.state.tables.inputs.spot,
         3,
         _PER_CORNER,
+        closed=None,
         running=run,
         tolerance=0.02,
     )
     assert res.candidates == every.candidates
     assert [_key(p.plan) for p in res.plans] == [_key(p.plan) for p in every.plans]
     for a, b in zip(res.plans, every.plans, strict=True):
+        assert a.interval == b.interval
+        assert a.worst_ratio == pytest.approx(b.worst_ratio, rel=1e-9)
+        assert a.regret == pytest.approx(b.regret, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("floor", [False, True])
+def test_robust_search_ranks_as_the_simulator_would(floor: bool) -> None:
+    """The search's closed-form screening of the finalists picks the plans, worst ratios and
+    regrets that simulating every finalist in every corner gives."""
+    cons = None
+    if floor:
+        low = _run("optimistic").plans[0].interval.throughput_iter_s.low  # type: ignore[attr-defined]
+        cons = Constraints(min_throughput_iter_s=low / 2)
+    res = _run("robust", cons)
+    assert res.judges.keys() == {"optimistic"}  # type: ignore[attr-defined]
+    some = next(iter(res.results.values()))  # type: ignore[attr-defined]
+    every = _rank(
+        res.results,  # type: ignore[attr-defined]
+        "robust",
+        "throughput",
+        some.constraints,
+        CAL,
+        some.state.tables.inputs.spot,
+        3,
+        _PER_CORNER,
+        closed=None,
+    )
+    assert res.candidates == every.candidates  # type: ignore[attr-defined]
+    assert [_key(p.plan) for p in res.plans] == [_key(p.plan) for p in every.plans]  # type: ignore[attr-defined]
+    for a, b in zip(res.plans, every.plans, strict=True):  # type: ignore[attr-defined]
         assert a.interval == b.interval
         assert a.worst_ratio == pytest.approx(b.worst_ratio, rel=1e-9)
         assert a.regret == pytest.approx(b.regret, rel=1e-9, abs=1e-12)

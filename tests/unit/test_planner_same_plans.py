@@ -84,7 +84,10 @@ def test_robust_plan_is_the_one_chosen_before_the_speedups(name: str) -> None:
         top_k=1,
     )
     digest = hashlib.sha256(repr(_key(res.plans[0].plan)).encode()).hexdigest()[:16]
-    assert (digest, res.plans[0].worst_ratio) == BEFORE[name]
+    want, ratio = BEFORE[name]
+    # the ratio to within rounding: the best plan of a corner may be priced by the closed
+    # form, which equals the simulator's figures up to the order of its additions
+    assert (digest, res.plans[0].worst_ratio) == (want, pytest.approx(ratio, rel=1e-12))
 
 
 def test_batched_dps_equal_one_dp_at_a_time() -> None:
