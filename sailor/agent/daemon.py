@@ -40,7 +40,7 @@ from sailor.agent.check_verdicts import judge
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
-from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
+from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor, SupervisorClosedError
 from sailor.agent.watchers import PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
@@ -574,10 +574,17 @@ class Agent:
             return (await self._apply(data)).model_dump_json().encode()
 
     async def _close_supervisor(self) -> None:
-        """Kill the workers, once no command is being applied and none will be: a Launch
-        handled during a shutdown would otherwise start workers nobody stops."""
-        async with self._lock:
-            self._closing = True
+        """Refuse every command from now on, let one being applied end (for at most the
+        workers' kill grace: an Abort that holds waits that long), then kill the workers. A
+        Launch still going on after that starts no more workers, and the supervisor kills
+        those it started: none outlives the agent."""
+        self._closing = True
+        try:
+            async with asyncio.timeout(2 * self.supervisor.kill_grace_s):
+                async with self._lock:
+                    pass
+        except TimeoutError:
+            _log.warning("shutdown_during_command", node=self.node.node_id)
         await self.supervisor.close()
 
     async def _apply(self, data: bytes) -> CommandAck:
@@ -607,7 +614,10 @@ class Agent:
                 training = await self._plans.training(cmd)
             except TemporaryError as exc:
                 return self._refuse(cmd.command_id, f"training config: {exc}"[:1000])
-            await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
+            try:
+                await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
+            except SupervisorClosedError:  # the agent began shutting down meanwhile
+                return self._refuse(cmd.command_id, "agent shutting down")
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):

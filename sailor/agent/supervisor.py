@@ -66,11 +66,17 @@ __all__ = [
     "DEFAULT_WORKER_ARGV",
     "TOY_TRAINER_ARGV",
     "Supervisor",
+    "SupervisorClosedError",
     "WorkerView",
     "worker_options",
 ]
 
 _log = structlog.get_logger("sailor.agent")
+
+
+class SupervisorClosedError(RuntimeError):
+    """A launch or a spare asked to start a worker after :meth:`Supervisor.close`."""
+
 
 DEFAULT_WORKER_ARGV: tuple[str, ...] = (
     sys.executable,
@@ -188,6 +194,9 @@ class Supervisor:
         self.start_step = -1
         self.workers: list[WorkerView] = []
         self.spares: list[WorkerView] = []
+        self.closed = False
+        """Closed (the agent is going away): no worker or spare starts any more."""
+        self._launching: list[WorkerView] = []
         self.failure = ""
         self.expect_exit = False
         self.in_place = False
@@ -318,6 +327,7 @@ class Supervisor:
         if (reusable or spares) and self.on_handover is not None:
             await self.on_handover()
         assigned: list[WorkerView] = []
+        self._launching = assigned  # what close() must kill if it comes mid-launch
         fresh = reused = 0
         for rank in sorted(cmd.ranks):
             _write_atomic(_control_file(gen_dir, rank), "{}")
@@ -335,7 +345,7 @@ class Supervisor:
                 fresh += 1
             assigned.append(w)
         await self._kill(reusable)  # held workers this layout has no rank for
-        self.workers = assigned
+        self.workers, self._launching = assigned, []
         path = f"in_place reused={reused} new={fresh}" if cmd.in_place else "restart"
         _log.info("launched", generation=cmd.generation, path=path)
         self.changed.set()
@@ -358,6 +368,8 @@ class Supervisor:
     async def _spawn(
         self, rank: int, argv: tuple[str, ...], gen_dir: Path, generation: int
     ) -> WorkerView:
+        if self.closed:
+            raise SupervisorClosedError("the supervisor is closed: no worker starts")
         proc = await asyncio.create_subprocess_exec(
             *self.exec_prefix,
             *argv,
@@ -365,6 +377,11 @@ class Supervisor:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
+        if self.closed:  # closed while it started: close() cannot have seen it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise SupervisorClosedError("the supervisor closed while a worker started")
         view = WorkerView(
             rank=rank,
             proc=proc,
@@ -386,11 +403,12 @@ class Supervisor:
         template's with placeholders and ``--warm --in-place``: its real ones come with
         the directive that gives it a rank)."""
         async with self._topping_up:
-            await self._top_up()
+            with contextlib.suppress(SupervisorClosedError):  # closing: no spare is wanted
+                await self._top_up()
 
     async def _top_up(self) -> None:
         self.spares = [w for w in self.spares if w.exit_code is None]
-        while len(self.spares) < self.warm_spares:
+        while len(self.spares) < self.warm_spares and not self.closed:
             d = self.run_dir / "spares" / f"spare-{next(_spare_ids):04d}-{os.getpid()}"
             d.mkdir(parents=True, exist_ok=True)
             _write_atomic(d / "control.json", "{}")
@@ -558,7 +576,10 @@ class Supervisor:
         self.changed.set()
 
     async def close(self) -> None:
-        """Kill the workers and the spares; end every task (the agent is shutting down)."""
+        """Kill the workers and the spares; end every task (the agent is shutting down). A
+        launch still going on starts no more workers, and those it started are killed."""
+        self.closed = True
+        await self._kill(self._launching)
         await self.abort()
         await self._kill(self.spares)
         self.spares = []

@@ -95,3 +95,31 @@ async def test_supervisor_records_a_worker_killed_by_sigabrt(tmp_path: Path) -> 
         assert '"event": "failed"' in sup.workers[0].stderr_tail[-1]
     finally:
         await sup.abort()
+
+
+async def test_a_supervisor_closed_mid_launch_leaves_no_worker(tmp_path: Path) -> None:
+    """close() while a launch is starting its workers: the launch fails, and the worker it
+    was starting is killed (it began before close() and was not yet in its list)."""
+    import pytest
+
+    from sailor.agent.supervisor import TOY_TRAINER_ARGV, SupervisorClosedError
+
+    sup = Supervisor(tmp_path, worker_argv=TOY_TRAINER_ARGV)
+    cmd = Launch(
+        command_id="c1",
+        epoch=1,
+        node_id="n1",
+        plan=PLAN,
+        ranks=(0,),
+        world_size=1,
+        master=f"127.0.0.1:{free_port()}",
+        generation=1,
+    )
+    launch = asyncio.create_task(sup.launch(cmd))
+    await asyncio.sleep(0)  # the launch is in its first await: starting the process
+    await sup.close()
+    with pytest.raises(SupervisorClosedError):
+        await launch
+    assert not [w for w in sup.workers if w.exit_code is None and w.proc.returncode is None]
+    with pytest.raises(SupervisorClosedError):
+        await sup.launch(cmd.model_copy(update={"command_id": "c2"}))

@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from sailor.cli.demo.processes import ProcessRegistry, children_of, marked_pids
 
 # A parent that starts a child in a session of its own, as an agent starts its workers.
@@ -47,3 +49,46 @@ def test_kill_all_reaches_orphans(tmp_path: Path) -> None:
     finally:
         assert reg.kill_all() == []
     assert marked_pids(reg.token) == []
+
+
+_INTERRUPT = """
+import asyncio, signal, sys, time
+from sailor.cli.demo.run import Interrupted
+
+def interrupt():
+    raise Interrupted(signal.SIGINT)
+
+async def background():
+    await asyncio.sleep(0)
+    interrupt()
+
+async def main():
+    if sys.argv[1] == "callback":
+        asyncio.get_running_loop().call_soon(interrupt)
+    else:
+        asyncio.get_running_loop().create_task(background())
+    await asyncio.sleep(5)
+
+t0 = time.monotonic()
+try:
+    asyncio.run(main())
+except Interrupted:
+    print(f"interrupted after {time.monotonic() - t0:.2f} s")
+"""
+
+
+@pytest.mark.parametrize("where", ["callback", "task"])
+def test_an_interrupt_inside_the_event_loop_ends_the_run(where: str) -> None:
+    """The demo's signal handler raises Interrupted wherever the main thread is: inside an
+    event-loop callback or a background task it must still end ``asyncio.run`` at once (a
+    plain BaseException there is logged or kept on the task, and the demo ran on). In a
+    process of its own: an interrupted task leaves this interpreter's state unfit for more
+    tests (CPython 3.11), which the demo, exiting after, never meets."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT, where], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("interrupted after "), (out.stdout, out.stderr[-2000:])
+    assert float(out.stdout.split()[2]) < 2.0, out.stdout
