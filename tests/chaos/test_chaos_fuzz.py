@@ -77,13 +77,6 @@ def draw(strategy: st.SearchStrategy[T], n: int) -> list[T]:
     return out[:n]
 
 
-async def adraw(strategy: st.SearchStrategy[T], n: int) -> list[T]:
-    """:func:`draw` off the event loop. Generating 40 hostile payloads takes ~1.5 s; on the
-    loop that runs the cluster it starved the 1 s leases of the controller and the agent
-    (CI: the leader re-elected and n1 'lost without notice' mid-test)."""
-    return await asyncio.to_thread(draw, strategy, n)
-
-
 _HOSTILE_SCALARS = st.one_of(
     st.none(),
     st.booleans(),
@@ -146,6 +139,47 @@ async def _until(ok: Callable[[], bool], timeout: float, what: Callable[[], str]
         await asyncio.sleep(0.1)
 
 
+_EVENT_BASE = {
+    "kind": "node_joined",
+    "schema_version": 1,
+    "event_id": "e",
+    "node_id": "n1",
+    "time": 1.0,
+    "node": {"node_id": "n1", "gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"},
+}
+_COMMAND_BASE = {
+    "kind": "abort",
+    "schema_version": 1,
+    "command_id": "c",
+    "epoch": 0,
+    "node_id": "n1",
+}
+
+
+@pytest.fixture(scope="module")
+def drawn() -> dict[str, Any]:
+    """Every test's hostile input, drawn once before any cluster starts. Drawing takes
+    seconds of CPU; on the loop that runs the cluster it starved the 1 s leases, and even
+    from a thread beside it (which holds the GIL most of the time) a leader was re-elected
+    18 times and n1 'lost without notice' in one CI run."""
+    event_kinds = st.sampled_from(
+        ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat", "x", "é"]
+    )
+    others = st.one_of(
+        st.sampled_from(["n2", "n1x", "N1", "n1 ", "n1.x", "n_1", "ghost", "é", "n1\x00"]),
+        st.text(min_size=1, max_size=20).filter(lambda t: t != "n1"),
+    )
+    forged_kinds = st.sampled_from(
+        ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat"]
+    )
+    return {
+        "events": draw(st.tuples(event_kinds, _hostile(_EVENT_BASE)), N_EXAMPLES),
+        "forgeries": draw(st.tuples(forged_kinds, others, st.floats(0, 2e9)), N_EXAMPLES),
+        "etcd": {k: draw(_hostile(b), N_EXAMPLES // 4) for k, _, b in _etcd_targets()},
+        "commands": draw(_hostile(_COMMAND_BASE), N_EXAMPLES),
+    }
+
+
 @pytest.fixture
 async def running(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
     c = Cluster(tmp_path, servers, job=JOB)
@@ -191,20 +225,9 @@ def _records(c: Cluster, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_records(sorted(c.tmp.glob("audit-*.jsonl"))) if r["kind"] == kind]
 
 
-async def test_fuzz_event_subjects(running: Cluster) -> None:
+async def test_fuzz_event_subjects(drawn: dict[str, Any], running: Cluster) -> None:
     c = running
-    base = {
-        "kind": "node_joined",
-        "schema_version": 1,
-        "event_id": "e",
-        "node_id": "n1",
-        "time": 1.0,
-        "node": {"node_id": "n1", "gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"},
-    }
-    kinds = st.sampled_from(
-        ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat", "x", "é"]
-    )
-    payloads = await adraw(st.tuples(kinds, _hostile(base)), N_EXAMPLES)
+    payloads = drawn["events"]
     nc = await connect_nats(c.nats_url, "fuzz-n1", security=c.security("n1"))
     bad: dict[str, bytes] = {}
     try:
@@ -228,21 +251,13 @@ async def test_fuzz_event_subjects(running: Cluster) -> None:
     await _still_fine(c)
 
 
-async def test_fuzz_cross_node_forgeries(running: Cluster) -> None:
+async def test_fuzz_cross_node_forgeries(drawn: dict[str, Any], running: Cluster) -> None:
     """Well-formed events of every kind about another node (n2, unknown ids, look-alikes of
     n1), sent on n1's own subjects with n1's login: each refused and audited with its
     subject, none acted on (no notice written, the layout untouched)."""
     c = running
     before = c.controllers["c1"][0].desired
     now = 1.0e9  # inside no notice window: a refusal for the subject must come first
-    others = st.one_of(
-        st.sampled_from(["n2", "n1x", "N1", "n1 ", "n1.x", "n_1", "ghost", "é", "n1\x00"]),
-        st.text(min_size=1, max_size=20).filter(lambda t: t != "n1"),
-    )
-    kinds = st.sampled_from(
-        ["node_joined", "node_left", "preemption_notice", "worker_failed", "heartbeat"]
-    )
-    drawn = await adraw(st.tuples(kinds, others, st.floats(0, 2e9)), N_EXAMPLES)
     spec = {"gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"}
     extra: dict[str, Callable[[str, float], dict[str, Any]]] = {
         "node_joined": lambda n, t: {"node": {"node_id": n, **spec}},
@@ -255,7 +270,7 @@ async def test_fuzz_cross_node_forgeries(running: Cluster) -> None:
     nc = await connect_nats(c.nats_url, "fuzz-forger", security=c.security("n1"))
     try:
         bus = NatsEventBus(nc, KEYS, durable="unused", source="n1")
-        for i, (kind, node, t) in enumerate(drawn):
+        for i, (kind, node, t) in enumerate(drawn["forgeries"]):
             eid = f"forged-{i}"
             ev = {"kind": kind, "event_id": eid, "node_id": node, "time": now}
             data = json.dumps({**ev, **extra[kind](node, t)}).encode()
@@ -284,25 +299,30 @@ async def test_fuzz_cross_node_forgeries(running: Cluster) -> None:
     await _still_fine(c)
 
 
-async def test_fuzz_etcd_keys(running: Cluster) -> None:
-    c = running
+def _etcd_targets() -> list[tuple[str, str, dict[str, Any]]]:
+    """(key, writer, base record) of every key fuzzed: a node's own keys with its
+    certificate, the controller's with the operator's."""
     status = AgentStatus(node_id="n2", epoch=1, state="idle", time=1.0).model_dump(mode="json")
     notice = NoticeRecord(node_id="n3", deadline=1.0, event_id="e").model_dump(mode="json")
     commit = CommitRecord(step=999_999, directory="/ckpt").model_dump(mode="json")
     node = {"node_id": "n2", "gpu_type": "A100-40", "gpus": 1, "zone": "z-a-1"}
-    # (key, writer, model the controller parses it with, base record)
-    targets = [
-        (KEYS.node("n2"), "n2", None, node),
-        (KEYS.status("n2"), "n2", AgentStatus, status),
-        (KEYS.notice("n3"), ADMIN, NoticeRecord, notice),
-        (KEYS.checkpoint(999_999), ADMIN, CommitRecord, commit),
+    return [
+        (KEYS.node("n2"), "n2", node),
+        (KEYS.status("n2"), "n2", status),
+        (KEYS.notice("n3"), ADMIN, notice),
+        (KEYS.checkpoint(999_999), ADMIN, commit),
     ]
+
+
+async def test_fuzz_etcd_keys(drawn: dict[str, Any], running: Cluster) -> None:
+    c = running
+    targets = _etcd_targets()
     stores = {
         w: await connect_etcd(c.etcd, security=c.security(w)) for w in {t[1] for t in targets}
     }
     try:
-        for key, writer, _model, base in targets:
-            values = await adraw(_hostile(base), N_EXAMPLES // 4)
+        for key, writer, _base in targets:
+            values = drawn["etcd"][key]
             last = b""
             for data in values:
                 if data == last or _valid_record(key, data):
@@ -338,11 +358,11 @@ def _valid_record(key: str, data: bytes) -> bool:
     return _valid(model, data)
 
 
-async def test_fuzz_command_subject(running: Cluster) -> None:
+async def test_fuzz_command_subject(drawn: dict[str, Any], running: Cluster) -> None:
     c = running
     agent = c.agents["n1"][0]
-    base = {"kind": "abort", "schema_version": 1, "command_id": "c", "epoch": 0, "node_id": "n1"}
-    payloads = await adraw(_hostile(base), N_EXAMPLES)
+    base = _COMMAND_BASE
+    payloads = list(drawn["commands"])
     # well-formed but refused: another node's command, and a stale epoch
     payloads.append(json.dumps({**base, "command_id": "other", "node_id": "n2"}).encode())
     payloads.append(json.dumps({**base, "command_id": "stale", "epoch": 0}).encode())
