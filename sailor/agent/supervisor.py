@@ -305,6 +305,8 @@ class Supervisor:
         place: hand them to held workers and warm spares first."""
         if cmd.plan is None:
             raise ValueError(f"launch {cmd.command_id}: plan {cmd.plan_id} not resolved")
+        if self.closed:
+            raise SupervisorClosedError(f"launch {cmd.command_id}: the supervisor is closed")
         if cmd.in_place:
             # running (not held) workers cannot take a directive: the controller asks them
             # to hold first; any left over are killed
@@ -346,6 +348,8 @@ class Supervisor:
             assigned.append(w)
         await self._kill(reusable)  # held workers this layout has no rank for
         self.workers, self._launching = assigned, []
+        if self.closed:  # close() came mid-launch and killed what it had started
+            raise SupervisorClosedError(f"launch {cmd.command_id}: the supervisor closed")
         path = f"in_place reused={reused} new={fresh}" if cmd.in_place else "restart"
         _log.info("launched", generation=cmd.generation, path=path)
         self.changed.set()
