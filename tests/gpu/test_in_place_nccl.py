@@ -31,6 +31,7 @@ from tests.integration.test_in_place_worker import (
     _Job,
     _restart,
     _stop_save,
+    running_job,
 )
 
 
@@ -60,12 +61,7 @@ def _gpu_plan(pid: str, pipes: list[list[tuple[int, int]]], nmb: int) -> Plan:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[_Job]:
-    j = _Job(tmp_path)
-    yield j
-    for p in j.procs.values():
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    yield from running_job(tmp_path)
 
 
 def test_pipeline_to_data_parallel_in_place_under_nccl(

@@ -26,13 +26,13 @@ from sailor.agent.cpu_quota import CpuQuota, detect, node_cgroup
 from sailor.agent.daemon import Agent, AgentConfig
 from sailor.agent.supervisor import Supervisor
 from sailor.coordination import Keys, NatsEventBus, connect_etcd, connect_nats
-from sailor.localnet import free_port
 from sailor.localservers import LocalServers
 from sailor.schemas.commands import Launch
 from sailor.schemas.events import EventAdapter, NodeJoined
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.runtime import AgentStatus
+from tests.integration.test_worker_signals import launch_of
 
 _WHERE = detect()
 needs_cgroup = pytest.mark.skipif(
@@ -63,16 +63,7 @@ PLAN = Plan(
 
 def _launch() -> Launch:
     """Generation 1 of the one-rank plan on n1."""
-    return Launch(
-        command_id="c1",
-        epoch=1,
-        node_id="n1",
-        plan=PLAN,
-        ranks=(0,),
-        world_size=1,
-        master=f"127.0.0.1:{free_port()}",
-        generation=1,
-    )
+    return launch_of(PLAN)
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -177,15 +177,20 @@ class _Job:
         return next(x for x in self.lines(gen, rank) if x.get("event") == "ready")
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[_Job]:
-    """The test's processes; any still running at the end (a failed test) are killed."""
+def running_job(tmp_path: Path) -> Iterator[_Job]:
+    """The test's processes; any still running at the end (a failed test) are killed (the
+    body of this file's ``job`` fixture and of the GPU tests')."""
     j = _Job(tmp_path)
     yield j
     for p in j.procs.values():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[_Job]:
+    yield from running_job(tmp_path)
 
 
 def _directive(job: _Job, old_gen: str, old_rank: int, generation: int, argv: list[str]) -> None:

@@ -15,7 +15,14 @@ import json
 import signal
 from pathlib import Path
 
-from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor
+import pytest
+
+from sailor.agent.supervisor import (
+    DEFAULT_WORKER_ARGV,
+    TOY_TRAINER_ARGV,
+    Supervisor,
+    SupervisorClosedError,
+)
 from sailor.localnet import free_port
 from sailor.megatron_patch.errors import signal_failure_record
 from sailor.megatron_patch.launch import launch_local
@@ -39,6 +46,20 @@ PLAN = Plan(
         ),
     ),
 )
+
+
+def launch_of(plan: Plan) -> Launch:
+    """Generation 1 of a one-rank ``plan`` on node n1, at a free rendezvous port."""
+    return Launch(
+        command_id="c1",
+        epoch=1,
+        node_id="n1",
+        plan=plan,
+        ranks=(0,),
+        world_size=1,
+        master=f"127.0.0.1:{free_port()}",
+        generation=1,
+    )
 
 
 def _check_record(record: dict[str, object] | None) -> None:
@@ -72,16 +93,7 @@ def test_launch_local_records_a_rank_killed_by_sigabrt(tmp_path: Path) -> None:
 
 async def test_supervisor_records_a_worker_killed_by_sigabrt(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path, worker_argv=(*DEFAULT_WORKER_ARGV, "--abort-at-step", "2"))
-    cmd = Launch(
-        command_id="c1",
-        epoch=1,
-        node_id="n1",
-        plan=PLAN,
-        ranks=(0,),
-        world_size=1,
-        master=f"127.0.0.1:{free_port()}",
-        generation=1,
-    )
+    cmd = launch_of(PLAN)
     await sup.launch(cmd)
     try:
         async with asyncio.timeout(180):
@@ -100,21 +112,9 @@ async def test_supervisor_records_a_worker_killed_by_sigabrt(tmp_path: Path) -> 
 async def test_a_supervisor_closed_mid_launch_leaves_no_worker(tmp_path: Path) -> None:
     """close() while a launch is starting its workers: the launch fails, and the worker it
     was starting is killed (it began before close() and was not yet in its list)."""
-    import pytest
-
-    from sailor.agent.supervisor import TOY_TRAINER_ARGV, SupervisorClosedError
 
     sup = Supervisor(tmp_path, worker_argv=TOY_TRAINER_ARGV)
-    cmd = Launch(
-        command_id="c1",
-        epoch=1,
-        node_id="n1",
-        plan=PLAN,
-        ranks=(0,),
-        world_size=1,
-        master=f"127.0.0.1:{free_port()}",
-        generation=1,
-    )
+    cmd = launch_of(PLAN)
     launch = asyncio.create_task(sup.launch(cmd))
     await asyncio.sleep(0)  # the launch is in its first await: starting the process
     await sup.close()
