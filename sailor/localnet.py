@@ -25,6 +25,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair(tries: int = 50) -> int:
+    """A port ``p`` on 127.0.0.1 such that ``p`` and ``p + 1`` were both free a moment ago
+    (``sailor profile network --master`` listens on both)."""
+    for _ in range(tries):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise PortTimeoutError(f"no two consecutive free ports on 127.0.0.1 in {tries} tries")
+
+
 class ProcessExitedError(PortTimeoutError):
     """The process exited before it opened its port (e.g. a port taken since ``free_port``)."""
 

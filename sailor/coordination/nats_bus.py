@@ -11,7 +11,8 @@ loop; the agent applies each command id at most once.
 
 Reconnects: ``max_reconnect_attempts=-1`` (forever) with a short wait, and the initial
 connect is bounded by our own timeout (nats-py would otherwise retry a dead server for
-minutes). This module must never import etcd or daemon code.
+minutes), one that holds when nats-py does not end at a cancellation (:mod:`deadline`).
+This module must never import etcd or daemon code.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from sailor.coordination.api import CommandHandler, Delivery
+from sailor.coordination.deadline import within
 from sailor.coordination.errors import PermanentError, TemporaryError, UnavailableError
 from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.security.nats_auth import inbox_prefix
@@ -77,7 +79,7 @@ async def connect_nats(
     servers = [url] if isinstance(url, str) else list(url)
     nc = NatsClient()
     try:
-        await asyncio.wait_for(
+        await within(
             nc.connect(
                 servers=servers,
                 name=name,
@@ -91,10 +93,11 @@ async def connect_nats(
                 **extra,
             ),
             timeout,
+            "nats connect",
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         with contextlib.suppress(Exception):
-            await nc.close()
+            await within(nc.close(), timeout, "nats close")
         raise UnavailableError("nats unreachable", url=",".join(servers), error=repr(exc)) from exc
     return nc
 

@@ -236,9 +236,10 @@ def test_network_probe_one_side_per_node(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from sailor.localnet import free_port
+    from sailor.localnet import free_port_pair
 
-    master = f"127.0.0.1:{free_port()}"
+    # the link probe listens on the port, the all-reduce probe on the next one
+    master = f"127.0.0.1:{free_port_pair()}"
     out = tmp_path / "net.json"
     common = ["--min-bytes", "65536", "--max-bytes", "262144", "--bytes-per-size", "1048576"]
     common += ["--collective-sizes", "65536,1048576"]
@@ -249,12 +250,17 @@ def test_network_probe_one_side_per_node(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    r = CliRunner().invoke(
-        app,
-        ["profile", "network", "-o", str(out), *common, "--rank", "0", "--master", master],
-    )
-    said, _ = peer.communicate(timeout=120)
-    assert r.exit_code == 0, r.output
+    try:
+        r = CliRunner().invoke(
+            app,
+            ["profile", "network", "-o", str(out), *common, "--rank", "0", "--master", master],
+        )
+        assert r.exit_code == 0, r.output
+        said, _ = peer.communicate(timeout=120)
+    finally:
+        if peer.poll() is None:  # rank 0 failed, or rank 1 hangs: never leave it running
+            peer.kill()
+            peer.communicate()
     assert peer.returncode == 0 and "rank 1 done" in said, said
     assert not (tmp_path / "x").exists()  # rank 1 writes nothing
     net = NetworkProfile.model_validate_json(out.read_text())

@@ -113,3 +113,20 @@ async def test_clients_without_tls_or_with_a_wrong_password_are_refused(
     with pytest.raises(CoordinationError) as info:
         await connect_nats(url, "node-a", timeout=2.0, security=bad)
     assert secret not in str(info.value) and secret not in repr(info.value)
+
+
+async def test_a_refused_client_gives_up_within_its_timeout(
+    secure_nats_server: Server, no_task_leak: None
+) -> None:
+    """Short deadlines land inside the TLS handshake, where nats-py's ``close()`` of the half
+    open client used to wait for ever (connect_nats hung until pytest's limit)."""
+    url = _url(secure_nats_server)
+    loop = asyncio.get_running_loop()
+    for i in range(12):
+        timeout = 0.02 + 0.01 * i
+        t0 = loop.time()
+        with pytest.raises(CoordinationError):
+            # the outer bound only turns a hang into a failure here
+            await asyncio.wait_for(connect_nats(url, "plain", timeout=timeout), 30)
+        # the connect's deadline, then at most its close's (as long) and their graces
+        assert loop.time() - t0 < 2 * timeout + 4.0 + 2.0

@@ -22,3 +22,14 @@ def test_wait_port_fails_fast_when_the_process_exits() -> None:
 def test_wait_port_times_out_without_a_listener() -> None:
     with pytest.raises(PortTimeoutError, match="did not open port"):
         wait_port(free_port(), 0.3, "nothing")
+
+
+def test_free_port_pair_gives_two_bindable_ports() -> None:
+    import socket
+
+    from sailor.localnet import free_port_pair
+
+    port = free_port_pair()
+    for p in (port, port + 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
