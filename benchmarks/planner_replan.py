@@ -18,7 +18,7 @@ replan does, so the simulator's memoized layer tables of those inputs are not re
 p50/p95 of CPU time (``time.process_time``) and wall time in ms, the planner's objective
 against a full ``search`` on the new pool (gap = 1 - replan/full; replan's tolerance is 2 %),
 the layer replicas each plan moves, nproc and load average. ``--profile`` prints a cProfile
-summary (by own time and cumulative) of the 512-node replans.
+summary (by own time and cumulative) of the replans of one size (``--profile-nodes``, 512).
 
 Run: ``.venv/bin/python benchmarks/planner_replan.py [--sizes 64,512,2048] [--reps 7]``.
 Prints; asserts nothing.
@@ -203,7 +203,9 @@ def _full_robust(planner: SailorPlanner, pool: Pool) -> RobustResult:
     )
 
 
-def run_size_robust(planner: SailorPlanner, n: int, reps: int) -> None:
+def run_size_robust(
+    planner: SailorPlanner, n: int, reps: int, prof: cProfile.Profile | None = None
+) -> None:
     """``robust_replan`` after a leave and a join; quality = the plan's it/s in its worst
     corner (the interval's low end) against a full robust search of the new pool."""
     nodes = [node_spec(i) for i in range(n)]
@@ -222,7 +224,11 @@ def run_size_robust(planner: SailorPlanner, n: int, reps: int) -> None:
             warm = _warm_copy(first)
             gc.collect()
             c0, w0 = time.process_time(), time.perf_counter()
+            if prof is not None:
+                prof.enable()
             res = robust_replan(warm, pool)
+            if prof is not None:
+                prof.disable()
             tm.cpu.append(time.process_time() - c0)
             tm.wall.append(time.perf_counter() - w0)
         assert res is not None and res.plans
@@ -241,7 +247,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,512,2048")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument(
-        "--profile", action="store_true", help="cProfile the replans of the 512-node pool"
+        "--profile", action="store_true", help="cProfile the replans of one pool size"
+    )
+    ap.add_argument(
+        "--profile-nodes", type=int, default=512, help="the pool size --profile profiles"
     )
     ap.add_argument(
         "--risk",
@@ -260,11 +269,12 @@ def main() -> None:
         f"analytic profiles; {args.reps} replans per case; times in ms"
     )
     planner = SailorPlanner(load_model_spec(MODEL, GLOBAL_BATCH))
-    for n in sizes if args.risk == "robust" else ():
-        run_size_robust(planner, n, args.reps)
-    for n in sizes if args.risk == "point" else ():
-        prof = cProfile.Profile() if args.profile and n == 512 else None
-        run_size(planner, n, args.reps, prof)
+    for n in sizes:
+        prof = cProfile.Profile() if args.profile and n == args.profile_nodes else None
+        if args.risk == "robust":
+            run_size_robust(planner, n, args.reps, prof)
+        else:
+            run_size(planner, n, args.reps, prof)
         if prof is not None:
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()

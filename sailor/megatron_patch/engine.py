@@ -34,7 +34,10 @@ Interfaces others use (keep stable):
 
 Precision (``precision``): fp32 on CPU; on GPU bf16 autocast with fp32 master weights and
 fp32 optimizer state where the GPU has bf16, else fp16 autocast with a dynamic loss scale
-whose overflow skip is agreed by every rank (``precision.LossScaler``).
+whose overflow skip is agreed by every rank (``precision.LossScaler``; in any precision with
+``loss_scaling.mode='dynamic'``). A skipped iteration still advances ``step`` and the data
+(as Megatron's): ``skipped_steps`` counts them, AdamW has taken ``adam_step`` steps, and
+both they and the scale survive checkpoints and re-layouts (``scaling_state``).
 
 Timing synchronizes the device before each clock read (``clock``); the loss is read from
 the device once per iteration, after the optimizer step. Inside the 1F1B phase, forward,
@@ -45,7 +48,7 @@ microbatch and ``p2p_s`` per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +82,12 @@ from sailor.megatron_patch.schedule import P2P, run_1f1b, run_forward
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
-from sailor.schemas.training import NoDecay, ScheduleConfig, TrainingConfig
+from sailor.schemas.training import (
+    LossScalingConfig,
+    NoDecay,
+    ScheduleConfig,
+    TrainingConfig,
+)
 
 __all__ = [
     "IterationHook",
@@ -116,6 +124,10 @@ class TrainConfig(Frozen):
     eval_batches: int = Field(
         default=1, gt=0, description="Global batches of the validation split per evaluation."
     )
+    loss_scaling: LossScalingConfig = Field(
+        default_factory=LossScalingConfig,
+        description="Dynamic loss scaling: under fp16 by default, in any precision if asked.",
+    )
 
     @classmethod
     def of(cls, tc: TrainingConfig) -> TrainConfig:
@@ -134,6 +146,7 @@ class TrainConfig(Frozen):
             clip_grad_norm=tc.clipping.max_norm or 0.0,
             eval_every=tc.eval.every_steps,
             eval_batches=tc.eval.batches,
+            loss_scaling=tc.loss_scaling,
         )
 
 
@@ -185,6 +198,10 @@ class StepResult:
     """Time in pipeline exchanges this iteration (transfers and waits for neighbours)."""
     microbatches: int = 0
     """Microbatches this rank ran."""
+    skipped: bool = False
+    """Every rank skipped this iteration's update: a gradient overflowed under the scale."""
+    loss_scale: float | None = None
+    """The loss scale this iteration ran under (None without loss scaling)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -261,7 +278,19 @@ class Trainer:
         )
         self.loss_scale = role.microbatch_size / plan.global_batch_size
         self._autocast = autocast_of(self.precision, device)
-        self.scaler = LossScaler() if self.precision == "fp16" else None
+        ls = cfg.loss_scaling
+        self.scaler = (
+            LossScaler(
+                scale=2.0**ls.initial_scale_power,
+                growth_interval=ls.loss_scale_window,
+                min_scale=ls.min_loss_scale,
+            )
+            if self.precision == "fp16" or ls.mode == "dynamic"
+            else None
+        )
+        self.skipped_steps = 0
+        """Iterations whose update every rank skipped for an overflow (AdamW took
+        ``step - skipped_steps`` steps): checkpointed, carried across re-layouts."""
         self.spans = SpanTimer(device)
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,8 +315,33 @@ class Trainer:
             self.optimizer.step()
             return lr
         params = list(self.stage.parameters())
-        scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip)
+        if not scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip):
+            self.skipped_steps += 1
         return lr
+
+    @property
+    def adam_step(self) -> int:
+        """The optimizer's step count: iterations minus those skipped for an overflow."""
+        return self.step - self.skipped_steps
+
+    def scaling_state(self) -> dict[str, Any]:
+        """What a checkpoint or a re-layout carries beyond weights, moments and position:
+        the steps skipped so far and the loss scale (None without loss scaling)."""
+        return {
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.scaler.state() if self.scaler is not None else None,
+        }
+
+    def load_scaling_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`scaling_state`. A scale saved by a run with loss scaling
+        is dropped by one without (bf16, fp32), and one without leaves ours at its start."""
+        skipped = int(state.get("skipped_steps", 0))
+        if not 0 <= skipped <= self.step:
+            raise ValueError(f"skipped_steps={skipped}: must be in [0, step={self.step}]")
+        self.skipped_steps = skipped
+        scale = state.get("loss_scale")
+        if self.scaler is not None and scale is not None:
+            self.scaler.load_state(scale)
 
     def evaluate(self) -> float:
         """Mean loss over the validation split's first ``eval_batches`` global batches
@@ -327,6 +381,7 @@ class Trainer:
         spans = self.spans.collect()  # after the sync: every span's events are done
         sync_gradients(self.stage, self.groups.sync)
         t2 = timestamp(self.device)
+        skipped_before = self.skipped_steps
         lr = self._optimizer_step()
         t3 = timestamp(self.device)
         report = self.role.is_last_stage and self.role.tp_rank == 0
@@ -356,6 +411,8 @@ class Trainer:
             bwd_s=_mean(spans.get("bwd")),
             p2p_s=spans.get("p2p", (0.0, 0))[0],
             microbatches=self.role.num_microbatches,
+            skipped=self.skipped_steps > skipped_before,
+            loss_scale=scale if self.scaler is not None else None,
         )
 
     def run(

@@ -114,21 +114,31 @@ class Peers:
     """New rank -> old rank of every valid holder (unbroken, at the relayout step)."""
     step: int
     consumed_samples: int
+    scaling: dict[str, Any] | None = None
+    """The holders' ``Trainer.scaling_state`` (skipped steps, loss scale); None: no holder."""
 
 
 def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> Peers:
     """Every rank's held state, gathered (collective over the new world).
 
     A holder is valid if it is not broken and holds step ``load_step`` (any step, all
-    equal, when ``load_step`` < 0: a relayout without a checkpoint). Its step and data
-    position must agree with the other valid holders'; the old plan is broadcast from the
-    lowest valid holder, and every valid holder must have held that plan.
+    equal, when ``load_step`` < 0: a relayout without a checkpoint). Its step, data
+    position and scaling state (skipped steps, loss scale) must agree with the other valid
+    holders'; the old plan is broadcast from the lowest valid holder, and every valid holder
+    must have held that plan.
     """
     tr = held.trainer if held is not None and not held.broken else None
     mine = (
-        (held.old_rank, held.step, held.broken, tr.plan.plan_id, held.consumed_samples)
+        (
+            held.old_rank,
+            held.step,
+            held.broken,
+            tr.plan.plan_id,
+            held.consumed_samples,
+            json.dumps(tr.scaling_state(), sort_keys=True),
+        )
         if held is not None and tr is not None
-        else (-1, -1, True, "", -1)
+        else (-1, -1, True, "", -1, "")
     )
     got: list[Any] = [None] * world_size
     comm.all_gather_object(got, mine)
@@ -139,11 +149,12 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     }
     if not valid:
         return Peers(None, {}, -1, -1)
-    positions = {(g[1], g[4]) for g in valid.values()}
+    positions = {(g[1], g[4], g[5]) for g in valid.values()}
     plans = {g[3] for g in valid.values()}
     if len(positions) != 1 or len(plans) != 1:
         raise RuntimeError(
-            f"holders disagree: (step, consumed_samples) {sorted(positions)}, plans {plans}"
+            f"holders disagree: (step, consumed_samples, scaling) {sorted(positions)}, "
+            f"plans {plans}"
         )
     src = min(valid)
     box: list[Any] = [tr.plan.model_dump_json() if tr is not None and src == rank else None]
@@ -151,8 +162,8 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     old_plan = Plan.model_validate_json(box[0])
     if old_plan.plan_id not in plans:
         raise RuntimeError(f"old plan {old_plan.plan_id!r} is not the holders' {plans}")
-    ((step, consumed),) = positions
-    return Peers(old_plan, {r: g[0] for r, g in valid.items()}, step, consumed)
+    ((step, consumed, scaling),) = positions
+    return Peers(old_plan, {r: g[0] for r, g in valid.items()}, step, consumed, json.loads(scaling))
 
 
 def _layer(key: str) -> int:
@@ -194,17 +205,18 @@ def exchange(
     new: Trainer,
     old: Trainer | None,
     sched: Schedule,
-    step: int,
+    adam_step: int,
     device: torch.device,
     now: Callable[[], float] = time.perf_counter,
 ) -> ExchangeStats:
     """Fill ``new``'s stage and AdamW state from the schedule: kept shards copied from
     ``old``, received ones over one ``batch_isend_irecv`` (collective over the new world:
     every rank calls it, senders included). Checkpoint layers are left to the caller
-    (``ExchangeStats.checkpoint_layers``)."""
+    (``ExchangeStats.checkpoint_layers``). ``adam_step``: the optimizer's step count
+    (``Trainer.adam_step``; the moments exist, and are sent, only once it is > 0)."""
     me = new.role.rank
     mine = sched.of(me)
-    kinds = ("weight", *_MOMENTS) if step > 0 else ("weight",)
+    kinds = ("weight", *_MOMENTS) if adam_step > 0 else ("weight",)
     held = _old_shards(old)
     params = dict(new.stage.keyed_parameters())
     new_keys = _keys_by_layer(list(params))
@@ -214,9 +226,9 @@ def exchange(
     def install(key: str, tensors: dict[str, torch.Tensor]) -> None:
         p = params[key]
         p.copy_(tensors["weight"].to(p.device, p.dtype))
-        if step > 0:
+        if adam_step > 0:
             new.optimizer.state[p] = {
-                "step": torch.tensor(float(step)),
+                "step": torch.tensor(float(adam_step)),
                 **{m: tensors[m].to(p.device).clone() for m in _MOMENTS},
             }
 

@@ -104,7 +104,7 @@ def fill_stage(
     sched = schedule(peers.old_plan, peers.holders, trainer.plan)
     source = held.trainer if held is not None and args.rank in peers.holders else None
     t = time.time()
-    st = exchange(trainer, source, sched, trainer.step, device)
+    st = exchange(trainer, source, sched, trainer.adam_step, device)
     t_transfer = time.time()
     layers = st.checkpoint_layers
     if layers:

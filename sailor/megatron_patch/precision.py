@@ -14,7 +14,8 @@ catalog's V100, T4, Titan-RTX and RTX-2080 have no bf16).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,17 @@ class LossScaler:
             )
         if self.growth_interval < 1:
             raise ValueError(f"growth_interval={self.growth_interval} must be >= 1")
+
+    def state(self) -> dict[str, float | int]:
+        """What a checkpoint keeps of the scale (the settings come from the config)."""
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state` (a checkpoint's, or a live holder's)."""
+        scale, good = float(state["scale"]), int(state["good_steps"])
+        if not (scale > 0 and math.isfinite(scale)) or good < 0:
+            raise ValueError(f"loss scale state {dict(state)!r}: need scale > 0, good_steps >= 0")
+        self.scale, self.good_steps = scale, good
 
     def update(self, overflow: bool) -> None:
         """Apply one step's agreed outcome to the scale (pure state change)."""

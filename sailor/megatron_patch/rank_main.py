@@ -427,6 +427,8 @@ def _generation(
         eval_data=eval_data,
     )
     t_built = time.time()
+    if peers is not None and peers.scaling is not None:
+        trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
     if peers is not None and (peers.holders or resume):
         relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)

@@ -32,6 +32,7 @@ __all__ = [
     "EvalConfig",
     "HuggingFaceModel",
     "IndexedData",
+    "LossScalingConfig",
     "MetricsConfig",
     "ModelSource",
     "NoDecay",
@@ -241,6 +242,29 @@ class ClippingConfig(Frozen):
     )
 
 
+class LossScalingConfig(Frozen):
+    """Dynamic loss scaling (fp16): DeepSpeed's ``fp16`` settings of the same names.
+
+    The scale starts at ``2**initial_scale_power``; a step whose gradients overflow on any
+    rank is skipped by every rank and halves it (not below ``min_loss_scale``); after
+    ``loss_scale_window`` good steps in a row it doubles. Its state (and how many steps were
+    skipped) is checkpointed and carried across re-layouts, so a resumed run continues it.
+    """
+
+    mode: Literal["auto", "dynamic"] = Field(
+        default="auto",
+        description="'auto': dynamic loss scaling when the run computes in fp16, none "
+        "otherwise; 'dynamic': in every precision (harmless in fp32 and bf16).",
+    )
+    initial_scale_power: int = Field(
+        default=16, ge=0, le=127, description="The scale starts at 2**this (DeepSpeed: 16)."
+    )
+    loss_scale_window: int = Field(
+        default=1000, gt=0, description="Good steps in a row before the scale doubles."
+    )
+    min_loss_scale: float = Field(default=1.0, gt=0, description="The scale's floor.")
+
+
 class EvalConfig(Frozen):
     """Validation loss during training."""
 
@@ -288,6 +312,9 @@ class TrainingConfig(WireMessage):
         "CPU (schemas.precision.choose_precision); otherwise forced.",
     )
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Clipping.")
+    loss_scaling: LossScalingConfig = Field(
+        default_factory=LossScalingConfig, description="Dynamic loss scaling (fp16)."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."

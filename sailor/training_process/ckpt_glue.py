@@ -11,9 +11,12 @@
   each layer is written once across replicas, the manifest is committed by rank 0), and
   resume at the checkpoint's step and data position.
 
-Assumes the AdamW step count equals the global iteration (every iteration steps the
-optimizer once from step 0); a save checks that and refuses otherwise. Never imports NATS,
-etcd or the agent: it is called inside a worker process.
+The AdamW step count is the global iteration minus the iterations skipped for an fp16
+overflow (``Trainer.adam_step``); a save checks that every parameter's count is that one and
+refuses otherwise. The globals carry it (``adam_step``), the skipped count and the loss
+scale (``Trainer.scaling_state``), so a resumed fp16 run continues its scale instead of
+starting over at 2**16 (and skipping steps again). Never imports NATS, etcd or the agent:
+it is called inside a worker process.
 """
 
 from __future__ import annotations
@@ -87,7 +90,15 @@ def restore_trainer(
             tp_dims=dims,
             into=into,
         )
-    adam_step = float(got.globals.extra.get("adam_step", got.globals.step))
+    extra = got.globals.extra
+    adam_step = float(extra.get("adam_step", got.globals.step))
+    if layers is None:  # a whole restore: the run continues from the checkpoint's state
+        tr.load_scaling_state(
+            {
+                "skipped_steps": extra.get("skipped_steps", got.globals.step - int(adam_step)),
+                "loss_scale": extra.get("loss_scale"),
+            }
+        )
     with torch.no_grad():
         for key, p in params:
             ps = got.params[key]
@@ -151,9 +162,16 @@ class LayerCheckpointIO:
     def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
         opt = optimizer_state(trainer.stage, trainer.optimizer)
         steps = {s["step"] for s in opt.values()}
-        if opt and steps != {trainer.step}:
-            raise RuntimeError(f"AdamW steps {sorted(steps)} != iteration {trainer.step}")
-        extra: dict[str, Any] = {"adam_step": trainer.step, "seed": trainer.cfg.seed}
+        if opt and steps != {trainer.adam_step}:
+            raise RuntimeError(
+                f"AdamW steps {sorted(steps)} != iteration {trainer.step} minus "
+                f"{trainer.skipped_steps} skipped"
+            )
+        extra: dict[str, Any] = {
+            "adam_step": trainer.adam_step,
+            "seed": trainer.cfg.seed,
+            **trainer.scaling_state(),
+        }
         g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
         ck = self._checkpointer(trainer, root, keep)
         self._in_flight = ck

@@ -10,6 +10,7 @@ read without a device synchronize (``test_timestamp_*``).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -192,3 +193,36 @@ def test_job_precision_is_fp32_on_cpu_and_refuses_bf16_on_a_gpu_without_it(
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     with pytest.raises(ValueError, match=r"precision='bf16'.*has no bf16"):
         job_precision(_one_stage_plan("V100-16", "bf16"), spec, torch.device("cuda", 0))
+
+
+def test_scaler_state_round_trips_and_bad_states_are_refused() -> None:
+    a = LossScaler(scale=2.0**10, growth_interval=3)
+    for overflow in (False, True, False, False):
+        a.update(overflow)
+    b = LossScaler(scale=2.0**16, growth_interval=3)
+    b.load_state(json.loads(json.dumps(a.state())))  # as a checkpoint's globals carry it
+    assert (b.scale, b.good_steps) == (a.scale, a.good_steps) == (2.0**9, 2)
+    for overflow in (False, False, True):
+        a.update(overflow)
+        b.update(overflow)
+        assert (b.scale, b.good_steps) == (a.scale, a.good_steps)
+    for bad in ({"scale": 0.0, "good_steps": 0}, {"scale": math.inf, "good_steps": 0}):
+        with pytest.raises(ValueError, match="loss scale state"):
+            b.load_state(bad)
+
+
+def test_loss_scaling_settings_reach_the_engine() -> None:
+    from sailor.megatron_patch.engine import TrainConfig
+    from sailor.schemas.training import LossScalingConfig, TrainingConfig
+
+    tc = TrainingConfig.model_validate(
+        {
+            "model": {"kind": "builtin", "name": "tiny-gpt"},
+            "loss_scaling": {"mode": "dynamic", "initial_scale_power": 12, "loss_scale_window": 50},
+        }
+    )
+    assert TrainConfig.of(tc).loss_scaling == LossScalingConfig(
+        mode="dynamic", initial_scale_power=12, loss_scale_window=50
+    )
+    with pytest.raises(ValueError, match="initial_scale_power"):
+        LossScalingConfig(initial_scale_power=128)
