@@ -19,8 +19,10 @@ need not import ``transformers``) wins over the config's model.
 
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
-"compute_s", "sync_s", "optim_s", "fwd_s", "bwd_s", "p2p_s", "microbatches", "precision",
-"time"}``: ``fwd_s``/``bwd_s`` are this rank's compute per microbatch, ``p2p_s`` its time in
+"compute_s", "sync_s", "optim_s", "fwd_s", "bwd_s", "p2p_s", "microbatches", "skipped",
+"loss_scale", "precision", "time"}``: ``skipped`` says every rank skipped the update for a
+gradient overflow under ``loss_scale``; ``fwd_s``/``bwd_s`` are this rank's compute per
+microbatch, ``p2p_s`` its time in
 pipeline exchanges; the agent carries their medians to the controller for online
 calibration) plus ``{"event": "ready", "setup_s", ...}`` once the groups and the stage are
 built and ``{"event": "done", ...}`` at the end; rank 0 also prints them to stdout. On
@@ -484,6 +486,8 @@ def _generation(
                 "lr": res.lr,
                 "grad_norm": res.grad_norm,
                 "eval_loss": res.eval_loss,
+                "skipped": res.skipped,
+                "loss_scale": res.loss_scale,
                 "precision": trainer.precision,
                 "since_start_s": time.time() - _T_START,
                 "time": time.time(),

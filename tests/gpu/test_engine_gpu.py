@@ -225,6 +225,61 @@ def test_tp2_checkpoint_resumes_at_tp1(gpus: Callable[[int], None], tmp_path: Pa
     assert _losses(resumed, 0) == pytest.approx(_losses(whole, 0)[2:], rel=1e-4)
 
 
+def test_an_fp16_run_that_skipped_steps_checkpoints_and_resumes_its_scale(
+    gpus: Callable[[int], None], tmp_path: Path
+) -> None:
+    """fp16 on a GPU, the scale started at 2**28 so that the first iterations overflow and
+    are skipped (doubling after 2 good steps): a checkpoint after skipped steps is written
+    (it used to refuse: AdamW steps != iteration), and the run resumed from it continues the
+    scale and the skips of the uninterrupted run, and its losses."""
+    gpus(1)
+    layers = tiny_model("tiny-gpt").num_all_layers
+    plan = _plan("tiny-gpt", [(0, layers - 1, 1)], 2, 2, "fp16", layers)
+    config = tmp_path / "train.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model": {"kind": "builtin", "name": "tiny-gpt"},
+                "precision": "fp16",
+                "loss_scaling": {"initial_scale_power": 28, "loss_scale_window": 2},
+            }
+        )
+    )
+    module = "sailor.training_process"
+    args = ["--train-config", str(config)]
+    total = 24
+    whole = launch_local(plan, total, tmp_path / "whole", module=module, extra_args=args)
+    _ok(whole)
+    steps = whole.steps(0)
+    scales = [(s["skipped"], s["loss_scale"]) for s in steps]
+    # save one iteration after the first good one that follows a skipped one
+    good = [s["step"] for s in steps if not s["skipped"] and steps[0]["skipped"]]
+    assert good and good[0] + 1 < total, f"no good iteration after the skipped ones: {scales}"
+    save_at = good[0] + 1
+    assert all(s["precision"] == "fp16" for s in steps)
+    ckpt, control = tmp_path / "ckpt", tmp_path / "control.json"
+    control.write_text(json.dumps({"save_step": save_at, "save_dir": str(ckpt)}))
+    first = launch_local(
+        plan,
+        save_at,
+        tmp_path / "first",
+        module=module,
+        extra_args=[*args, "--control", str(control)],
+    )
+    _ok(first)
+    resumed = launch_local(
+        plan,
+        total - save_at,
+        tmp_path / "resumed",
+        module=module,
+        extra_args=[*args, "--ckpt-dir", str(ckpt), "--load-step", str(save_at)],
+    )
+    _ok(resumed)
+    got = [(s["step"], s["skipped"], s["loss_scale"]) for s in resumed.steps(0)]
+    assert got == [(s["step"], s["skipped"], s["loss_scale"]) for s in steps[save_at:]]
+    assert _losses(resumed, 0) == pytest.approx(_losses(whole, 0)[save_at:], rel=1e-5, nan_ok=True)
+
+
 def test_span_timer_reads_cuda_events_after_the_sync(gpus: Callable[[int], None]) -> None:
     """On CUDA a span is two events on the stream (no host sync); collect() after a device
     sync reads the device's time, not the host's launch time."""
