@@ -246,9 +246,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--sizes", default="64,512,2048")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument(
-        "--profile", action="store_true", help="cProfile the replans of one pool size"
-    )
+    ap.add_argument("--profile", action="store_true", help="cProfile the replans of one pool size")
     ap.add_argument(
         "--profile-nodes", type=int, default=512, help="the pool size --profile profiles"
     )
