@@ -34,7 +34,7 @@ from typing import Any
 
 from sailor import catalog
 from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
-from sailor.coordination import connect_etcd, connect_nats
+from sailor.coordination import close_nats, connect_etcd, connect_nats
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.hardware import NodeSpec
@@ -243,8 +243,7 @@ async def _reach_nats(
         try:
             await nc.flush(timeout=max(1, int(timeout_s)))  # a round trip to the server
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), timeout_s)
+            await close_nats(nc, timeout_s)
     except Exception as exc:  # any failure to connect is the finding
         return _unreachable(url, security, t0, exc)
     return EndpointFacts(

@@ -54,6 +54,7 @@ from sailor.coordination import (
     SystemClock,
     TaskSet,
     TemporaryError,
+    close_nats,
     connect_etcd,
     connect_nats,
 )
@@ -664,8 +665,7 @@ class Agent:
         if self._crashed:
             await commands.close()
             await store.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), 3)
+            await close_nats(nc, 3)
             return
         await self._publish(
             "node_left",
@@ -680,8 +680,7 @@ class Agent:
             await self._lease.revoke()
         await commands.close()
         await store.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 3)
+        await close_nats(nc, 3)
 
     async def crash(self) -> None:
         """Testing: vanish without notice (no leave event, lease left to expire). The CPU

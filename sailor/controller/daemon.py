@@ -65,6 +65,7 @@ from sailor.coordination import (
     TaskSet,
     TemporaryError,
     campaign,
+    close_nats,
     connect_etcd,
     connect_nats,
     safe_token,
@@ -202,8 +203,7 @@ class Controller:
             if isinstance(self.planner, ProcessPlanner):
                 self.planner.close()
             await store.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), 3)
+            await close_nats(nc, 3)
             self.audit.close()
         if self.failure is not None:
             raise DaemonFailedError("controller failed", reason=self.failure)

@@ -26,7 +26,7 @@ from sailor.coordination.errors import (
 from sailor.coordination.etcd_store import EtcdLease, EtcdStore, connect_etcd
 from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.mirror import PrefixMirror
-from sailor.coordination.nats_bus import NatsCommands, NatsEventBus, connect_nats
+from sailor.coordination.nats_bus import NatsCommands, NatsEventBus, close_nats, connect_nats
 from sailor.coordination.tasks import TaskSet
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "TemporaryError",
     "UnavailableError",
     "campaign",
+    "close_nats",
     "connect_etcd",
     "connect_nats",
     "safe_token",

@@ -37,7 +37,7 @@ from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.security.nats_auth import inbox_prefix
 from sailor.coordination.security.settings import SecurityConfig
 
-__all__ = ["NatsCommands", "NatsEventBus", "connect_nats"]
+__all__ = ["NatsCommands", "NatsEventBus", "close_nats", "connect_nats"]
 
 _log = structlog.get_logger("sailor.nats")
 
@@ -96,10 +96,16 @@ async def connect_nats(
             "nats connect",
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        with contextlib.suppress(Exception):
-            await within(nc.close(), timeout, "nats close")
+        await close_nats(nc, timeout)
         raise UnavailableError("nats unreachable", url=",".join(servers), error=repr(exc)) from exc
     return nc
+
+
+async def close_nats(nc: NatsClient, timeout: float = 3.0) -> None:
+    """Close ``nc``, giving up after ``timeout`` (plus :func:`within`'s grace) whatever
+    nats-py does; never raises (a daemon's shutdown must go on)."""
+    with contextlib.suppress(Exception):
+        await within(nc.close(), timeout, "nats close")
 
 
 class NatsEventBus:
