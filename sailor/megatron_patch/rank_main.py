@@ -172,8 +172,22 @@ __all__ = [
     "load_architecture",
     "load_model",
     "main",
+    "optimizer_metrics",
     "train_config",
 ]
+
+
+def optimizer_metrics(res: StepResult, skipped_steps: int) -> dict[str, float | int]:
+    """What the metrics add to a step's throughput figures: the gradient norm (with
+    clipping) and, with loss scaling, the scale the step ran under and the steps skipped so
+    far (Megatron logs the same; a scale that keeps falling means overflowing gradients)."""
+    out: dict[str, float | int] = {}
+    if res.grad_norm is not None:
+        out["grad_norm"] = res.grad_norm
+    if res.loss_scale is not None:
+        out["loss_scale"] = res.loss_scale
+        out["skipped_steps"] = skipped_steps
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -494,19 +508,17 @@ def _generation(
             }
         )
         if metrics is not None and res.step % metrics_every == 0:
-            metrics.log(
-                res.step,
-                step_metrics(
-                    plan,
-                    spec,
-                    step=res.step,
-                    step_s=res.step_s,
-                    loss=res.loss,
-                    lr=res.lr,
-                    precision=trainer.precision,
-                    specs=catalog.gpus(),
-                ),
+            values = step_metrics(
+                plan,
+                spec,
+                step=res.step,
+                step_s=res.step_s,
+                loss=res.loss,
+                lr=res.lr,
+                precision=trainer.precision,
+                specs=catalog.gpus(),
             )
+            metrics.log(res.step, {**values, **optimizer_metrics(res, trainer.skipped_steps)})
 
     metrics_every = tc.metrics.every_steps if tc is not None else 1
     periodic = None

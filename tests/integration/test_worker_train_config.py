@@ -94,6 +94,7 @@ def test_layouts_agree_on_prepared_text(config: Path, tmp_path: Path) -> None:
     last = rows[-1]
     assert last["tokens_per_s"] == pytest.approx(4 * 16 / last["step_s"])
     assert last["mfu/cpu"] is None and last["lr"] == 0.003
+    assert "loss_scale" not in last  # fp32 on CPU: no loss scaling unless asked
     tb_files = sorted((out / "tb").glob("events.out.tfevents.*"))
     assert len(tb_files) == 2  # one per run, rank 0 only
     events = read_events(tb_files[-1])

@@ -226,3 +226,17 @@ def test_loss_scaling_settings_reach_the_engine() -> None:
     )
     with pytest.raises(ValueError, match="initial_scale_power"):
         LossScalingConfig(initial_scale_power=128)
+
+
+def test_metrics_carry_the_loss_scale_and_the_gradient_norm_when_there_are_some() -> None:
+    from sailor.megatron_patch.engine import StepResult
+    from sailor.megatron_patch.rank_main import optimizer_metrics
+
+    base = StepResult(1, 4, 3.0, 0.1, 0.05, 0.01, 0.01, 4)
+    assert optimizer_metrics(base, 0) == {}
+    scaled = StepResult(6, 24, 3.0, 0.1, 0.05, 0.01, 0.01, 4, grad_norm=0.5, loss_scale=2.0**14)
+    assert optimizer_metrics(scaled, 2) == {
+        "grad_norm": 0.5,
+        "loss_scale": 2.0**14,
+        "skipped_steps": 2,
+    }
