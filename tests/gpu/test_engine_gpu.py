@@ -172,31 +172,41 @@ def test_strict_layer_records_a_gpu_run_that_replays_under_nccl_rules(
 
 
 def _save_then_resume(
-    plan_a: Plan, plan_b: Plan, tmp_path: Path, save_at: int, total: int
+    plan_a: Plan,
+    plan_b: Plan,
+    tmp_path: Path,
+    save_at: int | Callable[[LocalRun], int],
+    total: int,
+    args: tuple[str, ...] = (),
 ) -> tuple[LocalRun, LocalRun, LocalRun]:
     """Run A uninterrupted for ``total`` steps; run A to ``save_at`` saving there; resume
-    under B for the rest. Returns (uninterrupted, first part, resumed)."""
+    under B for the rest. ``save_at`` may be chosen from the uninterrupted run; ``args`` go
+    to every rank of the three runs. Returns (uninterrupted, first part, resumed)."""
     module = "sailor.training_process"
-    whole = launch_local(plan_a, total, tmp_path / "whole", module=module, deadline_s=300)
+    extra = list(args)
+    whole = launch_local(
+        plan_a, total, tmp_path / "whole", module=module, extra_args=extra, deadline_s=300
+    )
     _ok(whole)
+    step = save_at(whole) if callable(save_at) else save_at
     ckpt = tmp_path / "ckpt"
     control = tmp_path / "control.json"
-    control.write_text(json.dumps({"save_step": save_at, "save_dir": str(ckpt)}))
+    control.write_text(json.dumps({"save_step": step, "save_dir": str(ckpt)}))
     first = launch_local(
         plan_a,
-        save_at,
+        step,
         tmp_path / "first",
         module=module,
-        extra_args=["--control", str(control)],
+        extra_args=[*extra, "--control", str(control)],
         deadline_s=300,
     )
     _ok(first)
     resumed = launch_local(
         plan_b,
-        total - save_at,
+        total - step,
         tmp_path / "resumed",
         module=module,
-        extra_args=["--ckpt-dir", str(ckpt), "--load-step", str(save_at)],
+        extra_args=[*extra, "--ckpt-dir", str(ckpt), "--load-step", str(step)],
         deadline_s=300,
     )
     _ok(resumed)
@@ -245,36 +255,22 @@ def test_an_fp16_run_that_skipped_steps_checkpoints_and_resumes_its_scale(
             }
         )
     )
-    module = "sailor.training_process"
-    args = ["--train-config", str(config)]
     total = 24
-    whole = launch_local(plan, total, tmp_path / "whole", module=module, extra_args=args)
-    _ok(whole)
+
+    def after_the_first_skips(whole: LocalRun) -> int:
+        """One iteration after the first good one that follows a skipped one."""
+        steps = whole.steps(0)
+        scales = [(s["skipped"], s["loss_scale"]) for s in steps]
+        good = [s["step"] for s in steps if not s["skipped"] and steps[0]["skipped"]]
+        assert good and good[0] + 1 < total, f"no good iteration after the skipped ones: {scales}"
+        return int(good[0]) + 1
+
+    whole, _, resumed = _save_then_resume(
+        plan, plan, tmp_path, after_the_first_skips, total, ("--train-config", str(config))
+    )
     steps = whole.steps(0)
-    scales = [(s["skipped"], s["loss_scale"]) for s in steps]
-    # save one iteration after the first good one that follows a skipped one
-    good = [s["step"] for s in steps if not s["skipped"] and steps[0]["skipped"]]
-    assert good and good[0] + 1 < total, f"no good iteration after the skipped ones: {scales}"
-    save_at = good[0] + 1
+    save_at = after_the_first_skips(whole)
     assert all(s["precision"] == "fp16" for s in steps)
-    ckpt, control = tmp_path / "ckpt", tmp_path / "control.json"
-    control.write_text(json.dumps({"save_step": save_at, "save_dir": str(ckpt)}))
-    first = launch_local(
-        plan,
-        save_at,
-        tmp_path / "first",
-        module=module,
-        extra_args=[*args, "--control", str(control)],
-    )
-    _ok(first)
-    resumed = launch_local(
-        plan,
-        total - save_at,
-        tmp_path / "resumed",
-        module=module,
-        extra_args=[*args, "--ckpt-dir", str(ckpt), "--load-step", str(save_at)],
-    )
-    _ok(resumed)
     got = [(s["step"], s["skipped"], s["loss_scale"]) for s in resumed.steps(0)]
     assert got == [(s["step"], s["skipped"], s["loss_scale"]) for s in steps[save_at:]]
     assert _losses(resumed, 0) == pytest.approx(_losses(whole, 0)[save_at:], rel=1e-5, nan_ok=True)

@@ -43,12 +43,11 @@ from sailor.megatron_patch.launch import free_port
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.relayout import schedule
 from sailor.megatron_patch.roles import role_of
-from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas import Plan
 from sailor.schemas.training import LossScalingConfig
 from sailor.training_process.ckpt_glue import LayerCheckpointIO
+from tests.integration.test_in_place_worker import DP2, GBS, PP2
 
-MODEL = "tiny-gpt"
-GBS = 4
 N, END = 4, 9
 CFG = TrainConfig(
     seed=0,
@@ -57,36 +56,9 @@ CFG = TrainConfig(
 LOSS_ATOL = 2e-6  # A against the other layout: fp32 rounding of another reduction order
 
 
-def _plan(pid: str, pipes: list[tuple[list[tuple[int, int]], int]]) -> Plan:
-    return Plan(
-        plan_id=pid,
-        model=MODEL,
-        global_batch_size=GBS,
-        pipelines=tuple(
-            Pipeline(
-                stages=tuple(
-                    Stage(
-                        first_layer=a,
-                        last_layer=b,
-                        replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=2),
-                    )
-                    for a, b in stages
-                ),
-                microbatch_size=1,
-                num_microbatches=nmb,
-            )
-            for stages, nmb in pipes
-        ),
-    )
-
-
-PP2 = _plan("pp2", [([(0, 2), (3, 5)], 4)])
-DP2 = _plan("dp2", [([(0, 5)], 2), ([(0, 5)], 2)])
-
-
 def _trainer(plan: Plan, rank: int, step: int = 0, consumed: int = 0) -> Trainer:
     """A trainer of ``plan`` in a new world (one per phase, each at its own port)."""
-    spec = tiny_model(MODEL, GBS)
+    spec = tiny_model(PP2.model, GBS)
     role = role_of(plan, rank)
     dist.init_process_group(
         "gloo",
