@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -150,15 +151,20 @@ def _check_heterogeneous_layouts(summ: dict[str, Any], stderr: str) -> None:
         for g in rows
     }
     assert len(shapes) >= 3, shapes
-    # predicted beside measured, per layout; within 20x of each other (a unit slip is 1000x;
-    # a 2-core machine shared with other jobs may slow the measured several times)
+    # predicted beside measured, per layout: a unit slip is 1000x. The layouts' median ratio
+    # within 20x; each within 100x: a 2-core machine shared with other jobs slows a layout's
+    # quota-throttled workers by more than the rest (measured in CI: one layout 23x, from the
+    # prior, under the load of the whole suite)
     assert all(g["predicted_step_s"] for g in rows)
     both = [g for g in rows if g["measured_step_s"] is not None]
     assert len(both) >= 4, rows
+    ratios = []
     for g in both:
         ratio = g["predicted_step_s"] / g["measured_step_s"]
         assert g["prediction_error"] == pytest.approx(ratio - 1.0)
-        assert 0.05 < ratio < 20.0, g
+        assert 0.01 < ratio < 100.0, g
+        ratios.append(ratio)
+    assert 0.05 < statistics.median(ratios) < 20.0, ratios
 
 
 @pytest.mark.parametrize(
