@@ -622,7 +622,7 @@ class Agent:
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
-            self.supervisor.save_at(cmd.step, cmd.directory)
+            self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below)
         elif isinstance(cmd, Abort):
             await self.supervisor.abort(hold=cmd.hold)
         ack = CommandAck(

@@ -444,9 +444,12 @@ class Supervisor:
         self._control_state["stop_at_step"] = step
         self._write_control()
 
-    def save_at(self, step: int, directory: str) -> None:
+    def save_at(self, step: int, directory: str, prune_below: int = -1) -> None:
+        """Save ``step`` under ``directory``; once it commits, delete the checkpoints below
+        ``prune_below`` there (-1: none)."""
         self._control_state["save_step"] = step
         self._control_state["save_dir"] = directory
+        self._control_state["prune_below"] = prune_below
         self._write_control()
 
     async def _read_stdout(self, w: WorkerView) -> None:

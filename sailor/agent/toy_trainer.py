@@ -8,8 +8,9 @@ the same loss curve), and it checkpoints that state per rank with an atomic comm
 Protocol (shared with the real worker's adapter):
 - stdout: one JSON object per line: ``{"event": "ready"}``, ``{"event": "step", "step",
   "loss"}``, ``{"event": "saved", "step"}``, ``{"event": "stopped", "step"}``;
-- ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR}``, re-read
-  at every iteration boundary (written atomically by the agent);
+- ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR,
+  "prune_below": P}``, re-read at every iteration boundary (written atomically by the agent);
+  once a save commits, rank 0 deletes the step directories below ``P``;
 - ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
 - ``--train-config FILE``: the job's training config, which the agent appends to any worker's
   argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
@@ -32,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -66,7 +68,9 @@ def _ckpt_dir(root: str, step: int) -> Path:
     return Path(root) / "sim" / f"step-{step:08d}"
 
 
-def _save(root: str, step: int, w: list[float], rank: int, world: int, timeout: float) -> None:
+def _save(
+    root: str, step: int, w: list[float], rank: int, world: int, timeout: float, prune_below: int
+) -> None:
     d = _ckpt_dir(root, step)
     _write_atomic(d / f"rank-{rank}.json", json.dumps({"step": step, "w": w}))
     if rank != 0:
@@ -76,9 +80,20 @@ def _save(root: str, step: int, w: list[float], rank: int, world: int, timeout: 
         if all((d / f"rank-{r}.json").exists() for r in range(world)):
             _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
             _write_atomic(d / "COMMIT", str(step))
+            _prune(root, min(prune_below, step))
             return
         time.sleep(0.01)
     raise TimeoutError(f"not every rank saved step {step} within {timeout}s")
+
+
+def _prune(root: str, below: int) -> None:
+    """The committer's retention (``prune_below`` of the control file): every step directory
+    below ``below`` goes, un-committed first, as the real worker's checkpointer does."""
+    for d in sorted((Path(root) / "sim").glob("step-*")):
+        step = int(d.name.split("-")[1]) if d.name.split("-")[1].isdigit() else -1
+        if 0 <= step < below:
+            (d / "COMMIT").unlink(missing_ok=True)
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _check_train_config(path: str) -> None:
@@ -196,7 +211,16 @@ def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
         except (OSError, ValueError):
             ctl = {}
         if ctl.get("save_step") == step and ctl.get("save_dir"):
-            _save(str(ctl["save_dir"]), step, w, a.rank, a.world_size, timeout=30.0)
+            prune = ctl.get("prune_below")
+            _save(
+                str(ctl["save_dir"]),
+                step,
+                w,
+                a.rank,
+                a.world_size,
+                timeout=30.0,
+                prune_below=prune if isinstance(prune, int) else -1,
+            )
             _emit({"event": "saved", "rank": a.rank, "step": step})
         stop = ctl.get("stop_at_step")
         if stop is not None and step >= int(stop):

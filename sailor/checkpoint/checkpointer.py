@@ -43,7 +43,7 @@ from sailor.checkpoint.assignment import (
 )
 from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import CheckpointError
-from sailor.checkpoint.gc import apply_retention
+from sailor.checkpoint.gc import apply_prune, apply_retention
 from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
@@ -74,6 +74,9 @@ class SaveResult:
     """Committer only: deleting checkpoints beyond ``keep`` and debris, after the commit."""
     manifest: CheckpointManifest | None
     """The committed manifest (committer rank only)."""
+    retention_error: str = ""
+    """Committer only: why deleting older checkpoints failed ('' if it did not). The save
+    is committed all the same: a failed deletion leaves files, never loses a checkpoint."""
 
 
 class Checkpointer:
@@ -120,15 +123,21 @@ class Checkpointer:
         globals_: TrainingGlobals,
         *,
         save_id: str | None = None,
+        prune_below: int = -1,
     ) -> float:
-        """Snapshot now, persist in the background; returns the snapshot (stall) seconds."""
+        """Snapshot now, persist in the background; returns the snapshot (stall) seconds.
+        ``prune_below`` >= 0: after the commit, the committer also deletes every step
+        directory below that step (``gc.apply_prune``; the caller knows which older
+        checkpoints are still needed)."""
         t0 = time.perf_counter()
         self.wait()
         sid = save_id or self._agree_save_id()
         mine = self._snapshot(params, self._spare)
         self._spare = mine if self.reuse_buffers else {}
         snapshot_s = time.perf_counter() - t0
-        self._pending = self._pool.submit(self._persist, mine, globals_, sid, snapshot_s)
+        self._pending = self._pool.submit(
+            self._persist, mine, globals_, sid, snapshot_s, prune_below
+        )
         return snapshot_s
 
     def wait(self) -> SaveResult | None:
@@ -234,6 +243,7 @@ class Checkpointer:
         globals_: TrainingGlobals,
         save_id: str,
         snapshot_s: float,
+        prune_below: int = -1,
     ) -> SaveResult:
         t0 = time.perf_counter()
         nbytes = 0
@@ -245,6 +255,7 @@ class Checkpointer:
         t1 = time.perf_counter()
         manifest = None
         t2 = t1
+        retention_error = ""
         if self.rank == self.committer_rank:
             manifest = commit(
                 self.storage,
@@ -259,8 +270,17 @@ class Checkpointer:
                 timeout_s=self.commit_timeout_s,
             )
             t2 = time.perf_counter()
-            if self.keep is not None:
-                apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
+            try:
+                if self.keep is not None:
+                    apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
+                if prune_below >= 0:
+                    apply_prune(
+                        self.storage,
+                        below_step=min(prune_below, globals_.step),
+                        committed_step=globals_.step,
+                    )
+            except OSError as exc:
+                retention_error = f"deleting checkpoints older than step {globals_.step}: {exc}"
         return SaveResult(
             step=globals_.step,
             save_id=save_id,
@@ -272,6 +292,7 @@ class Checkpointer:
             commit_s=t2 - t1,
             retention_s=time.perf_counter() - t2 if manifest is not None else 0.0,
             manifest=manifest,
+            retention_error=retention_error,
         )
 
 

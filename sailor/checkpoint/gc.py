@@ -9,6 +9,13 @@ What is debris:
 
 Retention keeps the newest ``keep`` committed checkpoints; older ones are deleted only after a
 newer commit, never before, so there is always a loadable checkpoint.
+
+Pruning below a step (:func:`apply_prune`) is retention decided by someone who knows more than
+the storage: the controller records which commits a restart may load (etcd ``ckpt/<step>``), so
+it names the oldest recorded step to keep and the committer of the next save deletes every step
+directory below it after its own commit. A commit on disk that the controller never recorded
+(a leader lost between the marker and the record) cannot push a recorded one out, as counting
+the newest ``keep`` on disk would.
 """
 
 from __future__ import annotations
@@ -22,7 +29,15 @@ from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, parse_step_dir, st
 from sailor.checkpoint.reader import read_manifest
 from sailor.checkpoint.storage import Storage
 
-__all__ = ["StepListing", "apply_retention", "collect", "decide_gc", "scan"]
+__all__ = [
+    "StepListing",
+    "apply_prune",
+    "apply_retention",
+    "collect",
+    "decide_gc",
+    "decide_prune",
+    "scan",
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,17 @@ def decide_gc(
         elif s.step < newest or now - s.newest_mtime >= grace_s:
             out.append(d + "/")
     return out
+
+
+def decide_prune(steps: Sequence[int], *, below_step: int, committed_step: int) -> list[str]:
+    """Step directories (ending with '/') to delete after ``committed_step`` committed: every
+    one below ``below_step``, committed or not. ``below_step`` may not exceed
+    ``committed_step`` (the checkpoint just committed is never pruned)."""
+    if below_step > committed_step:
+        raise ValueError(
+            f"below_step={below_step}: must be <= the step just committed ({committed_step})"
+        )
+    return [step_dir(s) + "/" for s in sorted(steps) if s < below_step]
 
 
 def scan(storage: Storage) -> list[StepListing]:
@@ -99,6 +125,16 @@ def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list
     doomed = [
         p for p in decide_gc(listing, keep=keep, now=0.0, grace_s=float("inf")) if p.endswith("/")
     ]
+    for p in doomed:
+        _delete(storage, p)
+    return doomed
+
+
+def apply_prune(storage: Storage, *, below_step: int, committed_step: int) -> list[str]:
+    """After committing ``committed_step``: delete every step directory below ``below_step``
+    (:func:`decide_prune`); return what was deleted."""
+    steps = [s for s in map(parse_step_dir, storage.listdir("")) if s is not None]
+    doomed = decide_prune(steps, below_step=below_step, committed_step=committed_step)
     for p in doomed:
         _delete(storage, p)
     return doomed

@@ -195,6 +195,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     acked_epoch: dict[str, int] = {}
     pending_notices: list[tuple[float, str]] = []
     newest_commit = -1
+    deleted: set[int] = set()  # steps whose checkpoints a commit deleted (``dropped``)
     last_gen = -1
     versions: set[int] = set()
     decided: dict[int, dict[str, Any]] = {}  # generation -> its decision to reconfigure
@@ -233,6 +234,13 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             step = int(r.get("step", -1))
             rep.commits.append(step)
             newest_commit = max(newest_commit, step)
+            dropped = {int(s) for s in r.get("dropped", ())}
+            if any(s >= step for s in dropped):
+                rep.violations.append(
+                    f"t={t:.3f}: the commit of step {step} deleted steps {sorted(dropped)}: "
+                    "only older checkpoints may go"
+                )
+            deleted |= dropped
         elif kind == "phase":
             phase = r.get("phase")
             gen = int(r.get("generation", -1))
@@ -263,6 +271,10 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             if phase == "launch":
                 rep.reconfigurations += 1
                 load = int(r.get("load_step", -1))
+                if load in deleted:
+                    rep.violations.append(
+                        f"t={t:.3f}: launch loads step {load}, whose checkpoint was deleted"
+                    )
                 if load < newest_commit:
                     rep.violations.append(
                         f"t={t:.3f}: launch loads step {load} but step {newest_commit} "

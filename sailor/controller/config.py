@@ -109,6 +109,13 @@ class ControllerConfig(ServerEndpoints):
     audit_log: Path = Field(default=Path("sailor-audit.jsonl"), description="Audit log path.")
     audit_max_bytes: int = Field(default=64 << 20, gt=0, description="Rotate beyond this size.")
     checkpoint_dir: str = Field(default="checkpoints", description="Checkpoint root for workers.")
+    keep_checkpoints: int | None = Field(
+        default=1,
+        ge=1,
+        description="Recorded reconfiguration checkpoints a new save leaves in place under "
+        "``checkpoint_dir``; the committer deletes older ones (and the controller their "
+        "records) once the new one commits, so at most this + 1 are on disk. None: keep all.",
+    )
     lease_ttl_s: int = Field(default=2, ge=1, description="Leader lease TTL (takeover ~2 TTLs).")
     debounce_s: float = Field(
         default=0.3,

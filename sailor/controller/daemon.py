@@ -117,6 +117,7 @@ class Controller:
         self.decide_cfg = DecideConfig(
             deadlines=config.deadlines,
             checkpoint_dir=config.checkpoint_dir,
+            keep_checkpoints=config.keep_checkpoints,
             notice_margin_s=config.notice_margin_s,
             stop_ahead_steps=config.stop_ahead_steps,
             in_place=config.in_place,

@@ -12,7 +12,7 @@ a function of that plan object alone.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, TypeVar
@@ -46,6 +46,7 @@ __all__ = [
     "Send",
     "SetDesired",
     "decide",
+    "prune_below",
 ]
 
 
@@ -61,6 +62,12 @@ class DecideConfig(Frozen):
         default=1, ge=1, description="Agreed stop step = highest reported step + this."
     )
     base_port: int = Field(default=29500, gt=0, description="Rendezvous port of generation 0.")
+    keep_checkpoints: int | None = Field(
+        default=1,
+        ge=1,
+        description="Recorded checkpoints under ``checkpoint_dir`` a new save leaves in "
+        "place; older ones (files and records) are deleted once it commits. None: keep all.",
+    )
     in_place: bool = Field(
         default=False,
         description="Launch in place (``Launch.in_place``: the workers survive, hold and "
@@ -146,9 +153,11 @@ class Replan:
 
 @dataclass(frozen=True)
 class Commit:
-    """Record a checkpoint whose shards every node reported durable."""
+    """Record a checkpoint whose shards every node reported durable; then forget the records
+    of ``drop`` (steps whose files its committer deleted: ``prune_below``)."""
 
     record: CommitRecord
+    drop: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -427,6 +436,9 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
                 deadline=d.phase_deadline,
                 step=d.stop_step,
                 directory=cfg.checkpoint_dir,
+                prune_below=min(
+                    prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints), d.stop_step
+                ),
             )
             actions.append(Send(ckpt))
     actions += _replan_if_needed(d, o, d.cause)
@@ -443,6 +455,17 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
     return actions
 
 
+def prune_below(commits: Sequence[CommitRecord], directory: str, keep: int | None) -> int:
+    """The oldest step a new save under ``directory`` leaves in place: that of the
+    ``keep``-th newest commit recorded there; -1 (delete nothing) with fewer records, or
+    ``keep`` None. Only recorded commits count: one on disk that no leader recorded (lost
+    between the marker and the record) never pushes out one a restart may load."""
+    steps = sorted({c.step for c in commits if c.directory == directory}, reverse=True)
+    if keep is None or len(steps) < keep:
+        return -1
+    return steps[keep - 1]
+
+
 def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     record = CommitRecord(
         step=d.stop_step,
@@ -452,8 +475,12 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         epoch=d.epoch,
         time=o.now,
     )
+    below = prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints)
+    drop = tuple(
+        sorted(c.step for c in o.commits if c.directory == cfg.checkpoint_dir and c.step < below)
+    )
     nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
-    return [Commit(record), SetDesired(nxt, f"committed step {d.stop_step}")]
+    return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]
 
 
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

@@ -156,6 +156,12 @@ class Executor:
                     self.keys.leader,
                     self.epoch,
                 )
+                # the committer deleted these steps' files once the new one committed
+                # (Checkpoint.prune_below): their records go too, after the new record
+                for step in a.drop:
+                    await self.store.delete_guarded(
+                        self.keys.checkpoint(step), self.keys.leader, self.epoch
+                    )
                 self.audit.write(
                     "commit",
                     self.clock.now(),
@@ -163,6 +169,7 @@ class Executor:
                     step=rec.step,
                     plan_id=rec.plan_id,
                     directory=rec.directory,
+                    dropped=list(a.drop),
                 )
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(

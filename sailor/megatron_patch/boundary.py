@@ -119,7 +119,7 @@ class Boundary:
         root = agree_dir(req.save_dir)
         if not root or self.ckpt is None:
             raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
-        self.ckpt.save(tr, root)
+        self.ckpt.save(tr, root, prune_below=req.prune_below)
         self.pending_save = tr.step
 
     def __call__(self, tr: Trainer) -> bool:

@@ -30,10 +30,14 @@ class CheckpointIO(Protocol):
         relayout reads what no live rank holds."""
         ...
 
-    def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
+    def save(
+        self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
         """Snapshot now (collective), persist in the background; returns the stall seconds.
         ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
-        commit); None: the implementation's default."""
+        commit); None: the implementation's default. ``prune_below`` >= 0: after the commit,
+        every step below it is deleted (the controller's retention: it names the oldest
+        checkpoint it has recorded and still keeps)."""
         ...
 
     def wait(self) -> None:

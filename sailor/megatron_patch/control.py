@@ -1,13 +1,14 @@
 """The agent's control file, read by every rank and agreed on at each iteration boundary.
 
-The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR}`` atomically into one
-control file per node (the protocol of ``sailor.agent.supervisor``); a rank re-reads it at
-every iteration boundary. Nodes see their file change at different moments, so a rank must
-never act on its own copy alone: one rank stopping at step 10 while a rank on another node
-goes on to step 11 would leave the latter waiting in a collective until the timeout. Hence
-:func:`agree`: one all-reduce (MAX) of ``(stop_at_step, save_step)`` over the world at every
-boundary, so every rank takes the same decision at the same boundary. The save directory,
-a string, is gathered only on the rare boundary where a new save is agreed.
+The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR, "prune_below": P}``
+atomically into one control file per node (the protocol of ``sailor.agent.supervisor``); a
+rank re-reads it at every iteration boundary. Nodes see their file change at different
+moments, so a rank must never act on its own copy alone: one rank stopping at step 10 while
+a rank on another node goes on to step 11 would leave the latter waiting in a collective
+until the timeout. Hence :func:`agree`: one all-reduce (MAX) of ``(stop_at_step, save_step,
+prune_below)`` over the world at every boundary, so every rank takes the same decision at the
+same boundary. The save directory, a string, is gathered only on the rare boundary where a
+new save is agreed.
 
 A stop step the ranks learn of only after they passed it means "stop now" (the controller
 picks the stop step a few steps ahead of the reported progress, but reports lag); a save is
@@ -40,6 +41,8 @@ class ControlRequest:
     stop_at_step: int = _NONE
     save_step: int = _NONE
     save_dir: str = ""
+    prune_below: int = _NONE
+    """After the save of ``save_step`` commits, delete every checkpoint below this step."""
 
     @property
     def wants_stop(self) -> bool:
@@ -71,6 +74,7 @@ def read_control(path: str | Path | None) -> ControlRequest:
         stop_at_step=_int(data.get("stop_at_step")),
         save_step=_int(data.get("save_step")),
         save_dir=save_dir if isinstance(save_dir, str) else "",
+        prune_below=_int(data.get("prune_below")),
     )
 
 
@@ -82,10 +86,14 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
-    t = torch.tensor([local.stop_at_step, local.save_step], dtype=torch.int64, device=device)
+    t = torch.tensor(
+        [local.stop_at_step, local.save_step, local.prune_below], dtype=torch.int64, device=device
+    )
     comm.all_reduce(t, op="max")
-    stop, save = (int(x) for x in t.tolist())
-    return ControlRequest(stop_at_step=stop, save_step=save, save_dir=local.save_dir)
+    stop, save, prune = (int(x) for x in t.tolist())
+    return ControlRequest(
+        stop_at_step=stop, save_step=save, save_dir=local.save_dir, prune_below=prune
+    )
 
 
 def agree_dir(local_dir: str) -> str:

@@ -74,6 +74,21 @@ class Checkpoint(_CommandBase):
     kind: Literal["checkpoint"] = Field(default="checkpoint", description="Command kind.")
     step: int = Field(ge=0, description="Step to checkpoint.")
     directory: str = Field(description="Checkpoint root (path or URL).")
+    prune_below: int = Field(
+        default=-1,
+        ge=-1,
+        description="Once this checkpoint commits, delete every step below this one under "
+        "``directory`` (the oldest commit the controller has recorded and keeps); -1: none.",
+    )
+
+    @model_validator(mode="after")
+    def _prune_not_past_step(self) -> Checkpoint:
+        if self.prune_below > self.step:
+            raise ValueError(
+                f"prune_below={self.prune_below}: must be <= step ({self.step}); the "
+                "checkpoint being saved is never pruned"
+            )
+        return self
 
 
 class Launch(_CommandBase):

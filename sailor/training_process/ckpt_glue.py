@@ -21,6 +21,7 @@ it is called inside a worker process.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection
 from typing import Any
 
@@ -28,11 +29,11 @@ import torch
 
 from sailor.checkpoint import (
     Checkpointer,
-    LocalStorage,
     ParamState,
     TrainingGlobals,
     load,
     load_for_rank,
+    open_storage,
     read_manifest,
 )
 from sailor.megatron_patch.engine import Trainer
@@ -77,7 +78,7 @@ def restore_trainer(
         k: d for k, (_t, d) in stage_state(tr.stage).items() if int(k.split(".", 1)[0]) in wanted
     }
     into = _destinations(tr, dims)
-    storage = LocalStorage(root)
+    storage = open_storage(root)
     if layers is None:
         got = load_for_rank(storage, tr.plan, tr.role.rank, step=step, tp_dims=dims, into=into)
     else:
@@ -137,7 +138,7 @@ class LayerCheckpointIO:
         self._in_flight: Checkpointer | None = None
 
     def position(self, root: str, step: int) -> tuple[int, int]:
-        m = read_manifest(LocalStorage(root), step)
+        m = read_manifest(open_storage(root), step)
         return m.step, m.consumed_samples
 
     def restore(self, trainer: Trainer, root: str, step: int) -> None:
@@ -150,7 +151,7 @@ class LayerCheckpointIO:
         ck = self._by_root.get(root)
         if ck is None:
             ck = Checkpointer(
-                LocalStorage(root),
+                open_storage(root),
                 tr.plan,
                 tr.role.rank,
                 keep=self.keep if keep is None else keep,
@@ -159,7 +160,9 @@ class LayerCheckpointIO:
             self._by_root[root] = ck
         return ck
 
-    def save(self, trainer: Trainer, root: str, keep: int | None = None) -> float:
+    def save(
+        self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
         opt = optimizer_state(trainer.stage, trainer.optimizer)
         steps = {s["step"] for s in opt.values()}
         if opt and steps != {trainer.adam_step}:
@@ -175,12 +178,14 @@ class LayerCheckpointIO:
         g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
         ck = self._checkpointer(trainer, root, keep)
         self._in_flight = ck
-        return ck.save(trainer_params(trainer), g)
+        return ck.save(trainer_params(trainer), g, prune_below=prune_below)
 
     def wait(self) -> None:
         if self._in_flight is not None:
             ck, self._in_flight = self._in_flight, None
-            ck.wait()
+            res = ck.wait()
+            if res is not None and res.retention_error:
+                print(f"checkpoint retention: {res.retention_error}", file=sys.stderr, flush=True)
 
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
+from sailor.checkpoint import LocalStorage, committed_steps
+from sailor.checkpoint.format import step_dir
 from sailor.controller.audit import read_records
 from sailor.controller.config import ControllerConfig
 from sailor.localservers import LocalServers
@@ -92,6 +94,11 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     assert d.plan is not None and d.plan.num_gpus == 2
     await real.wait_step(ctl, ["n1", "n2"], d.load_step + 2, 30)
 
+    # a torn save below the recorded commit (a crashed earlier attempt): the notice's save
+    # prunes below the newest recorded commit (keep_checkpoints=1) once it commits
+    torn = real.tmp / "ckpt" / step_dir(d.load_step - 1)
+    torn.mkdir(parents=True)
+    (torn / "part-x-00000.json").write_text("{}")
     t_notice = loop.time()
     (real.tmp / "preempt-n1").write_text(json.dumps({"in_s": 30}))
     ctl = await real.wait_phase(Phase.RUNNING, 60, after_gen=d.generation)
@@ -103,6 +110,9 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     # the checkpoint of the preemption was committed inside the notice's deadline
     assert d2.load_step == max(commits)
     assert loop.time() - t_notice < 30
+    # the committer (rank 0 of the real worker) pruned it, and kept both recorded commits
+    assert not torn.exists()
+    assert committed_steps(LocalStorage(real.tmp / "ckpt")) == [d.load_step, d2.load_step]
     await real.wait_step(ctl, ["n2"], d2.load_step + 2, 30)
     # online calibration's input: the real worker times its microbatches apart from the rest
     timings = real.agents["n2"][0].status().timings

@@ -21,9 +21,10 @@ from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
 from sailor.controller.phases import PhaseDeadlines
-from sailor.localservers import LocalServers
+from sailor.coordination import connect_etcd
+from sailor.localservers import ADMIN, LocalServers
 from sailor.schemas.hardware import NodeSpec
-from sailor.schemas.runtime import Phase
+from sailor.schemas.runtime import CommitRecord, Phase
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -212,9 +213,26 @@ async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
     assert asyncio.get_running_loop().time() - t_notice < 20
     d2 = ctl.desired
     assert list(d2.placement) == ["n2"] and d2.load_step > d.load_step
+    # a third save-based change: n3 joins
+    cluster.start_agent("n3")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=d2.generation)
+    d3 = ctl.desired
+    assert sorted(d3.placement) == ["n2", "n3"] and d3.load_step > d2.load_step
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
-    commits = [r["step"] for r in recs if r["kind"] == "commit"]
-    assert d2.load_step in commits
+    commits = [r for r in recs if r["kind"] == "commit"]
+    assert [r["step"] for r in commits] == [d.load_step, d2.load_step, d3.load_step]
+    # retention (keep_checkpoints=1): the third save deleted the first checkpoint once it
+    # committed, and the controller its record; the newest recorded one stays beside it
+    assert [r["dropped"] for r in commits] == [[], [], [d.load_step]]
+    on_disk = sorted(p.name for p in (cluster.tmp / "ckpt" / "sim").iterdir())
+    assert on_disk == [f"step-{d2.load_step:08d}", f"step-{d3.load_step:08d}"]
+    store = await connect_etcd(cluster.etcd, security=cluster.security(ADMIN))
+    try:
+        records = await store.get_prefix(ctl.keys.checkpoints)
+    finally:
+        await store.close()
+    steps = [CommitRecord.model_validate_json(r.value).step for r in records]
+    assert steps == [d2.load_step, d3.load_step]
     cluster.audit()
 
 

@@ -25,9 +25,12 @@ from sailor.checkpoint import (
     tp_slice,
     verify,
 )
+from sailor.checkpoint.checkpointer import Checkpointer
 from sailor.checkpoint.cli import ckpt_app
 from sailor.checkpoint.format import MARKER, step_dir
+from sailor.checkpoint.gc import apply_prune, decide_prune
 from sailor.checkpoint.writer import persist_layers
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 
 def _state(seed: int = 0, layers: int = 4) -> dict[str, ParamState]:
@@ -128,6 +131,65 @@ def test_retention_keeps_last_k_only_after_newer_commit(tmp_path: Path) -> None:
     _save(tmp_path, 4, keep=2)
     assert committed_steps(LocalStorage(tmp_path)) == [3, 4]
     assert (tmp_path / step_dir(9)).is_dir()
+
+
+def test_prune_below_deletes_older_steps_committed_or_not(tmp_path: Path) -> None:
+    """The controller's retention: it names the oldest recorded step to keep; after the next
+    commit every step directory below it goes, committed or not, newer ones never."""
+    s = LocalStorage(tmp_path)
+    for step in (1, 3, 5):
+        _save(tmp_path, step)
+    persist_layers(s, 2, "torn", {0: {"w": _state()["0.w"]}})  # a save that never committed
+    persist_layers(s, 9, "inflight", {0: {"w": _state()["0.w"]}})  # newer: maybe running
+    assert decide_prune([1, 2, 3, 5, 9], below_step=3, committed_step=5) == [
+        f"{step_dir(1)}/",
+        f"{step_dir(2)}/",
+    ]
+    with pytest.raises(ValueError, match="below_step=6: must be <= the step just committed"):
+        decide_prune([1, 5], below_step=6, committed_step=5)
+    assert apply_prune(s, below_step=3, committed_step=5) == [f"{step_dir(1)}/", f"{step_dir(2)}/"]
+    assert committed_steps(s) == [3, 5] and (tmp_path / step_dir(9)).is_dir()
+    assert verify(s, 3) == [] and verify(s, 5) == []
+    assert apply_prune(s, below_step=3, committed_step=5) == []  # idempotent
+
+
+def test_checkpointer_prunes_after_its_commit_only(tmp_path: Path) -> None:
+    """``Checkpointer.save(prune_below=)``: the committer deletes the older steps once its own
+    checkpoint is committed; a prune point past the saved step is held at the saved step."""
+    plan = Plan(
+        plan_id="p",
+        model="toy",
+        global_batch_size=1,
+        pipelines=(
+            Pipeline(
+                stages=(
+                    Stage(
+                        first_layer=0,
+                        last_layer=0,
+                        replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=1),
+                    ),
+                ),
+                microbatch_size=1,
+                num_microbatches=1,
+            ),
+        ),
+    )
+    state = _state(layers=1)
+    s = LocalStorage(tmp_path)
+    ck = Checkpointer(s, plan, 0, keep=None)
+    for step in (1, 2, 3):
+        ck.save(state, TrainingGlobals(step, step, {}))
+        assert ck.wait() is not None
+    assert committed_steps(s) == [1, 2, 3]
+    ck.save(state, TrainingGlobals(4, 4, {}), prune_below=3)
+    res = ck.wait()
+    assert res is not None and res.retention_error == "" and res.manifest is not None
+    assert committed_steps(s) == [3, 4]
+    ck.save(state, TrainingGlobals(5, 5, {}), prune_below=99)  # held at 5: 5 itself stays
+    ck.wait()
+    ck.close()
+    assert committed_steps(s) == [5]
+    assert verify(s, 5) == []
 
 
 def test_gc_collects_debris_and_spares_running_saves(tmp_path: Path) -> None:

@@ -200,3 +200,18 @@ def test_check_requires_a_fallback_after_a_failed_in_place_launch() -> None:
     running_abort = {**aborted, "cause": "abort: node lost without notice: n2"}
     ok = [good[0], running_abort, launch(3.0, 2, "in_place", "in place (configured)")]
     assert check(ok).ok
+
+
+def test_check_refuses_a_launch_from_a_deleted_checkpoint() -> None:
+    def commit(t: float, step: int, dropped: list[int]) -> dict[str, object]:
+        return {"kind": "commit", "time": t, "step": step, "dropped": dropped}
+
+    def launch(t: float, gen: int, load: int) -> dict[str, object]:
+        return {"kind": "phase", "time": t, "phase": "launch", "generation": gen, "load_step": load}
+
+    ok = [commit(1, 4, []), launch(2, 1, 4), commit(3, 9, []), commit(4, 14, [4]), launch(5, 2, 14)]
+    assert check(ok).ok
+    rep = check([*ok, launch(6, 3, 4)])  # a restart that reads a pruned step
+    assert any("loads step 4, whose checkpoint was deleted" in v for v in rep.violations)
+    rep = check([commit(1, 9, [9, 4])])  # a commit may only delete older steps
+    assert any("commit of step 9 deleted steps [4, 9]" in v for v in rep.violations)

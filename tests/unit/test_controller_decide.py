@@ -14,6 +14,7 @@ from sailor.controller.decide import (
     Send,
     SetDesired,
     decide,
+    prune_below,
 )
 from sailor.controller.phases import LEGAL, check_transition
 from sailor.controller.planning import DataParallelPlanner
@@ -493,3 +494,61 @@ def test_no_launch_to_a_node_whose_status_vanished_with_its_lease() -> None:
     assert decide(d, obs(nodes(1, 2), [st(1, state="held")]), IN_PLACE) == []
     a = decide(d, obs(nodes(1), [st(1, state="held")]), IN_PLACE)
     assert kinds(a) == ["replan"]  # the node key's deletion arrives: plan without it
+
+
+@pytest.mark.parametrize(
+    ("steps", "keep", "expect"),
+    [
+        ((), 1, -1),  # nothing recorded: nothing to prune
+        ((4,), 1, 4),  # the newest recorded stays beside the new save
+        ((4, 9), 1, 9),
+        ((4, 9), 2, 4),
+        ((4, 9), 3, -1),
+        ((4, 9, 15), 2, 9),
+        ((4, 9, 15), None, -1),  # keep everything
+    ],
+)
+def test_prune_below_keeps_the_newest_recorded_commits(
+    steps: tuple[int, ...], keep: int | None, expect: int
+) -> None:
+    commits = tuple(CommitRecord(step=s, directory="/ck") for s in steps)
+    # records of another directory (an earlier checkpoint_dir) neither count nor go
+    other = (CommitRecord(step=99, directory="/old"),)
+    assert prune_below(commits + other, "/ck", keep) == expect
+
+
+def test_a_save_prunes_older_checkpoints_and_the_commit_drops_their_records() -> None:
+    cfg = CFG.model_copy(update={"keep_checkpoints": 2})
+    commits = (
+        *(CommitRecord(step=s, directory="/ck") for s in (3, 6, 9)),
+        CommitRecord(step=1, directory="/old"),
+    )
+    d = running((1,), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW + 10)
+    a = decide(d, obs(nodes(1), [st(1, step=11)], commits=commits), cfg)
+    ckpt = next(x.command for x in a if isinstance(x, Send) and x.command.kind == "checkpoint")
+    assert ckpt.prune_below == 6  # type: ignore[union-attr]
+    # the wire form carries it to the agent
+    assert CommandAdapter.validate_json(ckpt.model_dump_json()).prune_below == 6  # type: ignore[union-attr]
+    d = d.model_copy(update={"phase": Phase.COMMIT})
+    a = decide(d, obs(nodes(1), [st(1, step=12, saved=12, state="stopped")], commits=commits), cfg)
+    assert isinstance(a[0], Commit) and a[0].record.step == 12 and a[0].drop == (3,)
+    # keep None: nothing pruned, nothing dropped
+    keep_all = CFG.model_copy(update={"keep_checkpoints": None})
+    a = decide(d, obs(nodes(1), [st(1, step=12)], commits=commits), keep_all)
+    assert isinstance(a[0], Commit) and a[0].drop == ()
+
+
+def test_a_checkpoint_command_may_not_prune_its_own_step() -> None:
+    with pytest.raises(ValueError, match=r"prune_below=13.*step \(12\)"):
+        CommandAdapter.validate_python(
+            {
+                "kind": "checkpoint",
+                "command_id": "c",
+                "epoch": 1,
+                "node_id": "n1",
+                "deadline": NOW,
+                "step": 12,
+                "directory": "/ck",
+                "prune_below": 13,
+            }
+        )
