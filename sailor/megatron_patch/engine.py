@@ -302,9 +302,10 @@ class Trainer:
             self.stage, self.role, self.cfg.clip_grad_norm, self.device
         )
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self) -> tuple[float, bool]:
         """AdamW at this step's rate, after clipping; under fp16 only if no rank overflowed
-        (agreed), gradients unscaled (then clipped) first. Returns the rate."""
+        (agreed), gradients unscaled (then clipped) first. Returns the rate and whether the
+        step was skipped (an overflow on some rank)."""
         lr = self.cfg.schedule.lr_at(self.step, self.cfg.lr)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -313,11 +314,12 @@ class Trainer:
             if clip is not None:
                 clip()
             self.optimizer.step()
-            return lr
+            return lr, False
         params = list(self.stage.parameters())
-        if not scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip):
-            self.skipped_steps += 1
-        return lr
+        if scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip):
+            return lr, False
+        self.skipped_steps += 1
+        return lr, True
 
     @property
     def adam_step(self) -> int:
@@ -381,8 +383,7 @@ class Trainer:
         spans = self.spans.collect()  # after the sync: every span's events are done
         sync_gradients(self.stage, self.groups.sync)
         t2 = timestamp(self.device)
-        skipped_before = self.skipped_steps
-        lr = self._optimizer_step()
+        lr, skipped = self._optimizer_step()
         t3 = timestamp(self.device)
         report = self.role.is_last_stage and self.role.tp_rank == 0
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -411,7 +412,7 @@ class Trainer:
             bwd_s=_mean(spans.get("bwd")),
             p2p_s=spans.get("p2p", (0.0, 0))[0],
             microbatches=self.role.num_microbatches,
-            skipped=self.skipped_steps > skipped_before,
+            skipped=skipped,
             loss_scale=scale if self.scaler is not None else None,
         )
 
