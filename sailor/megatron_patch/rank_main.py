@@ -276,6 +276,12 @@ def _device(backend: str, plan: Plan, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
+def _under(base: Path, path: str) -> str:
+    """``path`` taken from ``base`` if it is relative; absolute paths and URLs
+    (``s3://bucket/prefix``: a checkpoint root) as they are."""
+    return path if "://" in path or Path(path).is_absolute() else str(base / path)
+
+
 def _metrics_logger(tc: TrainingConfig | None, base: Path, rank: int) -> MetricsLogger | None:
     """Rank 0's metrics logger (the figures are global per iteration), if the config asks."""
     if tc is None or rank != 0:
@@ -523,7 +529,7 @@ def _generation(
     metrics_every = tc.metrics.every_steps if tc is not None else 1
     periodic = None
     if tc is not None and tc.checkpoint.dir is not None:
-        periodic = tc.checkpoint.model_copy(update={"dir": str(base / tc.checkpoint.dir)})
+        periodic = tc.checkpoint.model_copy(update={"dir": _under(base, tc.checkpoint.dir)})
     boundary = Boundary(args, status, progress, ckpt, device, periodic)
     try:
         trainer.run(args.steps, hook=boundary, on_step=on_step)

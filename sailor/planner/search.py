@@ -71,6 +71,7 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.device_kind import spec_of
+from sailor.schemas.zones import region_of
 from sailor.simulator import ProfileLookupError, simulate
 
 __all__ = [
@@ -168,7 +169,7 @@ def resources_of(pool: Pool, constraints: Constraints) -> dict[Resource, int]:
     """GPUs per (type, zone, VM shape) that the constraints allow the plan to use."""
     caps: dict[Resource, int] = {}
     for e in pool.entries:
-        region = e.zone.rsplit("-", 1)[0] if e.zone.count("-") >= 2 else e.zone
+        region = region_of(e.zone)
         if constraints.allowed_zones is not None and e.zone not in constraints.allowed_zones:
             continue
         if constraints.allowed_regions is not None and region not in constraints.allowed_regions:
@@ -580,11 +581,11 @@ def _zone_order(caps: Mapping[Resource, int]) -> list[str]:
         zone_cap[z] = zone_cap.get(z, 0) + n
     region_cap: dict[str, int] = {}
     for z, n in zone_cap.items():
-        reg = z.rsplit("-", 1)[0] if z.count("-") >= 2 else z
+        reg = region_of(z)
         region_cap[reg] = region_cap.get(reg, 0) + n
 
     def key(z: str) -> tuple[int, str, int, str]:
-        reg = z.rsplit("-", 1)[0] if z.count("-") >= 2 else z
+        reg = region_of(z)
         return (-region_cap[reg], reg, -zone_cap[z], z)
 
     return sorted(zone_cap, key=key)

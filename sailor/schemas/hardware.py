@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.zones import region_of
 
 __all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "Zone"]
 
@@ -47,10 +48,10 @@ class Zone(Frozen):
 
     @classmethod
     def parse(cls, text: str, cloud: str = "gcp") -> Zone:
-        """Zone from a GCP-style name 'us-central1-a' (region = all but the last part)."""
+        """Zone from its name (``us-central1-a``, ``us-east-1a``; region: ``schemas.zones``)."""
         if not text or any(c.isspace() for c in text):
             raise field_error("zone", text, "must be a non-empty name without spaces")
-        region = text.rsplit("-", 1)[0] if text.count("-") >= 2 else text
+        region = region_of(text)
         return cls(cloud=cloud, region=region, name=text)
 
 

@@ -6,6 +6,7 @@ from pydantic import Field, field_validator
 
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.device_kind import catalog_type
+from sailor.schemas.zones import region_of
 
 __all__ = ["EgressPrice", "GPUPrice", "PriceTable"]
 
@@ -58,7 +59,7 @@ class PriceTable(Frozen):
 
         A CPU kind (``cpu-<kind>``) without a price of its own is priced as ``cpu``
         (``schemas.device_kind``)."""
-        region = zone.rsplit("-", 1)[0] if zone.count("-") >= 2 else zone
+        region = region_of(zone)
         for name in dict.fromkeys((gpu_type, catalog_type(gpu_type))):
             by_zone = [p for p in self.gpus if p.gpu_type == name and p.zone == zone]
             by_region = [p for p in self.gpus if p.gpu_type == name and p.region == region]
@@ -79,6 +80,5 @@ class PriceTable(Frozen):
         for e in self.egress:
             if e.dst in (src_zone, "*") and e.src in (dst_zone, "*"):
                 return e.usd_per_gb
-        sr = src_zone.rsplit("-", 1)[0]
-        dr = dst_zone.rsplit("-", 1)[0]
-        return self.same_region_usd_per_gb if sr == dr else self.cross_region_usd_per_gb
+        same = region_of(src_zone) == region_of(dst_zone)
+        return self.same_region_usd_per_gb if same else self.cross_region_usd_per_gb

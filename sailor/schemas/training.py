@@ -297,6 +297,16 @@ class MetricsConfig(Frozen):
     )
     every_steps: int = Field(default=1, gt=0, description="Log every N steps.")
 
+    @model_validator(mode="after")
+    def _local(self) -> MetricsConfig:
+        # written by rank 0 with plain file writes: a URL would become a local directory
+        # named after its scheme (a checkpoint root may be a URL; these may not)
+        for name in ("jsonl", "tensorboard_dir"):
+            value = getattr(self, name)
+            if value is not None and "://" in value:
+                raise field_error(name, value, "must be a local path (URLs are not written to)")
+        return self
+
 
 class TrainingConfig(WireMessage):
     """Everything about a training run that is not the plan (which is the placement)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.network import CollectiveScope
+from sailor.schemas.zones import region_of
 
 __all__ = [
     "BUCKET_ELEMENTS",
@@ -97,7 +98,7 @@ def inter_curve(
                 )
     if a.zone == b.zone:
         gbps = FALLBACK_SAME_ZONE_GBPS
-    elif a.zone.rsplit("-", 1)[0] == b.zone.rsplit("-", 1)[0]:
+    elif region_of(a.zone) == region_of(b.zone):
         gbps = FALLBACK_SAME_REGION_GBPS
     else:
         gbps = FALLBACK_INTER_GBPS

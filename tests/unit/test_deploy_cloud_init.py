@@ -73,7 +73,7 @@ def _fake_bin(tmp: Path, gpus: str) -> Path:
         '#!/bin/sh\ncase "$2" in\n'
         "v1.instance_id) echo 5551234;;\n"
         "v1.availability_zone) echo europe-west4-a;;\n"
-        "v1.cloud_name) echo gcp;;\nesac\n"
+        "v1.cloud_name) echo ${FAKE_CLOUD:-gce};;\nesac\n"
     )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -162,3 +162,19 @@ def test_cloud_init_schema() -> None:
         timeout=60,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    ("cloud", "watcher", "warned"),
+    [("gce", "gcp", False), ("aws", "aws", False), ("azure", "azure", False), ("other", None, True)],
+)
+def test_config_script_knows_cloud_inits_cloud_names(
+    tmp_path: Path, cloud: str, watcher: str | None, warned: bool
+) -> None:
+    """``cloud-init query v1.cloud_name`` says ``gce`` on Google Cloud, not ``gcp``: the
+    preemption watcher must follow it, and a spot VM without one is said plainly."""
+    res = _run_script(tmp_path, "NVIDIA L4, 23034\\n", FAKE_CLOUD=cloud)
+    assert res.returncode == 0, res.stderr
+    kinds = [w["kind"] for w in yaml.safe_load((tmp_path / "etc/agent.yaml").read_text())["watchers"]]
+    assert kinds == ([watcher] if watcher else []) + ["file"]
+    assert ("without a preemption watcher" in res.stderr) == warned, res.stderr

@@ -68,6 +68,10 @@ def test_full_config_parses_from_json() -> None:
         ),
         ("data: {kind: indexed}", "run.yaml: data.prefix: Field required"),
         ("clipping: {max_norm: 0}", "clipping.max_norm=0: Input should be greater than 0"),
+        (
+            "metrics: {tensorboard_dir: 's3://b/tb'}",
+            "metrics.tensorboard_dir='s3://b/tb': must be a local path",
+        ),
     ],
 )
 def test_refusals_name_field_and_value(body: str, message: str) -> None:
@@ -115,3 +119,16 @@ def test_deploy_example_is_valid() -> None:
     tc = parse_training_config(path.read_text(), str(path))
     assert isinstance(tc.data, IndexedData) and tc.schedule.decay == "cosine"
     assert tc.lr_at(0) == 0.0 and tc.lr_at(100) == pytest.approx(1e-3)
+
+
+def test_the_worker_keeps_a_checkpoint_url_as_it_is() -> None:
+    """The periodic checkpoint root is taken from the config's directory when relative; an
+    absolute path or a URL (an object store every node reaches) stays as it is."""
+    from pathlib import Path
+
+    from sailor.megatron_patch.rank_main import _under
+
+    base = Path("/run/gen-3")
+    assert _under(base, "ckpt") == "/run/gen-3/ckpt"
+    assert _under(base, "/shared/ckpt") == "/shared/ckpt"
+    assert _under(base, "s3://bucket/periodic") == "s3://bucket/periodic"
