@@ -166,7 +166,12 @@ def test_cloud_init_schema() -> None:
 
 @pytest.mark.parametrize(
     ("cloud", "watcher", "warned"),
-    [("gce", "gcp", False), ("aws", "aws", False), ("azure", "azure", False), ("other", None, True)],
+    [
+        ("gce", "gcp", False),
+        ("aws", "aws", False),
+        ("azure", "azure", False),
+        ("other", None, True),
+    ],
 )
 def test_config_script_knows_cloud_inits_cloud_names(
     tmp_path: Path, cloud: str, watcher: str | None, warned: bool
@@ -175,6 +180,8 @@ def test_config_script_knows_cloud_inits_cloud_names(
     preemption watcher must follow it, and a spot VM without one is said plainly."""
     res = _run_script(tmp_path, "NVIDIA L4, 23034\\n", FAKE_CLOUD=cloud)
     assert res.returncode == 0, res.stderr
-    kinds = [w["kind"] for w in yaml.safe_load((tmp_path / "etc/agent.yaml").read_text())["watchers"]]
+    kinds = [
+        w["kind"] for w in yaml.safe_load((tmp_path / "etc/agent.yaml").read_text())["watchers"]
+    ]
     assert kinds == ([watcher] if watcher else []) + ["file"]
     assert ("without a preemption watcher" in res.stderr) == warned, res.stderr
