@@ -32,6 +32,8 @@ from sailor.megatron_patch.tp_layers import tp_dim_of
 __all__ = ["clip_by_global_norm", "counts_in_norm"]
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+_CHUNK = 1 << 22
+"""Elements of a gradient squared at a time in fp64 for the norm (4M: 64 MB transient)."""
 
 
 def counts_in_norm(
@@ -63,7 +65,10 @@ def clip_by_global_norm(
             continue
         grads.append(p.grad)
         if counts_in_norm(name, tp_dim_of(p), role, tied, head):
-            sq += p.grad.detach().double().pow(2).sum()
+            # in fp64, a chunk at a time: a whole 1B-element head gradient in fp64 and its
+            # square would be 16 GB of transient GPU memory (a chunk is 64 MB)
+            for chunk in torch.split(p.grad.detach().reshape(-1), _CHUNK):
+                sq += chunk.double().pow(2).sum()
     comm.all_reduce(sq, group=group)
     norm = math.sqrt(float(sq.item()))
     coef = max_norm / (norm + _EPS)

@@ -56,6 +56,7 @@ from sailor.megatron_patch.devices import (
 )
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
+from sailor.megatron_patch.precision import native_bf16
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
@@ -139,7 +140,7 @@ def deepspeed_precision(
     fp32 on the CPU (gloo). On GPUs bf16 where every GPU type of the plan has bf16 units (the
     catalog's ``peak_tflops_bf16 > 0``; V100, T4, RTX-2080 have none), else fp16 with dynamic
     loss scaling. A GPU type the catalog does not know is asked of the device itself
-    (``device_bf16``, e.g. ``torch.cuda.is_bf16_supported``); without it, it counts as
+    (``device_bf16``, e.g. ``precision.native_bf16``: not emulated); without it, it counts as
     lacking bf16 (fp16 runs everywhere).
     """
     if backend != "nccl":
@@ -296,7 +297,7 @@ def run(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", local_device(plan, args.rank))
         torch.cuda.set_device(device)  # before the process group: NCCL binds to it
         os.environ.update(nccl_error_env(os.environ))
-    precision = deepspeed_precision(plan, backend, torch.cuda.is_bf16_supported)
+    precision = deepspeed_precision(plan, backend, native_bf16)
     sync = device_sync(device)
     from datetime import timedelta
 

@@ -249,12 +249,16 @@ def exchange(
         for key in keys:
             for i, src in enumerate(t.sources):
                 for kind in kinds:
+                    # a held shard may sit on this process's previous device (a rank that
+                    # moved GPUs): NCCL sends only from the rank's own device, and the
+                    # gather below needs one device
                     if src == t.receiver:  # the receiver's own old shard: no message
                         if me == src:
-                            inbox.append((key, i, kind, held[key][kind]))
+                            inbox.append((key, i, kind, held[key][kind].to(device)))
                         continue
                     if me == src:
-                        ops.append(comm.P2POp("send", held[key][kind].contiguous(), t.receiver))
+                        out = held[key][kind].to(device).contiguous()
+                        ops.append(comm.P2POp("send", out, t.receiver))
                     elif me == t.receiver:
                         shape = _old_shape(params[key], new.role.tp, len(t.sources))
                         buf = torch.empty(shape, device=device)

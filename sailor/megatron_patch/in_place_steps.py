@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -31,11 +32,13 @@ from sailor.megatron_patch.relayout import schedule
 __all__ = [
     "await_store",
     "comm_failure",
+    "drop_old_grads",
     "fill_stage",
     "held_line",
     "hold_broken",
     "leave_process",
     "leave_world",
+    "release",
     "warm_up",
 ]
 
@@ -83,6 +86,26 @@ def leave_world(held: Held | None) -> float:
     if held is not None and not held.broken and dist.is_initialized():
         dist.destroy_process_group()
     return time.perf_counter() - t
+
+
+def drop_old_grads(held: Held | None) -> None:
+    """Free the held trainer's gradients before the next generation's stage is built: the
+    exchange sends weights and moments only (4 B per parameter less at the peak)."""
+    if held is not None and held.trainer is not None:
+        for p in held.trainer.stage.parameters():
+            p.grad = None
+
+
+def release(held: Held | None) -> None:
+    """Drop the held trainer once the new stage is filled: its weights, moments and the
+    allocator's cached blocks would otherwise stay on the GPU for the whole generation."""
+    if held is None or held.trainer is None:
+        return
+    device = held.trainer.device
+    held.trainer = None
+    gc.collect()  # the stage's modules hold reference cycles (autograd hooks)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def fill_stage(

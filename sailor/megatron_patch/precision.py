@@ -35,6 +35,7 @@ __all__ = [
     "compute_dtype",
     "device_precision",
     "job_precision",
+    "native_bf16",
     "pick_precision",
     "scaled_step",
 ]
@@ -53,9 +54,16 @@ def pick_precision(device_type: str, bf16_supported: bool) -> Precision:
     return "bf16" if bf16_supported else "fp16"
 
 
+def native_bf16() -> bool:
+    """Whether the current CUDA device computes bf16 in hardware (Ampere and later). Not
+    ``torch.cuda.is_bf16_supported()``'s default, which also says yes where bf16 is only
+    emulated (a V100 or T4 can hold bf16 tensors, at a fraction of fp16's speed)."""
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
 def device_precision(device: torch.device) -> Precision:
     """:func:`pick_precision` for this process's ``device``."""
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    bf16 = device.type == "cuda" and native_bf16()
     return pick_precision(device.type, bf16)
 
 
@@ -75,7 +83,7 @@ def job_precision(
         if requested == "auto"
         else requested  # type: ignore[assignment]
     )
-    if chosen == "bf16" and not torch.cuda.is_bf16_supported():
+    if chosen == "bf16" and not native_bf16():
         name = torch.cuda.get_device_name(device)
         raise ValueError(
             f"plan precision='bf16': {device} ({name}) has no bf16; plan it as fp16 "

@@ -141,11 +141,13 @@ from sailor.megatron_patch.in_place import (  # noqa: E402
 from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     await_store,
     comm_failure,
+    drop_old_grads,
     fill_stage,
     held_line,
     hold_broken,
     leave_process,
     leave_world,
+    release,
     warm_up,
 )
 from sailor.megatron_patch.model_source import (  # noqa: E402
@@ -368,6 +370,7 @@ def _generation(
     status.rank, status.error_file = args.rank, sub_rank(args.error_file, args.rank)
     t_gen = time.time()
     teardown_s = leave_world(held) if args.in_place else 0.0
+    drop_old_grads(held)
     tc = load_train_config(args.train_config) if args.train_config else None
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     base = Path(args.train_config).parent if args.train_config else Path.cwd()
@@ -461,6 +464,7 @@ def _generation(
         from sailor.megatron_patch.hf.checkpoint import load_stage
 
         load_stage(trainer.stage, weights)
+    release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
     status.in_training, status.step = True, trainer.step
     progress.emit(

@@ -43,7 +43,7 @@ def _gpu_type() -> str:
 
 
 def _device_precision() -> str:
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
 def _plan(

@@ -19,6 +19,7 @@ from sailor import catalog
 from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
 from sailor.megatron_patch.deepspeed_adapter import deepspeed_precision
 from sailor.megatron_patch.launch import launch_local
+from sailor.megatron_patch.precision import native_bf16
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 
@@ -92,7 +93,7 @@ def test_deepspeed_runs_on_its_gpus_in_the_plans_precision(
         plan, 3, tmp_path, module="sailor.megatron_patch.deepspeed_adapter", deadline_s=300
     )
     assert run.ok, (run.returncodes, run.errors)
-    expected = deepspeed_precision(plan, "nccl", torch.cuda.is_bf16_supported)
+    expected = deepspeed_precision(plan, "nccl", native_bf16)
     for rank in range(2):
         steps = run.steps(rank)
         assert len(steps) == 3 and all(s["precision"] == expected for s in steps)

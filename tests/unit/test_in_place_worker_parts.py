@@ -76,3 +76,91 @@ def test_completed_works_pass_and_no_polling_blocks_plainly(polling: None) -> No
         abort.wait(_Done())
     abort.set_polling(False)
     assert abort.wait(_Done()) is True  # without polling: a plain wait, as before
+
+
+def _two_stage_plan() -> tuple[object, object]:
+    from sailor.megatron_patch.model import tiny_model
+    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+
+    spec = tiny_model("tiny-gpt")
+    last, k = spec.num_all_layers - 1, (spec.num_all_layers - 1) // 2
+
+    def st(a: int, b: int) -> Stage:
+        rg = ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=4)
+        return Stage(first_layer=a, last_layer=b, replica=rg)
+
+    plan = Plan(
+        model="tiny-gpt",
+        global_batch_size=spec.global_batch_size,
+        pipelines=(
+            Pipeline(
+                stages=(st(0, k), st(k + 1, last)),
+                microbatch_size=1,
+                num_microbatches=spec.global_batch_size,
+            ),
+        ),
+    )
+    return spec, plan
+
+
+def test_a_rank_that_moved_devices_sends_from_its_new_one() -> None:
+    """Two held workers swap ranks, so each sits on another GPU than the one its held
+    shards live on (old GPU: ``cpu`` here, new GPU: ``meta``). NCCL sends only tensors on
+    the rank's own device: every send of the exchange must be on the new one (the strict
+    backend checks NCCL's rules; before, it refused ``send tensor on cpu``)."""
+    import torch
+
+    from sailor.comm.api import use_backend
+    from sailor.comm.strict import StrictBackend
+    from sailor.megatron_patch.engine import TrainConfig, Trainer
+    from sailor.megatron_patch.groups import ProcessGroups
+    from sailor.megatron_patch.in_place import exchange
+    from sailor.megatron_patch.relayout import schedule
+    from sailor.megatron_patch.roles import role_of
+    from sailor.megatron_patch.tp_layers import TPContext
+
+    spec, plan = _two_stage_plan()
+
+    def trainer(rank: int, device: torch.device) -> Trainer:
+        groups = ProcessGroups(tp=TPContext())
+        return Trainer(plan, spec, role_of(plan, rank), groups, TrainConfig(), device)  # type: ignore[arg-type]
+
+    held = trainer(1, torch.device("cpu"))  # this process was rank 1 on its old GPU ...
+    new = torch.device("meta")
+    new0 = trainer(0, new)  # ... and is rank 0 now, on another one
+    backend = StrictBackend(0, new, 2)
+    with use_backend(backend):
+        exchange(new0, held, schedule(plan, {0: 1, 1: 0}, plan), 0, new)  # type: ignore[arg-type]
+
+
+def test_release_frees_the_held_trainer() -> None:
+    """After the new stage is filled the old trainer is dropped (its weights and moments
+    would stay on the GPU for the whole generation), and its gradients before the new
+    stage is built."""
+    import gc
+    import weakref
+
+    import torch
+
+    from sailor.megatron_patch.engine import TrainConfig, Trainer
+    from sailor.megatron_patch.groups import ProcessGroups
+    from sailor.megatron_patch.in_place import Held
+    from sailor.megatron_patch.in_place_steps import drop_old_grads, release
+    from sailor.megatron_patch.roles import role_of
+    from sailor.megatron_patch.tp_layers import TPContext
+
+    spec, plan = _two_stage_plan()
+    groups = ProcessGroups(tp=TPContext())
+    tr = Trainer(plan, spec, role_of(plan, 0), groups, TrainConfig(), torch.device("cpu"))  # type: ignore[arg-type]
+    for p in tr.stage.parameters():
+        p.grad = torch.zeros_like(p)
+    held = Held(tr, 0, 3, 12, False, 1)
+    drop_old_grads(held)
+    assert all(p.grad is None for p in tr.stage.parameters())
+    ref = weakref.ref(tr)
+    del tr
+    release(held)
+    gc.collect()
+    assert held.trainer is None and ref() is None
+    release(held)  # nothing left: a no-op
+    release(None)

@@ -29,6 +29,7 @@ from sailor.megatron_patch.precision import (
     LossScaler,
     autocast_of,
     compute_dtype,
+    device_precision,
     job_precision,
     pick_precision,
     scaled_step,
@@ -189,10 +190,16 @@ def test_job_precision_is_fp32_on_cpu_and_refuses_bf16_on_a_gpu_without_it(
 ) -> None:
     spec = tiny_model("tiny-gpt", 1).model_copy(update={"precision": "bf16"})
     assert job_precision(_one_stage_plan("A100-40", "bf16"), spec, torch.device("cpu")) == "fp32"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # torch's default answer on a V100 is yes (bf16 emulated): only the hardware's counts
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",
+        lambda including_emulation=True: including_emulation,
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     with pytest.raises(ValueError, match=r"precision='bf16'.*has no bf16"):
         job_precision(_one_stage_plan("V100-16", "bf16"), spec, torch.device("cuda", 0))
+    assert device_precision(torch.device("cuda", 0)) == "fp16"
 
 
 def test_scaler_state_round_trips_and_bad_states_are_refused() -> None:
