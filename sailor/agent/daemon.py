@@ -41,7 +41,7 @@ from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor, SupervisorClosedError
-from sailor.agent.watchers import PreemptionWatcher, make_watcher
+from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
     DaemonFailedError,
@@ -67,7 +67,7 @@ from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
-from sailor.schemas.runtime import AgentStatus, CommandAck
+from sailor.schemas.runtime import AgentStatus, CommandAck, DesiredState
 
 __all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
 
@@ -125,6 +125,15 @@ class AgentConfig(ServerEndpoints):
     )
     watchers: tuple[WatcherConfig, ...] = Field(default=(), description="Preemption sources.")
     watch_poll_s: float = Field(default=0.5, gt=0, description="Watcher poll period.")
+    preemption_drain_s: float = Field(
+        default=25.0,
+        ge=0,
+        description="On SIGTERM with a preemption notice (GCP's preemption is an ACPI "
+        "shutdown: systemd stops the agent as the notice starts), keep serving the "
+        "controller this long at most, until its layout no longer uses this node (the "
+        "checkpoint committed, the next generation launched) or the notice's deadline: "
+        "below the unit's TimeoutStopSec (30 s). 0: stop at once.",
+    )
     status_interval_s: float = Field(default=0.2, gt=0, description="Status write period.")
     security: SecurityConfig | None = Field(
         default=None, description="TLS and NATS login (docs/operations.md#security); off if absent."
@@ -331,6 +340,7 @@ class Agent:
             for w in self.watchers:
                 self._keep(f"watch-{w.name}", lambda w=w: self._watch(w))
             await self.stopping.wait()
+            await self._drain_if_preempted()
         finally:
             if self.stopping.is_set():
                 self.sd.stopping()
@@ -547,22 +557,80 @@ class Agent:
         while not self.noticed:
             notice = await watcher.check()
             if notice is not None:
-                self.noticed = True
-                event = PreemptionNotice(
-                    event_id=self._event_id("notice"),
-                    node_id=self.node.node_id,
-                    time=self.clock.now(),
-                    deadline=notice.deadline,
-                    source=notice.source,
-                )
-                # Two paths to the controller: the status record in etcd (written by the
-                # status loop, which wakes now) and the event, retried until the deadline.
-                # Either one alone is enough, so a NATS outage does not lose the notice.
-                self.notice = event
-                self.supervisor.changed.set()
-                await self._publish("preemption_notice", event, until=notice.deadline)
+                await self._noticed(notice)
                 return
             await self.clock.sleep(self.cfg.watch_poll_s)
+
+    async def _noticed(self, notice: Notice) -> None:
+        """Report a preemption notice (once)."""
+        event = self._record_notice(notice)
+        if event is not None:
+            await self._publish("preemption_notice", event, until=notice.deadline)
+
+    def _record_notice(self, notice: Notice) -> PreemptionNotice | None:
+        """Keep a notice for the status record; the event to publish (None: one was
+        already reported)."""
+        if self.noticed:
+            return None
+        self.noticed = True
+        event = PreemptionNotice(
+            event_id=self._event_id("notice"),
+            node_id=self.node.node_id,
+            time=self.clock.now(),
+            deadline=notice.deadline,
+            source=notice.source,
+        )
+        # Two paths to the controller: the status record in etcd (written by the status
+        # loop, which wakes now) and the event, retried until the deadline. Either one
+        # alone is enough, so a NATS outage does not lose the notice.
+        self.notice = event
+        self.supervisor.changed.set()
+        return event
+
+    async def _drain_if_preempted(self) -> None:
+        """Stopping with live workers: if this is a preemption (a notice already seen, or
+        one the watchers report now: on GCP the ACPI shutdown that stops the agent *is*
+        the notice, and a poll may not have seen it yet), report it and keep serving the
+        controller until it has checkpointed and stopped the workers, the notice's deadline
+        or ``preemption_drain_s``, whichever comes first. Otherwise stop at once."""
+        limit = self.cfg.preemption_drain_s
+        if limit <= 0 or self.failure is not None or not self.supervisor.live_workers():
+            return
+        if self.notice is None:
+            for w in self.watchers:
+                try:
+                    notice = await asyncio.wait_for(w.check(), timeout=2.0)
+                except (TimeoutError, OSError):
+                    continue
+                event = self._record_notice(notice) if notice is not None else None
+                if event is not None:
+                    self._tasks.spawn(
+                        "notice-at-stop",
+                        self._publish("preemption_notice", event, until=event.deadline),
+                    )
+                    break
+        if self.notice is None:
+            return
+        end = min(self.clock.now() + limit, self.notice.deadline)
+        _log.info("preemption_drain", node=self.node.node_id, until=end)
+        while self.clock.now() < end and not await self._layout_moved_on():
+            await self.clock.sleep(0.2)
+
+    async def _layout_moved_on(self) -> bool:
+        """Whether the controller's layout no longer uses this node (its checkpoint is
+        committed and the next generation launched without it). Workers that stopped and
+        saved are not enough: the controller records the commit after that."""
+        try:
+            kv = await self._read_desired()
+        except (TemporaryError, PlanUnavailableError):
+            return False
+        if kv is None:
+            return False
+        try:
+            d = DesiredState.model_validate_json(kv.value)
+        except ValidationError:
+            return False
+        return self.node.node_id not in d.placement
 
     async def _on_command(self, data: bytes) -> bytes:
         async with self._lock:

@@ -219,6 +219,10 @@ class Supervisor:
             return "stopped"
         return "running" if all(w.started for w in self.workers) else "starting"
 
+    def live_workers(self) -> int:
+        """Workers of the current generation still running (spares aside)."""
+        return sum(1 for w in self.workers if w.exit_code is None)
+
     @property
     def held_failure(self) -> str:
         """Why the held workers' world broke ('' if none did)."""

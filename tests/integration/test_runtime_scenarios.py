@@ -236,6 +236,33 @@ async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
     cluster.audit()
 
 
+async def test_a_stop_that_is_a_preemption_checkpoints_first(cluster: Cluster) -> None:
+    """On GCP a preemption is an ACPI shutdown: systemd stops the agent (SIGTERM) as the
+    notice starts, before a watcher poll has seen it. The agent asks its watchers once,
+    reports the notice and keeps its workers until the controller has checkpointed and
+    stopped them: the survivor resumes from a checkpoint taken after the notice, not from
+    the older one (which is what a plain stop, a lost node, would give)."""
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", watch_file=True)
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    d = ctl.desired
+    assert sorted(d.placement) == ["n1", "n2"] and d.load_step > 0
+    await cluster.wait_step(ctl, ["n1", "n2"], d.load_step + 2, 20)
+    agent, task = cluster.agents.pop("n1")
+    (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
+    agent.stopping.set()  # in the same turn: no watcher poll has run since the file appeared
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=d.generation)
+    d2 = ctl.desired
+    assert list(d2.placement) == ["n2"] and d2.load_step > d.load_step, (d, d2)
+    await asyncio.wait_for(task, 25)
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    assert any(r.get("event_kind") == "preemption_notice" for r in recs)
+    assert d2.load_step in [r["step"] for r in recs if r["kind"] == "commit"]
+    cluster.audit()
+
+
 async def test_node_lost_without_notice_resumes_from_last_commit(cluster: Cluster) -> None:
     cluster.start_controller("c1")
     cluster.start_agent("n1")
