@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -28,6 +30,12 @@ def _check_security_files(config: Path, security: SecurityConfig | None) -> None
                 f"{config}: security.{name}={str(path)!r}: no such file: create the files with "
                 "`sailor certs` and point the config at them (docs/operations.md#security), or "
                 "remove the security section to use plain development servers"
+            )
+        if path is not None and not os.access(path, os.R_OK):
+            raise fail(
+                f"{config}: security.{name}={str(path)!r}: not readable by this user "
+                f"({getpass.getuser()}): `sailor certs` writes keys 0600 for the user who ran "
+                "it; give the daemon's user read access (e.g. chown root:sailor and chmod 0640)"
             )
 
 

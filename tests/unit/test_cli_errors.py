@@ -152,3 +152,24 @@ def test_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) -> No
     assert res.stderr.strip().splitlines() == [
         "error: RuntimeError: boom; second line (a bug? SAILOR_TRACEBACK=1 shows where)"
     ]
+
+
+def test_an_unreadable_key_is_named_before_connecting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sailor certs`` writes keys 0600 for the user who ran it (root, usually); the daemons
+    run as ``sailor``: the start names the file and what to do, not a TLS failure later."""
+    import os
+
+    from sailor.cli.runtime_cmd import _check_security_files
+    from sailor.coordination.security import SecurityConfig
+
+    ca, cert, key = tmp_path / "ca.crt", tmp_path / "node.crt", tmp_path / "node.key"
+    for f in (ca, cert, key):
+        f.write_text("x")
+    sec = SecurityConfig(ca_file=ca, cert_file=cert, key_file=key)
+    _check_security_files(tmp_path / "agent.yaml", sec)  # readable: passes
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p) != key and real(p, m))
+    with pytest.raises(CliError, match=r"security.key_file='.*node.key': not readable"):
+        _check_security_files(tmp_path / "agent.yaml", sec)

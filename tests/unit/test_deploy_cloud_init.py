@@ -41,6 +41,7 @@ def test_top_level_keys_and_boot_steps() -> None:
     cmds = [" ".join(c) if isinstance(c, list) else c for c in doc["runcmd"]]
     order = [
         "systemd-sysusers",
+        "chown root:sailor $f",  # the node's key and login, once the user exists
         "pip install",
         "sailor-agent-config",
         "config check",
