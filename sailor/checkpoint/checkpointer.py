@@ -140,6 +140,11 @@ class Checkpointer:
         )
         return snapshot_s
 
+    def done(self) -> bool:
+        """Whether nothing is in flight (the last save is persisted, and committed on the
+        committer), without blocking."""
+        return self._pending is None or self._pending.done()
+
     def wait(self) -> SaveResult | None:
         """Block until the save in flight is persisted (and committed, on the committer)."""
         if self._pending is None:

@@ -170,7 +170,9 @@ def gc_cmd(
     directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root),
     keep: int | None = typer.Option(None, help="Also keep only the newest K committed."),
     grace: float = typer.Option(
-        0.0, help="Spare uncommitted saves touched within this many seconds (a save running)."
+        3600.0,
+        help="Spare uncommitted saves touched within this many seconds (a save running on "
+        "a live root); 0: delete every uncommitted save newer than the last commit too.",
     ),
     dry_run: bool = typer.Option(False, help="Only print what would be deleted."),
 ) -> None:

@@ -159,10 +159,18 @@ class ControllerConfig(ServerEndpoints):
     model: str = Field(
         default="tiny-gpt", description="Catalog model name (e.g. tiny-gpt) or ModelSpec file."
     )
-    profiles: tuple[Path, ...] = Field(default=(), description="ProfileDB files (else analytic).")
-    network: Path | None = Field(default=None, description="NetworkProfile file.")
-    prices: Path | None = Field(default=None, description="PriceTable file (else the catalog's).")
-    calibration: Path | None = Field(default=None, description="Calibration file.")
+    profiles: tuple[Path, ...] = Field(
+        default=(), description="ProfileDB files (else analytic); relative: to this file."
+    )
+    network: Path | None = Field(
+        default=None, description="NetworkProfile file; relative: to this file."
+    )
+    prices: Path | None = Field(
+        default=None, description="PriceTable file (else the catalog's); relative: to this file."
+    )
+    calibration: Path | None = Field(
+        default=None, description="Calibration file; relative: to this file."
+    )
     objective: Literal["throughput", "cost", "throughput_per_cost"] = Field(
         default="throughput", description="Planner objective."
     )
@@ -196,10 +204,24 @@ class ControllerConfig(ServerEndpoints):
         return cls.model_validate(load_mapping(path)).anchored(path)
 
     def anchored(self, config_file: Path) -> ControllerConfig:
-        """This config with relative ``training`` and membership trace paths taken from
-        ``config_file``'s directory (the file it was read from)."""
+        """This config with the relative paths of the files it reads (``training``, the
+        membership trace, ``profiles``, ``network``, ``prices``, ``calibration``) taken
+        from ``config_file``'s directory (the file it was read from): under systemd the
+        working directory is ``/``. What it writes (``audit_log``, ``checkpoint_dir``) is
+        left as given: give those absolute."""
         base = config_file.absolute().parent
-        out = self
+
+        def under(p: Path | None) -> Path | None:
+            return p if p is None or p.is_absolute() else base / p
+
+        out = self.model_copy(
+            update={
+                "profiles": tuple(base / p if not p.is_absolute() else p for p in self.profiles),
+                "network": under(self.network),
+                "prices": under(self.prices),
+                "calibration": under(self.calibration),
+            }
+        )
         if self.training is not None and not self.training.is_absolute():
             out = out.model_copy(update={"training": base / self.training})
         trace = self.online_calibration.membership_trace

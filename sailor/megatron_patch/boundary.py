@@ -17,7 +17,13 @@ from typing import Any, TextIO
 import torch
 
 from sailor.megatron_patch.checkpoint_io import CheckpointIO
-from sailor.megatron_patch.control import ControlRequest, agree, agree_dir, read_control
+from sailor.megatron_patch.control import (
+    ControlRequest,
+    agree,
+    agree_dir,
+    all_done,
+    read_control,
+)
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.errors import InjectedFailureError
 from sailor.schemas.training import CheckpointConfig
@@ -87,10 +93,20 @@ class Boundary:
             return ControlRequest()
         return agree(read_control(self.args.control), self.device)
 
+    def _durable(self) -> None:
+        """Wait until the save in flight is durable on every rank (committed, on the
+        committer) in short collective polls: a rank that finished its own part would
+        otherwise wait for the committer in the next step's collective, and a write longer
+        than the process groups' timeout (GBs to an object store) would time it out."""
+        assert self.ckpt is not None
+        while not all_done(self.ckpt.done(), self.device):
+            time.sleep(self.args.poll_s)
+        self.ckpt.wait()
+
     def _finish_save(self) -> None:
         if self.pending_save < 0 or self.ckpt is None:
             return
-        self.ckpt.wait()
+        self._durable()
         self.last_saved, self.pending_save = self.pending_save, -1
         self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
 
@@ -105,7 +121,7 @@ class Boundary:
         if self.ckpt is None:
             raise RuntimeError("checkpoint.every_steps needs a checkpoint implementation")
         self.ckpt.save(tr, p.dir, keep=p.keep)
-        self.ckpt.wait()
+        self._durable()
         self.progress.emit(
             {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}
         )

@@ -40,6 +40,11 @@ class CheckpointIO(Protocol):
         checkpoint it has recorded and still keeps)."""
         ...
 
+    def done(self) -> bool:
+        """Whether this rank's part of the save in flight is durable (and committed, on the
+        committer), without blocking."""
+        ...
+
     def wait(self) -> None:
         """Block until this rank's part of the save in flight is durable (and committed)."""
         ...

@@ -96,6 +96,16 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     )
 
 
+def all_done(local: bool, device: torch.device) -> bool:
+    """Whether every rank is done (a MAX over the world of "not done"; collective: every
+    rank calls it at the same point). Without a process group, ``local``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    t = torch.tensor([int(not local)], dtype=torch.int64, device=device)
+    comm.all_reduce(t, op="max")
+    return not bool(t.item())
+
+
 def agree_dir(local_dir: str) -> str:
     """The save directory some rank knows (all ranks call it; the first non-empty wins)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -206,7 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--dump-grads", default=None, help="torch.save the last step's gradients.")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="Collective/p2p timeout.")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="Collective/p2p timeout (NCCL's own default): longer than any rank's checkpoint "
+        "read at start, so the ranks that finish first do not time out waiting; dead peers "
+        "are the runtime's to detect (the agent sees the exit, the controller aborts).",
+    )
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU.")
     p.add_argument("--progress", default=None, help="JSON-lines progress file.")

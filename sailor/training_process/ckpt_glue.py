@@ -180,6 +180,9 @@ class LayerCheckpointIO:
         self._in_flight = ck
         return ck.save(trainer_params(trainer), g, prune_below=prune_below)
 
+    def done(self) -> bool:
+        return self._in_flight is None or self._in_flight.done()
+
     def wait(self) -> None:
         if self._in_flight is not None:
             ck, self._in_flight = self._in_flight, None

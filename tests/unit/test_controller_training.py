@@ -61,6 +61,24 @@ def test_load_training_anchors_paths_at_the_files_directory(tmp_path: Path) -> N
     )
 
 
+def test_the_files_a_controller_reads_are_anchored_at_its_config() -> None:
+    """Under systemd the working directory is ``/``: every input file given relative to the
+    config file is read from its directory; absolute ones and outputs stay as given."""
+    cfg = ControllerConfig(
+        profiles=(Path("p/a.json"), Path("/abs/b.json")),
+        network=Path("net.json"),
+        prices=Path("/abs/prices.json"),
+        calibration=Path("cal/c.json"),
+        checkpoint_dir="ckpt",
+        audit_log=Path("audit.jsonl"),
+    ).anchored(Path("/etc/sailor/controller.yaml"))
+    assert cfg.profiles == (Path("/etc/sailor/p/a.json"), Path("/abs/b.json"))
+    assert cfg.network == Path("/etc/sailor/net.json")
+    assert cfg.prices == Path("/abs/prices.json")
+    assert cfg.calibration == Path("/etc/sailor/cal/c.json")
+    assert cfg.checkpoint_dir == "ckpt" and cfg.audit_log == Path("audit.jsonl")
+
+
 def test_an_invalid_training_config_stops_the_controller_before_it_starts(
     tmp_path: Path,
 ) -> None:
