@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.security import SecurityConfig
-from sailor.schemas._base import Frozen
+from sailor.schemas._base import Frozen, field_error
 
 __all__ = ["ControllerConfig", "OnlineCalibrationSettings", "load_mapping"]
 
@@ -198,6 +198,23 @@ class ControllerConfig(ServerEndpoints):
         default_factory=OnlineCalibrationSettings,
         description="Online calibration and calibration-driven replanning.",
     )
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _reachable_scheme(cls, v: str) -> str:
+        # a URL's filesystem must be installed: found here, not by the workers' first save
+        # (a preemption's), when there is no checkpoint to fall back to
+        if "://" in v:
+            import fsspec
+
+            scheme = v.split("://", 1)[0]
+            try:
+                fsspec.get_filesystem_class(scheme)
+            except (ImportError, ValueError) as exc:
+                raise field_error(
+                    "checkpoint_dir", v, f"no filesystem for {scheme}:// here ({exc})"
+                ) from None
+        return v
 
     @classmethod
     def load(cls, path: Path) -> ControllerConfig:

@@ -124,3 +124,11 @@ def test_toy_trainer_validates_the_config_it_is_handed(tmp_path: Path) -> None:
     code = toy_trainer.main([*args, "--error-file", str(err), "--train-config", str(bad)])
     assert code == 1
     assert "optimizer.lr=-0.5" in json.loads(err.read_text())["message"]
+
+
+def test_a_checkpoint_url_without_its_filesystem_is_refused_at_load() -> None:
+    """``gs://`` needs gcsfs: said when the config is read, not at the first save."""
+    assert ControllerConfig(checkpoint_dir="s3://bucket/job").checkpoint_dir == "s3://bucket/job"
+    assert ControllerConfig(checkpoint_dir="/shared/ckpt").checkpoint_dir == "/shared/ckpt"
+    with pytest.raises(ValueError, match=r"checkpoint_dir='nosuch://b/x': no filesystem for"):
+        ControllerConfig(checkpoint_dir="nosuch://b/x")
