@@ -286,7 +286,11 @@ class FsspecStorage:
         return int(self.fs.size(self._p(path)))
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(self._p(path)))
+        # another process may have written it since this one listed its directory: s3fs
+        # answers from that listing (a committer polling for parts would never see them)
+        p = self._p(path)
+        self.fs.invalidate_cache(p)
+        return bool(self.fs.exists(p))
 
     def listdir(self, prefix: str = "") -> list[str]:
         try:

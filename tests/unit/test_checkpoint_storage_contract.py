@@ -284,3 +284,29 @@ def test_checkpoint_round_trip(storage: Storage) -> None:
     assert committed_steps(storage) == [6]
     assert collect(storage) == [f"{step_dir(9)}/"]
     assert storage.listdir("") == [step_dir(6)]
+
+
+def test_an_object_another_process_wrote_is_seen_after_a_listing(s3_endpoint: str) -> None:
+    """s3fs caches a directory listing: a committer that listed a step directory and then
+    polled for the other writers' parts saw none of them (``exists`` answered from it)."""
+    boto3 = pytest.importorskip("boto3")
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+    bucket = f"ckpt-{next(_bucket_counter)}"
+    boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=bucket)
+    a = open_storage(f"s3://{bucket}/job", **opts)
+    b = open_storage(f"s3://{bucket}/job", **opts)  # another rank's process
+    a.write("step-1/part-0.json", [b"x"])
+    assert a.walk("step-1") == ["step-1/part-0.json"]  # a listing a now holds
+    b.write("step-1/part-1.json", [b"y"])
+    assert a.exists("step-1/part-1.json")
