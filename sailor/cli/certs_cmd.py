@@ -76,6 +76,13 @@ def issue_cmd(
         raise fail(str(exc), code=1) from None
     for p in paths:
         typer.echo(f"written: {p}")
+    if kind.value == "server" and not any(h not in ("localhost", "127.0.0.1", "::1") for h in host):
+        typer.echo(
+            "warning: this server certificate names only localhost and 127.0.0.1: clients and "
+            "peers on other VMs will fail TLS (IP address mismatch); issue it with --host for "
+            "every address and name they dial",
+            err=True,
+        )
 
 
 @certs_app.command("nats-config")

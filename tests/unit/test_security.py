@@ -113,6 +113,16 @@ def test_certs_cli_writes_secrets_0600_and_configs_never_show_passwords(tmp_path
     for name in ("ca.key", "nats.key", "node-a.key", "node-a.nats.json", "nats-server.conf"):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o600, name
     assert run.invoke(app, ["certs", "init", str(d)]).exit_code == 1  # never replace a CA
+    # a server certificate for loopback only is said to be one (peers on other VMs fail TLS)
+    res = run.invoke(app, ["certs", "issue", str(d), "--name", "etcd", "--kind", "server"])
+    assert res.exit_code == 0 and "names only localhost and 127.0.0.1" in res.stderr
+    assert (
+        "names only"
+        not in run.invoke(
+            app,
+            ["certs", "issue", str(d), "--name", "e2", "--kind", "server", "--host", "10.0.0.2"],
+        ).stderr
+    )
     password = read_nats_login(d / "node-a.nats.json").password.get_secret_value()
     sec = SecurityConfig(
         ca_file=d / "ca.crt",
