@@ -164,9 +164,11 @@ def _train_transformers(model: Any, gbs: int) -> dict[str, Any]:
     return out
 
 
-# gpt2 (tied, a TP-2 head) and llama run in make test; opt and gpt_neox (project_in/out at
-# TP 2, three stages) in make long-test, to keep make test on a fresh clone under 15 minutes
-_LONG_FAMILIES = {"opt", "gpt_neox"}
+# gpt2 (tied, a TP-2 head) runs in make test; llama (RoPE, SwiGLU, RMSNorm: its engine path
+# is also checked against one process in test_megatron_patch_training), opt and gpt_neox
+# (project_in/out at TP 2, three stages) in make long-test, to keep make test on a fresh
+# clone under 15 minutes
+_LONG_FAMILIES = {"llama", "opt", "gpt_neox"}
 
 
 @pytest.mark.parametrize(
