@@ -4,6 +4,7 @@ world's calls under NCCL's rules; these run the real thing where 2 GPUs are visi
 - a 2-stage pipeline holds at its stop step and relayouts in place to two data-parallel
   replicas: same losses and saved state (weights, both AdamW moments) as fresh processes
   resuming from the same checkpoint (the restart path);
+- the same pipeline, its two held workers swapping ranks (each on the other GPU);
 - two replicas train, one rank is SIGKILLed: the survivor holds broken (NCCL's error, or
   SIGUSR1 aborting its communicators: ``sailor.comm.abort``), then a directive rolls it back
   to the committed step in process on one GPU, equal to the restart path.
@@ -87,6 +88,37 @@ def test_pipeline_to_data_parallel_in_place_under_nccl(
     job.terminate(["w0", "w1"])
     got = {**job.losses("g0"), **job.losses("g1")}
     want = _restart(job, "r1", dp2, ip, 2, 4, rs)
+    assert {s: got[s] for s in want} == want
+    _assert_same_state(ip, rs, 4)
+
+
+def test_held_workers_that_swap_gpus_relayout_under_nccl(
+    gpus: Callable[[int], None], tmp_path: Path, job: _Job
+) -> None:
+    """The same 2-stage plan, the two held workers handed each other's rank: each process
+    now runs on the other GPU while its held shards are still on its old one. The exchange
+    must send from the new device (NCCL refuses a tensor on another GPU) and free the old
+    trainer; the result equals the restart path."""
+    gpus(2)
+    pp2 = _gpu_plan("pp2", [[(0, 2), (3, 5)]], 4)
+    ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
+    m0 = f"127.0.0.1:{free_port()}"
+    for r in range(2):
+        job.start(f"w{r}", job.argv("g0", pp2, r, m0))
+    _stop_save(job, "g0", range(2), 2, ip)
+    job.held("g0", range(2), 2)
+    m1 = f"127.0.0.1:{free_port()}"
+    _stop_save(job, "g1", range(2), 4, ip)
+    for r in range(2):
+        _directive(job, "g0", r, 1, job.argv("g1", pp2, 1 - r, m1, ip, 2))
+    job.held("g1", range(2), 4)
+    for r in range(2):
+        ready = job.ready("g1", r)
+        assert ready["path"] == "in_place" and ready["device"] == f"cuda:{r}", ready
+        assert ready["received_keys"] > 0 and ready["checkpoint_keys"] == 0, ready
+    job.terminate(["w0", "w1"])
+    got = {**job.losses("g0"), **job.losses("g1")}
+    want = _restart(job, "r1", pp2, ip, 2, 4, rs)
     assert {s: got[s] for s in want} == want
     _assert_same_state(ip, rs, 4)
 
