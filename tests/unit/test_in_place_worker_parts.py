@@ -137,7 +137,6 @@ def test_release_frees_the_held_trainer() -> None:
     """After the new stage is filled the old trainer is dropped (its weights and moments
     would stay on the GPU for the whole generation), and its gradients before the new
     stage is built."""
-    import gc
     import weakref
 
     import torch
@@ -159,8 +158,7 @@ def test_release_frees_the_held_trainer() -> None:
     assert all(p.grad is None for p in tr.stage.parameters())
     ref = weakref.ref(tr)
     del tr
-    release(held)
-    gc.collect()
+    release(held)  # by reference counting: a gc.collect() would add ~0.2 s of downtime
     assert held.trainer is None and ref() is None
     release(held)  # nothing left: a no-op
     release(None)
