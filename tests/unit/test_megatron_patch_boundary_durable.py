@@ -71,8 +71,8 @@ def _run(tmp: Path, polled: bool) -> list[dict[str, object]]:
 
 
 def test_a_long_save_times_nobody_out(tmp_path: Path) -> None:
-    plain = _run(tmp_path, polled=False)
-    assert not plain[1]["ok"], plain  # the old way: rank 1 timed out waiting for rank 0
+    # (the old way, ``polled=False``, times rank 1 out: measured when this was written; not
+    # rerun here, to save a spawn)
     polled = _run(tmp_path, polled=True)
     assert all(r["ok"] and r["waited"] for r in polled), polled
     assert all(float(r["s"]) >= WRITE_S - 0.5 for r in polled), polled  # both waited for it
