@@ -50,6 +50,9 @@ class ClusterView:
     cause: str = ""
     load_step: int = -1
     nodes: tuple[NodeRow, ...] = ()
+    """Registered nodes (one whose lease expired is gone, even while the layout uses it)."""
+    placement: tuple[str, ...] = ()
+    """The nodes the desired layout uses, registered or not."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class StateReader:
             cause=d.cause,
             load_step=d.load_step,
             nodes=tuple(sorted(rows, key=lambda r: r.node)),
+            placement=tuple(sorted(d.placement)),
         )
 
     async def close(self) -> None:
