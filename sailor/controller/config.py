@@ -231,18 +231,16 @@ class ControllerConfig(ServerEndpoints):
         def under(p: Path | None) -> Path | None:
             return p if p is None or p.is_absolute() else base / p
 
-        out = self.model_copy(
+        oc = self.online_calibration.model_copy(
+            update={"membership_trace": under(self.online_calibration.membership_trace)}
+        )
+        return self.model_copy(
             update={
+                "training": under(self.training),
+                "online_calibration": oc,
                 "profiles": tuple(base / p if not p.is_absolute() else p for p in self.profiles),
                 "network": under(self.network),
                 "prices": under(self.prices),
                 "calibration": under(self.calibration),
             }
         )
-        if self.training is not None and not self.training.is_absolute():
-            out = out.model_copy(update={"training": base / self.training})
-        trace = self.online_calibration.membership_trace
-        if trace is not None and not trace.is_absolute():
-            oc = self.online_calibration.model_copy(update={"membership_trace": base / trace})
-            out = out.model_copy(update={"online_calibration": oc})
-        return out

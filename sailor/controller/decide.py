@@ -455,12 +455,17 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
     return actions
 
 
+def _recorded(commits: Sequence[CommitRecord], directory: str) -> set[int]:
+    """The steps of the commits recorded under ``directory``."""
+    return {c.step for c in commits if c.directory == directory}
+
+
 def prune_below(commits: Sequence[CommitRecord], directory: str, keep: int | None) -> int:
     """The oldest step a new save under ``directory`` leaves in place: that of the
     ``keep``-th newest commit recorded there; -1 (delete nothing) with fewer records, or
     ``keep`` None. Only recorded commits count: one on disk that no leader recorded (lost
     between the marker and the record) never pushes out one a restart may load."""
-    steps = sorted({c.step for c in commits if c.directory == directory}, reverse=True)
+    steps = sorted(_recorded(commits, directory), reverse=True)
     if keep is None or len(steps) < keep:
         return -1
     return steps[keep - 1]
@@ -476,9 +481,7 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         time=o.now,
     )
     below = prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints)
-    drop = tuple(
-        sorted(c.step for c in o.commits if c.directory == cfg.checkpoint_dir and c.step < below)
-    )
+    drop = tuple(sorted(s for s in _recorded(o.commits, cfg.checkpoint_dir) if s < below))
     nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]
 

@@ -78,13 +78,18 @@ def read_control(path: str | Path | None) -> ControlRequest:
     )
 
 
+def _alone() -> bool:
+    """No other rank to agree with (no process group, or a world of one)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+
+
 def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     """The request every rank acts on at this boundary: the MAX over ranks of each field.
 
     A collective: every rank must call it at the same boundary. Without an initialised
     process group (a single process) the local request is returned as it is.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return local
     t = torch.tensor(
         [local.stop_at_step, local.save_step, local.prune_below], dtype=torch.int64, device=device
@@ -99,7 +104,7 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
 def all_done(local: bool, device: torch.device) -> bool:
     """Whether every rank is done (a MAX over the world of "not done"; collective: every
     rank calls it at the same point). Without a process group, ``local``."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return local
     t = torch.tensor([int(not local)], dtype=torch.int64, device=device)
     comm.all_reduce(t, op="max")
@@ -108,7 +113,7 @@ def all_done(local: bool, device: torch.device) -> bool:
 
 def agree_dir(local_dir: str) -> str:
     """The save directory some rank knows (all ranks call it; the first non-empty wins)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return local_dir
     got: list[object] = [None] * dist.get_world_size()
     comm.all_gather_object(got, local_dir)

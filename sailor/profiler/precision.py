@@ -21,24 +21,20 @@ from typing import Any, Literal
 
 import torch
 
+from sailor.megatron_patch.precision import native_bf16
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["ComputePrecision", "autocast", "compute_precision", "cuda_bf16_supported"]
+__all__ = ["ComputePrecision", "autocast", "compute_precision"]
 
 ComputePrecision = Literal["fp32", "fp16", "bf16"]
 
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def cuda_bf16_supported() -> bool:
-    """Whether the current CUDA device computes natively in bf16 (emulation does not count)."""
-    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-
-
 def compute_precision(
     spec: ModelSpec,
     device: torch.device | str,
-    bf16_supported: Callable[[], bool] = cuda_bf16_supported,
+    bf16_supported: Callable[[], bool] = native_bf16,
 ) -> ComputePrecision:
     """What ``spec`` computes in on ``device``: fp32 on the CPU or for an fp32 model; on a GPU,
     bf16 where the device supports it, else fp16 (whatever 16-bit type the model names)."""

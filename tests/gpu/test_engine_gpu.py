@@ -26,6 +26,7 @@ from sailor.comm.strict import ENV_VAR, read_logs
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.launch import LocalRun, launch_local
 from sailor.megatron_patch.model import tiny_model
+from sailor.megatron_patch.precision import native_bf16
 from sailor.megatron_patch.reference import train_reference
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
@@ -43,7 +44,7 @@ def _gpu_type() -> str:
 
 
 def _device_precision() -> str:
-    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return "bf16" if native_bf16() else "fp16"
 
 
 def _plan(

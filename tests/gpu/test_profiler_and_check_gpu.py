@@ -16,6 +16,7 @@ import torch
 
 from sailor import catalog
 from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
+from sailor.megatron_patch.precision import native_bf16
 from sailor.profiler import memory_bound as mb
 from sailor.profiler.layers import LayerRun, profile_layers
 from sailor.profiler.timing import RepeatSettings
@@ -57,7 +58,7 @@ def test_profiler_measures_a_model_larger_than_its_share_within_the_bound(
     the model has a timing."""
     gpus(1)
     spec = _wide_model()
-    precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    precision = "bf16" if native_bf16() else "fp16"
     whole = mb.window_bytes(spec, range(spec.num_all_layers), 1, 2, 2)
     limit = whole // 3
     run = LayerRun(
