@@ -323,8 +323,9 @@ def test_load_into_caller_buffers(tmp_path: Path) -> None:
         load(LocalStorage(tmp_path), [0], tp_rank=1, tp_size=2, into=bad)
 
 
-def test_checkpointer_reuses_its_snapshot_buffers(tmp_path: Path) -> None:
-    plan = Plan(
+def one_layer_plan() -> Plan:
+    """One rank holding layer 0 of the toy model (a Checkpointer's plan in these tests)."""
+    return Plan(
         plan_id="one",
         model="toy",
         global_batch_size=1,
@@ -342,6 +343,10 @@ def test_checkpointer_reuses_its_snapshot_buffers(tmp_path: Path) -> None:
             ),
         ),
     )
+
+
+def test_checkpointer_reuses_its_snapshot_buffers(tmp_path: Path) -> None:
+    plan = one_layer_plan()
     state = _state()
     ck = Checkpointer(LocalStorage(tmp_path), plan, 0, keep=2)
     ck.save(state, TrainingGlobals(1, 1, {}))

@@ -30,7 +30,7 @@ from sailor.checkpoint.cli import ckpt_app
 from sailor.checkpoint.format import MARKER, step_dir
 from sailor.checkpoint.gc import apply_prune, decide_prune
 from sailor.checkpoint.writer import persist_layers
-from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from tests.unit.test_checkpoint_blocks import one_layer_plan
 
 
 def _state(seed: int = 0, layers: int = 4) -> dict[str, ParamState]:
@@ -156,24 +156,7 @@ def test_prune_below_deletes_older_steps_committed_or_not(tmp_path: Path) -> Non
 def test_checkpointer_prunes_after_its_commit_only(tmp_path: Path) -> None:
     """``Checkpointer.save(prune_below=)``: the committer deletes the older steps once its own
     checkpoint is committed; a prune point past the saved step is held at the saved step."""
-    plan = Plan(
-        plan_id="p",
-        model="toy",
-        global_batch_size=1,
-        pipelines=(
-            Pipeline(
-                stages=(
-                    Stage(
-                        first_layer=0,
-                        last_layer=0,
-                        replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=1),
-                    ),
-                ),
-                microbatch_size=1,
-                num_microbatches=1,
-            ),
-        ),
-    )
+    plan = one_layer_plan()
     state = _state(layers=1)
     s = LocalStorage(tmp_path)
     ck = Checkpointer(s, plan, 0, keep=None)

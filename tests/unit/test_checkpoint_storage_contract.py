@@ -51,7 +51,12 @@ _bucket_counter = iter(range(10**6))
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     if request.param == "local":
         return open_storage(tmp_path / "ckpt")
-    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket, opts = _new_bucket(request.getfixturevalue("s3_endpoint"))
+    return open_storage(f"s3://{bucket}/job", **opts)
+
+
+def _new_bucket(endpoint: str) -> tuple[str, dict[str, object]]:
+    """A fresh bucket on the moto server, and the storage options that reach it."""
     opts = {
         "key": "testing",
         "secret": "testing",
@@ -67,7 +72,7 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     ).create_bucket(Bucket=bucket)
-    return open_storage(f"s3://{bucket}/job", **opts)
+    return bucket, opts
 
 
 def test_objects_round_trip(storage: Storage) -> None:
@@ -289,21 +294,7 @@ def test_checkpoint_round_trip(storage: Storage) -> None:
 def test_an_object_another_process_wrote_is_seen_after_a_listing(s3_endpoint: str) -> None:
     """s3fs caches a directory listing: a committer that listed a step directory and then
     polled for the other writers' parts saw none of them (``exists`` answered from it)."""
-    boto3 = pytest.importorskip("boto3")
-    opts = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
-    bucket = f"ckpt-{next(_bucket_counter)}"
-    boto3.client(
-        "s3",
-        endpoint_url=s3_endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket=bucket)
+    bucket, opts = _new_bucket(s3_endpoint)
     a = open_storage(f"s3://{bucket}/job", **opts)
     b = open_storage(f"s3://{bucket}/job", **opts)  # another rank's process
     a.write("step-1/part-0.json", [b"x"])

@@ -79,28 +79,11 @@ def test_completed_works_pass_and_no_polling_blocks_plainly(polling: None) -> No
 
 
 def _two_stage_plan() -> tuple[object, object]:
+    """tiny-gpt and the worker test's two-stage plan (``PP2``)."""
     from sailor.megatron_patch.model import tiny_model
-    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+    from tests.integration.test_in_place_worker import GBS, PP2
 
-    spec = tiny_model("tiny-gpt")
-    last, k = spec.num_all_layers - 1, (spec.num_all_layers - 1) // 2
-
-    def st(a: int, b: int) -> Stage:
-        rg = ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=4)
-        return Stage(first_layer=a, last_layer=b, replica=rg)
-
-    plan = Plan(
-        model="tiny-gpt",
-        global_batch_size=spec.global_batch_size,
-        pipelines=(
-            Pipeline(
-                stages=(st(0, k), st(k + 1, last)),
-                microbatch_size=1,
-                num_microbatches=spec.global_batch_size,
-            ),
-        ),
-    )
-    return spec, plan
+    return tiny_model("tiny-gpt", GBS), PP2
 
 
 def test_a_rank_that_moved_devices_sends_from_its_new_one() -> None:

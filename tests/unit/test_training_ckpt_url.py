@@ -23,28 +23,10 @@ from sailor.megatron_patch.engine import TrainConfig, Trainer
 from sailor.megatron_patch.groups import build_process_groups
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.roles import role_of
-from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.training_process.ckpt_glue import LayerCheckpointIO
+from tests.integration.test_in_place_worker import GBS, ONE
 
-GBS = 2
-PLAN = Plan(
-    plan_id="one",
-    model="tiny-gpt",
-    global_batch_size=GBS,
-    pipelines=(
-        Pipeline(
-            stages=(
-                Stage(
-                    first_layer=0,
-                    last_layer=5,
-                    replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=1),
-                ),
-            ),
-            microbatch_size=1,
-            num_microbatches=2,
-        ),
-    ),
-)
+PLAN = ONE  # one stage of layers 0-5, 4 microbatches of 1
 
 
 @pytest.fixture
