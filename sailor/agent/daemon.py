@@ -178,6 +178,15 @@ class AgentConfig(ServerEndpoints):
             validate_cores(self.cpu_quota, self.cpu_quota_period_us)
         return self
 
+    def anchored(self, config_file: Path) -> AgentConfig:
+        """This config with the relative paths of the files it reads (the ``security``
+        files) taken from ``config_file``'s directory: under systemd the working directory
+        is ``/``. What it writes (``work_dir``) is left as given: give it absolute."""
+        if self.security is None:
+            return self
+        base = config_file.absolute().parent
+        return self.model_copy(update={"security": self.security.anchored(base)})
+
     @property
     def cpu_quota_period_us(self) -> int:
         """The period as the kernel takes it, whole microseconds."""

@@ -49,7 +49,7 @@ def check(
     from sailor.agent.check_verdicts import judge
     from sailor.agent.daemon import AgentConfig
 
-    cfg = load_model(config, AgentConfig) if config is not None else None
+    cfg = load_model(config, AgentConfig).anchored(config) if config is not None else None
     node = cfg.node if cfg is not None else None
     facts = node_facts(node)
     if facts.node_kind == "gpu":

@@ -73,7 +73,7 @@ def agent(config: Path = typer.Option(..., "--config", help="Agent config file."
     """Run the agent of this node until SIGTERM."""
     from sailor.agent.daemon import AgentConfig, run_agent
 
-    cfg = load_config(config, AgentConfig)
+    cfg = load_config(config, AgentConfig).anchored(config)
     _check_security_files(config, cfg.security)
     code = asyncio.run(run_agent(cfg))
     if code:  # the node check refused to join, or the agent failed: the log says why
@@ -88,7 +88,7 @@ def status(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.status import read_status
 
-    cfg = load_config(config, ControllerConfig)
+    cfg = load_config(config, ControllerConfig).anchored(config)
     _check_security_files(config, cfg.security)
     snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security))
     if as_json:

@@ -15,6 +15,9 @@ from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen, field_error
 
+MODEL_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+"""A ``ControllerConfig.model`` ending so is a model file, else a catalog model name."""
+
 __all__ = ["ControllerConfig", "OnlineCalibrationSettings", "load_mapping"]
 
 DEFAULT_TIME_BETWEEN_CHANGES_S = 475.0
@@ -157,7 +160,9 @@ class ControllerConfig(ServerEndpoints):
         "the same either way (docs/runtime.md). False: plan in a thread.",
     )
     model: str = Field(
-        default="tiny-gpt", description="Catalog model name (e.g. tiny-gpt) or ModelSpec file."
+        default="tiny-gpt",
+        description="Catalog model name (e.g. tiny-gpt) or ModelSpec file (.json, .yaml, "
+        ".yml; relative: to this file).",
     )
     profiles: tuple[Path, ...] = Field(
         default=(), description="ProfileDB files (else analytic); relative: to this file."
@@ -222,10 +227,10 @@ class ControllerConfig(ServerEndpoints):
 
     def anchored(self, config_file: Path) -> ControllerConfig:
         """This config with the relative paths of the files it reads (``training``, the
-        membership trace, ``profiles``, ``network``, ``prices``, ``calibration``) taken
-        from ``config_file``'s directory (the file it was read from): under systemd the
-        working directory is ``/``. What it writes (``audit_log``, ``checkpoint_dir``) is
-        left as given: give those absolute."""
+        membership trace, ``profiles``, ``network``, ``prices``, ``calibration``, a
+        ``model`` file, the ``security`` files) taken from ``config_file``'s directory (the
+        file it was read from): under systemd the working directory is ``/``. What it
+        writes (``audit_log``, ``checkpoint_dir``) is left as given: give those absolute."""
         base = config_file.absolute().parent
 
         def under(p: Path | None) -> Path | None:
@@ -242,5 +247,16 @@ class ControllerConfig(ServerEndpoints):
                 "network": under(self.network),
                 "prices": under(self.prices),
                 "calibration": under(self.calibration),
+                "model": _model_under(base, self.model),
+                "security": None if self.security is None else self.security.anchored(base),
             }
         )
+
+
+def _model_under(base: Path, model: str) -> str:
+    """``model`` as the controller will read it: a catalog name as given, a relative model
+    file (by its suffix, as ``load_model_spec`` tells them apart) under ``base``."""
+    path = Path(model)
+    if path.suffix in MODEL_FILE_SUFFIXES and not path.is_absolute():
+        return str(base / path)
+    return model

@@ -16,6 +16,7 @@ from sailor.cli.main import app
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
 from sailor.controller.training import TrainingConfigError, load_training
+from sailor.coordination.security import SecurityConfig
 from sailor.schemas.training import IndexedData, SpecFileModel
 
 GOOD = """
@@ -71,8 +72,23 @@ def test_the_files_a_controller_reads_are_anchored_at_its_config() -> None:
         calibration=Path("cal/c.json"),
         checkpoint_dir="ckpt",
         audit_log=Path("audit.jsonl"),
+        model="models/gpt.yaml",
+        security=SecurityConfig(
+            ca_file=Path("pki/ca.pem"),
+            cert_file=Path("/abs/c.pem"),
+            key_file=Path("pki/c.key"),
+            nats_login_file=Path("c.nats.json"),
+        ),
     ).anchored(Path("/etc/sailor/controller.yaml"))
     assert cfg.profiles == (Path("/etc/sailor/p/a.json"), Path("/abs/b.json"))
+    assert cfg.model == "/etc/sailor/models/gpt.yaml"
+    assert cfg.security is not None
+    assert cfg.security.ca_file == Path("/etc/sailor/pki/ca.pem")
+    assert cfg.security.cert_file == Path("/abs/c.pem")
+    assert cfg.security.key_file == Path("/etc/sailor/pki/c.key")
+    assert cfg.security.nats_login_file == Path("/etc/sailor/c.nats.json")
+    # a catalog model name is a name, not a path
+    assert ControllerConfig(model="OPT-350").anchored(Path("/etc/x.yaml")).model == "OPT-350"
     assert cfg.network == Path("/etc/sailor/net.json")
     assert cfg.prices == Path("/abs/prices.json")
     assert cfg.calibration == Path("/etc/sailor/cal/c.json")

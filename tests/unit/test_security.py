@@ -152,3 +152,29 @@ def test_certs_cli_writes_secrets_0600_and_configs_never_show_passwords(tmp_path
     with pytest.raises(ValueError) as info:
         read_nats_login(tmp_path / "bad.json")
     assert password not in str(info.value)
+
+
+def test_an_agent_reads_its_security_files_relative_to_its_config() -> None:
+    """Under systemd the working directory is ``/``: relative CA, key and login paths are the
+    config file's neighbours; absolute ones and the work_dir it writes stay as given."""
+    from sailor.schemas import NodeSpec
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z", address="127.0.0.1")
+    sec = SecurityConfig(
+        ca_file=Path("ca.pem"),
+        cert_file=Path("/abs/n1.pem"),
+        key_file=Path("keys/n1.key"),
+        nats_login_file=Path("n1.nats.json"),
+    )
+    cfg = AgentConfig(node=node, security=sec, work_dir=Path("w")).anchored(
+        Path("/etc/sailor/agent.yaml")
+    )
+    assert cfg.security == SecurityConfig(
+        ca_file=Path("/etc/sailor/ca.pem"),
+        cert_file=Path("/abs/n1.pem"),
+        key_file=Path("/etc/sailor/keys/n1.key"),
+        nats_login_file=Path("/etc/sailor/n1.nats.json"),
+    )
+    assert cfg.work_dir == Path("w")
+    plain = AgentConfig(node=node)
+    assert plain.anchored(Path("/etc/sailor/agent.yaml")) == plain

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sailor import catalog
-from sailor.controller.config import ControllerConfig, load_mapping
+from sailor.controller.config import MODEL_FILE_SUFFIXES, ControllerConfig, load_mapping
 from sailor.controller.planning.api import (
     DataParallelPlanner,
     PlacementError,
@@ -66,7 +66,7 @@ def load_model_spec(name: str, global_batch_size: int | None = None) -> ModelSpe
     ``model.json``), whose spec is taken and architecture left to the workers: the
     controller plans and prices the very file the workers train."""
     path = Path(name)
-    if path.suffix in (".json", ".yaml", ".yml") and path.exists():
+    if path.suffix in MODEL_FILE_SUFFIXES and path.exists():
         data = load_mapping(path)
         if set(data) == {"spec", "architecture"} and isinstance(data["spec"], dict):
             data = data["spec"]

@@ -27,7 +27,9 @@ class NatsLogin(Frozen):
 
 
 class SecurityConfig(Frozen):
-    """TLS and authentication for NATS and etcd; absent = plain TCP, no auth (development)."""
+    """TLS and authentication for NATS and etcd; absent = plain TCP, no auth (development).
+
+    A daemon reads relative paths from its config file's directory (``anchored``)."""
 
     ca_file: Path = Field(description="CA certificate (PEM) that signed the servers' certs.")
     cert_file: Path | None = Field(default=None, description="This client's certificate (PEM).")
@@ -44,6 +46,22 @@ class SecurityConfig(Frozen):
                 f"key_file={self.key_file})"
             )
         return self
+
+    def anchored(self, base: Path) -> SecurityConfig:
+        """These settings with relative paths taken from ``base`` (the directory of the
+        config file that holds them: under systemd the working directory is ``/``)."""
+
+        def under(p: Path | None) -> Path | None:
+            return p if p is None or p.is_absolute() else base / p
+
+        return self.model_copy(
+            update={
+                "ca_file": under(self.ca_file),
+                "cert_file": under(self.cert_file),
+                "key_file": under(self.key_file),
+                "nats_login_file": under(self.nats_login_file),
+            }
+        )
 
     def ssl_context(self) -> ssl.SSLContext:
         """Client TLS context: verify the server against the CA, present our certificate."""
