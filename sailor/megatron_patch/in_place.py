@@ -10,8 +10,9 @@ pure schedule of :mod:`~sailor.megatron_patch.relayout`:
   ``{"relayout": {"generation": G, "argv": [...]}}`` (newer generations only);
 - :func:`handshake`: once per new world, every rank's ``(old rank | -1, step, broken,
   old plan id, consumed samples)``, gathered; the old plan from the lowest valid holder;
-- :func:`exchange`: the kept shards copied, the received ones in one globally ordered
-  ``batch_isend_irecv`` (NCCL's pairing rules), concatenated along the TP dim and sliced.
+- :func:`exchange`: the kept shards copied, the received ones in globally ordered
+  ``batch_isend_irecv`` batches of bounded size (NCCL's pairing rules), concatenated along
+  the TP dim and sliced.
 
 It never reads checkpoints (``megatron_patch`` may not import ``sailor.checkpoint``): the
 layers no live rank holds are the caller's to restore through its ``CheckpointIO``.
@@ -30,12 +31,13 @@ import torch
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.engine import Trainer
-from sailor.megatron_patch.relayout import Schedule
+from sailor.megatron_patch.relayout import Schedule, Transfer, buckets
 from sailor.megatron_patch.state import gather_full, optimizer_state, shard, stage_state
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.schemas.plan import Plan
 
 __all__ = [
+    "EXCHANGE_BUCKET_BYTES",
     "ExchangeStats",
     "Held",
     "Peers",
@@ -185,6 +187,8 @@ class ExchangeStats:
     received_keys: int = 0
     bytes_received: int = 0
     checkpoint_layers: list[int] = field(default_factory=list)
+    batches: int = 0
+    """``batch_isend_irecv`` batches this rank took part in."""
 
 
 def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
@@ -200,6 +204,10 @@ def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+EXCHANGE_BUCKET_BYTES = 1 << 30
+"""Default receive budget of one batch of the exchange, per rank (1 GiB of fp32 state)."""
+
+
 @torch.no_grad()
 def exchange(
     new: Trainer,
@@ -208,12 +216,16 @@ def exchange(
     adam_step: int,
     device: torch.device,
     now: Callable[[], float] = time.perf_counter,
+    bucket_bytes: int = EXCHANGE_BUCKET_BYTES,
 ) -> ExchangeStats:
     """Fill ``new``'s stage and AdamW state from the schedule: kept shards copied from
-    ``old``, received ones over one ``batch_isend_irecv`` (collective over the new world:
-    every rank calls it, senders included). Checkpoint layers are left to the caller
-    (``ExchangeStats.checkpoint_layers``). ``adam_step``: the optimizer's step count
-    (``Trainer.adam_step``; the moments exist, and are sent, only once it is > 0)."""
+    ``old``, received ones over ``batch_isend_irecv`` batches (every rank runs the batches
+    it has a part in, in one global order: :func:`~sailor.megatron_patch.relayout.buckets`),
+    each installed and its buffers dropped before the next, so that a rank holds at most
+    ``bucket_bytes`` of received state at a time (one layer more if a layer is larger).
+    Checkpoint layers are left to the caller (``ExchangeStats.checkpoint_layers``).
+    ``adam_step``: the optimizer's step count (``Trainer.adam_step``; the moments exist, and
+    are sent, only once it is > 0)."""
     me = new.role.rank
     mine = sched.of(me)
     kinds = ("weight", *_MOMENTS) if adam_step > 0 else ("weight",)
@@ -237,45 +249,55 @@ def exchange(
             install(key, held[key])
             stats.kept_keys += 1
 
-    ops: list[comm.P2POp] = []
-    inbox: list[tuple[str, int, str, torch.Tensor]] = []  # key, shard index, kind, tensor
-    for t in sched.transfers:
-        if t.receiver == me:
-            keys = new_keys[t.layer]
-        elif me in t.sources:
-            keys = old_keys[t.layer]
-        else:
-            continue
-        for key in keys:
-            for i, src in enumerate(t.sources):
-                for kind in kinds:
-                    # a held shard may sit on this process's previous device (a rank that
-                    # moved GPUs): NCCL sends only from the rank's own device, and the
-                    # gather below needs one device
-                    if src == t.receiver:  # the receiver's own old shard: no message
-                        if me == src:
-                            inbox.append((key, i, kind, held[key][kind].to(device)))
-                        continue
-                    if me == src:
-                        out = held[key][kind].to(device).contiguous()
-                        ops.append(comm.P2POp("send", out, t.receiver))
-                    elif me == t.receiver:
-                        shape = _old_shape(params[key], new.role.tp, len(t.sources))
-                        buf = torch.empty(shape, device=device)
-                        ops.append(comm.P2POp("recv", buf, src))
-                        inbox.append((key, i, kind, buf))
-                        stats.bytes_received += buf.numel() * buf.element_size()
-    comm.wait_all(comm.batch_isend_irecv(ops))
+    # the full layer in fp32 per kind: what its receiver takes in (all old TP shards)
+    spec = new.spec
+    batch_of = buckets(sched, lambda layer: spec.layer_params(layer) * 4 * len(kinds), bucket_bytes)
+    mine_by_batch: dict[int, list[Transfer]] = {}
+    for t, b in zip(sched.transfers, batch_of, strict=True):
+        if t.receiver == me or me in t.sources:
+            mine_by_batch.setdefault(b, []).append(t)
 
-    got: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for key, i, kind, buf in inbox:
-        got.setdefault(key, {}).setdefault(kind, {})[i] = buf
-    tp = new.stage.tp
-    for key, by_kind in got.items():
-        dim = tp_dim_of(params[key])
-        full = {k: gather_full([v[i] for i in sorted(v)], dim) for k, v in by_kind.items()}
-        install(key, {k: shard(f, dim, tp.size, tp.rank) for k, f in full.items()})
-        stats.received_keys += 1
+    def one_batch(transfers: list[Transfer]) -> None:
+        """This rank's sends and receives of ``transfers`` (in the global order), then the
+        received keys concatenated, sliced and installed."""
+        ops: list[comm.P2POp] = []
+        inbox: list[tuple[str, int, str, torch.Tensor]] = []  # key, shard index, kind, tensor
+        for t in transfers:
+            keys = new_keys[t.layer] if t.receiver == me else old_keys[t.layer]
+            for key in keys:
+                for i, src in enumerate(t.sources):
+                    for kind in kinds:
+                        # a held shard may sit on this process's previous device (a rank that
+                        # moved GPUs): NCCL sends only from the rank's own device, and the
+                        # gather below needs one device
+                        if src == t.receiver:  # the receiver's own old shard: no message
+                            if me == src:
+                                inbox.append((key, i, kind, held[key][kind].to(device)))
+                            continue
+                        if me == src:
+                            out = held[key][kind].to(device).contiguous()
+                            ops.append(comm.P2POp("send", out, t.receiver))
+                        elif me == t.receiver:
+                            shape = _old_shape(params[key], new.role.tp, len(t.sources))
+                            buf = torch.empty(shape, device=device)
+                            ops.append(comm.P2POp("recv", buf, src))
+                            inbox.append((key, i, kind, buf))
+                            stats.bytes_received += buf.numel() * buf.element_size()
+        comm.wait_all(comm.batch_isend_irecv(ops))
+
+        got: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+        for key, i, kind, buf in inbox:
+            got.setdefault(key, {}).setdefault(kind, {})[i] = buf
+        tp = new.stage.tp
+        for key, by_kind in got.items():
+            dim = tp_dim_of(params[key])
+            full = {k: gather_full([v[i] for i in sorted(v)], dim) for k, v in by_kind.items()}
+            install(key, {k: shard(f, dim, tp.size, tp.rank) for k, f in full.items()})
+            stats.received_keys += 1
+
+    for b in sorted(mine_by_batch):
+        one_batch(mine_by_batch[b])
+    stats.batches = len(mine_by_batch)
     return stats
 
 

@@ -125,7 +125,8 @@ def fill_stage(
     sched = schedule(peers.old_plan, peers.holders, trainer.plan)
     source = held.trainer if held is not None and args.rank in peers.holders else None
     t = time.time()
-    st = exchange(trainer, source, sched, trainer.adam_step, device)
+    bucket = max(1, int(args.exchange_bucket_mb * 2**20))
+    st = exchange(trainer, source, sched, trainer.adam_step, device, bucket_bytes=bucket)
     t_transfer = time.time()
     layers = st.checkpoint_layers
     if layers:
@@ -145,6 +146,7 @@ def fill_stage(
         "received_keys": st.received_keys,
         "checkpoint_keys": n_ckpt,
         "bytes_received": st.bytes_received,
+        "batches": st.batches,
         "transfer_s": t_transfer - t,
         "load_s": time.time() - t_transfer,
     }

@@ -134,6 +134,7 @@ from sailor.megatron_patch.errors import (  # noqa: E402
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.in_place import (  # noqa: E402
+    EXCHANGE_BUCKET_BYTES,
     Held,
     await_directive,
     handshake,
@@ -213,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Collective/p2p timeout (NCCL's own default): longer than any rank's checkpoint "
         "read at start, so the ranks that finish first do not time out waiting; dead peers "
         "are the runtime's to detect (the agent sees the exit, the controller aborts).",
+    )
+    p.add_argument(
+        "--exchange-bucket-mb",
+        type=float,
+        default=EXCHANGE_BUCKET_BYTES / 2**20,
+        help="In-place relayout: state a rank receives per batch of the exchange, MiB "
+        "(every receive buffer of a batch is live until it completes; default 1024).",
     )
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU.")

@@ -21,21 +21,26 @@ The schedule is by layer: every key of a layer (``"{layer}.{param}"``, see ``sta
 the owners of its layer. With tied embeddings both copies are ordinary keys of their
 layers (``0.wte.weight`` of layer 0, ``{L+1}.lm_head.weight`` of the head), each moved
 with its own layer. :attr:`Schedule.transfers` is in one global order (receiver, layer),
-the order in which every rank posts its part of the single ``batch_isend_irecv``, so that
-each pair of ranks posts matching sends and receives in the same order (NCCL's rule).
+the order in which every rank posts its part of the ``batch_isend_irecv`` of each bucket,
+so that each pair of ranks posts matching sends and receives in the same order (NCCL's
+rule). :func:`buckets` splits that order so that no rank receives more than a byte budget
+per batch (every receive buffer of a batch is live until it completes): each receiver's
+transfers, in order, fill its buckets 0, 1, ...; bucket ``k`` of every receiver goes in
+the ``k``-th batch. Ranks run the batches in that order, so a rank waits only on peers
+at the same batch or later: no cycle.
 
 This module must never import torch or do I/O: every rank computes the same schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sailor.megatron_patch.roles import RankRole, replica_ranks, role_of
 from sailor.schemas.plan import Plan
 
-__all__ = ["RankSchedule", "Schedule", "Transfer", "schedule"]
+__all__ = ["RankSchedule", "Schedule", "Transfer", "buckets", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +157,25 @@ def schedule(old: Plan | None, holders: Mapping[int, int], new: Plan) -> Schedul
             transfers.append(Transfer(receiver=r, layer=layer, sources=src))
         ranks.append(RankSchedule(r, tuple(kept), tuple(received), tuple(ckpt)))
     return Schedule(tuple(ranks), tuple(transfers))
+
+
+def buckets(
+    sched: Schedule, layer_bytes: Callable[[int], int], budget_bytes: int
+) -> tuple[int, ...]:
+    """The batch of each of ``sched.transfers`` (same order): a receiver's transfers go in
+    order into its batches 0, 1, ..., a new one whenever the next layer
+    (``layer_bytes(layer)``: what the receiver takes in for it) would take the batch past
+    ``budget_bytes``; a layer larger than the budget has a batch of its own. Every rank
+    computes the same answer from the same inputs."""
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
+    at: dict[int, tuple[int, int]] = {}  # receiver -> (its current batch, bytes in it)
+    out: list[int] = []
+    for t in sched.transfers:
+        b, used = at.get(t.receiver, (0, 0))
+        size = layer_bytes(t.layer)
+        if used and used + size > budget_bytes:
+            b, used = b + 1, 0
+        at[t.receiver] = (b, used + size)
+        out.append(b)
+    return tuple(out)

@@ -244,12 +244,16 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
 
     m1 = f"127.0.0.1:{free_port()}"
     _stop_save(job, "g1", range(2), 4, ip)
+    # a 1 KiB receive budget: every layer its own batch of the exchange (NCCL pairing
+    # across batches is replayed below); the next relayout takes the default, one batch
+    small = ["--exchange-bucket-mb", str(1 / 1024)]
     for r in range(2):
-        _directive(job, "g0", r, 1, job.argv("g1", DP2, r, m1, ip, 2))
+        _directive(job, "g0", r, 1, [*job.argv("g1", DP2, r, m1, ip, 2), *small])
     job.held("g1", range(2), 4)
     r0, r1 = job.ready("g1", 0), job.ready("g1", 1)
     assert r0["path"] == "in_place" and r0["checkpoint_keys"] == r1["checkpoint_keys"] == 0
     assert r0["kept_keys"] > 0 and r0["received_keys"] > 0 and r0["bytes_received"] > 0
+    assert r0["batches"] > 1 and r1["batches"] > 1, (r0, r1)
     assert r0["start_step"] == 2 and r0["consumed_samples"] == 2 * GBS
 
     m2 = f"127.0.0.1:{free_port()}"
@@ -260,6 +264,7 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
     job.held("g2", range(3), 6)
     fresh = job.ready("g2", 2)
     assert fresh["kept_keys"] == 0 and fresh["checkpoint_keys"] == 0
+    assert fresh["batches"] == 1
     assert fresh["received_keys"] > 0 and fresh["start_step"] == 4
     print("in-place 2->3 (ranks 0, 1 held, 2 fresh):", _ready_times(job, "g2", range(3)))
     job.terminate(["w0", "w1", "fresh"])

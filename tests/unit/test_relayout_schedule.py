@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sailor.megatron_patch.relayout import Transfer, schedule
+from sailor.megatron_patch.relayout import Transfer, buckets, schedule
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 # tiny-gpt: global layers 0 (embedding) .. 5 (head; a tied copy of the embedding).
@@ -107,3 +107,26 @@ def test_no_holders_everything_from_checkpoint() -> None:
 def test_bad_holders_raise(holders: dict[int, int]) -> None:
     with pytest.raises(ValueError):
         schedule(PP2, holders, DP2)
+
+
+def test_buckets_bound_what_each_receiver_takes_per_batch() -> None:
+    """Each receiver's transfers fill its batches 0, 1, ... in order, up to the budget; a
+    layer larger than the budget gets a batch of its own; receivers are counted apart."""
+    s = schedule(PP2, {0: 0, 1: 1}, DP2)  # rank 0 receives 3, 4, 5; rank 1 receives 0, 1, 2
+    size = {0: 50, 1: 30, 2: 30, 3: 30, 4: 30, 5: 70}.__getitem__
+    assert buckets(s, size, 60) == (0, 0, 1, 0, 1, 1)  # 30+30 | 70; 50 | 30+30
+    assert buckets(s, size, 1000) == (0,) * 6  # one batch: the exchange as it was
+    assert buckets(s, size, 1) == (0, 1, 2, 0, 1, 2)
+    for budget in (1, 60, 100):
+        got = buckets(s, size, budget)
+        per: dict[tuple[int, int], int] = {}
+        for t, b in zip(s.transfers, got, strict=True):
+            per[(t.receiver, b)] = per.get((t.receiver, b), 0) + size(t.layer)
+        # over the budget only when a single layer is
+        assert all(v <= budget or v in {size(x) for x in range(6)} for v in per.values())
+        # batches in the global order never go back for a receiver
+        for r in (0, 1):
+            seq = [b for t, b in zip(s.transfers, got, strict=True) if t.receiver == r]
+            assert seq == sorted(seq)
+    with pytest.raises(ValueError, match="budget_bytes=0"):
+        buckets(s, size, 0)
