@@ -189,6 +189,8 @@ class ExchangeStats:
     checkpoint_layers: list[int] = field(default_factory=list)
     batches: int = 0
     """``batch_isend_irecv`` batches this rank took part in."""
+    largest_batch_bytes: int = 0
+    """The most bytes this rank received in one batch (its receive buffers' peak)."""
 
 
 def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
@@ -262,6 +264,7 @@ def exchange(
         received keys concatenated, sliced and installed."""
         ops: list[comm.P2POp] = []
         inbox: list[tuple[str, int, str, torch.Tensor]] = []  # key, shard index, kind, tensor
+        before = stats.bytes_received
         for t in transfers:
             keys = new_keys[t.layer] if t.receiver == me else old_keys[t.layer]
             for key in keys:
@@ -284,6 +287,7 @@ def exchange(
                             inbox.append((key, i, kind, buf))
                             stats.bytes_received += buf.numel() * buf.element_size()
         comm.wait_all(comm.batch_isend_irecv(ops))
+        stats.largest_batch_bytes = max(stats.largest_batch_bytes, stats.bytes_received - before)
 
         got: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         for key, i, kind, buf in inbox:

@@ -147,6 +147,7 @@ def fill_stage(
         "checkpoint_keys": n_ckpt,
         "bytes_received": st.bytes_received,
         "batches": st.batches,
+        "largest_batch_bytes": st.largest_batch_bytes,
         "transfer_s": t_transfer - t,
         "load_s": time.time() - t_transfer,
     }

@@ -254,6 +254,8 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
     assert r0["path"] == "in_place" and r0["checkpoint_keys"] == r1["checkpoint_keys"] == 0
     assert r0["kept_keys"] > 0 and r0["received_keys"] > 0 and r0["bytes_received"] > 0
     assert r0["batches"] > 1 and r1["batches"] > 1, (r0, r1)
+    # the receive buffers' peak is one layer's, not everything received
+    assert 0 < r0["largest_batch_bytes"] < r0["bytes_received"] / 2, r0
     assert r0["start_step"] == 2 and r0["consumed_samples"] == 2 * GBS
 
     m2 = f"127.0.0.1:{free_port()}"
@@ -265,6 +267,7 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
     fresh = job.ready("g2", 2)
     assert fresh["kept_keys"] == 0 and fresh["checkpoint_keys"] == 0
     assert fresh["batches"] == 1
+    assert fresh["largest_batch_bytes"] == fresh["bytes_received"] > 0
     assert fresh["received_keys"] > 0 and fresh["start_step"] == 4
     print("in-place 2->3 (ranks 0, 1 held, 2 fresh):", _ready_times(job, "g2", range(3)))
     job.terminate(["w0", "w1", "fresh"])
