@@ -59,7 +59,9 @@ from sailor.megatron_patch.errors import (
     write_error_file,
 )
 from sailor.schemas.commands import Launch
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.online_calibration import RankTimings
+from sailor.schemas.plan import Plan
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
@@ -160,10 +162,45 @@ class WorkerView:
     """Why its world broke, if it holds after a failure ('' after a clean stop)."""
     warm: bool = False
     """A spare that reported it is ready for a directive."""
+    gpu: int = -1
+    """The node-local GPU of its rank in the plan it last got (-1: a CPU plan, a spare)."""
     tasks: TaskSet | None = None
 
 
 _spare_ids = itertools.count()
+
+
+def _gpu_of(plan: Plan, rank: int) -> int:
+    """``rank``'s node-local GPU under ``plan`` (-1 on a CPU kind: no GPU to keep)."""
+    pi, si, _ = plan.ranks()[rank]
+    if is_cpu_type(plan.pipelines[pi].stages[si].replica.gpu_type):
+        return -1
+    return plan.local_gpu(rank)
+
+
+def _match_held(
+    held: list[WorkerView], ranks: list[int], gpu_of: dict[int, int]
+) -> dict[int, WorkerView]:
+    """Which held worker takes which rank: one on the rank's GPU with the same rank, then
+    one on its GPU, then one with its rank, then any (``held`` in preference order; ranks
+    in order); ranks left over go to spares or new processes."""
+    free = list(held)
+    out: dict[int, WorkerView] = {}
+    passes: tuple[Callable[[WorkerView, int], bool], ...] = (
+        lambda w, r: gpu_of[r] >= 0 and w.gpu == gpu_of[r] and w.rank == r,
+        lambda w, r: gpu_of[r] >= 0 and w.gpu == gpu_of[r],
+        lambda w, r: w.rank == r,
+        lambda w, r: True,
+    )
+    for ok in passes:
+        for r in ranks:
+            if r in out:
+                continue
+            w = next((w for w in free if ok(w, r)), None)
+            if w is not None:
+                out[r] = w
+                free.remove(w)
+    return out
 
 
 class Supervisor:
@@ -325,8 +362,12 @@ class Supervisor:
         self.start_step = cmd.load_step
         self.expect_exit = False
         self.in_place = cmd.in_place
-        # A held worker keeps its rank where it can (it holds those layers), then any.
+        gpu_of = {r: _gpu_of(cmd.plan, r) for r in cmd.ranks}
+        # A held worker keeps its GPU where it can (its CUDA context and shards live there:
+        # a worker moved to another GPU keeps a context on both), then its rank (it holds
+        # those layers), then any.
         reusable.sort(key=lambda w: (w.rank not in cmd.ranks, w.rank))
+        matched = _match_held(reusable, sorted(cmd.ranks), gpu_of)
         # A spare still starting takes its directive too (it reads it once warm): sooner
         # than a new process, which would also compete with it for the cores.
         spares = sorted((w for w in self.spares if w.exit_code is None), key=lambda w: not w.warm)
@@ -338,8 +379,7 @@ class Supervisor:
         for rank in sorted(cmd.ranks):
             _write_atomic(_control_file(gen_dir, rank), "{}")
             argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
-            same = next((w for w in reusable if w.rank == rank), None)
-            w = same or (reusable[0] if reusable else None) or (spares[0] if spares else None)
+            w = matched.get(rank) or (spares[0] if spares else None)
             if w is not None:
                 (reusable if w in reusable else spares).remove(w)
                 if w in self.spares:
@@ -349,6 +389,7 @@ class Supervisor:
             else:
                 w = await self._spawn(rank, argv, gen_dir, cmd.generation)
                 fresh += 1
+            w.gpu = gpu_of[rank]
             assigned.append(w)
         await self._kill(reusable)  # held workers this layout has no rank for
         self.workers, self._launching = assigned, []

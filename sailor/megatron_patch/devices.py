@@ -85,8 +85,8 @@ def choose_backend(plan: Plan, requested: str | None, cuda_available: bool) -> B
 
 def local_device(plan: Plan, rank: int) -> int:
     """The node-local GPU index of ``rank``: its replica group's ``first_gpu`` + TP rank."""
-    pi, si, t = _rank_of(plan, rank)
-    return plan.pipelines[pi].stages[si].replica.first_gpu + t
+    _rank_of(plan, rank)  # a rank outside the plan: the engine's own error
+    return plan.local_gpu(rank)
 
 
 def _rank_of(plan: Plan, rank: int) -> tuple[int, int, int]:

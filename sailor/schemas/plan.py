@@ -232,6 +232,15 @@ class Plan(Frozen):
             for t in range(s.replica.tp)
         ]
 
+    def local_gpu(self, rank: int) -> int:
+        """The node-local GPU index of global ``rank``: its replica group's ``first_gpu``
+        plus its TP rank."""
+        ranks = self.ranks()
+        if not 0 <= rank < len(ranks):
+            raise field_error("rank", rank, f"the plan has ranks 0..{len(ranks) - 1}")
+        pi, si, t = ranks[rank]
+        return self.pipelines[pi].stages[si].replica.first_gpu + t
+
 
 def layer_segments(plan: Plan) -> list[Segment]:
     """Common refinement of every pipeline's partition, with the holders of each segment."""
