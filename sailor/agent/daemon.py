@@ -67,7 +67,7 @@ from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
-from sailor.schemas.runtime import AgentStatus, CommandAck, DesiredState
+from sailor.schemas.runtime import AgentStatus, CommandAck
 
 __all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
 
@@ -630,16 +630,10 @@ class Agent:
         committed and the next generation launched without it). Workers that stopped and
         saved are not enough: the controller records the commit after that."""
         try:
-            kv = await self._read_desired()
+            d = await self._plans.desired()
         except (TemporaryError, PlanUnavailableError):
             return False
-        if kv is None:
-            return False
-        try:
-            d = DesiredState.model_validate_json(kv.value)
-        except ValidationError:
-            return False
-        return self.node.node_id not in d.placement
+        return d is not None and self.node.node_id not in d.placement
 
     async def _on_command(self, data: bytes) -> bytes:
         async with self._lock:

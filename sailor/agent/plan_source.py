@@ -93,14 +93,23 @@ class PlanSource:
             self._trainings.popitem(last=False)
         return digest
 
-    async def _desired(self, cmd: Launch) -> DesiredState:
+    async def desired(self) -> DesiredState | None:
+        """The controller's desired state as etcd holds it now (None: none written yet).
+        Raises :class:`PlanUnavailableError` if it does not parse, ``TemporaryError`` if
+        etcd cannot be read."""
         kv = await self._get()
         if kv is None:
-            raise PlanUnavailableError("no desired state in etcd", plan_id=cmd.plan_id)
+            return None
         try:
             return DesiredState.model_validate_json(kv.value)
         except ValidationError as exc:
             raise PlanUnavailableError("desired state unreadable", error=str(exc)[:200]) from exc
+
+    async def _desired(self, cmd: Launch) -> DesiredState:
+        d = await self.desired()
+        if d is None:
+            raise PlanUnavailableError("no desired state in etcd", plan_id=cmd.plan_id)
+        return d
 
     async def _fetch(self, cmd: Launch) -> Plan:
         desired = await self._desired(cmd)
