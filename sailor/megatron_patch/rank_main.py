@@ -223,7 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(every receive buffer of a batch is live until it completes; default 1024).",
     )
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU.")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of this rank (host work: the CPU's compute under "
+        "gloo; init, data and host copies on a GPU; torchrun's default is 1 too).",
+    )
     p.add_argument("--progress", default=None, help="JSON-lines progress file.")
     p.add_argument("--error-file", default=None, help="Where the first cause is written.")
     p.add_argument("--dump-state", default=None, help="torch.save the final stage_state here.")
@@ -399,8 +405,10 @@ def _generation(
     if resume and ckpt is not None:
         args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
     backend = choose_backend(plan, args.backend, torch.cuda.is_available())
-    if backend == "gloo":
-        torch.set_num_threads(args.threads)
+    # every backend: on a GPU node each rank would otherwise start a thread per core (8
+    # ranks x all cores during init, data and host copies), which torchrun avoids the same
+    # way (OMP_NUM_THREADS=1)
+    torch.set_num_threads(args.threads)
     device = _device(backend, plan, args.rank)
     if backend == "nccl":
         os.environ.update(nccl_error_env(os.environ))

@@ -40,6 +40,7 @@ from sailor.profiler.memory_bound import window_layers, window_spec
 from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, time_once
 from sailor.schemas.model import ModelSpec
+from sailor.schemas.precision import wire_bytes
 
 __all__ = ["measure_model", "measure_window"]
 
@@ -92,6 +93,7 @@ def measure_model(
     tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)
     labels = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)
     precision = compute_precision(spec, device)
+    wire = wire_bytes(precision)
 
     current = [0]
     saved: list[dict[int, int]] = [{} for _ in range(n)]
@@ -148,7 +150,9 @@ def measure_model(
             fwd_t[i].append(f[i])
             bwd_t[i].append(b[i])
         total += sum(f) + sum(b)
-    opts = [make_optimizer(m.parameters(), TrainConfig()) for m in mods]
+    opts = [
+        make_optimizer(m.parameters(), TrainConfig(), foreach=device.type == "cuda") for m in mods
+    ]
     upd = _updates(opts, device, settings)
     out: list[LayerMeasurement] = []
     for i, mod in enumerate(mods):
@@ -162,10 +166,11 @@ def measure_model(
                 update=upd[i],
                 params=sum(p.numel() for p in mod.parameters()),
                 saved_bytes=sum(saved[i].values()),
-                output_bytes=0 if i == n - 1 else mbs * spec.seq_length * spec.hidden_size * 4,
+                # the engine's wire dtype (the compute dtype) crosses stage boundaries
+                output_bytes=0 if i == n - 1 else mbs * spec.seq_length * spec.hidden_size * wire,
                 input_bytes=tokens.numel() * tokens.element_size()
                 if i == 0
-                else mbs * spec.seq_length * spec.hidden_size * 4,
+                else mbs * spec.seq_length * spec.hidden_size * wire,
                 peak_growth_bytes=0,
                 layer=i,
             )

@@ -36,6 +36,7 @@ from sailor.profiler.memory import peak_growth_bytes, saved_tensor_bytes
 from sailor.profiler.precision import autocast, compute_precision
 from sailor.profiler.timing import RepeatSettings, Stats, repeat, time_once
 from sailor.schemas.model import LayerKind, ModelSpec
+from sailor.schemas.precision import wire_bytes
 
 __all__ = ["kind_layer", "measure_kinds", "measure_layer"]
 
@@ -85,8 +86,11 @@ def measure_layer(
     with torch.no_grad():
         probe = forward()
     grad_out = torch.randn(probe.shape, generator=gen).to(device, probe.dtype)
-    output_bytes = 0 if kind == "head" else probe.numel() * probe.element_size()
-    input_bytes = x.numel() * x.element_size()
+    # what crosses a stage boundary is the engine's wire dtype (the compute dtype), not the
+    # dtype autocast leaves a block's output in (fp32: the residual stream)
+    wire = wire_bytes(precision)
+    output_bytes = 0 if kind == "head" else probe.numel() * wire
+    input_bytes = x.numel() * (x.element_size() if kind == "embedding" else wire)
 
     def backward(out: torch.Tensor) -> None:
         torch.autograd.backward(out, None if kind == "head" else grad_out)
@@ -104,7 +108,7 @@ def measure_layer(
 
         peak = peak_growth_bytes(step, device)
 
-    opt = make_optimizer(params, TrainConfig())
+    opt = make_optimizer(params, TrainConfig(), foreach=device.type == "cuda")  # the engine's
     update = repeat(opt.step, device, settings)
     return LayerMeasurement(
         kind=kind,
