@@ -21,9 +21,11 @@
   With recomputation the forward's casts are not kept (the recomputation casts again): one
   copy, for the layer being recomputed, is in the working set.
 * ``κ``: caching-allocator factor (reserved / allocated), ``M0``: non-tensor overhead.
-* During the optimizer step activations are freed, but FP16_Optimizer materialises fp32
-  gradients (+4 B/param): the peak is the larger of the two phases; any excess of the step
-  phase is reported as overhead (a transient buffer).
+* During the gradient sync and the optimizer step activations are freed, but FP16_Optimizer
+  materialises fp32 gradients (+4 B/param), and under autocast the engine's flat gradient
+  buffer of a sync group and its foreach AdamW's temporary take 4 B/param (one after the
+  other): the peak is the larger of the two phases; any excess of the step phase is
+  reported as overhead (a transient buffer).
 
 Pure: no I/O.
 """
@@ -49,7 +51,11 @@ def state_bytes_per_param(
     in ``model.precision`` (the plan's precision)."""
     opt = 8 if model.optimizer == "adam" else 4
     if model.precision == "fp32" or scheme == "autocast":
-        return MASTER_BYTES, MASTER_BYTES, opt, 0
+        # after the backward (activations freed) the engine flattens a sync group's fp32
+        # gradients into one buffer for its all-reduce, then its foreach AdamW (CUDA) makes
+        # a parameter-sized temporary (torch's docs: ~sizeof(params) more peak memory):
+        # 4 B/param, one at a time
+        return MASTER_BYTES, MASTER_BYTES, opt, MASTER_BYTES
     half = compute_bytes(model.precision)
     return half + MASTER_BYTES, half, opt, MASTER_BYTES
 

@@ -24,6 +24,11 @@ Random cases re-recorded when the p2p model followed the engine's scatter + gath
 backward all-gather on the sending stage's TP ranks, not the receiver's; none in a direction
 whose receiving stage has TP 1).
 
+Random cases 3, 5, 9, 18, 30, 37 and 47 re-recorded when the autocast step phase got its 4 B/param
+transient (the engine's flat gradient buffer, then foreach AdamW's temporary): their fp32 /
+autocast stages with small activations now peak in the step; the 15 measured plans
+(FP16_Optimizer) did not move.
+
 After an intended change of the model, print the new digests with
 ``python tests/unit/test_simulator_golden.py`` and replace :data:`GOLDEN`.
 """
@@ -243,13 +248,13 @@ GOLDEN: dict[str, str] = {
     "random-0": "17877a2a62eb9cb7af9e5462",  # its stage-2 ring is on one node (n2)
     "random-1": "34fe061fee4ff5d8fd457769",
     "random-2": "264251fc04a5f303c5482270",
-    "random-3": "56dbc055ecd1db3903c56c5c",
+    "random-3": "75352dadcd6625ccb7440393",
     "random-4": "7b5ac6d61fd9d58a5bff75c1",
-    "random-5": "4be763835ee1e1d9a227ec48",
+    "random-5": "8f07ede4e0afc4600160cbc5",
     "random-6": "f575fe5000c8e3f12c4cd078",
     "random-7": "6c29dde42734be7c81614928",
     "random-8": "dbe2e1a15702f28351956bbf",
-    "random-9": "a28073947dca2b1afd2c98d7",
+    "random-9": "a67dd597eb55e775acbce267",
     "random-10": "e9f4518cff7cd5b9d3654658",
     "random-11": "661a8ff7784d58b8af20810f",
     "random-12": "97bca12050354f0a381d8bd8",
@@ -258,7 +263,7 @@ GOLDEN: dict[str, str] = {
     "random-15": "9595cd208b1d0f4240457dc9",
     "random-16": "6320fb4900c9770cdd0722f3",
     "random-17": "c8cc4bd5584e7c0b056930c2",
-    "random-18": "e4ec5106076fbc3db2daa8ca",
+    "random-18": "9562818338cacb1ec68b68bf",
     "random-19": "17b2ce6e663cba3c23f782de",
     "random-20": "3c5717eab2f828cf467f6dda",
     "random-21": "3a0d1088a0b32c111e434d7b",
@@ -270,14 +275,14 @@ GOLDEN: dict[str, str] = {
     "random-27": "0396c83f2df6a9e750a0939e",
     "random-28": "8500149c9dc49f9df4a7a1e6",
     "random-29": "9c837cfa32fb89965b7128e7",
-    "random-30": "9fd23e31021cc30a4b3abf61",
+    "random-30": "2eb12583c2662f60af3d1aff",
     "random-31": "fec7eb8e1708c0bed2463ca2",
     "random-32": "7a4f3aad1a2e0236fed9ed5a",
     "random-33": "b231f9ab205e5baa91ec55b3",
     "random-34": "31822a80209b1206021c939d",
     "random-35": "18bd2456a028f473f87e10a6",
     "random-36": "1d84e2246e48943ea93f4bf1",
-    "random-37": "e00c40bd609beb1282ae9fa4",
+    "random-37": "28e31bf37e5d3826bfe4e36a",
     "random-38": "4a0fca2253b4666c9e6b35fb",
     "random-39": "adfc39eea9c3e90b9c464ed9",
     "random-40": "c33f7bb3b26aa509055b61f2",
@@ -287,7 +292,7 @@ GOLDEN: dict[str, str] = {
     "random-44": "7b931e21aa4e4a07806d9359",
     "random-45": "c10c19e6cb794f0a37a4a1cf",
     "random-46": "3946492456da69832bb38526",
-    "random-47": "b2a61ed87753a9ff730cb925",
+    "random-47": "ef94f80abceeeceafe4239a4",
     "reference-0": "b4b4cb35ed19a72b0e0d3251",
     "reference-1": "e115b00608270771b9e14e22",
     "reference-2": "d5c0e1f19e13dab57436963a",
