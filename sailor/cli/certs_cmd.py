@@ -67,11 +67,14 @@ def issue_cmd(
     host: list[str] = typer.Option([], "--host", help="Extra SAN (server); repeatable."),
     role: Role = typer.Option(Role.agent, "--role", help="Client role (NATS permissions)."),
     days: int = typer.Option(825, "--days", help="Validity in days."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace this name's certificate, key and NATS login."
+    ),
 ) -> None:
     """Issue a server or client certificate; controller/agent clients also get a NATS login."""
     _require(directory / "ca.crt")
     try:
-        paths = issue_cert(directory, name, kind, tuple(host), role, days)
+        paths = issue_cert(directory, name, kind, tuple(host), role, days, force)
     except (OSError, ValueError) as exc:
         raise fail(str(exc), code=1) from None
     for p in paths:

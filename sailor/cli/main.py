@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import structlog
 import typer
 
 from sailor.checkpoint.cli import ckpt_app
@@ -29,6 +32,15 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+
+
+@app.callback()
+def _logs_to_stderr() -> None:
+    """Log lines go to stderr: stdout is each command's own output (``--json`` included);
+    systemd's journal takes both streams of a daemon."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 app.command("schema")(schema)
 app.command("demo")(demo)
 app.command("simulate")(simulate_cmd)

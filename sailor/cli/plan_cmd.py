@@ -246,7 +246,7 @@ def plan_cmd(
     max_gpus: list[str] = typer.Option(None, "--max-gpus", help="TYPE=N, repeatable."),
     zones: str | None = typer.Option(None, help="Allowed zones, comma-separated."),
     regions: str | None = typer.Option(None, help="Allowed regions, comma-separated."),
-    gbs: int | None = typer.Option(None, help="Global batch size (default: the model's)."),
+    gbs: int | None = typer.Option(None, min=1, help="Global batch size (default: the model's)."),
     spot: bool | None = typer.Option(
         None,
         "--spot/--on-demand",
@@ -255,7 +255,7 @@ def plan_cmd(
     one_mbs: bool = typer.Option(
         False, "--one-mbs", help="One microbatch size for every pipeline (exportable)."
     ),
-    top: int = typer.Option(3, "--top", help="Plans to show."),
+    top: int = typer.Option(3, "--top", min=1, help="Plans to show."),
     risk: str = typer.Option(
         "robust",
         "--risk",
@@ -289,12 +289,20 @@ def plan_cmd(
         model, gbs, pool, profiles, network, prices, calibration
     )
     cal, priced = priced_for(cal, dep)
+    caps = _max_gpus(max_gpus)
+    in_pool = sorted({e.gpu_type for e in pool_v.entries})
+    for g, _ in caps:
+        if g not in in_pool:
+            raise fail(
+                f"--max-gpus {g}: no GPU type {g!r} in the pool ({', '.join(in_pool)}): "
+                "a cap on it would cap nothing"
+            )
     try:
         cons = Constraints(
             max_cost_per_iter_usd=max_cost_per_iter,
             max_cost_per_hour_usd=max_cost_per_hour,
             min_throughput_iter_s=min_throughput,
-            max_gpus_per_type=_max_gpus(max_gpus),
+            max_gpus_per_type=caps,
             allowed_zones=_csv(zones),
             allowed_regions=_csv(regions),
             one_microbatch_size=one_mbs,

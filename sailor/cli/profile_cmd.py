@@ -200,6 +200,17 @@ def layers_cmd(
     from sailor.profiler.layers import LayerRun
     from sailor.profiler.timing import RepeatSettings
 
+    if device not in ("cpu", "cuda"):
+        raise fail(f"--device={device!r}: use cpu or cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise fail(
+                f"--device=cuda: no CUDA device here (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'}): profile on a GPU host, or "
+                "use --device cpu"
+            )
     spec = _model(model, model_file)
     if gpu_type is None:
         gpu_type = _local_gpu_type(device)

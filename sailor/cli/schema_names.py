@@ -25,6 +25,7 @@ SCHEMAS: dict[str, type[BaseModel] | TypeAdapter[object]] = {
     "profiles": s.ProfileDB,
     "plan": s.Plan,
     "deployment": s.Deployment,
+    "calibration": s.Calibration,
     "estimate": s.Estimate,
     "event": s.EventAdapter,  # type: ignore[dict-item]
     "command": s.CommandAdapter,  # type: ignore[dict-item]

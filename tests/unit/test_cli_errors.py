@@ -173,3 +173,56 @@ def test_an_unreadable_key_is_named_before_connecting(
     monkeypatch.setattr(os, "access", lambda p, m: Path(p) != key and real(p, m))
     with pytest.raises(CliError, match=r"security.key_file='.*node.key': not readable"):
         _check_security_files(tmp_path / "agent.yaml", sec)
+
+
+def test_out_of_range_options_are_refused_by_name(tmp_path: Path) -> None:
+    """Values that used to crash deep inside (``--gbs 0``: a division by zero in the upper
+    bound), search for nothing (``--top 0``, a cap on a GPU type the pool lacks) or name
+    another option (``--device tpu``) are refused up front, naming the option."""
+    import torch
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: us-central1-a, nodes: 2, gpus_per_node: 4}\n"
+    )
+    base = ["plan", "--model", "OPT-350", "--pool", str(pool)]
+    for extra, want in (
+        (["--gbs", "0"], "--gbs"),
+        (["--top", "0"], "--top"),
+        (["--max-gpus", "A100-41=4"], "--max-gpus A100-41"),
+    ):
+        res = runner.invoke(app, [*base, *extra])
+        assert res.exit_code != 0 and want in res.output, res.output
+        assert "ZeroDivisionError" not in res.output and "Traceback" not in res.output
+    prof = ["profile", "layers", "--model", "tiny-gpt", "-o", str(tmp_path / "x.json")]
+    res = runner.invoke(app, [*prof, "--device", "tpu"])
+    assert res.exit_code != 0 and "--device='tpu'" in res.output, res.output
+    if not torch.cuda.is_available():
+        res = runner.invoke(app, [*prof, "--device", "cuda"])
+        assert res.exit_code != 0 and "no CUDA device here" in res.output, res.output
+
+
+def test_calibration_has_a_schema() -> None:
+    res = runner.invoke(app, ["schema", "calibration"])
+    assert res.exit_code == 0 and '"prior"' in res.stdout
+
+
+def test_log_lines_go_to_stderr_not_into_json_output() -> None:
+    """``sailor check --json`` printed the NATS client's log lines into its JSON."""
+    import json
+    import sys
+
+    import structlog
+
+    from sailor.cli.main import _logs_to_stderr
+
+    _logs_to_stderr()
+    try:
+        log = structlog.get_logger()
+        factory = structlog.get_config()["logger_factory"]
+        assert factory._file is sys.stderr  # type: ignore[attr-defined]
+        log.info("hello")  # never on stdout
+    finally:
+        structlog.reset_defaults()
+    res = runner.invoke(app, ["schema", "pool"])
+    json.loads(res.stdout)

@@ -178,3 +178,23 @@ def test_an_agent_reads_its_security_files_relative_to_its_config() -> None:
     assert cfg.work_dir == Path("w")
     plain = AgentConfig(node=node)
     assert plain.anchored(Path("/etc/sailor/agent.yaml")) == plain
+
+
+def test_certs_issue_refuses_a_path_as_name_and_an_overwrite(tmp_path: Path) -> None:
+    """A name is a node id and a file name in DIR: ``../x`` would write outside it. Issuing
+    a name again would silently replace its key and NATS password (the server's config
+    would then refuse that node): only with --force."""
+    d = tmp_path / "pki"
+    run = CliRunner().invoke
+    assert run(app, ["certs", "init", str(d)]).exit_code == 0
+    bad = run(app, ["certs", "issue", str(d), "--name", "../evil", "--kind", "client"])
+    assert bad.exit_code == 1 and "name='../evil'" in bad.output
+    assert not (tmp_path / "evil.key").exists()
+    args = ["certs", "issue", str(d), "--name", "gpu-node-1", "--kind", "client"]
+    assert run(app, args).exit_code == 0
+    login = (d / "gpu-node-1.nats.json").read_text()
+    again = run(app, args)
+    assert again.exit_code == 1 and "--force" in again.output
+    assert (d / "gpu-node-1.nats.json").read_text() == login  # untouched
+    assert run(app, [*args, "--force"]).exit_code == 0
+    assert (d / "gpu-node-1.nats.json").read_text() != login

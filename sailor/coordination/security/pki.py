@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from enum import StrEnum
@@ -43,6 +44,9 @@ from sailor.coordination.security.nats_auth import (
 from sailor.coordination.security.settings import read_nats_login
 
 __all__ = ["Role", "init_ca", "issue_cert", "write_nats_config"]
+
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+"""A certificate name: a node id or server name, and a file name in the PKI directory."""
 
 
 class Role(StrEnum):
@@ -85,23 +89,41 @@ def issue_cert(
     hosts: tuple[str, ...] = (),
     role: Role | None = None,
     days: int = 825,
+    force: bool = False,
 ) -> list[Path]:
-    """Issue ``name``'s certificate (and NATS login for controller/agent clients)."""
+    """Issue ``name``'s certificate (and NATS login for controller/agent clients).
+
+    ``name`` is a file name in ``directory`` and a node id or server name: letters, digits,
+    ``.``, ``_`` and ``-``, not starting with a dot. An existing certificate, key or login
+    of ``name`` is replaced only with ``force`` (a new login's password no longer matches
+    the NATS server's configuration until ``certs nats-config`` is run again)."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"name={name!r}: use letters, digits, '.', '_' and '-' (a node id or server "
+            "name), not starting with '.'; it names files in the directory"
+        )
+    crt, key = directory / f"{name}.crt", directory / f"{name}.key"
+    login_path = directory / f"{name}.nats.json"
+    if not force:
+        there = [p for p in (crt, key, login_path) if p.exists()]
+        if there:
+            raise FileExistsError(
+                f"{', '.join(str(p) for p in there)} exist: use --force to replace them (then "
+                "re-run `sailor certs nats-config` for a new NATS password)"
+            )
     ca_cert, ca_key = load_ca(
         (directory / "ca.crt").read_bytes(), (directory / "ca.key").read_bytes()
     )
     issued = build_leaf(
         ca_cert, ca_key, new_key(), name, kind, hosts, dt.datetime.now(dt.UTC), days, _serial()
     )
-    crt, key = directory / f"{name}.crt", directory / f"{name}.key"
     _write(key, issued.key_pem, secret=True)
     _write(crt, issued.cert_pem, secret=False)
     written = [crt, key]
     if kind is CertKind.client and role in (Role.controller, Role.agent):
         login = {"user": name, "password": secrets.token_urlsafe(24), "role": role.value}
-        path = directory / f"{name}.nats.json"
-        _write(path, (json.dumps(login) + "\n").encode(), secret=True)
-        written.append(path)
+        _write(login_path, (json.dumps(login) + "\n").encode(), secret=True)
+        written.append(login_path)
     return written
 
 
