@@ -155,14 +155,47 @@ def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
             for n, line in enumerate(part.read_text().splitlines(), 1):
                 if not line.strip():
                     continue
+                where = f"{part}:{n}"
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
-                    rec = {"kind": "corrupt", "time": 0.0, "where": f"{part}:{n}"}
+                    rec = {"kind": "corrupt", "time": 0.0, "where": where}
+                else:
+                    why = malformed(rec)
+                    if why:
+                        rec = {"kind": "corrupt", "time": 0.0, "where": where, "why": why}
                 rec["_source"] = p.name
                 out.append(rec)
     out.sort(key=lambda r: float(r.get("time", 0.0)))
     return out
+
+
+_REQUIRED_INTS: dict[str, tuple[str, ...]] = {
+    "leader": ("epoch",),
+    "ack": ("epoch",),
+    "commit": ("step",),
+    "phase": ("generation",),
+    "calibration": ("version",),
+}
+"""Fields a record of a kind must carry as integers for the checks to mean anything."""
+
+
+def malformed(rec: object) -> str:
+    """Why a parsed line is not a record the checks can read ('' if it is): not an object,
+    no string ``kind``, no numeric ``time``, or a field its kind needs missing or not an
+    integer."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object ({type(rec).__name__})"
+    kind, t = rec.get("kind"), rec.get("time")
+    if not isinstance(kind, str):
+        return f"kind={kind!r}: not a string"
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return f"time={t!r}: not a number"
+    for name in _REQUIRED_INTS.get(kind, ()):
+        v = rec.get(name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"{kind} record: {name}={v!r}: an integer is required"
+    return ""
 
 
 @dataclass
@@ -206,7 +239,8 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
         kind = r.get("kind")
         t = float(r.get("time", 0.0))
         if kind == "corrupt":
-            rep.violations.append(f"unreadable line at {r.get('where')}")
+            why = f": {r['why']}" if r.get("why") else ""
+            rep.violations.append(f"unreadable line at {r.get('where')}{why}")
         elif kind == "leader":
             epoch = int(r.get("epoch", -1))
             if epoch <= last_epoch:

@@ -215,3 +215,31 @@ def test_check_refuses_a_launch_from_a_deleted_checkpoint() -> None:
     assert any("loads step 4, whose checkpoint was deleted" in v for v in rep.violations)
     rep = check([commit(1, 9, [9, 4])])  # a commit may only delete older steps
     assert any("commit of step 9 deleted steps [4, 9]" in v for v in rep.violations)
+
+
+def test_malformed_records_are_violations_naming_the_line_and_field(tmp_path: Path) -> None:
+    """A record that parses as JSON but is not one the checks can read (a list, a time that
+    is not a number, a leader without an epoch) is reported at its file and line with the
+    field, not a Python error, nor a made-up violation ('epoch -1 after -1')."""
+    log = tmp_path / "a.jsonl"
+    log.write_text(
+        "\n".join(
+            [
+                '{"kind": "leader", "time": 1.0, "epoch": 1}',
+                '{"kind": "leader", "time": "yesterday", "epoch": "x"}',
+                "[1, 2]",
+                '{"kind": "leader", "time": 2.0}',
+                '{"kind": "commit", "time": 3.0, "step": "7"}',
+            ]
+        )
+        + "\n"
+    )
+    rep = check(read_records([log]))
+    assert sorted(rep.violations) == sorted(
+        [
+            f"unreadable line at {log}:2: time='yesterday': not a number",
+            f"unreadable line at {log}:3: not a JSON object (list)",
+            f"unreadable line at {log}:4: leader record: epoch=None: an integer is required",
+            f"unreadable line at {log}:5: commit record: step='7': an integer is required",
+        ]
+    )
