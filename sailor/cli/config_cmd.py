@@ -1,11 +1,15 @@
-"""``sailor config check FILE``: validate a daemon's config file before deploying it.
+"""``sailor config check FILE``: validate a daemon's (or a training) config file before
+deploying it.
 
 The file is read exactly as the daemon reads it (YAML, TOML or JSON by suffix, through
 ``sailor.controller.config.load_mapping``) and validated by the daemon's own schema
 (``ControllerConfig`` or ``AgentConfig``), so a file that passes here is one the daemon
 starts with; a controller config's ``training`` file is read and validated too, as the
-controller does at start. Which daemon: ``--kind``, else the file's shape: an agent config
-must have a ``node:`` section and a controller config has none. (The schemas forbid unknown
+controller does at start, and (unless ``--no-files``) the security files a daemon config
+names must exist and be readable, as the daemon checks at start. Which kind: ``--kind``,
+else the file's shape: an agent config must have a ``node:`` section, a training config
+(``--kind training``, read as the controller reads its ``training:`` file) has ``data:`` or
+``optimizer:``, and a controller config has none of these. (The schemas forbid unknown
 keys, so a ``kind:`` key inside the file would make the daemon refuse it; the kind is not
 written there.)
 
@@ -32,9 +36,14 @@ config_app = typer.Typer(help="Daemon config files.", no_args_is_help=True)
 class Kind(StrEnum):
     controller = "controller"
     agent = "agent"
+    training = "training"
 
 
 def _schema(kind: Kind) -> type[BaseModel]:
+    if kind is Kind.training:
+        from sailor.schemas.training import TrainingConfig
+
+        return TrainingConfig
     if kind is Kind.agent:
         from sailor.agent.daemon import AgentConfig
 
@@ -62,9 +71,22 @@ def _errors(exc: ValidationError) -> list[str]:
     return lines
 
 
-def _extra_checks(kind: Kind, cfg: Any, path: Path) -> list[str]:
-    """Checks the schema cannot express but the daemon would fail on at start-up."""
+def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
+    """Checks the schema cannot express but the daemon would fail on at start-up (with
+    ``files``: the security files it names exist and are readable)."""
     lines: list[str] = []
+    if kind is Kind.training:
+        from sailor.controller.training import TrainingConfigError, load_training
+
+        try:
+            load_training(path)  # as the controller reads it: paths anchored, data checked
+        except TrainingConfigError as exc:
+            lines += str(exc).splitlines()
+        return lines
+    if files:
+        from sailor.cli.runtime_cmd import security_file_problems
+
+        lines += security_file_problems(cfg.anchored(path).security)
     if kind is Kind.controller and cfg.training is not None:
         from sailor.controller.training import TrainingConfigError, load_training
 
@@ -86,7 +108,9 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path) -> list[str]:
     return lines
 
 
-def check_config(path: Path, kind: Kind | None = None) -> tuple[int, Kind | None, list[str]]:
+def check_config(
+    path: Path, kind: Kind | None = None, files: bool = True
+) -> tuple[int, Kind | None, list[str]]:
     """(exit code, kind, messages) for one file; see the module docstring for the codes."""
     from sailor.controller.config import load_mapping
 
@@ -97,24 +121,43 @@ def check_config(path: Path, kind: Kind | None = None) -> tuple[int, Kind | None
     except Exception as exc:  # yaml.YAMLError is not a ValueError
         return 2, kind, [f"{path}: cannot parse: {exc}"]
     if kind is None:
-        kind = Kind.agent if "node" in data else Kind.controller
+        kind = _kind_of(data)
     try:
         cfg = _schema(kind).model_validate(data)
     except ValidationError as exc:
         return 1, kind, _errors(exc)
-    extra = _extra_checks(kind, cfg, path)
+    extra = _extra_checks(kind, cfg, path, files)
     return (1 if extra else 0), kind, extra
+
+
+def _kind_of(data: dict[str, Any]) -> Kind:
+    """An agent config has a ``node:`` section; a training config ``data:`` or
+    ``optimizer:`` (neither daemon config has those keys); anything else is a controller's."""
+    if "node" in data:
+        return Kind.agent
+    if "data" in data or "optimizer" in data:
+        return Kind.training
+    return Kind.controller
 
 
 @config_app.command("check")
 def check(
     file: Path = typer.Argument(..., help="Config file (.yaml, .toml or .json)."),
     kind: Kind | None = typer.Option(
-        None, "--kind", help="Daemon the file is for (default: agent if it has a node: section)."
+        None,
+        "--kind",
+        help="What the file is (default: agent with a node: section, training with data: "
+        "or optimizer:, else controller).",
+    ),
+    files: bool = typer.Option(
+        True,
+        "--files/--no-files",
+        help="Check that the security files the config names exist and are readable (as the "
+        "daemon does at start); --no-files before the certificates are issued.",
     ),
 ) -> None:
-    """Validate a controller or agent config file; print OK or every error."""
-    code, found, messages = check_config(file, kind)
+    """Validate a controller, agent or training config file; print OK or every error."""
+    code, found, messages = check_config(file, kind, files)
     if code == 0:
         typer.echo(f"{file}: OK ({found.value if found else '?'} config)")
         return

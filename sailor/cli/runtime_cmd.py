@@ -19,24 +19,34 @@ from sailor.coordination.security import SecurityConfig
 __all__ = ["agent", "audit", "controller", "status"]
 
 
-def _check_security_files(config: Path, security: SecurityConfig | None) -> None:
-    """Name a missing CA, certificate, key or login file before connecting to anything."""
+def security_file_problems(security: SecurityConfig | None) -> list[str]:
+    """What is wrong with the CA, certificate, key and login files ``security`` names (a
+    missing or unreadable file), each naming the field and the path."""
+    out: list[str] = []
     if security is None:
-        return
+        return out
     for name in ("ca_file", "cert_file", "key_file", "nats_login_file"):
         path = getattr(security, name)
         if path is not None and not path.exists():
-            raise fail(
-                f"{config}: security.{name}={str(path)!r}: no such file: create the files with "
+            out.append(
+                f"security.{name}={str(path)!r}: no such file: create the files with "
                 "`sailor certs` and point the config at them (docs/operations.md#security), or "
                 "remove the security section to use plain development servers"
             )
-        if path is not None and not os.access(path, os.R_OK):
-            raise fail(
-                f"{config}: security.{name}={str(path)!r}: not readable by this user "
+        elif path is not None and not os.access(path, os.R_OK):
+            out.append(
+                f"security.{name}={str(path)!r}: not readable by this user "
                 f"({getpass.getuser()}): `sailor certs` writes keys 0600 for the user who ran "
                 "it; give the daemon's user read access (e.g. chown root:sailor and chmod 0640)"
             )
+    return out
+
+
+def _check_security_files(config: Path, security: SecurityConfig | None) -> None:
+    """Name a missing CA, certificate, key or login file before connecting to anything."""
+    problems = security_file_problems(security)
+    if problems:
+        raise fail(f"{config}: {problems[0]}")
 
 
 def _check_training(config: Path, training: Path | None) -> None:

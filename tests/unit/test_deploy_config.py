@@ -21,13 +21,38 @@ def _run(*args: str) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
-@pytest.mark.parametrize(("path", "kind"), [(CONTROLLER, "controller"), (AGENT, "agent")])
+TRAINING = ROOT / "deploy/config/training.example.yaml"
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"), [(CONTROLLER, "controller"), (AGENT, "agent"), (TRAINING, "training")]
+)
 def test_examples_pass(path: Path, kind: str) -> None:
-    code, out = _run(str(path))
+    # --no-files: the examples name /etc/sailor/pki files this machine does not have
+    code, out = _run("--no-files", str(path))
     assert code == 0, out
     assert f"OK ({kind} config)" in out
-    code, out = _run("--kind", kind, str(path))
+    code, out = _run("--no-files", "--kind", kind, str(path))
     assert code == 0, out
+
+
+@pytest.mark.parametrize("path", [CONTROLLER, AGENT])
+def test_missing_security_files_fail_the_check_as_they_fail_the_start(path: Path) -> None:
+    """The daemon refuses to start without its CA, certificate, key and login: so does the
+    check its unit runs first (before, it said OK and the start failed)."""
+    code, out = _run(str(path))
+    assert code == 1, out
+    assert "security.ca_file='/etc/sailor/pki/ca.crt': no such file" in out
+    assert "security.key_file=" in out
+
+
+def test_a_training_config_is_checked_as_the_controller_reads_it(tmp_path: Path) -> None:
+    data = yaml.safe_load(TRAINING.read_text())
+    data["optimizer"]["lr"] = -1
+    bad = tmp_path / "training.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    code, out = _run(str(bad))
+    assert code == 1 and "(training config)" in out and "optimizer.lr" in out, out
 
 
 def test_examples_are_documented_line_by_line() -> None:
@@ -73,7 +98,7 @@ def test_broken_agent_names_nested_fields(tmp_path: Path) -> None:
     data["node"]["gpus"] = 1
     data["node"]["zone"] = "z"
     bad.write_text(yaml.safe_dump(data))
-    code, messages = check_config(bad)[0], check_config(bad)[2]
+    code, messages = check_config(bad, files=False)[0], check_config(bad, files=False)[2]
     assert code == 1 and messages == [
         "watchers[0].kind: watcher kind='gce': must be gcp, aws, azure or file (value: 'gce')"
     ]
