@@ -163,6 +163,27 @@ def _print(est: Estimate, plan: Plan) -> None:
         con.print(f"[dim]note: {n}[/dim]")
 
 
+def _priced_as(plan: Plan, spot: bool) -> Plan:
+    """``plan`` with every replica group's ``spot`` flag set to ``spot``."""
+    return plan.model_copy(
+        update={
+            "pipelines": tuple(
+                p.model_copy(
+                    update={
+                        "stages": tuple(
+                            st.model_copy(
+                                update={"replica": st.replica.model_copy(update={"spot": spot})}
+                            )
+                            for st in p.stages
+                        )
+                    }
+                )
+                for p in plan.pipelines
+            )
+        }
+    )
+
+
 def simulate_cmd(
     plan_file: Path = typer.Argument(..., help="Plan JSON/YAML (see `sailor schema plan`)."),
     profiles: list[Path] = typer.Option(None, "--profiles", help="ProfileDB file(s) to merge."),
@@ -174,7 +195,13 @@ def simulate_cmd(
     deployment: str | None = typer.Option(None, "--deployment", help=DEPLOYMENT_HELP),
     model_file: Path | None = typer.Option(None, help="ModelSpec file (default: catalog)."),
     method: str = typer.Option("closed_form", help="closed_form or replay."),
-    spot: bool = typer.Option(False, help="Price GPUs at spot rates."),
+    spot: bool | None = typer.Option(
+        None,
+        "--spot/--on-demand",
+        help="Price every GPU at spot (or on-demand) rates, whatever the plan's replica "
+        "groups say; default: each group's own spot flag (the planner writes one), else "
+        "on-demand.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the Estimate as JSON."),
     timeline: Path | None = typer.Option(None, help="Write a Gantt chart of the schedule (PNG)."),
 ) -> None:
@@ -183,6 +210,8 @@ def simulate_cmd(
         raise fail(f"method={method!r}: use closed_form or replay")
     dep = load_deployment(deployment) if deployment is not None else None
     plan = load_model(plan_file, Plan)
+    if spot is not None:  # an explicit flag overrides every group's own
+        plan = _priced_as(plan, spot)
     model, db, net, price = load_inputs(plan.model, model_file, profiles, network, prices)
     cal = load_model(calibration, Calibration) if calibration else catalog.calibration()
     cal, priced = priced_for(cal, dep)
@@ -191,7 +220,14 @@ def simulate_cmd(
             from sailor.simulator.timeline_plot import plot_timeline
 
             est, tl = simulate_with_timeline(
-                plan, model, db, net, price, calibration=cal, gpu_specs=catalog.gpus(), spot=spot
+                plan,
+                model,
+                db,
+                net,
+                price,
+                calibration=cal,
+                gpu_specs=catalog.gpus(),
+                spot=bool(spot),
             )
             plot_timeline(tl, timeline, title=f"{plan.plan_id or plan_file.name}")
         else:
@@ -204,7 +240,7 @@ def simulate_cmd(
                 calibration=cal,
                 gpu_specs=catalog.gpus(),
                 method="replay" if method == "replay" else "closed_form",
-                spot=spot,
+                spot=bool(spot),
             )
         # "fits in memory" is judged at the high end of the uncertainty set
         _, iv = simulate_interval(
@@ -216,7 +252,7 @@ def simulate_cmd(
             calibration=cal,
             gpu_specs=catalog.gpus(),
             method="replay" if method == "replay" else "closed_form",
-            spot=spot,
+            spot=bool(spot),
         )
     except (ProfileLookupError, KeyError, ValueError) as exc:
         raise fail(f"{plan_file}: {exc}") from exc

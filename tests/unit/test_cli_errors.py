@@ -226,3 +226,29 @@ def test_log_lines_go_to_stderr_not_into_json_output() -> None:
         structlog.reset_defaults()
     res = runner.invoke(app, ["schema", "pool"])
     json.loads(res.stdout)
+
+
+def test_simulate_spot_flag_overrides_the_plans_own_flags(tmp_path: Path) -> None:
+    """The planner writes ``spot`` on every replica group, so a plain bool option was a
+    no-op on its plans: unset now means the plan's flags, --spot/--on-demand override them."""
+    import json
+
+    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+
+    rg = ReplicaGroup(gpu_type="A100-40", zone="us-central1-a", tp=1, gpus_per_node=4, spot=True)
+    pipe = Pipeline(
+        stages=(Stage(first_layer=0, last_layer=25, replica=rg),),
+        microbatch_size=2,
+        num_microbatches=128,
+    )
+    f = tmp_path / "plan.json"
+    plan = Plan(model="OPT-350", global_batch_size=1024, pipelines=(pipe,) * 4)
+    f.write_text(plan.model_dump_json())
+
+    def cost(*flags: str) -> float:
+        res = runner.invoke(app, ["simulate", str(f), "--json", *flags])
+        assert res.exit_code == 0, res.output
+        return float(json.loads(res.stdout)["cost_per_iter_usd"])
+
+    as_planned, on_spot, on_demand = cost(), cost("--spot"), cost("--on-demand")
+    assert as_planned == on_spot < on_demand
