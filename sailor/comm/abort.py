@@ -22,14 +22,16 @@ this machine (benchmarks/comm_abort.py reproduces it):
   hangs in the destructor (it joins the backend's worker thread): abandoned works and
   groups must stay referenced until the process ends (then ``os._exit``).
 
-Hence: every wait of :class:`~sailor.comm.api.TorchBackend` goes through :func:`wait`,
-which (once :func:`set_polling` turned it on: workers started with ``--in-place``; others
-block in ``Work.wait`` as before) polls ``is_completed()`` with a short backoff (the main
-thread never blocks uninterruptibly, so a Python signal handler runs promptly) and raises
-:class:`CommAbortedError` once
-:func:`request_abort` was called (the worker's ``SIGUSR1`` handler calls it). NCCL: the
-same poll; :func:`abandon_world` aborts the communicators (``_abort_process_group`` aborts
-every NCCL communicator inside one group call), untested here (no GPU).
+Hence: once :func:`set_polling` turned it on (workers started with ``--in-place``; others
+block in ``Work.wait`` as before), every gloo wait of :class:`~sailor.comm.api.TorchBackend`
+runs on the helper thread and raises :class:`CommAbortedError` once :func:`request_abort`
+was called (the worker's ``SIGUSR1`` handler calls it). NCCL's ``Work.wait`` only orders
+the CUDA stream and returns: :func:`wait` checks the flag and calls it, and the host
+blocks only where it reads the device back (step timestamps, values of collectives), each
+through :func:`host_sync`: an event polled with a short backoff (:func:`poll_until`), so
+the handler runs and the wait leaves. :func:`abandon_world` aborts the communicators
+(``_abort_process_group`` aborts every NCCL communicator inside one group call). The NCCL
+side is untested here (no GPU): its logic is (``poll_until``, the stream-ordered wait).
 
 This module never decides when to abort: the worker does.
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -49,7 +52,9 @@ __all__ = [
     "abandoned",
     "abort_requested",
     "clear_abort",
+    "host_sync",
     "keep_alive",
+    "poll_until",
     "polling",
     "request_abort",
     "set_polling",
@@ -125,10 +130,16 @@ def _raise_aborted() -> None:
 
 
 def wait(work: Any) -> Any:
-    """Wait for ``work``, leaving with :class:`CommAbortedError` once an abort is requested.
+    """Wait for a work whose ``wait`` is stream-ordered (NCCL's: it makes the current CUDA
+    stream wait for the operation and returns at once), leaving with
+    :class:`CommAbortedError` if an abort was requested.
 
-    A work that fails (a peer closed its connection) raises its own error from ``wait``.
-    On any exception the work is kept alive (:func:`keep_alive`).
+    The host does not poll the work: ``is_completed`` is true only once the GPU has run the
+    operation, after everything queued before it, so polling made every collective and
+    p2p exchange a host-device synchronization (the host could no longer run ahead of the
+    GPU). Where the host really blocks on the device (a timestamp, a value read back) it
+    waits through :func:`host_sync`, which is abortable. A work that fails raises its own
+    error from ``wait``; on any exception the work is kept alive (:func:`keep_alive`).
     """
     if work is None:  # a collective this rank is not a member of
         return None
@@ -137,19 +148,46 @@ def wait(work: Any) -> Any:
     try:
         if _abort:
             _raise_aborted()
-        for _ in range(_SPINS):
-            if work.is_completed():
-                return work.wait()
-        start = time.perf_counter()
-        while not work.is_completed():
-            if _abort:
-                _raise_aborted()
-            waited = time.perf_counter() - start
-            time.sleep(min(_MAX_SLEEP_S, max(_FIRST_SLEEP_S, waited * _SLEEP_FRACTION)))
         return work.wait()
     except BaseException:
         keep_alive(work)
         raise
+
+
+def poll_until(done: Callable[[], bool]) -> None:
+    """Return once ``done()`` is true, checking a few times at once, then with sleeps of a
+    tenth of the time waited so far (20 us to 1 ms); :class:`CommAbortedError` once an abort
+    is requested. The main thread never blocks uninterruptibly, so a Python signal handler
+    runs promptly."""
+    if _abort:
+        _raise_aborted()
+    for _ in range(_SPINS):
+        if done():
+            return
+    start = time.perf_counter()
+    while not done():
+        if _abort:
+            _raise_aborted()
+        waited = time.perf_counter() - start
+        time.sleep(min(_MAX_SLEEP_S, max(_FIRST_SLEEP_S, waited * _SLEEP_FRACTION)))
+
+
+def host_sync(device: Any) -> None:
+    """Wait until ``device`` has run its queued work (a CUDA device; nothing elsewhere, where
+    the work is done when a call returns): ``torch.cuda.synchronize``, or with polling on
+    (in-place workers) an event recorded on the current stream and polled
+    (:func:`poll_until`), so that a rank whose queued collective waits on a dead peer still
+    leaves on ``SIGUSR1`` (inside ``cudaStreamSynchronize`` no Python handler runs)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return
+    import torch
+
+    if not _polling:
+        torch.cuda.synchronize(device)
+        return
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    poll_until(event.query)
 
 
 # How often a caller blocked in wait_threaded looks at the abort flag (the wake-up on completion

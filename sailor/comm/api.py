@@ -98,7 +98,8 @@ _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 def _wait(work: Any) -> Any:
     """Wait abortably (:mod:`sailor.comm.abort`): gloo works on the helper thread (its p2p
     works cannot be polled, and a waited event wakes at once where a polling sleep
-    oversleeps on a loaded host), other backends' (NCCL) by polling ``is_completed()``."""
+    oversleeps on a loaded host); other backends' (NCCL) ``wait`` is stream-ordered and
+    returns at once (:func:`abort.wait`: the host blocks only in ``abort.host_sync``)."""
     if not abort.polling():
         return work.wait() if work is not None else None
     gloo = dist.get_backend() == "gloo"
@@ -119,9 +120,10 @@ class TorchBackend:
     """``torch.distributed`` as it is (the default), with abortable waits.
 
     Every tensor operation is posted asynchronously and waited on through
-    :func:`sailor.comm.abort.wait`, so a rank blocked on a failed peer leaves when the
-    worker abandons the world (``SIGUSR1``). The object collectives (rare: control
-    agreement, handshakes) stay blocking; they check the abort flag before they start.
+    :func:`_wait`, so a rank blocked on a failed peer leaves when the worker abandons the
+    world (``SIGUSR1``; on NCCL where the host waits for the device: ``abort.host_sync``).
+    The object collectives (rare: control agreement, handshakes) stay blocking; they check
+    the abort flag before they start.
     Without ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
     """
 

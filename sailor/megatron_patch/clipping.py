@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sailor.comm import api as comm
+from sailor.megatron_patch.clock import synchronize
 from sailor.megatron_patch.model import GPTStage
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.tp_layers import tp_dim_of
@@ -70,6 +71,7 @@ def clip_by_global_norm(
             for chunk in torch.split(p.grad.detach().reshape(-1), _CHUNK):
                 sq += chunk.double().pow(2).sum()
     comm.all_reduce(sq, group=group)
+    synchronize(sq.device)  # abortable where the host waits (in-place workers)
     norm = math.sqrt(float(sq.item()))
     coef = max_norm / (norm + _EPS)
     if coef < 1.0:

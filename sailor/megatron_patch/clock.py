@@ -13,13 +13,15 @@ from typing import Any
 
 import torch
 
+from sailor.comm import abort as comm_abort
+
 __all__ = ["SpanTimer", "synchronize", "timestamp"]
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait until ``device`` has finished its queued work (no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait until ``device`` has finished its queued work (no-op off CUDA); abortably in an
+    in-place worker (:func:`sailor.comm.abort.host_sync`)."""
+    comm_abort.host_sync(device)
 
 
 def timestamp(device: torch.device) -> float:

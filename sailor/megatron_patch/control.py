@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
+from sailor.megatron_patch.clock import synchronize
 
 __all__ = ["ControlRequest", "agree", "agree_dir", "read_control"]
 
@@ -95,6 +96,7 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
         [local.stop_at_step, local.save_step, local.prune_below], dtype=torch.int64, device=device
     )
     comm.all_reduce(t, op="max")
+    synchronize(t.device)  # abortable where the host waits (in-place workers)
     stop, save, prune = (int(x) for x in t.tolist())
     return ControlRequest(
         stop_at_step=stop, save_step=save, save_dir=local.save_dir, prune_below=prune
@@ -108,6 +110,7 @@ def all_done(local: bool, device: torch.device) -> bool:
         return local
     t = torch.tensor([int(not local)], dtype=torch.int64, device=device)
     comm.all_reduce(t, op="max")
+    synchronize(t.device)
     return not bool(t.item())
 
 

@@ -58,7 +58,7 @@ from pydantic import Field
 from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.clipping import clip_by_global_norm
-from sailor.megatron_patch.clock import SpanTimer, timestamp
+from sailor.megatron_patch.clock import SpanTimer, synchronize, timestamp
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,
     SyntheticTokens,
@@ -363,6 +363,7 @@ class Trainer:
             if self.role.is_last_stage and self.role.tp_rank == 0:
                 total += local
         comm.all_reduce(total)
+        synchronize(self.device)  # abortable where the host waits (in-place workers)
         return float(total.item()) / batches
 
     def train_step(self) -> StepResult:
@@ -392,8 +393,8 @@ class Trainer:
         comm.all_reduce(loss)
         self.step += 1
         self.consumed_samples += self.plan.global_batch_size
+        t4 = timestamp(self.device)  # the loss's all-reduce done: reading it does not block
         value = float(loss.item())
-        t4 = timestamp(self.device)
         every = self.cfg.eval_every
         eval_loss = self.evaluate() if every and self.step % every == 0 else None
         return StepResult(

@@ -24,6 +24,7 @@ import torch
 
 from sailor import catalog
 from sailor.comm import api as comm
+from sailor.megatron_patch.clock import synchronize
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.precision import Precision
@@ -169,6 +170,7 @@ class LossScaler:
     def agree_overflow(flag: torch.Tensor, group: Any = None) -> bool:
         """True on every rank if any rank's flag is set (all-reduce MAX over ``group``)."""
         comm.all_reduce(flag, op="max", group=group)
+        synchronize(flag.device)  # abortable where the host waits (in-place workers)
         return bool(flag.item() > 0)
 
     @staticmethod

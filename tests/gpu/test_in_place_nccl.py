@@ -158,3 +158,30 @@ def test_a_dead_peer_rolls_the_survivor_back_in_process_under_nccl(
     job.terminate(["w0"])
     want = _restart(job, "r1", one, ip, 2, 4, rs)
     assert {s: job.losses("g1")[s] for s in want} == want
+
+
+def test_host_sync_leaves_a_busy_device_on_abort(gpus: Callable[[int], None]) -> None:
+    """Where an in-place worker's host waits for the GPU (a timestamp, a value read back),
+    it polls an event: an abort requested meanwhile (SIGUSR1) is seen while the GPU is
+    still busy, where ``torch.cuda.synchronize`` would have waited the kernel out."""
+    import threading
+    import time
+
+    import torch
+
+    from sailor.comm import abort
+
+    gpus(1)
+    dev = torch.device("cuda:0")
+    abort.set_polling(True)
+    try:
+        torch.cuda._sleep(int(5e9))  # seconds of GPU work at a few GHz  # type: ignore[attr-defined]
+        threading.Timer(0.1, abort.request_abort).start()
+        t = time.monotonic()
+        with pytest.raises(abort.CommAbortedError):
+            abort.host_sync(dev)
+        assert time.monotonic() - t < 1.0
+    finally:
+        abort.clear_abort()
+        abort.set_polling(False)
+        torch.cuda.synchronize(dev)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from sailor.comm import abort
 from sailor.megatron_patch.in_place import parse_directive
@@ -56,26 +57,51 @@ def polling() -> Iterator[None]:
     abort.clear_abort()
 
 
-@pytest.mark.parametrize("waiter", [abort.wait, abort.wait_threaded])
-def test_abort_leaves_a_blocked_wait_promptly(polling: None, waiter: object) -> None:
+def test_abort_leaves_a_blocked_wait_promptly(polling: None) -> None:
+    """A gloo work waited on the helper thread, and what the host polls on NCCL where it
+    waits for the device (``host_sync``'s event: ``poll_until``), leave on an abort."""
     work = _Never()
     threading.Timer(0.1, abort.request_abort).start()
     t = time.monotonic()
     with pytest.raises(abort.CommAbortedError):
-        waiter(work)  # type: ignore[operator]
+        abort.wait_threaded(work)
     assert time.monotonic() - t < 0.5
     assert abort.abandoned()  # the blocked work stays referenced
     work.waited.set()  # let the helper thread go
+    abort.clear_abort()
+    threading.Timer(0.1, abort.request_abort).start()
+    t = time.monotonic()
+    with pytest.raises(abort.CommAbortedError):
+        abort.poll_until(work.is_completed)
+    assert time.monotonic() - t < 0.5
+
+
+class _Counting(_Done):
+    """A completed work that counts how often the host asked whether it completed."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return True
 
 
 def test_completed_works_pass_and_no_polling_blocks_plainly(polling: None) -> None:
     assert abort.wait(_Done()) is True and abort.wait_threaded(_Done()) is True
     assert abort.wait(None) is None
+    # an NCCL work's wait is stream-ordered: the host never polls it (a poll made every
+    # collective a host-device synchronization)
+    counted = _Counting()
+    assert abort.wait(counted) is True and counted.asked == 0
     abort.request_abort()
     with pytest.raises(abort.CommAbortedError):
         abort.wait(_Done())
+    with pytest.raises(abort.CommAbortedError):
+        abort.poll_until(lambda: True)
     abort.set_polling(False)
     assert abort.wait(_Done()) is True  # without polling: a plain wait, as before
+    abort.host_sync(torch.device("cpu"))  # nothing to wait for off CUDA
 
 
 def _two_stage_plan() -> tuple[object, object]:
