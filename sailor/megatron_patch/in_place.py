@@ -237,18 +237,35 @@ def exchange(
     old_keys = _keys_by_layer(list(held))
     stats = ExchangeStats(checkpoint_layers=list(mine.checkpoint))
 
-    def install(key: str, tensors: dict[str, torch.Tensor]) -> None:
+    def install(key: str, tensors: dict[str, torch.Tensor], own: bool = False) -> None:
+        """``own``: the tensors are this process's held shards, which nothing else will
+        use: the new parameter and moments take them over where they already sit on its
+        device in its dtype (no second copy of a kept layer on the GPU while both stages
+        exist); else they are copied."""
         p = params[key]
-        p.copy_(tensors["weight"].to(p.device, p.dtype))
+        w = tensors["weight"]
+
+        def here(t: torch.Tensor, dtype: torch.dtype) -> bool:
+            return own and t.device == p.device and t.dtype == dtype and t.shape == p.shape
+
+        if here(w, p.dtype):
+            p.data = w
+        else:
+            p.copy_(w.to(p.device, p.dtype))
         if adam_step > 0:
             new.optimizer.state[p] = {
                 "step": torch.tensor(float(adam_step)),
-                **{m: tensors[m].to(p.device).clone() for m in _MOMENTS},
+                **{
+                    m: tensors[m]
+                    if here(tensors[m], tensors[m].dtype)
+                    else tensors[m].to(p.device).clone()
+                    for m in _MOMENTS
+                },
             }
 
     for layer in mine.kept:
         for key in new_keys[layer]:
-            install(key, held[key])
+            install(key, held[key], own=True)
             stats.kept_keys += 1
 
     # the full layer in fp32 per kind: what its receiver takes in (all old TP shards)

@@ -171,3 +171,43 @@ def test_release_frees_the_held_trainer() -> None:
     assert held.trainer is None and ref() is None
     release(held)  # nothing left: a no-op
     release(None)
+
+
+def test_kept_layers_are_taken_over_not_copied() -> None:
+    """A kept layer's weights and moments are the held trainer's own tensors in the new
+    stage (no second copy of them while both stages exist on the GPU)."""
+    import torch
+
+    from sailor.comm.api import use_backend
+    from sailor.comm.strict import StrictBackend
+    from sailor.megatron_patch.engine import TrainConfig, Trainer
+    from sailor.megatron_patch.groups import ProcessGroups
+    from sailor.megatron_patch.in_place import exchange
+    from sailor.megatron_patch.relayout import schedule
+    from sailor.megatron_patch.roles import role_of
+    from sailor.megatron_patch.tp_layers import TPContext
+
+    spec, plan = _two_stage_plan()
+    cpu = torch.device("cpu")
+
+    def trainer() -> Trainer:
+        groups = ProcessGroups(tp=TPContext())
+        return Trainer(plan, spec, role_of(plan, 0), groups, TrainConfig(), cpu)  # type: ignore[arg-type]
+
+    held, new = trainer(), trainer()
+    for p in held.stage.parameters():
+        held.optimizer.state[p] = {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.full_like(p, 0.5),
+            "exp_avg_sq": torch.full_like(p, 0.25),
+        }
+    with use_backend(StrictBackend(0, cpu, 2)):
+        st = exchange(new, held, schedule(plan, {0: 0, 1: 1}, plan), 3, cpu)  # type: ignore[arg-type]
+    assert st.kept_keys > 0 and st.received_keys == 0
+    old = dict(held.stage.keyed_parameters())
+    for key, p in new.stage.keyed_parameters():
+        assert p.data_ptr() == old[key].data_ptr(), key
+        s_new, s_old = new.optimizer.state[p], held.optimizer.state[old[key]]
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert s_new[m].data_ptr() == s_old[m].data_ptr(), (key, m)
+        assert float(s_new["step"]) == 3.0
