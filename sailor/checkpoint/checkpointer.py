@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -203,35 +203,42 @@ class Checkpointer:
     def _gather_layer(
         self, lp: Mapping[str, ParamState], writer: int, old: Mapping[str, ParamState]
     ) -> dict[str, ParamState]:
-        """Gather one layer's TP-sharded tensors to ``writer``, as one flat message per rank."""
+        """Gather one layer's TP-sharded tensors to ``writer``: flat messages of at most
+        ``GATHER_BUCKET_BYTES`` per rank (one tensor alone if larger), each moved to the
+        host before the next, so that the writer's GPU holds the TP copies of one bucket at
+        a time, not of the whole layer's weights and both moments (~12 B per parameter of
+        the full layer: ~10 GB for a 70B-class block)."""
         names = sorted(lp)
         sharded = [(n, k) for n in names for k in TENSOR_KINDS if lp[n].tp_dim is not None]
         me = self.rank == writer
-        bufs: list[torch.Tensor] | None = None
-        if sharded:
-            # Every TP rank of the group holds the same layers, hence the same ``sharded``
-            # list: all of them take part in the gather, or none does.
-            flat = torch.cat([lp[n].tensor(k).detach().reshape(-1) for n, k in sharded])
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        # Every TP rank of the group holds the same layers, hence the same ``sharded`` list
+        # and the same buckets: all of them take part in each gather, or none does.
+        for bucket in _buckets(sharded, lambda nk: lp[nk[0]].tensor(nk[1]).numel() * 4):
+            flat = torch.cat([lp[n].tensor(k).detach().reshape(-1) for n, k in bucket])
             dev_bufs = [torch.empty_like(flat) for _ in self.place.group_ranks] if me else None
             comm.gather(flat, dev_bufs, dst=writer, group=self.tp_group)
-            bufs = [_to_host(b) for b in dev_bufs] if dev_bufs is not None else None
+            del flat
+            if dev_bufs is None:
+                continue
+            bufs = [_to_host(b) for b in dev_bufs]
+            del dev_bufs
+            off = 0
+            for n, k in bucket:
+                t = lp[n].tensor(k)
+                pieces = [b[off : off + t.numel()].view(t.shape) for b in bufs]
+                dim = lp[n].tp_dim
+                if dim is None:  # filtered above; this narrows the type
+                    raise CheckpointError(f"{n}: lost its tp_dim")
+                dst = _reusable(old.get(n), k, pieces, dim)
+                out.setdefault(n, {})[k] = (
+                    torch.cat(pieces, dim=dim, out=dst)
+                    if dst is not None
+                    else torch.cat(pieces, dim)
+                )
+                off += t.numel()
         if not me:
             return {}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        off = 0
-        for n, k in sharded:
-            if bufs is None:  # set whenever ``sharded`` is non-empty on the writer
-                raise CheckpointError(f"{n}: gathered nothing")
-            t = lp[n].tensor(k)
-            pieces = [b[off : off + t.numel()].view(t.shape) for b in bufs]
-            dim = lp[n].tp_dim
-            if dim is None:  # filtered above; this narrows the type
-                raise CheckpointError(f"{n}: lost its tp_dim")
-            dst = _reusable(old.get(n), k, pieces, dim)
-            out.setdefault(n, {})[k] = (
-                torch.cat(pieces, dim=dim, out=dst) if dst is not None else torch.cat(pieces, dim)
-            )
-            off += t.numel()
         result = {}
         for n in names:
             p = lp[n]
@@ -361,3 +368,26 @@ def load_for_rank(
         tp_dims=tp_dims,
         into=into,
     )
+
+
+GATHER_BUCKET_BYTES = 256 << 20
+"""Bytes of one rank's flat message in a checkpoint's TP gather (the writer's GPU holds the
+TP degree times this at once)."""
+
+
+_T = TypeVar("_T")
+
+
+def _buckets(items: Sequence[_T], size: Callable[[_T], int]) -> list[list[_T]]:
+    """``items`` in order, cut into runs of at most ``GATHER_BUCKET_BYTES`` (an item larger
+    than that alone)."""
+    out: list[list[_T]] = []
+    used = 0
+    for it in items:
+        b = size(it)
+        if not out or (used and used + b > GATHER_BUCKET_BYTES):
+            out.append([])
+            used = 0
+        out[-1].append(it)
+        used += b
+    return out

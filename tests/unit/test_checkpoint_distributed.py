@@ -70,7 +70,10 @@ def full_state() -> dict[str, ParamState]:
     return out
 
 
-def _worker(rank: int, world: int, root: str, store: str) -> None:
+def _worker(rank: int, world: int, root: str, store: str, bucket: int) -> None:
+    from sailor.checkpoint import checkpointer
+
+    checkpointer.GATHER_BUCKET_BYTES = bucket  # the TP gather's messages
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     groups = {}
     for r in range(world):
@@ -108,10 +111,15 @@ def _worker(rank: int, world: int, root: str, store: str) -> None:
 
 
 def test_distributed_save_then_load_under_other_layouts(tmp_path: Path) -> None:
+    # 64 B messages: every tensor its own TP gather (the in-place worker test's TP2 saves
+    # take the default, one gather per layer of this size)
+    bucket = 64
     root = tmp_path / "ckpt"
     root.mkdir()
     world = len(PLAN_A.ranks())
-    mp.spawn(_worker, args=(world, str(root), str(tmp_path / "store")), nprocs=world, join=True)
+    mp.spawn(
+        _worker, args=(world, str(root), str(tmp_path / "store"), bucket), nprocs=world, join=True
+    )
 
     results = [json.loads((root / f"result-{r}.json").read_text()) for r in range(world)]
     assignment = writer_assignment(PLAN_A)
