@@ -250,15 +250,18 @@ class Trainer:
         self.device = device
         self.step = step
         self.consumed_samples = consumed_samples
-        self.stage = GPTStage(
-            spec,
-            role.first_layer,
-            role.last_layer,
-            tp=groups.tp,
-            recompute=role.recompute,
-            seed=cfg.seed,
-            arch=arch,
-        ).to(device)
+        # built on its device: a stage built on the host first held the whole shard there
+        # in fp32 (every rank of a node at once) before moving it
+        with torch.device(device):
+            self.stage = GPTStage(
+                spec,
+                role.first_layer,
+                role.last_layer,
+                tp=groups.tp,
+                recompute=role.recompute,
+                seed=cfg.seed,
+                arch=arch,
+            )
         self.precision: Precision = precision or device_precision(device)
         if self.precision != "fp32" and device.type != "cuda":
             raise ValueError(f"precision={self.precision!r} needs a CUDA device, got {device}")

@@ -309,16 +309,18 @@ def full_init(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> 
     _, pname = name.split(".", 1)
     if spec.tie_embeddings and pname == "lm_head.weight":
         name = "0.wte.weight"
+    # on the host whatever the default device (a stage is built on its GPU): the same
+    # values on every device, from a CPU generator
     leaf = pname.rsplit(".", 1)[-1]
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if pname.startswith(("ln", "norm")):
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     g = torch.Generator().manual_seed(_seed_of(seed, name))
     std = _INIT_STD
     if pname.startswith(("attn_out", "mlp_out")):
         std = _INIT_STD / (2 * spec.num_layers) ** 0.5  # GPT-2 residual scaling
-    return torch.randn(shape, generator=g) * std
+    return torch.randn(shape, generator=g, device="cpu") * std
 
 
 def shard(full: torch.Tensor, tp_dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:
