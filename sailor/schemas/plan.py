@@ -164,13 +164,19 @@ class Plan(Frozen):
     @field_validator("pipelines")
     @classmethod
     def _same_layers(cls, v: tuple[Pipeline, ...]) -> tuple[Pipeline, ...]:
-        n = v[0].num_layers
+        # the layer count most pipelines agree on (the first pipeline's on a tie): the odd
+        # one out is the one named, not whichever follows a broken first pipeline
+        counts: dict[int, int] = {}
+        for p in v:
+            counts[p.num_layers] = counts.get(p.num_layers, 0) + 1
+        n = max(counts, key=lambda k: (counts[k], k == v[0].num_layers))
         for i, p in enumerate(v):
             if p.num_layers != n:
                 raise field_error(
                     f"pipelines[{i}].stages[-1].last_layer",
                     p.num_layers - 1,
-                    f"every pipeline must cover layers 0..{n - 1}",
+                    f"every pipeline must cover the same layers: {counts[n]} of {len(v)} "
+                    f"cover 0..{n - 1}",
                 )
         return v
 

@@ -51,6 +51,11 @@ def test_plan_rejects_pipelines_covering_different_layers() -> None:
     b = Pipeline(stages=(_stage(0, 8),), microbatch_size=1, num_microbatches=1)
     with pytest.raises(ValidationError, match="every pipeline must cover"):
         Plan(model="m", global_batch_size=2, pipelines=(a, b))
+    # a broken first pipeline is the one named, against what the others agree on
+    with pytest.raises(ValidationError) as err:
+        Plan(model="m", global_batch_size=3, pipelines=(b, a, a))
+    assert "pipelines[0].stages[-1].last_layer=8" in str(err.value)
+    assert "2 of 3 cover 0..9" in str(err.value)
 
 
 def test_replica_tp_must_fit_node_and_be_power_of_two() -> None:
