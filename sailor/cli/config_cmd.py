@@ -108,6 +108,26 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
     return lines
 
 
+def warnings_of(path: Path) -> list[str]:
+    """What a valid agent config may get wrong without the check being able to tell: a GPU
+    type the catalog does not know (the controller then needs a profile or spec of it)."""
+    from sailor import catalog
+    from sailor.controller.config import load_mapping
+    from sailor.schemas.device_kind import is_cpu_type
+
+    try:
+        node = load_mapping(path).get("node") or {}
+    except Exception:  # the check itself reports an unreadable file
+        return []
+    g = node.get("gpu_type") if isinstance(node, dict) else None
+    if isinstance(g, str) and not is_cpu_type(g) and g not in catalog.gpus():
+        return [
+            f"node.gpu_type={g!r} is not a catalog GPU type (`sailor catalog gpus`): the "
+            "controller plans it only with a profile of it (ControllerConfig.profiles)"
+        ]
+    return []
+
+
 def check_config(
     path: Path, kind: Kind | None = None, files: bool = True
 ) -> tuple[int, Kind | None, list[str]]:
@@ -158,6 +178,9 @@ def check(
 ) -> None:
     """Validate a controller, agent or training config file; print OK or every error."""
     code, found, messages = check_config(file, kind, files)
+    if found is Kind.agent:
+        for w in warnings_of(file):
+            typer.echo(f"warning: {file}: {w}", err=True)
     if code == 0:
         typer.echo(f"{file}: OK ({found.value if found else '?'} config)")
         return

@@ -147,3 +147,18 @@ def test_unreadable_files_exit_2(tmp_path: Path, name: str, text: str | None) ->
 def test_unknown_kind_is_a_usage_error() -> None:
     code, _ = _run("--kind", "worker", str(AGENT))
     assert code == 2
+
+
+def test_a_gpu_type_the_catalog_lacks_is_a_warning(tmp_path: Path) -> None:
+    """A typo'd GPU type passes the schema (a profile may define a new type) but is named."""
+    data = yaml.safe_load(AGENT.read_text())
+    data["node"]["gpu_type"] = "A100-41"
+    f = tmp_path / "agent.yaml"
+    f.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(app, ["config", "check", "--no-files", str(f)])
+    assert res.exit_code == 0
+    assert "warning:" in res.stderr and "node.gpu_type='A100-41'" in res.stderr
+    data["node"]["gpu_type"] = "cpu-slow"
+    f.write_text(yaml.safe_dump(data))
+    again = CliRunner().invoke(app, ["config", "check", "--no-files", str(f)])
+    assert "warning" not in again.stderr
