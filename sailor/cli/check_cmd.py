@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sailor.cli._io import load_model
+from sailor.cli._io import fail, load_model
 from sailor.cli.tables import print_table
 
 if TYPE_CHECKING:
@@ -50,6 +50,12 @@ def check(
     from sailor.agent.daemon import AgentConfig
 
     cfg = load_model(config, AgentConfig).anchored(config) if config is not None else None
+    if cfg is not None:  # named as the agent names it, not as a TLS failure to connect
+        from sailor.cli.runtime_cmd import security_file_problems
+
+        problems = security_file_problems(cfg.security)
+        if problems:
+            raise fail(f"{config}: {problems[0]}")
     node = cfg.node if cfg is not None else None
     facts = node_facts(node)
     if facts.node_kind == "gpu":
