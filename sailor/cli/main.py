@@ -34,11 +34,22 @@ app = typer.Typer(
 )
 
 
+class _Stderr:
+    """``sys.stderr`` as it is when a line is written (a test's captured stream, once
+    closed, is not kept)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 @app.callback()
 def _logs_to_stderr() -> None:
     """Log lines go to stderr: stdout is each command's own output (``--json`` included);
     systemd's journal takes both streams of a daemon."""
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(_Stderr()))  # type: ignore[arg-type]
 
 
 app.command("schema")(schema)
