@@ -59,6 +59,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "") -> P
     ax.set_title(title or "1F1B schedule (blue: forward, orange: backward)")
     fig.tight_layout()
     out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as `sailor plan --pareto` does
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
