@@ -66,9 +66,21 @@ def _validate(path: Path, raw: Any, cls: type[M]) -> M:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
+        errors = exc.errors()
+        locs = [tuple(e["loc"]) for e in errors]
+
+        def follow_on(e: Any) -> bool:
+            # "at least 1 item after validation, not 0": the items inside failed, each
+            # reported on its own
+            loc = tuple(e["loc"])
+            return e["type"] == "too_short" and any(
+                len(x) > len(loc) and x[: len(loc)] == loc for x in locs
+            )
+
         fields = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {e.get('input')!r:.60})"
-            for e in exc.errors()
+            for e in errors
+            if not follow_on(e)
         )
         raise fail(f"{path}: not a valid {cls.__name__}: {fields}: {_schema_hint(cls)}") from exc
 

@@ -254,3 +254,22 @@ def test_simulate_spot_flag_overrides_the_plans_own_flags(tmp_path: Path) -> Non
 
     as_planned, on_spot, on_demand = cost(), cost("--spot"), cost("--on-demand")
     assert as_planned == on_spot < on_demand
+
+
+def test_a_bad_stage_is_one_error_not_also_an_empty_stage_list(tmp_path: Path) -> None:
+    """pydantic adds "at least 1 item after validation, not 0" to a tuple whose only item
+    failed: a follow-on of the item's own error, not a second problem."""
+    import json
+
+    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+
+    rg = ReplicaGroup(gpu_type="A100-40", zone="us-central1-a", tp=1, gpus_per_node=4)
+    stage = Stage(first_layer=0, last_layer=25, replica=rg)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=8)
+    d = json.loads(Plan(model="OPT-350", global_batch_size=8, pipelines=(pipe,)).model_dump_json())
+    d["pipelines"][0]["stages"][0]["replica"]["tp"] = 3
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(d))
+    res = runner.invoke(app, ["simulate", str(f)])
+    assert res.exit_code != 0 and "tp=3: must be a power of two" in res.output, res.output
+    assert "at least 1 item" not in res.output
