@@ -41,6 +41,7 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
+from sailor.schemas.zones import region_of
 
 __all__ = ["plan_cmd"]
 
@@ -289,6 +290,14 @@ def plan_cmd(
         model, gbs, pool, profiles, network, prices, calibration
     )
     cal, priced = priced_for(cal, dep)
+    for e in pool_v.entries:
+        if not price.priced_where(e.gpu_type, e.zone):
+            typer.echo(
+                f"warning: pool entry {e.gpu_type} in zone {e.zone!r}: the price table has no "
+                f"price there or in its region ({region_of(e.zone)!r}): priced at another "
+                "region's rate (a misspelt zone?)",
+                err=True,
+            )
     caps = _max_gpus(max_gpus)
     in_pool = sorted({e.gpu_type for e in pool_v.entries})
     for g, _ in caps:

@@ -70,6 +70,15 @@ class PriceTable(Frozen):
                     return p.spot_usd_per_hour if spot else p.on_demand_usd_per_hour
         raise KeyError(f"gpu_type={gpu_type!r}: no price in the price table")
 
+    def priced_where(self, gpu_type: str, zone: str) -> bool:
+        """Whether :meth:`gpu_hour` finds ``gpu_type`` in ``zone`` or its region (else it
+        falls back to another region's price: a misspelt zone is priced somewhere else)."""
+        region = region_of(zone)
+        names = dict.fromkeys((gpu_type, catalog_type(gpu_type)))
+        return any(
+            p.gpu_type in names and (p.zone == zone or p.region == region) for p in self.gpus
+        )
+
     def egress_per_gb(self, src_zone: str, dst_zone: str) -> float:
         """$ per GB from ``src_zone`` to ``dst_zone`` (0 inside a zone)."""
         if src_zone == dst_zone:

@@ -273,3 +273,21 @@ def test_a_bad_stage_is_one_error_not_also_an_empty_stage_list(tmp_path: Path) -
     res = runner.invoke(app, ["simulate", str(f)])
     assert res.exit_code != 0 and "tp=3: must be a power of two" in res.output, res.output
     assert "at least 1 item" not in res.output
+
+
+def test_a_zone_the_price_table_does_not_know_is_named(tmp_path: Path) -> None:
+    """Prices fall back to another region's for an unknown zone: a misspelt zone was priced
+    elsewhere without a word. The plan still runs; a warning names the entry."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: mars-1a, nodes: 1, gpus_per_node: 4}\n"
+    )
+    res = runner.invoke(
+        app, ["plan", "--model", "OPT-350", "--pool", str(pool), "--risk", "median"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "warning: pool entry A100-40 in zone 'mars-1a'" in res.stderr
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(pool.read_text().replace("mars-1a", "us-central1-a"))
+    res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(ok), "--risk", "median"])
+    assert res.exit_code == 0 and "warning" not in res.stderr
