@@ -74,6 +74,10 @@ def tiny_config(family: str) -> Any:
             attention_dropout=0.0,
             **common,
         )
+    if family == "llama-mlp-bias":  # Llama with biases on every MLP projection
+        cfg = tiny_config("llama")
+        cfg.mlp_bias = True
+        return cfg
     if family == "llama":
         return transformers.LlamaConfig(
             hidden_size=32,

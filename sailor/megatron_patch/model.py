@@ -148,8 +148,8 @@ class Block(nn.Module):
         self.attn_out = RowParallelLinear(spec.num_heads * hd, h, tp, bias=ab)
         self.ln2 = _norm(spec, arch)
         self.mlp_in = ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=bias)
-        self.mlp_gate = (
-            ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=False) if self.swiglu else None
+        self.mlp_gate = (  # HF Llama: gate_proj has the bias up_proj and down_proj have
+            ColumnParallelLinear(h, spec.ffn_hidden_size, tp, bias=bias) if self.swiglu else None
         )
         self.mlp_out = RowParallelLinear(spec.ffn_hidden_size, h, tp, bias=bias)
         for p in (*self.ln1.parameters(), *self.ln2.parameters()):

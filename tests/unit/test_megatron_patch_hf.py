@@ -111,3 +111,55 @@ def test_a_config_the_engine_cannot_reproduce_is_refused_by_name() -> None:
         from_hf_config(gpt2, 16)
     with pytest.raises(UnsupportedConfigError, match="model_type"):
         from_hf_config(transformers.BertConfig(), 16)
+
+
+def test_llama_with_mlp_biases_keeps_every_bias() -> None:
+    """HF Llama's ``mlp_bias`` puts a bias on gate_proj too; the engine dropped that one
+    (built without it) and the loss differed. Biases are random here (HF starts them at 0,
+    which would hide it)."""
+    model = tiny_model("llama-mlp-bias")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    stage = _engine("llama-mlp-bias", model)
+    assert any(n.endswith("mlp_gate.bias") for n, _ in stage.keyed_parameters())
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    torch.testing.assert_close(stage(x, y), lm_loss(model, x, y), rtol=1e-6, atol=1e-6)
+
+
+def test_published_opt_names_without_the_model_prefix_load(tmp_path: Path) -> None:
+    """facebook/opt-* weights were saved from OPTModel: ``decoder.…``, not
+    ``model.decoder.…``; they load as the prefixed names do."""
+    from safetensors.torch import load_file, save_file
+
+    from sailor.megatron_patch.hf.checkpoint import load_stage
+
+    save_tiny("opt", tmp_path)
+    f = tmp_path / "model.safetensors"
+    state = load_file(str(f))
+    bare = {n.removeprefix("model."): t for n, t in state.items()}
+    assert any(n.startswith("decoder.") for n in bare)
+    save_file(bare, str(f), metadata={"format": "pt"})
+    spec, arch = load_model(tmp_path, SEQ, 4)
+    stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch)
+    load_stage(stage, tmp_path)  # raised KeyError on model.decoder.layers.0...
+    full = read_layers(tmp_path, spec, arch, range(spec.num_all_layers))
+    for n, p in stage.keyed_parameters():
+        torch.testing.assert_close(p.detach(), full[n])
+
+
+def test_a_checkpoint_model_trains_mixed_on_gpus_and_fp32_on_cpus(tmp_path: Path) -> None:
+    """A model read from a checkpoint asked for fp32, so it trained in full precision on
+    GPUs; it now asks for mixed precision, which the plan's devices resolve."""
+    from sailor import catalog
+    from sailor.schemas.precision import choose_precision
+
+    save_tiny("llama", tmp_path)
+    spec, _ = load_model(tmp_path, SEQ, 4)
+    assert spec.precision != "fp32"
+    assert choose_precision(["A100-40"], catalog.gpus(), spec.precision) == "bf16"
+    assert choose_precision(["V100-16"], catalog.gpus(), spec.precision) == "fp16"
+    assert choose_precision(["cpu"], catalog.gpus(), spec.precision) == "fp32"

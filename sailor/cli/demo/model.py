@@ -79,7 +79,8 @@ def demo_model(global_batch_size: int) -> tuple[Any, Any]:
     """``(ModelSpec, Architecture)`` of the demo model."""
     from sailor.megatron_patch.hf.config import from_hf_config
 
-    return from_hf_config(demo_config(), SEQ, global_batch_size, name="gpt2-tiny")
+    # the demo runs on CPU kinds: fp32, as the plan would resolve it anyway
+    return from_hf_config(demo_config(), SEQ, global_batch_size, name="gpt2-tiny", precision="fp32")
 
 
 def training_config(model_file: str, data_prefix: str) -> dict[str, Any]:

@@ -95,9 +95,18 @@ def load_stage(stage: GPTStage, model_dir: str | Path) -> None:
     """Load this rank's shards of the stage's layers from a local model directory."""
     layers = range(stage.first_layer, stage.last_layer + 1)
     full = read_layers(model_dir, stage.spec, stage.arch, layers)
-    missing = sorted({n for n, _ in stage.keyed_parameters()} - set(full))
+    names = {n for n, _ in stage.keyed_parameters()}
+    missing = sorted(names - set(full))
     if missing:
         raise KeyError(f"{model_dir}: no weights for {missing[:5]} ({len(missing)} missing)")
+    # a converted weight no parameter takes means the engine's model is not the checkpoint's
+    # (e.g. a bias the engine does not build): refused, not silently dropped
+    unused = sorted(set(full) - names)
+    if unused:
+        raise KeyError(
+            f"{model_dir}: weights {unused[:5]} ({len(unused)}) have no parameter in the "
+            "engine's model: its architecture differs from the checkpoint's"
+        )
     load_full_state(stage, full)
 
 

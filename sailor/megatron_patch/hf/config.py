@@ -192,11 +192,14 @@ def from_hf_config(
     seq_length: int | None = None,
     global_batch_size: int = 1,
     name: str | None = None,
-    precision: str = "fp32",
+    precision: str = "fp16",
 ) -> tuple[ModelSpec, Architecture]:
     """``(ModelSpec, Architecture)`` of a ``transformers`` config (``PretrainedConfig``).
 
-    ``seq_length`` defaults to the positions the config covers.
+    ``seq_length`` defaults to the positions the config covers. ``precision`` is the
+    requested one, as ``ModelSpec``'s: mixed by default (the plan's GPUs decide between
+    bf16 and fp16; CPU ranks run fp32), ``"fp32"`` to keep full precision everywhere. (It
+    was ``"fp32"``: every model loaded from a checkpoint then trained in fp32 on GPUs.)
     """
     kind = getattr(cfg, "model_type", None)
     if kind not in _BUILDERS:

@@ -123,6 +123,9 @@ def canonical_name(arch: Architecture, hf_name: str) -> str:
         return "transformer." + hf_name
     if fam == "gpt_neox" and hf_name == "lm_head.weight":
         return "embed_out.weight"
+    if fam == "opt" and hf_name.startswith("decoder."):
+        # the published facebook/opt-* weights were saved from OPTModel: no ``model.``
+        return "model." + hf_name
     return hf_name
 
 
