@@ -218,7 +218,7 @@ async def _still_fine(c: Cluster) -> None:
             break
     assert not c.controllers["c1"][1].done() and not c.agents["n1"][1].done()
     assert ctl.desired.phase is Phase.RUNNING, ctl.desired
-    c.audit()
+    await c.audit()
 
 
 def _records(c: Cluster, kind: str) -> list[dict[str, Any]]:

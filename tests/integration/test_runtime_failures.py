@@ -151,7 +151,7 @@ async def test_a_fenced_event_write_ends_the_term(
     assert _records(cluster, "c1", "fenced")
     assert not cluster.controllers["c1"][1].done()
     await cluster.wait_phase(Phase.RUNNING, 40)
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_a_crashing_agent_task_is_restarted_then_takes_the_agent_down(

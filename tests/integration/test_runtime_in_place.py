@@ -90,7 +90,7 @@ async def test_notice_join_and_loss_keep_the_worker_processes(cluster: Cluster) 
     assert _pids(cluster, "n2") == kept
     paths = [r.get("path") for r in _launches(cluster)]
     assert paths[-3:] == ["in_place"] * 3, paths
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_a_failed_in_place_launch_falls_back_to_restart(cluster: Cluster) -> None:
@@ -123,4 +123,4 @@ async def test_a_failed_in_place_launch_falls_back_to_restart(cluster: Cluster) 
     assert "fallback" in d.path_reason
     launches = _launches(cluster)
     assert [r.get("path") for r in launches[-2:]] == ["in_place", "restart"], launches
-    cluster.audit()
+    await cluster.audit()

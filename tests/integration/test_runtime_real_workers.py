@@ -130,4 +130,4 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
         assert abs(loss - ref[step - 1]) <= LOSS_ATOL, (gen, step, loss, ref[step - 1])
     seen = {s for _g, s in losses}
     assert set(commits) <= seen
-    real.audit()
+    await real.audit()

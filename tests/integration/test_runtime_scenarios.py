@@ -9,6 +9,7 @@ NATS login, as in a deployment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -182,8 +183,20 @@ class Cluster:
             await asyncio.sleep(0.05)
         raise AssertionError(f"step {step} not reached")
 
-    def audit(self) -> None:
-        rep = check(read_records(sorted(self.tmp.glob("audit-*.jsonl"))))
+    async def audit(self, settle_s: float = 3.0) -> None:
+        """The audit of every controller's log holds. Records are buffered until the next
+        group commit, and a phase record follows the etcd write the test may have seen
+        first: the running controllers' logs are flushed and, while a check fails, read
+        again for up to ``settle_s``."""
+        end = time.monotonic() + settle_s
+        while True:
+            for ctl, _task in self.controllers.values():
+                with contextlib.suppress(ValueError, OSError):  # a stopped one closed it
+                    ctl.audit.sync()
+            rep = check(read_records(sorted(self.tmp.glob("audit-*.jsonl"))))
+            if rep.ok or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.1)
         assert rep.ok, rep.violations
 
 
@@ -233,7 +246,7 @@ async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
         await store.close()
     steps = [CommitRecord.model_validate_json(r.value).step for r in records]
     assert steps == [d2.load_step, d3.load_step]
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_a_stop_that_is_a_preemption_checkpoints_first(cluster: Cluster) -> None:
@@ -260,7 +273,7 @@ async def test_a_stop_that_is_a_preemption_checkpoints_first(cluster: Cluster) -
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
     assert any(r.get("event_kind") == "preemption_notice" for r in recs)
     assert d2.load_step in [r["step"] for r in recs if r["kind"] == "commit"]
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_node_lost_without_notice_resumes_from_last_commit(cluster: Cluster) -> None:
@@ -274,7 +287,7 @@ async def test_node_lost_without_notice_resumes_from_last_commit(cluster: Cluste
     ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
     assert list(ctl.desired.placement) == ["n1"]
     assert ctl.desired.load_step == committed
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_leave_of_a_placed_node_is_not_debounced(cluster: Cluster) -> None:
@@ -295,7 +308,7 @@ async def test_leave_of_a_placed_node_is_not_debounced(cluster: Cluster) -> None
     abort = next(r for r in recs if r["kind"] == "phase" and str(r["cause"]).startswith("abort"))
     # debounced, the abort would follow the key's deletion by at least 4 s
     assert abort["time"] - left["time"] < 2.0, (left, abort)
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_standby_takes_over_and_deposed_leader_is_refused(cluster: Cluster) -> None:
@@ -335,7 +348,7 @@ async def test_standby_takes_over_and_deposed_leader_is_refused(cluster: Cluster
     finally:
         await nc.close()
     assert agent.supervisor.state == "running"
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_forged_and_malformed_events_are_rejected(cluster: Cluster) -> None:
@@ -366,7 +379,7 @@ async def test_forged_and_malformed_events_are_rejected(cluster: Cluster) -> Non
     recs = read_records([cluster.tmp / "audit-c1.jsonl"])
     assert sum(r["kind"] == "event_rejected" for r in recs) == 4
     assert cluster.controllers["c1"][0].desired.phase is Phase.RUNNING
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_an_agent_cannot_speak_for_another_node(cluster: Cluster) -> None:
@@ -475,7 +488,7 @@ async def test_an_agent_cannot_speak_for_another_node(cluster: Cluster) -> None:
         for r in recs
         if r["kind"] == "event"
     )
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_nats_and_etcd_restart_mid_run(
@@ -493,7 +506,7 @@ async def test_nats_and_etcd_restart_mid_run(
     cluster.start_agent("n2")
     ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
     assert sorted(ctl.desired.placement) == ["n1", "n2"]
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_notice_while_nats_is_down_goes_through_etcd(
@@ -532,7 +545,7 @@ async def test_notice_while_nats_is_down_goes_through_etcd(
     notices = [r for r in recs if r["kind"] == "event" and r["event_kind"] == "preemption_notice"]
     assert len(notices) == 1, notices  # applied once
     assert any(r["kind"] == "event_duplicate" for r in recs)
-    cluster.audit()
+    await cluster.audit()
 
 
 async def test_a_launch_during_the_agents_shutdown_starts_no_worker(cluster: Cluster) -> None:

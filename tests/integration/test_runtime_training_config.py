@@ -76,4 +76,4 @@ async def test_launch_delivers_the_controllers_training_config(cluster: Training
         if r["kind"] == "phase" and r["phase"] == "launch"
     ]
     assert launches and {r["training_sha256"] for r in launches} == {training_digest(d.training)}
-    cluster.audit()
+    await cluster.audit()
