@@ -108,17 +108,14 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
     return lines
 
 
-def warnings_of(path: Path) -> list[str]:
-    """What a valid agent config may get wrong without the check being able to tell: a GPU
-    type the catalog does not know (the controller then needs a profile or spec of it)."""
+def warnings_of(data: dict[str, Any]) -> list[str]:
+    """What an agent config (``data``, as read) may get wrong without the check being able
+    to tell: a GPU type the catalog does not know (the controller then needs a profile of
+    it)."""
     from sailor import catalog
-    from sailor.controller.config import load_mapping
     from sailor.schemas.device_kind import is_cpu_type
 
-    try:
-        node = load_mapping(path).get("node") or {}
-    except Exception:  # the check itself reports an unreadable file
-        return []
+    node = data.get("node")
     g = node.get("gpu_type") if isinstance(node, dict) else None
     if isinstance(g, str) and not is_cpu_type(g) and g not in catalog.gpus():
         return [
@@ -132,22 +129,30 @@ def check_config(
     path: Path, kind: Kind | None = None, files: bool = True
 ) -> tuple[int, Kind | None, list[str]]:
     """(exit code, kind, messages) for one file; see the module docstring for the codes."""
+    code, kind, messages, _ = _checked(path, kind, files)
+    return code, kind, messages
+
+
+def _checked(
+    path: Path, kind: Kind | None, files: bool
+) -> tuple[int, Kind | None, list[str], dict[str, Any] | None]:
+    """:func:`check_config`, plus the mapping read from the file (None if unreadable)."""
     from sailor.controller.config import load_mapping
 
     try:
         data = load_mapping(path)
     except (OSError, ValueError) as exc:  # yaml/toml/json errors are ValueError subclasses
-        return 2, kind, [f"{path}: cannot read: {exc}"]
+        return 2, kind, [f"{path}: cannot read: {exc}"], None
     except Exception as exc:  # yaml.YAMLError is not a ValueError
-        return 2, kind, [f"{path}: cannot parse: {exc}"]
+        return 2, kind, [f"{path}: cannot parse: {exc}"], None
     if kind is None:
         kind = _kind_of(data)
     try:
         cfg = _schema(kind).model_validate(data)
     except ValidationError as exc:
-        return 1, kind, _errors(exc)
+        return 1, kind, _errors(exc), data
     extra = _extra_checks(kind, cfg, path, files)
-    return (1 if extra else 0), kind, extra
+    return (1 if extra else 0), kind, extra, data
 
 
 def _kind_of(data: dict[str, Any]) -> Kind:
@@ -177,9 +182,9 @@ def check(
     ),
 ) -> None:
     """Validate a controller, agent or training config file; print OK or every error."""
-    code, found, messages = check_config(file, kind, files)
-    if found is Kind.agent:
-        for w in warnings_of(file):
+    code, found, messages, data = _checked(file, kind, files)
+    if found is Kind.agent and data is not None:
+        for w in warnings_of(data):
             typer.echo(f"warning: {file}: {w}", err=True)
     if code == 0:
         typer.echo(f"{file}: OK ({found.value if found else '?'} config)")

@@ -210,7 +210,9 @@ def simulate_cmd(
         raise fail(f"method={method!r}: use closed_form or replay")
     dep = load_deployment(deployment) if deployment is not None else None
     plan = load_model(plan_file, Plan)
-    if spot is not None:  # an explicit flag overrides every group's own
+    # an explicit flag overrides every group's own; without it each group's flag prices it
+    # (on-demand where it has none: simulate's default)
+    if spot is not None:
         plan = _priced_as(plan, spot)
     model, db, net, price = load_inputs(plan.model, model_file, profiles, network, prices)
     cal = load_model(calibration, Calibration) if calibration else catalog.calibration()
@@ -227,7 +229,6 @@ def simulate_cmd(
                 price,
                 calibration=cal,
                 gpu_specs=catalog.gpus(),
-                spot=bool(spot),
             )
             plot_timeline(tl, timeline, title=f"{plan.plan_id or plan_file.name}")
         else:
@@ -240,7 +241,6 @@ def simulate_cmd(
                 calibration=cal,
                 gpu_specs=catalog.gpus(),
                 method="replay" if method == "replay" else "closed_form",
-                spot=bool(spot),
             )
         # "fits in memory" is judged at the high end of the uncertainty set
         _, iv = simulate_interval(
@@ -252,7 +252,6 @@ def simulate_cmd(
             calibration=cal,
             gpu_specs=catalog.gpus(),
             method="replay" if method == "replay" else "closed_form",
-            spot=bool(spot),
         )
     except (ProfileLookupError, KeyError, ValueError) as exc:
         raise fail(f"{plan_file}: {exc}") from exc
