@@ -17,7 +17,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,10 +141,18 @@ class FastFigures:
 
 
 def _takes(
-    order: Iterable[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
+    order: Iterable[PipelineTemplate],
+    caps: dict[Resource, int],
+    limit: int | None = None,
+    least: Mapping[Resource, int] | None = None,
 ) -> Iterator[tuple[int, PipelineTemplate, int]]:
     """(position in ``order``, template, pipelines taken) for each template of ``order``
-    that still fits, taking as many pipelines of it as the resources (and ``limit``) allow."""
+    that still fits, taking as many pipelines of it as the resources (and ``limit``) allow.
+
+    ``least``: per resource, the fewest GPUs of it any template of ``order`` needs (every
+    resource a template uses listed); once no resource has that many left, no later
+    template fits and the walk stops (most of a long order lies past that point).
+    """
     left = dict(caps)
     taken = 0
     for pos, t in enumerate(order):
@@ -167,6 +175,8 @@ def _takes(
         taken += n
         yield pos, t, n
         if limit is not None and taken >= limit:
+            return
+        if least is not None and all(left.get(r, 0) < k for r, k in least.items()):
             return
 
 
@@ -202,6 +212,11 @@ class _Packer:
         self.gpus = np.array([float(t.gpus) for t in templates])
         self.first = np.array([t is first for t in templates])
         self.index = np.arange(len(self.templates))
+        self.least: dict[Resource, int] = {}
+        for t in self.templates:
+            for r, k in t.gpus_by_resource().items():
+                if k < self.least.get(r, k + 1):
+                    self.least[r] = k
 
     def order(self, t_budget: float) -> tuple[np.ndarray, np.ndarray]:
         """Templates that fit a microbatch in ``t_budget``, best first; samples per pipeline."""
@@ -225,7 +240,7 @@ class _Packer:
         out: list[PipelineTemplate] = []
         samples = 0.0
         picked = (self.templates[int(i)] for i in order)
-        for pos, t, n in _takes(picked, self.caps, self.limit):
+        for pos, t, n in _takes(picked, self.caps, self.limit, self.least):
             out.extend([t] * n)
             samples += n * float(per[order[pos]])
             if enough is not None and samples >= enough:
