@@ -132,7 +132,7 @@ class CostTables:
         self._links: dict[tuple[Kind, Kind, int], tuple[FloatArray, FloatArray]] = {}
         self._link_totals: dict[tuple[Kind, Kind, int], list[float]] = {}
         self._failed: dict[tuple[str, int, int], str] = {}
-        self._mem: dict[tuple[str, int, int, int], FloatArray] = {}
+        self._mem: dict[tuple[str, int, int], FloatArray] = {}
         self._models: dict[str, ModelSpec] = {}
         self.notes: list[str] = []
         m = inputs.model
@@ -264,15 +264,24 @@ class CostTables:
         The same formula as :func:`sailor.simulator.memory.stage_memory` (no recomputation),
         vectorized over every layer range; a test checks the two agree.
         """
-        key = (a.gpu_type, a.tp, a.mbs, in_flight)
+        out: FloatArray = self.stage_memory_upto(a, in_flight)[in_flight]
+        return out
+
+    def stage_memory_upto(self, a: LayerArrays, in_flight: int) -> FloatArray:
+        """:meth:`stage_memory` for every in-flight count from 0 to at least ``in_flight``
+        (first axis), computed at once: the template DP asks for every count up to the
+        depth of each of its layer arrays."""
+        key = (a.gpu_type, a.tp, a.mbs)
         hit = self._mem.get(key)
-        if hit is not None:
+        if hit is not None and in_flight < len(hit):
             return hit
+        n = len(a.comp) - 1
+        flights = np.arange(max(in_flight, n) + 1, dtype=np.float64)[:, None, None]
         kappa = self.inputs.calibration.for_gpu(a.gpu_type).alloc_factor
         params = a.params[None, 1:] - a.params[:-1, None]
         acts_kept = a.act[None, 1:] - a.act[:-1, None]
-        acts = np.floor(kappa * (a.mbs * acts_kept * in_flight + a.mbs * a.act_layer[None, :]))
-        copies = (a.per_mb[None, 1:] - a.per_mb[:-1, None]) * in_flight
+        acts = np.floor(kappa * (a.mbs * acts_kept * flights + a.mbs * a.act_layer[None, :]))
+        copies = (a.per_mb[None, 1:] - a.per_mb[:-1, None]) * flights
         state_b, step_b, _ = self.state_bytes(a.gpu_type)
         state = params * state_b
         total = np.maximum(state + acts + copies, state + params * step_b)

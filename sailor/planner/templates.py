@@ -177,7 +177,13 @@ def _dp(
             if id(a) not in uniq:
                 uniq[id(a)] = len(ulist)
                 ulist.append(a)
-    ucap = [tables.capacity(a.gpu_type) for a in ulist]
+    # fits[u, k, i, j]: layers i..j of array u fit their GPU with k microbatches in flight
+    fits = np.stack(
+        [
+            tables.stage_memory_upto(a, depth_cap)[: depth_cap + 1] <= tables.capacity(a.gpu_type)
+            for a in ulist
+        ]
+    )
     t_all = np.empty((n_g * n_t, n, n - 1))
     last_t = np.full((n_g * n_c, n), inf)
     last_rows = [g * n_c + ci for g in range(n_g) for ci, (x, _) in enumerate(combos) if x == q - 1]
@@ -227,9 +233,7 @@ def _dp(
         blk_j = np.full((n_g * n_c, n + 1), -1, dtype=np.int64)
         blk_y = np.full((n_g * n_c, n + 1), -1, dtype=np.int64)
         if k == 1:
-            ok1 = np.stack(
-                [tables.stage_memory(a, 1)[:, n - 1] <= c for a, c in zip(ulist, ucap, strict=True)]
-            )[l_u]
+            ok1 = fits[l_u, 1, :, n - 1]
             t = last_t[l_rows]
             pruned += (~ok1 & np.isfinite(t)).reshape(n_g, -1).sum(axis=1)
             t = np.where(ok1, t, inf)
@@ -240,9 +244,7 @@ def _dp(
             # k stages from layer i need i <= n - k, and the stage i..j leaves k - 1 layers at
             # least: j <= n - k. Outside that square every cell is infinite, so the DP skips it.
             m = n - k + 1
-            ok = np.stack(
-                [tables.stage_memory(a, k)[:m, :m] <= c for a, c in zip(ulist, ucap, strict=True)]
-            )[t_u]
+            ok = fits[t_u, k, :m, :m]
             t = np.where(ok, t_all[:, :m, :m], inf)  # j < n-1: a stage follows
             mx = np.maximum(t, prev_m[t_prev, None, 1 : m + 1])
             sm = t + prev_s[t_prev, None, 1 : m + 1]
