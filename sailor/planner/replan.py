@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from sailor.planner.allocate import Allocation, Recipe, assign_microbatches
+from sailor.planner.collector import collector_paused
 from sailor.planner.search import (
     SearchResult,
     resources_of,
@@ -124,6 +125,7 @@ def repriced_allocation(alloc: Allocation, previous: SearchResult) -> Allocation
     return Allocation(tuple((by_id[id(t)], m) for t, m in alloc.pipelines), alloc.how, alloc.recipe)
 
 
+@collector_paused
 def replan(
     previous: SearchResult,
     new_pool: Pool,

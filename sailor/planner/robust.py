@@ -29,6 +29,7 @@ from typing import Literal
 
 from sailor.planner.allocate import Allocation
 from sailor.planner.api import Constraints, Objective, RankedPlan
+from sailor.planner.collector import collector_paused
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
 from sailor.planner.replan import replan
@@ -195,6 +196,7 @@ def judge_in_corners(
     return out
 
 
+@collector_paused
 def robust_search(
     model: ModelSpec,
     profiles: ProfileDB,
@@ -273,6 +275,7 @@ def _judges(
     return judges
 
 
+@collector_paused
 def robust_replan(
     previous: RobustResult,
     new_pool: Pool,

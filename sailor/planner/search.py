@@ -50,6 +50,7 @@ from sailor.planner.api import (
     RankedPlan,
     SearchStats,
 )
+from sailor.planner.collector import collector_paused
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
 from sailor.planner.tables import CostTables, Inputs, Kind
@@ -856,6 +857,7 @@ def closed_form(state: SearchState, alloc: Allocation) -> FastFigures:
 # -- the search ------------------------------------------------------------------------------
 
 
+@collector_paused
 def search(
     model: ModelSpec,
     profiles: ProfileDB,

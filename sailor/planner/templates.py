@@ -92,11 +92,13 @@ class PipelineTemplate:
 
     @property
     def key(self) -> tuple[object, ...]:
-        """(mbs, stages): equal for equal templates (computed once: a replan asks per
-        pipeline, ~10,000 times at 512 nodes)."""
+        """(mbs, each stage's last layer, each stage's kind): equal for equal templates (the
+        stages tile the layers from 0, so the last layers fix the ranges). Computed once: a
+        replan asks per pipeline, ~10,000 times at 512 nodes."""
         k = self.__dict__.get("_key")
         if k is None:
-            k = (self.mbs, tuple((s.first_layer, s.last_layer, s.kind) for s in self.stages))
+            st = self.stages
+            k = (self.mbs, tuple(s.last_layer for s in st), tuple(s.kind for s in st))
             object.__setattr__(self, "_key", k)
         out: tuple[object, ...] = k
         return out
@@ -466,4 +468,3 @@ def _assemble(
         fill_s=fill,
         estimated=estimated,
     )
-

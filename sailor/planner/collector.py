@@ -1,0 +1,37 @@
+"""The cyclic garbage collector, paused while the planner runs.
+
+A 512-GPU robust search keeps ~10^5 new objects (templates, their stages, allocations,
+estimates) and makes no reference cycles: every collection during it frees nothing
+(measured, ``gc.callbacks``), yet the collector's passes over the growing heap were 12-30% of
+the search's CPU time. Reference counting still frees everything the search drops; cycles
+made meanwhile (none measured) wait for the next collection after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+__all__ = ["collector_paused"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def collector_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` with the collector disabled while it runs (and left as it was after: a call
+    made while it is already paused does not resume it)."""
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return run
