@@ -229,7 +229,8 @@ class _Packer:
         gain = per if self.limit is not None else per / self.gpus
         key = np.where(self.first, -np.inf, -gain)
         sel = self.index[ok & (m > 0)]
-        return sel[np.lexsort((sel, key[sel]))], per
+        # by key, ties in template order (sel is ascending: a stable sort keeps it)
+        return sel[np.argsort(key[sel], kind="stable")], per
 
     def fill_for_time(
         self, t_budget: float, enough: float | None = None
