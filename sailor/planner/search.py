@@ -527,7 +527,11 @@ def _aligned(
 
 
 def _fits(t: PipelineTemplate, caps: Mapping[Resource, int]) -> bool:
-    return all(caps.get(r, 0) >= n for r, n in t.gpus_by_resource().items())
+    # a loop, not all() over a generator: a replan asks for every template of each corner
+    for r, n in t.gpus_by_resource().items():
+        if caps.get(r, 0) < n:
+            return False
+    return True
 
 
 def _prune_dominated(ts: Sequence[PipelineTemplate]) -> list[PipelineTemplate]:
