@@ -17,7 +17,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,18 +141,10 @@ class FastFigures:
 
 
 def _takes(
-    order: Iterable[PipelineTemplate],
-    caps: dict[Resource, int],
-    limit: int | None = None,
-    least: Mapping[Resource, int] | None = None,
+    order: Iterable[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
 ) -> Iterator[tuple[int, PipelineTemplate, int]]:
     """(position in ``order``, template, pipelines taken) for each template of ``order``
-    that still fits, taking as many pipelines of it as the resources (and ``limit``) allow.
-
-    ``least``: per resource, the fewest GPUs of it any template of ``order`` needs (every
-    resource a template uses listed); once no resource has that many left, no later
-    template fits and the walk stops (most of a long order lies past that point).
-    """
+    that still fits, taking as many pipelines of it as the resources (and ``limit``) allow."""
     left = dict(caps)
     taken = 0
     for pos, t in enumerate(order):
@@ -175,8 +167,6 @@ def _takes(
         taken += n
         yield pos, t, n
         if limit is not None and taken >= limit:
-            return
-        if least is not None and all(left.get(r, 0) < k for r, k in least.items()):
             return
 
 
@@ -212,11 +202,21 @@ class _Packer:
         self.gpus = np.array([float(t.gpus) for t in templates])
         self.first = np.array([t is first for t in templates])
         self.index = np.arange(len(self.templates))
-        self.least: dict[Resource, int] = {}
-        for t in self.templates:
-            for r, k in t.gpus_by_resource().items():
-                if k < self.least.get(r, k + 1):
-                    self.least[r] = k
+        # resources as list indices: the packing loop runs ~50,000 times per robust search,
+        # and a (type, zone, shape) key hashes its tuple at every dict lookup
+        res: dict[Resource, int] = {}
+        self.needs = [
+            tuple((res.setdefault(r, len(res)), k) for r, k in t.gpus_by_resource().items())
+            for t in self.templates
+        ]
+        self.left0 = [caps.get(r, 0) for r in res]
+        # per resource, the fewest GPUs of it a template needs: once no resource has that
+        # many left, no later template fits (most of a long order lies past that point)
+        self.least = [0] * len(res)
+        for need in self.needs:
+            for i, k in need:
+                if self.least[i] == 0 or k < self.least[i]:
+                    self.least[i] = k
 
     def order(self, t_budget: float) -> tuple[np.ndarray, np.ndarray]:
         """Templates that fit a microbatch in ``t_budget``, best first; samples per pipeline."""
@@ -240,11 +240,33 @@ class _Packer:
         order, per = self.order(t_budget)
         out: list[PipelineTemplate] = []
         samples = 0.0
-        picked = (self.templates[int(i)] for i in order)
-        for pos, t, n in _takes(picked, self.caps, self.limit, self.least):
-            out.extend([t] * n)
-            samples += n * float(per[order[pos]])
+        left = list(self.left0)
+        needs, least, limit = self.needs, self.least, self.limit
+        taken = 0
+        # :func:`_takes` over ``order``, on list indices
+        for i in order.tolist():
+            need = needs[i]
+            n = -1
+            for r, k in need:
+                v = left[r] // k
+                if n < 0 or v < n:
+                    n = v
+                    if n <= 0:
+                        break
+            if limit is not None:
+                n = min(n, limit - taken)
+            if n <= 0:
+                continue
+            for r, k in need:
+                left[r] -= n * k
+            taken += n
+            out.extend([self.templates[i]] * n)
+            samples += n * float(per[i])
             if enough is not None and samples >= enough:
+                break
+            if limit is not None and taken >= limit:
+                break
+            if all(lv < lk for lv, lk in zip(left, least, strict=True)):
                 break
         return out, samples
 

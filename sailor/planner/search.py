@@ -528,7 +528,7 @@ def _aligned(
 
 def _fits(t: PipelineTemplate, caps: Mapping[Resource, int]) -> bool:
     # a loop, not all() over a generator: a replan asks for every template of each corner
-    for r, n in t.gpus_by_resource().items():
+    for r, n in t.gpus_by_resource().items():  # noqa: SIM110
         if caps.get(r, 0) < n:
             return False
     return True

@@ -63,7 +63,7 @@ def test_searches_and_replans_run_with_it_paused(monkeypatch: pytest.MonkeyPatch
     from tests.unit.test_planner_search import make_pool
 
     seen: list[bool] = []
-    for mod, name in ((templates, "_dp"), (allocate, "_takes")):
+    for mod, name in ((templates, "_dp"), (allocate._Packer, "fill_for_time")):
         real = getattr(mod, name)
 
         def spy(*a: object, _real: object = real, **k: object) -> object:
