@@ -31,6 +31,7 @@ from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve
 __all__ = [
     "Allocation",
     "FastFigures",
+    "PackTable",
     "Recipe",
     "Resource",
     "assign_microbatches",
@@ -180,43 +181,75 @@ def _pack(
     return out
 
 
-class _Packer:
-    """:func:`fill_for_time` for one template list at many budgets: the per-template figures
-    as arrays, so that a budget costs a few numpy operations plus the packing loop."""
+@dataclass(frozen=True, eq=False)
+class PackTable:
+    """What packing reads of a template list, for fixed resources and sync overheads: the
+    per-template figures as arrays, and each template's GPU needs on list indices. Built
+    once for the recipes of a scenario that share them (:func:`min_time_allocation`)."""
 
-    def __init__(
-        self,
+    templates: list[PipelineTemplate]
+    fill: np.ndarray
+    period: np.ndarray
+    over: np.ndarray
+    mbs: np.ndarray
+    gpus: np.ndarray
+    needs: list[tuple[tuple[int, int], ...]]
+    """Per template: (resource index, GPUs) of each resource it uses."""
+    left0: list[int]
+    """GPUs of each resource index the pool has."""
+    least: list[int]
+    """Per resource index, the fewest GPUs of it a template needs: once no resource has that
+    many left, no later template fits (most of a long order lies past that point)."""
+
+    @classmethod
+    def of(
+        cls,
         templates: Sequence[PipelineTemplate],
         caps: dict[Resource, int],
         overhead: dict[int, float],
-        first: PipelineTemplate | None,
-        limit: int | None,
-    ) -> None:
-        self.templates = list(templates)
-        self.caps = caps
-        self.limit = limit
-        self.fill = np.array([t.fill_s for t in templates])
-        self.period = np.array([t.period_s for t in templates])
-        self.over = np.array([overhead[id(t)] for t in templates])
-        self.mbs = np.array([float(t.mbs) for t in templates])
-        self.gpus = np.array([float(t.gpus) for t in templates])
-        self.first = np.array([t is first for t in templates])
-        self.index = np.arange(len(self.templates))
+    ) -> PackTable:
+        ts = list(templates)
         # resources as list indices: the packing loop runs ~50,000 times per robust search,
         # and a (type, zone, shape) key hashes its tuple at every dict lookup
         res: dict[Resource, int] = {}
-        self.needs = [
+        needs = [
             tuple((res.setdefault(r, len(res)), k) for r, k in t.gpus_by_resource().items())
-            for t in self.templates
+            for t in ts
         ]
-        self.left0 = [caps.get(r, 0) for r in res]
-        # per resource, the fewest GPUs of it a template needs: once no resource has that
-        # many left, no later template fits (most of a long order lies past that point)
-        self.least = [0] * len(res)
-        for need in self.needs:
+        least = [0] * len(res)
+        for need in needs:
             for i, k in need:
-                if self.least[i] == 0 or k < self.least[i]:
-                    self.least[i] = k
+                if least[i] == 0 or k < least[i]:
+                    least[i] = k
+        return cls(
+            templates=ts,
+            fill=np.array([t.fill_s for t in ts]),
+            period=np.array([t.period_s for t in ts]),
+            over=np.array([overhead[id(t)] for t in ts]),
+            mbs=np.array([float(t.mbs) for t in ts]),
+            gpus=np.array([float(t.gpus) for t in ts]),
+            needs=needs,
+            left0=[caps.get(r, 0) for r in res],
+            least=least,
+        )
+
+
+class _Packer:
+    """:func:`fill_for_time` for one template list at many budgets: a budget costs a few
+    numpy operations plus the packing loop."""
+
+    def __init__(self, table: PackTable, first: PipelineTemplate | None, limit: int | None) -> None:
+        self.table = table
+        self.limit = limit
+        self.fill, self.period, self.over = table.fill, table.period, table.over
+        self.mbs, self.gpus = table.mbs, table.gpus
+        n = len(table.templates)
+        self.first = (
+            np.zeros(n, dtype=bool)
+            if first is None
+            else np.array([t is first for t in table.templates], dtype=bool)
+        )
+        self.index = np.arange(n)
 
     def order(self, t_budget: float) -> tuple[np.ndarray, np.ndarray]:
         """Templates that fit a microbatch in ``t_budget``, best first; samples per pipeline."""
@@ -240,8 +273,9 @@ class _Packer:
         order, per = self.order(t_budget)
         out: list[PipelineTemplate] = []
         samples = 0.0
-        left = list(self.left0)
-        needs, least, limit = self.needs, self.least, self.limit
+        tab = self.table
+        left = list(tab.left0)
+        needs, least, limit = tab.needs, tab.least, self.limit
         taken = 0
         # :func:`_takes` over ``order``, on list indices
         for i in order.tolist():
@@ -260,7 +294,7 @@ class _Packer:
             for r, k in need:
                 left[r] -= n * k
             taken += n
-            out.extend([self.templates[i]] * n)
+            out.extend([tab.templates[i]] * n)
             samples += n * float(per[i])
             if enough is not None and samples >= enough:
                 break
@@ -281,7 +315,8 @@ def fill_for_time(
 ) -> tuple[list[PipelineTemplate], int]:
     """Pipelines packed by samples per GPU within ``t_budget`` (``first`` before all others;
     at most ``limit`` pipelines), and the samples they cover."""
-    chosen, samples = _Packer(templates, caps, overhead, first, limit).fill_for_time(t_budget)
+    packer = _Packer(PackTable.of(templates, caps, overhead), first, limit)
+    chosen, samples = packer.fill_for_time(t_budget)
     return chosen, round(samples)
 
 
@@ -293,12 +328,14 @@ def min_time_allocation(
     t_max: float | None = None,
     first: PipelineTemplate | None = None,
     limit: int | None = None,
+    table: PackTable | None = None,
 ) -> list[PipelineTemplate] | None:
     """Least budget (bisection, 0.2 %) whose packing of at most ``limit`` pipelines covers
-    ``gbs`` samples; its pipelines."""
+    ``gbs`` samples; its pipelines. ``table``: ``PackTable.of(templates, caps, overhead)``
+    if the caller has it."""
     if not templates:
         return None
-    packer = _Packer(templates, caps, overhead, first, limit)
+    packer = _Packer(table or PackTable.of(templates, caps, overhead), first, limit)
     lo = float(np.min(packer.fill + packer.over))
     hi = max(lo, 1e-6) * 2
     for _ in range(60):

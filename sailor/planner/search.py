@@ -31,6 +31,7 @@ from itertools import combinations
 from sailor.planner.allocate import (
     Allocation,
     FastFigures,
+    PackTable,
     Recipe,
     Resource,
     SyncModel,
@@ -654,6 +655,7 @@ class _Scenario:
     least: list[PipelineTemplate] | None = None
     least_done: bool = False
     groups: dict[tuple[int, ...], list[PipelineTemplate]] | None = None
+    table: PackTable | None = None
 
     @classmethod
     def of(
@@ -689,9 +691,18 @@ class _Scenario:
             self.groups = _partition_groups(self.ts)
         return self.groups
 
+    def packing(self) -> PackTable:
+        """The packing table of the scenario's templates and overheads (built once: the
+        ``least`` and ``first`` recipes share it)."""
+        if self.table is None:
+            self.table = PackTable.of(self.ts, self.scenario, self.over)
+        return self.table
+
     def least_time(self) -> list[PipelineTemplate] | None:
         if not self.least_done:
-            self.least = min_time_allocation(self.ts, self.scenario, self.gbs, self.over)
+            self.least = min_time_allocation(
+                self.ts, self.scenario, self.gbs, self.over, table=self.packing()
+            )
             self.least_done = True
         return self.least
 
@@ -774,7 +785,7 @@ def _run_recipe(
         first = next((t for t in ts if t.key == r.first), None)
         if first is None:
             return None
-        picked = min_time_allocation(ts, sc, gbs, over, first=first)
+        picked = min_time_allocation(ts, sc, gbs, over, first=first, table=ctx.packing())
         how = "least time, a pipeline spanning GPU types first"
     elif r.method == "group":
         g = ctx.partitions().get(r.cuts)
