@@ -5,6 +5,10 @@ estimates) and makes no reference cycles: every collection during it frees nothi
 (measured, ``gc.callbacks``), yet the collector's passes over the growing heap were 12-30% of
 the search's CPU time. Reference counting still frees everything the search drops; cycles
 made meanwhile (none measured) wait for the next collection after it.
+
+The controller's planner process already collects only between calls
+(:mod:`sailor.controller.planning.process`); this gives every other caller the same: ``sailor
+plan``, the in-thread planner, benchmarks and library users.
 """
 
 from __future__ import annotations
