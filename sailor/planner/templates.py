@@ -434,7 +434,7 @@ def _assemble(
     """
     depth = len(placed)
     stages: list[StageTemplate] = []
-    period = fill = 0.0
+    times: list[float] = []
     arr: LayerArrays | None = None
     recv: list[float] | None = None  # the link into the current stage
     for s, (a, b, kind, this) in enumerate(placed):
@@ -457,14 +457,12 @@ def _assemble(
         stages.append(
             StageTemplate(a, b, kind, t, upd[b + 1] - upd[a], params[b + 1] - params[a], mem)
         )
-        if t > period:
-            period = t
-        fill += t
+        times.append(t)
         recv = send
     return PipelineTemplate(
         stages=tuple(stages),
         mbs=mbs,
-        period_s=period,
-        fill_s=fill,
+        period_s=max(times),
+        fill_s=sum(times),  # sum(), not a running total: it is compensated from Python 3.12
         estimated=estimated,
     )
