@@ -456,6 +456,7 @@ class SyncModel:
         self._segments: dict[tuple[object, ...], float] = {}
         self._fixed: dict[str, float] = {}
         self._effs: dict[tuple[Kind, Kind], tuple[BandwidthCurve, float]] = {}
+        self._hops: dict[tuple[tuple[Kind, ...], bool], list[tuple[BandwidthCurve, float]]] = {}
         self.per_gpu = tables.inputs.calibration.ring_links == "per_gpu"
         """Each rank's ring over a 1-GPU VM's curve with its own bytes (the original's)."""
 
@@ -475,7 +476,8 @@ class SyncModel:
             self._curves[key] = curve
         return curve
 
-    def _step(self, a: Kind, b: Kind, chunk: float) -> float:
+    def _hop(self, a: Kind, b: Kind) -> tuple[BandwidthCurve, float]:
+        """The curve and efficiency of a ring hop from ``a`` to ``b``."""
         hit = self._effs.get((a, b))
         if hit is None:
             cal = self.tables.inputs.calibration
@@ -484,7 +486,7 @@ class SyncModel:
                 cal.for_gpu(b.gpu_type).network_efficiency,
             )
             hit = self._effs[(a, b)] = (self._curve(a, b), eff)
-        return hit[0].transfer_time(chunk) / hit[1]
+        return hit
 
     def fixed_s(self, gpu_type: str) -> float:
         """Time between a stage's last backward and its gradient all-reduce, as the simulator
@@ -503,22 +505,25 @@ class SyncModel:
         """``n`` holders of the kinds in ``ring`` (zone-sorted distinct kinds)."""
         if n <= 1 or node_bytes <= 0:
             return 0.0
-        memo = (tuple(ring), n, node_bytes, elements)
+        kinds = tuple(ring)
+        memo = (kinds, n, node_bytes, elements)
         hit = self._rings.get(memo)
         if hit is not None:
             return hit
         buckets = max(1, math.ceil(elements / BUCKET_ELEMENTS))
         chunk = node_bytes / buckets / n
-        step = 0.0
-        kinds = list(ring)
-        pairs = set()
-        for i, a in enumerate(kinds):
-            pairs.add((a, a))
-            pairs.add((a, kinds[(i + 1) % len(kinds)]))
-        if len(kinds) == 1 or n <= len(kinds):
+        # the ring's hops depend on its kinds and on whether every kind has one member
+        # only (computed once per ring: a replan prices ~1,000 distinct stage shapes)
+        one_each = len(kinds) == 1 or n <= len(kinds)
+        hops = self._hops.get((kinds, one_each))
+        if hops is None:
             pairs = {(a, kinds[(i + 1) % len(kinds)]) for i, a in enumerate(kinds)}
-        for a, b in pairs:
-            step = max(step, self._step(a, b, chunk))
+            if not one_each:
+                pairs |= {(a, a) for a in kinds}
+            hops = self._hops[(kinds, one_each)] = [self._hop(a, b) for a, b in pairs]
+        step = 0.0
+        for curve, eff in hops:
+            step = max(step, curve.transfer_time(chunk) / eff)
         out = 2.0 * (n - 1) * step * buckets
         self._rings[memo] = out
         return out

@@ -69,6 +69,15 @@ class Kind:
     zone: str
     gpus_per_node: int
 
+    def __hash__(self) -> int:
+        # the hash a frozen dataclass computes, kept: kinds key most of the planner's tables
+        # and ring memos, and the generated __hash__ rebuilt the field tuple every time
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.gpu_type, self.tp, self.zone, self.gpus_per_node))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def replica(self) -> ReplicaGroup:
         """The replica group (one validated instance per kind)."""
         r = self.__dict__.get("_replica")
