@@ -17,7 +17,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,46 +141,6 @@ class FastFigures:
     sync_s: float
 
 
-def _takes(
-    order: Iterable[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
-) -> Iterator[tuple[int, PipelineTemplate, int]]:
-    """(position in ``order``, template, pipelines taken) for each template of ``order``
-    that still fits, taking as many pipelines of it as the resources (and ``limit``) allow."""
-    left = dict(caps)
-    taken = 0
-    for pos, t in enumerate(order):
-        need = t.gpus_by_resource()
-        # min over the resources of pipelines that fit, as a loop: most templates late in
-        # the order meet an exhausted resource first (a replan's packing asks ~100,000 times)
-        n = -1
-        for r, k in need.items():
-            v = left.get(r, 0) // k
-            if n < 0 or v < n:
-                n = v
-                if n <= 0:
-                    break
-        if limit is not None:
-            n = min(n, limit - taken)
-        if n <= 0:
-            continue
-        for r, k in need.items():
-            left[r] -= n * k
-        taken += n
-        yield pos, t, n
-        if limit is not None and taken >= limit:
-            return
-
-
-def _pack(
-    order: Sequence[PipelineTemplate], caps: dict[Resource, int], limit: int | None = None
-) -> list[PipelineTemplate]:
-    """Take pipelines of each template in ``order`` while resources last."""
-    out: list[PipelineTemplate] = []
-    for _, t, n in _takes(order, caps, limit):
-        out.extend([t] * n)
-    return out
-
-
 @dataclass(frozen=True, eq=False)
 class PackTable:
     """What packing reads of a template list, for fixed resources and sync overheads: the
@@ -241,8 +201,6 @@ class _Packer:
     def __init__(self, table: PackTable, first: PipelineTemplate | None, limit: int | None) -> None:
         self.table = table
         self.limit = limit
-        self.fill, self.period, self.over = table.fill, table.period, table.over
-        self.mbs, self.gpus = table.mbs, table.gpus
         n = len(table.templates)
         self.first = (
             np.zeros(n, dtype=bool)
@@ -253,13 +211,14 @@ class _Packer:
 
     def order(self, t_budget: float) -> tuple[np.ndarray, np.ndarray]:
         """Templates that fit a microbatch in ``t_budget``, best first; samples per pipeline."""
-        t = t_budget - self.over
-        ok = t >= self.fill
+        tab = self.table
+        t = t_budget - tab.over
+        ok = t >= tab.fill
         # PipelineTemplate.max_microbatches, vectorized
-        m = np.where(ok, np.floor((t - self.fill) / self.period * (1 + 1e-12)) + 1, 0.0)
-        per = m * self.mbs
+        m = np.where(ok, np.floor((t - tab.fill) / tab.period * (1 + 1e-12)) + 1, 0.0)
+        per = m * tab.mbs
         # with a cap on pipelines, the pipelines that cover the most samples go first
-        gain = per if self.limit is not None else per / self.gpus
+        gain = per if self.limit is not None else per / tab.gpus
         key = np.where(self.first, -np.inf, -gain)
         sel = self.index[ok & (m > 0)]
         # by key, ties in template order (sel is ascending: a stable sort keeps it)
@@ -277,7 +236,8 @@ class _Packer:
         left = list(tab.left0)
         needs, least, limit = tab.needs, tab.least, self.limit
         taken = 0
-        # :func:`_takes` over ``order``, on list indices
+        # as many pipelines of each template in ``order`` as the resources (and the limit)
+        # allow, on list indices
         for i in order.tolist():
             need = needs[i]
             n = -1
@@ -336,7 +296,7 @@ def min_time_allocation(
     if not templates:
         return None
     packer = _Packer(table or PackTable.of(templates, caps, overhead), first, limit)
-    lo = float(np.min(packer.fill + packer.over))
+    lo = float(np.min(packer.table.fill + packer.table.over))
     hi = max(lo, 1e-6) * 2
     for _ in range(60):
         _, s = packer.fill_for_time(hi, gbs)
