@@ -1,7 +1,7 @@
 """Derive one GPU type's calibration constants from measured runs of plans.
 
-Each constant comes from the measurement that isolates it, never from a fit of iteration
-times (docs/simulator-model.md, sections 1, 4 and 6):
+Each constant comes from the measurement that isolates it, one constant per measurement, in
+order, each using those before it (docs/simulator-model.md, sections 1, 4, 6 and 7):
 
 * ``profiler_overhead_s`` (h): two runs of one single-stage, single-pipeline plan that differ
   only in the number of microbatches; their time difference per microbatch is the real time
@@ -12,6 +12,16 @@ times (docs/simulator-model.md, sections 1, 4 and 6):
   simulated all-reduce time of the first stage at η = 1 divided by the measured reduce time
   minus ``c``. Readings where the reduce time exceeds half the iteration are dropped (they
   include waiting for a straggling replica, not communication).
+* ``p2p_efficiency`` (η_p2p): geometric mean, over the runs with multi-stage pipelines, of
+  the η_p2p at which the simulated pipeline phase (iteration minus gradient sync) equals the
+  measured iteration minus the measured reduce time (bisection on log η_p2p over [0.01, 1]:
+  the phase grows as η_p2p falls; a run already slower at η_p2p = 1 reads 1, one still
+  faster at 0.01 reads 0.01). Straggler readings are dropped as for η. Without such runs it
+  is left unset (transfers then use η). The remainder of the phase is pipeline transfers
+  and the per-microbatch work of the pipeline engine around them (instruction dispatch,
+  buffer handling), which the profile of the layers alone does not see. Read as a
+  bandwidth factor, it predicts plans on the links it was read on; on a much slower link
+  it overcharges the engine's fixed part (docs/simulator-model.md section 7).
 * ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage runs
   with the smallest and largest activation footprint; 1 without two such runs.
 * ``memory_overhead_bytes`` (M0): median of measured − modelled peak memory over all runs.
@@ -27,7 +37,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sailor.schemas import (
@@ -48,6 +58,12 @@ __all__ = ["MeasuredRun", "calibrate_gpu"]
 
 _STRAGGLER_FRACTION = 0.5
 """A reduce time above this fraction of the iteration is waiting, not communication."""
+
+_P2P_RANGE = (0.01, 1.0)
+"""Bounds of the η_p2p a run can read."""
+
+_P2P_HALVINGS = 24
+"""Bisection steps on log η_p2p over _P2P_RANGE: 2e-7 relative precision."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,22 @@ def _hook(
         f"h={h * 1e3:.3f} ms/layer from {a.name} vs {b.name}: {per_mb * 1e3:.1f} ms per "
         f"microbatch measured, {prof * 1e3:.1f} ms profiled"
     )
+
+
+def _p2p_reading(phase: Callable[[float], float], measured: float) -> float:
+    """log η_p2p at which ``phase(η_p2p)`` (falling as η_p2p grows) equals ``measured``."""
+    lo, hi = math.log(_P2P_RANGE[0]), math.log(_P2P_RANGE[1])
+    if phase(math.exp(hi)) >= measured:
+        return hi
+    if phase(math.exp(lo)) <= measured:
+        return lo
+    for _ in range(_P2P_HALVINGS):
+        mid = (lo + hi) / 2
+        if phase(math.exp(mid)) > measured:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def calibrate_gpu(
@@ -163,7 +195,39 @@ def calibrate_gpu(
     eta = min(1.0, math.exp(statistics.mean(logs))) if logs else 1.0
     why.append(f"eta={eta:.3f}: geometric mean over {len(logs)} DP runs' reduce times")
 
-    step = step.model_copy(update={"network_efficiency": eta, "memory_overhead_bytes": 0})
+    step = step.model_copy(update={"network_efficiency": eta})
+
+    def phase(r: MeasuredRun, p2p: float) -> float:
+        """Simulated iteration minus gradient sync at η_p2p = ``p2p``."""
+        est = simulate(
+            r.plan,
+            model,
+            profiles,
+            network,
+            prices,
+            calibration=base.with_gpu(step.model_copy(update={"p2p_efficiency": p2p})),
+            gpu_specs=specs,
+        )
+        return est.iteration_time_s - est.time.grad_sync_s
+
+    p2p_logs = [
+        _p2p_reading(lambda e, r=r: phase(r, e), r.iteration_time_s - r.grad_reduce_s)
+        for r in runs
+        if any(p.depth > 1 for p in r.plan.pipelines)
+        and r.grad_reduce_s is not None
+        and r.grad_reduce_s <= _STRAGGLER_FRACTION * r.iteration_time_s
+    ]
+    if p2p_logs:
+        p2p_eta = math.exp(statistics.mean(p2p_logs))
+        step = step.model_copy(update={"p2p_efficiency": p2p_eta})
+        why.append(
+            f"eta_p2p={p2p_eta:.3f}: geometric mean over {len(p2p_logs)} multi-stage runs' "
+            "pipeline phases"
+        )
+    else:
+        why.append("eta_p2p: no multi-stage run; transfers use eta")
+
+    step = step.model_copy(update={"memory_overhead_bytes": 0})
     kappa = 1.0
     singles = [r for r in runs if _single_stage(r.plan)]
     if len(singles) >= 2:

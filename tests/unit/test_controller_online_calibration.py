@@ -172,12 +172,11 @@ def test_planner_prices_with_the_calibration_it_is_handed(
     again = fresh.plan(NODES, first.plan)
     assert "(search)" in again.reason  # the old cost tables were priced with the old one
     slow_layers = [
-        len(s.layers)
+        sum(len(s.layers) for s in r.plan.pipelines[0].stages if s.replica.gpu_type == SLOW)
         for r in (first, again)
-        for s in r.plan.pipelines[0].stages
-        if s.replica.gpu_type == SLOW
     ]
-    assert slow_layers[1] < slow_layers[0]  # the slow kind gets less of the model
+    assert slow_layers[0] > 0
+    assert slow_layers[1] < slow_layers[0]  # the slow kind gets less of the model (or none)
 
 
 def test_planner_worker_applies_the_calibration_a_call_carries(

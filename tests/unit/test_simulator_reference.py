@@ -28,6 +28,11 @@ def test_calibration_constants_are_physical(setup: tuple[object, ...]) -> None:
     cal = calibrate_gpu(runs, model, profiles, network, prices, gpu_specs=gpus(), base=DEEPSPEED)  # type: ignore[arg-type]
     assert 0.0 < cal.profiler_overhead_s < 2e-3
     assert 0.05 < cal.network_efficiency <= 1.0
+    # read from the 9 multi-stage runs' pipeline phases, below the collectives' efficiency:
+    # it holds the pipe engine's per-microbatch work around each transfer as well
+    assert cal.p2p_efficiency is not None
+    assert 0.02 < cal.p2p_efficiency < cal.network_efficiency
+    assert "eta_p2p" in cal.source
     assert 1.0 <= cal.alloc_factor < 1.5
     assert 1 << 30 < (cal.memory_overhead_bytes or 0) < 8 << 30
     assert "N1_D1_M4_G1" in cal.source
@@ -62,12 +67,13 @@ def _loo_errors(setup: tuple[object, ...], method: str) -> tuple[list[float], li
 
 @pytest.mark.parametrize("method", ["closed_form", "replay"])
 def test_leave_one_out_accuracy(setup: tuple[object, ...], method: str) -> None:
-    """Out of sample. Measured: time 10.1% mean / 21.6% worst (closed form and replay alike;
-    worst N1_D1_M4_G1 held out, which leaves no pair to fit the hook cost, and N4_D4, whose
-    reduce time shows a straggler), memory 1.8% / 7.3%. Guards just above those figures."""
+    """Out of sample. Measured: time 7.9% mean / 21.6% worst (closed form and replay alike;
+    10.1% before the p2p efficiency was fitted; worst N1_D1_M4_G1 held out, which leaves no
+    pair to fit the hook cost, and N4_D4, whose reduce time shows a straggler), memory
+    1.8% / 7.3%. Guards just above those figures."""
     et, em = _loo_errors(setup, method)
     t, m = [abs(e) for e in et], [abs(e) for e in em]
-    assert statistics.mean(t) < 0.11
+    assert statistics.mean(t) < 0.085
     assert max(t) < 0.23
     assert statistics.mean(m) < 0.025
     assert max(m) < 0.08

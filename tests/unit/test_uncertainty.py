@@ -90,7 +90,13 @@ def test_gh96_spread_is_the_leave_one_out_spread() -> None:
     ]
     spread = CAL.for_gpu("GH-96").spread
     assert spread is not None
-    for name in ("network_efficiency", "sync_fixed_s", "alloc_factor", "profiler_overhead_s"):
+    for name in (
+        "network_efficiency",
+        "p2p_efficiency",
+        "sync_fixed_s",
+        "alloc_factor",
+        "profiler_overhead_s",
+    ):
         xs = [getattr(f, name) for f in fits]
         r = getattr(spread, name)
         assert r.low == pytest.approx(min(xs), rel=1e-3), name
