@@ -5,7 +5,9 @@ order, each using those before it (docs/simulator-model.md, sections 1, 4, 6 and
 
 * ``profiler_overhead_s`` (h): two runs of one single-stage, single-pipeline plan that differ
   only in the number of microbatches; their time difference per microbatch is the real time
-  of one microbatch. ``h = (Σ_l profiled(f+g) − ΔT/Δm) / layers``; 0 without such a pair.
+  of one microbatch. ``h = (Σ_l profiled(f+g) − ΔT/Δm) / layers``. Without such a pair,
+  the single-stage, single-pipeline run with the most microbatches whose reduce time was
+  measured: ``(T − reduce − update) / m`` is its microbatch time. 0 without either.
 * ``sync_fixed_s`` (c): median measured gradient-reduce time of the runs without data
   parallelism (one pipeline: no network involved); 0 without such runs.
 * ``network_efficiency`` (η): geometric mean, over the runs with data parallelism, of the
@@ -51,7 +53,7 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
-from sailor.simulator.lookup import layer_table
+from sailor.simulator.lookup import StageCosts, layer_table
 from sailor.simulator.simulate import simulate
 
 __all__ = ["MeasuredRun", "calibrate_gpu"]
@@ -105,20 +107,42 @@ def _hook(
                 - best[1].plan.pipelines[0].num_microbatches
             ):
                 best = (a, b)
-    if best is None:
-        return 0.0, "h: no pair of runs differing only in microbatches; 0"
-    a, b = best
-    pa, pb = a.plan.pipelines[0], b.plan.pipelines[0]
-    per_mb = (b.iteration_time_s - a.iteration_time_s) / (pb.num_microbatches - pa.num_microbatches)
-    r = pa.stages[0].replica
-    table = layer_table(
-        profiles, model, GPUCalibration(gpu_type=gpu), {}, gpu, r.tp, pa.microbatch_size
-    )
+    if best is not None:
+        a, b = best
+        pa, pb = a.plan.pipelines[0], b.plan.pipelines[0]
+        per_mb = (b.iteration_time_s - a.iteration_time_s) / (
+            pb.num_microbatches - pa.num_microbatches
+        )
+        what = f"{a.name} vs {b.name}"
+    else:
+        # one run alone, its reduce time measured: what is left after the reduce and the
+        # optimizer step is its microbatches (the run with the most of them)
+        timed = [r for r in singles if r.grad_reduce_s is not None]
+        if not timed:
+            return 0.0, (
+                "h: no pair of runs differing only in microbatches, nor a single-stage run "
+                "with its reduce time; 0"
+            )
+        a = max(timed, key=lambda r: r.plan.pipelines[0].num_microbatches)
+        pa = a.plan.pipelines[0]
+        update = sum(c.update_s for c in _table(profiles, model, gpu, a.plan).layers)
+        per_mb = (a.iteration_time_s - (a.grad_reduce_s or 0.0) - update) / pa.num_microbatches
+        what = f"{a.name} alone (minus its reduce and update)"
+    table = _table(profiles, model, gpu, a.plan)
     prof = sum(c.fwd_s + c.bwd_s for c in table.layers)
     h = max(0.0, (prof - per_mb) / len(table.layers))
     return h, (
-        f"h={h * 1e3:.3f} ms/layer from {a.name} vs {b.name}: {per_mb * 1e3:.1f} ms per "
+        f"h={h * 1e3:.3f} ms/layer from {what}: {per_mb * 1e3:.1f} ms per "
         f"microbatch measured, {prof * 1e3:.1f} ms profiled"
+    )
+
+
+def _table(profiles: ProfileDB, model: ModelSpec, gpu: str, plan: Plan) -> StageCosts:
+    """The raw profile's layer table of a single-stage plan's stage (no calibration)."""
+    p = plan.pipelines[0]
+    r = p.stages[0].replica
+    return layer_table(
+        profiles, model, GPUCalibration(gpu_type=gpu), {}, gpu, r.tp, p.microbatch_size
     )
 
 
