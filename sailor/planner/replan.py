@@ -144,6 +144,11 @@ def replan(
     objective are ordered by the layer replicas they would move from the current plan.
     Unless ``full``, only the warm start and the re-run recipes of the previous search's best
     ``recipes`` allocations are candidates (see the module docstring).
+
+    ``simulate_top=0`` leaves the judging to the caller: no plan is simulated, and the
+    result's candidates are the closed-form ranking, the first ``top_k`` with their plans
+    (:func:`sailor.planner.search.search_recipes`); when the recipes cannot be re-run, the
+    search from the tables simulates its best plan as usual.
     """
     state = previous.state
     gbs = state.tables.inputs.model.global_batch_size
@@ -161,13 +166,16 @@ def replan(
             extra.append(w)
     todo = _recipes_of(previous, recipes)
     if full or not todo or old is None:
+        # a search from the tables always simulates its best (``simulate_top=0`` asks the
+        # recipe path below not to)
+        k = top_k if simulate_top > 0 else 1
         return search_with_tables(
             state,
             new_pool,
             previous.objective,
             previous.constraints,
-            top_k=top_k,
-            simulate_top=max(simulate_top, top_k),
+            top_k=k,
+            simulate_top=max(simulate_top, k),
             previous=current,
             extra=extra,
             prefer_less_movement=tolerance,

@@ -304,8 +304,17 @@ def robust_replan(
         raise ValueError("previous has no calibration: pass a result of robust_search")
     run = previous.plans[0] if previous.plans else None
     running = (run.plan, run.allocation) if run is not None and run.allocation else None
+    # the corner replans rank by the closed form and simulate nothing: what comes out on top
+    # over the set is simulated below, in every corner
     results = {
-        name: replan(previous.results[name], new_pool, tolerance=tolerance, running=running)
+        name: replan(
+            previous.results[name],
+            new_pool,
+            tolerance=tolerance,
+            running=running,
+            top_k=_REPLAN_SHOWN,
+            simulate_top=0,
+        )
         for name in previous.searched
     }
     some = next(iter(results.values()))
@@ -329,6 +338,10 @@ def robust_replan(
 
 _PER_CORNER = 4
 """Finalists per corner search (``robust_search``'s default ``per_corner``)."""
+
+_REPLAN_SHOWN = 1
+"""Closed-form candidates a corner replan hands to the robust ranking: its best, and the
+next one (a corner's first choice is often another corner's worst)."""
 
 
 @dataclass(frozen=True)
@@ -406,6 +419,7 @@ def _rank(
     for name, res in results.items():
         found = f"found by the {name} corner's search"
         allocs = res.allocations if len(res.allocations) == len(res.plans) else ()
+        rows: list[tuple[Plan, Estimate | None, float, tuple[str, ...], Allocation | None]]
         rows = [
             (
                 r.plan,
@@ -416,6 +430,7 @@ def _rank(
             )
             for i, r in enumerate(res.plans)
         ]
+        # simulated candidates, or (a replan that simulated nothing) closed-form ones
         rows += [
             (
                 c.plan,
@@ -425,18 +440,18 @@ def _rank(
                 c.alloc,
             )
             for c in res.candidates
-            if c.plan is not None and c.estimate is not None
+            if c.plan is not None and (c.estimate is not None or not res.plans)
         ]
         for p, e, cph, why, alloc in rows[: 2 * per_corner]:
             k = _key(p)
             if k not in cands:
-                cands[k] = (p, {name: e}, cph, alloc)
+                cands[k] = (p, {name: e} if e is not None else {}, cph, alloc)
                 explain[k] = why
         # a plan another corner's search already chose may be among this search's simulated
         # candidates too: keep its estimate here, so that judging it does not simulate it again
         for p, e, _cph, _why, _alloc in rows:
             hit = cands.get(_key(p))
-            if hit is not None and name not in hit[1]:
+            if hit is not None and e is not None and name not in hit[1]:
                 hit[1][name] = e
 
     def simulated_in(p: Plan, name: str) -> Estimate:

@@ -1132,6 +1132,10 @@ def search_recipes(
     of the best, the one that moves the fewest layer replicas (``moves_of``) is simulated
     first. Simulation stops once ``top_k`` plans are feasible and the best simulated one is
     within ``tolerance`` of the best estimate (or after ``simulate_top`` simulations).
+
+    ``simulate_top=0`` simulates nothing: the result has no plans, and its candidates are
+    the closed-form ranking above, the first ``top_k`` with their plans built, for a caller
+    that judges them itself (:func:`sailor.planner.robust.robust_replan`).
     """
     prep = _prepare(state, pool, objective, constraints, top_k, previous)
     if isinstance(prep, SearchResult):
@@ -1170,6 +1174,14 @@ def search_recipes(
             moved[id(c.alloc)] = moves_of(c.alloc)
         close.sort(key=lambda c: (moved[id(c.alloc)][1], -_fast_score(objective, c)))
         ok = close + ok[len(close) :]
+
+    if simulate_top == 0:
+        shown = [
+            Candidate(c.alloc, c.fast, plan=_plan_of(state, c.alloc, f"sailor-{i + 1}"))
+            for i, c in enumerate(ok[:top_k])
+        ]
+        reason = "not simulated: closed-form candidates, for the caller to judge"
+        return _empty(state, pool, objective, constraints, previous, reason, ub, shown + ok[top_k:])
 
     def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:
         if len(feasible) < top_k:
@@ -1314,14 +1326,20 @@ def _candidates(state: SearchState, allocs: Sequence[Allocation]) -> list[Candid
     return out
 
 
+def _plan_of(state: SearchState, alloc: Allocation, plan_id: str) -> Plan:
+    """``alloc`` as the plan the simulator is given (the model's precision on each GPU)."""
+    inputs = state.tables.inputs
+    gbs = inputs.model.global_batch_size
+    p = to_plan(alloc, inputs.model.name, gbs, plan_id=plan_id, pricing=state.pricing)
+    return p.with_precision(inputs.gpu_specs, inputs.model.precision)
+
+
 def _simulate_candidate(
     state: SearchState, c: Candidate, constraints: Constraints, plan_id: str
 ) -> Candidate:
     """``c`` with its plan, the simulator's estimate and the constraints it breaks."""
     inputs = state.tables.inputs
-    gbs = inputs.model.global_batch_size
-    p = to_plan(c.alloc, inputs.model.name, gbs, plan_id=plan_id, pricing=state.pricing)
-    p = p.with_precision(inputs.gpu_specs, inputs.model.precision)
+    p = _plan_of(state, c.alloc, plan_id)
     try:
         est = simulate(
             p,

@@ -37,6 +37,7 @@ Pure: measurements come in as values; nothing is read from disk here.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -235,7 +236,7 @@ def calibrate_gpu(
         return est.iteration_time_s - est.time.grad_sync_s
 
     p2p_logs = [
-        _p2p_reading(lambda e, r=r: phase(r, e), r.iteration_time_s - r.grad_reduce_s)
+        _p2p_reading(functools.partial(phase, r), r.iteration_time_s - r.grad_reduce_s)
         for r in runs
         if any(p.depth > 1 for p in r.plan.pipelines)
         and r.grad_reduce_s is not None

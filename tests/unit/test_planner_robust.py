@@ -3,6 +3,8 @@ corner of the uncertainty set, ranked by their worst ratio to each corner's best
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from sailor import catalog
@@ -184,3 +186,48 @@ def test_robust_search_ranks_as_the_simulator_would(floor: bool) -> None:
         assert a.interval == b.interval
         assert a.worst_ratio == pytest.approx(b.worst_ratio, rel=1e-9)
         assert a.regret == pytest.approx(b.regret, rel=1e-9, abs=1e-12)
+
+
+def test_corner_replans_hand_closed_form_candidates_and_only_the_winner_is_simulated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A robust replan's corner replans simulate nothing: each hands its closed-form ranking
+    (the first plans built, none simulated) to the robust ranking, which simulates what
+    comes out on top in every corner. With one plan asked for, that is four simulations
+    when the first winner holds (six before: one per corner replan, then three)."""
+    first = _run("robust")
+    smaller = make_pool({("fast", ZONE): 2, ("slow", ZONE): 2})
+    calls: list[str] = []
+    robust_mod = importlib.import_module("sailor.planner.robust")
+    search_mod = importlib.import_module("sailor.planner.search")
+
+    def counted(*a: object, **k: object) -> object:
+        calls.append(str(k.get("calibration", "")))
+        return simulate(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(robust_mod, "simulate", counted)
+    monkeypatch.setattr(search_mod, "simulate", counted)
+    res = robust_replan(first, smaller)  # type: ignore[arg-type]
+    assert res.plans
+    for name, r in res.results.items():
+        assert not r.plans, name
+        assert "not simulated" in r.reason
+        shown = [c for c in r.candidates if c.plan is not None]
+        assert shown and all(c.estimate is None for c in r.candidates)
+    assert len(calls) % len(CORNERS) == 0 and len(calls) >= len(CORNERS)
+    assert len(calls) <= len(CORNERS) * len(res.results)  # re-rankings are bounded
+
+
+def test_replan_without_simulation_returns_its_closed_form_ranking() -> None:
+    first = _run("median")
+    smaller = make_pool({("fast", ZONE): 2, ("slow", ZONE): 2})
+    prev = first.results["median"]  # type: ignore[attr-defined]
+    res = replan(prev, smaller, top_k=2, simulate_top=0)
+    assert not res.plans and "not simulated" in res.reason
+    assert [c.plan is not None for c in res.candidates[:2]] == [True] * min(2, len(res.candidates))
+    assert all(c.estimate is None for c in res.candidates)
+    fast = [c.fast.iteration_s for c in res.candidates]
+    sim = replan(prev, smaller)  # the same ranking, its best simulated
+    assert sim.plans and sim.plans[0].estimate.iteration_time_s == pytest.approx(
+        min(fast), rel=0.05
+    )
