@@ -340,8 +340,10 @@ _PER_CORNER = 4
 """Finalists per corner search (``robust_search``'s default ``per_corner``)."""
 
 _REPLAN_SHOWN = 1
-"""Closed-form candidates a corner replan hands to the robust ranking: its best, and the
-next one (a corner's first choice is often another corner's worst)."""
+"""Closed-form candidates a corner replan hands to the robust ranking: its best, as when
+it simulated its pick. Two per corner found plans 1-2% better in their worst corner at
+2,048 GPUs, but the extra plans' construction and closed forms cost more than the two
+simulations saved (callgrind, docs/planner.md round 6)."""
 
 
 @dataclass(frozen=True)
