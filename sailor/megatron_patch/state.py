@@ -11,7 +11,8 @@ What the checkpoint code (``sailor.checkpoint``) relies on; keep it stable:
 - :func:`gather_full` / :func:`shard` turn TP shards into full tensors and back.
 - :func:`load_full_state` loads full (unsharded) tensors, keyed the same way, into any
   layout: each rank slices out its shard. Names a stage does not own are ignored; names
-  it owns and that are missing raise ``KeyError``.
+  it owns and that are missing raise ``KeyError``. :func:`load_full_params` loads the
+  names given and leaves the others (an import that reads one layer at a time).
 
 With tied embeddings both copies (``"0.wte.weight"`` and ``"{L+1}.lm_head.weight"``) are
 reported; they are equal after every step. A checkpoint may store either or both.
@@ -27,7 +28,14 @@ import torch
 from sailor.megatron_patch.model import GPTStage, shard
 from sailor.megatron_patch.tp_layers import tp_dim_of
 
-__all__ = ["gather_full", "load_full_state", "optimizer_state", "shard", "stage_state"]
+__all__ = [
+    "gather_full",
+    "load_full_params",
+    "load_full_state",
+    "optimizer_state",
+    "shard",
+    "stage_state",
+]
 
 
 def stage_state(stage: GPTStage) -> dict[str, tuple[torch.Tensor, int | None]]:
@@ -60,6 +68,18 @@ def gather_full(shards: Sequence[torch.Tensor], tp_dim: int | None) -> torch.Ten
 
 
 @torch.no_grad()
+def load_full_params(stage: GPTStage, params: Mapping[str, torch.Tensor]) -> None:
+    """Load the full tensors ``params`` holds (some of the stage's, keyed as
+    :func:`load_full_state` keys them) into this rank's shards; the others are left as they
+    are. Sliced where the tensor is, then copied and cast: only the shard moves."""
+    tp = stage.tp
+    for name, p in stage.keyed_parameters():
+        full = params.get(name)
+        if full is not None:
+            p.copy_(shard(full, tp_dim_of(p), tp.size, tp.rank))
+
+
+@torch.no_grad()
 def load_full_state(
     stage: GPTStage,
     params: Mapping[str, torch.Tensor],
@@ -70,7 +90,8 @@ def load_full_state(
     tp = stage.tp
     for name, p in stage.keyed_parameters():
         dim = tp_dim_of(p)
-        p.copy_(shard(params[name].to(p.device, p.dtype), dim, tp.size, tp.rank))
+        # sliced on the tensor's device, then copied (and cast): only the shard moves
+        p.copy_(shard(params[name], dim, tp.size, tp.rank))
         if optimizer is None or moments is None or name not in moments:
             continue
         m = moments[name]

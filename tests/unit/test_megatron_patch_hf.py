@@ -163,3 +163,76 @@ def test_a_checkpoint_model_trains_mixed_on_gpus_and_fp32_on_cpus(tmp_path: Path
     assert choose_precision(["A100-40"], catalog.gpus(), spec.precision) == "bf16"
     assert choose_precision(["V100-16"], catalog.gpus(), spec.precision) == "fp16"
     assert choose_precision(["cpu"], catalog.gpus(), spec.precision) == "fp32"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_load_stage_reads_one_layer_at_a_time_in_the_files_dtype(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank holds one layer's full tensors at a time, in the checkpoint's dtype (bf16
+    here), never its whole stage in fp32; the shards it loads are those of the fp32 import
+    (a bf16 value is exact in fp32). gpt2 ties its head to the embedding: the head's layer
+    brings the embedding along."""
+    from safetensors.torch import load_file, save_file
+
+    import sailor.megatron_patch.hf.checkpoint as ckpt
+
+    save_tiny(family, tmp_path)
+    f = tmp_path / "model.safetensors"
+    save_file(
+        {n: t.to(torch.bfloat16) for n, t in load_file(str(f)).items()},
+        str(f),
+        metadata={"format": "pt"},
+    )
+    spec, arch = load_model(tmp_path, SEQ, 4)
+    reads: list[tuple[list[int], set[torch.dtype]]] = []
+    real = ckpt._read
+
+    def spy(index, spec_, arch_, layers, dtype, *, meta=False):  # type: ignore[no-untyped-def]
+        out = real(index, spec_, arch_, layers, dtype, meta=meta)
+        if not meta:
+            reads.append((list(layers), {t.dtype for t in out.values()}))
+        return out
+
+    monkeypatch.setattr(ckpt, "_read", spy)
+    last = spec.num_all_layers - 1
+    for first, end, tp in ((0, 2, 2), (3, last, 2), (0, last, 1)):
+        reads.clear()
+        full = read_layers(tmp_path, spec, arch, range(first, end + 1))
+        reads.clear()
+        for rank in range(tp):
+            stage = GPTStage(spec, first, end, tp=_tp(tp, rank), arch=arch)
+            ckpt.load_stage(stage, tmp_path)
+            for name, p in stage.keyed_parameters():
+                assert p.dtype == torch.float32
+                assert torch.equal(p.detach(), shard(full[name], tp_dim_of(p), tp, rank)), name
+        assert [r[0] for r in reads] == [[layer] for layer in range(first, end + 1)] * tp
+        assert all(r[1] == {torch.bfloat16} for r in reads)
+
+
+def test_load_stage_refuses_a_mismatched_checkpoint_before_loading(tmp_path: Path) -> None:
+    """Missing and extra weights are found from the files' headers, before any layer is
+    read: the stage is left as it was."""
+    from safetensors.torch import load_file, save_file
+
+    from sailor.megatron_patch.hf.checkpoint import load_stage
+
+    save_tiny("llama", tmp_path)
+    f = tmp_path / "model.safetensors"
+    state = load_file(str(f))
+    spec, arch = load_model(tmp_path, SEQ, 4)
+    gone = next(n for n in state if n.endswith("layers.1.mlp.up_proj.weight"))
+    save_file({n: t for n, t in state.items() if n != gone}, str(f), metadata={"format": "pt"})
+    stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch)
+    before = {n: p.detach().clone() for n, p in stage.keyed_parameters()}
+    with pytest.raises(KeyError, match="no weights for"):
+        load_stage(stage, tmp_path)
+    for n, p in stage.keyed_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    extra = dict(state)
+    extra["model.layers.0.mlp.up_proj.bias"] = torch.zeros(state[gone].shape[0])
+    save_file(extra, str(f), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="no parameter in the engine's model"):
+        load_stage(stage, tmp_path)
+    for n, p in stage.keyed_parameters():
+        assert torch.equal(p.detach(), before[n]), n
