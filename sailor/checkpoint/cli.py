@@ -151,9 +151,10 @@ def verify_cmd(
     directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root),
     step: int | None = typer.Option(None, help="Only this step (default: every committed)."),
 ) -> None:
-    """Verify every checksum of every committed checkpoint; exit 1 if any fails."""
+    """Verify every checksum of every committed checkpoint; exit 1 if any fails, or if
+    there is none to verify (a wrong root must not pass as verified)."""
     report = verify_report(directory, step)
-    bad = False
+    bad = not report
     for s, problems in report.items():
         typer.echo(f"step {s}: {'ok' if not problems else 'CORRUPT'}")
         for p in problems:

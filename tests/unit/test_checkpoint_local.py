@@ -282,3 +282,6 @@ def test_cli_ls_inspect_verify_gc(tmp_path: Path) -> None:
     assert (tmp_path / step_dir(7) / MARKER).exists()
     res = runner.invoke(ckpt_app, ["inspect", str(tmp_path / "empty")])
     assert res.exit_code == 1 and "no committed checkpoint" in res.output
+    # nothing to verify is not "verified": a wrong root fails the command
+    res = runner.invoke(ckpt_app, ["verify", str(tmp_path / "empty")])
+    assert res.exit_code == 1 and "no committed checkpoint" in res.output
