@@ -49,7 +49,8 @@ class Recipe:
     ``scenario``: the resources it may use; ``method``: ``least`` (least time over every
     template), ``few`` (least time with at most ``n_pipes`` pipelines), ``first`` (least time
     with template ``first`` packed first), ``group`` (least time on the partition ``cuts``),
-    ``cheapest`` (cheapest pipelines within ``factor`` times the least time); ``mbs``: only
+    ``cheapest`` (cheapest pipelines within ``factor`` times the least time), ``floor``
+    (cheapest pipelines within ``factor`` times the time a throughput floor allows); ``mbs``: only
     templates of this microbatch size (one microbatch size per plan).
     """
 

@@ -114,6 +114,12 @@ _GROUPS_PER_SCENARIO = 6
 """Shared partitions (the best of a depth each) per scenario on which the least-time
 allocation is also computed."""
 
+_FLOOR_T_FACTORS = (1.0, 0.95, 0.9, 0.8)
+"""Iteration-time budgets, as fractions of the time a throughput floor allows, at which the
+cost objective also buys the cheapest pipelines: under a floor the cheapest plan is often
+the slowest one that meets it, which the budgets relative to the least time (the whole
+pool's) may not reach (:data:`_COST_T_FACTORS`)."""
+
 _COST_T_FACTORS = (1.0, 1.15, 1.35, 1.6, 2.0, 2.5, 3.2, 4.0, 6.0, 8.0)
 """Iteration-time budgets, as multiples of the scenario's least time, at which the cost
 objective buys the cheapest pipelines: slower plans on fewer GPUs can cost less per iteration
@@ -743,11 +749,8 @@ def _recipes(
         if cur is None or max(_rate(t) for t in g) > max(_rate(t) for t in cur):
             best_per_depth[d] = g
     ranked = sorted(best_per_depth.values(), key=lambda g: -max(_rate(t) for t in g))
-    out.extend(
-        Recipe(sc, "group", cuts=_cuts(g[0]), mbs=mbs)
-        for g in ranked[:_GROUPS_PER_SCENARIO]
-        if len(g) != len(ts)
-    )
+    groups = [g for g in ranked[:_GROUPS_PER_SCENARIO] if len(g) != len(ts)]
+    out.extend(Recipe(sc, "group", cuts=_cuts(g[0]), mbs=mbs) for g in groups)
     want_cost = (
         objective != "throughput"
         or constraints.max_cost_per_iter_usd is not None
@@ -755,6 +758,15 @@ def _recipes(
     )
     if want_cost:
         out.extend(Recipe(sc, "cheapest", factor=f, mbs=mbs) for f in _COST_T_FACTORS)
+        if constraints.min_throughput_iter_s is not None:
+            out.extend(Recipe(sc, "floor", factor=f, mbs=mbs) for f in _FLOOR_T_FACTORS)
+            # and on each shared partition: the fewest of its pipelines that meet the floor
+            # (the group recipe above uses as many as the batch can keep busy)
+            out.extend(
+                Recipe(sc, "floor", factor=f, cuts=_cuts(g[0]), mbs=mbs)
+                for g in groups
+                for f in _FLOOR_T_FACTORS[:2]
+            )
     return out
 
 
@@ -793,20 +805,35 @@ def _run_recipe(
             return None
         picked = min_time_allocation(g, sc, gbs, over)
         how = f"least time on one partition {list(r.cuts)}"
-    elif r.method == "cheapest":
-        chosen = ctx.least_time()
-        if not chosen:
-            return None
-        alone = chosen[0].pipe_time(1) + over[id(chosen[0])]
-        base = max(min(t.fill_s + over[id(t)] for t in ts), _least_time(chosen, gbs, over) or alone)
-        budget = base * r.factor
+    elif r.method in ("cheapest", "floor"):
         t_max = (
             1.0 / constraints.min_throughput_iter_s
             if constraints.min_throughput_iter_s is not None
             else None
         )
-        if t_max is not None and budget > t_max * 1.05:
-            return None
+        if r.method == "floor":
+            if t_max is None:
+                return None
+            budget = t_max * r.factor
+            how = f"cheapest within {r.factor:g}x the floor's time"
+            if r.cuts:
+                g = ctx.partitions().get(r.cuts)
+                if not g:
+                    return None
+                ts = g
+                how += f" on one partition {list(r.cuts)}"
+        else:
+            chosen = ctx.least_time()
+            if not chosen:
+                return None
+            alone = chosen[0].pipe_time(1) + over[id(chosen[0])]
+            base = max(
+                min(t.fill_s + over[id(t)] for t in ts), _least_time(chosen, gbs, over) or alone
+            )
+            budget = base * r.factor
+            if t_max is not None and budget > t_max * 1.05:
+                return None
+            how = f"cheapest within {r.factor:g}x least time"
         pricing = state.pricing
         tables = state.tables
         price = {
@@ -817,7 +844,6 @@ def _run_recipe(
             for t in ts
         }
         picked = cheapest_for_time(ts, sc, gbs, budget, over, price)
-        how = f"cheapest within {r.factor:g}x least time"
     else:
         raise ValueError(f"recipe method {r.method!r}")
     if not picked:

@@ -368,3 +368,35 @@ def test_upper_bound_is_positive_and_scales_with_the_pool() -> None:
         env.model, env.profiles, make_pool({("fast", "us-test1-a"): 2}), gpu_specs=env.specs
     )
     assert a > 0 and math.isclose(b, 2 * a)
+
+
+def test_cost_under_a_floor_buys_pipelines_at_the_floors_time() -> None:
+    """Under a throughput floor, the cost objective also buys the cheapest pipelines that
+    finish within the floor's time (and a few fractions of it), over all templates and on
+    each shared partition: the cheapest plan is often the slowest one meeting the floor,
+    which budgets relative to the whole pool's least time may not reach. Each such
+    allocation keeps to its budget by the closed form, and the plan returned meets the
+    floor."""
+    env = make_env(weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64)
+    pool = make_pool(POOL2)
+    free = search(**env.kw(), pool=pool, gpu_specs=env.specs).plans[0]
+    for share in (0.5, 0.1):  # near the least time, and far below it
+        floor = free.throughput_iter_s * share
+        cons = Constraints(min_throughput_iter_s=floor)
+        res = search(
+            **env.kw(), pool=pool, objective="cost", constraints=cons, gpu_specs=env.specs
+        )
+        assert res.plans, res.reason
+        check_claims(env, res.plans, cons)
+        at_floor = [c for c in res.candidates if "the floor's time" in c.alloc.how]
+        assert at_floor and any("on one partition" in c.alloc.how for c in at_floor)
+        for c in at_floor:
+            factor = float(c.alloc.how.split("within ")[1].split("x")[0])
+            assert c.fast.iteration_s <= factor / floor * (1 + 1e-9), c.alloc.how
+        # no plan priced by the relative budgets alone is cheaper than what is returned
+        relative = [
+            c.estimate.cost_per_iter_usd
+            for c in res.candidates
+            if c.estimate is not None and not c.violations and "least time" in c.alloc.how
+        ]
+        assert all(res.plans[0].cost_per_iter_usd <= x + 1e-12 for x in relative)
