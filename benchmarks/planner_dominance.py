@@ -19,11 +19,16 @@ in every corner (the original's own plan is one of them when it is on the grid),
 best median-corner ratio among those. The robust plan of ``robust_search`` (default
 settings) is scored the same way beside them.
 
+``--min-cost`` adds the min-cost scenario (fig11: least $ per iteration at >= 0.2 it/s on
+A100-40 and V100-16): the grid's cheapest plans in the median corner that meet the floor
+there, and those that meet it in every corner, against the original's plan and beside
+``robust_search``'s plan.
+
 This is the search space of homogeneous plans with near-even splits, not every plan: a
 plan off the grid (a skewed split, a mix of TP degrees) is not covered.
 
-Run: ``python benchmarks/planner_dominance.py [--scenarios 32,80,128]``. Prints; asserts
-nothing.
+Run: ``python benchmarks/planner_dominance.py [--scenarios 32,80,128] [--min-cost]``
+(``--scenarios ""`` for the min-cost scenario alone). Prints; asserts nothing.
 """
 
 from __future__ import annotations
