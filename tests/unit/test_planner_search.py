@@ -383,9 +383,7 @@ def test_cost_under_a_floor_buys_pipelines_at_the_floors_time() -> None:
     for share in (0.5, 0.1):  # near the least time, and far below it
         floor = free.throughput_iter_s * share
         cons = Constraints(min_throughput_iter_s=floor)
-        res = search(
-            **env.kw(), pool=pool, objective="cost", constraints=cons, gpu_specs=env.specs
-        )
+        res = search(**env.kw(), pool=pool, objective="cost", constraints=cons, gpu_specs=env.specs)
         assert res.plans, res.reason
         check_claims(env, res.plans, cons)
         at_floor = [c for c in res.candidates if "the floor's time" in c.alloc.how]
