@@ -4,6 +4,7 @@
 * :mod:`permutation` — a seeded permutation evaluated per index (the sample order).
 * :mod:`tokens` — :class:`TokenDataset`: sample ``k`` is a pure function of ``(seed, k)``.
 * :mod:`prepared` — open a data set with its manifest and splits.
+* :mod:`scan` — the largest token id of a data set without a manifest, once per file version.
 * :mod:`corpus`, :mod:`tokenizer`, :mod:`prepare` — ``sailor data prepare``.
 
 Must never import torch (the engine adapts numpy arrays in ``megatron_patch.data``) and
@@ -12,6 +13,7 @@ never download anything.
 
 from sailor.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 from sailor.data.prepared import PreparedData, open_prepared, read_manifest
+from sailor.data.scan import max_token_id
 from sailor.data.tokens import TokenDataset
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "IndexedDatasetWriter",
     "PreparedData",
     "TokenDataset",
+    "max_token_id",
     "open_prepared",
     "read_manifest",
 ]

@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from sailor.data import TokenDataset, open_prepared
+from sailor.data import TokenDataset, max_token_id, open_prepared
 from sailor.megatron_patch.roles import RankRole
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.training import DataConfig, IndexedData
@@ -137,8 +137,8 @@ def build_dataset(
 
     Relative paths are taken from ``base_dir`` (the config file's directory). An indexed
     data set whose token ids the model's vocabulary cannot embed is refused: by the
-    manifest's vocabulary size, or, without a manifest, by the largest id of the split
-    (one pass over it).
+    manifest's vocabulary size, or, without a manifest, by the largest id in the file (one
+    pass over it per version of the file: ``sailor.data.scan``).
     """
     if not isinstance(data, IndexedData):
         offset = VALIDATION_SEED_OFFSET if split == "validation" else 0
@@ -147,8 +147,8 @@ def build_dataset(
     prepared = open_prepared(_resolve(data.prefix, base_dir), manifest, data.validation_fraction)
     tokens = prepared.tokens(split, spec.seq_length, seed)
     vocab = prepared.vocab_size
-    if vocab is None:
-        vocab = tokens.max_token() + 1
+    if vocab is None:  # the whole file's largest id, scanned once per version of it
+        vocab = max_token_id(prepared.dataset) + 1
     if vocab > spec.vocab_size:
         raise ValueError(
             f"data.prefix={data.prefix!r}: token ids need a vocabulary of {vocab}, the model "

@@ -1,0 +1,66 @@
+"""The largest token id of a data set without a manifest, scanned once per version of its file.
+
+A data set prepared elsewhere (Megatron's tools) has no manifest to give its vocabulary size,
+so the engine checks that the model can embed every id by the largest one in the ``.bin``.
+That is one pass over the whole file: on a large corpus, minutes of I/O for every rank at
+every start, and a run that reconfigures restarts often. The pass is done once per version of
+the file: its result is kept beside it in ``PREFIX.scan.json`` with the ``.bin``'s size and
+modification time, and read back while both match. Where the directory cannot be written
+(a read-only mount), the scan is repeated as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from sailor.data.indexed import IndexedDataset
+
+__all__ = ["max_token_id", "scan_path"]
+
+
+def scan_path(ds: IndexedDataset) -> Path:
+    """Where the scan of ``ds`` is kept: ``PREFIX.scan.json``."""
+    return ds.idx_path.with_suffix(".scan.json")
+
+
+def _version(ds: IndexedDataset) -> dict[str, int]:
+    st = ds.bin_path.stat()
+    return {"bin_bytes": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
+
+
+def _recorded(path: Path, version: dict[str, int]) -> int | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or any(doc.get(k) != v for k, v in version.items()):
+        return None
+    m = doc.get("max_token")
+    return m if isinstance(m, int) and not isinstance(m, bool) and m >= 0 else None
+
+
+def max_token_id(ds: IndexedDataset) -> int:
+    """The largest token id in ``ds`` (0 when it holds none): the record beside it when it
+    describes this version of the ``.bin``, else one pass over the file (then recorded,
+    atomically; a directory that cannot be written only costs the next start a scan)."""
+    path = scan_path(ds)
+    version = _version(ds)
+    hit = _recorded(path, version)
+    if hit is not None:
+        return hit
+    found = int(ds.document_tokens(0, ds.num_documents).max(initial=0))
+    doc = {**version, "max_token": found}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    except OSError:  # the directory cannot be written
+        return found
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        Path(tmp).replace(path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+    return found
