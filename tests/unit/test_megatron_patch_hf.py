@@ -236,3 +236,53 @@ def test_load_stage_refuses_a_mismatched_checkpoint_before_loading(tmp_path: Pat
         load_stage(stage, tmp_path)
     for n, p in stage.keyed_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+@pytest.mark.parametrize(
+    "weight,shape",
+    [("layers.3.mlp.up_proj.weight", "one row short"), ("layers.0.input_layernorm.weight", "[1]")],
+)
+def test_load_stage_refuses_weights_of_another_shape_before_loading(
+    weight: str, shape: str, tmp_path: Path
+) -> None:
+    """A weight of another shape is refused from the headers, before anything is loaded: a
+    copy would fail half-way (a row short) or broadcast silently (a [1] norm weight)."""
+    from safetensors.torch import load_file, save_file
+
+    from sailor.megatron_patch.hf.checkpoint import load_stage
+
+    save_tiny("llama", tmp_path)
+    f = tmp_path / "model.safetensors"
+    state = load_file(str(f))
+    name = next(n for n in state if n.endswith(weight))
+    state[name] = state[name][:-1] if shape == "one row short" else torch.full((1,), 7.0)
+    save_file(state, str(f), metadata={"format": "pt"})
+    spec, arch = load_model(tmp_path, SEQ, 4)
+    stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch)
+    before = {n: p.detach().clone() for n, p in stage.keyed_parameters()}
+    with pytest.raises(ValueError, match="another shape"):
+        load_stage(stage, tmp_path)
+    for n, p in stage.keyed_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_an_untied_head_without_its_weight_takes_the_embedding_per_layer(tmp_path: Path) -> None:
+    """A checkpoint that leaves out an untied head's weight gives the head the embedding's
+    (as converting the whole state dict does); reading the head's layer alone brings the
+    embedding along."""
+    from safetensors.torch import load_file, save_file
+
+    from sailor.megatron_patch.hf.checkpoint import load_stage
+
+    model = save_tiny("llama", tmp_path)
+    spec, arch = load_model(tmp_path, SEQ, 4)
+    assert not spec.tie_embeddings
+    f = tmp_path / "model.safetensors"
+    state = load_file(str(f))
+    del state["lm_head.weight"]
+    save_file(state, str(f), metadata={"format": "pt"})
+    last = spec.num_all_layers - 1
+    stage = GPTStage(spec, last, last, arch=arch)
+    load_stage(stage, tmp_path)
+    emb = model.state_dict()["model.embed_tokens.weight"]
+    assert torch.equal(dict(stage.keyed_parameters())[f"{last}.lm_head.weight"].detach(), emb)

@@ -4,11 +4,11 @@
 - :func:`load_stage` fills one rank's stage from the directory's safetensors files, reading
   only the tensors of the stage's layers (``safe_open`` is lazy), so every rank of any plan
   (uneven stages, any TP degree) imports the same model: full tensors are converted to the
-  engine's names and sliced to the rank's TP shard (``state.load_full_params``). It reads
-  one layer at a time, in the file's dtype, and slices on the host before the copy to the
-  device: a rank holds one layer's full tensors at a time, not its whole stage in fp32
-  (Llama-2-70B at PP 4: ~1.7 GB of bf16 per rank instead of ~69 GB of fp32, times the TP ranks
-  of a node).
+  engine's names and sliced to the rank's TP shard (``state.load_full_params``). It checks
+  every weight's name and shape from the files' headers first, then reads one layer at a
+  time, in the file's dtype, and slices on the host before the copy to the device: a rank
+  holds one layer's full tensors at a time, not its whole stage in fp32 (Llama-2-70B at
+  PP 4: ~1.7 GB of bf16 per rank instead of ~69 GB of fp32, times the TP ranks of a node).
 - :func:`model_file` is the resolved model (spec and architecture) the worker's ``--model``
   takes, so ranks need not import ``transformers`` (seconds per process);
 - :func:`export` writes ``config.json`` and ``model.safetensors`` from the engine's full
@@ -30,8 +30,13 @@ import torch
 
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.hf.config import from_hf_config
-from sailor.megatron_patch.hf.convert import engine_to_hf, hf_layer_of, hf_to_engine
-from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.hf.convert import (
+    engine_to_hf,
+    has_head_weight,
+    hf_layer_of,
+    hf_to_engine,
+)
+from sailor.megatron_patch.model import GPTStage, full_shape
 from sailor.megatron_patch.state import load_full_params
 from sailor.schemas.model import ModelSpec
 
@@ -106,8 +111,10 @@ def _read(
     wanted = set(layers)
     head = spec.num_all_layers - 1
     need = set(wanted)
-    if head in wanted and spec.tie_embeddings:
-        need.add(0)
+    if head in wanted and (
+        spec.tie_embeddings or not has_head_weight(arch, (n for _, n in index.get(head, ())))
+    ):
+        need.add(0)  # the head takes the embedding's weight
     by_file: dict[Path, list[str]] = {}
     for layer in sorted(need):
         for path, name in index.get(layer, ()):
@@ -140,9 +147,10 @@ def load_stage(stage: GPTStage, model_dir: str | Path) -> None:
     # every layer's tensors are named by the files' headers: check them all before loading
     layers = range(stage.first_layer, stage.last_layer + 1)
     try:
-        found = set(_read(index, stage.spec, stage.arch, layers, None, meta=True))
+        shapes = _read(index, stage.spec, stage.arch, layers, None, meta=True)
     except KeyError as exc:  # a tensor the conversion needs is not in the files
         raise KeyError(f"{model_dir}: no weights for {exc.args[0]!r}") from exc
+    found = set(shapes)
     missing = sorted(names - found)
     if missing:
         raise KeyError(f"{model_dir}: no weights for {missing[:5]} ({len(missing)} missing)")
@@ -153,6 +161,18 @@ def load_stage(stage: GPTStage, model_dir: str | Path) -> None:
         raise KeyError(
             f"{model_dir}: weights {unused[:5]} ({len(unused)}) have no parameter in the "
             "engine's model: its architecture differs from the checkpoint's"
+        )
+    # and every shape: a copy would broadcast a wrong one, or fail half-way through
+    tp = stage.tp.size
+    wrong = [
+        f"{n} {tuple(shapes[n].shape)} (the model's {full_shape(p, tp)})"
+        for n, p in stage.keyed_parameters()
+        if tuple(shapes[n].shape) != full_shape(p, tp)
+    ]
+    if wrong:
+        raise ValueError(
+            f"{model_dir}: weights of another shape than the engine's model: "
+            f"{'; '.join(wrong[:5])} ({len(wrong)} in all)"
         )
     for layer in layers:
         load_full_params(stage, _read(index, stage.spec, stage.arch, [layer], None))

@@ -129,6 +129,13 @@ def canonical_name(arch: Architecture, hf_name: str) -> str:
     return hf_name
 
 
+def has_head_weight(arch: Architecture, hf_names: Iterable[str]) -> bool:
+    """Whether ``hf_names`` hold the LM head's own weight (else the head takes the
+    embedding's, as :func:`hf_to_engine` does)."""
+    want = _HEAD[_family(arch)]["lm_head.weight"]
+    return any(canonical_name(arch, n) == want for n in hf_names)
+
+
 def hf_layer_of(arch: Architecture, spec: ModelSpec, hf_name: str) -> int | None:
     """The engine's global layer of an HF tensor name (None: not a model weight)."""
     fam = _family(arch)
