@@ -6,7 +6,9 @@ That is one pass over the whole file: on a large corpus, minutes of I/O for ever
 every start, and a run that reconfigures restarts often. The pass is done once per version of
 the file: its result is kept beside it in ``PREFIX.scan.json`` with the ``.bin``'s size and
 modification time, and read back while both match. Where the directory cannot be written
-(a read-only mount), the scan is repeated as before.
+(a read-only mount), the scan is repeated as before. The ranks of a first start scan
+together (no lock: the last record written wins, all equal); a rewrite of the ``.bin`` that
+keeps its size within the file system's timestamp resolution would not be seen.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def max_token_id(ds: IndexedDataset) -> int:
     except OSError:  # the directory cannot be written
         return found
     try:
+        os.fchmod(fd, 0o644)  # readable by every user of a shared data directory
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
         Path(tmp).replace(path)

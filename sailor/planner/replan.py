@@ -44,6 +44,9 @@ _RECIPES = 6
 ranked them on a pool that differs by a few nodes; its best few are where the new best is.
 On the benchmark pools (64-2,048 nodes) the winner was always among the first three."""
 
+_SIMULATE_TOP = 4
+"""Plans a replan simulates at most by default (``replan``'s ``simulate_top``)."""
+
 
 def warm_start(
     alloc: Allocation, caps: dict[tuple[str, str, int], int], gbs: int
@@ -132,7 +135,7 @@ def replan(
     *,
     tolerance: float = 0.02,
     top_k: int = 1,
-    simulate_top: int = 4,
+    simulate_top: int = _SIMULATE_TOP,
     full: bool = False,
     recipes: int = _RECIPES,
     running: tuple[Plan, Allocation] | None = None,
@@ -147,14 +150,20 @@ def replan(
 
     ``simulate_top=0`` leaves the judging to the caller: no plan is simulated, and the
     result's candidates are the closed-form ranking, the first ``top_k`` with their plans
-    (:func:`sailor.planner.search.search_recipes`); when the recipes cannot be re-run, the
-    search from the tables simulates its best plan as usual.
+    (:func:`sailor.planner.search.search_recipes`). When no recipe can be re-run (no
+    previous allocation, ``full``), the search from the tables runs instead and simulates
+    as a replan does by default. A result without plans warm-starts the next replan from
+    its closed-form best.
     """
     state = previous.state
     gbs = state.tables.inputs.model.global_batch_size
     caps = resources_of(new_pool, previous.constraints)
     current = previous.plans[0].plan if previous.plans else None
     old = previous.allocations[0] if previous.allocations else None
+    if old is None:  # a replan that simulated nothing: its closed-form best
+        shown = next((c for c in previous.candidates if c.plan is not None), None)
+        if shown is not None:
+            current, old = shown.plan, shown.alloc
     if running is not None:
         here = repriced_allocation(running[1], previous)
         if here is not None:
@@ -166,8 +175,8 @@ def replan(
             extra.append(w)
     todo = _recipes_of(previous, recipes)
     if full or not todo or old is None:
-        # a search from the tables always simulates its best (``simulate_top=0`` asks the
-        # recipe path below not to)
+        # a search from the tables always simulates (``simulate_top=0`` asks the recipe path
+        # below not to): its best, judged as a replan's by default
         k = top_k if simulate_top > 0 else 1
         return search_with_tables(
             state,
@@ -175,7 +184,7 @@ def replan(
             previous.objective,
             previous.constraints,
             top_k=k,
-            simulate_top=max(simulate_top, k),
+            simulate_top=max(simulate_top, k) if simulate_top > 0 else _SIMULATE_TOP,
             previous=current,
             extra=extra,
             prefer_less_movement=tolerance,

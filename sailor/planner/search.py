@@ -1206,7 +1206,12 @@ def search_recipes(
             Candidate(c.alloc, c.fast, plan=_plan_of(state, c.alloc, f"sailor-{i + 1}"))
             for i, c in enumerate(ok[:top_k])
         ]
-        reason = "not simulated: closed-form candidates, for the caller to judge"
+        reason = (
+            "not simulated: closed-form candidates, for the caller to judge"
+            if ok
+            else "no allocation meets the constraints by the search's estimate "
+            f"({len(cands)} allocations looked at)"
+        )
         return _empty(state, pool, objective, constraints, previous, reason, ub, shown + ok[top_k:])
 
     def enough(judged: Sequence[Candidate], feasible: Sequence[Candidate]) -> bool:

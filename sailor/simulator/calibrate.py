@@ -17,13 +17,14 @@ order, each using those before it (docs/simulator-model.md, sections 1, 4, 6 and
 * ``p2p_efficiency`` (η_p2p): geometric mean, over the runs with multi-stage pipelines, of
   the η_p2p at which the simulated pipeline phase (iteration minus gradient sync) equals the
   measured iteration minus the measured reduce time (bisection on log η_p2p over [0.01, 1]:
-  the phase grows as η_p2p falls; a run already slower at η_p2p = 1 reads 1, one still
-  faster at 0.01 reads 0.01). Straggler readings are dropped as for η. Without such runs it
-  is left unset (transfers then use η). The remainder of the phase is pipeline transfers
-  and the per-microbatch work of the pipeline engine around them (instruction dispatch,
-  buffer handling), which the profile of the layers alone does not see. Read as a
-  bandwidth factor, it predicts plans on the links it was read on; on a much slower link
-  it overcharges the engine's fixed part (docs/simulator-model.md section 7).
+  the phase grows as η_p2p falls). A run faster than simulated even at η_p2p = 1, or
+  slower even at 0.01, says only that it lies outside the range and is left out, as are
+  straggler readings (as for η). Without a reading it is left unset (transfers then use
+  η). The remainder of the phase is pipeline transfers and the per-microbatch work of the
+  pipeline engine around them (instruction dispatch, buffer handling), which the profile of
+  the layers alone does not see. Read as a bandwidth factor, it predicts plans on the links
+  it was read on; on a much slower link it overcharges the engine's fixed part
+  (docs/simulator-model.md section 7).
 * ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage runs
   with the smallest and largest activation footprint; 1 without two such runs.
 * ``memory_overhead_bytes`` (M0): median of measured − modelled peak memory over all runs.
@@ -235,22 +236,38 @@ def calibrate_gpu(
         )
         return est.iteration_time_s - est.time.grad_sync_s
 
-    p2p_logs = [
-        _p2p_reading(functools.partial(phase, r), r.iteration_time_s - r.grad_reduce_s)
-        for r in runs
-        if any(p.depth > 1 for p in r.plan.pipelines)
-        and r.grad_reduce_s is not None
+    piped = [r for r in runs if any(p.depth > 1 for p in r.plan.pipelines)]
+    usable = [
+        r
+        for r in piped
+        if r.grad_reduce_s is not None
         and r.grad_reduce_s <= _STRAGGLER_FRACTION * r.iteration_time_s
     ]
+    readings = [
+        _p2p_reading(functools.partial(phase, r), r.iteration_time_s - (r.grad_reduce_s or 0.0))
+        for r in usable
+    ]
+    # a reading at a bound says only that the run lies outside the range (its time barely
+    # moves with the transfers, or something else is slower or faster than modelled): it
+    # would pull the mean to the bound, so it is left out
+    bounds = (math.log(_P2P_RANGE[0]), math.log(_P2P_RANGE[1]))
+    p2p_logs = [x for x in readings if x not in bounds]
     if p2p_logs:
         p2p_eta = math.exp(statistics.mean(p2p_logs))
         step = step.model_copy(update={"p2p_efficiency": p2p_eta})
+        dropped = len(readings) - len(p2p_logs)
         why.append(
             f"eta_p2p={p2p_eta:.3f}: geometric mean over {len(p2p_logs)} multi-stage runs' "
             "pipeline phases"
+            + (f" ({dropped} at a bound of [0.01, 1] left out)" if dropped else "")
         )
-    else:
+    elif not piped:
         why.append("eta_p2p: no multi-stage run; transfers use eta")
+    else:
+        why.append(
+            f"eta_p2p: none of {len(piped)} multi-stage runs gives a reading (reduce time "
+            "missing, a straggler, or at a bound of [0.01, 1]); transfers use eta"
+        )
 
     step = step.model_copy(update={"memory_overhead_bytes": 0})
     kappa = 1.0

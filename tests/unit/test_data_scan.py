@@ -86,3 +86,9 @@ def test_the_engine_refuses_ids_its_model_cannot_embed_and_keeps_the_scan(
     _write(tmp_path / "big", [[*ok[0], spec.vocab_size]])
     with pytest.raises(ValueError, match=f"vocabulary of {spec.vocab_size + 1}"):
         build_dataset(IndexedData(prefix=str(tmp_path / "big")), spec, seed=0)
+
+
+def test_the_record_is_readable_by_other_users(tmp_path: Path) -> None:
+    ds = _write(tmp_path / "ds", [[3, 12]])
+    max_token_id(ds)
+    assert scan_path(ds).stat().st_mode & 0o044 == 0o044

@@ -231,3 +231,17 @@ def test_replan_without_simulation_returns_its_closed_form_ranking() -> None:
     assert sim.plans and sim.plans[0].estimate.iteration_time_s == pytest.approx(
         min(fast), rel=0.05
     )
+
+
+def test_a_replan_chained_off_one_that_simulated_nothing_warm_starts_from_its_best() -> None:
+    """A replan of a result without plans (``simulate_top=0``) starts from that result's
+    closed-form best, re-runs its recipes and still simulates nothing."""
+    first = _run("median")
+    prev = first.results["median"]  # type: ignore[attr-defined]
+    a = replan(prev, make_pool({("fast", ZONE): 2, ("slow", ZONE): 3}), simulate_top=0)
+    assert not a.plans and a.candidates and a.candidates[0].plan is not None
+    b = replan(a, make_pool({("fast", ZONE): 2, ("slow", ZONE): 2}), simulate_top=0)
+    assert not b.plans and "not simulated" in b.reason
+    assert all(c.estimate is None for c in b.candidates)
+    c = replan(a, make_pool({("fast", ZONE): 2, ("slow", ZONE): 2}))  # judged as usual
+    assert c.plans and c.plans[0].estimate is not None
