@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from sailor.schemas import (
     Calibration,
     Deployment,
+    Estimate,
     GPUCalibration,
     GPUSpec,
     ModelSpec,
@@ -148,6 +149,13 @@ def _table(profiles: ProfileDB, model: ModelSpec, gpu: str, plan: Plan) -> Stage
     )
 
 
+def _reduce_readable(r: MeasuredRun) -> bool:
+    """``r`` has a reduce time that is communication, not waiting for a straggler."""
+    return (
+        r.grad_reduce_s is not None and r.grad_reduce_s <= _STRAGGLER_FRACTION * r.iteration_time_s
+    )
+
+
 def _p2p_reading(phase: Callable[[float], float], measured: float) -> float:
     """log η_p2p at which ``phase(η_p2p)`` (falling as η_p2p grows) equals ``measured``."""
     lo, hi = math.log(_P2P_RANGE[0]), math.log(_P2P_RANGE[1])
@@ -194,9 +202,9 @@ def calibrate_gpu(
     c = statistics.median(dp1) if dp1 else 0.0
     why.append(f"c={c * 1e3:.1f} ms: median reduce time of {len(dp1)} runs without DP")
 
-    def sim(cal: GPUCalibration, run: MeasuredRun) -> tuple[float, int]:
-        """(simulated all-reduce time of the first stage, simulated peak memory)."""
-        est = simulate(
+    def estimate(cal: GPUCalibration, run: MeasuredRun) -> Estimate:
+        """``run``'s plan simulated with ``cal`` in ``base``'s structure."""
+        return simulate(
             run.plan,
             model,
             profiles,
@@ -205,16 +213,19 @@ def calibrate_gpu(
             calibration=base.with_gpu(cal),
             gpu_specs=specs,
         )
+
+    def sim(cal: GPUCalibration, run: MeasuredRun) -> tuple[float, int]:
+        """(simulated all-reduce time of the first stage, simulated peak memory)."""
+        est = estimate(cal, run)
         first = next(s for s in est.stages if s.pipeline == 0 and s.stage == 0)
         return first.grad_sync_s, est.peak_memory_bytes
 
     step = GPUCalibration(gpu_type=gpu, profiler_overhead_s=h, sync_fixed_s=c)
     logs: list[float] = []
     for r in runs:
-        if len(r.plan.pipelines) < 2 or r.grad_reduce_s is None:
+        if len(r.plan.pipelines) < 2 or not _reduce_readable(r):
             continue
-        if r.grad_reduce_s > _STRAGGLER_FRACTION * r.iteration_time_s:
-            continue
+        assert r.grad_reduce_s is not None
         ar, _ = sim(step, r)
         if ar > 0:
             logs.append(math.log(ar / max(r.grad_reduce_s - c, 1e-4)))
@@ -225,24 +236,11 @@ def calibrate_gpu(
 
     def phase(r: MeasuredRun, p2p: float) -> float:
         """Simulated iteration minus gradient sync at η_p2p = ``p2p``."""
-        est = simulate(
-            r.plan,
-            model,
-            profiles,
-            network,
-            prices,
-            calibration=base.with_gpu(step.model_copy(update={"p2p_efficiency": p2p})),
-            gpu_specs=specs,
-        )
+        est = estimate(step.model_copy(update={"p2p_efficiency": p2p}), r)
         return est.iteration_time_s - est.time.grad_sync_s
 
     piped = [r for r in runs if any(p.depth > 1 for p in r.plan.pipelines)]
-    usable = [
-        r
-        for r in piped
-        if r.grad_reduce_s is not None
-        and r.grad_reduce_s <= _STRAGGLER_FRACTION * r.iteration_time_s
-    ]
+    usable = [r for r in piped if _reduce_readable(r)]
     readings = [
         _p2p_reading(functools.partial(phase, r), r.iteration_time_s - (r.grad_reduce_s or 0.0))
         for r in usable
@@ -275,15 +273,7 @@ def calibrate_gpu(
     if len(singles) >= 2:
         acts = []
         for r in singles:
-            est = simulate(
-                r.plan,
-                model,
-                profiles,
-                network,
-                prices,
-                calibration=base.with_gpu(step),
-                gpu_specs=specs,
-            )
+            est = estimate(step, r)
             acts.append((max(m.activations for m in est.memory), r))
         acts.sort(key=lambda x: x[0])
         (a0, r0), (a1, r1) = acts[0], acts[-1]
