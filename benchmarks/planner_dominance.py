@@ -104,14 +104,7 @@ def run(s: Setup, n: int) -> None:
         print(f"\n## A100 x{n}: original plan not importable ({orig})")
         return
     gpn = orig.pipelines[0].stages[0].replica.gpus_per_node
-    judge: dict[str, Any] = {
-        "model": s.model,
-        "profiles": s.profiles,
-        "network": s.network,
-        "prices": s.prices,
-        "calibration": s.calibration,
-        "gpu_specs": s.specs,
-    }
+    judge: dict[str, Any] = s.kw()
     o = judge_in_corners(orig, **judge)
     layers = s.model.num_all_layers
     t0 = time.process_time()
@@ -192,14 +185,7 @@ def run_min_cost(s: Setup) -> None:
         print(f"\n## min cost: original plan not importable ({orig})")
         return
     floor = 0.2
-    judge: dict[str, Any] = {
-        "model": s.model,
-        "profiles": s.profiles,
-        "network": s.network,
-        "prices": s.prices,
-        "calibration": s.calibration,
-        "gpu_specs": s.specs,
-    }
+    judge: dict[str, Any] = s.kw()
     o = judge_in_corners(orig, **judge)
     layers = s.model.num_all_layers
     per_zone = 128

@@ -84,10 +84,6 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return len(self._stream)
 
-    def max_token(self) -> int:
-        """Largest token id of the split (one pass over it)."""
-        return int(self._stream.max(initial=0))
-
     @property
     def num_windows(self) -> int:
         """Distinct samples per epoch."""
