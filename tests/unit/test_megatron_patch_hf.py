@@ -60,6 +60,33 @@ def _tp(size: int, rank: int) -> TPContext:
     return TPContext(size=size, rank=rank, group=object())
 
 
+def _saved(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a saved tiny model's ``model.safetensors``."""
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def _resave(model_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` over the directory's ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _refused_and_unchanged(
+    stage: GPTStage, model_dir: Path, error: type[Exception], match: str
+) -> None:
+    """``load_stage`` refuses the directory and leaves every parameter as it was."""
+    from sailor.megatron_patch.hf.checkpoint import load_stage
+
+    before = {n: p.detach().clone() for n, p in stage.keyed_parameters()}
+    with pytest.raises(error, match=match):
+        load_stage(stage, model_dir)
+    for n, p in stage.keyed_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_into_uneven_stages_at_any_tp_and_export_back(family: str, tmp_path: Path) -> None:
     model = save_tiny(family, tmp_path / "in")
@@ -133,16 +160,12 @@ def test_llama_with_mlp_biases_keeps_every_bias() -> None:
 def test_published_opt_names_without_the_model_prefix_load(tmp_path: Path) -> None:
     """facebook/opt-* weights were saved from OPTModel: ``decoder.…``, not
     ``model.decoder.…``; they load as the prefixed names do."""
-    from safetensors.torch import load_file, save_file
-
     from sailor.megatron_patch.hf.checkpoint import load_stage
 
     save_tiny("opt", tmp_path)
-    f = tmp_path / "model.safetensors"
-    state = load_file(str(f))
-    bare = {n.removeprefix("model."): t for n, t in state.items()}
+    bare = {n.removeprefix("model."): t for n, t in _saved(tmp_path).items()}
     assert any(n.startswith("decoder.") for n in bare)
-    save_file(bare, str(f), metadata={"format": "pt"})
+    _resave(tmp_path, bare)
     spec, arch = load_model(tmp_path, SEQ, 4)
     stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch)
     load_stage(stage, tmp_path)  # raised KeyError on model.decoder.layers.0...
@@ -173,17 +196,10 @@ def test_load_stage_reads_one_layer_at_a_time_in_the_files_dtype(
     here), never its whole stage in fp32; the shards it loads are those of the fp32 import
     (a bf16 value is exact in fp32). gpt2 ties its head to the embedding: the head's layer
     brings the embedding along."""
-    from safetensors.torch import load_file, save_file
-
     import sailor.megatron_patch.hf.checkpoint as ckpt
 
     save_tiny(family, tmp_path)
-    f = tmp_path / "model.safetensors"
-    save_file(
-        {n: t.to(torch.bfloat16) for n, t in load_file(str(f)).items()},
-        str(f),
-        metadata={"format": "pt"},
-    )
+    _resave(tmp_path, {n: t.to(torch.bfloat16) for n, t in _saved(tmp_path).items()})
     spec, arch = load_model(tmp_path, SEQ, 4)
     reads: list[tuple[list[int], set[torch.dtype]]] = []
     real = ckpt._read
@@ -213,29 +229,17 @@ def test_load_stage_reads_one_layer_at_a_time_in_the_files_dtype(
 def test_load_stage_refuses_a_mismatched_checkpoint_before_loading(tmp_path: Path) -> None:
     """Missing and extra weights are found from the files' headers, before any layer is
     read: the stage is left as it was."""
-    from safetensors.torch import load_file, save_file
-
-    from sailor.megatron_patch.hf.checkpoint import load_stage
-
     save_tiny("llama", tmp_path)
-    f = tmp_path / "model.safetensors"
-    state = load_file(str(f))
+    state = _saved(tmp_path)
     spec, arch = load_model(tmp_path, SEQ, 4)
     gone = next(n for n in state if n.endswith("layers.1.mlp.up_proj.weight"))
-    save_file({n: t for n, t in state.items() if n != gone}, str(f), metadata={"format": "pt"})
+    _resave(tmp_path, {n: t for n, t in state.items() if n != gone})
     stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch)
-    before = {n: p.detach().clone() for n, p in stage.keyed_parameters()}
-    with pytest.raises(KeyError, match="no weights for"):
-        load_stage(stage, tmp_path)
-    for n, p in stage.keyed_parameters():
-        assert torch.equal(p.detach(), before[n]), n
+    _refused_and_unchanged(stage, tmp_path, KeyError, "no weights for")
     extra = dict(state)
     extra["model.layers.0.mlp.up_proj.bias"] = torch.zeros(state[gone].shape[0])
-    save_file(extra, str(f), metadata={"format": "pt"})
-    with pytest.raises(KeyError, match="no parameter in the engine's model"):
-        load_stage(stage, tmp_path)
-    for n, p in stage.keyed_parameters():
-        assert torch.equal(p.detach(), before[n]), n
+    _resave(tmp_path, extra)
+    _refused_and_unchanged(stage, tmp_path, KeyError, "no parameter in the engine's model")
 
 
 @pytest.mark.parametrize(
@@ -247,40 +251,28 @@ def test_load_stage_refuses_weights_of_another_shape_before_loading(
 ) -> None:
     """A weight of another shape is refused from the headers, before anything is loaded: a
     copy would fail half-way (a row short) or broadcast silently (a [1] norm weight)."""
-    from safetensors.torch import load_file, save_file
-
-    from sailor.megatron_patch.hf.checkpoint import load_stage
-
     save_tiny("llama", tmp_path)
-    f = tmp_path / "model.safetensors"
-    state = load_file(str(f))
+    state = _saved(tmp_path)
     name = next(n for n in state if n.endswith(weight))
     state[name] = state[name][:-1] if shape == "one row short" else torch.full((1,), 7.0)
-    save_file(state, str(f), metadata={"format": "pt"})
+    _resave(tmp_path, state)
     spec, arch = load_model(tmp_path, SEQ, 4)
     stage = GPTStage(spec, 0, spec.num_all_layers - 1, arch=arch)
-    before = {n: p.detach().clone() for n, p in stage.keyed_parameters()}
-    with pytest.raises(ValueError, match="another shape"):
-        load_stage(stage, tmp_path)
-    for n, p in stage.keyed_parameters():
-        assert torch.equal(p.detach(), before[n]), n
+    _refused_and_unchanged(stage, tmp_path, ValueError, "another shape")
 
 
 def test_an_untied_head_without_its_weight_takes_the_embedding_per_layer(tmp_path: Path) -> None:
     """A checkpoint that leaves out an untied head's weight gives the head the embedding's
     (as converting the whole state dict does); reading the head's layer alone brings the
     embedding along."""
-    from safetensors.torch import load_file, save_file
-
     from sailor.megatron_patch.hf.checkpoint import load_stage
 
     model = save_tiny("llama", tmp_path)
     spec, arch = load_model(tmp_path, SEQ, 4)
     assert not spec.tie_embeddings
-    f = tmp_path / "model.safetensors"
-    state = load_file(str(f))
+    state = _saved(tmp_path)
     del state["lm_head.weight"]
-    save_file(state, str(f), metadata={"format": "pt"})
+    _resave(tmp_path, state)
     last = spec.num_all_layers - 1
     stage = GPTStage(spec, last, last, arch=arch)
     load_stage(stage, tmp_path)
