@@ -139,7 +139,8 @@ def main() -> None:
             cal = cal.with_gpu(gcal)
             print(
                 f"calibration {g}: h={gcal.profiler_overhead_s * 1e3:.3f} ms/layer, "
-                f"eta={gcal.network_efficiency:.3f}, c={gcal.sync_fixed_s * 1e3:.2f} ms, "
+                f"eta={gcal.network_efficiency:.3f}, eta_p2p={gcal.p2p_eta:.3f}, "
+                f"p2p_fixed={gcal.p2p_fixed_s * 1e3:.2f} ms, c={gcal.sync_fixed_s * 1e3:.2f} ms, "
                 f"kappa={gcal.alloc_factor:.3f}, "
                 f"M0={(gcal.memory_overhead_bytes or 0) / GIB:.2f} GiB"
             )

@@ -325,6 +325,10 @@ class CostTables:
             inp.calibration.for_gpu(a.gpu_type).p2p_eta,
             inp.calibration.for_gpu(b.gpu_type).p2p_eta,
         )
+        fixed = max(
+            inp.calibration.for_gpu(a.gpu_type).p2p_fixed_s,
+            inp.calibration.for_gpu(b.gpu_type).p2p_fixed_s,
+        )
         copies = self.p2p_copies(a, b)
         # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
         gcurve_f = (
@@ -348,8 +352,8 @@ class CostTables:
                 gather_b = gcurve_b.transfer_time(out) if gcurve_b is not None else 0.0
                 fwd, bwd = (out, out) if copies is None else (copies[0] * out, copies[1] * out)
                 hit_j = of_size[per_sample] = (
-                    curve.transfer_time(fwd + a.tp * self.mask_bytes) / eff + gather_f,
-                    curve.transfer_time(bwd) / eff + gather_b,
+                    fixed + curve.transfer_time(fwd + a.tp * self.mask_bytes) / eff + gather_f,
+                    fixed + curve.transfer_time(bwd) / eff + gather_b,
                 )
             tf[j], tb[j] = hit_j
         self._links[key] = (tf, tb)

@@ -65,6 +65,15 @@ class GPUPrior(Frozen):
     p2p_efficiency: ConstantRange = Field(
         description="Fraction of the probed link bandwidth pipeline transfers reach."
     )
+    p2p_fixed_s: ConstantRange = Field(
+        default=ConstantRange(
+            low=0.0,
+            median=0.0,
+            high=0.0,
+            evidence="not given: no fixed cost per pipeline transfer (bytes over the link only)",
+        ),
+        description="Fixed cost of one pipeline transfer besides its bytes, s.",
+    )
     sync_fixed_s: ConstantRange = Field(description="Fixed sync cost per iteration, s.")
     alloc_factor: ConstantRange = Field(
         description="Caching-allocator factor (reserved/allocated)."
@@ -85,7 +94,7 @@ class GPUPrior(Frozen):
                 raise field_error(name, (r.low, r.high), "an efficiency lies in (0, 1]")
         if self.alloc_factor.low < 1:
             raise field_error("alloc_factor.low", self.alloc_factor.low, "must be >= 1")
-        for name in ("profiler_overhead_s", "sync_fixed_s", "memory_overhead_bytes"):
+        for name in ("profiler_overhead_s", "p2p_fixed_s", "sync_fixed_s", "memory_overhead_bytes"):
             if getattr(self, name).low < 0:
                 raise field_error(f"{name}.low", getattr(self, name).low, "must be >= 0")
         if self.compute_scale is not None and self.compute_scale.low <= 0:
@@ -133,6 +142,15 @@ class GPUCalibration(Frozen):
         description=(
             "Fraction of the probed link bandwidth pipeline transfers reach. None: the same "
             "as network_efficiency (what a calibration from gradient reduce times gives)."
+        ),
+    )
+    p2p_fixed_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Fixed cost of one pipeline transfer (each direction, each microbatch, each stage "
+            "boundary) besides its bytes over the link: the pipeline engine's own work around "
+            "a send (dispatch, buffer handling, the communicator's latency), s. Default 0."
         ),
     )
     sync_fixed_s: float = Field(

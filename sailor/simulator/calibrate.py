@@ -71,6 +71,15 @@ _P2P_HALVINGS = 24
 """Bisection steps on log η_p2p over _P2P_RANGE: 2e-7 relative precision."""
 
 
+_TWO_TERM_STEPS = 12
+"""Gauss-Newton steps of the two-term p2p fit (it converges in 3-5 on the GH200 runs)."""
+
+_HALVINGS_PER_STEP = 8
+_FIXED_STEP_S = 1e-4
+"""Forward-difference steps: 0.1 ms on the fixed cost, 1% on u = 1/η_p2p."""
+_U_STEP = 0.01
+
+
 @dataclass(frozen=True)
 class MeasuredRun:
     """One measured iteration of a plan."""
@@ -172,6 +181,78 @@ def _p2p_reading(phase: Callable[[float], float], measured: float) -> float:
     return (lo + hi) / 2
 
 
+def _two_terms(
+    phases: Sequence[Callable[[float, float], float]], measured: Sequence[float], eta0: float
+) -> tuple[float, float]:
+    """(fixed cost per transfer, η_p2p) minimizing the squared relative error of the
+    simulated pipeline phases ``phases[i](η_p2p, fixed)`` against ``measured``, with
+    ``fixed >= 0`` and η_p2p in ``_P2P_RANGE``; from (0, ``eta0``).
+
+    Gauss-Newton on (fixed, u = 1/η_p2p), in which a phase is piecewise linear (every
+    transfer time is ``fixed + bytes·u/BW + gather``), with forward differences and steps
+    halved until the error falls; each step solves the 2 × 2 least squares on the box."""
+    u_lo, u_hi = 1.0 / _P2P_RANGE[1], 1.0 / _P2P_RANGE[0]
+
+    def err(c: float, u: float) -> tuple[list[float], float]:
+        p = [f(1.0 / u, c) for f in phases]
+        return p, sum((x / m - 1.0) ** 2 for x, m in zip(p, measured, strict=True))
+
+    c, u = 0.0, min(u_hi, max(u_lo, 1.0 / eta0))
+    p, sse = err(c, u)
+    for _ in range(_TWO_TERM_STEPS):
+        dc, du = _FIXED_STEP_S, u * _U_STEP
+        jc = [(f(1.0 / u, c + dc) - x) / dc for f, x in zip(phases, p, strict=True)]
+        ju = [(f(1.0 / (u + du), c) - x) / du for f, x in zip(phases, p, strict=True)]
+        # linear model of the relative residual: a·(c', u') − y
+        rows = [(gc / m, gu / m) for gc, gu, m in zip(jc, ju, measured, strict=True)]
+        ys = [
+            1.0 - (x - gc * c - gu * u) / m
+            for x, gc, gu, m in zip(p, jc, ju, measured, strict=True)
+        ]
+        target = _box_lsq(rows, ys, u_lo, u_hi)
+        if target is None:
+            break
+        moved = False
+        for k in range(_HALVINGS_PER_STEP):
+            w = 0.5**k
+            cn, un = c + w * (target[0] - c), u + w * (target[1] - u)
+            pn, sn = err(cn, un)
+            if sn < sse:
+                moved = abs(cn - c) > 1e-7 or abs(un - u) > 1e-6 * u
+                c, u, p, sse = cn, un, pn, sn
+                break
+        if not moved:
+            break
+    return c, 1.0 / u
+
+
+def _box_lsq(
+    rows: Sequence[tuple[float, float]], ys: Sequence[float], u_lo: float, u_hi: float
+) -> tuple[float, float] | None:
+    """argmin over c >= 0, u_lo <= u <= u_hi of Σ (a_i·c + b_i·u − y_i)²; None if singular."""
+
+    def sse(c: float, u: float) -> float:
+        return sum((a * c + b * u - y) ** 2 for (a, b), y in zip(rows, ys, strict=True))
+
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    say = sum(a * y for (a, _), y in zip(rows, ys, strict=True))
+    sby = sum(b * y for (_, b), y in zip(rows, ys, strict=True))
+    det = saa * sbb - sab * sab
+    cands: list[tuple[float, float]] = []
+    if det > 1e-12 * saa * sbb:
+        c, u = (say * sbb - sby * sab) / det, (sby * saa - say * sab) / det
+        if c >= 0 and u_lo <= u <= u_hi:
+            return c, u
+    if sbb > 0:  # c = 0
+        cands.append((0.0, min(u_hi, max(u_lo, sby / sbb))))
+    if saa > 0:  # u at a bound
+        for ub in (u_lo, u_hi):
+            cands.append((max(0.0, (say - sab * ub) / saa), ub))
+    return min(cands, key=lambda x: sse(*x)) if cands else None
+
+
 def calibrate_gpu(
     runs: Sequence[MeasuredRun],
     model: ModelSpec,
@@ -234,9 +315,10 @@ def calibrate_gpu(
 
     step = step.model_copy(update={"network_efficiency": eta})
 
-    def phase(r: MeasuredRun, p2p: float) -> float:
-        """Simulated iteration minus gradient sync at η_p2p = ``p2p``."""
-        est = estimate(step.model_copy(update={"p2p_efficiency": p2p}), r)
+    def phase(r: MeasuredRun, p2p: float, fixed: float = 0.0) -> float:
+        """Simulated iteration minus gradient sync at η_p2p = ``p2p`` and a fixed cost
+        ``fixed`` per transfer."""
+        est = estimate(step.model_copy(update={"p2p_efficiency": p2p, "p2p_fixed_s": fixed}), r)
         return est.iteration_time_s - est.time.grad_sync_s
 
     piped = [r for r in runs if any(p.depth > 1 for p in r.plan.pipelines)]
@@ -249,16 +331,30 @@ def calibrate_gpu(
     # moves with the transfers, or something else is slower or faster than modelled): it
     # would pull the mean to the bound, so it is left out
     bounds = (math.log(_P2P_RANGE[0]), math.log(_P2P_RANGE[1]))
-    p2p_logs = [x for x in readings if x not in bounds]
+    read = [(r, x) for r, x in zip(usable, readings, strict=True) if x not in bounds]
+    p2p_logs = [x for _, x in read]
     if p2p_logs:
         p2p_eta = math.exp(statistics.mean(p2p_logs))
-        step = step.model_copy(update={"p2p_efficiency": p2p_eta})
         dropped = len(readings) - len(p2p_logs)
-        why.append(
-            f"eta_p2p={p2p_eta:.3f}: geometric mean over {len(p2p_logs)} multi-stage runs' "
-            "pipeline phases"
-            + (f" ({dropped} at a bound of [0.01, 1] left out)" if dropped else "")
-        )
+        left_out = f" ({dropped} at a bound of [0.01, 1] left out)" if dropped else ""
+        if len(read) >= 3 and len({r.plan.pipelines[0].microbatch_size for r, _ in read}) >= 2:
+            fixed, p2p_eta = _two_terms(
+                [functools.partial(phase, r) for r, _ in read],
+                [r.iteration_time_s - (r.grad_reduce_s or 0.0) for r, _ in read],
+                p2p_eta,
+            )
+            step = step.model_copy(update={"p2p_efficiency": p2p_eta, "p2p_fixed_s": fixed})
+            why.append(
+                f"eta_p2p={p2p_eta:.3f}, p2p_fixed={fixed * 1e3:.2f} ms: least squares over "
+                f"{len(read)} multi-stage runs' pipeline phases{left_out}"
+            )
+        else:
+            step = step.model_copy(update={"p2p_efficiency": p2p_eta})
+            why.append(
+                f"eta_p2p={p2p_eta:.3f}: geometric mean over {len(p2p_logs)} multi-stage runs' "
+                f"pipeline phases{left_out}; p2p_fixed=0 (one microbatch size: the two terms "
+                "cannot be told apart)"
+            )
     elif not piped:
         why.append("eta_p2p: no multi-stage run; transfers use eta")
     else:

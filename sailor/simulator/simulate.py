@@ -442,6 +442,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
         a, b = p.stages[i].replica, p.stages[i + 1].replica
         out = p.microbatch_size * inp.wire(row[i].sizes[-1])
         eff = min(inp.gcal(a.gpu_type).p2p_eta, inp.gcal(b.gpu_type).p2p_eta)
+        fixed = max(inp.gcal(a.gpu_type).p2p_fixed_s, inp.gcal(b.gpu_type).p2p_fixed_s)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
             curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node)
@@ -470,8 +471,8 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
                 gather_b = gcurve.transfer_time(out)
             node_f = a.tp * (out / a.tp + mask)
             node_b = float(out)
-        t_f = curve.transfer_time(node_f) / eff + gather_f
-        t_b = curve.transfer_time(node_b) / eff + gather_b
+        t_f = fixed + curve.transfer_time(node_f) / eff + gather_f
+        t_b = fixed + curve.transfer_time(node_b) / eff + gather_b
         row[i] = _replace(row[i], send_f=t_f, send_b=t_b)
         if a.zone != b.zone:
             crossings.append((a.zone, b.zone, node_f, node_b))

@@ -22,7 +22,8 @@ reference data is present.
 
 The 9 pipelined reference plans' digests were rewritten when ``calibrate_gpu`` started to
 fit the p2p efficiency from the multi-stage runs (their calibration changed, not the
-simulator; the 6 single-stage plans did not move).
+simulator; the 6 single-stage plans did not move), and again when it fitted a fixed cost per
+transfer beside it (``GPUCalibration.p2p_fixed_s``; the same 9 moved, the 6 did not).
 
 Random cases re-recorded when the p2p model followed the engine's scatter + gather (the
 backward all-gather on the sending stage's TP ranks, not the receiver's; none in a direction
@@ -300,18 +301,18 @@ GOLDEN: dict[str, str] = {
     "reference-0": "b4b4cb35ed19a72b0e0d3251",
     "reference-1": "e115b00608270771b9e14e22",
     "reference-2": "d5c0e1f19e13dab57436963a",
-    "reference-3": "154cbe0790aa450a2037b9ec",
-    "reference-4": "fbd2ef45d3fe01727b3c299a",
-    "reference-5": "f4c95fb60432d0163a0ae4f0",
+    "reference-3": "b8c607cbda8404a5dce127dd",
+    "reference-4": "0b9aea736d4d29c6997ea69a",
+    "reference-5": "0d4f4751e367be00e6a23fa3",
     "reference-6": "9e6045e4c5e7b6f60abdb56b",
-    "reference-7": "c3b15e3a292237f49bd611e5",
+    "reference-7": "eddaeabbf19aaa5586d71769",
     "reference-8": "d3fe6c37a413575295ffa403",
-    "reference-9": "980a5ed735f77e3b28260e9e",
-    "reference-10": "7c7b43b037ca14b6baba6ee4",
-    "reference-11": "7c51e937b186783c226e019a",
+    "reference-9": "ed879018889ae00c3bf29665",
+    "reference-10": "6c21deb2cca6957ea98c3b15",
+    "reference-11": "74ab588f5274fc04d309c514",
     "reference-12": "fbdc7e1f49abe1a13f7d0f45",
-    "reference-13": "015c94410eefff424bc79db1",
-    "reference-14": "43a1c5dcfa683f1b189bf2c9",
+    "reference-13": "fa66a91ae1f8521bd274c296",
+    "reference-14": "dda768721663278deec760e7",
 }
 
 

@@ -572,3 +572,34 @@ def test_uncertainty_corners_keep_a_measured_compute_scale() -> None:
 
     cal = Calibration(gpus=(GPUCalibration(gpu_type="B", compute_scale=2.5),))
     assert [c.for_gpu("B").compute_scale for _, c in corners(cal)] == [2.5] * 4
+
+
+@pytest.mark.parametrize("method", ["closed_form", "replay"])
+def test_a_fixed_cost_per_transfer_is_charged_per_boundary_and_microbatch(method: str) -> None:
+    """``p2p_fixed_s`` adds the same seconds to every transfer, each direction: a
+    single-stage plan pays nothing, a pipelined one pays in proportion to it, and at the
+    p2p efficiency its bytes are unchanged."""
+    from sailor.schemas import GPUCalibration
+
+    def t(plan: Plan, fixed: float) -> float:
+        cal = Calibration().with_gpu(GPUCalibration(gpu_type="A", p2p_fixed_s=fixed))
+        est = simulate(
+            plan,
+            MODEL,
+            PROFILES,
+            _network(),
+            PRICES,
+            calibration=cal,
+            gpu_specs=SPECS,
+            method=method,  # type: ignore[arg-type]
+        )
+        return est.iteration_time_s
+
+    single = _plan(_pipe([], 2, 8))
+    assert t(single, 5e-3) == t(single, 0.0)
+    piped = _plan(_pipe([3, 6], 2, 8))
+    d1, d2 = t(piped, 1e-3) - t(piped, 0.0), t(piped, 2e-3) - t(piped, 0.0)
+    # 3 stages, 8 microbatches: at least every microbatch's two transfers of the middle stage
+    # forward and back lie on the critical path
+    assert d1 >= 8 * 4 * 1e-3 - 1e-9
+    assert d2 == pytest.approx(2 * d1, rel=1e-6)

@@ -33,6 +33,7 @@ def test_catalog_prior_covers_every_fitted_constant_with_evidence() -> None:
         "profiler_overhead_s",
         "network_efficiency",
         "p2p_efficiency",
+        "p2p_fixed_s",
         "sync_fixed_s",
         "alloc_factor",
         "memory_overhead_bytes",
@@ -93,6 +94,7 @@ def test_gh96_spread_is_the_leave_one_out_spread() -> None:
     for name in (
         "network_efficiency",
         "p2p_efficiency",
+        "p2p_fixed_s",
         "sync_fixed_s",
         "alloc_factor",
         "profiler_overhead_s",
