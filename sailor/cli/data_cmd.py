@@ -41,6 +41,12 @@ def prepare_cmd(
     eod_token: str | None = typer.Option(
         None, "--eod-token", help="End-of-document token (default: <|endoftext|>, </s>, ...)."
     ),
+    bos: str = typer.Option(
+        "auto",
+        "--bos",
+        help="Token each document starts with: auto (the tokenizer's own, e.g. Llama's <s>; "
+        "none for GPT-2 or a trained BPE), none, or a token.",
+    ),
     validation_fraction: float = typer.Option(
         0.1, "--validation-fraction", help="Documents held out for validation."
     ),
@@ -79,6 +85,7 @@ def prepare_cmd(
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         eod_token=eod_token,
+        bos=bos,
         validation_fraction=validation_fraction,
         seed=seed,
         max_bytes=max_bytes,
@@ -120,7 +127,13 @@ def prepare_cmd(
     typer.echo(
         f"{out}.bin/.idx: {m.num_documents} documents, {m.num_tokens:,} tokens "
         f"({m.dtype}), vocab {m.tokenizer.vocab_size} ({m.tokenizer.kind}), "
-        f"eod {m.tokenizer.eod_token!r}={m.tokenizer.eod_id}; train {tr.end - tr.first} docs "
+        f"eod {m.tokenizer.eod_token!r}={m.tokenizer.eod_id}"
+        + (
+            f", bos {m.tokenizer.bos_token!r}={m.tokenizer.bos_id}"
+            if m.tokenizer.bos_id is not None
+            else ""
+        )
+        + f"; train {tr.end - tr.first} docs "
         f"{tr.tokens:,} tokens, validation {va.end - va.first} docs {va.tokens:,} tokens"
     )
 
@@ -145,4 +158,5 @@ def info_cmd(
         typer.echo(f"  {name}: documents [{docs.start}, {docs.stop})")
     if pd.manifest is not None:
         t = pd.manifest.tokenizer
-        typer.echo(f"  tokenizer: {t.path} ({t.kind}), vocab {t.vocab_size}, eod {t.eod_id}")
+        bos = f", bos {t.bos_id}" if t.bos_id is not None else ""
+        typer.echo(f"  tokenizer: {t.path} ({t.kind}), vocab {t.vocab_size}, eod {t.eod_id}{bos}")

@@ -5,10 +5,12 @@ after that much text), get a tokenizer (a local ``tokenizer.json``, or a byte-le
 trained on these documents), shuffle the documents once with ``seed`` (a Feistel
 permutation, :mod:`sailor.data.permutation`) and split them: the first ones are the train
 split, the last ``ceil(validation_fraction * documents)`` the validation split. Each
-document is tokenized without the tokenizer's own special tokens and followed by the
-end-of-document id (Megatron's ``preprocess_data.py --append-eod``), and stored as one
-sequence. Then ``OUT.bin``/``OUT.idx`` (:class:`IndexedDatasetWriter`), a copy of the
-tokenizer (``OUT.tokenizer.json``) and the manifest (``OUT.json``,
+document is tokenized without the tokenizer's own special tokens, preceded by the
+beginning-of-sequence id when the tokenizer's template has one (``bos="auto"``: Llama's
+``<s>``; GPT-2 and a trained BPE have none) and followed by the end-of-document id
+(Megatron's ``preprocess_data.py --append-eod``), and stored as one sequence. Then
+``OUT.bin``/``OUT.idx`` (:class:`IndexedDatasetWriter`), a copy of the tokenizer
+(``OUT.tokenizer.json``) and the manifest (``OUT.json``,
 :class:`~sailor.schemas.dataset.DatasetManifest`).
 
 The documents are held in memory (the tokenizer trains on them and the shuffle needs them
@@ -29,6 +31,7 @@ from sailor.data.indexed import IndexedDatasetWriter, dtype_for_vocab, paths_of
 from sailor.data.permutation import permute
 from sailor.data.tokenizer import (
     DEFAULT_EOD_TOKEN,
+    bos_of,
     eod_of,
     file_sha256,
     load_tokenizer,
@@ -59,6 +62,9 @@ class PrepareOptions:
     """Vocabulary of the trained BPE (ignored with a tokenizer file)."""
     eod_token: str | None = None
     """End-of-document token; None: the first known one the tokenizer has."""
+    bos: str = "auto"
+    """Token each document starts with: "auto" (the tokenizer template's, if any), "none",
+    or a token of the vocabulary."""
     validation_fraction: float = 0.1
     seed: int = 0
     max_bytes: int | None = None
@@ -125,6 +131,8 @@ def prepare(
         if progress:
             progress("train-tokenizer", 1, 1)
     eod_token, eod_id = eod_of(tok, opts.eod_token)
+    bos = bos_of(tok, opts.bos)
+    head = [bos[1]] if bos else []
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = dtype_for_vocab(vocab)
 
@@ -135,7 +143,7 @@ def prepare(
         for lo in range(0, len(texts), _CHUNK_DOCS):
             chunk = [texts[int(i)] for i in order[lo : lo + _CHUNK_DOCS]]
             for enc in tok.encode_batch(chunk, add_special_tokens=False):
-                ids = np.asarray([*enc.ids, eod_id], dtype=np.int64)
+                ids = np.asarray([*head, *enc.ids, eod_id], dtype=np.int64)
                 writer.add_document(ids)
                 tokens_per_doc.append(len(ids))
             done_bytes += sum(len(t.encode("utf-8")) for t in chunk)
@@ -157,6 +165,8 @@ def prepare(
             vocab_size=vocab,
             eod_token=eod_token,
             eod_id=eod_id,
+            bos_token=bos[0] if bos else None,
+            bos_id=bos[1] if bos else None,
         ),
         num_documents=len(texts),
         num_tokens=n_tokens,

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_EOD_TOKEN",
     "EOD_CANDIDATES",
+    "bos_of",
     "eod_of",
     "file_sha256",
     "load_tokenizer",
@@ -89,6 +90,37 @@ def eod_of(tok: Tokenizer, requested: str | None) -> tuple[str, int]:
         if requested
         else f"the tokenizer has none of {list(EOD_CANDIDATES)}; name one with --eod-token"
     )
+
+
+def bos_of(tok: Tokenizer, requested: str) -> tuple[str, int] | None:
+    """``(token, id)`` of the token each document starts with, or None.
+
+    ``requested``: ``"auto"``, the one id the tokenizer's own template (its post-processor:
+    Llama's ``<s>``, Llama-3's ``<|begin_of_text|>``, Gemma's ``<bos>``) puts before a text,
+    none if it puts none (GPT-2, a trained BPE); ``"none"``; or a token of the vocabulary.
+    """
+    if requested == "none":
+        return None
+    if requested != "auto":
+        tid = tok.token_to_id(requested)
+        if tid is None:
+            raise ValueError(f"bos_token={requested!r}: not in the tokenizer's vocabulary")
+        return requested, int(tid)
+    probe = "a"
+    plain = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    k = next(
+        (i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None
+    )
+    if not plain or k is None or k == 0:
+        return None
+    if k > 1:
+        raise ValueError(
+            f"bos_token='auto': the tokenizer's template puts {k} ids {full[:k]} before a "
+            "text; name the one to start documents with (--bos TOKEN) or --bos none"
+        )
+    tid = int(full[0])
+    return str(tok.id_to_token(tid)), tid
 
 
 def file_sha256(path: Path) -> str:

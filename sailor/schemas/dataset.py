@@ -47,11 +47,21 @@ class TokenizerInfo(Frozen):
     vocab_size: int = Field(gt=0, description="Vocabulary size, special tokens included.")
     eod_token: str = Field(min_length=1, description="End-of-document token text.")
     eod_id: int = Field(ge=0, description="End-of-document token id, appended to each document.")
+    bos_token: str | None = Field(
+        default=None, description="Token each document starts with; None: none."
+    )
+    bos_id: int | None = Field(
+        default=None, ge=0, description="Its id, put before each document; None: none."
+    )
 
     @model_validator(mode="after")
     def _eod(self) -> TokenizerInfo:
         if self.eod_id >= self.vocab_size:
             raise field_error("eod_id", self.eod_id, f"not below vocab_size={self.vocab_size}")
+        if (self.bos_token is None) != (self.bos_id is None):
+            raise field_error("bos_id", self.bos_id, "given with bos_token, or neither")
+        if self.bos_id is not None and self.bos_id >= self.vocab_size:
+            raise field_error("bos_id", self.bos_id, f"not below vocab_size={self.vocab_size}")
         return self
 
 

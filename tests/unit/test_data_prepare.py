@@ -64,6 +64,7 @@ def test_text_files_end_to_end(tmp_path: Path) -> None:
     assert m.splits["validation"].documents == range(24, 30)
     assert m.tokenizer.kind == "trained-bpe" and m.tokenizer.vocab_size == 300
     assert (m.tokenizer.eod_token, m.tokenizer.eod_id) == ("<|endoftext|>", 0)
+    assert m.tokenizer.bos_id is None  # a trained BPE's template puts nothing before a text
     assert m.dtype == "uint16" and m.source.kind == "text"
 
     pd = open_prepared(out)
@@ -180,6 +181,73 @@ def test_eod_token_must_exist(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "eod_token='</s>': not in the tokenizer's vocabulary" in (
         res.output
     )
+
+
+def _llama_style(tmp_path: Path, texts: list[str], prefix: tuple[str, ...] = ("<s>",)) -> Path:
+    """A byte-level BPE whose template starts every text with ``prefix`` and ends none, as
+    Llama's tokenizer.json does (``</s>`` its end-of-document token)."""
+    from tokenizers import processors
+
+    from sailor.data.tokenizer import train_byte_bpe
+
+    tok = train_byte_bpe(texts, 300, "</s>")
+    tok.add_special_tokens(list(prefix))
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join([*prefix, "$A"]),
+        special_tokens=[(t, tok.token_to_id(t)) for t in prefix],
+    )
+    path = tmp_path / "llama-style.json"
+    tok.save(str(path))
+    return path
+
+
+def test_documents_start_with_the_tokenizers_bos(tmp_path: Path) -> None:
+    """--bos auto (the default) puts the id the tokenizer's own template starts a text with
+    before each document (Llama's <s>); --bos none puts nothing; a named token must exist."""
+    texts = _texts(6)
+    tok_path = _llama_style(tmp_path, texts)
+    tok = Tokenizer.from_file(str(tok_path))
+    bos, eod = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps({"t": t}) for t in texts))
+    common = ["--jsonl-field", "t", "--tokenizer", str(tok_path), "--validation-fraction", "0"]
+    out = tmp_path / "auto"
+    m = _prepare(str(jl), "--out", str(out), *common)
+    assert (m.tokenizer.bos_token, m.tokenizer.bos_id) == ("<s>", bos)
+    assert (m.tokenizer.eod_token, m.tokenizer.eod_id) == ("</s>", eod)
+    ds = open_prepared(out).dataset
+    decoded = []
+    for d in range(ds.num_documents):
+        ids = ds.document_tokens(d, d + 1).tolist()
+        assert ids[0] == bos and ids[-1] == eod and bos not in ids[1:] and eod not in ids[:-1]
+        decoded.append(tok.decode(ids[1:-1]))
+    assert sorted(decoded) == sorted(texts)
+    assert m.num_tokens == sum(len(tok.encode(t, add_special_tokens=False).ids) + 2 for t in texts)
+
+    none = tmp_path / "none"
+    m = _prepare(str(jl), "--out", str(none), *common, "--bos", "none")
+    assert m.tokenizer.bos_id is None
+    ds = open_prepared(none).dataset
+    assert all(bos not in ds.document_tokens(d, d + 1).tolist() for d in range(6))
+
+    named = _prepare(str(jl), "--out", str(tmp_path / "named"), *common, "--bos", "</s>")
+    assert named.tokenizer.bos_id == eod
+    res = runner.invoke(
+        app, ["data", "prepare", str(jl), "--out", str(tmp_path / "x"), *common, "--bos", "<b>"]
+    )
+    assert res.exit_code == 2
+    assert "bos_token='<b>': not in the tokenizer's vocabulary" in res.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_template_with_two_leading_tokens_asks_which(tmp_path: Path) -> None:
+    from sailor.data.tokenizer import bos_of
+
+    tok = Tokenizer.from_file(str(_llama_style(tmp_path, _texts(4), ("<s>", "<x>"))))
+    with pytest.raises(ValueError, match=r"puts 2 ids .* name the one"):
+        bos_of(tok, "auto")
+    assert bos_of(tok, "<x>") == ("<x>", tok.token_to_id("<x>"))
+    assert bos_of(tok, "none") is None
 
 
 def test_builtin_python_docs(tmp_path: Path) -> None:
