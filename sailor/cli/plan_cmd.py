@@ -176,7 +176,14 @@ def _print(
         if robust and r.rank in robust:
             for line in _interval_lines(robust[r.rank]):
                 con.print(line)
-        if e.uses_estimates:
+        guessed = [n for n in e.notes if n.startswith(("no link", "no intra"))]
+        for n in guessed:
+            con.print(
+                f"  [yellow]rests on a guessed link[/yellow]: {n}; measure it with "
+                "`sailor profile network`"
+            )
+        profiled = not guessed or any("estimate" in n for n in e.notes)
+        if e.uses_estimates and profiled:
             con.print(
                 "  [yellow]rests on estimated profiles[/yellow] for "
                 + ", ".join(sorted({k.split("@")[0] for k in e.gpus_by_type_zone}))

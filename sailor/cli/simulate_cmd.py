@@ -127,7 +127,7 @@ def _print(est: Estimate, plan: Plan) -> None:
     ):
         t.add_row(name, f"{v:.4f}")
     t.add_row("fits in memory", "yes" if est.fits_in_memory else "NO")
-    t.add_row("rests on estimated profiles", "yes" if est.uses_estimates else "no")
+    t.add_row("rests on estimated profiles or guessed links", "yes" if est.uses_estimates else "no")
     print_table(con, t)
     m = Table(
         "pipeline",

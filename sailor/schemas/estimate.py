@@ -83,7 +83,10 @@ class Estimate(Frozen):
     egress_cost_usd: float = Field(ge=0, description="Cross-zone traffic cost per iteration.")
     cost_per_iter_usd: float = Field(ge=0, description="Total $ per iteration.")
     gpus_by_type_zone: dict[str, int] = Field(description="'<gpu>@<zone>' -> GPUs used.")
-    uses_estimates: bool = Field(description="Some figure rests on estimated profiles.")
+    uses_estimates: bool = Field(
+        description="Some figure rests on estimated profiles, or on a link the network "
+        "profile does not hold (a flat guess by distance)."
+    )
     model: str = Field(default="closed_form", description="'closed_form' or 'replay'.")
     notes: tuple[str, ...] = Field(default=(), description="Assumptions and fallbacks used.")
 

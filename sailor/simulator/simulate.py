@@ -408,6 +408,11 @@ def _pipe_key(p: Pipeline) -> _PipeKey:
     )
 
 
+def _guessed_link(note: str) -> bool:
+    """The link behind ``note`` is a flat guess by distance, not a measured curve."""
+    return note.startswith(("no link", "no intra"))
+
+
 def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKind:
     """Compute and transfers per stage of ``p``, per microbatch (independent of its count)."""
     model, cal = inp.model, inp.cal
@@ -449,7 +454,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
         else:
             curve, note = inp.links.inter(a, b)
         inp.notes.add(note)
-        inp.uses_estimates |= note.startswith("no link") or note.startswith("no intra")
+        inp.uses_estimates |= _guessed_link(note)
         gather_f = gather_b = 0.0
         if cal.p2p_across_tp == "full_copies" and (a.tp > 1 or b.tp > 1):
             # each receiver rank takes the whole activation from one sender (b.tp copies
@@ -627,6 +632,7 @@ def _gradient_sync(
 
     def reduce(holders: list[_Rank], ar: AllReduce, node_bytes: float, chains: bool) -> None:
         inp.notes.add(*ar.notes)
+        inp.uses_estimates |= any(_guessed_link(n) for n in ar.notes)
         took = ranks.grad_allreduce_s(ar, holders, node_bytes, chains=chains)
         start = max(ready[h] for h in holders)
         for h in holders:

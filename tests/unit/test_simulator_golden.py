@@ -34,6 +34,11 @@ transient (the engine's flat gradient buffer, then foreach AdamW's temporary): t
 autocast stages with small activations now peak in the step; the 15 measured plans
 (FP16_Optimizer) did not move.
 
+Random cases 3, 11, 27 and 32 re-recorded when a gradient all-reduce over a link the network
+profile does not hold (a flat guess by distance) set ``uses_estimates``, as a pipeline
+transfer over one already did: that flag is the only field of theirs that changed (checked
+field by field).
+
 After an intended change of the model, print the new digests with
 ``python tests/unit/test_simulator_golden.py`` and replace :data:`GOLDEN`.
 """
@@ -253,7 +258,7 @@ GOLDEN: dict[str, str] = {
     "random-0": "17877a2a62eb9cb7af9e5462",  # its stage-2 ring is on one node (n2)
     "random-1": "34fe061fee4ff5d8fd457769",
     "random-2": "264251fc04a5f303c5482270",
-    "random-3": "75352dadcd6625ccb7440393",
+    "random-3": "b6e7fc84f956d02653641f0e",
     "random-4": "7b5ac6d61fd9d58a5bff75c1",
     "random-5": "8f07ede4e0afc4600160cbc5",
     "random-6": "f575fe5000c8e3f12c4cd078",
@@ -261,7 +266,7 @@ GOLDEN: dict[str, str] = {
     "random-8": "dbe2e1a15702f28351956bbf",
     "random-9": "a67dd597eb55e775acbce267",
     "random-10": "e9f4518cff7cd5b9d3654658",
-    "random-11": "661a8ff7784d58b8af20810f",
+    "random-11": "b36d159bda0f7787edd5f5bb",
     "random-12": "97bca12050354f0a381d8bd8",
     "random-13": "f4ef757987204d690efa6032",
     "random-14": "9f0775fad338493a08a923b2",
@@ -277,12 +282,12 @@ GOLDEN: dict[str, str] = {
     "random-24": "febbc2f4d14741441be46a83",
     "random-25": "628ce401ec7230f011cc7a28",
     "random-26": "31822a80209b1206021c939d",
-    "random-27": "0396c83f2df6a9e750a0939e",
+    "random-27": "2f82f9a12efff0eeecc7deeb",
     "random-28": "8500149c9dc49f9df4a7a1e6",
     "random-29": "9c837cfa32fb89965b7128e7",
     "random-30": "2eb12583c2662f60af3d1aff",
     "random-31": "fec7eb8e1708c0bed2463ca2",
-    "random-32": "7a4f3aad1a2e0236fed9ed5a",
+    "random-32": "acad05d46490e7593973381a",
     "random-33": "b231f9ab205e5baa91ec55b3",
     "random-34": "31822a80209b1206021c939d",
     "random-35": "18bd2456a028f473f87e10a6",

@@ -603,3 +603,17 @@ def test_a_fixed_cost_per_transfer_is_charged_per_boundary_and_microbatch(method
     # forward and back lie on the critical path
     assert d1 >= 8 * 4 * 1e-3 - 1e-9
     assert d2 == pytest.approx(2 * d1, rel=1e-6)
+
+
+def test_a_gradient_ring_over_a_guessed_link_is_flagged() -> None:
+    """Two single-stage replicas in zones the network profile has no link between: their
+    gradient all-reduce runs over a flat guess by distance, and the estimate says it rests
+    on a guess (as a pipeline transfer over one does)."""
+    plan = _plan(_pipe([], 2, 4), _pipe([], 2, 4, [_rg(zone="z-c")]))
+    est = simulate(plan, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    assert any(n.startswith("no link") for n in est.notes)
+    assert est.uses_estimates
+    measured = _plan(_pipe([], 2, 4), _pipe([], 2, 4, [_rg(zone="z-b")]))
+    est = simulate(measured, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+    assert not any(n.startswith("no link") for n in est.notes)
+    assert not est.uses_estimates
