@@ -350,7 +350,8 @@ class Calibrator:
                 continue
             g = kept.for_gpu(c.gpu_type)
             old = g.p2p_eta if c.name == "p2p_efficiency" else float(getattr(g, c.name))
-            scale = max(abs(old), 1e-3) if c.name == "sync_fixed_s" else abs(old)
+            floor = {"sync_fixed_s": 1e-3, "p2p_fixed_s": 1e-4}.get(c.name, 0.0)
+            scale = max(abs(old), floor)
             if abs(c.value - old) > max(tol, c.relative_uncertainty) * scale:
                 out.append(f"{c.gpu_type}.{c.name}")
         return out

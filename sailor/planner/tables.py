@@ -306,8 +306,8 @@ class CostTables:
         """Blocking forward and backward transfer time after each layer, from ``a`` to ``b``.
 
         Mirrors the simulator: the sender node ships the output plus one attention mask per
-        TP rank over the inter-node curve, derated by the network efficiency; a receiver
-        with TP > 1 all-gathers the output inside its node.
+        TP rank over the inter-node curve, derated by the p2p efficiency, plus the fixed
+        cost per transfer; a receiver with TP > 1 all-gathers the output inside its node.
         """
         key = (a, b, mbs)
         hit = self._links.get(key)

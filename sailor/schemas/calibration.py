@@ -65,14 +65,10 @@ class GPUPrior(Frozen):
     p2p_efficiency: ConstantRange = Field(
         description="Fraction of the probed link bandwidth pipeline transfers reach."
     )
-    p2p_fixed_s: ConstantRange = Field(
-        default=ConstantRange(
-            low=0.0,
-            median=0.0,
-            high=0.0,
-            evidence="not given: no fixed cost per pipeline transfer (bytes over the link only)",
-        ),
-        description="Fixed cost of one pipeline transfer besides its bytes, s.",
+    p2p_fixed_s: ConstantRange | None = Field(
+        default=None,
+        description="Fixed cost of one pipeline transfer besides its bytes, s; None (a range "
+        "written before this constant existed): the type's point value in every corner.",
     )
     sync_fixed_s: ConstantRange = Field(description="Fixed sync cost per iteration, s.")
     alloc_factor: ConstantRange = Field(
@@ -95,8 +91,9 @@ class GPUPrior(Frozen):
         if self.alloc_factor.low < 1:
             raise field_error("alloc_factor.low", self.alloc_factor.low, "must be >= 1")
         for name in ("profiler_overhead_s", "p2p_fixed_s", "sync_fixed_s", "memory_overhead_bytes"):
-            if getattr(self, name).low < 0:
-                raise field_error(f"{name}.low", getattr(self, name).low, "must be >= 0")
+            r = getattr(self, name)
+            if r is not None and r.low < 0:
+                raise field_error(f"{name}.low", r.low, "must be >= 0")
         if self.compute_scale is not None and self.compute_scale.low <= 0:
             raise field_error("compute_scale.low", self.compute_scale.low, "must be > 0")
         return self

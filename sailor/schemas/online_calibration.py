@@ -34,12 +34,15 @@ __all__ = [
     "RankTimings",
 ]
 
-ConstantName = Literal["compute_scale", "network_efficiency", "p2p_efficiency", "sync_fixed_s"]
+ConstantName = Literal[
+    "compute_scale", "network_efficiency", "p2p_efficiency", "p2p_fixed_s", "sync_fixed_s"
+]
 """A constant the online fit may set."""
 FITTED_CONSTANTS: tuple[ConstantName, ...] = (
     "compute_scale",
     "network_efficiency",
     "p2p_efficiency",
+    "p2p_fixed_s",
     "sync_fixed_s",
 )
 """The constants the online fit may set (the others need measurements a running job lacks)."""

@@ -1,7 +1,8 @@
 """Derive one GPU type's calibration constants from measured runs of plans.
 
-Each constant comes from the measurement that isolates it, one constant per measurement, in
-order, each using those before it (docs/simulator-model.md, sections 1, 4, 6 and 7):
+Each constant comes from the measurement that isolates it, one measurement per constant (the
+p2p pair shares one), in order, each using those before it (docs/simulator-model.md, sections
+1, 4, 6 and 7):
 
 * ``profiler_overhead_s`` (h): two runs of one single-stage, single-pipeline plan that differ
   only in the number of microbatches; their time difference per microbatch is the real time
@@ -14,17 +15,20 @@ order, each using those before it (docs/simulator-model.md, sections 1, 4, 6 and
   simulated all-reduce time of the first stage at η = 1 divided by the measured reduce time
   minus ``c``. Readings where the reduce time exceeds half the iteration are dropped (they
   include waiting for a straggling replica, not communication).
-* ``p2p_efficiency`` (η_p2p): geometric mean, over the runs with multi-stage pipelines, of
-  the η_p2p at which the simulated pipeline phase (iteration minus gradient sync) equals the
-  measured iteration minus the measured reduce time (bisection on log η_p2p over [0.01, 1]:
-  the phase grows as η_p2p falls). A run faster than simulated even at η_p2p = 1, or
-  slower even at 0.01, says only that it lies outside the range and is left out, as are
-  straggler readings (as for η). Without a reading it is left unset (transfers then use
-  η). The remainder of the phase is pipeline transfers and the per-microbatch work of the
-  pipeline engine around them (instruction dispatch, buffer handling), which the profile of
-  the layers alone does not see. Read as a bandwidth factor, it predicts plans on the links
-  it was read on; on a much slower link it overcharges the engine's fixed part
-  (docs/simulator-model.md section 7).
+* ``p2p_efficiency`` (η_p2p) and ``p2p_fixed_s`` (c_p2p), from the runs with multi-stage
+  pipelines: their pipeline phase (iteration minus gradient sync, simulated) against the
+  measured iteration minus the measured reduce time. First each run's η_p2p at c_p2p = 0
+  (bisection on log η_p2p over [0.01, 1]: the phase grows as η_p2p falls); a run faster than
+  simulated even at η_p2p = 1, or slower even at 0.01, says only that it lies outside the
+  range and is left out, as are straggler readings (as for η). With at least three readings
+  at two or more microbatch sizes, the pair is fitted by least squares on the relative
+  error of the phases (:func:`_two_terms`): the bytes per transfer differ with the
+  microbatch size, the number of transfers little, which tells the fixed cost from the
+  bandwidth. Otherwise c_p2p = 0 and η_p2p is the readings' geometric mean. Without a
+  reading both are left unset (transfers then use η). The fixed cost holds the pipeline
+  engine's work around each transfer (instruction dispatch, buffer handling), which the
+  profile of the layers alone does not see; the efficiency, the bandwidth the transfers
+  reach against the probed link (docs/simulator-model.md section 7b).
 * ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage runs
   with the smallest and largest activation footprint; 1 without two such runs.
 * ``memory_overhead_bytes`` (M0): median of measured − modelled peak memory over all runs.
@@ -72,7 +76,11 @@ _P2P_HALVINGS = 24
 
 
 _TWO_TERM_STEPS = 12
-"""Gauss-Newton steps of the two-term p2p fit (it converges in 3-5 on the GH200 runs)."""
+"""Gauss-Newton steps of the two-term p2p fit (it converges in two on the GH200 runs)."""
+
+_TWO_TERM_STARTS = (0.02, 0.1, 0.5)
+"""Starting efficiencies tried beside the readings' geometric mean: the squared error is
+not convex (phases are maxima of paths), and one start can stop in a local minimum."""
 
 _HALVINGS_PER_STEP = 8
 _FIXED_STEP_S = 1e-4
@@ -186,18 +194,36 @@ def _two_terms(
 ) -> tuple[float, float]:
     """(fixed cost per transfer, η_p2p) minimizing the squared relative error of the
     simulated pipeline phases ``phases[i](η_p2p, fixed)`` against ``measured``, with
-    ``fixed >= 0`` and η_p2p in ``_P2P_RANGE``; from (0, ``eta0``).
-
-    Gauss-Newton on (fixed, u = 1/η_p2p), in which a phase is piecewise linear (every
-    transfer time is ``fixed + bytes·u/BW + gather``), with forward differences and steps
-    halved until the error falls; each step solves the 2 × 2 least squares on the box."""
+    ``fixed >= 0`` and η_p2p in ``_P2P_RANGE``: the best of a descent from (0, ``eta0``) and
+    from (0, each of ``_TWO_TERM_STARTS``)."""
     u_lo, u_hi = 1.0 / _P2P_RANGE[1], 1.0 / _P2P_RANGE[0]
 
     def err(c: float, u: float) -> tuple[list[float], float]:
         p = [f(1.0 / u, c) for f in phases]
         return p, sum((x / m - 1.0) ** 2 for x, m in zip(p, measured, strict=True))
 
-    c, u = 0.0, min(u_hi, max(u_lo, 1.0 / eta0))
+    best: tuple[float, float, float] | None = None
+    for eta in (eta0, *_TWO_TERM_STARTS):
+        c, u, sse = _descend(phases, measured, err, min(u_hi, max(u_lo, 1.0 / eta)), u_lo, u_hi)
+        if best is None or sse < best[0]:
+            best = (sse, c, u)
+    assert best is not None
+    return best[1], 1.0 / best[2]
+
+
+def _descend(
+    phases: Sequence[Callable[[float, float], float]],
+    measured: Sequence[float],
+    err: Callable[[float, float], tuple[list[float], float]],
+    u: float,
+    u_lo: float,
+    u_hi: float,
+) -> tuple[float, float, float]:
+    """Gauss-Newton from (0, ``u``) on (fixed, u = 1/η_p2p), in which a phase is piecewise
+    linear (every transfer time is ``fixed + bytes·u/BW + gather``), with forward
+    differences and steps halved until the error falls; each step solves the 2 × 2 least
+    squares on the box. Returns (fixed, u, squared error)."""
+    c = 0.0
     p, sse = err(c, u)
     for _ in range(_TWO_TERM_STEPS):
         dc, du = _FIXED_STEP_S, u * _U_STEP
@@ -223,7 +249,7 @@ def _two_terms(
                 break
         if not moved:
             break
-    return c, 1.0 / u
+    return c, u, sse
 
 
 def _box_lsq(
@@ -350,10 +376,11 @@ def calibrate_gpu(
             )
         else:
             step = step.model_copy(update={"p2p_efficiency": p2p_eta})
+            few = "fewer than three readings" if len(read) < 3 else "one microbatch size"
             why.append(
                 f"eta_p2p={p2p_eta:.3f}: geometric mean over {len(p2p_logs)} multi-stage runs' "
-                f"pipeline phases{left_out}; p2p_fixed=0 (one microbatch size: the two terms "
-                "cannot be told apart)"
+                f"pipeline phases{left_out}; p2p_fixed=0 ({few}: the two terms cannot be "
+                "told apart)"
             )
     elif not piped:
         why.append("eta_p2p: no multi-stage run; transfers use eta")

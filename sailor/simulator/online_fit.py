@@ -14,13 +14,19 @@ iteration times):
   Per kind the median over its ranks; its standard error combines the spread between ranks
   (1.4826 × MAD / √n) and each rank's step-to-step spread (over √steps); the range is a 95 %
   interval (Student's t for the fewer degrees of freedom).
-* ``p2p_efficiency`` (η_p2p), one value for the kinds in multi-stage pipelines: the 1F1B
-  replay (with the fitted k) predicts each rank's time outside its own compute during the
-  pipeline phase (transfers, fill and drain, waiting for a slower neighbour); η_p2p is the
-  efficiency at which the predicted sum over ranks equals the measured sum of ``p2p_s``
-  (bisection: the prediction falls as η_p2p grows). Identified only when the transfers move
-  the prediction (halving η_p2p adds ≥ 5 % of the measured waits); else kept. The waits are
-  mostly fill, drain and imbalance, which the compute scales set, so its range is solved
+* ``p2p_efficiency`` (η_p2p) and ``p2p_fixed_s`` (c_p2p), one value each for the kinds in
+  multi-stage pipelines: the 1F1B replay (with the fitted k) predicts each rank's time
+  outside its own compute during the pipeline phase (transfers, fill and drain, waiting for
+  a slower neighbour); the transfers' cost is scaled until the predicted sum over ranks
+  equals the measured sum of ``p2p_s`` (bisection: the prediction grows with the scale).
+  A running layout has one microbatch size, so its transfers cannot tell the fixed cost from
+  the bandwidth (as in :mod:`calibrate`): the scale ``t`` moves both along one line through
+  the kept pair ``(η0, c0)``: ``η_p2p = η0 / t`` and ``c_p2p = c0 · t`` while ``η0 / t ≤ 1``;
+  below that ``η_p2p = 1`` and ``c_p2p = c0 · t`` alone shrinks, to 0. ``t = 1`` is the kept
+  pair, and every transfer's time is a continuous, increasing function of ``t``.
+  Identified only when the transfers move the prediction (doubling their cost from
+  ``η_p2p = 1``, at ``t = η0``, adds ≥ 5 % of the measured waits); else kept. The waits are
+  mostly fill, drain and imbalance, which the compute scales set, so the range is solved
   at both ends of the compute scales' ranges as well as of the waits' own spread.
 * ``sync_fixed_s`` (c): per kind, the median over its ranks without a gradient all-reduce
   (a stage no other pipeline holds) of their ``sync_s`` and the rest of their step outside
@@ -78,10 +84,12 @@ _P2P_SENSITIVITY = 0.05
 _SYNC_SHARE = 0.2
 """η is identified from a replica group whose all-reduces are at least this share of its sync."""
 _ETA_MIN = 0.01
-_BISECT_STEPS = 12
-"""Halvings of log η_p2p over [0.01, 1]: 0.1 % relative precision."""
-_RANGE_STEPS = 8
-"""... and for the ends of its range: 2 %."""
+_FIXED_FLOOR = 1e-3
+"""The smallest scale of the fixed cost per transfer: 1/1000 of the kept one."""
+_BISECT_STEPS = 14
+"""Halvings of log t over its range (up to ~1e-3 .. 1e2): ~0.1 % relative precision."""
+_RANGE_STEPS = 10
+"""... and for the ends of its range: ~2 %."""
 
 
 @dataclass(frozen=True)
@@ -343,23 +351,33 @@ def _fit_p2p(
     involved = sorted({r.gpu_type for r in piped})
     for g in kinds:
         if g not in involved:
-            eta = cal.for_gpu(g).p2p_eta
-            out.append(_kept(g, "p2p_efficiency", eta, "no multi-stage pipeline on this kind"))
+            gc = cal.for_gpu(g)
+            why = "no multi-stage pipeline on this kind"
+            out.append(_kept(g, "p2p_efficiency", gc.p2p_eta, why))
+            out.append(_kept(g, "p2p_fixed_s", gc.p2p_fixed_s, why))
     if not piped:
         return cal
-    prev = min(cal.for_gpu(g).p2p_eta for g in involved)
+    # what the simulator charges a boundary between these kinds: the least efficiency and
+    # the largest fixed cost
+    eta0 = min(cal.for_gpu(g).p2p_eta for g in involved)
+    c0 = max(cal.for_gpu(g).p2p_fixed_s for g in involved)
     measured = sum(r.t.p2p_s for r in piped)
     # the waits are mostly fill, drain and imbalance, which the compute scales set: the
-    # range of η_p2p takes in the compute scales' range too (each end solved on its own)
+    # range takes in the compute scales' range too (each end solved on its own)
     bases = [cal, *scale_ends(cal, out)]
     memo: dict[tuple[int, float], float] = {}
 
-    def predicted(eta: float, base: int = 0) -> float:
-        key = (base, eta)
+    def pair(t: float) -> tuple[float, float]:
+        """(η_p2p, c_p2p) at scale ``t`` of the transfers' cost (module docstring)."""
+        return min(1.0, eta0 / t), c0 * t
+
+    def predicted(t: float, base: int = 0) -> float:
+        key = (base, t)
         if key not in memo:
+            eta, fixed = pair(t)
             waits = _pred_waits(
                 plan,
-                _with_all(bases[base], involved, p2p_efficiency=eta),
+                _with_all(bases[base], involved, p2p_efficiency=eta, p2p_fixed_s=fixed),
                 model,
                 profiles,
                 network,
@@ -369,61 +387,75 @@ def _fit_p2p(
             memo[key] = sum(waits[(r.pipeline, r.stage)] for r in piped)
         return memo[key]
 
-    at_one, at_half = predicted(1.0), predicted(0.5)
+    at_one, at_half = predicted(eta0), predicted(2 * eta0)
     if measured <= 0 or at_half - at_one < _P2P_SENSITIVITY * measured:
         why = (
             f"transfers do not move the waits: predicted {at_one:.3g} s at η=1, "
-            f"{at_half:.3g} s at 0.5, measured {measured:.3g} s"
+            f"{at_half:.3g} s at twice that transfer cost, measured {measured:.3g} s"
         )
         for g in involved:
-            out.append(_kept(g, "p2p_efficiency", cal.for_gpu(g).p2p_eta, why, len(piped)))
+            gc = cal.for_gpu(g)
+            out.append(_kept(g, "p2p_efficiency", gc.p2p_eta, why, len(piped)))
+            out.append(_kept(g, "p2p_fixed_s", gc.p2p_fixed_s, why, len(piped)))
         return cal
 
+    t_lo = eta0 * (_FIXED_FLOOR if c0 > 0 else 1.0)
+    t_hi = eta0 / _ETA_MIN
+
     def solve(target: float, base: int = 0, steps: int = _BISECT_STEPS) -> float:
-        if predicted(1.0, base) >= target:
-            return 1.0
-        if predicted(_ETA_MIN, base) <= target:
-            return _ETA_MIN
-        lo, hi = math.log(_ETA_MIN), 0.0
+        if predicted(t_lo, base) >= target:
+            return t_lo
+        if predicted(t_hi, base) <= target:
+            return t_hi
+        lo, hi = math.log(t_lo), math.log(t_hi)
         for _ in range(steps):
             mid = (lo + hi) / 2
-            if predicted(math.exp(mid), base) > target:
+            if predicted(math.exp(mid), base) < target:
                 lo = mid
             else:
                 hi = mid
         return math.exp((lo + hi) / 2)
 
-    eta = solve(measured)
+    t = solve(measured)
     steps = sum(r.t.steps for r in piped)
     rms = math.sqrt(statistics.fmean(r.t.p2p_spread**2 for r in piped))
     rel = _t975(max(1, steps - len(piped))) * _MEDIAN_SE * rms / math.sqrt(max(steps, 1))
-    # longer waits than measured need a lower efficiency, shorter ones a higher
     ends = [
         solve(measured * k, b, _RANGE_STEPS)
         for b in range(len(bases))
         for k in ((1 + rel, 1 - rel) if rel > 0 else (1.0,))
         if b or rel > 0
     ]
-    lo_eta, hi_eta = min([eta, *ends]), max([eta, *ends])
+    t_min, t_max = min([t, *ends]), max([t, *ends])
+    (eta, fixed), (eta_hi, fixed_lo), (eta_lo, fixed_hi) = pair(t), pair(t_min), pair(t_max)
+    evidence = (
+        f"1F1B replay matches the measured pipeline waits ({measured:.3g} s over "
+        f"{len(piped)} rank(s)) with the transfers' cost x{t / eta0:.3g} of η_p2p=1 "
+        f"(η_p2p={eta:.3g}, {fixed * 1e3:.3g} ms per transfer; one microbatch size cannot "
+        "tell them apart: both move along one line); range over the waits' and the "
+        "compute scales' ranges"
+    )
     for g in involved:
-        out.append(
-            FittedConstant(
-                gpu_type=g,
-                name="p2p_efficiency",
-                value=eta,
-                low=lo_eta,
-                high=hi_eta,
-                previous=prev,
-                samples=len(piped),
-                fitted=True,
-                evidence=(
-                    f"1F1B replay matches the measured pipeline waits ({measured:.3g} s over "
-                    f"{len(piped)} rank(s)) at η_p2p={eta:.3g}; range over the waits' and the "
-                    "compute scales' ranges"
-                ),
-            )
+        gc = cal.for_gpu(g)
+        both: tuple[tuple[ConstantName, float, float, float, float], ...] = (
+            ("p2p_efficiency", eta, eta_lo, eta_hi, gc.p2p_eta),
+            ("p2p_fixed_s", fixed, fixed_lo, fixed_hi, gc.p2p_fixed_s),
         )
-    return _with_all(cal, involved, p2p_efficiency=eta)
+        for name, value, low, high, prev in both:
+            out.append(
+                FittedConstant(
+                    gpu_type=g,
+                    name=name,
+                    value=value,
+                    low=low,
+                    high=high,
+                    previous=prev,
+                    samples=len(piped),
+                    fitted=name == "p2p_efficiency" or c0 > 0,
+                    evidence=evidence,
+                )
+            )
+    return _with_all(cal, involved, p2p_efficiency=eta, p2p_fixed_s=fixed)
 
 
 def scale_ends(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calibration]:
@@ -454,23 +486,27 @@ def range_corners(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Ca
     loses there. A plan is bet on only if it wins at all of them. ``cal`` itself is not
     among them; a constant without a range (low == high) adds none.
     """
-    dims: list[tuple[float, list[tuple[str, str]], float, float]] = []
+    dims: list[tuple[float, list[tuple[str, str, float, float]]]] = []
     for k in fitted:
         if k.name == "compute_scale" and k.fitted and k.high > k.low:
-            dims.append((_width(k), [(k.gpu_type, "compute_scale")], k.low, k.high))
+            dims.append((_width(k), [(k.gpu_type, "compute_scale", k.low, k.high)]))
     p2p = [k for k in fitted if k.name == "p2p_efficiency" and k.fitted and k.high > k.low]
-    if p2p:  # one value for every kind in multi-stage pipelines: one dimension
+    if p2p:  # one scale for every kind in multi-stage pipelines: one dimension, along which
+        # the fixed cost per transfer moves against the efficiency (_fit_p2p)
         k = p2p[0]
-        dims.append((_width(k), [(x.gpu_type, "p2p_efficiency") for x in p2p], k.low, k.high))
+        fixed = {x.gpu_type: x for x in fitted if x.name == "p2p_fixed_s" and x.fitted}
+        targets = [(x.gpu_type, "p2p_efficiency", x.low, x.high) for x in p2p]
+        targets += [(g, "p2p_fixed_s", x.high, x.low) for g, x in fixed.items()]
+        dims.append((_width(k), targets))
     dims = sorted(dims, key=lambda d: -d[0])[:_CORNER_DIMS]
     if not dims:
         return []
     out: list[Calibration] = []
     for ends in itertools.product((0, 1), repeat=len(dims)):
         c = cal
-        for (_, targets, low, high), end in zip(dims, ends, strict=True):
-            for g, name in targets:
-                c = with_constant(c, g, **{name: high if end else low})
+        for (_, targets), end in zip(dims, ends, strict=True):
+            for g, name, at0, at1 in targets:
+                c = with_constant(c, g, **{name: at1 if end else at0})
         out.append(c)
     return out
 

@@ -92,7 +92,8 @@ def _constants(
     gpu_type: str, prior: GPUPrior, corner: str, source: str, base: GPUCalibration
 ) -> GPUCalibration:
     """``base`` with every fitted constant at ``corner``'s end of ``prior`` (its measured
-    ``compute_scale`` kept unless the prior has a range for it)."""
+    ``compute_scale``, and its ``p2p_fixed_s`` in a range written before that constant
+    existed, kept unless the prior has a range for it)."""
     scale = (
         base.compute_scale
         if prior.compute_scale is None
@@ -106,7 +107,11 @@ def _constants(
             "profiler_overhead_s": _end(prior.profiler_overhead_s, corner, False),
             "network_efficiency": _end(prior.network_efficiency, corner, False),
             "p2p_efficiency": _end(prior.p2p_efficiency, corner, False),
-            "p2p_fixed_s": _end(prior.p2p_fixed_s, corner, True),
+            "p2p_fixed_s": (
+                base.p2p_fixed_s
+                if prior.p2p_fixed_s is None
+                else _end(prior.p2p_fixed_s, corner, True)
+            ),
             "sync_fixed_s": _end(prior.sync_fixed_s, corner, True),
             "alloc_factor": _end(prior.alloc_factor, corner, True),
             "memory_overhead_bytes": int(_end(prior.memory_overhead_bytes, corner, True)),

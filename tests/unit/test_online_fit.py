@@ -88,8 +88,14 @@ def _const(fit: OnlineFit, gpu: str, name: str) -> float:
 
 def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> None:
     plan = _pipeline_plan()
-    truth = with_constant(BASE, SLOW, compute_scale=2.5, p2p_efficiency=0.3, sync_fixed_s=0.01)
-    truth = with_constant(truth, FAST, compute_scale=0.8, p2p_efficiency=0.3)
+    # one microbatch size moves the fixed cost per transfer and the efficiency along one
+    # line through the kept pair (online_fit._fit_p2p): the truth lies on it
+    eta0, c0 = BASE.for_gpu(SLOW).p2p_eta, BASE.for_gpu(SLOW).p2p_fixed_s
+    c_true = c0 * eta0 / 0.3
+    truth = with_constant(
+        BASE, SLOW, compute_scale=2.5, p2p_efficiency=0.3, p2p_fixed_s=c_true, sync_fixed_s=0.01
+    )
+    truth = with_constant(truth, FAST, compute_scale=0.8, p2p_efficiency=0.3, p2p_fixed_s=c_true)
     timings = list(_timings(plan, truth))
     # as the engine measures it: the head's stage, done first, waits at the tied all-reduce
     timings[1] = timings[1].model_copy(update={"sync_s": timings[1].sync_s + 0.05})
@@ -97,6 +103,7 @@ def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> Non
     assert _const(fit, SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
     assert _const(fit, FAST, "compute_scale") == pytest.approx(0.8, rel=1e-6)
     assert _const(fit, SLOW, "p2p_efficiency") == pytest.approx(0.3, rel=0.01)
+    assert _const(fit, FAST, "p2p_fixed_s") == pytest.approx(c_true, rel=0.01)
     # both stages hold a copy of the tied embedding: the first, done last in 1F1B, arrived
     # last at their all-reduce, and gives the fixed cost (tests below)
     assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(0.01, rel=1e-6)
@@ -112,6 +119,26 @@ def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> Non
         f"pipeline fit: error {fit.error_before:+.3f} -> {fit.error_after:+.3f}; "
         f"p2p {_const(fit, SLOW, 'p2p_efficiency'):.4f} (true 0.3)"
     )
+
+
+@pytest.mark.parametrize(("eta", "fixed"), [(1.0, 0.0), (1.0, 2e-4), (0.15, 2e-3)])
+def test_transfers_cheaper_or_dearer_than_the_prior_are_matched(eta: float, fixed: float) -> None:
+    """A cluster whose transfers cost what no point of the prior's line gives (no fixed cost
+    at full bandwidth: the fixed cost shrinks once the efficiency reaches 1; a slow engine
+    with a large fixed cost): the scale of the transfers' cost still matches the measured
+    waits, so the running plan is predicted as it runs."""
+    plan = _pipeline_plan()
+    truth = BASE
+    for g in (SLOW, FAST):
+        truth = with_constant(truth, g, p2p_efficiency=eta, p2p_fixed_s=fixed)
+    fit = _fit(plan, _timings(plan, truth))
+    got = fit.constant(SLOW, "p2p_efficiency"), fit.constant(SLOW, "p2p_fixed_s")
+    assert got[0] is not None and got[1] is not None and got[0].fitted and got[1].fitted
+    assert got[0].low <= got[0].value <= got[0].high
+    assert got[1].low <= got[1].value <= got[1].high
+    if eta == 1.0:
+        assert got[0].value == 1.0 and got[1].value < BASE.for_gpu(SLOW).p2p_fixed_s / 2
+    assert abs(fit.error_after) < 0.03 < abs(fit.error_before)
 
 
 def test_data_parallel_recovers_network_efficiency_from_the_last_arriver() -> None:
@@ -185,6 +212,8 @@ def test_range_corners_span_every_combination_of_the_fitted_ends() -> None:
         _ranged(SLOW, "compute_scale", 2.0, 1.6, 2.4),
         _ranged(FAST, "p2p_efficiency", 0.5, 0.4, 0.7),
         _ranged(SLOW, "p2p_efficiency", 0.5, 0.4, 0.7),
+        _ranged(FAST, "p2p_fixed_s", 5e-4, 3e-4, 8e-4),
+        _ranged(SLOW, "p2p_fixed_s", 5e-4, 3e-4, 8e-4),
         _ranged(FAST, "sync_fixed_s", 0.01, 0.0, 0.02),  # not a corner dimension
     ]
     corners = range_corners(BASE, fitted)
@@ -194,6 +223,9 @@ def test_range_corners_span_every_combination_of_the_fitted_ends() -> None:
     }
     assert seen == {(f, s, e) for f in (0.8, 1.5) for s in (1.6, 2.4) for e in (0.4, 0.7)}
     assert all(c.for_gpu(FAST).p2p_eta == c.for_gpu(SLOW).p2p_eta for c in corners)
+    # the fixed cost per transfer moves with the efficiency, on one dimension: dear together
+    fixed_at = {c.for_gpu(SLOW).p2p_eta: c.for_gpu(FAST).p2p_fixed_s for c in corners}
+    assert fixed_at == {0.4: 8e-4, 0.7: 3e-4}
     assert range_corners(BASE, [_ranged(FAST, "compute_scale", 1.0, 1.0, 1.0)]) == []
 
 

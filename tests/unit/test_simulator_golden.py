@@ -23,7 +23,9 @@ reference data is present.
 The 9 pipelined reference plans' digests were rewritten when ``calibrate_gpu`` started to
 fit the p2p efficiency from the multi-stage runs (their calibration changed, not the
 simulator; the 6 single-stage plans did not move), and again when it fitted a fixed cost per
-transfer beside it (``GPUCalibration.p2p_fixed_s``; the same 9 moved, the 6 did not).
+transfer beside it (``GPUCalibration.p2p_fixed_s``; the same 9 moved, the 6 did not), and
+once more when that fit tried several starting points (the same optimum, moved in the 13th
+digit).
 
 Random cases re-recorded when the p2p model followed the engine's scatter + gather (the
 backward all-gather on the sending stage's TP ranks, not the receiver's; none in a direction
@@ -306,18 +308,18 @@ GOLDEN: dict[str, str] = {
     "reference-0": "b4b4cb35ed19a72b0e0d3251",
     "reference-1": "e115b00608270771b9e14e22",
     "reference-2": "d5c0e1f19e13dab57436963a",
-    "reference-3": "b8c607cbda8404a5dce127dd",
-    "reference-4": "0b9aea736d4d29c6997ea69a",
-    "reference-5": "0d4f4751e367be00e6a23fa3",
+    "reference-3": "881bc5cb846aba70fd01dce1",
+    "reference-4": "d55a7b594c31039cfe51f1c2",
+    "reference-5": "20bbe0f0a81f25beea0d1f29",
     "reference-6": "9e6045e4c5e7b6f60abdb56b",
-    "reference-7": "eddaeabbf19aaa5586d71769",
+    "reference-7": "8ba052201c7a4769a7b43782",
     "reference-8": "d3fe6c37a413575295ffa403",
-    "reference-9": "ed879018889ae00c3bf29665",
-    "reference-10": "6c21deb2cca6957ea98c3b15",
-    "reference-11": "74ab588f5274fc04d309c514",
+    "reference-9": "96d8966720093c131d40d686",
+    "reference-10": "13e211c59558284d66113c51",
+    "reference-11": "04e40b5e002ff9a0daa7bef3",
     "reference-12": "fbdc7e1f49abe1a13f7d0f45",
-    "reference-13": "fa66a91ae1f8521bd274c296",
-    "reference-14": "dda768721663278deec760e7",
+    "reference-13": "0264a452540cfc970999faf1",
+    "reference-14": "7bf288378b5e574e50531777",
 }
 
 

@@ -163,3 +163,25 @@ def test_corners_of_a_calibration_without_prior_keep_the_point() -> None:
     by = dict(corners(Calibration()))
     assert by["optimistic"].default.network_efficiency == 1.0
     assert by["pessimistic"].default.network_efficiency == 1.0
+
+
+def test_a_spread_without_the_fixed_p2p_cost_keeps_the_point_value() -> None:
+    """A range written before ``p2p_fixed_s`` existed has none for it: every corner but the
+    original's keeps the calibration's point value, rather than 0."""
+    gh = CAL.for_gpu("GH-96")
+    assert gh.spread is not None and gh.spread.p2p_fixed_s is not None
+    old = gh.spread.model_copy(update={"p2p_fixed_s": None})
+    cal = CAL.with_gpu(gh.model_copy(update={"spread": old}))
+    by = {n: c.for_gpu("GH-96").p2p_fixed_s for n, c in corners(cal)}
+    assert by == {
+        "optimistic": gh.p2p_fixed_s,
+        "median": gh.p2p_fixed_s,
+        "pessimistic": gh.p2p_fixed_s,
+        "original": 0.0,
+    }
+    full = {n: c.for_gpu("GH-96").p2p_fixed_s for n, c in corners(CAL)}
+    assert full["pessimistic"] == gh.spread.p2p_fixed_s.high > full["optimistic"]
+    # and a file without the field loads
+    raw = gh.spread.model_dump()
+    del raw["p2p_fixed_s"]
+    assert type(gh.spread).model_validate(raw).p2p_fixed_s is None
