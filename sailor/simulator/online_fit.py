@@ -22,8 +22,12 @@ iteration times):
   A running layout has one microbatch size, so its transfers cannot tell the fixed cost from
   the bandwidth (as in :mod:`calibrate`): the scale ``t`` moves both along one line through
   the kept pair ``(η0, c0)``: ``η_p2p = η0 / t`` and ``c_p2p = c0 · t`` while ``η0 / t ≤ 1``;
-  below that ``η_p2p = 1`` and ``c_p2p = c0 · t`` alone shrinks, to 0. ``t = 1`` is the kept
-  pair, and every transfer's time is a continuous, increasing function of ``t``.
+  below that ``η_p2p = 1`` and ``c_p2p = c0 · t`` alone shrinks (to a thousandth of
+  ``c0 · η0``). ``t = 1`` is the kept pair, and every transfer's time is a continuous,
+  increasing function of ``t``. Its one line through the kept pair is also its limit: a
+  fixed cost fitted away (or 0 in the kept calibration) does not come back in a later fit,
+  which then moves the efficiency alone; the running plan is still matched, a layout at
+  another microbatch size is priced off the line.
   Identified only when the transfers move the prediction (doubling their cost from
   ``η_p2p = 1``, at ``t = η0``, adds ≥ 5 % of the measured waits); else kept. The waits are
   mostly fill, drain and imbalance, which the compute scales set, so the range is solved
@@ -80,12 +84,14 @@ _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533
 """Standard error of a median over n normal samples: this x sigma / sqrt(n)."""
 _P2P_SENSITIVITY = 0.05
-"""η_p2p is identified when halving it adds at least this fraction of the measured waits."""
+"""The p2p pair is identified when doubling the transfers' cost from η_p2p = 1 (at the kept
+fixed cost times η0) adds at least this fraction of the measured waits."""
 _SYNC_SHARE = 0.2
 """η is identified from a replica group whose all-reduces are at least this share of its sync."""
 _ETA_MIN = 0.01
 _FIXED_FLOOR = 1e-3
-"""The smallest scale of the fixed cost per transfer: 1/1000 of the kept one."""
+"""The least scale ``t`` over η0: the fixed cost per transfer goes down to c0 · η0 / 1000
+(with η_p2p = 1), a thousandth of what it is where η_p2p reaches 1."""
 _BISECT_STEPS = 14
 """Halvings of log t over its range (up to ~1e-3 .. 1e2): ~0.1 % relative precision."""
 _RANGE_STEPS = 10
@@ -390,8 +396,9 @@ def _fit_p2p(
     at_one, at_half = predicted(eta0), predicted(2 * eta0)
     if measured <= 0 or at_half - at_one < _P2P_SENSITIVITY * measured:
         why = (
-            f"transfers do not move the waits: predicted {at_one:.3g} s at η=1, "
-            f"{at_half:.3g} s at twice that transfer cost, measured {measured:.3g} s"
+            f"transfers do not move the waits: predicted {at_one:.3g} s at η_p2p=1 (with "
+            f"{c0 * eta0 * 1e3:.3g} ms per transfer), {at_half:.3g} s at twice that transfer "
+            f"cost, measured {measured:.3g} s"
         )
         for g in involved:
             gc = cal.for_gpu(g)
@@ -430,10 +437,10 @@ def _fit_p2p(
     (eta, fixed), (eta_hi, fixed_lo), (eta_lo, fixed_hi) = pair(t), pair(t_min), pair(t_max)
     evidence = (
         f"1F1B replay matches the measured pipeline waits ({measured:.3g} s over "
-        f"{len(piped)} rank(s)) with the transfers' cost x{t / eta0:.3g} of η_p2p=1 "
-        f"(η_p2p={eta:.3g}, {fixed * 1e3:.3g} ms per transfer; one microbatch size cannot "
-        "tell them apart: both move along one line); range over the waits' and the "
-        "compute scales' ranges"
+        f"{len(piped)} rank(s)) at η_p2p={eta:.3g} and {fixed * 1e3:.3g} ms per transfer "
+        f"(scale {t:.3g} of the kept pair's transfer cost; one microbatch size cannot tell "
+        "the two apart: both move along one line); range over the waits' and the compute "
+        "scales' ranges"
     )
     for g in involved:
         gc = cal.for_gpu(g)
@@ -490,14 +497,18 @@ def range_corners(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Ca
     for k in fitted:
         if k.name == "compute_scale" and k.fitted and k.high > k.low:
             dims.append((_width(k), [(k.gpu_type, "compute_scale", k.low, k.high)]))
-    p2p = [k for k in fitted if k.name == "p2p_efficiency" and k.fitted and k.high > k.low]
-    if p2p:  # one scale for every kind in multi-stage pipelines: one dimension, along which
-        # the fixed cost per transfer moves against the efficiency (_fit_p2p)
-        k = p2p[0]
-        fixed = {x.gpu_type: x for x in fitted if x.name == "p2p_fixed_s" and x.fitted}
-        targets = [(x.gpu_type, "p2p_efficiency", x.low, x.high) for x in p2p]
-        targets += [(g, "p2p_fixed_s", x.high, x.low) for g, x in fixed.items()]
-        dims.append((_width(k), targets))
+    # one scale for every kind in multi-stage pipelines: one dimension, along which the fixed
+    # cost per transfer moves against the efficiency (_fit_p2p); either may have the range
+    # (the efficiency's is empty once it reaches 1, where the fixed cost alone moves)
+    p2p = [k for k in fitted if k.name in ("p2p_efficiency", "p2p_fixed_s") and k.fitted]
+    if any(k.high > k.low for k in p2p):
+        targets: list[tuple[str, str, float, float]] = [
+            (k.gpu_type, k.name, k.low, k.high)
+            if k.name == "p2p_efficiency"
+            else (k.gpu_type, k.name, k.high, k.low)  # dear end first, with the low efficiency
+            for k in p2p
+        ]
+        dims.append((max(_width(k) for k in p2p), targets))
     dims = sorted(dims, key=lambda d: -d[0])[:_CORNER_DIMS]
     if not dims:
         return []

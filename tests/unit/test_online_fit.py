@@ -121,12 +121,14 @@ def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> Non
     )
 
 
-@pytest.mark.parametrize(("eta", "fixed"), [(1.0, 0.0), (1.0, 2e-4), (0.15, 2e-3)])
-def test_transfers_cheaper_or_dearer_than_the_prior_are_matched(eta: float, fixed: float) -> None:
-    """A cluster whose transfers cost what no point of the prior's line gives (no fixed cost
-    at full bandwidth: the fixed cost shrinks once the efficiency reaches 1; a slow engine
-    with a large fixed cost): the scale of the transfers' cost still matches the measured
-    waits, so the running plan is predicted as it runs."""
+@pytest.mark.parametrize(
+    ("eta", "fixed"), [(1.0, 0.0), (1.0, 2e-4), (0.15, 2e-3), (0.3, 0.0), (0.8, 5e-3)]
+)
+def test_transfers_off_the_kept_line_are_matched(eta: float, fixed: float) -> None:
+    """Clusters whose transfers cost what the kept pair's line does not hold (no fixed cost at
+    full bandwidth: the fixed cost shrinks once the efficiency reaches 1; a slower or faster
+    link, with a fixed cost of its own): the scale of the transfers' cost still matches the
+    measured waits, so the running plan is predicted as it runs."""
     plan = _pipeline_plan()
     truth = BASE
     for g in (SLOW, FAST):
@@ -134,11 +136,27 @@ def test_transfers_cheaper_or_dearer_than_the_prior_are_matched(eta: float, fixe
     fit = _fit(plan, _timings(plan, truth))
     got = fit.constant(SLOW, "p2p_efficiency"), fit.constant(SLOW, "p2p_fixed_s")
     assert got[0] is not None and got[1] is not None and got[0].fitted and got[1].fitted
-    assert got[0].low <= got[0].value <= got[0].high
-    assert got[1].low <= got[1].value <= got[1].high
-    if eta == 1.0:
-        assert got[0].value == 1.0 and got[1].value < BASE.for_gpu(SLOW).p2p_fixed_s / 2
-    assert abs(fit.error_after) < 0.03 < abs(fit.error_before)
+    assert got[0].low <= got[0].value <= got[0].high <= 1.0
+    assert 0.0 <= got[1].low <= got[1].value <= got[1].high
+    kept = BASE.for_gpu(SLOW)
+    if eta == 1.0:  # past the line's η = 1 point, where the fixed cost is c0 · η0
+        assert got[0].value == 1.0
+        assert abs(got[1].value - fixed) < kept.p2p_fixed_s * kept.p2p_eta / 100
+    assert abs(fit.error_after) < 0.005 and abs(fit.error_before) > 0.03
+
+
+def test_without_a_kept_fixed_cost_the_efficiency_alone_is_fitted() -> None:
+    """A kept pair without a fixed cost (the CPU kind, a calibration from before it): the
+    scale moves the efficiency only, and the fixed cost is reported kept, at 0."""
+    plan = _pipeline_plan()
+    base = truth = BASE
+    for g in (SLOW, FAST):
+        base = with_constant(base, g, p2p_fixed_s=0.0)
+        truth = with_constant(truth, g, p2p_efficiency=0.3, p2p_fixed_s=0.0)
+    fit = _fit(plan, _timings(plan, truth), base)
+    eta, fixed = fit.constant(SLOW, "p2p_efficiency"), fit.constant(SLOW, "p2p_fixed_s")
+    assert eta is not None and eta.fitted and eta.value == pytest.approx(0.3, rel=0.01)
+    assert fixed is not None and not fixed.fitted and fixed.value == 0.0
 
 
 def test_data_parallel_recovers_network_efficiency_from_the_last_arriver() -> None:
@@ -226,6 +244,12 @@ def test_range_corners_span_every_combination_of_the_fitted_ends() -> None:
     # the fixed cost per transfer moves with the efficiency, on one dimension: dear together
     fixed_at = {c.for_gpu(SLOW).p2p_eta: c.for_gpu(FAST).p2p_fixed_s for c in corners}
     assert fixed_at == {0.4: 8e-4, 0.7: 3e-4}
+    # at an efficiency of 1 its range is empty, the fixed cost's is not: still a dimension
+    at_one = [
+        _ranged(FAST, "p2p_efficiency", 1.0, 1.0, 1.0),
+        _ranged(FAST, "p2p_fixed_s", 2e-4, 1e-4, 3e-4),
+    ]
+    assert {c.for_gpu(FAST).p2p_fixed_s for c in range_corners(BASE, at_one)} == {1e-4, 3e-4}
     assert range_corners(BASE, [_ranged(FAST, "compute_scale", 1.0, 1.0, 1.0)]) == []
 
 
