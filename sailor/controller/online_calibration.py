@@ -269,6 +269,7 @@ class Calibrator:
             inp.prices,
             calibration=base,
             gpu_specs=inp.gpu_specs,
+            anchor=inp.calibration,
         )
         self.fits += 1
         if d.generation != self._generation:

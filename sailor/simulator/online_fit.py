@@ -21,13 +21,12 @@ iteration times):
   equals the measured sum of ``p2p_s`` (bisection: the prediction grows with the scale).
   A running layout has one microbatch size, so its transfers cannot tell the fixed cost from
   the bandwidth (as in :mod:`calibrate`): the scale ``t`` moves both along one line through
-  the kept pair ``(η0, c0)``: ``η_p2p = η0 / t`` and ``c_p2p = c0 · t`` while ``η0 / t ≤ 1``;
+  the anchor's pair ``(η0, c0)`` (the configured calibration's, so that every fit of a job
+  stays on one line and a fixed cost fitted away can come back; without an anchor, the
+  kept calibration's): ``η_p2p = η0 / t`` and ``c_p2p = c0 · t`` while ``η0 / t ≤ 1``;
   below that ``η_p2p = 1`` and ``c_p2p = c0 · t`` alone shrinks (to a thousandth of
-  ``c0 · η0``). ``t = 1`` is the kept pair, and every transfer's time is a continuous,
-  increasing function of ``t``. Its one line through the kept pair is also its limit: a
-  fixed cost fitted away (or 0 in the kept calibration) does not come back in a later fit,
-  which then moves the efficiency alone; the running plan is still matched, a layout at
-  another microbatch size is priced off the line.
+  ``c0 · η0``). ``t = 1`` is the anchor's pair, and every transfer's time is a continuous,
+  increasing function of ``t``. With ``c0 = 0`` the efficiency alone moves.
   Identified only when the transfers move the prediction (doubling their cost from
   ``η_p2p = 1``, at ``t = η0``, adds ≥ 5 % of the measured waits); else kept. The waits are
   mostly fill, drain and imbalance, which the compute scales set, so the range is solved
@@ -201,11 +200,14 @@ def fit_online(
     *,
     calibration: Calibration | None = None,
     gpu_specs: Mapping[str, GPUSpec] | None = None,
+    anchor: Calibration | None = None,
 ) -> OnlineFit:
     """The constants of the running cluster (see the module docstring).
 
     ``timings``: one entry per rank that reported (any subset of the plan's ranks, at least
-    one). Raises ``ValueError`` when no timing belongs to the plan.
+    one). ``anchor``: the calibration whose p2p pair sets the line the transfers' cost is
+    scaled along (the configured one, so that successive fits stay on one line); None: the
+    kept ``calibration``. Raises ``ValueError`` when no timing belongs to the plan.
     """
     cal0 = calibration or Calibration()
     specs = gpu_specs or {}
@@ -220,7 +222,18 @@ def fit_online(
     constants: list[FittedConstant] = []
     cal = _fit_compute(ranks, kinds, cal0, sim, constants, notes)
     cal = _fit_p2p(
-        plan, ranks, kinds, cal, constants, notes, model, profiles, network, prices, specs
+        plan,
+        ranks,
+        kinds,
+        cal,
+        anchor or cal0,
+        constants,
+        notes,
+        model,
+        profiles,
+        network,
+        prices,
+        specs,
     )
     frame = {g: f.iteration_s for g in kinds if (f := profiles.framework_time(g)) is not None}
     cal = _fit_sync(
@@ -345,6 +358,7 @@ def _fit_p2p(
     ranks: list[_Rank],
     kinds: list[str],
     cal: Calibration,
+    anchor: Calibration,
     out: list[FittedConstant],
     notes: list[str],
     model: ModelSpec,
@@ -363,10 +377,10 @@ def _fit_p2p(
             out.append(_kept(g, "p2p_fixed_s", gc.p2p_fixed_s, why))
     if not piped:
         return cal
-    # what the simulator charges a boundary between these kinds: the least efficiency and
-    # the largest fixed cost
-    eta0 = min(cal.for_gpu(g).p2p_eta for g in involved)
-    c0 = max(cal.for_gpu(g).p2p_fixed_s for g in involved)
+    # the line's pair: what the simulator charges a boundary between these kinds in the
+    # anchor (the least efficiency and the largest fixed cost)
+    eta0 = min(anchor.for_gpu(g).p2p_eta for g in involved)
+    c0 = max(anchor.for_gpu(g).p2p_fixed_s for g in involved)
     measured = sum(r.t.p2p_s for r in piped)
     # the waits are mostly fill, drain and imbalance, which the compute scales set: the
     # range takes in the compute scales' range too (each end solved on its own)
@@ -438,7 +452,7 @@ def _fit_p2p(
     evidence = (
         f"1F1B replay matches the measured pipeline waits ({measured:.3g} s over "
         f"{len(piped)} rank(s)) at η_p2p={eta:.3g} and {fixed * 1e3:.3g} ms per transfer "
-        f"(scale {t:.3g} of the kept pair's transfer cost; one microbatch size cannot tell "
+        f"(scale {t:.3g} of the anchor pair's transfer cost; one microbatch size cannot tell "
         "the two apart: both move along one line); range over the waits' and the compute "
         "scales' ranges"
     )

@@ -145,6 +145,30 @@ def test_transfers_off_the_kept_line_are_matched(eta: float, fixed: float) -> No
     assert abs(fit.error_after) < 0.005 and abs(fit.error_before) > 0.03
 
 
+def test_successive_fits_stay_on_the_configured_line() -> None:
+    """A first fit on a cluster without a fixed cost takes it (nearly) away; when the
+    transfers later cost what the configured pair says, the next fit, anchored on the
+    configured calibration, brings it back. Anchored on the kept one, it could not: its line
+    has (nearly) no fixed cost left, and the efficiency alone moves."""
+    plan = _pipeline_plan()
+    free = BASE
+    for g in (SLOW, FAST):
+        free = with_constant(free, g, p2p_efficiency=1.0, p2p_fixed_s=0.0)
+    first = _fit(plan, _timings(plan, free))
+    kept = first.calibration
+    assert kept.for_gpu(SLOW).p2p_fixed_s < 1e-5
+    timings = _timings(plan, BASE)  # the cluster is the configured pair after all
+    again = fit_online(
+        plan, timings, MODEL, PROFILES, NETWORK, PRICES, calibration=kept, gpu_specs=SPECS,
+        anchor=BASE,
+    )  # fmt: skip
+    want = BASE.for_gpu(SLOW)
+    assert _const(again, SLOW, "p2p_fixed_s") == pytest.approx(want.p2p_fixed_s, rel=0.01)
+    assert _const(again, SLOW, "p2p_efficiency") == pytest.approx(want.p2p_eta, rel=0.01)
+    stuck = _fit(plan, timings, kept)  # no anchor: the kept calibration's line
+    assert _const(stuck, SLOW, "p2p_fixed_s") < 1e-5
+
+
 def test_without_a_kept_fixed_cost_the_efficiency_alone_is_fitted() -> None:
     """A kept pair without a fixed cost (the CPU kind, a calibration from before it): the
     scale moves the efficiency only, and the fixed cost is reported kept, at 0."""
