@@ -7,9 +7,11 @@ all of them. Binds to 127.0.0.1 only; never touches another address.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 __all__ = ["PortTimeoutError", "ProcessExitedError", "free_port", "wait_port"]
 
@@ -18,8 +20,38 @@ class PortTimeoutError(RuntimeError):
     """A process we started did not open its port in time."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+_LOWEST = 10000
+"""Ports below this are left to the machine's own services."""
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out as a connection's source port (Linux; 32768
+    elsewhere, the IANA range starts higher)."""
+    try:
+        return int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(tries: int = 64) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    Drawn at random below the kernel's ephemeral range: a port the kernel picked (bind to
+    port 0) lies inside that range, where every outgoing connection on the machine takes its
+    source port, so between this call and the listener's bind another process's connection
+    could take it (``EADDRINUSE`` at a rendezvous). Below the range only an explicit bind
+    can, and two callers drawing at random from ~20,000 ports rarely meet. Falls back to
+    the kernel's choice when the range starts too low."""
+    top = _ephemeral_start()
+    for _ in range(tries if top - _LOWEST > 1000 else 0):
+        port = _LOWEST + secrets.randbelow(top - _LOWEST)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

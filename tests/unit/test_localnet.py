@@ -33,3 +33,18 @@ def test_free_port_pair_gives_two_bindable_ports() -> None:
     for p in (port, port + 1):
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    """Outgoing connections take their source ports from the kernel's ephemeral range; a
+    port handed out for a listener lies below it, so none of them can take it first."""
+    import socket
+
+    from sailor.localnet import _ephemeral_start
+
+    top = _ephemeral_start()
+    ports = [free_port() for _ in range(50)]
+    assert all(10000 <= p < top for p in ports)
+    assert len(set(ports)) > 45  # drawn at random, not one port again and again
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
