@@ -185,3 +185,18 @@ def test_a_spread_without_the_fixed_p2p_cost_keeps_the_point_value() -> None:
     raw = gh.spread.model_dump()
     del raw["p2p_fixed_s"]
     assert type(gh.spread).model_validate(raw).p2p_fixed_s is None
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_constant_must_be_finite(bad: float) -> None:
+    """An infinite constant would be accepted, then written to JSON as null and refused on
+    reading back: it is refused at once, by its name."""
+    from pydantic import ValidationError
+
+    from sailor.schemas import GPUCalibration
+
+    for field in ("p2p_fixed_s", "sync_fixed_s", "profiler_overhead_s"):
+        with pytest.raises(ValidationError, match=field):
+            GPUCalibration(gpu_type="X", **{field: bad})
+    with pytest.raises(ValidationError, match="high"):
+        ConstantRange(low=0.0, median=1.0, high=bad)
