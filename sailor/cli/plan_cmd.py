@@ -42,6 +42,7 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.zones import region_of
+from sailor.simulator.network_model import guessed_link
 
 __all__ = ["plan_cmd"]
 
@@ -176,7 +177,7 @@ def _print(
         if robust and r.rank in robust:
             for line in _interval_lines(robust[r.rank]):
                 con.print(line)
-        guessed = [n for n in e.notes if n.startswith(("no link", "no intra"))]
+        guessed = [n for n in e.notes if guessed_link(n)]
         for n in guessed:
             con.print(
                 f"  [yellow]rests on a guessed link[/yellow]: {n}; measure it with "

@@ -321,14 +321,7 @@ class CostTables:
         curve, note = inter_curve(inp.network, ra, rb)
         if note:
             self.notes.append(note)
-        eff = min(
-            inp.calibration.for_gpu(a.gpu_type).p2p_eta,
-            inp.calibration.for_gpu(b.gpu_type).p2p_eta,
-        )
-        fixed = max(
-            inp.calibration.for_gpu(a.gpu_type).p2p_fixed_s,
-            inp.calibration.for_gpu(b.gpu_type).p2p_fixed_s,
-        )
+        eff, fixed = inp.calibration.p2p_between(a.gpu_type, b.gpu_type)
         copies = self.p2p_copies(a, b)
         # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
         gcurve_f = (

@@ -256,6 +256,12 @@ class Calibration(DeploymentStructure):
                     return c
         return self.default
 
+    def p2p_between(self, *gpu_types: str) -> tuple[float, float]:
+        """(p2p efficiency, fixed cost per transfer) of a pipeline boundary between stages of
+        ``gpu_types``: the least efficiency and the largest fixed cost of theirs."""
+        cals = [self.for_gpu(g) for g in gpu_types]
+        return min(c.p2p_eta for c in cals), max(c.p2p_fixed_s for c in cals)
+
     def is_calibrated(self, gpu_type: str) -> bool:
         """Whether ``gpu_type`` has constants of its own (or, a CPU kind, the ``cpu`` entry)."""
         names = {gpu_type, catalog_type(gpu_type)}

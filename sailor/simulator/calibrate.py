@@ -197,14 +197,9 @@ def _two_terms(
     ``fixed >= 0`` and η_p2p in ``_P2P_RANGE``: the best of a descent from (0, ``eta0``) and
     from (0, each of ``_TWO_TERM_STARTS``)."""
     u_lo, u_hi = 1.0 / _P2P_RANGE[1], 1.0 / _P2P_RANGE[0]
-
-    def err(c: float, u: float) -> tuple[list[float], float]:
-        p = [f(1.0 / u, c) for f in phases]
-        return p, sum((x / m - 1.0) ** 2 for x, m in zip(p, measured, strict=True))
-
     best: tuple[float, float, float] | None = None
     for eta in (eta0, *_TWO_TERM_STARTS):
-        c, u, sse = _descend(phases, measured, err, min(u_hi, max(u_lo, 1.0 / eta)), u_lo, u_hi)
+        c, u, sse = _descend(phases, measured, min(u_hi, max(u_lo, 1.0 / eta)), u_lo, u_hi)
         if best is None or sse < best[0]:
             best = (sse, c, u)
     assert best is not None
@@ -214,7 +209,6 @@ def _two_terms(
 def _descend(
     phases: Sequence[Callable[[float, float], float]],
     measured: Sequence[float],
-    err: Callable[[float, float], tuple[list[float], float]],
     u: float,
     u_lo: float,
     u_hi: float,
@@ -222,7 +216,12 @@ def _descend(
     """Gauss-Newton from (0, ``u``) on (fixed, u = 1/η_p2p), in which a phase is piecewise
     linear (every transfer time is ``fixed + bytes·u/BW + gather``), with forward
     differences and steps halved until the error falls; each step solves the 2 × 2 least
-    squares on the box. Returns (fixed, u, squared error)."""
+    squares on the box. Returns (fixed, u, squared relative error)."""
+
+    def err(c: float, u: float) -> tuple[list[float], float]:
+        p = [f(1.0 / u, c) for f in phases]
+        return p, sum((x / m - 1.0) ** 2 for x, m in zip(p, measured, strict=True))
+
     c = 0.0
     p, sse = err(c, u)
     for _ in range(_TWO_TERM_STEPS):

@@ -43,6 +43,7 @@ __all__ = [
     "FALLBACK_SAME_ZONE_GBPS",
     "AllReduce",
     "LinkCurves",
+    "guessed_link",
     "inter_curve",
     "intra_curve",
     "ring_allreduce",
@@ -72,6 +73,12 @@ are all-reduced in buckets of this many elements, one after the other."""
 
 def _flat(gbps: float) -> BandwidthCurve:
     return BandwidthCurve(coeffs=(0.0, 0.0, gbps), max_gbps=gbps)
+
+
+def guessed_link(note: str) -> bool:
+    """``note`` (of :func:`inter_curve`, :func:`intra_curve` or a ring) says the link is a
+    flat guess by distance or a spec sheet, not a measured curve."""
+    return note.startswith(("no link", "no intra"))
 
 
 def inter_curve(

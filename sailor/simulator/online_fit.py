@@ -377,10 +377,8 @@ def _fit_p2p(
             out.append(_kept(g, "p2p_fixed_s", gc.p2p_fixed_s, why))
     if not piped:
         return cal
-    # the line's pair: what the simulator charges a boundary between these kinds in the
-    # anchor (the least efficiency and the largest fixed cost)
-    eta0 = min(anchor.for_gpu(g).p2p_eta for g in involved)
-    c0 = max(anchor.for_gpu(g).p2p_fixed_s for g in involved)
+    # the line's pair: what the anchor charges a boundary between these kinds
+    eta0, c0 = anchor.p2p_between(*involved)
     measured = sum(r.t.p2p_s for r in piped)
     # the waits are mostly fill, drain and imbalance, which the compute scales set: the
     # range takes in the compute scales' range too (each end solved on its own)

@@ -62,7 +62,7 @@ from sailor.schemas.precision import (
 from sailor.schemas.profile import FrameworkTime
 from sailor.simulator.lookup import StageCosts, layer_sizes, layer_table
 from sailor.simulator.memory import stage_memory
-from sailor.simulator.network_model import AllReduce, LinkCurves, ring_allreduce
+from sailor.simulator.network_model import AllReduce, LinkCurves, guessed_link, ring_allreduce
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
 
 __all__ = [
@@ -408,11 +408,6 @@ def _pipe_key(p: Pipeline) -> _PipeKey:
     )
 
 
-def _guessed_link(note: str) -> bool:
-    """The link behind ``note`` is a flat guess by distance, not a measured curve."""
-    return note.startswith(("no link", "no intra"))
-
-
 def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKind:
     """Compute and transfers per stage of ``p``, per microbatch (independent of its count)."""
     model, cal = inp.model, inp.cal
@@ -446,15 +441,14 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
     for i in range(len(row) - 1):
         a, b = p.stages[i].replica, p.stages[i + 1].replica
         out = p.microbatch_size * inp.wire(row[i].sizes[-1])
-        eff = min(inp.gcal(a.gpu_type).p2p_eta, inp.gcal(b.gpu_type).p2p_eta)
-        fixed = max(inp.gcal(a.gpu_type).p2p_fixed_s, inp.gcal(b.gpu_type).p2p_fixed_s)
+        eff, fixed = cal.p2p_between(a.gpu_type, b.gpu_type)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
             curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node)
         else:
             curve, note = inp.links.inter(a, b)
         inp.notes.add(note)
-        inp.uses_estimates |= _guessed_link(note)
+        inp.uses_estimates |= guessed_link(note)
         gather_f = gather_b = 0.0
         if cal.p2p_across_tp == "full_copies" and (a.tp > 1 or b.tp > 1):
             # each receiver rank takes the whole activation from one sender (b.tp copies
@@ -632,7 +626,7 @@ def _gradient_sync(
 
     def reduce(holders: list[_Rank], ar: AllReduce, node_bytes: float, chains: bool) -> None:
         inp.notes.add(*ar.notes)
-        inp.uses_estimates |= any(_guessed_link(n) for n in ar.notes)
+        inp.uses_estimates |= any(guessed_link(n) for n in ar.notes)
         took = ranks.grad_allreduce_s(ar, holders, node_bytes, chains=chains)
         start = max(ready[h] for h in holders)
         for h in holders:

@@ -82,6 +82,6 @@ def test_two_terms_starts_from_several_efficiencies() -> None:
         p = [f(1.0 / u, c) for f in phases]
         return p, sum((x / m - 1) ** 2 for x, m in zip(p, measured, strict=True))
 
-    one = _descend(phases, measured, err, 2.0, 1.0, 100.0)[2]
+    one = _descend(phases, measured, 2.0, 1.0, 100.0)[2]
     fixed, eta = _two_terms(phases, measured, eta0=0.5)
     assert err(fixed, 1.0 / eta)[1] < one / 3
