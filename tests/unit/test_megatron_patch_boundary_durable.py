@@ -1,9 +1,16 @@
 """A save is awaited in short collective polls: no rank sits in one collective for a write.
 
-Two gloo ranks whose process groups time out after 1 s; rank 0 (the committer) takes 3 s
-to make its save durable (its part and the commit), rank 1 is done at once. Waiting for
-the save then meeting in a collective, as the worker did, times rank 1 out; the boundary's
-``_durable`` polls every rank's ``done()`` in quick all-reduces, so both ranks go on.
+Two gloo ranks; rank 0 (the committer) takes 3 s to make its save durable (its part and the
+commit), rank 1 is done at once. Waiting for the save then meeting in a collective, as the
+worker once did, leaves rank 1 inside one collective for the whole write: a write longer
+than the process groups' timeout (GBs to an object store) would time it out. The
+boundary's ``_durable`` polls every rank's ``done()`` in quick all-reduces instead.
+
+What is measured is the longest single collective each rank sits in while it waits, which
+is what a process group's timeout bounds. The groups' own timeout is long here, so a
+scheduling stall of this shared machine cannot abort a rank (with a 1 s timeout one did,
+under the full suite's load); the old way is run in the same processes to show the
+measure tells the two apart.
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sailor.megatron_patch import boundary
 from sailor.megatron_patch.boundary import Boundary, Progress, Status
 
 WRITE_S = 3.0
-TIMEOUT_S = 1.0
 
 
 class _SlowCommit:
@@ -39,40 +46,56 @@ class _SlowCommit:
         self.waited = True
 
 
-def _rank(rank: int, store: str, out: str, polled: bool) -> None:
+def _timed(fn, longest: list[float]):  # type: ignore[no-untyped-def]
+    def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t0 = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            longest[0] = max(longest[0], time.monotonic() - t0)
+
+    return call
+
+
+def _wait(rank: int, polled: bool) -> dict[str, object]:
+    ckpt = _SlowCommit(WRITE_S if rank == 0 else 0.0)
+    args = argparse.Namespace(poll_s=0.05, rank=rank, min_step_s=0.0, control=None)
+    b = Boundary(args, Status(rank), Progress(None, False), ckpt, torch.device("cpu"))  # type: ignore[arg-type]
+    longest = [0.0]
+    dist.barrier()
+    t0 = time.monotonic()
+    if polled:
+        b._durable()
+    else:
+        ckpt.wait()  # the old way: wait alone, then meet in the next collective
+    _timed(dist.all_reduce, longest)(torch.ones(1))
+    return {"s": time.monotonic() - t0, "waited": ckpt.waited, "longest": longest[0]}
+
+
+def _rank(rank: int, store: str, out: str) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
         rank=rank,
         world_size=2,
-        timeout=timedelta(seconds=TIMEOUT_S),
+        timeout=timedelta(seconds=120),
     )
-    ckpt = _SlowCommit(WRITE_S if rank == 0 else 0.0)
-    args = argparse.Namespace(poll_s=0.05, rank=rank, min_step_s=0.0, control=None)
-    b = Boundary(args, Status(rank), Progress(None, False), ckpt, torch.device("cpu"))  # type: ignore[arg-type]
-    t0 = time.monotonic()
-    try:
-        if polled:
-            b._durable()
-        else:
-            ckpt.wait()  # the old way: wait alone, then meet in the next collective
-        dist.all_reduce(torch.ones(1))
-        result = {"ok": True, "s": time.monotonic() - t0, "waited": ckpt.waited}
-    except RuntimeError as exc:
-        result = {"ok": False, "error": str(exc)[:200]}
-    Path(out, f"r{rank}.json").write_text(json.dumps(result))
+    longest = [0.0]
+    boundary.all_done = _timed(boundary.all_done, longest)  # type: ignore[assignment]
+    polled = _wait(rank, polled=True)
+    polled["longest"] = max(float(polled["longest"]), longest[0])  # type: ignore[arg-type]
+    plain = _wait(rank, polled=False)
+    dist.destroy_process_group()
+    Path(out, f"r{rank}.json").write_text(json.dumps({"polled": polled, "plain": plain}))
 
 
-def _run(tmp: Path, polled: bool) -> list[dict[str, object]]:
-    out = tmp / ("polled" if polled else "plain")
-    out.mkdir()
-    mp.spawn(_rank, args=(str(out / "store"), str(out), polled), nprocs=2, join=True)
-    return [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
-
-
-def test_a_long_save_times_nobody_out(tmp_path: Path) -> None:
-    # (the old way, ``polled=False``, times rank 1 out: measured when this was written; not
-    # rerun here, to save a spawn)
-    polled = _run(tmp_path, polled=True)
-    assert all(r["ok"] and r["waited"] for r in polled), polled
-    assert all(float(r["s"]) >= WRITE_S - 0.5 for r in polled), polled  # both waited for it
+def test_a_long_save_keeps_nobody_in_one_collective(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    for r in got:
+        assert r["polled"]["waited"] and float(r["polled"]["s"]) >= WRITE_S - 0.5, got
+        # the polls: no collective lasts more than half the write (each is ~poll_s; the
+        # margin is for a loaded machine's scheduling stalls)
+        assert float(r["polled"]["longest"]) < WRITE_S / 2, got
+    # the old way: the rank that was done at once sat in one collective for the write
+    assert float(got[1]["plain"]["longest"]) >= WRITE_S - 0.5, got
