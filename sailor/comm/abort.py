@@ -51,6 +51,7 @@ __all__ = [
     "abandon_world",
     "abandoned",
     "abort_requested",
+    "backend_error",
     "clear_abort",
     "host_sync",
     "keep_alive",
@@ -184,10 +185,46 @@ def host_sync(device: Any) -> None:
 
     if not _polling:
         torch.cuda.synchronize(device)
-        return
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(device))
-    poll_until(event.query)
+    else:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        poll_until(event.query)
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        failed = backend_error(list(c10d._world.pg_map.items()), device)
+        if failed is not None:
+            raise dist.DistBackendError(failed)
+
+
+def backend_error(groups: list[tuple[Any, Any]], device: Any) -> str | None:
+    """Why the first communicator of ``groups`` (``(group, ...)`` pairs, as torch's group
+    map holds them) that reports an error failed, or None when none does.
+
+    After a host sync, before any value is read back: with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (``devices.nccl_env``) NCCL's watchdog aborts a
+    communicator whose collective timed out or whose peer failed *without raising in
+    Python*. Its kernels then end, the sync returns, and the buffers hold no result: a loss,
+    a gradient norm or an agreed stop step read from them would be used, until the next
+    collective raises. ``get_error`` (ProcessGroupNCCL's) tells; backends without it (gloo,
+    torch builds without NCCL) are skipped."""
+    for group, _ in groups:
+        try:
+            backend = group._get_backend(device)
+        except (RuntimeError, ValueError):  # the group has no backend for this device
+            continue
+        get_error = getattr(backend, "get_error", None)
+        if get_error is None:
+            continue
+        err = get_error()
+        name = getattr(err, "name", str(err))
+        if name != "SUCCESS":
+            return (
+                f"NCCL communicator of group {group.group_name!r} (size {group.size()}) "
+                f"reports {name} after a host sync: a collective timed out or a peer "
+                "failed; values read back from the device are not results"
+            )
+    return None
 
 
 # How often a caller blocked in wait_threaded looks at the abort flag (the wake-up on completion

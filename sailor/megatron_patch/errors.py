@@ -54,6 +54,21 @@ _PEER_MARKERS = (
     "connection refused",
 )
 
+# Fragments of errors that NCCL or CUDA raise about this rank's own work, matched before the
+# peer markers (their text says "nccl" too): NCCL's ncclUnhandledCudaError (a CUDA failure
+# inside NCCL, out of memory among them), ncclInvalidArgument and ncclInvalidUsage (a bug
+# in this rank's call), and CUDA's own out-of-memory and illegal-access errors. A peer
+# that died shows as a timeout, a remote error or a closed connection, never as these.
+_LOCAL_MARKERS = (
+    "out of memory",
+    "outofmemoryerror",
+    "unhandled cuda error",
+    "invalid usage",
+    "invalid argument",
+    "illegal memory access",
+    "illegal address",
+)
+
 
 class InjectedFailureError(RuntimeError):
     """Raised on purpose (``--fail-at-step``) to test failure handling."""
@@ -66,6 +81,8 @@ def classify(exc: BaseException, in_training: bool) -> Origin:
     if not in_training and isinstance(exc, ValueError):
         return "config"
     text = f"{type(exc).__name__} {exc}".lower()
+    if any(m in text for m in _LOCAL_MARKERS):
+        return "local"
     if any(m in text for m in _PEER_MARKERS):
         return "peer"
     return "local"

@@ -102,5 +102,23 @@ def test_failure_classification() -> None:
     assert classify(InjectedFailureError("x"), True) == "local"
     assert classify(RuntimeError("Connection closed by peer [127.0.0.1]:1"), True) == "peer"
     assert classify(ValueError("bad plan"), False) == "config"
+    # NCCL's own texts: a peer's failure, and this rank's (which say "nccl" too)
+    nccl = "NCCL error in: ProcessGroupNCCL.cpp:2100, {}, NCCL version 2.21.5"
+    for peer in (
+        "remote process exited or there was a network error",
+        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)",
+    ):
+        assert classify(RuntimeError(nccl.format(peer)), True) == "peer", peer
+    for own in (
+        "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+        "invalid usage (run with NCCL_DEBUG=WARN for details)",
+        "invalid argument (run with NCCL_DEBUG=WARN for details)",
+        "CUDA error: out of memory",
+        "CUDA error: an illegal memory access was encountered",
+    ):
+        assert classify(RuntimeError(nccl.format(own)), True) == "local", own
+    assert (
+        classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"), True) == "local"
+    )
     rec = failure_record(KeyError("k"), rank=3, step=2, in_training=True)
     assert rec["origin"] == "local" and rec["retry"] and rec["rank"] == 3
