@@ -48,6 +48,7 @@ from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
 from sailor.checkpoint.writer import commit, persist_layers
+from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
 from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest
 from sailor.schemas.plan import Plan
@@ -175,6 +176,11 @@ class Checkpointer:
         """Full CPU copies of the layers this rank writes (gathering TP shards as needed),
         into the previous save's copies (``spare``, persisted already) where shapes match."""
         place = self.place
+        first = next(iter(params.values()), None)
+        if first is not None:
+            # The copies to the host below wait for the device: wait for the training work
+            # queued before them here, where an abort (SIGUSR1) is still seen.
+            comm_abort.host_sync(first.tensor("weight").device)
         by_layer: dict[int, dict[str, ParamState]] = {}
         for key, p in params.items():
             layer, name = split_key(key)
@@ -221,6 +227,7 @@ class Checkpointer:
             del flat
             if dev_bufs is None:
                 continue
+            comm_abort.host_sync(dev_bufs[0].device)  # the gather, abortably (SIGUSR1)
             bufs = [_to_host(b) for b in dev_bufs]
             del dev_bufs
             off = 0

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from sailor.comm import abort
+from sailor.comm import abort, objects
 
 __all__ = [
     "Backend",
@@ -122,9 +122,9 @@ class TorchBackend:
     Every tensor operation is posted asynchronously and waited on through
     :func:`_wait`, so a rank blocked on a failed peer leaves when the worker abandons the
     world (``SIGUSR1``; on NCCL where the host waits for the device: ``abort.host_sync``).
-    The object collectives (rare: control agreement, handshakes) stay blocking; they check
-    the abort flag before they start.
-    Without ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
+    The object collectives (rare: control agreement, handshakes, a save's id) are made of
+    the tensor ones (:mod:`sailor.comm.objects`) when polling is on, so they are abortable
+    too. Without ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
     """
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Any) -> None:
@@ -159,11 +159,17 @@ class TorchBackend:
 
     def all_gather_object(self, outs: list[Any], obj: Any, group: Any) -> None:
         _check_abort()
-        dist.all_gather_object(outs, obj, group=group)
+        if abort.polling():
+            objects.all_gather_objects(self, outs, obj, group)
+        else:
+            dist.all_gather_object(outs, obj, group=group)
 
     def broadcast_object_list(self, objs: list[Any], src: int, group: Any) -> None:
         _check_abort()
-        dist.broadcast_object_list(objs, src=src, group=group)
+        if abort.polling():
+            objects.broadcast_objects(self, objs, src, group)
+        else:
+            dist.broadcast_object_list(objs, src=src, group=group)
 
 
 def _check_abort() -> None:
