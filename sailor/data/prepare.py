@@ -39,7 +39,13 @@ from sailor.data.tokenizer import (
 )
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
 
-__all__ = ["PrepareOptions", "manifest_path", "prepare"]
+__all__ = [
+    "PrepareOptions",
+    "check_outputs_spare_inputs",
+    "manifest_path",
+    "output_paths",
+    "prepare",
+]
 
 _CHUNK_DOCS = 64
 """Documents per ``encode_batch`` call: large enough for the Rust side's threads, small
@@ -80,6 +86,34 @@ def manifest_path(prefix: Path | str) -> Path:
     return idx.with_suffix(".json")
 
 
+def output_paths(prefix: Path | str) -> list[Path]:
+    """Every file ``prepare`` writes for ``prefix``, its temporary files included."""
+    idx, bin_ = paths_of(prefix)
+    man = manifest_path(prefix)
+    tok = idx.with_name(idx.stem + ".tokenizer.json")
+    return [idx, bin_, man, tok, *(q.with_name(q.name + ".tmp") for q in (idx, bin_, man))]
+
+
+def check_outputs_spare_inputs(opts: PrepareOptions) -> None:
+    """Refuse a prefix whose outputs would overwrite an input (a corpus file, the
+    tokenizer): ``--out corpus`` beside ``corpus.json`` would replace the text with the
+    manifest. Checked before anything is read or written."""
+    inputs: list[tuple[str, Path]] = []
+    if opts.source_kind != "builtin":
+        inputs += [("input", Path(i)) for i in opts.source_inputs]
+    if opts.tokenizer is not None:
+        t = Path(opts.tokenizer)
+        inputs.append(("tokenizer", t / "tokenizer.json" if t.is_dir() else t))
+    outs = {q.resolve(): q for q in output_paths(opts.out)}
+    for what, path in inputs:
+        hit = outs.get(path.resolve())
+        if hit is not None:
+            raise ValueError(
+                f"out={str(opts.out)!r} would overwrite the {what} {str(path)!r} (it writes "
+                f"{hit.name}); choose another prefix"
+            )
+
+
 def _read(
     documents: Iterable[tuple[str, str]], max_bytes: int | None, progress: Progress | None
 ) -> tuple[list[str], int]:
@@ -115,6 +149,7 @@ def prepare(
 ) -> DatasetManifest:
     """Tokenize ``documents`` (``(name, text)`` pairs) into an indexed dataset; returns the
     manifest it wrote."""
+    check_outputs_spare_inputs(opts)
     texts, total_bytes = _read(documents, opts.max_bytes, progress)
     if not texts:
         raise ValueError(f"no non-empty documents in {list(opts.source_inputs)}")
