@@ -224,6 +224,29 @@ def _check_inputs(inputs: Inputs, pool: Pool) -> None:
             raise PlannerInputError(f"pool GPU type {e.gpu_type!r} has no price") from exc
 
 
+def _check_prices_for_cost(
+    inputs: Inputs, pool: Pool, objective: Objective, constraints: Constraints
+) -> None:
+    """A search that ranks or caps by cost needs a price above 0 for every GPU: samples
+    per $ and iterations per $ of a free GPU are infinite, and ratios of them undefined."""
+    prices_cost = (
+        objective != "throughput"
+        or constraints.max_cost_per_iter_usd is not None
+        or constraints.max_cost_per_hour_usd is not None
+    )
+    if not prices_cost:
+        return
+    for e in pool.entries:
+        spot = e.spot if inputs.spot is None else inputs.spot
+        if inputs.prices.gpu_hour(e.gpu_type, e.zone, spot) <= 0:
+            why = f"objective={objective!r}" if objective != "throughput" else "a cost limit"
+            raise PlannerInputError(
+                f"pool entry {e.gpu_type} in {e.zone} (spot={spot}) costs $0/h: {why} needs "
+                "a price above 0 for every GPU (for hardware you own, give its amortized "
+                "$/GPU-hour; or plan for throughput without a cost limit)"
+            )
+
+
 def mbs_candidates(inputs: Inputs, gpu_type: str) -> list[int]:
     """Microbatch sizes to try on ``gpu_type`` (powers of two dividing the batch; memoized)."""
     memo: dict[str, list[int]] = inputs.__dict__.setdefault("_mbs_memo", {})
@@ -1265,6 +1288,7 @@ def _prepare(
     tables = state.tables
     inputs = tables.inputs
     _check_inputs(inputs, pool)
+    _check_prices_for_cost(inputs, pool, objective, constraints)
     caps = resources_of(pool, constraints)
     state.pricing = GpuPricing.of(pool, inputs.prices, inputs.spot)
 

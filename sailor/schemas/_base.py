@@ -20,7 +20,11 @@ SCHEMA_VERSION = 1
 class Frozen(BaseModel):
     """Immutable, strict base model."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: JSON has no infinity or NaN (pydantic writes them as null, which
+    # no reader accepts back), and no schema field means either.
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+    )
 
 
 class WireMessage(Frozen):

@@ -160,3 +160,33 @@ def test_plan_errors(reference: Path, tmp_path: Path) -> None:
         app, ["plan", "--model", "OPT-350", "--pool", str(pool), "--max-gpus", "A100"]
     )
     assert res.exit_code == 2 and "TYPE=N" in res.output
+
+
+def test_free_or_infinite_prices(reference: Path, tmp_path: Path) -> None:
+    """A GPU at $0/h (owned hardware) is refused by a search that ranks or caps by cost,
+    naming the pool entry (it divided by zero), and planned for throughput; an infinite
+    price is refused when read (JSON has no infinity: it would be written back as null)."""
+    prof, _ = _prepare(reference, tmp_path)
+    pool = _pool(tmp_path, POOL)
+
+    def prices(a100: str) -> Path:
+        p = tmp_path / "prices.json"
+        p.write_text(
+            '{"gpus": ['
+            f'{{"gpu_type": "A100-40", "region": "us-central1", "on_demand_usd_per_hour": {a100}, '
+            f'"spot_usd_per_hour": {a100}}},'
+            '{"gpu_type": "V100-16", "region": "us-central1", "on_demand_usd_per_hour": 2.0, '
+            '"spot_usd_per_hour": 0.7}]}'
+        )
+        return p
+
+    base = ["plan", "--model", "OPT-350", "--pool", str(pool), "--profiles", str(prof)]
+    free = ["--prices", str(prices("0"))]
+    for extra in (["--objective", "cost"], ["--max-cost-per-iter", "5"]):
+        res = runner.invoke(app, [*base, *free, *extra])
+        assert res.exit_code == 2, res.output
+        assert "A100-40 in us-central1-a" in res.output and "$0/h" in res.output, res.output
+    res = runner.invoke(app, [*base, *free, "--risk", "median"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, [*base, "--prices", str(prices("Infinity"))])
+    assert res.exit_code == 2 and "on_demand_usd_per_hour" in res.output, res.output
