@@ -51,6 +51,11 @@ def load_raw(path: Path) -> Any:
         text = path.read_text()
     except OSError as exc:
         raise fail(f"{path}: cannot read ({exc.strerror or exc}): check the path") from exc
+    except UnicodeDecodeError as exc:
+        raise fail(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start : exc.start + 1]!r}):"
+            " pass a JSON or YAML file"
+        ) from exc
     if not text.strip():
         raise fail(f"{path}: the file is empty: pass a file with content")
     try:

@@ -144,15 +144,34 @@ class AuditLog:
             self._fh.close()
 
 
+def _rotated_parts(p: Path) -> list[Path]:
+    """``p``'s rotated parts, oldest first: ``p.N`` (ours) and ``p.N.gz`` (logrotate's
+    ``compress``), by ``N`` descending; any other file beside it (``p.bak``) is not a part."""
+    parts: list[tuple[int, Path]] = []
+    for q in p.parent.glob(p.name + ".*"):
+        rest = q.name[len(p.name) + 1 :]
+        n = rest.removesuffix(".gz")
+        if n.isdigit():
+            parts.append((int(n), q))
+    return [q for _, q in sorted(parts, key=lambda x: -x[0])]
+
+
+def _read_part(part: Path) -> str:
+    if part.suffix == ".gz":
+        import gzip
+
+        return gzip.decompress(part.read_bytes()).decode("utf-8", errors="replace")
+    return part.read_text(errors="replace")
+
+
 def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """All records of the given logs (and their rotated parts), merged by time."""
     out: list[dict[str, Any]] = []
     for p in paths:
-        parts = sorted(p.parent.glob(p.name + ".*"), key=lambda q: -int(q.suffix[1:]))
-        for part in [*(q for q in parts if q.suffix[1:].isdigit()), p]:
+        for part in [*_rotated_parts(p), p]:
             if not part.exists():
                 continue
-            for n, line in enumerate(part.read_text().splitlines(), 1):
+            for n, line in enumerate(_read_part(part).splitlines(), 1):
                 if not line.strip():
                     continue
                 where = f"{part}:{n}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 from pathlib import Path
 
 from sailor.controller.audit import AuditLog, check, read_records
@@ -49,6 +50,29 @@ def test_sync_write_and_rotation_leave_nothing_pending(tmp_path: Path) -> None:
     log.close()
     recs = read_records([log.path])
     assert len(recs) == 11 and (tmp_path / "a.jsonl.1").exists()
+
+
+def test_compressed_parts_are_read_and_other_files_beside_the_log_ignored(
+    tmp_path: Path,
+) -> None:
+    """logrotate's ``compress`` leaves ``a.jsonl.2.gz``; a ``.bak`` copy is not a part; a
+    line that is not UTF-8 is a corrupt record, not a crash of the whole audit."""
+    log = AuditLog(tmp_path / "a.jsonl", max_bytes=200)
+    for i in range(12):
+        log.write("event", float(i), event_id=f"e{i}")
+    log.close()
+    parts = sorted(q.name for q in tmp_path.iterdir())
+    assert "a.jsonl.2" in parts, parts
+    two = tmp_path / "a.jsonl.2"
+    (tmp_path / "a.jsonl.2.gz").write_bytes(gzip.compress(two.read_bytes()))
+    two.unlink()
+    (tmp_path / "a.jsonl.bak").write_text("not a part\n")
+    recs = read_records([log.path])
+    assert [r["event_id"] for r in recs] == [f"e{i}" for i in range(12)]
+    with (tmp_path / "a.jsonl").open("ab") as f:
+        f.write(b"\xff\xfe{not utf-8}\n")
+    recs = read_records([log.path])
+    assert len(recs) == 13 and sum(r["kind"] == "corrupt" for r in recs) == 1
 
 
 def test_check_requires_each_event_to_come_on_its_own_nodes_subject() -> None:

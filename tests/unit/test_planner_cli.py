@@ -129,6 +129,10 @@ def test_plan_errors(reference: Path, tmp_path: Path) -> None:
     )
     res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(bad)])
     assert res.exit_code == 2 and "nodes" in res.output
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00entries")
+    res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(binary)])
+    assert res.exit_code == 2 and "binary.yaml: not UTF-8 text (byte 0" in res.output, res.output
     empty = _pool(tmp_path, "entries: []\n", "empty")
     res = runner.invoke(
         app, ["plan", "--model", "OPT-350", "--pool", str(empty), "--profiles", str(prof)]
