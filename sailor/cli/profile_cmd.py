@@ -53,6 +53,19 @@ def _existing_db(path: Path) -> ProfileDB | None:
     return load_model(path, ProfileDB) if path.exists() else None
 
 
+def _check_db_out(path: Path, model: str) -> None:
+    """Before measuring: the output is a ProfileDB of ``model`` (or new), not a directory,
+    so a measurement of minutes to hours is never thrown away at the merge."""
+    if path.is_dir():
+        raise fail(f"-o {path}: is a directory: give the ProfileDB file to merge into")
+    old = _existing_db(path)
+    if old is not None and old.model != model:
+        raise fail(
+            f"-o {path}: holds profiles of model {old.model!r}, not {model!r}: one file per "
+            "model (give another -o)"
+        )
+
+
 profile_app = typer.Typer(
     help="Measure layer times/sizes and link bandwidth here; estimate other GPUs.",
     no_args_is_help=True,
@@ -249,6 +262,7 @@ def layers_cmd(
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
+    _check_db_out(out, spec.name)
     title = f"profiling {spec.name} on {gpu_type}"
     if cpu_quota is None:
         db, ms = _profile_with_bar(con, run, title)
@@ -433,6 +447,11 @@ def network_cmd(
     from sailor.profiler.network_probe import ProbeSettings, run_probe
 
     ranks, sizes = _collective_plan(collectives, collective_sizes, rank, master, device)
+    if rank != 1:  # rank 0 (or both on loopback) writes --out: check it before probing
+        if out.is_dir():
+            raise fail(f"-o {out}: is a directory: give the NetworkProfile file to merge into")
+        if out.exists():
+            load_model(out, NetworkProfile)
     if gpu_type is None:
         gpu_type = _local_gpu_type(device)
     try:

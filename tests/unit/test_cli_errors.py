@@ -200,6 +200,18 @@ def test_out_of_range_options_are_refused_by_name(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         res = runner.invoke(app, [*prof, "--device", "cuda"])
         assert res.exit_code != 0 and "no CUDA device here" in res.output, res.output
+    # an output that cannot take the result is refused before measuring, not after
+    other = tmp_path / "other.json"
+    other.write_text('{"model": "OPT-350", "timings": []}')
+    for out, want in (
+        (other, "holds profiles of model 'OPT-350', not 'tiny-gpt'"),
+        (tmp_path, "is a directory"),
+    ):
+        res = runner.invoke(app, ["profile", "layers", "--model", "tiny-gpt", "-o", str(out)])
+        assert res.exit_code == 2 and want in res.output, res.output
+    other.write_text("{")
+    res = runner.invoke(app, ["profile", "network", "--collectives", "", "-o", str(other)])
+    assert res.exit_code == 2 and "other.json" in res.output, res.output
 
 
 def test_calibration_has_a_schema() -> None:
