@@ -169,9 +169,12 @@ def verify_cmd(
 @ckpt_app.command("gc")
 def gc_cmd(
     directory: str = typer.Argument(..., help=_ROOT_HELP, callback=_root),
-    keep: int | None = typer.Option(None, help="Also keep only the newest K committed."),
+    keep: int | None = typer.Option(
+        None, min=1, help="Also keep only the newest K committed (at least 1)."
+    ),
     grace: float = typer.Option(
         3600.0,
+        min=0.0,
         help="Spare uncommitted saves touched within this many seconds (a save running on "
         "a live root); 0: delete every uncommitted save newer than the last commit too.",
     ),

@@ -43,7 +43,7 @@ def _require(path: Path) -> None:
 def init_cmd(
     directory: Path = typer.Argument(..., help="Directory to write the CA and certificates to."),
     name: str = typer.Option("sailor-ca", "--name", help="CA common name."),
-    days: int = typer.Option(3650, "--days", help="Validity in days."),
+    days: int = typer.Option(3650, "--days", min=1, max=36500, help="Validity in days."),
     force: bool = typer.Option(False, "--force", help="Replace an existing CA."),
 ) -> None:
     """Create a CA (DIR/ca.crt, DIR/ca.key mode 0600)."""
@@ -66,7 +66,7 @@ def issue_cmd(
     kind: CertKind = typer.Option(..., "--kind", help="server (nats/etcd) or client."),
     host: list[str] = typer.Option([], "--host", help="Extra SAN (server); repeatable."),
     role: Role = typer.Option(Role.agent, "--role", help="Client role (NATS permissions)."),
-    days: int = typer.Option(825, "--days", help="Validity in days."),
+    days: int = typer.Option(825, "--days", min=1, max=36500, help="Validity in days."),
     force: bool = typer.Option(
         False, "--force", help="Replace this name's certificate, key and NATS login."
     ),

@@ -303,3 +303,23 @@ def test_a_zone_the_price_table_does_not_know_is_named(tmp_path: Path) -> None:
     ok.write_text(pool.read_text().replace("mars-1a", "us-central1-a"))
     res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(ok), "--risk", "median"])
     assert res.exit_code == 0 and "warning" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        (["ckpt", "gc", "{tmp}", "--keep", "0"], "--keep"),
+        (["ckpt", "gc", "{tmp}", "--grace", "nan"], "--grace"),
+        (["ckpt", "gc", "{tmp}", "--grace", "-100"], "--grace"),
+        (["certs", "init", "{tmp}/ca", "--days", "100000000"], "--days"),
+        (["certs", "init", "{tmp}/ca", "--days", "0"], "--days"),
+    ],
+)
+def test_out_of_range_values_are_refused_by_name(
+    tmp_path: Path, args: list[str], want: str
+) -> None:
+    """Each was accepted (gc's grace) or ended in a traceback ('a bug?': gc's keep 0, the
+    certificate's OverflowError)."""
+    res = runner.invoke(app, [a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert res.exit_code == 2 and want in res.output, res.output
+    assert "a bug?" not in res.output and not (tmp_path / "ca").exists()
