@@ -6,7 +6,9 @@ The file is read exactly as the daemon reads it (YAML, TOML or JSON by suffix, t
 (``ControllerConfig`` or ``AgentConfig``), so a file that passes here is one the daemon
 starts with; a controller config's ``training`` file is read and validated too, as the
 controller does at start, and (unless ``--no-files``) the security files a daemon config
-names must exist and be readable, as the daemon checks at start. Which kind: ``--kind``,
+names must exist and be readable, as the daemon checks at start, and a controller config's
+cost inputs (model, profiles, network, prices, calibration) must load as the controller
+loads them at start, one problem per field. Which kind: ``--kind``,
 else the file's shape: an agent config must have a ``node:`` section, a training config
 (``--kind training``, read as the controller reads its ``training:`` file) has ``data:`` or
 ``optimizer:``, and a controller config has none of these. (The schemas forbid unknown
@@ -87,6 +89,8 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
         from sailor.cli.runtime_cmd import security_file_problems
 
         lines += security_file_problems(cfg.anchored(path).security)
+    if kind is Kind.controller and files:
+        lines += _cost_input_problems(cfg.anchored(path))
     if kind is Kind.controller and cfg.training is not None:
         from sailor.controller.training import TrainingConfigError, load_training
 
@@ -106,6 +110,45 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
             except ValueError as exc:
                 lines.append(f"watchers[{i}].kind: {exc} (value: {w.kind!r})")
     return lines
+
+
+def _cost_input_problems(cfg: Any) -> list[str]:
+    """The model, profiles, network, prices and calibration of a controller config, each
+    loaded as the controller loads them at start (``load_cost_inputs``), one problem per
+    field."""
+    import tomllib
+
+    import yaml
+
+    from sailor.controller.planning.in_process import load_cost_inputs, load_model_spec
+
+    bad = (OSError, ValueError, KeyError, yaml.YAMLError, tomllib.TOMLDecodeError)
+    try:
+        load_model_spec(cfg.model, cfg.global_batch_size)
+    except bad as exc:
+        return [f"model: {str(exc).strip(chr(34))} (value: {cfg.model!r})"]
+    lines = []
+    files: list[tuple[str, Any, dict[str, Any]]] = [
+        *((f"profiles[{i}]", p, {"profiles": (p,)}) for i, p in enumerate(cfg.profiles)),
+        ("network", cfg.network, {"network": cfg.network}),
+        ("prices", cfg.prices, {"prices": cfg.prices}),
+        ("calibration", cfg.calibration, {"calibration": cfg.calibration}),
+    ]
+    for field, value, one in files:
+        if not value:
+            continue
+        try:
+            load_cost_inputs(cfg.model, cfg.global_batch_size, **one)
+        except bad as exc:
+            lines.append(f"{field}: {_one_line(exc)} (value: {str(value)!r})")
+    return lines
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        return f"not a valid {exc.title}: " + "; ".join(_errors(exc)[:4])
+    text = " ".join(str(exc).split())
+    return text[:400] + ("..." if len(text) > 400 else "")
 
 
 def warnings_of(data: dict[str, Any]) -> list[str]:

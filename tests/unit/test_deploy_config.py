@@ -162,3 +162,22 @@ def test_a_gpu_type_the_catalog_lacks_is_a_warning(tmp_path: Path) -> None:
     f.write_text(yaml.safe_dump(data))
     again = CliRunner().invoke(app, ["config", "check", "--no-files", str(f)])
     assert "warning" not in again.stderr
+
+
+def test_cost_inputs_load_as_the_controller_loads_them(tmp_path: Path) -> None:
+    """A controller config naming an unknown model, a missing price file, a pool where a
+    profile belongs or a broken calibration said OK, and the controller did not start."""
+    pool = ROOT / "sailor/catalog/examples/pool-hetero.yaml"
+    (tmp_path / "cal.json").write_text('{"gpus": {"A100-40": {"network_efficiency": -1}}}')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"prices: {tmp_path}/missing.json\nprofiles: [{pool}]\ncalibration: cal.json\n")
+    code, out = _run("--kind", "controller", str(cfg))
+    assert code == 1, out
+    assert "profiles[0]: not a valid ProfileDB" in out and "pool-hetero.yaml" in out
+    assert "prices: [Errno 2] No such file or directory" in out
+    assert "calibration: not a valid Calibration" in out  # anchored beside the config
+    cfg.write_text("model: NoSuchModel\n")
+    code, out = _run("--kind", "controller", str(cfg))
+    assert code == 1 and "model: model='NoSuchModel' is not in the catalog" in out, out
+    cfg.write_text("model: OPT-350\n")
+    assert _run("--kind", "controller", str(cfg)) == (0, f"{cfg}: OK (controller config)\n")
