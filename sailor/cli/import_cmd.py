@@ -18,6 +18,7 @@ from sailor.importers.sailor_format import (
     import_profiles,
     profile_models,
 )
+from sailor.schemas.model import MAX_GLOBAL_BATCH
 
 __all__ = ["import_app"]
 
@@ -72,7 +73,9 @@ def sailor_egress(
 def sailor_plan(
     path: Path = typer.Argument(..., help="plan_config_*.json"),
     model: str = typer.Option(..., help="Model name the plan trains, e.g. OPT-350."),
-    gbs: int | None = typer.Option(None, help="Global batch (default: the file's 'gbs')."),
+    gbs: int | None = typer.Option(
+        None, min=1, max=MAX_GLOBAL_BATCH, help="Global batch (default: the file's 'gbs')."
+    ),
     out: Path | None = typer.Option(None, "-o", "--out", help="Output file (default stdout)."),
 ) -> None:
     """A plan config → Plan JSON."""

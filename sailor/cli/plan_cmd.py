@@ -41,6 +41,7 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
+from sailor.schemas.model import MAX_GLOBAL_BATCH
 from sailor.schemas.zones import region_of
 from sailor.simulator.network_model import guessed_link
 
@@ -255,7 +256,9 @@ def plan_cmd(
     max_gpus: list[str] = typer.Option(None, "--max-gpus", help="TYPE=N, repeatable."),
     zones: str | None = typer.Option(None, help="Allowed zones, comma-separated."),
     regions: str | None = typer.Option(None, help="Allowed regions, comma-separated."),
-    gbs: int | None = typer.Option(None, min=1, help="Global batch size (default: the model's)."),
+    gbs: int | None = typer.Option(
+        None, min=1, max=MAX_GLOBAL_BATCH, help="Global batch size (default: the model's)."
+    ),
     spot: bool | None = typer.Option(
         None,
         "--spot/--on-demand",

@@ -66,14 +66,28 @@ class NodeSpec(Frozen):
     address: str = Field(default="", description="Reachable address (host or host:port).")
 
 
+MAX_POOL_NODES = 100_000
+"""Nodes of one pool entry at most: far beyond any cluster, short of what makes the planner
+run out of memory instead of answering."""
+MAX_GPUS_PER_NODE = 64
+"""GPUs per node at most (today's largest VM shapes have 16)."""
+
+
 class PoolEntry(Frozen):
     """A number of identical nodes available in one zone."""
 
     gpu_type: str = Field(description="GPU type name from the catalog.")
     zone: str = Field(description="Zone name, e.g. 'us-central1-a'.")
-    nodes: int = Field(ge=0, description="Number of nodes available.")
-    gpus_per_node: int = Field(gt=0, description="GPUs per node.")
-    spot: bool = Field(default=True, description="Whether these are spot nodes (price).")
+    # strict: `nodes: true` or `spot: "yes"` is a mistake, not 1 node or spot
+    nodes: int = Field(
+        ge=0, le=MAX_POOL_NODES, strict=True, description="Number of nodes available."
+    )
+    gpus_per_node: int = Field(
+        gt=0, le=MAX_GPUS_PER_NODE, strict=True, description="GPUs per node."
+    )
+    spot: bool = Field(
+        default=True, strict=True, description="Whether these are spot nodes (price)."
+    )
 
     @property
     def gpus(self) -> int:

@@ -19,11 +19,18 @@ __all__ = ["LayerKind", "ModelSpec", "Precision"]
 LayerKind = Literal["embedding", "block", "head"]
 
 
+MAX_GLOBAL_BATCH = 1 << 20
+"""Sequences per iteration at most (~1M: 16x today's largest runs), so that a typo is refused
+by name instead of simulated microbatch by microbatch."""
+
+
 class ModelSpec(Frozen):
     """A GPT-style decoder and how it is trained."""
 
     name: str = Field(min_length=1, description="Model name, e.g. 'OPT-350'.")
-    num_layers: int = Field(gt=0, description="Transformer blocks (without embedding and head).")
+    num_layers: int = Field(
+        gt=0, le=4096, description="Transformer blocks (without embedding and head)."
+    )
     hidden_size: int = Field(gt=0, description="Hidden size.")
     num_heads: int = Field(gt=0, description="Attention heads.")
     num_kv_heads: int = Field(default=0, ge=0, description="KV heads (GQA); 0 means num_heads.")
@@ -38,7 +45,9 @@ class ModelSpec(Frozen):
         default="learned", description="Learned absolute positions or rotary."
     )
     tie_embeddings: bool = Field(default=True, description="LM head shares the embedding matrix.")
-    global_batch_size: int = Field(gt=0, description="Samples (sequences) per iteration.")
+    global_batch_size: int = Field(
+        gt=0, le=MAX_GLOBAL_BATCH, description="Samples (sequences) per iteration."
+    )
     precision: Precision = Field(
         default="fp16",
         description="Requested compute precision. 'fp32' is kept; otherwise mixed precision, "

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.hardware import GPUSpec
+from sailor.schemas.model import MAX_GLOBAL_BATCH
 from sailor.schemas.precision import Precision, choose_precision
 
 __all__ = [
@@ -89,8 +90,10 @@ class Pipeline(Frozen):
     """One data-parallel replica of the model, split into stages."""
 
     stages: tuple[Stage, ...] = Field(min_length=1, description="Stages in order.")
-    microbatch_size: int = Field(gt=0, description="Samples per microbatch.")
-    num_microbatches: int = Field(gt=0, description="Microbatches per iteration.")
+    microbatch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, description="Samples per microbatch.")
+    num_microbatches: int = Field(
+        gt=0, le=MAX_GLOBAL_BATCH, description="Microbatches per iteration."
+    )
 
     @model_validator(mode="after")
     def _contiguous(self) -> Pipeline:
@@ -151,7 +154,7 @@ class Plan(Frozen):
 
     plan_id: str = Field(default="", description="Identifier (content hash or name).")
     model: str = Field(description="Model name.")
-    global_batch_size: int = Field(gt=0, description="Samples per iteration.")
+    global_batch_size: int = Field(gt=0, le=MAX_GLOBAL_BATCH, description="Samples per iteration.")
     pipelines: tuple[Pipeline, ...] = Field(min_length=1, description="Data-parallel pipelines.")
     predicted: PlanPrediction | None = Field(default=None, description="Simulator figures.")
     precision: Precision | None = Field(

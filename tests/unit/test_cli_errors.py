@@ -13,6 +13,7 @@ gpus``, ``profile network`` ...) would run for real, and are listed by
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from sailor import catalog
 from sailor.cli.errors import CliError, describe
 from sailor.cli.main import app
 
@@ -323,3 +325,40 @@ def test_out_of_range_values_are_refused_by_name(
     res = runner.invoke(app, [a.replace("{tmp}", str(tmp_path)) for a in args])
     assert res.exit_code == 2 and want in res.output, res.output
     assert "a bug?" not in res.output and not (tmp_path / "ca").exists()
+
+
+@pytest.mark.parametrize(
+    "entry,want",
+    [
+        ("nodes: 1000000000000, gpus_per_node: 4", "nodes"),  # MemoryError in the planner
+        ("nodes: true, gpus_per_node: 4", "nodes"),  # planned as 1 node before
+        ("nodes: 2, gpus_per_node: 4, spot: 'yes'", "spot"),  # coerced to spot before
+        ("nodes: 2, gpus_per_node: 1000", "gpus_per_node"),
+    ],
+)
+def test_pool_values_out_of_reach_or_of_the_wrong_type(
+    tmp_path: Path, entry: str, want: str
+) -> None:
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(f"entries:\n  - {{gpu_type: A100-40, zone: us-central1-a, {entry}}}\n")
+    res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(pool)])
+    assert res.exit_code == 2 and want in res.output, res.output
+    assert "a bug?" not in res.output
+
+
+def test_batch_and_depth_out_of_reach_are_refused_by_name(tmp_path: Path) -> None:
+    """``--gbs 10**12`` hung the search; a million layers filled memory."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: us-central1-a, nodes: 2, gpus_per_node: 4}\n"
+    )
+    res = runner.invoke(
+        app, ["plan", "--model", "OPT-350", "--pool", str(pool), "--gbs", str(10**12)]
+    )
+    assert res.exit_code == 2 and "--gbs" in res.output, res.output
+    spec = catalog.model("OPT-350").model_dump()
+    spec["num_layers"] = 1_000_000
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(spec))
+    res = runner.invoke(app, ["plan", "--model", str(model), "--pool", str(pool)])
+    assert res.exit_code == 2 and "num_layers" in res.output, res.output
