@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sailor.cli._io import fail, load_model
+from sailor.cli._io import fail, load_config
 from sailor.cli.tables import print_table
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def check(
     from sailor.agent.check_verdicts import judge
     from sailor.agent.daemon import AgentConfig
 
-    cfg = load_model(config, AgentConfig).anchored(config) if config is not None else None
+    cfg = load_config(config, AgentConfig).anchored(config) if config is not None else None
     if cfg is not None:  # named as the agent names it, not as a TLS failure to connect
         from sailor.cli.runtime_cmd import security_file_problems
 

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from sailor.cli.config_cmd import Kind, check_config
 from sailor.cli.main import app
+from sailor.localnet import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROLLER = ROOT / "deploy/config/controller.example.yaml"
@@ -124,6 +125,16 @@ def test_toml_and_json_are_read_like_the_daemons_do(tmp_path: Path) -> None:
     js = tmp_path / "agent.json"
     js.write_text('{"node": {"node_id": "n", "gpu_type": "cpu", "gpus": 1, "zone": "z"}}')
     assert check_config(js)[:2] == (0, Kind.agent)
+    # `sailor check --config` reads a daemon's config as the daemon does (it took a TOML
+    # file for JSON and refused it); unreachable servers, not an unreadable file
+    agent = tmp_path / "agent.toml"
+    agent.write_text(
+        f'nats_urls = ["nats://127.0.0.1:{free_port()}"]\n'
+        f'etcd_endpoints = ["127.0.0.1:{free_port()}"]\n'
+        '[node]\nnode_id = "n"\ngpu_type = "cpu"\ngpus = 1\nzone = "z"\n'
+    )
+    res = CliRunner().invoke(app, ["check", "--config", str(agent), "--json", "--timeout", "1"])
+    assert res.exit_code == 1 and '"nats"' in res.stdout, res.output
 
 
 @pytest.mark.parametrize(
