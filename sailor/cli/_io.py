@@ -145,10 +145,24 @@ def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -
     if path is None:
         typer.echo(text)
         return
+    if path.is_dir():
+        raise fail(f"{path}: is a directory: give a file name")
+    tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text + "\n")
         tmp.replace(path)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise fail(f"{path}: cannot write ({exc.strerror or exc})") from exc
+
+
+def check_png_out(path: Path | None, option: str) -> None:
+    """Before the work whose picture it is: ``path`` can take a PNG (matplotlib would add
+    ``.png`` to a name without it, or fail on another suffix, after the work)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise fail(f"{option} {path}: is a directory: give a .png file name")
+    if path.suffix.lower() != ".png":
+        raise fail(f"{option} {path}: the picture is a PNG: give a file name ending in .png")

@@ -17,6 +17,7 @@ from rich.table import Table
 from sailor import catalog
 from sailor.cli._io import (
     DEPLOYMENT_HELP,
+    check_png_out,
     fail,
     load_deployment,
     load_model,
@@ -97,6 +98,8 @@ def _max_gpus(items: list[str] | None) -> tuple[tuple[str, int], ...]:
         g, sep, n = it.partition("=")
         if not sep or not n.strip().isdigit():
             raise fail(f"--max-gpus {it!r}: expected TYPE=N, e.g. A100-40=64")
+        if any(g.strip() == seen for seen, _ in out):
+            raise fail(f"--max-gpus {it!r}: {g.strip()} is capped twice: give one cap per type")
         out.append((g.strip(), int(n)))
     return tuple(out)
 
@@ -310,6 +313,7 @@ def plan_cmd(
                 err=True,
             )
     caps = _max_gpus(max_gpus)
+    check_png_out(pareto, "--pareto")
     in_pool = sorted({e.gpu_type for e in pool_v.entries})
     for g, _ in caps:
         if g not in in_pool:

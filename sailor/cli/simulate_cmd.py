@@ -11,6 +11,7 @@ from rich.table import Table
 from sailor import catalog
 from sailor.cli._io import (
     DEPLOYMENT_HELP,
+    check_png_out,
     fail,
     load_deployment,
     load_model,
@@ -208,6 +209,7 @@ def simulate_cmd(
     """Simulate one plan: time and its breakdown, memory per GPU, $ per iteration."""
     if method not in ("closed_form", "replay"):
         raise fail(f"method={method!r}: use closed_form or replay")
+    check_png_out(timeline, "--timeline")
     dep = load_deployment(deployment) if deployment is not None else None
     plan = load_model(plan_file, Plan)
     # an explicit flag overrides every group's own; without it each group's flag prices it

@@ -362,3 +362,30 @@ def test_batch_and_depth_out_of_reach_are_refused_by_name(tmp_path: Path) -> Non
     model.write_text(json.dumps(spec))
     res = runner.invoke(app, ["plan", "--model", str(model), "--pool", str(pool)])
     assert res.exit_code == 2 and "num_layers" in res.output, res.output
+
+
+def test_outputs_are_checked_before_the_work(tmp_path: Path) -> None:
+    """A Pareto plot to a directory or a .txt name failed after the whole search (or wrote
+    ``dir.png`` and said ``dir``); ``-o`` a directory left ``dir.tmp`` behind; a type capped
+    twice kept the first cap silently."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: us-central1-a, nodes: 2, gpus_per_node: 4}\n"
+    )
+    base = ["plan", "--model", "OPT-350", "--pool", str(pool)]
+    for out, want in ((tmp_path, "is a directory"), (tmp_path / "p.txt", "ending in .png")):
+        res = runner.invoke(app, [*base, "--pareto", str(out)])
+        assert res.exit_code == 2 and f"--pareto {out}: " in res.output and want in res.output
+    res = runner.invoke(app, [*base, "--max-gpus", "A100-40=4", "--max-gpus", "A100-40=1"])
+    assert res.exit_code == 2 and "capped twice" in res.output, res.output
+    dest = tmp_path / "dir"
+    dest.mkdir()
+    res = runner.invoke(app, [*base, "--risk", "median", "-o", str(dest)])
+    assert res.exit_code == 2 and "is a directory" in res.output, res.output
+    assert not (tmp_path / "dir.tmp").exists()
+    plan = tmp_path / "plan.json"
+    res = runner.invoke(app, [*base, "--risk", "median", "-o", str(plan)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["simulate", str(plan), "--timeline", str(tmp_path / "t")])
+    assert res.exit_code == 2 and "ending in .png" in res.output, res.output
+    assert not (tmp_path / "t.png").exists()
