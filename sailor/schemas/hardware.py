@@ -39,6 +39,10 @@ class GPUSpec(Frozen):
         return self.peak_tflops_fp32
 
 
+ZONE_NAME = r"^\S+$"
+"""A zone name: non-empty, without spaces (as :meth:`Zone.parse` requires)."""
+
+
 class Zone(Frozen):
     """A cloud zone. Two zones of one region share the region's cheaper network."""
 
@@ -61,7 +65,7 @@ class NodeSpec(Frozen):
     node_id: str = Field(min_length=1, description="Unique id of the node.")
     gpu_type: str = Field(description="GPU type name from the catalog.")
     gpus: int = Field(gt=0, description="GPUs on this node.")
-    zone: str = Field(description="Zone name.")
+    zone: str = Field(pattern=ZONE_NAME, description="Zone name (no spaces).")
     spot: bool = Field(default=True, description="Spot/preemptible VM.")
     address: str = Field(default="", description="Reachable address (host or host:port).")
 
@@ -77,7 +81,7 @@ class PoolEntry(Frozen):
     """A number of identical nodes available in one zone."""
 
     gpu_type: str = Field(description="GPU type name from the catalog.")
-    zone: str = Field(description="Zone name, e.g. 'us-central1-a'.")
+    zone: str = Field(pattern=ZONE_NAME, description="Zone name, e.g. 'us-central1-a'.")
     # strict: `nodes: true` or `spot: "yes"` is a mistake, not 1 node or spot
     nodes: int = Field(
         ge=0, le=MAX_POOL_NODES, strict=True, description="Number of nodes available."

@@ -334,13 +334,18 @@ def test_out_of_range_values_are_refused_by_name(
         ("nodes: true, gpus_per_node: 4", "nodes"),  # planned as 1 node before
         ("nodes: 2, gpus_per_node: 4, spot: 'yes'", "spot"),  # coerced to spot before
         ("nodes: 2, gpus_per_node: 1000", "gpus_per_node"),
+        ("zone: 'us central1 a'", "zone"),  # planned, with a warning, before
+        ("zone: ''", "zone"),
     ],
 )
 def test_pool_values_out_of_reach_or_of_the_wrong_type(
     tmp_path: Path, entry: str, want: str
 ) -> None:
     pool = tmp_path / "pool.yaml"
-    pool.write_text(f"entries:\n  - {{gpu_type: A100-40, zone: us-central1-a, {entry}}}\n")
+    zone = "us-central1-a"
+    if entry.startswith("zone:"):
+        zone, entry = entry.removeprefix("zone:").strip(), "nodes: 2, gpus_per_node: 4"
+    pool.write_text(f"entries:\n  - {{gpu_type: A100-40, zone: {zone}, {entry}}}\n")
     res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(pool)])
     assert res.exit_code == 2 and want in res.output, res.output
     assert "a bug?" not in res.output
