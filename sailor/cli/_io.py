@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ from sailor.cli.errors import CliError
 from sailor.cli.schema_names import SCHEMAS
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.deployment import Deployment
+from sailor.schemas.prices import PriceTable
 
 __all__ = [
     "DEPLOYMENT_HELP",
@@ -166,3 +168,18 @@ def check_png_out(path: Path | None, option: str) -> None:
         raise fail(f"{option} {path}: is a directory: give a .png file name")
     if path.suffix.lower() != ".png":
         raise fail(f"{option} {path}: the picture is a PNG: give a file name ending in .png")
+
+
+def warn_unpriced(prices: PriceTable, where: Sequence[tuple[str, str]], what: str) -> None:
+    """A warning on stderr for each (GPU type, zone) the price table has no price for, in
+    the zone or its region: it is priced at another region's rate (a misspelt zone?)."""
+    from sailor.schemas.zones import region_of
+
+    for gpu_type, zone in where:
+        if not prices.priced_where(gpu_type, zone):
+            typer.echo(
+                f"warning: {what} {gpu_type} in zone {zone!r}: the price table has no "
+                f"price there or in its region ({region_of(zone)!r}): priced at another "
+                "region's rate (a misspelt zone?)",
+                err=True,
+            )

@@ -23,6 +23,7 @@ from sailor.cli._io import (
     load_model,
     load_raw,
     priced_for,
+    warn_unpriced,
     write_json,
 )
 from sailor.cli.tables import print_table
@@ -43,7 +44,6 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.model import MAX_GLOBAL_BATCH
-from sailor.schemas.zones import region_of
 from sailor.simulator.network_model import guessed_link
 
 __all__ = ["plan_cmd"]
@@ -304,14 +304,7 @@ def plan_cmd(
         model, gbs, pool, profiles, network, prices, calibration
     )
     cal, priced = priced_for(cal, dep)
-    for e in pool_v.entries:
-        if not price.priced_where(e.gpu_type, e.zone):
-            typer.echo(
-                f"warning: pool entry {e.gpu_type} in zone {e.zone!r}: the price table has no "
-                f"price there or in its region ({region_of(e.zone)!r}): priced at another "
-                "region's rate (a misspelt zone?)",
-                err=True,
-            )
+    warn_unpriced(price, [(e.gpu_type, e.zone) for e in pool_v.entries], "pool entry")
     caps = _max_gpus(max_gpus)
     check_png_out(pareto, "--pareto")
     in_pool = sorted({e.gpu_type for e in pool_v.entries})

@@ -16,6 +16,7 @@ from sailor.cli._io import (
     load_deployment,
     load_model,
     priced_for,
+    warn_unpriced,
     write_json,
 )
 from sailor.cli.tables import print_table
@@ -219,6 +220,8 @@ def simulate_cmd(
     model, db, net, price = load_inputs(plan.model, model_file, profiles, network, prices)
     cal = load_model(calibration, Calibration) if calibration else catalog.calibration()
     cal, priced = priced_for(cal, dep)
+    groups = [s.replica for pl in plan.pipelines for s in pl.stages]
+    warn_unpriced(price, sorted({(g.gpu_type, g.zone) for g in groups}), "plan stage")
     try:
         if timeline is not None:
             from sailor.simulator.timeline_plot import plot_timeline

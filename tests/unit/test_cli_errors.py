@@ -305,6 +305,16 @@ def test_a_zone_the_price_table_does_not_know_is_named(tmp_path: Path) -> None:
     ok.write_text(pool.read_text().replace("mars-1a", "us-central1-a"))
     res = runner.invoke(app, ["plan", "--model", "OPT-350", "--pool", str(ok), "--risk", "median"])
     assert res.exit_code == 0 and "warning" not in res.stderr
+    # simulate warns the same for the zones of a plan's stages
+    plan = tmp_path / "plan.json"
+    res = runner.invoke(
+        app,
+        ["plan", "--model", "OPT-350", "--pool", str(pool), "--risk", "median", "-o", str(plan)],
+    )
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["simulate", str(plan)])
+    assert res.exit_code == 0, res.output
+    assert "warning: plan stage A100-40 in zone 'mars-1a'" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize(
