@@ -33,7 +33,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sailor.checkpoint import LocalStorage, ParamState, load, load_for_rank, read_manifest, verify
 from sailor.megatron_patch.engine import TrainConfig, Trainer
@@ -45,6 +44,7 @@ from sailor.megatron_patch.state import optimizer_state, stage_state
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.training_process import ckpt_glue
 from sailor.training_process.ckpt_glue import LayerCheckpointIO
+from tests.spawn import spawn
 
 MODEL = "tiny-gpt"
 GBS = 4
@@ -168,7 +168,7 @@ def _run(
         "resume_from": str(resume[0]) if resume else "",
         "resume_step": resume[1] if resume else -1,
     }
-    mp.spawn(_rank_main, args=(job,), nprocs=len(plan.ranks()), join=True)
+    spawn(_rank_main, args=(job,), nprocs=len(plan.ranks()))
     losses: list[float] = json.loads((save_to / "losses.json").read_text())
     return losses
 

@@ -32,7 +32,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sailor.checkpoint import LocalStorage, load, read_manifest
 from sailor.comm import api as comm
@@ -47,6 +46,7 @@ from sailor.schemas import Plan
 from sailor.schemas.training import LossScalingConfig
 from sailor.training_process.ckpt_glue import LayerCheckpointIO
 from tests.integration.test_in_place_worker import DP2, GBS, PP2
+from tests.spawn import spawn
 
 N, END = 4, 9
 CFG = TrainConfig(
@@ -149,7 +149,7 @@ def _state(root: Path, step: int) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     root = tmp_path_factory.mktemp("loss-scale")
     ports = [free_port() for _ in range(4)]
-    mp.spawn(_rank_main, args=(str(root), ports), nprocs=2, join=True)
+    spawn(_rank_main, args=(str(root), ports), nprocs=2)
     got: dict[str, Any] = json.loads((root / "runs.json").read_text())
     return root, got
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sailor.checkpoint import (
     Checkpointer,
@@ -29,6 +28,7 @@ from sailor.checkpoint import (
     writer_assignment,
 )
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
+from tests.spawn import spawn
 
 NUM_LAYERS = 6
 
@@ -117,9 +117,7 @@ def test_distributed_save_then_load_under_other_layouts(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
     world = len(PLAN_A.ranks())
-    mp.spawn(
-        _worker, args=(world, str(root), str(tmp_path / "store"), bucket), nprocs=world, join=True
-    )
+    spawn(_worker, args=(world, str(root), str(tmp_path / "store"), bucket), nprocs=world)
 
     results = [json.loads((root / f"result-{r}.json").read_text()) for r in range(world)]
     assignment = writer_assignment(PLAN_A)

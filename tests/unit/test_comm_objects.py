@@ -18,10 +18,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sailor.comm import abort
 from sailor.comm import api as comm
+from tests.spawn import spawn
 
 _OBJS = [{"step": 7, "dir": "/ckpt/a"}, None, ("x" * 5000, 3.5), [1, [2, {"k": b"\x00\xff"}]]]
 
@@ -67,15 +67,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_object_collectives_match_torch_and_leave_on_abort(tmp_path: Path) -> None:
-    ctx = mp.start_processes(
-        _rank,
-        args=(str(tmp_path / "store"), str(tmp_path)),
-        nprocs=3,
-        join=False,
-        start_method="spawn",
-    )
-    while not ctx.join(timeout=120):
-        pass
+    spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3)
     got = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(3)]
     for r in got:
         assert r["True"] == r["False"], r

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sailor.megatron_patch import boundary
 from sailor.megatron_patch.boundary import Boundary, Progress, Status
+from tests.spawn import spawn
 
 WRITE_S = 3.0
 
@@ -90,7 +90,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_a_long_save_keeps_nobody_in_one_collective(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
     for r in got:
         assert r["polled"]["waited"] and float(r["polled"]["s"]) >= WRITE_S - 0.5, got

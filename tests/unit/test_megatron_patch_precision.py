@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sailor.comm.api import use_backend
 from sailor.comm.strict import StrictBackend
@@ -38,6 +37,7 @@ from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.sync_groups import rank_sync_items, sync_groups
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from tests.spawn import spawn
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def _scaler_worker(rank: int, store: str, out: str) -> None:
 
 
 def test_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
-    mp.spawn(_scaler_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    spawn(_scaler_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     expected = [
         (False, 512.0, [0.0] * 4),  # skipped everywhere, scale halved
         (True, 512.0, [-1.0] * 4),  # unscaled gradient of 1, lr 1
