@@ -176,7 +176,7 @@ def gc_cmd(
         3600.0,
         min=0.0,
         help="Spare uncommitted saves touched within this many seconds (a save running on "
-        "a live root); 0: delete every uncommitted save newer than the last commit too.",
+        "a live root, below or above the newest commit); 0: delete every uncommitted save.",
     ),
     dry_run: bool = typer.Option(False, help="Only print what would be deleted."),
 ) -> None:

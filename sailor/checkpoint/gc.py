@@ -1,9 +1,11 @@
 """Retention and garbage collection: decide what to delete (pure), then delete it.
 
 What is debris:
-- a step directory without a valid commit marker (a crashed or in-flight save). It is only
-  deleted if a newer step is committed (that save can no longer commit usefully) or if it
-  has not been touched for ``grace_s`` (so a running save is not swept away under a writer);
+- a step directory without a valid commit marker (a crashed or in-flight save). The
+  committer's retention deletes it if a newer step of its job is committed (that save can
+  no longer commit usefully); an operator's ``collect`` only once it has not been touched for
+  ``grace_s`` (a run that fell back below an unrecorded newer commit saves below it, and
+  must not have its save swept away under its writers);
 - inside a committed step, files the manifest does not name (a crashed earlier attempt at the
   same step, temp files of an interrupted write).
 
@@ -54,9 +56,19 @@ class StepListing:
 
 
 def decide_gc(
-    listing: Sequence[StepListing], *, keep: int | None, now: float, grace_s: float
+    listing: Sequence[StepListing],
+    *,
+    keep: int | None,
+    now: float,
+    grace_s: float,
+    older_than_newest: bool = True,
 ) -> list[str]:
-    """Paths (relative to the root) to delete. Whole step dirs end with '/'."""
+    """Paths (relative to the root) to delete. Whole step dirs end with '/'.
+
+    ``older_than_newest``: an uncommitted step below the newest commit is debris at once.
+    True for a committer's retention (it knows its own job's saves are done up to its
+    commit); False for an operator's ``collect``, which cannot tell an abandoned save from
+    one a fallback run is writing below an unrecorded newer commit: grace alone decides."""
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (never delete the last checkpoint)")
     committed = sorted((s.step for s in listing if s.committed), reverse=True)
@@ -71,7 +83,7 @@ def decide_gc(
                 continue
             stale = now - s.newest_mtime >= grace_s
             out.extend(f"{d}/{f}" for f in s.files if f not in s.referenced and stale)
-        elif s.step < newest or now - s.newest_mtime >= grace_s:
+        elif (older_than_newest and s.step < newest) or now - s.newest_mtime >= grace_s:
             out.append(d + "/")
     return out
 
@@ -111,7 +123,9 @@ def collect(
     storage: Storage, *, keep: int | None = None, grace_s: float = 0.0, dry_run: bool = False
 ) -> list[str]:
     """Delete debris (and committed checkpoints beyond ``keep``); return what was deleted."""
-    doomed = decide_gc(scan(storage), keep=keep, now=time.time(), grace_s=grace_s)
+    doomed = decide_gc(
+        scan(storage), keep=keep, now=time.time(), grace_s=grace_s, older_than_newest=False
+    )
     if not dry_run:
         for p in doomed:
             _delete(storage, p)

@@ -107,9 +107,25 @@ class LocalStorage:
     def _p(self, path: str) -> Path:
         return self.root / path if path else self.root
 
+    def _mkdirs(self, d: Path) -> None:
+        """Create ``d`` and its missing parents; with fsync, each new directory's entry is
+        made durable in its parent (a committed step must not vanish with its directory
+        after a power loss)."""
+        if d.is_dir():
+            return
+        missing = []
+        q = d
+        while not q.exists() and q != q.parent:
+            missing.append(q)
+            q = q.parent
+        d.mkdir(parents=True, exist_ok=True)
+        if self.fsync:
+            for m in reversed(missing):
+                _fsync_dir(m.parent)
+
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         dst = self._p(path)
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        self._mkdirs(dst.parent)
         # A temp name in the same directory, so the rename is atomic; gc removes leftovers.
         tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
         n = 0
@@ -139,9 +155,11 @@ class LocalStorage:
         todo = [(self._p(path), chunks) for path, chunks in objects]
         tmps: list[Path | None] = [None] * len(todo)
 
+        for d in sorted({dst.parent for dst, _c in todo}):
+            self._mkdirs(d)
+
         def one(i: int) -> int:
             dst, chunks = todo[i]
-            dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
             tmps[i] = tmp
             try:
@@ -220,8 +238,13 @@ class LocalStorage:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 p.unlink()
+            except FileNotFoundError:
+                return
+        if self.fsync and p.parent.is_dir():
+            # durable before what follows (a commit marker is deleted before its shards)
+            _fsync_dir(p.parent)
 
 
 class FsspecStorage:

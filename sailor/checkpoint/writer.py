@@ -276,7 +276,13 @@ def commit(
         plan_id=plan_id,
         layout=layout,
     )
+    _check_shards(storage, d, manifest)
     raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
+    if storage.exists(f"{d}/{MARKER}"):
+        # The step was committed before (an attempt the controller never recorded): take
+        # its marker away first, so that a crash before the new marker leaves the step
+        # uncommitted (skipped by readers), not an old marker over a new manifest.
+        storage.delete(f"{d}/{MARKER}")
     storage.write(f"{d}/{MANIFEST}", [raw])
     if before_marker is not None:
         before_marker()
@@ -290,6 +296,24 @@ def commit(
     if keep is not None:
         apply_retention(storage, keep=keep, committed_step=step)
     return manifest
+
+
+def _check_shards(storage: Storage, d: str, manifest: CheckpointManifest) -> None:
+    """Every shard the parts name is there at its size, before the marker says so (a gc
+    or a crash may have taken a file after its writer reported it)."""
+    for sh in manifest.shards:
+        path = f"{d}/{sh.path}"
+        try:
+            size = storage.size(path)
+        except FileNotFoundError:
+            size = -1
+        if size != sh.size:
+            got = "missing" if size < 0 else f"{size} bytes"
+            raise CheckpointError(
+                f"step {manifest.step} save {manifest.save_id}: shard {sh.path} is {got}, "
+                f"its writer reported {sh.size} bytes; not committed",
+                retryable=True,
+            )
 
 
 def save_full(

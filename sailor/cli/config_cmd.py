@@ -92,11 +92,16 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
     if kind is Kind.controller and files:
         lines += _cost_input_problems(cfg.anchored(path))
     if kind is Kind.controller and cfg.training is not None:
-        from sailor.controller.training import TrainingConfigError, load_training
+        from sailor.controller.training import (
+            TrainingConfigError,
+            check_checkpoint_dirs,
+            load_training,
+        )
 
-        training = cfg.anchored(path).training
+        anchored = cfg.anchored(path)
+        training = anchored.training
         try:
-            load_training(training)
+            check_checkpoint_dirs(training, anchored.checkpoint_dir, load_training(training))
         except TrainingConfigError as exc:
             for line in str(exc).splitlines():
                 lines.append(f"training: {line} (value: {str(cfg.training)!r})")

@@ -50,7 +50,7 @@ from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
-from sailor.controller.training import load_training
+from sailor.controller.training import check_checkpoint_dirs, load_training
 from sailor.coordination import (
     Clock,
     DaemonFailedError,
@@ -109,6 +109,8 @@ class Controller:
         self.cfg = config
         # read and validated before anything starts: an invalid file stops the controller
         self.training = load_training(config.training) if config.training is not None else None
+        if self.training is not None and config.training is not None:
+            check_checkpoint_dirs(config.training, config.checkpoint_dir, self.training)
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
         if planner is None and config.planner == "sailor" and config.planner_process:

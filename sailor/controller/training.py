@@ -16,7 +16,7 @@ from pathlib import Path
 from sailor.schemas.training import TrainingConfig, parse_training_config
 from sailor.schemas.training_paths import anchor_training_paths
 
-__all__ = ["TrainingConfigError", "load_training"]
+__all__ = ["TrainingConfigError", "check_checkpoint_dirs", "load_training"]
 
 
 class TrainingConfigError(ValueError):
@@ -38,3 +38,23 @@ def load_training(path: Path) -> TrainingConfig:
     except ValueError as exc:
         raise TrainingConfigError(str(exc)) from exc
     return anchor_training_paths(config, path.parent.as_posix())
+
+
+def _same_root(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).absolute().resolve() == Path(b).absolute().resolve()
+
+
+def check_checkpoint_dirs(path: Path, checkpoint_dir: str, training: TrainingConfig) -> None:
+    """The training config's periodic checkpoints (``checkpoint.dir``) may not share the
+    controller's ``checkpoint_dir``: their retention keeps the newest ``keep`` commits it
+    finds on disk and would delete the checkpoint the controller recorded and resumes from
+    (the controller prunes only below what it recorded)."""
+    d = training.checkpoint.dir
+    if d is not None and _same_root(d, checkpoint_dir):
+        raise TrainingConfigError(
+            f"{path}: checkpoint.dir={d!r} is the controller's checkpoint_dir "
+            f"({checkpoint_dir!r}): give the periodic checkpoints a directory of their own "
+            "(their retention would delete the checkpoint the controller resumes from)"
+        )

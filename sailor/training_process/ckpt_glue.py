@@ -134,7 +134,8 @@ class LayerCheckpointIO:
 
     def __init__(self, keep: int | None = None) -> None:
         self.keep = keep
-        self._by_root: dict[str, Checkpointer] = {}
+        # one per (root, retention): a save's ``keep`` is its own, not the first save's
+        self._by_root: dict[tuple[str, int | None], Checkpointer] = {}
         self._in_flight: Checkpointer | None = None
 
     def position(self, root: str, step: int) -> tuple[int, int]:
@@ -148,16 +149,13 @@ class LayerCheckpointIO:
         restore_trainer(trainer, root, step, layers)
 
     def _checkpointer(self, tr: Trainer, root: str, keep: int | None = None) -> Checkpointer:
-        ck = self._by_root.get(root)
+        kept = self.keep if keep is None else keep
+        ck = self._by_root.get((root, kept))
         if ck is None:
             ck = Checkpointer(
-                open_storage(root),
-                tr.plan,
-                tr.role.rank,
-                keep=self.keep if keep is None else keep,
-                tp_group=tr.groups.tp.group,
+                open_storage(root), tr.plan, tr.role.rank, keep=kept, tp_group=tr.groups.tp.group
             )
-            self._by_root[root] = ck
+            self._by_root[(root, kept)] = ck
         return ck
 
     def save(

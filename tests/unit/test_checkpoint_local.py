@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from sailor.checkpoint import (
+    CheckpointError,
     CorruptCheckpointError,
     LocalStorage,
     NoCheckpointError,
@@ -178,14 +179,17 @@ def test_checkpointer_prunes_after_its_commit_only(tmp_path: Path) -> None:
 def test_gc_collects_debris_and_spares_running_saves(tmp_path: Path) -> None:
     _save(tmp_path, 4)
     s = LocalStorage(tmp_path)
-    persist_layers(s, 2, "old", {0: {"w": _state()["0.w"]}})  # older than the commit: debris
+    # below the newest commit and still running: a run that fell back below a commit the
+    # controller never recorded saves there (an operator's gc swept it and its commit went
+    # through with the shards gone)
+    persist_layers(s, 2, "fallback", {0: {"w": _state()["0.w"]}})
     persist_layers(s, 6, "new", {0: {"w": _state()["0.w"]}})  # maybe still running
     (tmp_path / step_dir(4) / ".layer-00000-x.bin.tmp-dead").write_bytes(b"torn")
     (tmp_path / step_dir(4) / "layer-00000-crashed.bin").write_bytes(b"earlier attempt")
-    assert collect(s, grace_s=3600) == [f"{step_dir(2)}/"]
-    assert (tmp_path / step_dir(6)).is_dir()
+    assert collect(s, grace_s=3600) == []
+    assert (tmp_path / step_dir(2)).is_dir() and (tmp_path / step_dir(6)).is_dir()
     doomed = collect(s, grace_s=0)
-    assert f"{step_dir(6)}/" in doomed
+    assert f"{step_dir(2)}/" in doomed and f"{step_dir(6)}/" in doomed
     assert f"{step_dir(4)}/layer-00000-crashed.bin" in doomed
     assert f"{step_dir(4)}/.layer-00000-x.bin.tmp-dead" in doomed
     assert [p.name for p in tmp_path.iterdir()] == [step_dir(4)]
@@ -285,3 +289,44 @@ def test_cli_ls_inspect_verify_gc(tmp_path: Path) -> None:
     # nothing to verify is not "verified": a wrong root fails the command
     res = runner.invoke(ckpt_app, ["verify", str(tmp_path / "empty")])
     assert res.exit_code == 1 and "no committed checkpoint" in res.output
+
+
+def test_commit_checks_its_shards_and_uncommits_before_a_new_manifest(tmp_path: Path) -> None:
+    """A shard gone between its write and the commit (a gc, a crash) stops the commit: the
+    marker never stands over missing files. A step committed before (an attempt nobody
+    recorded) loses its marker before its manifest is replaced, so a crash in between leaves
+    it uncommitted, not an old marker over a new manifest."""
+    from sailor.checkpoint.writer import commit
+
+    s = LocalStorage(tmp_path)
+    g = TrainingGlobals(3, 12, {"lr_step": 3})
+    state = _state()
+    by_layer: dict[int, dict[str, ParamState]] = {}
+    for key, p in state.items():
+        layer, name = key.split(".")
+        by_layer.setdefault(int(layer), {})[name] = p
+    persist_layers(s, 3, "a", by_layer, rank=0)
+    shard = next((tmp_path / step_dir(3)).glob("layer-*"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"shard {shard.name} is missing"):
+        commit(s, step=3, save_id="a", writer_ranks=[0], globals_=g, model="toy", num_layers=4)
+    assert committed_steps(s) == []
+    _save(tmp_path, 3)  # a complete save of the same step commits
+    assert committed_steps(s) == [3] and verify(s, 3) == []
+
+    def crash() -> None:
+        raise KeyboardInterrupt  # the committer dies between manifest and marker
+
+    persist_layers(s, 3, "b", by_layer, rank=0)
+    with pytest.raises(KeyboardInterrupt):
+        commit(
+            s,
+            step=3,
+            save_id="b",
+            writer_ranks=[0],
+            globals_=g,
+            model="toy",
+            num_layers=4,
+            before_marker=crash,
+        )
+    assert committed_steps(s) == [] and not (tmp_path / step_dir(3) / MARKER).exists()

@@ -192,3 +192,26 @@ def test_cost_inputs_load_as_the_controller_loads_them(tmp_path: Path) -> None:
     assert code == 1 and "model: model='NoSuchModel' is not in the catalog" in out, out
     cfg.write_text("model: OPT-350\n")
     assert _run("--kind", "controller", str(cfg)) == (0, f"{cfg}: OK (controller config)\n")
+
+
+def test_periodic_checkpoints_may_not_share_the_controllers_directory(tmp_path: Path) -> None:
+    """Their retention keeps the newest ``keep`` commits on disk and deleted the checkpoint
+    the controller had recorded and would resume from. Refused by the check and at the
+    controller's start, naming both."""
+    from sailor.controller.config import ControllerConfig
+    from sailor.controller.daemon import Controller
+    from sailor.controller.training import TrainingConfigError
+
+    data = yaml.safe_load(TRAINING.read_text())
+    data["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every_steps": 10, "keep": 2}
+    training = tmp_path / "training.yaml"
+    training.write_text(yaml.safe_dump(data))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"training: training.yaml\ncheckpoint_dir: {tmp_path / 'ckpt'}/\n")
+    code, out = _run("--kind", "controller", str(cfg))
+    assert code == 1 and "is the controller's checkpoint_dir" in out, out
+    with pytest.raises(TrainingConfigError, match=r"checkpoint\.dir="):
+        Controller(ControllerConfig(training=training, checkpoint_dir=str(tmp_path / "ckpt")))
+    cfg.write_text(f"training: training.yaml\ncheckpoint_dir: {tmp_path / 'other'}\n")
+    code, out = _run("--kind", "controller", str(cfg))
+    assert code == 0, out
