@@ -41,16 +41,19 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from sailor.agent.step_timings import StepWindow
+from sailor.agent.stream_lines import lines
 from sailor.coordination import TaskSet
 from sailor.megatron_patch.errors import (
     fault_path,
@@ -501,46 +504,57 @@ class Supervisor:
         assert_stream = w.proc.stdout
         if assert_stream is None:
             return
-        async for raw in assert_stream:
+        async for raw in lines(assert_stream):
             try:
                 msg = json.loads(raw)
             except ValueError:
                 continue
             if not isinstance(msg, dict):
                 continue
-            ev = msg.get("event")
-            if ev == "ready":
-                w.started = True
-                if self.on_ready is not None:
-                    await self.on_ready(w.proc.pid)
-                if self.warm_spares and self.workers and all(x.started for x in self.workers):
-                    self._tasks.spawn("spares", self.top_up_spares())
-            elif ev == "step":
-                w.started = True
-                w.step = int(msg.get("step", w.step))
-                loss = msg.get("loss")
-                w.loss = float(loss) if isinstance(loss, int | float) else w.loss
-                if w.timings is not None:
-                    w.timings.add(msg)
-            elif ev == "saved":
-                w.saved_step = int(msg.get("step", w.saved_step))
-            elif ev == "stopped":
-                if not self.in_place:
-                    self.expect_exit = True
-            elif ev == "held":
-                w.held = True
-                w.held_step = int(msg.get("step", -1))
-                w.broken = str(msg.get("cause", "")) if msg.get("broken") else ""
-                if w.broken:
-                    _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
-            elif ev == "warm":
-                w.warm = True
+            try:
+                await self._on_line(w, msg)
+            except (ValueError, TypeError) as exc:  # a field of the wrong type: skip the line
+                _log.warning(
+                    "worker_line_malformed", rank=w.rank, line=str(raw[:300]), error=str(exc)
+                )
             self.changed.set()
+
+    async def _on_line(self, w: WorkerView, msg: dict[str, Any]) -> None:
+        """One progress line of a worker (``{"event": ...}``)."""
+        ev = msg.get("event")
+        if ev == "ready":
+            w.started = True
+            if self.on_ready is not None:
+                await self.on_ready(w.proc.pid)
+            if self.warm_spares and self.workers and all(x.started for x in self.workers):
+                self._tasks.spawn("spares", self.top_up_spares())
+        elif ev == "step":
+            w.started = True
+            w.step = int(msg.get("step", w.step))
+            loss = msg.get("loss")
+            # a diverged run reports NaN or inf (JSON has neither: the status refused it)
+            if isinstance(loss, int | float) and math.isfinite(loss):
+                w.loss = float(loss)
+            if w.timings is not None:
+                w.timings.add(msg)
+        elif ev == "saved":
+            w.saved_step = int(msg.get("step", w.saved_step))
+        elif ev == "stopped":
+            if not self.in_place:
+                self.expect_exit = True
+        elif ev == "held":
+            w.held = True
+            w.held_step = int(msg.get("step", -1))
+            w.broken = str(msg.get("cause", "")) if msg.get("broken") else ""
+            if w.broken:
+                _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
+        elif ev == "warm":
+            w.warm = True
 
     async def _read_stderr(self, w: WorkerView) -> None:
         if w.proc.stderr is None:
             return
-        async for raw in w.proc.stderr:
+        async for raw in lines(w.proc.stderr):
             w.stderr_tail = [*w.stderr_tail[-19:], raw.decode(errors="replace").rstrip()]
 
     async def _wait(self, w: WorkerView) -> None:

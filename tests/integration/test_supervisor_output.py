@@ -1,0 +1,57 @@
+"""Whatever a worker writes, its agent keeps reading it and the worker keeps running.
+
+A line longer than the pipe reader's 64 KiB buffer (a ``\\r`` progress bar on stderr) killed
+the task reading it: nothing drained the pipe, the worker blocked on its next write and
+training stopped without a failure. A diverged run's NaN loss reached the agent's status,
+which refuses non-finite numbers, and the status loop crashed until the agent exited. A
+step line with a field of the wrong type ended the stdout reader the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from sailor.agent.supervisor import Supervisor
+from tests.integration.test_worker_signals import PLAN, launch_of
+
+_WORKER = """
+import json, sys, time
+bar = "\\r" + "=" * 1000
+for _ in range(400):  # 400 kB on stderr without a newline: more than the pipe holds
+    sys.stderr.write(bar)
+sys.stderr.flush()
+def say(**m):
+    print(json.dumps(m), flush=True)
+say(event="ready", rank=0)
+say(event="step", rank=0, step=1, loss=float("nan"))
+say(event="step", rank=0, step=None, loss=2.0)
+print("x" * 200_000, flush=True)
+say(event="step", rank=0, step=2, loss=float("inf"))
+say(event="step", rank=0, step=3, loss=1.5)
+sys.stderr.write("done\\n")
+sys.stderr.flush()
+time.sleep(60)
+"""
+
+
+async def test_long_lines_and_bad_fields_neither_stop_the_reader_nor_the_worker(
+    tmp_path: Path,
+) -> None:
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _WORKER))
+    await sup.launch(launch_of(PLAN))
+    try:
+        async with asyncio.timeout(60):
+            while sup.workers[0].step < 3:
+                sup.changed.clear()
+                await sup.changed.wait()
+            while not any("done" in t for t in sup.workers[0].stderr_tail):
+                await asyncio.sleep(0.05)  # the worker wrote on past its 400 kB line
+        w = sup.workers[0]
+        assert w.step == 3 and w.loss == 1.5 and w.exit_code is None
+        assert sup.state == "running", sup.failure
+        json.dumps(w.loss, allow_nan=False)  # what the status will carry
+    finally:
+        await sup.abort()
