@@ -643,7 +643,13 @@ class Agent:
                     .model_dump_json()
                     .encode()
                 )
-            return (await self._apply(data)).model_dump_json().encode()
+            try:
+                ack = await self._apply(data)
+            except Exception as exc:  # a command that fails is refused with its cause, on
+                # record, not lost in the NATS client's callback (the controller re-sends it)
+                _log.exception("command_failed", node=self.node.node_id)
+                ack = self._refuse(_command_id(data), f"failed: {type(exc).__name__}: {exc}"[:1000])
+            return ack.model_dump_json().encode()
 
     async def _close_supervisor(self) -> None:
         """Refuse every command from now on, let one being applied end (for at most the

@@ -379,21 +379,29 @@ class Supervisor:
         assigned: list[WorkerView] = []
         self._launching = assigned  # what close() must kill if it comes mid-launch
         fresh = reused = 0
-        for rank in sorted(cmd.ranks):
-            _write_atomic(_control_file(gen_dir, rank), "{}")
-            argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
-            w = matched.get(rank) or (spares[0] if spares else None)
-            if w is not None:
-                (reusable if w in reusable else spares).remove(w)
-                if w in self.spares:
-                    self.spares.remove(w)
-                self._hand_over(w, rank, cmd.generation, argv, gen_dir)
-                reused += 1
-            else:
-                w = await self._spawn(rank, argv, gen_dir, cmd.generation)
-                fresh += 1
-            w.gpu = gpu_of[rank]
-            assigned.append(w)
+        try:
+            for rank in sorted(cmd.ranks):
+                _write_atomic(_control_file(gen_dir, rank), "{}")
+                argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
+                w = matched.get(rank) or (spares[0] if spares else None)
+                if w is not None:
+                    (reusable if w in reusable else spares).remove(w)
+                    if w in self.spares:
+                        self.spares.remove(w)
+                    self._hand_over(w, rank, cmd.generation, argv, gen_dir)
+                    reused += 1
+                else:
+                    w = await self._spawn(rank, argv, gen_dir, cmd.generation)
+                    fresh += 1
+                w.gpu = gpu_of[rank]
+                assigned.append(w)
+        except Exception:
+            # half a generation must not run (a full disk, a failed fork): the ranks it
+            # started are killed, not left behind out of the list (each retry of the
+            # command started another set); the caller refuses the command with the cause
+            await self._kill([*assigned, *reusable])
+            self.workers, self._launching = [], []
+            raise
         await self._kill(reusable)  # held workers this layout has no rank for
         self.workers, self._launching = assigned, []
         if self.closed:  # close() came mid-launch and killed what it had started

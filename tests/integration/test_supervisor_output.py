@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from sailor.agent.supervisor import Supervisor
 from tests.integration.test_worker_signals import PLAN, launch_of
 
@@ -55,3 +57,37 @@ async def test_long_lines_and_bad_fields_neither_stop_the_reader_nor_the_worker(
         json.dumps(w.loss, allow_nan=False)  # what the status will carry
     finally:
         await sup.abort()
+
+
+async def test_a_launch_that_fails_halfway_leaves_no_worker(tmp_path: Path) -> None:
+    """Rank 1's control file cannot be written (a directory stands there, as a full disk
+    would fail it): the launch raises, and rank 0, already started, is killed instead of
+    running outside the supervisor's list (each retry of the command started another)."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", "import time; time.sleep(60)"))
+    two = PLAN.model_copy(update={"pipelines": PLAN.pipelines * 2, "global_batch_size": 4})
+    cmd = launch_of(two).model_copy(update={"ranks": (0, 1), "world_size": 2})
+    (tmp_path / "gen-00001" / "control-1.json").mkdir(parents=True)
+    with pytest.raises(OSError):
+        await sup.launch(cmd)
+    assert sup.workers == []
+    started = [p for p in _children() if "time.sleep(60)" in p]
+    assert started == [], started
+
+
+def _children() -> list[str]:
+    """Command lines of this process's children."""
+    import os
+
+    me = str(os.getpid())
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if stat[1] == me:
+            out.append(cmd)
+    return out

@@ -25,3 +25,27 @@ def test_an_unreadable_fence_is_refused(tmp_path: Path, content: bytes) -> None:
     path.write_bytes(content)
     with pytest.raises(FenceUnreadableError):
         EpochFence(path)
+
+
+async def test_a_command_that_fails_is_refused_with_its_cause(tmp_path: Path) -> None:
+    """A command whose application raises (its control file cannot be written: a directory
+    stands there, as a full disk would fail it) gets a refusal naming the cause; before, the
+    exception went into the NATS client's callback, no reply was sent and the controller saw
+    only timeouts."""
+    from sailor.agent.daemon import Agent, AgentConfig
+    from sailor.agent.supervisor import WorkerView
+    from sailor.schemas.commands import Stop
+    from sailor.schemas.hardware import NodeSpec
+    from sailor.schemas.runtime import CommandAck
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
+    agent = Agent(AgentConfig(node=node, work_dir=tmp_path))
+    blocked = tmp_path / "control-0.json"
+    (tmp_path / "control-0.json.tmp").mkdir()
+    agent.supervisor.workers = [
+        WorkerView(rank=0, proc=None, argv=(), control=blocked)  # type: ignore[arg-type]
+    ]
+    cmd = Stop(command_id="s1", epoch=1, node_id="n1", at_step=5)
+    ack = CommandAck.model_validate_json(await agent._on_command(cmd.model_dump_json().encode()))
+    assert not ack.accepted and ack.command_id == "s1", ack
+    assert "IsADirectoryError" in ack.reason, ack.reason
