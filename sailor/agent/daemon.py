@@ -550,16 +550,17 @@ class Agent:
                     pass
             if st.failure and st.failure != self._failure_reported:
                 self._failure_reported = st.failure
-                await self._publish(
-                    "worker_failed",
-                    WorkerFailed(
-                        event_id=self._event_id("fail"),
-                        node_id=self.node.node_id,
-                        time=self.clock.now(),
-                        plan_id=st.plan_id,
-                        cause=st.failure[:4000],
-                    ),
+                event = WorkerFailed(
+                    event_id=self._event_id("fail"),
+                    node_id=self.node.node_id,
+                    time=self.clock.now(),
+                    plan_id=st.plan_id,
+                    cause=st.failure[:4000],
                 )
+                # on a task of its own: its retries through a NATS outage (~45 s) must not
+                # stop this loop, the agent's watchdog ping and its status in etcd (the
+                # failure reaches the controller there too)
+                self._tasks.spawn("worker-failed", self._publish("worker_failed", event))
             await self.clock.sleep(self.cfg.status_interval_s / 4)
 
     async def _watch(self, watcher: PreemptionWatcher) -> None:

@@ -49,3 +49,39 @@ async def test_a_command_that_fails_is_refused_with_its_cause(tmp_path: Path) ->
     ack = CommandAck.model_validate_json(await agent._on_command(cmd.model_dump_json().encode()))
     assert not ack.accepted and ack.command_id == "s1", ack
     assert "IsADirectoryError" in ack.reason, ack.reason
+
+
+async def test_a_failure_published_through_an_outage_does_not_stop_the_status_loop(
+    tmp_path: Path,
+) -> None:
+    """The worker_failed event retries for ~5 s against an event bus that cannot store it
+    (NATS reconnecting); the status loop, the agent's watchdog ping, went quiet for the
+    whole time (~45 s with the real timeouts: systemd's 30 s watchdog killed the agent)."""
+    import asyncio
+    import time
+
+    from sailor.agent.daemon import Agent, AgentConfig
+    from sailor.coordination.errors import TemporaryError
+    from sailor.schemas.hardware import NodeSpec
+
+    class Outage:
+        tries = 0
+
+        async def publish(self, kind: str, data: bytes, msg_id: str) -> None:
+            Outage.tries += 1
+            await asyncio.sleep(0.1)
+            raise TemporaryError("nats: no servers available")
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
+    agent = Agent(AgentConfig(node=node, work_dir=tmp_path, status_interval_s=0.05))
+    agent._bus = Outage()  # type: ignore[assignment]
+    agent.supervisor.failure = "rank 0 exited with code 1"
+    pings: list[float] = []
+    agent.sd.watchdog = lambda: pings.append(time.monotonic())  # type: ignore[method-assign]
+    loop = asyncio.create_task(agent._status_loop())
+    await asyncio.sleep(1.5)
+    loop.cancel()
+    await agent._tasks.close()
+    assert Outage.tries >= 3  # the event is being retried meanwhile
+    gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+    assert len(pings) >= 10 and max(gaps) < 0.5, (len(pings), max(gaps, default=None))
