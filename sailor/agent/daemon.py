@@ -468,6 +468,10 @@ class Agent:
             return
         while not self.stopping.is_set():
             try:
+                if self._lease is not None and self._lease.alive:
+                    # granted by a try whose put failed: revoke it, or it would be refreshed
+                    # for the life of the agent with nothing on it
+                    await self._lease.revoke()
                 self._lease = await assert_store.lease(self.cfg.lease_ttl_s)
                 await assert_store.put(
                     self.keys.node(self.node.node_id),

@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import math
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
+
+import structlog
 
 from sailor.coordination import Clock
 
@@ -33,6 +36,8 @@ __all__ = [
     "PreemptionWatcher",
     "make_watcher",
 ]
+
+_log = structlog.get_logger("sailor.agent")
 
 GCP_NOTICE_S = 30.0
 """GCP's preemption notice: 30 s between the ACPI signal and the stop (GCP docs)."""
@@ -159,14 +164,40 @@ class FileWatcher:
 
     async def check(self) -> Notice | None:
         try:
-            body = json.loads(self.path.read_text() or "{}")
+            text = self.path.read_text()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
-            body = {}
-        if "deadline" in body:
-            return Notice(float(body["deadline"]), self.name)
-        return Notice(self.clock.now() + float(body.get("in_s", GCP_NOTICE_S)), self.name)
+        except OSError:
+            text = ""
+        return Notice(self._deadline(text), self.name)
+
+    def _deadline(self, text: str) -> float:
+        """The file's deadline; the file's appearance is the notice, so a body that says no
+        usable time gives the default one (GCP's 30 s), with a warning naming it (a wrong
+        field crashed the watcher, an infinite one lost the notice)."""
+        now = self.clock.now()
+        try:
+            body = json.loads(text or "{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            _log.warning("notice_file_unreadable", path=str(self.path), body=text[:200])
+            return now + GCP_NOTICE_S
+        for key, base in (("deadline", 0.0), ("in_s", now)):
+            if key not in body:
+                continue
+            v = body[key]
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                return base + float(v)
+            _log.warning(
+                "notice_file_field",
+                path=str(self.path),
+                field=key,
+                value=repr(v)[:100],
+                why="not a finite number: the default deadline is taken",
+            )
+            return now + GCP_NOTICE_S
+        return now + GCP_NOTICE_S
 
 
 def make_watcher(kind: str, target: str, clock: Clock) -> PreemptionWatcher:

@@ -355,6 +355,9 @@ class EtcdStore:
     async def lease(self, ttl: int) -> EtcdLease:
         granted = await self.call(self.client.lease(ttl))
         lease = EtcdLease(self, granted, ttl, self._clock)
+        # revoked, stopped and lost leases are done: a standby campaigning every second
+        # grants a lease each time (kept forever, ~59 MB a day)
+        self._leases = [x for x in self._leases if x.alive]
         self._leases.append(lease)
         return lease
 

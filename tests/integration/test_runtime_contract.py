@@ -64,6 +64,12 @@ async def test_state_store_guarded_writes_and_leases(etcd_endpoint: str) -> None
         assert await store.get("/leader") is not None
         await lease.revoke()
         assert await store.get("/leader") is None
+        # revoked leases are not kept (a standby campaigning every second kept one each time)
+        for _ in range(5):
+            await (await store.lease(2)).revoke()
+        last = await store.lease(2)
+        assert store._leases == [last]
+        await last.revoke()
         with pytest.raises(FencedError):
             await store.delete_guarded("/y", guard_key="/leader", epoch=epoch)
     finally:

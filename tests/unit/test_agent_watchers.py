@@ -96,3 +96,19 @@ async def test_file_watcher(tmp_path: Path) -> None:
     (tmp_path / "notice").write_text(json.dumps({"in_s": 10}))
     n = await w.check()
     assert n is not None and n.deadline == 60.0 and n.source == "file"
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['{"deadline": "soon"}', "[1, 2]", '{"in_s": -5e400}', '{"in_s": true}', "{", ""],
+)
+async def test_a_malformed_notice_file_is_a_notice_at_the_default_deadline(
+    tmp_path: Path, body: str
+) -> None:
+    """The file's appearance is the notice: a body without a usable time gives GCP's 30 s
+    (a wrong field crashed the watcher until the agent exited; -5e400 gave a deadline of
+    -inf that the notice refused, and the notice was lost)."""
+    clock = ManualClock(50.0)
+    (tmp_path / "notice").write_text(body)
+    n = await FileWatcher(tmp_path / "notice", clock).check()
+    assert n is not None and n.deadline == 50.0 + GCP_NOTICE_S, n
