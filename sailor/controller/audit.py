@@ -27,7 +27,8 @@ violated invariants:
   (one node's agent may not speak for another: ``controller/daemon.py`` refuses it);
 - no command was accepted by an agent from an epoch lower than one it had accepted before;
 - every accepted preemption notice is followed by a phase change to RUNNING;
-- no committed step is lost: every launch loads the newest commit recorded before it;
+- no committed step is lost: every launch loads the newest commit recorded before it (but one
+  a launch could not read: ``bad_checkpoints`` of the phase records);
 - every calibration-driven replan (a phase change whose cause starts with
   ``recalibration``) follows a ``replan_decision`` of its generation that reconfigured, whose
   numbers satisfy the rule by themselves (``recalibrate.rule_violations``: the gain exceeds the
@@ -246,8 +247,8 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     last_epoch = -1
     acked_epoch: dict[str, int] = {}
     pending_notices: list[tuple[float, str]] = []
-    newest_commit = -1
     deleted: set[int] = set()  # steps whose checkpoints a commit deleted (``dropped``)
+    unreadable: set[int] = set()  # commits a launch could not read (``bad_checkpoints``)
     last_gen = -1
     versions: set[int] = set()
     decided: dict[int, dict[str, Any]] = {}  # generation -> its decision to reconfigure
@@ -286,7 +287,6 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
         elif kind == "commit":
             step = int(r.get("step", -1))
             rep.commits.append(step)
-            newest_commit = max(newest_commit, step)
             dropped = {int(s) for s in r.get("dropped", ())}
             if any(s >= step for s in dropped):
                 rep.violations.append(
@@ -297,6 +297,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
         elif kind == "phase":
             phase = r.get("phase")
             gen = int(r.get("generation", -1))
+            unreadable |= {int(s) for s in r.get("bad_checkpoints", ())}
             if gen < last_gen:
                 rep.violations.append(
                     f"t={t:.3f}: generation {gen} after {last_gen}: generations went back"
@@ -328,9 +329,11 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     rep.violations.append(
                         f"t={t:.3f}: launch loads step {load}, whose checkpoint was deleted"
                     )
-                if load < newest_commit:
+                # the newest commit a launch could read: not one a launch failed to load
+                readable = max((c for c in rep.commits if c not in unreadable), default=-1)
+                if load < readable:
                     rep.violations.append(
-                        f"t={t:.3f}: launch loads step {load} but step {newest_commit} "
+                        f"t={t:.3f}: launch loads step {load} but step {readable} "
                         "was committed: committed steps lost"
                     )
     for nt, n in pending_notices:

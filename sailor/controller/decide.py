@@ -126,6 +126,11 @@ class Observed:
     def last_commit(self) -> CommitRecord | None:
         return max(self.commits, key=lambda c: c.step) if self.commits else None
 
+    def resumable(self, bad: tuple[int, ...] = ()) -> CommitRecord | None:
+        """The newest recorded commit a launch may load: not one a launch failed to read."""
+        good = [c for c in self.commits if c.step not in bad]
+        return max(good, key=lambda c: c.step) if good else None
+
 
 @dataclass(frozen=True)
 class SetDesired:
@@ -251,8 +256,32 @@ def _in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
     return cfg.in_place and not d.in_place_failed
 
 
+def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
+    """Whether a worker of the generation coming up failed because the checkpoint it loads
+    is corrupt or gone (its failure record names the reader's error)."""
+    if d.phase not in _LAUNCHING or d.load_step < 0:
+        return False
+    for n in d.placement:
+        st = o.status.get(n)
+        if st is None or st.generation != d.generation or st.state != "failed":
+            continue
+        if any(e in st.failure for e in _UNREADABLE):
+            return True
+    return False
+
+
+_UNREADABLE = ("CorruptCheckpointError", "NoCheckpointError")
+"""The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``)."""
+
+
 def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
-    last = o.last_commit
+    # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
+    # same way forever): the next launch falls back to the newest other recorded commit.
+    bad = d.bad_checkpoints
+    if _unreadable_checkpoint(d, o) and d.load_step not in bad:
+        bad = (*bad, d.load_step)
+        cause = f"checkpoint {d.load_step} unreadable, falling back: {cause}"
+    last = o.resumable(bad)
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
@@ -269,6 +298,7 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
         aborted=True,
         cause=cause,
         in_place_failed=d.in_place_failed or failed_in_place,
+        bad_checkpoints=bad,
     )
     return [SetDesired(state, f"abort: {cause}")]
 
@@ -437,7 +467,10 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
                 step=d.stop_step,
                 directory=cfg.checkpoint_dir,
                 prune_below=min(
-                    prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints), d.stop_step
+                    prune_below(
+                        o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints
+                    ),
+                    d.stop_step,
                 ),
             )
             actions.append(Send(ckpt))
@@ -460,12 +493,15 @@ def _recorded(commits: Sequence[CommitRecord], directory: str) -> set[int]:
     return {c.step for c in commits if c.directory == directory}
 
 
-def prune_below(commits: Sequence[CommitRecord], directory: str, keep: int | None) -> int:
+def prune_below(
+    commits: Sequence[CommitRecord], directory: str, keep: int | None, bad: tuple[int, ...] = ()
+) -> int:
     """The oldest step a new save under ``directory`` leaves in place: that of the
     ``keep``-th newest commit recorded there; -1 (delete nothing) with fewer records, or
     ``keep`` None. Only recorded commits count: one on disk that no leader recorded (lost
-    between the marker and the record) never pushes out one a restart may load."""
-    steps = sorted(_recorded(commits, directory), reverse=True)
+    between the marker and the record) never pushes out one a restart may load; nor does
+    one a launch could not read (``bad``)."""
+    steps = sorted(_recorded(commits, directory) - set(bad), reverse=True)
     if keep is None or len(steps) < keep:
         return -1
     return steps[keep - 1]
@@ -480,7 +516,7 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         epoch=d.epoch,
         time=o.now,
     )
-    below = prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints)
+    below = prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints)
     drop = tuple(sorted(s for s in _recorded(o.commits, cfg.checkpoint_dir) if s < below))
     nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]
@@ -597,7 +633,7 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     replan = _replan_if_needed(d, o, "nodes available")
     if replan:
         return replan
-    last = o.last_commit
+    last = o.resumable(d.bad_checkpoints)
     return _launch(d, o, cfg, last.step if last else -1)
 
 

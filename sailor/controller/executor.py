@@ -108,6 +108,8 @@ class Executor:
         data = state.model_dump_json().encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
+        if state.bad_checkpoints:
+            extra["bad_checkpoints"] = list(state.bad_checkpoints)
         if state.phase is Phase.LAUNCH:  # which training config and layout this generation runs
             t = state.training
             extra["training_sha256"] = training_digest(t) if t is not None else ""

@@ -95,6 +95,11 @@ class DesiredState(WireMessage):
         description="The in-place launch of the current generation failed: the next launch "
         "takes the restart path.",
     )
+    bad_checkpoints: tuple[int, ...] = Field(
+        default=(),
+        description="Committed steps a launch could not load (corrupt or missing files): "
+        "never loaded again; launches fall back to the newest other recorded commit.",
+    )
 
 
 class AgentStatus(WireMessage):

@@ -239,6 +239,13 @@ def test_check_refuses_a_launch_from_a_deleted_checkpoint() -> None:
     assert any("loads step 4, whose checkpoint was deleted" in v for v in rep.violations)
     rep = check([commit(1, 9, [9, 4])])  # a commit may only delete older steps
     assert any("commit of step 9 deleted steps [4, 9]" in v for v in rep.violations)
+    # a launch that falls back below an unreadable commit: allowed once the phase records
+    # name it (bad_checkpoints), a lost commit otherwise
+    torn = {"kind": "phase", "time": 6, "phase": "teardown", "generation": 2, "load_step": 9}
+    fallback = [*ok, {**torn, "bad_checkpoints": [14]}, launch(7, 3, 9)]
+    assert check(fallback).ok, check(fallback).violations
+    rep = check([*ok, torn, launch(7, 3, 9)])
+    assert any("loads step 9 but step 14 was committed" in v for v in rep.violations)
 
 
 def test_malformed_records_are_violations_naming_the_line_and_field(tmp_path: Path) -> None:

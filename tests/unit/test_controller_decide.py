@@ -139,6 +139,37 @@ def test_running_worker_failure_aborts_to_last_commit() -> None:
     assert kinds(a) == ["set:teardown"] and a[0].state.load_step == 5  # type: ignore[union-attr]
 
 
+def test_an_unreadable_checkpoint_is_not_loaded_again() -> None:
+    """A launch whose worker cannot read the checkpoint (corrupt or gone) falls back to the
+    newest other recorded commit; before, every relaunch loaded the same step and failed
+    the same way, forever. Its retention no longer counts that step either."""
+    commits = (CommitRecord(step=5, directory="/ck"), CommitRecord(step=9, directory="/ck"))
+    record = '{"rank": 0, "origin": "local", "error_type": "CorruptCheckpointError", ...}'
+    failed = st(1, state="failed").model_copy(update={"failure": record})
+    d = running((1,), phase=Phase.LOAD, load_step=9, phase_deadline=NOW + 50)
+    a = decide(d, obs(nodes(1), [failed], commits=commits), CFG)
+    assert kinds(a) == ["set:teardown"], a
+    torn = a[0].state  # type: ignore[union-attr]
+    assert torn.bad_checkpoints == (9,) and torn.load_step == 5
+    assert "checkpoint 9 unreadable" in torn.cause
+    # the idle launch after it loads step 5 as well, and the next save keeps step 5
+    idle = torn.model_copy(
+        update={
+            "phase": Phase.IDLE,
+            "next_plan": d.plan,
+            "next_placement": d.placement,
+            "next_membership": ("n1",),
+        }
+    )
+    a = decide(idle, obs(nodes(1), [st(1, state="idle")], commits=commits), CFG)
+    assert kinds(a) == ["set:launch"] and a[0].state.load_step == 5  # type: ignore[union-attr]
+    assert prune_below(commits, "/ck", 1, bad=(9,)) == 5
+    # any other failure while loading relaunches from the same step, as before
+    other = st(1, state="failed").model_copy(update={"failure": "rank 0: NCCL timeout"})
+    a = decide(d, obs(nodes(1), [other], commits=commits), CFG)
+    assert a[0].state.load_step == 9 and a[0].state.bad_checkpoints == ()  # type: ignore[union-attr]
+
+
 def test_quiesce_sends_stop_and_checkpoint_once_acked() -> None:
     d = running((1,), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW + 10, next_plan=None)
     a = decide(d, obs(nodes(1), [st(1, step=11)]), CFG)
