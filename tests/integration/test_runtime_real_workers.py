@@ -131,3 +131,32 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     seen = {s for _g, s in losses}
     assert set(commits) <= seen
     await real.audit()
+
+
+async def test_an_unreadable_checkpoint_is_passed_over(real: RealCluster) -> None:
+    """n1 trains, n2 joins: the new layout resumes from the commit of the join. Then a
+    shard of that checkpoint goes missing (bit rot, a bad disk) and a worker dies: the
+    relaunch cannot read the checkpoint. The controller marks the step unreadable and
+    relaunches from the newest other recorded commit (none here: from the start), instead of
+    loading the same step and failing forever; the audit accepts that fallback."""
+    real.start_controller("c1")
+    real.start_agent("n1", gpu="cpu")
+    ctl = await real.wait_phase(Phase.RUNNING, 60)
+    await real.wait_step(ctl, ["n1"], 2, 30)
+    real.start_agent("n2", gpu="cpu")
+    ctl = await real.wait_phase(Phase.RUNNING, 90, after_gen=ctl.desired.generation)
+    d = ctl.desired
+    assert d.load_step > 0 and sorted(d.placement) == ["n1", "n2"]
+    await real.wait_step(ctl, ["n1", "n2"], d.load_step + 1, 30)
+    shards = sorted((real.tmp / "ckpt" / step_dir(d.load_step)).glob("layer-*"))
+    assert shards
+    shards[0].unlink()
+    real.agents["n2"][0].supervisor.workers[0].proc.kill()
+    c = await real.wait_phase(Phase.RUNNING, 120, after_gen=d.generation + 1)
+    assert c.desired is not None
+    assert c.desired.bad_checkpoints == (d.load_step,), c.desired.cause
+    assert c.desired.phase is Phase.RUNNING and c.desired.load_step == -1, c.desired
+    await real.wait_step(c, sorted(c.desired.placement), 2, 30)
+    recs = read_records(sorted(real.tmp.glob("audit-*.jsonl")))
+    assert any("unreadable, falling back" in str(r.get("cause", "")) for r in recs)
+    await real.audit()
