@@ -92,6 +92,14 @@ def restore_trainer(
             into=into,
         )
     extra = got.globals.extra
+    saved_seed = extra.get("seed")
+    if layers is None and saved_seed is not None and int(saved_seed) != tr.cfg.seed:
+        # the data order (and dropout) follow the seed: another one would silently train on
+        # other samples than the run being resumed
+        raise ValueError(
+            f"checkpoint {step} under {root} was trained with seed={saved_seed}, this run has "
+            f"seed={tr.cfg.seed}: resume with the same seed, or start a new run"
+        )
     adam_step = float(extra.get("adam_step", got.globals.step))
     if layers is None:  # a whole restore: the run continues from the checkpoint's state
         tr.load_scaling_state(

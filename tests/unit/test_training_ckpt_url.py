@@ -40,12 +40,12 @@ def world(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _trainer(step: int = 0, consumed: int = 0) -> Trainer:
+def _trainer(step: int = 0, consumed: int = 0, seed: int = 0) -> Trainer:
     spec = tiny_model("tiny-gpt", GBS)
     role = role_of(PLAN, 0)
     groups = build_process_groups(PLAN, role, spec.tie_embeddings, 30.0)
     return Trainer(
-        PLAN, spec, role, groups, TrainConfig(seed=0), torch.device("cpu"), step, consumed
+        PLAN, spec, role, groups, TrainConfig(seed=seed), torch.device("cpu"), step, consumed
     )
 
 
@@ -77,4 +77,7 @@ def test_saves_to_an_fsspec_url_prunes_and_restores(
     ):
         assert k == k2 and torch.equal(a, b), k
     assert again.step == 3 and again.adam_step == tr.adam_step
+    # another seed would train on other samples than the run resumed: refused, by name
+    with pytest.raises(ValueError, match="trained with seed=0, this run has seed=7"):
+        io.restore(_trainer(*io.position(root, 3), seed=7), root, 3)
     fsspec.filesystem("memory").rm(f"sailor-ckpt-{os.getpid()}", recursive=True)
