@@ -465,6 +465,11 @@ class Controller:
     ) -> None:
         """Fetch a batch, handle each event, fsync the batch's records once, then ack it."""
         while True:
+            if not lead.fresh:
+                # cut off from etcd: a new leader may consume from the same durable consumer;
+                # what this one took it could neither record nor hand on for a while
+                await self.clock.sleep(0.3)
+                continue
             try:
                 await bus.ensure_stream()
                 batch = await bus.fetch(256, timeout=self.cfg.resync_s)

@@ -179,6 +179,11 @@ class Executor:
                 )
         self._prune(desired.generation)
         due = [s for s in sends if self._due(s.command.command_id)]
+        if due and not self.lead.fresh:
+            # cut off from etcd past the lease's TTL: another leader may hold the key and
+            # be sending its own; these go out (unchanged ids) once a refresh answers
+            _log.warning("sends_held_lease_not_fresh", epoch=self.epoch, commands=len(due))
+            due = []
         if due:
             now = self.clock.now()
             ids = self._by_generation.setdefault(self._generation, [])

@@ -29,6 +29,12 @@ class Leadership:
     def held(self) -> bool:
         return self.lease.alive
 
+    @property
+    def fresh(self) -> bool:
+        """Held, and its lease refreshed within its TTL (``EtcdLease.fresh``): a leader cut
+        off from etcd may have been replaced, so it sends no command and takes no event."""
+        return self.lease.fresh
+
     async def resign(self) -> None:
         await self.lease.revoke()
 

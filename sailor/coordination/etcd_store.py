@@ -77,6 +77,10 @@ class EtcdLease:
         self.ttl = ttl
         self._clock = clock
         self._alive = True
+        # Until when the server holds the lease for sure: its TTL from the last refresh that
+        # answered (from the grant at first). Past it, with etcd unreachable, the lease may
+        # have expired and another holder taken what it guarded (``fresh``).
+        self._valid_until = clock.now() + ttl
         # A keepalive that crashed refreshes no more: the lease is as good as lost, and its
         # owner must know it (a leader ends its term, an agent registers again).
         self._tasks = TaskSet(f"lease-{lease.id}", on_crash=self._keepalive_crashed)
@@ -90,10 +94,18 @@ class EtcdLease:
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def fresh(self) -> bool:
+        """Alive, and refreshed within its TTL: what it guards is certainly still ours. A
+        lease cut off from etcd stays ``alive`` (etcd keeps leases across its own restarts
+        and extends them on recovery) but not ``fresh``: its holder should not act on it."""
+        return self._alive and self._clock.now() < self._valid_until
+
     async def _keepalive(self) -> None:
         period = max(self.ttl / 3.0, 0.1)
         while self._alive:
             await self._clock.sleep(period)
+            sent = self._clock.now()
             try:
                 reply = await self._store.call(self._store.client.refresh_lease(self.id))
             except TemporaryError as exc:
@@ -104,6 +116,8 @@ class EtcdLease:
             if reply is None or int(reply.TTL) <= 0:
                 _log.warning("lease_lost", lease=self.id)
                 self._alive = False
+            else:
+                self._valid_until = sent + int(reply.TTL)
 
     def _keepalive_crashed(self, name: str, exc: BaseException) -> None:
         _log.error("lease_keepalive_crashed", lease=self.id, error=repr(exc))

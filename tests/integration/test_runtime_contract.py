@@ -358,3 +358,29 @@ async def test_put_all_guarded_writes_every_key_or_none(etcd_endpoint: str) -> N
         await lease.revoke()
     finally:
         await store.close()
+
+
+async def test_a_lease_cut_off_from_etcd_is_alive_but_not_fresh(servers: LocalServers) -> None:
+    """etcd stops answering (paused: a partition): the lease stays alive (etcd keeps leases
+    across its own restarts, so no answer is no proof of loss) but is no longer fresh once
+    its TTL has passed since the last refresh that answered. Once etcd answers again it is
+    fresh again, or reported lost (the server expired it meanwhile): never left in
+    between."""
+    store = await connect_etcd(servers.etcd_endpoint, op_timeout=0.5)
+    lease = await store.lease(2)
+    try:
+        assert lease.alive and lease.fresh
+        servers.etcd.pause()
+        try:
+            await asyncio.sleep(3.0)
+            assert lease.alive and not lease.fresh
+        finally:
+            servers.etcd.resume()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while lease.alive and not lease.fresh and loop.time() < end:
+            await asyncio.sleep(0.1)
+        assert lease.fresh or not lease.alive
+    finally:
+        await lease.revoke()
+        await store.close()

@@ -36,6 +36,7 @@ class _Commands:
 class _Lead:
     epoch = 7
     held = True
+    fresh = True
 
 
 class _HeldPlanner:
@@ -195,6 +196,29 @@ async def test_acked_and_sent_commands_are_pruned_by_generation(tmp_path: Path) 
         assert ex.remembered == 2 * len(nodes) * KEEP_GENERATIONS
         assert len(ex.acked_view) == len(nodes) * KEEP_GENERATIONS
         assert "e7-g0-stop-n0" not in ex.acked_view
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(tmp_path: Path) -> None:
+    """A lease not refreshed within its TTL may have expired and another leader taken the
+    key: its commands wait (same ids) until a refresh answers, instead of reaching agents
+    that have not heard from the new leader yet."""
+    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    try:
+        ex.lead.fresh = False  # type: ignore[misc]
+        desired = DesiredState(epoch=7, generation=1)
+        sends: list[Any] = [
+            Send(Stop(command_id="e7-g1-stop-n0", epoch=7, node_id="n0", at_step=3))
+        ]
+        await ex.apply(sends, desired)
+        assert ex.inflight == 0 and "e7-g1-stop-n0" not in ex.acked_view
+        assert _records(audit, "command") == []
+        ex.lead.fresh = True  # type: ignore[misc]
+        await ex.apply(sends, desired)
+        await _until(lambda: "e7-g1-stop-n0" in ex.acked_view)
+        assert [r["command_id"] for r in _records(audit, "command")] == ["e7-g1-stop-n0"]
     finally:
         await tasks.close()
         audit.close()
