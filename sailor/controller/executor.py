@@ -105,7 +105,11 @@ class Executor:
         return self.lead.epoch
 
     async def write_desired(self, state: DesiredState, reason: str) -> None:
-        data = state.model_dump_json().encode()
+        # a field added since the last release is written only when in use: agents and a
+        # standby controller still on that release read the state as long as it is not
+        # (their schema refuses fields it does not know)
+        unused = {"bad_checkpoints"} if not state.bad_checkpoints else None
+        data = state.model_dump_json(exclude=unused).encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:

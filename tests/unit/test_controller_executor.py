@@ -23,7 +23,11 @@ from sailor.schemas.runtime import CommandAck, DesiredState
 
 
 class _Store:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
     async def put_guarded(self, key: str, value: bytes, guard: str, epoch: int) -> int:
+        self.data[key] = value
         return 1
 
 
@@ -219,6 +223,22 @@ async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(tmp_pa
         await ex.apply(sends, desired)
         await _until(lambda: "e7-g1-stop-n0" in ex.acked_view)
         assert [r["command_id"] for r in _records(audit, "command")] == ["e7-g1-stop-n0"]
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+async def test_the_desired_state_omits_a_new_field_while_unused(tmp_path: Path) -> None:
+    """A release's agents and standby refuse fields they do not know: ``bad_checkpoints``
+    is written only when a checkpoint was found unreadable."""
+    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    try:
+        await ex.write_desired(DesiredState(epoch=7, generation=2), "test")
+        raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
+        assert "bad_checkpoints" not in raw and raw["generation"] == 2
+        await ex.write_desired(DesiredState(epoch=7, bad_checkpoints=(9,)), "test")
+        raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
+        assert raw["bad_checkpoints"] == [9]
     finally:
         await tasks.close()
         audit.close()
