@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -24,18 +25,32 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+_lock = threading.Lock()
+_running = 0  # calls inside, on every thread
+_resume = False  # whether the first of them found the collector on
+
+
 def collector_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` with the collector disabled while it runs (and left as it was after: a call
-    made while it is already paused does not resume it)."""
+    """``fn`` with the collector disabled while it runs, and left as it was found once the
+    last such call on any thread has returned: two searches on two threads (the
+    controller's in-thread planner beside ``sailor plan`` in a library) share one pause,
+    and the first to finish does not resume the collector under the other; a call made
+    while something else paused it does not resume it."""
 
     @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
+        global _running, _resume
+        with _lock:
+            if _running == 0:
+                _resume = gc.isenabled()
+                gc.disable()
+            _running += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            gc.enable()
+            with _lock:
+                _running -= 1
+                if _running == 0 and _resume:
+                    gc.enable()
 
     return run

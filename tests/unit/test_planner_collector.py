@@ -83,3 +83,29 @@ def test_searches_and_replans_run_with_it_paused(monkeypatch: pytest.MonkeyPatch
     assert seen and not any(seen)
     assert all(calls), calls  # each replan reached the packing loop
     assert gc.isenabled()
+
+
+def test_two_threads_share_one_pause() -> None:
+    """The first of two overlapping calls on two threads to finish does not resume the
+    collector under the other (it did: the second search then ran with it on)."""
+    import threading
+
+    first_in, first_may_leave, second_done = threading.Event(), threading.Event(), []
+
+    @collector_paused
+    def first() -> None:
+        first_in.set()
+        first_may_leave.wait(5)
+
+    @collector_paused
+    def second() -> None:
+        first_may_leave.set()
+        t.join(5)  # the first call has returned
+        second_done.append(gc.isenabled())
+
+    t = threading.Thread(target=first)
+    t.start()
+    first_in.wait(5)
+    second()
+    assert second_done == [False]
+    assert gc.isenabled()
