@@ -73,6 +73,7 @@ from sailor.coordination import (
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
 from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
+from sailor.schemas.training import TrainingConfig
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller", "urgent_wake"]
 
@@ -108,8 +109,9 @@ class Controller:
     ) -> None:
         self.cfg = config
         # read and validated before anything starts: an invalid file stops the controller
-        self.training = load_training(config.training) if config.training is not None else None
-        if self.training is not None and config.training is not None:
+        self.training: TrainingConfig | None = None
+        if config.training is not None:
+            self.training = load_training(config.training)
             check_checkpoint_dirs(config.training, config.checkpoint_dir, self.training)
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()

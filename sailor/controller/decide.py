@@ -122,10 +122,6 @@ class Observed:
         to three times, ~0.25 ms each at 512 nodes)."""
         return tuple(sorted(n for n in self.nodes if n not in self.notices))
 
-    @property
-    def last_commit(self) -> CommitRecord | None:
-        return max(self.commits, key=lambda c: c.step) if self.commits else None
-
     def resumable(self, bad: tuple[int, ...] = ()) -> CommitRecord | None:
         """The newest recorded commit a launch may load: not one a launch failed to read."""
         good = [c for c in self.commits if c.step not in bad]
@@ -466,12 +462,7 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
                 deadline=d.phase_deadline,
                 step=d.stop_step,
                 directory=cfg.checkpoint_dir,
-                prune_below=min(
-                    prune_below(
-                        o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints
-                    ),
-                    d.stop_step,
-                ),
+                prune_below=min(_prune_below(d, o, cfg), d.stop_step),
             )
             actions.append(Send(ckpt))
     actions += _replan_if_needed(d, o, d.cause)
@@ -507,6 +498,12 @@ def prune_below(
     return steps[keep - 1]
 
 
+def _prune_below(d: DesiredState, o: Observed, cfg: DecideConfig) -> int:
+    """:func:`prune_below` of the controller's directory, its retention and the desired
+    state's unreadable checkpoints: what the next save's committer may delete below."""
+    return prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints)
+
+
 def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     record = CommitRecord(
         step=d.stop_step,
@@ -516,7 +513,7 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         epoch=d.epoch,
         time=o.now,
     )
-    below = prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints)
+    below = _prune_below(d, o, cfg)
     drop = tuple(sorted(s for s in _recorded(o.commits, cfg.checkpoint_dir) if s < below))
     nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]

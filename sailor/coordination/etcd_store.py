@@ -71,16 +71,19 @@ def _kv(item: Any) -> KeyValue:
 class EtcdLease:
     """A granted lease, refreshed every ttl/3 s by a guarded background task."""
 
-    def __init__(self, store: EtcdStore, lease: Any, ttl: int, clock: Clock) -> None:
+    def __init__(
+        self, store: EtcdStore, lease: Any, ttl: int, clock: Clock, asked_at: float
+    ) -> None:
         self._store = store
         self._lease = lease
         self.ttl = ttl
         self._clock = clock
         self._alive = True
-        # Until when the server holds the lease for sure: its TTL from the last refresh that
-        # answered (from the grant at first). Past it, with etcd unreachable, the lease may
-        # have expired and another holder taken what it guarded (``fresh``).
-        self._valid_until = clock.now() + ttl
+        # Until when the server holds the lease for sure: its TTL from when the last refresh
+        # that answered was sent (the grant's request, ``asked_at``, at first). Past it, with
+        # etcd unreachable, the lease may have expired and another holder taken what it
+        # guarded (``fresh``).
+        self._valid_until = asked_at + ttl
         # A keepalive that crashed refreshes no more: the lease is as good as lost, and its
         # owner must know it (a leader ends its term, an agent registers again).
         self._tasks = TaskSet(f"lease-{lease.id}", on_crash=self._keepalive_crashed)
@@ -367,8 +370,9 @@ class EtcdStore:
         return await self.get(key)
 
     async def lease(self, ttl: int) -> EtcdLease:
+        asked_at = self._clock.now()
         granted = await self.call(self.client.lease(ttl))
-        lease = EtcdLease(self, granted, ttl, self._clock)
+        lease = EtcdLease(self, granted, ttl, self._clock, asked_at)
         # revoked, stopped and lost leases are done: a standby campaigning every second
         # grants a lease each time (kept forever, ~59 MB a day)
         self._leases = [x for x in self._leases if x.alive]

@@ -35,6 +35,7 @@ from sailor.data.tokenizer import (
     eod_of,
     file_sha256,
     load_tokenizer,
+    tokenizer_file,
     train_byte_bpe,
 )
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
@@ -45,6 +46,7 @@ __all__ = [
     "manifest_path",
     "output_paths",
     "prepare",
+    "tokenizer_path",
 ]
 
 _CHUNK_DOCS = 64
@@ -86,11 +88,17 @@ def manifest_path(prefix: Path | str) -> Path:
     return idx.with_suffix(".json")
 
 
+def tokenizer_path(prefix: Path | str) -> Path:
+    """Where data set ``prefix`` keeps its tokenizer: ``PREFIX.tokenizer.json``."""
+    idx, _ = paths_of(prefix)
+    return idx.with_name(idx.stem + ".tokenizer.json")
+
+
 def output_paths(prefix: Path | str) -> list[Path]:
     """Every file ``prepare`` writes for ``prefix``, its temporary files included."""
     idx, bin_ = paths_of(prefix)
     man = manifest_path(prefix)
-    tok = idx.with_name(idx.stem + ".tokenizer.json")
+    tok = tokenizer_path(prefix)
     return [idx, bin_, man, tok, *(q.with_name(q.name + ".tmp") for q in (idx, bin_, man))]
 
 
@@ -102,8 +110,7 @@ def check_outputs_spare_inputs(opts: PrepareOptions) -> None:
     if opts.source_kind != "builtin":
         inputs += [("input", Path(i)) for i in opts.source_inputs]
     if opts.tokenizer is not None:
-        t = Path(opts.tokenizer)
-        inputs.append(("tokenizer", t / "tokenizer.json" if t.is_dir() else t))
+        inputs.append(("tokenizer", tokenizer_file(Path(opts.tokenizer))))
     outs = {q.resolve(): q for q in output_paths(opts.out)}
     for what, path in inputs:
         hit = outs.get(path.resolve())
@@ -186,7 +193,7 @@ def prepare(
                 progress("tokenize", done_bytes, total_bytes)
 
     idx_path, _ = paths_of(opts.out)
-    tok_path = idx_path.with_name(idx_path.stem + ".tokenizer.json")
+    tok_path = tokenizer_path(opts.out)
     tok.save(str(tok_path))
     n_tokens = sum(tokens_per_doc)
     train_tokens = sum(tokens_per_doc[:n_train])

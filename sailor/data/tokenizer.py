@@ -28,6 +28,7 @@ __all__ = [
     "eod_of",
     "file_sha256",
     "load_tokenizer",
+    "tokenizer_file",
     "train_byte_bpe",
 ]
 
@@ -37,17 +38,22 @@ EOD_CANDIDATES = (DEFAULT_EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]"
 Gemma-style, Llama-3, BERT-style)."""
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
-    """A tokenizer from a local ``tokenizer.json``, or a directory holding one (what
+def tokenizer_file(path: Path) -> Path:
+    """The ``tokenizer.json`` that ``path`` names: itself, or the one in a directory (what
     ``transformers``' ``save_pretrained`` writes for a fast tokenizer)."""
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer from a local ``tokenizer.json``, or a directory holding one
+    (:func:`tokenizer_file`)."""
     from tokenizers import Tokenizer
 
-    if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(
-                f"{path}: no tokenizer.json in this directory (only fast tokenizers are read)"
-            )
-        path = path / "tokenizer.json"
+    if path.is_dir() and not tokenizer_file(path).is_file():
+        raise FileNotFoundError(
+            f"{path}: no tokenizer.json in this directory (only fast tokenizers are read)"
+        )
+    path = tokenizer_file(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no tokenizer file")
     try:

@@ -202,13 +202,23 @@ def resources_of(pool: Pool, constraints: Constraints) -> dict[Resource, int]:
     return {r: n for r, n in caps.items() if n > 0}
 
 
-def _check_inputs(inputs: Inputs, pool: Pool) -> None:
+def _check_inputs(
+    inputs: Inputs, pool: Pool, objective: Objective, constraints: Constraints
+) -> None:
+    """Refuse a pool the search cannot plan: empty, of an unknown GPU type, without a price,
+    or, for a search that ranks or caps by cost, with a GPU at $0/h (samples per $ and
+    iterations per $ of a free GPU are infinite, and ratios of them undefined)."""
     if not pool.entries or pool.total_gpus == 0:
         raise PlannerInputError("pool is empty: it has no GPUs to plan with")
     if inputs.profiles.model != inputs.model.name:
         raise PlannerInputError(
             f"profiles.model={inputs.profiles.model!r} does not match model={inputs.model.name!r}"
         )
+    prices_cost = (
+        objective != "throughput"
+        or constraints.max_cost_per_iter_usd is not None
+        or constraints.max_cost_per_hour_usd is not None
+    )
     known = set(inputs.gpu_specs) | set(inputs.profiles.gpu_types())
     for e in pool.entries:
         if e.gpu_type not in known and spec_of(inputs.gpu_specs, e.gpu_type) is None:
@@ -216,29 +226,12 @@ def _check_inputs(inputs: Inputs, pool: Pool) -> None:
                 f"pool GPU type {e.gpu_type!r} is unknown: no profile and no spec "
                 f"(known: {', '.join(sorted(known))})"
             )
+        spot = e.spot if inputs.spot is None else inputs.spot
         try:
-            inputs.prices.gpu_hour(
-                e.gpu_type, e.zone, e.spot if inputs.spot is None else inputs.spot
-            )
+            price = inputs.prices.gpu_hour(e.gpu_type, e.zone, spot)
         except KeyError as exc:
             raise PlannerInputError(f"pool GPU type {e.gpu_type!r} has no price") from exc
-
-
-def _check_prices_for_cost(
-    inputs: Inputs, pool: Pool, objective: Objective, constraints: Constraints
-) -> None:
-    """A search that ranks or caps by cost needs a price above 0 for every GPU: samples
-    per $ and iterations per $ of a free GPU are infinite, and ratios of them undefined."""
-    prices_cost = (
-        objective != "throughput"
-        or constraints.max_cost_per_iter_usd is not None
-        or constraints.max_cost_per_hour_usd is not None
-    )
-    if not prices_cost:
-        return
-    for e in pool.entries:
-        spot = e.spot if inputs.spot is None else inputs.spot
-        if inputs.prices.gpu_hour(e.gpu_type, e.zone, spot) <= 0:
+        if prices_cost and price <= 0:
             why = f"objective={objective!r}" if objective != "throughput" else "a cost limit"
             raise PlannerInputError(
                 f"pool entry {e.gpu_type} in {e.zone} (spot={spot}) costs $0/h: {why} needs "
@@ -1287,8 +1280,7 @@ def _prepare(
         raise PlannerInputError(f"top_k={top_k}: must be >= 1")
     tables = state.tables
     inputs = tables.inputs
-    _check_inputs(inputs, pool)
-    _check_prices_for_cost(inputs, pool, objective, constraints)
+    _check_inputs(inputs, pool, objective, constraints)
     caps = resources_of(pool, constraints)
     state.pricing = GpuPricing.of(pool, inputs.prices, inputs.spot)
 

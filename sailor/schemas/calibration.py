@@ -12,7 +12,7 @@ See ``docs/simulator-model.md`` for how each constant enters the model.
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.deployment import Deployment, DeploymentStructure
@@ -39,8 +39,6 @@ class ConstantRange(Frozen):
     the constant (a low network efficiency and a high allocator factor both cost more); the
     corners of :mod:`sailor.simulator.uncertainty` pick the end that costs more.
     """
-
-    model_config = ConfigDict(allow_inf_nan=False)  # a constant is a finite number
 
     low: float = Field(description="Lowest value the evidence supports.")
     median: float = Field(description="Central value used by the median corner.")
@@ -103,8 +101,6 @@ class GPUPrior(Frozen):
 
 class GPUCalibration(Frozen):
     """Constants for one GPU type (``gpu_type='*'`` for the default)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)  # inf would be written as null, unreadable
 
     gpu_type: str = Field(description="GPU type these constants belong to; '*' = default.")
     compute_scale: float = Field(

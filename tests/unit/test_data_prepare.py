@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from sailor.cli.main import app
 from sailor.data import open_prepared
@@ -294,50 +294,28 @@ def test_cli_refusals(tmp_path: Path) -> None:
 def test_outputs_never_overwrite_an_input(tmp_path: Path) -> None:
     """``--out corpus`` beside ``corpus.json`` (a JSON-lines input) would replace the text
     with the manifest; an input named like the tokenizer copy, or the .bin, likewise."""
+
+    def prepare(*args: str) -> Result:
+        return runner.invoke(app, ["data", "prepare", *args, "--quiet"])
+
     corpus = tmp_path / "corpus.json"
     lines = "".join(json.dumps({"text": t}) + "\n" for t in _texts(8))
     corpus.write_text(lines)
-    res = runner.invoke(
-        app,
-        [
-            "data",
-            "prepare",
-            str(corpus),
-            "--jsonl-field",
-            "text",
-            "--out",
-            str(tmp_path / "corpus"),
-            "--quiet",
-        ],
-    )
+    res = prepare(str(corpus), "--jsonl-field", "text", "--out", str(tmp_path / "corpus"))
     assert res.exit_code == 2, res.output
     assert "would overwrite the input" in res.output and "corpus.json" in res.output
     assert corpus.read_text() == lines  # untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.json"]  # nothing written
     text = tmp_path / "d.bin"
     text.write_text(" ".join(_texts(4)))
-    res = runner.invoke(
-        app, ["data", "prepare", str(text), "--out", str(tmp_path / "d"), "--quiet"]
-    )
+    res = prepare(str(text), "--out", str(tmp_path / "d"))
     assert res.exit_code == 2 and "would overwrite the input" in res.output, res.output
     # the tokenizer file read by the run is an input too
     made = _prepare(str(corpus), "--jsonl-field", "text", "--out", str(tmp_path / "a"))
     tok = tmp_path / made.tokenizer.path
     before = tok.read_bytes()
-    res = runner.invoke(
-        app,
-        [
-            "data",
-            "prepare",
-            str(corpus),
-            "--jsonl-field",
-            "text",
-            "--tokenizer",
-            str(tok),
-            "--out",
-            str(tmp_path / "a"),
-            "--quiet",
-        ],
+    res = prepare(
+        str(corpus), "--jsonl-field", "text", "--tokenizer", str(tok), "--out", str(tmp_path / "a")
     )
     assert res.exit_code == 2 and "would overwrite the tokenizer" in res.output, res.output
     assert tok.read_bytes() == before
