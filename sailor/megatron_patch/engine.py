@@ -79,6 +79,7 @@ from sailor.megatron_patch.precision import (
 )
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.schedule import P2P, run_1f1b, run_forward
+from sailor.megatron_patch.state import place
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -240,7 +241,13 @@ class Trainer:
         arch: Architecture | None = None,
         data: TokenSource | None = None,
         eval_data: TokenSource | None = None,
+        empty: bool = False,
     ) -> None:
+        """``empty``: the stage's parameters are left on ``meta`` (no memory, no
+        initialisation) for the caller to fill, each placed on ``device`` by
+        :func:`~sailor.megatron_patch.state.place` or :meth:`materialize` (an in-place
+        relayout: its kept layers take over the held tensors, so the new stage never holds a
+        second copy of them)."""
         if spec.num_all_layers != plan.num_layers:
             raise ValueError(
                 f"plan covers {plan.num_layers} layers, model {spec.name!r} has "
@@ -252,7 +259,7 @@ class Trainer:
         self.consumed_samples = consumed_samples
         # built on its device: a stage built on the host first held the whole shard there
         # in fp32 (every rank of a node at once) before moving it
-        with torch.device(device):
+        with torch.device("meta" if empty else device):
             self.stage = GPTStage(
                 spec,
                 role.first_layer,
@@ -261,6 +268,7 @@ class Trainer:
                 recompute=role.recompute,
                 seed=cfg.seed,
                 arch=arch,
+                init=not empty,
             )
         self.precision: Precision = precision or device_precision(device)
         if self.precision != "fp32" and device.type != "cuda":
@@ -336,6 +344,16 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
         }
+
+    def materialize(self) -> list[str]:
+        """Every parameter still on ``meta`` (an ``empty`` stage's unfilled ones) placed on
+        the device, uninitialised; returns their keys."""
+        out: list[str] = []
+        for key, p in self.stage.keyed_parameters():
+            if p.is_meta:
+                place(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
+                out.append(key)
+        return out
 
     def load_scaling_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`scaling_state`. A scale saved by a run with loss scaling

@@ -32,7 +32,7 @@ import torch
 from sailor.comm import api as comm
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.relayout import Schedule, Transfer, buckets
-from sailor.megatron_patch.state import gather_full, optimizer_state, shard, stage_state
+from sailor.megatron_patch.state import gather_full, optimizer_state, place, shard, stage_state
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.schemas.plan import Plan
 
@@ -219,6 +219,7 @@ def exchange(
     device: torch.device,
     now: Callable[[], float] = time.perf_counter,
     bucket_bytes: int = EXCHANGE_BUCKET_BYTES,
+    staged_sends: bool = False,
 ) -> ExchangeStats:
     """Fill ``new``'s stage and AdamW state from the schedule: kept shards copied from
     ``old``, received ones over ``batch_isend_irecv`` batches (every rank runs the batches
@@ -227,7 +228,9 @@ def exchange(
     ``bucket_bytes`` of received state at a time (one layer more if a layer is larger).
     Checkpoint layers are left to the caller (``ExchangeStats.checkpoint_layers``).
     ``adam_step``: the optimizer's step count (``Trainer.adam_step``; the moments exist, and
-    are sent, only once it is > 0)."""
+    are sent, only once it is > 0). ``staged_sends``: some rank's held state is on the host
+    (:mod:`~sailor.megatron_patch.relayout_memory`), so its sends are copied to its device
+    per batch: the batches count them (the same value on every rank)."""
     me = new.role.rank
     mine = sched.of(me)
     kinds = ("weight", *_MOMENTS) if adam_step > 0 else ("weight",)
@@ -239,27 +242,28 @@ def exchange(
 
     def install(key: str, tensors: dict[str, torch.Tensor], own: bool = False) -> None:
         """``own``: the tensors are this process's held shards, which nothing else will
-        use: the new parameter and moments take them over where they already sit on its
-        device in its dtype (no second copy of a kept layer on the GPU while both stages
-        exist); else they are copied."""
+        use: the new parameter and moments take them over where they already sit on the
+        device in their dtype (no second copy of a kept layer on the GPU while both stages
+        exist); else they are copied. A parameter of a stage built empty (on ``meta``) gets
+        its tensor here."""
         p = params[key]
-        w = tensors["weight"]
 
         def here(t: torch.Tensor, dtype: torch.dtype) -> bool:
-            return own and t.device == p.device and t.dtype == dtype and t.shape == p.shape
+            return own and t.device == device and t.dtype == dtype and t.shape == p.shape
 
+        w = tensors["weight"]
         if here(w, p.dtype):
-            p.data = w
+            place(p, w)
+        elif p.is_meta:
+            place(p, torch.empty(p.shape, dtype=p.dtype, device=device).copy_(w))
         else:
-            p.copy_(w.to(p.device, p.dtype))
+            p.copy_(w)
         if adam_step > 0:
             new.optimizer.state[p] = {
                 "step": torch.tensor(float(adam_step)),
                 **{
-                    m: tensors[m]
-                    if here(tensors[m], tensors[m].dtype)
-                    else tensors[m].to(p.device).clone()
-                    for m in _MOMENTS
+                    m: t if here(t, t.dtype) else torch.empty_like(t, device=device).copy_(t)
+                    for m, t in ((m, tensors[m]) for m in _MOMENTS)
                 },
             }
 
@@ -270,7 +274,12 @@ def exchange(
 
     # the full layer in fp32 per kind: what its receiver takes in (all old TP shards)
     spec = new.spec
-    batch_of = buckets(sched, lambda layer: spec.layer_params(layer) * 4 * len(kinds), bucket_bytes)
+    batch_of = buckets(
+        sched,
+        lambda layer: spec.layer_params(layer) * 4 * len(kinds),
+        bucket_bytes,
+        staged_sends=staged_sends,
+    )
     mine_by_batch: dict[int, list[Transfer]] = {}
     for t, b in zip(sched.transfers, batch_of, strict=True):
         if t.receiver == me or me in t.sources:
@@ -281,6 +290,7 @@ def exchange(
         received keys concatenated, sliced and installed."""
         ops: list[comm.P2POp] = []
         inbox: list[tuple[str, int, str, torch.Tensor]] = []  # key, shard index, kind, tensor
+        staged: dict[tuple[str, str], torch.Tensor] = {}  # a shard sent to several receivers
         before = stats.bytes_received
         for t in transfers:
             keys = new_keys[t.layer] if t.receiver == me else old_keys[t.layer]
@@ -295,7 +305,10 @@ def exchange(
                                 inbox.append((key, i, kind, held[key][kind].to(device)))
                             continue
                         if me == src:
-                            out = held[key][kind].to(device).contiguous()
+                            out = staged.get((key, kind))
+                            if out is None:
+                                out = held[key][kind].to(device).contiguous()
+                                staged[(key, kind)] = out
                             ops.append(comm.P2POp("send", out, t.receiver))
                         elif me == t.receiver:
                             shape = _old_shape(params[key], new.role.tp, len(t.sources))

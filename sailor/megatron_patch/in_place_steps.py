@@ -27,8 +27,16 @@ from sailor.megatron_patch.engine import TrainConfig, Trainer, make_optimizer
 from sailor.megatron_patch.errors import InjectedFailureError, classify
 from sailor.megatron_patch.in_place import Held, Peers, exchange
 from sailor.megatron_patch.relayout import schedule
+from sailor.megatron_patch.relayout_memory import (
+    VERDICT_CODES,
+    RelayoutMemory,
+    Verdict,
+    decide,
+    margin_bytes,
+)
 
 __all__ = [
+    "RelayoutMemoryError",
     "await_store",
     "comm_failure",
     "drop_old_grads",
@@ -37,6 +45,9 @@ __all__ = [
     "hold_broken",
     "leave_process",
     "leave_world",
+    "memory_verdict",
+    "offload_held",
+    "relayout_memory",
     "release",
     "warm_up",
 ]
@@ -106,6 +117,124 @@ def release(held: Held | None) -> None:
         torch.cuda.empty_cache()
 
 
+def _state_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of distinct storages (a tied parameter is one tensor under two keys)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _held_tensors(tr: Trainer) -> list[torch.Tensor]:
+    """The held trainer's weights and moments (its gradients are dropped by now)."""
+    out: list[torch.Tensor] = []
+    for p in tr.stage.parameters():
+        out.append(p.data)
+        st = tr.optimizer.state.get(p, {})
+        out.extend(v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor))
+    return out
+
+
+def _new_bytes(trainer: Trainer, layers: set[int] | None) -> int:
+    """The new stage's state (weights, and both moments once AdamW has stepped) in
+    ``layers`` (None: all), from its parameters' shapes (it may be on ``meta``)."""
+    kinds = 3 if trainer.adam_step > 0 else 1
+    seen: set[int] = set()
+    total = 0
+    for key, p in trainer.stage.keyed_parameters():
+        if id(p) in seen or (layers is not None and int(key.split(".", 1)[0]) not in layers):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size() * kinds
+    return total
+
+
+def offload_held(tr: Trainer, host: torch.device) -> int:
+    """Move the held trainer's weights and moments to ``host`` memory (page-locked when a
+    GPU is there: the exchange copies each shard it sends back to the device); returns the
+    bytes moved off the device. The parameters stay the same objects."""
+    moved = _state_bytes([t for t in _held_tensors(tr) if t.device != host])
+    pin = host.type == "cpu" and torch.cuda.is_available()
+
+    def off(t: torch.Tensor) -> torch.Tensor:
+        if t.device == host:
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=pin)
+        return out.copy_(t)
+
+    for p in tr.stage.parameters():
+        p.data = off(p.data)
+        st = tr.optimizer.state.get(p, {})
+        for k, v in list(st.items()):
+            if k != "step" and isinstance(v, torch.Tensor):
+                st[k] = off(v)
+    if tr.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return moved
+
+
+def _device_free(device: torch.device) -> tuple[int, int]:
+    """(bytes the device can still allocate, its total): free memory plus what the caching
+    allocator holds unused."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached, total
+
+
+def relayout_memory(
+    trainer: Trainer, source: Trainer | None, kept: tuple[int, ...], batch_bytes: int
+) -> RelayoutMemory | None:
+    """This rank's figures on a GPU (None elsewhere: the host is the device). ``source``:
+    the held trainer the exchange reads from; ``kept``: the layers it keeps."""
+    device = trainer.device
+    if device.type != "cuda":
+        return None
+    on_device = [t for t in _held_tensors(source) if t.device == device] if source else []
+    free, total = _device_free(device)
+    return RelayoutMemory(
+        new_bytes=_new_bytes(trainer, None),
+        kept_bytes=_new_bytes(trainer, set(kept)) if source is not None else 0,
+        held_bytes=_state_bytes(on_device),
+        batch_bytes=batch_bytes,
+        free_bytes=free,
+        margin_bytes=margin_bytes(total),
+    )
+
+
+def memory_verdict(
+    mode: str, rank: int, mem: RelayoutMemory | None, device: torch.device
+) -> tuple[Verdict, bool]:
+    """This rank's verdict (``mode``, ``--relayout-offload``: ``auto`` decides from
+    ``mem``, ``keep`` without it) and whether any rank of the world stages its sends (one
+    MAX all-reduce, every rank). Raises on every rank if some rank's new stage does not fit
+    even with its old one on the host."""
+    if mode == "always":
+        mine: Verdict = "offload"
+    elif mode == "never" or mem is None:
+        mine = "keep"
+    else:
+        mine = decide(mem)
+    world = torch.tensor([VERDICT_CODES[mine]], dtype=torch.int32, device=device)
+    comm.all_reduce(world, "max")
+    comm_abort.host_sync(device)
+    worst = int(world.item())
+    if worst == VERDICT_CODES["too_large"]:
+        detail = f" ({mem.describe()})" if mine == "too_large" and mem is not None else ""
+        raise RelayoutMemoryError(
+            f"in-place relayout: a rank's new stage does not fit on its device even with "
+            f"its old stage on the host; rank {rank}: {mine}{detail}. Restart instead"
+        )
+    return mine, worst >= VERDICT_CODES["offload"]
+
+
+class RelayoutMemoryError(RuntimeError):
+    """A rank of the new world cannot hold its new stage during the relayout."""
+
+
 def fill_stage(
     args: argparse.Namespace,
     trainer: Trainer,
@@ -116,7 +245,10 @@ def fill_stage(
     resume: bool,
 ) -> dict[str, Any]:
     """Fill the new stage: kept and received layers (every rank takes part in the
-    exchange), then the layers no live rank holds from checkpoint ``--load-step``."""
+    exchange), then the layers no live rank holds from checkpoint ``--load-step``. The
+    stage may be built empty (on ``meta``): every parameter is placed on the device as it
+    is filled. Before the exchange each rank checks that it fits, moving its held stage to
+    the host if it does not fit otherwise (:mod:`relayout_memory`)."""
     if args.fail_relayout and held is not None:
         mark = Path(args.fail_relayout)
         with contextlib.suppress(FileExistsError):
@@ -124,11 +256,21 @@ def fill_stage(
             raise InjectedFailureError(f"injected relayout failure on rank {args.rank}")
     sched = schedule(peers.old_plan, peers.holders, trainer.plan)
     source = held.trainer if held is not None and args.rank in peers.holders else None
-    t = time.time()
     bucket = max(1, int(args.exchange_bucket_mb * 2**20))
-    st = exchange(trainer, source, sched, trainer.adam_step, device, bucket_bytes=bucket)
+    mem = relayout_memory(trainer, source, sched.of(args.rank).kept, bucket)
+    verdict, staged = memory_verdict(args.relayout_offload, args.rank, mem, device)
+    t_off = time.time()
+    offloaded = offload_held(source, torch.device("cpu")) if verdict == "offload" and source else 0
+    t = time.time()
+    st = exchange(
+        trainer, source, sched, trainer.adam_step, device, bucket_bytes=bucket, staged_sends=staged
+    )
     t_transfer = time.time()
     layers = st.checkpoint_layers
+    empty = trainer.materialize()
+    stray = sorted({int(k.split(".", 1)[0]) for k in empty} - set(layers))
+    if stray:
+        raise RuntimeError(f"layers {stray} of rank {args.rank}: not filled by the exchange")
     if layers:
         if not resume or ckpt is None:
             raise RuntimeError(
@@ -148,6 +290,9 @@ def fill_stage(
         "bytes_received": st.bytes_received,
         "batches": st.batches,
         "largest_batch_bytes": st.largest_batch_bytes,
+        "memory": verdict,
+        "offloaded_bytes": offloaded,
+        "offload_s": t - t_off,
         "transfer_s": t_transfer - t,
         "load_s": time.time() - t_transfer,
     }

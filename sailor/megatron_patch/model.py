@@ -250,6 +250,7 @@ class GPTStage(nn.Module):
         seed: int = 0,
         tie_in_module: bool = False,
         arch: Architecture | None = None,
+        init: bool = True,
     ) -> None:
         super().__init__()
         if not 0 <= first_layer <= last_layer < spec.num_all_layers:
@@ -267,7 +268,8 @@ class GPTStage(nn.Module):
                 for i in range(first_layer, last_layer + 1)
             }
         )
-        init_stage(self, seed)
+        if init:  # False: the caller fills every parameter (a stage built on ``meta``)
+            init_stage(self, seed)
         head_key = str(spec.num_all_layers - 1)
         if tie_in_module and spec.tie_embeddings and "0" in self.layers and head_key in self.layers:
             # Single-process reference: one shared matrix, as a plain tied model.

@@ -222,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="In-place relayout: state a rank receives per batch of the exchange, MiB "
         "(every receive buffer of a batch is live until it completes; default 1024).",
     )
+    p.add_argument(
+        "--relayout-offload",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="In-place relayout: move the held stage to host memory before the exchange "
+        "(auto: on a GPU, when the new stage does not fit beside it; see docs/training.md).",
+    )
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     p.add_argument(
         "--threads",
@@ -459,6 +466,9 @@ def _generation(
                     f"({args.start_step}, {args.consumed_samples})"
                 )
             args.start_step, args.consumed_samples = peers.step, peers.consumed_samples
+        if args.rank not in peers.holders:
+            release(held)  # not a source: its state is of no use to the new stage
+    fill = peers is not None and bool(peers.holders or resume)
     t_groups = time.time()
     trainer = Trainer(
         plan,
@@ -473,12 +483,13 @@ def _generation(
         arch=arch,
         data=train_data,
         eval_data=eval_data,
+        empty=fill,  # every parameter is placed as the exchange or the checkpoint fills it
     )
     t_built = time.time()
     if peers is not None and peers.scaling is not None:
         trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
-    if peers is not None and (peers.holders or resume):
+    if peers is not None and fill:
         relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
         relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
     elif resume and ckpt is not None:

@@ -160,22 +160,49 @@ def schedule(old: Plan | None, holders: Mapping[int, int], new: Plan) -> Schedul
 
 
 def buckets(
-    sched: Schedule, layer_bytes: Callable[[int], int], budget_bytes: int
+    sched: Schedule,
+    layer_bytes: Callable[[int], int],
+    budget_bytes: int,
+    staged_sends: bool = False,
 ) -> tuple[int, ...]:
     """The batch of each of ``sched.transfers`` (same order): a receiver's transfers go in
     order into its batches 0, 1, ..., a new one whenever the next layer
     (``layer_bytes(layer)``: what the receiver takes in for it) would take the batch past
-    ``budget_bytes``; a layer larger than the budget has a batch of its own. Every rank
-    computes the same answer from the same inputs."""
+    ``budget_bytes``; a layer larger than the budget has a batch of its own.
+
+    ``staged_sends``: the senders' held shards are off the device (offloaded to the host),
+    so each shard a rank sends in a batch is first copied to its device, once per batch
+    however many receivers take it. A source's shard of a layer (``layer_bytes`` over its
+    group's TP degree) then counts against the source's own budget in that batch, shared with
+    what it receives there; a transfer goes to the first batch, from its receiver's current
+    one, where every rank taking part has room (or holds nothing yet). Without it the
+    answer is the receivers' alone. Every rank computes the same answer from the same
+    inputs; any such split is free of cycles, since every rank runs its batches in order."""
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
-    at: dict[int, tuple[int, int]] = {}  # receiver -> (its current batch, bytes in it)
+    used: dict[tuple[int, int], int] = {}  # (rank, batch) -> bytes it holds in that batch
+    staged: set[tuple[int, int, int]] = set()  # (source, batch, layer) already on its device
+    current: dict[int, int] = {}  # receiver -> its current batch
     out: list[int] = []
     for t in sched.transfers:
-        b, used = at.get(t.receiver, (0, 0))
         size = layer_bytes(t.layer)
-        if used and used + size > budget_bytes:
-            b, used = b + 1, 0
-        at[t.receiver] = (b, used + size)
+        share = -(-size // len(t.sources))
+        senders = [s for s in t.sources if s != t.receiver] if staged_sends else []
+        b = current.get(t.receiver, 0)
+        while True:
+            need = {t.receiver: size}
+            for s in senders:
+                if (s, b, t.layer) not in staged:
+                    need[s] = need.get(s, 0) + share
+            if all(
+                used.get((r, b), 0) == 0 or used[(r, b)] + n <= budget_bytes
+                for r, n in need.items()
+            ):
+                break
+            b += 1
+        for r, n in need.items():
+            used[(r, b)] = used.get((r, b), 0) + n
+        staged.update((s, b, t.layer) for s in senders)
+        current[t.receiver] = b
         out.append(b)
     return tuple(out)

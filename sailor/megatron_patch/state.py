@@ -33,6 +33,7 @@ __all__ = [
     "load_full_params",
     "load_full_state",
     "optimizer_state",
+    "place",
     "shard",
     "stage_state",
 ]
@@ -58,6 +59,24 @@ def optimizer_state(stage: GPTStage, optimizer: torch.optim.Optimizer) -> dict[s
             "tp_dim": tp_dim_of(p),
         }
     return out
+
+
+def place(p: torch.nn.Parameter, t: torch.Tensor) -> None:
+    """Make ``t`` the tensor of ``p``, which stays the same object (the optimizer keys its
+    state by it). A parameter on ``meta`` (a stage built empty) cannot take another device's
+    tensor as its ``data``: it is swapped with a parameter of ``t`` that carries its
+    attributes (the TP dim). ``t`` must have ``p``'s shape and dtype and is not copied."""
+    if t.shape != p.shape or t.dtype != p.dtype:
+        raise ValueError(
+            f"tensor of shape {tuple(t.shape)} and {t.dtype} for a parameter of "
+            f"{tuple(p.shape)} and {p.dtype}"
+        )
+    if not p.is_meta:
+        p.data = t
+        return
+    new = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)  # the swap exchanges attribute dicts too
+    torch.utils.swap_tensors(p, new)  # type: ignore[no-untyped-call]
 
 
 def gather_full(shards: Sequence[torch.Tensor], tp_dim: int | None) -> torch.Tensor:

@@ -92,13 +92,15 @@ def test_pipeline_to_data_parallel_in_place_under_nccl(
     _assert_same_state(ip, rs, 4)
 
 
+@pytest.mark.parametrize("offload", ["auto", "always"])
 def test_held_workers_that_swap_gpus_relayout_under_nccl(
-    gpus: Callable[[int], None], tmp_path: Path, job: _Job
+    gpus: Callable[[int], None], tmp_path: Path, job: _Job, offload: str
 ) -> None:
     """The same 2-stage plan, the two held workers handed each other's rank: each process
     now runs on the other GPU while its held shards are still on its old one. The exchange
     must send from the new device (NCCL refuses a tensor on another GPU) and free the old
-    trainer; the result equals the restart path."""
+    trainer; the result equals the restart path. ``always``: the held stages go to host
+    memory first, and every shard sent is staged back on the sender's GPU per batch."""
     gpus(2)
     pp2 = _gpu_plan("pp2", [[(0, 2), (3, 5)]], 4)
     ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
@@ -110,12 +112,16 @@ def test_held_workers_that_swap_gpus_relayout_under_nccl(
     m1 = f"127.0.0.1:{free_port()}"
     _stop_save(job, "g1", range(2), 4, ip)
     for r in range(2):
-        _directive(job, "g0", r, 1, job.argv("g1", pp2, 1 - r, m1, ip, 2))
+        argv = [*job.argv("g1", pp2, 1 - r, m1, ip, 2), "--relayout-offload", offload]
+        _directive(job, "g0", r, 1, argv)
     job.held("g1", range(2), 4)
     for r in range(2):
         ready = job.ready("g1", r)
         assert ready["path"] == "in_place" and ready["device"] == f"cuda:{r}", ready
         assert ready["received_keys"] > 0 and ready["checkpoint_keys"] == 0, ready
+        # a tiny model beside an empty GPU: auto keeps the held stage where it is
+        assert ready["memory"] == ("offload" if offload == "always" else "keep"), ready
+        assert (ready["offloaded_bytes"] > 0) == (offload == "always"), ready
     job.terminate(["w0", "w1"])
     got = {**job.losses("g0"), **job.losses("g1")}
     want = _restart(job, "r1", pp2, ip, 2, 4, rs)
@@ -185,3 +191,46 @@ def test_host_sync_leaves_a_busy_device_on_abort(gpus: Callable[[int], None]) ->
         abort.clear_abort()
         abort.set_polling(False)
         torch.cuda.synchronize(dev)
+
+
+def test_offload_moves_the_held_stage_off_the_gpu(gpus: Callable[[int], None]) -> None:
+    """The held stage (weights and both moments) goes to page-locked host memory: the
+    device's allocated bytes fall by what it held, the parameters stay the same objects
+    with the same values, and the rank's figures see the new stage and the free memory."""
+    import torch
+
+    from sailor.megatron_patch.engine import TrainConfig, Trainer
+    from sailor.megatron_patch.groups import ProcessGroups
+    from sailor.megatron_patch.in_place_steps import offload_held, relayout_memory
+    from sailor.megatron_patch.model import tiny_model
+    from sailor.megatron_patch.roles import role_of
+    from sailor.megatron_patch.tp_layers import TPContext
+
+    gpus(1)
+    dev = torch.device("cuda:0")
+    plan = _gpu_plan("one", [[(0, 5)]], 4)
+    spec = tiny_model("tiny-gpt", GBS)
+    groups = ProcessGroups(tp=TPContext())
+    tr = Trainer(plan, spec, role_of(plan, 0), groups, TrainConfig(), dev)
+    for p in tr.stage.parameters():
+        tr.optimizer.state[p] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.full_like(p, 0.5),
+            "exp_avg_sq": torch.full_like(p, 0.25),
+        }
+    tr.step = 1
+    new = Trainer(plan, spec, role_of(plan, 0), groups, TrainConfig(), dev, 1, empty=True)
+    mem = relayout_memory(new, tr, (), 1 << 20)
+    assert mem is not None
+    n = sum(p.numel() for p in tr.stage.parameters())
+    assert mem.new_bytes == mem.held_bytes == 12 * n and mem.free_bytes > 0
+    before = torch.cuda.memory_allocated(dev)
+    values = {id(p): p.detach().cpu().clone() for p in tr.stage.parameters()}
+    params = list(tr.stage.parameters())
+    moved = offload_held(tr, torch.device("cpu"))
+    assert moved == 12 * n
+    assert before - torch.cuda.memory_allocated(dev) >= moved
+    assert [id(p) for p in tr.stage.parameters()] == [id(p) for p in params]
+    for p in params:
+        assert p.device.type == "cpu" and p.is_pinned() and torch.equal(p.detach(), values[id(p)])
+        assert tr.optimizer.state[p]["exp_avg"].device.type == "cpu"

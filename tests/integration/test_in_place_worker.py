@@ -245,8 +245,10 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
     m1 = f"127.0.0.1:{free_port()}"
     _stop_save(job, "g1", range(2), 4, ip)
     # a 1 KiB receive budget: every layer its own batch of the exchange (NCCL pairing
-    # across batches is replayed below); the next relayout takes the default, one batch
-    small = ["--exchange-bucket-mb", str(1 / 1024)]
+    # across batches is replayed below); the next relayout takes the default, one batch.
+    # The held stages go to "host memory" first (the host is the device here: nothing
+    # moves, but every send is staged and counted in its batch, as on a GPU)
+    small = ["--exchange-bucket-mb", str(1 / 1024), "--relayout-offload", "always"]
     for r in range(2):
         _directive(job, "g0", r, 1, [*job.argv("g1", DP2, r, m1, ip, 2), *small])
     job.held("g1", range(2), 4)
@@ -254,6 +256,7 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
     assert r0["path"] == "in_place" and r0["checkpoint_keys"] == r1["checkpoint_keys"] == 0
     assert r0["kept_keys"] > 0 and r0["received_keys"] > 0 and r0["bytes_received"] > 0
     assert r0["batches"] > 1 and r1["batches"] > 1, (r0, r1)
+    assert r0["memory"] == r1["memory"] == "offload" and r0["offloaded_bytes"] == 0
     # the receive buffers' peak is one layer's, not everything received
     assert 0 < r0["largest_batch_bytes"] < r0["bytes_received"] / 2, r0
     assert r0["start_step"] == 2 and r0["consumed_samples"] == 2 * GBS
@@ -265,6 +268,7 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
         _directive(job, "g1", r, 2, job.argv("g2", DP_TP, r, m2, ip, 4))
     job.held("g2", range(3), 6)
     fresh = job.ready("g2", 2)
+    assert fresh["memory"] == "keep"  # auto, off a GPU
     assert fresh["kept_keys"] == 0 and fresh["checkpoint_keys"] == 0
     assert fresh["batches"] == 1
     assert fresh["largest_batch_bytes"] == fresh["bytes_received"] > 0
