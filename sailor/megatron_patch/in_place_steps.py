@@ -172,9 +172,14 @@ def offload_held(tr: Trainer, host: torch.device) -> int:
         for k, v in list(st.items()):
             if k != "step" and isinstance(v, torch.Tensor):
                 st[k] = off(v)
-    if tr.device.type == "cuda":
-        torch.cuda.empty_cache()
+    if moved and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the allocator's blocks go back to the driver
     return moved
+
+
+def _elsewhere(tr: Trainer, device: torch.device) -> bool:
+    """Some of the held trainer's state is on another GPU than ``device``."""
+    return any(t.device != device and t.device.type == "cuda" for t in _held_tensors(tr))
 
 
 def _device_free(device: torch.device) -> tuple[int, int]:
@@ -257,10 +262,25 @@ def fill_stage(
     sched = schedule(peers.old_plan, peers.holders, trainer.plan)
     source = held.trainer if held is not None and args.rank in peers.holders else None
     bucket = max(1, int(args.exchange_bucket_mb * 2**20))
-    mem = relayout_memory(trainer, source, sched.of(args.rank).kept, bucket)
-    verdict, staged = memory_verdict(args.relayout_offload, args.rank, mem, device)
+    verdict: Verdict = "keep"
+    staged = False
+    host = torch.device("cpu")
+    mode = args.relayout_offload
     t_off = time.time()
-    offloaded = offload_held(source, torch.device("cpu")) if verdict == "offload" and source else 0
+    offloaded = 0
+    if peers.holders:  # every rank exchanges (the same peers on every rank): one verdict
+        if device.type == "cuda":
+            if source is not None and mode != "never" and _elsewhere(source, device):
+                # a rank that moved GPUs: its held stage sits on another rank's GPU, and
+                # every shard it sends is a copy on its own anyway
+                offloaded = offload_held(source, host)
+                mode = "always"
+            # those GPUs' memory is free before any rank measures its own
+            comm.all_reduce(torch.zeros(1, device=device))
+        mem = relayout_memory(trainer, source, sched.of(args.rank).kept, bucket)
+        verdict, staged = memory_verdict(mode, args.rank, mem, device)
+    if verdict == "offload" and source is not None:
+        offloaded += offload_held(source, host)
     t = time.time()
     st = exchange(
         trainer, source, sched, trainer.adam_step, device, bucket_bytes=bucket, staged_sends=staged
