@@ -7,14 +7,22 @@ Wire messages (events, commands, manifests) additionally carry a schema version.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
 SCHEMA_VERSION = 1
-"""Version of the wire format. A reader accepts messages whose version it knows."""
+"""Version of the wire format this release writes. A release that adds a field to a wire
+message (with a default) raises it; a reader validates a message of a newer version after
+dropping the fields it does not know (``_newer``), and refuses versions below 1."""
+
+_log = logging.getLogger("sailor.schemas")
+_dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
 
 
 class Frozen(BaseModel):
@@ -35,11 +43,38 @@ class WireMessage(Frozen):
         description="Version of the wire schema this message was written with.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_a_newer_release(cls, data: Any) -> Any:
+        """A message of a newer version loses the fields this release does not know (a
+        rolling upgrade's newer writer) and becomes one of this release's version; logged
+        once per message type, version and fields."""
+        if not isinstance(data, dict):
+            return data
+        version = data.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            return data
+        if version <= SCHEMA_VERSION:
+            return data
+        pruned, dropped = drop_unknown(cls, data)
+        key = (cls.__name__, version, tuple(dropped))
+        if dropped and key not in _dropped_seen:
+            _dropped_seen.add(key)
+            _log.warning(
+                "%s of schema_version %d (this release writes %d): ignoring fields it does "
+                "not know: %s",
+                cls.__name__,
+                version,
+                SCHEMA_VERSION,
+                ", ".join(dropped),
+            )
+        # what was read is this release's view of the message: written back, it says so
+        return pruned | {"schema_version": SCHEMA_VERSION}
+
     def model_post_init(self, context: Any, /) -> None:
-        if self.schema_version > SCHEMA_VERSION or self.schema_version < 1:
+        if self.schema_version < 1:
             raise ValueError(
-                f"schema_version={self.schema_version} is not supported "
-                f"(this build reads versions 1..{SCHEMA_VERSION})"
+                f"schema_version={self.schema_version} is not supported (versions start at 1)"
             )
 
 

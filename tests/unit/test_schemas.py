@@ -25,6 +25,8 @@ from sailor.schemas import (
     Stage,
     Stop,
 )
+from sailor.schemas._base import SCHEMA_VERSION
+from sailor.schemas.runtime import DesiredState
 
 
 def _stage(a: int, b: int, tp: int = 1, gpu: str = "A100-40") -> Stage:
@@ -135,15 +137,59 @@ def test_pool_rejects_duplicates_and_aggregates() -> None:
     assert Pool(entries=(e,)).total_gpus == 8
 
 
-def test_wire_messages_round_trip_and_reject_future_versions() -> None:
+def test_wire_messages_round_trip_and_read_newer_versions() -> None:
     ev = PreemptionNotice(event_id="e1", node_id="n1", time=1.0, deadline=31.0)
     again = EventAdapter.validate_json(ev.model_dump_json())
     assert again == ev
     cmd = Stop(command_id="c1", epoch=3, node_id="n1", at_step=10)
     assert CommandAdapter.validate_python(json.loads(cmd.model_dump_json())) == cmd
-    bad = json.loads(ev.model_dump_json()) | {"schema_version": 99}
-    with pytest.raises(ValidationError, match="schema_version=99"):
-        EventAdapter.validate_python(bad)
+    # a newer release's message: its new field is dropped, what both know is checked
+    newer = json.loads(ev.model_dump_json()) | {"schema_version": 99, "urgency": "high"}
+    assert EventAdapter.validate_python(newer) == ev  # and it is this release's version now
+    with pytest.raises(ValidationError, match="deadline"):
+        EventAdapter.validate_python(newer | {"deadline": "soon"})
+    # a new kind of event is not something an older release can act on
+    with pytest.raises(ValidationError):
+        EventAdapter.validate_python(newer | {"kind": "node_upgraded"})
+    # at this release's version an unknown field is an error (a typo, or a writer that did
+    # not raise the version), named
+    same = json.loads(ev.model_dump_json()) | {"urgency": "high"}
+    with pytest.raises(ValidationError, match="urgency"):
+        EventAdapter.validate_python(same)
+    with pytest.raises(ValidationError, match="schema_version=0"):
+        EventAdapter.validate_python(json.loads(ev.model_dump_json()) | {"schema_version": 0})
+
+
+def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nested models lose their unknown keys too (a plan's replica group, a placement's
+    map), through optional fields and tuples; the drop is logged once, by path."""
+    plan = Plan(
+        model="m",
+        global_batch_size=4,
+        pipelines=(
+            Pipeline(stages=(_stage(0, 1),), microbatch_size=1, num_microbatches=2),
+            Pipeline(stages=(_stage(0, 1),), microbatch_size=1, num_microbatches=2),
+        ),
+    )
+    d = DesiredState(epoch=2, generation=3, plan=plan, placement={"n1": (0, 1)})
+    raw = json.loads(d.model_dump_json())
+    raw |= {"schema_version": 2, "rollout": {"wave": 1}}
+    raw["plan"]["pipelines"][1]["stages"][0]["replica"]["nic"] = "efa"
+    raw["plan"]["pipelines"][0]["overlap"] = True
+    with caplog.at_level("WARNING", logger="sailor.schemas"):
+        got = DesiredState.model_validate_json(json.dumps(raw))
+        DesiredState.model_validate_json(json.dumps(raw))
+    assert got == d and got.schema_version == SCHEMA_VERSION
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    for path in ("rollout", "plan.pipelines[0].overlap", "plan.pipelines[1].stages[0].replica.nic"):
+        assert path in warned[0]
+    # the same keys at this release's version: refused
+    raw["schema_version"] = SCHEMA_VERSION
+    with pytest.raises(ValidationError, match="rollout"):
+        DesiredState.model_validate_json(json.dumps(raw))
 
 
 @st.composite
