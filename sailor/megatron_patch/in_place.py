@@ -34,6 +34,7 @@ from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.relayout import Schedule, Transfer, buckets
 from sailor.megatron_patch.state import gather_full, optimizer_state, place, shard, stage_state
 from sailor.megatron_patch.tp_layers import tp_dim_of
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "Peers",
     "await_directive",
     "exchange",
+    "exchange_layer_bytes",
     "handshake",
     "parse_directive",
 ]
@@ -206,6 +208,18 @@ def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def _kinds(adam_step: int) -> tuple[str, ...]:
+    """The tensors the exchange moves per parameter: the moments exist once AdamW stepped."""
+    return ("weight", *_MOMENTS) if adam_step > 0 else ("weight",)
+
+
+def exchange_layer_bytes(spec: ModelSpec, adam_step: int) -> Callable[[int], int]:
+    """What a receiver takes in for one layer: the full layer (all old TP shards) in fp32,
+    per kind (:func:`_kinds`)."""
+    n = 4 * len(_kinds(adam_step))
+    return lambda layer: spec.layer_params(layer) * n
+
+
 EXCHANGE_BUCKET_BYTES = 1 << 30
 """Default receive budget of one batch of the exchange, per rank (1 GiB of fp32 state)."""
 
@@ -233,7 +247,7 @@ def exchange(
     per batch: the batches count them (the same value on every rank)."""
     me = new.role.rank
     mine = sched.of(me)
-    kinds = ("weight", *_MOMENTS) if adam_step > 0 else ("weight",)
+    kinds = _kinds(adam_step)
     held = _old_shards(old)
     params = dict(new.stage.keyed_parameters())
     new_keys = _keys_by_layer(list(params))
@@ -272,13 +286,8 @@ def exchange(
             install(key, held[key], own=True)
             stats.kept_keys += 1
 
-    # the full layer in fp32 per kind: what its receiver takes in (all old TP shards)
-    spec = new.spec
     batch_of = buckets(
-        sched,
-        lambda layer: spec.layer_params(layer) * 4 * len(kinds),
-        bucket_bytes,
-        staged_sends=staged_sends,
+        sched, exchange_layer_bytes(new.spec, adam_step), bucket_bytes, staged_sends=staged_sends
     )
     mine_by_batch: dict[int, list[Transfer]] = {}
     for t, b in zip(sched.transfers, batch_of, strict=True):

@@ -25,8 +25,8 @@ from sailor.megatron_patch.boundary import Progress, Status
 from sailor.megatron_patch.checkpoint_io import CheckpointIO
 from sailor.megatron_patch.engine import TrainConfig, Trainer, make_optimizer
 from sailor.megatron_patch.errors import InjectedFailureError, classify
-from sailor.megatron_patch.in_place import Held, Peers, exchange
-from sailor.megatron_patch.relayout import schedule
+from sailor.megatron_patch.in_place import Held, Peers, exchange, exchange_layer_bytes
+from sailor.megatron_patch.relayout import Schedule, exchange_transients, schedule
 from sailor.megatron_patch.relayout_memory import (
     VERDICT_CODES,
     RelayoutMemory,
@@ -45,6 +45,7 @@ __all__ = [
     "hold_broken",
     "leave_process",
     "leave_world",
+    "memory_figures",
     "memory_verdict",
     "offload_held",
     "relayout_memory",
@@ -154,17 +155,16 @@ def _new_bytes(trainer: Trainer, layers: set[int] | None) -> int:
 
 
 def offload_held(tr: Trainer, host: torch.device) -> int:
-    """Move the held trainer's weights and moments to ``host`` memory (page-locked when a
-    GPU is there: the exchange copies each shard it sends back to the device); returns the
-    bytes moved off the device. The parameters stay the same objects."""
+    """Move the held trainer's weights and moments to ``host`` memory; returns the bytes
+    moved off the device. The parameters stay the same objects. Pageable memory, not
+    page-locked: torch's pinned-host allocator rounds each block up to a power of two and
+    keeps freed blocks cached for the life of the process (``CachingHostAllocator``), so a
+    stage offloaded once would hold up to twice its size of locked RAM on every rank of the
+    node from then on; the exchange's copies back to the device are slower for it."""
     moved = _state_bytes([t for t in _held_tensors(tr) if t.device != host])
-    pin = host.type == "cpu" and torch.cuda.is_available()
 
     def off(t: torch.Tensor) -> torch.Tensor:
-        if t.device == host:
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=pin)
-        return out.copy_(t)
+        return t if t.device == host else t.to(host)
 
     for p in tr.stage.parameters():
         p.data = off(p.data)
@@ -190,23 +190,59 @@ def _device_free(device: torch.device) -> tuple[int, int]:
     return free + cached, total
 
 
+def _host_share(gpus_per_node: int) -> int | None:
+    """One GPU's share of the host's available memory (``MemAvailable``; None where
+    ``/proc/meminfo`` is not there): every rank of a node may offload at once."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // max(1, gpus_per_node)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def relayout_memory(
-    trainer: Trainer, source: Trainer | None, kept: tuple[int, ...], batch_bytes: int
+    trainer: Trainer, source: Trainer | None, sched: Schedule, batch_bytes: int
 ) -> RelayoutMemory | None:
     """This rank's figures on a GPU (None elsewhere: the host is the device). ``source``:
-    the held trainer the exchange reads from; ``kept``: the layers it keeps."""
+    the held trainer the exchange reads from; ``sched``: the relayout's schedule;
+    ``batch_bytes``: the exchange's receive budget per batch."""
     device = trainer.device
     if device.type != "cuda":
         return None
-    on_device = [t for t in _held_tensors(source) if t.device == device] if source else []
+    replica = trainer.plan.pipelines[trainer.role.pipeline].stages[trainer.role.stage].replica
     free, total = _device_free(device)
+    return memory_figures(
+        trainer, source, sched, batch_bytes, free, total, _host_share(replica.gpus_per_node)
+    )
+
+
+def memory_figures(
+    trainer: Trainer,
+    source: Trainer | None,
+    sched: Schedule,
+    batch_bytes: int,
+    free_bytes: int,
+    total_bytes: int,
+    host_free_bytes: int | None,
+) -> RelayoutMemory:
+    """:func:`relayout_memory`'s figures from the device's free and total bytes."""
+    device = trainer.device
+    rank = trainer.role.rank
+    on_device = [t for t in _held_tensors(source) if t.device == device] if source else []
+    keep_x, off_x = exchange_transients(
+        sched, exchange_layer_bytes(trainer.spec, trainer.adam_step), batch_bytes, rank
+    )
     return RelayoutMemory(
         new_bytes=_new_bytes(trainer, None),
-        kept_bytes=_new_bytes(trainer, set(kept)) if source is not None else 0,
+        kept_bytes=_new_bytes(trainer, set(sched.of(rank).kept)) if source is not None else 0,
         held_bytes=_state_bytes(on_device),
-        batch_bytes=batch_bytes,
-        free_bytes=free,
-        margin_bytes=margin_bytes(total),
+        keep_exchange_bytes=keep_x,
+        offload_exchange_bytes=off_x,
+        free_bytes=free_bytes,
+        margin_bytes=margin_bytes(total_bytes),
+        host_free_bytes=host_free_bytes,
     )
 
 
@@ -275,9 +311,11 @@ def fill_stage(
                 # every shard it sends is a copy on its own anyway
                 offloaded = offload_held(source, host)
                 mode = "always"
-            # those GPUs' memory is free before any rank measures its own
+            # those GPUs' memory is free before any rank measures its own: the all-reduce
+            # is queued on the stream, the host waits for it
             comm.all_reduce(torch.zeros(1, device=device))
-        mem = relayout_memory(trainer, source, sched.of(args.rank).kept, bucket)
+            comm_abort.host_sync(device)
+        mem = relayout_memory(trainer, source, sched, bucket)
         verdict, staged = memory_verdict(mode, args.rank, mem, device)
     if verdict == "offload" and source is not None:
         offloaded += offload_held(source, host)

@@ -40,7 +40,15 @@ from dataclasses import dataclass
 from sailor.megatron_patch.roles import RankRole, replica_ranks, role_of
 from sailor.schemas.plan import Plan
 
-__all__ = ["RankSchedule", "Schedule", "Transfer", "buckets", "schedule"]
+__all__ = [
+    "RankSchedule",
+    "Schedule",
+    "Transfer",
+    "batch_peak",
+    "buckets",
+    "exchange_transients",
+    "schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -206,3 +214,51 @@ def buckets(
         current[t.receiver] = b
         out.append(b)
     return tuple(out)
+
+
+def batch_peak(
+    sched: Schedule,
+    layer_bytes: Callable[[int], int],
+    batches: tuple[int, ...],
+    rank: int,
+    count_sends: bool,
+) -> int:
+    """The most bytes ``rank`` holds in one of ``batches`` (:func:`buckets`' answer): what it
+    receives there, plus with ``count_sends`` its staged shards (each layer once per batch,
+    as the exchange stages them). A layer larger than the budget is in it whole."""
+    held: dict[int, int] = {}
+    staged: set[tuple[int, int]] = set()
+    for t, b in zip(sched.transfers, batches, strict=True):
+        size = layer_bytes(t.layer)
+        if t.receiver == rank:
+            held[b] = held.get(b, 0) + size
+        elif count_sends and rank in t.sources and (b, t.layer) not in staged:
+            staged.add((b, t.layer))
+            held[b] = held.get(b, 0) + -(-size // len(t.sources))
+    return max(held.values(), default=0)
+
+
+def exchange_transients(
+    sched: Schedule, layer_bytes: Callable[[int], int], budget_bytes: int, rank: int
+) -> tuple[int, int]:
+    """``rank``'s exchange transients, bytes: (held stage kept on the device, held stage on
+    the host). Kept: its largest batch's receives, in either split (whether the world stages
+    sends depends on the other ranks); on the host: its largest batch's receives and staged
+    sends in the staged split. Both plus, where a received layer comes from several old TP
+    shards, that layer whole (the full tensor of the key being gathered)."""
+    plain = buckets(sched, layer_bytes, budget_bytes)
+    staged = buckets(sched, layer_bytes, budget_bytes, staged_sends=True)
+    gather = max(
+        (
+            layer_bytes(t.layer)
+            for t in sched.transfers
+            if t.receiver == rank and len(t.sources) > 1
+        ),
+        default=0,
+    )
+    keep = max(
+        batch_peak(sched, layer_bytes, plain, rank, count_sends=False),
+        batch_peak(sched, layer_bytes, staged, rank, count_sends=False),
+    )
+    off = batch_peak(sched, layer_bytes, staged, rank, count_sends=True)
+    return keep + gather, off + gather

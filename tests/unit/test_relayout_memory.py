@@ -13,10 +13,11 @@ from sailor.megatron_patch.groups import ProcessGroups
 from sailor.megatron_patch.in_place import exchange
 from sailor.megatron_patch.in_place_steps import (
     RelayoutMemoryError,
+    memory_figures,
     memory_verdict,
     offload_held,
 )
-from sailor.megatron_patch.relayout import buckets, schedule
+from sailor.megatron_patch.relayout import batch_peak, buckets, exchange_transients, schedule
 from sailor.megatron_patch.relayout_memory import RelayoutMemory, decide, margin_bytes
 from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.state import place
@@ -32,7 +33,8 @@ def _mem(**kw: int) -> RelayoutMemory:
         "new_bytes": 12 * GIB,
         "kept_bytes": 0,
         "held_bytes": 12 * GIB,
-        "batch_bytes": GIB,
+        "keep_exchange_bytes": 2 * GIB,
+        "offload_exchange_bytes": 2 * GIB,
         "free_bytes": 20 * GIB,
         "margin_bytes": GIB // 2,
     }
@@ -41,15 +43,20 @@ def _mem(**kw: int) -> RelayoutMemory:
 
 def test_verdict_keeps_offloads_or_refuses() -> None:
     """A rank that moves every layer (nothing kept) on a device with room for one stage
-    offloads; one that keeps most of its layers keeps; none fits: too large."""
-    # 12 + 2 + 0.5 > 20 free? no: 14.5 <= 20, keep
+    offloads; one that keeps most of its layers keeps; none fits: too large; a host
+    without room for the held stage: too large."""
+    # 12 + 2 + 0.5 <= 20 free: keep
     assert decide(_mem()) == "keep"
     # 8 GiB free: 14.5 does not fit beside the old stage; off it, 14.5 - 12 = 2.5 <= 8
     assert decide(_mem(free_bytes=8 * GIB)) == "offload"
+    assert decide(_mem(free_bytes=8 * GIB, host_free_bytes=12 * GIB)) == "offload"
+    assert decide(_mem(free_bytes=8 * GIB, host_free_bytes=11 * GIB)) == "too_large"
     # most layers kept: only 2 GiB new
     assert decide(_mem(free_bytes=8 * GIB, kept_bytes=10 * GIB)) == "keep"
     # a new stage larger than the device even with the old one gone
     assert decide(_mem(new_bytes=30 * GIB, free_bytes=8 * GIB)) == "too_large"
+    # a layer larger than the batch budget: the transients decide
+    assert decide(_mem(free_bytes=20 * GIB, keep_exchange_bytes=8 * GIB)) == "offload"
     m = _mem(free_bytes=8 * GIB)
     assert m.keep_need == 12 * GIB + 2 * GIB + GIB // 2
     assert m.offload_need == m.keep_need - 12 * GIB
@@ -59,6 +66,30 @@ def test_verdict_keeps_offloads_or_refuses() -> None:
     with pytest.raises(ValueError, match="free_bytes=-1"):
         _mem(free_bytes=-1)
     assert margin_bytes(80 * GIB) == 4 * GIB and margin_bytes(GIB) == 512 * 2**20
+
+
+def test_exchange_transients_follow_the_batches() -> None:
+    """A rank's transients are its largest batch, a layer over the budget whole; with the
+    held stage on the host its staged sends count; a layer gathered from old TP shards
+    adds itself whole."""
+    s = schedule(PP2, {0: 0, 1: 1}, DP2)  # rank 0 receives 3, 4, 5 from 1; rank 1 0, 1, 2
+    size = {0: 50, 1: 30, 2: 30, 3: 30, 4: 30, 5: 70}.__getitem__
+    # budget 60: rank 0 receives 30+30 | 70 (the head over the budget: whole)
+    assert exchange_transients(s, size, 60, 0)[0] == 70
+    # rank 1 receives 50 | 30+30; staged, it also sends its shards of 3, 4, 5
+    keep, off = exchange_transients(s, size, 60, 1)
+    assert keep == 60 and off >= keep
+    plain = buckets(s, size, 1000)
+    assert batch_peak(s, size, plain, 0, count_sends=False) == 130
+    assert batch_peak(s, size, plain, 0, count_sends=True) == 130 + 110
+    # DP2 -> TP 2: each new TP rank gathers every layer from two old shards
+    tp2 = _plan(((0, 5, 2),))
+    s2 = schedule(DP2, {0: 0, 1: 1}, tp2)
+    assert all(len(t.sources) == 1 for t in s2.transfers)  # TP 1 sources: nothing gathered
+    s3 = schedule(tp2, {0: 0, 1: 1}, DP2)
+    assert all(len(t.sources) == 2 for t in s3.transfers)
+    keep3, _ = exchange_transients(s3, size, 1000, 0)
+    assert keep3 == batch_peak(s3, size, buckets(s3, size, 1000), 0, False) + 70
 
 
 def test_staged_sends_count_against_the_senders_budget() -> None:
@@ -193,3 +224,30 @@ def test_offload_to_where_it_is_moves_nothing() -> None:
     before = [p.data_ptr() for p in held.stage.parameters()]
     assert offload_held(held, CPU) == 0
     assert [p.data_ptr() for p in held.stage.parameters()] == before
+
+
+def test_a_ranks_figures() -> None:
+    """PP2 -> DP2 at step 3 on rank 0: it keeps layers 0..2, receives 3..5 whole from rank
+    1; weights and both moments (12 B per parameter) everywhere."""
+    from sailor.megatron_patch.in_place import exchange_layer_bytes
+
+    held = _trainer(0)
+    for p in held.stage.parameters():
+        held.optimizer.state[p] = {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+    new = Trainer(DP2, held.spec, role_of(DP2, 0), held.groups, TrainConfig(), CPU, 3, empty=True)
+    sched = schedule(PP2, {0: 0, 1: 1}, DP2)
+    m = memory_figures(new, held, sched, 1 << 30, 10 * GIB, 80 * GIB, None)
+    n_new = sum(p.numel() for p in new.stage.parameters())
+    n_old = sum(p.numel() for p in held.stage.parameters())
+    assert m.new_bytes == 12 * n_new and m.held_bytes == 12 * n_old
+    assert m.kept_bytes == m.held_bytes  # every layer it held, it keeps
+    received = sum(exchange_layer_bytes(held.spec, 3)(x) for x in (3, 4, 5))
+    assert m.keep_exchange_bytes == received  # one batch, nothing gathered (TP 1)
+    assert m.margin_bytes == 4 * GIB and m.free_bytes == 10 * GIB
+    # with no held state (a fresh rank) nothing is kept or held
+    fresh = memory_figures(new, None, sched, 1 << 30, GIB, GIB, 5)
+    assert fresh.kept_bytes == fresh.held_bytes == 0 and fresh.host_free_bytes == 5
