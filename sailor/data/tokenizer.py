@@ -46,7 +46,11 @@ def tokenizer_file(path: Path) -> Path:
 
 def load_tokenizer(path: Path) -> Tokenizer:
     """A tokenizer from a local ``tokenizer.json``, or a directory holding one
-    (:func:`tokenizer_file`)."""
+    (:func:`tokenizer_file`), with the file's own truncation and padding turned off: a
+    ``tokenizer.json`` saved by ``transformers`` after a call with ``truncation=True`` or
+    ``padding=...`` keeps those settings, which ``transformers`` (and Megatron through it)
+    applies only when asked; here they would cut every document to that length and pad it
+    with pad ids, silently."""
     from tokenizers import Tokenizer
 
     if path.is_dir() and not tokenizer_file(path).is_file():
@@ -57,9 +61,12 @@ def load_tokenizer(path: Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no tokenizer file")
     try:
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
         raise ValueError(f"{path}: not a tokenizers JSON file: {exc}") from exc
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
 
 
 def train_byte_bpe(

@@ -137,6 +137,35 @@ def test_jsonl_with_a_tokenizer_file(tmp_path: Path) -> None:
     assert f"{jl}:2: no field 'content'" in res.output
 
 
+def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path: Path) -> None:
+    """A tokenizer.json saved after a ``truncation=True, padding=...`` call keeps both
+    settings; ``transformers`` applies them only when asked, so must we: the documents come
+    out whole and unpadded, the same as with the plain file."""
+    texts = _texts(8)
+    txt = tmp_path / "t.txt"
+    txt.write_text("\n".join(texts))
+    plain = _prepare(
+        str(txt), "--out", str(tmp_path / "a" / "c"), "--vocab-size", "280",
+        "--validation-fraction", "0",
+    )  # fmt: skip
+    tok = Tokenizer.from_file(str(tmp_path / "a" / plain.tokenizer.path))
+    tok.enable_truncation(4)
+    tok.enable_padding(length=64, pad_id=1)
+    saved = tmp_path / "tok.json"
+    tok.save(str(saved))
+    assert json.loads(saved.read_text())["truncation"] is not None
+    got = _prepare(
+        str(txt), "--tokenizer", str(saved), "--out", str(tmp_path / "b" / "c"),
+        "--validation-fraction", "0",
+    )  # fmt: skip
+    assert got.num_tokens == plain.num_tokens
+    a = open_prepared(tmp_path / "a" / "c")
+    b = open_prepared(tmp_path / "b" / "c")
+    assert len(a.dataset) == len(b.dataset) > 0
+    for i in range(len(a.dataset)):
+        assert np.array_equal(a.dataset[i], b.dataset[i]), i
+
+
 def test_eod_token_must_exist(tmp_path: Path) -> None:
     txt = tmp_path / "t.txt"
     txt.write_text(" ".join(_texts(3)))
