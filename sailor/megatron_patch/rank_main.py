@@ -469,6 +469,9 @@ def _generation(
         if args.rank not in peers.holders:
             release(held)  # not a source: its state is of no use to the new stage
     fill = peers is not None and bool(peers.holders or resume)
+    # every parameter comes from the exchange, a checkpoint or imported weights: the stage is
+    # built empty (on meta), not initialised at full size on every TP rank to be overwritten
+    empty = fill or (resume and ckpt is not None) or weights is not None
     t_groups = time.time()
     trainer = Trainer(
         plan,
@@ -483,7 +486,7 @@ def _generation(
         arch=arch,
         data=train_data,
         eval_data=eval_data,
-        empty=fill,  # every parameter is placed as the exchange or the checkpoint fills it
+        empty=empty,
     )
     t_built = time.time()
     if peers is not None and peers.scaling is not None:
@@ -493,10 +496,12 @@ def _generation(
         relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
         relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
     elif resume and ckpt is not None:
+        trainer.materialize()  # every parameter restored (a missing one is an error)
         ckpt.restore(trainer, args.ckpt_dir, args.load_step)
     elif weights is not None:
         from sailor.megatron_patch.hf.checkpoint import load_stage
 
+        trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
         load_stage(trainer.stage, weights)
     release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
