@@ -12,8 +12,9 @@ Rules, in order (docs/simulator-model.md, section 1):
 4. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`).
    Without a spec for it, :class:`ProfileLookupError` is raised.
 
-Then two corrections of known profile defects: the profiler's per-layer hook cost is removed
-while a layer is latency-bound (``Calibration.profiler_overhead_s``), and an embedding
+Then two corrections of known profile defects: an imported profiler's per-layer hook cost
+is removed while a layer is latency-bound (``Calibration.profiler_overhead_s``; not from
+profiles of Sailor's own profiler, which has no such hook), and an embedding
 backward recorded below its forward is raised to the forward (a scatter-add moves the same
 bytes as the gather). Last, forward and backward are multiplied by the GPU type's measured
 ``compute_scale`` (online calibration: how much slower or faster than its profile the
@@ -190,6 +191,14 @@ def _spread_update(
     return [(f, g, u * p / p_prof) for (f, g, _), p in zip(rows, params, strict=True)], True
 
 
+def _hooked(profiles: ProfileDB, gpu_type: str, tp: int, mbs: int) -> bool:
+    """The profile at (``gpu_type``, ``tp``) was imported: made by a tool that synchronises
+    the device in a hook around every layer, whose cost ``profiler_overhead_s`` is. Sailor's
+    own profiler (``measured``) times layers with CUDA events and no per-layer hook."""
+    t = profiles.timing(gpu_type, tp, mbs, 0)
+    return t is not None and t.source == "imported"
+
+
 def _real_grid(profiles: ProfileDB, gpu_type: str) -> dict[int, list[int]]:
     """TP -> microbatch sizes with a measured or imported (not estimated) entry."""
     out: dict[int, list[int]] = {}
@@ -248,7 +257,7 @@ def _layer_table(
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
         if how:
             notes.append(f"{tag}: {how}")
-        if cal.profiler_overhead_s > 0:
+        if cal.profiler_overhead_s > 0 and _hooked(profiles, gpu_type, tp, grid[tp][-1]):
             bmax = grid[tp][-1]
             big, _ = _raw(profiles, gpu_type, tp, bmax, n, grid[tp])
             rows = _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)

@@ -105,8 +105,8 @@ class _Stage:
     """Framework time per microbatch outside the layers (schedule step, data)."""
 
 
-_StageKey = tuple[int, int, str, int, int, str]
-"""(first layer, last layer, GPU type, TP, GPUs per node, zone) of a stage."""
+_StageKey = tuple[int, int, str, int, int, str, bool]
+"""(first layer, last layer, GPU type, TP, GPUs per node, zone, recompute) of a stage."""
 _PipeKey = tuple[int, tuple[_StageKey, ...], tuple[bool, ...]]
 """A pipeline's microbatch size, stages, and which consecutive stages share a node."""
 _Rank = tuple[int, int]
@@ -401,7 +401,7 @@ def _pipe_key(p: Pipeline) -> _PipeKey:
     return (
         p.microbatch_size,
         tuple(
-            (s.first_layer, s.last_layer, r.gpu_type, r.tp, r.gpus_per_node, r.zone)
+            (s.first_layer, s.last_layer, r.gpu_type, r.tp, r.gpus_per_node, r.zone, s.recompute)
             for s, r in zip(stages, reps, strict=True)
         ),
         tuple(bool(a.node_id) and a.node_id == b.node_id for a, b in itertools.pairwise(reps)),
@@ -426,10 +426,20 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
         ft = inp.framework(r.gpu_type)
         # stages that read the data: the first (inputs) and the last (labels)
         reads = s.first_layer == 0 or s.last_layer == model.num_all_layers - 1
+        # with recompute, the engine runs each block's forward again in its backward
+        again = (
+            sum(
+                c.fwd_s
+                for layer, c in enumerate(costs, s.first_layer)
+                if model.layer_kind(layer) == "block"
+            )
+            if s.recompute
+            else 0.0
+        )
         row.append(
             _Stage(
                 f=sum(c.fwd_s for c in costs),
-                b=sum(c.bwd_s for c in costs),
+                b=sum(c.bwd_s for c in costs) + again,
                 u=sum(c.update_s for c in costs),
                 send_f=0.0,
                 send_b=0.0,
@@ -808,7 +818,7 @@ def _gpus_by_type_zone(kinds: list[PipelineKind]) -> dict[str, int]:
         of[id(k)] = k
     out: dict[str, int] = {}
     for i, k in of.items():
-        for _, _, gpu_type, tp, _, zone in k.stages:
+        for _, _, gpu_type, tp, _, zone, _ in k.stages:
             key = f"{gpu_type}@{zone}"
             out[key] = out.get(key, 0) + tp * count[i]
     return dict(sorted(out.items()))

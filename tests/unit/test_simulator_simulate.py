@@ -617,3 +617,49 @@ def test_a_gradient_ring_over_a_guessed_link_is_flagged() -> None:
     est = simulate(measured, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
     assert not any(n.startswith("no link") for n in est.notes)
     assert not est.uses_estimates
+
+
+@pytest.mark.parametrize(("source", "corrected"), [("imported", True), ("measured", False)])
+def test_the_hook_correction_is_for_imported_profiles(source: str, corrected: bool) -> None:
+    """A latency-bound layer (the same time at every microbatch size) loses the imported
+    profiler's hook cost ``h``; Sailor's own profile (``measured``: CUDA events, no per-layer
+    hook) keeps its time."""
+    from sailor.schemas import GPUCalibration
+
+    flat = ProfileDB(
+        model="tiny",
+        timings=tuple(
+            t.model_copy(update={"fwd_s": 1e-3, "bwd_s": 2e-3, "source": source})
+            for t in PROFILES.timings
+            if t.gpu_type == "A" and t.tp == 1
+        ),
+        sizes=PROFILES.sizes,
+    )
+    cal = GPUCalibration(gpu_type="A", profiler_overhead_s=5e-4)
+    table = layer_table(flat, MODEL, cal, SPECS, "A", 1, 1)
+    block = table.layers[1]
+    total = block.fwd_s + block.bwd_s
+    assert total == pytest.approx(3e-3 - 5e-4 if corrected else 3e-3)
+
+
+def test_recompute_adds_each_blocks_forward_to_its_backward() -> None:
+    """The engine recomputes each block's forward in its backward (not the embedding's or
+    the head's): a stage with recompute takes that much longer per microbatch."""
+
+    def plan(recompute: bool) -> Plan:
+        stage = Stage(
+            first_layer=0,
+            last_layer=N - 1,
+            replica=ReplicaGroup(gpu_type="A", zone="z-a", tp=1, gpus_per_node=4),
+            recompute=recompute,
+        )
+        pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=4)
+        return Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
+
+    def time(p: Plan) -> float:
+        est = simulate(p, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
+        return est.iteration_time_s
+
+    table = layer_table(PROFILES, MODEL, Calibration().for_gpu("A"), SPECS, "A", 1, 1)
+    blocks = sum(c.fwd_s for c in table.layers[1:-1])
+    assert time(plan(True)) - time(plan(False)) == pytest.approx(4 * blocks, rel=1e-9)
