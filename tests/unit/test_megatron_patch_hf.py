@@ -278,3 +278,30 @@ def test_an_untied_head_without_its_weight_takes_the_embedding_per_layer(tmp_pat
     load_stage(stage, tmp_path)
     emb = model.state_dict()["model.embed_tokens.weight"]
     assert torch.equal(dict(stage.keyed_parameters())[f"{last}.lm_head.weight"].detach(), emb)
+
+
+def test_a_non_zero_dropout_is_refused_by_name() -> None:
+    """The engine has no dropout: GPT-2's and OPT's defaults (0.1) would train differently
+    from transformers and Megatron, so they are refused, naming the field, until set to 0."""
+    import transformers
+
+    small = {"n_layer": 2, "n_embd": 32, "n_head": 4}
+    with pytest.raises(UnsupportedConfigError, match=r"resid_pdrop=0\.1 .*set it to 0"):
+        from_hf_config(transformers.GPT2Config(**small), 16)
+    zero = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    with pytest.raises(UnsupportedConfigError, match=r"attn_pdrop=0\.1"):
+        from_hf_config(transformers.GPT2Config(**small, **(zero | {"attn_pdrop": 0.1})), 16)
+    from_hf_config(transformers.GPT2Config(**small, **zero), 16)
+    opt = {"hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64, "num_attention_heads": 4}
+    with pytest.raises(UnsupportedConfigError, match=r"opt: dropout=0\.1"):
+        from_hf_config(transformers.OPTConfig(**opt), 16)
+    from_hf_config(transformers.OPTConfig(**opt, dropout=0.0), 16)
+    llama = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 48,
+    }
+    from_hf_config(transformers.LlamaConfig(**llama), 16)  # 0 by default
+    with pytest.raises(UnsupportedConfigError, match="attention_dropout"):
+        from_hf_config(transformers.LlamaConfig(**llama, attention_dropout=0.1), 16)

@@ -2,8 +2,8 @@
 
 Four families: GPT-2 (``gpt2``), OPT (``opt``), GPT-NeoX (``gpt_neox``) and Llama
 (``llama``). A config field the engine cannot reproduce exactly (a rope scaling type, a
-scaled-by-layer attention, a norm without affine weights, ...) is refused with its name and
-value, never approximated. Training choices that a model config does not hold (sequence
+scaled-by-layer attention, a norm without affine weights, a non-zero dropout, ...) is refused
+with its name and value, never approximated. Training choices that a model config does not hold (sequence
 length, global batch) are arguments.
 
 Reads the config object only: no weights, no I/O (``hf.checkpoint`` does those).
@@ -186,6 +186,28 @@ def _llama(cfg: Any) -> tuple[dict[str, Any], Architecture]:
 
 _BUILDERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _neox, "llama": _llama}
 
+_DROPOUTS = {
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "opt": ("dropout", "attention_dropout", "activation_dropout", "layerdrop"),
+    "gpt_neox": ("hidden_dropout", "attention_dropout"),
+    "llama": ("attention_dropout",),
+}
+"""The dropout (and layer-drop) fields of each family's model, which the engine does not
+have: ``transformers`` and Megatron train with them, so a non-zero one is refused rather
+than silently dropped (GPT-2's and OPT's defaults are 0.1)."""
+
+
+def _no_dropout(cfg: Any) -> None:
+    for field in _DROPOUTS[cfg.model_type]:
+        value = getattr(cfg, field, 0.0) or 0.0
+        _refuse_if(
+            float(value) != 0.0,
+            cfg,
+            field,
+            "the engine trains without dropout; set it to 0 in the model's config.json to "
+            "train without it",
+        )
+
 
 def from_hf_config(
     cfg: Any,
@@ -205,6 +227,7 @@ def from_hf_config(
     if kind not in _BUILDERS:
         raise UnsupportedConfigError(str(kind), "model_type", kind, f"known: {list(FAMILIES)}")
     sizes, arch = _BUILDERS[kind](cfg)
+    _no_dropout(cfg)
     longest = max_positions(cfg)
     seq = seq_length or longest
     if seq > longest:
