@@ -3,8 +3,8 @@
 Four families: GPT-2 (``gpt2``), OPT (``opt``), GPT-NeoX (``gpt_neox``) and Llama
 (``llama``). A config field the engine cannot reproduce exactly (a rope scaling type, a
 scaled-by-layer attention, a norm without affine weights, a non-zero dropout, ...) is refused
-with its name and value, never approximated. Training choices that a model config does not hold (sequence
-length, global batch) are arguments.
+with its name and value, never approximated. Training choices that a model config does not
+hold (sequence length, global batch) are arguments.
 
 Reads the config object only: no weights, no I/O (``hf.checkpoint`` does those).
 """
