@@ -30,6 +30,7 @@ __all__ = [
     "load_tokenizer",
     "tokenizer_file",
     "train_byte_bpe",
+    "vocabulary_difference",
 ]
 
 DEFAULT_EOD_TOKEN = "<|endoftext|>"
@@ -142,3 +143,22 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def vocabulary_difference(a: Path, b: Path) -> str | None:
+    """None if the tokenizers of ``a`` and ``b`` (files or directories, as
+    :func:`load_tokenizer` reads them) give every token text the same id, special tokens
+    included; else the first difference, in words. Files with the same bytes are the same
+    without being loaded."""
+    if file_sha256(tokenizer_file(a)) == file_sha256(tokenizer_file(b)):
+        return None
+    va = load_tokenizer(a).get_vocab(with_added_tokens=True)
+    vb = load_tokenizer(b).get_vocab(with_added_tokens=True)
+    if len(va) != len(vb):
+        return f"{len(va)} token ids against {len(vb)}"
+    for text, i in sorted(va.items(), key=lambda kv: kv[1]):
+        j = vb.get(text)
+        if j != i:
+            other = "absent" if j is None else f"id {j}"
+            return f"token {text!r} is id {i} in the first, {other} in the second"
+    return None

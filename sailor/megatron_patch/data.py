@@ -38,6 +38,7 @@ __all__ = [
     "SyntheticTokens",
     "TokenSource",
     "build_dataset",
+    "check_tokenizer",
     "microbatch_indices",
 ]
 
@@ -155,6 +156,35 @@ def build_dataset(
             f"{spec.name!r} has vocab_size={spec.vocab_size}"
         )
     return IndexedTokens(tokens)
+
+
+def check_tokenizer(data: DataConfig, model_dir: Path, base_dir: Path | None = None) -> None:
+    """Refuse an indexed data set whose manifest's tokenizer is not the one of the model
+    whose weights are loaded (``model_dir``'s ``tokenizer.json``): its ids would mean other
+    tokens to the model. Without a manifest or without a ``tokenizer.json`` in the model's
+    directory there is nothing to compare."""
+    if not isinstance(data, IndexedData):
+        return
+    from sailor.data import read_manifest
+    from sailor.data.indexed import paths_of
+    from sailor.data.tokenizer import tokenizer_file, vocabulary_difference
+
+    prefix = _resolve(data.prefix, base_dir)
+    mpath = (
+        _resolve(data.manifest, base_dir)
+        if data.manifest is not None
+        else paths_of(prefix)[0].with_suffix(".json")
+    )
+    theirs = tokenizer_file(model_dir)
+    if not mpath.is_file() or not theirs.is_file():
+        return
+    ours = mpath.parent / read_manifest(mpath).tokenizer.path
+    diff = vocabulary_difference(ours, theirs)
+    if diff is not None:
+        raise ValueError(
+            f"data.prefix={data.prefix!r}: prepared with the tokenizer {ours}, not the "
+            f"model's {theirs} ({diff}); prepare it with --tokenizer {model_dir}"
+        )
 
 
 def microbatch_indices(role: RankRole, consumed_samples: int, microbatch: int) -> range:

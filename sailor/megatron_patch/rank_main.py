@@ -116,7 +116,7 @@ from sailor.megatron_patch.affinity import (  # noqa: E402
 )
 from sailor.megatron_patch.boundary import Boundary, Progress, Status, sub_rank  # noqa: E402
 from sailor.megatron_patch.checkpoint_io import CheckpointIO  # noqa: E402
-from sailor.megatron_patch.data import build_dataset  # noqa: E402
+from sailor.megatron_patch.data import build_dataset, check_tokenizer  # noqa: E402
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
@@ -422,6 +422,8 @@ def _generation(
     echo = args.rank == 0 or bool(args.control)
     progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
     cfg = train_config(tc, args)
+    if tc is not None and weights is not None:  # a pretrained model reads its own token ids
+        check_tokenizer(tc.data, weights, base_dir=base)
     train_data = build_dataset(tc.data, spec, tc.seed, base_dir=base) if tc is not None else None
     eval_data = None
     if tc is not None and tc.eval.every_steps:

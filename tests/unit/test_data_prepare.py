@@ -348,3 +348,45 @@ def test_outputs_never_overwrite_an_input(tmp_path: Path) -> None:
     )
     assert res.exit_code == 2 and "would overwrite the tokenizer" in res.output, res.output
     assert tok.read_bytes() == before
+
+
+def test_data_prepared_with_another_tokenizer_than_the_models_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A pretrained model reads token ids as its own tokenizer made them: data prepared with
+    another one (by default a BPE trained on the corpus) is refused, naming both files and
+    the first token that differs; the model's own tokenizer, even saved again with other
+    settings, passes."""
+    from sailor.megatron_patch.data import check_tokenizer
+    from sailor.schemas.training import IndexedData
+
+    texts = _texts(10)
+    txt = tmp_path / "t.txt"
+    txt.write_text("\n".join(texts))
+    no_val = ("--validation-fraction", "0")
+    own = _prepare(str(txt), "--out", str(tmp_path / "own" / "c"), "--vocab-size", "300", *no_val)
+    model = tmp_path / "model"  # a transformers directory with its tokenizer
+    model.mkdir()
+    tok = Tokenizer.from_file(str(tmp_path / "own" / own.tokenizer.path))
+    tok.enable_truncation(16)  # the same vocabulary, other bytes
+    tok.save(str(model / "tokenizer.json"))
+    check_tokenizer(IndexedData(prefix=str(tmp_path / "own" / "c")), model)
+
+    other = _prepare(
+        str(txt), "--out", str(tmp_path / "other" / "c"), "--vocab-size", "280", *no_val
+    )
+    data = IndexedData(prefix=str(tmp_path / "other" / "c"))
+    with pytest.raises(ValueError, match=r"300 token ids against 280|not the model's"):
+        check_tokenizer(data, model)
+    with pytest.raises(ValueError, match="prepare it with --tokenizer"):
+        check_tokenizer(data, model)
+    assert other.tokenizer.vocab_size == 280
+    # as many ids, another corpus: other merges
+    txt2 = tmp_path / "u.txt"
+    txt2.write_text("\n".join(t[::-1].upper() for t in texts))
+    _prepare(str(txt2), "--out", str(tmp_path / "rev" / "c"), "--vocab-size", "300", *no_val)
+    with pytest.raises(ValueError, match=r"token .* is id \d+ in the first"):
+        check_tokenizer(IndexedData(prefix=str(tmp_path / "rev" / "c")), model)
+    # nothing to compare: no tokenizer.json in the model's directory
+    (model / "tokenizer.json").unlink()
+    check_tokenizer(data, model)
