@@ -19,7 +19,13 @@ above: :mod:`tp_procs`). The database gets one :class:`LayerProfile` per global 
 * on CPU, the process overhead (:mod:`overhead`) as the GPU type's ``DeviceOverhead``, and
   the framework's time outside the layers (:mod:`framework_time`) as its ``FrameworkTime``.
 * ``meta``: device, software versions, date, repetition settings, and the peak memory
-  growth of each measurement (the schema has no per-layer field for it).
+  growth of each measurement (the schema has no per-layer field for it); the (TP, mbs)
+  units skipped because they ran out of GPU memory, with the cause (``<gpu>.skipped``,
+  only when there are some).
+
+Each (TP, mbs) is one unit (TP > 1: its own rank processes), freed before the next is built;
+after each the caller gets the database so far (``on_unit``) to save, so a failure loses
+only the unit it happened in.
 
 I/O: runs torch and child processes; writes nothing (the CLI merges and saves).
 """
@@ -38,7 +44,9 @@ import torch
 from sailor.profiler.layer_bench import measure_kinds
 from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.memory_bound import Window, device_budget, plan_window
+from sailor.profiler.merge import SKIPPED
 from sailor.profiler.precision import ComputePrecision, compute_precision
+from sailor.profiler.procs import RankFailedError
 from sailor.profiler.timing import STATISTICS, CpuClock, RepeatSettings, Stats, throttle_factor
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
@@ -117,9 +125,12 @@ class LayerRun:
 
 
 def preload() -> None:
-    """Import what the measurements import on first use, so that a run under a CPU quota
-    spends its quota measuring: building the first optimizer imports ``torch._dynamo``
-    (~3 s of CPU here, 7.5 s of wall time at 0.4 cores)."""
+    """Import what the measurements import on first use, before the first unit: building the
+    first optimizer imports ``torch._dynamo`` (~3 s of CPU here, 7.5 s of wall time at 0.4
+    cores), which a run under a CPU quota would spend measuring, and whose import can keep
+    the frame that triggered it (``in_situ.measure_model``'s, with the first unit's model)
+    alive until a full collection. Cheap once imported: :func:`profile_layers` calls it
+    every time."""
     from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 
     make_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig())
@@ -139,10 +150,18 @@ def device_description(device: str) -> str:
 
 
 def profile_layers(
-    run: LayerRun, on_progress: Callable[[str, int], None] | None = None
+    run: LayerRun,
+    on_progress: Callable[[str, int], None] | None = None,
+    on_unit: Callable[[ProfileDB], None] | None = None,
 ) -> tuple[ProfileDB, list[LayerMeasurement]]:
-    """Measure every (TP, mbs, kind) of ``run``; ``on_progress(description, done)``."""
-    from sailor.profiler.tp_procs import measure_tp
+    """Measure every (TP, mbs, kind) of ``run``; ``on_progress(description, done)``.
+
+    ``on_unit(db)`` after each (TP, mbs) unit, finished or skipped: the database of every
+    unit so far (no overhead, framework time or host sharing yet), for the caller to save, so
+    that a failure later loses only the unit it happened in. A unit that runs out of GPU
+    memory is skipped, its cause in ``meta["<gpu>.skipped"]``, and the next one runs; any
+    other error is raised. Between units the unit's model is freed (:func:`_release`).
+    """
 
     def note(desc: str, n: int) -> None:
         if on_progress is not None:
@@ -155,47 +174,29 @@ def profile_layers(
         torch.set_num_threads(run.threads)
     precision = compute_precision(run.spec, dev)
     windows = plan_windows(run, precision)  # refuses a layer too large before building any
-    out: list[LayerMeasurement] = []
-    slowdown: dict[tuple[int, int], float] = {}  # wall over CPU time, where measured here
+    preload()  # the first optimizer's lazy import would pin the first unit's model (_release)
+    units = _Units(run, precision, windows)
     for tp in run.tps:
-        blocks = {mbs: windows[(tp, mbs)].blocks for mbs in run.mbs}
-        if tp == 1:
-            for mbs in run.mbs:
-                note(f"tp=1 mbs={mbs}", 0)
-                with CpuClock() as clock:
-                    out.extend(
-                        measure_kinds(
-                            run.spec,
-                            mbs,
-                            dev,
-                            run.settings,
-                            None,
-                            run.in_situ,
-                            run.measure_memory,
-                            blocks=blocks[mbs],
-                        )
-                    )
-                slowdown[(1, mbs)] = clock.slowdown
-                note(f"tp=1 mbs={mbs}", 1)
-            _release(dev)  # the TP > 1 ranks start on the same GPU(s)
-        else:
-            n = len(run.mbs)
-            ranks = "gloo ranks" if run.device == "cpu" else "NCCL ranks, one GPU each"
-            note(f"tp={tp}: {tp} {ranks}, mbs {list(run.mbs)}", 0)
-            out.extend(
-                measure_tp(
-                    run.spec,
-                    tp,
-                    list(run.mbs),
-                    run.settings,
-                    run.threads,
-                    measure_memory=run.measure_memory,
-                    in_situ=run.in_situ,
-                    device=run.device,
-                    blocks=blocks,
-                )
-            )
-            note(f"tp={tp} done", n)
+        for mbs in run.mbs:
+            where = "" if tp == 1 else (" gloo ranks" if run.device == "cpu" else " NCCL ranks")
+            note(f"tp={tp}{where} mbs={mbs}", 0)
+            try:
+                ms, slowdown = _measure_unit(run, tp, mbs, dev, windows[(tp, mbs)].blocks)
+            except torch.OutOfMemoryError as exc:
+                units.skipped[(tp, mbs)] = _first_line(f"{type(exc).__name__}: {exc}")
+            except RankFailedError as exc:
+                cause = _out_of_memory(exc.stderr)
+                if cause is None:
+                    raise
+                units.skipped[(tp, mbs)] = f"rank {exc.rank}: {cause}"
+            else:
+                units.out.extend(ms)
+                if slowdown is not None:
+                    units.slowdown[(tp, mbs)] = slowdown
+            _release(dev)  # before the next unit builds its model (or its ranks start)
+            note(f"tp={tp} mbs={mbs} done", 1)
+            if on_unit is not None:
+                on_unit(units.database())
     overhead: int | None = None
     if run.device == "cpu" and run.measure_overhead:
         note("process overhead (2 gloo ranks)", 0)
@@ -224,26 +225,8 @@ def profile_layers(
                 pin=run.host_pin,
             )
         )
-    meta = {
-        **_meta(run, out),
-        f"{run.gpu_type}.precision": precision,
-        f"{run.gpu_type}.memory_bound": json.dumps(
-            {f"tp{tp}.mbs{b}": w.describe(run.spec) for (tp, b), w in windows.items()},
-            sort_keys=True,
-        ),
-    }
-    db = to_profile_db(
-        run.spec,
-        run.gpu_type,
-        out,
-        meta,
-        _sizes_valid(run),
-        overhead,
-        run.statistic,
-        precision,
-        slowdown,
-    )
-    date = meta.get(f"{run.gpu_type}.date", "")
+    db = units.database(overhead)
+    date = db.meta.get(f"{run.gpu_type}.date", "")
     if framework is not None:
         stamped = framework.model_copy(update={"source": f"{framework.source} {date}"})
         db = db.model_copy(update={"framework": (stamped,)})
@@ -251,7 +234,99 @@ def profile_layers(
         db = db.model_copy(
             update={"hosts": (host.model_copy(update={"source": f"{host.source} {date}"}),)}
         )
-    return db, out
+    return db, units.out
+
+
+@dataclass
+class _Units:
+    """What the (TP, mbs) units of one run have measured so far, and its database."""
+
+    run: LayerRun
+    precision: ComputePrecision
+    windows: dict[tuple[int, int], Window]
+    out: list[LayerMeasurement] = field(default_factory=list)
+    slowdown: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Wall over CPU time of each TP 1 unit (timing.CpuClock)."""
+    skipped: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Units that ran out of GPU memory, with the cause."""
+
+    def database(self, overhead: int | None = None) -> ProfileDB:
+        run = self.run
+        meta = {
+            **_meta(run, self.out),
+            f"{run.gpu_type}.precision": self.precision,
+            f"{run.gpu_type}.memory_bound": json.dumps(
+                {f"tp{tp}.mbs{b}": w.describe(run.spec) for (tp, b), w in self.windows.items()},
+                sort_keys=True,
+            ),
+        }
+        if self.skipped:
+            meta[run.gpu_type + SKIPPED] = json.dumps(
+                {f"tp{tp}.mbs{b}": why for (tp, b), why in self.skipped.items()}, sort_keys=True
+            )
+        return to_profile_db(
+            run.spec,
+            run.gpu_type,
+            self.out,
+            meta,
+            _sizes_valid(run),
+            overhead,
+            run.statistic,
+            self.precision,
+            self.slowdown,
+        )
+
+
+def _measure_unit(
+    run: LayerRun, tp: int, mbs: int, dev: torch.device, blocks: int
+) -> tuple[list[LayerMeasurement], float | None]:
+    """One (TP, mbs) unit: in this process at TP 1 (with its wall over CPU time), else as
+    ``tp`` fresh rank processes of this mbs alone (a rank that fails loses this unit only)."""
+    if tp == 1:
+        with CpuClock() as clock:
+            ms = measure_kinds(
+                run.spec,
+                mbs,
+                dev,
+                run.settings,
+                None,
+                run.in_situ,
+                run.measure_memory,
+                blocks=blocks,
+            )
+        return ms, clock.slowdown
+    from sailor.profiler.tp_procs import measure_tp
+
+    ms = measure_tp(
+        run.spec,
+        tp,
+        [mbs],
+        run.settings,
+        run.threads,
+        measure_memory=run.measure_memory,
+        in_situ=run.in_situ,
+        device=run.device,
+        blocks={mbs: blocks},
+    )
+    return ms, None
+
+
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory")
+"""What a rank's stderr shows when it ran out of GPU memory (torch.OutOfMemoryError's name
+and the caching allocator's message)."""
+
+
+def _out_of_memory(stderr: str) -> str | None:
+    """The line of a failed rank's ``stderr`` saying it ran out of GPU memory, or None."""
+    for line in reversed(stderr.splitlines()):
+        if any(m in line for m in _OOM_MARKERS):
+            return _first_line(line.strip())
+    return None
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def plan_windows(run: LayerRun, precision: ComputePrecision) -> dict[tuple[int, int], Window]:
@@ -274,11 +349,16 @@ def plan_windows(run: LayerRun, precision: ComputePrecision) -> dict[tuple[int, 
 
 
 def _release(dev: torch.device) -> None:
-    """Give the TP = 1 pass's cached GPU memory back to the driver: its tensors are gone, but
-    the caching allocator would keep their blocks on ``cuda:0`` while the TP > 1 rank 0
+    """Free a finished (TP, mbs) unit before the next one builds its model.
+
+    A full collection first: a reference cycle (a frame kept by a lazy import, an exception's
+    traceback) can hold the unit's ``measure_model`` frame, and with it the whole model, its
+    optimizer state and activations, until the collector's next full pass, while the next
+    unit's model is built beside it. On CUDA the caching allocator then gives the freed
+    blocks back to the driver: it would keep them on ``cuda:0`` while the TP > 1 rank 0
     starts there."""
+    gc.collect()
     if dev.type == "cuda":
-        gc.collect()
         torch.cuda.empty_cache()
 
 

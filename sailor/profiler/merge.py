@@ -10,7 +10,8 @@ GPU type, TP):
   that holds a measurement at the same key is dropped;
 * overheads and framework times (measured by definition) are replaced by the new one of
   the same key (GPU type, TP / GPU type); per-layer memory footprints of both are kept;
-* ``meta`` is the union, the new values winning.
+* ``meta`` is the union, the new values winning; except ``<gpu>.skipped`` (units a run
+  skipped): the old run's units stay listed until a run measures them.
 
 Unlike :meth:`ProfileDB.merged` (which keeps both entries and picks at query time), the
 result holds one entry per key, so a file does not grow with every re-run.
@@ -20,16 +21,21 @@ Pure except :func:`load_db` / :func:`save_db`, which read and write JSON atomica
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TypeVar
 
 from sailor.schemas import LayerProfile, LayerSize, ProfileDB
 from sailor.schemas.profile import DeviceOverhead
 
-__all__ = ["SOURCE_RANK", "load_db", "merge_db", "save_db"]
+__all__ = ["SKIPPED", "SOURCE_RANK", "load_db", "merge_db", "save_db"]
 
 SOURCE_RANK: dict[str, int] = {"measured": 0, "imported": 1, "estimated": 2}
 """Lower is better."""
+
+SKIPPED = ".skipped"
+"""Suffix of the ``meta`` key (``<gpu>.skipped``) naming the (TP, mbs) units a layer profile
+skipped (out of GPU memory), JSON ``{"tp2.mbs8": cause}``."""
 
 _E = TypeVar("_E", LayerProfile, LayerSize)
 
@@ -83,9 +89,34 @@ def merge_db(old: ProfileDB | None, new: ProfileDB) -> tuple[ProfileDB, int]:
         framework=tuple(frame[k] for k in sorted(frame)),
         hosts=tuple(hosts[k] for k in sorted(hosts)),
         memory=tuple(dict.fromkeys(old.memory + new.memory)),
-        meta={**old.meta, **new.meta},
+        meta=_merge_meta(old, new),
     )
     return merged, d1 + d2
+
+
+def _merge_meta(old: ProfileDB, new: ProfileDB) -> dict[str, str]:
+    """The union of both ``meta``, the new values winning; but ``<gpu>.skipped`` (the (TP,
+    mbs) units a run could not measure, :mod:`layers`) keeps the old run's units the new run
+    neither measured nor skipped, and is dropped once every one of them is measured."""
+    meta = {**old.meta, **new.meta}
+    for g in {t.gpu_type for t in new.timings if t.source == "measured"} | {
+        k.removesuffix(SKIPPED) for k in new.meta if k.endswith(SKIPPED)
+    }:
+        key = g + SKIPPED
+        if key not in old.meta:
+            continue
+        done = {
+            f"tp{t.tp}.mbs{t.microbatch_size}"
+            for t in new.timings
+            if t.gpu_type == g and t.source == "measured"
+        }
+        units = {u: why for u, why in json.loads(old.meta[key]).items() if u not in done}
+        units.update(json.loads(new.meta.get(key, "{}")))
+        if units:
+            meta[key] = json.dumps(units, sort_keys=True)
+        else:
+            del meta[key]
+    return meta
 
 
 def load_db(path: Path) -> ProfileDB | None:

@@ -6,7 +6,8 @@ The TP-degree layer measurements and the link probe need several ranks of
 ``--rank R --world-size W --master ADDR:PORT --out FILE --config JSON``; it writes its
 result as JSON to ``FILE``. :func:`run_ranks` starts them, waits with a deadline (a rank
 still running then is killed) and returns every rank's result, or raises
-:class:`RankFailedError` with the first failing rank's stderr.
+:class:`RankFailedError` with the stderr of the first rank that failed on its own (not one
+killed because another failed: its stderr would hide the cause, e.g. a GPU out of memory).
 
 Rank side: :func:`rank_args` parses those options; :func:`init_gloo` joins the group on the
 CPU, :func:`join_group` with the backend of a device (:func:`check_devices` first, in the
@@ -124,11 +125,16 @@ def run_ranks(
                 late = True
                 break
             time.sleep(0.02)
+        # the ranks that failed on their own come first: a rank killed below (waiting in a
+        # collective for the failed one) has nothing to say about the cause
+        first = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for r, p in zip(mine, procs, strict=True):
+        order = first + [i for i in range(len(procs)) if i not in first]
+        for i in order:
+            r, p = mine[i], procs[i]
             stderr = (d / f"stderr-{r}.txt").read_text(errors="replace")
             if p.returncode != 0 or not (d / f"out-{r}.json").exists():
                 why = f"missed the {deadline_s:.0f} s deadline" if late else f"exit {p.returncode}"

@@ -15,7 +15,8 @@ they are the tp=1 layer run by ``t`` ranks at once; they are measured that way t
 Every rank must run the same number of repetitions (a block's all-reduce pairs them), so
 the adaptive "repeat until ``min_time_s``" rule is replaced by a fixed count. The result per
 field is the **slowest rank** (largest median): a TP group moves at the pace of its slowest
-member.
+member. :func:`~sailor.profiler.layers.profile_layers` starts the ranks afresh for each
+microbatch size, so a rank that fails (out of GPU memory at the largest) loses that one.
 
 Run as a module by :func:`~sailor.profiler.procs.run_ranks`; never imports the planner.
 """
@@ -108,6 +109,8 @@ def combine_ranks(items: list[LayerMeasurement]) -> LayerMeasurement:
 
 
 def _rank_main(argv: list[str] | None = None) -> int:
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -137,6 +140,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
             blocks=cfg.get("blocks", {}).get(str(mbs)),
         )
         out.extend(m.to_dict() for m in ms)
+        del ms
+        gc.collect()  # free this mbs's model before the next is built (layers._release)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     comm.barrier()
     write_result(args, {"rank": args.rank, "measurements": out})
     dist.destroy_process_group()

@@ -1,0 +1,177 @@
+"""``sailor profile network --device cuda`` on one node with several GPUs, checked on the CPU:
+torch is told it has ``n`` GPUs and the rank processes are replaced by fakes at
+``run_ranks``, so everything above them runs as on a GPU host (the device checks, the
+endpoint, the section a curve goes into, what is written when)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sailor.cli.main import app
+from sailor.profiler import collective_probe, network_probe
+from sailor.profiler.procs import RankFailedError
+from sailor.profiler.timing import Stats
+from sailor.schemas import Endpoint, NetworkProfile, ReplicaGroup
+
+GPU = "H100-80"
+_FAST = ["--min-bytes", "65536", "--max-bytes", "1048576", "--bytes-per-size", "1048576"]
+_SIZES = ["--collective-sizes", "1048576"]
+
+
+class _FakeRanks:
+    """Stands in for the rank processes of both probes; records the world of each launch.
+    ``fail_at``: the all-reduce rank count whose launch fails as a rank would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, gpus: int, fail_at: int = 0) -> None:
+        self.collective_worlds: list[int] = []
+        self.link_launches = 0
+        self.fail_at = fail_at
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(network_probe, "run_ranks", self._link)
+        monkeypatch.setattr(collective_probe, "run_ranks", self._collective)
+
+    def _link(self, module: str, world: int, cfg: dict[str, Any], **_: Any) -> list[Any]:
+        self.link_launches += 1
+        pts = [
+            {"nbytes": b, "time": Stats.of([20e-6 + b / 150e9]).to_dict()} for b, _ in cfg["sizes"]
+        ]
+        return [{"rank": 0, "points": pts}, {"rank": 1, "points": []}]
+
+    def _collective(self, module: str, world: int, cfg: dict[str, Any], **_: Any) -> list[Any]:
+        self.collective_worlds.append(world)
+        if world == self.fail_at:
+            raise RankFailedError(module, world - 1, "exit 1", "NCCL error: unhandled system error")
+        one = {str(b): Stats.of([10e-6 * world + b / 100e9]).to_dict() for b in cfg["sizes"]}
+        return [{"all": [one] * world}]
+
+
+def _network(out: Path, *args: str) -> Any:
+    return CliRunner().invoke(
+        app, ["profile", "network", "-o", str(out), "--gpu-type", GPU, *_FAST, *_SIZES, *args]
+    )
+
+
+def test_cuda_loopback_link_is_the_intra_node_curve(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two GPUs of one node (NVLink/PCIe) are recorded as the node's intra-node curve: in
+    ``links`` the simulator's zone fallback would price node-to-node transfers with it."""
+    _FakeRanks(monkeypatch, gpus=2)
+    out = tmp_path / "net.json"
+    res = _network(out, "--device", "cuda", "--zone", "z-a", "--collectives", "")
+    assert res.exit_code == 0, res.output
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert net.links == ()
+    assert [ln.src for ln in net.intra_node] == [
+        Endpoint(zone="z-a", gpu_type=GPU, gpus_per_node=2)
+    ]
+    assert net.intra(GPU, 2) is not None
+    other = Endpoint(zone="z-a", gpu_type=GPU, gpus_per_node=8)
+    assert net.inter(other, other) is None  # two nodes are not priced at NVLink speed
+    assert "GPUs 0 and 1 of one node" in net.source
+    # one endpoint on loopback: a receiving endpoint of another kind is refused, as is --intra
+    # between two nodes; neither starts a probe
+    bad = _network(out, "--device", "cuda", "--dst-zone", "z-b", "--collectives", "")
+    assert bad.exit_code != 0 and "--rank 0|1" in bad.output
+    two = _network(out, "--intra", "--rank", "0", "--master", "h:1", "--collectives", "")
+    assert two.exit_code != 0 and "--intra with --rank 0" in two.output
+
+
+def test_cpu_loopback_link_stays_a_link(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On the CPU two gloo processes stand for two nodes (the CPU closed loop): unchanged, and
+    the default rank counts are not clamped by GPUs."""
+    fake = _FakeRanks(monkeypatch, gpus=0)
+    out = tmp_path / "net.json"
+    res = CliRunner().invoke(app, ["profile", "network", "-o", str(out), *_FAST, *_SIZES])
+    assert res.exit_code == 0, res.output
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert len(net.links) == 1 and net.intra_node == ()
+    assert net.links[0].src == Endpoint(zone="local", gpu_type="cpu", gpus_per_node=1)
+    assert fake.collective_worlds == [2, 3, 4]
+    assert "warning" not in res.stderr
+
+
+def test_default_collectives_are_clamped_to_the_gpus_here(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a 3-GPU node the default 2,3,4 runs 2 and 3 (saying so on stderr) instead of failing
+    at 4 after the link and the other sweeps ran, with nothing written."""
+    fake = _FakeRanks(monkeypatch, gpus=3)
+    out = tmp_path / "net.json"
+    res = _network(out, "--device", "cuda", "--zone", "z-a")
+    assert res.exit_code == 0, res.output
+    assert "sees 3 GPU(s)" in res.stderr and "among 2, 3 ranks only (not 4)" in res.stderr
+    assert fake.collective_worlds == [2, 3]
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert [c.ranks for c in net.collectives] == [2, 3]
+    assert {c.scope for c in net.collectives} == {"intra_node"}
+    # counts given explicitly that the node cannot run are refused before any probe
+    fake.link_launches = 0
+    bad = _network(tmp_path / "other.json", "--device", "cuda", "--collectives", "2,4")
+    assert bad.exit_code != 0 and "--collectives='2,4'" in bad.output
+    assert fake.link_launches == 0 and not (tmp_path / "other.json").exists()
+
+
+def test_a_failed_all_reduce_keeps_what_finished(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The link is written before the all-reduces and each all-reduce as it finishes: a
+    failure at 3 ranks keeps the link and the 2-rank record, and says so."""
+    _FakeRanks(monkeypatch, gpus=4, fail_at=3)
+    out = tmp_path / "net.json"
+    res = _network(out, "--device", "cuda", "--zone", "z-a")
+    assert res.exit_code != 0
+    assert "all-reduce among 3 ranks" in res.output and "NCCL error" in res.output
+    assert "the link, the all-reduce among 2 ranks written to" in res.output
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert len(net.intra_node) == 1
+    assert [c.ranks for c in net.collectives] == [2]
+
+
+def test_intra_node_all_reduces_are_found_for_this_node(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """GPUs per node defaults to the GPUs here, so the records match the endpoint the
+    simulator builds for a ring inside one of this pool's nodes; endpoints unlikely to match
+    are warned about."""
+    from sailor.simulator.network_model import ring_allreduce
+
+    _FakeRanks(monkeypatch, gpus=4)
+    out = tmp_path / "net.json"
+    res = _network(out, "--device", "cuda", "--zone", "us-central1-a", "--collectives", "2,4")
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.stderr
+    net = NetworkProfile.model_validate_json(out.read_text())
+    ring = [
+        ReplicaGroup(gpu_type=GPU, zone="us-central1-a", gpus_per_node=4, node_id="n1")
+        for _ in range(2)
+    ]
+    ep = Endpoint(zone="us-central1-a", gpu_type=GPU, gpus_per_node=4)
+    assert net.collective_latency(ep, 2) == pytest.approx(20e-6 + 8 / 100e9)
+    assert net.collective_bus_gbps(ep, 4) is not None
+    bare = net.model_copy(update={"collectives": ()})
+    # the measured latency and bus bandwidth price the ring, not the p2p curve's steps
+    assert ring_allreduce(net, ring, 64e6, 16e6, 1.0).time_s != pytest.approx(
+        ring_allreduce(bare, ring, 64e6, 16e6, 1.0).time_s
+    )
+    # the default zone, or a node shape other than this one's: warned on stderr
+    local = _network(tmp_path / "l.json", "--device", "cuda", "--gpus-per-node", "8")
+    assert local.exit_code == 0, local.output
+    assert "--zone local (the default)" in local.stderr
+    assert "--gpus-per-node 8, but this process sees 4 GPU(s)" in local.stderr
+
+
+def test_all_reduce_fails_are_reported_on_rank_1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Rank 1 of a two-node probe reports a failed all-reduce as an error, not a traceback."""
+    _FakeRanks(monkeypatch, gpus=1, fail_at=2)
+    args = ["--device", "cuda", "--rank", "1", "--master", "10.0.0.1:29500", "--zone", "z-a"]
+    res = _network(tmp_path / "net.json", *args)
+    assert res.exit_code == 2 and "all-reduce among 2 ranks" in res.output
