@@ -6,16 +6,22 @@ That is one pass over the whole file: on a large corpus, minutes of I/O for ever
 every start, and a run that reconfigures restarts often. The pass is done once per version of
 the file: its result is kept beside it in ``PREFIX.scan.json`` with the ``.bin``'s size and
 modification time, and read back while both match. Where the directory cannot be written
-(a read-only mount), the scan is repeated as before. The ranks of a first start scan
-together (no lock: the last record written wins, all equal); a rewrite of the ``.bin`` that
-keeps its size within the file system's timestamp resolution would not be seen.
+(a read-only mount), the scan is repeated as before. The ranks of a first start take turns
+on a lock file beside it (``PREFIX.scan.lock``, ``flock``): one scans and records, the others
+wait and read the record, so a multi-terabyte corpus on a shared file system is read once,
+not once per rank at the same time. Where no lock can be taken (a read-only directory, a
+file system without locks), each rank scans, as before. A rewrite of the ``.bin`` that keeps
+its size within the file system's timestamp resolution would not be seen.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from sailor.data.indexed import IndexedDataset
@@ -44,21 +50,53 @@ def _recorded(path: Path, version: dict[str, int]) -> int | None:
     return m if isinstance(m, int) and not isinstance(m, bool) and m >= 0 else None
 
 
+def _scan(ds: IndexedDataset) -> int:
+    return int(ds.document_tokens(0, ds.num_documents).max(initial=0))
+
+
+@contextlib.contextmanager
+def _turn(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed); no lock where none can
+    be taken."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, EOPNOTSUPP: a file system without locks
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def max_token_id(ds: IndexedDataset) -> int:
     """The largest token id in ``ds`` (0 when it holds none): the record beside it when it
-    describes this version of the ``.bin``, else one pass over the file (then recorded,
-    atomically; a directory that cannot be written only costs the next start a scan)."""
+    describes this version of the ``.bin``, else one pass over the file by whichever rank
+    takes the lock first (then recorded, atomically; the others read the record; a
+    directory that cannot be written only costs the next start a scan)."""
     path = scan_path(ds)
     version = _version(ds)
     hit = _recorded(path, version)
     if hit is not None:
         return hit
-    found = int(ds.document_tokens(0, ds.num_documents).max(initial=0))
-    doc = {**version, "max_token": found}
+    with _turn(path.with_suffix(".lock")):
+        hit = _recorded(path, version)  # another rank's, made while this one waited
+        if hit is not None:
+            return hit
+        found = _scan(ds)
+        _record(path, {**version, "max_token": found})
+    return found
+
+
+def _record(path: Path, doc: dict[str, int]) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     except OSError:  # the directory cannot be written
-        return found
+        return
     try:
         os.fchmod(fd, 0o644)  # readable by every user of a shared data directory
         with os.fdopen(fd, "w") as f:
@@ -66,4 +104,3 @@ def max_token_id(ds: IndexedDataset) -> int:
         Path(tmp).replace(path)
     except OSError:
         Path(tmp).unlink(missing_ok=True)
-    return found

@@ -66,7 +66,12 @@ def test_a_record_that_cannot_be_written_leaves_nothing_behind(tmp_path: Path) -
     ds = _write(tmp_path / "ds", [[3, 12]])
     scan_path(ds).mkdir()
     assert max_token_id(ds) == 12
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin", "ds.idx", "ds.scan.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ds.bin",
+        "ds.idx",
+        "ds.scan.json",
+        "ds.scan.lock",
+    ]
 
 
 def test_the_engine_refuses_ids_its_model_cannot_embed_and_keeps_the_scan(
@@ -92,3 +97,39 @@ def test_the_record_is_readable_by_other_users(tmp_path: Path) -> None:
     ds = _write(tmp_path / "ds", [[3, 12]])
     max_token_id(ds)
     assert scan_path(ds).stat().st_mode & 0o044 == 0o044
+
+
+def _rank(prefix: str, marks: str) -> None:
+    """One rank of a first start: its scan is slow and leaves a mark."""
+    import time
+
+    from sailor.data import scan
+
+    real = scan._scan
+
+    def slow(ds: IndexedDataset) -> int:
+        with open(marks, "a") as f:
+            f.write("scan\n")
+        time.sleep(0.3)
+        return real(ds)
+
+    scan._scan = slow  # type: ignore[assignment]
+    if max_token_id(IndexedDataset(prefix)) != 40:
+        raise SystemExit(3)
+
+
+def test_the_ranks_of_a_first_start_scan_once(tmp_path: Path) -> None:
+    """Four ranks open the same data set at once: one scans (under the lock beside it), the
+    others wait and read its record. Before, every rank read the whole file."""
+    import multiprocessing
+
+    _write(tmp_path / "ds", [[1, 7, 3], [40, 2], [5]])
+    marks = tmp_path / "marks"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_rank, args=(str(tmp_path / "ds"), str(marks))) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert marks.read_text().count("scan") == 1
