@@ -64,10 +64,8 @@ def _turn(path: Path) -> Iterator[None]:
         yield
         return
     try:
-        try:
+        with contextlib.suppress(OSError):  # ENOLCK, EOPNOTSUPP: a file system without locks
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # ENOLCK, EOPNOTSUPP: a file system without locks
-            pass
         yield
     finally:
         os.close(fd)  # releases the lock

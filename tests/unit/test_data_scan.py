@@ -108,7 +108,7 @@ def _rank(prefix: str, marks: str) -> None:
     real = scan._scan
 
     def slow(ds: IndexedDataset) -> int:
-        with open(marks, "a") as f:
+        with Path(marks).open("a") as f:
             f.write("scan\n")
         time.sleep(0.3)
         return real(ds)
