@@ -259,15 +259,21 @@ def memory_verdict(
         mine = "keep"
     else:
         mine = decide(mem)
-    world = torch.tensor([VERDICT_CODES[mine]], dtype=torch.int32, device=device)
+    # the world's worst verdict, and the highest rank that gave it (every rank's message
+    # names it; that rank's own also has its figures)
+    too_large = mine == "too_large"
+    world = torch.tensor(
+        [VERDICT_CODES[mine], rank if too_large else -1], dtype=torch.int64, device=device
+    )
     comm.all_reduce(world, "max")
     comm_abort.host_sync(device)
-    worst = int(world.item())
+    worst, culprit = (int(v) for v in world.tolist())
     if worst == VERDICT_CODES["too_large"]:
-        detail = f" ({mem.describe()})" if mine == "too_large" and mem is not None else ""
+        detail = f": {mem.describe()}" if too_large and mem is not None else ""
         raise RelayoutMemoryError(
-            f"in-place relayout: a rank's new stage does not fit on its device even with "
-            f"its old stage on the host; rank {rank}: {mine}{detail}. Restart instead"
+            f"in-place relayout: the new stage of rank {culprit} does not fit on its device "
+            f"even with its old stage on the host{detail}; this is rank {rank} ({mine}). "
+            "Restart instead"
         )
     return mine, worst >= VERDICT_CODES["offload"]
 
