@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from sailor.agent.plan_source import PlanSource
-from sailor.coordination import Keys, connect_etcd
 from sailor.controller.status import read_status
+from sailor.coordination import Keys, connect_etcd
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.runtime import AgentStatus, DesiredState, Phase
