@@ -26,6 +26,7 @@ import collections
 import contextlib
 import json
 import signal
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -82,6 +83,22 @@ TASK_MAX_CRASHES = 5
 PUBLISH_BACKOFF_MAX_S = 2.0
 """Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
 ~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
+
+
+def route_address(endpoint: str) -> str:
+    """The local address this host reaches ``endpoint`` (``host:port``) from: the one its
+    peers on that network reach it at. No packet is sent (a UDP socket's connect only picks
+    the route); '' when it cannot be found."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port or 0), type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except (OSError, ValueError, IndexError):
+        return ""
 
 
 class WatcherConfig(Frozen):
@@ -335,6 +352,15 @@ class Agent:
                 ),
             }
         )
+        if not self.node.address:
+            # the rendezvous of a plan whose rank 0 is here listens on this address: without
+            # one the controller could only name 127.0.0.1, which other nodes cannot reach
+            found = await asyncio.to_thread(route_address, self.cfg.etcd_endpoints[0])
+            if found:
+                self.node = self.node.model_copy(update={"address": found})
+                _log.info("node_address_detected", address=found)
+            else:
+                _log.warning("node_address_unknown", node=self.node.node_id)
         self._store = store
         self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
@@ -515,7 +541,7 @@ class Agent:
             failure=(sup.failure or sup.held_failure)[:4000],
             held_step=sup.held_step if state == "held" else -1,
             spares=sup.spares_ready,
-            spares_wanted=sup.warm_spares,
+            spares_wanted=sup.spares_wanted,
             notice=self.notice,
             cpu_quota=self.cpu_quota(),
             time=self.clock.now(),

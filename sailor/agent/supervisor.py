@@ -79,6 +79,10 @@ __all__ = [
 _log = structlog.get_logger("sailor.agent")
 
 
+SPARE_FAILURES = 3
+"""Spares in a row that fail to get warm before an agent stops starting them."""
+
+
 class SupervisorClosedError(RuntimeError):
     """A launch or a spare asked to start a worker after :meth:`Supervisor.close`."""
 
@@ -244,6 +248,9 @@ class Supervisor:
         self.changed = asyncio.Event()
         self._tasks = TaskSet("supervisor")
         self._topping_up = asyncio.Lock()  # one top-up at a time: never more than warm_spares
+        self._spare_failures = 0
+        """Spares in a row that exited before they were warm, or failed: at
+        :data:`SPARE_FAILURES` no more are started, and none is wanted (``spares_wanted``)."""
         self._control_state: dict[str, object] = {}
 
     @property
@@ -275,6 +282,12 @@ class Supervisor:
     @property
     def spares_ready(self) -> int:
         return sum(1 for w in self.spares if w.warm and w.exit_code is None)
+
+    @property
+    def spares_wanted(self) -> int:
+        """Spares this agent keeps: ``warm_spares``, or none once they keep failing to start
+        (the controller waits for a joined node's spares; it must not wait forever)."""
+        return 0 if self._spare_failures >= SPARE_FAILURES else self.warm_spares
 
     @property
     def step(self) -> int:
@@ -468,7 +481,7 @@ class Supervisor:
 
     async def _top_up(self) -> None:
         self.spares = [w for w in self.spares if w.exit_code is None]
-        while len(self.spares) < self.warm_spares and not self.closed:
+        while len(self.spares) < self.spares_wanted and not self.closed:
             d = self.run_dir / "spares" / f"spare-{next(_spare_ids):04d}-{os.getpid()}"
             d.mkdir(parents=True, exist_ok=True)
             _write_atomic(d / "control.json", "{}")
@@ -557,6 +570,7 @@ class Supervisor:
             if w.broken:
                 _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
         elif ev == "warm":
+            self._spare_failures = 0
             w.warm = True
 
     async def _read_stderr(self, w: WorkerView) -> None:
@@ -570,6 +584,13 @@ class Supervisor:
         w.exit_code = code
         if w.tasks is not None:
             await w.tasks.close(timeout=2.0)
+        if w in self.spares and not self.closed:
+            # a spare that left on its own (its directive never came, or it failed): another
+            # takes its place, unless they keep failing
+            if code != 0 or not w.warm:
+                self._spare_failures += 1
+                _log.warning("spare_exited", code=code, warm=w.warm, in_a_row=self._spare_failures)
+            self._tasks.spawn("spares", self.top_up_spares())
         if w not in self.workers:  # a spare, or a worker already let go
             self.changed.set()
             return

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.warm:
             _emit({"event": "warm", "pid": os.getpid()})
-            got = _directive(Path(a.control), generation, a.pause_timeout_s)
+            got = _directive(Path(a.control), generation, math.inf)  # as rank_main's spares
             if got is None:
                 return 0
             generation, opts = got

@@ -313,8 +313,19 @@ def _master(
 ) -> str:
     first = min(placement, key=lambda n: min(placement[n]))
     addr = o.nodes[first].address if first in o.nodes else ""
-    host = addr.rsplit(":", 1)[0] if addr.count(":") == 1 else (addr or "127.0.0.1")
-    return f"{host}:{cfg.base_port + gen % 1000}"
+    return f"{_host_of(addr) or '127.0.0.1'}:{cfg.base_port + gen % 1000}"
+
+
+def _host_of(addr: str) -> str:
+    """The host of a node's address (``host``, ``host:port``, ``[v6]``, ``[v6]:port`` or a
+    bare IPv6 address), an IPv6 one in brackets: ``tcp://fd00::17:29507`` is not a URL."""
+    if addr.startswith("["):
+        return addr[: addr.index("]") + 1] if "]" in addr else addr
+    if addr.count(":") == 1:
+        return addr.rsplit(":", 1)[0]
+    if addr.count(":") > 1:
+        return f"[{addr}]"
+    return addr
 
 
 def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:

@@ -200,6 +200,7 @@ def deepspeed_env(
     rank: DeepSpeed makes ``cuda:LOCAL_RANK`` current. On the CPU it is 0.
     """
     addr, port = master.rsplit(":", 1)
+    addr = addr.strip("[]")  # an IPv6 rendezvous: [fd00::17]:29507
     local = local_device(plan, rank) if backend == "nccl" else 0
     return {
         "MASTER_ADDR": addr,

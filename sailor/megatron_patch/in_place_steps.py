@@ -389,6 +389,7 @@ def await_store(master: str, timeout_s: float, poll_s: float = 0.005) -> float:
     rendezvous often cost that backoff. A plain connect-and-close, polled; after
     ``timeout_s`` it gives up and lets ``init_process_group`` report its own timeout."""
     host, port = master.rsplit(":", 1)
+    host = host.strip("[]")  # an IPv6 rendezvous: [fd00::17]:29507
     t = time.monotonic()
     end = t + timeout_s
     while True:

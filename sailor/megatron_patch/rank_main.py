@@ -90,6 +90,7 @@ import argparse
 import contextlib
 import faulthandler
 import json
+import math
 import os
 import signal
 import sys
@@ -361,8 +362,12 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
             return leave_process(out.code)
         held = out.held
     while True:
+        # a warm spare waits for its first directive until told to go (SIGTERM): its agent
+        # keeps it for a launch that may come hours later; a held rank waits
+        # --pause-timeout-s, then frees its GPU
+        wait_s = math.inf if held is None else args.pause_timeout_s
         got = await_directive(
-            args.control, generation, args.poll_s, args.pause_timeout_s, lambda: status.terminated
+            args.control, generation, args.poll_s, wait_s, lambda: status.terminated
         )
         if got is None:
             if held is not None and held.broken and not status.terminated:

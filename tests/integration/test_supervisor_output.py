@@ -91,3 +91,41 @@ def _children() -> list[str]:
         if stat[1] == me:
             out.append(cmd)
     return out
+
+
+_SPARE = """
+import json, sys, time
+print(json.dumps(dict(event="warm", pid=0)), flush=True)  # no braces: argv is formatted
+time.sleep(float(sys.argv[1]))
+"""
+
+
+async def test_a_spare_that_leaves_is_replaced_and_failing_ones_stop(tmp_path: Path) -> None:
+    """A warm spare that exits (its directive never came) is replaced, so the node keeps
+    its spare; spares that exit before they are warm stop being started after three in a
+    row, and the agent then wants none (the controller stops waiting for them). Before, a
+    spare that left was never replaced and the node reported 0 of 1 spares for good."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _SPARE, "0.3"), warm_spares=1)
+    try:
+        await sup.top_up_spares()
+        first = sup.spares[0].proc.pid
+        async with asyncio.timeout(30):
+            while not any(w.proc.pid != first and w.warm for w in sup.spares):
+                await asyncio.sleep(0.05)
+        assert sup.spares_wanted == 1
+    finally:
+        await sup.close()
+
+    broken = Supervisor(
+        tmp_path / "b", worker_argv=(sys.executable, "-c", "raise SystemExit(3)"), warm_spares=1
+    )
+    try:
+        await broken.top_up_spares()
+        async with asyncio.timeout(30):
+            while broken.spares_wanted:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # no further spare is started
+        assert all(w.exit_code is not None for w in broken.spares)
+        assert broken.spares_ready == 0 and broken.spares_wanted == 0
+    finally:
+        await broken.close()

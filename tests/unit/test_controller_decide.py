@@ -583,3 +583,16 @@ def test_a_checkpoint_command_may_not_prune_its_own_step() -> None:
                 "prune_below": 13,
             }
         )
+
+
+def test_the_rendezvous_host_of_every_address_form() -> None:
+    """host, host:port, [v6], [v6]:port and a bare IPv6 address: a URL torch can parse
+    (``tcp://fd00::17:29501`` is not one)."""
+    from sailor.controller.decide import _host_of
+
+    assert _host_of("10.0.0.7") == "10.0.0.7"
+    assert _host_of("10.0.0.7:22") == "10.0.0.7"
+    assert _host_of("fd00::17") == "[fd00::17]"
+    assert _host_of("[fd00::17]") == "[fd00::17]"
+    assert _host_of("[fd00::17]:22") == "[fd00::17]"
+    assert _host_of("") == ""
