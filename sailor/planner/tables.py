@@ -46,6 +46,16 @@ __all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
 FloatArray = npt.NDArray[np.float64]
 
 
+def _working_sets(act: FloatArray, model: ModelSpec, vocab_parallel: bool) -> FloatArray:
+    """The first backward's working set of a stage ending at each layer, per sample: the
+    layer's activation bytes, twice the head's without a vocab-parallel head
+    (:func:`sailor.simulator.memory.backward_working_set`)."""
+    out = act.copy()
+    if not vocab_parallel:
+        out[model.num_all_layers - 1] *= 2
+    return out
+
+
 @dataclass(frozen=True)
 class Inputs:
     """Everything the simulator needs besides the plan."""
@@ -213,7 +223,7 @@ class CostTables:
                 tp,
                 mbs,
             )
-            sizes, _ = layer_sizes(inp.profiles, model, tp)
+            sizes, _ = layer_sizes(inp.profiles, model, tp, inp.calibration.vocab_parallel)
         except (KeyError, ValueError) as exc:
             self._failed[key] = str(exc)
             return None
@@ -241,7 +251,7 @@ class CostTables:
             upd=np.concatenate([z, np.cumsum(upd)]),
             params=np.concatenate([z, np.cumsum(params)]),
             act=np.concatenate([z, np.cumsum(act)]),
-            act_layer=act,
+            act_layer=_working_sets(act, model, inp.calibration.vocab_parallel),
             per_mb=np.concatenate([z, np.cumsum(per_mb)]),
             out_layer=out,
             estimated=costs.estimated or any(s.source == "estimated" for s in sizes),

@@ -121,6 +121,20 @@ class DeploymentStructure(Frozen):
         ),
     )
 
+    vocab_parallel: bool = Field(
+        default=True,
+        description=(
+            "The embedding and the LM head are split over a stage's TP ranks by vocabulary, "
+            "with a vocab-parallel cross entropy (Megatron; the default: what imported and "
+            "estimated layer sizes describe). False (Sailor's engine, as the catalog's "
+            "built-in calibration and its 'sailor' deployment say, "
+            "megatron_patch.model): every TP rank holds the whole embedding and head, "
+            "computes the full logits and an fp32 log-softmax, keeps the log-probabilities "
+            "for the backward, whose first step holds the logits' gradient and the "
+            "log-softmax's beside them (the head's working set is three times what it keeps)."
+        ),
+    )
+
     def structure(self) -> dict[str, Any]:
         """The structure's fields and values (what :class:`Deployment` and
         ``Calibration.with_deployment`` carry over)."""

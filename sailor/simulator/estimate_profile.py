@@ -47,17 +47,28 @@ def _act_bytes_per_sample(model: ModelSpec, tp: int) -> float:
     return s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
 
 
-def estimate_layer_size(model: ModelSpec, tp: int, layer: int) -> LayerSize:
-    """Parameters and activation sizes of one layer at TP degree ``tp`` (per TP rank)."""
+def estimate_layer_size(
+    model: ModelSpec, tp: int, layer: int, vocab_parallel: bool = True
+) -> LayerSize:
+    """Parameters and activation sizes of one layer at TP degree ``tp`` (per TP rank).
+
+    ``vocab_parallel`` (Megatron): the embedding and head are split over TP ranks by
+    vocabulary. Else (Sailor's engine) every TP rank holds them whole, and the head keeps
+    the fp32 log-probabilities of the whole vocabulary (``4·s·V`` per sample) and its input
+    for the backward."""
     kind = model.layer_kind(layer)
     s, h, v = model.seq_length, model.hidden_size, model.vocab_size
     bpe = model.param_bytes()
     params = model.layer_params(layer)
+    split = tp if vocab_parallel else 1
     if kind == "embedding":
-        # the vocabulary is split over TP ranks; learned positions are replicated
+        # the vocabulary is split over TP ranks, or not; learned positions are replicated
         pos = s * h if model.position_embedding == "learned" else 0
-        per_rank = (params - pos) // tp + pos
+        per_rank = (params - pos) // split + pos
         act = s * h * bpe
+    elif kind == "head" and not vocab_parallel:
+        per_rank = params
+        act = s * v * 4 + s * h * bpe
     elif kind == "head":
         per_rank = (params - v * h) + v * h // tp
         # logits in compute precision plus fp32 softmax for the loss

@@ -91,20 +91,36 @@ def forget_tables() -> None:
 
 
 def layer_sizes(
-    profiles: ProfileDB, model: ModelSpec, tp: int
+    profiles: ProfileDB, model: ModelSpec, tp: int, vocab_parallel: bool = True
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
-    """Sizes of every layer at ``tp``: profiled where present, estimated otherwise."""
-    return _MEMO.get((profiles, model), ("sizes", tp), lambda: _layer_sizes(profiles, model, tp))
+    """Sizes of every layer at ``tp``: profiled where present, estimated otherwise.
+
+    Without ``vocab_parallel`` (Sailor's engine: the embedding and head whole on every TP
+    rank) the embedding's and head's sizes at ``tp`` are their sizes at TP 1, unless
+    Sailor's own profiler measured them at ``tp`` (``measured``: already whole); imported
+    and estimated sizes split them by vocabulary, as Megatron does."""
+    return _MEMO.get(
+        (profiles, model),
+        ("sizes", tp, vocab_parallel),
+        lambda: _layer_sizes(profiles, model, tp, vocab_parallel),
+    )
 
 
 def _layer_sizes(
-    profiles: ProfileDB, model: ModelSpec, tp: int
+    profiles: ProfileDB, model: ModelSpec, tp: int, vocab_parallel: bool
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     out: list[LayerSize] = []
     missing = 0
     for layer in range(model.num_all_layers):
         s = profiles.size(tp, layer)
-        if s is None:
+        whole = not vocab_parallel and model.layer_kind(layer) != "block"
+        if whole and (s is None or s.source != "measured"):
+            one = profiles.size(1, layer)
+            if one is None:
+                one = estimate_layer_size(model, 1, layer, vocab_parallel=False)
+                missing += 1
+            s = one.model_copy(update={"tp": tp})
+        elif s is None:
             s = estimate_layer_size(model, tp, layer)
             missing += 1
         out.append(s)

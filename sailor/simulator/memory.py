@@ -38,7 +38,13 @@ from typing import Literal
 from sailor.schemas import LayerSize, MemoryBreakdown, ModelSpec
 from sailor.schemas.precision import MASTER_BYTES, compute_bytes, keeps_weight_copies
 
-__all__ = ["MixedPrecision", "stage_memory", "state_bytes_per_param", "weight_copy_bytes"]
+__all__ = [
+    "MixedPrecision",
+    "backward_working_set",
+    "stage_memory",
+    "state_bytes_per_param",
+    "weight_copy_bytes",
+]
 
 MixedPrecision = Literal["autocast", "fp16_optimizer"]
 """``Calibration.mixed_precision``: how the framework runs a 16-bit plan."""
@@ -67,6 +73,17 @@ def weight_copy_bytes(model: ModelSpec, params: int, scheme: MixedPrecision = "a
     return params * compute_bytes(model.precision)
 
 
+def backward_working_set(model: ModelSpec, last: LayerSize, vocab_parallel: bool) -> int:
+    """Bytes per sample the first backward of a stage ending at ``last`` holds beyond what
+    the stage keeps (``a_last``): about the last layer's forward footprint; twice the head's
+    in Sailor's engine (no vocab-parallel head): beside the fp32 log-probabilities it keeps,
+    the backward holds the logits' gradient and the log-softmax's, each as large."""
+    act = last.activation_bytes_per_sample
+    if not vocab_parallel and last.layer == model.num_all_layers - 1:
+        return 2 * act
+    return act
+
+
 def stage_memory(
     *,
     model: ModelSpec,
@@ -82,6 +99,7 @@ def stage_memory(
     gpu_type: str,
     scheme: MixedPrecision = "autocast",
     extra_state_bytes_per_param: float = 0.0,
+    vocab_parallel: bool = True,
 ) -> MemoryBreakdown:
     """Peak memory of one GPU running ``sizes`` (the stage's layers at its TP degree)."""
     if not sizes:
@@ -102,7 +120,7 @@ def stage_memory(
         copies = max(per_mb)
     else:
         kept = sum(s.activation_bytes_per_sample for s in sizes)
-        act_raw = b * kept * in_flight + b * sizes[-1].activation_bytes_per_sample
+        act_raw = b * kept * in_flight + b * backward_working_set(model, sizes[-1], vocab_parallel)
         copies = sum(per_mb) * in_flight
     acts = int(alloc_factor * act_raw)
     during_backward = weights + grads + optim + acts + copies

@@ -192,7 +192,7 @@ class _Inputs:
     def sizes(self, tp: int) -> tuple[LayerSize, ...]:
         sz = self.sizes_by_tp.get(tp)
         if sz is None:
-            sz, notes = layer_sizes(self.profiles, self.model, tp)
+            sz, notes = layer_sizes(self.profiles, self.model, tp, self.cal.vocab_parallel)
             self.sizes_by_tp[tp] = sz
             self.notes.add(*notes)
             self.uses_estimates |= any(z.source == "estimated" for z in sz)
@@ -715,6 +715,7 @@ def _memory(
                     gpu_type=g,
                     scheme=inp.cal.mixed_precision,
                     extra_state_bytes_per_param=inp.cal.extra_state_bytes_per_param,
+                    vocab_parallel=inp.cal.vocab_parallel,
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()

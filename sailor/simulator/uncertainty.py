@@ -163,6 +163,7 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
                     "blocking_p2p": True,
                     "tied_allreduce": False,
                     "loss_allreduce": False,
+                    "vocab_parallel": True,
                 }
             )
             out.append((corner, c))
@@ -186,6 +187,7 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
                 p2p_across_tp="scatter_gather",
                 sends_attention_mask=False,
                 extra_state_bytes_per_param=0.0,
+                vocab_parallel=True,
             )
         elif corner == "pessimistic":
             # the costlier choice where deployments differ: full copies across a TP boundary
@@ -193,7 +195,9 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
             # runs more than they took, docs/simulator-model.md section 2), and
             # fp32 gradients on the wire for an autocast engine (an fp16_optimizer one keeps
             # its 16-bit all-reduce: that is what it does, not a range)
-            update.update(p2p_across_tp="full_copies")
+            # and the embedding and head whole on every TP rank, with the full fp32
+            # log-softmax (Sailor's engine; a vocab-parallel one holds a TP-th of them)
+            update.update(p2p_across_tp="full_copies", vocab_parallel=False)
             if cal.mixed_precision == "autocast":
                 update.update(grad_allreduce_bytes=4)
         out.append((corner, cal.model_copy(update=update)))

@@ -15,7 +15,7 @@ from sailor.planner.allocate import assign_microbatches
 from sailor.planner.baselines import heterogeneity_blind, megatron_grid
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import best_partitions, with_cuts
-from sailor.schemas import Endpoint, Pipeline, Plan, Stage
+from sailor.schemas import Calibration, Endpoint, Pipeline, Plan, Stage
 from sailor.schemas.network import CollectiveLatency
 from sailor.simulator import simulate
 from sailor.simulator.lookup import layer_sizes
@@ -25,18 +25,23 @@ from tests.unit.test_planner_search import POOL2, check_claims, make_env, make_p
 ZONE = "us-test1-a"
 
 
-def _tables(**kw: object) -> tuple[CostTables, object]:
+def _tables(vocab_parallel: bool = True, **kw: object) -> tuple[CostTables, object]:
     env = make_env(**kw)  # type: ignore[arg-type]
-    inp = Inputs(env.model, env.profiles, env.network, env.prices, env.specs)
+    cal = Calibration(vocab_parallel=vocab_parallel)
+    inp = Inputs(env.model, env.profiles, env.network, env.prices, env.specs, cal)
     return CostTables(inp), env
 
 
+@pytest.mark.parametrize("vocab_parallel", [True, False])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_vectorized_memory_equals_the_simulators(tp: int) -> None:
-    tables, env = _tables()
+def test_vectorized_memory_equals_the_simulators(tp: int, vocab_parallel: bool) -> None:
+    """Also without a vocab-parallel head (Sailor's engine): the embedding and head whole
+    on each TP rank, the head's backward working set twice its kept bytes."""
+    tables, env = _tables(vocab_parallel)
     arr = tables.arrays("slow", tp, 2)
     assert arr is not None
-    sizes, _ = layer_sizes(env.profiles, env.model, tp)  # type: ignore[attr-defined]
+    vp = tables.inputs.calibration.vocab_parallel
+    sizes, _ = layer_sizes(env.profiles, env.model, tp, vp)  # type: ignore[attr-defined]
     n = len(sizes)
     for k in (1, 3):
         mat = tables.stage_memory(arr, k)
@@ -53,6 +58,7 @@ def test_vectorized_memory_equals_the_simulators(tp: int) -> None:
                 pipeline=0,
                 stage=0,
                 gpu_type="slow",
+                vocab_parallel=vp,
             )
             assert mat[i, j] == ref.total
 

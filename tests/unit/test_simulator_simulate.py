@@ -663,3 +663,64 @@ def test_recompute_adds_each_blocks_forward_to_its_backward() -> None:
     table = layer_table(PROFILES, MODEL, Calibration().for_gpu("A"), SPECS, "A", 1, 1)
     blocks = sum(c.fwd_s for c in table.layers[1:-1])
     assert time(plan(True)) - time(plan(False)) == pytest.approx(4 * blocks, rel=1e-9)
+
+
+def test_sailors_engine_holds_the_embedding_and_head_whole_on_each_tp_rank() -> None:
+    """Without a vocab-parallel head (Sailor's engine) the embedding's and head's sizes at
+    TP 2 are their TP 1 sizes (imported ones split them, as Megatron does), blocks keep
+    theirs, and a stage ending with the head holds twice the head's kept bytes in its first
+    backward (the logits' and the log-softmax's gradients beside the log-probabilities)."""
+    from sailor.simulator.lookup import layer_sizes
+    from sailor.simulator.memory import backward_working_set
+
+    split, _ = layer_sizes(PROFILES, MODEL, 2, vocab_parallel=True)
+    whole, _ = layer_sizes(PROFILES, MODEL, 2, vocab_parallel=False)
+    one, _ = layer_sizes(PROFILES, MODEL, 1, vocab_parallel=True)
+    for layer in (0, N - 1):
+        assert whole[layer].params == one[layer].params == 2 * split[layer].params
+        assert whole[layer].tp == 2
+    assert whole[1:-1] == split[1:-1]
+    head = whole[-1]
+    assert backward_working_set(MODEL, head, False) == 2 * head.activation_bytes_per_sample
+    assert backward_working_set(MODEL, head, True) == head.activation_bytes_per_sample
+    assert backward_working_set(MODEL, whole[1], False) == whole[1].activation_bytes_per_sample
+
+    def peak(vocab_parallel: bool) -> int:
+        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=2, gpus_per_node=4)
+        stage = Stage(first_layer=0, last_layer=N - 1, replica=rg)
+        pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=4)
+        plan = Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
+        cal = Calibration(vocab_parallel=vocab_parallel)
+        est = simulate(plan, MODEL, PROFILES, _network(), PRICES, calibration=cal, gpu_specs=SPECS)
+        return est.peak_memory_bytes
+
+    assert peak(False) > peak(True)
+
+
+def test_a_measured_size_at_tp_is_already_whole() -> None:
+    """Sailor's own profiler measures its engine: a ``measured`` head size at TP 2 is kept."""
+    from sailor.simulator.lookup import layer_sizes
+
+    mine = PROFILES.sizes[-1].model_copy(update={"tp": 2, "source": "measured", "params": 7})
+    db = ProfileDB(
+        model="tiny",
+        timings=PROFILES.timings,
+        sizes=(
+            *tuple(s for s in PROFILES.sizes if not (s.tp == 2 and s.layer == mine.layer)),
+            mine,
+        ),
+    )
+    whole, _ = layer_sizes(db, MODEL, 2, vocab_parallel=False)
+    assert whole[mine.layer] == mine
+
+
+def test_the_estimated_whole_head_keeps_its_fp32_log_probabilities() -> None:
+    from sailor.simulator.estimate_profile import estimate_layer_size
+
+    s, h, v = MODEL.seq_length, MODEL.hidden_size, MODEL.vocab_size
+    head = estimate_layer_size(MODEL, 4, N - 1, vocab_parallel=False)
+    assert head.params == MODEL.layer_params(N - 1)
+    assert head.activation_bytes_per_sample == 4 * s * v + s * h * MODEL.param_bytes()
+    emb = estimate_layer_size(MODEL, 4, 0, vocab_parallel=False)
+    assert emb.params == MODEL.layer_params(0)
+    assert estimate_layer_size(MODEL, 4, 0).params < emb.params  # split by vocabulary
