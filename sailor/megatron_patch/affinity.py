@@ -6,7 +6,8 @@ compute at once can share one core while another idles until the load balancer m
 Bound ranks stay where they are put: ``launch_local(pin_cores=True)`` gives local rank ``r``
 core ``cores[r % len(cores)]`` (round robin over the cores this process may use), and the
 profiler's host-sharing probe places its ranks by the same rule, so the profile describes the
-runs it predicts. On GPU hosts the same option takes the cores of a GPU's NUMA node.
+runs it predicts. It is opt-in and round robin on GPU hosts too: nothing here binds a rank to
+its GPU's NUMA node (no pinning by default).
 
 ``parse_cores`` and ``round_robin`` are pure; ``bind`` is the one system call.
 """

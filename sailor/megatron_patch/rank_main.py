@@ -27,9 +27,9 @@ pipeline exchanges; the agent carries their medians to the controller for online
 calibration) plus ``{"event": "ready", "setup_s", ...}`` once the groups and the stage are
 built and ``{"event": "done", ...}`` at the end; rank 0 also prints them to stdout. On
 failure the first cause goes to the error file (``errors``) and the process exits with
-status 1 at once (``os._exit``: never wait on dead peers), so with the short collective
-timeout (``--timeout-s``, default 60 s) a crashed stage makes every rank exit within a
-bounded time.
+status 1 at once (``os._exit``: never wait on dead peers), so with the collective timeout
+(``--timeout-s``, default 600 s, NCCL's own) a crashed stage makes every rank exit within a
+bounded time (the agent sees a dead rank at once; the controller aborts the rest).
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
