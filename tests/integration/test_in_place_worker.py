@@ -76,7 +76,11 @@ class _Job:
 
     def plan_file(self, plan: Plan) -> str:
         path = self.root / f"plan-{plan.plan_id}.json"
-        path.write_text(plan.model_dump_json())
+        # atomically: each argv() call writes it again, while a rank given an earlier argv
+        # may be reading it (a truncated file read as '' failed a run)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(plan.model_dump_json())
+        tmp.replace(path)
         return str(path)
 
     def argv(
