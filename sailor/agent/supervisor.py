@@ -52,6 +52,7 @@ from typing import Any
 
 import structlog
 
+from sailor.agent.rank_log import RankLog
 from sailor.agent.step_timings import StepWindow
 from sailor.agent.stream_lines import lines
 from sailor.coordination import TaskSet
@@ -172,6 +173,9 @@ class WorkerView:
     gpu: int = -1
     """The node-local GPU of its rank in the plan it last got (-1: a CPU plan, a spare)."""
     tasks: TaskSet | None = None
+    out_log: RankLog | None = None
+    """Every line of its stdout (NCCL's diagnostics among them), capped (``rank_log``)."""
+    err_log: RankLog | None = None
 
 
 _spare_ids = itertools.count()
@@ -455,6 +459,7 @@ class Supervisor:
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise SupervisorClosedError("the supervisor closed while a worker started")
+        name = f"rank-{rank}" if rank >= 0 else "spare"
         view = WorkerView(
             rank=rank,
             proc=proc,
@@ -464,6 +469,8 @@ class Supervisor:
             error_file=gen_dir / f"error-{rank}.json",
             generation=generation,
             tasks=TaskSet(f"worker-{proc.pid}"),
+            out_log=RankLog(gen_dir / f"{name}-{proc.pid}.stdout.log"),
+            err_log=RankLog(gen_dir / f"{name}-{proc.pid}.stderr.log"),
         )
         assert view.tasks is not None
         view.tasks.spawn("out", self._read_stdout(view))
@@ -526,6 +533,8 @@ class Supervisor:
         if assert_stream is None:
             return
         async for raw in lines(assert_stream):
+            if w.out_log is not None:
+                w.out_log.write(raw)
             try:
                 msg = json.loads(raw)
             except ValueError:
@@ -577,6 +586,8 @@ class Supervisor:
         if w.proc.stderr is None:
             return
         async for raw in lines(w.proc.stderr):
+            if w.err_log is not None:
+                w.err_log.write(raw)
             w.stderr_tail = [*w.stderr_tail[-19:], raw.decode(errors="replace").rstrip()]
 
     async def _wait(self, w: WorkerView) -> None:
@@ -584,6 +595,9 @@ class Supervisor:
         w.exit_code = code
         if w.tasks is not None:
             await w.tasks.close(timeout=2.0)
+        for log in (w.out_log, w.err_log):
+            if log is not None:
+                log.close()
         if w in self.spares and not self.closed:
             # a spare that left on its own (its directive never came, or it failed): another
             # takes its place, unless they keep failing

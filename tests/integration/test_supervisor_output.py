@@ -129,3 +129,35 @@ async def test_a_spare_that_leaves_is_replaced_and_failing_ones_stop(tmp_path: P
         assert broken.spares_ready == 0 and broken.spares_wanted == 0
     finally:
         await broken.close()
+
+
+_CHATTY = """
+import json, sys
+print("host:1:1 [0] NCCL INFO Channel 00/02 : 0 1 via NET/Socket/0", flush=True)
+for i in range(40):
+    sys.stderr.write("warning line %d\\n" % i)  # no braces: argv is formatted
+sys.stderr.flush()
+print(json.dumps(dict(event="ready", rank=0)), flush=True)
+raise SystemExit(0)
+"""
+
+
+async def test_a_workers_own_output_is_kept_in_its_logs(tmp_path: Path) -> None:
+    """NCCL's diagnostics go to stdout and are not progress lines; an early traceback falls
+    out of the 20 stderr lines kept for the failure record: both are in the rank's logs."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _CHATTY))
+    await sup.launch(launch_of(PLAN))
+    try:
+        async with asyncio.timeout(60):
+            while sup.workers[0].exit_code is None:
+                sup.changed.clear()
+                await sup.changed.wait()
+        pid = sup.workers[0].proc.pid
+        gen = next(tmp_path.glob("gen-*"))
+        out = (gen / f"rank-0-{pid}.stdout.log").read_text()
+        err = (gen / f"rank-0-{pid}.stderr.log").read_text()
+        assert "NCCL INFO Channel 00/02" in out and '"event": "ready"' in out
+        assert all(f"warning line {i}\n" in err for i in range(40))
+        assert len(sup.workers[0].stderr_tail) == 20  # what the failure record keeps
+    finally:
+        await sup.abort()
