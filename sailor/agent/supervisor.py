@@ -62,6 +62,7 @@ from sailor.megatron_patch.errors import (
     signal_failure_record,
     write_error_file,
 )
+from sailor.megatron_patch.parent_death import PARENT_ENV
 from sailor.schemas.commands import Launch
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.online_calibration import RankTimings
@@ -453,6 +454,8 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            # the worker dies with this agent (megatron_patch.parent_death)
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
         )
         if self.closed:  # closed while it started: close() cannot have seen it
             with contextlib.suppress(ProcessLookupError):

@@ -159,6 +159,7 @@ from sailor.megatron_patch.model_source import (  # noqa: E402
     model_of,
     train_config,
 )
+from sailor.megatron_patch.parent_death import die_with_parent  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
@@ -623,6 +624,7 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
 
     ``ckpt`` saves and restores checkpoints (needed for ``--load-step`` and save requests).
     """
+    die_with_parent()  # an agent's worker ends with it (SAILOR_PARENT_PID; parent_death)
     args = build_parser().parse_args(argv)
     err_file = sub_rank(args.error_file, args.rank)
     status = Status(args.rank, err_file)
