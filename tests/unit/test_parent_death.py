@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 _AGENT = """
 import os, subprocess, sys, time
 arm = sys.argv[1] == "arm"
-env = {**os.environ, **({"%s": str(os.getpid())} if arm else {})}
+env = {**os.environ, **({"PARENT_ENV": str(os.getpid())} if arm else {})}
 child = subprocess.Popen(
     [sys.executable, "-c",
      "from sailor.megatron_patch.parent_death import die_with_parent as d; "
@@ -29,7 +29,7 @@ child = subprocess.Popen(
 child.stdout.readline()
 print(child.pid, flush=True)
 time.sleep(60)
-""" % PARENT_ENV
+""".replace("PARENT_ENV", PARENT_ENV)
 
 
 def _alive(pid: int) -> bool:
