@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +45,7 @@ __all__ = [
     "IndexedDatasetError",
     "IndexedDatasetWriter",
     "dtype_for_vocab",
+    "open_indexed",
     "paths_of",
 ]
 
@@ -391,3 +393,30 @@ class IndexedDatasetWriter:
             self.close()
         else:
             self.abort()
+
+
+_OPENED: OrderedDict[tuple[str, int, int, int, int], IndexedDataset] = OrderedDict()
+_OPENED_MAX = 8
+
+
+def open_indexed(prefix: Path | str) -> IndexedDataset:
+    """``IndexedDataset(prefix)``, opened and checked once per version of its files in this
+    process: a rank opens its data set for training and for validation, and an in-place
+    worker again at every generation, and each open read the whole index (12 B per
+    sequence) to check it. The version is both files' size and modification time; a data
+    set is read-only, so the object is shared."""
+    idx, bin_ = paths_of(prefix)
+    try:
+        si, sb = idx.stat(), bin_.stat()
+    except OSError:
+        return IndexedDataset(prefix)  # its own error, naming the missing file
+    key = (str(idx.resolve()), si.st_size, si.st_mtime_ns, sb.st_size, sb.st_mtime_ns)
+    hit = _OPENED.get(key)
+    if hit is not None:
+        _OPENED.move_to_end(key)
+        return hit
+    ds = IndexedDataset(prefix)
+    _OPENED[key] = ds
+    while len(_OPENED) > _OPENED_MAX:
+        _OPENED.popitem(last=False)
+    return ds

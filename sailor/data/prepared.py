@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from sailor.data.indexed import IndexedDataset, IndexedDatasetError, paths_of
+from sailor.data.indexed import IndexedDataset, IndexedDatasetError, open_indexed, paths_of
 from sailor.data.tokens import TokenDataset, document_split
 from sailor.schemas.dataset import DatasetManifest
 
@@ -63,7 +63,7 @@ def open_prepared(
     idx_path, _ = paths_of(prefix)
     mpath = Path(manifest) if manifest is not None else idx_path.with_suffix(".json")
     if manifest is None and not mpath.is_file():
-        ds = IndexedDataset(prefix)
+        ds = open_indexed(prefix)
         splits = document_split(ds.num_documents, validation_fraction)
         return PreparedData(
             ds, None, {"train": splits["train"], "validation": splits["validation"]}
@@ -73,7 +73,7 @@ def open_prepared(
             f"validation_fraction={validation_fraction}: the manifest {mpath} gives the splits"
         )
     m = read_manifest(mpath)
-    ds = IndexedDataset(prefix)
+    ds = open_indexed(prefix)
     if ds.num_documents != m.num_documents:
         raise IndexedDatasetError(
             ds.idx_path,

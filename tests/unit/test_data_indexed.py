@@ -244,3 +244,23 @@ def test_opening_a_large_index_holds_a_chunk_of_temporaries(
         tracemalloc.stop()
     assert len(ds) == n and ds.num_documents == n
     assert peak < 8 << 20, peak
+
+
+def test_a_data_set_is_opened_once_per_version_of_its_files(tmp_path: Path) -> None:
+    """Training and validation, and every in-place generation, open the same files: the
+    index is read and checked once per version of them in a process; a new version (its
+    files rewritten) is opened again."""
+    import os
+
+    from sailor.data.indexed import open_indexed
+
+    _write(tmp_path / "ds")
+    a = open_indexed(tmp_path / "ds")
+    assert open_indexed(str(tmp_path / "ds")) is a
+    _write(tmp_path / "ds", [[1, 2, 0]])
+    st = (tmp_path / "ds.idx").stat()
+    os.utime(tmp_path / "ds.idx", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    b = open_indexed(tmp_path / "ds")
+    assert b is not a and len(b) == 1
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        open_indexed(tmp_path / "missing")
