@@ -254,8 +254,9 @@ class Supervisor:
         self._tasks = TaskSet("supervisor")
         self._topping_up = asyncio.Lock()  # one top-up at a time: never more than warm_spares
         self._spare_failures = 0
-        """Spares in a row that exited before they were warm, or failed: at
-        :data:`SPARE_FAILURES` no more are started, and none is wanted (``spares_wanted``)."""
+        """Spares that failed (exited before they were warm, or with an error) since one was
+        last handed a rank: at :data:`SPARE_FAILURES` no more are started, and none is
+        wanted (``spares_wanted``)."""
         self._control_state: dict[str, object] = {}
 
     @property
@@ -394,6 +395,7 @@ class Supervisor:
         spares = sorted((w for w in self.spares if w.exit_code is None), key=lambda w: not w.warm)
         if (reusable or spares) and self.on_handover is not None:
             await self.on_handover()
+            spares = [w for w in spares if w.exit_code is None]  # one may have left meanwhile
         assigned: list[WorkerView] = []
         self._launching = assigned  # what close() must kill if it comes mid-launch
         fresh = reused = 0
@@ -406,6 +408,7 @@ class Supervisor:
                     (reusable if w in reusable else spares).remove(w)
                     if w in self.spares:
                         self.spares.remove(w)
+                        self._spare_failures = 0  # a spare that served: they work here
                     self._hand_over(w, rank, cmd.generation, argv, gen_dir)
                     reused += 1
                 else:
@@ -582,7 +585,6 @@ class Supervisor:
             if w.broken:
                 _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
         elif ev == "warm":
-            self._spare_failures = 0
             w.warm = True
 
     async def _read_stderr(self, w: WorkerView) -> None:
@@ -604,7 +606,7 @@ class Supervisor:
         if w in self.spares and not self.closed:
             # a spare that left on its own (its directive never came, or it failed): another
             # takes its place, unless they keep failing
-            if code != 0 or not w.warm:
+            if code != 0 or not w.warm:  # warm or not: a spare that fails counts
                 self._spare_failures += 1
                 _log.warning("spare_exited", code=code, warm=w.warm, in_a_row=self._spare_failures)
             self._tasks.spawn("spares", self.top_up_spares())

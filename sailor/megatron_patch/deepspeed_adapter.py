@@ -56,6 +56,7 @@ from sailor.megatron_patch.devices import (
 )
 from sailor.megatron_patch.engine import TrainConfig, make_optimizer
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
+from sailor.megatron_patch.parent_death import die_with_parent
 from sailor.megatron_patch.precision import native_bf16
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
@@ -360,6 +361,7 @@ def run(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; on failure writes the first cause like the worker and exits 1."""
+    die_with_parent()  # an agent's worker ends with it (parent_death)
     import faulthandler
 
     from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file

@@ -59,6 +59,8 @@ class WireMessage(Frozen):
         pruned, dropped = drop_unknown(cls, data)
         key = (cls.__name__, version, tuple(dropped))
         if dropped and key not in _dropped_seen:
+            if len(_dropped_seen) >= 1024:  # a long-running daemon: bounded, logs again
+                _dropped_seen.clear()
             _dropped_seen.add(key)
             _log.warning(
                 "%s of schema_version %d (this release writes %d): ignoring fields it does "

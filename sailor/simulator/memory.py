@@ -12,8 +12,9 @@
 * activations: ``A`` = activation bytes per sample of the stage's layers (allocation growth
   during forward); under 1F1B stage ``s`` of ``S`` holds ``min(S-s, m)`` microbatches; the
   first backward's working set is about the forward footprint of the stage's last layer
-  (``a_last``). With recomputation only each layer's input is kept, plus one layer's
-  activations during its recomputation.
+  (``a_last``). With recomputation only each block's input is kept (the engine checkpoints
+  blocks; the embedding and the head keep their activations), plus the larger of one
+  layer's activations during its recomputation and the last layer's working set.
 * weight copies ``C``: under autocast each forward casts the stage's weights to the compute
   dtype and autograd keeps the casts until that microbatch's backward, so every microbatch in
   flight holds one copy (``params × 2`` bytes in bf16/fp16, none in fp32); it does not grow
@@ -118,8 +119,17 @@ def stage_memory(
         max(weight_copy_bytes(model, s.params, scheme), s.per_microbatch_bytes) for s in sizes
     ]
     if recompute:
-        kept = sum(s.input_bytes_per_sample or s.output_bytes_per_sample for s in sizes)
-        working = max(s.activation_bytes_per_sample for s in sizes)
+        # the engine checkpoints its blocks only: the embedding and the head keep theirs
+        def held(s: LayerSize) -> int:
+            if model.layer_kind(s.layer) == "block":
+                return s.input_bytes_per_sample or s.output_bytes_per_sample
+            return s.activation_bytes_per_sample
+
+        kept = sum(held(s) for s in sizes)
+        working = max(
+            max(s.activation_bytes_per_sample for s in sizes),
+            backward_working_set(model, sizes[-1], vocab_parallel),
+        )
         act_raw = b * kept * in_flight + b * working
         # autocast keeps every weight it casts until the microbatch's autocast context
         # exits, checkpointed layers included: the whole stage's copies during a forward

@@ -724,3 +724,25 @@ def test_the_estimated_whole_head_keeps_its_fp32_log_probabilities() -> None:
     emb = estimate_layer_size(MODEL, 4, 0, vocab_parallel=False)
     assert emb.params == MODEL.layer_params(0)
     assert estimate_layer_size(MODEL, 4, 0).params < emb.params  # split by vocabulary
+
+
+def test_recompute_keeps_the_heads_activations_and_working_set() -> None:
+    """The engine checkpoints blocks only: a head-only stage holds as much with recompute
+    as without (before, recompute counted only its input and no doubled working set)."""
+
+    def acts(recompute: bool) -> int:
+        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=1, gpus_per_node=4)
+        stages = (
+            Stage(first_layer=0, last_layer=N - 2, replica=rg),
+            Stage(first_layer=N - 1, last_layer=N - 1, replica=rg, recompute=recompute),
+        )
+        plan = Plan(
+            model="tiny",
+            global_batch_size=4,
+            pipelines=(Pipeline(stages=stages, microbatch_size=1, num_microbatches=4),),
+        )
+        cal = Calibration(vocab_parallel=False)
+        est = simulate(plan, MODEL, PROFILES, _network(), PRICES, calibration=cal, gpu_specs=SPECS)
+        return est.memory[1].activations
+
+    assert acts(True) == acts(False)
