@@ -24,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
 import json
 import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import structlog
 from pydantic import Field, ValidationError, model_validator
@@ -83,6 +86,25 @@ TASK_MAX_CRASHES = 5
 PUBLISH_BACKOFF_MAX_S = 2.0
 """Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
 ~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
+
+
+def node_address(endpoints: Sequence[str], probe: Callable[[str], str] | None = None) -> str:
+    """The address this node registers when its configuration gives none: the local address
+    of the route to each server endpoint (``host:port``), the first that is not loopback;
+    a loopback one only when every server is on this host (a one-machine cluster, where it is
+    right); '' when none is found."""
+    found = [(probe or route_address)(e) for e in endpoints]
+    for addr in found:
+        if addr and not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    return next((a for a in found if a), "")
+
+
+def _host_port(url: str) -> str:
+    """``host:port`` of a NATS URL (``nats://host:port``)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"[{host}]:{parts.port or 4222}" if ":" in host else f"{host}:{parts.port or 4222}"
 
 
 def route_address(endpoint: str) -> str:
@@ -355,7 +377,8 @@ class Agent:
         if not self.node.address:
             # the rendezvous of a plan whose rank 0 is here listens on this address: without
             # one the controller could only name 127.0.0.1, which other nodes cannot reach
-            found = await asyncio.to_thread(route_address, self.cfg.etcd_endpoints[0])
+            servers = [*self.cfg.etcd_endpoints, *(_host_port(u) for u in self.cfg.nats_urls)]
+            found = await asyncio.to_thread(node_address, servers)
             if found:
                 self.node = self.node.model_copy(update={"address": found})
                 _log.info("node_address_detected", address=found)
