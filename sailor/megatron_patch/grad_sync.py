@@ -25,6 +25,7 @@ import torch
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.state import key_layer
 from sailor.megatron_patch.sync_groups import SyncItem
 from sailor.megatron_patch.tp_layers import tp_dim_of
 
@@ -49,7 +50,7 @@ def _views(stage: GPTStage, item: SyncItem, skip: set[str]) -> list[torch.Tensor
     g = item.group
     out: list[torch.Tensor] = []
     for name, p in stage.keyed_parameters():
-        layer = int(name.split(".", 1)[0])
+        layer = key_layer(name)
         if not g.first_layer <= layer <= g.last_layer or name in skip:
             continue
         dim = tp_dim_of(p)

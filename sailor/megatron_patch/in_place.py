@@ -32,7 +32,14 @@ import torch
 from sailor.comm import api as comm
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.relayout import Schedule, Transfer, buckets
-from sailor.megatron_patch.state import gather_full, optimizer_state, place, shard, stage_state
+from sailor.megatron_patch.state import (
+    gather_full,
+    key_layer,
+    optimizer_state,
+    place,
+    shard,
+    stage_state,
+)
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -47,6 +54,7 @@ __all__ = [
     "exchange_layer_bytes",
     "handshake",
     "parse_directive",
+    "state_kinds",
 ]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -170,14 +178,10 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     return Peers(old_plan, {r: g[0] for r, g in valid.items()}, step, consumed, json.loads(scaling))
 
 
-def _layer(key: str) -> int:
-    return int(key.split(".", 1)[0])
-
-
 def _keys_by_layer(names: list[str]) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for k in sorted(names):
-        out.setdefault(_layer(k), []).append(k)
+        out.setdefault(key_layer(k), []).append(k)
     return out
 
 
@@ -208,15 +212,15 @@ def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _kinds(adam_step: int) -> tuple[str, ...]:
+def state_kinds(adam_step: int) -> tuple[str, ...]:
     """The tensors the exchange moves per parameter: the moments exist once AdamW stepped."""
     return ("weight", *_MOMENTS) if adam_step > 0 else ("weight",)
 
 
 def exchange_layer_bytes(spec: ModelSpec, adam_step: int) -> Callable[[int], int]:
     """What a receiver takes in for one layer: the full layer (all old TP shards) in fp32,
-    per kind (:func:`_kinds`)."""
-    n = 4 * len(_kinds(adam_step))
+    per kind (:func:`state_kinds`)."""
+    n = 4 * len(state_kinds(adam_step))
     return lambda layer: spec.layer_params(layer) * n
 
 
@@ -247,7 +251,7 @@ def exchange(
     per batch: the batches count them (the same value on every rank)."""
     me = new.role.rank
     mine = sched.of(me)
-    kinds = _kinds(adam_step)
+    kinds = state_kinds(adam_step)
     held = _old_shards(old)
     params = dict(new.stage.keyed_parameters())
     new_keys = _keys_by_layer(list(params))

@@ -25,7 +25,13 @@ from sailor.megatron_patch.boundary import Progress, Status
 from sailor.megatron_patch.checkpoint_io import CheckpointIO
 from sailor.megatron_patch.engine import TrainConfig, Trainer, make_optimizer
 from sailor.megatron_patch.errors import InjectedFailureError, classify
-from sailor.megatron_patch.in_place import Held, Peers, exchange, exchange_layer_bytes
+from sailor.megatron_patch.in_place import (
+    Held,
+    Peers,
+    exchange,
+    exchange_layer_bytes,
+    state_kinds,
+)
 from sailor.megatron_patch.relayout import Schedule, exchange_transients, schedule
 from sailor.megatron_patch.relayout_memory import (
     VERDICT_CODES,
@@ -34,6 +40,7 @@ from sailor.megatron_patch.relayout_memory import (
     decide,
     margin_bytes,
 )
+from sailor.megatron_patch.state import key_layer
 
 __all__ = [
     "RelayoutMemoryError",
@@ -143,11 +150,11 @@ def _held_tensors(tr: Trainer) -> list[torch.Tensor]:
 def _new_bytes(trainer: Trainer, layers: set[int] | None) -> int:
     """The new stage's state (weights, and both moments once AdamW has stepped) in
     ``layers`` (None: all), from its parameters' shapes (it may be on ``meta``)."""
-    kinds = 3 if trainer.adam_step > 0 else 1
+    kinds = len(state_kinds(trainer.adam_step))
     seen: set[int] = set()
     total = 0
     for key, p in trainer.stage.keyed_parameters():
-        if id(p) in seen or (layers is not None and int(key.split(".", 1)[0]) not in layers):
+        if id(p) in seen or (layers is not None and key_layer(key) not in layers):
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size() * kinds
@@ -332,7 +339,7 @@ def fill_stage(
     t_transfer = time.time()
     layers = st.checkpoint_layers
     empty = trainer.materialize()
-    stray = sorted({int(k.split(".", 1)[0]) for k in empty} - set(layers))
+    stray = sorted({key_layer(k) for k in empty} - set(layers))
     if stray:
         raise RuntimeError(f"layers {stray} of rank {args.rank}: not filled by the exchange")
     if layers:
@@ -345,7 +352,7 @@ def fill_stage(
             ckpt.restore(trainer, args.ckpt_dir, args.load_step)
         else:
             ckpt.restore_layers(trainer, args.ckpt_dir, args.load_step, layers)
-    n_ckpt = sum(1 for k, _p in trainer.stage.keyed_parameters() if int(k.split(".")[0]) in layers)
+    n_ckpt = sum(1 for k, _p in trainer.stage.keyed_parameters() if key_layer(k) in layers)
     return {
         "path": "in_place",
         "kept_keys": st.kept_keys,

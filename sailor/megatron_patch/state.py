@@ -30,6 +30,7 @@ from sailor.megatron_patch.tp_layers import tp_dim_of
 
 __all__ = [
     "gather_full",
+    "key_layer",
     "load_full_params",
     "load_full_state",
     "optimizer_state",
@@ -37,6 +38,11 @@ __all__ = [
     "shard",
     "stage_state",
 ]
+
+
+def key_layer(key: str) -> int:
+    """The global layer of a key ``"{global_layer}.{param_name}"``."""
+    return int(key.split(".", 1)[0])
 
 
 def stage_state(stage: GPTStage) -> dict[str, tuple[torch.Tensor, int | None]]:

@@ -37,7 +37,7 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.megatron_patch.engine import Trainer
-from sailor.megatron_patch.state import optimizer_state, stage_state
+from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 
 __all__ = ["LayerCheckpointIO", "restore_trainer", "trainer_params"]
 
@@ -73,10 +73,8 @@ def restore_trainer(
     wanted = set(tr.role.layers if layers is None else layers)
     if not wanted:
         return
-    params = [(k, p) for k, p in tr.stage.keyed_parameters() if int(k.split(".", 1)[0]) in wanted]
-    dims = {
-        k: d for k, (_t, d) in stage_state(tr.stage).items() if int(k.split(".", 1)[0]) in wanted
-    }
+    params = [(k, p) for k, p in tr.stage.keyed_parameters() if key_layer(k) in wanted]
+    dims = {k: d for k, (_t, d) in stage_state(tr.stage).items() if key_layer(k) in wanted}
     into = _destinations(tr, dims)
     storage = open_storage(root)
     if layers is None:
