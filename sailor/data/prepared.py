@@ -18,7 +18,7 @@ from sailor.data.indexed import IndexedDataset, IndexedDatasetError, open_indexe
 from sailor.data.tokens import TokenDataset, document_split
 from sailor.schemas.dataset import DatasetManifest
 
-__all__ = ["PreparedData", "Split", "open_prepared", "read_manifest"]
+__all__ = ["PreparedData", "Split", "manifest_path", "open_prepared", "read_manifest"]
 
 Split = Literal["train", "validation"]
 
@@ -54,14 +54,19 @@ class PreparedData:
         return TokenDataset(self.dataset, seq_length, seed, docs)
 
 
+def manifest_path(prefix: Path | str, manifest: Path | str | None = None) -> Path:
+    """Where a data set's manifest is: ``manifest`` if given, else ``PREFIX.json`` (which
+    may not exist: a data set prepared elsewhere has none)."""
+    return Path(manifest) if manifest is not None else paths_of(prefix)[0].with_suffix(".json")
+
+
 def open_prepared(
     prefix: Path | str,
     manifest: Path | str | None = None,
     validation_fraction: float = 0.0,
 ) -> PreparedData:
     """Open ``prefix`` with its manifest (given, or ``PREFIX.json`` if present)."""
-    idx_path, _ = paths_of(prefix)
-    mpath = Path(manifest) if manifest is not None else idx_path.with_suffix(".json")
+    mpath = manifest_path(prefix, manifest)
     if manifest is None and not mpath.is_file():
         ds = open_indexed(prefix)
         splits = document_split(ds.num_documents, validation_fraction)

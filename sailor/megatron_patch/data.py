@@ -166,15 +166,11 @@ def check_tokenizer(data: DataConfig, model_dir: Path, base_dir: Path | None = N
     if not isinstance(data, IndexedData):
         return
     from sailor.data import read_manifest
-    from sailor.data.indexed import paths_of
+    from sailor.data.prepared import manifest_path
     from sailor.data.tokenizer import tokenizer_file, vocabulary_difference
 
-    prefix = _resolve(data.prefix, base_dir)
-    mpath = (
-        _resolve(data.manifest, base_dir)
-        if data.manifest is not None
-        else paths_of(prefix)[0].with_suffix(".json")
-    )
+    given = _resolve(data.manifest, base_dir) if data.manifest is not None else None
+    mpath = manifest_path(_resolve(data.prefix, base_dir), given)
     theirs = tokenizer_file(model_dir)
     if not mpath.is_file() or not theirs.is_file():
         return
