@@ -194,7 +194,7 @@ def buckets(
     out: list[int] = []
     for t in sched.transfers:
         size = layer_bytes(t.layer)
-        share = -(-size // len(t.sources))
+        share = _shard_bytes(t, size)
         senders = [s for s in t.sources if s != t.receiver] if staged_sends else []
         b = current.get(t.receiver, 0)
         while True:
@@ -216,6 +216,12 @@ def buckets(
     return tuple(out)
 
 
+def _shard_bytes(t: Transfer, layer_bytes: int) -> int:
+    """What one source of ``t`` stages to send: its old TP shard of the layer (rounded up),
+    the same in the split and in the peak that reads it."""
+    return -(-layer_bytes // len(t.sources))
+
+
 def batch_peak(
     sched: Schedule,
     layer_bytes: Callable[[int], int],
@@ -234,7 +240,7 @@ def batch_peak(
             held[b] = held.get(b, 0) + size
         elif count_sends and rank in t.sources and (b, t.layer) not in staged:
             staged.add((b, t.layer))
-            held[b] = held.get(b, 0) + -(-size // len(t.sources))
+            held[b] = held.get(b, 0) + _shard_bytes(t, size)
     return max(held.values(), default=0)
 
 
