@@ -222,6 +222,7 @@ class CostTables:
                 gpu_type,
                 tp,
                 mbs,
+                inp.calibration.vocab_parallel,
             )
             sizes, _ = layer_sizes(inp.profiles, model, tp, inp.calibration.vocab_parallel)
         except (KeyError, ValueError) as exc:

@@ -237,13 +237,19 @@ def layer_table(
     gpu_type: str,
     tp: int,
     mbs: int,
+    vocab_parallel: bool = True,
 ) -> StageCosts:
-    """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``."""
+    """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``.
+
+    Without ``vocab_parallel`` (Sailor's engine: every TP rank computes the whole embedding
+    and head) those two layers cost what they cost at TP 1, as their sizes do
+    (:func:`layer_sizes`), unless Sailor's own profiler timed them at ``tp`` (``measured``:
+    already whole); imported and estimated timings at ``tp`` are Megatron's split head."""
     spec = spec_of(gpu_specs, gpu_type)
     return _MEMO.get(
         (profiles, model),
-        ("table", cal, spec, gpu_type, tp, mbs),
-        lambda: _layer_table(profiles, model, cal, spec, gpu_type, tp, mbs),
+        ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel),
+        lambda: _layer_table(profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel),
     )
 
 
@@ -255,6 +261,7 @@ def _layer_table(
     gpu_type: str,
     tp: int,
     mbs: int,
+    vocab_parallel: bool,
 ) -> StageCosts:
     n = model.num_all_layers
     sizes, notes_l = layer_sizes(profiles, model, tp)
@@ -313,4 +320,29 @@ def _layer_table(
         if layer == 0 and g < f:
             g = f
         out.append(LayerCost(fwd_s=f * k, bwd_s=g * k, update_s=u, estimated=estimated))
+    if not vocab_parallel and tp > 1:
+        whole = [
+            layer
+            for layer in range(n)
+            if model.layer_kind(layer) != "block" and not _measured(profiles, gpu_type, tp, layer)
+        ]
+        if whole:
+            one = _MEMO.get(
+                (profiles, model),
+                ("table", cal, spec, gpu_type, 1, mbs, True),
+                lambda: _layer_table(profiles, model, cal, spec, gpu_type, 1, mbs, True),
+            )
+            for layer in whole:
+                out[layer] = one.layers[layer]
+            notes.extend(one.notes)
+            notes.append(f"{tag}: embedding and head whole on every TP rank, timed at tp=1")
     return StageCosts(layers=tuple(out), notes=tuple(notes))
+
+
+def _measured(profiles: ProfileDB, gpu_type: str, tp: int, layer: int) -> bool:
+    """Sailor's own profiler timed ``layer`` at ``tp`` (its largest profiled microbatch)."""
+    sizes = profiles.grid(gpu_type).get(tp)
+    if not sizes:
+        return False
+    t = profiles.timing(gpu_type, tp, max(sizes), layer)
+    return t is not None and t.source == "measured"

@@ -417,7 +417,9 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
         key = (r.gpu_type, r.tp, p.microbatch_size)
         table = inp.tables.get(key)
         if table is None:
-            table = layer_table(inp.profiles, model, inp.gcal(r.gpu_type), inp.specs, *key)
+            table = layer_table(
+                inp.profiles, model, inp.gcal(r.gpu_type), inp.specs, *key, cal.vocab_parallel
+            )
             inp.tables[key] = table
             inp.notes.add(*table.notes)
         sizes = inp.sizes(r.tp)

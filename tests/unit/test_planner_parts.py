@@ -275,7 +275,7 @@ def test_closed_form_equals_the_simulator_in_every_corner(corner: str) -> None:
         pool=make_pool({("fast", ZONE): 2, ("slow", ZONE): 4}),
         gpu_specs=env.specs,
         calibration=cal,
-        simulate_top=12,
+        simulate_top=40,
     )
     judged = [c for c in res.candidates if c.estimate is not None]
     assert len(judged) >= 4

@@ -714,6 +714,51 @@ def test_a_measured_size_at_tp_is_already_whole() -> None:
     assert whole[mine.layer] == mine
 
 
+def test_sailors_engine_computes_the_embedding_and_head_whole_on_each_tp_rank() -> None:
+    """Without a vocab-parallel head every TP rank runs the whole embedding and head: their
+    time at TP 2 is their TP 1 time (the imported TP 2 timings are Megatron's split head),
+    blocks keep their TP 2 time, and a head timed at TP 2 by Sailor's own profiler is kept.
+    Before, the head was priced split, about TP times too cheap."""
+    cal = Calibration().for_gpu("A")
+    split = layer_table(PROFILES, MODEL, cal, SPECS, "A", 2, 2, vocab_parallel=True)
+    whole = layer_table(PROFILES, MODEL, cal, SPECS, "A", 2, 2, vocab_parallel=False)
+    one = layer_table(PROFILES, MODEL, cal, SPECS, "A", 1, 2)
+    for layer in (0, N - 1):
+        assert whole.layers[layer] == one.layers[layer]
+        assert whole.layers[layer].fwd_s == pytest.approx(2 * split.layers[layer].fwd_s)
+    assert whole.layers[1:-1] == split.layers[1:-1]
+    assert any("timed at tp=1" in n for n in whole.notes)
+    # TP 1 has nothing to take whole
+    assert layer_table(PROFILES, MODEL, cal, SPECS, "A", 1, 2, vocab_parallel=False) == one
+
+    mine = [
+        t.model_copy(update={"source": "measured", "fwd_s": 5e-3})
+        if (t.gpu_type, t.tp, t.layer) == ("A", 2, N - 1)
+        else t
+        for t in PROFILES.timings
+    ]
+    db = ProfileDB(model="tiny", timings=tuple(mine), sizes=PROFILES.sizes)
+    kept = layer_table(db, MODEL, cal, SPECS, "A", 2, 4, vocab_parallel=False)
+    assert kept.layers[-1].fwd_s == pytest.approx(5e-3)  # measured at mbs 4, whole already
+    assert kept.layers[0] == layer_table(db, MODEL, cal, SPECS, "A", 1, 4).layers[0]
+
+    def time(vocab_parallel: bool) -> float:
+        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=2, gpus_per_node=4)
+        stage = Stage(first_layer=0, last_layer=N - 1, replica=rg)
+        pipe = Pipeline(stages=(stage,), microbatch_size=2, num_microbatches=2)
+        plan = Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
+        c = Calibration(vocab_parallel=vocab_parallel)
+        return simulate(
+            plan, MODEL, PROFILES, _network(), PRICES, calibration=c, gpu_specs=SPECS
+        ).iteration_time_s
+
+    heads = sum(
+        w.fwd_s + w.bwd_s - s.fwd_s - s.bwd_s
+        for w, s in zip(whole.layers, split.layers, strict=True)
+    )
+    assert time(False) - time(True) == pytest.approx(2 * heads, rel=1e-6)
+
+
 def test_the_estimated_whole_head_keeps_its_fp32_log_probabilities() -> None:
     from sailor.simulator.estimate_profile import estimate_layer_size
 
