@@ -38,7 +38,7 @@ from sailor.schemas.precision import (
     wire_bytes,
 )
 from sailor.simulator.lookup import layer_sizes, layer_table
-from sailor.simulator.memory import state_bytes_per_param, weight_copy_bytes
+from sailor.simulator.memory import copied_params, state_bytes_per_param, weight_copy_bytes
 from sailor.simulator.network_model import inter_curve, intra_curve
 
 __all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
@@ -234,7 +234,13 @@ class CostTables:
         act = np.array([float(s.activation_bytes_per_sample) for s in sizes])
         copy_per_param = self.state_bytes(gpu_type)[2]
         per_mb = np.array(
-            [max(copy_per_param * s.params, float(s.per_microbatch_bytes)) for s in sizes]
+            [
+                max(
+                    copy_per_param * copied_params(model, s.layer, s.params),
+                    float(s.per_microbatch_bytes),
+                )
+                for s in sizes
+            ]
         )
         scale = self.wire_scale(gpu_type)
         out = np.array(

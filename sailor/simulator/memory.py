@@ -15,9 +15,10 @@
   (``a_last``). With recomputation only each block's input is kept (the engine checkpoints
   blocks; the embedding and the head keep their activations), plus the larger of one
   layer's activations during its recomputation and the last layer's working set.
-* weight copies ``C``: under autocast each forward casts the stage's weights to the compute
-  dtype and autograd keeps the casts until that microbatch's backward, so every microbatch in
-  flight holds one copy (``params × 2`` bytes in bf16/fp16, none in fp32); it does not grow
+* weight copies ``C``: under autocast each forward casts the stage's weights (not the
+  embedding's table, which its lookup reads in fp32) to the compute dtype and autograd
+  keeps the casts until that microbatch's backward, so every microbatch in flight holds one
+  copy (``params × 2`` bytes in bf16/fp16, none in fp32); it does not grow
   with the microbatch size. A profile's measured per-microbatch bytes stand in where larger.
   With recomputation the forward's casts are not kept for the backward (the recomputation
   casts again), but autocast's cache holds each cast until the microbatch's forward leaves
@@ -46,6 +47,7 @@ from sailor.schemas.precision import MASTER_BYTES, compute_bytes, keeps_weight_c
 __all__ = [
     "MixedPrecision",
     "backward_working_set",
+    "copied_params",
     "stage_memory",
     "state_bytes_per_param",
     "weight_copy_bytes",
@@ -76,6 +78,14 @@ def weight_copy_bytes(model: ModelSpec, params: int, scheme: MixedPrecision = "a
     if scheme != "autocast" or not keeps_weight_copies(model.precision):
         return 0
     return params * compute_bytes(model.precision)
+
+
+def copied_params(model: ModelSpec, layer: int, params: int) -> int:
+    """Parameters of ``layer`` (``params`` of them) that autocast casts in a forward: none of
+    the embedding's. Autocast casts the inputs of matmuls, not of the embedding's lookup,
+    which reads the fp32 table as it is (an OPT-style input projection, ~0.5 M parameters,
+    is cast and not counted)."""
+    return 0 if model.layer_kind(layer) == "embedding" else params
 
 
 def backward_working_set(model: ModelSpec, last: LayerSize, vocab_parallel: bool) -> int:
@@ -116,7 +126,11 @@ def stage_memory(
     weights, grads, optim = params * w_b, params * g_b, params * o_b
     b = microbatch_size
     per_mb = [
-        max(weight_copy_bytes(model, s.params, scheme), s.per_microbatch_bytes) for s in sizes
+        max(
+            weight_copy_bytes(model, copied_params(model, s.layer, s.params), scheme),
+            s.per_microbatch_bytes,
+        )
+        for s in sizes
     ]
     if recompute:
         # the engine checkpoints its blocks only: the embedding and the head keep theirs

@@ -7,6 +7,7 @@ import itertools
 import json
 
 import pytest
+import torch
 
 from sailor.catalog import gpus, models
 from sailor.planner import plan as make_plans
@@ -316,8 +317,51 @@ def test_recomputation_keeps_one_microbatchs_copies_of_the_stage() -> None:
         update={"pipelines": (plan.pipelines[0].model_copy(update={"stages": tuple(stages)}),)}
     )
     est = simulate(rec, MODEL, PROFILES, _network(), PRICES, gpu_specs=SPECS)
-    # 4 layers of 1M parameters, 2 bytes each in the compute dtype
-    assert est.memory[0].weight_copies == 4 * 1_000_000 * 2
+    # the embedding and 3 blocks of 1M parameters; the blocks' cast to 2 bytes each
+    assert est.memory[0].weight_copies == 3 * 1_000_000 * 2
+
+
+def test_autocast_casts_the_blocks_weights_not_the_embeddings_table() -> None:
+    """What the memory model's weight copies count: under autocast (CPU bf16 standing in
+    for a GPU's) a block's forward keeps 16-bit copies of its matmul weights for the
+    backward, while the embedding's lookup keeps none of its table (before, the model
+    counted one: ~1 GB per microbatch in flight on an 8B Llama's stage 0)."""
+    from sailor.megatron_patch.model import Block, Embedding
+    from sailor.megatron_patch.tp_layers import TPContext
+
+    def saved_bf16(layer: torch.nn.Module, x: torch.Tensor) -> int:
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+        ):
+            layer(x)
+        weights = {p.data_ptr() for p in layer.parameters()}
+        # a saved 16-bit tensor with a weight's shape is a cast copy of it (each once)
+        shapes = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
+        copies = {
+            t.untyped_storage().data_ptr(): t.numel()
+            for t in saved
+            if t.dtype == torch.bfloat16
+            and tuple(t.shape) in shapes
+            and t.data_ptr() not in weights
+        }
+        return sum(copies.values())
+
+    spec = MODEL
+    emb = Embedding(spec)
+    # 3 x 32 tokens: no activation has a weight's shape
+    tokens = torch.randint(0, spec.vocab_size, (3, spec.seq_length))
+    assert saved_bf16(emb, tokens) == 0
+    block = Block(spec, TPContext())
+    x = torch.randn(3, spec.seq_length, spec.hidden_size, requires_grad=True)
+    matmuls = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    assert saved_bf16(block, x) == matmuls
 
 
 # -- the profiler separates the copy from the activations -------------------------------------
