@@ -44,7 +44,13 @@ from sailor.agent.check_verdicts import judge
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
-from sailor.agent.supervisor import DEFAULT_WORKER_ARGV, Supervisor, SupervisorClosedError
+from sailor.agent.supervisor import (
+    DEFAULT_WORKER_ARGV,
+    TEARDOWN_TIMEOUT_S,
+    Supervisor,
+    SupervisorClosedError,
+    WorkerTeardownError,
+)
 from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
@@ -162,6 +168,14 @@ class AgentConfig(ServerEndpoints):
         "out of the reconfiguration's downtime; the controller counts a joined node once its "
         "spares are up (ControllerConfig.in_place). 0: none.",
     )
+    teardown_timeout_s: float = Field(
+        default=TEARDOWN_TIMEOUT_S,
+        gt=0,
+        description="After SIGKILL, how long a killed worker's processes (its whole process "
+        "group) may take to go before this node reports a failure (retry false) and takes no "
+        "rank: a rank in the GPU driver's teardown outlives SIGKILL for tens of seconds and "
+        "holds its GPU meanwhile. No worker starts here while they go.",
+    )
     watchers: tuple[WatcherConfig, ...] = Field(default=(), description="Preemption sources.")
     watch_poll_s: float = Field(default=0.5, gt=0, description="Watcher poll period.")
     preemption_drain_s: float = Field(
@@ -248,7 +262,10 @@ class Agent:
         self.failure: str | None = None  # why this agent must exit non-zero
         self.applied: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
         self.supervisor = Supervisor(
-            config.work_dir / self.node.node_id, config.worker_argv, warm_spares=config.warm_spares
+            config.work_dir / self.node.node_id,
+            config.worker_argv,
+            warm_spares=config.warm_spares,
+            teardown_timeout_s=config.teardown_timeout_s,
         )
         self.watchers: list[PreemptionWatcher] = [
             make_watcher(w.kind, w.target, self.clock) for w in config.watchers
@@ -750,6 +767,8 @@ class Agent:
                 await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
             except SupervisorClosedError:  # the agent began shutting down meanwhile
                 return self._refuse(cmd.command_id, "agent shutting down")
+            except WorkerTeardownError as exc:  # also the status's failure (retry false)
+                return self._refuse(cmd.command_id, f"a killed worker holds on: {exc}"[:1000])
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):

@@ -9,8 +9,13 @@ argparse's last occurrence wins, so the controller's config overrides one a temp
 Progress arrives as JSON lines on stdout (see ``sailor.megatron_patch.rank_main`` and
 ``toy_trainer``); stop and save requests go through a control file the workers re-read at
 every iteration boundary, written atomically. The timings of each rank's last steps are kept
-(:mod:`step_timings`) for the status record. On abort or deadline the workers get SIGTERM,
-then SIGKILL after ``kill_grace_s``. The first abnormal exit's cause (error file, else the
+(:mod:`step_timings`) for the status record. On abort or deadline the workers' process groups
+get SIGTERM, then SIGKILL after ``kill_grace_s``; then the supervisor waits until every
+process of those groups is gone, at most ``teardown_timeout_s`` (a rank in the GPU driver's
+teardown outlives SIGKILL for tens of seconds and holds its GPU meanwhile: :mod:`teardown`),
+and no worker or spare starts meanwhile. One still there then is reported as the failure
+(:func:`~sailor.megatron_patch.errors.outlived_kill_record`, ``retry=False``) and this node
+starts no rank until it is gone. The first abnormal exit's cause (error file, else the
 stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
@@ -55,9 +60,11 @@ import structlog
 from sailor.agent.rank_log import RankLog
 from sailor.agent.step_timings import StepWindow
 from sailor.agent.stream_lines import lines
+from sailor.agent.teardown import GONE_STATES, Teardown, group_members, teardown_verdict
 from sailor.coordination import TaskSet
 from sailor.megatron_patch.errors import (
     fault_path,
+    outlived_kill_record,
     read_error_file,
     signal_failure_record,
     write_error_file,
@@ -71,9 +78,11 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "DEFAULT_WORKER_ARGV",
+    "TEARDOWN_TIMEOUT_S",
     "TOY_TRAINER_ARGV",
     "Supervisor",
     "SupervisorClosedError",
+    "WorkerTeardownError",
     "WorkerView",
     "worker_options",
 ]
@@ -85,8 +94,33 @@ SPARE_FAILURES = 3
 """Spares in a row that fail to get warm before an agent stops starting them."""
 
 
+TEARDOWN_TIMEOUT_S = 120.0
+"""How long killed workers' processes may take to go after SIGKILL before the node is
+reported failed. A guess with its reasons, not a measurement here: the GPU driver's
+teardown of a rank after an XID error or an NCCL hang is reported to take tens of seconds,
+and a bound too short fails a node that would have recovered (``AgentConfig`` sets it)."""
+
+_PROBE_S = 0.2
+"""The longest pause between two probes of killed workers' groups (the first pauses are
+shorter: 10 ms, doubling): a ``killpg`` each and, while one has members, a ``/proc`` scan
+in a thread (~2 ms for 70 processes): cheap, and the next launch starts at most this late
+after the last process went."""
+
+_PROBE_TIMEOUT_S = 5.0
+"""A probe that takes longer (a ``/proc`` read stuck behind a process's kernel locks) counts
+as finding every group still there, state unreadable; the teardown's bound still holds."""
+
+_LOG_EVERY_S = 10.0
+"""How often a process outliving SIGKILL is logged again (first: ``kill_grace_s`` after)."""
+
+
 class SupervisorClosedError(RuntimeError):
     """A launch or a spare asked to start a worker after :meth:`Supervisor.close`."""
+
+
+class WorkerTeardownError(RuntimeError):
+    """A launch or a spare asked to start a worker while a killed worker's process outlived
+    the teardown bound and is still there (the message is the failure record, JSON)."""
 
 
 DEFAULT_WORKER_ARGV: tuple[str, ...] = (
@@ -224,6 +258,7 @@ class Supervisor:
         worker_argv: tuple[str, ...] = DEFAULT_WORKER_ARGV,
         exec_prefix: tuple[str, ...] = (),
         warm_spares: int = 0,
+        teardown_timeout_s: float = TEARDOWN_TIMEOUT_S,
     ) -> None:
         self.run_dir = run_dir
         self.worker_argv = worker_argv
@@ -238,6 +273,20 @@ class Supervisor:
         self.warm_spares = warm_spares
         """Spare worker processes kept ready for in-place launches."""
         self.kill_grace_s = 3.0
+        self.teardown_timeout_s = teardown_timeout_s
+        """After SIGKILL, how long killed workers' processes may take to go (``_kill``)."""
+        self.probe: Callable[[list[int]], dict[int, dict[int, str]]] = group_members
+        """Which of the given process groups still have members, with their states (tests
+        stand in a process that outlives SIGKILL: none can on a machine without a GPU)."""
+        self._killing = 0
+        """Kills under way: while any is, no worker starts (``_after_teardown``)."""
+        self._killed = asyncio.Event()
+        self._killed.set()
+        self._stuck = ""
+        """The failure record (JSON) of killed workers' processes still there past the
+        bound ('' if none): while it stands, no worker starts and it is the failure."""
+        self._lingering: list[int] = []
+        """The process groups ``_stuck`` is about (probed again before the next start)."""
         self.generation = -1
         self.plan_id = ""
         self.start_step = -1
@@ -378,6 +427,7 @@ class Supervisor:
         else:
             await self.abort()
             reusable = []
+        await self._after_teardown()  # no rank starts on a GPU a killed rank still holds
         gen_dir, plan_path, extra = self._gen_files(cmd, training)
         self._control_state = {}
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
@@ -449,6 +499,7 @@ class Supervisor:
     async def _spawn(
         self, rank: int, argv: tuple[str, ...], gen_dir: Path, generation: int
     ) -> WorkerView:
+        await self._after_teardown()
         if self.closed:
             raise SupervisorClosedError("the supervisor is closed: no worker starts")
         proc = await asyncio.create_subprocess_exec(
@@ -489,7 +540,8 @@ class Supervisor:
         template's with placeholders and ``--warm --in-place``: its real ones come with
         the directive that gives it a rank)."""
         async with self._topping_up:
-            with contextlib.suppress(SupervisorClosedError):  # closing: no spare is wanted
+            # closing, or a killed worker's process still holds a GPU: no spare is wanted
+            with contextlib.suppress(SupervisorClosedError, WorkerTeardownError):
                 await self._top_up()
 
     async def _top_up(self) -> None:
@@ -641,29 +693,155 @@ class Supervisor:
         _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
 
     async def _kill(self, workers: list[WorkerView]) -> None:
-        """SIGTERM ``workers``, SIGKILL after the grace period."""
+        """SIGTERM ``workers``' process groups; SIGKILL the groups not gone after the grace
+        period; then wait until every process of them is gone, at most ``teardown_timeout_s``
+        (``kill_grace_s`` once closed: nothing starts after a close, and the agent's stop
+        must stay short). No worker starts meanwhile. A process still there then is the
+        failure (``_stuck``), and no worker starts until it is gone.
+
+        Only the groups of workers not yet reaped are signalled: the pid of one reaped
+        earlier may belong to another process by now."""
         alive = [w for w in workers if w.exit_code is None]
-        for w in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(w.proc.pid, signal.SIGTERM)
         if not alive:
             return
-        _done, pending = await asyncio.wait(
-            [asyncio.ensure_future(w.proc.wait()) for w in alive], timeout=self.kill_grace_s
-        )
-        for w in alive:
-            if w.exit_code is None and w.proc.returncode is None:
+        self._killing += 1
+        self._killed.clear()
+        try:
+            for w in alive:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(w.proc.pid, signal.SIGKILL)
-        if pending:
-            await asyncio.wait(pending, timeout=self.kill_grace_s)
+                    os.killpg(w.proc.pid, signal.SIGTERM)
+            left, _ = await self._until_gone(alive, self.kill_grace_s)
+            if not left:
+                return
+            for pgid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+            killed = [w for w in alive if w.proc.pid in left]
+            bound = self.kill_grace_s if self.closed else self.teardown_timeout_s
+            left, elapsed = await self._until_gone(killed, bound, after_kill=True)
+            if left:
+                self._report_stuck(killed, left, elapsed)
+        finally:
+            self._killing -= 1
+            if not self._killing:
+                self._killed.set()
+
+    async def _until_gone(
+        self, workers: list[WorkerView], bound_s: float, after_kill: bool = False
+    ) -> tuple[dict[int, dict[int, str]], float]:
+        """Wait until every process of ``workers``' groups is gone, at most ``bound_s``:
+        the groups with a live member still (``{pgid: {pid: state}}``, {} if none) and the
+        seconds waited. Wakes when the workers have exited, else after 10 ms, doubling up
+        to ``_PROBE_S``: a worker that goes at once (its children with it) costs no sleep.
+        ``after_kill``: log the processes outliving SIGKILL, and their end."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        waits = [asyncio.ensure_future(w.proc.wait()) for w in workers if w.proc.returncode is None]
+        rank_of = {w.proc.pid: w.rank for w in workers}
+        outlived: dict[int, int] = {}  # pid -> rank, of those logged as outliving SIGKILL
+        next_log = self.kill_grace_s
+        delay = 0.01
+        try:
+            while True:
+                pending = [f for f in waits if not f.done()]
+                if pending:
+                    left_s = start + bound_s - loop.time()
+                    await asyncio.wait(pending, timeout=max(0.0, min(delay, left_s)))
+                groups = await self._probe(list(rank_of))
+                elapsed = loop.time() - start
+                there = {
+                    pid: (rank_of.get(pgid, -1), state)
+                    for pgid, members in groups.items()
+                    for pid, state in members.items()
+                    if state not in GONE_STATES
+                }
+                if after_kill:
+                    for pid in [p for p in outlived if p not in there]:
+                        _log.info(
+                            "worker_gone_after_sigkill",
+                            pid=pid,
+                            rank=outlived.pop(pid),
+                            seconds=round(elapsed, 1),
+                        )
+                    if there and elapsed >= next_log:
+                        next_log = elapsed + _LOG_EVERY_S
+                        for pid, (rank, state) in there.items():
+                            outlived[pid] = rank
+                            _log.warning(
+                                "worker_outlived_sigkill",
+                                pid=pid,
+                                rank=rank,
+                                seconds=round(elapsed, 1),
+                                state=state,
+                            )
+                verdict = teardown_verdict({p: s for p, (_, s) in there.items()}, elapsed, bound_s)
+                if verdict is Teardown.GONE:
+                    return {}, elapsed
+                if verdict is Teardown.STUCK:
+                    return {g: m for g, m in groups.items() if there.keys() & m.keys()}, elapsed
+                if not pending:
+                    await asyncio.sleep(min(delay, start + bound_s - loop.time()))
+                delay = min(2 * delay, _PROBE_S)
+        finally:
+            for f in waits:
+                f.cancel()
+
+    async def _probe(self, pgids: list[int]) -> dict[int, dict[int, str]]:
+        """``self.probe`` in a thread (it reads ``/proc``), at most ``_PROBE_TIMEOUT_S``."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.probe, pgids), _PROBE_TIMEOUT_S)
+        except TimeoutError:
+            _log.warning("worker_probe_slow", pgids=pgids, timeout_s=_PROBE_TIMEOUT_S)
+            return {g: {g: ""} for g in pgids}
+
+    def _report_stuck(
+        self, killed: list[WorkerView], groups: dict[int, dict[int, str]], elapsed: float
+    ) -> None:
+        """Killed workers' processes outlived the teardown bound: their GPUs are not free.
+        The failure says which, in what state; no worker starts until they are gone."""
+        by_pgid = {w.proc.pid: w for w in killed}
+        procs = [
+            (pid, by_pgid[pgid].rank if pgid in by_pgid else -1, state)
+            for pgid, members in groups.items()
+            for pid, state in members.items()
+            if state not in GONE_STATES
+        ]
+        procs.sort(key=lambda p: (p[2] != "D", p[0] not in by_pgid, p[0]))  # the driver's first
+        step = max((by_pgid[g].step for g in groups if g in by_pgid), default=-1)
+        self._stuck = json.dumps(outlived_kill_record(procs, elapsed, step))
+        self._lingering = sorted(groups)
+        self.failure = self._stuck
+        _log.error(
+            "worker_outlived_teardown",
+            processes=[f"pid {p} rank {r} state {s or '?'}" for p, r, s in procs],
+            seconds=round(elapsed, 1),
+        )
+        self.changed.set()
+
+    async def _after_teardown(self) -> None:
+        """Return once no kill is under way and no killed worker's process holds on
+        (probed again here: it may have gone since); else raise WorkerTeardownError."""
+        async with asyncio.timeout(self.teardown_timeout_s + 2 * self.kill_grace_s + 10):
+            await self._killed.wait()  # every kill ends within its bounds
+        if self._lingering:
+            groups = await self._probe(self._lingering)
+            states = {pid: s for members in groups.values() for pid, s in members.items()}
+            if teardown_verdict(states, 0.0, 0.0) is Teardown.GONE:
+                _log.info("worker_gone_after_teardown", pgids=self._lingering)
+                if self.failure == self._stuck:
+                    self.failure = ""
+                self._stuck, self._lingering = "", []
+                self.changed.set()
+        if self._stuck:
+            raise WorkerTeardownError(self._stuck)
 
     async def abort(self, hold: bool = False) -> None:
-        """Kill every worker (SIGTERM, SIGKILL after the grace period) and forget them. With
+        """Kill every worker (SIGTERM, SIGKILL after the grace period, then the wait until
+        their processes are gone: ``_kill``) and forget them. With
         ``hold`` (in-place workers only): ask them to leave their world and hold instead
         (SIGUSR1), killing only those that do not hold within the grace period."""
         if hold and self.in_place and self.workers:
-            self.failure = ""
+            self.failure = self._stuck
             waiting = [w for w in self.workers if w.exit_code is None and not w.held]
             for w in waiting:
                 with contextlib.suppress(ProcessLookupError):
@@ -686,7 +864,7 @@ class Supervisor:
         self.expect_exit = True
         await self._kill(self.workers)
         self.workers = []
-        self.failure = ""
+        self.failure = self._stuck  # a process that outlived SIGKILL stays reported
         self.changed.set()
 
     async def close(self) -> None:

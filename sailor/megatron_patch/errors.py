@@ -13,6 +13,12 @@ A worker killed by a signal cannot write its record (NCCL's watchdog aborts the 
 a C++ thread: ``SIGABRT``, no Python exception). Its parent (the agent's supervisor, or
 ``launch_local``) then writes :func:`signal_failure_record` in its place, with the Python
 stacks the worker's ``faulthandler`` left in :func:`fault_path` of its error file.
+
+A killed worker whose process is still there after SIGKILL and the agent's whole teardown
+bound (a rank in uninterruptible sleep in the GPU driver's teardown, after an NCCL hang or
+an XID error) still holds its GPU: the agent reports :func:`outlived_kill_record`, with
+``retry=False`` because no restart on that node frees the GPU; only the process's end or a
+reboot does.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +38,7 @@ __all__ = [
     "classify",
     "failure_record",
     "fault_path",
+    "outlived_kill_record",
     "read_error_file",
     "signal_failure_record",
     "write_error_file",
@@ -162,6 +170,48 @@ def signal_failure_record(
         "message": f"rank {rank} {what} after step {step} without an error record{hint}",
         "traceback": (fault_text or stderr_tail)[-8000:],
         "pid": pid,
+        "time": time.time(),
+        "written_by": "parent",
+    }
+
+
+_STATES = {
+    "D": "uninterruptible sleep: in the kernel, most often the GPU driver's teardown",
+    "R": "running",
+    "S": "sleeping",
+    "T": "stopped",
+    "t": "stopped by a tracer",
+}
+
+
+def outlived_kill_record(
+    processes: Sequence[tuple[int, int, str]], seconds: float, step: int = -1
+) -> FailureRecord:
+    """The record an agent writes when killed workers' processes ``(pid, rank, state)`` (the
+    ``/proc/<pid>/stat`` state letter, '' if unreadable; the first is the one named) are
+    still there ``seconds`` after SIGKILL. ``retry`` is False: their GPU stays taken, and a
+    rank started on it runs out of memory or hangs, so retrying on this node does not help.
+    """
+    if not processes:
+        raise ValueError("outlived_kill_record: processes is empty")
+    pid, rank, state = processes[0]
+    what = _STATES.get(state, "state unknown") if state else "state unreadable"
+    others = f" and {len(processes) - 1} more process(es)" if len(processes) > 1 else ""
+    return {
+        "rank": rank,
+        "step": step,
+        "origin": "local",
+        "retry": False,
+        "error_type": "OutlivedKill",
+        "message": (
+            f"rank {rank}'s process {pid} (state {state or '?'}: {what}){others} outlived "
+            f"SIGKILL for {seconds:.0f} s: its GPU is not free, no rank starts on this node"
+        ),
+        "traceback": "",
+        "pid": pid,
+        "state": state,
+        "seconds": round(seconds, 1),
+        "processes": [{"pid": p, "rank": r, "state": s} for p, r, s in processes],
         "time": time.time(),
         "written_by": "parent",
     }
