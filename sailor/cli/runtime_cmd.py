@@ -6,10 +6,12 @@ import asyncio
 import getpass
 import json
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sailor.cli._io import fail, load_config
@@ -111,7 +113,13 @@ def status(
         f"plan {snap['plan_id']}  last checkpoint {snap['last_checkpoint']}  "
         f"calibration v{snap['calibration_version'] or 0}"
     )
-    cols = ("node", "gpu", "gpus", "zone", "spot", "state", "step", "loss", "notice")
+    for node, ex in snap["excluded"].items():  # workers kept failing there: no layout uses it
+        until = datetime.fromtimestamp(ex["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        con.print(
+            f"excluded [bold]{node}[/] until {until} after {ex['failures']} failure(s) in a "
+            f"row: {escape(ex['cause'])}"
+        )
+    cols = ("node", "gpu", "gpus", "zone", "spot", "state", "step", "loss", "notice", "excluded")
     t = Table(*cols)
     for n in snap["nodes"]:
         t.add_row(*(str(n.get(k, "")) for k in cols))

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator
 
+from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.security import SecurityConfig
@@ -145,6 +146,13 @@ class ControllerConfig(ServerEndpoints):
         "next launch. False: every reconfiguration restarts the workers.",
     )
     base_port: int = Field(default=29500, gt=0, description="Rendezvous port base.")
+    exclusion: ExclusionPolicy = Field(
+        default_factory=ExclusionPolicy,
+        description="When a node whose workers keep failing is left out of the layouts, and "
+        "for how long: at once on a failure whose record says retry false, else after "
+        "`failures` in a row that began there; `exclude_s`, doubling per exclusion up to "
+        '`max_exclude_s` (docs/runtime.md, "Failing nodes").',
+    )
     planner: Literal["sailor", "data_parallel"] = Field(
         default="sailor",
         description="'sailor': sailor.planner search/replan; 'data_parallel': the stand-in.",

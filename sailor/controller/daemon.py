@@ -47,6 +47,7 @@ from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import DecideConfig, Observed, decide
 from sailor.controller.executor import Executor
+from sailor.controller.node_health import excluded
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
@@ -127,6 +128,7 @@ class Controller:
             in_place=config.in_place,
             base_port=config.base_port,
             training=self.training,
+            exclusion=config.exclusion,
         )
         self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
         # reads the cost model's inputs now, like the training config: a broken file stops it
@@ -411,14 +413,16 @@ class Controller:
                 for n, t in self._unseen_notices.items()
                 if n not in snap.notices and now - t < 2.0  # bounded: never waits on a lost one
             }
+        now = self.clock.now()
         return Observed(
-            now=self.clock.now(),
+            now=now,
             nodes=snap.nodes,
             status=snap.status,
             notices=snap.notices,
             commits=snap.commits,
             acked=ex.acked_view,
             recalibration=self.calibrator.note(desired),
+            excluded=excluded(desired.node_health, now),
         )
 
     async def _notices_from_status(

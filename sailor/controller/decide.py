@@ -6,7 +6,9 @@ acks of this epoch and the time), never on which event woke the loop. So a dupli
 or reordered event cannot change what happens, and replaying an audit log's observations
 through ``decide`` reproduces the run. No I/O, no clock, no state of its own: the one
 module-level value is a memo of the last plan's digest and world size (:func:`_plan_facts`),
-a function of that plan object alone.
+a function of that plan object alone. What it must remember across passes it keeps in the
+desired state it writes: which checkpoints could not be read (``bad_checkpoints``) and which
+nodes keep failing (``node_health``, ``controller/node_health.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
+from sailor.controller.node_health import (
+    ExclusionPolicy,
+    charge,
+    describe,
+    excluded,
+    forget_gone,
+    parse_failure,
+    trained,
+)
 from sailor.controller.phases import PhaseDeadlines, check_transition
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import (
@@ -88,6 +99,11 @@ class DecideConfig(Frozen):
         description="Training config every launch hands to the workers (its paths absolute); "
         "a generation keeps the one it was launched with. None: the workers' defaults.",
     )
+    exclusion: ExclusionPolicy = Field(
+        default_factory=ExclusionPolicy,
+        description="When a node whose workers keep failing is left out of the layouts, and "
+        "for how long (controller/node_health.py).",
+    )
 
 
 @dataclass(frozen=True)
@@ -115,12 +131,17 @@ class Observed:
     commits: tuple[CommitRecord, ...] = ()
     acked: frozenset[str] = frozenset()
     recalibration: RecalibrationAdvice | None = None
+    excluded: frozenset[str] = frozenset()
+    """Nodes the desired state's ``node_health`` excludes at ``now``: ``decide`` derives it
+    from the desired state itself; the daemon fills it for the other readers of ``usable``."""
 
     @cached_property
     def usable(self) -> tuple[str, ...]:
-        """Registered nodes without a notice, sorted (once per ``Observed``: a pass asks up
-        to three times, ~0.25 ms each at 512 nodes)."""
-        return tuple(sorted(n for n in self.nodes if n not in self.notices))
+        """Registered nodes without a notice and not excluded, sorted (once per ``Observed``:
+        a pass asks up to three times, ~0.25 ms each at 512 nodes)."""
+        return tuple(
+            sorted(n for n in self.nodes if n not in self.notices and n not in self.excluded)
+        )
 
     def resumable(self, bad: tuple[int, ...] = ()) -> CommitRecord | None:
         """The newest recorded commit a launch may load: not one a launch failed to read."""
@@ -227,17 +248,35 @@ def _plan_facts(plan: Plan) -> tuple[str, int]:
     return digest, world
 
 
+def _failed(d: DesiredState, o: Observed, stale: bool = False) -> dict[str, str]:
+    """node -> failure text, for the nodes of the layout whose workers of this generation
+    failed; with ``stale``, also those still reporting a failure of an older one (at a
+    LAUNCH abort: their agent did not start this generation, as one whose killed worker
+    outlived SIGKILL refuses every launch)."""
+    out = {}
+    for n in d.placement:
+        st = o.status.get(n)
+        if st is None or st.state != "failed":
+            continue
+        if st.generation == d.generation or (stale and st.generation < d.generation):
+            out[n] = st.failure
+    return out
+
+
 def _unhealthy(d: DesiredState, o: Observed) -> str:
     """Why the current layout cannot go on ('' if it can)."""
     lost = sorted(n for n in d.placement if n not in o.nodes)
     if lost:
         return f"node lost without notice: {','.join(lost)}"
+    failed = _failed(d, o)
+    if failed:
+        # name the node the failure began on, not a peer that failed because of it
+        n = min(failed, key=lambda n: (not parse_failure(failed[n]).own, n))
+        return f"worker failed on {n}: {failed[n][:200]}"
     for n in sorted(d.placement):
         st = o.status.get(n)
         if st is None or st.generation != d.generation:
             continue
-        if st.state == "failed":
-            return f"worker failed on {n}: {st.failure[:200]}"
         if st.state == "held" and st.failure:
             # in-place workers whose world broke (a peer died) hold instead of exiting
             return f"worker world broke on {n}: {st.failure[:200]}"
@@ -281,6 +320,10 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
+    # The nodes the failure began on are remembered: relaunching on a node that cannot run
+    # a rank aborted again, forever (controller/node_health.py).
+    failed = _failed(d, o, stale=d.phase is Phase.LAUNCH)
+    health, notes = charge(d.node_health, failed, d.generation, o.now, cfg.exclusion)
     state = _move(
         d,
         Phase.TEARDOWN,
@@ -295,8 +338,9 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
         cause=cause,
         in_place_failed=d.in_place_failed or failed_in_place,
         bad_checkpoints=bad,
+        node_health=health,
     )
-    return [SetDesired(state, f"abort: {cause}")]
+    return [SetDesired(state, "; ".join([f"abort: {cause}", *notes]))]
 
 
 def _replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
@@ -530,7 +574,42 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]
 
 
+def _late_failures(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """Count the failures of the torn-down generation reported after the abort was decided
+    (a peer's status came first); empty when there are none."""
+    health, notes = charge(d.node_health, _failed(d, o), d.generation, o.now, cfg.exclusion)
+    if health == d.node_health:
+        return []
+    counted = sorted(n for n in health if health[n] != d.node_health.get(n))
+    why = "; ".join([f"failure after the abort counted on {','.join(counted)}", *notes])
+    return [SetDesired(d.model_copy(update={"node_health": health}), why)]
+
+
+def _nothing_usable(d: DesiredState, o: Observed) -> str:
+    """Why no node is usable: the excluded ones named, with until when and why."""
+    ex = sorted(o.excluded & set(o.nodes))
+    if not ex:
+        return "no usable node"
+    notes = [describe(n, d.node_health[n], o.now) for n in ex]
+    return "no usable node: " + "; ".join(notes)
+
+
+def _holding_up(d: DesiredState, o: Observed, busy: list[str]) -> list[str]:
+    """The busy nodes the next launch waits for: not an excluded node whose Abort was acked.
+    Such a node may stay ``failed`` for long (a killed worker that outlived SIGKILL keeps
+    its GPU, and its agent reports so until the process is gone); no layout uses it, and
+    waiting for it held up every launch on the others."""
+    return [
+        n
+        for n in busy
+        if n not in o.excluded or not any(_cid(d, k, n) in o.acked for k in ("abort", "hold"))
+    ]
+
+
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    late = _late_failures(d, o, cfg)
+    if late:
+        return late
     actions: list[Action] = []
     in_place = _in_place_next(d, cfg)
     plan_id = d.plan.plan_id if d.plan else ""
@@ -569,11 +648,15 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     for n in sorted(o.notices):
         if n not in o.nodes:
             actions.append(ClearNotice(n))
+    busy = _holding_up(d, o, busy)
     if not o.usable:
         if busy:
             return actions
-        idle = _move(d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=())
-        return [*actions, SetDesired(idle, "no usable node")]
+        why = _nothing_usable(d, o)
+        idle = _move(
+            d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=(), cause=why[:1024]
+        )
+        return [*actions, SetDesired(idle, why)]
     # Plan while the old workers are torn down (after an abort nothing was planned yet):
     # waiting for every Abort's ack and idle status first put the whole fan-out (~0.3 s
     # at 512 nodes) in front of the planner.
@@ -630,7 +713,10 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
         return []
     if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
-        done = _move(d, Phase.RUNNING, o.now, cfg, aborted=False, in_place_failed=False)
+        health = trained(d.node_health, d.placement)  # they trained: no failure streak
+        done = _move(
+            d, Phase.RUNNING, o.now, cfg, aborted=False, in_place_failed=False, node_health=health
+        )
         return [SetDesired(done, f"first step after {d.load_step} done")]
     return []
 
@@ -653,6 +739,14 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
         kept = {n: r for n, r in o.notices.items() if n not in expired}
         rest = decide(d, replace(o, notices=kept), config)
         return [*(ClearNotice(n) for n in expired), *rest]
+    health = forget_gone(d.node_health, o.nodes)
+    if health != d.node_health:
+        gone = ", ".join(sorted(set(d.node_health) - set(health)))
+        d = d.model_copy(update={"node_health": health})
+        return [SetDesired(d, f"forgot the failures of deregistered {gone}"), *decide(d, o, config)]
+    out = excluded(d.node_health, o.now)
+    if out != o.excluded:  # the desired state says which nodes are out, whatever o was given
+        o = replace(o, excluded=out)
     if d.phase is Phase.IDLE:
         return _idle(d, o, config)
     if d.phase is Phase.RUNNING:

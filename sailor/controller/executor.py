@@ -106,14 +106,18 @@ class Executor:
 
     async def write_desired(self, state: DesiredState, reason: str) -> None:
         # a field added since the last release is written only when in use: agents and a
-        # standby controller still on that release read the state as long as it is not
-        # (their schema refuses fields it does not know)
-        unused = {"bad_checkpoints"} if not state.bad_checkpoints else None
-        data = state.model_dump_json(exclude=unused).encode()
+        # standby controller on a release before wire versions read the state as long as
+        # it is not (their schema refuses fields it does not know)
+        unused = {f for f in ("bad_checkpoints", "node_health") if not getattr(state, f)}
+        data = state.model_dump_json(exclude=unused or None).encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
+        now = self.clock.now()
+        out = {n: r.excluded_until for n, r in state.node_health.items() if r.excluded_until > now}
+        if out:  # which nodes no layout may use, and until when
+            extra["excluded"] = out
         if state.phase is Phase.LAUNCH:  # which training config and layout this generation runs
             t = state.training
             extra["training_sha256"] = training_digest(t) if t is not None else ""
@@ -125,7 +129,7 @@ class Executor:
                 extra["predicted_step_s"] = pred.iteration_time_s if pred is not None else None
         self.audit.write(
             "phase",
-            self.clock.now(),
+            now,
             epoch=self.epoch,
             phase=state.phase.value,
             generation=state.generation,

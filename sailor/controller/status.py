@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,9 +19,14 @@ __all__ = ["read_status"]
 
 
 async def read_status(
-    endpoint: str | Sequence[str], job: str, security: SecurityConfig | None = None
+    endpoint: str | Sequence[str],
+    job: str,
+    security: SecurityConfig | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
-    """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint."""
+    """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint. A node
+    the controller excludes (its workers kept failing: ``DesiredState.node_health``) shows
+    until when, as of ``now`` (default: this host's clock)."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
@@ -47,6 +53,13 @@ async def read_status(
         with contextlib.suppress(ValidationError):
             r = NoticeRecord.model_validate_json(kv.value)
             nt[r.node_id] = r
+    now = time.time() if now is None else now
+    health = d.node_health if d else {}
+    out = {
+        n: {"until": r.excluded_until, "failures": r.failures, "cause": r.cause}
+        for n, r in sorted(health.items())
+        if r.excluded_until > now
+    }
     rows = []
     for kv in nodes:
         with contextlib.suppress(ValidationError):
@@ -63,6 +76,7 @@ async def read_status(
                     "step": s2.step if s2 else "",
                     "loss": f"{s2.loss:.4f}" if s2 and s2.loss is not None else "",
                     "notice": f"{nt[n.node_id].deadline:.0f}" if n.node_id in nt else "",
+                    "excluded": f"{out[n.node_id]['until']:.0f}" if n.node_id in out else "",
                 }
             )
     last = None
@@ -77,6 +91,7 @@ async def read_status(
         "plan_id": d.plan.plan_id if d and d.plan else None,
         "gpus_by_type_zone": d.plan.gpus_by_type_zone() if d and d.plan else {},
         "cause": d.cause if d else "",
+        "excluded": out,
         "last_checkpoint": last,
         "calibration_version": _calibration_version(calib.value) if calib else None,
         "nodes": rows,

@@ -16,10 +16,11 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
-dropping the fields it does not know (``_newer``), and refuses versions below 1."""
+dropping the fields it does not know (``_newer``), and refuses versions below 1.
+2: ``DesiredState.node_health``."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -43,8 +43,18 @@ def plan_digest(plan: Plan) -> str:
 
 
 def training_digest(config: TrainingConfig) -> str:
-    """SHA-256 (hex) of the training config's JSON: what ``Launch.training_sha256`` names."""
-    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+    """SHA-256 (hex) of the training config's JSON: what ``Launch.training_sha256`` names.
+
+    Hashed as ``schema_version`` 1, whatever version wrote it: a reader of an older release
+    makes a newer config its own version (``_newer``), so an agent of the release that wrote
+    version 1 computes this digest of a newer controller's config too, while the config's
+    fields are the same (its own configs, and those it reads, are version 1 already).
+    Hashing the writer's version refused every launch of a newer controller with a training
+    config on such agents ("training config digest mismatch"), in the upgrade order the
+    operations guide gives (controllers first).
+    """
+    as_v1 = config.model_copy(update={"schema_version": 1})
+    return hashlib.sha256(as_v1.model_dump_json().encode()).hexdigest()
 
 
 class _CommandBase(WireMessage):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from sailor.schemas._base import WireMessage
+from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.events import PreemptionNotice
 from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.plan import Plan
@@ -26,6 +26,7 @@ __all__ = [
     "CommitRecord",
     "DesiredState",
     "LaunchPath",
+    "NodeHealth",
     "NoticeRecord",
     "Phase",
 ]
@@ -52,6 +53,38 @@ of the next generation in place (``Launch.in_place``)."""
 LaunchPath = Literal["restart", "in_place"]
 """How a generation's workers came to be: new processes loading the checkpoint, or the
 processes of the previous generation (plus warm spares) rebuilt in place."""
+
+
+class NodeHealth(Frozen):
+    """The controller's memory of one node's failures (``DesiredState.node_health``): how
+    many in a row began on that node, and until when no layout uses it. The policy that
+    writes it is ``sailor.controller.node_health``."""
+
+    failures: int = Field(
+        default=0,
+        ge=0,
+        description="Consecutive aborts caused by a failure that began on this node (not a "
+        "peer's), since a generation last trained on it.",
+    )
+    generation: int = Field(
+        default=-1, ge=-1, description="Last generation whose failure was counted (once each)."
+    )
+    exclusions: int = Field(
+        default=0,
+        ge=0,
+        description="Times the node was excluded; each exclusion lasts twice the previous one "
+        "(capped).",
+    )
+    excluded_until: float = Field(
+        default=0.0, ge=0, description="Unix time until which no layout uses it; 0: never was."
+    )
+    cause: str = Field(default="", max_length=256, description="Its last failure, shortened.")
+
+    @model_validator(mode="after")
+    def _excluded_only_when_counted(self) -> NodeHealth:
+        if self.excluded_until > 0 and self.exclusions == 0:
+            raise field_error("excluded_until", self.excluded_until, "set, but exclusions is 0")
+        return self
 
 
 class DesiredState(WireMessage):
@@ -99,6 +132,11 @@ class DesiredState(WireMessage):
         default=(),
         description="Committed steps a launch could not load (corrupt or missing files): "
         "never loaded again; launches fall back to the newest other recorded commit.",
+    )
+    node_health: dict[str, NodeHealth] = Field(
+        default_factory=dict,
+        description="node id -> its failure record, for nodes whose workers failed: a node "
+        "excluded until a time is in no layout before then. Dropped when the node deregisters.",
     )
 
 

@@ -24,6 +24,7 @@ import pytest
 
 import sailor.agent.daemon as agent_daemon
 from sailor.controller.audit import read_records
+from sailor.controller.status import read_status
 from sailor.coordination import (
     DaemonFailedError,
     FencedError,
@@ -296,3 +297,65 @@ async def test_a_lost_fence_file_is_made_good_from_the_desired_state(cluster: Cl
     # raised before it serves commands or registers, not by the next command it accepts
     await _until(lambda: again._lease is not None, 20, "agent did not register")
     assert again.max_epoch == epoch
+
+
+_CONFIG_ERROR_WORKER = """
+import argparse, sys
+from sailor.megatron_patch.errors import failure_record, write_error_file
+p = argparse.ArgumentParser()
+p.add_argument("--rank", type=int)
+p.add_argument("--error-file")
+a, _ = p.parse_known_args()
+exc = ValueError("this node's worker refuses its configuration")
+write_error_file(a.error_file, failure_record(exc, a.rank, -1, in_training=False))
+sys.exit(1)
+"""
+
+
+def _placed(launch: dict[str, Any]) -> set[str]:
+    return {n for p in launch["layout"] for s in p["stages"] for n in s["nodes"]}
+
+
+async def test_a_node_whose_worker_always_fails_with_a_config_error_is_left_out(
+    cluster: Cluster,
+) -> None:
+    """n2's worker fails at every launch with a configuration error (``retry: false``):
+    the controller excludes n2 at the first failure and trains on n1 alone, instead of
+    aborting and relaunching on n2 forever (before: 80 launches on n2 in 40 s)."""
+    script = cluster.tmp / "config_error_worker.py"
+    script.write_text(_CONFIG_ERROR_WORKER)
+    good = cluster.worker
+    cluster.start_agent("n1")
+    cluster.worker = (good[0], str(script), "--rank", "{rank}", "--error-file", "{error_file}")
+    cluster.start_agent("n2")
+    cluster.worker = good
+    cluster.start_controller("c1")
+
+    def excluded_and_running() -> bool:
+        ctl = cluster.controllers["c1"][0]
+        d = ctl.desired
+        return (
+            d is not None
+            and d.phase is Phase.RUNNING
+            and list(d.placement) == ["n1"]
+            and "n2" in d.node_health
+        )
+
+    await _until(excluded_and_running, 40, "n2 was not left out")
+    ctl = cluster.controllers["c1"][0]
+    assert ctl.desired is not None
+    gen, rec = ctl.desired.generation, ctl.desired.node_health["n2"]
+    assert rec.exclusions == 1 and rec.excluded_until > time.time() + 500
+    await asyncio.sleep(2.0)  # and it stays so: no relaunch on n2
+    assert ctl.desired.generation == gen and ctl.desired.phase is Phase.RUNNING
+    ctl.audit.sync()
+    phases = _records(cluster, "c1", "phase")
+    with_n2 = [r for r in phases if r["phase"] == "launch" and "n2" in _placed(r)]
+    assert len(with_n2) == 1, with_n2
+    (abort,) = [r for r in phases if "excluded n2 until" in r["cause"]]
+    assert "retry false" in abort["cause"] and "refuses its configuration" in abort["cause"]
+    assert "n2" in next(r for r in phases if r["generation"] == gen)["excluded"]
+    snap = await read_status(cluster.etcd, cluster.job, cluster.security("c1"))
+    assert list(snap["excluded"]) == ["n2"]
+    assert {r["node"]: r["excluded"] != "" for r in snap["nodes"]} == {"n1": False, "n2": True}
+    await cluster.audit()

@@ -11,6 +11,7 @@ import json
 from sailor.agent.plan_source import PlanSource
 from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
+from sailor.schemas import SCHEMA_VERSION
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.runtime import AgentStatus, DesiredState, Phase
@@ -28,7 +29,8 @@ def _plan() -> Plan:
 
 
 def _newer(raw: str, extra: dict[str, object]) -> bytes:
-    return json.dumps(json.loads(raw) | {"schema_version": 2} | extra).encode()
+    """``raw`` as the next release writes it: its version, and fields this one lacks."""
+    return json.dumps(json.loads(raw) | {"schema_version": SCHEMA_VERSION + 1} | extra).encode()
 
 
 async def test_records_of_a_newer_release_are_read_without_their_new_fields(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from sailor.controller.decide import (
@@ -18,9 +21,17 @@ from sailor.controller.decide import (
 )
 from sailor.controller.phases import LEGAL, check_transition
 from sailor.controller.planning import DataParallelPlanner
+from sailor.megatron_patch.errors import outlived_kill_record
 from sailor.schemas.commands import Command, CommandAdapter, Launch, plan_digest, training_digest
 from sailor.schemas.hardware import NodeSpec
-from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
+from sailor.schemas.runtime import (
+    AgentStatus,
+    CommitRecord,
+    DesiredState,
+    NodeHealth,
+    NoticeRecord,
+    Phase,
+)
 from sailor.schemas.training import BuiltinModel, TrainingConfig
 
 CFG = DecideConfig(checkpoint_dir="/ck", stop_ahead_steps=2, notice_margin_s=5)
@@ -596,3 +607,213 @@ def test_the_rendezvous_host_of_every_address_form() -> None:
     assert _host_of("[fd00::17]") == "[fd00::17]"
     assert _host_of("[fd00::17]:22") == "[fd00::17]"
     assert _host_of("") == ""
+
+
+# --- nodes whose workers keep failing (controller/node_health.py) --------------------------
+
+
+def _record(origin: str, message: str = "boom", error_type: str = "RuntimeError") -> str:
+    """A worker's error record as the agent reports it (megatron_patch/errors.py)."""
+    return json.dumps(
+        {
+            "rank": 0,
+            "step": -1,
+            "origin": origin,
+            "retry": origin != "config",
+            "error_type": error_type,
+            "message": message,
+            "traceback": "Traceback ...",
+        }
+    )
+
+
+def fails(i: int, origin: str = "local", gen: int = 1, message: str = "boom") -> AgentStatus:
+    return st(i, gen=gen, state="failed").model_copy(
+        update={"failure": _record(origin, message, "ValueError" if origin == "config" else "X")}
+    )
+
+
+def _replanned(a: list[object]) -> list[str]:
+    (rp,) = [x for x in a if isinstance(x, Replan)]
+    return [n.node_id for n in rp.nodes]
+
+
+def test_a_config_failure_excludes_its_node_at_once_and_the_next_plan_leaves_it_out() -> None:
+    """A failure whose record says retry false: no relaunch on that node (before, the next
+    plan was made over every registered node and aborted the same way, forever); the peer
+    that failed because of it is not at fault."""
+    d = running((1, 2))
+    bad = fails(2, "config", message="tp=3 does not divide 8 heads")
+    a = decide(d, obs(nodes(1, 2), [fails(1, "peer"), bad]), CFG)
+    assert kinds(a) == ["set:teardown"]
+    torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert "worker failed on n2" in torn.cause  # the node it began on, not the peer n1
+    assert set(torn.node_health) == {"n2"}
+    rec = torn.node_health["n2"]
+    assert rec.excluded_until == NOW + CFG.exclusion.exclude_s and rec.exclusions == 1
+    assert "excluded n2 until" in reason and "retry false" in reason
+    assert "tp=3 does not divide 8 heads" in reason and "600 s" in reason
+    a = decide(torn, obs(nodes(1, 2), [st(1, state="idle"), st(2, state="idle")]), CFG)
+    assert _replanned(a) == ["n1"]
+
+
+def test_three_failures_in_a_row_on_one_node_exclude_it() -> None:
+    health: dict[str, object] = {}
+    for gen in (1, 2, 3):
+        d = running((1, 2), gen=gen, node_health=health)
+        a = decide(d, obs(nodes(1, 2), [st(1, gen=gen), fails(2, gen=gen)]), CFG)
+        torn = a[0].state  # type: ignore[union-attr]
+        health = torn.node_health
+        assert health["n2"].failures == gen and health["n2"].generation == gen
+        # the teardown that follows sees the same failed status: counted once
+        late = decide(torn, obs(nodes(1, 2), [st(1, gen=gen), fails(2, gen=gen)]), CFG)
+        assert "set:teardown" not in kinds(late) and "send:abort:n2" in kinds(late)
+        if gen < 3:
+            assert health["n2"].excluded_until == 0 and "excluded" not in a[0].reason  # type: ignore[union-attr]
+    assert health["n2"].excluded_until == NOW + 600
+    assert "excluded n2" in a[0].reason and "3 consecutive failures" in a[0].reason  # type: ignore[union-attr]
+    a = decide(torn, obs(nodes(1, 2), [st(1, state="idle"), st(2, state="idle")]), CFG)
+    assert _replanned(a) == ["n1"]
+
+
+def test_peer_failures_do_not_count_and_unreadable_ones_do() -> None:
+    d = running((1, 2))
+    n2 = st(2, state="failed").model_copy(update={"failure": "rank 1 exit -9: Killed"})
+    a = decide(d, obs(nodes(1, 2), [fails(1, "peer"), n2]), CFG)
+    torn = a[0].state  # type: ignore[union-attr]
+    assert set(torn.node_health) == {"n2"} and torn.node_health["n2"].failures == 1
+    assert "worker failed on n2" in torn.cause
+    # only the peer's report is in: nothing counted, and the node the failure began on
+    # counts when its report arrives during the teardown
+    a = decide(d, obs(nodes(1, 2), [fails(1, "peer"), st(2)]), CFG)
+    torn = a[0].state  # type: ignore[union-attr]
+    assert torn.node_health == {}
+    a = decide(torn, obs(nodes(1, 2), [fails(1, "peer"), n2]), CFG)
+    assert kinds(a) == ["set:teardown"] and "counted on n2" in a[0].reason  # type: ignore[union-attr]
+    assert a[0].state.node_health["n2"].failures == 1  # type: ignore[union-attr]
+
+
+def test_a_node_that_trained_starts_its_count_again() -> None:
+    """VERIFY -> RUNNING (every node stepped past the load step) ends the failure streak of
+    the layout's nodes; a node excluded before keeps its exclusion count (the backoff)."""
+    streak = NodeHealth(failures=2, generation=1, cause="X: boom")
+    back = NodeHealth(failures=3, generation=1, exclusions=1, excluded_until=NOW - 5)
+    other = NodeHealth(failures=1, generation=1)
+    d = running(
+        (1, 2),
+        gen=2,
+        phase=Phase.VERIFY,
+        phase_deadline=NOW + 10,
+        load_step=12,
+        node_health={"n1": streak, "n2": back, "n3": other},
+    )
+    ns = nodes(1, 2, 3)
+    assert decide(d, obs(ns, [st(1, gen=2, step=12), st(2, gen=2, step=13)]), CFG) == []
+    a = decide(d, obs(ns, [st(1, gen=2, step=13), st(2, gen=2, step=13)]), CFG)
+    assert kinds(a) == ["set:running"]
+    health = a[0].state.node_health  # type: ignore[union-attr]
+    assert "n1" not in health  # nothing else to remember
+    assert health["n2"].failures == 0 and health["n2"].exclusions == 1
+    assert health["n3"] == other  # not in the layout: did not train
+
+
+def test_an_exclusion_ends_and_the_next_one_lasts_twice_as_long() -> None:
+    until = NOW + 10
+    rec = NodeHealth(failures=3, generation=1, exclusions=1, excluded_until=until, cause="X")
+    idle = DesiredState(epoch=7, generation=1, node_health={"n2": rec})
+    ns, sts = nodes(1, 2), [st(1, state="idle"), st(2, state="idle")]
+    assert _replanned(decide(idle, obs(ns, sts), CFG)) == ["n1"]
+    later = Observed(now=until + 1, nodes=ns, status={s.node_id: s for s in sts})
+    assert _replanned(decide(idle, later, CFG)) == ["n1", "n2"]
+    # on probation (it has not trained since): its next failure excludes it again, longer
+    lengths = []
+    health = {"n2": rec}
+    for gen in (2, 3, 4, 5):
+        d = running((1, 2), gen=gen, node_health=health)
+        a = decide(d, obs(nodes(1, 2), [st(1, gen=gen), fails(2, gen=gen)]), CFG)
+        health = a[0].state.node_health  # type: ignore[union-attr]
+        lengths.append(health["n2"].excluded_until - NOW)
+    assert lengths == [1200, 2400, 3600, 3600]  # doubled, capped at max_exclude_s
+
+
+def test_with_every_node_excluded_the_controller_waits_and_says_why() -> None:
+    d = running((1,))
+    a = decide(d, obs(nodes(1), [fails(1, "config", message="bad --seq-len")]), CFG)
+    torn = a[0].state  # type: ignore[union-attr]
+    # the failed worker is aborted first, then nothing is left to plan for: IDLE
+    assert kinds(decide(torn, obs(nodes(1), [fails(1, "config")]), CFG)) == ["send:abort:n1"]
+    a = decide(torn, obs(nodes(1), [st(1, state="idle")]), CFG)
+    assert kinds(a) == ["set:idle"]
+    idle, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert reason.startswith("no usable node: excluded n1 until ") and "bad --seq-len" in reason
+    assert idle.cause == reason
+    # and no relaunch loop: nothing to do until the exclusion ends
+    assert decide(idle, obs(nodes(1), [st(1, state="idle")]), CFG) == []
+    end = idle.node_health["n1"].excluded_until
+    later = Observed(now=end + 1, nodes=nodes(1), status={"n1": st(1, state="idle")})
+    assert kinds(decide(idle, later, CFG)) == ["replan"]
+
+
+def test_the_record_of_a_node_that_deregistered_is_dropped() -> None:
+    rec = NodeHealth(failures=1, generation=1, exclusions=1, excluded_until=NOW + 60)
+    d = running((1,), node_health={"n1": NodeHealth(failures=1, generation=1), "n3": rec})
+    a = decide(d, obs(nodes(1, 2), [st(1)]), CFG)
+    assert isinstance(a[0], SetDesired) and "deregistered n3" in a[0].reason
+    assert set(a[0].state.node_health) == {"n1"}
+    # the rest is what the same state without the record decides: n2 joins
+    kept = d.model_copy(update={"node_health": a[0].state.node_health})
+    assert a[1:] == decide(kept, obs(nodes(1, 2), [st(1)]), CFG)
+    assert kinds(a) == ["set:running", "set:quiesce", "replan"]
+
+
+def test_exclusions_keep_decide_a_function_of_its_inputs() -> None:
+    """Replaying the same observations gives the same actions; the excluded set ``decide``
+    uses is the desired state's, whatever the caller put in ``Observed.excluded``; the
+    inputs are not modified."""
+    rec = NodeHealth(failures=3, generation=1, exclusions=1, excluded_until=NOW + 60)
+    d = running((1,), gen=1, node_health={"n2": rec})
+    before = d.model_copy(deep=True)
+    o = obs(nodes(1, 2, 3), [st(1)])
+    runs = [decide(d, o, CFG) for _ in range(2)]
+    runs.append(decide(d, replace(o, excluded=frozenset({"n3"})), CFG))
+    assert runs[0] == runs[1] == runs[2]
+    assert kinds(runs[0]) == ["set:quiesce", "replan"] and _replanned(runs[0]) == ["n1", "n3"]
+    assert d == before and o.excluded == frozenset()
+    # a pass through a whole abort, replayed: the same desired states and reasons
+    trace = []
+    for _ in range(2):
+        x = running((1, 2))
+        steps = [
+            obs(nodes(1, 2), [fails(1, "peer"), fails(2, "config")]),
+            obs(nodes(1, 2), [st(1, state="idle"), st(2, state="idle")]),
+        ]
+        out = []
+        for ob in steps:
+            acts = decide(x, ob, CFG)
+            out.append(acts)
+            x = next((s.state for s in acts if isinstance(s, SetDesired)), x)
+        trace.append(out)
+    assert trace[0] == trace[1]
+
+
+def test_a_node_that_refuses_launches_is_excluded_and_does_not_hold_up_the_others() -> None:
+    """A killed worker that outlived SIGKILL keeps its GPU: the agent stays ``failed`` with
+    a retry-false record and refuses every launch (agent/supervisor.py). The launch that
+    times out on it counts it; once excluded and its Abort acked, it holds up no launch on
+    the other nodes (before: every launch waited for it, or timed out on it, forever)."""
+    stuck = json.dumps(outlived_kill_record([(4242, 1, "D")], 130.0, step=9))[:2000]
+    n2 = st(2, gen=1, state="failed").model_copy(update={"failure": stuck})
+    d = running((1, 2), gen=2, phase=Phase.LAUNCH, phase_deadline=NOW - 1)
+    a = decide(d, obs(nodes(1, 2), [st(1, gen=1, state="idle"), n2]), CFG)
+    assert kinds(a) == ["set:teardown"] and "launch deadline passed" in a[0].state.cause  # type: ignore[union-attr]
+    torn = a[0].state  # type: ignore[union-attr]
+    assert torn.node_health["n2"].excluded_until == NOW + 600
+    assert "OutlivedKill" in a[0].reason and "retry false" in a[0].reason  # type: ignore[union-attr]
+    planned = _planned(torn, (1,))
+    sts = [st(1, gen=1, state="idle"), n2]
+    assert kinds(decide(planned, obs(nodes(1, 2), sts), CFG)) == ["send:abort:n2"]
+    acked = frozenset({"e7-g2-abort-n2"})
+    assert kinds(decide(planned, obs(nodes(1, 2), sts, acked=acked), CFG)) == ["set:launch"]
+    # a failed node that is not excluded is still waited for
+    other = _planned(planned.model_copy(update={"node_health": {}}), (1, 2))
+    assert decide(other, obs(nodes(1, 2), sts, acked=acked), CFG) == []

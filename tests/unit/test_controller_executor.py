@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from sailor.coordination import Keys, SystemClock, TaskSet
 from sailor.schemas.commands import Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import CommandAck, DesiredState
+from sailor.schemas.runtime import CommandAck, DesiredState, NodeHealth
 
 
 class _Store:
@@ -230,15 +231,27 @@ async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(tmp_pa
 
 async def test_the_desired_state_omits_a_new_field_while_unused(tmp_path: Path) -> None:
     """A release's agents and standby refuse fields they do not know: ``bad_checkpoints``
-    is written only when a checkpoint was found unreadable."""
+    is written only when a checkpoint was found unreadable, ``node_health`` only while a
+    node has a failure record (and the phase record names the nodes excluded now)."""
     ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
     try:
         await ex.write_desired(DesiredState(epoch=7, generation=2), "test")
         raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
-        assert "bad_checkpoints" not in raw and raw["generation"] == 2
+        assert "bad_checkpoints" not in raw and "node_health" not in raw
+        assert raw["generation"] == 2
         await ex.write_desired(DesiredState(epoch=7, bad_checkpoints=(9,)), "test")
         raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
-        assert raw["bad_checkpoints"] == [9]
+        assert raw["bad_checkpoints"] == [9] and "node_health" not in raw
+        until = time.time() + 600
+        health = {
+            "n1": NodeHealth(failures=1, generation=2),
+            "n2": NodeHealth(failures=1, generation=2, exclusions=1, excluded_until=until),
+        }
+        await ex.write_desired(DesiredState(epoch=7, node_health=health), "test")
+        raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
+        assert set(raw["node_health"]) == {"n1", "n2"}
+        assert _records(audit, "phase")[-1]["excluded"] == {"n2": until}
+        assert "excluded" not in _records(audit, "phase")[0]
     finally:
         await tasks.close()
         audit.close()

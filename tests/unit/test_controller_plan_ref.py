@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.controller.planning import DataParallelPlanner
 from sailor.coordination import KeyValue
+from sailor.schemas import SCHEMA_VERSION, _base
 from sailor.schemas.commands import CommandAdapter, Launch, plan_digest, training_digest
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
@@ -86,6 +87,26 @@ def test_older_messages_without_a_training_config_still_parse() -> None:
     t = _training(5)
     again = DesiredState.model_validate_json(DesiredState(epoch=1, training=t).model_dump_json())
     assert again.training == t and training_digest(again.training) == training_digest(t)
+
+
+async def test_an_agent_of_the_previous_wire_version_resolves_a_newer_training_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A controller of this release names its training config by digest; an agent of the
+    release before (``SCHEMA_VERSION`` one lower) reads that config as its own version
+    (``_newer``) and must reach the same digest, or it refuses every launch of the run in
+    the middle of a rolling upgrade (controllers first, as docs/operations.md says)."""
+    plan, t = _plan(), _training(5)
+    desired = DesiredState(epoch=1, plan=plan, training=t).model_dump_json().encode()
+    cmd = _launch(plan, training_sha256=training_digest(t))
+
+    async def get() -> KeyValue:
+        return KeyValue("/d", desired, 1, 1)
+
+    monkeypatch.setattr(_base, "SCHEMA_VERSION", SCHEMA_VERSION - 1)  # the older agent
+    got = await PlanSource(get).training(cmd)
+    assert got is not None and got.schema_version == SCHEMA_VERSION - 1
+    assert got.model_copy(update={"schema_version": SCHEMA_VERSION}) == t
 
 
 async def test_training_source_shares_the_plan_read_and_checks_the_digest() -> None:

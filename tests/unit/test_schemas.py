@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import ValidationError, create_model
 
 from sailor import catalog
 from sailor.schemas import (
@@ -24,9 +24,10 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
     Stop,
+    _base,
 )
 from sailor.schemas._base import SCHEMA_VERSION
-from sailor.schemas.runtime import DesiredState
+from sailor.schemas.runtime import DesiredState, NodeHealth
 
 
 def _stage(a: int, b: int, tp: int = 1, gpu: str = "A100-40") -> Stage:
@@ -175,7 +176,7 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
     )
     d = DesiredState(epoch=2, generation=3, plan=plan, placement={"n1": (0, 1)})
     raw = json.loads(d.model_dump_json())
-    raw |= {"schema_version": 2, "rollout": {"wave": 1}}
+    raw |= {"schema_version": SCHEMA_VERSION + 1, "rollout": {"wave": 1}}  # the next release
     raw["plan"]["pipelines"][1]["stages"][0]["replica"]["nic"] = "efa"
     raw["plan"]["pipelines"][0]["overlap"] = True
     with caplog.at_level("WARNING", logger="sailor.schemas"):
@@ -190,6 +191,34 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
     raw["schema_version"] = SCHEMA_VERSION
     with pytest.raises(ValidationError, match="rollout"):
         DesiredState.model_validate_json(json.dumps(raw))
+
+
+def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``DesiredState.node_health`` is this release's addition (``SCHEMA_VERSION`` 2): the
+    previous release (this schema without it, at version 1) reads the state without it,
+    through ``_newer``, and would refuse it at its own version."""
+    assert SCHEMA_VERSION == 2
+    rec = NodeHealth(failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X")
+    d = DesiredState(epoch=2, generation=4, node_health={"n2": rec})
+    raw = d.model_dump_json()
+    assert DesiredState.model_validate_json(raw) == d
+    fields = {
+        name: (f.annotation, f)
+        for name, f in DesiredState.model_fields.items()
+        if name not in ("node_health", "schema_version")
+    }
+    previous = create_model("DesiredState", __base__=_base.WireMessage, **fields)  # type: ignore[call-overload]
+    monkeypatch.setattr(_base, "SCHEMA_VERSION", 1)
+    old = previous.model_validate_json(raw)
+    assert (
+        old.generation == 4
+        and old.schema_version == 1
+        and "node_health" not in previous.model_fields
+    )
+    with pytest.raises(ValidationError, match="node_health"):
+        previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 1}))
 
 
 @st.composite
