@@ -101,15 +101,17 @@ _AUTOCAST_DEVICES = ("cuda", "cpu")
 def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Enter the TP region: identity forward, all-reduce of the gradient backward.
 
-    Under autocast the region's input is cast to the compute dtype first: the layers inside
-    would cast it anyway, and the backward all-reduce then moves 16-bit gradients, as
-    Megatron's does (a normalised fp32 input, layer norm being on autocast's fp32 list, made
-    it move fp32: twice the bytes)."""
-    if tp.size == 1:
-        return x
+    Under autocast the region's input is cast to the compute dtype first, at every TP degree:
+    the layers inside would each cast it and keep their own cast for the backward (three for
+    the attention's query, key and value projections: ``2·s·h`` bytes per sample each, kept
+    per block and microbatch in flight), and the backward all-reduce then moves 16-bit
+    gradients, as Megatron's does (a normalised fp32 input, layer norm being on autocast's
+    fp32 list, made it move fp32: twice the bytes)."""
     kind = x.device.type
     if x.dtype == torch.float32 and kind in _AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
         x = x.to(torch.get_autocast_dtype(kind))
+    if tp.size == 1:
+        return x
     out: torch.Tensor = _CopyToTP.apply(x, tp.group)  # type: ignore[no-untyped-call]
     return out
 

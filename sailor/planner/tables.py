@@ -224,7 +224,8 @@ class CostTables:
                 mbs,
                 inp.calibration.vocab_parallel,
             )
-            sizes, _ = layer_sizes(inp.profiles, model, tp, inp.calibration.vocab_parallel)
+            cal = inp.calibration
+            sizes, _ = layer_sizes(inp.profiles, model, tp, cal.vocab_parallel, cal.activations)
         except (KeyError, ValueError) as exc:
             self._failed[key] = str(exc)
             return None

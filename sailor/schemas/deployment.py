@@ -135,6 +135,24 @@ class DeploymentStructure(Frozen):
         ),
     )
 
+    activations: Literal["megatron", "engine"] = Field(
+        default="megatron",
+        description=(
+            "What a transformer block keeps for its backward where the analytic estimate "
+            "stands in for a profile (LayerSize source 'estimated'; measured and imported "
+            "sizes are what they are). 'megatron' (the default; Megatron without flash "
+            "attention): Korthikanti et al.'s s*h*(10 + 24/t + 5*a*s/(h*t)) bytes per sample "
+            "in 16 bits, with the attention scores, their softmax and dropout mask. 'engine' "
+            "(Sailor's engine, as the catalog's built-in calibration and its 'sailor' "
+            "deployment say, megatron_patch.model): fused attention (scaled_dot_product_"
+            "attention keeps q, k, v, its output and the log-sum-exp, no seq x seq term), "
+            "no dropout, fp32 norm inputs under autocast, the attention's and the MLP's "
+            "normalised inputs once each in the compute dtype, and the MLP's activation by "
+            "kind "
+            "(simulator.estimate_profile)."
+        ),
+    )
+
     def structure(self) -> dict[str, Any]:
         """The structure's fields and values (what :class:`Deployment` and
         ``Calibration.with_deployment`` carry over)."""

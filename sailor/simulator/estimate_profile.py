@@ -12,11 +12,14 @@ argument.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from sailor.schemas import GPUSpec, LayerProfile, LayerSize, ModelSpec
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",
     "ROOFLINE_EFFICIENCY",
+    "engine_block_bytes",
     "estimate_layer_size",
     "estimate_layer_timing",
 ]
@@ -47,15 +50,55 @@ def _act_bytes_per_sample(model: ModelSpec, tp: int) -> float:
     return s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
 
 
+_ACT_TENSORS = {"gelu": 2, "relu": 1, "swiglu": 4}
+"""Tensors of ``s x ffn/t`` the engine's MLP keeps per sample: GELU its input and output (the
+down projection's input); ReLU its output, which serves both; SwiGLU the gate's output, the
+SiLU's output, the up projection's output and their product."""
+
+
+def engine_block_bytes(model: ModelSpec, tp: int) -> float:
+    """Bytes per sample a block of Sailor's engine keeps for its backward, per TP rank
+    (``megatron_patch.model.Block``; measured against the engine in
+    ``tests/unit/test_estimate_engine_activations.py``).
+
+    * each norm keeps its input in fp32 (the residual stream; under autocast too) and two
+      fp32 statistics per token;
+    * the attention and the MLP each keep their normalised input once, whole on every TP
+      rank, in the compute dtype (``tp_layers.copy_to_tp`` casts it once under autocast;
+      fp32 keeps the norm's output);
+    * fused attention (``scaled_dot_product_attention``) keeps q, k and v (k and v
+      repeated to every query head under grouped-query attention), its output and an fp32
+      log-sum-exp per head and token, split over TP; the output projection's input is
+      counted as a copy of that output (it is a view of it when the layout allows);
+    * the MLP keeps :data:`_ACT_TENSORS` tensors of ``s x ffn/t``.
+
+    A parallel-residual block (GPT-NeoX) normalises one input twice and keeps it once: an
+    overcount of ``4·s·h``; rotary tables (per microbatch, ``s x head_dim``) are left out.
+    """
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
+    c = model.param_bytes()
+    attn = model.num_heads * model.head_dim
+    norms = 2 * (4 * s * h + 2 * 4 * s)
+    inputs = 2 * c * s * h
+    attention = (5 * c * s * attn + 4 * s * model.num_heads) / tp
+    mlp = _ACT_TENSORS[model.activation] * c * s * f / tp
+    return float(norms + inputs + attention + mlp)
+
+
 def estimate_layer_size(
-    model: ModelSpec, tp: int, layer: int, vocab_parallel: bool = True
+    model: ModelSpec,
+    tp: int,
+    layer: int,
+    vocab_parallel: bool = True,
+    activations: Literal["megatron", "engine"] = "megatron",
 ) -> LayerSize:
     """Parameters and activation sizes of one layer at TP degree ``tp`` (per TP rank).
 
     ``vocab_parallel`` (Megatron): the embedding and head are split over TP ranks by
     vocabulary. Else (Sailor's engine) every TP rank holds them whole, and the head keeps
     the fp32 log-probabilities of the whole vocabulary (``4·s·V`` per sample) and its input
-    for the backward."""
+    for the backward. ``activations``: what a block keeps, Korthikanti et al.'s count for
+    Megatron, or Sailor's engine's (:func:`engine_block_bytes`)."""
     kind = model.layer_kind(layer)
     s, h, v = model.seq_length, model.hidden_size, model.vocab_size
     bpe = model.param_bytes()
@@ -75,7 +118,10 @@ def estimate_layer_size(
         act = s * (v // tp) * (bpe + 4) + s * h * bpe
     else:
         per_rank = params // tp
-        act = int(_act_bytes_per_sample(model, tp) * bpe / 2)
+        if activations == "engine":
+            act = int(engine_block_bytes(model, tp))
+        else:
+            act = int(_act_bytes_per_sample(model, tp) * bpe / 2)
     return LayerSize(
         tp=tp,
         layer=layer,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.device_kind import spec_of
@@ -91,23 +92,32 @@ def forget_tables() -> None:
 
 
 def layer_sizes(
-    profiles: ProfileDB, model: ModelSpec, tp: int, vocab_parallel: bool = True
+    profiles: ProfileDB,
+    model: ModelSpec,
+    tp: int,
+    vocab_parallel: bool = True,
+    activations: Literal["megatron", "engine"] = "megatron",
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     """Sizes of every layer at ``tp``: profiled where present, estimated otherwise.
 
     Without ``vocab_parallel`` (Sailor's engine: the embedding and head whole on every TP
     rank) the embedding's and head's sizes at ``tp`` are their sizes at TP 1, unless
     Sailor's own profiler measured them at ``tp`` (``measured``: already whole); imported
-    and estimated sizes split them by vocabulary, as Megatron does."""
+    and estimated sizes split them by vocabulary, as Megatron does. ``activations``: what an
+    estimated block keeps (``Calibration.activations``)."""
     return _MEMO.get(
         (profiles, model),
-        ("sizes", tp, vocab_parallel),
-        lambda: _layer_sizes(profiles, model, tp, vocab_parallel),
+        ("sizes", tp, vocab_parallel, activations),
+        lambda: _layer_sizes(profiles, model, tp, vocab_parallel, activations),
     )
 
 
 def _layer_sizes(
-    profiles: ProfileDB, model: ModelSpec, tp: int, vocab_parallel: bool
+    profiles: ProfileDB,
+    model: ModelSpec,
+    tp: int,
+    vocab_parallel: bool,
+    activations: Literal["megatron", "engine"],
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     out: list[LayerSize] = []
     missing = 0
@@ -121,7 +131,7 @@ def _layer_sizes(
                 missing += 1
             s = one.model_copy(update={"tp": tp})
         elif s is None:
-            s = estimate_layer_size(model, tp, layer)
+            s = estimate_layer_size(model, tp, layer, activations=activations)
             missing += 1
         out.append(s)
     notes = (

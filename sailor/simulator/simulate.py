@@ -192,7 +192,9 @@ class _Inputs:
     def sizes(self, tp: int) -> tuple[LayerSize, ...]:
         sz = self.sizes_by_tp.get(tp)
         if sz is None:
-            sz, notes = layer_sizes(self.profiles, self.model, tp, self.cal.vocab_parallel)
+            sz, notes = layer_sizes(
+                self.profiles, self.model, tp, self.cal.vocab_parallel, self.cal.activations
+            )
             self.sizes_by_tp[tp] = sz
             self.notes.add(*notes)
             self.uses_estimates |= any(z.source == "estimated" for z in sz)

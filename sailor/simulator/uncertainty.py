@@ -22,6 +22,12 @@ than sampling, the set is four corners, each a whole :class:`Calibration`:
   per GPU over a 1-GPU VM's link curve, one copy of the activation per stage boundary, 24 B
   of model state per parameter and 2 GB (3 GB with TP) of non-tensor memory.
 
+What an estimated block keeps for its backward (``Calibration.activations``: Sailor's engine
+or Megatron without flash attention) is the configured deployment's in the first three
+corners, not a range: it is what that engine does, and which count is larger depends on the
+model (the seq x seq term against the engine's fp32 norm inputs and per-linear casts); the
+``original`` corner counts Megatron's.
+
 Each corner is monotone in cost within its structure, so the least and largest iteration time
 of a plan over the four bound what the ranges allow for that plan only up to the structures
 listed; the set is what the evidence names, not every possibility.
@@ -164,6 +170,7 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
                     "tied_allreduce": False,
                     "loss_allreduce": False,
                     "vocab_parallel": True,
+                    "activations": "megatron",
                 }
             )
             out.append((corner, c))
