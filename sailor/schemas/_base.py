@@ -20,7 +20,7 @@ SCHEMA_VERSION = 2
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
-2: ``DesiredState.node_health``."""
+2: ``DesiredState.node_health``; ``NodeSpec`` (``nodes/<id>``) became versioned."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

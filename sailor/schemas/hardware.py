@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from sailor.schemas._base import Frozen, field_error
+from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.zones import region_of
 
 __all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "Zone"]
@@ -59,8 +59,10 @@ class Zone(Frozen):
         return cls(cloud=cloud, region=region, name=text)
 
 
-class NodeSpec(Frozen):
-    """One node (VM) as the runtime sees it."""
+class NodeSpec(WireMessage):
+    """One node (VM) as the runtime sees it: what its agent registers under ``nodes/<id>``.
+    Versioned like every wire message, so a field a newer agent adds is dropped by an older
+    controller during a rolling upgrade instead of making the node unreadable."""
 
     node_id: str = Field(min_length=1, description="Unique id of the node.")
     gpu_type: str = Field(description="GPU type name from the catalog.")

@@ -1,14 +1,17 @@
 """A rolling upgrade through a real etcd: records a newer release writes (a higher
 ``schema_version``, fields this release does not know) are read by this release's controller
-status and agent plan source, their new fields dropped (docs/operations.md, "Wire versions
-across releases"). Before, each was refused as a whole: ``sailor status`` showed the node
-without its status, and the agent could not read the desired state at all."""
+status, the controller's view of the registered nodes and the agent's plan source, their new
+fields dropped (docs/operations.md, "Wire versions across releases"). Before, each was
+refused as a whole: ``sailor status`` showed the node without its status, the agent could not
+read the desired state at all, and a node registered by a newer agent (``NodeSpec`` carried
+no version) was rejected by the controller, which never planned on it."""
 
 from __future__ import annotations
 
 import json
 
 from sailor.agent.plan_source import PlanSource
+from sailor.controller.observed import ObservedCache
 from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
 from sailor.schemas import SCHEMA_VERSION
@@ -42,7 +45,7 @@ async def test_records_of_a_newer_release_are_read_without_their_new_fields(
     ctl = await connect_etcd(ep, security=pki.security(CONTROLLER))
     try:
         spec = NodeSpec(node_id=node, gpu_type="A100-40", gpus=4, zone="z-a")
-        await agent.put(KEYS.node(node), spec.model_dump_json().encode())
+        await agent.put(KEYS.node(node), _newer(spec.model_dump_json(), {"nics": 4}))
         status = AgentStatus(node_id=node, epoch=3, state="running", step=41, loss=2.5)
         await agent.put(
             KEYS.status(node),
@@ -61,6 +64,20 @@ async def test_records_of_a_newer_release_are_read_without_their_new_fields(
 
         got = await PlanSource(lambda: agent.get(KEYS.desired)).desired()
         assert got is not None and got.plan == desired.plan and got.generation == 2
+
+        # the controller's own view of the registered nodes (before, a node registered by a
+        # newer agent was rejected: the controller never planned on it)
+        rejected: list[tuple[str, str]] = []
+        cache = ObservedCache(ctl, KEYS, lambda k, why: rejected.append((k, why)))
+        await cache.start()
+        try:
+            snap_nodes = cache.snapshot().nodes
+        finally:
+            await cache.close()
+        assert not rejected
+        assert snap_nodes[node].model_dump(exclude={"schema_version"}) == spec.model_dump(
+            exclude={"schema_version"}
+        )
     finally:
         await agent.close()
         await ctl.close()
