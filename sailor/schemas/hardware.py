@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Any
 
-from sailor.schemas._base import Frozen, WireMessage, field_error
+from pydantic import Field, field_validator, model_validator
+
+from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage, field_error
 from sailor.schemas.zones import region_of
 
 __all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "Zone"]
@@ -62,7 +64,21 @@ class Zone(Frozen):
 class NodeSpec(WireMessage):
     """One node (VM) as the runtime sees it: what its agent registers under ``nodes/<id>``.
     Versioned like every wire message, so a field a newer agent adds is dropped by an older
-    controller during a rolling upgrade instead of making the node unreadable."""
+    controller during a rolling upgrade instead of making the node unreadable.
+
+    Also a section of the agent's config file, which may carry the version it was written
+    with: a node is always read as this release's version (an older one has no field this
+    release lacks), so what an agent registers says what it writes, and two readings of
+    the same node compare equal whatever version wrote them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_this_release(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            v = data.get("schema_version")
+            if isinstance(v, int) and not isinstance(v, bool) and 1 <= v < SCHEMA_VERSION:
+                return data | {"schema_version": SCHEMA_VERSION}
+        return data
 
     node_id: str = Field(min_length=1, description="Unique id of the node.")
     gpu_type: str = Field(description="GPU type name from the catalog.")
