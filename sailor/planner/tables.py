@@ -38,7 +38,12 @@ from sailor.schemas.precision import (
     wire_bytes,
 )
 from sailor.simulator.lookup import layer_sizes, layer_table
-from sailor.simulator.memory import copied_params, state_bytes_per_param, weight_copy_bytes
+from sailor.simulator.memory import (
+    copied_params,
+    held_output_bytes,
+    state_bytes_per_param,
+    weight_copy_bytes,
+)
 from sailor.simulator.network_model import inter_curve, intra_curve
 
 __all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
@@ -112,6 +117,7 @@ class LayerArrays:
     act: FloatArray  # activation bytes per sample per GPU
     act_layer: FloatArray  # per layer: activation bytes per sample
     per_mb: FloatArray  # bytes per microbatch in flight (autocast weight copies)
+    held_out: FloatArray  # per layer: output bytes per sample held if a stage ends there
     out_layer: FloatArray  # per layer: bytes per sample sent to the next stage
     estimated: bool
 
@@ -223,6 +229,7 @@ class CostTables:
                 tp,
                 mbs,
                 inp.calibration.vocab_parallel,
+                inp.calibration.activations,
             )
             cal = inp.calibration
             sizes, _ = layer_sizes(inp.profiles, model, tp, cal.vocab_parallel, cal.activations)
@@ -260,6 +267,12 @@ class CostTables:
             params=np.concatenate([z, np.cumsum(params)]),
             act=np.concatenate([z, np.cumsum(act)]),
             act_layer=_working_sets(act, model, inp.calibration.vocab_parallel),
+            held_out=np.array(
+                [
+                    float(held_output_bytes(model, layer, inp.calibration.mixed_precision))
+                    for layer in range(model.num_all_layers)
+                ]
+            ),
             per_mb=np.concatenate([z, np.cumsum(per_mb)]),
             out_layer=out,
             estimated=costs.estimated or any(s.source == "estimated" for s in sizes),
@@ -307,7 +320,11 @@ class CostTables:
         kappa = self.inputs.calibration.for_gpu(a.gpu_type).alloc_factor
         params = a.params[None, 1:] - a.params[:-1, None]
         acts_kept = a.act[None, 1:] - a.act[:-1, None]
-        acts = np.floor(kappa * (a.mbs * acts_kept * flights + a.mbs * a.act_layer[None, :]))
+        # the engine holds a stage's output until its backward (none after the last layer)
+        held = a.held_out[None, :]
+        acts = np.floor(
+            kappa * (a.mbs * (acts_kept + held) * flights + a.mbs * a.act_layer[None, :])
+        )
         copies = (a.per_mb[None, 1:] - a.per_mb[:-1, None]) * flights
         state_b, step_b, _ = self.state_bytes(a.gpu_type)
         state = params * state_b

@@ -26,7 +26,10 @@ from pydantic import Field
 
 from sailor.schemas._base import Frozen
 
-__all__ = ["STRUCTURE_FIELDS", "Deployment", "DeploymentStructure"]
+__all__ = ["STRUCTURE_FIELDS", "Activations", "Deployment", "DeploymentStructure"]
+
+Activations = Literal["megatron", "engine"]
+"""What an estimated transformer block keeps for its backward (``activations`` below)."""
 
 
 class DeploymentStructure(Frozen):
@@ -135,7 +138,7 @@ class DeploymentStructure(Frozen):
         ),
     )
 
-    activations: Literal["megatron", "engine"] = Field(
+    activations: Activations = Field(
         default="megatron",
         description=(
             "What a transformer block keeps for its backward where the analytic estimate "

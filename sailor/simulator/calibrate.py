@@ -111,7 +111,12 @@ def _single_stage(plan: Plan) -> bool:
 
 
 def _hook(
-    runs: Sequence[MeasuredRun], model: ModelSpec, profiles: ProfileDB, gpu: str
+    runs: Sequence[MeasuredRun],
+    model: ModelSpec,
+    profiles: ProfileDB,
+    gpu: str,
+    base: Calibration,
+    specs: Mapping[str, GPUSpec],
 ) -> tuple[float, str]:
     singles = [r for r in runs if len(r.plan.pipelines) == 1 and _single_stage(r.plan)]
     best: tuple[MeasuredRun, MeasuredRun] | None = None
@@ -145,10 +150,10 @@ def _hook(
             )
         a = max(timed, key=lambda r: r.plan.pipelines[0].num_microbatches)
         pa = a.plan.pipelines[0]
-        update = sum(c.update_s for c in _table(profiles, model, gpu, a.plan).layers)
+        update = sum(c.update_s for c in _table(profiles, model, gpu, a.plan, base, specs).layers)
         per_mb = (a.iteration_time_s - (a.grad_reduce_s or 0.0) - update) / pa.num_microbatches
         what = f"{a.name} alone (minus its reduce and update)"
-    table = _table(profiles, model, gpu, a.plan)
+    table = _table(profiles, model, gpu, a.plan, base, specs)
     prof = sum(c.fwd_s + c.bwd_s for c in table.layers)
     h = max(0.0, (prof - per_mb) / len(table.layers))
     return h, (
@@ -157,12 +162,28 @@ def _hook(
     )
 
 
-def _table(profiles: ProfileDB, model: ModelSpec, gpu: str, plan: Plan) -> StageCosts:
-    """The raw profile's layer table of a single-stage plan's stage (no calibration)."""
+def _table(
+    profiles: ProfileDB,
+    model: ModelSpec,
+    gpu: str,
+    plan: Plan,
+    base: Calibration,
+    specs: Mapping[str, GPUSpec],
+) -> StageCosts:
+    """The raw profile's layer table of a single-stage plan's stage (no calibration), in the
+    structure the runs are simulated under (``base``: a whole or split head)."""
     p = plan.pipelines[0]
     r = p.stages[0].replica
     return layer_table(
-        profiles, model, GPUCalibration(gpu_type=gpu), {}, gpu, r.tp, p.microbatch_size
+        profiles,
+        model,
+        GPUCalibration(gpu_type=gpu),
+        specs,
+        gpu,
+        r.tp,
+        p.microbatch_size,
+        base.vocab_parallel,
+        base.activations,
     )
 
 
@@ -301,7 +322,7 @@ def calibrate_gpu(
     specs = gpu_specs or {}
     why: list[str] = []
 
-    h, note = _hook(runs, model, profiles, gpu)
+    h, note = _hook(runs, model, profiles, gpu, base, specs)
     why.append(note)
 
     dp1 = [r.grad_reduce_s for r in runs if len(r.plan.pipelines) == 1 and r.grad_reduce_s]

@@ -12,9 +12,8 @@ argument.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from sailor.schemas import GPUSpec, LayerProfile, LayerSize, ModelSpec
+from sailor.schemas.deployment import Activations
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",
@@ -90,7 +89,7 @@ def estimate_layer_size(
     tp: int,
     layer: int,
     vocab_parallel: bool = True,
-    activations: Literal["megatron", "engine"] = "megatron",
+    activations: Activations = "megatron",
 ) -> LayerSize:
     """Parameters and activation sizes of one layer at TP degree ``tp`` (per TP rank).
 
@@ -150,10 +149,16 @@ def _layer_flops_fwd(model: ModelSpec, layer: int, mbs: int) -> float:
 
 
 def estimate_layer_timing(
-    model: ModelSpec, gpu: GPUSpec, tp: int, mbs: int, layer: int
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int,
+    mbs: int,
+    layer: int,
+    activations: Activations = "megatron",
 ) -> LayerProfile:
-    """Roofline forward, backward and optimizer-update time of one layer."""
-    size = estimate_layer_size(model, tp, layer)
+    """Roofline forward, backward and optimizer-update time of one layer (its memory
+    traffic reads the activations ``activations`` counts, :func:`estimate_layer_size`)."""
+    size = estimate_layer_size(model, tp, layer, activations=activations)
     peak_flops = gpu.peak_tflops(model.precision) * 1e12 * ROOFLINE_EFFICIENCY
     bw = gpu.memory_bandwidth_gbps * 1e9 * ROOFLINE_EFFICIENCY
     flops = _layer_flops_fwd(model, layer, mbs) / tp

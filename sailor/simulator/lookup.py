@@ -9,8 +9,14 @@ Rules, in order (docs/simulator-model.md, section 1):
    below the smallest it takes the smallest's time (small microbatches are latency-bound).
 3. A missing TP degree of a profiled GPU type is the analytic estimate at that TP, scaled per
    layer by profile/estimate at the nearest profiled TP (needs the GPU's spec).
-4. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`).
+4. A GPU type with estimated entries only (``sailor profile estimate``: the roofline times
+   efficiencies measured on other GPUs) is read from them by rules 1-3, marked estimated.
+   Estimated entries beside a measured or imported one of the same GPU type are not read.
+5. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`).
    Without a spec for it, :class:`ProfileLookupError` is raised.
+
+Without a vocab-parallel head (Sailor's engine) the embedding and head are then timed whole
+at TP > 1 (:func:`_whole_ends`).
 
 Then two corrections of known profile defects: an imported profiler's per-layer hook cost
 is removed while a layer is latency-bound (``Calibration.profiler_overhead_s``; not from
@@ -33,9 +39,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
+from sailor.schemas.deployment import Activations
 from sailor.schemas.device_kind import spec_of
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
@@ -96,7 +102,7 @@ def layer_sizes(
     model: ModelSpec,
     tp: int,
     vocab_parallel: bool = True,
-    activations: Literal["megatron", "engine"] = "megatron",
+    activations: Activations = "megatron",
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     """Sizes of every layer at ``tp``: profiled where present, estimated otherwise.
 
@@ -117,7 +123,7 @@ def _layer_sizes(
     model: ModelSpec,
     tp: int,
     vocab_parallel: bool,
-    activations: Literal["megatron", "engine"],
+    activations: Activations,
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     out: list[LayerSize] = []
     missing = 0
@@ -248,18 +254,23 @@ def layer_table(
     tp: int,
     mbs: int,
     vocab_parallel: bool = True,
+    activations: Activations = "megatron",
 ) -> StageCosts:
     """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``.
 
     Without ``vocab_parallel`` (Sailor's engine: every TP rank computes the whole embedding
     and head) those two layers cost what they cost at TP 1, as their sizes do
     (:func:`layer_sizes`), unless Sailor's own profiler timed them at ``tp`` (``measured``:
-    already whole); imported and estimated timings at ``tp`` are Megatron's split head."""
+    already whole); imported and estimated timings at ``tp`` are Megatron's split head.
+    ``activations``: what an estimated block keeps, which its estimated memory traffic
+    reads (``Calibration.activations``)."""
     spec = spec_of(gpu_specs, gpu_type)
     return _MEMO.get(
         (profiles, model),
-        ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel),
-        lambda: _layer_table(profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel),
+        ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel, activations),
+        lambda: _layer_table(
+            profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations
+        ),
     )
 
 
@@ -272,19 +283,29 @@ def _layer_table(
     tp: int,
     mbs: int,
     vocab_parallel: bool,
+    activations: Activations,
 ) -> StageCosts:
     n = model.num_all_layers
-    sizes, notes_l = layer_sizes(profiles, model, tp)
+    sizes, notes_l = layer_sizes(profiles, model, tp, activations=activations)
     notes = list(notes_l)
     grid = _real_grid(profiles, gpu_type)
     tag = f"{gpu_type} tp={tp} mbs={mbs}"
+    # a GPU type with estimated entries only (``sailor profile estimate``: the roofline times
+    # the efficiency measured on other GPUs) is read from them, marked estimated; beside a
+    # measured or imported entry anywhere for the type, they are not read
+    calibrated = not grid and bool(profiles.grid(gpu_type))
+    if calibrated:
+        grid = profiles.grid(gpu_type)
+        notes.append(f"{gpu_type}: estimated profile entries (sailor profile estimate)")
 
     def estimate(t: int) -> list[LayerProfile]:
         if spec is None:
             raise ProfileLookupError(
                 f"gpu_type={gpu_type!r}: no profile at tp={tp} and no GPU spec to estimate one"
             )
-        return [estimate_layer_timing(model, spec, t, mbs, layer) for layer in range(n)]
+        return [
+            estimate_layer_timing(model, spec, t, mbs, layer, activations) for layer in range(n)
+        ]
 
     if tp in grid:
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
@@ -301,11 +322,13 @@ def _layer_table(
                 f"step of the profiling model (embedding + {PROFILING_MODEL_BLOCKS} blocks + "
                 "head) and spread by parameter count"
             )
-        estimated = False
+        estimated = calibrated
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
-        base, _ = _spread_update(base, layer_sizes(profiles, model, near)[0])
+        base, _ = _spread_update(
+            base, layer_sizes(profiles, model, near, activations=activations)[0]
+        )
         est_tp, est_near = estimate(tp), estimate(near)
         rows = []
         for (f, g, u), a, b in zip(base, est_tp, est_near, strict=True):
@@ -331,27 +354,80 @@ def _layer_table(
             g = f
         out.append(LayerCost(fwd_s=f * k, bwd_s=g * k, update_s=u, estimated=estimated))
     if not vocab_parallel and tp > 1:
-        whole = [
-            layer
-            for layer in range(n)
-            if model.layer_kind(layer) != "block" and not _measured(profiles, gpu_type, tp, layer)
-        ]
-        if whole:
-            one = _MEMO.get(
-                (profiles, model),
-                ("table", cal, spec, gpu_type, 1, mbs, True),
-                lambda: _layer_table(profiles, model, cal, spec, gpu_type, 1, mbs, True),
-            )
-            for layer in whole:
-                out[layer] = one.layers[layer]
-            notes.extend(one.notes)
-            notes.append(f"{tag}: embedding and head whole on every TP rank, timed at tp=1")
+        _whole_ends(profiles, model, cal, spec, gpu_type, tp, mbs, activations, grid, out, notes)
     return StageCosts(layers=tuple(out), notes=tuple(notes))
 
 
-def _measured(profiles: ProfileDB, gpu_type: str, tp: int, layer: int) -> bool:
-    """Sailor's own profiler timed ``layer`` at ``tp`` (its largest profiled microbatch)."""
-    sizes = profiles.grid(gpu_type).get(tp)
+def _whole_ends(
+    profiles: ProfileDB,
+    model: ModelSpec,
+    cal: GPUCalibration,
+    spec: GPUSpec | None,
+    gpu_type: str,
+    tp: int,
+    mbs: int,
+    activations: Activations,
+    grid: dict[int, list[int]],
+    out: list[LayerCost],
+    notes: list[str],
+) -> None:
+    """Time the embedding and the head in ``out`` as Sailor's engine runs them at ``tp``:
+    whole on every TP rank. In order: as Sailor's own profiler timed them at ``tp`` (whole
+    already); else as it timed them at the nearest TP degree it profiled (a whole layer's
+    time does not depend on the TP degree); else their TP 1 time (a split, imported or
+    estimated time scaled to TP 1 by the estimate, which splits them); else, when nothing
+    prices TP 1 (no spec sheet), their split time at ``tp`` times ``tp``."""
+    tag = f"{gpu_type} tp={tp} mbs={mbs}"
+    for layer in range(model.num_all_layers):
+        if model.layer_kind(layer) == "block" or _measured(profiles, gpu_type, tp, grid, layer):
+            continue
+        near = [t for t in grid if _measured(profiles, gpu_type, t, grid, layer)]
+        if near:
+            t = min(near, key=lambda t: (abs(t - tp), t))
+            out[layer] = _table_at(
+                profiles, model, cal, spec, gpu_type, t, mbs, activations
+            ).layers[layer]
+            notes.append(f"{tag}: layer {layer} whole on every TP rank, as measured at tp={t}")
+            continue
+        try:
+            one = _table_at(profiles, model, cal, spec, gpu_type, 1, mbs, activations)
+        except ProfileLookupError:
+            c = out[layer]
+            out[layer] = LayerCost(c.fwd_s * tp, c.bwd_s * tp, c.update_s * tp, estimated=True)
+            notes.append(
+                f"{tag}: layer {layer} whole on every TP rank: its split time x {tp} "
+                "(nothing prices tp=1)"
+            )
+            continue
+        out[layer] = one.layers[layer]
+        notes.extend(n for n in one.notes if n not in notes)
+        notes.append(f"{tag}: layer {layer} whole on every TP rank, timed at tp=1")
+
+
+def _table_at(
+    profiles: ProfileDB,
+    model: ModelSpec,
+    cal: GPUCalibration,
+    spec: GPUSpec | None,
+    gpu_type: str,
+    tp: int,
+    mbs: int,
+    activations: Activations,
+) -> StageCosts:
+    """The (memoized) table at ``tp`` as the profile has it (the split head's time)."""
+    return _MEMO.get(
+        (profiles, model),
+        ("table", cal, spec, gpu_type, tp, mbs, True, activations),
+        lambda: _layer_table(profiles, model, cal, spec, gpu_type, tp, mbs, True, activations),
+    )
+
+
+def _measured(
+    profiles: ProfileDB, gpu_type: str, tp: int, grid: dict[int, list[int]], layer: int
+) -> bool:
+    """Sailor's own profiler timed ``layer`` at ``tp`` (at its largest measured or imported
+    microbatch size there; estimated entries are not timings)."""
+    sizes = grid.get(tp)
     if not sizes:
         return False
     t = profiles.timing(gpu_type, tp, max(sizes), layer)

@@ -15,6 +15,9 @@
   (``a_last``). With recomputation only each block's input is kept (the engine checkpoints
   blocks; the embedding and the head keep their activations), plus the larger of one
   layer's activations during its recomputation and the last layer's working set.
+* the stage's output: Sailor's engine holds each in-flight microbatch's output (fp32
+  residual stream, ``4·s·h`` per sample) until its backward, on every stage but the last
+  (``held_output_bytes``); counted with the activations.
 * weight copies ``C``: under autocast each forward casts the stage's weights (not the
   embedding's table, which its lookup reads in fp32) to the compute dtype and autograd
   keeps the casts until that microbatch's backward, so every microbatch in flight holds one
@@ -48,6 +51,7 @@ __all__ = [
     "MixedPrecision",
     "backward_working_set",
     "copied_params",
+    "held_output_bytes",
     "stage_memory",
     "state_bytes_per_param",
     "weight_copy_bytes",
@@ -88,6 +92,18 @@ def copied_params(model: ModelSpec, layer: int, params: int) -> int:
     return 0 if model.layer_kind(layer) == "embedding" else params
 
 
+def held_output_bytes(model: ModelSpec, last_layer: int, scheme: MixedPrecision) -> int:
+    """Bytes per sample of a stage's output that Sailor's engine holds from the microbatch's
+    forward until its backward (``schedule._Stage.saved``: the backward starts from it), when
+    the stage ends at ``last_layer``. The residual stream is fp32 under autocast (and in fp32
+    training): ``4·s·h``; no layer counts it (the next layer that saves it is on the next
+    stage). None on the last stage (its output is the loss), nor under ``fp16_optimizer``
+    (Megatron frees the output's storage once it is sent and keeps its graph)."""
+    if scheme != "autocast" or last_layer == model.num_all_layers - 1:
+        return 0
+    return MASTER_BYTES * model.seq_length * model.hidden_size
+
+
 def backward_working_set(model: ModelSpec, last: LayerSize, vocab_parallel: bool) -> int:
     """Bytes per sample the first backward of a stage ending at ``last`` holds beyond what
     the stage keeps (``a_last``): about the last layer's forward footprint; twice the head's
@@ -125,6 +141,7 @@ def stage_memory(
     w_b, g_b, o_b, step_b = state_bytes_per_param(model, scheme)
     weights, grads, optim = params * w_b, params * g_b, params * o_b
     b = microbatch_size
+    output = held_output_bytes(model, sizes[-1].layer, scheme)
     per_mb = [
         max(
             weight_copy_bytes(model, copied_params(model, s.layer, s.params), scheme),
@@ -144,13 +161,14 @@ def stage_memory(
             max(s.activation_bytes_per_sample for s in sizes),
             backward_working_set(model, sizes[-1], vocab_parallel),
         )
-        act_raw = b * kept * in_flight + b * working
+        act_raw = b * (kept + output) * in_flight + b * working
         # autocast keeps every weight it casts until the microbatch's autocast context
         # exits, checkpointed layers included: the whole stage's copies during a forward
         copies = sum(per_mb)
     else:
         kept = sum(s.activation_bytes_per_sample for s in sizes)
-        act_raw = b * kept * in_flight + b * backward_working_set(model, sizes[-1], vocab_parallel)
+        ws = backward_working_set(model, sizes[-1], vocab_parallel)
+        act_raw = b * (kept + output) * in_flight + b * ws
         copies = sum(per_mb) * in_flight
     acts = int(alloc_factor * act_raw)
     during_backward = weights + grads + optim + acts + copies

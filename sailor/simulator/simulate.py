@@ -420,7 +420,13 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
         table = inp.tables.get(key)
         if table is None:
             table = layer_table(
-                inp.profiles, model, inp.gcal(r.gpu_type), inp.specs, *key, cal.vocab_parallel
+                inp.profiles,
+                model,
+                inp.gcal(r.gpu_type),
+                inp.specs,
+                *key,
+                cal.vocab_parallel,
+                cal.activations,
             )
             inp.tables[key] = table
             inp.notes.add(*table.notes)

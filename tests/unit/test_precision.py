@@ -42,6 +42,7 @@ from tests.unit.test_simulator_simulate import (
     PRICES,
     PROFILES,
     SPECS,
+    N,
     _network,
     _pipe,
     _plan,
@@ -423,3 +424,21 @@ def test_autocast_copy_is_measured_as_a_per_microbatch_intercept() -> None:
     per_sample, per_mb = saved_bytes_fit(points)
     assert per_mb == 256 * 256 * 2  # the bf16 copy of the weight
     assert per_sample == 8 * 256 * 2  # the bf16 input saved for the weight gradient
+
+
+def test_a_stage_hands_on_and_holds_an_fp32_output_under_autocast() -> None:
+    """What ``held_output_bytes`` counts: a stage that does not end with the head returns
+    the fp32 residual stream under autocast (``4·s·h`` per sample), which the schedule keeps
+    until that microbatch's backward starts from it; the last stage holds only the loss."""
+    from sailor.megatron_patch.model import GPTStage
+    from sailor.simulator.memory import held_output_bytes
+
+    spec = MODEL.model_copy(update={"precision": "bf16"})
+    stage = GPTStage(spec, 0, 2)
+    tokens = torch.randint(0, spec.vocab_size, (3, spec.seq_length))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = stage(tokens, None)
+    assert out.dtype == torch.float32
+    assert out.numel() * out.element_size() == 3 * held_output_bytes(spec, 2, "autocast")
+    assert held_output_bytes(spec, N - 1, "autocast") == 0
+    assert held_output_bytes(spec, 2, "fp16_optimizer") == 0

@@ -760,6 +760,73 @@ def test_sailors_engine_computes_the_embedding_and_head_whole_on_each_tp_rank() 
     assert time(False) - time(True) == pytest.approx(2 * heads, rel=1e-6)
 
 
+def _only_at_tp2(source: str) -> ProfileDB:
+    return ProfileDB(
+        model="tiny",
+        timings=tuple(
+            t.model_copy(update={"source": source})
+            for t in PROFILES.timings
+            if t.gpu_type == "A" and t.tp == 2
+        ),
+        sizes=PROFILES.sizes,
+    )
+
+
+def test_a_head_measured_whole_at_another_tp_is_not_scaled_again() -> None:
+    """Sailor's profiler timed the whole head at TP 2 only: at TP 4 the head costs that time,
+    not the TP 1 time the estimate's split-head ratio would make of it (twice as much)."""
+    db = _only_at_tp2("measured")
+    cal = Calibration().for_gpu("A")
+    at2 = layer_table(db, MODEL, cal, SPECS, "A", 2, 2, vocab_parallel=False)
+    at4 = layer_table(db, MODEL, cal, SPECS, "A", 4, 2, vocab_parallel=False)
+    for layer in (0, N - 1):
+        assert at4.layers[layer].fwd_s == pytest.approx(at2.layers[layer].fwd_s)
+        assert at4.layers[layer].bwd_s == pytest.approx(at2.layers[layer].bwd_s)
+    assert any("as measured at tp=2" in n for n in at4.notes)
+
+
+def test_a_split_head_without_tp1_or_spec_is_priced_tp_times_its_split_time() -> None:
+    """Imported (split) timings at TP 2 only and no spec sheet: nothing prices TP 1, so the
+    whole head is its split time times 2, marked estimated; before, the layer table raised
+    and the planner dropped the GPU type at TP > 1."""
+    db = _only_at_tp2("imported")
+    cal = Calibration().for_gpu("A")
+    split = layer_table(db, MODEL, cal, {}, "A", 2, 2, vocab_parallel=True)
+    whole = layer_table(db, MODEL, cal, {}, "A", 2, 2, vocab_parallel=False)
+    assert whole.layers[-1].fwd_s == pytest.approx(2 * split.layers[-1].fwd_s)
+    assert whole.layers[-1].estimated and not whole.layers[1].estimated
+    assert whole.layers[1] == split.layers[1]
+    assert any("nothing prices tp=1" in n for n in whole.notes)
+
+
+def test_estimated_entries_of_an_unprofiled_gpu_are_read() -> None:
+    """``sailor profile estimate`` writes estimated entries for a GPU not at hand: they are
+    what the simulator prices it with (before, they were skipped for the plain roofline,
+    which the leave-one-GPU-out check finds worse), marked estimated."""
+    est = tuple(
+        t.model_copy(update={"gpu_type": "E", "source": "estimated", "fwd_s": 7e-3 * t.tp})
+        for t in PROFILES.timings
+        if t.gpu_type == "A" and t.tp == 1
+    )
+    db = ProfileDB(model="tiny", timings=PROFILES.timings + est, sizes=PROFILES.sizes)
+    cal = Calibration().for_gpu("E")
+    table = layer_table(db, MODEL, cal, SPECS, "E", 1, 2)
+    assert table.layers[2].fwd_s == pytest.approx(7e-3)
+    assert table.estimated
+    roofline = layer_table(PROFILES, MODEL, cal, SPECS, "E", 1, 2)
+    assert roofline.layers[2].fwd_s != pytest.approx(7e-3)
+    # beside a measured or imported entry of the same type they are not read
+    mixed = tuple(t.model_copy(update={"gpu_type": "A"}) for t in est if t.microbatch_size == 4)
+    db2 = ProfileDB(
+        model="tiny",
+        timings=tuple(t for t in PROFILES.timings if t.microbatch_size != 4) + mixed,
+        sizes=PROFILES.sizes,
+    )
+    assert layer_table(db2, MODEL, Calibration().for_gpu("A"), SPECS, "A", 1, 4).layers[
+        2
+    ].fwd_s == pytest.approx(4e-3)
+
+
 def test_the_estimated_whole_head_keeps_its_fp32_log_probabilities() -> None:
     from sailor.simulator.estimate_profile import estimate_layer_size
 
