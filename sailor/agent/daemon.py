@@ -405,6 +405,9 @@ class Agent:
         self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
         try:
+            # a killed rank its previous incarnation left behind holds its GPU still: no
+            # rank starts on top of it (the failure says so)
+            await self.supervisor.restore_killed()
             await self._fence_from_desired()
             await commands.serve(self.node.node_id, self._on_command)
             await self.supervisor.top_up_spares()

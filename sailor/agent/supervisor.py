@@ -15,7 +15,11 @@ process of those groups is gone, at most ``teardown_timeout_s`` (a rank in the G
 teardown outlives SIGKILL for tens of seconds and holds its GPU meanwhile: :mod:`teardown`),
 and no worker or spare starts meanwhile. One still there then is reported as the failure
 (:func:`~sailor.megatron_patch.errors.outlived_kill_record`, ``retry=False``) and this node
-starts no rank until it is gone. The first abnormal exit's cause (error file, else the
+starts no rank until it is gone: it is probed again at each launch and abort and every
+``recheck_s``, and once it is gone the failure is withdrawn and the spares come back. The
+groups killed and not yet found gone are kept in ``killed.json`` in the run directory, so
+that a restarted agent (``restore_killed``) does not start ranks on a GPU its previous
+incarnation's rank still holds. The first abnormal exit's cause (error file, else the
 stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
@@ -33,7 +37,9 @@ this node's ranks to a held worker, else to a warm spare (``--warm``: a process 
 of need, torch imported, nothing built), else to a new process, by writing a *directive*
 ``{"relayout": {"generation", "argv"}}`` into the control file the worker polls: ``argv`` is
 the options a new process would have been started with for that rank. Workers left over
-are let go (SIGTERM). ``abort(hold=True)`` asks the running workers to leave their world and
+are let go (SIGTERM, SIGKILL after the grace period) after the launch, in the background:
+the launch's ack does not wait for them, and one that outlives SIGKILL holds up the next
+launch, not this one. ``abort(hold=True)`` asks the running workers to leave their world and
 hold (SIGUSR1: a rank blocked on a peer that failed leaves its wait at once) and kills those
 that do not within the grace period. ``warm_spares`` processes are kept ready for the next
 in-place launch (started after a generation's workers are all up, so that their start-up
@@ -50,7 +56,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +67,14 @@ import structlog
 from sailor.agent.rank_log import RankLog
 from sailor.agent.step_timings import StepWindow
 from sailor.agent.stream_lines import lines
-from sailor.agent.teardown import GONE_STATES, Teardown, group_members, teardown_verdict
+from sailor.agent.teardown import (
+    GONE_STATES,
+    Teardown,
+    boot_id,
+    boot_ticks,
+    group_members,
+    teardown_verdict,
+)
 from sailor.coordination import TaskSet
 from sailor.megatron_patch.errors import (
     fault_path,
@@ -78,6 +92,7 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "DEFAULT_WORKER_ARGV",
+    "KILLED_FILE",
     "TEARDOWN_TIMEOUT_S",
     "TOY_TRAINER_ARGV",
     "Supervisor",
@@ -112,6 +127,16 @@ as finding every group still there, state unreadable; the teardown's bound still
 
 _LOG_EVERY_S = 10.0
 """How often a process outliving SIGKILL is logged again (first: ``kill_grace_s`` after)."""
+
+_RECHECK_S = 5.0
+"""How often a process that outlived the teardown bound is probed again (besides each
+launch and abort): a ``killpg`` per group and, while one has a member, a ``/proc`` scan in
+a thread. The node takes ranks again at most this late after it went, against the
+controller's exclusion of a node that reported it (600 s)."""
+
+KILLED_FILE = "killed.json"
+"""In the run directory: the process groups SIGKILLed and not yet found gone, for a
+restarted agent (:meth:`Supervisor.restore_killed`)."""
 
 
 class SupervisorClosedError(RuntimeError):
@@ -213,6 +238,35 @@ class WorkerView:
     err_log: RankLog | None = None
 
 
+@dataclass
+class _Killed:
+    """A killed worker's process group, SIGKILLed and not yet found gone."""
+
+    pgid: int
+    rank: int
+    step: int
+    born_by: int
+    """Its members had started by then (the SIGKILL, in ``teardown.boot_ticks``): one
+    started later is another session's that got the id once ours had gone."""
+    killed_at: float
+    """Wall-clock time of the SIGKILL (a restarted agent's record counts from it)."""
+    proc: asyncio.subprocess.Process | None = None
+    """The worker, there until reaped (None: a previous agent's)."""
+    processes: tuple[tuple[int, str], ...] = ()
+    """``(pid, state)`` of its members still there at the verdict."""
+    seconds: float = 0.0
+    """How long after the SIGKILL they were still there."""
+
+    def saved(self) -> dict[str, Any]:
+        return {
+            "pgid": self.pgid,
+            "rank": self.rank,
+            "step": self.step,
+            "born_by": self.born_by,
+            "killed_at": self.killed_at,
+        }
+
+
 _spare_ids = itertools.count()
 
 
@@ -275,18 +329,29 @@ class Supervisor:
         self.kill_grace_s = 3.0
         self.teardown_timeout_s = teardown_timeout_s
         """After SIGKILL, how long killed workers' processes may take to go (``_kill``)."""
-        self.probe: Callable[[list[int]], dict[int, dict[int, str]]] = group_members
-        """Which of the given process groups still have members, with their states (tests
-        stand in a process that outlives SIGKILL: none can on a machine without a GPU)."""
+        self.recheck_s = _RECHECK_S
+        """How often processes that outlived the teardown bound are probed again."""
+        self.probe: Callable[[list[int], Mapping[int, int]], dict[int, dict[int, str]]] = (
+            group_members
+        )
+        """Which of the given process groups still have members (started by the given
+        time, if one is given), with their states: ``teardown.group_members`` (tests stand
+        in a process that outlives SIGKILL: none can on a machine without a GPU)."""
         self._killing = 0
         """Kills under way: while any is, no worker starts (``_after_teardown``)."""
         self._killed = asyncio.Event()
         self._killed.set()
+        self._sigkilled: dict[int, _Killed] = {}
+        """Process groups SIGKILLed and not yet found gone, by pgid (in ``KILLED_FILE``)."""
+        self._lingering: dict[int, _Killed] = {}
+        """Those of them past the teardown bound: no worker starts while one is there."""
         self._stuck = ""
-        """The failure record (JSON) of killed workers' processes still there past the
-        bound ('' if none): while it stands, no worker starts and it is the failure."""
-        self._lingering: list[int] = []
-        """The process groups ``_stuck`` is about (probed again before the next start)."""
+        """The failure record (JSON) of ``_lingering`` ('' if none). It is the failure once
+        reported (at once, but for held workers let go after an in-place launch: at the
+        next launch or abort)."""
+        self._rechecking: asyncio.Task[Any] | None = None
+        self._leftovers: list[WorkerView] = []
+        """Held workers an in-place launch had no rank for, being killed in the background."""
         self.generation = -1
         self.plan_id = ""
         self.start_step = -1
@@ -427,7 +492,12 @@ class Supervisor:
         else:
             await self.abort()
             reusable = []
-        await self._after_teardown()  # no rank starts on a GPU a killed rank still holds
+        try:
+            await self._after_teardown()  # no rank starts on a GPU a killed rank still holds
+        except WorkerTeardownError:
+            self.failure = self._stuck  # refused: it is this node's failure now
+            self.changed.set()
+            raise
         gen_dir, plan_path, extra = self._gen_files(cmd, training)
         self._control_state = {}
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
@@ -440,6 +510,11 @@ class Supervisor:
         # those layers), then any.
         reusable.sort(key=lambda w: (w.rank not in cmd.ranks, w.rank))
         matched = _match_held(reusable, sorted(cmd.ranks), gpu_of)
+        # Held workers this layout has no rank for leave the generation now: asked to go,
+        # their end is no failure of this one (they are killed once it is launched)
+        leftovers = [w for w in reusable if w not in matched.values()]
+        self.workers = [w for w in self.workers if w not in leftovers]
+        self._leftovers.extend(leftovers)
         # A spare still starting takes its directive too (it reads it once warm): sooner
         # than a new process, which would also compete with it for the cores.
         spares = sorted((w for w in self.spares if w.exit_code is None), key=lambda w: not w.warm)
@@ -470,11 +545,15 @@ class Supervisor:
             # half a generation must not run (a full disk, a failed fork): the ranks it
             # started are killed, not left behind out of the list (each retry of the
             # command started another set); the caller refuses the command with the cause
-            await self._kill([*assigned, *reusable])
+            try:
+                await self._kill([*assigned, *reusable])
+            finally:
+                self._leftovers = [w for w in self._leftovers if w not in leftovers]
             self.workers, self._launching = [], []
             raise
-        await self._kill(reusable)  # held workers this layout has no rank for
         self.workers, self._launching = assigned, []
+        if leftovers and not self.closed:  # after the ack: the new ranks need not wait for them
+            self._tasks.spawn("let-go", self._let_go(leftovers))
         if self.closed:  # close() came mid-launch and killed what it had started
             raise SupervisorClosedError(f"launch {cmd.command_id}: the supervisor closed")
         path = f"in_place reused={reused} new={fresh}" if cmd.in_place else "restart"
@@ -692,12 +771,13 @@ class Supervisor:
         w.stderr_tail = [*w.stderr_tail[-19:], line]
         _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
 
-    async def _kill(self, workers: list[WorkerView]) -> None:
+    async def _kill(self, workers: list[WorkerView], report: bool = True) -> None:
         """SIGTERM ``workers``' process groups; SIGKILL the groups not gone after the grace
         period; then wait until every process of them is gone, at most ``teardown_timeout_s``
         (``kill_grace_s`` once closed: nothing starts after a close, and the agent's stop
-        must stay short). No worker starts meanwhile. A process still there then is the
-        failure (``_stuck``), and no worker starts until it is gone.
+        must stay short). No worker starts meanwhile. A process still there then is
+        ``_stuck`` (the failure at once if ``report``), and no worker starts until it is
+        gone.
 
         Only the groups of workers not yet reaped are signalled: the pid of one reaped
         earlier may belong to another process by now."""
@@ -713,26 +793,45 @@ class Supervisor:
             left, _ = await self._until_gone(alive, self.kill_grace_s)
             if not left:
                 return
-            for pgid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+            born_by, now = boot_ticks(), time.time()
+            for w in alive:
+                if w.proc.pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    self._sigkilled[w.proc.pid] = _Killed(
+                        w.proc.pid, w.rank, w.step, born_by, now, proc=w.proc
+                    )
+            self._save_killed()  # a restarted agent must know them (restore_killed)
             killed = [w for w in alive if w.proc.pid in left]
             bound = self.kill_grace_s if self.closed else self.teardown_timeout_s
-            left, elapsed = await self._until_gone(killed, bound, after_kill=True)
+            left, elapsed = await self._until_gone(
+                killed, bound, born_by={w.proc.pid: born_by for w in killed}, after_kill=True
+            )
+            for w in killed:
+                if w.proc.pid not in left:
+                    self._sigkilled.pop(w.proc.pid, None)
             if left:
-                self._report_stuck(killed, left, elapsed)
+                self._report_stuck(left, elapsed, report)
+            self._save_killed()
         finally:
             self._killing -= 1
             if not self._killing:
                 self._killed.set()
 
     async def _until_gone(
-        self, workers: list[WorkerView], bound_s: float, after_kill: bool = False
+        self,
+        workers: list[WorkerView],
+        bound_s: float,
+        born_by: Mapping[int, int] | None = None,
+        after_kill: bool = False,
     ) -> tuple[dict[int, dict[int, str]], float]:
         """Wait until every process of ``workers``' groups is gone, at most ``bound_s``:
         the groups with a live member still (``{pgid: {pid: state}}``, {} if none) and the
-        seconds waited. Wakes when the workers have exited, else after 10 ms, doubling up
-        to ``_PROBE_S``: a worker that goes at once (its children with it) costs no sleep.
+        seconds waited. A worker itself is there until reaped (a process whose main thread
+        ended reads ``Z`` while another thread runs on; it cannot be reaped then). Wakes
+        when the workers have exited, else after 10 ms, doubling up to ``_PROBE_S``: a
+        worker that goes at once (its children with it) costs no sleep. ``born_by``: the
+        groups' members started later are not theirs (``teardown.group_members``).
         ``after_kill``: log the processes outliving SIGKILL, and their end."""
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -747,14 +846,19 @@ class Supervisor:
                 if pending:
                     left_s = start + bound_s - loop.time()
                     await asyncio.wait(pending, timeout=max(0.0, min(delay, left_s)))
-                groups = await self._probe(list(rank_of))
+                groups = await self._probe(list(rank_of), born_by or {})
                 elapsed = loop.time() - start
-                there = {
-                    pid: (rank_of.get(pgid, -1), state)
+                there = {  # pid -> (pgid, state)
+                    pid: (pgid, state)
                     for pgid, members in groups.items()
                     for pid, state in members.items()
                     if state not in GONE_STATES
                 }
+                for w in workers:
+                    if w.proc.returncode is None and w.proc.pid not in there:
+                        # not reaped: a zombie leader (its last thread is ending) or a
+                        # member the probe missed; there all the same, state unknown
+                        there[w.proc.pid] = (w.proc.pid, "")
                 if after_kill:
                     for pid in [p for p in outlived if p not in there]:
                         _log.info(
@@ -765,12 +869,12 @@ class Supervisor:
                         )
                     if there and elapsed >= next_log:
                         next_log = elapsed + _LOG_EVERY_S
-                        for pid, (rank, state) in there.items():
-                            outlived[pid] = rank
+                        for pid, (pgid, state) in there.items():
+                            outlived[pid] = rank_of.get(pgid, -1)
                             _log.warning(
                                 "worker_outlived_sigkill",
                                 pid=pid,
-                                rank=rank,
+                                rank=outlived[pid],
                                 seconds=round(elapsed, 1),
                                 state=state,
                             )
@@ -778,7 +882,10 @@ class Supervisor:
                 if verdict is Teardown.GONE:
                     return {}, elapsed
                 if verdict is Teardown.STUCK:
-                    return {g: m for g, m in groups.items() if there.keys() & m.keys()}, elapsed
+                    left: dict[int, dict[int, str]] = {}
+                    for pid, (pgid, state) in there.items():
+                        left.setdefault(pgid, {})[pid] = state
+                    return left, elapsed
                 if not pending:
                     await asyncio.sleep(min(delay, start + bound_s - loop.time()))
                 delay = min(2 * delay, _PROBE_S)
@@ -786,52 +893,165 @@ class Supervisor:
             for f in waits:
                 f.cancel()
 
-    async def _probe(self, pgids: list[int]) -> dict[int, dict[int, str]]:
+    async def _probe(
+        self, pgids: list[int], born_by: Mapping[int, int]
+    ) -> dict[int, dict[int, str]]:
         """``self.probe`` in a thread (it reads ``/proc``), at most ``_PROBE_TIMEOUT_S``."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.probe, pgids), _PROBE_TIMEOUT_S)
+            return await asyncio.wait_for(
+                asyncio.to_thread(self.probe, pgids, born_by), _PROBE_TIMEOUT_S
+            )
         except TimeoutError:
             _log.warning("worker_probe_slow", pgids=pgids, timeout_s=_PROBE_TIMEOUT_S)
             return {g: {g: ""} for g in pgids}
 
     def _report_stuck(
-        self, killed: list[WorkerView], groups: dict[int, dict[int, str]], elapsed: float
+        self, groups: dict[int, dict[int, str]], elapsed: float, report: bool = True
     ) -> None:
-        """Killed workers' processes outlived the teardown bound: their GPUs are not free.
-        The failure says which, in what state; no worker starts until they are gone."""
-        by_pgid = {w.proc.pid: w for w in killed}
-        procs = [
-            (pid, by_pgid[pgid].rank if pgid in by_pgid else -1, state)
-            for pgid, members in groups.items()
-            for pid, state in members.items()
-            if state not in GONE_STATES
-        ]
-        procs.sort(key=lambda p: (p[2] != "D", p[0] not in by_pgid, p[0]))  # the driver's first
-        step = max((by_pgid[g].step for g in groups if g in by_pgid), default=-1)
-        self._stuck = json.dumps(outlived_kill_record(procs, elapsed, step))
-        self._lingering = sorted(groups)
-        self.failure = self._stuck
+        """Killed workers' processes (``{pgid: {pid: state}}``) outlived the teardown bound:
+        their GPUs are not free. They join those already lingering (one record names them
+        all: an earlier group still there must not be forgotten); the record is the
+        failure if ``report`` (or if the earlier one was). No worker starts until they are
+        gone; they are probed again every ``recheck_s``."""
+        for pgid, members in groups.items():
+            k = self._sigkilled[pgid]
+            k.processes = tuple(sorted(members.items()))
+            k.seconds = max(k.seconds, elapsed)  # a restored one's counts from its SIGKILL
+            self._lingering[pgid] = k
+        self._restate(report)
         _log.error(
             "worker_outlived_teardown",
-            processes=[f"pid {p} rank {r} state {s or '?'}" for p, r, s in procs],
+            processes=[
+                f"pid {p} rank {self._lingering[g].rank} state {s or '?'}"
+                for g, members in groups.items()
+                for p, s in members.items()
+            ],
             seconds=round(elapsed, 1),
         )
+        if self._rechecking is None or self._rechecking.done():
+            self._rechecking = self._tasks.spawn("recheck", self._recheck_until_gone())
+
+    def _restate(self, report: bool = False) -> None:
+        """``_stuck`` from ``_lingering`` again; the failure too if it was the old one (or
+        if ``report``)."""
+        old = self._stuck
+        procs = [
+            (pid, k.rank, state) for k in self._lingering.values() for pid, state in k.processes
+        ]
+        procs.sort(key=lambda p: (p[2] != "D", p[0] not in self._lingering, p[0]))
+        self._stuck = ""
+        if procs:
+            seconds = max(k.seconds for k in self._lingering.values())
+            step = max(k.step for k in self._lingering.values())
+            self._stuck = json.dumps(outlived_kill_record(procs, seconds, step))
+        if report or (old and self.failure == old):
+            self.failure = self._stuck
         self.changed.set()
+
+    async def _recheck(self, top_up: bool = True) -> None:
+        """Probe the lingering groups again and forget those gone. Once none is left, the
+        failure they were is withdrawn and (``top_up``, unless a generation is starting:
+        its start tops them up) the spares come back."""
+        if not self._lingering:
+            return
+        pgids = list(self._lingering)
+        groups = await self._probe(pgids, {g: self._lingering[g].born_by for g in pgids})
+        gone = []
+        for g in pgids:
+            k = self._lingering.get(g)
+            if k is None:  # another recheck found it gone meanwhile
+                continue
+            if k.proc is not None and k.proc.returncode is None:
+                continue  # not reaped: its last thread has not ended
+            if all(s in GONE_STATES for s in groups.get(g, {}).values()):
+                gone.append(g)
+                del self._lingering[g]
+                self._sigkilled.pop(g, None)
+        if not gone:
+            return
+        _log.info("worker_gone_after_teardown", pgids=gone, left=sorted(self._lingering))
+        self._save_killed()
+        self._restate()
+        # a generation still starting tops them up once it has (``_on_line``)
+        wanted = top_up and self.warm_spares and not self.closed
+        if not self._lingering and wanted and all(w.started for w in self.workers):
+            self._tasks.spawn("spares", self.top_up_spares())
+
+    async def _recheck_until_gone(self) -> None:
+        while self._lingering and not self.closed:
+            await asyncio.sleep(self.recheck_s)
+            await self._recheck()
+
+    def _save_killed(self) -> None:
+        """``_sigkilled`` into ``KILLED_FILE`` (atomically; removed when empty). Not synced
+        to disk: a power loss is a reboot, which ends those processes anyway."""
+        path = self.run_dir / KILLED_FILE
+        try:
+            if self._sigkilled:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                groups = [k.saved() for k in self._sigkilled.values()]
+                _write_atomic(path, json.dumps({"boot_id": boot_id(), "groups": groups}))
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:  # a restarted agent would not know them: say so
+            _log.warning("killed_groups_not_saved", path=str(path), error=str(exc))
+
+    async def restore_killed(self) -> None:
+        """At an agent's start: the process groups its previous incarnation SIGKILLed and
+        did not see go (``KILLED_FILE``). Those still there (members started by their
+        SIGKILL, in this boot) linger: the failure is theirs and no worker starts until
+        they are gone, as if this agent had killed them."""
+        path = self.run_dir / KILLED_FILE
+        try:
+            data = json.loads(path.read_text())
+            saved_boot, this_boot = str(data.get("boot_id", "")), boot_id()
+            same_boot = not saved_boot or not this_boot or saved_boot == this_boot
+            saved = [
+                _Killed(
+                    int(g["pgid"]),
+                    int(g["rank"]),
+                    int(g["step"]),
+                    int(g["born_by"]),
+                    float(g["killed_at"]),
+                )
+                for g in data["groups"]
+            ]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            _log.warning("killed_groups_unreadable", path=str(path), error=repr(exc)[:300])
+            return
+        if same_boot and saved:
+            groups = await self._probe([k.pgid for k in saved], {k.pgid: k.born_by for k in saved})
+            there = {
+                g: {p: s for p, s in members.items() if s not in GONE_STATES}
+                for g, members in groups.items()
+            }
+            now = time.time()
+            for k in saved:
+                if there.get(k.pgid):
+                    self._sigkilled[k.pgid] = k
+                    k.seconds = max(0.0, now - k.killed_at)
+            if self._sigkilled:
+                _log.warning("killed_groups_restored", pgids=sorted(self._sigkilled))
+                self._report_stuck({g: there[g] for g in self._sigkilled}, 0.0)
+        self._save_killed()
+
+    async def _let_go(self, leftovers: list[WorkerView]) -> None:
+        """Kill held workers an in-place launch had no rank for (after its ack). One that
+        outlives the bound holds up the next launch and is reported then: the generation
+        just launched runs on other GPUs."""
+        try:
+            await self._kill(leftovers, report=False)
+        finally:
+            self._leftovers = [w for w in self._leftovers if w not in leftovers]
 
     async def _after_teardown(self) -> None:
         """Return once no kill is under way and no killed worker's process holds on
         (probed again here: it may have gone since); else raise WorkerTeardownError."""
         async with asyncio.timeout(self.teardown_timeout_s + 2 * self.kill_grace_s + 10):
             await self._killed.wait()  # every kill ends within its bounds
-        if self._lingering:
-            groups = await self._probe(self._lingering)
-            states = {pid: s for members in groups.values() for pid, s in members.items()}
-            if teardown_verdict(states, 0.0, 0.0) is Teardown.GONE:
-                _log.info("worker_gone_after_teardown", pgids=self._lingering)
-                if self.failure == self._stuck:
-                    self.failure = ""
-                self._stuck, self._lingering = "", []
-                self.changed.set()
+        await self._recheck(top_up=False)  # a worker is about to start: it tops them up
         if self._stuck:
             raise WorkerTeardownError(self._stuck)
 
@@ -839,7 +1059,9 @@ class Supervisor:
         """Kill every worker (SIGTERM, SIGKILL after the grace period, then the wait until
         their processes are gone: ``_kill``) and forget them. With
         ``hold`` (in-place workers only): ask them to leave their world and hold instead
-        (SIGUSR1), killing only those that do not hold within the grace period."""
+        (SIGUSR1), killing only those that do not hold within the grace period. Processes
+        that outlived an earlier kill are probed again: the failure is theirs while they
+        are there, and goes with them."""
         if hold and self.in_place and self.workers:
             self.failure = self._stuck
             waiting = [w for w in self.workers if w.exit_code is None and not w.held]
@@ -859,22 +1081,27 @@ class Supervisor:
             self.workers = [w for w in self.workers if w.held and w.exit_code is None]
             for w in self.workers:  # asked to: the controller knows why (no failure report)
                 w.broken = ""
+            await self._recheck()
+            self.failure = self._stuck
             self.changed.set()
             return
         self.expect_exit = True
         await self._kill(self.workers)
         self.workers = []
+        await self._recheck()
         self.failure = self._stuck  # a process that outlived SIGKILL stays reported
         self.changed.set()
 
     async def close(self) -> None:
         """Kill the workers and the spares; end every task (the agent is shutting down). A
-        launch still going on starts no more workers, and those it started are killed."""
+        launch still going on starts no more workers, and those it started are killed.
+        Processes that outlive it stay in ``KILLED_FILE`` for the next agent."""
         self.closed = True
         await self._kill(self._launching)
         await self.abort()
         await self._kill(self.spares)
         self.spares = []
+        await self._kill(self._leftovers)
         await self._tasks.close(timeout=2.0)
 
 

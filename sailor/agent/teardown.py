@@ -8,26 +8,48 @@ in the GPU driver's teardown (after an NCCL hang or an XID error) sleeps uninter
 supervisor (``supervisor.Supervisor._kill``) probes, asks :func:`teardown_verdict` and
 starts no rank until the verdict is :attr:`Teardown.GONE`.
 
-This module never signals nor waits: the supervisor does both.
+A process is its threads: ``/proc/<pid>/stat`` shows the thread-group leader's state, which
+reads ``Z`` once the main thread has ended, though another thread (one in the driver, say)
+still runs and the process still holds its memory and files. The probe reads every
+thread's state (``/proc/<pid>/task/*/stat``) before it calls such a process a zombie.
+
+A process group's id can be another session's once all of ours are gone (a new process
+gets the pid, then calls ``setsid``). A group probed long after its SIGKILL (a restarted
+agent's, or one probed every few seconds for minutes) is therefore probed with the time of
+that SIGKILL (``born_by``, in :func:`boot_ticks`): a member started later is not ours.
+
+This module never signals (but ``killpg(pgid, 0)``, which asks) nor waits: the supervisor
+does both.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-__all__ = ["GONE_STATES", "Teardown", "group_members", "teardown_verdict"]
+__all__ = [
+    "GONE_STATES",
+    "Teardown",
+    "boot_id",
+    "boot_ticks",
+    "group_members",
+    "teardown_verdict",
+]
 
 GONE_STATES = frozenset("ZXx")
-"""``/proc/<pid>/stat`` states of a process that holds nothing any more: a zombie (``Z``)
-has released its memory and files, the GPU device files among them, before it became one
-(the kernel's ``do_exit`` runs ``exit_mm`` and ``exit_files`` first), and ``X``/``x`` are
-dead. A zombie member of a worker's group is not ours to reap: its parent was the worker, so
-it was reparented to init or a subreaper, which may take its time (measured on the
-development VM, Linux 6.18: an orphan stayed a zombie ~1 s before its init reaped it);
-waiting for that would only delay the next launch."""
+"""States of a process that holds nothing any more, as :func:`group_members` reports them
+(a ``Z`` from ``/proc/<pid>/stat`` is one only if every thread of it reads ``Z`` or ``X``:
+see the module docstring). A zombie (``Z``) has released its memory and files, the GPU
+device files among them, before it became one (the kernel's ``do_exit`` runs ``exit_mm``
+and ``exit_files`` first), and ``X``/``x`` are dead. A zombie member of a worker's group is
+not ours to reap: its parent was the worker, so it was reparented to init or a subreaper,
+which may take its time (measured on the development VM, Linux 6.18: an orphan stayed a
+zombie ~1 s before its init reaped it); waiting for that would only delay the next launch.
+A worker itself (the group leader, our child) is another matter: the supervisor counts it
+as there until it has reaped it."""
 
 
 class Teardown(enum.Enum):
@@ -49,16 +71,36 @@ def teardown_verdict(states: Mapping[int, str], elapsed_s: float, bound_s: float
     return Teardown.STUCK if elapsed_s >= bound_s else Teardown.WAIT
 
 
-def group_members(pgids: Collection[int]) -> dict[int, dict[int, str]]:
+def boot_ticks() -> int:
+    """Now, in the unit of a process's start time in ``/proc/<pid>/stat`` (field 22: clock
+    ticks since boot, counted on ``CLOCK_BOOTTIME``)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def boot_id() -> str:
+    """This boot's id ('' if unknown): a group recorded in another boot is gone with it."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def group_members(
+    pgids: Collection[int], born_by: Mapping[int, int] | None = None
+) -> dict[int, dict[int, str]]:
     """Of the process groups ``pgids``, those with a member left: ``{pgid: {pid: state}}``.
 
     ``os.killpg(pgid, 0)`` first (ProcessLookupError: the group is empty; a zombie still
     counts as a member until it is reaped); only for a group that answers is ``/proc``
     scanned for its members and their state letters (one read of ``/proc/<pid>/stat`` per
-    process of the host, ~2 ms for 70: the supervisor runs this in a thread). A group that
-    answers but whose members the scan cannot see (no ``/proc``, or a member that ended
-    meanwhile) is reported as its leader in state ''.
+    process of the host, ~2 ms for 70, and of its threads' for one that reads ``Z``: the
+    supervisor runs this in a thread). A member started after ``born_by[pgid]``
+    (:func:`boot_ticks`) is left out, and a group with no member left then is another
+    session's that got the id: it is left out too. A group that answers but whose members
+    the scan cannot see at all (no ``/proc``, or a member that ended meanwhile) is reported
+    as its leader in state ''.
     """
+    born_by = born_by or {}
     found: dict[int, dict[int, str]] = {}
     for pgid in pgids:
         try:
@@ -70,29 +112,60 @@ def group_members(pgids: Collection[int]) -> dict[int, dict[int, str]]:
         found[pgid] = {}
     if not found:
         return found
-    for pid, state, pgrp in _proc_stats():
+    seen: set[int] = set()
+    for pid, state, pgrp, start in _proc_stats():
         if pgrp in found:
-            found[pgrp][pid] = state
-    for pgid, members in found.items():
-        if not members:
-            members[pgid] = ""
+            seen.add(pgrp)
+            if start <= born_by.get(pgrp, start):
+                found[pgrp][pid] = state
+    for pgid in list(found):
+        if found[pgid]:
+            continue
+        if pgid in seen:  # only members started after ours were killed: not our group
+            del found[pgid]
+        else:
+            found[pgid][pgid] = ""
     return found
 
 
-def _proc_stats() -> list[tuple[int, str, int]]:
-    """``(pid, state, pgrp)`` of every process ``/proc`` shows (none without ``/proc``)."""
-    out: list[tuple[int, str, int]] = []
+def _proc_stats() -> list[tuple[int, str, int, int]]:
+    """``(pid, state, pgrp, start ticks)`` of every process ``/proc`` shows (none without
+    ``/proc``). A process whose leader thread reads ``Z`` while another thread of it runs on
+    gets that thread's state (``D`` first): it is not gone."""
+    out: list[tuple[int, str, int, int]] = []
     try:
         entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
         return out
     for name in entries:
-        try:
-            text = Path(f"/proc/{name}/stat").read_text()
-        except OSError:  # it ended meanwhile
+        fields = _stat_fields(f"/proc/{name}/stat")
+        # fields from the state on: state ppid pgrp ... starttime (field 22, here 19)
+        if len(fields) < 20 or not fields[2].lstrip("-").isdigit() or not fields[19].isdigit():
             continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-        fields = text.rsplit(")", 1)[-1].split()
-        if len(fields) >= 3 and fields[2].lstrip("-").isdigit():
-            out.append((int(name), fields[0], int(fields[2])))
+        state = fields[0]
+        if state == "Z":
+            state = _live_thread_state(name) or state
+        out.append((int(name), state, int(fields[2]), int(fields[19])))
     return out
+
+
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a ``stat`` file after ``comm`` ([] if it cannot be read: ended)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+    return text.rsplit(")", 1)[-1].split()
+
+
+def _live_thread_state(pid: str) -> str:
+    """The state of a thread of process ``pid`` that has not exited ('' if none has not):
+    ``D`` if one is in it, else the first found."""
+    try:
+        tids = [e.name for e in os.scandir(f"/proc/{pid}/task")]
+    except OSError:
+        return ""
+    live = [s for t in tids for s in _stat_fields(f"/proc/{pid}/task/{t}/stat")[:1]]
+    live = [s for s in live if s not in GONE_STATES]
+    return "D" if "D" in live else (live[0] if live else "")

@@ -7,8 +7,14 @@ after an NCCL hang or an XID error) held its GPU while the next generation start
 failed with out-of-memory or hung, and nothing said why. Now every process of the group must
 be gone, within ``teardown_timeout_s`` after SIGKILL, before a rank or a spare starts; one
 still there past it is the node's failure (retry false) and no rank starts on top of it.
-Real worker processes throughout; only a process that outlives SIGKILL is simulated (the
-probe's answer), as none can on this machine.
+A process that outlived the bound is probed again at each launch and abort and every
+``recheck_s``: once it is gone the failure goes and the spares come back. Held workers an
+in-place launch has no rank for are killed after the launch, not inside it, and their end is
+not the new generation's failure. A restarted agent's supervisor finds the groups its
+predecessor killed and did not see go (``killed.json``).
+Real worker processes throughout (a worker whose main thread ended while another runs on
+among them); only a process that outlives SIGKILL is simulated (the probe's answer), as none
+can on this machine.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.supervisor import Supervisor, WorkerTeardownError
-from sailor.agent.teardown import GONE_STATES, group_members
+from sailor.agent.supervisor import KILLED_FILE, Supervisor, WorkerTeardownError, WorkerView
+from sailor.agent.teardown import GONE_STATES, boot_ticks, group_members
 from sailor.schemas.commands import Launch
 from tests.integration.test_worker_signals import PLAN, launch_of
 
@@ -73,8 +79,60 @@ time.sleep(60)
 """
 
 
+# A worker whose main thread ends while another thread runs on: /proc/<pid>/stat reads Z
+# (the leader thread's state), yet the process is there, cannot be reaped and holds its
+# memory (a CUDA rank's driver-teardown thread, say). It ignores SIGTERM.
+_MAIN_THREAD_ENDS = (
+    "import ctypes, signal, threading, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "threading.Thread(target=lambda: time.sleep(60)).start(); time.sleep(0.3); "
+    "ctypes.CDLL(None).pthread_exit(None)"
+)
+
+_SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
+
+
 def _gen(n: int) -> Launch:
     return launch_of(PLAN).model_copy(update={"generation": n, "command_id": f"c{n}"})
+
+
+def _in_place(n: int) -> Launch:
+    return _gen(n).model_copy(update={"in_place": True})
+
+
+Probe = Callable[..., dict[int, dict[int, str]]]
+
+
+def _in_driver(stuck: Callable[[int], bool]) -> Probe:
+    """The real probe, but a group for which ``stuck(pgid)`` says so has its leader still
+    there in state D (in the GPU driver's teardown)."""
+
+    def probe(pgids: list[int], born_by: dict[int, int] | None = None) -> dict[int, dict[int, str]]:
+        found = group_members(pgids, born_by) if born_by else group_members(pgids)
+        for pgid in pgids:
+            if stuck(pgid):
+                found.setdefault(pgid, {})[pgid] = "D"
+        return found
+
+    return probe
+
+
+def _stat(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+async def _holding(sup: Supervisor, tmp: Path, argvs: list[tuple[str, ...]]) -> list[WorkerView]:
+    """Generation 1's workers, one per argv (rank = index), holding after an in-place stop:
+    real processes, started as the supervisor starts workers."""
+    held = []
+    for rank, argv in enumerate(argvs):
+        w = await sup._spawn(rank, argv, tmp, 1)
+        w.held, w.control = True, tmp / f"directive-{rank}.json"
+        held.append(w)
+    sup.workers, sup.in_place = list(held), True
+    return held
 
 
 async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -171,15 +229,7 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
     )
     sup.kill_grace_s = 0.3
     in_driver = [True]
-
-    def probe(pgids: list[int]) -> dict[int, dict[int, str]]:
-        found = group_members(pgids)
-        if in_driver[0]:
-            for pgid in pgids:
-                found.setdefault(pgid, {})[pgid] = "D"
-        return found
-
-    sup.probe = probe
+    sup.probe = _in_driver(lambda pgid: in_driver[0])
     try:
         await sup.launch(_gen(1))
         pid = sup.workers[0].proc.pid
@@ -221,7 +271,8 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
 async def test_a_worker_that_exits_at_sigterm_is_not_delayed(tmp_path: Path) -> None:
     """The common case: the worker and its child go at SIGTERM. The abort returns at once,
     well inside the grace period (the child, an orphaned zombie until init reaps it, holds
-    nothing and is not waited for)."""
+    nothing and is not waited for). A regression guard for the fast path: it passed before
+    the teardown wait too, and must go on passing."""
     sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _WITH_CHILD, "{run_dir}"))
     assert sup.kill_grace_s == 3.0
     child = -1
@@ -236,3 +287,234 @@ async def test_a_worker_that_exits_at_sigterm_is_not_delayed(tmp_path: Path) -> 
         await sup.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+async def test_a_worker_whose_main_thread_ended_is_still_killed_and_waited_for(
+    tmp_path: Path,
+) -> None:
+    """Its leader reads Z in /proc/<pid>/stat, which counted as gone: the abort returned at
+    once, sent no SIGKILL and left the process running (another thread of it lived on, as
+    a rank's in the GPU driver would). Now the worker is there until reaped, and a Z
+    member is looked at thread by thread: it gets the SIGKILL after the grace period and
+    the abort returns once it is reaped."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _MAIN_THREAD_ENDS))
+    sup.kill_grace_s = 0.5
+    pid = -1
+    try:
+        await sup.launch(_gen(1))
+        proc = sup.workers[0].proc
+        pid = proc.pid
+        await _until(lambda: _stat(pid) == "Z")  # its main thread has ended
+        assert group_members([pid])[pid][pid] not in GONE_STATES  # another thread runs
+        t0 = time.monotonic()
+        await sup.abort()
+        assert time.monotonic() - t0 >= sup.kill_grace_s  # SIGTERM ignored: SIGKILL needed
+        assert proc.returncode == -signal.SIGKILL
+        assert _stat(pid) == "gone" and sup.failure == ""
+    finally:
+        await sup.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # the old code left it running
+
+
+async def test_the_failure_goes_with_the_process_at_the_next_abort(tmp_path: Path) -> None:
+    """After an OutlivedKill a node gets Aborts only (the controller launches nothing on a
+    node that reports a failure). Before, only a Launch probed the process again, so the
+    node reported the failure forever after the process went; now an abort does."""
+    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup.kill_grace_s = 0.3
+    in_driver = [True]
+    sup.probe = _in_driver(lambda pgid: in_driver[0])
+    try:
+        await sup.launch(_gen(1))
+        await sup.abort()
+        assert sup.state == "failed" and json.loads(sup.failure)["error_type"] == "OutlivedKill"
+        await sup.abort()
+        assert sup.state == "failed"  # still there: still the failure
+        in_driver[0] = False
+        await sup.abort()
+        assert (sup.state, sup.failure) == ("idle", "")
+        assert not (tmp_path / KILLED_FILE).exists()
+    finally:
+        in_driver[0] = False
+        await sup.close()
+
+
+async def test_the_failure_goes_with_the_process_without_any_command(tmp_path: Path) -> None:
+    """Nor does a node wait for a command: the process is probed every ``recheck_s``; once
+    it is gone the node reports idle and its spares are started again (they were not while
+    it held its GPU)."""
+    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, warm_spares=1, teardown_timeout_s=0.5)
+    sup.kill_grace_s = 0.3
+    sup.recheck_s = 0.1
+    in_driver = [True]
+    sup.probe = _in_driver(lambda pgid: in_driver[0])
+    try:
+        await sup.launch(_gen(1))
+        await sup.abort()  # the spare (none yet: the worker never reported ready) is refused
+        await sup.top_up_spares()
+        assert sup.state == "failed" and sup.spares == []
+        in_driver[0] = False
+        await _until(lambda: sup.state == "idle" and len(sup.spares) == 1, timeout=5.0)
+        assert sup.failure == ""
+    finally:
+        in_driver[0] = False
+        await sup.close()
+
+
+async def test_held_workers_a_layout_leaves_out_are_killed_after_the_launch(
+    tmp_path: Path,
+) -> None:
+    """An in-place launch gives rank 0 to held worker 0; held worker 1 is left over. It
+    outlives SIGKILL (simulated): before, the launch (and so its ack) waited for it up to
+    the teardown bound and then failed the new generation with retry false. Now the launch
+    returns at once and the new generation is not failed; the leftover holds up the next
+    launch, which is refused with it as the node's failure, until it is gone."""
+    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup.kill_grace_s = 0.3
+    in_driver = [True]
+    try:
+        w0, w1 = await _holding(sup, tmp_path, [_SLEEPER, _SLEEPER])
+        sup.probe = _in_driver(lambda pgid: in_driver[0] and pgid == w1.proc.pid)
+        t0 = time.monotonic()
+        await sup.launch(_in_place(2))
+        assert time.monotonic() - t0 < sup.kill_grace_s
+        assert sup.workers == [w0] and sup.failure == ""
+        await asyncio.sleep(sup.kill_grace_s + sup.teardown_timeout_s + 0.5)
+        assert sup.state == "starting" and sup.failure == ""  # gen 2 runs on: not its failure
+
+        with pytest.raises(WorkerTeardownError):
+            await sup.launch(_gen(3))
+        record = json.loads(sup.failure)
+        assert (record["error_type"], record["pid"], record["rank"]) == (
+            "OutlivedKill",
+            w1.proc.pid,
+            1,
+        )
+        assert record["retry"] is False and sup.workers == []
+
+        in_driver[0] = False
+        await sup.launch(_gen(3))
+        assert sup.failure == "" and len(sup.workers) == 1
+    finally:
+        in_driver[0] = False
+        await sup.close()
+
+
+async def test_a_leftover_held_worker_ending_at_sigterm_is_no_failure(tmp_path: Path) -> None:
+    """Real processes: the leftover held worker exits at SIGTERM, its child needs the
+    SIGKILL. Before, the launch waited for it (the grace period) with it still among the
+    generation's workers, and its SIGTERM death became the new generation's failure."""
+    sup = Supervisor(tmp_path, worker_argv=_SLEEPER)
+    sup.kill_grace_s = 0.5
+    (tmp_path / "left").mkdir()
+    child = -1
+    try:
+        stubborn = (sys.executable, "-c", _WITH_STUBBORN_CHILD, str(tmp_path / "left"))
+        _, w1 = await _holding(sup, tmp_path, [_SLEEPER, stubborn])
+        await _until((tmp_path / "left" / "child.pid").exists)
+        child = int((tmp_path / "left" / "child.pid").read_text())
+        t0 = time.monotonic()
+        await sup.launch(_in_place(2))
+        assert time.monotonic() - t0 < sup.kill_grace_s
+        await _until(lambda: _group_gone(w1.proc.pid) and w1.exit_code is not None)
+        assert w1.exit_code == -signal.SIGTERM
+        assert sup.failure == "" and sup.state == "starting"
+    finally:
+        await sup.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: Path) -> None:
+    """A leftover of an in-place launch outlives SIGKILL, then the new generation's worker
+    does too at the abort. Before, the second report replaced the first: once the second
+    went, launches resumed on the GPU the first still held. Now the record names both and
+    launches wait for both."""
+    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup.kill_grace_s = 0.3
+    stuck: set[int] = set()
+    sup.probe = _in_driver(lambda pgid: pgid in stuck)
+    try:
+        w0, w1 = await _holding(sup, tmp_path, [_SLEEPER, _SLEEPER])
+        stuck |= {w0.proc.pid, w1.proc.pid}
+        await sup.launch(_in_place(2))  # w1 left over: killed, outlives SIGKILL
+        await asyncio.sleep(sup.kill_grace_s + sup.teardown_timeout_s + 0.5)
+        await sup.abort()  # w0 (rank 0 of generation 2) outlives SIGKILL too
+        record = json.loads(sup.failure)
+        assert {p["pid"] for p in record["processes"]} == {w0.proc.pid, w1.proc.pid}, record
+
+        stuck.discard(w0.proc.pid)  # the second goes; the first holds on
+        with pytest.raises(WorkerTeardownError):
+            await sup.launch(_gen(3))
+        record = json.loads(sup.failure)
+        assert [p["pid"] for p in record["processes"]] == [w1.proc.pid], record
+
+        stuck.clear()
+        await sup.launch(_gen(3))
+        assert sup.failure == ""
+    finally:
+        stuck.clear()
+        await sup.close()
+
+
+async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Path) -> None:
+    """The process outliving SIGKILL is still there when the agent restarts (a new
+    Supervisor on the same run directory). Before, the new one knew nothing of it and
+    launched onto its GPU. Now it reads ``killed.json``, finds the group there: the failure
+    is its record and launches are refused, until it is gone."""
+    in_driver = [True]
+    first = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    first.kill_grace_s = 0.3
+    first.probe = _in_driver(lambda pgid: in_driver[0])
+    await first.launch(_gen(1))
+    pid = first.workers[0].proc.pid
+    await first.close()
+    assert json.loads(first.failure)["pid"] == pid
+    assert [g["pgid"] for g in json.loads((tmp_path / KILLED_FILE).read_text())["groups"]] == [pid]
+
+    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup.kill_grace_s = 0.3
+    sup.probe = first.probe
+    try:
+        await sup.restore_killed()
+        record = json.loads(sup.failure)
+        assert (record["error_type"], record["pid"], record["retry"]) == (
+            "OutlivedKill",
+            pid,
+            False,
+        )
+        with pytest.raises(WorkerTeardownError):
+            await sup.launch(_gen(2))
+        in_driver[0] = False
+        await sup.launch(_gen(2))
+        assert sup.failure == "" and len(sup.workers) == 1
+        assert not (tmp_path / KILLED_FILE).exists()
+    finally:
+        in_driver[0] = False
+        await sup.close()
+
+
+async def test_a_restored_group_is_matched_by_its_members_start_times(tmp_path: Path) -> None:
+    """No simulated probe: a real process group stands for the survivor. Recorded as killed
+    after it started, it lingers; recorded as killed before it started, its id is another
+    session's now (the pid reused) and it does not."""
+    other = await asyncio.create_subprocess_exec("sleep", "60", start_new_session=True)
+    try:
+        await _until(lambda: _stat(other.pid) in ("S", "R"))
+        await asyncio.sleep(0.05)  # a clock tick (10 ms) past its start
+        for born_by, lingers in ((boot_ticks() - 100_000, False), (boot_ticks(), True)):
+            record = {"pgid": other.pid, "rank": 0, "step": 5, "born_by": born_by}
+            (tmp_path / KILLED_FILE).write_text(
+                json.dumps({"boot_id": "", "groups": [{**record, "killed_at": time.time()}]})
+            )
+            sup = Supervisor(tmp_path, worker_argv=_SLEEPER)
+            try:
+                await sup.restore_killed()
+                assert (sup.state == "failed") is lingers, sup.failure
+                assert (tmp_path / KILLED_FILE).exists() is lingers
+            finally:
+                await sup.close()
+    finally:
+        other.kill()
+        await other.wait()

@@ -1,14 +1,17 @@
 """The teardown verdict on killed workers' processes, the record of one that outlives
-SIGKILL, and the process-group probe on a real group."""
+SIGKILL, and the process-group probe on real groups: a process whose main thread ended
+while another runs on, and a group id that another session may have taken since."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from sailor.agent.teardown import Teardown, group_members, teardown_verdict
+from sailor.agent.teardown import GONE_STATES, Teardown, boot_ticks, group_members, teardown_verdict
 from sailor.megatron_patch.errors import outlived_kill_record
 
 GONE, WAIT, STUCK = Teardown.GONE, Teardown.WAIT, Teardown.STUCK
@@ -56,3 +59,50 @@ def test_group_members_of_a_real_group() -> None:
         p.kill()
         p.wait()
     assert group_members([p.pid]) == {}
+
+
+def _leader_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_process_whose_main_thread_ended_is_not_a_zombie() -> None:
+    """/proc/<pid>/stat shows the leader thread's state: Z once the main thread has ended,
+    though another thread runs on (and the process holds its memory). The probe reported
+    it as Z, which counts as gone; it reads the threads' states now."""
+    code = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=lambda: time.sleep(30)).start()\n"
+        "time.sleep(0.2)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while _leader_state(p.pid) != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        state = group_members([p.pid])[p.pid][p.pid]
+        assert state not in GONE_STATES and teardown_verdict({p.pid: state}, 0, 1) is WAIT
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_members_started_after_the_kill_are_another_sessions() -> None:
+    """A group probed long after its SIGKILL may have an id another session took since (its
+    leader got the pid and called setsid): members started after ``born_by`` are not ours,
+    and a group of such members only is left out."""
+    before = boot_ticks()
+    time.sleep(0.05)  # a clock tick (10 ms) and more
+    p = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while p.pid not in group_members([p.pid]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert group_members([p.pid], {p.pid: before}) == {}
+        assert list(group_members([p.pid], {p.pid: boot_ticks()})) == [p.pid]
+    finally:
+        p.kill()
+        p.wait()
