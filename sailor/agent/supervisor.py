@@ -10,16 +10,14 @@ Progress arrives as JSON lines on stdout (see ``sailor.megatron_patch.rank_main`
 ``toy_trainer``); stop and save requests go through a control file the workers re-read at
 every iteration boundary, written atomically. The timings of each rank's last steps are kept
 (:mod:`step_timings`) for the status record. On abort or deadline the workers' process groups
-get SIGTERM, then SIGKILL after ``kill_grace_s``; then the supervisor waits until every
-process of those groups is gone, at most ``teardown_timeout_s`` (a rank in the GPU driver's
-teardown outlives SIGKILL for tens of seconds and holds its GPU meanwhile: :mod:`teardown`),
-and no worker or spare starts meanwhile. One still there then is reported as the failure
-(:func:`~sailor.megatron_patch.errors.outlived_kill_record`, ``retry=False``) and this node
-starts no rank until it is gone: it is probed again at each launch and abort and every
-``recheck_s``, and once it is gone the failure is withdrawn and the spares come back. The
-groups killed and not yet found gone are kept in ``killed.json`` in the run directory, so
-that a restarted agent (``restore_killed``) does not start ranks on a GPU its previous
-incarnation's rank still holds. The first abnormal exit's cause (error file, else the
+get SIGTERM, then SIGKILL after ``kill_grace_s``, and no worker or spare starts until every
+process of those groups is gone (:mod:`killed_groups`: a rank in the GPU driver's teardown
+outlives SIGKILL for tens of seconds and holds its GPU meanwhile). One still there past
+``teardown_timeout_s`` is reported as the failure (``retry=False``) and this node starts no
+rank until it is gone: it is probed again at each launch and abort and every ``recheck_s``,
+and once it is gone the failure is withdrawn and the spares come back. A restarted agent
+(``restore_killed``) finds the groups its previous incarnation killed and did not see go
+(``killed.json`` in the run directory). The first abnormal exit's cause (error file, else the
 stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
@@ -56,29 +54,25 @@ import math
 import os
 import signal
 import sys
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from sailor.agent.killed_groups import (
+    KILLED_FILE,
+    TEARDOWN_TIMEOUT_S,
+    KilledGroups,
+    WorkerTeardownError,
+)
 from sailor.agent.rank_log import RankLog
 from sailor.agent.step_timings import StepWindow
 from sailor.agent.stream_lines import lines
-from sailor.agent.teardown import (
-    GONE_STATES,
-    Teardown,
-    boot_id,
-    boot_ticks,
-    group_members,
-    teardown_verdict,
-)
 from sailor.coordination import TaskSet
 from sailor.megatron_patch.errors import (
     fault_path,
-    outlived_kill_record,
     read_error_file,
     signal_failure_record,
     write_error_file,
@@ -109,43 +103,8 @@ SPARE_FAILURES = 3
 """Spares in a row that fail to get warm before an agent stops starting them."""
 
 
-TEARDOWN_TIMEOUT_S = 120.0
-"""How long killed workers' processes may take to go after SIGKILL before the node is
-reported failed. A guess with its reasons, not a measurement here: the GPU driver's
-teardown of a rank after an XID error or an NCCL hang is reported to take tens of seconds,
-and a bound too short fails a node that would have recovered (``AgentConfig`` sets it)."""
-
-_PROBE_S = 0.2
-"""The longest pause between two probes of killed workers' groups (the first pauses are
-shorter: 10 ms, doubling): a ``killpg`` each and, while one has members, a ``/proc`` scan
-in a thread (~2 ms for 70 processes): cheap, and the next launch starts at most this late
-after the last process went."""
-
-_PROBE_TIMEOUT_S = 5.0
-"""A probe that takes longer (a ``/proc`` read stuck behind a process's kernel locks) counts
-as finding every group still there, state unreadable; the teardown's bound still holds."""
-
-_LOG_EVERY_S = 10.0
-"""How often a process outliving SIGKILL is logged again (first: ``kill_grace_s`` after)."""
-
-_RECHECK_S = 5.0
-"""How often a process that outlived the teardown bound is probed again (besides each
-launch and abort): a ``killpg`` per group and, while one has a member, a ``/proc`` scan in
-a thread. The node takes ranks again at most this late after it went, against the
-controller's exclusion of a node that reported it (600 s)."""
-
-KILLED_FILE = "killed.json"
-"""In the run directory: the process groups SIGKILLed and not yet found gone, for a
-restarted agent (:meth:`Supervisor.restore_killed`)."""
-
-
 class SupervisorClosedError(RuntimeError):
     """A launch or a spare asked to start a worker after :meth:`Supervisor.close`."""
-
-
-class WorkerTeardownError(RuntimeError):
-    """A launch or a spare asked to start a worker while a killed worker's process outlived
-    the teardown bound and is still there (the message is the failure record, JSON)."""
 
 
 DEFAULT_WORKER_ARGV: tuple[str, ...] = (
@@ -238,35 +197,6 @@ class WorkerView:
     err_log: RankLog | None = None
 
 
-@dataclass
-class _Killed:
-    """A killed worker's process group, SIGKILLed and not yet found gone."""
-
-    pgid: int
-    rank: int
-    step: int
-    born_by: int
-    """Its members had started by then (the SIGKILL, in ``teardown.boot_ticks``): one
-    started later is another session's that got the id once ours had gone."""
-    killed_at: float
-    """Wall-clock time of the SIGKILL (a restarted agent's record counts from it)."""
-    proc: asyncio.subprocess.Process | None = None
-    """The worker, there until reaped (None: a previous agent's)."""
-    processes: tuple[tuple[int, str], ...] = ()
-    """``(pid, state)`` of its members still there at the verdict."""
-    seconds: float = 0.0
-    """How long after the SIGKILL they were still there."""
-
-    def saved(self) -> dict[str, Any]:
-        return {
-            "pgid": self.pgid,
-            "rank": self.rank,
-            "step": self.step,
-            "born_by": self.born_by,
-            "killed_at": self.killed_at,
-        }
-
-
 _spare_ids = itertools.count()
 
 
@@ -326,30 +256,16 @@ class Supervisor:
         a quota that applies from ``ready`` on is lifted until they report ready again)."""
         self.warm_spares = warm_spares
         """Spare worker processes kept ready for in-place launches."""
-        self.kill_grace_s = 3.0
-        self.teardown_timeout_s = teardown_timeout_s
-        """After SIGKILL, how long killed workers' processes may take to go (``_kill``)."""
-        self.recheck_s = _RECHECK_S
-        """How often processes that outlived the teardown bound are probed again."""
-        self.probe: Callable[[list[int], Mapping[int, int]], dict[int, dict[int, str]]] = (
-            group_members
+        self._tasks = TaskSet("supervisor")
+        self.killed_groups = KilledGroups(
+            run_dir,
+            self._tasks,
+            on_record=self._on_teardown_record,
+            on_gone=self._on_teardown_gone,
+            teardown_timeout_s=teardown_timeout_s,
         )
-        """Which of the given process groups still have members (started by the given
-        time, if one is given), with their states: ``teardown.group_members`` (tests stand
-        in a process that outlives SIGKILL: none can on a machine without a GPU)."""
-        self._killing = 0
-        """Kills under way: while any is, no worker starts (``_after_teardown``)."""
-        self._killed = asyncio.Event()
-        self._killed.set()
-        self._sigkilled: dict[int, _Killed] = {}
-        """Process groups SIGKILLed and not yet found gone, by pgid (in ``KILLED_FILE``)."""
-        self._lingering: dict[int, _Killed] = {}
-        """Those of them past the teardown bound: no worker starts while one is there."""
-        self._stuck = ""
-        """The failure record (JSON) of ``_lingering`` ('' if none). It is the failure once
-        reported (at once, but for held workers let go after an in-place launch: at the
-        next launch or abort)."""
-        self._rechecking: asyncio.Task[Any] | None = None
+        """Killed workers' process groups until they are gone: no worker starts while one
+        is being killed or lingers past the teardown bound (its record is the failure)."""
         self._leftovers: list[WorkerView] = []
         """Held workers an in-place launch had no rank for, being killed in the background."""
         self.generation = -1
@@ -365,13 +281,22 @@ class Supervisor:
         self.in_place = False
         """The current generation's workers were started able to hold."""
         self.changed = asyncio.Event()
-        self._tasks = TaskSet("supervisor")
         self._topping_up = asyncio.Lock()  # one top-up at a time: never more than warm_spares
         self._spare_failures = 0
         """Spares that failed (exited before they were warm, or with an error) since one was
         last handed a rank: at :data:`SPARE_FAILURES` no more are started, and none is
         wanted (``spares_wanted``)."""
         self._control_state: dict[str, object] = {}
+
+    @property
+    def kill_grace_s(self) -> float:
+        """How long a worker asked to go (SIGTERM) or to hold (SIGUSR1) has before it is
+        SIGKILLed (``KilledGroups.kill_grace_s``)."""
+        return self.killed_groups.kill_grace_s
+
+    @kill_grace_s.setter
+    def kill_grace_s(self, seconds: float) -> None:
+        self.killed_groups.kill_grace_s = seconds
 
     @property
     def state(self) -> str:
@@ -487,15 +412,15 @@ class Supervisor:
         if cmd.in_place:
             # running (not held) workers cannot take a directive: the controller asks them
             # to hold first; any left over are killed
-            await self._kill([w for w in self.workers if not w.held])
+            await self.killed_groups.kill([w for w in self.workers if not w.held])
             reusable = [w for w in self.workers if w.held and w.exit_code is None]
         else:
             await self.abort()
             reusable = []
         try:
-            await self._after_teardown()  # no rank starts on a GPU a killed rank still holds
+            await self.killed_groups.gate()  # no rank starts on a GPU a killed rank still holds
         except WorkerTeardownError:
-            self.failure = self._stuck  # refused: it is this node's failure now
+            self.failure = self.killed_groups.record  # refused: it is this node's failure now
             self.changed.set()
             raise
         gen_dir, plan_path, extra = self._gen_files(cmd, training)
@@ -546,7 +471,7 @@ class Supervisor:
             # started are killed, not left behind out of the list (each retry of the
             # command started another set); the caller refuses the command with the cause
             try:
-                await self._kill([*assigned, *reusable])
+                await self.killed_groups.kill([*assigned, *reusable])
             finally:
                 self._leftovers = [w for w in self._leftovers if w not in leftovers]
             self.workers, self._launching = [], []
@@ -578,7 +503,7 @@ class Supervisor:
     async def _spawn(
         self, rank: int, argv: tuple[str, ...], gen_dir: Path, generation: int
     ) -> WorkerView:
-        await self._after_teardown()
+        await self.killed_groups.gate()
         if self.closed:
             raise SupervisorClosedError("the supervisor is closed: no worker starts")
         proc = await asyncio.create_subprocess_exec(
@@ -771,299 +696,43 @@ class Supervisor:
         w.stderr_tail = [*w.stderr_tail[-19:], line]
         _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
 
-    async def _kill(self, workers: list[WorkerView], report: bool = True) -> None:
-        """SIGTERM ``workers``' process groups; SIGKILL the groups not gone after the grace
-        period; then wait until every process of them is gone, at most ``teardown_timeout_s``
-        (``kill_grace_s`` once closed: nothing starts after a close, and the agent's stop
-        must stay short). No worker starts meanwhile. A process still there then is
-        ``_stuck`` (the failure at once if ``report``), and no worker starts until it is
-        gone.
+    async def restore_killed(self) -> None:
+        """At an agent's start, before it takes commands: the process groups its previous
+        incarnation SIGKILLed and did not see go (``KilledGroups.restore``). Those still
+        there are the failure, and no worker starts until they are gone."""
+        await self.killed_groups.restore()
 
-        Only the groups of workers not yet reaped are signalled: the pid of one reaped
-        earlier may belong to another process by now."""
-        alive = [w for w in workers if w.exit_code is None]
-        if not alive:
-            return
-        self._killing += 1
-        self._killed.clear()
-        try:
-            for w in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(w.proc.pid, signal.SIGTERM)
-            left, _ = await self._until_gone(alive, self.kill_grace_s)
-            if not left:
-                return
-            born_by, now = boot_ticks(), time.time()
-            for w in alive:
-                if w.proc.pid in left:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(w.proc.pid, signal.SIGKILL)
-                    self._sigkilled[w.proc.pid] = _Killed(
-                        w.proc.pid, w.rank, w.step, born_by, now, proc=w.proc
-                    )
-            self._save_killed()  # a restarted agent must know them (restore_killed)
-            killed = [w for w in alive if w.proc.pid in left]
-            bound = self.kill_grace_s if self.closed else self.teardown_timeout_s
-            left, elapsed = await self._until_gone(
-                killed, bound, born_by={w.proc.pid: born_by for w in killed}, after_kill=True
-            )
-            for w in killed:
-                if w.proc.pid not in left:
-                    self._sigkilled.pop(w.proc.pid, None)
-            if left:
-                self._report_stuck(left, elapsed, report)
-            self._save_killed()
-        finally:
-            self._killing -= 1
-            if not self._killing:
-                self._killed.set()
-
-    async def _until_gone(
-        self,
-        workers: list[WorkerView],
-        bound_s: float,
-        born_by: Mapping[int, int] | None = None,
-        after_kill: bool = False,
-    ) -> tuple[dict[int, dict[int, str]], float]:
-        """Wait until every process of ``workers``' groups is gone, at most ``bound_s``:
-        the groups with a live member still (``{pgid: {pid: state}}``, {} if none) and the
-        seconds waited. A worker itself is there until reaped (a process whose main thread
-        ended reads ``Z`` while another thread runs on; it cannot be reaped then). Wakes
-        when the workers have exited, else after 10 ms, doubling up to ``_PROBE_S``: a
-        worker that goes at once (its children with it) costs no sleep. ``born_by``: the
-        groups' members started later are not theirs (``teardown.group_members``).
-        ``after_kill``: log the processes outliving SIGKILL, and their end."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        waits = [asyncio.ensure_future(w.proc.wait()) for w in workers if w.proc.returncode is None]
-        rank_of = {w.proc.pid: w.rank for w in workers}
-        outlived: dict[int, int] = {}  # pid -> rank, of those logged as outliving SIGKILL
-        next_log = self.kill_grace_s
-        delay = 0.01
-        try:
-            while True:
-                pending = [f for f in waits if not f.done()]
-                if pending:
-                    left_s = start + bound_s - loop.time()
-                    await asyncio.wait(pending, timeout=max(0.0, min(delay, left_s)))
-                groups = await self._probe(list(rank_of), born_by or {})
-                elapsed = loop.time() - start
-                there = {  # pid -> (pgid, state)
-                    pid: (pgid, state)
-                    for pgid, members in groups.items()
-                    for pid, state in members.items()
-                    if state not in GONE_STATES
-                }
-                for w in workers:
-                    if w.proc.returncode is None and w.proc.pid not in there:
-                        # not reaped: a zombie leader (its last thread is ending) or a
-                        # member the probe missed; there all the same, state unknown
-                        there[w.proc.pid] = (w.proc.pid, "")
-                if after_kill:
-                    for pid in [p for p in outlived if p not in there]:
-                        _log.info(
-                            "worker_gone_after_sigkill",
-                            pid=pid,
-                            rank=outlived.pop(pid),
-                            seconds=round(elapsed, 1),
-                        )
-                    if there and elapsed >= next_log:
-                        next_log = elapsed + _LOG_EVERY_S
-                        for pid, (pgid, state) in there.items():
-                            outlived[pid] = rank_of.get(pgid, -1)
-                            _log.warning(
-                                "worker_outlived_sigkill",
-                                pid=pid,
-                                rank=outlived[pid],
-                                seconds=round(elapsed, 1),
-                                state=state,
-                            )
-                verdict = teardown_verdict({p: s for p, (_, s) in there.items()}, elapsed, bound_s)
-                if verdict is Teardown.GONE:
-                    return {}, elapsed
-                if verdict is Teardown.STUCK:
-                    left: dict[int, dict[int, str]] = {}
-                    for pid, (pgid, state) in there.items():
-                        left.setdefault(pgid, {})[pid] = state
-                    return left, elapsed
-                if not pending:
-                    await asyncio.sleep(min(delay, start + bound_s - loop.time()))
-                delay = min(2 * delay, _PROBE_S)
-        finally:
-            for f in waits:
-                f.cancel()
-
-    async def _probe(
-        self, pgids: list[int], born_by: Mapping[int, int]
-    ) -> dict[int, dict[int, str]]:
-        """``self.probe`` in a thread (it reads ``/proc``), at most ``_PROBE_TIMEOUT_S``."""
-        try:
-            return await asyncio.wait_for(
-                asyncio.to_thread(self.probe, pgids, born_by), _PROBE_TIMEOUT_S
-            )
-        except TimeoutError:
-            _log.warning("worker_probe_slow", pgids=pgids, timeout_s=_PROBE_TIMEOUT_S)
-            return {g: {g: ""} for g in pgids}
-
-    def _report_stuck(
-        self, groups: dict[int, dict[int, str]], elapsed: float, report: bool = True
-    ) -> None:
-        """Killed workers' processes (``{pgid: {pid: state}}``) outlived the teardown bound:
-        their GPUs are not free. They join those already lingering (one record names them
-        all: an earlier group still there must not be forgotten); the record is the
-        failure if ``report`` (or if the earlier one was). No worker starts until they are
-        gone; they are probed again every ``recheck_s``."""
-        for pgid, members in groups.items():
-            k = self._sigkilled[pgid]
-            k.processes = tuple(sorted(members.items()))
-            k.seconds = max(k.seconds, elapsed)  # a restored one's counts from its SIGKILL
-            self._lingering[pgid] = k
-        self._restate(report)
-        _log.error(
-            "worker_outlived_teardown",
-            processes=[
-                f"pid {p} rank {self._lingering[g].rank} state {s or '?'}"
-                for g, members in groups.items()
-                for p, s in members.items()
-            ],
-            seconds=round(elapsed, 1),
-        )
-        if self._rechecking is None or self._rechecking.done():
-            self._rechecking = self._tasks.spawn("recheck", self._recheck_until_gone())
-
-    def _restate(self, report: bool = False) -> None:
-        """``_stuck`` from ``_lingering`` again; the failure too if it was the old one (or
-        if ``report``)."""
-        old = self._stuck
-        procs = [
-            (pid, k.rank, state) for k in self._lingering.values() for pid, state in k.processes
-        ]
-        procs.sort(key=lambda p: (p[2] != "D", p[0] not in self._lingering, p[0]))
-        self._stuck = ""
-        if procs:
-            seconds = max(k.seconds for k in self._lingering.values())
-            step = max(k.step for k in self._lingering.values())
-            self._stuck = json.dumps(outlived_kill_record(procs, seconds, step))
+    def _on_teardown_record(self, old: str, new: str, report: bool) -> None:
+        """The lingering groups' record changed: it is the failure if ``report``, or if the
+        old record was."""
         if report or (old and self.failure == old):
-            self.failure = self._stuck
+            self.failure = new
         self.changed.set()
 
-    async def _recheck(self, top_up: bool = True) -> None:
-        """Probe the lingering groups again and forget those gone. Once none is left, the
-        failure they were is withdrawn and (``top_up``, unless a generation is starting:
-        its start tops them up) the spares come back."""
-        if not self._lingering:
-            return
-        pgids = list(self._lingering)
-        groups = await self._probe(pgids, {g: self._lingering[g].born_by for g in pgids})
-        gone = []
-        for g in pgids:
-            k = self._lingering.get(g)
-            if k is None:  # another recheck found it gone meanwhile
-                continue
-            if k.proc is not None and k.proc.returncode is None:
-                continue  # not reaped: its last thread has not ended
-            if all(s in GONE_STATES for s in groups.get(g, {}).values()):
-                gone.append(g)
-                del self._lingering[g]
-                self._sigkilled.pop(g, None)
-        if not gone:
-            return
-        _log.info("worker_gone_after_teardown", pgids=gone, left=sorted(self._lingering))
-        self._save_killed()
-        self._restate()
-        # a generation still starting tops them up once it has (``_on_line``)
-        wanted = top_up and self.warm_spares and not self.closed
-        if not self._lingering and wanted and all(w.started for w in self.workers):
+    def _on_teardown_gone(self) -> None:
+        """Every lingering group is gone: the spares come back (a generation still starting
+        tops them up once it has: ``_on_line``)."""
+        if self.warm_spares and not self.closed and all(w.started for w in self.workers):
             self._tasks.spawn("spares", self.top_up_spares())
-
-    async def _recheck_until_gone(self) -> None:
-        while self._lingering and not self.closed:
-            await asyncio.sleep(self.recheck_s)
-            await self._recheck()
-
-    def _save_killed(self) -> None:
-        """``_sigkilled`` into ``KILLED_FILE`` (atomically; removed when empty). Not synced
-        to disk: a power loss is a reboot, which ends those processes anyway."""
-        path = self.run_dir / KILLED_FILE
-        try:
-            if self._sigkilled:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                groups = [k.saved() for k in self._sigkilled.values()]
-                _write_atomic(path, json.dumps({"boot_id": boot_id(), "groups": groups}))
-            else:
-                path.unlink(missing_ok=True)
-        except OSError as exc:  # a restarted agent would not know them: say so
-            _log.warning("killed_groups_not_saved", path=str(path), error=str(exc))
-
-    async def restore_killed(self) -> None:
-        """At an agent's start: the process groups its previous incarnation SIGKILLed and
-        did not see go (``KILLED_FILE``). Those still there (members started by their
-        SIGKILL, in this boot) linger: the failure is theirs and no worker starts until
-        they are gone, as if this agent had killed them."""
-        path = self.run_dir / KILLED_FILE
-        try:
-            data = json.loads(path.read_text())
-            saved_boot, this_boot = str(data.get("boot_id", "")), boot_id()
-            same_boot = not saved_boot or not this_boot or saved_boot == this_boot
-            saved = [
-                _Killed(
-                    int(g["pgid"]),
-                    int(g["rank"]),
-                    int(g["step"]),
-                    int(g["born_by"]),
-                    float(g["killed_at"]),
-                )
-                for g in data["groups"]
-            ]
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            _log.warning("killed_groups_unreadable", path=str(path), error=repr(exc)[:300])
-            return
-        if same_boot and saved:
-            groups = await self._probe([k.pgid for k in saved], {k.pgid: k.born_by for k in saved})
-            there = {
-                g: {p: s for p, s in members.items() if s not in GONE_STATES}
-                for g, members in groups.items()
-            }
-            now = time.time()
-            for k in saved:
-                if there.get(k.pgid):
-                    self._sigkilled[k.pgid] = k
-                    k.seconds = max(0.0, now - k.killed_at)
-            if self._sigkilled:
-                _log.warning("killed_groups_restored", pgids=sorted(self._sigkilled))
-                self._report_stuck({g: there[g] for g in self._sigkilled}, 0.0)
-        self._save_killed()
 
     async def _let_go(self, leftovers: list[WorkerView]) -> None:
         """Kill held workers an in-place launch had no rank for (after its ack). One that
         outlives the bound holds up the next launch and is reported then: the generation
         just launched runs on other GPUs."""
         try:
-            await self._kill(leftovers, report=False)
+            await self.killed_groups.kill(leftovers, report=False)
         finally:
             self._leftovers = [w for w in self._leftovers if w not in leftovers]
 
-    async def _after_teardown(self) -> None:
-        """Return once no kill is under way and no killed worker's process holds on
-        (probed again here: it may have gone since); else raise WorkerTeardownError."""
-        async with asyncio.timeout(self.teardown_timeout_s + 2 * self.kill_grace_s + 10):
-            await self._killed.wait()  # every kill ends within its bounds
-        await self._recheck(top_up=False)  # a worker is about to start: it tops them up
-        if self._stuck:
-            raise WorkerTeardownError(self._stuck)
-
     async def abort(self, hold: bool = False) -> None:
         """Kill every worker (SIGTERM, SIGKILL after the grace period, then the wait until
-        their processes are gone: ``_kill``) and forget them. With
+        their processes are gone: ``KilledGroups.kill``) and forget them. With
         ``hold`` (in-place workers only): ask them to leave their world and hold instead
         (SIGUSR1), killing only those that do not hold within the grace period. Processes
         that outlived an earlier kill are probed again: the failure is theirs while they
         are there, and goes with them."""
         if hold and self.in_place and self.workers:
-            self.failure = self._stuck
+            self.failure = self.killed_groups.record
             waiting = [w for w in self.workers if w.exit_code is None and not w.held]
             for w in waiting:
                 with contextlib.suppress(ProcessLookupError):
@@ -1077,31 +746,31 @@ class Supervisor:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), left)
             self.expect_exit = True
-            await self._kill([w for w in self.workers if not w.held])
+            await self.killed_groups.kill([w for w in self.workers if not w.held])
             self.workers = [w for w in self.workers if w.held and w.exit_code is None]
             for w in self.workers:  # asked to: the controller knows why (no failure report)
                 w.broken = ""
-            await self._recheck()
-            self.failure = self._stuck
+            await self.killed_groups.recheck()
+            self.failure = self.killed_groups.record
             self.changed.set()
             return
         self.expect_exit = True
-        await self._kill(self.workers)
+        await self.killed_groups.kill(self.workers)
         self.workers = []
-        await self._recheck()
-        self.failure = self._stuck  # a process that outlived SIGKILL stays reported
+        await self.killed_groups.recheck()
+        self.failure = self.killed_groups.record  # a process that outlived SIGKILL stays reported
         self.changed.set()
 
     async def close(self) -> None:
         """Kill the workers and the spares; end every task (the agent is shutting down). A
         launch still going on starts no more workers, and those it started are killed.
         Processes that outlive it stay in ``KILLED_FILE`` for the next agent."""
-        self.closed = True
-        await self._kill(self._launching)
+        self.closed = self.killed_groups.closed = True
+        await self.killed_groups.kill(self._launching)
         await self.abort()
-        await self._kill(self.spares)
+        await self.killed_groups.kill(self.spares)
         self.spares = []
-        await self._kill(self._leftovers)
+        await self.killed_groups.kill(self._leftovers)
         await self._tasks.close(timeout=2.0)
 
 

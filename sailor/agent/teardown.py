@@ -5,8 +5,8 @@ pid), with whatever it started in that group (data loader workers, compile subpr
 is gone when every process of its group is. SIGKILL does not make that immediate: a rank
 in the GPU driver's teardown (after an NCCL hang or an XID error) sleeps uninterruptibly
 (state ``D``) for tens of seconds and holds its GPU memory and CUDA context meanwhile. The
-supervisor (``supervisor.Supervisor._kill``) probes, asks :func:`teardown_verdict` and
-starts no rank until the verdict is :attr:`Teardown.GONE`.
+supervisor's :class:`~sailor.agent.killed_groups.KilledGroups` probes, asks
+:func:`teardown_verdict` and lets no rank start until the verdict is :attr:`Teardown.GONE`.
 
 A process is its threads: ``/proc/<pid>/stat`` shows the thread-group leader's state, which
 reads ``Z`` once the main thread has ended, though another thread (one in the driver, say)
@@ -18,8 +18,8 @@ gets the pid, then calls ``setsid``). A group probed long after its SIGKILL (a r
 agent's, or one probed every few seconds for minutes) is therefore probed with the time of
 that SIGKILL (``born_by``, in :func:`boot_ticks`): a member started later is not ours.
 
-This module never signals (but ``killpg(pgid, 0)``, which asks) nor waits: the supervisor
-does both.
+This module never signals (but ``killpg(pgid, 0)``, which asks) nor waits:
+:mod:`killed_groups` does both.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ and ``exit_files`` first), and ``X``/``x`` are dead. A zombie member of a worker
 not ours to reap: its parent was the worker, so it was reparented to init or a subreaper,
 which may take its time (measured on the development VM, Linux 6.18: an orphan stayed a
 zombie ~1 s before its init reaped it); waiting for that would only delay the next launch.
-A worker itself (the group leader, our child) is another matter: the supervisor counts it
-as there until it has reaped it."""
+A worker itself (the group leader, our child) is another matter: it counts as there until
+the supervisor has reaped it (:mod:`killed_groups`)."""
 
 
 class Teardown(enum.Enum):

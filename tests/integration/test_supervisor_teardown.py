@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.supervisor import KILLED_FILE, Supervisor, WorkerTeardownError, WorkerView
+from sailor.agent.killed_groups import KILLED_FILE, WorkerTeardownError
+from sailor.agent.supervisor import Supervisor, WorkerView
 from sailor.agent.teardown import GONE_STATES, boot_ticks, group_members
 from sailor.schemas.commands import Launch
 from tests.integration.test_worker_signals import PLAN, launch_of
@@ -229,7 +230,7 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
     )
     sup.kill_grace_s = 0.3
     in_driver = [True]
-    sup.probe = _in_driver(lambda pgid: in_driver[0])
+    sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     try:
         await sup.launch(_gen(1))
         pid = sup.workers[0].proc.pid
@@ -243,11 +244,11 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
         t0 = time.monotonic()
         with pytest.raises(WorkerTeardownError):
             await sup.launch(_gen(2))
-        assert time.monotonic() - t0 >= sup.kill_grace_s + sup.teardown_timeout_s
+        assert time.monotonic() - t0 >= sup.kill_grace_s + sup.killed_groups.teardown_timeout_s
         record = json.loads(sup.failure)
         assert record["retry"] is False and record["origin"] == "local", record
         assert (record["pid"], record["rank"], record["state"]) == (pid, 0, "D"), record
-        assert record["seconds"] >= sup.teardown_timeout_s
+        assert record["seconds"] >= sup.killed_groups.teardown_timeout_s
         assert f"process {pid} (state D" in record["message"], record["message"]
         assert sup.state == "failed" and sup.workers == []
 
@@ -324,7 +325,7 @@ async def test_the_failure_goes_with_the_process_at_the_next_abort(tmp_path: Pat
     sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     in_driver = [True]
-    sup.probe = _in_driver(lambda pgid: in_driver[0])
+    sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     try:
         await sup.launch(_gen(1))
         await sup.abort()
@@ -346,9 +347,9 @@ async def test_the_failure_goes_with_the_process_without_any_command(tmp_path: P
     it held its GPU)."""
     sup = Supervisor(tmp_path, worker_argv=_SLEEPER, warm_spares=1, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
-    sup.recheck_s = 0.1
+    sup.killed_groups.recheck_s = 0.1
     in_driver = [True]
-    sup.probe = _in_driver(lambda pgid: in_driver[0])
+    sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     try:
         await sup.launch(_gen(1))
         await sup.abort()  # the spare (none yet: the worker never reported ready) is refused
@@ -375,12 +376,12 @@ async def test_held_workers_a_layout_leaves_out_are_killed_after_the_launch(
     in_driver = [True]
     try:
         w0, w1 = await _holding(sup, tmp_path, [_SLEEPER, _SLEEPER])
-        sup.probe = _in_driver(lambda pgid: in_driver[0] and pgid == w1.proc.pid)
+        sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0] and pgid == w1.proc.pid)
         t0 = time.monotonic()
         await sup.launch(_in_place(2))
         assert time.monotonic() - t0 < sup.kill_grace_s
         assert sup.workers == [w0] and sup.failure == ""
-        await asyncio.sleep(sup.kill_grace_s + sup.teardown_timeout_s + 0.5)
+        await asyncio.sleep(sup.kill_grace_s + sup.killed_groups.teardown_timeout_s + 0.5)
         assert sup.state == "starting" and sup.failure == ""  # gen 2 runs on: not its failure
 
         with pytest.raises(WorkerTeardownError):
@@ -434,12 +435,12 @@ async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: 
     sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     stuck: set[int] = set()
-    sup.probe = _in_driver(lambda pgid: pgid in stuck)
+    sup.killed_groups.probe = _in_driver(lambda pgid: pgid in stuck)
     try:
         w0, w1 = await _holding(sup, tmp_path, [_SLEEPER, _SLEEPER])
         stuck |= {w0.proc.pid, w1.proc.pid}
         await sup.launch(_in_place(2))  # w1 left over: killed, outlives SIGKILL
-        await asyncio.sleep(sup.kill_grace_s + sup.teardown_timeout_s + 0.5)
+        await asyncio.sleep(sup.kill_grace_s + sup.killed_groups.teardown_timeout_s + 0.5)
         await sup.abort()  # w0 (rank 0 of generation 2) outlives SIGKILL too
         record = json.loads(sup.failure)
         assert {p["pid"] for p in record["processes"]} == {w0.proc.pid, w1.proc.pid}, record
@@ -466,7 +467,7 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
     in_driver = [True]
     first = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
     first.kill_grace_s = 0.3
-    first.probe = _in_driver(lambda pgid: in_driver[0])
+    first.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     await first.launch(_gen(1))
     pid = first.workers[0].proc.pid
     await first.close()
@@ -475,7 +476,7 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
 
     sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
-    sup.probe = first.probe
+    sup.killed_groups.probe = first.killed_groups.probe
     try:
         await sup.restore_killed()
         record = json.loads(sup.failure)

@@ -1,0 +1,468 @@
+"""Killed workers' process groups until they are gone: the kill, the wait, those that linger.
+
+A worker runs in a process group of its own (:mod:`teardown`). :meth:`KilledGroups.kill`
+sends its group SIGTERM, then SIGKILL after ``kill_grace_s``, then waits until every process
+of the group is gone, at most ``teardown_timeout_s`` (a rank in the GPU driver's teardown
+outlives SIGKILL for tens of seconds and holds its GPU meanwhile). No worker may start
+meanwhile (:meth:`KilledGroups.gate`). A group still there then *lingers*: its record
+(:func:`~sailor.megatron_patch.errors.outlived_kill_record`, ``retry=False``, one record for
+every lingering group) is this node's failure and no worker starts until it is gone. The
+lingering groups are probed again at each launch and abort (the supervisor calls
+:meth:`KilledGroups.recheck`) and every ``recheck_s``; once none is left the record is
+withdrawn. The groups SIGKILLed and not yet found gone are kept in ``killed.json`` in the run
+directory (:data:`KILLED_FILE`), so that a restarted agent (:meth:`KilledGroups.restore`)
+starts no rank on a GPU its previous incarnation's rank still holds.
+
+The supervisor owns the workers and the failure it reports; this module tells it through
+two callbacks (the record changed; every lingering group is gone) and never starts a worker,
+reads its output nor decides which workers to kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from sailor.agent.teardown import (
+    GONE_STATES,
+    Teardown,
+    boot_id,
+    boot_ticks,
+    group_members,
+    teardown_verdict,
+)
+from sailor.coordination import TaskSet
+from sailor.megatron_patch.errors import outlived_kill_record
+
+__all__ = [
+    "KILLED_FILE",
+    "TEARDOWN_TIMEOUT_S",
+    "Killable",
+    "KilledGroups",
+    "Probe",
+    "WorkerTeardownError",
+]
+
+_log = structlog.get_logger("sailor.agent")
+
+
+TEARDOWN_TIMEOUT_S = 120.0
+"""How long killed workers' processes may take to go after SIGKILL before the node is
+reported failed. A guess with its reasons, not a measurement here: the GPU driver's
+teardown of a rank after an XID error or an NCCL hang is reported to take tens of seconds,
+and a bound too short fails a node that would have recovered (``AgentConfig`` sets it)."""
+
+_PROBE_S = 0.2
+"""The longest pause between two probes of killed workers' groups (the first pauses are
+shorter: 10 ms, doubling): a ``killpg`` each and, while one has members, a ``/proc`` scan
+in a thread (~2 ms for 70 processes): cheap, and the next launch starts at most this late
+after the last process went."""
+
+_PROBE_TIMEOUT_S = 5.0
+"""A probe that takes longer (a ``/proc`` read stuck behind a process's kernel locks) counts
+as finding every group still there, state unreadable; the teardown's bound still holds."""
+
+_LOG_EVERY_S = 10.0
+"""How often a process outliving SIGKILL is logged again (first: ``kill_grace_s`` after)."""
+
+_RECHECK_S = 5.0
+"""How often a process that outlived the teardown bound is probed again (besides each
+launch and abort): a ``killpg`` per group and, while one has a member, a ``/proc`` scan in
+a thread. The node takes ranks again at most this late after it went, against the
+controller's exclusion of a node that reported it (600 s)."""
+
+KILLED_FILE = "killed.json"
+"""In the run directory: the process groups SIGKILLed and not yet found gone, for a
+restarted agent (:meth:`KilledGroups.restore`)."""
+
+
+class WorkerTeardownError(RuntimeError):
+    """A launch or a spare asked to start a worker while a killed worker's process outlived
+    the teardown bound and is still there (the message is the failure record, JSON)."""
+
+
+Probe = Callable[[list[int], Mapping[int, int]], dict[int, dict[int, str]]]
+"""Which of the given process groups still have members (started by the given time, if one
+is given), with their states: ``{pgid: {pid: state}}`` (:func:`teardown.group_members`)."""
+
+
+class Killable(Protocol):
+    """What a kill reads of a worker (``supervisor.WorkerView``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def exit_code(self) -> int | None:
+        """Set once the worker has been reaped (None until then)."""
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process:
+        """The worker, the leader of its process group (its pid is the group's id)."""
+
+
+@dataclass
+class _Killed:
+    """A killed worker's process group, SIGKILLed and not yet found gone."""
+
+    pgid: int
+    rank: int
+    step: int
+    born_by: int
+    """Its members had started by then (the SIGKILL, in ``teardown.boot_ticks``): one
+    started later is another session's that got the id once ours had gone."""
+    killed_at: float
+    """Wall-clock time of the SIGKILL (a restarted agent's record counts from it)."""
+    proc: asyncio.subprocess.Process | None = None
+    """The worker, there until reaped (None: a previous agent's)."""
+    processes: tuple[tuple[int, str], ...] = ()
+    """``(pid, state)`` of its members still there at the verdict."""
+    seconds: float = 0.0
+    """How long after the SIGKILL they were still there."""
+
+    def saved(self) -> dict[str, Any]:
+        return {
+            "pgid": self.pgid,
+            "rank": self.rank,
+            "step": self.step,
+            "born_by": self.born_by,
+            "killed_at": self.killed_at,
+        }
+
+
+class KilledGroups:
+    """The process groups of one supervisor's killed workers, from SIGTERM until gone."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        tasks: TaskSet,
+        on_record: Callable[[str, str, bool], None],
+        on_gone: Callable[[], None],
+        teardown_timeout_s: float = TEARDOWN_TIMEOUT_S,
+    ) -> None:
+        self.run_dir = run_dir
+        """Where :data:`KILLED_FILE` is kept."""
+        self.kill_grace_s = 3.0
+        """After SIGTERM, how long a worker's group may take to go before its SIGKILL."""
+        self.teardown_timeout_s = teardown_timeout_s
+        """After SIGKILL, how long killed workers' processes may take to go (``kill``)."""
+        self.recheck_s = _RECHECK_S
+        """How often processes that outlived the teardown bound are probed again."""
+        self.probe: Probe = group_members
+        """``teardown.group_members`` (tests stand in a process that outlives SIGKILL: none
+        can on a machine without a GPU)."""
+        self.closed = False
+        """The supervisor is closing: a kill waits ``kill_grace_s`` after SIGKILL, no more
+        (nothing starts after a close, and the agent's stop must stay short)."""
+        self._tasks = tasks
+        """The supervisor's: the periodic recheck runs there (its close ends it)."""
+        self._on_record = on_record
+        """Called with the old record, the new one and whether the new one is to be
+        reported at once, whenever the record is stated again."""
+        self._on_gone = on_gone
+        """Called when a recheck (one that may notify) found every lingering group gone."""
+        self._killing = 0
+        """Kills under way: while any is, no worker starts (``gate``)."""
+        self._killed = asyncio.Event()
+        self._killed.set()
+        self._sigkilled: dict[int, _Killed] = {}
+        """Process groups SIGKILLed and not yet found gone, by pgid (in ``KILLED_FILE``)."""
+        self._lingering: dict[int, _Killed] = {}
+        """Those of them past the teardown bound: no worker starts while one is there."""
+        self._record = ""
+        self._rechecking: asyncio.Task[Any] | None = None
+
+    @property
+    def record(self) -> str:
+        """The failure record (JSON) of the lingering groups ('' if none). It is the
+        supervisor's failure once reported (at once, but for held workers let go after an
+        in-place launch: at the next launch or abort)."""
+        return self._record
+
+    async def kill(self, workers: Sequence[Killable], report: bool = True) -> None:
+        """SIGTERM ``workers``' process groups; SIGKILL the groups not gone after the grace
+        period; then wait until every process of them is gone, at most ``teardown_timeout_s``
+        (``kill_grace_s`` once closed: nothing starts after a close, and the agent's stop
+        must stay short). No worker starts meanwhile. A process still there then lingers
+        (its record the failure at once if ``report``), and no worker starts until it is
+        gone.
+
+        Only the groups of workers not yet reaped are signalled: the pid of one reaped
+        earlier may belong to another process by now."""
+        alive = [w for w in workers if w.exit_code is None]
+        if not alive:
+            return
+        self._killing += 1
+        self._killed.clear()
+        try:
+            for w in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(w.proc.pid, signal.SIGTERM)
+            left, _ = await self._until_gone(alive, self.kill_grace_s)
+            if not left:
+                return
+            born_by, now = boot_ticks(), time.time()
+            for w in alive:
+                if w.proc.pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    self._sigkilled[w.proc.pid] = _Killed(
+                        w.proc.pid, w.rank, w.step, born_by, now, proc=w.proc
+                    )
+            self._save()  # a restarted agent must know them (restore)
+            killed = [w for w in alive if w.proc.pid in left]
+            bound = self.kill_grace_s if self.closed else self.teardown_timeout_s
+            left, elapsed = await self._until_gone(
+                killed, bound, born_by={w.proc.pid: born_by for w in killed}, after_kill=True
+            )
+            for w in killed:
+                if w.proc.pid not in left:
+                    self._sigkilled.pop(w.proc.pid, None)
+            if left:
+                self._linger(left, elapsed, report)
+            self._save()
+        finally:
+            self._killing -= 1
+            if not self._killing:
+                self._killed.set()
+
+    async def _until_gone(
+        self,
+        workers: Sequence[Killable],
+        bound_s: float,
+        born_by: Mapping[int, int] | None = None,
+        after_kill: bool = False,
+    ) -> tuple[dict[int, dict[int, str]], float]:
+        """Wait until every process of ``workers``' groups is gone, at most ``bound_s``:
+        the groups with a live member still (``{pgid: {pid: state}}``, {} if none) and the
+        seconds waited. A worker itself is there until reaped (a process whose main thread
+        ended reads ``Z`` while another thread runs on; it cannot be reaped then). Wakes
+        when the workers have exited, else after 10 ms, doubling up to ``_PROBE_S``: a
+        worker that goes at once (its children with it) costs no sleep. ``born_by``: the
+        groups' members started later are not theirs (``teardown.group_members``).
+        ``after_kill``: log the processes outliving SIGKILL, and their end."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        waits = [asyncio.ensure_future(w.proc.wait()) for w in workers if w.proc.returncode is None]
+        rank_of = {w.proc.pid: w.rank for w in workers}
+        outlived: dict[int, int] = {}  # pid -> rank, of those logged as outliving SIGKILL
+        next_log = self.kill_grace_s
+        delay = 0.01
+        try:
+            while True:
+                pending = [f for f in waits if not f.done()]
+                if pending:
+                    left_s = start + bound_s - loop.time()
+                    await asyncio.wait(pending, timeout=max(0.0, min(delay, left_s)))
+                groups = await self._probe(list(rank_of), born_by or {})
+                elapsed = loop.time() - start
+                there = {  # pid -> (pgid, state)
+                    pid: (pgid, state)
+                    for pgid, members in groups.items()
+                    for pid, state in members.items()
+                    if state not in GONE_STATES
+                }
+                for w in workers:
+                    if w.proc.returncode is None and w.proc.pid not in there:
+                        # not reaped: a zombie leader (its last thread is ending) or a
+                        # member the probe missed; there all the same, state unknown
+                        there[w.proc.pid] = (w.proc.pid, "")
+                if after_kill:
+                    for pid in [p for p in outlived if p not in there]:
+                        _log.info(
+                            "worker_gone_after_sigkill",
+                            pid=pid,
+                            rank=outlived.pop(pid),
+                            seconds=round(elapsed, 1),
+                        )
+                    if there and elapsed >= next_log:
+                        next_log = elapsed + _LOG_EVERY_S
+                        for pid, (pgid, state) in there.items():
+                            outlived[pid] = rank_of.get(pgid, -1)
+                            _log.warning(
+                                "worker_outlived_sigkill",
+                                pid=pid,
+                                rank=outlived[pid],
+                                seconds=round(elapsed, 1),
+                                state=state,
+                            )
+                verdict = teardown_verdict({p: s for p, (_, s) in there.items()}, elapsed, bound_s)
+                if verdict is Teardown.GONE:
+                    return {}, elapsed
+                if verdict is Teardown.STUCK:
+                    left: dict[int, dict[int, str]] = {}
+                    for pid, (pgid, state) in there.items():
+                        left.setdefault(pgid, {})[pid] = state
+                    return left, elapsed
+                if not pending:
+                    await asyncio.sleep(min(delay, start + bound_s - loop.time()))
+                delay = min(2 * delay, _PROBE_S)
+        finally:
+            for f in waits:
+                f.cancel()
+
+    async def _probe(
+        self, pgids: list[int], born_by: Mapping[int, int]
+    ) -> dict[int, dict[int, str]]:
+        """``self.probe`` in a thread (it reads ``/proc``), at most ``_PROBE_TIMEOUT_S``."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(self.probe, pgids, born_by), _PROBE_TIMEOUT_S
+            )
+        except TimeoutError:
+            _log.warning("worker_probe_slow", pgids=pgids, timeout_s=_PROBE_TIMEOUT_S)
+            return {g: {g: ""} for g in pgids}
+
+    def _linger(
+        self, groups: dict[int, dict[int, str]], elapsed: float, report: bool = True
+    ) -> None:
+        """Killed workers' processes (``{pgid: {pid: state}}``) outlived the teardown bound:
+        their GPUs are not free. They join those already lingering (one record names them
+        all: an earlier group still there must not be forgotten); the record is the
+        failure if ``report`` (or if the earlier one was). No worker starts until they are
+        gone; they are probed again every ``recheck_s``."""
+        for pgid, members in groups.items():
+            k = self._sigkilled[pgid]
+            k.processes = tuple(sorted(members.items()))
+            k.seconds = max(k.seconds, elapsed)  # a restored one's counts from its SIGKILL
+            self._lingering[pgid] = k
+        self._restate(report)
+        _log.error(
+            "worker_outlived_teardown",
+            processes=[
+                f"pid {p} rank {self._lingering[g].rank} state {s or '?'}"
+                for g, members in groups.items()
+                for p, s in members.items()
+            ],
+            seconds=round(elapsed, 1),
+        )
+        if self._rechecking is None or self._rechecking.done():
+            self._rechecking = self._tasks.spawn("recheck", self._recheck_until_gone())
+
+    def _restate(self, report: bool = False) -> None:
+        """The record from ``_lingering`` again, told to the supervisor (``on_record``: the
+        failure too if it was the old record, or if ``report``)."""
+        old = self._record
+        procs = [
+            (pid, k.rank, state) for k in self._lingering.values() for pid, state in k.processes
+        ]
+        procs.sort(key=lambda p: (p[2] != "D", p[0] not in self._lingering, p[0]))
+        self._record = ""
+        if procs:
+            seconds = max(k.seconds for k in self._lingering.values())
+            step = max(k.step for k in self._lingering.values())
+            self._record = json.dumps(outlived_kill_record(procs, seconds, step))
+        self._on_record(old, self._record, report)
+
+    async def recheck(self, notify: bool = True) -> None:
+        """Probe the lingering groups again and forget those gone. Once none is left, the
+        record is withdrawn (``on_record``) and, if ``notify``, ``on_gone`` is called (the
+        supervisor tops its spares up; not when a worker is about to start: its start
+        does)."""
+        if not self._lingering:
+            return
+        pgids = list(self._lingering)
+        groups = await self._probe(pgids, {g: self._lingering[g].born_by for g in pgids})
+        gone = []
+        for g in pgids:
+            k = self._lingering.get(g)
+            if k is None:  # another recheck found it gone meanwhile
+                continue
+            if k.proc is not None and k.proc.returncode is None:
+                continue  # not reaped: its last thread has not ended
+            if all(s in GONE_STATES for s in groups.get(g, {}).values()):
+                gone.append(g)
+                del self._lingering[g]
+                self._sigkilled.pop(g, None)
+        if not gone:
+            return
+        _log.info("worker_gone_after_teardown", pgids=gone, left=sorted(self._lingering))
+        self._save()
+        self._restate()
+        if not self._lingering and notify:
+            self._on_gone()
+
+    async def _recheck_until_gone(self) -> None:
+        while self._lingering and not self.closed:
+            await asyncio.sleep(self.recheck_s)
+            await self.recheck()
+
+    async def gate(self) -> None:
+        """Return once no kill is under way and no killed worker's process holds on
+        (probed again here: it may have gone since); else raise WorkerTeardownError."""
+        async with asyncio.timeout(self.teardown_timeout_s + 2 * self.kill_grace_s + 10):
+            await self._killed.wait()  # every kill ends within its bounds
+        await self.recheck(notify=False)  # a worker is about to start: it tops them up
+        if self._record:
+            raise WorkerTeardownError(self._record)
+
+    def _save(self) -> None:
+        """``_sigkilled`` into ``KILLED_FILE`` (atomically; removed when empty). Not synced
+        to disk: a power loss is a reboot, which ends those processes anyway."""
+        path = self.run_dir / KILLED_FILE
+        try:
+            if self._sigkilled:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                groups = [k.saved() for k in self._sigkilled.values()]
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(json.dumps({"boot_id": boot_id(), "groups": groups}))
+                tmp.replace(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:  # a restarted agent would not know them: say so
+            _log.warning("killed_groups_not_saved", path=str(path), error=str(exc))
+
+    async def restore(self) -> None:
+        """At an agent's start: the process groups its previous incarnation SIGKILLed and
+        did not see go (``KILLED_FILE``). Those still there (members started by their
+        SIGKILL, in this boot) linger: the failure is theirs and no worker starts until
+        they are gone, as if this agent had killed them."""
+        path = self.run_dir / KILLED_FILE
+        try:
+            data = json.loads(path.read_text())
+            saved_boot, this_boot = str(data.get("boot_id", "")), boot_id()
+            same_boot = not saved_boot or not this_boot or saved_boot == this_boot
+            saved = [
+                _Killed(
+                    int(g["pgid"]),
+                    int(g["rank"]),
+                    int(g["step"]),
+                    int(g["born_by"]),
+                    float(g["killed_at"]),
+                )
+                for g in data["groups"]
+            ]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            _log.warning("killed_groups_unreadable", path=str(path), error=repr(exc)[:300])
+            return
+        if same_boot and saved:
+            groups = await self._probe([k.pgid for k in saved], {k.pgid: k.born_by for k in saved})
+            there = {
+                g: {p: s for p, s in members.items() if s not in GONE_STATES}
+                for g, members in groups.items()
+            }
+            now = time.time()
+            for k in saved:
+                if there.get(k.pgid):
+                    self._sigkilled[k.pgid] = k
+                    k.seconds = max(0.0, now - k.killed_at)
+            if self._sigkilled:
+                _log.warning("killed_groups_restored", pgids=sorted(self._sigkilled))
+                self._linger({g: there[g] for g in self._sigkilled}, 0.0)
+        self._save()
