@@ -113,6 +113,13 @@ def status(
         f"plan {snap['plan_id']}  last checkpoint {snap['last_checkpoint']}  "
         f"calibration v{snap['calibration_version'] or 0}"
     )
+    held = snap.get("job_excluded")
+    if held:  # most placed nodes failed alike: no layout is launched until then
+        until = datetime.fromtimestamp(held["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        con.print(
+            f"[bold]job held[/] until {until} after {held['failures']} failure(s) of most "
+            f"nodes alike: {escape(held['cause'])} (`sailor node readmit --all` ends it)"
+        )
     for node, ex in snap["excluded"].items():  # workers kept failing there: no layout uses it
         until = datetime.fromtimestamp(ex["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         con.print(

@@ -151,7 +151,9 @@ class ControllerConfig(ServerEndpoints):
         description="When a node whose workers keep failing is left out of the layouts, and "
         "for how long: at once on a failure whose record says retry false, else after "
         "`failures` in a row that began there; `exclude_s`, doubling per exclusion up to "
-        '`max_exclude_s` (docs/runtime.md, "Failing nodes").',
+        "`max_exclude_s`. The same policy holds the whole job when most placed nodes fail "
+        "alike, and excludes at once a node that holds up a teardown past "
+        '`deadlines.teardown` (docs/runtime.md, "Failing nodes").',
     )
     planner: Literal["sailor", "data_parallel"] = Field(
         default="sailor",

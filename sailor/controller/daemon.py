@@ -17,6 +17,10 @@ The job's training config (``ControllerConfig.training``) is read, validated and
 when the ``Controller`` is built (``training.py``): an invalid one raises there, before any
 connection or task; each launch hands it to the workers through the desired state.
 
+Operators' readmit requests (``readmit/``, ``sailor node readmit``) are mirrored like the
+observed prefixes and handed to ``decide``, which forgets the records they name; the
+executor deletes each once the desired state without them is written.
+
 Online calibration (``online_calibration.py``): each pass hands ``decide`` the calibrator's
 verdict (if one says to reconfigure) and may start a fit of the agents' step timings; a new
 leader reads the kept calibration back from etcd before its first pass.
@@ -37,7 +41,8 @@ import contextlib
 import functools
 import gc
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -45,12 +50,12 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import DecideConfig, Observed, decide
+from sailor.controller.decide import DecideConfig, Observed, decide, unusable
 from sailor.controller.executor import Executor
-from sailor.controller.node_health import excluded
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
+from sailor.controller.status import readmit_prefix
 from sailor.controller.training import check_checkpoint_dirs, load_training
 from sailor.coordination import (
     Clock,
@@ -62,6 +67,7 @@ from sailor.coordination import (
     Leadership,
     NatsCommands,
     NatsEventBus,
+    PrefixMirror,
     SystemClock,
     TaskSet,
     TemporaryError,
@@ -73,7 +79,7 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
-from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
+from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord, ReadmitRequest
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller", "urgent_wake"]
@@ -153,6 +159,8 @@ class Controller:
         self.event_batches = 0  # fetched batches that held events (one fsync each)
         self.failure: str | None = None  # why this controller must exit non-zero
         self._fenced_epoch = -1  # a term the event consumer found fenced: it ends
+        # readmit requests by key: (value, parsed or None), re-validated only on a change
+        self._readmit_seen: dict[str, tuple[bytes, ReadmitRequest | None]] = {}
 
     def wake(self, urgent: bool = False) -> None:
         if urgent or self._unseen_notices:
@@ -262,6 +270,7 @@ class Controller:
         cache = ObservedCache(
             store, self.keys, self._reject, on_change=self.wake, on_node_gone=self._node_gone
         )
+        readmits = PrefixMirror(store, readmit_prefix(self.keys), self.wake)
         try:
             adopted = await self._adopt(store, executor, lead)
             if adopted is None:
@@ -269,13 +278,14 @@ class Controller:
             desired = adopted
             if not await self._restore_calibration(store, lead):
                 return
-            while not await self._start_cache(cache, lead):
-                await self.clock.sleep(0.2)
-                if self.stopping.is_set() or not lead.held:
-                    return
+            for start in (cache.start, readmits.start):
+                while not await self._start_cache(start):
+                    await self.clock.sleep(0.2)
+                    if self.stopping.is_set() or not lead.held:
+                        return
             self.leadership = lead  # public once it has a desired state to show
             tasks.spawn("events", self._consume(bus, store, lead, cache))
-            tasks.spawn("etcd-check", self._check(cache))
+            tasks.spawn("etcd-check", self._check(cache, readmits))
             while self._term_goes_on(lead):
                 self.sd.watchdog()
                 await self._sleep_until_woken(desired)
@@ -286,7 +296,7 @@ class Controller:
                     if ready is not None:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
-                    observed = self._observe(executor, cache, desired)
+                    observed = self._observe(executor, cache, readmits, desired)
                     await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
@@ -319,6 +329,7 @@ class Controller:
         finally:
             await tasks.close()
             await cache.close()
+            await readmits.close()
             await bus.close()
 
     def _fenced(self, lead: Leadership, exc: FencedError) -> None:
@@ -342,9 +353,9 @@ class Controller:
     def _term_goes_on(self, lead: Leadership) -> bool:
         return not self.stopping.is_set() and lead.held and self._fenced_epoch != lead.epoch
 
-    async def _start_cache(self, cache: ObservedCache, lead: Leadership) -> bool:
+    async def _start_cache(self, start: Callable[[], Awaitable[None]]) -> bool:
         try:
-            await cache.start()
+            await start()
         except TemporaryError as exc:
             _log.warning("observed_read_retry", error=str(exc))
             self.sd.watchdog()
@@ -397,14 +408,38 @@ class Controller:
         self._urgent_wake.clear()
         self._wake.clear()
 
-    async def _check(self, cache: ObservedCache) -> None:
+    async def _check(self, cache: ObservedCache, readmits: PrefixMirror) -> None:
         """Every ``poll_s``: compare the mirrors with etcd (a stale one is re-read)."""
         while True:
             await self.clock.sleep(self.cfg.poll_s)
-            if not await cache.check():
+            if not all(await asyncio.gather(cache.check(), readmits.check())):
                 self.wake()
 
-    def _observe(self, ex: Executor, cache: ObservedCache, desired: DesiredState) -> Observed:
+    def _readmit_requests(self, mirror: PrefixMirror) -> dict[str, ReadmitRequest]:
+        """The readmit requests in etcd, by request id; a malformed one is audited once
+        (``record_rejected``) and left alone."""
+        cut = len(mirror.prefix)
+        kvs = mirror.items()
+        out = {}
+        for key in [k for k in self._readmit_seen if k not in kvs]:
+            del self._readmit_seen[key]
+        for key, kv in kvs.items():
+            seen = self._readmit_seen.get(key)
+            if seen is None or seen[0] != kv.value:
+                try:
+                    req: ReadmitRequest | None = ReadmitRequest.model_validate_json(kv.value)
+                except ValidationError as exc:
+                    req = None
+                    self._reject(key, str(exc).splitlines()[0])
+                seen = (kv.value, req)
+                self._readmit_seen[key] = seen
+            if seen[1] is not None and key[cut:]:
+                out[key[cut:]] = seen[1]
+        return out
+
+    def _observe(
+        self, ex: Executor, cache: ObservedCache, readmits: PrefixMirror, desired: DesiredState
+    ) -> Observed:
         snap = cache.snapshot()
         if self._unseen_notices:
             now = self.clock.now()
@@ -413,17 +448,17 @@ class Controller:
                 for n, t in self._unseen_notices.items()
                 if n not in snap.notices and now - t < 2.0  # bounded: never waits on a lost one
             }
-        now = self.clock.now()
-        return Observed(
-            now=now,
+        o = Observed(
+            now=self.clock.now(),
             nodes=snap.nodes,
             status=snap.status,
             notices=snap.notices,
             commits=snap.commits,
             acked=ex.acked_view,
             recalibration=self.calibrator.note(desired),
-            excluded=excluded(desired.node_health, now),
+            readmit=self._readmit_requests(readmits),
         )
+        return replace(o, excluded=unusable(desired, o))  # as decide sees it
 
     async def _notices_from_status(
         self,

@@ -8,7 +8,9 @@ through ``decide`` reproduces the run. No I/O, no clock, no state of its own: th
 module-level value is a memo of the last plan's digest and world size (:func:`_plan_facts`),
 a function of that plan object alone. What it must remember across passes it keeps in the
 desired state it writes: which checkpoints could not be read (``bad_checkpoints``) and which
-nodes keep failing (``node_health``, ``controller/node_health.py``).
+nodes keep failing, or whether the job does (``node_health``, ``job_health``:
+``controller/node_health.py``). An operator's request to forget those records
+(``sailor node readmit``) is part of the observed state, and deleted once applied.
 """
 
 from __future__ import annotations
@@ -22,12 +24,19 @@ from typing import Any, TypeVar
 from pydantic import Field
 
 from sailor.controller.node_health import (
+    JOB,
+    UNREADABLE_CHECKPOINT,
+    Charged,
     ExclusionPolicy,
     charge,
     describe,
     excluded,
+    forget_config,
     forget_gone,
+    held,
+    miss_teardown,
     parse_failure,
+    readmit,
     trained,
 )
 from sailor.controller.phases import PhaseDeadlines, check_transition
@@ -43,12 +52,20 @@ from sailor.schemas.commands import (
 )
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord, Phase
+from sailor.schemas.runtime import (
+    AgentStatus,
+    CommitRecord,
+    DesiredState,
+    NoticeRecord,
+    Phase,
+    ReadmitRequest,
+)
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "Action",
     "ClearNotice",
+    "ClearReadmit",
     "Commit",
     "DecideConfig",
     "Observed",
@@ -58,6 +75,7 @@ __all__ = [
     "SetDesired",
     "decide",
     "prune_below",
+    "unusable",
 ]
 
 
@@ -132,8 +150,12 @@ class Observed:
     acked: frozenset[str] = frozenset()
     recalibration: RecalibrationAdvice | None = None
     excluded: frozenset[str] = frozenset()
-    """Nodes the desired state's ``node_health`` excludes at ``now``: ``decide`` derives it
-    from the desired state itself; the daemon fills it for the other readers of ``usable``."""
+    """Registered nodes no layout may use at ``now`` (:func:`unusable`): ``decide`` derives
+    it from the desired state and the statuses itself; the daemon fills it for the other
+    readers of ``usable``."""
+    readmit: Mapping[str, ReadmitRequest] = field(default_factory=dict)
+    """Operators' requests to forget failure records, by request id (``sailor node
+    readmit``), not yet applied."""
 
     @cached_property
     def usable(self) -> tuple[str, ...]:
@@ -189,7 +211,15 @@ class ClearNotice:
     node_id: str
 
 
-Action = SetDesired | Send | Replan | Commit | ClearNotice
+@dataclass(frozen=True)
+class ClearReadmit:
+    """Delete an operator's readmit request: the desired state written before it in the
+    same actions no longer holds the records it named."""
+
+    request_id: str
+
+
+Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit
 
 
 def _move(
@@ -300,13 +330,14 @@ def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
         st = o.status.get(n)
         if st is None or st.generation != d.generation or st.state != "failed":
             continue
-        if any(e in st.failure for e in _UNREADABLE):
+        if any(e in st.failure for e in UNREADABLE_CHECKPOINT):
             return True
     return False
 
 
-_UNREADABLE = ("CorruptCheckpointError", "NoCheckpointError")
-"""The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``)."""
+def _with_health(c: Charged) -> dict[str, object]:
+    """The desired state's fields a charge writes."""
+    return {"node_health": c.health, "job_health": c.job}
 
 
 def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
@@ -320,10 +351,11 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
-    # The nodes the failure began on are remembered: relaunching on a node that cannot run
-    # a rank aborted again, forever (controller/node_health.py).
+    # The nodes the failure began on are remembered (or the job, when most failed alike):
+    # relaunching on a node that cannot run a rank aborted again, forever
+    # (controller/node_health.py).
     failed = _failed(d, o, stale=d.phase is Phase.LAUNCH)
-    health, notes = charge(d.node_health, failed, d.generation, o.now, cfg.exclusion)
+    counted = charge(d, failed, o.now, cfg.exclusion)
     state = _move(
         d,
         Phase.TEARDOWN,
@@ -338,9 +370,9 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
         cause=cause,
         in_place_failed=d.in_place_failed or failed_in_place,
         bad_checkpoints=bad,
-        node_health=health,
+        **_with_health(counted),
     )
-    return [SetDesired(state, "; ".join([f"abort: {cause}", *notes]))]
+    return [SetDesired(state, "; ".join([f"abort: {cause}", *counted.notes]))]
 
 
 def _replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
@@ -576,34 +608,85 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
 
 def _late_failures(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """Count the failures of the torn-down generation reported after the abort was decided
-    (a peer's status came first); empty when there are none."""
-    health, notes = charge(d.node_health, _failed(d, o), d.generation, o.now, cfg.exclusion)
-    if health == d.node_health:
+    (a peer's status came first; or the rest of a failure of the whole job, which takes
+    back what was counted against the first node); empty when nothing changes."""
+    c = charge(d, _failed(d, o), o.now, cfg.exclusion)
+    if c.health == d.node_health and c.job == d.job_health:
         return []
-    counted = sorted(n for n in health if health[n] != d.node_health.get(n))
-    why = "; ".join([f"failure after the abort counted on {','.join(counted)}", *notes])
-    return [SetDesired(d.model_copy(update={"node_health": health}), why)]
+    counted = sorted(
+        n for n, r in c.health.items() if r != d.node_health.get(n) and r.generation == d.generation
+    )
+    head = f"failure after the abort counted on {','.join(counted)}" if counted else ""
+    why = "; ".join([x for x in (head, *c.notes) if x]) or "failures after the abort counted"
+    return [SetDesired(d.model_copy(update=_with_health(c)), why)]
+
+
+def _refusing(d: DesiredState, o: Observed) -> frozenset[str]:
+    """Registered nodes whose agent reports a failure outside the current layout: not a
+    worker of this generation failing (that aborts it), but a failure the agent keeps after
+    an Abort — a killed worker that outlived SIGKILL holds its GPU, and the agent refuses
+    every launch until the process is gone. Planning on it only bought a LAUNCH timeout (or,
+    from RUNNING, a whole reconfiguration for a node that cannot take a rank)."""
+    out = []
+    for n, st in o.status.items():
+        if st.state != "failed" or n not in o.nodes:
+            continue
+        if n not in d.placement or st.generation != d.generation:
+            out.append(n)
+    return frozenset(out)
+
+
+def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
+    """The registered nodes no layout may use at ``o.now``: those the desired state's
+    failure records exclude, every one while the job is excluded, and those whose agent
+    reports a failure outside the layout (:func:`_refusing`)."""
+    if held(d.job_health, o.now):
+        return frozenset(o.nodes)
+    out = excluded(d.node_health, o.now)
+    return frozenset(n for n in o.nodes if n in out) | _refusing(d, o)
 
 
 def _nothing_usable(d: DesiredState, o: Observed) -> str:
-    """Why no node is usable: the excluded ones named, with until when and why."""
-    ex = sorted(o.excluded & set(o.nodes))
-    if not ex:
-        return "no usable node"
-    notes = [describe(n, d.node_health[n], o.now) for n in ex]
-    return "no usable node: " + "; ".join(notes)
+    """Why no node is usable: the job or the excluded nodes named, until when and why."""
+    if held(d.job_health, o.now):
+        return "no usable node: " + describe(JOB, d.job_health, o.now)
+    notes = []
+    for n in sorted(o.excluded & set(o.nodes)):
+        rec = d.node_health.get(n)
+        if rec is not None and rec.excluded_until > o.now:
+            notes.append(describe(n, rec, o.now))
+        else:
+            cause = parse_failure(o.status[n].failure).summary if n in o.status else ""
+            notes.append(f"{n} reports a failure outside the layout, refusing launches: {cause}")
+    return "no usable node: " + "; ".join(notes) if notes else "no usable node"
 
 
 def _holding_up(d: DesiredState, o: Observed, busy: list[str]) -> list[str]:
-    """The busy nodes the next launch waits for: not an excluded node whose Abort was acked.
-    Such a node may stay ``failed`` for long (a killed worker that outlived SIGKILL keeps
-    its GPU, and its agent reports so until the process is gone); no layout uses it, and
-    waiting for it held up every launch on the others."""
-    return [
-        n
-        for n in busy
-        if n not in o.excluded or not any(_cid(d, k, n) in o.acked for k in ("abort", "hold"))
-    ]
+    """The busy nodes the next launch waits for: not one whose Abort (or hold) of this
+    teardown was acked and that still reports a failure while no layout may use it —
+    excluded, or failed in an older generation than this one. Such a node stays ``failed``
+    for long (a killed worker that outlived SIGKILL keeps its GPU, and its agent reports
+    so until the process is gone); waiting for it held up every launch on the others, for
+    good once its exclusion had ended (it was no longer excluded, and still failed)."""
+    out = []
+    for n in busy:
+        st = o.status.get(n)
+        acked = any(_cid(d, k, n) in o.acked for k in ("abort", "hold"))
+        if acked and st is not None and st.state == "failed" and n in o.excluded:
+            continue
+        out.append(n)
+    return out
+
+
+def _still(d: DesiredState, o: Observed, n: str) -> str:
+    """What a node holding up a teardown past its deadline still reports."""
+    st = o.status[n]
+    acked = any(_cid(d, k, n) in o.acked for k in ("abort", "hold"))
+    what = f"still {st.state} (generation {st.generation}) at the teardown deadline, "
+    what += "its Abort acked" if acked else "its Abort not acked"
+    if st.failure:
+        what += f": {parse_failure(st.failure).summary}"
+    return what
 
 
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -649,6 +732,17 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         if n not in o.nodes:
             actions.append(ClearNotice(n))
     busy = _holding_up(d, o, busy)
+    if busy and d.phase_deadline and o.now > d.phase_deadline:
+        # Past the deadline the teardown goes on without the nodes still busy: each is
+        # charged and excluded (its workers may hold its GPUs; the backoff brings it back),
+        # so the next layout leaves it out. Before, TEARDOWN waited for them for good.
+        owed = {n: _still(d, o, n) for n in busy if n not in excluded(d.node_health, o.now)}
+        if owed:
+            c = miss_teardown(d, owed, o.now, cfg.exclusion)
+            why = f"teardown deadline passed, going on without {','.join(sorted(owed))}"
+            state = d.model_copy(update=_with_health(c))
+            return [*actions, SetDesired(state, "; ".join([why, *c.notes]))]
+        busy = []
     if not o.usable:
         if busy:
             return actions
@@ -713,9 +807,17 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
         return []
     if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
-        health = trained(d.node_health, d.placement)  # they trained: no failure streak
+        # they trained: no failure streak, theirs nor the job's
+        health, job = trained(d.node_health, d.job_health, d.placement)
         done = _move(
-            d, Phase.RUNNING, o.now, cfg, aborted=False, in_place_failed=False, node_health=health
+            d,
+            Phase.RUNNING,
+            o.now,
+            cfg,
+            aborted=False,
+            in_place_failed=False,
+            node_health=health,
+            job_health=job,
         )
         return [SetDesired(done, f"first step after {d.load_step} done")]
     return []
@@ -731,6 +833,56 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return _launch(d, o, cfg, last.step if last else -1)
 
 
+def _forget(d: DesiredState, o: Observed, cfg: DecideConfig) -> tuple[DesiredState, str] | None:
+    """``d`` without the failure records that have nothing left to say, and why; None if
+    none: those of nodes long away (``forget_gone``) and, when the training config the next
+    launch hands out is not the one the current generation ran (a controller restarted with
+    a fixed config), every record of a configuration error (``forget_config``)."""
+    health = forget_gone(d, o.nodes, o.now, cfg.exclusion)
+    notes = []
+    gone = sorted(set(d.node_health) - set(health))
+    if gone:
+        notes.append(f"forgot the failures of {', '.join(gone)}: away, nothing left to say")
+    job = d.job_health
+    if _training_changed(d, cfg):
+        health, job, names = forget_config(health, job)
+        if names:
+            notes.append(
+                f"training config changed: forgot the configuration errors of {', '.join(names)}"
+            )
+    if not notes:
+        return None
+    return d.model_copy(update={"node_health": health, "job_health": job}), "; ".join(notes)
+
+
+def _training_changed(d: DesiredState, cfg: DecideConfig) -> bool:
+    """The next launch hands out another training config than the current generation's."""
+    a, b = d.training, cfg.training
+    if a == b:
+        return False
+    if a is None or b is None:
+        return True
+    return training_digest(a) != training_digest(b)
+
+
+def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """Apply the operators' readmit requests (oldest id first), then delete them."""
+    health, job, names = d.node_health, d.job_health, []
+    whom = []
+    for rid in sorted(o.readmit):
+        req = o.readmit[rid]
+        health, job, gone = readmit(health, job, req.nodes, req.all)
+        names += gone
+        whom.append(f"{rid}" + (f" by {req.who}" if req.who else ""))
+    actions: list[Action] = []
+    if names:
+        d = d.model_copy(update={"node_health": health, "job_health": job})
+        why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
+        actions.append(SetDesired(d, why))
+    actions += [ClearReadmit(rid) for rid in sorted(o.readmit)]
+    return [*actions, *decide(d, replace(o, readmit={}), cfg)]
+
+
 def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> list[Action]:
     """What to do next. Empty when the world matches the desired state."""
     d, o = desired, observed
@@ -739,12 +891,13 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
         kept = {n: r for n, r in o.notices.items() if n not in expired}
         rest = decide(d, replace(o, notices=kept), config)
         return [*(ClearNotice(n) for n in expired), *rest]
-    health = forget_gone(d.node_health, o.nodes)
-    if health != d.node_health:
-        gone = ", ".join(sorted(set(d.node_health) - set(health)))
-        d = d.model_copy(update={"node_health": health})
-        return [SetDesired(d, f"forgot the failures of deregistered {gone}"), *decide(d, o, config)]
-    out = excluded(d.node_health, o.now)
+    if o.readmit:
+        return _readmit(d, o, config)
+    forgot = _forget(d, o, config)
+    if forgot is not None:
+        d = forgot[0]
+        return [SetDesired(d, forgot[1]), *decide(d, o, config)]
+    out = unusable(d, o)
     if out != o.excluded:  # the desired state says which nodes are out, whatever o was given
         o = replace(o, excluded=out)
     if d.phase is Phase.IDLE:

@@ -29,9 +29,18 @@ from typing import Any
 import structlog
 
 from sailor.controller.audit import AuditLog
-from sailor.controller.decide import Action, ClearNotice, Commit, Replan, Send, SetDesired
+from sailor.controller.decide import (
+    Action,
+    ClearNotice,
+    ClearReadmit,
+    Commit,
+    Replan,
+    Send,
+    SetDesired,
+)
 from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
+from sailor.controller.status import readmit_key
 from sailor.coordination import (
     Clock,
     EtcdStore,
@@ -42,7 +51,7 @@ from sailor.coordination import (
     TemporaryError,
 )
 from sailor.schemas.commands import CommandAdapter, training_digest
-from sailor.schemas.runtime import CommandAck, DesiredState, Phase
+from sailor.schemas.runtime import CommandAck, DesiredState, NodeHealth, Phase
 
 __all__ = ["Executor"]
 
@@ -109,6 +118,8 @@ class Executor:
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
         unused = {f for f in ("bad_checkpoints", "node_health") if not getattr(state, f)}
+        if state.job_health == NodeHealth():
+            unused.add("job_health")
         data = state.model_dump_json(exclude=unused or None).encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
@@ -118,6 +129,8 @@ class Executor:
         out = {n: r.excluded_until for n, r in state.node_health.items() if r.excluded_until > now}
         if out:  # which nodes no layout may use, and until when
             extra["excluded"] = out
+        if state.job_health.excluded_until > now:  # no layout is launched until then
+            extra["job_excluded"] = state.job_health.excluded_until
         if state.phase is Phase.LAUNCH:  # which training config and layout this generation runs
             t = state.training
             extra["training_sha256"] = training_digest(t) if t is not None else ""
@@ -184,6 +197,13 @@ class Executor:
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(
                     self.keys.notice(a.node_id), self.keys.leader, self.epoch
+                )
+            elif isinstance(a, ClearReadmit):  # applied: the desired state was written first
+                await self.store.delete_guarded(
+                    readmit_key(self.keys, a.request_id), self.keys.leader, self.epoch
+                )
+                self.audit.write(
+                    "readmit", self.clock.now(), epoch=self.epoch, request_id=a.request_id
                 )
         self._prune(desired.generation)
         due = [s for s in sends if self._due(s.command.command_id)]

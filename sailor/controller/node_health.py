@@ -3,8 +3,9 @@
 Without it a rank that cannot run on a node (a GPU fallen off the bus, a CUDA error at every
 launch, a configuration the worker refuses) made the controller abort and relaunch on that
 very node forever: ``decide`` is level-triggered and had no memory of who failed. The memory
-is the desired state's ``node_health`` (``sailor.schemas.runtime.NodeHealth``), so a new
-leader inherits it and a replay of the audit log reproduces it. The rules:
+is the desired state's ``node_health`` (``sailor.schemas.runtime.NodeHealth``) and, for a
+failure of the whole job, its ``job_health``, so a new leader inherits it and a replay of the
+audit log reproduces it. The rules:
 
 - A failure counts against a node when it began there: the worker's error record
   (``sailor.megatron_patch.errors.failure_record``, the first 2000 characters of its JSON in
@@ -12,16 +13,36 @@ leader inherits it and a replay of the audit log reproduces it. The rules:
   (the supervisor's ``rank N exit C: ...``, a toy worker's record without an origin). A
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
   are not at fault. Each generation counts at most once per node.
-- A node is excluded at once when its record says ``retry: false`` (a configuration error,
-  which a relaunch cannot mend), or at ``ExclusionPolicy.failures`` consecutive counted
-  failures. The first exclusion lasts ``exclude_s``, each further one of the same node twice
-  the previous, up to ``max_exclude_s``: a backoff, so a node that was repaired (or a
+- Not against any node: the checkpoint reader's errors (``CorruptCheckpointError``,
+  ``NoCheckpointError``: the abort falls back to an older checkpoint, the nodes are fine),
+  and a parent-written ``SIGABRT`` record (NCCL's watchdog giving up on a collective) in a
+  generation where another node failed with an error of its own: the watchdog fired because
+  that node's rank was gone.
+- A failure of the job, not of its nodes: the same cause (error type and message, numbers
+  aside: ranks, sizes, steps differ) reported by at least ``JOB_WIDE_MIN_NODES`` nodes and
+  by more than half of the placed nodes — a training config every rank refuses, a plan that
+  runs out of memory everywhere, a bug every rank hits. It is counted once per generation
+  in ``job_health`` by the same policy: while the job is excluded, no layout is launched.
+  The evidence is the failures reported so far plus the causes already counted for that
+  generation, so a node counted before its peers' reports came in is taken back (its count,
+  and the exclusion that count set) once they show the cause was the job's. A killed worker
+  that outlived SIGKILL (``OutlivedKill``) and a missed teardown are the node's, however
+  many nodes report them.
+- A node (or the job) is excluded at once when its record says ``retry: false`` (a
+  configuration error, which a relaunch cannot mend), or at ``ExclusionPolicy.failures``
+  consecutive counted failures. The first exclusion lasts ``exclude_s``, each further one
+  twice the previous, up to ``max_exclude_s``: a backoff, so a node that was repaired (or a
   transient fault) comes back without an operator.
 - The consecutive count resets when a generation placed on the node trains (VERIFY ->
-  RUNNING: every node reported a step past the generation's start). Until then a node whose
-  exclusion ran out is on probation: its next failure excludes it again, for twice as long.
-  The exclusion count (the backoff) stays until the node deregisters; then the whole record
-  goes (a node that registers again under the same id starts afresh, as a new VM does).
+  RUNNING: every node reported a step past the generation's start); the job's with it.
+  Until then a node whose exclusion ran out is on probation: its next failure excludes it
+  again, for twice as long.
+- A record is forgotten: by an operator (``sailor node readmit``: ``readmit``); when the
+  controller's training config is no longer the one the current generation ran (a restart
+  with a fixed config), for every record whose last failure was a configuration error
+  (``forget_config``); and when its node is away, once the record's exclusion ended
+  ``max_exclude_s`` ago (never excluded: ``failures`` generations after its last count,
+  ``forget_gone``). A lease flap or an agent restart forgets nothing.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified. Must never import
 the agent, torch or ``megatron_patch`` (the record's keys are read by name).
@@ -31,8 +52,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import Literal
@@ -40,16 +62,24 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from sailor.schemas._base import Frozen, field_error
-from sailor.schemas.runtime import NodeHealth
+from sailor.schemas.runtime import DesiredState, NodeHealth
 
 __all__ = [
+    "JOB",
+    "JOB_WIDE_MIN_NODES",
+    "UNREADABLE_CHECKPOINT",
+    "Charged",
     "ExclusionPolicy",
     "FailureCause",
     "charge",
     "describe",
     "excluded",
+    "forget_config",
     "forget_gone",
+    "held",
+    "miss_teardown",
     "parse_failure",
+    "readmit",
     "trained",
 ]
 
@@ -57,6 +87,24 @@ Origin = Literal["local", "peer", "config", "unknown"]
 
 CAUSE_CHARS = 200
 """Characters of a failure kept in a node's record and quoted in a reason."""
+
+JOB = "the job"
+"""How reasons name the job's record (``DesiredState.job_health``)."""
+
+JOB_WIDE_MIN_NODES = 2
+"""Fewest nodes whose failures alike make them the job's (and more than half of the placed
+nodes): one node's failure is always its own, even in a one-node layout."""
+
+UNREADABLE_CHECKPOINT = ("CorruptCheckpointError", "NoCheckpointError")
+"""The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``):
+the abort falls back to another checkpoint; no node and not the job is at fault."""
+
+TEARDOWN_MISSED = "TeardownMissed"
+"""Error type of the cause a node is charged with when it holds up a teardown past its
+deadline (``miss_teardown``)."""
+
+_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED)
+"""Error types that are about a process or an agent on that node, however many report one."""
 
 
 class ExclusionPolicy(Frozen):
@@ -74,7 +122,10 @@ class ExclusionPolicy(Frozen):
         description="Length of a node's first exclusion, s; each further one doubles it.",
     )
     max_exclude_s: float = Field(
-        default=3600.0, gt=0, description="Longest exclusion, s (the doubling's cap)."
+        default=3600.0,
+        gt=0,
+        description="Longest exclusion, s (the doubling's cap); also how long after its "
+        "exclusion ended the record of a node that is away is kept.",
     )
 
     @model_validator(mode="after")
@@ -118,6 +169,11 @@ class FailureCause:
             return (f"{kind}: {message}" if kind else message)[:CAUSE_CHARS]
         return self.text[:CAUSE_CHARS]
 
+    @property
+    def unreadable_checkpoint(self) -> bool:
+        """The checkpoint reader's error: handled by falling back, counted against none."""
+        return any(e in self.text for e in UNREADABLE_CHECKPOINT)
+
 
 # Keys of a record as JSON writes them: a quote inside a string value is escaped (\"), so
 # these match the record's own keys only, in a whole record and in one cut off alike.
@@ -125,6 +181,7 @@ _ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config)"')
 _RETRY = re.compile(r'"retry"\s*:\s*(true|false)')
 _ERROR_TYPE = re.compile(r'"(?:error_type|error)"\s*:\s*"((?:[^"\\]|\\.)*)')
 _MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
+_NUMBER = re.compile(r"\d+")
 
 
 def parse_failure(text: str) -> FailureCause:
@@ -144,79 +201,286 @@ def parse_failure(text: str) -> FailureCause:
     return FailureCause(origin, not (r and r.group(1) == "false"), text)
 
 
+def _signature(summary: str) -> str:
+    """A cause with its numbers left out: the same error on every rank (each names its own
+    rank, pid, step or size) has one signature."""
+    return _NUMBER.sub("#", summary)
+
+
+def _error_type(summary: str) -> str:
+    return summary.split(":", 1)[0] if ":" in summary else ""
+
+
+def _abort_signal(summary: str) -> bool:
+    """A parent-written record of a rank killed by SIGABRT (``signal_failure_record``)."""
+    return _error_type(summary) == "Signal" and "SIGABRT" in summary
+
+
 def _length(policy: ExclusionPolicy, exclusions: int) -> float:
     """The ``exclusions``-th exclusion's length: doubled each time, capped."""
     return min(policy.exclude_s * 2.0 ** min(exclusions - 1, 64), policy.max_exclude_s)
 
 
-def charge(
-    health: Mapping[str, NodeHealth],
-    failures: Mapping[str, str],
+def _count(
+    rec: NodeHealth,
     generation: int,
+    summary: str,
+    origin: str,
+    retry: bool,
     now: float,
     policy: ExclusionPolicy,
-) -> tuple[dict[str, NodeHealth], list[str]]:
-    """``health`` with the failures of ``generation`` (node -> ``AgentStatus.failure``)
-    counted, and one sentence per node this excluded (``describe``).
+) -> tuple[NodeHealth, str]:
+    """``rec`` with one more failure of ``generation``; why it is excluded now ('' if not)."""
+    count = rec.failures + 1
+    update: dict[str, object] = {
+        "failures": count,
+        "generation": generation,
+        "cause": summary,
+        "origin": origin if origin in ("local", "config") else "unknown",
+    }
+    why = ""
+    if not retry or count >= policy.failures:
+        times = rec.exclusions + 1
+        update |= {"exclusions": times, "excluded_until": now + _length(policy, times)}
+        why = "retry false" if not retry else f"{count} consecutive failures"
+    return rec.model_copy(update=update), why
 
-    A node already counted for ``generation`` is not counted again (the abort and the
-    teardown after it both see the same failed status); a peer's failure is not counted.
-    """
-    out = dict(health)
-    notes: list[str] = []
-    for node in sorted(failures):
-        rec = out.get(node, NodeHealth())
-        if rec.generation == generation:
-            continue
-        cause = parse_failure(failures[node])
-        if not cause.own:
-            continue
-        count = rec.failures + 1
-        update: dict[str, object] = {
-            "failures": count,
-            "generation": generation,
-            "cause": cause.summary,
+
+def _take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
+    """``rec`` without the failure counted for its last generation (a node whose failure
+    turned out to be the job's, or a peer's): one fewer, and the exclusion that count set
+    ended (a node excluded before that generation was in no layout of it). None when
+    nothing is left to remember. Its generation becomes -1: that one is not counted again."""
+    set_by_it = rec.excluded_until > now
+    exclusions = rec.exclusions - 1 if set_by_it else rec.exclusions
+    failures = max(0, rec.failures - 1)
+    if failures == 0 and exclusions == 0:
+        return None
+    return rec.model_copy(
+        update={
+            "failures": failures,
+            "generation": -1,
+            "exclusions": exclusions,
+            "excluded_until": 0.0 if set_by_it else rec.excluded_until,
         }
-        if not cause.retry or count >= policy.failures:
+    )
+
+
+@dataclass(frozen=True)
+class Charged:
+    """The records after a generation's failures were counted, and one sentence per change
+    worth a reason (an exclusion, a failure taken back or given to the job)."""
+
+    health: dict[str, NodeHealth]
+    job: NodeHealth
+    notes: list[str] = field(default_factory=list)
+
+
+def charge(
+    d: DesiredState, failures: Mapping[str, str], now: float, policy: ExclusionPolicy
+) -> Charged:
+    """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
+    counted against the nodes they began on, or against the job (module docstring).
+
+    Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
+    failures reported then: a node already counted for the generation is not counted again.
+    """
+    gen, health, job = d.generation, dict(d.node_health), d.job_health
+    causes = {n: parse_failure(t) for n, t in failures.items()}
+    seen = {n: c for n, c in causes.items() if c.own and not c.unreadable_checkpoint}
+    # this generation's own failures, node by node: reported now, or counted already
+    evidence = {n: c.summary for n, c in seen.items()}
+    for n, r in health.items():
+        if r.generation == gen and n not in evidence:
+            evidence[n] = r.cause
+    # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
+    # on it (a missed teardown comes after the failure, never before it)
+    first_cause = any(
+        not _abort_signal(s) and _error_type(s) != TEARDOWN_MISSED for s in evidence.values()
+    )
+    alike = Counter(_signature(s) for s in evidence.values() if _error_type(s) not in _NODE_BOUND)
+    placed = max(len(d.placement), 1)
+    job_wide = {sig for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed}
+    if job.generation == gen:
+        job_wide.add(_signature(job.cause))
+    notes: list[str] = []
+    spared: dict[str, list[str]] = {}
+    for n in sorted(evidence):
+        summary = evidence[n]
+        sig = _signature(summary)
+        why = ""
+        if sig in job_wide and _error_type(summary) not in _NODE_BOUND:
+            why = "the job's: most placed nodes failed alike"
+        elif _abort_signal(summary) and first_cause:
+            why = "SIGABRT after another node's own failure"
+        rec = health.get(n)
+        counted = rec is not None and rec.generation == gen
+        if why:
+            if counted and rec is not None:
+                back = _take_back(rec, now)
+                if back is None:
+                    del health[n]
+                else:
+                    health[n] = back
+                spared.setdefault(why, []).append(f"{n} (taken back)")
+            elif n in seen:
+                spared.setdefault(why, []).append(n)
+            continue
+        if n not in seen or counted:
+            continue
+        cause = seen[n]
+        health[n], excl = _count(
+            rec or NodeHealth(), gen, cause.summary, cause.origin, cause.retry, now, policy
+        )
+        if excl:
+            notes.append(describe(n, health[n], now, excl))
+    for why, nodes in spared.items():
+        notes.append(f"not counted against {', '.join(nodes)}: {why}")
+    if job_wide and job.generation != gen:
+        job, note = _charge_job(job, gen, job_wide, evidence, seen, alike, now, policy)
+        notes.append(note)
+    return Charged(health, job, notes)
+
+
+def _charge_job(
+    job: NodeHealth,
+    gen: int,
+    job_wide: set[str],
+    evidence: Mapping[str, str],
+    seen: Mapping[str, FailureCause],
+    alike: Counter[str],
+    now: float,
+    policy: ExclusionPolicy,
+) -> tuple[NodeHealth, str]:
+    """The job's record with generation ``gen`` counted, and the sentence that says so."""
+    sig = max(sorted(job_wide), key=lambda s: alike.get(s, 0))
+    nodes = sorted(n for n, s in evidence.items() if _signature(s) == sig)
+    shown = [seen[n] for n in nodes if n in seen]
+    if shown:
+        summary, origin, retry = shown[0].summary, shown[0].origin, shown[0].retry
+    else:  # every one of them was counted before and is idle now: their records say
+        summary = evidence[nodes[0]]
+        origin, retry = "unknown", True
+    rec, excl = _count(job, gen, summary, origin, retry, now, policy)
+    what = f"{len(nodes)} of the placed nodes failed alike ({', '.join(nodes)})"
+    if excl:
+        return rec, describe(JOB, rec, now, f"{excl}; {what}")
+    return rec, f"counted against the job (failure {rec.failures} in a row): {what}: {summary}"
+
+
+def miss_teardown(
+    d: DesiredState, late: Mapping[str, str], now: float, policy: ExclusionPolicy
+) -> Charged:
+    """``d``'s records with each node of ``late`` (node -> what it still reports) charged
+    for holding up a teardown past its deadline and excluded at once: its workers may still
+    hold its GPUs, and waiting for it held up every launch on the others. Counted for the
+    generation unless its failure was counted already; excluded either way."""
+    health = dict(d.node_health)
+    notes = []
+    for n in sorted(late):
+        rec = health.get(n, NodeHealth())
+        summary = f"{TEARDOWN_MISSED}: {late[n]}"[:CAUSE_CHARS]
+        if rec.generation == d.generation:  # its failure is counted: exclude it all the same
             times = rec.exclusions + 1
-            update |= {"exclusions": times, "excluded_until": now + _length(policy, times)}
-        out[node] = rec.model_copy(update=update)
-        if "excluded_until" in update:
-            why = "retry false" if not cause.retry else f"{count} consecutive failures"
-            notes.append(describe(node, out[node], now, why))
-    return out, notes
+            rec = rec.model_copy(
+                update={
+                    "exclusions": times,
+                    "excluded_until": now + _length(policy, times),
+                    "cause": summary,
+                }
+            )
+        else:
+            rec, _ = _count(rec, d.generation, summary, "local", False, now, policy)
+        health[n] = rec
+        notes.append(describe(n, rec, now, "teardown deadline passed"))
+    return Charged(health, d.job_health, notes)
 
 
-def trained(health: Mapping[str, NodeHealth], nodes: Iterable[str]) -> dict[str, NodeHealth]:
-    """``health`` after a generation trained on ``nodes``: their consecutive count is 0; a
-    record that has nothing else to remember (never excluded) goes."""
+def _reset(rec: NodeHealth) -> NodeHealth | None:
+    """``rec`` after a generation trained: no streak; None if nothing else is left."""
+    if rec.failures == 0:
+        return rec
+    if rec.exclusions == 0:
+        return None
+    return rec.model_copy(update={"failures": 0})
+
+
+def trained(
+    health: Mapping[str, NodeHealth], job: NodeHealth, nodes: Iterable[str]
+) -> tuple[dict[str, NodeHealth], NodeHealth]:
+    """The records after a generation trained on ``nodes``: their consecutive count is 0,
+    and the job's; a record that has nothing else to remember (never excluded) goes."""
     out = dict(health)
     for node in nodes:
         rec = out.get(node)
-        if rec is None or rec.failures == 0:
+        if rec is None:
             continue
-        if rec.exclusions == 0:
+        kept = _reset(rec)
+        if kept is None:
             del out[node]
         else:
-            out[node] = rec.model_copy(update={"failures": 0})
-    return out
+            out[node] = kept
+    return out, _reset(job) or NodeHealth()
 
 
 def excluded(health: Mapping[str, NodeHealth], now: float) -> frozenset[str]:
-    """The nodes no layout may use at ``now``."""
+    """The nodes no layout may use at ``now`` by their records."""
     return frozenset(n for n, r in health.items() if r.excluded_until > now)
 
 
+def held(job: NodeHealth, now: float) -> bool:
+    """Whether the job is excluded at ``now``: no layout is launched."""
+    return job.excluded_until > now
+
+
 def forget_gone(
-    health: Mapping[str, NodeHealth], registered: Mapping[str, object]
+    d: DesiredState, registered: Mapping[str, object], now: float, policy: ExclusionPolicy
 ) -> dict[str, NodeHealth]:
-    """``health`` without the records of nodes no longer registered."""
-    return {n: r for n, r in health.items() if n in registered}
+    """``d.node_health`` without the records of nodes that are away and whose record has
+    nothing left to say: an exclusion that ended ``max_exclude_s`` ago (a node back
+    within that keeps its backoff), or, never excluded, a streak last counted
+    ``policy.failures`` generations ago. A lease flap or an agent restart keeps it all;
+    spot VMs that never come back (a new VM has a new id) do not pile up."""
+    return {n: r for n, r in d.node_health.items() if n in registered or _recent(d, r, now, policy)}
+
+
+def _recent(d: DesiredState, r: NodeHealth, now: float, policy: ExclusionPolicy) -> bool:
+    """Whether a record of a node that is away still has something to say."""
+    if r.exclusions > 0:
+        return now < r.excluded_until + policy.max_exclude_s
+    return d.generation - r.generation < policy.failures
+
+
+def forget_config(
+    health: Mapping[str, NodeHealth], job: NodeHealth
+) -> tuple[dict[str, NodeHealth], NodeHealth, list[str]]:
+    """The records without those whose last failure was a configuration error (origin
+    config): for when the training config the next launch hands out is not the one they
+    failed with. The names forgotten (:data:`JOB` for the job's)."""
+    out = {n: r for n, r in health.items() if r.origin != "config"}
+    gone = sorted(set(health) - set(out))
+    if job.origin == "config":
+        job, gone = NodeHealth(), [*gone, JOB]
+    return out, job, gone
+
+
+def readmit(
+    health: Mapping[str, NodeHealth], job: NodeHealth, nodes: Iterable[str], everything: bool
+) -> tuple[dict[str, NodeHealth], NodeHealth, list[str]]:
+    """The records without those an operator asked to forget (``nodes``; ``everything``:
+    every node's and the job's). The names forgotten (:data:`JOB` for the job's)."""
+    if everything:
+        had_job = job != NodeHealth()
+        return {}, NodeHealth(), sorted(health) + ([JOB] if had_job else [])
+    names = set(nodes)
+    out = {n: r for n, r in health.items() if n not in names}
+    return out, job, sorted(set(health) - set(out))
 
 
 def describe(node: str, rec: NodeHealth, now: float, why: str = "") -> str:
-    """One sentence for a reason or a log: node, until when, count, cause."""
+    """One sentence for a reason or a log: node (or :data:`JOB`), until when, count, cause."""
     until = datetime.fromtimestamp(rec.excluded_until, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     left = max(0.0, rec.excluded_until - now)
-    head = f"excluded {node} until {until} ({left:.0f} s, exclusion {rec.exclusions}"
+    verb = "held" if node == JOB else "excluded"
+    head = f"{verb} {node} until {until} ({left:.0f} s, exclusion {rec.exclusions}"
     return f"{head}; {why or f'{rec.failures} consecutive failures'}): {rec.cause}"

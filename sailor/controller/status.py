@@ -1,9 +1,18 @@
-"""Read a job's state from etcd for ``sailor status`` (read-only, no leadership needed)."""
+"""The operator's side of a job's etcd state: read it for ``sailor status``, and write the
+requests the leader acts on (``sailor node readmit``). No leadership needed.
+
+A request is never applied here: the operator's write only asks, and the leader applies it
+in a pass, as it writes every desired state (``decide``), then deletes the key. The desired
+state itself has one writer, the leader, under its epoch guard (``DesiredState``); a write
+from here would race its next pass and be overwritten.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +22,26 @@ from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
-from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, NoticeRecord
+from sailor.schemas.runtime import (
+    AgentStatus,
+    CommitRecord,
+    DesiredState,
+    NoticeRecord,
+    ReadmitRequest,
+)
 
-__all__ = ["read_status"]
+__all__ = ["read_status", "readmit_key", "readmit_prefix", "request_readmit"]
+
+
+def readmit_prefix(keys: Keys) -> str:
+    """``/sailor/<job>/readmit/``: operators' readmit requests (``ReadmitRequest``), one key
+    each. Under the job's root, which controllers (and root) may write and agents may not
+    (``sailor certs etcd-rbac``): an agent cannot readmit itself."""
+    return keys.root + "readmit/"
+
+
+def readmit_key(keys: Keys, request_id: str) -> str:
+    return readmit_prefix(keys) + request_id
 
 
 async def read_status(
@@ -60,6 +86,10 @@ async def read_status(
         for n, r in sorted(health.items())
         if r.excluded_until > now
     }
+    held = d.job_health if d else None
+    job_out = None
+    if held is not None and held.excluded_until > now:  # most nodes failed alike: no launch
+        job_out = {"until": held.excluded_until, "failures": held.failures, "cause": held.cause}
     rows = []
     for kv in nodes:
         with contextlib.suppress(ValidationError):
@@ -92,6 +122,7 @@ async def read_status(
         "gpus_by_type_zone": d.plan.gpus_by_type_zone() if d and d.plan else {},
         "cause": d.cause if d else "",
         "excluded": out,
+        "job_excluded": job_out,
         "last_checkpoint": last,
         "calibration_version": _calibration_version(calib.value) if calib else None,
         "nodes": rows,
@@ -104,3 +135,31 @@ def _calibration_version(raw: bytes) -> int | None:
         return CalibrationPointer.model_validate_json(raw).version
     except ValidationError:
         return None
+
+
+async def request_readmit(
+    endpoint: str | Sequence[str],
+    job: str,
+    nodes: Sequence[str],
+    everything: bool,
+    who: str,
+    security: SecurityConfig | None = None,
+    wait_s: float = 10.0,
+) -> tuple[str, bool]:
+    """Ask the leader to forget the failure records of ``nodes`` (``everything``: every
+    node's and the job's). Returns the request id and whether a leader applied it within
+    ``wait_s`` (it deletes the key once the desired state no longer holds the records)."""
+    keys = Keys(job=job)
+    rid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+    req = ReadmitRequest(nodes=tuple(nodes), all=everything, who=who, time=time.time())
+    store = await connect_etcd(endpoint, security=security)
+    try:
+        await store.put(readmit_key(keys, rid), req.model_dump_json().encode())
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if await store.get(readmit_key(keys, rid)) is None:
+                return rid, True
+            await asyncio.sleep(0.2)
+        return rid, False
+    finally:
+        await store.close()

@@ -16,9 +16,9 @@ of ``DesiredState.training``; '' when the job has none (and from older controlle
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
 from sailor.schemas._base import WireMessage, field_error
 from sailor.schemas.plan import Plan
@@ -45,16 +45,82 @@ def plan_digest(plan: Plan) -> str:
 def training_digest(config: TrainingConfig) -> str:
     """SHA-256 (hex) of the training config's JSON: what ``Launch.training_sha256`` names.
 
-    Hashed as ``schema_version`` 1, whatever version wrote it: a reader of an older release
-    makes a newer config its own version (``_newer``), so an agent of the release that wrote
-    version 1 computes this digest of a newer controller's config too, while the config's
-    fields are the same (its own configs, and those it reads, are version 1 already).
-    Hashing the writer's version refused every launch of a newer controller with a training
-    config on such agents ("training config digest mismatch"), in the upgrade order the
-    operations guide gives (controllers first).
+    Controller and agent both call this on their own reading of ``DesiredState.training``,
+    so it must not depend on which release read it. Two things differ between releases:
+
+    - ``schema_version``: a reader of an older release makes a newer config its own
+      version (``_newer``). Hashed as 1, whatever the reader's version.
+    - fields a newer release added (with a default, as every added field has): an older
+      reader drops them. Those not in :data:`_FIELDS_AT_V1` are hashed only when not at
+      their default, so a newer writer's config whose new fields keep their defaults has
+      the digest an older reader computes; one that sets a new field away from its
+      default does not, and the older agent refuses the launch (it would run without it).
+
+    The fields of wire version 1 are hashed in full, as that release's agents hash them
+    (``sha256(model_dump_json())`` of the config as version 1): its digest of every config
+    it can read is this one, so an agent of the release before resolves this release's
+    Launch, and a Launch written before the upgrade (a generation still in LAUNCH when the
+    new leader takes over and re-sends it) names the same digest.
     """
     as_v1 = config.model_copy(update={"schema_version": 1})
-    return hashlib.sha256(as_v1.model_dump_json().encode()).hexdigest()
+    added = _added_at_default(as_v1)
+    return hashlib.sha256(as_v1.model_dump_json(exclude=added or None).encode()).hexdigest()
+
+
+_FIELDS_AT_V1: dict[str, frozenset[str]] = {
+    name: frozenset(fields.split())
+    for name, fields in {
+        "TrainingConfig": "checkpoint clipping data eval loss_scaling metrics model optimizer "
+        "precision schedule schema_version seed",
+        "BuiltinModel": "kind name",
+        "SpecFileModel": "kind path spec",
+        "ModelSpec": "activation ffn_hidden_size global_batch_size hidden_size name norm "
+        "num_heads num_kv_heads num_layers optimizer position_embedding precision seq_length "
+        "tie_embeddings vocab_size",
+        "HuggingFaceModel": "family kind load_weights path seq_length",
+        "SyntheticData": "kind",
+        "IndexedData": "kind manifest prefix validation_fraction",
+        "OptimizerConfig": "betas eps lr no_decay weight_decay",
+        "ScheduleConfig": "decay min_lr_ratio total_steps warmup_steps",
+        "ClippingConfig": "max_norm",
+        "LossScalingConfig": "initial_scale_power loss_scale_window min_loss_scale mode",
+        "EvalConfig": "batches every_steps",
+        "CheckpointConfig": "dir every_steps keep",
+        "MetricsConfig": "every_steps jsonl tensorboard_dir",
+    }.items()
+}
+"""The fields of ``TrainingConfig`` and of every model in it at wire version 1, by class
+name: frozen here on purpose (not read from the classes), so that a field added later is
+known as one (a model added later has none listed). Never edit an entry: a field listed
+here and renamed or removed is no additive change (tests/unit/test_controller_plan_ref.py
+checks each still exists)."""
+
+
+def _added_at_default(model: BaseModel) -> dict[str, Any]:
+    """The ``exclude`` of ``model_dump`` that leaves out every field added since wire
+    version 1 (not in :data:`_FIELDS_AT_V1`) while at its default, nested models included."""
+    known = _FIELDS_AT_V1.get(type(model).__name__, frozenset())
+    out: dict[str, Any] = {}
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        added = name not in known and not info.is_required()
+        if added and value == info.get_default(call_default_factory=True):
+            out[name] = True
+            continue
+        inner = _nested(value)
+        if inner:
+            out[name] = inner
+    return out
+
+
+def _nested(value: Any) -> dict[Any, Any]:
+    if isinstance(value, BaseModel):
+        return _added_at_default(value)
+    if isinstance(value, tuple | list):
+        return {i: e for i, v in enumerate(value) if (e := _nested(v))}
+    if isinstance(value, dict):
+        return {k: e for k, v in value.items() if (e := _nested(v))}
+    return {}
 
 
 class _CommandBase(WireMessage):

@@ -29,6 +29,7 @@ __all__ = [
     "NodeHealth",
     "NoticeRecord",
     "Phase",
+    "ReadmitRequest",
 ]
 
 
@@ -79,6 +80,12 @@ class NodeHealth(Frozen):
         default=0.0, ge=0, description="Unix time until which no layout uses it; 0: never was."
     )
     cause: str = Field(default="", max_length=256, description="Its last failure, shortened.")
+    origin: Literal["", "local", "config", "unknown"] = Field(
+        default="",
+        description="Where its last counted failure began, as its record says ('unknown': no "
+        "record or none named); a 'config' one is forgotten when the controller's training "
+        "config changes. '': none counted.",
+    )
 
     @model_validator(mode="after")
     def _excluded_only_when_counted(self) -> NodeHealth:
@@ -136,7 +143,14 @@ class DesiredState(WireMessage):
     node_health: dict[str, NodeHealth] = Field(
         default_factory=dict,
         description="node id -> its failure record, for nodes whose workers failed: a node "
-        "excluded until a time is in no layout before then. Dropped when the node deregisters.",
+        "excluded until a time is in no layout before then. Kept while the node is away (a "
+        "lease flap or an agent restart forgets nothing) until its exclusion is long over.",
+    )
+    job_health: NodeHealth = Field(
+        default_factory=NodeHealth,
+        description="The job's own failure record: failures that most placed nodes reported "
+        "alike (a training config every rank refuses, a bug every rank hits) count here, not "
+        "against the nodes; while it is excluded no layout is launched.",
     )
 
 
@@ -212,3 +226,24 @@ class CommitRecord(WireMessage):
     generation: int = Field(default=0, ge=0, description="Generation that saved it.")
     epoch: int = Field(default=0, ge=0, description="Leader epoch that committed it.")
     time: float = Field(default=0.0, ge=0, description="Unix time of the commit.")
+
+
+class ReadmitRequest(WireMessage):
+    """An operator's request (``sailor node readmit``) that the leader forget failure
+    records: the named nodes', or with ``all`` every node's and the job's. Written under
+    ``readmit/<id>`` of the job's etcd root by an identity that may write there (a
+    controller's or root: agents may not, RBAC); the leader applies it in a pass, as it
+    writes every desired state, and deletes the key."""
+
+    nodes: tuple[str, ...] = Field(default=(), description="Node ids whose records go.")
+    all: bool = Field(default=False, description="Every node's record and the job's go.")
+    who: str = Field(default="", max_length=256, description="Who asked (user@host).")
+    time: float = Field(default=0.0, ge=0, description="Unix time of the request.")
+
+    @model_validator(mode="after")
+    def _names_something(self) -> ReadmitRequest:
+        if not self.nodes and not self.all:
+            raise field_error("nodes", self.nodes, "empty: name nodes, or set all")
+        if any(not n for n in self.nodes):
+            raise field_error("nodes", self.nodes, "an empty node id")
+        return self

@@ -24,7 +24,7 @@ import pytest
 
 import sailor.agent.daemon as agent_daemon
 from sailor.controller.audit import read_records
-from sailor.controller.status import read_status
+from sailor.controller.status import read_status, request_readmit
 from sailor.coordination import (
     DaemonFailedError,
     FencedError,
@@ -358,4 +358,65 @@ async def test_a_node_whose_worker_always_fails_with_a_config_error_is_left_out(
     snap = await read_status(cluster.etcd, cluster.job, cluster.security("c1"))
     assert list(snap["excluded"]) == ["n2"]
     assert {r["node"]: r["excluded"] != "" for r in snap["nodes"]} == {"n1": False, "n2": True}
+    await cluster.audit()
+
+
+async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmits_it(
+    cluster: Cluster,
+) -> None:
+    """Every node's worker refuses the configuration alike (``retry: false``): the job is
+    held, not the nodes (before: both nodes excluded, the records kept in etcd past a
+    controller restart with no way to clear them). An operator's readmit request, written
+    with the controller's etcd identity as `sailor node readmit --all` writes it, ends the
+    hold: the leader applies it, deletes the request and launches again (and, the config
+    still refused, holds the job again)."""
+    script = cluster.tmp / "config_error_worker.py"
+    script.write_text(_CONFIG_ERROR_WORKER)
+    cluster.worker = (
+        cluster.worker[0],
+        str(script),
+        "--rank",
+        "{rank}",
+        "--error-file",
+        "{error_file}",
+    )
+    cluster.start_agent("n1")
+    cluster.start_agent("n2")
+    ctl = cluster.start_controller("c1")
+
+    def held(after_gen: int) -> bool:
+        d = ctl.desired
+        return (
+            d is not None
+            and d.phase is Phase.IDLE
+            and d.generation > after_gen
+            and d.job_health.excluded_until > time.time()
+        )
+
+    await _until(lambda: held(0), 40, "the job was not held")
+    assert ctl.desired is not None
+    gen = ctl.desired.generation
+    assert ctl.desired.node_health == {}  # neither node is at fault
+    snap = await read_status(cluster.etcd, cluster.job, cluster.security("c1"))
+    assert snap["excluded"] == {} and "refuses its configuration" in snap["job_excluded"]["cause"]
+    await asyncio.sleep(1.5)  # and it stays so: no relaunch loop
+    assert ctl.desired.generation == gen and ctl.desired.phase is Phase.IDLE
+    rid, done = await request_readmit(
+        cluster.etcd, cluster.job, (), True, "ops@test", cluster.security("c1"), wait_s=20
+    )
+    assert done, "the leader did not apply the readmit request"
+    await _until(lambda: held(gen), 40, "the job was not launched and held again")
+    ctl.audit.sync()
+    phases = _records(cluster, "c1", "phase")
+    (readmitted,) = [r for r in phases if "readmitted" in r["cause"]]
+    assert readmitted["cause"] == f"readmitted the job (operator request {rid} by ops@test)"
+    assert [r["request_id"] for r in _records(cluster, "c1", "readmit")] == [rid]
+    launches = [r for r in phases if r["phase"] == "launch"]
+    assert len(launches) == 2, launches
+    assert not any("excluded n" in r["cause"] for r in phases)
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        assert await store.get_prefix(f"/sailor/{cluster.job}/readmit/") == []
+    finally:
+        await store.close()
     await cluster.audit()

@@ -9,6 +9,7 @@ import pytest
 
 from sailor.controller.decide import (
     ClearNotice,
+    ClearReadmit,
     Commit,
     DecideConfig,
     Observed,
@@ -31,6 +32,7 @@ from sailor.schemas.runtime import (
     NodeHealth,
     NoticeRecord,
     Phase,
+    ReadmitRequest,
 )
 from sailor.schemas.training import BuiltinModel, TrainingConfig
 
@@ -754,16 +756,26 @@ def test_with_every_node_excluded_the_controller_waits_and_says_why() -> None:
     assert kinds(decide(idle, later, CFG)) == ["replan"]
 
 
-def test_the_record_of_a_node_that_deregistered_is_dropped() -> None:
-    rec = NodeHealth(failures=1, generation=1, exclusions=1, excluded_until=NOW + 60)
+def test_the_record_of_a_node_that_is_away_is_kept_until_it_has_nothing_to_say() -> None:
+    """A lease flap or an agent restart deregisters a node for a moment: its exclusion and
+    backoff stay (before, the record went at once: an excluded config-error node came back
+    at level 1, its exclusion forgotten). A record goes once the node is away and its
+    exclusion ended ``max_exclude_s`` ago; a streak alone, ``failures`` generations on."""
+    rec = NodeHealth(failures=1, generation=1, exclusions=2, excluded_until=NOW + 60)
+    streak = NodeHealth(failures=2, generation=1, cause="X")
     d = running((1,), node_health={"n1": NodeHealth(failures=1, generation=1), "n3": rec})
-    a = decide(d, obs(nodes(1, 2), [st(1)]), CFG)
-    assert isinstance(a[0], SetDesired) and "deregistered n3" in a[0].reason
-    assert set(a[0].state.node_health) == {"n1"}
-    # the rest is what the same state without the record decides: n2 joins
-    kept = d.model_copy(update={"node_health": a[0].state.node_health})
-    assert a[1:] == decide(kept, obs(nodes(1, 2), [st(1)]), CFG)
-    assert kinds(a) == ["set:running", "set:quiesce", "replan"]
+    d = d.model_copy(update={"node_health": d.node_health | {"n4": streak}})
+    assert decide(d, obs(nodes(1), [st(1)]), CFG) == []  # n3 and n4 away: all kept
+    # n3 back after the flap: still excluded, nothing to plan for
+    assert decide(d, obs(nodes(1, 3), [st(1), st(3, gen=-1, state="idle")]), CFG) == []
+    # long after: n3's exclusion ended max_exclude_s ago; n4's streak is 3 generations old
+    later = Observed(now=NOW + 60 + 3600, nodes=nodes(1), status={"n1": st(1)})
+    a = decide(d.model_copy(update={"generation": 4}), later, CFG)
+    assert kinds(a) == ["set:running"] and "forgot the failures of n3, n4" in a[0].reason  # type: ignore[union-attr]
+    assert set(a[0].state.node_health) == {"n1"}  # type: ignore[union-attr]
+    # one second earlier both stay (n4's streak: generation 3 is within 3 of it)
+    sooner = replace(later, now=NOW + 60 + 3599)
+    assert decide(d.model_copy(update={"generation": 3}), sooner, CFG) == []
 
 
 def test_exclusions_keep_decide_a_function_of_its_inputs() -> None:
@@ -814,6 +826,225 @@ def test_a_node_that_refuses_launches_is_excluded_and_does_not_hold_up_the_other
     assert kinds(decide(planned, obs(nodes(1, 2), sts), CFG)) == ["send:abort:n2"]
     acked = frozenset({"e7-g2-abort-n2"})
     assert kinds(decide(planned, obs(nodes(1, 2), sts, acked=acked), CFG)) == ["set:launch"]
-    # a failed node that is not excluded is still waited for
+    # not excluded (its exclusion ended, or was forgotten) and still reporting the older
+    # generation's failure after its Abort: it holds up nothing either, and the next
+    # layout leaves it out (before: "is still waited for", forever)
     other = _planned(planned.model_copy(update={"node_health": {}}), (1, 2))
-    assert decide(other, obs(nodes(1, 2), sts, acked=acked), CFG) == []
+    a = decide(other, obs(nodes(1, 2), sts, acked=acked), CFG)
+    assert kinds(a) == ["replan"] and _replanned(a) == ["n1"]
+    assert kinds(decide(_planned(other, (1,)), obs(nodes(1, 2), sts, acked=acked), CFG)) == [
+        "set:launch"
+    ]
+
+
+def test_a_node_still_failed_after_its_exclusion_ends_holds_up_no_teardown() -> None:
+    """The reviewer's hang (/tmp/review-rt/demo_hang.py): n2's killed worker outlived
+    SIGKILL and its agent keeps reporting that failure; its exclusion ends. Before, RUNNING
+    took n2 as a join (a whole reconfiguration for a node that refuses launches) and every
+    TEARDOWN after it waited for n2 for good (+0 s ... +86400 s: TEARDOWN). Now a node whose
+    agent reports a failure outside the layout is in no layout, and once its Abort is acked
+    it holds up nothing; when its agent reports the process gone, it joins."""
+    stuck = json.dumps(outlived_kill_record([(4242, 0, "D")], 130.0, step=9))
+    n2 = st(2, gen=2, state="failed").model_copy(update={"failure": stuck})
+    rec = NodeHealth(
+        failures=1, generation=2, exclusions=1, excluded_until=NOW - 1, cause="OutlivedKill"
+    )
+    d = running((1,), gen=3, node_health={"n2": rec})
+    assert decide(d, obs(nodes(1, 2), [st(1, gen=3), n2]), CFG) == []  # no join
+    td = _planned(d.model_copy(update={"phase": Phase.TEARDOWN, "phase_deadline": NOW + 20}), (1,))
+    sts = [st(1, gen=3, state="idle"), n2]
+    assert kinds(decide(td, obs(nodes(1, 2), sts), CFG)) == ["send:abort:n2"]
+    acked = frozenset({"e7-g3-abort-n2"})
+    for t in (NOW, NOW + 60, NOW + 3600, NOW + 86400):
+        o = replace(obs(nodes(1, 2), sts, acked=acked), now=t)
+        a = decide(td, o, CFG)
+        assert kinds(a) == ["set:launch"], (t, a)
+        assert set(a[0].state.placement) == {"n1"}  # type: ignore[union-attr]
+    # the process is gone: the agent reports idle, and n2 joins the running layout
+    a = decide(d, obs(nodes(1, 2), [st(1, gen=3), st(2, gen=2, state="idle")]), CFG)
+    assert kinds(a) == ["set:quiesce", "replan"] and "nodes joined: n2" in a[0].state.cause  # type: ignore[union-attr]
+    # with no other node, the teardown goes IDLE and says why
+    solo = _planned(td, (1,)).model_copy(update={"next_plan": None})
+    a = decide(solo, obs(nodes(2), [n2], acked=acked), CFG)
+    assert kinds(a) == ["set:idle"] and "n2 reports a failure outside the layout" in a[0].reason  # type: ignore[union-attr]
+
+
+def test_a_node_that_misses_the_teardown_deadline_is_left_out_and_counted() -> None:
+    """TEARDOWN waits for a busy node until its deadline, then goes on without it: the node
+    is charged and excluded (its workers may hold its GPUs), so the next layout leaves it
+    out; before, it waited for the node for good."""
+    d = _planned(
+        running((1, 2), phase=Phase.TEARDOWN, phase_deadline=NOW + 20, load_step=5), (1, 2)
+    )
+    sts = [st(1, state="idle"), st(2, state="running")]
+    assert kinds(decide(d, obs(nodes(1, 2), sts), CFG)) == ["send:abort:n2"]
+    late = replace(obs(nodes(1, 2), sts), now=NOW + 21)
+    a = decide(d, late, CFG)
+    assert kinds(a) == ["send:abort:n2", "set:teardown"]
+    new, reason = a[-1].state, a[-1].reason  # type: ignore[union-attr]
+    assert "teardown deadline passed, going on without n2" in reason
+    assert "excluded n2 until" in reason and "its Abort not acked" in reason
+    rec = new.node_health["n2"]
+    assert rec.excluded_until == NOW + 21 + 600 and rec.cause.startswith("TeardownMissed")
+    # then: planned again without n2, which no longer holds anything up
+    a = decide(new, late, CFG)
+    assert kinds(a) == ["send:abort:n2", "replan"] and _replanned(a) == ["n1"]
+    a = decide(_planned(new, (1,)), late, CFG)
+    assert kinds(a) == ["send:abort:n2", "set:launch"]
+
+
+def test_a_failure_of_every_node_alike_is_the_jobs_not_the_nodes() -> None:
+    """The reviewer's demo_jobwide.py: a training config every rank refuses (retry false)
+    excluded every node at once, and the records outlived a controller restarted with a
+    fixed config. Now the job is held instead (no launch, the same backoff), the nodes keep
+    a clean record, and a controller whose training config differs forgets it."""
+    t_bad = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), seed=1)
+    cfg = CFG.model_copy(update={"training": t_bad})
+    d = running((1, 2), training=t_bad)
+    why = "seq_len 8192 > max_position 4096"
+    a = decide(d, obs(nodes(1, 2), [fails(i, "config", message=why) for i in (1, 2)]), cfg)
+    torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert torn.node_health == {}
+    assert torn.job_health.excluded_until == NOW + 600 and torn.job_health.origin == "config"
+    assert "held the job until" in reason and "2 of the placed nodes failed alike" in reason
+    a = decide(torn, obs(nodes(1, 2), [st(i, state="idle") for i in (1, 2)]), cfg)
+    assert kinds(a) == ["set:idle"] and "no usable node: held the job" in a[0].reason  # type: ignore[union-attr]
+    idle = a[0].state  # type: ignore[union-attr]
+    assert decide(idle, obs(nodes(1, 2), [st(i, state="idle") for i in (1, 2)]), cfg) == []
+    # a controller restarted with a fixed config: the hold goes, and it plans at once
+    fixed = cfg.model_copy(update={"training": t_bad.model_copy(update={"seed": 2})})
+    a = decide(idle, obs(nodes(1, 2), [st(i, state="idle") for i in (1, 2)]), fixed)
+    assert kinds(a) == ["set:idle", "replan"] and "training config changed" in a[0].reason  # type: ignore[union-attr]
+    assert a[0].state.job_health == NodeHealth()  # type: ignore[union-attr]
+    assert _replanned(a) == ["n1", "n2"]
+
+
+def test_a_node_counted_before_its_peers_reported_the_same_failure_is_taken_back() -> None:
+    """Reports come in one by one: n1's config error is counted (and excludes n1) before
+    n2's report shows the whole job failed alike. Then n1's count and exclusion are taken
+    back and the job is held; later passes change nothing."""
+    d = running((1, 2))
+    a = decide(d, obs(nodes(1, 2), [fails(1, "config", message="bad seq_len"), st(2)]), CFG)
+    torn = a[0].state  # type: ignore[union-attr]
+    assert torn.node_health["n1"].excluded_until == NOW + 600
+    sts = [st(1, state="idle"), fails(2, "config", message="bad seq_len")]
+    a = decide(torn, obs(nodes(1, 2), sts), CFG)
+    assert kinds(a) == ["set:teardown"]
+    back, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert back.node_health == {} and back.job_health.excluded_until == NOW + 600
+    assert "not counted against n1 (taken back), n2: the job's" in reason
+    assert kinds(decide(back, obs(nodes(1, 2), sts), CFG)) == ["send:abort:n2"]
+
+
+@pytest.mark.parametrize(
+    ("failing", "job"),
+    [((1, 2, 3), True), ((1, 2), False)],  # 3 of 4 placed: the job's; 2 of 4: each node's
+)
+def test_the_same_local_error_on_most_placed_nodes_counts_against_the_job(
+    failing: tuple[int, ...], job: bool
+) -> None:
+    d = running((1, 2, 3, 4))
+    sts = [
+        fails(i, message=f"CUDA out of memory on rank {i}") if i in failing else st(i)
+        for i in (1, 2, 3, 4)
+    ]
+    torn = decide(d, obs(nodes(1, 2, 3, 4), sts), CFG)[0].state  # type: ignore[union-attr]
+    assert (torn.job_health.failures == 1) is job
+    assert set(torn.node_health) == (set() if job else {f"n{i}" for i in failing})
+    assert torn.job_health.excluded_until == 0  # retry true: 1 of 3 in a row
+
+
+def test_unreadable_checkpoints_count_against_no_node() -> None:
+    """The reviewer's demo_ckpt.py: a storage outage makes every rank fail to read each
+    checkpoint; the abort already falls back to an older one. Three in a row excluded every
+    node; now nothing is counted."""
+    health: dict[str, NodeHealth] = {}
+    for gen in (1, 2, 3):
+        d = running(
+            (1, 2),
+            gen=gen,
+            node_health=health,
+            phase=Phase.LOAD,
+            phase_deadline=NOW + 50,
+            load_step=30 - gen,
+        )
+        sts = [fails(i, gen=gen, message="CorruptCheckpointError: shard 3") for i in (1, 2)]
+        torn = decide(d, obs(nodes(1, 2), sts), CFG)[0].state  # type: ignore[union-attr]
+        assert torn.bad_checkpoints == (30 - gen,)
+        assert torn.node_health == {} and torn.job_health == NodeHealth()
+        health = torn.node_health
+
+
+def _sigabrt(i: int) -> AgentStatus:
+    rec = {
+        "rank": i,
+        "step": 9,
+        "origin": "local",
+        "retry": True,
+        "error_type": "Signal",
+        "signal": "SIGABRT",
+        "message": f"rank {i} killed by SIGABRT after step 9 without an error record",
+        "written_by": "parent",
+    }
+    return st(i, state="failed").model_copy(update={"failure": json.dumps(rec)})
+
+
+def test_a_sigabrt_after_another_nodes_own_error_is_not_counted() -> None:
+    """NCCL's watchdog aborts the ranks whose collective timed out after a peer died; the
+    parent writes that SIGABRT as the rank's own failure (origin local). With another
+    node's own error in the same generation, the SIGABRT nodes are not charged — nor when
+    the SIGABRT was counted first (taken back once the error is in)."""
+    d = running((1, 2, 3))
+    a = decide(d, obs(nodes(1, 2, 3), [fails(1), _sigabrt(2), st(3)]), CFG)
+    torn = a[0].state  # type: ignore[union-attr]
+    assert set(torn.node_health) == {"n1"}
+    assert "not counted against n2: SIGABRT after another node's own failure" in a[0].reason  # type: ignore[union-attr]
+    # the SIGABRT reported first, alone: counted; the error comes in: taken back
+    a = decide(d, obs(nodes(1, 2, 3), [st(1), _sigabrt(2), st(3)]), CFG)
+    first = a[0].state  # type: ignore[union-attr]
+    assert set(first.node_health) == {"n2"}
+    a = decide(first, obs(nodes(1, 2, 3), [fails(1), st(2, state="idle"), st(3)]), CFG)
+    assert set(a[0].state.node_health) == {"n1"}  # type: ignore[union-attr]
+    assert "n2 (taken back)" in a[0].reason  # type: ignore[union-attr]
+
+
+def test_an_operator_readmits_nodes_and_the_request_is_deleted_once_applied() -> None:
+    rec = NodeHealth(failures=1, generation=1, exclusions=1, excluded_until=NOW + 600, cause="X")
+    job = NodeHealth(failures=1, generation=1, exclusions=1, excluded_until=NOW + 600)
+    d = DesiredState(epoch=7, generation=1, node_health={"n1": rec, "n2": rec}, job_health=job)
+    sts = [st(1, state="idle"), st(2, state="idle")]
+    req = {"r1": ReadmitRequest(nodes=("n2", "n9"), who="ops@head")}
+    a = decide(d, obs(nodes(1, 2), sts, readmit=req), CFG)
+    assert kinds(a) == ["set:idle", "clearreadmit"]
+    assert a[0].reason == "readmitted n2 (operator request r1 by ops@head)"  # type: ignore[union-attr]
+    assert set(a[0].state.node_health) == {"n1"} and a[0].state.job_health == job  # type: ignore[union-attr]
+    assert a[1] == ClearReadmit("r1")
+    # --all: every record and the job's hold; then it plans at once
+    a = decide(d, obs(nodes(1, 2), sts, readmit={"r2": ReadmitRequest(all=True)}), CFG)
+    assert kinds(a) == ["set:idle", "clearreadmit", "replan"]
+    assert a[0].state.node_health == {} and a[0].state.job_health == NodeHealth()  # type: ignore[union-attr]
+    assert "readmitted n1, n2, the job" in a[0].reason  # type: ignore[union-attr]
+    # a request naming nothing on record is just deleted
+    none = {"r3": ReadmitRequest(nodes=("n9",))}
+    assert kinds(decide(d, obs(nodes(1, 2), sts, readmit=none), CFG)) == ["clearreadmit"]
+
+
+def test_a_changed_training_config_forgets_config_errors_only() -> None:
+    t = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), seed=1)
+    cfg_err = NodeHealth(
+        failures=1, generation=1, exclusions=1, excluded_until=NOW + 600, origin="config"
+    )
+    local = cfg_err.model_copy(update={"origin": "local"})
+    d = DesiredState(epoch=7, generation=1, training=t, node_health={"n1": cfg_err, "n2": local})
+    sts = [st(1, state="idle"), st(2, state="idle")]
+    same = CFG.model_copy(update={"training": t})
+    assert decide(d, obs(nodes(1, 2), sts), same) == []  # both excluded, nothing to do
+    # a copy of the same config (as read back from etcd) is no change
+    again = CFG.model_copy(
+        update={"training": TrainingConfig.model_validate_json(t.model_dump_json())}
+    )
+    assert decide(d, obs(nodes(1, 2), sts), again) == []
+    other = CFG.model_copy(update={"training": t.model_copy(update={"seed": 2})})
+    a = decide(d, obs(nodes(1, 2), sts), other)
+    assert kinds(a) == ["set:idle", "replan"] and _replanned(a) == ["n1"]
+    assert set(a[0].state.node_health) == {"n2"}  # type: ignore[union-attr]

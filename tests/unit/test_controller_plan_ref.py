@@ -3,20 +3,39 @@ PlanSource."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import typing
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.controller.planning import DataParallelPlanner
 from sailor.coordination import KeyValue
 from sailor.schemas import SCHEMA_VERSION, _base
-from sailor.schemas.commands import CommandAdapter, Launch, plan_digest, training_digest
+from sailor.schemas import training as training_schema
+from sailor.schemas.commands import (
+    _FIELDS_AT_V1,
+    CommandAdapter,
+    Launch,
+    plan_digest,
+    training_digest,
+)
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState
-from sailor.schemas.training import BuiltinModel, TrainingConfig
+from sailor.schemas.training import (
+    BuiltinModel,
+    CheckpointConfig,
+    EvalConfig,
+    HuggingFaceModel,
+    IndexedData,
+    OptimizerConfig,
+    SpecFileModel,
+    TrainingConfig,
+)
 
 
 def _plan(n: int = 2) -> Plan:
@@ -134,3 +153,106 @@ async def test_training_source_shares_the_plan_read_and_checks_the_digest() -> N
 
     with pytest.raises(PlanUnavailableError, match="no training config"):
         await PlanSource(get_bare).training(cmd)
+
+
+def _v1_digest(config: TrainingConfig) -> str:
+    """``training_digest`` as the release that wrote wire version 1 computes it (its agents
+    run this): the SHA-256 of its own reading of the config, which is version 1."""
+    return hashlib.sha256(
+        config.model_copy(update={"schema_version": 1}).model_dump_json().encode()
+    ).hexdigest()
+
+
+def _configs() -> list[TrainingConfig]:
+    spec = ModelSpec(
+        name="m",
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=256,
+        num_heads=4,
+        seq_length=32,
+        vocab_size=128,
+        global_batch_size=8,
+    )
+    return [
+        _training(5),
+        TrainingConfig(model=SpecFileModel(spec=spec), data=IndexedData(prefix="/d/x")),
+        TrainingConfig(
+            model=HuggingFaceModel(path="/m/hf"),
+            optimizer=OptimizerConfig(lr=1e-3, no_decay=("bias",)),
+            eval=EvalConfig(every_steps=10),
+            checkpoint=CheckpointConfig(dir="/ck", every_steps=5),
+        ),
+    ]
+
+
+def test_the_training_digest_of_every_config_is_the_previous_releases() -> None:
+    """Unchanged for every config this release can write: an agent of the previous release
+    resolves this controller's Launch, and a Launch written before the upgrade (a
+    generation still in LAUNCH when the new leader re-sends it) names the same digest."""
+    for t in _configs():
+        assert training_digest(t) == _v1_digest(t), t
+
+
+def _newer_release() -> tuple[type[TrainingConfig], type[OptimizerConfig]]:
+    """The classes of a later release that adds a field (with a default) at the top and
+    inside a nested model, under the same names (as a release's own classes are)."""
+
+    class OptimizerConfig(training_schema.OptimizerConfig):
+        foreach: bool = Field(default=True, description="A field of a later release.")
+
+    class TrainingConfig(training_schema.TrainingConfig):
+        accumulate: int = Field(default=1, description="A field of a later release.")
+        optimizer: OptimizerConfig = Field(  # type: ignore[assignment]
+            default_factory=OptimizerConfig, description="Optimizer."
+        )
+
+    return TrainingConfig, OptimizerConfig
+
+
+async def test_a_newer_writers_new_fields_at_their_default_keep_the_digest() -> None:
+    """The first release that adds a TrainingConfig field must not refuse every launch on
+    this release's agents (their reading drops the field: ``_newer``). A new field at its
+    default is left out of the digest; one set away from it changes the digest, and this
+    agent refuses the launch rather than run without it."""
+    newer, newer_opt = _newer_release()
+    plan = _plan()
+    for accumulate, foreach, resolves in ((1, True, True), (4, True, False), (1, False, False)):
+        t = newer(model=BuiltinModel(name="tiny-gpt"), seed=5, accumulate=accumulate)
+        t = t.model_copy(update={"optimizer": newer_opt(foreach=foreach)})
+        raw = DesiredState(epoch=1, plan=plan).model_dump(mode="json")
+        raw["training"] = t.model_dump(mode="json") | {"schema_version": SCHEMA_VERSION + 1}
+        raw["schema_version"] = SCHEMA_VERSION + 1
+        data = json.dumps(raw).encode()
+
+        async def get(data: bytes = data) -> KeyValue:
+            return KeyValue("/d", data, 1, 1)
+
+        cmd = _launch(plan, training_sha256=training_digest(t))
+        if resolves:
+            got = await PlanSource(get).training(cmd)
+            assert got is not None and got.seed == 5
+            assert training_digest(t) == training_digest(_training(5))
+        else:
+            with pytest.raises(PlanUnavailableError, match="digest mismatch"):
+                await PlanSource(get).training(cmd)
+
+
+def test_every_field_listed_at_wire_version_1_still_exists() -> None:
+    """A field listed at version 1 that was renamed or removed is no additive change."""
+    seen: dict[str, type[BaseModel]] = {}
+
+    def walk(t: object) -> None:
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            if t.__name__ in seen:
+                return
+            seen[t.__name__] = t
+            for f in t.model_fields.values():
+                walk(f.annotation)
+        for arg in typing.get_args(t):
+            walk(arg)
+
+    walk(TrainingConfig)
+    for name, fields in _FIELDS_AT_V1.items():
+        assert name in seen, name
+        assert fields <= set(seen[name].model_fields), (name, fields - set(seen[name].model_fields))

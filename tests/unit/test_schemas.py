@@ -27,7 +27,7 @@ from sailor.schemas import (
     _base,
 )
 from sailor.schemas._base import SCHEMA_VERSION
-from sailor.schemas.runtime import DesiredState, NodeHealth
+from sailor.schemas.runtime import DesiredState, NodeHealth, ReadmitRequest
 
 
 def _stage(a: int, b: int, tp: int = 1, gpu: str = "A100-40") -> Stage:
@@ -196,18 +196,22 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``DesiredState.node_health`` is this release's addition (``SCHEMA_VERSION`` 2): the
-    previous release (this schema without it, at version 1) reads the state without it,
-    through ``_newer``, and would refuse it at its own version."""
+    """``DesiredState.node_health`` and ``job_health`` are this release's additions
+    (``SCHEMA_VERSION`` 2): the previous release (this schema without them, at version 1)
+    reads the state without them, through ``_newer``, and would refuse them at its own
+    version."""
     assert SCHEMA_VERSION == 2
-    rec = NodeHealth(failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X")
-    d = DesiredState(epoch=2, generation=4, node_health={"n2": rec})
+    rec = NodeHealth(
+        failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
+    )
+    job = NodeHealth(failures=1, generation=4, cause="ValueError: x", origin="config")
+    d = DesiredState(epoch=2, generation=4, node_health={"n2": rec}, job_health=job)
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
     fields = {
         name: (f.annotation, f)
         for name, f in DesiredState.model_fields.items()
-        if name not in ("node_health", "schema_version")
+        if name not in ("node_health", "job_health", "schema_version")
     }
     previous = create_model("DesiredState", __base__=_base.WireMessage, **fields)  # type: ignore[call-overload]
     monkeypatch.setattr(_base, "SCHEMA_VERSION", 1)
@@ -216,9 +220,25 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         old.generation == 4
         and old.schema_version == 1
         and "node_health" not in previous.model_fields
+        and "job_health" not in previous.model_fields
     )
-    with pytest.raises(ValidationError, match="node_health"):
+    with pytest.raises(ValidationError, match="job_health"):
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 1}))
+    # a record without ``origin`` (this release's first form) reads as none counted
+    plain = json.loads(raw)
+    del plain["node_health"]["n2"]["origin"]
+    assert DesiredState.model_validate(plain).node_health["n2"].origin == ""
+
+
+def test_a_readmit_request_names_nodes_or_all() -> None:
+    assert ReadmitRequest(nodes=("n1",)).nodes == ("n1",)
+    assert ReadmitRequest(all=True).all
+    with pytest.raises(ValidationError, match=r"nodes=\(\): empty: name nodes, or set all"):
+        ReadmitRequest()
+    with pytest.raises(ValidationError, match="an empty node id"):
+        ReadmitRequest(nodes=("n1", ""))
+    req = ReadmitRequest(nodes=("n2",), who="ops@head", time=5.0)
+    assert ReadmitRequest.model_validate_json(req.model_dump_json()) == req
 
 
 @st.composite

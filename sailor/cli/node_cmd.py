@@ -1,0 +1,73 @@
+"""``sailor node readmit``: ask the leader to forget failure records (exclusions).
+
+The controller leaves a node whose workers keep failing out of the layouts for a while, and
+holds the whole job when most nodes fail alike (docs/runtime.md, "Failing nodes"). Once the
+node is repaired or the configuration fixed, an operator brings it back before the backoff
+ends. The command writes a request under the job's etcd root with the controller config's
+identity (RBAC: controllers and root may write there, agents may not); the leader applies
+it in its next pass and deletes it. It never writes the desired state itself: the leader is
+its one writer, under its epoch guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import socket
+from pathlib import Path
+
+import typer
+
+from sailor.cli._io import fail, load_config
+
+__all__ = ["node_app", "readmit"]
+
+node_app = typer.Typer(
+    help="Operator requests about nodes, carried out by the leader.", no_args_is_help=True
+)
+
+
+@node_app.callback()
+def _group() -> None:
+    """Operator requests about nodes, carried out by the leader (a group even with one
+    command: ``readmit`` is never taken for a node id)."""
+
+
+@node_app.command("readmit")
+def readmit(
+    nodes: list[str] = typer.Argument(None, help="Node ids whose failure records go."),
+    config: Path = typer.Option(..., "--config", help="Controller config (etcd, job)."),
+    everything: bool = typer.Option(
+        False, "--all", help="Every node's record, and the job's hold."
+    ),
+    wait_s: float = typer.Option(
+        10.0, "--wait", min=0, help="Seconds to wait for the leader to apply it."
+    ),
+) -> None:
+    """Forget the failure records (exclusion, streak, backoff) of NODES, or with --all of
+    every node and the job: they are planned on again from the leader's next pass."""
+    from sailor.cli.runtime_cmd import security_file_problems
+    from sailor.controller.config import ControllerConfig
+    from sailor.controller.status import request_readmit
+
+    if bool(nodes) == everything:
+        raise fail("name the nodes to readmit, or pass --all (not both)")
+    cfg = load_config(config, ControllerConfig).anchored(config)
+    problems = security_file_problems(cfg.security)
+    if problems:
+        raise fail(f"{config}: {problems[0]}")
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    rid, done = asyncio.run(
+        request_readmit(
+            cfg.etcd_endpoints, cfg.job, nodes or (), everything, who, cfg.security, wait_s
+        )
+    )
+    what = "every node and the job" if everything else ", ".join(nodes)
+    if done:
+        typer.echo(f"readmitted {what} (request {rid}): see `sailor status`")
+        return
+    raise fail(
+        f"request {rid} for {what} is written but no leader applied it within {wait_s:.0f} s: "
+        "is a controller running for this job? It applies the request when it leads",
+        code=1,
+    )
