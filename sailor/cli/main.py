@@ -16,6 +16,7 @@ from sailor.cli.data_cmd import data_app
 from sailor.cli.demo_cmd import demo
 from sailor.cli.errors import OneLineErrors
 from sailor.cli.import_cmd import import_app
+from sailor.cli.node_cmd import node_app
 from sailor.cli.plan_cmd import plan_cmd
 from sailor.cli.profile_cmd import profile_app
 from sailor.cli.runtime_cmd import agent, audit, controller, status
@@ -68,6 +69,7 @@ app.command("audit")(audit)
 app.add_typer(config_app, name="config")
 app.add_typer(certs_app, name="certs")
 app.add_typer(data_app, name="data")
+app.add_typer(node_app, name="node")
 app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 

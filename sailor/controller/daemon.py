@@ -55,7 +55,6 @@ from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
-from sailor.controller.status import readmit_prefix
 from sailor.controller.training import check_checkpoint_dirs, load_training
 from sailor.coordination import (
     Clock,
@@ -270,7 +269,7 @@ class Controller:
         cache = ObservedCache(
             store, self.keys, self._reject, on_change=self.wake, on_node_gone=self._node_gone
         )
-        readmits = PrefixMirror(store, readmit_prefix(self.keys), self.wake)
+        readmits = PrefixMirror(store, self.keys.readmits, self.wake)
         try:
             adopted = await self._adopt(store, executor, lead)
             if adopted is None:

@@ -40,7 +40,6 @@ from sailor.controller.decide import (
 )
 from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
-from sailor.controller.status import readmit_key
 from sailor.coordination import (
     Clock,
     EtcdStore,
@@ -200,7 +199,7 @@ class Executor:
                 )
             elif isinstance(a, ClearReadmit):  # applied: the desired state was written first
                 await self.store.delete_guarded(
-                    readmit_key(self.keys, a.request_id), self.keys.leader, self.epoch
+                    self.keys.readmit(a.request_id), self.keys.leader, self.epoch
                 )
                 self.audit.write(
                     "readmit", self.clock.now(), epoch=self.epoch, request_id=a.request_id

@@ -30,18 +30,7 @@ from sailor.schemas.runtime import (
     ReadmitRequest,
 )
 
-__all__ = ["read_status", "readmit_key", "readmit_prefix", "request_readmit"]
-
-
-def readmit_prefix(keys: Keys) -> str:
-    """``/sailor/<job>/readmit/``: operators' readmit requests (``ReadmitRequest``), one key
-    each. Under the job's root, which controllers (and root) may write and agents may not
-    (``sailor certs etcd-rbac``): an agent cannot readmit itself."""
-    return keys.root + "readmit/"
-
-
-def readmit_key(keys: Keys, request_id: str) -> str:
-    return readmit_prefix(keys) + request_id
+__all__ = ["read_status", "request_readmit"]
 
 
 async def read_status(
@@ -154,10 +143,10 @@ async def request_readmit(
     req = ReadmitRequest(nodes=tuple(nodes), all=everything, who=who, time=time.time())
     store = await connect_etcd(endpoint, security=security)
     try:
-        await store.put(readmit_key(keys, rid), req.model_dump_json().encode())
+        await store.put(keys.readmit(rid), req.model_dump_json().encode())
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
-            if await store.get(readmit_key(keys, rid)) is None:
+            if await store.get(keys.readmit(rid)) is None:
                 return rid, True
             await asyncio.sleep(0.2)
         return rid, False

@@ -95,6 +95,16 @@ class Keys(Frozen):
         return f"{self.checkpoints}{step:012d}"
 
     @property
+    def readmits(self) -> str:
+        """Operators' readmit requests (``ReadmitRequest``, ``sailor node readmit``), one key
+        each. Under the job's root, which controllers (and root) may write and agents may
+        not (``sailor certs etcd-rbac``): an agent cannot readmit itself."""
+        return self.root + "readmit/"
+
+    def readmit(self, request_id: str) -> str:
+        return self.readmits + request_id
+
+    @property
     def calibration(self) -> str:
         """Pointer to the current online-calibration version."""
         return self.root + "calibration/current"

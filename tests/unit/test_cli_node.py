@@ -22,3 +22,10 @@ def test_readmit_names_nodes_or_all(tmp_path: Path, nodes: list[str], everything
     args = [*nodes, *(["--all"] if everything else [])]
     res = CliRunner().invoke(node_app, ["readmit", *args, "--config", str(cfg)])
     assert res.exit_code == 2
+
+
+def test_sailor_has_the_node_command() -> None:
+    from sailor.cli.main import app
+
+    res = CliRunner().invoke(app, ["node", "readmit", "--help"])
+    assert res.exit_code == 0 and "--all" in res.output
