@@ -8,8 +8,9 @@ through ``decide`` reproduces the run. No I/O, no clock, no state of its own: th
 module-level value is a memo of the last plan's digest and world size (:func:`_plan_facts`),
 a function of that plan object alone. What it must remember across passes it keeps in the
 desired state it writes: which checkpoints could not be read (``bad_checkpoints``) and which
-nodes keep failing, or whether the job does (``node_health``, ``job_health``:
-``controller/node_health.py``). An operator's request to forget those records
+nodes keep failing, or whether the job does (``node_health``, ``job_health``: their rules
+in ``controller/node_health.py``, what a pass makes of them in
+``controller/failing_nodes.py``). An operator's request to forget those records
 (``sailor node readmit``) is part of the observed state, and deleted once applied.
 """
 
@@ -23,22 +24,8 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
-from sailor.controller.node_health import (
-    JOB,
-    UNREADABLE_CHECKPOINT,
-    Charged,
-    ExclusionPolicy,
-    charge,
-    describe,
-    excluded,
-    forget_config,
-    forget_gone,
-    held,
-    miss_teardown,
-    parse_failure,
-    readmit,
-    trained,
-)
+from sailor.controller import failing_nodes
+from sailor.controller.node_health import UNREADABLE_CHECKPOINT, ExclusionPolicy, trained
 from sailor.controller.phases import PhaseDeadlines, check_transition
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import (
@@ -278,30 +265,15 @@ def _plan_facts(plan: Plan) -> tuple[str, int]:
     return digest, world
 
 
-def _failed(d: DesiredState, o: Observed, stale: bool = False) -> dict[str, str]:
-    """node -> failure text, for the nodes of the layout whose workers of this generation
-    failed; with ``stale``, also those still reporting a failure of an older one (at a
-    LAUNCH abort: their agent did not start this generation, as one whose killed worker
-    outlived SIGKILL refuses every launch)."""
-    out = {}
-    for n in d.placement:
-        st = o.status.get(n)
-        if st is None or st.state != "failed":
-            continue
-        if st.generation == d.generation or (stale and st.generation < d.generation):
-            out[n] = st.failure
-    return out
-
-
 def _unhealthy(d: DesiredState, o: Observed) -> str:
     """Why the current layout cannot go on ('' if it can)."""
     lost = sorted(n for n in d.placement if n not in o.nodes)
     if lost:
         return f"node lost without notice: {','.join(lost)}"
-    failed = _failed(d, o)
+    failed = failing_nodes.failed(d, o.status)
     if failed:
         # name the node the failure began on, not a peer that failed because of it
-        n = min(failed, key=lambda n: (not parse_failure(failed[n]).own, n))
+        n = failing_nodes.began_on(failed)
         return f"worker failed on {n}: {failed[n][:200]}"
     for n in sorted(d.placement):
         st = o.status.get(n)
@@ -335,11 +307,6 @@ def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
     return False
 
 
-def _with_health(c: Charged) -> dict[str, object]:
-    """The desired state's fields a charge writes."""
-    return {"node_health": c.health, "job_health": c.job}
-
-
 def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
     # same way forever): the next launch falls back to the newest other recorded commit.
@@ -353,9 +320,8 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
-    # (controller/node_health.py).
-    failed = _failed(d, o, stale=d.phase is Phase.LAUNCH)
-    counted = charge(d, failed, o.now, cfg.exclusion)
+    # (controller/failing_nodes.py).
+    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion)
     state = _move(
         d,
         Phase.TEARDOWN,
@@ -370,7 +336,7 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
         cause=cause,
         in_place_failed=d.in_place_failed or failed_in_place,
         bad_checkpoints=bad,
-        **_with_health(counted),
+        **failing_nodes.health_update(counted),
     )
     return [SetDesired(state, "; ".join([f"abort: {cause}", *counted.notes]))]
 
@@ -606,93 +572,21 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]
 
 
-def _late_failures(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    """Count the failures of the torn-down generation reported after the abort was decided
-    (a peer's status came first; or the rest of a failure of the whole job, which takes
-    back what was counted against the first node); empty when nothing changes."""
-    c = charge(d, _failed(d, o), o.now, cfg.exclusion)
-    if c.health == d.node_health and c.job == d.job_health:
-        return []
-    counted = sorted(
-        n for n, r in c.health.items() if r != d.node_health.get(n) and r.generation == d.generation
-    )
-    head = f"failure after the abort counted on {','.join(counted)}" if counted else ""
-    why = "; ".join([x for x in (head, *c.notes) if x]) or "failures after the abort counted"
-    return [SetDesired(d.model_copy(update=_with_health(c)), why)]
-
-
-def _refusing(d: DesiredState, o: Observed) -> frozenset[str]:
-    """Registered nodes whose agent reports a failure outside the current layout: not a
-    worker of this generation failing (that aborts it), but a failure the agent keeps after
-    an Abort — a killed worker that outlived SIGKILL holds its GPU, and the agent refuses
-    every launch until the process is gone. Planning on it only bought a LAUNCH timeout (or,
-    from RUNNING, a whole reconfiguration for a node that cannot take a rank)."""
-    out = []
-    for n, st in o.status.items():
-        if st.state != "failed" or n not in o.nodes:
-            continue
-        if n not in d.placement or st.generation != d.generation:
-            out.append(n)
-    return frozenset(out)
-
-
 def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
-    """The registered nodes no layout may use at ``o.now``: those the desired state's
-    failure records exclude, every one while the job is excluded, and those whose agent
-    reports a failure outside the layout (:func:`_refusing`)."""
-    if held(d.job_health, o.now):
-        return frozenset(o.nodes)
-    out = excluded(d.node_health, o.now)
-    return frozenset(n for n in o.nodes if n in out) | _refusing(d, o)
+    """The registered nodes no layout may use at ``o.now`` (``failing_nodes.unusable``):
+    what ``decide`` puts in ``Observed.excluded``, and the daemon for the other readers."""
+    return failing_nodes.unusable(d, o.nodes, o.status, o.now)
 
 
-def _nothing_usable(d: DesiredState, o: Observed) -> str:
-    """Why no node is usable: the job or the excluded nodes named, until when and why."""
-    if held(d.job_health, o.now):
-        return "no usable node: " + describe(JOB, d.job_health, o.now)
-    notes = []
-    for n in sorted(o.excluded & set(o.nodes)):
-        rec = d.node_health.get(n)
-        if rec is not None and rec.excluded_until > o.now:
-            notes.append(describe(n, rec, o.now))
-        else:
-            cause = parse_failure(o.status[n].failure).summary if n in o.status else ""
-            notes.append(f"{n} reports a failure outside the layout, refusing launches: {cause}")
-    return "no usable node: " + "; ".join(notes) if notes else "no usable node"
-
-
-def _holding_up(d: DesiredState, o: Observed, busy: list[str]) -> list[str]:
-    """The busy nodes the next launch waits for: not one whose Abort (or hold) of this
-    teardown was acked and that still reports a failure while no layout may use it —
-    excluded, or failed in an older generation than this one. Such a node stays ``failed``
-    for long (a killed worker that outlived SIGKILL keeps its GPU, and its agent reports
-    so until the process is gone); waiting for it held up every launch on the others, for
-    good once its exclusion had ended (it was no longer excluded, and still failed)."""
-    out = []
-    for n in busy:
-        st = o.status.get(n)
-        acked = any(_cid(d, k, n) in o.acked for k in ("abort", "hold"))
-        if acked and st is not None and st.state == "failed" and n in o.excluded:
-            continue
-        out.append(n)
-    return out
-
-
-def _still(d: DesiredState, o: Observed, n: str) -> str:
-    """What a node holding up a teardown past its deadline still reports."""
-    st = o.status[n]
-    acked = any(_cid(d, k, n) in o.acked for k in ("abort", "hold"))
-    what = f"still {st.state} (generation {st.generation}) at the teardown deadline, "
-    what += "its Abort acked" if acked else "its Abort not acked"
-    if st.failure:
-        what += f": {parse_failure(st.failure).summary}"
-    return what
+def _abort_acked(d: DesiredState, o: Observed, nodes: Sequence[str]) -> frozenset[str]:
+    """The ``nodes`` whose Abort (or hold) of this teardown was acked."""
+    return frozenset(n for n in nodes if any(_cid(d, k, n) in o.acked for k in ("abort", "hold")))
 
 
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    late = _late_failures(d, o, cfg)
-    if late:
-        return late
+    late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion)
+    if late is not None:
+        return [SetDesired(*late)]
     actions: list[Action] = []
     in_place = _in_place_next(d, cfg)
     plan_id = d.plan.plan_id if d.plan else ""
@@ -731,22 +625,19 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     for n in sorted(o.notices):
         if n not in o.nodes:
             actions.append(ClearNotice(n))
-    busy = _holding_up(d, o, busy)
+    acked = _abort_acked(d, o, busy)
+    busy = failing_nodes.holding_up(busy, o.status, o.excluded, acked)
     if busy and d.phase_deadline and o.now > d.phase_deadline:
         # Past the deadline the teardown goes on without the nodes still busy: each is
-        # charged and excluded (its workers may hold its GPUs; the backoff brings it back),
-        # so the next layout leaves it out. Before, TEARDOWN waited for them for good.
-        owed = {n: _still(d, o, n) for n in busy if n not in excluded(d.node_health, o.now)}
-        if owed:
-            c = miss_teardown(d, owed, o.now, cfg.exclusion)
-            why = f"teardown deadline passed, going on without {','.join(sorted(owed))}"
-            state = d.model_copy(update=_with_health(c))
-            return [*actions, SetDesired(state, "; ".join([why, *c.notes]))]
+        # charged and excluded, so the next layout leaves it out (failing_nodes).
+        missed = failing_nodes.miss_deadline(d, busy, o.status, acked, o.now, cfg.exclusion)
+        if missed is not None:
+            return [*actions, SetDesired(*missed)]
         busy = []
     if not o.usable:
         if busy:
             return actions
-        why = _nothing_usable(d, o)
+        why = failing_nodes.nothing_usable(d, o.nodes, o.status, o.excluded, o.now)
         idle = _move(
             d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=(), cause=why[:1024]
         )
@@ -833,52 +724,13 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return _launch(d, o, cfg, last.step if last else -1)
 
 
-def _forget(d: DesiredState, o: Observed, cfg: DecideConfig) -> tuple[DesiredState, str] | None:
-    """``d`` without the failure records that have nothing left to say, and why; None if
-    none: those of nodes long away (``forget_gone``) and, when the training config the next
-    launch hands out is not the one the current generation ran (a controller restarted with
-    a fixed config), every record of a configuration error (``forget_config``)."""
-    health = forget_gone(d, o.nodes, o.now, cfg.exclusion)
-    notes = []
-    gone = sorted(set(d.node_health) - set(health))
-    if gone:
-        notes.append(f"forgot the failures of {', '.join(gone)}: away, nothing left to say")
-    job = d.job_health
-    if _training_changed(d, cfg):
-        health, job, names = forget_config(health, job)
-        if names:
-            notes.append(
-                f"training config changed: forgot the configuration errors of {', '.join(names)}"
-            )
-    if not notes:
-        return None
-    return d.model_copy(update={"node_health": health, "job_health": job}), "; ".join(notes)
-
-
-def _training_changed(d: DesiredState, cfg: DecideConfig) -> bool:
-    """The next launch hands out another training config than the current generation's."""
-    a, b = d.training, cfg.training
-    if a == b:
-        return False
-    if a is None or b is None:
-        return True
-    return training_digest(a) != training_digest(b)
-
-
 def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """Apply the operators' readmit requests (oldest id first), then delete them."""
-    health, job, names = d.node_health, d.job_health, []
-    whom = []
-    for rid in sorted(o.readmit):
-        req = o.readmit[rid]
-        health, job, gone = readmit(health, job, req.nodes, req.all)
-        names += gone
-        whom.append(f"{rid}" + (f" by {req.who}" if req.who else ""))
     actions: list[Action] = []
-    if names:
-        d = d.model_copy(update={"node_health": health, "job_health": job})
-        why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
-        actions.append(SetDesired(d, why))
+    readmitted = failing_nodes.apply_readmits(d, o.readmit)
+    if readmitted is not None:
+        d = readmitted[0]
+        actions.append(SetDesired(*readmitted))
     actions += [ClearReadmit(rid) for rid in sorted(o.readmit)]
     return [*actions, *decide(d, replace(o, readmit={}), cfg)]
 
@@ -893,7 +745,7 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
         return [*(ClearNotice(n) for n in expired), *rest]
     if o.readmit:
         return _readmit(d, o, config)
-    forgot = _forget(d, o, config)
+    forgot = failing_nodes.forget(d, o.nodes, o.now, config.exclusion, config.training)
     if forgot is not None:
         d = forgot[0]
         return [SetDesired(d, forgot[1]), *decide(d, o, config)]

@@ -1,0 +1,272 @@
+"""The failing-node decisions of a ``decide`` pass: the desired state's failure records
+(``node_health``, ``job_health``) read against what the agents report.
+
+``controller/node_health.py`` holds the records' rules (what counts against a node or the
+job, the exclusion backoff, when a record is forgotten). This module applies them to a
+pass: which nodes of the layout failed, which node a failure is named after, which
+registered nodes no layout may use, why none is usable, which busy nodes hold up a
+teardown and what one still busy at its deadline is charged with, which records a pass
+forgets (nodes long away, configuration errors of a changed training config, operators'
+readmit requests). The phase machine in ``controller/decide.py`` calls it and turns what
+it returns (records, and the reason that goes with them) into actions.
+
+Pure: no I/O, no clock (the caller passes ``now``), inputs never modified, and no actions
+built here. Must never import ``controller/decide.py`` (it imports this module): it takes
+the observed state's parts it reads (statuses, registered nodes, the excluded set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from sailor.controller.node_health import (
+    JOB,
+    Charged,
+    ExclusionPolicy,
+    charge,
+    describe,
+    excluded,
+    forget_config,
+    forget_gone,
+    held,
+    miss_teardown,
+    parse_failure,
+    readmit,
+)
+from sailor.schemas.commands import training_digest
+from sailor.schemas.runtime import AgentStatus, DesiredState, Phase, ReadmitRequest
+from sailor.schemas.training import TrainingConfig
+
+__all__ = [
+    "apply_readmits",
+    "began_on",
+    "charge_abort",
+    "failed",
+    "forget",
+    "health_update",
+    "holding_up",
+    "late_failures",
+    "miss_deadline",
+    "nothing_usable",
+    "unusable",
+]
+
+
+def failed(
+    d: DesiredState, status: Mapping[str, AgentStatus], stale: bool = False
+) -> dict[str, str]:
+    """node -> failure text, for the nodes of the layout whose workers of this generation
+    failed; with ``stale``, also those still reporting a failure of an older one (at a
+    LAUNCH abort: their agent did not start this generation, as one whose killed worker
+    outlived SIGKILL refuses every launch)."""
+    out = {}
+    for n in d.placement:
+        st = status.get(n)
+        if st is None or st.state != "failed":
+            continue
+        if st.generation == d.generation or (stale and st.generation < d.generation):
+            out[n] = st.failure
+    return out
+
+
+def began_on(failures: Mapping[str, str]) -> str:
+    """The node a failure (node -> failure text, not empty) is named after: one whose
+    failure began there, not a peer that failed because of it; the first such by id."""
+    return min(failures, key=lambda n: (not parse_failure(failures[n]).own, n))
+
+
+def health_update(c: Charged) -> dict[str, object]:
+    """The desired state's fields a charge writes."""
+    return {"node_health": c.health, "job_health": c.job}
+
+
+def charge_abort(
+    d: DesiredState, status: Mapping[str, AgentStatus], now: float, policy: ExclusionPolicy
+) -> Charged:
+    """The records once the failures behind an abort of ``d``'s generation are counted.
+
+    The nodes the failure began on are remembered (or the job, when most failed alike):
+    relaunching on a node that cannot run a rank aborted again, forever. At a LAUNCH abort
+    a node still failed from an older generation counts too (:func:`failed`, ``stale``)."""
+    return charge(d, failed(d, status, stale=d.phase is Phase.LAUNCH), now, policy)
+
+
+def late_failures(
+    d: DesiredState, status: Mapping[str, AgentStatus], now: float, policy: ExclusionPolicy
+) -> tuple[DesiredState, str] | None:
+    """``d`` with the failures of the torn-down generation reported after the abort was
+    decided counted (a peer's status came first; or the rest of a failure of the whole job,
+    which takes back what was counted against the first node), and why; None when nothing
+    changes."""
+    c = charge(d, failed(d, status), now, policy)
+    if c.health == d.node_health and c.job == d.job_health:
+        return None
+    counted = sorted(
+        n for n, r in c.health.items() if r != d.node_health.get(n) and r.generation == d.generation
+    )
+    head = f"failure after the abort counted on {','.join(counted)}" if counted else ""
+    why = "; ".join([x for x in (head, *c.notes) if x]) or "failures after the abort counted"
+    return d.model_copy(update=health_update(c)), why
+
+
+def _refusing(
+    d: DesiredState, nodes: Collection[str], status: Mapping[str, AgentStatus]
+) -> frozenset[str]:
+    """Registered nodes whose agent reports a failure outside the current layout: not a
+    worker of this generation failing (that aborts it), but a failure the agent keeps after
+    an Abort — a killed worker that outlived SIGKILL holds its GPU, and the agent refuses
+    every launch until the process is gone. Planning on it only bought a LAUNCH timeout (or,
+    from RUNNING, a whole reconfiguration for a node that cannot take a rank)."""
+    out = []
+    for n, st in status.items():
+        if st.state != "failed" or n not in nodes:
+            continue
+        if n not in d.placement or st.generation != d.generation:
+            out.append(n)
+    return frozenset(out)
+
+
+def unusable(
+    d: DesiredState, nodes: Collection[str], status: Mapping[str, AgentStatus], now: float
+) -> frozenset[str]:
+    """The registered ``nodes`` no layout may use at ``now``: those the desired state's
+    failure records exclude, every one while the job is excluded, and those whose agent
+    reports a failure outside the layout (:func:`_refusing`)."""
+    if held(d.job_health, now):
+        return frozenset(nodes)
+    out = excluded(d.node_health, now)
+    return frozenset(n for n in nodes if n in out) | _refusing(d, nodes, status)
+
+
+def nothing_usable(
+    d: DesiredState,
+    nodes: Collection[str],
+    status: Mapping[str, AgentStatus],
+    out: frozenset[str],
+    now: float,
+) -> str:
+    """Why no node is usable (``out``: the unusable ones): the job or the excluded nodes
+    named, until when and why."""
+    if held(d.job_health, now):
+        return "no usable node: " + describe(JOB, d.job_health, now)
+    notes = []
+    for n in sorted(out & set(nodes)):
+        rec = d.node_health.get(n)
+        if rec is not None and rec.excluded_until > now:
+            notes.append(describe(n, rec, now))
+        else:
+            cause = parse_failure(status[n].failure).summary if n in status else ""
+            notes.append(f"{n} reports a failure outside the layout, refusing launches: {cause}")
+    return "no usable node: " + "; ".join(notes) if notes else "no usable node"
+
+
+def holding_up(
+    busy: list[str],
+    status: Mapping[str, AgentStatus],
+    out: frozenset[str],
+    acked: Collection[str],
+) -> list[str]:
+    """The busy nodes the next launch waits for: not one whose Abort (or hold) of this
+    teardown was acked (``acked``) and that still reports a failure while no layout may use
+    it (``out``) — excluded, or failed in an older generation than this one. Such a node
+    stays ``failed`` for long (a killed worker that outlived SIGKILL keeps its GPU, and its
+    agent reports so until the process is gone); waiting for it held up every launch on the
+    others, for good once its exclusion had ended (it was no longer excluded, and still
+    failed)."""
+    kept = []
+    for n in busy:
+        st = status.get(n)
+        if n in acked and st is not None and st.state == "failed" and n in out:
+            continue
+        kept.append(n)
+    return kept
+
+
+def _still(st: AgentStatus, acked: bool) -> str:
+    """What a node holding up a teardown past its deadline still reports."""
+    what = f"still {st.state} (generation {st.generation}) at the teardown deadline, "
+    what += "its Abort acked" if acked else "its Abort not acked"
+    if st.failure:
+        what += f": {parse_failure(st.failure).summary}"
+    return what
+
+
+def miss_deadline(
+    d: DesiredState,
+    busy: list[str],
+    status: Mapping[str, AgentStatus],
+    acked: Collection[str],
+    now: float,
+    policy: ExclusionPolicy,
+) -> tuple[DesiredState, str] | None:
+    """Past the teardown's deadline: ``d`` with each node still ``busy`` (and not excluded
+    already) charged and excluded, and why; None when every one is excluded already (the
+    teardown goes on without them as it is).
+
+    Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
+    it out. Before, TEARDOWN waited for such nodes for good."""
+    out = excluded(d.node_health, now)
+    owed = {n: _still(status[n], n in acked) for n in busy if n not in out}
+    if not owed:
+        return None
+    c = miss_teardown(d, owed, now, policy)
+    why = f"teardown deadline passed, going on without {','.join(sorted(owed))}"
+    return d.model_copy(update=health_update(c)), "; ".join([why, *c.notes])
+
+
+def _training_changed(d: DesiredState, training: TrainingConfig | None) -> bool:
+    """The next launch hands out another training config than the current generation's."""
+    a, b = d.training, training
+    if a == b:
+        return False
+    if a is None or b is None:
+        return True
+    return training_digest(a) != training_digest(b)
+
+
+def forget(
+    d: DesiredState,
+    nodes: Mapping[str, object],
+    now: float,
+    policy: ExclusionPolicy,
+    training: TrainingConfig | None,
+) -> tuple[DesiredState, str] | None:
+    """``d`` without the failure records that have nothing left to say, and why; None if
+    none: those of nodes long away (``forget_gone``; ``nodes``: the registered ones) and,
+    when the training config the next launch hands out (``training``) is not the one the
+    current generation ran (a controller restarted with a fixed config), every record of a
+    configuration error (``forget_config``)."""
+    health = forget_gone(d, nodes, now, policy)
+    notes = []
+    gone = sorted(set(d.node_health) - set(health))
+    if gone:
+        notes.append(f"forgot the failures of {', '.join(gone)}: away, nothing left to say")
+    job = d.job_health
+    if _training_changed(d, training):
+        health, job, names = forget_config(health, job)
+        if names:
+            notes.append(
+                f"training config changed: forgot the configuration errors of {', '.join(names)}"
+            )
+    if not notes:
+        return None
+    return d.model_copy(update={"node_health": health, "job_health": job}), "; ".join(notes)
+
+
+def apply_readmits(
+    d: DesiredState, requests: Mapping[str, ReadmitRequest]
+) -> tuple[DesiredState, str] | None:
+    """``d`` after the operators' readmit requests (by request id, oldest id first), and
+    why; None when they named no record there is (the caller deletes them either way)."""
+    health, job, names = d.node_health, d.job_health, []
+    whom = []
+    for rid in sorted(requests):
+        req = requests[rid]
+        health, job, gone = readmit(health, job, req.nodes, req.all)
+        names += gone
+        whom.append(f"{rid}" + (f" by {req.who}" if req.who else ""))
+    if not names:
+        return None
+    d = d.model_copy(update={"node_health": health, "job_health": job})
+    why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
+    return d, why
