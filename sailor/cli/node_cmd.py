@@ -50,9 +50,10 @@ def readmit(
     from sailor.controller.config import ControllerConfig
     from sailor.controller.status import request_readmit
 
+    # the config first: a bad file is named whatever else is wrong (tests/unit/test_cli_errors)
+    cfg = load_config(config, ControllerConfig).anchored(config)
     if bool(nodes) == everything:
         raise fail("name the nodes to readmit, or pass --all (not both)")
-    cfg = load_config(config, ControllerConfig).anchored(config)
     problems = security_file_problems(cfg.security)
     if problems:
         raise fail(f"{config}: {problems[0]}")
