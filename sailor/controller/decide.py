@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from pydantic import Field
 
 from sailor.controller import failing_nodes
-from sailor.controller.node_health import UNREADABLE_CHECKPOINT, ExclusionPolicy, trained
+from sailor.controller.node_health import ExclusionPolicy, checkpoint_unreadable, trained
 from sailor.controller.phases import PhaseDeadlines, check_transition
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import (
@@ -201,9 +201,11 @@ class ClearNotice:
 @dataclass(frozen=True)
 class ClearReadmit:
     """Delete an operator's readmit request: the desired state written before it in the
-    same actions no longer holds the records it named."""
+    same actions no longer holds the records it named (or, with ``reason``, why it was
+    not applied)."""
 
     request_id: str
+    reason: str = ""
 
 
 Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit
@@ -218,6 +220,7 @@ def _move(
         "phase": phase,
         "phase_since": now,
         "phase_deadline": now + length if length else 0.0,
+        "phase_epoch": d.epoch,
     }
     update.update(kw)
     return d.model_copy(update=update)
@@ -298,13 +301,8 @@ def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
     is corrupt or gone (its failure record names the reader's error)."""
     if d.phase not in _LAUNCHING or d.load_step < 0:
         return False
-    for n in d.placement:
-        st = o.status.get(n)
-        if st is None or st.generation != d.generation or st.state != "failed":
-            continue
-        if any(e in st.failure for e in UNREADABLE_CHECKPOINT):
-            return True
-    return False
+    # most placed nodes: on a few, their readers are at fault (a broken mount), charged
+    return checkpoint_unreadable(failing_nodes.failed(d, o.status), len(d.placement))
 
 
 def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
@@ -584,6 +582,14 @@ def _abort_acked(d: DesiredState, o: Observed, nodes: Sequence[str]) -> frozense
 
 
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
+        # Adopted from another leader (a restart, a failover): the acks of its epoch are
+        # lost and the Aborts go out again, so the deadline counts from this adoption; it
+        # charged every node still busy the moment a leader came back late.
+        length = cfg.deadlines.teardown
+        restarted = d.model_copy(update={"phase_deadline": o.now + length, "phase_epoch": d.epoch})
+        why = f"teardown adopted from epoch {d.phase_epoch}: its deadline restarts ({length:.0f} s)"
+        return [SetDesired(restarted, why), *_teardown(restarted, o, cfg)]
     late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion)
     if late is not None:
         return [SetDesired(*late)]
@@ -628,8 +634,9 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     acked = _abort_acked(d, o, busy)
     busy = failing_nodes.holding_up(busy, o.status, o.excluded, acked)
     if busy and d.phase_deadline and o.now > d.phase_deadline:
-        # Past the deadline the teardown goes on without the nodes still busy: each is
-        # charged and excluded, so the next layout leaves it out (failing_nodes).
+        # Past the deadline the teardown goes on without the nodes still busy: each that
+        # never acked its Abort is charged and excluded, so the next layout leaves it out;
+        # one that acked is done (failing_nodes.miss_deadline).
         missed = failing_nodes.miss_deadline(d, busy, o.status, acked, o.now, cfg.exclusion)
         if missed is not None:
             return [*actions, SetDesired(*missed)]
@@ -724,14 +731,27 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return _launch(d, o, cfg, last.step if last else -1)
 
 
+READMIT_MAX_AGE_S = 3600.0
+"""A readmit request older than this (``ReadmitRequest.time``) is deleted unapplied: its
+operator's ``sailor node readmit`` gave up long ago (it waits seconds), and records counted
+since (a node failing again after the repair) are not the ones it meant to forget."""
+
+
 def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    """Apply the operators' readmit requests (oldest id first), then delete them."""
+    """Apply the operators' readmit requests (oldest id first), then delete them; those
+    older than ``READMIT_MAX_AGE_S`` are deleted unapplied."""
     actions: list[Action] = []
-    readmitted = failing_nodes.apply_readmits(d, o.readmit)
+    fresh = {r: q for r, q in o.readmit.items() if o.now - q.time <= READMIT_MAX_AGE_S}
+    readmitted = failing_nodes.apply_readmits(d, fresh)
     if readmitted is not None:
         d = readmitted[0]
         actions.append(SetDesired(*readmitted))
-    actions += [ClearReadmit(rid) for rid in sorted(o.readmit)]
+    for rid in sorted(o.readmit):
+        if rid in fresh:
+            actions.append(ClearReadmit(rid))
+        else:
+            age = o.now - o.readmit[rid].time
+            actions.append(ClearReadmit(rid, f"ignored: {age:.0f} s old, over the bound"))
     return [*actions, *decide(d, replace(o, readmit={}), cfg)]
 
 
@@ -752,14 +772,44 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
     out = unusable(d, o)
     if out != o.excluded:  # the desired state says which nodes are out, whatever o was given
         o = replace(o, excluded=out)
-    if d.phase is Phase.IDLE:
-        return _idle(d, o, config)
-    if d.phase is Phase.RUNNING:
-        return _running(d, o, config)
-    if d.phase in (Phase.QUIESCE, Phase.CHECKPOINT):
-        return _quiesce_like(d, o, config)
-    if d.phase is Phase.COMMIT:
-        return _commit(d, o, config)
-    if d.phase is Phase.TEARDOWN:
+    if d.phase is Phase.TEARDOWN:  # it aborts every busy node itself
         return _teardown(d, o, config)
-    return _launching(d, o, config)
+    return [*_phase(d, o, config), *_clear_stale(d, o, config)]
+
+
+def _phase(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    if d.phase is Phase.IDLE:
+        return _idle(d, o, cfg)
+    if d.phase is Phase.RUNNING:
+        return _running(d, o, cfg)
+    if d.phase in (Phase.QUIESCE, Phase.CHECKPOINT):
+        return _quiesce_like(d, o, cfg)
+    if d.phase is Phase.COMMIT:
+        return _commit(d, o, cfg)
+    return _launching(d, o, cfg)
+
+
+def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """An Abort, in any phase, to each registered node outside the layout still reporting a
+    failure an Abort clears (``failing_nodes.to_clear``): one of an older generation (a
+    lease flap kept the teardown's Abort from it) left the node out of every layout, for
+    good. Its own command id (``clear``): a later teardown's Abort of this generation is
+    another command."""
+    out: list[Action] = []
+    plan_id = d.plan.plan_id if d.plan else ""
+    for n in failing_nodes.to_clear(d, o.nodes, o.status):
+        cid = _cid(d, "clear", n)
+        if cid in o.acked:
+            continue
+        cmd = _command(
+            Abort,
+            command_id=cid,
+            epoch=d.epoch,
+            plan_id=plan_id,
+            node_id=n,
+            deadline=o.now + cfg.deadlines.teardown,
+            reason=f"clear a failure outside the layout (generation {o.status[n].generation})",
+            hold=False,
+        )
+        out.append(Send(cmd))
+    return out

@@ -48,6 +48,8 @@ __all__ = [
     "late_failures",
     "miss_deadline",
     "nothing_usable",
+    "progressed",
+    "to_clear",
     "unusable",
 ]
 
@@ -88,7 +90,21 @@ def charge_abort(
     The nodes the failure began on are remembered (or the job, when most failed alike):
     relaunching on a node that cannot run a rank aborted again, forever. At a LAUNCH abort
     a node still failed from an older generation counts too (:func:`failed`, ``stale``)."""
-    return charge(d, failed(d, status, stale=d.phase is Phase.LAUNCH), now, policy)
+    failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
+    return charge(d, failures, now, policy, progressed(d, status))
+
+
+def progressed(d: DesiredState, status: Mapping[str, AgentStatus]) -> frozenset[str]:
+    """The placed nodes whose workers of ``d``'s generation reported a step past its start
+    (``load_step``; in TEARDOWN the checkpoint the next launch loads, never older than the
+    generation's own: a node counted here trained)."""
+    return frozenset(
+        n
+        for n in d.placement
+        if (st := status.get(n)) is not None
+        and st.generation == d.generation
+        and st.step > d.load_step
+    )
 
 
 def late_failures(
@@ -98,7 +114,7 @@ def late_failures(
     decided counted (a peer's status came first; or the rest of a failure of the whole job,
     which takes back what was counted against the first node), and why; None when nothing
     changes."""
-    c = charge(d, failed(d, status), now, policy)
+    c = charge(d, failed(d, status), now, policy, progressed(d, status))
     if c.health == d.node_health and c.job == d.job_health:
         return None
     counted = sorted(
@@ -124,6 +140,21 @@ def _refusing(
         if n not in d.placement or st.generation != d.generation:
             out.append(n)
     return frozenset(out)
+
+
+def to_clear(
+    d: DesiredState, nodes: Collection[str], status: Mapping[str, AgentStatus]
+) -> list[str]:
+    """Registered nodes outside the layout still reporting a failure that an Abort clears
+    (sorted): an older generation's (a lease flap took the node out before the teardown's
+    Abort reached it) would keep it out of every layout for good. Not a killed worker that
+    outlived SIGKILL (``OutlivedKill``): its agent withdraws that once the process is gone,
+    and the node stays out until then."""
+    return sorted(
+        n
+        for n in _refusing(d, nodes, status)
+        if n not in d.placement and not parse_failure(status[n].failure).outlived_kill
+    )
 
 
 def unusable(
@@ -199,14 +230,15 @@ def miss_deadline(
     now: float,
     policy: ExclusionPolicy,
 ) -> tuple[DesiredState, str] | None:
-    """Past the teardown's deadline: ``d`` with each node still ``busy`` (and not excluded
-    already) charged and excluded, and why; None when every one is excluded already (the
-    teardown goes on without them as it is).
+    """Past the teardown's deadline: ``d`` with each node still ``busy`` whose Abort was not
+    acked (and not excluded already) charged and excluded, and why; None when there is none
+    (the teardown goes on without them as it is). A node that acked is done: its agent acks
+    only once its kill is over, and its status may lag.
 
     Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
     it out. Before, TEARDOWN waited for such nodes for good."""
     out = excluded(d.node_health, now)
-    owed = {n: _still(status[n], n in acked) for n in busy if n not in out}
+    owed = {n: _still(status[n], False) for n in busy if n not in out and n not in acked}
     if not owed:
         return None
     c = miss_teardown(d, owed, now, policy)
@@ -238,6 +270,7 @@ def forget(
     configuration error (``forget_config``)."""
     health = forget_gone(d, nodes, now, policy)
     notes = []
+    names: list[str] = []
     gone = sorted(set(d.node_health) - set(health))
     if gone:
         notes.append(f"forgot the failures of {', '.join(gone)}: away, nothing left to say")
@@ -250,7 +283,19 @@ def forget(
             )
     if not notes:
         return None
-    return d.model_copy(update={"node_health": health, "job_health": job}), "; ".join(notes)
+    update = {"node_health": health, "job_health": job, "forgiven_through": _forgiven(d, names)}
+    return d.model_copy(update=update), "; ".join(notes)
+
+
+def _forgiven(d: DesiredState, names: Collection[str]) -> int:
+    """``d.forgiven_through`` once the records of ``names`` (:data:`JOB`: the job's) are
+    forgiven: the newest generation they counted. Its failures, still reported, are not
+    counted again: before, a pass forgot a configuration error of the current generation
+    and the same pass counted it again (two desired states a pass, for ever)."""
+    gens = [d.node_health[n].generation for n in names if n in d.node_health]
+    if JOB in names:
+        gens.append(d.job_health.generation)
+    return max([d.forgiven_through, *gens])
 
 
 def apply_readmits(
@@ -267,6 +312,9 @@ def apply_readmits(
         whom.append(f"{rid}" + (f" by {req.who}" if req.who else ""))
     if not names:
         return None
-    d = d.model_copy(update={"node_health": health, "job_health": job})
+    forgiven = _forgiven(d, names)
+    d = d.model_copy(
+        update={"node_health": health, "job_health": job, "forgiven_through": forgiven}
+    )
     why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
     return d, why

@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -72,6 +72,7 @@ __all__ = [
     "ExclusionPolicy",
     "FailureCause",
     "charge",
+    "checkpoint_unreadable",
     "describe",
     "excluded",
     "forget_config",
@@ -154,6 +155,18 @@ class FailureCause:
     def summary(self) -> str:
         """``error_type: message`` of a record, else the text itself; at most
         ``CAUSE_CHARS`` (worked out only when asked: a peer's is never quoted)."""
+        return self._whole[:CAUSE_CHARS]
+
+    @cached_property
+    def signature(self) -> str:
+        """The whole ``error_type: message`` with its numbers and hex addresses left out,
+        then shortened: the same error on every rank has one signature, however wide the
+        numbers each names (``Tried to allocate 2.00 GiB`` and ``112.00 GiB``; shortening
+        first cut the two at different places)."""
+        return _signature(self._whole)
+
+    @cached_property
+    def _whole(self) -> str:
         try:
             data = json.loads(self.text)
         except ValueError:
@@ -166,8 +179,14 @@ class FailureCause:
             kind = kind_m.group(1) if kind_m else ""
             message = message_m.group(1) if message_m else ""
         if kind or message:
-            return (f"{kind}: {message}" if kind else message)[:CAUSE_CHARS]
-        return self.text[:CAUSE_CHARS]
+            return f"{kind}: {message}" if kind else message
+        return self.text
+
+    @property
+    def outlived_kill(self) -> bool:
+        """The agent's own report of a killed worker that outlived SIGKILL: it withdraws it
+        once the process is gone."""
+        return '"OutlivedKill"' in self.text or self.text.startswith("OutlivedKill")
 
     @property
     def unreadable_checkpoint(self) -> bool:
@@ -181,7 +200,7 @@ _ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config)"')
 _RETRY = re.compile(r'"retry"\s*:\s*(true|false)')
 _ERROR_TYPE = re.compile(r'"(?:error_type|error)"\s*:\s*"((?:[^"\\]|\\.)*)')
 _MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
-_NUMBER = re.compile(r"\d+")
+_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
 
 
 def parse_failure(text: str) -> FailureCause:
@@ -202,9 +221,15 @@ def parse_failure(text: str) -> FailureCause:
 
 
 def _signature(summary: str) -> str:
-    """A cause with its numbers left out: the same error on every rank (each names its own
-    rank, pid, step or size) has one signature."""
-    return _NUMBER.sub("#", summary)
+    """A cause with its numbers and hex addresses left out, at most ``CAUSE_CHARS``: the
+    same error on every rank (each names its own rank, pid, step, size or address) has one
+    signature."""
+    return _NUMBER.sub("#", summary)[:CAUSE_CHARS]
+
+
+def _record_signature(rec: NodeHealth) -> str:
+    """The signature of a record's last failure (its cause's, for one written without)."""
+    return rec.signature or _signature(rec.cause)
 
 
 def _error_type(summary: str) -> str:
@@ -229,6 +254,7 @@ def _count(
     retry: bool,
     now: float,
     policy: ExclusionPolicy,
+    signature: str = "",
 ) -> tuple[NodeHealth, str]:
     """``rec`` with one more failure of ``generation``; why it is excluded now ('' if not)."""
     count = rec.failures + 1
@@ -236,6 +262,7 @@ def _count(
         "failures": count,
         "generation": generation,
         "cause": summary,
+        "signature": signature or _signature(summary),
         "origin": origin if origin in ("local", "config") else "unknown",
     }
     why = ""
@@ -276,43 +303,83 @@ class Charged:
     notes: list[str] = field(default_factory=list)
 
 
+def checkpoint_unreadable(failures: Mapping[str, str], placed: int) -> bool:
+    """Whether the checkpoint a generation loads is at fault: most of its ``placed`` nodes
+    (node -> ``AgentStatus.failure``) failed to read it. On a minority the readers are (a
+    broken mount, a stale NFS handle): the checkpoint is kept and those nodes charged."""
+    k = sum(1 for t in failures.values() if parse_failure(t).unreadable_checkpoint)
+    return k > 0 and 2 * k > max(placed, 1)
+
+
+_ALIKE = "the job's: most placed nodes failed alike"
+_CONFIG = "the job's: a configuration error, and no placed node trained with that config"
+
+
 def charge(
-    d: DesiredState, failures: Mapping[str, str], now: float, policy: ExclusionPolicy
+    d: DesiredState,
+    failures: Mapping[str, str],
+    now: float,
+    policy: ExclusionPolicy,
+    progressed: Collection[str] = (),
 ) -> Charged:
     """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
     counted against the nodes they began on, or against the job (module docstring).
+    ``progressed``: the placed nodes that reported a step past the generation's start (a
+    configuration error is the job's unless another of them trained with that config).
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
-    failures reported then: a node already counted for the generation is not counted again.
+    failures reported then: a node already counted for the generation is not counted again,
+    and a generation whose records were forgiven (``DesiredState.forgiven_through``) not at
+    all.
     """
     gen, health, job = d.generation, dict(d.node_health), d.job_health
+    if d.forgiven_through >= gen:
+        return Charged(health, job)
     causes = {n: parse_failure(t) for n, t in failures.items()}
-    seen = {n: c for n, c in causes.items() if c.own and not c.unreadable_checkpoint}
+    ckpt = checkpoint_unreadable(failures, len(d.placement))
+    seen = {n: c for n, c in causes.items() if c.own and not (ckpt and c.unreadable_checkpoint)}
     # this generation's own failures, node by node: reported now, or counted already
-    evidence = {n: c.summary for n, c in seen.items()}
+    # (summary, signature, origin)
+    evidence: dict[str, tuple[str, str, str]] = {
+        n: (c.summary, c.signature, c.origin) for n, c in seen.items()
+    }
     for n, r in health.items():
         if r.generation == gen and n not in evidence:
-            evidence[n] = r.cause
+            evidence[n] = (r.cause, _record_signature(r), r.origin)
+    kind = {n: _error_type(e[0]) for n, e in evidence.items()}
+    aborts = {n for n, e in evidence.items() if _abort_signal(e[0])}
     # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
-    # on it (a missed teardown comes after the failure, never before it)
-    first_cause = any(
-        not _abort_signal(s) and _error_type(s) != TEARDOWN_MISSED for s in evidence.values()
+    # on it (a missed teardown comes after the failure, never before it). SIGABRTs are never
+    # "alike": every rank of a job whose collectives hang (a dead NIC) aborts, wherever the
+    # fault is.
+    first_cause = any(n not in aborts and kind[n] != TEARDOWN_MISSED for n in evidence)
+    alike = Counter(
+        e[1] for n, e in evidence.items() if kind[n] not in _NODE_BOUND and n not in aborts
     )
-    alike = Counter(_signature(s) for s in evidence.values() if _error_type(s) not in _NODE_BOUND)
     placed = max(len(d.placement), 1)
-    job_wide = {sig for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed}
+    job_why = {
+        sig: _ALIKE for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed
+    }
+    # a bad config fails every node: the first configuration error is the job's, unless
+    # another placed node trained with the same config (then it is the node's)
+    for n, e in evidence.items():
+        if e[2] == "config" and not set(progressed) - {n} and n not in aborts:
+            job_why.setdefault(e[1], _CONFIG)
     if job.generation == gen:
-        job_wide.add(_signature(job.cause))
+        job_why.setdefault(_record_signature(job), _ALIKE)
     notes: list[str] = []
     spared: dict[str, list[str]] = {}
     for n in sorted(evidence):
-        summary = evidence[n]
-        sig = _signature(summary)
+        sig = evidence[n][1]
         why = ""
-        if sig in job_wide and _error_type(summary) not in _NODE_BOUND:
-            why = "the job's: most placed nodes failed alike"
-        elif _abort_signal(summary) and first_cause:
-            why = "SIGABRT after another node's own failure"
+        if n in aborts:
+            why = (
+                "SIGABRT after another node's own failure"
+                if first_cause
+                else "only SIGABRTs (NCCL's watchdog) reported: the node at fault is not known"
+            )
+        elif sig in job_why and kind[n] not in _NODE_BOUND:
+            why = job_why[sig]
         rec = health.get(n)
         counted = rec is not None and rec.generation == gen
         if why:
@@ -330,14 +397,21 @@ def charge(
             continue
         cause = seen[n]
         health[n], excl = _count(
-            rec or NodeHealth(), gen, cause.summary, cause.origin, cause.retry, now, policy
+            rec or NodeHealth(),
+            gen,
+            cause.summary,
+            cause.origin,
+            cause.retry,
+            now,
+            policy,
+            cause.signature,
         )
         if excl:
             notes.append(describe(n, health[n], now, excl))
     for why, nodes in spared.items():
         notes.append(f"not counted against {', '.join(nodes)}: {why}")
-    if job_wide and job.generation != gen:
-        job, note = _charge_job(job, gen, job_wide, evidence, seen, alike, now, policy)
+    if job_why and job.generation != gen:
+        job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy)
         notes.append(note)
     return Charged(health, job, notes)
 
@@ -345,24 +419,28 @@ def charge(
 def _charge_job(
     job: NodeHealth,
     gen: int,
-    job_wide: set[str],
-    evidence: Mapping[str, str],
+    job_why: Mapping[str, str],
+    evidence: Mapping[str, tuple[str, str, str]],
     seen: Mapping[str, FailureCause],
     alike: Counter[str],
     now: float,
     policy: ExclusionPolicy,
 ) -> tuple[NodeHealth, str]:
     """The job's record with generation ``gen`` counted, and the sentence that says so."""
-    sig = max(sorted(job_wide), key=lambda s: alike.get(s, 0))
-    nodes = sorted(n for n, s in evidence.items() if _signature(s) == sig)
+    sig = max(sorted(job_why), key=lambda s: alike.get(s, 0))
+    nodes = sorted(n for n, e in evidence.items() if e[1] == sig)
     shown = [seen[n] for n in nodes if n in seen]
+    origin: str
     if shown:
         summary, origin, retry = shown[0].summary, shown[0].origin, shown[0].retry
     else:  # every one of them was counted before and is idle now: their records say
-        summary = evidence[nodes[0]]
-        origin, retry = "unknown", True
-    rec, excl = _count(job, gen, summary, origin, retry, now, policy)
-    what = f"{len(nodes)} of the placed nodes failed alike ({', '.join(nodes)})"
+        summary, origin = evidence[nodes[0]][0], evidence[nodes[0]][2]
+        retry = origin != "config"
+    rec, excl = _count(job, gen, summary, origin, retry, now, policy, sig)
+    if job_why[sig] == _CONFIG:
+        what = f"a configuration error on {', '.join(nodes)}, no placed node trained with it"
+    else:
+        what = f"{len(nodes)} of the placed nodes failed alike ({', '.join(nodes)})"
     if excl:
         return rec, describe(JOB, rec, now, f"{excl}; {what}")
     return rec, f"counted against the job (failure {rec.failures} in a row): {what}: {summary}"
@@ -429,8 +507,15 @@ def excluded(health: Mapping[str, NodeHealth], now: float) -> frozenset[str]:
 
 
 def held(job: NodeHealth, now: float) -> bool:
-    """Whether the job is excluded at ``now``: no layout is launched."""
-    return job.excluded_until > now
+    """Whether the job is excluded at ``now``: no layout is launched. A hold for a
+    configuration error does not end by itself (a relaunch with the same config fails
+    alike): it lasts until the training config changes (``forget_config``) or an operator's
+    ``sailor node readmit --all``."""
+    return job.excluded_until > now or _config_hold(job)
+
+
+def _config_hold(job: NodeHealth) -> bool:
+    return job.origin == "config" and job.failures > 0 and job.exclusions > 0
 
 
 def forget_gone(
@@ -483,4 +568,9 @@ def describe(node: str, rec: NodeHealth, now: float, why: str = "") -> str:
     left = max(0.0, rec.excluded_until - now)
     verb = "held" if node == JOB else "excluded"
     head = f"{verb} {node} until {until} ({left:.0f} s, exclusion {rec.exclusions}"
+    if node == JOB and _config_hold(rec):
+        head = (
+            f"held {node} until the training config changes or `sailor node readmit --all` "
+            f"(exclusion {rec.exclusions}"
+        )
     return f"{head}; {why or f'{rec.failures} consecutive failures'}): {rec.cause}"

@@ -64,7 +64,13 @@ class PhaseDeadlines(Frozen):
     quiesce: float = Field(default=30.0, gt=0, description="Reach the agreed step.")
     checkpoint: float = Field(default=60.0, gt=0, description="Every shard durable.")
     commit: float = Field(default=10.0, gt=0, description="Record the commit in etcd.")
-    teardown: float = Field(default=20.0, gt=0, description="All workers gone.")
+    teardown: float = Field(
+        default=150.0,
+        gt=0,
+        description="All workers gone. Above the agent's kill bound: it acks an Abort only "
+        "once its kill is over, up to 3 s of SIGTERM grace plus 120 s of teardown_timeout_s "
+        "(sailor/agent/killed_groups.py); a shorter deadline charged nodes still killing.",
+    )
     launch: float = Field(default=20.0, gt=0, description="Every node acked its launch.")
     load: float = Field(default=120.0, gt=0, description="Workers started and loading.")
     verify: float = Field(default=120.0, gt=0, description="First step in the new layout.")

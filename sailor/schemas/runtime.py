@@ -80,6 +80,13 @@ class NodeHealth(Frozen):
         default=0.0, ge=0, description="Unix time until which no layout uses it; 0: never was."
     )
     cause: str = Field(default="", max_length=256, description="Its last failure, shortened.")
+    signature: str = Field(
+        default="",
+        max_length=256,
+        description="Its last failure with numbers and hex addresses left out, taken from the "
+        "whole error before shortening: what 'failed alike' compares. '': none (or written "
+        "before it was kept: the cause's).",
+    )
     origin: Literal["", "local", "config", "unknown"] = Field(
         default="",
         description="Where its last counted failure began, as its record says ('unknown': no "
@@ -151,6 +158,20 @@ class DesiredState(WireMessage):
         description="The job's own failure record: failures that most placed nodes reported "
         "alike (a training config every rank refuses, a bug every rank hits) count here, not "
         "against the nodes; while it is excluded no layout is launched.",
+    )
+    forgiven_through: int = Field(
+        default=-1,
+        ge=-1,
+        description="Newest generation whose failure records were forgiven (an operator's "
+        "readmit, a changed training config): failures of generations up to it are never "
+        "counted (again). -1: none.",
+    )
+    phase_epoch: int = Field(
+        default=-1,
+        ge=-1,
+        description="Epoch of the leader that began the phase and set its deadline; a leader "
+        "that adopts a TEARDOWN begun under another epoch restarts its deadline. -1: not "
+        "recorded (taken as the current epoch).",
     )
 
 

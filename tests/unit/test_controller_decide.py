@@ -20,6 +20,7 @@ from sailor.controller.decide import (
     decide,
     prune_below,
 )
+from sailor.controller.node_health import held
 from sailor.controller.phases import LEGAL, check_transition
 from sailor.controller.planning import DataParallelPlanner
 from sailor.megatron_patch.errors import outlived_kill_record
@@ -747,13 +748,23 @@ def test_with_every_node_excluded_the_controller_waits_and_says_why() -> None:
     a = decide(torn, obs(nodes(1), [st(1, state="idle")]), CFG)
     assert kinds(a) == ["set:idle"]
     idle, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
-    assert reason.startswith("no usable node: excluded n1 until ") and "bad --seq-len" in reason
+    # a configuration error nobody trained past is the job's: held, no node excluded
+    assert reason.startswith("no usable node: held the job until the training config changes")
+    assert "bad --seq-len" in reason and idle.node_health == {}
     assert idle.cause == reason
-    # and no relaunch loop: nothing to do until the exclusion ends
-    assert decide(idle, obs(nodes(1), [st(1, state="idle")]), CFG) == []
-    end = idle.node_health["n1"].excluded_until
+    # and no relaunch loop: a config hold does not end by itself (the same config fails
+    # alike), only with another training config or `sailor node readmit --all`
+    end = idle.job_health.excluded_until
     later = Observed(now=end + 1, nodes=nodes(1), status={"n1": st(1, state="idle")})
-    assert kinds(decide(idle, later, CFG)) == ["replan"]
+    assert decide(idle, later, CFG) == []
+    req = {"r1": ReadmitRequest(all=True, time=end)}
+    assert kinds(decide(idle, replace(later, readmit=req), CFG)) == [
+        "set:idle",
+        "clearreadmit",
+        "replan",
+    ]
+    fixed = CFG.model_copy(update={"training": TrainingConfig(model=BuiltinModel(name="tiny-gpt"))})
+    assert kinds(decide(idle, later, fixed)) == ["set:idle", "replan"]
 
 
 def test_the_record_of_a_node_that_is_away_is_kept_until_it_has_nothing_to_say() -> None:
@@ -999,13 +1010,12 @@ def test_a_sigabrt_after_another_nodes_own_error_is_not_counted() -> None:
     torn = a[0].state  # type: ignore[union-attr]
     assert set(torn.node_health) == {"n1"}
     assert "not counted against n2: SIGABRT after another node's own failure" in a[0].reason  # type: ignore[union-attr]
-    # the SIGABRT reported first, alone: counted; the error comes in: taken back
+    # the SIGABRT reported first, alone: counted against nobody; the error comes in: its own
     a = decide(d, obs(nodes(1, 2, 3), [st(1), _sigabrt(2), st(3)]), CFG)
     first = a[0].state  # type: ignore[union-attr]
-    assert set(first.node_health) == {"n2"}
+    assert first.node_health == {} and first.job_health == NodeHealth()
     a = decide(first, obs(nodes(1, 2, 3), [fails(1), st(2, state="idle"), st(3)]), CFG)
     assert set(a[0].state.node_health) == {"n1"}  # type: ignore[union-attr]
-    assert "n2 (taken back)" in a[0].reason  # type: ignore[union-attr]
 
 
 def test_an_operator_readmits_nodes_and_the_request_is_deleted_once_applied() -> None:
@@ -1048,3 +1058,178 @@ def test_a_changed_training_config_forgets_config_errors_only() -> None:
     a = decide(d, obs(nodes(1, 2), sts), other)
     assert kinds(a) == ["set:idle", "replan"] and _replanned(a) == ["n1"]
     assert set(a[0].state.node_health) == {"n2"}  # type: ignore[union-attr]
+
+
+# ---- review of the failing-node handling (e461e2b): each test failed on that code ----
+
+_TA = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), seed=1)
+
+
+def _sets(a: list[object]) -> list[DesiredState]:
+    return [x.state for x in a if isinstance(x, SetDesired)]
+
+
+def test_a_changed_config_forgets_a_config_error_once_and_the_teardown_goes_on() -> None:
+    """A controller restarted with a fixed training config while a configuration error of
+    the current generation is still reported: the record is forgotten once and that
+    generation is not counted again (before: forgotten and re-counted in every pass, two
+    desired states a pass and never an Abort)."""
+    cfg_b = CFG.model_copy(update={"training": _TA.model_copy(update={"seed": 2})})
+    d = running((1, 2), training=_TA, phase=Phase.LOAD, phase_deadline=NOW + 100)
+    o = obs(nodes(1, 2), [fails(i, "config", message="bad seq_len") for i in (1, 2)])
+    torn = _sets(decide(d, o, cfg_b))[0]
+    a = decide(torn, o, cfg_b)
+    assert kinds(a) == ["set:teardown", "send:abort:n1", "send:abort:n2", "replan"]
+    forgot = _sets(a)[0]
+    assert forgot.job_health == NodeHealth() and forgot.forgiven_through == torn.generation
+    # the next pass changes nothing: it writes nothing
+    assert _sets(decide(forgot, replace(o, now=NOW + 30), cfg_b)) == []
+
+
+def test_a_readmit_during_teardown_is_not_undone_by_the_failures_still_reported() -> None:
+    d = running((1, 2), phase=Phase.LOAD, phase_deadline=NOW + 100, load_step=-1)
+    sts = [fails(i, "config", message="bad seq_len") for i in (1, 2)]
+    torn = _sets(decide(d, obs(nodes(1, 2), sts), CFG))[0]
+    assert held(torn.job_health, NOW)
+    sts2 = [st(1, state="idle"), fails(2, "config", message="bad seq_len")]
+    req = {"r1": ReadmitRequest(all=True, time=NOW)}
+    a = decide(torn, obs(nodes(1, 2), sts2, readmit=req), CFG)
+    (after,) = _sets(a)
+    assert after.node_health == {} and after.job_health == NodeHealth()
+    assert kinds(a) == ["set:teardown", "clearreadmit", "send:abort:n2", "replan"]
+
+
+def _sig(i: int, gen: int = 1) -> AgentStatus:
+    return _sigabrt(i).model_copy(update={"generation": gen})
+
+
+def test_sigabrts_are_never_the_majority_that_makes_a_failure_the_jobs() -> None:
+    """An ECC error on n3; NCCL's watchdog SIGABRTs the ranks on the three others: n3 is
+    charged, the job is not (before: the three SIGABRTs were 'alike', and the job held)."""
+    ecc = fails(3, message="CUDA error: uncorrectable ECC error encountered")
+    d = running((1, 2, 3, 4))
+    (torn,) = _sets(decide(d, obs(nodes(1, 2, 3, 4), [_sig(1), _sig(2), ecc, _sig(4)]), CFG))
+    assert set(torn.node_health) == {"n3"} and torn.job_health == NodeHealth()
+
+
+def test_only_sigabrts_charge_nobody() -> None:
+    """Every rank SIGABRTed (a dead NIC hangs every collective): the node at fault is not
+    known, so nobody is charged, not the job either (a known limit: docs/runtime.md)."""
+    d = running((1, 2, 3, 4))
+    a = decide(d, obs(nodes(1, 2, 3, 4), [_sig(i) for i in (1, 2, 3, 4)]), CFG)
+    (torn,) = _sets(a)
+    assert torn.node_health == {} and torn.job_health == NodeHealth()
+    assert "the node at fault is not known" in a[0].reason  # type: ignore[union-attr]
+
+
+def _teardown_state(epoch: int = 7, phase_epoch: int = 7) -> DesiredState:
+    d = running((1, 2, 3, 4), phase=Phase.TEARDOWN, load_step=20, stop_step=20)
+    return d.model_copy(
+        update={
+            "epoch": epoch,
+            "phase_epoch": phase_epoch,
+            "phase_since": NOW,
+            "phase_deadline": NOW + 150,
+        }
+    )
+
+
+def test_a_leader_adopting_a_teardown_restarts_its_deadline() -> None:
+    """A leader back 200 s after the TEARDOWN began (a restart): nothing of its epoch is
+    acked yet. Before, every busy node was charged at once and the job went IDLE."""
+    d = _teardown_state(epoch=8, phase_epoch=7)
+    sts = [st(i, state="stopped", step=20, saved=20) for i in (1, 2, 3, 4)]
+    a = decide(d, replace(obs(nodes(1, 2, 3, 4), sts), now=NOW + 200), CFG)
+    (restarted,) = _sets(a)
+    assert restarted.phase_deadline == NOW + 200 + 150 and restarted.phase_epoch == 8
+    assert restarted.node_health == {}
+    assert kinds(a)[1:5] == [f"send:abort:n{i}" for i in (1, 2, 3, 4)]
+
+
+def test_the_teardown_deadline_exceeds_the_agents_kill_bound() -> None:
+    # the agent acks an Abort after its kill: 3 s SIGTERM grace + 120 s teardown_timeout_s
+    assert CFG.deadlines.teardown > 3 + 120
+
+
+def test_a_node_that_acked_its_abort_is_not_charged_at_the_teardown_deadline() -> None:
+    d = _teardown_state()
+    sts = [st(i, state="idle") for i in (1, 3)] + [st(i, state="stopped") for i in (2, 4)]
+    acked = frozenset(f"e7-g1-abort-n{i}" for i in (1, 2, 3))
+    a = decide(d, replace(obs(nodes(1, 2, 3, 4), sts, acked=acked), now=NOW + 151), CFG)
+    (charged,) = _sets(a)
+    assert set(charged.node_health) == {"n4"}  # n2 acked (its status lags): done
+
+
+def test_a_stale_failed_node_outside_the_layout_is_sent_an_abort_in_any_phase() -> None:
+    """n2's workers of generation 1 failed while a lease flap had it out of the teardown;
+    it reports that failure forever unless told: an Abort clears it (before, it was left
+    out of every layout for good). A killed worker that outlived SIGKILL is not: its agent
+    withdraws it once the process is gone."""
+    n2 = fails(2, "peer", gen=1, message="NCCL communicator was aborted")
+    d = running((1, 3), gen=2)
+    o = obs(nodes(1, 2, 3), [st(1, gen=2), st(3, gen=2), n2])
+    a = decide(d, o, CFG)
+    assert kinds(a) == ["send:abort:n2"]
+    assert a[0].command.command_id == "e7-g2-clear-n2"  # type: ignore[union-attr]
+    assert decide(d, replace(o, acked=frozenset({"e7-g2-clear-n2"})), CFG) == []
+    idle = DesiredState(epoch=7, generation=2)
+    assert kinds(decide(idle, obs(nodes(2), [n2]), CFG)) == ["send:abort:n2"]
+    stuck = json.dumps(outlived_kill_record([(4242, 1, "D")], 130.0, step=9))
+    n2_stuck = st(2, gen=1, state="failed").model_copy(update={"failure": stuck})
+    assert decide(idle, obs(nodes(2), [n2_stuck]), CFG) == []
+
+
+def _oom(i: int, gib: str) -> AgentStatus:
+    msg = (
+        f"CUDA out of memory. Tried to allocate {gib} GiB. GPU {i} has a total capacity of "
+        "79.15 GiB of which 312.00 MiB is free. Including non-PyTorch memory, this process has "
+        "78.83 GiB memory in use. Of the allocated memory 74.10 GiB is allocated by PyTorch, "
+        "and 3.21 GiB is reserved by PyTorch but unallocated."
+    )
+    rec = {"rank": i, "step": 0, "origin": "local", "retry": True}
+    rec |= {"error_type": "OutOfMemoryError", "message": msg}
+    return st(i, state="failed").model_copy(update={"failure": json.dumps(rec)})
+
+
+def test_the_same_error_with_numbers_of_other_widths_is_alike() -> None:
+    """Real CUDA OOM messages: the sizes differ in width, so cutting at 200 characters
+    first and then leaving the numbers out gave each node its own signature."""
+    sts = [_oom(1, "2.00"), _oom(2, "12.50"), _oom(3, "112.00"), _oom(4, "1.50")]
+    (torn,) = _sets(decide(running((1, 2, 3, 4)), obs(nodes(1, 2, 3, 4), sts), CFG))
+    assert torn.node_health == {} and torn.job_health.failures == 1
+
+
+def test_the_first_config_error_holds_the_job_when_no_node_trained_with_it() -> None:
+    """The node that gets to the config check first reports; the others are still starting.
+    Before, that node was excluded, then the next, and so on through the whole pool."""
+    d = running((1, 2, 3, 4), phase=Phase.LOAD, phase_deadline=NOW + 100, load_step=-1)
+    bad = fails(1, "config", message="seq_length 8192 > max_position_embeddings 4096")
+    sts = [bad, *(st(i, state="running", step=-1) for i in (2, 3, 4))]
+    (torn,) = _sets(decide(d, obs(nodes(1, 2, 3, 4), sts), CFG))
+    assert torn.node_health == {} and held(torn.job_health, NOW + 10**6)
+    # one that trained with that config makes it the node's
+    sts = [bad, st(2, step=5), *(st(i, state="running", step=-1) for i in (3, 4))]
+    (torn,) = _sets(decide(d, obs(nodes(1, 2, 3, 4), sts), CFG))
+    assert set(torn.node_health) == {"n1"} and torn.job_health == NodeHealth()
+
+
+def test_a_checkpoint_a_minority_cannot_read_charges_those_nodes_and_is_kept() -> None:
+    cfg = CFG.model_copy(update={"keep_checkpoints": 3})
+    commits = tuple(CommitRecord(step=s, directory="/ck") for s in (10, 20, 30))
+    d = running((1, 2, 3, 4), phase=Phase.LOAD, phase_deadline=NOW + 50, load_step=30)
+    broken = "CorruptCheckpointError: shard 2 of step 30: stale file handle"
+    sts = [st(i, state="running", step=30) for i in (1, 2, 4)] + [fails(3, message=broken)]
+    (torn,) = _sets(decide(d, obs(nodes(1, 2, 3, 4), sts, commits=commits), cfg))
+    assert torn.bad_checkpoints == () and torn.load_step == 30 and set(torn.node_health) == {"n3"}
+    # most placed nodes cannot: the checkpoint is at fault, nobody is charged
+    sts = [fails(i, message=broken) for i in (1, 2, 3)] + [st(4, state="running", step=30)]
+    (torn,) = _sets(decide(d, obs(nodes(1, 2, 3, 4), sts, commits=commits), cfg))
+    assert torn.bad_checkpoints == (30,) and torn.load_step == 20 and torn.node_health == {}
+
+
+def test_a_readmit_request_older_than_the_bound_is_deleted_unapplied() -> None:
+    rec = NodeHealth(failures=1, generation=1, exclusions=1, excluded_until=NOW + 9000, cause="X")
+    d = DesiredState(epoch=7, generation=1, node_health={"n1": rec})
+    old = {"r1": ReadmitRequest(nodes=("n1",), time=NOW)}
+    a = decide(d, replace(obs(nodes(1), [st(1, state="idle")], readmit=old), now=NOW + 3601), CFG)
+    assert kinds(a) == ["clearreadmit"] and "ignored" in a[0].reason  # type: ignore[union-attr]

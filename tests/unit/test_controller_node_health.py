@@ -133,15 +133,16 @@ def test_taking_a_count_back_undoes_the_exclusion_it_set() -> None:
         {"origin": "config", "retry": False, "error_type": "ValueError", "message": "x"}
     )
     before = NodeHealth(failures=1, generation=1, exclusions=1, excluded_until=50.0, cause="Y")
-    c = charge(_d({"n1": before}, 3), {"n1": cfg}, 100.0, POLICY)
+    # n3 trained with that config: a configuration error is then the node's, not the job's
+    c = charge(_d({"n1": before}, 3), {"n1": cfg}, 100.0, POLICY, {"n3"})
     assert c.health["n1"].exclusions == 2 and c.health["n1"].excluded_until == 300.0
-    back = charge(_d(c.health, 3), {"n2": cfg}, 101.0, POLICY)
+    back = charge(_d(c.health, 3), {"n2": cfg}, 101.0, POLICY, {"n3"})
     rec = back.health["n1"]
     assert (rec.failures, rec.exclusions, rec.excluded_until, rec.generation) == (1, 1, 0.0, -1)
     assert back.job.excluded_until == 201.0 and back.job.origin == "config"
     # and a node with nothing else on record loses the record
-    fresh = charge(_d({}, 3), {"n1": cfg}, 100.0, POLICY).health
-    assert charge(_d(fresh, 3), {"n2": cfg}, 101.0, POLICY).health == {}
+    fresh = charge(_d({}, 3), {"n1": cfg}, 100.0, POLICY, {"n3"}).health
+    assert charge(_d(fresh, 3), {"n2": cfg}, 101.0, POLICY, {"n3"}).health == {}
 
 
 def test_forgetting_records() -> None:
