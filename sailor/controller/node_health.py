@@ -362,8 +362,10 @@ def charge(
     }
     # a bad config fails every node: the first configuration error is the job's, unless
     # another placed node trained with the same config (then it is the node's)
+    # (decided when first seen: at a later pass the nodes that trained may be idle already)
     for n, e in evidence.items():
-        if e[2] == "config" and not set(progressed) - {n} and n not in aborts:
+        first_seen = n not in health or health[n].generation != gen
+        if e[2] == "config" and first_seen and not set(progressed) - {n} and n not in aborts:
             job_why.setdefault(e[1], _CONFIG)
     if job.generation == gen:
         job_why.setdefault(_record_signature(job), _ALIKE)
