@@ -58,17 +58,22 @@ def readmit(
     if problems:
         raise fail(f"{config}: {problems[0]}")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    rid, done = asyncio.run(
+    rid, done, unknown = asyncio.run(
         request_readmit(
             cfg.etcd_endpoints, cfg.job, nodes or (), everything, who, cfg.security, wait_s
         )
     )
-    what = "every node and the job" if everything else ", ".join(nodes)
+    if unknown:
+        typer.echo(f"no failure record to forget for {', '.join(unknown)}", err=True)
+    if not rid:
+        raise fail(f"nothing to readmit: {', '.join(unknown)} not excluded or failing", code=1)
+    named = [n for n in nodes if n not in unknown]
+    what = "every node and the job" if everything else ", ".join(named)
     if done:
         typer.echo(f"readmitted {what} (request {rid}): see `sailor status`")
         return
     raise fail(
-        f"request {rid} for {what} is written but no leader applied it within {wait_s:.0f} s: "
-        "is a controller running for this job? It applies the request when it leads",
+        f"no leader applied the request for {what} within {wait_s:.0f} s (request {rid}, "
+        "withdrawn): is a controller running for this job?",
         code=1,
     )

@@ -134,21 +134,36 @@ async def request_readmit(
     who: str,
     security: SecurityConfig | None = None,
     wait_s: float = 10.0,
-) -> tuple[str, bool]:
+) -> tuple[str, bool, tuple[str, ...]]:
     """Ask the leader to forget the failure records of ``nodes`` (``everything``: every
-    node's and the job's). Returns the request id and whether a leader applied it within
-    ``wait_s`` (it deletes the key once the desired state no longer holds the records)."""
+    node's and the job's). Returns the request id, whether a leader applied it within
+    ``wait_s`` (it deletes the key once the desired state no longer holds the records), and
+    the named nodes the desired state held no record of (nothing to forget: no request is
+    written when that is all of them). A request not applied in time is deleted: a leader
+    that starts later does not act on an operator's request that reported failure."""
     keys = Keys(job=job)
-    rid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
-    req = ReadmitRequest(nodes=tuple(nodes), all=everything, who=who, time=time.time())
     store = await connect_etcd(endpoint, security=security)
     try:
+        unknown: tuple[str, ...] = ()
+        if not everything:
+            kv = await store.get(keys.desired)
+            held: set[str] = set()
+            if kv is not None:
+                with contextlib.suppress(ValidationError):
+                    held = set(DesiredState.model_validate_json(kv.value).node_health)
+            unknown = tuple(n for n in nodes if n not in held)
+            if len(unknown) == len(nodes):
+                return "", False, unknown
+        rid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+        names = tuple(n for n in nodes if n not in unknown)
+        req = ReadmitRequest(nodes=names, all=everything, who=who, time=time.time())
         await store.put(keys.readmit(rid), req.model_dump_json().encode())
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
             if await store.get(keys.readmit(rid)) is None:
-                return rid, True
+                return rid, True, unknown
             await asyncio.sleep(0.2)
-        return rid, False
+        await store.delete(keys.readmit(rid))
+        return rid, False, unknown
     finally:
         await store.close()

@@ -79,6 +79,10 @@ class StateStore(Protocol):
         """Like ``put_guarded`` for several keys (and deletions) in one transaction."""
         ...
 
+    async def delete(self, key: str) -> None:
+        """Delete ``key``, unguarded (a key its writer owns, e.g. an operator's request)."""
+        ...
+
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None: ...
 
     async def create_if_absent(self, key: str, value: bytes, lease: Lease) -> KeyValue | None:

@@ -352,6 +352,11 @@ class EtcdStore:
             )
         return revision
 
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` (absent: nothing to do). Unguarded: for a key its writer owns, such
+        as an operator's own request."""
+        await self.call(self.client.delete(key.encode()))
+
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None:
         tx = self.client.transactions
         ok, _ = await self._txn([tx.create(guard_key.encode()) == epoch], [tx.delete(key.encode())])

@@ -98,12 +98,15 @@ checks each still exists)."""
 
 def _added_at_default(model: BaseModel) -> dict[str, Any]:
     """The ``exclude`` of ``model_dump`` that leaves out every field added since wire
-    version 1 (not in :data:`_FIELDS_AT_V1`) while at its default, nested models included."""
+    version 1 (not in :data:`_FIELDS_AT_V1`) while at its default, nested models included;
+    never a ``kind`` (a union's discriminator)."""
     known = _FIELDS_AT_V1.get(type(model).__name__, frozenset())
     out: dict[str, Any] = {}
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
-        added = name not in known and not info.is_required()
+        # a discriminator is always hashed: two models added later, both at their defaults,
+        # would otherwise share a digest (and the agent caches configs by digest)
+        added = name not in known and name != "kind" and not info.is_required()
         if added and value == info.get_default(call_default_factory=True):
             out[name] = True
             continue

@@ -39,6 +39,7 @@ from sailor.localservers import LocalServers
 from sailor.schemas.commands import Abort, CommandAdapter
 from sailor.schemas.events import Heartbeat
 from sailor.schemas.runtime import CommandAck, Phase
+from tests.integration.secure_servers import JOB
 from tests.integration.test_runtime_scenarios import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
@@ -401,10 +402,10 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
     assert snap["excluded"] == {} and "refuses its configuration" in snap["job_excluded"]["cause"]
     await asyncio.sleep(1.5)  # and it stays so: no relaunch loop
     assert ctl.desired.generation == gen and ctl.desired.phase is Phase.IDLE
-    rid, done = await request_readmit(
+    rid, done, unknown = await request_readmit(
         cluster.etcd, cluster.job, (), True, "ops@test", cluster.security("c1"), wait_s=20
     )
-    assert done, "the leader did not apply the readmit request"
+    assert done and unknown == (), "the leader did not apply the readmit request"
     await _until(lambda: held(gen), 40, "the job was not launched and held again")
     ctl.audit.sync()
     phases = _records(cluster, "c1", "phase")
@@ -420,3 +421,25 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
     finally:
         await store.close()
     await cluster.audit()
+
+
+async def test_a_readmit_of_nothing_writes_nothing_and_an_unapplied_one_is_withdrawn(
+    servers: LocalServers,
+) -> None:
+    """No leader runs here: a request naming only nodes without a failure record is not
+    written (the CLI says so instead of "readmitted"); one that no leader applies in time
+    is deleted, so a leader that starts later does not act on a request reported failed."""
+    sec, job = servers.security("c1"), JOB  # the job the servers' roles are for
+    rid, done, unknown = await request_readmit(
+        servers.etcd_endpoint, job, ("n7",), False, "ops@test", sec, wait_s=0.5
+    )
+    assert (rid, done, unknown) == ("", False, ("n7",))
+    rid, done, unknown = await request_readmit(
+        servers.etcd_endpoint, job, (), True, "ops@test", sec, wait_s=0.5
+    )
+    assert rid and not done and unknown == ()
+    store = await connect_etcd(servers.etcd_endpoint, security=sec)
+    try:
+        assert await store.get_prefix(f"/sailor/{job}/readmit/") == []
+    finally:
+        await store.close()

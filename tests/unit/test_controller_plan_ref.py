@@ -256,3 +256,27 @@ def test_every_field_listed_at_wire_version_1_still_exists() -> None:
     for name, fields in _FIELDS_AT_V1.items():
         assert name in seen, name
         assert fields <= set(seen[name].model_fields), (name, fields - set(seen[name].model_fields))
+
+
+def test_a_discriminator_is_hashed_even_at_its_default() -> None:
+    """Two model kinds added after wire version 1, both at their defaults, must not share a
+    digest: their ``kind`` is always in the hashed JSON, their other new fields are not."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    from sailor.schemas.commands import _added_at_default
+
+    class LaterA(BaseModel):
+        kind: Literal["later-a"] = "later-a"
+        depth: int = 1
+
+    class LaterB(BaseModel):
+        kind: Literal["later-b"] = "later-b"
+        depth: int = 1
+
+    a, b = LaterA(), LaterB()
+    assert _added_at_default(a) == {"depth": True}
+    assert a.model_dump_json(exclude=_added_at_default(a)) != b.model_dump_json(
+        exclude=_added_at_default(b)
+    )
