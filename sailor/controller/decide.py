@@ -595,23 +595,12 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         return [SetDesired(*late)]
     actions: list[Action] = []
     in_place = _in_place_next(d, cfg)
-    plan_id = d.plan.plan_id if d.plan else ""
 
     def abort(n: str, hold: bool) -> None:
-        cid = _cid(d, "hold" if hold else "abort", n)
-        if cid in o.acked:
-            return
-        cmd = _command(
-            Abort,
-            command_id=cid,
-            epoch=d.epoch,
-            plan_id=plan_id,
-            node_id=n,
-            deadline=d.phase_deadline,
-            reason=d.cause[:200],
-            hold=hold,
-        )
-        actions.append(Send(cmd))
+        kind = "hold" if hold else "abort"
+        send = _abort_send(d, o, n, kind, d.phase_deadline, d.cause[:200], hold)
+        if send is not None:
+            actions.append(send)
 
     live = {n: st for n, st in o.status.items() if n in o.nodes}
     if in_place:
@@ -796,20 +785,29 @@ def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action
     good. Its own command id (``clear``): a later teardown's Abort of this generation is
     another command."""
     out: list[Action] = []
-    plan_id = d.plan.plan_id if d.plan else ""
     for n in failing_nodes.to_clear(d, o.nodes, o.status):
-        cid = _cid(d, "clear", n)
-        if cid in o.acked:
-            continue
-        cmd = _command(
-            Abort,
-            command_id=cid,
-            epoch=d.epoch,
-            plan_id=plan_id,
-            node_id=n,
-            deadline=o.now + cfg.deadlines.teardown,
-            reason=f"clear a failure outside the layout (generation {o.status[n].generation})",
-            hold=False,
-        )
-        out.append(Send(cmd))
+        why = f"clear a failure outside the layout (generation {o.status[n].generation})"
+        send = _abort_send(d, o, n, "clear", o.now + cfg.deadlines.teardown, why, False)
+        if send is not None:
+            out.append(send)
     return out
+
+
+def _abort_send(
+    d: DesiredState, o: Observed, n: str, kind: str, deadline: float, reason: str, hold: bool
+) -> Send | None:
+    """The Abort of kind ``kind`` (its command id's) to node ``n``; None once it acked."""
+    cid = _cid(d, kind, n)
+    if cid in o.acked:
+        return None
+    cmd = _command(
+        Abort,
+        command_id=cid,
+        epoch=d.epoch,
+        plan_id=d.plan.plan_id if d.plan else "",
+        node_id=n,
+        deadline=deadline,
+        reason=reason,
+        hold=hold,
+    )
+    return Send(cmd)

@@ -265,6 +265,21 @@ def layer_table(
     ``activations``: what an estimated block keeps, which its estimated memory traffic
     reads (``Calibration.activations``)."""
     spec = spec_of(gpu_specs, gpu_type)
+    return _table(profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations)
+
+
+def _table(
+    profiles: ProfileDB,
+    model: ModelSpec,
+    cal: GPUCalibration,
+    spec: GPUSpec | None,
+    gpu_type: str,
+    tp: int,
+    mbs: int,
+    vocab_parallel: bool,
+    activations: Activations,
+) -> StageCosts:
+    """:func:`layer_table` with the GPU's spec resolved, memoized."""
     return _MEMO.get(
         (profiles, model),
         ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel, activations),
@@ -384,13 +399,13 @@ def _whole_ends(
         near = [t for t in grid if _measured(profiles, gpu_type, t, grid, layer)]
         if near:
             t = min(near, key=lambda t: (abs(t - tp), t))
-            out[layer] = _table_at(
-                profiles, model, cal, spec, gpu_type, t, mbs, activations
-            ).layers[layer]
+            # the table at ``t`` as the profile has it (the split head's path: no recursion)
+            at = _table(profiles, model, cal, spec, gpu_type, t, mbs, True, activations)
+            out[layer] = at.layers[layer]
             notes.append(f"{tag}: layer {layer} whole on every TP rank, as measured at tp={t}")
             continue
         try:
-            one = _table_at(profiles, model, cal, spec, gpu_type, 1, mbs, activations)
+            one = _table(profiles, model, cal, spec, gpu_type, 1, mbs, True, activations)
         except ProfileLookupError:
             c = out[layer]
             out[layer] = LayerCost(c.fwd_s * tp, c.bwd_s * tp, c.update_s * tp, estimated=True)
@@ -402,24 +417,6 @@ def _whole_ends(
         out[layer] = one.layers[layer]
         notes.extend(n for n in one.notes if n not in notes)
         notes.append(f"{tag}: layer {layer} whole on every TP rank, timed at tp=1")
-
-
-def _table_at(
-    profiles: ProfileDB,
-    model: ModelSpec,
-    cal: GPUCalibration,
-    spec: GPUSpec | None,
-    gpu_type: str,
-    tp: int,
-    mbs: int,
-    activations: Activations,
-) -> StageCosts:
-    """The (memoized) table at ``tp`` as the profile has it (the split head's time)."""
-    return _MEMO.get(
-        (profiles, model),
-        ("table", cal, spec, gpu_type, tp, mbs, True, activations),
-        lambda: _layer_table(profiles, model, cal, spec, gpu_type, tp, mbs, True, activations),
-    )
 
 
 def _measured(
