@@ -720,27 +720,16 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return _launch(d, o, cfg, last.step if last else -1)
 
 
-READMIT_MAX_AGE_S = 3600.0
-"""A readmit request older than this (``ReadmitRequest.time``) is deleted unapplied: its
-operator's ``sailor node readmit`` gave up long ago (it waits seconds), and records counted
-since (a node failing again after the repair) are not the ones it meant to forget."""
-
-
 def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    """Apply the operators' readmit requests (oldest id first), then delete them; those
-    older than ``READMIT_MAX_AGE_S`` are deleted unapplied."""
+    """Apply the operators' readmit requests (oldest id first), then delete them. A request
+    is applied whatever its age: ``ReadmitRequest.time`` is the operator's clock, and a
+    ``sailor node readmit`` that gives up withdraws its request."""
     actions: list[Action] = []
-    fresh = {r: q for r, q in o.readmit.items() if o.now - q.time <= READMIT_MAX_AGE_S}
-    readmitted = failing_nodes.apply_readmits(d, fresh)
+    readmitted = failing_nodes.apply_readmits(d, dict(o.readmit))
     if readmitted is not None:
         d = readmitted[0]
         actions.append(SetDesired(*readmitted))
-    for rid in sorted(o.readmit):
-        if rid in fresh:
-            actions.append(ClearReadmit(rid))
-        else:
-            age = o.now - o.readmit[rid].time
-            actions.append(ClearReadmit(rid, f"ignored: {age:.0f} s old, over the bound"))
+    actions.extend(ClearReadmit(rid) for rid in sorted(o.readmit))
     return [*actions, *decide(d, replace(o, readmit={}), cfg)]
 
 

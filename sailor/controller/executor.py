@@ -166,6 +166,8 @@ class Executor:
             if isinstance(a, Replan):
                 self.progressed |= self._start_replan(a)
                 continue
+            if isinstance(a, Send):  # sent below when due; acks wake the loop themselves
+                continue
             self.progressed = True
             if isinstance(a, SetDesired):
                 await self.write_desired(a.state, a.reason)

@@ -304,15 +304,21 @@ class Charged:
 
 
 def checkpoint_unreadable(failures: Mapping[str, str], placed: int) -> bool:
-    """Whether the checkpoint a generation loads is at fault: most of its ``placed`` nodes
-    (node -> ``AgentStatus.failure``) failed to read it. On a minority the readers are (a
-    broken mount, a stale NFS handle): the checkpoint is kept and those nodes charged."""
-    k = sum(1 for t in failures.values() if parse_failure(t).unreadable_checkpoint)
-    return k > 0 and 2 * k > max(placed, 1)
+    """Whether the checkpoint a generation loads is at fault: a node (``failures``: node ->
+    ``AgentStatus.failure``) failed to read it. Each rank reads only its own stage's files,
+    so a file corrupt in one stage fails a minority of the nodes however it came about:
+    counting heads cannot tell a bad file from a node's broken mount. The checkpoint is
+    marked bad (the launch falls back to the one before) and nobody is charged; a node with
+    a broken mount makes the job fall back one checkpoint per launch (docs/runtime.md,
+    Failing nodes). ``placed`` is kept for the callers' symmetry with the job rule."""
+    del placed
+    return any(parse_failure(t).unreadable_checkpoint for t in failures.values())
 
 
 _ALIKE = "the job's: most placed nodes failed alike"
-_CONFIG = "the job's: a configuration error, and no placed node trained with that config"
+_CONFIG = (
+    "the job's: a configuration error on several nodes, and no placed node trained with that config"
+)
 
 
 def charge(
@@ -363,9 +369,20 @@ def charge(
     # a bad config fails every node: the first configuration error is the job's, unless
     # another placed node trained with the same config (then it is the node's)
     # (decided when first seen: at a later pass the nodes that trained may be idle already)
+    # ... and only when two placed nodes report it (or the job has one node): a ValueError
+    # before the first step is a "config" error on one node too (a bad local file, a
+    # reshape of nothing), and one node's must not hold a job the others can run
+    configs = Counter(e[1] for n, e in evidence.items() if e[2] == "config" and n not in aborts)
     for n, e in evidence.items():
         first_seen = n not in health or health[n].generation != gen
-        if e[2] == "config" and first_seen and not set(progressed) - {n} and n not in aborts:
+        shared = configs[e[1]] >= JOB_WIDE_MIN_NODES or placed == 1
+        if (
+            e[2] == "config"
+            and shared
+            and first_seen
+            and not set(progressed) - {n}
+            and n not in aborts
+        ):
             job_why.setdefault(e[1], _CONFIG)
     if job.generation == gen:
         job_why.setdefault(_record_signature(job), _ALIKE)
