@@ -186,3 +186,11 @@ def test_config_script_knows_cloud_inits_cloud_names(
     ]
     assert kinds == ([watcher] if watcher else []) + ["file"]
     assert ("without a preemption watcher" in res.stderr) == warned, res.stderr
+
+
+def test_the_config_script_does_not_die_of_sigpipe_on_a_long_gpu_list(tmp_path: Path) -> None:
+    """Under ``pipefail``, ``printf "$gpus" | head -1`` exits 141 (SIGPIPE) whenever head is
+    done before printf: a race with 8 lines (it failed one fresh-clone CI run), certain once
+    the list outgrows the pipe's buffer (here 4,000 lines, ~120 KB)."""
+    res = _run_script(tmp_path, "NVIDIA H100 80GB HBM3, 81559\\n" * 4000, SAILOR_JOB="llm")
+    assert res.returncode != 141, res.stderr
