@@ -301,8 +301,7 @@ def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
     is corrupt or gone (its failure record names the reader's error)."""
     if d.phase not in _LAUNCHING or d.load_step < 0:
         return False
-    # most placed nodes: on a few, their readers are at fault (a broken mount), charged
-    return checkpoint_unreadable(failing_nodes.failed(d, o.status), len(d.placement))
+    return checkpoint_unreadable(failing_nodes.failed(d, o.status))
 
 
 def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:

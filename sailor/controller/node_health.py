@@ -303,15 +303,14 @@ class Charged:
     notes: list[str] = field(default_factory=list)
 
 
-def checkpoint_unreadable(failures: Mapping[str, str], placed: int) -> bool:
+def checkpoint_unreadable(failures: Mapping[str, str]) -> bool:
     """Whether the checkpoint a generation loads is at fault: a node (``failures``: node ->
     ``AgentStatus.failure``) failed to read it. Each rank reads only its own stage's files,
     so a file corrupt in one stage fails a minority of the nodes however it came about:
     counting heads cannot tell a bad file from a node's broken mount. The checkpoint is
     marked bad (the launch falls back to the one before) and nobody is charged; a node with
     a broken mount makes the job fall back one checkpoint per launch (docs/runtime.md,
-    Failing nodes). ``placed`` is kept for the callers' symmetry with the job rule."""
-    del placed
+    Failing nodes)."""
     return any(parse_failure(t).unreadable_checkpoint for t in failures.values())
 
 
@@ -342,8 +341,8 @@ def charge(
     if d.forgiven_through >= gen:
         return Charged(health, job)
     causes = {n: parse_failure(t) for n, t in failures.items()}
-    ckpt = checkpoint_unreadable(failures, len(d.placement))
-    seen = {n: c for n, c in causes.items() if c.own and not (ckpt and c.unreadable_checkpoint)}
+    # a checkpoint reader's error is the checkpoint's (checkpoint_unreadable): nobody's
+    seen = {n: c for n, c in causes.items() if c.own and not c.unreadable_checkpoint}
     # this generation's own failures, node by node: reported now, or counted already
     # (summary, signature, origin)
     evidence: dict[str, tuple[str, str, str]] = {

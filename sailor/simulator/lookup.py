@@ -308,10 +308,12 @@ def _layer_table(
     # a GPU type with estimated entries only (``sailor profile estimate``: the roofline times
     # the efficiency measured on other GPUs) is read from them, marked estimated; beside a
     # measured or imported entry anywhere for the type, they are not read
-    calibrated = not grid and bool(profiles.grid(gpu_type))
-    if calibrated:
+    calibrated = False
+    if not grid:
         grid = profiles.grid(gpu_type)
-        notes.append(f"{gpu_type}: estimated profile entries (sailor profile estimate)")
+        calibrated = bool(grid)
+        if calibrated:
+            notes.append(f"{gpu_type}: estimated profile entries (sailor profile estimate)")
 
     def estimate(t: int) -> list[LayerProfile]:
         if spec is None:

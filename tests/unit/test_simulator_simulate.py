@@ -666,6 +666,17 @@ def test_recompute_adds_each_blocks_forward_to_its_backward() -> None:
     assert time(plan(True)) - time(plan(False)) == pytest.approx(4 * blocks, rel=1e-9)
 
 
+def _one_stage_at_tp2(vocab_parallel: bool, mbs: int, microbatches: int) -> Estimate:
+    """The whole model as one TP-2 stage on GPU type A, with or without a vocab-parallel
+    head (4 samples per iteration)."""
+    rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=2, gpus_per_node=4)
+    stage = Stage(first_layer=0, last_layer=N - 1, replica=rg)
+    pipe = Pipeline(stages=(stage,), microbatch_size=mbs, num_microbatches=microbatches)
+    plan = Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
+    cal = Calibration(vocab_parallel=vocab_parallel)
+    return simulate(plan, MODEL, PROFILES, _network(), PRICES, calibration=cal, gpu_specs=SPECS)
+
+
 def test_sailors_engine_holds_the_embedding_and_head_whole_on_each_tp_rank() -> None:
     """Without a vocab-parallel head (Sailor's engine) the embedding's and head's sizes at
     TP 2 are their TP 1 sizes (imported ones split them, as Megatron does), blocks keep
@@ -687,13 +698,7 @@ def test_sailors_engine_holds_the_embedding_and_head_whole_on_each_tp_rank() -> 
     assert backward_working_set(MODEL, whole[1], False) == whole[1].activation_bytes_per_sample
 
     def peak(vocab_parallel: bool) -> int:
-        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=2, gpus_per_node=4)
-        stage = Stage(first_layer=0, last_layer=N - 1, replica=rg)
-        pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=4)
-        plan = Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
-        cal = Calibration(vocab_parallel=vocab_parallel)
-        est = simulate(plan, MODEL, PROFILES, _network(), PRICES, calibration=cal, gpu_specs=SPECS)
-        return est.peak_memory_bytes
+        return _one_stage_at_tp2(vocab_parallel, mbs=1, microbatches=4).peak_memory_bytes
 
     assert peak(False) > peak(True)
 
@@ -744,14 +749,7 @@ def test_sailors_engine_computes_the_embedding_and_head_whole_on_each_tp_rank() 
     assert kept.layers[0] == layer_table(db, MODEL, cal, SPECS, "A", 1, 4).layers[0]
 
     def time(vocab_parallel: bool) -> float:
-        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=2, gpus_per_node=4)
-        stage = Stage(first_layer=0, last_layer=N - 1, replica=rg)
-        pipe = Pipeline(stages=(stage,), microbatch_size=2, num_microbatches=2)
-        plan = Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
-        c = Calibration(vocab_parallel=vocab_parallel)
-        return simulate(
-            plan, MODEL, PROFILES, _network(), PRICES, calibration=c, gpu_specs=SPECS
-        ).iteration_time_s
+        return _one_stage_at_tp2(vocab_parallel, mbs=2, microbatches=2).iteration_time_s
 
     heads = sum(
         w.fwd_s + w.bwd_s - s.fwd_s - s.bwd_s
