@@ -3,7 +3,7 @@
 After the gradient sync every holder of a parameter slice has the same (summed) gradient,
 so summing every rank's local squared norms would count a slice once per holder: once per
 pipeline (data-parallel replicas), once per TP rank for a replicated parameter (norms,
-row-parallel biases, embeddings, head), and twice for tied embeddings (the embedding and
+row-parallel biases, position embeddings), and twice for tied embeddings (the embedding and
 the head's copy are one parameter of the single-process model). :func:`counts_in_norm`
 picks exactly one holder of every element:
 

@@ -93,11 +93,11 @@ def sync_gradients(stage: GPTStage, sync: list[tuple[SyncItem, Any]]) -> None:
     for item, pg in sync:
         if item.group.kind == "tied":
             had_tied_group = True
-            buf = torch.stack([_grad(p).to(GRAD_REDUCE_DTYPE) for p in tied_local]).sum(0)
-            buf = buf * item.scale
+            views = [_grad(p).chunk(item.num_sub_chunks, dim=0)[item.sub_chunk] for p in tied_local]
+            buf = torch.stack([v.to(GRAD_REDUCE_DTYPE) for v in views]).sum(0)
             comm.all_reduce(buf, group=pg)
-            for p in tied_local:
-                _grad(p).copy_(buf)
+            for v in views:
+                v.copy_(buf)
             continue
         _all_reduce_views(_views(stage, item, skip), item.scale, pg)
     if tie and not had_tied_group and len(tied_local) == 2:

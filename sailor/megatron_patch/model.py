@@ -9,9 +9,10 @@ interface the checkpoint code and the gradient sync rely on.
 
 Covered: learned or rotary positions, LayerNorm or RMSNorm, GELU/ReLU MLP or SwiGLU,
 multi-head or grouped-query attention, tied or untied embeddings. Blocks are
-tensor-parallel (q, k, v, MLP-in column-parallel; attention-out, MLP-out row-parallel);
-embedding, norms and LM head are replicated on the TP ranks of a stage (simple and exact;
-on big vocabularies a vocab-parallel head would save memory, not done here).
+tensor-parallel (q, k, v, MLP-in column-parallel; attention-out, MLP-out row-parallel); the
+token embedding and the LM head are split by vocabulary over the TP ranks of a stage, with a
+vocab-parallel cross entropy (:mod:`~sailor.megatron_patch.vocab_parallel`; their matrices
+have the padded vocabulary's rows); norms and position embeddings are replicated.
 
 Family details ``ModelSpec`` does not carry (biases, tanh GELU, post-norm, parallel residual,
 partial rotary, rotary base, position offset, a narrower word embedding with
@@ -49,6 +50,11 @@ from sailor.megatron_patch.tp_layers import (
     set_tp_dim,
     tp_dim_of,
 )
+from sailor.megatron_patch.vocab_parallel import (
+    embed,
+    rows_per_rank,
+    vocab_cross_entropy,
+)
 from sailor.schemas.model import ModelSpec
 
 __all__ = ["TINY_MODELS", "Architecture", "GPTStage", "full_init", "shard", "tiny_model"]
@@ -82,14 +88,22 @@ def _rope(x: torch.Tensor, theta: float = 10000.0, dim: int | None = None) -> to
     return torch.cat([rot, x[..., 2 * half :]], dim=-1)
 
 
-class Embedding(nn.Module):
-    """Global layer 0: token (+ learned position) embedding; replicated on TP ranks."""
+_NO_TP = TPContext()
 
-    def __init__(self, spec: ModelSpec, arch: Architecture = _OWN) -> None:
+
+class Embedding(nn.Module):
+    """Global layer 0: token embedding split by vocabulary over the TP ranks (+ learned
+    position embedding, replicated)."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext = _NO_TP, arch: Architecture = _OWN) -> None:
         super().__init__()
         width = arch.embed_dim or spec.hidden_size
-        self.wte = nn.Embedding(spec.vocab_size, width, padding_idx=arch.padding_idx)
-        set_tp_dim(self.wte.weight, None)
+        self.tp = tp
+        self.padding_idx = arch.padding_idx
+        # the table's rows only: ``nn.Embedding``'s padding_idx is a local row, applied in
+        # ``embed`` (a shard may not hold it)
+        self.wte = nn.Embedding(rows_per_rank(spec.vocab_size, tp), width)
+        set_tp_dim(self.wte.weight, 0)
         self.project_in: nn.Linear | None = None
         if width != spec.hidden_size:
             self.project_in = nn.Linear(width, spec.hidden_size, bias=False)
@@ -107,7 +121,7 @@ class Embedding(nn.Module):
             set_tp_dim(self.wpe.weight, None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x: torch.Tensor = self.wte(tokens)
+        x = embed(tokens, self.wte.weight, self.tp, self.padding_idx)
         if self.project_in is not None:
             x = self.project_in(x)
         if self.wpe is not None:
@@ -196,39 +210,50 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Global layer L+1: final norm, LM head and mean cross-entropy; replicated on TP ranks."""
+    """Global layer L+1: final norm (replicated), LM head split by vocabulary over the TP
+    ranks, and the mean cross entropy (vocab-parallel at TP > 1)."""
 
-    def __init__(self, spec: ModelSpec, arch: Architecture = _OWN) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPContext = _NO_TP, arch: Architecture = _OWN) -> None:
         super().__init__()
         width = arch.embed_dim or spec.hidden_size
+        self.tp = tp
+        self.vocab_size = spec.vocab_size
         self.norm = _norm(spec, arch) if arch.final_norm else None
         self.project_out: nn.Linear | None = None
         if width != spec.hidden_size:
             self.project_out = nn.Linear(spec.hidden_size, width, bias=False)
-        self.lm_head = nn.Linear(width, spec.vocab_size, bias=False)
+        self.lm_head = nn.Linear(width, rows_per_rank(spec.vocab_size, tp), bias=False)
         for p in self.parameters():
             set_tp_dim(p, None)
+        set_tp_dim(self.lm_head.weight, 0)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's vocabulary rows (padding included)."""
         if self.norm is not None:
             x = self.norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        logits: torch.Tensor = self.lm_head(x)
+        logits: torch.Tensor = self.lm_head(copy_to_tp(x, self.tp))
         return logits
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The real vocabulary's logits (TP 1 only: at TP > 1 a rank holds a slice)."""
+        if self.tp.size != 1:
+            raise ValueError(f"whole logits need TP 1, this head has TP {self.tp.size}")
+        return self.local_logits(x)[..., : self.vocab_size]
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(x).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        logits = self.local_logits(x).float()
+        return vocab_cross_entropy(logits, labels, self.vocab_size, self.tp)
 
 
 def build_layer(spec: ModelSpec, layer: int, tp: TPContext, arch: Architecture = _OWN) -> nn.Module:
     """The module of one global layer (sharded for ``tp``), uninitialised."""
     kind = spec.layer_kind(layer)
     if kind == "embedding":
-        return Embedding(spec, arch)
+        return Embedding(spec, tp, arch)
     if kind == "head":
-        return Head(spec, arch)
+        return Head(spec, tp, arch)
     return Block(spec, tp, arch)
 
 
@@ -309,6 +334,7 @@ def _seed_of(seed: int, name: str) -> int:
 def full_init(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The full (unsharded) initial value of parameter ``name`` ("{layer}.{param}")."""
     _, pname = name.split(".", 1)
+    vocab_matrix = pname in ("wte.weight", "lm_head.weight")
     if spec.tie_embeddings and pname == "lm_head.weight":
         name = "0.wte.weight"
     # on the host whatever the default device (a stage is built on its GPU): the same
@@ -322,7 +348,10 @@ def full_init(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> 
     std = _INIT_STD
     if pname.startswith(("attn_out", "mlp_out")):
         std = _INIT_STD / (2 * spec.num_layers) ** 0.5  # GPT-2 residual scaling
-    return torch.randn(shape, generator=g, device="cpu") * std
+    full = torch.randn(shape, generator=g, device="cpu") * std
+    if vocab_matrix:  # the real rows as drawn unpadded (row-major), the padding zero
+        full[spec.vocab_size :] = 0.0
+    return full
 
 
 def shard(full: torch.Tensor, tp_dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:

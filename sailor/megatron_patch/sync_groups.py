@@ -11,7 +11,7 @@ artifact, which slices gradients along each tensor's TP dimension per group.) Th
 tensor layout must make any contiguous chunk along the TP dim a valid shard; the model
 keeps q, k, v (and swiglu's gate and up) as separate matrices for that reason.
 
-Parameters replicated across TP ranks (norms, row-parallel biases, embeddings, LM head):
+Parameters replicated across TP ranks (norms, row-parallel biases, position embeddings):
 when every holder has the same TP degree they ride along in chunk group ``c = tp_rank``
 (the classic per-stage data-parallel group). With mixed TP they are all-reduced in one
 **replicated group** of all holder ranks, each rank contributing ``grad / tp``: TP ranks hold
@@ -19,9 +19,13 @@ bitwise-identical copies and ``tp`` is a power of two, so the division is exact 
 sum is the plain sum over replicas.
 
 With tied embeddings, layer 0's ``wte.weight`` and the head's ``lm_head.weight`` are two
-copies kept equal: one **tied group** of every rank holding layer 0 or the head, each
-contributing the sum of the tied gradients it holds divided by its TP degree, and both
-copies take the result. They are left out of their segments' groups.
+copies kept equal, both split by vocabulary rows over their stage's TP ranks (tp_dim 0).
+They are left out of their segments' groups and reduced in **tied groups**, chunked like the
+segments' groups over every replica holding layer 0 or the head (``T`` = the largest TP
+degree among them): tied group ``c`` has the rank of each such replica whose shard holds
+row chunk ``c`` of ``T``, and each rank contributes the sum of the tied gradients it holds
+(one copy, or both on a stage holding the whole model) of that chunk; both copies take the
+result.
 
 Weighting by samples is done by the loss scale (each microbatch's mean loss is multiplied
 by ``microbatch_size / global_batch_size``), so every group does a plain SUM.
@@ -66,8 +70,9 @@ class SyncItem:
     For ``chunk`` groups the rank contributes, of every TP-sharded parameter, sub-chunk
     ``sub_chunk`` of ``num_sub_chunks`` of its local shard along the parameter's TP dim (and,
     if ``with_replicated``, its replicated parameters whole). For ``replicated`` groups it
-    contributes its replicated parameters scaled by ``scale``; for ``tied`` groups its tied
-    embedding/head weights summed and scaled by ``scale``.
+    contributes its replicated parameters scaled by ``scale``; for ``tied`` groups sub-chunk
+    ``sub_chunk`` of ``num_sub_chunks`` (along the vocabulary rows) of its tied embedding/head
+    gradients, summed.
     """
 
     group: SyncGroup
@@ -119,24 +124,35 @@ def sync_groups(plan: Plan, tie_embeddings: bool) -> list[SyncGroup]:
                 )
             )
     if tie_embeddings:
-        head = plan.num_layers - 1
-        ranks_set: set[int] = set()
-        for pi, p in enumerate(plan.pipelines):
-            for si, s in enumerate(p.stages):
-                if s.first_layer == 0 or s.last_layer == head:
-                    ranks_set.update(replica_ranks(plan, pi, si))
-        if len(ranks_set) > 1:
-            out.append(
-                SyncGroup(
-                    index=len(out),
-                    kind="tied",
-                    ranks=tuple(sorted(ranks_set)),
-                    first_layer=0,
-                    last_layer=head,
-                    uniform_tp=False,
-                )
-            )
+        out.extend(_tied_groups(plan, len(out)))
     return out
+
+
+def _tied_groups(plan: Plan, first_index: int) -> list[SyncGroup]:
+    """The tied embedding's chunk groups over every replica holding layer 0 or the head."""
+    head = plan.num_layers - 1
+    holders = [
+        (pi, si, s.replica.tp)
+        for pi, p in enumerate(plan.pipelines)
+        for si, s in enumerate(p.stages)
+        if s.first_layer == 0 or s.last_layer == head
+    ]
+    if len(holders) < 2:
+        return []  # one replica holds both copies: its ranks sum them locally
+    big = max(t for _, _, t in holders)
+    return [
+        SyncGroup(
+            index=first_index + c,
+            kind="tied",
+            ranks=tuple(sorted(rank_of(plan, pi, si, c // (big // t)) for pi, si, t in holders)),
+            first_layer=0,
+            last_layer=head,
+            chunk=c,
+            num_chunks=big,
+            uniform_tp=False,
+        )
+        for c in range(big)
+    ]
 
 
 def rank_sync_items(plan: Plan, groups: list[SyncGroup], rank: int) -> list[SyncItem]:
@@ -147,7 +163,7 @@ def rank_sync_items(plan: Plan, groups: list[SyncGroup], rank: int) -> list[Sync
     for g in groups:
         if rank not in g.ranks:
             continue
-        if g.kind == "chunk":
+        if g.kind in ("chunk", "tied"):
             per = g.num_chunks // tp
             first = t * per
             if not first <= g.chunk < first + per:
@@ -157,7 +173,7 @@ def rank_sync_items(plan: Plan, groups: list[SyncGroup], rank: int) -> list[Sync
                     group=g,
                     sub_chunk=g.chunk - first,
                     num_sub_chunks=per,
-                    with_replicated=g.uniform_tp,
+                    with_replicated=g.kind == "chunk" and g.uniform_tp,
                 )
             )
         else:

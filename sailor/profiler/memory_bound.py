@@ -32,10 +32,11 @@ autocast, 4 in fp32; ``s`` sequence, ``h`` hidden, ``f`` FFN inner size, ``V`` v
   gate). A fused attention kernel is
   assumed (flash / memory-efficient on CUDA, the flash kernel on CPU: SDPA picks them for
   these shapes), so no ``a·s²`` score matrix. The embedding's output is fp32 (``4·s·h``);
-  the head keeps its fp32 input, the normalised input, the logits (``e``) and the fp32
-  log-probabilities of the loss (``s·V·(e + 4)``);
+  the head keeps its fp32 input, the normalised input (RMSNorm: and an fp32 intermediate),
+  the norm's statistics and the labels, and the fp32 softmax of its vocabulary rows (``4·s·V'/t``, ``V'`` the vocabulary padded to a multiple of 64: the
+  embedding and head are split by vocabulary, ``megatron_patch.vocab_parallel``);
 * working set of a layer's own backward, per sample: its kept bytes again (the gradients of
-  the same tensors), and for the head the fp32 and cast gradients of the logits;
+  the same tensors), and for the head the gradient of its logits, fp32 and cast;
 * the window: every layer's state, copies and kept bytes at the largest microbatch, plus the
   largest working set (one layer runs its backward at a time).
 
@@ -118,12 +119,26 @@ class LayerBytes:
 
 
 def _params_on_rank(spec: ModelSpec, layer: int, tp: int) -> int:
-    """Parameters one TP rank holds: embedding and head are replicated (megatron_patch), a
-    block is split but for its norms (replicated; counted whole, an upper bound)."""
+    """Parameters one TP rank holds: a block is split but for its norms (replicated;
+    counted whole, an upper bound); the embedding and head are split by vocabulary
+    (megatron_patch.vocab_parallel; up to 63 padding rows, counted) but for their position
+    table and norm (counted whole)."""
     p = spec.layer_params(layer)
-    if spec.layer_kind(layer) != "block" or tp == 1:
+    if spec.layer_kind(layer) != "block":
+        h = spec.hidden_size
+        return p - spec.vocab_size * h + -(-_padded_vocab(spec) * h // tp)
+    if tp == 1:
         return p
     return -(-p // tp) + 4 * spec.hidden_size
+
+
+_VOCAB_MULTIPLE = 64
+"""``megatron_patch.vocab_parallel.VOCAB_MULTIPLE`` (this module imports no torch; a test
+checks they agree)."""
+
+
+def _padded_vocab(spec: ModelSpec) -> int:
+    return -(-spec.vocab_size // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
 
 
 def layer_bytes(spec: ModelSpec, layer: int, tp: int, compute_bytes: int) -> LayerBytes:
@@ -131,7 +146,7 @@ def layer_bytes(spec: ModelSpec, layer: int, tp: int, compute_bytes: int) -> Lay
     if compute_bytes not in (2, 4):
         raise ValueError(f"compute_bytes={compute_bytes}: 2 (bf16/fp16) or 4 (fp32)")
     e = compute_bytes
-    s, h, f, v = spec.seq_length, spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
+    s, h, f = spec.seq_length, spec.hidden_size, spec.ffn_hidden_size
     params = _params_on_rank(spec, layer, tp)
     copies = params * e if e == 2 else 0
     kind = spec.layer_kind(layer)
@@ -139,8 +154,12 @@ def layer_bytes(spec: ModelSpec, layer: int, tp: int, compute_bytes: int) -> Lay
         kept = 4 * s * h
         working = 2 * 4 * s * h
     elif kind == "head":
-        kept = 4 * s * h + e * s * h + s * v * (e + 4)
-        working = 4 * s * h + s * v * (e + 4)
+        rows = -(-_padded_vocab(spec) // tp)
+        # + the norm's statistics, the int64 labels and the loss's scalars (24·s bounds them);
+        # RMSNorm runs as composite ops that keep an fp32 intermediate
+        kept = 4 * s * h + e * s * h + 4 * s * rows + 24 * s
+        kept += 4 * s * h if spec.norm == "rmsnorm" else 0
+        working = 4 * s * h + s * rows * (e + 4)
     else:
         # per rank: q, k, v, attention output and its contiguous copy (the out-projection's
         # input); rotary: the rotated q and k; GQA: k and v repeated to every head

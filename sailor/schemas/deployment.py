@@ -128,13 +128,13 @@ class DeploymentStructure(Frozen):
         default=True,
         description=(
             "The embedding and the LM head are split over a stage's TP ranks by vocabulary, "
-            "with a vocab-parallel cross entropy (Megatron; the default: what imported and "
-            "estimated layer sizes describe). False (Sailor's engine, as the catalog's "
-            "built-in calibration and its 'sailor' deployment say, "
-            "megatron_patch.model): every TP rank holds the whole embedding and head, "
-            "computes the full logits and an fp32 log-softmax, keeps the log-probabilities "
-            "for the backward, whose first step holds the logits' gradient and the "
-            "log-softmax's beside them (the head's working set is three times what it keeps)."
+            "with a vocab-parallel cross entropy (Megatron, and Sailor's engine: "
+            "megatron_patch.vocab_parallel; the default: what imported and estimated layer "
+            "sizes describe). False (an engine that replicates them): every TP rank holds "
+            "the whole embedding and head, computes the full logits and an fp32 "
+            "log-softmax, keeps the log-probabilities for the backward, whose first step "
+            "holds the logits' gradient and the log-softmax's beside them (the head's "
+            "working set is three times what it keeps)."
         ),
     )
 

@@ -113,8 +113,13 @@ def estimate_layer_size(
         act = s * v * 4 + s * h * bpe
     elif kind == "head":
         per_rank = (params - v * h) + v * h // tp
-        # logits in compute precision plus fp32 softmax for the loss
-        act = s * (v // tp) * (bpe + 4) + s * h * bpe
+        if activations == "megatron":
+            # logits in compute precision plus the fp32 softmax for the loss
+            act = s * (v // tp) * (bpe + 4) + s * h * bpe
+        else:
+            # Sailor's engine (megatron_patch.vocab_parallel): the fp32 softmax of its rows
+            # alone, the final norm's fp32 input and the head's compute-dtype input
+            act = 4 * s * -(-v // tp) + s * h * (4 + bpe)
     else:
         per_rank = params // tp
         if activations == "engine":

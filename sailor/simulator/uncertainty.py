@@ -201,10 +201,10 @@ def corners(cal: Calibration) -> tuple[tuple[str, Calibration], ...]:
             # (at the prior's low p2p efficiency it charges the measured GH200 pipelined
             # runs more than they took, docs/simulator-model.md section 2), and
             # fp32 gradients on the wire for an autocast engine (an fp16_optimizer one keeps
-            # its 16-bit all-reduce: that is what it does, not a range)
-            # and the embedding and head whole on every TP rank, with the full fp32
-            # log-softmax (Sailor's engine; a vocab-parallel one holds a TP-th of them)
-            update.update(p2p_across_tp="full_copies", vocab_parallel=False)
+            # its 16-bit all-reduce: that is what it does, not a range). The embedding and
+            # head stay as the deployment holds them (both deployments of the catalog split
+            # them by vocabulary: no range either)
+            update.update(p2p_across_tp="full_copies")
             if cal.mixed_precision == "autocast":
                 update.update(grad_allreduce_bytes=4)
         out.append((corner, cal.model_copy(update=update)))

@@ -37,7 +37,9 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.megatron_patch.engine import Trainer
+from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
+from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
 
 __all__ = ["LayerCheckpointIO", "restore_trainer", "trainer_params"]
 
@@ -75,8 +77,11 @@ def restore_trainer(
         return
     params = [(k, p) for k, p in tr.stage.keyed_parameters() if key_layer(k) in wanted]
     dims = {k: d for k, (_t, d) in stage_state(tr.stage).items() if key_layer(k) in wanted}
-    into = _destinations(tr, dims)
     storage = open_storage(root)
+    unpadded = _unpadded_vocab(tr, storage, step, wanted)
+    for key in unpadded:  # read whole, then padded and sliced here
+        dims[key] = None
+    into = _destinations(tr, dims, skip=unpadded)
     if layers is None:
         got = load_for_rank(storage, tr.plan, tr.role.rank, step=step, tp_dims=dims, into=into)
     else:
@@ -98,6 +103,8 @@ def restore_trainer(
             f"checkpoint {step} under {root} was trained with seed={saved_seed}, this run has "
             f"seed={tr.cfg.seed}: resume with the same seed, or start a new run"
         )
+    for key in unpadded:
+        got.params[key] = _pad_and_slice(got.params[key], tr)
     adam_step = float(extra.get("adam_step", got.globals.step))
     if layers is None:  # a whole restore: the run continues from the checkpoint's state
         tr.load_scaling_state(
@@ -121,12 +128,43 @@ def restore_trainer(
             }
 
 
-def _destinations(tr: Trainer, dims: dict[str, int | None]) -> dict[str, ParamState] | None:
+def _unpadded_vocab(tr: Trainer, storage: Any, step: int, wanted: set[int]) -> set[str]:
+    """The vocabulary matrices (embedding, LM head) of ``wanted`` that checkpoint ``step``
+    stores with ``vocab_size`` rows: saved before the engine padded the vocabulary (and split
+    it over TP ranks). They are read whole and padded with zero rows."""
+    spec = tr.stage.spec
+    if padded_vocab(spec.vocab_size) == spec.vocab_size:
+        return set()  # the padded shape is the old shape: the reader slices it as it is
+    head = spec.num_all_layers - 1
+    names = {"0.wte.weight", f"{head}.lm_head.weight"}
+    manifest = read_manifest(storage, step)
+    out: set[str] = set()
+    for layer in sorted(wanted & {0, head}):
+        for t in manifest.shard_of(layer).tensors:
+            key = f"{t.layer}.{t.param}"
+            if key in names and t.kind == "weight" and t.shape[0] == spec.vocab_size:
+                out.add(key)
+    return out
+
+
+def _pad_and_slice(ps: ParamState, tr: Trainer) -> ParamState:
+    """A whole unpadded vocabulary matrix (weight and moments) as this rank's padded shard."""
+    vocab, tp = tr.stage.spec.vocab_size, tr.stage.tp
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return shard(pad_rows(t, vocab), 0, tp.size, tp.rank).clone()
+
+    return ParamState(one(ps.weight), one(ps.exp_avg), one(ps.exp_avg_sq), 0)
+
+
+def _destinations(
+    tr: Trainer, dims: dict[str, int | None], skip: Collection[str] = ()
+) -> dict[str, ParamState] | None:
     """Where a load may write directly: the parameters themselves and fresh moment tensors,
     if every parameter is a contiguous fp32 CPU tensor (what the checkpoint stores)."""
     out: dict[str, ParamState] = {}
     for key, p in tr.stage.keyed_parameters():
-        if key not in dims:
+        if key not in dims or key in skip:
             continue
         if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
             return None

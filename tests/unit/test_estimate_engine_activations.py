@@ -18,7 +18,7 @@ import torch
 from sailor.comm.api import use_backend
 from sailor.comm.strict import DryGroup, StrictBackend
 from sailor.megatron_patch.architecture import Architecture
-from sailor.megatron_patch.model import Block
+from sailor.megatron_patch.model import Block, Head
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas import ModelSpec
 from sailor.simulator.estimate_profile import engine_block_bytes, estimate_layer_size
@@ -44,12 +44,20 @@ def _spec(**kw: object) -> ModelSpec:
 
 
 def _kept_per_sample(
-    spec: ModelSpec, tp: int = 1, autocast: bool = True, arch: Architecture | None = None
+    spec: ModelSpec,
+    tp: int = 1,
+    autocast: bool = True,
+    arch: Architecture | None = None,
+    head: bool = False,
 ) -> float:
-    """Bytes per sample one TP rank's block saves for its backward (weights and their casts
-    left out: their shapes are the weights', transposed or not)."""
+    """Bytes per sample one TP rank's block (or head, with its loss) saves for its backward
+    (weights and their casts left out: their shapes are the weights', transposed or not)."""
     ctx = TPContext() if tp == 1 else TPContext(size=tp, rank=0, group=DryGroup(tuple(range(tp))))
-    block = Block(spec, ctx) if arch is None else Block(spec, ctx, arch)
+    block: torch.nn.Module
+    if head:
+        block = Head(spec, ctx)
+    else:
+        block = Block(spec, ctx) if arch is None else Block(spec, ctx, arch)
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
     shapes |= {s[::-1] for s in shapes}
@@ -69,7 +77,10 @@ def _kept_per_sample(
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
     ):
-        block(x)
+        if head:
+            block(x, torch.randint(0, spec.vocab_size, (BATCH, spec.seq_length)))
+        else:
+            block(x)
     return sum(saved.values()) / BATCH
 
 
@@ -94,6 +105,20 @@ def test_the_engine_estimate_counts_what_the_engine_keeps(
     # attention's output when the layout allows (counted as a copy)
     slack = spec.param_bytes() * spec.seq_length * spec.hidden_size / tp
     assert kept * 0.97 <= est <= kept + slack + 0.01 * kept, (kept, est)
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast bf16", "fp32"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_engine_estimate_counts_what_the_vocab_parallel_head_keeps(
+    tp: int, autocast: bool
+) -> None:
+    """The head split by vocabulary keeps a TP-th of the fp32 softmax, and its inputs."""
+    spec = _spec(precision="bf16" if autocast else "fp32")
+    kept = _kept_per_sample(spec, tp, autocast, head=True)
+    head = spec.num_all_layers - 1
+    est = estimate_layer_size(spec, tp, head, activations="engine").activation_bytes_per_sample
+    # the padded vocabulary (1024 rows for 1000) is kept, the estimate counts the real one
+    assert kept * 0.97 <= est <= kept * 1.01, (kept, est)
 
 
 def test_a_post_norm_block_keeps_as_much() -> None:
@@ -137,7 +162,10 @@ def test_estimated_sizes_take_the_deployments_count_and_the_original_corner_mega
     theirs, _ = layer_sizes(empty, spec, 2)
     assert mine[1].activation_bytes_per_sample == int(engine_block_bytes(spec, 2))
     assert theirs[1].activation_bytes_per_sample > 3 * mine[1].activation_bytes_per_sample
-    assert (mine[0], mine[-1]) == (theirs[0], theirs[-1])  # embedding and head as they were
+    assert mine[0] == theirs[0]  # the embedding as it was
+    # the head: Megatron's count keeps the logits in compute precision too
+    assert mine[-1].params == theirs[-1].params
+    assert mine[-1].activation_bytes_per_sample < theirs[-1].activation_bytes_per_sample
     got = {name: c.activations for name, c in corners(catalog.calibration())}
     assert got == {
         "optimistic": "engine",

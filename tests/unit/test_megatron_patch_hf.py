@@ -277,7 +277,9 @@ def test_an_untied_head_without_its_weight_takes_the_embedding_per_layer(tmp_pat
     stage = GPTStage(spec, last, last, arch=arch)
     load_stage(stage, tmp_path)
     emb = model.state_dict()["model.embed_tokens.weight"]
-    assert torch.equal(dict(stage.keyed_parameters())[f"{last}.lm_head.weight"].detach(), emb)
+    head = dict(stage.keyed_parameters())[f"{last}.lm_head.weight"].detach()
+    assert torch.equal(head[: spec.vocab_size], emb)  # then the padded vocabulary's zero rows
+    assert not head[spec.vocab_size :].any()
 
 
 def test_a_non_zero_dropout_is_refused_by_name() -> None:

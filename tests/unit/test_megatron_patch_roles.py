@@ -123,12 +123,18 @@ def test_sync_groups_of_a_heterogeneous_plan() -> None:
     assert ("replicated", 2, 3, (1, 2, 4)) in kinds
     # Head segment: TP-1 (rank 3) with TP-2 (ranks 5, 6).
     assert ("chunk", 4, 5, (3, 5)) in kinds and ("chunk", 4, 5, (3, 6)) in kinds
-    assert ("tied", 0, 5, (0, 3, 4, 5, 6)) in kinds
+    # Tied copies, split by vocabulary: row chunk c of 2 from each holder of layer 0 or the
+    # head (ranks 0, 3, 4 whole, TP-2 ranks 5 and 6 one chunk each).
+    assert ("tied", 0, 5, (0, 3, 4, 5)) in kinds and ("tied", 0, 5, (0, 3, 4, 6)) in kinds
     items4 = rank_sync_items(HETERO, groups, 4)
     seg23 = [i for i in items4 if i.group.first_layer == 2 and i.group.kind == "chunk"]
     assert [(i.sub_chunk, i.num_sub_chunks) for i in seg23] == [(0, 2), (1, 2)]
     tied = [i for i in rank_sync_items(HETERO, groups, 5) if i.group.kind == "tied"]
-    assert tied[0].scale == 0.5
+    assert [(i.group.chunk, i.sub_chunk, i.num_sub_chunks, i.scale) for i in tied] == [
+        (0, 0, 1, 1.0)
+    ]
+    tied0 = [i for i in rank_sync_items(HETERO, groups, 0) if i.group.kind == "tied"]
+    assert [(i.sub_chunk, i.num_sub_chunks) for i in tied0] == [(0, 2), (1, 2)]
 
 
 def test_one_pipeline_has_no_sync_groups_except_tied() -> None:
@@ -136,7 +142,7 @@ def test_one_pipeline_has_no_sync_groups_except_tied() -> None:
     groups = sync_groups(plan, tie_embeddings=False)
     assert groups == []
     tied = sync_groups(plan, tie_embeddings=True)
-    assert [(g.kind, g.ranks) for g in tied] == [("tied", (0, 1, 2))]
+    assert [(g.kind, g.ranks) for g in tied] == [("tied", (0, 1)), ("tied", (0, 2))]
     single = _plan(([(0, 5, 1)], 2, 2))
     assert sync_groups(single, tie_embeddings=True) == []
 

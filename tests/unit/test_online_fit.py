@@ -142,7 +142,7 @@ def test_transfers_off_the_kept_line_are_matched(eta: float, fixed: float) -> No
     if eta == 1.0:  # past the line's η = 1 point, where the fixed cost is c0 · η0
         assert got[0].value == 1.0
         assert abs(got[1].value - fixed) < kept.p2p_fixed_s * kept.p2p_eta / 100
-    assert abs(fit.error_after) < 0.005 and abs(fit.error_before) > 0.03
+    assert abs(fit.error_after) < 0.01 and abs(fit.error_before) > 0.03
 
 
 def test_successive_fits_stay_on_the_configured_line() -> None:

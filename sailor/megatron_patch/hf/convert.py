@@ -16,6 +16,10 @@ the ``embed_out`` of the published checkpoints, which export keeps).
 Tied embeddings: a checkpoint may omit the head (``lm_head.weight``); the engine's head copy
 is then the embedding. On export a tied head is left out, as ``save_pretrained`` does.
 
+The engine's embedding table and LM head have the padded vocabulary's rows
+(:mod:`~sailor.megatron_patch.vocab_parallel`): zero rows are appended on import and cut on
+export.
+
 Pure functions on tensors; no I/O, no process group.
 """
 
@@ -26,6 +30,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from sailor.megatron_patch.architecture import Architecture
+from sailor.megatron_patch.vocab_parallel import pad_rows, unpad_rows
 from sailor.schemas.model import ModelSpec
 
 __all__ = ["canonical_name", "engine_to_hf", "hf_layer_of", "hf_to_engine"]
@@ -196,6 +201,9 @@ def hf_to_engine(
                 out[f"{head}.lm_head.weight"] = hf[_EMBED[fam]["wte.weight"]]
         else:
             out.update(_block_from_hf(fam, spec, hf, layer))
+    for key in ("0.wte.weight", f"{head}.lm_head.weight"):
+        if key in out:
+            out[key] = pad_rows(out[key], spec.vocab_size)
     return out
 
 
@@ -229,6 +237,8 @@ def engine_to_hf(spec: ModelSpec, arch: Architecture, params: Tensors) -> dict[s
     for key, t in params.items():
         layer_s, mine = key.split(".", 1)
         layer = int(layer_s)
+        if mine in ("wte.weight", "lm_head.weight"):
+            t = unpad_rows(t, spec.vocab_size)
         if layer == 0:
             out[_EMBED[fam][mine]] = t
         elif layer == head and not (spec.tie_embeddings and mine == "lm_head.weight"):

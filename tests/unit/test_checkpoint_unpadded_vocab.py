@@ -1,0 +1,83 @@
+"""A checkpoint saved before the engine padded the vocabulary still resumes.
+
+Before the vocabulary was split over TP ranks, the embedding table and the LM head were
+stored whole (``vocab_size`` rows, no TP dim). A run upgraded mid-training must resume from
+such a checkpoint: ``restore_trainer`` reads those two matrices whole, pads them with zero
+rows and slices its shard. One rank; the "old" checkpoint is this release's state with the
+two matrices cut back to the old shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sailor.checkpoint import Checkpointer, ParamState, TrainingGlobals, open_storage
+from sailor.megatron_patch.engine import TrainConfig, Trainer
+from sailor.megatron_patch.groups import build_process_groups
+from sailor.megatron_patch.model import tiny_model
+from sailor.megatron_patch.roles import role_of
+from sailor.training_process.ckpt_glue import restore_trainer, trainer_params
+from tests.integration.test_in_place_worker import GBS, ONE
+
+VOCAB = 50  # padded to 64
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _trainer(step: int = 0, consumed: int = 0) -> Trainer:
+    spec = tiny_model("tiny-gpt", GBS).model_copy(update={"vocab_size": VOCAB})
+    role = role_of(ONE, 0)
+    groups = build_process_groups(ONE, role, spec.tie_embeddings, 30.0)
+    return Trainer(ONE, spec, role, groups, TrainConfig(), torch.device("cpu"), step, consumed)
+
+
+def test_resumes_from_a_checkpoint_with_unpadded_vocabulary(world: None, tmp_path: Path) -> None:
+    tr = _trainer()
+    list(tr.run(2))
+    head = tr.stage.spec.num_all_layers - 1
+    vocab_keys = {"0.wte.weight", f"{head}.lm_head.weight"}
+    params = trainer_params(tr)
+    old: dict[str, ParamState] = {}
+    for key, ps in params.items():
+        if key in vocab_keys:
+            assert ps.weight.shape[0] == 64 and ps.tp_dim == 0
+            assert not ps.weight[VOCAB:].any() and not ps.exp_avg_sq[VOCAB:].any()
+            ps = ParamState(*(t[:VOCAB].clone() for t in (ps.weight, ps.exp_avg, ps.exp_avg_sq)))
+        old[key] = ps
+    root = str(tmp_path / "ckpt")
+    ck = Checkpointer(open_storage(root), ONE, 0)
+    extra = {"adam_step": tr.adam_step, "seed": tr.cfg.seed, **tr.scaling_state()}
+    ck.save(old, TrainingGlobals(tr.step, tr.consumed_samples, extra))
+    ck.wait()
+    ck.close()
+
+    again = _trainer(tr.step, tr.consumed_samples)
+    restore_trainer(again, root, tr.step)
+    state = again.optimizer.state
+    for (k, a), (_, b) in zip(
+        tr.stage.keyed_parameters(), again.stage.keyed_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), k
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(tr.optimizer.state[a][m], state[b][m]), (k, m)
+    # and it trains on, as the uninterrupted run does
+    list(tr.run(1))
+    list(again.run(1))
+    for (k, a), (_, b) in zip(
+        tr.stage.keyed_parameters(), again.stage.keyed_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), k
