@@ -152,6 +152,30 @@ def test_pipeline_with_64_mib_activations_under_nccl_equals_one_process(
     assert _losses(run, 1) == pytest.approx(ref.losses, rel=1e-4)
 
 
+def test_vocab_split_head_under_nccl_equals_one_process(
+    gpus: Callable[[int], None], tmp_path: Path
+) -> None:
+    """TP 1 -> TP 2 with tied embeddings and a vocabulary the TP-2 head pads (50 rows to 64,
+    rank 1 holding 18 real rows): the vocab-parallel loss's max/sum all-reduces and the tied
+    copies' chunk groups run under NCCL, and the losses equal one process's in fp32."""
+    gpus(3)
+    spec = tiny_model("tiny-gpt", 4).model_copy(update={"vocab_size": 50, "name": "gpt-v50"})
+    layers = spec.num_all_layers
+    plan = _plan(spec.name, [(0, 2, 1), (3, layers - 1, 2)], 2, 2, "fp32", layers)
+    run = launch_local(
+        plan,
+        STEPS,
+        tmp_path,
+        extra_args=["--model", _spec_file(tmp_path, spec)],
+        timeout_s=120,
+        deadline_s=300,
+    )
+    _ok(run)
+    assert run.backend == "nccl"
+    ref = train_reference(spec, 4, STEPS, TrainConfig(), microbatch_size=2)
+    assert _losses(run, 1) == pytest.approx(ref.losses, rel=1e-4)
+
+
 def test_strict_layer_records_a_gpu_run_that_replays_under_nccl_rules(
     gpus: Callable[[int], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
