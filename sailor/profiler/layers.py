@@ -49,7 +49,7 @@ from sailor.profiler.precision import ComputePrecision, compute_precision
 from sailor.profiler.procs import RankFailedError
 from sailor.profiler.timing import STATISTICS, CpuClock, RepeatSettings, Stats, throttle_factor
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
-from sailor.schemas.profile import DeviceOverhead, FrameworkTime, HostSharing
+from sailor.schemas.profile import VOCAB_SPLIT_META, DeviceOverhead, FrameworkTime, HostSharing
 
 __all__ = [
     "LayerRun",
@@ -390,6 +390,9 @@ def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
             f"{run.statistic}, spread = stdev"
         ),
         f"{g}.method": method,
+        # the engine's embedding and head split by vocabulary at these TP degrees (the
+        # simulator notes measured TP > 1 entries without it: an older engine's whole head)
+        **{f"{g}.tp{t}.{VOCAB_SPLIT_META}": "true" for t in sorted({m.tp for m in ms})},
         f"{g}.peak_growth_bytes": json.dumps(peaks, sort_keys=True),
         f"{g}.peak_growth_method": (
             "torch.cuda max_memory_allocated"

@@ -33,8 +33,9 @@ autocast, 4 in fp32; ``s`` sequence, ``h`` hidden, ``f`` FFN inner size, ``V`` v
   assumed (flash / memory-efficient on CUDA, the flash kernel on CPU: SDPA picks them for
   these shapes), so no ``a·s²`` score matrix. The embedding's output is fp32 (``4·s·h``);
   the head keeps its fp32 input, the normalised input (RMSNorm: and an fp32 intermediate),
-  the norm's statistics and the labels, and the fp32 softmax of its vocabulary rows (``4·s·V'/t``, ``V'`` the vocabulary padded to a multiple of 64: the
-  embedding and head are split by vocabulary, ``megatron_patch.vocab_parallel``);
+  the norm's statistics and the labels, and the fp32 softmax of its vocabulary rows
+  (``4·s·V'/t``, ``V'`` the vocabulary padded to a multiple of 64: the embedding and head are
+  split by vocabulary, ``megatron_patch.vocab_parallel``);
 * working set of a layer's own backward, per sample: its kept bytes again (the gradients of
   the same tensors), and for the head the gradient of its logits, fp32 and cast;
 * the window: every layer's state, copies and kept bytes at the largest microbatch, plus the

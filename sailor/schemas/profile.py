@@ -16,6 +16,7 @@ from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.model import LayerKind
 
 __all__ = [
+    "VOCAB_SPLIT_META",
     "DeviceOverhead",
     "FrameworkTime",
     "HostSharing",
@@ -285,6 +286,12 @@ class HostSharing(Frozen):
         if n <= k:
             return self.slowdown[n - 1]
         return self.slowdown[-1] * n / k
+
+
+VOCAB_SPLIT_META = "vocab_parallel"
+"""Profile meta ``"{gpu}.tp{t}.vocab_parallel"``: Sailor's profiler measured that GPU type at TP
+``t`` with the embedding and head split by vocabulary (every run since the engine split them;
+a ``measured`` TP > 1 entry without it timed an older engine's whole head)."""
 
 
 class ProfileDB(Frozen):

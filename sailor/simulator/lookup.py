@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
 from sailor.schemas.deployment import Activations
 from sailor.schemas.device_kind import spec_of
+from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
 
@@ -332,6 +333,12 @@ def _layer_table(
             bmax = grid[tp][-1]
             big, _ = _raw(profiles, gpu_type, tp, bmax, n, grid[tp])
             rows = _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
+        if vocab_parallel and tp > 1 and _measured_whole_ends(profiles, gpu_type, tp, mbs, n):
+            notes.append(
+                f"{tag}: the embedding and head were measured whole on every TP rank (Sailor's "
+                "profiler before the engine split them by vocabulary): priced as measured, up "
+                f"to {tp}x too slow; re-run `sailor profile layers` for {gpu_type} at tp={tp}"
+            )
         rows, spread = _spread_update(rows, sizes)
         if spread:
             notes.append(
@@ -373,6 +380,18 @@ def _layer_table(
     if not vocab_parallel and tp > 1:
         _whole_ends(profiles, model, cal, spec, gpu_type, tp, mbs, activations, grid, out, notes)
     return StageCosts(layers=tuple(out), notes=tuple(notes))
+
+
+def _measured_whole_ends(
+    profiles: ProfileDB, gpu_type: str, tp: int, mbs: int, n_layers: int
+) -> bool:
+    """Whether Sailor's profiler measured the head at ``tp`` before the engine split it: a
+    ``measured`` entry without the split's meta stamp (imported profiles are Megatron's,
+    split; their source is ``imported``)."""
+    if f"{gpu_type}.tp{tp}.{VOCAB_SPLIT_META}" in profiles.meta:
+        return False
+    head = profiles.timing(gpu_type, tp, mbs, n_layers - 1)
+    return head is not None and head.source == "measured"
 
 
 def _whole_ends(

@@ -68,6 +68,10 @@ def test_tp2_layers_run_as_two_gloo_ranks() -> None:
     # q, k, v, MLP-in split by columns, attention-out and MLP-out by rows: half the matrices
     assert block.params < spec.layer_params(1)
     assert db.timing("cpu", 2, 1, 1) is not None
+    # the embedding and head split by vocabulary too, and the run says so
+    head = db.size(2, spec.num_all_layers - 1)
+    assert head is not None and head.params < spec.layer_params(spec.num_all_layers - 1)
+    assert db.meta["cpu.tp2.vocab_parallel"] == "true" and "cpu.tp1.vocab_parallel" not in db.meta
 
 
 @pytest.mark.long

@@ -857,3 +857,29 @@ def test_recompute_keeps_the_heads_activations_and_working_set() -> None:
         return est.memory[1].activations
 
     assert acts(True) == acts(False)
+
+
+def test_a_head_measured_whole_at_tp2_by_an_older_profiler_is_noted() -> None:
+    """Sailor's profiler stamps the TP degrees it measured with the engine's vocabulary split;
+    a ``measured`` TP-2 head without the stamp timed the older engine's whole head, and the
+    simulation says so (it prices what was measured)."""
+    measured = PROFILES.model_copy(
+        update={
+            "timings": tuple(t.model_copy(update={"source": "measured"}) for t in PROFILES.timings)
+        }
+    )
+
+    def notes(db: ProfileDB) -> list[str]:
+        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=2, gpus_per_node=4)
+        stage = Stage(first_layer=0, last_layer=N - 1, replica=rg)
+        pipe = Pipeline(stages=(stage,), microbatch_size=2, num_microbatches=2)
+        plan = Plan(model="tiny", global_batch_size=4, pipelines=(pipe,))
+        est = simulate(plan, MODEL, db, _network(), PRICES, gpu_specs=SPECS)
+        return [n for n in est.notes if "measured whole" in n]
+
+    assert (
+        len(notes(measured)) == 1 and "re-run `sailor profile layers` for A" in notes(measured)[0]
+    )
+    stamped = measured.model_copy(update={"meta": {"A.tp2.vocab_parallel": "true"}})
+    assert notes(stamped) == []
+    assert notes(PROFILES) == []  # imported: Megatron's split head
