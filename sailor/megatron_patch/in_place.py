@@ -41,6 +41,7 @@ from sailor.megatron_patch.state import (
     stage_state,
 )
 from sailor.megatron_patch.tp_layers import tp_dim_of
+from sailor.megatron_patch.vocab_parallel import padded_vocab
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -219,9 +220,16 @@ def state_kinds(adam_step: int) -> tuple[str, ...]:
 
 def exchange_layer_bytes(spec: ModelSpec, adam_step: int) -> Callable[[int], int]:
     """What a receiver takes in for one layer: the full layer (all old TP shards) in fp32,
-    per kind (:func:`state_kinds`)."""
+    per kind (:func:`state_kinds`); the embedding and head with the padded vocabulary's rows
+    (``vocab_parallel``: counted at the model's width, which bounds a narrower embedding)."""
     n = 4 * len(state_kinds(adam_step))
-    return lambda layer: spec.layer_params(layer) * n
+    pad = (padded_vocab(spec.vocab_size) - spec.vocab_size) * spec.hidden_size
+
+    def of(layer: int) -> int:
+        extra = pad if spec.layer_kind(layer) != "block" else 0
+        return (spec.layer_params(layer) + extra) * n
+
+    return of
 
 
 EXCHANGE_BUCKET_BYTES = 1 << 30

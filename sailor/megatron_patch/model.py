@@ -99,7 +99,8 @@ class Embedding(nn.Module):
         super().__init__()
         width = arch.embed_dim or spec.hidden_size
         self.tp = tp
-        self.padding_idx = arch.padding_idx
+        pad = arch.padding_idx  # a negative one counts from the end, as nn.Embedding's
+        self.padding_idx = pad + spec.vocab_size if pad is not None and pad < 0 else pad
         # the table's rows only: ``nn.Embedding``'s padding_idx is a local row, applied in
         # ``embed`` (a shard may not hold it)
         self.wte = nn.Embedding(rows_per_rank(spec.vocab_size, tp), width)

@@ -9,8 +9,9 @@ the block (:class:`~sailor.megatron_patch.tp_layers.TPContext` over a real proce
 all running the same forwards and backwards, so the block's all-reduces (one in forward
 after the row-parallel matmuls, one in backward of the column-parallel input) are part of
 the measured time, as is the contention of ``t`` ranks on one host. The embedding and the
-head are replicated on the TP ranks of a stage (``megatron_patch.model``), so at TP ``t``
-they are the tp=1 layer run by ``t`` ranks at once; they are measured that way too.
+head are split by vocabulary over the TP ranks (``megatron_patch.vocab_parallel``): their
+all-reduces (the embedding's sum, the loss's max, sum and target logit) are measured the same
+way.
 
 Every rank must run the same number of repetitions (a block's all-reduce pairs them), so
 the adaptive "repeat until ``min_time_s``" rule is replaced by a fixed count. The result per

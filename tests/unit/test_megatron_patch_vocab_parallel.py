@@ -155,3 +155,15 @@ def test_the_profilers_bound_counts_a_tp_th_of_the_vocabulary() -> None:
             held = sum(p.numel() for p in stage.parameters())
             bound = layer_bytes(spec, layer, tp, 4).state // STATE_BYTES_PER_PARAM
             assert held <= bound <= held + 4 * spec.hidden_size, (tp, layer, held, bound)
+
+
+def test_a_negative_padding_idx_counts_from_the_end() -> None:
+    """As ``nn.Embedding(padding_idx=-1)``: the last real row gets no gradient."""
+    from sailor.megatron_patch.architecture import Architecture
+    from sailor.megatron_patch.model import Embedding
+
+    spec = _spec(50, False)  # padded to 64: -1 is row 49, not the last padded row
+    emb = Embedding(spec, arch=Architecture(padding_idx=-1))
+    emb(torch.tensor([[49, 48, 49]])).sum().backward()
+    grad = emb.wte.weight.grad
+    assert grad is not None and not grad[49].any() and grad[48].any()

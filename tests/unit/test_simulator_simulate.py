@@ -883,3 +883,38 @@ def test_a_head_measured_whole_at_tp2_by_an_older_profiler_is_noted() -> None:
     stamped = measured.model_copy(update={"meta": {"A.tp2.vocab_parallel": "true"}})
     assert notes(stamped) == []
     assert notes(PROFILES) == []  # imported: Megatron's split head
+
+
+def test_tied_allreduce_moves_the_split_matrix_once_per_node() -> None:
+    """Split by vocabulary, the tied matrix is reduced in TP-many chunk groups: a node moves
+    it once whatever the TP degree; replicated, each TP rank reduces all of it."""
+    from sailor.schemas.network import BandwidthCurve as Curve
+
+    tied = MODEL.model_copy(update={"tie_embeddings": True})
+    net = NetworkProfile(
+        links=tuple(
+            ln.model_copy(update={"curve": Curve(coeffs=(0, 0, 1.0), max_gbps=1.0)})
+            for ln in _network().links
+        ),
+        intra_node=_network().intra_node,
+    )
+
+    def extra(tp: int, vocab_parallel: bool) -> float:
+        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=tp, gpus_per_node=4)
+        stages = (
+            Stage(first_layer=0, last_layer=2, replica=rg),
+            Stage(first_layer=3, last_layer=N - 1, replica=rg),
+        )
+        plan = Plan(
+            model="tiny",
+            global_batch_size=4,
+            pipelines=(Pipeline(stages=stages, microbatch_size=1, num_microbatches=4),),
+        )
+        off = Calibration(vocab_parallel=vocab_parallel)
+        on = off.model_copy(update={"tied_allreduce": True})
+        a = simulate(plan, tied, PROFILES, net, PRICES, calibration=off)
+        b = simulate(plan, tied, PROFILES, net, PRICES, calibration=on)
+        return b.iteration_time_s - a.iteration_time_s
+
+    assert extra(2, True) == pytest.approx(extra(1, True), rel=1e-6)
+    assert extra(2, False) == pytest.approx(2 * extra(1, False), rel=1e-6)
