@@ -43,6 +43,7 @@ from sailor.simulator.memory import (
     held_output_bytes,
     state_bytes_per_param,
     weight_copy_bytes,
+    weight_grad_bytes,
 )
 from sailor.simulator.network_model import inter_curve, intra_curve
 
@@ -118,6 +119,7 @@ class LayerArrays:
     act_layer: FloatArray  # per layer: activation bytes per sample
     per_mb: FloatArray  # bytes per microbatch in flight (autocast weight copies)
     held_out: FloatArray  # per layer: output bytes per sample held if a stage ends there
+    grad_t: FloatArray  # per layer: its backward's weight-gradient transient (bytes)
     out_layer: FloatArray  # per layer: bytes per sample sent to the next stage
     estimated: bool
 
@@ -274,6 +276,14 @@ class CostTables:
                 ]
             ),
             per_mb=np.concatenate([z, np.cumsum(per_mb)]),
+            grad_t=np.array(
+                [
+                    float(
+                        weight_grad_bytes(model, layer, tp, cal.vocab_parallel, cal.mixed_precision)
+                    )
+                    for layer in range(model.num_all_layers)
+                ]
+            ),
             out_layer=out,
             estimated=costs.estimated or any(s.source == "estimated" for s in sizes),
         )
@@ -326,9 +336,15 @@ class CostTables:
             kappa * (a.mbs * (acts_kept + held) * flights + a.mbs * a.act_layer[None, :])
         )
         copies = (a.per_mb[None, 1:] - a.per_mb[:-1, None]) * flights
+        # the weight-gradient transient of a stage's last layer; on a stage from the embedding,
+        # the embedding's once the later layers' activations of its microbatch are freed
+        # (memory.backward_transient)
+        grad_t = np.repeat(a.grad_t[None, :], len(a.grad_t), axis=0)
+        freed = a.mbs * (a.act[1:] - a.act[1])
+        grad_t[0, 1:] = np.maximum(a.grad_t[1:], a.grad_t[0] - freed[1:])
         state_b, step_b, _ = self.state_bytes(a.gpu_type)
         state = params * state_b
-        total = np.maximum(state + acts + copies, state + params * step_b)
+        total = np.maximum(state + acts + copies + grad_t, state + params * step_b)
         extra = self.inputs.calibration.extra_state_bytes_per_param
         if extra:
             total = total + np.floor(extra * params)

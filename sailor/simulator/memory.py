@@ -1,6 +1,6 @@
 """Peak memory of one GPU of one stage, with its breakdown.
 
-``M = weights + gradients + optimizer + κ·(b·A·min(S-s, m) + b·a_last) + C·min(S-s, m) + M0``
+``M = weights + gradients + optimizer + κ·(b·A·min(S-s, m) + b·a_last) + C·min(S-s, m) + T + M0``
 (docs/simulator-model.md, section 6):
 
 * model state per parameter held by the GPU (parameters of the stage at its TP degree), by
@@ -30,6 +30,11 @@
   the stage's copies; one layer's, as counted before, was an eighth of it on an 8-block
   stage).
 * ``κ``: caching-allocator factor (reserved / allocated), ``M0``: non-tensor overhead.
+* the weight-gradient transient: under autocast each layer's backward makes its largest
+  weight's gradient in the compute dtype and casts it to fp32 before adding it into the
+  fp32 gradient, ``(e + 4)`` bytes per element for a moment (the embedding: a dense fp32
+  gradient of its table); the stage's last layer's comes at the activations' peak
+  (``backward_transient``); reported as overhead (a transient buffer).
 * During the gradient sync and the optimizer step activations are freed, but FP16_Optimizer
   materialises fp32 gradients (+4 B/param), and under autocast the engine's flat gradient
   buffer of a sync group and its foreach AdamW's temporary take 4 B/param (one after the
@@ -49,12 +54,14 @@ from sailor.schemas.precision import MASTER_BYTES, compute_bytes, keeps_weight_c
 
 __all__ = [
     "MixedPrecision",
+    "backward_transient",
     "backward_working_set",
     "copied_params",
     "held_output_bytes",
     "stage_memory",
     "state_bytes_per_param",
     "weight_copy_bytes",
+    "weight_grad_bytes",
 ]
 
 MixedPrecision = Literal["autocast", "fp16_optimizer"]
@@ -115,6 +122,53 @@ def backward_working_set(model: ModelSpec, last: LayerSize, vocab_parallel: bool
     return act
 
 
+def weight_grad_bytes(
+    model: ModelSpec, layer: int, tp: int, vocab_parallel: bool, scheme: MixedPrecision
+) -> int:
+    """Bytes one TP rank allocates for a moment in the backward of ``layer`` beyond what the
+    stage holds: its largest weight's gradient as autograd makes it, before it is added into
+    the fp32 gradient (zeroed between steps, never freed: ``zero_grad(set_to_none=False)``).
+    Under autocast a matmul's weight gradient comes in the compute dtype and is cast to fp32
+    (``(e + 4)`` bytes per element, both alive at once); the embedding's lookup makes a dense
+    fp32 gradient of its table (4). Measured on CPU on the engine's layers (bf16): the head's
+    backward peaks at 6.0 B per element of its matrix, the embedding's at 4.0. None under
+    ``fp16_optimizer`` (16-bit gradients; in the fitted ``M0``)."""
+    if scheme != "autocast":
+        return 0
+    h, v = model.hidden_size, model.vocab_size
+    kind = model.layer_kind(layer)
+    split = tp if vocab_parallel else 1
+    if kind == "embedding":
+        return MASTER_BYTES * -(-v * h // split)
+    cast = compute_bytes(model.precision) if keeps_weight_copies(model.precision) else 0
+    if kind == "head":
+        largest = -(-v * h // split)
+    else:
+        kv = model.kv_heads * model.head_dim
+        largest = -(-max(h * model.ffn_hidden_size, h * h, h * kv) // tp)
+    return (cast + MASTER_BYTES) * largest
+
+
+def backward_transient(
+    model: ModelSpec,
+    sizes: Sequence[LayerSize],
+    microbatch_size: int,
+    vocab_parallel: bool,
+    scheme: MixedPrecision,
+) -> int:
+    """The weight-gradient transient (:func:`weight_grad_bytes`) at a stage's peak: the last
+    layer's, which runs its backward while every in-flight microbatch's activations are held;
+    or, on a stage starting at the embedding, the embedding's if larger once the microbatch's
+    activations of the later layers are freed (its backward comes last)."""
+    tp = sizes[-1].tp
+    last = weight_grad_bytes(model, sizes[-1].layer, tp, vocab_parallel, scheme)
+    if len(sizes) > 1 and model.layer_kind(sizes[0].layer) == "embedding":
+        first = weight_grad_bytes(model, sizes[0].layer, tp, vocab_parallel, scheme)
+        freed = microbatch_size * sum(s.activation_bytes_per_sample for s in sizes[1:])
+        return max(last, first - freed)
+    return last
+
+
 def stage_memory(
     *,
     model: ModelSpec,
@@ -171,9 +225,10 @@ def stage_memory(
         act_raw = b * (kept + output) * in_flight + b * ws
         copies = sum(per_mb) * in_flight
     acts = int(alloc_factor * act_raw)
-    during_backward = weights + grads + optim + acts + copies
+    grad_t = backward_transient(model, sizes, b, vocab_parallel, scheme)
+    during_backward = weights + grads + optim + acts + copies + grad_t
     during_step = weights + grads + optim + params * step_b
-    transient = max(0, during_step - during_backward)
+    transient = grad_t + max(0, during_step - during_backward)
     # bytes per parameter a deployment holds beyond the engine's state (Calibration)
     overhead = overhead_bytes + transient + int(extra_state_bytes_per_param * params)
     total = weights + grads + optim + acts + copies + overhead

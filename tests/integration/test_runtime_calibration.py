@@ -122,7 +122,10 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
         for r in cluster.records()
         if r["kind"] == "replan_decision" and r["reconfigure"] and r["generation"] == gen
     )
-    assert decision["improvement"] > 0.2 and decision["gain_s"] > decision["threshold_s"]
+    # a real gain, past the controller's threshold: 13% since the engine's LM head was split
+    # by vocabulary (the new layout puts it on the V100, which holds it in every corner now;
+    # 20-48% before, with other layouts)
+    assert decision["improvement"] > 0.1 and decision["gain_s"] > decision["threshold_s"]
 
     # the new layout reports; its fits find nothing better: no second replan
     await cluster.wait_record(

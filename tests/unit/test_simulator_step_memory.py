@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from sailor import catalog
 from sailor.schemas import LayerSize
-from sailor.simulator.memory import held_output_bytes, stage_memory, state_bytes_per_param
+from sailor.simulator.memory import (
+    held_output_bytes,
+    stage_memory,
+    state_bytes_per_param,
+    weight_grad_bytes,
+)
 
 
 def _block(params: int, act: int) -> LayerSize:
@@ -56,6 +61,9 @@ def test_a_stage_with_few_activations_peaks_in_the_step() -> None:
     # tiny activations: the step's 4 B/param buffer sets the peak (as overhead)
     total, over = peak(1000)
     assert total == state + params * 4 and over == params * 4 - 2 * 1000 - out
-    # large activations: the backward sets it, no transient on top
+    # large activations: the backward sets it, with its weight-gradient transient on top (the
+    # block's largest matrix, h x f, as an fp32 gradient: fp32 training makes no cast)
+    grad_t = weight_grad_bytes(model, 1, 1, True, "autocast")
+    assert grad_t == 4 * model.hidden_size * model.ffn_hidden_size
     total, over = peak(10 * params)
-    assert over == 0 and total == state + 2 * 10 * params + out
+    assert over == grad_t and total == state + 2 * 10 * params + out + grad_t

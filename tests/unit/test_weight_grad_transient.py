@@ -1,0 +1,65 @@
+"""The weight-gradient transient the simulator adds at a stage's backward peak, against the
+engine's own layers on CPU.
+
+With gradients kept between steps (``zero_grad(set_to_none=False)``), a layer's backward
+makes its weight's gradient as autograd computes it (in the compute dtype under autocast,
+then cast to fp32) and adds it into the fp32 gradient: for a moment the GPU holds ``(e + 4)``
+bytes per element of its largest matrix beside everything else. The layers here keep few
+activations (a sequence of 2, a wide vocabulary and MLP), so the transient and autocast's
+weight copies are what their backward's peak is made of; the simulator must count both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sailor.megatron_patch.model import GPTStage, tiny_model
+from sailor.profiler.memory import peak_growth_bytes
+from sailor.simulator.memory import copied_params, weight_copy_bytes, weight_grad_bytes
+
+SPEC = tiny_model("tiny-gpt").model_copy(
+    update={
+        "vocab_size": 8192,
+        "hidden_size": 64,
+        "ffn_hidden_size": 1024,
+        "seq_length": 2,
+        "precision": "bf16",
+    }
+)
+
+
+def _peak(layer: int, autocast: bool) -> int:
+    stage = GPTStage(SPEC, layer, layer)
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)  # as between the engine's steps
+    s, h, v = SPEC.seq_length, SPEC.hidden_size, SPEC.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, v, (1, s), generator=gen) if layer == 0 else torch.randn(1, s, h) * 1.0
+    labels = torch.randint(0, v, (1, s), generator=gen)
+    head = layer == SPEC.num_all_layers - 1
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = stage(x, labels) if head else stage(x)
+        (out if head else out.float().sum()).backward()
+
+    step()
+    return peak_growth_bytes(step, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["embedding", "block", "head"])
+def test_the_backward_peak_holds_the_weight_gradient_transient(kind: str, autocast: bool) -> None:
+    layer = {"embedding": 0, "block": 1, "head": SPEC.num_all_layers - 1}[kind]
+    spec = SPEC if autocast else SPEC.model_copy(update={"precision": "fp32"})
+    want = weight_grad_bytes(spec, layer, 1, True, "autocast")
+    got = _peak(layer, autocast)
+    # beside it, at most: autocast's copies of the layer's other weights, held until their
+    # own backward (the simulator's weight copies), and a few activations (sequence of 2)
+    copies = weight_copy_bytes(spec, copied_params(spec, layer, spec.layer_params(layer)))
+    assert want <= got <= 1.15 * (want + copies), (kind, got, want, copies)
+
+
+def test_no_transient_is_added_under_fp16_optimizer() -> None:
+    assert weight_grad_bytes(SPEC, SPEC.num_all_layers - 1, 1, True, "fp16_optimizer") == 0
