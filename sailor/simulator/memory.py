@@ -30,11 +30,11 @@
   the stage's copies; one layer's, as counted before, was an eighth of it on an 8-block
   stage).
 * ``κ``: caching-allocator factor (reserved / allocated), ``M0``: non-tensor overhead.
-* the weight-gradient transient: under autocast each layer's backward makes its largest
-  weight's gradient in the compute dtype and casts it to fp32 before adding it into the
-  fp32 gradient, ``(e + 4)`` bytes per element for a moment (the embedding: a dense fp32
-  gradient of its table); the stage's last layer's comes at the activations' peak
-  (``backward_transient``); reported as overhead (a transient buffer).
+* the weight-gradient transient: each layer's backward makes its largest weight's gradient
+  and casts it to fp32 before adding it into the kept fp32 gradient; beyond the weight
+  copies (the layer's own is released first) that is 4 bytes per element for a moment (the
+  embedding: a dense fp32 gradient of its table); the stage's last layer's comes at the
+  activations' peak (``backward_transient``); reported as overhead (a transient buffer).
 * During the gradient sync and the optimizer step activations are freed, but FP16_Optimizer
   materialises fp32 gradients (+4 B/param), and under autocast the engine's flat gradient
   buffer of a sync group and its foreach AdamW's temporary take 4 B/param (one after the
@@ -126,27 +126,26 @@ def weight_grad_bytes(
     model: ModelSpec, layer: int, tp: int, vocab_parallel: bool, scheme: MixedPrecision
 ) -> int:
     """Bytes one TP rank allocates for a moment in the backward of ``layer`` beyond what the
-    stage holds: its largest weight's gradient as autograd makes it, before it is added into
-    the fp32 gradient (zeroed between steps, never freed: ``zero_grad(set_to_none=False)``).
-    Under autocast a matmul's weight gradient comes in the compute dtype and is cast to fp32
-    (``(e + 4)`` bytes per element, both alive at once); the embedding's lookup makes a dense
-    fp32 gradient of its table (4). Measured on CPU on the engine's layers (bf16): the head's
-    backward peaks at 6.0 B per element of its matrix, the embedding's at 4.0. None under
-    ``fp16_optimizer`` (16-bit gradients; in the fitted ``M0``)."""
+    stage is counted to hold: its largest weight's gradient cast to fp32, before it is added
+    into the fp32 gradient (kept between steps, ``zero_grad(set_to_none=False)``). Under
+    autocast a matmul's weight gradient comes in the compute dtype, and the weight's autocast
+    copy (counted in the weight copies) is released before the cast to fp32 runs: the peak
+    beyond the copies is the fp32 gradient, 4 bytes per element; in fp32 training the
+    gradient is fp32 as made (4); the embedding's lookup makes a dense fp32 gradient of its
+    table (4). Measured on CPU on the engine's layers (bf16): the head's backward peaks at 6.0
+    B per element of its matrix (its 2-byte copy and this transient), the embedding's at 4.0.
+    None under ``fp16_optimizer`` (16-bit gradients; in the fitted ``M0``)."""
     if scheme != "autocast":
         return 0
     h, v = model.hidden_size, model.vocab_size
     kind = model.layer_kind(layer)
     split = tp if vocab_parallel else 1
-    if kind == "embedding":
-        return MASTER_BYTES * -(-v * h // split)
-    cast = compute_bytes(model.precision) if keeps_weight_copies(model.precision) else 0
-    if kind == "head":
+    if kind in ("embedding", "head"):
         largest = -(-v * h // split)
     else:
         kv = model.kv_heads * model.head_dim
         largest = -(-max(h * model.ffn_hidden_size, h * h, h * kv) // tp)
-    return (cast + MASTER_BYTES) * largest
+    return MASTER_BYTES * largest
 
 
 def backward_transient(

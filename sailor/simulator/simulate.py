@@ -873,8 +873,9 @@ def _tied_allreduce(
     With ``vocab_parallel`` the ``vocab x hidden`` matrix is split over a stage's TP ranks and
     reduced in ``T`` chunk groups (``T`` the largest TP degree among the holders), one
     ``V·h/T`` chunk per rank each, as a segment's TP-sharded parameters are: a node moves the
-    whole matrix once. Without it the matrix is replicated on the TP ranks of a stage, each
-    reducing it whole. The ring is modelled over the stages' nodes, as for a segment.
+    whole matrix once, and a GPU of a TP-``t`` holder ``V·h/t``. Without it the matrix is
+    replicated on the TP ranks of a stage, each reducing it whole. The ring is modelled over
+    the stages' nodes, as for a segment.
     """
     if not model.tie_embeddings:
         return None
@@ -889,12 +890,13 @@ def _tied_allreduce(
         return None  # one stage holds both copies: a local sum
     groups = [plan.pipelines[pi].stages[si].replica for pi, si in holders]
     n_el = float(model.vocab_size * model.hidden_size)
-    big = max(g.tp for g in groups)
     if inp.cal.vocab_parallel:
         node_bytes = n_el * _grad_bytes(model, inp.cal)
-        n_el /= big  # the elements of one chunk group's all-reduce
+        # a TP-t holder's GPU takes part in T/t chunk groups in turn: V·h/t elements, the
+        # most on the smallest TP degree (what a per-GPU ring moves)
+        n_el /= min(g.tp for g in groups)
     else:
-        node_bytes = big * n_el * _grad_bytes(model, inp.cal)
+        node_bytes = max(g.tp for g in groups) * n_el * _grad_bytes(model, inp.cal)
     eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
     if inp.cal.ring_links == "per_gpu":
         groups, node_bytes = _per_gpu(groups, {}), n_el * _grad_bytes(model, inp.cal)

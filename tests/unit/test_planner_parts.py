@@ -32,12 +32,19 @@ def _tables(vocab_parallel: bool = True, **kw: object) -> tuple[CostTables, obje
     return CostTables(inp), env
 
 
+@pytest.mark.parametrize("vocab", [128, 262144])
 @pytest.mark.parametrize("vocab_parallel", [True, False])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_vectorized_memory_equals_the_simulators(tp: int, vocab_parallel: bool) -> None:
-    """Also without a vocab-parallel head (Sailor's engine): the embedding and head whole
-    on each TP rank, the head's backward working set twice its kept bytes."""
+def test_vectorized_memory_equals_the_simulators(tp: int, vocab_parallel: bool, vocab: int) -> None:
+    """Also without a vocab-parallel head: the embedding and head whole on each TP rank, the
+    head's backward working set twice its kept bytes. A wide vocabulary makes the
+    embedding's weight-gradient transient decide on stages that start at it."""
     tables, env = _tables(vocab_parallel)
+    if vocab != 128:
+        model = env.model.model_copy(update={"vocab_size": vocab})  # type: ignore[attr-defined]
+        env = dataclasses.replace(env, model=model)  # type: ignore[type-var]
+        inp = dataclasses.replace(tables.inputs, model=model)
+        tables = CostTables(inp)
     arr = tables.arrays("slow", tp, 2)
     assert arr is not None
     vp = tables.inputs.calibration.vocab_parallel

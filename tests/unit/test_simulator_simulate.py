@@ -887,7 +887,8 @@ def test_a_head_measured_whole_at_tp2_by_an_older_profiler_is_noted() -> None:
 
 def test_tied_allreduce_moves_the_split_matrix_once_per_node() -> None:
     """Split by vocabulary, the tied matrix is reduced in TP-many chunk groups: a node moves
-    it once whatever the TP degree; replicated, each TP rank reduces all of it."""
+    it once whatever the TP degree, a GPU of a TP-t holder a t-th of it (one per-GPU ring:
+    the smallest TP degree's share); replicated, each TP rank reduces all of it."""
     from sailor.schemas.network import BandwidthCurve as Curve
 
     tied = MODEL.model_copy(update={"tie_embeddings": True})
@@ -899,22 +900,29 @@ def test_tied_allreduce_moves_the_split_matrix_once_per_node() -> None:
         intra_node=_network().intra_node,
     )
 
-    def extra(tp: int, vocab_parallel: bool) -> float:
-        rg = ReplicaGroup(gpu_type="A", zone="z-a", tp=tp, gpus_per_node=4)
-        stages = (
-            Stage(first_layer=0, last_layer=2, replica=rg),
-            Stage(first_layer=3, last_layer=N - 1, replica=rg),
+    def extra(tps: tuple[int, int], vocab_parallel: bool, rings: str = "node") -> float:
+        stages = tuple(
+            Stage(
+                first_layer=a,
+                last_layer=b,
+                replica=ReplicaGroup(gpu_type="A", zone="z-a", tp=t, gpus_per_node=4),
+            )
+            for (a, b), t in zip(((0, 2), (3, N - 1)), tps, strict=True)
         )
         plan = Plan(
             model="tiny",
             global_batch_size=4,
             pipelines=(Pipeline(stages=stages, microbatch_size=1, num_microbatches=4),),
         )
-        off = Calibration(vocab_parallel=vocab_parallel)
+        off = Calibration(vocab_parallel=vocab_parallel, ring_links=rings)
         on = off.model_copy(update={"tied_allreduce": True})
         a = simulate(plan, tied, PROFILES, net, PRICES, calibration=off)
         b = simulate(plan, tied, PROFILES, net, PRICES, calibration=on)
         return b.iteration_time_s - a.iteration_time_s
 
-    assert extra(2, True) == pytest.approx(extra(1, True), rel=1e-6)
-    assert extra(2, False) == pytest.approx(2 * extra(1, False), rel=1e-6)
+    assert extra((2, 2), True) == pytest.approx(extra((1, 1), True), rel=1e-6)
+    assert extra((2, 2), False) == pytest.approx(2 * extra((1, 1), False), rel=1e-6)
+    # per-GPU rings: the TP-1 holder's GPU moves the whole matrix, as between two TP-1 ones
+    one = extra((1, 1), True, "per_gpu")
+    assert extra((1, 2), True, "per_gpu") == pytest.approx(one, rel=1e-6)
+    assert extra((2, 2), True, "per_gpu") == pytest.approx(one / 2, rel=1e-6)

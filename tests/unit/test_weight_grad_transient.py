@@ -3,10 +3,12 @@ engine's own layers on CPU.
 
 With gradients kept between steps (``zero_grad(set_to_none=False)``), a layer's backward
 makes its weight's gradient as autograd computes it (in the compute dtype under autocast,
-then cast to fp32) and adds it into the fp32 gradient: for a moment the GPU holds ``(e + 4)``
-bytes per element of its largest matrix beside everything else. The layers here keep few
+then cast to fp32) and adds it into the fp32 gradient: beyond autocast's weight copies (the
+layer's own is released before the cast) the GPU holds 4 bytes per element of its largest
+matrix for a moment. The layers here keep few
 activations (a sequence of 2, a wide vocabulary and MLP), so the transient and autocast's
-weight copies are what their backward's peak is made of; the simulator must count both.
+weight copies are what their backward's peak is made of: the simulator's two terms must
+match it, neither short nor over.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def test_the_backward_peak_holds_the_weight_gradient_transient(kind: str, autoca
     spec = SPEC if autocast else SPEC.model_copy(update={"precision": "fp32"})
     want = weight_grad_bytes(spec, layer, 1, True, "autocast")
     got = _peak(layer, autocast)
-    # beside it, at most: autocast's copies of the layer's other weights, held until their
-    # own backward (the simulator's weight copies), and a few activations (sequence of 2)
+    # with autocast's copies of the layer's weights (the simulator's weight copies: the
+    # largest one's is released before its gradient's cast) and a few activations (sequence
+    # of 2); the transient alone is not more than what the layer holds at its peak
     copies = weight_copy_bytes(spec, copied_params(spec, layer, spec.layer_params(layer)))
-    assert want <= got <= 1.15 * (want + copies), (kind, got, want, copies)
+    assert 0.97 * (want + copies) <= got <= 1.15 * (want + copies), (kind, got, want, copies)
 
 
 def test_no_transient_is_added_under_fp16_optimizer() -> None:
