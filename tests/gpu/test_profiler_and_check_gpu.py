@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from sailor import catalog
@@ -99,3 +100,16 @@ def test_sailor_check_passes_on_a_gpu_host(gpus: Callable[[int], None]) -> None:
     assert report["facts"]["devices"], report["facts"]
     assert len(report["facts"]["devices"]) == torch.cuda.device_count()
     assert out.returncode == (0 if report["serves"] else 1)
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["embedding", "block", "head"])
+def test_the_backward_peak_holds_the_weight_gradient_transient_on_cuda(
+    gpus: Callable[[int], None], kind: str, autocast: bool
+) -> None:
+    """The simulator's weight copies + weight-gradient transient against the CUDA caching
+    allocator's peak of one layer's forward and backward (the CPU test's bounds)."""
+    gpus(1)
+    from tests.unit.test_weight_grad_transient import check_peak
+
+    check_peak(kind, autocast, torch.device("cuda", 0))

@@ -31,32 +31,40 @@ SPEC = tiny_model("tiny-gpt").model_copy(
 )
 
 
-def _peak(layer: int, autocast: bool) -> int:
-    stage = GPTStage(SPEC, layer, layer)
+def _peak(layer: int, autocast: bool, device: torch.device | None = None) -> int:
+    device = device or torch.device("cpu")
+    stage = GPTStage(SPEC, layer, layer).to(device)
     for p in stage.parameters():
         p.grad = torch.zeros_like(p)  # as between the engine's steps
     s, h, v = SPEC.seq_length, SPEC.hidden_size, SPEC.vocab_size
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, v, (1, s), generator=gen) if layer == 0 else torch.randn(1, s, h) * 1.0
-    labels = torch.randint(0, v, (1, s), generator=gen)
+    x = x.to(device)
+    labels = torch.randint(0, v, (1, s), generator=gen).to(device)
     head = layer == SPEC.num_all_layers - 1
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = stage(x, labels) if head else stage(x)
         (out if head else out.float().sum()).backward()
 
     step()
-    return peak_growth_bytes(step, torch.device("cpu"))
+    return peak_growth_bytes(step, device)
 
 
 @pytest.mark.parametrize("autocast", [True, False], ids=["autocast bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["embedding", "block", "head"])
 def test_the_backward_peak_holds_the_weight_gradient_transient(kind: str, autocast: bool) -> None:
+    check_peak(kind, autocast, torch.device("cpu"))
+
+
+def check_peak(kind: str, autocast: bool, device: torch.device) -> None:
+    """The measured peak against the simulator's copies + transient (also run on CUDA by
+    ``tests/gpu``)."""
     layer = {"embedding": 0, "block": 1, "head": SPEC.num_all_layers - 1}[kind]
     spec = SPEC if autocast else SPEC.model_copy(update={"precision": "fp32"})
     want = weight_grad_bytes(spec, layer, 1, True, "autocast")
-    got = _peak(layer, autocast)
+    got = _peak(layer, autocast, device)
     # with autocast's copies of the layer's weights (the simulator's weight copies: the
     # largest one's is released before its gradient's cast) and a few activations (sequence
     # of 2); the transient alone is not more than what the layer holds at its peak
