@@ -15,8 +15,8 @@ Rules, in order (docs/simulator-model.md, section 1):
 5. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`).
    Without a spec for it, :class:`ProfileLookupError` is raised.
 
-Without a vocab-parallel head (Sailor's engine) the embedding and head are then timed whole
-at TP > 1 (:func:`_whole_ends`).
+Without a vocab-parallel head (an engine that replicates the embedding and head, as Sailor's
+did before 2026-11-28) they are then timed whole at TP > 1 (:func:`_whole_ends`).
 
 Then two corrections of known profile defects: an imported profiler's per-layer hook cost
 is removed while a layer is latency-bound (``Calibration.profiler_overhead_s``; not from
@@ -107,10 +107,11 @@ def layer_sizes(
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     """Sizes of every layer at ``tp``: profiled where present, estimated otherwise.
 
-    Without ``vocab_parallel`` (Sailor's engine: the embedding and head whole on every TP
+    Without ``vocab_parallel`` (an engine that holds the embedding and head whole on every TP
     rank) the embedding's and head's sizes at ``tp`` are their sizes at TP 1, unless
-    Sailor's own profiler measured them at ``tp`` (``measured``: already whole); imported
-    and estimated sizes split them by vocabulary, as Megatron does. ``activations``: what an
+    Sailor's own profiler measured them whole at ``tp`` (``measured``, before the engine
+    split them: no split stamp in the profile's meta); imported, estimated and stamped sizes
+    split them by vocabulary, as Megatron and Sailor's engine do. ``activations``: what an
     estimated block keeps (``Calibration.activations``)."""
     return _MEMO.get(
         (profiles, model),
@@ -131,7 +132,8 @@ def _layer_sizes(
     for layer in range(model.num_all_layers):
         s = profiles.size(tp, layer)
         whole = not vocab_parallel and model.layer_kind(layer) != "block"
-        if whole and (s is None or s.source != "measured"):
+        measured_whole = s is not None and s.source == "measured" and not _split_stamp(profiles, tp)
+        if whole and not measured_whole:
             one = profiles.size(1, layer)
             if one is None:
                 one = estimate_layer_size(model, 1, layer, vocab_parallel=False)
@@ -407,12 +409,13 @@ def _whole_ends(
     out: list[LayerCost],
     notes: list[str],
 ) -> None:
-    """Time the embedding and the head in ``out`` as Sailor's engine runs them at ``tp``:
-    whole on every TP rank. In order: as Sailor's own profiler timed them at ``tp`` (whole
-    already); else as it timed them at the nearest TP degree it profiled (a whole layer's
-    time does not depend on the TP degree); else their TP 1 time (a split, imported or
-    estimated time scaled to TP 1 by the estimate, which splits them); else, when nothing
-    prices TP 1 (no spec sheet), their split time at ``tp`` times ``tp``."""
+    """Time the embedding and the head in ``out`` as an engine that replicates them runs them
+    at ``tp``: whole on every TP rank. In order: as Sailor's own profiler timed them at ``tp``
+    before the engine split them (whole already; no split stamp); else as it timed them so at
+    the nearest TP degree it profiled (a whole layer's time does not depend on the TP
+    degree); else their TP 1 time (a split, imported or estimated time scaled to TP 1 by the
+    estimate, which splits them); else, when nothing prices TP 1 (no spec sheet), their split
+    time at ``tp`` times ``tp``."""
     tag = f"{gpu_type} tp={tp} mbs={mbs}"
     for layer in range(model.num_all_layers):
         if model.layer_kind(layer) == "block" or _measured(profiles, gpu_type, tp, grid, layer):
@@ -443,10 +446,17 @@ def _whole_ends(
 def _measured(
     profiles: ProfileDB, gpu_type: str, tp: int, grid: dict[int, list[int]], layer: int
 ) -> bool:
-    """Sailor's own profiler timed ``layer`` at ``tp`` (at its largest measured or imported
-    microbatch size there; estimated entries are not timings)."""
+    """Sailor's own profiler timed ``layer`` whole at ``tp`` (at its largest measured or
+    imported microbatch size there; estimated entries are not timings): measured, by an
+    engine before the vocabulary split (the profile has no split stamp for ``tp``)."""
     sizes = grid.get(tp)
-    if not sizes:
+    if not sizes or f"{gpu_type}.tp{tp}.{VOCAB_SPLIT_META}" in profiles.meta:
         return False
     t = profiles.timing(gpu_type, tp, max(sizes), layer)
     return t is not None and t.source == "measured"
+
+
+def _split_stamp(profiles: ProfileDB, tp: int) -> bool:
+    """Whether Sailor's profiler measured some GPU type at ``tp`` with the vocabulary split
+    (sizes are per model, not per GPU type)."""
+    return tp > 1 and any(k.endswith(f".tp{tp}.{VOCAB_SPLIT_META}") for k in profiles.meta)

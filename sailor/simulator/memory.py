@@ -114,8 +114,9 @@ def held_output_bytes(model: ModelSpec, last_layer: int, scheme: MixedPrecision)
 def backward_working_set(model: ModelSpec, last: LayerSize, vocab_parallel: bool) -> int:
     """Bytes per sample the first backward of a stage ending at ``last`` holds beyond what
     the stage keeps (``a_last``): about the last layer's forward footprint; twice the head's
-    in Sailor's engine (no vocab-parallel head): beside the fp32 log-probabilities it keeps,
-    the backward holds the logits' gradient and the log-softmax's, each as large."""
+    without a vocab-parallel head (an engine that replicates it, as Sailor's did before
+    2026-11-28): beside the fp32 log-probabilities it keeps, the backward holds the logits'
+    gradient and the log-softmax's, each as large."""
     act = last.activation_bytes_per_sample
     if not vocab_parallel and last.layer == model.num_all_layers - 1:
         return 2 * act

@@ -718,6 +718,11 @@ def test_a_measured_size_at_tp_is_already_whole() -> None:
     )
     whole, _ = layer_sizes(db, MODEL, 2, vocab_parallel=False)
     assert whole[mine.layer] == mine
+    # measured since the engine split them (the TP-2 stamp): split, so taken at TP 1
+    stamped = db.model_copy(update={"meta": {"A.tp2.vocab_parallel": "true"}})
+    one, _ = layer_sizes(stamped, MODEL, 1)
+    again, _ = layer_sizes(stamped, MODEL, 2, vocab_parallel=False)
+    assert again[mine.layer] == one[mine.layer].model_copy(update={"tp": 2})
 
 
 def test_sailors_engine_computes_the_embedding_and_head_whole_on_each_tp_rank() -> None:
@@ -747,6 +752,10 @@ def test_sailors_engine_computes_the_embedding_and_head_whole_on_each_tp_rank() 
     kept = layer_table(db, MODEL, cal, SPECS, "A", 2, 4, vocab_parallel=False)
     assert kept.layers[-1].fwd_s == pytest.approx(5e-3)  # measured at mbs 4, whole already
     assert kept.layers[0] == layer_table(db, MODEL, cal, SPECS, "A", 1, 4).layers[0]
+    # measured with the vocabulary split (stamped): a split head, timed at TP 1 here
+    stamped = db.model_copy(update={"meta": {"A.tp2.vocab_parallel": "true"}})
+    again = layer_table(stamped, MODEL, cal, SPECS, "A", 2, 4, vocab_parallel=False)
+    assert again.layers[-1] == layer_table(stamped, MODEL, cal, SPECS, "A", 1, 4).layers[-1]
 
     def time(vocab_parallel: bool) -> float:
         return _one_stage_at_tp2(vocab_parallel, mbs=2, microbatches=2).iteration_time_s
