@@ -13,6 +13,7 @@ while the other had nothing left to do.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,18 @@ def reference() -> Path:
     if not REFERENCE.is_dir():
         pytest.skip(f"reference data not found at {REFERENCE}")
     return REFERENCE
+
+
+@pytest.fixture
+def gloo_world(tmp_path: Path) -> Iterator[None]:
+    """A torch.distributed world of this one process (gloo), for code that needs a default
+    process group (the checkpointer, the trainer's groups) without peers."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -9,12 +9,9 @@ two matrices cut back to the old shape.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from sailor.checkpoint import Checkpointer, ParamState, TrainingGlobals, open_storage
 from sailor.megatron_patch.engine import TrainConfig, Trainer
@@ -27,17 +24,6 @@ from tests.integration.test_in_place_worker import GBS, ONE
 VOCAB = 50  # padded to 64
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _trainer(step: int = 0, consumed: int = 0) -> Trainer:
     spec = tiny_model("tiny-gpt", GBS).model_copy(update={"vocab_size": VOCAB})
     role = role_of(ONE, 0)
@@ -45,7 +31,9 @@ def _trainer(step: int = 0, consumed: int = 0) -> Trainer:
     return Trainer(ONE, spec, role, groups, TrainConfig(), torch.device("cpu"), step, consumed)
 
 
-def test_resumes_from_a_checkpoint_with_unpadded_vocabulary(world: None, tmp_path: Path) -> None:
+def test_resumes_from_a_checkpoint_with_unpadded_vocabulary(
+    gloo_world: None, tmp_path: Path
+) -> None:
     tr = _trainer()
     list(tr.run(2))
     head = tr.stage.spec.num_all_layers - 1

@@ -10,13 +10,11 @@ for the object store: save, prune below a step, restore bitwise.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
-import torch.distributed as dist
 
 from sailor.checkpoint import committed_steps, open_storage
 from sailor.megatron_patch.engine import TrainConfig, Trainer
@@ -29,17 +27,6 @@ from tests.integration.test_in_place_worker import GBS, ONE
 PLAN = ONE  # one stage of layers 0-5, 4 microbatches of 1
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _trainer(step: int = 0, consumed: int = 0, seed: int = 0) -> Trainer:
     spec = tiny_model("tiny-gpt", GBS)
     role = role_of(PLAN, 0)
@@ -50,7 +37,7 @@ def _trainer(step: int = 0, consumed: int = 0, seed: int = 0) -> Trainer:
 
 
 def test_saves_to_an_fsspec_url_prunes_and_restores(
-    world: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gloo_world: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     root = f"memory://sailor-ckpt-{os.getpid()}/job"
