@@ -35,6 +35,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.tp_layers import TPContext, reduce_from_tp
+from sailor.schemas.model import VOCAB_MULTIPLE, padded_vocab
 
 __all__ = [
     "VOCAB_MULTIPLE",
@@ -46,15 +47,6 @@ __all__ = [
     "unpad_rows",
     "vocab_cross_entropy",
 ]
-
-VOCAB_MULTIPLE = 64
-"""The padded vocabulary is a multiple of this (Megatron pads to 128·t; a multiple that does
-not depend on the layout keeps checkpoints reshardable). Every TP degree up to 64 splits it."""
-
-
-def padded_vocab(vocab_size: int) -> int:
-    """Rows of the embedding table and LM head: ``vocab_size`` rounded up to the multiple."""
-    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def rows_per_rank(vocab_size: int, tp: TPContext) -> int:

@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sailor.schemas.model import ModelSpec
+from sailor.schemas.model import ModelSpec, padded_vocab
 
 __all__ = [
     "MARGIN_BYTES",
@@ -127,19 +127,10 @@ def _params_on_rank(spec: ModelSpec, layer: int, tp: int) -> int:
     p = spec.layer_params(layer)
     if spec.layer_kind(layer) != "block":
         h = spec.hidden_size
-        return p - spec.vocab_size * h + -(-_padded_vocab(spec) * h // tp)
+        return p - spec.vocab_size * h + -(-padded_vocab(spec.vocab_size) * h // tp)
     if tp == 1:
         return p
     return -(-p // tp) + 4 * spec.hidden_size
-
-
-_VOCAB_MULTIPLE = 64
-"""``megatron_patch.vocab_parallel.VOCAB_MULTIPLE`` (this module imports no torch; a test
-checks they agree)."""
-
-
-def _padded_vocab(spec: ModelSpec) -> int:
-    return -(-spec.vocab_size // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
 
 
 def layer_bytes(spec: ModelSpec, layer: int, tp: int, compute_bytes: int) -> LayerBytes:
@@ -155,7 +146,7 @@ def layer_bytes(spec: ModelSpec, layer: int, tp: int, compute_bytes: int) -> Lay
         kept = 4 * s * h
         working = 2 * 4 * s * h
     elif kind == "head":
-        rows = -(-_padded_vocab(spec) // tp)
+        rows = -(-padded_vocab(spec.vocab_size) // tp)
         # + the norm's statistics, the int64 labels and the loss's scalars (24·s bounds them);
         # RMSNorm runs as composite ops that keep an fp32 intermediate
         kept = 4 * s * h + e * s * h + 4 * s * rows + 24 * s

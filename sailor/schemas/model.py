@@ -14,9 +14,20 @@ from pydantic import Field, model_validator
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.precision import Precision, compute_bytes
 
-__all__ = ["LayerKind", "ModelSpec", "Precision"]
+__all__ = ["VOCAB_MULTIPLE", "LayerKind", "ModelSpec", "Precision", "padded_vocab"]
 
 LayerKind = Literal["embedding", "block", "head"]
+
+VOCAB_MULTIPLE = 64
+"""Sailor's engine pads the vocabulary of its embedding table and LM head to a multiple of
+this (``megatron_patch.vocab_parallel``; Megatron pads to 128·t: a multiple that does not
+depend on the layout keeps checkpoints reshardable). Every TP degree up to 64 splits it."""
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """Rows of the engine's embedding table and LM head: ``vocab_size`` rounded up to
+    :data:`VOCAB_MULTIPLE`."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 MAX_GLOBAL_BATCH = 1 << 20

@@ -93,8 +93,9 @@ def estimate_layer_size(
 ) -> LayerSize:
     """Parameters and activation sizes of one layer at TP degree ``tp`` (per TP rank).
 
-    ``vocab_parallel`` (Megatron): the embedding and head are split over TP ranks by
-    vocabulary. Else (Sailor's engine) every TP rank holds them whole, and the head keeps
+    ``vocab_parallel`` (Megatron, Sailor's engine): the embedding and head are split over TP
+    ranks by vocabulary. Else (an engine that replicates them) every TP rank holds them
+    whole, and the head keeps
     the fp32 log-probabilities of the whole vocabulary (``4·s·V`` per sample) and its input
     for the backward. ``activations``: what a block keeps, Korthikanti et al.'s count for
     Megatron, or Sailor's engine's (:func:`engine_block_bytes`)."""

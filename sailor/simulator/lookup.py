@@ -129,10 +129,12 @@ def _layer_sizes(
 ) -> tuple[tuple[LayerSize, ...], tuple[str, ...]]:
     out: list[LayerSize] = []
     missing = 0
+    # a measured size at ``tp`` is whole if measured before the engine split the vocabulary
+    stamped = not vocab_parallel and _split_stamp(profiles, tp)
     for layer in range(model.num_all_layers):
         s = profiles.size(tp, layer)
         whole = not vocab_parallel and model.layer_kind(layer) != "block"
-        measured_whole = s is not None and s.source == "measured" and not _split_stamp(profiles, tp)
+        measured_whole = s is not None and s.source == "measured" and not stamped
         if whole and not measured_whole:
             one = profiles.size(1, layer)
             if one is None:
@@ -261,10 +263,11 @@ def layer_table(
 ) -> StageCosts:
     """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``.
 
-    Without ``vocab_parallel`` (Sailor's engine: every TP rank computes the whole embedding
-    and head) those two layers cost what they cost at TP 1, as their sizes do
-    (:func:`layer_sizes`), unless Sailor's own profiler timed them at ``tp`` (``measured``:
-    already whole); imported and estimated timings at ``tp`` are Megatron's split head.
+    Without ``vocab_parallel`` (an engine that computes the whole embedding and head on every
+    TP rank, as Sailor's did before 2026-11-28) those two layers cost what they cost at TP 1,
+    as their sizes do (:func:`layer_sizes`), unless Sailor's own profiler timed them whole at
+    ``tp`` (``measured`` without the split stamp); imported, estimated and stamped timings at
+    ``tp`` are a split head.
     ``activations``: what an estimated block keeps, which its estimated memory traffic
     reads (``Calibration.activations``)."""
     spec = spec_of(gpu_specs, gpu_type)

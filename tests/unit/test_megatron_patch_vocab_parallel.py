@@ -137,12 +137,6 @@ def test_padding_row_gets_no_gradient() -> None:
     assert not grad[5].any() and grad[6].any() and grad[7].any()
 
 
-def test_the_profilers_memory_bound_pads_as_the_engine_does() -> None:
-    from sailor.profiler import memory_bound
-
-    assert memory_bound._VOCAB_MULTIPLE == VOCAB_MULTIPLE
-
-
 def test_the_profilers_bound_counts_a_tp_th_of_the_vocabulary() -> None:
     """The embedding's and head's state per TP rank, as the engine's stage holds it."""
     from sailor.profiler.memory_bound import STATE_BYTES_PER_PARAM, layer_bytes
