@@ -36,7 +36,8 @@ from typing import Any
 
 import sailor.controller.executor as executor_mod
 from sailor.controller.audit import AuditLog
-from sailor.controller.decide import DecideConfig, Observed, decide
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.executor import Executor
 from sailor.controller.planning import DataParallelPlanner
 from sailor.coordination import Keys, SystemClock, TaskSet

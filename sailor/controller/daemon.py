@@ -50,7 +50,8 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import DecideConfig, Observed, decide, unusable
+from sailor.controller.decide import decide, unusable
+from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.executor import Executor
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from sailor.controller.audit import AuditLog
-from sailor.controller.decide import (
+from sailor.controller.decision_types import (
     Action,
     ClearNotice,
     ClearReadmit,

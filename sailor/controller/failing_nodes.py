@@ -7,12 +7,14 @@ pass: which nodes of the layout failed, which node a failure is named after, whi
 registered nodes no layout may use, why none is usable, which busy nodes hold up a
 teardown and what one still busy at its deadline is charged with, which records a pass
 forgets (nodes long away, configuration errors of a changed training config, operators'
-readmit requests). The phase machine in ``controller/decide.py`` calls it and turns what
-it returns (records, and the reason that goes with them) into actions.
+readmit requests). The phase machine in ``controller/decide.py`` (and its phase modules
+``aborts.py``, ``teardown.py``) calls it and turns what it returns (records, and the reason
+that goes with them) into actions.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified, and no actions
-built here. Must never import ``controller/decide.py`` (it imports this module): it takes
-the observed state's parts it reads (statuses, registered nodes, the excluded set).
+built here. Must never import ``controller/decide.py`` or its phase modules (they import
+this one): it takes the observed state's parts it reads (statuses, registered nodes, the
+excluded set).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ for each of its ranks and some rank reported a new step since the last fit. The 
 4. asks the planner for the best plan of the same nodes under it, prices both plans in the
    fitted model (and at both ends of the fitted compute scales), and applies the rule: a
    ``replan_decision`` audit record with every number; a verdict to reconfigure becomes a
-   :class:`~sailor.controller.decide.RecalibrationAdvice`, which ``decide`` turns into a
+   :class:`~sailor.controller.decision_types.RecalibrationAdvice`, which ``decide`` turns into a
    quiesce with cause ``recalibration: ...`` toward that plan.
 
 A new leader reads the current version back (:meth:`Calibrator.restore`, a
@@ -47,7 +47,7 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import Observed, RecalibrationAdvice
+from sailor.controller.decision_types import Observed, RecalibrationAdvice
 from sailor.controller.planning import Planner, PlanResult
 from sailor.controller.planning.in_process import CostInputs, cost_inputs_of
 from sailor.controller.recalibrate import (

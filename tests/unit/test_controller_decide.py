@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from sailor.controller.decide import (
+from sailor.controller.checkpointing import prune_below
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import (
     ClearNotice,
     ClearReadmit,
     Commit,
@@ -17,8 +19,6 @@ from sailor.controller.decide import (
     Replan,
     Send,
     SetDesired,
-    decide,
-    prune_below,
 )
 from sailor.controller.node_health import held
 from sailor.controller.phases import LEGAL, check_transition
@@ -602,7 +602,7 @@ def test_a_checkpoint_command_may_not_prune_its_own_step() -> None:
 def test_the_rendezvous_host_of_every_address_form() -> None:
     """host, host:port, [v6], [v6]:port and a bare IPv6 address: a URL torch can parse
     (``tcp://fd00::17:29501`` is not one)."""
-    from sailor.controller.decide import _host_of
+    from sailor.controller.launch import _host_of
 
     assert _host_of("10.0.0.7") == "10.0.0.7"
     assert _host_of("10.0.0.7:22") == "10.0.0.7"

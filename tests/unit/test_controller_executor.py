@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor.controller.audit import AuditLog
-from sailor.controller.decide import Replan, Send
+from sailor.controller.decision_types import Replan, Send
 from sailor.controller.executor import KEEP_GENERATIONS, Executor
 from sailor.controller.planning import DataParallelPlanner, PlanResult
 from sailor.coordination import Keys, SystemClock, TaskSet

@@ -10,7 +10,7 @@ import pytest
 import sailor.controller.planning.process as pw
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings
-from sailor.controller.decide import Observed, RecalibrationAdvice
+from sailor.controller.decision_types import Observed, RecalibrationAdvice
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import DataParallelPlanner, PlanResult, SailorPlanner
 from sailor.coordination import SystemClock

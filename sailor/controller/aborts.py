@@ -1,0 +1,132 @@
+"""The aborts of a ``decide`` pass.
+
+Why the current layout cannot go on (``_unhealthy``: a node lost without notice, a worker
+failed, an in-place world broke); the move to TEARDOWN after a failure (``_abort``: a
+checkpoint that could not be read is not loaded again, a failed in-place launch falls back
+to the restart path once, the nodes the failure began on are charged through
+``controller/failing_nodes.py``); and the Abort commands themselves (``_abort_send``, and
+``_clear_stale`` for a failure still reported outside the layout, in any phase).
+
+Pure: no I/O, no clock, no module-level state. Internal to the decision: ``decide.py``,
+``launch.py``, ``checkpointing.py`` and ``teardown.py`` call it, so nothing here is public.
+Must never import those modules (they import this one).
+"""
+
+from __future__ import annotations
+
+from sailor.controller import failing_nodes
+from sailor.controller.decision_types import (
+    Action,
+    DecideConfig,
+    Observed,
+    Send,
+    SetDesired,
+    _cid,
+    _command,
+    _move,
+)
+from sailor.controller.node_health import checkpoint_unreadable
+from sailor.schemas.commands import Abort
+from sailor.schemas.runtime import DesiredState, Phase
+
+__all__: list[str] = []
+
+
+def _unhealthy(d: DesiredState, o: Observed) -> str:
+    """Why the current layout cannot go on ('' if it can)."""
+    lost = sorted(n for n in d.placement if n not in o.nodes)
+    if lost:
+        return f"node lost without notice: {','.join(lost)}"
+    failed = failing_nodes.failed(d, o.status)
+    if failed:
+        # name the node the failure began on, not a peer that failed because of it
+        n = failing_nodes.began_on(failed)
+        return f"worker failed on {n}: {failed[n][:200]}"
+    for n in sorted(d.placement):
+        st = o.status.get(n)
+        if st is None or st.generation != d.generation:
+            continue
+        if st.state == "held" and st.failure:
+            # in-place workers whose world broke (a peer died) hold instead of exiting
+            return f"worker world broke on {n}: {st.failure[:200]}"
+    return ""
+
+
+_LAUNCHING = (Phase.LAUNCH, Phase.LOAD, Phase.VERIFY)
+
+
+def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
+    """Whether a worker of the generation coming up failed because the checkpoint it loads
+    is corrupt or gone (its failure record names the reader's error)."""
+    if d.phase not in _LAUNCHING or d.load_step < 0:
+        return False
+    return checkpoint_unreadable(failing_nodes.failed(d, o.status))
+
+
+def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
+    # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
+    # same way forever): the next launch falls back to the newest other recorded commit.
+    bad = d.bad_checkpoints
+    if _unreadable_checkpoint(d, o) and d.load_step not in bad:
+        bad = (*bad, d.load_step)
+        cause = f"checkpoint {d.load_step} unreadable, falling back: {cause}"
+    last = o.resumable(bad)
+    # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
+    # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
+    failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
+    # The nodes the failure began on are remembered (or the job, when most failed alike):
+    # relaunching on a node that cannot run a rank aborted again, forever
+    # (controller/failing_nodes.py).
+    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion)
+    state = _move(
+        d,
+        Phase.TEARDOWN,
+        o.now,
+        cfg,
+        load_step=last.step if last else -1,
+        next_plan=None,
+        next_placement={},
+        next_membership=(),
+        stop_step=-1,
+        aborted=True,
+        cause=cause,
+        in_place_failed=d.in_place_failed or failed_in_place,
+        bad_checkpoints=bad,
+        **failing_nodes.health_update(counted),
+    )
+    return [SetDesired(state, "; ".join([f"abort: {cause}", *counted.notes]))]
+
+
+def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """An Abort, in any phase, to each registered node outside the layout still reporting a
+    failure an Abort clears (``failing_nodes.to_clear``): one of an older generation (a
+    lease flap kept the teardown's Abort from it) left the node out of every layout, for
+    good. Its own command id (``clear``): a later teardown's Abort of this generation is
+    another command."""
+    out: list[Action] = []
+    for n in failing_nodes.to_clear(d, o.nodes, o.status):
+        why = f"clear a failure outside the layout (generation {o.status[n].generation})"
+        send = _abort_send(d, o, n, "clear", o.now + cfg.deadlines.teardown, why, False)
+        if send is not None:
+            out.append(send)
+    return out
+
+
+def _abort_send(
+    d: DesiredState, o: Observed, n: str, kind: str, deadline: float, reason: str, hold: bool
+) -> Send | None:
+    """The Abort of kind ``kind`` (its command id's) to node ``n``; None once it acked."""
+    cid = _cid(d, kind, n)
+    if cid in o.acked:
+        return None
+    cmd = _command(
+        Abort,
+        command_id=cid,
+        epoch=d.epoch,
+        plan_id=d.plan.plan_id if d.plan else "",
+        node_id=n,
+        deadline=deadline,
+        reason=reason,
+        hold=hold,
+    )
+    return Send(cmd)

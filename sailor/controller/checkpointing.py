@@ -1,0 +1,127 @@
+"""The checkpoint of a reconfiguration in a ``decide`` pass, and how many are kept.
+
+QUIESCE and CHECKPOINT (``_quiesce_like``): a Stop and a Checkpoint to every node of the
+layout for the agreed stop step, a later notice tightening the deadline, the next plan
+asked for meanwhile. COMMIT (``_commit``): the saved step recorded, and the records of the
+steps its committer deleted forgotten. Both follow the retention rule ``prune_below``: the
+oldest recorded step a new save leaves in place.
+
+Pure: no I/O, no clock, no module-level state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sailor.controller.aborts import _abort, _unhealthy
+from sailor.controller.decision_types import (
+    Action,
+    Commit,
+    DecideConfig,
+    Observed,
+    Send,
+    SetDesired,
+    _cid,
+    _command,
+    _move,
+    _plan_nodes_at,
+    _replan_if_needed,
+)
+from sailor.schemas.commands import Checkpoint, Stop
+from sailor.schemas.runtime import CommitRecord, DesiredState, Phase
+
+__all__ = ["prune_below"]
+
+
+def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = _unhealthy(d, o)
+    if why:
+        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
+    if o.now > d.phase_deadline:
+        return _abort(d, o, cfg, f"{d.phase.value} deadline passed")
+    # a later notice tightens the deadline instead of aborting a checkpoint that can still make it
+    noticed = [o.notices[n].deadline - cfg.notice_margin_s for n in d.placement if n in o.notices]
+    if noticed and min(noticed) < d.phase_deadline:
+        tighter = d.model_copy(update={"phase_deadline": min(noticed)})
+        return [SetDesired(tighter, "notice tightened the deadline")]
+    actions: list[Action] = []
+    plan_id = d.plan.plan_id if d.plan else ""
+    for n in sorted(d.placement):
+        cid = _cid(d, "stop", n, d.stop_step)
+        if cid not in o.acked:
+            stop = _command(
+                Stop,
+                command_id=cid,
+                epoch=d.epoch,
+                plan_id=plan_id,
+                node_id=n,
+                deadline=d.phase_deadline,
+                at_step=d.stop_step,
+            )
+            actions.append(Send(stop))
+        cid = _cid(d, "ckpt", n, d.stop_step)
+        if cid not in o.acked:
+            ckpt = _command(
+                Checkpoint,
+                command_id=cid,
+                epoch=d.epoch,
+                plan_id=plan_id,
+                node_id=n,
+                deadline=d.phase_deadline,
+                step=d.stop_step,
+                directory=cfg.checkpoint_dir,
+                prune_below=min(_prune_below(d, o, cfg), d.stop_step),
+            )
+            actions.append(Send(ckpt))
+    actions += _replan_if_needed(d, o, d.cause)
+    if d.phase is Phase.QUIESCE and _plan_nodes_at(d, o, lambda s: s.step >= d.stop_step):
+        actions.append(SetDesired(_move(d, Phase.CHECKPOINT, o.now, cfg), "reached stop step"))
+    elif d.phase is Phase.CHECKPOINT and _plan_nodes_at(
+        d, o, lambda s: s.saved_step >= d.stop_step
+    ):
+        # Workers that learned of the stop step late stop and save a little after it (all at
+        # the same step: they agree on it collectively); commit the step they saved.
+        saved = min(o.status[n].saved_step for n in d.placement)
+        nxt = _move(d, Phase.COMMIT, o.now, cfg, stop_step=saved)
+        actions.append(SetDesired(nxt, f"all shards of step {saved} durable"))
+    return actions
+
+
+def _recorded(commits: Sequence[CommitRecord], directory: str) -> set[int]:
+    """The steps of the commits recorded under ``directory``."""
+    return {c.step for c in commits if c.directory == directory}
+
+
+def prune_below(
+    commits: Sequence[CommitRecord], directory: str, keep: int | None, bad: tuple[int, ...] = ()
+) -> int:
+    """The oldest step a new save under ``directory`` leaves in place: that of the
+    ``keep``-th newest commit recorded there; -1 (delete nothing) with fewer records, or
+    ``keep`` None. Only recorded commits count: one on disk that no leader recorded (lost
+    between the marker and the record) never pushes out one a restart may load; nor does
+    one a launch could not read (``bad``)."""
+    steps = sorted(_recorded(commits, directory) - set(bad), reverse=True)
+    if keep is None or len(steps) < keep:
+        return -1
+    return steps[keep - 1]
+
+
+def _prune_below(d: DesiredState, o: Observed, cfg: DecideConfig) -> int:
+    """:func:`prune_below` of the controller's directory, its retention and the desired
+    state's unreadable checkpoints: what the next save's committer may delete below."""
+    return prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints)
+
+
+def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    record = CommitRecord(
+        step=d.stop_step,
+        directory=cfg.checkpoint_dir,
+        plan_id=d.plan.plan_id if d.plan else "",
+        generation=d.generation,
+        epoch=d.epoch,
+        time=o.now,
+    )
+    below = _prune_below(d, o, cfg)
+    drop = tuple(sorted(s for s in _recorded(o.commits, cfg.checkpoint_dir) if s < below))
+    nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
+    return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]

@@ -1,0 +1,252 @@
+"""What a ``decide`` pass reads and returns, and the primitives its phases build actions with.
+
+``DecideConfig`` holds the knobs, ``Observed`` what the controller sees (with online
+calibration's ``RecalibrationAdvice``), and ``Action`` the actions ``decide`` returns
+(``SetDesired``, ``Send``, ``Replan``, ``Commit``, ``ClearNotice``, ``ClearReadmit``), which
+the executor (``controller/executor.py``) carries out. The private helpers are shared by the
+decision's phase modules (``decide.py``, ``aborts.py``, ``launch.py``, ``checkpointing.py``,
+``teardown.py``): a phase move checked against the state machine (``_move``), command ids
+and commands (``_cid``, ``_command``), whether every node of the layout reports something
+(``_plan_nodes_at``) and a replan when the usable nodes changed (``_replan_if_needed``).
+
+Values and pure functions only: no I/O, no clock, no module-level state. Must never import
+the phase modules (they import this one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, TypeVar
+
+from pydantic import Field
+
+from sailor.controller.node_health import ExclusionPolicy
+from sailor.controller.phases import PhaseDeadlines, check_transition
+from sailor.schemas._base import Frozen
+from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.plan import Plan
+from sailor.schemas.runtime import (
+    AgentStatus,
+    CommitRecord,
+    DesiredState,
+    NoticeRecord,
+    Phase,
+    ReadmitRequest,
+)
+from sailor.schemas.training import TrainingConfig
+
+__all__ = [
+    "Action",
+    "ClearNotice",
+    "ClearReadmit",
+    "Commit",
+    "DecideConfig",
+    "Observed",
+    "RecalibrationAdvice",
+    "Replan",
+    "Send",
+    "SetDesired",
+]
+
+
+class DecideConfig(Frozen):
+    """Knobs of the decision."""
+
+    deadlines: PhaseDeadlines = Field(default_factory=PhaseDeadlines, description="Per phase.")
+    checkpoint_dir: str = Field(description="Checkpoint root handed to the workers.")
+    notice_margin_s: float = Field(
+        default=5.0, ge=0, description="Finish the checkpoint this long before a notice deadline."
+    )
+    stop_ahead_steps: int = Field(
+        default=1, ge=1, description="Agreed stop step = highest reported step + this."
+    )
+    base_port: int = Field(default=29500, gt=0, description="Rendezvous port of generation 0.")
+    keep_checkpoints: int | None = Field(
+        default=1,
+        ge=1,
+        description="Recorded checkpoints under ``checkpoint_dir`` a new save leaves in "
+        "place; older ones (files and records) are deleted once it commits. None: keep all.",
+    )
+    in_place: bool = Field(
+        default=False,
+        description="Launch in place (``Launch.in_place``: the workers survive, hold and "
+        "are handed the next generation's ranks) unless the in-place launch of the current "
+        "generation failed, which falls back to the restart path once.",
+    )
+    notice_expiry_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A notice is forgotten this long after its deadline, in any phase: a node still "
+            "registered then was never reclaimed or came back with the same id (a new VM), and "
+            "is usable again. Longer than the agents' registration lease TTL."
+        ),
+    )
+    training: TrainingConfig | None = Field(
+        default=None,
+        description="Training config every launch hands to the workers (its paths absolute); "
+        "a generation keeps the one it was launched with. None: the workers' defaults.",
+    )
+    exclusion: ExclusionPolicy = Field(
+        default_factory=ExclusionPolicy,
+        description="When a node whose workers keep failing is left out of the layouts, and "
+        "for how long (controller/node_health.py).",
+    )
+
+
+@dataclass(frozen=True)
+class RecalibrationAdvice:
+    """Online calibration's verdict that another layout pays (``controller/recalibrate.py``,
+    audited as a ``replan_decision`` record): the plan to switch to, placed on the nodes it
+    was made for, in the generation it was decided in."""
+
+    generation: int
+    plan: Plan
+    placement: Mapping[str, tuple[int, ...]]
+    membership: tuple[str, ...]
+    cause: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the controller sees, read from etcd (plus acks it received in this epoch, and the
+    online-calibration verdict, if one says to reconfigure)."""
+
+    now: float
+    nodes: Mapping[str, NodeSpec]
+    status: Mapping[str, AgentStatus]
+    notices: Mapping[str, NoticeRecord] = field(default_factory=dict)
+    commits: tuple[CommitRecord, ...] = ()
+    acked: frozenset[str] = frozenset()
+    recalibration: RecalibrationAdvice | None = None
+    excluded: frozenset[str] = frozenset()
+    """Registered nodes no layout may use at ``now`` (:func:`unusable`): ``decide`` derives
+    it from the desired state and the statuses itself; the daemon fills it for the other
+    readers of ``usable``."""
+    readmit: Mapping[str, ReadmitRequest] = field(default_factory=dict)
+    """Operators' requests to forget failure records, by request id (``sailor node
+    readmit``), not yet applied."""
+
+    @cached_property
+    def usable(self) -> tuple[str, ...]:
+        """Registered nodes without a notice and not excluded, sorted (once per ``Observed``:
+        a pass asks up to three times, ~0.25 ms each at 512 nodes)."""
+        return tuple(
+            sorted(n for n in self.nodes if n not in self.notices and n not in self.excluded)
+        )
+
+    def resumable(self, bad: tuple[int, ...] = ()) -> CommitRecord | None:
+        """The newest recorded commit a launch may load: not one a launch failed to read."""
+        good = [c for c in self.commits if c.step not in bad]
+        return max(good, key=lambda c: c.step) if good else None
+
+
+@dataclass(frozen=True)
+class SetDesired:
+    """Write a new desired state (phase change, plan, stop step)."""
+
+    state: DesiredState
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send one command and wait (bounded) for its ack."""
+
+    command: Command
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Compute the next plan for ``nodes``; the executor writes it into ``next_plan``."""
+
+    nodes: tuple[NodeSpec, ...]
+    previous: Plan | None
+    cause: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Record a checkpoint whose shards every node reported durable; then forget the records
+    of ``drop`` (steps whose files its committer deleted: ``prune_below``)."""
+
+    record: CommitRecord
+    drop: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClearNotice:
+    """Forget the notice of a node that is gone, or whose deadline is long past."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class ClearReadmit:
+    """Delete an operator's readmit request: the desired state written before it in the
+    same actions no longer holds the records it named (or, with ``reason``, why it was
+    not applied)."""
+
+    request_id: str
+    reason: str = ""
+
+
+Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit
+
+
+def _move(
+    d: DesiredState, phase: Phase, now: float, cfg: DecideConfig, **kw: object
+) -> DesiredState:
+    check_transition(d.phase, phase)
+    length = cfg.deadlines.of(phase)
+    update: dict[str, object] = {
+        "phase": phase,
+        "phase_since": now,
+        "phase_deadline": now + length if length else 0.0,
+        "phase_epoch": d.epoch,
+    }
+    update.update(kw)
+    return d.model_copy(update=update)
+
+
+def _cid(d: DesiredState, kind: str, node: str, extra: int | str = "") -> str:
+    return f"e{d.epoch}-g{d.generation}-{kind}{extra}-{node}"
+
+
+_C = TypeVar("_C", Stop, Checkpoint, Abort, Launch)
+
+
+def _command(cls: type[_C], **fields: Any) -> _C:
+    """A command built from the desired state's own values, without validating it again.
+
+    Every field is a value of a validated ``DesiredState`` or ``DecideConfig`` (its epoch,
+    generation, steps, deadline, node ids of its placement, ranks, the plan's id and digest)
+    or a string made of them, so validating each command again re-checked known values:
+    at 512 nodes that was ~1 s of the controller's CPU per measured run, 150,000 commands
+    built by passes during fan-outs (benchmarks/runtime_decision_latency.py --profile). The
+    agent still validates every command it receives (``CommandAdapter``), and
+    ``tests/unit/test_controller_decide.py`` checks that each command ``decide`` returns
+    validates to itself.
+    """
+    return cls.model_construct(**fields)
+
+
+def _plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], bool]) -> bool:
+    """True when every node of the current layout reports ``pred`` for this generation."""
+    for n in d.placement:
+        st = o.status.get(n)
+        if st is None or st.generation != d.generation or not pred(st):
+            return False
+    return True
+
+
+def _replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
+    usable = o.usable
+    if not usable:
+        return []
+    if d.next_plan is not None and d.next_membership == usable:
+        return []
+    return [Replan(tuple(o.nodes[n] for n in usable), d.plan, cause)]

@@ -1,0 +1,182 @@
+"""A launch in a ``decide`` pass.
+
+The move to LAUNCH of the next plan on its placement (``_launch``: the in-place or the
+restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
+and VERIFY phases (``_launching``): a Launch to every node of the layout, the workers up,
+their first step after the loaded checkpoint, which clears the failure streaks.
+
+Holds the decision's one module-level value: a memo of the last plan's digest and world
+size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
+I/O, no clock. Internal to the decision (``decide.py`` and ``teardown.py`` call it), so
+nothing here is public.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+from sailor.controller.aborts import _abort, _unhealthy
+from sailor.controller.decision_types import (
+    Action,
+    DecideConfig,
+    Observed,
+    Send,
+    SetDesired,
+    _cid,
+    _command,
+    _move,
+    _plan_nodes_at,
+)
+from sailor.controller.node_health import trained
+from sailor.schemas.commands import Launch, plan_digest, training_digest
+from sailor.schemas.plan import Plan
+from sailor.schemas.runtime import DesiredState, Phase
+
+__all__: list[str] = []
+
+
+def _in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
+    """Whether the next launch (and the teardown before it) takes the in-place path."""
+    return cfg.in_place and not d.in_place_failed
+
+
+_facts: tuple[weakref.ref[Plan], str, int] | None = None
+
+
+def _plan_facts(plan: Plan) -> tuple[str, int]:
+    """The plan's digest and world size, remembered for the last plan asked about.
+
+    A function of the (frozen) plan only, so ``decide`` stays a function of its inputs: the
+    cache holds a weak reference and answers only for that very object. Every LAUNCH pass
+    sends the same plan's Launch to its nodes; at 512 nodes recomputing both took ~5 ms a
+    pass (the digest serialises a plan of ~350 pipelines).
+    """
+    global _facts
+    hit = _facts
+    if hit is not None and hit[0]() is plan:
+        return hit[1], hit[2]
+    digest, world = plan_digest(plan), plan.num_gpus
+    _facts = (weakref.ref(plan), digest, world)
+    return digest, world
+
+
+def _master(
+    o: Observed, placement: Mapping[str, tuple[int, ...]], gen: int, cfg: DecideConfig
+) -> str:
+    first = min(placement, key=lambda n: min(placement[n]))
+    addr = o.nodes[first].address if first in o.nodes else ""
+    return f"{_host_of(addr) or '127.0.0.1'}:{cfg.base_port + gen % 1000}"
+
+
+def _host_of(addr: str) -> str:
+    """The host of a node's address (``host``, ``host:port``, ``[v6]``, ``[v6]:port`` or a
+    bare IPv6 address), an IPv6 one in brackets: ``tcp://fd00::17:29507`` is not a URL."""
+    if addr.startswith("["):
+        return addr[: addr.index("]") + 1] if "]" in addr else addr
+    if addr.count(":") == 1:
+        return addr.rsplit(":", 1)[0]
+    if addr.count(":") > 1:
+        return f"[{addr}]"
+    return addr
+
+
+def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:
+    plan = d.next_plan
+    if plan is None:
+        return []
+    if any(n not in o.status for n in d.next_placement):
+        # A registered node without a status record: its agent has just started, or its
+        # lease has just expired and the node key's deletion is still on its way (the two
+        # keys' watches report independently). Launching now would abort at once on a loss
+        # (and count against the in-place path): wait for the next observation.
+        return []
+    gen = d.generation + 1
+    if _in_place_next(d, cfg):
+        path, why = "in_place", "in place (configured)"
+    elif cfg.in_place:
+        path, why = "restart", f"fallback: the in-place launch of generation {d.generation} failed"
+    else:
+        path, why = "restart", "restart (in place not configured)"
+    state = _move(
+        d,
+        Phase.LAUNCH,
+        o.now,
+        cfg,
+        generation=gen,
+        plan=plan,
+        placement=dict(d.next_placement),
+        membership=d.next_membership,
+        next_plan=None,
+        next_placement={},
+        next_membership=(),
+        load_step=load_step,
+        master=_master(o, d.next_placement, gen, cfg),
+        training=cfg.training,
+        path=path,
+        path_reason=why,
+    )
+    return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}")]
+
+
+def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = _unhealthy(d, o)
+    if why:
+        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
+    if o.now > d.phase_deadline:
+        return _abort(d, o, cfg, f"{d.phase.value} deadline passed")
+    if d.plan is None:
+        return _abort(d, o, cfg, "no plan to launch")
+    if d.phase is Phase.LAUNCH:
+        actions: list[Action] = []
+        pending = False
+        # By reference: the plan is in the desired state this phase was written with. The
+        # digest and world size once per plan, not per node: at 512 nodes recomputing them
+        # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
+        digest, world = _plan_facts(d.plan)
+        training = training_digest(d.training) if d.training is not None else ""
+        for n in sorted(d.placement):
+            cid = _cid(d, "launch", n)
+            if cid in o.acked:
+                continue
+            pending = True
+            cmd = _command(
+                Launch,
+                command_id=cid,
+                epoch=d.epoch,
+                plan_id=d.plan.plan_id,
+                node_id=n,
+                deadline=d.phase_deadline,
+                plan_sha256=digest,
+                ranks=d.placement[n],
+                world_size=world,
+                master=d.master,
+                checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
+                load_step=d.load_step,
+                generation=d.generation,
+                training_sha256=training,
+                in_place=d.path == "in_place",
+            )
+            actions.append(Send(cmd))
+        if not pending:
+            actions.append(SetDesired(_move(d, Phase.LOAD, o.now, cfg), "every node launched"))
+        return actions
+    if d.phase is Phase.LOAD:
+        if _plan_nodes_at(d, o, lambda s: s.state == "running"):
+            return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
+        return []
+    if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
+        # they trained: no failure streak, theirs nor the job's
+        health, job = trained(d.node_health, d.job_health, d.placement)
+        done = _move(
+            d,
+            Phase.RUNNING,
+            o.now,
+            cfg,
+            aborted=False,
+            in_place_failed=False,
+            node_health=health,
+            job_health=job,
+        )
+        return [SetDesired(done, f"first step after {d.load_step} done")]
+    return []
