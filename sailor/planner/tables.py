@@ -232,6 +232,7 @@ class CostTables:
                 mbs,
                 inp.calibration.vocab_parallel,
                 inp.calibration.activations,
+                inp.network,
             )
             cal = inp.calibration
             sizes, _ = layer_sizes(inp.profiles, model, tp, cal.vocab_parallel, cal.activations)

@@ -8,12 +8,16 @@ Rules, in order (docs/simulator-model.md, section 1):
    from the largest (``t(b) = t(b_max)·b/b_max``: large microbatches are throughput-bound);
    below the smallest it takes the smallest's time (small microbatches are latency-bound).
 3. A missing TP degree of a profiled GPU type is the analytic estimate at that TP, scaled per
-   layer by profile/estimate at the nearest profiled TP (needs the GPU's spec).
+   layer by profile/estimate at the nearest profiled TP (needs the GPU's spec), plus the
+   layer's TP all-reduces at that TP (:mod:`tp_comm`); the profile's time at the nearest TP
+   holds its own all-reduces, which the scaling takes out in the share the estimate gives
+   them.
 4. A GPU type with estimated entries only (``sailor profile estimate``: the roofline times
    efficiencies measured on other GPUs) is read from them by rules 1-3, marked estimated.
    Estimated entries beside a measured or imported one of the same GPU type are not read.
-5. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`).
-   Without a spec for it, :class:`ProfileLookupError` is raised.
+5. A GPU type without any profile uses the analytic estimate (:mod:`estimate_profile`) plus
+   the layer's TP all-reduces (:mod:`tp_comm`). Without a spec for it,
+   :class:`ProfileLookupError` is raised.
 
 Without a vocab-parallel head (an engine that replicates the embedding and head, as Sailor's
 did before 2026-11-28) they are then timed whole at TP > 1 (:func:`_whole_ends`).
@@ -40,12 +44,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, LayerSize, ModelSpec, ProfileDB
+from sailor.schemas import (
+    GPUCalibration,
+    GPUSpec,
+    LayerProfile,
+    LayerSize,
+    ModelSpec,
+    NetworkProfile,
+    ProfileDB,
+)
 from sailor.schemas.deployment import Activations
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
+from sailor.simulator.tp_comm import layer_comm_s, tp_link
 
 __all__ = [
     "PROFILING_MODEL_BLOCKS",
@@ -260,6 +273,7 @@ def layer_table(
     mbs: int,
     vocab_parallel: bool = True,
     activations: Activations = "megatron",
+    network: NetworkProfile | None = None,
 ) -> StageCosts:
     """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``.
 
@@ -269,9 +283,13 @@ def layer_table(
     ``tp`` (``measured`` without the split stamp); imported, estimated and stamped timings at
     ``tp`` are a split head.
     ``activations``: what an estimated block keeps, which its estimated memory traffic
-    reads (``Calibration.activations``)."""
+    reads (``Calibration.activations``). ``network``: its intra-node curves price the TP
+    all-reduces of an estimated layer (rules 3 and 5; without it, or without a curve for the
+    GPU type, the spec sheet's link)."""
     spec = spec_of(gpu_specs, gpu_type)
-    return _table(profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations)
+    return _table(
+        profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations, network
+    )
 
 
 def _table(
@@ -284,13 +302,15 @@ def _table(
     mbs: int,
     vocab_parallel: bool,
     activations: Activations,
+    network: NetworkProfile | None,
 ) -> StageCosts:
-    """:func:`layer_table` with the GPU's spec resolved, memoized."""
+    """:func:`layer_table` with the GPU's spec resolved, memoized (the network profile by
+    identity, as the profiles)."""
     return _MEMO.get(
-        (profiles, model),
+        (profiles, model, network),
         ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel, activations),
         lambda: _layer_table(
-            profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations
+            profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations, network
         ),
     )
 
@@ -305,6 +325,7 @@ def _layer_table(
     mbs: int,
     vocab_parallel: bool,
     activations: Activations,
+    network: NetworkProfile | None,
 ) -> StageCosts:
     n = model.num_all_layers
     sizes, notes_l = layer_sizes(profiles, model, tp, activations=activations)
@@ -330,6 +351,15 @@ def _layer_table(
             estimate_layer_timing(model, spec, t, mbs, layer, activations) for layer in range(n)
         ]
 
+    def comm(t: int) -> list[tuple[float, float]]:
+        """The TP all-reduces of every layer at ``t`` (none at TP 1)."""
+        if t <= 1:
+            return [(0.0, 0.0)] * n
+        link = tp_link(network, {gpu_type: spec} if spec else {}, gpu_type, t)
+        notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
+        return [layer_comm_s(model, t, mbs, layer, link, vocab_parallel) for layer in range(n)]
+
+    added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
     if tp in grid:
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
         if how:
@@ -360,30 +390,41 @@ def _layer_table(
         )
         est_tp, est_near = estimate(tp), estimate(near)
         rows = []
-        for (f, g, u), a, b in zip(base, est_tp, est_near, strict=True):
-            rf = a.fwd_s / b.fwd_s if b.fwd_s > 0 else 1.0
-            rg = a.bwd_s / b.bwd_s if b.bwd_s > 0 else 1.0
+        # the profile at ``near`` holds its all-reduces; its compute share (by the estimate
+        # with them) scales by the roofline's ratio, and the all-reduces at ``tp`` are added
+        added = comm(tp)
+        for (f, g, u), a, b, (nf, nb) in zip(base, est_tp, est_near, comm(near), strict=True):
+            rf = a.fwd_s / (b.fwd_s + nf) if b.fwd_s + nf > 0 else 1.0
+            rg = a.bwd_s / (b.bwd_s + nb) if b.bwd_s + nb > 0 else 1.0
             ru = a.update_s / b.update_s if b.update_s > 0 else 1.0
             rows.append((f * rf, g * rg, u * ru))
         notes.append(
             f"{tag}: TP degree not profiled; profile at tp={near} scaled by the analytic "
-            "estimate's ratio"
+            "estimate's ratio, plus the TP all-reduces"
         )
         estimated = True
     else:
         rows = [(e.fwd_s, e.bwd_s, e.update_s) for e in estimate(tp)]
-        notes.append(f"{tag}: no profile for this GPU type; analytic roofline estimate")
+        added = comm(tp)
+        notes.append(
+            f"{tag}: no profile for this GPU type; analytic roofline estimate plus the TP "
+            "all-reduces"
+        )
         estimated = True
     out: list[LayerCost] = []
     k = cal.compute_scale
     if k != 1.0:
         notes.append(f"{gpu_type}: layer compute x{k:.3g} (calibrated compute_scale)")
-    for layer, (f, g, u) in enumerate(rows):
+    # the TP all-reduces of an estimated layer are added last: a link's time, neither a
+    # compute time the calibrated scale multiplies nor part of the embedding's raise
+    for layer, ((f, g, u), (cf, cb)) in enumerate(zip(rows, added, strict=True)):
         if layer == 0 and g < f:
             g = f
-        out.append(LayerCost(fwd_s=f * k, bwd_s=g * k, update_s=u, estimated=estimated))
+        out.append(LayerCost(fwd_s=f * k + cf, bwd_s=g * k + cb, update_s=u, estimated=estimated))
     if not vocab_parallel and tp > 1:
-        _whole_ends(profiles, model, cal, spec, gpu_type, tp, mbs, activations, grid, out, notes)
+        _whole_ends(
+            profiles, model, cal, spec, gpu_type, tp, mbs, activations, grid, out, notes, network
+        )
     return StageCosts(layers=tuple(out), notes=tuple(notes))
 
 
@@ -411,6 +452,7 @@ def _whole_ends(
     grid: dict[int, list[int]],
     out: list[LayerCost],
     notes: list[str],
+    network: NetworkProfile | None,
 ) -> None:
     """Time the embedding and the head in ``out`` as an engine that replicates them runs them
     at ``tp``: whole on every TP rank. In order: as Sailor's own profiler timed them at ``tp``
@@ -427,12 +469,12 @@ def _whole_ends(
         if near:
             t = min(near, key=lambda t: (abs(t - tp), t))
             # the table at ``t`` as the profile has it (the split head's path: no recursion)
-            at = _table(profiles, model, cal, spec, gpu_type, t, mbs, True, activations)
+            at = _table(profiles, model, cal, spec, gpu_type, t, mbs, True, activations, network)
             out[layer] = at.layers[layer]
             notes.append(f"{tag}: layer {layer} whole on every TP rank, as measured at tp={t}")
             continue
         try:
-            one = _table(profiles, model, cal, spec, gpu_type, 1, mbs, True, activations)
+            one = _table(profiles, model, cal, spec, gpu_type, 1, mbs, True, activations, network)
         except ProfileLookupError:
             c = out[layer]
             out[layer] = LayerCost(c.fwd_s * tp, c.bwd_s * tp, c.update_s * tp, estimated=True)

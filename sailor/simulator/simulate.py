@@ -427,6 +427,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
                 *key,
                 cal.vocab_parallel,
                 cal.activations,
+                inp.links.network,
             )
             inp.tables[key] = table
             inp.notes.add(*table.notes)

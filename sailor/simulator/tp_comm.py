@@ -1,0 +1,111 @@
+"""Tensor-parallel collectives of a layer whose time is estimated, not measured.
+
+A profile measured at a TP degree times each layer with its TP all-reduces inside (the
+profiler runs the layer on a real TP group). An estimate does not: the roofline
+(:mod:`estimate_profile`) is compute and memory traffic only. A layer priced at a TP degree
+nobody profiled (lookup rules 3 and 5) gets the all-reduces the engine runs in it added here,
+over the GPU type's intra-node link, so that an unprofiled TP 4 of a narrow model is not taken
+for four times faster than TP 1 when its all-reduces cost as much as its matmuls.
+
+What a TP group all-reduces, per microbatch of ``b`` samples of ``s`` tokens, hidden ``h``
+(Sailor's engine, ``megatron_patch.tp_layers`` and ``vocab_parallel``; Megatron-LM without
+sequence parallelism runs the same; with it, a reduce-scatter and an all-gather move the
+same bytes):
+
+* a block: forward, the attention's and the MLP's row-parallel outputs (2 × ``b·s·h``);
+  backward, the gradients of their column-parallel inputs (2 × ``b·s·h``), in the compute
+  dtype;
+* the embedding, split by vocabulary: forward, the rows each rank looked up (``b·s·h``; in
+  fp32, as Sailor's engine sums them);
+* the head, split by vocabulary: forward, the cross entropy's three reductions of one fp32
+  value per token (max, sum of exponentials, target logit); backward, the gradient of its
+  input (``b·s·h``).
+
+An embedding and a head held whole on every rank (no ``vocab_parallel``) run no collective.
+
+A collective is a ring over the TP group's ``t`` GPUs of one node: ``2(t-1)`` steps of
+``1/t`` of the bytes over the link, at least :data:`MIN_COLLECTIVE_S`. The link is the
+network profile's intra-node curve of the GPU type and group size (measured: taken as it
+is), else the spec sheet's per-GPU link bandwidth derated by :data:`SPEC_LINK_EFFICIENCY`.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sailor.schemas import BandwidthCurve, GPUSpec, ModelSpec, NetworkProfile
+from sailor.simulator.network_model import guessed_link, intra_curve
+
+__all__ = [
+    "MIN_COLLECTIVE_S",
+    "SPEC_LINK_EFFICIENCY",
+    "TPLink",
+    "layer_comm_s",
+    "ring_allreduce_s",
+    "tp_link",
+]
+
+SPEC_LINK_EFFICIENCY = 0.6
+"""Fraction of the spec sheet's per-GPU intra-node bandwidth a TP all-reduce reaches. NCCL's
+ring all-reduce among the GPUs of one node moves ``2(t-1)/t`` of the bytes over each link, at
+a bus bandwidth below the link's: the intra-node all-reduce curves the original Sailor
+artifact measured peak at 249 GB/s on 2-4 A100-40s (NVLink3, 300 GB/s: 0.83) and at
+68 GB/s on 2-4 V100-16s (NVLink2, 150 GB/s: 0.45); the middle of that range. Only a spec
+sheet is derated: a measured intra-node curve is taken as it is."""
+
+MIN_COLLECTIVE_S = 10e-6
+"""Least time of one collective: a kernel launch and NCCL's handshake among the GPUs of a
+node, about 10 µs for the small messages of nccl-tests' all-reduce on NVLink and PCIe. The
+cross entropy's reductions (4 bytes per token) cost this."""
+
+
+@dataclass(frozen=True)
+class TPLink:
+    """The link a TP group's collectives run over, and the fraction of it they reach."""
+
+    curve: BandwidthCurve
+    efficiency: float
+    note: str
+
+
+def tp_link(
+    network: NetworkProfile | None, specs: Mapping[str, GPUSpec], gpu_type: str, tp: int
+) -> TPLink:
+    """Intra-node link of a TP group of ``tp`` GPUs of ``gpu_type``
+    (:func:`~sailor.simulator.network_model.intra_curve`; an empty profile without
+    ``network``): a measured curve at efficiency 1, a spec sheet or guess derated."""
+    curve, note = intra_curve(network or NetworkProfile(), gpu_type, tp, specs)
+    if guessed_link(note):
+        return TPLink(curve, SPEC_LINK_EFFICIENCY, f"{note} x{SPEC_LINK_EFFICIENCY}")
+    return TPLink(curve, 1.0, f"intra-node curve of {gpu_type} x{tp}")
+
+
+def ring_allreduce_s(link: TPLink, nbytes: float, ranks: int) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` among ``ranks`` GPUs of one node."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    chunk = nbytes / ranks
+    steps = 2 * (ranks - 1)
+    step = link.curve.transfer_time(chunk) / link.efficiency
+    return max(MIN_COLLECTIVE_S, steps * step)
+
+
+def layer_comm_s(
+    model: ModelSpec, tp: int, mbs: int, layer: int, link: TPLink, vocab_parallel: bool
+) -> tuple[float, float]:
+    """Forward and backward seconds of the TP all-reduces of ``layer`` for one microbatch."""
+    if tp <= 1:
+        return 0.0, 0.0
+    tokens = mbs * model.seq_length
+    act = float(tokens * model.hidden_size * model.param_bytes())
+    kind = model.layer_kind(layer)
+    if kind == "block":
+        one = ring_allreduce_s(link, act, tp)
+        return 2 * one, 2 * one
+    if not vocab_parallel:
+        return 0.0, 0.0
+    if kind == "embedding":
+        return ring_allreduce_s(link, 4.0 * tokens * model.hidden_size, tp), 0.0
+    return 3 * ring_allreduce_s(link, 4.0 * tokens, tp), ring_allreduce_s(link, act, tp)

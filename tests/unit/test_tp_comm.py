@@ -1,0 +1,181 @@
+"""TP all-reduces of estimated layers (lookup rules 3 and 5, ``simulator.tp_comm``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sailor import catalog
+from sailor.schemas import (
+    BandwidthCurve,
+    Endpoint,
+    GPUCalibration,
+    LayerProfile,
+    Link,
+    ModelSpec,
+    NetworkProfile,
+    ProfileDB,
+)
+from sailor.simulator.estimate_profile import estimate_layer_timing
+from sailor.simulator.lookup import layer_table
+from sailor.simulator.tp_comm import (
+    MIN_COLLECTIVE_S,
+    SPEC_LINK_EFFICIENCY,
+    TPLink,
+    layer_comm_s,
+    ring_allreduce_s,
+    tp_link,
+)
+
+MODEL = catalog.model("OPT-350")
+SPECS = catalog.gpus()
+GPU = "L4"  # PCIe: the all-reduces are a large share of a narrow model's block
+CAL = GPUCalibration(gpu_type=GPU)
+BLOCK, HEAD = 1, MODEL.num_all_layers - 1
+
+
+def _flat(gbps: float) -> BandwidthCurve:
+    return BandwidthCurve(coeffs=(0.0, 0.0, gbps), max_gbps=gbps)
+
+
+def _act(mbs: int) -> float:
+    return float(mbs * MODEL.seq_length * MODEL.hidden_size * MODEL.param_bytes())
+
+
+def test_ring_moves_2_t_minus_1_over_t_of_the_bytes() -> None:
+    link = TPLink(_flat(100.0), 0.5, "test")
+    nbytes = 400e6
+    for t in (2, 4, 8):
+        expect = 2 * (t - 1) / t * nbytes / (100e9 * 0.5)
+        assert ring_allreduce_s(link, nbytes, t) == pytest.approx(expect)
+    assert ring_allreduce_s(link, nbytes, 1) == 0.0
+    assert ring_allreduce_s(link, 0.0, 4) == 0.0
+    assert ring_allreduce_s(link, 8.0, 4) == MIN_COLLECTIVE_S
+
+
+def test_collectives_per_layer_kind() -> None:
+    link = TPLink(_flat(50.0), 1.0, "test")
+    one = ring_allreduce_s(link, _act(2), 4)
+    assert layer_comm_s(MODEL, 4, 2, BLOCK, link, True) == pytest.approx((2 * one, 2 * one))
+    # the embedding sums its rows in fp32 forward; the head reduces its input's gradient
+    emb = ring_allreduce_s(link, 4.0 * 2 * MODEL.seq_length * MODEL.hidden_size, 4)
+    assert layer_comm_s(MODEL, 4, 2, 0, link, True) == pytest.approx((emb, 0.0))
+    f, b = layer_comm_s(MODEL, 4, 2, HEAD, link, True)
+    assert f == pytest.approx(3 * MIN_COLLECTIVE_S) and b == pytest.approx(one)
+    # held whole on every rank, the embedding and head run no collective; TP 1 none at all
+    assert layer_comm_s(MODEL, 4, 2, 0, link, False) == (0.0, 0.0)
+    assert layer_comm_s(MODEL, 4, 2, HEAD, link, False) == (0.0, 0.0)
+    assert layer_comm_s(MODEL, 1, 2, BLOCK, link, True) == (0.0, 0.0)
+
+
+def test_link_is_the_measured_curve_else_a_derated_spec_sheet() -> None:
+    spec = tp_link(None, SPECS, GPU, 4)
+    assert spec.curve.max_gbps == SPECS[GPU].intra_node_link_gbps
+    assert spec.efficiency == SPEC_LINK_EFFICIENCY
+    ep = Endpoint(zone="*", gpu_type=GPU, gpus_per_node=4)
+    measured = _flat(7.0)
+    net = NetworkProfile(intra_node=(Link(src=ep, dst=ep, curve=measured),))
+    got = tp_link(net, SPECS, GPU, 4)
+    assert got.curve == measured and got.efficiency == 1.0
+    # another GPU type has no curve: its spec sheet
+    assert tp_link(net, SPECS, "T4", 4).efficiency == SPEC_LINK_EFFICIENCY
+
+
+def test_unprofiled_gpu_type_pays_its_all_reduces() -> None:
+    db = ProfileDB(model=MODEL.name)
+    link = tp_link(None, SPECS, GPU, 4)
+    t4 = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2)
+    t1 = layer_table(db, MODEL, CAL, SPECS, GPU, 1, 2)
+    for layer in (0, BLOCK, HEAD):
+        roof4 = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, layer)
+        roof1 = estimate_layer_timing(MODEL, SPECS[GPU], 1, 2, layer)
+        cf, cb = layer_comm_s(MODEL, 4, 2, layer, link, True)
+        assert t4.layers[layer].fwd_s == pytest.approx(roof4.fwd_s + cf)
+        assert t4.layers[layer].bwd_s == pytest.approx(roof4.bwd_s + cb)
+        assert t1.layers[layer].fwd_s == pytest.approx(roof1.fwd_s)
+    # TP 4 of this narrow model is far from 4x faster than TP 1
+    assert t4.layers[BLOCK].fwd_s > 0.35 * t1.layers[BLOCK].fwd_s
+    assert any("TP all-reduces at tp=4" in n for n in t4.notes)
+
+
+def _measured(tps: tuple[int, ...], scale: float) -> ProfileDB:
+    """Profiles of ``GPU`` at ``tps``: the estimate at each TP (its all-reduces included)
+    times ``scale``, as a profiler that runs the layer on a real TP group times it."""
+    link = {t: tp_link(None, SPECS, GPU, t) for t in tps if t > 1}
+    rows = []
+    for t in tps:
+        for layer in range(MODEL.num_all_layers):
+            e = estimate_layer_timing(MODEL, SPECS[GPU], t, 2, layer)
+            cf, cb = layer_comm_s(MODEL, t, 2, layer, link[t], True) if t > 1 else (0.0, 0.0)
+            rows.append(
+                LayerProfile(
+                    gpu_type=GPU,
+                    tp=t,
+                    microbatch_size=2,
+                    layer=layer,
+                    kind=MODEL.layer_kind(layer),
+                    fwd_s=scale * (e.fwd_s + cf),
+                    bwd_s=scale * (e.bwd_s + cb),
+                    update_s=e.update_s,
+                    source="imported",
+                )
+            )
+    return ProfileDB(model=MODEL.name, timings=tuple(rows))
+
+
+@pytest.mark.parametrize("near", [1, 2])
+def test_unprofiled_tp_scales_compute_and_adds_its_all_reduces(near: int) -> None:
+    # a GPU twice as slow as its roofline: the scaled compute keeps the factor 2, the
+    # all-reduces at the new TP are the link's (not scaled by the compute's factor)
+    db = _measured((near,), 2.0)
+    got = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2)
+    link = tp_link(None, SPECS, GPU, 4)
+    for layer in (0, BLOCK, HEAD):
+        roof = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, layer)
+        cf, cb = layer_comm_s(MODEL, 4, 2, layer, link, True)
+        assert got.layers[layer].fwd_s == pytest.approx(2.0 * roof.fwd_s + cf)
+        assert got.layers[layer].bwd_s == pytest.approx(2.0 * roof.bwd_s + cb)
+    assert any("plus the TP all-reduces" in n for n in got.notes)
+
+
+def test_profiled_tp_is_taken_as_measured() -> None:
+    db = _measured((1, 4), 1.0)
+    got = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2)
+    want = db.timing(GPU, 4, 2, BLOCK)
+    assert want is not None
+    assert got.layers[BLOCK].fwd_s == pytest.approx(want.fwd_s)
+    assert not any("all-reduces" in n for n in got.notes)
+
+
+def test_a_measured_intra_node_curve_prices_the_all_reduces() -> None:
+    db = ProfileDB(model=MODEL.name)
+    ep = Endpoint(zone="*", gpu_type=GPU, gpus_per_node=4)
+    slow = NetworkProfile(intra_node=(Link(src=ep, dst=ep, curve=_flat(2.0)),))
+    fast = NetworkProfile(intra_node=(Link(src=ep, dst=ep, curve=_flat(200.0)),))
+    roof = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, BLOCK).fwd_s
+    t_slow = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2, network=slow).layers[BLOCK].fwd_s
+    t_fast = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2, network=fast).layers[BLOCK].fwd_s
+    ar = 2 * 3 / 4 * _act(2)
+    assert t_slow == pytest.approx(roof + 2 * ar / 2e9)
+    assert t_fast == pytest.approx(roof + 2 * ar / 200e9)
+
+
+def test_model_without_vocab_split_pays_no_head_all_reduce() -> None:
+    db = ProfileDB(model=MODEL.name)
+    model = ModelSpec.model_validate({**MODEL.model_dump(), "name": "x"})
+    split = layer_table(db, model, CAL, SPECS, GPU, 4, 2, vocab_parallel=True)
+    whole = layer_table(db, model, CAL, SPECS, GPU, 4, 2, vocab_parallel=False)
+    one = layer_table(db, model, CAL, SPECS, GPU, 1, 2)
+    # held whole, the head costs what it costs at TP 1, with no collective
+    assert whole.layers[HEAD].bwd_s == pytest.approx(one.layers[HEAD].bwd_s)
+    assert split.layers[BLOCK] == whole.layers[BLOCK]
+
+
+def test_calibrated_compute_scale_leaves_the_all_reduces_alone() -> None:
+    db = ProfileDB(model=MODEL.name)
+    link = tp_link(None, SPECS, GPU, 4)
+    slow = GPUCalibration(gpu_type=GPU, compute_scale=3.0)
+    got = layer_table(db, MODEL, slow, SPECS, GPU, 4, 2).layers[BLOCK]
+    roof = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, BLOCK)
+    cf, cb = layer_comm_s(MODEL, 4, 2, BLOCK, link, True)
+    assert got.fwd_s == pytest.approx(3.0 * roof.fwd_s + cf)
+    assert got.bwd_s == pytest.approx(3.0 * roof.bwd_s + cb)
