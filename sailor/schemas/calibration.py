@@ -20,6 +20,7 @@ from sailor.schemas.device_kind import catalog_type
 
 __all__ = [
     "DEFAULT_MEMORY_OVERHEAD_BYTES",
+    "SPEC_LINK_EFFICIENCY",
     "Calibration",
     "ConstantRange",
     "GPUCalibration",
@@ -30,6 +31,13 @@ DEFAULT_MEMORY_OVERHEAD_BYTES = 1 << 30
 """1 GiB of non-tensor memory per training process when nothing was measured: the CUDA
 context with its loaded kernel modules (~0.3-0.5 GiB on Ampere/Hopper with lazy loading),
 cuBLAS/cuDNN workspaces and NCCL communicator buffers (a few MiB per channel and peer)."""
+
+
+SPEC_LINK_EFFICIENCY = 0.6
+"""Fraction of the spec sheet's per-GPU intra-node bandwidth a TP all-reduce reaches, when the
+network profile has no intra-node curve of the GPU type. The intra-node all-reduce curves the
+original Sailor artifact measured peak at 249 GB/s on 2-4 A100-40s (NVLink3, 300 GB/s: 0.83)
+and at 68 GB/s on 2-4 V100-16s (NVLink2, 150 GB/s: 0.45); the middle of that range."""
 
 
 class ConstantRange(Frozen):
@@ -70,6 +78,12 @@ class GPUPrior(Frozen):
         description="Fixed cost of one pipeline transfer besides its bytes, s; None (a range "
         "written before this constant existed): the type's point value in every corner.",
     )
+    tp_link_efficiency: ConstantRange | None = Field(
+        default=None,
+        description="Fraction of the spec sheet's intra-node link bandwidth an estimated TP "
+        "all-reduce reaches; None (a range written before this constant existed): the type's "
+        "point value in every corner.",
+    )
     sync_fixed_s: ConstantRange = Field(description="Fixed sync cost per iteration, s.")
     alloc_factor: ConstantRange = Field(
         description="Caching-allocator factor (reserved/allocated)."
@@ -84,9 +98,9 @@ class GPUPrior(Frozen):
 
     @model_validator(mode="after")
     def _bounds(self) -> GPUPrior:
-        for name in ("network_efficiency", "p2p_efficiency"):
-            r: ConstantRange = getattr(self, name)
-            if r.low <= 0 or r.high > 1:
+        for name in ("network_efficiency", "p2p_efficiency", "tp_link_efficiency"):
+            r: ConstantRange | None = getattr(self, name)
+            if r is not None and (r.low <= 0 or r.high > 1):
                 raise field_error(name, (r.low, r.high), "an efficiency lies in (0, 1]")
         if self.alloc_factor.low < 1:
             raise field_error("alloc_factor.low", self.alloc_factor.low, "must be >= 1")
@@ -148,6 +162,16 @@ class GPUCalibration(Frozen):
             "Fixed cost of one pipeline transfer (each direction, each microbatch, each stage "
             "boundary) besides its bytes over the link: the pipeline engine's own work around "
             "a send (dispatch, buffer handling, the communicator's latency), s. Default 0."
+        ),
+    )
+    tp_link_efficiency: float = Field(
+        default=SPEC_LINK_EFFICIENCY,
+        gt=0,
+        le=1.0,
+        description=(
+            "Fraction of the spec sheet's per-GPU intra-node bandwidth the TP all-reduces of "
+            "an estimated layer reach (a TP degree nobody profiled; a measured intra-node "
+            "curve is taken as it is). Default SPEC_LINK_EFFICIENCY (0.6)."
         ),
     )
     sync_fixed_s: float = Field(

@@ -355,7 +355,8 @@ def _layer_table(
         """The TP all-reduces of every layer at ``t`` (none at TP 1)."""
         if t <= 1:
             return [(0.0, 0.0)] * n
-        link = tp_link(network, {gpu_type: spec} if spec else {}, gpu_type, t)
+        specs = {gpu_type: spec} if spec else {}
+        link = tp_link(network, specs, gpu_type, t, cal.tp_link_efficiency)
         notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
         return [layer_comm_s(model, t, mbs, layer, link, vocab_parallel) for layer in range(n)]
 

@@ -26,7 +26,9 @@ An embedding and a head held whole on every rank (no ``vocab_parallel``) run no 
 A collective is a ring over the TP group's ``t`` GPUs of one node: ``2(t-1)`` steps of
 ``1/t`` of the bytes over the link, at least :data:`MIN_COLLECTIVE_S`. The link is the
 network profile's intra-node curve of the GPU type and group size (measured: taken as it
-is), else the spec sheet's per-GPU link bandwidth derated by :data:`SPEC_LINK_EFFICIENCY`.
+is), else the spec sheet's per-GPU link bandwidth derated by the GPU type's
+``tp_link_efficiency`` (:data:`~sailor.schemas.calibration.SPEC_LINK_EFFICIENCY` by default,
+a range in the uncertainty corners).
 Pure: no I/O.
 """
 
@@ -36,24 +38,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sailor.schemas import BandwidthCurve, GPUSpec, ModelSpec, NetworkProfile
+from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
 from sailor.simulator.network_model import guessed_link, intra_curve
 
 __all__ = [
     "MIN_COLLECTIVE_S",
-    "SPEC_LINK_EFFICIENCY",
     "TPLink",
     "layer_comm_s",
     "ring_allreduce_s",
     "tp_link",
 ]
-
-SPEC_LINK_EFFICIENCY = 0.6
-"""Fraction of the spec sheet's per-GPU intra-node bandwidth a TP all-reduce reaches. NCCL's
-ring all-reduce among the GPUs of one node moves ``2(t-1)/t`` of the bytes over each link, at
-a bus bandwidth below the link's: the intra-node all-reduce curves the original Sailor
-artifact measured peak at 249 GB/s on 2-4 A100-40s (NVLink3, 300 GB/s: 0.83) and at
-68 GB/s on 2-4 V100-16s (NVLink2, 150 GB/s: 0.45); the middle of that range. Only a spec
-sheet is derated: a measured intra-node curve is taken as it is."""
 
 MIN_COLLECTIVE_S = 10e-6
 """Least time of one collective: a kernel launch and NCCL's handshake among the GPUs of a
@@ -71,14 +65,19 @@ class TPLink:
 
 
 def tp_link(
-    network: NetworkProfile | None, specs: Mapping[str, GPUSpec], gpu_type: str, tp: int
+    network: NetworkProfile | None,
+    specs: Mapping[str, GPUSpec],
+    gpu_type: str,
+    tp: int,
+    spec_efficiency: float = SPEC_LINK_EFFICIENCY,
 ) -> TPLink:
     """Intra-node link of a TP group of ``tp`` GPUs of ``gpu_type``
     (:func:`~sailor.simulator.network_model.intra_curve`; an empty profile without
-    ``network``): a measured curve at efficiency 1, a spec sheet or guess derated."""
+    ``network``): a measured curve at efficiency 1, a spec sheet or guess derated by
+    ``spec_efficiency``."""
     curve, note = intra_curve(network or NetworkProfile(), gpu_type, tp, specs)
     if guessed_link(note):
-        return TPLink(curve, SPEC_LINK_EFFICIENCY, f"{note} x{SPEC_LINK_EFFICIENCY}")
+        return TPLink(curve, spec_efficiency, f"{note} x{spec_efficiency:.3g}")
     return TPLink(curve, 1.0, f"intra-node curve of {gpu_type} x{tp}")
 
 

@@ -98,8 +98,8 @@ def _constants(
     gpu_type: str, prior: GPUPrior, corner: str, source: str, base: GPUCalibration
 ) -> GPUCalibration:
     """``base`` with every fitted constant at ``corner``'s end of ``prior`` (its measured
-    ``compute_scale``, and its ``p2p_fixed_s`` in a range written before that constant
-    existed, kept unless the prior has a range for it)."""
+    ``compute_scale``, and its ``p2p_fixed_s`` and ``tp_link_efficiency`` in a range written
+    before those constants existed, kept unless the prior has a range for them)."""
     scale = (
         base.compute_scale
         if prior.compute_scale is None
@@ -117,6 +117,11 @@ def _constants(
                 base.p2p_fixed_s
                 if prior.p2p_fixed_s is None
                 else _end(prior.p2p_fixed_s, corner, True)
+            ),
+            "tp_link_efficiency": (
+                base.tp_link_efficiency
+                if prior.tp_link_efficiency is None
+                else _end(prior.tp_link_efficiency, corner, False)
             ),
             "sync_fixed_s": _end(prior.sync_fixed_s, corner, True),
             "alloc_factor": _end(prior.alloc_factor, corner, True),
@@ -136,6 +141,7 @@ def _original_constants(gpu_type: str, compute_scale: float = 1.0) -> GPUCalibra
         profiler_overhead_s=0.0,
         network_efficiency=1.0,
         p2p_efficiency=1.0,
+        tp_link_efficiency=1.0,
         sync_fixed_s=0.0,
         alloc_factor=1.0,
         memory_overhead_bytes=ORIGINAL_MEMORY_OVERHEAD_BYTES,

@@ -15,16 +15,17 @@ from sailor.schemas import (
     NetworkProfile,
     ProfileDB,
 )
+from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
 from sailor.simulator.estimate_profile import estimate_layer_timing
 from sailor.simulator.lookup import layer_table
 from sailor.simulator.tp_comm import (
     MIN_COLLECTIVE_S,
-    SPEC_LINK_EFFICIENCY,
     TPLink,
     layer_comm_s,
     ring_allreduce_s,
     tp_link,
 )
+from sailor.simulator.uncertainty import corners
 
 MODEL = catalog.model("OPT-350")
 SPECS = catalog.gpus()
@@ -179,3 +180,21 @@ def test_calibrated_compute_scale_leaves_the_all_reduces_alone() -> None:
     cf, cb = layer_comm_s(MODEL, 4, 2, BLOCK, link, True)
     assert got.fwd_s == pytest.approx(3.0 * roof.fwd_s + cf)
     assert got.bwd_s == pytest.approx(3.0 * roof.bwd_s + cb)
+
+
+def test_the_spec_link_efficiency_is_a_range_in_the_corners() -> None:
+    db = ProfileDB(model=MODEL.name)
+    got = {}
+    for name, cal in corners(catalog.calibration()):
+        gcal = cal.for_gpu(GPU)
+        table = layer_table(db, MODEL, gcal, SPECS, GPU, 4, 2, network=NetworkProfile())
+        link = tp_link(None, SPECS, GPU, 4, gcal.tp_link_efficiency)
+        assert link.efficiency == gcal.tp_link_efficiency
+        got[name] = layer_comm_s(MODEL, 4, 2, BLOCK, link, True)[0]
+        assert table.layers[BLOCK].fwd_s > got[name]
+    prior = catalog.calibration().prior
+    assert prior is not None and prior.tp_link_efficiency is not None
+    assert got["optimistic"] < got["median"] < got["pessimistic"]
+    assert got["median"] == pytest.approx(
+        got["optimistic"] * prior.tp_link_efficiency.high / prior.tp_link_efficiency.median
+    )
