@@ -21,9 +21,10 @@ looked up (token ids are below ``V``) and their logits are left out of the softm
 model computes exactly the unpadded model's loss; their gradients are zero, and they are
 initialised to zero.
 
-At TP 1 both are the plain lookup and ``F.cross_entropy`` of the real vocabulary. Token ids
-and labels are ids of the real vocabulary (the data sources check them): there is no ignore
-index, and an id out of range is not detected at TP > 1.
+At TP 1 both are the plain lookup and ``F.cross_entropy`` of the real vocabulary. At every TP
+degree a label of :data:`IGNORE_INDEX` (-100, ``F.cross_entropy``'s default) is left out of the
+loss and its mean, and gets no gradient. Other token ids and labels are ids of the real
+vocabulary (the data sources check them): an id out of range is not detected at TP > 1.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sailor.megatron_patch.tp_layers import TPContext, reduce_from_tp
 from sailor.schemas.model import VOCAB_MULTIPLE, padded_vocab
 
 __all__ = [
+    "IGNORE_INDEX",
     "VOCAB_MULTIPLE",
     "embed",
     "pad_rows",
@@ -47,6 +49,10 @@ __all__ = [
     "unpad_rows",
     "vocab_cross_entropy",
 ]
+
+
+IGNORE_INDEX = -100
+"""A label the loss leaves out (``F.cross_entropy``'s ``ignore_index`` default)."""
 
 
 def rows_per_rank(vocab_size: int, tp: TPContext) -> int:
@@ -161,7 +167,9 @@ class _VocabCrossEntropy(torch.autograd.Function):
 def vocab_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp: TPContext
 ) -> torch.Tensor:
-    """Mean cross entropy of ``labels`` under this rank's fp32 logits ``[..., rows]``.
+    """Mean cross entropy of ``labels`` under this rank's fp32 logits ``[..., rows]``, over
+    the labels that are not :data:`IGNORE_INDEX` (NaN when every label is, as
+    ``F.cross_entropy``).
 
     At TP 1, ``F.cross_entropy`` over the real vocabulary's columns."""
     rows = logits.shape[-1]
@@ -169,9 +177,12 @@ def vocab_cross_entropy(
     if tp.size == 1:
         if rows != vocab_size:
             flat = flat[:, :vocab_size]
-        return F.cross_entropy(flat, target)
+        return F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
     real = real_rows(vocab_size, rows, tp.rank)
     loss: torch.Tensor = _VocabCrossEntropy.apply(  # type: ignore[no-untyped-call]
         flat, target, tp.rank * rows, real, tp.group
     )
-    return loss.mean()
+    # an ignored label is inside no rank's rows: its target logit is 0 and its gradient's
+    # one-hot is empty; its weight here is 0, so its softmax gradient is 0 too
+    keep = target != IGNORE_INDEX
+    return (loss * keep).sum() / keep.sum()

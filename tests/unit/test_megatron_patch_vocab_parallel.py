@@ -16,6 +16,7 @@ import torch.distributed as dist
 from sailor.megatron_patch.model import GPTStage, tiny_model
 from sailor.megatron_patch.tp_layers import TPContext, tp_dim_of
 from sailor.megatron_patch.vocab_parallel import (
+    IGNORE_INDEX,
     VOCAB_MULTIPLE,
     pad_rows,
     padded_vocab,
@@ -85,6 +86,7 @@ def _tp_worker(rank: int, world: int, store: str, vocab: int, tied: bool) -> Non
         tokens = torch.randint(0, vocab, (b, s), generator=gen)
         labels = torch.randint(0, vocab, (b, s), generator=gen)
         labels[0, :3] = vocab - 1  # the last real row (held by a padded shard)
+        labels[1, :4] = IGNORE_INDEX  # left out of the loss at every TP degree
         hidden = torch.randn(b, s, h, generator=gen)
         for layer in (0, spec.num_all_layers - 1):
             inp = tokens if layer == 0 else hidden
