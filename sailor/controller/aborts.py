@@ -3,9 +3,10 @@
 Why the current layout cannot go on (``_unhealthy``: a node lost without notice, a worker
 failed, an in-place world broke); the move to TEARDOWN after a failure (``_abort``: a
 checkpoint that could not be read is not loaded again, a failed in-place launch falls back
-to the restart path once, the nodes the failure began on are charged through
-``controller/failing_nodes.py``); and the Abort commands themselves (``_abort_send``, and
-``_clear_stale`` for a failure still reported outside the layout, in any phase).
+to the restart path once, the nodes the failure began on, and those that held up a
+LAUNCH, LOAD or VERIFY deadline, are charged through ``controller/failing_nodes.py``); and
+the Abort commands themselves (``_abort_send``, and ``_clear_stale`` for a failure still
+reported outside the layout, in any phase).
 
 Pure: no I/O, no clock, no module-level state. Internal to the decision: ``decide.py``,
 ``launch.py``, ``checkpointing.py`` and ``teardown.py`` call it, so nothing here is public.
@@ -13,6 +14,8 @@ Must never import those modules (they import this one).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from sailor.controller import failing_nodes
 from sailor.controller.decision_types import (
@@ -63,7 +66,17 @@ def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
     return checkpoint_unreadable(failing_nodes.failed(d, o.status))
 
 
-def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[Action]:
+def _abort(
+    d: DesiredState,
+    o: Observed,
+    cfg: DecideConfig,
+    cause: str,
+    late: Mapping[str, str] | None = None,
+    notes: Sequence[str] = (),
+) -> list[Action]:
+    """The move to TEARDOWN. ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes to
+    charge for it (node -> what it still reports, ``failing_nodes.missed_launching``),
+    counted in the same desired state; ``notes``: more for the reason."""
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
     # same way forever): the next launch falls back to the newest other recorded commit.
     bad = d.bad_checkpoints
@@ -77,7 +90,7 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
-    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion)
+    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late)
     state = _move(
         d,
         Phase.TEARDOWN,
@@ -94,7 +107,7 @@ def _abort(d: DesiredState, o: Observed, cfg: DecideConfig, cause: str) -> list[
         bad_checkpoints=bad,
         **failing_nodes.health_update(counted),
     )
-    return [SetDesired(state, "; ".join([f"abort: {cause}", *counted.notes]))]
+    return [SetDesired(state, "; ".join([f"abort: {cause}", *counted.notes, *notes]))]
 
 
 def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

@@ -5,7 +5,8 @@
 job, the exclusion backoff, when a record is forgotten). This module applies them to a
 pass: which nodes of the layout failed, which node a failure is named after, which
 registered nodes no layout may use, why none is usable, which busy nodes hold up a
-teardown and what one still busy at its deadline is charged with, which records a pass
+teardown and what one still busy at its deadline is charged with, which placed nodes a
+LAUNCH, LOAD or VERIFY deadline is charged to (``missed_launching``), which records a pass
 forgets (nodes long away, configuration errors of a changed training config, operators'
 readmit requests). The phase machine in ``controller/decide.py`` (and its phase modules
 ``aborts.py``, ``teardown.py``) calls it and turns what it returns (records, and the reason
@@ -20,8 +21,10 @@ excluded set).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 
 from sailor.controller.node_health import (
+    DEADLINE_MISSED,
     JOB,
     Charged,
     ExclusionPolicy,
@@ -49,6 +52,7 @@ __all__ = [
     "holding_up",
     "late_failures",
     "miss_deadline",
+    "missed_launching",
     "nothing_usable",
     "progressed",
     "to_clear",
@@ -85,15 +89,67 @@ def health_update(c: Charged) -> dict[str, object]:
 
 
 def charge_abort(
-    d: DesiredState, status: Mapping[str, AgentStatus], now: float, policy: ExclusionPolicy
+    d: DesiredState,
+    status: Mapping[str, AgentStatus],
+    now: float,
+    policy: ExclusionPolicy,
+    late: Mapping[str, str] | None = None,
 ) -> Charged:
     """The records once the failures behind an abort of ``d``'s generation are counted.
 
     The nodes the failure began on are remembered (or the job, when most failed alike):
     relaunching on a node that cannot run a rank aborted again, forever. At a LAUNCH abort
-    a node still failed from an older generation counts too (:func:`failed`, ``stale``)."""
+    a node still failed from an older generation counts too (:func:`failed`, ``stale``).
+    ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes that held it up (node -> what
+    it still reports, :func:`missed_launching`), each charged with a ``DeadlineMissed``
+    failure of its own (counted by the policy, never the job's) unless it reports a failure
+    of its own; the notes name those counted."""
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
-    return charge(d, failures, now, policy, progressed(d, status))
+    for n, what in (late or {}).items():
+        failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
+    c = charge(d, failures, now, policy, progressed(d, status))
+    counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
+    if not counted:
+        return c
+    whom = "; ".join(f"{n} ({(late or {})[n]})" for n in counted)
+    return replace(c, notes=[f"counted against {whom}", *c.notes])
+
+
+def missed_launching(
+    d: DesiredState,
+    late: Collection[str],
+    status: Mapping[str, AgentStatus],
+    now: float,
+) -> tuple[dict[str, str], list[str]]:
+    """At the deadline of ``d``'s LAUNCH, LOAD or VERIFY: the placed nodes ``late`` (those
+    that did not get as far as the phase waits for) to charge, node -> what it still
+    reports (for :func:`charge_abort`), and the notes for the abort's reason.
+
+    Not those the records exclude at ``now`` already: they were charged. And none when every placed
+    node is late: nothing tells a fault of the nodes from the controller's or the network's
+    (a Launch fan-out lost, a deadline too short for the checkpoint's load), and no report
+    names a cause the job's rule could count (``charge``: the same failure on most nodes),
+    so neither the nodes nor the job are charged and the job is relaunched as before."""
+    if not late:
+        return {}, []
+    if set(d.placement) <= set(late):
+        why = (
+            f"not counted against the {len(d.placement)} placed node(s): every one missed the "
+            f"{d.phase.value} deadline, no node is to blame (the controller's or the "
+            "network's fault, or a deadline too short)"
+        )
+        return {}, [why]
+    out = excluded(d.node_health, now)
+    return {n: _still_at(d, status.get(n)) for n in sorted(late) if n not in out}, []
+
+
+def _still_at(d: DesiredState, st: AgentStatus | None) -> str:
+    """What a placed node that held up a LAUNCH, LOAD or VERIFY deadline still reports."""
+    phase = d.phase.value
+    if st is None:
+        return f"no status at the {phase} deadline"
+    what = f"still {st.state} (generation {st.generation}) at the {phase} deadline"
+    return what + (", its Launch not acked" if d.phase is Phase.LAUNCH else "")
 
 
 def progressed(d: DesiredState, status: Mapping[str, AgentStatus]) -> frozenset[str]:

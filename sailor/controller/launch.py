@@ -3,7 +3,8 @@
 The move to LAUNCH of the next plan on its placement (``_launch``: the in-place or the
 restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
 and VERIFY phases (``_launching``): a Launch to every node of the layout, the workers up,
-their first step after the loaded checkpoint, which clears the failure streaks.
+their first step after the loaded checkpoint, which clears the failure streaks; past a
+phase's deadline, an abort that charges the nodes that held it up (``_behind``).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -16,6 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 
+from sailor.controller import failing_nodes
 from sailor.controller.aborts import _abort, _unhealthy
 from sailor.controller.decision_types import (
     Action,
@@ -119,12 +121,35 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}")]
 
 
+def _behind(d: DesiredState, o: Observed) -> list[str]:
+    """The placed nodes that held up this LAUNCH, LOAD or VERIFY past its deadline, to be
+    charged (``failing_nodes.missed_launching`` spares them all when it is every one).
+
+    LAUNCH: those whose Launch of this epoch was not acked (a hung agent, a dead VM whose
+    lease still holds); none when the phase was begun under another epoch (adopted by this
+    leader: the acks of that epoch are lost, and a node may have acked its Launch). LOAD:
+    those whose workers of this generation do not report ``running``. VERIFY: the same, and
+    so usually none: every worker up and stuck at one step (a collective waits for the
+    slowest rank) says nothing about which node is slow, so nobody is charged then (the
+    abort goes on as before); only a strict subset not running is to blame."""
+    if d.phase is Phase.LAUNCH:
+        if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
+            return []
+        return [n for n in sorted(d.placement) if _cid(d, "launch", n) not in o.acked]
+    return [
+        n
+        for n in sorted(d.placement)
+        if (st := o.status.get(n)) is None or st.generation != d.generation or st.state != "running"
+    ]
+
+
 def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     why = _unhealthy(d, o)
     if why:
         return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
     if o.now > d.phase_deadline:
-        return _abort(d, o, cfg, f"{d.phase.value} deadline passed")
+        late, notes = failing_nodes.missed_launching(d, _behind(d, o), o.status, o.now)
+        return _abort(d, o, cfg, f"{d.phase.value} deadline passed", late, notes)
     if d.plan is None:
         return _abort(d, o, cfg, "no plan to launch")
     if d.phase is Phase.LAUNCH:

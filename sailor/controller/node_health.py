@@ -26,8 +26,8 @@ audit log reproduces it. The rules:
   The evidence is the failures reported so far plus the causes already counted for that
   generation, so a node counted before its peers' reports came in is taken back (its count,
   and the exclusion that count set) once they show the cause was the job's. A killed worker
-  that outlived SIGKILL (``OutlivedKill``) and a missed teardown are the node's, however
-  many nodes report them.
+  that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed launch deadline
+  are the node's, however many nodes report them.
 - A node (or the job) is excluded at once when its record says ``retry: false`` (a
   configuration error, which a relaunch cannot mend), or at ``ExclusionPolicy.failures``
   consecutive counted failures. The first exclusion lasts ``exclude_s``, each further one
@@ -65,6 +65,7 @@ from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.runtime import DesiredState, NodeHealth
 
 __all__ = [
+    "DEADLINE_MISSED",
     "JOB",
     "JOB_WIDE_MIN_NODES",
     "UNREADABLE_CHECKPOINT",
@@ -104,7 +105,11 @@ TEARDOWN_MISSED = "TeardownMissed"
 """Error type of the cause a node is charged with when it holds up a teardown past its
 deadline (``miss_teardown``)."""
 
-_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED)
+DEADLINE_MISSED = "DeadlineMissed"
+"""Error type of the cause a placed node is charged with at a LAUNCH, LOAD or VERIFY deadline
+it held up (``controller/failing_nodes.py``: ``missed_launching``); counted by the policy."""
+
+_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED)
 """Error types that are about a process or an agent on that node, however many report one."""
 
 

@@ -1,0 +1,141 @@
+"""A LAUNCH, LOAD or VERIFY deadline charges the placed nodes that held it up, and only them.
+
+Before, such an abort charged no node: a node whose agent never acked its Launch (a hung
+agent, a dead VM whose lease still held) or whose workers never came up had the controller
+relaunch on it again and again. Every test here failed on that code."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import Observed, SetDesired
+from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
+from tests.unit.test_controller_decide import CFG, NOW, kinds, nodes, obs, running, st
+
+LATE = NOW + 1  # past the deadline of the states below (NOW)
+IDS = (1, 2, 3, 4)
+
+
+def _launching(phase: Phase, gen: int = 2, **kw: object) -> DesiredState:
+    """Generation ``gen`` placed on n1..n4 coming up, begun by this leader (epoch 7), its
+    deadline at NOW, loading step 10."""
+    fields: dict[str, object] = {"phase_deadline": NOW, "phase_epoch": 7, "load_step": 10}
+    return running(IDS, gen=gen, phase=phase, **(fields | kw))
+
+
+def _acked(d: DesiredState, *ids: int) -> frozenset[str]:
+    return frozenset(f"e{d.epoch}-g{d.generation}-launch-n{i}" for i in ids)
+
+
+def _late(statuses: list[AgentStatus], **kw: object) -> Observed:
+    return replace(obs(nodes(*IDS), statuses, **kw), now=LATE)
+
+
+def _abort(d: DesiredState, o: Observed) -> SetDesired:
+    a = decide(d, o, CFG)
+    assert kinds(a) == ["set:teardown"]
+    (done,) = a
+    assert isinstance(done, SetDesired) and done.state.aborted
+    return done
+
+
+def test_a_node_that_never_acks_its_launch_is_charged_and_excluded_after_three() -> None:
+    health: dict[str, NodeHealth] = {}
+    for gen in (2, 3, 4):
+        d = _launching(Phase.LAUNCH, gen=gen, node_health=health)
+        idle = [st(i, gen=gen - 1, state="idle") for i in IDS]
+        o = _late(idle, acked=_acked(d, 1, 3, 4))
+        done = _abort(d, o)
+        torn, reason = done.state, done.reason
+        health = torn.node_health
+        assert set(health) == {"n2"}, "only the node whose Launch was not acked"
+        rec = health["n2"]
+        assert rec.failures == gen - 1 and rec.generation == gen
+        assert rec.cause.startswith("DeadlineMissed: still idle")
+        assert "its Launch not acked" in rec.cause and "launch deadline" in rec.cause
+        assert "launch deadline passed" in torn.cause
+        assert "counted against n2 (still idle" in reason
+        assert all(f"n{i}" not in reason for i in (1, 3, 4))
+        assert torn.job_health == NodeHealth()
+        # the teardown after it sees the same statuses: nothing counted again, nothing taken back
+        after = decide(torn, o, CFG)
+        assert "set:teardown" not in kinds(after)
+        if gen < 4:
+            assert rec.excluded_until == 0 and "excluded" not in reason
+    # the policy's threshold (3 consecutive) reached: excluded, the next plan leaves it out
+    assert CFG.exclusion.failures == 3
+    assert health["n2"].excluded_until == LATE + CFG.exclusion.exclude_s
+    assert "excluded n2 until" in reason and "3 consecutive failures" in reason
+    a = decide(torn, _late([st(i, gen=4, state="idle") for i in IDS]), CFG)
+    assert [n.node_id for n in a[-1].nodes] == ["n1", "n3", "n4"]  # type: ignore[union-attr]
+
+
+def test_three_of_four_missing_the_launch_deadline_are_each_charged_not_the_job() -> None:
+    """The same text on most placed nodes is not a failure of the job: a missed deadline
+    is the node's, as a missed teardown is (not taken back at the teardown either)."""
+    d = _launching(Phase.LAUNCH)
+    o = _late([st(i, gen=1, state="idle") for i in IDS], acked=_acked(d, 1))
+    torn = _abort(d, o).state
+    assert set(torn.node_health) == {"n2", "n3", "n4"} and torn.job_health == NodeHealth()
+    after = decide(torn, o, CFG)
+    assert "set:teardown" not in kinds(after)
+
+
+def test_a_node_whose_workers_are_not_running_at_the_load_deadline_is_charged() -> None:
+    d = _launching(Phase.LOAD)
+    o = _late([st(1, gen=2), st(2, gen=1, state="idle"), st(3, gen=2), st(4, gen=2)])
+    done = _abort(d, o)
+    assert set(done.state.node_health) == {"n2"}
+    rec = done.state.node_health["n2"]
+    assert rec.failures == 1 and rec.excluded_until == 0
+    assert rec.cause == "DeadlineMissed: still idle (generation 1) at the load deadline"
+    assert "counted against n2" in done.reason
+
+
+def test_a_node_already_excluded_is_not_charged_again_at_the_load_deadline() -> None:
+    """n3 was excluded after the layout was made (its record says so): not counted again."""
+    out = NodeHealth(failures=3, generation=1, exclusions=1, excluded_until=NOW + 300, cause="x")
+    d = _launching(Phase.LOAD, node_health={"n3": out})
+    o = _late([st(1, gen=2), st(2, gen=1, state="idle"), st(3, gen=1, state="idle"), st(4, gen=2)])
+    health = _abort(d, o).state.node_health
+    assert set(health) == {"n2", "n3"} and health["n3"] == out
+    assert health["n2"].failures == 1
+
+
+def test_when_every_placed_node_misses_the_deadline_none_is_charged() -> None:
+    """Likely the controller's or the network's fault (or a deadline too short), not the
+    nodes': no node and not the job is charged, and the reason says why."""
+    d = _launching(Phase.LAUNCH)
+    done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS]))
+    assert done.state.node_health == {} and done.state.job_health == NodeHealth()
+    assert "not counted against the 4 placed node(s)" in done.reason
+    assert "every one missed the launch deadline" in done.reason
+    d = _launching(Phase.LOAD)
+    done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS]))
+    assert done.state.node_health == {} and "missed the load deadline" in done.reason
+
+
+def test_the_verify_deadline_charges_only_a_strict_subset_not_running() -> None:
+    """Every worker up and stuck at one step (a collective waits for the slowest rank)
+    blames no node; one whose workers are not running at all is to blame."""
+    d = _launching(Phase.VERIFY)
+    stuck = _abort(d, _late([st(i, gen=2, step=10) for i in IDS]))
+    assert stuck.state.node_health == {} and "counted against" not in stuck.reason
+    stopped = st(2, gen=2, state="stopped", step=10)
+    o = _late([st(1, gen=2, step=10), stopped, st(3, gen=2), st(4, gen=2)])
+    done = _abort(d, o)
+    assert set(done.state.node_health) == {"n2"}
+    assert "still stopped (generation 2) at the verify deadline" in done.reason
+
+
+def test_a_launch_adopted_from_another_epoch_charges_nobody_for_missing_acks() -> None:
+    """The acks of the epoch that began the LAUNCH are lost with its leader: a node may have
+    acked its Launch, so none is charged for not having acked this epoch's. The LOAD that
+    follows judges by the statuses, which no epoch change loses."""
+    d = _launching(Phase.LAUNCH, phase_epoch=6)
+    done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS], acked=_acked(d, 1)))
+    assert done.state.node_health == {}
+    d = _launching(Phase.LOAD, phase_epoch=6)
+    o = _late([st(1, gen=2), st(2, gen=1, state="idle"), st(3, gen=2), st(4, gen=2)])
+    assert set(_abort(d, o).state.node_health) == {"n2"}
