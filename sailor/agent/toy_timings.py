@@ -26,7 +26,7 @@ from pathlib import Path
 from sailor import catalog
 from sailor.schemas import NetworkProfile, Plan, ProfileDB
 from sailor.schemas.online_calibration import RankTimings
-from sailor.simulator.online_fit import with_constant
+from sailor.simulator.fit_corners import with_constant
 from sailor.simulator.synthetic_timings import expected_rank_timings
 
 __all__ = ["ToyTimings", "parse_slowness"]

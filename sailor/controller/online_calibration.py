@@ -79,7 +79,8 @@ from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase
 from sailor.schemas.training import TrainingConfig
 from sailor.simulator import simulate
-from sailor.simulator.online_fit import fit_online, range_corners
+from sailor.simulator.fit_corners import range_corners
+from sailor.simulator.online_fit import fit_online
 
 __all__ = ["KEEP_VERSIONS", "Calibrator", "load_trace"]
 

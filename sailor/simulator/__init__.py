@@ -12,7 +12,8 @@ from sailor.simulator.estimate_profile import (
 )
 from sailor.simulator.lookup import ProfileLookupError
 from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
-from sailor.simulator.simulate import Method, Timeline, simulate, simulate_with_timeline
+from sailor.simulator.rank_timing import Method
+from sailor.simulator.simulate import Timeline, simulate, simulate_with_timeline
 
 __all__ = [
     "ROOFLINE_EFFICIENCY",

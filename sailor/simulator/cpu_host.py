@@ -4,7 +4,7 @@ Only the CPU end-to-end check (``benchmarks/simulator_vs_cpu.py``) uses this mod
 the simulator with plans run on this machine; the GPU path of :func:`~sailor.simulator.simulate`
 never reads it. Its entry points, :func:`simulate_on_shared_host` and
 :func:`simulate_on_shared_host_with_timeline`, run the simulator with a
-:class:`~sailor.simulator.simulate.RankTiming` of ranks sharing the host, as the profile's
+:class:`~sailor.simulator.rank_timing.RankTiming` of ranks sharing the host, as the profile's
 :class:`~sailor.schemas.profile.HostSharing` for their device measured it
 (:mod:`sailor.profiler.cpu_host`); without such an entry each rank keeps a device of its own,
 and a note says so.
@@ -65,15 +65,10 @@ from sailor.schemas import (
 from sailor.schemas.profile import HostSharing
 from sailor.simulator.network_model import AllReduce
 from sailor.simulator.pipeline import PipelineRun, TimelineOp, one_f_one_b_order
-from sailor.simulator.simulate import (
-    Method,
-    Notes,
-    OwnDevices,
-    PipelineKind,
-    PipelineRuns,
-    Timeline,
-    simulate_ranks,
-)
+from sailor.simulator.pipeline_kinds import PipelineKind
+from sailor.simulator.rank_timing import Method, OwnDevices, PipelineRuns
+from sailor.simulator.sim_inputs import Notes
+from sailor.simulator.simulate import Timeline, simulate_ranks
 
 __all__ = [
     "SharedHost",
@@ -381,7 +376,7 @@ def simulate_on_shared_host_with_timeline(
 
 @dataclass
 class SharedHost:
-    """:class:`~sailor.simulator.simulate.RankTiming` of a plan's ranks on one shared host.
+    """:class:`~sailor.simulator.rank_timing.RankTiming` of a plan's ranks on one shared host.
 
     The host's measured sharing is looked up when the pipelines run (its note follows the
     pipelines' own); without one, every step is :class:`OwnDevices`'. One object per

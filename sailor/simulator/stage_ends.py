@@ -24,14 +24,10 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
-from sailor.simulator.simulate import (
-    Method,
-    Notes,
-    OwnDevices,
-    PipelineKind,
-    PipelineRuns,
-    simulate_ranks,
-)
+from sailor.simulator.pipeline_kinds import PipelineKind
+from sailor.simulator.rank_timing import Method, OwnDevices, PipelineRuns
+from sailor.simulator.sim_inputs import Notes
+from sailor.simulator.simulate import simulate_ranks
 
 __all__ = ["replay_stage_ends"]
 

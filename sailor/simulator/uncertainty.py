@@ -57,7 +57,8 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
-from sailor.simulator.simulate import Method, simulate
+from sailor.simulator.rank_timing import Method
+from sailor.simulator.simulate import simulate
 
 __all__ = [
     "CORNERS",

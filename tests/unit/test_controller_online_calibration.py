@@ -19,7 +19,7 @@ from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import AgentStatus, DesiredState, Phase
-from sailor.simulator.online_fit import with_constant
+from sailor.simulator.fit_corners import with_constant
 
 FAST, SLOW = "A100-40", "V100-16"
 NODES = (

@@ -21,7 +21,8 @@ from sailor.schemas import (
     Stage,
 )
 from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
-from sailor.simulator.online_fit import fit_online, range_corners, scale_ends, with_constant
+from sailor.simulator.fit_corners import range_corners, scale_ends, with_constant
+from sailor.simulator.online_fit import fit_online
 from sailor.simulator.synthetic_timings import expected_rank_timings
 
 FAST, SLOW = "A100-40", "V100-16"
@@ -89,7 +90,7 @@ def _const(fit: OnlineFit, gpu: str, name: str) -> float:
 def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> None:
     plan = _pipeline_plan()
     # one microbatch size moves the fixed cost per transfer and the efficiency along one
-    # line through the kept pair (online_fit._fit_p2p): the truth lies on it
+    # line through the kept pair (fit_p2p._fit_p2p): the truth lies on it
     eta0, c0 = BASE.for_gpu(SLOW).p2p_eta, BASE.for_gpu(SLOW).p2p_fixed_s
     c_true = c0 * eta0 / 0.3
     truth = with_constant(

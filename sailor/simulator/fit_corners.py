@@ -1,0 +1,95 @@
+"""Calibrations made from fitted constants: one constant set, and the ends and corners of the
+fitted ranges.
+
+:func:`with_constant` sets constants of one GPU type in a calibration (the online fit's
+results, and what a test's "true" cluster is). :func:`scale_ends` and :func:`range_corners`
+give the calibrations at the ends of the fitted compute scales' ranges and at every corner of
+the fitted ranges: the controller judges a replan at all of them
+(:mod:`sailor.controller.online_calibration`), and the p2p fit (:mod:`fit_p2p`) solves its
+range at the scales' ends.
+
+Pure: values in, values out; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+from sailor.schemas import Calibration
+from sailor.schemas.online_calibration import FittedConstant
+
+__all__ = ["range_corners", "scale_ends", "with_constant"]
+
+
+def with_constant(cal: Calibration, gpu_type: str, **values: float) -> Calibration:
+    """``cal`` with ``values`` set on ``gpu_type``'s constants (an entry made if it has none)."""
+    base = cal.for_gpu(gpu_type)
+    return cal.with_gpu(base.model_copy(update={"gpu_type": gpu_type, **values}))
+
+
+def _with_all(cal: Calibration, kinds: Iterable[str], **values: float) -> Calibration:
+    for g in kinds:
+        cal = with_constant(cal, g, **values)
+    return cal
+
+
+def scale_ends(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calibration]:
+    """``cal`` with every fitted compute scale at the low end of its range, then the high."""
+    out: list[Calibration] = []
+    for end in ("low", "high"):
+        c = cal
+        for k in fitted:
+            if k.name == "compute_scale" and k.fitted and k.high > k.low:
+                c = with_constant(c, k.gpu_type, compute_scale=k.low if end == "low" else k.high)
+        if c != cal:
+            out.append(c)
+    return out
+
+
+_CORNER_DIMS = 6
+"""At most this many ranges are spanned by :func:`range_corners` (2^6 = 64 corners, two
+simulations each per judgement); beyond, the widest ones (relative to their value)."""
+
+
+def range_corners(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Calibration]:
+    """``cal`` at every corner of the fitted ranges: each fitted compute scale (per kind) and
+    the pipeline efficiency at the low or the high end of its range, in every combination.
+
+    Both ends of all scales at once (:func:`scale_ends`) miss the corners that matter for a
+    heterogeneous plan: one kind faster than fitted while another is slower moves work
+    between them, and a plan that shifts work to the first wins at both uniform ends yet
+    loses there. A plan is bet on only if it wins at all of them. ``cal`` itself is not
+    among them; a constant without a range (low == high) adds none.
+    """
+    dims: list[tuple[float, list[tuple[str, str, float, float]]]] = []
+    for k in fitted:
+        if k.name == "compute_scale" and k.fitted and k.high > k.low:
+            dims.append((_width(k), [(k.gpu_type, "compute_scale", k.low, k.high)]))
+    # one scale for every kind in multi-stage pipelines: one dimension, along which the fixed
+    # cost per transfer moves against the efficiency (_fit_p2p); either may have the range
+    # (the efficiency's is empty once it reaches 1, where the fixed cost alone moves)
+    p2p = [k for k in fitted if k.name in ("p2p_efficiency", "p2p_fixed_s") and k.fitted]
+    if any(k.high > k.low for k in p2p):
+        targets: list[tuple[str, str, float, float]] = [
+            (k.gpu_type, k.name, k.low, k.high)
+            if k.name == "p2p_efficiency"
+            else (k.gpu_type, k.name, k.high, k.low)  # dear end first, with the low efficiency
+            for k in p2p
+        ]
+        dims.append((max(_width(k) for k in p2p), targets))
+    dims = sorted(dims, key=lambda d: -d[0])[:_CORNER_DIMS]
+    if not dims:
+        return []
+    out: list[Calibration] = []
+    for ends in itertools.product((0, 1), repeat=len(dims)):
+        c = cal
+        for (_, targets), end in zip(dims, ends, strict=True):
+            for g, name, at0, at1 in targets:
+                c = with_constant(c, g, **{name: at1 if end else at0})
+        out.append(c)
+    return out
+
+
+def _width(k: FittedConstant) -> float:
+    return (k.high - k.low) / max(abs(k.value), 1e-12)

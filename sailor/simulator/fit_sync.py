@@ -1,0 +1,218 @@
+"""The online fit of the gradient sync's constants, ``sync_fixed_s`` and ``network_efficiency``.
+
+``sync_fixed_s`` per GPU type (kind): the median over its ranks without a gradient all-reduce
+of their sync and the rest of their step outside pipeline, sync and optimizer, less the
+profiled framework time per iteration (of a tied embedding's holders only the last to arrive
+counts). ``network_efficiency`` per group of stages that all-reduce together, from the rank
+that arrived last; a kind's value is the geometric mean over its groups. The method, and when
+each constant counts as identified, is in :mod:`sailor.simulator.online_fit`'s docstring.
+
+Pure: values in, one value out; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+
+from sailor.schemas import Calibration, Estimate, ModelSpec, Plan
+from sailor.schemas.online_calibration import FittedConstant
+from sailor.simulator.fit_corners import _with_all, with_constant
+from sailor.simulator.fit_evidence import (
+    _ETA_MIN,
+    _interval,
+    _kept,
+    _Rank,
+    _stage_rows,
+    robust_spread,
+)
+
+__all__: list[str] = []
+
+_SYNC_SHARE = 0.2
+"""η is identified from a replica group whose all-reduces are at least this share of its sync."""
+
+
+def _groups(plan: Plan) -> dict[tuple[int, int], int]:
+    """(pipeline, stage) -> id of its replica group: stages that share a layer segment."""
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(x: tuple[int, int]) -> tuple[int, int]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for seg in plan.segments():
+        holders = list(seg.holders)
+        for h in holders[1:]:
+            parent[find(h)] = find(holders[0])
+    for pi, p in enumerate(plan.pipelines):
+        for si in range(p.depth):
+            find((pi, si))
+    roots = sorted({find(x) for x in parent})
+    ids = {r: i for i, r in enumerate(roots)}
+    return {x: ids[find(x)] for x in list(parent)}
+
+
+def _tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
+    """(pipeline, stage) of the stages in the engine's tied-embedding group when it spans
+    stages: the embedding's and the head's copies are all-reduced together after the
+    segments (``megatron_patch.sync_groups``), so a holder's measured sync includes waiting
+    for the other copy's stage to finish its backward (in 1F1B the head's stage ends first
+    and waits out the pipeline's drain). That wait is not a fixed cost of the sync."""
+    if not model.tie_embeddings:
+        return frozenset()
+    head = plan.num_layers - 1
+    holders = frozenset(
+        (pi, si)
+        for pi, p in enumerate(plan.pipelines)
+        for si, st in enumerate(p.stages)
+        if st.first_layer == 0 or st.last_layer == head
+    )
+    return holders if len(holders) > 1 else frozenset()
+
+
+def _fit_sync(
+    plan: Plan,
+    ranks: list[_Rank],
+    kinds: list[str],
+    cal: Calibration,
+    sim: Callable[[Calibration], Estimate],
+    out: list[FittedConstant],
+    notes: list[str],
+    tied: frozenset[tuple[int, int]] = frozenset(),
+    iteration_s: Mapping[str, float] | None = None,
+) -> Calibration:
+    iteration_s = iteration_s or {}
+    rows1 = _stage_rows(sim(_with_all(cal, kinds, network_efficiency=1.0)))
+    lone = [
+        r
+        for r in ranks
+        if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 and (r.pipeline, r.stage) not in tied
+    ]
+    # the tied copies' all-reduce is a collective of its own: its last arriver (least sync)
+    # waited for no one, so its sync is the fixed cost (the tied all-reduce inside it, as
+    # the calibration's tied_allreduce=False says); the others' syncs hold their waits. Only
+    # where no holder also all-reduces a segment (else the order of arrival is unknown).
+    holders = [r for r in ranks if (r.pipeline, r.stage) in tied]
+    if holders and all(rows1[(r.pipeline, r.stage)].grad_sync_s <= 0 for r in holders):
+        arrived = min(holders, key=lambda r: r.t.sync_s)
+        lone.append(arrived)
+        if len(holders) > 1:
+            notes.append(
+                f"tied embedding: rank {arrived.rank} arrived last at its all-reduce (sync "
+                f"{arrived.t.sync_s:.3g} s); the {len(holders) - 1} other holder(s) waited for it "
+                "(not read as sync_fixed_s)"
+            )
+    elif holders:
+        notes.append(
+            f"{len(holders)} rank(s) hold a tied embedding copy and all-reduce segments: their "
+            "syncs are not read as sync_fixed_s"
+        )
+    fixed: dict[str, float] = {}
+    for g in kinds:
+        prev = cal.for_gpu(g).sync_fixed_s
+        xs = [r for r in lone if r.gpu_type == g]
+        if not xs:
+            out.append(_kept(g, "sync_fixed_s", prev, "every rank of this kind all-reduces"))
+            fixed[g] = prev
+            continue
+        fixed[g] = statistics.median(r.t.sync_s for r in xs)  # the sync's own: for η below
+        # the iteration's fixed time beyond the framework time the profile holds: the sync
+        # outside the all-reduces and the rest of the step outside the pipeline, the sync and
+        # the optimizer (zeroing the gradients; the engine's loss all-reduce, which the
+        # simulator adds only with loss_allreduce). The simulator adds c where the sync
+        # starts: for the iteration's length, where in it the time is spent does not matter.
+        frame = iteration_s.get(g, 0.0)
+        # the optimizer step is not fitted: what it takes beyond its profiled time is a
+        # fixed cost of the iteration too (a CPU's, not a network's)
+        vals = [
+            max(
+                0.0,
+                r.t.sync_s
+                + r.t.rest_s
+                + r.t.optim_s
+                - rows1[(r.pipeline, r.stage)].update_s
+                - frame,
+            )
+            for r in xs
+        ]
+        value = statistics.median(vals)
+        _, low, high = _interval(
+            value,
+            robust_spread(vals),
+            len(xs),
+            [r.t.sync_spread for r in xs],
+            sum(r.t.steps for r in xs),
+        )
+        out.append(
+            FittedConstant(
+                gpu_type=g,
+                name="sync_fixed_s",
+                value=value,
+                low=max(0.0, low),
+                high=high,
+                previous=prev,
+                samples=len(xs),
+                fitted=True,
+                evidence=(
+                    f"median over {len(xs)} rank(s) without a gradient all-reduce of their sync "
+                    f"and the step's rest outside pipeline, sync and optimizer, less the "
+                    f"profiled framework time per iteration ({frame:.3g} s)"
+                ),
+            )
+        )
+        cal = with_constant(cal, g, sync_fixed_s=value)
+    group_of = _groups(plan)
+    last: dict[int, _Rank] = {}
+    for r in ranks:
+        if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0:
+            continue
+        gid = group_of[(r.pipeline, r.stage)]
+        if gid not in last or r.t.sync_s < last[gid].t.sync_s:
+            last[gid] = r
+    etas: dict[str, list[float]] = {g: [] for g in kinds}
+    members: dict[int, set[str]] = {}
+    for x, gid in group_of.items():
+        members.setdefault(gid, set()).add(plan.pipelines[x[0]].stages[x[1]].replica.gpu_type)
+    skipped = 0
+    for gid, r in sorted(last.items()):
+        ar1 = rows1[(r.pipeline, r.stage)].grad_sync_s
+        comm = r.t.sync_s - fixed[r.gpu_type]
+        if comm <= 0 or comm < _SYNC_SHARE * r.t.sync_s:
+            skipped += 1
+            continue
+        eta = min(1.0, max(_ETA_MIN, ar1 / comm))
+        for g in members[gid]:
+            etas[g].append(eta)
+    if skipped:
+        notes.append(f"{skipped} replica group(s) whose all-reduces were < 20% of their sync")
+    for g in kinds:
+        prev = cal.for_gpu(g).network_efficiency
+        found = etas[g]
+        if not found:
+            out.append(
+                _kept(g, "network_efficiency", prev, "no replica group's all-reduce identified")
+            )
+            continue
+        value = min(1.0, math.exp(statistics.fmean(math.log(x) for x in found)))
+        out.append(
+            FittedConstant(
+                gpu_type=g,
+                name="network_efficiency",
+                value=value,
+                low=min(min(found), value),
+                high=max(max(found), value),
+                previous=prev,
+                samples=len(found),
+                fitted=True,
+                evidence=(
+                    f"geometric mean over {len(found)} replica group(s): simulated all-reduce at "
+                    "η=1 over the last arriver's sync less the fixed cost"
+                ),
+            )
+        )
+        cal = with_constant(cal, g, network_efficiency=value)
+    return cal
