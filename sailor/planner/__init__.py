@@ -22,8 +22,8 @@ from sailor.planner.search import (
     SearchResult,
     plan,
     search,
-    throughput_upper_bound,
 )
+from sailor.planner.upper_bound import throughput_upper_bound
 
 __all__ = [
     "Candidate",

@@ -30,11 +30,11 @@ from sailor.planner.allocate import Allocation, Recipe, assign_microbatches
 from sailor.planner.collector import collector_paused
 from sailor.planner.search import (
     SearchResult,
-    resources_of,
     search_recipes,
     search_with_tables,
 )
 from sailor.planner.templates import PipelineTemplate, repriced
+from sailor.planner.upper_bound import resources_of
 from sailor.schemas import Plan, Pool
 
 __all__ = ["replan", "repriced_allocation", "warm_start"]

@@ -10,14 +10,15 @@ Estimate, then solve:
 3. **Scenarios**: which GPU types and zones to use at all. For each non-empty subset of GPU
    types and each prefix of the zones (ordered by region, then capacity) the search knows the
    ring a gradient all-reduce would run over, so it can price every template's sync.
-   Scenarios are visited by their throughput upper bound and skipped once the bound cannot
-   beat the best allocation found (bound pruning).
+   Scenarios are visited by their throughput upper bound (:mod:`upper_bound`) and skipped
+   once the bound cannot beat the best allocation found (bound pruning).
 4. **Allocation** (:mod:`allocate`): pipelines and microbatches per scenario: the least
    iteration time that covers the global batch (throughput), and the cheapest pipelines for
    a range of iteration times (cost).
-5. **Judge**: the best allocations by the search's own closed-form figures are turned into
-   plans and simulated with :func:`sailor.simulator.simulate`; only plans the simulator says
-   fit in memory and meet every constraint are returned, ranked by the simulator's figures.
+5. **Judge**: the best allocations by the search's own closed-form figures
+   (:mod:`fast_estimate`) are turned into plans and simulated with
+   :func:`sailor.simulator.simulate`; only plans the simulator says fit in memory and meet
+   every constraint are returned, ranked by the simulator's figures.
 
 Pure: values in, values out (a progress callback may be passed). No clock: callers time it.
 """
@@ -30,16 +31,12 @@ from itertools import combinations
 
 from sailor.planner.allocate import (
     Allocation,
-    FastFigures,
     PackTable,
     Recipe,
     Resource,
-    SyncModel,
     assign_microbatches,
     cheapest_for_time,
-    fast_estimate,
     min_time_allocation,
-    overheads_for,
     to_plan,
 )
 from sailor.planner.api import (
@@ -52,6 +49,7 @@ from sailor.planner.api import (
     SearchStats,
 )
 from sailor.planner.collector import collector_paused
+from sailor.planner.fast_estimate import FastFigures, SyncModel, fast_estimate, overheads_for
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
 from sailor.planner.tables import CostTables, Inputs, Kind
@@ -60,6 +58,12 @@ from sailor.planner.templates import (
     best_partitions_many,
     fixed_kinds,
     with_cuts,
+)
+from sailor.planner.upper_bound import (
+    mbs_candidates,
+    pool_bound,
+    resources_of,
+    tp_candidates,
 )
 from sailor.schemas import (
     Calibration,
@@ -82,17 +86,11 @@ __all__ = [
     "SearchResult",
     "SearchState",
     "closed_form",
-    "mbs_candidates",
     "objective_score",
-    "per_gpu_rate",
     "plan",
-    "pool_bound",
-    "resources_of",
     "search",
     "search_recipes",
     "search_with_tables",
-    "throughput_upper_bound",
-    "tp_candidates",
 ]
 
 Progress = Callable[[int, int], None]
@@ -173,35 +171,6 @@ class SearchResult:
 # -- inputs ----------------------------------------------------------------------------------
 
 
-def resources_of(pool: Pool, constraints: Constraints) -> dict[Resource, int]:
-    """GPUs per (type, zone, VM shape) that the constraints allow the plan to use."""
-    caps: dict[Resource, int] = {}
-    for e in pool.entries:
-        region = region_of(e.zone)
-        if constraints.allowed_zones is not None and e.zone not in constraints.allowed_zones:
-            continue
-        if constraints.allowed_regions is not None and region not in constraints.allowed_regions:
-            continue
-        if e.gpus <= 0:
-            continue
-        k = (e.gpu_type, e.zone, e.gpus_per_node)
-        caps[k] = caps.get(k, 0) + e.gpus
-    # a cap per GPU type: fill its largest zones first (whole nodes)
-    by_type: dict[str, list[Resource]] = {}
-    for r in caps:
-        by_type.setdefault(r[0], []).append(r)
-    for g, rs in by_type.items():
-        cap = constraints.gpu_cap(g)
-        if cap is None:
-            continue
-        left = cap
-        for r in sorted(rs, key=lambda r: -caps[r]):
-            take = min(caps[r], left // r[2] * r[2])
-            caps[r] = take
-            left -= take
-    return {r: n for r, n in caps.items() if n > 0}
-
-
 def _check_inputs(
     inputs: Inputs, pool: Pool, objective: Objective, constraints: Constraints
 ) -> None:
@@ -238,83 +207,6 @@ def _check_inputs(
                 "a price above 0 for every GPU (for hardware you own, give its amortized "
                 "$/GPU-hour; or plan for throughput without a cost limit)"
             )
-
-
-def mbs_candidates(inputs: Inputs, gpu_type: str) -> list[int]:
-    """Microbatch sizes to try on ``gpu_type`` (powers of two dividing the batch; memoized)."""
-    memo: dict[str, list[int]] = inputs.__dict__.setdefault("_mbs_memo", {})
-    hit = memo.get(gpu_type)
-    if hit is None:
-        hit = memo[gpu_type] = _mbs_grid(inputs, gpu_type)
-    return hit
-
-
-def _mbs_grid(inputs: Inputs, gpu_type: str) -> list[int]:
-    """Powers of two dividing the global batch, up to the largest profiled microbatch."""
-    gbs = inputs.model.global_batch_size
-    grid = inputs.profiles.grid(gpu_type)
-    top = max((max(v) for v in grid.values()), default=8)
-    out = []
-    b = 1
-    while b <= min(gbs, top):
-        if gbs % b == 0:
-            out.append(b)
-        b *= 2
-    return out or [1]
-
-
-def tp_candidates(gpus_per_node: int) -> list[int]:
-    """Tensor-parallel degrees to try: powers of two up to the GPUs of one node."""
-    out = []
-    t = 1
-    while t <= gpus_per_node:
-        out.append(t)
-        t *= 2
-    return out
-
-
-# -- upper bound -----------------------------------------------------------------------------
-
-
-def per_gpu_rate(tables: CostTables, gpu_type: str, gpus_per_node: int) -> float:
-    """Best samples/s one GPU of the type can compute (fwd+bwd only, any TP and mbs)."""
-    best = 0.0
-    for tp in tp_candidates(gpus_per_node):
-        for b in mbs_candidates(tables.inputs, gpu_type):
-            a = tables.arrays(gpu_type, tp, b)
-            if a is None or a.comp[-1] <= 0:
-                continue
-            best = max(best, b / (tp * float(a.comp[-1])))
-    return best
-
-
-def pool_bound(tables: CostTables, caps: Mapping[Resource, int]) -> float:
-    """Iterations/s no plan on ``caps`` can beat: every GPU at its best rate, no overhead."""
-    rate = sum(per_gpu_rate(tables, g, k) * n for (g, _z, k), n in caps.items())
-    return rate / tables.inputs.model.global_batch_size
-
-
-def throughput_upper_bound(
-    model: ModelSpec,
-    profiles: ProfileDB,
-    pool: Pool,
-    *,
-    gpu_specs: Mapping[str, GPUSpec],
-    calibration: Calibration | None = None,
-    network: NetworkProfile | None = None,
-    prices: PriceTable | None = None,
-) -> float:
-    """Iterations/s if every GPU of the pool computed at its best per-sample rate, with
-    perfect scaling: no pipeline bubble, transfer, gradient sync or optimizer step."""
-    inputs = Inputs(
-        model=model,
-        profiles=profiles,
-        network=network or NetworkProfile(),
-        prices=prices or PriceTable(),
-        gpu_specs=gpu_specs,
-        calibration=calibration or Calibration(),
-    )
-    return pool_bound(CostTables(inputs), resources_of(pool, Constraints()))
 
 
 # -- templates -------------------------------------------------------------------------------

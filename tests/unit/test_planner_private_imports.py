@@ -1,5 +1,5 @@
-"""The planner's modules use each other's public names only (``search``'s scoring and candidate
-grids are shared with the baselines as public functions)."""
+"""The planner's modules use each other's public names only (``search``'s scoring and
+``upper_bound``'s candidate grids are shared with the baselines as public functions)."""
 
 from __future__ import annotations
 

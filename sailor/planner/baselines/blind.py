@@ -13,16 +13,16 @@ from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
-from sailor.planner.search import (
+from sailor.planner.search import objective_score
+from sailor.planner.tables import CostTables, Inputs, Kind
+from sailor.planner.templates import with_cuts
+from sailor.planner.upper_bound import (
     mbs_candidates,
-    objective_score,
     per_gpu_rate,
     pool_bound,
     resources_of,
     tp_candidates,
 )
-from sailor.planner.tables import CostTables, Inputs, Kind
-from sailor.planner.templates import with_cuts
 from sailor.schemas import (
     Calibration,
     GPUSpec,

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
-from sailor.planner.search import mbs_candidates, objective_score, resources_of, tp_candidates
+from sailor.planner.search import objective_score
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import with_cuts
+from sailor.planner.upper_bound import mbs_candidates, resources_of, tp_candidates
 from sailor.schemas import (
     Calibration,
     GPUSpec,
@@ -56,7 +57,7 @@ def megatron_grid(
     n_layers = model.num_all_layers
     caps = resources_of(pool, cons)
     points: list[tuple[float, Plan, float]] = []
-    from sailor.planner.search import pool_bound
+    from sailor.planner.upper_bound import pool_bound
 
     ub = pool_bound(tables, caps)
     for (g, z, k), n_gpus in sorted(caps.items()):
