@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime_servers import free_port, servers
 
-from sailor.agent.daemon import Agent, AgentConfig, WatcherConfig
-from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
+from sailor.agent.agent_config import AgentConfig, WatcherConfig
+from sailor.agent.daemon import Agent
+from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.cli.demo.observe import StepReader
 from sailor.cli.demo.reconfig import Injection, Reconfiguration, reconfigurations
 from sailor.controller.audit import read_records

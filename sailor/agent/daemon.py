@@ -16,6 +16,9 @@ with ``cpu_quota_from='ready'``), and the cgroup is removed when the agent stops
 A long-lived task that crashes is restarted with backoff; one that keeps crashing takes the
 agent down (``run`` raises ``DaemonFailedError``, the process exits non-zero and systemd
 restarts it).
+The agent's configuration is ``agent_config.py``; parts of :class:`Agent` live in modules of
+their own: applying commands (``agent_commands.py``), the CPU quota (``agent_quota.py``), the
+node check and the address it registers (``node_join.py``).
 Must never import the controller.
 """
 
@@ -24,33 +27,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ipaddress
 import json
 import signal
-import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import structlog
-from pydantic import Field, ValidationError, model_validator
 
-from sailor.agent.cgroup_layout import CFS_PERIOD_US, MIN_QUOTA_US, validate_cores
-from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
-from sailor.agent.check_verdicts import judge
+from sailor.agent.agent_commands import AgentCommands
+from sailor.agent.agent_config import AgentConfig
+from sailor.agent.agent_quota import _UNSEEN, AgentCpuQuota
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
+from sailor.agent.node_join import AgentNodeCheck, _host_port, node_address
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
-from sailor.agent.supervisor import (
-    DEFAULT_WORKER_ARGV,
-    TEARDOWN_TIMEOUT_S,
-    Supervisor,
-    SupervisorClosedError,
-    WorkerTeardownError,
-)
+from sailor.agent.supervisor import Supervisor
 from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
@@ -68,22 +60,15 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
-from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.sd_notify import SystemdNotifier
-from sailor.coordination.security import SecurityConfig
-from sailor.schemas._base import Frozen
-from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
-from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
-from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
 from sailor.schemas.runtime import AgentStatus, CommandAck
 
-__all__ = ["Agent", "AgentConfig", "CheckSettings", "WatcherConfig", "run_agent"]
+__all__ = ["Agent", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
-_UNSEEN = object()
-"""No quota read yet (the first reading is no change)."""
+
 
 TASK_BACKOFF_S = 0.5
 """First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
@@ -94,159 +79,7 @@ PUBLISH_BACKOFF_MAX_S = 2.0
 ~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
 
 
-def node_address(endpoints: Sequence[str], probe: Callable[[str], str] | None = None) -> str:
-    """The address this node registers when its configuration gives none: the local address
-    of the route to each server endpoint (``host:port``), the first that is not loopback;
-    a loopback one only when every server is on this host (a one-machine cluster, where it is
-    right); '' when none is found."""
-    found = [(probe or route_address)(e) for e in endpoints]
-    for addr in found:
-        if addr and not ipaddress.ip_address(addr).is_loopback:
-            return addr
-    return next((a for a in found if a), "")
-
-
-def _host_port(url: str) -> str:
-    """``host:port`` of a NATS URL (``nats://host:port``)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"[{host}]:{parts.port or 4222}" if ":" in host else f"{host}:{parts.port or 4222}"
-
-
-def route_address(endpoint: str) -> str:
-    """The local address this host reaches ``endpoint`` (``host:port``) from: the one its
-    peers on that network reach it at. No packet is sent (a UDP socket's connect only picks
-    the route); '' when it cannot be found."""
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port or 0), type=socket.SOCK_DGRAM)
-        family, _, _, _, addr = infos[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            return str(s.getsockname()[0])
-    except (OSError, ValueError, IndexError):
-        return ""
-
-
-class WatcherConfig(Frozen):
-    kind: str = Field(description="gcp, aws, azure or file.")
-    target: str = Field(description="Metadata base URL, or a path for 'file'.")
-
-
-class CheckSettings(Frozen):
-    """The node check the agent runs before it joins (``sailor check``, docs/operations.md)."""
-
-    mode: Literal["enforce", "report", "off"] = Field(
-        default="enforce",
-        description="enforce: a GPU node that fails the check does not join; report: it joins "
-        "and logs the failures; off: no GPU checks (toy trainers standing in for GPUs on a CPU "
-        "host). CPU nodes (gpu_type cpu or cpu-<kind>) skip the GPU checks in every mode.",
-    )
-    probe: bool = Field(default=True, description="Run the one-node NCCL collective probe.")
-    timeout_s: float = Field(
-        default=300.0, gt=0, description="Deadline of the GPU checks, probe included, s."
-    )
-
-
-class AgentConfig(ServerEndpoints):
-    """Everything ``sailor agent`` needs."""
-
-    job: str = Field(default="default", min_length=1, max_length=64, description="Job name.")
-    node: NodeSpec = Field(description="This node (GPU type and count, zone, spot, address).")
-    lease_ttl_s: int = Field(default=2, ge=1, description="Registration lease TTL.")
-    work_dir: Path = Field(default=Path("sailor-agent"), description="Run files of workers.")
-    worker_argv: tuple[str, ...] = Field(
-        default=DEFAULT_WORKER_ARGV, description="Worker command template (see supervisor)."
-    )
-    warm_spares: int = Field(
-        default=0,
-        ge=0,
-        le=64,
-        description="Worker processes kept started and waiting (torch imported, nothing "
-        "built) for in-place launches: a joining node's or a new rank's start-up then stays "
-        "out of the reconfiguration's downtime; the controller counts a joined node once its "
-        "spares are up (ControllerConfig.in_place). 0: none.",
-    )
-    teardown_timeout_s: float = Field(
-        default=TEARDOWN_TIMEOUT_S,
-        gt=0,
-        description="After SIGKILL, how long a killed worker's processes (its whole process "
-        "group) may take to go before this node reports a failure (retry false) and takes no "
-        "rank: a rank in the GPU driver's teardown outlives SIGKILL for tens of seconds and "
-        "holds its GPU meanwhile. No worker starts here while they go.",
-    )
-    watchers: tuple[WatcherConfig, ...] = Field(default=(), description="Preemption sources.")
-    watch_poll_s: float = Field(default=0.5, gt=0, description="Watcher poll period.")
-    preemption_drain_s: float = Field(
-        default=25.0,
-        ge=0,
-        description="On SIGTERM with a preemption notice (GCP's preemption is an ACPI "
-        "shutdown: systemd stops the agent as the notice starts), keep serving the "
-        "controller this long at most, until its layout no longer uses this node (the "
-        "checkpoint committed, the next generation launched) or the notice's deadline: "
-        "below the unit's TimeoutStopSec (30 s). 0: stop at once.",
-    )
-    status_interval_s: float = Field(default=0.2, gt=0, description="Status write period.")
-    security: SecurityConfig | None = Field(
-        default=None, description="TLS and NATS login (docs/operations.md#security); off if absent."
-    )
-    check: CheckSettings = Field(
-        default_factory=CheckSettings, description="The node check run before joining."
-    )
-    cpu_quota: float | None = Field(
-        default=None,
-        gt=0,
-        description="CPU cores' worth this node's workers may use together (e.g. 0.4), "
-        "enforced by the cgroup cpu controller (v1 cpu.cfs_quota_us or v2 cpu.max, 100 ms "
-        "period): one machine hosts nodes of different speed, each of a CPU kind "
-        "(node.gpu_type cpu-<kind>; docs/runtime.md). None: no quota (a GPU node has none "
-        "unless set here). Where no writable cpu controller exists the agent warns and runs "
-        "its workers unthrottled, and its status says cpu_quota: unavailable.",
-    )
-
-    cpu_quota_from: Literal["exec", "ready"] = Field(
-        default="exec",
-        description="When a worker comes under the quota. 'exec': before its first "
-        "instruction (start-up, the torch import and the rendezvous are throttled too: a "
-        "node's whole life is slow). 'ready': once it reports ready to train (groups built, "
-        "checkpoint loaded), so the quota throttles training, checkpoint saves and the stop, "
-        "and a slow node's start does not lengthen every reconfiguration's downtime "
-        "(sailor demo; docs/runtime.md).",
-    )
-
-    cpu_quota_period_ms: float = Field(
-        default=CFS_PERIOD_US / 1000,
-        ge=MIN_QUOTA_US / 1000,
-        le=1000,
-        description="The cgroup's enforcement period, ms (the kernel takes 1 ms to 1 s; "
-        "default 100, its own). Within a period a throttled worker runs at full speed until "
-        "its quota is spent, then stalls: a shorter period spreads the quota more evenly "
-        "over steps shorter than a few periods, at the cost of more preemptions.",
-    )
-
-    @model_validator(mode="after")
-    def _enforceable(self) -> AgentConfig:
-        if self.cpu_quota is not None:
-            validate_cores(self.cpu_quota, self.cpu_quota_period_us)
-        return self
-
-    def anchored(self, config_file: Path) -> AgentConfig:
-        """This config with the relative paths of the files it reads (the ``security``
-        files) taken from ``config_file``'s directory: under systemd the working directory
-        is ``/``. What it writes (``work_dir``) is left as given: give it absolute."""
-        if self.security is None:
-            return self
-        base = config_file.absolute().parent
-        return self.model_copy(update={"security": self.security.anchored(base)})
-
-    @property
-    def cpu_quota_period_us(self) -> int:
-        """The period as the kernel takes it, whole microseconds."""
-        return round(self.cpu_quota_period_ms * 1000)
-
-
-class Agent:
+class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     """The agent of one node."""
 
     def __init__(self, config: AgentConfig, clock: Clock | None = None) -> None:
@@ -301,60 +134,6 @@ class Agent:
         finally:  # the workers are gone (stopped in _shutdown, or never started)
             if self.quota is not None:
                 await asyncio.to_thread(self.quota.close)
-
-    def _attach_workers(self) -> None:
-        """Workers join the quota's cgroup at exec (the shell prefix) or once ready (the
-        supervisor's ``on_ready`` moves the pid in: all its threads, the gloo ones too; an
-        in-place relayout lifts the quota until its workers are ready again)."""
-        if self.quota is None:
-            return
-        if self.cfg.cpu_quota_from == "exec":
-            self.supervisor.exec_prefix = self.quota.exec_prefix
-            return
-        quota = self.quota
-
-        sup = self.supervisor
-
-        async def join(pid: int) -> None:
-            try:
-                await asyncio.to_thread(quota.adopt, (pid,))
-                if all(w.started for w in sup.workers):  # a relayout's lift ends
-                    await asyncio.to_thread(quota.resume)
-            except OSError as exc:  # the worker trains on, unthrottled: say so
-                _log.warning("cpu_quota_join_failed", pid=pid, error=str(exc))
-
-        async def lift() -> None:
-            try:
-                await asyncio.to_thread(quota.suspend)
-            except OSError as exc:
-                _log.warning("cpu_quota_lift_failed", error=str(exc))
-
-        sup.on_ready = join
-        sup.on_handover = lift
-
-    def cpu_quota(self) -> QuotaState:
-        """The workers' CPU quota as the kernel holds it: cores, 'unavailable' or None."""
-        return None if self.quota is None else self.quota.state()
-
-    async def set_cpu_quota(self, cores: float | None) -> QuotaState:
-        """Change the CPU quota of this node's workers now (None: lift it); returns the new
-        state. A node started without a quota gets its cgroup now, and its running workers
-        are moved into it (processes they started themselves are not). Where no writable
-        cpu controller exists this warns and changes nothing (``'unavailable'``)."""
-        if self.quota is None:
-            self.quota = await asyncio.to_thread(
-                CpuQuota.start,
-                self.cfg.job,
-                self.node.node_id,
-                cores,
-                period_us=self.cfg.cpu_quota_period_us,
-            )
-            self._attach_workers()
-            await asyncio.to_thread(self.quota.adopt, self.supervisor.pids())
-        else:
-            await asyncio.to_thread(self.quota.set, cores)
-        self.supervisor.changed.set()
-        return self.quota.state()
 
     async def _run(self) -> None:
         check = asyncio.create_task(self.check_node(), name=f"agent-{self.node.node_id}-check")
@@ -457,42 +236,6 @@ class Agent:
             await asyncio.to_thread(self._fence.raise_to, epoch)
             self.max_epoch = epoch
 
-    async def check_node(self) -> NodeFacts | None:
-        """The node's facts, or None when the check failed in ``enforce`` mode (the agent then
-        does not join: ``refused`` says why). CPU nodes and mode ``off`` gather nothing."""
-        settings = self.cfg.check
-        if is_cpu_type(self.node.gpu_type) or settings.mode == "off":
-            return node_facts(self.node)
-        gpu = await gather_gpu_subprocess(probe=settings.probe, timeout_s=settings.timeout_s)
-        facts = node_facts(self.node, gpu)
-        report = judge(facts, node_id=self.node.node_id)
-        bad = [line for line in report.lines if line.verdict == "fail"]
-        for line in report.lines:
-            if line.verdict != "ok" and line.check not in ("nats", "etcd"):
-                _log.warning(
-                    "node_check",
-                    node=self.node.node_id,
-                    check=line.check,
-                    verdict=line.verdict,
-                    detail=line.detail[:500],
-                    action=line.action[:300],
-                )
-        if not bad:
-            return facts
-        why = "; ".join(f"{line.check}: {line.detail}" for line in bad)[:2000]
-        if settings.mode == "report":
-            _log.warning("node_check_failed_joining_anyway", node=self.node.node_id, why=why)
-            return facts
-        self.refused = why
-        _log.error(
-            "node_check_failed_not_joining",
-            node=self.node.node_id,
-            gpu_type=self.node.gpu_type,
-            why=why,
-            fix="run `sailor check --config <agent config>` on this node for what to do",
-        )
-        return None
-
     async def _retry(self, make: Any) -> Any:
         while not self.stopping.is_set():
             try:
@@ -590,16 +333,6 @@ class Agent:
             time=self.clock.now(),
             timings=sup.timings() if state == "running" else (),
         )
-
-    def _follow_quota(self) -> None:
-        """A quota changed (here or from outside: the kernel's value is read) changes the
-        workers' speed: the step timings measured before it are dropped."""
-        now = self.cpu_quota()
-        if now != self._quota_seen:
-            if self._quota_seen is not _UNSEEN:
-                _log.info("cpu_quota_changed", node=self.node.node_id, cores=now)
-                self.supervisor.restart_timings()
-            self._quota_seen = now
 
     async def _status_loop(self) -> None:
         last = b""
@@ -709,108 +442,10 @@ class Agent:
             return False
         return d is not None and self.node.node_id not in d.placement
 
-    async def _on_command(self, data: bytes) -> bytes:
-        async with self._lock:
-            if self._closing:  # the workers are gone for good: start none now
-                return (
-                    self._refuse(_command_id(data), "agent shutting down")
-                    .model_dump_json()
-                    .encode()
-                )
-            try:
-                ack = await self._apply(data)
-            except Exception as exc:  # a command that fails is refused with its cause, on
-                # record, not lost in the NATS client's callback (the controller re-sends it)
-                _log.exception("command_failed", node=self.node.node_id)
-                ack = self._refuse(_command_id(data), f"failed: {type(exc).__name__}: {exc}"[:1000])
-            return ack.model_dump_json().encode()
-
-    async def _close_supervisor(self) -> None:
-        """Refuse every command from now on, let one being applied end (for at most the
-        workers' kill grace: an Abort that holds waits that long), then kill the workers. A
-        Launch still going on after that starts no more workers, and the supervisor kills
-        those it started: none outlives the agent."""
-        self._closing = True
-        try:
-            async with asyncio.timeout(2 * self.supervisor.kill_grace_s):
-                async with self._lock:
-                    pass
-        except TimeoutError:
-            _log.warning("shutdown_during_command", node=self.node.node_id)
-        await self.supervisor.close()
-
-    async def _apply(self, data: bytes) -> CommandAck:
-        try:
-            cmd = CommandAdapter.validate_json(data)
-        except ValidationError as exc:
-            return self._refuse("?", f"malformed: {str(exc).splitlines()[0][:200]}")
-        if cmd.node_id != self.node.node_id:
-            return self._refuse(cmd.command_id, f"addressed to {cmd.node_id}")
-        if cmd.epoch < self.max_epoch:
-            return self._refuse(cmd.command_id, f"stale epoch {cmd.epoch} < {self.max_epoch}")
-        if cmd.command_id in self.applied:
-            return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
-        if cmd.epoch > self.max_epoch:
-            # durable before the command is applied: a restart must not forget it
-            try:
-                await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
-            except OSError as exc:  # not applied (refused, on record): the controller re-sends
-                return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
-        self.max_epoch = cmd.epoch
-        if isinstance(cmd, Launch):
-            try:  # a Launch names its plan; read it from etcd (cached by plan id)
-                plan = await self._plans.resolve(cmd)
-            except TemporaryError as exc:  # not applied: the controller re-sends it
-                return self._refuse(cmd.command_id, f"plan {cmd.plan_id}: {exc}"[:1000])
-            try:  # and its training config, by digest (none: the workers' defaults)
-                training = await self._plans.training(cmd)
-            except TemporaryError as exc:
-                return self._refuse(cmd.command_id, f"training config: {exc}"[:1000])
-            try:
-                await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
-            except SupervisorClosedError:  # the agent began shutting down meanwhile
-                return self._refuse(cmd.command_id, "agent shutting down")
-            except WorkerTeardownError as exc:  # also the status's failure (retry false)
-                return self._refuse(cmd.command_id, f"a killed worker holds on: {exc}"[:1000])
-        elif isinstance(cmd, Stop):
-            self.supervisor.stop_at(cmd.at_step)
-        elif isinstance(cmd, Checkpoint):
-            self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below)
-        elif isinstance(cmd, Abort):
-            await self.supervisor.abort(hold=cmd.hold)
-        ack = CommandAck(
-            command_id=cmd.command_id,
-            node_id=self.node.node_id,
-            accepted=True,
-            epoch_seen=self.max_epoch,
-        )
-        self.applied[cmd.command_id] = ack
-        while len(self.applied) > 10_000:
-            self.applied.popitem(last=False)
-        self.supervisor.changed.set()
-        return ack
-
     async def _read_desired(self) -> KeyValue | None:
         if self._store is None:
             raise PlanUnavailableError("not connected to etcd")
         return await self._store.get(self.keys.desired)
-
-    def _refuse(self, command_id: str, reason: str) -> CommandAck:
-        """The refusal ack, and a journal line: every refused command is on record twice."""
-        _log.warning(
-            "command_refused",
-            node=self.node.node_id,
-            command_id=command_id[:128],
-            reason=reason[:300],
-            epoch_seen=self.max_epoch,
-        )
-        return CommandAck(
-            command_id=command_id,
-            node_id=self.node.node_id,
-            accepted=False,
-            reason=reason,
-            epoch_seen=self.max_epoch,
-        )
 
     async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
         await self._tasks.close()
@@ -846,14 +481,6 @@ class Agent:
         if self._lease is not None:
             await self._lease.stop_keepalive()
         self._lease = None
-
-
-def _command_id(data: bytes) -> str:
-    """The command id of a raw command, or "?" (for a refusal's ack)."""
-    try:
-        return str(CommandAdapter.validate_json(data).command_id)
-    except ValidationError:
-        return "?"
 
 
 async def run_agent(config: AgentConfig) -> int:

@@ -97,7 +97,7 @@ is given), with their states: ``{pgid: {pid: state}}`` (:func:`teardown.group_me
 
 
 class Killable(Protocol):
-    """What a kill reads of a worker (``supervisor.WorkerView``)."""
+    """What a kill reads of a worker (``worker_view.WorkerView``)."""
 
     @property
     def rank(self) -> int: ...

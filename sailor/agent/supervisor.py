@@ -42,6 +42,9 @@ hold (SIGUSR1: a rank blocked on a peer that failed leaves its wait at once) and
 that do not within the grace period. ``warm_spares`` processes are kept ready for the next
 in-place launch (started after a generation's workers are all up, so that their start-up
 stays out of a reconfiguration's critical path).
+The worker's command line is :mod:`worker_argv`; what the supervisor knows of each worker and
+what they add up to for the status record, :mod:`worker_view`; reading their progress lines and
+exits, :mod:`worker_output`.
 """
 
 from __future__ import annotations
@@ -50,14 +53,10 @@ import asyncio
 import contextlib
 import itertools
 import json
-import math
 import os
 import signal
-import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -69,132 +68,29 @@ from sailor.agent.killed_groups import (
 )
 from sailor.agent.rank_log import RankLog
 from sailor.agent.step_timings import StepWindow
-from sailor.agent.stream_lines import lines
+from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV, worker_options
+from sailor.agent.worker_output import WorkerOutput
+from sailor.agent.worker_view import SupervisorStatus, WorkerView
 from sailor.coordination import TaskSet
-from sailor.megatron_patch.errors import (
-    fault_path,
-    read_error_file,
-    signal_failure_record,
-    write_error_file,
-)
 from sailor.megatron_patch.parent_death import PARENT_ENV
 from sailor.schemas.commands import Launch
 from sailor.schemas.device_kind import is_cpu_type
-from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.plan import Plan
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
-    "DEFAULT_WORKER_ARGV",
     "KILLED_FILE",
     "TEARDOWN_TIMEOUT_S",
-    "TOY_TRAINER_ARGV",
     "Supervisor",
     "SupervisorClosedError",
     "WorkerTeardownError",
-    "WorkerView",
-    "worker_options",
 ]
 
 _log = structlog.get_logger("sailor.agent")
 
 
-SPARE_FAILURES = 3
-"""Spares in a row that fail to get warm before an agent stops starting them."""
-
-
 class SupervisorClosedError(RuntimeError):
     """A launch or a spare asked to start a worker after :meth:`Supervisor.close`."""
-
-
-DEFAULT_WORKER_ARGV: tuple[str, ...] = (
-    sys.executable,
-    "-m",
-    "sailor.training_process",
-    "--plan",
-    "{plan}",
-    "--rank",
-    "{rank}",
-    "--world-size",
-    "{world_size}",
-    "--master",
-    "{master}",
-    "--control",
-    "{control}",
-    "--ckpt-dir",
-    "{load_dir}",
-    "--load-step",
-    "{load_step}",
-    "--error-file",
-    "{error_file}",
-    "--progress",
-    "{run_dir}/progress-{rank}.jsonl",
-)
-"""The real training worker (``sailor.training_process``: sailor.megatron_patch with layer-keyed
-checkpoints). ``TOY_TRAINER_ARGV`` is the torch-free stand-in for protocol tests."""
-
-TOY_TRAINER_ARGV: tuple[str, ...] = (
-    sys.executable,
-    "-m",
-    "sailor.agent.toy_trainer",
-    "--plan",
-    "{plan}",
-    "--rank",
-    "{rank}",
-    "--world-size",
-    "{world_size}",
-    "--master",
-    "{master}",
-    "--control",
-    "{control}",
-    "--load-dir",
-    "{load_dir}",
-    "--load-step",
-    "{load_step}",
-    "--error-file",
-    "{error_file}",
-)
-
-
-def worker_options(argv: tuple[str, ...]) -> list[str]:
-    """The options of a worker's command line: from its first ``--`` argument on (what a
-    held worker re-parses; the program part, e.g. ``python -m sailor.training_process``, is
-    the process it already is)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--"):
-            return list(argv[i:])
-    return []
-
-
-@dataclass
-class WorkerView:
-    rank: int
-    proc: asyncio.subprocess.Process
-    argv: tuple[str, ...] = ()
-    step: int = -1
-    loss: float | None = None
-    saved_step: int = -1
-    started: bool = False
-    exit_code: int | None = None
-    stderr_tail: list[str] = field(default_factory=list)
-    timings: StepWindow | None = None
-    control: Path | None = None
-    """The control file the worker polls now (a held worker gets its directive there)."""
-    error_file: Path | None = None
-    generation: int = -1
-    held: bool = False
-    """Alive and out of any world, waiting for a directive (``--in-place``)."""
-    held_step: int = -1
-    broken: str = ""
-    """Why its world broke, if it holds after a failure ('' after a clean stop)."""
-    warm: bool = False
-    """A spare that reported it is ready for a directive."""
-    gpu: int = -1
-    """The node-local GPU of its rank in the plan it last got (-1: a CPU plan, a spare)."""
-    tasks: TaskSet | None = None
-    out_log: RankLog | None = None
-    """Every line of its stdout (NCCL's diagnostics among them), capped (``rank_log``)."""
-    err_log: RankLog | None = None
 
 
 _spare_ids = itertools.count()
@@ -233,7 +129,7 @@ def _match_held(
     return out
 
 
-class Supervisor:
+class Supervisor(SupervisorStatus, WorkerOutput):
     """Workers of the current generation on this node (and its warm spares)."""
 
     def __init__(
@@ -297,74 +193,6 @@ class Supervisor:
     @kill_grace_s.setter
     def kill_grace_s(self, seconds: float) -> None:
         self.killed_groups.kill_grace_s = seconds
-
-    @property
-    def state(self) -> str:
-        if self.failure:
-            return "failed"
-        if not self.workers:
-            return "idle"
-        alive = [w for w in self.workers if w.exit_code is None]
-        if alive and all(w.held for w in alive) and len(alive) == len(self.workers):
-            return "held"
-        if all(w.exit_code is not None for w in self.workers):
-            return "stopped"
-        return "running" if all(w.started for w in self.workers) else "starting"
-
-    def live_workers(self) -> int:
-        """Workers of the current generation still running (spares aside)."""
-        return sum(1 for w in self.workers if w.exit_code is None)
-
-    @property
-    def held_failure(self) -> str:
-        """Why the held workers' world broke ('' if none did)."""
-        return next((w.broken for w in self.workers if w.held and w.broken), "")
-
-    @property
-    def held_step(self) -> int:
-        return min((w.held_step for w in self.workers if w.held), default=-1)
-
-    @property
-    def spares_ready(self) -> int:
-        return sum(1 for w in self.spares if w.warm and w.exit_code is None)
-
-    @property
-    def spares_wanted(self) -> int:
-        """Spares this agent keeps: ``warm_spares``, or none once they keep failing to start
-        (the controller waits for a joined node's spares; it must not wait forever)."""
-        return 0 if self._spare_failures >= SPARE_FAILURES else self.warm_spares
-
-    @property
-    def step(self) -> int:
-        return min((w.step for w in self.workers), default=-1)
-
-    @property
-    def saved_step(self) -> int:
-        return min((w.saved_step for w in self.workers), default=-1)
-
-    @property
-    def loss(self) -> float | None:
-        return self.workers[0].loss if self.workers else None
-
-    def pids(self) -> list[int]:
-        """Process ids of the workers (and spares) still running."""
-        return [w.proc.pid for w in (*self.workers, *self.spares) if w.exit_code is None]
-
-    def timings(self) -> tuple[RankTimings, ...]:
-        """Per rank of this generation, the medians of its last steps' timings (ranks that
-        reported none are left out)."""
-        out = []
-        for w in self.workers:
-            t = w.timings.summary() if w.timings is not None else None
-            if t is not None:
-                out.append(t)
-        return tuple(out)
-
-    def restart_timings(self) -> None:
-        """Drop the step timings so far (the node's speed changed: its quota)."""
-        for w in self.workers:
-            if w.timings is not None:
-                w.timings.restart()
 
     def _gen_files(
         self, cmd: Launch, training: TrainingConfig | None
@@ -589,112 +417,6 @@ class Supervisor:
         self._control_state["save_dir"] = directory
         self._control_state["prune_below"] = prune_below
         self._write_control()
-
-    async def _read_stdout(self, w: WorkerView) -> None:
-        assert_stream = w.proc.stdout
-        if assert_stream is None:
-            return
-        async for raw in lines(assert_stream):
-            if w.out_log is not None:
-                w.out_log.write(raw)
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            if not isinstance(msg, dict):
-                continue
-            try:
-                await self._on_line(w, msg)
-            except (ValueError, TypeError) as exc:  # a field of the wrong type: skip the line
-                _log.warning(
-                    "worker_line_malformed", rank=w.rank, line=str(raw[:300]), error=str(exc)
-                )
-            self.changed.set()
-
-    async def _on_line(self, w: WorkerView, msg: dict[str, Any]) -> None:
-        """One progress line of a worker (``{"event": ...}``)."""
-        ev = msg.get("event")
-        if ev == "ready":
-            w.started = True
-            if self.on_ready is not None:
-                await self.on_ready(w.proc.pid)
-            if self.warm_spares and self.workers and all(x.started for x in self.workers):
-                self._tasks.spawn("spares", self.top_up_spares())
-        elif ev == "step":
-            w.started = True
-            w.step = int(msg.get("step", w.step))
-            loss = msg.get("loss")
-            # a diverged run reports NaN or inf (JSON has neither: the status refused it)
-            if isinstance(loss, int | float) and math.isfinite(loss):
-                w.loss = float(loss)
-            if w.timings is not None:
-                w.timings.add(msg)
-        elif ev == "saved":
-            w.saved_step = int(msg.get("step", w.saved_step))
-        elif ev == "stopped":
-            if not self.in_place:
-                self.expect_exit = True
-        elif ev == "held":
-            w.held = True
-            w.held_step = int(msg.get("step", -1))
-            w.broken = str(msg.get("cause", "")) if msg.get("broken") else ""
-            if w.broken:
-                _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
-        elif ev == "warm":
-            w.warm = True
-
-    async def _read_stderr(self, w: WorkerView) -> None:
-        if w.proc.stderr is None:
-            return
-        async for raw in lines(w.proc.stderr):
-            if w.err_log is not None:
-                w.err_log.write(raw)
-            w.stderr_tail = [*w.stderr_tail[-19:], raw.decode(errors="replace").rstrip()]
-
-    async def _wait(self, w: WorkerView) -> None:
-        code = await w.proc.wait()
-        w.exit_code = code
-        if w.tasks is not None:
-            await w.tasks.close(timeout=2.0)
-        for log in (w.out_log, w.err_log):
-            if log is not None:
-                log.close()
-        if w in self.spares and not self.closed:
-            # a spare that left on its own (its directive never came, or it failed): another
-            # takes its place, unless they keep failing
-            if code != 0 or not w.warm:  # warm or not: a spare that fails counts
-                self._spare_failures += 1
-                _log.warning("spare_exited", code=code, warm=w.warm, in_a_row=self._spare_failures)
-            self._tasks.spawn("spares", self.top_up_spares())
-        if w not in self.workers:  # a spare, or a worker already let go
-            self.changed.set()
-            return
-        if code != 0 and not self.expect_exit:
-            err = w.error_file or self.run_dir / f"error-{w.rank}.json"
-            if read_error_file(err) is None:
-                self._record_silent_death(w, code, err)
-            if not self.failure:
-                cause = ""
-                with contextlib.suppress(OSError):
-                    cause = err.read_text()[:2000]
-                tail = " | ".join(w.stderr_tail[-3:])
-                self.failure = cause or f"rank {w.rank} exit {code}: {tail}"
-                _log.warning("worker_failed", rank=w.rank, code=code, cause=self.failure[:300])
-        self.changed.set()
-
-    def _record_silent_death(self, w: WorkerView, code: int, err: Path) -> None:
-        """The error record of a worker that could not write its own (killed by a signal)."""
-        fault = ""
-        with contextlib.suppress(OSError):
-            fault = fault_path(err).read_text(errors="replace")
-        record = signal_failure_record(
-            w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail), pid=w.proc.pid
-        )
-        with contextlib.suppress(OSError):
-            write_error_file(err, record)
-        line = json.dumps({"event": "failed", **record})
-        w.stderr_tail = [*w.stderr_tail[-19:], line]
-        _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
 
     async def restore_killed(self) -> None:
         """At an agent's start, before it takes commands: the process groups its previous

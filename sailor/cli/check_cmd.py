@@ -45,9 +45,9 @@ def check(
     probe_deadline: float = typer.Option(120.0, help="Seconds the NCCL probe may take."),
 ) -> None:
     """Check this node: GPUs, CUDA, NCCL, a one-node collective, NATS and etcd."""
+    from sailor.agent.agent_config import AgentConfig
     from sailor.agent.check_gather import gather_gpu, node_facts, reach_servers
     from sailor.agent.check_verdicts import judge
-    from sailor.agent.daemon import AgentConfig
 
     cfg = load_config(config, AgentConfig).anchored(config) if config is not None else None
     if cfg is not None:  # named as the agent names it, not as a TLS failure to connect

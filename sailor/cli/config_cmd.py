@@ -47,7 +47,7 @@ def _schema(kind: Kind) -> type[BaseModel]:
 
         return TrainingConfig
     if kind is Kind.agent:
-        from sailor.agent.daemon import AgentConfig
+        from sailor.agent.agent_config import AgentConfig
 
         return AgentConfig
     from sailor.controller.config import ControllerConfig

@@ -83,7 +83,8 @@ def controller(
 
 def agent(config: Path = typer.Option(..., "--config", help="Agent config file.")) -> None:
     """Run the agent of this node until SIGTERM."""
-    from sailor.agent.daemon import AgentConfig, run_agent
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import run_agent
 
     cfg = load_config(config, AgentConfig).anchored(config)
     _check_security_files(config, cfg.security)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from sailor.agent.agent_config import AgentConfig
 from sailor.agent.cpu_quota import CpuQuota, detect, node_cgroup
-from sailor.agent.daemon import Agent, AgentConfig
+from sailor.agent.daemon import Agent
 from sailor.agent.supervisor import Supervisor
 from sailor.coordination import Keys, NatsEventBus, connect_etcd, connect_nats
 from sailor.localservers import LocalServers

@@ -13,8 +13,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from sailor.agent.agent_config import AgentConfig, CheckSettings
 from sailor.agent.check_gather import probe_collectives, reach_servers
-from sailor.agent.daemon import Agent, AgentConfig, CheckSettings
+from sailor.agent.daemon import Agent
 from sailor.cli.main import app
 from sailor.coordination import Keys, NatsEventBus, connect_etcd, connect_nats
 from sailor.localnet import free_port

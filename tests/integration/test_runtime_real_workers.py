@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
+from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.checkpoint import LocalStorage, committed_steps
 from sailor.checkpoint.format import step_dir
 from sailor.controller.audit import read_records

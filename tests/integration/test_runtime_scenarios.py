@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.daemon import Agent, AgentConfig, CheckSettings, WatcherConfig
+from sailor.agent.agent_config import AgentConfig, CheckSettings, WatcherConfig
+from sailor.agent.daemon import Agent
 from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller

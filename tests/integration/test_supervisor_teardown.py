@@ -32,8 +32,9 @@ from pathlib import Path
 import pytest
 
 from sailor.agent.killed_groups import KILLED_FILE, WorkerTeardownError
-from sailor.agent.supervisor import Supervisor, WorkerView
+from sailor.agent.supervisor import Supervisor
 from sailor.agent.teardown import GONE_STATES, boot_ticks, group_members
+from sailor.agent.worker_view import WorkerView
 from sailor.schemas.commands import Launch
 from tests.integration.test_worker_signals import PLAN, launch_of
 

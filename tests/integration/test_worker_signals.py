@@ -17,12 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.supervisor import (
-    DEFAULT_WORKER_ARGV,
-    TOY_TRAINER_ARGV,
-    Supervisor,
-    SupervisorClosedError,
-)
+from sailor.agent.supervisor import Supervisor, SupervisorClosedError
+from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV, TOY_TRAINER_ARGV
 from sailor.localnet import free_port
 from sailor.megatron_patch.errors import signal_failure_record
 from sailor.megatron_patch.launch import launch_local

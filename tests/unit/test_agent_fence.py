@@ -32,8 +32,9 @@ async def test_a_command_that_fails_is_refused_with_its_cause(tmp_path: Path) ->
     stands there, as a full disk would fail it) gets a refusal naming the cause; before, the
     exception went into the NATS client's callback, no reply was sent and the controller saw
     only timeouts."""
-    from sailor.agent.daemon import Agent, AgentConfig
-    from sailor.agent.supervisor import WorkerView
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
+    from sailor.agent.worker_view import WorkerView
     from sailor.schemas.commands import Stop
     from sailor.schemas.hardware import NodeSpec
     from sailor.schemas.runtime import CommandAck
@@ -61,7 +62,8 @@ async def test_a_failure_published_through_an_outage_does_not_stop_the_status_lo
     import itertools
     import time
 
-    from sailor.agent.daemon import Agent, AgentConfig
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
     from sailor.coordination.errors import TemporaryError
     from sailor.schemas.hardware import NodeSpec
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sailor.agent.daemon import Agent, AgentConfig
+from sailor.agent.agent_config import AgentConfig
+from sailor.agent.daemon import Agent
 from sailor.agent.watchers import Notice
 from sailor.coordination import ManualClock, UnavailableError
 from sailor.schemas.events import PreemptionNotice

@@ -3,7 +3,7 @@ rank 0 runs there listens on it; the controller could otherwise only name 127.0.
 
 from __future__ import annotations
 
-from sailor.agent.daemon import route_address
+from sailor.agent.node_join import route_address
 
 
 def test_the_address_towards_the_servers() -> None:
@@ -16,7 +16,7 @@ def test_the_address_towards_the_servers() -> None:
 def test_the_first_address_that_is_not_loopback_wins() -> None:
     """On the etcd host with a loopback etcd endpoint, the route to another server gives the
     address other nodes reach; loopback only when every server is here."""
-    from sailor.agent.daemon import _host_port, node_address
+    from sailor.agent.node_join import _host_port, node_address
 
     routes = {"127.0.0.1:2379": "127.0.0.1", "10.0.0.2:4222": "10.0.0.7", "bad:1": ""}
     probe = routes.__getitem__

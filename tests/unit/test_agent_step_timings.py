@@ -124,8 +124,9 @@ def test_restart_drops_everything_and_the_next_step_counts() -> None:
 def test_the_agent_drops_timings_when_its_quota_changes(tmp_path: Path) -> None:
     """The kernel's quota read in the status loop differs from the last one (set by the agent
     or from outside): the workers' windows restart; the first reading is no change."""
-    from sailor.agent.daemon import Agent, AgentConfig
-    from sailor.agent.supervisor import WorkerView
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
+    from sailor.agent.worker_view import WorkerView
 
     node = NodeSpec(node_id="n1", gpu_type="cpu-slow", gpus=1, zone="z")
     agent = Agent(AgentConfig(node=node, work_dir=tmp_path))

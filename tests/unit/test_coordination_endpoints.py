@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sailor.agent.daemon import AgentConfig
+from sailor.agent.agent_config import AgentConfig
 from sailor.controller.config import ControllerConfig
 from sailor.schemas.hardware import NodeSpec
 

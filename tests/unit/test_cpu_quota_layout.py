@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 from pydantic import ValidationError
 
+from sailor.agent.agent_config import AgentConfig
 from sailor.agent.cgroup_layout import (
     CandidateFacts,
     Hierarchy,
@@ -34,7 +35,6 @@ from sailor.agent.cgroup_layout import (
     validate_cores,
 )
 from sailor.agent.cpu_quota import CpuQuota, CpuQuotaUnavailableError, detect, process_quota
-from sailor.agent.daemon import AgentConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import NodeFacts
 from sailor.schemas.runtime import AgentStatus

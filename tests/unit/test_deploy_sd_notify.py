@@ -102,7 +102,8 @@ def test_no_socket_is_a_noop_and_a_dead_socket_does_not_raise(tmp_path: Path) ->
 def test_daemons_build_their_notifier_from_the_environment(
     notify_socket: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sailor.agent.daemon import Agent, AgentConfig
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
     from sailor.controller.config import ControllerConfig
     from sailor.controller.daemon import Controller
     from sailor.controller.planning import DataParallelPlanner

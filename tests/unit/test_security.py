@@ -12,7 +12,7 @@ import structlog
 from cryptography import x509
 from typer.testing import CliRunner
 
-from sailor.agent.daemon import AgentConfig
+from sailor.agent.agent_config import AgentConfig
 from sailor.cli.main import app
 from sailor.coordination.etcd_store import EtcdStore
 from sailor.coordination.keys import Keys

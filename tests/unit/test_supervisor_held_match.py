@@ -4,7 +4,8 @@ keeps its rank (its layers), then takes any; on a CPU kind, its rank, then any."
 
 from __future__ import annotations
 
-from sailor.agent.supervisor import WorkerView, _gpu_of, _match_held
+from sailor.agent.supervisor import _gpu_of, _match_held
+from sailor.agent.worker_view import WorkerView
 from tests.unit.test_megatron_patch_devices import _plan, _rg
 
 

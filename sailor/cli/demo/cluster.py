@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sailor.agent.daemon import AgentConfig, WatcherConfig
-from sailor.agent.supervisor import DEFAULT_WORKER_ARGV
+from sailor.agent.agent_config import AgentConfig, WatcherConfig
+from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.cli.demo.processes import ProcessRegistry, children_of
 from sailor.cli.demo.servers import free_port
 from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings

@@ -1,0 +1,152 @@
+"""How an agent applies the controller's commands (served on its own NATS subject by
+:class:`sailor.agent.daemon.Agent`): a command addressed to another node, or of a lower epoch
+than the highest seen, is refused; a higher epoch is persisted (the fence) before its command
+is applied; each command id is applied at most once (a repeat gets the first ack back, marked
+duplicate); a Launch reads its plan and training config first (``plan_source``); a command
+that fails is refused with its cause, and once the agent is shutting down every command is.
+Every refusal is on record twice: its ack and a journal line.
+
+``AgentCommands`` is a part of :class:`~sailor.agent.daemon.Agent` (a mixin over its node,
+supervisor, fence, plan source and record of applied commands). Must never import the
+controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import structlog
+from pydantic import ValidationError
+
+from sailor.agent.fence import EpochFence
+from sailor.agent.killed_groups import WorkerTeardownError
+from sailor.agent.plan_source import PlanSource
+from sailor.agent.supervisor import Supervisor, SupervisorClosedError
+from sailor.coordination import TemporaryError
+from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.runtime import CommandAck
+
+__all__ = ["AgentCommands"]
+
+_log = structlog.get_logger("sailor.agent")
+
+
+class AgentCommands:
+    """The command handling of :class:`~sailor.agent.daemon.Agent`."""
+
+    node: NodeSpec
+    supervisor: Supervisor
+    max_epoch: int
+    applied: collections.OrderedDict[str, CommandAck]
+    _fence: EpochFence
+    _plans: PlanSource
+    _lock: asyncio.Lock
+    _closing: bool
+
+    async def _on_command(self, data: bytes) -> bytes:
+        async with self._lock:
+            if self._closing:  # the workers are gone for good: start none now
+                return (
+                    self._refuse(_command_id(data), "agent shutting down")
+                    .model_dump_json()
+                    .encode()
+                )
+            try:
+                ack = await self._apply(data)
+            except Exception as exc:  # a command that fails is refused with its cause, on
+                # record, not lost in the NATS client's callback (the controller re-sends it)
+                _log.exception("command_failed", node=self.node.node_id)
+                ack = self._refuse(_command_id(data), f"failed: {type(exc).__name__}: {exc}"[:1000])
+            return ack.model_dump_json().encode()
+
+    async def _close_supervisor(self) -> None:
+        """Refuse every command from now on, let one being applied end (for at most the
+        workers' kill grace: an Abort that holds waits that long), then kill the workers. A
+        Launch still going on after that starts no more workers, and the supervisor kills
+        those it started: none outlives the agent."""
+        self._closing = True
+        try:
+            async with asyncio.timeout(2 * self.supervisor.kill_grace_s):
+                async with self._lock:
+                    pass
+        except TimeoutError:
+            _log.warning("shutdown_during_command", node=self.node.node_id)
+        await self.supervisor.close()
+
+    async def _apply(self, data: bytes) -> CommandAck:
+        try:
+            cmd = CommandAdapter.validate_json(data)
+        except ValidationError as exc:
+            return self._refuse("?", f"malformed: {str(exc).splitlines()[0][:200]}")
+        if cmd.node_id != self.node.node_id:
+            return self._refuse(cmd.command_id, f"addressed to {cmd.node_id}")
+        if cmd.epoch < self.max_epoch:
+            return self._refuse(cmd.command_id, f"stale epoch {cmd.epoch} < {self.max_epoch}")
+        if cmd.command_id in self.applied:
+            return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
+        if cmd.epoch > self.max_epoch:
+            # durable before the command is applied: a restart must not forget it
+            try:
+                await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
+            except OSError as exc:  # not applied (refused, on record): the controller re-sends
+                return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
+        self.max_epoch = cmd.epoch
+        if isinstance(cmd, Launch):
+            try:  # a Launch names its plan; read it from etcd (cached by plan id)
+                plan = await self._plans.resolve(cmd)
+            except TemporaryError as exc:  # not applied: the controller re-sends it
+                return self._refuse(cmd.command_id, f"plan {cmd.plan_id}: {exc}"[:1000])
+            try:  # and its training config, by digest (none: the workers' defaults)
+                training = await self._plans.training(cmd)
+            except TemporaryError as exc:
+                return self._refuse(cmd.command_id, f"training config: {exc}"[:1000])
+            try:
+                await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
+            except SupervisorClosedError:  # the agent began shutting down meanwhile
+                return self._refuse(cmd.command_id, "agent shutting down")
+            except WorkerTeardownError as exc:  # also the status's failure (retry false)
+                return self._refuse(cmd.command_id, f"a killed worker holds on: {exc}"[:1000])
+        elif isinstance(cmd, Stop):
+            self.supervisor.stop_at(cmd.at_step)
+        elif isinstance(cmd, Checkpoint):
+            self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below)
+        elif isinstance(cmd, Abort):
+            await self.supervisor.abort(hold=cmd.hold)
+        ack = CommandAck(
+            command_id=cmd.command_id,
+            node_id=self.node.node_id,
+            accepted=True,
+            epoch_seen=self.max_epoch,
+        )
+        self.applied[cmd.command_id] = ack
+        while len(self.applied) > 10_000:
+            self.applied.popitem(last=False)
+        self.supervisor.changed.set()
+        return ack
+
+    def _refuse(self, command_id: str, reason: str) -> CommandAck:
+        """The refusal ack, and a journal line: every refused command is on record twice."""
+        _log.warning(
+            "command_refused",
+            node=self.node.node_id,
+            command_id=command_id[:128],
+            reason=reason[:300],
+            epoch_seen=self.max_epoch,
+        )
+        return CommandAck(
+            command_id=command_id,
+            node_id=self.node.node_id,
+            accepted=False,
+            reason=reason,
+            epoch_seen=self.max_epoch,
+        )
+
+
+def _command_id(data: bytes) -> str:
+    """The command id of a raw command, or "?" (for a refusal's ack)."""
+    try:
+        return str(CommandAdapter.validate_json(data).command_id)
+    except ValidationError:
+        return "?"

@@ -1,0 +1,71 @@
+"""The training worker's command line: the templates the agent fills per rank
+(``DEFAULT_WORKER_ARGV``, the real worker; ``TOY_TRAINER_ARGV``, the torch-free stand-in for
+protocol tests; their placeholders are listed in :mod:`sailor.agent.supervisor`) and the
+options part of a filled one that a held worker re-parses (``worker_options``). Values only:
+must never start a process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["DEFAULT_WORKER_ARGV", "TOY_TRAINER_ARGV", "worker_options"]
+
+
+DEFAULT_WORKER_ARGV: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "sailor.training_process",
+    "--plan",
+    "{plan}",
+    "--rank",
+    "{rank}",
+    "--world-size",
+    "{world_size}",
+    "--master",
+    "{master}",
+    "--control",
+    "{control}",
+    "--ckpt-dir",
+    "{load_dir}",
+    "--load-step",
+    "{load_step}",
+    "--error-file",
+    "{error_file}",
+    "--progress",
+    "{run_dir}/progress-{rank}.jsonl",
+)
+"""The real training worker (``sailor.training_process``: sailor.megatron_patch with layer-keyed
+checkpoints). ``TOY_TRAINER_ARGV`` is the torch-free stand-in for protocol tests."""
+
+TOY_TRAINER_ARGV: tuple[str, ...] = (
+    sys.executable,
+    "-m",
+    "sailor.agent.toy_trainer",
+    "--plan",
+    "{plan}",
+    "--rank",
+    "{rank}",
+    "--world-size",
+    "{world_size}",
+    "--master",
+    "{master}",
+    "--control",
+    "{control}",
+    "--load-dir",
+    "{load_dir}",
+    "--load-step",
+    "{load_step}",
+    "--error-file",
+    "{error_file}",
+)
+
+
+def worker_options(argv: tuple[str, ...]) -> list[str]:
+    """The options of a worker's command line: from its first ``--`` argument on (what a
+    held worker re-parses; the program part, e.g. ``python -m sailor.training_process``, is
+    the process it already is)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            return list(argv[i:])
+    return []
