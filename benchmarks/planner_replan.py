@@ -42,8 +42,8 @@ from typing import TypeVar
 from sailor import catalog
 from sailor.controller.planning import SailorPlanner, load_model_spec, pool_of
 from sailor.planner import moved_layers, replan, search
+from sailor.planner.judge import SearchResult
 from sailor.planner.robust import RobustResult, robust_replan, robust_search
-from sailor.planner.search import SearchResult
 from sailor.schemas.hardware import NodeSpec, Pool
 
 MODEL = "OPT-350"

@@ -15,14 +15,10 @@ from sailor.planner.api import (
     RankedPlan,
     SearchStats,
 )
+from sailor.planner.judge import Candidate, SearchResult
 from sailor.planner.moves import moved_layers
 from sailor.planner.replan import replan
-from sailor.planner.search import (
-    Candidate,
-    SearchResult,
-    plan,
-    search,
-)
+from sailor.planner.search import plan, search
 from sailor.planner.upper_bound import throughput_upper_bound
 
 __all__ = [

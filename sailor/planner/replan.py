@@ -28,11 +28,8 @@ import numpy as np
 
 from sailor.planner.allocate import Allocation, Recipe, assign_microbatches
 from sailor.planner.collector import collector_paused
-from sailor.planner.search import (
-    SearchResult,
-    search_recipes,
-    search_with_tables,
-)
+from sailor.planner.judge import SearchResult
+from sailor.planner.search import search_recipes, search_with_tables
 from sailor.planner.templates import PipelineTemplate, repriced
 from sailor.planner.upper_bound import resources_of
 from sailor.schemas import Plan, Pool

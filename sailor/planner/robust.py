@@ -30,18 +30,14 @@ from typing import Literal
 from sailor.planner.allocate import Allocation
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.collector import collector_paused
+from sailor.planner.judge import SearchResult, explain_candidate
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
 from sailor.planner.replan import replan
-from sailor.planner.search import (
-    Progress,
-    SearchResult,
-    SearchState,
-    closed_form,
-    explain_candidate,
-    search,
-)
+from sailor.planner.scenarios import closed_form
+from sailor.planner.search import Progress, search
 from sailor.planner.tables import CostTables
+from sailor.planner.template_pool import SearchState
 from sailor.planner.templates import repriced
 from sailor.schemas import (
     Calibration,

@@ -1,4 +1,4 @@
-"""The planner's modules use each other's public names only (``search``'s scoring and
+"""The planner's modules use each other's public names only (``judge``'s scoring and
 ``upper_bound``'s candidate grids are shared with the baselines as public functions)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The plan identities were recorded on that commit (a hash of the plan's pipelines
 ``robust._key``, up to pipeline order) with the plan's worst ratio over the corners. They
 were re-recorded for two intended changes of answer: the min-cost scenario's when the cost
 search under a throughput floor gained budgets at the floor's time (2026-11-27,
-``search._FLOOR_T_FACTORS``); all 11 when every pipeline transfer gained a fixed cost
+``scenarios._FLOOR_T_FACTORS``); all 11 when every pipeline transfer gained a fixed cost
 (``GPUCalibration.p2p_fixed_s``, its prior 0 / 0.68 / 1.7 ms; 2026-11-27): the plans of A100
 x80, A100+V100 32+96 and min-cost changed shape, A100+V100 80+240 and 128+384 kept theirs
 with one more microbatch on some pipelines, six are the same plans, and every worst ratio was

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sailor.planner.api import Constraints, NoFeasiblePlanError, Objective, RankedPlan
-from sailor.planner.search import objective_score
+from sailor.planner.judge import objective_score
 from sailor.planner.tables import CostTables
 from sailor.schemas import Estimate, Plan
 from sailor.simulator import ProfileLookupError, simulate

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
-from sailor.planner.search import objective_score
+from sailor.planner.judge import objective_score
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import with_cuts
 from sailor.planner.upper_bound import mbs_candidates, resources_of, tp_candidates
