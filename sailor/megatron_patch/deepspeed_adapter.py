@@ -282,7 +282,8 @@ def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: in
 
 def run(argv: list[str] | None = None) -> int:
     """One rank of a plan on DeepSpeed; progress and state dumps like the worker's."""
-    from sailor.megatron_patch.rank_main import build_parser, load_model
+    from sailor.megatron_patch.rank_args import build_parser
+    from sailor.megatron_patch.rank_main import load_model
 
     args = build_parser().parse_args(argv)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     import faulthandler
 
     from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
-    from sailor.megatron_patch.rank_main import build_parser
+    from sailor.megatron_patch.rank_args import build_parser
 
     args = build_parser().parse_args(argv)
     err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None

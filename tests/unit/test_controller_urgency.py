@@ -1,4 +1,4 @@
-"""Which wake-ups of the controller skip the debounce (``daemon.urgent_wake``)."""
+"""Which wake-ups of the controller skip the debounce (``event_intake.urgent_wake``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from sailor.controller.config import ControllerConfig
-from sailor.controller.daemon import Controller, urgent_wake
+from sailor.controller.daemon import Controller
+from sailor.controller.event_intake import urgent_wake
 from sailor.schemas.runtime import DesiredState, Phase
 
 RUNNING = DesiredState(

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sailor.megatron_patch import launch, rank_main
+from sailor.megatron_patch import launch, rank_args, rank_main
 from sailor.megatron_patch.devices import (
     DeviceMappingError,
     backend_for,
@@ -174,7 +174,7 @@ def _start_worker(
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
-    args = rank_main.build_parser().parse_args(
+    args = rank_args.build_parser().parse_args(
         [
             *("--plan", str(path), "--rank", str(rank)),
             *("--world-size", str(len(plan.ranks())), "--master", "127.0.0.1:1"),

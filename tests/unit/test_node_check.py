@@ -324,7 +324,7 @@ def test_profile_names_the_cuda_device_by_its_catalog_type(
     import torch
     import typer
 
-    from sailor.cli.profile_cmd import _local_gpu_type
+    from sailor.cli.profile_group import _local_gpu_type
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_028_306_944)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

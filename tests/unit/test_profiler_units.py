@@ -180,7 +180,7 @@ def test_cli_without_failures_writes_what_it_always_wrote(
     merged into the file as it was (the old CLI's one save), and no unit is listed skipped."""
     _Stubbed(monkeypatch)
     before = ProfileDB.model_validate_json(original.read_text())
-    from sailor.cli import profile_cmd
+    from sailor.cli import profile_layers_cmd
 
     saves: list[int] = []
 
@@ -188,7 +188,7 @@ def test_cli_without_failures_writes_what_it_always_wrote(
         saves.append(len(db.timings))
         save_db(db, path)
 
-    monkeypatch.setattr(profile_cmd, "save_db", counting)
+    monkeypatch.setattr(profile_layers_cmd, "save_db", counting)
     res = CliRunner().invoke(app, [*_CLI, "-o", str(original)])
     assert res.exit_code == 0, res.output
     n = TINY.num_all_layers

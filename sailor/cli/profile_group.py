@@ -1,0 +1,103 @@
+"""The ``sailor profile`` command group (its Typer app) and what its commands share.
+
+The app the commands register on (``profile_cmd`` adds it to the ``sailor`` CLI), the
+parsing of their list and byte-count options, the model a command profiles, this host's
+catalog GPU type, and the ProfileDB file a command merges into (checked before measuring).
+Commands: ``profile_layers_cmd`` (layers), ``profile_network_cmd`` (network), ``profile_cmd``
+(estimate). Holds no command itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from sailor import catalog
+from sailor.cli._io import fail, load_model
+from sailor.schemas import ModelSpec, ProfileDB
+
+__all__ = ["profile_app"]
+
+
+def _existing_db(path: Path) -> ProfileDB | None:
+    """The database to merge into: None if ``path`` does not exist yet."""
+    return load_model(path, ProfileDB) if path.exists() else None
+
+
+def _check_db_out(path: Path, model: str) -> None:
+    """Before measuring: the output is a ProfileDB of ``model`` (or new), not a directory,
+    so a measurement of minutes to hours is never thrown away at the merge."""
+    if path.is_dir():
+        raise fail(f"-o {path}: is a directory: give the ProfileDB file to merge into")
+    old = _existing_db(path)
+    if old is not None and old.model != model:
+        raise fail(
+            f"-o {path}: holds profiles of model {old.model!r}, not {model!r}: one file per "
+            "model (give another -o)"
+        )
+
+
+profile_app = typer.Typer(
+    help="Measure layer times/sizes and link bandwidth here; estimate other GPUs.",
+    no_args_is_help=True,
+)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise fail(f"--{what}={text!r}: expected comma-separated integers") from exc
+    if not vals:
+        raise fail(f"--{what}: empty")
+    return vals
+
+
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+_UNITS |= {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _bytes(text: str, what: str) -> int:
+    """A byte count with an optional unit (KiB/MiB/GiB/TiB, K/M/G binary, KB/MB/GB decimal)."""
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num) :]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError) as exc:
+        raise fail(f"--{what}={text!r}: expected bytes, e.g. 40GiB, 512MiB or 1000000") from exc
+    if value <= 0:
+        raise fail(f"--{what}={text!r}: must be > 0")
+    return int(value)
+
+
+def _model(name: str, model_file: Path | None) -> ModelSpec:
+    if model_file is not None:
+        return load_model(model_file, ModelSpec)
+    try:
+        return catalog.model(name)
+    except KeyError as exc:
+        raise fail(str(exc.args[0]) + "; or pass --model-file") from exc
+
+
+def _local_gpu_type(device: str) -> str:
+    """The catalog type of this host's CUDA device 0 (cuda), or 'cpu'; a device the catalog
+    does not know is refused with its name, memory and the types it could be."""
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        return catalog_gpu_name(props.name, props.total_memory, catalog.gpus())
+    except UnknownGPUError as exc:
+        raise fail(str(exc)) from exc
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"

@@ -1,0 +1,331 @@
+"""The leader's event intake, mixed into ``Controller`` (``daemon.py``).
+
+Events arrive from JetStream a fetched batch at a time (and preemption notices also through
+the agents' status records in etcd): each is validated, checked against its subject (a node
+speaks only for itself), deduplicated by event id, recorded (a notice as a guarded etcd write
+under the leader's epoch) and audited; the batch's records are made durable with one fsync,
+then the batch is acked. An etcd outage is retried in place for ``EVENT_RETRY_S``, then the
+event is given back. :func:`urgent_wake` says which wake-ups skip the debounce.
+
+``EventIntake`` holds no state of its own: the ``Controller`` it is mixed into owns every
+attribute its methods use (declared below for the type checker). Must never import torch or
+the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from pydantic import ValidationError
+
+from sailor.controller.audit import AuditLog
+from sailor.controller.config import ControllerConfig
+from sailor.controller.observed import ObservedCache
+from sailor.coordination import (
+    Clock,
+    Delivery,
+    EtcdStore,
+    FencedError,
+    Keys,
+    Leadership,
+    NatsEventBus,
+    TemporaryError,
+    safe_token,
+)
+from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
+from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
+
+__all__ = ["EVENT_RETRY_S", "EventIntake", "urgent_wake"]
+
+_log = structlog.get_logger("sailor.controller")
+
+EVENT_RETRY_S = 10.0
+"""How long an event is retried in place (etcd unavailable) before it is given back, s."""
+
+
+def urgent_wake(kind: str, node_id: str, desired: DesiredState | None) -> bool:
+    """Whether a wake-up about ``node_id`` (an event ``kind``) must skip the debounce.
+
+    The debounce coalesces a burst of joins into one reconfiguration; waiting is worth it
+    only while the job still runs. A preemption notice is urgent (its deadline runs), and so
+    is a node of the running or the next layout leaving (``node_left``: the event, or its
+    registration disappearing with its lease): the job is broken already, so a debounce only
+    adds downtime before the abort. A leave of a node no layout uses, a join, a status change
+    stay debounced. A burst of leaves still coalesces: what arrives while a pass runs is
+    handled by the next one, and a loss during a transition aborts and replans once more.
+    """
+    if kind == "preemption_notice":
+        return True
+    if kind != "node_left" or desired is None:
+        return False
+    return node_id in desired.placement or node_id in desired.next_placement
+
+
+class EventIntake:
+    """Event handling of the leader's term: a mixin of ``Controller``, which owns the state."""
+
+    cfg: ControllerConfig
+    keys: Keys
+    clock: Clock
+    audit: AuditLog
+    stopping: asyncio.Event
+    desired: DesiredState | None
+    event_counts: collections.Counter[str]
+    on_event: Callable[[str, str, float, float], None] | None
+    event_batches: int
+    _unseen_notices: dict[str, float]
+    _seen: collections.OrderedDict[str, None]
+    _fenced_epoch: int
+
+    if TYPE_CHECKING:
+
+        def wake(self, urgent: bool = False) -> None: ...
+
+    async def _notices_from_status(
+        self,
+        status: Mapping[str, AgentStatus],
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+    ) -> None:
+        """The etcd path of preemption notices: a notice an agent keeps in its status record
+        (it does so at once, while NATS may be down) is handled once, as the event it is.
+
+        Fenced like the event: RBAC lets an agent write only its own ``status/<id>``, the
+        mirror believes a status only under its node's key, and the notice must name that
+        node; then the event's own checks apply (registered node, deadline window) and its
+        event id makes the NATS copy, whenever it arrives, a duplicate.
+        """
+        for node_id, st in sorted(status.items()):
+            ev = st.notice
+            if ev is None or ev.event_id in self._seen:
+                continue
+            # The status key vouches for its node as the subject does for a published event
+            # (RBAC: an agent writes only its own status): the node's own event subject.
+            subject = self.keys.event_subject(ev.kind, node_id)
+            if ev.node_id != node_id:
+                self._reject_event(
+                    ev, subject, self.clock.now(), lead, f"in the status of {node_id}"
+                )
+                self._seen[ev.event_id] = None
+                continue
+            data = ev.model_dump_json().encode()
+            msg_id = f"status/{node_id}"
+            await self._handle_event(data, msg_id, subject, store, lead, cache)
+            await self.audit.durable()
+
+    async def _consume(
+        self, bus: NatsEventBus, store: EtcdStore, lead: Leadership, cache: ObservedCache
+    ) -> None:
+        """Fetch a batch, handle each event, fsync the batch's records once, then ack it."""
+        while True:
+            if not lead.fresh:
+                # cut off from etcd: a new leader may consume from the same durable consumer;
+                # what this one took it could neither record nor hand on for a while
+                await self.clock.sleep(0.3)
+                continue
+            try:
+                await bus.ensure_stream()
+                batch = await bus.fetch(256, timeout=self.cfg.resync_s)
+            except TemporaryError as exc:
+                _log.warning("event_fetch_retry", error=str(exc))
+                await self.clock.sleep(0.3)
+                continue
+            self.event_batches += 1 if batch else 0
+            handled = []
+            for d in batch:
+                try:
+                    if await self._handle_with_retry(d, store, lead, cache):
+                        handled.append(d)
+                except FencedError as exc:
+                    # deposed: the term ends (the loop sees it), not just this consumer
+                    self.audit.write(
+                        "fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc)
+                    )
+                    self._fenced_epoch = lead.epoch
+                    self.wake(urgent=True)
+                    return
+            await self.audit.durable()
+            for d in handled:
+                try:
+                    await d.ack()
+                except TemporaryError as exc:  # redelivered, then handled as a duplicate
+                    _log.warning("event_ack_failed", error=str(exc))
+
+    async def _handle_with_retry(
+        self, d: Delivery, store: EtcdStore, lead: Leadership, cache: ObservedCache
+    ) -> bool:
+        """Handle one event, retrying in place through a short etcd outage; True if handled.
+
+        A notice must not wait for the stream's ack_wait (30 s) to be tried again: its
+        deadline may be that long. After ``EVENT_RETRY_S`` the event is given back with a
+        short redelivery delay, so one event that keeps failing does not hold up the rest.
+        """
+        t0 = self.clock.now()
+        pause = 0.1
+        while True:
+            try:
+                await self._handle_event(d.data, d.msg_id, d.subject, store, lead, cache)
+                return True
+            except TemporaryError as exc:
+                _log.warning("event_retry", msg_id=d.msg_id, error=str(exc))
+                if (
+                    self.stopping.is_set()
+                    or not lead.held
+                    or self.clock.now() - t0 >= EVENT_RETRY_S
+                ):
+                    break
+                await self.clock.sleep(min(max(pause, exc.retry_after or 0.0), 1.0))
+                pause *= 2
+            except FencedError:
+                raise
+            except Exception as exc:
+                # Not to be retried (an etcd refusal, the audit log failing): on record, then
+                # the consumer crashes and takes the controller down (``_task_crashed``).
+                with contextlib.suppress(OSError, ValueError):
+                    self.audit.write(
+                        "event_failed",
+                        self.clock.now(),
+                        epoch=lead.epoch,
+                        msg_id=d.msg_id[:128],
+                        subject=d.subject[:256],
+                        error=repr(exc)[:300],
+                    )
+                raise
+        try:
+            await d.nak(0.5)
+        except TemporaryError as exc:  # redelivered after ack_wait instead
+            _log.warning("event_nak_failed", error=str(exc))
+        return False
+
+    async def _handle_event(
+        self,
+        data: bytes,
+        msg_id: str,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+    ) -> None:
+        received = self.clock.now()
+        outcome, event_id = await self._apply_event(
+            data, msg_id, subject, store, lead, cache, received
+        )
+        self.event_counts[outcome] += 1
+        if self.on_event is not None:
+            self.on_event(event_id or msg_id, outcome, received, self.clock.now())
+
+    def _reject_event(
+        self, ev: Event, subject: str, now: float, lead: Leadership, reason: str
+    ) -> tuple[str, str]:
+        """Audit a well-formed event the controller refuses; the outcome to return."""
+        self.audit.write(
+            "event_rejected",
+            now,
+            epoch=lead.epoch,
+            event_id=ev.event_id,
+            event_kind=ev.kind,
+            node_id=ev.node_id,
+            subject=subject[:256],
+            reason=reason,
+        )
+        return "rejected", ev.event_id
+
+    async def _apply_event(
+        self,
+        data: bytes,
+        msg_id: str,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+        now: float,
+    ) -> tuple[str, str]:
+        """Validate and record one event; returns (outcome, event id)."""
+        try:
+            ev = EventAdapter.validate_json(data)
+        except ValidationError as exc:
+            self.audit.write(
+                "event_rejected",
+                now,
+                epoch=lead.epoch,
+                msg_id=msg_id[:128],
+                subject=subject[:256],
+                reason=str(exc).splitlines()[0][:300],
+            )
+            return "rejected", ""
+        source = self.keys.event_source(subject)
+        if source != safe_token(ev.node_id):
+            # An agent may publish only on its own node's subjects (its NATS permission), so
+            # the subject says who sent this: one node must not speak for another. Checked
+            # before the duplicate check, and the id is not remembered: a forgery that reuses
+            # a genuine event's id must not make the genuine one a duplicate.
+            return self._reject_event(
+                ev, subject, now, lead, f"sent on {source!r}'s subject, about {ev.node_id!r}"
+            )
+        if ev.event_id in self._seen:
+            self.audit.write(
+                "event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id, subject=subject
+            )
+            return "duplicate", ev.event_id
+        outcome = await self._apply_new_event(ev, subject, store, lead, cache, now)
+        # Seen only once handled: an event that failed (etcd unavailable) is redelivered
+        # and must then be applied, not dropped as a duplicate.
+        self._seen[ev.event_id] = None
+        while len(self._seen) > 200_000:
+            self._seen.popitem(last=False)
+        return outcome
+
+    async def _apply_new_event(
+        self,
+        ev: Event,
+        subject: str,
+        store: EtcdStore,
+        lead: Leadership,
+        cache: ObservedCache,
+        now: float,
+    ) -> tuple[str, str]:
+        if ev.kind != "node_left":
+            # The mirror answers for a node it holds; a node it does not hold may have
+            # registered after its last delta, so etcd is asked (forged ids end up here).
+            registered = cache.registered(ev.node_id)
+            if registered is None:
+                registered = await store.get(self.keys.node(ev.node_id)) is not None
+            if not registered:
+                return self._reject_event(ev, subject, now, lead, "node is not registered")
+        if isinstance(ev, PreemptionNotice):
+            if not now - 60 <= ev.deadline <= now + self.cfg.max_notice_horizon_s:
+                return self._reject_event(
+                    ev, subject, now, lead, f"deadline {ev.deadline} outside the accepted window"
+                )
+            rec = NoticeRecord(
+                node_id=ev.node_id, deadline=ev.deadline, event_id=ev.event_id, source=ev.source
+            )
+            await store.put_guarded(
+                self.keys.notice(ev.node_id),
+                rec.model_dump_json().encode(),
+                self.keys.leader,
+                lead.epoch,
+            )
+            self._unseen_notices[ev.node_id] = self.clock.now()
+        if ev.kind != "heartbeat":
+            facts = ev.facts if isinstance(ev, NodeJoined) else None
+            extra: dict[str, Any] = {"facts": facts.summary()} if facts is not None else {}
+            self.audit.write(
+                "event",
+                now,
+                epoch=lead.epoch,
+                event_id=ev.event_id,
+                event_kind=ev.kind,
+                node_id=ev.node_id,
+                subject=subject,
+                latency_s=round(now - ev.time, 4),
+                **extra,
+            )
+        self.wake(urgent=urgent_wake(ev.kind, ev.node_id, self.desired))
+        return "accepted", ev.event_id

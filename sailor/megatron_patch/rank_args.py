@@ -1,0 +1,118 @@
+"""The command line of one training rank (``rank_main``, ``sailor worker``): ``build_parser``.
+
+Every option a worker takes, with its default and help; ``rank_main`` parses the process's
+argv with it, and again each relayout directive's argv (``--in-place``), as does the
+DeepSpeed adapter (``deepspeed_adapter``). Parsing only: what the options mean is
+``rank_main``'s (and its module docstring's) business.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
+
+__all__ = ["build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sailor worker", description="Run one rank of a plan.")
+    p.add_argument("--plan", required=True, help="Plan JSON file.")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master", required=True, help="ADDR:PORT of the rendezvous store.")
+    p.add_argument("--steps", type=int, default=10**9, help="Iterations to run at most.")
+    p.add_argument("--model", default=None, help="ModelSpec JSON file or a tiny model name.")
+    p.add_argument("--start-step", type=int, default=0)
+    p.add_argument("--consumed-samples", type=int, default=0, help="Global data position.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--dump-grads", default=None, help="torch.save the last step's gradients.")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="Collective/p2p timeout (NCCL's own default): longer than any rank's checkpoint "
+        "read at start, so the ranks that finish first do not time out waiting; dead peers "
+        "are the runtime's to detect (the agent sees the exit, the controller aborts).",
+    )
+    p.add_argument(
+        "--exchange-bucket-mb",
+        type=float,
+        default=EXCHANGE_BUCKET_BYTES / 2**20,
+        help="In-place relayout: state a rank receives per batch of the exchange, MiB "
+        "(every receive buffer of a batch is live until it completes; default 1024).",
+    )
+    p.add_argument(
+        "--relayout-offload",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="In-place relayout: move the held stage to host memory before the exchange "
+        "(auto: on a GPU, when the new stage does not fit beside it; see docs/training.md).",
+    )
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of this rank (host work: the CPU's compute under "
+        "gloo; init, data and host copies on a GPU; torchrun's default is 1 too).",
+    )
+    p.add_argument("--progress", default=None, help="JSON-lines progress file.")
+    p.add_argument("--error-file", default=None, help="Where the first cause is written.")
+    p.add_argument("--dump-state", default=None, help="torch.save the final stage_state here.")
+    p.add_argument("--fail-at-step", type=int, default=None, help="Testing: raise there.")
+    p.add_argument(
+        "--fail-relayout",
+        default=None,
+        metavar="FILE",
+        help="Testing: fail the first in-place relayout of a held rank (after its new world "
+        "formed, before the exchange) on any process of this job that finds no FILE; FILE is "
+        "created first, so exactly one relayout fails.",
+    )
+    p.add_argument(
+        "--abort-at-step",
+        type=int,
+        default=None,
+        help="Testing: abort() there (SIGABRT, as NCCL's watchdog does: no Python exception).",
+    )
+    p.add_argument("--control", default=None, help="Agent control file (stop/save requests).")
+    p.add_argument("--ckpt-dir", default="", help="Checkpoint root to resume from.")
+    p.add_argument("--load-step", type=int, default=-1, help="Committed step to resume; -1 none.")
+    p.add_argument(
+        "--pause-timeout-s", type=float, default=600.0, help="Hold at a stop step this long."
+    )
+    p.add_argument(
+        "--poll-s", type=float, default=0.02, help="Control-file poll while holding at a stop."
+    )
+    p.add_argument(
+        "--cpu-cores",
+        default=None,
+        help="Bind this rank (and the threads it starts) to these cores, e.g. 0 or 0,2-3.",
+    )
+    p.add_argument(
+        "--train-config",
+        default=None,
+        help="TrainingConfig file (YAML/JSON): model, data, optimizer, metrics; see "
+        "`sailor schema training-config`.",
+    )
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="Take part in in-place reconfiguration: hold after the stop step or a "
+        "communication failure and run the next generation a relayout directive gives.",
+    )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="A spare: import, build nothing, wait for a relayout directive on --control "
+        "(--plan/--rank/--world-size/--master are then placeholders).",
+    )
+    p.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="Pace iterations to at least this long (tests: leave CPU to the control plane).",
+    )
+    return p
