@@ -5,7 +5,10 @@ ends. When a link is missing the fallbacks are, in order, and each is recorded i
 
 1. the profile's own fallback (same zone pair, any VM shape or GPU type: the slowest curve);
 2. for two endpoints in one zone: the curve of the sender's GPU type inside its zone;
-3. a flat curve by distance: :data:`FALLBACK_SAME_ZONE_GBPS` inside a zone,
+3. a curve measured between sibling zones (:func:`sibling_curve`): the same relation (one
+   zone; two zones of one region; zones of the same two regions) between other zones of the
+   same region(s), the slowest of those with both ends' VM shapes, else of any;
+4. a flat curve by distance: :data:`FALLBACK_SAME_ZONE_GBPS` inside a zone,
    :data:`FALLBACK_SAME_REGION_GBPS` between zones of a region, else
    :data:`FALLBACK_INTER_GBPS`.
 
@@ -48,6 +51,7 @@ __all__ = [
     "intra_curve",
     "ring_allreduce",
     "ring_scope",
+    "sibling_curve",
 ]
 
 FALLBACK_SAME_ZONE_GBPS = 2.4
@@ -77,7 +81,8 @@ def _flat(gbps: float) -> BandwidthCurve:
 
 def guessed_link(note: str) -> bool:
     """``note`` (of :func:`inter_curve`, :func:`intra_curve` or a ring) says the link is a
-    flat guess by distance or a spec sheet, not a measured curve."""
+    guess: flat by distance, a spec sheet, or a sibling zones' curve, not a measured curve
+    of this link."""
     return note.startswith(("no link", "no intra"))
 
 
@@ -103,6 +108,12 @@ def inter_curve(
                     f"no link profiled in {a.zone} for {b.gpu_type}: "
                     f"intra-zone curve of {a.gpu_type}"
                 )
+    sibling = sibling_curve(network, src, dst)
+    if sibling is not None:
+        curve, where = sibling
+        return curve, (
+            f"no link {a.zone} -> {b.zone} in the network profile: slowest curve measured {where}"
+        )
     if a.zone == b.zone:
         gbps = FALLBACK_SAME_ZONE_GBPS
     elif region_of(a.zone) == region_of(b.zone):
@@ -112,6 +123,55 @@ def inter_curve(
     return _flat(gbps), (
         f"no link {a.zone} -> {b.zone} in the network profile: conservative flat {gbps} GB/s"
     )
+
+
+def _shape(e: Endpoint) -> tuple[str, int]:
+    return e.gpu_type, e.gpus_per_node
+
+
+def sibling_curve(
+    network: NetworkProfile, src: Endpoint, dst: Endpoint
+) -> tuple[BandwidthCurve, str] | None:
+    """A curve measured between other zones of the regions of ``src`` and ``dst``, standing
+    in for their unprofiled link: inside one zone, a link measured inside another zone of
+    the region; between two zones of one region, one measured between two other zones of it;
+    between regions, one measured between zones of the same two regions. Zones of a region
+    share its network fabric, so a sibling's curve is a better guess than a flat one by
+    distance; still a guess (its note says so). Of the candidates whose ends have the VM
+    shapes (GPU type, GPUs per node) of ``src`` and ``dst`` (either way round), the slowest
+    (never optimistic); without one, the slowest of any shape. None: no candidate."""
+    ra, rb = region_of(src.zone), region_of(dst.zone)
+    if src.zone == dst.zone:
+        where = f"inside another zone of {ra}"
+
+        def related(x: Endpoint, y: Endpoint) -> bool:
+            return x.zone == y.zone and region_of(x.zone) == ra
+    elif ra == rb:
+        where = f"between two other zones of {ra}"
+
+        def related(x: Endpoint, y: Endpoint) -> bool:
+            return x.zone != y.zone and region_of(x.zone) == ra == region_of(y.zone)
+    else:
+        where = f"between other zones of {ra} and {rb}"
+
+        def related(x: Endpoint, y: Endpoint) -> bool:
+            return {region_of(x.zone), region_of(y.zone)} == {ra, rb}
+
+    shapes = {(_shape(src), _shape(dst)), (_shape(dst), _shape(src))}
+    matching: list[BandwidthCurve] = []
+    other: list[BandwidthCurve] = []
+    for ln in network.links:
+        if "*" in (ln.src.zone, ln.dst.zone) or not related(ln.src, ln.dst):
+            continue
+        if (ln.src.zone, ln.dst.zone) in ((src.zone, dst.zone), (dst.zone, src.zone)):
+            continue  # the pair itself, of other shapes: the profile's own fallback had it
+        same = (_shape(ln.src), _shape(ln.dst)) in shapes
+        (matching if same else other).append(ln.curve)
+    pool = matching or other
+    if not pool:
+        return None
+    kind = "with these VM shapes" if matching else "with other VM shapes"
+    return min(pool, key=lambda c: c.max_gbps), f"{where} ({kind})"
 
 
 def intra_curve(

@@ -1,0 +1,78 @@
+"""An unprofiled zone pair takes a curve measured between sibling zones of its regions."""
+
+from __future__ import annotations
+
+from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile, ReplicaGroup
+from sailor.simulator.network_model import (
+    FALLBACK_SAME_ZONE_GBPS,
+    guessed_link,
+    inter_curve,
+    sibling_curve,
+)
+
+
+def _curve(gbps: float) -> BandwidthCurve:
+    return BandwidthCurve(coeffs=(0.0, 0.0, gbps), max_gbps=gbps)
+
+
+def _link(za: str, zb: str, gbps: float, gpu: str = "A100-40", gpus: int = 4) -> Link:
+    return Link(
+        src=Endpoint(zone=za, gpu_type=gpu, gpus_per_node=gpus),
+        dst=Endpoint(zone=zb, gpu_type=gpu, gpus_per_node=gpus),
+        curve=_curve(gbps),
+    )
+
+
+def _rg(zone: str, gpu: str = "A100-40", gpus: int = 4) -> ReplicaGroup:
+    return ReplicaGroup(gpu_type=gpu, zone=zone, tp=1, gpus_per_node=gpus)
+
+
+NET = NetworkProfile(
+    links=(
+        _link("us-central1-a", "us-central1-a", 6.0),
+        _link("us-central1-c", "us-central1-c", 5.0),
+        _link("us-central1-a", "us-central1-c", 4.0),
+        _link("us-central1-a", "us-west1-b", 1.0),
+        _link("us-central1-c", "us-west1-a", 0.8, gpu="V100-16"),
+        _link("europe-west4-a", "europe-west4-a", 0.1, gpu="V100-16", gpus=1),
+    )
+)
+
+
+def test_inside_an_unprofiled_zone_the_slowest_sibling_zone_of_the_region() -> None:
+    curve, note = inter_curve(NET, _rg("us-central1-b"), _rg("us-central1-b"))
+    assert curve.max_gbps == 5.0  # not europe's, not the cross-zone ones
+    assert "inside another zone of us-central1" in note and guessed_link(note)
+
+
+def test_between_two_unprofiled_zones_of_a_region() -> None:
+    curve, note = inter_curve(NET, _rg("us-central1-b"), _rg("us-central1-f"))
+    assert curve.max_gbps == 4.0
+    assert "between two other zones of us-central1" in note
+
+
+def test_between_regions_prefers_the_vm_shapes_then_any() -> None:
+    # the A100 pair has a measured A100 link between these regions: 1.0, not the V100's 0.8
+    curve, note = inter_curve(NET, _rg("us-central1-b"), _rg("us-west1-c"))
+    assert curve.max_gbps == 1.0 and "with these VM shapes" in note
+    # an H100 pair has none of its shape: the slowest of any
+    h = inter_curve(NET, _rg("us-central1-b", "H100-80", 8), _rg("us-west1-c", "H100-80", 8))
+    assert h[0].max_gbps == 0.8 and "with other VM shapes" in h[1]
+
+
+def test_without_a_sibling_the_flat_guess() -> None:
+    curve, note = inter_curve(NET, _rg("asia-east1-a"), _rg("asia-east1-a"))
+    assert curve.max_gbps == FALLBACK_SAME_ZONE_GBPS and "conservative flat" in note
+    assert (
+        sibling_curve(
+            NET,
+            Endpoint(zone="asia-east1-a", gpu_type="x", gpus_per_node=1),
+            Endpoint(zone="asia-east1-b", gpu_type="x", gpus_per_node=1),
+        )
+        is None
+    )
+
+
+def test_a_measured_link_is_taken_as_it_is() -> None:
+    curve, note = inter_curve(NET, _rg("us-central1-a"), _rg("us-central1-c"))
+    assert curve.max_gbps == 4.0 and note == ""
