@@ -43,6 +43,7 @@ from pydantic import ValidationError
 from sailor.controller.audit import read_records
 from sailor.coordination import Keys, NatsCommands, NatsEventBus, connect_etcd, connect_nats
 from sailor.localservers import ADMIN, LocalServers
+from sailor.schemas import SCHEMA_VERSION
 from sailor.schemas.commands import CommandAdapter
 from sailor.schemas.events import EventAdapter
 from sailor.schemas.runtime import AgentStatus, CommandAck, CommitRecord, NoticeRecord, Phase
@@ -141,7 +142,7 @@ async def _until(ok: Callable[[], bool], timeout: float, what: Callable[[], str]
 
 _EVENT_BASE = {
     "kind": "node_joined",
-    "schema_version": 1,
+    "schema_version": SCHEMA_VERSION,
     "event_id": "e",
     "node_id": "n1",
     "time": 1.0,
@@ -149,7 +150,7 @@ _EVENT_BASE = {
 }
 _COMMAND_BASE = {
     "kind": "abort",
-    "schema_version": 1,
+    "schema_version": SCHEMA_VERSION,
     "command_id": "c",
     "epoch": 0,
     "node_id": "n1",
