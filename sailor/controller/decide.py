@@ -128,11 +128,11 @@ def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     is applied whatever its age: ``ReadmitRequest.time`` is the operator's clock, and a
     ``sailor node readmit`` that gives up withdraws its request."""
     actions: list[Action] = []
-    readmitted = failing_nodes.apply_readmits(d, dict(o.readmit))
+    readmitted, outcome = failing_nodes.apply_readmits(d, dict(o.readmit))
     if readmitted is not None:
         d = readmitted[0]
         actions.append(SetDesired(*readmitted))
-    actions.extend(ClearReadmit(rid) for rid in sorted(o.readmit))
+    actions.extend(ClearReadmit(rid, outcome[rid]) for rid in sorted(o.readmit))
     return [*actions, *decide(d, replace(o, readmit={}), cfg)]
 
 

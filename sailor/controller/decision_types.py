@@ -187,8 +187,8 @@ class ClearNotice:
 @dataclass(frozen=True)
 class ClearReadmit:
     """Delete an operator's readmit request: the desired state written before it in the
-    same actions no longer holds the records it named (or, with ``reason``, why it was
-    not applied)."""
+    same actions no longer holds the records it named. ``reason``: what it forgot, or why
+    nothing (no record of a node it named), for the audit record of the deletion."""
 
     request_id: str
     reason: str = ""

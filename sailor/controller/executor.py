@@ -204,7 +204,11 @@ class Executor:
                     self.keys.readmit(a.request_id), self.keys.leader, self.epoch
                 )
                 self.audit.write(
-                    "readmit", self.clock.now(), epoch=self.epoch, request_id=a.request_id
+                    "readmit",
+                    self.clock.now(),
+                    epoch=self.epoch,
+                    request_id=a.request_id,
+                    reason=a.reason,
                 )
         self._prune(desired.generation)
         due = [s for s in sends if self._due(s.command.command_id)]

@@ -358,21 +358,30 @@ def _forgiven(d: DesiredState, names: Collection[str]) -> int:
 
 def apply_readmits(
     d: DesiredState, requests: Mapping[str, ReadmitRequest]
-) -> tuple[DesiredState, str] | None:
+) -> tuple[tuple[DesiredState, str] | None, dict[str, str]]:
     """``d`` after the operators' readmit requests (by request id, oldest id first), and
-    why; None when they named no record there is (the caller deletes them either way)."""
+    why, or None when they named no record there is (the caller deletes them either way);
+    and per request, for the audit record of its deletion, what it forgot or why nothing."""
     health, job, names = d.node_health, d.job_health, []
     whom = []
+    outcome: dict[str, str] = {}
     for rid in sorted(requests):
         req = requests[rid]
         health, job, gone = readmit(health, job, req.nodes, req.all)
         names += gone
         whom.append(f"{rid}" + (f" by {req.who}" if req.who else ""))
+        missing = sorted(set(req.nodes) - set(gone))
+        said = [f"forgot {', '.join(gone)}"] if gone else []
+        if req.all and not gone:
+            said.append("no failure record to forget")
+        if missing:
+            said.append(f"no failure record of {', '.join(missing)}")
+        outcome[rid] = "; ".join(said)
     if not names:
-        return None
+        return None, outcome
     forgiven = _forgiven(d, names)
     d = d.model_copy(
         update={"node_health": health, "job_health": job, "forgiven_through": forgiven}
     )
     why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
-    return d, why
+    return (d, why), outcome

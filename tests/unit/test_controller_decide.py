@@ -1028,7 +1028,7 @@ def test_an_operator_readmits_nodes_and_the_request_is_deleted_once_applied() ->
     assert kinds(a) == ["set:idle", "clearreadmit"]
     assert a[0].reason == "readmitted n2 (operator request r1 by ops@head)"  # type: ignore[union-attr]
     assert set(a[0].state.node_health) == {"n1"} and a[0].state.job_health == job  # type: ignore[union-attr]
-    assert a[1] == ClearReadmit("r1")
+    assert a[1] == ClearReadmit("r1", "forgot n2; no failure record of n9")
     # --all: every record and the job's hold; then it plans at once
     a = decide(d, obs(nodes(1, 2), sts, readmit={"r2": ReadmitRequest(all=True)}), CFG)
     assert kinds(a) == ["set:idle", "clearreadmit", "replan"]
@@ -1036,7 +1036,11 @@ def test_an_operator_readmits_nodes_and_the_request_is_deleted_once_applied() ->
     assert "readmitted n1, n2, the job" in a[0].reason  # type: ignore[union-attr]
     # a request naming nothing on record is just deleted
     none = {"r3": ReadmitRequest(nodes=("n9",))}
-    assert kinds(decide(d, obs(nodes(1, 2), sts, readmit=none), CFG)) == ["clearreadmit"]
+    a = decide(d, obs(nodes(1, 2), sts, readmit=none), CFG)
+    assert a == [ClearReadmit("r3", "no failure record of n9")]
+    empty = DesiredState(epoch=7, generation=1)
+    a = decide(empty, obs(nodes(1, 2), sts, readmit={"r4": ReadmitRequest(all=True)}), CFG)
+    assert a[0] == ClearReadmit("r4", "no failure record to forget")
 
 
 def test_a_changed_training_config_forgets_config_errors_only() -> None:
