@@ -23,12 +23,16 @@ same bytes):
 
 An embedding and a head held whole on every rank (no ``vocab_parallel``) run no collective.
 
-A collective is a ring over the TP group's ``t`` GPUs of one node: ``2(t-1)`` steps of
-``1/t`` of the bytes over the link, at least :data:`MIN_COLLECTIVE_S`. The link is the
-network profile's intra-node curve of the GPU type and group size (measured: taken as it
-is), else the spec sheet's per-GPU link bandwidth derated by the GPU type's
-``tp_link_efficiency`` (:data:`~sailor.schemas.calibration.SPEC_LINK_EFFICIENCY` by default,
-a range in the uncertainty corners).
+A collective is a ring over the TP group's ``t`` GPUs of one node, at least
+:data:`MIN_COLLECTIVE_S`. With an all-reduce measured among GPUs of one node of the type
+(``NetworkProfile.collectives``, scope ``intra_node``, with its bus bandwidth: what
+``sailor profile network`` records on a GPU node), it takes that measurement's latency (scaled
+to ``t`` ranks by the ring's steps) plus ``2(t-1)/t`` of the bytes at its bus bandwidth.
+Otherwise ``2(t-1)`` steps of ``1/t`` of the bytes over a link: the network profile's
+intra-node curve of the GPU type and group size (measured: taken as it is), else the spec
+sheet's per-GPU link bandwidth derated by the GPU type's ``tp_link_efficiency``
+(:data:`~sailor.schemas.calibration.SPEC_LINK_EFFICIENCY` by default, a range in the
+uncertainty corners).
 Pure: no I/O.
 """
 
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 from sailor.schemas import BandwidthCurve, GPUSpec, ModelSpec, NetworkProfile
 from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
+from sailor.schemas.network import CollectiveLatency
 from sailor.simulator.network_model import guessed_link, intra_curve
 
 __all__ = [
@@ -55,13 +60,34 @@ node, about 10 µs for the small messages of nccl-tests' all-reduce on NVLink an
 cross entropy's reductions (4 bytes per token) cost this."""
 
 
+_NO_CURVE = BandwidthCurve(coeffs=(0.0, 0.0, 1.0), max_gbps=1.0)
+"""The curve of a link priced from a measured all-reduce (not read)."""
+
+
 @dataclass(frozen=True)
 class TPLink:
-    """The link a TP group's collectives run over, and the fraction of it they reach."""
+    """The link a TP group's collectives run over, and the fraction of it they reach; or
+    (``bus_gbps``) a measured all-reduce among ``tp`` GPUs of one node: its bus bandwidth
+    and latency."""
 
     curve: BandwidthCurve
     efficiency: float
     note: str
+    bus_gbps: float | None = None
+    latency_s: float = 0.0
+
+
+def _measured(network: NetworkProfile, gpu_type: str, tp: int) -> CollectiveLatency | None:
+    """The intra-node all-reduce measured with a bus bandwidth on ``gpu_type`` whose rank
+    count is nearest ``tp`` (the larger on a tie), any zone: a TP group stays in its node."""
+    mine = [
+        c
+        for c in network.collectives
+        if c.scope == "intra_node" and c.bus_gbps and c.endpoint.gpu_type == gpu_type
+    ]
+    if not mine:
+        return None
+    return min(mine, key=lambda c: (abs(c.ranks - tp), -c.ranks, c.bus_gbps or 0.0))
 
 
 def tp_link(
@@ -71,11 +97,24 @@ def tp_link(
     tp: int,
     spec_efficiency: float = SPEC_LINK_EFFICIENCY,
 ) -> TPLink:
-    """Intra-node link of a TP group of ``tp`` GPUs of ``gpu_type``
+    """What prices the all-reduces of a TP group of ``tp`` GPUs of ``gpu_type``: a measured
+    intra-node all-reduce of the type, else its intra-node link
     (:func:`~sailor.simulator.network_model.intra_curve`; an empty profile without
     ``network``): a measured curve at efficiency 1, a spec sheet or guess derated by
     ``spec_efficiency``."""
-    curve, note = intra_curve(network or NetworkProfile(), gpu_type, tp, specs)
+    net = network or NetworkProfile()
+    c = _measured(net, gpu_type, tp)
+    if c is not None and c.bus_gbps is not None:
+        latency = c.latency_s * (tp - 1) / (c.ranks - 1)
+        return TPLink(
+            _NO_CURVE,
+            1.0,
+            f"all-reduce measured among {c.ranks} {gpu_type} of one node "
+            f"({c.bus_gbps:.3g} GB/s bus, {c.latency_s * 1e6:.0f} us)",
+            bus_gbps=c.bus_gbps,
+            latency_s=latency,
+        )
+    curve, note = intra_curve(net, gpu_type, tp, specs)
     if guessed_link(note):
         return TPLink(curve, spec_efficiency, f"{note} x{spec_efficiency:.3g}")
     return TPLink(curve, 1.0, f"intra-node curve of {gpu_type} x{tp}")
@@ -85,6 +124,9 @@ def ring_allreduce_s(link: TPLink, nbytes: float, ranks: int) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` among ``ranks`` GPUs of one node."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    if link.bus_gbps is not None:
+        moved = 2 * (ranks - 1) / ranks * nbytes
+        return max(MIN_COLLECTIVE_S, link.latency_s + moved / (link.bus_gbps * 1e9))
     chunk = nbytes / ranks
     steps = 2 * (ranks - 1)
     step = link.curve.transfer_time(chunk) / link.efficiency

@@ -16,6 +16,7 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
+from sailor.schemas.network import CollectiveLatency
 from sailor.simulator.estimate_profile import estimate_layer_timing
 from sailor.simulator.lookup import layer_table
 from sailor.simulator.tp_comm import (
@@ -198,3 +199,35 @@ def test_the_spec_link_efficiency_is_a_range_in_the_corners() -> None:
     assert got["median"] == pytest.approx(
         got["optimistic"] * prior.tp_link_efficiency.high / prior.tp_link_efficiency.median
     )
+
+
+def _probe(gpu: str, ranks: int, bus: float, scope: str = "intra_node") -> CollectiveLatency:
+    return CollectiveLatency(
+        endpoint=Endpoint(zone="us-central1-a", gpu_type=gpu, gpus_per_node=8),
+        ranks=ranks,
+        latency_s=30e-6,
+        bus_gbps=bus,
+        scope=scope,  # type: ignore[arg-type]
+    )
+
+
+def test_a_measured_intra_node_all_reduce_prices_them() -> None:
+    net = NetworkProfile(
+        collectives=(
+            _probe(GPU, 2, 20.0),
+            _probe(GPU, 8, 12.0),
+            _probe("T4", 4, 99.0),  # another type
+            _probe(GPU, 4, 99.0, scope="inter_node"),  # one rank per node: not a TP group
+        )
+    )
+    # 2 ranks are nearer 4 than 8 are: that measurement, its latency scaled to 4 ranks' steps
+    link = tp_link(net, SPECS, GPU, 4)
+    assert link.bus_gbps == 20.0 and link.latency_s == pytest.approx(30e-6 * 3)
+    link8 = tp_link(net, SPECS, GPU, 8)
+    assert link8.bus_gbps == 12.0 and link8.latency_s == pytest.approx(30e-6)
+    nbytes = _act(2)
+    assert ring_allreduce_s(link, nbytes, 4) == pytest.approx(30e-6 * 3 + 2 * 3 / 4 * nbytes / 20e9)
+    db = ProfileDB(model=MODEL.name)
+    got = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2, network=net).layers[BLOCK]
+    roof = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, BLOCK)
+    assert got.fwd_s == pytest.approx(roof.fwd_s + 2 * ring_allreduce_s(link, nbytes, 4))
