@@ -17,6 +17,17 @@ one rank (``rank=0`` on one, ``rank=1`` on the other, both given rank 0's ``host
 that is the link the simulator needs for a pair of nodes, and it is what ``sailor profile
 network --rank R --master HOST:PORT`` runs.
 
+**Pairs** (``ProbeSettings.pairs`` = ``k``, ``sailor profile network --pairs K``). The simulator
+prices a transfer between nodes on the *node's* curve: a stage's ``t`` TP ranks send their
+slices at once, and a node's data-parallel rings share its NICs. One pair of processes
+measures what one stream reaches, often one NIC: a node with a NIC per GPU (8 × 400 Gb/s on
+an H100 node) reaches several times that. With ``k`` pairs, each node runs ``k`` ranks (GPUs
+``gpu .. gpu+k-1``; side 0 holds ranks ``0..k-1``, side 1 ranks ``k..2k-1``, rank ``i`` paired
+with ``k+i``); each message of ``n`` bytes is split into ``k`` slices of ``n/k`` that the pairs
+exchange at once, after a barrier, and the one-way time of a repetition is the slowest pair's:
+the bandwidth of the node pair, as the simulator reads it. ``k`` = 1 (the default) is the single
+pair, without barriers.
+
 Sizes double from ``min_bytes`` to ``max_bytes``. Repetitions per size are fixed in
 advance from the size (both ranks must agree without talking): enough to move about
 ``bytes_per_size`` bytes, at least ``min_reps`` and at most ``max_reps``; one untimed
@@ -54,8 +65,12 @@ class ProbeSettings:
     threads: int = 1
     device: str = "cpu"
     """cpu (gloo, host memory) or cuda (NCCL, GPU memory)."""
+    pairs: int = 1
+    """Pairs of ranks that exchange slices of each message at once (one per NIC or GPU)."""
 
     def __post_init__(self) -> None:
+        if self.pairs < 1:
+            raise ValueError(f"pairs={self.pairs}: need at least one pair")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda'")
         if not 4 <= self.min_bytes <= self.max_bytes:
@@ -80,16 +95,32 @@ class ProbePoint:
 
 
 def probe_sizes(s: ProbeSettings) -> list[tuple[int, int]]:
-    """(message bytes, repetitions) for every size of the probe (powers of two, 4-aligned)."""
+    """(message bytes, repetitions) for every size of the probe (powers of two; a multiple of
+    4 bytes per pair, so each pair's slice is whole float32s)."""
+    align = 4 * s.pairs
     out: list[tuple[int, int]] = []
-    n = s.min_bytes
+    n = max(s.min_bytes, align)
     while n <= s.max_bytes:
         reps = min(s.max_reps, max(s.min_reps, s.bytes_per_size // n))
-        out.append((n - n % 4, reps))
+        out.append((n - n % align, reps))
         n *= 2
-    if out[-1][0] != s.max_bytes - s.max_bytes % 4:
-        out.append((s.max_bytes - s.max_bytes % 4, s.min_reps))
+    last = s.max_bytes - s.max_bytes % align
+    if out and out[-1][0] != last and last > 0:
+        out.append((last, s.min_reps))
     return out
+
+
+def pair_peer(rank: int, pairs: int) -> int:
+    """The rank ``rank`` exchanges with: ``i`` (side 0) with ``pairs + i`` (side 1)."""
+    return rank + pairs if rank < pairs else rank - pairs
+
+
+def slowest_pair(per_pair: list[list[float]]) -> list[float]:
+    """Each repetition's one-way time of the node pair: the slowest pair's (every pair's
+    times, repetition by repetition; all pairs ran the same repetitions)."""
+    if not per_pair or len({len(t) for t in per_pair}) != 1:
+        raise ValueError(f"{[len(t) for t in per_pair]} repetitions per pair: need equal")
+    return [max(ts) for ts in zip(*per_pair, strict=True)]
 
 
 def run_probe(
@@ -99,34 +130,41 @@ def run_probe(
     master: str | None = None,
     gpu: int = 0,
 ) -> list[ProbePoint]:
-    """Probe the link between two fresh ranks; one point per message size.
+    """Probe the link between two fresh sides of ``settings.pairs`` ranks each; one point
+    per message size (the node-level bytes, and the slowest pair's time).
 
-    Default: both ranks here, on loopback. ``rank`` (0 or 1) with ``master`` (``host:port``
-    where rank 0 listens): only that rank runs here, on GPU ``gpu`` of this node with cuda;
-    the other runs on the peer node. Rank 0 returns the points, rank 1 an empty list."""
+    Default: both sides here, on loopback. ``rank`` (side 0 or 1) with ``master``
+    (``host:port`` where rank 0 listens): only that side runs here, on GPUs ``gpu ..
+    gpu+pairs-1`` of this node with cuda; the other side runs on the peer node. Side 0
+    returns the points, side 1 an empty list."""
     if rank is not None and (rank not in (0, 1) or not master):
         raise ValueError(f"rank={rank}, master={master!r}: one side is rank 0 or 1, with master")
-    check_devices(settings.device, [gpu] if rank is not None else [0, 1])
+    k = settings.pairs
+    local = range(gpu, gpu + k) if rank is not None else range(2 * k)
+    check_devices(settings.device, local)
     cfg = {
         "sizes": probe_sizes(settings),
         "threads": settings.threads,
         "device": settings.device,
         "gpu": gpu if rank is not None else None,
+        "pairs": k,
     }
     res = run_ranks(
         "sailor.profiler.network_probe",
-        2,
+        2 * k,
         cfg,
         deadline_s=deadline_s,
         master=master,
-        ranks=None if rank is None else [rank],
+        ranks=None if rank is None else [rank * k + i for i in range(k)],
     )
     if rank == 1:
         return []
-    return [
-        ProbePoint(nbytes=int(p["nbytes"]), time=Stats.from_dict(p["time"]))
-        for p in res[0]["points"]
-    ]
+    senders = [r for r in res if int(r["rank"]) < k]
+    points = []
+    for i, p in enumerate(senders[0]["points"]):
+        times = slowest_pair([[float(t) for t in r["points"][i]["times"]] for r in senders])
+        points.append(ProbePoint(nbytes=int(p["nbytes"]), time=Stats.of(times)))
+    return points
 
 
 def _send(buf: torch.Tensor, peer: int) -> None:
@@ -153,16 +191,23 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     args, cfg = rank_args(argv)
     torch.set_num_threads(int(cfg["threads"]))
-    index = args.rank if cfg.get("gpu") is None else int(cfg["gpu"])
+    k = int(cfg.get("pairs", 1))
+    # loopback: every rank here, on GPU ``rank``; between nodes: the side's GPUs from ``gpu``
+    index = args.rank if cfg.get("gpu") is None else int(cfg["gpu"]) + args.rank % k
     dev = join_group(args, str(cfg.get("device", "cpu")), index, timeout_s=300.0)
     cuda = dev.type == "cuda"
-    peer = 1 - args.rank
+    peer = pair_peer(args.rank, k)
+    sender = args.rank < k
     points = []
     for nbytes, reps in cfg["sizes"]:
-        buf = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=dev)
+        buf = torch.ones(int(nbytes) // 4 // k, dtype=torch.float32, device=dev)
         times: list[float] = []
         for i in range(int(reps) + 1):
-            if args.rank == 0:
+            if k > 1:
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                comm.barrier()  # the pairs start together: their slices share the NICs
+            if sender:
                 if cuda:
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
@@ -175,8 +220,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
             else:
                 _recv(buf, peer)
                 _send(buf, peer)
-        if args.rank == 0:
-            points.append({"nbytes": int(nbytes), "time": Stats.of(times).to_dict()})
+        if sender:
+            points.append(
+                {"nbytes": int(nbytes), "time": Stats.of(times).to_dict(), "times": times}
+            )
         del buf
     if cuda:
         torch.cuda.synchronize(dev)

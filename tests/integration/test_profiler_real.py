@@ -12,7 +12,7 @@ from sailor import catalog
 from sailor.cli.main import app
 from sailor.profiler.curve_fit import fit_link
 from sailor.profiler.layers import LayerRun, profile_layers
-from sailor.profiler.network_probe import ProbeSettings, run_probe
+from sailor.profiler.network_probe import ProbeSettings, probe_sizes, run_probe
 from sailor.profiler.timing import RepeatSettings
 from sailor.schemas import NetworkProfile, ProfileDB
 
@@ -90,6 +90,16 @@ def test_cli_layers_merges_into_the_database(tmp_path: Path) -> None:
     assert len(keys) == len(set(keys)) == catalog.model("tiny-gpt").num_all_layers
     # the second run measured no host: the first run's figures stay
     assert [len(h.slowdown) for h in db.hosts] == [2]
+
+
+def test_network_probe_with_two_pairs_sends_half_the_bytes_per_pair() -> None:
+    """Two pairs of gloo processes exchange slices of each message at once: one point per
+    size, the node-level bytes, each pair's slice half of them (the slowest pair's time)."""
+    s = ProbeSettings(min_bytes=8 << 10, max_bytes=64 << 10, bytes_per_size=1 << 20, pairs=2)
+    pts = run_probe(s)
+    assert [p.nbytes for p in pts] == [8 << 10, 16 << 10, 32 << 10, 64 << 10]
+    assert all(p.time.median_s > 0 and p.gbps > 0 for p in pts)
+    assert all(p.time.n == reps for p, (_, reps) in zip(pts, probe_sizes(s), strict=True))
 
 
 def test_network_probe_between_two_gloo_processes(tmp_path: Path) -> None:
