@@ -23,8 +23,13 @@ initialised to zero.
 
 At TP 1 both are the plain lookup and ``F.cross_entropy`` of the real vocabulary. At every TP
 degree a label of :data:`IGNORE_INDEX` (-100, ``F.cross_entropy``'s default) is left out of the
-loss and its mean, and gets no gradient. Other token ids and labels are ids of the real
-vocabulary (the data sources check them): an id out of range is not detected at TP > 1.
+loss and its mean, and gets no gradient; a microbatch whose labels are all ignored has a NaN
+loss and zero gradients, as ``F.cross_entropy`` gives. The mean is per microbatch (the engine
+then weights microbatches by samples): with ignored labels spread unevenly, the step's
+gradient depends on how the batch is cut into microbatches (Megatron divides by the batch's
+count of kept tokens instead). The data sources produce no ignored labels today. Other token
+ids and labels are ids of the real vocabulary (the data sources check them): an id out of
+range is not detected at TP > 1.
 """
 
 from __future__ import annotations
@@ -185,4 +190,8 @@ def vocab_cross_entropy(
     # an ignored label is inside no rank's rows: its target logit is 0 and its gradient's
     # one-hot is empty; its weight here is 0, so its softmax gradient is 0 too
     keep = target != IGNORE_INDEX
-    return (loss * keep).sum() / keep.sum()
+    kept = keep.sum()
+    mean = (loss * keep).sum() / kept.clamp_min(1)
+    # every label ignored: NaN as F.cross_entropy gives at TP 1, and a zero gradient (the
+    # NaN is a constant of the other branch; 0/0 would send NaN into every gradient)
+    return torch.where(kept > 0, mean, torch.full_like(mean, float("nan")))

@@ -23,6 +23,7 @@ from sailor.megatron_patch.vocab_parallel import (
     real_rows,
     rows_per_rank,
     unpad_rows,
+    vocab_cross_entropy,
 )
 from sailor.schemas.model import ModelSpec
 from tests.spawn import spawn
@@ -163,3 +164,26 @@ def test_a_negative_padding_idx_counts_from_the_end() -> None:
     emb(torch.tensor([[49, 48, 49]])).sum().backward()
     grad = emb.wte.weight.grad
     assert grad is not None and not grad[49].any() and grad[48].any()
+
+
+def _all_ignored_worker(rank: int, world: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        tp = TPContext(size=world, rank=rank, group=dist.group.WORLD)
+        logits = torch.randn(6, 32, requires_grad=True)
+        labels = torch.full((6,), IGNORE_INDEX)
+        loss = vocab_cross_entropy(logits, labels, 64, tp)
+        loss.backward()
+        assert torch.isnan(loss)
+        assert logits.grad is not None and not logits.grad.any()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_label_ignored_gives_nan_and_zero_gradients_as_tp1(tmp_path: Path) -> None:
+    logits = torch.randn(6, 64, requires_grad=True)
+    labels = torch.full((6,), IGNORE_INDEX)
+    one = vocab_cross_entropy(logits, labels, 64, TPContext())
+    one.backward()
+    assert torch.isnan(one) and logits.grad is not None and not logits.grad.any()
+    spawn(_all_ignored_worker, args=(2, str(tmp_path / "store")), nprocs=2)
