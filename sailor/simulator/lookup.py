@@ -351,13 +351,15 @@ def _layer_table(
             estimate_layer_timing(model, spec, t, mbs, layer, activations) for layer in range(n)
         ]
 
-    def comm(t: int) -> list[tuple[float, float]]:
-        """The TP all-reduces of every layer at ``t`` (none at TP 1)."""
+    def comm(t: int, priced: bool = True) -> list[tuple[float, float]]:
+        """The TP all-reduces of every layer at ``t`` (none at TP 1); ``priced``: added to
+        the table (a note says over what), not only taken out of a measured time."""
         if t <= 1:
             return [(0.0, 0.0)] * n
         specs = {gpu_type: spec} if spec else {}
         link = tp_link(network, specs, gpu_type, t, cal.tp_link_efficiency)
-        notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
+        if priced:
+            notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
         return [layer_comm_s(model, t, mbs, layer, link, vocab_parallel) for layer in range(n)]
 
     added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
@@ -391,14 +393,20 @@ def _layer_table(
         )
         est_tp, est_near = estimate(tp), estimate(near)
         rows = []
-        # the profile at ``near`` holds its all-reduces; its compute share (by the estimate
-        # with them) scales by the roofline's ratio, and the all-reduces at ``tp`` are added
+        # the profile at ``near`` holds its all-reduces: its compute (the time less their
+        # estimate; at least the share the estimate gives compute, when the estimated
+        # all-reduces take most of the measured time) scales by the roofline's ratio, and
+        # the all-reduces at ``tp`` are added
         added = comm(tp)
-        for (f, g, u), a, b, (nf, nb) in zip(base, est_tp, est_near, comm(near), strict=True):
-            rf = a.fwd_s / (b.fwd_s + nf) if b.fwd_s + nf > 0 else 1.0
-            rg = a.bwd_s / (b.bwd_s + nb) if b.bwd_s + nb > 0 else 1.0
-            ru = a.update_s / b.update_s if b.update_s > 0 else 1.0
-            rows.append((f * rf, g * rg, u * ru))
+        zipped = zip(base, est_tp, est_near, comm(near, priced=False), strict=True)
+        for (f, g, u), a, b, (nf, nb) in zipped:
+            rows.append(
+                (
+                    _scaled(f, nf, a.fwd_s, b.fwd_s),
+                    _scaled(g, nb, a.bwd_s, b.bwd_s),
+                    u * (a.update_s / b.update_s if b.update_s > 0 else 1.0),
+                )
+            )
         notes.append(
             f"{tag}: TP degree not profiled; profile at tp={near} scaled by the analytic "
             "estimate's ratio, plus the TP all-reduces"
@@ -427,6 +435,16 @@ def _layer_table(
             profiles, model, cal, spec, gpu_type, tp, mbs, activations, grid, out, notes, network
         )
     return StageCosts(layers=tuple(out), notes=tuple(notes))
+
+
+def _scaled(measured: float, comm: float, roof_tp: float, roof_near: float) -> float:
+    """A layer's compute at another TP degree: ``measured`` at the nearest one less its
+    estimated all-reduces ``comm`` there (at least the share ``roof/(roof + comm)`` of the
+    estimate), times the roofline's ratio ``roof_tp/roof_near``."""
+    if roof_near <= 0:
+        return measured
+    compute = max(measured - comm, measured * roof_near / (roof_near + comm))
+    return compute * roof_tp / roof_near
 
 
 def _measured_whole_ends(

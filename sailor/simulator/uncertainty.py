@@ -135,14 +135,15 @@ def _constants(
 
 def _original_constants(gpu_type: str, compute_scale: float = 1.0) -> GPUCalibration:
     """The original's constants; a measured ``compute_scale`` is kept: it is how fast the
-    hardware is against its profile, not a modelling choice the original made."""
+    hardware is against its profile, not a modelling choice the original made. The original
+    priced no TP degree it had not profiled: an estimated one's all-reduces take the default
+    ``tp_link_efficiency`` (the prior's median), not an efficiency above the evidence."""
     return GPUCalibration(
         gpu_type=gpu_type,
         compute_scale=compute_scale,
         profiler_overhead_s=0.0,
         network_efficiency=1.0,
         p2p_efficiency=1.0,
-        tp_link_efficiency=1.0,
         sync_fixed_s=0.0,
         alloc_factor=1.0,
         memory_overhead_bytes=ORIGINAL_MEMORY_OVERHEAD_BYTES,

@@ -100,8 +100,9 @@ def test_unprofiled_gpu_type_pays_its_all_reduces() -> None:
 
 
 def _measured(tps: tuple[int, ...], scale: float) -> ProfileDB:
-    """Profiles of ``GPU`` at ``tps``: the estimate at each TP (its all-reduces included)
-    times ``scale``, as a profiler that runs the layer on a real TP group times it."""
+    """Profiles of ``GPU`` at ``tps``: the roofline at each TP times ``scale`` (a GPU slower
+    or faster than its roofline), plus its all-reduces over the link (which that scale does
+    not touch), as a profiler that runs the layer on a real TP group times it."""
     link = {t: tp_link(None, SPECS, GPU, t) for t in tps if t > 1}
     rows = []
     for t in tps:
@@ -115,8 +116,8 @@ def _measured(tps: tuple[int, ...], scale: float) -> ProfileDB:
                     microbatch_size=2,
                     layer=layer,
                     kind=MODEL.layer_kind(layer),
-                    fwd_s=scale * (e.fwd_s + cf),
-                    bwd_s=scale * (e.bwd_s + cb),
+                    fwd_s=scale * e.fwd_s + cf,
+                    bwd_s=scale * e.bwd_s + cb,
                     update_s=e.update_s,
                     source="imported",
                 )
@@ -231,3 +232,24 @@ def test_a_measured_intra_node_all_reduce_prices_them() -> None:
     got = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2, network=net).layers[BLOCK]
     roof = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, BLOCK)
     assert got.fwd_s == pytest.approx(roof.fwd_s + 2 * ring_allreduce_s(link, nbytes, 4))
+
+
+def test_estimated_all_reduces_above_the_measured_time_leave_compute_its_share() -> None:
+    # a profile at TP 2 faster than its estimated all-reduces alone (a link far better than
+    # the spec sheet's): compute keeps the share the estimate gives it, never below zero
+    db = _measured((2,), 1.0)
+    fast = ProfileDB(
+        model=MODEL.name,
+        timings=tuple(
+            t.model_copy(update={"fwd_s": t.fwd_s * 0.01, "bwd_s": t.bwd_s * 0.01})
+            for t in db.timings
+        ),
+    )
+    got = layer_table(fast, MODEL, CAL, SPECS, GPU, 4, 2).layers[BLOCK]
+    r2 = estimate_layer_timing(MODEL, SPECS[GPU], 2, 2, BLOCK).fwd_s
+    r4 = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, BLOCK).fwd_s
+    c2 = layer_comm_s(MODEL, 2, 2, BLOCK, tp_link(None, SPECS, GPU, 2), True)[0]
+    c4 = layer_comm_s(MODEL, 4, 2, BLOCK, tp_link(None, SPECS, GPU, 4), True)[0]
+    f2 = fast.timing(GPU, 2, 2, BLOCK)
+    assert f2 is not None and f2.fwd_s < c2
+    assert got.fwd_s == pytest.approx(f2.fwd_s * r2 / (r2 + c2) * r4 / r2 + c4)
