@@ -7,7 +7,7 @@ ends. When a link is missing the fallbacks are, in order, and each is recorded i
 2. for two endpoints in one zone: the curve of the sender's GPU type inside its zone;
 3. a curve measured between sibling zones (:func:`sibling_curve`): the same relation (one
    zone; two zones of one region; zones of the same two regions) between other zones of the
-   same region(s), the slowest of those with both ends' VM shapes, else of any;
+   same region(s), with both ends' VM shapes, the slowest;
 4. a flat curve by distance: :data:`FALLBACK_SAME_ZONE_GBPS` inside a zone,
    :data:`FALLBACK_SAME_REGION_GBPS` between zones of a region, else
    :data:`FALLBACK_INTER_GBPS`.
@@ -37,6 +37,7 @@ from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, Re
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.network import CollectiveScope
 from sailor.schemas.zones import region_of
+from sailor.simulator.memo import IdentityMemo
 
 __all__ = [
     "BUCKET_ELEMENTS",
@@ -137,41 +138,45 @@ def sibling_curve(
     the region; between two zones of one region, one measured between two other zones of it;
     between regions, one measured between zones of the same two regions. Zones of a region
     share its network fabric, so a sibling's curve is a better guess than a flat one by
-    distance; still a guess (its note says so). Of the candidates whose ends have the VM
-    shapes (GPU type, GPUs per node) of ``src`` and ``dst`` (either way round), the slowest
-    (never optimistic); without one, the slowest of any shape. None: no candidate."""
+    distance; still a guess (its note says so). Only links whose ends have the VM shapes
+    (GPU type, GPUs per node) of ``src`` and ``dst`` (either way round) stand in: a node's
+    NICs go with its shape, and another shape's link can be several times faster or slower
+    (then the flat guess). The slowest of them; None: no such link. Memoized on the
+    network profile's identity (a search asks for the same pairs in every simulation)."""
+    return _SIBLINGS.get((network,), ("sibling", src, dst), lambda: _sibling(network, src, dst))
+
+
+_SIBLINGS = IdentityMemo(4096)
+
+
+def _sibling(
+    network: NetworkProfile, src: Endpoint, dst: Endpoint
+) -> tuple[BandwidthCurve, str] | None:
     ra, rb = region_of(src.zone), region_of(dst.zone)
     if src.zone == dst.zone:
         where = f"inside another zone of {ra}"
-
-        def related(x: Endpoint, y: Endpoint) -> bool:
-            return x.zone == y.zone and region_of(x.zone) == ra
     elif ra == rb:
         where = f"between two other zones of {ra}"
-
-        def related(x: Endpoint, y: Endpoint) -> bool:
-            return x.zone != y.zone and region_of(x.zone) == ra == region_of(y.zone)
     else:
         where = f"between other zones of {ra} and {rb}"
-
-        def related(x: Endpoint, y: Endpoint) -> bool:
-            return {region_of(x.zone), region_of(y.zone)} == {ra, rb}
-
     shapes = {(_shape(src), _shape(dst)), (_shape(dst), _shape(src))}
-    matching: list[BandwidthCurve] = []
-    other: list[BandwidthCurve] = []
+    pair = {(src.zone, dst.zone), (dst.zone, src.zone)}
+    best: BandwidthCurve | None = None
     for ln in network.links:
-        if "*" in (ln.src.zone, ln.dst.zone) or not related(ln.src, ln.dst):
+        if (_shape(ln.src), _shape(ln.dst)) not in shapes or "*" in (ln.src.zone, ln.dst.zone):
             continue
-        if (ln.src.zone, ln.dst.zone) in ((src.zone, dst.zone), (dst.zone, src.zone)):
-            continue  # the pair itself, of other shapes: the profile's own fallback had it
-        same = (_shape(ln.src), _shape(ln.dst)) in shapes
-        (matching if same else other).append(ln.curve)
-    pool = matching or other
-    if not pool:
-        return None
-    kind = "with these VM shapes" if matching else "with other VM shapes"
-    return min(pool, key=lambda c: c.max_gbps), f"{where} ({kind})"
+        if (ln.src.zone, ln.dst.zone) in pair:
+            continue  # the pair itself: the profile's own fallback had it
+        x, y = region_of(ln.src.zone), region_of(ln.dst.zone)
+        if src.zone == dst.zone:
+            related = ln.src.zone == ln.dst.zone and x == ra
+        elif ra == rb:
+            related = ln.src.zone != ln.dst.zone and x == ra == y
+        else:
+            related = {x, y} == {ra, rb}
+        if related and (best is None or best.max_gbps > ln.curve.max_gbps):
+            best = ln.curve
+    return None if best is None else (best, where)
 
 
 def intra_curve(

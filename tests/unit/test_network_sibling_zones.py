@@ -51,13 +51,16 @@ def test_between_two_unprofiled_zones_of_a_region() -> None:
     assert "between two other zones of us-central1" in note
 
 
-def test_between_regions_prefers_the_vm_shapes_then_any() -> None:
+def test_between_regions_only_links_of_the_vm_shapes_stand_in() -> None:
     # the A100 pair has a measured A100 link between these regions: 1.0, not the V100's 0.8
     curve, note = inter_curve(NET, _rg("us-central1-b"), _rg("us-west1-c"))
-    assert curve.max_gbps == 1.0 and "with these VM shapes" in note
-    # an H100 pair has none of its shape: the slowest of any
+    assert curve.max_gbps == 1.0 and "between other zones of us-central1 and us-west1" in note
+    # an H100 x8 pair has no link of its shape: the flat guess, not another shape's NICs
     h = inter_curve(NET, _rg("us-central1-b", "H100-80", 8), _rg("us-west1-c", "H100-80", 8))
-    assert h[0].max_gbps == 0.8 and "with other VM shapes" in h[1]
+    assert "conservative flat" in h[1]
+    # nor a 1-GPU pair inside a zone, beside 4-GPU links (faster NICs) of the region
+    one = inter_curve(NET, _rg("us-central1-b", gpus=1), _rg("us-central1-b", gpus=1))
+    assert "conservative flat" in one[1]
 
 
 def test_without_a_sibling_the_flat_guess() -> None:
