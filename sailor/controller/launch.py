@@ -127,11 +127,15 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
 
     LAUNCH: those whose Launch of this epoch was not acked (a hung agent, a dead VM whose
     lease still holds); none when the phase was begun under another epoch (adopted by this
-    leader: the acks of that epoch are lost, and a node may have acked its Launch). LOAD:
-    those whose workers of this generation do not report ``running``. VERIFY: the same, and
-    so usually none: every worker up and stuck at one step (a collective waits for the
-    slowest rank) says nothing about which node is slow, so nobody is charged then (the
-    abort goes on as before); only a strict subset not running is to blame."""
+    leader: the acks of that epoch are lost, and a node may have acked its Launch). LOAD and
+    VERIFY: those that report nothing, or not this generation (their agent never started its
+    workers), or workers of it that are neither starting nor running (stopped, held). A node
+    whose workers of this generation are still starting is not to blame: workers report
+    ``running`` only after the rendezvous, the world's first collective and the checkpoint's
+    load, so one hung before the rendezvous keeps every node starting, and after it the last
+    to report is the heaviest stage or the slowest storage, not a broken node (charged on
+    every relaunch of the same plan, it would be excluded). Nor, at VERIFY, are workers all
+    running and stuck at one step (a collective waits for the slowest rank)."""
     if d.phase is Phase.LAUNCH:
         if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
             return []
@@ -139,7 +143,9 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
     return [
         n
         for n in sorted(d.placement)
-        if (st := o.status.get(n)) is None or st.generation != d.generation or st.state != "running"
+        if (st := o.status.get(n)) is None
+        or st.generation != d.generation
+        or st.state not in ("idle", "running")
     ]
 
 

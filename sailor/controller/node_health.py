@@ -353,8 +353,8 @@ def charge(
     evidence: dict[str, tuple[str, str, str]] = {
         n: (c.summary, c.signature, c.origin) for n, c in seen.items()
     }
-    for n, r in health.items():
-        if r.generation == gen and n not in evidence:
+    for n, r in health.items():  # a node-bound record stays the node's (a late report too)
+        if r.generation == gen and (n not in evidence or _error_type(r.cause) in _NODE_BOUND):
             evidence[n] = (r.cause, _record_signature(r), r.origin)
     kind = {n: _error_type(e[0]) for n, e in evidence.items()}
     aborts = {n for n, e in evidence.items() if _abort_signal(e[0])}
