@@ -95,7 +95,14 @@ def network_cmd(
         help="HOST:PORT where rank 0 listens (with --rank): the link probe on PORT, the "
         "all-reduce probe on PORT+1 (both must be free there).",
     ),
-    gpu: int = typer.Option(0, help="With --rank and cuda: the GPU of this node to use."),
+    gpu: int = typer.Option(0, help="With --rank and cuda: the (first) GPU of this node to use."),
+    pairs: int = typer.Option(
+        1,
+        help="Pairs of ranks that exchange slices of each message at once (one per GPU or "
+        "NIC of a node; each side runs this many, on GPUs --gpu.. with cuda): the node "
+        "pair's bandwidth, which the simulator reads a link as. 1: one stream, which on a "
+        "node with a NIC per GPU measures one NIC.",
+    ),
 ) -> None:
     """Point-to-point bandwidth vs message size between two ranks with the training backend
     (gloo on cpu, NCCL on cuda): both on loopback here, or one per node (--rank, --master).
@@ -119,6 +126,13 @@ def network_cmd(
             f"--device cuda on loopback: the two ranks need a GPU each, but this process sees "
             f"{gpus} GPU(s): probe between two nodes with --rank 0|1 --master HOST:PORT"
         )
+    if pairs < 1:
+        raise fail(f"--pairs={pairs}: need at least one pair")
+    if gpu_loopback and pairs > 1:
+        raise fail(
+            f"--pairs={pairs} on cuda on loopback: the intra-node curve is one GPU's link to a "
+            "peer; pairs measure the link between two nodes (--rank 0|1 --master HOST:PORT)"
+        )
     if rank is not None and intra:
         raise fail(
             f"--intra with --rank {rank}: the two ranks are on two nodes, an inter-node link "
@@ -136,7 +150,11 @@ def network_cmd(
         gpus_per_node = gpus if device == "cuda" and gpus > 0 else 1
     try:
         settings = ProbeSettings(
-            min_bytes=min_bytes, max_bytes=max_bytes, bytes_per_size=bytes_per_size, device=device
+            min_bytes=min_bytes,
+            max_bytes=max_bytes,
+            bytes_per_size=bytes_per_size,
+            device=device,
+            pairs=pairs,
         )
         src = Endpoint(zone=zone, gpu_type=gpu_type, gpus_per_node=gpus_per_node)
         dst = Endpoint(
@@ -164,7 +182,7 @@ def network_cmd(
     backend = "gloo" if device == "cpu" else "NCCL"
     where = "on loopback" if rank is None else f"rank {rank} of 2, rank 0 at {master}"
     try:
-        with con.status(f"probing 2 {backend} ranks ({where})..."):
+        with con.status(f"probing {2 * pairs} {backend} ranks ({where})..."):
             points = run_probe(settings, rank=rank, master=master, gpu=gpu)
     except (RuntimeError, ValueError) as exc:
         raise fail(str(exc)) from exc
@@ -185,13 +203,14 @@ def network_cmd(
                 raise fail(f"all-reduce among {n} ranks: {exc}") from exc
         con.print(f"rank 1 done: rank 0 at {master} writes the link and the all-reduce")
         return
-    pairs = [(p.nbytes, p.time.central(statistic)) for p in points]
-    curve = fit_link(pairs, latency=latency)
-    resid = fit_residuals(curve, pairs)
+    measured = [(p.nbytes, p.time.central(statistic)) for p in points]
+    curve = fit_link(measured, latency=latency)
+    resid = fit_residuals(curve, measured)
     load = os.getloadavg()[0]
     source = (
         f"sailor profile network: torch.distributed {backend} send/recv ping-pong "
-        f"({device}), 2 processes "
+        f"({device}), "
+        + ("2 processes " if pairs == 1 else f"{pairs} pairs of processes at once, ")
         + (
             ("on loopback" + (" (GPUs 0 and 1 of one node)" if gpu_loopback else ""))
             if rank is None

@@ -29,6 +29,8 @@ class _FakeRanks:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, gpus: int, fail_at: int = 0) -> None:
         self.collective_worlds: list[int] = []
+        self.link_world: int = 0
+        self.link_ranks: list[int] | None = None
         self.link_launches = 0
         self.fail_at = fail_at
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
@@ -36,12 +38,21 @@ class _FakeRanks:
         monkeypatch.setattr(network_probe, "run_ranks", self._link)
         monkeypatch.setattr(collective_probe, "run_ranks", self._collective)
 
-    def _link(self, module: str, world: int, cfg: dict[str, Any], **_: Any) -> list[Any]:
+    def _link(self, module: str, world: int, cfg: dict[str, Any], **kw: Any) -> list[Any]:
         self.link_launches += 1
-        pts = [
-            {"nbytes": b, "time": Stats.of([20e-6 + b / 150e9]).to_dict()} for b, _ in cfg["sizes"]
-        ]
-        return [{"rank": 0, "points": pts}, {"rank": 1, "points": []}]
+        self.link_world, self.link_ranks = world, kw.get("ranks")
+        k = int(cfg.get("pairs", 1))
+        here = kw.get("ranks") or list(range(world))
+
+        def pts(r: int) -> list[dict[str, Any]]:
+            # pair r is slower by r microseconds: the node pair's time is the slowest's
+            times = [[20e-6 + r * 1e-6 + b / 150e9] * reps for b, reps in cfg["sizes"]]
+            return [
+                {"nbytes": b, "time": Stats.of(t).to_dict(), "times": t}
+                for (b, _), t in zip(cfg["sizes"], times, strict=True)
+            ]
+
+        return [{"rank": r, "points": pts(r) if r < k else []} for r in here]
 
     def _collective(self, module: str, world: int, cfg: dict[str, Any], **_: Any) -> list[Any]:
         self.collective_worlds.append(world)
@@ -175,3 +186,38 @@ def test_all_reduce_fails_are_reported_on_rank_1(
     args = ["--device", "cuda", "--rank", "1", "--master", "10.0.0.1:29500", "--zone", "z-a"]
     res = _network(tmp_path / "net.json", *args)
     assert res.exit_code == 2 and "all-reduce among 2 ranks" in res.output
+
+
+def test_pairs_between_two_nodes_run_one_rank_per_gpu_and_keep_the_slowest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--pairs 4`` on side 0 of two 8-GPU nodes: ranks 0-3 here (GPUs 2-5 from --gpu 2),
+    a world of 8, and each size's time the slowest pair's."""
+    fake = _FakeRanks(monkeypatch, gpus=8)
+    out = tmp_path / "net.json"
+    args = ["--device", "cuda", "--zone", "z-a", "--dst-zone", "z-b", "--collectives", ""]
+    res = _network(out, *args, "--rank", "0", "--master", "h:1", "--pairs", "4", "--gpu", "2")
+    assert res.exit_code == 0, res.output
+    assert fake.link_world == 8 and fake.link_ranks == [0, 1, 2, 3]
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert len(net.links) == 1 and "4 pairs of processes at once" in net.source
+    # more GPUs than the node has, or pairs on one node's loopback, are refused before a probe
+    fake.link_launches = 0
+    many = _network(out, *args, "--rank", "0", "--master", "h:1", "--pairs", "4", "--gpu", "6")
+    assert many.exit_code != 0 and fake.link_launches == 0
+    loop = _network(tmp_path / "x.json", "--device", "cuda", "--pairs", "2", "--collectives", "")
+    assert loop.exit_code != 0 and "--pairs=2 on cuda on loopback" in loop.output
+
+
+def test_the_slowest_pair_sets_each_repetition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _FakeRanks(monkeypatch, gpus=0)
+    del fake
+    pts = network_probe.run_probe(
+        network_probe.ProbeSettings(min_bytes=1 << 16, max_bytes=1 << 17, pairs=3)
+    )
+    # pair 2 is 2 us slower than pairs 0 and 1 at every size (the fake's ranks): its times
+    assert [p.nbytes for p in pts] == [(1 << 16) - (1 << 16) % 12, (1 << 17) - (1 << 17) % 12]
+    for p in pts:
+        assert p.time.median_s == pytest.approx(20e-6 + 2e-6 + p.nbytes / 150e9)
