@@ -2,7 +2,7 @@
 
 *Estimate, then solve*: before any search, the planner asks the simulator's own lookup
 (:func:`sailor.simulator.lookup.layer_table`, :func:`~sailor.simulator.lookup.layer_sizes`),
-network model (:func:`~sailor.simulator.network_model.inter_curve`, ``intra_curve``) and memory
+network model (:func:`~sailor.simulator.network_model.inter_curve`, ``tp_comm.tp_link``) and memory
 model (:func:`sailor.simulator.memory.state_bytes_per_param`) for the per-layer time, size and
 per-link transfer time of each (GPU type, TP degree, microbatch size) the pool can use, and
 stores them as prefix sums. The search then prices any contiguous layer range on any stage in
@@ -45,7 +45,8 @@ from sailor.simulator.memory import (
     weight_copy_bytes,
     weight_grad_bytes,
 )
-from sailor.simulator.network_model import inter_curve, intra_curve
+from sailor.simulator.network_model import inter_curve
+from sailor.simulator.tp_comm import all_gather_s, tp_link
 
 __all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
 
@@ -376,13 +377,26 @@ class CostTables:
         eff, fixed = inp.calibration.p2p_between(a.gpu_type, b.gpu_type)
         copies = self.p2p_copies(a, b)
         # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
-        gcurve_f = (
-            intra_curve(inp.network, b.gpu_type, b.tp, inp.gpu_specs)[0]
+        cal = inp.calibration
+        glink_f = (
+            tp_link(
+                inp.network,
+                inp.gpu_specs,
+                b.gpu_type,
+                b.tp,
+                cal.for_gpu(b.gpu_type).tp_link_efficiency,
+            )
             if b.tp > 1 and copies is None
             else None
         )
-        gcurve_b = (
-            intra_curve(inp.network, a.gpu_type, a.tp, inp.gpu_specs)[0]
+        glink_b = (
+            tp_link(
+                inp.network,
+                inp.gpu_specs,
+                a.gpu_type,
+                a.tp,
+                cal.for_gpu(a.gpu_type).tp_link_efficiency,
+            )
             if a.tp > 1 and copies is None
             else None
         )
@@ -393,8 +407,8 @@ class CostTables:
             hit_j = of_size.get(per_sample)
             if hit_j is None:
                 out = mbs * per_sample
-                gather_f = gcurve_f.transfer_time(out) if gcurve_f is not None else 0.0
-                gather_b = gcurve_b.transfer_time(out) if gcurve_b is not None else 0.0
+                gather_f = all_gather_s(glink_f, out, b.tp) if glink_f is not None else 0.0
+                gather_b = all_gather_s(glink_b, out, a.tp) if glink_b is not None else 0.0
                 fwd, bwd = (out, out) if copies is None else (copies[0] * out, copies[1] * out)
                 hit_j = of_size[per_sample] = (
                     fixed + curve.transfer_time(fwd + a.tp * self.mask_bytes) / eff + gather_f,

@@ -20,6 +20,7 @@ from sailor.schemas import LayerSize, Pipeline
 from sailor.simulator.lookup import layer_table
 from sailor.simulator.network_model import guessed_link
 from sailor.simulator.sim_inputs import _Inputs
+from sailor.simulator.tp_comm import all_gather_s, tp_link
 
 __all__ = ["PipelineKind"]
 
@@ -145,14 +146,11 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
             # NICs (node-level bytes on the node curve; + the unsplit mask where sent); the
             # receiving TP group all-gathers it inside its node: stage s+1 (b.tp ranks)
             # forward, stage s (a.tp ranks) backward, as the engine's roles.boundary_pieces
+            # (over what the TP all-reduces of an estimated layer use: tp_comm.tp_link)
             if b.tp > 1:
-                gcurve, gnote = inp.links.intra(b.gpu_type, b.tp)
-                inp.notes.add(gnote)
-                gather_f = gcurve.transfer_time(out)
+                gather_f = _gather(inp, b.gpu_type, b.tp, out)
             if a.tp > 1:
-                gcurve, gnote = inp.links.intra(a.gpu_type, a.tp)
-                inp.notes.add(gnote)
-                gather_b = gcurve.transfer_time(out)
+                gather_b = _gather(inp, a.gpu_type, a.tp, out)
             node_f = a.tp * (out / a.tp + mask)
             node_b = float(out)
         t_f = fixed + curve.transfer_time(node_f) / eff + gather_f
@@ -170,6 +168,16 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
         stage_of_layer=tuple(si for si, s in enumerate(p.stages) for _ in s.layers),
         stages=pkey[1],
     )
+
+
+def _gather(inp: _Inputs, gpu_type: str, tp: int, nbytes: float) -> float:
+    """A stage boundary's all-gather of ``nbytes`` by ``tp`` GPUs of ``gpu_type``
+    (:func:`~sailor.simulator.tp_comm.all_gather_s`), its link noted."""
+    eff = inp.gcal(gpu_type).tp_link_efficiency
+    link = tp_link(inp.links.network, inp.specs, gpu_type, tp, eff)
+    if link.guessed:
+        inp.notes.add(f"all-gather at a stage boundary over the {link.note}")
+    return all_gather_s(link, nbytes, tp)
 
 
 def _pipeline_kinds(

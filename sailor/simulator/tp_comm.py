@@ -49,6 +49,7 @@ from sailor.simulator.network_model import guessed_link, intra_curve
 __all__ = [
     "MIN_COLLECTIVE_S",
     "TPLink",
+    "all_gather_s",
     "layer_comm_s",
     "ring_allreduce_s",
     "tp_link",
@@ -75,6 +76,8 @@ class TPLink:
     note: str
     bus_gbps: float | None = None
     latency_s: float = 0.0
+    guessed: bool = False
+    """A spec sheet's or a fallback's link, not a measurement (``note`` says which)."""
 
 
 def _measured(network: NetworkProfile, gpu_type: str, tp: int) -> CollectiveLatency | None:
@@ -116,7 +119,7 @@ def tp_link(
         )
     curve, note = intra_curve(net, gpu_type, tp, specs)
     if guessed_link(note):
-        return TPLink(curve, spec_efficiency, f"{note} x{spec_efficiency:.3g}")
+        return TPLink(curve, spec_efficiency, f"{note} x{spec_efficiency:.3g}", guessed=True)
     return TPLink(curve, 1.0, f"intra-node curve of {gpu_type} x{tp}")
 
 
@@ -131,6 +134,18 @@ def ring_allreduce_s(link: TPLink, nbytes: float, ranks: int) -> float:
     steps = 2 * (ranks - 1)
     step = link.curve.transfer_time(chunk) / link.efficiency
     return max(MIN_COLLECTIVE_S, steps * step)
+
+
+def all_gather_s(link: TPLink, nbytes: float, ranks: int) -> float:
+    """Seconds for a TP group of ``ranks`` GPUs of one node to all-gather a tensor of
+    ``nbytes`` from its slices (a stage boundary's received activation, or gradient): with a
+    measured all-reduce, its latency plus ``(t-1)/t`` of the bytes at its bus bandwidth;
+    else the whole tensor over the link, derated as the link is."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    if link.bus_gbps is not None:
+        return link.latency_s + (ranks - 1) / ranks * nbytes / (link.bus_gbps * 1e9)
+    return link.curve.transfer_time(nbytes) / link.efficiency
 
 
 def layer_comm_s(

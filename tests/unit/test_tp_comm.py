@@ -22,6 +22,7 @@ from sailor.simulator.lookup import layer_table
 from sailor.simulator.tp_comm import (
     MIN_COLLECTIVE_S,
     TPLink,
+    all_gather_s,
     layer_comm_s,
     ring_allreduce_s,
     tp_link,
@@ -253,3 +254,14 @@ def test_estimated_all_reduces_above_the_measured_time_leave_compute_its_share()
     f2 = fast.timing(GPU, 2, 2, BLOCK)
     assert f2 is not None and f2.fwd_s < c2
     assert got.fwd_s == pytest.approx(f2.fwd_s * r2 / (r2 + c2) * r4 / r2 + c4)
+
+
+def test_a_stage_boundary_all_gather_is_derated_as_the_all_reduces() -> None:
+    spec = tp_link(None, SPECS, GPU, 4, 0.5)
+    assert spec.guessed and all_gather_s(spec, 8e6, 4) == pytest.approx(
+        8e6 / (SPECS[GPU].intra_node_link_gbps * 1e9) / 0.5
+    )
+    measured = tp_link(NetworkProfile(collectives=(_probe(GPU, 4, 20.0),)), SPECS, GPU, 4)
+    assert not measured.guessed
+    assert all_gather_s(measured, 8e6, 4) == pytest.approx(30e-6 + 3 / 4 * 8e6 / 20e9)
+    assert all_gather_s(measured, 8e6, 1) == 0.0
