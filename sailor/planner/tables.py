@@ -234,6 +234,7 @@ class CostTables:
                 inp.calibration.vocab_parallel,
                 inp.calibration.activations,
                 inp.network,
+                inp.calibration.mixed_precision,
             )
             cal = inp.calibration
             sizes, _ = layer_sizes(inp.profiles, model, tp, cal.vocab_parallel, cal.activations)

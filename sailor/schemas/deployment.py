@@ -26,10 +26,19 @@ from pydantic import Field
 
 from sailor.schemas._base import Frozen
 
-__all__ = ["STRUCTURE_FIELDS", "Activations", "Deployment", "DeploymentStructure"]
+__all__ = [
+    "STRUCTURE_FIELDS",
+    "Activations",
+    "Deployment",
+    "DeploymentStructure",
+    "MixedPrecision",
+]
 
 Activations = Literal["megatron", "engine"]
 """What an estimated transformer block keeps for its backward (``activations`` below)."""
+
+MixedPrecision = Literal["autocast", "fp16_optimizer"]
+"""How the framework runs a 16-bit plan (``mixed_precision`` below)."""
 
 
 class DeploymentStructure(Frozen):
@@ -111,7 +120,7 @@ class DeploymentStructure(Frozen):
             "not modelled (DeepSpeed reports the loss without a collective in the step)."
         ),
     )
-    mixed_precision: Literal["autocast", "fp16_optimizer"] = Field(
+    mixed_precision: MixedPrecision = Field(
         default="autocast",
         description=(
             "How the framework runs a 16-bit plan (Plan.precision bf16 or fp16). 'autocast' "

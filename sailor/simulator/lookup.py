@@ -53,7 +53,7 @@ from sailor.schemas import (
     NetworkProfile,
     ProfileDB,
 )
-from sailor.schemas.deployment import Activations
+from sailor.schemas.deployment import Activations, MixedPrecision
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
@@ -274,6 +274,7 @@ def layer_table(
     vocab_parallel: bool = True,
     activations: Activations = "megatron",
     network: NetworkProfile | None = None,
+    mixed_precision: MixedPrecision = "autocast",
 ) -> StageCosts:
     """Costs of every layer of ``model`` on ``gpu_type`` at ``tp`` and ``mbs``.
 
@@ -285,10 +286,12 @@ def layer_table(
     ``activations``: what an estimated block keeps, which its estimated memory traffic
     reads (``Calibration.activations``). ``network``: its intra-node curves price the TP
     all-reduces of an estimated layer (rules 3 and 5; without it, or without a curve for the
-    GPU type, the spec sheet's link)."""
+    GPU type, the spec sheet's link). ``mixed_precision``: the embedding's all-reduce is
+    fp32 under ``autocast`` (Sailor's engine), in the compute dtype under ``fp16_optimizer``."""
     spec = spec_of(gpu_specs, gpu_type)
+    embed = 4 if mixed_precision == "autocast" else model.param_bytes()
     return _table(
-        profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations, network
+        profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations, network, embed
     )
 
 
@@ -303,14 +306,25 @@ def _table(
     vocab_parallel: bool,
     activations: Activations,
     network: NetworkProfile | None,
+    embed_bytes: int = 4,
 ) -> StageCosts:
     """:func:`layer_table` with the GPU's spec resolved, memoized (the network profile by
     identity, as the profiles)."""
     return _MEMO.get(
         (profiles, model, network),
-        ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel, activations),
+        ("table", cal, spec, gpu_type, tp, mbs, vocab_parallel, activations, embed_bytes),
         lambda: _layer_table(
-            profiles, model, cal, spec, gpu_type, tp, mbs, vocab_parallel, activations, network
+            profiles,
+            model,
+            cal,
+            spec,
+            gpu_type,
+            tp,
+            mbs,
+            vocab_parallel,
+            activations,
+            network,
+            embed_bytes,
         ),
     )
 
@@ -326,6 +340,7 @@ def _layer_table(
     vocab_parallel: bool,
     activations: Activations,
     network: NetworkProfile | None,
+    embed_bytes: int,
 ) -> StageCosts:
     n = model.num_all_layers
     sizes, notes_l = layer_sizes(profiles, model, tp, activations=activations)
@@ -360,7 +375,10 @@ def _layer_table(
         link = tp_link(network, specs, gpu_type, t, cal.tp_link_efficiency)
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
-        return [layer_comm_s(model, t, mbs, layer, link, vocab_parallel) for layer in range(n)]
+        return [
+            layer_comm_s(model, t, mbs, layer, link, vocab_parallel, embed_bytes)
+            for layer in range(n)
+        ]
 
     added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
     if tp in grid:

@@ -93,6 +93,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
                 cal.vocab_parallel,
                 cal.activations,
                 inp.links.network,
+                cal.mixed_precision,
             )
             inp.tables[key] = table
             inp.notes.add(*table.notes)

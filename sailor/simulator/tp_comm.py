@@ -16,7 +16,8 @@ same bytes):
   backward, the gradients of their column-parallel inputs (2 × ``b·s·h``), in the compute
   dtype;
 * the embedding, split by vocabulary: forward, the rows each rank looked up (``b·s·h``; in
-  fp32, as Sailor's engine sums them);
+  fp32 as Sailor's engine sums them under autocast, in the compute dtype under
+  ``fp16_optimizer``, as Megatron-LM's);
 * the head, split by vocabulary: forward, the cross entropy's three reductions of one fp32
   value per token (max, sum of exponentials, target logit); backward, the gradient of its
   input (``b·s·h``).
@@ -149,9 +150,16 @@ def all_gather_s(link: TPLink, nbytes: float, ranks: int) -> float:
 
 
 def layer_comm_s(
-    model: ModelSpec, tp: int, mbs: int, layer: int, link: TPLink, vocab_parallel: bool
+    model: ModelSpec,
+    tp: int,
+    mbs: int,
+    layer: int,
+    link: TPLink,
+    vocab_parallel: bool,
+    embed_bytes: float = 4.0,
 ) -> tuple[float, float]:
-    """Forward and backward seconds of the TP all-reduces of ``layer`` for one microbatch."""
+    """Forward and backward seconds of the TP all-reduces of ``layer`` for one microbatch
+    (``embed_bytes``: per element of the embedding's all-reduce)."""
     if tp <= 1:
         return 0.0, 0.0
     tokens = mbs * model.seq_length
@@ -163,5 +171,5 @@ def layer_comm_s(
     if not vocab_parallel:
         return 0.0, 0.0
     if kind == "embedding":
-        return ring_allreduce_s(link, 4.0 * tokens * model.hidden_size, tp), 0.0
+        return ring_allreduce_s(link, embed_bytes * tokens * model.hidden_size, tp), 0.0
     return 3 * ring_allreduce_s(link, 4.0 * tokens, tp), ring_allreduce_s(link, act, tp)

@@ -265,3 +265,14 @@ def test_a_stage_boundary_all_gather_is_derated_as_the_all_reduces() -> None:
     assert not measured.guessed
     assert all_gather_s(measured, 8e6, 4) == pytest.approx(30e-6 + 3 / 4 * 8e6 / 20e9)
     assert all_gather_s(measured, 8e6, 1) == 0.0
+
+
+def test_the_embedding_all_reduce_is_fp32_under_autocast_else_the_compute_dtype() -> None:
+    db = ProfileDB(model=MODEL.name)
+    link = tp_link(None, SPECS, GPU, 4)
+    roof = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, 0).fwd_s
+    for mp, nbytes in (("autocast", 4), ("fp16_optimizer", MODEL.param_bytes())):
+        got = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2, mixed_precision=mp).layers[0]  # type: ignore[arg-type]
+        cf = layer_comm_s(MODEL, 4, 2, 0, link, True, float(nbytes))[0]
+        assert got.fwd_s == pytest.approx(roof + cf)
+    assert MODEL.param_bytes() == 2
