@@ -117,6 +117,7 @@ def _hook(
     gpu: str,
     base: Calibration,
     specs: Mapping[str, GPUSpec],
+    network: NetworkProfile | None = None,
 ) -> tuple[float, str]:
     singles = [r for r in runs if len(r.plan.pipelines) == 1 and _single_stage(r.plan)]
     best: tuple[MeasuredRun, MeasuredRun] | None = None
@@ -150,10 +151,12 @@ def _hook(
             )
         a = max(timed, key=lambda r: r.plan.pipelines[0].num_microbatches)
         pa = a.plan.pipelines[0]
-        update = sum(c.update_s for c in _table(profiles, model, gpu, a.plan, base, specs).layers)
+        update = sum(
+            c.update_s for c in _table(profiles, model, gpu, a.plan, base, specs, network).layers
+        )
         per_mb = (a.iteration_time_s - (a.grad_reduce_s or 0.0) - update) / pa.num_microbatches
         what = f"{a.name} alone (minus its reduce and update)"
-    table = _table(profiles, model, gpu, a.plan, base, specs)
+    table = _table(profiles, model, gpu, a.plan, base, specs, network)
     prof = sum(c.fwd_s + c.bwd_s for c in table.layers)
     h = max(0.0, (prof - per_mb) / len(table.layers))
     return h, (
@@ -169,21 +172,26 @@ def _table(
     plan: Plan,
     base: Calibration,
     specs: Mapping[str, GPUSpec],
+    network: NetworkProfile | None = None,
 ) -> StageCosts:
     """The raw profile's layer table of a single-stage plan's stage (no calibration), in the
-    structure the runs are simulated under (``base``: a whole or split head)."""
+    structure the runs are simulated under (``base``: a whole or split head, the embedding's
+    all-reduce width, the link efficiency of estimated TP all-reduces; ``network``: their
+    links, as the simulation of the runs prices them)."""
     p = plan.pipelines[0]
     r = p.stages[0].replica
     return layer_table(
         profiles,
         model,
-        GPUCalibration(gpu_type=gpu),
+        GPUCalibration(gpu_type=gpu, tp_link_efficiency=base.for_gpu(gpu).tp_link_efficiency),
         specs,
         gpu,
         r.tp,
         p.microbatch_size,
         base.vocab_parallel,
         base.activations,
+        network,
+        base.mixed_precision,
     )
 
 
@@ -322,7 +330,7 @@ def calibrate_gpu(
     specs = gpu_specs or {}
     why: list[str] = []
 
-    h, note = _hook(runs, model, profiles, gpu, base, specs)
+    h, note = _hook(runs, model, profiles, gpu, base, specs, network)
     why.append(note)
 
     dp1 = [r.grad_reduce_s for r in runs if len(r.plan.pipelines) == 1 and r.grad_reduce_s]

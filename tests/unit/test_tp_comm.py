@@ -276,3 +276,22 @@ def test_the_embedding_all_reduce_is_fp32_under_autocast_else_the_compute_dtype(
         cf = layer_comm_s(MODEL, 4, 2, 0, link, True, float(nbytes))[0]
         assert got.fwd_s == pytest.approx(roof + cf)
     assert MODEL.param_bytes() == 2
+
+
+def test_calibration_fits_the_hook_cost_on_the_simulations_table() -> None:
+    """The per-layer hook cost is fitted against the table the runs are simulated with: at
+    an unprofiled TP, its all-reduces at the base calibration's link efficiency."""
+    from sailor.schemas import Calibration, Pipeline, Plan, ReplicaGroup, Stage
+    from sailor.simulator.calibrate import _table
+
+    db = _measured((1,), 1.0)
+    base = Calibration(gpus=(GPUCalibration(gpu_type=GPU, tp_link_efficiency=0.45),))
+    group = ReplicaGroup(gpu_type=GPU, zone="z", tp=4, gpus_per_node=4)
+    stage = Stage(first_layer=0, last_layer=MODEL.num_all_layers - 1, replica=group)
+    pipe = Pipeline(stages=(stage,), microbatch_size=2, num_microbatches=8)
+    plan = Plan(model=MODEL.name, pipelines=(pipe,), global_batch_size=16)
+    got = _table(db, MODEL, GPU, plan, base, SPECS).layers[BLOCK].fwd_s
+    slow = GPUCalibration(gpu_type=GPU, tp_link_efficiency=0.45)
+    want = layer_table(db, MODEL, slow, SPECS, GPU, 4, 2, base.vocab_parallel, base.activations)
+    assert got == pytest.approx(want.layers[BLOCK].fwd_s)
+    assert got > layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2).layers[BLOCK].fwd_s
