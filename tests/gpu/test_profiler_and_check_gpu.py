@@ -113,3 +113,19 @@ def test_the_backward_peak_holds_the_weight_gradient_transient_on_cuda(
     from tests.unit.test_weight_grad_transient import check_peak
 
     check_peak(kind, autocast, torch.device("cuda", 0))
+
+
+def test_the_link_probe_runs_pairs_of_nccl_ranks(gpus: Callable[[int], None]) -> None:
+    """Two pairs of NCCL ranks on GPUs 0-3 of this host exchange half of each message each
+    (``ProbeSettings.pairs``; between nodes, ``sailor profile network --pairs``): one point
+    per size, the slowest pair's time. CPU counterpart: tests/unit/test_profiler_probe_pairs.py
+    and the two-pair gloo probe in tests/integration/test_profiler_real.py."""
+    gpus(4)
+    from sailor.profiler.network_probe import ProbeSettings, probe_sizes, run_probe
+
+    s = ProbeSettings(
+        min_bytes=1 << 20, max_bytes=16 << 20, bytes_per_size=64 << 20, device="cuda", pairs=2
+    )
+    pts = run_probe(s)
+    assert [p.nbytes for p in pts] == [n for n, _ in probe_sizes(s)]
+    assert all(p.time.median_s > 0 and p.gbps > 0 for p in pts)
