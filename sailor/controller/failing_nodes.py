@@ -111,7 +111,13 @@ def charge_abort(
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
     if not counted:
         return c
-    whom = "; ".join(f"{n} ({(late or {})[n]})" for n in counted)
+
+    # what was counted: the missed deadline, or the failure the node reports of its own
+    def what(n: str) -> str:
+        cause = c.health[n].cause
+        return (late or {})[n] if cause.startswith(DEADLINE_MISSED) else cause
+
+    whom = "; ".join(f"{n} ({what(n)})" for n in counted)
     return replace(c, notes=[f"counted against {whom}", *c.notes])
 
 

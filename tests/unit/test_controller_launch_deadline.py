@@ -167,3 +167,18 @@ def test_a_missed_deadline_is_not_taken_back_when_the_node_then_fails_like_its_p
     assert states, "the late reports are counted"
     health = states[-1].node_health
     assert set(health) == {"n2"} and health["n2"] == torn.node_health["n2"]
+
+
+def test_a_late_node_reporting_its_own_failure_is_counted_with_it_and_the_reason_says_so() -> None:
+    """At a LAUNCH deadline n2 (not acked) still reports a failure of an older generation:
+    that failure is what is counted, and the reason names it, not the missed deadline."""
+    d = _launching(Phase.LAUNCH)
+    old = fails(2, gen=1, message="CUDA error: uncorrectable ECC error encountered")
+    o = _late(
+        [st(1, gen=1, state="idle"), old, st(3, gen=1, state="idle"), st(4, gen=1, state="idle")],
+        acked=_acked(d, 1, 3, 4),
+    )
+    done = _abort(d, o)
+    rec = done.state.node_health["n2"]
+    assert "ECC error" in rec.cause and "ECC error" in done.reason
+    assert "still failed" not in done.reason
