@@ -108,6 +108,17 @@ def charge_abort(
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
     c = charge(d, failures, now, policy, progressed(d, status))
+    # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
+    # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
+    redo = [
+        n
+        for n in sorted(late or ())
+        if c.health.get(n) == d.node_health.get(n) and not failures[n].startswith(DEADLINE_MISSED)
+    ]
+    if redo:
+        for n in redo:
+            failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
+        c = charge(d, failures, now, policy, progressed(d, status))
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
     if not counted:
         return c

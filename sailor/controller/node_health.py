@@ -353,8 +353,8 @@ def charge(
     evidence: dict[str, tuple[str, str, str]] = {
         n: (c.summary, c.signature, c.origin) for n, c in seen.items()
     }
-    for n, r in health.items():  # a node-bound record stays the node's (a late report too)
-        if r.generation == gen and (n not in evidence or _error_type(r.cause) in _NODE_BOUND):
+    for n, r in health.items():
+        if r.generation == gen and n not in evidence:
             evidence[n] = (r.cause, _record_signature(r), r.origin)
     kind = {n: _error_type(e[0]) for n, e in evidence.items()}
     aborts = {n for n, e in evidence.items() if _abort_signal(e[0])}
@@ -405,15 +405,15 @@ def charge(
             why = job_why[sig]
         rec = health.get(n)
         counted = rec is not None and rec.generation == gen
-        if why:
-            if counted and rec is not None:
+        if why:  # a node-bound record (a missed deadline) stays, whatever the node reports
+            if counted and rec is not None and _error_type(rec.cause) not in _NODE_BOUND:
                 back = _take_back(rec, now)
                 if back is None:
                     del health[n]
                 else:
                     health[n] = back
                 spared.setdefault(why, []).append(f"{n} (taken back)")
-            elif n in seen:
+            elif n in seen and not counted:
                 spared.setdefault(why, []).append(n)
             continue
         if n not in seen or counted:

@@ -11,7 +11,17 @@ from dataclasses import replace
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import Observed, SetDesired
 from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
-from tests.unit.test_controller_decide import CFG, NOW, fails, kinds, nodes, obs, running, st
+from tests.unit.test_controller_decide import (
+    CFG,
+    NOW,
+    _sigabrt,
+    fails,
+    kinds,
+    nodes,
+    obs,
+    running,
+    st,
+)
 
 LATE = NOW + 1  # past the deadline of the states below (NOW)
 IDS = (1, 2, 3, 4)
@@ -182,3 +192,41 @@ def test_a_late_node_reporting_its_own_failure_is_counted_with_it_and_the_reason
     rec = done.state.node_health["n2"]
     assert "ECC error" in rec.cause and "ECC error" in done.reason
     assert "still failed" not in done.reason
+
+
+def test_a_late_nodes_peers_failing_like_it_are_the_jobs_not_each_charged() -> None:
+    """Two nodes: n2 misses the LOAD deadline, then both report the rendezvous timeout its
+    absence caused. The failure alike is the job's (n1 is not charged), and n2's missed
+    deadline stays its own (review: keeping it had dropped n2 from the count of nodes
+    failing alike, and charged n1)."""
+    d = running((1, 2), gen=2, phase=Phase.LOAD, phase_deadline=NOW, phase_epoch=7, load_step=10)
+    o = replace(obs(nodes(1, 2), [st(1, gen=2), st(2, gen=1, state="idle")]), now=LATE)
+    torn = _abort(d, o).state
+    late = replace(
+        obs(nodes(1, 2), [fails(i, gen=2, message="rendezvous store timeout") for i in (1, 2)]),
+        now=LATE,
+    )
+    states = [a.state for a in decide(torn, late, CFG) if isinstance(a, SetDesired)]
+    assert states and set(states[-1].node_health) == {"n2"}
+    assert states[-1].node_health["n2"] == torn.node_health["n2"]
+    assert states[-1].job_health.failures == 1
+
+
+def test_a_hung_node_with_an_old_sigabrt_is_charged_its_missed_deadline() -> None:
+    """n2 never acks its Launch and still reports a SIGABRT of generation 1: a SIGABRT alone
+    is counted against nobody, so the missed deadline is (review: it was spared at every
+    LAUNCH deadline, and relaunched on forever)."""
+    health: dict[str, NodeHealth] = {}
+    for gen in (2, 3, 4):
+        d = _launching(Phase.LAUNCH, gen=gen, node_health=health)
+        abrt = _sigabrt(2).model_copy(update={"generation": 1})
+        sts = [
+            st(1, gen=1, state="idle"),
+            abrt,
+            st(3, gen=1, state="idle"),
+            st(4, gen=1, state="idle"),
+        ]
+        done = _abort(d, _late(sts, acked=_acked(d, 1, 3, 4)))
+        health = done.state.node_health
+        assert set(health) == {"n2"} and health["n2"].cause.startswith("DeadlineMissed")
+    assert health["n2"].excluded_until > LATE
