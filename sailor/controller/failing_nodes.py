@@ -124,11 +124,11 @@ def charge_abort(
         return c
 
     # what was counted: the missed deadline, or the failure the node reports of its own
-    def what(n: str) -> str:
+    def counted_as(n: str) -> str:
         cause = c.health[n].cause
         return (late or {})[n] if cause.startswith(DEADLINE_MISSED) else cause
 
-    whom = "; ".join(f"{n} ({what(n)})" for n in counted)
+    whom = "; ".join(f"{n} ({counted_as(n)})" for n in counted)
     return replace(c, notes=[f"counted against {whom}", *c.notes])
 
 
