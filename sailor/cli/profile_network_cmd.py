@@ -128,6 +128,11 @@ def network_cmd(
         )
     if pairs < 1:
         raise fail(f"--pairs={pairs}: need at least one pair")
+    if pairs > 1 and intra:
+        raise fail(
+            f"--pairs={pairs} with --intra: an intra-node curve is one GPU's link to a peer; "
+            "pairs measure the link between two nodes"
+        )
     if gpu_loopback and pairs > 1:
         raise fail(
             f"--pairs={pairs} on cuda on loopback: the intra-node curve is one GPU's link to a "
@@ -180,7 +185,7 @@ def network_cmd(
         _warn(warning)
     con = Console()
     backend = "gloo" if device == "cpu" else "NCCL"
-    where = "on loopback" if rank is None else f"rank {rank} of 2, rank 0 at {master}"
+    where = "on loopback" if rank is None else f"side {rank} of 2, rank 0 at {master}"
     try:
         with con.status(f"probing {2 * pairs} {backend} ranks ({where})..."):
             points = run_probe(settings, rank=rank, master=master, gpu=gpu)

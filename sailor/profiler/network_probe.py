@@ -71,6 +71,11 @@ class ProbeSettings:
     def __post_init__(self) -> None:
         if self.pairs < 1:
             raise ValueError(f"pairs={self.pairs}: need at least one pair")
+        if self.max_bytes < 4 * self.pairs:
+            raise ValueError(
+                f"max_bytes={self.max_bytes}, pairs={self.pairs}: each pair needs a float32 "
+                f"of the message at least ({4 * self.pairs} bytes)"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda'")
         if not 4 <= self.min_bytes <= self.max_bytes:

@@ -53,6 +53,7 @@ from sailor.schemas import (
     NetworkProfile,
     ProfileDB,
 )
+from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
 from sailor.schemas.deployment import Activations, MixedPrecision
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.profile import VOCAB_SPLIT_META
@@ -372,7 +373,11 @@ def _layer_table(
         if t <= 1:
             return [(0.0, 0.0)] * n
         specs = {gpu_type: spec} if spec else {}
-        link = tp_link(network, specs, gpu_type, t, cal.tp_link_efficiency)
+        # what a measured time holds is taken out at the evidence's point value, not the
+        # corner's: else a costlier link took more out, and a pessimistic corner priced a
+        # TP degree below the profiled one faster
+        eff = cal.tp_link_efficiency if priced else SPEC_LINK_EFFICIENCY
+        link = tp_link(network, specs, gpu_type, t, eff)
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
         return [
@@ -406,15 +411,19 @@ def _layer_table(
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
+        if cal.profiler_overhead_s > 0 and _hooked(profiles, gpu_type, near, grid[near][-1]):
+            bmax = grid[near][-1]  # the hook cost comes out before the scaling, as at rule 1
+            big, _ = _raw(profiles, gpu_type, near, bmax, n, grid[near])
+            base = _hook_corrected(base, big, mbs, bmax, cal.profiler_overhead_s)
         base, _ = _spread_update(
             base, layer_sizes(profiles, model, near, activations=activations)[0]
         )
         est_tp, est_near = estimate(tp), estimate(near)
         rows = []
         # the profile at ``near`` holds its all-reduces: its compute (the time less their
-        # estimate; at least the share the estimate gives compute, when the estimated
-        # all-reduces take most of the measured time) scales by the roofline's ratio, and
-        # the all-reduces at ``tp`` are added
+        # estimate; at least the share the estimate gives compute, when the measured time
+        # is below the roofline plus that estimate) scales by the roofline's ratio, and the
+        # all-reduces at ``tp`` are added
         added = comm(tp)
         zipped = zip(base, est_tp, est_near, comm(near, priced=False), strict=True)
         for (f, g, u), a, b, (nf, nb) in zipped:

@@ -178,6 +178,7 @@ def _gather(inp: _Inputs, gpu_type: str, tp: int, nbytes: float) -> float:
     link = tp_link(inp.links.network, inp.specs, gpu_type, tp, eff)
     if link.guessed:
         inp.notes.add(f"all-gather at a stage boundary over the {link.note}")
+        inp.uses_estimates = True
     return all_gather_s(link, nbytes, tp)
 
 

@@ -207,6 +207,8 @@ def test_pairs_between_two_nodes_run_one_rank_per_gpu_and_keep_the_slowest(
     assert many.exit_code != 0 and fake.link_launches == 0
     loop = _network(tmp_path / "x.json", "--device", "cuda", "--pairs", "2", "--collectives", "")
     assert loop.exit_code != 0 and "--pairs=2 on cuda on loopback" in loop.output
+    intra = _network(tmp_path / "y.json", "--intra", "--pairs", "2", "--collectives", "")
+    assert intra.exit_code != 0 and "--pairs=2 with --intra" in intra.output
 
 
 def test_the_slowest_pair_sets_each_repetition(

@@ -28,6 +28,8 @@ def test_a_repetition_lasts_as_long_as_its_slowest_pair() -> None:
         slowest_pair([[1.0], [1.0, 2.0]])
 
 
-def test_pairs_must_be_positive() -> None:
+def test_pairs_must_be_positive_and_fit_the_message() -> None:
     with pytest.raises(ValueError, match="pairs=0"):
         ProbeSettings(pairs=0)
+    with pytest.raises(ValueError, match="each pair needs a float32"):
+        ProbeSettings(min_bytes=4, max_bytes=12, pairs=4)

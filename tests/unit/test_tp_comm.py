@@ -295,3 +295,45 @@ def test_calibration_fits_the_hook_cost_on_the_simulations_table() -> None:
     want = layer_table(db, MODEL, slow, SPECS, GPU, 4, 2, base.vocab_parallel, base.activations)
     assert got == pytest.approx(want.layers[BLOCK].fwd_s)
     assert got > layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2).layers[BLOCK].fwd_s
+
+
+def test_rule_3_takes_the_hook_cost_out_first() -> None:
+    # imported (timed with per-layer hooks) at TP 2, microbatches 2 and 8: at 2 each layer
+    # also pays 3 ms of hook latency, which the GPU-bound time at 8 shows is not compute
+    rows = []
+    for mbs, extra in ((2, 3e-3), (8, 0.0)):
+        for layer in range(MODEL.num_all_layers):
+            e = estimate_layer_timing(MODEL, SPECS[GPU], 2, mbs, layer)
+            rows.append(
+                LayerProfile(
+                    gpu_type=GPU,
+                    tp=2,
+                    microbatch_size=mbs,
+                    layer=layer,
+                    kind=MODEL.layer_kind(layer),
+                    fwd_s=e.fwd_s + extra / 2,
+                    bwd_s=e.bwd_s + extra / 2,
+                    update_s=e.update_s,
+                    source="imported",
+                )
+            )
+    db = ProfileDB(model=MODEL.name, timings=tuple(rows))
+    hooked = GPUCalibration(gpu_type=GPU, profiler_overhead_s=2e-3)
+    plain = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2).layers[BLOCK].fwd_s
+    less = layer_table(db, MODEL, hooked, SPECS, GPU, 4, 2).layers[BLOCK].fwd_s
+    at2 = layer_table(db, MODEL, hooked, SPECS, GPU, 2, 2).layers[BLOCK].fwd_s
+    assert at2 < layer_table(db, MODEL, CAL, SPECS, GPU, 2, 2).layers[BLOCK].fwd_s
+    assert less < plain
+
+
+def test_the_corners_order_a_tp_degree_below_the_profiled_one() -> None:
+    """Profiled at TP 4 only, priced at TP 2: a costlier link costs more in every corner
+    (review: taking the corner's all-reduces out of the measured time reversed it)."""
+    db = _measured((4,), 2.0)
+    got = {}
+    for name, cal in corners(catalog.calibration()):
+        if name == "original":
+            continue
+        gcal = GPUCalibration(gpu_type=GPU, tp_link_efficiency=cal.for_gpu(GPU).tp_link_efficiency)
+        got[name] = layer_table(db, MODEL, gcal, SPECS, GPU, 2, 2).layers[BLOCK].fwd_s
+    assert got["optimistic"] < got["median"] < got["pessimistic"]
