@@ -290,3 +290,42 @@ def test_closed_form_equals_the_simulator_in_every_corner(corner: str) -> None:
     for c in judged:
         assert c.estimate is not None
         assert c.fast.iteration_s == pytest.approx(c.estimate.iteration_time_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("corner", ["optimistic", "pessimistic"])
+def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_tp(
+    corner: str,
+) -> None:
+    """No intra-node curves (the spec sheet's link, derated by the corner's link efficiency)
+    and no TP 2 timings (estimated: its all-reduces, the embedding's in the corner's bytes):
+    the boundary all-gathers and the estimated all-reduces are priced alike by both."""
+    from dataclasses import replace
+
+    from sailor import catalog
+    from sailor.schemas import Calibration
+    from sailor.simulator.uncertainty import corners
+
+    base = Calibration(prior=catalog.calibration().prior, vocab_parallel=True)
+    cal = dict(corners(base))[corner]
+    env = make_env(
+        weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, memory_mb={"fast": 8000, "slow": 6000}
+    )
+    one = tuple(t for t in env.profiles.timings if t.tp == 1)
+    env = replace(
+        env,
+        network=env.network.model_copy(update={"intra_node": ()}),
+        profiles=env.profiles.model_copy(update={"timings": one}),
+    )
+    res = search(
+        **env.kw(),  # type: ignore[arg-type]
+        pool=make_pool({("fast", ZONE): 2, ("slow", ZONE): 4}),
+        gpu_specs=env.specs,
+        calibration=cal,
+        simulate_top=40,
+    )
+    judged = [c for c in res.candidates if c.estimate is not None]
+    tp2 = [c for c in judged for p in c.plan.pipelines for s in p.stages if s.replica.tp > 1]  # type: ignore[union-attr]
+    assert len(judged) >= 4 and tp2
+    for c in judged:
+        assert c.estimate is not None
+        assert c.fast.iteration_s == pytest.approx(c.estimate.iteration_time_s, rel=1e-9)
