@@ -115,8 +115,8 @@ def _hostile(base: dict[str, Any]) -> st.SearchStrategy[bytes]:
         st.recursive(_HOSTILE_SCALARS, lambda c: st.lists(c, max_size=3), max_leaves=5).map(
             lambda v: json.dumps(v, allow_nan=True).encode()
         ),
-        _mutated(base),
-        _mutated(base),  # twice: near-valid input is where validation bugs hide
+        _mutated(base),  # near-valid input is where validation bugs hide: the current
+        _mutated({**base, "schema_version": 1}),  # version's fields, and version 1's reader
     )
 
 
