@@ -46,7 +46,7 @@ from sailor.simulator.memory import (
     weight_grad_bytes,
 )
 from sailor.simulator.network_model import inter_curve
-from sailor.simulator.tp_comm import all_gather_s, tp_link
+from sailor.simulator.tp_comm import TPLink, all_gather_s, tp_link
 
 __all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
 
@@ -379,28 +379,14 @@ class CostTables:
         copies = self.p2p_copies(a, b)
         # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
         cal = inp.calibration
-        glink_f = (
-            tp_link(
-                inp.network,
-                inp.gpu_specs,
-                b.gpu_type,
-                b.tp,
-                cal.for_gpu(b.gpu_type).tp_link_efficiency,
-            )
-            if b.tp > 1 and copies is None
-            else None
-        )
-        glink_b = (
-            tp_link(
-                inp.network,
-                inp.gpu_specs,
-                a.gpu_type,
-                a.tp,
-                cal.for_gpu(a.gpu_type).tp_link_efficiency,
-            )
-            if a.tp > 1 and copies is None
-            else None
-        )
+
+        def gather_link(k: Kind) -> TPLink | None:
+            if k.tp <= 1 or copies is not None:
+                return None
+            eff = cal.for_gpu(k.gpu_type).tp_link_efficiency
+            return tp_link(inp.network, inp.gpu_specs, k.gpu_type, k.tp, eff)
+
+        glink_f, glink_b = gather_link(b), gather_link(a)
         tf = np.empty(len(arr.out_layer))
         tb = np.empty(len(arr.out_layer))
         of_size: dict[float, tuple[float, float]] = {}  # most layers send the same bytes

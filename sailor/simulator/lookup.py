@@ -385,15 +385,22 @@ def _layer_table(
             for layer in range(n)
         ]
 
+    def hook_free(
+        t: int, rows: list[tuple[float, float, float]]
+    ) -> list[tuple[float, float, float]]:
+        """``rows`` profiled at ``t`` without an imported profiler's per-layer hook cost."""
+        if cal.profiler_overhead_s <= 0 or not _hooked(profiles, gpu_type, t, grid[t][-1]):
+            return rows
+        bmax = grid[t][-1]
+        big, _ = _raw(profiles, gpu_type, t, bmax, n, grid[t])
+        return _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
+
     added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
     if tp in grid:
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
         if how:
             notes.append(f"{tag}: {how}")
-        if cal.profiler_overhead_s > 0 and _hooked(profiles, gpu_type, tp, grid[tp][-1]):
-            bmax = grid[tp][-1]
-            big, _ = _raw(profiles, gpu_type, tp, bmax, n, grid[tp])
-            rows = _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
+        rows = hook_free(tp, rows)
         if vocab_parallel and tp > 1 and _measured_whole_ends(profiles, gpu_type, tp, mbs, n):
             notes.append(
                 f"{tag}: the embedding and head were measured whole on every TP rank (Sailor's "
@@ -411,10 +418,7 @@ def _layer_table(
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
-        if cal.profiler_overhead_s > 0 and _hooked(profiles, gpu_type, near, grid[near][-1]):
-            bmax = grid[near][-1]  # the hook cost comes out before the scaling, as at rule 1
-            big, _ = _raw(profiles, gpu_type, near, bmax, n, grid[near])
-            base = _hook_corrected(base, big, mbs, bmax, cal.profiler_overhead_s)
+        base = hook_free(near, base)  # before the scaling, as at rule 1
         base, _ = _spread_update(
             base, layer_sizes(profiles, model, near, activations=activations)[0]
         )

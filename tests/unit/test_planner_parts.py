@@ -20,7 +20,7 @@ from sailor.schemas.network import CollectiveLatency
 from sailor.simulator import simulate
 from sailor.simulator.lookup import layer_sizes
 from sailor.simulator.memory import stage_memory
-from tests.unit.test_planner_search import POOL2, check_claims, make_env, make_pool
+from tests.unit.test_planner_search import POOL2, Env, check_claims, make_env, make_pool
 
 ZONE = "us-test1-a"
 
@@ -262,21 +262,9 @@ def test_large_pools_of_one_shape_share_their_template_list() -> None:
     assert len(small.state.template_sets) == lists + 1
 
 
-@pytest.mark.parametrize("corner", ["optimistic", "median", "pessimistic", "original"])
-def test_closed_form_equals_the_simulator_in_every_corner(corner: str) -> None:
-    """The tables mirror each deployment structure of the uncertainty set (p2p efficiency,
-    full copies across TP, fp32 gradients, per-GPU rings, extra state bytes), so the search
-    prices plans in any corner as the simulator does."""
-    from sailor import catalog
-    from sailor.schemas import Calibration
-    from sailor.simulator.uncertainty import corners
-
-    base = Calibration(prior=catalog.calibration().prior, p2p_across_tp="full_copies")
-    cal = dict(corners(base))[corner]
-    # GPUs large enough for the corners' GiB of non-tensor memory
-    env = make_env(
-        weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, memory_mb={"fast": 8000, "slow": 6000}
-    )
+def _closed_form_agrees(env: Env, cal: Calibration) -> None:
+    """The search under ``cal`` judges at least 4 plans, one with TP > 1, and the closed
+    form of each equals the simulator's iteration time."""
     res = search(
         **env.kw(),  # type: ignore[arg-type]
         pool=make_pool({("fast", ZONE): 2, ("slow", ZONE): 4}),
@@ -292,6 +280,23 @@ def test_closed_form_equals_the_simulator_in_every_corner(corner: str) -> None:
         assert c.fast.iteration_s == pytest.approx(c.estimate.iteration_time_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("corner", ["optimistic", "median", "pessimistic", "original"])
+def test_closed_form_equals_the_simulator_in_every_corner(corner: str) -> None:
+    """The tables mirror each deployment structure of the uncertainty set (p2p efficiency,
+    full copies across TP, fp32 gradients, per-GPU rings, extra state bytes), so the search
+    prices plans in any corner as the simulator does."""
+    from sailor import catalog
+    from sailor.simulator.uncertainty import corners
+
+    base = Calibration(prior=catalog.calibration().prior, p2p_across_tp="full_copies")
+    cal = dict(corners(base))[corner]
+    # GPUs large enough for the corners' GiB of non-tensor memory
+    env = make_env(
+        weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, memory_mb={"fast": 8000, "slow": 6000}
+    )
+    _closed_form_agrees(env, cal)
+
+
 @pytest.mark.parametrize("corner", ["optimistic", "pessimistic"])
 def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_tp(
     corner: str,
@@ -302,11 +307,9 @@ def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_t
     from dataclasses import replace
 
     from sailor import catalog
-    from sailor.schemas import Calibration
     from sailor.simulator.uncertainty import corners
 
-    base = Calibration(prior=catalog.calibration().prior, vocab_parallel=True)
-    cal = dict(corners(base))[corner]
+    cal = dict(corners(Calibration(prior=catalog.calibration().prior)))[corner]
     env = make_env(
         weights=(0.5, 3.0, 1.0, 1.0, 0.5, 2.0), gbs=64, memory_mb={"fast": 8000, "slow": 6000}
     )
@@ -316,16 +319,4 @@ def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_t
         network=env.network.model_copy(update={"intra_node": ()}),
         profiles=env.profiles.model_copy(update={"timings": one}),
     )
-    res = search(
-        **env.kw(),  # type: ignore[arg-type]
-        pool=make_pool({("fast", ZONE): 2, ("slow", ZONE): 4}),
-        gpu_specs=env.specs,
-        calibration=cal,
-        simulate_top=40,
-    )
-    judged = [c for c in res.candidates if c.estimate is not None]
-    tp2 = [c for c in judged for p in c.plan.pipelines for s in p.stages if s.replica.tp > 1]  # type: ignore[union-attr]
-    assert len(judged) >= 4 and tp2
-    for c in judged:
-        assert c.estimate is not None
-        assert c.fast.iteration_s == pytest.approx(c.estimate.iteration_time_s, rel=1e-9)
+    _closed_form_agrees(env, cal)
