@@ -183,34 +183,16 @@ class NetworkProfile(Frozen):
         return cache
 
     def inter(self, src: Endpoint, dst: Endpoint) -> BandwidthCurve | None:
-        """Curve between two endpoints on different nodes, or None if unknown."""
+        """Curve measured between two endpoints on different nodes (either way round), or,
+        inside one zone, a zone-agnostic curve (zone ``*``, e.g. a per-VM-shape fit) of their
+        VM shapes; None if neither is known. The simulator's fallbacks for an unknown link
+        (other zones, other VM shapes, distance) are ``sailor.simulator.network_model``'s."""
         idx = self._index()
         curve = idx.get((src, dst))
-        if curve is not None:
-            return curve
-        # Same zones, other VM shapes: fall back to the same zone pair with any shape,
-        # choosing the slowest known curve (never optimistic).
-        best: BandwidthCurve | None = None
-        for (a, b), c in idx.items():
-            same_zones = a.zone == src.zone and b.zone == dst.zone
-            if same_zones and (best is None or c.max_gbps < best.max_gbps):
-                best = c
-        if best is not None:
-            return best
-        # Zone-agnostic curves (zone '*', e.g. per-GPU-type fits) apply inside one zone.
-        if src.zone == dst.zone:
-            for (a, b), c in idx.items():
-                if (
-                    a.zone == "*" == b.zone
-                    and (a.gpu_type, a.gpus_per_node)
-                    == (
-                        src.gpu_type,
-                        src.gpus_per_node,
-                    )
-                    and (b.gpu_type, b.gpus_per_node) == (dst.gpu_type, dst.gpus_per_node)
-                ):
-                    return c
-        return None
+        if curve is None and src.zone == dst.zone:
+            anywhere = (src.model_copy(update={"zone": "*"}), dst.model_copy(update={"zone": "*"}))
+            curve = idx.get(anywhere)
+        return curve
 
     def intra(self, gpu_type: str, gpus_per_node: int) -> BandwidthCurve | None:
         """Curve between GPUs of one node."""

@@ -3,14 +3,20 @@
 Link curves come from the network profile, keyed by (zone, GPU type, GPUs per node) at both
 ends. When a link is missing the fallbacks are, in order, and each is recorded in the notes:
 
-1. the profile's own fallback (same zone pair, any VM shape or GPU type: the slowest curve);
-2. for two endpoints in one zone: the curve of the sender's GPU type inside its zone;
-3. a curve measured between sibling zones (:func:`sibling_curve`): the same relation (one
+1. inside one zone, a zone-agnostic curve (zone ``*``, e.g. a per-VM-shape fit) of both ends'
+   VM shapes;
+2. a curve measured between sibling zones (:func:`sibling_curve`): the same relation (one
    zone; two zones of one region; zones of the same two regions) between other zones of the
    same region(s), with both ends' VM shapes, the slowest;
+3. a curve measured between the same zones by nodes of other VM shapes, the slowest;
 4. a flat curve by distance: :data:`FALLBACK_SAME_ZONE_GBPS` inside a zone,
    :data:`FALLBACK_SAME_REGION_GBPS` between zones of a region, else
    :data:`FALLBACK_INTER_GBPS`.
+
+A VM shape (GPU type, GPUs per node) comes with its NICs: one A100-40 VM's probe peaks at 2.4
+GB/s, a four-GPU one's at 6 GB/s in the same zone. So a sibling zones' curve of the same shapes
+(2) comes before the same zones' curve of another shape (3). Fallbacks 2-4 are guesses
+(:func:`guessed_link`: the estimate says it rests on one); 1 is a measurement of the shapes.
 
 Intra-node transfers use the profile's intra-node curve of the GPU type, else the spec
 sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
@@ -82,38 +88,38 @@ def _flat(gbps: float) -> BandwidthCurve:
 
 def guessed_link(note: str) -> bool:
     """``note`` (of :func:`inter_curve`, :func:`intra_curve` or a ring) says the link is a
-    guess: flat by distance, a spec sheet, or a sibling zones' curve, not a measured curve
-    of this link."""
+    guess: flat by distance, a spec sheet, a sibling zones' curve or another VM shape's, not
+    a measured curve of this link."""
     return note.startswith(("no link", "no intra"))
 
 
 def inter_curve(
     network: NetworkProfile, a: ReplicaGroup, b: ReplicaGroup
 ) -> tuple[BandwidthCurve, str]:
-    """Curve between the nodes of two replica groups, and a note if a fallback was used."""
+    """Curve between the nodes of two replica groups, and a note if a fallback was used
+    (the module docstring's order; :func:`guessed_link` tells a guess from a measurement)."""
     src = Endpoint(zone=a.zone, gpu_type=a.gpu_type, gpus_per_node=a.gpus_per_node)
     dst = Endpoint(zone=b.zone, gpu_type=b.gpu_type, gpus_per_node=b.gpus_per_node)
     exact = network._index().get((src, dst))
     if exact is not None:
         return exact, ""
-    curve = network.inter(src, dst)
-    if curve is not None:
-        return curve, (
-            f"link {a.gpu_type}x{a.gpus_per_node}@{a.zone} -> {b.gpu_type}x{b.gpus_per_node}"
-            f"@{b.zone} not profiled: slowest known curve between these zones"
-        )
-    if a.zone == b.zone:
-        for ln in network.links:
-            if ln.src.zone == a.zone == ln.dst.zone and ln.src.gpu_type == a.gpu_type:
-                return ln.curve, (
-                    f"no link profiled in {a.zone} for {b.gpu_type}: "
-                    f"intra-zone curve of {a.gpu_type}"
-                )
+    link = f"{a.gpu_type}x{a.gpus_per_node}@{a.zone} -> {b.gpu_type}x{b.gpus_per_node}@{b.zone}"
+    anywhere = network.inter(src, dst)
+    if anywhere is not None:
+        return anywhere, f"link {link} not profiled: the zone-agnostic curve of these VM shapes"
     sibling = sibling_curve(network, src, dst)
     if sibling is not None:
         curve, where = sibling
         return curve, (
-            f"no link {a.zone} -> {b.zone} in the network profile: slowest curve measured {where}"
+            f"no link {link} in the network profile: slowest curve of these VM shapes "
+            f"measured {where}"
+        )
+    other = _other_shapes(network, src, dst)
+    if other is not None:
+        curve, shapes = other
+        return curve, (
+            f"no link {link} in the network profile: slowest curve of other VM shapes "
+            f"between these zones ({shapes})"
         )
     if a.zone == b.zone:
         gbps = FALLBACK_SAME_ZONE_GBPS
@@ -124,6 +130,21 @@ def inter_curve(
     return _flat(gbps), (
         f"no link {a.zone} -> {b.zone} in the network profile: conservative flat {gbps} GB/s"
     )
+
+
+def _other_shapes(
+    network: NetworkProfile, src: Endpoint, dst: Endpoint
+) -> tuple[BandwidthCurve, str] | None:
+    """The slowest curve measured between the zones of ``src`` and ``dst`` (either way round)
+    by nodes of other VM shapes, and that link's shapes. A node's NICs go with its shape, so
+    this is a guess: the slowest, so that it is rarely an optimistic one."""
+    best: tuple[BandwidthCurve, str] | None = None
+    for (x, y), c in network._index().items():
+        if (x.zone, y.zone) == (src.zone, dst.zone) and (
+            best is None or c.max_gbps < best[0].max_gbps
+        ):
+            best = c, f"{x.gpu_type}x{x.gpus_per_node} -> {y.gpu_type}x{y.gpus_per_node}"
+    return best
 
 
 def _shape(e: Endpoint) -> tuple[str, int]:
