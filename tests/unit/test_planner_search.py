@@ -143,7 +143,7 @@ def make_env(
             curve=BandwidthCurve(coeffs=(0.0, 0.0, 100.0), max_gbps=100.0),
         )
         for g in speed
-        for k in (1, 2, 4)
+        for k in (1, 2, 4, 8)
     )
     network = NetworkProfile(links=tuple(links), intra_node=intra)
     prices = PriceTable(
