@@ -139,14 +139,16 @@ def ring_allreduce_s(link: TPLink, nbytes: float, ranks: int) -> float:
 
 def all_gather_s(link: TPLink, nbytes: float, ranks: int) -> float:
     """Seconds for a TP group of ``ranks`` GPUs of one node to all-gather a tensor of
-    ``nbytes`` from its slices (a stage boundary's received activation, or gradient): with a
-    measured all-reduce, its latency plus ``(t-1)/t`` of the bytes at its bus bandwidth;
-    else the whole tensor over the link, derated as the link is."""
+    ``nbytes`` from its slices (a stage boundary's received activation, or gradient). A ring
+    all-gather: each GPU receives the ``t-1`` slices it lacks, one per step. With a measured
+    all-reduce, its latency plus those ``(t-1)/t`` of the bytes at its bus bandwidth; else
+    ``t-1`` steps of one slice over the link, derated as the link is (the steps of
+    :func:`ring_allreduce_s`'s curve path)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     if link.bus_gbps is not None:
         return link.latency_s + (ranks - 1) / ranks * nbytes / (link.bus_gbps * 1e9)
-    return link.curve.transfer_time(nbytes) / link.efficiency
+    return (ranks - 1) * link.curve.transfer_time(nbytes / ranks) / link.efficiency
 
 
 def layer_comm_s(

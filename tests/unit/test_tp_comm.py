@@ -258,8 +258,12 @@ def test_estimated_all_reduces_above_the_measured_time_leave_compute_its_share()
 
 def test_a_stage_boundary_all_gather_is_derated_as_the_all_reduces() -> None:
     spec = tp_link(None, SPECS, GPU, 4, 0.5)
+    # a ring all-gather: 3 steps of one 2 MB slice each, not the 8 MB tensor in one go
     assert spec.guessed and all_gather_s(spec, 8e6, 4) == pytest.approx(
-        8e6 / (SPECS[GPU].intra_node_link_gbps * 1e9) / 0.5
+        3 * 2e6 / (SPECS[GPU].intra_node_link_gbps * 1e9) / 0.5
+    )
+    assert all_gather_s(spec, 8e6, 2) == pytest.approx(
+        4e6 / (SPECS[GPU].intra_node_link_gbps * 1e9) / 0.5
     )
     measured = tp_link(NetworkProfile(collectives=(_probe(GPU, 4, 20.0),)), SPECS, GPU, 4)
     assert not measured.guessed
