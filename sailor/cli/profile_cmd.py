@@ -32,7 +32,7 @@ from sailor.cli._io import fail, load_model
 from sailor.cli.profile_group import _existing_db, _ints, _model, profile_app
 from sailor.cli.tables import print_table
 from sailor.profiler.merge import merge_db, save_db
-from sailor.schemas import ProfileDB
+from sailor.schemas import NetworkProfile, ProfileDB
 
 if TYPE_CHECKING:
     from sailor.profiler.calibrated_estimate import LooRow
@@ -49,8 +49,14 @@ def estimate_cmd(
     tp: str | None = typer.Option(None, help="TP degrees (default: those measured)."),
     mbs: str | None = typer.Option(None, help="Microbatch sizes (default: those measured)."),
     affine: bool = typer.Option(False, help="Fit latency + scale instead of a pure scale."),
+    network: Path | None = typer.Option(
+        None,
+        help="NetworkProfile whose intra-node curves price the TP all-reduces, taken out of "
+        "the measured GPUs' times and added to the estimate's (default: spec-sheet links).",
+    ),
 ) -> None:
-    """Roofline scaled by measured efficiency; leave-one-GPU-out error on the database."""
+    """Roofline scaled by measured compute efficiency, plus the GPU's own TP all-reduces;
+    leave-one-GPU-out error on the database."""
     from sailor.profiler.calibrated_estimate import (
         calibrated_efficiencies,
         estimate_gpu,
@@ -63,11 +69,12 @@ def estimate_cmd(
     specs = catalog.gpus()
     if gpu not in specs:
         raise fail(f"--gpu={gpu!r}: not in the catalog (known: {', '.join(specs)})")
-    table = calibrated_efficiencies(db, spec, specs, affine=affine)
+    net = load_model(network, NetworkProfile) if network is not None else None
+    table = calibrated_efficiencies(db, spec, specs, affine=affine, network=net)
     measured = sorted({k for g in db.gpu_types() for k in measured_grid(db, g)})
     tps = _ints(tp, "tp") if tp else tuple(sorted({t for t, _ in measured})) or (1,)
     bs = _ints(mbs, "mbs") if mbs else tuple(sorted({b for _, b in measured})) or (1,)
-    est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs])
+    est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs], net)
     est = est.model_copy(
         update={
             "meta": {
@@ -85,7 +92,7 @@ def estimate_cmd(
         f"{gpu}: {len(est.timings)} estimated entries for {spec.name} (tp {tps}, mbs {bs}) "
         f"written to {target}; {dropped} kept from a measured/imported source"
     )
-    rows = leave_one_gpu_out(db, spec, specs, affine=affine)
+    rows = leave_one_gpu_out(db, spec, specs, affine=affine, network=net)
     if not rows:
         con.print("leave-one-GPU-out: needs at least two measured GPU types with spec sheets")
         return

@@ -32,10 +32,18 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from sailor.schemas import GPUCalibration, GPUSpec, LayerProfile, ModelSpec, ProfileDB
+from sailor.schemas import (
+    GPUCalibration,
+    GPUSpec,
+    LayerProfile,
+    ModelSpec,
+    NetworkProfile,
+    ProfileDB,
+)
 from sailor.schemas.model import LayerKind
 from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY, estimate_layer_timing
 from sailor.simulator.lookup import layer_table
+from sailor.simulator.tp_comm import layer_comm_s, tp_link
 
 __all__ = [
     "Efficiency",
@@ -89,6 +97,28 @@ def _roofline(
     return (t.fwd_s * e, t.bwd_s * e, t.update_s * e)
 
 
+def _tp_comm(
+    model: ModelSpec, spec: GPUSpec, tp: int, mbs: int, network: NetworkProfile | None
+) -> list[tuple[float, float]]:
+    """Forward and backward seconds of every layer's TP all-reduces at ``tp`` on a node of
+    ``spec``: its intra-node curve in ``network``, else its spec sheet's link at the prior's
+    median efficiency (the simulator's own pricing, ``tp_comm``; none at TP 1)."""
+    n = model.num_all_layers
+    if tp <= 1:
+        return [(0.0, 0.0)] * n
+    link = tp_link(network, {spec.name: spec}, spec.name, tp)
+    return [layer_comm_s(model, tp, mbs, layer, link, True) for layer in range(n)]
+
+
+def _compute(measured: float, comm: float, roof: float) -> float:
+    """A measured TP time less its estimated all-reduces ``comm`` (at least the share
+    ``roof/(roof + comm)`` the roofline ``roof`` gives compute: a link estimate larger than
+    the measurement never leaves nothing), as the lookup's rule 3 takes them out."""
+    if comm <= 0 or roof <= 0:
+        return measured
+    return max(measured - comm, measured * roof / (roof + comm))
+
+
 def measured_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:
     out = []
     for tp, sizes in db.grid(gpu).items():
@@ -100,26 +130,34 @@ def measured_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:
 
 
 def _kind_sums(
-    db: ProfileDB, model: ModelSpec, spec: GPUSpec
+    db: ProfileDB, model: ModelSpec, spec: GPUSpec, network: NetworkProfile | None = None
 ) -> dict[Key, tuple[list[float], list[float]]]:
-    """Per key: (roofline f, b, u summed over the kind's layers; measured f, b, u summed)."""
+    """Per key: (roofline f, b, u summed over the kind's layers; measured compute f, b, u
+    summed: at TP > 1 the measured time less the TP all-reduces estimated over this GPU
+    type's node link, which its efficiency must not carry to another GPU's link)."""
     out: dict[Key, tuple[list[float], list[float]]] = {}
     specs = {spec.name: spec}
     for tp, mbs in measured_grid(db, spec.name):
         costs = layer_table(db, model, _NO_CORRECTION, specs, spec.name, tp, mbs).layers
-        for layer, c in enumerate(costs):
+        comms = _tp_comm(model, spec, tp, mbs, network)
+        for layer, (c, (cf, cb)) in enumerate(zip(costs, comms, strict=True)):
             roof, meas = out.setdefault((model.layer_kind(layer), tp, mbs), ([0.0] * 3, [0.0] * 3))
-            for i, v in enumerate(_roofline(model, spec, tp, mbs, layer)):
+            r = _roofline(model, spec, tp, mbs, layer)
+            for i, v in enumerate(r):
                 roof[i] += v
-            for i, v in enumerate((c.fwd_s, c.bwd_s, c.update_s)):
+            compute = (_compute(c.fwd_s, cf, r[0]), _compute(c.bwd_s, cb, r[1]), c.update_s)
+            for i, v in enumerate(compute):
                 meas[i] += v
     return out
 
 
-def gpu_efficiencies(db: ProfileDB, model: ModelSpec, spec: GPUSpec) -> dict[Key, Efficiency]:
-    """Measured efficiency (roofline / measured) of every (kind, TP, mbs) of one GPU type."""
+def gpu_efficiencies(
+    db: ProfileDB, model: ModelSpec, spec: GPUSpec, network: NetworkProfile | None = None
+) -> dict[Key, Efficiency]:
+    """Measured efficiency (roofline / measured compute) of every (kind, TP, mbs) of one GPU
+    type."""
     out: dict[Key, Efficiency] = {}
-    for k, (roof, meas) in _kind_sums(db, model, spec).items():
+    for k, (roof, meas) in _kind_sums(db, model, spec, network).items():
         if min(meas) > 0:
             out[k] = Efficiency(*(r / m for r, m in zip(roof, meas, strict=True)))
     return out
@@ -159,15 +197,18 @@ def calibrated_efficiencies(
     specs: Mapping[str, GPUSpec],
     exclude: Iterable[str] = (),
     affine: bool = False,
+    network: NetworkProfile | None = None,
 ) -> dict[Key, KindCost]:
-    """Per (kind, TP, mbs): the calibrated cost model over the measured GPU types (with a
-    spec, not in ``exclude``). The latency is per layer of the kind."""
+    """Per (kind, TP, mbs): the calibrated cost model of the compute over the measured GPU
+    types (with a spec, not in ``exclude``), their TP all-reduces taken out over their node
+    links (``network``'s intra-node curves, else spec sheets). The latency is per layer of
+    the kind."""
     skip = set(exclude)
     per_key: dict[Key, list[tuple[list[float], list[float]]]] = {}
     for g in db.gpu_types():
         if g in skip or g not in specs:
             continue
-        for k, v in _kind_sums(db, model, specs[g]).items():
+        for k, v in _kind_sums(db, model, specs[g], network).items():
             per_key.setdefault(k, []).append(v)
     counts: dict[LayerKind, int] = {}
     for layer in range(model.num_all_layers):
@@ -204,13 +245,19 @@ def estimate_gpu(
     spec: GPUSpec,
     table: Mapping[Key, KindCost],
     grid: Iterable[tuple[int, int]],
+    network: NetworkProfile | None = None,
 ) -> ProfileDB:
-    """Estimated timings of every layer of ``model`` on ``spec`` at each (TP, mbs) of ``grid``."""
+    """Estimated timings of every layer of ``model`` on ``spec`` at each (TP, mbs) of
+    ``grid``: the calibrated compute plus, at TP > 1, the TP all-reduces over ``spec``'s own
+    node link (``network``'s intra-node curve of the type, else its spec sheet), as a
+    profile at that TP holds them."""
     out: list[LayerProfile] = []
     for tp, mbs in sorted(set(grid)):
+        comms = _tp_comm(model, spec, tp, mbs, network)
         for layer in range(model.num_all_layers):
             kind = model.layer_kind(layer)
             f, b, u = _lookup(table, kind, tp, mbs).time(_roofline(model, spec, tp, mbs, layer))
+            f, b = f + comms[layer][0], b + comms[layer][1]
             out.append(
                 LayerProfile(
                     gpu_type=spec.name,
@@ -260,18 +307,25 @@ class LooRow:
 
 
 def leave_one_gpu_out(
-    db: ProfileDB, model: ModelSpec, specs: Mapping[str, GPUSpec], affine: bool = False
+    db: ProfileDB,
+    model: ModelSpec,
+    specs: Mapping[str, GPUSpec],
+    affine: bool = False,
+    network: NetworkProfile | None = None,
 ) -> list[LooRow]:
     """Estimate each measured GPU type from the others; one row per (GPU, TP, mbs) whose
-    measured times are positive."""
+    measured times are positive. ``network``: intra-node curves for the TP all-reduces (the
+    left-out GPU's own curve prices its estimate, as a user's probe of it would)."""
     rows: list[LooRow] = []
     measured = [g for g in db.gpu_types() if g in specs and measured_grid(db, g)]
     for g in measured:
         if len(measured) < 2:
             break
-        table = calibrated_efficiencies(db, model, specs, exclude=[g], affine=affine)
+        table = calibrated_efficiencies(
+            db, model, specs, exclude=[g], affine=affine, network=network
+        )
         grid = measured_grid(db, g)
-        est = estimate_gpu(model, specs[g], table, grid)
+        est = estimate_gpu(model, specs[g], table, grid, network)
         for tp, mbs in grid:
             meas = layer_table(db, model, _NO_CORRECTION, {g: specs[g]}, g, tp, mbs).layers
             cal = [est.timing(g, tp, mbs, i) for i in range(model.num_all_layers)]

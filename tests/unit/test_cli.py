@@ -185,3 +185,47 @@ def test_cli_import_does_not_load_torch() -> None:
     code = "import sys, sailor.cli.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_profile_estimate_prices_the_tp_all_reduces_on_the_given_network(tmp_path: Path) -> None:
+    """``--network``: the estimated GPU's TP all-reduces go over its intra-node curve there
+    (here a slow one), not its spec sheet's link; TP 1 is the same either way."""
+    from sailor import catalog
+    from sailor.profiler.calibrated_estimate import KindCost, estimate_gpu
+    from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile, ProfileDB
+
+    model, specs = catalog.model("OPT-350"), catalog.gpus()
+    grid = [(1, 1), (2, 1)]
+    kc = KindCost(latency=(0.0, 0.0, 0.0), scale=(3.0, 3.0, 3.0))
+    table = {(k, t, b): kc for k in ("embedding", "block", "head") for t, b in grid}
+    measured = tuple(
+        t.model_copy(update={"source": "measured"})
+        for g in ("A100-40", "V100-16")
+        for t in estimate_gpu(model, specs[g], table, grid).timings
+    )
+    db = tmp_path / "db.json"
+    db.write_text(ProfileDB(model=model.name, timings=measured).model_dump_json())
+    ep = Endpoint(zone="*", gpu_type="H100-80", gpus_per_node=2)
+    slow = BandwidthCurve(coeffs=(0.0, 0.0, 1.0), max_gbps=1.0)
+    net = tmp_path / "net.json"
+    net.write_text(NetworkProfile(intra_node=(Link(src=ep, dst=ep, curve=slow),)).model_dump_json())
+    outs = {}
+    for name, extra in (("spec", []), ("net", ["--network", str(net)])):
+        out = tmp_path / f"est-{name}.json"
+        res = runner.invoke(
+            app,
+            ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "-o", str(out), *extra],
+        )
+        assert res.exit_code == 0, res.output
+        outs[name] = ProfileDB.model_validate_json(out.read_text())
+    block = 1
+    for tp, slower in ((1, False), (2, True)):
+        a = outs["spec"].timing("H100-80", tp, 1, block)
+        b = outs["net"].timing("H100-80", tp, 1, block)
+        assert a is not None and b is not None
+        assert (b.fwd_s > 2 * a.fwd_s) is slower and (b.fwd_s == a.fwd_s) is not slower
+    res = runner.invoke(
+        app,
+        ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "--network", str(db)],
+    )
+    assert res.exit_code != 0 and "not a valid NetworkProfile" in res.output
