@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
+from sailor.controller.failure_text import parse_failure
 from sailor.controller.node_health import (
     DEADLINE_MISSED,
     JOB,
@@ -35,7 +36,6 @@ from sailor.controller.node_health import (
     forget_gone,
     held,
     miss_teardown,
-    parse_failure,
     readmit,
 )
 from sailor.schemas.commands import training_digest

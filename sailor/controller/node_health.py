@@ -50,17 +50,21 @@ the agent, torch or ``megatron_patch`` (the record's keys are read by name).
 
 from __future__ import annotations
 
-import json
-import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import cached_property
-from typing import Literal
 
 from pydantic import Field, model_validator
 
+from sailor.controller.failure_text import (
+    CAUSE_CHARS,
+    FailureCause,
+    abort_signal,
+    error_type,
+    parse_failure,
+    signature_of,
+)
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.runtime import DesiredState, NodeHealth
 
@@ -68,10 +72,8 @@ __all__ = [
     "DEADLINE_MISSED",
     "JOB",
     "JOB_WIDE_MIN_NODES",
-    "UNREADABLE_CHECKPOINT",
     "Charged",
     "ExclusionPolicy",
-    "FailureCause",
     "charge",
     "checkpoint_unreadable",
     "describe",
@@ -80,15 +82,9 @@ __all__ = [
     "forget_gone",
     "held",
     "miss_teardown",
-    "parse_failure",
     "readmit",
     "trained",
 ]
-
-Origin = Literal["local", "peer", "config", "unknown"]
-
-CAUSE_CHARS = 200
-"""Characters of a failure kept in a node's record and quoted in a reason."""
 
 JOB = "the job"
 """How reasons name the job's record (``DesiredState.job_health``)."""
@@ -96,10 +92,6 @@ JOB = "the job"
 JOB_WIDE_MIN_NODES = 2
 """Fewest nodes whose failures alike make them the job's (and more than half of the placed
 nodes): one node's failure is always its own, even in a one-node layout."""
-
-UNREADABLE_CHECKPOINT = ("CorruptCheckpointError", "NoCheckpointError")
-"""The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``):
-the abort falls back to another checkpoint; no node and not the job is at fault."""
 
 TEARDOWN_MISSED = "TeardownMissed"
 """Error type of the cause a node is charged with when it holds up a teardown past its
@@ -143,107 +135,9 @@ class ExclusionPolicy(Frozen):
         return self
 
 
-@dataclass(frozen=True)
-class FailureCause:
-    """What a failure text says about where the failure began and whether to retry."""
-
-    origin: Origin
-    retry: bool
-    text: str
-
-    @property
-    def own(self) -> bool:
-        """The failure began on the node that reported it (anything but a peer's)."""
-        return self.origin != "peer"
-
-    @cached_property
-    def summary(self) -> str:
-        """``error_type: message`` of a record, else the text itself; at most
-        ``CAUSE_CHARS`` (worked out only when asked: a peer's is never quoted)."""
-        return self._whole[:CAUSE_CHARS]
-
-    @cached_property
-    def signature(self) -> str:
-        """The whole ``error_type: message`` with its numbers and hex addresses left out,
-        then shortened: the same error on every rank has one signature, however wide the
-        numbers each names (``Tried to allocate 2.00 GiB`` and ``112.00 GiB``; shortening
-        first cut the two at different places)."""
-        return _signature(self._whole)
-
-    @cached_property
-    def _whole(self) -> str:
-        try:
-            data = json.loads(self.text)
-        except ValueError:
-            data = None
-        if isinstance(data, dict):
-            kind = str(data.get("error_type") or data.get("error") or "")
-            message = str(data.get("message", ""))
-        else:  # cut off, or no record at all
-            kind_m, message_m = _ERROR_TYPE.search(self.text), _MESSAGE.search(self.text)
-            kind = kind_m.group(1) if kind_m else ""
-            message = message_m.group(1) if message_m else ""
-        if kind or message:
-            return f"{kind}: {message}" if kind else message
-        return self.text
-
-    @property
-    def outlived_kill(self) -> bool:
-        """The agent's own report of a killed worker that outlived SIGKILL: it withdraws it
-        once the process is gone."""
-        return '"OutlivedKill"' in self.text or self.text.startswith("OutlivedKill")
-
-    @property
-    def unreadable_checkpoint(self) -> bool:
-        """The checkpoint reader's error: handled by falling back, counted against none."""
-        return any(e in self.text for e in UNREADABLE_CHECKPOINT)
-
-
-# Keys of a record as JSON writes them: a quote inside a string value is escaped (\"), so
-# these match the record's own keys only, in a whole record and in one cut off alike.
-_ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config)"')
-_RETRY = re.compile(r'"retry"\s*:\s*(true|false)')
-_ERROR_TYPE = re.compile(r'"(?:error_type|error)"\s*:\s*"((?:[^"\\]|\\.)*)')
-_MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
-_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
-
-
-def parse_failure(text: str) -> FailureCause:
-    """The origin and retry policy of ``AgentStatus.failure``.
-
-    A worker's record is JSON, but the agent keeps only its first 2000 characters, so a long
-    traceback cuts it off: the keys are read from the text, whole or not (``failure_record``
-    writes ``origin`` and ``retry`` right after ``rank`` and ``step``), without parsing it
-    (at an abort of 512 nodes most report a peer's failure, every teardown pass). No record,
-    or one without an origin: ``unknown``, retry unless it says ``false``.
-    """
-    text = text.strip()
-    if not text.startswith("{"):
-        return FailureCause("unknown", True, text)
-    o, r = _ORIGIN.search(text), _RETRY.search(text)
-    origin: Origin = o.group(1) if o else "unknown"  # type: ignore[assignment]
-    return FailureCause(origin, not (r and r.group(1) == "false"), text)
-
-
-def _signature(summary: str) -> str:
-    """A cause with its numbers and hex addresses left out, at most ``CAUSE_CHARS``: the
-    same error on every rank (each names its own rank, pid, step, size or address) has one
-    signature."""
-    return _NUMBER.sub("#", summary)[:CAUSE_CHARS]
-
-
 def _record_signature(rec: NodeHealth) -> str:
     """The signature of a record's last failure (its cause's, for one written without)."""
-    return rec.signature or _signature(rec.cause)
-
-
-def _error_type(summary: str) -> str:
-    return summary.split(":", 1)[0] if ":" in summary else ""
-
-
-def _abort_signal(summary: str) -> bool:
-    """A parent-written record of a rank killed by SIGABRT (``signal_failure_record``)."""
-    return _error_type(summary) == "Signal" and "SIGABRT" in summary
+    return rec.signature or signature_of(rec.cause)
 
 
 def _length(policy: ExclusionPolicy, exclusions: int) -> float:
@@ -267,7 +161,7 @@ def _count(
         "failures": count,
         "generation": generation,
         "cause": summary,
-        "signature": signature or _signature(summary),
+        "signature": signature or signature_of(summary),
         "origin": origin if origin in ("local", "config") else "unknown",
     }
     why = ""
@@ -356,8 +250,8 @@ def charge(
     for n, r in health.items():
         if r.generation == gen and n not in evidence:
             evidence[n] = (r.cause, _record_signature(r), r.origin)
-    kind = {n: _error_type(e[0]) for n, e in evidence.items()}
-    aborts = {n for n, e in evidence.items() if _abort_signal(e[0])}
+    kind = {n: error_type(e[0]) for n, e in evidence.items()}
+    aborts = {n for n, e in evidence.items() if abort_signal(e[0])}
     # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
     # on it (a missed teardown comes after the failure, never before it). SIGABRTs are never
     # "alike": every rank of a job whose collectives hang (a dead NIC) aborts, wherever the
@@ -406,7 +300,7 @@ def charge(
         rec = health.get(n)
         counted = rec is not None and rec.generation == gen
         if why:  # a node-bound record (a missed deadline) stays, whatever the node reports
-            if counted and rec is not None and _error_type(rec.cause) not in _NODE_BOUND:
+            if counted and rec is not None and error_type(rec.cause) not in _NODE_BOUND:
                 back = _take_back(rec, now)
                 if back is None:
                     del health[n]
