@@ -9,7 +9,8 @@ audit log reproduces it. The rules:
 
 - A failure counts against a node when it began there: the worker's error record
   (``sailor.megatron_patch.errors.failure_record``, the first 2000 characters of its JSON in
-  ``AgentStatus.failure``) says ``origin`` local or config, or the text is no record at all
+  ``AgentStatus.failure``, read by ``controller/failure_text.py``) says ``origin`` local or
+  config, or the text is no record at all
   (the supervisor's ``rank N exit C: ...``, a toy worker's record without an origin). A
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
   are not at fault. Each generation counts at most once per node.
@@ -17,7 +18,9 @@ audit log reproduces it. The rules:
   ``NoCheckpointError``: the abort falls back to an older checkpoint, the nodes are fine),
   and a parent-written ``SIGABRT`` record (NCCL's watchdog giving up on a collective) in a
   generation where another node failed with an error of its own: the watchdog fired because
-  that node's rank was gone.
+  that node's rank was gone. Nor, by itself, a SIGABRT in a generation where only
+  SIGABRTs were reported: every collective hung (a dead NIC, NCCL's ports blocked), every
+  rank's watchdog fired, and the node at fault is not known.
 - A failure of the job, not of its nodes: the same cause (error type and message, numbers
   aside: ranks, sizes, steps differ) reported by at least ``JOB_WIDE_MIN_NODES`` nodes and
   by more than half of the placed nodes — a training config every rank refuses, a plan that
@@ -28,6 +31,13 @@ audit log reproduces it. The rules:
   and the exclusion that count set) once they show the cause was the job's. A killed worker
   that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed launch deadline
   are the node's, however many nodes report them.
+- A hang of the job, which nobody can be blamed for, counts against the job by the same
+  policy, so it is relaunched with a backoff and a record, not at full rate forever: only
+  SIGABRTs reported, by as many nodes as make a failure alike the job's (or the only node
+  of a one-node job); a node's own failure reported later in that generation takes the
+  job's count back (the SIGABRTs were the watchdog giving up on its rank, and it is
+  charged). And a LAUNCH, LOAD or VERIFY deadline no placed node got past, every node alike
+  (``stall``; which generation that is: ``controller/failing_nodes.py``, ``stalled``).
 - A node (or the job) is excluded at once when its record says ``retry: false`` (a
   configuration error, which a relaunch cannot mend), or at ``ExclusionPolicy.failures``
   consecutive counted failures. The first exclusion lasts ``exclude_s``, each further one
@@ -45,7 +55,7 @@ audit log reproduces it. The rules:
   ``forget_gone``). A lease flap or an agent restart forgets nothing.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified. Must never import
-the agent, torch or ``megatron_patch`` (the record's keys are read by name).
+the agent, torch or ``megatron_patch`` (``failure_text`` reads the record's keys by name).
 """
 
 from __future__ import annotations
@@ -83,6 +93,7 @@ __all__ = [
     "held",
     "miss_teardown",
     "readmit",
+    "stall",
     "trained",
 ]
 
@@ -174,7 +185,8 @@ def _count(
 
 def _take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
     """``rec`` without the failure counted for its last generation (a node whose failure
-    turned out to be the job's, or a peer's): one fewer, and the exclusion that count set
+    turned out to be the job's, or a peer's; the job's hang that turned out to be a node's
+    failure): one fewer, and the exclusion that count set
     ended (a node excluded before that generation was in no layout of it). None when
     nothing is left to remember. Its generation becomes -1: that one is not counted again."""
     set_by_it = rec.excluded_until > now
@@ -282,7 +294,9 @@ def charge(
             and n not in aborts
         ):
             job_why.setdefault(e[1], _CONFIG)
-    if job.generation == gen:
+    # the job's count for a hang (below) is never a cause others are "alike" to
+    hang_counted = job.generation == gen and abort_signal(job.cause)
+    if job.generation == gen and not hang_counted:
         job_why.setdefault(_record_signature(job), _ALIKE)
     notes: list[str] = []
     spared: dict[str, list[str]] = {}
@@ -327,10 +341,52 @@ def charge(
             notes.append(describe(n, health[n], now, excl))
     for why, nodes in spared.items():
         notes.append(f"not counted against {', '.join(nodes)}: {why}")
+    if hang_counted and first_cause:
+        # a node's own failure came in after all: the SIGABRTs were the watchdog giving up
+        # on its rank, and it is charged (above), not the job
+        job = _take_back(job, now) or NodeHealth()
+        who = min(n for n in evidence if n not in aborts and kind[n] != TEARDOWN_MISSED)
+        notes.append(
+            f"taken back from the job: {who} reported a failure of its own, the SIGABRTs "
+            "were NCCL's watchdog giving up on its rank"
+        )
+    # only SIGABRTs, reported by as many of the placed nodes as make a failure alike the
+    # job's: every collective hung (a dead NIC, NCCL's ports blocked), so the job is
+    # relaunched with a backoff, not at full rate forever; no node is charged. A one-node
+    # job's only rank is the job's, as its configuration error is.
+    many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
+    hung = bool(aborts) and not first_cause and (many or placed == 1)
     if job_why and job.generation != gen:
         job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy)
         notes.append(note)
+    elif hung and job.generation != gen:
+        job, note = _charge_hang(job, gen, {n: evidence[n] for n in aborts}, placed, now, policy)
+        notes.append(note)
     return Charged(health, job, notes)
+
+
+def _charge_hang(
+    job: NodeHealth,
+    gen: int,
+    aborts: Mapping[str, tuple[str, str, str]],
+    placed: int,
+    now: float,
+    policy: ExclusionPolicy,
+) -> tuple[NodeHealth, str]:
+    """The job's record with generation ``gen`` counted for a hang: only SIGABRTs reported
+    (``aborts``: node -> summary, signature, origin), by most of the ``placed`` nodes. Its
+    cause is a SIGABRT's, which is how a later pass knows the count to take back."""
+    nodes = sorted(aborts)
+    summary, sig, _ = aborts[nodes[0]]
+    rec, excl = _count(job, gen, summary, "unknown", True, now, policy, sig)
+    what = (
+        f"only SIGABRTs (NCCL's watchdog giving up on a hung collective) reported, by "
+        f"{len(nodes)} of the {placed} placed node(s) ({', '.join(nodes)}): every collective "
+        "hung, the node at fault is not known"
+    )
+    if excl:
+        return rec, describe(JOB, rec, now, f"{excl}; {what}")
+    return rec, f"counted against the job (failure {rec.failures} in a row): {what}: {summary}"
 
 
 def _charge_job(
@@ -389,6 +445,26 @@ def miss_teardown(
         health[n] = rec
         notes.append(describe(n, rec, now, "teardown deadline passed"))
     return Charged(health, d.job_health, notes)
+
+
+def stall(
+    job: NodeHealth, generation: int, what: str, now: float, policy: ExclusionPolicy
+) -> tuple[NodeHealth, str]:
+    """The job's record with ``generation`` counted for a LAUNCH, LOAD or VERIFY deadline
+    no placed node got past and none is to blame for more than the others (``what``: the
+    phase, the deadline and how the nodes fell short; ``failing_nodes.stalled``), and the
+    sentence that says so ('' when the generation is counted against the job already).
+
+    A ``DeadlineMissed`` cause, retried (a rendezvous that never completes, a checkpoint
+    store every node reads too slowly may mend): the policy's backoff, so such a job is no
+    longer relaunched at full rate forever with nothing an operator sees."""
+    if job.generation == generation:
+        return job, ""
+    summary = f"{DEADLINE_MISSED}: {what}"[:CAUSE_CHARS]
+    rec, excl = _count(job, generation, summary, "unknown", True, now, policy)
+    if excl:
+        return rec, describe(JOB, rec, now, f"{excl}; {what}")
+    return rec, f"counted against the job (failure {rec.failures} in a row): {what}"
 
 
 def _reset(rec: NodeHealth) -> NodeHealth | None:
