@@ -124,7 +124,8 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
 
 def _behind(d: DesiredState, o: Observed) -> list[str]:
     """The placed nodes that held up this LAUNCH, LOAD or VERIFY past its deadline, to be
-    charged (``failing_nodes.missed_launching`` spares them all when it is every one).
+    charged (``failing_nodes.missed_launching`` spares them all when it is every one: the
+    job is charged then, ``failing_nodes.stalled``).
 
     LAUNCH: those whose Launch of this epoch was not acked (a hung agent, a dead VM whose
     lease still holds); none when the phase was begun under another epoch (adopted by this
@@ -136,7 +137,8 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
     load, so one hung before the rendezvous keeps every node starting, and after it the last
     to report is the heaviest stage or the slowest storage, not a broken node (charged on
     every relaunch of the same plan, it would be excluded). Nor, at VERIFY, are workers all
-    running and stuck at one step (a collective waits for the slowest rank)."""
+    running and stuck at one step (a collective waits for the slowest rank): when no node
+    got through, the job is charged instead (:func:`_short`)."""
     if d.phase is Phase.LAUNCH:
         if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
             return []
