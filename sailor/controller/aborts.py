@@ -73,10 +73,13 @@ def _abort(
     cause: str,
     late: Mapping[str, str] | None = None,
     notes: Sequence[str] = (),
+    stalled: str = "",
 ) -> list[Action]:
     """The move to TEARDOWN. ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes to
     charge for it (node -> what it still reports, ``failing_nodes.missed_launching``),
-    counted in the same desired state; ``notes``: more for the reason."""
+    counted in the same desired state; ``stalled``: at such a deadline no node got past,
+    what the job is charged with instead (``failing_nodes.stalled``); ``notes``: more for
+    the reason."""
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
     # same way forever): the next launch falls back to the newest other recorded commit.
     bad = d.bad_checkpoints
@@ -90,7 +93,7 @@ def _abort(
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
-    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late)
+    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stalled)
     state = _move(
         d,
         Phase.TEARDOWN,

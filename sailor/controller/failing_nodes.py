@@ -6,7 +6,8 @@ job, the exclusion backoff, when a record is forgotten). This module applies the
 pass: which nodes of the layout failed, which node a failure is named after, which
 registered nodes no layout may use, why none is usable, which busy nodes hold up a
 teardown and what one still busy at its deadline is charged with, which placed nodes a
-LAUNCH, LOAD or VERIFY deadline is charged to (``missed_launching``), which records a pass
+LAUNCH, LOAD or VERIFY deadline is charged to (``missed_launching``), or whether the job is,
+no node having got past it (``stalled``), which records a pass
 forgets (nodes long away, configuration errors of a changed training config, operators'
 readmit requests). The phase machine in ``controller/decide.py`` (and its phase modules
 ``aborts.py``, ``teardown.py``) calls it and turns what it returns (records, and the reason
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
+from sailor.controller.failure_text import parse_failure
 from sailor.controller.node_health import (
     DEADLINE_MISSED,
     JOB,
@@ -35,8 +37,8 @@ from sailor.controller.node_health import (
     forget_gone,
     held,
     miss_teardown,
-    parse_failure,
     readmit,
+    stall,
 )
 from sailor.schemas.commands import training_digest
 from sailor.schemas.runtime import AgentStatus, DesiredState, Phase, ReadmitRequest
@@ -55,6 +57,7 @@ __all__ = [
     "missed_launching",
     "nothing_usable",
     "progressed",
+    "stalled",
     "to_clear",
     "unusable",
 ]
@@ -94,6 +97,7 @@ def charge_abort(
     now: float,
     policy: ExclusionPolicy,
     late: Mapping[str, str] | None = None,
+    stalled: str = "",
 ) -> Charged:
     """The records once the failures behind an abort of ``d``'s generation are counted.
 
@@ -103,7 +107,9 @@ def charge_abort(
     ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes that held it up (node -> what
     it still reports, :func:`missed_launching`), each charged with a ``DeadlineMissed``
     failure of its own (counted by the policy, never the job's) unless it reports a failure
-    of its own; the notes name those counted."""
+    of its own; the notes name those counted. ``stalled``: at such a deadline no placed node
+    got past and none is to blame more than the others, what the job is charged with
+    (:func:`stalled`; once a generation, as every failure of the job)."""
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
@@ -120,16 +126,19 @@ def charge_abort(
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
         c = charge(d, failures, now, policy, progressed(d, status))
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
-    if not counted:
-        return c
 
     # what was counted: the missed deadline, or the failure the node reports of its own
     def counted_as(n: str) -> str:
         cause = c.health[n].cause
         return (late or {})[n] if cause.startswith(DEADLINE_MISSED) else cause
 
-    whom = "; ".join(f"{n} ({counted_as(n)})" for n in counted)
-    return replace(c, notes=[f"counted against {whom}", *c.notes])
+    if counted:
+        whom = "; ".join(f"{n} ({counted_as(n)})" for n in counted)
+        c = replace(c, notes=[f"counted against {whom}", *c.notes])
+    if stalled:
+        job, note = stall(c.job, d.generation, stalled, now, policy)
+        c = replace(c, job=job, notes=[*c.notes, note] if note else c.notes)
+    return c
 
 
 def missed_launching(
@@ -143,21 +152,48 @@ def missed_launching(
     reports (for :func:`charge_abort`), and the notes for the abort's reason.
 
     Not those the records exclude at ``now`` already: they were charged. And none when every placed
-    node is late: nothing tells a fault of the nodes from the controller's or the network's
-    (a Launch fan-out lost, a deadline too short for the checkpoint's load), and no report
-    names a cause the job's rule could count (``charge``: the same failure on most nodes),
-    so neither the nodes nor the job are charged and the job is relaunched as before."""
+    node is late: nothing tells a fault of the nodes from the job's, the controller's or the
+    network's (a Launch fan-out lost, a rendezvous that never completes, a deadline too short
+    for the checkpoint's load), so no node is charged: the job is (:func:`stalled`)."""
     if not late:
         return {}, []
     if set(d.placement) <= set(late):
         why = (
             f"not counted against the {len(d.placement)} placed node(s): every one missed the "
-            f"{d.phase.value} deadline, no node is to blame (the controller's or the "
-            "network's fault, or a deadline too short)"
+            f"{d.phase.value} deadline, no node is to blame more than the others (the job is)"
         )
         return {}, [why]
     out = excluded(d.node_health, now)
     return {n: _still_at(d, status.get(n)) for n in sorted(late) if n not in out}, []
+
+
+def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> str:
+    """At the deadline of ``d``'s LAUNCH, LOAD or VERIFY: what the job is charged with
+    (:func:`charge_abort`), or '' when it is not.
+
+    ``late``: the placed nodes that held the phase up, to charge (``launch._behind``);
+    ``short``: those that did not get as far as the phase waits for (a Launch acked, workers
+    running, at VERIFY a step past the loaded one), ``late`` among them. The job's when no
+    placed node got that far and every one is late or none is: a generation hung with every
+    node alike (a rendezvous that never completes, a checkpoint store every node reads too
+    slowly, every worker running and stuck at its first step). Nothing tells a fault of the
+    nodes from the job's, the controller's or the network's, and relaunching it at once,
+    forever, hid it; the job's backoff slows it and its record tells an operator. Not when
+    some are late and others not (those late are charged: :func:`missed_launching`), nor
+    when a node got through."""
+    placed = set(d.placement)
+    if not placed or not placed <= set(short) or (late and not placed <= set(late)):
+        return ""
+    waited = {
+        Phase.LAUNCH: "acked its Launch",
+        Phase.LOAD: "had its workers running",
+        Phase.VERIFY: f"reported a step past {d.load_step}",
+    }.get(d.phase, "got through")
+    length = d.phase_deadline - d.phase_since
+    return (
+        f"none of the {len(placed)} placed node(s) {waited} by the {d.phase.value} deadline "
+        f"({length:.0f} s)"
+    )
 
 
 def _still_at(d: DesiredState, st: AgentStatus | None) -> str:

@@ -4,7 +4,8 @@ The move to LAUNCH of the next plan on its placement (``_launch``: the in-place 
 restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
 and VERIFY phases (``_launching``): a Launch to every node of the layout, the workers up,
 their first step after the loaded checkpoint, which clears the failure streaks; past a
-phase's deadline, an abort that charges the nodes that held it up (``_behind``).
+phase's deadline, an abort that charges the nodes that held it up (``_behind``), or the job
+when no node got through and none is to blame more than the others (``_short``).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -123,7 +124,8 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
 
 def _behind(d: DesiredState, o: Observed) -> list[str]:
     """The placed nodes that held up this LAUNCH, LOAD or VERIFY past its deadline, to be
-    charged (``failing_nodes.missed_launching`` spares them all when it is every one).
+    charged (``failing_nodes.missed_launching`` spares them all when it is every one: the
+    job is charged then, ``failing_nodes.stalled``).
 
     LAUNCH: those whose Launch of this epoch was not acked (a hung agent, a dead VM whose
     lease still holds); none when the phase was begun under another epoch (adopted by this
@@ -135,7 +137,8 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
     load, so one hung before the rendezvous keeps every node starting, and after it the last
     to report is the heaviest stage or the slowest storage, not a broken node (charged on
     every relaunch of the same plan, it would be excluded). Nor, at VERIFY, are workers all
-    running and stuck at one step (a collective waits for the slowest rank)."""
+    running and stuck at one step (a collective waits for the slowest rank): when no node
+    got through, the job is charged instead (:func:`_short`)."""
     if d.phase is Phase.LAUNCH:
         if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
             return []
@@ -149,13 +152,34 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
     ]
 
 
+def _short(d: DesiredState, o: Observed) -> list[str]:
+    """The placed nodes that did not get as far as this LAUNCH, LOAD or VERIFY waits for,
+    those :func:`_behind` blames among them: at LAUNCH the same (none for a LAUNCH adopted
+    from another epoch: its acks are lost); at LOAD those whose workers of this generation
+    are not running; at VERIFY those that did not report a step past the loaded one. When
+    it is every one, and none or all are to blame, the job is
+    (``failing_nodes.stalled``)."""
+    if d.phase is Phase.LAUNCH:
+        return _behind(d, o)
+
+    def through(n: str) -> bool:
+        st = o.status.get(n)
+        if st is None or st.generation != d.generation or st.state != "running":
+            return False
+        return d.phase is Phase.LOAD or st.step > d.load_step
+
+    return [n for n in sorted(d.placement) if not through(n)]
+
+
 def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     why = _unhealthy(d, o)
     if why:
         return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
     if o.now > d.phase_deadline:
-        late, notes = failing_nodes.missed_launching(d, _behind(d, o), o.status, o.now)
-        return _abort(d, o, cfg, f"{d.phase.value} deadline passed", late, notes)
+        behind = _behind(d, o)
+        late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
+        stalled = failing_nodes.stalled(d, behind, _short(d, o))
+        return _abort(d, o, cfg, f"{d.phase.value} deadline passed", late, notes, stalled)
     if d.plan is None:
         return _abort(d, o, cfg, "no plan to launch")
     if d.phase is Phase.LAUNCH:

@@ -9,7 +9,8 @@ audit log reproduces it. The rules:
 
 - A failure counts against a node when it began there: the worker's error record
   (``sailor.megatron_patch.errors.failure_record``, the first 2000 characters of its JSON in
-  ``AgentStatus.failure``) says ``origin`` local or config, or the text is no record at all
+  ``AgentStatus.failure``, read by ``controller/failure_text.py``) says ``origin`` local or
+  config, or the text is no record at all
   (the supervisor's ``rank N exit C: ...``, a toy worker's record without an origin). A
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
   are not at fault. Each generation counts at most once per node.
@@ -17,7 +18,9 @@ audit log reproduces it. The rules:
   ``NoCheckpointError``: the abort falls back to an older checkpoint, the nodes are fine),
   and a parent-written ``SIGABRT`` record (NCCL's watchdog giving up on a collective) in a
   generation where another node failed with an error of its own: the watchdog fired because
-  that node's rank was gone.
+  that node's rank was gone. Nor, by itself, a SIGABRT in a generation where only
+  SIGABRTs were reported: every collective hung (a dead NIC, NCCL's ports blocked), every
+  rank's watchdog fired, and the node at fault is not known.
 - A failure of the job, not of its nodes: the same cause (error type and message, numbers
   aside: ranks, sizes, steps differ) reported by at least ``JOB_WIDE_MIN_NODES`` nodes and
   by more than half of the placed nodes — a training config every rank refuses, a plan that
@@ -28,6 +31,13 @@ audit log reproduces it. The rules:
   and the exclusion that count set) once they show the cause was the job's. A killed worker
   that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed launch deadline
   are the node's, however many nodes report them.
+- A hang of the job, which nobody can be blamed for, counts against the job by the same
+  policy, so it is relaunched with a backoff and a record, not at full rate forever: only
+  SIGABRTs reported, by as many nodes as make a failure alike the job's (or the only node
+  of a one-node job); a node's own failure reported later in that generation takes the
+  job's count back (the SIGABRTs were the watchdog giving up on its rank, and it is
+  charged). And a LAUNCH, LOAD or VERIFY deadline no placed node got past, every node alike
+  (``stall``; which generation that is: ``controller/failing_nodes.py``, ``stalled``).
 - A node (or the job) is excluded at once when its record says ``retry: false`` (a
   configuration error, which a relaunch cannot mend), or at ``ExclusionPolicy.failures``
   consecutive counted failures. The first exclusion lasts ``exclude_s``, each further one
@@ -45,22 +55,26 @@ audit log reproduces it. The rules:
   ``forget_gone``). A lease flap or an agent restart forgets nothing.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified. Must never import
-the agent, torch or ``megatron_patch`` (the record's keys are read by name).
+the agent, torch or ``megatron_patch`` (``failure_text`` reads the record's keys by name).
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import cached_property
-from typing import Literal
 
 from pydantic import Field, model_validator
 
+from sailor.controller.failure_text import (
+    CAUSE_CHARS,
+    FailureCause,
+    abort_signal,
+    error_type,
+    parse_failure,
+    signature_of,
+)
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.runtime import DesiredState, NodeHealth
 
@@ -68,10 +82,8 @@ __all__ = [
     "DEADLINE_MISSED",
     "JOB",
     "JOB_WIDE_MIN_NODES",
-    "UNREADABLE_CHECKPOINT",
     "Charged",
     "ExclusionPolicy",
-    "FailureCause",
     "charge",
     "checkpoint_unreadable",
     "describe",
@@ -80,15 +92,10 @@ __all__ = [
     "forget_gone",
     "held",
     "miss_teardown",
-    "parse_failure",
     "readmit",
+    "stall",
     "trained",
 ]
-
-Origin = Literal["local", "peer", "config", "unknown"]
-
-CAUSE_CHARS = 200
-"""Characters of a failure kept in a node's record and quoted in a reason."""
 
 JOB = "the job"
 """How reasons name the job's record (``DesiredState.job_health``)."""
@@ -96,10 +103,6 @@ JOB = "the job"
 JOB_WIDE_MIN_NODES = 2
 """Fewest nodes whose failures alike make them the job's (and more than half of the placed
 nodes): one node's failure is always its own, even in a one-node layout."""
-
-UNREADABLE_CHECKPOINT = ("CorruptCheckpointError", "NoCheckpointError")
-"""The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``):
-the abort falls back to another checkpoint; no node and not the job is at fault."""
 
 TEARDOWN_MISSED = "TeardownMissed"
 """Error type of the cause a node is charged with when it holds up a teardown past its
@@ -143,107 +146,9 @@ class ExclusionPolicy(Frozen):
         return self
 
 
-@dataclass(frozen=True)
-class FailureCause:
-    """What a failure text says about where the failure began and whether to retry."""
-
-    origin: Origin
-    retry: bool
-    text: str
-
-    @property
-    def own(self) -> bool:
-        """The failure began on the node that reported it (anything but a peer's)."""
-        return self.origin != "peer"
-
-    @cached_property
-    def summary(self) -> str:
-        """``error_type: message`` of a record, else the text itself; at most
-        ``CAUSE_CHARS`` (worked out only when asked: a peer's is never quoted)."""
-        return self._whole[:CAUSE_CHARS]
-
-    @cached_property
-    def signature(self) -> str:
-        """The whole ``error_type: message`` with its numbers and hex addresses left out,
-        then shortened: the same error on every rank has one signature, however wide the
-        numbers each names (``Tried to allocate 2.00 GiB`` and ``112.00 GiB``; shortening
-        first cut the two at different places)."""
-        return _signature(self._whole)
-
-    @cached_property
-    def _whole(self) -> str:
-        try:
-            data = json.loads(self.text)
-        except ValueError:
-            data = None
-        if isinstance(data, dict):
-            kind = str(data.get("error_type") or data.get("error") or "")
-            message = str(data.get("message", ""))
-        else:  # cut off, or no record at all
-            kind_m, message_m = _ERROR_TYPE.search(self.text), _MESSAGE.search(self.text)
-            kind = kind_m.group(1) if kind_m else ""
-            message = message_m.group(1) if message_m else ""
-        if kind or message:
-            return f"{kind}: {message}" if kind else message
-        return self.text
-
-    @property
-    def outlived_kill(self) -> bool:
-        """The agent's own report of a killed worker that outlived SIGKILL: it withdraws it
-        once the process is gone."""
-        return '"OutlivedKill"' in self.text or self.text.startswith("OutlivedKill")
-
-    @property
-    def unreadable_checkpoint(self) -> bool:
-        """The checkpoint reader's error: handled by falling back, counted against none."""
-        return any(e in self.text for e in UNREADABLE_CHECKPOINT)
-
-
-# Keys of a record as JSON writes them: a quote inside a string value is escaped (\"), so
-# these match the record's own keys only, in a whole record and in one cut off alike.
-_ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config)"')
-_RETRY = re.compile(r'"retry"\s*:\s*(true|false)')
-_ERROR_TYPE = re.compile(r'"(?:error_type|error)"\s*:\s*"((?:[^"\\]|\\.)*)')
-_MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
-_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
-
-
-def parse_failure(text: str) -> FailureCause:
-    """The origin and retry policy of ``AgentStatus.failure``.
-
-    A worker's record is JSON, but the agent keeps only its first 2000 characters, so a long
-    traceback cuts it off: the keys are read from the text, whole or not (``failure_record``
-    writes ``origin`` and ``retry`` right after ``rank`` and ``step``), without parsing it
-    (at an abort of 512 nodes most report a peer's failure, every teardown pass). No record,
-    or one without an origin: ``unknown``, retry unless it says ``false``.
-    """
-    text = text.strip()
-    if not text.startswith("{"):
-        return FailureCause("unknown", True, text)
-    o, r = _ORIGIN.search(text), _RETRY.search(text)
-    origin: Origin = o.group(1) if o else "unknown"  # type: ignore[assignment]
-    return FailureCause(origin, not (r and r.group(1) == "false"), text)
-
-
-def _signature(summary: str) -> str:
-    """A cause with its numbers and hex addresses left out, at most ``CAUSE_CHARS``: the
-    same error on every rank (each names its own rank, pid, step, size or address) has one
-    signature."""
-    return _NUMBER.sub("#", summary)[:CAUSE_CHARS]
-
-
 def _record_signature(rec: NodeHealth) -> str:
     """The signature of a record's last failure (its cause's, for one written without)."""
-    return rec.signature or _signature(rec.cause)
-
-
-def _error_type(summary: str) -> str:
-    return summary.split(":", 1)[0] if ":" in summary else ""
-
-
-def _abort_signal(summary: str) -> bool:
-    """A parent-written record of a rank killed by SIGABRT (``signal_failure_record``)."""
-    return _error_type(summary) == "Signal" and "SIGABRT" in summary
+    return rec.signature or signature_of(rec.cause)
 
 
 def _length(policy: ExclusionPolicy, exclusions: int) -> float:
@@ -267,7 +172,7 @@ def _count(
         "failures": count,
         "generation": generation,
         "cause": summary,
-        "signature": signature or _signature(summary),
+        "signature": signature or signature_of(summary),
         "origin": origin if origin in ("local", "config") else "unknown",
     }
     why = ""
@@ -280,7 +185,8 @@ def _count(
 
 def _take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
     """``rec`` without the failure counted for its last generation (a node whose failure
-    turned out to be the job's, or a peer's): one fewer, and the exclusion that count set
+    turned out to be the job's, or a peer's; the job's hang that turned out to be a node's
+    failure): one fewer, and the exclusion that count set
     ended (a node excluded before that generation was in no layout of it). None when
     nothing is left to remember. Its generation becomes -1: that one is not counted again."""
     set_by_it = rec.excluded_until > now
@@ -356,8 +262,8 @@ def charge(
     for n, r in health.items():
         if r.generation == gen and n not in evidence:
             evidence[n] = (r.cause, _record_signature(r), r.origin)
-    kind = {n: _error_type(e[0]) for n, e in evidence.items()}
-    aborts = {n for n, e in evidence.items() if _abort_signal(e[0])}
+    kind = {n: error_type(e[0]) for n, e in evidence.items()}
+    aborts = {n for n, e in evidence.items() if abort_signal(e[0])}
     # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
     # on it (a missed teardown comes after the failure, never before it). SIGABRTs are never
     # "alike": every rank of a job whose collectives hang (a dead NIC) aborts, wherever the
@@ -388,7 +294,9 @@ def charge(
             and n not in aborts
         ):
             job_why.setdefault(e[1], _CONFIG)
-    if job.generation == gen:
+    # the job's count for a hang (below) is never a cause others are "alike" to
+    hang_counted = job.generation == gen and abort_signal(job.cause)
+    if job.generation == gen and not hang_counted:
         job_why.setdefault(_record_signature(job), _ALIKE)
     notes: list[str] = []
     spared: dict[str, list[str]] = {}
@@ -406,7 +314,7 @@ def charge(
         rec = health.get(n)
         counted = rec is not None and rec.generation == gen
         if why:  # a node-bound record (a missed deadline) stays, whatever the node reports
-            if counted and rec is not None and _error_type(rec.cause) not in _NODE_BOUND:
+            if counted and rec is not None and error_type(rec.cause) not in _NODE_BOUND:
                 back = _take_back(rec, now)
                 if back is None:
                     del health[n]
@@ -433,10 +341,52 @@ def charge(
             notes.append(describe(n, health[n], now, excl))
     for why, nodes in spared.items():
         notes.append(f"not counted against {', '.join(nodes)}: {why}")
+    if hang_counted and first_cause:
+        # a node's own failure came in after all: the SIGABRTs were the watchdog giving up
+        # on its rank, and it is charged (above), not the job
+        job = _take_back(job, now) or NodeHealth()
+        who = min(n for n in evidence if n not in aborts and kind[n] != TEARDOWN_MISSED)
+        notes.append(
+            f"taken back from the job: {who} reported a failure of its own, the SIGABRTs "
+            "were NCCL's watchdog giving up on its rank"
+        )
+    # only SIGABRTs, reported by as many of the placed nodes as make a failure alike the
+    # job's: every collective hung (a dead NIC, NCCL's ports blocked), so the job is
+    # relaunched with a backoff, not at full rate forever; no node is charged. A one-node
+    # job's only rank is the job's, as its configuration error is.
+    many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
+    hung = bool(aborts) and not first_cause and (many or placed == 1)
     if job_why and job.generation != gen:
         job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy)
         notes.append(note)
+    elif hung and job.generation != gen:
+        job, note = _charge_hang(job, gen, {n: evidence[n] for n in aborts}, placed, now, policy)
+        notes.append(note)
     return Charged(health, job, notes)
+
+
+def _charge_hang(
+    job: NodeHealth,
+    gen: int,
+    aborts: Mapping[str, tuple[str, str, str]],
+    placed: int,
+    now: float,
+    policy: ExclusionPolicy,
+) -> tuple[NodeHealth, str]:
+    """The job's record with generation ``gen`` counted for a hang: only SIGABRTs reported
+    (``aborts``: node -> summary, signature, origin), by most of the ``placed`` nodes. Its
+    cause is a SIGABRT's, which is how a later pass knows the count to take back."""
+    nodes = sorted(aborts)
+    summary, sig, _ = aborts[nodes[0]]
+    rec, excl = _count(job, gen, summary, "unknown", True, now, policy, sig)
+    what = (
+        f"only SIGABRTs (NCCL's watchdog giving up on a hung collective) reported, by "
+        f"{len(nodes)} of the {placed} placed node(s) ({', '.join(nodes)}): every collective "
+        "hung, the node at fault is not known"
+    )
+    if excl:
+        return rec, describe(JOB, rec, now, f"{excl}; {what}")
+    return rec, f"counted against the job (failure {rec.failures} in a row): {what}: {summary}"
 
 
 def _charge_job(
@@ -495,6 +445,26 @@ def miss_teardown(
         health[n] = rec
         notes.append(describe(n, rec, now, "teardown deadline passed"))
     return Charged(health, d.job_health, notes)
+
+
+def stall(
+    job: NodeHealth, generation: int, what: str, now: float, policy: ExclusionPolicy
+) -> tuple[NodeHealth, str]:
+    """The job's record with ``generation`` counted for a LAUNCH, LOAD or VERIFY deadline
+    no placed node got past and none is to blame for more than the others (``what``: the
+    phase, the deadline and how the nodes fell short; ``failing_nodes.stalled``), and the
+    sentence that says so ('' when the generation is counted against the job already).
+
+    A ``DeadlineMissed`` cause, retried (a rendezvous that never completes, a checkpoint
+    store every node reads too slowly may mend): the policy's backoff, so such a job is no
+    longer relaunched at full rate forever with nothing an operator sees."""
+    if job.generation == generation:
+        return job, ""
+    summary = f"{DEADLINE_MISSED}: {what}"[:CAUSE_CHARS]
+    rec, excl = _count(job, generation, summary, "unknown", True, now, policy)
+    if excl:
+        return rec, describe(JOB, rec, now, f"{excl}; {what}")
+    return rec, f"counted against the job (failure {rec.failures} in a row): {what}"
 
 
 def _reset(rec: NodeHealth) -> NodeHealth | None:

@@ -1116,14 +1116,40 @@ def test_sigabrts_are_never_the_majority_that_makes_a_failure_the_jobs() -> None
     assert set(torn.node_health) == {"n3"} and torn.job_health == NodeHealth()
 
 
-def test_only_sigabrts_charge_nobody() -> None:
+def test_only_sigabrts_charge_no_node_but_the_job() -> None:
     """Every rank SIGABRTed (a dead NIC hangs every collective): the node at fault is not
-    known, so nobody is charged, not the job either (a known limit: docs/runtime.md)."""
+    known, so no node is charged, but the job is (before: nobody, and the job was relaunched
+    at full rate forever); the teardown's passes do not count it again."""
     d = running((1, 2, 3, 4))
-    a = decide(d, obs(nodes(1, 2, 3, 4), [_sig(i) for i in (1, 2, 3, 4)]), CFG)
+    o = obs(nodes(1, 2, 3, 4), [_sig(i) for i in (1, 2, 3, 4)])
+    a = decide(d, o, CFG)
     (torn,) = _sets(a)
-    assert torn.node_health == {} and torn.job_health == NodeHealth()
-    assert "the node at fault is not known" in a[0].reason  # type: ignore[union-attr]
+    assert torn.node_health == {}
+    assert (torn.job_health.failures, torn.job_health.generation) == (1, 1)
+    assert "SIGABRT" in torn.job_health.cause and not held(torn.job_health, NOW)
+    reason = a[0].reason  # type: ignore[union-attr]
+    assert "the node at fault is not known" in reason
+    assert "counted against the job (failure 1 in a row): only SIGABRTs" in reason
+    assert "by 4 of the 4 placed node(s) (n1, n2, n3, n4)" in reason
+    assert _sets(decide(torn, o, CFG)) == []
+
+
+def test_a_nodes_own_error_after_only_sigabrts_takes_the_jobs_count_back() -> None:
+    """Three of four nodes SIGABRT first (counted against the job); in the teardown n4
+    reports the ECC error the watchdogs were giving up on: n4 is charged, the job's count
+    is taken back, and later passes do not count the job again."""
+    d = running((1, 2, 3, 4))
+    first = obs(nodes(1, 2, 3, 4), [_sig(1), _sig(2), _sig(3), st(4)])
+    (torn,) = _sets(decide(d, first, CFG))
+    assert torn.job_health.failures == 1 and torn.node_health == {}
+    ecc = fails(4, message="CUDA error: uncorrectable ECC error encountered")
+    later = obs(nodes(1, 2, 3, 4), [_sig(1), st(2, state="idle"), _sig(3), ecc])
+    a = decide(torn, later, CFG)
+    (after,) = _sets(a)
+    assert set(after.node_health) == {"n4"} and after.job_health == NodeHealth()
+    assert "taken back from the job: n4 reported a failure of its own" in a[0].reason  # type: ignore[union-attr]
+    idle = obs(nodes(1, 2, 3, 4), [_sig(1), st(2, state="idle"), _sig(3), st(4, state="idle")])
+    assert _sets(decide(after, idle, CFG)) == []
 
 
 def _teardown_state(epoch: int = 7, phase_epoch: int = 7) -> DesiredState:

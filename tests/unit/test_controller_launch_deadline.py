@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import Observed, SetDesired
+from sailor.controller.node_health import held
 from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
 from tests.unit.test_controller_decide import (
     CFG,
@@ -27,11 +28,26 @@ LATE = NOW + 1  # past the deadline of the states below (NOW)
 IDS = (1, 2, 3, 4)
 
 
+_LENGTH = {Phase.LAUNCH: 20.0, Phase.LOAD: 120.0, Phase.VERIFY: 120.0}
+"""The phases' default deadlines (``deadlines.launch``, ``load``, ``verify``), s."""
+
+
 def _launching(phase: Phase, gen: int = 2, **kw: object) -> DesiredState:
     """Generation ``gen`` placed on n1..n4 coming up, begun by this leader (epoch 7), its
-    deadline at NOW, loading step 10."""
-    fields: dict[str, object] = {"phase_deadline": NOW, "phase_epoch": 7, "load_step": 10}
+    deadline at NOW (the phase's default length after it began), loading step 10."""
+    fields: dict[str, object] = {
+        "phase_deadline": NOW,
+        "phase_since": NOW - _LENGTH[phase],
+        "phase_epoch": 7,
+        "load_step": 10,
+    }
     return running(IDS, gen=gen, phase=phase, **(fields | kw))
+
+
+def _job_counted(d: DesiredState) -> bool:
+    """The job's record counts ``d``'s generation, for a missed deadline."""
+    job = d.job_health
+    return job.generation == d.generation and job.cause.startswith("DeadlineMissed")
 
 
 def _acked(d: DesiredState, *ids: int) -> frozenset[str]:
@@ -126,17 +142,24 @@ def test_a_node_already_excluded_is_not_charged_again_at_the_load_deadline() -> 
     assert health["n2"].failures == 1
 
 
-def test_when_every_placed_node_misses_the_deadline_none_is_charged() -> None:
-    """Likely the controller's or the network's fault (or a deadline too short), not the
-    nodes': no node and not the job is charged, and the reason says why."""
+def test_when_every_placed_node_misses_the_deadline_no_node_is_charged_the_job_is() -> None:
+    """No node is to blame more than the others (the controller's, the network's or the
+    job's fault, or a deadline too short): no node is charged, the job is, and the reason
+    names the phase and the deadline (before: nobody, relaunched at full rate forever)."""
     d = _launching(Phase.LAUNCH)
     done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS]))
-    assert done.state.node_health == {} and done.state.job_health == NodeHealth()
+    assert done.state.node_health == {} and _job_counted(done.state)
     assert "not counted against the 4 placed node(s)" in done.reason
     assert "every one missed the launch deadline" in done.reason
+    assert (
+        "counted against the job (failure 1 in a row): none of the 4 placed node(s) acked its "
+        "Launch by the launch deadline (20 s)" in done.reason
+    )
+    assert done.state.job_health.cause.startswith("DeadlineMissed: none of the 4")
     d = _launching(Phase.LOAD)
     done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS]))
     assert done.state.node_health == {} and "missed the load deadline" in done.reason
+    assert _job_counted(done.state) and "by the load deadline (120 s)" in done.reason
 
 
 def test_the_verify_deadline_charges_only_a_strict_subset_not_running() -> None:
@@ -144,7 +167,7 @@ def test_the_verify_deadline_charges_only_a_strict_subset_not_running() -> None:
     blames no node; one whose workers are not running at all is to blame."""
     d = _launching(Phase.VERIFY)
     stuck = _abort(d, _late([st(i, gen=2, step=10) for i in IDS]))
-    assert stuck.state.node_health == {} and "counted against" not in stuck.reason
+    assert stuck.state.node_health == {} and "counted against n" not in stuck.reason
     stopped = st(2, gen=2, state="stopped", step=10)
     o = _late([st(1, gen=2, step=10), stopped, st(3, gen=2), st(4, gen=2)])
     done = _abort(d, o)
@@ -158,7 +181,10 @@ def test_a_launch_adopted_from_another_epoch_charges_nobody_for_missing_acks() -
     follows judges by the statuses, which no epoch change loses."""
     d = _launching(Phase.LAUNCH, phase_epoch=6)
     done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS], acked=_acked(d, 1)))
-    assert done.state.node_health == {}
+    assert done.state.node_health == {} and done.state.job_health == NodeHealth()
+    # nor the job when none acked this epoch's: they may have acked the other's
+    done = _abort(d, _late([st(i, gen=1, state="idle") for i in IDS]))
+    assert done.state.node_health == {} and done.state.job_health == NodeHealth()
     d = _launching(Phase.LOAD, phase_epoch=6)
     o = _late([st(1, gen=2), st(2, gen=1, state="idle"), st(3, gen=2), st(4, gen=2)])
     assert set(_abort(d, o).state.node_health) == {"n2"}
@@ -230,3 +256,68 @@ def test_a_hung_node_with_an_old_sigabrt_is_charged_its_missed_deadline() -> Non
         health = done.state.node_health
         assert set(health) == {"n2"} and health["n2"].cause.startswith("DeadlineMissed")
     assert health["n2"].excluded_until > LATE
+
+
+# ---- a generation no placed node got through: the job's (each failed on the code before) ----
+
+
+def test_a_generation_hung_in_verify_with_every_worker_running_counts_against_the_job() -> None:
+    """Every worker up and stuck at the loaded step (a collective that never completes):
+    no node is to blame, the job is, once (the teardown's passes do not count it again)."""
+    d = _launching(Phase.VERIFY)
+    o = _late([st(i, gen=2, step=10) for i in IDS])
+    done = _abort(d, o)
+    assert done.state.node_health == {} and _job_counted(done.state)
+    assert (
+        "none of the 4 placed node(s) reported a step past 10 by the verify deadline (120 s)"
+        in (done.reason)
+    )
+    assert [a for a in decide(done.state, o, CFG) if isinstance(a, SetDesired)] == []
+    # one node through (a step past 10): not every node alike, nobody is charged, as before
+    o = _late([st(1, gen=2, step=11), *(st(i, gen=2, step=10) for i in IDS[1:])])
+    some = _abort(d, o)
+    assert some.state.node_health == {} and some.state.job_health == NodeHealth()
+
+
+def test_every_node_still_starting_at_the_load_deadline_counts_against_the_job() -> None:
+    """A rendezvous that never completes (or a checkpoint every node reads too slowly) keeps
+    every node's workers starting: no node is to blame, the job is. One node that never
+    started its workers while the others wait for it is charged instead, not the job."""
+    d = _launching(Phase.LOAD)
+    done = _abort(d, _late([st(i, gen=2, state="idle") for i in IDS]))
+    assert done.state.node_health == {} and _job_counted(done.state)
+    assert "none of the 4 placed node(s) had its workers running by the load deadline" in (
+        done.reason
+    )
+    o = _late(
+        [
+            st(1, gen=2, state="idle"),
+            st(2, gen=1, state="idle"),
+            *(st(i, gen=2, state="idle") for i in (3, 4)),
+        ]
+    )
+    one = _abort(d, o)
+    assert set(one.state.node_health) == {"n2"} and one.state.job_health == NodeHealth()
+
+
+def test_three_stalled_generations_hold_the_job_and_one_that_trains_resets_it() -> None:
+    """``exclusion.failures`` (3) generations in a row that no node got through hold the job
+    (no layout is launched: the teardown ends in IDLE naming the hold), with the policy's
+    backoff; a generation that trains resets the job's count."""
+    job = NodeHealth()
+    for gen in (2, 3, 4):
+        d = _launching(Phase.LAUNCH, gen=gen, job_health=job)
+        done = _abort(d, _late([st(i, gen=gen - 1, state="idle") for i in IDS]))
+        job = done.state.job_health
+        assert job.failures == gen - 1 and done.state.node_health == {}
+    assert CFG.exclusion.failures == 3 and held(job, LATE)
+    assert job.excluded_until == LATE + CFG.exclusion.exclude_s
+    assert "held the job until" in done.reason and "3 consecutive failures" in done.reason
+    idle = _late([st(i, gen=4, state="idle") for i in IDS])
+    after = [a for a in decide(done.state, idle, CFG) if isinstance(a, SetDesired)]
+    assert after[-1].state.phase is Phase.IDLE and "held the job" in after[-1].state.cause
+    # a generation that trains (VERIFY -> RUNNING) resets the count (the backoff stays)
+    d = _launching(Phase.VERIFY, gen=5, job_health=job.model_copy(update={"excluded_until": 0}))
+    trained = decide(d, obs(nodes(*IDS), [st(i, gen=5, step=11) for i in IDS]), CFG)
+    (run,) = [a for a in trained if isinstance(a, SetDesired)]
+    assert run.state.phase is Phase.RUNNING and run.state.job_health.failures == 0

@@ -7,6 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from sailor.controller.failure_text import parse_failure
 from sailor.controller.node_health import (
     ExclusionPolicy,
     charge,
@@ -14,7 +15,6 @@ from sailor.controller.node_health import (
     forget_config,
     forget_gone,
     held,
-    parse_failure,
     readmit,
     trained,
 )
