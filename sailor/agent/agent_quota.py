@@ -19,12 +19,15 @@ from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.supervisor import Supervisor
 from sailor.schemas.hardware import NodeSpec
 
-__all__ = ["AgentCpuQuota"]
+__all__ = [
+    "UNSEEN",
+    "AgentCpuQuota",
+]
 
 _log = structlog.get_logger("sailor.agent")
 
 
-_UNSEEN = object()
+UNSEEN = object()
 """No quota read yet (the first reading is no change)."""
 
 
@@ -96,7 +99,7 @@ class AgentCpuQuota:
         workers' speed: the step timings measured before it are dropped."""
         now = self.cpu_quota()
         if now != self._quota_seen:
-            if self._quota_seen is not _UNSEEN:
+            if self._quota_seen is not UNSEEN:
                 _log.info("cpu_quota_changed", node=self.node.node_id, cores=now)
                 self.supervisor.restart_timings()
             self._quota_seen = now

@@ -37,10 +37,10 @@ import structlog
 
 from sailor.agent.agent_commands import AgentCommands
 from sailor.agent.agent_config import AgentConfig
-from sailor.agent.agent_quota import _UNSEEN, AgentCpuQuota
+from sailor.agent.agent_quota import UNSEEN, AgentCpuQuota
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
-from sailor.agent.node_join import AgentNodeCheck, _host_port, node_address
+from sailor.agent.node_join import AgentNodeCheck, host_port, node_address
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import Supervisor
 from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
@@ -117,7 +117,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         self.facts: NodeFacts | None = None
         self.refused = ""
         self.quota: CpuQuota | None = None  # the workers' CPU quota (cpu_quota.py), if any
-        self._quota_seen: QuotaState | object = _UNSEEN  # as of the last status write
+        self._quota_seen: QuotaState | object = UNSEEN  # as of the last status write
 
     async def run(self) -> None:
         if self.cfg.cpu_quota is not None:
@@ -173,7 +173,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         if not self.node.address:
             # the rendezvous of a plan whose rank 0 is here listens on this address: without
             # one the controller could only name 127.0.0.1, which other nodes cannot reach
-            servers = [*self.cfg.etcd_endpoints, *(_host_port(u) for u in self.cfg.nats_urls)]
+            servers = [*self.cfg.etcd_endpoints, *(host_port(u) for u in self.cfg.nats_urls)]
             found = await asyncio.to_thread(node_address, servers)
             if found:
                 self.node = self.node.model_copy(update={"address": found})

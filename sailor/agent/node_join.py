@@ -24,7 +24,12 @@ from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import NodeFacts
 
-__all__ = ["AgentNodeCheck", "node_address", "route_address"]
+__all__ = [
+    "AgentNodeCheck",
+    "host_port",
+    "node_address",
+    "route_address",
+]
 
 _log = structlog.get_logger("sailor.agent")
 
@@ -41,7 +46,7 @@ def node_address(endpoints: Sequence[str], probe: Callable[[str], str] | None = 
     return next((a for a in found if a), "")
 
 
-def _host_port(url: str) -> str:
+def host_port(url: str) -> str:
     """``host:port`` of a NATS URL (``nats://host:port``)."""
     parts = urlsplit(url)
     host = parts.hostname or ""

@@ -19,12 +19,14 @@ from sailor.schemas.prices import PriceTable
 
 __all__ = [
     "DEPLOYMENT_HELP",
+    "check_png_out",
     "fail",
     "load_config",
     "load_deployment",
     "load_model",
     "load_raw",
     "priced_for",
+    "warn_unpriced",
     "write_json",
 ]
 

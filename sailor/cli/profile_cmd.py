@@ -29,7 +29,7 @@ from sailor import catalog
 # imported for their commands: layers, then network, register before estimate below
 from sailor.cli import profile_layers_cmd, profile_network_cmd  # noqa: F401
 from sailor.cli._io import fail, load_model
-from sailor.cli.profile_group import _existing_db, _ints, _model, profile_app
+from sailor.cli.profile_group import existing_db, model_spec, parse_ints, profile_app
 from sailor.cli.tables import print_table
 from sailor.profiler.merge import merge_db, save_db
 from sailor.schemas import NetworkProfile, ProfileDB
@@ -65,15 +65,15 @@ def estimate_cmd(
     )
 
     db = load_model(from_db, ProfileDB)
-    spec = _model(db.model, model_file)
+    spec = model_spec(db.model, model_file)
     specs = catalog.gpus()
     if gpu not in specs:
         raise fail(f"--gpu={gpu!r}: not in the catalog (known: {', '.join(specs)})")
     net = load_model(network, NetworkProfile) if network is not None else None
     table = calibrated_efficiencies(db, spec, specs, affine=affine, network=net)
     measured = sorted({k for g in db.gpu_types() for k in measured_grid(db, g)})
-    tps = _ints(tp, "tp") if tp else tuple(sorted({t for t, _ in measured})) or (1,)
-    bs = _ints(mbs, "mbs") if mbs else tuple(sorted({b for _, b in measured})) or (1,)
+    tps = parse_ints(tp, "tp") if tp else tuple(sorted({t for t, _ in measured})) or (1,)
+    bs = parse_ints(mbs, "mbs") if mbs else tuple(sorted({b for _, b in measured})) or (1,)
     est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs], net)
     est = est.model_copy(
         update={
@@ -85,7 +85,7 @@ def estimate_cmd(
         }
     )
     target = out or from_db
-    merged, dropped = merge_db(_existing_db(target), est)
+    merged, dropped = merge_db(existing_db(target), est)
     save_db(merged, target)
     con = Console()
     con.print(

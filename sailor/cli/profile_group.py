@@ -17,20 +17,29 @@ from sailor import catalog
 from sailor.cli._io import fail, load_model
 from sailor.schemas import ModelSpec, ProfileDB
 
-__all__ = ["profile_app"]
+__all__ = [
+    "check_db_out",
+    "existing_db",
+    "fmt_ms",
+    "local_gpu_type",
+    "model_spec",
+    "parse_bytes",
+    "parse_ints",
+    "profile_app",
+]
 
 
-def _existing_db(path: Path) -> ProfileDB | None:
+def existing_db(path: Path) -> ProfileDB | None:
     """The database to merge into: None if ``path`` does not exist yet."""
     return load_model(path, ProfileDB) if path.exists() else None
 
 
-def _check_db_out(path: Path, model: str) -> None:
+def check_db_out(path: Path, model: str) -> None:
     """Before measuring: the output is a ProfileDB of ``model`` (or new), not a directory,
     so a measurement of minutes to hours is never thrown away at the merge."""
     if path.is_dir():
         raise fail(f"-o {path}: is a directory: give the ProfileDB file to merge into")
-    old = _existing_db(path)
+    old = existing_db(path)
     if old is not None and old.model != model:
         raise fail(
             f"-o {path}: holds profiles of model {old.model!r}, not {model!r}: one file per "
@@ -44,7 +53,7 @@ profile_app = typer.Typer(
 )
 
 
-def _ints(text: str, what: str) -> tuple[int, ...]:
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
@@ -60,7 +69,7 @@ _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 
 _UNITS |= {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
-def _bytes(text: str, what: str) -> int:
+def parse_bytes(text: str, what: str) -> int:
     """A byte count with an optional unit (KiB/MiB/GiB/TiB, K/M/G binary, KB/MB/GB decimal)."""
     t = text.strip().upper()
     num = t.rstrip("KMGTIB")
@@ -74,7 +83,7 @@ def _bytes(text: str, what: str) -> int:
     return int(value)
 
 
-def _model(name: str, model_file: Path | None) -> ModelSpec:
+def model_spec(name: str, model_file: Path | None) -> ModelSpec:
     if model_file is not None:
         return load_model(model_file, ModelSpec)
     try:
@@ -83,7 +92,7 @@ def _model(name: str, model_file: Path | None) -> ModelSpec:
         raise fail(str(exc.args[0]) + "; or pass --model-file") from exc
 
 
-def _local_gpu_type(device: str) -> str:
+def local_gpu_type(device: str) -> str:
     """The catalog type of this host's CUDA device 0 (cuda), or 'cpu'; a device the catalog
     does not know is refused with its name, memory and the types it could be."""
     import torch
@@ -99,5 +108,5 @@ def _local_gpu_type(device: str) -> str:
         raise fail(str(exc)) from exc
 
 
-def _ms(s: float) -> str:
+def fmt_ms(s: float) -> str:
     return f"{s * 1e3:.3f}"

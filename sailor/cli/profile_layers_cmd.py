@@ -20,13 +20,13 @@ from rich.table import Table
 
 from sailor.cli._io import fail
 from sailor.cli.profile_group import (
-    _bytes,
-    _check_db_out,
-    _existing_db,
-    _ints,
-    _local_gpu_type,
-    _model,
-    _ms,
+    check_db_out,
+    existing_db,
+    fmt_ms,
+    local_gpu_type,
+    model_spec,
+    parse_bytes,
+    parse_ints,
     profile_app,
 )
 from sailor.cli.tables import print_table
@@ -137,9 +137,9 @@ def layers_cmd(
                 f"built for CUDA {torch.version.cuda or 'none'}): profile on a GPU host, or "
                 "use --device cpu"
             )
-    spec = _model(model, model_file)
+    spec = model_spec(model, model_file)
     if gpu_type is None:
-        gpu_type = _local_gpu_type(device)
+        gpu_type = local_gpu_type(device)
     if is_cpu_type(gpu_type) and device != "cpu":
         raise fail(f"--kind={gpu_type!r} is a CPU kind: measure it with --device cpu")
     con = Console()
@@ -155,8 +155,8 @@ def layers_cmd(
             spec=spec,
             gpu_type=gpu_type,
             device=device,
-            tps=_ints(tp, "tp"),
-            mbs=_ints(mbs, "mbs"),
+            tps=parse_ints(tp, "tp"),
+            mbs=parse_ints(mbs, "mbs"),
             settings=RepeatSettings(
                 warmup,
                 min_reps,
@@ -171,12 +171,14 @@ def layers_cmd(
             host_ranks=host_ranks if device == "cpu" else 0,
             host_pin=host_pin,
             in_situ=in_situ,
-            memory_limit=None if memory_limit is None else _bytes(memory_limit, "memory-limit"),
+            memory_limit=None
+            if memory_limit is None
+            else parse_bytes(memory_limit, "memory-limit"),
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    _check_db_out(out, spec.name)
-    saver = _UnitSaver(out, _existing_db(out))
+    check_db_out(out, spec.name)
+    saver = _UnitSaver(out, existing_db(out))
     title = f"profiling {spec.name} on {gpu_type}"
     if cpu_quota is None:
         db, ms = _profile_with_bar(con, run, title, saver)
@@ -289,11 +291,11 @@ def _print_layers(
             m.kind,
             str(m.tp),
             str(m.mbs),
-            _ms(m.fwd.median_s),
-            _ms(m.fwd.stdev_s),
-            _ms(m.bwd.median_s),
-            _ms(m.bwd.stdev_s),
-            _ms(m.update.median_s),
+            fmt_ms(m.fwd.median_s),
+            fmt_ms(m.fwd.stdev_s),
+            fmt_ms(m.bwd.median_s),
+            fmt_ms(m.bwd.stdev_s),
+            fmt_ms(m.update.median_s),
             f"{m.params:,}",
             f"{m.saved_bytes / 1024:.1f}",
             f"{m.peak_growth_bytes / 1024:.1f}",

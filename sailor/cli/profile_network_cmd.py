@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli._io import fail, load_model, write_json
-from sailor.cli.profile_group import _ints, _local_gpu_type, _ms, profile_app
+from sailor.cli.profile_group import fmt_ms, local_gpu_type, parse_ints, profile_app
 from sailor.cli.tables import print_table
 from sailor.schemas import BandwidthCurve, Endpoint, NetworkProfile
 from sailor.schemas.network import CollectiveLatency
@@ -150,7 +150,7 @@ def network_cmd(
         if out.exists():
             load_model(out, NetworkProfile)
     if gpu_type is None:
-        gpu_type = _local_gpu_type(device)
+        gpu_type = local_gpu_type(device)
     if gpus_per_node is None:
         gpus_per_node = gpus if device == "cuda" and gpus > 0 else 1
     try:
@@ -311,7 +311,7 @@ def _collective_plan(
     if collectives is None:
         ranks = _DEFAULT_COLLECTIVES
     else:
-        ranks = _ints(collectives, "collectives") if collectives.strip() else ()
+        ranks = parse_ints(collectives, "collectives") if collectives.strip() else ()
     if rank is not None and (rank not in (0, 1) or not master):
         raise fail(f"--rank={rank}, --master={master!r}: a side is --rank 0 or 1, with --master")
     if any(n < 2 for n in ranks):
@@ -336,7 +336,7 @@ def _collective_plan(
     if collective_sizes.strip() == "auto":
         sizes = sweep_sizes(device)
     else:
-        sizes = _ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
+        sizes = parse_ints(collective_sizes, "collective-sizes") if collective_sizes.strip() else ()
     if any(b < 8 for b in sizes):
         raise fail(f"--collective-sizes={collective_sizes!r}: sizes are bytes, at least 8")
     return ranks, sizes
@@ -419,8 +419,8 @@ def _print_link(
     for p, r in zip(points, resid, strict=True):
         t.add_row(
             f"{p.nbytes:,}",
-            _ms(p.time.central(statistic)),
-            _ms(p.time.stdev_s),
+            fmt_ms(p.time.central(statistic)),
+            fmt_ms(p.time.stdev_s),
             f"{p.nbytes / p.time.central(statistic) / 1e9:.3f}",
             f"{curve.gbps(p.nbytes):.3f}",
             f"{100 * r:+.1f}%",

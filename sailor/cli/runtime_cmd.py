@@ -18,7 +18,13 @@ from sailor.cli._io import fail, load_config
 from sailor.cli.tables import print_table
 from sailor.coordination.security import SecurityConfig
 
-__all__ = ["agent", "audit", "controller", "status"]
+__all__ = [
+    "agent",
+    "audit",
+    "controller",
+    "security_file_problems",
+    "status",
+]
 
 
 def security_file_problems(security: SecurityConfig | None) -> list[str]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import typer
 
-__all__ = ["worker"]
+__all__ = [
+    "WORKER_SETTINGS",
+    "worker",
+]
 
 
 def worker(ctx: typer.Context) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from sailor.importers._read import ImportFormatError, as_float, as_int, get, load_json
-from sailor.importers.sailor_network import _curve, import_egress, import_network
+from sailor.importers.sailor_network import import_egress, import_network, parse_curve
 from sailor.schemas import (
     Endpoint,
     Frozen,
@@ -71,7 +71,7 @@ def import_network_coeffs(path: str | Path) -> NetworkProfile:
             for n, v in _obj(by_n, path, f"{part}.{gpu}").items():
                 k = as_int(n, path, f"{part}.{gpu}.<gpus_per_node>", min_value=1)
                 ep = Endpoint(zone="*", gpu_type=gpu, gpus_per_node=k)
-                target.append(Link(src=ep, dst=ep, curve=_curve(v, path, f"{part}.{gpu}.{n}")))
+                target.append(Link(src=ep, dst=ep, curve=parse_curve(v, path, f"{part}.{gpu}.{n}")))
     return NetworkProfile(
         links=tuple(links), intra_node=tuple(intra), source=f"imported from {Path(path).name}"
     )
@@ -218,9 +218,9 @@ def import_any(
 
 
 def import_profiles_sizes(path: Path, model: str) -> ProfileDB:
-    from sailor.importers.sailor_profiles import _import_sizes
+    from sailor.importers.sailor_profiles import import_sizes
 
-    return ProfileDB(model=model, sizes=tuple(_import_sizes(path, model, 2)))
+    return ProfileDB(model=model, sizes=tuple(import_sizes(path, model, 2)))
 
 
 def _intra_only(path: Path) -> NetworkProfile:
@@ -230,7 +230,7 @@ def _intra_only(path: Path) -> NetworkProfile:
         for n, v in _obj(by_n, path, g).items():
             k = as_int(n, path, f"{g}.<gpus>", min_value=1)
             ep = Endpoint(zone="*", gpu_type=g, gpus_per_node=k)
-            intra.append(Link(src=ep, dst=ep, curve=_curve(v, path, f"{g}.{n}")))
+            intra.append(Link(src=ep, dst=ep, curve=parse_curve(v, path, f"{g}.{n}")))
     return NetworkProfile(intra_node=tuple(intra), source=f"imported from {path.name}")
 
 

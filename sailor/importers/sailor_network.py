@@ -13,13 +13,17 @@ from typing import Any
 from sailor.importers._read import ImportFormatError, as_float, as_int, load_json
 from sailor.schemas import BandwidthCurve, EgressPrice, Endpoint, Link, NetworkProfile, PriceTable
 
-__all__ = ["import_egress", "import_network"]
+__all__ = [
+    "import_egress",
+    "import_network",
+    "parse_curve",
+]
 
 _PROBED_MIN_BYTES = 1_000_000
 _PROBED_MAX_BYTES = 1_024_000_000
 
 
-def _curve(v: Any, file: str | Path, field: str) -> BandwidthCurve:
+def parse_curve(v: Any, file: str | Path, field: str) -> BandwidthCurve:
     if not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], list) or len(v[0]) != 3:
         raise ImportFormatError(file, field, f"expected [[c0, c1, c2], max_bytes_per_s], got {v!r}")
     c = tuple(as_float(x, file, f"{field}[0]") for x in v[0])
@@ -55,7 +59,7 @@ def import_network(
                                 Link(
                                     src=Endpoint(zone=z1, gpu_type=g1, gpus_per_node=k1),
                                     dst=Endpoint(zone=z2, gpu_type=g2, gpus_per_node=k2),
-                                    curve=_curve(v, multizone_json, f"{base}.{n2}"),
+                                    curve=parse_curve(v, multizone_json, f"{base}.{n2}"),
                                 )
                             )
     intra: list[Link] = []
@@ -65,7 +69,9 @@ def import_network(
             for n, v in _obj(by_n, intra_node_json, g).items():
                 k = as_int(n, intra_node_json, f"{g}.<gpus>", min_value=1)
                 ep = Endpoint(zone="*", gpu_type=g, gpus_per_node=k)
-                intra.append(Link(src=ep, dst=ep, curve=_curve(v, intra_node_json, f"{g}.{n}")))
+                intra.append(
+                    Link(src=ep, dst=ep, curve=parse_curve(v, intra_node_json, f"{g}.{n}"))
+                )
     return NetworkProfile(
         links=tuple(links),
         intra_node=tuple(intra),

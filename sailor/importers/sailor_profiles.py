@@ -19,7 +19,11 @@ from sailor.importers._read import ImportFormatError, as_float, as_int, get, loa
 from sailor.schemas import LayerProfile, LayerSize, ProfileDB
 from sailor.schemas.model import LayerKind
 
-__all__ = ["import_profiles", "profile_models"]
+__all__ = [
+    "import_profiles",
+    "import_sizes",
+    "profile_models",
+]
 
 
 def profile_models(profiles_json: str | Path) -> list[str]:
@@ -87,7 +91,7 @@ def import_profiles(
                             source="imported",
                         )
                     )
-    sizes = _import_sizes(llm_info_json, model, bytes_per_element) if llm_info_json else []
+    sizes = import_sizes(llm_info_json, model, bytes_per_element) if llm_info_json else []
     return ProfileDB(
         model=model,
         timings=tuple(timings),
@@ -100,7 +104,7 @@ def import_profiles(
     )
 
 
-def _import_sizes(llm_info_json: str | Path, model: str, bpe: int) -> list[LayerSize]:
+def import_sizes(llm_info_json: str | Path, model: str, bpe: int) -> list[LayerSize]:
     data = load_json(llm_info_json)
     mdata = get(data, model, llm_info_json, model)
     out: list[LayerSize] = []

@@ -30,7 +30,13 @@ import torch.distributed as dist
 from sailor.comm import api as comm
 from sailor.megatron_patch.clock import synchronize
 
-__all__ = ["ControlRequest", "agree", "agree_dir", "read_control"]
+__all__ = [
+    "ControlRequest",
+    "agree",
+    "agree_dir",
+    "all_done",
+    "read_control",
+]
 
 _NONE = -1
 

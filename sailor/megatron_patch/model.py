@@ -57,7 +57,18 @@ from sailor.megatron_patch.vocab_parallel import (
 )
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["TINY_MODELS", "Architecture", "GPTStage", "full_init", "shard", "tiny_model"]
+__all__ = [
+    "TINY_MODELS",
+    "Architecture",
+    "Block",
+    "Embedding",
+    "GPTStage",
+    "Head",
+    "full_init",
+    "full_shape",
+    "shard",
+    "tiny_model",
+]
 
 _INIT_STD = 0.02
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from sailor.schemas import Estimate, Plan
 
 __all__ = [
+    "OBJECTIVES",
     "Constraints",
     "NoFeasiblePlanError",
     "Objective",

@@ -48,7 +48,13 @@ from sailor.simulator.memory import (
 from sailor.simulator.network_model import inter_curve
 from sailor.simulator.tp_comm import TPLink, all_gather_s, tp_link
 
-__all__ = ["CostTables", "Inputs", "Kind", "LayerArrays"]
+__all__ = [
+    "CostTables",
+    "FloatArray",
+    "Inputs",
+    "Kind",
+    "LayerArrays",
+]
 
 FloatArray = npt.NDArray[np.float64]
 

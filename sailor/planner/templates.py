@@ -25,7 +25,15 @@ import numpy as np
 
 from sailor.planner.tables import CostTables, FloatArray, Kind, LayerArrays
 
-__all__ = ["PipelineTemplate", "StageTemplate", "best_partitions", "best_partitions_many"]
+__all__ = [
+    "PipelineTemplate",
+    "StageTemplate",
+    "best_partitions",
+    "best_partitions_many",
+    "fixed_kinds",
+    "repriced",
+    "with_cuts",
+]
 
 _TIE = 1e-9
 

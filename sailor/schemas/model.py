@@ -14,7 +14,14 @@ from pydantic import Field, model_validator
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.precision import Precision, compute_bytes
 
-__all__ = ["VOCAB_MULTIPLE", "LayerKind", "ModelSpec", "Precision", "padded_vocab"]
+__all__ = [
+    "MAX_GLOBAL_BATCH",
+    "VOCAB_MULTIPLE",
+    "LayerKind",
+    "ModelSpec",
+    "Precision",
+    "padded_vocab",
+]
 
 LayerKind = Literal["embedding", "block", "head"]
 

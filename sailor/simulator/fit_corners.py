@@ -19,7 +19,12 @@ from collections.abc import Iterable, Sequence
 from sailor.schemas import Calibration
 from sailor.schemas.online_calibration import FittedConstant
 
-__all__ = ["range_corners", "scale_ends", "with_constant"]
+__all__ = [
+    "range_corners",
+    "scale_ends",
+    "with_all",
+    "with_constant",
+]
 
 
 def with_constant(cal: Calibration, gpu_type: str, **values: float) -> Calibration:
@@ -28,7 +33,7 @@ def with_constant(cal: Calibration, gpu_type: str, **values: float) -> Calibrati
     return cal.with_gpu(base.model_copy(update={"gpu_type": gpu_type, **values}))
 
 
-def _with_all(cal: Calibration, kinds: Iterable[str], **values: float) -> Calibration:
+def with_all(cal: Calibration, kinds: Iterable[str], **values: float) -> Calibration:
     for g in kinds:
         cal = with_constant(cal, g, **values)
     return cal
@@ -67,7 +72,7 @@ def range_corners(cal: Calibration, fitted: Sequence[FittedConstant]) -> list[Ca
         if k.name == "compute_scale" and k.fitted and k.high > k.low:
             dims.append((_width(k), [(k.gpu_type, "compute_scale", k.low, k.high)]))
     # one scale for every kind in multi-stage pipelines: one dimension, along which the fixed
-    # cost per transfer moves against the efficiency (_fit_p2p); either may have the range
+    # cost per transfer moves against the efficiency (fit_p2p_constants); either may have the range
     # (the efficiency's is empty once it reaches 1, where the fixed cost alone moves)
     p2p = [k for k in fitted if k.name in ("p2p_efficiency", "p2p_fixed_s") and k.fitted]
     if any(k.high > k.low for k in p2p):

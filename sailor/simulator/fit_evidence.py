@@ -1,7 +1,7 @@
 """What the online fit (:mod:`sailor.simulator.online_fit`) reads, and how sure it is of a
 constant.
 
-Each reporting rank's timings at its place in the running plan (:class:`_Rank`), the
+Each reporting rank's timings at its place in the running plan (:class:`RankEvidence`), the
 simulated stage rows they are compared with, the spread over ranks (:func:`robust_spread`:
 1.4826 x MAD) and the 95 % interval of a median over ranks (the spread between ranks and each
 rank's step-to-step spread, Student's t for the fewer degrees of freedom), and the record of a
@@ -22,21 +22,31 @@ from dataclasses import dataclass
 from sailor.schemas import Estimate, Plan, StageTime
 from sailor.schemas.online_calibration import ConstantName, FittedConstant, RankTimings
 
-__all__ = ["robust_spread"]
+__all__ = [
+    "ETA_MIN",
+    "MEDIAN_SE",
+    "RankEvidence",
+    "evidence_ranks",
+    "kept_constant",
+    "median_interval",
+    "robust_spread",
+    "stage_rows",
+    "t975",
+]
 
 _MAD_TO_SIGMA = 1.4826
 """MAD x this = the standard deviation of a normal sample."""
 
 
-_MEDIAN_SE = 1.2533
+MEDIAN_SE = 1.2533
 """Standard error of a median over n normal samples: this x sigma / sqrt(n)."""
 
 
-_ETA_MIN = 0.01
+ETA_MIN = 0.01
 
 
 @dataclass(frozen=True)
-class _Rank:
+class RankEvidence:
     rank: int
     pipeline: int
     stage: int
@@ -53,13 +63,15 @@ def robust_spread(xs: Sequence[float]) -> float:
     return _MAD_TO_SIGMA * statistics.median(abs(x - mid) for x in xs)
 
 
-def _stage_rows(est: Estimate) -> dict[tuple[int, int], StageTime]:
+def stage_rows(est: Estimate) -> dict[tuple[int, int], StageTime]:
     return {(s.pipeline, s.stage): s for s in est.stages}
 
 
-def _ranks(plan: Plan, timings: Sequence[RankTimings]) -> tuple[list[_Rank], list[str]]:
+def evidence_ranks(
+    plan: Plan, timings: Sequence[RankTimings]
+) -> tuple[list[RankEvidence], list[str]]:
     order = plan.ranks()
-    out: list[_Rank] = []
+    out: list[RankEvidence] = []
     notes: list[str] = []
     seen: set[int] = set()
     for t in sorted(timings, key=lambda x: x.rank):
@@ -69,7 +81,9 @@ def _ranks(plan: Plan, timings: Sequence[RankTimings]) -> tuple[list[_Rank], lis
         seen.add(t.rank)
         pi, si, _ = order[t.rank]
         p = plan.pipelines[pi]
-        out.append(_Rank(t.rank, pi, si, p.stages[si].replica.gpu_type, p.num_microbatches, t))
+        out.append(
+            RankEvidence(t.rank, pi, si, p.stages[si].replica.gpu_type, p.num_microbatches, t)
+        )
     return out, notes
 
 
@@ -89,7 +103,7 @@ _T975 = (
 """Student's t 97.5 % quantiles by degrees of freedom (two-sided 95 %)."""
 
 
-def _t975(dof: int) -> float:
+def t975(dof: int) -> float:
     """The t quantile of the largest tabled ``dof`` not above it (conservative); 1.96 above 30."""
     if dof > 30:
         return 1.96
@@ -100,7 +114,7 @@ def _t975(dof: int) -> float:
     return t
 
 
-def _interval(
+def median_interval(
     value: float, between: float, n: int, within_rel: Sequence[float], steps: int
 ) -> tuple[float, float, float]:
     """(standard error, low, high) of a median ``value`` of ``n`` ranks: the spread between
@@ -109,14 +123,16 @@ def _interval(
     taken from three steps is itself uncertain)."""
     se_between = between / math.sqrt(n) if n > 1 else 0.0
     rms = math.sqrt(statistics.fmean(w * w for w in within_rel)) if within_rel else 0.0
-    se_within = _MEDIAN_SE * abs(value) * rms / math.sqrt(max(steps, 1))
+    se_within = MEDIAN_SE * abs(value) * rms / math.sqrt(max(steps, 1))
     se = math.hypot(se_between, se_within)
     dofs = [d for d, e in ((n - 1, se_between), (steps - n, se_within)) if e > 0]
-    k = _t975(max(1, min(dofs))) if dofs else 2.0
+    k = t975(max(1, min(dofs))) if dofs else 2.0
     return se, value - k * se, value + k * se
 
 
-def _kept(g: str, name: ConstantName, value: float, why: str, samples: int = 0) -> FittedConstant:
+def kept_constant(
+    g: str, name: ConstantName, value: float, why: str, samples: int = 0
+) -> FittedConstant:
     return FittedConstant(
         gpu_type=g,
         name=name,

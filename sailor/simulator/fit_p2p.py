@@ -26,11 +26,20 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.online_calibration import ConstantName, FittedConstant
-from sailor.simulator.fit_corners import _with_all, scale_ends
-from sailor.simulator.fit_evidence import _ETA_MIN, _MEDIAN_SE, _kept, _Rank, _stage_rows, _t975
+from sailor.simulator.fit_corners import scale_ends, with_all
+from sailor.simulator.fit_evidence import (
+    ETA_MIN,
+    MEDIAN_SE,
+    RankEvidence,
+    kept_constant,
+    stage_rows,
+    t975,
+)
 from sailor.simulator.stage_ends import replay_stage_ends
 
-__all__: list[str] = []
+__all__: list[str] = [
+    "fit_p2p_constants",
+]
 
 _P2P_SENSITIVITY = 0.05
 """The p2p pair is identified when doubling the transfers' cost from η_p2p = 1 (at the kept
@@ -62,7 +71,7 @@ def _pred_waits(
     """Per (pipeline, stage) of a multi-stage pipeline: the replay's time of the stage
     outside its own compute during the pipeline phase (transfers, fill, drain, waits)."""
     est, end = replay_stage_ends(plan, model, profiles, network, prices, cal, specs)
-    rows = _stage_rows(est)
+    rows = stage_rows(est)
     out: dict[tuple[int, int], float] = {}
     for pi, p in enumerate(plan.pipelines):
         if p.depth < 2:
@@ -74,9 +83,9 @@ def _pred_waits(
     return out
 
 
-def _fit_p2p(
+def fit_p2p_constants(
     plan: Plan,
-    ranks: list[_Rank],
+    ranks: list[RankEvidence],
     kinds: list[str],
     cal: Calibration,
     anchor: Calibration,
@@ -94,8 +103,8 @@ def _fit_p2p(
         if g not in involved:
             gc = cal.for_gpu(g)
             why = "no multi-stage pipeline on this kind"
-            out.append(_kept(g, "p2p_efficiency", gc.p2p_eta, why))
-            out.append(_kept(g, "p2p_fixed_s", gc.p2p_fixed_s, why))
+            out.append(kept_constant(g, "p2p_efficiency", gc.p2p_eta, why))
+            out.append(kept_constant(g, "p2p_fixed_s", gc.p2p_fixed_s, why))
     if not piped:
         return cal
     # the line's pair: what the anchor charges a boundary between these kinds
@@ -116,7 +125,7 @@ def _fit_p2p(
             eta, fixed = pair(t)
             waits = _pred_waits(
                 plan,
-                _with_all(bases[base], involved, p2p_efficiency=eta, p2p_fixed_s=fixed),
+                with_all(bases[base], involved, p2p_efficiency=eta, p2p_fixed_s=fixed),
                 model,
                 profiles,
                 network,
@@ -135,12 +144,12 @@ def _fit_p2p(
         )
         for g in involved:
             gc = cal.for_gpu(g)
-            out.append(_kept(g, "p2p_efficiency", gc.p2p_eta, why, len(piped)))
-            out.append(_kept(g, "p2p_fixed_s", gc.p2p_fixed_s, why, len(piped)))
+            out.append(kept_constant(g, "p2p_efficiency", gc.p2p_eta, why, len(piped)))
+            out.append(kept_constant(g, "p2p_fixed_s", gc.p2p_fixed_s, why, len(piped)))
         return cal
 
     t_lo = eta0 * (_FIXED_FLOOR if c0 > 0 else 1.0)
-    t_hi = eta0 / _ETA_MIN
+    t_hi = eta0 / ETA_MIN
 
     def solve(target: float, base: int = 0, steps: int = _BISECT_STEPS) -> float:
         if predicted(t_lo, base) >= target:
@@ -159,7 +168,7 @@ def _fit_p2p(
     t = solve(measured)
     steps = sum(r.t.steps for r in piped)
     rms = math.sqrt(statistics.fmean(r.t.p2p_spread**2 for r in piped))
-    rel = _t975(max(1, steps - len(piped))) * _MEDIAN_SE * rms / math.sqrt(max(steps, 1))
+    rel = t975(max(1, steps - len(piped))) * MEDIAN_SE * rms / math.sqrt(max(steps, 1))
     ends = [
         solve(measured * k, b, _RANGE_STEPS)
         for b in range(len(bases))
@@ -195,4 +204,4 @@ def _fit_p2p(
                     evidence=evidence,
                 )
             )
-    return _with_all(cal, involved, p2p_efficiency=eta, p2p_fixed_s=fixed)
+    return with_all(cal, involved, p2p_efficiency=eta, p2p_fixed_s=fixed)

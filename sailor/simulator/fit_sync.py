@@ -18,17 +18,20 @@ from collections.abc import Callable, Mapping
 
 from sailor.schemas import Calibration, Estimate, ModelSpec, Plan
 from sailor.schemas.online_calibration import FittedConstant
-from sailor.simulator.fit_corners import _with_all, with_constant
+from sailor.simulator.fit_corners import with_all, with_constant
 from sailor.simulator.fit_evidence import (
-    _ETA_MIN,
-    _interval,
-    _kept,
-    _Rank,
-    _stage_rows,
+    ETA_MIN,
+    RankEvidence,
+    kept_constant,
+    median_interval,
     robust_spread,
+    stage_rows,
 )
 
-__all__: list[str] = []
+__all__: list[str] = [
+    "fit_sync_constants",
+    "tied_holders",
+]
 
 _SYNC_SHARE = 0.2
 """η is identified from a replica group whose all-reduces are at least this share of its sync."""
@@ -56,7 +59,7 @@ def _groups(plan: Plan) -> dict[tuple[int, int], int]:
     return {x: ids[find(x)] for x in list(parent)}
 
 
-def _tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
+def tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
     """(pipeline, stage) of the stages in the engine's tied-embedding group when it spans
     stages: the embedding's and the head's copies are all-reduced together after the
     segments (``megatron_patch.sync_groups``), so a holder's measured sync includes waiting
@@ -74,9 +77,9 @@ def _tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
     return holders if len(holders) > 1 else frozenset()
 
 
-def _fit_sync(
+def fit_sync_constants(
     plan: Plan,
-    ranks: list[_Rank],
+    ranks: list[RankEvidence],
     kinds: list[str],
     cal: Calibration,
     sim: Callable[[Calibration], Estimate],
@@ -86,7 +89,7 @@ def _fit_sync(
     iteration_s: Mapping[str, float] | None = None,
 ) -> Calibration:
     iteration_s = iteration_s or {}
-    rows1 = _stage_rows(sim(_with_all(cal, kinds, network_efficiency=1.0)))
+    rows1 = stage_rows(sim(with_all(cal, kinds, network_efficiency=1.0)))
     lone = [
         r
         for r in ranks
@@ -116,7 +119,9 @@ def _fit_sync(
         prev = cal.for_gpu(g).sync_fixed_s
         xs = [r for r in lone if r.gpu_type == g]
         if not xs:
-            out.append(_kept(g, "sync_fixed_s", prev, "every rank of this kind all-reduces"))
+            out.append(
+                kept_constant(g, "sync_fixed_s", prev, "every rank of this kind all-reduces")
+            )
             fixed[g] = prev
             continue
         fixed[g] = statistics.median(r.t.sync_s for r in xs)  # the sync's own: for η below
@@ -140,7 +145,7 @@ def _fit_sync(
             for r in xs
         ]
         value = statistics.median(vals)
-        _, low, high = _interval(
+        _, low, high = median_interval(
             value,
             robust_spread(vals),
             len(xs),
@@ -166,7 +171,7 @@ def _fit_sync(
         )
         cal = with_constant(cal, g, sync_fixed_s=value)
     group_of = _groups(plan)
-    last: dict[int, _Rank] = {}
+    last: dict[int, RankEvidence] = {}
     for r in ranks:
         if rows1[(r.pipeline, r.stage)].grad_sync_s <= 0:
             continue
@@ -184,7 +189,7 @@ def _fit_sync(
         if comm <= 0 or comm < _SYNC_SHARE * r.t.sync_s:
             skipped += 1
             continue
-        eta = min(1.0, max(_ETA_MIN, ar1 / comm))
+        eta = min(1.0, max(ETA_MIN, ar1 / comm))
         for g in members[gid]:
             etas[g].append(eta)
     if skipped:
@@ -194,7 +199,9 @@ def _fit_sync(
         found = etas[g]
         if not found:
             out.append(
-                _kept(g, "network_efficiency", prev, "no replica group's all-reduce identified")
+                kept_constant(
+                    g, "network_efficiency", prev, "no replica group's all-reduce identified"
+                )
             )
             continue
         value = min(1.0, math.exp(statistics.fmean(math.log(x) for x in found)))

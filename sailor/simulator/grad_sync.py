@@ -20,24 +20,27 @@ from sailor.schemas import Calibration, ModelSpec, Pipeline, Plan, ReplicaGroup
 from sailor.schemas.precision import GRAD_ALLREDUCE_BYTES
 from sailor.simulator.network_model import AllReduce, guessed_link, ring_allreduce
 from sailor.simulator.pipeline_kinds import PipelineKind
-from sailor.simulator.rank_timing import PipelineRuns, RankTiming, _Rank
-from sailor.simulator.sim_inputs import _Inputs
+from sailor.simulator.rank_timing import PipelineRuns, RankTiming, StageRef
+from sailor.simulator.sim_inputs import SimInputs
 
-__all__: list[str] = []
+__all__: list[str] = [
+    "gradient_sync",
+    "loss_allreduce_time",
+]
 
 _LOSS_BYTES = 8
 """The loss all-reduce of megatron_patch: one float64."""
 
 
-def _gradient_sync(
+def gradient_sync(
     plan: Plan,
-    inp: _Inputs,
+    inp: SimInputs,
     kinds: list[PipelineKind],
     runs: PipelineRuns,
     slowdown: float,
     ranks: RankTiming,
     egress_bytes: dict[tuple[str, str], float],
-) -> tuple[dict[_Rank, float], dict[_Rank, float]]:
+) -> tuple[dict[StageRef, float], dict[StageRef, float]]:
     """When each stage is ready for its optimizer step, and its time in gradient all-reduces.
 
     After its last backward a stage pays the fixed sync cost and the framework's
@@ -47,7 +50,7 @@ def _gradient_sync(
     pipelines = plan.pipelines
     cal = inp.cal
     fixed_of: dict[str, float] = {}
-    ready: dict[_Rank, float] = {}
+    ready: dict[StageRef, float] = {}
     for pi, p in enumerate(pipelines):
         ends = runs.stage_end_s[pi]
         for si, s in enumerate(p.stages):
@@ -57,9 +60,9 @@ def _gradient_sync(
                 fixed = inp.gcal(g).sync_fixed_s + slowdown * inp.framework(g).iteration_s
                 fixed_of[g] = fixed
             ready[(pi, si)] = ends[si] + fixed
-    sync_of: dict[_Rank, float] = dict.fromkeys(ready, 0.0)
+    sync_of: dict[StageRef, float] = dict.fromkeys(ready, 0.0)
 
-    def reduce(holders: list[_Rank], ar: AllReduce, node_bytes: float, chains: bool) -> None:
+    def reduce(holders: list[StageRef], ar: AllReduce, node_bytes: float, chains: bool) -> None:
         inp.notes.add(*ar.notes)
         inp.uses_estimates |= any(guessed_link(n) for n in ar.notes)
         took = ranks.grad_allreduce_s(ar, holders, node_bytes, chains=chains)
@@ -94,7 +97,7 @@ def _gradient_sync(
     return ready, sync_of
 
 
-def _loss_allreduce_s(inp: _Inputs, pipelines: Sequence[Pipeline], ranks: RankTiming) -> float:
+def loss_allreduce_time(inp: SimInputs, pipelines: Sequence[Pipeline], ranks: RankTiming) -> float:
     """The loss all-reduce over every rank after the optimizer step, if the calibration says
     the framework runs one: it is the iteration's barrier."""
     if not inp.cal.loss_allreduce:
@@ -129,7 +132,7 @@ def _segments(
 
 
 def _tied_allreduce(
-    plan: Plan, model: ModelSpec, inp: _Inputs
+    plan: Plan, model: ModelSpec, inp: SimInputs
 ) -> tuple[list[tuple[int, int]], AllReduce, float] | None:
     """The tied embedding gradient's all-reduce among the stages holding the embedding or the
     head (megatron_patch's last sync group): its holders, its time and the bytes per node;

@@ -76,17 +76,17 @@ from sailor.schemas import (
     StageTime,
 )
 from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
-from sailor.simulator.fit_corners import _with_all, with_constant
+from sailor.simulator.fit_corners import with_all, with_constant
 from sailor.simulator.fit_evidence import (
-    _interval,
-    _kept,
-    _Rank,
-    _ranks,
-    _stage_rows,
+    RankEvidence,
+    evidence_ranks,
+    kept_constant,
+    median_interval,
     robust_spread,
+    stage_rows,
 )
-from sailor.simulator.fit_p2p import _fit_p2p
-from sailor.simulator.fit_sync import _fit_sync, _tied_holders
+from sailor.simulator.fit_p2p import fit_p2p_constants
+from sailor.simulator.fit_sync import fit_sync_constants, tied_holders
 from sailor.simulator.simulate import simulate
 
 __all__ = ["fit_online"]
@@ -113,7 +113,7 @@ def fit_online(
     """
     cal0 = calibration or Calibration()
     specs = gpu_specs or {}
-    ranks, notes = _ranks(plan, timings)
+    ranks, notes = evidence_ranks(plan, timings)
     if not ranks:
         raise ValueError(f"no timing of a rank of plan {plan.plan_id}")
     kinds = sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages})
@@ -123,7 +123,7 @@ def fit_online(
 
     constants: list[FittedConstant] = []
     cal = _fit_compute(ranks, kinds, cal0, sim, constants, notes)
-    cal = _fit_p2p(
+    cal = fit_p2p_constants(
         plan,
         ranks,
         kinds,
@@ -138,12 +138,12 @@ def fit_online(
         specs,
     )
     frame = {g: f.iteration_s for g in kinds if (f := profiles.framework_time(g)) is not None}
-    cal = _fit_sync(
-        plan, ranks, kinds, cal, sim, constants, notes, _tied_holders(plan, model), frame
+    cal = fit_sync_constants(
+        plan, ranks, kinds, cal, sim, constants, notes, tied_holders(plan, model), frame
     )
     before = sim(cal0)
     after = sim(cal)
-    notes.extend(_optimizer_notes(ranks, _stage_rows(after)))
+    notes.extend(_optimizer_notes(ranks, stage_rows(after)))
     measured = statistics.median(r.t.step_s for r in ranks)
     return OnlineFit(
         calibration=cal,
@@ -159,15 +159,15 @@ def fit_online(
 
 
 def _fit_compute(
-    ranks: list[_Rank],
+    ranks: list[RankEvidence],
     kinds: list[str],
     cal0: Calibration,
     sim: Callable[[Calibration], Estimate],
     out: list[FittedConstant],
     notes: list[str],
 ) -> Calibration:
-    one = _stage_rows(sim(_with_all(cal0, kinds, compute_scale=1.0)))
-    two = _stage_rows(sim(_with_all(cal0, kinds, compute_scale=2.0)))
+    one = stage_rows(sim(with_all(cal0, kinds, compute_scale=1.0)))
+    two = stage_rows(sim(with_all(cal0, kinds, compute_scale=2.0)))
     by_kind: dict[str, list[tuple[float, float, int]]] = {g: [] for g in kinds}
     for r in ranks:
         a, b = one[(r.pipeline, r.stage)], two[(r.pipeline, r.stage)]
@@ -189,11 +189,13 @@ def _fit_compute(
         prev = cal0.for_gpu(g).compute_scale
         xs = by_kind[g]
         if not xs:
-            out.append(_kept(g, "compute_scale", prev, "no rank of this kind reported compute"))
+            out.append(
+                kept_constant(g, "compute_scale", prev, "no rank of this kind reported compute")
+            )
             continue
         scales = [x for x, _, _ in xs]
         value = statistics.median(scales)
-        se, low, high = _interval(
+        se, low, high = median_interval(
             value, robust_spread(scales), len(xs), [w for _, w, _ in xs], sum(s for *_, s in xs)
         )
         low = max(low, value * 1e-3)
@@ -217,7 +219,9 @@ def _fit_compute(
     return cal
 
 
-def _optimizer_notes(ranks: list[_Rank], rows: dict[tuple[int, int], StageTime]) -> list[str]:
+def _optimizer_notes(
+    ranks: list[RankEvidence], rows: dict[tuple[int, int], StageTime]
+) -> list[str]:
     """Measured over simulated optimizer step per kind (not fitted: noted)."""
     ratios: dict[str, list[float]] = {}
     for r in ranks:

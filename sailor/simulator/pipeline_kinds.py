@@ -6,7 +6,7 @@ the pipeline transfers between consecutive stages (blocking at both ends, or a d
 link). They are worked out once per distinct pipeline (:class:`PipelineKind`: pipelines alike
 in everything the model reads share their figures), independent of the microbatch count.
 
-Pure: reads the simulation's :class:`~sailor.simulator.sim_inputs._Inputs`, fills its lookup
+Pure: reads the simulation's :class:`~sailor.simulator.sim_inputs.SimInputs`, fills its lookup
 caches and notes, returns values; no I/O, no clock, no globals.
 """
 
@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from sailor.schemas import LayerSize, Pipeline
 from sailor.simulator.lookup import layer_table
 from sailor.simulator.network_model import guessed_link
-from sailor.simulator.sim_inputs import _Inputs
+from sailor.simulator.sim_inputs import SimInputs
 from sailor.simulator.tp_comm import all_gather_s, tp_link
 
-__all__ = ["PipelineKind"]
+__all__ = [
+    "PipelineKind",
+    "build_pipeline_kinds",
+]
 
 _MASK_BYTES_PER_ELEMENT = 2
 
@@ -75,7 +78,7 @@ def _pipe_key(p: Pipeline) -> _PipeKey:
     )
 
 
-def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKind:
+def _kind(inp: SimInputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKind:
     """Compute and transfers per stage of ``p``, per microbatch (independent of its count)."""
     model, cal = inp.model, inp.cal
     row: list[_Stage] = []
@@ -171,7 +174,7 @@ def _kind(inp: _Inputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineKin
     )
 
 
-def _gather(inp: _Inputs, gpu_type: str, tp: int, nbytes: float) -> float:
+def _gather(inp: SimInputs, gpu_type: str, tp: int, nbytes: float) -> float:
     """A stage boundary's all-gather of ``nbytes`` by ``tp`` GPUs of ``gpu_type``
     (:func:`~sailor.simulator.tp_comm.all_gather_s`), its link noted."""
     eff = inp.gcal(gpu_type).tp_link_efficiency
@@ -182,8 +185,8 @@ def _gather(inp: _Inputs, gpu_type: str, tp: int, nbytes: float) -> float:
     return all_gather_s(link, nbytes, tp)
 
 
-def _pipeline_kinds(
-    inp: _Inputs, pipelines: Sequence[Pipeline], egress_bytes: dict[tuple[str, str], float]
+def build_pipeline_kinds(
+    inp: SimInputs, pipelines: Sequence[Pipeline], egress_bytes: dict[tuple[str, str], float]
 ) -> list[PipelineKind]:
     """Per-stage compute and transfers of each pipeline, worked out once per distinct
     pipeline; adds the pipeline transfers' cross-zone bytes to ``egress_bytes``."""

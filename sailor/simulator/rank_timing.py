@@ -21,12 +21,18 @@ from sailor.simulator.pipeline import TimelineOp, closed_form_1f1b, replay_1f1b
 from sailor.simulator.pipeline_kinds import PipelineKind
 from sailor.simulator.sim_inputs import Notes
 
-__all__ = ["Method", "OwnDevices", "PipelineRuns", "RankTiming"]
+__all__ = [
+    "Method",
+    "OwnDevices",
+    "PipelineRuns",
+    "RankTiming",
+    "StageRef",
+]
 
 Method = Literal["closed_form", "replay"]
 
 
-_Rank = tuple[int, int]
+StageRef = tuple[int, int]
 """(pipeline, stage) of a plan."""
 
 
@@ -64,7 +70,7 @@ class RankTiming(Protocol):
         ...
 
     def grad_allreduce_s(
-        self, ar: AllReduce, holders: Sequence[_Rank], node_bytes: float, *, chains: bool
+        self, ar: AllReduce, holders: Sequence[StageRef], node_bytes: float, *, chains: bool
     ) -> float:
         """Time of gradient all-reduce ``ar`` among the stages ``holders`` (``chains``: a
         segment's, which the next one may follow at once; the tied embedding's does not)."""
@@ -122,7 +128,7 @@ class OwnDevices:
         return 1.0
 
     def grad_allreduce_s(
-        self, ar: AllReduce, holders: Sequence[_Rank], node_bytes: float, *, chains: bool
+        self, ar: AllReduce, holders: Sequence[StageRef], node_bytes: float, *, chains: bool
     ) -> float:
         return ar.time_s
 

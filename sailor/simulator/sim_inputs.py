@@ -1,6 +1,6 @@
 """One simulation's inputs and lookups, and the notes it gathers.
 
-:class:`_Inputs` holds what a simulation reads (model, profiles, calibration, GPU specs) and
+:class:`SimInputs` holds what a simulation reads (model, profiles, calibration, GPU specs) and
 the lookups every stage of a plan shares: per-layer profile tables, layer sizes per TP degree,
 link curves and per-GPU-type constants, each worked out on first use. :class:`Notes` keeps the
 simulation's notes once each, in the order they arose. The parts of
@@ -28,7 +28,10 @@ from sailor.schemas.profile import FrameworkTime
 from sailor.simulator.lookup import StageCosts, layer_sizes
 from sailor.simulator.network_model import LinkCurves
 
-__all__ = ["Notes"]
+__all__ = [
+    "Notes",
+    "SimInputs",
+]
 
 
 class Notes:
@@ -43,7 +46,7 @@ class Notes:
                 self.items[n] = None
 
 
-class _Inputs:
+class SimInputs:
     """One simulation's inputs and lookups: profile tables, layer sizes, link curves and
     per-GPU-type constants, each worked out on first use; the notes in the order they arose."""
 

@@ -53,12 +53,12 @@ from sailor.schemas import (
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
 from sailor.schemas.device_kind import any_cpu_type, spec_of
 from sailor.schemas.precision import Precision, supports_bf16
-from sailor.simulator.grad_sync import _gradient_sync, _loss_allreduce_s
+from sailor.simulator.grad_sync import gradient_sync, loss_allreduce_time
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.pipeline import TimelineOp
-from sailor.simulator.pipeline_kinds import PipelineKind, _pipeline_kinds
-from sailor.simulator.rank_timing import Method, OwnDevices, RankTiming, _Rank
-from sailor.simulator.sim_inputs import _Inputs
+from sailor.simulator.pipeline_kinds import PipelineKind, build_pipeline_kinds
+from sailor.simulator.rank_timing import Method, OwnDevices, RankTiming, StageRef
+from sailor.simulator.sim_inputs import SimInputs
 
 __all__ = [
     "Timeline",
@@ -204,18 +204,18 @@ def _run(
     specs = gpu_specs or {}
     spec_precision = model.precision
     model = _at_precision(model, _precision(plan, model, specs))
-    inp = _Inputs(model, profiles, network, cal, specs, spec_precision)
+    inp = SimInputs(model, profiles, network, cal, specs, spec_precision)
     if plan.precision is None:
         inp.notes.add(f"plan precision not recorded: {model.precision} derived from its GPU types")
     pipelines = plan.pipelines
 
     egress_bytes: dict[tuple[str, str], float] = {}
-    kinds = _pipeline_kinds(inp, pipelines, egress_bytes)
+    kinds = build_pipeline_kinds(inp, pipelines, egress_bytes)
     runs = ranks.run_pipelines(pipelines, kinds, method, timeline, inp.notes)
     slowdown = ranks.end_slowdown(pipelines)
-    ready, sync_of = _gradient_sync(plan, inp, kinds, runs, slowdown, ranks, egress_bytes)
+    ready, sync_of = gradient_sync(plan, inp, kinds, runs, slowdown, ranks, egress_bytes)
     end = {h: ready[h] + slowdown * kinds[h[0]].row[h[1]].u for h in ready}
-    iteration = max(end.values()) + _loss_allreduce_s(inp, pipelines, ranks)
+    iteration = max(end.values()) + loss_allreduce_time(inp, pipelines, ranks)
     if iteration <= 0:
         raise ValueError("simulated iteration time is zero: the profiles hold no time")
     memory, distinct = _memory(inp, pipelines, kinds)
@@ -256,7 +256,7 @@ def _run(
 
 
 def _memory(
-    inp: _Inputs, pipelines: Sequence[Pipeline], kinds: list[PipelineKind]
+    inp: SimInputs, pipelines: Sequence[Pipeline], kinds: list[PipelineKind]
 ) -> tuple[list[dict[str, object]], list[MemoryBreakdown]]:
     """Every stage's memory rows (unvalidated), and the distinct validated breakdowns.
 
@@ -323,7 +323,7 @@ def _critical_path(
     pipelines: Sequence[Pipeline],
     kinds: list[PipelineKind],
     pipe_end: list[float],
-    end: dict[_Rank, float],
+    end: dict[StageRef, float],
     iteration: float,
 ) -> TimeBreakdown:
     """The iteration split along its critical path: the slowest pipeline's bottleneck stage
@@ -345,7 +345,9 @@ def _critical_path(
     )
 
 
-def _stage_times(kinds: list[PipelineKind], sync_of: dict[_Rank, float]) -> list[dict[str, object]]:
+def _stage_times(
+    kinds: list[PipelineKind], sync_of: dict[StageRef, float]
+) -> list[dict[str, object]]:
     """Every stage's time rows (unvalidated), in plan order."""
     return [
         {

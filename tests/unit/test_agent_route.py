@@ -16,7 +16,7 @@ def test_the_address_towards_the_servers() -> None:
 def test_the_first_address_that_is_not_loopback_wins() -> None:
     """On the etcd host with a loopback etcd endpoint, the route to another server gives the
     address other nodes reach; loopback only when every server is here."""
-    from sailor.agent.node_join import _host_port, node_address
+    from sailor.agent.node_join import host_port, node_address
 
     routes = {"127.0.0.1:2379": "127.0.0.1", "10.0.0.2:4222": "10.0.0.7", "bad:1": ""}
     probe = routes.__getitem__
@@ -24,6 +24,6 @@ def test_the_first_address_that_is_not_loopback_wins() -> None:
     assert node_address(["bad:1", "127.0.0.1:2379"], probe) == "127.0.0.1"
     assert node_address(["bad:1"], probe) == ""
     assert node_address([]) == ""
-    assert _host_port("nats://10.0.0.2:4222") == "10.0.0.2:4222"
-    assert _host_port("tls://head") == "head:4222"
-    assert _host_port("nats://[fd00::2]:4223") == "[fd00::2]:4223"
+    assert host_port("nats://10.0.0.2:4222") == "10.0.0.2:4222"
+    assert host_port("tls://head") == "head:4222"
+    assert host_port("nats://[fd00::2]:4223") == "[fd00::2]:4223"

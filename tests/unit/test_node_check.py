@@ -324,15 +324,15 @@ def test_profile_names_the_cuda_device_by_its_catalog_type(
     import torch
     import typer
 
-    from sailor.cli.profile_group import _local_gpu_type
+    from sailor.cli.profile_group import local_gpu_type
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_028_306_944)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    assert _local_gpu_type("cuda") == "H100-80"
-    assert _local_gpu_type("cpu") == "cpu"
+    assert local_gpu_type("cuda") == "H100-80"
+    assert local_gpu_type("cpu") == "cpu"
     props.name, props.total_memory = "NVIDIA A10G", 23_836_033_024
     with pytest.raises(typer.Exit) as raised:  # the CLI entry prints it as one line
-        _local_gpu_type("cuda")
+        local_gpu_type("cuda")
     err = str(raised.value)
     assert "'NVIDIA A10G' with 22.2 GiB: not in the catalog" in err and "--gpu-type" in err

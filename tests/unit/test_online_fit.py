@@ -90,7 +90,7 @@ def _const(fit: OnlineFit, gpu: str, name: str) -> float:
 def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> None:
     plan = _pipeline_plan()
     # one microbatch size moves the fixed cost per transfer and the efficiency along one
-    # line through the kept pair (fit_p2p._fit_p2p): the truth lies on it
+    # line through the kept pair (fit_p2p.fit_p2p_constants): the truth lies on it
     eta0, c0 = BASE.for_gpu(SLOW).p2p_eta, BASE.for_gpu(SLOW).p2p_fixed_s
     c_true = c0 * eta0 / 0.3
     truth = with_constant(

@@ -33,7 +33,13 @@ from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.vocab_parallel import pad_rows, unpad_rows
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["canonical_name", "engine_to_hf", "hf_layer_of", "hf_to_engine"]
+__all__ = [
+    "canonical_name",
+    "engine_to_hf",
+    "has_head_weight",
+    "hf_layer_of",
+    "hf_to_engine",
+]
 
 Tensors = Mapping[str, torch.Tensor]
 

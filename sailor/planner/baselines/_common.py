@@ -10,7 +10,11 @@ from sailor.planner.tables import CostTables
 from sailor.schemas import Estimate, Plan
 from sailor.simulator import ProfileLookupError, simulate
 
-__all__ = ["judge", "uniform_cuts"]
+__all__ = [
+    "judge",
+    "per_hour",
+    "uniform_cuts",
+]
 
 
 def uniform_cuts(n_layers: int, depth: int) -> tuple[int, ...]:
