@@ -51,12 +51,14 @@ def estimate_cmd(
     affine: bool = typer.Option(False, help="Fit latency + scale instead of a pure scale."),
     network: Path | None = typer.Option(
         None,
-        help="NetworkProfile whose intra-node curves price the TP all-reduces, taken out of "
-        "the measured GPUs' times and added to the estimate's (default: spec-sheet links).",
+        help="NetworkProfile whose intra-node curves price the TP all-reduces taken out of "
+        "the measured GPUs' times, and those of the leave-one-GPU-out check (default: "
+        "spec-sheet links). The estimated entries hold compute only: the simulator adds "
+        "the estimated GPU's own all-reduces over the plan's network profile.",
     ),
 ) -> None:
-    """Roofline scaled by measured compute efficiency, plus the GPU's own TP all-reduces;
-    leave-one-GPU-out error on the database."""
+    """Roofline scaled by measured compute efficiency (the simulator adds the GPU's own TP
+    all-reduces); leave-one-GPU-out error on the database."""
     from sailor.profiler.calibrated_estimate import (
         calibrated_efficiencies,
         estimate_gpu,
@@ -74,13 +76,14 @@ def estimate_cmd(
     measured = sorted({k for g in db.gpu_types() for k in measured_grid(db, g)})
     tps = parse_ints(tp, "tp") if tp else tuple(sorted({t for t, _ in measured})) or (1,)
     bs = parse_ints(mbs, "mbs") if mbs else tuple(sorted({b for _, b in measured})) or (1,)
-    est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs], net)
+    est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs])
     est = est.model_copy(
         update={
             "meta": {
+                **est.meta,
                 f"{gpu}.estimated_from": ",".join(
                     g for g in db.gpu_types() if g in specs and g != gpu
-                )
+                ),
             }
         }
     )

@@ -41,9 +41,10 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.model import LayerKind
+from sailor.schemas.profile import COMPUTE_ONLY_META
 from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY, estimate_layer_timing
-from sailor.simulator.lookup import layer_table
-from sailor.simulator.tp_comm import layer_comm_s, tp_link
+from sailor.simulator.lookup import layer_table, measured_whole_ends
+from sailor.simulator.tp_comm import compute_part, layer_comm_s, tp_link
 
 __all__ = [
     "Efficiency",
@@ -98,25 +99,22 @@ def _roofline(
 
 
 def _tp_comm(
-    model: ModelSpec, spec: GPUSpec, tp: int, mbs: int, network: NetworkProfile | None
+    model: ModelSpec,
+    spec: GPUSpec,
+    tp: int,
+    mbs: int,
+    network: NetworkProfile | None,
+    vocab_parallel: bool,
 ) -> list[tuple[float, float]]:
     """Forward and backward seconds of every layer's TP all-reduces at ``tp`` on a node of
     ``spec``: its intra-node curve in ``network``, else its spec sheet's link at the prior's
-    median efficiency (the simulator's own pricing, ``tp_comm``; none at TP 1)."""
+    median efficiency (the simulator's own pricing, ``tp_comm``; none at TP 1).
+    ``vocab_parallel``: the embedding and head were split (else they have none)."""
     n = model.num_all_layers
     if tp <= 1:
         return [(0.0, 0.0)] * n
     link = tp_link(network, {spec.name: spec}, spec.name, tp)
-    return [layer_comm_s(model, tp, mbs, layer, link, True) for layer in range(n)]
-
-
-def _compute(measured: float, comm: float, roof: float) -> float:
-    """A measured TP time less its estimated all-reduces ``comm`` (at least the share
-    ``roof/(roof + comm)`` the roofline ``roof`` gives compute: a link estimate larger than
-    the measurement never leaves nothing), as the lookup's rule 3 takes them out."""
-    if comm <= 0 or roof <= 0:
-        return measured
-    return max(measured - comm, measured * roof / (roof + comm))
+    return [layer_comm_s(model, tp, mbs, layer, link, vocab_parallel) for layer in range(n)]
 
 
 def measured_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:
@@ -139,13 +137,20 @@ def _kind_sums(
     specs = {spec.name: spec}
     for tp, mbs in measured_grid(db, spec.name):
         costs = layer_table(db, model, _NO_CORRECTION, specs, spec.name, tp, mbs).layers
-        comms = _tp_comm(model, spec, tp, mbs, network)
+        # an older Sailor profile timed the embedding and head whole: no all-reduce in them
+        split = not measured_whole_ends(db, spec.name, tp, mbs, model.num_all_layers)
+        comms = _tp_comm(model, spec, tp, mbs, network, split)
         for layer, (c, (cf, cb)) in enumerate(zip(costs, comms, strict=True)):
             roof, meas = out.setdefault((model.layer_kind(layer), tp, mbs), ([0.0] * 3, [0.0] * 3))
-            r = _roofline(model, spec, tp, mbs, layer)
-            for i, v in enumerate(r):
+            for i, v in enumerate(_roofline(model, spec, tp, mbs, layer)):
                 roof[i] += v
-            compute = (_compute(c.fwd_s, cf, r[0]), _compute(c.bwd_s, cb, r[1]), c.update_s)
+            # the all-reduces out as the lookup's rule 3 takes them out (its derated roofline)
+            est = estimate_layer_timing(model, spec, tp, mbs, layer)
+            compute = (
+                compute_part(c.fwd_s, cf, est.fwd_s),
+                compute_part(c.bwd_s, cb, est.bwd_s),
+                c.update_s,
+            )
             for i, v in enumerate(compute):
                 meas[i] += v
     return out
@@ -245,19 +250,18 @@ def estimate_gpu(
     spec: GPUSpec,
     table: Mapping[Key, KindCost],
     grid: Iterable[tuple[int, int]],
-    network: NetworkProfile | None = None,
 ) -> ProfileDB:
     """Estimated timings of every layer of ``model`` on ``spec`` at each (TP, mbs) of
-    ``grid``: the calibrated compute plus, at TP > 1, the TP all-reduces over ``spec``'s own
-    node link (``network``'s intra-node curve of the type, else its spec sheet), as a
-    profile at that TP holds them."""
+    ``grid``: the calibrated compute alone. Stamped :data:`COMPUTE_ONLY_META`: the simulator
+    adds the TP all-reduces at TP > 1 over the plan's link (the network profile's intra-node
+    curve of the type, else its spec sheet at the calibration's link efficiency), so they
+    follow the uncertainty set and a later probe, and no calibrated ``compute_scale``
+    multiplies them."""
     out: list[LayerProfile] = []
     for tp, mbs in sorted(set(grid)):
-        comms = _tp_comm(model, spec, tp, mbs, network)
         for layer in range(model.num_all_layers):
             kind = model.layer_kind(layer)
             f, b, u = _lookup(table, kind, tp, mbs).time(_roofline(model, spec, tp, mbs, layer))
-            f, b = f + comms[layer][0], b + comms[layer][1]
             out.append(
                 LayerProfile(
                     gpu_type=spec.name,
@@ -271,7 +275,11 @@ def estimate_gpu(
                     source="estimated",
                 )
             )
-    return ProfileDB(model=model.name, timings=tuple(out))
+    meta = {
+        f"{spec.name}.{COMPUTE_ONLY_META}": "the TP all-reduces are not in these times: "
+        "the simulator adds them over the plan's link"
+    }
+    return ProfileDB(model=model.name, timings=tuple(out), meta=meta)
 
 
 @dataclass(frozen=True)
@@ -325,10 +333,13 @@ def leave_one_gpu_out(
             db, model, specs, exclude=[g], affine=affine, network=network
         )
         grid = measured_grid(db, g)
-        est = estimate_gpu(model, specs[g], table, grid, network)
+        est = estimate_gpu(model, specs[g], table, grid)
         for tp, mbs in grid:
             meas = layer_table(db, model, _NO_CORRECTION, {g: specs[g]}, g, tp, mbs).layers
-            cal = [est.timing(g, tp, mbs, i) for i in range(model.num_all_layers)]
+            # read as the simulator reads them: the compute plus the TP all-reduces
+            cal = layer_table(
+                est, model, _NO_CORRECTION, {g: specs[g]}, g, tp, mbs, network=network
+            ).layers
             roof = [
                 estimate_layer_timing(model, specs[g], tp, mbs, i)
                 for i in range(model.num_all_layers)
@@ -338,10 +349,10 @@ def leave_one_gpu_out(
                 tp=tp,
                 mbs=mbs,
                 measured_s=sum(c.fwd_s + c.bwd_s for c in meas),
-                calibrated_s=sum(c.fwd_s + c.bwd_s for c in cal if c is not None),
+                calibrated_s=sum(c.fwd_s + c.bwd_s for c in cal),
                 roofline_s=sum(r.fwd_s + r.bwd_s for r in roof),
                 measured_update_s=sum(c.update_s for c in meas),
-                calibrated_update_s=sum(c.update_s for c in cal if c is not None),
+                calibrated_update_s=sum(c.update_s for c in cal),
                 roofline_update_s=sum(r.update_s for r in roof),
             )
             if row.measured_s > 0 and row.measured_update_s > 0:

@@ -182,6 +182,11 @@ class NetworkProfile(Frozen):
             self.__dict__["_idx"] = cache
         return cache
 
+    def curves(self) -> Mapping[tuple[Endpoint, Endpoint], BandwidthCurve]:
+        """Every measured inter-node curve by (source, destination) endpoint, each link
+        either way round (a link's own direction wins). Built once; do not modify."""
+        return self._index()
+
     def inter(self, src: Endpoint, dst: Endpoint) -> BandwidthCurve | None:
         """Curve measured between two endpoints on different nodes (either way round), or,
         inside one zone, a zone-agnostic curve (zone ``*``, e.g. a per-VM-shape fit) of their

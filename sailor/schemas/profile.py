@@ -16,6 +16,7 @@ from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.model import LayerKind
 
 __all__ = [
+    "COMPUTE_ONLY_META",
     "VOCAB_SPLIT_META",
     "DeviceOverhead",
     "FrameworkTime",
@@ -287,6 +288,14 @@ class HostSharing(Frozen):
             return self.slowdown[n - 1]
         return self.slowdown[-1] * n / k
 
+
+COMPUTE_ONLY_META = "estimated_compute_only"
+"""Profile meta ``"{gpu}.estimated_compute_only"``: that GPU type's estimated entries
+(``sailor profile estimate``) hold its compute alone, and the simulator adds the TP
+all-reduces at TP > 1 over the plan's link, as it does for a TP degree nobody profiled (the
+calibration's link efficiency, the network profile's intra-node curve). Estimated entries
+without it (written before 2026-11-28) hold the measured GPUs' all-reduces in their
+efficiency."""
 
 VOCAB_SPLIT_META = "vocab_parallel"
 """Profile meta ``"{gpu}.tp{t}.vocab_parallel"``: Sailor's profiler measured that GPU type at TP

@@ -56,10 +56,10 @@ from sailor.schemas import (
 from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
 from sailor.schemas.deployment import Activations, MixedPrecision
 from sailor.schemas.device_kind import spec_of
-from sailor.schemas.profile import VOCAB_SPLIT_META
+from sailor.schemas.profile import COMPUTE_ONLY_META, VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
-from sailor.simulator.tp_comm import layer_comm_s, tp_link
+from sailor.simulator.tp_comm import compute_part, layer_comm_s, tp_link
 
 __all__ = [
     "PROFILING_MODEL_BLOCKS",
@@ -69,6 +69,7 @@ __all__ = [
     "forget_tables",
     "layer_sizes",
     "layer_table",
+    "measured_whole_ends",
 ]
 
 PROFILING_MODEL_BLOCKS = 2
@@ -396,12 +397,14 @@ def _layer_table(
         return _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
 
     added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
+    # estimated entries that hold the compute alone: their TP all-reduces are priced here
+    compute_only = calibrated and f"{gpu_type}.{COMPUTE_ONLY_META}" in profiles.meta
     if tp in grid:
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
         if how:
             notes.append(f"{tag}: {how}")
         rows = hook_free(tp, rows)
-        if vocab_parallel and tp > 1 and _measured_whole_ends(profiles, gpu_type, tp, mbs, n):
+        if vocab_parallel and tp > 1 and measured_whole_ends(profiles, gpu_type, tp, mbs, n):
             notes.append(
                 f"{tag}: the embedding and head were measured whole on every TP rank (Sailor's "
                 "profiler before the engine split them by vocabulary): priced as measured, up "
@@ -415,6 +418,8 @@ def _layer_table(
                 "head) and spread by parameter count"
             )
         estimated = calibrated
+        if compute_only and tp > 1:
+            added = comm(tp)
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
@@ -429,7 +434,8 @@ def _layer_table(
         # is below the roofline plus that estimate) scales by the roofline's ratio, and the
         # all-reduces at ``tp`` are added
         added = comm(tp)
-        zipped = zip(base, est_tp, est_near, comm(near, priced=False), strict=True)
+        held = [(0.0, 0.0)] * n if compute_only else comm(near, priced=False)
+        zipped = zip(base, est_tp, est_near, held, strict=True)
         for (f, g, u), a, b, (nf, nb) in zipped:
             rows.append(
                 (
@@ -470,15 +476,14 @@ def _layer_table(
 
 def _scaled(measured: float, comm: float, roof_tp: float, roof_near: float) -> float:
     """A layer's compute at another TP degree: ``measured`` at the nearest one less its
-    estimated all-reduces ``comm`` there (at least the share ``roof/(roof + comm)`` of the
-    estimate), times the roofline's ratio ``roof_tp/roof_near``."""
+    estimated all-reduces ``comm`` there (:func:`~sailor.simulator.tp_comm.compute_part`),
+    times the roofline's ratio ``roof_tp/roof_near``."""
     if roof_near <= 0:
         return measured
-    compute = max(measured - comm, measured * roof_near / (roof_near + comm))
-    return compute * roof_tp / roof_near
+    return compute_part(measured, comm, roof_near) * roof_tp / roof_near
 
 
-def _measured_whole_ends(
+def measured_whole_ends(
     profiles: ProfileDB, gpu_type: str, tp: int, mbs: int, n_layers: int
 ) -> bool:
     """Whether Sailor's profiler measured the head at ``tp`` before the engine split it: a

@@ -100,7 +100,7 @@ def inter_curve(
     (the module docstring's order; :func:`guessed_link` tells a guess from a measurement)."""
     src = Endpoint(zone=a.zone, gpu_type=a.gpu_type, gpus_per_node=a.gpus_per_node)
     dst = Endpoint(zone=b.zone, gpu_type=b.gpu_type, gpus_per_node=b.gpus_per_node)
-    exact = network._index().get((src, dst))
+    exact = network.curves().get((src, dst))
     if exact is not None:
         return exact, ""
     link = f"{a.gpu_type}x{a.gpus_per_node}@{a.zone} -> {b.gpu_type}x{b.gpus_per_node}@{b.zone}"
@@ -139,7 +139,7 @@ def _other_shapes(
     by nodes of other VM shapes, and that link's shapes. A node's NICs go with its shape, so
     this is a guess: the slowest, so that it is rarely an optimistic one."""
     best: tuple[BandwidthCurve, str] | None = None
-    for (x, y), c in network._index().items():
+    for (x, y), c in network.curves().items():
         if (x.zone, y.zone) == (src.zone, dst.zone) and (
             best is None or c.max_gbps < best[0].max_gbps
         ):
@@ -187,7 +187,7 @@ def _sibling(
         if (_shape(ln.src), _shape(ln.dst)) not in shapes or "*" in (ln.src.zone, ln.dst.zone):
             continue
         if (ln.src.zone, ln.dst.zone) in pair:
-            continue  # the pair itself: the profile's own fallback had it
+            continue  # the pair itself: its links are exact, or another shape's (a guess)
         x, y = region_of(ln.src.zone), region_of(ln.dst.zone)
         if src.zone == dst.zone:
             related = ln.src.zone == ln.dst.zone and x == ra

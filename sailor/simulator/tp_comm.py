@@ -51,6 +51,7 @@ __all__ = [
     "MIN_COLLECTIVE_S",
     "TPLink",
     "all_gather_s",
+    "compute_part",
     "layer_comm_s",
     "ring_allreduce_s",
     "tp_link",
@@ -122,6 +123,15 @@ def tp_link(
     if guessed_link(note):
         return TPLink(curve, spec_efficiency, f"{note} x{spec_efficiency:.3g}", guessed=True)
     return TPLink(curve, 1.0, f"intra-node curve of {gpu_type} x{tp}")
+
+
+def compute_part(measured: float, comm: float, roof: float) -> float:
+    """The compute in a time ``measured`` at a TP degree: less its estimated all-reduces
+    ``comm``, but at least the share ``roof/(roof + comm)`` the roofline estimate ``roof``
+    gives compute (a link estimate above the measurement never leaves nothing)."""
+    if comm <= 0 or roof <= 0:
+        return measured
+    return max(measured - comm, measured * roof / (roof + comm))
 
 
 def ring_allreduce_s(link: TPLink, nbytes: float, ranks: int) -> float:

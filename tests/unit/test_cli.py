@@ -187,12 +187,23 @@ def test_cli_import_does_not_load_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_profile_estimate_prices_the_tp_all_reduces_on_the_given_network(tmp_path: Path) -> None:
-    """``--network``: the estimated GPU's TP all-reduces go over its intra-node curve there
-    (here a slow one), not its spec sheet's link; TP 1 is the same either way."""
+def test_profile_estimate_writes_compute_the_simulator_adds_the_links_to(tmp_path: Path) -> None:
+    """The estimated entries hold compute alone, stamped so: the simulator adds the GPU's TP
+    all-reduces over the plan's network (a slow intra-node curve there makes TP 2 slower, TP
+    1 is the same). ``--network`` prices the all-reduces taken out of the measured GPUs'
+    times; a file that is not a NetworkProfile is refused."""
     from sailor import catalog
     from sailor.profiler.calibrated_estimate import KindCost, estimate_gpu
-    from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile, ProfileDB
+    from sailor.schemas import (
+        BandwidthCurve,
+        Calibration,
+        Endpoint,
+        Link,
+        NetworkProfile,
+        ProfileDB,
+    )
+    from sailor.schemas.profile import COMPUTE_ONLY_META
+    from sailor.simulator.lookup import layer_table
 
     model, specs = catalog.model("OPT-350"), catalog.gpus()
     grid = [(1, 1), (2, 1)]
@@ -205,25 +216,49 @@ def test_profile_estimate_prices_the_tp_all_reduces_on_the_given_network(tmp_pat
     )
     db = tmp_path / "db.json"
     db.write_text(ProfileDB(model=model.name, timings=measured).model_dump_json())
+    out = tmp_path / "est.json"
+    res = runner.invoke(
+        app, ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "-o", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    est = ProfileDB.model_validate_json(out.read_text())
+    assert f"H100-80.{COMPUTE_ONLY_META}" in est.meta and "H100-80.estimated_from" in est.meta
     ep = Endpoint(zone="*", gpu_type="H100-80", gpus_per_node=2)
-    slow = BandwidthCurve(coeffs=(0.0, 0.0, 1.0), max_gbps=1.0)
-    net = tmp_path / "net.json"
-    net.write_text(NetworkProfile(intra_node=(Link(src=ep, dst=ep, curve=slow),)).model_dump_json())
-    outs = {}
-    for name, extra in (("spec", []), ("net", ["--network", str(net)])):
-        out = tmp_path / f"est-{name}.json"
-        res = runner.invoke(
-            app,
-            ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "-o", str(out), *extra],
+    slow = NetworkProfile(
+        intra_node=(
+            Link(src=ep, dst=ep, curve=BandwidthCurve(coeffs=(0.0, 0.0, 1.0), max_gbps=1.0)),
         )
-        assert res.exit_code == 0, res.output
-        outs[name] = ProfileDB.model_validate_json(out.read_text())
+    )
+    cal = Calibration().for_gpu("H100-80")
     block = 1
-    for tp, slower in ((1, False), (2, True)):
-        a = outs["spec"].timing("H100-80", tp, 1, block)
-        b = outs["net"].timing("H100-80", tp, 1, block)
-        assert a is not None and b is not None
-        assert (b.fwd_s > 2 * a.fwd_s) is slower and (b.fwd_s == a.fwd_s) is not slower
+    for tp in (1, 2):
+        spec_sheet = layer_table(est, model, cal, specs, "H100-80", tp, 1).layers[block]
+        on_slow = layer_table(est, model, cal, specs, "H100-80", tp, 1, network=slow)
+        entry = est.timing("H100-80", tp, 1, block)
+        assert entry is not None
+        if tp == 1:
+            assert on_slow.layers[block].fwd_s == spec_sheet.fwd_s == entry.fwd_s
+        else:  # compute + all-reduces over the link: the slow curve's are far slower
+            assert entry.fwd_s < spec_sheet.fwd_s < on_slow.layers[block].fwd_s / 2
+            assert any("TP all-reduces" in n for n in on_slow.notes)
+    net = tmp_path / "net.json"
+    net.write_text(slow.model_dump_json())
+    res = runner.invoke(
+        app,
+        [
+            "profile",
+            "estimate",
+            "--gpu",
+            "H100-80",
+            "--from",
+            str(db),
+            "-o",
+            str(out),
+            "--network",
+            str(net),
+        ],
+    )
+    assert res.exit_code == 0, res.output
     res = runner.invoke(
         app,
         ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "--network", str(db)],

@@ -245,9 +245,10 @@ def test_the_scaled_statistic_spreads_a_quotas_slowdown_over_the_medians() -> No
 def test_an_estimate_at_tp_above_1_pays_its_own_link_not_the_measured_gpus() -> None:
     """Three GPU types of one compute efficiency, measured at TP 2 and 4 with the TP
     all-reduces of their own node links inside (NVLink3, PCIe4, NVLink4): each is estimated
-    from the other two within 1 % (not exactly: the lookup raises an embedding backward
-    below its forward, and only the forward has an all-reduce), its own link's all-reduces in
-    its estimate. Before, the efficiency carried the measured GPUs' links: off by 5-50 %."""
+    from the other two within 3 %, the simulator adding its own link's all-reduces to the
+    estimated compute (not exactly: the lookup raises a measured embedding backward below its
+    forward to it, all-reduce included, which the compute-only estimate has not). Before, the
+    efficiency carried the measured GPUs' links: 5-36 % off."""
     from sailor.simulator.estimate_profile import estimate_layer_timing
     from sailor.simulator.tp_comm import layer_comm_s, tp_link
 
@@ -274,4 +275,4 @@ def test_an_estimate_at_tp_above_1_pays_its_own_link_not_the_measured_gpus() -> 
     db = ProfileDB(model=model.name, timings=tuple(out))
     rows = leave_one_gpu_out(db, model, specs)
     assert len(rows) == len(gpus) * len(grid)
-    assert all(abs(r.err) < 0.01 for r in rows), [(r.gpu_type, r.tp, r.err) for r in rows]
+    assert all(abs(r.err) < 0.03 for r in rows), [(r.gpu_type, r.tp, r.err) for r in rows]

@@ -834,6 +834,34 @@ def test_estimated_entries_of_an_unprofiled_gpu_are_read() -> None:
     ].fwd_s == pytest.approx(4e-3)
 
 
+def test_compute_only_estimated_entries_get_the_tp_all_reduces_of_the_plans_link() -> None:
+    """Entries ``sailor profile estimate`` stamps compute-only get their TP all-reduces added
+    over the link the lookup is given, after ``compute_scale`` (a link's time, not compute),
+    at the calibration's link efficiency; unstamped (older) estimated entries are read as
+    they are."""
+    from sailor.schemas.profile import COMPUTE_ONLY_META
+    from sailor.simulator.tp_comm import layer_comm_s, tp_link
+
+    est = tuple(
+        t.model_copy(update={"gpu_type": "E", "source": "estimated"})
+        for t in PROFILES.timings
+        if t.gpu_type == "A" and t.tp == 2
+    )
+    old = ProfileDB(model="tiny", timings=PROFILES.timings + est, sizes=PROFILES.sizes)
+    new = old.model_copy(update={"meta": {f"E.{COMPUTE_ONLY_META}": "x"}})
+    cal = Calibration().for_gpu("E").model_copy(update={"compute_scale": 2.0})
+    mbs = est[0].microbatch_size
+    entry = next(t.fwd_s for t in est if t.layer == 2 and t.microbatch_size == mbs)
+    assert layer_table(old, MODEL, cal, SPECS, "E", 2, mbs).layers[2].fwd_s == pytest.approx(
+        2.0 * entry
+    )
+    got = layer_table(new, MODEL, cal, SPECS, "E", 2, mbs)
+    link = tp_link(None, SPECS, "E", 2, cal.tp_link_efficiency)
+    comm = layer_comm_s(MODEL, 2, mbs, 2, link, True)[0]
+    assert comm > 0 and got.layers[2].fwd_s == pytest.approx(2.0 * entry + comm)
+    assert any("TP all-reduces" in n for n in got.notes)
+
+
 def test_the_estimated_whole_head_keeps_its_fp32_log_probabilities() -> None:
     from sailor.simulator.estimate_profile import estimate_layer_size
 
