@@ -2,8 +2,9 @@
 
 Why the current layout cannot go on (``_unhealthy``: a node lost without notice, a worker
 failed, an in-place world broke); the move to TEARDOWN after a failure (``_abort``: a
-checkpoint that could not be read is not loaded again, a failed in-place launch falls back
-to the restart path once, the nodes the failure began on, and those that held up a
+checkpoint that could not be read is suspect, or not loaded again, by the rule of
+``controller/suspect_checkpoint.py``; a failed in-place launch falls back to the restart
+path once; the nodes the failure began on, and those that held up a
 LAUNCH, LOAD or VERIFY deadline, are charged through ``controller/failing_nodes.py``); and
 the Abort commands themselves (``_abort_send``, and ``_clear_stale`` for a failure still
 reported outside the layout, in any phase).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from sailor.controller import failing_nodes
+from sailor.controller import failing_nodes, suspect_checkpoint
 from sailor.controller.decision_types import (
     Action,
     DecideConfig,
@@ -28,9 +29,8 @@ from sailor.controller.decision_types import (
     _command,
     _move,
 )
-from sailor.controller.node_health import checkpoint_unreadable
 from sailor.schemas.commands import Abort
-from sailor.schemas.runtime import DesiredState, Phase
+from sailor.schemas.runtime import DesiredState, NodeHealth, Phase
 
 __all__: list[str] = []
 
@@ -58,12 +58,16 @@ def _unhealthy(d: DesiredState, o: Observed) -> str:
 _LAUNCHING = (Phase.LAUNCH, Phase.LOAD, Phase.VERIFY)
 
 
-def _unreadable_checkpoint(d: DesiredState, o: Observed) -> bool:
-    """Whether a worker of the generation coming up failed because the checkpoint it loads
-    is corrupt or gone (its failure record names the reader's error)."""
-    if d.phase not in _LAUNCHING or d.load_step < 0:
-        return False
-    return checkpoint_unreadable(failing_nodes.failed(d, o.status))
+def _suspect(
+    d: DesiredState, o: Observed, cfg: DecideConfig, health: dict[str, NodeHealth]
+) -> suspect_checkpoint.Verdict | None:
+    """At an abort of a generation coming up, the verdict on the checkpoint it loads when a
+    worker failed because it could not read it (its failure record names the reader's
+    error; ``controller/suspect_checkpoint.py``): None otherwise."""
+    if d.phase not in _LAUNCHING or d.load_step < 0 or d.load_step in d.bad_checkpoints:
+        return None
+    failures = failing_nodes.failed(d, o.status)
+    return suspect_checkpoint.at_abort(d, failures, health, o.now, cfg.exclusion)
 
 
 def _abort(
@@ -80,13 +84,6 @@ def _abort(
     counted in the same desired state; ``stalled``: at such a deadline no node got past,
     what the job is charged with instead (``failing_nodes.stalled``); ``notes``: more for
     the reason."""
-    # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
-    # same way forever): the next launch falls back to the newest other recorded commit.
-    bad = d.bad_checkpoints
-    if _unreadable_checkpoint(d, o) and d.load_step not in bad:
-        bad = (*bad, d.load_step)
-        cause = f"checkpoint {d.load_step} unreadable, falling back: {cause}"
-    last = o.resumable(bad)
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
@@ -94,6 +91,17 @@ def _abort(
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
     counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stalled)
+    # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
+    # same way forever), once two launches from different nodes (or every placed node)
+    # failed to read it: the next launch falls back to the newest other recorded commit.
+    # After a first strike it is loaded again without the nodes that failed to read it.
+    bad, suspect, health = d.bad_checkpoints, d.suspect_checkpoint, counted.health
+    judged: list[str] = []
+    verdict = _suspect(d, o, cfg, health)
+    if verdict is not None:
+        bad, suspect, health = verdict.bad, verdict.suspect, verdict.health
+        cause, judged = f"{verdict.cause}: {cause}", verdict.notes
+    last = o.resumable(bad)
     state = _move(
         d,
         Phase.TEARDOWN,
@@ -108,9 +116,12 @@ def _abort(
         cause=cause,
         in_place_failed=d.in_place_failed or failed_in_place,
         bad_checkpoints=bad,
-        **failing_nodes.health_update(counted),
+        suspect_checkpoint=suspect,
+        node_health=health,
+        job_health=counted.job,
     )
-    return [SetDesired(state, "; ".join([f"abort: {cause}", *counted.notes, *notes]))]
+    reason = [f"abort: {cause}", *counted.notes, *judged, *notes]
+    return [SetDesired(state, "; ".join(reason))]
 
 
 def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

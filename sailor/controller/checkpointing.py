@@ -2,8 +2,9 @@
 
 QUIESCE and CHECKPOINT (``_quiesce_like``): a Stop and a Checkpoint to every node of the
 layout for the agreed stop step, a later notice tightening the deadline, the next plan
-asked for meanwhile. COMMIT (``_commit``): the saved step recorded, and the records of the
-steps its committer deleted forgotten. Both follow the retention rule ``prune_below``: the
+asked for meanwhile. COMMIT (``_commit``): the saved step recorded (a bad mark of that
+step, on files now replaced, cleared), and the records of the steps its committer deleted
+forgotten. Both follow the retention rule ``prune_below``: the
 oldest recorded step a new save leaves in place.
 
 Pure: no I/O, no clock, no module-level state.
@@ -99,11 +100,30 @@ def prune_below(
     ``keep``-th newest commit recorded there; -1 (delete nothing) with fewer records, or
     ``keep`` None. Only recorded commits count: one on disk that no leader recorded (lost
     between the marker and the record) never pushes out one a restart may load; nor does
-    one a launch could not read (``bad``)."""
-    steps = sorted(_recorded(commits, directory) - set(bad), reverse=True)
+    one a launch could not read (``bad``).
+
+    Bad-marked commits, retention: a save deletes only step directories below the step it
+    returns (never its own or newer ones), so a commit marked bad that is newer than where
+    the job resumed (a fallback) cannot go until the job trained past it again. While the
+    job is behind its newest bad mark (no good commit newer than it: it fell back, maybe to
+    a fresh start) no bad-marked commit goes at all: the step is held at the oldest of
+    them. A mark may be wrong (a storage outage every node saw, a mount the two-strike rule
+    of ``controller/suspect_checkpoint.py`` could not rule out), and while the job has not
+    redone that progress those commits are all that is left of it: an operator can still
+    check them (``sailor ckpt verify``) and recover the run by hand. No controller command
+    clears a mark. Once a good commit is newer than
+    every mark the job has redone that progress and they are pruned as any other (without
+    counting toward ``keep``). The cost is bounded: the bad commits, and the fallback run's
+    own saves between the oldest and the newest of them."""
+    recorded = _recorded(commits, directory)
+    steps = sorted(recorded - set(bad), reverse=True)
     if keep is None or len(steps) < keep:
         return -1
-    return steps[keep - 1]
+    below = steps[keep - 1]
+    marked = sorted(recorded & set(bad))
+    if marked and steps[0] < marked[-1]:
+        below = min(below, marked[0])
+    return below
 
 
 def _prune_below(d: DesiredState, o: Observed, cfg: DecideConfig) -> int:
@@ -123,5 +143,9 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     )
     below = _prune_below(d, o, cfg)
     drop = tuple(sorted(s for s in _recorded(o.commits, cfg.checkpoint_dir) if s < below))
-    nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step)
+    # A step saved again (the job fell back below a bad-marked commit and trained past it)
+    # is new files under a new manifest: the mark was the old files', and kept it would
+    # make every later abort skip this commit and fall back below it.
+    bad = tuple(s for s in d.bad_checkpoints if s != d.stop_step)
+    nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step, bad_checkpoints=bad)
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]

@@ -8,7 +8,8 @@ through ``decide`` reproduces the run. No I/O, no clock, no state of its own: th
 module-level value is a memo of the last plan's digest and world size (``_plan_facts`` in
 ``controller/launch.py``), a function of that plan object alone. What it must remember
 across passes it keeps in the desired state it writes: which checkpoints could not be read
-(``bad_checkpoints``) and which nodes keep failing, or whether the job does
+(``bad_checkpoints``), or were not read by some nodes (``suspect_checkpoint``: its rule in
+``controller/suspect_checkpoint.py``), and which nodes keep failing, or whether the job does
 (``node_health``, ``job_health``: their rules in ``controller/node_health.py``, what a pass
 makes of them in ``controller/failing_nodes.py``). An operator's request to forget those
 records (``sailor node readmit``) is part of the observed state, and deleted once applied.

@@ -50,7 +50,13 @@ from sailor.coordination import (
     TemporaryError,
 )
 from sailor.schemas.commands import CommandAdapter, training_digest
-from sailor.schemas.runtime import CommandAck, DesiredState, NodeHealth, Phase
+from sailor.schemas.runtime import (
+    CommandAck,
+    DesiredState,
+    NodeHealth,
+    Phase,
+    SuspectCheckpoint,
+)
 
 __all__ = ["Executor"]
 
@@ -119,11 +125,15 @@ class Executor:
         unused = {f for f in ("bad_checkpoints", "node_health") if not getattr(state, f)}
         if state.job_health == NodeHealth():
             unused.add("job_health")
+        if state.suspect_checkpoint == SuspectCheckpoint():
+            unused.add("suspect_checkpoint")
         data = state.model_dump_json(exclude=unused or None).encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
+        if state.suspect_checkpoint.step >= 0:  # loaded again without the nodes that failed
+            extra["suspect_checkpoint"] = state.suspect_checkpoint.model_dump(mode="json")
         now = self.clock.now()
         out = {n: r.excluded_until for n, r in state.node_health.items() if r.excluded_until > now}
         if out:  # which nodes no layout may use, and until when

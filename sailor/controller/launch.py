@@ -3,9 +3,10 @@
 The move to LAUNCH of the next plan on its placement (``_launch``: the in-place or the
 restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
 and VERIFY phases (``_launching``): a Launch to every node of the layout, the workers up,
-their first step after the loaded checkpoint, which clears the failure streaks; past a
-phase's deadline, an abort that charges the nodes that held it up (``_behind``), or the job
-when no node got through and none is to blame more than the others (``_short``).
+their first step after the loaded checkpoint, which clears the failure streaks (and a
+suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
+held it up (``_behind``), or the job when no node got through and none is to blame more
+than the others (``_short``).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -18,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 
-from sailor.controller import failing_nodes
+from sailor.controller import failing_nodes, suspect_checkpoint
 from sailor.controller.aborts import _abort, _unhealthy
 from sailor.controller.decision_types import (
     Action,
@@ -221,8 +222,10 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
         return []
     if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
-        # they trained: no failure streak, theirs nor the job's
+        # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
+        # loaded was read fine (controller/suspect_checkpoint.py)
         health, job = trained(d.node_health, d.job_health, d.placement)
+        suspect, cleared = suspect_checkpoint.trained(d)
         done = _move(
             d,
             Phase.RUNNING,
@@ -232,6 +235,8 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             in_place_failed=False,
             node_health=health,
             job_health=job,
+            suspect_checkpoint=suspect,
         )
-        return [SetDesired(done, f"first step after {d.load_step} done")]
+        why = "; ".join(x for x in (f"first step after {d.load_step} done", cleared) if x)
+        return [SetDesired(done, why)]
     return []

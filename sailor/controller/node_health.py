@@ -14,13 +14,15 @@ audit log reproduces it. The rules:
   (the supervisor's ``rank N exit C: ...``, a toy worker's record without an origin). A
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
   are not at fault. Each generation counts at most once per node.
-- Not against any node: the checkpoint reader's errors (``CorruptCheckpointError``,
-  ``NoCheckpointError``: the abort falls back to an older checkpoint, the nodes are fine),
-  and a parent-written ``SIGABRT`` record (NCCL's watchdog giving up on a collective) in a
-  generation where another node failed with an error of its own: the watchdog fired because
-  that node's rank was gone. Nor, by itself, a SIGABRT in a generation where only
-  SIGABRTs were reported: every collective hung (a dead NIC, NCCL's ports blocked), every
-  rank's watchdog fired, and the node at fault is not known.
+- Not by this policy: the checkpoint reader's errors (``CorruptCheckpointError``,
+  ``NoCheckpointError``). Whether the checkpoint or the nodes that failed to read it are
+  at fault takes two launches (``controller/suspect_checkpoint.py``, which charges them
+  with ``CheckpointUnreadable``). Not against any node: a parent-written ``SIGABRT``
+  record (NCCL's watchdog giving up on a collective) in a generation where another node
+  failed with an error of its own: the watchdog fired because that node's rank was gone.
+  Nor, by itself, a SIGABRT in a generation where only SIGABRTs were reported: every
+  collective hung (a dead NIC, NCCL's ports blocked), every rank's watchdog fired, and the
+  node at fault is not known.
 - A failure of the job, not of its nodes: the same cause (error type and message, numbers
   aside: ranks, sizes, steps differ) reported by at least ``JOB_WIDE_MIN_NODES`` nodes and
   by more than half of the placed nodes — a training config every rank refuses, a plan that
@@ -79,6 +81,7 @@ from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.runtime import DesiredState, NodeHealth
 
 __all__ = [
+    "CHECKPOINT_UNREADABLE",
     "DEADLINE_MISSED",
     "JOB",
     "JOB_WIDE_MIN_NODES",
@@ -112,7 +115,11 @@ DEADLINE_MISSED = "DeadlineMissed"
 """Error type of the cause a placed node is charged with at a LAUNCH, LOAD or VERIFY deadline
 it held up (``controller/failing_nodes.py``: ``missed_launching``); counted by the policy."""
 
-_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED)
+CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
+"""Error type of the cause a node is charged with when it failed to read a checkpoint the
+other placed nodes read (``controller/suspect_checkpoint.py``): its mount is suspected."""
+
+_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED, CHECKPOINT_UNREADABLE)
 """Error types that are about a process or an agent on that node, however many report one."""
 
 
@@ -218,10 +225,8 @@ def checkpoint_unreadable(failures: Mapping[str, str]) -> bool:
     """Whether the checkpoint a generation loads is at fault: a node (``failures``: node ->
     ``AgentStatus.failure``) failed to read it. Each rank reads only its own stage's files,
     so a file corrupt in one stage fails a minority of the nodes however it came about:
-    counting heads cannot tell a bad file from a node's broken mount. The checkpoint is
-    marked bad (the launch falls back to the one before) and nobody is charged; a node with
-    a broken mount makes the job fall back one checkpoint per launch (docs/runtime.md,
-    Failing nodes)."""
+    counting heads cannot tell a bad file from a node's broken mount. A second launch
+    without those nodes tells (``controller/suspect_checkpoint.py``)."""
     return any(parse_failure(t).unreadable_checkpoint for t in failures.values())
 
 
@@ -252,7 +257,7 @@ def charge(
     if d.forgiven_through >= gen:
         return Charged(health, job)
     causes = {n: parse_failure(t) for n, t in failures.items()}
-    # a checkpoint reader's error is the checkpoint's (checkpoint_unreadable): nobody's
+    # a checkpoint reader's error is judged by controller/suspect_checkpoint.py, not here
     seen = {n: c for n, c in causes.items() if c.own and not c.unreadable_checkpoint}
     # this generation's own failures, node by node: reported now, or counted already
     # (summary, signature, origin)

@@ -3,7 +3,9 @@
 An Abort to every busy node (in place: a hold, and an Abort to held workers the next layout
 does not use), the notices of nodes that are gone cleared, and the deadline kept: one
 adopted from another leader restarts, and past it the nodes still busy that never acked
-their Abort are charged and left out (``controller/failing_nodes.py``). Then IDLE when no
+their Abort are charged and left out (``controller/failing_nodes.py``). Failures of the
+torn-down generation reported late are counted, among them a checkpoint's reads
+(``controller/suspect_checkpoint.py``: ``late``). Then IDLE when no
 node is usable, else the next plan is asked for while the old workers go, and the next
 generation launched (``controller/launch.py``) once every node is idle.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sailor.controller import failing_nodes
+from sailor.controller import failing_nodes, suspect_checkpoint
 from sailor.controller.aborts import _abort_send
 from sailor.controller.decision_types import (
     Action,
@@ -38,6 +40,26 @@ def _abort_acked(d: DesiredState, o: Observed, nodes: Sequence[str]) -> frozense
     return frozenset(n for n in nodes if any(_cid(d, k, n) in o.acked for k in ("abort", "hold")))
 
 
+def _late_reads(d: DesiredState, o: Observed, cfg: DecideConfig) -> tuple[DesiredState, str] | None:
+    """``d`` once the nodes of a suspect checkpoint's own generation that reported failing
+    to read it after the abort are judged (``suspect_checkpoint.late``: charged alike, or,
+    every placed node having failed to read it, the step marked bad and the load step
+    fallen back), and why; None when nothing changes."""
+    failures = failing_nodes.failed(d, o.status)
+    verdict = suspect_checkpoint.late(d, failures, o.now, cfg.exclusion)
+    if verdict is None:
+        return None
+    update: dict[str, object] = {
+        "bad_checkpoints": verdict.bad,
+        "suspect_checkpoint": verdict.suspect,
+        "node_health": verdict.health,
+    }
+    if verdict.bad != d.bad_checkpoints:
+        last = o.resumable(verdict.bad)
+        update["load_step"] = last.step if last else -1
+    return d.model_copy(update=update), "; ".join([verdict.cause, *verdict.notes])
+
+
 def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
         # Adopted from another leader (a restart, a failover): the acks of its epoch are
@@ -50,6 +72,9 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion)
     if late is not None:
         return [SetDesired(*late)]
+    judged = _late_reads(d, o, cfg)
+    if judged is not None:
+        return [SetDesired(*judged)]
     actions: list[Action] = []
     in_place = _in_place_next(d, cfg)
 

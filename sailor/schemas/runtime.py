@@ -30,6 +30,7 @@ __all__ = [
     "NoticeRecord",
     "Phase",
     "ReadmitRequest",
+    "SuspectCheckpoint",
 ]
 
 
@@ -101,6 +102,37 @@ class NodeHealth(Frozen):
         return self
 
 
+class SuspectCheckpoint(Frozen):
+    """A checkpoint some placed nodes, not all, failed to read (``DesiredState.
+    suspect_checkpoint``): its files, or those nodes' mounts? Each rank reads only its own
+    stage's files, so counting heads cannot tell. The next launch loads it again without
+    those nodes, and that launch decides (``sailor.controller.suspect_checkpoint``). The
+    empty record (step -1): none."""
+
+    step: int = Field(default=-1, ge=-1, description="Committed step suspected; -1: none.")
+    nodes: tuple[str, ...] = Field(
+        default=(),
+        description="Nodes (sorted) whose workers failed to read it, charged for it and left "
+        "out of the next layout: their mount is suspected as much as the files.",
+    )
+    generation: int = Field(
+        default=-1, ge=-1, description="Generation whose launch failed to read it; -1: none."
+    )
+
+    @model_validator(mode="after")
+    def _all_or_nothing(self) -> SuspectCheckpoint:
+        if (self.step < 0) != (not self.nodes) or (self.step < 0) != (self.generation < 0):
+            raise field_error(
+                "step",
+                self.step,
+                f"a suspect checkpoint names its nodes ({list(self.nodes)}) and generation "
+                f"({self.generation}), the empty record (step -1) neither",
+            )
+        if list(self.nodes) != sorted(set(self.nodes)):
+            raise field_error("nodes", list(self.nodes), "must be sorted, without repeats")
+        return self
+
+
 class DesiredState(WireMessage):
     """What the leader wants: the plan, its placement and where the reconfiguration is."""
 
@@ -144,8 +176,16 @@ class DesiredState(WireMessage):
     )
     bad_checkpoints: tuple[int, ...] = Field(
         default=(),
-        description="Committed steps a launch could not load (corrupt or missing files): "
-        "never loaded again; launches fall back to the newest other recorded commit.",
+        description="Committed steps a launch could not load (corrupt or missing files: "
+        "every placed node, or launches from two different nodes, failed to read them): never "
+        "loaded again; launches fall back to the newest other recorded commit. A step saved "
+        "again loses its mark.",
+    )
+    suspect_checkpoint: SuspectCheckpoint = Field(
+        default_factory=SuspectCheckpoint,
+        description="A checkpoint a minority of the placed nodes failed to read: loaded "
+        "again without them before it is marked bad (two strikes from different nodes). "
+        "Empty: none.",
     )
     node_health: dict[str, NodeHealth] = Field(
         default_factory=dict,

@@ -158,5 +158,9 @@ async def test_an_unreadable_checkpoint_is_passed_over(real: RealCluster) -> Non
     assert c.desired.phase is Phase.RUNNING and c.desired.load_step == -1, c.desired
     await real.wait_step(c, sorted(c.desired.placement), 2, 30)
     recs = read_records(sorted(real.tmp.glob("audit-*.jsonl")))
-    assert any("unreadable, falling back" in str(r.get("cause", "")) for r in recs)
+    fell_back = f"checkpoint {d.load_step} unreadable from "
+    assert any(
+        fell_back in str(r.get("cause", "")) and "falling back" in str(r.get("cause", ""))
+        for r in recs
+    )
     await real.audit()

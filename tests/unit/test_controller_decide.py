@@ -1256,16 +1256,35 @@ def test_a_config_error_on_two_nodes_holds_the_job_when_no_node_trained_with_it(
     assert set(torn.node_health) == {"n1", "n2"} and torn.job_health == NodeHealth()
 
 
-def test_a_checkpoint_any_node_cannot_read_is_marked_bad_and_nobody_is_charged() -> None:
+def test_a_checkpoint_two_nodes_cannot_read_is_marked_bad_and_nobody_stays_charged() -> None:
     """Each rank reads only its own stage's files, so one corrupt file fails a minority of
     the nodes: a review found healthy nodes excluded one by one while the job never left
-    the corrupt step, when a minority was charged and the checkpoint kept."""
+    the corrupt step, when a minority was charged and the checkpoint kept. Now the first
+    node is charged and left out, the step loaded again from the others; when another
+    node fails to read it too, it is bad and the first node's charge is taken back
+    (controller/suspect_checkpoint.py; a broken mount: tests/unit/
+    test_controller_suspect_checkpoint.py)."""
     cfg = CFG.model_copy(update={"keep_checkpoints": 3})
     commits = tuple(CommitRecord(step=s, directory="/ck") for s in (10, 20, 30))
     d = running((1, 2, 3, 4), phase=Phase.LOAD, phase_deadline=NOW + 50, load_step=30)
     broken = "CorruptCheckpointError: layer 17 of step 30: checksum mismatch"
     sts = [st(i, state="running", step=30) for i in (1, 2, 4)] + [fails(3, message=broken)]
     (torn,) = _sets(decide(d, obs(nodes(1, 2, 3, 4), sts, commits=commits), cfg))
+    assert torn.bad_checkpoints == () and torn.load_step == 30
+    assert torn.suspect_checkpoint.nodes == ("n3",) and set(torn.node_health) == {"n3"}
+    # the relaunch without n3 puts layer 17 on n2: it cannot read it either
+    again = running(
+        (1, 2, 4),
+        gen=2,
+        phase=Phase.LOAD,
+        phase_deadline=NOW + 50,
+        load_step=30,
+        node_health=torn.node_health,
+        suspect_checkpoint=torn.suspect_checkpoint,
+    )
+    sts = [st(i, gen=2, state="running", step=30) for i in (1, 4)]
+    sts.append(fails(2, gen=2, message=broken))
+    (torn,) = _sets(decide(again, obs(nodes(1, 2, 3, 4), sts, commits=commits), cfg))
     assert torn.bad_checkpoints == (30,) and torn.load_step == 20 and torn.node_health == {}
 
 

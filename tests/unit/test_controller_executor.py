@@ -20,7 +20,7 @@ from sailor.coordination import Keys, SystemClock, TaskSet
 from sailor.schemas.commands import Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import CommandAck, DesiredState, NodeHealth
+from sailor.schemas.runtime import CommandAck, DesiredState, NodeHealth, SuspectCheckpoint
 
 
 class _Store:
@@ -252,6 +252,13 @@ async def test_the_desired_state_omits_a_new_field_while_unused(tmp_path: Path) 
         assert set(raw["node_health"]) == {"n1", "n2"}
         assert _records(audit, "phase")[-1]["excluded"] == {"n2": until}
         assert "excluded" not in _records(audit, "phase")[0]
+        assert "suspect_checkpoint" not in raw
+        assert all("suspect_checkpoint" not in r for r in _records(audit, "phase"))
+        sus = SuspectCheckpoint(step=30, nodes=("n3",), generation=2)
+        await ex.write_desired(DesiredState(epoch=7, suspect_checkpoint=sus), "test")
+        raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
+        assert raw["suspect_checkpoint"] == {"step": 30, "nodes": ["n3"], "generation": 2}
+        assert _records(audit, "phase")[-1]["suspect_checkpoint"] == raw["suspect_checkpoint"]
     finally:
         await tasks.close()
         audit.close()
