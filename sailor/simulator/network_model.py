@@ -13,6 +13,10 @@ ends. When a link is missing the fallbacks are, in order, and each is recorded i
    :data:`FALLBACK_SAME_REGION_GBPS` between zones of a region, else
    :data:`FALLBACK_INTER_GBPS`.
 
+An edge zone (an AWS local or wavelength zone, ``sailor.schemas.zones.edge_zone``) is in
+its parent region for prices, but in another metro: a link between it and another zone has
+no sibling (2) and is priced as between regions (4).
+
 A VM shape (GPU type, GPUs per node) comes with its NICs: one A100-40 VM's probe peaks at 2.4
 GB/s, a four-GPU one's at 6 GB/s in the same zone. So a sibling zones' curve of the same shapes
 (2) comes before the same zones' curve of another shape (3). Fallbacks 2-4 are guesses
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.network import CollectiveScope
-from sailor.schemas.zones import region_of
+from sailor.schemas.zones import edge_zone, region_of
 from sailor.simulator.memo import IdentityMemo
 
 __all__ = [
@@ -123,7 +127,7 @@ def inter_curve(
         )
     if a.zone == b.zone:
         gbps = FALLBACK_SAME_ZONE_GBPS
-    elif region_of(a.zone) == region_of(b.zone):
+    elif region_of(a.zone) == region_of(b.zone) and not _edge(a.zone, b.zone):
         gbps = FALLBACK_SAME_REGION_GBPS
     else:
         gbps = FALLBACK_INTER_GBPS
@@ -145,6 +149,12 @@ def _other_shapes(
         ):
             best = c, f"{x.gpu_type}x{x.gpus_per_node} -> {y.gpu_type}x{y.gpus_per_node}"
     return best
+
+
+def _edge(*zones: str) -> bool:
+    """Whether one of ``zones`` is an edge zone (an AWS local or wavelength zone): in its
+    parent region for prices, but another metro, not on the region's fabric."""
+    return any(edge_zone(z) for z in zones)
 
 
 def _shape(e: Endpoint) -> tuple[str, int]:
@@ -173,6 +183,8 @@ _SIBLINGS = IdentityMemo(4096)
 def _sibling(
     network: NetworkProfile, src: Endpoint, dst: Endpoint
 ) -> tuple[BandwidthCurve, str] | None:
+    if src.zone != dst.zone and _edge(src.zone, dst.zone):
+        return None  # an edge zone's link leaves the region's fabric: no zones are alike
     ra, rb = region_of(src.zone), region_of(dst.zone)
     if src.zone == dst.zone:
         where = f"inside another zone of {ra}"
@@ -185,6 +197,8 @@ def _sibling(
     best: BandwidthCurve | None = None
     for ln in network.links:
         if (_shape(ln.src), _shape(ln.dst)) not in shapes or "*" in (ln.src.zone, ln.dst.zone):
+            continue
+        if ln.src.zone != ln.dst.zone and _edge(ln.src.zone, ln.dst.zone):
             continue
         if (ln.src.zone, ln.dst.zone) in pair:
             continue  # the pair itself: its links are exact, or another shape's (a guess)

@@ -79,3 +79,24 @@ def test_without_a_sibling_the_flat_guess() -> None:
 def test_a_measured_link_is_taken_as_it_is() -> None:
     curve, note = inter_curve(NET, _rg("us-central1-a"), _rg("us-central1-c"))
     assert curve.max_gbps == 4.0 and note == ""
+
+
+def test_an_edge_zone_has_no_siblings_and_is_priced_as_another_region() -> None:
+    """An AWS local zone is in its parent region for prices, but in another metro: a link
+    between it and an availability zone of the region is not its siblings' (the region's
+    fabric), and the flat guess is the one between regions."""
+    from sailor.schemas.zones import edge_zone, region_of
+    from sailor.simulator.network_model import FALLBACK_INTER_GBPS
+
+    assert region_of("us-west-2-lax-1a") == "us-west-2" and edge_zone("us-west-2-lax-1a")
+    assert region_of("us-east-1-wl1-bos-wlz-1") == "us-east-1"
+    assert edge_zone("us-east-1-wl1-bos-wlz-1") and not edge_zone("us-west-2a")
+    net = NetworkProfile(links=(_link("us-west-2a", "us-west-2b", 3.0),))
+    # two availability zones of the region: the sibling pair's curve
+    assert inter_curve(net, _rg("us-west-2c"), _rg("us-west-2d"))[0].max_gbps == 3.0
+    # a local zone and an availability zone: no sibling, the flat guess between regions
+    curve, note = inter_curve(net, _rg("us-west-2-lax-1a"), _rg("us-west-2c"))
+    assert curve.max_gbps == FALLBACK_INTER_GBPS and "conservative flat" in note
+    # nor does a link to a local zone stand in for two availability zones
+    edge = NetworkProfile(links=(_link("us-west-2-lax-1a", "us-west-2b", 0.2),))
+    assert "conservative flat" in inter_curve(edge, _rg("us-west-2c"), _rg("us-west-2d"))[1]
