@@ -30,7 +30,7 @@ from sailor.controller.decision_types import (
     _move,
 )
 from sailor.schemas.commands import Abort
-from sailor.schemas.runtime import DesiredState, NodeHealth, Phase
+from sailor.schemas.runtime import DesiredState, NodeHealth, Phase, StretchedPhase
 
 __all__: list[str] = []
 
@@ -39,7 +39,7 @@ def _unhealthy(d: DesiredState, o: Observed) -> str:
     """Why the current layout cannot go on ('' if it can)."""
     lost = sorted(n for n in d.placement if n not in o.nodes)
     if lost:
-        return f"node lost without notice: {','.join(lost)}"
+        return f"{failing_nodes.LOST_WITHOUT_NOTICE}: {','.join(lost)}"
     failed = failing_nodes.failed(d, o.status)
     if failed:
         # name the node the failure began on, not a peer that failed because of it
@@ -77,20 +77,24 @@ def _abort(
     cause: str,
     late: Mapping[str, str] | None = None,
     notes: Sequence[str] = (),
-    stalled: str = "",
+    stall_what: str = "",
+    stretch: Mapping[StretchedPhase, int] | None = None,
 ) -> list[Action]:
     """The move to TEARDOWN. ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes to
     charge for it (node -> what it still reports, ``failing_nodes.missed_launching``),
-    counted in the same desired state; ``stalled``: at such a deadline no node got past,
-    what the job is charged with instead (``failing_nodes.stalled``); ``notes``: more for
-    the reason."""
+    counted in the same desired state; ``stall_what``: at such a deadline no node got past,
+    what the job is charged with instead (``failing_nodes.stalled``); ``stretch``: the
+    deadlines' new stretch (``DesiredState.deadline_stretch``), None to keep it; ``notes``:
+    more for the reason."""
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
-    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stalled)
+    # a placed node lost: its peers' SIGABRTs are the watchdog giving up on it, not a hang
+    lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
+    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stall_what, lost)
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
     # same way forever), once two launches from different nodes (or every placed node)
     # failed to read it: the next launch falls back to the newest other recorded commit.
@@ -119,6 +123,7 @@ def _abort(
         suspect_checkpoint=suspect,
         node_health=health,
         job_health=counted.job,
+        deadline_stretch=dict(d.deadline_stretch if stretch is None else stretch),
     )
     reason = [f"abort: {cause}", *counted.notes, *judged, *notes]
     return [SetDesired(state, "; ".join(reason))]

@@ -201,7 +201,7 @@ def _move(
     d: DesiredState, phase: Phase, now: float, cfg: DecideConfig, **kw: object
 ) -> DesiredState:
     check_transition(d.phase, phase)
-    length = cfg.deadlines.of(phase)
+    length = cfg.deadlines.of(phase, d.deadline_stretch)
     update: dict[str, object] = {
         "phase": phase,
         "phase_since": now,

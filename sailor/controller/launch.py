@@ -35,7 +35,7 @@ from sailor.controller.decision_types import (
 from sailor.controller.node_health import trained
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import DesiredState, Phase
+from sailor.schemas.runtime import DesiredState, Phase, StretchedPhase
 
 __all__: list[str] = []
 
@@ -172,71 +172,132 @@ def _short(d: DesiredState, o: Observed) -> list[str]:
     return [n for n in sorted(d.placement) if not through(n)]
 
 
+def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, int], str] | None:
+    """At a LOAD or VERIFY deadline no node is to blame for: the deadlines' stretch with
+    this phase's doubled (up to ``deadlines.stretch_cap``) and why, or None at the cap (the
+    job, or a one-node job's node, is charged then: ``failing_nodes.stalled``). A default
+    made for the CPU demo held healthy jobs whose checkpoint load or first step takes
+    longer on every node of a real cluster; now such a job costs a few relaunches."""
+    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    factor, cap = d.deadline_stretch.get(key, 1), cfg.deadlines.stretch_cap
+    if factor >= cap:
+        return None
+    new = min(factor * 2, cap)
+    base = cfg.deadlines.of(d.phase)
+    why = (
+        f"nobody counted: the next {key} deadline is {base * new:.0f} s (deadlines.{key} "
+        f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) before anyone is charged)"
+    )
+    return {**d.deadline_stretch, key: new}, why
+
+
+def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
+    """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's dropped
+    when it took no longer than its configured deadline, else kept (the phase still needs
+    it: dropping it at each generation that trained made every later reconfiguration of a
+    job whose load takes longer than ``deadlines.load`` stall again)."""
+    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    if o.now - d.phase_since > cfg.deadlines.of(d.phase):
+        return dict(d.deadline_stretch)
+    return {k: f for k, f in d.deadline_stretch.items() if k != key}
+
+
+def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """The abort at a LAUNCH, LOAD or VERIFY deadline: the placed nodes that held it up
+    charged (``failing_nodes.missed_launching``); at LOAD or VERIFY with none to blame
+    (none, or all, held it up) the phase's next deadline stretched, and at the stretch's
+    cap, when no placed node got through, the job charged (``failing_nodes.stalled``)."""
+    cause = f"{d.phase.value} deadline passed"
+    behind = _behind(d, o)
+    late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
+    what = failing_nodes.stalled(d, behind, _short(d, o))
+    blameless = d.phase in (Phase.LOAD, Phase.VERIFY) and (what or not behind)
+    stretched = _stretch(d, cfg) if blameless else None
+    if stretched is not None:
+        return _abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
+    if what:
+        what += (
+            f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "
+            f"raise deadlines.{d.phase.value} if the phase takes that long on this cluster"
+        )
+    return _abort(d, o, cfg, cause, late, notes, what)
+
+
+def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """The move to the next phase once every placed node got as far as ``d``'s LAUNCH,
+    LOAD or VERIFY waits for; [] before."""
+    if d.phase is Phase.LAUNCH:
+        if any(_cid(d, "launch", n) not in o.acked for n in d.placement):
+            return []
+        return [SetDesired(_move(d, Phase.LOAD, o.now, cfg), "every node launched")]
+    if d.phase is Phase.LOAD:
+        if not _plan_nodes_at(d, o, lambda s: s.state == "running"):
+            return []
+        up = _move(d, Phase.VERIFY, o.now, cfg, deadline_stretch=_fitted(d, o, cfg))
+        return [SetDesired(up, "workers up")]
+    if not _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
+        return []
+    # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
+    # loaded was read fine (controller/suspect_checkpoint.py)
+    health, job = trained(d.node_health, d.job_health, d.placement)
+    suspect, cleared = suspect_checkpoint.trained(d)
+    done = _move(
+        d,
+        Phase.RUNNING,
+        o.now,
+        cfg,
+        aborted=False,
+        in_place_failed=False,
+        node_health=health,
+        job_health=job,
+        suspect_checkpoint=suspect,
+        deadline_stretch=_fitted(d, o, cfg),
+    )
+    why = "; ".join(x for x in (f"first step after {d.load_step} done", cleared) if x)
+    return [SetDesired(done, why)]
+
+
 def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     why = _unhealthy(d, o)
     if why:
         return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
-    if o.now > d.phase_deadline:
-        behind = _behind(d, o)
-        late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
-        stalled = failing_nodes.stalled(d, behind, _short(d, o))
-        return _abort(d, o, cfg, f"{d.phase.value} deadline passed", late, notes, stalled)
     if d.plan is None:
         return _abort(d, o, cfg, "no plan to launch")
-    if d.phase is Phase.LAUNCH:
-        actions: list[Action] = []
-        pending = False
-        # By reference: the plan is in the desired state this phase was written with. The
-        # digest and world size once per plan, not per node: at 512 nodes recomputing them
-        # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
-        digest, world = _plan_facts(d.plan)
-        training = training_digest(d.training) if d.training is not None else ""
-        for n in sorted(d.placement):
-            cid = _cid(d, "launch", n)
-            if cid in o.acked:
-                continue
-            pending = True
-            cmd = _command(
-                Launch,
-                command_id=cid,
-                epoch=d.epoch,
-                plan_id=d.plan.plan_id,
-                node_id=n,
-                deadline=d.phase_deadline,
-                plan_sha256=digest,
-                ranks=d.placement[n],
-                world_size=world,
-                master=d.master,
-                checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
-                load_step=d.load_step,
-                generation=d.generation,
-                training_sha256=training,
-                in_place=d.path == "in_place",
-            )
-            actions.append(Send(cmd))
-        if not pending:
-            actions.append(SetDesired(_move(d, Phase.LOAD, o.now, cfg), "every node launched"))
-        return actions
-    if d.phase is Phase.LOAD:
-        if _plan_nodes_at(d, o, lambda s: s.state == "running"):
-            return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
+    # got through first, the deadline after: a VERIFY adopted after a failover whose nodes
+    # all stepped past the loaded step meanwhile (or a pass that came late) was aborted
+    through = _through(d, o, cfg)
+    if through:
+        return through
+    if o.now > d.phase_deadline:
+        return _deadline_passed(d, o, cfg)
+    if d.phase is not Phase.LAUNCH:
         return []
-    if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
-        # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
-        # loaded was read fine (controller/suspect_checkpoint.py)
-        health, job = trained(d.node_health, d.job_health, d.placement)
-        suspect, cleared = suspect_checkpoint.trained(d)
-        done = _move(
-            d,
-            Phase.RUNNING,
-            o.now,
-            cfg,
-            aborted=False,
-            in_place_failed=False,
-            node_health=health,
-            job_health=job,
-            suspect_checkpoint=suspect,
+    actions: list[Action] = []
+    # By reference: the plan is in the desired state this phase was written with. The
+    # digest and world size once per plan, not per node: at 512 nodes recomputing them
+    # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
+    digest, world = _plan_facts(d.plan)
+    training = training_digest(d.training) if d.training is not None else ""
+    for n in sorted(d.placement):
+        cid = _cid(d, "launch", n)
+        if cid in o.acked:
+            continue
+        cmd = _command(
+            Launch,
+            command_id=cid,
+            epoch=d.epoch,
+            plan_id=d.plan.plan_id,
+            node_id=n,
+            deadline=d.phase_deadline,
+            plan_sha256=digest,
+            ranks=d.placement[n],
+            world_size=world,
+            master=d.master,
+            checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
+            load_step=d.load_step,
+            generation=d.generation,
+            training_sha256=training,
+            in_place=d.path == "in_place",
         )
-        why = "; ".join(x for x in (f"first step after {d.load_step} done", cleared) if x)
-        return [SetDesired(done, why)]
-    return []
+        actions.append(Send(cmd))
+    return actions

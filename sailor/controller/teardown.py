@@ -69,7 +69,8 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         restarted = d.model_copy(update={"phase_deadline": o.now + length, "phase_epoch": d.epoch})
         why = f"teardown adopted from epoch {d.phase_epoch}: its deadline restarts ({length:.0f} s)"
         return [SetDesired(restarted, why), *_teardown(restarted, o, cfg)]
-    late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion)
+    lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
+    late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion, lost)
     if late is not None:
         return [SetDesired(*late)]
     judged = _late_reads(d, o, cfg)
