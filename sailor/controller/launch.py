@@ -1,8 +1,8 @@
 """A launch in a ``decide`` pass.
 
-The move to LAUNCH of the next plan on its placement (``_launch``: the in-place or the
+The move to LAUNCH of the next plan on its placement (``launch_next``: the in-place or the
 restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
-and VERIFY phases (``_launching``): a Launch to every node of the layout, the workers up,
+and VERIFY phases (``launching``): a Launch to every node of the layout, the workers up,
 their first step after the loaded checkpoint, which clears the failure streaks (and a
 suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
 held it up (``_behind``), or the job when no node got through and none is to blame more
@@ -10,8 +10,8 @@ than the others (``_short``).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
-I/O, no clock. Internal to the decision (``decide.py`` and ``teardown.py`` call it), so
-nothing here is public.
+I/O, no clock. Internal to the decision: its public names are for ``decide.py`` and
+``teardown.py``, which call them; nothing outside the decision should.
 """
 
 from __future__ import annotations
@@ -20,27 +20,31 @@ import weakref
 from collections.abc import Mapping
 
 from sailor.controller import failing_nodes, suspect_checkpoint
-from sailor.controller.aborts import _abort, _unhealthy
+from sailor.controller.aborts import abort, unhealthy
 from sailor.controller.decision_types import (
     Action,
     DecideConfig,
     Observed,
     Send,
     SetDesired,
-    _cid,
-    _command,
-    _move,
-    _plan_nodes_at,
+    build_command,
+    command_id_for,
+    move_to,
+    plan_nodes_at,
 )
 from sailor.controller.node_health import trained
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase, StretchedPhase
 
-__all__: list[str] = []
+__all__ = [
+    "in_place_next",
+    "launch_next",
+    "launching",
+]
 
 
-def _in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
+def in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
     """Whether the next launch (and the teardown before it) takes the in-place path."""
     return cfg.in_place and not d.in_place_failed
 
@@ -85,7 +89,7 @@ def _host_of(addr: str) -> str:
     return addr
 
 
-def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:
+def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:
     plan = d.next_plan
     if plan is None:
         return []
@@ -96,13 +100,13 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
         # (and count against the in-place path): wait for the next observation.
         return []
     gen = d.generation + 1
-    if _in_place_next(d, cfg):
+    if in_place_next(d, cfg):
         path, why = "in_place", "in place (configured)"
     elif cfg.in_place:
         path, why = "restart", f"fallback: the in-place launch of generation {d.generation} failed"
     else:
         path, why = "restart", "restart (in place not configured)"
-    state = _move(
+    state = move_to(
         d,
         Phase.LAUNCH,
         o.now,
@@ -143,7 +147,7 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
     if d.phase is Phase.LAUNCH:
         if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
             return []
-        return [n for n in sorted(d.placement) if _cid(d, "launch", n) not in o.acked]
+        return [n for n in sorted(d.placement) if command_id_for(d, "launch", n) not in o.acked]
     return [
         n
         for n in sorted(d.placement)
@@ -214,34 +218,34 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     blameless = d.phase in (Phase.LOAD, Phase.VERIFY) and (what or not behind)
     stretched = _stretch(d, cfg) if blameless else None
     if stretched is not None:
-        return _abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
+        return abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
     if what:
         what += (
             f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "
             f"raise deadlines.{d.phase.value} if the phase takes that long on this cluster"
         )
-    return _abort(d, o, cfg, cause, late, notes, what)
+    return abort(d, o, cfg, cause, late, notes, what)
 
 
 def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """The move to the next phase once every placed node got as far as ``d``'s LAUNCH,
     LOAD or VERIFY waits for; [] before."""
     if d.phase is Phase.LAUNCH:
-        if any(_cid(d, "launch", n) not in o.acked for n in d.placement):
+        if any(command_id_for(d, "launch", n) not in o.acked for n in d.placement):
             return []
-        return [SetDesired(_move(d, Phase.LOAD, o.now, cfg), "every node launched")]
+        return [SetDesired(move_to(d, Phase.LOAD, o.now, cfg), "every node launched")]
     if d.phase is Phase.LOAD:
-        if not _plan_nodes_at(d, o, lambda s: s.state == "running"):
+        if not plan_nodes_at(d, o, lambda s: s.state == "running"):
             return []
-        up = _move(d, Phase.VERIFY, o.now, cfg, deadline_stretch=_fitted(d, o, cfg))
+        up = move_to(d, Phase.VERIFY, o.now, cfg, deadline_stretch=_fitted(d, o, cfg))
         return [SetDesired(up, "workers up")]
-    if not _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
+    if not plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
         return []
     # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
     # loaded was read fine (controller/suspect_checkpoint.py)
     health, job = trained(d.node_health, d.job_health, d.placement)
     suspect, cleared = suspect_checkpoint.trained(d)
-    done = _move(
+    done = move_to(
         d,
         Phase.RUNNING,
         o.now,
@@ -257,12 +261,12 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return [SetDesired(done, why)]
 
 
-def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    why = _unhealthy(d, o)
+def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = unhealthy(d, o)
     if why:
-        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
+        return abort(d, o, cfg, f"during {d.phase.value}: {why}")
     if d.plan is None:
-        return _abort(d, o, cfg, "no plan to launch")
+        return abort(d, o, cfg, "no plan to launch")
     # got through first, the deadline after: a VERIFY adopted after a failover whose nodes
     # all stepped past the loaded step meanwhile (or a pass that came late) was aborted
     through = _through(d, o, cfg)
@@ -279,10 +283,10 @@ def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     digest, world = _plan_facts(d.plan)
     training = training_digest(d.training) if d.training is not None else ""
     for n in sorted(d.placement):
-        cid = _cid(d, "launch", n)
+        cid = command_id_for(d, "launch", n)
         if cid in o.acked:
             continue
-        cmd = _command(
+        cmd = build_command(
             Launch,
             command_id=cid,
             epoch=d.epoch,

@@ -93,14 +93,17 @@ __all__ = [
     "Charged",
     "ExclusionPolicy",
     "charge",
+    "count_failure",
     "describe",
     "excluded",
+    "exclusion_length",
     "forget_config",
     "forget_gone",
     "held",
     "miss_teardown",
     "readmit",
     "stall",
+    "take_back",
     "trained",
 ]
 
@@ -162,12 +165,12 @@ def _record_signature(rec: NodeHealth) -> str:
     return rec.signature or signature_of(rec.cause)
 
 
-def _length(policy: ExclusionPolicy, exclusions: int) -> float:
+def exclusion_length(policy: ExclusionPolicy, exclusions: int) -> float:
     """The ``exclusions``-th exclusion's length: doubled each time, capped."""
     return min(policy.exclude_s * 2.0 ** min(exclusions - 1, 64), policy.max_exclude_s)
 
 
-def _count(
+def count_failure(
     rec: NodeHealth,
     generation: int,
     summary: str,
@@ -189,12 +192,12 @@ def _count(
     why = ""
     if not retry or count >= policy.failures:
         times = rec.exclusions + 1
-        update |= {"exclusions": times, "excluded_until": now + _length(policy, times)}
+        update |= {"exclusions": times, "excluded_until": now + exclusion_length(policy, times)}
         why = "retry false" if not retry else f"{count} consecutive failures"
     return rec.model_copy(update=update), why
 
 
-def _take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
+def take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
     """``rec`` without the failure counted for its last generation (a node whose failure
     turned out to be the job's, or a peer's; the job's hang that turned out to be a node's
     failure): one fewer, and the exclusion that count set
@@ -324,7 +327,7 @@ def charge(
         counted = rec is not None and rec.generation == gen
         if why:  # a node-bound record (a missed deadline) stays, whatever the node reports
             if counted and rec is not None and error_type(rec.cause) not in _NODE_BOUND:
-                back = _take_back(rec, now)
+                back = take_back(rec, now)
                 if back is None:
                     del health[n]
                 else:
@@ -336,7 +339,7 @@ def charge(
         if n not in seen or counted:
             continue
         cause = seen[n]
-        health[n], excl = _count(
+        health[n], excl = count_failure(
             rec or NodeHealth(),
             gen,
             cause.summary,
@@ -358,7 +361,7 @@ def charge(
     if hang_counted and (first_cause or gone):
         # a node's own failure came in after all, or a placed node's loss was seen: the
         # SIGABRTs were the watchdog giving up on its ranks, not a hang of the job
-        job = _take_back(job, now) or NodeHealth()
+        job = take_back(job, now) or NodeHealth()
         if first_cause:
             who = min(n for n in evidence if n not in aborts and kind[n] != TEARDOWN_MISSED)
             what = f"{who} reported a failure of its own"
@@ -370,7 +373,7 @@ def charge(
         )
     elif stall_counted and own:
         # the stall was a node's failure (an ECC error reported during the teardown)
-        job = _take_back(job, now) or NodeHealth()
+        job = take_back(job, now) or NodeHealth()
         notes.append(
             f"taken back from the job: {own[0]} reported a failure of its own, the stalled "
             "phase was its"
@@ -407,7 +410,7 @@ def _count_job(
     """The job's record with ``gen`` counted for ``cause`` (summary, origin, retry,
     signature), and the sentence that says so and ``what`` happened (and the summary)."""
     summary, origin, retry, sig = cause
-    rec, excl = _count(job, gen, summary, origin, retry, now, policy, sig)
+    rec, excl = count_failure(job, gen, summary, origin, retry, now, policy, sig)
     if excl:
         return rec, describe(JOB, rec, now, f"{excl}; {what}")
     tail = f": {summary}" if with_cause else ""
@@ -458,12 +461,12 @@ def miss_teardown(
             rec = rec.model_copy(
                 update={
                     "exclusions": times,
-                    "excluded_until": now + _length(policy, times),
+                    "excluded_until": now + exclusion_length(policy, times),
                     "cause": summary,
                 }
             )
         else:
-            rec, _ = _count(rec, d.generation, summary, "local", False, now, policy)
+            rec, _ = count_failure(rec, d.generation, summary, "local", False, now, policy)
         health[n] = rec
         notes.append(describe(n, rec, now, "teardown deadline passed"))
     return Charged(health, d.job_health, notes)
