@@ -1,16 +1,17 @@
 """The aborts of a ``decide`` pass.
 
-Why the current layout cannot go on (``_unhealthy``: a node lost without notice, a worker
-failed, an in-place world broke); the move to TEARDOWN after a failure (``_abort``: a
+Why the current layout cannot go on (``unhealthy``: a node lost without notice, a worker
+failed, an in-place world broke); the move to TEARDOWN after a failure (``abort``: a
 checkpoint that could not be read is suspect, or not loaded again, by the rule of
 ``controller/suspect_checkpoint.py``; a failed in-place launch falls back to the restart
 path once; the nodes the failure began on, and those that held up a
 LAUNCH, LOAD or VERIFY deadline, are charged through ``controller/failing_nodes.py``); and
-the Abort commands themselves (``_abort_send``, and ``_clear_stale`` for a failure still
+the Abort commands themselves (``abort_send``, and ``clear_stale`` for a failure still
 reported outside the layout, in any phase).
 
-Pure: no I/O, no clock, no module-level state. Internal to the decision: ``decide.py``,
-``launch.py``, ``checkpointing.py`` and ``teardown.py`` call it, so nothing here is public.
+Pure: no I/O, no clock, no module-level state. Internal to the decision: its public names
+are for ``decide.py``, ``launch.py``, ``checkpointing.py`` and ``teardown.py``, which call
+them; nothing outside the decision should.
 Must never import those modules (they import this one).
 """
 
@@ -25,21 +26,26 @@ from sailor.controller.decision_types import (
     Observed,
     Send,
     SetDesired,
-    _cid,
-    _command,
-    _move,
+    build_command,
+    command_id_for,
+    move_to,
 )
 from sailor.schemas.commands import Abort
-from sailor.schemas.runtime import DesiredState, NodeHealth, Phase
+from sailor.schemas.runtime import DesiredState, NodeHealth, Phase, StretchedPhase
 
-__all__: list[str] = []
+__all__ = [
+    "abort",
+    "abort_send",
+    "clear_stale",
+    "unhealthy",
+]
 
 
-def _unhealthy(d: DesiredState, o: Observed) -> str:
+def unhealthy(d: DesiredState, o: Observed) -> str:
     """Why the current layout cannot go on ('' if it can)."""
     lost = sorted(n for n in d.placement if n not in o.nodes)
     if lost:
-        return f"node lost without notice: {','.join(lost)}"
+        return f"{failing_nodes.LOST_WITHOUT_NOTICE}: {','.join(lost)}"
     failed = failing_nodes.failed(d, o.status)
     if failed:
         # name the node the failure began on, not a peer that failed because of it
@@ -70,27 +76,31 @@ def _suspect(
     return suspect_checkpoint.at_abort(d, failures, health, o.now, cfg.exclusion)
 
 
-def _abort(
+def abort(
     d: DesiredState,
     o: Observed,
     cfg: DecideConfig,
     cause: str,
     late: Mapping[str, str] | None = None,
     notes: Sequence[str] = (),
-    stalled: str = "",
+    stall_what: str = "",
+    stretch: Mapping[StretchedPhase, int] | None = None,
 ) -> list[Action]:
     """The move to TEARDOWN. ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes to
     charge for it (node -> what it still reports, ``failing_nodes.missed_launching``),
-    counted in the same desired state; ``stalled``: at such a deadline no node got past,
-    what the job is charged with instead (``failing_nodes.stalled``); ``notes``: more for
-    the reason."""
+    counted in the same desired state; ``stall_what``: at such a deadline no node got past,
+    what the job is charged with instead (``failing_nodes.stalled``); ``stretch``: the
+    deadlines' new stretch (``DesiredState.deadline_stretch``), None to keep it; ``notes``:
+    more for the reason."""
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
     failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
-    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stalled)
+    # a placed node lost: its peers' SIGABRTs are the watchdog giving up on it, not a hang
+    lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
+    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stall_what, lost)
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
     # same way forever), once two launches from different nodes (or every placed node)
     # failed to read it: the next launch falls back to the newest other recorded commit.
@@ -102,7 +112,7 @@ def _abort(
         bad, suspect, health = verdict.bad, verdict.suspect, verdict.health
         cause, judged = f"{verdict.cause}: {cause}", verdict.notes
     last = o.resumable(bad)
-    state = _move(
+    state = move_to(
         d,
         Phase.TEARDOWN,
         o.now,
@@ -119,12 +129,13 @@ def _abort(
         suspect_checkpoint=suspect,
         node_health=health,
         job_health=counted.job,
+        deadline_stretch=dict(d.deadline_stretch if stretch is None else stretch),
     )
     reason = [f"abort: {cause}", *counted.notes, *judged, *notes]
     return [SetDesired(state, "; ".join(reason))]
 
 
-def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+def clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """An Abort, in any phase, to each registered node outside the layout still reporting a
     failure an Abort clears (``failing_nodes.to_clear``): one of an older generation (a
     lease flap kept the teardown's Abort from it) left the node out of every layout, for
@@ -133,20 +144,20 @@ def _clear_stale(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action
     out: list[Action] = []
     for n in failing_nodes.to_clear(d, o.nodes, o.status):
         why = f"clear a failure outside the layout (generation {o.status[n].generation})"
-        send = _abort_send(d, o, n, "clear", o.now + cfg.deadlines.teardown, why, False)
+        send = abort_send(d, o, n, "clear", o.now + cfg.deadlines.teardown, why, False)
         if send is not None:
             out.append(send)
     return out
 
 
-def _abort_send(
+def abort_send(
     d: DesiredState, o: Observed, n: str, kind: str, deadline: float, reason: str, hold: bool
 ) -> Send | None:
     """The Abort of kind ``kind`` (its command id's) to node ``n``; None once it acked."""
-    cid = _cid(d, kind, n)
+    cid = command_id_for(d, kind, n)
     if cid in o.acked:
         return None
-    cmd = _command(
+    cmd = build_command(
         Abort,
         command_id=cid,
         epoch=d.epoch,

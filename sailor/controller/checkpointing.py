@@ -1,8 +1,8 @@
 """The checkpoint of a reconfiguration in a ``decide`` pass, and how many are kept.
 
-QUIESCE and CHECKPOINT (``_quiesce_like``): a Stop and a Checkpoint to every node of the
+QUIESCE and CHECKPOINT (``quiesce_like``): a Stop and a Checkpoint to every node of the
 layout for the agreed stop step, a later notice tightening the deadline, the next plan
-asked for meanwhile. COMMIT (``_commit``): the saved step recorded (a bad mark of that
+asked for meanwhile. COMMIT (``committing``): the saved step recorded (a bad mark of that
 step, on files now replaced, cleared), and the records of the steps its committer deleted
 forgotten. Both follow the retention rule ``prune_below``: the
 oldest recorded step a new save leaves in place.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sailor.controller.aborts import _abort, _unhealthy
+from sailor.controller.aborts import abort, unhealthy
 from sailor.controller.decision_types import (
     Action,
     Commit,
@@ -22,24 +22,28 @@ from sailor.controller.decision_types import (
     Observed,
     Send,
     SetDesired,
-    _cid,
-    _command,
-    _move,
-    _plan_nodes_at,
-    _replan_if_needed,
+    build_command,
+    command_id_for,
+    move_to,
+    plan_nodes_at,
+    replan_if_needed,
 )
 from sailor.schemas.commands import Checkpoint, Stop
 from sailor.schemas.runtime import CommitRecord, DesiredState, Phase
 
-__all__ = ["prune_below"]
+__all__ = [
+    "committing",
+    "prune_below",
+    "quiesce_like",
+]
 
 
-def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    why = _unhealthy(d, o)
+def quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = unhealthy(d, o)
     if why:
-        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
+        return abort(d, o, cfg, f"during {d.phase.value}: {why}")
     if o.now > d.phase_deadline:
-        return _abort(d, o, cfg, f"{d.phase.value} deadline passed")
+        return abort(d, o, cfg, f"{d.phase.value} deadline passed")
     # a later notice tightens the deadline instead of aborting a checkpoint that can still make it
     noticed = [o.notices[n].deadline - cfg.notice_margin_s for n in d.placement if n in o.notices]
     if noticed and min(noticed) < d.phase_deadline:
@@ -48,9 +52,9 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
     actions: list[Action] = []
     plan_id = d.plan.plan_id if d.plan else ""
     for n in sorted(d.placement):
-        cid = _cid(d, "stop", n, d.stop_step)
+        cid = command_id_for(d, "stop", n, d.stop_step)
         if cid not in o.acked:
-            stop = _command(
+            stop = build_command(
                 Stop,
                 command_id=cid,
                 epoch=d.epoch,
@@ -60,9 +64,9 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
                 at_step=d.stop_step,
             )
             actions.append(Send(stop))
-        cid = _cid(d, "ckpt", n, d.stop_step)
+        cid = command_id_for(d, "ckpt", n, d.stop_step)
         if cid not in o.acked:
-            ckpt = _command(
+            ckpt = build_command(
                 Checkpoint,
                 command_id=cid,
                 epoch=d.epoch,
@@ -74,16 +78,14 @@ def _quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Actio
                 prune_below=min(_prune_below(d, o, cfg), d.stop_step),
             )
             actions.append(Send(ckpt))
-    actions += _replan_if_needed(d, o, d.cause)
-    if d.phase is Phase.QUIESCE and _plan_nodes_at(d, o, lambda s: s.step >= d.stop_step):
-        actions.append(SetDesired(_move(d, Phase.CHECKPOINT, o.now, cfg), "reached stop step"))
-    elif d.phase is Phase.CHECKPOINT and _plan_nodes_at(
-        d, o, lambda s: s.saved_step >= d.stop_step
-    ):
+    actions += replan_if_needed(d, o, d.cause)
+    if d.phase is Phase.QUIESCE and plan_nodes_at(d, o, lambda s: s.step >= d.stop_step):
+        actions.append(SetDesired(move_to(d, Phase.CHECKPOINT, o.now, cfg), "reached stop step"))
+    elif d.phase is Phase.CHECKPOINT and plan_nodes_at(d, o, lambda s: s.saved_step >= d.stop_step):
         # Workers that learned of the stop step late stop and save a little after it (all at
         # the same step: they agree on it collectively); commit the step they saved.
         saved = min(o.status[n].saved_step for n in d.placement)
-        nxt = _move(d, Phase.COMMIT, o.now, cfg, stop_step=saved)
+        nxt = move_to(d, Phase.COMMIT, o.now, cfg, stop_step=saved)
         actions.append(SetDesired(nxt, f"all shards of step {saved} durable"))
     return actions
 
@@ -132,7 +134,7 @@ def _prune_below(d: DesiredState, o: Observed, cfg: DecideConfig) -> int:
     return prune_below(o.commits, cfg.checkpoint_dir, cfg.keep_checkpoints, d.bad_checkpoints)
 
 
-def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+def committing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     record = CommitRecord(
         step=d.stop_step,
         directory=cfg.checkpoint_dir,
@@ -147,5 +149,5 @@ def _commit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     # is new files under a new manifest: the mark was the old files', and kept it would
     # make every later abort skip this commit and fall back below it.
     bad = tuple(s for s in d.bad_checkpoints if s != d.stop_step)
-    nxt = _move(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step, bad_checkpoints=bad)
+    nxt = move_to(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step, bad_checkpoints=bad)
     return [Commit(record, drop), SetDesired(nxt, f"committed step {d.stop_step}")]

@@ -19,7 +19,12 @@ from sailor.schemas._base import Frozen, field_error
 MODEL_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 """A ``ControllerConfig.model`` ending so is a model file, else a catalog model name."""
 
-__all__ = ["ControllerConfig", "OnlineCalibrationSettings", "load_mapping"]
+__all__ = [
+    "MODEL_FILE_SUFFIXES",
+    "ControllerConfig",
+    "OnlineCalibrationSettings",
+    "load_mapping",
+]
 
 DEFAULT_TIME_BETWEEN_CHANGES_S = 475.0
 """Expected seconds between membership changes when nothing else is configured: the shortest

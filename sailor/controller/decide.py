@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sailor.controller import failing_nodes
-from sailor.controller.aborts import _abort, _clear_stale, _unhealthy
-from sailor.controller.checkpointing import _commit, _quiesce_like
+from sailor.controller.aborts import abort, clear_stale, unhealthy
+from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
     Action,
     ClearNotice,
@@ -37,20 +37,20 @@ from sailor.controller.decision_types import (
     Observed,
     RecalibrationAdvice,
     SetDesired,
-    _move,
-    _replan_if_needed,
+    move_to,
+    replan_if_needed,
 )
-from sailor.controller.launch import _launch, _launching
-from sailor.controller.teardown import _teardown
+from sailor.controller.launch import launch_next, launching
+from sailor.controller.teardown import teardown
 from sailor.schemas.runtime import DesiredState, Phase
 
 __all__ = ["decide", "unusable"]
 
 
 def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    why = _unhealthy(d, o)
+    why = unhealthy(d, o)
     if why:
-        return _abort(d, o, cfg, why)
+        return abort(d, o, cfg, why)
     noticed = sorted(n for n in d.placement if n in o.notices)
     usable = o.usable
     joined = sorted(set(usable) - set(d.membership))
@@ -75,9 +75,9 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         cause = f"preemption notice: {','.join(noticed)}"
     else:
         cause = f"nodes joined: {','.join(new_nodes)}"
-    state = _move(d, Phase.QUIESCE, o.now, cfg, stop_step=stop, cause=cause, aborted=False)
+    state = move_to(d, Phase.QUIESCE, o.now, cfg, stop_step=stop, cause=cause, aborted=False)
     state = state.model_copy(update={"phase_deadline": deadline, "next_plan": None})
-    return [SetDesired(state, cause), *_replan_if_needed(state, o, cause)]
+    return [SetDesired(state, cause), *replan_if_needed(state, o, cause)]
 
 
 def _spares_ready(o: Observed, node: str) -> bool:
@@ -93,7 +93,7 @@ def _recalibrate(
     (made for these very nodes), so it is the next plan at once and nothing is replanned."""
     steps = [o.status[n].step for n in d.placement if n in o.status]
     stop = max(steps, default=0) + cfg.stop_ahead_steps
-    state = _move(
+    state = move_to(
         d,
         Phase.QUIESCE,
         o.now,
@@ -117,11 +117,11 @@ def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if not o.usable:
         return []
-    replan = _replan_if_needed(d, o, "nodes available")
+    replan = replan_if_needed(d, o, "nodes available")
     if replan:
         return replan
     last = o.resumable(d.bad_checkpoints)
-    return _launch(d, o, cfg, last.step if last else -1)
+    return launch_next(d, o, cfg, last.step if last else -1)
 
 
 def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -155,8 +155,8 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
     if out != o.excluded:  # the desired state says which nodes are out, whatever o was given
         o = replace(o, excluded=out)
     if d.phase is Phase.TEARDOWN:  # it aborts every busy node itself
-        return _teardown(d, o, config)
-    return [*_phase(d, o, config), *_clear_stale(d, o, config)]
+        return teardown(d, o, config)
+    return [*_phase(d, o, config), *clear_stale(d, o, config)]
 
 
 def _phase(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -165,7 +165,7 @@ def _phase(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is Phase.RUNNING:
         return _running(d, o, cfg)
     if d.phase in (Phase.QUIESCE, Phase.CHECKPOINT):
-        return _quiesce_like(d, o, cfg)
+        return quiesce_like(d, o, cfg)
     if d.phase is Phase.COMMIT:
-        return _commit(d, o, cfg)
-    return _launching(d, o, cfg)
+        return committing(d, o, cfg)
+    return launching(d, o, cfg)

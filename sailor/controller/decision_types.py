@@ -3,11 +3,12 @@
 ``DecideConfig`` holds the knobs, ``Observed`` what the controller sees (with online
 calibration's ``RecalibrationAdvice``), and ``Action`` the actions ``decide`` returns
 (``SetDesired``, ``Send``, ``Replan``, ``Commit``, ``ClearNotice``, ``ClearReadmit``), which
-the executor (``controller/executor.py``) carries out. The private helpers are shared by the
-decision's phase modules (``decide.py``, ``aborts.py``, ``launch.py``, ``checkpointing.py``,
-``teardown.py``): a phase move checked against the state machine (``_move``), command ids
-and commands (``_cid``, ``_command``), whether every node of the layout reports something
-(``_plan_nodes_at``) and a replan when the usable nodes changed (``_replan_if_needed``).
+the executor (``controller/executor.py``) carries out. The helpers the decision's phase
+modules share (``decide.py``, ``aborts.py``, ``launch.py``, ``checkpointing.py``,
+``teardown.py``; no one else needs them): a phase move checked against the state machine
+(``move_to``), command ids and commands (``command_id_for``, ``build_command``), whether
+every node of the layout reports something (``plan_nodes_at``) and a replan when the usable
+nodes changed (``replan_if_needed``).
 
 Values and pure functions only: no I/O, no clock, no module-level state. Must never import
 the phase modules (they import this one).
@@ -49,6 +50,11 @@ __all__ = [
     "Replan",
     "Send",
     "SetDesired",
+    "build_command",
+    "command_id_for",
+    "move_to",
+    "plan_nodes_at",
+    "replan_if_needed",
 ]
 
 
@@ -197,11 +203,11 @@ class ClearReadmit:
 Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit
 
 
-def _move(
+def move_to(
     d: DesiredState, phase: Phase, now: float, cfg: DecideConfig, **kw: object
 ) -> DesiredState:
     check_transition(d.phase, phase)
-    length = cfg.deadlines.of(phase)
+    length = cfg.deadlines.of(phase, d.deadline_stretch)
     update: dict[str, object] = {
         "phase": phase,
         "phase_since": now,
@@ -212,14 +218,14 @@ def _move(
     return d.model_copy(update=update)
 
 
-def _cid(d: DesiredState, kind: str, node: str, extra: int | str = "") -> str:
+def command_id_for(d: DesiredState, kind: str, node: str, extra: int | str = "") -> str:
     return f"e{d.epoch}-g{d.generation}-{kind}{extra}-{node}"
 
 
 _C = TypeVar("_C", Stop, Checkpoint, Abort, Launch)
 
 
-def _command(cls: type[_C], **fields: Any) -> _C:
+def build_command(cls: type[_C], **fields: Any) -> _C:
     """A command built from the desired state's own values, without validating it again.
 
     Every field is a value of a validated ``DesiredState`` or ``DecideConfig`` (its epoch,
@@ -234,7 +240,7 @@ def _command(cls: type[_C], **fields: Any) -> _C:
     return cls.model_construct(**fields)
 
 
-def _plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], bool]) -> bool:
+def plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], bool]) -> bool:
     """True when every node of the current layout reports ``pred`` for this generation."""
     for n in d.placement:
         st = o.status.get(n)
@@ -243,7 +249,7 @@ def _plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], b
     return True
 
 
-def _replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
+def replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
     usable = o.usable
     if not usable:
         return []

@@ -122,7 +122,8 @@ class Executor:
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
-        unused = {f for f in ("bad_checkpoints", "node_health") if not getattr(state, f)}
+        fields = ("bad_checkpoints", "node_health", "deadline_stretch")
+        unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
@@ -132,6 +133,8 @@ class Executor:
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
+        if state.deadline_stretch:  # LOAD or VERIFY deadlines stretched after a stall
+            extra["deadline_stretch"] = dict(state.deadline_stretch)
         if state.suspect_checkpoint.step >= 0:  # loaded again without the nodes that failed
             extra["suspect_checkpoint"] = state.suspect_checkpoint.model_dump(mode="json")
         now = self.clock.now()

@@ -7,9 +7,10 @@ pass: which nodes of the layout failed, which node a failure is named after, whi
 registered nodes no layout may use, why none is usable, which busy nodes hold up a
 teardown and what one still busy at its deadline is charged with, which placed nodes a
 LAUNCH, LOAD or VERIFY deadline is charged to (``missed_launching``), or whether the job is,
-no node having got past it (``stalled``), which records a pass
-forgets (nodes long away, configuration errors of a changed training config, operators'
-readmit requests). The phase machine in ``controller/decide.py`` (and its phase modules
+no node having got past it (``stalled``), which placed nodes a generation lost
+(``lost_nodes``: their peers' SIGABRTs are no hang), which records a pass forgets (nodes
+long away, configuration errors of a changed training config, operators' readmit
+requests). The phase machine in ``controller/decide.py`` (and its phase modules
 ``aborts.py``, ``teardown.py``) calls it and turns what it returns (records, and the reason
 that goes with them) into actions.
 
@@ -21,6 +22,7 @@ excluded set).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
@@ -41,10 +43,17 @@ from sailor.controller.node_health import (
     stall,
 )
 from sailor.schemas.commands import training_digest
-from sailor.schemas.runtime import AgentStatus, DesiredState, Phase, ReadmitRequest
+from sailor.schemas.runtime import (
+    AgentStatus,
+    DesiredState,
+    Phase,
+    ReadmitRequest,
+    StretchedPhase,
+)
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
+    "LOST_WITHOUT_NOTICE",
     "apply_readmits",
     "began_on",
     "charge_abort",
@@ -53,6 +62,7 @@ __all__ = [
     "health_update",
     "holding_up",
     "late_failures",
+    "lost_nodes",
     "miss_deadline",
     "missed_launching",
     "nothing_usable",
@@ -61,6 +71,12 @@ __all__ = [
     "to_clear",
     "unusable",
 ]
+
+LOST_WITHOUT_NOTICE = "node lost without notice"
+"""How an abort's cause begins when a placed node's registration is gone (``aborts.py``),
+followed by the nodes: how a later pass of its TEARDOWN knows them (:func:`lost_nodes`)."""
+
+_LOST_NAMES = re.compile(re.escape(LOST_WITHOUT_NOTICE) + r": ([^\s:;]+)")
 
 
 def failed(
@@ -86,6 +102,18 @@ def began_on(failures: Mapping[str, str]) -> str:
     return min(failures, key=lambda n: (not parse_failure(failures[n]).own, n))
 
 
+def lost_nodes(d: DesiredState, nodes: Collection[str], notices: Collection[str]) -> frozenset[str]:
+    """The placed nodes ``d``'s generation lost: not registered (``nodes``), or with a
+    preemption notice (``notices``), or, in the TEARDOWN of an abort for a node lost without
+    notice, the nodes its cause names (back by now, or not). NCCL's watchdog on the others
+    gives up on their ranks: those SIGABRTs are no hang of the job (``node_health.charge``)."""
+    out = {n for n in d.placement if n not in nodes or n in notices}
+    if d.phase is Phase.TEARDOWN and d.aborted:
+        for m in _LOST_NAMES.finditer(d.cause):
+            out |= {n for n in m.group(1).split(",") if n in d.placement}
+    return frozenset(out)
+
+
 def health_update(c: Charged) -> dict[str, object]:
     """The desired state's fields a charge writes."""
     return {"node_health": c.health, "job_health": c.job}
@@ -97,7 +125,8 @@ def charge_abort(
     now: float,
     policy: ExclusionPolicy,
     late: Mapping[str, str] | None = None,
-    stalled: str = "",
+    stall_what: str = "",
+    lost: Collection[str] = (),
 ) -> Charged:
     """The records once the failures behind an abort of ``d``'s generation are counted.
 
@@ -107,13 +136,17 @@ def charge_abort(
     ``late``: at a LAUNCH, LOAD or VERIFY deadline, the nodes that held it up (node -> what
     it still reports, :func:`missed_launching`), each charged with a ``DeadlineMissed``
     failure of its own (counted by the policy, never the job's) unless it reports a failure
-    of its own; the notes name those counted. ``stalled``: at such a deadline no placed node
-    got past and none is to blame more than the others, what the job is charged with
-    (:func:`stalled`; once a generation, as every failure of the job)."""
+    of its own; the notes name those counted. ``stall_what``: at a LOAD or VERIFY deadline
+    no placed node got past (stretched to its cap) and none is to blame more than the
+    others, what the job is charged with (:func:`stalled`; once a generation, as every
+    failure of the job); a one-node job's node instead, as a late node. ``lost``: the placed
+    nodes the generation lost (:func:`lost_nodes`)."""
+    if stall_what and len(d.placement) == 1:  # one node's failure is its own
+        late, stall_what = {**(late or {}), **dict.fromkeys(d.placement, stall_what)}, ""
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
-    c = charge(d, failures, now, policy, progressed(d, status))
+    c = charge(d, failures, now, policy, progressed(d, status), lost)
     # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
     # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
     redo = [
@@ -124,7 +157,7 @@ def charge_abort(
     if redo:
         for n in redo:
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
-        c = charge(d, failures, now, policy, progressed(d, status))
+        c = charge(d, failures, now, policy, progressed(d, status), lost)
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
 
     # what was counted: the missed deadline, or the failure the node reports of its own
@@ -135,8 +168,8 @@ def charge_abort(
     if counted:
         whom = "; ".join(f"{n} ({counted_as(n)})" for n in counted)
         c = replace(c, notes=[f"counted against {whom}", *c.notes])
-    if stalled:
-        job, note = stall(c.job, d.generation, stalled, now, policy)
+    if stall_what:
+        job, note = stall(d, c.job, stall_what, now, policy)
         c = replace(c, job=job, notes=[*c.notes, note] if note else c.notes)
     return c
 
@@ -152,24 +185,30 @@ def missed_launching(
     reports (for :func:`charge_abort`), and the notes for the abort's reason.
 
     Not those the records exclude at ``now`` already: they were charged. And none when every placed
-    node is late: nothing tells a fault of the nodes from the job's, the controller's or the
-    network's (a Launch fan-out lost, a rendezvous that never completes, a deadline too short
-    for the checkpoint's load), so no node is charged: the job is (:func:`stalled`)."""
+    node of several is late: nothing tells a fault of the nodes from the job's, the
+    controller's or the network's (a rendezvous that never completes, a deadline too short for
+    the checkpoint's load), so no node is charged (the job may be: :func:`stalled`). Nor the
+    one node of a one-node job at LAUNCH, nor any: agents ack a Launch once they read the
+    plan, so no ack at all is the command bus's (NATS) or the controller's fault."""
     if not late:
         return {}, []
-    if set(d.placement) <= set(late):
+    placed = set(d.placement)
+    if placed <= set(late) and (len(placed) > 1 or d.phase is Phase.LAUNCH):
         why = (
-            f"not counted against the {len(d.placement)} placed node(s): every one missed the "
-            f"{d.phase.value} deadline, no node is to blame more than the others (the job is)"
+            f"not counted against the {len(placed)} placed node(s): every one missed the "
+            f"{d.phase.value} deadline, no node is to blame more than the others"
         )
+        if d.phase is Phase.LAUNCH:
+            why += " (no Launch acked at all: the command bus's or the controller's fault)"
         return {}, [why]
     out = excluded(d.node_health, now)
     return {n: _still_at(d, status.get(n)) for n in sorted(late) if n not in out}, []
 
 
 def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> str:
-    """At the deadline of ``d``'s LAUNCH, LOAD or VERIFY: what the job is charged with
-    (:func:`charge_abort`), or '' when it is not.
+    """At the deadline of ``d``'s LOAD or VERIFY: what the job is charged with once the
+    phase's deadline is stretched to its cap (``launch.py``; :func:`charge_abort`), or ''
+    when it is not. Never at LAUNCH (:func:`missed_launching`).
 
     ``late``: the placed nodes that held the phase up, to charge (``launch._behind``);
     ``short``: those that did not get as far as the phase waits for (a Launch acked, workers
@@ -180,19 +219,22 @@ def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> s
     nodes from the job's, the controller's or the network's, and relaunching it at once,
     forever, hid it; the job's backoff slows it and its record tells an operator. Not when
     some are late and others not (those late are charged: :func:`missed_launching`), nor
-    when a node got through."""
+    when a node got through, nor when the only node of a one-node job is late (charged as
+    late). The text names the phase's setting (``deadlines.<phase>``) and its stretch."""
     placed = set(d.placement)
-    if not placed or not placed <= set(short) or (late and not placed <= set(late)):
+    if d.phase not in (Phase.LOAD, Phase.VERIFY) or not placed or not placed <= set(short):
         return ""
-    waited = {
-        Phase.LAUNCH: "acked its Launch",
-        Phase.LOAD: "had its workers running",
-        Phase.VERIFY: f"reported a step past {d.load_step}",
-    }.get(d.phase, "got through")
+    if late and (not placed <= set(late) or len(placed) == 1):
+        return ""
+    phase = d.phase.value
+    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    waited = "had its workers running" if key == "load" else f"reported a step past {d.load_step}"
     length = d.phase_deadline - d.phase_since
+    factor = d.deadline_stretch.get(key, 1)
+    setting = f"deadlines.{phase}" + (f" x{factor}" if factor > 1 else "")
     return (
-        f"none of the {len(placed)} placed node(s) {waited} by the {d.phase.value} deadline "
-        f"({length:.0f} s)"
+        f"none of the {len(placed)} placed node(s) {waited} by the {phase} deadline "
+        f"({length:.0f} s, {setting})"
     )
 
 
@@ -219,13 +261,17 @@ def progressed(d: DesiredState, status: Mapping[str, AgentStatus]) -> frozenset[
 
 
 def late_failures(
-    d: DesiredState, status: Mapping[str, AgentStatus], now: float, policy: ExclusionPolicy
+    d: DesiredState,
+    status: Mapping[str, AgentStatus],
+    now: float,
+    policy: ExclusionPolicy,
+    lost: Collection[str] = (),
 ) -> tuple[DesiredState, str] | None:
     """``d`` with the failures of the torn-down generation reported after the abort was
     decided counted (a peer's status came first; or the rest of a failure of the whole job,
     which takes back what was counted against the first node), and why; None when nothing
-    changes."""
-    c = charge(d, failed(d, status), now, policy, progressed(d, status))
+    changes. ``lost``: the placed nodes the generation lost (:func:`lost_nodes`)."""
+    c = charge(d, failed(d, status), now, policy, progressed(d, status), lost)
     if c.health == d.node_health and c.job == d.job_health:
         return None
     counted = sorted(

@@ -1,8 +1,8 @@
 """A launch in a ``decide`` pass.
 
-The move to LAUNCH of the next plan on its placement (``_launch``: the in-place or the
+The move to LAUNCH of the next plan on its placement (``launch_next``: the in-place or the
 restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
-and VERIFY phases (``_launching``): a Launch to every node of the layout, the workers up,
+and VERIFY phases (``launching``): a Launch to every node of the layout, the workers up,
 their first step after the loaded checkpoint, which clears the failure streaks (and a
 suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
 held it up (``_behind``), or the job when no node got through and none is to blame more
@@ -10,8 +10,8 @@ than the others (``_short``).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
-I/O, no clock. Internal to the decision (``decide.py`` and ``teardown.py`` call it), so
-nothing here is public.
+I/O, no clock. Internal to the decision: its public names are for ``decide.py`` and
+``teardown.py``, which call them; nothing outside the decision should.
 """
 
 from __future__ import annotations
@@ -20,27 +20,31 @@ import weakref
 from collections.abc import Mapping
 
 from sailor.controller import failing_nodes, suspect_checkpoint
-from sailor.controller.aborts import _abort, _unhealthy
+from sailor.controller.aborts import abort, unhealthy
 from sailor.controller.decision_types import (
     Action,
     DecideConfig,
     Observed,
     Send,
     SetDesired,
-    _cid,
-    _command,
-    _move,
-    _plan_nodes_at,
+    build_command,
+    command_id_for,
+    move_to,
+    plan_nodes_at,
 )
 from sailor.controller.node_health import trained
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import DesiredState, Phase
+from sailor.schemas.runtime import DesiredState, Phase, StretchedPhase
 
-__all__: list[str] = []
+__all__ = [
+    "in_place_next",
+    "launch_next",
+    "launching",
+]
 
 
-def _in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
+def in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
     """Whether the next launch (and the teardown before it) takes the in-place path."""
     return cfg.in_place and not d.in_place_failed
 
@@ -85,7 +89,7 @@ def _host_of(addr: str) -> str:
     return addr
 
 
-def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:
+def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> list[Action]:
     plan = d.next_plan
     if plan is None:
         return []
@@ -96,13 +100,13 @@ def _launch(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int) -> 
         # (and count against the in-place path): wait for the next observation.
         return []
     gen = d.generation + 1
-    if _in_place_next(d, cfg):
+    if in_place_next(d, cfg):
         path, why = "in_place", "in place (configured)"
     elif cfg.in_place:
         path, why = "restart", f"fallback: the in-place launch of generation {d.generation} failed"
     else:
         path, why = "restart", "restart (in place not configured)"
-    state = _move(
+    state = move_to(
         d,
         Phase.LAUNCH,
         o.now,
@@ -143,7 +147,7 @@ def _behind(d: DesiredState, o: Observed) -> list[str]:
     if d.phase is Phase.LAUNCH:
         if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
             return []
-        return [n for n in sorted(d.placement) if _cid(d, "launch", n) not in o.acked]
+        return [n for n in sorted(d.placement) if command_id_for(d, "launch", n) not in o.acked]
     return [
         n
         for n in sorted(d.placement)
@@ -172,71 +176,132 @@ def _short(d: DesiredState, o: Observed) -> list[str]:
     return [n for n in sorted(d.placement) if not through(n)]
 
 
-def _launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
-    why = _unhealthy(d, o)
-    if why:
-        return _abort(d, o, cfg, f"during {d.phase.value}: {why}")
-    if o.now > d.phase_deadline:
-        behind = _behind(d, o)
-        late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
-        stalled = failing_nodes.stalled(d, behind, _short(d, o))
-        return _abort(d, o, cfg, f"{d.phase.value} deadline passed", late, notes, stalled)
-    if d.plan is None:
-        return _abort(d, o, cfg, "no plan to launch")
-    if d.phase is Phase.LAUNCH:
-        actions: list[Action] = []
-        pending = False
-        # By reference: the plan is in the desired state this phase was written with. The
-        # digest and world size once per plan, not per node: at 512 nodes recomputing them
-        # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
-        digest, world = _plan_facts(d.plan)
-        training = training_digest(d.training) if d.training is not None else ""
-        for n in sorted(d.placement):
-            cid = _cid(d, "launch", n)
-            if cid in o.acked:
-                continue
-            pending = True
-            cmd = _command(
-                Launch,
-                command_id=cid,
-                epoch=d.epoch,
-                plan_id=d.plan.plan_id,
-                node_id=n,
-                deadline=d.phase_deadline,
-                plan_sha256=digest,
-                ranks=d.placement[n],
-                world_size=world,
-                master=d.master,
-                checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
-                load_step=d.load_step,
-                generation=d.generation,
-                training_sha256=training,
-                in_place=d.path == "in_place",
-            )
-            actions.append(Send(cmd))
-        if not pending:
-            actions.append(SetDesired(_move(d, Phase.LOAD, o.now, cfg), "every node launched"))
-        return actions
-    if d.phase is Phase.LOAD:
-        if _plan_nodes_at(d, o, lambda s: s.state == "running"):
-            return [SetDesired(_move(d, Phase.VERIFY, o.now, cfg), "workers up")]
-        return []
-    if _plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
-        # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
-        # loaded was read fine (controller/suspect_checkpoint.py)
-        health, job = trained(d.node_health, d.job_health, d.placement)
-        suspect, cleared = suspect_checkpoint.trained(d)
-        done = _move(
-            d,
-            Phase.RUNNING,
-            o.now,
-            cfg,
-            aborted=False,
-            in_place_failed=False,
-            node_health=health,
-            job_health=job,
-            suspect_checkpoint=suspect,
+def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, int], str] | None:
+    """At a LOAD or VERIFY deadline no node is to blame for: the deadlines' stretch with
+    this phase's doubled (up to ``deadlines.stretch_cap``) and why, or None at the cap (the
+    job, or a one-node job's node, is charged then: ``failing_nodes.stalled``). A default
+    made for the CPU demo held healthy jobs whose checkpoint load or first step takes
+    longer on every node of a real cluster; now such a job costs a few relaunches."""
+    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    factor, cap = d.deadline_stretch.get(key, 1), cfg.deadlines.stretch_cap
+    if factor >= cap:
+        return None
+    new = min(factor * 2, cap)
+    base = cfg.deadlines.of(d.phase)
+    why = (
+        f"nobody counted: the next {key} deadline is {base * new:.0f} s (deadlines.{key} "
+        f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) before anyone is charged)"
+    )
+    return {**d.deadline_stretch, key: new}, why
+
+
+def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
+    """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's dropped
+    when it took no longer than its configured deadline, else kept (the phase still needs
+    it: dropping it at each generation that trained made every later reconfiguration of a
+    job whose load takes longer than ``deadlines.load`` stall again)."""
+    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    if o.now - d.phase_since > cfg.deadlines.of(d.phase):
+        return dict(d.deadline_stretch)
+    return {k: f for k, f in d.deadline_stretch.items() if k != key}
+
+
+def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """The abort at a LAUNCH, LOAD or VERIFY deadline: the placed nodes that held it up
+    charged (``failing_nodes.missed_launching``); at LOAD or VERIFY with none to blame
+    (none, or all, held it up) the phase's next deadline stretched, and at the stretch's
+    cap, when no placed node got through, the job charged (``failing_nodes.stalled``)."""
+    cause = f"{d.phase.value} deadline passed"
+    behind = _behind(d, o)
+    late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
+    what = failing_nodes.stalled(d, behind, _short(d, o))
+    blameless = d.phase in (Phase.LOAD, Phase.VERIFY) and (what or not behind)
+    stretched = _stretch(d, cfg) if blameless else None
+    if stretched is not None:
+        return abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
+    if what:
+        what += (
+            f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "
+            f"raise deadlines.{d.phase.value} if the phase takes that long on this cluster"
         )
-        why = "; ".join(x for x in (f"first step after {d.load_step} done", cleared) if x)
-        return [SetDesired(done, why)]
-    return []
+    return abort(d, o, cfg, cause, late, notes, what)
+
+
+def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """The move to the next phase once every placed node got as far as ``d``'s LAUNCH,
+    LOAD or VERIFY waits for; [] before."""
+    if d.phase is Phase.LAUNCH:
+        if any(command_id_for(d, "launch", n) not in o.acked for n in d.placement):
+            return []
+        return [SetDesired(move_to(d, Phase.LOAD, o.now, cfg), "every node launched")]
+    if d.phase is Phase.LOAD:
+        if not plan_nodes_at(d, o, lambda s: s.state == "running"):
+            return []
+        up = move_to(d, Phase.VERIFY, o.now, cfg, deadline_stretch=_fitted(d, o, cfg))
+        return [SetDesired(up, "workers up")]
+    if not plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
+        return []
+    # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
+    # loaded was read fine (controller/suspect_checkpoint.py)
+    health, job = trained(d.node_health, d.job_health, d.placement)
+    suspect, cleared = suspect_checkpoint.trained(d)
+    done = move_to(
+        d,
+        Phase.RUNNING,
+        o.now,
+        cfg,
+        aborted=False,
+        in_place_failed=False,
+        node_health=health,
+        job_health=job,
+        suspect_checkpoint=suspect,
+        deadline_stretch=_fitted(d, o, cfg),
+    )
+    why = "; ".join(x for x in (f"first step after {d.load_step} done", cleared) if x)
+    return [SetDesired(done, why)]
+
+
+def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    why = unhealthy(d, o)
+    if why:
+        return abort(d, o, cfg, f"during {d.phase.value}: {why}")
+    if d.plan is None:
+        return abort(d, o, cfg, "no plan to launch")
+    # got through first, the deadline after: a VERIFY adopted after a failover whose nodes
+    # all stepped past the loaded step meanwhile (or a pass that came late) was aborted
+    through = _through(d, o, cfg)
+    if through:
+        return through
+    if o.now > d.phase_deadline:
+        return _deadline_passed(d, o, cfg)
+    if d.phase is not Phase.LAUNCH:
+        return []
+    actions: list[Action] = []
+    # By reference: the plan is in the desired state this phase was written with. The
+    # digest and world size once per plan, not per node: at 512 nodes recomputing them
+    # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
+    digest, world = _plan_facts(d.plan)
+    training = training_digest(d.training) if d.training is not None else ""
+    for n in sorted(d.placement):
+        cid = command_id_for(d, "launch", n)
+        if cid in o.acked:
+            continue
+        cmd = build_command(
+            Launch,
+            command_id=cid,
+            epoch=d.epoch,
+            plan_id=d.plan.plan_id,
+            node_id=n,
+            deadline=d.phase_deadline,
+            plan_sha256=digest,
+            ranks=d.placement[n],
+            world_size=world,
+            master=d.master,
+            checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
+            load_step=d.load_step,
+            generation=d.generation,
+            training_sha256=training,
+            in_place=d.path == "in_place",
+        )
+        actions.append(Send(cmd))
+    return actions

@@ -22,7 +22,8 @@ audit log reproduces it. The rules:
   failed with an error of its own: the watchdog fired because that node's rank was gone.
   Nor, by itself, a SIGABRT in a generation where only SIGABRTs were reported: every
   collective hung (a dead NIC, NCCL's ports blocked), every rank's watchdog fired, and the
-  node at fault is not known.
+  node at fault is not known. Nor one in a generation that lost a placed node (``lost``:
+  its VM gone, a notice): the watchdog gave up on that node's ranks.
 - A failure of the job, not of its nodes: the same cause (error type and message, numbers
   aside: ranks, sizes, steps differ) reported by at least ``JOB_WIDE_MIN_NODES`` nodes and
   by more than half of the placed nodes — a training config every rank refuses, a plan that
@@ -32,14 +33,18 @@ audit log reproduces it. The rules:
   generation, so a node counted before its peers' reports came in is taken back (its count,
   and the exclusion that count set) once they show the cause was the job's. A killed worker
   that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed launch deadline
-  are the node's, however many nodes report them.
+  are the node's, however many nodes report them. With one placed node, every failure but a
+  configuration error is the node's (a SIGABRT, a stalled phase): the planner can move the
+  job to a spare, as the job's hold cannot.
 - A hang of the job, which nobody can be blamed for, counts against the job by the same
   policy, so it is relaunched with a backoff and a record, not at full rate forever: only
-  SIGABRTs reported, by as many nodes as make a failure alike the job's (or the only node
-  of a one-node job); a node's own failure reported later in that generation takes the
-  job's count back (the SIGABRTs were the watchdog giving up on its rank, and it is
-  charged). And a LAUNCH, LOAD or VERIFY deadline no placed node got past, every node alike
-  (``stall``; which generation that is: ``controller/failing_nodes.py``, ``stalled``).
+  SIGABRTs reported, by as many nodes as make a failure alike the job's, no placed node
+  lost; and a LOAD or VERIFY deadline no placed node got past, every node alike, once it
+  was stretched to its cap (``stall``; which: ``controller/failing_nodes.py``, ``stalled``;
+  never LAUNCH: agents ack a Launch once they read the plan, so no ack at all is the
+  command bus's or the controller's fault). A node's own failure reported later in that
+  generation (or, for the SIGABRTs, a placed node's loss seen later) takes the job's count
+  back: the node is charged.
 - A node (or the job) is excluded at once when its record says ``retry: false`` (a
   configuration error, which a relaunch cannot mend), or at ``ExclusionPolicy.failures``
   consecutive counted failures. The first exclusion lasts ``exclude_s``, each further one
@@ -88,15 +93,17 @@ __all__ = [
     "Charged",
     "ExclusionPolicy",
     "charge",
-    "checkpoint_unreadable",
+    "count_failure",
     "describe",
     "excluded",
+    "exclusion_length",
     "forget_config",
     "forget_gone",
     "held",
     "miss_teardown",
     "readmit",
     "stall",
+    "take_back",
     "trained",
 ]
 
@@ -158,12 +165,12 @@ def _record_signature(rec: NodeHealth) -> str:
     return rec.signature or signature_of(rec.cause)
 
 
-def _length(policy: ExclusionPolicy, exclusions: int) -> float:
+def exclusion_length(policy: ExclusionPolicy, exclusions: int) -> float:
     """The ``exclusions``-th exclusion's length: doubled each time, capped."""
     return min(policy.exclude_s * 2.0 ** min(exclusions - 1, 64), policy.max_exclude_s)
 
 
-def _count(
+def count_failure(
     rec: NodeHealth,
     generation: int,
     summary: str,
@@ -185,12 +192,12 @@ def _count(
     why = ""
     if not retry or count >= policy.failures:
         times = rec.exclusions + 1
-        update |= {"exclusions": times, "excluded_until": now + _length(policy, times)}
+        update |= {"exclusions": times, "excluded_until": now + exclusion_length(policy, times)}
         why = "retry false" if not retry else f"{count} consecutive failures"
     return rec.model_copy(update=update), why
 
 
-def _take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
+def take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
     """``rec`` without the failure counted for its last generation (a node whose failure
     turned out to be the job's, or a peer's; the job's hang that turned out to be a node's
     failure): one fewer, and the exclusion that count set
@@ -221,15 +228,6 @@ class Charged:
     notes: list[str] = field(default_factory=list)
 
 
-def checkpoint_unreadable(failures: Mapping[str, str]) -> bool:
-    """Whether the checkpoint a generation loads is at fault: a node (``failures``: node ->
-    ``AgentStatus.failure``) failed to read it. Each rank reads only its own stage's files,
-    so a file corrupt in one stage fails a minority of the nodes however it came about:
-    counting heads cannot tell a bad file from a node's broken mount. A second launch
-    without those nodes tells (``controller/suspect_checkpoint.py``)."""
-    return any(parse_failure(t).unreadable_checkpoint for t in failures.values())
-
-
 _ALIKE = "the job's: most placed nodes failed alike"
 _CONFIG = (
     "the job's: a configuration error on several nodes, and no placed node trained with that config"
@@ -242,11 +240,14 @@ def charge(
     now: float,
     policy: ExclusionPolicy,
     progressed: Collection[str] = (),
+    lost: Collection[str] = (),
 ) -> Charged:
     """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
     counted against the nodes they began on, or against the job (module docstring).
     ``progressed``: the placed nodes that reported a step past the generation's start (a
     configuration error is the job's unless another of them trained with that config).
+    ``lost``: the placed nodes lost in the generation (gone without notice, or with one):
+    the SIGABRTs of the others are NCCL's watchdog giving up on their ranks, not a hang.
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
@@ -274,10 +275,14 @@ def charge(
     # "alike": every rank of a job whose collectives hang (a dead NIC) aborts, wherever the
     # fault is.
     first_cause = any(n not in aborts and kind[n] != TEARDOWN_MISSED for n in evidence)
+    placed = max(len(d.placement), 1)
+    # a one-node job's SIGABRT is its node's, as its other failures are (the planner can
+    # move the job to a spare; holding the job moved it nowhere)
+    spared_aborts = aborts if placed > 1 else set()
+    gone = sorted(set(lost))
     alike = Counter(
         e[1] for n, e in evidence.items() if kind[n] not in _NODE_BOUND and n not in aborts
     )
-    placed = max(len(d.placement), 1)
     job_why = {
         sig: _ALIKE for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed
     }
@@ -299,28 +304,30 @@ def charge(
             and n not in aborts
         ):
             job_why.setdefault(e[1], _CONFIG)
-    # the job's count for a hang (below) is never a cause others are "alike" to
+    # the job's count for a hang or a stall (below) is never a cause others are "alike" to
     hang_counted = job.generation == gen and abort_signal(job.cause)
-    if job.generation == gen and not hang_counted:
+    stall_counted = job.generation == gen and error_type(job.cause) == DEADLINE_MISSED
+    if job.generation == gen and not hang_counted and not stall_counted:
         job_why.setdefault(_record_signature(job), _ALIKE)
     notes: list[str] = []
     spared: dict[str, list[str]] = {}
     for n in sorted(evidence):
         sig = evidence[n][1]
         why = ""
-        if n in aborts:
-            why = (
-                "SIGABRT after another node's own failure"
-                if first_cause
-                else "only SIGABRTs (NCCL's watchdog) reported: the node at fault is not known"
-            )
+        if n in spared_aborts:
+            if first_cause:
+                why = "SIGABRT after another node's own failure"
+            elif gone:
+                why = f"SIGABRT after the loss of {', '.join(gone)}"
+            else:
+                why = "only SIGABRTs (NCCL's watchdog) reported: the node at fault is not known"
         elif sig in job_why and kind[n] not in _NODE_BOUND:
             why = job_why[sig]
         rec = health.get(n)
         counted = rec is not None and rec.generation == gen
         if why:  # a node-bound record (a missed deadline) stays, whatever the node reports
             if counted and rec is not None and error_type(rec.cause) not in _NODE_BOUND:
-                back = _take_back(rec, now)
+                back = take_back(rec, now)
                 if back is None:
                     del health[n]
                 else:
@@ -332,7 +339,7 @@ def charge(
         if n not in seen or counted:
             continue
         cause = seen[n]
-        health[n], excl = _count(
+        health[n], excl = count_failure(
             rec or NodeHealth(),
             gen,
             cause.summary,
@@ -346,52 +353,68 @@ def charge(
             notes.append(describe(n, health[n], now, excl))
     for why, nodes in spared.items():
         notes.append(f"not counted against {', '.join(nodes)}: {why}")
-    if hang_counted and first_cause:
-        # a node's own failure came in after all: the SIGABRTs were the watchdog giving up
-        # on its rank, and it is charged (above), not the job
-        job = _take_back(job, now) or NodeHealth()
-        who = min(n for n in evidence if n not in aborts and kind[n] != TEARDOWN_MISSED)
+    own = sorted(  # a node's own failure, counted against it (not the job's, nor node-bound)
+        n
+        for n in evidence
+        if n not in aborts and kind[n] not in _NODE_BOUND and evidence[n][1] not in job_why
+    )
+    if hang_counted and (first_cause or gone):
+        # a node's own failure came in after all, or a placed node's loss was seen: the
+        # SIGABRTs were the watchdog giving up on its ranks, not a hang of the job
+        job = take_back(job, now) or NodeHealth()
+        if first_cause:
+            who = min(n for n in evidence if n not in aborts and kind[n] != TEARDOWN_MISSED)
+            what = f"{who} reported a failure of its own"
+        else:
+            what = f"{', '.join(gone)} was lost"
         notes.append(
-            f"taken back from the job: {who} reported a failure of its own, the SIGABRTs "
-            "were NCCL's watchdog giving up on its rank"
+            f"taken back from the job: {what}, the SIGABRTs were NCCL's watchdog giving up "
+            "on its ranks"
         )
-    # only SIGABRTs, reported by as many of the placed nodes as make a failure alike the
-    # job's: every collective hung (a dead NIC, NCCL's ports blocked), so the job is
-    # relaunched with a backoff, not at full rate forever; no node is charged. A one-node
-    # job's only rank is the job's, as its configuration error is.
+    elif stall_counted and own:
+        # the stall was a node's failure (an ECC error reported during the teardown)
+        job = take_back(job, now) or NodeHealth()
+        notes.append(
+            f"taken back from the job: {own[0]} reported a failure of its own, the stalled "
+            "phase was its"
+        )
+    # only SIGABRTs, by as many placed nodes as make a failure alike the job's, none lost:
+    # every collective hung (a dead NIC, NCCL's ports blocked); no node is charged
     many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
-    hung = bool(aborts) and not first_cause and (many or placed == 1)
+    hung = many and not first_cause and not gone
     if job_why and job.generation != gen:
         job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy)
         notes.append(note)
     elif hung and job.generation != gen:
-        job, note = _charge_hang(job, gen, {n: evidence[n] for n in aborts}, placed, now, policy)
+        # its cause is a SIGABRT's: how a later pass knows which count to take back
+        (summary, sig, _), names = evidence[min(aborts)], ", ".join(sorted(aborts))
+        what = (
+            f"only SIGABRTs (NCCL's watchdog giving up on a hung collective) reported, by "
+            f"{len(aborts)} of the {placed} placed node(s) ({names}): every collective hung, "
+            "the node at fault is not known"
+        )
+        job, note = _count_job(job, gen, (summary, "unknown", True, sig), what, now, policy)
         notes.append(note)
     return Charged(health, job, notes)
 
 
-def _charge_hang(
+def _count_job(
     job: NodeHealth,
     gen: int,
-    aborts: Mapping[str, tuple[str, str, str]],
-    placed: int,
+    cause: tuple[str, str, bool, str],
+    what: str,
     now: float,
     policy: ExclusionPolicy,
+    with_cause: bool = True,
 ) -> tuple[NodeHealth, str]:
-    """The job's record with generation ``gen`` counted for a hang: only SIGABRTs reported
-    (``aborts``: node -> summary, signature, origin), by most of the ``placed`` nodes. Its
-    cause is a SIGABRT's, which is how a later pass knows the count to take back."""
-    nodes = sorted(aborts)
-    summary, sig, _ = aborts[nodes[0]]
-    rec, excl = _count(job, gen, summary, "unknown", True, now, policy, sig)
-    what = (
-        f"only SIGABRTs (NCCL's watchdog giving up on a hung collective) reported, by "
-        f"{len(nodes)} of the {placed} placed node(s) ({', '.join(nodes)}): every collective "
-        "hung, the node at fault is not known"
-    )
+    """The job's record with ``gen`` counted for ``cause`` (summary, origin, retry,
+    signature), and the sentence that says so and ``what`` happened (and the summary)."""
+    summary, origin, retry, sig = cause
+    rec, excl = count_failure(job, gen, summary, origin, retry, now, policy, sig)
     if excl:
         return rec, describe(JOB, rec, now, f"{excl}; {what}")
-    return rec, f"counted against the job (failure {rec.failures} in a row): {what}: {summary}"
+    tail = f": {summary}" if with_cause else ""
+    return rec, f"counted against the job (failure {rec.failures} in a row): {what}{tail}"
 
 
 def _charge_job(
@@ -414,14 +437,11 @@ def _charge_job(
     else:  # every one of them was counted before and is idle now: their records say
         summary, origin = evidence[nodes[0]][0], evidence[nodes[0]][2]
         retry = origin != "config"
-    rec, excl = _count(job, gen, summary, origin, retry, now, policy, sig)
     if job_why[sig] == _CONFIG:
         what = f"a configuration error on {', '.join(nodes)}, no placed node trained with it"
     else:
         what = f"{len(nodes)} of the placed nodes failed alike ({', '.join(nodes)})"
-    if excl:
-        return rec, describe(JOB, rec, now, f"{excl}; {what}")
-    return rec, f"counted against the job (failure {rec.failures} in a row): {what}: {summary}"
+    return _count_job(job, gen, (summary, origin, retry, sig), what, now, policy)
 
 
 def miss_teardown(
@@ -441,35 +461,34 @@ def miss_teardown(
             rec = rec.model_copy(
                 update={
                     "exclusions": times,
-                    "excluded_until": now + _length(policy, times),
+                    "excluded_until": now + exclusion_length(policy, times),
                     "cause": summary,
                 }
             )
         else:
-            rec, _ = _count(rec, d.generation, summary, "local", False, now, policy)
+            rec, _ = count_failure(rec, d.generation, summary, "local", False, now, policy)
         health[n] = rec
         notes.append(describe(n, rec, now, "teardown deadline passed"))
     return Charged(health, d.job_health, notes)
 
 
 def stall(
-    job: NodeHealth, generation: int, what: str, now: float, policy: ExclusionPolicy
+    d: DesiredState, job: NodeHealth, what: str, now: float, policy: ExclusionPolicy
 ) -> tuple[NodeHealth, str]:
-    """The job's record with ``generation`` counted for a LAUNCH, LOAD or VERIFY deadline
-    no placed node got past and none is to blame for more than the others (``what``: the
-    phase, the deadline and how the nodes fell short; ``failing_nodes.stalled``), and the
-    sentence that says so ('' when the generation is counted against the job already).
+    """``job`` (as the abort's other failures left it) with ``d``'s generation counted for a
+    LOAD or VERIFY deadline no placed node got past, none to blame more than the others
+    (``what``: phase, deadline, how they fell short; ``failing_nodes.stalled``), and the
+    sentence that says so; unchanged and '' when the generation is counted against the job
+    already, or forgiven (``DesiredState.forgiven_through``), as in :func:`charge`.
 
-    A ``DeadlineMissed`` cause, retried (a rendezvous that never completes, a checkpoint
-    store every node reads too slowly may mend): the policy's backoff, so such a job is no
-    longer relaunched at full rate forever with nothing an operator sees."""
-    if job.generation == generation:
+    A ``DeadlineMissed`` cause, retried (a rendezvous that never completes may mend): the
+    policy's backoff, not a relaunch at full rate forever that no operator sees."""
+    gen = d.generation
+    if job.generation == gen or d.forgiven_through >= gen:
         return job, ""
     summary = f"{DEADLINE_MISSED}: {what}"[:CAUSE_CHARS]
-    rec, excl = _count(job, generation, summary, "unknown", True, now, policy)
-    if excl:
-        return rec, describe(JOB, rec, now, f"{excl}; {what}")
-    return rec, f"counted against the job (failure {rec.failures} in a row): {what}"
+    cause = (summary, "unknown", True, signature_of(summary))
+    return _count_job(job, gen, cause, what, now, policy, with_cause=False)
 
 
 def _reset(rec: NodeHealth) -> NodeHealth | None:

@@ -18,10 +18,12 @@ TEARDOWN→IDLE, and X→TEARDOWN (abort) from every phase but IDLE. Pure: no I/
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import Field
 
 from sailor.schemas._base import Frozen
-from sailor.schemas.runtime import Phase
+from sailor.schemas.runtime import Phase, StretchedPhase
 
 __all__ = ["LEGAL", "PhaseDeadlines", "check_transition", "is_legal"]
 
@@ -57,8 +59,13 @@ def check_transition(src: Phase, dst: Phase) -> None:
 class PhaseDeadlines(Frozen):
     """Seconds each phase may take before the reconfiguration is aborted.
 
-    Defaults fit the tiny CPU model on a 2-core machine (a step takes well under a second,
-    a launch with torch import about 5 s); scale them with the model in the config.
+    The defaults fit the CPU demo (``make demo``: the tiny model on a 2-core machine, a step
+    well under a second, a launch with torch import about 5 s) and keep its tests quick to
+    notice a hang. On a real GPU cluster a checkpoint's save and load (GBs per stage), NCCL's
+    init and the first step (compilation, autotuning) take minutes: set ``checkpoint``,
+    ``load`` and ``verify`` for the model (``deploy/config/controller.example.yaml``: 600,
+    600, 300). A ``load`` or ``verify`` deadline that no placed node gets past stretches
+    itself first (``stretch_cap``), so a default too short costs relaunches, not a hold.
     """
 
     quiesce: float = Field(default=30.0, gt=0, description="Reach the agreed step.")
@@ -72,9 +79,28 @@ class PhaseDeadlines(Frozen):
         "(sailor/agent/killed_groups.py); a shorter deadline charged nodes still killing.",
     )
     launch: float = Field(default=20.0, gt=0, description="Every node acked its launch.")
-    load: float = Field(default=120.0, gt=0, description="Workers started and loading.")
-    verify: float = Field(default=120.0, gt=0, description="First step in the new layout.")
+    load: float = Field(
+        default=120.0,
+        gt=0,
+        description="Workers started and loading (the CPU demo's; a real cluster's checkpoint "
+        "load and NCCL init take longer: set it for the model).",
+    )
+    verify: float = Field(
+        default=120.0,
+        gt=0,
+        description="First step in the new layout (the CPU demo's; a real cluster's first "
+        "step, with compilation and NCCL warm-up, takes longer: set it for the model).",
+    )
+    stretch_cap: int = Field(
+        default=8,
+        ge=1,
+        description="Most a LOAD or VERIFY deadline is stretched: each generation that no "
+        "placed node got through doubles that phase's next deadline up to this factor before "
+        "anyone is charged (docs/runtime.md, Failing nodes). 1: charge at once.",
+    )
 
-    def of(self, phase: Phase) -> float:
-        """Deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING)."""
-        return float(getattr(self, phase.value, 0.0))
+    def of(self, phase: Phase, stretch: Mapping[StretchedPhase, int] | None = None) -> float:
+        """Deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING). With
+        ``stretch`` (``DesiredState.deadline_stretch``), times the phase's factor there."""
+        factor = next((f for k, f in (stretch or {}).items() if k == phase.value), 1)
+        return float(getattr(self, phase.value, 0.0)) * factor

@@ -31,8 +31,8 @@ from different nodes (``DesiredState.suspect_checkpoint`` remembers the first):
   and the teardown's load step falls back.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified, no actions
-built here. Called by ``aborts._abort`` (:func:`at_abort`), ``teardown._teardown``
-(:func:`late`) and ``launch._launching`` (:func:`trained`). Must never import
+built here. Called by ``aborts.abort`` (:func:`at_abort`), ``teardown.teardown``
+(:func:`late`) and ``launch.launching`` (:func:`trained`). Must never import
 ``controller/decide.py`` or its phase modules (they import this one).
 """
 
@@ -45,10 +45,10 @@ from sailor.controller.failure_text import CAUSE_CHARS, error_type, parse_failur
 from sailor.controller.node_health import (
     CHECKPOINT_UNREADABLE,
     ExclusionPolicy,
-    _count,
-    _length,
-    _take_back,
+    count_failure,
     describe,
+    exclusion_length,
+    take_back,
 )
 from sailor.schemas.runtime import DesiredState, NodeHealth, SuspectCheckpoint
 
@@ -100,10 +100,10 @@ def _charge(
             # counted for another failure of this generation already (a missed deadline):
             # not counted twice, excluded all the same; never taken back (its cause)
             times = rec.exclusions + 1
-            until = now + _length(policy, times)
+            until = now + exclusion_length(policy, times)
             rec = rec.model_copy(update={"exclusions": times, "excluded_until": until})
         else:
-            rec, _ = _count(rec, generation, summary, "local", False, now, policy)
+            rec, _ = count_failure(rec, generation, summary, "local", False, now, policy)
         health[n] = rec
         notes.append(describe(n, rec, now, f"failed to read checkpoint {step}, suspect"))
     return notes
@@ -125,7 +125,7 @@ def _take_back_all(
         ):
             kept.append(n)
             continue
-        rest = _take_back(rec, now)
+        rest = take_back(rec, now)
         if rest is None:
             del health[n]
         else:

@@ -9,8 +9,8 @@ torn-down generation reported late are counted, among them a checkpoint's reads
 node is usable, else the next plan is asked for while the old workers go, and the next
 generation launched (``controller/launch.py``) once every node is idle.
 
-Pure: no I/O, no clock, no module-level state. Internal to the decision (``decide.py`` calls
-``_teardown``), so nothing here is public.
+Pure: no I/O, no clock, no module-level state. Internal to the decision: ``teardown`` is
+public for ``decide.py``, which calls it; nothing outside the decision should.
 """
 
 from __future__ import annotations
@@ -18,26 +18,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sailor.controller import failing_nodes, suspect_checkpoint
-from sailor.controller.aborts import _abort_send
+from sailor.controller.aborts import abort_send
 from sailor.controller.decision_types import (
     Action,
     ClearNotice,
     DecideConfig,
     Observed,
     SetDesired,
-    _cid,
-    _move,
-    _replan_if_needed,
+    command_id_for,
+    move_to,
+    replan_if_needed,
 )
-from sailor.controller.launch import _in_place_next, _launch
+from sailor.controller.launch import in_place_next, launch_next
 from sailor.schemas.runtime import DesiredState, Phase
 
-__all__: list[str] = []
+__all__ = [
+    "teardown",
+]
 
 
 def _abort_acked(d: DesiredState, o: Observed, nodes: Sequence[str]) -> frozenset[str]:
     """The ``nodes`` whose Abort (or hold) of this teardown was acked."""
-    return frozenset(n for n in nodes if any(_cid(d, k, n) in o.acked for k in ("abort", "hold")))
+    return frozenset(
+        n for n in nodes if any(command_id_for(d, k, n) in o.acked for k in ("abort", "hold"))
+    )
 
 
 def _late_reads(d: DesiredState, o: Observed, cfg: DecideConfig) -> tuple[DesiredState, str] | None:
@@ -60,7 +64,7 @@ def _late_reads(d: DesiredState, o: Observed, cfg: DecideConfig) -> tuple[Desire
     return d.model_copy(update=update), "; ".join([verdict.cause, *verdict.notes])
 
 
-def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+def teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase_epoch >= 0 and d.phase_epoch != d.epoch:
         # Adopted from another leader (a restart, a failover): the acks of its epoch are
         # lost and the Aborts go out again, so the deadline counts from this adoption; it
@@ -68,19 +72,20 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         length = cfg.deadlines.teardown
         restarted = d.model_copy(update={"phase_deadline": o.now + length, "phase_epoch": d.epoch})
         why = f"teardown adopted from epoch {d.phase_epoch}: its deadline restarts ({length:.0f} s)"
-        return [SetDesired(restarted, why), *_teardown(restarted, o, cfg)]
-    late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion)
+        return [SetDesired(restarted, why), *teardown(restarted, o, cfg)]
+    lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
+    late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion, lost)
     if late is not None:
         return [SetDesired(*late)]
     judged = _late_reads(d, o, cfg)
     if judged is not None:
         return [SetDesired(*judged)]
     actions: list[Action] = []
-    in_place = _in_place_next(d, cfg)
+    in_place = in_place_next(d, cfg)
 
     def abort(n: str, hold: bool) -> None:
         kind = "hold" if hold else "abort"
-        send = _abort_send(d, o, n, kind, d.phase_deadline, d.cause[:200], hold)
+        send = abort_send(d, o, n, kind, d.phase_deadline, d.cause[:200], hold)
         if send is not None:
             actions.append(send)
 
@@ -116,14 +121,14 @@ def _teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         if busy:
             return actions
         why = failing_nodes.nothing_usable(d, o.nodes, o.status, o.excluded, o.now)
-        idle = _move(
+        idle = move_to(
             d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=(), cause=why[:1024]
         )
         return [*actions, SetDesired(idle, why)]
     # Plan while the old workers are torn down (after an abort nothing was planned yet):
     # waiting for every Abort's ack and idle status first put the whole fan-out (~0.3 s
     # at 512 nodes) in front of the planner.
-    replan = _replan_if_needed(d, o, d.cause)
+    replan = replan_if_needed(d, o, d.cause)
     if busy or replan:
         return actions + replan
-    return actions + _launch(d, o, cfg, d.load_step)
+    return actions + launch_next(d, o, cfg, d.load_step)

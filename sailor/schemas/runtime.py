@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.events import PreemptionNotice
@@ -30,6 +30,7 @@ __all__ = [
     "NoticeRecord",
     "Phase",
     "ReadmitRequest",
+    "StretchedPhase",
     "SuspectCheckpoint",
 ]
 
@@ -53,6 +54,9 @@ AgentState = Literal["idle", "running", "stopped", "failed", "held"]
 of the next generation in place (``Launch.in_place``)."""
 
 LaunchPath = Literal["restart", "in_place"]
+
+StretchedPhase = Literal["load", "verify"]
+"""The phases whose deadline a stall stretches (``DesiredState.deadline_stretch``)."""
 """How a generation's workers came to be: new processes loading the checkpoint, or the
 processes of the previous generation (plus warm spares) rebuilt in place."""
 
@@ -205,6 +209,13 @@ class DesiredState(WireMessage):
         description="Newest generation whose failure records were forgiven (an operator's "
         "readmit, a changed training config): failures of generations up to it are never "
         "counted (again). -1: none.",
+    )
+    deadline_stretch: dict[StretchedPhase, PositiveInt] = Field(
+        default_factory=dict,
+        description="Phase (load, verify) -> factor its deadline (``deadlines.<phase>``) is "
+        "multiplied by: doubled at each generation that phase stalled (no placed node got "
+        "through, none to blame more than the others) up to ``deadlines.stretch_cap``; dropped "
+        "once the phase completes within its configured deadline. Empty: none.",
     )
     phase_epoch: int = Field(
         default=-1,

@@ -483,7 +483,7 @@ def test_in_place_teardown_keeps_held_workers_and_launches_them_in_place() -> No
 
 def test_a_failed_in_place_launch_falls_back_to_restart_once() -> None:
     d = running((1, 2), phase=Phase.LOAD, phase_deadline=NOW - 1, path="in_place")
-    a = decide(d, obs(nodes(1, 2), [st(1), st(2)]), IN_PLACE)
+    a = decide(d, obs(nodes(1, 2), [st(1), st(2, state="idle")]), IN_PLACE)
     torn = a[0].state  # type: ignore[union-attr]
     assert torn.phase is Phase.TEARDOWN and torn.in_place_failed
     # the fallback kills held workers instead of keeping them, then restarts
