@@ -88,12 +88,22 @@ def estimate_cmd(
         }
     )
     target = out or from_db
-    merged, dropped = merge_db(existing_db(target), est)
+    old = existing_db(target)
+    replaced = 0
+    if old is not None:
+        # a new estimate replaces every older one of the GPU type, not only its (TP, mbs):
+        # the compute-only stamp is per type, and an older entry kept beside it (written
+        # with its all-reduces inside) would pay them twice
+        keep = tuple(t for t in old.timings if not (t.gpu_type == gpu and t.source == "estimated"))
+        replaced = len(old.timings) - len(keep)
+        old = old.model_copy(update={"timings": keep})
+    merged, dropped = merge_db(old, est)
     save_db(merged, target)
     con = Console()
     con.print(
         f"{gpu}: {len(est.timings)} estimated entries for {spec.name} (tp {tps}, mbs {bs}) "
-        f"written to {target}; {dropped} kept from a measured/imported source"
+        f"written to {target} ({replaced} older estimated entries of {gpu} replaced); "
+        f"{dropped} kept from a measured/imported source"
     )
     rows = leave_one_gpu_out(db, spec, specs, affine=affine, network=net)
     if not rows:

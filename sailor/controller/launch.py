@@ -237,8 +237,17 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is Phase.LOAD:
         if not plan_nodes_at(d, o, lambda s: s.state == "running"):
             return []
-        up = move_to(d, Phase.VERIFY, o.now, cfg, deadline_stretch=_fitted(d, o, cfg))
-        return [SetDesired(up, "workers up")]
+        # they loaded the checkpoint: one suspect was read fine (suspect_checkpoint.py)
+        suspect, cleared = suspect_checkpoint.loaded(d)
+        up = move_to(
+            d,
+            Phase.VERIFY,
+            o.now,
+            cfg,
+            deadline_stretch=_fitted(d, o, cfg),
+            suspect_checkpoint=suspect,
+        )
+        return [SetDesired(up, "; ".join(x for x in ("workers up", cleared) if x))]
     if not plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
         return []
     # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they

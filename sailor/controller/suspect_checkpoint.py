@@ -15,8 +15,9 @@ from different nodes (``DesiredState.suspect_checkpoint`` remembers the first):
   that excludes it at once (as a ``retry: false`` record; the exclusion backoff of
   ``node_health.ExclusionPolicy``), so the next layout is planned without F and loads S
   again from other nodes.
-- **S was fine.** A generation reaches RUNNING (every node stepped past the loaded step):
-  the suspect record is cleared; F stays charged (its mount).
+- **S was fine.** A generation that loads it from the checkpoint reaches VERIFY (every
+  placed node's workers running: they loaded it, :func:`loaded`) or RUNNING: the suspect
+  record is cleared; F stays charged (its mount).
 - **S is bad.** The next launch from S fails to read it on a node not in F: S is marked
   bad (``bad_checkpoints``: the launch falls back to the newest other commit), the record
   cleared, and F's charge taken back (the file, not F's mounts). When S fails to read
@@ -52,7 +53,7 @@ from sailor.controller.node_health import (
 )
 from sailor.schemas.runtime import DesiredState, NodeHealth, SuspectCheckpoint
 
-__all__ = ["Verdict", "at_abort", "late", "trained", "unreadable_on"]
+__all__ = ["Verdict", "at_abort", "late", "loaded", "trained", "unreadable_on"]
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,18 @@ def late(
     suspect = sus.model_copy(update={"nodes": nodes})
     cause = f"checkpoint {sus.step} unreadable from {_names(reads)} too (reported late): suspect"
     return Verdict(d.bad_checkpoints, suspect, out, cause, notes)
+
+
+def loaded(d: DesiredState) -> tuple[SuspectCheckpoint, str]:
+    """The suspect record once every placed node of ``d``'s generation has its workers
+    running (LOAD -> VERIFY), and a note: a worker reports running after it loaded the
+    checkpoint, so the step was read fine, as at :func:`trained`. Not from an in-place
+    launch, which reads no checkpoint (its workers keep their state). Without this, a
+    generation that read the step and then failed before its first step (a preemption)
+    kept it suspect, and a later read failure of the same nodes marked it bad."""
+    if d.path == "in_place":
+        return d.suspect_checkpoint, ""
+    return trained(d)
 
 
 def trained(d: DesiredState) -> tuple[SuspectCheckpoint, str]:

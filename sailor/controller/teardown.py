@@ -61,6 +61,8 @@ def _late_reads(d: DesiredState, o: Observed, cfg: DecideConfig) -> tuple[Desire
     if verdict.bad != d.bad_checkpoints:
         last = o.resumable(verdict.bad)
         update["load_step"] = last.step if last else -1
+        # the abort's cause said "suspect, loaded again": the Aborts and an IDLE say this
+        update["cause"] = verdict.cause
     return d.model_copy(update=update), "; ".join([verdict.cause, *verdict.notes])
 
 

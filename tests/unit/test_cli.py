@@ -241,6 +241,20 @@ def test_profile_estimate_writes_compute_the_simulator_adds_the_links_to(tmp_pat
         else:  # compute + all-reduces over the link: the slow curve's are far slower
             assert entry.fwd_s < spec_sheet.fwd_s < on_slow.layers[block].fwd_s / 2
             assert any("TP all-reduces" in n for n in on_slow.notes)
+    # an older estimate in the file (all-reduces inside, no stamp) at a TP this run does not
+    # estimate is replaced, not kept beside the stamp (it would pay them twice)
+    stale = tuple(
+        t.model_copy(update={"gpu_type": "H100-80", "tp": 4}) for t in est.timings if t.tp == 2
+    )
+    out.write_text(
+        est.model_copy(update={"timings": est.timings + stale, "meta": {}}).model_dump_json()
+    )
+    res = runner.invoke(
+        app, ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "-o", str(out)]
+    )
+    assert res.exit_code == 0 and "older estimated entries of H100-80 replaced" in res.output
+    again = ProfileDB.model_validate_json(out.read_text())
+    assert again.timing("H100-80", 4, 1, block) is None and again.timings == est.timings
     net = tmp_path / "net.json"
     net.write_text(slow.model_dump_json())
     res = runner.invoke(

@@ -98,6 +98,32 @@ def test_a_minority_read_failure_makes_the_step_suspect_and_loads_it_again_witho
     assert done.bad_checkpoints == () and done.node_health["n3"] == rec
 
 
+def test_a_generation_that_loaded_the_step_clears_the_suspect_though_it_never_trains() -> None:
+    """Every placed node's workers running at LOAD means they read step 30: it is no
+    longer suspect, so a preemption before the first step and n3 failing again later (its
+    mount still broken, its exclusion over) does not mark it bad (review: the record was
+    kept until RUNNING, and the job walked back after all). An in-place launch reads no
+    checkpoint and clears nothing."""
+    torn = _first_strike()
+    d = _loading((1, 2, 4), gen=2, **_carried(torn))
+    a = decide(d, _o(_up((1, 2, 4), 2)), CFG)
+    (up,) = _sets(a)
+    assert up.phase is Phase.VERIFY and up.suspect_checkpoint == SuspectCheckpoint()
+    assert "checkpoint 30 read fine without n3" in a[0].reason  # type: ignore[union-attr]
+    assert up.node_health["n3"] == torn.node_health["n3"]  # n3 stays charged
+    # later, n3 back (exclusion over) and still unable to read 30: a first strike again
+    later = NOW + CFG.exclusion.exclude_s + 1
+    again = _loading((1, 2, 3, 4), gen=3, node_health=up.node_health)
+    sts = [*_up((1, 2, 4), 3), _unreadable(3, gen=3)]
+    (torn2,) = _sets(decide(again, _o(sts, now=later), CFG))
+    assert torn2.bad_checkpoints == () and torn2.load_step == 30
+    assert torn2.suspect_checkpoint.nodes == ("n3",)
+    # in place: nothing was read, the record stays
+    held = d.model_copy(update={"path": "in_place"})
+    (kept,) = _sets(decide(held, _o(_up((1, 2, 4), 2)), CFG))
+    assert kept.phase is Phase.VERIFY and kept.suspect_checkpoint == torn.suspect_checkpoint
+
+
 def test_another_nodes_read_failure_makes_the_step_bad_and_takes_the_charge_back() -> None:
     torn = _first_strike()
     d = _loading((1, 2, 4), gen=2, **_carried(torn))
@@ -141,6 +167,7 @@ def test_read_failures_reported_after_the_abort_extend_the_suspect_or_make_it_ba
     (bad,) = _sets(decide(torn, _o([_unreadable(1), _unreadable(2)]), CFG))
     assert bad.bad_checkpoints == (30,) and bad.load_step == 20 and bad.node_health == {}
     assert bad.suspect_checkpoint == SuspectCheckpoint() and bad.phase is Phase.TEARDOWN
+    assert "unreadable from every placed node" in bad.cause and "suspect" not in bad.cause
     d = _loading((1, 2, 3, 4))
     (torn,) = _sets(decide(d, _o([_unreadable(1), *_up((2, 3, 4), 1)]), CFG))
     sts = [_unreadable(1), _unreadable(2), *_up((3, 4), 1)]

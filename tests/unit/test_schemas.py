@@ -27,7 +27,7 @@ from sailor.schemas import (
     _base,
 )
 from sailor.schemas._base import SCHEMA_VERSION
-from sailor.schemas.runtime import DesiredState, NodeHealth, ReadmitRequest
+from sailor.schemas.runtime import DesiredState, NodeHealth, ReadmitRequest, SuspectCheckpoint
 
 
 def _stage(a: int, b: int, tp: int = 1, gpu: str = "A100-40") -> Stage:
@@ -193,38 +193,56 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
         DesiredState.model_validate_json(json.dumps(raw))
 
 
+_V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "deadline_stretch")
+"""``DesiredState``'s fields of wire version 3 (added after 2, which did not know them)."""
+
+
+def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
+    """``DesiredState`` as a release without the fields ``without`` defined it."""
+    fields = {
+        name: (f.annotation, f)
+        for name, f in DesiredState.model_fields.items()
+        if name not in (*without, "schema_version")
+    }
+    return create_model("DesiredState", __base__=_base.WireMessage, **fields)  # type: ignore[call-overload,no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("version", "without"), [(1, ("node_health", *_V3)), (2, _V3)], ids=["v1", "v2"]
+)
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, version: int, without: tuple[str, ...]
 ) -> None:
-    """``DesiredState.node_health`` and ``job_health`` are this release's additions
-    (``SCHEMA_VERSION`` 2): the previous release (this schema without them, at version 1)
-    reads the state without them, through ``_newer``, and would refuse them at its own
-    version."""
-    assert SCHEMA_VERSION == 2
+    """``DesiredState.node_health`` came with wire version 2, the job's record, the
+    forgiveness, the phase's epoch, the suspect checkpoint and the deadlines' stretch with 3
+    (added after 2 without raising it: a release-2 agent refused every desired state that
+    held one). A release of each older version reads the state without its unknown fields,
+    through ``_newer``, and would refuse them at its own version."""
+    assert SCHEMA_VERSION == 3
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
     )
     job = NodeHealth(failures=1, generation=4, cause="ValueError: x", origin="config")
-    d = DesiredState(epoch=2, generation=4, node_health={"n2": rec}, job_health=job)
+    d = DesiredState(
+        epoch=2,
+        generation=4,
+        node_health={"n2": rec},
+        job_health=job,
+        forgiven_through=3,
+        phase_epoch=2,
+        suspect_checkpoint=SuspectCheckpoint(step=30, nodes=("n3",), generation=4),
+        deadline_stretch={"load": 2},
+    )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
-    fields = {
-        name: (f.annotation, f)
-        for name, f in DesiredState.model_fields.items()
-        if name not in ("node_health", "job_health", "schema_version")
-    }
-    previous = create_model("DesiredState", __base__=_base.WireMessage, **fields)  # type: ignore[call-overload]
-    monkeypatch.setattr(_base, "SCHEMA_VERSION", 1)
+    previous = _release(without)
+    monkeypatch.setattr(_base, "SCHEMA_VERSION", version)
     old = previous.model_validate_json(raw)
-    assert (
-        old.generation == 4
-        and old.schema_version == 1
-        and "node_health" not in previous.model_fields
-        and "job_health" not in previous.model_fields
-    )
-    with pytest.raises(ValidationError, match="job_health"):
-        previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 1}))
-    # a record without ``origin`` (this release's first form) reads as none counted
+    assert old.generation == 4 and old.schema_version == version
+    assert not set(without) & set(previous.model_fields)
+    with pytest.raises(ValidationError, match="suspect_checkpoint"):
+        previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": version}))
+    # a record without ``origin`` (the first form of NodeHealth) reads as none counted
     plain = json.loads(raw)
     del plain["node_health"]["n2"]["origin"]
     assert DesiredState.model_validate(plain).node_health["n2"].origin == ""
