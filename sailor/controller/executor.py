@@ -51,11 +51,13 @@ from sailor.coordination import (
 )
 from sailor.schemas.commands import CommandAdapter, training_digest
 from sailor.schemas.runtime import (
+    CAUSE_MAX,
     CommandAck,
     DesiredState,
     NodeHealth,
     Phase,
     SuspectCheckpoint,
+    shorten,
 )
 
 __all__ = ["Executor"]
@@ -128,6 +130,12 @@ class Executor:
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
             unused.add("suspect_checkpoint")
+        # model_copy does not validate: a cause naming every node of a large layout would
+        # be written whole, and no reader could parse the state back
+        if len(state.cause) > CAUSE_MAX or len(state.path_reason) > CAUSE_MAX:
+            state = state.model_copy(
+                update={"cause": shorten(state.cause), "path_reason": shorten(state.path_reason)}
+            )
         data = state.model_dump_json(exclude=unused or None).encode()
         await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}

@@ -42,13 +42,13 @@ from sailor.controller.node_health import (
     readmit,
     stall,
 )
+from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import training_digest
 from sailor.schemas.runtime import (
     AgentStatus,
     DesiredState,
     Phase,
     ReadmitRequest,
-    StretchedPhase,
 )
 from sailor.schemas.training import TrainingConfig
 
@@ -227,7 +227,7 @@ def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> s
     if late and (not placed <= set(late) or len(placed) == 1):
         return ""
     phase = d.phase.value
-    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    key = stretch_key(d.phase)
     waited = "had its workers running" if key == "load" else f"reported a step past {d.load_step}"
     length = d.phase_deadline - d.phase_since
     factor = d.deadline_stretch.get(key, 1)

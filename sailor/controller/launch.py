@@ -16,6 +16,7 @@ I/O, no clock. Internal to the decision: its public names are for ``decide.py`` 
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
@@ -33,6 +34,7 @@ from sailor.controller.decision_types import (
     plan_nodes_at,
 )
 from sailor.controller.node_health import trained
+from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase, StretchedPhase
@@ -182,7 +184,7 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
     job, or a one-node job's node, is charged then: ``failing_nodes.stalled``). A default
     made for the CPU demo held healthy jobs whose checkpoint load or first step takes
     longer on every node of a real cluster; now such a job costs a few relaunches."""
-    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
+    key = stretch_key(d.phase)
     factor, cap = d.deadline_stretch.get(key, 1), cfg.deadlines.stretch_cap
     if factor >= cap:
         return None
@@ -196,14 +198,22 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
 
 
 def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
-    """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's dropped
-    when it took no longer than its configured deadline, else kept (the phase still needs
-    it: dropping it at each generation that trained made every later reconfiguration of a
-    job whose load takes longer than ``deadlines.load`` stall again)."""
-    key: StretchedPhase = "load" if d.phase is Phase.LOAD else "verify"
-    if o.now - d.phase_since > cfg.deadlines.of(d.phase):
-        return dict(d.deadline_stretch)
-    return {k: f for k, f in d.deadline_stretch.items() if k != key}
+    """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's factor
+    becomes the least power of two its time needed over the configured deadline (none when
+    within it; at most ``deadlines.stretch_cap``). Kept, not dropped, when it is needed:
+    dropping it at each generation that trained made every later reconfiguration of a job
+    whose load takes longer than ``deadlines.load`` stall again; shrunk to what is needed,
+    so that a real hang does not wait the whole cap. An in-place launch reads no checkpoint:
+    its time says nothing of the restart path's, whose stretch stays."""
+    key, rest = stretch_key(d.phase), dict(d.deadline_stretch)
+    if d.path == "in_place":
+        return rest
+    base = cfg.deadlines.of(d.phase)
+    need = (o.now - d.phase_since) / base if base > 0 else 0.0
+    rest.pop(key, None)
+    if need > 1.0:
+        rest[key] = min(1 << math.ceil(math.log2(need)), cfg.deadlines.stretch_cap)
+    return rest
 
 
 def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -214,11 +224,25 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     cause = f"{d.phase.value} deadline passed"
     behind = _behind(d, o)
     late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
-    what = failing_nodes.stalled(d, behind, _short(d, o))
+    if d.path == "in_place":  # the abort falls back to the restart path, which is the remedy
+        return abort(d, o, cfg, cause, late, notes)
+    short = _short(d, o)
+    what = failing_nodes.stalled(d, behind, short)
     blameless = d.phase in (Phase.LOAD, Phase.VERIFY) and (what or not behind)
     stretched = _stretch(d, cfg) if blameless else None
     if stretched is not None:
         return abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
+    if blameless and not what and short and cfg.deadlines.stretch_cap > 1:
+        # at the cap, some nodes through and the others still starting: the deadline was
+        # stretched as far as it goes, so those that fell short are charged (each relaunch
+        # waited the whole cap on a node whose checkpoint mount hung, for ever); never at a
+        # deadline not stretched first (cap 1): the slowest loader is no broken node
+        late, notes = failing_nodes.missed_launching(d, short, o.status, o.now)
+        notes = [
+            *notes,
+            f"stretched as far as deadlines.stretch_cap x{cfg.deadlines.stretch_cap} and "
+            f"{', '.join(short)} still short of it",
+        ]
     if what:
         what += (
             f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "

@@ -371,13 +371,12 @@ def charge(
             f"taken back from the job: {what}, the SIGABRTs were NCCL's watchdog giving up "
             "on its ranks"
         )
-    elif stall_counted and own:
-        # the stall was a node's failure (an ECC error reported during the teardown)
+    elif stall_counted and (own or gone):
+        # the stall was a node's failure (an ECC error reported during the teardown), or a
+        # node's loss seen late (a dead VM whose lease still held at the deadline)
         job = take_back(job, now) or NodeHealth()
-        notes.append(
-            f"taken back from the job: {own[0]} reported a failure of its own, the stalled "
-            "phase was its"
-        )
+        what = f"{own[0]} reported a failure of its own" if own else f"{', '.join(gone)} was lost"
+        notes.append(f"taken back from the job: {what}, the stalled phase was its")
     # only SIGABRTs, by as many placed nodes as make a failure alike the job's, none lost:
     # every collective hung (a dead NIC, NCCL's ports blocked); no node is charged
     many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed

@@ -25,7 +25,7 @@ from pydantic import Field
 from sailor.schemas._base import Frozen
 from sailor.schemas.runtime import Phase, StretchedPhase
 
-__all__ = ["LEGAL", "PhaseDeadlines", "check_transition", "is_legal"]
+__all__ = ["LEGAL", "PhaseDeadlines", "check_transition", "is_legal", "stretch_key"]
 
 _FORWARD: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.LAUNCH}),
@@ -54,6 +54,15 @@ def check_transition(src: Phase, dst: Phase) -> None:
     """Raise ValueError naming both phases if the move is not legal."""
     if not is_legal(src, dst):
         raise ValueError(f"phase transition {src.value} -> {dst.value} is not legal")
+
+
+def stretch_key(phase: Phase) -> StretchedPhase:
+    """``phase`` (LOAD or VERIFY) as a key of ``DesiredState.deadline_stretch``."""
+    if phase is Phase.LOAD:
+        return "load"
+    if phase is Phase.VERIFY:
+        return "verify"
+    raise ValueError(f"phase={phase.value!r}: only load and verify deadlines stretch")
 
 
 class PhaseDeadlines(Frozen):
@@ -101,6 +110,8 @@ class PhaseDeadlines(Frozen):
 
     def of(self, phase: Phase, stretch: Mapping[StretchedPhase, int] | None = None) -> float:
         """Deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING). With
-        ``stretch`` (``DesiredState.deadline_stretch``), times the phase's factor there."""
+        ``stretch`` (``DesiredState.deadline_stretch``), times the phase's factor there, at
+        most ``stretch_cap`` (a state written under a larger cap uses this one's)."""
         factor = next((f for k, f in (stretch or {}).items() if k == phase.value), 1)
-        return float(getattr(self, phase.value, 0.0)) * factor
+        used = min(max(int(factor), 1), self.stretch_cap)
+        return float(getattr(self, phase.value, 0.0)) * used

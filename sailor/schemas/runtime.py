@@ -9,9 +9,9 @@ its own ``AgentStatus`` and replies ``CommandAck``.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.events import PreemptionNotice
@@ -20,6 +20,8 @@ from sailor.schemas.plan import Plan
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
+    "CAUSE_MAX",
+    "MAX_STRETCH",
     "AgentState",
     "AgentStatus",
     "CommandAck",
@@ -32,6 +34,7 @@ __all__ = [
     "ReadmitRequest",
     "StretchedPhase",
     "SuspectCheckpoint",
+    "shorten",
 ]
 
 
@@ -54,11 +57,30 @@ AgentState = Literal["idle", "running", "stopped", "failed", "held"]
 of the next generation in place (``Launch.in_place``)."""
 
 LaunchPath = Literal["restart", "in_place"]
+"""How a generation's workers came to be: new processes loading the checkpoint, or the
+processes of the previous generation (plus warm spares) rebuilt in place."""
 
 StretchedPhase = Literal["load", "verify"]
 """The phases whose deadline a stall stretches (``DesiredState.deadline_stretch``)."""
-"""How a generation's workers came to be: new processes loading the checkpoint, or the
-processes of the previous generation (plus warm spares) rebuilt in place."""
+
+CAUSE_MAX = 1024
+"""Longest ``DesiredState.cause`` and ``path_reason``, in characters."""
+
+
+def shorten(text: str, limit: int = CAUSE_MAX) -> str:
+    """``text`` if it fits in ``limit`` characters, else its head and how much was cut: a
+    cause that names every node of a large layout (a zone's outage losing 120 nodes) was
+    written to etcd whole, and no reader could parse the state back (a new leader refused
+    to lead, agents to launch)."""
+    if len(text) <= limit:
+        return text
+    tail = f" ... (cut: {len(text)} characters in all)"
+    return text[: max(limit - len(tail), 0)] + tail[:limit]
+
+
+MAX_STRETCH = 1024
+"""Largest factor ``DesiredState.deadline_stretch`` holds (``deadlines.stretch_cap`` bounds
+the factor used; this bounds what a state may hold at all)."""
 
 
 class NodeHealth(Frozen):
@@ -165,13 +187,20 @@ class DesiredState(WireMessage):
         description="Training config of the generation launched (set at each launch, its "
         "paths absolute); None: the workers' own defaults.",
     )
-    cause: str = Field(default="", max_length=1024, description="Why the last change began.")
+    cause: str = Field(
+        default="",
+        max_length=CAUSE_MAX,
+        description="Why the last change began (shortened to its head past "
+        f"{CAUSE_MAX} characters: :func:`shorten`).",
+    )
     aborted: bool = Field(default=False, description="This reconfiguration was aborted.")
     path: LaunchPath = Field(
         default="restart", description="How the current generation's workers were launched."
     )
     path_reason: str = Field(
-        default="", max_length=1024, description="Why that path (a fallback names its cause)."
+        default="",
+        max_length=CAUSE_MAX,
+        description="Why that path (a fallback names its cause; shortened as ``cause``).",
     )
     in_place_failed: bool = Field(
         default=False,
@@ -210,12 +239,13 @@ class DesiredState(WireMessage):
         "readmit, a changed training config): failures of generations up to it are never "
         "counted (again). -1: none.",
     )
-    deadline_stretch: dict[StretchedPhase, PositiveInt] = Field(
+    deadline_stretch: dict[StretchedPhase, Annotated[int, Field(ge=1, le=MAX_STRETCH)]] = Field(
         default_factory=dict,
         description="Phase (load, verify) -> factor its deadline (``deadlines.<phase>``) is "
-        "multiplied by: doubled at each generation that phase stalled (no placed node got "
-        "through, none to blame more than the others) up to ``deadlines.stretch_cap``; dropped "
-        "once the phase completes within its configured deadline. Empty: none.",
+        "multiplied by, for the restart path: doubled at each generation that phase stalled "
+        "(no placed node got through, none to blame more than the others) up to "
+        "``deadlines.stretch_cap``; once the phase completes, the least power of two its "
+        "time needed (none when within the configured deadline). Empty: none.",
     )
     phase_epoch: int = Field(
         default=-1,
@@ -224,6 +254,13 @@ class DesiredState(WireMessage):
         "that adopts a TEARDOWN begun under another epoch restarts its deadline. -1: not "
         "recorded (taken as the current epoch).",
     )
+
+    @field_validator("cause", "path_reason", mode="before")
+    @classmethod
+    def _shortened(cls, v: object) -> object:
+        """A state whose cause grew past the limit (written whole before it was shortened
+        on write) still reads: a leader refused to lead from it, agents to launch."""
+        return shorten(v) if isinstance(v, str) else v
 
 
 class AgentStatus(WireMessage):

@@ -262,3 +262,31 @@ async def test_the_desired_state_omits_a_new_field_while_unused(tmp_path: Path) 
     finally:
         await tasks.close()
         audit.close()
+
+
+async def test_a_cause_naming_every_node_of_a_large_layout_is_written_shortened(
+    tmp_path: Path,
+) -> None:
+    """decide builds its states with ``model_copy`` (no validation): an abort that names 120
+    lost nodes had a 2,000-character cause, written whole; no reader could parse the state
+    back (a new leader refused to lead from it, agents to launch). Written shortened, and a
+    state written whole before still reads."""
+    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    names = ", ".join(f"node-{i:04d}.zone-a" for i in range(120))
+    cause = f"node lost without notice: {names}"
+    assert len(cause) > 2000
+    try:
+        long = DesiredState(epoch=7, generation=2).model_copy(
+            update={"cause": cause, "path_reason": cause}
+        )
+        await ex.write_desired(long, "test")
+        raw = ex.store.data[ex.keys.desired]  # type: ignore[attr-defined]
+        back = DesiredState.model_validate_json(raw)
+        assert len(back.cause) <= 1024 and back.cause.startswith("node lost without notice: ")
+        assert f"{len(cause)} characters in all" in back.cause
+        assert len(json.loads(raw)["cause"]) <= 1024  # what an older reader parses too
+        whole = json.loads(raw) | {"cause": cause}
+        assert len(DesiredState.model_validate(whole).cause) <= 1024
+    finally:
+        await tasks.close()
+        audit.close()

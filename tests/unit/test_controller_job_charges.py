@@ -198,3 +198,69 @@ def test_an_adopted_verify_whose_nodes_all_stepped_past_runs_though_its_deadline
     d = _launching(Phase.VERIFY, phase_epoch=6)
     (run,) = _states(decide(d, _late([st(i, gen=2, step=11) for i in IDS]), CFG))
     assert run.phase is Phase.RUNNING and not run.aborted
+
+
+# ---- a second review: the stretch clamped, shrunk, restart-path only; at the cap the
+# ---- nodes still short are charged; a loss seen late takes a stall back ----
+
+
+def test_a_stored_stretch_is_clamped_to_the_configured_cap_and_bounded() -> None:
+    """A state written under a cap of 8 is read under a cap of 2 (or 1: charge at once): its
+    deadline uses the cap it is read under; a factor no cap allows is refused on read."""
+    import pytest
+    from pydantic import ValidationError
+
+    assert PhaseDeadlines(stretch_cap=2).of(Phase.LOAD, {"load": 8}) == 240.0
+    assert PhaseDeadlines(stretch_cap=1).of(Phase.LOAD, {"load": 8}) == 120.0
+    assert PhaseDeadlines().of(Phase.VERIFY, {"load": 8}) == 120.0
+    with pytest.raises(ValidationError, match="deadline_stretch"):
+        DesiredState.model_validate({"epoch": 1, "deadline_stretch": {"load": 10**400}})
+
+
+def test_the_stretch_shrinks_to_what_the_phase_needed() -> None:
+    """x8 learned at a stall; the load then took 130 s of a 120 s deadline: x2 is kept, not
+    x8 (every real hang would wait 8x), and not none (the next would stall again)."""
+    d = _launching(
+        Phase.LOAD, phase_since=NOW - 130, phase_deadline=NOW + 830, deadline_stretch={"load": 8}
+    )
+    (verify,) = _states(decide(d, obs(nodes(*IDS), [st(i, gen=2) for i in IDS]), CFG))
+    assert verify.phase is Phase.VERIFY and verify.deadline_stretch == {"load": 2}
+
+
+def test_an_in_place_launch_neither_stretches_nor_fits_the_restart_paths_deadline() -> None:
+    """An in-place generation reads no checkpoint: a quick one keeps the restart path's
+    stretch, and a stalled one falls back to the restart path without stretching or
+    charging the job."""
+    quick = _launching(
+        Phase.LOAD, path="in_place", phase_since=NOW - 60, deadline_stretch={"load": 8}
+    )
+    (verify,) = _states(decide(quick, obs(nodes(*IDS), [st(i, gen=2) for i in IDS]), CFG))
+    assert verify.deadline_stretch == {"load": 8}
+    stalled = _launching(Phase.LOAD, path="in_place", deadline_stretch={"load": 8})
+    done = _torn(stalled, _late([st(i, gen=2, state="idle") for i in IDS]))
+    assert done.state.deadline_stretch == {"load": 8} and done.state.in_place_failed
+    assert done.state.job_health == NodeHealth() and done.state.node_health == {}
+
+
+def test_at_the_cap_the_nodes_still_short_while_others_got_through_are_charged() -> None:
+    """n4's checkpoint mount hangs: n1-n3 load and run, n4 stays starting. Below the cap the
+    deadline stretches; at it, n4 is charged (it was relaunched at 8x for ever before)."""
+    sts = [*(st(i, gen=2) for i in (1, 2, 3)), st(4, gen=2, state="idle")]
+    below = _torn(_launching(Phase.LOAD), _late(sts))
+    assert below.state.node_health == {} and below.state.deadline_stretch == {"load": 2}
+    at_cap = _launching(Phase.LOAD, deadline_stretch={"load": 8})
+    done = _torn(at_cap, _late(sts))
+    assert set(done.state.node_health) == {"n4"} and done.state.job_health == NodeHealth()
+    assert done.state.node_health["n4"].cause.startswith("DeadlineMissed")
+    assert "n4 still short" in done.reason
+
+
+def test_a_loss_seen_in_the_teardown_takes_a_stall_back() -> None:
+    """LOAD stalled at the cap with every node starting: the job is charged; then n4's lease
+    expires (a dead VM whose lease still held at the deadline): the stall was n4's."""
+    d = _launching(Phase.LOAD, deadline_stretch={"load": 8})
+    done = _torn(d, _late([st(i, gen=2, state="idle") for i in IDS]))
+    assert done.state.job_health.failures == 1
+    gone = replace(obs(nodes(1, 2, 3), [st(i, gen=2, state="idle") for i in (1, 2, 3)]), now=LATE)
+    after = _states(decide(done.state, gone, CFG))
+    assert after and after[-1].job_health.failures == 0

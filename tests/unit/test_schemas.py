@@ -198,9 +198,16 @@ _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "d
 
 
 def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
-    """``DesiredState`` as a release without the fields ``without`` defined it."""
-    fields = {
+    """``DesiredState`` as a release without the fields ``without`` defined it, its
+    ``NodeHealth`` without ``signature`` and ``origin`` (added with version 3)."""
+    health = {
         name: (f.annotation, f)
+        for name, f in NodeHealth.model_fields.items()
+        if name not in ("signature", "origin")
+    }
+    old_health = create_model("NodeHealth", __base__=_base.Frozen, **health)  # type: ignore[call-overload]
+    fields = {
+        name: (dict[str, old_health] if name == "node_health" else f.annotation, f)  # type: ignore[valid-type]
         for name, f in DesiredState.model_fields.items()
         if name not in (*without, "schema_version")
     }
@@ -239,6 +246,9 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     monkeypatch.setattr(_base, "SCHEMA_VERSION", version)
     old = previous.model_validate_json(raw)
     assert old.generation == 4 and old.schema_version == version
+    if "node_health" in previous.model_fields:  # the nested record's additions dropped too
+        assert old.node_health["n2"].failures == 3  # type: ignore[attr-defined]
+        assert "origin" not in type(old.node_health["n2"]).model_fields  # type: ignore[attr-defined]
     assert not set(without) & set(previous.model_fields)
     with pytest.raises(ValidationError, match="suspect_checkpoint"):
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": version}))
