@@ -29,7 +29,8 @@ from different nodes (``DesiredState.suspect_checkpoint`` remembers the first):
   once, nobody is charged (as before: nothing to compare). Reports come in one by one, so
   those of the suspect's own generation that arrive during its TEARDOWN (:func:`late`)
   extend F (charged alike), and once F is every placed node S is marked bad, F taken back
-  and the teardown's load step falls back.
+  and the teardown's load step falls back. Read failures of a generation aborted on another
+  failure (a peer's error came first) that arrive during its TEARDOWN are its first strike.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified, no actions
 built here. Called by ``aborts.abort`` (:func:`at_abort`), ``teardown.teardown``
@@ -40,7 +41,7 @@ built here. Called by ``aborts.abort`` (:func:`at_abort`), ``teardown.teardown``
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sailor.controller.failure_text import CAUSE_CHARS, error_type, parse_failure
 from sailor.controller.node_health import (
@@ -197,7 +198,9 @@ def late(
     read it. Those nodes are charged alike; once every placed node failed to read it, the
     step is bad at once and the charges taken back (the caller falls the load step back)."""
     sus = d.suspect_checkpoint
-    if sus.step < 0 or sus.generation != d.generation:
+    if sus.step < 0:
+        return _late_first(d, failures, now, policy)
+    if sus.generation != d.generation:
         return None
     reads = {n: t for n, t in unreadable_on(failures).items() if n not in sus.nodes}
     if not reads:
@@ -229,6 +232,23 @@ def loaded(d: DesiredState) -> tuple[SuspectCheckpoint, str]:
     if d.path == "in_place":
         return d.suspect_checkpoint, ""
     return trained(d)
+
+
+def _late_first(
+    d: DesiredState, failures: Mapping[str, str], now: float, policy: ExclusionPolicy
+) -> Verdict | None:
+    """In the TEARDOWN of a generation aborted on another failure (a peer's error came
+    first): its nodes' read failures reported since are the first strike on the step it
+    loaded (:func:`at_abort`), which is ``d.load_step`` while no bad mark lies above it
+    (the abort falls back to the newest step not marked bad, so the step the generation
+    loaded is the load step unless a bad mark made it fall back: then those reports are
+    about the bad step). A generation that trained reads no checkpoint: no reader error."""
+    if d.load_step < 0 or any(b >= d.load_step for b in d.bad_checkpoints):
+        return None
+    verdict = at_abort(d, failures, d.node_health, now, policy)
+    if verdict is None:
+        return None
+    return replace(verdict, cause=f"{verdict.cause} (reported after the abort)")
 
 
 def trained(d: DesiredState) -> tuple[SuspectCheckpoint, str]:

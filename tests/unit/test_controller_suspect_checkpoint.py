@@ -181,6 +181,26 @@ def test_read_failures_reported_after_the_abort_extend_the_suspect_or_make_it_ba
     assert _replanned(a) == ["n3", "n4"]
 
 
+def test_a_read_failure_reported_after_an_abort_on_another_failure_is_a_first_strike() -> None:
+    """The abort was decided on n2's error (its rank died of something else); n1's reader
+    error arrives in the teardown: step 30 is suspect and n1 charged, as if n1 had reported
+    first (review: the late report was dropped, and step 30 loaded again with n1). Once a
+    bad mark made the load step fall back, late reader errors are about that step: ignored."""
+    from tests.unit.test_controller_decide import fails
+
+    d = _loading((1, 2, 3, 4))
+    (torn,) = _sets(decide(d, _o([*_up((3, 4), 1), st(1, state="running"), fails(2)]), CFG))
+    assert torn.phase is Phase.TEARDOWN and torn.suspect_checkpoint == SuspectCheckpoint()
+    a = decide(torn, _o([_unreadable(1), fails(2), *_up((3, 4), 1)]), CFG)
+    (first,) = _sets(a)
+    assert first.suspect_checkpoint == SuspectCheckpoint(step=30, nodes=("n1",), generation=1)
+    assert first.load_step == 30 and first.bad_checkpoints == ()
+    assert first.node_health["n1"].cause.startswith("CheckpointUnreadable: step 30")
+    assert "reported after the abort" in a[0].reason  # type: ignore[union-attr]
+    fell = torn.model_copy(update={"bad_checkpoints": (30,), "load_step": 20})
+    assert _sets(decide(fell, _o([_unreadable(1), fails(2), *_up((3, 4), 1)]), CFG)) == []
+
+
 def _carried(torn: DesiredState) -> dict[str, object]:
     """What the next generation's desired state inherits from the teardown's."""
     return {"node_health": torn.node_health, "suspect_checkpoint": torn.suspect_checkpoint}
