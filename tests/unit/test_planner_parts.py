@@ -14,7 +14,7 @@ from sailor.planner import Constraints, moved_layers, replan, search
 from sailor.planner.allocate import assign_microbatches
 from sailor.planner.baselines import heterogeneity_blind, megatron_grid
 from sailor.planner.tables import CostTables, Inputs, Kind
-from sailor.planner.templates import best_partitions, fixed_kinds, with_cuts
+from sailor.planner.templates import PipelineTemplate, best_partitions, fixed_kinds, with_cuts
 from sailor.schemas import Calibration, Endpoint, Pipeline, Plan, Stage
 from sailor.schemas.network import CollectiveLatency
 from sailor.simulator import simulate
@@ -70,29 +70,25 @@ def test_vectorized_memory_equals_the_simulators(tp: int, vocab_parallel: bool, 
             assert mat[i, j] == ref.total
 
 
+def _one_pipeline(t: PipelineTemplate) -> Plan:
+    """A plan of one pipeline of template ``t``'s stages, 4 microbatches of 2 (batch 8)."""
+    stages = tuple(
+        Stage(first_layer=s.first_layer, last_layer=s.last_layer, replica=s.kind.replica())
+        for s in t.stages
+    )
+    pipe = Pipeline(stages=stages, microbatch_size=2, num_microbatches=4)
+    return Plan(model="toy", global_batch_size=8, pipelines=(pipe,))
+
+
 def test_template_times_equal_the_simulated_pipeline() -> None:
     """A template's closed form equals the simulator's pipeline time for one pipeline."""
     tables, env = _tables(gbs=8)
     kind = Kind("fast", 1, ZONE, 2)
     t = with_cuts(tables, kind, 2, (1, 3, 4))
     assert t is not None
-    p = Plan(
-        model="toy",
-        global_batch_size=8,
-        pipelines=(
-            Pipeline(
-                stages=tuple(
-                    Stage(
-                        first_layer=s.first_layer, last_layer=s.last_layer, replica=kind.replica()
-                    )
-                    for s in t.stages
-                ),
-                microbatch_size=2,
-                num_microbatches=4,
-            ),
-        ),
-    )
-    est = simulate(p, env.model, env.profiles, env.network, env.prices, gpu_specs=env.specs)  # type: ignore[attr-defined]
+    est = simulate(
+        _one_pipeline(t), env.model, env.profiles, env.network, env.prices, gpu_specs=env.specs
+    )  # type: ignore[attr-defined]
     # one pipeline: iteration = pipeline + its largest stage update (no sync partner)
     upd = max(s.update_s for s in t.stages)
     assert est.iteration_time_s == pytest.approx(t.pipe_time(4) + upd, rel=1e-9)
@@ -115,26 +111,14 @@ def test_a_boundary_between_tp_degrees_is_priced_on_the_senders_output(
     kinds = (Kind(first[0], first[1], ZONE, 4), Kind(then[0], then[1], ZONE, 4))
     t = fixed_kinds(tables, kinds, 2)
     assert t is not None
-    p = Plan(
-        model="toy",
-        global_batch_size=8,
-        pipelines=(
-            Pipeline(
-                stages=tuple(
-                    Stage(
-                        first_layer=s.first_layer,
-                        last_layer=s.last_layer,
-                        replica=s.kind.replica(),
-                    )
-                    for s in t.stages
-                ),
-                microbatch_size=2,
-                num_microbatches=4,
-            ),
-        ),
-    )
     est = simulate(
-        p, env.model, env.profiles, env.network, env.prices, calibration=cal, gpu_specs=env.specs
+        _one_pipeline(t),
+        env.model,
+        env.profiles,
+        env.network,
+        env.prices,
+        calibration=cal,
+        gpu_specs=env.specs,
     )
     upd = max(s.update_s for s in t.stages)
     assert est.iteration_time_s == pytest.approx(t.pipe_time(4) + upd, rel=1e-9)
