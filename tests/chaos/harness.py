@@ -390,7 +390,7 @@ class ChaosRun:
         A node the layout does not use needs no reconfiguration: the notice only shrinks the
         membership, so the same generation runs on.
         """
-        await self.drive.tick()
+        gen = await self.drive.current(gen)  # a replan may have relaunched since ``gen``
         used = node in self.placed()
         self.cluster.preempt(node, notice_s)
         if used:
@@ -401,6 +401,7 @@ class ChaosRun:
         return gen
 
     async def join(self, node: str, gen: int) -> int:
+        gen = await self.drive.current(gen)
         self.cluster.start_agent(node)
         return await self.drive.running_after(gen)
 

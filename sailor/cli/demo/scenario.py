@@ -107,6 +107,13 @@ class Driver:
                 raise DemoTimeoutError(f"{what}: not within {self.settings.phase_timeout_s:.0f} s")
             await asyncio.sleep(self.settings.poll_s)
 
+    async def current(self, gen: int) -> int:
+        """The generation running now, ``gen`` or a later one: a replan (the online fit's)
+        may have relaunched meanwhile, and waiting for a generation after ``gen`` would then
+        take that relaunch for the change about to be injected."""
+        await self.tick()
+        return max(gen, self.view.generation)
+
     async def running_after(self, gen: int) -> int:
         await self.until(
             lambda: self.view.phase == "running" and self.view.generation > gen,
@@ -159,6 +166,7 @@ class Scenario(Driver):
             gen = await self.running_after(-1)
             await self.train(gen, s.steps_between)
 
+            gen = await self.current(gen)
             self.inject("preemption notice", "n1")
             c.preempt("n1", s.notice_s)
             self.note(f"spot-preemption notice for n1 ({s.notice_s:.0f} s ahead)")
@@ -167,6 +175,7 @@ class Scenario(Driver):
             self.note("n1's VM is gone (agent stopped)")
             await self.train(gen, s.steps_between)
 
+            gen = await self.current(gen)
             self.inject("node lost", "n2")
             c.lose("n2")
             self.note("n2 lost without notice: agent and workers SIGKILLed")
@@ -174,6 +183,7 @@ class Scenario(Driver):
             await self.train(gen, s.steps_between)
 
             new = f"n{s.initial_nodes + 1}"
+            gen = await self.current(gen)
             self.inject("node joined", new)
             c.start_agent(new)
             self.note(f"{new} joins ({self._kinds([new])})")
