@@ -44,7 +44,7 @@ from sailor.schemas.model import LayerKind
 from sailor.schemas.profile import COMPUTE_ONLY_META
 from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY, estimate_layer_timing
 from sailor.simulator.lookup import layer_table, measured_whole_ends
-from sailor.simulator.tp_comm import compute_part, layer_comm_s, tp_link
+from sailor.simulator.tp_comm import compute_part, model_comm_s, tp_link
 
 __all__ = [
     "Efficiency",
@@ -110,11 +110,11 @@ def _tp_comm(
     ``spec``: its intra-node curve in ``network``, else its spec sheet's link at the prior's
     median efficiency (the simulator's own pricing, ``tp_comm``; none at TP 1).
     ``vocab_parallel``: the embedding and head were split (else they have none)."""
-    n = model.num_all_layers
     if tp <= 1:
-        return [(0.0, 0.0)] * n
-    link = tp_link(network, {spec.name: spec}, spec.name, tp)
-    return [layer_comm_s(model, tp, mbs, layer, link, vocab_parallel) for layer in range(n)]
+        return [(0.0, 0.0)] * model.num_all_layers
+    return model_comm_s(
+        model, tp, mbs, tp_link(network, {spec.name: spec}, spec.name, tp), vocab_parallel
+    )
 
 
 def measured_grid(db: ProfileDB, gpu: str) -> list[tuple[int, int]]:

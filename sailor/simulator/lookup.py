@@ -59,7 +59,7 @@ from sailor.schemas.device_kind import spec_of
 from sailor.schemas.profile import COMPUTE_ONLY_META, VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
-from sailor.simulator.tp_comm import compute_part, layer_comm_s, tp_link
+from sailor.simulator.tp_comm import compute_part, model_comm_s, tp_link
 
 __all__ = [
     "PROFILING_MODEL_BLOCKS",
@@ -381,10 +381,7 @@ def _layer_table(
         link = tp_link(network, specs, gpu_type, t, eff)
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
-        return [
-            layer_comm_s(model, t, mbs, layer, link, vocab_parallel, embed_bytes)
-            for layer in range(n)
-        ]
+        return model_comm_s(model, t, mbs, link, vocab_parallel, embed_bytes)
 
     def hook_free(
         t: int, rows: list[tuple[float, float, float]]

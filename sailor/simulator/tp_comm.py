@@ -53,6 +53,7 @@ __all__ = [
     "all_gather_s",
     "compute_part",
     "layer_comm_s",
+    "model_comm_s",
     "ring_allreduce_s",
     "tp_link",
 ]
@@ -159,6 +160,21 @@ def all_gather_s(link: TPLink, nbytes: float, ranks: int) -> float:
     if link.bus_gbps is not None:
         return link.latency_s + (ranks - 1) / ranks * nbytes / (link.bus_gbps * 1e9)
     return (ranks - 1) * link.curve.transfer_time(nbytes / ranks) / link.efficiency
+
+
+def model_comm_s(
+    model: ModelSpec,
+    tp: int,
+    mbs: int,
+    link: TPLink,
+    vocab_parallel: bool,
+    embed_bytes: float = 4.0,
+) -> list[tuple[float, float]]:
+    """:func:`layer_comm_s` of every layer of ``model``, in order."""
+    return [
+        layer_comm_s(model, tp, mbs, layer, link, vocab_parallel, embed_bytes)
+        for layer in range(model.num_all_layers)
+    ]
 
 
 def layer_comm_s(
