@@ -49,7 +49,7 @@ code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + 
 child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
 child.stdout.readline()  # its handler is set
 with open(sys.argv[1] + "/child.pid", "w") as f:
-    f.write(str(child.pid))
+    f.write(str(child.pid) + "\\n")
 print(json.dumps(dict(event="ready", rank=0)), flush=True)
 time.sleep(60)
 """
@@ -61,7 +61,7 @@ _WITH_CHILD = """
 import json, subprocess, sys, time
 child = subprocess.Popen(["sleep", "60"])
 with open(sys.argv[1] + "/child.pid", "w") as f:
-    f.write(str(child.pid))
+    f.write(str(child.pid) + "\\n")
 print(json.dumps(dict(event="ready", rank=0)), flush=True)
 time.sleep(60)
 """
@@ -143,6 +143,12 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
 
+def _written(path: Path) -> bool:
+    """A line written by another process is whole: the file exists from its open, before
+    its write (a reader that waited for it alone read it empty)."""
+    return path.exists() and path.read_text().endswith("\n")
+
+
 def _gone(state: str) -> bool:
     return state == "gone" or state in GONE_STATES
 
@@ -182,7 +188,7 @@ async def test_a_launch_starts_only_once_the_killed_workers_group_is_gone(
         child_file = tmp_path / "gen-00001" / "child.pid"
         sup.worker_argv = (sys.executable, "-c", _CHECKER, str(child_file), str(seen))
         await sup.launch(_gen(2))
-        await _until(seen.exists)
+        await _until(lambda: _written(seen))
         states = seen.read_text().split()
         assert len(states) == 1 and _gone(states[0]), states
     finally:
@@ -207,7 +213,7 @@ async def test_a_spare_asked_for_during_an_abort_starts_after_the_teardown(
         sup.warm_spares = 1
         await asyncio.gather(sup.abort(), sup.top_up_spares())
         assert len(sup.spares) == 1
-        await _until(seen.exists)
+        await _until(lambda: _written(seen))
         states = seen.read_text().split()
         assert len(states) == 1 and _gone(states[0]), states
         assert _group_gone(leader)
@@ -414,7 +420,7 @@ async def test_a_leftover_held_worker_ending_at_sigterm_is_no_failure(tmp_path: 
     try:
         stubborn = (sys.executable, "-c", _WITH_STUBBORN_CHILD, str(tmp_path / "left"))
         _, w1 = await _holding(sup, tmp_path, [_SLEEPER, stubborn])
-        await _until((tmp_path / "left" / "child.pid").exists)
+        await _until(lambda: _written(tmp_path / "left" / "child.pid"))
         child = int((tmp_path / "left" / "child.pid").read_text())
         t0 = time.monotonic()
         await sup.launch(_in_place(2))
