@@ -182,7 +182,9 @@ async def test_a_quota_from_ready_leaves_the_start_up_unthrottled(tmp_path: Path
         await asyncio.sleep(0.3)
         late = await _share(pid, 2.0)
         print(f"start-up {early:.3f} cores, after ready {late:.3f} cores (quota 0.3)")
-        assert early >= 0.5, early
+        # Unthrottled is above the quota, not a whole core: on a 2-core host another test
+        # worker takes its share (0.438 seen under CI's -n 2; a throttled one reads <= 0.3).
+        assert early >= 1.25 * 0.3, early
         assert 0.15 <= late <= 0.45, late
     finally:
         await sup.abort()
