@@ -2,22 +2,29 @@
 
 The simulator's roofline (:mod:`sailor.simulator.estimate_profile`) derates every GPU's
 peak FLOP/s and HBM bandwidth by one constant, ``ROOFLINE_EFFICIENCY = 0.5``. Small layers
-reach far less than that, and how much less depends on the layer kind, the microbatch size
-and the TP degree far more than on the GPU. So the efficiency is *measured*:
+reach far less than that, and how much less depends on the layer kind and on how much work
+one GPU does per call far more than on the GPU. So the efficiency is *measured*:
 
 1. For each measured GPU type with a spec sheet, each (layer kind, TP, mbs) it was
    profiled at, and each of forward, backward and update: efficiency
-   ``e = roofline time at 100 % of peak / measured time``, with the layers of a kind summed
-   (the measured times are read through the simulator's own lookup, so its corrections of
-   known profile defects apply: an embedding backward below its forward, one ``update_s``
-   for every layer).
-2. The calibrated efficiency of a key is the **geometric mean** of ``e`` over the GPU types
-   that have it (a ratio: the geometric mean does not let one fast GPU dominate).
-3. A target GPU's time is ``roofline time at 100 % / e``. (``affine=True`` instead fits
-   ``t = latency + scale · roofline`` over the GPUs per key; on the reference profiles it is
-   no better in leave-one-GPU-out, so the pure scale is the default.) A key no GPU has falls
-   back to the nearest microbatch size (in log2) at the same kind and TP, then to the
-   nearest TP, then to ``ROOFLINE_EFFICIENCY``. Every entry is written with ``source="estimated"``.
+   ``e = roofline time at 100 % of peak / measured compute time``, with the layers of a kind
+   summed (the measured times are read through the simulator's own lookup, so its
+   corrections of known profile defects apply: an embedding backward below its forward, one
+   ``update_s`` for every layer). At TP > 1 the measured time less the layer's TP
+   all-reduces over that GPU's node link.
+2. A GPU's efficiencies of a kind form a curve over the **work one GPU does per call**,
+   ``w = mbs / TP`` (a TP group splits each matmul's columns or rows ``TP`` ways: TP 4 at
+   mbs 8 does per GPU the FLOPs of TP 1 at mbs 2), drawn from its TP-1 points when it has any:
+   they hold no all-reduce, so no link's estimate (a PCIe node's eight-way all-reduce runs far
+   below its spec sheet) leaks into the compute. A GPU measured at TP > 1 only gives its
+   points with their all-reduces taken out.
+3. The target's efficiency at ``(kind, TP, mbs)`` is the **geometric mean** over the GPU types
+   of their curves at ``w`` (log-linear between points; only GPUs whose points span ``w`` when
+   any does, else every GPU at its nearest end), and its time ``roofline at 100 % / e``.
+   ``affine=True`` instead fits ``t = latency + scale · roofline`` over the GPUs per
+   measured (kind, TP, mbs) key (a key no GPU has: the nearest mbs in log2 at the same kind
+   and TP, then the nearest TP, then ``ROOFLINE_EFFICIENCY``); on the reference profiles it
+   is worse in leave-one-GPU-out. Every entry is written with ``source="estimated"``.
 
 :func:`leave_one_gpu_out` says how good this is: each measured GPU is estimated from the
 others only and compared with its measurement, next to the uncalibrated roofline.
@@ -27,10 +34,11 @@ Pure: values in, values out (the GPU specs are arguments).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from sailor.schemas import (
     GPUCalibration,
@@ -50,6 +58,7 @@ __all__ = [
     "Efficiency",
     "KindCost",
     "LooRow",
+    "WorkCurves",
     "calibrated_efficiencies",
     "estimate_gpu",
     "gpu_efficiencies",
@@ -203,16 +212,18 @@ def calibrated_efficiencies(
     exclude: Iterable[str] = (),
     affine: bool = False,
     network: NetworkProfile | None = None,
-) -> dict[Key, KindCost]:
-    """Per (kind, TP, mbs): the calibrated cost model of the compute over the measured GPU
-    types (with a spec, not in ``exclude``), their TP all-reduces taken out over their node
-    links (``network``'s intra-node curves, else spec sheets). The latency is per layer of
-    the kind."""
+) -> WorkCurves | dict[Key, KindCost]:
+    """The calibrated cost model of the compute over the measured GPU types (with a spec,
+    not in ``exclude``), their TP all-reduces taken out over their node links (``network``'s
+    intra-node curves, else spec sheets): each GPU's efficiency curves over the work per GPU
+    (:class:`WorkCurves`), or with ``affine`` a fit per measured (kind, TP, mbs) key whose
+    latency is per layer of the kind."""
     skip = set(exclude)
+    used = [g for g in db.gpu_types() if g not in skip and g in specs]
+    if not affine:
+        return WorkCurves.of({g: gpu_efficiencies(db, model, specs[g], network) for g in used})
     per_key: dict[Key, list[tuple[list[float], list[float]]]] = {}
-    for g in db.gpu_types():
-        if g in skip or g not in specs:
-            continue
+    for g in used:
         for k, v in _kind_sums(db, model, specs[g], network).items():
             per_key.setdefault(k, []).append(v)
     counts: dict[LayerKind, int] = {}
@@ -230,10 +241,92 @@ def calibrated_efficiencies(
     return out
 
 
+_Point = tuple[float, float, float]
+"""(log work per GPU, log efficiency of forward, of backward)."""
+
+
+@dataclass(frozen=True)
+class WorkCurves:
+    """Per GPU type and layer kind, its measured forward and backward efficiencies as a
+    curve over the work one GPU does per call, ``log(mbs / TP)``, and its update's over the
+    parameters one GPU holds, ``log(1 / TP)`` (the geometric mean over the microbatch sizes
+    measured: the update does not depend on them); each sorted. The target's cost is their
+    geometric mean at its work (the module docstring, steps 2 and 3)."""
+
+    compute: Mapping[str, Mapping[LayerKind, tuple[_Point, ...]]] = field(default_factory=dict)
+    update: Mapping[str, Mapping[LayerKind, tuple[tuple[float, float], ...]]] = field(
+        default_factory=dict
+    )
+
+    @classmethod
+    def of(cls, effs: Mapping[str, Mapping[Key, Efficiency]]) -> WorkCurves:
+        """The curves of each GPU's measured efficiencies: for the compute, its TP-1 points
+        of a kind when it has any (no all-reduce in them), else all of them; for the update,
+        all of them (no all-reduce in any)."""
+        compute: dict[str, dict[LayerKind, tuple[_Point, ...]]] = {}
+        update: dict[str, dict[LayerKind, tuple[tuple[float, float], ...]]] = {}
+        for g, eff in effs.items():
+            kinds: dict[LayerKind, list[tuple[int, _Point]]] = {}
+            upd: dict[LayerKind, dict[int, list[float]]] = {}
+            for (kind, tp, mbs), e in eff.items():
+                point = (math.log(mbs / tp), math.log(e.fwd), math.log(e.bwd))
+                kinds.setdefault(kind, []).append((tp, point))
+                upd.setdefault(kind, {}).setdefault(tp, []).append(math.log(e.update))
+            compute[g] = {
+                kind: tuple(sorted(p for tp, p in pts if tp == 1 or all(t > 1 for t, _ in pts)))
+                for kind, pts in kinds.items()
+            }
+            update[g] = {
+                kind: tuple(sorted((-math.log(tp), statistics.fmean(v)) for tp, v in by.items()))
+                for kind, by in upd.items()
+            }
+        return cls(compute, update)
+
+    def cost(self, kind: LayerKind, tp: int, mbs: int) -> KindCost:
+        """The calibrated cost of one layer of ``kind`` at (``tp``, ``mbs``)."""
+        compute = [c[kind] for c in self.compute.values() if c.get(kind)]
+        fwd, bwd = _gmean_at(compute, mbs / tp, 2)
+        (upd,) = _gmean_at([c[kind] for c in self.update.values() if c.get(kind)], 1 / tp, 1)
+        return KindCost(latency=(0.0, 0.0, 0.0), scale=(1 / fwd, 1 / bwd, 1 / upd))
+
+
+def _gmean_at(
+    curves: Sequence[tuple[tuple[float, ...], ...]], work: float, n: int
+) -> tuple[float, ...]:
+    """The geometric mean of ``curves``' efficiencies at ``work``: of those whose points
+    span it when any does, else of every curve at its nearest end; ``ROOFLINE_EFFICIENCY``
+    without curves."""
+    if not curves:
+        return (ROOFLINE_EFFICIENCY,) * n
+    w = math.log(work)
+    spanning = [c for c in curves if c[0][0] - _W_TOL <= w <= c[-1][0] + _W_TOL]
+    logs = [_at(c, w) for c in spanning or curves]
+    return tuple(math.exp(statistics.fmean(x[i] for x in logs)) for i in range(n))
+
+
+_W_TOL = 1e-9
+
+
+def _at(curve: tuple[tuple[float, ...], ...], w: float) -> tuple[float, ...]:
+    """The log efficiencies of ``curve`` at log work ``w``: linear between its points, its
+    nearest end's outside them."""
+    if w <= curve[0][0]:
+        return curve[0][1:]
+    for a, b in itertools.pairwise(curve):
+        if w <= b[0]:
+            f = (w - a[0]) / (b[0] - a[0])
+            return tuple(x + f * (y - x) for x, y in zip(a[1:], b[1:], strict=True))
+    return curve[-1][1:]
+
+
 _DEFAULT = KindCost(latency=(0.0, 0.0, 0.0), scale=(1 / ROOFLINE_EFFICIENCY,) * 3)
 
 
-def _lookup(table: Mapping[Key, KindCost], kind: LayerKind, tp: int, mbs: int) -> KindCost:
+def _lookup(
+    table: WorkCurves | Mapping[Key, KindCost], kind: LayerKind, tp: int, mbs: int
+) -> KindCost:
+    if isinstance(table, WorkCurves):
+        return table.cost(kind, tp, mbs)
     if (kind, tp, mbs) in table:
         return table[(kind, tp, mbs)]
     cands = [k for k in table if k[0] == kind]
@@ -248,7 +341,7 @@ def _lookup(table: Mapping[Key, KindCost], kind: LayerKind, tp: int, mbs: int) -
 def estimate_gpu(
     model: ModelSpec,
     spec: GPUSpec,
-    table: Mapping[Key, KindCost],
+    table: WorkCurves | Mapping[Key, KindCost],
     grid: Iterable[tuple[int, int]],
 ) -> ProfileDB:
     """Estimated timings of every layer of ``model`` on ``spec`` at each (TP, mbs) of

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sailor import catalog
 from sailor.profiler.calibrated_estimate import (
+    WorkCurves,
     calibrated_efficiencies,
     estimate_gpu,
     gpu_efficiencies,
@@ -172,7 +173,8 @@ def test_efficiency_is_recovered_and_averaged_geometrically() -> None:
     eff = gpu_efficiencies(db, model, specs["A100-40"])
     assert eff[("block", 1, 2)].fwd == pytest.approx(0.2)
     table = calibrated_efficiencies(db, model, specs)
-    assert 1 / table[("block", 1, 1)].scale[0] == pytest.approx(0.4)  # sqrt(0.2 * 0.8)
+    assert isinstance(table, WorkCurves)
+    assert 1 / table.cost("block", 1, 1).scale[0] == pytest.approx(0.4)  # sqrt(0.2 * 0.8)
     # an unseen GPU is estimated at the calibrated efficiency
     est = estimate_gpu(model, specs["H100-80"], table, [(1, 1)])
     assert all(t.source == "estimated" for t in est.timings)
@@ -276,3 +278,46 @@ def test_an_estimate_at_tp_above_1_pays_its_own_link_not_the_measured_gpus() -> 
     rows = leave_one_gpu_out(db, model, specs)
     assert len(rows) == len(gpus) * len(grid)
     assert all(abs(r.err) < 0.03 for r in rows), [(r.gpu_type, r.tp, r.err) for r in rows]
+
+
+def test_an_estimate_at_tp_above_1_takes_its_compute_from_the_work_per_gpu() -> None:
+    """Two GPU types measured at TP 1 (mbs 1, 2, 4) and TP 2 (mbs 2, 4), their efficiency a
+    function of the work per GPU (mbs / TP) and their TP-2 times holding three times the
+    all-reduces the spec sheet prices (a PCIe node's, say). The third GPU's TP-2 compute is
+    the roofline at the others' TP-1 efficiency of the same work per GPU, within 1e-9: no
+    unpriced all-reduce of theirs leaks into it. Before, the efficiency was keyed by (TP, mbs)
+    and carried the measured GPUs' unpriced all-reduces: 10 % and more too slow."""
+    from sailor.simulator.estimate_profile import estimate_layer_timing
+    from sailor.simulator.tp_comm import layer_comm_s, tp_link
+
+    model = catalog.model("OPT-350")
+    specs = catalog.gpus()
+
+    def eff(tp: int, b: int) -> float:
+        return 0.1 * (1 + math.log2(2 * b / tp))  # 0.1 at a half sample per GPU, rising
+
+    grid = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]
+    out: list[LayerProfile] = []
+    for g, (tp, b) in itertools.product(("A100-40", "RTX-3090"), grid):
+        link = tp_link(None, specs, g, tp)
+        for layer in range(model.num_all_layers):
+            r = estimate_layer_timing(model, specs[g], tp, b, layer)
+            cf, cb = layer_comm_s(model, tp, b, layer, link, True)
+            k = ROOFLINE_EFFICIENCY / eff(tp, b)
+            out.append(
+                r.model_copy(
+                    update={
+                        "fwd_s": r.fwd_s * k + 3 * cf,
+                        "bwd_s": r.bwd_s * k + 3 * cb,
+                        "update_s": r.update_s * k,
+                        "source": "measured",
+                    }
+                )
+            )
+    db = ProfileDB(model=model.name, timings=tuple(out))
+    table = calibrated_efficiencies(db, model, specs)
+    est = estimate_gpu(model, specs["GH-96"], table, [(2, 2), (2, 4), (4, 4)])
+    for t in est.timings:
+        r = estimate_layer_timing(model, specs["GH-96"], t.tp, t.microbatch_size, t.layer)
+        want = r.fwd_s * ROOFLINE_EFFICIENCY / eff(t.tp, t.microbatch_size)
+        assert t.fwd_s == pytest.approx(want, rel=1e-9), (t.tp, t.microbatch_size, t.layer)
