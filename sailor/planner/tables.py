@@ -46,7 +46,7 @@ from sailor.simulator.memory import (
     weight_grad_bytes,
 )
 from sailor.simulator.network_model import inter_curve
-from sailor.simulator.tp_comm import TPLink, all_gather_s, tp_link
+from sailor.simulator.tp_comm import TPLink, all_gather_s, spec_link_efficiency, tp_link
 
 __all__ = [
     "CostTables",
@@ -393,7 +393,7 @@ class CostTables:
         def gather_link(k: Kind) -> TPLink | None:
             if k.tp <= 1 or copies is not None:
                 return None
-            eff = cal.for_gpu(k.gpu_type).tp_link_efficiency
+            eff = spec_link_efficiency(inp.gpu_specs, k.gpu_type, cal.for_gpu(k.gpu_type))
             return tp_link(inp.network, inp.gpu_specs, k.gpu_type, k.tp, eff)
 
         glink_f, glink_b = gather_link(b), gather_link(a)

@@ -20,11 +20,13 @@ from sailor.schemas.device_kind import catalog_type
 
 __all__ = [
     "DEFAULT_MEMORY_OVERHEAD_BYTES",
+    "PCIE_LINK_EFFICIENCY",
     "SPEC_LINK_EFFICIENCY",
     "Calibration",
     "ConstantRange",
     "GPUCalibration",
     "GPUPrior",
+    "pcie_link",
 ]
 
 DEFAULT_MEMORY_OVERHEAD_BYTES = 1 << 30
@@ -33,11 +35,19 @@ context with its loaded kernel modules (~0.3-0.5 GiB on Ampere/Hopper with lazy 
 cuBLAS/cuDNN workspaces and NCCL communicator buffers (a few MiB per channel and peer)."""
 
 
-SPEC_LINK_EFFICIENCY = 0.6
-"""Fraction of the spec sheet's per-GPU intra-node bandwidth a TP all-reduce reaches, when the
-network profile has no intra-node curve of the GPU type. The intra-node all-reduce curves the
-original Sailor artifact measured peak at 249 GB/s on 2-4 A100-40s (NVLink3, 300 GB/s: 0.83)
-and at 68 GB/s on 2-4 V100-16s (NVLink2, 150 GB/s: 0.45); the middle of that range."""
+SPEC_LINK_EFFICIENCY = 0.29
+"""Fraction of the spec sheet's per-GPU intra-node bandwidth (NVLink, or any link but PCIe)
+an estimated TP all-reduce reaches, when the network profile has no intra-node curve of the
+GPU type: the median of the catalog prior's ``tp_link_efficiency`` (its evidence there)."""
+
+PCIE_LINK_EFFICIENCY = 0.1
+"""The same over a PCIe link (``pcie_link``): the median of the catalog prior's
+``tp_link_efficiency_pcie``."""
+
+
+def pcie_link(link: str) -> bool:
+    """Whether a spec sheet's ``intra_node_link`` (``'PCIe4 x16'``, ``'NVLink3'``) is PCIe."""
+    return link.strip().lower().startswith("pcie")
 
 
 class ConstantRange(Frozen):
@@ -81,8 +91,13 @@ class GPUPrior(Frozen):
     tp_link_efficiency: ConstantRange | None = Field(
         default=None,
         description="Fraction of the spec sheet's intra-node link bandwidth an estimated TP "
-        "all-reduce reaches; None (a range written before this constant existed): the type's "
-        "point value in every corner.",
+        "all-reduce reaches (NVLink, any link but PCIe); None (a range written before this "
+        "constant existed): the type's point value in every corner.",
+    )
+    tp_link_efficiency_pcie: ConstantRange | None = Field(
+        default=None,
+        description="The same over a PCIe link; None (a range written before it existed): "
+        "the type's point value in every corner.",
     )
     sync_fixed_s: ConstantRange = Field(description="Fixed sync cost per iteration, s.")
     alloc_factor: ConstantRange = Field(
@@ -98,7 +113,12 @@ class GPUPrior(Frozen):
 
     @model_validator(mode="after")
     def _bounds(self) -> GPUPrior:
-        for name in ("network_efficiency", "p2p_efficiency", "tp_link_efficiency"):
+        for name in (
+            "network_efficiency",
+            "p2p_efficiency",
+            "tp_link_efficiency",
+            "tp_link_efficiency_pcie",
+        ):
             r: ConstantRange | None = getattr(self, name)
             if r is not None and (r.low <= 0 or r.high > 1):
                 raise field_error(name, (r.low, r.high), "an efficiency lies in (0, 1]")
@@ -171,7 +191,17 @@ class GPUCalibration(Frozen):
         description=(
             "Fraction of the spec sheet's per-GPU intra-node bandwidth the TP all-reduces of "
             "an estimated layer reach (a TP degree nobody profiled; a measured intra-node "
-            "curve is taken as it is). Default SPEC_LINK_EFFICIENCY (0.6)."
+            "curve is taken as it is), over NVLink or any link but PCIe. Default "
+            "SPEC_LINK_EFFICIENCY (0.29)."
+        ),
+    )
+    tp_link_efficiency_pcie: float = Field(
+        default=PCIE_LINK_EFFICIENCY,
+        gt=0,
+        le=1.0,
+        description=(
+            "The same over a PCIe link (the spec sheet's intra_node_link). Default "
+            "PCIE_LINK_EFFICIENCY (0.1)."
         ),
     )
     sync_fixed_s: float = Field(
@@ -233,6 +263,10 @@ class GPUCalibration(Frozen):
     def p2p_eta(self) -> float:
         """Efficiency of pipeline transfers (network_efficiency unless set apart)."""
         return self.network_efficiency if self.p2p_efficiency is None else self.p2p_efficiency
+
+    def tp_link_efficiency_of(self, link: str) -> float:
+        """The TP link efficiency over a spec sheet's ``intra_node_link`` of this kind."""
+        return self.tp_link_efficiency_pcie if pcie_link(link) else self.tp_link_efficiency
 
 
 class Calibration(DeploymentStructure):

@@ -183,7 +183,11 @@ def _table(
     return layer_table(
         profiles,
         model,
-        GPUCalibration(gpu_type=gpu, tp_link_efficiency=base.for_gpu(gpu).tp_link_efficiency),
+        GPUCalibration(
+            gpu_type=gpu,
+            tp_link_efficiency=base.for_gpu(gpu).tp_link_efficiency,
+            tp_link_efficiency_pcie=base.for_gpu(gpu).tp_link_efficiency_pcie,
+        ),
         specs,
         gpu,
         r.tp,

@@ -53,13 +53,12 @@ from sailor.schemas import (
     NetworkProfile,
     ProfileDB,
 )
-from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
 from sailor.schemas.deployment import Activations, MixedPrecision
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.profile import COMPUTE_ONLY_META, VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
-from sailor.simulator.tp_comm import compute_part, model_comm_s, tp_link
+from sailor.simulator.tp_comm import compute_part, model_comm_s, spec_link_efficiency, tp_link
 
 __all__ = [
     "PROFILING_MODEL_BLOCKS",
@@ -377,7 +376,7 @@ def _layer_table(
         # what a measured time holds is taken out at the evidence's point value, not the
         # corner's: else a costlier link took more out, and a pessimistic corner priced a
         # TP degree below the profiled one faster
-        eff = cal.tp_link_efficiency if priced else SPEC_LINK_EFFICIENCY
+        eff = spec_link_efficiency(specs, gpu_type, cal if priced else None)
         link = tp_link(network, specs, gpu_type, t, eff)
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
@@ -394,6 +393,7 @@ def _layer_table(
         return _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
 
     added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
+    held0 = 0.0  # the estimated all-reduce a measured embedding forward holds
     # estimated entries that hold the compute alone: their TP all-reduces are priced here
     compute_only = calibrated and f"{gpu_type}.{COMPUTE_ONLY_META}" in profiles.meta
     if tp in grid:
@@ -417,6 +417,10 @@ def _layer_table(
         estimated = calibrated
         if compute_only and tp > 1:
             added = comm(tp)
+        elif vocab_parallel and tp > 1 and not measured_whole_ends(profiles, gpu_type, tp, mbs, n):
+            # a measured split embedding's forward holds its all-reduce, its backward none:
+            # the raise below compares the backward with the forward's compute
+            held0 = comm(tp, priced=False)[0][0]
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
@@ -461,8 +465,8 @@ def _layer_table(
     # the TP all-reduces of an estimated layer are added last: a link's time, neither a
     # compute time the calibrated scale multiplies nor part of the embedding's raise
     for layer, ((f, g, u), (cf, cb)) in enumerate(zip(rows, added, strict=True)):
-        if layer == 0 and g < f:
-            g = f
+        if layer == 0 and g < f - held0:
+            g = f - held0
         out.append(LayerCost(fwd_s=f * k + cf, bwd_s=g * k + cb, update_s=u, estimated=estimated))
     if not vocab_parallel and tp > 1:
         _whole_ends(

@@ -20,7 +20,7 @@ from sailor.schemas import LayerSize, Pipeline
 from sailor.simulator.lookup import layer_table
 from sailor.simulator.network_model import guessed_link
 from sailor.simulator.sim_inputs import SimInputs
-from sailor.simulator.tp_comm import all_gather_s, tp_link
+from sailor.simulator.tp_comm import all_gather_s, spec_link_efficiency, tp_link
 
 __all__ = [
     "PipelineKind",
@@ -177,7 +177,7 @@ def _kind(inp: SimInputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineK
 def _gather(inp: SimInputs, gpu_type: str, tp: int, nbytes: float) -> float:
     """A stage boundary's all-gather of ``nbytes`` by ``tp`` GPUs of ``gpu_type``
     (:func:`~sailor.simulator.tp_comm.all_gather_s`), its link noted."""
-    eff = inp.gcal(gpu_type).tp_link_efficiency
+    eff = spec_link_efficiency(inp.specs, gpu_type, inp.gcal(gpu_type))
     link = tp_link(inp.links.network, inp.specs, gpu_type, tp, eff)
     if link.guessed:
         inp.notes.add(f"all-gather at a stage boundary over the {link.note}")

@@ -31,9 +31,10 @@ A collective is a ring over the TP group's ``t`` GPUs of one node, at least
 to ``t`` ranks by the ring's steps) plus ``2(t-1)/t`` of the bytes at its bus bandwidth.
 Otherwise ``2(t-1)`` steps of ``1/t`` of the bytes over a link: the network profile's
 intra-node curve of the GPU type and group size (measured: taken as it is), else the spec
-sheet's per-GPU link bandwidth derated by the GPU type's ``tp_link_efficiency``
-(:data:`~sailor.schemas.calibration.SPEC_LINK_EFFICIENCY` by default, a range in the
-uncertainty corners).
+sheet's per-GPU link bandwidth derated by the GPU type's ``tp_link_efficiency`` over NVLink
+(or any link but PCIe), ``tp_link_efficiency_pcie`` over PCIe (medians
+:data:`~sailor.schemas.calibration.SPEC_LINK_EFFICIENCY` and ``PCIE_LINK_EFFICIENCY`` by
+default, ranges in the uncertainty corners).
 Pure: no I/O.
 """
 
@@ -43,7 +44,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sailor.schemas import BandwidthCurve, GPUSpec, ModelSpec, NetworkProfile
-from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
+from sailor.schemas.calibration import (
+    PCIE_LINK_EFFICIENCY,
+    SPEC_LINK_EFFICIENCY,
+    GPUCalibration,
+    pcie_link,
+)
+from sailor.schemas.device_kind import spec_of
 from sailor.schemas.network import CollectiveLatency
 from sailor.simulator.network_model import guessed_link, intra_curve
 
@@ -55,6 +62,7 @@ __all__ = [
     "layer_comm_s",
     "model_comm_s",
     "ring_allreduce_s",
+    "spec_link_efficiency",
     "tp_link",
 ]
 
@@ -96,18 +104,34 @@ def _measured(network: NetworkProfile, gpu_type: str, tp: int) -> CollectiveLate
     return min(mine, key=lambda c: (abs(c.ranks - tp), -c.ranks, c.bus_gbps or 0.0))
 
 
+def spec_link_efficiency(
+    specs: Mapping[str, GPUSpec], gpu_type: str, cal: GPUCalibration | None = None
+) -> float:
+    """The fraction of ``gpu_type``'s spec-sheet intra-node link its estimated TP all-reduces
+    reach: ``cal``'s efficiency for the link's kind (PCIe or not), else the prior's median
+    for it. A type without a spec sheet takes the non-PCIe one."""
+    spec = spec_of(specs, gpu_type)
+    pcie = spec is not None and pcie_link(spec.intra_node_link)
+    if cal is None:
+        return PCIE_LINK_EFFICIENCY if pcie else SPEC_LINK_EFFICIENCY
+    return cal.tp_link_efficiency_pcie if pcie else cal.tp_link_efficiency
+
+
 def tp_link(
     network: NetworkProfile | None,
     specs: Mapping[str, GPUSpec],
     gpu_type: str,
     tp: int,
-    spec_efficiency: float = SPEC_LINK_EFFICIENCY,
+    spec_efficiency: float | None = None,
 ) -> TPLink:
     """What prices the all-reduces of a TP group of ``tp`` GPUs of ``gpu_type``: a measured
     intra-node all-reduce of the type, else its intra-node link
     (:func:`~sailor.simulator.network_model.intra_curve`; an empty profile without
     ``network``): a measured curve at efficiency 1, a spec sheet or guess derated by
-    ``spec_efficiency``."""
+    ``spec_efficiency`` (None: the prior's median for the link's kind,
+    :func:`spec_link_efficiency`)."""
+    if spec_efficiency is None:
+        spec_efficiency = spec_link_efficiency(specs, gpu_type)
     net = network or NetworkProfile()
     c = _measured(net, gpu_type, tp)
     if c is not None and c.bus_gbps is not None:

@@ -99,7 +99,7 @@ def _constants(
     gpu_type: str, prior: GPUPrior, corner: str, source: str, base: GPUCalibration
 ) -> GPUCalibration:
     """``base`` with every fitted constant at ``corner``'s end of ``prior`` (its measured
-    ``compute_scale``, and its ``p2p_fixed_s`` and ``tp_link_efficiency`` in a range written
+    ``compute_scale``, and its ``p2p_fixed_s`` and TP link efficiencies in a range written
     before those constants existed, kept unless the prior has a range for them)."""
     scale = (
         base.compute_scale
@@ -123,6 +123,11 @@ def _constants(
                 base.tp_link_efficiency
                 if prior.tp_link_efficiency is None
                 else _end(prior.tp_link_efficiency, corner, False)
+            ),
+            "tp_link_efficiency_pcie": (
+                base.tp_link_efficiency_pcie
+                if prior.tp_link_efficiency_pcie is None
+                else _end(prior.tp_link_efficiency_pcie, corner, False)
             ),
             "sync_fixed_s": _end(prior.sync_fixed_s, corner, True),
             "alloc_factor": _end(prior.alloc_factor, corner, True),

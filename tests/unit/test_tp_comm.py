@@ -15,7 +15,7 @@ from sailor.schemas import (
     NetworkProfile,
     ProfileDB,
 )
-from sailor.schemas.calibration import SPEC_LINK_EFFICIENCY
+from sailor.schemas.calibration import PCIE_LINK_EFFICIENCY, SPEC_LINK_EFFICIENCY
 from sailor.schemas.network import CollectiveLatency
 from sailor.simulator.estimate_profile import estimate_layer_timing
 from sailor.simulator.lookup import layer_table
@@ -25,6 +25,7 @@ from sailor.simulator.tp_comm import (
     all_gather_s,
     layer_comm_s,
     ring_allreduce_s,
+    spec_link_efficiency,
     tp_link,
 )
 from sailor.simulator.uncertainty import corners
@@ -71,16 +72,26 @@ def test_collectives_per_layer_kind() -> None:
 
 
 def test_link_is_the_measured_curve_else_a_derated_spec_sheet() -> None:
+    """A spec sheet's link is derated by the prior's median for its kind: PCIe (L4, T4) far
+    more than NVLink (A100-40), as the reference's measured TP profiles say
+    (benchmarks/tp_link_evidence.py)."""
     spec = tp_link(None, SPECS, GPU, 4)
     assert spec.curve.max_gbps == SPECS[GPU].intra_node_link_gbps
-    assert spec.efficiency == SPEC_LINK_EFFICIENCY
+    assert SPECS[GPU].intra_node_link.startswith("PCIe")
+    assert spec.efficiency == PCIE_LINK_EFFICIENCY < SPEC_LINK_EFFICIENCY
+    assert tp_link(None, SPECS, "A100-40", 4).efficiency == SPEC_LINK_EFFICIENCY
+    prior = catalog.calibration().prior
+    assert prior is not None and prior.tp_link_efficiency is not None
+    assert prior.tp_link_efficiency_pcie is not None
+    assert prior.tp_link_efficiency.median == SPEC_LINK_EFFICIENCY
+    assert prior.tp_link_efficiency_pcie.median == PCIE_LINK_EFFICIENCY
     ep = Endpoint(zone="*", gpu_type=GPU, gpus_per_node=4)
     measured = _flat(7.0)
     net = NetworkProfile(intra_node=(Link(src=ep, dst=ep, curve=measured),))
     got = tp_link(net, SPECS, GPU, 4)
     assert got.curve == measured and got.efficiency == 1.0
     # another GPU type has no curve: its spec sheet
-    assert tp_link(net, SPECS, "T4", 4).efficiency == SPEC_LINK_EFFICIENCY
+    assert tp_link(net, SPECS, "T4", 4).efficiency == PCIE_LINK_EFFICIENCY
 
 
 def test_unprofiled_gpu_type_pays_its_all_reduces() -> None:
@@ -185,22 +196,27 @@ def test_calibrated_compute_scale_leaves_the_all_reduces_alone() -> None:
     assert got.bwd_s == pytest.approx(3.0 * roof.bwd_s + cb)
 
 
-def test_the_spec_link_efficiency_is_a_range_in_the_corners() -> None:
+@pytest.mark.parametrize("gpu", [GPU, "A100-40"])
+def test_the_spec_link_efficiency_is_a_range_in_the_corners(gpu: str) -> None:
+    """Each corner takes its end of the prior's range for the GPU's link kind (L4: PCIe,
+    A100-40: NVLink), and the simulator's table pays it."""
     db = ProfileDB(model=MODEL.name)
     got = {}
     for name, cal in corners(catalog.calibration()):
-        gcal = cal.for_gpu(GPU)
-        table = layer_table(db, MODEL, gcal, SPECS, GPU, 4, 2, network=NetworkProfile())
-        link = tp_link(None, SPECS, GPU, 4, gcal.tp_link_efficiency)
-        assert link.efficiency == gcal.tp_link_efficiency
+        gcal = cal.for_gpu(gpu)
+        table = layer_table(db, MODEL, gcal, SPECS, gpu, 4, 2, network=NetworkProfile())
+        eff = spec_link_efficiency(SPECS, gpu, gcal)
+        link = tp_link(None, SPECS, gpu, 4, eff)
+        assert link.efficiency == eff
         got[name] = layer_comm_s(MODEL, 4, 2, BLOCK, link, True)[0]
         assert table.layers[BLOCK].fwd_s > got[name]
     prior = catalog.calibration().prior
-    assert prior is not None and prior.tp_link_efficiency is not None
+    assert prior is not None
+    r = prior.tp_link_efficiency_pcie if gpu == GPU else prior.tp_link_efficiency
+    assert r is not None
     assert got["optimistic"] < got["median"] < got["pessimistic"]
-    assert got["median"] == pytest.approx(
-        got["optimistic"] * prior.tp_link_efficiency.high / prior.tp_link_efficiency.median
-    )
+    assert got["median"] == pytest.approx(got["optimistic"] * r.high / r.median)
+    assert got["pessimistic"] == pytest.approx(got["optimistic"] * r.high / r.low)
 
 
 def _probe(gpu: str, ranks: int, bus: float, scope: str = "intra_node") -> CollectiveLatency:
@@ -289,13 +305,13 @@ def test_calibration_fits_the_hook_cost_on_the_simulations_table() -> None:
     from sailor.simulator.calibrate import _table
 
     db = _measured((1,), 1.0)
-    base = Calibration(gpus=(GPUCalibration(gpu_type=GPU, tp_link_efficiency=0.45),))
+    base = Calibration(gpus=(GPUCalibration(gpu_type=GPU, tp_link_efficiency_pcie=0.05),))
     group = ReplicaGroup(gpu_type=GPU, zone="z", tp=4, gpus_per_node=4)
     stage = Stage(first_layer=0, last_layer=MODEL.num_all_layers - 1, replica=group)
     pipe = Pipeline(stages=(stage,), microbatch_size=2, num_microbatches=8)
     plan = Plan(model=MODEL.name, pipelines=(pipe,), global_batch_size=16)
     got = _table(db, MODEL, GPU, plan, base, SPECS).layers[BLOCK].fwd_s
-    slow = GPUCalibration(gpu_type=GPU, tp_link_efficiency=0.45)
+    slow = GPUCalibration(gpu_type=GPU, tp_link_efficiency_pcie=0.05)
     want = layer_table(db, MODEL, slow, SPECS, GPU, 4, 2, base.vocab_parallel, base.activations)
     assert got == pytest.approx(want.layers[BLOCK].fwd_s)
     assert got > layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2).layers[BLOCK].fwd_s
@@ -338,6 +354,8 @@ def test_the_corners_order_a_tp_degree_below_the_profiled_one() -> None:
     for name, cal in corners(catalog.calibration()):
         if name == "original":
             continue
-        gcal = GPUCalibration(gpu_type=GPU, tp_link_efficiency=cal.for_gpu(GPU).tp_link_efficiency)
+        gcal = GPUCalibration(
+            gpu_type=GPU, tp_link_efficiency_pcie=cal.for_gpu(GPU).tp_link_efficiency_pcie
+        )
         got[name] = layer_table(db, MODEL, gcal, SPECS, GPU, 2, 2).layers[BLOCK].fwd_s
     assert got["optimistic"] < got["median"] < got["pessimistic"]
