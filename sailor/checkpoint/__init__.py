@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         CheckpointError,
         CorruptCheckpointError,
         NoCheckpointError,
+        NonFiniteCheckpointError,
         ReshardError,
         StorageError,
     )
@@ -50,6 +51,7 @@ _LAZY: dict[str, str] = {
     "Loaded": "sailor.checkpoint.reader",
     "LocalStorage": "sailor.checkpoint.storage",
     "NoCheckpointError": "sailor.checkpoint.errors",
+    "NonFiniteCheckpointError": "sailor.checkpoint.errors",
     "ParamState": "sailor.checkpoint.state",
     "RankPlace": "sailor.checkpoint.assignment",
     "ReshardError": "sailor.checkpoint.errors",
@@ -95,6 +97,7 @@ __all__ = [
     "Loaded",
     "LocalStorage",
     "NoCheckpointError",
+    "NonFiniteCheckpointError",
     "ParamState",
     "RankPlace",
     "ReshardError",

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "NoCheckpointError",
+    "NonFiniteCheckpointError",
     "ReshardError",
     "StorageError",
 ]
@@ -39,6 +40,17 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message, retryable=False)
         self.path = path
+
+
+class NonFiniteCheckpointError(CheckpointError):
+    """A tensor to be saved holds an inf or NaN: the step is not committed (the committed
+    ones are kept). Not retryable: the same weights fail again; resume from an earlier
+    checkpoint. ``key`` names the tensor (``layer.param.kind``; '' where the committer
+    raises a writer's refusal: its message names it)."""
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(message, retryable=False)
+        self.key = key
 
 
 class ReshardError(CheckpointError):

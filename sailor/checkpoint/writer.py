@@ -7,6 +7,13 @@ Order of a save (each step durable before the next starts):
 3. the committer writes the commit marker (manifest size + SHA-256): the checkpoint exists;
 4. only then does retention delete older checkpoints and debris.
 
+A tensor holding an inf or NaN is never saved: the writer that reads it (one ``isfinite``
+reduction per tensor, on the writer thread, just before it is hashed) stops writing, reports
+the refusal in its part file instead of shards, and raises ``NonFiniteCheckpointError``
+naming the tensor and the step; the committer raises the same error as soon as it reads that
+part (it does not wait for the other writers' parts), so nothing is committed and, retention
+coming after the commit only, no older checkpoint is deleted.
+
 A crash before 3 leaves a step directory without a marker: invisible to readers, collected by
 gc. Layer files are written on parallel threads; on each, a tensor is put in its stored layout
 (into a reused buffer) and hashed per block (``blocks.py``) just before it is written, so the
@@ -35,7 +42,7 @@ from sailor.checkpoint.blocks import (
     tensor_digest,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.errors import CheckpointError
+from sailor.checkpoint.errors import CheckpointError, NonFiniteCheckpointError
 from sailor.checkpoint.format import (
     MANIFEST,
     MARKER,
@@ -116,14 +123,25 @@ def _tiles(t: torch.Tensor, major_dim: int, block_rows: int, scratch: torch.Tens
     return tensor_bytes(scratch[:nbytes])
 
 
-def _chunks(lay: _Layer, algorithm: str, scratch: ScratchPool) -> Iterator[memoryview]:
-    """The bytes of one layer file, tensor by tensor, each put in its stored layout (tiles
-    if its TP dim is not 0, ``blocks.py``) and block-hashed just before it is written (on the
-    storage's writer thread for this file); fills ``lay.entries``."""
+def _refusal(step: int, key: str) -> str:
+    return (
+        f"step {step}: tensor {key} holds a non-finite value (inf or NaN); the checkpoint "
+        "is not committed and the earlier ones are kept. Resume from an earlier checkpoint "
+        "(with a lower learning rate)"
+    )
+
+
+def _chunks(lay: _Layer, algorithm: str, scratch: ScratchPool, step: int) -> Iterator[memoryview]:
+    """The bytes of one layer file, tensor by tensor, each checked finite, put in its stored
+    layout (tiles if its TP dim is not 0, ``blocks.py``) and block-hashed just before it is
+    written (on the storage's writer thread for this file); fills ``lay.entries``."""
     buf: torch.Tensor | None = None
     try:
         offset = 0
         for pname, kind, t, tp_dim in lay.items:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                key = f"{lay.layer}.{pname}.{kind}"
+                raise NonFiniteCheckpointError(_refusal(step, key), key=key)
             major = tp_dim or 0
             nbytes = t.numel() * t.element_size()
             if major and (buf is None or buf.numel() < nbytes):
@@ -191,9 +209,15 @@ def persist_layers(
         for layer in sorted(by_layer)
     ]
     order = sorted(layers, key=lambda lay: -lay.nbytes)
-    sizes = storage.write_all(
-        [(lay.path, _chunks(lay, algorithm, pool)) for lay in order], workers=workers
-    )
+    try:
+        sizes = storage.write_all(
+            [(lay.path, _chunks(lay, algorithm, pool, step)) for lay in order], workers=workers
+        )
+    except NonFiniteCheckpointError as exc:
+        # the committer's signal, so it raises now rather than at its timeout
+        refused = ShardPart(save_id=save_id, step=step, rank=rank, refused=str(exc))
+        storage.write(f"{d}/{part_name(save_id, rank)}", [refused.model_dump_json().encode()])
+        raise
     size_of = {lay.layer: n for lay, n in zip(order, sizes, strict=True)}
     shards = []
     for lay in layers:
@@ -252,6 +276,8 @@ def commit(
             path = f"{d}/{part_name(save_id, r)}"
             if storage.exists(path):
                 parts[r] = ShardPart.model_validate_json(storage.read(path))
+                if parts[r].refused:
+                    raise NonFiniteCheckpointError(parts[r].refused)
         if len(parts) == len(writer_ranks):
             break
         if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Literal
 
 __all__ = [
+    "AGREED_ERRORS",
     "CAUSE_CHARS",
     "UNREADABLE_CHECKPOINT",
     "FailureCause",
@@ -36,6 +37,11 @@ Origin = Literal["local", "peer", "config", "unknown"]
 
 CAUSE_CHARS = 200
 """Characters of a failure kept in a node's record and quoted in a reason."""
+
+AGREED_ERRORS = ("NonFiniteGradientsError",)
+"""Error types every rank raises alike by construction, after a collective that agreed on
+them (``megatron_patch.nonfinite``: gradients non-finite too many steps in a row): the job's,
+however many nodes reported one (a one-node job's too: a spare meets the same gradients)."""
 
 UNREADABLE_CHECKPOINT = ("CorruptCheckpointError", "NoCheckpointError")
 """The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``):

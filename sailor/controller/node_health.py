@@ -27,15 +27,17 @@ audit log reproduces it. The rules:
 - A failure of the job, not of its nodes: the same cause (error type and message, numbers
   aside: ranks, sizes, steps differ) reported by at least ``JOB_WIDE_MIN_NODES`` nodes and
   by more than half of the placed nodes — a training config every rank refuses, a plan that
-  runs out of memory everywhere, a bug every rank hits. It is counted once per generation
+  runs out of memory everywhere, a bug every rank hits; and, however many nodes report it,
+  an error the ranks agreed on (``failure_text.AGREED_ERRORS``: non-finite gradients too
+  many steps in a row, a divergence). It is counted once per generation
   in ``job_health`` by the same policy: while the job is excluded, no layout is launched.
   The evidence is the failures reported so far plus the causes already counted for that
   generation, so a node counted before its peers' reports came in is taken back (its count,
   and the exclusion that count set) once they show the cause was the job's. A killed worker
   that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed launch deadline
   are the node's, however many nodes report them. With one placed node, every failure but a
-  configuration error is the node's (a SIGABRT, a stalled phase): the planner can move the
-  job to a spare, as the job's hold cannot.
+  configuration error or an agreed one is the node's (a SIGABRT, a stalled phase): the
+  planner can move the job to a spare, as the job's hold cannot.
 - A hang of the job, which nobody can be blamed for, counts against the job by the same
   policy, so it is relaunched with a backoff and a record, not at full rate forever: only
   SIGABRTs reported, by as many nodes as make a failure alike the job's, no placed node
@@ -75,6 +77,7 @@ from datetime import UTC, datetime
 from pydantic import Field, model_validator
 
 from sailor.controller.failure_text import (
+    AGREED_ERRORS,
     CAUSE_CHARS,
     FailureCause,
     abort_signal,
@@ -229,6 +232,7 @@ class Charged:
 
 
 _ALIKE = "the job's: most placed nodes failed alike"
+_AGREED = "the job's: an error every rank raises alike (agreed)"
 _CONFIG = (
     "the job's: a configuration error on several nodes, and no placed node trained with that config"
 )
@@ -286,6 +290,7 @@ def charge(
     job_why = {
         sig: _ALIKE for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed
     }
+    job_why |= {e[1]: _AGREED for n, e in evidence.items() if kind[n] in AGREED_ERRORS}
     # a bad config fails every node: the first configuration error is the job's, unless
     # another placed node trained with the same config (then it is the node's)
     # (decided when first seen: at a later pass the nodes that trained may be idle already)

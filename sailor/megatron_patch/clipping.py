@@ -15,6 +15,12 @@ picks exactly one holder of every element:
 :func:`clip_by_global_norm` sums the counted squares in float64, all-reduces them over the
 world once, and scales every local gradient by ``min(1, max_norm / (norm + 1e-6))``, the
 coefficient ``torch.nn.utils.clip_grad_norm_`` applies.
+
+The norm is also the engine's test for non-finite gradients (``nonfinite``): it is inf or NaN
+on every rank iff some rank's gradient holds an inf or NaN, its uncounted ones included (a
+replicated parameter's copy on TP rank 1 is computed apart from rank 0's; a pipeline's copy
+after a sync gone wrong). Those are checked with one ``isfinite`` reduction each (no fp64
+square) and add inf to the local sum. A non-finite norm clips nothing (the step is skipped).
 """
 
 from __future__ import annotations
@@ -56,10 +62,12 @@ def clip_by_global_norm(
     group: Any = None,
 ) -> float:
     """Scale the local gradients to a global norm of at most ``max_norm``; returns the norm
-    before clipping (the same on every rank). Collective over ``group`` (the world)."""
+    before clipping (the same on every rank; inf or NaN, and nothing scaled, when some
+    rank's gradient is). Collective over ``group`` (the world)."""
     head = stage.spec.num_all_layers - 1
     tied = stage.spec.tie_embeddings
     sq = torch.zeros(1, dtype=torch.float64, device=device)
+    finite = torch.ones(1, dtype=torch.bool, device=device)
     grads: list[torch.Tensor] = []
     for name, p in stage.keyed_parameters():
         if p.grad is None:
@@ -70,11 +78,14 @@ def clip_by_global_norm(
             # square would be 16 GB of transient GPU memory (a chunk is 64 MB)
             for chunk in torch.split(p.grad.detach().reshape(-1), _CHUNK):
                 sq += chunk.double().pow(2).sum()
+        else:
+            finite &= torch.isfinite(p.grad).all()
+    sq.masked_fill_(~finite, math.inf)  # an uncounted inf or NaN makes the norm inf
     comm.all_reduce(sq, group=group)
     synchronize(sq.device)  # abortable where the host waits (in-place workers)
     norm = math.sqrt(float(sq.item()))
     coef = max_norm / (norm + _EPS)
-    if coef < 1.0:
+    if math.isfinite(norm) and coef < 1.0:
         for g in grads:
             g.mul_(coef)
     return norm

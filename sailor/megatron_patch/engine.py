@@ -10,7 +10,11 @@ One iteration on every rank:
    pipeline by the samples it processed;
 4. optionally, clipping by the global gradient norm (``clipping``: each element counted once
    whatever the layout, so equal to single-process clipping);
-5. AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
+5. the non-finite check, agreed by every rank (``nonfinite``: the clipping norm, else one
+   all-reduce MAX of a flag): an iteration whose gradients hold an inf or NaN on any rank
+   skips its update on every rank, up to ``max_nonfinite_skips`` in a row, then every rank
+   raises ``NonFiniteGradientsError``; otherwise the
+   AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
    full step) at the learning rate of the schedule for this step (``ScheduleConfig.lr_at``, a pure
    function of ``step``: a resumed run continues the schedule exactly), with weight decay
    per group (``optim.param_groups``);
@@ -35,7 +39,8 @@ Interfaces others use (keep stable):
 Precision (``precision``): fp32 on CPU; on GPU bf16 autocast with fp32 master weights and
 fp32 optimizer state where the GPU has bf16, else fp16 autocast with a dynamic loss scale
 whose overflow skip is agreed by every rank (``precision.LossScaler``; in any precision with
-``loss_scaling.mode='dynamic'``). A skipped iteration still advances ``step`` and the data
+``loss_scaling.mode='dynamic'``); without a scaler, the non-finite check above skips alike. A
+skipped iteration still advances ``step`` and the data
 (as Megatron's): ``skipped_steps`` counts them, AdamW has taken ``adam_step`` steps, and
 both they and the scale survive checkpoints and re-layouts (``scaling_state``).
 
@@ -68,6 +73,7 @@ from sailor.megatron_patch.data import (
 from sailor.megatron_patch.grad_sync import sync_gradients
 from sailor.megatron_patch.groups import ProcessGroups
 from sailor.megatron_patch.model import GPTStage
+from sailor.megatron_patch.nonfinite import SkipStreak, agree_nonfinite
 from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.precision import (
     LossScaler,
@@ -80,6 +86,7 @@ from sailor.megatron_patch.precision import (
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.schedule import P2P, run_1f1b, run_forward
 from sailor.megatron_patch.state import place
+from sailor.megatron_patch.vocab_parallel import check_labels
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -129,6 +136,12 @@ class TrainConfig(Frozen):
         default_factory=LossScalingConfig,
         description="Dynamic loss scaling: under fp16 by default, in any precision if asked.",
     )
+    max_nonfinite_skips: int = Field(
+        default=3,
+        ge=0,
+        description="Iterations in a row whose non-finite gradients every rank skips; the "
+        "next one raises NonFiniteGradientsError (0: the first one does).",
+    )
 
     @classmethod
     def of(cls, tc: TrainingConfig) -> TrainConfig:
@@ -148,6 +161,7 @@ class TrainConfig(Frozen):
             eval_every=tc.eval.every_steps,
             eval_batches=tc.eval.batches,
             loss_scaling=tc.loss_scaling,
+            max_nonfinite_skips=tc.nonfinite.max_skips,
         )
 
 
@@ -200,7 +214,8 @@ class StepResult:
     microbatches: int = 0
     """Microbatches this rank ran."""
     skipped: bool = False
-    """Every rank skipped this iteration's update: a gradient overflowed under the scale."""
+    """Every rank skipped this iteration's update: a gradient held an inf or NaN on some rank
+    (under a loss scale: overflowed)."""
     loss_scale: float | None = None
     """The loss scale this iteration ran under (None without loss scaling)."""
 
@@ -300,12 +315,24 @@ class Trainer:
             else None
         )
         self.skipped_steps = 0
-        """Iterations whose update every rank skipped for an overflow (AdamW took
-        ``step - skipped_steps`` steps): checkpointed, carried across re-layouts."""
+        """Iterations whose update every rank skipped for an overflow or a non-finite gradient
+        (AdamW took ``step - skipped_steps`` steps): checkpointed, carried across re-layouts."""
+        self.nonfinite = SkipStreak(cfg.max_nonfinite_skips)
+        """Non-finite iterations skipped in a row (not checkpointed)."""
+        self.after_grad_sync: Callable[[Trainer], None] | None = None
+        """Test hook: called after the gradient sync, before clipping and the optimizer step
+        (tests put an inf or NaN into one rank's gradient)."""
         self.spans = SpanTimer(device)
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.data.batch(microbatch_indices(self.role, self.consumed_samples, mb))
+        return self._batch(microbatch_indices(self.role, self.consumed_samples, mb), self.data)
+
+    def _batch(self, indices: range, data: TokenSource) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data.batch(indices)
+        # on the host, before the copy: no device sync in the hot loop (at TP > 1 the loss
+        # would take an id out of range silently; on a GPU, F.cross_entropy's is a device
+        # assert that kills the process without a message)
+        check_labels(y, self.spec.vocab_size)
         return to_device(x, self.device), to_device(y, self.device)
 
     def _clip(self) -> None:
@@ -314,23 +341,36 @@ class Trainer:
         )
 
     def _optimizer_step(self) -> tuple[float, bool]:
-        """AdamW at this step's rate, after clipping; under fp16 only if no rank overflowed
+        """AdamW at this step's rate, after clipping, unless some rank's gradient holds an inf
+        or NaN (agreed by every rank: ``nonfinite``); under fp16 only if no rank overflowed
         (agreed), gradients unscaled (then clipped) first. Returns the rate and whether the
-        step was skipped (an overflow on some rank)."""
+        step was skipped; raises ``NonFiniteGradientsError`` on every rank past the limit of
+        skips in a row."""
         lr = self.cfg.schedule.lr_at(self.step, self.cfg.lr)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         clip = self._clip if self.cfg.clip_grad_norm > 0 else None
+        params = list(self.stage.parameters())
         if self.scaler is None:
             if clip is not None:
                 clip()
-            self.optimizer.step()
-            return lr, False
-        params = list(self.stage.parameters())
-        if scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip):
-            return lr, False
-        self.skipped_steps += 1
-        return lr, True
+            norm = self.last_grad_norm if clip is not None else None
+            skipped = agree_nonfinite(params, self.device, norm)
+            at_floor = True
+            if skipped:
+                self.optimizer.zero_grad(set_to_none=False)
+            else:
+                self.optimizer.step()
+        else:
+            # an overflow above the scale's floor is the scaler's (it halves the scale); one
+            # at the floor is divergence, counted as a non-finite step
+            at_floor = self.scaler.scale <= self.scaler.min_scale
+            taken = scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip)
+            skipped = not taken
+        if skipped:
+            self.skipped_steps += 1
+        self.nonfinite.observe(self.step + 1, skipped, at_floor)
+        return lr, skipped
 
     @property
     def adam_step(self) -> int:
@@ -375,8 +415,7 @@ class Trainer:
             pos = k * self.plan.global_batch_size
 
             def get(mb: int, pos: int = pos) -> tuple[torch.Tensor, torch.Tensor]:
-                x, y = self.eval_data.batch(microbatch_indices(self.role, pos, mb))
-                return to_device(x, self.device), to_device(y, self.device)
+                return self._batch(microbatch_indices(self.role, pos, mb), self.eval_data)
 
             local = run_forward(
                 self.stage, self.role, self.p2p, get, self.loss_scale, self._autocast
@@ -404,6 +443,8 @@ class Trainer:
         t1 = timestamp(self.device)
         spans = self.spans.collect()  # after the sync: every span's events are done
         sync_gradients(self.stage, self.groups.sync)
+        if self.after_grad_sync is not None:
+            self.after_grad_sync(self)
         t2 = timestamp(self.device)
         lr, skipped = self._optimizer_step()
         t3 = timestamp(self.device)

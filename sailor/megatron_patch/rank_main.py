@@ -20,9 +20,9 @@ need not import ``transformers``) wins over the config's model.
 ``{rank}`` in a path is replaced by the rank. Progress is one JSON object per iteration
 (``{"event": "step", "rank", "step", "consumed_samples", "loss", "samples_per_s", "step_s",
 "compute_s", "sync_s", "optim_s", "fwd_s", "bwd_s", "p2p_s", "microbatches", "skipped",
-"loss_scale", "precision", "time"}``: ``skipped`` says every rank skipped the update for a
-gradient overflow under ``loss_scale``; ``fwd_s``/``bwd_s`` are this rank's compute per
-microbatch, ``p2p_s`` its time in
+"loss_scale", "precision", "time"}``: ``skipped`` says every rank skipped the update for an
+inf or NaN gradient (an overflow under ``loss_scale``); ``fwd_s``/``bwd_s`` are this rank's
+compute per microbatch, ``p2p_s`` its time in
 pipeline exchanges; the agent carries their medians to the controller for online
 calibration) plus ``{"event": "ready", "setup_s", ...}`` once the groups and the stage are
 built and ``{"event": "done", ...}`` at the end; rank 0 also prints them to stdout. On
@@ -184,12 +184,14 @@ __all__ = [
 def optimizer_metrics(res: StepResult, skipped_steps: int) -> dict[str, float | int]:
     """What the metrics add to a step's throughput figures: the gradient norm (with
     clipping) and, with loss scaling, the scale the step ran under and the steps skipped so
-    far (Megatron logs the same; a scale that keeps falling means overflowing gradients)."""
+    far (Megatron logs the same; a scale that keeps falling means overflowing gradients);
+    without, the steps skipped for non-finite gradients once there is one."""
     out: dict[str, float | int] = {}
     if res.grad_norm is not None:
         out["grad_norm"] = res.grad_norm
     if res.loss_scale is not None:
         out["loss_scale"] = res.loss_scale
+    if res.loss_scale is not None or skipped_steps:
         out["skipped_steps"] = skipped_steps
     return out
 

@@ -28,8 +28,14 @@ loss and zero gradients, as ``F.cross_entropy`` gives. The mean is per microbatc
 then weights microbatches by samples): with ignored labels spread unevenly, the step's
 gradient depends on how the batch is cut into microbatches (Megatron divides by the batch's
 count of kept tokens instead). The data sources produce no ignored labels today. Other token
-ids and labels are ids of the real vocabulary (the data sources check them): an id out of
-range is not detected at TP > 1.
+ids and labels are ids of the real vocabulary (the data sources check them). A label out of
+``[0, V)`` that is not the ignore index is refused by :func:`check_labels` with the same
+``LabelOutOfRangeError`` at every TP degree and on every rank that holds the labels (they
+are the same on every TP rank: no collective): at TP > 1 the split loss would otherwise
+take it silently (no rank's rows hold it), and on a GPU ``F.cross_entropy``'s check is a
+device assert that kills the process without a message. :func:`vocab_cross_entropy` checks
+labels on the host itself; the engine checks each microbatch's on the host before copying it
+to the GPU (a check of device labels would sync the device in the hot loop).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from sailor.schemas.model import VOCAB_MULTIPLE, padded_vocab
 __all__ = [
     "IGNORE_INDEX",
     "VOCAB_MULTIPLE",
+    "LabelOutOfRangeError",
+    "check_labels",
     "embed",
     "pad_rows",
     "padded_vocab",
@@ -58,6 +66,24 @@ __all__ = [
 
 IGNORE_INDEX = -100
 """A label the loss leaves out (``F.cross_entropy``'s ``ignore_index`` default)."""
+
+
+class LabelOutOfRangeError(ValueError):
+    """A label id outside the vocabulary that is not :data:`IGNORE_INDEX` (bad data)."""
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise :class:`LabelOutOfRangeError` naming the first label outside ``[0,
+    vocab_size)`` that is not :data:`IGNORE_INDEX`. Reads the values: call it on host labels
+    (on a GPU tensor it waits for the device)."""
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        first = int(labels[bad].reshape(-1)[0])
+        raise LabelOutOfRangeError(
+            f"label id {first} is outside the vocabulary [0, {vocab_size}) and is not the "
+            f"ignore index {IGNORE_INDEX} ({int(bad.sum())} such label(s) in the batch): the "
+            "data was tokenized with another vocabulary, or the model's vocab_size is too small"
+        )
 
 
 def rows_per_rank(vocab_size: int, tp: TPContext) -> int:
@@ -176,7 +202,11 @@ def vocab_cross_entropy(
     the labels that are not :data:`IGNORE_INDEX` (NaN when every label is, as
     ``F.cross_entropy``).
 
-    At TP 1, ``F.cross_entropy`` over the real vocabulary's columns."""
+    At TP 1, ``F.cross_entropy`` over the real vocabulary's columns. A label out of range
+    raises :class:`LabelOutOfRangeError` at every TP degree (checked here for host labels;
+    the engine checks device labels on the host before the copy)."""
+    if labels.device.type == "cpu":
+        check_labels(labels, vocab_size)
     rows = logits.shape[-1]
     flat, target = logits.reshape(-1, rows), labels.reshape(-1)
     if tp.size == 1:

@@ -141,6 +141,11 @@ class ShardPart(WireMessage):
     rank: int = Field(ge=0, description="Writer rank (index among the writers).")
     shards: tuple[ShardEntry, ...] = Field(default=(), description="Shards it wrote.")
     persist_s: float = Field(default=0.0, ge=0, description="Seconds it spent persisting.")
+    refused: str = Field(
+        default="",
+        description="Why this writer refused the step (a non-finite tensor), '' if it did "
+        "not: the committer then commits nothing and raises it, without waiting for the rest.",
+    )
 
 
 class CheckpointManifest(WireMessage):

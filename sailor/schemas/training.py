@@ -36,6 +36,7 @@ __all__ = [
     "MetricsConfig",
     "ModelSource",
     "NoDecay",
+    "NonFiniteConfig",
     "OptimizerConfig",
     "ScheduleConfig",
     "SpecFileModel",
@@ -265,6 +266,23 @@ class LossScalingConfig(Frozen):
     min_loss_scale: float = Field(default=1.0, gt=0, description="The scale's floor.")
 
 
+class NonFiniteConfig(Frozen):
+    """What a run does with an iteration whose gradients hold an inf or NaN on any rank.
+
+    Every rank skips its update (weights and Adam moments untouched, the step and the data
+    advance), up to ``max_skips`` iterations in a row; the next one in a row stops the run on
+    every rank with ``NonFiniteGradientsError``. Under fp16 the loss scaler's overflow skips
+    are not counted unless the scale is at ``min_loss_scale`` already.
+    """
+
+    max_skips: int = Field(
+        default=3,
+        ge=0,
+        description="Iterations in a row with non-finite gradients that are skipped; the "
+        "next one stops the run (0: the first one does).",
+    )
+
+
 class EvalConfig(Frozen):
     """Validation loss during training."""
 
@@ -324,6 +342,9 @@ class TrainingConfig(WireMessage):
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Clipping.")
     loss_scaling: LossScalingConfig = Field(
         default_factory=LossScalingConfig, description="Dynamic loss scaling (fp16)."
+    )
+    nonfinite: NonFiniteConfig = Field(
+        default_factory=NonFiniteConfig, description="Non-finite gradients: skip, then stop."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
     checkpoint: CheckpointConfig = Field(

@@ -157,9 +157,13 @@ async def test_training_source_shares_the_plan_read_and_checks_the_digest() -> N
 
 def _v1_digest(config: TrainingConfig) -> str:
     """``training_digest`` as the release that wrote wire version 1 computes it (its agents
-    run this): the SHA-256 of its own reading of the config, which is version 1."""
+    run this): the SHA-256 of its own reading of the config, which is version 1 and has
+    none of the top-level fields added since (``nonfinite``; at their defaults here)."""
+    added = set(type(config).model_fields) - _FIELDS_AT_V1["TrainingConfig"]
     return hashlib.sha256(
-        config.model_copy(update={"schema_version": 1}).model_dump_json().encode()
+        config.model_copy(update={"schema_version": 1})
+        .model_dump_json(exclude=added or None)
+        .encode()
     ).hexdigest()
 
 

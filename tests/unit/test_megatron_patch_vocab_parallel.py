@@ -18,6 +18,8 @@ from sailor.megatron_patch.tp_layers import TPContext, tp_dim_of
 from sailor.megatron_patch.vocab_parallel import (
     IGNORE_INDEX,
     VOCAB_MULTIPLE,
+    LabelOutOfRangeError,
+    check_labels,
     pad_rows,
     padded_vocab,
     real_rows,
@@ -187,3 +189,35 @@ def test_every_label_ignored_gives_nan_and_zero_gradients_as_tp1(tmp_path: Path)
     one.backward()
     assert torch.isnan(one) and logits.grad is not None and not logits.grad.any()
     spawn(_all_ignored_worker, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
+def _bad_label_worker(rank: int, world: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        tp = TPContext(size=world, rank=rank, group=dist.group.WORLD)
+        logits = torch.randn(4, 32, requires_grad=True)
+        labels = torch.tensor([3, IGNORE_INDEX, 70, 5])  # 70: outside a vocabulary of 64
+        try:
+            vocab_cross_entropy(logits, labels, 64, tp)
+        except LabelOutOfRangeError as exc:
+            Path(out, f"{rank}.txt").write_text(str(exc))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad", [64, 70, -1])
+def test_a_label_out_of_the_vocabulary_is_refused_at_tp1(bad: int) -> None:
+    logits = torch.randn(3, 64)
+    with pytest.raises(LabelOutOfRangeError, match=rf"label id {bad} .*\[0, 64\)"):
+        vocab_cross_entropy(logits, torch.tensor([1, bad, IGNORE_INDEX]), 64, TPContext())
+    check_labels(torch.tensor([0, 63, IGNORE_INDEX]), 64)  # the ignore index is no error
+
+
+def test_a_label_out_of_the_vocabulary_is_refused_alike_on_every_tp_rank(
+    tmp_path: Path,
+) -> None:
+    """Before, TP 2 took label 70 silently: inside no rank's rows, its target logit was 0."""
+    spawn(_bad_label_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    texts = [(tmp_path / f"{r}.txt").read_text() for r in (0, 1)]
+    assert texts[0] == texts[1]
+    assert "label id 70" in texts[0] and "[0, 64)" in texts[0]
