@@ -4,7 +4,11 @@ than the highest seen, is refused; a higher epoch is persisted (the fence) befor
 is applied; each command id is applied at most once (a repeat gets the first ack back, marked
 duplicate); a Launch reads its plan and training config first (``plan_source``); a command
 that fails is refused with its cause, and once the agent is shutting down every command is.
-Every refusal is on record twice: its ack and a journal line.
+Every refusal is on record twice: its ack and a journal line. No command waits for a kill:
+an Abort is acked once its signals are sent (the kill's end is in the status: ``killing``,
+then idle or the OutlivedKill failure), and a Launch while a kill is under way is refused
+at once (docs/runtime.md#aborts-and-kills); every command behind them waited up to the
+teardown bound before.
 
 ``AgentCommands`` is a part of :class:`~sailor.agent.daemon.Agent` (a mixin over its node,
 supervisor, fence, plan source and record of applied commands). Must never import the
@@ -94,6 +98,11 @@ class AgentCommands:
                 return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
         self.max_epoch = cmd.epoch
         if isinstance(cmd, Launch):
+            if self.supervisor.kill_under_way:
+                # no rank starts on a GPU a killed worker's process may still hold, and the
+                # launch does not wait for them here (that held every command to this node
+                # up to the teardown bound): refused, not applied; the controller re-sends it
+                return self._refuse(cmd.command_id, _being_killed(self.supervisor.killing))
             try:  # a Launch names its plan; read it from etcd (cached by plan id)
                 plan = await self._plans.resolve(cmd)
             except TemporaryError as exc:  # not applied: the controller re-sends it
@@ -112,12 +121,19 @@ class AgentCommands:
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
             self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below)
-        elif isinstance(cmd, Abort):
-            await self.supervisor.abort(hold=cmd.hold)
+        reason = ""
+        if isinstance(cmd, Abort):
+            # acked once the signals are sent (a hold: once the workers held or the grace
+            # period passed): the kill's end is in the status (``killing``, then idle, or
+            # the OutlivedKill failure past the teardown bound), not in this ack
+            await self.supervisor.abort(hold=cmd.hold, wait=False)
+            if self.supervisor.killing:
+                reason = f"signals sent: {_being_killed(self.supervisor.killing)}"
         ack = CommandAck(
             command_id=cmd.command_id,
             node_id=self.node.node_id,
             accepted=True,
+            reason=reason,
             epoch_seen=self.max_epoch,
         )
         self.applied[cmd.command_id] = ack
@@ -142,6 +158,14 @@ class AgentCommands:
             reason=reason,
             epoch_seen=self.max_epoch,
         )
+
+
+def _being_killed(groups: int) -> str:
+    """Why a Launch waits: the killed workers' processes are not gone yet."""
+    return (
+        f"workers being killed: {groups} process group(s) not gone yet (the status reports "
+        "killing until they are; no rank starts on their GPUs meanwhile)"
+    )
 
 
 def _command_id(data: bytes) -> str:

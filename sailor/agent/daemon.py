@@ -326,6 +326,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             saved_step=sup.saved_step,
             failure=(sup.failure or sup.held_failure)[:4000],
             held_step=sup.held_step if state == "held" else -1,
+            killing=sup.killing,
             spares=sup.spares_ready,
             spares_wanted=sup.spares_wanted,
             notice=self.notice,

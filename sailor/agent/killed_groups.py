@@ -166,8 +166,9 @@ class KilledGroups:
         """``teardown.group_members`` (tests stand in a process that outlives SIGKILL: none
         can on a machine without a GPU)."""
         self.closed = False
-        """The supervisor is closing: a kill waits ``kill_grace_s`` after SIGKILL, no more
-        (nothing starts after a close, and the agent's stop must stay short)."""
+        """The supervisor is closing: a kill waits ``kill_grace_s`` after SIGKILL, no more,
+        one under way too (nothing starts after a close, and the agent's stop must stay
+        short)."""
         self._tasks = tasks
         """The supervisor's: the periodic recheck runs there (its close ends it)."""
         self._on_record = on_record
@@ -179,6 +180,8 @@ class KilledGroups:
         """Kills under way: while any is, no worker starts (``gate``)."""
         self._killed = asyncio.Event()
         self._killed.set()
+        self._going: set[int] = set()
+        """The process groups of the kills under way (``going``)."""
         self._sigkilled: dict[int, _Killed] = {}
         """Process groups SIGKILLed and not yet found gone, by pgid (in ``KILLED_FILE``)."""
         self._lingering: dict[int, _Killed] = {}
@@ -193,25 +196,51 @@ class KilledGroups:
         in-place launch: at the next launch or abort)."""
         return self._record
 
+    @property
+    def going(self) -> int:
+        """Process groups being killed now: signalled, neither found gone yet nor past the
+        teardown bound (those linger: ``record``). The agent's status reports it."""
+        return len(self._going)
+
+    @property
+    def killing(self) -> bool:
+        """A kill is under way: no worker may start (``gate`` waits for it)."""
+        return self._killing > 0
+
     async def kill(self, workers: Sequence[Killable], report: bool = True) -> None:
         """SIGTERM ``workers``' process groups; SIGKILL the groups not gone after the grace
         period; then wait until every process of them is gone, at most ``teardown_timeout_s``
         (``kill_grace_s`` once closed: nothing starts after a close, and the agent's stop
         must stay short). No worker starts meanwhile. A process still there then lingers
         (its record the failure at once if ``report``), and no worker starts until it is
-        gone.
+        gone. :meth:`signal` and :meth:`finish`, one after the other.
 
         Only the groups of workers not yet reaped are signalled: the pid of one reaped
         earlier may belong to another process by now."""
+        await self.finish(self.signal(workers), report)
+
+    def signal(self, workers: Sequence[Killable]) -> list[Killable]:
+        """The start of a kill, at once (no await): SIGTERM to the groups of ``workers`` not
+        yet reaped, which are returned; from now until :meth:`finish` of them has returned
+        no worker starts (``gate``). Each call with workers to kill must be followed by
+        :meth:`finish` of what it returned (it ends the kill)."""
         alive = [w for w in workers if w.exit_code is None]
         if not alive:
-            return
+            return alive
         self._killing += 1
         self._killed.clear()
+        for w in alive:
+            self._going.add(w.proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, signal.SIGTERM)
+        return alive
+
+    async def finish(self, alive: Sequence[Killable], report: bool = True) -> None:
+        """The rest of the kill :meth:`signal` began on ``alive``: the grace period, SIGKILL,
+        the wait for the groups to go (see :meth:`kill`)."""
+        if not alive:
+            return
         try:
-            for w in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(w.proc.pid, signal.SIGTERM)
             left, _ = await self._until_gone(alive, self.kill_grace_s)
             if not left:
                 return
@@ -236,6 +265,7 @@ class KilledGroups:
                 self._linger(left, elapsed, report)
             self._save()
         finally:
+            self._going.difference_update(w.proc.pid for w in alive)
             self._killing -= 1
             if not self._killing:
                 self._killed.set()
@@ -264,6 +294,8 @@ class KilledGroups:
         delay = 0.01
         try:
             while True:
+                if self.closed:  # closing meanwhile: the agent's stop must stay short
+                    bound_s = min(bound_s, self.kill_grace_s)
                 pending = [f for f in waits if not f.done()]
                 if pending:
                     left_s = start + bound_s - loop.time()

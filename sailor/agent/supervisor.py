@@ -17,7 +17,9 @@ outlives SIGKILL for tens of seconds and holds its GPU meanwhile). One still the
 rank until it is gone: it is probed again at each launch and abort and every ``recheck_s``,
 and once it is gone the failure is withdrawn and the spares come back. A restarted agent
 (``restore_killed``) finds the groups its previous incarnation killed and did not see go
-(``killed.json`` in the run directory). The first abnormal exit's cause (error file, else the
+(``killed.json`` in the run directory). ``abort(wait=False)`` returns once the signals are
+sent, the kill going on in a task (its workers leave the generation at once; ``killing``
+counts their groups). The first abnormal exit's cause (error file, else the
 stderr tail) is kept for the agent to report. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
@@ -55,7 +57,7 @@ import itertools
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -63,6 +65,7 @@ import structlog
 from sailor.agent.killed_groups import (
     KILLED_FILE,
     TEARDOWN_TIMEOUT_S,
+    Killable,
     KilledGroups,
     WorkerTeardownError,
 )
@@ -164,6 +167,10 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         is being killed or lingers past the teardown bound (its record is the failure)."""
         self._leftovers: list[WorkerView] = []
         """Held workers an in-place launch had no rank for, being killed in the background."""
+        self._doomed: list[WorkerView] = []
+        """Workers an abort is killing in the background (``abort(wait=False)``)."""
+        self._kills: set[asyncio.Task[None]] = set()
+        """The aborts' kills under way."""
         self.generation = -1
         self.plan_id = ""
         self.start_step = -1
@@ -446,13 +453,33 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         finally:
             self._leftovers = [w for w in self._leftovers if w not in leftovers]
 
-    async def abort(self, hold: bool = False) -> None:
+    @property
+    def killing(self) -> int:
+        """Worker process groups being killed now (``KilledGroups.going``): signalled, not
+        yet found gone nor past the teardown bound. The status reports it."""
+        return self.killed_groups.going
+
+    @property
+    def kill_under_way(self) -> bool:
+        """A kill is under way (an abort's, a launch's leftovers'): no worker starts until
+        it is over (``KilledGroups.gate``)."""
+        return self.killed_groups.killing
+
+    async def abort(self, hold: bool = False, wait: bool = True) -> None:
         """Kill every worker (SIGTERM, SIGKILL after the grace period, then the wait until
         their processes are gone: ``KilledGroups.kill``) and forget them. With
         ``hold`` (in-place workers only): ask them to leave their world and hold instead
         (SIGUSR1), killing only those that do not hold within the grace period. Processes
         that outlived an earlier kill are probed again: the failure is theirs while they
-        are there, and goes with them."""
+        are there, and goes with them.
+
+        Without ``wait``: return once the signals are sent (after the hold's grace period,
+        with ``hold``); the rest of the kill goes on in a task of the supervisor's. The
+        workers being killed leave ``workers`` at once; meanwhile the state is ``stopped``
+        (``failed`` if a worker failed), ``killing`` counts their groups and no worker
+        starts. An abort while one is under way waits for it (``wait``) or adds nothing."""
+        if wait:
+            await self._kills_over()
         if hold and self.in_place and self.workers:
             self.failure = self.killed_groups.record
             waiting = [w for w in self.workers if w.exit_code is None and not w.held]
@@ -468,26 +495,44 @@ class Supervisor(SupervisorStatus, WorkerOutput):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), left)
             self.expect_exit = True
-            await self.killed_groups.kill([w for w in self.workers if not w.held])
+            doomed = [w for w in self.workers if not w.held]
             self.workers = [w for w in self.workers if w.held and w.exit_code is None]
             for w in self.workers:  # asked to: the controller knows why (no failure report)
                 w.broken = ""
-            await self.killed_groups.recheck()
-            self.failure = self.killed_groups.record
-            self.changed.set()
-            return
-        self.expect_exit = True
-        await self.killed_groups.kill(self.workers)
-        self.workers = []
-        await self.killed_groups.recheck()
-        self.failure = self.killed_groups.record  # a process that outlived SIGKILL stays reported
+        else:
+            self.expect_exit = True
+            doomed, self.workers = self.workers, []
+        self._doomed.extend(doomed)
+        signalled = self.killed_groups.signal(doomed)  # SIGTERM now, before this returns
+        kill = self._tasks.spawn("abort", self._end_abort(doomed, signalled))
+        self._kills.add(kill)
+        kill.add_done_callback(self._kills.discard)
         self.changed.set()
+        if wait:
+            await self._kills_over()
+
+    async def _end_abort(self, doomed: list[WorkerView], alive: Sequence[Killable]) -> None:
+        """The rest of an abort's kill (``KilledGroups.finish``), then the failure: a
+        process that outlived SIGKILL stays reported."""
+        try:
+            await self.killed_groups.finish(alive)
+        finally:
+            self._doomed = [w for w in self._doomed if w not in doomed]
+        await self.killed_groups.recheck()
+        self.failure = self.killed_groups.record
+        self.changed.set()
+
+    async def _kills_over(self) -> None:
+        """Until the aborts' kills under way are over (not cancelled with the caller)."""
+        while self._kills:
+            await asyncio.wait([asyncio.shield(t) for t in list(self._kills)])
 
     async def close(self) -> None:
         """Kill the workers and the spares; end every task (the agent is shutting down). A
         launch still going on starts no more workers, and those it started are killed.
         Processes that outlive it stay in ``KILLED_FILE`` for the next agent."""
         self.closed = self.killed_groups.closed = True
+        await self._kills_over()  # closed: within the grace period after their SIGKILL
         await self.killed_groups.kill(self._launching)
         await self.abort()
         await self.killed_groups.kill(self.spares)

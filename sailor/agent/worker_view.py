@@ -62,6 +62,7 @@ class SupervisorStatus:
 
     workers: list[WorkerView]
     spares: list[WorkerView]
+    _doomed: list[WorkerView]
     failure: str
     warm_spares: int
     _spare_failures: int
@@ -70,8 +71,8 @@ class SupervisorStatus:
     def state(self) -> str:
         if self.failure:
             return "failed"
-        if not self.workers:
-            return "idle"
+        if not self.workers:  # an abort's kill under way: its workers are not gone yet
+            return "stopped" if self._doomed else "idle"
         alive = [w for w in self.workers if w.exit_code is None]
         if alive and all(w.held for w in alive) and len(alive) == len(self.workers):
             return "held"

@@ -374,6 +374,8 @@ def _still(st: AgentStatus, acked: bool) -> str:
     """What a node holding up a teardown past its deadline still reports."""
     what = f"still {st.state} (generation {st.generation}) at the teardown deadline, "
     what += "its Abort acked" if acked else "its Abort not acked"
+    if st.killing:
+        what += f", {st.killing} worker process group(s) still being killed"
     if st.failure:
         what += f": {parse_failure(st.failure).summary}"
     return what
@@ -388,14 +390,19 @@ def miss_deadline(
     policy: ExclusionPolicy,
 ) -> tuple[DesiredState, str] | None:
     """Past the teardown's deadline: ``d`` with each node still ``busy`` whose Abort was not
-    acked (and not excluded already) charged and excluded, and why; None when there is none
-    (the teardown goes on without them as it is). A node that acked is done: its agent acks
-    only once its kill is over, and its status may lag.
+    acked, or that still reports workers being killed (``AgentStatus.killing``: its agent
+    acks an Abort once the signals are sent, not once the kill is over), and not excluded
+    already, charged and excluded, and why; None when there is none (the teardown goes on
+    without them as it is). Any other node that acked is done: its status may lag.
 
     Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
     it out. Before, TEARDOWN waited for such nodes for good."""
     out = excluded(d.node_health, now)
-    owed = {n: _still(status[n], False) for n in busy if n not in out and n not in acked}
+    owed = {
+        n: _still(status[n], n in acked)
+        for n in busy
+        if n not in out and (n not in acked or status[n].killing)
+    }
     if not owed:
         return None
     c = miss_teardown(d, owed, now, policy)

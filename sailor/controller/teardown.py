@@ -95,7 +95,7 @@ def teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if in_place:
         # Workers leave their world and hold (kept for the in-place launch); held ones wait,
         # unless the next layout does not use their node (then they are let go).
-        busy = sorted(n for n, st in live.items() if st.state not in ("idle", "held"))
+        busy = sorted(n for n, st in live.items() if st.state not in ("idle", "held") or st.killing)
         for n in busy:
             abort(n, hold=True)
         if d.next_plan is not None:
@@ -103,7 +103,9 @@ def teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
                 if st.state == "held" and n not in d.next_placement:
                     abort(n, hold=False)
     else:
-        busy = sorted(n for n, st in live.items() if st.state != "idle")
+        # a node killing workers is busy whatever its state: its Abort is acked once the
+        # signals are sent, and a killed rank holds its GPU until its process is gone
+        busy = sorted(n for n, st in live.items() if st.state != "idle" or st.killing)
         for n in busy:
             abort(n, hold=False)
     for n in sorted(o.notices):

@@ -282,6 +282,13 @@ class AgentStatus(WireMessage):
         description="State ``held``: the step the workers hold the state of (for a world that "
         "broke, the last step they completed).",
     )
+    killing: int = Field(
+        default=0,
+        ge=0,
+        description="Worker process groups being killed now (an Abort is acked once their "
+        "signals are sent): not yet gone, nor past the agent's teardown bound (then the "
+        "failure is OutlivedKill). No worker starts on the node while it is above 0.",
+    )
     spares: int = Field(default=0, ge=0, description="Warm spare worker processes ready now.")
     spares_wanted: int = Field(
         default=0, ge=0, description="Warm spares the agent keeps (AgentConfig.warm_spares)."
@@ -312,7 +319,11 @@ class CommandAck(WireMessage):
     node_id: str = Field(default="", description="Replying node.")
     accepted: bool = Field(description="Applied now or earlier (idempotent replay).")
     duplicate: bool = Field(default=False, description="Command id already applied before.")
-    reason: str = Field(default="", max_length=1024, description="Why refused.")
+    reason: str = Field(
+        default="",
+        max_length=1024,
+        description="Why refused; on an accepted Abort whose kill goes on, that it does.",
+    )
     epoch_seen: int = Field(default=0, ge=0, description="Highest epoch the agent has seen.")
 
 

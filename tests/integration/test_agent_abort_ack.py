@@ -1,0 +1,169 @@
+"""An agent's Abort is acked once its kill has begun, not once it is over.
+
+A real agent (real secure nats-server and etcd, a real worker process) is sent its commands
+over NATS as the controller sends them. Its worker is killed at an Abort; the probe reports
+the worker's process still there in state D for ``STUCK_S`` after its SIGKILL (what a rank
+in the GPU driver's teardown shows; none outlives SIGKILL on this machine), which is shorter
+than the teardown bound: it goes in the end, as most do.
+
+Before, the Abort's ack came once the kill was over (grace period + the driver's teardown,
+up to ~126 s on a GPU node), and every command to the node waited behind it (the agent's
+command lock, and the NATS subscription, which hands its messages over one at a time): a
+Stop sent meanwhile was answered only after it. Now the ack comes once the signals are sent
+and says so; the node's status tells the rest (``killing``: the process groups still going,
+then idle); a Launch meanwhile is refused at once with the reason, and starts nothing on the
+GPU until the process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.agent.daemon import Agent
+from sailor.agent.teardown import group_members
+from sailor.coordination import Keys, NatsCommands, connect_etcd, connect_nats
+from sailor.localservers import LocalServers
+from sailor.schemas.commands import Abort, CommandAdapter, Launch, Stop
+from sailor.schemas.runtime import AgentStatus, CommandAck
+from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.test_worker_signals import PLAN, launch_of
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+STUCK_S = 4.0
+"""How long the killed worker's process stays (simulated) in state D after its SIGKILL."""
+
+_SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> Any:
+    c = Cluster(tmp_path, servers)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def _stuck_for(seconds: float) -> tuple[Callable[..., dict[int, dict[int, str]]], list[float]]:
+    """The real probe, but the killed groups have their leader still there in state D (past
+    SIGTERM and SIGKILL) until ``seconds`` after the first probe (the kill's); and that time."""
+    first: list[float] = []
+
+    def probe(pgids: list[int], born_by: dict[int, int] | None = None) -> dict[int, dict[int, str]]:
+        found = group_members(pgids, born_by) if born_by else group_members(pgids)
+        first[:] = first or [time.monotonic()]
+        if time.monotonic() - first[0] < seconds:
+            for pgid in pgids:
+                found.setdefault(pgid, {})[pgid] = "D"
+        return found
+
+    return probe, first
+
+
+async def _request(commands: NatsCommands, cmd: Any, timeout: float = 30.0) -> CommandAck:
+    raw = await commands.request(cmd.node_id, CommandAdapter.dump_json(cmd), timeout)
+    return CommandAck.model_validate_json(raw)
+
+
+async def _serving(commands: NatsCommands) -> None:
+    """Until the agent serves its subject (a Stop with nothing running is harmless)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 20
+    while True:
+        try:
+            await _request(commands, Stop(command_id="hello", epoch=1, node_id="n1", at_step=0), 2)
+            return
+        except Exception:
+            assert loop.time() < end, "agent not serving"
+            await asyncio.sleep(0.2)
+
+
+async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.02)
+
+
+def _launch(gen: int) -> Launch:
+    return launch_of(PLAN).model_copy(update={"generation": gen, "command_id": f"launch-{gen}"})
+
+
+async def test_an_abort_is_acked_once_its_kill_has_begun(cluster: Cluster) -> None:
+    agent: Agent = cluster.start_agent("n1")
+    sup = agent.supervisor
+    sup.worker_argv = _SLEEPER
+    sup.kill_grace_s = 0.3
+    sup.killed_groups.teardown_timeout_s = 3 * STUCK_S  # it goes before the bound
+    sup.killed_groups.probe, probed = _stuck_for(STUCK_S)
+    nc = await connect_nats(cluster.nats_url, "c-test", security=cluster.security("c1"))
+    etcd = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        commands = NatsCommands(nc, Keys(job=cluster.job))
+        await _serving(commands)
+        key = Keys(job=cluster.job).status("n1")
+
+        async def in_etcd() -> AgentStatus | None:
+            kv = await etcd.get(key)
+            return None if kv is None else AgentStatus.model_validate_json(kv.value)
+
+        async def written(pred: Callable[[AgentStatus], bool]) -> None:
+            while (st := await in_etcd()) is None or not pred(st):
+                await asyncio.sleep(0.05)
+
+        # the status loop runs (it starts once the agent has registered: without a
+        # controller its join event is retried for a while first)
+        await asyncio.wait_for(written(lambda st: True), 20)
+        assert (await _request(commands, _launch(1))).accepted
+        await _until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
+        pid = sup.workers[0].proc.pid
+
+        t0 = time.monotonic()
+        abort = Abort(command_id="abort-1", epoch=1, node_id="n1", reason="test")
+        sent = asyncio.create_task(_request(commands, abort))
+        await asyncio.sleep(0.1)
+        stop = Stop(command_id="stop-1", epoch=1, node_id="n1", at_step=9)
+        stop_ack = await _request(commands, stop)
+        stop_s = time.monotonic() - t0
+        ack = await sent
+        ack_s = time.monotonic() - t0  # at most stop_s: the ack came first
+        print(f"abort acked after {ack_s:.2f} s, a Stop sent 0.1 s after it after {stop_s:.2f} s")
+        assert ack.accepted and stop_ack.accepted
+        assert ack.reason.startswith("signals sent: workers being killed: 1 process group")
+
+        # the truth is in the status: the group is still going, the node is not idle
+        assert agent.status().killing == 1 and agent.status().state != "idle"
+        await asyncio.wait_for(written(lambda st: st.killing == 1 and st.state != "idle"), 5)
+
+        # a Launch while the killed worker's process holds its GPU: refused at once, with
+        # the reason; nothing starts
+        t1 = time.monotonic()
+        refused = await _request(commands, _launch(2))
+        launch_s = time.monotonic() - t1
+        assert not refused.accepted and "being killed" in refused.reason, refused
+        assert sup.generation == 1
+
+        # the controller reads the kill's end in the status: idle, nothing killing
+        await asyncio.wait_for(written(lambda st: st.state == "idle"), 3 * STUCK_S)
+        gone_s = time.monotonic() - t0
+        assert agent.status().killing == 0 and agent.status().failure == ""
+        assert (await _request(commands, _launch(2))).accepted
+        assert sup.generation == 2 and sup.workers[0].proc.pid != pid
+        print(
+            f"a Launch during the kill refused in {launch_s:.2f} s, "
+            f"kill over (idle) {gone_s:.2f} s (first probe at {probed[0] - t0:.2f} s)"
+        )
+        # ratios, not absolute times (a loaded 2-core host): the acks come well before the
+        # kill is over, which takes the grace period plus STUCK_S
+        assert gone_s >= STUCK_S
+        assert stop_s < gone_s / 4 and launch_s < gone_s / 4, (ack_s, stop_s, launch_s, gone_s)
+    finally:
+        await etcd.close()
+        await nc.close()
