@@ -57,6 +57,7 @@ from sailor.controller.decide import decide, unusable
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.event_intake import EventIntake, urgent_wake
 from sailor.controller.executor import Executor
+from sailor.controller.failing_nodes import upgraded
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
@@ -369,7 +370,10 @@ class Controller(EventIntake):
                     error=str(exc).splitlines()[0][:300],
                 )
                 return None
-        desired = (prev or DesiredState(epoch=lead.epoch)).model_copy(update={"epoch": lead.epoch})
+        # an older leader's state becomes this release's (its lost nodes recorded)
+        desired = (upgraded(prev) if prev else DesiredState(epoch=lead.epoch)).model_copy(
+            update={"epoch": lead.epoch}
+        )
         await ex.write_desired(desired, "took over" if prev else "first leader")
         self.desired = desired
         self.wake()

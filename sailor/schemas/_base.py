@@ -16,14 +16,15 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
 2: ``DesiredState.node_health``; ``NodeSpec`` (``nodes/<id>``) became versioned.
 3: ``DesiredState.job_health``, ``forgiven_through``, ``phase_epoch``, ``suspect_checkpoint``
 and ``deadline_stretch``; ``NodeHealth.signature`` and ``origin`` (added after 2 without
-raising it: a reader of version 2 refused a state that held one)."""
+raising it: a reader of version 2 refused a state that held one).
+4: ``DesiredState.lost_nodes`` and ``sigabrt_reports``."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
