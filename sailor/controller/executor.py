@@ -31,6 +31,7 @@ import structlog
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import (
     Action,
+    ClearBadDone,
     ClearNotice,
     ClearReadmit,
     Commit,
@@ -222,6 +223,21 @@ class Executor:
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(
                     self.keys.notice(a.node_id), self.keys.leader, self.epoch
+                )
+            elif isinstance(a, ClearBadDone):  # applied: the desired state was written first
+                await self.store.delete_guarded(
+                    self.keys.clear_bad(a.request_id), self.keys.leader, self.epoch
+                )
+                self.audit.write(
+                    "clear_bad",
+                    self.clock.now(),
+                    epoch=self.epoch,
+                    request_id=a.request_id,
+                    who=a.who,
+                    steps=list(a.steps),
+                    all=a.all,
+                    cleared=list(a.cleared),
+                    reason=a.reason,
                 )
             elif isinstance(a, ClearReadmit):  # applied: the desired state was written first
                 await self.store.delete_guarded(

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_STRETCH",
     "AgentState",
     "AgentStatus",
+    "ClearBadRequest",
     "CommandAck",
     "CommitRecord",
     "DesiredState",
@@ -424,4 +425,29 @@ class ReadmitRequest(WireMessage):
             raise field_error("nodes", self.nodes, "empty: name nodes, or set all")
         if any(not n for n in self.nodes):
             raise field_error("nodes", self.nodes, "an empty node id")
+        return self
+
+
+class ClearBadRequest(WireMessage):
+    """An operator's request (``sailor checkpoint clear-bad``) that the leader clear the
+    bad (and suspect) marks of committed steps once their storage is repaired: the named
+    steps', or with ``all`` every one. Written under ``clear-bad/<id>`` of the job's etcd
+    root by an identity that may write there (a controller's or root), applied by the
+    leader in a pass and deleted, as a ``ReadmitRequest``."""
+
+    steps: tuple[int, ...] = Field(
+        default=(), max_length=1024, description="Steps whose marks go (sorted)."
+    )
+    all: bool = Field(default=False, description="Every bad and suspect mark goes.")
+    who: str = Field(default="", max_length=256, description="Who asked (user@host).")
+    time: float = Field(default=0.0, ge=0, description="Unix time of the request.")
+
+    @model_validator(mode="after")
+    def _names_something(self) -> ClearBadRequest:
+        if not self.steps and not self.all:
+            raise field_error("steps", self.steps, "empty: name steps, or set all")
+        if any(s < 0 for s in self.steps):
+            raise field_error("steps", self.steps, "a negative step")
+        if list(self.steps) != sorted(set(self.steps)):
+            raise field_error("steps", self.steps, "must be sorted, without repeats")
         return self
