@@ -11,6 +11,7 @@ from sailor.checkpoint.cli import ckpt_app
 from sailor.cli.catalog_cmd import catalog_app
 from sailor.cli.certs_cmd import certs_app
 from sailor.cli.check_cmd import check
+from sailor.cli.checkpoint_cmd import checkpoint_app
 from sailor.cli.config_cmd import config_app
 from sailor.cli.data_cmd import data_app
 from sailor.cli.demo_cmd import demo
@@ -70,6 +71,7 @@ app.add_typer(config_app, name="config")
 app.add_typer(certs_app, name="certs")
 app.add_typer(data_app, name="data")
 app.add_typer(node_app, name="node")
+app.add_typer(checkpoint_app, name="checkpoint")
 app.command("worker", context_settings=WORKER_SETTINGS)(worker)
 
 

@@ -31,7 +31,13 @@ from sailor.controller.decision_types import (
     move_to,
 )
 from sailor.schemas.commands import Abort
-from sailor.schemas.runtime import DesiredState, NodeHealth, Phase, StretchedPhase
+from sailor.schemas.runtime import (
+    MAX_NODE_LIST,
+    DesiredState,
+    NodeHealth,
+    Phase,
+    StretchedPhase,
+)
 
 __all__ = [
     "abort",
@@ -98,7 +104,8 @@ def abort(
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
-    # a placed node lost: its peers' SIGABRTs are the watchdog giving up on it, not a hang
+    # a placed node lost: its peers' SIGABRTs are the watchdog giving up on it, not a hang;
+    # recorded (lost_nodes) for the TEARDOWN's later passes, when it may be back
     lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
     counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stall_what, lost)
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
@@ -129,6 +136,8 @@ def abort(
         suspect_checkpoint=suspect,
         node_health=health,
         job_health=counted.job,
+        lost_nodes=tuple(sorted(lost))[:MAX_NODE_LIST],
+        sigabrt_reports=counted.sigabrts or d.sigabrt_reports,
         deadline_stretch=dict(d.deadline_stretch if stretch is None else stretch),
     )
     reason = [f"abort: {cause}", *counted.notes, *judged, *notes]

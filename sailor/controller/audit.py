@@ -28,7 +28,9 @@ violated invariants:
 - no command was accepted by an agent from an epoch lower than one it had accepted before;
 - every accepted preemption notice is followed by a phase change to RUNNING;
 - no committed step is lost: every launch loads the newest commit recorded before it (but one
-  a launch could not read: ``bad_checkpoints`` of the phase records);
+  a launch could not read: ``bad_checkpoints`` of the phase records; and one whose mark an
+  operator cleared, ``clear_bad``, which a launch may load and need not: a planned
+  reconfiguration reloads its own save; a step committed again is readable again);
 - every calibration-driven replan (a phase change whose cause starts with
   ``recalibration``) follows a ``replan_decision`` of its generation that reconfigured, whose
   numbers satisfy the rule by themselves (``recalibrate.rule_violations``: the gain exceeds the
@@ -249,6 +251,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     pending_notices: list[tuple[float, str]] = []
     deleted: set[int] = set()  # steps whose checkpoints a commit deleted (``dropped``)
     unreadable: set[int] = set()  # commits a launch could not read (``bad_checkpoints``)
+    cleared: set[int] = set()  # their marks cleared by an operator (``clear_bad``)
     last_gen = -1
     versions: set[int] = set()
     decided: dict[int, dict[str, Any]] = {}  # generation -> its decision to reconfigure
@@ -294,10 +297,18 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     "only older checkpoints may go"
                 )
             deleted |= dropped
+            unreadable.discard(step)  # saved again: new files, its mark went with the old
+            cleared.discard(step)
+        elif kind == "clear_bad":
+            gone = {int(s) for s in r.get("cleared", ())} & unreadable
+            unreadable -= gone
+            cleared |= gone
         elif kind == "phase":
             phase = r.get("phase")
             gen = int(r.get("generation", -1))
-            unreadable |= {int(s) for s in r.get("bad_checkpoints", ())}
+            marked = {int(s) for s in r.get("bad_checkpoints", ())}
+            unreadable |= marked
+            cleared -= marked
             if gen < last_gen:
                 rep.violations.append(
                     f"t={t:.3f}: generation {gen} after {last_gen}: generations went back"
@@ -330,7 +341,10 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                         f"t={t:.3f}: launch loads step {load}, whose checkpoint was deleted"
                     )
                 # the newest commit a launch could read: not one a launch failed to load
-                readable = max((c for c in rep.commits if c not in unreadable), default=-1)
+                readable = max(
+                    (c for c in rep.commits if c not in unreadable and c not in cleared),
+                    default=-1,
+                )
                 if load < readable:
                     rep.violations.append(
                         f"t={t:.3f}: launch loads step {load} but step {readable} "

@@ -112,8 +112,11 @@ def prune_below(
     them. A mark may be wrong (a storage outage every node saw, a mount the two-strike rule
     of ``controller/suspect_checkpoint.py`` could not rule out), and while the job has not
     redone that progress those commits are all that is left of it: an operator can still
-    check them (``sailor ckpt verify``) and recover the run by hand. No controller command
-    clears a mark. Once a good commit is newer than
+    check them (``sailor ckpt verify``), repair the storage and clear the mark (``sailor
+    checkpoint clear-bad``: ``controller/bad_marks.py``). A cleared step is a good commit
+    like any other: it counts toward ``keep``, and while the job is behind it (it fell back
+    below it) no save deletes it, as no save deletes a step newer than its own; the hold
+    stays on the marks left. Once a good commit is newer than
     every mark the job has redone that progress and they are pruned as any other (without
     counting toward ``keep``). The cost is bounded: the bad commits, and the fallback run's
     own saves between the oldest and the newest of them."""

@@ -17,9 +17,10 @@ The job's training config (``ControllerConfig.training``) is read, validated and
 when the ``Controller`` is built (``training.py``): an invalid one raises there, before any
 connection or task; each launch hands it to the workers through the desired state.
 
-Operators' readmit requests (``readmit/``, ``sailor node readmit``) are mirrored like the
-observed prefixes and handed to ``decide``, which forgets the records they name; the
-executor deletes each once the desired state without them is written.
+Operators' readmit requests (``readmit/``, ``sailor node readmit``) and requests to clear
+bad checkpoint marks (``clear-bad/``, ``sailor checkpoint clear-bad``) are mirrored like the
+observed prefixes and handed to ``decide``, which forgets the records or marks they name;
+the executor deletes each once the desired state without them is written.
 
 Online calibration (``online_calibration.py``): each pass hands ``decide`` the calibrator's
 verdict (if one says to reconfigure) and may start a fit of the agents' step timings; a new
@@ -46,7 +47,7 @@ import gc
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from pydantic import ValidationError
@@ -57,6 +58,7 @@ from sailor.controller.decide import decide, unusable
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.event_intake import EventIntake, urgent_wake
 from sailor.controller.executor import Executor
+from sailor.controller.failing_nodes import upgraded
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
@@ -80,12 +82,14 @@ from sailor.coordination import (
     connect_nats,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
-from sailor.schemas.runtime import DesiredState, ReadmitRequest
+from sailor.schemas.runtime import ClearBadRequest, DesiredState, ReadmitRequest
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["Controller", "freeze_startup_heap", "run_controller"]
 
 _log = structlog.get_logger("sailor.controller")
+
+_R = TypeVar("_R", ReadmitRequest, ClearBadRequest)
 
 
 class Controller(EventIntake):
@@ -139,8 +143,9 @@ class Controller(EventIntake):
         self.event_batches = 0  # fetched batches that held events (one fsync each)
         self.failure: str | None = None  # why this controller must exit non-zero
         self._fenced_epoch = -1  # a term the event consumer found fenced: it ends
-        # readmit requests by key: (value, parsed or None), re-validated only on a change
+        # operators' requests by key: (value, parsed or None), re-validated only on a change
         self._readmit_seen: dict[str, tuple[bytes, ReadmitRequest | None]] = {}
+        self._clear_bad_seen: dict[str, tuple[bytes, ClearBadRequest | None]] = {}
 
     def wake(self, urgent: bool = False) -> None:
         if urgent or self._unseen_notices:
@@ -251,6 +256,7 @@ class Controller(EventIntake):
             store, self.keys, self._reject, on_change=self.wake, on_node_gone=self._node_gone
         )
         readmits = PrefixMirror(store, self.keys.readmits, self.wake)
+        clear_bads = PrefixMirror(store, self.keys.clear_bads, self.wake)
         try:
             adopted = await self._adopt(store, executor, lead)
             if adopted is None:
@@ -258,14 +264,14 @@ class Controller(EventIntake):
             desired = adopted
             if not await self._restore_calibration(store, lead):
                 return
-            for start in (cache.start, readmits.start):
+            for start in (cache.start, readmits.start, clear_bads.start):
                 while not await self._start_cache(start):
                     await self.clock.sleep(0.2)
                     if self.stopping.is_set() or not lead.held:
                         return
             self.leadership = lead  # public once it has a desired state to show
             tasks.spawn("events", self._consume(bus, store, lead, cache))
-            tasks.spawn("etcd-check", self._check(cache, readmits))
+            tasks.spawn("etcd-check", self._check(cache, readmits, clear_bads))
             while self._term_goes_on(lead):
                 self.sd.watchdog()
                 await self._sleep_until_woken(desired)
@@ -276,7 +282,7 @@ class Controller(EventIntake):
                     if ready is not None:
                         await executor.write_desired(ready, "plan ready")
                         desired = ready
-                    observed = self._observe(executor, cache, readmits, desired)
+                    observed = self._observe(executor, cache, (readmits, clear_bads), desired)
                     await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
@@ -310,6 +316,7 @@ class Controller(EventIntake):
             await tasks.close()
             await cache.close()
             await readmits.close()
+            await clear_bads.close()
             await bus.close()
 
     def _fenced(self, lead: Leadership, exc: FencedError) -> None:
@@ -369,7 +376,10 @@ class Controller(EventIntake):
                     error=str(exc).splitlines()[0][:300],
                 )
                 return None
-        desired = (prev or DesiredState(epoch=lead.epoch)).model_copy(update={"epoch": lead.epoch})
+        # an older leader's state becomes this release's (its lost nodes recorded)
+        desired = (upgraded(prev) if prev else DesiredState(epoch=lead.epoch)).model_copy(
+            update={"epoch": lead.epoch}
+        )
         await ex.write_desired(desired, "took over" if prev else "first leader")
         self.desired = desired
         self.wake()
@@ -388,37 +398,43 @@ class Controller(EventIntake):
         self._urgent_wake.clear()
         self._wake.clear()
 
-    async def _check(self, cache: ObservedCache, readmits: PrefixMirror) -> None:
+    async def _check(self, cache: ObservedCache, *mirrors: PrefixMirror) -> None:
         """Every ``poll_s``: compare the mirrors with etcd (a stale one is re-read)."""
         while True:
             await self.clock.sleep(self.cfg.poll_s)
-            if not all(await asyncio.gather(cache.check(), readmits.check())):
+            if not all(await asyncio.gather(cache.check(), *(m.check() for m in mirrors))):
                 self.wake()
 
-    def _readmit_requests(self, mirror: PrefixMirror) -> dict[str, ReadmitRequest]:
-        """The readmit requests in etcd, by request id; a malformed one is audited once
-        (``record_rejected``) and left alone."""
+    def _requests(
+        self, mirror: PrefixMirror, kind: type[_R], seen_by_key: dict[str, tuple[bytes, _R | None]]
+    ) -> dict[str, _R]:
+        """An operator's requests of ``kind`` in etcd (``mirror``), by request id; a
+        malformed one is audited once (``record_rejected``) and left alone."""
         cut = len(mirror.prefix)
         kvs = mirror.items()
         out = {}
-        for key in [k for k in self._readmit_seen if k not in kvs]:
-            del self._readmit_seen[key]
+        for key in [k for k in seen_by_key if k not in kvs]:
+            del seen_by_key[key]
         for key, kv in kvs.items():
-            seen = self._readmit_seen.get(key)
+            seen = seen_by_key.get(key)
             if seen is None or seen[0] != kv.value:
                 try:
-                    req: ReadmitRequest | None = ReadmitRequest.model_validate_json(kv.value)
+                    req: _R | None = kind.model_validate_json(kv.value)
                 except ValidationError as exc:
                     req = None
                     self._reject(key, str(exc).splitlines()[0])
                 seen = (kv.value, req)
-                self._readmit_seen[key] = seen
+                seen_by_key[key] = seen
             if seen[1] is not None and key[cut:]:
                 out[key[cut:]] = seen[1]
         return out
 
     def _observe(
-        self, ex: Executor, cache: ObservedCache, readmits: PrefixMirror, desired: DesiredState
+        self,
+        ex: Executor,
+        cache: ObservedCache,
+        requests: tuple[PrefixMirror, PrefixMirror],
+        desired: DesiredState,
     ) -> Observed:
         snap = cache.snapshot()
         if self._unseen_notices:
@@ -436,7 +452,8 @@ class Controller(EventIntake):
             commits=snap.commits,
             acked=ex.acked_view,
             recalibration=self.calibrator.note(desired),
-            readmit=self._readmit_requests(readmits),
+            readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
+            clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
         )
         return replace(o, excluded=unusable(desired, o))  # as decide sees it
 

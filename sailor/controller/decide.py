@@ -12,25 +12,28 @@ across passes it keeps in the desired state it writes: which checkpoints could n
 ``controller/suspect_checkpoint.py``), and which nodes keep failing, or whether the job does
 (``node_health``, ``job_health``: their rules in ``controller/node_health.py``, what a pass
 makes of them in ``controller/failing_nodes.py``). An operator's request to forget those
-records (``sailor node readmit``) is part of the observed state, and deleted once applied.
+records (``sailor node readmit``), or to clear checkpoint marks once the storage is
+repaired (``sailor checkpoint clear-bad``: ``controller/bad_marks.py``), is part of the
+observed state, and deleted once applied.
 
 This module holds the entry points (``decide``, ``unusable``), the pass's order (expired
-notices, readmit requests, forgotten records, then the phase) and the IDLE and RUNNING
-phases. Its inputs and actions are in ``controller/decision_types.py``; the other phases
-in ``controller/aborts.py`` (a failure's move to TEARDOWN), ``controller/launch.py``
-(LAUNCH, LOAD, VERIFY), ``controller/checkpointing.py`` (QUIESCE, CHECKPOINT, COMMIT) and
-``controller/teardown.py`` (TEARDOWN).
+notices, readmit requests, clear-bad requests, forgotten records, then the phase) and the
+IDLE and RUNNING phases. Its inputs and actions are in ``controller/decision_types.py``; the
+other phases in ``controller/aborts.py`` (a failure's move to TEARDOWN),
+``controller/launch.py`` (LAUNCH, LOAD, VERIFY), ``controller/checkpointing.py`` (QUIESCE,
+CHECKPOINT, COMMIT) and ``controller/teardown.py`` (TEARDOWN).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import failing_nodes
+from sailor.controller import bad_marks, failing_nodes
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
     Action,
+    ClearBadDone,
     ClearNotice,
     ClearReadmit,
     DecideConfig,
@@ -137,6 +140,20 @@ def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     return [*actions, *decide(d, replace(o, readmit={}), cfg)]
 
 
+def _clear_bad(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    """Apply the operators' requests to clear bad checkpoint marks (oldest id first), then
+    delete them (``controller/bad_marks.py``): as readmit requests, whatever their age."""
+    actions: list[Action] = []
+    cleared, outcome = bad_marks.apply_clear_bad(d, dict(o.clear_bad), o.commits)
+    if cleared is not None:
+        d = cleared[0]
+        actions.append(SetDesired(*cleared))
+    for rid in sorted(o.clear_bad):
+        req, done = o.clear_bad[rid], outcome[rid]
+        actions.append(ClearBadDone(rid, req.who, req.steps, req.all, done.steps, done.reason))
+    return [*actions, *decide(d, replace(o, clear_bad={}), cfg)]
+
+
 def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> list[Action]:
     """What to do next. Empty when the world matches the desired state."""
     d, o = desired, observed
@@ -147,6 +164,8 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
         return [*(ClearNotice(n) for n in expired), *rest]
     if o.readmit:
         return _readmit(d, o, config)
+    if o.clear_bad:
+        return _clear_bad(d, o, config)
     forgot = failing_nodes.forget(d, o.nodes, o.now, config.exclusion, config.training)
     if forgot is not None:
         d = forgot[0]

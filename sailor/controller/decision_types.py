@@ -2,7 +2,8 @@
 
 ``DecideConfig`` holds the knobs, ``Observed`` what the controller sees (with online
 calibration's ``RecalibrationAdvice``), and ``Action`` the actions ``decide`` returns
-(``SetDesired``, ``Send``, ``Replan``, ``Commit``, ``ClearNotice``, ``ClearReadmit``), which
+(``SetDesired``, ``Send``, ``Replan``, ``Commit``, ``ClearNotice``, ``ClearReadmit``,
+``ClearBadDone``), which
 the executor (``controller/executor.py``) carries out. The helpers the decision's phase
 modules share (``decide.py``, ``aborts.py``, ``launch.py``, ``checkpointing.py``,
 ``teardown.py``; no one else needs them): a phase move checked against the state machine
@@ -31,6 +32,7 @@ from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import (
     AgentStatus,
+    ClearBadRequest,
     CommitRecord,
     DesiredState,
     NoticeRecord,
@@ -41,6 +43,7 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "Action",
+    "ClearBadDone",
     "ClearNotice",
     "ClearReadmit",
     "Commit",
@@ -135,6 +138,9 @@ class Observed:
     readmit: Mapping[str, ReadmitRequest] = field(default_factory=dict)
     """Operators' requests to forget failure records, by request id (``sailor node
     readmit``), not yet applied."""
+    clear_bad: Mapping[str, ClearBadRequest] = field(default_factory=dict)
+    """Operators' requests to clear bad checkpoint marks, by request id (``sailor checkpoint
+    clear-bad``), not yet applied."""
 
     @cached_property
     def usable(self) -> tuple[str, ...]:
@@ -200,7 +206,23 @@ class ClearReadmit:
     reason: str = ""
 
 
-Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit
+@dataclass(frozen=True)
+class ClearBadDone:
+    """Delete an operator's request to clear bad checkpoint marks: the desired state
+    written before it in the same actions no longer holds the marks it named. ``who`` and
+    ``steps`` (``all``: every mark) are the request's, ``reason`` what it cleared or why
+    nothing, for the audit record of the deletion (``cleared``: the steps whose marks went,
+    which the audit checker takes as readable again)."""
+
+    request_id: str
+    who: str = ""
+    steps: tuple[int, ...] = ()
+    all: bool = False
+    cleared: tuple[int, ...] = ()
+    reason: str = ""
+
+
+Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit | ClearBadDone
 
 
 def move_to(

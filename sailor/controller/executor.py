@@ -31,6 +31,7 @@ import structlog
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import (
     Action,
+    ClearBadDone,
     ClearNotice,
     ClearReadmit,
     Commit,
@@ -56,6 +57,7 @@ from sailor.schemas.runtime import (
     DesiredState,
     NodeHealth,
     Phase,
+    SigabrtReports,
     SuspectCheckpoint,
     shorten,
 )
@@ -124,12 +126,14 @@ class Executor:
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
-        fields = ("bad_checkpoints", "node_health", "deadline_stretch")
+        fields = ("bad_checkpoints", "node_health", "deadline_stretch", "lost_nodes")
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
             unused.add("suspect_checkpoint")
+        if state.sigabrt_reports == SigabrtReports():
+            unused.add("sigabrt_reports")
         # model_copy does not validate: a cause naming every node of a large layout would
         # be written whole, and no reader could parse the state back
         if len(state.cause) > CAUSE_MAX or len(state.path_reason) > CAUSE_MAX:
@@ -219,6 +223,21 @@ class Executor:
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(
                     self.keys.notice(a.node_id), self.keys.leader, self.epoch
+                )
+            elif isinstance(a, ClearBadDone):  # applied: the desired state was written first
+                await self.store.delete_guarded(
+                    self.keys.clear_bad(a.request_id), self.keys.leader, self.epoch
+                )
+                self.audit.write(
+                    "clear_bad",
+                    self.clock.now(),
+                    epoch=self.epoch,
+                    request_id=a.request_id,
+                    who=a.who,
+                    steps=list(a.steps),
+                    all=a.all,
+                    cleared=list(a.cleared),
+                    reason=a.reason,
                 )
             elif isinstance(a, ClearReadmit):  # applied: the desired state was written first
                 await self.store.delete_guarded(

@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from sailor.controller.failure_text import parse_failure
+from sailor.controller.forgetting import forget_config, forget_gone, readmit
 from sailor.controller.node_health import (
     DEADLINE_MISSED,
     JOB,
@@ -35,16 +36,15 @@ from sailor.controller.node_health import (
     charge,
     describe,
     excluded,
-    forget_config,
-    forget_gone,
     held,
     miss_teardown,
-    readmit,
     stall,
 )
 from sailor.controller.phases import stretch_key
+from sailor.schemas import SCHEMA_VERSION
 from sailor.schemas.commands import training_digest
 from sailor.schemas.runtime import (
+    MAX_NODE_LIST,
     AgentStatus,
     DesiredState,
     Phase,
@@ -53,6 +53,7 @@ from sailor.schemas.runtime import (
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
+    "LOST_RECORDED",
     "LOST_WITHOUT_NOTICE",
     "apply_readmits",
     "began_on",
@@ -67,14 +68,18 @@ __all__ = [
     "missed_launching",
     "nothing_usable",
     "progressed",
+    "recorded_lost",
     "stalled",
     "to_clear",
     "unusable",
+    "upgraded",
 ]
 
 LOST_WITHOUT_NOTICE = "node lost without notice"
 """How an abort's cause begins when a placed node's registration is gone (``aborts.py``),
-followed by the nodes: how a later pass of its TEARDOWN knows them (:func:`lost_nodes`)."""
+followed by the nodes (shortened past ``CAUSE_MAX``): for people, and for a leader reading
+a state of an older one (:func:`recorded_lost`); the abort records them in
+``DesiredState.lost_nodes``."""
 
 _LOST_NAMES = re.compile(re.escape(LOST_WITHOUT_NOTICE) + r": ([^\s:;]+)")
 
@@ -102,21 +107,53 @@ def began_on(failures: Mapping[str, str]) -> str:
     return min(failures, key=lambda n: (not parse_failure(failures[n]).own, n))
 
 
+LOST_RECORDED = 4
+"""The wire version from which a leader records an abort's lost nodes
+(``DesiredState.lost_nodes``); a state of an older leader names them in its cause only."""
+
+
 def lost_nodes(d: DesiredState, nodes: Collection[str], notices: Collection[str]) -> frozenset[str]:
     """The placed nodes ``d``'s generation lost: not registered (``nodes``), or with a
-    preemption notice (``notices``), or, in the TEARDOWN of an abort for a node lost without
-    notice, the nodes its cause names (back by now, or not). NCCL's watchdog on the others
+    preemption notice (``notices``), or, in the TEARDOWN of an abort, those it lost when it
+    was aborted (:func:`recorded_lost`: back by now, or not). NCCL's watchdog on the others
     gives up on their ranks: those SIGABRTs are no hang of the job (``node_health.charge``)."""
     out = {n for n in d.placement if n not in nodes or n in notices}
     if d.phase is Phase.TEARDOWN and d.aborted:
+        out |= recorded_lost(d)
+    return frozenset(out)
+
+
+def recorded_lost(d: DesiredState) -> frozenset[str]:
+    """The placed nodes ``d``'s abort recorded as lost: ``DesiredState.lost_nodes``, or, in
+    a state an older leader wrote (wire version below :data:`LOST_RECORDED`), the nodes its
+    cause names after :data:`LOST_WITHOUT_NOTICE`. A cause is shortened to ``CAUSE_MAX``
+    characters: the one of a zone's outage named only the first nodes, and the others'
+    peers' SIGABRTs were counted as a hang of the job."""
+    out = {n for n in d.lost_nodes if n in d.placement}
+    if d.schema_version < LOST_RECORDED:
         for m in _LOST_NAMES.finditer(d.cause):
             out |= {n for n in m.group(1).split(",") if n in d.placement}
     return frozenset(out)
 
 
+def upgraded(d: DesiredState) -> DesiredState:
+    """``d``, a state an older leader may have written, as this release writes it: the
+    lost nodes its cause names recorded (:func:`recorded_lost`) and its wire version this
+    release's. A new leader takes it over so (``daemon``): written back at the old version
+    with a field of this one, an older standby or agent refused it, and the cause would be
+    parsed for every later abort."""
+    if d.schema_version >= SCHEMA_VERSION:
+        return d
+    lost = tuple(sorted(recorded_lost(d)))[:MAX_NODE_LIST] if d.aborted else d.lost_nodes
+    return d.model_copy(update={"lost_nodes": lost, "schema_version": SCHEMA_VERSION})
+
+
 def health_update(c: Charged) -> dict[str, object]:
     """The desired state's fields a charge writes."""
-    return {"node_health": c.health, "job_health": c.job}
+    out: dict[str, object] = {"node_health": c.health, "job_health": c.job}
+    if c.sigabrts is not None:
+        out["sigabrt_reports"] = c.sigabrts
+    return out
 
 
 def charge_abort(
@@ -273,13 +310,22 @@ def late_failures(
     changes. ``lost``: the placed nodes the generation lost (:func:`lost_nodes`)."""
     c = charge(d, failed(d, status), now, policy, progressed(d, status), lost)
     if c.health == d.node_health and c.job == d.job_health:
-        return None
+        if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:
+            return None
+        # a SIGABRT reported now, counted against nobody yet: kept for the later passes
+        return d.model_copy(update=health_update(c)), f"SIGABRT reported by {_new_aborts(d, c)}"
     counted = sorted(
         n for n, r in c.health.items() if r != d.node_health.get(n) and r.generation == d.generation
     )
     head = f"failure after the abort counted on {','.join(counted)}" if counted else ""
     why = "; ".join([x for x in (head, *c.notes) if x]) or "failures after the abort counted"
     return d.model_copy(update=health_update(c)), why
+
+
+def _new_aborts(d: DesiredState, c: Charged) -> str:
+    """The nodes whose SIGABRT a charge added to the generation's reports."""
+    kept = set(d.sigabrt_reports.nodes) if d.sigabrt_reports.generation == d.generation else set()
+    return ",".join(n for n in (c.sigabrts.nodes if c.sigabrts else ()) if n not in kept)
 
 
 def _refusing(

@@ -37,7 +37,7 @@ from sailor.controller.node_health import trained
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import DesiredState, Phase, StretchedPhase
+from sailor.schemas.runtime import DesiredState, Phase, SigabrtReports, StretchedPhase
 
 __all__ = [
     "in_place_next",
@@ -125,6 +125,9 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         training=cfg.training,
         path=path,
         path_reason=why,
+        # the previous generation's abort: its lost nodes and SIGABRTs are its own
+        lost_nodes=(),
+        sigabrt_reports=SigabrtReports(),
     )
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}")]
 

@@ -56,12 +56,12 @@ audit log reproduces it. The rules:
   RUNNING: every node reported a step past the generation's start); the job's with it.
   Until then a node whose exclusion ran out is on probation: its next failure excludes it
   again, for twice as long.
-- A record is forgotten: by an operator (``sailor node readmit``: ``readmit``); when the
-  controller's training config is no longer the one the current generation ran (a restart
-  with a fixed config), for every record whose last failure was a configuration error
-  (``forget_config``); and when its node is away, once the record's exclusion ended
-  ``max_exclude_s`` ago (never excluded: ``failures`` generations after its last count,
-  ``forget_gone``). A lease flap or an agent restart forgets nothing.
+- A record is forgotten: by an operator (``sailor node readmit``); when the controller's
+  training config is no longer the one the current generation ran (a restart with a fixed
+  config), for every record whose last failure was a configuration error; and when its node
+  is away, once the record's exclusion ended ``max_exclude_s`` ago (never excluded:
+  ``failures`` generations after its last count). A lease flap or an agent restart forgets
+  nothing. Those rules: ``controller/forgetting.py``.
 
 Pure: no I/O, no clock (the caller passes ``now``), inputs never modified. Must never import
 the agent, torch or ``megatron_patch`` (``failure_text`` reads the record's keys by name).
@@ -86,7 +86,7 @@ from sailor.controller.failure_text import (
     signature_of,
 )
 from sailor.schemas._base import Frozen, field_error
-from sailor.schemas.runtime import DesiredState, NodeHealth
+from sailor.schemas.runtime import MAX_NODE_LIST, DesiredState, NodeHealth, SigabrtReports
 
 __all__ = [
     "CHECKPOINT_UNREADABLE",
@@ -100,11 +100,8 @@ __all__ = [
     "describe",
     "excluded",
     "exclusion_length",
-    "forget_config",
-    "forget_gone",
     "held",
     "miss_teardown",
-    "readmit",
     "stall",
     "take_back",
     "trained",
@@ -229,6 +226,8 @@ class Charged:
     health: dict[str, NodeHealth]
     job: NodeHealth
     notes: list[str] = field(default_factory=list)
+    sigabrts: SigabrtReports | None = None
+    """The generation's SIGABRT reports with this pass's added; None: unchanged."""
 
 
 _ALIKE = "the job's: most placed nodes failed alike"
@@ -256,7 +255,10 @@ def charge(
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
     and a generation whose records were forgiven (``DesiredState.forgiven_through``) not at
-    all.
+    all. The SIGABRTs of earlier passes (``DesiredState.sigabrt_reports``, which the result
+    carries on with this pass's added) count with those reported now: the Abort clears an
+    agent's failure, and a hang whose reports came in over two passes was under the
+    threshold in each.
     """
     gen, health, job = d.generation, dict(d.node_health), d.job_health
     if d.forgiven_through >= gen:
@@ -272,8 +274,14 @@ def charge(
     for n, r in health.items():
         if r.generation == gen and n not in evidence:
             evidence[n] = (r.cause, _record_signature(r), r.origin)
+    # the SIGABRTs of earlier passes: an Abort cleared them from the statuses since
+    kept = d.sigabrt_reports if d.sigabrt_reports.generation == gen else SigabrtReports()
+    for n in kept.nodes:
+        if n in d.placement and n not in evidence:
+            evidence[n] = (kept.cause, signature_of(kept.cause), "unknown")
     kind = {n: error_type(e[0]) for n, e in evidence.items()}
     aborts = {n for n, e in evidence.items() if abort_signal(e[0])}
+    reports = _reports(kept, gen, aborts, evidence)
     # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
     # on it (a missed teardown comes after the failure, never before it). SIGABRTs are never
     # "alike": every rank of a job whose collectives hang (a dead NIC) aborts, wherever the
@@ -399,7 +407,22 @@ def charge(
         )
         job, note = _count_job(job, gen, (summary, "unknown", True, sig), what, now, policy)
         notes.append(note)
-    return Charged(health, job, notes)
+    return Charged(health, job, notes, reports)
+
+
+def _reports(
+    kept: SigabrtReports,
+    gen: int,
+    aborts: Collection[str],
+    evidence: Mapping[str, tuple[str, str, str]],
+) -> SigabrtReports:
+    """The generation's SIGABRT reports once those of this pass (``aborts``) are added to
+    ``kept`` (bounded: the first ``MAX_NODE_LIST`` by id)."""
+    nodes = tuple(sorted(set(kept.nodes) | set(aborts))[:MAX_NODE_LIST])
+    if not nodes:
+        return kept
+    cause = kept.cause or evidence[min(aborts)][0][:256]
+    return SigabrtReports(generation=gen, nodes=nodes, cause=cause)
 
 
 def _count_job(
@@ -537,50 +560,6 @@ def held(job: NodeHealth, now: float) -> bool:
 
 def _config_hold(job: NodeHealth) -> bool:
     return job.origin == "config" and job.failures > 0 and job.exclusions > 0
-
-
-def forget_gone(
-    d: DesiredState, registered: Mapping[str, object], now: float, policy: ExclusionPolicy
-) -> dict[str, NodeHealth]:
-    """``d.node_health`` without the records of nodes that are away and whose record has
-    nothing left to say: an exclusion that ended ``max_exclude_s`` ago (a node back
-    within that keeps its backoff), or, never excluded, a streak last counted
-    ``policy.failures`` generations ago. A lease flap or an agent restart keeps it all;
-    spot VMs that never come back (a new VM has a new id) do not pile up."""
-    return {n: r for n, r in d.node_health.items() if n in registered or _recent(d, r, now, policy)}
-
-
-def _recent(d: DesiredState, r: NodeHealth, now: float, policy: ExclusionPolicy) -> bool:
-    """Whether a record of a node that is away still has something to say."""
-    if r.exclusions > 0:
-        return now < r.excluded_until + policy.max_exclude_s
-    return d.generation - r.generation < policy.failures
-
-
-def forget_config(
-    health: Mapping[str, NodeHealth], job: NodeHealth
-) -> tuple[dict[str, NodeHealth], NodeHealth, list[str]]:
-    """The records without those whose last failure was a configuration error (origin
-    config): for when the training config the next launch hands out is not the one they
-    failed with. The names forgotten (:data:`JOB` for the job's)."""
-    out = {n: r for n, r in health.items() if r.origin != "config"}
-    gone = sorted(set(health) - set(out))
-    if job.origin == "config":
-        job, gone = NodeHealth(), [*gone, JOB]
-    return out, job, gone
-
-
-def readmit(
-    health: Mapping[str, NodeHealth], job: NodeHealth, nodes: Iterable[str], everything: bool
-) -> tuple[dict[str, NodeHealth], NodeHealth, list[str]]:
-    """The records without those an operator asked to forget (``nodes``; ``everything``:
-    every node's and the job's). The names forgotten (:data:`JOB` for the job's)."""
-    if everything:
-        had_job = job != NodeHealth()
-        return {}, NodeHealth(), sorted(health) + ([JOB] if had_job else [])
-    names = set(nodes)
-    out = {n: r for n, r in health.items() if n not in names}
-    return out, job, sorted(set(health) - set(out))
 
 
 def describe(node: str, rec: NodeHealth, now: float, why: str = "") -> str:

@@ -1,5 +1,6 @@
 """The operator's side of a job's etcd state: read it for ``sailor status``, and write the
-requests the leader acts on (``sailor node readmit``). No leadership needed.
+requests the leader acts on (``sailor node readmit``, ``sailor checkpoint clear-bad``). No
+leadership needed.
 
 A request is never applied here: the operator's write only asks, and the leader applies it
 in a pass, as it writes every desired state (``decide``), then deletes the key. The desired
@@ -18,19 +19,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sailor.controller.bad_marks import marked, unknown_steps
 from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
 from sailor.schemas.runtime import (
     AgentStatus,
+    ClearBadRequest,
     CommitRecord,
     DesiredState,
     NoticeRecord,
     ReadmitRequest,
 )
 
-__all__ = ["read_status", "request_readmit"]
+__all__ = ["read_status", "request_clear_bad", "request_readmit"]
 
 
 async def read_status(
@@ -113,6 +116,8 @@ async def read_status(
         "excluded": out,
         "job_excluded": job_out,
         "last_checkpoint": last,
+        "bad_checkpoints": list(d.bad_checkpoints) if d else [],
+        "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,
         "calibration_version": _calibration_version(calib.value) if calib else None,
         "nodes": rows,
     }
@@ -164,6 +169,50 @@ async def request_readmit(
                 return rid, True, unknown
             await asyncio.sleep(0.2)
         await store.delete(keys.readmit(rid))
+        return rid, False, unknown
+    finally:
+        await store.close()
+
+
+async def request_clear_bad(
+    endpoint: str | Sequence[str],
+    job: str,
+    steps: Sequence[int],
+    everything: bool,
+    who: str,
+    security: SecurityConfig | None = None,
+    wait_s: float = 10.0,
+) -> tuple[str, bool, tuple[int, ...]]:
+    """Ask the leader to clear the bad (and suspect) marks of committed ``steps``
+    (``everything``: every mark). Returns the request id, whether a leader applied it
+    within ``wait_s`` (it deletes the key once the desired state no longer holds the
+    marks), and the named steps the desired state marks neither bad nor suspect (nothing to
+    clear: no request is written when that is all of them, nor with ``everything`` when no
+    step is marked). A request not applied in time is deleted, as a readmit request."""
+    keys = Keys(job=job)
+    store = await connect_etcd(endpoint, security=security)
+    try:
+        kv = await store.get(keys.desired)
+        d = None
+        if kv is not None:
+            with contextlib.suppress(ValidationError):
+                d = DesiredState.model_validate_json(kv.value)
+        asked = tuple(sorted(set(steps)))
+        unknown = asked if d is None else unknown_steps(d, asked)
+        if (everything and (d is None or not marked(d))) or (
+            not everything and len(unknown) == len(asked)
+        ):
+            return "", False, unknown
+        rid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+        named = tuple(s for s in asked if s not in unknown)
+        req = ClearBadRequest(steps=named, all=everything, who=who, time=time.time())
+        await store.put(keys.clear_bad(rid), req.model_dump_json().encode())
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if await store.get(keys.clear_bad(rid)) is None:
+                return rid, True, unknown
+            await asyncio.sleep(0.2)
+        await store.delete(keys.clear_bad(rid))
         return rid, False, unknown
     finally:
         await store.close()

@@ -105,6 +105,15 @@ class Keys(Frozen):
         return self.readmits + request_id
 
     @property
+    def clear_bads(self) -> str:
+        """Operators' requests to clear bad checkpoint marks (``ClearBadRequest``, ``sailor
+        checkpoint clear-bad``), one key each; written as the readmit requests are."""
+        return self.root + "clear-bad/"
+
+    def clear_bad(self, request_id: str) -> str:
+        return self.clear_bads + request_id
+
+    @property
     def calibration(self) -> str:
         """Pointer to the current online-calibration version."""
         return self.root + "calibration/current"

@@ -21,9 +21,11 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "CAUSE_MAX",
+    "MAX_NODE_LIST",
     "MAX_STRETCH",
     "AgentState",
     "AgentStatus",
+    "ClearBadRequest",
     "CommandAck",
     "CommitRecord",
     "DesiredState",
@@ -32,6 +34,7 @@ __all__ = [
     "NoticeRecord",
     "Phase",
     "ReadmitRequest",
+    "SigabrtReports",
     "StretchedPhase",
     "SuspectCheckpoint",
     "shorten",
@@ -81,6 +84,20 @@ def shorten(text: str, limit: int = CAUSE_MAX) -> str:
 MAX_STRETCH = 1024
 """Largest factor ``DesiredState.deadline_stretch`` holds (``deadlines.stretch_cap`` bounds
 the factor used; this bounds what a state may hold at all)."""
+
+
+MAX_NODE_LIST = 4096
+"""Most node ids a list of the desired state about one generation holds (``lost_nodes``,
+``SigabrtReports.nodes``): more than any layout places (the benchmarks go to 512 nodes), so
+nothing is cut in practice, and a bound all the same on what one etcd value carries."""
+
+
+def _sorted_ids(field: str, nodes: tuple[str, ...]) -> None:
+    """Raise unless ``nodes`` are node ids, sorted, without repeats."""
+    if list(nodes) != sorted(set(nodes)):
+        raise field_error(field, list(nodes), "must be sorted, without repeats")
+    if any(not n for n in nodes):
+        raise field_error(field, list(nodes), "an empty node id")
 
 
 class NodeHealth(Frozen):
@@ -156,6 +173,39 @@ class SuspectCheckpoint(Frozen):
             )
         if list(self.nodes) != sorted(set(self.nodes)):
             raise field_error("nodes", list(self.nodes), "must be sorted, without repeats")
+        return self
+
+
+class SigabrtReports(Frozen):
+    """The placed nodes whose workers of one generation reported a SIGABRT (NCCL's
+    watchdog giving up on a collective) since its abort (``DesiredState.sigabrt_reports``):
+    an Abort clears an agent's failure, so a report seen in one pass is gone by the next,
+    and the hang rule (``controller/node_health.py``: only SIGABRTs, from at least two
+    nodes and more than half of the placed ones) counts every report of the generation,
+    whichever pass it came in. The empty record (generation -1): none."""
+
+    generation: int = Field(
+        default=-1, ge=-1, description="Generation the reports are of; -1: none."
+    )
+    nodes: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_NODE_LIST,
+        description="Placed nodes (sorted) that reported a SIGABRT of that generation.",
+    )
+    cause: str = Field(
+        default="", max_length=256, description="The first SIGABRT's summary, as reported."
+    )
+
+    @model_validator(mode="after")
+    def _all_or_nothing(self) -> SigabrtReports:
+        if (self.generation < 0) != (not self.nodes):
+            raise field_error(
+                "generation",
+                self.generation,
+                f"reports name their generation and nodes ({list(self.nodes)}), the empty "
+                "record (generation -1) neither",
+            )
+        _sorted_ids("nodes", self.nodes)
         return self
 
 
@@ -254,6 +304,26 @@ class DesiredState(WireMessage):
         "that adopts a TEARDOWN begun under another epoch restarts its deadline. -1: not "
         "recorded (taken as the current epoch).",
     )
+    lost_nodes: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_NODE_LIST,
+        description="Placed nodes (sorted) the current generation lost when it was aborted "
+        "(registration gone, or a preemption notice), kept through its TEARDOWN: their peers' "
+        "SIGABRTs are NCCL's watchdog giving up on their ranks, not a hang, also once they are "
+        "back. Empty: none, or a state of a leader before wire version 4, whose abort cause "
+        "named them (``controller/failing_nodes.py``: ``lost_nodes``).",
+    )
+    sigabrt_reports: SigabrtReports = Field(
+        default_factory=SigabrtReports,
+        description="The SIGABRTs the current generation's nodes reported since its abort, "
+        "whichever pass saw them; emptied at the next launch. Empty: none.",
+    )
+
+    @field_validator("lost_nodes")
+    @classmethod
+    def _lost_sorted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        _sorted_ids("lost_nodes", v)
+        return v
 
     @field_validator("cause", "path_reason", mode="before")
     @classmethod
@@ -366,4 +436,29 @@ class ReadmitRequest(WireMessage):
             raise field_error("nodes", self.nodes, "empty: name nodes, or set all")
         if any(not n for n in self.nodes):
             raise field_error("nodes", self.nodes, "an empty node id")
+        return self
+
+
+class ClearBadRequest(WireMessage):
+    """An operator's request (``sailor checkpoint clear-bad``) that the leader clear the
+    bad (and suspect) marks of committed steps once their storage is repaired: the named
+    steps', or with ``all`` every one. Written under ``clear-bad/<id>`` of the job's etcd
+    root by an identity that may write there (a controller's or root), applied by the
+    leader in a pass and deleted, as a ``ReadmitRequest``."""
+
+    steps: tuple[int, ...] = Field(
+        default=(), max_length=1024, description="Steps whose marks go (sorted)."
+    )
+    all: bool = Field(default=False, description="Every bad and suspect mark goes.")
+    who: str = Field(default="", max_length=256, description="Who asked (user@host).")
+    time: float = Field(default=0.0, ge=0, description="Unix time of the request.")
+
+    @model_validator(mode="after")
+    def _names_something(self) -> ClearBadRequest:
+        if not self.steps and not self.all:
+            raise field_error("steps", self.steps, "empty: name steps, or set all")
+        if any(s < 0 for s in self.steps):
+            raise field_error("steps", self.steps, "a negative step")
+        if list(self.steps) != sorted(set(self.steps)):
+            raise field_error("steps", self.steps, "must be sorted, without repeats")
         return self

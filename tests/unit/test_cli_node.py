@@ -1,5 +1,6 @@
-"""``sailor node readmit``: what it refuses before connecting to anything (the request's
-trip through etcd to the leader is tested in tests/integration/test_runtime_failures.py)."""
+"""``sailor node readmit`` and ``sailor checkpoint clear-bad``: what they refuse before
+connecting to anything (the requests' trips through etcd to the leader are tested in
+tests/integration/test_runtime_failures.py and test_checkpoint_clear_bad.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from sailor.cli.checkpoint_cmd import checkpoint_app, clear_bad
 from sailor.cli.errors import CliError
 from sailor.cli.node_cmd import node_app, readmit
 
@@ -28,4 +30,24 @@ def test_sailor_has_the_node_command() -> None:
     from sailor.cli.main import app
 
     res = CliRunner().invoke(app, ["node", "readmit", "--help"])
+    assert res.exit_code == 0 and "--all" in res.output
+
+
+@pytest.mark.parametrize(("steps", "everything"), [([], False), ([14], True)])
+def test_clear_bad_names_steps_or_all(tmp_path: Path, steps: list[int], everything: bool) -> None:
+    """``sailor checkpoint clear-bad``: what it refuses before connecting to anything (the
+    request's trip to a leader: tests/integration/test_checkpoint_clear_bad.py)."""
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text("checkpoint_dir: /ck\n")
+    with pytest.raises(CliError, match=r"name the steps to clear, or pass --all \(not both\)"):
+        clear_bad(steps, config=cfg, everything=everything, wait_s=0.0)
+    args = [*map(str, steps), *(["--all"] if everything else [])]
+    res = CliRunner().invoke(checkpoint_app, ["clear-bad", *args, "--config", str(cfg)])
+    assert res.exit_code == 2
+
+
+def test_sailor_has_the_checkpoint_command() -> None:
+    from sailor.cli.main import app
+
+    res = CliRunner().invoke(app, ["checkpoint", "clear-bad", "--help"])
     assert res.exit_code == 0 and "--all" in res.output

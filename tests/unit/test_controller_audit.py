@@ -274,3 +274,24 @@ def test_malformed_records_are_violations_naming_the_line_and_field(tmp_path: Pa
             f"unreadable line at {log}:5: commit record: step='7': an integer is required",
         ]
     )
+
+
+def test_check_takes_a_cleared_mark_as_readable_again() -> None:
+    """An operator cleared step 14's mark (``clear_bad``): a launch may load it, and need
+    not (a planned reconfiguration reloads its own save); once 14 is committed again, a
+    launch below it loses a commit. Before, a step once marked stayed unreadable for the
+    checker for good: a launch that lost it after it was saved again passed."""
+
+    def commit(t: float, step: int) -> dict[str, object]:
+        return {"kind": "commit", "time": t, "step": step, "dropped": []}
+
+    def launch(t: float, gen: int, load: int) -> dict[str, object]:
+        return {"kind": "phase", "time": t, "phase": "launch", "generation": gen, "load_step": load}
+
+    torn = {"kind": "phase", "time": 3, "phase": "teardown", "generation": 1, "load_step": 9}
+    marked = [commit(1, 9), commit(2, 14), {**torn, "bad_checkpoints": [14]}, launch(4, 2, 9)]
+    clear = {"kind": "clear_bad", "time": 5, "request_id": "r1", "who": "ops@h", "cleared": [14]}
+    ok = [*marked, clear, launch(6, 3, 14), launch(7, 4, 9)]
+    assert check(ok).ok, check(ok).violations
+    rep = check([*marked, clear, commit(8, 14), launch(9, 3, 9)])
+    assert any("loads step 9 but step 14 was committed" in v for v in rep.violations)

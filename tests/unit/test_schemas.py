@@ -27,7 +27,13 @@ from sailor.schemas import (
     _base,
 )
 from sailor.schemas._base import SCHEMA_VERSION
-from sailor.schemas.runtime import DesiredState, NodeHealth, ReadmitRequest, SuspectCheckpoint
+from sailor.schemas.runtime import (
+    DesiredState,
+    NodeHealth,
+    ReadmitRequest,
+    SigabrtReports,
+    SuspectCheckpoint,
+)
 
 
 def _stage(a: int, b: int, tp: int = 1, gpu: str = "A100-40") -> Stage:
@@ -196,14 +202,18 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
 _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "deadline_stretch")
 """``DesiredState``'s fields of wire version 3 (added after 2, which did not know them)."""
 
+_V4 = ("lost_nodes", "sigabrt_reports")
+"""``DesiredState``'s fields of wire version 4."""
+
 
 def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
     """``DesiredState`` as a release without the fields ``without`` defined it, its
-    ``NodeHealth`` without ``signature`` and ``origin`` (added with version 3)."""
+    ``NodeHealth`` without ``signature`` and ``origin`` before version 3."""
+    before_3 = "job_health" in without
     health = {
         name: (f.annotation, f)
         for name, f in NodeHealth.model_fields.items()
-        if name not in ("signature", "origin")
+        if not before_3 or name not in ("signature", "origin")
     }
     old_health = create_model("NodeHealth", __base__=_base.Frozen, **health)  # type: ignore[call-overload]
     fields = {
@@ -215,7 +225,9 @@ def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
 
 
 @pytest.mark.parametrize(
-    ("version", "without"), [(1, ("node_health", *_V3)), (2, _V3)], ids=["v1", "v2"]
+    ("version", "without"),
+    [(1, ("node_health", *_V3, *_V4)), (2, (*_V3, *_V4)), (3, _V4)],
+    ids=["v1", "v2", "v3"],
 )
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
     monkeypatch: pytest.MonkeyPatch, version: int, without: tuple[str, ...]
@@ -224,8 +236,9 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     forgiveness, the phase's epoch, the suspect checkpoint and the deadlines' stretch with 3
     (added after 2 without raising it: a release-2 agent refused every desired state that
     held one). A release of each older version reads the state without its unknown fields,
-    through ``_newer``, and would refuse them at its own version."""
-    assert SCHEMA_VERSION >= 3
+    through ``_newer``, and would refuse them at its own version. Version 4 added the
+    abort's lost nodes and the generation's SIGABRT reports: a release-3 reader drops them."""
+    assert SCHEMA_VERSION >= 4
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
     )
@@ -239,6 +252,8 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         phase_epoch=2,
         suspect_checkpoint=SuspectCheckpoint(step=30, nodes=("n3",), generation=4),
         deadline_stretch={"load": 2},
+        lost_nodes=("n1",),
+        sigabrt_reports=SigabrtReports(generation=4, nodes=("n3",), cause="Signal: SIGABRT"),
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
@@ -248,9 +263,10 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     assert old.generation == 4 and old.schema_version == version
     if "node_health" in previous.model_fields:  # the nested record's additions dropped too
         assert old.node_health["n2"].failures == 3  # type: ignore[attr-defined]
-        assert "origin" not in type(old.node_health["n2"]).model_fields  # type: ignore[attr-defined]
+        kept = "origin" in type(old.node_health["n2"]).model_fields  # type: ignore[attr-defined]
+        assert kept == (version >= 3)
     assert not set(without) & set(previous.model_fields)
-    with pytest.raises(ValidationError, match="suspect_checkpoint"):
+    with pytest.raises(ValidationError, match="sigabrt_reports"):
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": version}))
     # a record without ``origin`` (the first form of NodeHealth) reads as none counted
     plain = json.loads(raw)

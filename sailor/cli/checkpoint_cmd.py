@@ -1,0 +1,87 @@
+"""``sailor checkpoint clear-bad``: ask the leader to clear bad checkpoint marks.
+
+A committed step that launches could not load is marked bad (or, after a first strike,
+suspect) and never loaded again: the job falls back to older commits (docs/runtime.md,
+"Failing nodes"). When the fault was the storage (a mount, a bucket's
+permission) and an operator has repaired it, this brings the step back. As ``sailor node
+readmit``: the command writes a request under the job's etcd root with the controller
+config's identity; the leader applies it in its next pass and deletes it. It never writes
+the desired state itself: the leader is its one writer, under its epoch guard.
+
+(``sailor ckpt`` holds the tools that read and write a checkpoint directory itself.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import socket
+from pathlib import Path
+
+import typer
+
+from sailor.cli._io import fail, load_config
+
+__all__ = ["checkpoint_app", "clear_bad"]
+
+checkpoint_app = typer.Typer(
+    help="Operator requests about a job's checkpoints, carried out by the leader "
+    "(`sailor ckpt`: tools for a checkpoint directory).",
+    no_args_is_help=True,
+)
+
+
+@checkpoint_app.callback()
+def _group() -> None:
+    """Operator requests about a job's checkpoints, carried out by the leader (a group even
+    with one command)."""
+
+
+@checkpoint_app.command("clear-bad")
+def clear_bad(
+    steps: list[int] = typer.Argument(None, help="Committed steps whose bad marks go."),
+    config: Path = typer.Option(..., "--config", help="Controller config (etcd, job)."),
+    everything: bool = typer.Option(False, "--all", help="Every bad and suspect mark."),
+    wait_s: float = typer.Option(
+        10.0, "--wait", min=0, help="Seconds to wait for the leader to apply it."
+    ),
+) -> None:
+    """Clear the bad (and suspect) marks of STEPS, or with --all of every step, once their
+    storage is repaired: the next launch that takes the newest readable commit may load
+    them. Nothing running is aborted for it."""
+    from sailor.cli.runtime_cmd import security_file_problems
+    from sailor.controller.config import ControllerConfig
+    from sailor.controller.status import request_clear_bad
+
+    # the config first: a bad file is named whatever else is wrong (tests/unit/test_cli_errors)
+    cfg = load_config(config, ControllerConfig).anchored(config)
+    if bool(steps) == everything:
+        raise fail("name the steps to clear, or pass --all (not both)")
+    if any(s < 0 for s in steps or ()):
+        raise fail(f"steps are committed steps, 0 or more: got {sorted(steps)}")
+    problems = security_file_problems(cfg.security)
+    if problems:
+        raise fail(f"{config}: {problems[0]}")
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    rid, done, unknown = asyncio.run(
+        request_clear_bad(
+            cfg.etcd_endpoints, cfg.job, steps or (), everything, who, cfg.security, wait_s
+        )
+    )
+    names = ", ".join(map(str, unknown))
+    if unknown:
+        typer.echo(f"no bad or suspect mark on step {names}", err=True)
+    if not rid:
+        if everything:
+            raise fail("nothing to clear: no step is marked bad or suspect", code=1)
+        raise fail(f"nothing to clear: step {names} not marked bad or suspect", code=1)
+    named = sorted(set(steps or ()) - set(unknown))
+    what = "every bad and suspect mark" if everything else f"step {', '.join(map(str, named))}"
+    if done:
+        typer.echo(f"cleared {what} (request {rid}): see `sailor status`")
+        return
+    raise fail(
+        f"no leader applied the request for {what} within {wait_s:.0f} s (request {rid}, "
+        "withdrawn): is a controller running for this job?",
+        code=1,
+    )

@@ -1,0 +1,103 @@
+"""An operator's clearing of bad checkpoint marks (``sailor checkpoint clear-bad``) in a
+``decide`` pass.
+
+A launch that could not load a committed step marks it bad (``DesiredState.
+bad_checkpoints``: every placed node, or two launches from different nodes, failed to read
+it) or, after a first strike, suspect (``suspect_checkpoint``; the rule:
+``controller/suspect_checkpoint.py``). A mark is never lifted by the controller itself: the
+storage may have failed (a mount, a bucket's permission) rather than the files, and it
+cannot tell. Once an operator has repaired it, the request clears the marks of the steps it
+names (or every mark), and the leader applies it here, as it writes every desired state.
+
+What a cleared step newer than the job's start does: nothing is aborted for it. A running
+generation goes on from the step it loaded; a generation coming up (LAUNCH, LOAD, VERIFY)
+goes on loading what it loads. The next launch that picks the newest readable commit may
+load it: one after an abort (its TEARDOWN, if the clear comes during it, takes the newest
+readable commit again now), or from IDLE. A planned reconfiguration's launch loads the step
+its own checkpoint saved (the job's current state; in place, what the workers hold), as
+before. Retention (``checkpointing.prune_below``) counts a cleared step as any good commit.
+
+Pure: no I/O, no clock, inputs never modified, no actions built here (``decide.py`` turns
+what this returns into actions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sailor.schemas.runtime import (
+    ClearBadRequest,
+    CommitRecord,
+    DesiredState,
+    Phase,
+    SuspectCheckpoint,
+)
+
+__all__ = ["Cleared", "apply_clear_bad", "marked", "unknown_steps"]
+
+
+def marked(d: DesiredState) -> tuple[int, ...]:
+    """The steps ``d`` marks: bad, or suspect (sorted)."""
+    suspect = (d.suspect_checkpoint.step,) if d.suspect_checkpoint.step >= 0 else ()
+    return tuple(sorted({*d.bad_checkpoints, *suspect}))
+
+
+def unknown_steps(d: DesiredState, steps: tuple[int, ...]) -> tuple[int, ...]:
+    """The ``steps`` ``d`` marks neither bad nor suspect: nothing to clear."""
+    known = set(marked(d))
+    return tuple(s for s in steps if s not in known)
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """A request's outcome: the steps whose marks went, and what to say of it."""
+
+    steps: tuple[int, ...]
+    reason: str
+
+
+def apply_clear_bad(
+    d: DesiredState,
+    requests: Mapping[str, ClearBadRequest],
+    commits: tuple[CommitRecord, ...],
+) -> tuple[tuple[DesiredState, str] | None, dict[str, Cleared]]:
+    """``d`` after the operators' requests (by request id, oldest id first) and why, or
+    None when they named no mark there is (the caller deletes them either way); and per
+    request what it cleared. In an aborted TEARDOWN the next launch's checkpoint is taken
+    again (``commits``: the recorded ones): the newest commit no mark is left on."""
+    bad, suspect = d.bad_checkpoints, d.suspect_checkpoint
+    outcome: dict[str, Cleared] = {}
+    whom: list[str] = []
+    gone: set[int] = set()
+    for rid in sorted(requests):
+        req = requests[rid]
+        held = set(bad) | ({suspect.step} if suspect.step >= 0 else set())
+        asked = held if req.all else set(req.steps)
+        steps = tuple(sorted(asked & held))
+        bad = tuple(s for s in bad if s not in steps)
+        if suspect.step in steps:
+            suspect = SuspectCheckpoint()
+        said = [f"cleared the marks of step {', '.join(map(str, steps))}"] if steps else []
+        missing = sorted(set(req.steps) - held)
+        if missing:
+            said.append(f"no bad or suspect mark on step {', '.join(map(str, missing))}")
+        if req.all and not steps:
+            said.append("no bad or suspect mark to clear")
+        outcome[rid] = Cleared(steps, "; ".join(said))
+        gone |= set(steps)
+        whom.append(rid + (f" by {req.who}" if req.who else ""))
+    if not gone:
+        return None, outcome
+    update: dict[str, object] = {"bad_checkpoints": bad, "suspect_checkpoint": suspect}
+    why = (
+        f"cleared the bad checkpoint marks of step {', '.join(map(str, sorted(gone)))} "
+        f"(operator request {', '.join(whom)})"
+    )
+    if d.phase is Phase.TEARDOWN and d.aborted:
+        good = [c.step for c in commits if c.step not in bad]
+        load = max(good, default=-1)
+        if load != d.load_step:
+            update["load_step"] = load
+            why += f": the next launch loads step {load}"
+    return (d.model_copy(update=update), why), outcome

@@ -1,0 +1,109 @@
+"""``sailor checkpoint clear-bad`` through a real etcd (TLS, RBAC) to a leader: the command
+writes its request with the controller config's identity, the leader applies it in a pass
+(the desired state's one writer), records who asked and what went, and deletes it; steps
+without a mark are named, and a request with nothing to clear is never written.
+
+The leader here runs with no agents: an IDLE job whose desired state (written as a previous
+leader left it) marks step 14 bad and step 20 suspect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from sailor.cli.main import app
+from sailor.controller.audit import read_records
+from sailor.coordination import Keys, connect_etcd
+from sailor.localservers import LocalServers
+from sailor.schemas.runtime import CommitRecord, DesiredState, SuspectCheckpoint
+from tests.integration.test_runtime_scenarios import Cluster
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> Any:
+    c = Cluster(tmp_path, servers)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def _until(pred: Any, timeout: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, what
+        await asyncio.sleep(0.05)
+
+
+async def _cli(*args: str) -> Any:
+    """The command line in a thread: it runs its own event loop (``asyncio.run``)."""
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args))
+
+
+async def test_an_operator_clears_a_bad_mark_through_the_leader(cluster: Cluster) -> None:
+    keys = Keys(job=cluster.job)
+    suspect = SuspectCheckpoint(step=20, nodes=("n2",), generation=3)
+    seeded = DesiredState(epoch=1, generation=3, bad_checkpoints=(14,), suspect_checkpoint=suspect)
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        await store.put(keys.desired, seeded.model_dump_json().encode())
+        for step in (9, 14, 20):
+            rec = CommitRecord(step=step, directory=str(cluster.tmp / "ckpt"), generation=2)
+            await store.put(keys.checkpoint(step), rec.model_dump_json().encode())
+    finally:
+        await store.close()
+    cfg = cluster.tmp / "controller.yaml"
+    cfg.write_text(yaml.safe_dump(json.loads(cluster.ctl_config("c1").model_dump_json())))
+    ctl = cluster.start_controller("c1")
+    await _until(lambda: ctl.desired is not None, 20, "no leader")
+
+    res = await _cli("checkpoint", "clear-bad", "14", "7", "--config", str(cfg), "--wait", "20")
+    assert res.exit_code == 0, res.output
+    assert "no bad or suspect mark on step 7" in res.output
+    assert "cleared step 14 (request " in res.output
+    assert ctl.desired is not None and ctl.desired.bad_checkpoints == ()
+    assert ctl.desired.suspect_checkpoint == suspect  # not named: kept
+
+    # nothing to clear: no request written, exit status 1
+    res = await _cli("checkpoint", "clear-bad", "14", "--config", str(cfg), "--wait", "5")
+    assert res.exit_code == 1 and "nothing to clear: step 14 not marked" in res.output
+
+    res = await _cli("checkpoint", "clear-bad", "--all", "--config", str(cfg), "--wait", "20")
+    assert res.exit_code == 0, res.output
+    assert "cleared every bad and suspect mark" in res.output
+    assert ctl.desired.suspect_checkpoint == SuspectCheckpoint()
+    res = await _cli("checkpoint", "clear-bad", "--all", "--config", str(cfg), "--wait", "5")
+    assert res.exit_code == 1 and "no step is marked bad or suspect" in res.output
+
+    ctl.audit.sync()
+    records = read_records([cluster.tmp / "audit-c1.jsonl"])
+    first, second = [r for r in records if r["kind"] == "clear_bad"]
+    assert first["steps"] == [14] and first["cleared"] == [14] and "@" in first["who"]
+    assert first["reason"] == "cleared the marks of step 14"
+    assert second["all"] and second["cleared"] == [20]
+    causes = [r["cause"] for r in records if r["kind"] == "phase"]
+    assert any(
+        c.startswith("cleared the bad checkpoint marks of step 14 (operator request ")
+        and first["request_id"] in c
+        for c in causes
+    ), causes
+    store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    try:
+        assert await store.get_prefix(keys.clear_bads) == []
+        kv = await store.get(keys.desired)
+        assert kv is not None
+        stored = DesiredState.model_validate_json(kv.value)
+        assert stored.bad_checkpoints == () and stored.suspect_checkpoint == SuspectCheckpoint()
+    finally:
+        await store.close()
+    await cluster.audit()

@@ -1,0 +1,128 @@
+"""An operator's request to clear bad checkpoint marks (``sailor checkpoint clear-bad``,
+``controller/bad_marks.py``) at the decide level: the leader applies it in a pass and
+deletes it, never aborting a running generation for it; a TEARDOWN after an abort takes
+the newest readable commit again; a suspect mark goes too; steps without a mark are named.
+The request's trip through etcd and the CLI: tests/integration/test_checkpoint_clear_bad.py."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from sailor.controller.checkpointing import prune_below
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import Action, ClearBadDone, Observed, SetDesired
+from sailor.schemas.runtime import (
+    ClearBadRequest,
+    CommitRecord,
+    DesiredState,
+    Phase,
+    SuspectCheckpoint,
+)
+from tests.unit.test_controller_decide import CFG, NOW, nodes, obs, running, st
+
+IDS = (1, 2)
+COMMITS = tuple(CommitRecord(step=s, directory="/ck") for s in (5, 9, 14))
+
+
+def _states(actions: list[Action]) -> list[DesiredState]:
+    return [a.state for a in actions if isinstance(a, SetDesired)]
+
+
+def _done(actions: list[Action]) -> list[ClearBadDone]:
+    return [a for a in actions if isinstance(a, ClearBadDone)]
+
+
+def _obs(statuses: list[object], **requests: ClearBadRequest) -> Observed:
+    return obs(nodes(*IDS), statuses, commits=COMMITS, clear_bad=requests)
+
+
+def test_a_cleared_step_in_a_teardown_is_what_the_next_launch_loads() -> None:
+    """Step 14 was marked bad, the abort fell back to 9. The operator repaired the mount and
+    cleared 14 during the teardown: its mark goes, the teardown's checkpoint becomes 14
+    again, and the request is deleted with who asked and what went (the audit record)."""
+    torn = running(IDS, phase=Phase.TEARDOWN, aborted=True, bad_checkpoints=(14,), load_step=9)
+    torn = torn.model_copy(update={"phase_deadline": NOW + 60, "phase_epoch": 7})
+    req = ClearBadRequest(steps=(14,), who="ops@head", time=NOW)
+    a = decide(torn, _obs([st(1, state="idle"), st(2, state="idle")], r1=req), CFG)
+    first = _states(a)[0]
+    assert first.bad_checkpoints == () and first.load_step == 14
+    assert isinstance(a[0], SetDesired)
+    assert a[0].reason == (
+        "cleared the bad checkpoint marks of step 14 (operator request r1 by ops@head): "
+        "the next launch loads step 14"
+    )
+    assert _done(a) == [
+        ClearBadDone("r1", "ops@head", (14,), False, (14,), "cleared the marks of step 14")
+    ]
+
+
+def test_a_running_generation_is_not_aborted_for_a_cleared_step() -> None:
+    """The job runs from 9 (it fell back below 14): clearing 14 changes the mark only; the
+    generation goes on, and the next launch that takes the newest readable commit may load
+    14. Retention counts 14 as a good commit from then on (no hold for it)."""
+    d = running(IDS, bad_checkpoints=(14,), load_step=9)
+    req = ClearBadRequest(steps=(14,), who="ops@head")
+    a = decide(d, _obs([st(1), st(2)], r1=req), CFG)
+    (s,) = _states(a)
+    assert s.phase is Phase.RUNNING and s.generation == d.generation and s.load_step == 9
+    assert s.bad_checkpoints == ()
+    assert [type(x).__name__ for x in a] == ["SetDesired", "ClearBadDone"]
+    # behind its only mark, no save deleted a bad-marked commit; once cleared, 14 is kept
+    # as the newest good one and the older go past ``keep``
+    assert prune_below(COMMITS, "/ck", 2, d.bad_checkpoints) == 5
+    assert prune_below(COMMITS, "/ck", 2, s.bad_checkpoints) == 9
+    # and an IDLE job's next launch loads it
+    ready = s.model_copy(
+        update={
+            "phase": Phase.IDLE,
+            "next_plan": s.plan,
+            "next_placement": dict(s.placement),
+            "next_membership": s.membership,
+        }
+    )
+    idle = _obs([st(1, state="idle"), st(2, state="idle")])
+    (launch,) = _states(decide(ready, idle, CFG))
+    assert launch.phase is Phase.LAUNCH and launch.load_step == 14
+
+
+def test_a_suspect_mark_of_the_step_is_cleared_too_and_all_clears_every_mark() -> None:
+    suspect = SuspectCheckpoint(step=14, nodes=("n2",), generation=1)
+    d = running(IDS, bad_checkpoints=(5,), suspect_checkpoint=suspect)
+    a = decide(d, _obs([st(1), st(2)], r1=ClearBadRequest(steps=(14,))), CFG)
+    (s,) = _states(a)
+    assert s.suspect_checkpoint == SuspectCheckpoint() and s.bad_checkpoints == (5,)
+    a = decide(d, _obs([st(1), st(2)], r2=ClearBadRequest(all=True, who="ops@head")), CFG)
+    (s,) = _states(a)
+    assert s.suspect_checkpoint == SuspectCheckpoint() and s.bad_checkpoints == ()
+    (done,) = _done(a)
+    assert done.cleared == (5, 14) and done.all
+    assert done.reason == "cleared the marks of step 5, 14"
+
+
+def test_steps_without_a_mark_are_named_and_change_nothing() -> None:
+    d = running(IDS, bad_checkpoints=(14,))
+    a = decide(
+        d,
+        _obs([st(1), st(2)], r1=ClearBadRequest(steps=(3, 14)), r2=ClearBadRequest(steps=(7,))),
+        CFG,
+    )
+    (s,) = _states(a)
+    assert s.bad_checkpoints == ()
+    assert [(x.request_id, x.cleared, x.reason) for x in _done(a)] == [
+        ("r1", (14,), "cleared the marks of step 14; no bad or suspect mark on step 3"),
+        ("r2", (), "no bad or suspect mark on step 7"),
+    ]
+    a = decide(d, _obs([st(1), st(2)], r3=ClearBadRequest(steps=(7,))), CFG)
+    assert _states(a) == [] and [x.reason for x in _done(a)] == ["no bad or suspect mark on step 7"]
+
+
+def test_a_clear_bad_request_names_steps_or_all() -> None:
+    with pytest.raises(ValidationError, match=r"steps=\(\): empty: name steps, or set all"):
+        ClearBadRequest()
+    with pytest.raises(ValidationError, match="a negative step"):
+        ClearBadRequest(steps=(-1,))
+    with pytest.raises(ValidationError, match="sorted, without repeats"):
+        ClearBadRequest(steps=(9, 5))
+    req = ClearBadRequest(steps=(5, 9), who="ops@head", time=5.0)
+    assert ClearBadRequest.model_validate_json(req.model_dump_json()) == req
