@@ -6,7 +6,8 @@ its TP all-reduces reached (``sailor.profiler.tp_link_evidence``): what the simu
 ``tp_link_efficiency`` (NVLink, any link but PCIe) or ``tp_link_efficiency_pcie`` would
 have to be to price that TP degree from the TP-1 profile. Then the range per link kind,
 which the catalog's prior takes (low = least, high = the lesser of the most and the 0.83
-an intra-node all-reduce curve peaks at, median = geometric midpoint).
+an intra-node all-reduce curve peaks at, median = the points' median: the geometric midpoint
+of the ends would follow one outlier, RTX-3090's TP 8).
 
 Prints the machine and the data. Never asserts. Run:
 ``python benchmarks/tp_link_evidence.py [--models OPT-350,GPT-Neo-2.7]``.
@@ -15,8 +16,8 @@ Prints the machine and the data. Never asserts. Run:
 from __future__ import annotations
 
 import argparse
-import math
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def main() -> None:
         low, high = min(es), min(max(es), CURVE_PEAK)
         print(
             f"  {kind:17} {len(es):3}  {min(es):.3f}  {max(es):.3f}  -> low {low:.3g}, "
-            f"median {math.sqrt(low * high):.3g}, high {high:.3g}"
+            f"median {min(statistics.median(es), high):.3g}, high {high:.3g}"
         )
 
 

@@ -273,7 +273,7 @@ class WorkCurves:
                 kinds.setdefault(kind, []).append((tp, point))
                 upd.setdefault(kind, {}).setdefault(tp, []).append(math.log(e.update))
             compute[g] = {
-                kind: tuple(sorted(p for tp, p in pts if tp == 1 or all(t > 1 for t, _ in pts)))
+                kind: _merged(p for tp, p in pts if tp == 1 or all(t > 1 for t, _ in pts))
                 for kind, pts in kinds.items()
             }
             update[g] = {
@@ -288,6 +288,18 @@ class WorkCurves:
         fwd, bwd = _gmean_at(compute, mbs / tp, 2)
         (upd,) = _gmean_at([c[kind] for c in self.update.values() if c.get(kind)], 1 / tp, 1)
         return KindCost(latency=(0.0, 0.0, 0.0), scale=(1 / fwd, 1 / bwd, 1 / upd))
+
+
+def _merged(points: Iterable[_Point]) -> tuple[_Point, ...]:
+    """``points`` sorted by work, those of one work (TP 2 at mbs 4 and TP 4 at mbs 8, of a GPU
+    measured at TP > 1 only) merged into their mean: a curve is a function of the work."""
+    by: dict[float, list[_Point]] = {}
+    for p in points:
+        by.setdefault(round(p[0], 9), []).append(p)
+    return tuple(
+        (ps[0][0], statistics.fmean(p[1] for p in ps), statistics.fmean(p[2] for p in ps))
+        for _, ps in sorted(by.items())
+    )
 
 
 def _gmean_at(

@@ -1,9 +1,13 @@
 """What fraction of its spec-sheet link a GPU type's measured TP all-reduces reached.
 
 The evidence behind the catalog prior's ``tp_link_efficiency`` (NVLink and the rest) and
-``tp_link_efficiency_pcie``: the efficiency the simulator would need to price a TP degree
-from a TP-1 profile (its rules 3 and 5: the compute scaled by the roofline, the all-reduces
-added over the spec sheet's link) for the time a profile measured at that TP degree.
+``tp_link_efficiency_pcie``: the efficiency that prices a TP degree from a TP-1 profile at the
+same work per GPU (the compute scaled by the roofline, the all-reduces added over the spec
+sheet's link: the simulator's rule 5, and what ``sailor profile estimate``'s work-keyed
+efficiencies assume) at the time a profile measured at that TP degree. The simulator's rule 3
+scales another TP degree at the same microbatch instead: read that way, the remainder also
+holds the compute efficiency lost at the smaller work per GPU, and the figures are lower
+(A100-40 TP 4 at mbs 1: 0.04); they are not link evidence.
 
 For a GPU type measured at TP ``t``, microbatch ``b``, and at TP 1, microbatch ``b/t`` (the
 same work per GPU): the blocks' compute at ``(t, b)`` is the TP-1 time scaled by the

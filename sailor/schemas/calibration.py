@@ -12,6 +12,8 @@ See ``docs/simulator-model.md`` for how each constant enters the model.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, field_error
@@ -35,19 +37,28 @@ context with its loaded kernel modules (~0.3-0.5 GiB on Ampere/Hopper with lazy 
 cuBLAS/cuDNN workspaces and NCCL communicator buffers (a few MiB per channel and peer)."""
 
 
-SPEC_LINK_EFFICIENCY = 0.29
+SPEC_LINK_EFFICIENCY = 0.3
 """Fraction of the spec sheet's per-GPU intra-node bandwidth (NVLink, or any link but PCIe)
 an estimated TP all-reduce reaches, when the network profile has no intra-node curve of the
 GPU type: the median of the catalog prior's ``tp_link_efficiency`` (its evidence there)."""
 
-PCIE_LINK_EFFICIENCY = 0.1
+PCIE_LINK_EFFICIENCY = 0.16
 """The same over a PCIe link (``pcie_link``): the median of the catalog prior's
 ``tp_link_efficiency_pcie``."""
 
 
 def pcie_link(link: str) -> bool:
-    """Whether a spec sheet's ``intra_node_link`` (``'PCIe4 x16'``, ``'NVLink3'``) is PCIe."""
-    return link.strip().lower().startswith("pcie")
+    """Whether a spec sheet's ``intra_node_link`` (``'PCIe4 x16'``, ``'PCI-e 3'``, ``'PCI
+    Express 5'``; not ``'NVLink3'``, ``'shared memory'``) is PCIe."""
+    return link.strip().lower().startswith("pci")
+
+
+def _legacy_tp_link(data: Any, field: str) -> Any:
+    """A calibration or prior written before the PCIe field existed: its one TP link value
+    held for every link, PCIe too (what it meant when written)."""
+    if isinstance(data, dict) and "tp_link_efficiency" in data and field not in data:
+        return {**data, field: data["tp_link_efficiency"]}
+    return data
 
 
 class ConstantRange(Frozen):
@@ -110,6 +121,11 @@ class GPUPrior(Frozen):
         "type's point value in every corner.",
     )
     source: str = Field(default="", description="Where the ranges come from.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        return _legacy_tp_link(data, "tp_link_efficiency_pcie")
 
     @model_validator(mode="after")
     def _bounds(self) -> GPUPrior:
@@ -192,7 +208,7 @@ class GPUCalibration(Frozen):
             "Fraction of the spec sheet's per-GPU intra-node bandwidth the TP all-reduces of "
             "an estimated layer reach (a TP degree nobody profiled; a measured intra-node "
             "curve is taken as it is), over NVLink or any link but PCIe. Default "
-            "SPEC_LINK_EFFICIENCY (0.29)."
+            "SPEC_LINK_EFFICIENCY (0.3)."
         ),
     )
     tp_link_efficiency_pcie: float = Field(
@@ -201,7 +217,7 @@ class GPUCalibration(Frozen):
         le=1.0,
         description=(
             "The same over a PCIe link (the spec sheet's intra_node_link). Default "
-            "PCIE_LINK_EFFICIENCY (0.1)."
+            "PCIE_LINK_EFFICIENCY (0.16)."
         ),
     )
     sync_fixed_s: float = Field(
@@ -263,6 +279,11 @@ class GPUCalibration(Frozen):
     def p2p_eta(self) -> float:
         """Efficiency of pipeline transfers (network_efficiency unless set apart)."""
         return self.network_efficiency if self.p2p_efficiency is None else self.p2p_efficiency
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        return _legacy_tp_link(data, "tp_link_efficiency_pcie")
 
     def tp_link_efficiency_of(self, link: str) -> float:
         """The TP link efficiency over a spec sheet's ``intra_node_link`` of this kind."""

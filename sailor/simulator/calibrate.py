@@ -359,7 +359,15 @@ def calibrate_gpu(
         first = next(s for s in est.stages if s.pipeline == 0 and s.stage == 0)
         return first.grad_sync_s, est.peak_memory_bytes
 
-    step = GPUCalibration(gpu_type=gpu, profiler_overhead_s=h, sync_fixed_s=c)
+    # the base's TP link efficiencies are kept: the runs' tables were read with them
+    kept = base.for_gpu(gpu)
+    step = GPUCalibration(
+        gpu_type=gpu,
+        profiler_overhead_s=h,
+        sync_fixed_s=c,
+        tp_link_efficiency=kept.tp_link_efficiency,
+        tp_link_efficiency_pcie=kept.tp_link_efficiency_pcie,
+    )
     logs: list[float] = []
     for r in runs:
         if len(r.plan.pipelines) < 2 or not _reduce_readable(r):

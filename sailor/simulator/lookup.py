@@ -375,12 +375,21 @@ def _layer_table(
         specs = {gpu_type: spec} if spec else {}
         # what a measured time holds is taken out at the evidence's point value, not the
         # corner's: else a costlier link took more out, and a pessimistic corner priced a
-        # TP degree below the profiled one faster
+        # TP degree below the profiled one faster; and in the dtype of the engine that
+        # measured it, not the planned one's
         eff = spec_link_efficiency(specs, gpu_type, cal if priced else None)
         link = tp_link(network, specs, gpu_type, t, eff)
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
-        return model_comm_s(model, t, mbs, link, vocab_parallel, embed_bytes)
+            return model_comm_s(model, t, mbs, link, vocab_parallel, embed_bytes)
+        return model_comm_s(model, t, mbs, link, vocab_parallel, held_bytes(t))
+
+    def held_bytes(t: int) -> float:
+        """Bytes per element of the embedding's all-reduce a measured time at ``t`` holds:
+        Sailor's profiler runs its engine (fp32 under autocast); an imported profile is
+        Megatron's (the compute dtype)."""
+        entry = profiles.timing(gpu_type, t, grid[t][0], 0) if grid.get(t) else None
+        return 4.0 if entry is not None and entry.source == "measured" else model.param_bytes()
 
     def hook_free(
         t: int, rows: list[tuple[float, float, float]]
@@ -393,7 +402,7 @@ def _layer_table(
         return _hook_corrected(rows, big, mbs, bmax, cal.profiler_overhead_s)
 
     added = [(0.0, 0.0)] * n  # the TP all-reduces of an estimated layer
-    held0 = 0.0  # the estimated all-reduce a measured embedding forward holds
+    raise0: float | None = None  # what the embedding's backward is raised to (its forward)
     # estimated entries that hold the compute alone: their TP all-reduces are priced here
     compute_only = calibrated and f"{gpu_type}.{COMPUTE_ONLY_META}" in profiles.meta
     if tp in grid:
@@ -419,8 +428,10 @@ def _layer_table(
             added = comm(tp)
         elif vocab_parallel and tp > 1 and not measured_whole_ends(profiles, gpu_type, tp, mbs, n):
             # a measured split embedding's forward holds its all-reduce, its backward none:
-            # the raise below compares the backward with the forward's compute
-            held0 = comm(tp, priced=False)[0][0]
+            # the raise below is to the forward's compute (at least the share the roofline
+            # gives compute, as rule 3 takes all-reduces out)
+            roof0 = estimate(tp)[0].fwd_s if spec is not None else 0.0
+            raise0 = compute_part(rows[0][0], comm(tp, priced=False)[0][0], roof0)
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
@@ -465,8 +476,8 @@ def _layer_table(
     # the TP all-reduces of an estimated layer are added last: a link's time, neither a
     # compute time the calibrated scale multiplies nor part of the embedding's raise
     for layer, ((f, g, u), (cf, cb)) in enumerate(zip(rows, added, strict=True)):
-        if layer == 0 and g < f - held0:
-            g = f - held0
+        if layer == 0 and g < (f if raise0 is None else raise0):
+            g = f if raise0 is None else raise0
         out.append(LayerCost(fwd_s=f * k + cf, bwd_s=g * k + cb, update_s=u, estimated=estimated))
     if not vocab_parallel and tp > 1:
         _whole_ends(

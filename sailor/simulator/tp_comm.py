@@ -111,10 +111,10 @@ def spec_link_efficiency(
     reach: ``cal``'s efficiency for the link's kind (PCIe or not), else the prior's median
     for it. A type without a spec sheet takes the non-PCIe one."""
     spec = spec_of(specs, gpu_type)
-    pcie = spec is not None and pcie_link(spec.intra_node_link)
+    link = spec.intra_node_link if spec is not None else ""
     if cal is None:
-        return PCIE_LINK_EFFICIENCY if pcie else SPEC_LINK_EFFICIENCY
-    return cal.tp_link_efficiency_pcie if pcie else cal.tp_link_efficiency
+        return PCIE_LINK_EFFICIENCY if pcie_link(link) else SPEC_LINK_EFFICIENCY
+    return cal.tp_link_efficiency_of(link)
 
 
 def tp_link(

@@ -337,14 +337,17 @@ def test_closed_form_equals_the_simulator_in_every_corner(corner: str, gpus: int
     _closed_form_agrees(env, cal, gpus)
 
 
+@pytest.mark.parametrize("link", ["test", "PCIe4 x16"])
 @pytest.mark.parametrize("gpus", GPUS_PER_NODE)
 @pytest.mark.parametrize("corner", ["optimistic", "pessimistic"])
 def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_tp(
-    corner: str, gpus: int
+    corner: str, gpus: int, link: str
 ) -> None:
-    """No intra-node curves (the spec sheet's link, derated by the corner's link efficiency)
-    and no TP 2 timings (estimated: its all-reduces, the embedding's in the corner's bytes):
-    the boundary all-gathers and the estimated all-reduces are priced alike by both."""
+    """No intra-node curves (the spec sheet's link, derated by the corner's link efficiency
+    for its kind: PCIe or not) and no TP 2 timings (estimated: its all-reduces, the
+    embedding's in the corner's bytes): the boundary all-gathers and the estimated
+    all-reduces are priced alike by both. (With the PCIe link, a planner that read the
+    NVLink efficiency failed here; review.)"""
     from dataclasses import replace
 
     from sailor import catalog
@@ -362,5 +365,6 @@ def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_t
         env,
         network=env.network.model_copy(update={"intra_node": ()}),
         profiles=env.profiles.model_copy(update={"timings": one}),
+        specs={g: s.model_copy(update={"intra_node_link": link}) for g, s in env.specs.items()},
     )
     _closed_form_agrees(env, cal, gpus)

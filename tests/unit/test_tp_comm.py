@@ -17,12 +17,14 @@ from sailor.schemas import (
 )
 from sailor.schemas.calibration import PCIE_LINK_EFFICIENCY, SPEC_LINK_EFFICIENCY
 from sailor.schemas.network import CollectiveLatency
+from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_timing
 from sailor.simulator.lookup import layer_table
 from sailor.simulator.tp_comm import (
     MIN_COLLECTIVE_S,
     TPLink,
     all_gather_s,
+    compute_part,
     layer_comm_s,
     ring_allreduce_s,
     spec_link_efficiency,
@@ -111,16 +113,19 @@ def test_unprofiled_gpu_type_pays_its_all_reduces() -> None:
     assert any("TP all-reduces at tp=4" in n for n in t4.notes)
 
 
-def _measured(tps: tuple[int, ...], scale: float) -> ProfileDB:
+def _measured(tps: tuple[int, ...], scale: float, source: str = "imported") -> ProfileDB:
     """Profiles of ``GPU`` at ``tps``: the roofline at each TP times ``scale`` (a GPU slower
     or faster than its roofline), plus its all-reduces over the link (which that scale does
-    not touch), as a profiler that runs the layer on a real TP group times it."""
+    not touch), as a profiler that runs the layer on a real TP group times it. Imported:
+    Megatron's, the embedding's all-reduce in the compute dtype; ``measured``: Sailor's
+    profiler on its engine, in fp32 (autocast), stamped split."""
     link = {t: tp_link(None, SPECS, GPU, t) for t in tps if t > 1}
+    embed = MODEL.param_bytes() if source == "imported" else 4.0
     rows = []
     for t in tps:
         for layer in range(MODEL.num_all_layers):
             e = estimate_layer_timing(MODEL, SPECS[GPU], t, 2, layer)
-            cf, cb = layer_comm_s(MODEL, t, 2, layer, link[t], True) if t > 1 else (0.0, 0.0)
+            cf, cb = layer_comm_s(MODEL, t, 2, layer, link[t], True, embed) if t > 1 else (0.0, 0.0)
             rows.append(
                 LayerProfile(
                     gpu_type=GPU,
@@ -131,17 +136,22 @@ def _measured(tps: tuple[int, ...], scale: float) -> ProfileDB:
                     fwd_s=scale * e.fwd_s + cf,
                     bwd_s=scale * e.bwd_s + cb,
                     update_s=e.update_s,
-                    source="imported",
+                    source=source,
                 )
             )
-    return ProfileDB(model=MODEL.name, timings=tuple(rows))
+    split = {f"{GPU}.tp{t}.{VOCAB_SPLIT_META}": "true" for t in tps if source == "measured"}
+    return ProfileDB(model=MODEL.name, timings=tuple(rows), meta=split)
 
 
+@pytest.mark.parametrize("source", ["imported", "measured"])
 @pytest.mark.parametrize("near", [1, 2])
-def test_unprofiled_tp_scales_compute_and_adds_its_all_reduces(near: int) -> None:
-    # a GPU twice as slow as its roofline: the scaled compute keeps the factor 2, the
-    # all-reduces at the new TP are the link's (not scaled by the compute's factor)
-    db = _measured((near,), 2.0)
+def test_unprofiled_tp_scales_compute_and_adds_its_all_reduces(near: int, source: str) -> None:
+    """A GPU twice as slow as its roofline: the scaled compute keeps the factor 2, the
+    all-reduces at the new TP are the link's (not scaled by the compute's factor). What the
+    profile at ``near`` holds is taken out in the dtype of the engine that measured it:
+    Megatron's embedding all-reduce in fp16, Sailor's in fp32 (before, the planned engine's:
+    fp32 taken out of an imported fp16 one)."""
+    db = _measured((near,), 2.0, source)
     got = layer_table(db, MODEL, CAL, SPECS, GPU, 4, 2)
     link = tp_link(None, SPECS, GPU, 4)
     for layer in (0, BLOCK, HEAD):
@@ -359,3 +369,31 @@ def test_the_corners_order_a_tp_degree_below_the_profiled_one() -> None:
         )
         got[name] = layer_table(db, MODEL, gcal, SPECS, GPU, 2, 2).layers[BLOCK].fwd_s
     assert got["optimistic"] < got["median"] < got["pessimistic"]
+
+
+@pytest.mark.parametrize("source", ["imported", "measured"])
+def test_a_measured_embedding_backward_is_raised_to_its_forwards_compute(source: str) -> None:
+    """At TP > 1 a measured split embedding's forward holds its rows' all-reduce, its
+    backward none: a backward recorded below the forward is raised to the forward's compute
+    (at least the share the roofline gives it), not to the forward with the all-reduce.
+    Before, the backward paid an all-reduce it does not run; and where the all-reduce's
+    estimate exceeded the measured forward (a slow PCIe link), a first fix raised it to
+    nothing (review)."""
+    db = _measured((4,), 1.0, source)
+    low = tuple(t.model_copy(update={"bwd_s": 1e-6}) if t.layer == 0 else t for t in db.timings)
+    got = layer_table(db.model_copy(update={"timings": low}), MODEL, CAL, SPECS, GPU, 4, 2)
+    e = estimate_layer_timing(MODEL, SPECS[GPU], 4, 2, 0)
+    embed = MODEL.param_bytes() if source == "imported" else 4.0
+    held = layer_comm_s(MODEL, 4, 2, 0, tp_link(None, SPECS, GPU, 4), True, embed)[0]
+    fwd = e.fwd_s + held
+    assert got.layers[0].fwd_s == pytest.approx(fwd)
+    assert got.layers[0].bwd_s == pytest.approx(compute_part(fwd, held, e.fwd_s))
+    assert 0 < got.layers[0].bwd_s < fwd
+    # an all-reduce estimate above the measured forward leaves the roofline's share
+    tiny = tuple(
+        t.model_copy(update={"fwd_s": held / 2, "bwd_s": 1e-6}) if t.layer == 0 else t
+        for t in db.timings
+    )
+    got = layer_table(db.model_copy(update={"timings": tiny}), MODEL, CAL, SPECS, GPU, 4, 2)
+    share = (held / 2) * e.fwd_s / (e.fwd_s + held)
+    assert got.layers[0].bwd_s == pytest.approx(share)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from sailor import catalog
@@ -10,6 +12,7 @@ from sailor.schemas import LayerProfile, ProfileDB
 from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_timing
 from sailor.simulator.tp_comm import layer_comm_s, tp_link
+from tests.reference_opt350 import REF
 
 MODEL = catalog.model("OPT-350")
 SPECS = catalog.gpus()
@@ -53,3 +56,32 @@ def test_a_tp_degree_faster_than_its_compute_gives_no_figure() -> None:
     )
     (row,) = implied_tp_link_efficiency(db.model_copy(update={"timings": fast}), MODEL, SPECS)
     assert row.measured_s < row.compute_s and row.efficiency is None
+
+
+@pytest.mark.skipif(
+    not (REF / "profiles").exists(), reason=f"needs the reference profiles at {REF}"
+)
+def test_the_catalog_prior_is_what_the_reference_profiles_say() -> None:
+    """The catalog's TP link ranges follow from the evidence (benchmarks/tp_link_evidence.py):
+    low = the least implied efficiency, median = the points' median, high = the lesser of the
+    most and the 0.83 an intra-node all-reduce curve peaks at; per link kind, over the four
+    reference models. A change of the data or of the computation shows here."""
+    from sailor.importers.sailor_format import import_profiles
+    from sailor.schemas.calibration import pcie_link
+
+    es: dict[bool, list[float]] = {True: [], False: []}
+    for name in ("OPT-350", "GPT-Neo-2.7", "OPT-30", "LLAMA-3-8"):
+        db = import_profiles(
+            REF / "profiles" / "profiles_tmp.json", REF / "profiles" / "llm_info.json", name
+        )
+        for r in implied_tp_link_efficiency(db, catalog.model(name), SPECS):
+            if r.efficiency is not None:
+                es[pcie_link(r.link)].append(r.efficiency)
+    prior = catalog.calibration().prior
+    assert prior is not None
+    for pcie, rng in ((False, prior.tp_link_efficiency), (True, prior.tp_link_efficiency_pcie)):
+        assert rng is not None
+        high = min(max(es[pcie]), 0.83)
+        assert rng.low == pytest.approx(min(es[pcie]), abs=0.002)
+        assert rng.median == pytest.approx(statistics.median(es[pcie]), abs=0.005)
+        assert rng.high == pytest.approx(high, abs=0.005)
