@@ -397,3 +397,46 @@ def test_a_measured_embedding_backward_is_raised_to_its_forwards_compute(source:
     got = layer_table(db.model_copy(update={"timings": tiny}), MODEL, CAL, SPECS, GPU, 4, 2)
     share = (held / 2) * e.fwd_s / (e.fwd_s + held)
     assert got.layers[0].bwd_s == pytest.approx(share)
+
+
+def test_a_calibration_written_before_the_pcie_field_holds_its_value_for_every_link() -> None:
+    """A calibration file (or prior) of an older release has one TP link efficiency, which
+    then held for PCIe links too: read back, it still does (review: it silently took the
+    PCIe default). Written now, both fields are there and each keeps its own."""
+    from sailor.schemas import ConstantRange, GPUPrior
+
+    old = GPUCalibration.model_validate({"gpu_type": GPU, "tp_link_efficiency": 0.6})
+    assert old.tp_link_efficiency_pcie == 0.6
+    assert spec_link_efficiency(SPECS, GPU, old) == 0.6
+    new = GPUCalibration(gpu_type=GPU, tp_link_efficiency=0.6, tp_link_efficiency_pcie=0.2)
+    again = GPUCalibration.model_validate_json(new.model_dump_json())
+    assert (again.tp_link_efficiency, again.tp_link_efficiency_pcie) == (0.6, 0.2)
+    assert GPUCalibration(gpu_type=GPU).tp_link_efficiency_pcie == PCIE_LINK_EFFICIENCY
+    prior = catalog.calibration().prior
+    assert prior is not None
+    r = ConstantRange(low=0.4, median=0.5, high=0.6, evidence="old")
+    older = GPUPrior.model_validate(
+        {
+            **prior.model_dump(exclude={"tp_link_efficiency_pcie"}),
+            "tp_link_efficiency": r.model_dump(),
+        }
+    )
+    assert older.tp_link_efficiency_pcie == r
+
+
+def test_calibration_keeps_the_base_tp_link_efficiencies() -> None:
+    """``calibrate_gpu`` fits h, c, eta and the p2p constants on tables read with the base's
+    TP link efficiencies, and the fitted entry carries them (review: it carried the defaults)."""
+    pytest.importorskip("numpy")
+    from tests.reference_opt350 import DEEPSPEED, REF, load_opt350
+
+    if not REF.exists():
+        pytest.skip(f"needs the reference data at {REF}")
+    from sailor.simulator import calibrate_gpu
+
+    model, profiles, network, prices, runs = load_opt350()
+    mine = GPUCalibration(gpu_type="GH-96", tp_link_efficiency=0.7, tp_link_efficiency_pcie=0.05)
+    got = calibrate_gpu(
+        runs, model, profiles, network, prices, gpu_specs=SPECS, base=DEEPSPEED.with_gpu(mine)
+    )
+    assert (got.tp_link_efficiency, got.tp_link_efficiency_pcie) == (0.7, 0.05)
