@@ -84,10 +84,11 @@ def save_killed(run_dir: Path, groups: Iterable[KilledGroup]) -> None:
         _log.warning("killed_groups_not_saved", path=str(path), error=str(exc))
 
 
-def load_killed(run_dir: Path) -> list[KilledGroup]:
-    """The groups :func:`save_killed` left in ``run_dir`` in this boot ([] if none, if the
-    file is another boot's, or unreadable: logged). An entry without ``sigkilled`` was
-    written by a release that saved a group only once SIGKILLed."""
+def load_killed(run_dir: Path) -> list[KilledGroup] | None:
+    """The groups :func:`save_killed` left in ``run_dir`` in this boot ([] if the file is
+    another boot's; None if there is none, or it is unreadable: logged, and left for a
+    look). An entry without ``sigkilled`` was written by a release that saved a group only
+    once SIGKILLed."""
     path = run_dir / KILLED_FILE
     try:
         data = json.loads(path.read_text())
@@ -104,10 +105,10 @@ def load_killed(run_dir: Path) -> list[KilledGroup]:
             for g in data["groups"]
         ]
     except FileNotFoundError:
-        return []
+        return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         _log.warning("killed_groups_unreadable", path=str(path), error=repr(exc)[:300])
-        return []
+        return None
     if saved_boot and this_boot and saved_boot != this_boot:
         return []
     return groups

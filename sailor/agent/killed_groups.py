@@ -442,6 +442,8 @@ class KilledGroups:
         The others linger: the failure is theirs and no worker starts until they are gone.
         """
         saved = load_killed(self.run_dir)
+        if saved is None:  # none, or unreadable (logged)
+            return
         if saved:
             groups = await self._probe([k.pgid for k in saved], {k.pgid: k.born_by for k in saved})
             there = {
