@@ -4,11 +4,14 @@ than the highest seen, is refused; a higher epoch is persisted (the fence) befor
 is applied; each command id is applied at most once (a repeat gets the first ack back, marked
 duplicate); a Launch reads its plan and training config first (``plan_source``); a command
 that fails is refused with its cause, and once the agent is shutting down every command is.
-Every refusal is on record twice: its ack and a journal line. No command waits for a kill:
-an Abort is acked once its signals are sent (the kill's end is in the status: ``killing``,
-then idle or the OutlivedKill failure), and a Launch while a kill is under way is refused
-at once (docs/runtime.md#aborts-and-kills); every command behind them waited up to the
-teardown bound before.
+Every refusal is on record twice: its ack and a journal line. No command of a controller of
+wire version 4 or later waits for a kill: an Abort is acked once its signals are sent (the
+kill's end is in the status: ``killing``, then idle or the OutlivedKill failure), and a
+Launch while a kill is under way is refused at once (docs/runtime.md#aborts-and-kills);
+every command behind them waited up to the teardown bound before. An older controller's
+(``schema_version`` < :data:`_KILLING_VERSION`) Abort and Launch wait for the kill as they
+did: it does not read ``killing``, and would take a node whose workers are being killed
+for one that is done.
 
 ``AgentCommands`` is a part of :class:`~sailor.agent.daemon.Agent` (a mixin over its node,
 supervisor, fence, plan source and record of applied commands). Must never import the
@@ -35,6 +38,14 @@ from sailor.schemas.runtime import CommandAck
 __all__ = ["AgentCommands"]
 
 _log = structlog.get_logger("sailor.agent")
+
+_KILLING_VERSION = 4
+"""The wire version from which a controller reads ``AgentStatus.killing``: its Aborts are
+acked once their signals are sent and its Launches refused during a kill. One below drops
+the field (``schemas._newer``) and, in an in-place TEARDOWN, takes a node reporting
+``held`` (what it reports while its workers that did not hold are being killed) as done:
+it would send an in-place Launch the agent refuses, and its LAUNCH deadline would charge
+the node. So an older controller's Abort is acked once its kill is over, as before."""
 
 
 class AgentCommands:
@@ -98,10 +109,11 @@ class AgentCommands:
                 return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
         self.max_epoch = cmd.epoch
         if isinstance(cmd, Launch):
-            if self.supervisor.kill_under_way:
+            if self.supervisor.kill_under_way and cmd.schema_version >= _KILLING_VERSION:
                 # no rank starts on a GPU a killed worker's process may still hold, and the
                 # launch does not wait for them here (that held every command to this node
-                # up to the teardown bound): refused, not applied; the controller re-sends it
+                # up to the teardown bound): refused, not applied; the controller re-sends it.
+                # An older controller's waits (Supervisor.launch: the gate), as it did.
                 return self._refuse(cmd.command_id, _being_killed(self.supervisor.killing))
             try:  # a Launch names its plan; read it from etcd (cached by plan id)
                 plan = await self._plans.resolve(cmd)
@@ -125,8 +137,10 @@ class AgentCommands:
         if isinstance(cmd, Abort):
             # acked once the signals are sent (a hold: once the workers held or the grace
             # period passed): the kill's end is in the status (``killing``, then idle, or
-            # the OutlivedKill failure past the teardown bound), not in this ack
-            await self.supervisor.abort(hold=cmd.hold, wait=False)
+            # the OutlivedKill failure past the teardown bound), not in this ack. An older
+            # controller reads no ``killing``: acked once the kill is over, as before.
+            wait = cmd.schema_version < _KILLING_VERSION
+            await self.supervisor.abort(hold=cmd.hold, wait=wait)
             if self.supervisor.killing:
                 reason = f"signals sent: {_being_killed(self.supervisor.killing)}"
         ack = CommandAck(

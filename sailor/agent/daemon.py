@@ -189,7 +189,8 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             await self.supervisor.restore_killed()
             await self._fence_from_desired()
             await commands.serve(self.node.node_id, self._on_command)
-            await self.supervisor.top_up_spares()
+            if not self.supervisor.kill_under_way:  # else once the restored kill is over
+                await self.supervisor.top_up_spares()
             await self._register()
             self.sd.ready(f"registered node {self.node.node_id}")
             self._keep("status", self._status_loop)

@@ -9,9 +9,12 @@ meanwhile (:meth:`KilledGroups.gate`). A group still there then *lingers*: its r
 every lingering group) is this node's failure and no worker starts until it is gone. The
 lingering groups are probed again at each launch and abort (the supervisor calls
 :meth:`KilledGroups.recheck`) and every ``recheck_s``; once none is left the record is
-withdrawn. The groups SIGKILLed and not yet found gone are kept in ``killed.json`` in the run
-directory (:data:`KILLED_FILE`), so that a restarted agent (:meth:`KilledGroups.restore`)
-starts no rank on a GPU its previous incarnation's rank still holds.
+withdrawn. The groups signalled and not yet found gone are kept in ``killed.json`` in the run
+directory (:data:`KILLED_FILE`) from their SIGTERM on, so that a restarted agent
+(:meth:`KilledGroups.restore`) starts no rank on a GPU its previous incarnation's rank still
+holds: it SIGKILLs the groups whose kill was cut short before their SIGKILL, goes on killing
+those SIGKILLed less than ``teardown_timeout_s`` ago (within what is left of that bound:
+``going`` counts them, as the kills it began itself) and lets the others linger.
 
 The supervisor owns the workers and the failure it reports; this module tells it through
 two callbacks (the record changed; every lingering group is gone) and never starts a worker,
@@ -27,16 +30,15 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 
+from sailor.agent.killed_file import KILLED_FILE, KilledGroup, load_killed, save_killed
 from sailor.agent.teardown import (
     GONE_STATES,
     Teardown,
-    boot_id,
     boot_ticks,
     group_members,
     teardown_verdict,
@@ -81,10 +83,6 @@ launch and abort): a ``killpg`` per group and, while one has a member, a ``/proc
 a thread. The node takes ranks again at most this late after it went, against the
 controller's exclusion of a node that reported it (600 s)."""
 
-KILLED_FILE = "killed.json"
-"""In the run directory: the process groups SIGKILLed and not yet found gone, for a
-restarted agent (:meth:`KilledGroups.restore`)."""
-
 
 class WorkerTeardownError(RuntimeError):
     """A launch or a spare asked to start a worker while a killed worker's process outlived
@@ -112,35 +110,6 @@ class Killable(Protocol):
     @property
     def proc(self) -> asyncio.subprocess.Process:
         """The worker, the leader of its process group (its pid is the group's id)."""
-
-
-@dataclass
-class _Killed:
-    """A killed worker's process group, SIGKILLed and not yet found gone."""
-
-    pgid: int
-    rank: int
-    step: int
-    born_by: int
-    """Its members had started by then (the SIGKILL, in ``teardown.boot_ticks``): one
-    started later is another session's that got the id once ours had gone."""
-    killed_at: float
-    """Wall-clock time of the SIGKILL (a restarted agent's record counts from it)."""
-    proc: asyncio.subprocess.Process | None = None
-    """The worker, there until reaped (None: a previous agent's)."""
-    processes: tuple[tuple[int, str], ...] = ()
-    """``(pid, state)`` of its members still there at the verdict."""
-    seconds: float = 0.0
-    """How long after the SIGKILL they were still there."""
-
-    def saved(self) -> dict[str, Any]:
-        return {
-            "pgid": self.pgid,
-            "rank": self.rank,
-            "step": self.step,
-            "born_by": self.born_by,
-            "killed_at": self.killed_at,
-        }
 
 
 class KilledGroups:
@@ -182,9 +151,12 @@ class KilledGroups:
         self._killed.set()
         self._going: set[int] = set()
         """The process groups of the kills under way (``going``)."""
-        self._sigkilled: dict[int, _Killed] = {}
-        """Process groups SIGKILLed and not yet found gone, by pgid (in ``KILLED_FILE``)."""
-        self._lingering: dict[int, _Killed] = {}
+        self._sigkilled: dict[int, KilledGroup] = {}
+        """Process groups signalled and not yet found gone, by pgid (in ``KILLED_FILE``)."""
+        self._restored: list[KilledGroup] = []
+        """A previous agent's groups :meth:`restore` found still being killed, until
+        :meth:`finish_restored`."""
+        self._lingering: dict[int, KilledGroup] = {}
         """Those of them past the teardown bound: no worker starts while one is there."""
         self._record = ""
         self._rechecking: asyncio.Task[Any] | None = None
@@ -229,10 +201,15 @@ class KilledGroups:
             return alive
         self._killing += 1
         self._killed.clear()
+        born_by, now = boot_ticks(), time.time()
         for w in alive:
             self._going.add(w.proc.pid)
+            self._sigkilled[w.proc.pid] = KilledGroup(
+                w.proc.pid, w.rank, w.step, born_by, now, sigkilled=False, proc=w.proc
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
+        self._save()  # an agent restarted before the SIGKILL sends it (restore)
         return alive
 
     async def finish(self, alive: Sequence[Killable], report: bool = True) -> None:
@@ -241,22 +218,30 @@ class KilledGroups:
         if not alive:
             return
         try:
-            left, _ = await self._until_gone(alive, self.kill_grace_s)
+            left, _ = await self._until_gone(_ranks(alive), _procs(alive), self.kill_grace_s)
+            for w in alive:
+                if w.proc.pid not in left:
+                    self._sigkilled.pop(w.proc.pid, None)
             if not left:
+                self._save()
                 return
             born_by, now = boot_ticks(), time.time()
             for w in alive:
                 if w.proc.pid in left:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(w.proc.pid, signal.SIGKILL)
-                    self._sigkilled[w.proc.pid] = _Killed(
+                    self._sigkilled[w.proc.pid] = KilledGroup(
                         w.proc.pid, w.rank, w.step, born_by, now, proc=w.proc
                     )
             self._save()  # a restarted agent must know them (restore)
             killed = [w for w in alive if w.proc.pid in left]
             bound = self.kill_grace_s if self.closed else self.teardown_timeout_s
             left, elapsed = await self._until_gone(
-                killed, bound, born_by={w.proc.pid: born_by for w in killed}, after_kill=True
+                _ranks(killed),
+                _procs(killed),
+                bound,
+                born_by={w.proc.pid: born_by for w in killed},
+                after_kill=True,
             )
             for w in killed:
                 if w.proc.pid not in left:
@@ -272,23 +257,24 @@ class KilledGroups:
 
     async def _until_gone(
         self,
-        workers: Sequence[Killable],
+        rank_of: Mapping[int, int],
+        procs: Sequence[asyncio.subprocess.Process],
         bound_s: float,
         born_by: Mapping[int, int] | None = None,
         after_kill: bool = False,
     ) -> tuple[dict[int, dict[int, str]], float]:
-        """Wait until every process of ``workers``' groups is gone, at most ``bound_s``:
-        the groups with a live member still (``{pgid: {pid: state}}``, {} if none) and the
-        seconds waited. A worker itself is there until reaped (a process whose main thread
-        ended reads ``Z`` while another thread runs on; it cannot be reaped then). Wakes
-        when the workers have exited, else after 10 ms, doubling up to ``_PROBE_S``: a
-        worker that goes at once (its children with it) costs no sleep. ``born_by``: the
+        """Wait until every process of the groups ``rank_of`` (``{pgid: rank}``) is gone, at
+        most ``bound_s``: the groups with a live member still (``{pgid: {pid: state}}``, {}
+        if none) and the seconds waited. A worker of ``procs`` (our children, the groups'
+        leaders; none for a previous agent's) is there until reaped (a process whose main
+        thread ended reads ``Z`` while another thread runs on; it cannot be reaped then).
+        Wakes when the workers have exited, else after 10 ms, doubling up to ``_PROBE_S``:
+        a worker that goes at once (its children with it) costs no sleep. ``born_by``: the
         groups' members started later are not theirs (``teardown.group_members``).
         ``after_kill``: log the processes outliving SIGKILL, and their end."""
         loop = asyncio.get_running_loop()
         start = loop.time()
-        waits = [asyncio.ensure_future(w.proc.wait()) for w in workers if w.proc.returncode is None]
-        rank_of = {w.proc.pid: w.rank for w in workers}
+        waits = [asyncio.ensure_future(p.wait()) for p in procs if p.returncode is None]
         outlived: dict[int, int] = {}  # pid -> rank, of those logged as outliving SIGKILL
         next_log = self.kill_grace_s
         delay = 0.01
@@ -308,11 +294,11 @@ class KilledGroups:
                     for pid, state in members.items()
                     if state not in GONE_STATES
                 }
-                for w in workers:
-                    if w.proc.returncode is None and w.proc.pid not in there:
+                for p in procs:
+                    if p.returncode is None and p.pid not in there:
                         # not reaped: a zombie leader (its last thread is ending) or a
                         # member the probe missed; there all the same, state unknown
-                        there[w.proc.pid] = (w.proc.pid, "")
+                        there[p.pid] = (p.pid, "")
                 if after_kill:
                     for pid in [p for p in outlived if p not in there]:
                         _log.info(
@@ -443,58 +429,97 @@ class KilledGroups:
             raise WorkerTeardownError(self._record)
 
     def _save(self) -> None:
-        """``_sigkilled`` into ``KILLED_FILE`` (atomically; removed when empty). Not synced
-        to disk: a power loss is a reboot, which ends those processes anyway."""
-        path = self.run_dir / KILLED_FILE
-        try:
-            if self._sigkilled:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                groups = [k.saved() for k in self._sigkilled.values()]
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text(json.dumps({"boot_id": boot_id(), "groups": groups}))
-                tmp.replace(path)
-            else:
-                path.unlink(missing_ok=True)
-        except OSError as exc:  # a restarted agent would not know them: say so
-            _log.warning("killed_groups_not_saved", path=str(path), error=str(exc))
+        """``_sigkilled`` into ``KILLED_FILE`` (``killed_file.save_killed``)."""
+        save_killed(self.run_dir, self._sigkilled.values())
 
     async def restore(self) -> None:
-        """At an agent's start: the process groups its previous incarnation SIGKILLed and
-        did not see go (``KILLED_FILE``). Those still there (members started by their
-        SIGKILL, in this boot) linger: the failure is theirs and no worker starts until
-        they are gone, as if this agent had killed them."""
-        path = self.run_dir / KILLED_FILE
-        try:
-            data = json.loads(path.read_text())
-            saved_boot, this_boot = str(data.get("boot_id", "")), boot_id()
-            same_boot = not saved_boot or not this_boot or saved_boot == this_boot
-            saved = [
-                _Killed(
-                    int(g["pgid"]),
-                    int(g["rank"]),
-                    int(g["step"]),
-                    int(g["born_by"]),
-                    float(g["killed_at"]),
-                )
-                for g in data["groups"]
-            ]
-        except FileNotFoundError:
+        """At an agent's start: the process groups its previous incarnation signalled and
+        did not see go (``KILLED_FILE``), those still there (members started by their last
+        signal, in this boot) as if this agent had signalled them. One whose kill was cut
+        short before its SIGKILL gets it now. One SIGKILLed less than
+        ``teardown_timeout_s`` ago is still being killed (``going``; no worker starts
+        meanwhile): :meth:`finish_restored` waits for it within what is left of the bound.
+        The others linger: the failure is theirs and no worker starts until they are gone.
+        """
+        saved = load_killed(self.run_dir)
+        if saved is None:  # none, or unreadable (logged)
             return
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            _log.warning("killed_groups_unreadable", path=str(path), error=repr(exc)[:300])
-            return
-        if same_boot and saved:
+        if saved:
             groups = await self._probe([k.pgid for k in saved], {k.pgid: k.born_by for k in saved})
             there = {
                 g: {p: s for p, s in members.items() if s not in GONE_STATES}
                 for g, members in groups.items()
             }
             now = time.time()
-            for k in saved:
-                if there.get(k.pgid):
-                    self._sigkilled[k.pgid] = k
-                    k.seconds = max(0.0, now - k.killed_at)
+            late: dict[int, dict[int, str]] = {}
+            for k in (k for k in saved if there.get(k.pgid)):
+                if not k.sigkilled:  # the kill was cut short: its SIGKILL is due
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(k.pgid, signal.SIGKILL)
+                    k.born_by, k.killed_at, k.sigkilled = boot_ticks(), now, True
+                self._sigkilled[k.pgid] = k
+                k.seconds = max(0.0, now - k.killed_at)
+                if k.seconds < self.teardown_timeout_s:
+                    self._restored.append(k)
+                else:
+                    late[k.pgid] = there[k.pgid]
             if self._sigkilled:
-                _log.warning("killed_groups_restored", pgids=sorted(self._sigkilled))
-                self._linger({g: there[g] for g in self._sigkilled}, 0.0)
+                _log.warning(
+                    "killed_groups_restored",
+                    going=sorted(k.pgid for k in self._restored),
+                    lingering=sorted(late),
+                )
+            if late:
+                self._linger(late, 0.0)
+            if self._restored:
+                self._killing += 1
+                self._killed.clear()
+                self._going.update(k.pgid for k in self._restored)
         self._save()
+
+    async def finish_restored(self) -> None:
+        """The rest of the kills :meth:`restore` found under way: wait until their groups
+        are gone, each at most until ``teardown_timeout_s`` after its SIGKILL; those still
+        there then linger (their record the failure at once), as :meth:`finish`'s do."""
+        restored, self._restored = self._restored, []
+        if not restored:
+            return
+        try:
+            by_kill: dict[float, list[KilledGroup]] = {}
+            for k in restored:  # one wait per SIGKILL time: each has its own bound
+                by_kill.setdefault(k.killed_at, []).append(k)
+            waits = [
+                self._until_gone(
+                    {k.pgid: k.rank for k in ks},
+                    (),
+                    max(0.0, self.teardown_timeout_s - (time.time() - killed_at)),
+                    born_by={k.pgid: k.born_by for k in ks},
+                    after_kill=True,
+                )
+                for killed_at, ks in by_kill.items()
+            ]
+            left: dict[int, dict[int, str]] = {}
+            for found, _ in await asyncio.gather(*waits):
+                left.update(found)
+            now = time.time()
+            for k in restored:
+                if k.pgid not in left:
+                    self._sigkilled.pop(k.pgid, None)
+                k.seconds = max(k.seconds, now - k.killed_at)
+            if left:
+                self._linger(left, max(k.seconds for k in restored if k.pgid in left))
+            self._save()
+        finally:
+            self._going.difference_update(k.pgid for k in restored)
+            self._killing -= 1
+            if not self._killing:
+                self._killed.set()
+
+
+def _ranks(workers: Sequence[Killable]) -> dict[int, int]:
+    """``{pgid: rank}`` of ``workers`` (a worker's pid is its group's id)."""
+    return {w.proc.pid: w.rank for w in workers}
+
+
+def _procs(workers: Sequence[Killable]) -> list[asyncio.subprocess.Process]:
+    return [w.proc for w in workers]

@@ -170,7 +170,9 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._doomed: list[WorkerView] = []
         """Workers an abort is killing in the background (``abort(wait=False)``)."""
         self._kills: set[asyncio.Task[None]] = set()
-        """The aborts' kills under way."""
+        """The aborts' kills under way (and a previous agent's, ``restore_killed``)."""
+        self._restoring = False
+        """A previous agent's kill is under way (``restore_killed``)."""
         self.generation = -1
         self.plan_id = ""
         self.start_step = -1
@@ -427,9 +429,29 @@ class Supervisor(SupervisorStatus, WorkerOutput):
 
     async def restore_killed(self) -> None:
         """At an agent's start, before it takes commands: the process groups its previous
-        incarnation SIGKILLed and did not see go (``KilledGroups.restore``). Those still
-        there are the failure, and no worker starts until they are gone."""
+        incarnation signalled and did not see go (``KilledGroups.restore``). Those SIGKILLed
+        less than ``teardown_timeout_s`` ago, or not yet (they get it now), are still being
+        killed, in a task as an abort's kill is (``killing`` counts them, the state is
+        ``stopped``; the spares start once it is over); those past the bound are the
+        failure. No worker starts until they are gone."""
         await self.killed_groups.restore()
+        if self.killed_groups.killing:
+            self._restoring = True
+            kill = self._tasks.spawn("restored-kill", self._end_restored())
+            self._kills.add(kill)
+            kill.add_done_callback(self._kills.discard)
+            self.changed.set()
+
+    async def _end_restored(self) -> None:
+        """The rest of a previous agent's kills (``KilledGroups.finish_restored``); then the
+        spares, if every group went (else their end brings them: ``_on_teardown_gone``)."""
+        try:
+            await self.killed_groups.finish_restored()
+        finally:
+            self._restoring = False
+        if not self.killed_groups.record:
+            self._on_teardown_gone()
+        self.changed.set()
 
     def _on_teardown_record(self, old: str, new: str, report: bool) -> None:
         """The lingering groups' record changed: it is the failure if ``report``, or if the

@@ -63,6 +63,7 @@ class SupervisorStatus:
     workers: list[WorkerView]
     spares: list[WorkerView]
     _doomed: list[WorkerView]
+    _restoring: bool
     failure: str
     warm_spares: int
     _spare_failures: int
@@ -71,8 +72,9 @@ class SupervisorStatus:
     def state(self) -> str:
         if self.failure:
             return "failed"
-        if not self.workers:  # an abort's kill under way: its workers are not gone yet
-            return "stopped" if self._doomed else "idle"
+        if not self.workers:  # a kill under way (an abort's, or one a restarted agent
+            # found): its workers are not gone yet
+            return "stopped" if self._doomed or self._restoring else "idle"
         alive = [w for w in self.workers if w.exit_code is None]
         if alive and all(w.held for w in alive) and len(alive) == len(self.workers):
             return "held"

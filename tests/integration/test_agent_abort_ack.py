@@ -26,11 +26,13 @@ from typing import Any
 
 import pytest
 
+from sailor.agent.agent_config import AgentConfig
 from sailor.agent.daemon import Agent
 from sailor.agent.teardown import group_members
 from sailor.coordination import Keys, NatsCommands, connect_etcd, connect_nats
 from sailor.localservers import LocalServers
 from sailor.schemas.commands import Abort, CommandAdapter, Launch, Stop
+from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommandAck
 from tests.integration.test_runtime_scenarios import Cluster
 from tests.integration.test_worker_signals import PLAN, launch_of
@@ -167,3 +169,56 @@ async def test_an_abort_is_acked_once_its_kill_has_begun(cluster: Cluster) -> No
     finally:
         await etcd.close()
         await nc.close()
+
+
+@pytest.mark.parametrize("version", [3, 4])
+async def test_an_older_controllers_abort_is_acked_once_the_kill_is_over(
+    tmp_path: Path, version: int
+) -> None:
+    """A controller of wire version 3 drops ``AgentStatus.killing``: in an in-place
+    TEARDOWN it takes a node reporting ``held`` (as it does while its workers that did not
+    hold are killed) for done, and sends an in-place Launch. Before, the agent acked its
+    Abort at once all the same and refused that Launch (its LAUNCH deadline then charged
+    the node). Now an Abort below version 4 is acked once the kill is over, as before, and
+    such a controller's Launch waits for a kill under way instead of being refused; a
+    version-4 controller's Abort is acked once the signals are sent."""
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
+    agent = Agent(AgentConfig(node=node, work_dir=tmp_path, worker_argv=_SLEEPER))
+    sup = agent.supervisor
+    sup.kill_grace_s = 0.3
+    stuck_s = 1.5
+    sup.killed_groups.teardown_timeout_s = 10 * stuck_s  # it goes before the bound
+    sup.killed_groups.probe, _ = _stuck_for(stuck_s)
+
+    async def send(cmd: Any) -> tuple[CommandAck, float]:
+        t0 = time.monotonic()
+        raw = await agent._on_command(
+            cmd.model_copy(update={"schema_version": version}).model_dump_json().encode()
+        )
+        return CommandAck.model_validate_json(raw), time.monotonic() - t0
+
+    try:
+        assert (await send(_launch(1)))[0].accepted
+        abort = Abort(command_id="abort-1", epoch=1, node_id="n1", reason="test")
+        ack, ack_s = await send(abort)
+        assert ack.accepted, ack
+        if version < 4:  # once the kill is over: nothing being killed, the node idle
+            assert ack.reason == "" and ack_s >= stuck_s, (ack, ack_s)
+            assert agent.status().killing == 0 and agent.status().state == "idle"
+            assert (await send(_launch(2)))[0].accepted
+            # a kill under way (begun otherwise): its Launch waits for it, as it did
+            sup.killed_groups.probe, _ = _stuck_for(stuck_s)
+            await sup.abort(wait=False)
+            assert sup.kill_under_way
+            launch, launch_s = await send(_launch(3))
+            assert launch.accepted and launch_s >= stuck_s, (launch, launch_s)
+            assert sup.generation == 3 and sup.killing == 0
+        else:  # once the signals are sent: the status tells the rest
+            assert ack.reason.startswith("signals sent: workers being killed: 1"), ack
+            assert ack_s < stuck_s and agent.status().killing == 1
+            refused, _ = await send(_launch(2))
+            assert not refused.accepted and "being killed" in refused.reason, refused
+            await _until(lambda: agent.status().state == "idle", 10 * stuck_s, "kill over")
+            assert (await send(_launch(2)))[0].accepted
+    finally:
+        await sup.close()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.killed_groups import KILLED_FILE, WorkerTeardownError
+from sailor.agent.killed_groups import KILLED_FILE, TEARDOWN_TIMEOUT_S, WorkerTeardownError
 from sailor.agent.supervisor import Supervisor
 from sailor.agent.teardown import GONE_STATES, boot_ticks, group_members
 from sailor.agent.worker_view import WorkerView
@@ -470,7 +470,9 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
     """The process outliving SIGKILL is still there when the agent restarts (a new
     Supervisor on the same run directory). Before, the new one knew nothing of it and
     launched onto its GPU. Now it reads ``killed.json``, finds the group there: the failure
-    is its record and launches are refused, until it is gone."""
+    is its record and launches are refused, until it is gone. (The new one starts after
+    the bound has run out since the SIGKILL: before that, it is still being killed:
+    ``test_killed_groups_restore``.)"""
     in_driver = [True]
     first = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
     first.kill_grace_s = 0.3
@@ -481,6 +483,8 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
     assert json.loads(first.failure)["pid"] == pid
     assert [g["pgid"] for g in json.loads((tmp_path / KILLED_FILE).read_text())["groups"]] == [pid]
 
+    killed_at = json.loads((tmp_path / KILLED_FILE).read_text())["groups"][0]["killed_at"]
+    await _until(lambda: time.time() - killed_at > 0.5)  # the bound has run out
     sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     sup.killed_groups.probe = first.killed_groups.probe
@@ -506,15 +510,17 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
 async def test_a_restored_group_is_matched_by_its_members_start_times(tmp_path: Path) -> None:
     """No simulated probe: a real process group stands for the survivor. Recorded as killed
     after it started, it lingers; recorded as killed before it started, its id is another
-    session's now (the pid reused) and it does not."""
+    session's now (the pid reused) and it does not. Its SIGKILL is recorded past the
+    teardown bound (else it would still be being killed)."""
     other = await asyncio.create_subprocess_exec("sleep", "60", start_new_session=True)
     try:
         await _until(lambda: _stat(other.pid) in ("S", "R"))
         await asyncio.sleep(0.05)  # a clock tick (10 ms) past its start
         for born_by, lingers in ((boot_ticks() - 100_000, False), (boot_ticks(), True)):
             record = {"pgid": other.pid, "rank": 0, "step": 5, "born_by": born_by}
+            long_ago = time.time() - 2 * TEARDOWN_TIMEOUT_S
             (tmp_path / KILLED_FILE).write_text(
-                json.dumps({"boot_id": "", "groups": [{**record, "killed_at": time.time()}]})
+                json.dumps({"boot_id": "", "groups": [{**record, "killed_at": long_ago}]})
             )
             sup = Supervisor(tmp_path, worker_argv=_SLEEPER)
             try:
