@@ -7,6 +7,8 @@ older committed checkpoint instead.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
@@ -19,6 +21,11 @@ __all__ = [
 
 class CheckpointError(Exception):
     """Base class: a message, whether to retry, and after how long."""
+
+    job_wide: ClassVar[bool] = False
+    """The same on whichever node it runs (the saved weights, not a node's storage): a
+    worker that meets it on one rank makes every rank raise it alike (``megatron_patch
+    .boundary``), and the controller holds it against the job (``AGREED_ERRORS``)."""
 
     def __init__(self, message: str, *, retryable: bool = False, delay_s: float = 0.0) -> None:
         super().__init__(message)
@@ -47,6 +54,8 @@ class NonFiniteCheckpointError(CheckpointError):
     ones are kept). Not retryable: the same weights fail again; resume from an earlier
     checkpoint. ``key`` names the tensor (``layer.param.kind``; '' where the committer
     raises a writer's refusal: its message names it)."""
+
+    job_wide: ClassVar[bool] = True
 
     def __init__(self, message: str, *, key: str = "") -> None:
         super().__init__(message, retryable=False)

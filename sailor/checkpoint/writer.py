@@ -7,12 +7,16 @@ Order of a save (each step durable before the next starts):
 3. the committer writes the commit marker (manifest size + SHA-256): the checkpoint exists;
 4. only then does retention delete older checkpoints and debris.
 
-A tensor holding an inf or NaN is never saved: the writer that reads it (one ``isfinite``
-reduction per tensor, on the writer thread, just before it is hashed) stops writing, reports
-the refusal in its part file instead of shards, and raises ``NonFiniteCheckpointError``
-naming the tensor and the step; the committer raises the same error as soon as it reads that
-part (it does not wait for the other writers' parts), so nothing is committed and, retention
-coming after the commit only, no older checkpoint is deleted.
+A tensor holding an inf or NaN is never saved: every writer checks all its tensors before it
+writes any file (:func:`nonfinite_key`: one fused max-abs pass over 1M-element slices, no
+bool copy of a tensor on the 4 writer threads), and one that finds one writes no layer file,
+reports the refusal in its part file instead of shards, and raises
+``NonFiniteCheckpointError`` naming the tensor and the step. The committer, reading that
+part, waits for the other writers' parts (bounded by its timeout: they are writing already),
+deletes the files of that save (its shards and parts, by save id: never a committed step's),
+then raises the same error (same text). Nothing is committed and, retention coming after the
+commit only, no older checkpoint is deleted; a relaunch that refuses the step again leaves
+nothing behind either.
 
 A crash before 3 leaves a step directory without a marker: invisible to readers, collected by
 gc. Layer files are written on parallel threads; on each, a tensor is put in its stored layout
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +51,7 @@ from sailor.checkpoint.errors import CheckpointError, NonFiniteCheckpointError
 from sailor.checkpoint.format import (
     MANIFEST,
     MARKER,
+    PARTS,
     assemble_manifest,
     merkle_root,
     part_name,
@@ -65,7 +71,15 @@ from sailor.schemas.checkpoint import (
     TensorKind,
 )
 
-__all__ = ["WRITE_WORKERS", "commit", "persist_layers", "save_full", "tensor_bytes"]
+__all__ = [
+    "WRITE_WORKERS",
+    "commit",
+    "discard_save",
+    "nonfinite_key",
+    "persist_layers",
+    "save_full",
+    "tensor_bytes",
+]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -131,17 +145,36 @@ def _refusal(step: int, key: str) -> str:
     )
 
 
-def _chunks(lay: _Layer, algorithm: str, scratch: ScratchPool, step: int) -> Iterator[memoryview]:
-    """The bytes of one layer file, tensor by tensor, each checked finite, put in its stored
-    layout (tiles if its TP dim is not 0, ``blocks.py``) and block-hashed just before it is
-    written (on the storage's writer thread for this file); fills ``lay.entries``."""
+_FINITE_SLICE = 1 << 20
+"""Elements of a tensor checked at a time (``torch._foreach_norm``'s max-abs per slice)."""
+
+
+def nonfinite_key(by_layer: Mapping[int, Mapping[str, ParamState]]) -> str | None:
+    """``layer.param.kind`` of the first tensor (in file order) holding an inf or NaN, else
+    None. The max-abs of each slice is inf or NaN iff the slice holds one (a large finite
+    value cannot overflow it, as a sum could); nothing the size of a tensor is allocated."""
+    for layer in sorted(by_layer):
+        params = by_layer[layer]
+        for pname in sorted(params):
+            for kind in TENSOR_KINDS:
+                t = params[pname].tensor(kind)
+                if not t.is_floating_point() or t.numel() == 0 or t.is_meta:
+                    continue
+                parts = list(torch.split(t.detach().reshape(-1), _FINITE_SLICE))
+                peak = torch.stack(torch._foreach_norm(parts, math.inf)).max()
+                if not math.isfinite(float(peak)):
+                    return f"{layer}.{pname}.{kind}"
+    return None
+
+
+def _chunks(lay: _Layer, algorithm: str, scratch: ScratchPool) -> Iterator[memoryview]:
+    """The bytes of one layer file, tensor by tensor, each put in its stored layout (tiles
+    if its TP dim is not 0, ``blocks.py``) and block-hashed just before it is written (on
+    the storage's writer thread for this file); fills ``lay.entries``."""
     buf: torch.Tensor | None = None
     try:
         offset = 0
         for pname, kind, t, tp_dim in lay.items:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                key = f"{lay.layer}.{pname}.{kind}"
-                raise NonFiniteCheckpointError(_refusal(step, key), key=key)
             major = tp_dim or 0
             nbytes = t.numel() * t.element_size()
             if major and (buf is None or buf.numel() < nbytes):
@@ -209,15 +242,17 @@ def persist_layers(
         for layer in sorted(by_layer)
     ]
     order = sorted(layers, key=lambda lay: -lay.nbytes)
-    try:
-        sizes = storage.write_all(
-            [(lay.path, _chunks(lay, algorithm, pool, step)) for lay in order], workers=workers
-        )
-    except NonFiniteCheckpointError as exc:
-        # the committer's signal, so it raises now rather than at its timeout
+    key = nonfinite_key(by_layer)
+    if key is not None:
+        # before any layer file: the committer's signal, so it stops waiting for this part
+        exc = NonFiniteCheckpointError(_refusal(step, key), key=key)
         refused = ShardPart(save_id=save_id, step=step, rank=rank, refused=str(exc))
         storage.write(f"{d}/{part_name(save_id, rank)}", [refused.model_dump_json().encode()])
-        raise
+        discard_save(storage, step, save_id)  # the other writers' files written so far
+        raise exc
+    sizes = storage.write_all(
+        [(lay.path, _chunks(lay, algorithm, pool)) for lay in order], workers=workers
+    )
     size_of = {lay.layer: n for lay, n in zip(order, sizes, strict=True)}
     shards = []
     for lay in layers:
@@ -246,6 +281,11 @@ def persist_layers(
     )
     data = part.model_dump_json().encode()
     storage.write(f"{d}/{part_name(save_id, rank)}", [data])
+    # a writer that refused the save before this part was written deleted what existed then;
+    # what this rank wrote after that is deleted here (no gap: the refusal part is written
+    # before that deletion, and this look comes after every file of this rank)
+    if _refusal_of(storage, step, save_id):
+        discard_save(storage, step, save_id)
     return part
 
 
@@ -275,9 +315,14 @@ def commit(
                 continue
             path = f"{d}/{part_name(save_id, r)}"
             if storage.exists(path):
-                parts[r] = ShardPart.model_validate_json(storage.read(path))
-                if parts[r].refused:
-                    raise NonFiniteCheckpointError(parts[r].refused)
+                try:
+                    parts[r] = ShardPart.model_validate_json(storage.read(path))
+                except FileNotFoundError:  # a refused save's part, deleted since
+                    continue
+        refusals = [parts[r].refused for r in sorted(parts) if parts[r].refused]
+        if refusals:  # at once; the writers still writing delete their own files
+            discard_save(storage, step, save_id)
+            raise NonFiniteCheckpointError(refusals[0])
         if len(parts) == len(writer_ranks):
             break
         if time.monotonic() > deadline:
@@ -322,6 +367,59 @@ def commit(
     if keep is not None:
         apply_retention(storage, keep=keep, committed_step=step)
     return manifest
+
+
+def _refusal_of(storage: Storage, step: int, save_id: str) -> bool:
+    """Whether a writer of save ``save_id`` refused it (its part says so)."""
+    d = step_dir(step)
+    for f in storage.walk(f"{d}/{PARTS}"):
+        name = f.rsplit("/", 1)[-1]
+        if name.startswith(f"{save_id}-rank"):
+            try:
+                if ShardPart.model_validate_json(storage.read(f)).refused:
+                    return True
+            except (FileNotFoundError, ValueError):
+                continue
+    return False
+
+
+def discard_save(storage: Storage, step: int, save_id: str) -> list[str]:
+    """Delete the files of the refused save ``save_id`` of ``step``: its layer files (not
+    a write in flight's temp file: its writer deletes the file it becomes) and its parts but
+    the refusals (the committer's signal; a few hundred bytes each). Never a committed save's: if the step's marker names
+    ``save_id``, nothing is deleted; nor a directory (a writer may be writing into it).
+    Returns the paths deleted."""
+    d = step_dir(step)
+    if storage.exists(f"{d}/{MARKER}"):
+        try:
+            marker = CommitMarker.model_validate_json(storage.read(f"{d}/{MARKER}"))
+        except ValueError:
+            return []  # unreadable: not ours to judge
+        if marker.save_id == save_id:
+            return []
+    mine = []
+    for f in storage.walk(d):
+        name = f.rsplit("/", 1)[-1]
+        if name.startswith(f"{save_id}-rank") and name.endswith(".json"):
+            try:
+                if ShardPart.model_validate_json(storage.read(f)).refused:
+                    continue
+            except (FileNotFoundError, ValueError):
+                continue
+        # a temp file (leading '.') is a write in flight: its writer deletes the file
+        if not name.startswith(".") and _of_save(name, save_id):
+            mine.append(f)
+    for f in mine:
+        storage.delete(f)
+    return mine
+
+
+def _of_save(name: str, save_id: str) -> bool:
+    """A file name of save ``save_id``: its part (``format.part_name``) or a layer file
+    (``format.shard_name``)."""
+    return name.startswith(f"{save_id}-rank") or (
+        name.startswith("layer-") and f"-{save_id}.bin" in name
+    )
 
 
 def _check_shards(storage: Storage, d: str, manifest: CheckpointManifest) -> None:

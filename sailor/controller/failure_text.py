@@ -38,10 +38,13 @@ Origin = Literal["local", "peer", "config", "unknown"]
 CAUSE_CHARS = 200
 """Characters of a failure kept in a node's record and quoted in a reason."""
 
-AGREED_ERRORS = ("NonFiniteGradientsError",)
+AGREED_ERRORS = ("NonFiniteGradientsError", "LabelOutOfRangeError", "NonFiniteCheckpointError")
 """Error types every rank raises alike by construction, after a collective that agreed on
-them (``megatron_patch.nonfinite``: gradients non-finite too many steps in a row): the job's,
-however many nodes reported one (a one-node job's too: a spare meets the same gradients)."""
+them: gradients non-finite too many steps in a row (``megatron_patch.nonfinite``), a label
+outside the vocabulary in a global batch (``megatron_patch.bad_labels``), a checkpoint step
+refused for an inf or NaN weight (``megatron_patch.save_failure``). Deterministic in the
+data or the weights, so the job's, however many nodes reported one (a one-node job's too: a
+spare meets the same data and gradients)."""
 
 UNREADABLE_CHECKPOINT = ("CorruptCheckpointError", "NoCheckpointError")
 """The checkpoint reader's errors for a step that cannot be loaded (``sailor.checkpoint``):

@@ -8,6 +8,8 @@ control file re-read at every boundary and agreed on by every rank (:mod:`contro
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import time
@@ -21,11 +23,12 @@ from sailor.megatron_patch.control import (
     ControlRequest,
     agree,
     agree_dir,
-    all_done,
+    agree_save,
     read_control,
 )
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.errors import InjectedFailureError
+from sailor.megatron_patch.save_failure import raise_save_failure
 from sailor.schemas.training import CheckpointConfig
 
 __all__ = ["Boundary", "Progress", "Status", "sub_rank"]
@@ -97,11 +100,41 @@ class Boundary:
         """Wait until the save in flight is durable on every rank (committed, on the
         committer) in short collective polls: a rank that finished its own part would
         otherwise wait for the committer in the next step's collective, and a write longer
-        than the process groups' timeout (GBs to an object store) would time it out."""
-        assert self.ckpt is not None
-        while not all_done(self.ckpt.done(), self.device):
+        than the process groups' timeout (GBs to an object store) would time it out.
+
+        Each poll also agrees whether the save failed on some rank (``agree_save``); then
+        every rank raises (:func:`raise_save_failure`), none goes on into a collective that
+        the failed ones never reach."""
+        if self.ckpt is None:
+            raise RuntimeError("no checkpoint implementation")
+        failure: Exception | None = None
+        while True:
+            done = self.ckpt.done()
+            if done and failure is None:
+                try:
+                    self.ckpt.wait()  # done: it does not block; it raises the save's error
+                except Exception as exc:
+                    failure = exc
+            every, failed = agree_save(done, failure is not None, self.device)
+            if failed:
+                raise_save_failure(failure, functools.partial(self._settle, failure))
+            if every:
+                return
             time.sleep(self.args.poll_s)
-        self.ckpt.wait()
+
+    def _settle(self, failure: Exception | None) -> None:
+        """After an agreed job-wide failure: poll on until every rank's save is over (the
+        committer deletes the refused save's files once every writer is done)."""
+        assert self.ckpt is not None
+        while True:
+            done = self.ckpt.done()
+            if done and failure is None:
+                with contextlib.suppress(Exception):
+                    self.ckpt.wait()
+            every, _ = agree_save(done, True, self.device)
+            if every:
+                return
+            time.sleep(self.args.poll_s)
 
     def _finish_save(self) -> None:
         if self.pending_save < 0 or self.ckpt is None:

@@ -34,6 +34,7 @@ __all__ = [
     "ControlRequest",
     "agree",
     "agree_dir",
+    "agree_save",
     "all_done",
     "read_control",
 ]
@@ -118,6 +119,19 @@ def all_done(local: bool, device: torch.device) -> bool:
     comm.all_reduce(t, op="max")
     synchronize(t.device)
     return not bool(t.item())
+
+
+def agree_save(done: bool, failed: bool, device: torch.device) -> tuple[bool, bool]:
+    """``(every rank done, some rank failed)`` of a save in flight: one all-reduce MAX of
+    ``(not done, failed)`` over the world (collective: every rank calls it at the same
+    point). Without a process group, the local values."""
+    if _alone():
+        return done, failed
+    t = torch.tensor([int(not done), int(failed)], dtype=torch.int64, device=device)
+    comm.all_reduce(t, op="max")
+    synchronize(t.device)
+    pending, bad = (bool(x) for x in t.tolist())
+    return not pending, bad
 
 
 def agree_dir(local_dir: str) -> str:

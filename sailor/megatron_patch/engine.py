@@ -10,16 +10,17 @@ One iteration on every rank:
    pipeline by the samples it processed;
 4. optionally, clipping by the global gradient norm (``clipping``: each element counted once
    whatever the layout, so equal to single-process clipping);
-5. the non-finite check, agreed by every rank (``nonfinite``: the clipping norm, else one
-   all-reduce MAX of a flag): an iteration whose gradients hold an inf or NaN on any rank
-   skips its update on every rank, up to ``max_nonfinite_skips`` in a row, then every rank
-   raises ``NonFiniteGradientsError``; otherwise the
+5. the iteration's one world collective (``step_agreement``: the loss, clipping's squares,
+   each rank's non-finite and bad-label flags, read by the host once): a bad label on any
+   rank raises the same ``LabelOutOfRangeError`` on every rank (``bad_labels``); an
+   iteration whose gradients hold an inf or NaN on any rank skips its update on every rank,
+   up to ``max_nonfinite_skips`` in a row, then every rank raises
+   ``NonFiniteGradientsError`` (``nonfinite``); otherwise the
    AdamW step on the local fp32 master weights (elementwise, so a sharded step equals the
    full step) at the learning rate of the schedule for this step (``ScheduleConfig.lr_at``, a pure
    function of ``step``: a resumed run continues the schedule exactly), with weight decay
    per group (``optim.param_groups``);
-6. one all-reduce of the loss over the world (also the end-of-iteration barrier);
-7. ``step += 1``, ``consumed_samples += global_batch_size``; every ``eval_every`` steps the
+6. ``step += 1``, ``consumed_samples += global_batch_size``; every ``eval_every`` steps the
    validation loss (forward only, over the same ``eval_batches`` global batches each time);
    the hook runs.
 
@@ -45,7 +46,7 @@ skipped iteration still advances ``step`` and the data
 both they and the scale survive checkpoints and re-layouts (``scaling_state``).
 
 Timing synchronizes the device before each clock read (``clock``); the loss is read from
-the device once per iteration, after the optimizer step. Inside the 1F1B phase, forward,
+the device once per iteration, with the agreed flags, before the optimizer step. Inside the 1F1B phase, forward,
 backward and pipeline exchanges are timed apart (``clock.SpanTimer``: CUDA events on a GPU,
 no extra synchronization) for online calibration: ``StepResult.fwd_s``/``bwd_s`` per
 microbatch and ``p2p_s`` per step.
@@ -53,6 +54,7 @@ microbatch and ``p2p_s`` per step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +64,8 @@ from pydantic import Field
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
-from sailor.megatron_patch.clipping import clip_by_global_norm
+from sailor.megatron_patch.bad_labels import LabelWatch
+from sailor.megatron_patch.clipping import clip_by_global_norm, local_squares, scale_to_norm
 from sailor.megatron_patch.clock import SpanTimer, synchronize, timestamp
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,
@@ -73,7 +76,7 @@ from sailor.megatron_patch.data import (
 from sailor.megatron_patch.grad_sync import sync_gradients
 from sailor.megatron_patch.groups import ProcessGroups
 from sailor.megatron_patch.model import GPTStage
-from sailor.megatron_patch.nonfinite import SkipStreak, agree_nonfinite
+from sailor.megatron_patch.nonfinite import SkipStreak
 from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.precision import (
     LossScaler,
@@ -86,7 +89,14 @@ from sailor.megatron_patch.precision import (
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.schedule import P2P, run_1f1b, run_forward
 from sailor.megatron_patch.state import place
-from sailor.megatron_patch.vocab_parallel import check_labels
+from sailor.megatron_patch.step_agreement import (
+    BAD_LABELS,
+    NONFINITE,
+    Agreed,
+    agree_step,
+    local_nonfinite,
+    rank_hosts,
+)
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -323,6 +333,8 @@ class Trainer:
         """Test hook: called after the gradient sync, before clipping and the optimizer step
         (tests put an inf or NaN into one rank's gradient)."""
         self.spans = SpanTimer(device)
+        self.labels = LabelWatch(spec.vocab_size)
+        """This rank's out-of-range labels of the iteration in flight (``bad_labels``)."""
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._batch(microbatch_indices(self.role, self.consumed_samples, mb), self.data)
@@ -331,8 +343,9 @@ class Trainer:
         x, y = data.batch(indices)
         # on the host, before the copy: no device sync in the hot loop (at TP > 1 the loss
         # would take an id out of range silently; on a GPU, F.cross_entropy's is a device
-        # assert that kills the process without a message)
-        check_labels(y, self.spec.vocab_size)
+        # assert that kills the process without a message). Noted and masked, not raised:
+        # every rank raises it after the iteration's collective (``bad_labels``)
+        y = self.labels.screen(y)
         return to_device(x, self.device), to_device(y, self.device)
 
     def _clip(self) -> None:
@@ -340,22 +353,43 @@ class Trainer:
             self.stage, self.role, self.cfg.clip_grad_norm, self.device
         )
 
-    def _optimizer_step(self) -> tuple[float, bool]:
+    def _agree(self, local_loss: torch.Tensor, scale: float) -> Agreed:
+        """The iteration's one world collective (``step_agreement``): the loss, clipping's
+        squares (no loss scaler), each rank's non-finite and bad-label flags. Raises the
+        agreed ``LabelOutOfRangeError`` on every rank if some rank read a bad label."""
+        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.role.is_last_stage and self.role.tp_rank == 0:
+            loss += local_loss / scale if scale != 1.0 else local_loss
+        squares = None
+        if self.scaler is None and self.cfg.clip_grad_norm > 0:
+            squares = local_squares(self.stage, self.role, self.device)
+            flag = ~torch.isfinite(squares)
+        else:
+            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+            flag = local_nonfinite(grads, self.device)
+        role = self.role
+        agreed = agree_step(loss, squares, flag, self.labels.seen, role.rank, role.world_size)
+        if agreed.ranks(BAD_LABELS):
+            first = self.consumed_samples
+            samples = range(first, first + self.plan.global_batch_size)
+            self.labels.raise_agreed(agreed.ranks(BAD_LABELS), self.step + 1, samples)
+        self.labels.reset()
+        return agreed
+
+    def _optimizer_step(self, agreed: Agreed) -> tuple[float, bool]:
         """AdamW at this step's rate, after clipping, unless some rank's gradient holds an inf
-        or NaN (agreed by every rank: ``nonfinite``); under fp16 only if no rank overflowed
-        (agreed), gradients unscaled (then clipped) first. Returns the rate and whether the
-        step was skipped; raises ``NonFiniteGradientsError`` on every rank past the limit of
-        skips in a row."""
+        or NaN (``agreed`` by every rank: ``nonfinite``); under fp16 only if no rank
+        overflowed (agreed), gradients unscaled (then clipped) first. Returns the rate and
+        whether the step was skipped; raises ``NonFiniteGradientsError`` on every rank past
+        the limit of skips in a row."""
         lr = self.cfg.schedule.lr_at(self.step, self.cfg.lr)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        clip = self._clip if self.cfg.clip_grad_norm > 0 else None
-        params = list(self.stage.parameters())
+        skipped = agreed.nonfinite
         if self.scaler is None:
-            if clip is not None:
-                clip()
-            norm = self.last_grad_norm if clip is not None else None
-            skipped = agree_nonfinite(params, self.device, norm)
+            if self.cfg.clip_grad_norm > 0:
+                self.last_grad_norm = norm = math.sqrt(agreed.squares)
+                scale_to_norm(self.stage, norm, self.cfg.clip_grad_norm)
             at_floor = True
             if skipped:
                 self.optimizer.zero_grad(set_to_none=False)
@@ -365,11 +399,16 @@ class Trainer:
             # an overflow above the scale's floor is the scaler's (it halves the scale); one
             # at the floor is divergence, counted as a non-finite step
             at_floor = self.scaler.scale <= self.scaler.min_scale
-            taken = scaled_step(self.optimizer, params, self.scaler, self.device, before_step=clip)
+            clip = self._clip if self.cfg.clip_grad_norm > 0 else None
+            params = list(self.stage.parameters())
+            taken = scaled_step(
+                self.optimizer, params, self.scaler, self.device, clip, overflow=skipped
+            )
             skipped = not taken
         if skipped:
             self.skipped_steps += 1
-        self.nonfinite.observe(self.step + 1, skipped, at_floor)
+        ranks = agreed.ranks(NONFINITE)
+        self.nonfinite.observe(self.step + 1, skipped, at_floor, ranks, rank_hosts)
         return lr, skipped
 
     @property
@@ -409,7 +448,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the validation split's first ``eval_batches`` global batches
         (forward only; collective over all ranks; the same value on every rank)."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        # slot 0 the loss, 1 + r rank r's bad-label flag (``bad_labels``: raised alike)
+        total = torch.zeros(1 + self.role.world_size, dtype=torch.float64, device=self.device)
         batches = self.cfg.eval_batches
         for k in range(batches):
             pos = k * self.plan.global_batch_size
@@ -421,10 +461,16 @@ class Trainer:
                 self.stage, self.role, self.p2p, get, self.loss_scale, self._autocast
             )
             if self.role.is_last_stage and self.role.tp_rank == 0:
-                total += local
+                total[0] += local.reshape(())
+        total[1 + self.role.rank] = float(self.labels.seen)
         comm.all_reduce(total)
         synchronize(self.device)  # abortable where the host waits (in-place workers)
-        return float(total.item()) / batches
+        got = total.tolist()
+        bad = tuple(r for r, f in enumerate(got[1:]) if f)
+        if bad:
+            samples = range(0, batches * self.plan.global_batch_size)
+            self.labels.raise_agreed(bad, self.step, samples)
+        return float(got[0]) / batches
 
     def train_step(self) -> StepResult:
         """Run one iteration (collective over all ranks)."""
@@ -446,17 +492,13 @@ class Trainer:
         if self.after_grad_sync is not None:
             self.after_grad_sync(self)
         t2 = timestamp(self.device)
-        lr, skipped = self._optimizer_step()
+        agreed = self._agree(local_loss, scale)  # the one collective; the loss read with it
+        lr, skipped = self._optimizer_step(agreed)
         t3 = timestamp(self.device)
-        report = self.role.is_last_stage and self.role.tp_rank == 0
-        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if report:
-            loss += local_loss / scale if scale != 1.0 else local_loss
-        comm.all_reduce(loss)
         self.step += 1
         self.consumed_samples += self.plan.global_batch_size
-        t4 = timestamp(self.device)  # the loss's all-reduce done: reading it does not block
-        value = float(loss.item())
+        t4 = timestamp(self.device)
+        value = agreed.loss
         every = self.cfg.eval_every
         eval_loss = self.evaluate() if every and self.step % every == 0 else None
         return StepResult(

@@ -35,6 +35,7 @@ from typing import Any, Literal
 __all__ = [
     "FailureRecord",
     "InjectedFailureError",
+    "PeerFailedError",
     "classify",
     "failure_record",
     "fault_path",
@@ -82,10 +83,17 @@ class InjectedFailureError(RuntimeError):
     """Raised on purpose (``--fail-at-step``) to test failure handling."""
 
 
+class PeerFailedError(RuntimeError):
+    """Raised by a rank that is fine because another rank's failure was agreed (a save that
+    failed on another rank's storage): ``origin="peer"``, never charged to this node."""
+
+
 def classify(exc: BaseException, in_training: bool) -> Origin:
     """Whether ``exc`` is this rank's own failure, a peer's, or a configuration error."""
     if isinstance(exc, InjectedFailureError):
         return "local"
+    if isinstance(exc, PeerFailedError):
+        return "peer"
     if not in_training and isinstance(exc, ValueError):
         return "config"
     text = f"{type(exc).__name__} {exc}".lower()

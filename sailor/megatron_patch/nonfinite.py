@@ -8,10 +8,12 @@ the fp16 loss scaler does for an overflow, the update of such an iteration is sk
 rank (weights and Adam moments untouched; the step and the data advance; ``skipped_steps``
 counts it), and only ``max_skips`` such iterations in a row are tolerated.
 
-Detection (:func:`agree_nonfinite`) is one collective, over the world, in the same order on
-every rank: with gradient clipping, the global norm's all-reduce (``clipping``; a non-finite
-norm is the signal); without, an all-reduce MAX of a one-element float32 flag on the rank's
-device (``precision.LossScaler.agree_overflow``, as the fp16 path does). The decision is the
+Detection is the iteration's one collective, over the world, in the same order on every rank
+(``step_agreement``): each rank's flag (its own gradients, one fused max-abs pass) in its own
+slot of the vector that also carries the loss and, with clipping, the squared norm, so every
+rank learns which ranks saw an inf or NaN, and the host reads it with the loss.
+:func:`agree_nonfinite` is the stand-alone form (clipping's norm, else a flag's all-reduce
+MAX). The decision is the
 gradients', never the loss's: a microbatch whose labels are all ignored has a NaN loss and zero
 gradients (``vocab_parallel``), and the loss is known on the last stage only.
 
@@ -27,7 +29,7 @@ starts a new streak).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,16 +42,20 @@ __all__ = ["NonFiniteGradientsError", "SkipStreak", "agree_nonfinite", "nonfinit
 class NonFiniteGradientsError(RuntimeError):
     """More iterations in a row had inf or NaN gradients than the run may skip.
 
-    Raised by every rank with the same message (the step and the count are agreed), so the
-    controller reads it as the job's failure (the same error on most placed nodes), not a
-    node's: a relaunch on other nodes from the same checkpoint meets the same gradients."""
+    Raised by every rank with the same message (the step, the count and where the streak
+    began are agreed), so the controller reads it as the job's failure, not a node's: a
+    relaunch on other nodes from the same checkpoint meets the same gradients. The message
+    names the ranks (and hosts) whose own gradient was non-finite first: a flaky GPU shows
+    as the same rank's host in error after error."""
 
 
-def nonfinite_message(step: int, streak: int, max_skips: int) -> str:
-    """The error's text: the same on every rank (no rank, no host, no local value)."""
+def nonfinite_message(step: int, streak: int, max_skips: int, first_seen: str = "") -> str:
+    """The error's text: the same on every rank (no local value; ``first_seen``, the agreed
+    step and ranks (with their hosts) where the streak began)."""
+    seen = f"; first seen at {first_seen}" if first_seen else ""
     return (
         f"non-finite (inf or NaN) gradients at step {step}, {streak} step(s) in a row "
-        f"(max_nonfinite_skips={max_skips}): the update was not applied and no weight is "
+        f"(max_nonfinite_skips={max_skips}){seen}: the update was not applied and no weight is "
         "non-finite; training is diverging or the data is bad. Lower the learning rate (or "
         "warm up longer, or clip gradients), or resume from an earlier checkpoint (with "
         "other data past it)"
@@ -63,24 +69,45 @@ class SkipStreak:
 
     max_skips: int
     streak: int = 0
+    first_step: int = -1
+    """The step the streak began at (-1: no streak)."""
+    first_ranks: tuple[int, ...] = ()
+    """The ranks whose own gradient was non-finite at ``first_step`` (empty: unknown)."""
 
     def __post_init__(self) -> None:
         if self.max_skips < 0:
             raise ValueError(f"max_skips={self.max_skips} must be >= 0")
 
-    def observe(self, step: int, skipped: bool, at_floor: bool = True) -> None:
+    def observe(
+        self,
+        step: int,
+        skipped: bool,
+        at_floor: bool = True,
+        ranks: tuple[int, ...] = (),
+        where: Callable[[tuple[int, ...]], str] | None = None,
+    ) -> None:
         """Count one iteration's agreed outcome: ``skipped``, its update skipped for an inf
-        or NaN gradient; ``at_floor``, under a loss scaler, the scale was at its minimum (an
-        overflow above it is the scaler's business and leaves the streak as it is). Raises
-        :class:`NonFiniteGradientsError` on the ``max_skips + 1``-th skip in a row."""
+        or NaN gradient (``ranks``: those whose own gradient was, agreed); ``at_floor``, under
+        a loss scaler, the scale was at its minimum (an overflow above it is the scaler's
+        business and leaves the streak as it is). Raises :class:`NonFiniteGradientsError`
+        on the ``max_skips + 1``-th skip in a row, naming where the streak began: ``where``
+        turns its ranks into text (their hosts; called on every rank alike, as the raise is
+        agreed: it may be a collective)."""
         if not skipped:
-            self.streak = 0
+            self.streak, self.first_step, self.first_ranks = 0, -1, ()
             return
         if not at_floor:
             return
         self.streak += 1
+        if self.streak == 1:
+            self.first_step, self.first_ranks = step, ranks
         if self.streak > self.max_skips:
-            raise NonFiniteGradientsError(nonfinite_message(step, self.streak, self.max_skips))
+            first = self.first_ranks
+            named = where(first) if where is not None and first else ""
+            seen = f"step {self.first_step}" + (f" on {named}" if named else "")
+            raise NonFiniteGradientsError(
+                nonfinite_message(step, self.streak, self.max_skips, seen)
+            )
 
 
 def agree_nonfinite(

@@ -25,6 +25,7 @@ import torch
 from sailor import catalog
 from sailor.comm import api as comm
 from sailor.megatron_patch.clock import synchronize
+from sailor.megatron_patch.step_agreement import local_nonfinite
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.precision import Precision
@@ -160,11 +161,8 @@ class LossScaler:
     @torch.no_grad()
     def local_overflow(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
         """1.0 on ``device`` if any local gradient holds an inf or nan, else 0.0 (no sync)."""
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        for p in params:
-            if p.grad is not None:
-                flag = torch.maximum(flag, (~torch.isfinite(p.grad)).any().to(flag.dtype))
-        return flag
+        grads = [p.grad for p in params if p.grad is not None]
+        return local_nonfinite(grads, device).to(torch.float32).reshape(1)
 
     @staticmethod
     def agree_overflow(flag: torch.Tensor, group: Any = None) -> bool:
@@ -190,14 +188,18 @@ def scaled_step(
     device: torch.device,
     group: Any = None,
     before_step: Callable[[], None] | None = None,
+    overflow: bool | None = None,
 ) -> bool:
     """One fp16 optimizer step: skipped by every rank if any rank overflowed.
 
     Gradients hold ``loss * scaler.scale``; they are unscaled before a step that is taken,
     then ``before_step`` runs (gradient clipping sees true gradients).
-    Returns whether the step was taken. Collective over ``group`` (the world by default).
+    Returns whether the step was taken. ``overflow``: agreed already (the engine's
+    iteration collective, ``step_agreement``); None: agreed here, collective over ``group``
+    (the world by default).
     """
-    overflow = scaler.agree_overflow(scaler.local_overflow(params, device), group)
+    if overflow is None:
+        overflow = scaler.agree_overflow(scaler.local_overflow(params, device), group)
     scale = scaler.scale
     scaler.update(overflow)
     if overflow:

@@ -55,6 +55,7 @@ __all__ = [
     "LabelOutOfRangeError",
     "check_labels",
     "embed",
+    "out_of_range",
     "pad_rows",
     "padded_vocab",
     "real_rows",
@@ -72,11 +73,16 @@ class LabelOutOfRangeError(ValueError):
     """A label id outside the vocabulary that is not :data:`IGNORE_INDEX` (bad data)."""
 
 
+def out_of_range(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The mask of labels outside ``[0, vocab_size)`` that are not :data:`IGNORE_INDEX`."""
+    return (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+
+
 def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
     """Raise :class:`LabelOutOfRangeError` naming the first label outside ``[0,
     vocab_size)`` that is not :data:`IGNORE_INDEX`. Reads the values: call it on host labels
     (on a GPU tensor it waits for the device)."""
-    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
+    bad = out_of_range(labels, vocab_size)
     if bool(bad.any()):
         first = int(labels[bad].reshape(-1)[0])
         raise LabelOutOfRangeError(

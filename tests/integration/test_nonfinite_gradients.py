@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.checkpoint import LocalStorage, NonFiniteCheckpointError, committed_steps
+from sailor.checkpoint.format import step_dir
 from sailor.megatron_patch.data import SyntheticTokens
 from sailor.megatron_patch.engine import StepResult, TrainConfig, Trainer
 from sailor.megatron_patch.groups import build_process_groups
@@ -186,8 +187,10 @@ def test_every_rank_skips_the_poisoned_update_and_the_run_goes_on(
         assert out["equal"] and out["finite"]
         # the losses are the reference's, but the ignored iteration's NaN: reported, and its
         # (finite, zero) gradients applied
-        for got, ref in zip(rows, out["reference"], strict=True):
-            assert got[0] == ref[0] and (got[1] == ref[1] or math.isnan(got[1]))
+        # (NaN in that row only: every other loss equals the reference's, NaN != NaN)
+        for i, (got, ref) in enumerate(zip(rows, out["reference"], strict=True)):
+            assert got[0] == ref[0]
+            assert math.isnan(got[1]) if i == IGNORED else got[1] == ref[1], (i, got, ref)
         assert math.isnan(rows[IGNORED][1]) and not rows[IGNORED][2]
 
 
@@ -198,6 +201,8 @@ def test_past_the_limit_every_rank_raises_the_same_error(
     errors = [out["error"] for out in outs]
     assert errors[0] is not None and errors[0] == errors[1]
     assert "step 4, 3 step(s) in a row (max_nonfinite_skips=2)" in errors[0]
+    # where it began: the one rank whose own gradient held the NaN, and its host
+    assert "first seen at step 2 on rank 1 (" in errors[0] and "rank 0" not in errors[0]
     for out in outs:
         assert (out["streak_step"], out["streak_skipped"]) == (3, 3)
         assert out["untouched"], "a skipped update changed the weights or moments"
@@ -212,3 +217,7 @@ def test_weights_with_an_inf_are_not_checkpointed_and_the_last_one_stays(
     for out in outs:
         assert out["save_error"] is not None and "step 2: tensor 3." in out["save_error"]
     assert committed_steps(LocalStorage(root)) == [1]
+    # the refused save left nothing but rank 1's refusal (a part file of a few hundred
+    # bytes): rank 0's layer files and part were deleted (a relaunch adds no layer file)
+    left = sorted(p.name for p in (root / step_dir(2)).rglob("*") if p.is_file())
+    assert len(left) == 1 and left[0].endswith("-rank00001.json"), left

@@ -42,7 +42,7 @@ def test_up_to_max_skips_in_a_row_are_skipped_then_it_raises() -> None:
     s.observe(9, skipped=True)
     with pytest.raises(NonFiniteGradientsError) as e:
         s.observe(10, skipped=True)
-    assert str(e.value) == nonfinite_message(10, 3, 2)
+    assert str(e.value) == nonfinite_message(10, 3, 2, "step 8")
     assert "step 10, 3 step(s) in a row" in str(e.value)
     assert "Lower the learning rate" in str(e.value) and "earlier checkpoint" in str(e.value)
 

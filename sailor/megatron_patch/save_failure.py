@@ -1,0 +1,68 @@
+"""A save that failed on some rank, raised by every rank (after ``control.agree_save``).
+
+Before, only the ranks whose save failed raised (a writer that refused a step holding an inf
+or NaN, and the committer that read its refusal); every other rank went on into its next
+collective and waited there (NCCL: until the process group's timeout or the controller's
+abort). And the committer's echo of a writer's refusal was recorded as its own failure
+(``origin=local``), so its node was charged for a NaN computed on another node.
+
+Now every rank learns that some save failed in the same collective poll, and all gather
+what failed (one object all-gather, on this rare path only). Then, by the first failure in
+rank order:
+
+- one whose class says ``job_wide`` (``sailor.checkpoint.NonFiniteCheckpointError``: the
+  weights are bad wherever they run): every rank raises it, with the same text (a rank that
+  has its own re-raises that; the others build it from the gathered class and text), once
+  every rank's save is over (the committer has deleted the refused save's files). The
+  controller holds it against the job (``failure_text.AGREED_ERRORS``), never a node;
+- any other (a node's storage failing): the ranks that failed raise their own (charged to
+  their node); the others raise ``PeerFailedError`` (``origin=peer``: not charged).
+
+A ``job_wide`` error class takes its message as its only positional argument. This module
+must not import ``sailor.checkpoint`` (layers): it reads the class attribute by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sailor.megatron_patch.errors import PeerFailedError
+from sailor.megatron_patch.step_agreement import world_objects
+
+__all__ = ["raise_save_failure"]
+
+
+def _job_wide(exc: BaseException | None) -> bool:
+    return exc is not None and bool(getattr(type(exc), "job_wide", False))
+
+
+def _summary(exc: Exception | None) -> tuple[Any, str] | None:
+    """What a rank tells the others of its failure: the class itself only when it is
+    job-wide (a module-level class, pickled by reference), else None, and its text."""
+    if exc is None:
+        return None
+    return (type(exc) if _job_wide(exc) else None, f"{type(exc).__name__}: {exc}")
+
+
+def raise_save_failure(local: Exception | None, settle: Callable[[], None]) -> None:
+    """Raise on this rank what the failed save means here (module docstring). Every rank
+    calls it at the same point once a failure was agreed; ``settle`` (collective) runs
+    first when the failure is job-wide."""
+    got = world_objects(_summary(local))
+    failed = [(r, g) for r, g in enumerate(got) if g is not None]
+    if not failed:  # cannot happen after an agreed failure; never go on silently
+        raise PeerFailedError("a checkpoint save failed on some rank (agreed), none said why")
+    first_rank, (cls, text) = failed[0]
+    if cls is not None:
+        settle()
+        message = text.split(": ", 1)[1] if ": " in text else text
+        if local is not None and type(local) is cls and str(local) == message:
+            raise local
+        raise cls(message) from local
+    if local is not None:
+        raise local
+    ranks = ", ".join(str(r) for r, _ in failed)
+    raise PeerFailedError(
+        f"the checkpoint save failed on rank(s) {ranks}, not here; rank {first_rank}: {text}"
+    )

@@ -1,0 +1,184 @@
+"""Failures every rank raises alike, and what the controller and the checkpoint do with them.
+
+- A label out of range and a checkpoint step refused for an inf or NaN are the job's (the
+  data or the weights are bad wherever they run), however many nodes report them; before, the
+  two or three nodes that raised were charged, and healthy nodes excluded one after another.
+- A save that failed on some rank is raised by every rank: the same refusal everywhere, or
+  a peer's failure (not charged) where the failure was another node's storage.
+- A refused save leaves no layer file: the refusing writer writes none (it checks every
+  tensor first), and the others' are deleted, whichever finishes first; a committed step is
+  never touched.
+
+Each test fails on the code before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.checkpoint import LocalStorage, NonFiniteCheckpointError, TrainingGlobals, save_full
+from sailor.checkpoint.errors import StorageError
+from sailor.checkpoint.format import step_dir
+from sailor.checkpoint.writer import commit, discard_save, persist_layers
+from sailor.controller.node_health import ExclusionPolicy, charge
+from sailor.megatron_patch.errors import PeerFailedError, classify, failure_record
+from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
+from sailor.schemas.runtime import DesiredState, NodeHealth
+from tests.unit.test_checkpoint_local import _state
+
+POLICY = ExclusionPolicy(failures=2, exclude_s=100, max_exclude_s=300)
+
+
+def _record(exc: BaseException, rank: int) -> str:
+    return json.dumps(failure_record(exc, rank=rank, step=7, in_training=True))[:2000]
+
+
+def _d(placed: int) -> DesiredState:
+    return DesiredState(
+        epoch=1,
+        generation=1,
+        placement={f"n{i}": (i - 1,) for i in range(1, placed + 1)},
+        job_health=NodeHealth(),
+    )
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        LabelOutOfRangeError("step 7: label(s) outside the vocabulary [0, 64) ... rank 3 (h)"),
+        NonFiniteCheckpointError("step 7: tensor 3.w.weight holds a non-finite value"),
+    ],
+    ids=["labels", "checkpoint"],
+)
+@pytest.mark.parametrize("reporting", [1, 2])
+def test_an_agreed_error_is_the_jobs_however_few_nodes_report_it(
+    exc: BaseException, reporting: int
+) -> None:
+    """4 placed nodes, 1 or 2 of them report (the others' reports not in yet): no node is
+    charged (before: origin local, each reporting node counted, below the job-wide bar)."""
+    reports = {f"n{i}": _record(exc, rank=i - 1) for i in range(1, reporting + 1)}
+    c = charge(_d(4), reports, 10.0, POLICY)
+    assert c.health == {}, c.notes
+    assert c.job.failures == 1 and c.job.cause.startswith(type(exc).__name__)
+
+
+# ---- every rank raises a failed save ---------------------------------------------------------
+
+
+def _gathered(monkeypatch: pytest.MonkeyPatch, others: list[Any]) -> None:
+    monkeypatch.setattr("sailor.megatron_patch.save_failure.world_objects", lambda obj: others)
+
+
+def test_a_refusal_is_raised_alike_on_a_rank_whose_save_went_well(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sailor.megatron_patch.save_failure import raise_save_failure
+
+    text = "step 2: tensor 3.w.weight holds a non-finite value (inf or NaN)"
+    _gathered(monkeypatch, [None, (NonFiniteCheckpointError, f"NonFiniteCheckpointError: {text}")])
+    settled = []
+    with pytest.raises(NonFiniteCheckpointError) as e:
+        raise_save_failure(None, lambda: settled.append(1))
+    assert str(e.value) == text and settled == [1]
+    # the rank that has it re-raises its own (traceback and all)
+    own = NonFiniteCheckpointError(text, key="3.w.weight")
+    with pytest.raises(NonFiniteCheckpointError) as e2:
+        raise_save_failure(own, lambda: None)
+    assert e2.value is own
+
+
+def test_another_nodes_storage_error_is_a_peers_failure_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sailor.megatron_patch.save_failure import raise_save_failure
+
+    _gathered(monkeypatch, [None, (None, "StorageError: cannot write x: disk full")])
+    with pytest.raises(PeerFailedError, match=r"rank\(s\) 1, not here") as e:
+        raise_save_failure(None, lambda: pytest.fail("no settle for a node's failure"))
+    assert classify(e.value, in_training=True) == "peer"
+    own = StorageError("cannot write x: disk full")
+    _gathered(monkeypatch, [(None, f"StorageError: {own}")])
+    with pytest.raises(StorageError):
+        raise_save_failure(own, lambda: None)
+
+
+# ---- a refused save's files --------------------------------------------------------------------
+
+
+def _layers(nan: bool, layers: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    st = _state(seed=0)
+    if nan:
+        st["2.v"].weight[0, 0] = math.nan
+    by: dict[int, dict[str, Any]] = {}
+    for key, p in st.items():
+        layer, name = key.split(".", 1)
+        if int(layer) in layers:
+            by.setdefault(int(layer), {})[name] = p
+    return by
+
+
+def _files(root: Path, step: int) -> list[str]:
+    return sorted(p.name for p in (root / step_dir(step)).rglob("*") if p.is_file())
+
+
+def test_the_refusing_writer_writes_no_layer_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, its layer files were written and fsync'd on the pool's threads (leaving the
+    pool waits for every task) before the refusal."""
+    storage = LocalStorage(tmp_path)
+    monkeypatch.setattr(storage, "write_all", lambda *a, **k: pytest.fail("wrote layer files"))
+    with pytest.raises(NonFiniteCheckpointError, match=r"tensor 2\.v\.weight"):
+        persist_layers(storage, 5, "sid", _layers(True, (0, 1, 2)), rank=1)
+
+
+@pytest.mark.parametrize("refusal_first", [False, True])
+def test_a_refused_saves_files_are_deleted_whichever_writer_ends_first(
+    tmp_path: Path, refusal_first: bool
+) -> None:
+    storage = LocalStorage(tmp_path)
+    save_full(storage, _state(seed=0), TrainingGlobals(4, 16, {}), model="toy", num_layers=4)
+    before = _files(tmp_path, 4)
+
+    def good() -> None:
+        persist_layers(storage, 5, "sid", _layers(False, (0, 1)), rank=0)
+
+    def bad() -> None:
+        with pytest.raises(NonFiniteCheckpointError):
+            persist_layers(storage, 5, "sid", _layers(True, (2, 3)), rank=1)
+
+    for write in (bad, good) if refusal_first else (good, bad):
+        write()
+    with pytest.raises(NonFiniteCheckpointError, match=r"step 5: tensor 2\.v\.weight"):
+        commit(
+            storage,
+            step=5,
+            save_id="sid",
+            writer_ranks=[0, 1],
+            globals_=TrainingGlobals(5, 20, {}),
+            model="toy",
+            num_layers=4,
+            timeout_s=5.0,
+        )
+    assert _files(tmp_path, 5) == ["sid-rank00001.json"]  # the refusal alone
+    assert _files(tmp_path, 4) == before
+
+
+def test_discarding_never_touches_a_committed_save(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    save_full(
+        storage,
+        _state(seed=0),
+        TrainingGlobals(4, 16, {}),
+        model="toy",
+        num_layers=4,
+        save_id="sid",
+    )
+    before = _files(tmp_path, 4)
+    assert discard_save(storage, 4, "sid") == []
+    assert _files(tmp_path, 4) == before
