@@ -386,8 +386,9 @@ def _refusal_of(storage: Storage, step: int, save_id: str) -> bool:
 def discard_save(storage: Storage, step: int, save_id: str) -> list[str]:
     """Delete the files of the refused save ``save_id`` of ``step``: its layer files (not
     a write in flight's temp file: its writer deletes the file it becomes) and its parts but
-    the refusals (the committer's signal; a few hundred bytes each). Never a committed save's: if the step's marker names
-    ``save_id``, nothing is deleted; nor a directory (a writer may be writing into it).
+    the refusals (the committer's signal; a few hundred bytes each). Never a committed
+    save's: if the step's marker names ``save_id``, nothing is deleted; nor a directory (a
+    writer may be writing into it).
     Returns the paths deleted."""
     d = step_dir(step)
     if storage.exists(f"{d}/{MARKER}"):

@@ -46,10 +46,10 @@ skipped iteration still advances ``step`` and the data
 both they and the scale survive checkpoints and re-layouts (``scaling_state``).
 
 Timing synchronizes the device before each clock read (``clock``); the loss is read from
-the device once per iteration, with the agreed flags, before the optimizer step. Inside the 1F1B phase, forward,
-backward and pipeline exchanges are timed apart (``clock.SpanTimer``: CUDA events on a GPU,
-no extra synchronization) for online calibration: ``StepResult.fwd_s``/``bwd_s`` per
-microbatch and ``p2p_s`` per step.
+the device once per iteration, with the agreed flags, before the optimizer step. Inside the
+1F1B phase, forward, backward and pipeline exchanges are timed apart (``clock.SpanTimer``:
+CUDA events on a GPU, no extra synchronization) for online calibration:
+``StepResult.fwd_s``/``bwd_s`` per microbatch and ``p2p_s`` per step.
 """
 
 from __future__ import annotations
