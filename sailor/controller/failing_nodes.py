@@ -183,7 +183,7 @@ def charge_abort(
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
-    c = charge(d, failures, now, policy, progressed(d, status), lost)
+    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status))
     # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
     # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
     redo = [
@@ -194,7 +194,7 @@ def charge_abort(
     if redo:
         for n in redo:
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
-        c = charge(d, failures, now, policy, progressed(d, status), lost)
+        c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status))
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
 
     # what was counted: the missed deadline, or the failure the node reports of its own
@@ -297,6 +297,16 @@ def progressed(d: DesiredState, status: Mapping[str, AgentStatus]) -> frozenset[
     )
 
 
+def _steps(d: DesiredState, status: Mapping[str, AgentStatus]) -> dict[str, int]:
+    """The step each placed node's workers of ``d``'s generation reported (a failed one's
+    too): where a failure was reported, for ``NodeHealth.step``."""
+    return {
+        n: st.step
+        for n in d.placement
+        if (st := status.get(n)) is not None and st.generation == d.generation
+    }
+
+
 def late_failures(
     d: DesiredState,
     status: Mapping[str, AgentStatus],
@@ -308,7 +318,7 @@ def late_failures(
     decided counted (a peer's status came first; or the rest of a failure of the whole job,
     which takes back what was counted against the first node), and why; None when nothing
     changes. ``lost``: the placed nodes the generation lost (:func:`lost_nodes`)."""
-    c = charge(d, failed(d, status), now, policy, progressed(d, status), lost)
+    c = charge(d, failed(d, status), now, policy, progressed(d, status), lost, _steps(d, status))
     if c.health == d.node_health and c.job == d.job_health:
         if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:
             return None
@@ -477,7 +487,7 @@ def forget(
     none: those of nodes long away (``forget_gone``; ``nodes``: the registered ones) and,
     when the training config the next launch hands out (``training``) is not the one the
     current generation ran (a controller restarted with a fixed config), every record of a
-    configuration error (``forget_config``)."""
+    configuration error and the job's of an agreed one (``forget_config``)."""
     health = forget_gone(d, nodes, now, policy)
     notes = []
     names: list[str] = []
@@ -489,7 +499,8 @@ def forget(
         health, job, names = forget_config(health, job)
         if names:
             notes.append(
-                f"training config changed: forgot the configuration errors of {', '.join(names)}"
+                "training config changed: forgot the configuration (or agreed) errors of "
+                + ", ".join(names)
             )
     if not notes:
         return None
