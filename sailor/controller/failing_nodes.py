@@ -138,13 +138,16 @@ def recorded_lost(d: DesiredState) -> frozenset[str]:
 
 def upgraded(d: DesiredState) -> DesiredState:
     """``d``, a state an older leader may have written, as this release writes it: the
-    lost nodes its cause names recorded (:func:`recorded_lost`) and its wire version this
-    release's. A new leader takes it over so (``daemon``): written back at the old version
-    with a field of this one, an older standby or agent refused it, and the cause would be
-    parsed for every later abort."""
+    lost nodes its cause names recorded (:func:`recorded_lost`; a TEARDOWN's only) and its
+    wire version this release's. A new leader takes it over so (``daemon``): written back
+    at the old version with a field of this one, an older standby or agent refused it,
+    and the cause would be parsed for every later abort."""
     if d.schema_version >= SCHEMA_VERSION:
         return d
-    lost = tuple(sorted(recorded_lost(d)))[:MAX_NODE_LIST] if d.aborted else d.lost_nodes
+    # only a TEARDOWN's: a state in LAUNCH (or later) keeps ``aborted`` and the cause of
+    # the abort before it, whose lost nodes are no loss of the new generation's
+    torn = d.aborted and d.phase is Phase.TEARDOWN
+    lost = tuple(sorted(recorded_lost(d)))[:MAX_NODE_LIST] if torn else d.lost_nodes
     return d.model_copy(update={"lost_nodes": lost, "schema_version": SCHEMA_VERSION})
 
 

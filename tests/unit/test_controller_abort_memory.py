@@ -76,6 +76,17 @@ def test_an_older_leaders_cause_is_still_parsed_and_recorded_on_takeover() -> No
     assert lost_nodes(mute, nodes(*IDS), ()) == frozenset()
 
 
+def test_an_older_leaders_launch_after_an_abort_records_no_lost_node() -> None:
+    """A version-3 state in LAUNCH still has ``aborted`` and the cause of the abort before
+    it: its lost nodes are not the new generation's (before, a takeover recorded them, and
+    the new generation's SIGABRTs after them were taken for no hang)."""
+    torn = _torn(running(IDS), [st(1), st(2), st(3)], ids=(1, 2, 3))
+    old = torn.model_copy(update={"lost_nodes": (), "schema_version": 3, "phase": Phase.LAUNCH})
+    assert old.aborted and old.cause.startswith(LOST_WITHOUT_NOTICE)
+    new = upgraded(old)
+    assert new.lost_nodes == () and new.schema_version == SCHEMA_VERSION
+
+
 def test_the_next_launch_forgets_the_aborts_memory() -> None:
     torn = _torn(running(IDS), [_sigabrt(1), st(2), st(3)], ids=(1, 2, 3))
     assert torn.lost_nodes == ("n4",) and torn.sigabrt_reports.nodes == ("n1",)
