@@ -236,6 +236,9 @@ class Charged:
     """The generation's SIGABRT reports with this pass's added; None: unchanged."""
 
 
+_SIGABRT_UNNAMED = "Signal: SIGABRT (reported earlier; its summary was not kept)"
+"""The cause of kept SIGABRT reports written without one: SIGABRTs all the same."""
+
 _ALIKE = "the job's: most placed nodes failed alike"
 _AGREED = "the job's: an error every rank raises alike (agreed)"
 _CONFIG = (
@@ -284,6 +287,8 @@ def charge(
             evidence[n] = (r.cause, _record_signature(r), r.origin)
     # the SIGABRTs of earlier passes: an Abort cleared them from the statuses since
     kept = d.sigabrt_reports if d.sigabrt_reports.generation == gen else SigabrtReports()
+    if kept.nodes and not abort_signal(kept.cause):  # the schema allows nodes and no cause
+        kept = kept.model_copy(update={"cause": _SIGABRT_UNNAMED})
     for n in kept.nodes:
         if n in d.placement and n not in evidence:
             evidence[n] = (kept.cause, signature_of(kept.cause), "unknown")
@@ -432,7 +437,8 @@ def _reports(
     nodes = tuple(sorted(set(kept.nodes) | set(aborts))[:MAX_NODE_LIST])
     if not nodes:
         return kept
-    cause = kept.cause or evidence[min(aborts)][0][:256]
+    # a bad record never stops a pass: no cause kept and none reported now, none named
+    cause = kept.cause or (evidence[min(aborts)][0][:256] if aborts else _SIGABRT_UNNAMED)
     return SigabrtReports(generation=gen, nodes=nodes, cause=cause)
 
 

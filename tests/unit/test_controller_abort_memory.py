@@ -9,6 +9,7 @@ from __future__ import annotations
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import Action, SetDesired
 from sailor.controller.failing_nodes import LOST_WITHOUT_NOTICE, lost_nodes, upgraded
+from sailor.controller.node_health import charge
 from sailor.schemas import SCHEMA_VERSION
 from sailor.schemas.runtime import CAUSE_MAX, DesiredState, NodeHealth, Phase, SigabrtReports
 from tests.unit.test_controller_decide import CFG, _sigabrt, nodes, obs, running, st
@@ -150,3 +151,17 @@ def test_an_older_generations_reports_are_not_counted() -> None:
     torn = _torn(d, [abrt, st(1, gen=2), st(2, gen=2), st(4, gen=2)])
     assert torn.job_health == NodeHealth()
     assert torn.sigabrt_reports.generation == 2 and torn.sigabrt_reports.nodes == ("n3",)
+
+
+def test_kept_reports_without_a_cause_stop_no_pass() -> None:
+    """The schema allows SIGABRT reports with nodes and no cause: with no SIGABRT reported
+    in the pass, ``charge`` raised ValueError (``min`` of nothing), and a leader failed on
+    every pass. They are SIGABRTs all the same: a third one makes the hang."""
+    mute = SigabrtReports(generation=1, nodes=("n1", "n2"), cause="")
+    d = running(IDS).model_copy(update={"phase": Phase.TEARDOWN, "aborted": True})
+    d = d.model_copy(update={"sigabrt_reports": mute})
+    c = charge(d, {}, 1000.0, CFG.exclusion)
+    assert c.job == NodeHealth() and c.health == {} and c.sigabrts is not None
+    assert c.sigabrts.nodes == ("n1", "n2") and "SIGABRT" in c.sigabrts.cause
+    c = charge(d, {"n3": _sigabrt(3).failure}, 1000.0, CFG.exclusion)
+    assert c.job.failures == 1 and c.health == {}
