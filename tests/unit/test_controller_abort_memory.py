@@ -2,7 +2,8 @@
 generation lost (``DesiredState.lost_nodes``, not parsed back from a shortened cause) and
 the SIGABRTs its nodes reported (``DesiredState.sigabrt_reports``: an Abort clears a
 report, and a hang whose reports came in over two passes was under the threshold in
-each). Each test failed on the code before the fields."""
+each). Each test failed on the code before the fields, but the one that says it is a
+regression guard."""
 
 from __future__ import annotations
 
@@ -59,7 +60,10 @@ def test_the_peers_sigabrts_of_a_lost_node_back_by_now_are_no_hang() -> None:
     assert torn.lost_nodes == ("n4",)
     taken = _as_read(torn).model_copy(update={"cause": "aborted"})
     back = obs(nodes(*IDS), [_sigabrt(1), _sigabrt(2), _sigabrt(3), st(4, state="idle")])
-    for s in _states(decide(taken, back, CFG)):
+    states = _states(decide(taken, back, CFG))
+    assert states  # the SIGABRTs are recorded, and counted against nobody
+    assert states[-1].sigabrt_reports.nodes == ("n1", "n2", "n3")
+    for s in states:
         assert s.job_health == NodeHealth() and s.node_health == {}
 
 
@@ -125,12 +129,14 @@ def test_a_hang_whose_sigabrts_arrive_over_two_passes_is_charged_to_the_job() ->
 
 
 def test_one_nodes_sigabrts_over_several_passes_are_no_hang() -> None:
-    """Only n1 ever reports a SIGABRT, pass after pass: one node, never the job's."""
+    """Only n1 ever reports a SIGABRT, pass after pass: one node, never the job's. A
+    regression guard, not a fix: the code before the memory forgot each pass's reports and
+    got this right; a memory that added up reports rather than nodes would make it a hang."""
     torn = _torn(running(IDS), [_sigabrt(1), st(2), st(3), st(4)])
+    assert torn.sigabrt_reports.nodes == ("n1",) and torn.job_health == NodeHealth()
     again = [_sigabrt(1), st(2, state="idle"), st(3, state="idle"), st(4)]
-    for s in _states(decide(torn, obs(nodes(*IDS), again), CFG)):
-        assert s.job_health == NodeHealth()
-    assert torn.sigabrt_reports.nodes == ("n1",)
+    for _ in range(3):  # the same report, pass after pass: nothing to write
+        assert _states(decide(torn, obs(nodes(*IDS), again), CFG)) == []
 
 
 def test_a_new_sigabrt_counted_against_nobody_is_kept_for_the_later_passes() -> None:
