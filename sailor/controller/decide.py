@@ -152,7 +152,7 @@ def _clear_bad(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """Apply the operators' requests to clear bad checkpoint marks (oldest id first), then
     delete them (``controller/bad_marks.py``): as readmit requests, whatever their age."""
     actions: list[Action] = []
-    cleared, outcome = bad_marks.apply_clear_bad(d, dict(o.clear_bad), o.commits)
+    cleared, outcome = bad_marks.apply_clear_bad(d, o)
     if cleared is not None:
         d = cleared[0]
         actions.append(SetDesired(*cleared))
