@@ -280,7 +280,7 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     # they trained: no failure streak, theirs nor the job's (unless its last failure was an
     # agreed one this generation is not past yet: controller/forgetting.py); a suspect
     # checkpoint they loaded was read fine (controller/suspect_checkpoint.py)
-    low = min(o.status[n].step for n in d.placement)
+    low = min((o.status[n].step for n in d.placement), default=-1)
     health, job = trained(d.node_health, d.job_health, d.placement, low)
     suspect, cleared = suspect_checkpoint.trained(d)
     done = move_to(
