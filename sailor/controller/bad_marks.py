@@ -23,12 +23,10 @@ what this returns into actions).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sailor.controller.decision_types import Observed
 from sailor.schemas.runtime import (
-    ClearBadRequest,
-    CommitRecord,
     DesiredState,
     Phase,
     SuspectCheckpoint,
@@ -58,14 +56,14 @@ class Cleared:
 
 
 def apply_clear_bad(
-    d: DesiredState,
-    requests: Mapping[str, ClearBadRequest],
-    commits: tuple[CommitRecord, ...],
+    d: DesiredState, o: Observed
 ) -> tuple[tuple[DesiredState, str] | None, dict[str, Cleared]]:
-    """``d`` after the operators' requests (by request id, oldest id first) and why, or
-    None when they named no mark there is (the caller deletes them either way); and per
-    request what it cleared. In an aborted TEARDOWN the next launch's checkpoint is taken
-    again (``commits``: the recorded ones): the newest commit no mark is left on."""
+    """``d`` after the operators' requests (``o.clear_bad``, by request id, oldest id
+    first) and why, or None when they named no mark there is (the caller deletes them
+    either way); and per request what it cleared. In an aborted TEARDOWN the next launch's
+    checkpoint is taken again: the newest recorded commit no mark is left on
+    (``Observed.resumable``)."""
+    requests = o.clear_bad
     bad, suspect = d.bad_checkpoints, d.suspect_checkpoint
     outcome: dict[str, Cleared] = {}
     whom: list[str] = []
@@ -95,8 +93,8 @@ def apply_clear_bad(
         f"(operator request {', '.join(whom)})"
     )
     if d.phase is Phase.TEARDOWN and d.aborted:
-        good = [c.step for c in commits if c.step not in bad]
-        load = max(good, default=-1)
+        last = o.resumable(bad)
+        load = last.step if last else -1
         if load != d.load_step:
             update["load_step"] = load
             why += f": the next launch loads step {load}"

@@ -43,6 +43,7 @@ from sailor.controller.decision_types import (
     move_to,
     replan_if_needed,
 )
+from sailor.controller.forgetting import trained_past
 from sailor.controller.launch import launch_next, launching
 from sailor.controller.teardown import teardown
 from sailor.schemas.runtime import DesiredState, Phase
@@ -54,6 +55,13 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     why = unhealthy(d, o)
     if why:
         return abort(d, o, cfg, why)
+    steps = [s.step for n in d.placement if (s := o.status.get(n)) and s.generation == d.generation]
+    all_in = steps and len(steps) == len(d.placement)
+    job = trained_past(d.job_health, min(steps)) if all_in else None
+    if job is not None:  # past the step of the job's agreed failure (non-finite gradients)
+        why = f"trained past step {d.job_health.step}, where the job last failed alike"
+        d = d.model_copy(update={"job_health": job})
+        return [SetDesired(d, why), *_running(d, o, cfg)]
     noticed = sorted(n for n in d.placement if n in o.notices)
     usable = o.usable
     joined = sorted(set(usable) - set(d.membership))
@@ -144,7 +152,7 @@ def _clear_bad(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """Apply the operators' requests to clear bad checkpoint marks (oldest id first), then
     delete them (``controller/bad_marks.py``): as readmit requests, whatever their age."""
     actions: list[Action] = []
-    cleared, outcome = bad_marks.apply_clear_bad(d, dict(o.clear_bad), o.commits)
+    cleared, outcome = bad_marks.apply_clear_bad(d, o)
     if cleared is not None:
         d = cleared[0]
         actions.append(SetDesired(*cleared))

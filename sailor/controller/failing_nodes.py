@@ -138,13 +138,16 @@ def recorded_lost(d: DesiredState) -> frozenset[str]:
 
 def upgraded(d: DesiredState) -> DesiredState:
     """``d``, a state an older leader may have written, as this release writes it: the
-    lost nodes its cause names recorded (:func:`recorded_lost`) and its wire version this
-    release's. A new leader takes it over so (``daemon``): written back at the old version
-    with a field of this one, an older standby or agent refused it, and the cause would be
-    parsed for every later abort."""
+    lost nodes its cause names recorded (:func:`recorded_lost`; a TEARDOWN's only) and its
+    wire version this release's. A new leader takes it over so (``daemon``): written back
+    at the old version with a field of this one, an older standby or agent refused it,
+    and the cause would be parsed for every later abort."""
     if d.schema_version >= SCHEMA_VERSION:
         return d
-    lost = tuple(sorted(recorded_lost(d)))[:MAX_NODE_LIST] if d.aborted else d.lost_nodes
+    # only a TEARDOWN's: a state in LAUNCH (or later) keeps ``aborted`` and the cause of
+    # the abort before it, whose lost nodes are no loss of the new generation's
+    torn = d.aborted and d.phase is Phase.TEARDOWN
+    lost = tuple(sorted(recorded_lost(d)))[:MAX_NODE_LIST] if torn else d.lost_nodes
     return d.model_copy(update={"lost_nodes": lost, "schema_version": SCHEMA_VERSION})
 
 
@@ -183,7 +186,7 @@ def charge_abort(
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
-    c = charge(d, failures, now, policy, progressed(d, status), lost)
+    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status))
     # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
     # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
     redo = [
@@ -194,7 +197,7 @@ def charge_abort(
     if redo:
         for n in redo:
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
-        c = charge(d, failures, now, policy, progressed(d, status), lost)
+        c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status))
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
 
     # what was counted: the missed deadline, or the failure the node reports of its own
@@ -297,6 +300,16 @@ def progressed(d: DesiredState, status: Mapping[str, AgentStatus]) -> frozenset[
     )
 
 
+def _steps(d: DesiredState, status: Mapping[str, AgentStatus]) -> dict[str, int]:
+    """The step each placed node's workers of ``d``'s generation reported (a failed one's
+    too): where a failure was reported, for ``NodeHealth.step``."""
+    return {
+        n: st.step
+        for n in d.placement
+        if (st := status.get(n)) is not None and st.generation == d.generation
+    }
+
+
 def late_failures(
     d: DesiredState,
     status: Mapping[str, AgentStatus],
@@ -308,7 +321,7 @@ def late_failures(
     decided counted (a peer's status came first; or the rest of a failure of the whole job,
     which takes back what was counted against the first node), and why; None when nothing
     changes. ``lost``: the placed nodes the generation lost (:func:`lost_nodes`)."""
-    c = charge(d, failed(d, status), now, policy, progressed(d, status), lost)
+    c = charge(d, failed(d, status), now, policy, progressed(d, status), lost, _steps(d, status))
     if c.health == d.node_health and c.job == d.job_health:
         if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:
             return None
@@ -477,7 +490,7 @@ def forget(
     none: those of nodes long away (``forget_gone``; ``nodes``: the registered ones) and,
     when the training config the next launch hands out (``training``) is not the one the
     current generation ran (a controller restarted with a fixed config), every record of a
-    configuration error (``forget_config``)."""
+    configuration error and the job's of an agreed one (``forget_config``)."""
     health = forget_gone(d, nodes, now, policy)
     notes = []
     names: list[str] = []
@@ -489,7 +502,8 @@ def forget(
         health, job, names = forget_config(health, job)
         if names:
             notes.append(
-                f"training config changed: forgot the configuration errors of {', '.join(names)}"
+                "training config changed: forgot the configuration (or agreed) errors of "
+                + ", ".join(names)
             )
     if not notes:
         return None

@@ -1,5 +1,6 @@
-"""When the controller forgets a failure record (``DesiredState.node_health``,
-``job_health``): an operator's readmit, a changed training config, a node long away.
+"""When the controller resets or forgets a failure record (``DesiredState.node_health``,
+``job_health``): a generation that trained, an operator's readmit, a changed training
+config, a node long away.
 
 The records' other rules (what counts, the exclusion backoff) are
 ``controller/node_health.py``'s; ``controller/failing_nodes.py`` applies these to a pass.
@@ -11,10 +12,62 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from sailor.controller.failure_text import AGREED_ERRORS, error_type
 from sailor.controller.node_health import JOB, ExclusionPolicy
 from sailor.schemas.runtime import DesiredState, NodeHealth
 
-__all__ = ["forget_config", "forget_gone", "readmit"]
+__all__ = ["forget_config", "forget_gone", "readmit", "trained", "trained_past"]
+
+
+def _reset(rec: NodeHealth) -> NodeHealth | None:
+    """``rec`` after a generation trained: no streak; None if nothing else is left."""
+    if rec.failures == 0:
+        return rec
+    if rec.exclusions == 0:
+        return None
+    return rec.model_copy(update={"failures": 0})
+
+
+def _short_of_agreed(job: NodeHealth, step: int) -> bool:
+    """The job's last failure is one every rank agreed on (``AGREED_ERRORS``: non-finite
+    gradients too many steps in a row) and ``step`` is not past the step it was reported
+    at. Its skipped steps advance the step: reset at the first step past the checkpoint,
+    the count never reached the policy's and the job was relaunched at full rate forever."""
+    agreed = job.failures > 0 and error_type(job.cause) in AGREED_ERRORS
+    return agreed and 0 <= step <= job.step
+
+
+def trained(
+    health: Mapping[str, NodeHealth], job: NodeHealth, nodes: Iterable[str], step: int = -1
+) -> tuple[dict[str, NodeHealth], NodeHealth]:
+    """The records after a generation trained on ``nodes`` (every one past ``step``, the
+    lowest they reported): their consecutive count is 0, and the job's unless its last
+    failure was an agreed one at ``step`` or later (:func:`trained_past` resets it); a
+    record that has nothing else to remember (never excluded) goes."""
+    out = dict(health)
+    for node in nodes:
+        rec = out.get(node)
+        if rec is None:
+            continue
+        kept = _reset(rec)
+        if kept is None:
+            del out[node]
+        else:
+            out[node] = kept
+    if _short_of_agreed(job, step):
+        return out, job
+    return out, _reset(job) or NodeHealth()
+
+
+def trained_past(job: NodeHealth, step: int) -> NodeHealth | None:
+    """The job's record once a running generation's placed nodes all reported ``step``:
+    reset when :func:`trained` kept its count for an agreed failure and ``step`` is past
+    it; None: nothing to change."""
+    if job.failures == 0 or error_type(job.cause) not in AGREED_ERRORS:
+        return None
+    if _short_of_agreed(job, step):
+        return None
+    return _reset(job) or NodeHealth()
 
 
 def forget_gone(
@@ -39,11 +92,13 @@ def forget_config(
     health: Mapping[str, NodeHealth], job: NodeHealth
 ) -> tuple[dict[str, NodeHealth], NodeHealth, list[str]]:
     """The records without those whose last failure was a configuration error (origin
-    config): for when the training config the next launch hands out is not the one they
+    config), and the job's when its last failure was one every rank agreed on
+    (``AGREED_ERRORS``: non-finite gradients, whose message says to lower the learning
+    rate): for when the training config the next launch hands out is not the one they
     failed with. The names forgotten (:data:`JOB` for the job's)."""
     out = {n: r for n, r in health.items() if r.origin != "config"}
     gone = sorted(set(health) - set(out))
-    if job.origin == "config":
+    if job.origin == "config" or error_type(job.cause) in AGREED_ERRORS:
         job, gone = NodeHealth(), [*gone, JOB]
     return out, job, gone
 

@@ -33,7 +33,7 @@ from sailor.controller.decision_types import (
     move_to,
     plan_nodes_at,
 )
-from sailor.controller.node_health import trained
+from sailor.controller.forgetting import trained
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
@@ -277,9 +277,11 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         return [SetDesired(up, "; ".join(x for x in ("workers up", cleared) if x))]
     if not plan_nodes_at(d, o, lambda s: s.state == "running" and s.step > d.load_step):
         return []
-    # they trained: no failure streak, theirs nor the job's; a suspect checkpoint they
-    # loaded was read fine (controller/suspect_checkpoint.py)
-    health, job = trained(d.node_health, d.job_health, d.placement)
+    # they trained: no failure streak, theirs nor the job's (unless its last failure was an
+    # agreed one this generation is not past yet: controller/forgetting.py); a suspect
+    # checkpoint they loaded was read fine (controller/suspect_checkpoint.py)
+    low = min((o.status[n].step for n in d.placement), default=-1)
+    health, job = trained(d.node_health, d.job_health, d.placement, low)
     suspect, cleared = suspect_checkpoint.trained(d)
     done = move_to(
         d,

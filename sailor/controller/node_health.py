@@ -53,7 +53,11 @@ audit log reproduces it. The rules:
   twice the previous, up to ``max_exclude_s``: a backoff, so a node that was repaired (or a
   transient fault) comes back without an operator.
 - The consecutive count resets when a generation placed on the node trains (VERIFY ->
-  RUNNING: every node reported a step past the generation's start); the job's with it.
+  RUNNING: every node reported a step past the generation's start); the job's with it,
+  unless its last failure is an agreed one: the skipped steps before a
+  ``NonFiniteGradientsError`` advance the step, so every such generation "trained". That
+  count resets once a generation gets past the step the failure was reported at
+  (``NodeHealth.step``). Those resets: ``controller/forgetting.py``.
   Until then a node whose exclusion ran out is on probation: its next failure excludes it
   again, for twice as long.
 - A record is forgotten: by an operator (``sailor node readmit``); when the controller's
@@ -70,7 +74,7 @@ the agent, torch or ``megatron_patch`` (``failure_text`` reads the record's keys
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -104,7 +108,6 @@ __all__ = [
     "miss_teardown",
     "stall",
     "take_back",
-    "trained",
 ]
 
 JOB = "the job"
@@ -179,12 +182,15 @@ def count_failure(
     now: float,
     policy: ExclusionPolicy,
     signature: str = "",
+    step: int = -1,
 ) -> tuple[NodeHealth, str]:
-    """``rec`` with one more failure of ``generation``; why it is excluded now ('' if not)."""
+    """``rec`` with one more failure of ``generation`` (reported at ``step``); why it is
+    excluded now ('' if not)."""
     count = rec.failures + 1
     update: dict[str, object] = {
         "failures": count,
         "generation": generation,
+        "step": max(step, -1),
         "cause": summary,
         "signature": signature or signature_of(summary),
         "origin": origin if origin in ("local", "config") else "unknown",
@@ -230,6 +236,9 @@ class Charged:
     """The generation's SIGABRT reports with this pass's added; None: unchanged."""
 
 
+_SIGABRT_UNNAMED = "Signal: SIGABRT (reported earlier; its summary was not kept)"
+"""The cause of kept SIGABRT reports written without one: SIGABRTs all the same."""
+
 _ALIKE = "the job's: most placed nodes failed alike"
 _AGREED = "the job's: an error every rank raises alike (agreed)"
 _CONFIG = (
@@ -244,6 +253,7 @@ def charge(
     policy: ExclusionPolicy,
     progressed: Collection[str] = (),
     lost: Collection[str] = (),
+    steps: Mapping[str, int] | None = None,
 ) -> Charged:
     """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
     counted against the nodes they began on, or against the job (module docstring).
@@ -251,6 +261,7 @@ def charge(
     configuration error is the job's unless another of them trained with that config).
     ``lost``: the placed nodes lost in the generation (gone without notice, or with one):
     the SIGABRTs of the others are NCCL's watchdog giving up on their ranks, not a hang.
+    ``steps``: the step each failed node's status reported (``NodeHealth.step``).
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
@@ -276,10 +287,13 @@ def charge(
             evidence[n] = (r.cause, _record_signature(r), r.origin)
     # the SIGABRTs of earlier passes: an Abort cleared them from the statuses since
     kept = d.sigabrt_reports if d.sigabrt_reports.generation == gen else SigabrtReports()
+    if kept.nodes and not abort_signal(kept.cause):  # the schema allows nodes and no cause
+        kept = kept.model_copy(update={"cause": _SIGABRT_UNNAMED})
     for n in kept.nodes:
         if n in d.placement and n not in evidence:
             evidence[n] = (kept.cause, signature_of(kept.cause), "unknown")
     kind = {n: error_type(e[0]) for n, e in evidence.items()}
+    step = max((v for n, v in (steps or {}).items() if n in evidence), default=-1)
     aborts = {n for n, e in evidence.items() if abort_signal(e[0])}
     reports = _reports(kept, gen, aborts, evidence)
     # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
@@ -361,6 +375,7 @@ def charge(
             now,
             policy,
             cause.signature,
+            (steps or {}).get(n, -1),
         )
         if excl:
             notes.append(describe(n, health[n], now, excl))
@@ -395,7 +410,7 @@ def charge(
     many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
     hung = many and not first_cause and not gone
     if job_why and job.generation != gen:
-        job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy)
+        job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy, step)
         notes.append(note)
     elif hung and job.generation != gen:
         # its cause is a SIGABRT's: how a later pass knows which count to take back
@@ -405,7 +420,8 @@ def charge(
             f"{len(aborts)} of the {placed} placed node(s) ({names}): every collective hung, "
             "the node at fault is not known"
         )
-        job, note = _count_job(job, gen, (summary, "unknown", True, sig), what, now, policy)
+        hang = (summary, "unknown", True, sig)
+        job, note = _count_job(job, gen, hang, what, now, policy, step=step)
         notes.append(note)
     return Charged(health, job, notes, reports)
 
@@ -421,7 +437,8 @@ def _reports(
     nodes = tuple(sorted(set(kept.nodes) | set(aborts))[:MAX_NODE_LIST])
     if not nodes:
         return kept
-    cause = kept.cause or evidence[min(aborts)][0][:256]
+    # a bad record never stops a pass: no cause kept and none reported now, none named
+    cause = kept.cause or (evidence[min(aborts)][0][:256] if aborts else _SIGABRT_UNNAMED)
     return SigabrtReports(generation=gen, nodes=nodes, cause=cause)
 
 
@@ -433,11 +450,13 @@ def _count_job(
     now: float,
     policy: ExclusionPolicy,
     with_cause: bool = True,
+    step: int = -1,
 ) -> tuple[NodeHealth, str]:
     """The job's record with ``gen`` counted for ``cause`` (summary, origin, retry,
-    signature), and the sentence that says so and ``what`` happened (and the summary)."""
+    signature) reported at ``step``, and the sentence that says so and ``what`` happened
+    (and the summary)."""
     summary, origin, retry, sig = cause
-    rec, excl = count_failure(job, gen, summary, origin, retry, now, policy, sig)
+    rec, excl = count_failure(job, gen, summary, origin, retry, now, policy, sig, step)
     if excl:
         return rec, describe(JOB, rec, now, f"{excl}; {what}")
     tail = f": {summary}" if with_cause else ""
@@ -453,8 +472,10 @@ def _charge_job(
     alike: Counter[str],
     now: float,
     policy: ExclusionPolicy,
+    step: int = -1,
 ) -> tuple[NodeHealth, str]:
-    """The job's record with generation ``gen`` counted, and the sentence that says so."""
+    """The job's record with generation ``gen`` counted (reported at ``step``), and the
+    sentence that says so."""
     sig = max(sorted(job_why), key=lambda s: alike.get(s, 0))
     nodes = sorted(n for n, e in evidence.items() if e[1] == sig)
     shown = [seen[n] for n in nodes if n in seen]
@@ -468,7 +489,7 @@ def _charge_job(
         what = f"a configuration error on {', '.join(nodes)}, no placed node trained with it"
     else:
         what = f"{len(nodes)} of the placed nodes failed alike ({', '.join(nodes)})"
-    return _count_job(job, gen, (summary, origin, retry, sig), what, now, policy)
+    return _count_job(job, gen, (summary, origin, retry, sig), what, now, policy, step=step)
 
 
 def miss_teardown(
@@ -516,33 +537,6 @@ def stall(
     summary = f"{DEADLINE_MISSED}: {what}"[:CAUSE_CHARS]
     cause = (summary, "unknown", True, signature_of(summary))
     return _count_job(job, gen, cause, what, now, policy, with_cause=False)
-
-
-def _reset(rec: NodeHealth) -> NodeHealth | None:
-    """``rec`` after a generation trained: no streak; None if nothing else is left."""
-    if rec.failures == 0:
-        return rec
-    if rec.exclusions == 0:
-        return None
-    return rec.model_copy(update={"failures": 0})
-
-
-def trained(
-    health: Mapping[str, NodeHealth], job: NodeHealth, nodes: Iterable[str]
-) -> tuple[dict[str, NodeHealth], NodeHealth]:
-    """The records after a generation trained on ``nodes``: their consecutive count is 0,
-    and the job's; a record that has nothing else to remember (never excluded) goes."""
-    out = dict(health)
-    for node in nodes:
-        rec = out.get(node)
-        if rec is None:
-            continue
-        kept = _reset(rec)
-        if kept is None:
-            del out[node]
-        else:
-            out[node] = kept
-    return out, _reset(job) or NodeHealth()
 
 
 def excluded(health: Mapping[str, NodeHealth], now: float) -> frozenset[str]:

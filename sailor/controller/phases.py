@@ -83,9 +83,11 @@ class PhaseDeadlines(Frozen):
     teardown: float = Field(
         default=150.0,
         gt=0,
-        description="All workers gone. Above the agent's kill bound: it acks an Abort only "
-        "once its kill is over, up to 3 s of SIGTERM grace plus 120 s of teardown_timeout_s "
-        "(sailor/agent/killed_groups.py); a shorter deadline charged nodes still killing.",
+        description="All workers gone. Above the agent's kill bound: it acks an Abort once "
+        "the signals are sent, and TEARDOWN waits until its status reports no process group "
+        "being killed (AgentStatus.killing), up to 3 s of SIGTERM grace plus 120 s of "
+        "teardown_timeout_s (sailor/agent/killed_groups.py); a shorter deadline charged "
+        "nodes still killing.",
     )
     launch: float = Field(default=20.0, gt=0, description="Every node acked its launch.")
     load: float = Field(

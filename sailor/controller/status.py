@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,6 +29,7 @@ from sailor.schemas.runtime import (
     ClearBadRequest,
     CommitRecord,
     DesiredState,
+    NodeHealth,
     NoticeRecord,
     ReadmitRequest,
 )
@@ -131,6 +132,43 @@ def _calibration_version(raw: bytes) -> int | None:
         return None
 
 
+async def _desired(store: Any, keys: Keys) -> DesiredState | None:
+    """The job's desired state as etcd holds it; None if there is none, or it is unreadable."""
+    kv = await store.get(keys.desired)
+    if kv is None:
+        return None
+    with contextlib.suppress(ValidationError):
+        return DesiredState.model_validate_json(kv.value)
+    return None
+
+
+async def _ask(
+    store: Any,
+    keys: Keys,
+    key: str,
+    body: bytes,
+    wait_s: float,
+    applied: Callable[[DesiredState | None], bool],
+) -> bool:
+    """Write a request at ``key`` and wait up to ``wait_s`` for a leader to delete it (it
+    has applied it). Not deleted in time, it is withdrawn, so a leader that starts later
+    does not act on a request that reported failure. A leader may have read it just before
+    and apply it all the same: the desired state is read again after the withdrawal, and
+    ``applied`` says whether it holds what the request asked for."""
+    await store.put(key, body)
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        if await store.get(key) is None:
+            return True
+        await asyncio.sleep(0.2)
+    await store.delete(key)
+    return applied(await _desired(store, keys))
+
+
+def _request_id() -> str:
+    return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+
+
 async def request_readmit(
     endpoint: str | Sequence[str],
     job: str,
@@ -141,35 +179,35 @@ async def request_readmit(
     wait_s: float = 10.0,
 ) -> tuple[str, bool, tuple[str, ...]]:
     """Ask the leader to forget the failure records of ``nodes`` (``everything``: every
-    node's and the job's). Returns the request id, whether a leader applied it within
-    ``wait_s`` (it deletes the key once the desired state no longer holds the records), and
-    the named nodes the desired state held no record of (nothing to forget: no request is
-    written when that is all of them). A request not applied in time is deleted: a leader
-    that starts later does not act on an operator's request that reported failure."""
+    node's and the job's). Returns the request id, whether a leader applied it (it deletes
+    the key once the desired state no longer holds the records; or, the request withdrawn
+    after ``wait_s``, the desired state holds them no more), and the named nodes the
+    desired state held no record of (nothing to forget: no request is written when that is
+    all of them)."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
         unknown: tuple[str, ...] = ()
         if not everything:
-            kv = await store.get(keys.desired)
-            held: set[str] = set()
-            if kv is not None:
-                with contextlib.suppress(ValidationError):
-                    held = set(DesiredState.model_validate_json(kv.value).node_health)
+            d = await _desired(store, keys)
+            held = set(d.node_health) if d is not None else set()
             unknown = tuple(n for n in nodes if n not in held)
             if len(unknown) == len(nodes):
                 return "", False, unknown
-        rid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+        rid = _request_id()
         names = tuple(n for n in nodes if n not in unknown)
         req = ReadmitRequest(nodes=names, all=everything, who=who, time=time.time())
-        await store.put(keys.readmit(rid), req.model_dump_json().encode())
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            if await store.get(keys.readmit(rid)) is None:
-                return rid, True, unknown
-            await asyncio.sleep(0.2)
-        await store.delete(keys.readmit(rid))
-        return rid, False, unknown
+
+        def forgotten(d: DesiredState | None) -> bool:
+            if d is None:
+                return False
+            if everything:
+                return not d.node_health and d.job_health == NodeHealth()
+            return not set(names) & set(d.node_health)
+
+        body = req.model_dump_json().encode()
+        done = await _ask(store, keys, keys.readmit(rid), body, wait_s, forgotten)
+        return rid, done, unknown
     finally:
         await store.close()
 
@@ -184,35 +222,32 @@ async def request_clear_bad(
     wait_s: float = 10.0,
 ) -> tuple[str, bool, tuple[int, ...]]:
     """Ask the leader to clear the bad (and suspect) marks of committed ``steps``
-    (``everything``: every mark). Returns the request id, whether a leader applied it
-    within ``wait_s`` (it deletes the key once the desired state no longer holds the
-    marks), and the named steps the desired state marks neither bad nor suspect (nothing to
-    clear: no request is written when that is all of them, nor with ``everything`` when no
-    step is marked). A request not applied in time is deleted, as a readmit request."""
+    (``everything``: every mark). Returns the request id, whether a leader applied it (as
+    :func:`request_readmit`: the key deleted, or after the withdrawal the desired state
+    marks none of them), and the named steps the desired state marks neither bad nor
+    suspect (nothing to clear: no request is written when that is all of them, nor with
+    ``everything`` when no step is marked)."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
-        kv = await store.get(keys.desired)
-        d = None
-        if kv is not None:
-            with contextlib.suppress(ValidationError):
-                d = DesiredState.model_validate_json(kv.value)
+        d = await _desired(store, keys)
         asked = tuple(sorted(set(steps)))
         unknown = asked if d is None else unknown_steps(d, asked)
         if (everything and (d is None or not marked(d))) or (
             not everything and len(unknown) == len(asked)
         ):
             return "", False, unknown
-        rid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+        rid = _request_id()
         named = tuple(s for s in asked if s not in unknown)
         req = ClearBadRequest(steps=named, all=everything, who=who, time=time.time())
-        await store.put(keys.clear_bad(rid), req.model_dump_json().encode())
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            if await store.get(keys.clear_bad(rid)) is None:
-                return rid, True, unknown
-            await asyncio.sleep(0.2)
-        await store.delete(keys.clear_bad(rid))
-        return rid, False, unknown
+
+        def cleared(d: DesiredState | None) -> bool:
+            if d is None:
+                return False
+            return not marked(d) if everything else not set(named) & set(marked(d))
+
+        body = req.model_dump_json().encode()
+        done = await _ask(store, keys, keys.clear_bad(rid), body, wait_s, cleared)
+        return rid, done, unknown
     finally:
         await store.close()

@@ -137,6 +137,13 @@ class NodeHealth(Frozen):
         "record or none named); a 'config' one is forgotten when the controller's training "
         "config changes. '': none counted.",
     )
+    step: int = Field(
+        default=-1,
+        ge=-1,
+        description="The step its last counted failure was reported at (the highest a "
+        "failed node's status reported); -1: not known. A failure every rank agreed on "
+        "(non-finite gradients) keeps the job's count until a generation gets past it.",
+    )
 
     @model_validator(mode="after")
     def _excluded_only_when_counted(self) -> NodeHealth:

@@ -2,13 +2,15 @@
 generation lost (``DesiredState.lost_nodes``, not parsed back from a shortened cause) and
 the SIGABRTs its nodes reported (``DesiredState.sigabrt_reports``: an Abort clears a
 report, and a hang whose reports came in over two passes was under the threshold in
-each). Each test failed on the code before the fields."""
+each). Each test failed on the code before the fields, but the one that says it is a
+regression guard."""
 
 from __future__ import annotations
 
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import Action, SetDesired
 from sailor.controller.failing_nodes import LOST_WITHOUT_NOTICE, lost_nodes, upgraded
+from sailor.controller.node_health import charge
 from sailor.schemas import SCHEMA_VERSION
 from sailor.schemas.runtime import CAUSE_MAX, DesiredState, NodeHealth, Phase, SigabrtReports
 from tests.unit.test_controller_decide import CFG, _sigabrt, nodes, obs, running, st
@@ -58,7 +60,10 @@ def test_the_peers_sigabrts_of_a_lost_node_back_by_now_are_no_hang() -> None:
     assert torn.lost_nodes == ("n4",)
     taken = _as_read(torn).model_copy(update={"cause": "aborted"})
     back = obs(nodes(*IDS), [_sigabrt(1), _sigabrt(2), _sigabrt(3), st(4, state="idle")])
-    for s in _states(decide(taken, back, CFG)):
+    states = _states(decide(taken, back, CFG))
+    assert states  # the SIGABRTs are recorded, and counted against nobody
+    assert states[-1].sigabrt_reports.nodes == ("n1", "n2", "n3")
+    for s in states:
         assert s.job_health == NodeHealth() and s.node_health == {}
 
 
@@ -74,6 +79,17 @@ def test_an_older_leaders_cause_is_still_parsed_and_recorded_on_takeover() -> No
     assert lost_nodes(new.model_copy(update={"cause": ""}), nodes(*IDS), ()) == {"n4"}
     mute = torn.model_copy(update={"lost_nodes": ()})
     assert lost_nodes(mute, nodes(*IDS), ()) == frozenset()
+
+
+def test_an_older_leaders_launch_after_an_abort_records_no_lost_node() -> None:
+    """A version-3 state in LAUNCH still has ``aborted`` and the cause of the abort before
+    it: its lost nodes are not the new generation's (before, a takeover recorded them, and
+    the new generation's SIGABRTs after them were taken for no hang)."""
+    torn = _torn(running(IDS), [st(1), st(2), st(3)], ids=(1, 2, 3))
+    old = torn.model_copy(update={"lost_nodes": (), "schema_version": 3, "phase": Phase.LAUNCH})
+    assert old.aborted and old.cause.startswith(LOST_WITHOUT_NOTICE)
+    new = upgraded(old)
+    assert new.lost_nodes == () and new.schema_version == SCHEMA_VERSION
 
 
 def test_the_next_launch_forgets_the_aborts_memory() -> None:
@@ -113,12 +129,14 @@ def test_a_hang_whose_sigabrts_arrive_over_two_passes_is_charged_to_the_job() ->
 
 
 def test_one_nodes_sigabrts_over_several_passes_are_no_hang() -> None:
-    """Only n1 ever reports a SIGABRT, pass after pass: one node, never the job's."""
+    """Only n1 ever reports a SIGABRT, pass after pass: one node, never the job's. A
+    regression guard, not a fix: the code before the memory forgot each pass's reports and
+    got this right; a memory that added up reports rather than nodes would make it a hang."""
     torn = _torn(running(IDS), [_sigabrt(1), st(2), st(3), st(4)])
+    assert torn.sigabrt_reports.nodes == ("n1",) and torn.job_health == NodeHealth()
     again = [_sigabrt(1), st(2, state="idle"), st(3, state="idle"), st(4)]
-    for s in _states(decide(torn, obs(nodes(*IDS), again), CFG)):
-        assert s.job_health == NodeHealth()
-    assert torn.sigabrt_reports.nodes == ("n1",)
+    for _ in range(3):  # the same report, pass after pass: nothing to write
+        assert _states(decide(torn, obs(nodes(*IDS), again), CFG)) == []
 
 
 def test_a_new_sigabrt_counted_against_nobody_is_kept_for_the_later_passes() -> None:
@@ -139,3 +157,17 @@ def test_an_older_generations_reports_are_not_counted() -> None:
     torn = _torn(d, [abrt, st(1, gen=2), st(2, gen=2), st(4, gen=2)])
     assert torn.job_health == NodeHealth()
     assert torn.sigabrt_reports.generation == 2 and torn.sigabrt_reports.nodes == ("n3",)
+
+
+def test_kept_reports_without_a_cause_stop_no_pass() -> None:
+    """The schema allows SIGABRT reports with nodes and no cause: with no SIGABRT reported
+    in the pass, ``charge`` raised ValueError (``min`` of nothing), and a leader failed on
+    every pass. They are SIGABRTs all the same: a third one makes the hang."""
+    mute = SigabrtReports(generation=1, nodes=("n1", "n2"), cause="")
+    d = running(IDS).model_copy(update={"phase": Phase.TEARDOWN, "aborted": True})
+    d = d.model_copy(update={"sigabrt_reports": mute})
+    c = charge(d, {}, 1000.0, CFG.exclusion)
+    assert c.job == NodeHealth() and c.health == {} and c.sigabrts is not None
+    assert c.sigabrts.nodes == ("n1", "n2") and "SIGABRT" in c.sigabrts.cause
+    c = charge(d, {"n3": _sigabrt(3).failure}, 1000.0, CFG.exclusion)
+    assert c.job.failures == 1 and c.health == {}

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 
 from sailor.controller.failing_nodes import stalled
+from sailor.controller.forgetting import trained
 from sailor.controller.node_health import (
     ExclusionPolicy,
     charge,
     held,
     stall,
-    trained,
 )
 from sailor.megatron_patch.errors import signal_failure_record
 from sailor.schemas.runtime import DesiredState, NodeHealth, Phase

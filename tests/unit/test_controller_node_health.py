@@ -8,13 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from sailor.controller.failure_text import parse_failure
-from sailor.controller.forgetting import forget_config, forget_gone, readmit
+from sailor.controller.forgetting import forget_config, forget_gone, readmit, trained
 from sailor.controller.node_health import (
     ExclusionPolicy,
     charge,
     excluded,
     held,
-    trained,
 )
 from sailor.megatron_patch.errors import failure_record, signal_failure_record
 from sailor.schemas.runtime import DesiredState, NodeHealth

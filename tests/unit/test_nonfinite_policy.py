@@ -14,7 +14,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from sailor.controller.node_health import ExclusionPolicy, charge, held, trained
+from sailor.controller.forgetting import trained
+from sailor.controller.node_health import ExclusionPolicy, charge, held
 from sailor.megatron_patch.clipping import clip_by_global_norm
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.errors import classify, failure_record

@@ -1,0 +1,114 @@
+"""A job whose ranks keep raising ``NonFiniteGradientsError`` is held, through the real
+sequence of passes (LOAD's checkpoint -> VERIFY -> RUNNING -> the error), generation after
+generation.
+
+Before, every such generation "trained": the skipped steps advance ``step``, so VERIFY ->
+RUNNING came at the first one past the checkpoint and reset the job's count
+(``forgetting.trained``), and the error came ``max_skips`` + 1 iterations later. The count
+never reached the policy's: relaunched at full rate forever. Now the job's record keeps
+the step its agreed failure was reported at (``NodeHealth.step``) and its count until a
+generation gets past that step; a changed training config (a lower learning rate) forgets
+it. Each test fails on the code before.
+"""
+
+from __future__ import annotations
+
+import json
+
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import SetDesired
+from sailor.controller.failing_nodes import forget
+from sailor.controller.forgetting import trained
+from sailor.controller.node_health import held
+from sailor.megatron_patch.errors import failure_record
+from sailor.megatron_patch.nonfinite import NonFiniteGradientsError, nonfinite_message
+from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
+from sailor.schemas.training import BuiltinModel, OptimizerConfig, TrainingConfig
+from tests.unit.test_controller_decide import CFG, NOW, nodes, obs, running, st
+
+IDS = (1, 2)
+LOAD = 30
+FAILED_AT = LOAD + 4  # max_skips 3: three skipped steps, the fourth raises
+
+
+def _nonfinite(i: int, gen: int) -> AgentStatus:
+    exc = NonFiniteGradientsError(nonfinite_message(FAILED_AT, 4, 3))
+    rec = json.dumps(failure_record(exc, i - 1, LOAD, True))[:2000]
+    return st(i, gen=gen, state="failed", step=FAILED_AT).model_copy(update={"failure": rec})
+
+
+def _set(actions: list[object]) -> DesiredState:
+    (state,) = [a.state for a in actions if isinstance(a, SetDesired)]
+    return state
+
+
+def _generation(gen: int, job: NodeHealth) -> tuple[DesiredState, DesiredState]:
+    """One generation through VERIFY -> RUNNING (the first skipped step) -> the error:
+    the RUNNING state and the torn-down one."""
+    d = running(IDS, gen=gen, phase=Phase.VERIFY, phase_deadline=NOW + 50, load_step=LOAD)
+    d = d.model_copy(update={"job_health": job})
+    up = _set(decide(d, obs(nodes(*IDS), [st(i, gen=gen, step=LOAD + 1) for i in IDS]), CFG))
+    assert up.phase is Phase.RUNNING
+    torn = _set(decide(up, obs(nodes(*IDS), [_nonfinite(i, gen) for i in IDS]), CFG))
+    assert torn.phase is Phase.TEARDOWN
+    return up, torn
+
+
+def test_the_job_is_held_after_the_policys_count_of_generations_through_verify() -> None:
+    job = NodeHealth()
+    count = CFG.exclusion.failures
+    for gen in range(1, count + 1):
+        up, torn = _generation(gen, job)
+        assert up.job_health.failures == gen - 1  # VERIFY -> RUNNING kept the count
+        job = torn.job_health
+        assert torn.node_health == {}  # the job's, never a node's
+        assert job.failures == gen
+        assert held(job, NOW + 1) is (gen == count), gen
+    assert job.step == FAILED_AT
+    assert job.exclusions == 1 and job.excluded_until == NOW + CFG.exclusion.exclude_s
+
+
+def test_a_generation_that_gets_past_the_failed_step_resets_the_count() -> None:
+    _, torn = _generation(1, NodeHealth())
+    up, _ = _generation(2, torn.job_health)
+    assert up.job_health.failures == 1
+    at = obs(nodes(*IDS), [st(i, gen=2, step=FAILED_AT) for i in IDS])
+    assert decide(up, at, CFG) == []  # at the failed step: not past it yet
+    past = obs(nodes(*IDS), [st(i, gen=2, step=FAILED_AT + 1) for i in IDS])
+    a = decide(up, past, CFG)
+    assert [type(x) for x in a] == [SetDesired]
+    assert a[0].state.job_health == NodeHealth()  # type: ignore[union-attr]
+    assert f"trained past step {FAILED_AT}" in a[0].reason  # type: ignore[union-attr]
+    assert decide(a[0].state, past, CFG) == []  # type: ignore[union-attr]
+
+
+def test_a_record_without_the_step_resets_at_the_first_step_as_before() -> None:
+    """A version-3 leader's record (no ``step``): nothing says where the failure was."""
+    job = NodeHealth(failures=2, generation=3, cause="NonFiniteGradientsError: at step 9")
+    assert trained({}, job, ["n1"], 5) == ({}, NodeHealth())
+    kept = job.model_copy(update={"step": 9})
+    assert trained({}, kept, ["n1"], 9) == ({}, kept)
+    assert trained({}, kept, ["n1"], 10) == ({}, NodeHealth())
+
+
+def test_a_changed_training_config_forgets_the_held_job() -> None:
+    """The error's message says to lower the learning rate: a controller restarted with
+    another training config forgets the job's record (and its generation's reports)."""
+    _, torn = _generation(3, NodeHealth())
+    job = NodeHealth(
+        failures=3,
+        generation=3,
+        exclusions=1,
+        excluded_until=NOW + 600,
+        cause=torn.job_health.cause,
+        origin="local",
+    )
+    t_old = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), optimizer=OptimizerConfig(lr=3e-4))
+    d = torn.model_copy(update={"training": t_old, "job_health": job})
+    assert held(d.job_health, NOW + 1)
+    assert forget(d, nodes(*IDS), NOW + 1, CFG.exclusion, t_old) is None
+    lower = t_old.model_copy(update={"optimizer": OptimizerConfig(lr=1e-4)})
+    out = forget(d, nodes(*IDS), NOW + 1, CFG.exclusion, lower)
+    assert out is not None
+    assert out[0].job_health == NodeHealth() and out[0].forgiven_through == 3
+    assert "training config changed" in out[1] and "the job" in out[1]
