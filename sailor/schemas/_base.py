@@ -25,7 +25,8 @@ dropping the fields it does not know (``_newer``), and refuses versions below 1.
 and ``deadline_stretch``; ``NodeHealth.signature`` and ``origin`` (added after 2 without
 raising it: a reader of version 2 refused a state that held one).
 4: ``AgentStatus.killing``; ``DesiredState.lost_nodes`` and ``sigabrt_reports``;
-``NodeHealth.step``; the message ``ClearBadRequest``."""
+``NodeHealth.step``; ``TrainingConfig.nonfinite`` (hashed into the training digest only
+away from its default); the message ``ClearBadRequest``."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
