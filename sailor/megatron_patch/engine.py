@@ -402,7 +402,7 @@ class Trainer:
             clip = self._clip if self.cfg.clip_grad_norm > 0 else None
             params = list(self.stage.parameters())
             taken = scaled_step(
-                self.optimizer, params, self.scaler, self.device, clip, overflow=skipped
+                self.optimizer, params, self.scaler, self.device, before_step=clip, overflow=skipped
             )
             skipped = not taken
         if skipped:

@@ -186,6 +186,7 @@ def scaled_step(
     params: list[torch.nn.Parameter],
     scaler: LossScaler,
     device: torch.device,
+    *,
     group: Any = None,
     before_step: Callable[[], None] | None = None,
     overflow: bool | None = None,

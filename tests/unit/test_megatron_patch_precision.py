@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -247,3 +248,55 @@ def test_metrics_carry_the_loss_scale_and_the_gradient_norm_when_there_are_some(
         "loss_scale": 2.0**14,
         "skipped_steps": 2,
     }
+
+
+def _clip_worker(rank: int, store: str, out: str) -> None:
+    """One rank, one stage, two iterations with a tight clip: under no scaler and under a
+    dynamic loss scaler; the gradient norm AdamW sees, and the one the step reports."""
+    from sailor.megatron_patch.engine import TrainConfig, Trainer
+    from sailor.megatron_patch.groups import build_process_groups
+    from sailor.schemas.training import LossScalingConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
+    group = ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=1)
+    stage = Stage(first_layer=0, last_layer=5, replica=group)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=2)
+    plan = Plan(model="tiny-gpt", global_batch_size=2, pipelines=(pipe,))
+    spec = tiny_model("tiny-gpt", 2)
+    role = role_of(plan, 0)
+    groups = build_process_groups(plan, role, spec.tie_embeddings, 20.0)
+    got = {}
+    for mode in ("auto", "dynamic"):  # auto: fp32 on CPU, no scaler
+        scaling = LossScalingConfig(mode=mode, initial_scale_power=4)
+        cfg = TrainConfig(seed=0, clip_grad_norm=1e-3, loss_scaling=scaling)
+        tr = Trainer(plan, spec, role, groups, cfg, torch.device("cpu"))
+        seen: list[float] = []
+        params = list(tr.stage.parameters())
+        step = tr.optimizer.step
+
+        def watched(
+            *a: object, _seen: list[float] = seen, _ps: Any = params, _step: Any = step, **k: object
+        ) -> Any:
+            grads = [p.grad for p in _ps if p.grad is not None]
+            _seen.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads)))
+            return _step(*a, **k)
+
+        tr.optimizer.step = watched  # type: ignore[method-assign]
+        got[mode] = (seen, [r.grad_norm for r in tr.run(2)])
+    Path(out, "clip.txt").write_text(repr(got))
+    dist.destroy_process_group()
+
+
+def test_a_loss_scaled_step_clips_as_an_unscaled_one(tmp_path: Path) -> None:
+    """With a loss scaler, the gradients AdamW sees are clipped to ``clip_grad_norm`` and the
+    step reports their norm, as without one (review: the clip went into ``scaled_step``'s
+    process-group argument, so a loss-scaled run was never clipped and reported no norm)."""
+    spawn(_clip_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=1)
+    got = eval((tmp_path / "clip.txt").read_text())
+    (plain, plain_norms), (scaled, scaled_norms) = got["auto"], got["dynamic"]
+    # (the sum over every parameter counts the tied head's copy too: above the clip's 1e-3)
+    assert len(plain) == len(scaled) == 2 and all(n < 2e-3 for n in plain), plain
+    assert scaled == pytest.approx(plain, rel=1e-5)
+    assert all(n is not None and n > 1e-2 for n in plain_norms + scaled_norms)
+    assert scaled_norms == pytest.approx(plain_norms, rel=1e-5)
