@@ -13,6 +13,11 @@ raises the same :class:`~sailor.megatron_patch.vocab_parallel.LabelOutOfRangeErr
 the optimizer step (:meth:`LabelWatch.raise_agreed`), which the controller holds against
 the job (``failure_text.AGREED_ERRORS``): the data is bad wherever it runs.
 
+The input tokens are screened the same way (:meth:`LabelWatch.screen_tokens`): a badly
+tokenized sample holds its bad id in both (the labels are the inputs shifted by one), and the
+first stage's embedding raised on it alone (an IndexError on CPU, a device assert on a GPU),
+or at TP > 1 took a zero row silently (review). They are masked to id 0 and flagged alike.
+
 The check runs on the host, before the copy to the device (no sync in the hot loop).
 """
 
@@ -34,8 +39,8 @@ def label_message(
 ) -> str:
     """The agreed error's text (the same on every rank)."""
     return (
-        f"step {step}: label(s) outside the vocabulary [0, {vocab_size}) that are not the "
-        f"ignore index {IGNORE_INDEX} in the global batch of samples "
+        f"step {step}: token or label id(s) outside the vocabulary [0, {vocab_size}) (a "
+        f"label may be the ignore index {IGNORE_INDEX}) in the global batch of samples "
         f"{samples.start}..{samples.stop - 1}, read on {seen} (the first's microbatches: "
         f"{count} such, the first id {first}): the data "
         "was tokenized with another vocabulary, or the model's vocab_size is too small; "
@@ -64,6 +69,17 @@ class LabelWatch:
             self.first = int(labels[bad].reshape(-1)[0])
         self.count += int(bad.sum())
         return labels.masked_fill(bad, IGNORE_INDEX)
+
+    def screen_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input ``tokens`` (host) with every id outside ``[0, vocab_size)`` noted and set to
+        0 (any row: the iteration is raised before its update)."""
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if not bool(bad.any()):
+            return tokens
+        if self.first is None:
+            self.first = int(tokens[bad].reshape(-1)[0])
+        self.count += int(bad.sum())
+        return tokens.masked_fill(bad, 0)
 
     def raise_agreed(self, ranks: tuple[int, ...], step: int, samples: range) -> None:
         """Every rank calls this at the same point once some rank's flag was agreed: one

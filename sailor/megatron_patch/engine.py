@@ -345,7 +345,7 @@ class Trainer:
         # would take an id out of range silently; on a GPU, F.cross_entropy's is a device
         # assert that kills the process without a message). Noted and masked, not raised:
         # every rank raises it after the iteration's collective (``bad_labels``)
-        y = self.labels.screen(y)
+        x, y = self.labels.screen_tokens(x), self.labels.screen(y)
         return to_device(x, self.device), to_device(y, self.device)
 
     def _clip(self) -> None:

@@ -7,7 +7,10 @@ at once (from the engine's host check) and rank 0 waited in the gradient all-red
 process group's timeout (under NCCL: a hang until the controller's abort); its node and rank
 1's were charged. Now the engine notes it, masks it, and every rank raises the same error
 after the iteration's one collective. Removing the engine's check (``Trainer._batch``) makes
-rank 1 raise from ``vocab_cross_entropy`` alone again: this test fails then too.
+rank 1 raise from ``vocab_cross_entropy`` alone again: this test fails then too. The
+``token`` case puts the bad id in the input too, as a badly tokenized sample does (the labels
+are the inputs shifted by one): before, the first stage's embedding raised on it alone
+(review).
 """
 
 from __future__ import annotations
@@ -36,18 +39,21 @@ BAD_SAMPLE = BAD_ITERATION * GBS + 3
 
 
 class _BadLabelAt:
-    def __init__(self, inner: SyntheticTokens, sample: int, vocab: int) -> None:
-        self.inner, self.sample, self.vocab = inner, sample, vocab
+    def __init__(self, inner: SyntheticTokens, sample: int, vocab: int, token: bool) -> None:
+        self.inner, self.sample, self.vocab, self.token = inner, sample, vocab, token
 
     def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.inner.batch(indices)
         if self.sample in indices:
-            y = y.clone()
-            y[list(indices).index(self.sample), 5] = self.vocab + 7
+            i = list(indices).index(self.sample)
+            x, y = x.clone(), y.clone()
+            y[i, 5] = self.vocab + 7
+            if self.token:
+                x[i, 6] = self.vocab + 7
         return x, y
 
 
-def _rank_main(rank: int, root: str, port: int) -> None:
+def _rank_main(rank: int, root: str, port: int, token: bool) -> None:
     torch.set_num_threads(1)
     # a short timeout: the code before this fix left rank 0 in the all-reduce until it
     dist.init_process_group(
@@ -62,7 +68,7 @@ def _rank_main(rank: int, root: str, port: int) -> None:
     groups = build_process_groups(DP2, role, spec.tie_embeddings, 20.0)
     cfg = TrainConfig(seed=0)
     data = _BadLabelAt(
-        SyntheticTokens(spec.vocab_size, spec.seq_length, 0), BAD_SAMPLE, spec.vocab_size
+        SyntheticTokens(spec.vocab_size, spec.seq_length, 0), BAD_SAMPLE, spec.vocab_size, token
     )
     tr = Trainer(DP2, spec, role, groups, cfg, torch.device("cpu"), data=data)
     out: dict[str, Any] = {}
@@ -77,10 +83,12 @@ def _rank_main(rank: int, root: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def outs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["label", "token"])
+def outs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("bad-labels")
-    spawn(_rank_main, args=(str(root), free_port()), nprocs=2)
+    spawn(_rank_main, args=(str(root), free_port(), request.param == "token"), nprocs=2)
     return [json.loads((root / f"{r}.json").read_text()) for r in (0, 1)]
 
 
