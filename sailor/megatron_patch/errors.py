@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
+    "AGREED",
     "FailureRecord",
     "InjectedFailureError",
     "PeerFailedError",
@@ -88,9 +89,15 @@ class PeerFailedError(RuntimeError):
     failed on another rank's storage): ``origin="peer"``, never charged to this node."""
 
 
+AGREED = ("NonFiniteGradientsError", "LabelOutOfRangeError", "NonFiniteCheckpointError")
+"""Errors every rank raises alike after a collective agreed on them (the controller's
+``failure_text.AGREED_ERRORS``, kept equal by a test): this rank's own, whatever their text
+says (it names ranks and hosts, and a host named ``gloo-3`` read as a peer's failure)."""
+
+
 def classify(exc: BaseException, in_training: bool) -> Origin:
     """Whether ``exc`` is this rank's own failure, a peer's, or a configuration error."""
-    if isinstance(exc, InjectedFailureError):
+    if isinstance(exc, InjectedFailureError) or type(exc).__name__ in AGREED:
         return "local"
     if isinstance(exc, PeerFailedError):
         return "peer"

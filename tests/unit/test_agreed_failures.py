@@ -182,3 +182,17 @@ def test_discarding_never_touches_a_committed_save(tmp_path: Path) -> None:
     before = _files(tmp_path, 4)
     assert discard_save(storage, 4, "sid") == []
     assert _files(tmp_path, 4) == before
+
+
+def test_an_agreed_error_naming_a_host_like_a_backend_is_this_ranks_own() -> None:
+    """The agreed errors name ranks and hosts; a host called ``gloo-node-3`` must not make
+    the record a peer's (review: ``classify`` matched its text markers first). The engine's
+    list is the controller's."""
+    from sailor.controller.failure_text import AGREED_ERRORS
+    from sailor.megatron_patch.errors import AGREED, failure_record
+    from sailor.megatron_patch.nonfinite import NonFiniteGradientsError
+
+    assert AGREED == AGREED_ERRORS
+    exc = NonFiniteGradientsError("first seen at step 4 on rank 1 (gloo-node-3): socket")
+    rec = failure_record(exc, rank=0, step=4, in_training=True)
+    assert (rec["origin"], rec["retry"]) == ("local", True)
