@@ -12,11 +12,11 @@ writes any file (:func:`nonfinite_key`: one fused max-abs pass over 1M-element s
 bool copy of a tensor on the 4 writer threads), and one that finds one writes no layer file,
 reports the refusal in its part file instead of shards, and raises
 ``NonFiniteCheckpointError`` naming the tensor and the step. The committer, reading that
-part, waits for the other writers' parts (bounded by its timeout: they are writing already),
-deletes the files of that save (its shards and parts, by save id: never a committed step's),
-then raises the same error (same text). Nothing is committed and, retention coming after the
-commit only, no older checkpoint is deleted; a relaunch that refuses the step again leaves
-nothing behind either.
+part, deletes the files of that save at once (its shards and parts, by save id: never a
+committed step's) and raises the same error (same text); a writer still writing finds the
+refusal after its own part and deletes its own files. Nothing is committed and, retention
+coming after the commit only, no older checkpoint is deleted; a relaunch that refuses the
+step again leaves nothing behind either.
 
 A crash before 3 leaves a step directory without a marker: invisible to readers, collected by
 gc. Layer files are written on parallel threads; on each, a tensor is put in its stored layout

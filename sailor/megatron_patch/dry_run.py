@@ -1,14 +1,16 @@
 """Record the communication of one training iteration of every rank of a plan, in one process.
 
-Each rank's real :func:`~sailor.megatron_patch.schedule.run_1f1b`, gradient sync and loss
-all-reduce run one rank after another, under a dry :class:`~sailor.comm.strict.StrictBackend`
-on ``torch.device("meta")``: no data moves, the model computes shapes only, and every call
-is checked against NCCL's local rules and logged. ``sailor.comm.nccl_replay.replay`` then
-decides whether the ranks' logs together deadlock under NCCL. Cheap enough for plans of 8
-stages and 16 microbatches in a unit test.
+Each rank's real :func:`~sailor.megatron_patch.schedule.run_1f1b`, gradient sync and the
+iteration's agreement run one rank after another, under a dry
+:class:`~sailor.comm.strict.StrictBackend` on ``torch.device("meta")``: no data moves, the
+model computes shapes only, and every call is checked against NCCL's local rules and
+logged. ``sailor.comm.nccl_replay.replay`` then decides whether the ranks' logs together
+deadlock under NCCL. Cheap enough for plans of 8 stages and 16 microbatches in a unit test.
 
-Mirrors ``Trainer.train_step``'s communication (1F1B, ``sync_gradients``, one loss
-all-reduce); the optimizer and the loss read do not communicate and are left out.
+Mirrors ``Trainer.train_step``'s communication (1F1B, ``sync_gradients``, the agreement's
+world all-reduce of ``2 + world`` float64 values: ``step_agreement``); the optimizer and the
+loss read do not communicate and are left out, as are the fp16 path's clipping all-reduce
+and evaluation's, which run on every rank alike after it.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def record_iteration(
             schedule(stage, role, p2p, get)
             if isinstance(stage, GPTStage):
                 sync_gradients(stage, sync)
-            loss = torch.zeros(1, dtype=torch.float64, device=META)
-            backend.all_reduce(loss, "sum", None)
+            agreement = torch.zeros(2 + world, dtype=torch.float64, device=META)
+            backend.all_reduce(agreement, "sum", None)
         logs[rank] = backend.ops
     return logs

@@ -491,8 +491,9 @@ class Trainer:
         sync_gradients(self.stage, self.groups.sync)
         if self.after_grad_sync is not None:
             self.after_grad_sync(self)
-        t2 = timestamp(self.device)
         agreed = self._agree(local_loss, scale)  # the one collective; the loss read with it
+        # the agreement waits for the slowest rank's sync as the sync does: timed with it
+        t2 = timestamp(self.device)
         lr, skipped = self._optimizer_step(agreed)
         t3 = timestamp(self.device)
         self.step += 1

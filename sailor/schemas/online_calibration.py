@@ -71,7 +71,9 @@ class RankTimings(Frozen):
         "neighbour stages, s.",
     )
     sync_s: float = Field(
-        ge=0, description="Gradient sync per step (waiting for the other replicas included), s."
+        ge=0,
+        description="Gradient sync per step (waiting for the other replicas included) and "
+        "the iteration's agreement (the loss and the ranks' flags, one world all-reduce), s.",
     )
     optim_s: float = Field(ge=0, description="Optimizer step per step, s.")
     step_s: float = Field(gt=0, description="Whole iteration, s.")
@@ -86,7 +88,7 @@ class RankTimings(Frozen):
         default=0.0,
         ge=0,
         description="The iteration outside the pipeline, the sync and the optimizer step "
-        "(zeroing the gradients, the loss all-reduce after the optimizer): step_s less the "
+        "(zeroing the gradients): step_s less the "
         "medians of the parts above (microbatches x (fwd_s + bwd_s), between_s, p2p_s, "
         "sync_s, optim_s), so that the parts add up to the median step, s. 0 where a worker "
         "does not report compute_s.",
