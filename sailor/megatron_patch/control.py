@@ -35,7 +35,6 @@ __all__ = [
     "agree",
     "agree_dir",
     "agree_save",
-    "all_done",
     "read_control",
 ]
 
@@ -108,17 +107,6 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     return ControlRequest(
         stop_at_step=stop, save_step=save, save_dir=local.save_dir, prune_below=prune
     )
-
-
-def all_done(local: bool, device: torch.device) -> bool:
-    """Whether every rank is done (a MAX over the world of "not done"; collective: every
-    rank calls it at the same point). Without a process group, ``local``."""
-    if _alone():
-        return local
-    t = torch.tensor([int(not local)], dtype=torch.int64, device=device)
-    comm.all_reduce(t, op="max")
-    synchronize(t.device)
-    return not bool(t.item())
 
 
 def agree_save(done: bool, failed: bool, device: torch.device) -> tuple[bool, bool]:

@@ -55,10 +55,12 @@ BAD_LABELS = 2
 
 @torch.no_grad()
 def local_nonfinite(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A 0-dim bool on ``device``: some tensor of ``grads`` holds an inf or NaN (no sync)."""
+    """A 0-dim bool on ``device``: some tensor of ``grads`` holds an inf or NaN (no sync).
+    Empty tensors are left out (a max-abs of nothing has no identity)."""
+    grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.bool, device=device)
-    peaks = torch._foreach_norm(list(grads), math.inf)
+    peaks = torch._foreach_norm(grads, math.inf)
     return ~torch.isfinite(torch.stack(peaks).max())
 
 

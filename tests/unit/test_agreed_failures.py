@@ -196,3 +196,68 @@ def test_an_agreed_error_naming_a_host_like_a_backend_is_this_ranks_own() -> Non
     exc = NonFiniteGradientsError("first seen at step 4 on rank 1 (gloo-node-3): socket")
     rec = failure_record(exc, rank=0, step=4, in_training=True)
     assert (rec["origin"], rec["retry"]) == ("local", True)
+
+
+def _agree_worker(rank: int, store: str, out: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from sailor.megatron_patch.step_agreement import BAD_LABELS, NONFINITE, agree_step
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    got = []
+    # the loss lives on rank 1 (the last stage); rank 0 read a bad label, rank 1's gradient
+    # is non-finite; then a NaN in a square; then nothing
+    cases = [
+        (float(rank), 1.5, rank == 1, rank == 0),
+        (0.0, float("nan") if rank == 0 else 2.0, False, False),
+        (0.25 * rank, 1.0, False, False),
+    ]
+    for loss, sq, bad_grad, bad_label in cases:
+        a = agree_step(
+            torch.tensor([loss], dtype=torch.float64),
+            torch.tensor(sq, dtype=torch.float64),
+            torch.tensor(bad_grad),
+            bad_label,
+            rank,
+            2,
+        )
+        squares = a.squares if a.squares == a.squares else "nan"
+        nf, bl = list(a.ranks(NONFINITE)), list(a.ranks(BAD_LABELS))
+        got.append([a.loss, squares, list(a.flags), a.nonfinite, nf, bl])
+    Path(out, f"{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_the_iterations_agreement_sums_the_loss_and_keeps_each_ranks_flags(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``agree_step`` on two ranks: the loss and the squares are summed, each rank's flags sit
+    in its own slot (so every rank knows which ranks saw what), a NaN square makes the step
+    non-finite on every rank; both ranks read the same values."""
+    import json
+
+    from tests.spawn import spawn
+
+    spawn(_agree_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    assert r0[0] == [1.0, 3.0, [2, 1], True, [1], [0]]
+    assert r0[1] == [0.0, "nan", [0, 0], True, [], []]
+    assert r0[2] == [0.25, 2.0, [0, 0], False, [], []]
+
+
+def test_the_local_check_leaves_out_empty_gradients() -> None:
+    import math
+
+    import torch
+
+    from sailor.megatron_patch.step_agreement import local_nonfinite
+
+    cpu = torch.device("cpu")
+    empty = torch.empty(0)
+    assert not bool(local_nonfinite([empty, torch.ones(3)], cpu))
+    assert bool(local_nonfinite([empty, torch.tensor([1.0, math.nan])], cpu))
+    assert bool(local_nonfinite([torch.tensor([math.inf]), empty], cpu))
+    assert not bool(local_nonfinite([empty], cpu))
