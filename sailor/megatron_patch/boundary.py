@@ -125,7 +125,8 @@ class Boundary:
     def _settle(self, failure: Exception | None) -> None:
         """After an agreed job-wide failure: poll on until every rank's save is over (the
         committer deletes the refused save's files once every writer is done)."""
-        assert self.ckpt is not None
+        if self.ckpt is None:  # a save in flight has its checkpointer: cannot happen
+            raise RuntimeError("a save failure was agreed with no save in flight")
         while True:
             done = self.ckpt.done()
             if done and failure is None:
