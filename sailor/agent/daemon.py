@@ -136,6 +136,10 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 await asyncio.to_thread(self.quota.close)
 
     async def _run(self) -> None:
+        # a killed rank its previous incarnation left behind holds its GPU still: it gets the
+        # SIGKILL it is owed first (no etcd, no NATS needed; the node check's own processes
+        # would meet it on the GPU), and no rank starts on top of it (the failure says so)
+        await self.supervisor.restore_killed()
         check = asyncio.create_task(self.check_node(), name=f"agent-{self.node.node_id}-check")
         stop = asyncio.create_task(self.stopping.wait(), name=f"agent-{self.node.node_id}-stop")
         await asyncio.wait({check, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,9 +188,6 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         self._bus = NatsEventBus(nc, self.keys, durable="unused", source=self.node.node_id)
         commands = NatsCommands(nc, self.keys)
         try:
-            # a killed rank its previous incarnation left behind holds its GPU still: no
-            # rank starts on top of it (the failure says so)
-            await self.supervisor.restore_killed()
             await self._fence_from_desired()
             await commands.serve(self.node.node_id, self._on_command)
             if not self.supervisor.kill_under_way:  # else once the restored kill is over

@@ -104,6 +104,9 @@ def load_killed(run_dir: Path) -> list[KilledGroup] | None:
             )
             for g in data["groups"]
         ]
+        bad = [g.pgid for g in groups if g.pgid <= 1]
+        if bad:  # 0 is the agent's own group, 1 init's, below is no group: never signalled
+            raise ValueError(f"pgid={bad[0]}: not a worker's process group")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:

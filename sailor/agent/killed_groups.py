@@ -207,9 +207,12 @@ class KilledGroups:
             self._sigkilled[w.proc.pid] = KilledGroup(
                 w.proc.pid, w.rank, w.step, born_by, now, sigkilled=False, proc=w.proc
             )
+        # written before the signals: an agent killed in between still finds the groups
+        # and sends the SIGKILL they are owed (restore)
+        self._save()
+        for w in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
-        self._save()  # an agent restarted before the SIGKILL sends it (restore)
         return alive
 
     async def finish(self, alive: Sequence[Killable], report: bool = True) -> None:

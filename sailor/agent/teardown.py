@@ -103,12 +103,16 @@ def group_members(
     born_by = born_by or {}
     found: dict[int, dict[int, str]] = {}
     for pgid in pgids:
+        if pgid <= 1:  # 0 would probe our own group, 1 init's: no worker's group
+            continue
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             continue
         except PermissionError:  # a member we may not signal: it is there all the same
             pass
+        except OSError:  # an id no group can have (EINVAL): none of ours
+            continue
         found[pgid] = {}
     if not found:
         return found

@@ -65,7 +65,7 @@ def trained_past(job: NodeHealth, step: int) -> NodeHealth | None:
     it; None: nothing to change."""
     if job.failures == 0 or error_type(job.cause) not in AGREED_ERRORS:
         return None
-    if _short_of_agreed(job, step):
+    if step < 0 or _short_of_agreed(job, step):  # -1: a status with no step (no workers)
         return None
     return _reset(job) or NodeHealth()
 

@@ -62,7 +62,9 @@ audit log reproduces it. The rules:
   again, for twice as long.
 - A record is forgotten: by an operator (``sailor node readmit``); when the controller's
   training config is no longer the one the current generation ran (a restart with a fixed
-  config), for every record whose last failure was a configuration error; and when its node
+  config), for every record whose last failure was a configuration error, and the job's when
+  its last failure was one every rank agreed on (a lower learning rate for non-finite
+  gradients, fixed data for a bad label); and when its node
   is away, once the record's exclusion ended ``max_exclude_s`` ago (never excluded:
   ``failures`` generations after its last count). A lease flap or an agent restart forgets
   nothing. Those rules: ``controller/forgetting.py``.

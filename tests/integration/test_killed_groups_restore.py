@@ -183,3 +183,47 @@ async def test_a_restarted_agent_sigkills_what_an_interrupted_kill_left(tmp_path
         if child > 0:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+async def test_an_agent_sends_the_owed_sigkill_before_its_node_check(tmp_path: Path) -> None:
+    """A restarted agent SIGKILLs what its predecessor's interrupted kill left before the
+    node check and the connections (review: it came after them, so a check that failed on
+    the GPU the leftover held, or an etcd outage, kept the leftover alive)."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
+    from sailor.schemas.hardware import NodeSpec
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z", address="127.0.0.1")
+    run_dir = tmp_path / "n1"
+    run_dir.mkdir()
+    first = Supervisor(
+        run_dir, worker_argv=(sys.executable, "-c", _WITH_STUBBORN_CHILD, "{run_dir}")
+    )
+    child = -1
+    agent = Agent(AgentConfig(job="j", node=node, work_dir=tmp_path, worker_argv=_SLEEPER))
+    checked: list[bool] = []
+
+    async def refuse() -> None:  # the node check fails: the agent does not join
+        end = time.monotonic() + 5  # the SIGKILL was sent before: the child goes meanwhile
+        while not _gone(child) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        checked.append(_gone(child))
+
+    agent.check_node = refuse  # type: ignore[method-assign,assignment]
+    try:
+        await first.launch(_gen(1))
+        await _until(lambda: bool(first.workers) and first.workers[0].started)
+        leader = first.workers[0].proc.pid
+        child = int((run_dir / "gen-00001" / "child.pid").read_text())
+        first.killed_groups.signal(first.workers)
+        await _until(lambda: _gone(leader))
+        assert not _gone(child)
+        await agent._run()
+        await _until(lambda: _gone(child), 10)
+        assert checked == [True]  # gone while the check ran: the SIGKILL came first
+    finally:
+        await agent.supervisor.close()
+        await first.close()
+        if child > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

@@ -112,3 +112,16 @@ def test_a_changed_training_config_forgets_the_held_job() -> None:
     assert out is not None
     assert out[0].job_health == NodeHealth() and out[0].forgiven_through == 3
     assert "training config changed" in out[1] and "the job" in out[1]
+
+
+def test_a_status_with_no_step_resets_nothing() -> None:
+    """``trained_past`` with step -1 (a placed status with no workers reports no step) keeps
+    the job's agreed record: -1 is no step, not a step past the failure (review)."""
+    from sailor.controller.forgetting import trained_past
+
+    cause = f"NonFiniteGradientsError: {nonfinite_message(FAILED_AT, 4, 3)}"[:200]
+    job = NodeHealth(failures=2, generation=3, cause=cause, step=FAILED_AT)
+    assert trained_past(job, -1) is None
+    assert trained_past(job, FAILED_AT) is None
+    reset = trained_past(job, FAILED_AT + 1)
+    assert reset is not None and reset.failures == 0
