@@ -28,29 +28,12 @@ from pathlib import Path
 from sailor.agent.killed_groups import KILLED_FILE
 from sailor.agent.supervisor import Supervisor
 from sailor.agent.teardown import GONE_STATES, group_members
-from sailor.schemas.commands import Launch
-from tests.integration.test_worker_signals import PLAN, launch_of
-
-_SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
-
-# A worker whose child ignores SIGTERM (only the group's SIGKILL ends it); the child's pid in
-# {run_dir}/child.pid, written before "ready". No braces: the supervisor formats the argv.
-_WITH_STUBBORN_CHILD = """
-import json, subprocess, sys, time
-code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + (
-    "print(1, flush=True); time.sleep(60)"
+from tests.integration.test_supervisor_teardown import (
+    SLEEPER,
+    WITH_STUBBORN_CHILD,
+    launch_gen,
+    until,
 )
-child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-child.stdout.readline()  # its handler is set
-with open(sys.argv[1] + "/child.pid", "w") as f:
-    f.write(str(child.pid) + "\\n")
-print(json.dumps(dict(event="ready", rank=0)), flush=True)
-time.sleep(60)
-"""
-
-
-def _gen(n: int) -> Launch:
-    return launch_of(PLAN).model_copy(update={"generation": n, "command_id": f"c{n}"})
 
 
 def _in_driver(stuck: list[bool]) -> Callable[..., dict[int, dict[int, str]]]:
@@ -65,12 +48,6 @@ def _in_driver(stuck: list[bool]) -> Callable[..., dict[int, dict[int, str]]]:
         return found
 
     return probe
-
-
-async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.02)
 
 
 def _saved(run_dir: Path) -> list[dict[str, object]]:
@@ -89,10 +66,10 @@ def _gone(pid: int) -> bool:
 async def _killed_by_a_previous_agent(tmp_path: Path, stuck: list[bool]) -> tuple[int, float]:
     """A worker SIGKILLed by an agent that stopped then (its close waits the grace period
     after the SIGKILL, no more): its pid and the time of its SIGKILL, from ``killed.json``."""
-    first = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=60.0)
+    first = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=60.0)
     first.kill_grace_s = 0.3
     first.killed_groups.probe = _in_driver(stuck)
-    await first.launch(_gen(1))
+    await first.launch(launch_gen(1))
     pid = first.workers[0].proc.pid
     await first.close()
     (saved,) = _saved(tmp_path)
@@ -105,7 +82,7 @@ async def test_a_restarted_agent_goes_on_killing_what_was_sigkilled_within_the_b
 ) -> None:
     stuck = [True]
     pid, _ = await _killed_by_a_previous_agent(tmp_path, stuck)
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=60.0)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=60.0)
     sup.kill_grace_s = 0.3
     sup.killed_groups.probe = _in_driver(stuck)
     try:
@@ -114,10 +91,10 @@ async def test_a_restarted_agent_goes_on_killing_what_was_sigkilled_within_the_b
         assert (sup.killing, sup.failure, sup.state) == (1, "", "stopped")
         assert sup.kill_under_way
         stuck[0] = False  # the driver lets it go
-        await _until(lambda: not sup.kill_under_way, 20)
+        await until(lambda: not sup.kill_under_way, 20)
         assert (sup.killing, sup.failure, sup.state) == (0, "", "idle")
         assert not (tmp_path / KILLED_FILE).exists()
-        await sup.launch(_gen(2))
+        await sup.launch(launch_gen(2))
         assert sup.failure == "" and sup.workers[0].proc.pid != pid
     finally:
         stuck[0] = False
@@ -130,13 +107,13 @@ async def test_a_restored_kill_that_outlives_what_is_left_of_the_bound_lingers(
     stuck = [True]
     pid, killed_at = await _killed_by_a_previous_agent(tmp_path, stuck)
     bound = 2.0
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=bound)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=bound)
     sup.kill_grace_s = 0.3
     sup.killed_groups.probe = _in_driver(stuck)
     try:
         await sup.restore_killed()
         assert (sup.killing, sup.failure) == (1, "")
-        await _until(lambda: bool(sup.failure), 10 * bound)
+        await until(lambda: bool(sup.failure), 10 * bound)
         after_s = time.time() - killed_at
         record = json.loads(sup.failure)
         assert (record["error_type"], record["pid"], record["retry"]) == (
@@ -157,24 +134,24 @@ async def test_a_restarted_agent_sigkills_what_an_interrupted_kill_left(tmp_path
     """The agent stops after its SIGTERM, before the SIGKILL (a crash: ``signal`` alone
     stands for it): the worker exits, its child that ignores SIGTERM lives on."""
     first = Supervisor(
-        tmp_path, worker_argv=(sys.executable, "-c", _WITH_STUBBORN_CHILD, "{run_dir}")
+        tmp_path, worker_argv=(sys.executable, "-c", WITH_STUBBORN_CHILD, "{run_dir}")
     )
     child = -1
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER)
     try:
-        await first.launch(_gen(1))
-        await _until(lambda: bool(first.workers) and first.workers[0].started)
+        await first.launch(launch_gen(1))
+        await until(lambda: bool(first.workers) and first.workers[0].started)
         leader = first.workers[0].proc.pid
         child = int((tmp_path / "gen-00001" / "child.pid").read_text())
         first.killed_groups.signal(first.workers)  # SIGTERM sent; no SIGKILL will follow
         (saved,) = _saved(tmp_path)
         assert (saved["pgid"], saved["sigkilled"]) == (leader, False)
-        await _until(lambda: _gone(leader))  # a zombie: its child holds its stderr open
+        await until(lambda: _gone(leader))  # a zombie: its child holds its stderr open
         assert not _gone(child)
 
         await sup.restore_killed()
-        await _until(lambda: _gone(child), 10)
-        await _until(lambda: not sup.kill_under_way, 10)
+        await until(lambda: _gone(child), 10)
+        await until(lambda: not sup.kill_under_way, 10)
         assert (sup.killing, sup.failure, sup.state) == (0, "", "idle")
         assert not (tmp_path / KILLED_FILE).exists()
     finally:
@@ -197,10 +174,10 @@ async def test_an_agent_sends_the_owed_sigkill_before_its_node_check(tmp_path: P
     run_dir = tmp_path / "n1"
     run_dir.mkdir()
     first = Supervisor(
-        run_dir, worker_argv=(sys.executable, "-c", _WITH_STUBBORN_CHILD, "{run_dir}")
+        run_dir, worker_argv=(sys.executable, "-c", WITH_STUBBORN_CHILD, "{run_dir}")
     )
     child = -1
-    agent = Agent(AgentConfig(job="j", node=node, work_dir=tmp_path, worker_argv=_SLEEPER))
+    agent = Agent(AgentConfig(job="j", node=node, work_dir=tmp_path, worker_argv=SLEEPER))
     checked: list[bool] = []
 
     async def refuse() -> None:  # the node check fails: the agent does not join
@@ -211,15 +188,15 @@ async def test_an_agent_sends_the_owed_sigkill_before_its_node_check(tmp_path: P
 
     agent.check_node = refuse  # type: ignore[method-assign,assignment]
     try:
-        await first.launch(_gen(1))
-        await _until(lambda: bool(first.workers) and first.workers[0].started)
+        await first.launch(launch_gen(1))
+        await until(lambda: bool(first.workers) and first.workers[0].started)
         leader = first.workers[0].proc.pid
         child = int((run_dir / "gen-00001" / "child.pid").read_text())
         first.killed_groups.signal(first.workers)
-        await _until(lambda: _gone(leader))
+        await until(lambda: _gone(leader))
         assert not _gone(child)
         await agent._run()
-        await _until(lambda: _gone(child), 10)
+        await until(lambda: _gone(child), 10)
         assert checked == [True]  # gone while the check ran: the SIGKILL came first
     finally:
         await agent.supervisor.close()

@@ -41,7 +41,7 @@ from tests.integration.test_worker_signals import PLAN, launch_of
 # A worker with a second member in its process group: a child that ignores SIGTERM (only the
 # group's SIGKILL ends it). It names the child in {run_dir}/child.pid before "ready".
 # No braces in these scripts: the supervisor formats the argv.
-_WITH_STUBBORN_CHILD = """
+WITH_STUBBORN_CHILD = """
 import json, subprocess, sys, time
 code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + (
     "print(1, flush=True); time.sleep(60)"
@@ -54,7 +54,7 @@ print(json.dumps(dict(event="ready", rank=0)), flush=True)
 time.sleep(60)
 """
 
-_STUBBORN_ARGV = (sys.executable, "-c", _WITH_STUBBORN_CHILD, "{run_dir}")
+_STUBBORN_ARGV = (sys.executable, "-c", WITH_STUBBORN_CHILD, "{run_dir}")
 
 # A worker whose child dies at SIGTERM as it does (a data loader worker, say).
 _WITH_CHILD = """
@@ -90,15 +90,15 @@ _MAIN_THREAD_ENDS = (
     "ctypes.CDLL(None).pthread_exit(None)"
 )
 
-_SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
+SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
 
 
-def _gen(n: int) -> Launch:
+def launch_gen(n: int) -> Launch:
     return launch_of(PLAN).model_copy(update={"generation": n, "command_id": f"c{n}"})
 
 
 def _in_place(n: int) -> Launch:
-    return _gen(n).model_copy(update={"in_place": True})
+    return launch_gen(n).model_copy(update={"in_place": True})
 
 
 Probe = Callable[..., dict[int, dict[int, str]]]
@@ -137,7 +137,7 @@ async def _holding(sup: Supervisor, tmp: Path, argvs: list[tuple[str, ...]]) -> 
     return held
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.02)
@@ -161,8 +161,8 @@ def _group_gone(pgid: int) -> bool:
 
 async def _started_with_child(sup: Supervisor, gen_dir: Path) -> tuple[int, int]:
     """The first generation's worker is ready: its pid and its child's."""
-    await sup.launch(_gen(1))
-    await _until(lambda: bool(sup.workers) and sup.workers[0].started)
+    await sup.launch(launch_gen(1))
+    await until(lambda: bool(sup.workers) and sup.workers[0].started)
     return sup.workers[0].proc.pid, int((gen_dir / "child.pid").read_text())
 
 
@@ -187,8 +187,8 @@ async def test_a_launch_starts_only_once_the_killed_workers_group_is_gone(
         seen = tmp_path / "seen.txt"
         child_file = tmp_path / "gen-00001" / "child.pid"
         sup.worker_argv = (sys.executable, "-c", _CHECKER, str(child_file), str(seen))
-        await sup.launch(_gen(2))
-        await _until(lambda: _written(seen))
+        await sup.launch(launch_gen(2))
+        await until(lambda: _written(seen))
         states = seen.read_text().split()
         assert len(states) == 1 and _gone(states[0]), states
     finally:
@@ -213,7 +213,7 @@ async def test_a_spare_asked_for_during_an_abort_starts_after_the_teardown(
         sup.warm_spares = 1
         await asyncio.gather(sup.abort(), sup.top_up_spares())
         assert len(sup.spares) == 1
-        await _until(lambda: _written(seen))
+        await until(lambda: _written(seen))
         states = seen.read_text().split()
         assert len(states) == 1 and _gone(states[0]), states
         assert _group_gone(leader)
@@ -239,7 +239,7 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
     in_driver = [True]
     sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     try:
-        await sup.launch(_gen(1))
+        await sup.launch(launch_gen(1))
         pid = sup.workers[0].proc.pid
         marker = tmp_path / "started"
         sup.worker_argv = (
@@ -250,7 +250,7 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
         )
         t0 = time.monotonic()
         with pytest.raises(WorkerTeardownError):
-            await sup.launch(_gen(2))
+            await sup.launch(launch_gen(2))
         assert time.monotonic() - t0 >= sup.kill_grace_s + sup.killed_groups.teardown_timeout_s
         record = json.loads(sup.failure)
         assert record["retry"] is False and record["origin"] == "local", record
@@ -268,8 +268,8 @@ async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_pat
         assert not marker.exists()
 
         in_driver[0] = False  # the driver's teardown ended
-        await sup.launch(_gen(3))
-        await _until(marker.exists)
+        await sup.launch(launch_gen(3))
+        await until(marker.exists)
         assert sup.failure == "" and len(sup.workers) == 1
     finally:
         in_driver[0] = False
@@ -309,10 +309,10 @@ async def test_a_worker_whose_main_thread_ended_is_still_killed_and_waited_for(
     sup.kill_grace_s = 0.5
     pid = -1
     try:
-        await sup.launch(_gen(1))
+        await sup.launch(launch_gen(1))
         proc = sup.workers[0].proc
         pid = proc.pid
-        await _until(lambda: _stat(pid) == "Z")  # its main thread has ended
+        await until(lambda: _stat(pid) == "Z")  # its main thread has ended
         assert group_members([pid])[pid][pid] not in GONE_STATES  # another thread runs
         t0 = time.monotonic()
         await sup.abort()
@@ -329,12 +329,12 @@ async def test_the_failure_goes_with_the_process_at_the_next_abort(tmp_path: Pat
     """After an OutlivedKill a node gets Aborts only (the controller launches nothing on a
     node that reports a failure). Before, only a Launch probed the process again, so the
     node reported the failure forever after the process went; now an abort does."""
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     in_driver = [True]
     sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     try:
-        await sup.launch(_gen(1))
+        await sup.launch(launch_gen(1))
         await sup.abort()
         assert sup.state == "failed" and json.loads(sup.failure)["error_type"] == "OutlivedKill"
         await sup.abort()
@@ -352,18 +352,18 @@ async def test_the_failure_goes_with_the_process_without_any_command(tmp_path: P
     """Nor does a node wait for a command: the process is probed every ``recheck_s``; once
     it is gone the node reports idle and its spares are started again (they were not while
     it held its GPU)."""
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, warm_spares=1, teardown_timeout_s=0.5)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, warm_spares=1, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     sup.killed_groups.recheck_s = 0.1
     in_driver = [True]
     sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
     try:
-        await sup.launch(_gen(1))
+        await sup.launch(launch_gen(1))
         await sup.abort()  # the spare (none yet: the worker never reported ready) is refused
         await sup.top_up_spares()
         assert sup.state == "failed" and sup.spares == []
         in_driver[0] = False
-        await _until(lambda: sup.state == "idle" and len(sup.spares) == 1, timeout=5.0)
+        await until(lambda: sup.state == "idle" and len(sup.spares) == 1, timeout=5.0)
         assert sup.failure == ""
     finally:
         in_driver[0] = False
@@ -378,11 +378,11 @@ async def test_held_workers_a_layout_leaves_out_are_killed_after_the_launch(
     the teardown bound and then failed the new generation with retry false. Now the launch
     returns at once and the new generation is not failed; the leftover holds up the next
     launch, which is refused with it as the node's failure, until it is gone."""
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     in_driver = [True]
     try:
-        w0, w1 = await _holding(sup, tmp_path, [_SLEEPER, _SLEEPER])
+        w0, w1 = await _holding(sup, tmp_path, [SLEEPER, SLEEPER])
         sup.killed_groups.probe = _in_driver(lambda pgid: in_driver[0] and pgid == w1.proc.pid)
         t0 = time.monotonic()
         await sup.launch(_in_place(2))
@@ -392,7 +392,7 @@ async def test_held_workers_a_layout_leaves_out_are_killed_after_the_launch(
         assert sup.state == "starting" and sup.failure == ""  # gen 2 runs on: not its failure
 
         with pytest.raises(WorkerTeardownError):
-            await sup.launch(_gen(3))
+            await sup.launch(launch_gen(3))
         record = json.loads(sup.failure)
         assert (record["error_type"], record["pid"], record["rank"]) == (
             "OutlivedKill",
@@ -402,7 +402,7 @@ async def test_held_workers_a_layout_leaves_out_are_killed_after_the_launch(
         assert record["retry"] is False and sup.workers == []
 
         in_driver[0] = False
-        await sup.launch(_gen(3))
+        await sup.launch(launch_gen(3))
         assert sup.failure == "" and len(sup.workers) == 1
     finally:
         in_driver[0] = False
@@ -413,19 +413,19 @@ async def test_a_leftover_held_worker_ending_at_sigterm_is_no_failure(tmp_path: 
     """Real processes: the leftover held worker exits at SIGTERM, its child needs the
     SIGKILL. Before, the launch waited for it (the grace period) with it still among the
     generation's workers, and its SIGTERM death became the new generation's failure."""
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER)
     sup.kill_grace_s = 0.5
     (tmp_path / "left").mkdir()
     child = -1
     try:
-        stubborn = (sys.executable, "-c", _WITH_STUBBORN_CHILD, str(tmp_path / "left"))
-        _, w1 = await _holding(sup, tmp_path, [_SLEEPER, stubborn])
-        await _until(lambda: _written(tmp_path / "left" / "child.pid"))
+        stubborn = (sys.executable, "-c", WITH_STUBBORN_CHILD, str(tmp_path / "left"))
+        _, w1 = await _holding(sup, tmp_path, [SLEEPER, stubborn])
+        await until(lambda: _written(tmp_path / "left" / "child.pid"))
         child = int((tmp_path / "left" / "child.pid").read_text())
         t0 = time.monotonic()
         await sup.launch(_in_place(2))
         assert time.monotonic() - t0 < sup.kill_grace_s
-        await _until(lambda: _group_gone(w1.proc.pid) and w1.exit_code is not None)
+        await until(lambda: _group_gone(w1.proc.pid) and w1.exit_code is not None)
         assert w1.exit_code == -signal.SIGTERM
         assert sup.failure == "" and sup.state == "starting"
     finally:
@@ -439,12 +439,12 @@ async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: 
     does too at the abort. Before, the second report replaced the first: once the second
     went, launches resumed on the GPU the first still held. Now the record names both and
     launches wait for both."""
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     stuck: set[int] = set()
     sup.killed_groups.probe = _in_driver(lambda pgid: pgid in stuck)
     try:
-        w0, w1 = await _holding(sup, tmp_path, [_SLEEPER, _SLEEPER])
+        w0, w1 = await _holding(sup, tmp_path, [SLEEPER, SLEEPER])
         stuck |= {w0.proc.pid, w1.proc.pid}
         await sup.launch(_in_place(2))  # w1 left over: killed, outlives SIGKILL
         await asyncio.sleep(sup.kill_grace_s + sup.killed_groups.teardown_timeout_s + 0.5)
@@ -454,12 +454,12 @@ async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: 
 
         stuck.discard(w0.proc.pid)  # the second goes; the first holds on
         with pytest.raises(WorkerTeardownError):
-            await sup.launch(_gen(3))
+            await sup.launch(launch_gen(3))
         record = json.loads(sup.failure)
         assert [p["pid"] for p in record["processes"]] == [w1.proc.pid], record
 
         stuck.clear()
-        await sup.launch(_gen(3))
+        await sup.launch(launch_gen(3))
         assert sup.failure == ""
     finally:
         stuck.clear()
@@ -474,18 +474,18 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
     the bound has run out since the SIGKILL: before that, it is still being killed:
     ``test_killed_groups_restore``.)"""
     in_driver = [True]
-    first = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    first = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=0.5)
     first.kill_grace_s = 0.3
     first.killed_groups.probe = _in_driver(lambda pgid: in_driver[0])
-    await first.launch(_gen(1))
+    await first.launch(launch_gen(1))
     pid = first.workers[0].proc.pid
     await first.close()
     assert json.loads(first.failure)["pid"] == pid
     assert [g["pgid"] for g in json.loads((tmp_path / KILLED_FILE).read_text())["groups"]] == [pid]
 
     killed_at = json.loads((tmp_path / KILLED_FILE).read_text())["groups"][0]["killed_at"]
-    await _until(lambda: time.time() - killed_at > 0.5)  # the bound has run out
-    sup = Supervisor(tmp_path, worker_argv=_SLEEPER, teardown_timeout_s=0.5)
+    await until(lambda: time.time() - killed_at > 0.5)  # the bound has run out
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER, teardown_timeout_s=0.5)
     sup.kill_grace_s = 0.3
     sup.killed_groups.probe = first.killed_groups.probe
     try:
@@ -497,9 +497,9 @@ async def test_a_restarted_agent_knows_what_its_predecessor_killed(tmp_path: Pat
             False,
         )
         with pytest.raises(WorkerTeardownError):
-            await sup.launch(_gen(2))
+            await sup.launch(launch_gen(2))
         in_driver[0] = False
-        await sup.launch(_gen(2))
+        await sup.launch(launch_gen(2))
         assert sup.failure == "" and len(sup.workers) == 1
         assert not (tmp_path / KILLED_FILE).exists()
     finally:
@@ -514,7 +514,7 @@ async def test_a_restored_group_is_matched_by_its_members_start_times(tmp_path: 
     teardown bound (else it would still be being killed)."""
     other = await asyncio.create_subprocess_exec("sleep", "60", start_new_session=True)
     try:
-        await _until(lambda: _stat(other.pid) in ("S", "R"))
+        await until(lambda: _stat(other.pid) in ("S", "R"))
         await asyncio.sleep(0.05)  # a clock tick (10 ms) past its start
         for born_by, lingers in ((boot_ticks() - 100_000, False), (boot_ticks(), True)):
             record = {"pgid": other.pid, "rank": 0, "step": 5, "born_by": born_by}
@@ -522,7 +522,7 @@ async def test_a_restored_group_is_matched_by_its_members_start_times(tmp_path: 
             (tmp_path / KILLED_FILE).write_text(
                 json.dumps({"boot_id": "", "groups": [{**record, "killed_at": long_ago}]})
             )
-            sup = Supervisor(tmp_path, worker_argv=_SLEEPER)
+            sup = Supervisor(tmp_path, worker_argv=SLEEPER)
             try:
                 await sup.restore_killed()
                 assert (sup.state == "failed") is lingers, sup.failure
