@@ -58,7 +58,14 @@ from sailor.schemas.device_kind import spec_of
 from sailor.schemas.profile import COMPUTE_ONLY_META, VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import estimate_layer_size, estimate_layer_timing
 from sailor.simulator.memo import IdentityMemo
-from sailor.simulator.tp_comm import compute_part, model_comm_s, spec_link_efficiency, tp_link
+from sailor.simulator.tp_comm import (
+    TPLink,
+    compute_part,
+    layer_comm_s,
+    model_comm_s,
+    spec_link_efficiency,
+    tp_link,
+)
 
 __all__ = [
     "PROFILING_MODEL_BLOCKS",
@@ -367,18 +374,22 @@ def _layer_table(
             estimate_layer_timing(model, spec, t, mbs, layer, activations) for layer in range(n)
         ]
 
+    def link_at(t: int, priced: bool) -> TPLink:
+        """The link the TP all-reduces at ``t`` are priced over. What a measured time holds
+        is taken out at the evidence's point value, not the corner's: else a costlier link
+        took more out, and a pessimistic corner priced a TP degree below the profiled one
+        faster."""
+        specs = {gpu_type: spec} if spec else {}
+        eff = spec_link_efficiency(specs, gpu_type, cal if priced else None)
+        return tp_link(network, specs, gpu_type, t, eff)
+
     def comm(t: int, priced: bool = True) -> list[tuple[float, float]]:
         """The TP all-reduces of every layer at ``t`` (none at TP 1); ``priced``: added to
-        the table (a note says over what), not only taken out of a measured time."""
+        the table (a note says over what), not only taken out of a measured time (then in
+        the dtype of the engine that measured it, not the planned one's)."""
         if t <= 1:
             return [(0.0, 0.0)] * n
-        specs = {gpu_type: spec} if spec else {}
-        # what a measured time holds is taken out at the evidence's point value, not the
-        # corner's: else a costlier link took more out, and a pessimistic corner priced a
-        # TP degree below the profiled one faster; and in the dtype of the engine that
-        # measured it, not the planned one's
-        eff = spec_link_efficiency(specs, gpu_type, cal if priced else None)
-        link = tp_link(network, specs, gpu_type, t, eff)
+        link = link_at(t, priced)
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
             return model_comm_s(model, t, mbs, link, vocab_parallel, embed_bytes)
@@ -430,8 +441,16 @@ def _layer_table(
             # a measured split embedding's forward holds its all-reduce, its backward none:
             # the raise below is to the forward's compute (at least the share the roofline
             # gives compute, as rule 3 takes all-reduces out)
-            roof0 = estimate(tp)[0].fwd_s if spec is not None else 0.0
-            raise0 = compute_part(rows[0][0], comm(tp, priced=False)[0][0], roof0)
+            # (layer 0 alone: this runs for every measured table at TP > 1)
+            roof0 = (
+                estimate_layer_timing(model, spec, tp, mbs, 0, activations).fwd_s
+                if spec is not None
+                else 0.0
+            )
+            held0, _ = layer_comm_s(
+                model, tp, mbs, 0, link_at(tp, False), vocab_parallel, held_bytes(tp)
+            )
+            raise0 = compute_part(rows[0][0], held0, roof0)
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
