@@ -62,24 +62,21 @@ class LabelWatch:
 
     def screen(self, labels: torch.Tensor) -> torch.Tensor:
         """``labels`` (host) with every out-of-range one noted and set to the ignore index."""
-        bad = out_of_range(labels, self.vocab_size)
-        if not bool(bad.any()):
-            return labels
-        if self.first is None:
-            self.first = int(labels[bad].reshape(-1)[0])
-        self.count += int(bad.sum())
-        return labels.masked_fill(bad, IGNORE_INDEX)
+        return self._masked(labels, out_of_range(labels, self.vocab_size), IGNORE_INDEX)
 
     def screen_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input ``tokens`` (host) with every id outside ``[0, vocab_size)`` noted and set to
         0 (any row: the iteration is raised before its update)."""
-        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        return self._masked(tokens, (tokens < 0) | (tokens >= self.vocab_size), 0)
+
+    def _masked(self, ids: torch.Tensor, bad: torch.Tensor, fill: int) -> torch.Tensor:
+        """``ids`` with ``bad`` ones noted (the first, the count) and set to ``fill``."""
         if not bool(bad.any()):
-            return tokens
+            return ids
         if self.first is None:
-            self.first = int(tokens[bad].reshape(-1)[0])
+            self.first = int(ids[bad].reshape(-1)[0])
         self.count += int(bad.sum())
-        return tokens.masked_fill(bad, 0)
+        return ids.masked_fill(bad, fill)
 
     def raise_agreed(self, ranks: tuple[int, ...], step: int, samples: range) -> None:
         """Every rank calls this at the same point once some rank's flag was agreed: one

@@ -11,11 +11,9 @@ counts it), and only ``max_skips`` such iterations in a row are tolerated.
 Detection is the iteration's one collective, over the world, in the same order on every rank
 (``step_agreement``): each rank's flag (its own gradients, one fused max-abs pass) in its own
 slot of the vector that also carries the loss and, with clipping, the squared norm, so every
-rank learns which ranks saw an inf or NaN, and the host reads it with the loss.
-:func:`agree_nonfinite` is the stand-alone form (clipping's norm, else a flag's all-reduce
-MAX). The decision is the
-gradients', never the loss's: a microbatch whose labels are all ignored has a NaN loss and zero
-gradients (``vocab_parallel``), and the loss is known on the last stage only.
+rank learns which ranks saw an inf or NaN, and the host reads it with the loss. The decision
+is the gradients', never the loss's: a microbatch whose labels are all ignored has a NaN loss
+and zero gradients (``vocab_parallel``), and the loss is known on the last stage only.
 
 Under fp16 (a loss scaler) an overflow is normal: the scaler halves the scale and skips, as
 Megatron's does, and such skips do not count here. One at the scale's floor
@@ -28,15 +26,10 @@ starts a new streak).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from sailor.megatron_patch.precision import LossScaler
-
-__all__ = ["NonFiniteGradientsError", "SkipStreak", "agree_nonfinite", "nonfinite_message"]
+__all__ = ["NonFiniteGradientsError", "SkipStreak", "nonfinite_message"]
 
 
 class NonFiniteGradientsError(RuntimeError):
@@ -108,17 +101,3 @@ class SkipStreak:
             raise NonFiniteGradientsError(
                 nonfinite_message(step, self.streak, self.max_skips, seen)
             )
-
-
-def agree_nonfinite(
-    params: Iterable[torch.nn.Parameter], device: torch.device, norm: float | None = None
-) -> bool:
-    """Whether any rank's gradient holds an inf or NaN (the same answer on every rank).
-
-    ``norm``: the global gradient norm clipping computed (collective already, and non-finite
-    iff some rank's gradient is: ``clipping.clip_by_global_norm``); no further collective then.
-    Without it, one all-reduce MAX of a float32 flag on ``device`` over the world: every rank
-    must call this at the same point of its iteration."""
-    if norm is not None:
-        return not math.isfinite(norm)
-    return LossScaler.agree_overflow(LossScaler.local_overflow(params, device))
