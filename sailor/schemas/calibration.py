@@ -37,7 +37,7 @@ context with its loaded kernel modules (~0.3-0.5 GiB on Ampere/Hopper with lazy 
 cuBLAS/cuDNN workspaces and NCCL communicator buffers (a few MiB per channel and peer)."""
 
 
-SPEC_LINK_EFFICIENCY = 0.3
+SPEC_LINK_EFFICIENCY = 0.27
 """Fraction of the spec sheet's per-GPU intra-node bandwidth (NVLink, or any link but PCIe)
 an estimated TP all-reduce reaches, when the network profile has no intra-node curve of the
 GPU type: the median of the catalog prior's ``tp_link_efficiency`` (its evidence there)."""
@@ -208,7 +208,7 @@ class GPUCalibration(Frozen):
             "Fraction of the spec sheet's per-GPU intra-node bandwidth the TP all-reduces of "
             "an estimated layer reach (a TP degree nobody profiled; a measured intra-node "
             "curve is taken as it is), over NVLink or any link but PCIe. Default "
-            "SPEC_LINK_EFFICIENCY (0.3)."
+            "SPEC_LINK_EFFICIENCY (0.27)."
         ),
     )
     tp_link_efficiency_pcie: float = Field(

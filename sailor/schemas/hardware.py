@@ -29,8 +29,23 @@ class GPUSpec(Frozen):
         gt=0, description="Per-GPU bandwidth to the other GPUs of its node (NVLink/PCIe), GB/s."
     )
     intra_node_link: str = Field(description="Kind of intra-node link, e.g. 'NVLink3', 'PCIe4'.")
+    intra_node_pair_link_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bandwidth between one pair of GPUs of a node whose GPUs are linked "
+        "directly to each other (a mesh, no switch), GB/s: a group of n of them reaches "
+        "n-1 pair links at most (link_gbps_among). None: a switch (NVSwitch, a PCIe "
+        "switch) gives every GPU its whole link to any group of peers.",
+    )
     default_gpus_per_node: int = Field(gt=0, description="GPUs per node of the usual VM shape.")
     source: str = Field(description="Where these figures come from.")
+
+    def link_gbps_among(self, gpus: int) -> float:
+        """Per-GPU bandwidth to its peers in a group of ``gpus`` GPUs of one node: the whole
+        link, or on a mesh the ``gpus - 1`` pair links it has to the group, if fewer."""
+        if self.intra_node_pair_link_gbps is None or gpus < 2:
+            return self.intra_node_link_gbps
+        return min(self.intra_node_link_gbps, self.intra_node_pair_link_gbps * (gpus - 1))
 
     def peak_tflops(self, precision: str) -> float:
         """Peak for a training precision; fp16 stands in where bf16 is missing."""

@@ -223,9 +223,12 @@ def intra_curve(
         return curve, ""
     spec = spec_of(specs, gpu_type)
     if spec is not None:
-        return _flat(spec.intra_node_link_gbps), (
+        gbps = spec.link_gbps_among(gpus)
+        pair = spec.intra_node_pair_link_gbps
+        mesh = "" if pair is None else f" ({gpus - 1} of its pair links at {pair:g} GB/s)"
+        return _flat(gbps), (
             f"no intra-node curve for {gpu_type}: spec-sheet {spec.intra_node_link} "
-            f"{spec.intra_node_link_gbps} GB/s"
+            f"{gbps:g} GB/s{mesh}"
         )
     return _flat(FALLBACK_INTRA_GBPS), (
         f"no intra-node curve or spec for {gpu_type}: flat {FALLBACK_INTRA_GBPS} GB/s"

@@ -440,3 +440,31 @@ def test_calibration_keeps_the_base_tp_link_efficiencies() -> None:
         runs, model, profiles, network, prices, gpu_specs=SPECS, base=DEEPSPEED.with_gpu(mine)
     )
     assert (got.tp_link_efficiency, got.tp_link_efficiency_pcie) == (0.7, 0.05)
+
+
+def test_a_mesh_node_reaches_as_many_pair_links_as_the_group_has_peers() -> None:
+    """GH200's quad node links its GPUs directly (150 GB/s per pair, no NVSwitch): a TP-2
+    group has one pair link, a TP-4 group all three (450 GB/s per GPU, the spec sheet's
+    per-GPU figure). A switched node (A100-40) gives every group the whole link."""
+    gh = SPECS["GH-96"]
+    assert gh.intra_node_pair_link_gbps == 150 and gh.intra_node_link_gbps == 450
+    assert tp_link(None, SPECS, "GH-96", 2).curve.max_gbps == 150
+    assert tp_link(None, SPECS, "GH-96", 4).curve.max_gbps == 450
+    assert "3 of its pair links" in tp_link(None, SPECS, "GH-96", 4).note
+    a100 = SPECS["A100-40"]
+    assert a100.intra_node_pair_link_gbps is None
+    assert {tp_link(None, SPECS, "A100-40", t).curve.max_gbps for t in (2, 4)} == {300}
+    # a group never gets more than the whole link, however many peers
+    wide = gh.model_copy(update={"intra_node_pair_link_gbps": 400.0})
+    assert wide.link_gbps_among(4) == 450 and wide.link_gbps_among(2) == 400
+    link2 = tp_link(None, SPECS, "GH-96", 2, 1.0)
+    link4 = tp_link(None, SPECS, "GH-96", 4, 1.0)
+    # the same bytes per GPU step: the TP-4 ring's steps are a third of TP-2's over a pair
+    assert ring_allreduce_s(link4, 3e8, 4) < ring_allreduce_s(link2, 3e8, 2)
+
+
+def test_a_pair_link_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="intra_node_pair_link_gbps"):
+        SPECS["GH-96"].model_validate(
+            {**SPECS["GH-96"].model_dump(), "intra_node_pair_link_gbps": 0}
+        )
