@@ -47,6 +47,33 @@ def test_up_to_max_skips_in_a_row_are_skipped_then_it_raises() -> None:
     assert "Lower the learning rate" in str(e.value) and "earlier checkpoint" in str(e.value)
 
 
+def test_the_streak_is_carried_with_the_hosts_it_began_on_and_old_state_starts_at_zero() -> None:
+    """What a checkpoint carries (``Trainer.scaling_state``): the streak and where it began,
+    named once (a resumed run's ranks may be other hosts); a checkpoint written without it
+    (or with no streak under way) resumes at 0."""
+    calls: list[tuple[int, ...]] = []
+
+    def where(ranks: tuple[int, ...]) -> str:
+        calls.append(ranks)
+        return "rank 1 (host-a)"
+
+    s = SkipStreak(max_skips=2)
+    assert s.state() == {}
+    s.observe(8, skipped=True, ranks=(1,), where=where)
+    s.observe(9, skipped=True, ranks=(0,), where=where)
+    assert calls == [(1,)]  # named where it began, once
+    resumed = SkipStreak(max_skips=2)
+    resumed.load_state(s.state())
+    with pytest.raises(NonFiniteGradientsError) as e:
+        resumed.observe(10, skipped=True, where=lambda r: "rank 1 (another-host)")
+    assert str(e.value) == nonfinite_message(10, 3, 2, "step 8 on rank 1 (host-a)")
+    old = SkipStreak(max_skips=2)
+    old.load_state(None)
+    assert (old.streak, old.first_step, old.first_where) == (0, -1, "")
+    with pytest.raises(ValueError, match="names its first step"):
+        old.load_state({"streak": 2})
+
+
 def test_zero_skips_fails_at_the_first_and_a_negative_limit_is_refused() -> None:
     with pytest.raises(NonFiniteGradientsError, match="step 1, 1 step"):
         SkipStreak(0).observe(1, skipped=True)
