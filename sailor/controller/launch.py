@@ -34,7 +34,7 @@ from sailor.controller.decision_types import (
     move_to,
     plan_nodes_at,
 )
-from sailor.controller.forgetting import trained
+from sailor.controller.forgetting import trained, trained_agreed
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
@@ -320,6 +320,7 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         in_place_failed=False,
         node_health=health,
         job_health=job,
+        agreed_health=trained_agreed(d.agreed_health, low),
         suspect_checkpoint=suspect,
         deadline_stretch=_fitted(d, o, cfg),
     )
