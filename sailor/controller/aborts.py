@@ -136,6 +136,7 @@ def abort(
         suspect_checkpoint=suspect,
         node_health=health,
         job_health=counted.job,
+        agreed_health=d.agreed_health if counted.agreed is None else counted.agreed,
         lost_nodes=tuple(sorted(lost))[:MAX_NODE_LIST],
         sigabrt_reports=counted.sigabrts or d.sigabrt_reports,
         deadline_stretch=dict(d.deadline_stretch if stretch is None else stretch),

@@ -43,7 +43,7 @@ from sailor.controller.decision_types import (
     move_to,
     replan_if_needed,
 )
-from sailor.controller.forgetting import trained_past
+from sailor.controller.forgetting import trained_past, trained_past_agreed
 from sailor.controller.launch import launch_next, launching
 from sailor.controller.teardown import teardown
 from sailor.schemas.runtime import DesiredState, Phase
@@ -61,6 +61,12 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if job is not None:  # past the step of the job's agreed failure (non-finite gradients)
         why = f"trained past step {d.job_health.step}, where the job last failed alike"
         d = d.model_copy(update={"job_health": job})
+        return [SetDesired(d, why), *_running(d, o, cfg)]
+    agreed = trained_past_agreed(d.agreed_health, min(steps)) if all_in else None
+    if agreed is not None:  # past the step of an agreed error (non-finite gradients)
+        past = [k for k in sorted(d.agreed_health) if agreed.get(k) != d.agreed_health[k]]
+        why = f"trained past the step where the job last raised {', '.join(past)}"
+        d = d.model_copy(update={"agreed_health": agreed})
         return [SetDesired(d, why), *_running(d, o, cfg)]
     noticed = sorted(n for n in d.placement if n in o.notices)
     usable = o.usable

@@ -126,7 +126,13 @@ class Executor:
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
-        fields = ("bad_checkpoints", "node_health", "deadline_stretch", "lost_nodes")
+        fields = (
+            "bad_checkpoints",
+            "node_health",
+            "agreed_health",
+            "deadline_stretch",
+            "lost_nodes",
+        )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
             unused.add("job_health")
@@ -153,8 +159,10 @@ class Executor:
         out = {n: r.excluded_until for n, r in state.node_health.items() if r.excluded_until > now}
         if out:  # which nodes no layout may use, and until when
             extra["excluded"] = out
-        if state.job_health.excluded_until > now:  # no layout is launched until then
-            extra["job_excluded"] = state.job_health.excluded_until
+        holds = [state.job_health, *state.agreed_health.values()]
+        until = max(r.excluded_until for r in holds)
+        if until > now:  # no layout is launched until then
+            extra["job_excluded"] = until
         if state.phase is Phase.LAUNCH:  # which training config and layout this generation runs
             t = state.training
             extra["training_sha256"] = training_digest(t) if t is not None else ""

@@ -33,10 +33,11 @@ from sailor.controller.node_health import (
     JOB,
     Charged,
     ExclusionPolicy,
+    agreed_name,
     charge,
     describe,
     excluded,
-    held,
+    holds,
     miss_teardown,
     stall,
 )
@@ -154,6 +155,8 @@ def upgraded(d: DesiredState) -> DesiredState:
 def health_update(c: Charged) -> dict[str, object]:
     """The desired state's fields a charge writes."""
     out: dict[str, object] = {"node_health": c.health, "job_health": c.job}
+    if c.agreed is not None:
+        out["agreed_health"] = c.agreed
     if c.sigabrts is not None:
         out["sigabrt_reports"] = c.sigabrts
     return out
@@ -322,7 +325,8 @@ def late_failures(
     which takes back what was counted against the first node), and why; None when nothing
     changes. ``lost``: the placed nodes the generation lost (:func:`lost_nodes`)."""
     c = charge(d, failed(d, status), now, policy, progressed(d, status), lost, _steps(d, status))
-    if c.health == d.node_health and c.job == d.job_health:
+    same_agreed = c.agreed is None or c.agreed == d.agreed_health
+    if c.health == d.node_health and c.job == d.job_health and same_agreed:
         if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:
             return None
         # a SIGABRT reported now, counted against nobody yet: kept for the later passes
@@ -379,7 +383,7 @@ def unusable(
     """The registered ``nodes`` no layout may use at ``now``: those the desired state's
     failure records exclude, every one while the job is excluded, and those whose agent
     reports a failure outside the layout (:func:`_refusing`)."""
-    if held(d.job_health, now):
+    if holds(d.job_health, d.agreed_health, now):
         return frozenset(nodes)
     out = excluded(d.node_health, now)
     return frozenset(n for n in nodes if n in out) | _refusing(d, nodes, status)
@@ -394,8 +398,9 @@ def nothing_usable(
 ) -> str:
     """Why no node is usable (``out``: the unusable ones): the job or the excluded nodes
     named, until when and why."""
-    if held(d.job_health, now):
-        return "no usable node: " + describe(JOB, d.job_health, now)
+    holding = holds(d.job_health, d.agreed_health, now)
+    if holding:
+        return "no usable node: " + "; ".join(describe(n, r, now) for n, r in holding)
     notes = []
     for n in sorted(out & set(nodes)):
         rec = d.node_health.get(n)
@@ -497,9 +502,11 @@ def forget(
     gone = sorted(set(d.node_health) - set(health))
     if gone:
         notes.append(f"forgot the failures of {', '.join(gone)}: away, nothing left to say")
-    job = d.job_health
+    job, agreed = d.job_health, d.agreed_health
     if _training_changed(d, training):
         health, job, names = forget_config(health, job)
+        names += [agreed_name(k) for k in sorted(agreed)]
+        agreed = {}
         if names:
             notes.append(
                 "training config changed: forgot the configuration (or agreed) errors of "
@@ -507,7 +514,12 @@ def forget(
             )
     if not notes:
         return None
-    update = {"node_health": health, "job_health": job, "forgiven_through": _forgiven(d, names)}
+    update = {
+        "node_health": health,
+        "job_health": job,
+        "agreed_health": agreed,
+        "forgiven_through": _forgiven(d, names),
+    }
     return d.model_copy(update=update), "; ".join(notes)
 
 
@@ -519,6 +531,7 @@ def _forgiven(d: DesiredState, names: Collection[str]) -> int:
     gens = [d.node_health[n].generation for n in names if n in d.node_health]
     if JOB in names:
         gens.append(d.job_health.generation)
+    gens += [r.generation for k, r in d.agreed_health.items() if agreed_name(k) in names]
     return max([d.forgiven_through, *gens])
 
 
@@ -529,11 +542,15 @@ def apply_readmits(
     why, or None when they named no record there is (the caller deletes them either way);
     and per request, for the audit record of its deletion, what it forgot or why nothing."""
     health, job, names = d.node_health, d.job_health, []
+    agreed = d.agreed_health
     whom = []
     outcome: dict[str, str] = {}
     for rid in sorted(requests):
         req = requests[rid]
         health, job, gone = readmit(health, job, req.nodes, req.all)
+        if req.all:  # every record: the job's of agreed errors too
+            gone += [agreed_name(k) for k in sorted(agreed)]
+            agreed = {}
         names += gone
         whom.append(f"{rid}" + (f" by {req.who}" if req.who else ""))
         missing = sorted(set(req.nodes) - set(gone))
@@ -547,7 +564,12 @@ def apply_readmits(
         return None, outcome
     forgiven = _forgiven(d, names)
     d = d.model_copy(
-        update={"node_health": health, "job_health": job, "forgiven_through": forgiven}
+        update={
+            "node_health": health,
+            "job_health": job,
+            "agreed_health": agreed,
+            "forgiven_through": forgiven,
+        }
     )
     why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
     return (d, why), outcome

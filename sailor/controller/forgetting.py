@@ -16,7 +16,15 @@ from sailor.controller.failure_text import AGREED_ERRORS, error_type
 from sailor.controller.node_health import JOB, ExclusionPolicy
 from sailor.schemas.runtime import DesiredState, NodeHealth
 
-__all__ = ["forget_config", "forget_gone", "readmit", "trained", "trained_past"]
+__all__ = [
+    "forget_config",
+    "forget_gone",
+    "readmit",
+    "trained",
+    "trained_agreed",
+    "trained_past",
+    "trained_past_agreed",
+]
 
 
 def _reset(rec: NodeHealth) -> NodeHealth | None:
@@ -32,7 +40,8 @@ def _short_of_agreed(job: NodeHealth, step: int) -> bool:
     """The job's last failure is one every rank agreed on (``AGREED_ERRORS``: non-finite
     gradients too many steps in a row) and ``step`` is not past the step it was reported
     at. Its skipped steps advance the step: reset at the first step past the checkpoint,
-    the count never reached the policy's and the job was relaunched at full rate forever."""
+    the count never reached the policy's and the job was relaunched at full rate forever.
+    Only a record written before agreed errors had their own (``agreed_health``) has one."""
     agreed = job.failures > 0 and error_type(job.cause) in AGREED_ERRORS
     return agreed and 0 <= step <= job.step
 
@@ -57,6 +66,37 @@ def trained(
     if _short_of_agreed(job, step):
         return out, job
     return out, _reset(job) or NodeHealth()
+
+
+def trained_agreed(agreed: Mapping[str, NodeHealth], step: int) -> dict[str, NodeHealth]:
+    """The job's records of agreed errors (``DesiredState.agreed_health``) after a
+    generation trained, every placed node past ``step`` (the lowest they reported; -1: not
+    known): each whose step it is past (or that has none) reset, the others kept. Its
+    skipped steps advance a generation that meets the same non-finite gradients past the
+    checkpoint: its RUNNING is no sign the error is gone, getting past its step is."""
+    out: dict[str, NodeHealth] = {}
+    for kind, rec in agreed.items():
+        kept = rec if _short_of(rec, step) else _reset(rec)
+        if kept is not None:
+            out[kind] = kept
+    return out
+
+
+def trained_past_agreed(
+    agreed: Mapping[str, NodeHealth], step: int
+) -> dict[str, NodeHealth] | None:
+    """The job's records of agreed errors once a running generation's placed nodes all
+    reported ``step``: those it is past reset; None: nothing to change (``step`` -1: a
+    status with no step)."""
+    if step < 0:
+        return None
+    out = trained_agreed(agreed, step)
+    return out if out != agreed else None
+
+
+def _short_of(rec: NodeHealth, step: int) -> bool:
+    """``rec`` counts a failure and ``step`` is not past the step it was reported at."""
+    return rec.failures > 0 and 0 <= step <= rec.step
 
 
 def trained_past(job: NodeHealth, step: int) -> NodeHealth | None:

@@ -6,7 +6,8 @@ and VERIFY phases (``launching``): a Launch to every node of the layout, the wor
 their first step after the loaded checkpoint, which clears the failure streaks (and a
 suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
 held it up (``_behind``), or the job when no node got through and none is to blame more
-than the others (``_short``).
+than the others (``_short``); at LAUNCH, not a node whose agent refuses the Launch while it
+kills the previous workers (``_killing``: waited for, up to the kill's bound).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -33,7 +34,7 @@ from sailor.controller.decision_types import (
     move_to,
     plan_nodes_at,
 )
-from sailor.controller.forgetting import trained
+from sailor.controller.forgetting import trained, trained_agreed
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
@@ -219,6 +220,29 @@ def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPh
     return rest
 
 
+def _killing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[str]:
+    """At LAUNCH, the placed nodes :func:`_behind` names whose status reports a kill under way
+    (``AgentStatus.killing``), while the kill's bound (``deadlines.teardown`` past the
+    LAUNCH deadline) is not over. Their agent refuses the Launch until the kill ends, with
+    that reason (no rank starts on a GPU a killed worker may hold); the Launch is re-sent
+    and taken once it has ended. The status says what the refusal's reason does, and
+    ``decide`` reads the status: charged at the LAUNCH deadline as a missing ack was (20 s,
+    where the agent's kill takes up to 123 s), a healthy node slow to kill was excluded
+    after three. A kill that outlives its bound is the agent's ``OutlivedKill`` failure
+    (node-bound, charged as a failure); one reported past ``deadlines.teardown`` is charged
+    as a late ack."""
+    if d.phase is not Phase.LAUNCH or o.now > d.phase_deadline + cfg.deadlines.teardown:
+        return []
+    return [n for n in _behind(d, o) if (st := o.status.get(n)) is not None and st.killing]
+
+
+def _killing_all(d: DesiredState, o: Observed, cfg: DecideConfig) -> bool:
+    """Past the LAUNCH deadline, every node that held it up is one :func:`_killing` waits
+    for: the phase goes on (the Launch re-sent) until their kill ends."""
+    killing = _killing(d, o, cfg)
+    return bool(killing) and len(killing) == len(_behind(d, o))
+
+
 def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """The abort at a LAUNCH, LOAD or VERIFY deadline: the placed nodes that held it up
     charged (``failing_nodes.missed_launching``); at LOAD or VERIFY with none to blame
@@ -227,6 +251,10 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     cause = f"{d.phase.value} deadline passed"
     behind = _behind(d, o)
     late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
+    killing = _killing(d, o, cfg)  # aborted for the others: not charged for their kill
+    if killing:
+        late = {n: v for n, v in late.items() if n not in killing}
+        notes = [*notes, f"not counted against {', '.join(killing)}: still killing workers"]
     if d.path == "in_place":  # the abort falls back to the restart path, which is the remedy
         return abort(d, o, cfg, cause, late, notes)
     short = _short(d, o)
@@ -292,6 +320,7 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         in_place_failed=False,
         node_health=health,
         job_health=job,
+        agreed_health=trained_agreed(d.agreed_health, low),
         suspect_checkpoint=suspect,
         deadline_stretch=_fitted(d, o, cfg),
     )
@@ -310,7 +339,7 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     through = _through(d, o, cfg)
     if through:
         return through
-    if o.now > d.phase_deadline:
+    if o.now > d.phase_deadline and not _killing_all(d, o, cfg):
         return _deadline_passed(d, o, cfg)
     if d.phase is not Phase.LAUNCH:
         return []

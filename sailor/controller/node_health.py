@@ -31,6 +31,13 @@ audit log reproduces it. The rules:
   an error the ranks agreed on (``failure_text.AGREED_ERRORS``: non-finite gradients too
   many steps in a row, a divergence). It is counted once per generation
   in ``job_health`` by the same policy: while the job is excluded, no layout is launched.
+  An agreed error is counted in a record of its own, one per error type
+  (``DesiredState.agreed_health``), by the same policy, with the step it was reported at:
+  ``policy.failures`` of the same agreed error without a generation that trains past its
+  step hold the job, whatever hangs or stalls came between (they count in ``job_health``,
+  which a generation that reaches RUNNING resets). Sharing one count, two non-finite
+  failures and a hang held the job, and non-finite failures alternating with hangs never
+  did (each hang's RUNNING reset the count).
   The evidence is the failures reported so far plus the causes already counted for that
   generation, so a node counted before its peers' reports came in is taken back (its count,
   and the exclusion that count set) once they show the cause was the job's. A killed worker
@@ -101,12 +108,14 @@ __all__ = [
     "JOB_WIDE_MIN_NODES",
     "Charged",
     "ExclusionPolicy",
+    "agreed_name",
     "charge",
     "count_failure",
     "describe",
     "excluded",
     "exclusion_length",
     "held",
+    "holds",
     "miss_teardown",
     "stall",
     "take_back",
@@ -236,6 +245,8 @@ class Charged:
     notes: list[str] = field(default_factory=list)
     sigabrts: SigabrtReports | None = None
     """The generation's SIGABRT reports with this pass's added; None: unchanged."""
+    agreed: dict[str, NodeHealth] | None = None
+    """The job's records of agreed errors (``DesiredState.agreed_health``); None: unchanged."""
 
 
 _SIGABRT_UNNAMED = "Signal: SIGABRT (reported earlier; its summary was not kept)"
@@ -411,8 +422,11 @@ def charge(
     # every collective hung (a dead NIC, NCCL's ports blocked); no node is charged
     many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
     hung = many and not first_cause and not gone
-    if job_why and job.generation != gen:
-        job, note = _charge_job(job, gen, job_why, evidence, seen, alike, now, policy, step)
+    # an agreed error is counted in its own record (:func:`_charge_agreed`), not the job's
+    job_alike = {s: w for s, w in job_why.items() if w != _AGREED}
+    agreed = _charge_agreed(d, evidence, kind, seen, now, policy, step, notes)
+    if job_alike and job.generation != gen:
+        job, note = _charge_job(job, gen, job_alike, evidence, seen, alike, now, policy, step)
         notes.append(note)
     elif hung and job.generation != gen:
         # its cause is a SIGABRT's: how a later pass knows which count to take back
@@ -425,7 +439,50 @@ def charge(
         hang = (summary, "unknown", True, sig)
         job, note = _count_job(job, gen, hang, what, now, policy, step=step)
         notes.append(note)
-    return Charged(health, job, notes, reports)
+    return Charged(health, job, notes, reports, agreed)
+
+
+def agreed_name(kind: str) -> str:
+    """How reasons name the job's record of the agreed error ``kind``."""
+    return f"{JOB} ({kind})"
+
+
+def _charge_agreed(
+    d: DesiredState,
+    evidence: Mapping[str, tuple[str, str, str]],
+    kind: Mapping[str, str],
+    seen: Mapping[str, FailureCause],
+    now: float,
+    policy: ExclusionPolicy,
+    step: int,
+    notes: list[str],
+) -> dict[str, NodeHealth] | None:
+    """``d.agreed_health`` with ``d``'s generation counted (once) in the record of each
+    agreed error its nodes reported (at ``step``), a sentence per count added to ``notes``;
+    None when nothing was counted. Apart from ``job_health``: a hang or a stall between two
+    non-finite failures neither adds to nor resets this count."""
+    gen, out = d.generation, dict(d.agreed_health)
+    for k in sorted({kind[n] for n in evidence if kind[n] in AGREED_ERRORS}):
+        rec = out.get(k, NodeHealth())
+        if rec.generation == gen:
+            continue
+        nodes = sorted(n for n in evidence if kind[n] == k)
+        shown = [seen[n] for n in nodes if n in seen]
+        # its first report now, else (counted before, idle now) what the evidence kept
+        summary, sig, origin = evidence[nodes[0]]
+        retry = shown[0].retry if shown else True
+        if shown:
+            summary, sig, origin = shown[0].summary, shown[0].signature, shown[0].origin
+        out[k], excl = count_failure(rec, gen, summary, origin, retry, now, policy, sig, step)
+        what = f"{len(nodes)} placed node(s) reported it ({', '.join(nodes)})"
+        if excl:
+            notes.append(describe(agreed_name(k), out[k], now, f"{excl}; {what}"))
+        else:
+            notes.append(
+                f"counted against {agreed_name(k)} ({out[k].failures} in a row without "
+                f"training past step {out[k].step}): {_AGREED}, {what}: {summary}"
+            )
+    return out if out != d.agreed_health else None
 
 
 def _reports(
@@ -546,6 +603,16 @@ def excluded(health: Mapping[str, NodeHealth], now: float) -> frozenset[str]:
     return frozenset(n for n, r in health.items() if r.excluded_until > now)
 
 
+def holds(
+    job: NodeHealth, agreed: Mapping[str, NodeHealth], now: float
+) -> list[tuple[str, NodeHealth]]:
+    """The records that hold the job at ``now`` (no layout is launched), each with its name
+    (:data:`JOB`, :func:`agreed_name`): ``job_health`` (:func:`held`), and each record of an
+    agreed error whose exclusion runs."""
+    out = [(JOB, job)] if held(job, now) else []
+    return out + [(agreed_name(k), r) for k, r in sorted(agreed.items()) if r.excluded_until > now]
+
+
 def held(job: NodeHealth, now: float) -> bool:
     """Whether the job is excluded at ``now``: no layout is launched. A hold for a
     configuration error does not end by itself (a relaunch with the same config fails
@@ -562,7 +629,7 @@ def describe(node: str, rec: NodeHealth, now: float, why: str = "") -> str:
     """One sentence for a reason or a log: node (or :data:`JOB`), until when, count, cause."""
     until = datetime.fromtimestamp(rec.excluded_until, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     left = max(0.0, rec.excluded_until - now)
-    verb = "held" if node == JOB else "excluded"
+    verb = "held" if node.startswith(JOB) else "excluded"
     head = f"{verb} {node} until {until} ({left:.0f} s, exclusion {rec.exclusions}"
     if node == JOB and _config_hold(rec):
         head = (

@@ -79,9 +79,11 @@ async def read_status(
         for n, r in sorted(health.items())
         if r.excluded_until > now
     }
-    held = d.job_health if d else None
+    # the job's records (most nodes failed alike, a hang; an agreed error's): no launch
+    job_recs = [d.job_health, *(r for _, r in sorted(d.agreed_health.items()))] if d else []
+    held = max(job_recs, key=lambda r: r.excluded_until, default=None)
     job_out = None
-    if held is not None and held.excluded_until > now:  # most nodes failed alike: no launch
+    if held is not None and held.excluded_until > now:
         job_out = {"until": held.excluded_until, "failures": held.failures, "cause": held.cause}
     rows = []
     for kv in nodes:
@@ -202,7 +204,7 @@ async def request_readmit(
             if d is None:
                 return False
             if everything:
-                return not d.node_health and d.job_health == NodeHealth()
+                return not d.node_health and d.job_health == NodeHealth() and not d.agreed_health
             return not set(names) & set(d.node_health)
 
         body = req.model_dump_json().encode()

@@ -43,7 +43,8 @@ whose overflow skip is agreed by every rank (``precision.LossScaler``; in any pr
 ``loss_scaling.mode='dynamic'``); without a scaler, the non-finite check above skips alike. A
 skipped iteration still advances ``step`` and the data
 (as Megatron's): ``skipped_steps`` counts them, AdamW has taken ``adam_step`` steps, and
-both they and the scale survive checkpoints and re-layouts (``scaling_state``).
+both they, the scale and a non-finite streak under way survive checkpoints and re-layouts
+(``scaling_state``).
 
 Timing synchronizes the device before each clock read (``clock``); the loss is read from
 the device once per iteration, with the agreed flags, before the optimizer step. Inside the
@@ -328,7 +329,8 @@ class Trainer:
         """Iterations whose update every rank skipped for an overflow or a non-finite gradient
         (AdamW took ``step - skipped_steps`` steps): checkpointed, carried across re-layouts."""
         self.nonfinite = SkipStreak(cfg.max_nonfinite_skips)
-        """Non-finite iterations skipped in a row (not checkpointed)."""
+        """Non-finite iterations skipped in a row, and where they began: checkpointed and
+        carried across re-layouts with the skipped steps (``scaling_state``)."""
         self.after_grad_sync: Callable[[Trainer], None] | None = None
         """Test hook: called after the gradient sync, before clipping and the optimizer step
         (tests put an inf or NaN into one rank's gradient)."""
@@ -418,10 +420,12 @@ class Trainer:
 
     def scaling_state(self) -> dict[str, Any]:
         """What a checkpoint or a re-layout carries beyond weights, moments and position:
-        the steps skipped so far and the loss scale (None without loss scaling)."""
+        the steps skipped so far, the loss scale (None without loss scaling) and the
+        non-finite streak under way (``{}``: none; ``nonfinite``)."""
         return {
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
+            "nonfinite": self.nonfinite.state(),
         }
 
     def materialize(self) -> list[str]:
@@ -436,7 +440,8 @@ class Trainer:
 
     def load_scaling_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`scaling_state`. A scale saved by a run with loss scaling
-        is dropped by one without (bf16, fp32), and one without leaves ours at its start."""
+        is dropped by one without (bf16, fp32), and one without leaves ours at its start. A
+        non-finite streak under way continues (none saved: none under way)."""
         skipped = int(state.get("skipped_steps", 0))
         if not 0 <= skipped <= self.step:
             raise ValueError(f"skipped_steps={skipped}: must be in [0, step={self.step}]")
@@ -444,6 +449,7 @@ class Trainer:
         scale = state.get("loss_scale")
         if self.scaler is not None and scale is not None:
             self.scaler.load_state(scale)
+        self.nonfinite.load_state(state.get("nonfinite"))
 
     def evaluate(self) -> float:
         """Mean loss over the validation split's first ``eval_batches`` global batches

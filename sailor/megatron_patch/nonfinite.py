@@ -20,14 +20,23 @@ Megatron's does, and such skips do not count here. One at the scale's floor
 (``min_loss_scale``) does: the scale cannot go lower, so the gradients are non-finite whatever
 the scale, which is divergence (:meth:`SkipStreak.observe` with ``at_floor``).
 
-:class:`SkipStreak` is pure; the streak is not checkpointed (a run resumed from a checkpoint
-starts a new streak).
+:class:`SkipStreak` is pure. The streak is part of the trainer state a checkpoint (and an
+in-place relayout) carries (:meth:`SkipStreak.state`, in ``Trainer.scaling_state``): a save
+at a step inside a streak, then a resume from it (after an abort for any reason, a
+preemption), continues the streak, so the error still comes after ``max_skips`` skips in
+all and names the step (and ranks, with their hosts) where the streak began. Before, the
+resumed run counted from 0, past the streak's first step, and the controller's "trained
+past the failure" reset the job's count too: the skips were unlimited. A save inside a
+streak is not refused: a skipped update never touched the weights or the moments, so the
+checkpoint holds the last good ones, with the streak that says how the run got there. A
+checkpoint written without it resumes at 0, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["NonFiniteGradientsError", "SkipStreak", "nonfinite_message"]
 
@@ -66,6 +75,9 @@ class SkipStreak:
     """The step the streak began at (-1: no streak)."""
     first_ranks: tuple[int, ...] = ()
     """The ranks whose own gradient was non-finite at ``first_step`` (empty: unknown)."""
+    first_where: str = ""
+    """Those ranks with their hosts, named when the streak began (''): a resumed run's ranks
+    may be other hosts, so the text is kept, not worked out again at the raise."""
 
     def __post_init__(self) -> None:
         if self.max_skips < 0:
@@ -84,20 +96,42 @@ class SkipStreak:
         a loss scaler, the scale was at its minimum (an overflow above it is the scaler's
         business and leaves the streak as it is). Raises :class:`NonFiniteGradientsError`
         on the ``max_skips + 1``-th skip in a row, naming where the streak began: ``where``
-        turns its ranks into text (their hosts; called on every rank alike, as the raise is
-        agreed: it may be a collective)."""
+        turns its ranks into text (their hosts), once, where a streak begins (called on every
+        rank alike, as the outcome is agreed: it may be a collective)."""
         if not skipped:
-            self.streak, self.first_step, self.first_ranks = 0, -1, ()
+            self.streak, self.first_step, self.first_ranks, self.first_where = 0, -1, (), ""
             return
         if not at_floor:
             return
         self.streak += 1
         if self.streak == 1:
             self.first_step, self.first_ranks = step, ranks
+            self.first_where = where(ranks) if where is not None and ranks else ""
         if self.streak > self.max_skips:
-            first = self.first_ranks
-            named = where(first) if where is not None and first else ""
+            named = self.first_where
             seen = f"step {self.first_step}" + (f" on {named}" if named else "")
             raise NonFiniteGradientsError(
                 nonfinite_message(step, self.streak, self.max_skips, seen)
             )
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint carries (JSON): the streak, where it began; ``{}`` without one."""
+        if self.streak == 0:
+            return {}
+        return {
+            "streak": self.streak,
+            "first_step": self.first_step,
+            "first_ranks": list(self.first_ranks),
+            "first_where": self.first_where,
+        }
+
+    def load_state(self, state: Mapping[str, Any] | None) -> None:
+        """Continue a :meth:`state` (None or ``{}``: no streak, as a checkpoint written
+        before the streak was kept)."""
+        state = state or {}
+        streak, first = int(state.get("streak", 0)), int(state.get("first_step", -1))
+        if streak < 0 or (streak > 0) != (first >= 0):
+            raise ValueError(f"non-finite streak {dict(state)}: a streak names its first step")
+        self.streak, self.first_step = streak, first
+        self.first_ranks = tuple(int(r) for r in state.get("first_ranks", ()))
+        self.first_where = str(state.get("first_where", ""))

@@ -24,9 +24,10 @@ dropping the fields it does not know (``_newer``), and refuses versions below 1.
 3: ``DesiredState.job_health``, ``forgiven_through``, ``phase_epoch``, ``suspect_checkpoint``
 and ``deadline_stretch``; ``NodeHealth.signature`` and ``origin`` (added after 2 without
 raising it: a reader of version 2 refused a state that held one).
-4: ``AgentStatus.killing``; ``DesiredState.lost_nodes`` and ``sigabrt_reports``;
-``NodeHealth.step``; ``TrainingConfig.nonfinite`` (hashed into the training digest only
-away from its default); the message ``ClearBadRequest``."""
+4: ``AgentStatus.killing``; ``DesiredState.lost_nodes``, ``sigabrt_reports`` and
+``agreed_health`` (written only when not empty); ``NodeHealth.step``;
+``TrainingConfig.nonfinite`` (hashed into the training digest only away from its default);
+the message ``ClearBadRequest``."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

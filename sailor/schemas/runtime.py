@@ -21,6 +21,7 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "CAUSE_MAX",
+    "MAX_AGREED_KINDS",
     "MAX_NODE_LIST",
     "MAX_STRETCH",
     "AgentState",
@@ -90,6 +91,10 @@ MAX_NODE_LIST = 4096
 """Most node ids a list of the desired state about one generation holds (``lost_nodes``,
 ``SigabrtReports.nodes``): more than any layout places (the benchmarks go to 512 nodes), so
 nothing is cut in practice, and a bound all the same on what one etcd value carries."""
+
+MAX_AGREED_KINDS = 16
+"""Most error types ``DesiredState.agreed_health`` holds: the controller knows three
+(``controller/failure_text.AGREED_ERRORS``); a bound on what a state may hold at all."""
 
 
 def _sorted_ids(field: str, nodes: tuple[str, ...]) -> None:
@@ -289,6 +294,14 @@ class DesiredState(WireMessage):
         "alike (a training config every rank refuses, a bug every rank hits) count here, not "
         "against the nodes; while it is excluded no layout is launched.",
     )
+    agreed_health: dict[str, NodeHealth] = Field(
+        default_factory=dict,
+        max_length=MAX_AGREED_KINDS,
+        description="Error type -> the job's record of that error every rank raises alike "
+        "(NonFiniteGradientsError, LabelOutOfRangeError, NonFiniteCheckpointError), counted "
+        "apart from job_health's hangs and stalls: reset once a generation trains past its "
+        "step; while one is excluded no layout is launched. Empty: none (wire version 4).",
+    )
     forgiven_through: int = Field(
         default=-1,
         ge=-1,
@@ -325,6 +338,14 @@ class DesiredState(WireMessage):
         description="The SIGABRTs the current generation's nodes reported since its abort, "
         "whichever pass saw them; emptied at the next launch. Empty: none.",
     )
+
+    @field_validator("agreed_health")
+    @classmethod
+    def _agreed_named(cls, v: dict[str, NodeHealth]) -> dict[str, NodeHealth]:
+        for kind in v:
+            if not kind.isidentifier():
+                raise field_error("agreed_health", kind, "keys are error types (identifiers)")
+        return v
 
     @field_validator("lost_nodes")
     @classmethod

@@ -14,8 +14,9 @@
 The AdamW step count is the global iteration minus the iterations skipped for an fp16
 overflow (``Trainer.adam_step``); a save checks that every parameter's count is that one and
 refuses otherwise. The globals carry it (``adam_step``), the skipped count and the loss
-scale (``Trainer.scaling_state``), so a resumed fp16 run continues its scale instead of
-starting over at 2**16 (and skipping steps again). Never imports NATS, etcd or the agent:
+scale and the non-finite streak under way (``Trainer.scaling_state``), so a resumed fp16 run
+continues its scale instead of starting over at 2**16 (and skipping steps again), and a run
+saved inside a streak of non-finite skips continues it. Never imports NATS, etcd or the agent:
 it is called inside a worker process.
 """
 
@@ -111,6 +112,7 @@ def restore_trainer(
             {
                 "skipped_steps": extra.get("skipped_steps", got.globals.step - int(adam_step)),
                 "loss_scale": extra.get("loss_scale"),
+                "nonfinite": extra.get("nonfinite"),  # a streak under way at the save
             }
         )
     with torch.no_grad():

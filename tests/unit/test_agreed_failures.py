@@ -64,7 +64,10 @@ def test_an_agreed_error_is_the_jobs_however_few_nodes_report_it(
     reports = {f"n{i}": _record(exc, rank=i - 1) for i in range(1, reporting + 1)}
     c = charge(_d(4), reports, 10.0, POLICY)
     assert c.health == {}, c.notes
-    assert c.job.failures == 1 and c.job.cause.startswith(type(exc).__name__)
+    assert c.job == NodeHealth()  # counted in the agreed error's own record
+    assert c.agreed is not None
+    rec = c.agreed[type(exc).__name__]
+    assert rec.failures == 1 and rec.cause.startswith(type(exc).__name__)
 
 
 # ---- every rank raises a failed save ---------------------------------------------------------

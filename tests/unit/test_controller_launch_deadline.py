@@ -325,3 +325,47 @@ def test_three_stalled_generations_hold_the_job_and_one_that_trains_resets_it() 
     trained = decide(d, obs(nodes(*IDS), [st(i, gen=5, step=11) for i in IDS]), CFG)
     (run,) = [a for a in trained if isinstance(a, SetDesired)]
     assert run.state.phase is Phase.RUNNING and run.state.job_health.failures == 0
+
+
+def _killing(i: int) -> AgentStatus:
+    """A node whose agent is still killing the previous generation's workers: it refuses a
+    Launch until the kill ends (``workers being killed: ...``)."""
+    return st(i, gen=1, state="stopped").model_copy(update={"killing": 1})
+
+
+def test_a_node_refusing_its_launch_while_it_kills_is_waited_for_not_charged() -> None:
+    """The agent's kill takes up to 3 s of SIGTERM grace plus 120 s; a node whose Launch it
+    refused for a kill under way was charged at the 20 s LAUNCH deadline as if its ack had
+    never come, and a healthy node slow to kill was excluded after three. Now the phase
+    waits for the kill (its status says it goes on), re-sending the Launch, which is taken
+    once the kill is over; only a kill still reported ``deadlines.teardown`` past the
+    deadline (longer than the agent's bound) is charged."""
+    d = _launching(Phase.LAUNCH)
+    statuses = [
+        st(1, gen=1, state="idle"),
+        _killing(2),
+        *(st(i, gen=1, state="idle") for i in (3, 4)),
+    ]
+    a = decide(d, _late(statuses, acked=_acked(d, 1, 3, 4)), NO_STRETCH)
+    assert kinds(a) == ["send:launch:n2"]  # no abort, nobody charged: the Launch again
+    # the kill ended: the re-sent Launch is acked, and the launch goes on
+    done = [st(i, gen=1, state="idle") for i in IDS]
+    a = decide(d, _late(done, acked=_acked(d, *IDS)), NO_STRETCH)
+    assert kinds(a) == ["set:load"]
+    # a kill reported past its bound is charged as a missing ack was
+    bound = replace(_late(statuses, acked=_acked(d, 1, 3, 4)), now=NOW + 151)
+    torn = _abort(d, bound).state
+    assert set(torn.node_health) == {"n2"}
+    assert torn.node_health["n2"].cause.startswith("DeadlineMissed: still stopped")
+
+
+def test_a_killing_node_is_not_charged_when_another_misses_the_launch_deadline() -> None:
+    d = _launching(Phase.LAUNCH)
+    statuses = [
+        st(1, gen=1, state="idle"),
+        _killing(2),
+        *(st(i, gen=1, state="idle") for i in (3, 4)),
+    ]
+    done = _abort(d, _late(statuses, acked=_acked(d, 1, 4)))
+    assert set(done.state.node_health) == {"n3"}  # n3 never acked; n2 was still killing
+    assert "not counted against n2: still killing workers" in done.reason

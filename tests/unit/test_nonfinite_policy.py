@@ -14,8 +14,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from sailor.controller.forgetting import trained
-from sailor.controller.node_health import ExclusionPolicy, charge, held
+from sailor.controller.forgetting import trained_agreed
+from sailor.controller.node_health import ExclusionPolicy, charge, holds
 from sailor.megatron_patch.clipping import clip_by_global_norm
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.errors import classify, failure_record
@@ -45,6 +45,33 @@ def test_up_to_max_skips_in_a_row_are_skipped_then_it_raises() -> None:
     assert str(e.value) == nonfinite_message(10, 3, 2, "step 8")
     assert "step 10, 3 step(s) in a row" in str(e.value)
     assert "Lower the learning rate" in str(e.value) and "earlier checkpoint" in str(e.value)
+
+
+def test_the_streak_is_carried_with_the_hosts_it_began_on_and_old_state_starts_at_zero() -> None:
+    """What a checkpoint carries (``Trainer.scaling_state``): the streak and where it began,
+    named once (a resumed run's ranks may be other hosts); a checkpoint written without it
+    (or with no streak under way) resumes at 0."""
+    calls: list[tuple[int, ...]] = []
+
+    def where(ranks: tuple[int, ...]) -> str:
+        calls.append(ranks)
+        return "rank 1 (host-a)"
+
+    s = SkipStreak(max_skips=2)
+    assert s.state() == {}
+    s.observe(8, skipped=True, ranks=(1,), where=where)
+    s.observe(9, skipped=True, ranks=(0,), where=where)
+    assert calls == [(1,)]  # named where it began, once
+    resumed = SkipStreak(max_skips=2)
+    resumed.load_state(s.state())
+    with pytest.raises(NonFiniteGradientsError) as e:
+        resumed.observe(10, skipped=True, where=lambda r: "rank 1 (another-host)")
+    assert str(e.value) == nonfinite_message(10, 3, 2, "step 8 on rank 1 (host-a)")
+    old = SkipStreak(max_skips=2)
+    old.load_state(None)
+    assert (old.streak, old.first_step, old.first_where) == (0, -1, "")
+    with pytest.raises(ValueError, match="names its first step"):
+        old.load_state({"streak": 2})
 
 
 def test_zero_skips_fails_at_the_first_and_a_negative_limit_is_refused() -> None:
@@ -113,12 +140,12 @@ def _record(rank: int, step: int = 12) -> str:
     return json.dumps(failure_record(exc, rank=rank, step=step, in_training=True))[:2000]
 
 
-def _d(gen: int, placed: int, job: NodeHealth | None = None) -> DesiredState:
+def _d(gen: int, placed: int, agreed: dict[str, NodeHealth] | None = None) -> DesiredState:
     return DesiredState(
         epoch=1,
         generation=gen,
         placement={f"n{i}": (i - 1,) for i in range(1, placed + 1)},
-        job_health=job or NodeHealth(),
+        agreed_health=agreed or {},
     )
 
 
@@ -137,19 +164,23 @@ def test_the_job_is_charged_not_its_nodes_and_held_after_the_policys_count(place
     from the same checkpoint meets the same gradients), and no node is ever excluded. A
     one-node job too (before, its node was charged and excluded, and the job moved to a
     spare that diverged alike)."""
-    job = NodeHealth()
+    agreed: dict[str, NodeHealth] = {}
     for gen in (1, 2):
         reports = {f"n{i}": _record(rank=i - 1) for i in range(1, placed + 1)}
-        c = charge(_d(gen, placed, job), reports, 10.0 * gen, POLICY)
-        assert c.health == {}, c.notes
-        job = c.job
+        c = charge(_d(gen, placed, agreed), reports, 10.0 * gen, POLICY)
+        assert c.health == {} and c.job == NodeHealth(), c.notes
+        assert c.agreed is not None
+        agreed = c.agreed
+        job = agreed["NonFiniteGradientsError"]
         assert job.failures == gen and job.generation == gen
         assert job.cause.startswith("NonFiniteGradientsError: non-finite")
-    assert held(job, 25.0) and job.exclusions == 1
-    assert not held(job, 20.0 + 100.0)  # the backoff ends: relaunched, maybe with a new config
-    # a generation that trains resets the job's streak
-    _, after = trained({}, job, ["n1"])
-    assert after.failures == 0
+    assert holds(NodeHealth(), agreed, 25.0) and job.exclusions == 1
+    # the backoff ends: relaunched, maybe with a new config
+    assert not holds(NodeHealth(), agreed, 20.0 + 100.0)
+    # a generation that trains (past its step: none known here) resets the job's streak
+    assert trained_agreed(agreed, -1) == {
+        "NonFiniteGradientsError": job.model_copy(update={"failures": 0})
+    }
 
 
 def test_the_metrics_carry_the_skipped_steps_without_a_loss_scaler_once_there_is_one() -> None:

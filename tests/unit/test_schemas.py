@@ -202,7 +202,7 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
 _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "deadline_stretch")
 """``DesiredState``'s fields of wire version 3 (added after 2, which did not know them)."""
 
-_V4 = ("lost_nodes", "sigabrt_reports")
+_V4 = ("lost_nodes", "sigabrt_reports", "agreed_health")
 """``DesiredState``'s fields of wire version 4."""
 
 
@@ -237,7 +237,8 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     (added after 2 without raising it: a release-2 agent refused every desired state that
     held one). A release of each older version reads the state without its unknown fields,
     through ``_newer``, and would refuse them at its own version. Version 4 added the
-    abort's lost nodes and the generation's SIGABRT reports: a release-3 reader drops them."""
+    abort's lost nodes, the generation's SIGABRT reports and the agreed errors' records:
+    a release-3 reader drops them."""
     assert SCHEMA_VERSION >= 4
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
@@ -254,6 +255,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         deadline_stretch={"load": 2},
         lost_nodes=("n1",),
         sigabrt_reports=SigabrtReports(generation=4, nodes=("n3",), cause="Signal: SIGABRT"),
+        agreed_health={"NonFiniteGradientsError": NodeHealth(failures=2, generation=4, step=9)},
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
