@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -24,10 +24,11 @@ dropping the fields it does not know (``_newer``), and refuses versions below 1.
 3: ``DesiredState.job_health``, ``forgiven_through``, ``phase_epoch``, ``suspect_checkpoint``
 and ``deadline_stretch``; ``NodeHealth.signature`` and ``origin`` (added after 2 without
 raising it: a reader of version 2 refused a state that held one).
-4: ``AgentStatus.killing``; ``DesiredState.lost_nodes``, ``sigabrt_reports`` and
-``agreed_health`` (written only when not empty); ``NodeHealth.step``;
-``TrainingConfig.nonfinite`` (hashed into the training digest only away from its default);
-the message ``ClearBadRequest``."""
+4: ``AgentStatus.killing``; ``DesiredState.lost_nodes`` and ``sigabrt_reports``;
+``NodeHealth.step``; ``TrainingConfig.nonfinite`` (hashed into the training digest only away
+from its default); the message ``ClearBadRequest``.
+5: ``DesiredState.agreed_health`` (written only when not empty): a release of version 4 was
+out, and it refuses a state of its own version that holds an unknown field."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

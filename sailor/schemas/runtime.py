@@ -300,7 +300,7 @@ class DesiredState(WireMessage):
         description="Error type -> the job's record of that error every rank raises alike "
         "(NonFiniteGradientsError, LabelOutOfRangeError, NonFiniteCheckpointError), counted "
         "apart from job_health's hangs and stalls: reset once a generation trains past its "
-        "step; while one is excluded no layout is launched. Empty: none (wire version 4).",
+        "step; while one is excluded no layout is launched. Empty: none (wire version 5).",
     )
     forgiven_through: int = Field(
         default=-1,

@@ -202,8 +202,11 @@ def test_a_newer_desired_state_is_read_with_its_nested_additions_dropped(
 _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "deadline_stretch")
 """``DesiredState``'s fields of wire version 3 (added after 2, which did not know them)."""
 
-_V4 = ("lost_nodes", "sigabrt_reports", "agreed_health")
+_V4 = ("lost_nodes", "sigabrt_reports")
 """``DesiredState``'s fields of wire version 4."""
+
+_V5 = ("agreed_health",)
+"""``DesiredState``'s fields of wire version 5."""
 
 
 def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
@@ -226,8 +229,13 @@ def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
 
 @pytest.mark.parametrize(
     ("version", "without"),
-    [(1, ("node_health", *_V3, *_V4)), (2, (*_V3, *_V4)), (3, _V4)],
-    ids=["v1", "v2", "v3"],
+    [
+        (1, ("node_health", *_V3, *_V4, *_V5)),
+        (2, (*_V3, *_V4, *_V5)),
+        (3, (*_V4, *_V5)),
+        (4, _V5),
+    ],
+    ids=["v1", "v2", "v3", "v4"],
 )
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
     monkeypatch: pytest.MonkeyPatch, version: int, without: tuple[str, ...]
@@ -237,9 +245,9 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     (added after 2 without raising it: a release-2 agent refused every desired state that
     held one). A release of each older version reads the state without its unknown fields,
     through ``_newer``, and would refuse them at its own version. Version 4 added the
-    abort's lost nodes, the generation's SIGABRT reports and the agreed errors' records:
-    a release-3 reader drops them."""
-    assert SCHEMA_VERSION >= 4
+    abort's lost nodes and the generation's SIGABRT reports: a release-3 reader drops them;
+    version 5 the agreed errors' records, which a release-4 reader drops."""
+    assert SCHEMA_VERSION >= 5
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
     )
@@ -268,7 +276,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         kept = "origin" in type(old.node_health["n2"]).model_fields  # type: ignore[attr-defined]
         assert kept == (version >= 3)
     assert not set(without) & set(previous.model_fields)
-    with pytest.raises(ValidationError, match="sigabrt_reports"):
+    with pytest.raises(ValidationError, match="agreed_health"):
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": version}))
     # a record without ``origin`` (the first form of NodeHealth) reads as none counted
     plain = json.loads(raw)
