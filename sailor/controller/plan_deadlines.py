@@ -148,18 +148,19 @@ class PhaseNeed:
     steps: float = 0.0
 
     def why(self) -> str:
-        """E.g. ``node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up``."""
+        """E.g. ``node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up``, ``2 iterations
+        of 8 s x2 + 20 s start-up``."""
+        start = f"{self.startup_s:g} s start-up"
         if self.phase in (Phase.CHECKPOINT, Phase.LOAD):
             verb = "writes" if self.phase is Phase.CHECKPOINT else "reads"
-            what = (
+            return (
                 f"node {self.node} {verb} {self.bytes / 1e9:.3g} GB at "
-                f"{self.mib_s:g} MiB/s x{self.safety:g}"
+                f"{self.mib_s:g} MiB/s x{self.safety:g} + {start}"
             )
-        elif self.iteration_s is None:
-            what = "no predicted iteration time"
-        else:
-            what = f"{self.steps:g} iterations of {self.iteration_s:.3g} s x{self.safety:g}"
-        return f"{what} + {self.startup_s:g} s start-up"
+        if self.iteration_s is None:
+            return f"{start} (no predicted iteration time)"
+        what = f"{self.steps:g} iterations of {self.iteration_s:.3g} s x{self.safety:g}"
+        return f"{what} + {start}" if self.startup_s else what
 
 
 def checkpoint_layer_bytes(model: ModelSpec, layer: int) -> int:
