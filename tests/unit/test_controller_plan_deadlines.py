@@ -440,3 +440,21 @@ def test_a_stalled_load_stretches_the_derived_deadline() -> None:
         f"the next load deadline is {2 * base:.0f} s (load as derived {base:.0f} s x2"
         in moved[0].reason
     )
+
+
+def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path) -> None:
+    """The config's model (a catalog name or a file) is read at start; off or unknown: none
+    (the stand-in planner's model name need not be a known model), and the floors hold."""
+    from sailor.controller.daemon import _model_for_deadlines
+
+    assert _model_for_deadlines(ControllerConfig()) == catalog.model("tiny-gpt").model_copy(
+        update={"global_batch_size": 8}
+    )
+    spec = tmp_path / "m.json"
+    spec.write_text(LLAMA_7B.model_dump_json())
+    got = _model_for_deadlines(ControllerConfig(model=str(spec)))
+    assert got is not None and got.name == "llama-2-7b"
+    off = PhaseDeadlines(derive=DeadlineModel(enabled=False))
+    assert _model_for_deadlines(ControllerConfig(deadlines=off)) is None
+    unknown = ControllerConfig(model="no-such-model", planner="data_parallel")
+    assert _model_for_deadlines(unknown) is None
