@@ -61,7 +61,12 @@ from sailor.controller.executor import Executor
 from sailor.controller.failing_nodes import upgraded
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
-from sailor.controller.planning import Planner, ProcessPlanner, planner_from_config
+from sailor.controller.planning import (
+    Planner,
+    ProcessPlanner,
+    load_model_spec,
+    planner_from_config,
+)
 from sailor.controller.training import check_checkpoint_dirs, load_training
 from sailor.coordination import (
     Clock,
@@ -82,6 +87,7 @@ from sailor.coordination import (
     connect_nats,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, ReadmitRequest
 from sailor.schemas.training import TrainingConfig
 
@@ -90,6 +96,21 @@ __all__ = ["Controller", "freeze_startup_heap", "run_controller"]
 _log = structlog.get_logger("sailor.controller")
 
 _R = TypeVar("_R", ReadmitRequest, ClearBadRequest)
+
+
+def _model_for_deadlines(config: ControllerConfig) -> ModelSpec | None:
+    """The model spec that sizes the plans' phase deadlines (``deadlines.derive``), read at
+    start like the planner's: None when derivation is off, or when the stand-in planner's
+    model name is none the catalog or a file knows (its plans then get the configured
+    deadlines, and the log says why). The sailor planner has read the same spec already:
+    a broken model file stopped the controller there."""
+    if not config.deadlines.derive.enabled:
+        return None
+    try:
+        return load_model_spec(config.model, config.global_batch_size)
+    except (OSError, KeyError, ValueError) as exc:
+        _log.warning("deadlines_not_derived", model=config.model, error=str(exc))
+        return None
 
 
 class Controller(EventIntake):
@@ -119,6 +140,7 @@ class Controller(EventIntake):
             base_port=config.base_port,
             training=self.training,
             exclusion=config.exclusion,
+            model=_model_for_deadlines(config),
         )
         self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
         # reads the cost model's inputs now, like the training config: a broken file stops it
@@ -251,6 +273,7 @@ class Controller(EventIntake):
             self.wake,
             self.cfg.command_timeout_s,
             self.cfg.resend_s,
+            decide_cfg=self.decide_cfg,
         )
         cache = ObservedCache(
             store, self.keys, self._reject, on_change=self.wake, on_node_gone=self._node_gone

@@ -85,14 +85,15 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         return []
     steps = [o.status[n].step for n in d.placement if n in o.status]
     stop = max(steps, default=0) + cfg.stop_ahead_steps
-    deadline = o.now + cfg.deadlines.quiesce
     if noticed:
-        first = min(o.notices[n].deadline for n in noticed)
-        deadline = min(deadline, first - cfg.notice_margin_s)
         cause = f"preemption notice: {','.join(noticed)}"
     else:
         cause = f"nodes joined: {','.join(new_nodes)}"
     state = move_to(d, Phase.QUIESCE, o.now, cfg, stop_step=stop, cause=cause, aborted=False)
+    deadline = state.phase_deadline  # the configured one, or what the plan's steps need
+    if noticed:
+        first = min(o.notices[n].deadline for n in noticed)
+        deadline = min(deadline, first - cfg.notice_margin_s)
     state = state.model_copy(update={"phase_deadline": deadline, "next_plan": None})
     return [SetDesired(state, cause), *replan_if_needed(state, o, cause)]
 

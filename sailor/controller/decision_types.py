@@ -26,9 +26,11 @@ from pydantic import Field
 
 from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines, check_transition
+from sailor.controller.plan_deadlines import DERIVED_PHASES, PhaseNeed, mismatch, phase_need
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import (
     AgentStatus,
@@ -47,6 +49,7 @@ __all__ = [
     "ClearNotice",
     "ClearReadmit",
     "Commit",
+    "Deadline",
     "DecideConfig",
     "Observed",
     "RecalibrationAdvice",
@@ -56,6 +59,7 @@ __all__ = [
     "build_command",
     "command_id_for",
     "move_to",
+    "phase_deadline",
     "plan_nodes_at",
     "replan_if_needed",
 ]
@@ -103,6 +107,12 @@ class DecideConfig(Frozen):
         default_factory=ExclusionPolicy,
         description="When a node whose workers keep failing is left out of the layouts, and "
         "for how long (controller/node_health.py).",
+    )
+    model: ModelSpec | None = Field(
+        default=None,
+        description="The model the plans train (the controller config's ``model``): what "
+        "sizes a plan's checkpoint for its phase deadlines (``deadlines.derive``). None: the "
+        "configured deadlines alone.",
     )
 
 
@@ -225,19 +235,96 @@ class ClearBadDone:
 Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit | ClearBadDone
 
 
+@dataclass(frozen=True)
+class Deadline:
+    """The length a phase gets in a desired state (:func:`phase_deadline`), and why."""
+
+    phase: Phase
+    seconds: float
+    """``base_s`` times ``factor``; 0 for a phase without a deadline."""
+    base_s: float
+    """The longer of ``configured_s`` and what the plan needs."""
+    configured_s: float
+    factor: int = 1
+    """The stretch of a LOAD or VERIFY deadline (``DesiredState.deadline_stretch``)."""
+    need: PhaseNeed | None = None
+    """What the plan needs, when derived."""
+    plan_id: str = ""
+    not_derived: str = ""
+    """Why a phase that may be derived was not (derivation off, no model spec, ...)."""
+
+    @property
+    def derived(self) -> bool:
+        """The plan's need set it (above the configured floor)."""
+        return self.need is not None and self.need.seconds > self.configured_s
+
+    def why(self) -> str:
+        """What an operator reads in the audit's phase record, e.g. ``derived from plan p7:
+        node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up = 684 s (above
+        deadlines.checkpoint 60 s)``."""
+        floor = f"deadlines.{self.phase.value} {self.configured_s:g} s"
+        if self.need is not None:
+            need = f"{self.need.why()} = {self.need.seconds:.0f} s"
+            if self.derived:
+                text = f"derived from plan {self.plan_id}: {need} (above {floor})"
+            else:
+                text = f"configured {floor} (plan {self.plan_id} needs {need})"
+        elif self.not_derived:
+            text = f"configured {floor} (not derived: {self.not_derived})"
+        else:
+            text = f"configured {floor}"
+        if self.factor > 1:
+            text += f", stretched x{self.factor}: {self.seconds:.0f} s"
+        return text
+
+
+def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline:
+    """The deadline ``phase`` gets in ``d`` (the state entering it: its plan, placement and
+    load step): the longer of the configured one and what the plan needs
+    (``controller/plan_deadlines.py``) for QUIESCE, CHECKPOINT, LOAD and VERIFY, times the
+    phase's stretch. Pure; what ``move_to`` sets, the stretch's base and the audit's why."""
+    dl = cfg.deadlines
+    configured = dl.of(phase)
+    factor = dl.factor(phase, d.deadline_stretch)
+    plan_id = d.plan.plan_id if d.plan is not None else ""
+    need: PhaseNeed | None = None
+    off = ""
+    if phase in DERIVED_PHASES:
+        if not dl.derive.enabled:
+            off = "deadlines.derive.enabled is false"
+        elif cfg.model is None:
+            off = "no model spec"
+        elif d.plan is None:
+            off = "no plan"
+        elif (why := mismatch(d.plan, cfg.model)) is not None:
+            off = why
+        else:
+            need = phase_need(
+                phase,
+                d.plan,
+                d.placement,
+                cfg.model,
+                dl.derive,
+                loads_checkpoint=d.load_step >= 0,
+                stop_ahead_steps=cfg.stop_ahead_steps,
+            )
+    base = max(configured, need.seconds if need is not None else 0.0)
+    return Deadline(phase, base * factor, base, configured, factor, need, plan_id, off)
+
+
 def move_to(
     d: DesiredState, phase: Phase, now: float, cfg: DecideConfig, **kw: object
 ) -> DesiredState:
+    """``d`` in ``phase`` since ``now`` with ``kw`` applied, its deadline
+    :func:`phase_deadline`'s of that state (a LAUNCH's new plan and placement included)."""
     check_transition(d.phase, phase)
-    length = cfg.deadlines.of(phase, d.deadline_stretch)
-    update: dict[str, object] = {
-        "phase": phase,
-        "phase_since": now,
-        "phase_deadline": now + length if length else 0.0,
-        "phase_epoch": d.epoch,
-    }
+    update: dict[str, object] = {"phase": phase, "phase_since": now, "phase_epoch": d.epoch}
     update.update(kw)
-    return d.model_copy(update=update)
+    nxt = d.model_copy(update=update)
+    if "phase_deadline" in kw:
+        return nxt
+    length = phase_deadline(nxt, phase, cfg).seconds
+    return nxt.model_copy(update={"phase_deadline": now + length if length else 0.0})
 
 
 def command_id_for(d: DesiredState, kind: str, node: str, extra: int | str = "") -> str:

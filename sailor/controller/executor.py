@@ -35,9 +35,11 @@ from sailor.controller.decision_types import (
     ClearNotice,
     ClearReadmit,
     Commit,
+    DecideConfig,
     Replan,
     Send,
     SetDesired,
+    phase_deadline,
 )
 from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
@@ -93,6 +95,7 @@ class Executor:
         command_timeout_s: float = 1.0,
         resend_s: float = 0.5,
         replan_timeout_s: float = REPLAN_TIMEOUT_S,
+        decide_cfg: DecideConfig | None = None,
     ) -> None:
         self.store = store
         self.commands = commands
@@ -106,6 +109,8 @@ class Executor:
         self.command_timeout_s = command_timeout_s
         self.resend_s = resend_s
         self.replan_timeout_s = replan_timeout_s
+        # what the decision's deadlines were set with: each phase record says why its length
+        self.decide_cfg = decide_cfg
         self._acked: set[str] = set()
         self._acked_view: frozenset[str] | None = None
         self._sent_at: dict[str, float] = {}
@@ -172,6 +177,10 @@ class Executor:
                 extra["layout"] = layout_of(state.plan, state.placement)
                 pred = state.plan.predicted
                 extra["predicted_step_s"] = pred.iteration_time_s if pred is not None else None
+        if state.phase_deadline > 0:
+            extra["deadline_s"] = round(state.phase_deadline - state.phase_since, 3)
+            if self.decide_cfg is not None:
+                extra["deadline"] = _deadline_why(state, self.decide_cfg)
         self.audit.write(
             "phase",
             now,
@@ -448,3 +457,14 @@ class Executor:
             if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
                 self._acked.add(cmd.command_id)
                 self._acked_view = None
+
+
+def _deadline_why(state: DesiredState, cfg: DecideConfig) -> str:
+    """Why ``state``'s phase has its deadline (``decision_types.phase_deadline`` of the
+    state, as ``move_to`` set it), and when a preemption notice cut it shorter."""
+    dl = phase_deadline(state, state.phase, cfg)
+    why = dl.why()
+    got = state.phase_deadline - state.phase_since
+    if got < dl.seconds - 1e-6:
+        why += f"; cut to {got:.0f} s by a preemption notice (its deadline - notice_margin_s)"
+    return why

@@ -32,6 +32,7 @@ from sailor.controller.decision_types import (
     build_command,
     command_id_for,
     move_to,
+    phase_deadline,
     plan_nodes_at,
 )
 from sailor.controller.forgetting import trained, trained_agreed
@@ -193,9 +194,10 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
     if factor >= cap:
         return None
     new = min(factor * 2, cap)
-    base = cfg.deadlines.of(d.phase)
+    dl = phase_deadline(d, d.phase, cfg)
+    base, what = dl.base_s, f"deadlines.{key}" if not dl.derived else f"{key} as derived"
     why = (
-        f"nobody counted: the next {key} deadline is {base * new:.0f} s (deadlines.{key} "
+        f"nobody counted: the next {key} deadline is {base * new:.0f} s ({what} "
         f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) before anyone is charged)"
     )
     return {**d.deadline_stretch, key: new}, why
@@ -203,8 +205,9 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
 
 def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
     """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's factor
-    becomes the least power of two its time needed over the configured deadline (none when
-    within it; at most ``deadlines.stretch_cap``). Kept, not dropped, when it is needed:
+    becomes the least power of two its time needed over its deadline before the stretch (the
+    configured one, or what the plan needs: ``phase_deadline``; none when within it; at most
+    ``deadlines.stretch_cap``). Kept, not dropped, when it is needed:
     dropping it at each generation that trained made every later reconfiguration of a job
     whose load takes longer than ``deadlines.load`` stall again; shrunk to what is needed,
     so that a real hang does not wait the whole cap. An in-place launch reads no checkpoint:
@@ -212,7 +215,7 @@ def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPh
     key, rest = stretch_key(d.phase), dict(d.deadline_stretch)
     if d.path == "in_place":
         return rest
-    base = cfg.deadlines.of(d.phase)
+    base = phase_deadline(d, d.phase, cfg).base_s
     need = (o.now - d.phase_since) / base if base > 0 else 0.0
     rest.pop(key, None)
     if need > 1.0:

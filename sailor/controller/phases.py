@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
+from sailor.controller.plan_deadlines import DeadlineModel
 from sailor.schemas._base import Frozen
 from sailor.schemas.runtime import Phase, StretchedPhase
 
@@ -68,17 +69,27 @@ def stretch_key(phase: Phase) -> StretchedPhase:
 class PhaseDeadlines(Frozen):
     """Seconds each phase may take before the reconfiguration is aborted.
 
-    The defaults fit the CPU demo (``make demo``: the tiny model on a 2-core machine, a step
-    well under a second, a launch with torch import about 5 s) and keep its tests quick to
-    notice a hang. On a real GPU cluster a checkpoint's save and load (GBs per stage), NCCL's
-    init and the first step (compilation, autotuning) take minutes: set ``checkpoint``,
-    ``load`` and ``verify`` for the model (``deploy/config/controller.example.yaml``: 600,
-    600, 300). A ``load`` or ``verify`` deadline that no placed node gets past stretches
-    itself first (``stretch_cap``), so a default too short costs relaunches, not a hold.
+    The configured lengths are floors. QUIESCE, CHECKPOINT, LOAD and VERIFY get the longer
+    of theirs and what the plan needs (``derive``, ``controller/plan_deadlines.py``): the
+    bytes its busiest node writes or reads at the configured storage throughput, its
+    predicted iteration time. The defaults here were made for the CPU demo (``make demo``:
+    the tiny model on a 2-core machine, a step well under a second, a launch with torch's
+    import about 5 s) and keep its tests quick to notice a hang; the demo's tiny model needs
+    less than every one of them, so its deadlines are these. A 7B model on two 8-GPU nodes
+    writes ~40 GB per node: at a default gp3 volume's 125 MiB/s its CHECKPOINT gets ~10
+    minutes, not 60 s. Set ``derive``'s throughputs for your storage; a floor above the
+    derived value (a start-up the model does not size: NCCL init at hundreds of nodes) is
+    still yours to raise. A ``load`` or ``verify`` deadline that no placed node gets past
+    stretches itself on top (``stretch_cap``), so a deadline too short costs relaunches,
+    not a hold; a ``checkpoint`` one does not stretch.
     """
 
-    quiesce: float = Field(default=30.0, gt=0, description="Reach the agreed step.")
-    checkpoint: float = Field(default=60.0, gt=0, description="Every shard durable.")
+    quiesce: float = Field(
+        default=30.0, gt=0, description="Reach the agreed step (the floor: see ``derive``)."
+    )
+    checkpoint: float = Field(
+        default=60.0, gt=0, description="Every shard durable (the floor: see ``derive``)."
+    )
     commit: float = Field(default=10.0, gt=0, description="Record the commit in etcd.")
     teardown: float = Field(
         default=150.0,
@@ -93,14 +104,14 @@ class PhaseDeadlines(Frozen):
     load: float = Field(
         default=120.0,
         gt=0,
-        description="Workers started and loading (the CPU demo's; a real cluster's checkpoint "
-        "load and NCCL init take longer: set it for the model).",
+        description="Workers started and loading: the floor; a checkpoint's read is sized "
+        "by ``derive``.",
     )
     verify: float = Field(
         default=120.0,
         gt=0,
-        description="First step in the new layout (the CPU demo's; a real cluster's first "
-        "step, with compilation and NCCL warm-up, takes longer: set it for the model).",
+        description="First step in the new layout: the floor; the plan's predicted "
+        "iteration time is counted by ``derive``.",
     )
     stretch_cap: int = Field(
         default=8,
@@ -109,11 +120,22 @@ class PhaseDeadlines(Frozen):
         "placed node got through doubles that phase's next deadline up to this factor before "
         "anyone is charged (docs/runtime.md, Failing nodes). 1: charge at once.",
     )
+    derive: DeadlineModel = Field(
+        default_factory=DeadlineModel,
+        description="What QUIESCE, CHECKPOINT, LOAD and VERIFY need by the plan's bytes and "
+        "iteration time; each gets the longer of that and its configured length "
+        "(``enabled: false``: the configured lengths alone).",
+    )
+
+    def factor(self, phase: Phase, stretch: Mapping[StretchedPhase, int] | None = None) -> int:
+        """The factor ``stretch`` (``DesiredState.deadline_stretch``) multiplies ``phase``'s
+        deadline by: 1 when none, at most ``stretch_cap`` (a state written under a larger cap
+        uses this one's)."""
+        factor = next((f for k, f in (stretch or {}).items() if k == phase.value), 1)
+        return min(max(int(factor), 1), self.stretch_cap)
 
     def of(self, phase: Phase, stretch: Mapping[StretchedPhase, int] | None = None) -> float:
-        """Deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING). With
-        ``stretch`` (``DesiredState.deadline_stretch``), times the phase's factor there, at
-        most ``stretch_cap`` (a state written under a larger cap uses this one's)."""
-        factor = next((f for k, f in (stretch or {}).items() if k == phase.value), 1)
-        used = min(max(int(factor), 1), self.stretch_cap)
-        return float(getattr(self, phase.value, 0.0)) * used
+        """Configured deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING).
+        With ``stretch``, times the phase's :meth:`factor`. What a plan needs on top is
+        ``decision_types.phase_deadline``'s."""
+        return float(getattr(self, phase.value, 0.0)) * self.factor(phase, stretch)

@@ -1,0 +1,315 @@
+"""How long a reconfiguration phase needs, derived from what the plan moves.
+
+A phase's configured deadline (``PhaseDeadlines``) is a floor made for the CPU demo: a 7B-70B
+model's checkpoint is tens to hundreds of GB, written and read by each node through its own
+storage, and a step takes seconds. :func:`phase_need` says what the plan about to run (or
+being saved) needs, per phase:
+
+- CHECKPOINT: the node that writes the most bytes, at ``write_mib_s``. Every global layer is
+  written once, whole (TP-gathered), by the rank :func:`writer_assignment` picks, as the
+  engine's ``Checkpointer`` does (``training_process/ckpt_glue.py`` passes no layer sizes:
+  the assignment balances layer counts, not bytes).
+- LOAD: the node that reads the most, at ``read_mib_s``: each rank reads its TP slice of its
+  stage's layers (``checkpoint.reader.load``); nothing when the launch loads no checkpoint.
+- VERIFY: start-up plus ``verify_steps`` iterations of the plan (the simulator's prediction
+  it carries, ``Plan.predicted``).
+- QUIESCE: the iterations up to the agreed stop step (``stop_ahead_steps``, and one more: a
+  node may be a step behind the highest report).
+
+Each is ``startup + safety x (bytes / throughput, or steps x iteration time)``. A checkpoint
+holds per parameter the fp32 master weight and both AdamW moments, whatever the compute
+precision (``sailor/checkpoint/__init__.py``, ``TENSOR_KINDS``, ``MASTER_BYTES``: 12 bytes;
+autocast keeps no 16-bit copy to save), with the vocabulary padded as the engine pads it.
+
+Pure: values in, values out; no I/O, no clock. Must never import torch (the controller's
+contract): layer sizes come from the model spec and the simulator's per-TP-rank count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from sailor.checkpoint.assignment import writer_assignment
+from sailor.schemas._base import Frozen
+from sailor.schemas.checkpoint import TENSOR_KINDS
+from sailor.schemas.model import ModelSpec, padded_vocab
+from sailor.schemas.plan import Plan
+from sailor.schemas.precision import MASTER_BYTES
+from sailor.schemas.runtime import Phase
+from sailor.simulator.estimate_profile import estimate_layer_size
+
+__all__ = [
+    "CHECKPOINT_BYTES_PER_PARAM",
+    "DERIVED_PHASES",
+    "DeadlineModel",
+    "PhaseNeed",
+    "checkpoint_layer_bytes",
+    "derived_deadlines",
+    "mismatch",
+    "phase_need",
+    "read_bytes_per_node",
+    "write_bytes_per_node",
+]
+
+CHECKPOINT_BYTES_PER_PARAM = len(TENSOR_KINDS) * MASTER_BYTES
+"""12: the fp32 master weight and the two fp32 AdamW moments of every parameter, as the
+engine saves them (``checkpoint/state.py``: ``ParamState``; an optimizer without moments
+saves zeros in their place, ``training_process/ckpt_glue.trainer_params``)."""
+
+DERIVED_PHASES = (Phase.QUIESCE, Phase.CHECKPOINT, Phase.LOAD, Phase.VERIFY)
+"""The phases whose deadline a plan's size or speed can lengthen."""
+
+_MIB = 1 << 20
+
+
+class DeadlineModel(Frozen):
+    """What a reconfiguration phase needs, from the plan's bytes and iteration time
+    (``deadlines.derive``). The effective deadline is the larger of the configured one and
+    this; the stretch of LOAD and VERIFY multiplies that.
+
+    Throughputs default to a default AWS gp3 volume (125 MiB/s, the least gp3 provisions;
+    a GCP pd-balanced disk gives 0.28 MiB/s per GiB: 140 MiB/s at 500 GiB): the slowest
+    block storage a GPU node commonly has. A local NVMe (2-7 GB/s) or a larger persistent
+    disk (up to 1,200 MiB/s per VM) is 5-50x faster: set yours, from ``fio`` or a measured
+    save (the audit's ``checkpoint`` phase lengths). Too low costs only a longer wait on a
+    real hang; too high aborts every reconfiguration of a large job (CHECKPOINT does not
+    stretch). The start-up terms are guesses, not measurements: the CPU demo's launch takes
+    about 5 s with torch's import; on GPUs CUDA context creation and NCCL's communicator init
+    add seconds to a minute, more at hundreds of nodes. They stay below the demo's and the
+    integration tests' deadlines (15-30 s), whose configured floor covers the rest.
+    """
+
+    enabled: bool = Field(
+        default=True,
+        description="Derive QUIESCE, CHECKPOINT, LOAD and VERIFY deadlines from the plan "
+        "(with the controller's model spec); False: the configured deadlines alone.",
+    )
+    write_mib_s: float = Field(
+        default=125.0,
+        gt=0,
+        description="Checkpoint write throughput of one node to the checkpoint storage, "
+        "MiB/s (all its ranks together).",
+    )
+    read_mib_s: float = Field(
+        default=125.0,
+        gt=0,
+        description="Checkpoint read throughput of one node from the checkpoint storage, "
+        "MiB/s (all its ranks together).",
+    )
+    safety: float = Field(
+        default=2.0,
+        ge=1,
+        description="Factor on the size- and speed-driven part (bytes over throughput, "
+        "iterations): a shared disk, a cold cache, a slower corner of the cost model.",
+    )
+    checkpoint_startup_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="CHECKPOINT besides writing: the snapshot, the TP gather, the parts, "
+        "manifest and marker round trips, the status that reports it.",
+    )
+    load_startup_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="LOAD besides reading: worker start, torch and CUDA import, the "
+        "rendezvous and the world's first collective.",
+    )
+    verify_startup_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="VERIFY besides its iterations: the groups' communicator init at their "
+        "first collective, allocator warm-up, kernel autotuning of the first step.",
+    )
+    verify_steps: float = Field(
+        default=2.0,
+        gt=0,
+        description="Iterations VERIFY allows for the first step after the load (the "
+        "first one runs slower).",
+    )
+
+
+@dataclass(frozen=True)
+class PhaseNeed:
+    """What one phase needs by the plan: ``seconds``, and what that is made of."""
+
+    phase: Phase
+    seconds: float
+    startup_s: float
+    safety: float
+    node: str = ""
+    """The node that moves the most bytes ('' for QUIESCE and VERIFY)."""
+    bytes: int = 0
+    mib_s: float = 0.0
+    iteration_s: float | None = None
+    """The plan's predicted iteration time; None when it carries none."""
+    steps: float = 0.0
+
+    def why(self) -> str:
+        """E.g. ``node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up``, ``2 iterations
+        of 8 s x2 + 20 s start-up``."""
+        start = f"{self.startup_s:g} s start-up"
+        if self.phase in (Phase.CHECKPOINT, Phase.LOAD):
+            verb = "writes" if self.phase is Phase.CHECKPOINT else "reads"
+            return (
+                f"node {self.node} {verb} {self.bytes / 1e9:.3g} GB at "
+                f"{self.mib_s:g} MiB/s x{self.safety:g} + {start}"
+            )
+        if self.iteration_s is None:
+            return f"{start} (no predicted iteration time)"
+        what = f"{self.steps:g} iterations of {self.iteration_s:.3g} s x{self.safety:g}"
+        return f"{what} + {start}" if self.startup_s else what
+
+
+def checkpoint_layer_bytes(model: ModelSpec, layer: int) -> int:
+    """Bytes one global layer takes in a checkpoint: its parameters (the embedding's and the
+    head's vocabulary padded as the engine pads it, ``megatron_patch.vocab_parallel``) at
+    :data:`CHECKPOINT_BYTES_PER_PARAM`."""
+    params = model.layer_params(layer)
+    if model.layer_kind(layer) != "block":
+        params += (padded_vocab(model.vocab_size) - model.vocab_size) * model.hidden_size
+    return params * CHECKPOINT_BYTES_PER_PARAM
+
+
+def mismatch(plan: Plan, model: ModelSpec) -> str | None:
+    """Why ``model`` cannot size ``plan``'s layers (None when it can): another model's plan,
+    or one over another layer count (the stand-in planner's ``num_layers``)."""
+    if plan.num_layers != model.num_all_layers:
+        return (
+            f"plan {plan.plan_id or plan.model!r} has {plan.num_layers} layers, model "
+            f"{model.name!r} {model.num_all_layers} (embedding, blocks, head)"
+        )
+    return None
+
+
+def _nodes_of(plan: Plan, placement: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """node -> its global ranks: the placement, or (a plan not placed) the replica groups'
+    ``node_id``, each unnamed group a node of its own."""
+    if placement:
+        return dict(placement)
+    out: dict[str, list[int]] = {}
+    for rank, (pi, si, _t) in enumerate(plan.ranks()):
+        group = plan.pipelines[pi].stages[si].replica
+        out.setdefault(group.node_id or f"p{pi}.s{si}", []).append(rank)
+    return {n: tuple(r) for n, r in out.items()}
+
+
+def _check(plan: Plan, model: ModelSpec) -> None:
+    why = mismatch(plan, model)
+    if why is not None:
+        raise ValueError(why)
+
+
+def write_bytes_per_node(
+    plan: Plan, placement: Mapping[str, tuple[int, ...]], model: ModelSpec
+) -> dict[str, int]:
+    """node -> checkpoint bytes its ranks write in a save of ``plan`` (every layer once,
+    whole, by the rank :func:`writer_assignment` gives it)."""
+    _check(plan, model)
+    writer = writer_assignment(plan)
+    by_rank: dict[int, int] = {}
+    for layer, rank in writer.items():
+        by_rank[rank] = by_rank.get(rank, 0) + checkpoint_layer_bytes(model, layer)
+    return {
+        n: sum(by_rank.get(r, 0) for r in ranks) for n, ranks in _nodes_of(plan, placement).items()
+    }
+
+
+def read_bytes_per_node(
+    plan: Plan, placement: Mapping[str, tuple[int, ...]], model: ModelSpec
+) -> dict[str, int]:
+    """node -> checkpoint bytes its ranks read when ``plan`` loads a checkpoint: each rank
+    its TP slice of its stage's layers (the simulator's parameters per TP rank,
+    ``estimate_layer_size``, at :data:`CHECKPOINT_BYTES_PER_PARAM`)."""
+    _check(plan, model)
+    # once per layer range and TP degree: a 512-node plan repeats a few stage shapes
+    # over thousands of ranks (per rank, a pass took 250 ms at 4,096 ranks)
+    by_shape: dict[tuple[int, int, int], int] = {}
+    per_rank: list[int] = []
+    for p in plan.pipelines:
+        for stage in p.stages:
+            tp = stage.replica.tp
+            key = (stage.first_layer, stage.last_layer, tp)
+            if key not in by_shape:
+                params = sum(estimate_layer_size(model, tp, x).params for x in stage.layers)
+                by_shape[key] = params * CHECKPOINT_BYTES_PER_PARAM
+            per_rank.extend([by_shape[key]] * tp)
+    return {
+        n: sum(per_rank[r] for r in rs if 0 <= r < len(per_rank))
+        for n, rs in _nodes_of(plan, placement).items()
+    }
+
+
+def _most(per_node: Mapping[str, int]) -> tuple[str, int]:
+    """The node with the most bytes (the first by id on a tie); ('', 0) for none."""
+    if not per_node:
+        return "", 0
+    node = min(per_node, key=lambda n: (-per_node[n], n))
+    return node, per_node[node]
+
+
+def phase_need(
+    phase: Phase,
+    plan: Plan,
+    placement: Mapping[str, tuple[int, ...]],
+    model: ModelSpec,
+    settings: DeadlineModel,
+    *,
+    loads_checkpoint: bool = True,
+    stop_ahead_steps: int = 1,
+) -> PhaseNeed | None:
+    """What ``phase`` needs for ``plan`` on ``placement`` (node -> global ranks; empty: the
+    replica groups' nodes); None for a phase a plan does not size (LAUNCH, COMMIT, TEARDOWN,
+    IDLE, RUNNING). ``loads_checkpoint``: the launch loads one (LOAD reads nothing else).
+    Raises ValueError when ``model`` is not the plan's (:func:`mismatch`)."""
+    _check(plan, model)
+    k = settings.safety
+    pred = plan.predicted
+    it = pred.iteration_time_s if pred is not None else None
+    if phase is Phase.CHECKPOINT:
+        node, nbytes = _most(write_bytes_per_node(plan, placement, model))
+        rate, start = settings.write_mib_s, settings.checkpoint_startup_s
+    elif phase is Phase.LOAD:
+        if loads_checkpoint:
+            node, nbytes = _most(read_bytes_per_node(plan, placement, model))
+        else:
+            node, nbytes = "", 0
+        rate, start = settings.read_mib_s, settings.load_startup_s
+    elif phase in (Phase.VERIFY, Phase.QUIESCE):
+        steps = settings.verify_steps if phase is Phase.VERIFY else float(stop_ahead_steps + 1)
+        start = settings.verify_startup_s if phase is Phase.VERIFY else 0.0
+        seconds = start + (k * steps * it if it is not None else 0.0)
+        return PhaseNeed(phase, seconds, start, k, iteration_s=it, steps=steps)
+    else:
+        return None
+    seconds = start + k * nbytes / (rate * _MIB)
+    return PhaseNeed(phase, seconds, start, k, node=node, bytes=nbytes, mib_s=rate)
+
+
+def derived_deadlines(
+    plan: Plan,
+    placement: Mapping[str, tuple[int, ...]],
+    model: ModelSpec,
+    settings: DeadlineModel | None = None,
+    *,
+    loads_checkpoint: bool = True,
+    stop_ahead_steps: int = 1,
+) -> dict[Phase, PhaseNeed]:
+    """:func:`phase_need` of every phase in :data:`DERIVED_PHASES`."""
+    s = settings or DeadlineModel()
+    out: dict[Phase, PhaseNeed] = {}
+    for phase in DERIVED_PHASES:
+        need = phase_need(
+            phase,
+            plan,
+            placement,
+            model,
+            s,
+            loads_checkpoint=loads_checkpoint,
+            stop_ahead_steps=stop_ahead_steps,
+        )
+        if need is not None:
+            out[phase] = need
+    return out

@@ -1,0 +1,460 @@
+"""Phase deadlines derived from what the plan moves (``controller/plan_deadlines.py``), and
+their way through ``decide`` and the executor's audit record.
+
+A 7B model on two 8-GPU nodes gets minutes of CHECKPOINT and LOAD deadline (it got the CPU
+demo's 60 s and 120 s before); the demo's tiny model keeps every configured deadline; bad
+settings are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from sailor import catalog
+from sailor.controller.audit import AuditLog
+from sailor.controller.config import ControllerConfig
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import (
+    DecideConfig,
+    Observed,
+    SetDesired,
+    phase_deadline,
+)
+from sailor.controller.executor import Executor
+from sailor.controller.phases import PhaseDeadlines
+from sailor.controller.plan_deadlines import (
+    CHECKPOINT_BYTES_PER_PARAM,
+    DeadlineModel,
+    checkpoint_layer_bytes,
+    derived_deadlines,
+    phase_need,
+    read_bytes_per_node,
+    write_bytes_per_node,
+)
+from sailor.controller.planning import DataParallelPlanner
+from sailor.coordination import Keys, SystemClock, TaskSet
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.model import ModelSpec
+from sailor.schemas.plan import Pipeline, Plan, PlanPrediction, ReplicaGroup, Stage
+from sailor.schemas.runtime import AgentState, AgentStatus, DesiredState, NoticeRecord, Phase
+
+NOW = 1000.0
+
+LLAMA_7B = ModelSpec(
+    name="llama-2-7b",
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    ffn_hidden_size=11008,
+    seq_length=4096,
+    vocab_size=32000,
+    activation="swiglu",
+    norm="rmsnorm",
+    position_embedding="rope",
+    tie_embeddings=False,
+    global_batch_size=512,
+    precision="bf16",
+)
+
+
+def _plan(
+    model: ModelSpec,
+    stages: int,
+    tp: int,
+    nodes: tuple[str, ...],
+    iteration_s: float | None = None,
+    gpu: str = "A100-80",
+) -> tuple[Plan, dict[str, tuple[int, ...]]]:
+    """One pipeline of ``stages`` even stages at TP ``tp``, stage i on ``nodes[i]``."""
+    n = model.num_all_layers
+    cuts = [round(i * n / stages) for i in range(stages + 1)]
+    st = tuple(
+        Stage(
+            first_layer=cuts[i],
+            last_layer=cuts[i + 1] - 1,
+            replica=ReplicaGroup(gpu_type=gpu, zone="z", tp=tp, gpus_per_node=max(tp, 1)),
+        )
+        for i in range(stages)
+    )
+    pred = (
+        PlanPrediction(
+            iteration_time_s=iteration_s,
+            throughput_iter_s=1 / iteration_s,
+            peak_memory_bytes=0,
+            cost_per_iter_usd=0,
+        )
+        if iteration_s
+        else None
+    )
+    plan = Plan(
+        plan_id=f"{model.name}-{stages}x{tp}",
+        model=model.name,
+        global_batch_size=8,
+        pipelines=(Pipeline(stages=st, microbatch_size=1, num_microbatches=8),),
+        predicted=pred,
+    )
+    placement = {nodes[i]: tuple(range(i * tp, (i + 1) * tp)) for i in range(stages)}
+    return plan, placement
+
+
+def test_a_checkpoint_holds_twelve_bytes_per_parameter() -> None:
+    """The fp32 master weight and both AdamW moments, as ``sailor.checkpoint`` stores them
+    (not a 16-bit copy: autocast keeps none), the vocabulary padded as the engine pads it."""
+    assert CHECKPOINT_BYTES_PER_PARAM == 12
+    m = catalog.model("OPT-350")  # vocab 50272 = 785.5 x 64: padded to 50304
+    assert checkpoint_layer_bytes(m, 1) == m.layer_params(1) * 12
+    pad = (50304 - 50272) * m.hidden_size
+    assert checkpoint_layer_bytes(m, 0) == (m.layer_params(0) + pad) * 12
+
+
+def test_a_7b_model_on_two_8_gpu_nodes_gets_minutes_of_checkpoint_and_load() -> None:
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    writes = write_bytes_per_node(plan, placement, LLAMA_7B)
+    total = sum(checkpoint_layer_bytes(LLAMA_7B, x) for x in range(LLAMA_7B.num_all_layers))
+    assert sum(writes.values()) == total  # every layer written once
+    assert 80e9 < total < 82e9  # 6.74 B parameters x 12 B
+    reads = read_bytes_per_node(plan, placement, LLAMA_7B)
+    assert reads["n2"] == pytest.approx(writes["n2"], rel=1e-3)  # its own stage, whole
+    need = derived_deadlines(plan, placement, LLAMA_7B)
+    ck, load = need[Phase.CHECKPOINT], need[Phase.LOAD]
+    # n2 (blocks 17-32, the head) writes 40.4 GB; at 125 MiB/s x2 + 10 s: ~10.5 minutes
+    assert ck.node == "n2" and ck.bytes == writes["n2"]
+    assert ck.seconds == pytest.approx(10 + 2 * writes["n2"] / (125 * 2**20))
+    assert 9 * 60 < ck.seconds < 12 * 60
+    assert 9 * 60 < load.seconds < 12 * 60 and load.node == "n2"
+    assert ck.why() == "node n2 writes 40.4 GB at 125 MiB/s x2 + 10 s start-up"
+    assert need[Phase.VERIFY].seconds == pytest.approx(20 + 2 * 2 * 8.0)
+    assert need[Phase.QUIESCE].seconds == pytest.approx(2 * 2 * 8.0)  # stop_ahead_steps 1, +1
+    assert need[Phase.QUIESCE].why() == "2 iterations of 8 s x2"
+    assert need[Phase.VERIFY].why() == "2 iterations of 8 s x2 + 20 s start-up"
+    # a faster disk (a local NVMe at 2 GB/s) shortens it in proportion
+    fast = derived_deadlines(plan, placement, LLAMA_7B, DeadlineModel(write_mib_s=2000))
+    assert fast[Phase.CHECKPOINT].seconds == pytest.approx(10 + (ck.seconds - 10) / 16)
+    # a launch that loads no checkpoint reads nothing
+    fresh = phase_need(
+        Phase.LOAD, plan, placement, LLAMA_7B, DeadlineModel(), loads_checkpoint=False
+    )
+    assert fresh is not None and fresh.bytes == 0 and fresh.seconds == 20
+
+
+def test_the_busiest_node_sets_it_and_tp_ranks_read_their_slices() -> None:
+    """Four stages on two nodes: a node holding two stages reads both; a stage at TP 2
+    reads each split tensor once in all (two halves) and a replicated one (the learned
+    position table, the final norm) once per TP rank; the simulator's per-rank count leaves
+    out the padded vocabulary rows (at most 63) and splits a block's norms."""
+    m = catalog.model("GPT-Neo-2.7")
+    plan, _ = _plan(m, 4, 2, ("a", "b", "c", "d"))
+    placement = {"x": (0, 1, 2, 3), "y": (4, 5, 6, 7)}
+    reads = read_bytes_per_node(plan, placement, m)
+    per_stage = [
+        sum(checkpoint_layer_bytes(m, x) for x in s.layers) for s in plan.pipelines[0].stages
+    ]
+    pos = m.seq_length * m.hidden_size  # read by both TP ranks of stage 0
+    pad = (50304 - m.vocab_size) * m.hidden_size  # the simulator's count leaves it out
+    assert reads["x"] == per_stage[0] + per_stage[1] + 12 * (pos - pad)
+    norm = 2 * m.hidden_size  # the head's final layernorm, read by both TP ranks of stage 3
+    assert reads["y"] == per_stage[2] + per_stage[3] + 12 * (norm - pad)
+    need = phase_need(Phase.LOAD, plan, placement, m, DeadlineModel())
+    assert need is not None and need.node == max(reads, key=lambda n: reads[n])
+
+
+def _demo_plan() -> tuple[Plan, dict[str, tuple[int, ...]], ModelSpec]:
+    m = catalog.model("tiny-gpt")
+    plan, placement = _plan(m, 2, 1, ("cpu-a", "cpu-b"), iteration_s=1.0, gpu="cpu")
+    return plan, placement, m
+
+
+@pytest.mark.parametrize(
+    "deadlines",
+    [
+        PhaseDeadlines(),  # the defaults: make demo's controller config
+        PhaseDeadlines(quiesce=20, checkpoint=20, launch=15, load=60, verify=60),  # demo
+        PhaseDeadlines(quiesce=15, checkpoint=15, launch=10, load=30, verify=30),  # integration
+    ],
+)
+def test_the_demo_model_keeps_every_configured_deadline(deadlines: PhaseDeadlines) -> None:
+    """The tiny model (a step of 1 s, generously: well under one on the demo) needs less
+    than every configured deadline the demo and the tests run with, so theirs are the ones
+    that fire, when they fired before."""
+    plan, placement, m = _demo_plan()
+    cfg = DecideConfig(checkpoint_dir="/ck", deadlines=deadlines, model=m, stop_ahead_steps=2)
+    d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
+    for phase in Phase:
+        got = phase_deadline(d, phase, cfg)
+        assert got.seconds == deadlines.of(phase), phase
+        assert not got.derived
+    why = phase_deadline(d, Phase.CHECKPOINT, cfg).why()
+    assert why.startswith(f"configured deadlines.checkpoint {deadlines.checkpoint:g} s (plan ")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("write_mib_s", 0),
+        ("read_mib_s", -100),
+        ("safety", 0.5),
+        ("verify_steps", 0),
+        ("load_startup_s", -1),
+        ("write_mib_s", float("nan")),
+    ],
+)
+def test_bad_settings_are_refused_by_name(field: str, value: float) -> None:
+    with pytest.raises(ValidationError) as exc:
+        DeadlineModel(**{field: value})
+    text = str(exc.value)
+    assert field in text and f"input_value={value}" in text
+    raw = {"deadlines": {"derive": {field: value}}}
+    with pytest.raises(ValidationError) as exc:
+        ControllerConfig.model_validate(raw)
+    assert f"deadlines.derive.{field}" in str(exc.value)
+
+
+def test_another_models_plan_is_refused_by_the_function_and_not_derived_by_decide() -> None:
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    tiny = catalog.model("tiny-gpt")
+    with pytest.raises(ValueError, match="has 34 layers, model 'tiny-gpt' 6"):
+        phase_need(Phase.CHECKPOINT, plan, placement, tiny, DeadlineModel())
+    cfg = DecideConfig(checkpoint_dir="/ck", model=tiny)
+    got = phase_deadline(DesiredState(epoch=1, plan=plan, placement=placement), Phase.LOAD, cfg)
+    assert got.seconds == 120 and "not derived: plan 'llama-2-7b-2x8' has 34 layers" in got.why()
+
+
+def test_derivation_can_be_turned_off() -> None:
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    off = PhaseDeadlines(derive=DeadlineModel(enabled=False))
+    cfg = DecideConfig(checkpoint_dir="/ck", model=LLAMA_7B, deadlines=off)
+    d = DesiredState(epoch=1, plan=plan, placement=placement)
+    got = phase_deadline(d, Phase.CHECKPOINT, cfg)
+    assert got.seconds == 60
+    assert got.why() == (
+        "configured deadlines.checkpoint 60 s (not derived: deadlines.derive.enabled is false)"
+    )
+
+
+def _st(node: str, gen: int, step: int, state: AgentState = "running") -> AgentStatus:
+    return AgentStatus(node_id=node, generation=gen, state=state, step=step)
+
+
+def _large_cfg(**kw: Any) -> DecideConfig:
+    return DecideConfig(checkpoint_dir="/ck", model=LLAMA_7B, **kw)
+
+
+def _ns(*ids: str) -> dict[str, NodeSpec]:
+    return {n: NodeSpec(node_id=n, gpu_type="A100-80", gpus=8, zone="z", address="h") for n in ids}
+
+
+def test_decide_gives_a_large_plans_checkpoint_the_derived_deadline() -> None:
+    """QUIESCE -> CHECKPOINT of a 7B plan: ~10 minutes from now, not the configured 60 s
+    (which aborted every reconfiguration of such a job: CHECKPOINT does not stretch)."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cfg = _large_cfg()
+    d = DesiredState(
+        epoch=3,
+        generation=1,
+        phase=Phase.QUIESCE,
+        phase_since=NOW - 5,
+        phase_deadline=NOW + 60,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        stop_step=12,
+    )
+    o = Observed(now=NOW, nodes=_ns("n1", "n2"), status={n: _st(n, 1, 12) for n in placement})
+    moved = [a for a in decide(d, o, cfg) if isinstance(a, SetDesired)]
+    assert [a.state.phase for a in moved] == [Phase.CHECKPOINT]
+    state = moved[0].state
+    want = derived_deadlines(plan, placement, LLAMA_7B)[Phase.CHECKPOINT].seconds
+    assert state.phase_deadline == pytest.approx(NOW + want)
+    assert 9 * 60 < want < 12 * 60
+    # the same through the configured path: without the model, the floor
+    bare = [
+        a for a in decide(d, o, DecideConfig(checkpoint_dir="/ck")) if isinstance(a, SetDesired)
+    ]
+    assert bare[0].state.phase_deadline == NOW + 60
+
+
+def test_decide_derives_load_and_verify_of_the_plan_launched_and_the_stretch_stacks() -> None:
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=30.0)
+    cfg = _large_cfg()
+    d = DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.LAUNCH,
+        phase_since=NOW - 5,
+        phase_deadline=NOW + 20,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+        deadline_stretch={"load": 2},
+    )
+    acked = frozenset(f"e3-g2-launch-{n}" for n in placement)
+    o = Observed(
+        now=NOW,
+        nodes=_ns("n1", "n2"),
+        status={n: _st(n, 2, 12, "idle") for n in placement},
+        acked=acked,
+    )
+    (a,) = decide(d, o, cfg)
+    assert isinstance(a, SetDesired) and a.state.phase is Phase.LOAD
+    need = derived_deadlines(plan, placement, LLAMA_7B)
+    assert a.state.phase_deadline == pytest.approx(NOW + 2 * need[Phase.LOAD].seconds)
+    why = phase_deadline(a.state, Phase.LOAD, cfg).why()
+    assert why.startswith("derived from plan llama-2-7b-2x8: node n2 reads 40.4 GB")
+    assert why.endswith(f"stretched x2: {2 * need[Phase.LOAD].seconds:.0f} s")
+    # its workers up after 600 s: within the derived deadline, so the stretch goes
+    later = Observed(
+        now=NOW + 600,
+        nodes=o.nodes,
+        status={n: _st(n, 2, 12) for n in placement},
+        acked=acked,
+    )
+    (v,) = decide(a.state, later, cfg)
+    assert v.state.phase is Phase.VERIFY and v.state.deadline_stretch == {}  # type: ignore[union-attr]
+    verify = need[Phase.VERIFY].seconds  # 20 s + 2 x 2 x 30 s, above the 120 s floor
+    assert verify == pytest.approx(140)
+    assert v.state.phase_deadline == pytest.approx(NOW + 740)  # type: ignore[union-attr]
+
+
+def test_a_quiesce_of_slow_steps_is_derived_and_a_notice_still_cuts_it() -> None:
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=20.0)
+    cfg = _large_cfg(stop_ahead_steps=1, notice_margin_s=5)
+    d = DesiredState(
+        epoch=3,
+        generation=1,
+        phase=Phase.RUNNING,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+    )
+    status = {n: _st(n, 1, 10) for n in placement}
+    joined = Observed(now=NOW, nodes=_ns("n1", "n2", "n3"), status=status)
+    q = next(a for a in decide(d, joined, cfg) if isinstance(a, SetDesired))
+    assert q.state.phase is Phase.QUIESCE
+    assert q.state.phase_deadline == pytest.approx(NOW + 2 * 2 * 20.0)  # 80 s, not 30 s
+    notice = NoticeRecord(node_id="n2", deadline=NOW + 40)
+    noticed = Observed(now=NOW, nodes=_ns("n1", "n2"), status=status, notices={"n2": notice})
+    q = next(a for a in decide(d, noticed, cfg) if isinstance(a, SetDesired))
+    assert q.state.phase_deadline == NOW + 35
+
+
+def _executor(tmp_path: Path, cfg: DecideConfig) -> tuple[Executor, TaskSet, AuditLog]:
+    class _Store:
+        def __init__(self) -> None:
+            self.data: dict[str, bytes] = {}
+
+        async def put_guarded(self, key: str, value: bytes, guard: str, epoch: int) -> int:
+            self.data[key] = value
+            return 1
+
+    class _Lead:
+        epoch = 3
+        held = True
+        fresh = True
+
+    tasks = TaskSet("test-plan-deadlines")
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    ex = Executor(
+        _Store(),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        Keys(job="pd"),
+        audit,
+        _Lead(),  # type: ignore[arg-type]
+        DataParallelPlanner("tiny-gpt", 4, global_batch_size=8),
+        SystemClock(),
+        tasks,
+        lambda urgent: None,
+        decide_cfg=cfg,
+    )
+    return ex, tasks, audit
+
+
+async def test_the_phase_record_says_which_deadline_and_why(tmp_path: Path) -> None:
+    """An operator auditing ``checkpoint deadline passed`` reads the length the phase got
+    and what it was made of: bytes, throughput, start-up; or the configured setting."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cfg = _large_cfg()
+    ex, tasks, audit = _executor(tmp_path, cfg)
+    need = derived_deadlines(plan, placement, LLAMA_7B)[Phase.CHECKPOINT].seconds
+    try:
+        state = DesiredState(
+            epoch=3,
+            generation=1,
+            phase=Phase.CHECKPOINT,
+            phase_since=NOW,
+            phase_deadline=NOW + need,
+            plan=plan,
+            placement=placement,
+        )
+        await ex.write_desired(state, "reached stop step")
+        cut = state.model_copy(update={"phase_deadline": NOW + 100})
+        await ex.write_desired(cut, "notice tightened the deadline")
+        await ex.write_desired(DesiredState(epoch=3, phase=Phase.IDLE), "idle")
+        audit.sync()
+        recs = [json.loads(x) for x in audit.path.read_text().splitlines()]
+        phases = [r for r in recs if r["kind"] == "phase"]
+        assert phases[0]["deadline_s"] == pytest.approx(need, abs=1e-3)
+        assert phases[0]["deadline"] == (
+            "derived from plan llama-2-7b-2x8: node n2 writes 40.4 GB at 125 MiB/s x2 + 10 s "
+            f"start-up = {need:.0f} s (above deadlines.checkpoint 60 s)"
+        )
+        assert phases[1]["deadline_s"] == 100
+        assert phases[1]["deadline"].endswith(
+            "; cut to 100 s by a preemption notice (its deadline - notice_margin_s)"
+        )
+        assert "deadline" not in phases[2] and "deadline_s" not in phases[2]
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+def test_a_stalled_load_stretches_the_derived_deadline() -> None:
+    """Past the derived LOAD deadline with every worker still starting: nobody is charged,
+    and the next deadline doubles what the plan needs, not the configured floor."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    cfg = _large_cfg()
+    base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    d = DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.LOAD,
+        phase_since=NOW - base - 1,
+        phase_deadline=NOW - 1,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+    )
+    o = Observed(
+        now=NOW, nodes=_ns("n1", "n2"), status={n: _st(n, 2, 12, "idle") for n in placement}
+    )
+    moved = [a for a in decide(d, o, cfg) if isinstance(a, SetDesired)]
+    assert moved[0].state.phase is Phase.TEARDOWN
+    assert moved[0].state.deadline_stretch == {"load": 2}
+    assert (
+        f"the next load deadline is {2 * base:.0f} s (load as derived {base:.0f} s x2"
+        in moved[0].reason
+    )
+
+
+def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path) -> None:
+    """The config's model (a catalog name or a file) is read at start; off or unknown: none
+    (the stand-in planner's model name need not be a known model), and the floors hold."""
+    from sailor.controller.daemon import _model_for_deadlines
+
+    assert _model_for_deadlines(ControllerConfig()) == catalog.model("tiny-gpt").model_copy(
+        update={"global_batch_size": 8}
+    )
+    spec = tmp_path / "m.json"
+    spec.write_text(LLAMA_7B.model_dump_json())
+    got = _model_for_deadlines(ControllerConfig(model=str(spec)))
+    assert got is not None and got.name == "llama-2-7b"
+    off = PhaseDeadlines(derive=DeadlineModel(enabled=False))
+    assert _model_for_deadlines(ControllerConfig(deadlines=off)) is None
+    unknown = ControllerConfig(model="no-such-model", planner="data_parallel")
+    assert _model_for_deadlines(unknown) is None
