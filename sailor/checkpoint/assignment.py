@@ -67,7 +67,10 @@ def writer_assignment(plan: Plan, layer_bytes: Mapping[int, int] | None = None) 
 
     Greedy longest-processing-time: layers in order of decreasing bytes (``layer_bytes``, or 1
     each if unknown), each to the holder rank with the fewest bytes so far; ties go to the rank
-    holding fewer layers (it has fewer other chances to help), then the lower rank.
+    whose replica group (its pipeline's stage: the GPUs of one node, or part of one) has
+    written the fewest bytes, so the writes spread over the replicas' nodes and their
+    storage, not over the TP ranks of the first replica's node; then to the rank holding
+    fewer layers (it has fewer other chances to help), then the lower rank.
     Deterministic, so every rank computes the same answer without talking.
     """
     holders: dict[int, list[int]] = {layer: [] for layer in range(plan.num_layers)}
@@ -77,13 +80,16 @@ def writer_assignment(plan: Plan, layer_bytes: Mapping[int, int] | None = None) 
     held = {
         r: plan.pipelines[pi].stages[si].num_layers for r, (pi, si, _t) in enumerate(plan.ranks())
     }
+    group = {r: (pi, si) for r, (pi, si, _t) in enumerate(plan.ranks())}
     size = {layer: (layer_bytes or {}).get(layer, 1) for layer in holders}
     load = dict.fromkeys(range(len(plan.ranks())), 0)
+    group_load = dict.fromkeys(group.values(), 0)
     out: dict[int, int] = {}
     for layer in sorted(holders, key=lambda x: (-size[x], x)):
-        best = min(holders[layer], key=lambda r: (load[r], held[r], r))
+        best = min(holders[layer], key=lambda r: (load[r], group_load[group[r]], held[r], r))
         out[layer] = best
         load[best] += size[layer]
+        group_load[group[best]] += size[layer]
     return dict(sorted(out.items()))
 
 

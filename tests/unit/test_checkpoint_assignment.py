@@ -89,3 +89,29 @@ def test_place_of_and_summary() -> None:
     assert p.group_ranks == (0, 1)
     assert place_of(plan, 2).layers == (2, 3, 4, 5)
     assert layout_summary(plan) == "p0: [0-1]tp2 [2-5]tp1 mbs=1x1"
+
+
+def test_writes_spread_over_the_replicas_nodes_not_one_replicas_tp_ranks() -> None:
+    """Four replicas of a TP-8 pipeline (a stage is one 8-GPU node): a stage's 10 layers go
+    to the four nodes holding it (3, 3, 2, 2), not to the first replica's eight TP ranks
+    and two of the second's (8, 2, 0, 0): each node writes to its own storage."""
+    p0 = _pipeline([10, 20], [8, 8, 8], 30)
+    plan = Plan(model="toy", global_batch_size=4, pipelines=(p0,) * 4)
+    a = writer_assignment(plan)
+    for stage in range(3):
+        per_node = [0] * 4
+        for layer, rank in a.items():
+            where = place_of(plan, rank)
+            if where.stage == stage:
+                per_node[where.pipeline] += 1
+        assert sorted(per_node) == [2, 2, 3, 3], (stage, per_node)
+    # with bytes, the same: the largest layer first, then each to the least loaded node
+    sizes = {x: 100 + x for x in range(30)}
+    b = writer_assignment(plan, sizes)
+    for stage in range(3):
+        node_bytes = [0] * 4
+        for layer, rank in b.items():
+            where = place_of(plan, rank)
+            if where.stage == stage:
+                node_bytes[where.pipeline] += sizes[layer]
+        assert max(node_bytes) - min(node_bytes) <= max(sizes.values())
