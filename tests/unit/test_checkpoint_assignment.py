@@ -100,7 +100,7 @@ def test_writes_spread_over_the_replicas_nodes_not_one_replicas_tp_ranks() -> No
     a = writer_assignment(plan)
     for stage in range(3):
         per_node = [0] * 4
-        for layer, rank in a.items():
+        for rank in a.values():
             where = place_of(plan, rank)
             if where.stage == stage:
                 per_node[where.pipeline] += 1
