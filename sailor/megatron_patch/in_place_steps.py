@@ -99,11 +99,24 @@ def hold_broken(
 
 
 def leave_world(held: Held | None) -> float:
-    """Leave the previous generation's world (held unbroken: still initialised, idle)."""
+    """Leave the previous generation's world (held unbroken: still initialised, idle).
+
+    Aborted, not destroyed: torch's ``destroy_process_group`` finalizes NCCL communicators
+    (``ncclCommFinalize`` then ``ncclCommDestroy``, blocking until the other members do the
+    same; torch 2.6 on), so a holder leaving while a peer of the old world is still being
+    released, or was killed without leaving, would wait on it. The world is idle (the
+    device is synchronized first), so the abort cancels no transfer."""
     t = time.perf_counter()
     if held is not None and not held.broken and dist.is_initialized():
-        dist.destroy_process_group()
+        _quiet_device(held)
+        comm_abort.abandon_world()
     return time.perf_counter() - t
+
+
+def _quiet_device(held: Held) -> None:
+    """Wait for the held trainer's device to finish its queued work (a CUDA no-op else)."""
+    if held.trainer is not None and held.trainer.device.type == "cuda":
+        torch.cuda.synchronize(held.trainer.device)
 
 
 def drop_old_grads(held: Held | None) -> None:
@@ -378,13 +391,15 @@ def warm_up() -> None:
 
 def leave_process(code: int) -> int:
     """The end of an in-place process: with abandoned worlds, no destructors (they could
-    join threads blocked on dead peers: ``sailor.comm.abort``)."""
+    join threads blocked on dead peers: ``sailor.comm.abort``). A world still held (unbroken,
+    told to exit) is aborted, not finalized, as :func:`leave_world` leaves one: the other
+    holders of its node exit when their own agents tell them."""
+    if dist.is_initialized():
+        comm_abort.abandon_world()
     if comm_abort.abandoned():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    if dist.is_initialized():  # held unbroken, told to exit: the idle world goes
-        dist.destroy_process_group()
     return code
 
 

@@ -211,3 +211,43 @@ def test_kept_layers_are_taken_over_not_copied() -> None:
         for m in ("exp_avg", "exp_avg_sq"):
             assert s_new[m].data_ptr() == s_old[m].data_ptr(), (key, m)
         assert float(s_new["step"]) == 3.0
+
+
+_LEAVE = """
+import os, sys, tempfile
+import torch, torch.distributed as dist
+from sailor.megatron_patch.in_place import Held
+from sailor.megatron_patch.in_place_steps import leave_process, leave_world
+
+def refuse(*a, **k):
+    raise RuntimeError("destroy_process_group called: under NCCL it waits for every member")
+
+d = tempfile.mkdtemp()
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "a"), 1), rank=0, world_size=1)
+dist.destroy_process_group = refuse
+leave_world(Held(None, 0, 3, 12, False, 1))
+assert not dist.is_initialized()
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "b"), 1), rank=0, world_size=1)
+t = torch.ones(1)
+dist.all_reduce(t)
+print("new world", float(t), flush=True)
+leave_process(7)
+print("returned", flush=True)
+"""
+
+
+def test_a_held_world_is_aborted_not_finalized() -> None:
+    """A holder leaves its idle world by aborting it: torch's ``destroy_process_group``
+    finalizes NCCL communicators and waits for every member to do the same, so a holder
+    leaving while a peer is still being released (or was killed without leaving) would hang
+    under NCCL (gloo's destroy is local: the test forbids the call). The next world starts;
+    a held process told to exit aborts its world too and ends with ``os._exit``."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _LEAVE], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert "new world 1.0" in r.stdout, r.stderr[-2000:]
+    assert "returned" not in r.stdout
+    assert r.returncode == 7, r.stderr[-2000:]
