@@ -215,17 +215,26 @@ def _sibling(
 
 
 def intra_curve(
-    network: NetworkProfile, gpu_type: str, gpus: int, specs: Mapping[str, GPUSpec]
+    network: NetworkProfile,
+    gpu_type: str,
+    gpus: int,
+    specs: Mapping[str, GPUSpec],
+    spec_group: int | None = None,
 ) -> tuple[BandwidthCurve, str]:
-    """Curve between ``gpus`` GPUs of one node of ``gpu_type``."""
+    """Curve between ``gpus`` GPUs of one node of ``gpu_type``. Without a measured curve,
+    the spec sheet's link among ``spec_group`` GPUs (default ``gpus``): on a mesh node a
+    group of n GPUs reaches n - 1 pair links (``GPUSpec.link_gbps_among``); a transfer
+    between two GPUs, such as a stage boundary's, one."""
     curve = network.intra(gpu_type, gpus)
     if curve is not None:
         return curve, ""
     spec = spec_of(specs, gpu_type)
     if spec is not None:
-        gbps = spec.link_gbps_among(gpus)
+        group = gpus if spec_group is None else spec_group
+        gbps = spec.link_gbps_among(group)
         pair = spec.intra_node_pair_link_gbps
-        mesh = "" if pair is None else f" ({gpus - 1} of its pair links at {pair:g} GB/s)"
+        links = min(group - 1, round(gbps / pair)) if pair else 0
+        mesh = "" if links < 1 else f" ({links} of its pair links at {pair:g} GB/s)"
         return _flat(gbps), (
             f"no intra-node curve for {gpu_type}: spec-sheet {spec.intra_node_link} "
             f"{gbps:g} GB/s{mesh}"
@@ -249,7 +258,7 @@ class LinkCurves:
         self.network = network
         self.specs = specs
         self._inter: dict[tuple[str, str, int, str, str, int], tuple[BandwidthCurve, str]] = {}
-        self._intra: dict[tuple[str, int], tuple[BandwidthCurve, str]] = {}
+        self._intra: dict[tuple[str, int, int | None], tuple[BandwidthCurve, str]] = {}
 
     def inter(self, a: ReplicaGroup, b: ReplicaGroup) -> tuple[BandwidthCurve, str]:
         """:func:`inter_curve` of ``a`` and ``b``."""
@@ -259,12 +268,16 @@ class LinkCurves:
             hit = self._inter[key] = inter_curve(self.network, a, b)
         return hit
 
-    def intra(self, gpu_type: str, gpus: int) -> tuple[BandwidthCurve, str]:
+    def intra(
+        self, gpu_type: str, gpus: int, spec_group: int | None = None
+    ) -> tuple[BandwidthCurve, str]:
         """:func:`intra_curve` of ``gpus`` GPUs of ``gpu_type``."""
-        key = (gpu_type, gpus)
+        key = (gpu_type, gpus, spec_group)
         hit = self._intra.get(key)
         if hit is None:
-            hit = self._intra[key] = intra_curve(self.network, gpu_type, gpus, self.specs)
+            hit = self._intra[key] = intra_curve(
+                self.network, gpu_type, gpus, self.specs, spec_group
+            )
         return hit
 
 

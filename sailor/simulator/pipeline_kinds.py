@@ -134,7 +134,9 @@ def _kind(inp: SimInputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineK
         eff, fixed = cal.p2p_between(a.gpu_type, b.gpu_type)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
-            curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node)
+            # the boundary's bytes over one GPU pair's link (a mesh node's pair link, not
+            # the GPU's whole link to all its peers)
+            curve, note = inp.links.intra(a.gpu_type, a.gpus_per_node, spec_group=2)
         else:
             curve, note = inp.links.inter(a, b)
         inp.notes.add(note)

@@ -963,3 +963,30 @@ def test_tied_allreduce_moves_the_split_matrix_once_per_node() -> None:
     one = extra((1, 1), True, "per_gpu")
     assert extra((1, 2), True, "per_gpu") == pytest.approx(one, rel=1e-6)
     assert extra((2, 2), True, "per_gpu") == pytest.approx(one / 2, rel=1e-6)
+
+
+def test_a_boundary_inside_a_mesh_node_goes_over_one_pair_link() -> None:
+    """Two stages on one node whose GPUs are linked directly (a mesh: 100 GB/s per pair,
+    300 per GPU to its three peers): the boundary's bytes go from one GPU to another, over
+    one pair link, priced as on a switched node whose GPUs have 100 GB/s each; not at the
+    GPU's whole 300."""
+    groups = [
+        ReplicaGroup(gpu_type="A", zone="z-a", tp=1, gpus_per_node=4, node_id="n1")
+        for _ in range(2)
+    ]
+    plan = _plan(_pipe([3], 4, 4, groups))
+    no_curves = NetworkProfile(links=_network().links)
+    mesh = {
+        **SPECS,
+        "A": SPECS["A"].model_copy(
+            update={"intra_node_link_gbps": 300.0, "intra_node_pair_link_gbps": 100.0}
+        ),
+    }
+    switched = {**SPECS, "A": SPECS["A"].model_copy(update={"intra_node_link_gbps": 100.0})}
+    wide = {**SPECS, "A": SPECS["A"].model_copy(update={"intra_node_link_gbps": 300.0})}
+    t = {
+        name: simulate(plan, MODEL, PROFILES, no_curves, PRICES, gpu_specs=s).iteration_time_s
+        for name, s in (("mesh", mesh), ("switched", switched), ("wide", wide))
+    }
+    assert t["mesh"] == pytest.approx(t["switched"], rel=1e-12)
+    assert t["wide"] < t["switched"]  # the link matters to this plan
