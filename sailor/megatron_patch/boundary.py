@@ -104,23 +104,32 @@ class Boundary:
 
         Each poll also agrees whether the save failed on some rank (``agree_save``); then
         every rank raises (:func:`raise_save_failure`), none goes on into a collective that
-        the failed ones never reach."""
+        the failed ones never reach. That covers a save that failed in its snapshot too
+        (``CheckpointIO.save`` raises no failure of its own: it is the save's)."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint implementation")
         failure: Exception | None = None
         while True:
-            done = self.ckpt.done()
-            if done and failure is None:
-                try:
-                    self.ckpt.wait()  # done: it does not block; it raises the save's error
-                except Exception as exc:
-                    failure = exc
-            every, failed = agree_save(done, failure is not None, self.device)
-            if failed:
-                raise_save_failure(failure, functools.partial(self._settle, failure))
+            every, failure = self._poll(failure)
             if every:
                 return
             time.sleep(self.args.poll_s)
+
+    def _poll(self, failure: Exception | None) -> tuple[bool, Exception | None]:
+        """One collective poll of the save in flight: ``(every rank done, this rank's
+        failure)``; raises on every rank once some rank's save failed (``agree_save``)."""
+        if self.ckpt is None:
+            raise RuntimeError("no checkpoint implementation")
+        done = self.ckpt.done()
+        if done and failure is None:
+            try:
+                self.ckpt.wait()  # done: it does not block; it raises the save's error
+            except Exception as exc:
+                failure = exc
+        every, failed = agree_save(done, failure is not None, self.device)
+        if failed:
+            raise_save_failure(failure, functools.partial(self._settle, failure))
+        return every, failure
 
     def _settle(self, failure: Exception | None) -> None:
         """After an agreed job-wide failure: poll on until every rank's save is over (the
@@ -170,6 +179,11 @@ class Boundary:
         if not root or self.ckpt is None:
             raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
         self.ckpt.save(tr, root, prune_below=req.prune_below)
+        # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
+        # neither) is raised by every rank now, before the next iteration's collectives;
+        # one poll of the save, on this boundary only. A save that went on is awaited at
+        # the next boundary (``_finish_save``), as before.
+        self._poll(None)
         self.pending_save = tr.step
 
     def __call__(self, tr: Trainer) -> bool:
