@@ -61,6 +61,9 @@ class Status:
     def __init__(self, rank: int = -1, error_file: str | None = None) -> None:
         self.in_training = False
         self.step = -1
+        """The trainer's step at the last iteration boundary (the last step it finished)."""
+        self.in_iteration = False
+        """Between boundaries: the iteration to ``step + 1`` is running."""
         self.rank = rank
         """The rank of the current generation (in-place: it changes)."""
         self.error_file = error_file
@@ -68,6 +71,12 @@ class Status:
         self.holding = False
         """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
         self.terminated = False
+
+    @property
+    def failed_step(self) -> int:
+        """The step a failure now happens at: the boundary's, or inside an iteration the
+        one it computes (``step + 1``, as the engine's agreed errors name it)."""
+        return self.step + 1 if self.in_iteration and self.step >= 0 else self.step
 
 
 class Boundary:
@@ -187,7 +196,13 @@ class Boundary:
         self.pending_save = tr.step
 
     def __call__(self, tr: Trainer) -> bool:
-        self.status.step = tr.step
+        self.status.step, self.status.in_iteration = tr.step, False
+        stop = self._at(tr)
+        # the next iteration (if any) runs until the next call: a failure there is its step's
+        self.status.in_iteration = not stop
+        return stop
+
+    def _at(self, tr: Trainer) -> bool:
         a = self.args
         if a.min_step_s > 0:
             left = a.min_step_s - (time.monotonic() - self.last_boundary)
