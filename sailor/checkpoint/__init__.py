@@ -21,7 +21,12 @@ if TYPE_CHECKING:
         writer_assignment,
         writer_ranks,
     )
-    from sailor.checkpoint.checkpointer import Checkpointer, SaveResult, load_for_rank
+    from sailor.checkpoint.checkpointer import (
+        Checkpointer,
+        SaveResult,
+        agree_save_start,
+        load_for_rank,
+    )
     from sailor.checkpoint.errors import (
         CheckpointError,
         CorruptCheckpointError,
@@ -59,6 +64,7 @@ _LAZY: dict[str, str] = {
     "Storage": "sailor.checkpoint.storage",
     "StorageError": "sailor.checkpoint.errors",
     "TrainingGlobals": "sailor.checkpoint.state",
+    "agree_save_start": "sailor.checkpoint.checkpointer",
     "collect": "sailor.checkpoint.gc",
     "commit": "sailor.checkpoint.writer",
     "committed_steps": "sailor.checkpoint.reader",
@@ -105,6 +111,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "TrainingGlobals",
+    "agree_save_start",
     "collect",
     "commit",
     "committed_steps",

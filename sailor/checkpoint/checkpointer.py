@@ -7,6 +7,21 @@
 3. **persists** on a background thread: writes this rank's layer files and its part file; the
    committer rank then waits for every writer's part and writes manifest and commit marker.
 
+A failure on this rank in steps 1-2 (the previous save's error, a param outside the rank's
+layers, a host buffer or device allocation failing, a device-to-host copy) does not raise out
+of ``save``: every rank must enter each of the save's collectives, and a rank that left
+would leave its peers in one it never enters (NCCL: until the watchdog or the controller's
+abort). The failure becomes the save's own (``done()`` is True, ``wait()`` raises it), and
+the caller agrees it with the other ranks where it agrees the save's outcome (the worker's
+save poll). The collectives make that safe:
+
+- step 1 is an object all-gather of (rank 0's save id, whether this rank already failed)
+  over the world (:func:`agree_save_start`): if some rank did, no rank snapshots;
+- in step 2 each TP gather is preceded by a 1-element all-reduce MAX over the TP group of
+  "this rank failed" (after the rank's device allocations for that gather, before the
+  gather): once one is set, every rank of the group stops there, at the same collective.
+  A rank that stopped for a peer has nothing in flight; the one that failed holds its error.
+
 Training may run the next iterations while step 3 runs. Snapshot and persist time are measured
 and reported separately (``SaveResult``). One save is in flight at a time: a second ``save``
 first waits for the previous persist (that wait is counted in its snapshot time). The CPU
@@ -50,10 +65,10 @@ from sailor.checkpoint.storage import Storage
 from sailor.checkpoint.writer import commit, persist_layers
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
-from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest
+from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest, TensorKind
 from sailor.schemas.plan import Plan
 
-__all__ = ["Checkpointer", "SaveResult", "load_for_rank"]
+__all__ = ["Checkpointer", "SaveResult", "agree_save_start", "load_for_rank"]
 
 
 @dataclass(frozen=True)
@@ -129,17 +144,42 @@ class Checkpointer:
         """Snapshot now, persist in the background; returns the snapshot (stall) seconds.
         ``prune_below`` >= 0: after the commit, the committer also deletes every step
         directory below that step (``gc.apply_prune``; the caller knows which older
-        checkpoints are still needed)."""
+        checkpoints are still needed).
+
+        Collective over the world (the start, unless ``save_id`` is given: then the caller
+        agreed it) and each TP group (the gathers). A failure here or on a peer ends the
+        snapshot on every rank at the same collective and raises nothing: this rank's own
+        is raised by ``wait()``, a peer's leaves nothing in flight (module docstring)."""
         t0 = time.perf_counter()
-        self.wait()
-        sid = save_id or self._agree_save_id()
-        mine = self._snapshot(params, self._spare)
+        failure: Exception | None = None
+        by_layer: dict[int, dict[str, ParamState]] = {}
+        try:
+            self.wait()
+            by_layer = self._by_layer(params)
+        except Exception as exc:  # agreed below, raised by wait()
+            failure = exc
+        sid = save_id or ""
+        if save_id is None:
+            sid, failed = agree_save_start(failure)
+            if failed:
+                return self._abandon(failure, t0)
+        mine, failure = self._snapshot(by_layer, self._spare, failure)
+        if mine is None:
+            return self._abandon(failure, t0)
         self._spare = mine if self.reuse_buffers else {}
         snapshot_s = time.perf_counter() - t0
         self._pending = self._pool.submit(
             self._persist, mine, globals_, sid, snapshot_s, prune_below
         )
         return snapshot_s
+
+    def _abandon(self, failure: Exception | None, t0: float) -> float:
+        """End a save that failed here or on a peer: this rank's failure becomes the save's
+        (``done()``, ``wait()`` raises it); a peer's leaves nothing in flight. The spare
+        copies may be half overwritten: not reused."""
+        self._spare = {}
+        self._pending = None if failure is None else _failed(failure)
+        return time.perf_counter() - t0
 
     def done(self) -> bool:
         """Whether nothing is in flight (the last save is persisted, and committed on the
@@ -161,26 +201,9 @@ class Checkpointer:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _agree_save_id(self) -> str:
-        if not (dist.is_available() and dist.is_initialized()):
-            return uuid.uuid4().hex[:12]
-        box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else ""]
-        comm.broadcast_object_list(box, src=0)
-        return str(box[0])
-
-    def _snapshot(
-        self,
-        params: Mapping[str, ParamState],
-        spare: Mapping[int, Mapping[str, ParamState]],
-    ) -> dict[int, dict[str, ParamState]]:
-        """Full CPU copies of the layers this rank writes (gathering TP shards as needed),
-        into the previous save's copies (``spare``, persisted already) where shapes match."""
+    def _by_layer(self, params: Mapping[str, ParamState]) -> dict[int, dict[str, ParamState]]:
+        """``params`` by layer; raises for one outside this rank's layers."""
         place = self.place
-        first = next(iter(params.values()), None)
-        if first is not None:
-            # The copies to the host below wait for the device: wait for the training work
-            # queued before them here, where an abort (SIGUSR1) is still seen.
-            comm_abort.host_sync(first.tensor("weight").device)
         by_layer: dict[int, dict[str, ParamState]] = {}
         for key, p in params.items():
             layer, name = split_key(key)
@@ -190,6 +213,27 @@ class Checkpointer:
                     f"{place.layers[0]}..{place.layers[-1]}"
                 )
             by_layer.setdefault(layer, {})[name] = p
+        return by_layer
+
+    def _snapshot(
+        self,
+        by_layer: Mapping[int, Mapping[str, ParamState]],
+        spare: Mapping[int, Mapping[str, ParamState]],
+        failure: Exception | None = None,
+    ) -> tuple[dict[int, dict[str, ParamState]] | None, Exception | None]:
+        """Full CPU copies of the layers this rank writes (gathering TP shards as needed),
+        into the previous save's copies (``spare``, persisted already) where shapes match.
+
+        Returns ``(copies, None)``, or ``(None, failure)`` once this rank failed (``failure``
+        given: before the snapshot) or, at TP > 1, a rank of its TP group did (then
+        ``failure`` is None here): every rank of the group stops at the same gather."""
+        place = self.place
+        device = _device_of(by_layer)
+        if device is not None and failure is None:
+            # The copies to the host below wait for the device: wait for the training work
+            # queued before them here, where an abort (SIGUSR1) is still seen.
+            comm_abort.host_sync(device)
+        gate = _TPGate(self.tp_group if place.tp_size > 1 else None, device, failure)
         mine: dict[int, dict[str, ParamState]] = {}
         for layer in place.layers:
             writer = self.assignment[layer]
@@ -197,23 +241,38 @@ class Checkpointer:
                 continue
             layer_params = by_layer.get(layer, {})
             old = spare.get(layer, {})
-            full = (
-                self._gather_layer(layer_params, writer, old)
-                if place.tp_size > 1
-                else {n: _copy_param(p, old.get(n)) for n, p in layer_params.items()}
-            )
+            if place.tp_size > 1:
+                full = self._gather_layer(layer_params, writer, old, gate)
+                if full is None:
+                    return None, gate.failure
+            elif gate.failure is not None:
+                return None, gate.failure
+            else:
+                try:
+                    full = {n: _copy_param(p, old.get(n)) for n, p in layer_params.items()}
+                except Exception as exc:  # the save's failure (module docstring)
+                    return None, exc
             if writer == self.rank:
                 mine[layer] = full
-        return mine
+        if not gate.close():
+            return None, gate.failure
+        return mine, None
 
     def _gather_layer(
-        self, lp: Mapping[str, ParamState], writer: int, old: Mapping[str, ParamState]
-    ) -> dict[str, ParamState]:
+        self,
+        lp: Mapping[str, ParamState],
+        writer: int,
+        old: Mapping[str, ParamState],
+        gate: _TPGate,
+    ) -> dict[str, ParamState] | None:
         """Gather one layer's TP-sharded tensors to ``writer``: flat messages of at most
         ``GATHER_BUCKET_BYTES`` per rank (one tensor alone if larger), each moved to the
         host before the next, so that the writer's GPU holds the TP copies of one bucket at
         a time, not of the whole layer's weights and both moments (~12 B per parameter of
-        the full layer: ~10 GB for a 70B-class block)."""
+        the full layer: ~10 GB for a 70B-class block).
+
+        None once a rank of the TP group failed (``gate``): every rank of the group leaves
+        at the same bucket, before its gather."""
         names = sorted(lp)
         sharded = [(n, k) for n in names for k in TENSOR_KINDS if lp[n].tp_dim is not None]
         me = self.rank == writer
@@ -221,40 +280,66 @@ class Checkpointer:
         # Every TP rank of the group holds the same layers, hence the same ``sharded`` list
         # and the same buckets: all of them take part in each gather, or none does.
         for bucket in _buckets(sharded, lambda nk: lp[nk[0]].tensor(nk[1]).numel() * 4):
-            flat = torch.cat([lp[n].tensor(k).detach().reshape(-1) for n, k in bucket])
-            dev_bufs = [torch.empty_like(flat) for _ in self.place.group_ranks] if me else None
+            flat: torch.Tensor | None = None
+            dev_bufs: list[torch.Tensor] | None = None
+            if gate.failure is None:
+                try:  # the device memory of this gather, before the group agrees to run it
+                    flat = _flat(lp, bucket)
+                    dev_bufs = (
+                        [torch.empty_like(flat) for _ in self.place.group_ranks] if me else None
+                    )
+                except Exception as exc:
+                    gate.failure = exc
+            if not gate.open() or flat is None:
+                return None
             comm.gather(flat, dev_bufs, dst=writer, group=self.tp_group)
             del flat
             if dev_bufs is None:
                 continue
             comm_abort.host_sync(dev_bufs[0].device)  # the gather, abortably (SIGUSR1)
-            bufs = [_to_host(b) for b in dev_bufs]
+            try:
+                self._land(lp, bucket, dev_bufs, old, out)
+            except Exception as exc:  # told to the group before its next gather
+                gate.failure = exc
             del dev_bufs
-            off = 0
-            for n, k in bucket:
-                t = lp[n].tensor(k)
-                pieces = [b[off : off + t.numel()].view(t.shape) for b in bufs]
-                dim = lp[n].tp_dim
-                if dim is None:  # filtered above; this narrows the type
-                    raise CheckpointError(f"{n}: lost its tp_dim")
-                dst = _reusable(old.get(n), k, pieces, dim)
-                out.setdefault(n, {})[k] = (
-                    torch.cat(pieces, dim=dim, out=dst)
-                    if dst is not None
-                    else torch.cat(pieces, dim)
-                )
-                off += t.numel()
-        if not me:
+        if not me or gate.failure is not None:
             return {}
-        result = {}
-        for n in names:
-            p = lp[n]
-            if p.tp_dim is None:
-                result[n] = _copy_param(p, old.get(n))
-            else:
-                o = out[n]
-                result[n] = ParamState(o["weight"], o["exp_avg"], o["exp_avg_sq"], p.tp_dim)
+        try:
+            result = {}
+            for n in names:
+                p = lp[n]
+                if p.tp_dim is None:
+                    result[n] = _copy_param(p, old.get(n))
+                else:
+                    o = out[n]
+                    result[n] = ParamState(o["weight"], o["exp_avg"], o["exp_avg_sq"], p.tp_dim)
+        except Exception as exc:  # no collective follows in this layer: the save's failure
+            gate.failure = exc
+            return {}
         return result
+
+    @staticmethod
+    def _land(
+        lp: Mapping[str, ParamState],
+        bucket: Sequence[tuple[str, TensorKind]],
+        dev_bufs: Sequence[torch.Tensor],
+        old: Mapping[str, ParamState],
+        out: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        """The gathered pieces of one bucket in host memory, joined into full tensors."""
+        bufs = [_to_host(b) for b in dev_bufs]
+        off = 0
+        for n, k in bucket:
+            t = lp[n].tensor(k)
+            pieces = [b[off : off + t.numel()].view(t.shape) for b in bufs]
+            dim = lp[n].tp_dim
+            if dim is None:  # filtered above; this narrows the type
+                raise CheckpointError(f"{n}: lost its tp_dim")
+            dst = _reusable(old.get(n), k, pieces, dim)
+            out.setdefault(n, {})[k] = (
+                torch.cat(pieces, dim=dim, out=dst) if dst is not None else torch.cat(pieces, dim)
+            )
+            off += t.numel()
 
     def _persist(
         self,
@@ -313,6 +398,73 @@ class Checkpointer:
             manifest=manifest,
             retention_error=retention_error,
         )
+
+
+def agree_save_start(failure: BaseException | None) -> tuple[str, bool]:
+    """``(save id, some rank failed)`` at the start of a save: rank 0's new id and whether
+    any rank's save failed before it began. The save's first collective (one object
+    all-gather over the world): every rank enters it, failed or not, and then all of them
+    snapshot or none does. Without a process group: a new id and this rank's own."""
+    mine = uuid.uuid4().hex[:12]
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine, failure is not None
+    got: list[Any] = [None] * dist.get_world_size()
+    comm.all_gather_object(got, (mine if dist.get_rank() == 0 else "", failure is not None))
+    return str(got[0][0]), any(bool(g[1]) for g in got)
+
+
+class _TPGate:
+    """Whether a save's TP group goes on to its next gather: one 1-element all-reduce MAX of
+    "this rank failed" over the group before each gather (after the rank's own device
+    allocations for it), so that a failure on one rank stops every rank of the group at the
+    same collective. At TP = 1 (no group) there is no gather and no agreement.
+
+    The flag is a device tensor (NCCL); reading it is a host sync per gather, on the save's
+    path only (the writer syncs there anyway to copy the pieces to the host). If no gather
+    ran, :meth:`close` agrees once: a rank that failed before its first gather still meets
+    its group at one collective whatever the others' bucket count."""
+
+    def __init__(self, group: Any, device: torch.device | None, failure: Exception | None) -> None:
+        self.group, self.failure = group, failure
+        self.device = device or torch.device("cpu")
+        self.agreed = 0
+
+    def open(self) -> bool:
+        """Agree the group's failures (collective over the group); True: gather."""
+        if self.group is None:
+            return self.failure is None
+        self.agreed += 1
+        flag = torch.tensor([int(self.failure is not None)], dtype=torch.int64, device=self.device)
+        comm.all_reduce(flag, op="max", group=self.group)
+        if flag.is_meta:  # a shape-only dry run: nothing failed that it could tell
+            return self.failure is None
+        comm_abort.host_sync(flag.device)
+        return not int(flag.item())
+
+    def close(self) -> bool:
+        """At the end of the snapshot: agree once if no gather did (see the class)."""
+        if self.group is not None and self.agreed == 0:
+            return self.open()
+        return self.failure is None
+
+
+def _failed(exc: Exception) -> Future[SaveResult]:
+    """A save that failed before its persist: done, its result the error."""
+    fut: Future[SaveResult] = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+def _device_of(by_layer: Mapping[int, Mapping[str, ParamState]]) -> torch.device | None:
+    for params in by_layer.values():
+        for p in params.values():
+            return p.tensor("weight").device
+    return None
+
+
+def _flat(lp: Mapping[str, ParamState], bucket: Sequence[tuple[str, TensorKind]]) -> torch.Tensor:
+    """One rank's message of a TP gather: the bucket's shards, flat, on their device."""
+    return torch.cat([lp[n].tensor(k).detach().reshape(-1) for n, k in bucket])
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ The check runs on the host, before the copy to the device (no sync in the hot lo
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,21 +32,52 @@ import torch
 from sailor.megatron_patch.step_agreement import world_objects
 from sailor.megatron_patch.vocab_parallel import IGNORE_INDEX, LabelOutOfRangeError, out_of_range
 
-__all__ = ["LabelWatch", "label_message"]
+__all__ = [
+    "LabelWatch",
+    "label_message",
+    "total_count",
+    "training_batch",
+    "validation_batches",
+]
 
 
-def label_message(
-    step: int, first: int, count: int, seen: str, vocab_size: int, samples: range
-) -> str:
-    """The agreed error's text (the same on every rank)."""
+def label_message(step: int, first: int, count: int, seen: str, vocab_size: int, where: str) -> str:
+    """The agreed error's text (the same on every rank). ``where``: the batch it names
+    (:func:`training_batch`, :func:`validation_batches`); ``count``: the bad ids of that
+    batch over every pipeline (inputs and labels counted apart: a badly tokenized id is in
+    both)."""
     return (
         f"step {step}: token or label id(s) outside the vocabulary [0, {vocab_size}) (a "
-        f"label may be the ignore index {IGNORE_INDEX}) in the global batch of samples "
-        f"{samples.start}..{samples.stop - 1}, read on {seen} (the first's microbatches: "
-        f"{count} such, the first id {first}): the data "
-        "was tokenized with another vocabulary, or the model's vocab_size is too small; "
-        "nothing was applied"
+        f"label may be the ignore index {IGNORE_INDEX}) in {where}, read on {seen} "
+        f"({count} such id(s) in all, inputs and labels counted apart; the first id "
+        f"{first}): the data was tokenized with another vocabulary, or the model's "
+        "vocab_size is too small; nothing was applied"
     )
+
+
+def training_batch(samples: range) -> str:
+    """``where`` of an iteration's global batch."""
+    return f"the global batch of samples {samples.start}..{samples.stop - 1}"
+
+
+def validation_batches(batches: int, global_batch_size: int) -> str:
+    """``where`` of an evaluation: the validation split's first ``batches`` global batches."""
+    n = batches * global_batch_size
+    what = "global batch" if batches == 1 else f"{batches} global batches"
+    return f"the validation split's first {what} (its samples 0..{n - 1})"
+
+
+def total_count(got: Sequence[tuple[str, int | None, int, int]], flagged: Sequence[int]) -> int:
+    """The bad ids of the batch: each pipeline's count once (every rank that reads a
+    pipeline's microbatches, its first and last stage at every TP rank, screens the same
+    inputs and labels and counts the same), summed over the pipelines of ``flagged`` ranks.
+    ``got``: each rank's ``(host, first id, count, pipeline)``."""
+    per_pipeline: dict[int, int] = {}
+    for r in flagged:
+        if r < len(got):
+            _, _, count, pipeline = got[r]
+            per_pipeline[pipeline] = max(per_pipeline.get(pipeline, 0), count)
+    return sum(per_pipeline.values())
 
 
 @dataclass
@@ -78,17 +110,19 @@ class LabelWatch:
         self.count += int(bad.sum())
         return ids.masked_fill(bad, fill)
 
-    def raise_agreed(self, ranks: tuple[int, ...], step: int, samples: range) -> None:
+    def raise_agreed(self, ranks: tuple[int, ...], step: int, where: str, pipeline: int) -> None:
         """Every rank calls this at the same point once some rank's flag was agreed: one
-        object gather (each rank's host, first id and count), then the same error on all."""
-        got = world_objects((socket.gethostname(), self.first, self.count))
+        object gather (each rank's host, first id, count and pipeline), then the same error
+        on all. ``where``: the batch (:func:`training_batch`, :func:`validation_batches`);
+        ``pipeline``: this rank's, so that each pipeline's microbatches count once."""
+        got = world_objects((socket.gethostname(), self.first, self.count, pipeline))
         flagged = [r for r in ranks if r < len(got) and got[r][1] is not None] or list(ranks)
         r0 = flagged[0] if flagged else 0
-        _, first, count = got[min(r0, len(got) - 1)]
+        first = got[min(r0, len(got) - 1)][1]
         seen = ", ".join(f"rank {r} ({got[min(r, len(got) - 1)][0]})" for r in flagged)
-        first = first if first is not None else -1
+        count = total_count(got, flagged)
         raise LabelOutOfRangeError(
-            label_message(step, first, count, seen, self.vocab_size, samples)
+            label_message(step, -1 if first is None else first, count, seen, self.vocab_size, where)
         )
 
     def reset(self) -> None:

@@ -61,6 +61,9 @@ class Status:
     def __init__(self, rank: int = -1, error_file: str | None = None) -> None:
         self.in_training = False
         self.step = -1
+        """The trainer's step at the last iteration boundary (the last step it finished)."""
+        self.in_iteration = False
+        """Between boundaries: the iteration to ``step + 1`` is running."""
         self.rank = rank
         """The rank of the current generation (in-place: it changes)."""
         self.error_file = error_file
@@ -68,6 +71,12 @@ class Status:
         self.holding = False
         """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
         self.terminated = False
+
+    @property
+    def failed_step(self) -> int:
+        """The step a failure now happens at: the boundary's, or inside an iteration the
+        one it computes (``step + 1``, as the engine's agreed errors name it)."""
+        return self.step + 1 if self.in_iteration and self.step >= 0 else self.step
 
 
 class Boundary:
@@ -104,23 +113,32 @@ class Boundary:
 
         Each poll also agrees whether the save failed on some rank (``agree_save``); then
         every rank raises (:func:`raise_save_failure`), none goes on into a collective that
-        the failed ones never reach."""
+        the failed ones never reach. That covers a save that failed in its snapshot too
+        (``CheckpointIO.save`` raises no failure of its own: it is the save's)."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint implementation")
         failure: Exception | None = None
         while True:
-            done = self.ckpt.done()
-            if done and failure is None:
-                try:
-                    self.ckpt.wait()  # done: it does not block; it raises the save's error
-                except Exception as exc:
-                    failure = exc
-            every, failed = agree_save(done, failure is not None, self.device)
-            if failed:
-                raise_save_failure(failure, functools.partial(self._settle, failure))
+            every, failure = self._poll(failure)
             if every:
                 return
             time.sleep(self.args.poll_s)
+
+    def _poll(self, failure: Exception | None) -> tuple[bool, Exception | None]:
+        """One collective poll of the save in flight: ``(every rank done, this rank's
+        failure)``; raises on every rank once some rank's save failed (``agree_save``)."""
+        if self.ckpt is None:
+            raise RuntimeError("no checkpoint implementation")
+        done = self.ckpt.done()
+        if done and failure is None:
+            try:
+                self.ckpt.wait()  # done: it does not block; it raises the save's error
+            except Exception as exc:
+                failure = exc
+        every, failed = agree_save(done, failure is not None, self.device)
+        if failed:
+            raise_save_failure(failure, functools.partial(self._settle, failure))
+        return every, failure
 
     def _settle(self, failure: Exception | None) -> None:
         """After an agreed job-wide failure: poll on until every rank's save is over (the
@@ -170,10 +188,21 @@ class Boundary:
         if not root or self.ckpt is None:
             raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
         self.ckpt.save(tr, root, prune_below=req.prune_below)
+        # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
+        # neither) is raised by every rank now, before the next iteration's collectives;
+        # one poll of the save, on this boundary only. A save that went on is awaited at
+        # the next boundary (``_finish_save``), as before.
+        self._poll(None)
         self.pending_save = tr.step
 
     def __call__(self, tr: Trainer) -> bool:
-        self.status.step = tr.step
+        self.status.step, self.status.in_iteration = tr.step, False
+        stop = self._at(tr)
+        # the next iteration (if any) runs until the next call: a failure there is its step's
+        self.status.in_iteration = not stop
+        return stop
+
+    def _at(self, tr: Trainer) -> bool:
         a = self.args
         if a.min_step_s > 0:
             left = a.min_step_s - (time.monotonic() - self.last_boundary)

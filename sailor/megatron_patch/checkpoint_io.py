@@ -34,6 +34,10 @@ class CheckpointIO(Protocol):
         self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
     ) -> float:
         """Snapshot now (collective), persist in the background; returns the stall seconds.
+        A failure on this rank (the snapshot, opening the storage) or on a peer does not
+        raise: every rank still runs the save's collectives in the same order, this rank's
+        failure is then the save's (``done`` is True, ``wait`` raises it) and a peer's leaves
+        nothing in flight; the worker's save poll agrees it.
         ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
         commit); None: the implementation's default. ``prune_below`` >= 0: after the commit,
         every step below it is deleted (the controller's retention: it names the oldest

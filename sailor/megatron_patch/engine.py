@@ -65,7 +65,7 @@ from pydantic import Field
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
-from sailor.megatron_patch.bad_labels import LabelWatch
+from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validation_batches
 from sailor.megatron_patch.clipping import clip_by_global_norm, local_squares, scale_to_norm
 from sailor.megatron_patch.clock import SpanTimer, synchronize, timestamp
 from sailor.megatron_patch.data import (
@@ -374,7 +374,9 @@ class Trainer:
         if agreed.ranks(BAD_LABELS):
             first = self.consumed_samples
             samples = range(first, first + self.plan.global_batch_size)
-            self.labels.raise_agreed(agreed.ranks(BAD_LABELS), self.step + 1, samples)
+            self.labels.raise_agreed(
+                agreed.ranks(BAD_LABELS), self.step + 1, training_batch(samples), role.pipeline
+            )
         self.labels.reset()
         return agreed
 
@@ -474,8 +476,8 @@ class Trainer:
         got = total.tolist()
         bad = tuple(r for r, f in enumerate(got[1:]) if f)
         if bad:
-            samples = range(0, batches * self.plan.global_batch_size)
-            self.labels.raise_agreed(bad, self.step, samples)
+            where = validation_batches(batches, self.plan.global_batch_size)
+            self.labels.raise_agreed(bad, self.step, where, self.role.pipeline)
         return float(got[0]) / batches
 
     def train_step(self) -> StepResult:

@@ -111,14 +111,21 @@ def classify(exc: BaseException, in_training: bool) -> Origin:
     return "local"
 
 
-def failure_record(exc: BaseException, rank: int, step: int, in_training: bool) -> FailureRecord:
-    """The JSON-able record of the first failure of a rank."""
+def failure_record(
+    exc: BaseException, rank: int, step: int, in_training: bool, last_step: int | None = None
+) -> FailureRecord:
+    """The JSON-able record of the first failure of a rank.
+
+    ``step``: the step it failed at (inside an iteration, the one it computes: the step the
+    engine's agreed errors name); ``last_step``: the last step it finished (what a parent's
+    :func:`signal_failure_record` calls ``step``; None: the same as ``step``)."""
     origin = classify(exc, in_training)
     return {
         "rank": rank,
         "step": step,
         "origin": origin,
         "retry": origin != "config",
+        "last_step": step if last_step is None else last_step,
         "error_type": type(exc).__name__,
         "message": str(exc)[:4000],
         "traceback": "".join(traceback.format_exception(exc))[-8000:],

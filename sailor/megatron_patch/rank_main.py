@@ -411,7 +411,7 @@ def _generation(
         load_stage(trainer.stage, weights)
     release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
-    status.in_training, status.step = True, trainer.step
+    status.in_training, status.step, status.in_iteration = True, trainer.step, False
     progress.emit(
         {
             "event": "ready",
@@ -543,7 +543,9 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
                     fault_path(err_file).unlink()
         return code
     except BaseException as exc:  # the first cause of any failure is reported
-        record = failure_record(exc, status.rank, status.step, status.in_training)
+        record = failure_record(
+            exc, status.rank, status.failed_step, status.in_training, last_step=status.step
+        )
         write_error_file(status.error_file, record)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         # Never run destructors or barriers that could wait on dead peers.

@@ -15,8 +15,12 @@ rank order:
   has its own re-raises that; the others build it from the gathered class and text), once
   every rank's save is over (the committer has deleted the refused save's files). The
   controller holds it against the job (``failure_text.AGREED_ERRORS``), never a node;
-- any other (a node's storage failing): the ranks that failed raise their own (charged to
-  their node); the others raise ``PeerFailedError`` (``origin=peer``: not charged).
+- any other (a node's storage failing, a snapshot's host or device memory): the ranks that
+  failed raise their own (charged to their node); the others raise ``PeerFailedError``
+  (``origin=peer``: not charged) naming the failed ranks and their hosts.
+
+A save that failed in its snapshot, before its persist (``Checkpointer.save``), reaches here
+the same way: that rank's save is done and its ``wait`` raises the error.
 
 A ``job_wide`` error class takes its message as its only positional argument. This module
 must not import ``sailor.checkpoint`` (layers): it reads the class attribute by name.
@@ -24,6 +28,7 @@ must not import ``sailor.checkpoint`` (layers): it reads the class attribute by 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +42,14 @@ def _job_wide(exc: BaseException | None) -> bool:
     return exc is not None and bool(getattr(type(exc), "job_wide", False))
 
 
-def _summary(exc: Exception | None) -> tuple[Any, str] | None:
+def _summary(exc: Exception | None) -> tuple[Any, str, str] | None:
     """What a rank tells the others of its failure: the class itself only when it is
-    job-wide (a module-level class, pickled by reference), else None, and its text."""
+    job-wide (a module-level class, pickled by reference), else None, its text and its
+    host."""
     if exc is None:
         return None
-    return (type(exc) if _job_wide(exc) else None, f"{type(exc).__name__}: {exc}")
+    cls = type(exc) if _job_wide(exc) else None
+    return (cls, f"{type(exc).__name__}: {exc}", socket.gethostname())
 
 
 def raise_save_failure(local: Exception | None, settle: Callable[[], None]) -> None:
@@ -53,7 +60,7 @@ def raise_save_failure(local: Exception | None, settle: Callable[[], None]) -> N
     failed = [(r, g) for r, g in enumerate(got) if g is not None]
     if not failed:  # cannot happen after an agreed failure; never go on silently
         raise PeerFailedError("a checkpoint save failed on some rank (agreed), none said why")
-    first_rank, (cls, text) = failed[0]
+    first_rank, (cls, text, _host) = failed[0]
     if cls is not None:
         settle()
         message = text.split(": ", 1)[1] if ": " in text else text
@@ -62,7 +69,7 @@ def raise_save_failure(local: Exception | None, settle: Callable[[], None]) -> N
         raise cls(message) from local
     if local is not None:
         raise local
-    ranks = ", ".join(str(r) for r, _ in failed)
+    ranks = ", ".join(f"{r} ({g[2]})" for r, g in failed)
     raise PeerFailedError(
         f"the checkpoint save failed on rank(s) {ranks}, not here; rank {first_rank}: {text}"
     )

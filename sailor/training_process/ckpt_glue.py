@@ -32,6 +32,7 @@ from sailor.checkpoint import (
     Checkpointer,
     ParamState,
     TrainingGlobals,
+    agree_save_start,
     load,
     load_for_rank,
     open_storage,
@@ -183,6 +184,8 @@ class LayerCheckpointIO:
         # one per (root, retention): a save's ``keep`` is its own, not the first save's
         self._by_root: dict[tuple[str, int | None], Checkpointer] = {}
         self._in_flight: Checkpointer | None = None
+        self._failure: Exception | None = None
+        """A save that failed here before it began (``save``): raised by ``wait``."""
 
     def position(self, root: str, step: int) -> tuple[int, int]:
         m = read_manifest(open_storage(root), step)
@@ -207,27 +210,44 @@ class LayerCheckpointIO:
     def save(
         self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
     ) -> float:
-        opt = optimizer_state(trainer.stage, trainer.optimizer)
-        steps = {s["step"] for s in opt.values()}
-        if opt and steps != {trainer.adam_step}:
-            raise RuntimeError(
-                f"AdamW steps {sorted(steps)} != iteration {trainer.step} minus "
-                f"{trainer.skipped_steps} skipped"
-            )
-        extra: dict[str, Any] = {
-            "adam_step": trainer.adam_step,
-            "seed": trainer.cfg.seed,
-            **trainer.scaling_state(),
-        }
-        g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
-        ck = self._checkpointer(trainer, root, keep)
+        # A failure here (the AdamW check, opening the storage: its directory) is the save's,
+        # as one inside ``Checkpointer.save``: this rank still enters the save's first
+        # collective (``agree_save_start``), where every rank learns that a save failed
+        # before it began and none snapshots; ``wait`` raises it (the worker's save poll
+        # agrees it). Raising here left the other ranks in that collective.
+        failure: Exception | None = None
+        try:
+            opt = optimizer_state(trainer.stage, trainer.optimizer)
+            steps = {s["step"] for s in opt.values()}
+            if opt and steps != {trainer.adam_step}:
+                raise RuntimeError(
+                    f"AdamW steps {sorted(steps)} != iteration {trainer.step} minus "
+                    f"{trainer.skipped_steps} skipped"
+                )
+            extra: dict[str, Any] = {
+                "adam_step": trainer.adam_step,
+                "seed": trainer.cfg.seed,
+                **trainer.scaling_state(),
+            }
+            g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
+            ck = self._checkpointer(trainer, root, keep)
+            params = trainer_params(trainer)
+        except Exception as exc:  # raised by wait(), once agreed
+            failure = exc
+        if failure is not None:
+            agree_save_start(failure)
+            self._in_flight, self._failure = None, failure
+            return 0.0
         self._in_flight = ck
-        return ck.save(trainer_params(trainer), g, prune_below=prune_below)
+        return ck.save(params, g, prune_below=prune_below)
 
     def done(self) -> bool:
-        return self._in_flight is None or self._in_flight.done()
+        return self._failure is not None or self._in_flight is None or self._in_flight.done()
 
     def wait(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         if self._in_flight is not None:
             ck, self._in_flight = self._in_flight, None
             res = ck.wait()
@@ -237,7 +257,7 @@ class LayerCheckpointIO:
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer
         # polls for their parts); its thread is left to finish or time out on its own.
-        self._in_flight = None
+        self._in_flight, self._failure = None, None
         self._by_root.clear()
 
     def close(self) -> None:

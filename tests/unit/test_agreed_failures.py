@@ -83,7 +83,8 @@ def test_a_refusal_is_raised_alike_on_a_rank_whose_save_went_well(
     from sailor.megatron_patch.save_failure import raise_save_failure
 
     text = "step 2: tensor 3.w.weight holds a non-finite value (inf or NaN)"
-    _gathered(monkeypatch, [None, (NonFiniteCheckpointError, f"NonFiniteCheckpointError: {text}")])
+    refusal = (NonFiniteCheckpointError, f"NonFiniteCheckpointError: {text}", "h1")
+    _gathered(monkeypatch, [None, refusal])
     settled = []
     with pytest.raises(NonFiniteCheckpointError) as e:
         raise_save_failure(None, lambda: settled.append(1))
@@ -100,12 +101,12 @@ def test_another_nodes_storage_error_is_a_peers_failure_here(
 ) -> None:
     from sailor.megatron_patch.save_failure import raise_save_failure
 
-    _gathered(monkeypatch, [None, (None, "StorageError: cannot write x: disk full")])
-    with pytest.raises(PeerFailedError, match=r"rank\(s\) 1, not here") as e:
+    _gathered(monkeypatch, [None, (None, "StorageError: cannot write x: disk full", "h1")])
+    with pytest.raises(PeerFailedError, match=r"rank\(s\) 1 \(h1\), not here") as e:
         raise_save_failure(None, lambda: pytest.fail("no settle for a node's failure"))
     assert classify(e.value, in_training=True) == "peer"
     own = StorageError("cannot write x: disk full")
-    _gathered(monkeypatch, [(None, f"StorageError: {own}")])
+    _gathered(monkeypatch, [(None, f"StorageError: {own}", "h0")])
     with pytest.raises(StorageError):
         raise_save_failure(own, lambda: None)
 

@@ -1,0 +1,48 @@
+"""The agreed ``LabelOutOfRangeError`` counts the whole batch's bad ids, and names the batch.
+
+Four ranks (two pipelines of two stages) flag bad ids: each pipeline's first and last stage
+read the same microbatches, so each counts its pipeline's. The message said the first flagged
+rank's count (``the first's microbatches: 2 such``) and, for an evaluation, "the global batch
+of samples 0..7" when it was the validation split's first batches. Now the count is the sum
+over pipelines, each counted once, from the object gather the error already makes (no other
+collective), and an evaluation names the validation batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sailor.megatron_patch import bad_labels
+from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validation_batches
+from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
+
+VOCAB = 64
+# rank -> (host, first bad id, count, pipeline): pipeline 0 read 2 bad ids (ranks 0 and 1,
+# its first and last stage, saw both), pipeline 1 read 3 (ranks 2 and 3)
+GOT = [("a", 70, 2, 0), ("a", 70, 2, 0), ("b", 99, 3, 1), ("b", 99, 3, 1)]
+
+
+def _raised(monkeypatch: pytest.MonkeyPatch, where: str) -> str:
+    def world_objects(_obj: Any, _group: Any = None) -> list[Any]:
+        return list(GOT)
+
+    monkeypatch.setattr(bad_labels, "world_objects", world_objects)
+    watch = LabelWatch(VOCAB, first=70, count=2)
+    with pytest.raises(LabelOutOfRangeError) as err:
+        watch.raise_agreed((0, 1, 2, 3), 5, where, 0)
+    return str(err.value)
+
+
+def test_the_count_is_the_batchs_over_every_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _raised(monkeypatch, training_batch(range(8, 16)))
+    assert "5 such id(s) in all" in text, text
+    assert "the first id 70" in text and "rank 2 (b)" in text
+    assert "the global batch of samples 8..15" in text
+
+
+def test_an_evaluation_names_the_validation_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _raised(monkeypatch, validation_batches(2, 4))
+    assert "global batch of samples" not in text, text
+    assert "the validation split's first 2 global batches (its samples 0..7)" in text
