@@ -2,10 +2,13 @@
 build carries another NCCL than the job's.
 
 Every CUDA build of torch bundles its own NCCL (torch 2.13.0: NCCL 2.29.3 in the CUDA 12.6
-build, 2.29.7 in the CUDA 13.0 one on PyPI), and the ranks of one NCCL communicator must
-run one NCCL version: a job whose nodes mix builds fails or hangs at its first collective,
-far from the cause. The agent registers its node's build (``NodeSpec.runtime``, from its
-node check); this module picks the job's version and names the nodes of any other.
+build, 2.29.7 in the CUDA 13.0 one on PyPI), and NCCL promises nothing for the ranks of one
+communicator running different versions (its API is compatible within a major version, its
+protocol between ranks is not documented as such; its maintainers suspect mixed versions
+across nodes first when a job hangs, NVIDIA/nccl#354): a job whose nodes mix builds may
+fail or hang at a collective, far from the cause. The agent registers its node's build
+(``NodeSpec.runtime``, from its node check); this module picks the job's version and names
+the nodes of any other.
 
 The rule, the simplest that never disturbs a running layout:
 
@@ -78,7 +81,7 @@ def not_admitted(
         out[n] = (
             f"NCCL {_nccl(spec)} ({_build(spec)}), the job's nodes run NCCL {job} ({build}, "
             f"{', '.join(x.node_id for x in same[:5])}{', ...' if len(same) > 5 else ''}): "
-            "one communicator takes one NCCL version; install the job's torch build on it "
+            "one communicator should run one NCCL version; install the job's torch build on it "
             "(SAILOR_TORCH_INDEX, docs/gpu.md) and restart its agent"
         )
     return out

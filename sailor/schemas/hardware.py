@@ -78,8 +78,9 @@ class Zone(Frozen):
 
 class TorchRuntime(Frozen):
     """The torch build a node's workers run, as its agent's node check found it. Each CUDA
-    build of torch bundles its own NCCL, and one NCCL communicator takes one NCCL version:
-    the controller places the nodes of one version in a job (``controller/nccl_admission``)."""
+    build of torch bundles its own NCCL, and NCCL promises nothing for one communicator of
+    mixed versions: the controller places the nodes of one version in a job
+    (``controller/nccl_admission``)."""
 
     torch_version: str = Field(default="", description="torch.__version__, e.g. '2.13.0+cu126'.")
     torch_cuda: str = Field(
