@@ -1,7 +1,8 @@
 """The facts of ``sailor check``, gathered on this node: the I/O shell around ``check_verdicts``.
 
-* :func:`gather_gpu` asks torch (in this process) for CUDA, the driver, NCCL and every
-  device, maps each device's CUDA name to its catalog type, and runs :func:`probe_collectives`.
+* :func:`gather_gpu` asks torch (in this process) for CUDA, the driver, NCCL, the build's
+  GPU architectures (``get_arch_list``) and every device, maps each device's CUDA name to
+  its catalog type, and runs :func:`probe_collectives`.
 * :func:`gather_gpu_subprocess` does the same in a child process (``python -m
   sailor.agent.check_gather``), for the agent: a CUDA context in the long-lived agent would hold
   ~0.5 GiB of every GPU for as long as it runs, and a wedged driver call cannot hang it.
@@ -112,6 +113,8 @@ def gather_gpu(probe: bool = True, deadline_s: float = 120.0) -> dict[str, Any]:
     with contextlib.suppress(Exception):
         v = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
         out["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    with contextlib.suppress(Exception):  # the architectures this build has kernels for
+        out["arch_list"] = tuple(str(a) for a in torch.cuda.get_arch_list())
     gpus = catalog.gpus()
     devices = []
     for i in range(torch.cuda.device_count()):

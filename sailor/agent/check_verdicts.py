@@ -4,9 +4,10 @@ Pure: :func:`judge` takes :class:`~sailor.schemas.node_check.NodeFacts` and retu
 :class:`~sailor.schemas.node_check.CheckReport`; no torch, no I/O (``check_gather`` collects
 the facts, the CLI and the agent print or act on the report). A line fails only when the node
 cannot serve as configured (no GPU on a GPU node, a device the catalog does not know or that
-is not the configured type, fewer GPUs than configured, a failed NCCL probe, a server that
-does not answer); it warns when the node serves but a person should look (another process
-holds GPU memory, the probe or the servers were not checked).
+is not the configured type, fewer GPUs than configured, a device torch's build has no kernels
+for, a failed NCCL probe, a server that does not answer); it warns when the node serves but
+a person should look (another process holds GPU memory, the probe or the servers were not
+checked).
 
 Node kinds: a config whose ``node.gpu_type`` is ``cpu`` is a CPU node (the demo's and the
 tests' workers): its GPU checks are skipped and it passes on reachability alone. Any other
@@ -16,6 +17,7 @@ person who runs the check on a machine without one to see the rest.
 
 from __future__ import annotations
 
+from sailor.catalog.torch_builds import DEFAULT_BUILD, TORCH_VERSION, build_for, serving_arch, sm
 from sailor.schemas.node_check import (
     CheckLine,
     CheckReport,
@@ -33,8 +35,9 @@ context takes ~0.3-0.5 GiB (under 1% of a 40 GB card); more means another proces
 
 NEEDS_GPU = (
     "a GPU node needs an NVIDIA GPU with its driver (nvidia-smi lists it) and a CUDA build of "
-    "torch==2.13.0 with NCCL; on a CPU host use a node config with gpu_type: cpu, or pass "
-    "--allow-cpu to check the rest"
+    f"torch=={TORCH_VERSION} with NCCL (pip install --force-reinstall torch=={TORCH_VERSION} "
+    f"--index-url {DEFAULT_BUILD.index_url}: it runs every catalog GPU); on a CPU host use a "
+    "node config with gpu_type: cpu, or pass --allow-cpu to check the rest"
 )
 
 _GIB = float(1 << 30)
@@ -107,12 +110,14 @@ def _gpu_lines(f: NodeFacts, allow_cpu: bool) -> list[CheckLine]:
             "nccl",
             "fail",
             "torch has no NCCL: GPUs of a job cannot communicate",
-            "install a CUDA build of torch==2.13.0 (the PyPI CUDA wheels ship NCCL)",
+            f"install a CUDA build of torch=={TORCH_VERSION} (each ships its NCCL): pip install "
+            f"--force-reinstall torch=={TORCH_VERSION} --index-url {DEFAULT_BUILD.index_url}",
         )
     )
     out.append(_count_line(f))
     out += [_device_line(d, f.gpu_type) for d in f.devices]
     out += _mixed_line(f)
+    out += _arch_line(f)
     out.append(_precision_line(f.devices))
     out += _probe_lines(f)
     return out
@@ -179,6 +184,61 @@ def _mixed_line(f: NodeFacts) -> list[CheckLine]:
             "fail",
             f"mixed GPU types on one node: {', '.join(types)}",
             "a node has one GPU type: restrict CUDA_VISIBLE_DEVICES to one type per agent",
+        )
+    ]
+
+
+def _arch_line(f: NodeFacts) -> list[CheckLine]:
+    """Whether this torch build has kernels for every device: a device it has none for (no
+    ``sm_XY`` of its major revision at or below its minor one, no PTX at or below its
+    capability) fails at its first kernel with "no kernel image is available for execution
+    on the device" (the PyPI build of torch 2.13 on a V100: CUDA 13 has no sm_70)."""
+    if not f.devices:
+        return []
+    build = f"torch {f.torch_version} (CUDA {f.torch_cuda})"
+    if not f.arch_list:
+        return [
+            _line(
+                "arch",
+                "warn",
+                f"{build} reported no GPU architectures (torch.cuda.get_arch_list() empty)",
+                "check that torch runs a kernel on each GPU: python -c 'import torch; "
+                'torch.ones(1, device="cuda").sum()\'',
+            )
+        ]
+    archs = ", ".join(f.arch_list)
+    bad = [d for d in f.devices if serving_arch(f.arch_list, d.capability) is None]
+    if not bad:
+        served = sorted(
+            {f"{sm(d.capability)} by {serving_arch(f.arch_list, d.capability)}" for d in f.devices}
+        )
+        return [_line("arch", "ok", f"{build} has kernels for every GPU: {', '.join(served)}")]
+    found = "; ".join(
+        f"gpu{d.index} {d.cuda_name!r}, compute capability {d.capability[0]}.{d.capability[1]} "
+        f"({sm(d.capability)})"
+        for d in bad
+    )
+    fix = build_for(d.capability for d in f.devices)
+    wanted = ", ".join(sorted({sm(d.capability) for d in bad}))
+    if fix is None:
+        action = (
+            f"no CUDA build of torch {TORCH_VERSION} known to Sailor has {wanted}: use GPUs of "
+            "a catalog type (sailor/catalog/torch_builds.py lists the builds)"
+        )
+    else:
+        action = (
+            f"install the build that has {wanted} (CUDA {fix.cuda}, NCCL {fix.nccl}): pip "
+            f"install --force-reinstall torch=={TORCH_VERSION} --index-url {fix.index_url} "
+            "(cloud-init: SAILOR_TORCH_INDEX in /etc/sailor/install.env); every node of a job "
+            "needs the same build, one NCCL version (docs/gpu.md)"
+        )
+    return [
+        _line(
+            "arch",
+            "fail",
+            f"{found}: {build} has kernels for {archs} only, so every kernel there fails "
+            "with 'no kernel image is available for execution on the device'",
+            action,
         )
     ]
 

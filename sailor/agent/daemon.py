@@ -40,7 +40,7 @@ from sailor.agent.agent_config import AgentConfig
 from sailor.agent.agent_quota import UNSEEN, AgentCpuQuota
 from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
-from sailor.agent.node_join import AgentNodeCheck, host_port, node_address
+from sailor.agent.node_join import AgentNodeCheck, host_port, node_address, registered_node
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.supervisor import Supervisor
 from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
@@ -150,6 +150,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         facts = check.result() if not check.cancelled() else None
         if facts is None:
             return
+        self.node = registered_node(self.node, facts)  # its torch build and NCCL version
         sec = self.cfg.security
         t0 = time.monotonic()
         store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))

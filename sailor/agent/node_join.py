@@ -1,7 +1,8 @@
 """What an agent establishes about its node before it joins: the node check (the GPU checks
 of ``sailor check``, in a child process; CPU nodes and ``check.mode: off`` gather no GPU
 facts), whose facts go with its ``NodeJoined`` or, in ``enforce`` mode, keep it from joining;
-and, when its configuration gives no address, the address it registers (``node_address``: the
+the torch build and NCCL version it registers with its node (``registered_node``); and,
+when its configuration gives no address, the address it registers (``node_address``: the
 local end of its route to the servers).
 
 ``AgentNodeCheck`` is a part of :class:`sailor.agent.daemon.Agent` (a mixin over the agent's
@@ -28,6 +29,7 @@ __all__ = [
     "AgentNodeCheck",
     "host_port",
     "node_address",
+    "registered_node",
     "route_address",
 ]
 
@@ -44,6 +46,14 @@ def node_address(endpoints: Sequence[str], probe: Callable[[str], str] | None = 
         if addr and not ipaddress.ip_address(addr).is_loopback:
             return addr
     return next((a for a in found if a), "")
+
+
+def registered_node(node: NodeSpec, facts: NodeFacts) -> NodeSpec:
+    """What the agent registers: its configured node with the torch build and NCCL version
+    its check found (``NodeSpec.runtime``), by which the controller keeps one NCCL version
+    per job. Nothing gathered (a CPU node, check mode off): the node as configured."""
+    runtime = facts.runtime()
+    return node if runtime is None else node.model_copy(update={"runtime": runtime})
 
 
 def host_port(url: str) -> str:

@@ -133,7 +133,22 @@ def status(
             f"excluded [bold]{node}[/] until {until} after {ex['failures']} failure(s) in a "
             f"row: {escape(ex['cause'])}"
         )
-    cols = ("node", "gpu", "gpus", "zone", "spot", "state", "step", "loss", "notice", "excluded")
+    for node, why in snap.get("not_admitted", {}).items():  # another NCCL than the job's
+        con.print(f"not admitted [bold]{node}[/]: {escape(why)}")
+    cols = (
+        "node",
+        "gpu",
+        "gpus",
+        "zone",
+        "spot",
+        "state",
+        "step",
+        "loss",
+        "notice",
+        "excluded",
+        "nccl",
+        "admitted",
+    )
     t = Table(*cols)
     for n in snap["nodes"]:
         t.add_row(*(str(n.get(k, "")) for k in cols))

@@ -427,6 +427,7 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
         "calibration",
         "calibration_restored",
         "replan_decision",
+        "not_admitted",
     }
     lines: list[str] = []
     for r in records:

@@ -54,7 +54,7 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import decide, unusable
+from sailor.controller.decide import decide, not_admitted, unusable
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.event_intake import EventIntake, urgent_wake
 from sailor.controller.executor import Executor
@@ -168,6 +168,7 @@ class Controller(EventIntake):
         # operators' requests by key: (value, parsed or None), re-validated only on a change
         self._readmit_seen: dict[str, tuple[bytes, ReadmitRequest | None]] = {}
         self._clear_bad_seen: dict[str, tuple[bytes, ClearBadRequest | None]] = {}
+        self._not_admitted: dict[str, str] = {}  # last audited (``_audit_admission``)
 
     def wake(self, urgent: bool = False) -> None:
         if urgent or self._unseen_notices:
@@ -478,7 +479,19 @@ class Controller(EventIntake):
             readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
             clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
         )
+        self._audit_admission(desired, o)
         return replace(o, excluded=unusable(desired, o))  # as decide sees it
+
+    def _audit_admission(self, desired: DesiredState, o: Observed) -> None:
+        """An audit record and a journal line each time the nodes left out for their NCCL
+        version change (``decide.not_admitted``): who, and why."""
+        refused = not_admitted(desired, o)
+        if refused == self._not_admitted:
+            return
+        self._not_admitted = refused
+        self.audit.write("not_admitted", o.now, nodes=refused)
+        for node, why in sorted(refused.items()):
+            _log.warning("node_not_admitted", node=node, why=why)
 
     def _node_gone(self, node_id: str) -> None:
         """A registration disappeared (lease lost or revoked): urgent if a layout used it."""

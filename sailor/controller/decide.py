@@ -16,7 +16,8 @@ records (``sailor node readmit``), or to clear checkpoint marks once the storage
 repaired (``sailor checkpoint clear-bad``: ``controller/bad_marks.py``), is part of the
 observed state, and deleted once applied.
 
-This module holds the entry points (``decide``, ``unusable``), the pass's order (expired
+This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes of
+another NCCL version than the job's, ``controller/nccl_admission.py``), the pass's order (expired
 notices, readmit requests, clear-bad requests, forgotten records, then the phase) and the
 IDLE and RUNNING phases. Its inputs and actions are in ``controller/decision_types.py``; the
 other phases in ``controller/aborts.py`` (a failure's move to TEARDOWN),
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import bad_marks, failing_nodes
+from sailor.controller import bad_marks, failing_nodes, nccl_admission
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
@@ -48,7 +49,7 @@ from sailor.controller.launch import launch_next, launching
 from sailor.controller.teardown import teardown
 from sailor.schemas.runtime import DesiredState, Phase
 
-__all__ = ["decide", "unusable"]
+__all__ = ["decide", "not_admitted", "unusable"]
 
 
 def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -127,9 +128,22 @@ def _recalibrate(
 
 
 def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
-    """The registered nodes no layout may use at ``o.now`` (``failing_nodes.unusable``):
-    what ``decide`` puts in ``Observed.excluded``, and the daemon for the other readers."""
-    return failing_nodes.unusable(d, o.nodes, o.status, o.now)
+    """The registered nodes no layout may use at ``o.now``: those the failure records keep
+    out (``failing_nodes.unusable``) and those of another NCCL version than the job's
+    (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``, and the daemon
+    for the other readers."""
+    out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
+    return out | frozenset(not_admitted(d, o, out))
+
+
+def not_admitted(d: DesiredState, o: Observed, out: frozenset[str] | None = None) -> dict[str, str]:
+    """The registered nodes left out for their NCCL version, with the reason
+    (``controller/nccl_admission.py``); ``out``: the nodes the failure records keep out
+    (computed when not given)."""
+    if out is None:
+        out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
+    candidates = [n for n in o.nodes if n not in out and n not in o.notices]
+    return nccl_admission.not_admitted(d.placement, o.nodes, candidates)
 
 
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

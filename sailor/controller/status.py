@@ -20,6 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from sailor.controller.bad_marks import marked, unknown_steps
+from sailor.controller.failing_nodes import unusable
+from sailor.controller.nccl_admission import not_admitted
 from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
@@ -85,25 +87,31 @@ async def read_status(
     job_out = None
     if held is not None and held.excluded_until > now:
         job_out = {"until": held.excluded_until, "failures": held.failures, "cause": held.cause}
-    rows = []
+    specs: dict[str, NodeSpec] = {}
     for kv in nodes:
         with contextlib.suppress(ValidationError):
-            n = NodeSpec.model_validate_json(kv.value)
-            s2 = st.get(n.node_id)
-            rows.append(
-                {
-                    "node": n.node_id,
-                    "gpu": n.gpu_type,
-                    "gpus": n.gpus,
-                    "zone": n.zone,
-                    "spot": n.spot,
-                    "state": s2.state if s2 else "?",
-                    "step": s2.step if s2 else "",
-                    "loss": f"{s2.loss:.4f}" if s2 and s2.loss is not None else "",
-                    "notice": f"{nt[n.node_id].deadline:.0f}" if n.node_id in nt else "",
-                    "excluded": f"{out[n.node_id]['until']:.0f}" if n.node_id in out else "",
-                }
-            )
+            spec = NodeSpec.model_validate_json(kv.value)
+            specs[spec.node_id] = spec
+    refused = _not_admitted(d, specs, st, nt, now)
+    rows = []
+    for n in specs.values():
+        s2 = st.get(n.node_id)
+        rows.append(
+            {
+                "node": n.node_id,
+                "gpu": n.gpu_type,
+                "gpus": n.gpus,
+                "zone": n.zone,
+                "spot": n.spot,
+                "state": s2.state if s2 else "?",
+                "step": s2.step if s2 else "",
+                "loss": f"{s2.loss:.4f}" if s2 and s2.loss is not None else "",
+                "notice": f"{nt[n.node_id].deadline:.0f}" if n.node_id in nt else "",
+                "excluded": f"{out[n.node_id]['until']:.0f}" if n.node_id in out else "",
+                "nccl": n.runtime.nccl_version if n.runtime is not None else "",
+                "admitted": "no" if n.node_id in refused else "",
+            }
+        )
     last = None
     if ckpts:
         with contextlib.suppress(ValidationError):
@@ -118,12 +126,27 @@ async def read_status(
         "cause": d.cause if d else "",
         "excluded": out,
         "job_excluded": job_out,
+        "not_admitted": refused,
         "last_checkpoint": last,
         "bad_checkpoints": list(d.bad_checkpoints) if d else [],
         "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,
         "calibration_version": _calibration_version(calib.value) if calib else None,
         "nodes": rows,
     }
+
+
+def _not_admitted(
+    d: DesiredState | None,
+    nodes: dict[str, NodeSpec],
+    status: dict[str, AgentStatus],
+    notices: dict[str, NoticeRecord],
+    now: float,
+) -> dict[str, str]:
+    """The nodes the leader leaves out for their NCCL version, and why, by the leader's own
+    rule (``controller/nccl_admission.py``) over the same records."""
+    out = unusable(d, nodes, status, now) if d is not None else frozenset()
+    candidates = [n for n in nodes if n not in out and n not in notices]
+    return not_admitted(d.placement if d is not None else {}, nodes, candidates)
 
 
 def _calibration_version(raw: bytes) -> int | None:

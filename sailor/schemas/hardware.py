@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage, field_error
 from sailor.schemas.zones import region_of
 
-__all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "Zone"]
+__all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "TorchRuntime", "Zone"]
 
 
 class GPUSpec(Frozen):
@@ -76,6 +76,21 @@ class Zone(Frozen):
         return cls(cloud=cloud, region=region, name=text)
 
 
+class TorchRuntime(Frozen):
+    """The torch build a node's workers run, as its agent's node check found it. Each CUDA
+    build of torch bundles its own NCCL, and NCCL promises nothing for one communicator of
+    mixed versions: the controller places the nodes of one version in a job
+    (``controller/nccl_admission``)."""
+
+    torch_version: str = Field(default="", description="torch.__version__, e.g. '2.13.0+cu126'.")
+    torch_cuda: str = Field(
+        default="", description="CUDA version torch was built with ('' CPU-only build)."
+    )
+    nccl_version: str = Field(
+        default="", description="torch.cuda.nccl.version(), e.g. '2.29.3' ('' none)."
+    )
+
+
 class NodeSpec(WireMessage):
     """One node (VM) as the runtime sees it: what its agent registers under ``nodes/<id>``.
     Versioned like every wire message, so a field a newer agent adds is dropped by an older
@@ -101,6 +116,13 @@ class NodeSpec(WireMessage):
     zone: str = Field(pattern=ZONE_NAME, description="Zone name (no spaces).")
     spot: bool = Field(default=True, description="Spot/preemptible VM.")
     address: str = Field(default="", description="Reachable address (host or host:port).")
+    runtime: TorchRuntime | None = Field(
+        default=None,
+        description="The node's torch build and NCCL version, filled by its agent from the "
+        "node check before it registers (wire version 5). None: not gathered (a CPU node, "
+        "check mode off, an agent of an older release): placed with any version. In an "
+        "agent config it stands only where the check gathers nothing (tests).",
+    )
 
 
 MAX_POOL_NODES = 100_000

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
+from sailor.schemas.hardware import TorchRuntime
 
 __all__ = [
     "CheckLine",
@@ -89,6 +90,11 @@ class NodeFacts(Frozen):
     cuda_error: str = Field(default="", max_length=1024, description="Why CUDA is unavailable.")
     driver_version: str = Field(default="", description="NVIDIA driver version ('' unknown).")
     nccl_version: str = Field(default="", description="torch.cuda.nccl.version ('' none).")
+    arch_list: tuple[str, ...] = Field(
+        default=(),
+        description="torch.cuda.get_arch_list(): the GPU architectures this torch build has "
+        "kernels (sm_XY) or PTX (compute_XY) for; () not gathered or no CUDA.",
+    )
     devices: tuple[DeviceFacts, ...] = Field(default=(), description="Visible CUDA devices.")
     probe: ProbeFacts | None = Field(default=None, description="NCCL probe; None: not run.")
     nats: EndpointFacts | None = Field(default=None, description="NATS; None: not checked.")
@@ -105,6 +111,16 @@ class NodeFacts(Frozen):
         if idx != list(range(len(idx))):
             raise field_error("devices", idx, "device indices must be 0..n-1 in order")
         return self
+
+    def runtime(self) -> TorchRuntime | None:
+        """The torch build and NCCL the node registers; None when nothing was gathered."""
+        if not self.gathered or not self.torch_version:
+            return None
+        return TorchRuntime(
+            torch_version=self.torch_version,
+            torch_cuda=self.torch_cuda,
+            nccl_version=self.nccl_version,
+        )
 
     def summary(self) -> dict[str, object]:
         """A few fields for a log or audit record: kind, GPU types, driver, NCCL, probe."""

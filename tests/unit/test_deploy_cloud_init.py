@@ -42,7 +42,8 @@ def test_top_level_keys_and_boot_steps() -> None:
     order = [
         "systemd-sysusers",
         "chown root:sailor $f",  # the node's key and login, once the user exists
-        "pip install",
+        "python3 -m venv",
+        "sailor-install",
         "sailor-agent-config",
         "config check",
         "daemon-reload",
@@ -194,3 +195,56 @@ def test_the_config_script_does_not_die_of_sigpipe_on_a_long_gpu_list(tmp_path: 
     the list outgrows the pipe's buffer (here 4,000 lines, ~120 KB)."""
     res = _run_script(tmp_path, "NVIDIA H100 80GB HBM3, 81559\\n" * 4000, SAILOR_JOB="llm")
     assert res.returncode != 141, res.stderr
+
+
+def _run_install(tmp: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The embedded install script against a fake venv whose pip logs its arguments."""
+    venv = tmp / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp / "pip.log"
+    (venv / "bin/pip").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (venv / "bin/python").write_text("#!/bin/sh\necho 2.13.0+cu126 12.6\n")
+    for f in (venv / "bin").iterdir():
+        f.chmod(0o755)
+    script = tmp / "sailor-install"
+    script.write_text(_file("/usr/local/sbin/sailor-install"))
+    install_env = tmp / "install.env"
+    install_env.write_text(
+        _file("/etc/sailor/install.env").replace("@SAILOR_PACKAGE@", "sailor==0.1.0")
+    )
+    full = {
+        "PATH": os.environ["PATH"],
+        "SAILOR_VENV": str(venv),
+        "SAILOR_INSTALL_ENV": str(install_env),
+        **env,
+    }
+    res = subprocess.run(
+        ["bash", str(script)], env=full, capture_output=True, text=True, timeout=20
+    )
+    calls = log.read_text().splitlines() if log.exists() else []
+    return res, calls
+
+
+def test_install_puts_the_torch_build_that_runs_every_catalog_gpu_before_the_package(
+    tmp_path: Path,
+) -> None:
+    """Plain pip took torch from PyPI: the CUDA 13.0 build, without V100 kernels, and any
+    other build on a node set up by hand gave the job two NCCL versions."""
+    from sailor.catalog.torch_builds import DEFAULT_BUILD, TORCH_VERSION
+
+    env = _file("/etc/sailor/install.env")
+    assert f"SAILOR_TORCH_INDEX={DEFAULT_BUILD.index_url}\n" in env
+    assert f"SAILOR_TORCH=torch=={TORCH_VERSION}\n" in env  # the pin of pyproject.toml
+    res, calls = _run_install(tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert calls == [
+        f"install --quiet --upgrade --index-url {DEFAULT_BUILD.index_url} torch=={TORCH_VERSION}",
+        "install --quiet --upgrade sailor==0.1.0",
+    ]
+    assert "torch 2.13.0+cu126 12.6" in res.stdout
+
+
+def test_install_without_a_torch_index_installs_the_package_alone(tmp_path: Path) -> None:
+    res, calls = _run_install(tmp_path, SAILOR_TORCH_INDEX="")
+    assert res.returncode == 0, res.stderr
+    assert calls == ["install --quiet --upgrade sailor==0.1.0"]

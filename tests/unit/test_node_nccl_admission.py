@@ -1,0 +1,187 @@
+"""One NCCL version per job: a node registers its torch build and NCCL version, and the
+controller places only the nodes of the job's version (the running layout's, else the one
+with most GPUs); the others are reported as not admitted, with the reason, in the audit log
+and ``sailor status``. Tested through ``decide``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sailor.agent.node_join import registered_node
+from sailor.controller import status as status_mod
+from sailor.controller.daemon import Controller
+from sailor.controller.decide import decide, not_admitted, unusable
+from sailor.controller.decision_types import DecideConfig, Observed, Replan, SetDesired
+from sailor.controller.nccl_admission import job_nccl
+from sailor.controller.planning import DataParallelPlanner
+from sailor.coordination import Keys
+from sailor.schemas.hardware import NodeSpec, TorchRuntime
+from sailor.schemas.node_check import NodeFacts
+from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
+
+CFG = DecideConfig(checkpoint_dir="/ck", stop_ahead_steps=2, notice_margin_s=5)
+NOW = 1000.0
+CU126 = TorchRuntime(torch_version="2.13.0+cu126", torch_cuda="12.6", nccl_version="2.29.3")
+CU130 = TorchRuntime(torch_version="2.13.0", torch_cuda="13.0", nccl_version="2.29.7")
+
+
+def node(i: int, runtime: TorchRuntime | None, gpus: int = 1) -> NodeSpec:
+    return NodeSpec(
+        node_id=f"n{i}",
+        gpu_type="A100-40",
+        gpus=gpus,
+        zone="z-a-1",
+        address="h",
+        runtime=runtime,
+    )
+
+
+def nodes(*specs: NodeSpec) -> dict[str, NodeSpec]:
+    return {s.node_id: s for s in specs}
+
+
+def running(ns: dict[str, NodeSpec], ids: tuple[str, ...]) -> DesiredState:
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(ns[i] for i in ids), None)
+    return DesiredState(
+        epoch=7,
+        generation=1,
+        phase=Phase.RUNNING,
+        plan=res.plan,
+        placement=res.placement,
+        membership=tuple(sorted(ids)),
+    )
+
+
+def st(node_id: str, state: str = "running", gen: int = 1) -> AgentStatus:
+    return AgentStatus(node_id=node_id, generation=gen, state=state, step=10)  # type: ignore[arg-type]
+
+
+def obs(ns: dict[str, NodeSpec], statuses: list[AgentStatus]) -> Observed:
+    return Observed(now=NOW, nodes=ns, status={s.node_id: s for s in statuses})
+
+
+def test_a_node_of_another_nccl_does_not_join_a_running_job() -> None:
+    """Before, n3 (the PyPI build, NCCL 2.29.7) joined a job running the CUDA 12.6 build
+    (NCCL 2.29.3): the next layout mixed two NCCL versions in one communicator."""
+    ns = nodes(node(1, CU126), node(2, CU126), node(3, CU130, gpus=8))
+    d = running(ns, ("n1", "n2"))
+    o = obs(ns, [st("n1"), st("n2"), st("n3", "idle", gen=-1)])
+    assert decide(d, o, CFG) == []  # no quiesce for n3: it waits outside the job
+    assert unusable(d, o) == frozenset({"n3"})
+    why = not_admitted(d, o)["n3"]
+    assert "NCCL 2.29.7 (torch 2.13.0, CUDA 13.0)" in why
+    assert "the job's nodes run NCCL 2.29.3 (torch 2.13.0+cu126, CUDA 12.6, n1, n2)" in why
+    assert "SAILOR_TORCH_INDEX" in why
+    # a node of the job's build joins as before
+    ns4 = {**ns, "n4": node(4, CU126)}
+    a = decide(d, obs(ns4, [st("n1"), st("n2"), st("n4", "idle", gen=-1)]), CFG)
+    assert isinstance(a[0], SetDesired) and a[0].state.phase is Phase.QUIESCE
+    assert a[0].reason == "nodes joined: n4"
+
+
+def test_an_idle_job_plans_on_the_version_with_most_gpus() -> None:
+    ns = nodes(node(1, CU126, gpus=4), node(2, CU130, gpus=2), node(3, CU130, gpus=4))
+    a = decide(DesiredState(epoch=7), obs(ns, []), CFG)
+    (rp,) = [x for x in a if isinstance(x, Replan)]
+    assert [n.node_id for n in rp.nodes] == ["n2", "n3"]  # 6 GPUs of 2.29.7 over 4 of 2.29.3
+
+
+def test_the_running_layouts_version_wins_over_more_gpus_elsewhere() -> None:
+    ns = nodes(node(1, CU126), node(2, CU130, gpus=8), node(3, CU130, gpus=8))
+    d = running(ns, ("n1",))
+    assert job_nccl(d.placement, ns, list(ns)) == "2.29.3"
+    assert set(not_admitted(d, obs(ns, [st("n1")]))) == {"n2", "n3"}
+
+
+def test_nodes_of_unknown_version_are_not_judged_and_excluded_nodes_do_not_vote() -> None:
+    ns = nodes(node(1, None), node(2, CU130), node(3, CU126, gpus=8))
+    health = {"n3": NodeHealth(failures=3, exclusions=1, excluded_until=NOW + 600, cause="boom")}
+    d = DesiredState(epoch=7, node_health=health)
+    o = obs(ns, [])
+    # n3 (most GPUs) is excluded: its version does not decide, n1 (unknown) is placed
+    assert not_admitted(d, o) == {}
+    assert unusable(d, o) == frozenset({"n3"})
+    (rp,) = [x for x in decide(d, o, CFG) if isinstance(x, Replan)]
+    assert [n.node_id for n in rp.nodes] == ["n1", "n2"]
+
+
+def test_the_agent_registers_its_torch_build_and_nccl_version() -> None:
+    configured = node(1, None)
+    facts = NodeFacts(
+        node_kind="gpu",
+        gathered=True,
+        cuda_available=True,
+        torch_version="2.13.0+cu126",
+        torch_cuda="12.6",
+        nccl_version="2.29.3",
+    )
+    reg = registered_node(configured, facts)
+    assert reg.runtime == CU126
+    assert NodeSpec.model_validate_json(reg.model_dump_json()) == reg  # what etcd holds
+    # nothing gathered (a CPU node, check mode off): the node as configured
+    assert registered_node(configured, NodeFacts(node_kind="cpu")) is configured
+    # an agent of the release before registers no runtime: read as unknown
+    old = configured.model_dump(mode="json", exclude={"runtime"}) | {"schema_version": 4}
+    assert NodeSpec.model_validate(old).runtime is None
+
+
+def test_the_controller_audits_each_change_of_the_nodes_not_admitted() -> None:
+    ns = nodes(node(1, CU126), node(2, CU126), node(3, CU130))
+    d = running(ns, ("n1", "n2"))
+    written: list[tuple[str, dict[str, Any]]] = []
+    ctl = SimpleNamespace(
+        _not_admitted={},
+        audit=SimpleNamespace(write=lambda kind, t, **f: written.append((kind, f))),
+    )
+    o = obs(ns, [st("n1"), st("n2")])
+    Controller._audit_admission(ctl, d, o)  # type: ignore[arg-type]
+    Controller._audit_admission(ctl, d, o)  # type: ignore[arg-type]  (no change: no record)
+    assert [k for k, _ in written] == ["not_admitted"]
+    assert set(written[0][1]["nodes"]) == {"n3"}
+    Controller._audit_admission(ctl, d, obs(nodes(node(1, CU126)), [st("n1")]))  # type: ignore[arg-type]
+    assert written[-1] == ("not_admitted", {"nodes": {}})
+
+
+@dataclass
+class _KV:
+    key: str
+    value: bytes
+    create_revision: int = 1
+
+
+class _Store:
+    def __init__(self, kvs: dict[str, bytes]) -> None:
+        self.kvs = kvs
+
+    async def get(self, key: str) -> _KV | None:
+        return _KV(key, self.kvs[key]) if key in self.kvs else None
+
+    async def get_prefix(self, prefix: str) -> list[_KV]:
+        return [_KV(k, v) for k, v in sorted(self.kvs.items()) if k.startswith(prefix)]
+
+    async def close(self) -> None:
+        pass
+
+
+def test_sailor_status_names_the_nodes_not_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = Keys(job="j")
+    ns = nodes(node(1, CU126), node(2, CU130))
+    d = running(ns, ("n1",))
+    kvs = {keys.desired: d.model_dump_json().encode()}
+    kvs |= {keys.node(n): s.model_dump_json().encode() for n, s in ns.items()}
+
+    async def fake_connect(*args: object, **kw: object) -> _Store:
+        return _Store(kvs)
+
+    monkeypatch.setattr(status_mod, "connect_etcd", fake_connect)
+    snap = asyncio.run(status_mod.read_status("e:2379", "j", now=NOW))
+    assert set(snap["not_admitted"]) == {"n2"}
+    assert "NCCL 2.29.7" in snap["not_admitted"]["n2"]
+    rows = {r["node"]: r for r in snap["nodes"]}
+    assert rows["n1"]["nccl"] == "2.29.3" and rows["n1"]["admitted"] == ""
+    assert rows["n2"]["nccl"] == "2.29.7" and rows["n2"]["admitted"] == "no"
