@@ -42,6 +42,7 @@ from sailor.agent.cpu_quota import CpuQuota, QuotaState
 from sailor.agent.fence import EpochFence
 from sailor.agent.node_join import AgentNodeCheck, host_port, node_address, registered_node
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
+from sailor.agent.release import sailor_release
 from sailor.agent.supervisor import Supervisor
 from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
@@ -150,7 +151,8 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         facts = check.result() if not check.cancelled() else None
         if facts is None:
             return
-        self.node = registered_node(self.node, facts)  # its torch build and NCCL version
+        # its torch build, NCCL version and the release its workers run
+        self.node = registered_node(self.node, facts, sailor_release())
         sec = self.cfg.security
         t0 = time.monotonic()
         store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))

@@ -48,12 +48,17 @@ def node_address(endpoints: Sequence[str], probe: Callable[[str], str] | None = 
     return next((a for a in found if a), "")
 
 
-def registered_node(node: NodeSpec, facts: NodeFacts) -> NodeSpec:
+def registered_node(node: NodeSpec, facts: NodeFacts, release: str = "") -> NodeSpec:
     """What the agent registers: its configured node with the torch build and NCCL version
-    its check found (``NodeSpec.runtime``), by which the controller keeps one NCCL version
-    per job. Nothing gathered (a CPU node, check mode off): the node as configured."""
+    its check found and the Sailor ``release`` its workers run (``NodeSpec.runtime``), by
+    which the controller keeps one of each per job. Nothing gathered (a CPU node, check mode
+    off): the node as configured."""
     runtime = facts.runtime()
-    return node if runtime is None else node.model_copy(update={"runtime": runtime})
+    if runtime is None:
+        return node
+    if release:
+        runtime = runtime.model_copy(update={"sailor_release": release})
+    return node.model_copy(update={"runtime": runtime})
 
 
 def host_port(url: str) -> str:

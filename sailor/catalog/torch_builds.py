@@ -8,7 +8,7 @@ served by that list fails at its first kernel ("no kernel image is available for
 on the device"). The PyPI wheel of torch 2.13.0 is the CUDA 13.0 build, and CUDA 13 dropped
 Volta (sm_70): every V100 rank would die on it. The CUDA 12.6 build still has sm_70. Each
 build also bundles its own NCCL, and NCCL promises nothing for mixed versions in one
-communicator: so one job runs one build on every node (``sailor.controller.nccl_admission``).
+communicator: so one job runs one build on every node (``sailor.controller.runtime_admission``).
 
 Sources (checked 2026-11): the support matrix of the PyTorch releases (RELEASE.md, "PyTorch
 CUDA Support Matrix" and "Release Compatibility Matrix", the 2.13 row: CUDA 12.6 with NCCL

@@ -17,7 +17,7 @@ repaired (``sailor checkpoint clear-bad``: ``controller/bad_marks.py``), is part
 observed state, and deleted once applied.
 
 This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes of
-another NCCL version than the job's, ``controller/nccl_admission.py``), the pass's order (expired
+another NCCL version than the job's, ``controller/runtime_admission.py``), the pass's order (expired
 notices, readmit requests, clear-bad requests, forgotten records, then the phase) and the
 IDLE and RUNNING phases. Its inputs and actions are in ``controller/decision_types.py``; the
 other phases in ``controller/aborts.py`` (a failure's move to TEARDOWN),
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import bad_marks, failing_nodes, nccl_admission
+from sailor.controller import bad_marks, failing_nodes, runtime_admission
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
@@ -138,12 +138,12 @@ def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
 
 def not_admitted(d: DesiredState, o: Observed, out: frozenset[str] | None = None) -> dict[str, str]:
     """The registered nodes left out for their NCCL version, with the reason
-    (``controller/nccl_admission.py``); ``out``: the nodes the failure records keep out
+    (``controller/runtime_admission.py``); ``out``: the nodes the failure records keep out
     (computed when not given)."""
     if out is None:
         out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
-    return nccl_admission.not_admitted(d.placement, o.nodes, candidates)
+    return runtime_admission.not_admitted(d.placement, o.nodes, candidates)
 
 
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from sailor.controller.bad_marks import marked, unknown_steps
 from sailor.controller.failing_nodes import unusable
-from sailor.controller.nccl_admission import not_admitted
+from sailor.controller.runtime_admission import not_admitted
 from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
@@ -143,7 +143,7 @@ def _not_admitted(
     now: float,
 ) -> dict[str, str]:
     """The nodes the leader leaves out for their NCCL version, and why, by the leader's own
-    rule (``controller/nccl_admission.py``) over the same records."""
+    rule (``controller/runtime_admission.py``) over the same records."""
     out = unusable(d, nodes, status, now) if d is not None else frozenset()
     candidates = [n for n in nodes if n not in out and n not in notices]
     return not_admitted(d.placement if d is not None else {}, nodes, candidates)

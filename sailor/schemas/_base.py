@@ -29,8 +29,9 @@ raising it: a reader of version 2 refused a state that held one).
 from its default); the message ``ClearBadRequest``.
 5: ``DesiredState.agreed_health`` (written only when not empty): a release of version 4 was
 out, and it refuses a state of its own version that holds an unknown field.
-``NodeSpec.runtime`` (the node's torch build and NCCL version; a version-4 controller drops
-it and places nodes of any NCCL together) and ``NodeFacts.arch_list`` (in ``NodeJoined``)."""
+``NodeSpec.runtime`` (the node's torch build, NCCL version and the Sailor release its
+workers run; a version-4 controller drops it and places nodes of any NCCL and release
+together) and ``NodeFacts.arch_list`` (in ``NodeJoined``)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

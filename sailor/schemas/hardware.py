@@ -79,8 +79,8 @@ class Zone(Frozen):
 class TorchRuntime(Frozen):
     """The torch build a node's workers run, as its agent's node check found it. Each CUDA
     build of torch bundles its own NCCL, and NCCL promises nothing for one communicator of
-    mixed versions: the controller places the nodes of one version in a job
-    (``controller/nccl_admission``)."""
+    mixed versions, and the workers of one job must run one Sailor release: the controller
+    places the nodes of one runtime in a job (``controller/runtime_admission``)."""
 
     torch_version: str = Field(default="", description="torch.__version__, e.g. '2.13.0+cu126'.")
     torch_cuda: str = Field(
@@ -88,6 +88,13 @@ class TorchRuntime(Frozen):
     )
     nccl_version: str = Field(
         default="", description="torch.cuda.nccl.version(), e.g. '2.29.3' ('' none)."
+    )
+    sailor_release: str = Field(
+        default="",
+        max_length=128,
+        description="The Sailor release its workers run: the package's version and a digest "
+        "of its code, e.g. '0.1.0+3f2a9c1e0b7d' ('' unknown). A job's workers run one "
+        "(controller/runtime_admission).",
     )
 
 

@@ -17,8 +17,8 @@ from sailor.controller import status as status_mod
 from sailor.controller.daemon import Controller
 from sailor.controller.decide import decide, not_admitted, unusable
 from sailor.controller.decision_types import DecideConfig, Observed, Replan, SetDesired
-from sailor.controller.nccl_admission import job_nccl
 from sailor.controller.planning import DataParallelPlanner
+from sailor.controller.runtime_admission import job_nccl
 from sailor.coordination import Keys
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
 from sailor.schemas.node_check import NodeFacts
@@ -185,3 +185,50 @@ def test_sailor_status_names_the_nodes_not_admitted(monkeypatch: pytest.MonkeyPa
     rows = {r["node"]: r for r in snap["nodes"]}
     assert rows["n1"]["nccl"] == "2.29.3" and rows["n1"]["admitted"] == ""
     assert rows["n2"]["nccl"] == "2.29.7" and rows["n2"]["admitted"] == "no"
+
+
+def test_a_node_of_another_release_does_not_join_a_running_job() -> None:
+    """Workers of two releases in one world may disagree on a step's collectives or on who
+    writes which checkpoint layer: a node upgraded (drained, upgraded, rejoined) waits outside
+    a running job of the old release, with the reason; once the old release's nodes have left
+    the layout, the job goes to the new one, which has the most GPUs."""
+    old = CU126.model_copy(update={"sailor_release": "0.1.0+aaaaaaaaaaaa"})
+    new = CU126.model_copy(update={"sailor_release": "0.1.0+bbbbbbbbbbbb"})
+    ns = nodes(node(1, old), node(2, old), node(3, new, gpus=8))
+    d = running(ns, ("n1", "n2"))
+    o = obs(ns, [st("n1"), st("n2"), st("n3", "idle", gen=-1)])
+    assert decide(d, o, CFG) == []
+    why = not_admitted(d, o)["n3"]
+    assert "Sailor 0.1.0+bbbbbbbbbbbb, the job's nodes run Sailor 0.1.0+aaaaaaaaaaaa" in why
+    assert "n1, n2" in why
+    # the old release's nodes gone from the pool: the job moves to the new one
+    rest = nodes(node(3, new, gpus=8), node(4, new))
+    idle = DesiredState(epoch=7, generation=2, phase=Phase.IDLE)
+    assert not_admitted(idle, obs(rest, [st("n3", "idle", -1), st("n4", "idle", -1)])) == {}
+    # the agent registers its release with its build
+    facts = NodeFacts(
+        node_kind="gpu",
+        gathered=True,
+        cuda_available=True,
+        torch_version="2.13.0+cu126",
+        torch_cuda="12.6",
+        nccl_version="2.29.3",
+    )
+    reg = registered_node(node(5, None), facts, "0.1.0+cccccccccccc")
+    assert reg.runtime is not None and reg.runtime.sailor_release == "0.1.0+cccccccccccc"
+
+
+def test_the_release_digest_follows_the_code(tmp_path: Any) -> None:
+    from sailor.agent.release import code_digest, sailor_release
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    first = code_digest(tmp_path)
+    assert code_digest(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert code_digest(tmp_path) != first
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "b.py")  # same bytes, another path
+    assert code_digest(tmp_path) != first
+    assert sailor_release().startswith("0.1.0+") and len(sailor_release().split("+")[1]) == 12

@@ -1,0 +1,43 @@
+"""Which Sailor release this node's workers run: the package's version and a digest of its
+code.
+
+The workers of one job must run one release: every rank computes the same collectives of a
+step and the same checkpoint writers without talking, in its own copy of the code. The
+version alone does not tell two builds of one version apart (a patched install, a checkout),
+so the release is the version plus the first 12 hex digits of a SHA-256 over the package's
+Python files (their paths and bytes, in path order). Computed once per process: about 300
+files, a few ms.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from importlib import metadata
+from pathlib import Path
+
+__all__ = ["code_digest", "sailor_release"]
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def code_digest(root: Path) -> str:
+    """SHA-256 (hex) over the ``.py`` files under ``root``: each one's path relative to
+    ``root`` and its bytes, in path order."""
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        h.update(rel.encode() + b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def sailor_release() -> str:
+    """``<version>+<12 hex digits of the code digest>`` of the installed package."""
+    try:
+        version = metadata.version("sailor")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"{version}+{code_digest(_PACKAGE)[:12]}"

@@ -1,0 +1,129 @@
+"""One worker runtime per job: which registered nodes a layout may not use because their
+torch build carries another NCCL than the job's, or their workers run another Sailor release.
+
+Every CUDA build of torch bundles its own NCCL (torch 2.13.0: NCCL 2.29.3 in the CUDA 12.6
+build, 2.29.7 in the CUDA 13.0 one on PyPI), and NCCL promises nothing for the ranks of one
+communicator running different versions (its API is compatible within a major version, its
+protocol between ranks is not documented as such; its maintainers suspect mixed versions
+across nodes first when a job hangs, NVIDIA/nccl#354): a job whose nodes mix builds may
+fail or hang at a collective, far from the cause. Every rank of a job also computes the
+same things without talking, in the same code: the collectives of each step and their order
+(``megatron_patch.step_agreement``), who writes which layer of a checkpoint
+(``checkpoint.assignment``); workers of two releases in one world may disagree and hang, or
+fail every save. A rolling upgrade (docs/operations.md) would put them there. The agent
+registers its node's build and its release (``NodeSpec.runtime``: ``sailor_release``, the
+package's version and a digest of its code); this module picks the job's runtime (the NCCL
+version and the release) and names the nodes of any other.
+
+The rule, the simplest that never disturbs a running layout:
+
+* the candidates are the registered nodes no other rule keeps out (excluded, held, under a
+  preemption notice), and only those whose NCCL version is known count;
+* the job's runtime is the one with the most GPUs among the *placed* nodes still registered
+  (the layout running, or the last one), then the most GPUs among all candidates, then the
+  newer NCCL version, then the release's text: a node of another build or release that joins
+  a running job waits outside it, while a job with no layout left goes to the runtime of most
+  GPUs (so a rolling upgrade moves the job to the new release once the nodes still on the old
+  one have left its layout: drain them together, docs/operations.md);
+* a node of another runtime is not admitted, with the reason; a node of unknown NCCL version
+  (a CPU node, an agent whose check gathered nothing or of an older release) is not judged.
+
+Pure: no I/O, no clock; inputs never modified. Called by ``decide.unusable`` (so ``decide``,
+the daemon and ``sailor status`` see the same nodes out) and by ``controller/status.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+
+from sailor.schemas.hardware import NodeSpec
+
+__all__ = ["job_nccl", "job_runtime", "not_admitted"]
+
+Runtime = tuple[str, str]
+"""(NCCL version, Sailor release) of a node's workers."""
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+def _nccl(node: NodeSpec) -> str:
+    return node.runtime.nccl_version if node.runtime is not None else ""
+
+
+def _runtime(node: NodeSpec) -> Runtime | None:
+    """The node's runtime; None when its NCCL version is unknown (not judged)."""
+    if node.runtime is None or not node.runtime.nccl_version:
+        return None
+    return node.runtime.nccl_version, node.runtime.sailor_release
+
+
+def job_runtime(
+    placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
+) -> Runtime | None:
+    """The (NCCL version, release) the job's layouts use (None: no candidate has a known
+    one); ``placement``: the nodes of the job's layout (``DesiredState.placement``)."""
+    placed: dict[Runtime, int] = {}
+    total: dict[Runtime, int] = {}
+    for n in candidates:
+        spec = nodes.get(n)
+        v = _runtime(spec) if spec is not None else None
+        if spec is None or v is None:
+            continue
+        total[v] = total.get(v, 0) + spec.gpus
+        if n in placement:
+            placed[v] = placed.get(v, 0) + spec.gpus
+    if not total:
+        return None
+    return max(total, key=lambda v: (placed.get(v, 0), total[v], _key(v[0]), v))
+
+
+def job_nccl(
+    placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
+) -> str | None:
+    """The NCCL version of :func:`job_runtime`."""
+    job = job_runtime(placement, nodes, candidates)
+    return None if job is None else job[0]
+
+
+def not_admitted(
+    placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
+) -> dict[str, str]:
+    """The ``candidates`` whose NCCL version is not the job's, each with the reason (for the
+    audit log and ``sailor status``); empty when every known version agrees."""
+    job = job_runtime(placement, nodes, candidates)
+    if job is None:
+        return {}
+    same = [nodes[n] for n in sorted(candidates) if n in nodes and _runtime(nodes[n]) == job]
+    build = _build(same[0]) if same else ""
+    names = f"{', '.join(x.node_id for x in same[:5])}{', ...' if len(same) > 5 else ''}"
+    out: dict[str, str] = {}
+    for n in sorted(candidates):
+        spec = nodes.get(n)
+        mine = _runtime(spec) if spec is not None else None
+        if spec is None or mine is None or mine == job:
+            continue
+        if mine[0] != job[0]:
+            out[n] = (
+                f"NCCL {mine[0]} ({_build(spec)}), the job's nodes run NCCL {job[0]} ({build}, "
+                f"{names}): one communicator should run one NCCL version; install the job's "
+                "torch build on it (SAILOR_TORCH_INDEX, docs/gpu.md) and restart its agent"
+            )
+        else:
+            out[n] = (
+                f"Sailor {mine[1] or 'of an unknown release'}, the job's nodes run Sailor "
+                f"{job[1] or 'of an unknown release'} ({names}): the workers of one job must "
+                "run one release (the same collectives, the same checkpoint writers); it joins "
+                "once the job's nodes of the other release have left (docs/operations.md, "
+                "upgrades)"
+            )
+    return out
+
+
+def _build(spec: NodeSpec) -> str:
+    r = spec.runtime
+    if r is None:
+        return "unknown build"
+    return f"torch {r.torch_version or '?'}, CUDA {r.torch_cuda or 'none'}"
