@@ -28,7 +28,10 @@ raising it: a reader of version 2 refused a state that held one).
 ``NodeHealth.step``; ``TrainingConfig.nonfinite`` (hashed into the training digest only away
 from its default); the message ``ClearBadRequest``.
 5: ``DesiredState.agreed_health`` (written only when not empty): a release of version 4 was
-out, and it refuses a state of its own version that holds an unknown field."""
+out, and it refuses a state of its own version that holds an unknown field.
+``DesiredState.job_precision`` (written only once set) and
+``TrainingConfig.allow_precision_change`` (hashed into the training digest only away from
+its default)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
