@@ -78,7 +78,7 @@ def quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action
                 prune_below=min(_prune_below(d, o, cfg), d.stop_step),
             )
             actions.append(Send(ckpt))
-    actions += replan_if_needed(d, o, d.cause)
+    actions += replan_if_needed(d, o, d.cause, cfg)
     if d.phase is Phase.QUIESCE and plan_nodes_at(d, o, lambda s: s.step >= d.stop_step):
         actions.append(SetDesired(move_to(d, Phase.CHECKPOINT, o.now, cfg), "reached stop step"))
     elif d.phase is Phase.CHECKPOINT and plan_nodes_at(d, o, lambda s: s.saved_step >= d.stop_step):

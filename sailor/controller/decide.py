@@ -96,7 +96,7 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         first = min(o.notices[n].deadline for n in noticed)
         deadline = min(deadline, first - cfg.notice_margin_s)
     state = state.model_copy(update={"phase_deadline": deadline, "next_plan": None})
-    return [SetDesired(state, cause), *replan_if_needed(state, o, cause)]
+    return [SetDesired(state, cause), *replan_if_needed(state, o, cause, cfg)]
 
 
 def _spares_ready(o: Observed, node: str) -> bool:
@@ -149,7 +149,7 @@ def not_admitted(d: DesiredState, o: Observed, out: frozenset[str] | None = None
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if not o.usable:
         return []
-    replan = replan_if_needed(d, o, "nodes available")
+    replan = replan_if_needed(d, o, "nodes available", cfg)
     if replan:
         return replan
     last = o.resumable(d.bad_checkpoints)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
+from sailor.controller.job_precision import job_precision, plan_precision
 from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines, check_transition
 from sailor.controller.plan_deadlines import DERIVED_PHASES, PhaseNeed, mismatch, phase_need
@@ -32,6 +33,7 @@ from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
+from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import (
     AgentStatus,
     ClearBadRequest,
@@ -188,6 +190,9 @@ class Replan:
     nodes: tuple[NodeSpec, ...]
     previous: Plan | None
     cause: str
+    precision: Precision | None = None
+    """The job's precision (``controller/job_precision.py``): the plan is made in it, on
+    the nodes whose GPU type can run it. None: not fixed yet (the job's first plan)."""
 
 
 @dataclass(frozen=True)
@@ -358,10 +363,17 @@ def plan_nodes_at(d: DesiredState, o: Observed, pred: Callable[[AgentStatus], bo
     return True
 
 
-def replan_if_needed(d: DesiredState, o: Observed, cause: str) -> list[Action]:
+def replan_if_needed(d: DesiredState, o: Observed, cause: str, cfg: DecideConfig) -> list[Action]:
+    """A replan for the usable nodes, in the job's precision, unless the next plan is made
+    for them already (in that precision)."""
     usable = o.usable
     if not usable:
         return []
-    if d.next_plan is not None and d.next_membership == usable:
+    want = job_precision(d, cfg.training)
+    if (
+        d.next_plan is not None
+        and d.next_membership == usable
+        and (want is None or plan_precision(d.next_plan, cfg.model) == want)
+    ):
         return []
-    return [Replan(tuple(o.nodes[n] for n in usable), d.plan, cause)]
+    return [Replan(tuple(o.nodes[n] for n in usable), d.plan, cause, want)]

@@ -137,6 +137,7 @@ class Executor:
             "agreed_health",
             "deadline_stretch",
             "lost_nodes",
+            "job_precision",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
@@ -173,6 +174,7 @@ class Executor:
             extra["training_sha256"] = training_digest(t) if t is not None else ""
             extra["path"] = state.path
             extra["path_reason"] = state.path_reason
+            extra["job_precision"] = state.job_precision
             if state.plan is not None:
                 extra["layout"] = layout_of(state.plan, state.placement)
                 pred = state.plan.predicted
@@ -372,9 +374,11 @@ class Executor:
             try:
                 aplan = getattr(self.planner, "aplan", None)
                 if aplan is not None:
-                    work = aplan(action.nodes, action.previous)
+                    work = aplan(action.nodes, action.previous, action.precision)
                 else:
-                    work = asyncio.to_thread(self.planner.plan, action.nodes, action.previous)
+                    work = asyncio.to_thread(
+                        self.planner.plan, action.nodes, action.previous, action.precision
+                    )
                 # on timeout wait_for cancels ``work``: aplan's search is killed with it
                 result = await asyncio.wait_for(work, self.replan_timeout_s)
             except Exception as exc:
@@ -404,6 +408,8 @@ class Executor:
                 cause=action.cause,
                 planning_s=round(self.clock.now() - t0, 4),
                 predicted=None if pred is None else pred.model_dump(),
+                precision=result.plan.precision,
+                job_precision=action.precision,
             )
             self.wake(True)  # adopt it now: no debounce between a finished plan and etcd
 

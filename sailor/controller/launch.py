@@ -34,8 +34,10 @@ from sailor.controller.decision_types import (
     move_to,
     phase_deadline,
     plan_nodes_at,
+    replan_if_needed,
 )
 from sailor.controller.forgetting import trained, trained_agreed
+from sailor.controller.job_precision import job_precision, plan_precision
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
@@ -103,6 +105,17 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         # keys' watches report independently). Launching now would abort at once on a loss
         # (and count against the in-place path): wait for the next observation.
         return []
+    want = job_precision(d, cfg.training)
+    got = plan_precision(plan, cfg.model)
+    if want is not None and got != want:
+        # never launched: a plan made before the job's precision was fixed (or changed)
+        why = (
+            f"next plan {plan.plan_id or '(unnamed)'} has precision={got!r}, the job's is "
+            f"{want!r}: planned again in it"
+        )
+        drop: dict[str, object] = {"next_plan": None, "next_placement": {}, "next_membership": ()}
+        state = d.model_copy(update=drop)
+        return [SetDesired(state, why), *replan_if_needed(state, o, why, cfg)]
     gen = d.generation + 1
     if in_place_next(d, cfg):
         path, why = "in_place", "in place (configured)"
@@ -125,13 +138,15 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         load_step=load_step,
         master=_master(o, d.next_placement, gen, cfg),
         training=cfg.training,
+        job_precision=got,
         path=path,
         path_reason=why,
         # the previous generation's abort: its lost nodes and SIGABRTs are its own
         lost_nodes=(),
         sigabrt_reports=SigabrtReports(),
     )
-    return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}")]
+    fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
+    return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]
 
 
 def _behind(d: DesiredState, o: Observed) -> list[str]:

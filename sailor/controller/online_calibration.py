@@ -471,9 +471,9 @@ class Calibrator:
     async def _best_plan(self, nodes: tuple[NodeSpec, ...], running: Plan) -> PlanResult:
         aplan = getattr(self.planner, "aplan", None)
         if aplan is not None:
-            work = aplan(nodes, running)
+            work = aplan(nodes, running, running.precision)  # the job's (launch records it)
         else:
-            work = asyncio.to_thread(self.planner.plan, nodes, running)
+            work = asyncio.to_thread(self.planner.plan, nodes, running, running.precision)
         result: PlanResult = await asyncio.wait_for(work, PLAN_TIMEOUT_S)
         return result
 

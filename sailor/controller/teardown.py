@@ -132,7 +132,7 @@ def teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     # Plan while the old workers are torn down (after an abort nothing was planned yet):
     # waiting for every Abort's ack and idle status first put the whole fan-out (~0.3 s
     # at 512 nodes) in front of the planner.
-    replan = replan_if_needed(d, o, d.cause)
+    replan = replan_if_needed(d, o, d.cause, cfg)
     if busy or replan:
         return actions + replan
     return actions + launch_next(d, o, cfg, d.load_step)

@@ -153,6 +153,11 @@ class TrainConfig(Frozen):
         description="Iterations in a row whose non-finite gradients every rank skips; the "
         "next one raises NonFiniteGradientsError (0: the first one does).",
     )
+    allow_precision_change: bool = Field(
+        default=False,
+        description="Continue from a state (a checkpoint, live holders) saved in another "
+        "precision than this run computes in; False: refused (TrainingConfig's field).",
+    )
 
     @classmethod
     def of(cls, tc: TrainingConfig) -> TrainConfig:
@@ -173,6 +178,7 @@ class TrainConfig(Frozen):
             eval_batches=tc.eval.batches,
             loss_scaling=tc.loss_scaling,
             max_nonfinite_skips=tc.nonfinite.max_skips,
+            allow_precision_change=tc.allow_precision_change,
         )
 
 
@@ -422,9 +428,11 @@ class Trainer:
 
     def scaling_state(self) -> dict[str, Any]:
         """What a checkpoint or a re-layout carries beyond weights, moments and position:
-        the steps skipped so far, the loss scale (None without loss scaling) and the
-        non-finite streak under way (``{}``: none; ``nonfinite``)."""
+        the steps skipped so far, the loss scale (None without loss scaling), the
+        non-finite streak under way (``{}``: none; ``nonfinite``) and the precision the
+        state was trained in (a run in another refuses it: :meth:`load_scaling_state`)."""
         return {
+            "precision": self.precision,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
             "nonfinite": self.nonfinite.state(),
@@ -443,7 +451,20 @@ class Trainer:
     def load_scaling_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`scaling_state`. A scale saved by a run with loss scaling
         is dropped by one without (bf16, fp32), and one without leaves ours at its start. A
-        non-finite streak under way continues (none saved: none under way)."""
+        non-finite streak under way continues (none saved: none under way).
+
+        A state trained in another precision than this run computes in is refused (a bf16
+        model resumed in fp16 overflows where it did not; the reverse changes the numerics
+        silently) unless ``allow_precision_change``; a state that does not say (saved
+        before it was recorded) is taken as this run's."""
+        saved = state.get("precision")
+        if saved is not None and saved != self.precision and not self.cfg.allow_precision_change:
+            raise ValueError(
+                f"precision={saved!r} of the state being loaded (checkpoint or live holders) "
+                f"differs from this run's precision={self.precision!r}: a job keeps one "
+                "precision; resume with the training config's precision set to "
+                f"{saved!r}, or set allow_precision_change: true to change it"
+            )
         skipped = int(state.get("skipped_steps", 0))
         if not 0 <= skipped <= self.step:
             raise ValueError(f"skipped_steps={skipped}: must be in [0, step={self.step}]")

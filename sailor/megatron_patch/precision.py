@@ -26,9 +26,10 @@ from sailor import catalog
 from sailor.comm import api as comm
 from sailor.megatron_patch.clock import synchronize
 from sailor.megatron_patch.step_agreement import local_nonfinite
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
-from sailor.schemas.precision import Precision
+from sailor.schemas.precision import Precision, cannot_run
 
 __all__ = [
     "LossScaler",
@@ -39,6 +40,7 @@ __all__ = [
     "job_precision",
     "native_bf16",
     "pick_precision",
+    "plan_precision",
     "scaled_step",
 ]
 
@@ -69,22 +71,52 @@ def device_precision(device: torch.device) -> Precision:
     return pick_precision(device.type, bf16)
 
 
+def plan_precision(plan: Plan, spec: ModelSpec, requested: str = "auto") -> Precision:
+    """The precision the GPU ranks of ``plan`` run, from the plan and the training config
+    alone: every rank decides the same, before any collective (a refusal on some ranks only
+    would leave the others waiting in their first collective until the agent aborts them).
+
+    ``requested`` (the training config's ``precision``) unless ``'auto'``, else the plan's
+    (recorded, else derived from its GPU types and the spec's request). Refused, naming the
+    field and the value: a recorded ``plan.precision`` other than a forced ``requested`` (a
+    job keeps one precision: the controller plans in the config's), and a GPU type of the
+    plan that cannot run the precision (bf16 on a type without bf16 units, by the catalog).
+    CPU kinds compute in fp32 whatever the plan says, as before.
+    """
+    if requested not in ("auto", *_DTYPES):
+        raise ValueError(f"precision={requested!r}: one of auto, {', '.join(_DTYPES)}")
+    if requested != "auto" and plan.precision is not None and plan.precision != requested:
+        raise ValueError(
+            f"plan.precision={plan.precision!r}: the training config's precision="
+            f"{requested!r} is the job's (a job keeps one precision; the controller plans in "
+            "it): plan in it, or set allow_precision_change: true to change the job's"
+        )
+    specs = catalog.gpus()
+    chosen: Precision = (
+        plan.resolved_precision(specs, spec.precision) if requested == "auto" else requested  # type: ignore[assignment]
+    )
+    for pi, p in enumerate(plan.pipelines):
+        for si, s in enumerate(p.stages):
+            g = s.replica.gpu_type
+            why = "" if is_cpu_type(g) else cannot_run(g, specs, chosen)
+            if why:
+                raise ValueError(
+                    f"plan.pipelines[{pi}].stages[{si}].replica.gpu_type={g!r}: cannot run "
+                    f"the job's precision={chosen!r}: {why}; plan without it, or run the "
+                    "job in fp16"
+                )
+    return chosen
+
+
 def job_precision(
     plan: Plan, spec: ModelSpec, device: torch.device, requested: str = "auto"
 ) -> Precision:
-    """The precision a rank of ``plan`` runs: on a GPU, ``requested`` (the training config's
-    ``precision``) unless it is ``'auto'``, else the plan's (recorded, else derived from its
-    GPU types and the spec's request); fp32 on a CPU device (a GPU plan run on gloo for a
-    test computes in fp32). bf16 asked of a GPU without it is refused."""
+    """The precision a rank of ``plan`` runs: :func:`plan_precision` (checked on every
+    device, before any collective) on a GPU; fp32 on a CPU device (a GPU plan run on gloo
+    for a test computes in fp32). bf16 on a GPU without it is refused."""
+    chosen = plan_precision(plan, spec, requested)
     if device.type != "cuda":
         return "fp32"
-    if requested not in ("auto", *_DTYPES):
-        raise ValueError(f"precision={requested!r}: one of auto, {', '.join(_DTYPES)}")
-    chosen: Precision = (
-        plan.resolved_precision(catalog.gpus(), spec.precision)
-        if requested == "auto"
-        else requested  # type: ignore[assignment]
-    )
     if chosen == "bf16" and not native_bf16():
         name = torch.cuda.get_device_name(device)
         raise ValueError(

@@ -321,6 +321,10 @@ def _generation(
     # way (OMP_NUM_THREADS=1)
     torch.set_num_threads(args.threads)
     device = _device(backend, plan, args.rank)
+    # decided from the plan and the config alone, before init_process_group: a plan in
+    # another precision than the job's is refused by every rank alike, not by some after
+    # the others entered their first collective
+    precision = job_precision(plan, spec, device, tc.precision if tc else "auto")
     if backend == "nccl":
         os.environ.update(nccl_error_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
@@ -388,7 +392,7 @@ def _generation(
         device,
         args.start_step,
         args.consumed_samples,
-        precision=job_precision(plan, spec, device, tc.precision if tc else "auto"),
+        precision=precision,
         arch=arch,
         data=train_data,
         eval_data=eval_data,

@@ -67,6 +67,10 @@ class SearchResult:
     previous: Plan | None = None
     allocations: tuple[Allocation, ...] = ()
     """The allocation behind each ranked plan (same order): what a replan warm-starts from."""
+    left_out: tuple[str, ...] = ()
+    """The pool's GPU types left out for the job's precision, one line each with the reason
+    (:func:`sailor.planner.job_precision.runnable_pool`); every plan's ``explain`` starts
+    with them."""
 
 
 def objective_score(objective: Objective, thr: float, cost_iter: float, cost_hour: float) -> float:
@@ -110,10 +114,13 @@ def candidates(state: SearchState, allocs: Sequence[Allocation]) -> list[Candida
 
 
 def plan_of(state: SearchState, alloc: Allocation, plan_id: str) -> Plan:
-    """``alloc`` as the plan the simulator is given (the model's precision on each GPU)."""
+    """``alloc`` as the plan the simulator is given, in the job's precision once it is fixed
+    (``Inputs.precision``), else the one its GPU types give the model's request."""
     inputs = state.tables.inputs
     gbs = inputs.model.global_batch_size
     p = to_plan(alloc, inputs.model.name, gbs, plan_id=plan_id, pricing=state.pricing)
+    if inputs.precision is not None:
+        return p.model_copy(update={"precision": inputs.precision})
     return p.with_precision(inputs.gpu_specs, inputs.model.precision)
 
 
@@ -219,7 +226,7 @@ def judge(
                 upper_bound_fraction=c.estimate.throughput_iter_s / ub if ub > 0 else 0.0,
                 moved_layers=mv[0],
                 moved_layer_replicas=mv[1],
-                explain=_explain(c, ub),
+                explain=(*state.left_out, *_explain(c, ub)),
             )
         )
     return SearchResult(
@@ -234,6 +241,7 @@ def judge(
         state=state,
         pool=pool,
         previous=previous,
+        left_out=state.left_out,
     )
 
 
@@ -247,6 +255,8 @@ def empty_result(
     ub: float = 0.0,
     cands: Sequence[Candidate] = (),
 ) -> SearchResult:
+    if state.left_out and "left out" not in reason:
+        reason += " (" + "; ".join(state.left_out) + ")"
     return SearchResult(
         plans=(),
         reason=reason,
@@ -258,6 +268,7 @@ def empty_result(
         state=state,
         pool=pool,
         previous=previous,
+        left_out=state.left_out,
     )
 
 

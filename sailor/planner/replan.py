@@ -28,6 +28,7 @@ import numpy as np
 
 from sailor.planner.allocate import Allocation, Recipe, assign_microbatches
 from sailor.planner.collector import collector_paused
+from sailor.planner.job_precision import runnable_pool
 from sailor.planner.judge import SearchResult
 from sailor.planner.search import search_recipes, search_with_tables
 from sailor.planner.templates import PipelineTemplate, repriced
@@ -153,8 +154,12 @@ def replan(
     its closed-form best.
     """
     state = previous.state
-    gbs = state.tables.inputs.model.global_batch_size
-    caps = resources_of(new_pool, previous.constraints)
+    inputs = state.tables.inputs
+    gbs = inputs.model.global_batch_size
+    # the warm start grows only onto GPUs that can run the job's precision (the search
+    # below leaves the others out again, and says why)
+    runnable, _ = runnable_pool(new_pool, inputs.precision, inputs.gpu_specs)
+    caps = resources_of(runnable, previous.constraints)
     current = previous.plans[0].plan if previous.plans else None
     old = previous.allocations[0] if previous.allocations else None
     if old is None:  # a replan that simulated nothing: its closed-form best

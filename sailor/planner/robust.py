@@ -51,6 +51,7 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
+from sailor.schemas.precision import Precision
 from sailor.simulator import ProfileLookupError, simulate
 from sailor.simulator.uncertainty import CORNERS, MEDIAN, corners, interval_of
 
@@ -137,6 +138,12 @@ class RobustResult:
     """Cost tables of the judged corners no search covers (``optimistic`` under ``robust``),
     for their closed form: built by the search, reused by every replan after it."""
 
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        """The pool's GPU types left out for the job's precision, with the reason (every
+        corner's search leaves out the same)."""
+        return next((r.left_out for r in self.results.values()), ())
+
 
 def _score_of(objective: Objective, f: _Figures, cost_per_hour: float) -> float:
     """Larger is better, positive: it/s, iterations per $, or it/s per $/h."""
@@ -209,8 +216,12 @@ def robust_search(
     top_k: int = 5,
     per_corner: int = 4,
     progress: Progress | None = None,
+    precision: Precision | None = None,
 ) -> RobustResult:
     """Plans ranked by ``risk`` (see the module docstring); at most ``top_k``.
+
+    ``precision``: the job's, once fixed (:func:`sailor.planner.search.search`): every
+    corner prices in it and leaves out the GPU types that cannot run it.
 
     ``per_corner``: finalists taken from each corner's search (its ranked plans first, then
     the other simulated candidates, feasible in that corner or not).
@@ -235,6 +246,7 @@ def robust_search(
             spot=spot,
             top_k=per_corner,
             progress=progress,
+            precision=precision,
         )
     judges = _judges(results, {}, risk, cal, pool)
     out = _rank(
@@ -434,7 +446,7 @@ def _rank(
                 c.plan,
                 c.estimate,
                 c.fast.cost_per_hour,
-                (found, *explain_candidate(c, res.upper_bound_iter_s)),
+                (found, *res.left_out, *explain_candidate(c, res.upper_bound_iter_s)),
                 c.alloc,
             )
             for c in res.candidates

@@ -44,6 +44,7 @@ from sailor.planner.api import (
 )
 from sailor.planner.collector import collector_paused
 from sailor.planner.fast_estimate import fast_estimate
+from sailor.planner.job_precision import runnable_pool
 from sailor.planner.judge import (
     Candidate,
     SearchResult,
@@ -85,6 +86,7 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.schemas.device_kind import spec_of
+from sailor.schemas.precision import Precision
 
 __all__ = [
     "Progress",
@@ -153,8 +155,13 @@ def search(
     top_k: int = 5,
     simulate_top: int = 8,
     progress: Progress | None = None,
+    precision: Precision | None = None,
 ) -> SearchResult:
-    """Ranked feasible plans for ``pool`` (best first) and what the search looked at."""
+    """Ranked feasible plans for ``pool`` (best first) and what the search looked at.
+
+    ``precision``: the job's, once fixed: every plan is priced and recorded in it, and the
+    pool's GPU types that cannot run it are left out (``SearchResult.left_out`` says why).
+    """
     inputs = Inputs(
         model=model,
         profiles=profiles,
@@ -163,6 +170,7 @@ def search(
         gpu_specs=gpu_specs,
         calibration=calibration or Calibration(),
         spot=spot,
+        precision=precision,
     )
     state = SearchState(tables=CostTables(inputs))
     return search_with_tables(
@@ -189,8 +197,10 @@ def plan(
     calibration: Calibration | None = None,
     spot: bool | None = None,
     top_k: int = 5,
+    precision: Precision | None = None,
 ) -> list[RankedPlan]:
-    """Best plans first; raises :class:`NoFeasiblePlanError` (with the reason) if there is none."""
+    """Best plans first; raises :class:`NoFeasiblePlanError` (with the reason) if there is none.
+    ``precision``: the job's (:func:`search`)."""
     res = search(
         model,
         profiles,
@@ -203,6 +213,7 @@ def plan(
         calibration=calibration,
         spot=spot,
         top_k=top_k,
+        precision=precision,
     )
     if not res.plans:
         raise NoFeasiblePlanError(res.reason)
@@ -480,12 +491,15 @@ def _prepare(
     tables = state.tables
     inputs = tables.inputs
     _check_inputs(inputs, pool, objective, constraints)
-    caps = resources_of(pool, constraints)
+    runnable, state.left_out = runnable_pool(pool, inputs.precision, inputs.gpu_specs)
+    caps = resources_of(runnable, constraints) if runnable.entries else {}
     state.pricing = GpuPricing.of(pool, inputs.prices, inputs.spot)
 
     def empty(reason: str, ub: float = 0.0) -> SearchResult:
         return empty_result(state, pool, objective, constraints, previous, reason, ub)
 
+    if not runnable.entries:
+        return empty("every GPU type of the pool is left out: " + "; ".join(state.left_out))
     if not caps:
         return empty("no GPU of the pool is allowed by the constraints (zones, regions, caps)")
     ub = pool_bound(tables, caps)

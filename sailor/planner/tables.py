@@ -33,6 +33,7 @@ from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.precision import (
     GRAD_ALLREDUCE_BYTES,
+    Precision,
     choose_precision,
     compute_bytes,
     wire_bytes,
@@ -81,6 +82,11 @@ class Inputs:
     calibration: Calibration = field(default_factory=Calibration)
     spot: bool | None = None
     """None: each pool entry's own spot flag; True/False: every GPU at spot/on-demand rates."""
+    precision: Precision | None = None
+    """The job's precision, a constraint: every plan is priced and recorded in it, and GPU
+    types that cannot run it are left out of the pool (:mod:`sailor.planner.job_precision`).
+    None: not fixed yet (a job's first plan): each plan derives its own from its GPU types
+    and the model spec's request (:func:`~sailor.schemas.precision.choose_precision`)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -187,17 +193,21 @@ class CostTables:
 
     # -- precision ---------------------------------------------------------------------
     def model_on(self, gpu_type: str) -> ModelSpec:
-        """The model at the precision a job on ``gpu_type`` alone runs in.
+        """The model at the precision a job on ``gpu_type`` alone runs in: the job's
+        (``inputs.precision``) once it is fixed.
 
-        The tables are per GPU type and outlive a pool, so they price each type at its own
-        precision; a plan mixing types runs one precision for all (Plan.precision). bf16 and
-        fp16 cost the same bytes and, on catalog GPUs with both, the same peak; only fp32
-        differs, and the plans the search returns are re-simulated at their own precision.
+        The tables are per GPU type and outlive a pool, so before the job's precision is
+        fixed they price each type at its own precision; a plan mixing types runs one
+        precision for all (Plan.precision). bf16 and fp16 cost the same bytes and, on
+        catalog GPUs with both, the same peak; only fp32 differs, and the plans the search
+        returns are re-simulated at their own precision.
         """
         m = self._models.get(gpu_type)
         if m is None:
             base = self.inputs.model
-            prec = choose_precision((gpu_type,), self.inputs.gpu_specs, base.precision)
+            prec = self.inputs.precision or choose_precision(
+                (gpu_type,), self.inputs.gpu_specs, base.precision
+            )
             m = base if prec == base.precision else base.model_copy(update={"precision": prec})
             self._models[gpu_type] = m
         return m

@@ -52,6 +52,10 @@ class SearchState:
     """Prices of the pool being searched (each entry's spot flag); set per search."""
     template_sets: dict[tuple[object, ...], list[PipelineTemplate]] = field(default_factory=dict)
     """Templates (dominated ones dropped) per pool shape: see :func:`template_set`."""
+    left_out: tuple[str, ...] = ()
+    """GPU types of the pool being searched left out for the job's precision, one line
+    each with the reason (:func:`sailor.planner.job_precision.runnable_pool`); set per
+    search."""
 
 
 SMALL_POOL_GPUS = 16

@@ -31,7 +31,10 @@ from its default); the message ``ClearBadRequest``.
 out, and it refuses a state of its own version that holds an unknown field.
 ``NodeSpec.runtime`` (the node's torch build, NCCL version and the Sailor release its
 workers run; a version-4 controller drops it and places nodes of any NCCL and release
-together) and ``NodeFacts.arch_list`` (in ``NodeJoined``)."""
+together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
+``DesiredState.job_precision`` (written only once set) and
+``TrainingConfig.allow_precision_change`` (hashed into the training digest only away from
+its default)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

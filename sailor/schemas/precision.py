@@ -30,6 +30,7 @@ __all__ = [
     "GRAD_ALLREDUCE_BYTES",
     "MASTER_BYTES",
     "Precision",
+    "cannot_run",
     "choose_precision",
     "compute_bytes",
     "keeps_weight_copies",
@@ -98,3 +99,25 @@ def choose_precision(
     if all((s := spec_of(specs, g)) is not None and supports_bf16(s) for g in types):
         return "bf16"
     return "fp16"
+
+
+def cannot_run(gpu_type: str, specs: Mapping[str, GPUSpec], precision: Precision) -> str:
+    """Why a rank on ``gpu_type`` cannot compute in ``precision`` ('' if it can): the
+    planner leaves such a type out of a job fixed at ``precision``, and the worker refuses
+    a plan that places one.
+
+    fp32 runs everywhere. A CPU or CPU kind computes in fp32 only (the engine's rule). bf16
+    needs bf16 units: a spec with a bf16 peak (a type without a spec cannot be shown to
+    have them, as in :func:`choose_precision`). fp16 runs on every GPU.
+    """
+    if precision == "fp32":
+        return ""
+    if any_cpu_type((gpu_type,)):
+        return f"{gpu_type} is a CPU kind: it computes in fp32 only"
+    if precision == "bf16":
+        spec = spec_of(specs, gpu_type)
+        if spec is None:
+            return f"{gpu_type} has no spec in the catalog: bf16 units not known"
+        if not supports_bf16(spec):
+            return f"{gpu_type} has no bf16 units (catalog peak_tflops_bf16 = 0)"
+    return ""

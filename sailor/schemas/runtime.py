@@ -17,6 +17,7 @@ from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.events import PreemptionNotice
 from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.plan import Plan
+from sailor.schemas.precision import Precision
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
@@ -337,6 +338,14 @@ class DesiredState(WireMessage):
         default_factory=SigabrtReports,
         description="The SIGABRTs the current generation's nodes reported since its abort, "
         "whichever pass saw them; emptied at the next launch. Empty: none.",
+    )
+    job_precision: Precision | None = Field(
+        default=None,
+        description="The job's compute precision, fixed once for its life: the training "
+        "config's when it forces one, else the first launched plan's. Every later plan is "
+        "made in it (GPU types that cannot run it are left out) and a plan in another is "
+        "never launched (docs/training.md, 'One precision per job'). None: no plan launched "
+        "yet (wire version 5).",
     )
 
     @field_validator("agreed_health")

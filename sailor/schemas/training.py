@@ -336,8 +336,17 @@ class TrainingConfig(WireMessage):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule.")
     precision: TrainingPrecision = Field(
         default="auto",
-        description="'auto': bf16 where every GPU type of the plan has it, else fp16, fp32 on "
-        "CPU (schemas.precision.choose_precision); otherwise forced.",
+        description="The job's precision, fixed for its life. 'auto': the first launched "
+        "plan's (bf16 where every GPU type of it has bf16 units, else fp16, fp32 on CPU: "
+        "schemas.precision.choose_precision), kept by every later plan; otherwise forced "
+        "from the start, and the planner leaves out GPU types that cannot run it.",
+    )
+    allow_precision_change: bool = Field(
+        default=False,
+        description="Let the job's precision change: a forced 'precision' other than the "
+        "one the job recorded, and a checkpoint saved in another precision than the run "
+        "loading it computes in. False: both are refused (a bf16 model resumed in fp16 can "
+        "overflow; the reverse changes the numerics silently). Wire version 5.",
     )
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Clipping.")
     loss_scaling: LossScalingConfig = Field(

@@ -52,10 +52,14 @@ class _HeldPlanner:
         self.cancelled: list[tuple[str, ...]] = []
         self.release: dict[tuple[str, ...], asyncio.Future[PlanResult | Exception]] = {}
 
-    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+    def plan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+    ) -> PlanResult:
         return DataParallelPlanner("tiny-gpt", 4, global_batch_size=8).plan(nodes, previous)
 
-    async def aplan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+    async def aplan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+    ) -> PlanResult:
         ids = tuple(n.node_id for n in nodes)
         self.started.append(ids)
         fut = self.release[ids] = asyncio.get_running_loop().create_future()
@@ -152,7 +156,9 @@ async def test_a_failing_older_replan_leaves_the_newer_one_running(tmp_path: Pat
     gate: dict[int, asyncio.Future[None]] = {}
 
     class _Planner:
-        async def aplan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        async def aplan(
+            self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+        ) -> PlanResult:
             fut = gate[len(nodes)] = asyncio.get_running_loop().create_future()
             try:
                 await fut
@@ -160,7 +166,9 @@ async def test_a_failing_older_replan_leaves_the_newer_one_running(tmp_path: Pat
                 raise RuntimeError("search interrupted") from None
             raise RuntimeError("search failed")
 
-        def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        def plan(
+            self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+        ) -> PlanResult:
             raise NotImplementedError
 
     ex, tasks, audit = _executor(tmp_path, _Planner())

@@ -188,7 +188,9 @@ def test_planner_worker_applies_the_calibration_a_call_carries(
         def set_calibration(self, c: Calibration) -> None:
             seen.append(c)
 
-        def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+        def plan(
+            self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+        ) -> PlanResult:
             return planned[1]
 
     slow = with_constant(Calibration(), SLOW, compute_scale=2.5).model_dump_json()

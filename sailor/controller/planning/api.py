@@ -15,8 +15,10 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
+from sailor import catalog
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.precision import Precision, cannot_run
 
 __all__ = ["DataParallelPlanner", "PlacementError", "PlanResult", "Planner", "place"]
 
@@ -35,7 +37,13 @@ class PlanResult:
 
 
 class Planner(Protocol):
-    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult: ...
+    def plan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: Precision | None = None
+    ) -> PlanResult:
+        """The best plan for ``nodes``, placed on them. ``precision``: the job's, once fixed
+        (``controller/job_precision.py``): the plan is made and recorded in it, on the nodes
+        whose GPU type can run it; the others are left out and the reason says so."""
+        ...
 
 
 def _plan_id(plan: Plan) -> str:
@@ -121,12 +129,20 @@ class DataParallelPlanner:
         self.global_batch_size = global_batch_size
         self.max_gpus = max_gpus
 
-    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
-        gpus = [(n, g) for n in sorted(nodes, key=lambda n: n.node_id) for g in range(n.gpus)]
+    def plan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: Precision | None = None
+    ) -> PlanResult:
+        specs = catalog.gpus()
+        why = {n.gpu_type: cannot_run(n.gpu_type, specs, precision) for n in nodes if precision}
+        left_out = "; ".join(
+            f"left out {g}: the job runs {precision} and {r}" for g, r in sorted(why.items()) if r
+        )
+        usable = [n for n in nodes if not why.get(n.gpu_type)]
+        gpus = [(n, g) for n in sorted(usable, key=lambda n: n.node_id) for g in range(n.gpus)]
         if self.max_gpus:
             gpus = gpus[: self.max_gpus]
         if not gpus:
-            raise PlacementError("no GPU available")
+            raise PlacementError("no GPU available" + (f" ({left_out})" if left_out else ""))
         dp = max(d for d in range(1, len(gpus) + 1) if self.global_batch_size % d == 0)
         pipelines = tuple(
             Pipeline(
@@ -144,7 +160,15 @@ class DataParallelPlanner:
             )
             for n, _ in gpus[:dp]
         )
-        plan = Plan(model=self.model, global_batch_size=self.global_batch_size, pipelines=pipelines)
+        plan = Plan(
+            model=self.model,
+            global_batch_size=self.global_batch_size,
+            pipelines=pipelines,
+            precision=precision,
+        )
+        if precision is None:  # recorded, as the sailor planner's: the job's from its launch
+            plan = plan.with_precision(specs)
         bound, placement = place(plan, tuple(n for n, _ in gpus[:dp]))
         before = previous.num_gpus if previous else 0
-        return PlanResult(bound, placement, f"data parallel over {dp} GPUs (was {before})")
+        reason = f"data parallel over {dp} GPUs (was {before})"
+        return PlanResult(bound, placement, reason + (f"; {left_out}" if left_out else ""))

@@ -42,6 +42,7 @@ from sailor.schemas.hardware import GPUSpec, NodeSpec, Pool, PoolEntry
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.network import NetworkProfile
 from sailor.schemas.plan import Plan, PlanPrediction
+from sailor.schemas.precision import Precision
 from sailor.schemas.prices import PriceTable
 from sailor.schemas.profile import ProfileDB
 
@@ -180,6 +181,7 @@ class SailorPlanner:
         self.risk: Risk = risk
         self._last: RobustResult | None = None
         self._shapes: frozenset[_Shape] = frozenset()
+        self._precision: Precision | None = None  # the job precision ``_last`` was made in
         self._lock = threading.Lock()
 
     @classmethod
@@ -223,9 +225,19 @@ class SailorPlanner:
             self.calibration = calibration
             self._last = None
             self._shapes = frozenset()
+            self._precision = None
 
-    def _search(self, pool: Pool, shapes: frozenset[_Shape]) -> tuple[RobustResult, str]:
-        if self._last is not None and self._last.plans and shapes <= self._shapes:
+    def _search(
+        self, pool: Pool, shapes: frozenset[_Shape], precision: Precision | None
+    ) -> tuple[RobustResult, str]:
+        # a replan warm-starts from tables priced in the last search's precision: once the
+        # job's is fixed (or changed), the next search starts afresh in it
+        if (
+            self._last is not None
+            and self._last.plans
+            and shapes <= self._shapes
+            and precision == self._precision
+        ):
             return robust_replan(self._last, pool), "replan"
         res = robust_search(
             self.model,
@@ -240,20 +252,29 @@ class SailorPlanner:
             risk=self.risk,
             spot=self.spot,
             top_k=3,
+            precision=precision,
         )
         return res, "search"
 
-    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
-        """The best plan for ``nodes``, placed on them; raises if none is feasible."""
+    def plan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: Precision | None = None
+    ) -> PlanResult:
+        """The best plan for ``nodes``, placed on them; raises if none is feasible.
+        ``precision``: the job's, once fixed (``Planner.plan``)."""
         if not nodes:
             raise PlacementError("no node to plan for")
         pool = pool_of(nodes)
         shapes = frozenset(_shape(n) for n in nodes)
         with self._lock:
-            res, how = self._search(pool, shapes)
+            res, how = self._search(pool, shapes, precision)
             if not res.plans:
-                raise NoFeasiblePlanError(res.reason or "no feasible plan")
+                reason = res.reason or "no feasible plan"
+                left = [w for w in res.left_out if w not in reason]
+                raise NoFeasiblePlanError("; ".join([reason, *left]))
+            if precision != self._precision:
+                self._shapes = frozenset()
             self._last = res
+            self._precision = precision
             self._shapes = self._shapes | shapes
         best = res.plans[0]
         est = best.estimate
@@ -271,6 +292,12 @@ class SailorPlanner:
             f"{est.throughput_iter_s:.3g} it/s predicted (was {before} GPUs); risk {res.risk}: "
             f"{best.interval.throughput_iter_s.low:.3g} it/s in its worst corner"
         )
+        if bound.precision is not None:
+            reason += f"; precision {bound.precision}"
+            if precision is not None:
+                reason += " (the job's)"
+        if res.left_out:
+            reason += "; " + "; ".join(res.left_out)
         return PlanResult(bound, placement, reason)
 
 

@@ -57,6 +57,7 @@ from sailor.controller.planning.in_process import planner_from_config
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
+from sailor.schemas.precision import Precision
 
 __all__ = ["ProcessPlanner", "StaleWorkerStateError"]
 
@@ -81,6 +82,8 @@ class _Call:
     calibration: str | None = None
     """The calibration to plan with (JSON; online calibration), None: the config's. Sent with
     every call (a few kB): a restarted worker gets it too."""
+    precision: Precision | None = None
+    """The job's precision (``Planner.plan``), None: not fixed yet."""
 
 
 # --- the worker process's side ---------------------------------------------------------------
@@ -156,7 +159,7 @@ def _plan(call: _Call) -> tuple[str, dict[str, tuple[int, ...]], str]:
             raise StaleWorkerStateError(f"plan {call.previous_id!r} not held by the planner worker")
     _nodes = {n.node_id: n for n in nodes}
     _plans = {previous.plan_id: previous} if previous is not None and previous.plan_id else {}
-    res = _planner.plan(nodes, previous)
+    res = _planner.plan(nodes, previous, call.precision)
     if res.plan.plan_id:
         _plans[res.plan.plan_id] = res.plan
     return res.plan.model_dump_json(), res.placement, res.reason
@@ -197,7 +200,13 @@ class ProcessPlanner:
     def _forget(self) -> None:
         self._nodes, self._plans, self._reset = {}, set(), True
 
-    def _call(self, nodes: tuple[NodeSpec, ...], previous: Plan | None, full: bool) -> _Call:
+    def _call(
+        self,
+        nodes: tuple[NodeSpec, ...],
+        previous: Plan | None,
+        full: bool,
+        precision: Precision | None = None,
+    ) -> _Call:
         """The request for ``nodes``, leaving out what the worker holds (all of it if ``full``)."""
         if full:
             self._forget()
@@ -212,6 +221,7 @@ class ProcessPlanner:
             previous=None if by_id else previous,
             reset=self._reset,
             calibration=self._calibration,
+            precision=precision,
         )
         self._nodes = {n.node_id: n for n in nodes}
         self._plans = {pid} if pid else set()
@@ -232,11 +242,13 @@ class ProcessPlanner:
         await asyncio.get_running_loop().run_in_executor(pool, _ping)
         self._collect_after(pool)  # the worker's imports and planner inputs, frozen
 
-    async def aplan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+    async def aplan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: Precision | None = None
+    ) -> PlanResult:
         loop = asyncio.get_running_loop()
         for full in (False, True):
             pool = self._ensure()
-            call = self._call(nodes, previous, full)
+            call = self._call(nodes, previous, full, precision)
             seq = self._sent
             try:
                 out = await loop.run_in_executor(pool, _plan, call)
@@ -261,11 +273,13 @@ class ProcessPlanner:
         with contextlib.suppress(BrokenExecutor, RuntimeError):  # a dead or closed pool
             pool.submit(_collect)
 
-    def plan(self, nodes: tuple[NodeSpec, ...], previous: Plan | None) -> PlanResult:
+    def plan(
+        self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: Precision | None = None
+    ) -> PlanResult:
         """Blocking form (the ``Planner`` protocol)."""
         for full in (False, True):
             pool = self._ensure()
-            call = self._call(nodes, previous, full)
+            call = self._call(nodes, previous, full, precision)
             seq = self._sent
             fut: Future[tuple[str, dict[str, tuple[int, ...]], str]] = pool.submit(_plan, call)
             try:

@@ -1,0 +1,62 @@
+"""The job's precision survives a leader change: a V100 that joins later is left out.
+
+Real nats-server and etcd (secure), two controllers, toy trainers. The first launch on an
+A100 fixes the job at bf16 in the desired state (etcd); the leader crashes and the standby
+takes over; a V100 node joins. Before, each plan derived its own precision and the relaunch
+ran fp16 with the V100 in it (a bf16 model resumed in fp16 overflows). Now the new leader
+reads the job's precision back from etcd and plans in it: the V100 is left out, with the
+reason in the audit's plan record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sailor.controller.audit import read_records
+from sailor.localservers import LocalServers
+from sailor.schemas.runtime import Phase
+from tests.integration.test_runtime_scenarios import Cluster
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path, servers)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_a_new_leader_keeps_the_jobs_precision_when_a_v100_joins(cluster: Cluster) -> None:
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", gpu="A100-40")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    assert ctl.desired is not None and ctl.desired.job_precision == "bf16"
+    first = ctl.desired.generation
+    cluster.start_controller("c2")
+    await asyncio.sleep(0.5)
+    await cluster.stop_controller("c1", crash=True)
+    for _ in range(100):
+        if cluster.controllers["c2"][0].leadership is not None:
+            break
+        await asyncio.sleep(0.05)
+    new = cluster.controllers["c2"][0]
+    assert new.leadership is not None and new.desired is not None
+    assert new.desired.job_precision == "bf16"  # read back from etcd
+
+    cluster.start_agent("n2", gpu="V100-16")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=first)
+    d = ctl.desired
+    assert ctl is new and d is not None and d.plan is not None
+    assert d.job_precision == "bf16" and d.plan.precision == "bf16"
+    assert set(d.placement) == {"n1"}  # the V100 is left out, not the job switched to fp16
+    plans = [r for r in read_records([cluster.tmp / "audit-c2.jsonl"]) if r["kind"] == "plan"]
+    assert plans and plans[-1]["job_precision"] == "bf16"
+    assert "left out V100-16" in plans[-1]["reason"]
+    await cluster.audit()
