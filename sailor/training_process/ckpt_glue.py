@@ -114,6 +114,7 @@ def restore_trainer(
                 "skipped_steps": extra.get("skipped_steps", got.globals.step - int(adam_step)),
                 "loss_scale": extra.get("loss_scale"),
                 "nonfinite": extra.get("nonfinite"),  # a streak under way at the save
+                "precision": extra.get("precision"),  # refused if not this run's
             }
         )
     with torch.no_grad():

@@ -69,3 +69,26 @@ def test_resumes_from_a_checkpoint_with_unpadded_vocabulary(
         tr.stage.keyed_parameters(), again.stage.keyed_parameters(), strict=True
     ):
         assert torch.equal(a, b), k
+
+
+def test_a_checkpoint_of_another_precision_is_refused(gloo_world: None, tmp_path: Path) -> None:
+    """A checkpoint trained in bf16 is not resumed by a run computing in another precision
+    (here the CPU's fp32) unless the config allows the change: a bf16 model resumed in fp16
+    overflows where it did not, and the reverse changes the numerics silently."""
+    import pytest
+
+    tr = _trainer()
+    list(tr.run(1))
+    root = str(tmp_path / "ckpt")
+    ck = Checkpointer(open_storage(root), ONE, 0)
+    extra = {"adam_step": tr.adam_step, "seed": tr.cfg.seed, **tr.scaling_state()}
+    assert extra["precision"] == tr.precision == "fp32"
+    extra["precision"] = "bf16"  # as a GPU run of this job saved it
+    ck.save(trainer_params(tr), TrainingGlobals(tr.step, tr.consumed_samples, extra))
+    ck.wait()
+    ck.close()
+    with pytest.raises(ValueError, match=r"precision='bf16' of the state being loaded"):
+        restore_trainer(_trainer(tr.step, tr.consumed_samples), root, tr.step)
+    allowed = _trainer(tr.step, tr.consumed_samples)
+    allowed.cfg = allowed.cfg.model_copy(update={"allow_precision_change": True})
+    restore_trainer(allowed, root, tr.step)  # the config says so: resumed
