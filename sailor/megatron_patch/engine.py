@@ -524,10 +524,9 @@ class Trainer:
         # the agreement waits for the slowest rank's sync as the sync does: timed with it
         t2 = timestamp(self.device)
         lr, skipped = self._optimizer_step(agreed)
-        t3 = timestamp(self.device)
+        t3 = timestamp(self.device)  # the iteration's last device work is done here
         self.step += 1
         self.consumed_samples += self.plan.global_batch_size
-        t4 = timestamp(self.device)
         value = agreed.loss
         every = self.cfg.eval_every
         eval_loss = self.evaluate() if every and self.step % every == 0 else None
@@ -535,7 +534,7 @@ class Trainer:
             step=self.step,
             consumed_samples=self.consumed_samples,
             loss=value,
-            step_s=t4 - t0,
+            step_s=t3 - t0,
             compute_s=t1 - t0,
             sync_s=t2 - t1,
             optim_s=t3 - t2,
