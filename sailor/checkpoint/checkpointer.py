@@ -110,6 +110,7 @@ class Checkpointer:
         layer_bytes: Mapping[int, int] | None = None,
         commit_timeout_s: float = 600.0,
         reuse_buffers: bool = True,
+        scratch: ScratchPool | None = None,
     ) -> None:
         self.storage = storage
         self.plan = plan
@@ -128,8 +129,9 @@ class Checkpointer:
         # page faults dominate the stall on this VM (torch copy of 48 MB fp32, 1 thread).
         self.reuse_buffers = reuse_buffers
         self._spare: dict[int, dict[str, ParamState]] = {}
-        # Buffers of the transposing copies into the stored layout, kept between saves.
-        self._scratch = ScratchPool()
+        # Buffers of the transposing copies into the stored layout, kept between saves (and
+        # shared with the process's other checkpointers when ``scratch`` is given).
+        self._scratch = scratch if scratch is not None else ScratchPool()
         if self.place.tp_size > 1 and tp_group is None:
             raise CheckpointError(f"rank {rank}: tp={self.place.tp_size} needs a tp_group")
 
@@ -180,6 +182,30 @@ class Checkpointer:
         self._spare = {}
         self._pending = None if failure is None else _failed(failure)
         return time.perf_counter() - t0
+
+    def take_buffers(self, other: Checkpointer) -> None:
+        """Take the host copies ``other`` keeps for reuse (another root's checkpointer of
+        this plan and rank, as for periodic checkpoints beside the controller's): a process
+        then keeps one snapshot's worth, not one per root (12 bytes per parameter it writes:
+        hundreds of GB per node for a 70B model). Nothing moves while ``other`` persists a
+        save (its copies are being written) or for another plan or rank."""
+        if other is self or not other.done() or (other.plan, other.rank) != (
+            self.plan,
+            self.rank,
+        ):
+            return
+        if other._spare:
+            self._spare, other._spare = other._spare, {}
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the host copies kept for the next save."""
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self._spare.values()
+            for ps in layer.values()
+            for t in (ps.weight, ps.exp_avg, ps.exp_avg_sq)
+        )
 
     def done(self) -> bool:
         """Whether nothing is in flight (the last save is persisted, and committed on the

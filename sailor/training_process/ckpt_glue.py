@@ -38,6 +38,7 @@ from sailor.checkpoint import (
     open_storage,
     read_manifest,
 )
+from sailor.checkpoint.buffers import ScratchPool
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
@@ -184,6 +185,8 @@ class LayerCheckpointIO:
         self.keep = keep
         # one per (root, retention): a save's ``keep`` is its own, not the first save's
         self._by_root: dict[tuple[str, int | None], Checkpointer] = {}
+        # the stored-layout copies' buffers, shared by every root's checkpointer
+        self._scratch = ScratchPool()
         self._in_flight: Checkpointer | None = None
         self._failure: Exception | None = None
         """A save that failed here before it began (``save``): raised by ``wait``."""
@@ -203,9 +206,16 @@ class LayerCheckpointIO:
         ck = self._by_root.get((root, kept))
         if ck is None:
             ck = Checkpointer(
-                open_storage(root), tr.plan, tr.role.rank, keep=kept, tp_group=tr.groups.tp.group
+                open_storage(root),
+                tr.plan,
+                tr.role.rank,
+                keep=kept,
+                tp_group=tr.groups.tp.group,
+                scratch=self._scratch,
             )
             self._by_root[(root, kept)] = ck
+        for other in self._by_root.values():  # one snapshot's host copies per process
+            ck.take_buffers(other)
         return ck
 
     def save(
@@ -254,6 +264,12 @@ class LayerCheckpointIO:
             res = ck.wait()
             if res is not None and res.retention_error:
                 print(f"checkpoint retention: {res.retention_error}", file=sys.stderr, flush=True)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes the checkpointers keep for their next saves (one snapshot's worth,
+        whatever the number of roots: ``Checkpointer.take_buffers``)."""
+        return sum(ck.kept_bytes for ck in self._by_root.values())
 
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer

@@ -92,3 +92,26 @@ def test_a_checkpoint_of_another_precision_is_refused(gloo_world: None, tmp_path
     allowed = _trainer(tr.step, tr.consumed_samples)
     allowed.cfg = allowed.cfg.model_copy(update={"allow_precision_change": True})
     restore_trainer(allowed, root, tr.step)  # the config says so: resumed
+
+
+def test_two_roots_keep_one_snapshot_of_host_copies(gloo_world: None, tmp_path: Path) -> None:
+    """Periodic checkpoints and the controller's go to two roots, each with its own
+    checkpointer; each kept the host copies of its last save for reuse, so a process held
+    two snapshots (12 bytes per parameter it writes, each). The root saved to takes the
+    other's copies: one snapshot's worth, whatever the roots."""
+    from sailor.training_process.ckpt_glue import LayerCheckpointIO
+
+    tr = _trainer()
+    list(tr.run(1))
+    io = LayerCheckpointIO()
+    io.save(tr, str(tmp_path / "periodic"))
+    io.wait()
+    one = io.kept_bytes
+    assert one > 0
+    io.save(tr, str(tmp_path / "controller"))
+    io.wait()
+    assert io.kept_bytes == one  # before: 2 x one
+    io.save(tr, str(tmp_path / "periodic"))
+    io.wait()
+    assert io.kept_bytes == one
+    io.close()
