@@ -189,9 +189,14 @@ class Checkpointer:
         then keeps one snapshot's worth, not one per root (12 bytes per parameter it writes:
         hundreds of GB per node for a 70B model). Nothing moves while ``other`` persists a
         save (its copies are being written) or for another plan or rank."""
-        if other is self or not other.done() or (other.plan, other.rank) != (
-            self.plan,
-            self.rank,
+        if (
+            other is self
+            or not other.done()
+            or (other.plan, other.rank)
+            != (
+                self.plan,
+                self.rank,
+            )
         ):
             return
         if other._spare:
