@@ -137,6 +137,7 @@ class Executor:
             "agreed_health",
             "deadline_stretch",
             "lost_nodes",
+            "launch_waited",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():

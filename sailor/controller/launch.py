@@ -7,7 +7,8 @@ their first step after the loaded checkpoint, which clears the failure streaks (
 suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
 held it up (``_behind``), or the job when no node got through and none is to blame more
 than the others (``_short``); at LAUNCH, not a node whose agent refuses the Launch while it
-kills the previous workers (``_killing``: waited for, up to the kill's bound).
+kills the previous workers (``_waited``: waited for, up to the kill's bound, also once the
+kill has ended and before the re-sent Launch is acked).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -130,6 +131,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         # the previous generation's abort: its lost nodes and SIGABRTs are its own
         lost_nodes=(),
         sigabrt_reports=SigabrtReports(),
+        launch_waited=(),
     )
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}")]
 
@@ -223,27 +225,41 @@ def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPh
     return rest
 
 
-def _killing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[str]:
-    """At LAUNCH, the placed nodes :func:`_behind` names whose status reports a kill under way
-    (``AgentStatus.killing``), while the kill's bound (``deadlines.teardown`` past the
-    LAUNCH deadline) is not over. Their agent refuses the Launch until the kill ends, with
-    that reason (no rank starts on a GPU a killed worker may hold); the Launch is re-sent
-    and taken once it has ended. The status says what the refusal's reason does, and
-    ``decide`` reads the status: charged at the LAUNCH deadline as a missing ack was (20 s,
-    where the agent's kill takes up to 123 s), a healthy node slow to kill was excluded
-    after three. A kill that outlives its bound is the agent's ``OutlivedKill`` failure
-    (node-bound, charged as a failure); one reported past ``deadlines.teardown`` is charged
-    as a late ack."""
+def _waited(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[str, str]:
+    """At LAUNCH, the placed nodes :func:`_behind` names that are waited for past the
+    deadline, while the kill's bound (``deadlines.teardown`` past the LAUNCH deadline) is
+    not over, with why: those whose status reports a kill under way
+    (``AgentStatus.killing``), and those waited for so before (``DesiredState.launch_waited``)
+    whose status reports no failure. Their agent refuses the Launch until the kill ends,
+    with that reason (no rank starts on a GPU a killed worker may hold); the Launch is
+    re-sent and taken once it has ended. The status says what the refusal's reason does,
+    and ``decide`` reads the status: charged at the LAUNCH deadline as a missing ack was
+    (20 s, where the agent's kill takes up to 123 s), a healthy node slow to kill was
+    excluded after three. The kill's end wakes a pass before the re-sent Launch is acked
+    (the agent publishes ``killing`` 0 at once; a Launch is re-sent only by a pass): the
+    record keeps that node waited for, where reading the status alone charged it then. A
+    kill that outlives its bound is the agent's ``OutlivedKill`` failure (node-bound,
+    charged as a failure); one reported past ``deadlines.teardown`` is charged as a late
+    ack."""
     if d.phase is not Phase.LAUNCH or o.now > d.phase_deadline + cfg.deadlines.teardown:
-        return []
-    return [n for n in _behind(d, o) if (st := o.status.get(n)) is not None and st.killing]
+        return {}
+    out: dict[str, str] = {}
+    for n in _behind(d, o):
+        st = o.status.get(n)
+        if st is None:
+            continue
+        if st.killing:
+            out[n] = "still killing workers"
+        elif n in d.launch_waited and not st.failure:
+            out[n] = "its kill just over, the Launch re-sent"
+    return out
 
 
-def _killing_all(d: DesiredState, o: Observed, cfg: DecideConfig) -> bool:
-    """Past the LAUNCH deadline, every node that held it up is one :func:`_killing` waits
+def _waiting_all(d: DesiredState, o: Observed, cfg: DecideConfig) -> bool:
+    """Past the LAUNCH deadline, every node that held it up is one :func:`_waited` waits
     for: the phase goes on (the Launch re-sent) until their kill ends."""
-    killing = _killing(d, o, cfg)
-    return bool(killing) and len(killing) == len(_behind(d, o))
+    waited = _waited(d, o, cfg)
+    return bool(waited) and len(waited) == len(_behind(d, o))
 
 
 def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -254,10 +270,10 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     cause = f"{d.phase.value} deadline passed"
     behind = _behind(d, o)
     late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
-    killing = _killing(d, o, cfg)  # aborted for the others: not charged for their kill
-    if killing:
-        late = {n: v for n, v in late.items() if n not in killing}
-        notes = [*notes, f"not counted against {', '.join(killing)}: still killing workers"]
+    waited = _waited(d, o, cfg)  # aborted for the others: not charged for their kill
+    if waited:
+        late = {n: v for n, v in late.items() if n not in waited}
+        notes = [*notes, *(f"not counted against {n}: {why}" for n, why in waited.items())]
     if d.path == "in_place":  # the abort falls back to the restart path, which is the remedy
         return abort(d, o, cfg, cause, late, notes)
     short = _short(d, o)
@@ -291,7 +307,8 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is Phase.LAUNCH:
         if any(command_id_for(d, "launch", n) not in o.acked for n in d.placement):
             return []
-        return [SetDesired(move_to(d, Phase.LOAD, o.now, cfg), "every node launched")]
+        up = move_to(d, Phase.LOAD, o.now, cfg, launch_waited=())
+        return [SetDesired(up, "every node launched")]
     if d.phase is Phase.LOAD:
         if not plan_nodes_at(d, o, lambda s: s.state == "running"):
             return []
@@ -342,11 +359,17 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     through = _through(d, o, cfg)
     if through:
         return through
-    if o.now > d.phase_deadline and not _killing_all(d, o, cfg):
+    if o.now > d.phase_deadline and not _waiting_all(d, o, cfg):
         return _deadline_passed(d, o, cfg)
     if d.phase is not Phase.LAUNCH:
         return []
     actions: list[Action] = []
+    if o.now > d.phase_deadline:  # waiting for kills: remembered past the kill's end
+        waited = tuple(sorted({*d.launch_waited, *_waited(d, o, cfg)}))
+        if waited != d.launch_waited:
+            noted = d.model_copy(update={"launch_waited": waited})
+            why = f"launch deadline passed: waiting for {', '.join(waited)} to end their kill"
+            actions.append(SetDesired(noted, why))
     # By reference: the plan is in the desired state this phase was written with. The
     # digest and world size once per plan, not per node: at 512 nodes recomputing them
     # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
