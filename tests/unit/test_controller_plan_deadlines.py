@@ -196,7 +196,10 @@ def test_the_demo_model_keeps_every_configured_deadline(deadlines: PhaseDeadline
     ("field", "value"),
     [
         ("write_mib_s", 0),
+        ("write_mib_s", 0.01),
         ("read_mib_s", -100),
+        ("read_mib_s", 0.5),
+        ("max_s", 0),
         ("safety", 0.5),
         ("verify_steps", 0),
         ("load_startup_s", -1),
@@ -212,6 +215,30 @@ def test_bad_settings_are_refused_by_name(field: str, value: float) -> None:
     with pytest.raises(ValidationError) as exc:
         ControllerConfig.model_validate(raw)
     assert f"deadlines.derive.{field}" in str(exc.value)
+
+
+def test_a_derived_deadline_is_capped_and_the_why_says_so() -> None:
+    """A wild predicted iteration time (or a throughput of 1 MiB/s) gave deadlines of days
+    (review: 0.01 MiB/s gave ~93 days of CHECKPOINT for a 7B plan, and the LOAD and VERIFY
+    stretch doubled them): the need stops at ``max_s`` (3 h), and the record says so."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=3600.0)
+    slow = DeadlineModel(write_mib_s=1, read_mib_s=1)
+    need = derived_deadlines(plan, placement, LLAMA_7B, slow)
+    for phase in (Phase.CHECKPOINT, Phase.LOAD, Phase.VERIFY, Phase.QUIESCE):
+        assert need[phase].seconds == 3 * 3600, phase
+    ck = need[Phase.CHECKPOINT]
+    assert ck.uncapped_s == pytest.approx(10 + 2 * ck.bytes / 2**20)
+    assert ck.why().endswith(f"= {ck.uncapped_s:.0f} s, capped by deadlines.derive.max_s")
+    assert need[Phase.VERIFY].why() == (
+        "2 iterations of 3.6e+03 s x2 + 20 s start-up = 14420 s, capped by deadlines.derive.max_s"
+    )
+    cfg = _large_cfg(deadlines=PhaseDeadlines(derive=slow.model_copy(update={"max_s": 900})))
+    d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
+    got = phase_deadline(d, Phase.LOAD, cfg)
+    assert got.seconds == 900 and got.derived
+    assert "capped by deadlines.derive.max_s = 900 s (above deadlines.load 120 s)" in got.why()
+    # within the cap: the formula's own figure, nothing said
+    assert derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].uncapped_s == 0
 
 
 def test_another_models_plan_is_refused_by_the_function_and_not_derived_by_decide() -> None:
