@@ -10,7 +10,9 @@ being saved) needs, per phase:
   engine's ``Checkpointer`` does (``training_process/ckpt_glue.py`` passes no layer sizes:
   the assignment balances layer counts, not bytes).
 - LOAD: the node that reads the most, at ``read_mib_s``: each rank reads its TP slice of its
-  stage's layers (``checkpoint.reader.load``); nothing when the launch loads no checkpoint.
+  stage's layers (``checkpoint.reader.load``); nothing when the launch loads no checkpoint
+  (nor, ``decision_types.phase_deadline`` decides, when it is in place: its live ranks
+  hand their state over).
 - VERIFY: start-up plus ``verify_steps`` iterations of the plan (the simulator's prediction
   it carries, ``Plan.predicted``).
 - QUIESCE: the iterations up to the agreed stop step (``stop_ahead_steps``, and one more: a
@@ -171,7 +173,9 @@ class PhaseNeed:
         """E.g. ``node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up``, ``2 iterations
         of 8 s x2 + 20 s start-up``; when capped, what it gave and the cap's setting."""
         start = f"{self.startup_s:g} s start-up"
-        if self.phase in (Phase.CHECKPOINT, Phase.LOAD):
+        if self.phase is Phase.LOAD and not self.node:
+            text = f"{start} (reads no checkpoint)"
+        elif self.phase in (Phase.CHECKPOINT, Phase.LOAD):
             verb = "writes" if self.phase is Phase.CHECKPOINT else "reads"
             text = (
                 f"node {self.node} {verb} {self.bytes / 1e9:.3g} GB at "

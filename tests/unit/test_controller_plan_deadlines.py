@@ -348,6 +348,44 @@ def test_decide_derives_load_and_verify_of_the_plan_launched_and_the_stretch_sta
     assert v.state.phase_deadline == pytest.approx(NOW + 740)  # type: ignore[union-attr]
 
 
+def test_an_in_place_load_is_not_sized_as_a_checkpoint_read() -> None:
+    """An in-place launch takes its state from the live ranks: sized as a full read (a 7B
+    plan: ~637 s), a hung one waited over ten minutes before falling back to the restart
+    path. It gets the floor; the restart path's LOAD is sized in full."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cfg = _large_cfg(in_place=True)
+    d = DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.LAUNCH,
+        phase_since=NOW - 5,
+        phase_deadline=NOW + 20,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+        path="in_place",
+    )
+    o = Observed(
+        now=NOW,
+        nodes=_ns("n1", "n2"),
+        status={n: _st(n, 2, 12, "idle") for n in placement},
+        acked=frozenset(f"e3-g2-launch-{n}" for n in placement),
+    )
+    (a,) = decide(d, o, cfg)
+    assert isinstance(a, SetDesired) and a.state.phase is Phase.LOAD
+    assert a.state.phase_deadline == NOW + 120
+    why = phase_deadline(a.state, Phase.LOAD, cfg).why()
+    assert why == (
+        "configured deadlines.load 120 s (plan llama-2-7b-2x8 needs 20 s start-up (reads no "
+        "checkpoint) = 20 s)"
+    )
+    restart = d.model_copy(update={"path": "restart"})
+    (r,) = decide(restart, o, cfg)
+    full = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    assert full > 600 and r.state.phase_deadline == pytest.approx(NOW + full)  # type: ignore[union-attr]
+
+
 def test_a_quiesce_of_slow_steps_is_derived_and_a_notice_still_cuts_it() -> None:
     plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=20.0)
     cfg = _large_cfg(stop_ahead_steps=1, notice_margin_s=5)
