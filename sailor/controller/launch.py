@@ -185,6 +185,30 @@ def _short(d: DesiredState, o: Observed) -> list[str]:
     return [n for n in sorted(d.placement) if not through(n)]
 
 
+def _base(d: DesiredState, cfg: DecideConfig) -> tuple[float, bool]:
+    """The length ``d``'s LOAD or VERIFY deadline had before its stretch, and whether the
+    plan's need set it (above ``deadlines.<phase>``): what the leader that began the phase
+    gave it (``phase_deadline - phase_since``) over the phase's stretch factor. A function
+    of the desired state and the config, not of this controller's reading of the model: a
+    standby whose model did not load (the floors alone) fitted another factor, and named
+    the floor, for a phase the leader before it had derived. A state without the phase's
+    start (0) is sized again (``phase_deadline``)."""
+    length = d.phase_deadline - d.phase_since
+    if d.phase_since <= 0 or length <= 0:
+        dl = phase_deadline(d, d.phase, cfg)
+        return dl.base_s, dl.derived
+    base = length / cfg.deadlines.factor(d.phase, d.deadline_stretch)
+    # a millisecond above the floor: the subtraction of two Unix times loses ~1e-7 s
+    return base, base > cfg.deadlines.of(d.phase) + 1e-3
+
+
+def _basis(d: DesiredState, cfg: DecideConfig) -> str:
+    """The setting ``d``'s LOAD or VERIFY deadline came from, for an abort's text:
+    ``deadlines.load``, or ``load as derived from the plan`` (``deadlines.derive``)."""
+    key = stretch_key(d.phase)
+    return f"{key} as derived from the plan" if _base(d, cfg)[1] else f"deadlines.{key}"
+
+
 def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, int], str] | None:
     """At a LOAD or VERIFY deadline no node is to blame for: the deadlines' stretch with
     this phase's doubled (up to ``deadlines.stretch_cap``) and why, or None at the cap (the
@@ -196,8 +220,7 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
     if factor >= cap:
         return None
     new = min(factor * 2, cap)
-    dl = phase_deadline(d, d.phase, cfg)
-    base, what = dl.base_s, f"deadlines.{key}" if not dl.derived else f"{key} as derived"
+    base, what = _base(d, cfg)[0], _basis(d, cfg)
     why = (
         f"nobody counted: the next {key} deadline is {base * new:.0f} s ({what} "
         f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) before anyone is charged)"
@@ -208,7 +231,7 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
 def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
     """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's factor
     becomes the least power of two its time needed over its deadline before the stretch (the
-    configured one, or what the plan needs: ``phase_deadline``; none when within it; at most
+    configured one, or what the plan needs: :func:`_base`; none when within it; at most
     ``deadlines.stretch_cap``). Kept, not dropped, when it is needed:
     dropping it at each generation that trained made every later reconfiguration of a job
     whose load takes longer than ``deadlines.load`` stall again; shrunk to what is needed,
@@ -217,7 +240,7 @@ def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPh
     key, rest = stretch_key(d.phase), dict(d.deadline_stretch)
     if d.path == "in_place":
         return rest
-    base = phase_deadline(d, d.phase, cfg).base_s
+    base = _base(d, cfg)[0]
     need = (o.now - d.phase_since) / base if base > 0 else 0.0
     rest.pop(key, None)
     if need > 1.0:
@@ -277,8 +300,9 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     if d.path == "in_place":  # the abort falls back to the restart path, which is the remedy
         return abort(d, o, cfg, cause, late, notes)
     short = _short(d, o)
-    what = failing_nodes.stalled(d, behind, short)
-    blameless = d.phase in (Phase.LOAD, Phase.VERIFY) and (what or not behind)
+    stretches = d.phase in (Phase.LOAD, Phase.VERIFY)
+    what = failing_nodes.stalled(d, behind, short, _basis(d, cfg) if stretches else "")
+    blameless = stretches and (what or not behind)
     stretched = _stretch(d, cfg) if blameless else None
     if stretched is not None:
         return abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
@@ -294,9 +318,18 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
             f"{', '.join(short)} still short of it",
         ]
     if what:
+        phase = d.phase.value
+        if not _base(d, cfg)[1]:
+            fix = f"raise deadlines.{phase}"
+        elif d.phase is Phase.LOAD:
+            fix = "set deadlines.derive.read_mib_s to what the storage gives, or raise "
+            fix += "deadlines.load above the derived length,"
+        else:
+            fix = "raise deadlines.verify above the derived length (or "
+            fix += "deadlines.derive.verify_startup_s)"
         what += (
             f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "
-            f"raise deadlines.{d.phase.value} if the phase takes that long on this cluster"
+            f"{fix} if the phase takes that long on this cluster"
         )
     return abort(d, o, cfg, cause, late, notes, what)
 

@@ -502,9 +502,84 @@ def test_a_stalled_load_stretches_the_derived_deadline() -> None:
     assert moved[0].state.phase is Phase.TEARDOWN
     assert moved[0].state.deadline_stretch == {"load": 2}
     assert (
-        f"the next load deadline is {2 * base:.0f} s (load as derived {base:.0f} s x2"
-        in moved[0].reason
+        f"the next load deadline is {2 * base:.0f} s (load as derived from the plan "
+        f"{base:.0f} s x2" in moved[0].reason
     )
+
+
+T = 1_764_000_000.0
+"""A Unix time of today: the base is a difference of two such times."""
+
+
+def _stretched_load(plan: Plan, placement: dict[str, tuple[int, ...]], base: float) -> DesiredState:
+    """A LOAD begun by a leader that derived it (``base`` s) and stretched it x2, at T."""
+    return DesiredState(
+        epoch=4,
+        generation=3,
+        phase=Phase.LOAD,
+        phase_since=T - 2 * base - 1,
+        phase_deadline=T - 1,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+        deadline_stretch={"load": 2},
+        phase_epoch=3,
+    )
+
+
+def test_a_standby_without_the_model_stretches_and_fits_what_the_phase_got() -> None:
+    """The deadline of a LOAD survives a leader change, and so must its stretch's base: a
+    standby whose model did not load (the floors alone) took the floor, 120 s, as the
+    base of a phase the previous leader had derived (637 s), and fitted another factor
+    (review). The base is what the phase got over its factor."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    d = _stretched_load(plan, placement, base)
+    standby = DecideConfig(checkpoint_dir="/ck")  # no model: the floors
+    idle = {n: _st(n, 3, 12, "idle") for n in placement}
+    for cfg in (_large_cfg(), standby):  # the leader that derived it, and the standby
+        (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
+        assert a.state.deadline_stretch == {"load": 4}  # type: ignore[union-attr]
+        reason = a.reason  # type: ignore[union-attr]
+        assert f"the next load deadline is {4 * base:.0f} s (load as derived" in reason
+        assert f"{base:.0f} s x4" in reason, cfg.model
+    # through at 1.1 x the base: the factor fits 2 under either leader
+    up = {n: _st(n, 3, 12) for n in placement}
+    d = d.model_copy(update={"phase_deadline": T + 600, "phase_since": T - 2 * base + 600})
+    later = Observed(d.phase_since + 1.1 * base, _ns("n1", "n2"), up)
+    for cfg in (_large_cfg(), standby):
+        (v,) = [x for x in decide(d, later, cfg) if _set(x)]
+        assert v.state.phase is Phase.VERIFY  # type: ignore[union-attr]
+        assert v.state.deadline_stretch == {"load": 2}, cfg.model  # type: ignore[union-attr]
+
+
+def test_the_jobs_charge_names_a_derived_deadline_as_derived() -> None:
+    """At the stretch's cap the job is charged: the text said ``deadlines.load x8`` of a
+    length the plan's need set (its seconds were right), and told the operator to raise a
+    floor that was not the deadline (review)."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    d = _stretched_load(plan, placement, base).model_copy(
+        update={"deadline_stretch": {"load": 8}, "phase_since": T - 8 * base - 1}
+    )
+    idle = {n: _st(n, 3, 12, "idle") for n in placement}
+    (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), _large_cfg()) if _set(x)]
+    reason = a.reason  # type: ignore[union-attr]
+    assert a.state.job_health.cause.startswith("DeadlineMissed")  # type: ignore[union-attr]
+    assert f"by the load deadline ({8 * base:.0f} s, load as derived from the plan x8)" in reason
+    assert "deadlines.load x8" not in reason
+    assert "set deadlines.derive.read_mib_s to what the storage gives" in reason
+    # a configured one keeps its setting's name
+    floor = d.model_copy(update={"phase_since": T - 8 * 120 - 1})
+    cfg = DecideConfig(checkpoint_dir="/ck")
+    (b,) = [x for x in decide(floor, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
+    assert "(960 s, deadlines.load x8)" in b.reason  # type: ignore[union-attr]
+    assert "raise deadlines.load if the phase" in b.reason  # type: ignore[union-attr]
+
+
+def _set(a: object) -> bool:
+    return isinstance(a, SetDesired)
 
 
 def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path) -> None:
