@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from structlog.testing import capture_logs
 
 from sailor import catalog
 from sailor.controller.audit import AuditLog
@@ -585,7 +586,7 @@ def _set(a: object) -> bool:
 def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path) -> None:
     """The config's model (a catalog name or a file) is read at start; off or unknown: none
     (the stand-in planner's model name need not be a known model), and the floors hold."""
-    from sailor.controller.daemon import _model_for_deadlines
+    from sailor.controller.daemon import Controller, _model_for_deadlines
 
     assert _model_for_deadlines(ControllerConfig()) == catalog.model("tiny-gpt").model_copy(
         update={"global_batch_size": 8}
@@ -598,3 +599,13 @@ def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path)
     assert _model_for_deadlines(ControllerConfig(deadlines=off)) is None
     unknown = ControllerConfig(model="no-such-model", planner="data_parallel")
     assert _model_for_deadlines(unknown) is None
+    # a model file that is no YAML: logged, the floors (review: yaml.YAMLError is no
+    # ValueError, and it stopped the controller's construction)
+    broken = tmp_path / "m.yaml"
+    broken.write_text("name: [unclosed\n")
+    bad = ControllerConfig(
+        model=str(broken), planner="data_parallel", audit_log=str(tmp_path / "audit.jsonl")
+    )
+    with capture_logs() as logs:
+        assert Controller(bad).decide_cfg.model is None
+    assert [x["event"] for x in logs] == ["deadlines_not_derived"]
