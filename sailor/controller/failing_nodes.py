@@ -26,6 +26,7 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
+from sailor.controller.agreed_health import agreed_name, holds
 from sailor.controller.failure_text import parse_failure
 from sailor.controller.forgetting import forget_config, forget_gone, readmit
 from sailor.controller.node_health import (
@@ -33,11 +34,9 @@ from sailor.controller.node_health import (
     JOB,
     Charged,
     ExclusionPolicy,
-    agreed_name,
     charge,
     describe,
     excluded,
-    holds,
     miss_teardown,
     stall,
 )
