@@ -82,14 +82,15 @@ class DeadlineModel(Frozen):
 
     Throughputs default to a default AWS gp3 volume (125 MiB/s, the least gp3 provisions;
     a GCP pd-balanced disk gives 0.28 MiB/s per GiB: 140 MiB/s at 500 GiB): the slowest
-    block storage a GPU node commonly has. A local NVMe (2-7 GB/s) or a larger persistent
-    disk (up to 1,200 MiB/s per VM) is 5-50x faster: set yours, from ``fio`` or a measured
-    save (the audit's ``checkpoint`` phase lengths). Too low costs only a longer wait on a
-    real hang; too high aborts every reconfiguration of a large job (CHECKPOINT does not
-    stretch). The start-up terms are guesses, not measurements: the CPU demo's launch takes
-    about 5 s with torch's import; on GPUs CUDA context creation and NCCL's communicator init
-    add seconds to a minute, more at hundreds of nodes. They stay below the demo's and the
-    integration tests' deadlines (15-30 s), whose configured floor covers the rest.
+    block storage a GPU node commonly has. A local NVMe (2-7 GB/s) is 15-50x faster, a
+    larger persistent disk (up to 1,200 MiB/s per VM) up to ~10x: set yours, from ``fio``
+    or a measured save (the audit's ``checkpoint`` phase lengths). Too low costs only a
+    longer wait on a real hang; too high aborts every reconfiguration of a large job
+    (CHECKPOINT does not stretch). The start-up terms are guesses, not measurements: the
+    CPU demo's launch takes about 5 s with torch's import; on GPUs CUDA context creation and
+    NCCL's communicator init add seconds to a minute, more at hundreds of nodes. They stay
+    below the demo's and the integration tests' deadlines (15-30 s), whose configured floor
+    covers the rest.
     """
 
     enabled: bool = Field(
@@ -250,8 +251,11 @@ def read_bytes_per_node(
 ) -> dict[str, int]:
     """node -> checkpoint bytes its ranks read when ``plan`` loads a checkpoint: each rank
     its TP slice of its stage's layers (the simulator's parameters per TP rank,
-    ``estimate_layer_size``, at :data:`CHECKPOINT_BYTES_PER_PARAM`)."""
+    ``estimate_layer_size``, at :data:`CHECKPOINT_BYTES_PER_PARAM`), plus its slice of the
+    padded vocabulary rows of the embedding and the head, which the simulator leaves out
+    and the checkpoint holds (:func:`checkpoint_layer_bytes`)."""
     _check(plan, model)
+    pad = (padded_vocab(model.vocab_size) - model.vocab_size) * model.hidden_size
     # once per layer range and TP degree: a 512-node plan repeats a few stage shapes
     # over thousands of ranks (per rank, a pass took 250 ms at 4,096 ranks)
     by_shape: dict[tuple[int, int, int], int] = {}
@@ -261,7 +265,11 @@ def read_bytes_per_node(
             tp = stage.replica.tp
             key = (stage.first_layer, stage.last_layer, tp)
             if key not in by_shape:
-                params = sum(estimate_layer_size(model, tp, x).params for x in stage.layers)
+                params = sum(
+                    estimate_layer_size(model, tp, x).params
+                    + (pad // tp if model.layer_kind(x) != "block" else 0)
+                    for x in stage.layers
+                )
                 by_shape[key] = params * CHECKPOINT_BYTES_PER_PARAM
             per_rank.extend([by_shape[key]] * tp)
     return {
