@@ -50,6 +50,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import structlog
+import yaml
 from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
@@ -103,12 +104,14 @@ def _model_for_deadlines(config: ControllerConfig) -> ModelSpec | None:
     start like the planner's: None when derivation is off, or when the stand-in planner's
     model name is none the catalog or a file knows (its plans then get the configured
     deadlines, and the log says why). The sailor planner has read the same spec already:
-    a broken model file stopped the controller there."""
+    a broken model file stopped the controller there. A model file that is no YAML
+    (``yaml.YAMLError``, no ValueError) is one the stand-in's plans do without, too: it
+    stopped the controller's construction here, for a size it can do without."""
     if not config.deadlines.derive.enabled:
         return None
     try:
         return load_model_spec(config.model, config.global_batch_size)
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, yaml.YAMLError) as exc:
         _log.warning("deadlines_not_derived", model=config.model, error=str(exc))
         return None
 

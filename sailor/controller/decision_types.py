@@ -283,6 +283,19 @@ class Deadline:
         return text
 
 
+def _reads_checkpoint(d: DesiredState) -> bool:
+    """Whether ``d``'s LOAD is sized as a checkpoint read: a launch that loads one, on the
+    restart path. An in-place launch exchanges the state its live ranks hold, and reads
+    only the layers none holds (``megatron_patch.relayout.schedule``: its ``checkpoint``
+    layers). Which those are depends on the previous plan and which of its ranks survived,
+    and ``d`` holds the new plan only: sized as a read of nothing, the floor
+    (``deadlines.load``) is its deadline. Sized as a full read (a 7B plan: ~640 s), a hung
+    in-place launch waited over ten minutes before falling back to the restart path, whose
+    LOAD is sized in full; one that reads many layers and outlasts the floor falls back
+    the same way."""
+    return d.load_step >= 0 and d.path != "in_place"
+
+
 def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline:
     """The deadline ``phase`` gets in ``d`` (the state entering it: its plan, placement and
     load step): the longer of the configured one and what the plan needs
@@ -310,7 +323,7 @@ def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline
                 d.placement,
                 cfg.model,
                 dl.derive,
-                loads_checkpoint=d.load_step >= 0,
+                loads_checkpoint=_reads_checkpoint(d),
                 stop_ahead_steps=cfg.stop_ahead_steps,
             )
     base = max(configured, need.seconds if need is not None else 0.0)

@@ -138,6 +138,7 @@ class Executor:
             "deadline_stretch",
             "lost_nodes",
             "job_precision",
+            "launch_waited",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():

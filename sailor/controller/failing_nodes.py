@@ -26,6 +26,7 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
+from sailor.controller.agreed_health import agreed_name, holds
 from sailor.controller.failure_text import parse_failure
 from sailor.controller.forgetting import forget_config, forget_gone, readmit
 from sailor.controller.node_health import (
@@ -33,11 +34,9 @@ from sailor.controller.node_health import (
     JOB,
     Charged,
     ExclusionPolicy,
-    agreed_name,
     charge,
     describe,
     excluded,
-    holds,
     miss_teardown,
     stall,
 )
@@ -248,7 +247,9 @@ def missed_launching(
     return {n: _still_at(d, status.get(n)) for n in sorted(late) if n not in out}, []
 
 
-def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> str:
+def stalled(
+    d: DesiredState, late: Collection[str], short: Collection[str], setting: str = ""
+) -> str:
     """At the deadline of ``d``'s LOAD or VERIFY: what the job is charged with once the
     phase's deadline is stretched to its cap (``launch.py``; :func:`charge_abort`), or ''
     when it is not. Never at LAUNCH (:func:`missed_launching`).
@@ -263,7 +264,9 @@ def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> s
     forever, hid it; the job's backoff slows it and its record tells an operator. Not when
     some are late and others not (those late are charged: :func:`missed_launching`), nor
     when a node got through, nor when the only node of a one-node job is late (charged as
-    late). The text names the phase's setting (``deadlines.<phase>``) and its stretch."""
+    late). The text names the phase's setting, ``setting`` (``launch._basis``: ``load as
+    derived from the plan`` when the plan's need set it; empty: ``deadlines.<phase>``), and
+    its stretch."""
     placed = set(d.placement)
     if d.phase not in (Phase.LOAD, Phase.VERIFY) or not placed or not placed <= set(short):
         return ""
@@ -274,7 +277,7 @@ def stalled(d: DesiredState, late: Collection[str], short: Collection[str]) -> s
     waited = "had its workers running" if key == "load" else f"reported a step past {d.load_step}"
     length = d.phase_deadline - d.phase_since
     factor = d.deadline_stretch.get(key, 1)
-    setting = f"deadlines.{phase}" + (f" x{factor}" if factor > 1 else "")
+    setting = (setting or f"deadlines.{phase}") + (f" x{factor}" if factor > 1 else "")
     return (
         f"none of the {len(placed)} placed node(s) {waited} by the {phase} deadline "
         f"({length:.0f} s, {setting})"

@@ -7,7 +7,8 @@ their first step after the loaded checkpoint, which clears the failure streaks (
 suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
 held it up (``_behind``), or the job when no node got through and none is to blame more
 than the others (``_short``); at LAUNCH, not a node whose agent refuses the Launch while it
-kills the previous workers (``_killing``: waited for, up to the kill's bound).
+kills the previous workers (``_waited``: waited for, up to the kill's bound, also once the
+kill has ended and before the re-sent Launch is acked).
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -144,6 +145,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         # the previous generation's abort: its lost nodes and SIGABRTs are its own
         lost_nodes=(),
         sigabrt_reports=SigabrtReports(),
+        launch_waited=(),
     )
     fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]
@@ -198,6 +200,30 @@ def _short(d: DesiredState, o: Observed) -> list[str]:
     return [n for n in sorted(d.placement) if not through(n)]
 
 
+def _base(d: DesiredState, cfg: DecideConfig) -> tuple[float, bool]:
+    """The length ``d``'s LOAD or VERIFY deadline had before its stretch, and whether the
+    plan's need set it (above ``deadlines.<phase>``): what the leader that began the phase
+    gave it (``phase_deadline - phase_since``) over the phase's stretch factor. A function
+    of the desired state and the config, not of this controller's reading of the model: a
+    standby whose model did not load (the floors alone) fitted another factor, and named
+    the floor, for a phase the leader before it had derived. A state without the phase's
+    start (0) is sized again (``phase_deadline``)."""
+    length = d.phase_deadline - d.phase_since
+    if d.phase_since <= 0 or length <= 0:
+        dl = phase_deadline(d, d.phase, cfg)
+        return dl.base_s, dl.derived
+    base = length / cfg.deadlines.factor(d.phase, d.deadline_stretch)
+    # a millisecond above the floor: the subtraction of two Unix times loses ~1e-7 s
+    return base, base > cfg.deadlines.of(d.phase) + 1e-3
+
+
+def _basis(d: DesiredState, cfg: DecideConfig) -> str:
+    """The setting ``d``'s LOAD or VERIFY deadline came from, for an abort's text:
+    ``deadlines.load``, or ``load as derived from the plan`` (``deadlines.derive``)."""
+    key = stretch_key(d.phase)
+    return f"{key} as derived from the plan" if _base(d, cfg)[1] else f"deadlines.{key}"
+
+
 def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, int], str] | None:
     """At a LOAD or VERIFY deadline no node is to blame for: the deadlines' stretch with
     this phase's doubled (up to ``deadlines.stretch_cap``) and why, or None at the cap (the
@@ -209,8 +235,7 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
     if factor >= cap:
         return None
     new = min(factor * 2, cap)
-    dl = phase_deadline(d, d.phase, cfg)
-    base, what = dl.base_s, f"deadlines.{key}" if not dl.derived else f"{key} as derived"
+    base, what = _base(d, cfg)[0], _basis(d, cfg)
     why = (
         f"nobody counted: the next {key} deadline is {base * new:.0f} s ({what} "
         f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) before anyone is charged)"
@@ -221,7 +246,7 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
 def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
     """The deadlines' stretch once ``d``'s LOAD or VERIFY got through: the phase's factor
     becomes the least power of two its time needed over its deadline before the stretch (the
-    configured one, or what the plan needs: ``phase_deadline``; none when within it; at most
+    configured one, or what the plan needs: :func:`_base`; none when within it; at most
     ``deadlines.stretch_cap``). Kept, not dropped, when it is needed:
     dropping it at each generation that trained made every later reconfiguration of a job
     whose load takes longer than ``deadlines.load`` stall again; shrunk to what is needed,
@@ -230,7 +255,7 @@ def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPh
     key, rest = stretch_key(d.phase), dict(d.deadline_stretch)
     if d.path == "in_place":
         return rest
-    base = phase_deadline(d, d.phase, cfg).base_s
+    base = _base(d, cfg)[0]
     need = (o.now - d.phase_since) / base if base > 0 else 0.0
     rest.pop(key, None)
     if need > 1.0:
@@ -238,27 +263,41 @@ def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPh
     return rest
 
 
-def _killing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[str]:
-    """At LAUNCH, the placed nodes :func:`_behind` names whose status reports a kill under way
-    (``AgentStatus.killing``), while the kill's bound (``deadlines.teardown`` past the
-    LAUNCH deadline) is not over. Their agent refuses the Launch until the kill ends, with
-    that reason (no rank starts on a GPU a killed worker may hold); the Launch is re-sent
-    and taken once it has ended. The status says what the refusal's reason does, and
-    ``decide`` reads the status: charged at the LAUNCH deadline as a missing ack was (20 s,
-    where the agent's kill takes up to 123 s), a healthy node slow to kill was excluded
-    after three. A kill that outlives its bound is the agent's ``OutlivedKill`` failure
-    (node-bound, charged as a failure); one reported past ``deadlines.teardown`` is charged
-    as a late ack."""
+def _waited(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[str, str]:
+    """At LAUNCH, the placed nodes :func:`_behind` names that are waited for past the
+    deadline, while the kill's bound (``deadlines.teardown`` past the LAUNCH deadline) is
+    not over, with why: those whose status reports a kill under way
+    (``AgentStatus.killing``), and those waited for so before (``DesiredState.launch_waited``)
+    whose status reports no failure. Their agent refuses the Launch until the kill ends,
+    with that reason (no rank starts on a GPU a killed worker may hold); the Launch is
+    re-sent and taken once it has ended. The status says what the refusal's reason does,
+    and ``decide`` reads the status: charged at the LAUNCH deadline as a missing ack was
+    (20 s, where the agent's kill takes up to 123 s), a healthy node slow to kill was
+    excluded after three. The kill's end wakes a pass before the re-sent Launch is acked
+    (the agent publishes ``killing`` 0 at once; a Launch is re-sent only by a pass): the
+    record keeps that node waited for, where reading the status alone charged it then. A
+    kill that outlives its bound is the agent's ``OutlivedKill`` failure (node-bound,
+    charged as a failure); one reported past ``deadlines.teardown`` is charged as a late
+    ack."""
     if d.phase is not Phase.LAUNCH or o.now > d.phase_deadline + cfg.deadlines.teardown:
-        return []
-    return [n for n in _behind(d, o) if (st := o.status.get(n)) is not None and st.killing]
+        return {}
+    out: dict[str, str] = {}
+    for n in _behind(d, o):
+        st = o.status.get(n)
+        if st is None:
+            continue
+        if st.killing:
+            out[n] = "still killing workers"
+        elif n in d.launch_waited and not st.failure:
+            out[n] = "its kill just over, the Launch re-sent"
+    return out
 
 
-def _killing_all(d: DesiredState, o: Observed, cfg: DecideConfig) -> bool:
-    """Past the LAUNCH deadline, every node that held it up is one :func:`_killing` waits
+def _waiting_all(d: DesiredState, o: Observed, cfg: DecideConfig) -> bool:
+    """Past the LAUNCH deadline, every node that held it up is one :func:`_waited` waits
     for: the phase goes on (the Launch re-sent) until their kill ends."""
-    killing = _killing(d, o, cfg)
-    return bool(killing) and len(killing) == len(_behind(d, o))
+    waited = _waited(d, o, cfg)
+    return bool(waited) and len(waited) == len(_behind(d, o))
 
 
 def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -269,15 +308,16 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     cause = f"{d.phase.value} deadline passed"
     behind = _behind(d, o)
     late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
-    killing = _killing(d, o, cfg)  # aborted for the others: not charged for their kill
-    if killing:
-        late = {n: v for n, v in late.items() if n not in killing}
-        notes = [*notes, f"not counted against {', '.join(killing)}: still killing workers"]
+    waited = _waited(d, o, cfg)  # aborted for the others: not charged for their kill
+    if waited:
+        late = {n: v for n, v in late.items() if n not in waited}
+        notes = [*notes, *(f"not counted against {n}: {why}" for n, why in waited.items())]
     if d.path == "in_place":  # the abort falls back to the restart path, which is the remedy
         return abort(d, o, cfg, cause, late, notes)
     short = _short(d, o)
-    what = failing_nodes.stalled(d, behind, short)
-    blameless = d.phase in (Phase.LOAD, Phase.VERIFY) and (what or not behind)
+    stretches = d.phase in (Phase.LOAD, Phase.VERIFY)
+    what = failing_nodes.stalled(d, behind, short, _basis(d, cfg) if stretches else "")
+    blameless = stretches and (what or not behind)
     stretched = _stretch(d, cfg) if blameless else None
     if stretched is not None:
         return abort(d, o, cfg, cause, late, [*notes, stretched[1]], stretch=stretched[0])
@@ -293,9 +333,18 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
             f"{', '.join(short)} still short of it",
         ]
     if what:
+        phase = d.phase.value
+        if not _base(d, cfg)[1]:
+            fix = f"raise deadlines.{phase}"
+        elif d.phase is Phase.LOAD:
+            fix = "set deadlines.derive.read_mib_s to what the storage gives, or raise "
+            fix += "deadlines.load above the derived length,"
+        else:
+            fix = "raise deadlines.verify above the derived length (or "
+            fix += "deadlines.derive.verify_startup_s)"
         what += (
             f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "
-            f"raise deadlines.{d.phase.value} if the phase takes that long on this cluster"
+            f"{fix} if the phase takes that long on this cluster"
         )
     return abort(d, o, cfg, cause, late, notes, what)
 
@@ -306,7 +355,8 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is Phase.LAUNCH:
         if any(command_id_for(d, "launch", n) not in o.acked for n in d.placement):
             return []
-        return [SetDesired(move_to(d, Phase.LOAD, o.now, cfg), "every node launched")]
+        up = move_to(d, Phase.LOAD, o.now, cfg, launch_waited=())
+        return [SetDesired(up, "every node launched")]
     if d.phase is Phase.LOAD:
         if not plan_nodes_at(d, o, lambda s: s.state == "running"):
             return []
@@ -357,11 +407,17 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     through = _through(d, o, cfg)
     if through:
         return through
-    if o.now > d.phase_deadline and not _killing_all(d, o, cfg):
+    if o.now > d.phase_deadline and not _waiting_all(d, o, cfg):
         return _deadline_passed(d, o, cfg)
     if d.phase is not Phase.LAUNCH:
         return []
     actions: list[Action] = []
+    if o.now > d.phase_deadline:  # waiting for kills: remembered past the kill's end
+        waited = tuple(sorted({*d.launch_waited, *_waited(d, o, cfg)}))
+        if waited != d.launch_waited:
+            noted = d.model_copy(update={"launch_waited": waited})
+            why = f"launch deadline passed: waiting for {', '.join(waited)} to end their kill"
+            actions.append(SetDesired(noted, why))
     # By reference: the plan is in the desired state this phase was written with. The
     # digest and world size once per plan, not per node: at 512 nodes recomputing them
     # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).

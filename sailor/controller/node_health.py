@@ -32,7 +32,8 @@ audit log reproduces it. The rules:
   many steps in a row, a divergence). It is counted once per generation
   in ``job_health`` by the same policy: while the job is excluded, no layout is launched.
   An agreed error is counted in a record of its own, one per error type
-  (``DesiredState.agreed_health``), by the same policy, with the step it was reported at:
+  (``DesiredState.agreed_health``; ``controller/agreed_health.py``), by the same policy,
+  with the step it was reported at:
   ``policy.failures`` of the same agreed error without a generation that trains past its
   step hold the job, whatever hangs or stalls came between (they count in ``job_health``,
   which a generation that reaches RUNNING resets). Sharing one count, two non-finite
@@ -102,20 +103,19 @@ from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.runtime import MAX_NODE_LIST, DesiredState, NodeHealth, SigabrtReports
 
 __all__ = [
+    "AGREED_WHY",
     "CHECKPOINT_UNREADABLE",
     "DEADLINE_MISSED",
     "JOB",
     "JOB_WIDE_MIN_NODES",
     "Charged",
     "ExclusionPolicy",
-    "agreed_name",
     "charge",
     "count_failure",
     "describe",
     "excluded",
     "exclusion_length",
     "held",
-    "holds",
     "miss_teardown",
     "stall",
     "take_back",
@@ -253,7 +253,8 @@ _SIGABRT_UNNAMED = "Signal: SIGABRT (reported earlier; its summary was not kept)
 """The cause of kept SIGABRT reports written without one: SIGABRTs all the same."""
 
 _ALIKE = "the job's: most placed nodes failed alike"
-_AGREED = "the job's: an error every rank raises alike (agreed)"
+AGREED_WHY = "the job's: an error every rank raises alike (agreed)"
+"""Why an agreed error (``failure_text.AGREED_ERRORS``) is the job's, in reasons."""
 _CONFIG = (
     "the job's: a configuration error on several nodes, and no placed node trained with that config"
 )
@@ -325,7 +326,7 @@ def charge(
     job_why = {
         sig: _ALIKE for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed
     }
-    job_why |= {e[1]: _AGREED for n, e in evidence.items() if kind[n] in AGREED_ERRORS}
+    job_why |= {e[1]: AGREED_WHY for n, e in evidence.items() if kind[n] in AGREED_ERRORS}
     # a bad config fails every node: the first configuration error is the job's, unless
     # another placed node trained with the same config (then it is the node's)
     # (decided when first seen: at a later pass the nodes that trained may be idle already)
@@ -422,9 +423,13 @@ def charge(
     # every collective hung (a dead NIC, NCCL's ports blocked); no node is charged
     many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
     hung = many and not first_cause and not gone
-    # an agreed error is counted in its own record (:func:`_charge_agreed`), not the job's
-    job_alike = {s: w for s, w in job_why.items() if w != _AGREED}
-    agreed = _charge_agreed(d, evidence, kind, seen, now, policy, step, notes)
+    # an agreed error is counted in its own record (``agreed_health.charge_agreed``), not
+    # the job's. Imported here: that module builds on this one's policy (``count_failure``,
+    # ``describe``), and this is its one caller.
+    from sailor.controller.agreed_health import charge_agreed
+
+    job_alike = {s: w for s, w in job_why.items() if w != AGREED_WHY}
+    agreed = charge_agreed(d, evidence, kind, seen, now, policy, step, notes)
     if job_alike and job.generation != gen:
         job, note = _charge_job(job, gen, job_alike, evidence, seen, alike, now, policy, step)
         notes.append(note)
@@ -440,49 +445,6 @@ def charge(
         job, note = _count_job(job, gen, hang, what, now, policy, step=step)
         notes.append(note)
     return Charged(health, job, notes, reports, agreed)
-
-
-def agreed_name(kind: str) -> str:
-    """How reasons name the job's record of the agreed error ``kind``."""
-    return f"{JOB} ({kind})"
-
-
-def _charge_agreed(
-    d: DesiredState,
-    evidence: Mapping[str, tuple[str, str, str]],
-    kind: Mapping[str, str],
-    seen: Mapping[str, FailureCause],
-    now: float,
-    policy: ExclusionPolicy,
-    step: int,
-    notes: list[str],
-) -> dict[str, NodeHealth] | None:
-    """``d.agreed_health`` with ``d``'s generation counted (once) in the record of each
-    agreed error its nodes reported (at ``step``), a sentence per count added to ``notes``;
-    None when nothing was counted. Apart from ``job_health``: a hang or a stall between two
-    non-finite failures neither adds to nor resets this count."""
-    gen, out = d.generation, dict(d.agreed_health)
-    for k in sorted({kind[n] for n in evidence if kind[n] in AGREED_ERRORS}):
-        rec = out.get(k, NodeHealth())
-        if rec.generation == gen:
-            continue
-        nodes = sorted(n for n in evidence if kind[n] == k)
-        shown = [seen[n] for n in nodes if n in seen]
-        # its first report now, else (counted before, idle now) what the evidence kept
-        summary, sig, origin = evidence[nodes[0]]
-        retry = shown[0].retry if shown else True
-        if shown:
-            summary, sig, origin = shown[0].summary, shown[0].signature, shown[0].origin
-        out[k], excl = count_failure(rec, gen, summary, origin, retry, now, policy, sig, step)
-        what = f"{len(nodes)} placed node(s) reported it ({', '.join(nodes)})"
-        if excl:
-            notes.append(describe(agreed_name(k), out[k], now, f"{excl}; {what}"))
-        else:
-            notes.append(
-                f"counted against {agreed_name(k)} ({out[k].failures} in a row without "
-                f"training past step {out[k].step}): {_AGREED}, {what}: {summary}"
-            )
-    return out if out != d.agreed_health else None
 
 
 def _reports(
@@ -601,16 +563,6 @@ def stall(
 def excluded(health: Mapping[str, NodeHealth], now: float) -> frozenset[str]:
     """The nodes no layout may use at ``now`` by their records."""
     return frozenset(n for n, r in health.items() if r.excluded_until > now)
-
-
-def holds(
-    job: NodeHealth, agreed: Mapping[str, NodeHealth], now: float
-) -> list[tuple[str, NodeHealth]]:
-    """The records that hold the job at ``now`` (no layout is launched), each with its name
-    (:data:`JOB`, :func:`agreed_name`): ``job_health`` (:func:`held`), and each record of an
-    agreed error whose exclusion runs."""
-    out = [(JOB, job)] if held(job, now) else []
-    return out + [(agreed_name(k), r) for k, r in sorted(agreed.items()) if r.excluded_until > now]
 
 
 def held(job: NodeHealth, now: float) -> bool:

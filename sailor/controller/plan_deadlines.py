@@ -10,13 +10,16 @@ being saved) needs, per phase:
   engine's ``Checkpointer`` does (``training_process/ckpt_glue.py`` passes no layer sizes:
   the assignment balances layer counts, not bytes).
 - LOAD: the node that reads the most, at ``read_mib_s``: each rank reads its TP slice of its
-  stage's layers (``checkpoint.reader.load``); nothing when the launch loads no checkpoint.
+  stage's layers (``checkpoint.reader.load``); nothing when the launch loads no checkpoint
+  (nor, ``decision_types.phase_deadline`` decides, when it is in place: its live ranks
+  hand their state over).
 - VERIFY: start-up plus ``verify_steps`` iterations of the plan (the simulator's prediction
   it carries, ``Plan.predicted``).
 - QUIESCE: the iterations up to the agreed stop step (``stop_ahead_steps``, and one more: a
   node may be a step behind the highest report).
 
-Each is ``startup + safety x (bytes / throughput, or steps x iteration time)``. A checkpoint
+Each is ``startup + safety x (bytes / throughput, or steps x iteration time)``, at most
+``max_s`` (3 h by default; the throughputs are at least 1 MiB/s). A checkpoint
 holds per parameter the fp32 master weight and both AdamW moments, whatever the compute
 precision (``sailor/checkpoint/__init__.py``, ``TENSOR_KINDS``, ``MASTER_BYTES``: 12 bytes;
 autocast keeps no 16-bit copy to save), with the vocabulary padded as the engine pads it.
@@ -64,6 +67,13 @@ DERIVED_PHASES = (Phase.QUIESCE, Phase.CHECKPOINT, Phase.LOAD, Phase.VERIFY)
 
 _MIB = 1 << 20
 
+_LEAST_MIB_S = 1.0
+"""The least storage throughput a setting may give, MiB/s: a 1980s disk's; anything below is
+a typo (0.01 for 10) that sized deadlines in days."""
+
+_MAX_S = 3 * 3600.0
+"""The default cap on a derived deadline (``DeadlineModel.max_s``), s."""
+
 
 class DeadlineModel(Frozen):
     """What a reconfiguration phase needs, from the plan's bytes and iteration time
@@ -72,14 +82,15 @@ class DeadlineModel(Frozen):
 
     Throughputs default to a default AWS gp3 volume (125 MiB/s, the least gp3 provisions;
     a GCP pd-balanced disk gives 0.28 MiB/s per GiB: 140 MiB/s at 500 GiB): the slowest
-    block storage a GPU node commonly has. A local NVMe (2-7 GB/s) or a larger persistent
-    disk (up to 1,200 MiB/s per VM) is 5-50x faster: set yours, from ``fio`` or a measured
-    save (the audit's ``checkpoint`` phase lengths). Too low costs only a longer wait on a
-    real hang; too high aborts every reconfiguration of a large job (CHECKPOINT does not
-    stretch). The start-up terms are guesses, not measurements: the CPU demo's launch takes
-    about 5 s with torch's import; on GPUs CUDA context creation and NCCL's communicator init
-    add seconds to a minute, more at hundreds of nodes. They stay below the demo's and the
-    integration tests' deadlines (15-30 s), whose configured floor covers the rest.
+    block storage a GPU node commonly has. A local NVMe (2-7 GB/s) is 15-50x faster, a
+    larger persistent disk (up to 1,200 MiB/s per VM) up to ~10x: set yours, from ``fio``
+    or a measured save (the audit's ``checkpoint`` phase lengths). Too low costs only a
+    longer wait on a real hang; too high aborts every reconfiguration of a large job
+    (CHECKPOINT does not stretch). The start-up terms are guesses, not measurements: the
+    CPU demo's launch takes about 5 s with torch's import; on GPUs CUDA context creation and
+    NCCL's communicator init add seconds to a minute, more at hundreds of nodes. They stay
+    below the demo's and the integration tests' deadlines (15-30 s), whose configured floor
+    covers the rest.
     """
 
     enabled: bool = Field(
@@ -89,15 +100,24 @@ class DeadlineModel(Frozen):
     )
     write_mib_s: float = Field(
         default=125.0,
-        gt=0,
+        ge=_LEAST_MIB_S,
         description="Checkpoint write throughput of one node to the checkpoint storage, "
-        "MiB/s (all its ranks together).",
+        "MiB/s (all its ranks together); at least 1 (a typo such as 0.01 gave deadlines of "
+        "days).",
     )
     read_mib_s: float = Field(
         default=125.0,
-        gt=0,
+        ge=_LEAST_MIB_S,
         description="Checkpoint read throughput of one node from the checkpoint storage, "
-        "MiB/s (all its ranks together).",
+        "MiB/s (all its ranks together); at least 1.",
+    )
+    max_s: float = Field(
+        default=_MAX_S,
+        gt=0,
+        description="Most a derived deadline may be, s (before the LOAD and VERIFY stretch): "
+        "a wild predicted iteration time or throughput stops here, and the phase record's "
+        "why says it did. Default 3 h: above what a 405B model's busiest node writes at the "
+        "default throughput (~300 GB on 16 nodes: ~80 min with the safety factor).",
     )
     safety: float = Field(
         default=2.0,
@@ -146,21 +166,30 @@ class PhaseNeed:
     iteration_s: float | None = None
     """The plan's predicted iteration time; None when it carries none."""
     steps: float = 0.0
+    uncapped_s: float = 0.0
+    """What the formula gave, when above ``DeadlineModel.max_s`` (``seconds`` is the cap
+    then); 0 when within it."""
 
     def why(self) -> str:
         """E.g. ``node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up``, ``2 iterations
-        of 8 s x2 + 20 s start-up``."""
+        of 8 s x2 + 20 s start-up``; when capped, what it gave and the cap's setting."""
         start = f"{self.startup_s:g} s start-up"
-        if self.phase in (Phase.CHECKPOINT, Phase.LOAD):
+        if self.phase is Phase.LOAD and not self.node:
+            text = f"{start} (reads no checkpoint)"
+        elif self.phase in (Phase.CHECKPOINT, Phase.LOAD):
             verb = "writes" if self.phase is Phase.CHECKPOINT else "reads"
-            return (
+            text = (
                 f"node {self.node} {verb} {self.bytes / 1e9:.3g} GB at "
                 f"{self.mib_s:g} MiB/s x{self.safety:g} + {start}"
             )
-        if self.iteration_s is None:
-            return f"{start} (no predicted iteration time)"
-        what = f"{self.steps:g} iterations of {self.iteration_s:.3g} s x{self.safety:g}"
-        return f"{what} + {start}" if self.startup_s else what
+        elif self.iteration_s is None:
+            text = f"{start} (no predicted iteration time)"
+        else:
+            what = f"{self.steps:g} iterations of {self.iteration_s:.3g} s x{self.safety:g}"
+            text = f"{what} + {start}" if self.startup_s else what
+        if self.uncapped_s:
+            text += f" = {self.uncapped_s:.0f} s, capped by deadlines.derive.max_s"
+        return text
 
 
 def checkpoint_layer_bytes(model: ModelSpec, layer: int) -> int:
@@ -222,8 +251,11 @@ def read_bytes_per_node(
 ) -> dict[str, int]:
     """node -> checkpoint bytes its ranks read when ``plan`` loads a checkpoint: each rank
     its TP slice of its stage's layers (the simulator's parameters per TP rank,
-    ``estimate_layer_size``, at :data:`CHECKPOINT_BYTES_PER_PARAM`)."""
+    ``estimate_layer_size``, at :data:`CHECKPOINT_BYTES_PER_PARAM`), plus its slice of the
+    padded vocabulary rows of the embedding and the head, which the simulator leaves out
+    and the checkpoint holds (:func:`checkpoint_layer_bytes`)."""
     _check(plan, model)
+    pad = (padded_vocab(model.vocab_size) - model.vocab_size) * model.hidden_size
     # once per layer range and TP degree: a 512-node plan repeats a few stage shapes
     # over thousands of ranks (per rank, a pass took 250 ms at 4,096 ranks)
     by_shape: dict[tuple[int, int, int], int] = {}
@@ -233,7 +265,11 @@ def read_bytes_per_node(
             tp = stage.replica.tp
             key = (stage.first_layer, stage.last_layer, tp)
             if key not in by_shape:
-                params = sum(estimate_layer_size(model, tp, x).params for x in stage.layers)
+                params = sum(
+                    estimate_layer_size(model, tp, x).params
+                    + (pad // tp if model.layer_kind(x) != "block" else 0)
+                    for x in stage.layers
+                )
                 by_shape[key] = params * CHECKPOINT_BYTES_PER_PARAM
             per_rank.extend([by_shape[key]] * tp)
     return {
@@ -281,11 +317,23 @@ def phase_need(
         steps = settings.verify_steps if phase is Phase.VERIFY else float(stop_ahead_steps + 1)
         start = settings.verify_startup_s if phase is Phase.VERIFY else 0.0
         seconds = start + (k * steps * it if it is not None else 0.0)
-        return PhaseNeed(phase, seconds, start, k, iteration_s=it, steps=steps)
+        over = seconds if seconds > settings.max_s else 0.0
+        seconds = min(seconds, settings.max_s)
+        return PhaseNeed(phase, seconds, start, k, iteration_s=it, steps=steps, uncapped_s=over)
     else:
         return None
     seconds = start + k * nbytes / (rate * _MIB)
-    return PhaseNeed(phase, seconds, start, k, node=node, bytes=nbytes, mib_s=rate)
+    over = seconds if seconds > settings.max_s else 0.0
+    return PhaseNeed(
+        phase,
+        min(seconds, settings.max_s),
+        start,
+        k,
+        node=node,
+        bytes=nbytes,
+        mib_s=rate,
+        uncapped_s=over,
+    )
 
 
 def derived_deadlines(

@@ -114,8 +114,10 @@ def agree_step(
 
 def rank_hosts(ranks: Sequence[int], group: Any = None) -> str:
     """``rank 1 (host-a), rank 3 (host-b)``: ``ranks`` with their hosts. Collective (one
-    object all-gather over ``group``): every rank calls it at the same point, on the rare
-    path where an agreed error is raised."""
+    object all-gather over ``group``): every rank calls it at the same point, at the start
+    of every streak of non-finite steps (``nonfinite.SkipStreak.observe``: the streak's
+    first ranks are named then, whether or not it grows into an agreed error), not only
+    when one is raised."""
     hosts = world_objects(socket.gethostname(), group)
     return ", ".join(f"rank {r} ({hosts[min(r, len(hosts) - 1)]})" for r in sorted(ranks))
 

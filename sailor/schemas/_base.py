@@ -27,8 +27,9 @@ raising it: a reader of version 2 refused a state that held one).
 4: ``AgentStatus.killing``; ``DesiredState.lost_nodes`` and ``sigabrt_reports``;
 ``NodeHealth.step``; ``TrainingConfig.nonfinite`` (hashed into the training digest only away
 from its default); the message ``ClearBadRequest``.
-5: ``DesiredState.agreed_health`` (written only when not empty): a release of version 4 was
-out, and it refuses a state of its own version that holds an unknown field.
+5: ``DesiredState.agreed_health`` and ``launch_waited`` (each written only when not empty):
+a release of version 4 was out, and it refuses a state of its own version that holds an
+unknown field.
 ``NodeSpec.runtime`` (the node's torch build, NCCL version and the Sailor release its
 workers run; a version-4 controller drops it and places nodes of any NCCL and release
 together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);

@@ -347,6 +347,16 @@ class DesiredState(WireMessage):
         "never launched (docs/training.md, 'One precision per job'). None: no plan launched "
         "yet (wire version 5).",
     )
+    launch_waited: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_NODE_LIST,
+        description="Placed nodes (sorted) the current LAUNCH waited for past its deadline "
+        "because their agent refused the Launch while it killed the previous workers "
+        "(AgentStatus.killing): waited for, their Launch re-sent, up to deadlines.teardown "
+        "past the deadline also once the kill has ended (the pass its end wakes comes before "
+        "the re-sent Launch's ack), unless they report a failure. Emptied at the next launch "
+        "and once every node acked. Empty: none (wire version 5).",
+    )
 
     @field_validator("agreed_health")
     @classmethod
@@ -360,6 +370,12 @@ class DesiredState(WireMessage):
     @classmethod
     def _lost_sorted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         _sorted_ids("lost_nodes", v)
+        return v
+
+    @field_validator("launch_waited")
+    @classmethod
+    def _waited_sorted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        _sorted_ids("launch_waited", v)
         return v
 
     @field_validator("cause", "path_reason", mode="before")

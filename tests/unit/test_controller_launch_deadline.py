@@ -347,11 +347,14 @@ def test_a_node_refusing_its_launch_while_it_kills_is_waited_for_not_charged() -
         *(st(i, gen=1, state="idle") for i in (3, 4)),
     ]
     a = decide(d, _late(statuses, acked=_acked(d, 1, 3, 4)), NO_STRETCH)
-    assert kinds(a) == ["send:launch:n2"]  # no abort, nobody charged: the Launch again
+    # no abort, nobody charged: n2 remembered as waited for, the Launch again
+    assert kinds(a) == ["set:launch", "send:launch:n2"]
+    assert a[0].state.launch_waited == ("n2",)  # type: ignore[union-attr]
     # the kill ended: the re-sent Launch is acked, and the launch goes on
     done = [st(i, gen=1, state="idle") for i in IDS]
     a = decide(d, _late(done, acked=_acked(d, *IDS)), NO_STRETCH)
     assert kinds(a) == ["set:load"]
+    assert a[0].state.launch_waited == ()  # type: ignore[union-attr]
     # a kill reported past its bound is charged as a missing ack was
     bound = replace(_late(statuses, acked=_acked(d, 1, 3, 4)), now=NOW + 151)
     torn = _abort(d, bound).state
@@ -369,3 +372,45 @@ def test_a_killing_node_is_not_charged_when_another_misses_the_launch_deadline()
     done = _abort(d, _late(statuses, acked=_acked(d, 1, 4)))
     assert set(done.state.node_health) == {"n3"}  # n3 never acked; n2 was still killing
     assert "not counted against n2: still killing workers" in done.reason
+
+
+def test_a_node_whose_kill_just_ended_is_still_waited_for_until_its_launch_is_acked() -> None:
+    """The kill's end wakes a pass (the agent publishes ``killing: 0`` at once) before the
+    re-sent Launch is acked: a Launch is re-sent only by a pass. That pass aborted and charged
+    n2 "its Launch not acked" (review: ``_waited`` read the status alone, which no longer
+    said kill). Now the node waited for is remembered, and waited for until its ack or the
+    kill's bound; a failure it reports then (``OutlivedKill``) is charged at once."""
+    d = _launching(Phase.LAUNCH)
+    statuses = [
+        st(1, gen=1, state="idle"),
+        _killing(2),
+        *(st(i, gen=1, state="idle") for i in (3, 4)),
+    ]
+    acked = _acked(d, 1, 3, 4)
+    a = decide(d, _late(statuses, acked=acked), NO_STRETCH)
+    assert kinds(a)[-1:] == ["send:launch:n2"] and "set:teardown" not in kinds(a)
+    waiting = next((x.state for x in a if isinstance(x, SetDesired)), d)
+    # the kill ended, the re-sent Launch not acked yet: the Launch again, nobody charged
+    ended = [*statuses[:1], st(2, gen=1, state="idle"), *statuses[2:]]
+    a = decide(waiting, _late(ended, acked=acked), NO_STRETCH)
+    assert kinds(a) == ["send:launch:n2"]
+    assert waiting.launch_waited == ("n2",) and waiting.phase_deadline == d.phase_deadline
+    # acked: the launch goes on
+    a = decide(waiting, _late(ended, acked=_acked(d, *IDS)), NO_STRETCH)
+    assert kinds(a) == ["set:load"]
+    # still not acked at the kill's bound (deadlines.teardown past the deadline): charged
+    bound = replace(_late(ended, acked=acked), now=NOW + CFG.deadlines.teardown + 1)
+    torn = _abort(waiting, bound).state
+    assert set(torn.node_health) == {"n2"}
+    assert "its Launch not acked" in torn.node_health["n2"].cause
+    # its kill outlived the agent's bound: that failure is charged at once
+    outlived = st(2, gen=1, state="failed").model_copy(
+        update={"failure": "OutlivedKill: process group 4242 outlived its SIGKILL"}
+    )
+    o = _late([*statuses[:1], outlived, *statuses[2:]], acked=acked)
+    torn = _abort(waiting, o).state
+    assert "OutlivedKill" in torn.node_health["n2"].cause
+    # another node missing the deadline aborts: n2, waited for, is not charged
+    done = _abort(waiting, _late(ended, acked=_acked(d, 1, 4)))
+    assert set(done.state.node_health) == {"n3"}
+    assert "not counted against n2: its kill just over" in done.reason

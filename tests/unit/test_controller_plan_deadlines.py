@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from structlog.testing import capture_logs
 
 from sailor import catalog
 from sailor.controller.audit import AuditLog
@@ -145,8 +146,9 @@ def test_a_7b_model_on_two_8_gpu_nodes_gets_minutes_of_checkpoint_and_load() -> 
 def test_the_busiest_node_sets_it_and_tp_ranks_read_their_slices() -> None:
     """Four stages on two nodes: a node holding two stages reads both; a stage at TP 2
     reads each split tensor once in all (two halves) and a replicated one (the learned
-    position table, the final norm) once per TP rank; the simulator's per-rank count leaves
-    out the padded vocabulary rows (at most 63) and splits a block's norms."""
+    position table, the final norm) once per TP rank; the padded vocabulary rows (at most
+    63), which the simulator's per-rank count leaves out, are read as the checkpoint holds
+    them (review: the reads left them out, the writes not)."""
     m = catalog.model("GPT-Neo-2.7")
     plan, _ = _plan(m, 4, 2, ("a", "b", "c", "d"))
     placement = {"x": (0, 1, 2, 3), "y": (4, 5, 6, 7)}
@@ -155,10 +157,10 @@ def test_the_busiest_node_sets_it_and_tp_ranks_read_their_slices() -> None:
         sum(checkpoint_layer_bytes(m, x) for x in s.layers) for s in plan.pipelines[0].stages
     ]
     pos = m.seq_length * m.hidden_size  # read by both TP ranks of stage 0
-    pad = (50304 - m.vocab_size) * m.hidden_size  # the simulator's count leaves it out
-    assert reads["x"] == per_stage[0] + per_stage[1] + 12 * (pos - pad)
+    assert m.vocab_size < 50304  # padded: the rows counted in both
+    assert reads["x"] == per_stage[0] + per_stage[1] + 12 * pos
     norm = 2 * m.hidden_size  # the head's final layernorm, read by both TP ranks of stage 3
-    assert reads["y"] == per_stage[2] + per_stage[3] + 12 * (norm - pad)
+    assert reads["y"] == per_stage[2] + per_stage[3] + 12 * norm
     need = phase_need(Phase.LOAD, plan, placement, m, DeadlineModel())
     assert need is not None and need.node == max(reads, key=lambda n: reads[n])
 
@@ -196,7 +198,10 @@ def test_the_demo_model_keeps_every_configured_deadline(deadlines: PhaseDeadline
     ("field", "value"),
     [
         ("write_mib_s", 0),
+        ("write_mib_s", 0.01),
         ("read_mib_s", -100),
+        ("read_mib_s", 0.5),
+        ("max_s", 0),
         ("safety", 0.5),
         ("verify_steps", 0),
         ("load_startup_s", -1),
@@ -212,6 +217,30 @@ def test_bad_settings_are_refused_by_name(field: str, value: float) -> None:
     with pytest.raises(ValidationError) as exc:
         ControllerConfig.model_validate(raw)
     assert f"deadlines.derive.{field}" in str(exc.value)
+
+
+def test_a_derived_deadline_is_capped_and_the_why_says_so() -> None:
+    """A wild predicted iteration time (or a throughput of 1 MiB/s) gave deadlines of days
+    (review: 0.01 MiB/s gave ~93 days of CHECKPOINT for a 7B plan, and the LOAD and VERIFY
+    stretch doubled them): the need stops at ``max_s`` (3 h), and the record says so."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=3600.0)
+    slow = DeadlineModel(write_mib_s=1, read_mib_s=1)
+    need = derived_deadlines(plan, placement, LLAMA_7B, slow)
+    for phase in (Phase.CHECKPOINT, Phase.LOAD, Phase.VERIFY, Phase.QUIESCE):
+        assert need[phase].seconds == 3 * 3600, phase
+    ck = need[Phase.CHECKPOINT]
+    assert ck.uncapped_s == pytest.approx(10 + 2 * ck.bytes / 2**20)
+    assert ck.why().endswith(f"= {ck.uncapped_s:.0f} s, capped by deadlines.derive.max_s")
+    assert need[Phase.VERIFY].why() == (
+        "2 iterations of 3.6e+03 s x2 + 20 s start-up = 14420 s, capped by deadlines.derive.max_s"
+    )
+    cfg = _large_cfg(deadlines=PhaseDeadlines(derive=slow.model_copy(update={"max_s": 900})))
+    d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
+    got = phase_deadline(d, Phase.LOAD, cfg)
+    assert got.seconds == 900 and got.derived
+    assert "capped by deadlines.derive.max_s = 900 s (above deadlines.load 120 s)" in got.why()
+    # within the cap: the formula's own figure, nothing said
+    assert derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].uncapped_s == 0
 
 
 def test_another_models_plan_is_refused_by_the_function_and_not_derived_by_decide() -> None:
@@ -319,6 +348,44 @@ def test_decide_derives_load_and_verify_of_the_plan_launched_and_the_stretch_sta
     verify = need[Phase.VERIFY].seconds  # 20 s + 2 x 2 x 30 s, above the 120 s floor
     assert verify == pytest.approx(140)
     assert v.state.phase_deadline == pytest.approx(NOW + 740)  # type: ignore[union-attr]
+
+
+def test_an_in_place_load_is_not_sized_as_a_checkpoint_read() -> None:
+    """An in-place launch takes its state from the live ranks: sized as a full read (a 7B
+    plan: ~637 s), a hung one waited over ten minutes before falling back to the restart
+    path. It gets the floor; the restart path's LOAD is sized in full."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cfg = _large_cfg(in_place=True)
+    d = DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.LAUNCH,
+        phase_since=NOW - 5,
+        phase_deadline=NOW + 20,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+        path="in_place",
+    )
+    o = Observed(
+        now=NOW,
+        nodes=_ns("n1", "n2"),
+        status={n: _st(n, 2, 12, "idle") for n in placement},
+        acked=frozenset(f"e3-g2-launch-{n}" for n in placement),
+    )
+    (a,) = decide(d, o, cfg)
+    assert isinstance(a, SetDesired) and a.state.phase is Phase.LOAD
+    assert a.state.phase_deadline == NOW + 120
+    why = phase_deadline(a.state, Phase.LOAD, cfg).why()
+    assert why == (
+        "configured deadlines.load 120 s (plan llama-2-7b-2x8 needs 20 s start-up (reads no "
+        "checkpoint) = 20 s)"
+    )
+    restart = d.model_copy(update={"path": "restart"})
+    (r,) = decide(restart, o, cfg)
+    full = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    assert full > 600 and r.state.phase_deadline == pytest.approx(NOW + full)  # type: ignore[union-attr]
 
 
 def test_a_quiesce_of_slow_steps_is_derived_and_a_notice_still_cuts_it() -> None:
@@ -437,15 +504,90 @@ def test_a_stalled_load_stretches_the_derived_deadline() -> None:
     assert moved[0].state.phase is Phase.TEARDOWN
     assert moved[0].state.deadline_stretch == {"load": 2}
     assert (
-        f"the next load deadline is {2 * base:.0f} s (load as derived {base:.0f} s x2"
-        in moved[0].reason
+        f"the next load deadline is {2 * base:.0f} s (load as derived from the plan "
+        f"{base:.0f} s x2" in moved[0].reason
     )
+
+
+T = 1_764_000_000.0
+"""A Unix time of today: the base is a difference of two such times."""
+
+
+def _stretched_load(plan: Plan, placement: dict[str, tuple[int, ...]], base: float) -> DesiredState:
+    """A LOAD begun by a leader that derived it (``base`` s) and stretched it x2, at T."""
+    return DesiredState(
+        epoch=4,
+        generation=3,
+        phase=Phase.LOAD,
+        phase_since=T - 2 * base - 1,
+        phase_deadline=T - 1,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+        deadline_stretch={"load": 2},
+        phase_epoch=3,
+    )
+
+
+def test_a_standby_without_the_model_stretches_and_fits_what_the_phase_got() -> None:
+    """The deadline of a LOAD survives a leader change, and so must its stretch's base: a
+    standby whose model did not load (the floors alone) took the floor, 120 s, as the
+    base of a phase the previous leader had derived (637 s), and fitted another factor
+    (review). The base is what the phase got over its factor."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    d = _stretched_load(plan, placement, base)
+    standby = DecideConfig(checkpoint_dir="/ck")  # no model: the floors
+    idle = {n: _st(n, 3, 12, "idle") for n in placement}
+    for cfg in (_large_cfg(), standby):  # the leader that derived it, and the standby
+        (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
+        assert a.state.deadline_stretch == {"load": 4}  # type: ignore[union-attr]
+        reason = a.reason  # type: ignore[union-attr]
+        assert f"the next load deadline is {4 * base:.0f} s (load as derived" in reason
+        assert f"{base:.0f} s x4" in reason, cfg.model
+    # through at 1.1 x the base: the factor fits 2 under either leader
+    up = {n: _st(n, 3, 12) for n in placement}
+    d = d.model_copy(update={"phase_deadline": T + 600, "phase_since": T - 2 * base + 600})
+    later = Observed(d.phase_since + 1.1 * base, _ns("n1", "n2"), up)
+    for cfg in (_large_cfg(), standby):
+        (v,) = [x for x in decide(d, later, cfg) if _set(x)]
+        assert v.state.phase is Phase.VERIFY  # type: ignore[union-attr]
+        assert v.state.deadline_stretch == {"load": 2}, cfg.model  # type: ignore[union-attr]
+
+
+def test_the_jobs_charge_names_a_derived_deadline_as_derived() -> None:
+    """At the stretch's cap the job is charged: the text said ``deadlines.load x8`` of a
+    length the plan's need set (its seconds were right), and told the operator to raise a
+    floor that was not the deadline (review)."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
+    d = _stretched_load(plan, placement, base).model_copy(
+        update={"deadline_stretch": {"load": 8}, "phase_since": T - 8 * base - 1}
+    )
+    idle = {n: _st(n, 3, 12, "idle") for n in placement}
+    (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), _large_cfg()) if _set(x)]
+    reason = a.reason  # type: ignore[union-attr]
+    assert a.state.job_health.cause.startswith("DeadlineMissed")  # type: ignore[union-attr]
+    assert f"by the load deadline ({8 * base:.0f} s, load as derived from the plan x8)" in reason
+    assert "deadlines.load x8" not in reason
+    assert "set deadlines.derive.read_mib_s to what the storage gives" in reason
+    # a configured one keeps its setting's name
+    floor = d.model_copy(update={"phase_since": T - 8 * 120 - 1})
+    cfg = DecideConfig(checkpoint_dir="/ck")
+    (b,) = [x for x in decide(floor, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
+    assert "(960 s, deadlines.load x8)" in b.reason  # type: ignore[union-attr]
+    assert "raise deadlines.load if the phase" in b.reason  # type: ignore[union-attr]
+
+
+def _set(a: object) -> bool:
+    return isinstance(a, SetDesired)
 
 
 def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path) -> None:
     """The config's model (a catalog name or a file) is read at start; off or unknown: none
     (the stand-in planner's model name need not be a known model), and the floors hold."""
-    from sailor.controller.daemon import _model_for_deadlines
+    from sailor.controller.daemon import Controller, _model_for_deadlines
 
     assert _model_for_deadlines(ControllerConfig()) == catalog.model("tiny-gpt").model_copy(
         update={"global_batch_size": 8}
@@ -458,3 +600,13 @@ def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path)
     assert _model_for_deadlines(ControllerConfig(deadlines=off)) is None
     unknown = ControllerConfig(model="no-such-model", planner="data_parallel")
     assert _model_for_deadlines(unknown) is None
+    # a model file that is no YAML: logged, the floors (review: yaml.YAMLError is no
+    # ValueError, and it stopped the controller's construction)
+    broken = tmp_path / "m.yaml"
+    broken.write_text("name: [unclosed\n")
+    bad = ControllerConfig(
+        model=str(broken), planner="data_parallel", audit_log=str(tmp_path / "audit.jsonl")
+    )
+    with capture_logs() as logs:
+        assert Controller(bad).decide_cfg.model is None
+    assert [x["event"] for x in logs] == ["deadlines_not_derived"]

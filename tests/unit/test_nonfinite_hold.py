@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 
+from sailor.controller.agreed_health import holds
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import SetDesired
 from sailor.controller.failing_nodes import apply_readmits, forget, nothing_usable
 from sailor.controller.failure_text import abort_signal
 from sailor.controller.forgetting import trained
-from sailor.controller.node_health import holds
 from sailor.megatron_patch.errors import failure_record
 from sailor.megatron_patch.nonfinite import NonFiniteGradientsError, nonfinite_message
 from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase, ReadmitRequest

@@ -14,8 +14,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from sailor.controller.agreed_health import holds
 from sailor.controller.forgetting import trained_agreed
-from sailor.controller.node_health import ExclusionPolicy, charge, holds
+from sailor.controller.node_health import ExclusionPolicy, charge
 from sailor.megatron_patch.clipping import clip_by_global_norm
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.errors import classify, failure_record

@@ -205,7 +205,7 @@ _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "d
 _V4 = ("lost_nodes", "sigabrt_reports")
 """``DesiredState``'s fields of wire version 4."""
 
-_V5 = ("agreed_health",)
+_V5 = ("agreed_health", "launch_waited")
 """``DesiredState``'s fields of wire version 5."""
 
 
@@ -246,7 +246,8 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     held one). A release of each older version reads the state without its unknown fields,
     through ``_newer``, and would refuse them at its own version. Version 4 added the
     abort's lost nodes and the generation's SIGABRT reports: a release-3 reader drops them;
-    version 5 the agreed errors' records, which a release-4 reader drops."""
+    version 5 the agreed errors' records and the LAUNCH's nodes waited for past their kill,
+    which a release-4 reader drops."""
     assert SCHEMA_VERSION >= 5
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
@@ -264,6 +265,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         lost_nodes=("n1",),
         sigabrt_reports=SigabrtReports(generation=4, nodes=("n3",), cause="Signal: SIGABRT"),
         agreed_health={"NonFiniteGradientsError": NodeHealth(failures=2, generation=4, step=9)},
+        launch_waited=("n2",),
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
