@@ -17,8 +17,9 @@ keeps the plans that fit in memory in every corner, and prints, per scenario, th
 whose worst ratio over the corners to the original's plan is highest, how many are >= 1.0
 in every corner (the original's own plan is one of them when it is on the grid), and the
 best median-corner ratio among those. The robust plan of ``robust_search`` (default
-settings) is scored the same way beside them. Then every plan's worst ratio over the corners to that corner's best
-(the robust rule's own measure, minimax relative regret), best first.
+settings) is scored the same way beside them. Then every plan's worst ratio over the
+corners to that corner's best (the robust rule's own measure, minimax relative regret), best
+first.
 
 ``--min-cost`` adds the min-cost scenario (fig11: least $ per iteration at >= 0.2 it/s on
 A100-40 and V100-16): the grid's cheapest plans in the median corner that meet the floor

@@ -205,7 +205,7 @@ _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "d
 _V4 = ("lost_nodes", "sigabrt_reports")
 """``DesiredState``'s fields of wire version 4."""
 
-_V5 = ("agreed_health", "launch_waited")
+_V5 = ("agreed_health", "launch_waited", "job_precision")
 """``DesiredState``'s fields of wire version 5."""
 
 
@@ -266,6 +266,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         sigabrt_reports=SigabrtReports(generation=4, nodes=("n3",), cause="Signal: SIGABRT"),
         agreed_health={"NonFiniteGradientsError": NodeHealth(failures=2, generation=4, step=9)},
         launch_waited=("n2",),
+        job_precision="bf16",
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
