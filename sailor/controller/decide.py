@@ -129,7 +129,8 @@ def _recalibrate(
 
 def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
     """The registered nodes no layout may use at ``o.now``: those the failure records keep
-    out (``failing_nodes.unusable``) and those of another NCCL version than the job's
+    out (``failing_nodes.unusable``) and those of another runtime than the job's (NCCL
+    version, Sailor release) or whose GPU type cannot compute in its precision
     (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``, and the daemon
     for the other readers."""
     out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
@@ -137,13 +138,13 @@ def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
 
 
 def not_admitted(d: DesiredState, o: Observed, out: frozenset[str] | None = None) -> dict[str, str]:
-    """The registered nodes left out for their NCCL version, with the reason
+    """The registered nodes left out for their runtime or the job's precision, with the reason
     (``controller/runtime_admission.py``); ``out``: the nodes the failure records keep out
     (computed when not given)."""
     if out is None:
         out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
-    return runtime_admission.not_admitted(d.placement, o.nodes, candidates)
+    return runtime_admission.not_admitted(d.placement, o.nodes, candidates, d.job_precision)
 
 
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

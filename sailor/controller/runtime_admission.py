@@ -26,7 +26,11 @@ The rule, the simplest that never disturbs a running layout:
   GPUs (so a rolling upgrade moves the job to the new release once the nodes still on the old
   one have left its layout: drain them together, docs/operations.md);
 * a node of another runtime is not admitted, with the reason; a node of unknown NCCL version
-  (a CPU node, an agent whose check gathered nothing or of an older release) is not judged.
+  (a CPU node, an agent whose check gathered nothing or of an older release) is not judged;
+* a node whose GPU type cannot compute in the job's precision (``DesiredState.job_precision``:
+  a V100 in a bf16 job, ``schemas.precision.cannot_run``) is not admitted either: the planner
+  would leave it out of every plan, so its join must not cost a reconfiguration that
+  relaunches the same layout.
 
 Pure: no I/O, no clock; inputs never modified. Called by ``decide.unusable`` (so ``decide``,
 the daemon and ``sailor status`` see the same nodes out) and by ``controller/status.py``.
@@ -37,7 +41,9 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
+from sailor import catalog
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.precision import Precision, cannot_run
 
 __all__ = ["job_nccl", "job_runtime", "not_admitted"]
 
@@ -89,21 +95,25 @@ def job_nccl(
 
 
 def not_admitted(
-    placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
+    placement: Collection[str],
+    nodes: Mapping[str, NodeSpec],
+    candidates: Collection[str],
+    precision: Precision | None = None,
 ) -> dict[str, str]:
-    """The ``candidates`` whose NCCL version is not the job's, each with the reason (for the
-    audit log and ``sailor status``); empty when every known version agrees."""
-    job = job_runtime(placement, nodes, candidates)
+    """The ``candidates`` whose runtime is not the job's, or (with ``precision``, the job's)
+    whose GPU type cannot compute in it, each with the reason (for the audit log and
+    ``sailor status``); empty when every one may join."""
+    out = _wrong_precision(nodes, candidates, precision)
+    job = job_runtime(placement, nodes, [n for n in candidates if n not in out])
     if job is None:
-        return {}
+        return out
     same = [nodes[n] for n in sorted(candidates) if n in nodes and _runtime(nodes[n]) == job]
     build = _build(same[0]) if same else ""
     names = f"{', '.join(x.node_id for x in same[:5])}{', ...' if len(same) > 5 else ''}"
-    out: dict[str, str] = {}
     for n in sorted(candidates):
         spec = nodes.get(n)
         mine = _runtime(spec) if spec is not None else None
-        if spec is None or mine is None or mine == job:
+        if spec is None or mine is None or mine == job or n in out:
             continue
         if mine[0] != job[0]:
             out[n] = (
@@ -118,6 +128,25 @@ def not_admitted(
                 "run one release (the same collectives, the same checkpoint writers); it joins "
                 "once the job's nodes of the other release have left (docs/operations.md, "
                 "upgrades)"
+            )
+    return out
+
+
+def _wrong_precision(
+    nodes: Mapping[str, NodeSpec], candidates: Collection[str], precision: Precision | None
+) -> dict[str, str]:
+    """The candidates whose GPU type cannot compute in the job's ``precision``, with why."""
+    if precision is None:
+        return {}
+    specs = catalog.gpus()
+    out: dict[str, str] = {}
+    for n in sorted(candidates):
+        spec = nodes.get(n)
+        why = cannot_run(spec.gpu_type, specs, precision) if spec is not None else ""
+        if why:
+            out[n] = (
+                f"{why}: the job computes in {precision} (DesiredState.job_precision, fixed at "
+                "its first launch; docs/training.md, 'One precision per job')"
             )
     return out
 

@@ -142,11 +142,16 @@ def _not_admitted(
     notices: dict[str, NoticeRecord],
     now: float,
 ) -> dict[str, str]:
-    """The nodes the leader leaves out for their NCCL version, and why, by the leader's own
-    rule (``controller/runtime_admission.py``) over the same records."""
+    """The nodes the leader leaves out for their runtime or the job's precision, and why, by
+    the leader's own rule (``controller/runtime_admission.py``) over the same records."""
     out = unusable(d, nodes, status, now) if d is not None else frozenset()
     candidates = [n for n in nodes if n not in out and n not in notices]
-    return not_admitted(d.placement if d is not None else {}, nodes, candidates)
+    return not_admitted(
+        d.placement if d is not None else {},
+        nodes,
+        candidates,
+        d.job_precision if d is not None else None,
+    )
 
 
 def _calibration_version(raw: bytes) -> int | None:

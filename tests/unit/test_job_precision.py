@@ -187,10 +187,15 @@ def test_the_first_launch_fixes_the_jobs_precision_and_a_replan_asks_for_it() ->
     d = _launched(CFG, ("A100-40",))
     assert d.job_precision == "bf16"
     running = d.model_copy(update={"phase": Phase.RUNNING})
-    ns = {"n0": _node(0), "n1": _node(1, "V100-16")}
+    ns = {"n0": _node(0), "n1": _node(1)}
     o = _obs(ns, AgentStatus(node_id="n0", generation=d.generation, state="running", step=5))
     replans = [a for a in decide(running, o, CFG) if isinstance(a, Replan)]
     assert replans and all(r.precision == "bf16" for r in replans)
+    # a V100 (no bf16 units) joining instead waits outside the job: no replan at all
+    # (runtime_admission; test_node_runtime_admission.py)
+    ns = {"n0": _node(0), "n1": _node(1, "V100-16")}
+    o = _obs(ns, AgentStatus(node_id="n0", generation=d.generation, state="running", step=5))
+    assert not [a for a in decide(running, o, CFG) if isinstance(a, Replan)]
 
 
 def test_a_forced_precision_is_the_jobs_from_the_first_plan_on() -> None:

@@ -232,3 +232,21 @@ def test_the_release_digest_follows_the_code(tmp_path: Any) -> None:
     (tmp_path / "sub" / "b.py").rename(tmp_path / "b.py")  # same bytes, another path
     assert code_digest(tmp_path) != first
     assert sailor_release().startswith("0.1.0+") and len(sailor_release().split("+")[1]) == 12
+
+
+def test_a_gpu_that_cannot_run_the_jobs_precision_does_not_cost_a_reconfiguration() -> None:
+    """A V100 (no bf16 units) joining a job fixed at bf16: the planner would leave it out of
+    every plan, so before, its join quiesced, checkpointed and relaunched the same layout.
+    Now it waits outside the job with the reason; an fp16 job takes it."""
+    ns = nodes(node(1, CU126), node(2, CU126))
+    v100 = NodeSpec(node_id="n3", gpu_type="V100-16", gpus=4, zone="z-a-1", address="h")
+    ns["n3"] = v100
+    d = running(nodes(node(1, CU126), node(2, CU126)), ("n1", "n2"))
+    bf16 = d.model_copy(update={"job_precision": "bf16"})
+    o = obs(ns, [st("n1"), st("n2"), st("n3", "idle", gen=-1)])
+    assert decide(bf16, o, CFG) == []
+    why = not_admitted(bf16, o)["n3"]
+    assert "V100-16 has no bf16 units" in why and "the job computes in bf16" in why
+    fp16 = d.model_copy(update={"job_precision": "fp16"})
+    assert "n3" not in not_admitted(fp16, o)
+    assert decide(fp16, o, CFG) != []  # it joins: a reconfiguration begins
