@@ -22,7 +22,7 @@ from sailor.agent.agent_config import AgentConfig
 from sailor.agent.check_gather import gather_gpu_subprocess, node_facts
 from sailor.agent.check_verdicts import judge
 from sailor.schemas.device_kind import is_cpu_type
-from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.hardware import NodeSpec, TorchRuntime
 from sailor.schemas.node_check import NodeFacts
 
 __all__ = [
@@ -52,10 +52,11 @@ def registered_node(node: NodeSpec, facts: NodeFacts, release: str = "") -> Node
     """What the agent registers: its configured node with the torch build and NCCL version
     its check found and the Sailor ``release`` its workers run (``NodeSpec.runtime``), by
     which the controller keeps one of each per job. Nothing gathered (a CPU node, check mode
-    off): the node as configured."""
+    off): the node as configured, with its release."""
     runtime = facts.runtime()
-    if runtime is None:
+    if runtime is None and not release:
         return node
+    runtime = runtime or TorchRuntime()  # a CPU node, check mode off: its release alone
     if release:
         runtime = runtime.model_copy(update={"sailor_release": release})
     return node.model_copy(update={"runtime": runtime})

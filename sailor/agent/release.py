@@ -5,8 +5,9 @@ The workers of one job must run one release: every rank computes the same collec
 step and the same checkpoint writers without talking, in its own copy of the code. The
 version alone does not tell two builds of one version apart (a patched install, a checkout),
 so the release is the version plus the first 12 hex digits of a SHA-256 over the package's
-Python files (their paths and bytes, in path order). Computed once per process: about 300
-files, a few ms.
+files (their paths and bytes, in path order; the catalog's data too, which the workers'
+choices read; bytecode caches left out). Computed once per process: a few hundred files,
+tens of ms.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def code_digest(root: Path) -> str:
-    """SHA-256 (hex) over the ``.py`` files under ``root``: each one's path relative to
-    ``root`` and its bytes, in path order."""
+    """SHA-256 (hex) over the files under ``root`` but bytecode caches: each one's path
+    relative to ``root`` and its bytes, in path order."""
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    files = (
+        f
+        for f in root.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".pyo")
+    )
+    for f in sorted(files):
         rel = f.relative_to(root).as_posix()
         h.update(rel.encode() + b"\0")
         h.update(f.read_bytes())

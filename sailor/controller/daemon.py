@@ -60,6 +60,7 @@ from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.event_intake import EventIntake, urgent_wake
 from sailor.controller.executor import Executor
 from sailor.controller.failing_nodes import upgraded
+from sailor.controller.job_precision import job_precision
 from sailor.controller.observed import ObservedCache
 from sailor.controller.online_calibration import Calibrator
 from sailor.controller.planning import (
@@ -89,6 +90,7 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.model import ModelSpec
+from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, ReadmitRequest
 from sailor.schemas.training import TrainingConfig
 
@@ -482,13 +484,16 @@ class Controller(EventIntake):
             readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
             clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
         )
-        self._audit_admission(desired, o)
-        return replace(o, excluded=unusable(desired, o))  # as decide sees it
+        precision = job_precision(desired, self.decide_cfg.training)
+        self._audit_admission(desired, o, precision)
+        return replace(o, excluded=unusable(desired, o, precision))  # as decide sees it
 
-    def _audit_admission(self, desired: DesiredState, o: Observed) -> None:
-        """An audit record and a journal line each time the nodes left out for their NCCL
-        version change (``decide.not_admitted``): who, and why."""
-        refused = not_admitted(desired, o)
+    def _audit_admission(
+        self, desired: DesiredState, o: Observed, precision: Precision | None
+    ) -> None:
+        """An audit record and a journal line each time the nodes left out for their runtime
+        or the job's precision change (``decide.not_admitted``): who, and why."""
+        refused = not_admitted(desired, o, precision=precision)
         if refused == self._not_admitted:
             return
         self._not_admitted = refused

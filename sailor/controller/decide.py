@@ -45,8 +45,10 @@ from sailor.controller.decision_types import (
     replan_if_needed,
 )
 from sailor.controller.forgetting import trained_past, trained_past_agreed
+from sailor.controller.job_precision import job_precision
 from sailor.controller.launch import launch_next, launching
 from sailor.controller.teardown import teardown
+from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import DesiredState, Phase
 
 __all__ = ["decide", "not_admitted", "unusable"]
@@ -127,24 +129,32 @@ def _recalibrate(
     return [SetDesired(state, adv.cause[:1024])]
 
 
-def unusable(d: DesiredState, o: Observed) -> frozenset[str]:
+def unusable(d: DesiredState, o: Observed, precision: Precision | None = None) -> frozenset[str]:
     """The registered nodes no layout may use at ``o.now``: those the failure records keep
     out (``failing_nodes.unusable``) and those of another runtime than the job's (NCCL
     version, Sailor release) or whose GPU type cannot compute in its precision
     (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``, and the daemon
     for the other readers."""
     out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
-    return out | frozenset(not_admitted(d, o, out))
+    return out | frozenset(not_admitted(d, o, out, precision))
 
 
-def not_admitted(d: DesiredState, o: Observed, out: frozenset[str] | None = None) -> dict[str, str]:
+def not_admitted(
+    d: DesiredState,
+    o: Observed,
+    out: frozenset[str] | None = None,
+    precision: Precision | None = None,
+) -> dict[str, str]:
     """The registered nodes left out for their runtime or the job's precision, with the reason
     (``controller/runtime_admission.py``); ``out``: the nodes the failure records keep out
-    (computed when not given)."""
+    (computed when not given); ``precision``: the job's (``job_precision.job_precision``:
+    the recorded one, or the training config's forced one before any launch), else the
+    recorded one."""
     if out is None:
         out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
-    return runtime_admission.not_admitted(d.placement, o.nodes, candidates, d.job_precision)
+    job = precision if precision is not None else d.job_precision
+    return runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)
 
 
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -200,7 +210,7 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
     if forgot is not None:
         d = forgot[0]
         return [SetDesired(d, forgot[1]), *decide(d, o, config)]
-    out = unusable(d, o)
+    out = unusable(d, o, job_precision(d, config.training))
     if out != o.excluded:  # the desired state says which nodes are out, whatever o was given
         o = replace(o, excluded=out)
     if d.phase is Phase.TEARDOWN:  # it aborts every busy node itself

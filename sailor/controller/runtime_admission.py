@@ -39,16 +39,13 @@ the daemon and ``sailor status`` see the same nodes out) and by ``controller/sta
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from sailor import catalog
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.precision import Precision, cannot_run
 
-__all__ = ["job_nccl", "job_runtime", "not_admitted"]
-
-Runtime = tuple[str, str]
-"""(NCCL version, Sailor release) of a node's workers."""
+__all__ = ["job_nccl", "job_release", "not_admitted"]
 
 
 def _key(version: str) -> tuple[int, ...]:
@@ -59,39 +56,50 @@ def _nccl(node: NodeSpec) -> str:
     return node.runtime.nccl_version if node.runtime is not None else ""
 
 
-def _runtime(node: NodeSpec) -> Runtime | None:
-    """The node's runtime; None when its NCCL version is unknown (not judged)."""
-    if node.runtime is None or not node.runtime.nccl_version:
-        return None
-    return node.runtime.nccl_version, node.runtime.sailor_release
+def _release(node: NodeSpec) -> str:
+    return node.runtime.sailor_release if node.runtime is not None else ""
 
 
-def job_runtime(
-    placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
-) -> Runtime | None:
-    """The (NCCL version, release) the job's layouts use (None: no candidate has a known
-    one); ``placement``: the nodes of the job's layout (``DesiredState.placement``)."""
-    placed: dict[Runtime, int] = {}
-    total: dict[Runtime, int] = {}
+def _job_value(
+    placement: Collection[str],
+    nodes: Mapping[str, NodeSpec],
+    candidates: Collection[str],
+    value: Callable[[NodeSpec], str],
+) -> str | None:
+    """The value (NCCL version, release) of the most GPUs among the placed candidates that
+    know one, then among all of them, then the newer; None when none knows one."""
+    placed: dict[str, int] = {}
+    total: dict[str, int] = {}
     for n in candidates:
         spec = nodes.get(n)
-        v = _runtime(spec) if spec is not None else None
-        if spec is None or v is None:
+        v = value(spec) if spec is not None else ""
+        if spec is None or not v:
             continue
         total[v] = total.get(v, 0) + spec.gpus
         if n in placement:
             placed[v] = placed.get(v, 0) + spec.gpus
     if not total:
         return None
-    return max(total, key=lambda v: (placed.get(v, 0), total[v], _key(v[0]), v))
+    return max(total, key=lambda v: (placed.get(v, 0), total[v], _key(v), v))
 
 
 def job_nccl(
     placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
 ) -> str | None:
-    """The NCCL version of :func:`job_runtime`."""
-    job = job_runtime(placement, nodes, candidates)
-    return None if job is None else job[0]
+    """The NCCL version the job's layouts use (None: no candidate has a known one);
+    ``placement``: the nodes of the job's layout (``DesiredState.placement``)."""
+    return _job_value(placement, nodes, candidates, _nccl)
+
+
+def job_release(
+    placement: Collection[str], nodes: Mapping[str, NodeSpec], candidates: Collection[str]
+) -> str | None:
+    """The Sailor release the job's workers run (None: no candidate has a known one)."""
+    return _job_value(placement, nodes, candidates, _release)
+
+
+def _names(specs: list[NodeSpec]) -> str:
+    return f"{', '.join(x.node_id for x in specs[:5])}{', ...' if len(specs) > 5 else ''}"
 
 
 def not_admitted(
@@ -100,36 +108,39 @@ def not_admitted(
     candidates: Collection[str],
     precision: Precision | None = None,
 ) -> dict[str, str]:
-    """The ``candidates`` whose runtime is not the job's, or (with ``precision``, the job's)
-    whose GPU type cannot compute in it, each with the reason (for the audit log and
-    ``sailor status``); empty when every one may join."""
+    """The ``candidates`` whose GPU type cannot compute in the job's ``precision``, whose
+    NCCL version is not the job's, or whose release is not the job's among those left,
+    each with the reason (for the audit log and ``sailor status``); empty when every one
+    may join. A node that does not know a value is not judged by it."""
     out = _wrong_precision(nodes, candidates, precision)
-    job = job_runtime(placement, nodes, [n for n in candidates if n not in out])
-    if job is None:
-        return out
-    same = [nodes[n] for n in sorted(candidates) if n in nodes and _runtime(nodes[n]) == job]
-    build = _build(same[0]) if same else ""
-    names = f"{', '.join(x.node_id for x in same[:5])}{', ...' if len(same) > 5 else ''}"
-    for n in sorted(candidates):
-        spec = nodes.get(n)
-        mine = _runtime(spec) if spec is not None else None
-        if spec is None or mine is None or mine == job or n in out:
-            continue
-        if mine[0] != job[0]:
-            out[n] = (
-                f"NCCL {mine[0]} ({_build(spec)}), the job's nodes run NCCL {job[0]} ({build}, "
-                f"{names}): one communicator should run one NCCL version; install the job's "
-                "torch build on it (SAILOR_TORCH_INDEX, docs/gpu.md) and restart its agent"
-            )
-        else:
-            out[n] = (
-                f"Sailor {mine[1] or 'of an unknown release'}, the job's nodes run Sailor "
-                f"{job[1] or 'of an unknown release'} ({names}): the workers of one job must "
-                "run one release (the same collectives, the same checkpoint writers); it joins "
-                "once the job's nodes of the other release have left (docs/operations.md, "
-                "upgrades)"
-            )
-    return out
+    left = [n for n in sorted(candidates) if n in nodes and n not in out]
+    nccl = job_nccl(placement, nodes, left)
+    if nccl is not None:
+        same = [nodes[n] for n in left if _nccl(nodes[n]) == nccl]
+        build = _build(same[0]) if same else ""
+        for n in left:
+            mine = _nccl(nodes[n])
+            if mine and mine != nccl:
+                out[n] = (
+                    f"NCCL {mine} ({_build(nodes[n])}), the job's nodes run NCCL {nccl} "
+                    f"({build}, {_names(same)}): one communicator should run one NCCL "
+                    "version; install the job's torch build on it (SAILOR_TORCH_INDEX, "
+                    "docs/gpu.md) and restart its agent"
+                )
+        left = [n for n in left if n not in out]
+    release = job_release(placement, nodes, left)
+    if release is not None:
+        same = [nodes[n] for n in left if _release(nodes[n]) == release]
+        for n in left:
+            mine = _release(nodes[n])
+            if mine and mine != release:
+                out[n] = (
+                    f"Sailor {mine}, the job's nodes run Sailor {release} ({_names(same)}): "
+                    "the workers of one job must run one release (the same collectives, the "
+                    "same checkpoint writers); it joins once the job's nodes of the other "
+                    "release have left (docs/operations.md, upgrades)"
+                )
+    return dict(sorted(out.items()))
 
 
 def _wrong_precision(

@@ -309,3 +309,24 @@ def test_the_worker_refuses_before_any_collective(
     args: argparse.Namespace = build_parser().parse_args(argv)
     with pytest.raises(ValueError, match=match):
         rank_main.run(args, Status())
+
+
+def test_a_forced_precision_leaves_out_what_cannot_run_it_before_any_launch() -> None:
+    """A job forced to bf16 on a pool of A100s and V100s: before any launch the V100 is not
+    admitted (the reason in not_admitted), so the first plan is asked of the A100 alone; on a
+    pool of V100s alone nothing is asked (no Replan every pass that the planner refuses)."""
+    from sailor.controller.decide import not_admitted
+    from sailor.controller.job_precision import job_precision
+
+    train = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), precision="bf16")
+    cfg = CFG.model_copy(update={"training": train})
+    d = DesiredState(epoch=7)
+    ns = {"n0": _node(0), "n1": _node(1, "V100-16")}
+    o = _obs(ns, *(AgentStatus(node_id=n, state="idle") for n in ns))
+    replans = [a for a in decide(d, o, cfg) if isinstance(a, Replan)]
+    assert replans and all([x.node_id for x in r.nodes] == ["n0"] for r in replans)
+    why = not_admitted(d, o, precision=job_precision(d, train))
+    assert set(why) == {"n1"} and "no bf16 units" in why["n1"]
+    only = {"n1": _node(1, "V100-16")}
+    o = _obs(only, AgentStatus(node_id="n1", state="idle"))
+    assert not [a for a in decide(d, o, cfg) if isinstance(a, Replan)]

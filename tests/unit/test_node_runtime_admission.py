@@ -139,11 +139,11 @@ def test_the_controller_audits_each_change_of_the_nodes_not_admitted() -> None:
         audit=SimpleNamespace(write=lambda kind, t, **f: written.append((kind, f))),
     )
     o = obs(ns, [st("n1"), st("n2")])
-    Controller._audit_admission(ctl, d, o)  # type: ignore[arg-type]
-    Controller._audit_admission(ctl, d, o)  # type: ignore[arg-type]  (no change: no record)
+    Controller._audit_admission(ctl, d, o, None)  # type: ignore[arg-type]
+    Controller._audit_admission(ctl, d, o, None)  # type: ignore[arg-type]  (no change: no record)
     assert [k for k, _ in written] == ["not_admitted"]
     assert set(written[0][1]["nodes"]) == {"n3"}
-    Controller._audit_admission(ctl, d, obs(nodes(node(1, CU126)), [st("n1")]))  # type: ignore[arg-type]
+    Controller._audit_admission(ctl, d, obs(nodes(node(1, CU126)), [st("n1")]), None)  # type: ignore[arg-type]
     assert written[-1] == ("not_admitted", {"nodes": {}})
 
 
@@ -250,3 +250,23 @@ def test_a_gpu_that_cannot_run_the_jobs_precision_does_not_cost_a_reconfiguratio
     fp16 = d.model_copy(update={"job_precision": "fp16"})
     assert "n3" not in not_admitted(fp16, o)
     assert decide(fp16, o, CFG) != []  # it joins: a reconfiguration begins
+
+
+def test_nodes_without_nccl_are_judged_by_their_release() -> None:
+    """A CPU node, or a GPU node whose check is off, registers its release alone: a rolling
+    upgrade of such a pool must not mix two releases in one world either."""
+    cpu = NodeFacts(node_kind="cpu")
+    reg = registered_node(node(1, None), cpu, "0.1.0+aaaaaaaaaaaa")
+    assert reg.runtime is not None and reg.runtime.nccl_version == ""
+    assert reg.runtime.sailor_release == "0.1.0+aaaaaaaaaaaa"
+    old = reg.runtime
+    new = old.model_copy(update={"sailor_release": "0.1.0+bbbbbbbbbbbb"})
+    ns = nodes(node(1, old), node(2, old), node(3, new))
+    d = running(ns, ("n1", "n2"))
+    o = obs(ns, [st("n1"), st("n2"), st("n3", "idle", gen=-1)])
+    assert decide(d, o, CFG) == []
+    assert "the job's nodes run Sailor 0.1.0+aaaaaaaaaaaa" in not_admitted(d, o)["n3"]
+    # a node of unknown release (an agent of the release before) is not judged by it
+    ns["n4"] = node(4, None)
+    o = obs(ns, [st("n1"), st("n2"), st("n3", "idle", gen=-1), st("n4", "idle", gen=-1)])
+    assert set(not_admitted(d, o)) == {"n3"}
