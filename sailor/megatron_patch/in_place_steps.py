@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,18 +106,62 @@ def leave_world(held: Held | None) -> float:
     (``ncclCommFinalize`` then ``ncclCommDestroy``, blocking until the other members do the
     same; torch 2.6 on), so a holder leaving while a peer of the old world is still being
     released, or was killed without leaving, would wait on it. The world is idle (the
-    device is synchronized first), so the abort cancels no transfer."""
+    device's queued work is waited for first, up to ``QUIET_TIMEOUT_S``), so the abort
+    cancels no transfer; work still queued then waits on a dead peer, and the abort ends it."""
     t = time.perf_counter()
     if held is not None and not held.broken and dist.is_initialized():
-        _quiet_device(held)
-        comm_abort.abandon_world()
+        # drained: nothing of the world blocks, its groups are freed; else kept alive
+        comm_abort.abandon_world(idle=_quiet_device(held))
     return time.perf_counter() - t
 
 
-def _quiet_device(held: Held) -> None:
-    """Wait for the held trainer's device to finish its queued work (a CUDA no-op else)."""
-    if held.trainer is not None and held.trainer.device.type == "cuda":
-        torch.cuda.synchronize(held.trainer.device)
+QUIET_TIMEOUT_S = 5.0
+"""How long leaving a held world waits for the device's queued work before aborting anyway.
+An idle held world's queue drains in milliseconds (its last step was synchronized at the
+boundary); what is still queued after seconds is an NCCL op whose peer died, which only
+the abort (``ncclCommAbort`` cancels in-flight work) ends."""
+
+
+def _quiet_device(held: Held, timeout_s: float | None = None) -> bool:
+    """Wait, at most ``timeout_s``, for the held trainer's device to finish the work queued
+    on its current stream (the trainer's kernels, and the NCCL ops it waited on: NCCL's
+    ``Work.wait`` orders the current stream after them); True once drained (at once off
+    CUDA). An event recorded and polled, not ``torch.cuda.synchronize``: that has no
+    timeout, and a rank whose peer died with an unmatched NCCL op still queued hung there
+    forever, the hang the abort after it is meant to avoid. ``timeout_s``: default
+    ``QUIET_TIMEOUT_S``."""
+    if held.trainer is None or held.trainer.device.type != "cuda":
+        return True
+    timeout_s = QUIET_TIMEOUT_S if timeout_s is None else timeout_s
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(held.trainer.device))
+    if _drained(event.query, timeout_s):
+        return True
+    print(
+        f"sailor: rank {held.old_rank}: the device's queued work did not finish within "
+        f"{timeout_s:g} s of leaving the held world; aborting it anyway",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
+def _drained(
+    done: Callable[[], bool],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Poll ``done`` (an event's ``query``) until true (True) or ``timeout_s`` has passed
+    (False), sleeping 0.1 ms doubling to 10 ms between polls."""
+    end = clock() + timeout_s
+    pause = 1e-4
+    while not done():
+        if clock() >= end:
+            return False
+        sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
 
 
 def drop_old_grads(held: Held | None) -> None:
