@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from sailor.agent.node_join import registered_node
 from sailor.controller import status as status_mod
@@ -250,3 +251,12 @@ def test_a_gpu_that_cannot_run_the_jobs_precision_does_not_cost_a_reconfiguratio
     fp16 = d.model_copy(update={"job_precision": "fp16"})
     assert "n3" not in not_admitted(fp16, o)
     assert decide(fp16, o, CFG) != []  # it joins: a reconfiguration begins
+
+
+@pytest.mark.parametrize("field", ["torch_version", "torch_cuda", "nccl_version"])
+def test_a_runtime_field_longer_than_a_version_is_refused_by_name(field: str) -> None:
+    """A node's record is read on every controller pass: a runtime string is a version,
+    64 characters at most, and the error names the field."""
+    TorchRuntime(**{field: "2" * 64})
+    with pytest.raises(ValidationError, match=field):
+        TorchRuntime(**{field: "2" * 65})
