@@ -25,7 +25,7 @@ from sailor.comm import api as comm
 from sailor.megatron_patch.boundary import Progress, Status
 from sailor.megatron_patch.checkpoint_io import CheckpointIO
 from sailor.megatron_patch.engine import TrainConfig, Trainer, make_optimizer
-from sailor.megatron_patch.errors import InjectedFailureError, classify
+from sailor.megatron_patch.errors import InjectedFailureError, classify, close_fault_file
 from sailor.megatron_patch.in_place import (
     Held,
     Peers,
@@ -434,14 +434,17 @@ def warm_up() -> None:
     make_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig())
 
 
-def leave_process(code: int) -> int:
+def leave_process(code: int, error_file: str = "") -> int:
     """The end of an in-place process: with abandoned worlds, no destructors (they could
     join threads blocked on dead peers: ``sailor.comm.abort``). A world still held (unbroken,
     told to exit) is aborted, not finalized, as :func:`leave_world` leaves one: the other
-    holders of its node exit when their own agents tell them."""
+    holders of its node exit when their own agents tell them. Before ``os._exit``, what
+    ``rank_main.main`` does at a clean end and ``os._exit`` skips: its ``faulthandler``
+    file next to ``error_file`` goes if empty (left, it read as a crash that said nothing)."""
     if dist.is_initialized():
         comm_abort.abandon_world()
     if comm_abort.abandoned():
+        close_fault_file(error_file)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

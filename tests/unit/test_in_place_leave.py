@@ -130,3 +130,33 @@ def test_clean_leaves_free_their_worlds() -> None:
     fds, graves = zip(*counts, strict=True)
     assert set(graves) == {0}, counts
     assert fds[-1] <= fds[1], counts  # the first world may open what later ones reuse
+
+
+_EXIT = """
+import faulthandler, os, sys, tempfile
+import torch.distributed as dist
+from sailor.megatron_patch.errors import fault_path
+from sailor.megatron_patch.in_place_steps import leave_process
+
+d = tempfile.mkdtemp()
+err = os.path.join(d, "error.json")
+faulthandler.enable(file=fault_path(err).open("w"), all_threads=True)  # as main does
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "s"), 1), rank=0, world_size=1)
+print("fault file", fault_path(err), flush=True)
+leave_process(7, err)
+"""
+
+
+def test_a_held_rank_told_to_exit_leaves_no_empty_fault_file() -> None:
+    """``leave_process`` ends a held rank with ``os._exit``, which skips ``main``'s cleanup:
+    the empty ``faulthandler`` file was left beside the error file (read as a crash that
+    said nothing). Now it is deleted first."""
+    from pathlib import Path
+
+    r = subprocess.run(
+        [sys.executable, "-c", _EXIT], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == 7, r.stderr[-2000:]
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("fault file ")]
+    fault = Path(line.removeprefix("fault file "))
+    assert fault.parent.is_dir() and not fault.exists()
