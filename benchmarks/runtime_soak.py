@@ -108,6 +108,7 @@ class _Agents:
 class _Lead:
     epoch = 1
     held = True
+    fresh = True  # the lease answered its last refresh: sends go out
 
 
 def _node(i: int) -> NodeSpec:
@@ -147,8 +148,8 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
                     agents.status[st.node_id] = st.model_copy(update={"step": st.step + 1})
             ready = ex.adopt_plan(desired)
             if ready is not None:
-                await ex.write_desired(ready, "plan ready")
-                desired = ready
+                await ex.write_desired(*ready)
+                desired = ready[0]
             status = {n: s for n, s in agents.status.items() if n in nodes}
             obs = Observed(
                 now=time.time(),

@@ -264,7 +264,8 @@ class Checkpointer:
             # The copies to the host below wait for the device: wait for the training work
             # queued before them here, where an abort (SIGUSR1) is still seen.
             comm_abort.host_sync(device)
-        gate = _TPGate(self.tp_group if place.tp_size > 1 else None, device, failure)
+        group = self.tp_group if place.tp_size > 1 else None
+        gate = _TPGate(group, device or _flag_device(group), failure)
         mine: dict[int, dict[str, ParamState]] = {}
         for layer in place.layers:
             writer = self.assignment[layer]
@@ -451,9 +452,13 @@ class _TPGate:
     same collective. At TP = 1 (no group) there is no gather and no agreement.
 
     The flag is a device tensor (NCCL); reading it is a host sync per gather, on the save's
-    path only (the writer syncs there anyway to copy the pieces to the host). If no gather
-    ran, :meth:`close` agrees once: a rank that failed before its first gather still meets
-    its group at one collective whatever the others' bucket count."""
+    path only (the writer syncs there anyway to copy the pieces to the host). :meth:`close`
+    agrees once more at the end of the snapshot: a rank that failed before its first gather
+    still meets its group at one collective whatever the others' bucket count, and a
+    writer's failure after the last gather (landing its pieces on the host) stops every
+    rank of the group too. Before, no agreement followed the last gather: such a failure
+    ended the writer's save alone, and its peers went on to persist theirs. One more small
+    all-reduce per save."""
 
     def __init__(self, group: Any, device: torch.device | None, failure: Exception | None) -> None:
         self.group, self.failure = group, failure
@@ -473,10 +478,10 @@ class _TPGate:
         return not int(flag.item())
 
     def close(self) -> bool:
-        """At the end of the snapshot: agree once if no gather did (see the class)."""
-        if self.group is not None and self.agreed == 0:
-            return self.open()
-        return self.failure is None
+        """At the end of the snapshot: agree once more (see the class); True: go on."""
+        if self.group is None:
+            return self.failure is None
+        return self.open()
 
 
 def _failed(exc: Exception) -> Future[SaveResult]:
@@ -491,6 +496,18 @@ def _device_of(by_layer: Mapping[int, Mapping[str, ParamState]]) -> torch.device
         for p in params.values():
             return p.tensor("weight").device
     return None
+
+
+def _flag_device(group: Any) -> torch.device | None:
+    """Where the TP gate's flag goes when the rank holds no parameter to take the device
+    from (its save failed before it had them: ``by_layer`` empty): the current CUDA device
+    under NCCL, whose collectives take CUDA tensors only (a flag on the host raised on that
+    rank and left its peers waiting in the all-reduce), else the host (None)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if str(dist.get_backend(group)) != "nccl":
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _flat(lp: Mapping[str, ParamState], bucket: Sequence[tuple[str, TensorKind]]) -> torch.Tensor:

@@ -308,9 +308,9 @@ class Controller(EventIntake):
                     break
                 try:
                     ready = executor.adopt_plan(desired)
-                    if ready is not None:
-                        await executor.write_desired(ready, "plan ready")
-                        desired = ready
+                    if ready is not None:  # a plan, or why the last replan failed
+                        await executor.write_desired(*ready)
+                        desired = ready[0]
                     observed = self._observe(executor, cache, (readmits, clear_bads), desired)
                     await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)

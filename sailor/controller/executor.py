@@ -9,10 +9,16 @@ again on a later pass (never two copies in flight; re-sent at most every ``resen
 The ``command`` records of a fan-out are made durable with one fsync before the first
 request goes out, and an ack counts (``acked``) only once its record is durable.
 Planning runs as a named task — in the planner's worker process when it has one (``aplan``),
-else in a thread — so it overlaps the checkpoint. A replan that times out, or that a replan for
-a newer membership replaces, is cancelled; cancelling ``aplan`` kills the worker process's
-search (``ProcessPlanner``), so a later replan never queues behind an abandoned one. (A search
-in a thread cannot be stopped: it runs to its end, its result dropped.)
+else in a thread — so it overlaps the checkpoint. A replan and its result are keyed by
+(membership, precision): a replan for the same nodes in another precision (the job's was
+fixed meanwhile) is a new one, not swallowed by the one under way. A replan that times out,
+or that a replan for a newer key replaces, is cancelled; cancelling ``aplan`` kills the worker
+process's search (``ProcessPlanner``), so a later replan never queues behind an abandoned one.
+(A search in a thread cannot be stopped: it runs to its end, its result dropped.) A replan
+that failed is not started again for the same key before its backoff is over
+(``REPLAN_RETRY_S``, doubling per failure up to ``REPLAN_RETRY_MAX_S``; a new membership or
+precision, or a new leader, tries at once); why, and when it is retried, goes into the
+desired state (``plan_failed``) for ``sailor status``.
 
 Memory is bounded by generations, not by the leadership term: the ids of acked and sent
 commands are kept per generation (of the desired state when sent), and only the current and
@@ -41,6 +47,7 @@ from sailor.controller.decision_types import (
     SetDesired,
     phase_deadline,
 )
+from sailor.controller.job_precision import plan_precision
 from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
 from sailor.coordination import (
@@ -53,6 +60,7 @@ from sailor.coordination import (
     TemporaryError,
 )
 from sailor.schemas.commands import CommandAdapter, training_digest
+from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import (
     CAUSE_MAX,
     CommandAck,
@@ -76,6 +84,18 @@ this is a margin, not a need)."""
 REPLAN_TIMEOUT_S = 60.0
 """A search still running after this long is cancelled and the replan fails (``plan_failed``);
 decide asks again on a later pass."""
+
+REPLAN_RETRY_S = 15.0
+"""After a replan failed, the same (membership, precision) is not planned again for this
+long, doubled at each further failure up to ``REPLAN_RETRY_MAX_S``. A pool where no GPU can
+run a forced precision failed the same search on every decide pass, each an audit record;
+a transient failure (a timeout under load) is still retried soon."""
+
+REPLAN_RETRY_MAX_S = 300.0
+"""The longest backoff between two failed replans of the same (membership, precision)."""
+
+ReplanKey = tuple[tuple[str, ...], Precision | None]
+"""What a replan is for: the node ids (the membership) and the precision it plans in."""
 
 
 class Executor:
@@ -118,9 +138,12 @@ class Executor:
         self._by_generation: dict[int, list[str]] = {}
         self._generation = 0
         self._inflight: set[str] = set()
-        self._replanning: tuple[str, ...] | None = None
+        self._replanning: ReplanKey | None = None
         self._replan_task: asyncio.Task[None] | None = None
-        self.plan_ready: tuple[tuple[str, ...], PlanResult] | None = None
+        self.plan_ready: tuple[ReplanKey, PlanResult] | None = None
+        # key -> (failures in a row, not before, why): the backoff of failed replans
+        self._failed: dict[ReplanKey, tuple[int, float, str]] = {}
+        self._failure_note: str | None = None  # for the desired state, once
         self.progressed = False
 
     @property
@@ -138,6 +161,7 @@ class Executor:
             "deadline_stretch",
             "lost_nodes",
             "job_precision",
+            "plan_failed",
             "launch_waited",
         )
         unused = {f for f in fields if not getattr(state, f)}
@@ -357,18 +381,23 @@ class Executor:
         self.tasks.spawn(f"cmd-{cid}", run())
 
     def _start_replan(self, action: Replan) -> bool:
-        """Start planning for the action's nodes; False if that is already under way."""
+        """Start planning for the action's nodes in its precision; False if that is under
+        way already, its result waits to be adopted, or it failed and its backoff is on."""
         membership = tuple(n.node_id for n in action.nodes)
-        if self._replanning == membership:
+        key: ReplanKey = (membership, action.precision)
+        if self._replanning == key:
             return False
-        if self.plan_ready is not None and self.plan_ready[0] == membership:
+        if self.plan_ready is not None and self.plan_ready[0] == key:
+            return False
+        failed = self._failed.get(key)
+        if failed is not None and self.clock.now() < failed[1]:
             return False
         old = self._replan_task
         if old is not None and not old.done():
-            # Replaced by a newer membership: stop its search (the worker process's would
+            # Replaced by a newer key: stop its search (the worker process's would
             # otherwise run on, and this one queue behind it).
             old.cancel()
-        self._replanning = membership
+        self._replanning = key
 
         async def run() -> None:
             t0 = self.clock.now()
@@ -383,20 +412,28 @@ class Executor:
                 # on timeout wait_for cancels ``work``: aplan's search is killed with it
                 result = await asyncio.wait_for(work, self.replan_timeout_s)
             except Exception as exc:
+                error = repr(exc) if str(exc) else type(exc).__name__
+                if self._replanning == key:  # not one that a newer replan replaced
+                    self._replanning = None
+                    self._note_failure(key, error)
                 self.audit.write(
                     "plan_failed",
                     self.clock.now(),
                     epoch=self.epoch,
                     nodes=len(membership),
-                    error=repr(exc) if str(exc) else type(exc).__name__,
+                    job_precision=action.precision,
+                    error=error,
+                    retry_in_s=round(self._failed[key][1] - self.clock.now(), 3)
+                    if key in self._failed
+                    else None,
                 )
-                if self._replanning == membership:  # not one that a newer replan replaced
-                    self._replanning = None
+                self.wake(True)  # the reason goes into the desired state now
                 return
-            if self._replanning != membership:
+            if self._replanning != key:
                 return
-            self.plan_ready = (membership, result)
+            self.plan_ready = (key, result)
             self._replanning = None
+            self._failed.pop(key, None)
             pred = result.plan.predicted
             self.audit.write(
                 "plan",
@@ -417,21 +454,50 @@ class Executor:
         self._replan_task = self.tasks.spawn(f"replan-{len(membership)}", run())
         return True
 
-    def adopt_plan(self, desired: DesiredState) -> DesiredState | None:
-        """A desired state carrying the finished plan, if one is ready and still wanted."""
-        if self.plan_ready is None:
-            return None
-        membership, result = self.plan_ready
-        self.plan_ready = None
-        if desired.next_plan is not None and desired.next_membership == membership:
-            return None
-        return desired.model_copy(
-            update={
-                "next_plan": result.plan,
-                "next_placement": result.placement,
-                "next_membership": membership,
-            }
+    def _note_failure(self, key: ReplanKey, error: str) -> None:
+        """Back off ``key``'s replan: ``REPLAN_RETRY_S`` doubled per failure in a row, up to
+        ``REPLAN_RETRY_MAX_S``; the reason is handed to the next desired state. The other
+        keys' records go: only the latest membership and precision are ever asked for."""
+        count = self._failed[key][0] + 1 if key in self._failed else 1
+        wait = min(REPLAN_RETRY_S * 2 ** (count - 1), REPLAN_RETRY_MAX_S)
+        self._failed = {key: (count, self.clock.now() + wait, error)}
+        nodes, precision = key
+        self._failure_note = shorten(
+            f"replan for {len(nodes)} nodes in precision={precision or 'not fixed'} failed "
+            f"{count}x: {error}; tried again in {wait:.0f} s, or at once for other nodes or "
+            f"another precision"
         )
+
+    def adopt_plan(self, desired: DesiredState) -> tuple[DesiredState, str] | None:
+        """A desired state carrying the finished plan, if one is ready and still wanted, or
+        the last failed replan's reason (``plan_failed``), with why it is written; None when
+        neither is news. A result is adopted unless the next plan is for its membership in
+        its precision already."""
+        note, self._failure_note = self._failure_note, None
+        ready, self.plan_ready = self.plan_ready, None
+        model = self.decide_cfg.model if self.decide_cfg is not None else None
+        if ready is not None:
+            (membership, _), result = ready
+            same = (
+                desired.next_plan is not None
+                and desired.next_membership == membership
+                and plan_precision(desired.next_plan, model) == plan_precision(result.plan, model)
+            )
+            if not same:
+                state = desired.model_copy(
+                    update={
+                        "next_plan": result.plan,
+                        "next_placement": result.placement,
+                        "next_membership": membership,
+                        "plan_failed": "",
+                    }
+                )
+                return state, "plan ready"
+            if desired.plan_failed:
+                return desired.model_copy(update={"plan_failed": ""}), "plan ready"
+        if note is not None and note != desired.plan_failed:
+            return desired.model_copy(update={"plan_failed": note}), "plan failed"
+        return None
 
     async def _send(self, action: Send) -> None:
         """Request (its ``command`` record is already durable) and record the ack."""

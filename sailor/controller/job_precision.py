@@ -13,9 +13,11 @@ and kept in the desired state (``DesiredState.job_precision``, in etcd: a new le
 it, and a layout torn down to IDLE, whose plan is gone, keeps it). Every replan asks the
 planner for plans in it (``Replan.precision``; the planner leaves out GPU types that cannot
 run it), and a next plan in another precision is never launched. A forced precision other
-than the recorded one takes over only with ``allow_precision_change``; otherwise the
-recorded one stays, and the workers refuse the contradiction on every rank alike before
-any collective (the job's failure record counts it, as any config every rank refuses).
+than the recorded one takes over only with ``allow_precision_change``; otherwise the job
+is held, not launched, until the config changes (:func:`precision_conflict`: the reason,
+saying what to set, is the desired state's cause). Launched, every rank would refuse the
+contradiction (``megatron_patch.precision.plan_precision``), and each refusal counted as a
+job failure, retried with backoff, at every relaunch.
 
 Pure: values in, values out (the catalog's GPU specs are package data, read once).
 """
@@ -29,7 +31,7 @@ from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import DesiredState
 from sailor.schemas.training import TrainingConfig
 
-__all__ = ["forced_precision", "job_precision", "plan_precision"]
+__all__ = ["forced_precision", "job_precision", "plan_precision", "precision_conflict"]
 
 
 def forced_precision(training: TrainingConfig | None) -> Precision | None:
@@ -49,6 +51,23 @@ def job_precision(d: DesiredState, training: TrainingConfig | None) -> Precision
     if forced is not None and training is not None and training.allow_precision_change:
         return forced
     return d.job_precision
+
+
+def precision_conflict(d: DesiredState, training: TrainingConfig | None) -> str | None:
+    """Why no plan of the job may be launched under ``training``, or None: the config forces
+    another precision than the recorded one and does not allow the change. Every rank would
+    refuse such a launch; the reason says what to set."""
+    forced = forced_precision(training)
+    rec = d.job_precision
+    if rec is None or forced is None or forced == rec:
+        return None
+    if training is not None and training.allow_precision_change:
+        return None
+    return (
+        f"held: the training config forces precision={forced!r} but the job runs {rec!r} "
+        f"(fixed at its first launch); set precision: {rec} (or auto) to go on in it, or "
+        f"allow_precision_change: true to switch to {forced}"
+    )
 
 
 def plan_precision(plan: Plan, model: ModelSpec | None) -> Precision:

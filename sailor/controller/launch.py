@@ -38,7 +38,7 @@ from sailor.controller.decision_types import (
     replan_if_needed,
 )
 from sailor.controller.forgetting import trained, trained_agreed
-from sailor.controller.job_precision import job_precision, plan_precision
+from sailor.controller.job_precision import job_precision, plan_precision, precision_conflict
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
@@ -106,6 +106,9 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         # keys' watches report independently). Launching now would abort at once on a loss
         # (and count against the in-place path): wait for the next observation.
         return []
+    held = precision_conflict(d, cfg.training)
+    if held is not None:
+        return _held(d, o, cfg, held)
     want = job_precision(d, cfg.training)
     got = plan_precision(plan, cfg.model)
     if want is not None and got != want:
@@ -149,6 +152,18 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     )
     fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]
+
+
+def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Action]:
+    """No launch while the config contradicts the job's precision (``precision_conflict``):
+    IDLE, the reason as the desired state's cause (``sailor status``, the audit's phase
+    record), written once; the next pass after the config changes launches."""
+    if d.phase is Phase.IDLE:
+        if d.cause == why:
+            return []
+        return [SetDesired(d.model_copy(update={"cause": why}), why)]
+    idle = move_to(d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=(), cause=why)
+    return [SetDesired(idle, why)]
 
 
 def _behind(d: DesiredState, o: Observed) -> list[str]:

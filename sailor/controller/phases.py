@@ -9,7 +9,7 @@
 
     any of QUIESCE..VERIFY, and RUNNING on a failure or a node lost without notice
         ──(abort)──> TEARDOWN, which relaunches from the last committed checkpoint
-    TEARDOWN ──> IDLE when no usable node is left
+    TEARDOWN ──> IDLE when no usable node is left, or the config contradicts the job's precision
 
 Legal transitions (``LEGAL``): RUNNING→QUIESCE, QUIESCE→CHECKPOINT, CHECKPOINT→COMMIT,
 COMMIT→TEARDOWN, TEARDOWN→LAUNCH, LAUNCH→LOAD, LOAD→VERIFY, VERIFY→RUNNING, IDLE→LAUNCH,

@@ -23,6 +23,8 @@ reboot does.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -38,6 +40,7 @@ __all__ = [
     "InjectedFailureError",
     "PeerFailedError",
     "classify",
+    "close_fault_file",
     "failure_record",
     "fault_path",
     "outlived_kill_record",
@@ -151,6 +154,18 @@ def fault_path(error_file: str | Path) -> Path:
     """Where a worker's ``faulthandler`` writes its Python stacks on a fatal signal: next to
     its error file (not into it: the error file holds one JSON record)."""
     return Path(f"{error_file}.fault")
+
+
+def close_fault_file(error_file: str) -> None:
+    """The end of a worker that did not fail: ``faulthandler`` off, and its file next to
+    ``error_file`` deleted if nothing was written to it (an empty one left behind reads as
+    a crash that said nothing). A no-op without an error file."""
+    if not error_file:
+        return
+    faulthandler.disable()
+    with contextlib.suppress(OSError):
+        if fault_path(error_file).stat().st_size == 0:
+            fault_path(error_file).unlink()
 
 
 def _signal_name(signum: int) -> str:

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from sailor.comm import api as comm
 from sailor.megatron_patch.boundary import Progress, Status
 from sailor.megatron_patch.checkpoint_io import CheckpointIO
 from sailor.megatron_patch.engine import TrainConfig, Trainer, make_optimizer
-from sailor.megatron_patch.errors import InjectedFailureError, classify
+from sailor.megatron_patch.errors import InjectedFailureError, classify, close_fault_file
 from sailor.megatron_patch.in_place import (
     Held,
     Peers,
@@ -105,18 +106,62 @@ def leave_world(held: Held | None) -> float:
     (``ncclCommFinalize`` then ``ncclCommDestroy``, blocking until the other members do the
     same; torch 2.6 on), so a holder leaving while a peer of the old world is still being
     released, or was killed without leaving, would wait on it. The world is idle (the
-    device is synchronized first), so the abort cancels no transfer."""
+    device's queued work is waited for first, up to ``QUIET_TIMEOUT_S``), so the abort
+    cancels no transfer; work still queued then waits on a dead peer, and the abort ends it."""
     t = time.perf_counter()
     if held is not None and not held.broken and dist.is_initialized():
-        _quiet_device(held)
-        comm_abort.abandon_world()
+        # drained: nothing of the world blocks, its groups are freed; else kept alive
+        comm_abort.abandon_world(idle=_quiet_device(held))
     return time.perf_counter() - t
 
 
-def _quiet_device(held: Held) -> None:
-    """Wait for the held trainer's device to finish its queued work (a CUDA no-op else)."""
-    if held.trainer is not None and held.trainer.device.type == "cuda":
-        torch.cuda.synchronize(held.trainer.device)
+QUIET_TIMEOUT_S = 5.0
+"""How long leaving a held world waits for the device's queued work before aborting anyway.
+An idle held world's queue drains in milliseconds (its last step was synchronized at the
+boundary); what is still queued after seconds is an NCCL op whose peer died, which only
+the abort (``ncclCommAbort`` cancels in-flight work) ends."""
+
+
+def _quiet_device(held: Held, timeout_s: float | None = None) -> bool:
+    """Wait, at most ``timeout_s``, for the held trainer's device to finish the work queued
+    on its current stream (the trainer's kernels, and the NCCL ops it waited on: NCCL's
+    ``Work.wait`` orders the current stream after them); True once drained (at once off
+    CUDA). An event recorded and polled, not ``torch.cuda.synchronize``: that has no
+    timeout, and a rank whose peer died with an unmatched NCCL op still queued hung there
+    forever, the hang the abort after it is meant to avoid. ``timeout_s``: default
+    ``QUIET_TIMEOUT_S``."""
+    if held.trainer is None or held.trainer.device.type != "cuda":
+        return True
+    timeout_s = QUIET_TIMEOUT_S if timeout_s is None else timeout_s
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(held.trainer.device))
+    if _drained(event.query, timeout_s):
+        return True
+    print(
+        f"sailor: rank {held.old_rank}: the device's queued work did not finish within "
+        f"{timeout_s:g} s of leaving the held world; aborting it anyway",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
+def _drained(
+    done: Callable[[], bool],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Poll ``done`` (an event's ``query``) until true (True) or ``timeout_s`` has passed
+    (False), sleeping 0.1 ms doubling to 10 ms between polls."""
+    end = clock() + timeout_s
+    pause = 1e-4
+    while not done():
+        if clock() >= end:
+            return False
+        sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
 
 
 def drop_old_grads(held: Held | None) -> None:
@@ -389,14 +434,17 @@ def warm_up() -> None:
     make_optimizer([torch.nn.Parameter(torch.zeros(1))], TrainConfig())
 
 
-def leave_process(code: int) -> int:
+def leave_process(code: int, error_file: str = "") -> int:
     """The end of an in-place process: with abandoned worlds, no destructors (they could
     join threads blocked on dead peers: ``sailor.comm.abort``). A world still held (unbroken,
     told to exit) is aborted, not finalized, as :func:`leave_world` leaves one: the other
-    holders of its node exit when their own agents tell them."""
+    holders of its node exit when their own agents tell them. Before ``os._exit``, what
+    ``rank_main.main`` does at a clean end and ``os._exit`` skips: its ``faulthandler``
+    file next to ``error_file`` goes if empty (left, it read as a crash that said nothing)."""
     if dist.is_initialized():
         comm_abort.abandon_world()
     if comm_abort.abandoned():
+        close_fault_file(error_file)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -87,7 +87,6 @@ The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import json
 import math
@@ -129,6 +128,7 @@ from sailor.megatron_patch.engine import (  # noqa: E402
     Trainer,
 )
 from sailor.megatron_patch.errors import (  # noqa: E402
+    close_fault_file,
     failure_record,
     fault_path,
     write_error_file,
@@ -236,6 +236,8 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
     """Generations in one process: run one, hold, apply the next directive, and so on."""
     comm_abort.set_polling(True)
     warm_up()
+    # the file main's faulthandler writes to: a directive's argv may name another
+    fault_of = sub_rank(args.error_file, args.rank) or ""
 
     def on_usr1(_sig: int, _frame: Any) -> None:
         if status.in_training:  # a held (or warm, or relayouting) rank ignores it
@@ -258,7 +260,7 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
     else:
         out = _generation(args, status, ckpt, None, generation)
         if out.held is None:
-            return leave_process(out.code)
+            return leave_process(out.code, fault_of)
         held = out.held
     while True:
         # a warm spare waits for its first directive until told to go (SIGTERM): its agent
@@ -271,14 +273,14 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
         if got is None:
             if held is not None and held.broken and not status.terminated:
                 raise RuntimeError(f"held broken without a relayout directive: {held.cause}")
-            return leave_process(0)
+            return leave_process(0, fault_of)
         generation, argv = got
         args = build_parser().parse_args(argv)
         args.in_place = True
         status.holding = False
         out = _generation(args, status, ckpt, held, generation)
         if out.held is None:
-            return leave_process(out.code)
+            return leave_process(out.code, fault_of)
         held = out.held
 
 
@@ -540,11 +542,7 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
             # before the process group starts the backend's threads: they inherit the binding
             bind(parse_cores(args.cpu_cores))
         code = run(args, status, ckpt)
-        if err_file:
-            faulthandler.disable()
-            with contextlib.suppress(OSError):
-                if fault_path(err_file).stat().st_size == 0:
-                    fault_path(err_file).unlink()
+        close_fault_file(err_file or "")  # leave_process does it too, before os._exit
         return code
     except BaseException as exc:  # the first cause of any failure is reported
         record = failure_record(

@@ -18,12 +18,13 @@ Every plan carries its interval (each corner's figures) and its regret against t
 plan of each corner. The regret is relative to the candidates the corner searches found, not
 to an exhaustive optimum.
 
-Pure: values in, values out (docs/planner.md, "Robust planning").
+Pure: values in, values out (docs/planner.md, "Robust planning"). The measure it ranks
+by (a plan's figures per corner, the minimax-regret order) is ``planner/regret.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -33,12 +34,11 @@ from sailor.planner.collector import collector_paused
 from sailor.planner.judge import SearchResult, explain_candidate
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
+from sailor.planner.regret import Row, closed_form_figures, order_by_regret, simulated_figures
 from sailor.planner.replan import replan
-from sailor.planner.scenarios import closed_form
 from sailor.planner.search import Progress, search
 from sailor.planner.tables import CostTables
 from sailor.planner.template_pool import SearchState
-from sailor.planner.templates import repriced
 from sailor.schemas import (
     Calibration,
     Estimate,
@@ -143,15 +143,6 @@ class RobustResult:
         """The pool's GPU types left out for the job's precision, with the reason (every
         corner's search leaves out the same)."""
         return next((r.left_out for r in self.results.values()), ())
-
-
-def _score_of(objective: Objective, f: _Figures, cost_per_hour: float) -> float:
-    """Larger is better, positive: it/s, iterations per $, or it/s per $/h."""
-    if objective == "throughput":
-        return f.throughput_iter_s
-    if objective == "cost":
-        return 1.0 / f.cost_per_iter_usd if f.cost_per_iter_usd > 0 else float("inf")
-    return f.throughput_iter_s / cost_per_hour if cost_per_hour > 0 else 0.0
 
 
 def _key(p: Plan) -> tuple[object, ...]:
@@ -354,49 +345,6 @@ it simulated its pick. Two per corner found plans 1-2% better in their worst cor
 simulations saved (callgrind, docs/planner.md round 6)."""
 
 
-@dataclass(frozen=True)
-class _Figures:
-    """A plan's figures in one corner: the simulator's (``estimate`` set) or the closed
-    form's (its time and $ follow the simulator's; memory is the tables' bound, checked
-    before: only plans that fit by it are left to the closed form)."""
-
-    throughput_iter_s: float
-    cost_per_iter_usd: float
-    violations: tuple[str, ...]
-    estimate: Estimate | None = None
-
-
-_Row = tuple[Plan, dict[str, _Figures], float, "Allocation | None"]
-_Scored = tuple[tuple[float, float], float, dict[str, float], _Row, dict[str, tuple[str, ...]]]
-
-
-def _simulated(e: Estimate, cons: Constraints, cph: float) -> _Figures:
-    v = list(cons.violations(e, cph))
-    if not e.fits_in_memory:
-        v.append(f"peak memory {e.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
-    return _Figures(e.throughput_iter_s, e.cost_per_iter_usd, tuple(v), e)
-
-
-def _closed_form(
-    alloc: Allocation, state: SearchState, cons: Constraints, cph: float
-) -> _Figures | None:
-    """``alloc``'s closed-form figures in ``state``'s corner; None if a template cannot be
-    priced there or a stage exceeds its GPU by the tables' memory bound (which holds every
-    stage's 1F1B microbatches in flight: at least the simulator's figure)."""
-    tables = state.tables
-    by_id = {}
-    for t, _, _ in alloc.groups():
-        r = repriced(tables, t)
-        if r is None or any(st.memory_bytes > tables.capacity(st.kind.gpu_type) for st in r.stages):
-            return None
-        by_id[id(t)] = r
-    f = closed_form(
-        state, Allocation(tuple((by_id[id(t)], m) for t, m in alloc.pipelines), alloc.how)
-    )
-    thr = 1.0 / f.iteration_s
-    return _Figures(thr, f.cost_per_iter, tuple(cons.limit_violations(thr, f.cost_per_iter, cph)))
-
-
 def _rank(
     results: Mapping[str, SearchResult],
     risk: Risk,
@@ -485,16 +433,16 @@ def _rank(
         return hit
 
     moves = moves_of if running is not None else None
-    plans: list[_Row] = []
+    plans: list[Row] = []
     for p, known, cph, alloc in cands.values():
         try:
-            figs = {n: _simulated(e, cons, cph) for n, e in known.items()}
+            figs = {n: simulated_figures(e, cons, cph) for n, e in known.items()}
             for n in by_name:
                 if n in figs:
                     continue
                 st = closed.get(n) if closed is not None else None
-                f = _closed_form(alloc, st, cons, cph) if st and alloc else None
-                figs[n] = f or _simulated(simulated_in(p, n), cons, cph)
+                f = closed_form_figures(alloc, st, cons, cph) if st and alloc else None
+                figs[n] = f or simulated_figures(simulated_in(p, n), cons, cph)
         except (ProfileLookupError, KeyError, ValueError):
             continue
         plans.append((p, figs, cph, alloc))
@@ -505,7 +453,7 @@ def _rank(
         )
 
     while True:
-        scored = _order(plans, judged, objective, by_name, moves, tolerance)
+        scored = order_by_regret(plans, judged, objective, by_name, moves, tolerance)
         if not scored:
             break
         # the simulator has the last word: simulate what is ranked first where only the
@@ -515,7 +463,7 @@ def _rank(
             break
         for r, n in todo:
             try:
-                r[1][n] = _simulated(simulated_in(r[0], n), cons, r[2])
+                r[1][n] = simulated_figures(simulated_in(r[0], n), cons, r[2])
             except (ProfileLookupError, KeyError, ValueError):
                 plans = [x for x in plans if x is not r]
                 break
@@ -558,41 +506,6 @@ def _rank(
             )
         )
     return RobustResult(tuple(out), "", risk, objective, searched, len(plans), dict(results), cal)
-
-
-def _order(
-    plans: list[_Row],
-    judged: tuple[str, ...],
-    objective: Objective,
-    by_name: Mapping[str, Calibration],
-    moves: Callable[[Plan], int] | None,
-    tolerance: float,
-) -> list[_Scored]:
-    """The plans that fit and meet every limit in every judged corner, best first (empty if
-    none does): by the worst judged corner's ratio to that corner's best kept plan, then the
-    median corner's; with ``moves`` (a replan: layer replicas moved from the running plan),
-    those within ``tolerance`` of the best by moves."""
-    kept = [r for r in plans if not any(r[1][n].violations for n in judged)]
-    if not kept:
-        return []
-    best = {
-        n: max(_score_of(objective, r[1][n], r[2]) for r in kept) for n in by_name
-    }  # best kept plan per corner
-    scored: list[_Scored] = []
-    for r in kept:
-        rt = {n: _score_of(objective, r[1][n], r[2]) / best[n] for n in by_name}
-        worst_ratio = min(rt[n] for n in judged)
-        # robust: the worst judged corner; optimistic/median: their one corner
-        viol = {n: f.violations for n, f in r[1].items()}
-        scored.append(((worst_ratio, rt[MEDIAN]), worst_ratio, rt, r, viol))
-    scored.sort(key=lambda x: x[0], reverse=True)
-    if moves is not None and scored:
-        # a replan: among plans within ``tolerance`` of the best ratio, move the least first
-        top = scored[0][1]
-        near = [x for x in scored if x[1] >= top * (1 - tolerance)]
-        near.sort(key=lambda x: moves(x[3][0]))  # stable: ratio order kept
-        scored = near + [x for x in scored if x[1] < top * (1 - tolerance)]
-    return scored
 
 
 def as_ranked(p: RobustPlan, upper_bound_iter_s: float = 0.0) -> RankedPlan:

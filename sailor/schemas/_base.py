@@ -33,7 +33,8 @@ unknown field.
 ``NodeSpec.runtime`` (the node's torch build, NCCL version and the Sailor release its
 workers run; a version-4 controller drops it and places nodes of any NCCL and release
 together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
-``DesiredState.job_precision`` (written only once set) and
+``DesiredState.job_precision`` (written only once set), ``DesiredState.plan_failed``
+(written only when a replan failed) and
 ``TrainingConfig.allow_precision_change`` (hashed into the training digest only away from
 its default)."""
 

@@ -82,12 +82,20 @@ class TorchRuntime(Frozen):
     mixed versions, and the workers of one job must run one Sailor release: the controller
     places the nodes of one runtime in a job (``controller/runtime_admission``)."""
 
-    torch_version: str = Field(default="", description="torch.__version__, e.g. '2.13.0+cu126'.")
+    # 64 characters: a local version such as '2.13.0a0+git1a2b3c4.cu126' is ~30; what is
+    # longer is not a version, and every node's record is read on every controller pass
+    torch_version: str = Field(
+        default="", max_length=64, description="torch.__version__, e.g. '2.13.0+cu126'."
+    )
     torch_cuda: str = Field(
-        default="", description="CUDA version torch was built with ('' CPU-only build)."
+        default="",
+        max_length=64,
+        description="CUDA version torch was built with ('' CPU-only build).",
     )
     nccl_version: str = Field(
-        default="", description="torch.cuda.nccl.version(), e.g. '2.29.3' ('' none)."
+        default="",
+        max_length=64,
+        description="torch.cuda.nccl.version(), e.g. '2.29.3' ('' none).",
     )
     sailor_release: str = Field(
         default="",

@@ -347,6 +347,15 @@ class DesiredState(WireMessage):
         "never launched (docs/training.md, 'One precision per job'). None: no plan launched "
         "yet (wire version 5).",
     )
+    plan_failed: str = Field(
+        default="",
+        max_length=CAUSE_MAX,
+        description="Why the last replan for the usable nodes in the job's precision failed "
+        "(the planner's error, e.g. no GPU type of the pool can run a forced precision) and "
+        "when it is tried again: the leader backs off such a replan for an unchanged "
+        "(membership, precision) (controller/executor.py). Emptied when a plan is adopted. "
+        "Empty: none (wire version 5).",
+    )
     launch_waited: tuple[str, ...] = Field(
         default=(),
         max_length=MAX_NODE_LIST,

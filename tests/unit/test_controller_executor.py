@@ -14,7 +14,7 @@ from typing import Any
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import Replan, Send
-from sailor.controller.executor import KEEP_GENERATIONS, Executor
+from sailor.controller.executor import KEEP_GENERATIONS, REPLAN_RETRY_S, Executor
 from sailor.controller.planning import DataParallelPlanner, PlanResult
 from sailor.coordination import Keys, SystemClock, TaskSet
 from sailor.schemas.commands import Stop
@@ -49,6 +49,7 @@ class _HeldPlanner:
 
     def __init__(self) -> None:
         self.started: list[tuple[str, ...]] = []
+        self.precisions: list[object] = []
         self.cancelled: list[tuple[str, ...]] = []
         self.release: dict[tuple[str, ...], asyncio.Future[PlanResult | Exception]] = {}
 
@@ -62,6 +63,7 @@ class _HeldPlanner:
     ) -> PlanResult:
         ids = tuple(n.node_id for n in nodes)
         self.started.append(ids)
+        self.precisions.append(precision)
         fut = self.release[ids] = asyncio.get_running_loop().create_future()
         try:
             out = await fut
@@ -77,7 +79,9 @@ def _node(i: int) -> NodeSpec:
     return NodeSpec(node_id=f"n{i}", gpu_type="A100-40", gpus=1, zone="z-a-1")
 
 
-def _executor(tmp_path: Path, planner: Any, **kw: Any) -> tuple[Executor, TaskSet, AuditLog]:
+def _executor(
+    tmp_path: Path, planner: Any, clock: Any = None, **kw: Any
+) -> tuple[Executor, TaskSet, AuditLog]:
     tasks = TaskSet("test-executor")
     audit = AuditLog(tmp_path / "audit.jsonl")
     ex = Executor(
@@ -87,7 +91,7 @@ def _executor(tmp_path: Path, planner: Any, **kw: Any) -> tuple[Executor, TaskSe
         audit,
         _Lead(),  # type: ignore[arg-type]
         planner,
-        SystemClock(),
+        clock or SystemClock(),
         tasks,
         lambda urgent: None,
         **kw,
@@ -109,15 +113,26 @@ async def _until(pred: Any, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
 async def test_a_timed_out_replan_is_cancelled_and_asked_again(tmp_path: Path) -> None:
     planner = _HeldPlanner()
-    ex, tasks, audit = _executor(tmp_path, planner, replan_timeout_s=0.2)
+    clock = _Clock()
+    ex, tasks, audit = _executor(tmp_path, planner, clock=clock, replan_timeout_s=0.2)
     try:
         nodes = (_node(1), _node(2))
         assert ex._start_replan(Replan(nodes, None, "join"))
         await _until(lambda: planner.cancelled == [("n1", "n2")])  # the search was stopped
         await _until(lambda: bool(_records(audit, "plan_failed")))
-        assert ex._replanning is None  # so the next pass starts it again
+        assert ex._replanning is None  # so a later pass starts it again
+        assert not ex._start_replan(Replan(nodes, None, "join"))  # after its backoff
+        clock.t += REPLAN_RETRY_S
         assert ex._start_replan(Replan(nodes, None, "join"))
         await _until(lambda: len(planner.started) == 2)
         planner.release[("n1", "n2")].set_result(planner.plan(nodes, None))
@@ -139,7 +154,7 @@ async def test_a_replaced_replan_is_cancelled_and_cannot_clear_the_newer_one(
         assert ex._start_replan(Replan(b, None, "join"))
         # the older search is stopped, not left running for the newer one to queue behind
         await _until(lambda: planner.cancelled == [("n1", "n2")])
-        assert ex._replanning == ("n1", "n2", "n3")
+        assert ex._replanning == (("n1", "n2", "n3"), None)
         assert not ex._start_replan(Replan(b, None, "join"))  # under way: not started twice
         # the newer one fails: that clears it (and only it)
         await _until(lambda: len(planner.started) == 2)
@@ -180,11 +195,90 @@ async def test_a_failing_older_replan_leaves_the_newer_one_running(tmp_path: Pat
         if not gate[1].done():
             gate[1].set_result(None)  # the replaced search ends, and fails, after all
         await asyncio.sleep(0.1)
-        assert ex._replanning == ("n1", "n2")
+        assert ex._replanning == (("n1", "n2"), None)
     finally:
         for f in gate.values():
             if not f.done():
                 f.set_result(None)
+        await tasks.close()
+        audit.close()
+
+
+async def test_a_replan_in_another_precision_is_not_swallowed_by_one_under_way(
+    tmp_path: Path,
+) -> None:
+    """A replan started before the job's precision was fixed (None) for membership M, then
+    ``Replan(M, bf16)``: before, the second was taken for the first (keyed by membership
+    alone), its precision-free result adopted, dropped by ``launch_next`` and planned
+    again. Now the second is a replan of its own and the first is stopped."""
+    planner = _HeldPlanner()
+    ex, tasks, audit = _executor(tmp_path, planner)
+    try:
+        nodes = (_node(1), _node(2))
+        assert ex._start_replan(Replan(nodes, None, "join"))
+        await _until(lambda: len(planner.started) == 1)
+        assert ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        await _until(lambda: planner.cancelled == [("n1", "n2")])
+        await _until(lambda: len(planner.started) == 2)
+        assert planner.precisions == [None, "bf16"]
+        assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        res = planner.plan(nodes, None)
+        res = PlanResult(res.plan.model_copy(update={"precision": "bf16"}), res.placement, "")
+        planner.release[("n1", "n2")].set_result(res)
+        await _until(lambda: ex.plan_ready is not None)
+        assert ex.plan_ready is not None and ex.plan_ready[0] == (("n1", "n2"), "bf16")
+        # adopted over a next plan for the same nodes in another precision
+        old = planner.plan(nodes, None).plan.model_copy(update={"precision": "fp16"})
+        d = DesiredState(epoch=7, next_plan=old, next_membership=("n1", "n2"))
+        adopted = ex.adopt_plan(d)
+        assert adopted is not None and adopted[0].next_plan == res.plan
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+async def test_a_failed_replan_backs_off_for_its_membership_and_precision(tmp_path: Path) -> None:
+    """A forced precision no GPU of the pool can run: the search fails the same way each
+    time. Before, every decide pass started it again (an audit record each); now the same
+    (membership, precision) waits its backoff, doubled per failure, and the reason goes into
+    the desired state for ``sailor status``. Another precision or membership tries at once."""
+    calls: list[object] = []
+
+    class _Failing:
+        async def aplan(
+            self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+        ) -> PlanResult:
+            calls.append(precision)
+            raise ValueError("no GPU available (left out V100-16: no bf16 units)")
+
+        def plan(self, *_a: object) -> PlanResult:
+            raise NotImplementedError
+
+    clock = _Clock()
+    ex, tasks, audit = _executor(tmp_path, _Failing(), clock=clock)
+    try:
+        nodes = (_node(1), _node(2))
+        assert ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        await _until(lambda: len(_records(audit, "plan_failed")) == 1)
+        for _ in range(5):  # decide passes asking for the same replan
+            assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        assert len(calls) == 1
+        d = DesiredState(epoch=7)
+        noted = ex.adopt_plan(d)
+        assert noted is not None and noted[1] == "plan failed"
+        assert "no bf16 units" in noted[0].plan_failed and "15 s" in noted[0].plan_failed
+        assert ex.adopt_plan(noted[0]) is None  # written once
+        clock.t += REPLAN_RETRY_S
+        assert ex._start_replan(Replan(nodes, None, "join", "bf16"))  # the backoff is over
+        await _until(lambda: len(_records(audit, "plan_failed")) == 2)
+        clock.t += REPLAN_RETRY_S
+        assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))  # doubled
+        assert "failed 2x" in ex._failure_note  # type: ignore[operator]
+        assert ex._start_replan(Replan(nodes, None, "join", "fp16"))  # another precision
+        await _until(lambda: len(calls) == 3)
+        assert ex._start_replan(Replan((_node(3),), None, "join", "bf16"))  # other nodes
+        await _until(lambda: len(calls) == 4)
+    finally:
         await tasks.close()
         audit.close()
 

@@ -330,3 +330,55 @@ def test_a_forced_precision_leaves_out_what_cannot_run_it_before_any_launch() ->
     only = {"n1": _node(1, "V100-16")}
     o = _obs(only, AgentStatus(node_id="n1", state="idle"))
     assert not [a for a in decide(d, o, cfg) if isinstance(a, Replan)]
+
+
+def test_a_forced_precision_against_the_recorded_one_holds_the_job_with_the_reason() -> None:
+    """A config forcing fp16 on a job recorded in bf16, without allow_precision_change: no
+    launch (every rank would refuse it, each refusal a job failure retried with backoff);
+    IDLE, the cause says what to set, written once; the launch goes on once the config
+    says bf16 (or auto) again."""
+    ns = {"n0": _node(0)}
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(ns.values()), None, "bf16")
+    d = DesiredState(
+        epoch=7,
+        job_precision="bf16",
+        next_plan=res.plan,
+        next_placement=res.placement,
+        next_membership=("n0",),
+    )
+    o = _obs(ns, AgentStatus(node_id="n0", state="idle"))
+    train = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), precision="fp16")
+    cfg = CFG.model_copy(update={"training": train})
+    acts = decide(d, o, cfg)
+    assert not any(isinstance(a, SetDesired) and a.state.phase is Phase.LAUNCH for a in acts)
+    (held,) = [a for a in acts if isinstance(a, SetDesired)]
+    assert held.state.phase is Phase.IDLE and held.state.cause == held.reason
+    assert "precision='fp16'" in held.reason and "'bf16'" in held.reason
+    assert "set precision: bf16" in held.reason and "allow_precision_change" in held.reason
+    assert decide(held.state, o, cfg) == []  # held, and not written again each pass
+    auto = CFG.model_copy(update={"training": train.model_copy(update={"precision": "auto"})})
+    (go,) = [a for a in decide(held.state, o, auto) if isinstance(a, SetDesired)]
+    assert go.state.phase is Phase.LAUNCH and go.state.job_precision == "bf16"
+
+
+def test_a_teardown_under_a_contradicting_config_ends_in_idle_not_a_launch() -> None:
+    from sailor.controller.launch import launch_next
+
+    ns = {"n0": _node(0)}
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(ns.values()), None, "bf16")
+    d = DesiredState(
+        epoch=7,
+        phase=Phase.TEARDOWN,
+        job_precision="bf16",
+        plan=res.plan,
+        placement=res.placement,
+        membership=("n0",),
+        next_plan=res.plan,
+        next_placement=res.placement,
+        next_membership=("n0",),
+    )
+    o = _obs(ns, AgentStatus(node_id="n0", state="idle"))
+    train = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), precision="fp32")
+    (held,) = launch_next(d, o, CFG.model_copy(update={"training": train}), -1)
+    assert isinstance(held, SetDesired) and held.state.phase is Phase.IDLE
+    assert held.state.plan is None and held.state.next_plan == res.plan

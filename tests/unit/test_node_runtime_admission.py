@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from sailor.agent.node_join import registered_node
 from sailor.controller import status as status_mod
@@ -270,3 +271,12 @@ def test_nodes_without_nccl_are_judged_by_their_release() -> None:
     ns["n4"] = node(4, None)
     o = obs(ns, [st("n1"), st("n2"), st("n3", "idle", gen=-1), st("n4", "idle", gen=-1)])
     assert set(not_admitted(d, o)) == {"n3"}
+
+
+@pytest.mark.parametrize("field", ["torch_version", "torch_cuda", "nccl_version"])
+def test_a_runtime_field_longer_than_a_version_is_refused_by_name(field: str) -> None:
+    """A node's record is read on every controller pass: a runtime string is a version,
+    64 characters at most, and the error names the field."""
+    TorchRuntime(**{field: "2" * 64})
+    with pytest.raises(ValidationError, match=field):
+        TorchRuntime(**{field: "2" * 65})

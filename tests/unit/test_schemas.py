@@ -205,7 +205,7 @@ _V3 = ("job_health", "forgiven_through", "phase_epoch", "suspect_checkpoint", "d
 _V4 = ("lost_nodes", "sigabrt_reports")
 """``DesiredState``'s fields of wire version 4."""
 
-_V5 = ("agreed_health", "launch_waited", "job_precision")
+_V5 = ("agreed_health", "launch_waited", "job_precision", "plan_failed")
 """``DesiredState``'s fields of wire version 5."""
 
 
