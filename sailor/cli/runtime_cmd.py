@@ -118,7 +118,8 @@ def status(
         f"job [bold]{cfg.job}[/]  leader {snap['leader']}  epoch {snap['epoch']}  "
         f"phase [bold]{snap['phase']}[/]  generation {snap['generation']}  "
         f"plan {snap['plan_id']}  last checkpoint {snap['last_checkpoint']}  "
-        f"calibration v{snap['calibration_version'] or 0}"
+        f"calibration v{snap['calibration_version'] or 0}  "
+        f"precision {snap.get('job_precision') or 'not fixed'}"
     )
     held = snap.get("job_excluded")
     if held:  # most placed nodes failed alike: no layout is launched until then
@@ -133,8 +134,10 @@ def status(
             f"excluded [bold]{node}[/] until {until} after {ex['failures']} failure(s) in a "
             f"row: {escape(ex['cause'])}"
         )
-    for node, why in snap.get("not_admitted", {}).items():  # another NCCL than the job's
+    for node, why in snap.get("not_admitted", {}).items():  # another runtime or precision
         con.print(f"not admitted [bold]{node}[/]: {escape(why)}")
+    if snap.get("plan_failed"):  # the last search failed: retried with a backoff
+        con.print(f"[bold]no plan[/]: {escape(snap['plan_failed'])}")
     cols = (
         "node",
         "gpu",

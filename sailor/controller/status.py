@@ -127,6 +127,8 @@ async def read_status(
         "excluded": out,
         "job_excluded": job_out,
         "not_admitted": refused,
+        "plan_failed": d.plan_failed if d else "",
+        "job_precision": d.job_precision if d else None,
         "last_checkpoint": last,
         "bad_checkpoints": list(d.bad_checkpoints) if d else [],
         "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,

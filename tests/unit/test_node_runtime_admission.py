@@ -1,12 +1,11 @@
 """One NCCL version per job: a node registers its torch build and NCCL version, and the
 controller places only the nodes of the job's version (the running layout's, else the one
 with most GPUs); the others are reported as not admitted, with the reason, in the audit log
-and ``sailor status``. Tested through ``decide``."""
+and ``sailor status`` (tests/integration/test_status_admission.py, on a real etcd). Tested
+through ``decide``."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,13 +13,11 @@ import pytest
 from pydantic import ValidationError
 
 from sailor.agent.node_join import registered_node
-from sailor.controller import status as status_mod
 from sailor.controller.daemon import Controller
 from sailor.controller.decide import decide, not_admitted, unusable
 from sailor.controller.decision_types import DecideConfig, Observed, Replan, SetDesired
 from sailor.controller.planning import DataParallelPlanner
 from sailor.controller.runtime_admission import job_nccl
-from sailor.coordination import Keys
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
 from sailor.schemas.node_check import NodeFacts
 from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
@@ -146,46 +143,6 @@ def test_the_controller_audits_each_change_of_the_nodes_not_admitted() -> None:
     assert set(written[0][1]["nodes"]) == {"n3"}
     Controller._audit_admission(ctl, d, obs(nodes(node(1, CU126)), [st("n1")]), None)  # type: ignore[arg-type]
     assert written[-1] == ("not_admitted", {"nodes": {}})
-
-
-@dataclass
-class _KV:
-    key: str
-    value: bytes
-    create_revision: int = 1
-
-
-class _Store:
-    def __init__(self, kvs: dict[str, bytes]) -> None:
-        self.kvs = kvs
-
-    async def get(self, key: str) -> _KV | None:
-        return _KV(key, self.kvs[key]) if key in self.kvs else None
-
-    async def get_prefix(self, prefix: str) -> list[_KV]:
-        return [_KV(k, v) for k, v in sorted(self.kvs.items()) if k.startswith(prefix)]
-
-    async def close(self) -> None:
-        pass
-
-
-def test_sailor_status_names_the_nodes_not_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
-    keys = Keys(job="j")
-    ns = nodes(node(1, CU126), node(2, CU130))
-    d = running(ns, ("n1",))
-    kvs = {keys.desired: d.model_dump_json().encode()}
-    kvs |= {keys.node(n): s.model_dump_json().encode() for n, s in ns.items()}
-
-    async def fake_connect(*args: object, **kw: object) -> _Store:
-        return _Store(kvs)
-
-    monkeypatch.setattr(status_mod, "connect_etcd", fake_connect)
-    snap = asyncio.run(status_mod.read_status("e:2379", "j", now=NOW))
-    assert set(snap["not_admitted"]) == {"n2"}
-    assert "NCCL 2.29.7" in snap["not_admitted"]["n2"]
-    rows = {r["node"]: r for r in snap["nodes"]}
-    assert rows["n1"]["nccl"] == "2.29.3" and rows["n1"]["admitted"] == ""
-    assert rows["n2"]["nccl"] == "2.29.7" and rows["n2"]["admitted"] == "no"
 
 
 def test_a_node_of_another_release_does_not_join_a_running_job() -> None:

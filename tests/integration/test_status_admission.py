@@ -1,0 +1,60 @@
+"""``sailor status`` through a real etcd: the nodes the controller does not admit (another
+NCCL version, another Sailor release, a GPU type that cannot run the job's precision), why,
+the job's precision and the last failed search, as the leader's own rules read the records
+(``controller/runtime_admission.py``)."""
+
+from __future__ import annotations
+
+from sailor.controller.planning import DataParallelPlanner
+from sailor.controller.status import read_status
+from sailor.coordination import Keys, connect_etcd
+from sailor.schemas.hardware import NodeSpec, TorchRuntime
+from sailor.schemas.runtime import DesiredState, Phase
+from tests.integration.conftest import Server
+from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
+
+KEYS = Keys(job=JOB)
+CU126 = TorchRuntime(torch_version="2.13.0+cu126", torch_cuda="12.6", nccl_version="2.29.3")
+CU130 = TorchRuntime(torch_version="2.13.0", torch_cuda="13.0", nccl_version="2.29.7")
+
+
+async def test_sailor_status_names_the_nodes_not_admitted_and_why(
+    secure_etcd_server: Server, pki: Pki
+) -> None:
+    ep = f"127.0.0.1:{secure_etcd_server.port}"
+    n1, n2 = NODES[:2]
+    a100 = NodeSpec(node_id=n1, gpu_type="A100-40", gpus=1, zone="z-a", runtime=CU126)
+    res = DataParallelPlanner("m", 4, 8).plan((a100,), None, "bf16")
+    desired = DesiredState(
+        epoch=3,
+        generation=1,
+        phase=Phase.RUNNING,
+        plan=res.plan,
+        placement=res.placement,
+        membership=(n1,),
+        job_precision="bf16",
+        plan_failed="no GPU available",
+    )
+    ctl = await connect_etcd(ep, security=pki.security(CONTROLLER))
+    agents = {n: await connect_etcd(ep, security=pki.security(n)) for n in (n1, n2)}
+    try:
+        await ctl.put(KEYS.desired, desired.model_dump_json().encode())
+        await agents[n1].put(KEYS.node(n1), a100.model_dump_json().encode())
+        v100 = NodeSpec(node_id=n2, gpu_type="V100-16", gpus=4, zone="z-a", runtime=CU126)
+        await agents[n2].put(KEYS.node(n2), v100.model_dump_json().encode())
+        snap = await read_status(ep, JOB, pki.security(CONTROLLER))
+        assert set(snap["not_admitted"]) == {n2}
+        assert "no bf16 units" in snap["not_admitted"][n2]
+        assert snap["job_precision"] == "bf16" and snap["plan_failed"] == "no GPU available"
+        rows = {r["node"]: r for r in snap["nodes"]}
+        assert rows[n1]["nccl"] == "2.29.3" and rows[n1]["admitted"] == ""
+        assert rows[n2]["admitted"] == "no"
+        # the same node re-registered with another torch build: refused for its NCCL
+        other = a100.model_copy(update={"node_id": n2, "runtime": CU130})
+        await agents[n2].put(KEYS.node(n2), other.model_dump_json().encode())
+        snap = await read_status(ep, JOB, pki.security(CONTROLLER))
+        assert "NCCL 2.29.7" in snap["not_admitted"][n2]
+        assert {r["node"]: r["nccl"] for r in snap["nodes"]}[n2] == "2.29.7"
+    finally:
+        for c in (ctl, *agents.values()):
+            await c.close()
