@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sailor.controller.failure_text import AGREED_ERRORS, FailureCause
-from sailor.controller.node_health import (
+from sailor.controller.health_record import (
     AGREED_WHY,
     JOB,
     ExclusionPolicy,

@@ -86,10 +86,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
-from pydantic import Field, model_validator
-
+from sailor.controller.agreed_health import charge_agreed
 from sailor.controller.failure_text import (
     AGREED_ERRORS,
     CAUSE_CHARS,
@@ -99,7 +97,16 @@ from sailor.controller.failure_text import (
     parse_failure,
     signature_of,
 )
-from sailor.schemas._base import Frozen, field_error
+from sailor.controller.health_record import (
+    AGREED_WHY,
+    JOB,
+    ExclusionPolicy,
+    count_failure,
+    describe,
+    exclusion_length,
+    held,
+    record_signature,
+)
 from sailor.schemas.runtime import MAX_NODE_LIST, DesiredState, NodeHealth, SigabrtReports
 
 __all__ = [
@@ -121,12 +128,13 @@ __all__ = [
     "take_back",
 ]
 
-JOB = "the job"
-"""How reasons name the job's record (``DesiredState.job_health``)."""
-
 JOB_WIDE_MIN_NODES = 2
 """Fewest nodes whose failures alike make them the job's (and more than half of the placed
 nodes): one node's failure is always its own, even in a one-node layout."""
+
+_CONFIG = (
+    "the job's: a configuration error on several nodes, and no placed node trained with that config"
+)
 
 TEARDOWN_MISSED = "TeardownMissed"
 """Error type of the cause a node is charged with when it holds up a teardown past its
@@ -142,76 +150,6 @@ other placed nodes read (``controller/suspect_checkpoint.py``): its mount is sus
 
 _NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED, CHECKPOINT_UNREADABLE)
 """Error types that are about a process or an agent on that node, however many report one."""
-
-
-class ExclusionPolicy(Frozen):
-    """When a node whose workers fail is left out of the layouts, and for how long."""
-
-    failures: int = Field(
-        default=3,
-        ge=1,
-        description="Consecutive aborts caused by a failure that began on a node (not a "
-        "peer's) that exclude it; a failure whose record says retry false excludes at once.",
-    )
-    exclude_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="Length of a node's first exclusion, s; each further one doubles it.",
-    )
-    max_exclude_s: float = Field(
-        default=3600.0,
-        gt=0,
-        description="Longest exclusion, s (the doubling's cap); also how long after its "
-        "exclusion ended the record of a node that is away is kept.",
-    )
-
-    @model_validator(mode="after")
-    def _cap_above_first(self) -> ExclusionPolicy:
-        if self.max_exclude_s < self.exclude_s:
-            raise field_error(
-                "max_exclude_s", self.max_exclude_s, f"below exclude_s ({self.exclude_s})"
-            )
-        return self
-
-
-def _record_signature(rec: NodeHealth) -> str:
-    """The signature of a record's last failure (its cause's, for one written without)."""
-    return rec.signature or signature_of(rec.cause)
-
-
-def exclusion_length(policy: ExclusionPolicy, exclusions: int) -> float:
-    """The ``exclusions``-th exclusion's length: doubled each time, capped."""
-    return min(policy.exclude_s * 2.0 ** min(exclusions - 1, 64), policy.max_exclude_s)
-
-
-def count_failure(
-    rec: NodeHealth,
-    generation: int,
-    summary: str,
-    origin: str,
-    retry: bool,
-    now: float,
-    policy: ExclusionPolicy,
-    signature: str = "",
-    step: int = -1,
-) -> tuple[NodeHealth, str]:
-    """``rec`` with one more failure of ``generation`` (reported at ``step``); why it is
-    excluded now ('' if not)."""
-    count = rec.failures + 1
-    update: dict[str, object] = {
-        "failures": count,
-        "generation": generation,
-        "step": max(step, -1),
-        "cause": summary,
-        "signature": signature or signature_of(summary),
-        "origin": origin if origin in ("local", "config") else "unknown",
-    }
-    why = ""
-    if not retry or count >= policy.failures:
-        times = rec.exclusions + 1
-        update |= {"exclusions": times, "excluded_until": now + exclusion_length(policy, times)}
-        why = "retry false" if not retry else f"{count} consecutive failures"
-    return rec.model_copy(update=update), why
 
 
 def take_back(rec: NodeHealth, now: float) -> NodeHealth | None:
@@ -253,11 +191,6 @@ _SIGABRT_UNNAMED = "Signal: SIGABRT (reported earlier; its summary was not kept)
 """The cause of kept SIGABRT reports written without one: SIGABRTs all the same."""
 
 _ALIKE = "the job's: most placed nodes failed alike"
-AGREED_WHY = "the job's: an error every rank raises alike (agreed)"
-"""Why an agreed error (``failure_text.AGREED_ERRORS``) is the job's, in reasons."""
-_CONFIG = (
-    "the job's: a configuration error on several nodes, and no placed node trained with that config"
-)
 
 
 def charge(
@@ -298,7 +231,7 @@ def charge(
     }
     for n, r in health.items():
         if r.generation == gen and n not in evidence:
-            evidence[n] = (r.cause, _record_signature(r), r.origin)
+            evidence[n] = (r.cause, record_signature(r), r.origin)
     # the SIGABRTs of earlier passes: an Abort cleared them from the statuses since
     kept = d.sigabrt_reports if d.sigabrt_reports.generation == gen else SigabrtReports()
     if kept.nodes and not abort_signal(kept.cause):  # the schema allows nodes and no cause
@@ -349,7 +282,7 @@ def charge(
     hang_counted = job.generation == gen and abort_signal(job.cause)
     stall_counted = job.generation == gen and error_type(job.cause) == DEADLINE_MISSED
     if job.generation == gen and not hang_counted and not stall_counted:
-        job_why.setdefault(_record_signature(job), _ALIKE)
+        job_why.setdefault(record_signature(job), _ALIKE)
     notes: list[str] = []
     spared: dict[str, list[str]] = {}
     for n in sorted(evidence):
@@ -424,10 +357,7 @@ def charge(
     many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
     hung = many and not first_cause and not gone
     # an agreed error is counted in its own record (``agreed_health.charge_agreed``), not
-    # the job's. Imported here: that module builds on this one's policy (``count_failure``,
-    # ``describe``), and this is its one caller.
-    from sailor.controller.agreed_health import charge_agreed
-
+    # the job's; both count by the same rules (``health_record``)
     job_alike = {s: w for s, w in job_why.items() if w != AGREED_WHY}
     agreed = charge_agreed(d, evidence, kind, seen, now, policy, step, notes)
     if job_alike and job.generation != gen:
@@ -563,29 +493,3 @@ def stall(
 def excluded(health: Mapping[str, NodeHealth], now: float) -> frozenset[str]:
     """The nodes no layout may use at ``now`` by their records."""
     return frozenset(n for n, r in health.items() if r.excluded_until > now)
-
-
-def held(job: NodeHealth, now: float) -> bool:
-    """Whether the job is excluded at ``now``: no layout is launched. A hold for a
-    configuration error does not end by itself (a relaunch with the same config fails
-    alike): it lasts until the training config changes (``forget_config``) or an operator's
-    ``sailor node readmit --all``."""
-    return job.excluded_until > now or _config_hold(job)
-
-
-def _config_hold(job: NodeHealth) -> bool:
-    return job.origin == "config" and job.failures > 0 and job.exclusions > 0
-
-
-def describe(node: str, rec: NodeHealth, now: float, why: str = "") -> str:
-    """One sentence for a reason or a log: node (or :data:`JOB`), until when, count, cause."""
-    until = datetime.fromtimestamp(rec.excluded_until, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    left = max(0.0, rec.excluded_until - now)
-    verb = "held" if node.startswith(JOB) else "excluded"
-    head = f"{verb} {node} until {until} ({left:.0f} s, exclusion {rec.exclusions}"
-    if node == JOB and _config_hold(rec):
-        head = (
-            f"held {node} until the training config changes or `sailor node readmit --all` "
-            f"(exclusion {rec.exclusions}"
-        )
-    return f"{head}; {why or f'{rec.failures} consecutive failures'}): {rec.cause}"
