@@ -5,9 +5,9 @@ The workers of one job must run one release: every rank computes the same collec
 step and the same checkpoint writers without talking, in its own copy of the code. The
 version alone does not tell two builds of one version apart (a patched install, a checkout),
 so the release is the version plus the first 12 hex digits of a SHA-256 over the package's
-files (their paths and bytes, in path order; the catalog's data too, which the workers'
-choices read; bytecode caches left out). Computed once per process: a few hundred files,
-tens of ms.
+code and data files (``.py``, the catalog's ``.json``, ``.yaml``: their paths and bytes, in
+path order; not bytecode caches or stray files of an install). Computed once per process:
+a few hundred files, tens of ms.
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ __all__ = ["code_digest", "sailor_release"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 
+_CODE_AND_DATA = (".py", ".json", ".yaml", ".yml")
+"""What the digest reads: the code and the package data the workers' choices read (the
+catalog), not whatever else lies in an install (an editor's swap file, a build artefact)."""
+
 
 def code_digest(root: Path) -> str:
-    """SHA-256 (hex) over the files under ``root`` but bytecode caches: each one's path
-    relative to ``root`` and its bytes, in path order."""
+    """SHA-256 (hex) over the code and data files under ``root`` (:data:`_CODE_AND_DATA`,
+    bytecode caches left out): each one's path relative to ``root`` and its bytes, in path
+    order."""
     h = hashlib.sha256()
     files = (
         f
         for f in root.rglob("*")
-        if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".pyo")
+        if f.suffix in _CODE_AND_DATA and "__pycache__" not in f.parts and f.is_file()
     )
     for f in sorted(files):
         rel = f.relative_to(root).as_posix()

@@ -109,7 +109,12 @@ def status(
 
     cfg = load_config(config, ControllerConfig).anchored(config)
     _check_security_files(config, cfg.security)
-    snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security))
+    training = None
+    if cfg.training is not None:  # the leader admits nodes by its forced precision
+        from sailor.controller.training import load_training
+
+        training = load_training(cfg.training)
+    snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security, training=training))
     if as_json:
         typer.echo(json.dumps(snap, indent=2, default=str))
         return
@@ -137,7 +142,9 @@ def status(
     for node, why in snap.get("not_admitted", {}).items():  # another runtime or precision
         con.print(f"not admitted [bold]{node}[/]: {escape(why)}")
     if snap.get("plan_failed"):  # the last search failed: retried with a backoff
-        con.print(f"[bold]no plan[/]: {escape(snap['plan_failed'])}")
+        con.print(f"last failed search: {escape(snap['plan_failed'])}")
+    if snap.get("phase") == "idle" and snap.get("cause"):  # why nothing runs
+        con.print(f"[bold]idle[/]: {escape(snap['cause'])}")
     cols = (
         "node",
         "gpu",

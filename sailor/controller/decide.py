@@ -45,7 +45,7 @@ from sailor.controller.decision_types import (
     replan_if_needed,
 )
 from sailor.controller.forgetting import trained_past, trained_past_agreed
-from sailor.controller.job_precision import job_precision
+from sailor.controller.job_precision import job_precision, precision_conflict
 from sailor.controller.launch import launch_next, launching
 from sailor.controller.teardown import teardown
 from sailor.schemas.precision import Precision
@@ -158,6 +158,11 @@ def not_admitted(
 
 
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
+    held = precision_conflict(d, cfg.training)
+    if held is None and not o.usable:
+        held = _none_admitted(d, o, cfg)
+    if held is not None:  # the reason as the job's cause (``sailor status``), written once
+        return [] if d.cause == held else [SetDesired(d.model_copy(update={"cause": held}), held)]
     if not o.usable:
         return []
     replan = replan_if_needed(d, o, "nodes available", cfg)
@@ -165,6 +170,18 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         return replan
     last = o.resumable(d.bad_checkpoints)
     return launch_next(d, o, cfg, last.step if last else -1)
+
+
+def _none_admitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> str | None:
+    """Why no registered node may be used when admission left them all out (their runtime,
+    or the job's precision, forced before any launch included); None when some node is out
+    for another reason or none is registered."""
+    refused = not_admitted(d, o, precision=job_precision(d, cfg.training))
+    if not refused or set(refused) != set(o.nodes) - set(o.notices):
+        return None
+    shown = "; ".join(f"{n}: {why}" for n, why in sorted(refused.items())[:3])
+    more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+    return f"waiting: no registered node is admitted: {shown}{more}"
 
 
 def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

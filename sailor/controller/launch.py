@@ -145,6 +145,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         job_precision=got,
         path=path,
         path_reason=why,
+        plan_failed="",  # a launch: any earlier failed search is behind it
         # the previous generation's abort: its lost nodes and SIGABRTs are its own
         lost_nodes=(),
         sigabrt_reports=SigabrtReports(),

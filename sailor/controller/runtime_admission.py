@@ -80,7 +80,9 @@ def _job_value(
             placed[v] = placed.get(v, 0) + spec.gpus
     if not total:
         return None
-    return max(total, key=lambda v: (placed.get(v, 0), total[v], _key(v), v))
+    # "newer" by the version's numbers (a release's before its "+digest": a digest's digits
+    # mean nothing), then the text, so every reader picks the same
+    return max(total, key=lambda v: (placed.get(v, 0), total[v], _key(v.split("+")[0]), v))
 
 
 def job_nccl(

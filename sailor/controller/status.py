@@ -21,11 +21,13 @@ from pydantic import ValidationError
 
 from sailor.controller.bad_marks import marked, unknown_steps
 from sailor.controller.failing_nodes import unusable
+from sailor.controller.job_precision import job_precision
 from sailor.controller.runtime_admission import not_admitted
 from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
+from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import (
     AgentStatus,
     ClearBadRequest,
@@ -35,6 +37,7 @@ from sailor.schemas.runtime import (
     NoticeRecord,
     ReadmitRequest,
 )
+from sailor.schemas.training import TrainingConfig
 
 __all__ = ["read_status", "request_clear_bad", "request_readmit"]
 
@@ -44,10 +47,13 @@ async def read_status(
     job: str,
     security: SecurityConfig | None = None,
     now: float | None = None,
+    training: TrainingConfig | None = None,
 ) -> dict[str, Any]:
     """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint. A node
     the controller excludes (its workers kept failing: ``DesiredState.node_health``) shows
-    until when, as of ``now`` (default: this host's clock)."""
+    until when, as of ``now`` (default: this host's clock). ``training``: the controller's
+    training config, whose forced precision the leader admits nodes by (as
+    ``job_precision.job_precision`` reads it); without it, the recorded one."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
@@ -92,7 +98,8 @@ async def read_status(
         with contextlib.suppress(ValidationError):
             spec = NodeSpec.model_validate_json(kv.value)
             specs[spec.node_id] = spec
-    refused = _not_admitted(d, specs, st, nt, now)
+    precision = job_precision(d, training) if d is not None else None
+    refused = _not_admitted(d, specs, st, nt, now, precision)
     rows = []
     for n in specs.values():
         s2 = st.get(n.node_id)
@@ -128,7 +135,7 @@ async def read_status(
         "job_excluded": job_out,
         "not_admitted": refused,
         "plan_failed": d.plan_failed if d else "",
-        "job_precision": d.job_precision if d else None,
+        "job_precision": precision,
         "last_checkpoint": last,
         "bad_checkpoints": list(d.bad_checkpoints) if d else [],
         "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,
@@ -143,6 +150,7 @@ def _not_admitted(
     status: dict[str, AgentStatus],
     notices: dict[str, NoticeRecord],
     now: float,
+    precision: Precision | None = None,
 ) -> dict[str, str]:
     """The nodes the leader leaves out for their runtime or the job's precision, and why, by
     the leader's own rule (``controller/runtime_admission.py``) over the same records."""
@@ -152,7 +160,7 @@ def _not_admitted(
         d.placement if d is not None else {},
         nodes,
         candidates,
-        d.job_precision if d is not None else None,
+        precision,
     )
 
 

@@ -351,10 +351,10 @@ class DesiredState(WireMessage):
         default="",
         max_length=CAUSE_MAX,
         description="Why the last replan for the usable nodes in the job's precision failed "
-        "(the planner's error, e.g. no GPU type of the pool can run a forced precision) and "
-        "when it is tried again: the leader backs off such a replan for an unchanged "
-        "(membership, precision) (controller/executor.py). Emptied when a plan is adopted. "
-        "Empty: none (wire version 5).",
+        "(the planner's error: a search that timed out, a model or profile it cannot price) "
+        "and when it is tried again: the leader backs off such a replan for an unchanged "
+        "(membership, precision) (controller/executor.py). Emptied when a plan is adopted "
+        "and at a launch. Empty: none (wire version 5).",
     )
     launch_waited: tuple[str, ...] = Field(
         default=(),

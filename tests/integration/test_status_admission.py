@@ -10,6 +10,7 @@ from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
 from sailor.schemas.runtime import DesiredState, Phase
+from sailor.schemas.training import BuiltinModel, TrainingConfig
 from tests.integration.conftest import Server
 from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
 
@@ -49,6 +50,13 @@ async def test_sailor_status_names_the_nodes_not_admitted_and_why(
         rows = {r["node"]: r for r in snap["nodes"]}
         assert rows[n1]["nccl"] == "2.29.3" and rows[n1]["admitted"] == ""
         assert rows[n2]["admitted"] == "no"
+        # read by the controller's training config, as the leader admits: a forced fp16
+        # with the change allowed takes the V100
+        fp16 = TrainingConfig(
+            model=BuiltinModel(name="tiny-gpt"), precision="fp16", allow_precision_change=True
+        )
+        snap = await read_status(ep, JOB, pki.security(CONTROLLER), training=fp16)
+        assert snap["not_admitted"] == {} and snap["job_precision"] == "fp16"
         # the same node re-registered with another torch build: refused for its NCCL
         other = a100.model_copy(update={"node_id": n2, "runtime": CU130})
         await agents[n2].put(KEYS.node(n2), other.model_dump_json().encode())

@@ -237,3 +237,26 @@ def test_a_runtime_field_longer_than_a_version_is_refused_by_name(field: str) ->
     TorchRuntime(**{field: "2" * 64})
     with pytest.raises(ValidationError, match=field):
         TorchRuntime(**{field: "2" * 65})
+
+
+def test_an_idle_job_says_why_no_node_is_admitted() -> None:
+    """A job forced to bf16 before any launch, on V100s alone: every node is left out, so
+    nothing is planned; the reason is the job's cause (``sailor status``), written once. A
+    precision contradiction says what to set even when no node is usable."""
+    from sailor.schemas.training import BuiltinModel, TrainingConfig
+
+    v100 = NodeSpec(node_id="n1", gpu_type="V100-16", gpus=4, zone="z-a-1", address="h")
+    o = obs({"n1": v100}, [st("n1", "idle", gen=-1)])
+    train = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), precision="bf16")
+    cfg = CFG.model_copy(update={"training": train})
+    d = DesiredState(epoch=7)
+    (act,) = decide(d, o, cfg)
+    assert isinstance(act, SetDesired) and "no registered node is admitted" in act.state.cause
+    assert "V100-16 has no bf16 units" in act.state.cause
+    assert decide(act.state, o, cfg) == []  # written once
+    # recorded bf16, the config forcing fp16 without allowing the change: the hold says so
+    fp16 = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), precision="fp16")
+    cfg16 = CFG.model_copy(update={"training": fp16})
+    rec = DesiredState(epoch=7, job_precision="bf16")
+    (act,) = decide(rec, o, cfg16)
+    assert isinstance(act, SetDesired) and "allow_precision_change" in act.state.cause
