@@ -60,6 +60,7 @@ from sailor.coordination import (
     TemporaryError,
 )
 from sailor.schemas.commands import CommandAdapter, training_digest
+from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import (
     CAUSE_MAX,
@@ -142,7 +143,9 @@ class Executor:
         self._replan_task: asyncio.Task[None] | None = None
         self.plan_ready: tuple[ReplanKey, PlanResult] | None = None
         # key -> (failures in a row, not before, why): the backoff of failed replans
-        self._failed: dict[ReplanKey, tuple[int, float, str]] = {}
+        # per key: failures in a row, retry time, error, the node records asked with (a node
+        # that re-registers under its id with other GPUs is a new question: no backoff)
+        self._failed: dict[ReplanKey, tuple[int, float, str, tuple[NodeSpec, ...]]] = {}
         self._failure_note: str | None = None  # for the desired state, once
         self.progressed = False
 
@@ -390,8 +393,8 @@ class Executor:
         if self.plan_ready is not None and self.plan_ready[0] == key:
             return False
         failed = self._failed.get(key)
-        if failed is not None and self.clock.now() < failed[1]:
-            return False
+        if failed is not None and self.clock.now() < failed[1] and failed[3] == action.nodes:
+            return False  # backed off: the same nodes (ids and records) in the same precision
         old = self._replan_task
         if old is not None and not old.done():
             # Replaced by a newer key: stop its search (the worker process's would
@@ -415,7 +418,7 @@ class Executor:
                 error = repr(exc) if str(exc) else type(exc).__name__
                 if self._replanning == key:  # not one that a newer replan replaced
                     self._replanning = None
-                    self._note_failure(key, error)
+                    self._note_failure(key, error, action.nodes)
                 self.audit.write(
                     "plan_failed",
                     self.clock.now(),
@@ -454,13 +457,15 @@ class Executor:
         self._replan_task = self.tasks.spawn(f"replan-{len(membership)}", run())
         return True
 
-    def _note_failure(self, key: ReplanKey, error: str) -> None:
+    def _note_failure(
+        self, key: ReplanKey, error: str, nodes_asked: tuple[NodeSpec, ...] = ()
+    ) -> None:
         """Back off ``key``'s replan: ``REPLAN_RETRY_S`` doubled per failure in a row, up to
         ``REPLAN_RETRY_MAX_S``; the reason is handed to the next desired state. The other
         keys' records go: only the latest membership and precision are ever asked for."""
         count = self._failed[key][0] + 1 if key in self._failed else 1
         wait = min(REPLAN_RETRY_S * 2 ** (count - 1), REPLAN_RETRY_MAX_S)
-        self._failed = {key: (count, self.clock.now() + wait, error)}
+        self._failed = {key: (count, self.clock.now() + wait, error, nodes_asked)}
         nodes, precision = key
         self._failure_note = shorten(
             f"replan for {len(nodes)} nodes in precision={precision or 'not fixed'} failed "

@@ -238,10 +238,11 @@ async def test_a_replan_in_another_precision_is_not_swallowed_by_one_under_way(
 
 
 async def test_a_failed_replan_backs_off_for_its_membership_and_precision(tmp_path: Path) -> None:
-    """A forced precision no GPU of the pool can run: the search fails the same way each
-    time. Before, every decide pass started it again (an audit record each); now the same
-    (membership, precision) waits its backoff, doubled per failure, and the reason goes into
-    the desired state for ``sailor status``. Another precision or membership tries at once."""
+    """A search that fails the same way each time (here: no GPU of the pool can run the
+    precision asked). Before, every decide pass started it again (an audit record each);
+    now the same (membership, precision) waits its backoff, doubled per failure, and the
+    reason goes into the desired state for ``sailor status``. Another precision, membership
+    or node record tries at once."""
     calls: list[object] = []
 
     class _Failing:
@@ -278,6 +279,12 @@ async def test_a_failed_replan_backs_off_for_its_membership_and_precision(tmp_pa
         await _until(lambda: len(calls) == 3)
         assert ex._start_replan(Replan((_node(3),), None, "join", "bf16"))  # other nodes
         await _until(lambda: len(calls) == 4)
+        # the same node id re-registered with other GPUs: a new question, asked at once
+        await _until(lambda: len(_records(audit, "plan_failed")) == 4)
+        assert not ex._start_replan(Replan((_node(3),), None, "join", "bf16"))
+        other = (_node(3).model_copy(update={"gpus": 8}),)
+        assert ex._start_replan(Replan(other, None, "join", "bf16"))
+        await _until(lambda: len(calls) == 5)
     finally:
         await tasks.close()
         audit.close()
