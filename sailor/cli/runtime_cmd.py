@@ -113,7 +113,12 @@ def status(
     if cfg.training is not None:  # the leader admits nodes by its forced precision
         from sailor.controller.training import load_training
 
-        training = load_training(cfg.training)
+        try:
+            training = load_training(cfg.training)
+        except Exception as exc:  # status is needed most when something is off: go on
+            typer.echo(
+                f"warning: {exc}; nodes are judged by the job's recorded precision", err=True
+            )
     snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security, training=training))
     if as_json:
         typer.echo(json.dumps(snap, indent=2, default=str))
@@ -125,6 +130,11 @@ def status(
         f"plan {snap['plan_id']}  last checkpoint {snap['last_checkpoint']}  "
         f"calibration v{snap['calibration_version'] or 0}  "
         f"precision {snap.get('job_precision') or 'not fixed'}"
+        + (
+            f" (admits by {snap['admission_precision']})"
+            if snap.get("admission_precision") not in (None, snap.get("job_precision"))
+            else ""
+        )
     )
     held = snap.get("job_excluded")
     if held:  # most placed nodes failed alike: no layout is launched until then

@@ -45,7 +45,7 @@ from sailor.controller.decision_types import (
     replan_if_needed,
 )
 from sailor.controller.forgetting import trained_past, trained_past_agreed
-from sailor.controller.job_precision import job_precision, precision_conflict
+from sailor.controller.job_precision import HELD_PREFIX, job_precision, precision_conflict
 from sailor.controller.launch import launch_next, launching
 from sailor.controller.teardown import teardown
 from sailor.schemas.precision import Precision
@@ -157,12 +157,19 @@ def not_admitted(
     return runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)
 
 
+_NONE_ADMITTED = "waiting: no registered node is admitted"
+"""How an idle job's cause begins while admission leaves every registered node out."""
+
+
 def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     held = precision_conflict(d, cfg.training)
     if held is None and not o.usable:
         held = _none_admitted(d, o, cfg)
     if held is not None:  # the reason as the job's cause (``sailor status``), written once
         return [] if d.cause == held else [SetDesired(d.model_copy(update={"cause": held}), held)]
+    if d.cause.startswith((_NONE_ADMITTED, HELD_PREFIX)):  # that hold is over: said once
+        d = d.model_copy(update={"cause": ""})
+        return [SetDesired(d, "no longer held"), *_idle(d, o, cfg)]
     if not o.usable:
         return []
     replan = replan_if_needed(d, o, "nodes available", cfg)
@@ -173,15 +180,16 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
 
 
 def _none_admitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> str | None:
-    """Why no registered node may be used when admission left them all out (their runtime,
-    or the job's precision, forced before any launch included); None when some node is out
-    for another reason or none is registered."""
+    """Why no registered node may be used when admission left them all out (their GPU types
+    cannot run the job's precision, forced before any launch included: the NCCL version and
+    the release are chosen among the candidates, so they never leave out all); None when
+    some node is out for another reason or none is registered."""
     refused = not_admitted(d, o, precision=job_precision(d, cfg.training))
     if not refused or set(refused) != set(o.nodes) - set(o.notices):
         return None
     shown = "; ".join(f"{n}: {why}" for n, why in sorted(refused.items())[:3])
     more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
-    return f"waiting: no registered node is admitted: {shown}{more}"
+    return f"{_NONE_ADMITTED}: {shown}{more}"
 
 
 def _readmit(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

@@ -31,7 +31,13 @@ from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import DesiredState
 from sailor.schemas.training import TrainingConfig
 
-__all__ = ["forced_precision", "job_precision", "plan_precision", "precision_conflict"]
+__all__ = [
+    "HELD_PREFIX",
+    "forced_precision",
+    "job_precision",
+    "plan_precision",
+    "precision_conflict",
+]
 
 
 def forced_precision(training: TrainingConfig | None) -> Precision | None:
@@ -53,6 +59,10 @@ def job_precision(d: DesiredState, training: TrainingConfig | None) -> Precision
     return d.job_precision
 
 
+HELD_PREFIX = "held: the training config forces "
+"""How the cause of a job held by :func:`precision_conflict` begins."""
+
+
 def precision_conflict(d: DesiredState, training: TrainingConfig | None) -> str | None:
     """Why no plan of the job may be launched under ``training``, or None: the config forces
     another precision than the recorded one and does not allow the change. Every rank would
@@ -64,7 +74,7 @@ def precision_conflict(d: DesiredState, training: TrainingConfig | None) -> str 
     if training is not None and training.allow_precision_change:
         return None
     return (
-        f"held: the training config forces precision={forced!r} but the job runs {rec!r} "
+        f"{HELD_PREFIX}precision={forced!r} but the job runs {rec!r} "
         f"(fixed at its first launch); set precision: {rec} (or auto) to go on in it, or "
         f"allow_precision_change: true to switch to {forced}"
     )

@@ -56,7 +56,8 @@ async def test_sailor_status_names_the_nodes_not_admitted_and_why(
             model=BuiltinModel(name="tiny-gpt"), precision="fp16", allow_precision_change=True
         )
         snap = await read_status(ep, JOB, pki.security(CONTROLLER), training=fp16)
-        assert snap["not_admitted"] == {} and snap["job_precision"] == "fp16"
+        assert snap["not_admitted"] == {} and snap["admission_precision"] == "fp16"
+        assert snap["job_precision"] == "bf16"  # what runs
         # the same node re-registered with another torch build: refused for its NCCL
         other = a100.model_copy(update={"node_id": n2, "runtime": CU130})
         await agents[n2].put(KEYS.node(n2), other.model_dump_json().encode())

@@ -360,8 +360,10 @@ def test_a_forced_precision_against_the_recorded_one_holds_the_job_with_the_reas
     assert "set precision: bf16" in held.reason and "allow_precision_change" in held.reason
     assert decide(held.state, o, cfg) == []  # held, and not written again each pass
     auto = CFG.model_copy(update={"training": train.model_copy(update={"precision": "auto"})})
-    (go,) = [a for a in decide(held.state, o, auto) if isinstance(a, SetDesired)]
+    cleared, go = [a for a in decide(held.state, o, auto) if isinstance(a, SetDesired)]
+    assert cleared.state.cause == "" and cleared.reason == "no longer held"
     assert go.state.phase is Phase.LAUNCH and go.state.job_precision == "bf16"
+    assert go.state.cause == ""  # the launch does not carry the hold's reason
 
 
 def test_a_teardown_under_a_contradicting_config_ends_in_idle_not_a_launch() -> None:

@@ -260,3 +260,58 @@ def test_an_idle_job_says_why_no_node_is_admitted() -> None:
     rec = DesiredState(epoch=7, job_precision="bf16")
     (act,) = decide(rec, o, cfg16)
     assert isinstance(act, SetDesired) and "allow_precision_change" in act.state.cause
+
+
+def test_the_hold_cause_goes_once_a_node_is_admitted() -> None:
+    """The idle cause written while no node was admitted is cleared, once, when one is:
+    status must not name a node that is gone, and the launch must not carry it."""
+    from sailor.schemas.training import BuiltinModel, TrainingConfig
+
+    v100 = NodeSpec(node_id="n1", gpu_type="V100-16", gpus=4, zone="z-a-1", address="h")
+    train = TrainingConfig(model=BuiltinModel(name="tiny-gpt"), precision="bf16")
+    cfg = CFG.model_copy(update={"training": train})
+    (held,) = decide(DesiredState(epoch=7), obs({"n1": v100}, [st("n1", "idle", -1)]), cfg)
+    assert isinstance(held, SetDesired) and held.state.cause.startswith("waiting:")
+    a100 = node(2, None)
+    o = obs({"n1": v100, "n2": a100}, [st("n1", "idle", -1), st("n2", "idle", -1)])
+    acts = decide(held.state, o, cfg)
+    cleared = [a for a in acts if isinstance(a, SetDesired)]
+    assert cleared and cleared[0].state.cause == "" and cleared[0].reason == "no longer held"
+    assert any(isinstance(a, Replan) for a in acts)  # and the job plans on the A100
+    # gone with the V100 alone leaving: cleared as well, nothing else to do
+    (gone,) = decide(held.state, obs({}, []), cfg)
+    assert isinstance(gone, SetDesired) and gone.state.cause == ""
+
+
+def test_the_release_digest_reads_code_and_data_not_stray_files(tmp_path: Any) -> None:
+    from pathlib import Path
+
+    import sailor
+    from sailor.agent.release import code_digest
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "gpus.json").write_text("{}\n")
+    first = code_digest(tmp_path)
+    (tmp_path / "a.py.swp").write_text("editor state")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    assert code_digest(tmp_path) == first  # stray files and caches: the same release
+    (tmp_path / "gpus.json").write_text('{"x": 1}\n')
+    assert code_digest(tmp_path) != first  # the catalog's data: another release
+    # every file the package ships is one the digest reads (a new kind of data file would
+    # otherwise drop out of it silently)
+    shipped = {
+        f.suffix
+        for f in Path(sailor.__file__).parent.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts
+    }
+    assert shipped <= {".py", ".json", ".yaml", ".yml", ".typed"}, shipped
+
+
+def test_equal_gpus_pick_the_newer_release_by_its_version_not_its_digest() -> None:
+    a = CU126.model_copy(update={"sailor_release": "1.2+999999999999"})
+    b = CU126.model_copy(update={"sailor_release": "1.2.1+000000000000"})
+    ns = nodes(node(1, a), node(2, b))
+    from sailor.controller.runtime_admission import job_release
+
+    assert job_release((), ns, ["n1", "n2"]) == "1.2.1+000000000000"
