@@ -227,6 +227,18 @@ class _Diffs(NamedTuple):
         return self.moment_excess <= max(MOMENT_ATOL, 3 * self.moment_floor)
 
 
+NOISE_ONLY = (".attn_k.bias",)
+"""Weights whose gradient is zero in exact arithmetic (softmax ignores a constant added to
+every key): AdamW scales pure rounding noise to ~lr, so two reduction orders part by up to
+~lr whatever the runtime did, and one alternative order's gap (the floor) is one draw of
+that spread: the floors measured here are nearly all in them (``_param_diffs``), and a trace
+replay failed once at 3.3x its floor (1.8e-3 at lr 3e-3) with its moments within theirs. In
+the next replay the four largest weight gaps were key biases (2.2e-3, its floor 2.3e-3); the
+largest other weight's 1.7e-4 against 3.1e-4.
+Their weights are left out of the weight comparison and its floor; their AdamW moments,
+which a wrong restore would move by their size, are still compared."""
+
+
 def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alts: Sequence[ReferenceRun]) -> _Diffs:
     """Checkpoint ``step``'s weights and AdamW moments against the reference's (``ref`` and
     ``alts`` trained with ``params_at=step``), with floors.
@@ -253,11 +265,10 @@ def _param_diffs(ckpt: Path, step: int, ref: ReferenceRun, alts: Sequence[Refere
     def excess(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(((a - b).abs() - MOMENT_RTOL * b.abs()).max())
 
+    compared = [k for k in ref.params_at if not k.endswith(NOISE_ONLY)]
     return _Diffs(
-        weights=max(gap(got[k].weight, ref.params_at[k]) for k in ref.params_at),
-        weight_floor=max(
-            gap(alt.params_at[k], ref.params_at[k]) for alt in alts for k in ref.params_at
-        ),
+        weights=max(gap(got[k].weight, ref.params_at[k]) for k in compared),
+        weight_floor=max(gap(alt.params_at[k], ref.params_at[k]) for alt in alts for k in compared),
         moments=max(
             max(gap(got[k].exp_avg, m), gap(got[k].exp_avg_sq, v))
             for k, (m, v) in ref.moments_at.items()
