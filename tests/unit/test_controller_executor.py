@@ -79,9 +79,10 @@ def _node(i: int) -> NodeSpec:
     return NodeSpec(node_id=f"n{i}", gpu_type="A100-40", gpus=1, zone="z-a-1")
 
 
-def _executor(
+def make_executor(
     tmp_path: Path, planner: Any, clock: Any = None, **kw: Any
 ) -> tuple[Executor, TaskSet, AuditLog]:
+    """An executor over stand-ins for etcd's guarded put, the agents' acks and the lease."""
     tasks = TaskSet("test-executor")
     audit = AuditLog(tmp_path / "audit.jsonl")
     ex = Executor(
@@ -124,7 +125,7 @@ class _Clock:
 async def test_a_timed_out_replan_is_cancelled_and_asked_again(tmp_path: Path) -> None:
     planner = _HeldPlanner()
     clock = _Clock()
-    ex, tasks, audit = _executor(tmp_path, planner, clock=clock, replan_timeout_s=0.2)
+    ex, tasks, audit = make_executor(tmp_path, planner, clock=clock, replan_timeout_s=0.2)
     try:
         nodes = (_node(1), _node(2))
         assert ex._start_replan(Replan(nodes, None, "join"))
@@ -146,7 +147,7 @@ async def test_a_replaced_replan_is_cancelled_and_cannot_clear_the_newer_one(
     tmp_path: Path,
 ) -> None:
     planner = _HeldPlanner()
-    ex, tasks, audit = _executor(tmp_path, planner)
+    ex, tasks, audit = make_executor(tmp_path, planner)
     try:
         a, b = (_node(1), _node(2)), (_node(1), _node(2), _node(3))
         assert ex._start_replan(Replan(a, None, "join"))
@@ -186,7 +187,7 @@ async def test_a_failing_older_replan_leaves_the_newer_one_running(tmp_path: Pat
         ) -> PlanResult:
             raise NotImplementedError
 
-    ex, tasks, audit = _executor(tmp_path, _Planner())
+    ex, tasks, audit = make_executor(tmp_path, _Planner())
     try:
         assert ex._start_replan(Replan((_node(1),), None, "join"))
         await _until(lambda: 1 in gate)
@@ -212,7 +213,7 @@ async def test_a_replan_in_another_precision_is_not_swallowed_by_one_under_way(
     alone), its precision-free result adopted, dropped by ``launch_next`` and planned
     again. Now the second is a replan of its own and the first is stopped."""
     planner = _HeldPlanner()
-    ex, tasks, audit = _executor(tmp_path, planner)
+    ex, tasks, audit = make_executor(tmp_path, planner)
     try:
         nodes = (_node(1), _node(2))
         assert ex._start_replan(Replan(nodes, None, "join"))
@@ -256,7 +257,7 @@ async def test_a_failed_replan_backs_off_for_its_membership_and_precision(tmp_pa
             raise NotImplementedError
 
     clock = _Clock()
-    ex, tasks, audit = _executor(tmp_path, _Failing(), clock=clock)
+    ex, tasks, audit = make_executor(tmp_path, _Failing(), clock=clock)
     try:
         nodes = (_node(1), _node(2))
         assert ex._start_replan(Replan(nodes, None, "join", "bf16"))
@@ -291,7 +292,9 @@ async def test_a_failed_replan_backs_off_for_its_membership_and_precision(tmp_pa
 
 
 async def test_acked_and_sent_commands_are_pruned_by_generation(tmp_path: Path) -> None:
-    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    ex, tasks, audit = make_executor(
+        tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+    )
     try:
         nodes = [f"n{i}" for i in range(4)]
         for gen in range(30):
@@ -319,7 +322,9 @@ async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(tmp_pa
     """A lease not refreshed within its TTL may have expired and another leader taken the
     key: its commands wait (same ids) until a refresh answers, instead of reaching agents
     that have not heard from the new leader yet."""
-    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    ex, tasks, audit = make_executor(
+        tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+    )
     try:
         ex.lead.fresh = False  # type: ignore[misc]
         desired = DesiredState(epoch=7, generation=1)
@@ -342,7 +347,9 @@ async def test_the_desired_state_omits_a_new_field_while_unused(tmp_path: Path) 
     """A release's agents and standby refuse fields they do not know: ``bad_checkpoints``
     is written only when a checkpoint was found unreadable, ``node_health`` only while a
     node has a failure record (and the phase record names the nodes excluded now)."""
-    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    ex, tasks, audit = make_executor(
+        tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+    )
     try:
         await ex.write_desired(DesiredState(epoch=7, generation=2), "test")
         raw = json.loads(ex.store.data[ex.keys.desired])  # type: ignore[attr-defined]
@@ -380,7 +387,9 @@ async def test_a_cause_naming_every_node_of_a_large_layout_is_written_shortened(
     lost nodes had a 2,000-character cause, written whole; no reader could parse the state
     back (a new leader refused to lead from it, agents to launch). Written shortened, and a
     state written whole before still reads."""
-    ex, tasks, audit = _executor(tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8))
+    ex, tasks, audit = make_executor(
+        tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+    )
     names = ", ".join(f"node-{i:04d}.zone-a" for i in range(120))
     cause = f"node lost without notice: {names}"
     assert len(cause) > 2000

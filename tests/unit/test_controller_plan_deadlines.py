@@ -38,11 +38,12 @@ from sailor.controller.plan_deadlines import (
     write_bytes_per_node,
 )
 from sailor.controller.planning import DataParallelPlanner
-from sailor.coordination import Keys, SystemClock, TaskSet
+from sailor.coordination import TaskSet
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Pipeline, Plan, PlanPrediction, ReplicaGroup, Stage
 from sailor.schemas.runtime import AgentState, AgentStatus, DesiredState, NoticeRecord, Phase
+from tests.unit.test_controller_executor import make_executor
 
 NOW = 1000.0
 
@@ -411,34 +412,9 @@ def test_a_quiesce_of_slow_steps_is_derived_and_a_notice_still_cuts_it() -> None
 
 
 def _executor(tmp_path: Path, cfg: DecideConfig) -> tuple[Executor, TaskSet, AuditLog]:
-    class _Store:
-        def __init__(self) -> None:
-            self.data: dict[str, bytes] = {}
-
-        async def put_guarded(self, key: str, value: bytes, guard: str, epoch: int) -> int:
-            self.data[key] = value
-            return 1
-
-    class _Lead:
-        epoch = 3
-        held = True
-        fresh = True
-
-    tasks = TaskSet("test-plan-deadlines")
-    audit = AuditLog(tmp_path / "audit.jsonl")
-    ex = Executor(
-        _Store(),  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        Keys(job="pd"),
-        audit,
-        _Lead(),  # type: ignore[arg-type]
-        DataParallelPlanner("tiny-gpt", 4, global_batch_size=8),
-        SystemClock(),
-        tasks,
-        lambda urgent: None,
-        decide_cfg=cfg,
+    return make_executor(
+        tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8), decide_cfg=cfg
     )
-    return ex, tasks, audit
 
 
 async def test_the_phase_record_says_which_deadline_and_why(tmp_path: Path) -> None:
