@@ -20,9 +20,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from sailor.controller.bad_marks import marked, unknown_steps
-from sailor.controller.failing_nodes import unusable
+from sailor.controller.decide import not_admitted
+from sailor.controller.decision_types import Observed
 from sailor.controller.job_precision import job_precision
-from sailor.controller.runtime_admission import not_admitted
 from sailor.coordination import Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
@@ -154,15 +154,9 @@ def _not_admitted(
     precision: Precision | None = None,
 ) -> dict[str, str]:
     """The nodes the leader leaves out for their runtime or the job's precision, and why, by
-    the leader's own rule (``controller/runtime_admission.py``) over the same records."""
-    out = unusable(d, nodes, status, now) if d is not None else frozenset()
-    candidates = [n for n in nodes if n not in out and n not in notices]
-    return not_admitted(
-        d.placement if d is not None else {},
-        nodes,
-        candidates,
-        precision,
-    )
+    the leader's own rule (``decide.not_admitted``) over the same records."""
+    o = Observed(now=now, nodes=nodes, status=status, notices=notices)
+    return not_admitted(d or DesiredState(epoch=0), o, precision=precision)
 
 
 def _calibration_version(raw: bytes) -> int | None:
