@@ -313,6 +313,11 @@ class Controller(EventIntake):
                         desired = ready[0]
                     observed = self._observe(executor, cache, (readmits, clear_bads), desired)
                     await self._notices_from_status(observed.status, store, lead, cache)
+                    if self.calibrator.measured != self.decide_cfg.measured:  # deadlines
+                        self.decide_cfg = self.decide_cfg.model_copy(
+                            update={"measured": self.calibrator.measured}
+                        )
+                        executor.decide_cfg = self.decide_cfg
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
                     desired = await executor.apply(actions, desired)

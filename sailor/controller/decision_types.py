@@ -27,7 +27,14 @@ from pydantic import Field
 from sailor.controller.job_precision import job_precision, plan_precision
 from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines, check_transition
-from sailor.controller.plan_deadlines import DERIVED_PHASES, PhaseNeed, mismatch, phase_need
+from sailor.controller.plan_deadlines import (
+    DERIVED_PHASES,
+    MeasuredIteration,
+    PhaseNeed,
+    in_place_read_bytes,
+    mismatch,
+    phase_need,
+)
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
@@ -115,6 +122,12 @@ class DecideConfig(Frozen):
         description="The model the plans train (the controller config's ``model``): what "
         "sizes a plan's checkpoint for its phase deadlines (``deadlines.derive``). None: the "
         "configured deadlines alone.",
+    )
+    measured: MeasuredIteration | None = Field(
+        default=None,
+        description="The iteration time the running cluster measured for a plan (online "
+        "calibration's latest fit; the daemon sets it each pass): QUIESCE and VERIFY of that "
+        "plan are sized by it instead of its prediction. None: predictions alone.",
     )
 
 
@@ -284,16 +297,28 @@ class Deadline:
 
 
 def _reads_checkpoint(d: DesiredState) -> bool:
-    """Whether ``d``'s LOAD is sized as a checkpoint read: a launch that loads one, on the
-    restart path. An in-place launch exchanges the state its live ranks hold, and reads
-    only the layers none holds (``megatron_patch.relayout.schedule``: its ``checkpoint``
-    layers). Which those are depends on the previous plan and which of its ranks survived,
-    and ``d`` holds the new plan only: sized as a read of nothing, the floor
-    (``deadlines.load``) is its deadline. Sized as a full read (a 7B plan: ~640 s), a hung
-    in-place launch waited over ten minutes before falling back to the restart path, whose
-    LOAD is sized in full; one that reads many layers and outlasts the floor falls back
-    the same way."""
+    """Whether ``d``'s LOAD is sized as a full checkpoint read: a launch that loads one, on
+    the restart path. An in-place launch exchanges the state its live ranks hold, and reads
+    only the layers none holds: ``DesiredState.in_place_reads``, sized at its LAUNCH from
+    the previous plan (:func:`_in_place_reads`). Sized as a full read (a 7B plan: ~640 s), a
+    hung in-place launch waited over ten minutes before falling back to the restart path."""
     return d.load_step >= 0 and d.path != "in_place"
+
+
+def _in_place_reads(prev: DesiredState, nxt: DesiredState, cfg: DecideConfig) -> dict[str, int]:
+    """The checkpoint bytes per node an in-place launch from ``prev``'s layout to ``nxt``'s
+    reads (``plan_deadlines.in_place_read_bytes``); {} on the restart path, without a
+    checkpoint to load, or when the plans cannot be sized (no model spec, derivation off,
+    another model's plan): LOAD is then sized as reading nothing."""
+    model, old, new = cfg.model, prev.plan, nxt.plan
+    if nxt.path != "in_place" or nxt.load_step < 0 or not cfg.deadlines.derive.enabled:
+        return {}
+    if model is None or old is None or new is None:
+        return {}
+    if mismatch(old, model) is not None or mismatch(new, model) is not None:
+        return {}
+    reads = in_place_read_bytes(old, prev.placement, new, nxt.placement, model)
+    return {n: b for n, b in sorted(reads.items()) if b}
 
 
 def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline:
@@ -325,6 +350,8 @@ def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline
                 dl.derive,
                 loads_checkpoint=_reads_checkpoint(d),
                 stop_ahead_steps=cfg.stop_ahead_steps,
+                measured=cfg.measured,
+                in_place_reads=d.in_place_reads if d.path == "in_place" else None,
             )
     base = max(configured, need.seconds if need is not None else 0.0)
     return Deadline(phase, base * factor, base, configured, factor, need, plan_id, off)
@@ -339,6 +366,9 @@ def move_to(
     update: dict[str, object] = {"phase": phase, "phase_since": now, "phase_epoch": d.epoch}
     update.update(kw)
     nxt = d.model_copy(update=update)
+    if phase is Phase.LAUNCH and "in_place_reads" not in kw:
+        # the previous layout is known here only: what its LOAD reads is sized now
+        nxt = nxt.model_copy(update={"in_place_reads": _in_place_reads(d, nxt, cfg)})
     if "phase_deadline" in kw:
         return nxt
     length = phase_deadline(nxt, phase, cfg).seconds

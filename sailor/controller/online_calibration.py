@@ -48,6 +48,7 @@ from pydantic import ValidationError
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decision_types import Observed, RecalibrationAdvice
+from sailor.controller.plan_deadlines import MeasuredIteration
 from sailor.controller.planning import Planner, PlanResult
 from sailor.controller.planning.in_process import CostInputs, cost_inputs_of
 from sailor.controller.recalibrate import (
@@ -91,6 +92,15 @@ KEEP_VERSIONS = 20
 
 PLAN_TIMEOUT_S = 60.0
 """The best plan under a new calibration must come within this (like a replan)."""
+
+
+def _measured(fit: OnlineFit, source: str) -> MeasuredIteration | None:
+    """A fit's measured iteration, for the deadlines (None for a fit of an unnamed plan)."""
+    if not fit.plan_id:
+        return None
+    return MeasuredIteration(
+        plan_id=fit.plan_id, iteration_s=fit.measured_step_s, source=source[:200]
+    )
 
 
 def load_trace(path: Path) -> float:
@@ -137,6 +147,9 @@ class Calibrator:
         self.last_fit: OnlineFit | None = None
         self.last_decision: ReplanDecision | None = None
         self.advice: RecalibrationAdvice | None = None
+        self.measured: MeasuredIteration | None = None
+        """The latest fit's measured iteration (or the kept record's, read back by a new
+        leader): what QUIESCE and VERIFY of that plan are sized by (``DecideConfig``)."""
         self.fits = 0
         self._generation = -1  # generation of the fits counted in _stable
         self._stable = 0
@@ -273,6 +286,7 @@ class Calibrator:
             anchor=inp.calibration,
         )
         self.fits += 1
+        self.measured = _measured(fit, f"fit of generation {d.generation}")
         if d.generation != self._generation:
             self._generation, self._stable, self.last_fit = d.generation, 0, None
         prev = self.last_fit
@@ -504,6 +518,8 @@ class Calibrator:
             return
         if rec.version >= self.version:
             self.version, self.calibration = rec.version, rec.fit.calibration
+            if self.measured is None:
+                self.measured = _measured(rec.fit, f"calibration v{rec.version}")
             self._hand_to_planner(rec.fit.calibration)
         self.audit.write(
             "calibration_restored",

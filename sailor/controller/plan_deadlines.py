@@ -13,10 +13,15 @@ being saved) needs, per phase:
   stage's layers (``checkpoint.reader.load``); nothing when the launch loads no checkpoint
   (nor, ``decision_types.phase_deadline`` decides, when it is in place: its live ranks
   hand their state over).
-- VERIFY: start-up plus ``verify_steps`` iterations of the plan (the simulator's prediction
-  it carries, ``Plan.predicted``).
+- VERIFY: start-up plus ``verify_steps`` iterations of the plan: the iteration time the
+  running cluster measured for this very plan (:class:`MeasuredIteration`, online
+  calibration's latest fit) when there is one, else the simulator's prediction it carries
+  (``Plan.predicted``; a plan made after a calibration was kept is priced with it).
 - QUIESCE: the iterations up to the agreed stop step (``stop_ahead_steps``, and one more: a
-  node may be a step behind the highest report).
+  node may be a step behind the highest report), at the same iteration time.
+- LOAD in place: the live ranks hand their state over; each rank reads from the checkpoint
+  only the layers no complete surviving replica group of the previous plan holds
+  (:func:`in_place_read_bytes`, the engine's own schedule ``megatron_patch.relayout``).
 
 Each is ``startup + safety x (bytes / throughput, or steps x iteration time)``, at most
 ``max_s`` (3 h by default; the throughputs are at least 1 MiB/s). A checkpoint
@@ -36,8 +41,10 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from sailor.checkpoint.assignment import writer_assignment
+from sailor.megatron_patch.relayout import schedule
 from sailor.schemas._base import Frozen
 from sailor.schemas.checkpoint import TENSOR_KINDS
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec, padded_vocab
 from sailor.schemas.plan import Plan
 from sailor.schemas.precision import MASTER_BYTES
@@ -48,9 +55,12 @@ __all__ = [
     "CHECKPOINT_BYTES_PER_PARAM",
     "DERIVED_PHASES",
     "DeadlineModel",
+    "MeasuredIteration",
     "PhaseNeed",
     "checkpoint_layer_bytes",
     "derived_deadlines",
+    "in_place_read_bytes",
+    "iteration_time",
     "mismatch",
     "phase_need",
     "read_bytes_per_node",
@@ -151,6 +161,30 @@ class DeadlineModel(Frozen):
     )
 
 
+class MeasuredIteration(Frozen):
+    """The iteration time the running cluster measured for one plan: online calibration's
+    latest fit (``OnlineFit.measured_step_s``, the median over ranks of each rank's median
+    step; ``controller/online_calibration.py``), kept in etcd with the calibration version
+    (``CalibrationRecord``) so a new leader has it too."""
+
+    plan_id: str = Field(min_length=1, description="The plan the steps were measured on.")
+    iteration_s: float = Field(gt=0, description="Measured seconds per iteration.")
+    source: str = Field(default="", max_length=200, description="Where it comes from, for the why.")
+
+
+def iteration_time(plan: Plan, measured: MeasuredIteration | None) -> tuple[float | None, str]:
+    """The iteration time QUIESCE and VERIFY are sized by, and its basis: the measured one
+    when it is of this very plan (same ``plan_id``), else the plan's prediction (the
+    planner's, under the kept calibration when one was kept before the plan was made);
+    (None, '') when neither."""
+    if measured is not None and plan.plan_id and measured.plan_id == plan.plan_id:
+        where = f", {measured.source}" if measured.source else ""
+        return measured.iteration_s, f"measured{where}"
+    if plan.predicted is not None:
+        return plan.predicted.iteration_time_s, "predicted"
+    return None, ""
+
+
 @dataclass(frozen=True)
 class PhaseNeed:
     """What one phase needs by the plan: ``seconds``, and what that is made of."""
@@ -164,7 +198,10 @@ class PhaseNeed:
     bytes: int = 0
     mib_s: float = 0.0
     iteration_s: float | None = None
-    """The plan's predicted iteration time; None when it carries none."""
+    """The iteration time (measured or predicted: ``basis``); None when there is none."""
+    basis: str = ""
+    """QUIESCE and VERIFY: ``measured, ...`` or ``predicted``; LOAD: ``in place`` when it
+    reads only what no surviving replica holds."""
     steps: float = 0.0
     uncapped_s: float = 0.0
     """What the formula gave, when above ``DeadlineModel.max_s`` (``seconds`` is the cap
@@ -174,18 +211,23 @@ class PhaseNeed:
         """E.g. ``node n1 writes 42.1 GB at 125 MiB/s x2 + 10 s start-up``, ``2 iterations
         of 8 s x2 + 20 s start-up``; when capped, what it gave and the cap's setting."""
         start = f"{self.startup_s:g} s start-up"
-        if self.phase is Phase.LOAD and not self.node:
-            text = f"{start} (reads no checkpoint)"
+        if self.phase is Phase.LOAD and not self.bytes:
+            held = "in place: " if self.basis else ""
+            text = f"{start} ({held}reads no checkpoint)"
         elif self.phase in (Phase.CHECKPOINT, Phase.LOAD):
             verb = "writes" if self.phase is Phase.CHECKPOINT else "reads"
+            what = " (in place: the layers no surviving replica holds)" if self.basis else ""
             text = (
-                f"node {self.node} {verb} {self.bytes / 1e9:.3g} GB at "
+                f"node {self.node} {verb} {self.bytes / 1e9:.3g} GB{what} at "
                 f"{self.mib_s:g} MiB/s x{self.safety:g} + {start}"
             )
         elif self.iteration_s is None:
-            text = f"{start} (no predicted iteration time)"
+            text = f"{start} (no measured or predicted iteration time)"
         else:
-            what = f"{self.steps:g} iterations of {self.iteration_s:.3g} s x{self.safety:g}"
+            what = (
+                f"{self.steps:g} iterations of {self.iteration_s:.3g} s ({self.basis}) "
+                f"x{self.safety:g}"
+            )
             text = f"{what} + {start}" if self.startup_s else what
         if self.uncapped_s:
             text += f" = {self.uncapped_s:.0f} s, capped by deadlines.derive.max_s"
@@ -255,7 +297,6 @@ def read_bytes_per_node(
     padded vocabulary rows of the embedding and the head, which the simulator leaves out
     and the checkpoint holds (:func:`checkpoint_layer_bytes`)."""
     _check(plan, model)
-    pad = (padded_vocab(model.vocab_size) - model.vocab_size) * model.hidden_size
     # once per layer range and TP degree: a 512-node plan repeats a few stage shapes
     # over thousands of ranks (per rank, a pass took 250 ms at 4,096 ranks)
     by_shape: dict[tuple[int, int, int], int] = {}
@@ -265,17 +306,98 @@ def read_bytes_per_node(
             tp = stage.replica.tp
             key = (stage.first_layer, stage.last_layer, tp)
             if key not in by_shape:
-                params = sum(
-                    estimate_layer_size(model, tp, x).params
-                    + (pad // tp if model.layer_kind(x) != "block" else 0)
-                    for x in stage.layers
-                )
-                by_shape[key] = params * CHECKPOINT_BYTES_PER_PARAM
+                by_shape[key] = sum(_rank_layer_bytes(model, tp, x) for x in stage.layers)
             per_rank.extend([by_shape[key]] * tp)
+    return _per_node(plan, placement, per_rank)
+
+
+def _rank_layer_bytes(model: ModelSpec, tp: int, layer: int) -> int:
+    """Checkpoint bytes one TP rank of degree ``tp`` reads of ``layer``: its slice (the
+    simulator's parameters per TP rank) plus its share of the padded vocabulary rows."""
+    params = estimate_layer_size(model, tp, layer).params
+    if model.layer_kind(layer) != "block":
+        pad = (padded_vocab(model.vocab_size) - model.vocab_size) * model.hidden_size
+        params += pad // tp
+    return params * CHECKPOINT_BYTES_PER_PARAM
+
+
+def _per_node(
+    plan: Plan, placement: Mapping[str, tuple[int, ...]], per_rank: list[int]
+) -> dict[str, int]:
     return {
         n: sum(per_rank[r] for r in rs if 0 <= r < len(per_rank))
         for n, rs in _nodes_of(plan, placement).items()
     }
+
+
+def _held_ranks(
+    old: Plan,
+    old_placement: Mapping[str, tuple[int, ...]],
+    new: Plan,
+    new_placement: Mapping[str, tuple[int, ...]],
+) -> dict[int, int]:
+    """new rank -> the old rank whose held worker takes it, on every node of both layouts:
+    the agent's match (``agent/supervisor._match_held``), held workers in the order (rank
+    not kept, rank): one on the rank's GPU with the same rank, then one on its GPU, then one
+    with its rank, then any. A CPU kind has no GPU to keep (-1: the GPU passes skip it)."""
+
+    def gpu(plan: Plan, rank: int) -> int:
+        pi, si, _ = plan.ranks()[rank]
+        if is_cpu_type(plan.pipelines[pi].stages[si].replica.gpu_type):
+            return -1
+        return plan.local_gpu(rank)
+
+    out: dict[int, int] = {}
+    n_old = len(old.ranks())
+    for node, new_ranks in new_placement.items():
+        ranks = sorted(new_ranks)
+        free = sorted(
+            (r for r in old_placement.get(node, ()) if 0 <= r < n_old),
+            key=lambda r: (r not in ranks, r),
+        )
+        gpu_of = {r: gpu(new, r) for r in ranks}
+        held_gpu = {w: gpu(old, w) for w in free}
+        for pass_ in range(4):
+            for r in ranks:
+                if r in out:
+                    continue
+                w = next((w for w in free if _takes(pass_, w, r, held_gpu[w], gpu_of[r])), None)
+                if w is not None:
+                    out[r] = w
+                    free.remove(w)
+    return out
+
+
+def _takes(pass_: int, held: int, rank: int, held_gpu: int, rank_gpu: int) -> bool:
+    """Whether the held worker of old rank ``held`` takes new rank ``rank`` in the match's
+    ``pass_`` (0: same GPU and rank, 1: same GPU, 2: same rank, 3: any)."""
+    same_gpu = rank_gpu >= 0 and held_gpu == rank_gpu
+    return (same_gpu and held == rank, same_gpu, held == rank, True)[pass_]
+
+
+def in_place_read_bytes(
+    old: Plan,
+    old_placement: Mapping[str, tuple[int, ...]],
+    new: Plan,
+    new_placement: Mapping[str, tuple[int, ...]],
+    model: ModelSpec,
+) -> dict[str, int]:
+    """node -> checkpoint bytes its ranks read at an in-place launch from ``old`` to ``new``:
+    each new rank its TP slice of the layers no complete surviving replica group of ``old``
+    holds (``relayout.schedule``'s ``checkpoint`` layers, the engine's own plan diff).
+    Survivors: the held workers of every node in both layouts, matched to new ranks as the
+    agent matches them; each is taken as unbroken at the stop step. One that is not (a
+    worker that failed while held) makes its layers read too: such a LOAD can outlast this
+    deadline, and falls back to the restart path, whose LOAD is sized in full."""
+    _check(old, model)
+    _check(new, model)
+    holders = _held_ranks(old, old_placement, new, new_placement)
+    sched = schedule(old, holders, new)
+    tps = [new.pipelines[pi].stages[si].replica.tp for pi, si, _ in new.ranks()]
+    per_rank = [
+        sum(_rank_layer_bytes(model, tps[rs.rank], x) for x in rs.checkpoint) for rs in sched.ranks
+    ]
+    return _per_node(new, new_placement, per_rank)
 
 
 def _most(per_node: Mapping[str, int]) -> tuple[str, int]:
@@ -295,31 +417,41 @@ def phase_need(
     *,
     loads_checkpoint: bool = True,
     stop_ahead_steps: int = 1,
+    measured: MeasuredIteration | None = None,
+    in_place_reads: Mapping[str, int] | None = None,
 ) -> PhaseNeed | None:
     """What ``phase`` needs for ``plan`` on ``placement`` (node -> global ranks; empty: the
     replica groups' nodes); None for a phase a plan does not size (LAUNCH, COMMIT, TEARDOWN,
     IDLE, RUNNING). ``loads_checkpoint``: the launch loads one (LOAD reads nothing else).
+    ``measured``: the running cluster's iteration time of a plan (:func:`iteration_time`).
+    ``in_place_reads``: an in-place launch's reads per node (:func:`in_place_read_bytes`),
+    which LOAD is sized by instead of a full read.
     Raises ValueError when ``model`` is not the plan's (:func:`mismatch`)."""
     _check(plan, model)
     k = settings.safety
-    pred = plan.predicted
-    it = pred.iteration_time_s if pred is not None else None
+    basis = ""
     if phase is Phase.CHECKPOINT:
         node, nbytes = _most(write_bytes_per_node(plan, placement, model))
         rate, start = settings.write_mib_s, settings.checkpoint_startup_s
     elif phase is Phase.LOAD:
-        if loads_checkpoint:
+        if in_place_reads is not None:
+            node, nbytes = _most(in_place_reads)
+            basis = "in place"
+        elif loads_checkpoint:
             node, nbytes = _most(read_bytes_per_node(plan, placement, model))
         else:
             node, nbytes = "", 0
         rate, start = settings.read_mib_s, settings.load_startup_s
     elif phase in (Phase.VERIFY, Phase.QUIESCE):
+        it, basis = iteration_time(plan, measured)
         steps = settings.verify_steps if phase is Phase.VERIFY else float(stop_ahead_steps + 1)
         start = settings.verify_startup_s if phase is Phase.VERIFY else 0.0
         seconds = start + (k * steps * it if it is not None else 0.0)
         over = seconds if seconds > settings.max_s else 0.0
         seconds = min(seconds, settings.max_s)
-        return PhaseNeed(phase, seconds, start, k, iteration_s=it, steps=steps, uncapped_s=over)
+        return PhaseNeed(
+            phase, seconds, start, k, iteration_s=it, basis=basis, steps=steps, uncapped_s=over
+        )
     else:
         return None
     seconds = start + k * nbytes / (rate * _MIB)
@@ -329,9 +461,10 @@ def phase_need(
         min(seconds, settings.max_s),
         start,
         k,
-        node=node,
+        node=node if nbytes else "",
         bytes=nbytes,
         mib_s=rate,
+        basis=basis,
         uncapped_s=over,
     )
 
@@ -344,6 +477,7 @@ def derived_deadlines(
     *,
     loads_checkpoint: bool = True,
     stop_ahead_steps: int = 1,
+    measured: MeasuredIteration | None = None,
 ) -> dict[Phase, PhaseNeed]:
     """:func:`phase_need` of every phase in :data:`DERIVED_PHASES`."""
     s = settings or DeadlineModel()
@@ -357,6 +491,7 @@ def derived_deadlines(
             s,
             loads_checkpoint=loads_checkpoint,
             stop_ahead_steps=stop_ahead_steps,
+            measured=measured,
         )
         if need is not None:
             out[phase] = need

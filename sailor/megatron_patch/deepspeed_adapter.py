@@ -24,6 +24,13 @@ process group starts; :func:`deepspeed_precision` picks bf16 where every GPU typ
 has it, else fp16 with dynamic loss scaling, fp32 on the CPU. Step times synchronize the
 device before each clock read (CUDA kernels run asynchronously).
 
+Checkpoints: none. The adapter neither saves (no ``--control`` stop/save requests) nor
+loads one, so it records no precision and has none to check against a resumed run's
+(Sailor's engine refuses another precision than its checkpoint's unless
+``allow_precision_change``: ``engine.load_scaling_state``). A resume (``--load-step`` >= 0)
+is refused by :func:`check_no_resume`: before, it started from a fresh initialisation at the
+given step and data position, silently, in whatever precision the devices gave.
+
 Tied embeddings are not mapped (DeepSpeed's ``TiedLayerSpec`` would need the head's norm
 split off); use an untied model. deepspeed is imported only inside :func:`run`.
 
@@ -67,6 +74,7 @@ __all__ = [
     "DeepSpeedLayout",
     "Precision",
     "UnsupportedPlanError",
+    "check_no_resume",
     "deepspeed_config",
     "deepspeed_env",
     "deepspeed_layout",
@@ -80,6 +88,16 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 class UnsupportedPlanError(ValueError):
     """The plan needs something DeepSpeed's pipeline engine cannot express (not retryable)."""
+
+
+def check_no_resume(load_step: int, ckpt_dir: str) -> None:
+    """Refuse a resume: the adapter loads no checkpoint (module docstring)."""
+    if load_step >= 0:
+        raise UnsupportedPlanError(
+            f"load_step={load_step} (ckpt_dir={ckpt_dir!r}): the DeepSpeed adapter saves and "
+            "loads no checkpoint, so it can neither restore that state nor check the "
+            "precision it was trained in; resume on Sailor's engine (rank_main)"
+        )
 
 
 @dataclass(frozen=True)
@@ -286,6 +304,7 @@ def run(argv: list[str] | None = None) -> int:
     from sailor.megatron_patch.rank_main import load_model
 
     args = build_parser().parse_args(argv)
+    check_no_resume(args.load_step, args.ckpt_dir)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     spec = load_model(args.model, plan)
     if spec.tie_embeddings:

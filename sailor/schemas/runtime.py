@@ -356,6 +356,14 @@ class DesiredState(WireMessage):
         "(membership, precision) (controller/executor.py). Emptied when a plan is adopted "
         "and at a launch. Empty: none (wire version 5).",
     )
+    in_place_reads: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="At an in-place launch: node id -> checkpoint bytes its ranks read, the "
+        "layers no complete surviving replica group of the previous plan holds (sized at the "
+        "LAUNCH from the previous layout, controller/plan_deadlines.py); what its LOAD "
+        "deadline is derived from. Empty: a restart launch, or nothing to read (wire "
+        "version 6).",
+    )
     launch_waited: tuple[str, ...] = Field(
         default=(),
         max_length=MAX_NODE_LIST,

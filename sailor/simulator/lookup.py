@@ -416,7 +416,9 @@ def _layer_table(
     raise0: float | None = None  # what the embedding's backward is raised to (its forward)
     # estimated entries that hold the compute alone: their TP all-reduces are priced here
     compute_only = calibrated and f"{gpu_type}.{COMPUTE_ONLY_META}" in profiles.meta
+    profiled_at: int | None = None  # the TP degree whose profile the rows come from
     if tp in grid:
+        profiled_at = tp
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
         if how:
             notes.append(f"{tag}: {how}")
@@ -453,6 +455,7 @@ def _layer_table(
             raise0 = compute_part(rows[0][0], held0, roof0)
     elif grid:
         near = min(grid, key=lambda t: (abs(t - tp), t))
+        profiled_at = near
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
         base = hook_free(near, base)  # before the scaling, as at rule 1
         base, _ = _spread_update(
@@ -488,6 +491,28 @@ def _layer_table(
             "all-reduces"
         )
         estimated = True
+    measured_in = _profile_precision(profiles, gpu_type, profiled_at, grid)
+    if measured_in is not None and _peak(spec, measured_in) != _peak(spec, model.precision):
+        # layers measured in another precision than the plan computes in (an fp32 job on
+        # types profiled under bf16 autocast): priced at the profile's, fp32 ran up to the
+        # peak ratio (16x on an A100) too fast
+        if spec is None:
+            raise ProfileLookupError(
+                f"gpu_type={gpu_type!r}: layers profiled in {measured_in}, the plan computes "
+                f"in {model.precision}, and no GPU spec to scale the times by: profile "
+                f"{gpu_type} in {model.precision}"
+            )
+        ratio = _precision_ratio(model, spec, measured_in, tp, mbs, activations)
+        rows = [(f * r, g * r, u) for (f, g, u), r in zip(rows, ratio, strict=True)]
+        if raise0 is not None:
+            raise0 *= ratio[0]
+        notes.append(
+            f"{tag}: layers profiled in {measured_in}, priced in {model.precision}: forward "
+            f"and backward scaled by the roofline's ratio, x{min(ratio):.3g}-x{max(ratio):.3g} "
+            f"(peaks {_peak(spec, model.precision):g} vs {_peak(spec, measured_in):g} "
+            "TFLOPS; memory-bound layers by their bytes), marked estimated"
+        )
+        estimated = True
     out: list[LayerCost] = []
     k = cal.compute_scale
     if k != 1.0:
@@ -503,6 +528,46 @@ def _layer_table(
             profiles, model, cal, spec, gpu_type, tp, mbs, activations, grid, out, notes, network
         )
     return StageCosts(layers=tuple(out), notes=tuple(notes))
+
+
+def _profile_precision(
+    profiles: ProfileDB, gpu_type: str, t: int | None, grid: Mapping[int, list[int]]
+) -> str | None:
+    """The precision ``gpu_type``'s profile at TP ``t`` was measured in (its embedding's
+    entry at the smallest microbatch size); None: no profile, or not recorded."""
+    if t is None or not grid.get(t):
+        return None
+    entry = profiles.timing(gpu_type, t, grid[t][0], 0)
+    return entry.precision if entry is not None else None
+
+
+def _peak(spec: GPUSpec | None, precision: str) -> float:
+    """The catalog's peak TFLOPS of ``spec`` in ``precision`` (0 without a spec). Sailor's
+    engine runs fp32 matmuls as fp32, not TF32: it never sets ``allow_tf32`` and torch's
+    default leaves it off for matmuls, so fp32 is priced at the fp32 peak."""
+    return spec.peak_tflops(precision) if spec is not None else 0.0
+
+
+def _precision_ratio(
+    model: ModelSpec,
+    spec: GPUSpec,
+    measured_in: str,
+    tp: int,
+    mbs: int,
+    activations: Activations,
+) -> list[float]:
+    """Per layer, the roofline's time in the plan's precision over its time in
+    ``measured_in``: the compute-bound part scales by the peaks' ratio, the memory-bound
+    part by the bytes' (``estimate_layer_timing``: the larger of flops over peak and bytes
+    over bandwidth). An upper bound for a compute-bound layer where the 16-bit kernels
+    reach a larger share of their peak than fp32 ones do."""
+    there = model.model_copy(update={"precision": measured_in})
+    out = []
+    for layer in range(model.num_all_layers):
+        a = estimate_layer_timing(model, spec, tp, mbs, layer, activations).fwd_s
+        b = estimate_layer_timing(there, spec, tp, mbs, layer, activations).fwd_s
+        out.append(a / b if b > 0 else 1.0)
+    return out
 
 
 def _scaled(measured: float, comm: float, roof_tp: float, roof_near: float) -> float:

@@ -24,6 +24,7 @@ from sailor.controller.decision_types import (
     DecideConfig,
     Observed,
     SetDesired,
+    move_to,
     phase_deadline,
 )
 from sailor.controller.executor import Executor
@@ -31,8 +32,10 @@ from sailor.controller.phases import PhaseDeadlines
 from sailor.controller.plan_deadlines import (
     CHECKPOINT_BYTES_PER_PARAM,
     DeadlineModel,
+    MeasuredIteration,
     checkpoint_layer_bytes,
     derived_deadlines,
+    in_place_read_bytes,
     phase_need,
     read_bytes_per_node,
     write_bytes_per_node,
@@ -132,8 +135,8 @@ def test_a_7b_model_on_two_8_gpu_nodes_gets_minutes_of_checkpoint_and_load() -> 
     assert ck.why() == "node n2 writes 40.4 GB at 125 MiB/s x2 + 10 s start-up"
     assert need[Phase.VERIFY].seconds == pytest.approx(20 + 2 * 2 * 8.0)
     assert need[Phase.QUIESCE].seconds == pytest.approx(2 * 2 * 8.0)  # stop_ahead_steps 1, +1
-    assert need[Phase.QUIESCE].why() == "2 iterations of 8 s x2"
-    assert need[Phase.VERIFY].why() == "2 iterations of 8 s x2 + 20 s start-up"
+    assert need[Phase.QUIESCE].why() == "2 iterations of 8 s (predicted) x2"
+    assert need[Phase.VERIFY].why() == "2 iterations of 8 s (predicted) x2 + 20 s start-up"
     # a faster disk (a local NVMe at 2 GB/s) shortens it in proportion
     fast = derived_deadlines(plan, placement, LLAMA_7B, DeadlineModel(write_mib_s=2000))
     assert fast[Phase.CHECKPOINT].seconds == pytest.approx(10 + (ck.seconds - 10) / 16)
@@ -233,7 +236,8 @@ def test_a_derived_deadline_is_capped_and_the_why_says_so() -> None:
     assert ck.uncapped_s == pytest.approx(10 + 2 * ck.bytes / 2**20)
     assert ck.why().endswith(f"= {ck.uncapped_s:.0f} s, capped by deadlines.derive.max_s")
     assert need[Phase.VERIFY].why() == (
-        "2 iterations of 3.6e+03 s x2 + 20 s start-up = 14420 s, capped by deadlines.derive.max_s"
+        "2 iterations of 3.6e+03 s (predicted) x2 + 20 s start-up = 14420 s, capped by "
+        "deadlines.derive.max_s"
     )
     cfg = _large_cfg(deadlines=PhaseDeadlines(derive=slow.model_copy(update={"max_s": 900})))
     d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
@@ -380,8 +384,8 @@ def test_an_in_place_load_is_not_sized_as_a_checkpoint_read() -> None:
     assert a.state.phase_deadline == NOW + 120
     why = phase_deadline(a.state, Phase.LOAD, cfg).why()
     assert why == (
-        "configured deadlines.load 120 s (plan llama-2-7b-2x8 needs 20 s start-up (reads no "
-        "checkpoint) = 20 s)"
+        "configured deadlines.load 120 s (plan llama-2-7b-2x8 needs 20 s start-up (in place: "
+        "reads no checkpoint) = 20 s)"
     )
     restart = d.model_copy(update={"path": "restart"})
     (r,) = decide(restart, o, cfg)
@@ -586,3 +590,90 @@ def test_the_controller_reads_the_model_that_sizes_its_deadlines(tmp_path: Path)
     with capture_logs() as logs:
         assert Controller(bad).decide_cfg.model is None
     assert [x["event"] for x in logs] == ["deadlines_not_derived"]
+
+
+def test_quiesce_and_verify_are_sized_by_the_measured_iteration_of_the_same_plan() -> None:
+    """The plan predicts 8 s a step; the running cluster measured 30 s (online
+    calibration's fit): QUIESCE and VERIFY of that plan wait for 30 s steps, and the why
+    says which; another plan keeps its own prediction (a prediction 4x too fast aborted a
+    healthy quiesce)."""
+    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    seen = MeasuredIteration(plan_id=plan.plan_id, iteration_s=30.0, source="calibration v3")
+    need = derived_deadlines(plan, placement, LLAMA_7B, measured=seen)
+    assert need[Phase.QUIESCE].seconds == pytest.approx(2 * 2 * 30.0)
+    assert need[Phase.VERIFY].seconds == pytest.approx(20 + 2 * 2 * 30.0)
+    assert need[Phase.QUIESCE].why() == "2 iterations of 30 s (measured, calibration v3) x2"
+    other = seen.model_copy(update={"plan_id": "another"})
+    pred = derived_deadlines(plan, placement, LLAMA_7B, measured=other)[Phase.VERIFY]
+    assert pred.seconds == pytest.approx(20 + 2 * 2 * 8.0)
+    assert pred.why() == "2 iterations of 8 s (predicted) x2 + 20 s start-up"
+    # through decide's deadline: the config carries what the daemon read of the fit
+    cfg = _large_cfg(measured=seen)
+    d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
+    got = phase_deadline(d, Phase.QUIESCE, cfg)
+    assert got.seconds == pytest.approx(120.0) and got.derived
+    assert "30 s (measured, calibration v3)" in got.why()
+    with pytest.raises(ValidationError, match="iteration_s"):
+        MeasuredIteration(plan_id="p", iteration_s=0)
+
+
+def test_an_in_place_load_that_reads_layers_is_sized_by_them() -> None:
+    """n2 is gone; n1 keeps its ranks and takes four more blocks, n3 joins with the rest:
+    no surviving replica holds n2's layers, so n1 reads those four blocks and n3 the
+    rest from the checkpoint (sized as reading nothing, a slow disk aborted the in-place
+    launch at the floor, and every one after it fell back to the restart path)."""
+    old, old_place = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cut = 21
+    new = old.model_copy(
+        update={
+            "plan_id": "llama-2-7b-new",
+            "pipelines": (
+                old.pipelines[0].model_copy(
+                    update={
+                        "stages": (
+                            old.pipelines[0].stages[0].model_copy(update={"last_layer": cut - 1}),
+                            old.pipelines[0].stages[1].model_copy(update={"first_layer": cut}),
+                        )
+                    }
+                ),
+            ),
+        }
+    )
+    new_place = {"n1": old_place["n1"], "n3": old_place["n2"]}
+    reads = in_place_read_bytes(old, old_place, new, new_place, LLAMA_7B)
+    block = sum(checkpoint_layer_bytes(LLAMA_7B, x) for x in range(17, 21))
+    assert reads["n1"] == pytest.approx(block, rel=1e-3)
+    full = read_bytes_per_node(new, new_place, LLAMA_7B)
+    assert reads["n3"] == full["n3"]  # a new node holds nothing: reads its whole stage
+    # the same layout again, every node kept: nothing to read
+    assert not any(in_place_read_bytes(old, old_place, old, old_place, LLAMA_7B).values())
+    # through the launch: the previous layout is known at LAUNCH, its LOAD is sized by it
+    cfg = _large_cfg(in_place=True)
+    down = DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.TEARDOWN,
+        plan=old,
+        placement=old_place,
+        membership=("n1", "n2"),
+        load_step=12,
+    )
+    up = move_to(
+        down,
+        Phase.LAUNCH,
+        NOW,
+        cfg,
+        generation=3,
+        plan=new,
+        placement=new_place,
+        path="in_place",
+    )
+    assert up.in_place_reads == {n: b for n, b in reads.items() if b}
+    load = move_to(up, Phase.LOAD, NOW + 5, cfg)
+    dl = phase_deadline(load, Phase.LOAD, cfg)
+    assert dl.derived and dl.need is not None and dl.need.node == "n3"
+    assert load.phase_deadline == pytest.approx(NOW + 5 + 20 + 2 * full["n3"] / (125 * 2**20))
+    assert "node n3 reads 30.7 GB (in place: the layers no surviving replica holds)" in dl.why()
+    # the restart path's launch sizes a full read, and records no in-place reads
+    again = move_to(down, Phase.LAUNCH, NOW, cfg, generation=3, plan=new, placement=new_place)
+    assert again.in_place_reads == {}

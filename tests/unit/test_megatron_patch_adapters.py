@@ -7,11 +7,13 @@ import torch
 
 from sailor.megatron_patch.deepspeed_adapter import (
     UnsupportedPlanError,
+    check_no_resume,
     deepspeed_config,
     deepspeed_env,
     deepspeed_layout,
     deepspeed_precision,
     device_sync,
+    run,
 )
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
@@ -180,3 +182,29 @@ def test_deepspeed_step_timing_waits_for_the_gpu(monkeypatch: pytest.MonkeyPatch
     assert synced == []
     device_sync(torch.device("cuda", 1))()
     assert synced == [torch.device("cuda", 1)]
+
+
+def test_the_deepspeed_adapter_refuses_a_resume_it_cannot_load() -> None:
+    """It saves and loads no checkpoint: a resume started from a fresh initialisation at
+    the given step, with no check of the precision the state was trained in; it is
+    refused by name before anything starts (DeepSpeed is not imported for it)."""
+    check_no_resume(-1, "")  # a fresh start runs
+    with pytest.raises(UnsupportedPlanError, match=r"load_step=12 \(ckpt_dir='/ck'\)"):
+        check_no_resume(12, "/ck")
+    with pytest.raises(UnsupportedPlanError, match="load_step=3"):
+        run(
+            [
+                "--plan",
+                "/nonexistent.json",
+                "--rank",
+                "0",
+                "--world-size",
+                "1",
+                "--master",
+                "127.0.0.1:1",
+                "--ckpt-dir",
+                "/ck",
+                "--load-step",
+                "3",
+            ]
+        )

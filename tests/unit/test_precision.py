@@ -442,3 +442,36 @@ def test_a_stage_hands_on_and_holds_an_fp32_output_under_autocast() -> None:
     assert out.numel() * out.element_size() == 3 * held_output_bytes(spec, 2, "autocast")
     assert held_output_bytes(spec, N - 1, "autocast") == 0
     assert held_output_bytes(spec, 2, "fp16_optimizer") == 0
+
+
+def test_an_fp32_plan_on_16_bit_profiles_prices_its_compute_in_fp32() -> None:
+    """Type A's layers were profiled under bf16 autocast; a plan forced to fp32 on A was
+    priced at the profile's speed (10x too fast here: fp32 peak 10 TFLOP/s, bf16 100).
+    Its forward and backward are scaled by the roofline's ratio (the peaks' where a layer is
+    compute-bound, the bytes' where it is not), and the estimate says so."""
+    fast = {g: s.model_copy(update={"memory_bandwidth_gbps": 1e9}) for g, s in SPECS.items()}
+    bf16 = PROFILES.model_copy(
+        update={
+            "timings": tuple(t.model_copy(update={"precision": "bf16"}) for t in PROFILES.timings)
+        }
+    )
+
+    def est(precision: str, profiles: ProfileDB = bf16) -> object:
+        p = _plan(_pipe([], 4, 1)).model_copy(update={"precision": precision})
+        return simulate(p, MODEL, profiles, _network(), PRICES, gpu_specs=fast)
+
+    b, f = est("bf16"), est("fp32")
+    # the blocks are compute-bound (x10, the peaks); the embedding's lookup moves bytes
+    # alone (x2, fp32's): 9x for the stage
+    for part in ("fwd_s", "bwd_s"):
+        ratio = getattr(f.stages[0], part) / getattr(b.stages[0], part)  # type: ignore[attr-defined]
+        assert 8 < ratio <= 10, part
+    assert f.uses_estimates and not b.uses_estimates  # type: ignore[attr-defined]
+    assert any("profiled in bf16, priced in fp32" in n for n in f.notes)  # type: ignore[attr-defined]
+    # a profile measured in fp32 (or one that does not say) is priced as measured
+    fp32 = PROFILES.model_copy(
+        update={
+            "timings": tuple(t.model_copy(update={"precision": "fp32"}) for t in PROFILES.timings)
+        }
+    )
+    assert est("fp32", fp32).stages[0].fwd_s == est("bf16", PROFILES).stages[0].fwd_s  # type: ignore[attr-defined]
