@@ -75,6 +75,7 @@ from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV, worker_options
 from sailor.agent.worker_output import WorkerOutput
 from sailor.agent.worker_view import SupervisorStatus, WorkerView
 from sailor.coordination import TaskSet
+from sailor.megatron_patch.held_match import match_held
 from sailor.megatron_patch.parent_death import PARENT_ENV
 from sailor.schemas.commands import Launch
 from sailor.schemas.device_kind import is_cpu_type
@@ -110,26 +111,11 @@ def _gpu_of(plan: Plan, rank: int) -> int:
 def _match_held(
     held: list[WorkerView], ranks: list[int], gpu_of: dict[int, int]
 ) -> dict[int, WorkerView]:
-    """Which held worker takes which rank: one on the rank's GPU with the same rank, then
-    one on its GPU, then one with its rank, then any (``held`` in preference order; ranks
-    in order); ranks left over go to spares or new processes."""
-    free = list(held)
-    out: dict[int, WorkerView] = {}
-    passes: tuple[Callable[[WorkerView, int], bool], ...] = (
-        lambda w, r: gpu_of[r] >= 0 and w.gpu == gpu_of[r] and w.rank == r,
-        lambda w, r: gpu_of[r] >= 0 and w.gpu == gpu_of[r],
-        lambda w, r: w.rank == r,
-        lambda w, r: True,
-    )
-    for ok in passes:
-        for r in ranks:
-            if r in out:
-                continue
-            w = next((w for w in free if ok(w, r)), None)
-            if w is not None:
-                out[r] = w
-                free.remove(w)
-    return out
+    """Which held worker takes which rank (``held`` in preference order; ranks in order):
+    :func:`~sailor.megatron_patch.held_match.match_held`, which the controller's in-place
+    LOAD deadline uses too."""
+    picked = match_held([(w.gpu, w.rank) for w in held], ranks, gpu_of)
+    return {r: held[i] for r, i in picked.items()}
 
 
 class Supervisor(SupervisorStatus, WorkerOutput):

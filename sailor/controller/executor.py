@@ -166,6 +166,7 @@ class Executor:
             "job_precision",
             "plan_failed",
             "launch_waited",
+            "in_place_reads",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from sailor.checkpoint.assignment import writer_assignment
+from sailor.megatron_patch.held_match import match_held
 from sailor.megatron_patch.relayout import schedule
 from sailor.schemas._base import Frozen
 from sailor.schemas.checkpoint import TENSOR_KINDS
@@ -337,9 +338,9 @@ def _held_ranks(
     new_placement: Mapping[str, tuple[int, ...]],
 ) -> dict[int, int]:
     """new rank -> the old rank whose held worker takes it, on every node of both layouts:
-    the agent's match (``agent/supervisor._match_held``), held workers in the order (rank
-    not kept, rank): one on the rank's GPU with the same rank, then one on its GPU, then one
-    with its rank, then any. A CPU kind has no GPU to keep (-1: the GPU passes skip it)."""
+    the agent's match (:func:`~sailor.megatron_patch.held_match.match_held`) over the node's
+    held workers in the agent's preference order (rank not kept, rank). A CPU kind has no
+    GPU to keep (-1)."""
 
     def gpu(plan: Plan, rank: int) -> int:
         pi, si, _ = plan.ranks()[rank]
@@ -355,24 +356,11 @@ def _held_ranks(
             (r for r in old_placement.get(node, ()) if 0 <= r < n_old),
             key=lambda r: (r not in ranks, r),
         )
-        gpu_of = {r: gpu(new, r) for r in ranks}
-        held_gpu = {w: gpu(old, w) for w in free}
-        for pass_ in range(4):
-            for r in ranks:
-                if r in out:
-                    continue
-                w = next((w for w in free if _takes(pass_, w, r, held_gpu[w], gpu_of[r])), None)
-                if w is not None:
-                    out[r] = w
-                    free.remove(w)
+        picked = match_held(
+            [(gpu(old, w), w) for w in free], ranks, {r: gpu(new, r) for r in ranks}
+        )
+        out.update((r, free[i]) for r, i in picked.items())
     return out
-
-
-def _takes(pass_: int, held: int, rank: int, held_gpu: int, rank_gpu: int) -> bool:
-    """Whether the held worker of old rank ``held`` takes new rank ``rank`` in the match's
-    ``pass_`` (0: same GPU and rank, 1: same GPU, 2: same rank, 3: any)."""
-    same_gpu = rank_gpu >= 0 and held_gpu == rank_gpu
-    return (same_gpu and held == rank, same_gpu, held == rank, True)[pass_]
 
 
 def in_place_read_bytes(

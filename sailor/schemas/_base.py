@@ -37,7 +37,8 @@ together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
 (written only when a replan failed) and
 ``TrainingConfig.allow_precision_change`` (hashed into the training digest only away from
 its default).
-6: ``DesiredState.in_place_reads`` (an in-place launch's checkpoint reads per node)."""
+6: ``DesiredState.in_place_reads`` (an in-place launch's checkpoint reads per node, written
+only when not empty): a release of version 5 was out."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -208,6 +208,9 @@ _V4 = ("lost_nodes", "sigabrt_reports")
 _V5 = ("agreed_health", "launch_waited", "job_precision", "plan_failed")
 """``DesiredState``'s fields of wire version 5."""
 
+_V6 = ("in_place_reads",)
+"""``DesiredState``'s fields of wire version 6."""
+
 
 def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
     """``DesiredState`` as a release without the fields ``without`` defined it, its
@@ -230,12 +233,13 @@ def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
 @pytest.mark.parametrize(
     ("version", "without"),
     [
-        (1, ("node_health", *_V3, *_V4, *_V5)),
-        (2, (*_V3, *_V4, *_V5)),
-        (3, (*_V4, *_V5)),
-        (4, _V5),
+        (1, ("node_health", *_V3, *_V4, *_V5, *_V6)),
+        (2, (*_V3, *_V4, *_V5, *_V6)),
+        (3, (*_V4, *_V5, *_V6)),
+        (4, (*_V5, *_V6)),
+        (5, _V6),
     ],
-    ids=["v1", "v2", "v3", "v4"],
+    ids=["v1", "v2", "v3", "v4", "v5"],
 )
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
     monkeypatch: pytest.MonkeyPatch, version: int, without: tuple[str, ...]
@@ -247,8 +251,9 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     through ``_newer``, and would refuse them at its own version. Version 4 added the
     abort's lost nodes and the generation's SIGABRT reports: a release-3 reader drops them;
     version 5 the agreed errors' records and the LAUNCH's nodes waited for past their kill,
-    which a release-4 reader drops."""
-    assert SCHEMA_VERSION >= 5
+    which a release-4 reader drops; version 6 an in-place launch's reads per node, which a
+    release-5 reader drops."""
+    assert SCHEMA_VERSION >= 6
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
     )
@@ -267,6 +272,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         agreed_health={"NonFiniteGradientsError": NodeHealth(failures=2, generation=4, step=9)},
         launch_waited=("n2",),
         job_precision="bf16",
+        in_place_reads={"n2": 1 << 20},
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
@@ -279,7 +285,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         kept = "origin" in type(old.node_health["n2"]).model_fields  # type: ignore[attr-defined]
         assert kept == (version >= 3)
     assert not set(without) & set(previous.model_fields)
-    with pytest.raises(ValidationError, match="agreed_health"):
+    with pytest.raises(ValidationError, match=without[0]):
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": version}))
     # a record without ``origin`` (the first form of NodeHealth) reads as none counted
     plain = json.loads(raw)
