@@ -51,7 +51,7 @@ from sailor.controller.teardown import teardown
 from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import DesiredState, Phase
 
-__all__ = ["decide", "not_admitted", "unusable"]
+__all__ = ["decide", "exclusion", "not_admitted", "unusable"]
 
 
 def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -133,10 +133,20 @@ def unusable(d: DesiredState, o: Observed, precision: Precision | None = None) -
     """The registered nodes no layout may use at ``o.now``: those the failure records keep
     out (``failing_nodes.unusable``) and those of another runtime than the job's (NCCL
     version, Sailor release) or whose GPU type cannot compute in its precision
-    (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``, and the daemon
-    for the other readers."""
+    (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``."""
+    return exclusion(d, o, precision)[0]
+
+
+def exclusion(
+    d: DesiredState, o: Observed, precision: Precision | None = None
+) -> tuple[frozenset[str], dict[str, str]]:
+    """:func:`unusable`'s nodes and, among them, those :func:`not_admitted` leaves out with
+    the reason, from one computation of each: the daemon's pass puts the first in
+    ``Observed.excluded`` and audits the second (``not_admitted`` records), so what it
+    reports left out for its runtime or precision is always what its layouts leave out."""
     out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
-    return out | frozenset(not_admitted(d, o, out, precision))
+    refused = not_admitted(d, o, out, precision)
+    return out | frozenset(refused), refused
 
 
 def not_admitted(
