@@ -55,7 +55,7 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import decide, exclusion
+from sailor.controller.decide import decide, exclusion, wanted_replan
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.event_intake import EventIntake, urgent_wake
 from sailor.controller.executor import Executor
@@ -307,10 +307,16 @@ class Controller(EventIntake):
                     break
                 try:
                     ready = executor.adopt_plan(desired)
-                    if ready is not None:  # a plan, or why the last replan failed
+                    if ready is not None:  # a plan
                         await executor.write_desired(*ready)
                         desired = ready[0]
                     observed = self._observe(executor, cache, (readmits, clear_bads), desired)
+                    # why the replan the job waits for failed, or no reason once it is another
+                    wanted = wanted_replan(desired, observed, self.decide_cfg)
+                    shown = executor.failure_shown(desired, wanted)
+                    if shown is not None:
+                        await executor.write_desired(*shown)
+                        desired = shown[0]
                     await self._notices_from_status(observed.status, store, lead, cache)
                     actions = decide(desired, observed, self.decide_cfg)
                     self.decisions += 1
