@@ -485,6 +485,7 @@ class Controller(EventIntake):
             notices=snap.notices,
             commits=snap.commits,
             acked=ex.acked_view,
+            refused=ex.refused_view,
             recalibration=self.calibrator.note(desired),
             readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
             clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),

@@ -7,7 +7,10 @@ Commands are sent concurrently in background tasks, each waiting a bounded time 
 after the slowest ack of a fan-out to every placed node. A command not acked is simply decided
 again on a later pass (never two copies in flight; re-sent at most every ``resend_s``).
 The ``command`` records of a fan-out are made durable with one fsync before the first
-request goes out, and an ack counts (``acked``) only once its record is durable.
+request goes out, and an ack counts (``acked``) only once its record is durable. An agent's
+refusal is kept too (``refused``: the command's last one, until an ack accepts it), for
+``decide``: a Launch refused while its node kills workers is not sent again until the kill
+is over, and the LAUNCH deadline's abort names each refusal.
 Planning runs as a named task — in the planner's worker process when it has one (``aplan``),
 else in a thread — so it overlaps the checkpoint. A replan and its result are keyed by
 (membership, precision): a replan for the same nodes in another precision (the job's was
@@ -136,6 +139,8 @@ class Executor:
         self.decide_cfg = decide_cfg
         self._acked: set[str] = set()
         self._acked_view: frozenset[str] | None = None
+        self._refused: dict[str, str] = {}  # command id -> its agent's last refusal
+        self._refused_view: dict[str, str] | None = None
         self._sent_at: dict[str, float] = {}
         # generation (of the desired state when sent) -> the ids sent then: what to prune
         self._by_generation: dict[int, list[str]] = {}
@@ -338,7 +343,9 @@ class Executor:
             for cid in self._by_generation.pop(g):
                 self._acked.discard(cid)
                 self._sent_at.pop(cid, None)
+                self._refused.pop(cid, None)
         self._acked_view = None
+        self._refused_view = None
 
     @property
     def acked(self) -> frozenset[str]:
@@ -355,9 +362,19 @@ class Executor:
         return self._acked_view
 
     @property
+    def refused_view(self) -> dict[str, str]:
+        """The kept generations' commands whose agent refused them, with its last reason,
+        until an ack accepts them (for ``Observed.refused``: a copy, rebuilt at most once
+        per pass after a refusal or acceptance came in)."""
+        if self._refused_view is None:
+            self._refused_view = dict(self._refused)
+        return self._refused_view
+
+    @property
     def remembered(self) -> int:
-        """Command ids held (acked and sent-at entries): bounded by the kept generations."""
-        return len(self._acked) + len(self._sent_at)
+        """Command ids held (acked, sent-at and refused entries): bounded by the kept
+        generations."""
+        return len(self._acked) + len(self._sent_at) + len(self._refused)
 
     @property
     def inflight(self) -> int:
@@ -555,11 +572,18 @@ class Executor:
             duplicate=ack.duplicate,
             reason=ack.reason,
         )
-        if ack.accepted:
-            await self.audit.durable()  # group commit with the other acks of the fan-out
-            if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
-                self._acked.add(cmd.command_id)
-                self._acked_view = None
+        if not ack.accepted:  # decide reads why (a kill under way: not re-sent until over)
+            kept = cmd.command_id in self._sent_at  # else its generation was pruned meanwhile
+            if kept and self._refused.get(cmd.command_id) != ack.reason:
+                self._refused[cmd.command_id] = ack.reason
+                self._refused_view = None
+            return
+        await self.audit.durable()  # group commit with the other acks of the fan-out
+        if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
+            self._acked.add(cmd.command_id)
+            self._acked_view = None
+            if self._refused.pop(cmd.command_id, None) is not None:
+                self._refused_view = None
 
 
 def _deadline_why(state: DesiredState, cfg: DecideConfig) -> str:
