@@ -473,7 +473,15 @@ def miss_deadline(
     without them as it is). Any other node that acked is done: its status may lag.
 
     Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
-    it out. Before, TEARDOWN waited for such nodes for good."""
+    it out. Before, TEARDOWN waited for such nodes for good.
+
+    None, too, once an operator readmitted the generation's records
+    (``DesiredState.forgiven_through``, as :func:`node_health.charge`): the pass that
+    applied ``sailor node readmit`` for a node still killing charged and excluded it again
+    at once, while the command reported it readmitted. The teardown goes on without it; a
+    Launch it is sent is refused until the kill is over, and waited for (``launch.py``)."""
+    if d.forgiven_through >= d.generation:
+        return None
     out = excluded(d.node_health, now)
     owed = {
         n: _still(status[n], n in acked)
