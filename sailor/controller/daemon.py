@@ -55,7 +55,7 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
-from sailor.controller.decide import decide, not_admitted, unusable
+from sailor.controller.decide import decide, exclusion, wanted_replan
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.controller.event_intake import EventIntake, urgent_wake
 from sailor.controller.executor import Executor
@@ -90,7 +90,6 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.model import ModelSpec
-from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, ReadmitRequest
 from sailor.schemas.training import TrainingConfig
 
@@ -308,10 +307,16 @@ class Controller(EventIntake):
                     break
                 try:
                     ready = executor.adopt_plan(desired)
-                    if ready is not None:  # a plan, or why the last replan failed
+                    if ready is not None:  # a plan
                         await executor.write_desired(*ready)
                         desired = ready[0]
                     observed = self._observe(executor, cache, (readmits, clear_bads), desired)
+                    # why the replan the job waits for failed, or no reason once it is another
+                    wanted = wanted_replan(desired, observed, self.decide_cfg)
+                    shown = executor.failure_shown(desired, wanted)
+                    if shown is not None:
+                        await executor.write_desired(*shown)
+                        desired = shown[0]
                     await self._notices_from_status(observed.status, store, lead, cache)
                     if self.calibrator.measured != self.decide_cfg.measured:  # deadlines
                         self.decide_cfg = self.decide_cfg.model_copy(
@@ -485,24 +490,23 @@ class Controller(EventIntake):
             notices=snap.notices,
             commits=snap.commits,
             acked=ex.acked_view,
+            refused=ex.refused_view,
             recalibration=self.calibrator.note(desired),
             readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
             clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
         )
-        precision = job_precision(desired, self.decide_cfg.training)
-        self._audit_admission(desired, o, precision)
-        return replace(o, excluded=unusable(desired, o, precision))  # as decide sees it
+        # once per pass: the nodes out as decide sees them, and those audited as not admitted
+        excluded, refused = exclusion(desired, o, job_precision(desired, self.decide_cfg.training))
+        self._audit_admission(refused, o.now)
+        return replace(o, excluded=excluded)
 
-    def _audit_admission(
-        self, desired: DesiredState, o: Observed, precision: Precision | None
-    ) -> None:
+    def _audit_admission(self, refused: dict[str, str], now: float) -> None:
         """An audit record and a journal line each time the nodes left out for their runtime
-        or the job's precision change (``decide.not_admitted``): who, and why."""
-        refused = not_admitted(desired, o, precision=precision)
+        or the job's precision (``refused``: ``decide.exclusion``'s, node -> why) change."""
         if refused == self._not_admitted:
             return
         self._not_admitted = refused
-        self.audit.write("not_admitted", o.now, nodes=refused)
+        self.audit.write("not_admitted", now, nodes=refused)
         for node, why in sorted(refused.items()):
             _log.warning("node_not_admitted", node=node, why=why)
 

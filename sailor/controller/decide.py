@@ -40,6 +40,7 @@ from sailor.controller.decision_types import (
     DecideConfig,
     Observed,
     RecalibrationAdvice,
+    Replan,
     SetDesired,
     move_to,
     replan_if_needed,
@@ -51,7 +52,7 @@ from sailor.controller.teardown import teardown
 from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import DesiredState, Phase
 
-__all__ = ["decide", "not_admitted", "unusable"]
+__all__ = ["decide", "exclusion", "not_admitted", "unusable", "wanted_replan"]
 
 
 def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
@@ -133,10 +134,20 @@ def unusable(d: DesiredState, o: Observed, precision: Precision | None = None) -
     """The registered nodes no layout may use at ``o.now``: those the failure records keep
     out (``failing_nodes.unusable``) and those of another runtime than the job's (NCCL
     version, Sailor release) or whose GPU type cannot compute in its precision
-    (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``, and the daemon
-    for the other readers."""
+    (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``."""
+    return exclusion(d, o, precision)[0]
+
+
+def exclusion(
+    d: DesiredState, o: Observed, precision: Precision | None = None
+) -> tuple[frozenset[str], dict[str, str]]:
+    """:func:`unusable`'s nodes and, among them, those :func:`not_admitted` leaves out with
+    the reason, from one computation of each: the daemon's pass puts the first in
+    ``Observed.excluded`` and audits the second (``not_admitted`` records), so what it
+    reports left out for its runtime or precision is always what its layouts leave out."""
     out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
-    return out | frozenset(not_admitted(d, o, out, precision))
+    refused = not_admitted(d, o, out, precision)
+    return out | frozenset(refused), refused
 
 
 def not_admitted(
@@ -155,6 +166,30 @@ def not_admitted(
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
     job = precision if precision is not None else d.job_precision
     return runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)
+
+
+_PLANS_AHEAD = (Phase.QUIESCE, Phase.CHECKPOINT, Phase.COMMIT, Phase.TEARDOWN)
+"""The phases that lead to the next layout: their passes ask for its plan, but for the one
+that does something else first (an abort, a deadline tightened, the commit)."""
+
+
+def wanted_replan(d: DesiredState, o: Observed, cfg: DecideConfig) -> Replan | None:
+    """The replan ``d`` waits for in ``o`` (its ``excluded`` filled for ``d``, as the
+    daemon does), whichever pass asks for it: the one for the usable nodes in the job's
+    precision in IDLE (not while held) and in the phases that lead to the next layout,
+    unless the next plan is made for them already; None otherwise (LAUNCH, LOAD and VERIFY
+    launched a plan; RUNNING asks in the very pass that leaves it). What a failed search's
+    reason (``DesiredState.plan_failed``) belongs to: once this is another replan, or none,
+    the reason no longer describes the job."""
+    if d.phase is Phase.IDLE:
+        if precision_conflict(d, cfg.training) is not None:
+            return None
+    elif d.phase not in _PLANS_AHEAD:
+        return None
+    for a in replan_if_needed(d, o, "", cfg):
+        if isinstance(a, Replan):
+            return a
+    return None
 
 
 _NONE_ADMITTED = "waiting: no registered node is admitted"

@@ -156,6 +156,11 @@ class Observed:
     commits: tuple[CommitRecord, ...] = ()
     acked: frozenset[str] = frozenset()
     recalibration: RecalibrationAdvice | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Commands of this epoch an agent refused and none accepted since, by command id, with
+    the agent's last reason (``CommandAck.reason``): a Launch refused while its node kills
+    workers waits for the kill's end (``launch.py``), and the LAUNCH deadline's abort says
+    why each refused."""
     excluded: frozenset[str] = frozenset()
     """Registered nodes no layout may use at ``now`` (:func:`unusable`): ``decide`` derives
     it from the desired state and the statuses itself; the daemon fills it for the other

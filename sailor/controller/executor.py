@@ -7,7 +7,10 @@ Commands are sent concurrently in background tasks, each waiting a bounded time 
 after the slowest ack of a fan-out to every placed node. A command not acked is simply decided
 again on a later pass (never two copies in flight; re-sent at most every ``resend_s``).
 The ``command`` records of a fan-out are made durable with one fsync before the first
-request goes out, and an ack counts (``acked``) only once its record is durable.
+request goes out, and an ack counts (``acked``) only once its record is durable. An agent's
+refusal is kept too (``refused``: the command's last one, until an ack accepts it), for
+``decide``: a Launch refused while its node kills workers is not sent again until the kill
+is over, and the LAUNCH deadline's abort names each refusal.
 Planning runs as a named task — in the planner's worker process when it has one (``aplan``),
 else in a thread — so it overlaps the checkpoint. A replan and its result are keyed by
 (membership, precision): a replan for the same nodes in another precision (the job's was
@@ -18,7 +21,9 @@ process's search (``ProcessPlanner``), so a later replan never queues behind an 
 that failed is not started again for the same key before its backoff is over
 (``REPLAN_RETRY_S``, doubling per failure up to ``REPLAN_RETRY_MAX_S``; a new membership or
 precision, or a new leader, tries at once); why, and when it is retried, goes into the
-desired state (``plan_failed``) for ``sailor status``.
+desired state (``plan_failed``) for ``sailor status`` while that replan is the one the job
+waits for (``decide.wanted_replan``), and goes once it is not (another membership or
+precision, no replan at all: the job IDLE without nodes, or launched).
 
 Memory is bounded by generations, not by the leadership term: the ids of acked and sent
 commands are kept per generation (of the desired state when sent), and only the current and
@@ -134,6 +139,8 @@ class Executor:
         self.decide_cfg = decide_cfg
         self._acked: set[str] = set()
         self._acked_view: frozenset[str] | None = None
+        self._refused: dict[str, str] = {}  # command id -> its agent's last refusal
+        self._refused_view: dict[str, str] | None = None
         self._sent_at: dict[str, float] = {}
         # generation (of the desired state when sent) -> the ids sent then: what to prune
         self._by_generation: dict[int, list[str]] = {}
@@ -142,11 +149,10 @@ class Executor:
         self._replanning: ReplanKey | None = None
         self._replan_task: asyncio.Task[None] | None = None
         self.plan_ready: tuple[ReplanKey, PlanResult] | None = None
-        # key -> (failures in a row, not before, why): the backoff of failed replans
-        # per key: failures in a row, retry time, error, the node records asked with (a node
-        # that re-registers under its id with other GPUs is a new question: no backoff)
-        self._failed: dict[ReplanKey, tuple[int, float, str, tuple[NodeSpec, ...]]] = {}
-        self._failure_note: str | None = None  # for the desired state, once
+        # the backoff of failed replans, per key: failures in a row, retry time, error, the
+        # node records asked with (a node that re-registers under its id with other GPUs is
+        # a new question: no backoff), and the note for the desired state (``plan_failed``)
+        self._failed: dict[ReplanKey, tuple[int, float, str, tuple[NodeSpec, ...], str]] = {}
         self.progressed = False
 
     @property
@@ -338,7 +344,9 @@ class Executor:
             for cid in self._by_generation.pop(g):
                 self._acked.discard(cid)
                 self._sent_at.pop(cid, None)
+                self._refused.pop(cid, None)
         self._acked_view = None
+        self._refused_view = None
 
     @property
     def acked(self) -> frozenset[str]:
@@ -355,9 +363,19 @@ class Executor:
         return self._acked_view
 
     @property
+    def refused_view(self) -> dict[str, str]:
+        """The kept generations' commands whose agent refused them, with its last reason,
+        until an ack accepts them (for ``Observed.refused``: a copy, rebuilt at most once
+        per pass after a refusal or acceptance came in)."""
+        if self._refused_view is None:
+            self._refused_view = dict(self._refused)
+        return self._refused_view
+
+    @property
     def remembered(self) -> int:
-        """Command ids held (acked and sent-at entries): bounded by the kept generations."""
-        return len(self._acked) + len(self._sent_at)
+        """Command ids held (acked, sent-at and refused entries): bounded by the kept
+        generations."""
+        return len(self._acked) + len(self._sent_at) + len(self._refused)
 
     @property
     def inflight(self) -> int:
@@ -462,24 +480,50 @@ class Executor:
         self, key: ReplanKey, error: str, nodes_asked: tuple[NodeSpec, ...] = ()
     ) -> None:
         """Back off ``key``'s replan: ``REPLAN_RETRY_S`` doubled per failure in a row, up to
-        ``REPLAN_RETRY_MAX_S``; the reason is handed to the next desired state. The other
-        keys' records go: only the latest membership and precision are ever asked for."""
+        ``REPLAN_RETRY_MAX_S``; the reason is noted for the desired state
+        (:meth:`failure_shown`). The other keys' records go: only the latest membership and
+        precision are ever asked for."""
         count = self._failed[key][0] + 1 if key in self._failed else 1
         wait = min(REPLAN_RETRY_S * 2 ** (count - 1), REPLAN_RETRY_MAX_S)
-        self._failed = {key: (count, self.clock.now() + wait, error, nodes_asked)}
         nodes, precision = key
-        self._failure_note = shorten(
+        note = shorten(
             f"replan for {len(nodes)} nodes in precision={precision or 'not fixed'} failed "
             f"{count}x: {error}; tried again in {wait:.0f} s, or at once for other nodes or "
             f"another precision"
         )
+        self._failed = {key: (count, self.clock.now() + wait, error, nodes_asked, note)}
+
+    def failure_shown(
+        self, desired: DesiredState, wanted: Replan | None
+    ) -> tuple[DesiredState, str] | None:
+        """``desired`` with the failed search's reason (``plan_failed``) as the present has
+        it, and why, given the replan the job waits for (``decide.wanted_replan``); None
+        when it holds that already (a write only when it changes). The reason of this
+        leader's last failed replan while ``wanted`` is that very replan (the same node ids
+        and records, the same precision: backed off, or retried), else none. A reason this
+        leader did not note (a previous leader's) stays while some replan is wanted: its
+        result replaces or clears it."""
+        if wanted is None:
+            note = ""
+        elif not self._failed:
+            return None
+        else:
+            key: ReplanKey = (tuple(n.node_id for n in wanted.nodes), wanted.precision)
+            failed = self._failed.get(key)
+            note = failed[4] if failed is not None and failed[3] == wanted.nodes else ""
+        if note == desired.plan_failed:
+            return None
+        if note:
+            return desired.model_copy(update={"plan_failed": note}), "plan failed"
+        now = "no replan" if wanted is None else f"a replan for {len(wanted.nodes)} nodes"
+        why = f"the failed search is no longer wanted ({now} is)"
+        return desired.model_copy(update={"plan_failed": ""}), why
 
     def adopt_plan(self, desired: DesiredState) -> tuple[DesiredState, str] | None:
-        """A desired state carrying the finished plan, if one is ready and still wanted, or
-        the last failed replan's reason (``plan_failed``), with why it is written; None when
-        neither is news. A result is adopted unless the next plan is for its membership in
-        its precision already."""
-        note, self._failure_note = self._failure_note, None
+        """A desired state carrying the finished plan (no failed search's reason left), if
+        one is ready and still wanted, with why it is written; None when none is news. A
+        result is adopted unless the next plan is for its membership in its precision
+        already."""
         ready, self.plan_ready = self.plan_ready, None
         model = self.decide_cfg.model if self.decide_cfg is not None else None
         if ready is not None:
@@ -501,8 +545,6 @@ class Executor:
                 return state, "plan ready"
             if desired.plan_failed:
                 return desired.model_copy(update={"plan_failed": ""}), "plan ready"
-        if note is not None and note != desired.plan_failed:
-            return desired.model_copy(update={"plan_failed": note}), "plan failed"
         return None
 
     async def _send(self, action: Send) -> None:
@@ -531,11 +573,18 @@ class Executor:
             duplicate=ack.duplicate,
             reason=ack.reason,
         )
-        if ack.accepted:
-            await self.audit.durable()  # group commit with the other acks of the fan-out
-            if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
-                self._acked.add(cmd.command_id)
-                self._acked_view = None
+        if not ack.accepted:  # decide reads why (a kill under way: not re-sent until over)
+            kept = cmd.command_id in self._sent_at  # else its generation was pruned meanwhile
+            if kept and self._refused.get(cmd.command_id) != ack.reason:
+                self._refused[cmd.command_id] = ack.reason
+                self._refused_view = None
+            return
+        await self.audit.durable()  # group commit with the other acks of the fan-out
+        if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
+            self._acked.add(cmd.command_id)
+            self._acked_view = None
+            if self._refused.pop(cmd.command_id, None) is not None:
+                self._refused_view = None
 
 
 def _deadline_why(state: DesiredState, cfg: DecideConfig) -> str:

@@ -221,10 +221,12 @@ def missed_launching(
     late: Collection[str],
     status: Mapping[str, AgentStatus],
     now: float,
+    refused: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """At the deadline of ``d``'s LAUNCH, LOAD or VERIFY: the placed nodes ``late`` (those
     that did not get as far as the phase waits for) to charge, node -> what it still
-    reports (for :func:`charge_abort`), and the notes for the abort's reason.
+    reports (for :func:`charge_abort`; at LAUNCH with its agent's last refusal of the
+    Launch, ``refused``: node -> reason), and the notes for the abort's reason.
 
     Not those the records exclude at ``now`` already: they were charged. And none when every placed
     node of several is late: nothing tells a fault of the nodes from the job's, the
@@ -240,11 +242,19 @@ def missed_launching(
             f"not counted against the {len(placed)} placed node(s): every one missed the "
             f"{d.phase.value} deadline, no node is to blame more than the others"
         )
-        if d.phase is Phase.LAUNCH:
+        if d.phase is Phase.LAUNCH and refused:
+            why += " (no Launch acked at all: their agents' refusals say why)"
+        elif d.phase is Phase.LAUNCH:
             why += " (no Launch acked at all: the command bus's or the controller's fault)"
         return {}, [why]
     out = excluded(d.node_health, now)
-    return {n: _still_at(d, status.get(n)) for n in sorted(late) if n not in out}, []
+    said = refused or {}
+    charged: dict[str, str] = {}
+    for n in sorted(n for n in late if n not in out):
+        charged[n] = _still_at(d, status.get(n))
+        if said.get(n):
+            charged[n] += f", refused: {said[n][:300]}"
+    return charged, []
 
 
 def stalled(
@@ -463,7 +473,15 @@ def miss_deadline(
     without them as it is). Any other node that acked is done: its status may lag.
 
     Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
-    it out. Before, TEARDOWN waited for such nodes for good."""
+    it out. Before, TEARDOWN waited for such nodes for good.
+
+    None, too, once an operator readmitted the generation's records
+    (``DesiredState.forgiven_through``, as :func:`node_health.charge`): the pass that
+    applied ``sailor node readmit`` for a node still killing charged and excluded it again
+    at once, while the command reported it readmitted. The teardown goes on without it; a
+    Launch it is sent is refused until the kill is over, and waited for (``launch.py``)."""
+    if d.forgiven_through >= d.generation:
+        return None
     out = excluded(d.node_health, now)
     owed = {
         n: _still(status[n], n in acked)

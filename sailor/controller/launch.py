@@ -8,7 +8,9 @@ suspect checkpoint's record); past a phase's deadline, an abort that charges the
 held it up (``_behind``), or the job when no node got through and none is to blame more
 than the others (``_short``); at LAUNCH, not a node whose agent refuses the Launch while it
 kills the previous workers (``_waited``: waited for, up to the kill's bound, also once the
-kill has ended and before the re-sent Launch is acked).
+kill has ended and before the re-sent Launch is acked; a Launch its agent refused while the
+kill goes on is not sent again until its status says the kill is over); at a LAUNCH
+deadline, each refusal's reason (``Observed.refused``) in the abort's reason and the charge.
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
 size (``_plan_facts``), a function of that (frozen) plan object alone. Otherwise pure: no
@@ -309,6 +311,21 @@ def _waited(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[str, str]:
     return out
 
 
+def _refusals(d: DesiredState, o: Observed, nodes: list[str]) -> dict[str, str]:
+    """At LAUNCH, those of ``nodes`` whose agent refused this generation's Launch and has
+    accepted none since, with its last reason (``Observed.refused``): a refused Launch is
+    not a lost one, and the abort says why (the plan unreadable from etcd on that node, its
+    epoch fence not persisted, the agent shutting down, a kill under way)."""
+    if d.phase is not Phase.LAUNCH:
+        return {}
+    out: dict[str, str] = {}
+    for n in nodes:
+        why = o.refused.get(command_id_for(d, "launch", n))
+        if why is not None:
+            out[n] = why or "no reason given"
+    return out
+
+
 def _waiting_all(d: DesiredState, o: Observed, cfg: DecideConfig) -> bool:
     """Past the LAUNCH deadline, every node that held it up is one :func:`_waited` waits
     for: the phase goes on (the Launch re-sent) until their kill ends."""
@@ -323,7 +340,12 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
     cap, when no placed node got through, the job charged (``failing_nodes.stalled``)."""
     cause = f"{d.phase.value} deadline passed"
     behind = _behind(d, o)
-    late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now)
+    refused = _refusals(d, o, behind)
+    if refused:  # the job's cause (``sailor status``) says why, not only the audit
+        said = [f"{n} refused its Launch: {why[:200]}" for n, why in sorted(refused.items())]
+        more = f"; and {len(said) - 3} more" if len(said) > 3 else ""
+        cause += f": {'; '.join(said[:3])}{more}"
+    late, notes = failing_nodes.missed_launching(d, behind, o.status, o.now, refused)
     waited = _waited(d, o, cfg)  # aborted for the others: not charged for their kill
     if waited:
         late = {n: v for n, v in late.items() if n not in waited}
@@ -442,6 +464,12 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     for n in sorted(d.placement):
         cid = command_id_for(d, "launch", n)
         if cid in o.acked:
+            continue
+        if cid in o.refused and (st := o.status.get(n)) is not None and st.killing:
+            # its agent refuses every Launch while it kills workers (and said so): re-sent
+            # each ``resend_s`` it was refused each time, two audit records a time through
+            # a kill of up to two minutes; the kill's end (its status) wakes the pass that
+            # sends it
             continue
         cmd = build_command(
             Launch,

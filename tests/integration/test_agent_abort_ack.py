@@ -222,3 +222,63 @@ async def test_an_older_controllers_abort_is_acked_once_the_kill_is_over(
             assert (await send(_launch(2)))[0].accepted
     finally:
         await sup.close()
+
+
+async def test_the_controller_keeps_an_agents_refusal_until_the_launch_is_taken(
+    cluster: Cluster,
+) -> None:
+    """The executor sends a Launch (as a pass does) to a real agent whose killed worker is
+    still there: the agent refuses it with the reason, which the executor now keeps for the
+    next pass (``refused_view``, ``Observed.refused``: ``decide`` then waits for the kill's
+    end instead of re-sending blindly, and names the refusal at the LAUNCH deadline); once
+    the kill is over the Launch sent again is taken, and the refusal is forgotten. Before,
+    the reason reached the audit log only, never the decision."""
+    from sailor.controller.audit import AuditLog
+    from sailor.controller.decision_types import Send
+    from sailor.controller.executor import Executor
+    from sailor.controller.planning import DataParallelPlanner
+    from sailor.coordination import SystemClock, TaskSet, campaign
+    from sailor.schemas.runtime import DesiredState
+
+    agent: Agent = cluster.start_agent("n1")
+    sup = agent.supervisor
+    sup.worker_argv = _SLEEPER
+    sup.kill_grace_s = 0.3
+    sup.killed_groups.teardown_timeout_s = 3 * STUCK_S
+    sup.killed_groups.probe, _ = _stuck_for(STUCK_S)
+    keys = Keys(job=cluster.job)
+    nc = await connect_nats(cluster.nats_url, "c-test", security=cluster.security("c1"))
+    etcd = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
+    tasks = TaskSet("test-refusal")
+    audit = AuditLog(cluster.tmp / "audit-c1.jsonl")
+    lead = await campaign(etcd, keys.leader, "c1", 5, timeout=10)
+    try:
+        commands = NatsCommands(nc, keys)
+        await _serving(commands)
+        assert (await _request(commands, _launch(1))).accepted
+        await _until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
+        abort = Abort(command_id="abort-1", epoch=1, node_id="n1", reason="test")
+        assert (await _request(commands, abort)).accepted
+        assert agent.status().killing == 1
+
+        planner = DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+        ex = Executor(
+            etcd, commands, keys, audit, lead, planner, SystemClock(), tasks, lambda u: None
+        )
+        launch = _launch(2).model_copy(update={"epoch": lead.epoch, "command_id": "e-launch-2"})
+        desired = DesiredState(epoch=lead.epoch, generation=2)
+        await ex.apply([Send(launch)], desired)
+        await _until(lambda: ex.inflight == 0, 10, "the refusal")
+        assert "being killed" in ex.refused_view.get("e-launch-2", ""), ex.refused_view
+        assert "e-launch-2" not in ex.acked_view
+
+        await _until(lambda: agent.status().state == "idle", 3 * STUCK_S, "kill over")
+        await ex.apply([Send(launch)], desired)  # the pass the kill's end woke
+        await _until(lambda: "e-launch-2" in ex.acked_view, 10, "the Launch taken")
+        assert ex.refused_view == {} and sup.generation == 2
+    finally:
+        await tasks.close()
+        audit.close()
+        await lead.resign()
+        await etcd.close()
+        await nc.close()

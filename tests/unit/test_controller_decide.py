@@ -1298,3 +1298,47 @@ def test_a_readmit_request_is_applied_whatever_the_operators_clock_says() -> Non
     a = decide(d, replace(obs(nodes(1), [st(1, state="idle")], readmit=old), now=NOW + 3661), CFG)
     (done,) = _sets(a)
     assert done.node_health == {} and "clearreadmit" in kinds(a)
+
+
+def test_the_replan_a_state_waits_for_is_the_one_its_passes_ask_for() -> None:
+    """``wanted_replan``: what a failed search's reason (``plan_failed``) belongs to. The
+    replan a pass asks for whenever it asks for one; the same in the passes of QUIESCE to
+    TEARDOWN that do something else first (COMMIT); none when nothing is to be planned."""
+    from sailor.controller.decide import wanted_replan
+
+    def asked(d: DesiredState, o: Observed) -> Replan | None:
+        return next((a for a in decide(d, o, CFG) if isinstance(a, Replan)), None)
+
+    def same(a: Replan | None, b: Replan | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return (a.nodes, a.precision) == (b.nodes, b.precision)
+
+    three = obs(nodes(1, 2, 3), [st(1), st(2), st(3, 0, "idle", -1)])
+    quiesce = running((1, 2), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW + 60)
+    teardown = running((1, 2), phase=Phase.TEARDOWN, phase_deadline=NOW + 60)
+    commit = running((1, 2), phase=Phase.COMMIT, stop_step=12)
+    idle = DesiredState(epoch=7)
+    for d, o in [
+        (quiesce, three),
+        (teardown, obs(nodes(1, 2, 3), [st(1, 1, "idle"), st(2, 1, "idle"), st(3, 0, "idle")])),
+        (idle, obs(nodes(1, 2), [st(1, 0, "idle", -1), st(2, 0, "idle", -1)])),
+        (running((1, 2)), three),  # the pass that leaves RUNNING asks; RUNNING waits for none
+    ]:
+        want = wanted_replan(d, o, CFG)
+        if d.phase is Phase.RUNNING:
+            assert want is None and asked(d, o) is not None
+        else:
+            assert want is not None and same(want, asked(d, o)), d.phase
+    want = wanted_replan(commit, three, CFG)  # the commit's pass asks for nothing
+    assert want is not None and [n.node_id for n in want.nodes] == ["n1", "n2", "n3"]
+    assert asked(commit, three) is None
+    # none: every node gone, the next plan made for these nodes already, a launch under way
+    assert wanted_replan(idle, obs({}, []), CFG) is None
+    planned = DataParallelPlanner("m", 4, 8).plan(tuple(node(i) for i in (1, 2, 3)), None)
+    ready = quiesce.model_copy(
+        update={"next_plan": planned.plan, "next_membership": ("n1", "n2", "n3")}
+    )
+    assert wanted_replan(ready, three, CFG) is None
+    launch = running((1, 2), phase=Phase.LAUNCH, phase_deadline=NOW + 60)
+    assert wanted_replan(launch, three, CFG) is None

@@ -266,16 +266,17 @@ async def test_a_failed_replan_backs_off_for_its_membership_and_precision(tmp_pa
             assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))
         assert len(calls) == 1
         d = DesiredState(epoch=7)
-        noted = ex.adopt_plan(d)
+        assert ex.adopt_plan(d) is None  # no plan: the reason is the wanted replan's
+        noted = ex.failure_shown(d, Replan(nodes, None, "join", "bf16"))
         assert noted is not None and noted[1] == "plan failed"
         assert "no bf16 units" in noted[0].plan_failed and "15 s" in noted[0].plan_failed
-        assert ex.adopt_plan(noted[0]) is None  # written once
+        assert ex.failure_shown(noted[0], Replan(nodes, None, "join", "bf16")) is None  # once
         clock.t += REPLAN_RETRY_S
         assert ex._start_replan(Replan(nodes, None, "join", "bf16"))  # the backoff is over
         await _until(lambda: len(_records(audit, "plan_failed")) == 2)
         clock.t += REPLAN_RETRY_S
         assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))  # doubled
-        assert "failed 2x" in ex._failure_note  # type: ignore[operator]
+        assert "failed 2x" in ex._failed[(("n1", "n2"), "bf16")][4]
         assert ex._start_replan(Replan(nodes, None, "join", "fp16"))  # another precision
         await _until(lambda: len(calls) == 3)
         assert ex._start_replan(Replan((_node(3),), None, "join", "bf16"))  # other nodes
@@ -405,6 +406,67 @@ async def test_a_cause_naming_every_node_of_a_large_layout_is_written_shortened(
         assert len(json.loads(raw)["cause"]) <= 1024  # what an older reader parses too
         whole = json.loads(raw) | {"cause": cause}
         assert len(DesiredState.model_validate(whole).cause) <= 1024
+    finally:
+        await tasks.close()
+        audit.close()
+
+
+async def test_a_failed_searchs_reason_is_shown_only_while_that_replan_is_wanted(
+    tmp_path: Path,
+) -> None:
+    """``plan_failed`` (``sailor status``: "last failed search") said why the search for
+    three nodes failed long after the job wanted another replan, or none (its third node
+    left, the job went IDLE): only a launch or an adopted plan cleared it. Now it is the
+    reason of the replan the job waits for: gone once that is another one or none, back
+    while that same replan is backed off again, written only when it changes."""
+
+    class _Failing:
+        async def aplan(
+            self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: object = None
+        ) -> PlanResult:
+            raise ValueError("no layout fits n3's memory")
+
+        def plan(self, *_a: object) -> PlanResult:
+            raise NotImplementedError
+
+    clock = _Clock()
+    ex, tasks, audit = make_executor(tmp_path, _Failing(), clock=clock)
+    try:
+        three = Replan((_node(1), _node(2), _node(3)), None, "join", "bf16")
+        two = Replan((_node(1), _node(2)), None, "n3 left", "bf16")
+        assert ex._start_replan(three)
+        await _until(lambda: len(_records(audit, "plan_failed")) == 1)
+        d = DesiredState(epoch=7)
+        shown = ex.failure_shown(d, three)
+        assert shown is not None and "no layout fits" in shown[0].plan_failed
+        d = shown[0]
+        assert ex.failure_shown(d, three) is None  # backed off, still wanted: no write
+        # n3 left: the job waits for a replan of two nodes, not for the failed one
+        gone = ex.failure_shown(d, two)
+        assert gone is not None and gone[0].plan_failed == ""
+        assert "no longer wanted" in gone[1]
+        # n3 back with the same record while the backoff holds: said again
+        again = ex.failure_shown(gone[0], three)
+        assert again is not None and again[0].plan_failed == d.plan_failed
+        # the same ids, other records (n3 re-registered with more GPUs): asked at once
+        other = Replan(
+            (_node(1), _node(2), _node(3).model_copy(update={"gpus": 8})), None, "", "bf16"
+        )
+        assert ex.failure_shown(d, other) is not None
+        # no replan wanted at all (every node left: IDLE)
+        idle = ex.failure_shown(d, None)
+        assert idle is not None and idle[0].plan_failed == "" and "no replan" in idle[1]
+        assert ex.failure_shown(idle[0], None) is None
+        # a reason a previous leader wrote (no failure on record here) stays while a replan
+        # is wanted (its result replaces or clears it) and goes when none is
+        fresh, tasks2, audit2 = make_executor(tmp_path / "b", _Failing(), clock=clock)
+        try:
+            inherited = DesiredState(epoch=8, plan_failed="replan for 3 nodes failed 1x")
+            assert fresh.failure_shown(inherited, three) is None
+            assert fresh.failure_shown(inherited, None) is not None
+        finally:
+            await tasks2.close()
+            audit2.close()
     finally:
         await tasks.close()
         audit.close()

@@ -414,3 +414,38 @@ def test_a_node_whose_kill_just_ended_is_still_waited_for_until_its_launch_is_ac
     done = _abort(waiting, _late(ended, acked=_acked(d, 1, 4)))
     assert set(done.state.node_health) == {"n3"}
     assert "not counted against n2: its kill just over" in done.reason
+
+
+def test_a_launch_refused_during_a_kill_waits_for_its_end_and_a_refusal_is_named() -> None:
+    """The agent's refusals (``Observed.refused``: its last reason per command) reach the
+    decision. A Launch refused while the node kills workers was re-sent every ``resend_s``
+    (0.5 s) and refused each time, a command and an ack record a time, for a kill of up to
+    two minutes; now it waits for the status to say the kill is over. And at the LAUNCH
+    deadline a refused Launch was charged as "not acked", as if it were lost on the bus:
+    the abort now says why each node refused, and so does the charge."""
+    d = _launching(Phase.LAUNCH, phase_deadline=NOW + 10)
+    cid = "e7-g2-launch-n2"
+    idle = [st(i, gen=1, state="idle") for i in IDS]
+    killing = [idle[0], _killing(2), *idle[2:]]
+    acked = _acked(d, 1, 3, 4)
+    reason = "workers being killed: 1 process group(s) not gone yet"
+    # not refused yet: sent (the status may lag the kill's end)
+    assert kinds(decide(d, obs(nodes(*IDS), killing, acked=acked), CFG)) == ["send:launch:n2"]
+    # refused while the status says the kill goes on: not sent again
+    o = obs(nodes(*IDS), killing, acked=acked, refused={cid: reason})
+    assert decide(d, o, CFG) == []
+    # the kill is over (its status): sent again
+    o = obs(nodes(*IDS), idle, acked=acked, refused={cid: reason})
+    assert kinds(decide(d, o, CFG)) == ["send:launch:n2"]
+    # past the deadline, refused for another reason (the plan unreadable there): charged,
+    # with the reason in the charge and in the abort's cause (``sailor status``)
+    why = "plan p-1: etcd unavailable"
+    done = _abort(_launching(Phase.LAUNCH), _late(idle, acked=acked, refused={cid: why}))
+    assert f"n2 refused its Launch: {why}" in done.state.cause
+    assert done.state.node_health["n2"].cause.endswith(f"its Launch not acked, refused: {why}")
+    # every node refused: not the command bus's fault, and each reason is given
+    every = {f"e7-g2-launch-n{i}": why for i in IDS}
+    done = _abort(_launching(Phase.LAUNCH), _late(idle, refused=every))
+    assert "their agents' refusals say why" in done.reason and "command bus" not in done.reason
+    assert all(f"n{i} refused its Launch" in done.reason for i in IDS[:3])
+    assert "and 1 more" in done.state.cause

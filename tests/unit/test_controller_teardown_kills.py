@@ -82,3 +82,27 @@ def test_a_node_still_killing_at_the_teardown_deadline_is_charged_though_it_acke
 
     lagging = replace(late, status={**late.status, "n2": st(2, state="stopped")})
     assert kinds(decide(d, lagging, CFG)) == ["set:launch"]
+
+
+def test_a_node_readmitted_while_it_kills_past_the_teardown_deadline_stays_readmitted() -> None:
+    """``sailor node readmit n2`` while n2 still kills workers past the teardown deadline:
+    the pass that applied it (the request deleted: the command reported n2 readmitted)
+    charged and excluded n2 again at once, the very record it had forgotten. Now the
+    generation's records are forgiven for its teardown too (``forgiven_through``, as for
+    its failures): n2 stays readmitted and the teardown goes on."""
+    from sailor.controller.decision_types import ClearReadmit, SetDesired
+    from sailor.schemas.runtime import ReadmitRequest
+
+    torn = running((1, 2, 3), phase=Phase.TEARDOWN, aborted=True, load_step=-1)
+    torn = torn.model_copy(update={"phase_deadline": NOW - 1, "phase_epoch": 7})
+    acked = frozenset(f"e7-g1-abort-n{i}" for i in (1, 2, 3))
+    statuses = [st(1, state="idle"), _killing(st(2, state="stopped"), 1), st(3, state="idle")]
+    o = obs(nodes(1, 2, 3), statuses, acked=acked)
+    (charged,) = decide(torn, o, CFG)
+    assert isinstance(charged, SetDesired) and "n2" in charged.state.node_health
+    req = ReadmitRequest(nodes=("n2",), who="ops", time=NOW)
+    a = decide(charged.state, replace(o, readmit={"r1": req}), CFG)
+    assert [x for x in a if isinstance(x, ClearReadmit)] == [ClearReadmit("r1", "forgot n2")]
+    states = [x.state for x in a if isinstance(x, SetDesired)]
+    assert states and all("n2" not in s.node_health for s in states), a
+    assert not any("going on without n2" in getattr(x, "reason", "") for x in a)

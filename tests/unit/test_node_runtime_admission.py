@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from sailor.agent.node_join import registered_node
 from sailor.controller.daemon import Controller
-from sailor.controller.decide import decide, not_admitted, unusable
+from sailor.controller.decide import decide, exclusion, not_admitted, unusable
 from sailor.controller.decision_types import DecideConfig, Observed, Replan, SetDesired
 from sailor.controller.planning import DataParallelPlanner
 from sailor.controller.runtime_admission import job_nccl
@@ -137,11 +137,14 @@ def test_the_controller_audits_each_change_of_the_nodes_not_admitted() -> None:
         audit=SimpleNamespace(write=lambda kind, t, **f: written.append((kind, f))),
     )
     o = obs(ns, [st("n1"), st("n2")])
-    Controller._audit_admission(ctl, d, o, None)  # type: ignore[arg-type]
-    Controller._audit_admission(ctl, d, o, None)  # type: ignore[arg-type]  (no change: no record)
+    excluded, refused = exclusion(d, o)
+    assert set(refused) <= excluded  # one computation: the audited nodes are left out
+    Controller._audit_admission(ctl, refused, o.now)  # type: ignore[arg-type]
+    Controller._audit_admission(ctl, refused, o.now)  # type: ignore[arg-type]  (no change)
     assert [k for k, _ in written] == ["not_admitted"]
     assert set(written[0][1]["nodes"]) == {"n3"}
-    Controller._audit_admission(ctl, d, obs(nodes(node(1, CU126)), [st("n1")]), None)  # type: ignore[arg-type]
+    o = obs(nodes(node(1, CU126)), [st("n1")])
+    Controller._audit_admission(ctl, exclusion(d, o)[1], o.now)  # type: ignore[arg-type]
     assert written[-1] == ("not_admitted", {"nodes": {}})
 
 
