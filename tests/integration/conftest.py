@@ -170,3 +170,14 @@ def favoured_cpu() -> Iterator[Path]:
                 break
             except OSError:
                 time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def module_plain_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServers]:
+    """Plain servers shared by the tests of one module, each test under a job of its own:
+    for tests of something else (the executor, an operator command's wait) whose files would
+    otherwise start a pair (~1 s each) per test. Plain, because the secure servers fix the
+    jobs' logins and RBAC when they start; security has its own tests (test_security_*)."""
+    s = _start(tmp_path_factory.mktemp("module-servers"), secure=False)
+    yield s
+    s.stop()
