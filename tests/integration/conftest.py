@@ -28,6 +28,7 @@ from sailor.localservers import (
     ServerProcess,
     start_local_servers,
 )
+from tests.integration.cluster_kit import Cluster
 from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
 
 __all__ = ["IDENTITIES", "Server", "free_port"]
@@ -101,6 +102,15 @@ def secure_nats_server(servers: LocalServers) -> Server:
 @pytest.fixture
 def secure_etcd_server(servers: LocalServers) -> Server:
     return servers.etcd
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    """Controllers and agents of job ``t`` on the secure servers (``cluster_kit.Cluster``
+    with its defaults), all stopped after the test. A file that needs other settings
+    defines a ``cluster`` of its own."""
+    async with Cluster(tmp_path, servers) as c:
+        yield c
 
 
 @pytest.fixture
