@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 
 from sailor.agent.agent_config import AgentConfig, CheckSettings, WatcherConfig
 from sailor.agent.daemon import Agent
+from sailor.agent.worker_argv import TOY_TRAINER_ARGV
 from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
@@ -33,27 +33,8 @@ from sailor.schemas.runtime import Phase
 
 __all__ = ["WORKER", "Cluster", "until"]
 
-WORKER = (
-    "{python}",
-    "-m",
-    "sailor.agent.toy_trainer",
-    "--plan",
-    "{plan}",
-    "--rank",
-    "{rank}",
-    "--world-size",
-    "{world_size}",
-    "--control",
-    "{control}",
-    "--load-dir",
-    "{load_dir}",
-    "--load-step",
-    "{load_step}",
-    "--error-file",
-    "{error_file}",
-    "--step-s",
-    "0.15",
-)
+WORKER = (*TOY_TRAINER_ARGV, "--step-s", "0.15")
+"""The toy trainer at 0.15 s a step: a few steps a second, each scenario takes seconds."""
 
 
 class Cluster:
@@ -72,7 +53,7 @@ class Cluster:
         self.job = job
         self.nats_url = servers.nats_url
         self.etcd = servers.etcd_endpoint
-        self.worker = tuple(a.replace("{python}", sys.executable) for a in WORKER)
+        self.worker: tuple[str, ...] = WORKER
         self.debounce_s = 0.2
         self.in_place = False  # ControllerConfig.in_place
         self.warm_spares = 0  # AgentConfig.warm_spares
