@@ -6,7 +6,9 @@ client certificates on both, a NATS login per identity with the per-node permiss
 RBAC (see ``IDENTITIES`` for who has a certificate). ``servers.security(name)`` is the
 ``security:`` setting of one identity. ``plain_servers`` (no TLS, no auth) is only for tests
 about something else that say why. ``Server.restart()`` stops and starts a server on the same
-port and data dir. ``no_task_leak`` fails a test that leaves asyncio tasks behind. No mocks.
+port and data dir. ``module_plain_servers`` is one plain pair shared by a module's tests, each
+under a job of its own. ``cluster`` is controllers and agents on the secure servers
+(``cluster_kit``). ``no_task_leak`` fails a test that leaves asyncio tasks behind. No mocks.
 """
 
 from __future__ import annotations
