@@ -47,7 +47,7 @@ from sailor.schemas import SCHEMA_VERSION
 from sailor.schemas.commands import CommandAdapter
 from sailor.schemas.events import EventAdapter
 from sailor.schemas.runtime import AgentStatus, CommandAck, CommitRecord, NoticeRecord, Phase
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster
 
 pytestmark = [pytest.mark.chaos, pytest.mark.usefixtures("no_task_leak")]
 
@@ -183,15 +183,12 @@ def drawn() -> dict[str, Any]:
 
 @pytest.fixture
 async def running(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, servers, job=JOB)
-    try:
+    async with Cluster(tmp_path, servers, job=JOB) as c:
         c.start_controller("c1")
         c.start_agent("n1")
         ctl = await c.wait_phase(Phase.RUNNING, 60)
         await c.wait_step(ctl, ["n1"], 2, 30)
         yield c
-    finally:
-        await c.close()
 
 
 async def _still_fine(c: Cluster) -> None:

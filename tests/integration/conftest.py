@@ -6,7 +6,9 @@ client certificates on both, a NATS login per identity with the per-node permiss
 RBAC (see ``IDENTITIES`` for who has a certificate). ``servers.security(name)`` is the
 ``security:`` setting of one identity. ``plain_servers`` (no TLS, no auth) is only for tests
 about something else that say why. ``Server.restart()`` stops and starts a server on the same
-port and data dir. ``no_task_leak`` fails a test that leaves asyncio tasks behind. No mocks.
+port and data dir. ``module_plain_servers`` is one plain pair shared by a module's tests, each
+under a job of its own. ``cluster`` is controllers and agents on the secure servers
+(``cluster_kit``). ``no_task_leak`` fails a test that leaves asyncio tasks behind. No mocks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sailor.localservers import (
     ServerProcess,
     start_local_servers,
 )
+from tests.integration.cluster_kit import Cluster
 from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
 
 __all__ = ["IDENTITIES", "Server", "free_port"]
@@ -104,6 +107,15 @@ def secure_etcd_server(servers: LocalServers) -> Server:
 
 
 @pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    """Controllers and agents of job ``t`` on the secure servers (``cluster_kit.Cluster``
+    with its defaults), all stopped after the test. A file that needs other settings
+    defines a ``cluster`` of its own."""
+    async with Cluster(tmp_path, servers) as c:
+        yield c
+
+
+@pytest.fixture
 async def no_task_leak() -> AsyncIterator[None]:
     """Fail the test if it leaves asyncio tasks running (kopf's habit)."""
     before = set(asyncio.all_tasks())
@@ -170,3 +182,14 @@ def favoured_cpu() -> Iterator[Path]:
                 break
             except OSError:
                 time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def module_plain_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServers]:
+    """Plain servers shared by the tests of one module, each test under a job of its own:
+    for tests of something else (the executor, an operator command's wait) whose files would
+    otherwise start a pair (~1 s each) per test. Plain, because the secure servers fix the
+    jobs' logins and RBAC when they start; security has its own tests (test_security_*)."""
+    s = _start(tmp_path_factory.mktemp("module-servers"), secure=False)
+    yield s
+    s.stop()

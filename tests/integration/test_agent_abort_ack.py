@@ -30,11 +30,10 @@ from sailor.agent.agent_config import AgentConfig
 from sailor.agent.daemon import Agent
 from sailor.agent.teardown import group_members
 from sailor.coordination import Keys, NatsCommands, connect_etcd, connect_nats
-from sailor.localservers import LocalServers
 from sailor.schemas.commands import Abort, CommandAdapter, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommandAck
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster, until
 from tests.integration.test_worker_signals import PLAN, launch_of
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
@@ -43,15 +42,6 @@ STUCK_S = 4.0
 """How long the killed worker's process stays (simulated) in state D after its SIGKILL."""
 
 _SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, servers: LocalServers) -> Any:
-    c = Cluster(tmp_path, servers)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def _stuck_for(seconds: float) -> tuple[Callable[..., dict[int, dict[int, str]]], list[float]]:
@@ -88,12 +78,6 @@ async def _serving(commands: NatsCommands) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.02)
-
-
 def _launch(gen: int) -> Launch:
     return launch_of(PLAN).model_copy(update={"generation": gen, "command_id": f"launch-{gen}"})
 
@@ -124,7 +108,7 @@ async def test_an_abort_is_acked_once_its_kill_has_begun(cluster: Cluster) -> No
         # controller its join event is retried for a while first)
         await asyncio.wait_for(written(lambda st: True), 20)
         assert (await _request(commands, _launch(1))).accepted
-        await _until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
+        await until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
         pid = sup.workers[0].proc.pid
 
         t0 = time.monotonic()
@@ -218,7 +202,7 @@ async def test_an_older_controllers_abort_is_acked_once_the_kill_is_over(
             assert ack_s < stuck_s and agent.status().killing == 1
             refused, _ = await send(_launch(2))
             assert not refused.accepted and "being killed" in refused.reason, refused
-            await _until(lambda: agent.status().state == "idle", 10 * stuck_s, "kill over")
+            await until(lambda: agent.status().state == "idle", 10 * stuck_s, "kill over")
             assert (await send(_launch(2)))[0].accepted
     finally:
         await sup.close()
@@ -256,7 +240,7 @@ async def test_the_controller_keeps_an_agents_refusal_until_the_launch_is_taken(
         commands = NatsCommands(nc, keys)
         await _serving(commands)
         assert (await _request(commands, _launch(1))).accepted
-        await _until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
+        await until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
         abort = Abort(command_id="abort-1", epoch=1, node_id="n1", reason="test")
         assert (await _request(commands, abort)).accepted
         assert agent.status().killing == 1
@@ -268,13 +252,13 @@ async def test_the_controller_keeps_an_agents_refusal_until_the_launch_is_taken(
         launch = _launch(2).model_copy(update={"epoch": lead.epoch, "command_id": "e-launch-2"})
         desired = DesiredState(epoch=lead.epoch, generation=2)
         await ex.apply([Send(launch)], desired)
-        await _until(lambda: ex.inflight == 0, 10, "the refusal")
+        await until(lambda: ex.inflight == 0, 10, "the refusal")
         assert "being killed" in ex.refused_view.get("e-launch-2", ""), ex.refused_view
         assert "e-launch-2" not in ex.acked_view
 
-        await _until(lambda: agent.status().state == "idle", 3 * STUCK_S, "kill over")
+        await until(lambda: agent.status().state == "idle", 3 * STUCK_S, "kill over")
         await ex.apply([Send(launch)], desired)  # the pass the kill's end woke
-        await _until(lambda: "e-launch-2" in ex.acked_view, 10, "the Launch taken")
+        await until(lambda: "e-launch-2" in ex.acked_view, 10, "the Launch taken")
         assert ex.refused_view == {} and sup.generation == 2
     finally:
         await tasks.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,28 +20,10 @@ from typer.testing import CliRunner
 from sailor.cli.main import app
 from sailor.controller.audit import read_records
 from sailor.coordination import Keys, connect_etcd
-from sailor.localservers import LocalServers
 from sailor.schemas.runtime import CommitRecord, DesiredState, SuspectCheckpoint
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster, until
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, servers: LocalServers) -> Any:
-    c = Cluster(tmp_path, servers)
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
-async def _until(pred: Any, timeout: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, what
-        await asyncio.sleep(0.05)
 
 
 async def _cli(*args: str) -> Any:
@@ -65,7 +46,7 @@ async def test_an_operator_clears_a_bad_mark_through_the_leader(cluster: Cluster
     cfg = cluster.tmp / "controller.yaml"
     cfg.write_text(yaml.safe_dump(json.loads(cluster.ctl_config("c1").model_dump_json())))
     ctl = cluster.start_controller("c1")
-    await _until(lambda: ctl.desired is not None, 20, "no leader")
+    await until(lambda: ctl.desired is not None, 20, "no leader")
 
     res = await _cli("checkpoint", "clear-bad", "14", "7", "--config", str(cfg), "--wait", "20")
     assert res.exit_code == 0, res.output

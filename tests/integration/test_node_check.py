@@ -168,15 +168,12 @@ async def test_the_controller_audits_the_facts_of_a_join(
 ) -> None:
     from sailor.controller.audit import read_records
     from sailor.schemas.runtime import Phase
-    from tests.integration.test_runtime_scenarios import Cluster
+    from tests.integration.cluster_kit import Cluster
 
-    cluster = Cluster(tmp_path, servers)
-    try:
+    async with Cluster(tmp_path, servers) as cluster:
         cluster.start_controller("c1")
         cluster.start_agent("n1", gpu="cpu")
         await cluster.wait_phase(Phase.RUNNING, 30)
-    finally:
-        await cluster.close()
     joins = [
         r
         for r in read_records([tmp_path / "audit-c1.jsonl"])

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from sailor.controller.audit import check, read_records
-from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings
+from sailor.controller.config import OnlineCalibrationSettings
 from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
 from sailor.localservers import LocalServers
 from sailor.schemas.online_calibration import CalibrationPointer, CalibrationRecord
 from sailor.schemas.runtime import Phase
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -38,24 +38,16 @@ class CalibrationCluster(Cluster):
     def __init__(self, tmp: Path, servers: LocalServers) -> None:
         super().__init__(tmp, servers)
         self.worker = (*self.worker, "--slowness", f"{SLOW}={TRUE_SCALE}")
-
-    def ctl_config(self, name: str) -> ControllerConfig:
-        return (
-            super()
-            .ctl_config(name)
-            .model_copy(
-                update={
-                    # OPT-350 on one A100-40 and one V100-16: a two-stage pipeline whose
-                    # split the fitted V100 scale moves (docs/runtime.md, Online calibration)
-                    "planner": "sailor",
-                    "model": "OPT-350",
-                    "global_batch_size": 32,
-                    "online_calibration": OnlineCalibrationSettings(
-                        interval_s=0.5, min_steps=3, stable_reports=2, default_downtime_s=5.0
-                    ),
-                }
-            )
-        )
+        self.ctl_update = {
+            # OPT-350 on one A100-40 and one V100-16: a two-stage pipeline whose split the
+            # fitted V100 scale moves (docs/runtime.md, Online calibration)
+            "planner": "sailor",
+            "model": "OPT-350",
+            "global_batch_size": 32,
+            "online_calibration": OnlineCalibrationSettings(
+                interval_s=0.5, min_steps=3, stable_reports=2, default_downtime_s=5.0
+            ),
+        }
 
     def records(self) -> list[dict[str, Any]]:
         return read_records(sorted(self.tmp.glob("audit-*.jsonl")))
@@ -73,11 +65,8 @@ class CalibrationCluster(Cluster):
 
 @pytest.fixture
 async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[CalibrationCluster]:
-    c = CalibrationCluster(tmp_path, servers)
-    try:
+    async with CalibrationCluster(tmp_path, servers) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationCluster) -> None:

@@ -39,35 +39,24 @@ from sailor.localservers import LocalServers
 from sailor.schemas.commands import Abort, CommandAdapter
 from sailor.schemas.events import Heartbeat
 from sailor.schemas.runtime import CommandAck, Phase
+from tests.integration.cluster_kit import Cluster, until
 from tests.integration.secure_servers import JOB
-from tests.integration.test_runtime_scenarios import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path, servers: LocalServers) -> Any:
-    c = Cluster(tmp_path, servers)
-    try:
+    """The default cluster, but a controller that ended by itself (a test makes it fail:
+    DaemonFailedError) is not stopped again at the end."""
+    async with Cluster(tmp_path, servers) as c:
         yield c
-    finally:
-        for name in list(c.controllers):
-            _, task = c.controllers[name]
-            if task.done():
-                c.controllers.pop(name)
-        await c.close()
+        for name in [n for n, (_, task) in c.controllers.items() if task.done()]:
+            c.controllers.pop(name)
 
 
 def _records(c: Cluster, name: str, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_records([c.tmp / f"audit-{name}.jsonl"]) if r["kind"] == kind]
-
-
-async def _until(pred: Any, timeout: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, what
-        await asyncio.sleep(0.05)
 
 
 async def _heartbeat(c: Cluster, node: str = "n1") -> None:
@@ -145,7 +134,7 @@ async def test_a_fenced_event_write_ends_the_term(
     monkeypatch.setattr(ctl, "_apply_event", fenced_once)
     await _heartbeat(cluster)
     # the term ends and the controller campaigns again: a new epoch, leading again
-    await _until(
+    await until(
         lambda: ctl.leadership is not None and ctl.leadership.epoch > first.epoch,
         20,
         "the term did not end after the consumer was fenced",
@@ -176,7 +165,7 @@ async def test_a_crashing_agent_task_is_restarted_then_takes_the_agent_down(
 
     monkeypatch.setattr(agent, "status", status)
     # one crash: the status loop is restarted and the run goes on
-    await _until(lambda: crashes >= 1, 10, "status loop not run")
+    await until(lambda: crashes >= 1, 10, "status loop not run")
     step = agent.supervisor.step
     await cluster.wait_step(ctl, ["n1"], step + 3, 30)
     assert not cluster.agents["n1"][1].done() and agent.failure is None
@@ -199,7 +188,7 @@ async def test_a_lease_whose_keepalive_crashed_is_reported_lost(cluster: Cluster
             raise RuntimeError("injected")
 
         store.client.refresh_lease = broken  # type: ignore[method-assign]
-        await _until(lambda: not lease.alive, 5, "a dead keepalive left the lease 'alive'")
+        await until(lambda: not lease.alive, 5, "a dead keepalive left the lease 'alive'")
         await lease.revoke()
     finally:
         await store.close()
@@ -219,10 +208,10 @@ async def test_a_crashed_mirror_watch_is_restarted(cluster: Cluster) -> None:
     try:
         await mirror.start()
         await store.put(prefix + "a", b"1")
-        await _until(lambda: len(seen) >= 1, 5, "no change seen")
+        await until(lambda: len(seen) >= 1, 5, "no change seen")
         await asyncio.sleep(0.7)  # the restart's backoff
         await store.put(prefix + "b", b"2")
-        await _until(lambda: mirror.get(prefix + "b") is not None, 10, "watch not restarted")
+        await until(lambda: mirror.get(prefix + "b") is not None, 10, "watch not restarted")
     finally:
         await mirror.close()
         await store.close()
@@ -296,7 +285,7 @@ async def test_a_lost_fence_file_is_made_good_from_the_desired_state(cluster: Cl
     (cluster.tmp / "agents" / "n1.epoch").unlink()  # a new run directory
     again = cluster.start_agent("n1")
     # raised before it serves commands or registers, not by the next command it accepts
-    await _until(lambda: again._lease is not None, 20, "agent did not register")
+    await until(lambda: again._lease is not None, 20, "agent did not register")
     assert again.max_epoch == epoch
 
 
@@ -342,7 +331,7 @@ async def test_a_node_whose_worker_always_fails_with_a_config_error_is_left_out(
             and "n2" in d.node_health
         )
 
-    await _until(excluded_and_running, 40, "n2 was not left out")
+    await until(excluded_and_running, 40, "n2 was not left out")
     ctl = cluster.controllers["c1"][0]
     assert ctl.desired is not None
     gen, rec = ctl.desired.generation, ctl.desired.node_health["n2"]
@@ -394,7 +383,7 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
             and d.job_health.excluded_until > time.time()
         )
 
-    await _until(lambda: held(0), 40, "the job was not held")
+    await until(lambda: held(0), 40, "the job was not held")
     assert ctl.desired is not None
     gen = ctl.desired.generation
     assert ctl.desired.node_health == {}  # neither node is at fault
@@ -406,7 +395,7 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
         cluster.etcd, cluster.job, (), True, "ops@test", cluster.security("c1"), wait_s=20
     )
     assert done and unknown == (), "the leader did not apply the readmit request"
-    await _until(lambda: held(gen), 40, "the job was not launched and held again")
+    await until(lambda: held(gen), 40, "the job was not launched and held again")
     ctl.audit.sync()
     phases = _records(cluster, "c1", "phase")
     (readmitted,) = [r for r in phases if "readmitted" in r["cause"]]

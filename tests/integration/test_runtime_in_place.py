@@ -18,20 +18,16 @@ import pytest
 from sailor.controller.audit import read_records
 from sailor.localservers import LocalServers
 from sailor.schemas.runtime import Phase
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, servers)
-    c.in_place = True
-    c.warm_spares = 1
-    try:
+    async with Cluster(tmp_path, servers) as c:
+        c.in_place, c.warm_spares = True, 1
         yield c
-    finally:
-        await c.close()
 
 
 def _pids(cluster: Cluster, node: str) -> set[int]:

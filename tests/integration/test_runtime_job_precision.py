@@ -11,26 +11,14 @@ reads the job's precision back from etcd: the V100 is not admitted (the reason i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from sailor.controller.audit import read_records
-from sailor.localservers import LocalServers
 from sailor.schemas.runtime import Phase
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, servers)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def test_a_new_leader_keeps_the_jobs_precision_when_a_v100_joins(cluster: Cluster) -> None:

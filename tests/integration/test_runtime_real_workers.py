@@ -24,14 +24,13 @@ from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.checkpoint import LocalStorage, committed_steps
 from sailor.checkpoint.format import step_dir
 from sailor.controller.audit import read_records
-from sailor.controller.config import ControllerConfig
 from sailor.localservers import LocalServers
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.reference import train_reference
 from sailor.schemas.runtime import Phase
+from tests.integration.cluster_kit import Cluster
 from tests.integration.conftest import free_port
-from tests.integration.test_runtime_scenarios import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -47,17 +46,12 @@ class RealCluster(Cluster):
         super().__init__(tmp, servers)
         self.worker = WORKER
         self.base_port = free_port()
-
-    def ctl_config(self, name: str) -> ControllerConfig:
-        base = super().ctl_config(name)
-        return base.model_copy(
-            update={
-                "planner": "sailor",
-                "model": "tiny-gpt",
-                "global_batch_size": GBS,
-                "base_port": self.base_port,
-            }
-        )
+        self.ctl_update = {
+            "planner": "sailor",
+            "model": "tiny-gpt",
+            "global_batch_size": GBS,
+            "base_port": self.base_port,
+        }
 
     def losses(self) -> dict[tuple[int, int], float]:
         """(generation, step) -> loss, from every rank-0 progress file of every agent."""
@@ -73,11 +67,8 @@ class RealCluster(Cluster):
 
 @pytest.fixture
 async def real(tmp_path: Path, servers: LocalServers) -> AsyncIterator[RealCluster]:
-    c = RealCluster(tmp_path, servers)
-    try:
+    async with RealCluster(tmp_path, servers) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None:

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from sailor.controller.audit import read_records
-from sailor.controller.config import ControllerConfig
 from sailor.localservers import LocalServers
 from sailor.schemas.commands import training_digest
 from sailor.schemas.runtime import Phase
 from sailor.schemas.training import IndexedData, parse_training_config
-from tests.integration.test_runtime_scenarios import Cluster
+from tests.integration.cluster_kit import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -38,18 +37,13 @@ class TrainingCluster(Cluster):
         (tmp / "job").mkdir()
         self.training_file = tmp / "job" / "run.yaml"
         self.training_file.write_text(TRAINING)
-
-    def ctl_config(self, name: str) -> ControllerConfig:
-        return super().ctl_config(name).model_copy(update={"training": self.training_file})
+        self.ctl_update = {"training": self.training_file}
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[TrainingCluster]:
-    c = TrainingCluster(tmp_path, servers)
-    try:
+    async with TrainingCluster(tmp_path, servers) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_launch_delivers_the_controllers_training_config(cluster: TrainingCluster) -> None:

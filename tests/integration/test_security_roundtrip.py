@@ -16,8 +16,8 @@ import structlog
 from sailor.controller.audit import check, read_records
 from sailor.localservers import LocalServers
 from sailor.schemas.runtime import Phase
+from tests.integration.cluster_kit import Cluster
 from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
-from tests.integration.test_runtime_scenarios import Cluster
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -32,14 +32,12 @@ async def test_controller_and_agents_round_trip_over_tls(
         for n in (CONTROLLER, *NODES)
     ]
     with structlog.testing.capture_logs() as logs:
-        try:
+        async with cluster:
             cluster.start_controller(CONTROLLER)
             for n in NODES:
                 cluster.start_agent(n)
             ctl = await cluster.wait_phase(Phase.RUNNING, 40)
             await cluster.wait_step(ctl, list(NODES), 2, 30)
-        finally:
-            await cluster.close()
     records = read_records([tmp_path / f"audit-{CONTROLLER}.jsonl"])
     assert check(records).ok
     audit_text = (tmp_path / f"audit-{CONTROLLER}.jsonl").read_text()

@@ -29,7 +29,14 @@ class _Watcher:
 
 
 class _Bus:
-    """An event bus that is down until ``up_at`` (clock time); records what it stored."""
+    """An event bus that is down until ``up_at`` (clock time); records what it stored.
+
+    A deliberate fault injection, kept instead of a real NATS: the test is about the agent's
+    retry schedule on the manual clock (how many tries, when the last one is, what its
+    status record says at each failed try), not about the broker. A stopped nats-server
+    fails each publish only after a real timeout and comes back after a real reconnect,
+    neither on the manual clock; the outage through a real server restart is
+    tests/integration/test_runtime_scenarios.py (docs/chaos.md)."""
 
     def __init__(self, clock: ManualClock, up_at: float, agent: Agent) -> None:
         self.clock = clock

@@ -599,17 +599,29 @@ def test_a_checkpoint_command_may_not_prune_its_own_step() -> None:
         )
 
 
-def test_the_rendezvous_host_of_every_address_form() -> None:
-    """host, host:port, [v6], [v6]:port and a bare IPv6 address: a URL torch can parse
-    (``tcp://fd00::17:29501`` is not one)."""
-    from sailor.controller.launch import _host_of
-
-    assert _host_of("10.0.0.7") == "10.0.0.7"
-    assert _host_of("10.0.0.7:22") == "10.0.0.7"
-    assert _host_of("fd00::17") == "[fd00::17]"
-    assert _host_of("[fd00::17]") == "[fd00::17]"
-    assert _host_of("[fd00::17]:22") == "[fd00::17]"
-    assert _host_of("") == ""
+@pytest.mark.parametrize(
+    ("address", "host"),
+    [
+        ("10.0.0.7", "10.0.0.7"),
+        ("10.0.0.7:22", "10.0.0.7"),
+        ("fd00::17", "[fd00::17]"),
+        ("[fd00::17]", "[fd00::17]"),
+        ("[fd00::17]:22", "[fd00::17]"),
+        ("", "127.0.0.1"),
+    ],
+)
+def test_the_rendezvous_master_of_every_address_form(address: str, host: str) -> None:
+    """The launch's master is the first placed node's host and the generation's port, for
+    host, host:port, [v6], [v6]:port and a bare IPv6 address: a URL torch can parse
+    (``tcp://fd00::17:29501`` is not one); a node without an address: loopback."""
+    res = DataParallelPlanner("m", 4, 8).plan((node(1),), None)
+    d = DesiredState(
+        epoch=7, next_plan=res.plan, next_placement=res.placement, next_membership=("n1",)
+    )
+    ns = {"n1": node(1).model_copy(update={"address": address})}
+    (a,) = decide(d, obs(ns, [st(1, gen=-1, state="idle")]), CFG)
+    assert isinstance(a, SetDesired) and a.state.phase is Phase.LAUNCH
+    assert a.state.master == f"{host}:29501"
 
 
 # --- nodes whose workers keep failing (controller/node_health.py) --------------------------

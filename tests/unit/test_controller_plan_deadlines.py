@@ -1,5 +1,6 @@
 """Phase deadlines derived from what the plan moves (``controller/plan_deadlines.py``), and
-their way through ``decide`` and the executor's audit record.
+their way through ``decide`` (the executor's audit record of them:
+tests/integration/test_controller_executor.py, which builds its plan with ``even_plan``).
 
 A 7B model on two 8-GPU nodes gets minutes of CHECKPOINT and LOAD deadline (it got the CPU
 demo's 60 s and 120 s before); the demo's tiny model keeps every configured deadline; bad
@@ -8,7 +9,6 @@ settings are refused by name.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from structlog.testing import capture_logs
 
 from sailor import catalog
-from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import (
@@ -27,7 +26,6 @@ from sailor.controller.decision_types import (
     move_to,
     phase_deadline,
 )
-from sailor.controller.executor import Executor
 from sailor.controller.phases import PhaseDeadlines
 from sailor.controller.plan_deadlines import (
     CHECKPOINT_BYTES_PER_PARAM,
@@ -40,13 +38,10 @@ from sailor.controller.plan_deadlines import (
     read_bytes_per_node,
     write_bytes_per_node,
 )
-from sailor.controller.planning import DataParallelPlanner
-from sailor.coordination import TaskSet
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Pipeline, Plan, PlanPrediction, ReplicaGroup, Stage
 from sailor.schemas.runtime import AgentState, AgentStatus, DesiredState, NoticeRecord, Phase
-from tests.unit.test_controller_executor import make_executor
 
 NOW = 1000.0
 
@@ -67,7 +62,7 @@ LLAMA_7B = ModelSpec(
 )
 
 
-def _plan(
+def even_plan(
     model: ModelSpec,
     stages: int,
     tp: int,
@@ -118,7 +113,7 @@ def test_a_checkpoint_holds_twelve_bytes_per_parameter() -> None:
 
 
 def test_a_7b_model_on_two_8_gpu_nodes_gets_minutes_of_checkpoint_and_load() -> None:
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
     writes = write_bytes_per_node(plan, placement, LLAMA_7B)
     total = sum(checkpoint_layer_bytes(LLAMA_7B, x) for x in range(LLAMA_7B.num_all_layers))
     assert sum(writes.values()) == total  # every layer written once
@@ -154,7 +149,7 @@ def test_the_busiest_node_sets_it_and_tp_ranks_read_their_slices() -> None:
     63), which the simulator's per-rank count leaves out, are read as the checkpoint holds
     them (review: the reads left them out, the writes not)."""
     m = catalog.model("GPT-Neo-2.7")
-    plan, _ = _plan(m, 4, 2, ("a", "b", "c", "d"))
+    plan, _ = even_plan(m, 4, 2, ("a", "b", "c", "d"))
     placement = {"x": (0, 1, 2, 3), "y": (4, 5, 6, 7)}
     reads = read_bytes_per_node(plan, placement, m)
     per_stage = [
@@ -171,7 +166,7 @@ def test_the_busiest_node_sets_it_and_tp_ranks_read_their_slices() -> None:
 
 def _demo_plan() -> tuple[Plan, dict[str, tuple[int, ...]], ModelSpec]:
     m = catalog.model("tiny-gpt")
-    plan, placement = _plan(m, 2, 1, ("cpu-a", "cpu-b"), iteration_s=1.0, gpu="cpu")
+    plan, placement = even_plan(m, 2, 1, ("cpu-a", "cpu-b"), iteration_s=1.0, gpu="cpu")
     return plan, placement, m
 
 
@@ -227,7 +222,7 @@ def test_a_derived_deadline_is_capped_and_the_why_says_so() -> None:
     """A wild predicted iteration time (or a throughput of 1 MiB/s) gave deadlines of days
     (review: 0.01 MiB/s gave ~93 days of CHECKPOINT for a 7B plan, and the LOAD and VERIFY
     stretch doubled them): the need stops at ``max_s`` (3 h), and the record says so."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=3600.0)
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=3600.0)
     slow = DeadlineModel(write_mib_s=1, read_mib_s=1)
     need = derived_deadlines(plan, placement, LLAMA_7B, slow)
     for phase in (Phase.CHECKPOINT, Phase.LOAD, Phase.VERIFY, Phase.QUIESCE):
@@ -239,7 +234,7 @@ def test_a_derived_deadline_is_capped_and_the_why_says_so() -> None:
         "2 iterations of 3.6e+03 s (predicted) x2 + 20 s start-up = 14420 s, capped by "
         "deadlines.derive.max_s"
     )
-    cfg = _large_cfg(deadlines=PhaseDeadlines(derive=slow.model_copy(update={"max_s": 900})))
+    cfg = large_cfg(deadlines=PhaseDeadlines(derive=slow.model_copy(update={"max_s": 900})))
     d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
     got = phase_deadline(d, Phase.LOAD, cfg)
     assert got.seconds == 900 and got.derived
@@ -249,7 +244,7 @@ def test_a_derived_deadline_is_capped_and_the_why_says_so() -> None:
 
 
 def test_another_models_plan_is_refused_by_the_function_and_not_derived_by_decide() -> None:
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
     tiny = catalog.model("tiny-gpt")
     with pytest.raises(ValueError, match="has 34 layers, model 'tiny-gpt' 6"):
         phase_need(Phase.CHECKPOINT, plan, placement, tiny, DeadlineModel())
@@ -259,7 +254,7 @@ def test_another_models_plan_is_refused_by_the_function_and_not_derived_by_decid
 
 
 def test_derivation_can_be_turned_off() -> None:
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
     off = PhaseDeadlines(derive=DeadlineModel(enabled=False))
     cfg = DecideConfig(checkpoint_dir="/ck", model=LLAMA_7B, deadlines=off)
     d = DesiredState(epoch=1, plan=plan, placement=placement)
@@ -274,7 +269,8 @@ def _st(node: str, gen: int, step: int, state: AgentState = "running") -> AgentS
     return AgentStatus(node_id=node, generation=gen, state=state, step=step)
 
 
-def _large_cfg(**kw: Any) -> DecideConfig:
+def large_cfg(**kw: Any) -> DecideConfig:
+    """The decide settings of a controller whose model is the 7B (its deadlines derived)."""
     return DecideConfig(checkpoint_dir="/ck", model=LLAMA_7B, **kw)
 
 
@@ -285,8 +281,8 @@ def _ns(*ids: str) -> dict[str, NodeSpec]:
 def test_decide_gives_a_large_plans_checkpoint_the_derived_deadline() -> None:
     """QUIESCE -> CHECKPOINT of a 7B plan: ~10 minutes from now, not the configured 60 s
     (which aborted every reconfiguration of such a job: CHECKPOINT does not stretch)."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
-    cfg = _large_cfg()
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cfg = large_cfg()
     d = DesiredState(
         epoch=3,
         generation=1,
@@ -313,8 +309,8 @@ def test_decide_gives_a_large_plans_checkpoint_the_derived_deadline() -> None:
 
 
 def test_decide_derives_load_and_verify_of_the_plan_launched_and_the_stretch_stacks() -> None:
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=30.0)
-    cfg = _large_cfg()
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=30.0)
+    cfg = large_cfg()
     d = DesiredState(
         epoch=3,
         generation=2,
@@ -359,8 +355,8 @@ def test_an_in_place_load_is_not_sized_as_a_checkpoint_read() -> None:
     """An in-place launch takes its state from the live ranks: sized as a full read (a 7B
     plan: ~637 s), a hung one waited over ten minutes before falling back to the restart
     path. It gets the floor; the restart path's LOAD is sized in full."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
-    cfg = _large_cfg(in_place=True)
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    cfg = large_cfg(in_place=True)
     d = DesiredState(
         epoch=3,
         generation=2,
@@ -394,8 +390,8 @@ def test_an_in_place_load_is_not_sized_as_a_checkpoint_read() -> None:
 
 
 def test_a_quiesce_of_slow_steps_is_derived_and_a_notice_still_cuts_it() -> None:
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=20.0)
-    cfg = _large_cfg(stop_ahead_steps=1, notice_margin_s=5)
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=20.0)
+    cfg = large_cfg(stop_ahead_steps=1, notice_margin_s=5)
     d = DesiredState(
         epoch=3,
         generation=1,
@@ -415,56 +411,11 @@ def test_a_quiesce_of_slow_steps_is_derived_and_a_notice_still_cuts_it() -> None
     assert q.state.phase_deadline == NOW + 35
 
 
-def _executor(tmp_path: Path, cfg: DecideConfig) -> tuple[Executor, TaskSet, AuditLog]:
-    return make_executor(
-        tmp_path, DataParallelPlanner("tiny-gpt", 4, global_batch_size=8), decide_cfg=cfg
-    )
-
-
-async def test_the_phase_record_says_which_deadline_and_why(tmp_path: Path) -> None:
-    """An operator auditing ``checkpoint deadline passed`` reads the length the phase got
-    and what it was made of: bytes, throughput, start-up; or the configured setting."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
-    cfg = _large_cfg()
-    ex, tasks, audit = _executor(tmp_path, cfg)
-    need = derived_deadlines(plan, placement, LLAMA_7B)[Phase.CHECKPOINT].seconds
-    try:
-        state = DesiredState(
-            epoch=3,
-            generation=1,
-            phase=Phase.CHECKPOINT,
-            phase_since=NOW,
-            phase_deadline=NOW + need,
-            plan=plan,
-            placement=placement,
-        )
-        await ex.write_desired(state, "reached stop step")
-        cut = state.model_copy(update={"phase_deadline": NOW + 100})
-        await ex.write_desired(cut, "notice tightened the deadline")
-        await ex.write_desired(DesiredState(epoch=3, phase=Phase.IDLE), "idle")
-        audit.sync()
-        recs = [json.loads(x) for x in audit.path.read_text().splitlines()]
-        phases = [r for r in recs if r["kind"] == "phase"]
-        assert phases[0]["deadline_s"] == pytest.approx(need, abs=1e-3)
-        assert phases[0]["deadline"] == (
-            "derived from plan llama-2-7b-2x8: node n2 writes 40.4 GB at 125 MiB/s x2 + 10 s "
-            f"start-up = {need:.0f} s (above deadlines.checkpoint 60 s)"
-        )
-        assert phases[1]["deadline_s"] == 100
-        assert phases[1]["deadline"].endswith(
-            "; cut to 100 s by a preemption notice (its deadline - notice_margin_s)"
-        )
-        assert "deadline" not in phases[2] and "deadline_s" not in phases[2]
-    finally:
-        await tasks.close()
-        audit.close()
-
-
 def test_a_stalled_load_stretches_the_derived_deadline() -> None:
     """Past the derived LOAD deadline with every worker still starting: nobody is charged,
     and the next deadline doubles what the plan needs, not the configured floor."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
-    cfg = _large_cfg()
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    cfg = large_cfg()
     base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
     d = DesiredState(
         epoch=3,
@@ -515,12 +466,12 @@ def test_a_standby_without_the_model_stretches_and_fits_what_the_phase_got() -> 
     standby whose model did not load (the floors alone) took the floor, 120 s, as the
     base of a phase the previous leader had derived (637 s), and fitted another factor
     (review). The base is what the phase got over its factor."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
     base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
     d = _stretched_load(plan, placement, base)
     standby = DecideConfig(checkpoint_dir="/ck")  # no model: the floors
     idle = {n: _st(n, 3, 12, "idle") for n in placement}
-    for cfg in (_large_cfg(), standby):  # the leader that derived it, and the standby
+    for cfg in (large_cfg(), standby):  # the leader that derived it, and the standby
         (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
         assert a.state.deadline_stretch == {"load": 4}  # type: ignore[union-attr]
         reason = a.reason  # type: ignore[union-attr]
@@ -530,7 +481,7 @@ def test_a_standby_without_the_model_stretches_and_fits_what_the_phase_got() -> 
     up = {n: _st(n, 3, 12) for n in placement}
     d = d.model_copy(update={"phase_deadline": T + 600, "phase_since": T - 2 * base + 600})
     later = Observed(d.phase_since + 1.1 * base, _ns("n1", "n2"), up)
-    for cfg in (_large_cfg(), standby):
+    for cfg in (large_cfg(), standby):
         (v,) = [x for x in decide(d, later, cfg) if _set(x)]
         assert v.state.phase is Phase.VERIFY  # type: ignore[union-attr]
         assert v.state.deadline_stretch == {"load": 2}, cfg.model  # type: ignore[union-attr]
@@ -540,13 +491,13 @@ def test_the_jobs_charge_names_a_derived_deadline_as_derived() -> None:
     """At the stretch's cap the job is charged: the text said ``deadlines.load x8`` of a
     length the plan's need set (its seconds were right), and told the operator to raise a
     floor that was not the deadline (review)."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
     base = derived_deadlines(plan, placement, LLAMA_7B)[Phase.LOAD].seconds
     d = _stretched_load(plan, placement, base).model_copy(
         update={"deadline_stretch": {"load": 8}, "phase_since": T - 8 * base - 1}
     )
     idle = {n: _st(n, 3, 12, "idle") for n in placement}
-    (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), _large_cfg()) if _set(x)]
+    (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), large_cfg()) if _set(x)]
     reason = a.reason  # type: ignore[union-attr]
     assert a.state.job_health.cause.startswith("DeadlineMissed")  # type: ignore[union-attr]
     assert f"by the load deadline ({8 * base:.0f} s, load as derived from the plan x8)" in reason
@@ -597,7 +548,7 @@ def test_quiesce_and_verify_are_sized_by_the_measured_iteration_of_the_same_plan
     calibration's fit): QUIESCE and VERIFY of that plan wait for 30 s steps, and the why
     says which; another plan keeps its own prediction (a prediction 4x too fast aborted a
     healthy quiesce)."""
-    plan, placement = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
     seen = MeasuredIteration(plan_id=plan.plan_id, iteration_s=30.0, source="calibration v3")
     need = derived_deadlines(plan, placement, LLAMA_7B, measured=seen)
     assert need[Phase.QUIESCE].seconds == pytest.approx(2 * 2 * 30.0)
@@ -608,7 +559,7 @@ def test_quiesce_and_verify_are_sized_by_the_measured_iteration_of_the_same_plan
     assert pred.seconds == pytest.approx(20 + 2 * 2 * 8.0)
     assert pred.why() == "2 iterations of 8 s (predicted) x2 + 20 s start-up"
     # through decide's deadline: the config carries what the daemon read of the fit
-    cfg = _large_cfg(measured=seen)
+    cfg = large_cfg(measured=seen)
     d = DesiredState(epoch=1, plan=plan, placement=placement, load_step=5)
     got = phase_deadline(d, Phase.QUIESCE, cfg)
     assert got.seconds == pytest.approx(120.0) and got.derived
@@ -622,7 +573,7 @@ def test_an_in_place_load_that_reads_layers_is_sized_by_them() -> None:
     no surviving replica holds n2's layers, so n1 reads those four blocks and n3 the
     rest from the checkpoint (sized as reading nothing, a slow disk aborted the in-place
     launch at the floor, and every one after it fell back to the restart path)."""
-    old, old_place = _plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
+    old, old_place = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"), iteration_s=8.0)
     cut = 21
     new = old.model_copy(
         update={
@@ -648,7 +599,7 @@ def test_an_in_place_load_that_reads_layers_is_sized_by_them() -> None:
     # the same layout again, every node kept: nothing to read
     assert not any(in_place_read_bytes(old, old_place, old, old_place, LLAMA_7B).values())
     # through the launch: the previous layout is known at LAUNCH, its LOAD is sized by it
-    cfg = _large_cfg(in_place=True)
+    cfg = large_cfg(in_place=True)
     down = DesiredState(
         epoch=3,
         generation=2,

@@ -17,6 +17,12 @@ from sailor.coordination.etcd_store import EtcdStore
 
 
 class _Client:
+    """An endpoint's client, never called: the failures are injected as the calls' own
+    awaitables (``_fail``), so that five calls fail together on one client, in the order the
+    test sets. Kept instead of a real etcd cluster, where calls fail with the timing of
+    real disconnects and cannot be made to fail together, once, or with a given error; the
+    real failover is tests/integration/test_runtime_clusters.py."""
+
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
 
