@@ -24,7 +24,9 @@ Protocol (shared with the real worker's adapter):
 - ``--in-place`` / ``--warm`` / SIGUSR1: the in-place protocol of the real worker (hold at
   the stop step or when the world is aborted, ``held`` line, relayout directive in the
   control file; see ``sailor.agent.supervisor``): a held toy keeps its weights when the
-  directive's ``--load-step`` is the step it holds, else reads the checkpoint.
+  directive's ``--load-step`` is the step it holds, else reads the checkpoint. It waits for
+  a directive as the real worker does (``FileWait``: ~no CPU while idle) and, like it, dies
+  with the agent that started it (``SAILOR_PARENT_PID``, ``parent_death``).
 """
 
 from __future__ import annotations
