@@ -541,9 +541,14 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         Processes that outlive it stay in ``KILLED_FILE`` for the next agent."""
         self.closed = self.killed_groups.closed = True
         await self._kills_over()  # closed: within the grace period after their SIGKILL
-        await self.killed_groups.kill(self._launching)
-        await self.abort()
-        await self.killed_groups.kill(self.spares)
+        # the spares hold nothing and leave at SIGTERM at once: signalled now, beside the
+        # workers' grace period rather than after it
+        spares = self.killed_groups.signal(self.spares)
+        try:
+            await self.killed_groups.kill(self._launching)
+            await self.abort()
+        finally:
+            await self.killed_groups.finish(spares)
         self.spares = []
         await self.killed_groups.kill(self._leftovers)
         await self._tasks.close(timeout=2.0)

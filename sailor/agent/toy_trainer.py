@@ -24,7 +24,9 @@ Protocol (shared with the real worker's adapter):
 - ``--in-place`` / ``--warm`` / SIGUSR1: the in-place protocol of the real worker (hold at
   the stop step or when the world is aborted, ``held`` line, relayout directive in the
   control file; see ``sailor.agent.supervisor``): a held toy keeps its weights when the
-  directive's ``--load-step`` is the step it holds, else reads the checkpoint.
+  directive's ``--load-step`` is the step it holds, else reads the checkpoint. It waits for
+  a directive as the real worker does (``FileWait``: ~no CPU while idle) and, like it, dies
+  with the agent that started it (``SAILOR_PARENT_PID``, ``parent_death``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from sailor.megatron_patch.file_wait import FileWait
+from sailor.megatron_patch.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from sailor.agent.toy_timings import ToyTimings
@@ -149,17 +154,19 @@ def _on_usr1(_sig: int, _frame: object) -> None:
 
 
 def _directive(control: Path, after: int, timeout_s: float) -> tuple[int, list[str]] | None:
-    """``(generation, argv)`` of a relayout directive of a generation above ``after``."""
+    """``(generation, argv)`` of a relayout directive of a generation above ``after``; the
+    file is read again when it is replaced (``FileWait``: an idle spare costs ~no CPU)."""
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            ctl = json.loads(control.read_text() or "{}")
-        except (OSError, ValueError):
-            ctl = {}
-        d = ctl.get("relayout") if isinstance(ctl, dict) else None
-        if isinstance(d, dict) and int(d.get("generation", -1)) > after:
-            return int(d["generation"]), [str(x) for x in d.get("argv", [])]
-        time.sleep(0.01)
+    with FileWait(control, poll_s=0.01) as waiter:
+        while time.monotonic() < end:
+            try:
+                ctl = json.loads(control.read_text() or "{}")
+            except (OSError, ValueError):
+                ctl = {}
+            d = ctl.get("relayout") if isinstance(ctl, dict) else None
+            if isinstance(d, dict) and int(d.get("generation", -1)) > after:
+                return int(d["generation"]), [str(x) for x in d.get("argv", [])]
+            waiter.wait(end - time.monotonic())
     return None
 
 
@@ -234,6 +241,7 @@ def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # as the real worker: an agent's toy ends with it (parent_death)
     a = _parser().parse_args(argv)
     signal.signal(signal.SIGUSR1, _on_usr1)
     held: _Held | None = None

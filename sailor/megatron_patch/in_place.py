@@ -31,6 +31,7 @@ import torch
 
 from sailor.comm import api as comm
 from sailor.megatron_patch.engine import Trainer
+from sailor.megatron_patch.file_wait import FileWait
 from sailor.megatron_patch.relayout import Schedule, Transfer, buckets
 from sailor.megatron_patch.state import (
     gather_full,
@@ -101,20 +102,26 @@ def await_directive(
     timeout_s: float,
     stop: Callable[[], bool],
 ) -> tuple[int, list[str]] | None:
-    """Poll ``control`` alone (no collective) for a newer directive, up to ``timeout_s``.
+    """Wait on ``control`` alone (no collective) for a newer directive, up to ``timeout_s``.
 
-    None once ``stop()`` (the caller's SIGTERM flag) or on the timeout.
+    None once ``stop()`` (the caller's SIGTERM flag) or on the timeout. The file is read
+    again whenever it is replaced and after a signal (:class:`FileWait`: an idle waiter
+    costs ~no CPU); where that cannot block, every ``poll_s``.
     """
     end = time.monotonic() + timeout_s
-    while not stop() and time.monotonic() < end:
-        if control:
+    if not control:
+        while not stop() and time.monotonic() < end:
+            time.sleep(max(0.0, min(poll_s, end - time.monotonic())))
+        return None
+    with FileWait(control, poll_s) as waiter:
+        while not stop() and time.monotonic() < end:
             try:
                 got = parse_directive(Path(control).read_text(), last_generation)
             except OSError:
                 got = None
             if got is not None:
                 return got
-        time.sleep(poll_s)
+            waiter.wait(end - time.monotonic())
     return None
 
 

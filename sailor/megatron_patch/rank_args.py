@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--pause-timeout-s", type=float, default=600.0, help="Hold at a stop step this long."
     )
     p.add_argument(
-        "--poll-s", type=float, default=0.02, help="Control-file poll while holding at a stop."
+        "--poll-s",
+        type=float,
+        default=0.02,
+        help="Control-file poll while holding at a stop (the wait for a directive blocks on "
+        "the file instead where it can: megatron_patch.file_wait).",
     )
     p.add_argument(
         "--cpu-cores",

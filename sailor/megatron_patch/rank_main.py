@@ -273,7 +273,8 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
         if got is None:
             if held is not None and held.broken and not status.terminated:
                 raise RuntimeError(f"held broken without a relayout directive: {held.cause}")
-            return leave_process(0, fault_of)
+            # a spare never had a rank: nothing to save, no world to leave
+            return leave_process(0, fault_of, at_once=held is None)
         generation, argv = got
         args = build_parser().parse_args(argv)
         args.in_place = True
