@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -36,7 +36,10 @@ together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
 ``DesiredState.job_precision`` (written only once set), ``DesiredState.plan_failed``
 (written only when a replan failed) and
 ``TrainingConfig.allow_precision_change`` (hashed into the training digest only away from
-its default)."""
+its default).
+6: ``GPUCalibration.communicator_bytes``, ``GPUPrior.communicator_bytes`` and
+``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader of
+version 5 refuses a record of its own version that holds them."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
