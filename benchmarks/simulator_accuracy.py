@@ -33,6 +33,7 @@ from sailor.importers.sailor_format import (
 from sailor.schemas import (
     Calibration,
     Estimate,
+    GPUCalibration,
     GPUPrice,
     GPUSpec,
     ModelSpec,
@@ -42,7 +43,11 @@ from sailor.schemas import (
 from sailor.simulator import MeasuredRun, Method, calibrate_gpu, simulate
 from sailor.simulator.uncertainty import simulate_interval
 
-DEEPSPEED = Calibration().with_deployment(catalog_calibration().fitted_structure("GH-96"))
+DEEPSPEED = Calibration(
+    default=GPUCalibration(
+        gpu_type="*", communicator_bytes=catalog_calibration().default.communicator_bytes
+    )
+).with_deployment(catalog_calibration().fitted_structure("GH-96"))
 """The reference plans ran on Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer (16-bit
 weights and gradients, gradients all-reduced in fp16), not on Sailor's autocast engine: the
 structure the catalog's GH-96 fit records (``fitted_under``) and every replay here uses."""

@@ -11,7 +11,15 @@ from pathlib import Path
 
 from sailor.catalog import calibration, models
 from sailor.importers.sailor_format import import_network, import_plan, import_profiles
-from sailor.schemas import Calibration, GPUPrice, ModelSpec, NetworkProfile, PriceTable, ProfileDB
+from sailor.schemas import (
+    Calibration,
+    GPUCalibration,
+    GPUPrice,
+    ModelSpec,
+    NetworkProfile,
+    PriceTable,
+    ProfileDB,
+)
 from sailor.simulator import MeasuredRun
 
 __all__ = ["DEEPSPEED", "REF", "load_opt350"]
@@ -19,11 +27,16 @@ __all__ = ["DEEPSPEED", "REF", "load_opt350"]
 REF = Path(__file__).parents[1] / ".." / "shared" / "reference" / "sailor"
 
 
-DEEPSPEED = Calibration().with_deployment(calibration().fitted_structure("GH-96"))
+DEEPSPEED = Calibration(
+    default=GPUCalibration(
+        gpu_type="*", communicator_bytes=calibration().default.communicator_bytes
+    )
+).with_deployment(calibration().fitted_structure("GH-96"))
 """The framework the reference plans ran on, as the catalog's GH-96 fit records it
 (``GPUCalibration.fitted_under``: the catalog deployment ``megatron-deepspeed``, DeepSpeed's
 pipe engine with FP16_Optimizer, 16-bit gradients all-reduced, activations partitioned
-across TP), not Sailor's autocast engine; with no constant fitted."""
+across TP), not Sailor's autocast engine; with no constant fitted but the bytes of one NCCL
+communicator, at the catalog prior's median (a fit's M0 leaves them out)."""
 
 
 def load_opt350() -> tuple[ModelSpec, ProfileDB, NetworkProfile, PriceTable, list[MeasuredRun]]:

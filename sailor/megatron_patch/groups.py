@@ -3,8 +3,9 @@
 The thin I/O shell around :mod:`~sailor.megatron_patch.roles` and
 :mod:`~sailor.megatron_patch.sync_groups`: it turns their pure descriptions into process
 groups. ``new_group`` is collective over the whole world, so every rank creates every group
-(TP groups of every replica, then every gradient-sync group) in the same order; groups with
-the same rank set are created once and shared. Pipeline p2p uses the default group.
+the layout lists (``process_groups.engine_group_ranks``: TP groups of every replica, then
+every gradient-sync group, each rank set once) in the same order. Pipeline p2p uses the
+default group. The simulator counts each rank's communicators from the same list.
 
 Nothing here decides anything: change the layout in the pure modules, not here.
 """
@@ -21,6 +22,7 @@ from sailor.megatron_patch.roles import RankRole, replica_ranks
 from sailor.megatron_patch.sync_groups import SyncItem, rank_sync_items, sync_groups
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.plan import Plan
+from sailor.simulator.process_groups import engine_group_ranks
 
 __all__ = ["ProcessGroups", "build_process_groups"]
 
@@ -46,24 +48,18 @@ def build_process_groups(
     if world != role.world_size:
         raise ValueError(f"world size {world} != plan world size {role.world_size}")
     timeout = timedelta(seconds=timeout_s)
-    by_ranks: dict[tuple[int, ...], Any] = {}
-
-    def get(ranks: tuple[int, ...]) -> Any:
-        key = tuple(sorted(ranks))
-        if key not in by_ranks:
-            by_ranks[key] = dist.new_group(list(key), timeout=timeout)
-        return by_ranks[key]
-
-    tp_group: Any = None
-    for pi, p in enumerate(plan.pipelines):
-        for si, s in enumerate(p.stages):
-            if s.replica.tp > 1:
-                pg = get(replica_ranks(plan, pi, si))
-                if (pi, si) == (role.pipeline, role.stage):
-                    tp_group = pg
+    by_ranks = {
+        ranks: dist.new_group(list(ranks), timeout=timeout)
+        for ranks in engine_group_ranks(plan, tie_embeddings)
+    }
+    tp_group: Any = (
+        by_ranks[replica_ranks(plan, role.pipeline, role.stage)] if role.tp > 1 else None
+    )
     groups = sync_groups(plan, tie_embeddings)
-    pgs = [get(g.ranks) for g in groups]
-    mine = [(item, pgs[item.group.index]) for item in rank_sync_items(plan, groups, role.rank)]
+    mine = [
+        (item, by_ranks[tuple(sorted(item.group.ranks))])
+        for item in rank_sync_items(plan, groups, role.rank)
+    ]
     return ProcessGroups(
         tp=TPContext(size=role.tp, rank=role.tp_rank, group=tp_group),
         sync=mine,

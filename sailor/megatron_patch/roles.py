@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from math import lcm
 
 from sailor.schemas.plan import Plan
+from sailor.simulator.process_groups import rank_of, replica_ranks
 
 __all__ = [
     "BoundaryPiece",
@@ -155,26 +156,6 @@ class RankRole:
     def next_peers(self) -> tuple[int, ...]:
         """Ranks of the next stage this rank exchanges with, in chunk order."""
         return tuple(p.peer for p in self.next_pieces)
-
-
-def rank_of(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> int:
-    """Global rank of (pipeline, stage, tp rank) in :meth:`Plan.ranks` order."""
-    rank = 0
-    for pi, p in enumerate(plan.pipelines):
-        for si, s in enumerate(p.stages):
-            if (pi, si) == (pipeline, stage):
-                if not 0 <= tp_rank < s.replica.tp:
-                    raise ValueError(f"tp_rank={tp_rank}: outside 0..{s.replica.tp - 1}")
-                return rank + tp_rank
-            rank += s.replica.tp
-    raise ValueError(f"(pipeline={pipeline}, stage={stage}): not in the plan")
-
-
-def replica_ranks(plan: Plan, pipeline: int, stage: int) -> tuple[int, ...]:
-    """Global ranks of one replica group (one stage of one pipeline), in TP-rank order."""
-    tp = plan.pipelines[pipeline].stages[stage].replica.tp
-    first = rank_of(plan, pipeline, stage, 0)
-    return tuple(range(first, first + tp))
 
 
 def pipeline_sample_offsets(plan: Plan) -> tuple[int, ...]:

@@ -318,9 +318,13 @@ class CostTables:
         return float(spec.memory_bytes) if spec is not None else float("inf")
 
     def overhead(self, gpu_type: str, tp: int) -> float:
-        """Non-tensor memory, as the simulator takes it."""
+        """Non-tensor memory, as the simulator takes it, with the NCCL communicators every
+        rank holds whatever the plan (the world group's, and its TP group's at TP > 1): the
+        gradient-sync groups depend on the whole plan, so the simulator, which re-prices the
+        plans the search returns, counts them (``simulator.communicators``)."""
         c = self.inputs.calibration.for_gpu(gpu_type)
         extra = float(c.memory_overhead_tp_bytes) if tp > 1 else 0.0
+        extra += float(c.communicator_bytes) * (1 + (tp > 1))
         if c.memory_overhead_bytes is not None:
             return float(c.memory_overhead_bytes) + extra
         o = self.inputs.profiles.overhead(gpu_type, tp)

@@ -115,6 +115,11 @@ class GPUPrior(Frozen):
         description="Caching-allocator factor (reserved/allocated)."
     )
     memory_overhead_bytes: ConstantRange = Field(description="Non-tensor memory per GPU, bytes.")
+    communicator_bytes: ConstantRange | None = Field(
+        default=None,
+        description="GPU memory of one NCCL communicator a rank holds, bytes; None (a range "
+        "written before this constant existed): the type's point value in every corner.",
+    )
     compute_scale: ConstantRange | None = Field(
         default=None,
         description="Measured layer compute over profiled (online calibration); None: the "
@@ -140,7 +145,13 @@ class GPUPrior(Frozen):
                 raise field_error(name, (r.low, r.high), "an efficiency lies in (0, 1]")
         if self.alloc_factor.low < 1:
             raise field_error("alloc_factor.low", self.alloc_factor.low, "must be >= 1")
-        for name in ("profiler_overhead_s", "p2p_fixed_s", "sync_fixed_s", "memory_overhead_bytes"):
+        for name in (
+            "profiler_overhead_s",
+            "p2p_fixed_s",
+            "sync_fixed_s",
+            "memory_overhead_bytes",
+            "communicator_bytes",
+        ):
             r = getattr(self, name)
             if r is not None and r.low < 0:
                 raise field_error(f"{name}.low", r.low, "must be >= 0")
@@ -243,6 +254,17 @@ class GPUCalibration(Frozen):
             "Non-tensor memory per GPU (context, NCCL buffers, allocator slack), bytes. "
             "None: take ProfileDB.overheads for the GPU type, else 1 GiB "
             "(DEFAULT_MEMORY_OVERHEAD_BYTES)."
+        ),
+    )
+    communicator_bytes: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "GPU memory of one NCCL communicator (its channels' buffers and work queues), "
+            "bytes, counted once per communicator a rank holds under the deployment's "
+            "process groups (DeploymentStructure.process_groups); memory_overhead_bytes "
+            "then holds the rest of the non-tensor memory. Default 0: not counted apart "
+            "(a calibration written before it, whose M0 holds its runs' communicators)."
         ),
     )
     memory_overhead_tp_bytes: int = Field(

@@ -32,6 +32,7 @@ __all__ = [
     "Deployment",
     "DeploymentStructure",
     "MixedPrecision",
+    "ProcessGroups",
 ]
 
 Activations = Literal["megatron", "engine"]
@@ -39,6 +40,9 @@ Activations = Literal["megatron", "engine"]
 
 MixedPrecision = Literal["autocast", "fp16_optimizer"]
 """How the framework runs a 16-bit plan (``mixed_precision`` below)."""
+
+ProcessGroups = Literal["engine", "megatron_deepspeed"]
+"""Whose process groups a rank's NCCL communicators follow (``process_groups`` below)."""
 
 
 class DeploymentStructure(Frozen):
@@ -162,6 +166,20 @@ class DeploymentStructure(Frozen):
             "normalised inputs once each in the compute dtype, and the MLP's activation by "
             "kind "
             "(simulator.estimate_profile)."
+        ),
+    )
+
+    process_groups: ProcessGroups = Field(
+        default="engine",
+        description=(
+            "Which process groups a rank holds an NCCL communicator of, each priced at "
+            "GPUCalibration.communicator_bytes. 'engine' (Sailor's engine, "
+            "simulator.process_groups, the layout megatron_patch.groups creates): the world "
+            "group (its pipeline p2p too), the rank's TP group and every gradient-sync group "
+            "it is in (one per layer segment it holds, more with mixed TP or tied "
+            "embeddings). 'megatron_deepspeed': the groups Megatron-DeepSpeed's training "
+            "step uses (world, TP, data-parallel, model-parallel, pipeline, one 2-rank group "
+            "per pipeline neighbour, the tied embedding's)."
         ),
     )
 

@@ -59,6 +59,15 @@ class MemoryBreakdown(Frozen):
         "that autocast keeps for backward (0 in fp32 and without autocast), or the profile's "
         "measured per-microbatch bytes if larger.",
     )
+    communicators: int = Field(
+        default=0,
+        ge=0,
+        description="GPU memory of the NCCL communicators the GPU's rank holds: their count "
+        "(num_communicators) times the calibration's bytes per communicator.",
+    )
+    num_communicators: int = Field(
+        default=0, ge=0, description="NCCL communicators the GPU's rank holds (0: not counted)."
+    )
     overhead: int = Field(ge=0, description="Framework/runtime overhead and transient buffers.")
     total: int = Field(ge=0, description="Sum: the predicted peak.")
     capacity: int = Field(ge=0, description="Device memory of the GPU type.")

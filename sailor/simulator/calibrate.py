@@ -29,9 +29,15 @@ p2p pair shares one), in order, each using those before it (docs/simulator-model
   engine's work around each transfer (instruction dispatch, buffer handling), which the
   profile of the layers alone does not see; the efficiency, the bandwidth the transfers
   reach against the probed link (docs/simulator-model.md section 7b).
-* ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage runs
-  with the smallest and largest activation footprint; 1 without two such runs.
-* ``memory_overhead_bytes`` (M0): median of measured − modelled peak memory over all runs.
+* ``alloc_factor`` (κ): measured Δpeak, less the modelled Δcommunicators, / modelled
+  Δactivations between the single-stage runs with the smallest and largest activation
+  footprint; 1 without two such runs.
+* ``communicator_bytes`` and ``memory_overhead_bytes`` (M0), from the memory residuals
+  (measured − modelled peak, without either) and the number of NCCL communicators of each
+  run's peak GPU under the runs' process groups: with two or more counts among the runs, the
+  least-squares slope of residual on count (at least 0) is the bytes per communicator;
+  with one count, the runs cannot tell it from M0 and ``base``'s value for the type is kept.
+  M0 is the median of residual − bytes × count: the rest of the non-tensor memory.
 
 The runs are simulated with ``base``'s deployment structure, which must be the one they ran
 on (η is relative to the gradient bytes it implies); the result records it as
@@ -311,6 +317,42 @@ def _box_lsq(
     return min(cands, key=lambda x: sse(*x)) if cands else None
 
 
+def _memory_residual(est: Estimate, run: MeasuredRun) -> tuple[int, int]:
+    """(measured − modelled peak memory, communicators of the modelled peak's GPU) of a run
+    simulated without communicator bytes or M0."""
+    peak = max(est.memory, key=lambda m: m.total)
+    return run.peak_memory_bytes - peak.total, peak.num_communicators
+
+
+def _communicators_and_m0(
+    readings: Sequence[tuple[int, int]], prior_bytes: int
+) -> tuple[int, int, str]:
+    """(bytes per communicator, M0, why) from (residual, count) per run: the slope of the
+    residuals on the counts where the runs have two counts or more (least squares, at least
+    0), else ``prior_bytes``; M0 the median of what is left."""
+    counts = [n for _, n in readings]
+    if len(set(counts)) >= 2:
+        mean_n = statistics.mean(counts)
+        mean_r = statistics.mean(r for r, _ in readings)
+        sxx = sum((n - mean_n) ** 2 for n in counts)
+        sxy = sum((n - mean_n) * (r - mean_r) for r, n in readings)
+        slope = sxy / sxx
+        comm = max(0, int(slope))
+        why = (
+            f"communicator_bytes={comm / 1e6:.0f} MB: slope of {len(readings)} runs' memory "
+            f"residuals on their {min(counts)}-{max(counts)} NCCL communicators "
+            f"({slope / 1e6:+.0f} MB per communicator{', held at 0' if slope < 0 else ''})"
+        )
+    else:
+        comm = prior_bytes
+        why = (
+            f"communicator_bytes={comm / 1e6:.0f} MB: the base's (every run holds "
+            f"{counts[0] if counts else 0} communicators: the runs cannot separate it from M0)"
+        )
+    m0 = max(0, int(statistics.median(r - comm * n for r, n in readings)))
+    return comm, m0, f"{why}; M0={m0 / 2**30:.2f} GiB: median residual of {len(readings)} runs"
+
+
 def calibrate_gpu(
     runs: Sequence[MeasuredRun],
     model: ModelSpec,
@@ -444,12 +486,14 @@ def calibrate_gpu(
             kappa = max(1.0, (r1.peak_memory_bytes - r0.peak_memory_bytes) / (a1 - a0))
             why.append(f"kappa={kappa:.3f} from {r0.name} and {r1.name}")
     step = step.model_copy(update={"alloc_factor": kappa})
-    resid = [r.peak_memory_bytes - sim(step, r)[1] for r in runs]
-    m0 = max(0, int(statistics.median(resid)))
-    why.append(f"M0={m0 / 2**30:.2f} GiB: median residual of {len(runs)} runs")
+    comm, m0, note = _communicators_and_m0(
+        [_memory_residual(estimate(step, r), r) for r in runs], kept.communicator_bytes
+    )
+    why.append(note)
     return step.model_copy(
         update={
             "memory_overhead_bytes": m0,
+            "communicator_bytes": comm,
             "source": "; ".join(why),
             "fitted_under": Deployment(
                 name=deployment_name,

@@ -1,7 +1,7 @@
 """Peak memory of one GPU of one stage, with its breakdown.
 
-``M = weights + gradients + optimizer + κ·(b·A·min(S-s, m) + b·a_last) + C·min(S-s, m) + T + M0``
-(docs/simulator-model.md, section 6):
+``M = weights + gradients + optimizer + κ·(b·A·min(S-s, m) + b·a_last) + C·min(S-s, m) + T
++ n·c_comm + M0`` (docs/simulator-model.md, section 6):
 
 * model state per parameter held by the GPU (parameters of the stage at its TP degree), by
   the plan's precision, the framework's mixed-precision scheme and the optimizer (no ZeRO):
@@ -30,6 +30,9 @@
   the stage's copies; one layer's, as counted before, was an eighth of it on an 8-block
   stage).
 * ``κ``: caching-allocator factor (reserved / allocated), ``M0``: non-tensor overhead.
+* ``n·c_comm``: the NCCL communicators of the GPU's rank (``n`` of them, counted from the
+  plan under the deployment's process groups by :mod:`sailor.simulator.communicators`),
+  each ``c_comm`` bytes of channel buffers (``GPUCalibration.communicator_bytes``).
 * the weight-gradient transient: each layer's backward makes its largest weight's gradient
   and casts it to fp32 before adding it into the kept fp32 gradient; beyond the weight
   copies (the layer's own is released first) that is 4 bytes per element for a moment (the
@@ -185,12 +188,20 @@ def stage_memory(
     scheme: MixedPrecision = "autocast",
     extra_state_bytes_per_param: float = 0.0,
     vocab_parallel: bool = True,
+    communicators: int = 0,
+    communicator_bytes: int = 0,
 ) -> MemoryBreakdown:
-    """Peak memory of one GPU running ``sizes`` (the stage's layers at its TP degree)."""
+    """Peak memory of one GPU running ``sizes`` (the stage's layers at its TP degree), whose
+    rank holds ``communicators`` NCCL communicators of ``communicator_bytes`` each."""
     if not sizes:
         raise ValueError(f"pipelines[{pipeline}].stages[{stage}]: a stage needs layers")
     if in_flight < 1:
         raise ValueError(f"in_flight={in_flight}: at least one microbatch is in flight")
+    if communicators < 0 or communicator_bytes < 0:
+        raise ValueError(
+            f"communicators={communicators}, communicator_bytes={communicator_bytes}: "
+            "neither can be negative"
+        )
     params = sum(s.params for s in sizes)
     w_b, g_b, o_b, step_b = state_bytes_per_param(model, scheme)
     weights, grads, optim = params * w_b, params * g_b, params * o_b
@@ -231,7 +242,8 @@ def stage_memory(
     transient = grad_t + max(0, during_step - during_backward)
     # bytes per parameter a deployment holds beyond the engine's state (Calibration)
     overhead = overhead_bytes + transient + int(extra_state_bytes_per_param * params)
-    total = weights + grads + optim + acts + copies + overhead
+    comms = communicators * communicator_bytes
+    total = weights + grads + optim + acts + copies + comms + overhead
     return MemoryBreakdown(
         pipeline=pipeline,
         stage=stage,
@@ -241,6 +253,8 @@ def stage_memory(
         optimizer=optim,
         activations=acts,
         weight_copies=copies,
+        communicators=comms,
+        num_communicators=communicators,
         overhead=overhead,
         total=total,
         capacity=capacity_bytes,

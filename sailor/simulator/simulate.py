@@ -53,6 +53,7 @@ from sailor.schemas import (
 from sailor.schemas.calibration import DEFAULT_MEMORY_OVERHEAD_BYTES
 from sailor.schemas.device_kind import any_cpu_type, spec_of
 from sailor.schemas.precision import Precision, supports_bf16
+from sailor.simulator.communicators import stage_communicators
 from sailor.simulator.grad_sync import gradient_sync, loss_allreduce_time
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.pipeline import TimelineOp
@@ -218,7 +219,8 @@ def _run(
     iteration = max(end.values()) + loss_allreduce_time(inp, pipelines, ranks)
     if iteration <= 0:
         raise ValueError("simulated iteration time is zero: the profiles hold no time")
-    memory, distinct = _memory(inp, pipelines, kinds)
+    comms = stage_communicators(plan, cal.process_groups, model.tie_embeddings)
+    memory, distinct = _memory(inp, pipelines, kinds, comms)
     compute_usd = _compute_usd(prices, pipelines, spot, iteration)
     egress_usd = sum(
         nbytes / 1e9 * prices.egress_per_gb(src, dst)
@@ -256,22 +258,26 @@ def _run(
 
 
 def _memory(
-    inp: SimInputs, pipelines: Sequence[Pipeline], kinds: list[PipelineKind]
+    inp: SimInputs,
+    pipelines: Sequence[Pipeline],
+    kinds: list[PipelineKind],
+    comms: Sequence[Sequence[int]],
 ) -> tuple[list[dict[str, object]], list[MemoryBreakdown]]:
-    """Every stage's memory rows (unvalidated), and the distinct validated breakdowns.
+    """Every stage's memory rows (unvalidated), and the distinct validated breakdowns;
+    ``comms[p][s]``: the NCCL communicators of stage ``s`` of pipeline ``p``'s ranks.
 
     Stages of alike pipelines at the same place share one validated breakdown; the Estimate
     validates every stage's copy (with its own indices) in one pass.
     """
     memory: list[dict[str, object]] = []
-    mem_of: dict[tuple[int, int, int, bool], dict[str, object]] = {}
+    mem_of: dict[tuple[int, int, int, bool, int], dict[str, object]] = {}
     distinct: list[MemoryBreakdown] = []
     for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
         for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
             spec = spec_of(inp.specs, g)
             in_flight = min(p.depth - si, p.num_microbatches)
-            mkey = (id(kind), si, in_flight, s.recompute)
+            mkey = (id(kind), si, in_flight, s.recompute, comms[pi][si])
             mb = mem_of.get(mkey)
             if mb is None:
                 gcal = inp.gcal(g)
@@ -290,6 +296,8 @@ def _memory(
                     scheme=inp.cal.mixed_precision,
                     extra_state_bytes_per_param=inp.cal.extra_state_bytes_per_param,
                     vocab_parallel=inp.cal.vocab_parallel,
+                    communicators=comms[pi][si],
+                    communicator_bytes=gcal.communicator_bytes,
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()

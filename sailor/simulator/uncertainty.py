@@ -132,6 +132,11 @@ def _constants(
             "sync_fixed_s": _end(prior.sync_fixed_s, corner, True),
             "alloc_factor": _end(prior.alloc_factor, corner, True),
             "memory_overhead_bytes": int(_end(prior.memory_overhead_bytes, corner, True)),
+            "communicator_bytes": (
+                base.communicator_bytes
+                if prior.communicator_bytes is None
+                else int(_end(prior.communicator_bytes, corner, True))
+            ),
             "source": f"{corner} corner of {source}",
             "spread": None,
         }
@@ -153,6 +158,7 @@ def _original_constants(gpu_type: str, compute_scale: float = 1.0) -> GPUCalibra
         alloc_factor=1.0,
         memory_overhead_bytes=ORIGINAL_MEMORY_OVERHEAD_BYTES,
         memory_overhead_tp_bytes=ORIGINAL_TP_OVERHEAD_BYTES,
+        communicator_bytes=0,
         source="the original Sailor artifact's cost model: nothing calibrated",
     )
 
