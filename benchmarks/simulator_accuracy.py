@@ -33,7 +33,6 @@ from sailor.importers.sailor_format import (
 from sailor.schemas import (
     Calibration,
     Estimate,
-    GPUCalibration,
     GPUPrice,
     GPUSpec,
     ModelSpec,
@@ -43,11 +42,18 @@ from sailor.schemas import (
 from sailor.simulator import MeasuredRun, Method, calibrate_gpu, simulate
 from sailor.simulator.uncertainty import simulate_interval
 
-DEEPSPEED = Calibration(
-    default=GPUCalibration(
-        gpu_type="*", communicator_bytes=catalog_calibration().default.communicator_bytes
-    )
-).with_deployment(catalog_calibration().fitted_structure("GH-96"))
+DEEPSPEED = Calibration().with_deployment(catalog_calibration().fitted_structure("GH-96"))
+
+FIT_BASE = DEEPSPEED.model_copy(
+    update={
+        "default": DEEPSPEED.default.model_copy(
+            update={"communicator_bytes": catalog_calibration().default.communicator_bytes}
+        )
+    }
+)
+"""What a fit starts from: the structure above, and the catalog's bytes per NCCL communicator
+for a rank holding more than the runs did (``calibrate_gpu`` keeps the base's when the runs
+show no cost per communicator). The uncalibrated row simulates with ``DEEPSPEED`` alone."""
 """The reference plans ran on Megatron-DeepSpeed with DeepSpeed's FP16_Optimizer (16-bit
 weights and gradients, gradients all-reduced in fp16), not on Sailor's autocast engine: the
 structure the catalog's GH-96 fit records (``fitted_under``) and every replay here uses."""
@@ -138,7 +144,7 @@ def main() -> None:
                 network,
                 prices,
                 gpu_specs=specs,
-                base=DEEPSPEED,
+                base=FIT_BASE,
                 deployment_name="megatron-deepspeed",
             )
             cal = cal.with_gpu(gcal)
@@ -186,7 +192,7 @@ def main() -> None:
                 if mine:
                     lcal = lcal.with_gpu(
                         calibrate_gpu(
-                            mine, model, profiles, network, prices, gpu_specs=specs, base=DEEPSPEED
+                            mine, model, profiles, network, prices, gpu_specs=specs, base=FIT_BASE
                         )
                     )
             loo = sim(run, lcal)

@@ -36,7 +36,8 @@ DEEPSPEED = Calibration(
 (``GPUCalibration.fitted_under``: the catalog deployment ``megatron-deepspeed``, DeepSpeed's
 pipe engine with FP16_Optimizer, 16-bit gradients all-reduced, activations partitioned
 across TP), not Sailor's autocast engine; with no constant fitted but the bytes of one NCCL
-communicator, at the catalog prior's median (a fit's M0 leaves them out)."""
+communicator, at the catalog prior's median: what a fit prices each communicator a rank holds
+beyond its runs' most (``GPUCalibration.communicators_covered``)."""
 
 
 def load_opt350() -> tuple[ModelSpec, ProfileDB, NetworkProfile, PriceTable, list[MeasuredRun]]:

@@ -324,7 +324,7 @@ class CostTables:
         plans the search returns, counts them (``simulator.communicators``)."""
         c = self.inputs.calibration.for_gpu(gpu_type)
         extra = float(c.memory_overhead_tp_bytes) if tp > 1 else 0.0
-        extra += float(c.communicator_bytes) * (1 + (tp > 1))
+        extra += float(c.communicator_bytes) * max(0, 1 + (tp > 1) - c.communicators_covered)
         if c.memory_overhead_bytes is not None:
             return float(c.memory_overhead_bytes) + extra
         o = self.inputs.profiles.overhead(gpu_type, tp)

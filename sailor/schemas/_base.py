@@ -39,7 +39,7 @@ together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
 its default).
 6: ``DesiredState.in_place_reads`` (an in-place launch's checkpoint reads per node, written
 only when not empty): a release of version 5 was out. ``GPUCalibration.communicator_bytes``
-and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and
+and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and ``communicators_covered``,
 ``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader
 of version 5 refuses a record of its own version that holds them."""
 

@@ -120,6 +120,13 @@ class GPUPrior(Frozen):
         description="GPU memory of one NCCL communicator a rank holds, bytes; None (a range "
         "written before this constant existed): the type's point value in every corner.",
     )
+    communicators_covered: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many NCCL communicators per rank the memory_overhead_bytes range "
+        "holds (only those beyond are priced at communicator_bytes); None: the type's "
+        "point value.",
+    )
     compute_scale: ConstantRange | None = Field(
         default=None,
         description="Measured layer compute over profiled (online calibration); None: the "
@@ -262,9 +269,19 @@ class GPUCalibration(Frozen):
         description=(
             "GPU memory of one NCCL communicator (its channels' buffers and work queues), "
             "bytes, counted once per communicator a rank holds under the deployment's "
-            "process groups (DeploymentStructure.process_groups); memory_overhead_bytes "
-            "then holds the rest of the non-tensor memory. Default 0: not counted apart "
-            "(a calibration written before it, whose M0 holds its runs' communicators)."
+            "process groups (DeploymentStructure.process_groups) beyond the "
+            "communicators_covered that memory_overhead_bytes holds. Default 0: not counted "
+            "apart (a calibration written before it, whose M0 holds its runs' communicators)."
+        ),
+    )
+    communicators_covered: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "How many NCCL communicators per rank memory_overhead_bytes already holds: the "
+            "most the runs it was measured on held (counted under their deployment's process "
+            "groups). Only the communicators a rank holds beyond it are priced at "
+            "communicator_bytes each. Default 0: every one."
         ),
     )
     memory_overhead_tp_bytes: int = Field(

@@ -34,10 +34,13 @@ p2p pair shares one), in order, each using those before it (docs/simulator-model
   footprint; 1 without two such runs.
 * ``communicator_bytes`` and ``memory_overhead_bytes`` (M0), from the memory residuals
   (measured − modelled peak, without either) and the number of NCCL communicators of each
-  run's peak GPU under the runs' process groups: with two or more counts among the runs, the
-  least-squares slope of residual on count (at least 0) is the bytes per communicator;
-  with one count, the runs cannot tell it from M0 and ``base``'s value for the type is kept.
-  M0 is the median of residual − bytes × count: the rest of the non-tensor memory.
+  run's peak GPU under the runs' process groups: with two or more counts among the runs and
+  residuals that grow with the count, the least-squares slope of residual on count is the
+  bytes per communicator and M0 the median of residual − bytes × count. Otherwise (one
+  count, or residuals that do not grow: GH200's fall by 124 MB per communicator over 3-7)
+  M0 is the median residual and holds up to the runs' most communicators
+  (``communicators_covered``); a rank holding more is priced at ``base``'s bytes for each
+  one beyond, outside what was measured.
 
 The runs are simulated with ``base``'s deployment structure, which must be the one they ran
 on (η is relative to the gradient bytes it implies); the result records it as
@@ -326,31 +329,42 @@ def _memory_residual(est: Estimate, run: MeasuredRun) -> tuple[int, int]:
 
 def _communicators_and_m0(
     readings: Sequence[tuple[int, int]], prior_bytes: int
-) -> tuple[int, int, str]:
-    """(bytes per communicator, M0, why) from (residual, count) per run: the slope of the
-    residuals on the counts where the runs have two counts or more (least squares, at least
-    0), else ``prior_bytes``; M0 the median of what is left."""
+) -> tuple[int, int, int, str]:
+    """(bytes per communicator, communicators M0 holds, M0, why) from (residual, count) per
+    run. Where the runs hold two counts or more and their residuals grow with the count,
+    the least-squares slope is the bytes per communicator and M0 the median of what is
+    left (it holds none). Otherwise the runs show no cost per communicator within their
+    counts: M0 is the median residual and holds up to their most, and a rank holding more
+    is priced at ``prior_bytes`` per communicator beyond it (outside what was measured)."""
     counts = [n for _, n in readings]
+    most = max(counts, default=0)
     if len(set(counts)) >= 2:
         mean_n = statistics.mean(counts)
         mean_r = statistics.mean(r for r, _ in readings)
         sxx = sum((n - mean_n) ** 2 for n in counts)
         sxy = sum((n - mean_n) * (r - mean_r) for r, n in readings)
         slope = sxy / sxx
-        comm = max(0, int(slope))
-        why = (
-            f"communicator_bytes={comm / 1e6:.0f} MB: slope of {len(readings)} runs' memory "
-            f"residuals on their {min(counts)}-{max(counts)} NCCL communicators "
-            f"({slope / 1e6:+.0f} MB per communicator{', held at 0' if slope < 0 else ''})"
-        )
+        span = f"their {min(counts)}-{most} NCCL communicators ({slope / 1e6:+.0f} MB each)"
+        if slope > 0:
+            comm, covered = int(slope), 0
+            why = f"communicator_bytes={comm / 1e6:.0f} MB: slope of {len(readings)} runs' "
+            why += f"memory residuals on {span}"
+        else:
+            comm, covered = prior_bytes, most
+            why = (
+                f"communicators_covered={most}: {len(readings)} runs' memory residuals do not "
+                f"grow with {span}, so M0 holds up to {most}; more are priced at the base's "
+                f"{comm / 1e6:.0f} MB each"
+            )
     else:
-        comm = prior_bytes
+        comm, covered = prior_bytes, most
         why = (
-            f"communicator_bytes={comm / 1e6:.0f} MB: the base's (every run holds "
-            f"{counts[0] if counts else 0} communicators: the runs cannot separate it from M0)"
+            f"communicators_covered={most}: every run holds {most} communicators (the runs "
+            f"cannot separate them from M0); more are priced at the base's {comm / 1e6:.0f} MB"
         )
-    m0 = max(0, int(statistics.median(r - comm * n for r, n in readings)))
-    return comm, m0, f"{why}; M0={m0 / 2**30:.2f} GiB: median residual of {len(readings)} runs"
+    m0 = max(0, int(statistics.median(r - comm * max(0, n - covered) for r, n in readings)))
+    why += f"; M0={m0 / 2**30:.2f} GiB: median residual of {len(readings)} runs"
+    return comm, covered, m0, why
 
 
 def calibrate_gpu(
@@ -486,7 +500,7 @@ def calibrate_gpu(
             kappa = max(1.0, (r1.peak_memory_bytes - r0.peak_memory_bytes) / (a1 - a0))
             why.append(f"kappa={kappa:.3f} from {r0.name} and {r1.name}")
     step = step.model_copy(update={"alloc_factor": kappa})
-    comm, m0, note = _communicators_and_m0(
+    comm, covered, m0, note = _communicators_and_m0(
         [_memory_residual(estimate(step, r), r) for r in runs], kept.communicator_bytes
     )
     why.append(note)
@@ -494,6 +508,7 @@ def calibrate_gpu(
         update={
             "memory_overhead_bytes": m0,
             "communicator_bytes": comm,
+            "communicators_covered": covered,
             "source": "; ".join(why),
             "fitted_under": Deployment(
                 name=deployment_name,

@@ -190,17 +190,19 @@ def stage_memory(
     vocab_parallel: bool = True,
     communicators: int = 0,
     communicator_bytes: int = 0,
+    communicators_covered: int = 0,
 ) -> MemoryBreakdown:
     """Peak memory of one GPU running ``sizes`` (the stage's layers at its TP degree), whose
-    rank holds ``communicators`` NCCL communicators of ``communicator_bytes`` each."""
+    rank holds ``communicators`` NCCL communicators: those beyond ``communicators_covered``
+    (what ``overhead_bytes`` already holds) at ``communicator_bytes`` each."""
     if not sizes:
         raise ValueError(f"pipelines[{pipeline}].stages[{stage}]: a stage needs layers")
     if in_flight < 1:
         raise ValueError(f"in_flight={in_flight}: at least one microbatch is in flight")
-    if communicators < 0 or communicator_bytes < 0:
+    if communicators < 0 or communicator_bytes < 0 or communicators_covered < 0:
         raise ValueError(
-            f"communicators={communicators}, communicator_bytes={communicator_bytes}: "
-            "neither can be negative"
+            f"communicators={communicators}, communicator_bytes={communicator_bytes}, "
+            f"communicators_covered={communicators_covered}: none can be negative"
         )
     params = sum(s.params for s in sizes)
     w_b, g_b, o_b, step_b = state_bytes_per_param(model, scheme)
@@ -242,7 +244,7 @@ def stage_memory(
     transient = grad_t + max(0, during_step - during_backward)
     # bytes per parameter a deployment holds beyond the engine's state (Calibration)
     overhead = overhead_bytes + transient + int(extra_state_bytes_per_param * params)
-    comms = communicators * communicator_bytes
+    comms = max(0, communicators - communicators_covered) * communicator_bytes
     total = weights + grads + optim + acts + copies + comms + overhead
     return MemoryBreakdown(
         pipeline=pipeline,

@@ -298,6 +298,7 @@ def _memory(
                     vocab_parallel=inp.cal.vocab_parallel,
                     communicators=comms[pi][si],
                     communicator_bytes=gcal.communicator_bytes,
+                    communicators_covered=gcal.communicators_covered,
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()

@@ -137,6 +137,11 @@ def _constants(
                 if prior.communicator_bytes is None
                 else int(_end(prior.communicator_bytes, corner, True))
             ),
+            "communicators_covered": (
+                base.communicators_covered
+                if prior.communicators_covered is None
+                else prior.communicators_covered
+            ),
             "source": f"{corner} corner of {source}",
             "spread": None,
         }

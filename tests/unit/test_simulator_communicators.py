@@ -9,6 +9,7 @@ the term was missing no longer does, with the term in its breakdown.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -124,9 +125,35 @@ def test_memory_grows_with_the_count() -> None:
     assert five.total - two.total == 3 * 600_000_000 == five.communicators - two.communicators
     with pytest.raises(ValueError, match="communicators=-1"):
         stage_memory(communicators=-1, **kw)  # type: ignore[arg-type]
+    # a non-tensor overhead measured on ranks holding up to 3 communicators holds theirs:
+    # only those beyond are priced
+    covered = {n: stage_memory(communicators=n, communicators_covered=3, **kw) for n in (2, 3, 5)}  # type: ignore[arg-type]
+    assert covered[2].communicators == covered[3].communicators == 0
+    assert covered[2].total == covered[3].total
+    assert covered[5].communicators == 2 * 600_000_000 and covered[5].num_communicators == 5
 
 
-def _cal(median: int, high: int) -> Calibration:
+def test_a_fit_prices_communicators_only_where_the_runs_show_a_cost() -> None:
+    """GH200's 15 runs hold 3-7 communicators and their memory residuals fall with the
+    count: M0 is their median residual and holds up to 7; a rank holding more pays the
+    base's bytes for each one beyond. Residuals that grow give the slope, and M0 holds none."""
+    from sailor.simulator.calibrate import _communicators_and_m0
+
+    flat = [(4_000_000_000 - 100_000_000 * n, n) for n in (3, 4, 5, 7)]
+    comm, covered, m0, why = _communicators_and_m0(flat, 600_000_000)
+    assert (comm, covered) == (600_000_000, 7) and "do not grow" in why
+    assert m0 == int(statistics.median(r for r, _ in flat))  # nothing subtracted
+    growing = [(1_000_000_000 + 500_000_000 * n, n) for n in (2, 3, 4, 6)]
+    comm, covered, m0, _ = _communicators_and_m0(growing, 600_000_000)
+    assert covered == 0 and comm == pytest.approx(500_000_000, rel=1e-6)
+    assert m0 == pytest.approx(1_000_000_000, rel=1e-6)
+    one = [(3_000_000_000, 4), (3_200_000_000, 4)]
+    assert _communicators_and_m0(one, 600_000_000)[:3] == (600_000_000, 4, 3_100_000_000)
+
+
+def _cal(median: int, high: int, covered: int = 0) -> Calibration:
+    """The catalog prior with ``communicator_bytes`` at (0, median, high) for every
+    communicator beyond ``covered`` (the catalog's own prior: beyond 7)."""
     from sailor.catalog import calibration
 
     prior = calibration().prior
@@ -134,7 +161,9 @@ def _cal(median: int, high: int) -> Calibration:
     comm = ConstantRange(low=0, median=median, high=high)
     return Calibration(
         default=GPUCalibration(gpu_type="*", communicator_bytes=median),
-        prior=prior.model_copy(update={"communicator_bytes": comm}),
+        prior=prior.model_copy(
+            update={"communicator_bytes": comm, "communicators_covered": covered}
+        ),
     )
 
 
@@ -158,6 +187,18 @@ def test_simulate_shows_the_term_and_the_interval_widens() -> None:
     )[1]
     assert wide.peak_memory_bytes.high - narrow.peak_memory_bytes.high == 3 * GB
     assert wide.peak_memory_bytes.median == narrow.peak_memory_bytes.median
+    # under the catalog's prior, whose overhead range holds up to 7 communicators (the
+    # GH200 runs'), a rank holding 3 pays nothing apart in any corner
+    held = simulate_interval(
+        plan,
+        MODEL,
+        PROFILES,
+        _network(),
+        PRICES,
+        calibration=_cal(GB, 2 * GB, covered=7),
+        gpu_specs=SPECS,
+    )[1]
+    assert held.peak_memory_bytes.high < narrow.peak_memory_bytes.high - 2 * GB
     # the original corner has no such term
     original = dict(corners(_cal(GB, 2 * GB)))["original"]
     assert original.default.communicator_bytes == 0
