@@ -36,6 +36,7 @@ from sailor.coordination.security.etcd_rbac import etcd_tls_flags, merge_plans, 
 from sailor.coordination.security.pki import Role, init_ca, issue_cert, write_nats_config
 from sailor.coordination.security.settings import SecurityConfig
 from sailor.localnet import ProcessExitedError, free_port, wait_port
+from sailor.megatron_patch.parent_death import death_signal_preexec
 
 __all__ = [
     "ADMIN",
@@ -77,7 +78,11 @@ def _popen(name: str, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]
     del name
     with log.open("ab") as fh:
         return subprocess.Popen(
-            list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            list(argv),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=death_signal_preexec(),  # the servers end with whoever started them
         )
 
 

@@ -102,3 +102,39 @@ def test_an_interrupt_inside_the_event_loop_ends_the_run(where: str) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("interrupted after "), (out.stdout, out.stderr[-2000:])
     assert float(out.stdout.split()[2]) < 2.0, out.stdout
+
+
+# A demo that starts a child through the registry and is then killed outright.
+_DEMO = (
+    "import sys, time; from pathlib import Path;"
+    "from sailor.cli.demo.processes import ProcessRegistry;"
+    "reg = ProcessRegistry(log_dir=Path(sys.argv[1]), token=sys.argv[2]);"
+    "reg.start('server', [sys.executable, '-c', 'import time; time.sleep(60)']);"
+    "print('started', flush=True); time.sleep(60)"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_demo_killed_outright_takes_its_children(tmp_path: Path) -> None:
+    """Killed with SIGKILL (no teardown runs), the demo's children went on running until a
+    later run found its marker; now the kernel ends them with it."""
+    import signal
+    import subprocess
+    import uuid
+
+    token = uuid.uuid4().hex
+    demo = subprocess.Popen(
+        [sys.executable, "-c", _DEMO, str(tmp_path), token], stdout=subprocess.PIPE
+    )
+    try:
+        assert demo.stdout is not None and demo.stdout.readline().strip() == b"started"
+        _wait(lambda: len(marked_pids(token)) == 1)
+        assert len(marked_pids(token)) == 1
+        os.kill(demo.pid, signal.SIGKILL)
+        demo.wait(timeout=10)
+        _wait(lambda: not marked_pids(token), timeout=5)
+        assert marked_pids(token) == []
+    finally:
+        demo.kill()
+        for pid in marked_pids(token):
+            os.kill(pid, signal.SIGKILL)

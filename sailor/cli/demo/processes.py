@@ -7,6 +7,12 @@ does not reach its workers; and a worker orphaned by a SIGKILLed agent is repare
 init. The marker is how the demo still finds every one of them: :func:`marked_pids` scans
 ``/proc/*/environ`` (Linux; no psutil), and :meth:`ProcessRegistry.kill_all` ends whatever
 carries it. Must never signal a process that does not carry this run's marker.
+
+A child also dies with the demo itself (Linux ``prctl(PR_SET_PDEATHSIG)``, armed between fork
+and exec): a demo or test run killed outright (``kill -9``, an interrupted pytest) left its
+servers, controllers and agents running, and the agents' workers with them, until something
+found the marker. The kernel sends the signal when the thread that started the child ends, so
+it is armed only for children started from the main thread.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sailor.megatron_patch.parent_death import death_signal_preexec
 
 __all__ = ["MARKER_ENV", "ProcessRegistry", "children_of", "marked_pids"]
 
@@ -88,6 +96,7 @@ class ProcessRegistry:
                 stdin=subprocess.DEVNULL,
                 env=self.env(),
                 start_new_session=True,
+                preexec_fn=death_signal_preexec(),  # one prctl call between fork and exec
             )
         self.procs[name] = proc
         return proc
