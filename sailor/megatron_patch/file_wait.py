@@ -5,7 +5,8 @@ held rank waits up to ``--pause-timeout-s``; both waited by reading their contro
 ``--poll-s`` (20 ms). Measured on this 2-core host (a real spare started as the agent does,
 ``/proc/<pid>/stat`` utime+stime over 5 s): 1.4-1.8 % of a core and ~50 wake-ups/s for each
 idle spare, taken from the data loader and the agent on a GPU node. :class:`FileWait` blocks
-in ``select`` instead, on
+in ``poll`` instead (not ``select``, which refuses an fd numbered 1024 or above: a held rank
+of a long job can hold that many), on
 
 - an inotify watch of the file's directory (Linux): the agent replaces the control file
   atomically (write a temporary file, rename it over), which is ``IN_MOVED_TO`` with the
@@ -21,10 +22,13 @@ closing one waits for an RCU grace period (10-25 ms measured here, which first m
 blocking hand-over slower than the poll); a watch is added per wait and removed after it,
 which does not wait.
 
-Every ``recheck_s`` (1 s) it returns anyway: an event missed (a queue overflow, a directory
-replaced, a file system without inotify events for this writer) costs at most that much
-latency, and an idle waiter ~1 wake-up/s. Where inotify or the wake-up fd is unavailable (not
-Linux, not the main thread), :meth:`FileWait.wait` sleeps ``poll_s`` as the loop always did.
+Every ``recheck_s`` (1 s) it returns anyway: an event missed (a queue overflow, a file system
+without inotify events for this writer) costs at most that much latency, and an idle waiter
+~1 wake-up/s. A directory removed or moved away ends its watch (``IN_IGNORED``): the wait
+returns and watches the path again, so a directory made anew is watched too (until it
+exists again, each wait tries the watch again and sleeps ``poll_s``). Where inotify or the
+wake-up fd is unavailable (not Linux, not the main thread), :meth:`FileWait.wait` sleeps
+``poll_s`` as the loop always did.
 
 The caller reads the file after every return: a return says "look now", never what changed.
 This module never reads the file and never decides anything: the directive is the caller's.
@@ -45,7 +49,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["RECHECK_S", "FileWait", "concerns"]
+__all__ = ["RECHECK_S", "FileWait", "concerns", "ended"]
 
 RECHECK_S = 1.0
 """Longest blocking wait without an event: the latency of a missed event, the idle wake-up
@@ -89,6 +93,18 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def ended(events: bytes, wd: int) -> bool:
+    """Whether a batch of inotify events ends watch ``wd`` (``IN_IGNORED``: the directory
+    was removed or moved away, or the watch removed)."""
+    off = 0
+    while off + _EVENT.size <= len(events):
+        got_wd, mask, _cookie, length = _EVENT.unpack_from(events, off)
+        off += _EVENT.size + length
+        if got_wd == wd and mask & _IN_IGNORED:
+            return True
+    return False
+
+
 def concerns(events: bytes, wd: int, name: bytes) -> bool:
     """Whether a batch of inotify events read from the fd may have changed file ``name`` of
     watch ``wd``: an event naming it, or one after which nothing can be told (the watch
@@ -107,7 +123,10 @@ def concerns(events: bytes, wd: int, name: bytes) -> bool:
 
 class FileWait:
     """``with FileWait(path, poll_s) as w: ... w.wait(timeout_s)`` (see the module). One at a
-    time in a process: the inotify fd and the signal wake-up fd are the process's."""
+    time in a process: the inotify fd and the signal wake-up fd are the process's. While one
+    is open, a signal's byte goes to its pipe, not to a wake-up fd set before it (asyncio's
+    ``add_signal_handler``: no worker runs an event loop while it waits); the previous fd is
+    set again at the exit, with ``warn_on_full_buffer`` at its default."""
 
     def __init__(self, path: Path | str, poll_s: float, recheck_s: float = RECHECK_S) -> None:
         self.path = Path(path)
@@ -130,7 +149,7 @@ class FileWait:
         if fd < 0:
             return self
         _drain(fd)  # what earlier watches left (their removal's IN_IGNORED)
-        self._wd = int(_libc().inotify_add_watch(fd, os.fsencode(self.path.parent), _WATCH))
+        self._watch(fd)
         if self._wd < 0:
             return self
         r, w = os.pipe()
@@ -160,24 +179,38 @@ class FileWait:
             _libc().inotify_rm_watch(_inotify(), self._wd)
             self._wd = -1
 
+    def _watch(self, fd: int) -> None:
+        """Watch the file's directory (-1: it cannot be watched, e.g. it does not exist)."""
+        self._wd = int(_libc().inotify_add_watch(fd, os.fsencode(self.path.parent), _WATCH))
+
     def wait(self, timeout_s: float) -> None:
         """Return once the file may have changed, a signal arrived, or after ``timeout_s``
         (at most ``recheck_s``); without events, after ``min(poll_s, timeout_s)``."""
+        fd = _inotify()
+        if self._pipe is not None and self._wd < 0:
+            self._watch(fd)  # the directory went at an earlier wait: watch it if it is back
         if not self.blocking or self._pipe is None:
             time.sleep(max(0.0, min(self.poll_s, timeout_s)))
             return
-        fd = _inotify()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._pipe[0], select.POLLIN)
         end = time.monotonic() + max(0.0, min(self.recheck_s, timeout_s))
         while True:
             left = end - time.monotonic()
             if left <= 0:
                 return
-            ready, _, _ = select.select([fd, self._pipe[0]], [], [], left)
+            ready = {f for f, _ in poller.poll(left * 1000.0)}
             if self._pipe[0] in ready:
                 _drain(self._pipe[0])
                 return
-            if fd in ready and concerns(_drain(fd), self._wd, self._name):
-                return
+            if fd in ready:
+                events = _drain(fd)
+                if ended(events, self._wd):  # the directory went: look now, watch it anew
+                    self._watch(fd)
+                    return
+                if concerns(events, self._wd, self._name):
+                    return
 
 
 def _drain(fd: int) -> bytes:
