@@ -63,7 +63,10 @@ def closed_form_figures(
 ) -> Figures | None:
     """``alloc``'s closed-form figures in ``state``'s corner; None if a template cannot be
     priced there or a stage exceeds its GPU by the tables' memory bound (which holds every
-    stage's 1F1B microbatches in flight: at least the simulator's figure)."""
+    stage's 1F1B microbatches in flight, and a rank's world and TP communicators but not its
+    gradient-sync groups, which depend on the whole plan: beyond ``communicators_covered``
+    the simulator's figure can be higher, so the search simulates each corner's best plan
+    and the plans it returns before it trusts them, ``robust._rank``)."""
     tables = state.tables
     by_id = {}
     for t, _, _ in alloc.groups():

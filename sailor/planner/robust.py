@@ -24,7 +24,7 @@ by (a plan's figures per corner, the minimax-regret order) is ``planner/regret.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -34,7 +34,13 @@ from sailor.planner.collector import collector_paused
 from sailor.planner.judge import SearchResult, explain_candidate
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
-from sailor.planner.regret import Row, closed_form_figures, order_by_regret, simulated_figures
+from sailor.planner.regret import (
+    Row,
+    closed_form_figures,
+    order_by_regret,
+    score_of,
+    simulated_figures,
+)
 from sailor.planner.replan import replan
 from sailor.planner.search import Progress, search
 from sailor.planner.tables import CostTables
@@ -457,8 +463,15 @@ def _rank(
         if not scored:
             break
         # the simulator has the last word: simulate what is ranked first where only the
-        # closed form is known, and rank again until the first top_k are all simulated
+        # closed form is known, and each corner's best plan there (every ratio is to it: the
+        # tables' memory bound counts a rank's world and TP communicators, not its
+        # gradient-sync groups, so a plan can fit by it and not by the simulator), and rank
+        # again until all of them are simulated
         todo = [(x[3], n) for x in scored[:top_k] for n in by_name if not x[3][1][n].estimate]
+        for n in by_name:
+            top = max((x[3] for x in scored), key=_scorer(objective, n))
+            if not top[1][n].estimate and all(r is not top or m != n for r, m in todo):
+                todo.append((top, n))
         if not todo:
             break
         for r, n in todo:
@@ -519,3 +532,8 @@ def as_ranked(p: RobustPlan, upper_bound_iter_s: float = 0.0) -> RankedPlan:
         upper_bound_fraction=thr / upper_bound_iter_s if upper_bound_iter_s > 0 else 0.0,
         explain=p.explain,
     )
+
+
+def _scorer(objective: Objective, corner: str) -> Callable[[Row], float]:
+    """A row's score in ``corner`` (larger is better: ``regret.score_of``)."""
+    return lambda r: score_of(objective, r[1][corner], r[2])
