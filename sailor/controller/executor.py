@@ -179,6 +179,8 @@ class Executor:
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
             unused.add("suspect_checkpoint")
+        if state.reads_spent_through < 0:
+            unused.add("reads_spent_through")
         if state.sigabrt_reports == SigabrtReports():
             unused.add("sigabrt_reports")
         # model_copy does not validate: a cause naming every node of a large layout would
