@@ -63,25 +63,35 @@ def clear_bad(
     if problems:
         raise fail(f"{config}: {problems[0]}")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    rid, done, unknown = asyncio.run(
+    answer = asyncio.run(
         request_clear_bad(
             cfg.etcd_endpoints, cfg.job, steps or (), everything, who, cfg.security, wait_s
         )
     )
-    names = ", ".join(map(str, unknown))
-    if unknown:
+    names = ", ".join(answer.unknown)
+    if answer.unknown:
         typer.echo(f"no bad or suspect mark on step {names}", err=True)
-    if not rid:
+    if answer.outcome == "nothing":
         if everything:
             raise fail("nothing to clear: no step is marked bad or suspect", code=1)
         raise fail(f"nothing to clear: step {names} not marked bad or suspect", code=1)
-    named = sorted(set(steps or ()) - set(unknown))
-    what = "every bad and suspect mark" if everything else f"step {', '.join(map(str, named))}"
-    if done:
+    rid = answer.request_id
+    if answer.outcome == "withdrawn":
+        raise fail(
+            f"no controller answered within {wait_s:g} s (request {rid} withdrawn: no mark "
+            "was cleared): is a controller running for this job?",
+            code=1,
+        )
+    if answer.again:
+        typer.echo(
+            f"marked again since (read again and failed?): step {', '.join(answer.again)}: "
+            "see `sailor status`",
+            err=True,
+        )
+    if answer.done:
+        what = f"step {', '.join(answer.done)}"
+        if everything:
+            what = f"every bad and suspect mark ({what})"
         typer.echo(f"cleared {what} (request {rid}): see `sailor status`")
-        return
-    raise fail(
-        f"no leader applied the request for {what} within {wait_s:.0f} s (request {rid}, "
-        "withdrawn): is a controller running for this job?",
-        code=1,
-    )
+    elif not answer.again:
+        typer.echo(f"nothing left to clear: the marks were gone when the leader took request {rid}")

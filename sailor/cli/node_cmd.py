@@ -58,22 +58,46 @@ def readmit(
     if problems:
         raise fail(f"{config}: {problems[0]}")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    rid, done, unknown = asyncio.run(
+    answer = asyncio.run(
         request_readmit(
             cfg.etcd_endpoints, cfg.job, nodes or (), everything, who, cfg.security, wait_s
         )
     )
-    if unknown:
-        typer.echo(f"no failure record to forget for {', '.join(unknown)}", err=True)
-    if not rid:
-        raise fail(f"nothing to readmit: {', '.join(unknown)} not excluded or failing", code=1)
-    named = [n for n in nodes if n not in unknown]
-    what = "every node and the job" if everything else ", ".join(named)
-    if done:
-        typer.echo(f"readmitted {what} (request {rid}): see `sailor status`")
+    if answer.unknown:
+        typer.echo(f"no failure record to forget for {', '.join(answer.unknown)}", err=True)
+    if answer.outcome == "nothing":
+        if everything:
+            raise fail("nothing to readmit: no node is excluded or failing, no job hold", code=1)
+        raise fail(
+            f"nothing to readmit: {', '.join(answer.unknown)} not excluded or failing", code=1
+        )
+    rid = answer.request_id
+    if answer.outcome == "withdrawn":
+        raise fail(
+            f"no controller answered within {wait_s:g} s (request {rid} withdrawn: nothing "
+            "was readmitted): is a controller running for this job?",
+            code=1,
+        )
+    if answer.again:
+        typer.echo(
+            f"held again since (failed again?): {', '.join(answer.again)}: see `sailor status`",
+            err=True,
+        )
+    if not answer.done and not answer.again:
+        typer.echo(
+            f"nothing left to readmit: the records were gone when the leader took request {rid}"
+        )
         return
-    raise fail(
-        f"no leader applied the request for {what} within {wait_s:.0f} s (request {rid}, "
-        "withdrawn): is a controller running for this job?",
-        code=1,
+    if answer.done:
+        typer.echo(f"readmitted {_records(answer.done)} (request {rid}): see `sailor status`")
+
+
+def _records(names: tuple[str, ...]) -> str:
+    """``3 nodes (n1, n2, n3) and the job``: what a readmit ended."""
+    nodes = [n for n in names if n != "the job"]
+    parts = (
+        [f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} ({', '.join(nodes)})"] if nodes else []
     )
+    if "the job" in names:
+        parts.append("the job's hold")
+    return " and ".join(parts)

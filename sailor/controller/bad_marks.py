@@ -62,7 +62,8 @@ def apply_clear_bad(
     first) and why, or None when they named no mark there is (the caller deletes them
     either way); and per request what it cleared. In an aborted TEARDOWN the next launch's
     checkpoint is taken again: the newest recorded commit no mark is left on
-    (``Observed.resumable``)."""
+    (``Observed.resumable``), and the aborted generation's read failures are spent
+    (``DesiredState.reads_spent_through``): they mark nothing again."""
     requests = o.clear_bad
     bad, suspect = d.bad_checkpoints, d.suspect_checkpoint
     outcome: dict[str, Cleared] = {}
@@ -93,6 +94,10 @@ def apply_clear_bad(
         f"(operator request {', '.join(whom)})"
     )
     if d.phase is Phase.TEARDOWN and d.aborted:
+        # the aborted generation's read failures, judged at the abort, are still in the
+        # statuses: judged again (``suspect_checkpoint.late``) they marked the step again in
+        # this very pass, or charged the suspect's nodes twice
+        update["reads_spent_through"] = d.generation
         last = o.resumable(bad)
         load = last.step if last else -1
         if load != d.load_step:

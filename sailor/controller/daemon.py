@@ -495,6 +495,10 @@ class Controller(EventIntake):
             readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
             clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
         )
+        # what a pass that applies a request compares: taken only while it is as seen here
+        ex.request_revisions = {
+            key: kv.mod_revision for m in requests for key, kv in m.items().items()
+        }
         # once per pass: the nodes out as decide sees them, and those audited as not admitted
         excluded, refused = exclusion(desired, o, job_precision(desired, self.decide_cfg.training))
         self._audit_admission(refused, o.now)

@@ -56,6 +56,7 @@ from sailor.controller.job_precision import plan_precision
 from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
 from sailor.coordination import (
+    ChangedError,
     Clock,
     EtcdStore,
     Keys,
@@ -154,12 +155,24 @@ class Executor:
         # a new question: no backoff), and the note for the desired state (``plan_failed``)
         self._failed: dict[ReplanKey, tuple[int, float, str, tuple[NodeSpec, ...], str]] = {}
         self.progressed = False
+        # the operators' requests (readmit/, clear-bad/) as this pass observed them: key ->
+        # mod revision, set by the daemon. A pass that applies one writes the desired state
+        # and deletes the request in one transaction, only while the key is as observed: a
+        # command that gave up withdraws it (compare-and-delete), and exactly one of the
+        # two takes it, so the command's answer ("applied" or "withdrawn") is what happened
+        self.request_revisions: dict[str, int] = {}
 
     @property
     def epoch(self) -> int:
         return self.lead.epoch
 
-    async def write_desired(self, state: DesiredState, reason: str) -> None:
+    async def write_desired(
+        self, state: DesiredState, reason: str, take: tuple[str, ...] = ()
+    ) -> None:
+        """Write ``state`` under the epoch guard, and the phase record. ``take``: the
+        operators' request keys it applies, deleted in the same transaction while each is
+        as observed (``request_revisions``); ``ChangedError`` if one was withdrawn (nothing
+        written)."""
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
@@ -179,6 +192,8 @@ class Executor:
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
             unused.add("suspect_checkpoint")
+        if state.reads_spent_through < 0:
+            unused.add("reads_spent_through")
         if state.sigabrt_reports == SigabrtReports():
             unused.add("sigabrt_reports")
         # model_copy does not validate: a cause naming every node of a large layout would
@@ -188,7 +203,16 @@ class Executor:
                 update={"cause": shorten(state.cause), "path_reason": shorten(state.path_reason)}
             )
         data = state.model_dump_json(exclude=unused or None).encode()
-        await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
+        if take:
+            await self.store.put_all_guarded(
+                [(self.keys.desired, data)],
+                self.keys.leader,
+                self.epoch,
+                delete=take,
+                expect=self._expected(take),
+            )
+        else:
+            await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
@@ -241,7 +265,8 @@ class Executor:
         """
         self.progressed = False
         sends = [a for a in actions if isinstance(a, Send)]
-        for a in actions:
+        taken: set[str] = set()
+        for i, a in enumerate(actions):
             if isinstance(a, Replan):
                 self.progressed |= self._start_replan(a)
                 continue
@@ -249,7 +274,15 @@ class Executor:
                 continue
             self.progressed = True
             if isinstance(a, SetDesired):
-                await self.write_desired(a.state, a.reason)
+                take = self._requests_applied(actions, i)
+                try:
+                    await self.write_desired(a.state, a.reason, take)
+                except ChangedError:
+                    # an operator withdrew a request this state applies: not applied, and
+                    # nothing decided from it goes out; the next pass decides without it
+                    self._withdrawn(take)
+                    return desired
+                taken.update(take)
                 desired = a.state
             elif isinstance(a, Commit):
                 rec = a.record
@@ -279,9 +312,9 @@ class Executor:
                     self.keys.notice(a.node_id), self.keys.leader, self.epoch
                 )
             elif isinstance(a, ClearBadDone):  # applied: the desired state was written first
-                await self.store.delete_guarded(
-                    self.keys.clear_bad(a.request_id), self.keys.leader, self.epoch
-                )
+                key = self.keys.clear_bad(a.request_id)
+                if key not in taken and not await self._take(key):
+                    continue
                 self.audit.write(
                     "clear_bad",
                     self.clock.now(),
@@ -294,9 +327,9 @@ class Executor:
                     reason=a.reason,
                 )
             elif isinstance(a, ClearReadmit):  # applied: the desired state was written first
-                await self.store.delete_guarded(
-                    self.keys.readmit(a.request_id), self.keys.leader, self.epoch
-                )
+                key = self.keys.readmit(a.request_id)
+                if key not in taken and not await self._take(key):
+                    continue
                 self.audit.write(
                     "readmit",
                     self.clock.now(),
@@ -333,6 +366,42 @@ class Executor:
             for s in due:
                 self._spawn_send(s)
         return desired
+
+    def _requests_applied(self, actions: list[Action], i: int) -> tuple[str, ...]:
+        """The request keys the desired state of ``actions[i]`` applies: those of the
+        deletions right after it (``decide`` puts them there, ``ClearReadmit`` and
+        ``ClearBadDone``: the state written before them no longer holds what they named)."""
+        keys = []
+        for a in actions[i + 1 :]:
+            if isinstance(a, ClearReadmit):
+                keys.append(self.keys.readmit(a.request_id))
+            elif isinstance(a, ClearBadDone):
+                keys.append(self.keys.clear_bad(a.request_id))
+            else:
+                break
+        return tuple(keys)
+
+    def _expected(self, keys: tuple[str, ...]) -> dict[str, int]:
+        """key -> mod revision observed, for the keys a pass saw (an executor driven without
+        the daemon's mirrors compares nothing: the leader's delete, as before)."""
+        return {k: self.request_revisions[k] for k in keys if k in self.request_revisions}
+
+    async def _take(self, key: str) -> bool:
+        """Delete a request that changed nothing (it named no record or mark there is) while
+        it is as observed; False if its operator withdrew it first."""
+        try:
+            await self.store.put_all_guarded(
+                [], self.keys.leader, self.epoch, delete=(key,), expect=self._expected((key,))
+            )
+        except ChangedError:
+            self._withdrawn((key,))
+            return False
+        return True
+
+    def _withdrawn(self, keys: tuple[str, ...]) -> None:
+        """Audit requests an operator withdrew before this pass could take them."""
+        self.audit.write("request_withdrawn", self.clock.now(), epoch=self.epoch, keys=list(keys))
+        _log.info("request_withdrawn", keys=list(keys))
 
     def _prune(self, generation: int) -> None:
         """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""

@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from sailor.controller.bad_marks import marked, unknown_steps
+from sailor.controller.bad_marks import marked
 from sailor.controller.decide import not_admitted
 from sailor.controller.decision_types import Observed
 from sailor.controller.job_precision import job_precision
@@ -39,7 +40,7 @@ from sailor.schemas.runtime import (
 )
 from sailor.schemas.training import TrainingConfig
 
-__all__ = ["read_status", "request_clear_bad", "request_readmit"]
+__all__ = ["Answer", "read_status", "request_clear_bad", "request_readmit"]
 
 
 async def read_status(
@@ -177,31 +178,59 @@ async def _desired(store: Any, keys: Keys) -> DesiredState | None:
     return None
 
 
-async def _ask(
-    store: Any,
-    keys: Keys,
-    key: str,
-    body: bytes,
-    wait_s: float,
-    applied: Callable[[DesiredState | None], bool],
-) -> bool:
-    """Write a request at ``key`` and wait up to ``wait_s`` for a leader to delete it (it
-    has applied it). Not deleted in time, it is withdrawn, so a leader that starts later
-    does not act on a request that reported failure. A leader may have read it just before
-    and apply it all the same: the desired state is read again after the withdrawal, and
-    ``applied`` says whether it holds what the request asked for."""
-    await store.put(key, body)
+async def _ask(store: Any, key: str, body: bytes, wait_s: float) -> bool:
+    """Write a request at ``key`` and wait up to ``wait_s`` for a leader to take it: whether
+    one did. A leader applies a request and deletes its key in one transaction, only while
+    the key is as it read it (``Executor.write_desired``); not taken in time, the request is
+    withdrawn by a delete that holds only while the key is as written. Exactly one of the
+    two succeeds: a leader that read the request before the withdrawal can no longer apply
+    it, and one that took it first is reported (before, the desired state was read again
+    after the withdrawal, and a leader's write just after that read applied a request
+    reported not applied)."""
+    revision = await store.put(key, body)
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
         if await store.get(key) is None:
             return True
         await asyncio.sleep(0.2)
-    await store.delete(key)
-    return applied(await _desired(store, keys))
+    return not await store.delete_unchanged(key, revision)
 
 
 def _request_id() -> str:
     return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What became of an operator's request (``sailor node readmit``, ``sailor checkpoint
+    clear-bad``)."""
+
+    request_id: str
+    """'' when none was written: there was nothing to do (``outcome`` "nothing")."""
+    outcome: Literal["applied", "withdrawn", "nothing"]
+    """applied: a leader took it; withdrawn: none did within the wait, and none will;
+    nothing: nothing named is held (no request written)."""
+    done: tuple[str, ...] = ()
+    """Applied: what the request ended, as the desired state showed it before and after
+    (nodes readmitted, "the job" for the job's holds; steps cleared)."""
+    again: tuple[str, ...] = ()
+    """Applied: what it named that the desired state holds again after (charged or marked
+    again since)."""
+    unknown: tuple[str, ...] = ()
+    """Named, but not held when asked: nothing to end for them."""
+
+
+def _held_records(d: DesiredState | None) -> set[str]:
+    """The failure records ``d`` holds: nodes', and "the job" for its own or agreed holds."""
+    if d is None:
+        return set()
+    held = set(d.node_health)
+    if d.job_health != NodeHealth() or d.agreed_health:
+        held.add(_JOB)
+    return held
+
+
+_JOB = "the job"
 
 
 async def request_readmit(
@@ -212,39 +241,42 @@ async def request_readmit(
     who: str,
     security: SecurityConfig | None = None,
     wait_s: float = 10.0,
-) -> tuple[str, bool, tuple[str, ...]]:
+) -> Answer:
     """Ask the leader to forget the failure records of ``nodes`` (``everything``: every
-    node's and the job's). Returns the request id, whether a leader applied it (it deletes
-    the key once the desired state no longer holds the records; or, the request withdrawn
-    after ``wait_s``, the desired state holds them no more), and the named nodes the
-    desired state held no record of (nothing to forget: no request is written when that is
-    all of them)."""
+    node's and the job's). No request is written when the desired state holds no record of
+    any of them (``nothing``). Otherwise the answer says whether a leader took it
+    (``applied``, with the records it ended and any held again after) or none did within
+    ``wait_s`` (``withdrawn``: none will)."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
-        unknown: tuple[str, ...] = ()
-        if not everything:
-            d = await _desired(store, keys)
-            held = set(d.node_health) if d is not None else set()
-            unknown = tuple(n for n in nodes if n not in held)
-            if len(unknown) == len(nodes):
-                return "", False, unknown
+        held = _held_records(await _desired(store, keys))
+        asked = held if everything else {*nodes}
+        unknown = () if everything else tuple(n for n in nodes if n not in held)
+        if not asked & held:
+            return Answer("", "nothing", unknown=unknown)
         rid = _request_id()
         names = tuple(n for n in nodes if n not in unknown)
         req = ReadmitRequest(nodes=names, all=everything, who=who, time=time.time())
-
-        def forgotten(d: DesiredState | None) -> bool:
-            if d is None:
-                return False
-            if everything:
-                return not d.node_health and d.job_health == NodeHealth() and not d.agreed_health
-            return not set(names) & set(d.node_health)
-
         body = req.model_dump_json().encode()
-        done = await _ask(store, keys, keys.readmit(rid), body, wait_s, forgotten)
-        return rid, done, unknown
+        if not await _ask(store, keys.readmit(rid), body, wait_s):
+            return Answer(rid, "withdrawn", unknown=unknown)
+        after = _held_records(await _desired(store, keys))
+        ended = asked & held
+        return Answer(
+            rid,
+            "applied",
+            done=_sorted_names(ended - after),
+            again=_sorted_names(ended & after),
+            unknown=unknown,
+        )
     finally:
         await store.close()
+
+
+def _sorted_names(names: set[str]) -> tuple[str, ...]:
+    """Node ids sorted, "the job" last."""
+    return (*sorted(names - {_JOB}), *([_JOB] if _JOB in names else []))
 
 
 async def request_clear_bad(
@@ -255,34 +287,36 @@ async def request_clear_bad(
     who: str,
     security: SecurityConfig | None = None,
     wait_s: float = 10.0,
-) -> tuple[str, bool, tuple[int, ...]]:
+) -> Answer:
     """Ask the leader to clear the bad (and suspect) marks of committed ``steps``
-    (``everything``: every mark). Returns the request id, whether a leader applied it (as
-    :func:`request_readmit`: the key deleted, or after the withdrawal the desired state
-    marks none of them), and the named steps the desired state marks neither bad nor
-    suspect (nothing to clear: no request is written when that is all of them, nor with
-    ``everything`` when no step is marked)."""
+    (``everything``: every mark). As :func:`request_readmit`: no request when the desired
+    state marks none of them (``nothing``; ``unknown``: the named steps it does not mark),
+    else ``applied`` (``done``: the steps whose marks went; ``again``: marked again after)
+    or ``withdrawn``."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
         d = await _desired(store, keys)
-        asked = tuple(sorted(set(steps)))
-        unknown = asked if d is None else unknown_steps(d, asked)
-        if (everything and (d is None or not marked(d))) or (
-            not everything and len(unknown) == len(asked)
-        ):
-            return "", False, unknown
+        held = set(marked(d)) if d is not None else set()
+        asked = held if everything else set(steps)
+        unknown = () if everything else tuple(sorted(set(steps) - held))
+        if not asked & held:
+            return Answer("", "nothing", unknown=tuple(map(str, unknown)))
         rid = _request_id()
-        named = tuple(s for s in asked if s not in unknown)
+        named = tuple(sorted(asked & held)) if not everything else ()
         req = ClearBadRequest(steps=named, all=everything, who=who, time=time.time())
-
-        def cleared(d: DesiredState | None) -> bool:
-            if d is None:
-                return False
-            return not marked(d) if everything else not set(named) & set(marked(d))
-
         body = req.model_dump_json().encode()
-        done = await _ask(store, keys, keys.clear_bad(rid), body, wait_s, cleared)
-        return rid, done, unknown
+        if not await _ask(store, keys.clear_bad(rid), body, wait_s):
+            return Answer(rid, "withdrawn", unknown=tuple(map(str, unknown)))
+        after_d = await _desired(store, keys)
+        after = set(marked(after_d)) if after_d is not None else set()
+        ended = asked & held
+        return Answer(
+            rid,
+            "applied",
+            done=tuple(map(str, sorted(ended - after))),
+            again=tuple(map(str, sorted(ended & after))),
+            unknown=tuple(map(str, unknown)),
+        )
     finally:
         await store.close()

@@ -196,7 +196,12 @@ def late(
     generation that came in after the abort are counted (``failures``: node ->
     ``AgentStatus.failure`` of the placed nodes); None when they add no node that failed to
     read it. Those nodes are charged alike; once every placed node failed to read it, the
-    step is bad at once and the charges taken back (the caller falls the load step back)."""
+    step is bad at once and the charges taken back (the caller falls the load step back).
+    None, too, once an operator cleared marks in this TEARDOWN
+    (``DesiredState.reads_spent_through``): the reports the marks came from are still
+    there, and judged again they marked the cleared step again in the same pass."""
+    if d.reads_spent_through >= d.generation:
+        return None  # an operator cleared the marks they made (``bad_marks``): spent
     sus = d.suspect_checkpoint
     if sus.step < 0:
         return _late_first(d, failures, now, policy)

@@ -16,6 +16,7 @@ from sailor.coordination.api import (
 from sailor.coordination.clock import Clock, ManualClock, SystemClock
 from sailor.coordination.election import Leadership, campaign
 from sailor.coordination.errors import (
+    ChangedError,
     CoordinationError,
     DaemonFailedError,
     FencedError,
@@ -30,6 +31,7 @@ from sailor.coordination.nats_bus import NatsCommands, NatsEventBus, close_nats,
 from sailor.coordination.tasks import TaskSet
 
 __all__ = [
+    "ChangedError",
     "Clock",
     "CommandChannel",
     "CoordinationError",

@@ -12,7 +12,7 @@ Each has one contract test against its real server (tests/integration/test_runti
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,8 +75,11 @@ class StateStore(Protocol):
         guard_key: str,
         epoch: int,
         delete: Sequence[str] = (),
+        expect: Mapping[str, int] | None = None,
     ) -> int:
-        """Like ``put_guarded`` for several keys (and deletions) in one transaction."""
+        """Like ``put_guarded`` for several keys (and deletions) in one transaction; with
+        ``expect`` (key -> mod revision), only while each of those keys is as it was
+        (``ChangedError`` if one changed or went)."""
         ...
 
     async def delete(self, key: str) -> None:
@@ -84,6 +87,11 @@ class StateStore(Protocol):
         ...
 
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None: ...
+
+    async def delete_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete ``key`` only if its mod revision is still ``mod_revision``, unguarded (an
+        operator withdrawing its own request); whether it was deleted."""
+        ...
 
     async def create_if_absent(self, key: str, value: bytes, lease: Lease) -> KeyValue | None:
         """Create ``key`` bound to ``lease`` unless it exists; returns the stored key or None."""

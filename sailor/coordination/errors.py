@@ -9,6 +9,7 @@ retrying cannot help (a fenced write, a malformed message).
 from __future__ import annotations
 
 __all__ = [
+    "ChangedError",
     "CoordinationError",
     "DaemonFailedError",
     "FencedError",
@@ -55,6 +56,12 @@ class PermanentError(CoordinationError):
 
 class FencedError(PermanentError):
     """A guarded write was refused: the writer's epoch is no longer the leader's."""
+
+
+class ChangedError(PermanentError):
+    """A guarded write that also compared other keys' revisions was refused because one of
+    them changed or went (an operator withdrew the request it answered): the writer still
+    leads; the same write, retried, is refused again."""
 
 
 class DaemonFailedError(PermanentError):

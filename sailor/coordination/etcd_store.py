@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aetcd
@@ -34,6 +34,7 @@ from aetcd import rpc
 from sailor.coordination.api import KeyValue
 from sailor.coordination.clock import Clock, SystemClock
 from sailor.coordination.errors import (
+    ChangedError,
     FencedError,
     PermanentError,
     TemporaryError,
@@ -337,25 +338,41 @@ class EtcdStore:
         guard_key: str,
         epoch: int,
         delete: Sequence[str] = (),
+        expect: Mapping[str, int] | None = None,
     ) -> int:
         """Write every (key, value) of ``items`` and delete ``delete`` in one transaction,
-        only if ``guard_key`` still has create revision ``epoch`` (all or nothing)."""
+        only if ``guard_key`` still has create revision ``epoch`` (all or nothing), and each
+        key of ``expect`` still has its mod revision there (0: absent). Refused, the guard
+        key is read again to tell which: ``FencedError`` (no longer the leader) or
+        ``ChangedError`` (an expected key changed: an operator withdrew its request)."""
         tx = self.client.transactions
+        expected = sorted((expect or {}).items())
         ok, revision = await self._txn(
-            [tx.create(guard_key.encode()) == epoch],
+            [tx.create(guard_key.encode()) == epoch]
+            + [tx.mod(k.encode()) == rev for k, rev in expected],
             [tx.put(k.encode(), v, None) for k, v in items]
             + [tx.delete(k.encode()) for k in delete],
         )
         if not ok:
-            raise FencedError(
-                "guarded write refused", key=",".join(k for k, _ in items), epoch=epoch
-            )
+            keys = ",".join([*(k for k, _ in items), *delete])
+            guard = await self.get(guard_key) if expected else None
+            if guard is not None and guard.create_revision == epoch:
+                raise ChangedError("write refused: a compared key changed", key=keys)
+            raise FencedError("guarded write refused", key=keys, epoch=epoch)
         return revision
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` (absent: nothing to do). Unguarded: for a key its writer owns, such
         as an operator's own request."""
         await self.call(self.client.delete(key.encode()))
+
+    async def delete_unchanged(self, key: str, mod_revision: int) -> bool:
+        """Delete ``key`` only if its mod revision is still ``mod_revision`` (one
+        transaction); whether it was deleted. Unguarded: an operator withdrawing its own
+        request, which a leader may have taken (deleted) meanwhile."""
+        tx = self.client.transactions
+        ok, _ = await self._txn([tx.mod(key.encode()) == mod_revision], [tx.delete(key.encode())])
+        return ok
 
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None:
         tx = self.client.transactions

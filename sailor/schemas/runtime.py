@@ -310,6 +310,14 @@ class DesiredState(WireMessage):
         "readmit, a changed training config): failures of generations up to it are never "
         "counted (again). -1: none.",
     )
+    reads_spent_through: int = Field(
+        default=-1,
+        ge=-1,
+        description="Newest generation whose checkpoint read failures an operator's clear "
+        "of bad or suspect marks (``sailor checkpoint clear-bad``) answered, in its aborted "
+        "TEARDOWN: its reports, still in the statuses, mark no step bad or suspect and "
+        "charge no node again; a later generation's still do. -1: none (wire version 6).",
+    )
     deadline_stretch: dict[StretchedPhase, Annotated[int, Field(ge=1, le=MAX_STRETCH)]] = Field(
         default_factory=dict,
         description="Phase (load, verify) -> factor its deadline (``deadlines.<phase>``) is "

@@ -1,136 +1,181 @@
-"""``sailor node readmit`` and ``sailor checkpoint clear-bad`` when ``--wait`` runs out.
+"""What ``sailor node readmit`` and ``sailor checkpoint clear-bad`` answer: what happened.
 
-The command withdraws its request and used to report failure (exit status 1), but a leader
-may have read the request just before and apply it all the same: the operator was told
-nothing happened while it did. Now the desired state is read again after the withdrawal,
-and the request counts as applied when what it asked for holds.
+A leader applies a request and deletes its key in one transaction, only while the key is
+as it observed it (``Executor.write_desired``); a command that gave up withdraws its
+request by a delete that holds only while the key is as written (``status._ask``). Before,
+the command deleted the key and read the desired state once more: a leader that had read
+the request just before wrote its state right after that read, and the operator was told
+"not applied" of a request that was; and it counted a request applied whenever the state
+no longer held what it named (records that went for another reason, or none held at all:
+``readmit --all`` with no controller said "readmitted every node and the job").
 
-Over a real etcd (plain, shared by the module, a job of its own per test: the secure
-servers fix the jobs at start; etcd's RBAC has tests of its own). :func:`_leader` plays a
-leader that applies the request as soon as it reads it and never deletes the key (its
-delete came after the withdrawal); without it no leader runs. Each test fails on the code
-before.
+Over a real etcd and NATS shared by the module (``module_plain_servers``), a job of its
+own per test. The leader is the controller's real ``Executor`` (elected with
+``campaign``) applying the real ``decide``'s actions; the test says when it reads the
+request and when it writes, to place its pass on either side of the withdrawal.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from sailor.cli.main import app
 from sailor.controller import status
-from sailor.coordination import EtcdStore, Keys, connect_etcd
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import DecideConfig, Observed
+from sailor.coordination import EtcdStore, Keys, KeyValue, connect_etcd
 from sailor.localservers import LocalServers
-from sailor.schemas.runtime import DesiredState, NodeHealth
+from sailor.schemas.runtime import ClearBadRequest, DesiredState, NodeHealth, ReadmitRequest
+from tests.integration.test_controller_executor import Rig, _records, executor_on
 
-WAIT_S = 0.5
-"""The command's ``--wait``: the leader below answers a request in milliseconds."""
-
-Apply = Callable[[DesiredState], DesiredState]
-
-_jobs = itertools.count()
-
-
-async def _requests(store: EtcdStore, keys: Keys) -> list[str]:
-    """The job's readmit and clear-bad requests in etcd."""
-    return [kv.key for p in (keys.readmits, keys.clear_bads) for kv in await store.get_prefix(p)]
-
-
-async def _leader(store: EtcdStore, keys: Keys, apply: Apply, seen: list[str]) -> None:
-    """Poll the job's requests; at the first one, write the desired state ``apply`` makes
-    of etcd's (read after the request was), and leave the request where it is."""
-    while True:
-        found = await _requests(store, keys)
-        if found:
-            kv = await store.get(keys.desired)
-            assert kv is not None
-            after = apply(DesiredState.model_validate_json(kv.value))
-            await store.put(keys.desired, after.model_dump_json().encode())
-            seen.extend(found)
-            return
-        await asyncio.sleep(0.01)
-
-
-@asynccontextmanager
-async def _job(
-    servers: LocalServers, desired: DesiredState, apply: Apply | None
-) -> AsyncIterator[tuple[str, EtcdStore, list[str]]]:
-    """A job of its own whose desired state is ``desired``, with a leader applying requests
-    by ``apply`` (None: no leader). Yields the job, a store, and the requests the leader saw."""
-    job = f"op{next(_jobs)}"
-    keys = Keys(job=job)
-    store = await connect_etcd(servers.etcd_endpoint)
-    seen: list[str] = []
-    leader = None
-    try:
-        await store.put(keys.desired, desired.model_dump_json().encode())
-        if apply is not None:
-            leader = asyncio.create_task(_leader(store, keys, apply, seen), name="test-leader")
-        yield job, store, seen
-        if leader is not None:
-            assert leader.done(), "the leader saw no request"
-            await leader  # its errors, if any
-    finally:
-        if leader is not None and not leader.done():
-            leader.cancel()
-            await asyncio.gather(leader, return_exceptions=True)
-        await store.close()
-
+WAIT_S = 0.6
+"""The command's ``--wait``."""
 
 HELD = NodeHealth(failures=2, generation=3, exclusions=1, excluded_until=1e12, cause="x")
-MARKED = DesiredState(epoch=1, generation=3, bad_checkpoints=(7, 14))
+CFG = DecideConfig(checkpoint_dir="/ck")
 
 
-@pytest.mark.parametrize("leader", [True, False])
-async def test_a_readmit_the_leader_applied_as_it_was_withdrawn_is_reported_applied(
-    module_plain_servers: LocalServers, leader: bool
-) -> None:
-    d = DesiredState(epoch=1, generation=3, node_health={"n1": HELD, "n2": HELD})
-    forget = (lambda s: s.model_copy(update={"node_health": {"n2": HELD}})) if leader else None
-    ep = module_plain_servers.etcd_endpoint
-    async with _job(module_plain_servers, d, forget) as (job, store, seen):
-        rid, done, unknown = await status.request_readmit(
-            ep, job, ["n1"], False, "op", None, WAIT_S
+async def _request(store: EtcdStore, prefix: str, timeout: float = 5.0) -> KeyValue:
+    """The first request under ``prefix``, once written."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = await store.get_prefix(prefix)
+        if found:
+            return found[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no request under {prefix}")
+
+
+async def _pass(rig: Rig, seen: KeyValue) -> None:
+    """One leader pass that read the request ``seen`` (its key, value and revision, as the
+    daemon's mirror holds them) and the desired state as etcd holds it now."""
+    keys = rig.ex.keys
+    d = DesiredState.model_validate_json(await rig.desired())
+    rid = seen.key.rsplit("/", 1)[1]
+    if seen.key.startswith(keys.readmits):
+        o = Observed(
+            now=time.time(),
+            nodes={},
+            status={},
+            readmit={rid: ReadmitRequest.model_validate_json(seen.value)},
         )
-        assert rid and unknown == () and done is leader
-        assert seen == ([Keys(job=job).readmit(rid)] if leader else [])
-        assert await _requests(store, Keys(job=job)) == []  # withdrawn either way
-
-
-@pytest.mark.parametrize("leader", [True, False])
-async def test_a_clear_bad_the_leader_applied_as_it_was_withdrawn_is_reported_applied(
-    module_plain_servers: LocalServers, leader: bool
-) -> None:
-    clear = (lambda s: s.model_copy(update={"bad_checkpoints": (7,)})) if leader else None
-    ep = module_plain_servers.etcd_endpoint
-    async with _job(module_plain_servers, MARKED, clear) as (job, store, seen):
-        rid, done, unknown = await status.request_clear_bad(
-            ep, job, [14], False, "op", None, WAIT_S
+    else:
+        o = Observed(
+            now=time.time(),
+            nodes={},
+            status={},
+            clear_bad={rid: ClearBadRequest.model_validate_json(seen.value)},
         )
-        assert rid and unknown == () and done is leader
-        assert seen == ([Keys(job=job).clear_bad(rid)] if leader else [])
-        assert await _requests(store, Keys(job=job)) == []
+    rig.ex.request_revisions = {seen.key: seen.mod_revision}
+    await rig.ex.apply(decide(d, o, CFG), d)
 
 
-async def test_everything_counts_as_applied_only_when_nothing_is_left(
-    module_plain_servers: LocalServers,
+def _ask(rig: Rig, ep: str, kind: str, wait_s: float = WAIT_S) -> Any:
+    """The command's request (readmit n1, or clear-bad step 14) as a task."""
+    job = rig.ex.keys.job
+    if kind == "readmit":
+        coro = status.request_readmit(ep, job, ["n1"], False, "op", None, wait_s)
+    else:
+        coro = status.request_clear_bad(ep, job, [14], False, "op", None, wait_s)
+    return asyncio.create_task(coro, name=f"test-{kind}")
+
+
+def _seeded(epoch: int) -> DesiredState:
+    return DesiredState(
+        epoch=epoch, generation=3, node_health={"n1": HELD, "n2": HELD}, bad_checkpoints=(7, 14)
+    )
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_withdrawn_after_the_leader_read_it_is_not_applied(
+    module_plain_servers: LocalServers, tmp_path: Path, kind: str
+) -> None:
+    """The leader reads the request, the command gives up and withdraws it, then the
+    leader's pass writes: refused, so "withdrawn" is the truth. Before, the leader's
+    write went through after the command's last read and the request it reported not
+    applied was applied."""
+    ep = module_plain_servers.etcd_endpoint
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        prefix = rig.ex.keys.readmits if kind == "readmit" else rig.ex.keys.clear_bads
+        asked = _ask(rig, ep, kind)
+        seen = await _request(rig.store, prefix)
+        answer = await asyncio.wait_for(asked, 10)
+        await _pass(rig, seen)  # the leader's write, after the withdrawal
+        d = DesiredState.model_validate_json(await rig.desired())
+        assert "n1" in d.node_health and d.bad_checkpoints == (7, 14)  # nothing applied
+        assert answer.outcome == "withdrawn"
+        assert await rig.store.get_prefix(prefix) == []
+        assert [r["keys"] for r in _records(rig.audit, "request_withdrawn")] == [[seen.key]]
+        assert _records(rig.audit, "readmit") == _records(rig.audit, "clear_bad") == []
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_the_leader_takes_in_time_says_what_it_ended(
+    module_plain_servers: LocalServers, tmp_path: Path, kind: str
 ) -> None:
     ep = module_plain_servers.etcd_endpoint
-    d = DesiredState(epoch=1, generation=3, node_health={"n1": HELD}, job_health=HELD)
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        prefix = rig.ex.keys.readmits if kind == "readmit" else rig.ex.keys.clear_bads
+        asked = _ask(rig, ep, kind, wait_s=10)
+        await _pass(rig, await _request(rig.store, prefix))
+        answer = await asyncio.wait_for(asked, 10)
+        d = DesiredState.model_validate_json(await rig.desired())
+        assert answer.outcome == "applied" and answer.again == ()
+        if kind == "readmit":
+            assert answer.done == ("n1",) and set(d.node_health) == {"n2"}
+        else:
+            assert answer.done == ("14",) and d.bad_checkpoints == (7,)
+        assert await rig.store.get_prefix(prefix) == []
 
-    def forget(s: DesiredState) -> DesiredState:
-        return s.model_copy(update={"node_health": {}})  # the job's is left
 
-    async with _job(module_plain_servers, d, forget) as (job, _, seen):
-        assert (await status.request_readmit(ep, job, [], True, "op", None, WAIT_S))[1] is False
-        assert seen
+def _config(tmp_path: Path, ep: str, job: str) -> Path:
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(f"etcd_endpoints: [{ep}]\njob: {job}\ncheckpoint_dir: /ck\n")
+    return cfg
 
-    def clear(s: DesiredState) -> DesiredState:
-        return s.model_copy(update={"bad_checkpoints": ()})
 
-    async with _job(module_plain_servers, MARKED, clear) as (job, _, seen):
-        assert (await status.request_clear_bad(ep, job, [], True, "op", None, WAIT_S))[1] is True
-        assert seen
+async def _cli(*args: str) -> Any:
+    """The command line in a thread: it runs its own event loop (``asyncio.run``)."""
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args))
+
+
+async def test_readmit_says_nothing_to_readmit_or_no_controller_answered(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """No controller runs. ``--all`` with no record held writes no request and says so
+    (before: "readmitted every node and the job", exit status 0); a record that goes
+    while the command waits (forgotten, not by this request) is no answer either (before:
+    "readmitted n1")."""
+    ep = module_plain_servers.etcd_endpoint
+    job = f"op-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    cfg = _config(tmp_path, ep, job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, DesiredState(epoch=1).model_dump_json().encode())
+        res = await _cli("node", "readmit", "--all", "--config", str(cfg), "--wait", "0.5")
+        assert res.exit_code == 1, res.output
+        assert "nothing to readmit: no node is excluded or failing" in res.output
+        assert await store.get_prefix(keys.readmits) == []
+        held = DesiredState(epoch=1, node_health={"n1": HELD})
+        await store.put(keys.desired, held.model_dump_json().encode())
+        cli = asyncio.create_task(
+            _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1"), name="test-cli"
+        )
+        await _request(store, keys.readmits)
+        await store.put(keys.desired, DesiredState(epoch=1).model_dump_json().encode())
+        res = await cli
+        assert res.exit_code == 1, res.output
+        assert "no controller answered within 1 s" in res.output
+        assert "nothing was readmitted" in res.output
+        assert await store.get_prefix(keys.readmits) == []
+    finally:
+        await store.close()

@@ -14,6 +14,7 @@ import asyncio
 import pytest
 
 from sailor.coordination import (
+    ChangedError,
     FencedError,
     Keys,
     NatsCommands,
@@ -355,6 +356,49 @@ async def test_put_all_guarded_writes_every_key_or_none(etcd_endpoint: str) -> N
         assert await store.get("/m/v/3") is None
         current = await store.get("/m/current")
         assert current is not None and current.value == b"2"
+        await lease.revoke()
+    finally:
+        await store.close()
+
+
+async def test_a_request_is_taken_by_the_leader_or_withdrawn_never_both(
+    etcd_endpoint: str,
+) -> None:
+    """An operator's request: the leader's write that applies it compares its revision and
+    deletes it; the operator's withdrawal deletes it only while it is as written. Whichever
+    comes second is refused, and the leader learns it was a withdrawal, not a fencing."""
+    store = await connect_etcd(etcd_endpoint)
+    try:
+        lease = await store.lease(5)
+        created = await store.create_if_absent("/r/leader", b"me", lease)
+        assert created is not None
+        epoch = created.create_revision
+        rev = await store.put("/r/req/1", b"ask")
+        assert await store.delete_unchanged("/r/req/1", rev)  # withdrawn first
+        with pytest.raises(ChangedError):
+            await store.put_all_guarded(
+                [("/r/desired", b"applied")],
+                "/r/leader",
+                epoch,
+                delete=["/r/req/1"],
+                expect={"/r/req/1": rev},
+            )
+        assert await store.get("/r/desired") is None
+        rev = await store.put("/r/req/2", b"ask")
+        await store.put_all_guarded(  # taken first
+            [("/r/desired", b"applied")],
+            "/r/leader",
+            epoch,
+            delete=["/r/req/2"],
+            expect={"/r/req/2": rev},
+        )
+        assert not await store.delete_unchanged("/r/req/2", rev)
+        assert [k.key for k in await store.get_prefix("/r/req/")] == []
+        rev = await store.put("/r/req/3", b"ask")
+        with pytest.raises(FencedError):  # another epoch: fenced, whatever the request
+            await store.put_all_guarded(
+                [("/r/desired", b"x")], "/r/leader", epoch + 1, expect={"/r/req/3": rev}
+            )
         await lease.revoke()
     finally:
         await store.close()

@@ -24,7 +24,7 @@ import pytest
 
 import sailor.agent.daemon as agent_daemon
 from sailor.controller.audit import read_records
-from sailor.controller.status import read_status, request_readmit
+from sailor.controller.status import Answer, read_status, request_readmit
 from sailor.coordination import (
     DaemonFailedError,
     FencedError,
@@ -38,7 +38,7 @@ from sailor.coordination.mirror import PrefixMirror
 from sailor.localservers import LocalServers
 from sailor.schemas.commands import Abort, CommandAdapter
 from sailor.schemas.events import Heartbeat
-from sailor.schemas.runtime import CommandAck, Phase
+from sailor.schemas.runtime import CommandAck, DesiredState, NodeHealth, Phase
 from tests.integration.cluster_kit import Cluster, until
 from tests.integration.secure_servers import JOB
 
@@ -391,10 +391,12 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
     assert snap["excluded"] == {} and "refuses its configuration" in snap["job_excluded"]["cause"]
     await asyncio.sleep(1.5)  # and it stays so: no relaunch loop
     assert ctl.desired.generation == gen and ctl.desired.phase is Phase.IDLE
-    rid, done, unknown = await request_readmit(
+    answer = await request_readmit(
         cluster.etcd, cluster.job, (), True, "ops@test", cluster.security("c1"), wait_s=20
     )
-    assert done and unknown == (), "the leader did not apply the readmit request"
+    assert answer.outcome == "applied", "the leader did not apply the readmit request"
+    assert answer.done == ("the job",) and answer.unknown == ()
+    rid = answer.request_id
     await until(lambda: held(gen), 40, "the job was not launched and held again")
     ctl.audit.sync()
     phases = _records(cluster, "c1", "phase")
@@ -416,20 +418,25 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
 async def test_a_readmit_of_nothing_writes_nothing_and_an_unapplied_one_is_withdrawn(
     servers: LocalServers,
 ) -> None:
-    """No leader runs here: a request naming only nodes without a failure record is not
-    written (the CLI says so instead of "readmitted"); one that no leader applies in time
-    is deleted, so a leader that starts later does not act on a request reported failed."""
+    """No leader runs here: a request naming only nodes without a failure record, or
+    ``--all`` with none held, is not written (the CLI says so instead of "readmitted"); one
+    that no leader takes in time is withdrawn, so a leader that starts later does not act
+    on a request reported not applied."""
     sec, job = servers.security("c1"), JOB  # the job the servers' roles are for
-    rid, done, unknown = await request_readmit(
+    answer = await request_readmit(
         servers.etcd_endpoint, job, ("n7",), False, "ops@test", sec, wait_s=0.5
     )
-    assert (rid, done, unknown) == ("", False, ("n7",))
-    rid, done, unknown = await request_readmit(
-        servers.etcd_endpoint, job, (), True, "ops@test", sec, wait_s=0.5
-    )
-    assert rid and not done and unknown == ()
+    assert answer == Answer("", "nothing", unknown=("n7",))
+    answer = await request_readmit(servers.etcd_endpoint, job, (), True, "ops@test", sec, 0.5)
+    assert answer == Answer("", "nothing")
     store = await connect_etcd(servers.etcd_endpoint, security=sec)
     try:
+        desired = f"/sailor/{job}/desired"
+        held = DesiredState(epoch=1, node_health={"n7": NodeHealth(failures=1, generation=1)})
+        await store.put(desired, held.model_dump_json().encode())
+        answer = await request_readmit(servers.etcd_endpoint, job, (), True, "ops@test", sec, 0.5)
+        assert answer.request_id and answer.outcome == "withdrawn"
         assert await store.get_prefix(f"/sailor/{job}/readmit/") == []
     finally:
+        await store.delete(f"/sailor/{job}/desired")
         await store.close()

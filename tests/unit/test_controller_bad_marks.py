@@ -19,10 +19,18 @@ from sailor.schemas.runtime import (
     Phase,
     SuspectCheckpoint,
 )
-from tests.unit.test_controller_decide import CFG, NOW, nodes, obs, running, st
+from tests.unit.test_controller_decide import CFG, NOW, _sets, nodes, obs, running, st
+from tests.unit.test_controller_suspect_checkpoint import (
+    _first_strike,
+    _loading,
+    _o,
+    _unreadable,
+    _up,
+)
 
 IDS = (1, 2)
 COMMITS = tuple(CommitRecord(step=s, directory="/ck") for s in (5, 9, 14))
+ALL_IDS = (1, 2, 3, 4)
 
 
 def _states(actions: list[Action]) -> list[DesiredState]:
@@ -126,3 +134,47 @@ def test_a_clear_bad_request_names_steps_or_all() -> None:
         ClearBadRequest(steps=(9, 5))
     req = ClearBadRequest(steps=(5, 9), who="ops@head", time=5.0)
     assert ClearBadRequest.model_validate_json(req.model_dump_json()) == req
+
+
+def _all_unreadable() -> DesiredState:
+    """Every placed node of generation 1 failed to read step 30: marked bad at the abort,
+    the teardown falls back to 20."""
+    (torn,) = _sets(decide(_loading((1, 2, 3, 4)), _o([_unreadable(i) for i in ALL_IDS]), CFG))
+    assert torn.phase is Phase.TEARDOWN and torn.bad_checkpoints == (30,)
+    assert torn.load_step == 20
+    return torn
+
+
+def test_a_clear_in_the_teardown_is_not_undone_by_the_reports_it_answered() -> None:
+    """Step 30 marked bad (every node of generation 1 failed to read it), cleared in the
+    teardown: it stays cleared, and the next launch loads it. Before, the same pass judged
+    the aborted generation's read failures again (``suspect_checkpoint.late``, the reports
+    still in the statuses): step 30 was marked bad again and the teardown fell back to 20,
+    while the request was answered "cleared"."""
+    torn = _all_unreadable()
+    failed = [_unreadable(i) for i in ALL_IDS]
+    a = decide(torn, _o(failed, clear_bad={"r1": ClearBadRequest(steps=(30,))}), CFG)
+    last = _states(a)[-1]
+    assert last.bad_checkpoints == () and last.load_step == 30
+    assert last.reads_spent_through == torn.generation
+    assert [x.cleared for x in _done(a)] == [(30,)]
+    # nor does the next pass, the request gone and the reports still there
+    assert all(s.bad_checkpoints == () for s in _states(decide(last, _o(failed), CFG)))
+    # what the clear answered is the aborted generation's reports: the next generation
+    # that fails to read the step on every node marks it bad again
+    relaunch = _loading(ALL_IDS, gen=2, reads_spent_through=last.reads_spent_through)
+    (torn2,) = _sets(decide(relaunch, _o([_unreadable(i, gen=2) for i in ALL_IDS]), CFG))
+    assert torn2.bad_checkpoints == (30,) and torn2.load_step == 20
+
+
+def test_a_cleared_suspect_mark_charges_its_nodes_once() -> None:
+    """A first strike (n3 failed to read step 30, charged and excluded): the operator
+    clears 30 in the teardown. Before, the same pass judged n3's report again, marked 30
+    suspect again and charged n3 a second time (two exclusions for one failure)."""
+    torn = _first_strike()
+    charged = torn.node_health["n3"]
+    statuses = [*_up((1, 2, 4), 1), _unreadable(3)]
+    a = decide(torn, _o(statuses, clear_bad={"r1": ClearBadRequest(steps=(30,))}), CFG)
+    last = _states(a)[-1]
+    assert last.suspect_checkpoint == SuspectCheckpoint()
+    assert last.node_health["n3"] == charged
