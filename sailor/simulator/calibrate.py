@@ -29,18 +29,17 @@ p2p pair shares one), in order, each using those before it (docs/simulator-model
   engine's work around each transfer (instruction dispatch, buffer handling), which the
   profile of the layers alone does not see; the efficiency, the bandwidth the transfers
   reach against the probed link (docs/simulator-model.md section 7b).
-* ``alloc_factor`` (κ): measured Δpeak, less the modelled Δcommunicators, / modelled
-  Δactivations between the single-stage runs with the smallest and largest activation
-  footprint; 1 without two such runs.
+* ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage
+  runs with the smallest and largest activation footprint; 1 without two such runs.
 * ``communicator_bytes`` and ``memory_overhead_bytes`` (M0), from the memory residuals
   (measured − modelled peak, without either) and the number of NCCL communicators of each
   run's peak GPU under the runs' process groups: with two or more counts among the runs and
-  residuals that grow with the count, the least-squares slope of residual on count is the
-  bytes per communicator and M0 the median of residual − bytes × count. Otherwise (one
-  count, or residuals that do not grow: GH200's fall by 124 MB per communicator over 3-7)
-  M0 is the median residual and holds up to the runs' most communicators
-  (``communicators_covered``); a rank holding more is priced at ``base``'s bytes for each
-  one beyond, outside what was measured.
+  residuals that grow with the count (the least-squares slope beyond twice its standard
+  error), the slope is the bytes per communicator and M0 the median of residual − bytes ×
+  count. Otherwise (one count, or residuals that do not grow: GH200's fall by 124 MB per
+  communicator over 3-7) M0 is the median residual and holds up to the runs' most
+  communicators (``communicators_covered``); a rank holding more is priced at ``base``'s
+  bytes for each one beyond, outside what was measured.
 
 The runs are simulated with ``base``'s deployment structure, which must be the one they ran
 on (η is relative to the gradient bytes it implies); the result records it as
@@ -331,11 +330,12 @@ def _communicators_and_m0(
     readings: Sequence[tuple[int, int]], prior_bytes: int
 ) -> tuple[int, int, int, str]:
     """(bytes per communicator, communicators M0 holds, M0, why) from (residual, count) per
-    run. Where the runs hold two counts or more and their residuals grow with the count,
-    the least-squares slope is the bytes per communicator and M0 the median of what is
-    left (it holds none). Otherwise the runs show no cost per communicator within their
-    counts: M0 is the median residual and holds up to their most, and a rank holding more
-    is priced at ``prior_bytes`` per communicator beyond it (outside what was measured)."""
+    run. Where the runs hold two counts or more and their residuals grow with the count
+    (the least-squares slope above twice its standard error), the slope is the bytes per
+    communicator and M0 the median of what is left (it holds none). Otherwise the runs show
+    no cost per communicator within their counts: M0 is the median residual and holds up
+    to their most, and a rank holding more is priced at ``prior_bytes`` per communicator
+    beyond it (outside what was measured)."""
     counts = [n for _, n in readings]
     most = max(counts, default=0)
     if len(set(counts)) >= 2:
@@ -344,8 +344,14 @@ def _communicators_and_m0(
         sxx = sum((n - mean_n) ** 2 for n in counts)
         sxy = sum((n - mean_n) * (r - mean_r) for r, n in readings)
         slope = sxy / sxx
-        span = f"their {min(counts)}-{most} NCCL communicators ({slope / 1e6:+.0f} MB each)"
-        if slope > 0:
+        # its standard error: a slope within two of it is the runs' spread, not a cost
+        ssr = sum((r - mean_r - slope * (n - mean_n)) ** 2 for r, n in readings)
+        se = math.sqrt(ssr / (len(readings) - 2) / sxx) if len(readings) > 2 else math.inf
+        span = (
+            f"their {min(counts)}-{most} NCCL communicators ({slope / 1e6:+.0f} ± "
+            f"{se / 1e6:.0f} MB each)"
+        )
+        if slope > 2 * se:
             comm, covered = int(slope), 0
             why = f"communicator_bytes={comm / 1e6:.0f} MB: slope of {len(readings)} runs' "
             why += f"memory residuals on {span}"
@@ -353,8 +359,8 @@ def _communicators_and_m0(
             comm, covered = prior_bytes, most
             why = (
                 f"communicators_covered={most}: {len(readings)} runs' memory residuals do not "
-                f"grow with {span}, so M0 holds up to {most}; more are priced at the base's "
-                f"{comm / 1e6:.0f} MB each"
+                f"grow with {span} beyond twice its standard error, so M0 holds up to {most}; "
+                f"more are priced at the base's {comm / 1e6:.0f} MB each"
             )
     else:
         comm, covered = prior_bytes, most

@@ -147,6 +147,12 @@ def test_a_fit_prices_communicators_only_where_the_runs_show_a_cost() -> None:
     comm, covered, m0, _ = _communicators_and_m0(growing, 600_000_000)
     assert covered == 0 and comm == pytest.approx(500_000_000, rel=1e-6)
     assert m0 == pytest.approx(1_000_000_000, rel=1e-6)
+    # a slope within its spread is not a cost: +5 MB per communicator over residuals that
+    # scatter by hundreds of MB leaves M0 holding them (a slope of +1 MB priced every
+    # communicator at 1 MB, one of -1 MB at the base's 616 MB beyond the runs)
+    noisy = [(3_000_000_000 + 5_000_000 * n + (-1) ** n * 300_000_000, n) for n in range(3, 9)]
+    comm, covered, _, why = _communicators_and_m0(noisy, 600_000_000)
+    assert (comm, covered) == (600_000_000, 8) and "standard error" in why
     one = [(3_000_000_000, 4), (3_200_000_000, 4)]
     assert _communicators_and_m0(one, 600_000_000)[:3] == (600_000_000, 4, 3_100_000_000)
 
