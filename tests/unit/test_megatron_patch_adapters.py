@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from sailor.megatron_patch.deepspeed_adapter import (
     UnsupportedPlanError,
-    check_no_resume,
+    check_args,
+    check_train_config,
     deepspeed_config,
     deepspeed_env,
     deepspeed_layout,
@@ -15,7 +18,9 @@ from sailor.megatron_patch.deepspeed_adapter import (
     device_sync,
     run,
 )
+from sailor.megatron_patch.rank_args import build_parser
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.training import TrainingConfig
 
 
 def _pipe(cuts: list[tuple[int, int]], tp: int = 1, mbs: int = 2, m: int = 2) -> Pipeline:
@@ -184,27 +189,44 @@ def test_deepspeed_step_timing_waits_for_the_gpu(monkeypatch: pytest.MonkeyPatch
     assert synced == [torch.device("cuda", 1)]
 
 
-def test_the_deepspeed_adapter_refuses_a_resume_it_cannot_load() -> None:
-    """It saves and loads no checkpoint: a resume started from a fresh initialisation at
-    the given step, with no check of the precision the state was trained in; it is
-    refused by name before anything starts (DeepSpeed is not imported for it)."""
-    check_no_resume(-1, "")  # a fresh start runs
-    with pytest.raises(UnsupportedPlanError, match=r"load_step=12 \(ckpt_dir='/ck'\)"):
-        check_no_resume(12, "/ck")
+def _args(*extra: str) -> list[str]:
+    base = ["--plan", "/nonexistent.json", "--rank", "0", "--world-size", "1"]
+    return [*base, "--master", "127.0.0.1:1", *extra]
+
+
+def test_the_deepspeed_adapter_resumes_only_with_a_checkpoint_implementation() -> None:
+    """Run as ``deepspeed_adapter`` alone it has no checkpoint IO: a resume is refused by
+    name before anything starts (``training_process.deepspeed_glue`` passes one)."""
+    args = build_parser().parse_args(_args("--ckpt-dir", "/ck", "--load-step", "3"))
+    check_args(args, has_ckpt=True)  # with Sailor's checkpoints it resumes
+    check_args(build_parser().parse_args(_args()), has_ckpt=False)  # a fresh start runs
+    with pytest.raises(UnsupportedPlanError, match=r"load_step=3 \(ckpt_dir='/ck'\)"):
+        check_args(args, has_ckpt=False)
     with pytest.raises(UnsupportedPlanError, match="load_step=3"):
-        run(
-            [
-                "--plan",
-                "/nonexistent.json",
-                "--rank",
-                "0",
-                "--world-size",
-                "1",
-                "--master",
-                "127.0.0.1:1",
-                "--ckpt-dir",
-                "/ck",
-                "--load-step",
-                "3",
-            ]
-        )
+        run(_args("--ckpt-dir", "/ck", "--load-step", "3"))
+    with pytest.raises(UnsupportedPlanError, match="--in-place=True"):
+        check_args(build_parser().parse_args(_args("--in-place")), has_ckpt=True)
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"schedule": {"warmup_steps": 2}}, "schedule"),
+        ({"clipping": {"max_norm": 1.0}}, "clipping.max_norm=1.0"),
+        ({"eval": {"every_steps": 5}}, "eval.every_steps=5"),
+        ({"loss_scaling": {"mode": "dynamic"}}, "loss_scaling.mode='dynamic'"),
+        ({"metrics": {"jsonl": "m.jsonl"}}, "metrics"),
+    ],
+)
+def test_the_deepspeed_adapter_refuses_training_config_fields_it_does_not_run(
+    section: dict[str, object], field: str
+) -> None:
+    check_train_config(None)
+    ok = {
+        "model": {"kind": "builtin", "name": "tiny-llama"},
+        "checkpoint": {"dir": "ck", "every_steps": 2},
+    }
+    check_train_config(TrainingConfig.model_validate({**ok, "allow_precision_change": True}))
+    tc = TrainingConfig.model_validate({**ok, **section})
+    with pytest.raises(UnsupportedPlanError, match=re.escape(field)):
+        check_train_config(tc)
