@@ -24,18 +24,37 @@ process group starts; :func:`deepspeed_precision` picks bf16 where every GPU typ
 has it, else fp16 with dynamic loss scaling, fp32 on the CPU. Step times synchronize the
 device before each clock read (CUDA kernels run asynchronously).
 
-Checkpoints: none. The adapter neither saves (no ``--control`` stop/save requests) nor
-loads one, so it records no precision and has none to check against a resumed run's
-(Sailor's engine refuses another precision than its checkpoint's unless
-``allow_precision_change``: ``engine.load_scaling_state``). A resume (``--load-step`` >= 0)
-is refused by :func:`check_no_resume`: before, it started from a fresh initialisation at the
-given step and data position, silently, in whatever precision the devices gave.
+Checkpoints: Sailor's own format (``sailor.checkpoint``), through a
+:class:`~sailor.megatron_patch.deepspeed_state.DeepSpeedCheckpointIO` that :func:`main` is
+given (``python -m sailor.training_process.deepspeed_glue`` passes the layer-keyed one; this
+package never imports ``sailor.checkpoint``). The iteration boundary is the worker's
+(:class:`~sailor.megatron_patch.boundary.Boundary`): the agent's ``--control`` stop/save
+requests (``saved``, ``stopped`` lines) and the training config's periodic checkpoints
+(``checkpoint.every_steps``, ``periodic_checkpoint``). Each rank saves its layers' weights and
+both AdamW moments (the optimizer is Sailor's AdamW, DeepSpeed only calls its ``step``), with
+the step, the data position, the seed and the precision in the same globals as the engine's,
+and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engine wrote under
+any layout (the reader relayouts by layer). Another precision than the checkpoint's is refused
+with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
+another seed too. fp32 only: in bf16 or fp16 DeepSpeed steps a wrapper holding flat fp32
+master copies, which are not mapped (``deepspeed_state``; a save or resume there is refused by
+name). Without a checkpoint IO (``python -m sailor.megatron_patch.deepspeed_adapter``) a
+resume is refused (:func:`check_args`), as is ``--in-place``/``--warm``.
+
+``--train-config`` is read like the worker's: model (Sailor's own blocks; a ``transformers``
+architecture or imported weights are refused), seed, data, AdamW (with ``no_decay``), the
+precision check and checkpoints. What the adapter does not run (an LR schedule, clipping,
+evaluation, forced loss scaling, metrics files) is refused by field and value
+(:func:`check_train_config`) rather than ignored.
 
 Tied embeddings are not mapped (DeepSpeed's ``TiedLayerSpec`` would need the head's norm
 split off); use an untied model. deepspeed is imported only inside :func:`run`.
 
-Run one rank: ``python -m sailor.megatron_patch.deepspeed_adapter`` with the worker's
-arguments (``--plan --rank --world-size --master --steps --model --progress --dump-state``).
+Run one rank: ``python -m sailor.training_process.deepspeed_glue`` (with checkpoints) or
+``python -m sailor.megatron_patch.deepspeed_adapter`` (without), with the worker's arguments
+(``--plan --rank --world-size --master --steps --model --progress --dump-state --control
+--ckpt-dir --load-step --train-config``). Progress lines are the worker's (``ready``,
+``step``, ``saved``, ``stopped``, ``done``; on stdout too for rank 0 or under ``--control``).
 """
 
 from __future__ import annotations
