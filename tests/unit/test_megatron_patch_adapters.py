@@ -18,6 +18,9 @@ from sailor.megatron_patch.deepspeed_adapter import (
     device_sync,
     run,
 )
+from sailor.megatron_patch.deepspeed_state import DeepSpeedRun, NotCheckpointableError
+from sailor.megatron_patch.engine import TrainConfig
+from sailor.megatron_patch.precision import Precision
 from sailor.megatron_patch.rank_args import build_parser
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.training import TrainingConfig
@@ -230,3 +233,34 @@ def test_the_deepspeed_adapter_refuses_training_config_fields_it_does_not_run(
     tc = TrainingConfig.model_validate({**ok, **section})
     with pytest.raises(UnsupportedPlanError, match=re.escape(field)):
         check_train_config(tc)
+
+
+def _ds_run(engine_optimizer: object = None, precision: Precision = "fp32") -> DeepSpeedRun:
+    module = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(module.parameters())
+    plan = _plan(_pipe([(0, 5)]))
+    return DeepSpeedRun(
+        plan, 0, module, opt, engine_optimizer or opt, TrainConfig(), precision, 3, 24
+    )
+
+
+def test_a_deepspeed_run_checkpoints_only_its_own_adamw() -> None:
+    """In bf16/fp16 DeepSpeed steps a wrapper around flat fp32 master copies: a save or a
+    resume there is refused by name, not written from the low-precision weights."""
+    _ds_run().check_checkpointable()
+    wrapped = _ds_run(engine_optimizer=object(), precision="bf16")
+    with pytest.raises(NotCheckpointableError, match=r"precision='bf16'.*fp32 runs only"):
+        wrapped.check_checkpointable()
+    with pytest.raises(NotCheckpointableError):
+        wrapped.state()
+
+
+def test_a_deepspeed_run_refuses_another_precision_with_the_engines_error() -> None:
+    run = _ds_run()
+    with pytest.raises(ValueError, match=r"precision='bf16' of the state being loaded"):
+        run.load_scaling_state({"precision": "bf16", "skipped_steps": 0})
+    run.cfg = TrainConfig(allow_precision_change=True)
+    run.load_scaling_state({"precision": "bf16", "skipped_steps": 1})
+    assert run.adam_step == 2
+    with pytest.raises(RuntimeError, match="no AdamW state at AdamW step 2"):
+        run.state()  # moments missing at a step past 0: never saved as zeros
