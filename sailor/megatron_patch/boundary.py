@@ -14,11 +14,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Generic, Protocol, TextIO, TypeVar
 
 import torch
 
-from sailor.megatron_patch.checkpoint_io import CheckpointIO
+from sailor.megatron_patch.checkpoint_io import SaveIO
 from sailor.megatron_patch.control import (
     ControlRequest,
     agree,
@@ -26,12 +26,22 @@ from sailor.megatron_patch.control import (
     agree_save,
     read_control,
 )
-from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.errors import InjectedFailureError
 from sailor.megatron_patch.save_failure import raise_save_failure
 from sailor.schemas.training import CheckpointConfig
 
-__all__ = ["Boundary", "Progress", "Status", "sub_rank"]
+__all__ = ["Boundary", "Progress", "Status", "Stepped", "sub_rank"]
+
+
+class Stepped(Protocol):
+    """What the boundary reads of a trainer: the last iteration it finished (Sailor's
+    ``Trainer``, or the DeepSpeed adapter's run)."""
+
+    @property
+    def step(self) -> int: ...
+
+
+_T = TypeVar("_T", bound=Stepped)
 
 
 def sub_rank(path: str | None, rank: int) -> str | None:
@@ -79,15 +89,17 @@ class Status:
         return self.step + 1 if self.in_iteration and self.step >= 0 else self.step
 
 
-class Boundary:
-    """The iteration-boundary hook: injected failure, control requests, save, stop, hold."""
+class Boundary(Generic[_T]):
+    """The iteration-boundary hook: injected failure, control requests, save, stop, hold.
+
+    Generic in the trainer: ``ckpt`` saves whatever the boundary is called with."""
 
     def __init__(
         self,
         args: argparse.Namespace,
         status: Status,
         progress: Progress,
-        ckpt: CheckpointIO | None,
+        ckpt: SaveIO[_T] | None,
         device: torch.device,
         periodic: CheckpointConfig | None = None,
     ) -> None:
@@ -162,7 +174,7 @@ class Boundary:
         self.last_saved, self.pending_save = self.pending_save, -1
         self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
 
-    def _periodic_save(self, tr: Trainer) -> None:
+    def _periodic_save(self, tr: _T) -> None:
         """The training config's checkpoint every ``every_steps`` (its own directory and
         retention, apart from the agent's): a save that is durable before training goes on,
         reported as ``periodic_checkpoint`` (not ``saved``: the agent's protocol is about its
@@ -178,7 +190,7 @@ class Boundary:
             {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}
         )
 
-    def _maybe_save(self, tr: Trainer, req: ControlRequest, holding: bool) -> None:
+    def _maybe_save(self, tr: _T, req: ControlRequest, holding: bool) -> None:
         if not req.wants_save or req.save_step in self.saved_requests:
             return
         if tr.step < req.save_step and not holding:
@@ -195,14 +207,14 @@ class Boundary:
         self._poll(None)
         self.pending_save = tr.step
 
-    def __call__(self, tr: Trainer) -> bool:
+    def __call__(self, tr: _T) -> bool:
         self.status.step, self.status.in_iteration = tr.step, False
         stop = self._at(tr)
         # the next iteration (if any) runs until the next call: a failure there is its step's
         self.status.in_iteration = not stop
         return stop
 
-    def _at(self, tr: Trainer) -> bool:
+    def _at(self, tr: _T) -> bool:
         a = self.args
         if a.min_step_s > 0:
             left = a.min_step_s - (time.monotonic() - self.last_boundary)
@@ -223,7 +235,7 @@ class Boundary:
             return True
         return bool(tr.step >= a.start_step + a.steps)
 
-    def _hold(self, tr: Trainer, req: ControlRequest) -> None:
+    def _hold(self, tr: _T, req: ControlRequest) -> None:
         """At the stop step: wait (in lockstep) until a save of this step is durable."""
         # A poll count, not a clock: every rank must leave the loop at the same poll, since
         # each poll is a collective.

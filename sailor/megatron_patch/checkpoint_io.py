@@ -2,19 +2,45 @@
 
 ``sailor.megatron_patch`` may not import ``sailor.checkpoint`` (import-linter): the worker
 (:mod:`rank_main`) takes any object with these methods; ``sailor worker`` passes the
-layer-keyed one of ``sailor.training_process.ckpt_glue``.
+layer-keyed one of ``sailor.training_process.ckpt_glue``. :class:`SaveIO` is the part the
+iteration boundary (:mod:`boundary`) uses, over any trainer type: the DeepSpeed adapter's run
+(``deepspeed_adapter.DeepSpeedRun``) is saved through it too.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from sailor.megatron_patch.engine import Trainer
 
-__all__ = ["CheckpointIO"]
+__all__ = ["CheckpointIO", "SaveIO"]
+
+_T_contra = TypeVar("_T_contra", contravariant=True)
 
 
-class CheckpointIO(Protocol):
+class SaveIO(Protocol[_T_contra]):
+    """What the iteration boundary needs to save a trainer of type ``_T_contra``."""
+
+    def save(
+        self, trainer: _T_contra, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
+        """Snapshot now (collective), persist in the background (``CheckpointIO.save``)."""
+        ...
+
+    def done(self) -> bool:
+        """Whether this rank's part of the save in flight is durable, without blocking."""
+        ...
+
+    def wait(self) -> None:
+        """Block until this rank's part of the save in flight is durable; raise its error."""
+        ...
+
+    def close(self) -> None:
+        """Finish the save in flight and release threads."""
+        ...
+
+
+class CheckpointIO(SaveIO[Trainer], Protocol):
     """What the worker needs of a checkpoint implementation (called on every rank)."""
 
     def position(self, root: str, step: int) -> tuple[int, int]:

@@ -24,22 +24,42 @@ process group starts; :func:`deepspeed_precision` picks bf16 where every GPU typ
 has it, else fp16 with dynamic loss scaling, fp32 on the CPU. Step times synchronize the
 device before each clock read (CUDA kernels run asynchronously).
 
-Checkpoints: none. The adapter neither saves (no ``--control`` stop/save requests) nor
-loads one, so it records no precision and has none to check against a resumed run's
-(Sailor's engine refuses another precision than its checkpoint's unless
-``allow_precision_change``: ``engine.load_scaling_state``). A resume (``--load-step`` >= 0)
-is refused by :func:`check_no_resume`: before, it started from a fresh initialisation at the
-given step and data position, silently, in whatever precision the devices gave.
+Checkpoints: Sailor's own format (``sailor.checkpoint``), through a
+:class:`~sailor.megatron_patch.deepspeed_state.DeepSpeedCheckpointIO` that :func:`main` is
+given (``python -m sailor.training_process.deepspeed_glue`` passes the layer-keyed one; this
+package never imports ``sailor.checkpoint``). The iteration boundary is the worker's
+(:class:`~sailor.megatron_patch.boundary.Boundary`): the agent's ``--control`` stop/save
+requests (``saved``, ``stopped`` lines) and the training config's periodic checkpoints
+(``checkpoint.every_steps``, ``periodic_checkpoint``). Each rank saves its layers' weights and
+both AdamW moments (the optimizer is Sailor's AdamW, DeepSpeed only calls its ``step``), with
+the step, the data position, the seed and the precision in the same globals as the engine's,
+and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engine wrote under
+any layout (the reader relayouts by layer). Another precision than the checkpoint's is refused
+with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
+another seed too. fp32 only: in bf16 or fp16 DeepSpeed steps a wrapper holding flat fp32
+master copies, which are not mapped (``deepspeed_state``; a save or resume there is refused by
+name). Without a checkpoint IO (``python -m sailor.megatron_patch.deepspeed_adapter``) a
+resume is refused (:func:`check_args`), as is ``--in-place``/``--warm``.
+
+``--train-config`` is read like the worker's: model (Sailor's own blocks; a ``transformers``
+architecture or imported weights are refused), seed, data, AdamW (with ``no_decay``), the
+precision check and checkpoints. What the adapter does not run (an LR schedule, clipping,
+evaluation, forced loss scaling, metrics files) is refused by field and value
+(:func:`check_train_config`) rather than ignored.
 
 Tied embeddings are not mapped (DeepSpeed's ``TiedLayerSpec`` would need the head's norm
 split off); use an untied model. deepspeed is imported only inside :func:`run`.
 
-Run one rank: ``python -m sailor.megatron_patch.deepspeed_adapter`` with the worker's
-arguments (``--plan --rank --world-size --master --steps --model --progress --dump-state``).
+Run one rank: ``python -m sailor.training_process.deepspeed_glue`` (with checkpoints) or
+``python -m sailor.megatron_patch.deepspeed_adapter`` (without), with the worker's arguments
+(``--plan --rank --world-size --master --steps --model --progress --dump-state --control
+--ckpt-dir --load-step --train-config``). Progress lines are the worker's (``ready``,
+``step``, ``saved``, ``stopped``, ``done``; on stdout too for rank 0 or under ``--control``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -54,27 +74,34 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from sailor import catalog
-from sailor.megatron_patch.data import SyntheticTokens
+from sailor.megatron_patch.boundary import Boundary, Progress, Status, sub_rank
+from sailor.megatron_patch.data import SyntheticTokens, build_dataset
+from sailor.megatron_patch.deepspeed_state import DeepSpeedCheckpointIO, DeepSpeedRun
 from sailor.megatron_patch.devices import (
     check_rank_device,
     choose_backend,
     local_device,
     nccl_error_env,
 )
-from sailor.megatron_patch.engine import TrainConfig, make_optimizer
+from sailor.megatron_patch.engine import make_optimizer
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
+from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
+from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.parent_death import die_with_parent
 from sailor.megatron_patch.precision import native_bf16
+from sailor.megatron_patch.rank_args import build_parser
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
+from sailor.schemas.training import ScheduleConfig, TrainingConfig
 
 __all__ = [
     "DeepSpeedLayout",
     "Precision",
     "UnsupportedPlanError",
-    "check_no_resume",
+    "check_args",
+    "check_train_config",
     "deepspeed_config",
     "deepspeed_env",
     "deepspeed_layout",
@@ -88,16 +115,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 class UnsupportedPlanError(ValueError):
     """The plan needs something DeepSpeed's pipeline engine cannot express (not retryable)."""
-
-
-def check_no_resume(load_step: int, ckpt_dir: str) -> None:
-    """Refuse a resume: the adapter loads no checkpoint (module docstring)."""
-    if load_step >= 0:
-        raise UnsupportedPlanError(
-            f"load_step={load_step} (ckpt_dir={ckpt_dir!r}): the DeepSpeed adapter saves and "
-            "loads no checkpoint, so it can neither restore that state nor check the "
-            "precision it was trained in; resume on Sailor's engine (rank_main)"
-        )
 
 
 @dataclass(frozen=True)
@@ -298,18 +315,74 @@ def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: in
     return module
 
 
-def run(argv: list[str] | None = None) -> int:
-    """One rank of a plan on DeepSpeed; progress and state dumps like the worker's."""
-    from sailor.megatron_patch.rank_args import build_parser
-    from sailor.megatron_patch.rank_main import load_model
+def check_train_config(tc: TrainingConfig | None) -> None:
+    """Refuse, by field and value, what a training config asks that the adapter does not run
+    (pure). It runs the config's model (no architecture file or imported weights), seed,
+    data, AdamW (lr, betas, eps, weight decay and the kinds exempt from it), precision check
+    (``allow_precision_change``) and checkpoints; not an LR schedule, clipping, evaluation,
+    forced loss scaling or metrics files (each would otherwise be ignored
+    silently and the run would drift from the engine's)."""
+    if tc is None:
+        return
+    unsupported: list[tuple[str, object]] = []
+    if tc.schedule != ScheduleConfig():
+        unsupported.append(("schedule", tc.schedule.model_dump()))
+    if tc.clipping.max_norm:
+        unsupported.append(("clipping.max_norm", tc.clipping.max_norm))
+    if tc.eval.every_steps:
+        unsupported.append(("eval.every_steps", tc.eval.every_steps))
+    if tc.loss_scaling.mode != "auto":
+        unsupported.append(("loss_scaling.mode", tc.loss_scaling.mode))
+    if tc.metrics.jsonl or tc.metrics.tensorboard_dir:
+        unsupported.append(("metrics", tc.metrics.model_dump(exclude_defaults=True)))
+    if unsupported:
+        field, value = unsupported[0]
+        raise UnsupportedPlanError(
+            f"training config {field}={value!r}: the DeepSpeed adapter does not run it "
+            "(run this job on Sailor's engine)"
+        )
 
+
+def check_args(args: argparse.Namespace, has_ckpt: bool) -> None:
+    """Refuse arguments the adapter cannot honour, by name (pure)."""
+    if args.in_place or args.warm:
+        raise UnsupportedPlanError(
+            f"--in-place={args.in_place} --warm={args.warm}: the DeepSpeed adapter has no "
+            "in-place reconfiguration (it resumes from a checkpoint)"
+        )
+    if args.load_step >= 0 and args.ckpt_dir and not has_ckpt:
+        raise UnsupportedPlanError(
+            f"load_step={args.load_step} (ckpt_dir={args.ckpt_dir!r}) needs a checkpoint "
+            "implementation: run `python -m sailor.training_process.deepspeed_glue`"
+        )
+
+
+def run(
+    argv: list[str] | None = None,
+    ckpt: DeepSpeedCheckpointIO | None = None,
+    status: Status | None = None,
+) -> int:
+    """One rank of a plan on DeepSpeed; progress, saves, stops and state dumps like the
+    worker's (``ckpt``: Sailor's checkpoints, needed to resume or save)."""
     args = build_parser().parse_args(argv)
-    check_no_resume(args.load_step, args.ckpt_dir)
+    check_args(args, ckpt is not None)
+    status = status or Status(args.rank, sub_rank(args.error_file, args.rank))
+    tc = load_train_config(args.train_config) if args.train_config else None
+    check_train_config(tc)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
-    spec = load_model(args.model, plan)
+    base = Path(args.train_config).parent if args.train_config else Path.cwd()
+    spec, arch, weights = model_of(args, tc, base, plan)
+    if arch is not None or weights is not None:
+        raise UnsupportedPlanError(
+            f"model {spec.name!r} comes with an architecture or weights (a transformers "
+            "model): the adapter builds Sailor's own blocks, fresh"
+        )
     if spec.tie_embeddings:
         raise UnsupportedPlanError(f"model {spec.name!r} ties embeddings: not mapped to DeepSpeed")
     layout = deepspeed_layout(plan)
+    resume = args.load_step >= 0 and bool(args.ckpt_dir) and ckpt is not None
+    if resume and ckpt is not None:
+        args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
     backend = choose_backend(plan, args.backend, torch.cuda.is_available())
     torch.set_num_threads(args.threads)
     os.environ.update(deepspeed_env(plan, args.rank, args.world_size, args.master, backend))
@@ -320,6 +393,11 @@ def run(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)  # before the process group: NCCL binds to it
         os.environ.update(nccl_error_env(os.environ))
     precision = deepspeed_precision(plan, backend, native_bf16)
+    if tc is not None and tc.precision not in ("auto", precision) and backend == "nccl":
+        raise UnsupportedPlanError(
+            f"training config precision={tc.precision!r}: DeepSpeed runs this plan in "
+            f"{precision!r} (deepspeed_precision)"
+        )
     sync = device_sync(device)
     from datetime import timedelta
 
@@ -334,20 +412,53 @@ def run(argv: list[str] | None = None) -> int:
     # without it, so skip the build.
     ds_torch_comm.build_shm_op = lambda: None  # type: ignore[attr-defined]
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=args.timeout_s))
-    cfg = TrainConfig(seed=args.seed, lr=args.lr, weight_decay=args.weight_decay)
+    cfg = train_config(tc, args)
     module = _build_module(plan, spec, layout, cfg.seed)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        optimizer=make_optimizer(module.parameters(), cfg),
-        config=deepspeed_config(layout, plan, precision),
+    groups = param_groups(
+        module.named_parameters(), cfg.weight_decay, cfg.no_decay, spec.tie_embeddings
     )
-    data = SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    optimizer = make_optimizer(groups, cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, config=deepspeed_config(layout, plan, precision)
+    )
+    ds = DeepSpeedRun(
+        plan, args.rank, module, optimizer, engine.optimizer, cfg, precision,
+        args.start_step, args.consumed_samples,
+    )  # fmt: skip
+    if resume and ckpt is not None:
+        ckpt.restore(ds, args.ckpt_dir, args.load_step)
+    data = (
+        build_dataset(tc.data, spec, tc.seed, base_dir=base)
+        if tc is not None
+        else SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    )
     pipe_idx = args.rank // layout.num_stages
     mbs = layout.micro_batch_size
-    pos = args.consumed_samples
-    progress = Path(args.progress.replace("{rank}", str(args.rank))) if args.progress else None
-    for step in range(args.start_step + 1, args.start_step + args.steps + 1):
-        first = pos + pipe_idx * mbs * layout.gradient_accumulation_steps
+    echo = args.rank == 0 or bool(args.control)
+    progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
+    periodic = None
+    if tc is not None and tc.checkpoint.dir is not None:
+        root = tc.checkpoint.dir
+        if "://" not in root and not Path(root).is_absolute():
+            root = str(base / root)
+        periodic = tc.checkpoint.model_copy(update={"dir": root})
+    boundary = Boundary(args, status, progress, ckpt, device, periodic)
+    progress.emit(
+        {
+            "event": "ready",
+            "rank": args.rank,
+            "engine": "deepspeed",
+            "backend": backend,
+            "device": str(device),
+            "precision": precision,
+            "start_step": ds.step,
+            "consumed_samples": ds.consumed_samples,
+        }
+    )
+    status.in_training, status.step = True, ds.step
+    stop = boundary(ds)
+    while not stop:
+        first = ds.consumed_samples + pipe_idx * mbs * layout.gradient_accumulation_steps
         batches = [
             data.batch(range(first + m * mbs, first + (m + 1) * mbs))
             for m in range(layout.gradient_accumulation_steps)
@@ -357,47 +468,58 @@ def run(argv: list[str] | None = None) -> int:
         loss = engine.train_batch(data_iter=iter(batches))
         sync()
         dt = time.perf_counter() - t0
-        pos += plan.global_batch_size
-        line = {
-            "event": "step",
-            "rank": args.rank,
-            "step": step,
-            "consumed_samples": pos,
-            "loss": float(loss),
-            "samples_per_s": plan.global_batch_size / dt,
-            "step_s": dt,
-            "engine": "deepspeed",
-            "precision": precision,
-        }
-        if progress is not None:
-            with progress.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+        ds.step += 1
+        ds.consumed_samples += plan.global_batch_size
+        progress.emit(
+            {
+                "event": "step",
+                "rank": args.rank,
+                "step": ds.step,
+                "consumed_samples": ds.consumed_samples,
+                "loss": float(loss),
+                "samples_per_s": plan.global_batch_size / dt,
+                "step_s": dt,
+                "engine": "deepspeed",
+                "precision": precision,
+                "time": time.time(),
+            }
+        )
+        stop = boundary(ds)
+    if ckpt is not None:
+        ckpt.close()
     if args.dump_state:
         state = {k: (p.detach().cpu(), None) for k, p in module.named_parameters()}
         torch.save(state, args.dump_state.replace("{rank}", str(args.rank)))
+    progress.emit({"event": "done", "rank": args.rank, "step": ds.step})
     torch.distributed.barrier()
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; on failure writes the first cause like the worker and exits 1."""
+def main(argv: list[str] | None = None, ckpt: DeepSpeedCheckpointIO | None = None) -> int:
+    """Entry point; on failure writes the first cause like the worker and exits 1.
+
+    ``ckpt`` saves and restores Sailor's checkpoints (``training_process.deepspeed_glue``
+    passes its own); without one, a resume or a save request is refused."""
     die_with_parent()  # an agent's worker ends with it (parent_death)
     import faulthandler
 
     from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
-    from sailor.megatron_patch.rank_args import build_parser
 
     args = build_parser().parse_args(argv)
-    err = args.error_file.replace("{rank}", str(args.rank)) if args.error_file else None
+    err = sub_rank(args.error_file, args.rank)
     if err:
         # NCCL's watchdog may abort() the process: leave the Python stacks for the parent.
         Path(err).parent.mkdir(parents=True, exist_ok=True)
         faulthandler.enable(file=fault_path(err).open("w"), all_threads=True)
+    status = Status(args.rank, err)
     try:
-        return run(argv)
+        return run(argv, ckpt, status)
     except BaseException as exc:  # the first cause of any failure is reported
-        write_error_file(err, failure_record(exc, args.rank, -1, in_training=True))
-        print(json.dumps({"event": "failed", "message": str(exc)}), file=sys.stderr, flush=True)
+        record = failure_record(
+            exc, args.rank, status.failed_step, status.in_training, last_step=status.step
+        )
+        write_error_file(err, record)
+        print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         os._exit(1)
 
 

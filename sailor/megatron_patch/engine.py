@@ -83,6 +83,7 @@ from sailor.megatron_patch.precision import (
     LossScaler,
     Precision,
     autocast_of,
+    check_state_precision,
     compute_dtype,
     device_precision,
     scaled_step,
@@ -457,14 +458,9 @@ class Trainer:
         model resumed in fp16 overflows where it did not; the reverse changes the numerics
         silently) unless ``allow_precision_change``; a state that does not say (saved
         before it was recorded) is taken as this run's."""
-        saved = state.get("precision")
-        if saved is not None and saved != self.precision and not self.cfg.allow_precision_change:
-            raise ValueError(
-                f"precision={saved!r} of the state being loaded (checkpoint or live holders) "
-                f"differs from this run's precision={self.precision!r}: a job keeps one "
-                "precision; resume with the training config's precision set to "
-                f"{saved!r}, or set allow_precision_change: true to change it"
-            )
+        check_state_precision(
+            state.get("precision"), self.precision, self.cfg.allow_precision_change
+        )
         skipped = int(state.get("skipped_steps", 0))
         if not 0 <= skipped <= self.step:
             raise ValueError(f"skipped_steps={skipped}: must be in [0, step={self.step}]")

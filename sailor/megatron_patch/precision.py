@@ -35,6 +35,7 @@ __all__ = [
     "LossScaler",
     "Precision",
     "autocast_of",
+    "check_state_precision",
     "compute_dtype",
     "device_precision",
     "job_precision",
@@ -124,6 +125,22 @@ def job_precision(
             "(a GPU type without bf16 in the catalog) or set the plan's precision to fp16"
         )
     return chosen
+
+
+def check_state_precision(saved: object, current: str, allow_change: bool) -> None:
+    """Refuse a state (a checkpoint, live holders) trained in another precision than the run
+    that loads it (pure): a bf16 model resumed in fp16 overflows where it did not; the reverse
+    changes the numerics silently. ``saved`` None (a state saved before the precision was
+    recorded) is taken as this run's; ``allow_change`` (the training config's
+    ``allow_precision_change``) lets any through. Sailor's engine and the DeepSpeed adapter
+    raise the same error."""
+    if saved is not None and saved != current and not allow_change:
+        raise ValueError(
+            f"precision={saved!r} of the state being loaded (checkpoint or live holders) "
+            f"differs from this run's precision={current!r}: a job keeps one "
+            "precision; resume with the training config's precision set to "
+            f"{saved!r}, or set allow_precision_change: true to change it"
+        )
 
 
 def compute_dtype(precision: Precision) -> torch.dtype:

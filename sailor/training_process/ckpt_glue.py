@@ -23,7 +23,7 @@ it is called inside a worker process.
 from __future__ import annotations
 
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -43,8 +43,9 @@ from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
+from sailor.schemas.plan import Plan
 
-__all__ = ["LayerCheckpointIO", "restore_trainer", "trainer_params"]
+__all__ = ["CheckpointSaves", "LayerCheckpointIO", "restore_trainer", "trainer_params"]
 
 
 def trainer_params(tr: Trainer) -> dict[str, ParamState]:
@@ -178,8 +179,11 @@ def _destinations(
     return out
 
 
-class LayerCheckpointIO:
-    """``CheckpointIO`` of the worker, backed by one ``Checkpointer`` per checkpoint root."""
+class CheckpointSaves:
+    """The save side of a checkpoint IO, whatever trains: one ``Checkpointer`` per
+    (checkpoint root, retention), the save in flight and a failure from before it began.
+    :class:`LayerCheckpointIO` (Sailor's engine) and the DeepSpeed adapter's IO
+    (``deepspeed_glue``) save through it, so both write the same format."""
 
     def __init__(self, keep: int | None = None) -> None:
         self.keep = keep
@@ -191,26 +195,18 @@ class LayerCheckpointIO:
         self._failure: Exception | None = None
         """A save that failed here before it began (``save``): raised by ``wait``."""
 
-    def position(self, root: str, step: int) -> tuple[int, int]:
-        m = read_manifest(open_storage(root), step)
-        return m.step, m.consumed_samples
-
-    def restore(self, trainer: Trainer, root: str, step: int) -> None:
-        restore_trainer(trainer, root, step)
-
-    def restore_layers(self, trainer: Trainer, root: str, step: int, layers: list[int]) -> None:
-        restore_trainer(trainer, root, step, layers)
-
-    def _checkpointer(self, tr: Trainer, root: str, keep: int | None = None) -> Checkpointer:
+    def _checkpointer(
+        self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None
+    ) -> Checkpointer:
         kept = self.keep if keep is None else keep
         ck = self._by_root.get((root, kept))
         if ck is None:
             ck = Checkpointer(
                 open_storage(root),
-                tr.plan,
-                tr.role.rank,
+                plan,
+                rank,
                 keep=kept,
-                tp_group=tr.groups.tp.group,
+                tp_group=tp_group,
                 scratch=self._scratch,
             )
             self._by_root[(root, kept)] = ck
@@ -219,30 +215,26 @@ class LayerCheckpointIO:
         return ck
 
     def save(
-        self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        state: Callable[[], tuple[dict[str, ParamState], TrainingGlobals]],
+        plan: Plan,
+        rank: int,
+        tp_group: Any,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
     ) -> float:
-        # A failure here (the AdamW check, opening the storage: its directory) is the save's,
-        # as one inside ``Checkpointer.save``: this rank still enters the save's first
-        # collective (``agree_save_start``), where every rank learns that a save failed
+        """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
+        job's globals) under ``root``: ``CheckpointIO.save``."""
+        # A failure here (``state``'s checks, opening the storage: its directory) is the
+        # save's, as one inside ``Checkpointer.save``: this rank still enters the save's
+        # first collective (``agree_save_start``), where every rank learns that a save failed
         # before it began and none snapshots; ``wait`` raises it (the worker's save poll
         # agrees it). Raising here left the other ranks in that collective.
         failure: Exception | None = None
         try:
-            opt = optimizer_state(trainer.stage, trainer.optimizer)
-            steps = {s["step"] for s in opt.values()}
-            if opt and steps != {trainer.adam_step}:
-                raise RuntimeError(
-                    f"AdamW steps {sorted(steps)} != iteration {trainer.step} minus "
-                    f"{trainer.skipped_steps} skipped"
-                )
-            extra: dict[str, Any] = {
-                "adam_step": trainer.adam_step,
-                "seed": trainer.cfg.seed,
-                **trainer.scaling_state(),
-            }
-            g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
-            ck = self._checkpointer(trainer, root, keep)
-            params = trainer_params(trainer)
+            params, g = state()
+            ck = self._checkpointer(plan, rank, tp_group, root, keep)
         except Exception as exc:  # raised by wait(), once agreed
             failure = exc
         if failure is not None:
@@ -282,3 +274,71 @@ class LayerCheckpointIO:
         for ck in self._by_root.values():
             ck.close()
         self._by_root.clear()
+
+
+class LayerCheckpointIO:
+    """``CheckpointIO`` of the worker, backed by one ``Checkpointer`` per checkpoint root."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self._saves = CheckpointSaves(keep)
+
+    @property
+    def keep(self) -> int | None:
+        return self._saves.keep
+
+    def position(self, root: str, step: int) -> tuple[int, int]:
+        m = read_manifest(open_storage(root), step)
+        return m.step, m.consumed_samples
+
+    def restore(self, trainer: Trainer, root: str, step: int) -> None:
+        restore_trainer(trainer, root, step)
+
+    def restore_layers(self, trainer: Trainer, root: str, step: int, layers: list[int]) -> None:
+        restore_trainer(trainer, root, step, layers)
+
+    def save(
+        self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
+        def state() -> tuple[dict[str, ParamState], TrainingGlobals]:
+            opt = optimizer_state(trainer.stage, trainer.optimizer)
+            steps = {s["step"] for s in opt.values()}
+            if opt and steps != {trainer.adam_step}:
+                raise RuntimeError(
+                    f"AdamW steps {sorted(steps)} != iteration {trainer.step} minus "
+                    f"{trainer.skipped_steps} skipped"
+                )
+            extra: dict[str, Any] = {
+                "adam_step": trainer.adam_step,
+                "seed": trainer.cfg.seed,
+                **trainer.scaling_state(),
+            }
+            g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
+            return trainer_params(trainer), g
+
+        return self._saves.save(
+            state,
+            trainer.plan,
+            trainer.role.rank,
+            trainer.groups.tp.group,
+            root,
+            keep,
+            prune_below,
+        )
+
+    def done(self) -> bool:
+        return self._saves.done()
+
+    def wait(self) -> None:
+        self._saves.wait()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes the checkpointers keep for their next saves (one snapshot's worth,
+        whatever the number of roots: ``Checkpointer.take_buffers``)."""
+        return self._saves.kept_bytes
+
+    def reset(self) -> None:
+        self._saves.reset()
+
+    def close(self) -> None:
+        self._saves.close()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from sailor.megatron_patch.deepspeed_adapter import (
     UnsupportedPlanError,
-    check_no_resume,
+    check_args,
+    check_train_config,
     deepspeed_config,
     deepspeed_env,
     deepspeed_layout,
@@ -15,7 +18,12 @@ from sailor.megatron_patch.deepspeed_adapter import (
     device_sync,
     run,
 )
+from sailor.megatron_patch.deepspeed_state import DeepSpeedRun, NotCheckpointableError
+from sailor.megatron_patch.engine import TrainConfig
+from sailor.megatron_patch.precision import Precision
+from sailor.megatron_patch.rank_args import build_parser
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.training import TrainingConfig
 
 
 def _pipe(cuts: list[tuple[int, int]], tp: int = 1, mbs: int = 2, m: int = 2) -> Pipeline:
@@ -184,27 +192,75 @@ def test_deepspeed_step_timing_waits_for_the_gpu(monkeypatch: pytest.MonkeyPatch
     assert synced == [torch.device("cuda", 1)]
 
 
-def test_the_deepspeed_adapter_refuses_a_resume_it_cannot_load() -> None:
-    """It saves and loads no checkpoint: a resume started from a fresh initialisation at
-    the given step, with no check of the precision the state was trained in; it is
-    refused by name before anything starts (DeepSpeed is not imported for it)."""
-    check_no_resume(-1, "")  # a fresh start runs
-    with pytest.raises(UnsupportedPlanError, match=r"load_step=12 \(ckpt_dir='/ck'\)"):
-        check_no_resume(12, "/ck")
+def _args(*extra: str) -> list[str]:
+    base = ["--plan", "/nonexistent.json", "--rank", "0", "--world-size", "1"]
+    return [*base, "--master", "127.0.0.1:1", *extra]
+
+
+def test_the_deepspeed_adapter_resumes_only_with_a_checkpoint_implementation() -> None:
+    """Run as ``deepspeed_adapter`` alone it has no checkpoint IO: a resume is refused by
+    name before anything starts (``training_process.deepspeed_glue`` passes one)."""
+    args = build_parser().parse_args(_args("--ckpt-dir", "/ck", "--load-step", "3"))
+    check_args(args, has_ckpt=True)  # with Sailor's checkpoints it resumes
+    check_args(build_parser().parse_args(_args()), has_ckpt=False)  # a fresh start runs
+    with pytest.raises(UnsupportedPlanError, match=r"load_step=3 \(ckpt_dir='/ck'\)"):
+        check_args(args, has_ckpt=False)
     with pytest.raises(UnsupportedPlanError, match="load_step=3"):
-        run(
-            [
-                "--plan",
-                "/nonexistent.json",
-                "--rank",
-                "0",
-                "--world-size",
-                "1",
-                "--master",
-                "127.0.0.1:1",
-                "--ckpt-dir",
-                "/ck",
-                "--load-step",
-                "3",
-            ]
-        )
+        run(_args("--ckpt-dir", "/ck", "--load-step", "3"))
+    with pytest.raises(UnsupportedPlanError, match="--in-place=True"):
+        check_args(build_parser().parse_args(_args("--in-place")), has_ckpt=True)
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"schedule": {"warmup_steps": 2}}, "schedule"),
+        ({"clipping": {"max_norm": 1.0}}, "clipping.max_norm=1.0"),
+        ({"eval": {"every_steps": 5}}, "eval.every_steps=5"),
+        ({"loss_scaling": {"mode": "dynamic"}}, "loss_scaling.mode='dynamic'"),
+        ({"metrics": {"jsonl": "m.jsonl"}}, "metrics"),
+    ],
+)
+def test_the_deepspeed_adapter_refuses_training_config_fields_it_does_not_run(
+    section: dict[str, object], field: str
+) -> None:
+    check_train_config(None)
+    ok = {
+        "model": {"kind": "builtin", "name": "tiny-llama"},
+        "checkpoint": {"dir": "ck", "every_steps": 2},
+    }
+    check_train_config(TrainingConfig.model_validate({**ok, "allow_precision_change": True}))
+    tc = TrainingConfig.model_validate({**ok, **section})
+    with pytest.raises(UnsupportedPlanError, match=re.escape(field)):
+        check_train_config(tc)
+
+
+def _ds_run(engine_optimizer: object = None, precision: Precision = "fp32") -> DeepSpeedRun:
+    module = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(module.parameters())
+    plan = _plan(_pipe([(0, 5)]))
+    return DeepSpeedRun(
+        plan, 0, module, opt, engine_optimizer or opt, TrainConfig(), precision, 3, 24
+    )
+
+
+def test_a_deepspeed_run_checkpoints_only_its_own_adamw() -> None:
+    """In bf16/fp16 DeepSpeed steps a wrapper around flat fp32 master copies: a save or a
+    resume there is refused by name, not written from the low-precision weights."""
+    _ds_run().check_checkpointable()
+    wrapped = _ds_run(engine_optimizer=object(), precision="bf16")
+    with pytest.raises(NotCheckpointableError, match=r"precision='bf16'.*fp32 runs only"):
+        wrapped.check_checkpointable()
+    with pytest.raises(NotCheckpointableError):
+        wrapped.state()
+
+
+def test_a_deepspeed_run_refuses_another_precision_with_the_engines_error() -> None:
+    run = _ds_run()
+    with pytest.raises(ValueError, match=r"precision='bf16' of the state being loaded"):
+        run.load_scaling_state({"precision": "bf16", "skipped_steps": 0})
+    run.cfg = TrainConfig(allow_precision_change=True)
+    run.load_scaling_state({"precision": "bf16", "skipped_steps": 1})
+    assert run.adam_step == 2
+    with pytest.raises(RuntimeError, match="no AdamW state at AdamW step 2"):
+        run.state()  # moments missing at a step past 0: never saved as zeros

@@ -1,0 +1,105 @@
+"""Sailor's layer-keyed checkpoints for the DeepSpeed adapter, and its entry point.
+
+:class:`DeepSpeedLayerIO` is the adapter's checkpoint IO (``deepspeed_state.
+DeepSpeedCheckpointIO``): it saves a :class:`~sailor.megatron_patch.deepspeed_state.
+DeepSpeedRun` through the same ``CheckpointSaves`` (``Checkpointer``, manifest, commit) as
+Sailor's engine, with the same globals (``adam_step``, ``seed``, the precision, the skipped
+steps, the loss scale and the non-finite streak), and restores one from a checkpoint written
+by either under any layout (the reader relayouts by layer), refusing another seed or another
+precision as the engine does. Lives here, not in ``sailor.megatron_patch``, for the same reason
+as ``ckpt_glue`` (the engine never imports ``sailor.checkpoint``).
+
+``python -m sailor.training_process.deepspeed_glue ARGS`` runs one adapter rank with it (the
+worker's arguments: ``deepspeed_adapter``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sailor.checkpoint import (
+    ParamState,
+    TrainingGlobals,
+    load_for_rank,
+    open_storage,
+    read_manifest,
+)
+from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
+from sailor.megatron_patch.tp_layers import tp_dim_of
+from sailor.training_process.ckpt_glue import CheckpointSaves
+
+__all__ = ["DeepSpeedLayerIO", "main"]
+
+
+def _state(run: DeepSpeedRun) -> tuple[dict[str, ParamState], TrainingGlobals]:
+    params = {k: ParamState(w, m, v, dim) for k, (w, m, v, dim) in run.state().items()}
+    extra = {"adam_step": run.adam_step, "seed": run.cfg.seed, **run.scaling_state()}
+    return params, TrainingGlobals(run.step, run.consumed_samples, extra)
+
+
+class DeepSpeedLayerIO:
+    """The adapter's checkpoint IO: Sailor's format, one ``Checkpointer`` per root."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self._saves = CheckpointSaves(keep)
+
+    def position(self, root: str, step: int) -> tuple[int, int]:
+        m = read_manifest(open_storage(root), step)
+        return m.step, m.consumed_samples
+
+    def restore(self, run: DeepSpeedRun, root: str, step: int) -> None:
+        run.check_checkpointable()
+        dims = {k: tp_dim_of(p) for k, p in run.keyed_parameters()}
+        got = load_for_rank(open_storage(root), run.plan, run.rank, step=step, tp_dims=dims)
+        extra = got.globals.extra
+        saved_seed = extra.get("seed")
+        if saved_seed is not None and int(saved_seed) != run.cfg.seed:
+            raise ValueError(
+                f"checkpoint {step} under {root} was trained with seed={saved_seed}, this run "
+                f"has seed={run.cfg.seed}: resume with the same seed, or start a new run"
+            )
+        run.load_scaling_state(
+            {
+                "skipped_steps": extra.get(
+                    "skipped_steps", got.globals.step - int(extra.get("adam_step", 0))
+                ),
+                "precision": extra.get("precision"),
+            }
+        )
+        run.load(
+            {k: ps.weight for k, ps in got.params.items()},
+            {k: (ps.exp_avg, ps.exp_avg_sq) for k, ps in got.params.items()},
+        )
+
+    def save(
+        self, trainer: DeepSpeedRun, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
+        return self._saves.save(
+            lambda: _state(trainer),
+            trainer.plan,
+            trainer.rank,
+            trainer.tp_group,
+            root,
+            keep,
+            prune_below,
+        )
+
+    def done(self) -> bool:
+        return self._saves.done()
+
+    def wait(self) -> None:
+        self._saves.wait()
+
+    def close(self) -> None:
+        self._saves.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One DeepSpeed adapter rank with Sailor's checkpoints (``deepspeed_adapter.main``)."""
+    from sailor.megatron_patch.deepspeed_adapter import main as adapter_main
+
+    return adapter_main(argv, ckpt=DeepSpeedLayerIO())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
