@@ -173,6 +173,7 @@ class Executor:
             "plan_failed",
             "launch_waited",
             "in_place_reads",
+            "forgiven_nodes",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():

@@ -475,18 +475,21 @@ def miss_deadline(
     Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
     it out. Before, TEARDOWN waited for such nodes for good.
 
-    None, too, once an operator readmitted the generation's records
-    (``DesiredState.forgiven_through``, as :func:`node_health.charge`): the pass that
+    Not a node an operator readmitted (its record of the generation forgotten:
+    ``DesiredState.forgiven_nodes``, as in :func:`node_health.charge`): the pass that
     applied ``sailor node readmit`` for a node still killing charged and excluded it again
     at once, while the command reported it readmitted. The teardown goes on without it; a
-    Launch it is sent is refused until the kill is over, and waited for (``launch.py``)."""
-    if d.forgiven_through >= d.generation:
-        return None
+    Launch it is sent is refused until the kill is over, and waited for (``launch.py``).
+    Only that node: the others still busy are charged (a generation's forgiveness, one
+    number for the whole state, spared them all, and the next layout used a node whose
+    workers may hold its GPUs). A changed training config, which forgives the
+    generation's configuration errors, spares no node here."""
     out = excluded(d.node_health, now)
+    spared = {n for n, g in d.forgiven_nodes.items() if g >= d.generation}
     owed = {
         n: _still(status[n], n in acked)
         for n in busy
-        if n not in out and (n not in acked or status[n].killing)
+        if n not in out and n not in spared and (n not in acked or status[n].killing)
     }
     if not owed:
         return None
@@ -561,7 +564,11 @@ def apply_readmits(
 ) -> tuple[tuple[DesiredState, str] | None, dict[str, str]]:
     """``d`` after the operators' readmit requests (by request id, oldest id first), and
     why, or None when they named no record there is (the caller deletes them either way);
-    and per request, for the audit record of its deletion, what it forgot or why nothing."""
+    and per request, for the audit record of its deletion, what it forgot or why nothing.
+
+    A node whose record of the current generation is forgotten is forgiven that generation
+    (``DesiredState.forgiven_nodes``: :func:`node_health.forgiven`), that node alone; a
+    request for every record (``all``) forgives the generation (``forgiven_through``)."""
     health, job, names = d.node_health, d.job_health, []
     agreed = d.agreed_health
     whom = []
@@ -583,13 +590,22 @@ def apply_readmits(
         outcome[rid] = "; ".join(said)
     if not names:
         return None, outcome
-    forgiven = _forgiven(d, names)
+    # each node forgotten forgives that node's failures of the generation; only ``--all``
+    # (the job's record with them) forgives the generation's
+    everything = any(req.all for req in requests.values())
+    nodes = {
+        n: r.generation
+        for n, r in d.node_health.items()
+        if n in names and r.generation >= d.generation
+    }
+    kept = {n: g for n, g in d.forgiven_nodes.items() if g >= d.generation}
     d = d.model_copy(
         update={
             "node_health": health,
             "job_health": job,
             "agreed_health": agreed,
-            "forgiven_through": forgiven,
+            "forgiven_through": _forgiven(d, names) if everything else d.forgiven_through,
+            "forgiven_nodes": kept | nodes,
         }
     )
     why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"
