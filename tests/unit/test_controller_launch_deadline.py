@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sailor.controller.decide import decide
-from sailor.controller.decision_types import DecideConfig, Observed, SetDesired
+from sailor.controller.decision_types import DecideConfig, Observed, Send, SetDesired
+from sailor.controller.launch import REFUSED_RESEND
 from sailor.controller.node_health import held
 from sailor.controller.phases import PhaseDeadlines
 from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
@@ -431,9 +432,11 @@ def test_a_launch_refused_during_a_kill_waits_for_its_end_and_a_refusal_is_named
     reason = "workers being killed: 1 process group(s) not gone yet"
     # not refused yet: sent (the status may lag the kill's end)
     assert kinds(decide(d, obs(nodes(*IDS), killing, acked=acked), CFG)) == ["send:launch:n2"]
-    # refused while the status says the kill goes on: not sent again
+    # refused while the status says the kill goes on: sent again slowly only
     o = obs(nodes(*IDS), killing, acked=acked, refused={cid: reason})
-    assert decide(d, o, CFG) == []
+    assert [(x.command.node_id, x.resend_every) for x in decide(d, o, CFG)] == [  # type: ignore[attr-defined]
+        ("n2", REFUSED_RESEND)
+    ]
     # the kill is over (its status): sent again
     o = obs(nodes(*IDS), idle, acked=acked, refused={cid: reason})
     assert kinds(decide(d, o, CFG)) == ["send:launch:n2"]
@@ -449,3 +452,33 @@ def test_a_launch_refused_during_a_kill_waits_for_its_end_and_a_refusal_is_named
     assert "their agents' refusals say why" in done.reason and "command bus" not in done.reason
     assert all(f"n{i} refused its Launch" in done.reason for i in IDS[:3])
     assert "and 1 more" in done.state.cause
+
+
+def test_a_refused_launch_is_still_re_sent_slowly_while_the_status_says_killing() -> None:
+    """The agent writes its status only when it changes: when the update that says the
+    kill is over is lost (etcd restored from a snapshot holding ``killing > 0``, a stale
+    read), the status says ``killing`` for good. A Launch refused then was never sent again
+    until the kill's bound, and the healthy node charged at it; now it goes out every
+    ``REFUSED_RESEND`` x ``resend_s`` (the executor spaces the copies,
+    ``Send.resend_every``), is taken by the agent whose kill is over, and the phase goes
+    on. Sent at the usual pace once the status says the kill is over."""
+    d = _launching(Phase.LAUNCH, phase_deadline=NOW + 10)
+    cid = "e7-g2-launch-n2"
+    idle = [st(i, gen=1, state="idle") for i in IDS]
+    stuck = [idle[0], _killing(2), *idle[2:]]  # the kill is over, its status was lost
+    acked = _acked(d, 1, 3, 4)
+    reason = "workers being killed: 1 process group(s) not gone yet"
+    o = obs(nodes(*IDS), stuck, acked=acked, refused={cid: reason})
+    (send,) = decide(d, o, CFG)
+    assert isinstance(send, Send) and send.command.command_id == cid
+    assert send.resend_every == REFUSED_RESEND > 1
+    # past the LAUNCH deadline, waited for (its status says killing): still re-sent slowly
+    late = replace(o, now=d.phase_deadline + 1)
+    sends = [x for x in decide(d, late, CFG) if isinstance(x, Send)]
+    assert [(x.command.command_id, x.resend_every) for x in sends] == [(cid, REFUSED_RESEND)]
+    # the agent takes it: the phase goes on
+    taken = replace(late, acked=acked | {cid}, refused={})
+    assert kinds(decide(d, taken, CFG)) == ["set:load"]
+    # once the status says the kill is over: the usual pace
+    (send,) = decide(d, obs(nodes(*IDS), idle, acked=acked, refused={cid: reason}), CFG)
+    assert isinstance(send, Send) and send.resend_every == 1
