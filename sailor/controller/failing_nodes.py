@@ -233,7 +233,9 @@ def missed_launching(
     controller's or the network's (a rendezvous that never completes, a deadline too short for
     the checkpoint's load), so no node is charged (the job may be: :func:`stalled`). Nor the
     one node of a one-node job at LAUNCH, nor any: agents ack a Launch once they read the
-    plan, so no ack at all is the command bus's (NATS) or the controller's fault."""
+    plan, so no ack at all is the command bus's (NATS) or the controller's fault, or, for
+    those whose agent refused it, the refusal's (the note names both:
+    :func:`_unacked`)."""
     if not late:
         return {}, []
     placed = set(d.placement)
@@ -242,10 +244,8 @@ def missed_launching(
             f"not counted against the {len(placed)} placed node(s): every one missed the "
             f"{d.phase.value} deadline, no node is to blame more than the others"
         )
-        if d.phase is Phase.LAUNCH and refused:
-            why += " (no Launch acked at all: their agents' refusals say why)"
-        elif d.phase is Phase.LAUNCH:
-            why += " (no Launch acked at all: the command bus's or the controller's fault)"
+        if d.phase is Phase.LAUNCH:
+            why += f" (no Launch acked at all: {_unacked(placed, refused or {})})"
         return {}, [why]
     out = excluded(d.node_health, now)
     said = refused or {}
@@ -255,6 +255,34 @@ def missed_launching(
         if said.get(n):
             charged[n] += f", refused: {said[n][:300]}"
     return charged, []
+
+
+_SHOWN = 3
+"""Nodes a LAUNCH note names in each group (:func:`_unacked`); the others are counted."""
+
+
+def _unacked(nodes: Collection[str], refused: Mapping[str, str]) -> str:
+    """Why none of ``nodes`` acked its Launch, for the note: their agents' refusals when
+    every one refused (the abort's cause gives the reasons); the command bus's or the
+    controller's fault when none did; when some did, both: those that refused with their
+    reasons, and those whose Launch went unanswered (a refusal on one node said nothing
+    of the Launches lost on the others, and the bus went unnamed for them)."""
+    said = sorted(n for n in nodes if n in refused)
+    silent = sorted(n for n in nodes if n not in refused)
+    bus = "the command bus's or the controller's fault"
+    if not said:
+        return bus
+    if not silent:
+        return "their agents' refusals say why"
+    reasons = "; ".join(f"{n}: {refused[n][:200]}" for n in said[:_SHOWN])
+    return (
+        f"{len(said)} refused ({reasons}{_more(said)}), {len(silent)} not answered "
+        f"({', '.join(silent[:_SHOWN])}{_more(silent)}): {bus}"
+    )
+
+
+def _more(nodes: Collection[str]) -> str:
+    return f"; and {len(nodes) - _SHOWN} more" if len(nodes) > _SHOWN else ""
 
 
 def stalled(

@@ -482,3 +482,33 @@ def test_a_refused_launch_is_still_re_sent_slowly_while_the_status_says_killing(
     # once the status says the kill is over: the usual pace
     (send,) = decide(d, obs(nodes(*IDS), idle, acked=acked, refused={cid: reason}), CFG)
     assert isinstance(send, Send) and send.resend_every == 1
+
+
+def test_the_note_names_the_refusals_and_the_command_bus_when_some_refused() -> None:
+    """No placed node acked its Launch: n2's agent refused it, the others' went
+    unanswered. The note said "their agents' refusals say why" as soon as any node
+    refused, so the command bus went unnamed for the three Launches lost on the way (the
+    docs said: when every node refused). Now it says both: the refusal with its reason,
+    and the silent nodes with the command bus, as when none refused."""
+    idle = [st(i, gen=1, state="idle") for i in IDS]
+    why = "plan p-1: etcd unavailable"
+    done = _abort(_launching(Phase.LAUNCH), _late(idle, refused={"e7-g2-launch-n2": why}))
+    assert done.state.node_health == {}  # every one late: nobody charged, as before
+    assert f"1 refused (n2: {why}), 3 not answered (n1, n3, n4)" in done.reason, done.reason
+    assert "not answered (n1, n3, n4): the command bus's or the controller's fault" in done.reason
+    assert "their agents' refusals say why" not in done.reason
+    # none refused: the command bus alone, as before
+    done = _abort(_launching(Phase.LAUNCH), _late(idle))
+    assert "(no Launch acked at all: the command bus's or the controller's fault)" in done.reason
+    # many on each side: three named in each group, the others counted
+    many = (1, 2, 3, 4, 5, 6, 7, 8)
+    d = running(many, gen=2, phase=Phase.LAUNCH, phase_deadline=NOW, phase_epoch=7)
+    d = d.model_copy(update={"phase_since": NOW - _LENGTH[Phase.LAUNCH], "load_step": 10})
+    assert len(d.placement) == len(many)
+    refused = {f"e7-g2-launch-n{i}": why for i in (1, 2, 3, 4)}
+    o = replace(
+        obs(nodes(*many), [st(i, gen=1, state="idle") for i in many], refused=refused), now=LATE
+    )
+    done = _abort(d, o)
+    assert f"4 refused (n1: {why}; n2: {why}; n3: {why}; and 1 more)" in done.reason, done.reason
+    assert "4 not answered (n5, n6, n7; and 1 more)" in done.reason
