@@ -538,6 +538,10 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
         raw = json.loads(await rig.desired())
         assert raw["suspect_checkpoint"] == {"step": 30, "nodes": ["n3"], "generation": 2}
         assert _records(audit, "phase")[-1]["suspect_checkpoint"] == raw["suspect_checkpoint"]
+        # the nodes an operator readmitted (wire version 6): only while there are some
+        assert "forgiven_nodes" not in raw
+        await ex.write_desired(DesiredState(epoch=e, generation=2, forgiven_nodes={"n1": 2}), "t")
+        assert json.loads(await rig.desired())["forgiven_nodes"] == {"n1": 2}
 
 
 async def test_a_cause_naming_every_node_of_a_large_layout_is_written_shortened(
