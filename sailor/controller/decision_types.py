@@ -199,6 +199,10 @@ class Send:
     """Send one command and wait (bounded) for its ack."""
 
     command: Command
+    resend_every: int = 1
+    """Copies of an unacked command go out at most every this many of the executor's
+    ``resend_s``: a Launch its agent refused while the node kills workers is re-sent slowly
+    (``launch.REFUSED_RESEND``), not at the pace of one lost on the way."""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ again on a later pass (never two copies in flight; re-sent at most every ``resen
 The ``command`` records of a fan-out are made durable with one fsync before the first
 request goes out, and an ack counts (``acked``) only once its record is durable. An agent's
 refusal is kept too (``refused``: the command's last one, until an ack accepts it), for
-``decide``: a Launch refused while its node kills workers is not sent again until the kill
-is over, and the LAUNCH deadline's abort names each refusal.
+``decide``: a Launch refused while its node kills workers is sent again slowly
+(``Send.resend_every``) until the kill is over, and the LAUNCH deadline's abort names each
+refusal.
 Planning runs as a named task — in the planner's worker process when it has one (``aplan``),
 else in a thread — so it overlaps the checkpoint. A replan and its result are keyed by
 (membership, precision): a replan for the same nodes in another precision (the job's was
@@ -186,6 +187,7 @@ class Executor:
             "plan_failed",
             "launch_waited",
             "in_place_reads",
+            "forgiven_nodes",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
@@ -338,7 +340,7 @@ class Executor:
                     reason=a.reason,
                 )
         self._prune(desired.generation)
-        due = [s for s in sends if self._due(s.command.command_id)]
+        due = [s for s in sends if self._due(s.command.command_id, s.resend_every)]
         if due and not self.lead.fresh:
             # cut off from etcd past the lease's TTL: another leader may hold the key and
             # be sending its own; these go out (unchanged ids) once a refresh answers
@@ -451,11 +453,12 @@ class Executor:
         """Commands sent and not yet answered (or timed out)."""
         return len(self._inflight)
 
-    def _due(self, cid: str) -> bool:
-        """Send ``cid`` now? Not if in flight, acked, or sent less than ``resend_s`` ago."""
+    def _due(self, cid: str, every: int = 1) -> bool:
+        """Send ``cid`` now? Not if in flight, acked, or sent less than ``every`` x
+        ``resend_s`` ago (``Send.resend_every``)."""
         if cid in self._inflight or cid in self._acked:
             return False
-        return self.clock.now() - self._sent_at.get(cid, -1e9) >= self.resend_s
+        return self.clock.now() - self._sent_at.get(cid, -1e9) >= every * self.resend_s
 
     def _spawn_send(self, action: Send) -> None:
         cid = action.command.command_id

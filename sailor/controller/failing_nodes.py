@@ -233,7 +233,9 @@ def missed_launching(
     controller's or the network's (a rendezvous that never completes, a deadline too short for
     the checkpoint's load), so no node is charged (the job may be: :func:`stalled`). Nor the
     one node of a one-node job at LAUNCH, nor any: agents ack a Launch once they read the
-    plan, so no ack at all is the command bus's (NATS) or the controller's fault."""
+    plan, so no ack at all is the command bus's (NATS) or the controller's fault, or, for
+    those whose agent refused it, the refusal's (the note names both:
+    :func:`_unacked`)."""
     if not late:
         return {}, []
     placed = set(d.placement)
@@ -242,10 +244,8 @@ def missed_launching(
             f"not counted against the {len(placed)} placed node(s): every one missed the "
             f"{d.phase.value} deadline, no node is to blame more than the others"
         )
-        if d.phase is Phase.LAUNCH and refused:
-            why += " (no Launch acked at all: their agents' refusals say why)"
-        elif d.phase is Phase.LAUNCH:
-            why += " (no Launch acked at all: the command bus's or the controller's fault)"
+        if d.phase is Phase.LAUNCH:
+            why += f" (no Launch acked at all: {_unacked(placed, refused or {})})"
         return {}, [why]
     out = excluded(d.node_health, now)
     said = refused or {}
@@ -255,6 +255,34 @@ def missed_launching(
         if said.get(n):
             charged[n] += f", refused: {said[n][:300]}"
     return charged, []
+
+
+_SHOWN = 3
+"""Nodes a LAUNCH note names in each group (:func:`_unacked`); the others are counted."""
+
+
+def _unacked(nodes: Collection[str], refused: Mapping[str, str]) -> str:
+    """Why none of ``nodes`` acked its Launch, for the note: their agents' refusals when
+    every one refused (the abort's cause gives the reasons); the command bus's or the
+    controller's fault when none did; when some did, both: those that refused with their
+    reasons, and those whose Launch went unanswered (a refusal on one node said nothing
+    of the Launches lost on the others, and the bus went unnamed for them)."""
+    said = sorted(n for n in nodes if n in refused)
+    silent = sorted(n for n in nodes if n not in refused)
+    bus = "the command bus's or the controller's fault"
+    if not said:
+        return bus
+    if not silent:
+        return "their agents' refusals say why"
+    reasons = "; ".join(f"{n}: {refused[n][:200]}" for n in said[:_SHOWN])
+    return (
+        f"{len(said)} refused ({reasons}{_more(said)}), {len(silent)} not answered "
+        f"({', '.join(silent[:_SHOWN])}{_more(silent)}): {bus}"
+    )
+
+
+def _more(nodes: Collection[str]) -> str:
+    return f"; and {len(nodes) - _SHOWN} more" if len(nodes) > _SHOWN else ""
 
 
 def stalled(
@@ -475,18 +503,21 @@ def miss_deadline(
     Its workers may hold its GPUs; the backoff brings it back, and the next layout leaves
     it out. Before, TEARDOWN waited for such nodes for good.
 
-    None, too, once an operator readmitted the generation's records
-    (``DesiredState.forgiven_through``, as :func:`node_health.charge`): the pass that
+    Not a node an operator readmitted (its record of the generation forgotten:
+    ``DesiredState.forgiven_nodes``, as in :func:`node_health.charge`): the pass that
     applied ``sailor node readmit`` for a node still killing charged and excluded it again
     at once, while the command reported it readmitted. The teardown goes on without it; a
-    Launch it is sent is refused until the kill is over, and waited for (``launch.py``)."""
-    if d.forgiven_through >= d.generation:
-        return None
+    Launch it is sent is refused until the kill is over, and waited for (``launch.py``).
+    Only that node: the others still busy are charged (a generation's forgiveness, one
+    number for the whole state, spared them all, and the next layout used a node whose
+    workers may hold its GPUs). A changed training config, which forgives the
+    generation's configuration errors, spares no node here."""
     out = excluded(d.node_health, now)
+    spared = {n for n, g in d.forgiven_nodes.items() if g >= d.generation}
     owed = {
         n: _still(status[n], n in acked)
         for n in busy
-        if n not in out and (n not in acked or status[n].killing)
+        if n not in out and n not in spared and (n not in acked or status[n].killing)
     }
     if not owed:
         return None
@@ -561,7 +592,11 @@ def apply_readmits(
 ) -> tuple[tuple[DesiredState, str] | None, dict[str, str]]:
     """``d`` after the operators' readmit requests (by request id, oldest id first), and
     why, or None when they named no record there is (the caller deletes them either way);
-    and per request, for the audit record of its deletion, what it forgot or why nothing."""
+    and per request, for the audit record of its deletion, what it forgot or why nothing.
+
+    A node whose record of the current generation is forgotten is forgiven that generation
+    (``DesiredState.forgiven_nodes``: :func:`node_health.forgiven`), that node alone; a
+    request for every record (``all``) forgives the generation (``forgiven_through``)."""
     health, job, names = d.node_health, d.job_health, []
     agreed = d.agreed_health
     whom = []
@@ -583,13 +618,22 @@ def apply_readmits(
         outcome[rid] = "; ".join(said)
     if not names:
         return None, outcome
-    forgiven = _forgiven(d, names)
+    # each node forgotten forgives that node's failures of the generation; only ``--all``
+    # (the job's record with them) forgives the generation's
+    everything = any(req.all for req in requests.values())
+    nodes = {
+        n: r.generation
+        for n, r in d.node_health.items()
+        if n in names and r.generation >= d.generation
+    }
+    kept = {n: g for n, g in d.forgiven_nodes.items() if g >= d.generation}
     d = d.model_copy(
         update={
             "node_health": health,
             "job_health": job,
             "agreed_health": agreed,
-            "forgiven_through": forgiven,
+            "forgiven_through": _forgiven(d, names) if everything else d.forgiven_through,
+            "forgiven_nodes": kept | nodes,
         }
     )
     why = f"readmitted {', '.join(sorted(set(names)))} (operator request {', '.join(whom)})"

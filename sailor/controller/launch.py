@@ -9,7 +9,8 @@ held it up (``_behind``), or the job when no node got through and none is to bla
 than the others (``_short``); at LAUNCH, not a node whose agent refuses the Launch while it
 kills the previous workers (``_waited``: waited for, up to the kill's bound, also once the
 kill has ended and before the re-sent Launch is acked; a Launch its agent refused while the
-kill goes on is not sent again until its status says the kill is over); at a LAUNCH
+kill goes on is sent again slowly, ``REFUSED_RESEND``, until its status says the kill is
+over); at a LAUNCH
 deadline, each refusal's reason (``Observed.refused``) in the abort's reason and the charge.
 
 Holds the decision's one module-level value: a memo of the last plan's digest and world
@@ -47,10 +48,20 @@ from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase, SigabrtReports, StretchedPhase
 
 __all__ = [
+    "REFUSED_RESEND",
     "in_place_next",
     "launch_next",
     "launching",
 ]
+
+REFUSED_RESEND = 8
+"""A Launch its agent refused while the node's status says a kill goes on is re-sent every
+this many ``resend_s`` (4 s at the default 0.5 s), not every one: the agent refuses each
+copy until the kill is over (up to ~123 s: ``kill_grace_s`` plus ``teardown_timeout_s``),
+a ``command`` and an ``ack`` record a time. Not never, though: the agent writes its status
+only when it changes, so a status lost on the way (etcd restored from a snapshot that held
+``killing > 0``, a stale read) kept the Launch unsent until the kill's bound, and a
+healthy node was charged then; now it costs at most this many ``resend_s``."""
 
 
 def in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
@@ -152,6 +163,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         lost_nodes=(),
         sigabrt_reports=SigabrtReports(),
         launch_waited=(),
+        forgiven_nodes={},  # the readmitted nodes' forgiveness was for the previous one
     )
     fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]
@@ -465,12 +477,12 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         cid = command_id_for(d, "launch", n)
         if cid in o.acked:
             continue
-        if cid in o.refused and (st := o.status.get(n)) is not None and st.killing:
-            # its agent refuses every Launch while it kills workers (and said so): re-sent
-            # each ``resend_s`` it was refused each time, two audit records a time through
-            # a kill of up to two minutes; the kill's end (its status) wakes the pass that
-            # sends it
-            continue
+        # its agent refuses every Launch while it kills workers (and said so): re-sent
+        # each ``resend_s`` it was refused each time, two audit records a time through a
+        # kill of up to two minutes. The kill's end (its status) wakes the pass that sends
+        # it at once; until then it goes out slowly, in case that status never comes
+        killing = (st := o.status.get(n)) is not None and st.killing > 0
+        every = REFUSED_RESEND if cid in o.refused and killing else 1
         cmd = build_command(
             Launch,
             command_id=cid,
@@ -488,5 +500,5 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             training_sha256=training,
             in_place=d.path == "in_place",
         )
-        actions.append(Send(cmd))
+        actions.append(Send(cmd, every))
     return actions

@@ -122,6 +122,7 @@ __all__ = [
     "describe",
     "excluded",
     "exclusion_length",
+    "forgiven",
     "held",
     "miss_teardown",
     "stall",
@@ -212,11 +213,11 @@ def charge(
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
-    and a generation whose records were forgiven (``DesiredState.forgiven_through``) not at
-    all. The SIGABRTs of earlier passes (``DesiredState.sigabrt_reports``, which the result
-    carries on with this pass's added) count with those reported now: the Abort clears an
-    agent's failure, and a hang whose reports came in over two passes was under the
-    threshold in each.
+    a node an operator readmitted (:func:`forgiven`) neither, and a generation whose records
+    were all forgiven (``DesiredState.forgiven_through``) not at all. The SIGABRTs of
+    earlier passes (``DesiredState.sigabrt_reports``, which the result carries on with this
+    pass's added) count with those reported now: the Abort clears an agent's failure, and a
+    hang whose reports came in over two passes was under the threshold in each.
     """
     gen, health, job = d.generation, dict(d.node_health), d.job_health
     if d.forgiven_through >= gen:
@@ -286,6 +287,8 @@ def charge(
     notes: list[str] = []
     spared: dict[str, list[str]] = {}
     for n in sorted(evidence):
+        if forgiven(d, n):  # its failures of this generation are not counted, whatever they say
+            continue
         sig = evidence[n][1]
         why = ""
         if n in spared_aborts:
@@ -375,6 +378,17 @@ def charge(
         job, note = _count_job(job, gen, hang, what, now, policy, step=step)
         notes.append(note)
     return Charged(health, job, notes, reports, agreed)
+
+
+def forgiven(d: DesiredState, node: str) -> bool:
+    """Whether ``node``'s failures of ``d``'s generation are forgiven: an operator readmitted
+    it (``DesiredState.forgiven_nodes``: its record of this generation forgotten), or every
+    record of the generation was (``forgiven_through``: ``readmit --all``, a changed training
+    config). The record of one node forgotten forgives that node only: one number for the
+    whole state spared every other node of the generation, a failure it reported late and a
+    teardown it held up past the deadline uncounted."""
+    gen = d.generation
+    return d.forgiven_through >= gen or d.forgiven_nodes.get(node, -1) >= gen
 
 
 def _reports(

@@ -50,6 +50,7 @@ from sailor.controller.node_health import (
     count_failure,
     describe,
     exclusion_length,
+    forgiven,
     take_back,
 )
 from sailor.schemas.runtime import DesiredState, NodeHealth, SuspectCheckpoint
@@ -177,10 +178,11 @@ def at_abort(
     if placed <= set(reads):
         cause = f"checkpoint {step} unreadable from every placed node, falling back"
         return Verdict(bad, SuspectCheckpoint(), out, cause)
-    if d.forgiven_through >= gen:  # an operator readmitted this generation's failures
+    owed = {n: t for n, t in reads.items() if not forgiven(d, n)}
+    if not owed:  # an operator readmitted these nodes' failures of this generation
         cause = f"checkpoint {step} unreadable from {_names(reads)} (forgiven), falling back"
         return Verdict(bad, SuspectCheckpoint(), out, cause)
-    notes = _charge(out, reads, step, gen, now, policy)
+    notes = _charge(out, owed, step, gen, now, policy)
     suspect = SuspectCheckpoint(step=step, nodes=tuple(sorted(reads)), generation=gen)
     cause = (
         f"checkpoint {step} unreadable from {_names(reads)} only ({len(placed - set(reads))} "
@@ -218,9 +220,10 @@ def late(
             f"({_names(reads)} reported late), falling back"
         )
         return Verdict((*d.bad_checkpoints, sus.step), SuspectCheckpoint(), out, cause, notes)
-    if d.forgiven_through >= d.generation:
+    owed = {n: t for n, t in reads.items() if not forgiven(d, n)}
+    if not owed:  # readmitted by an operator
         return None
-    notes = _charge(out, reads, sus.step, d.generation, now, policy)
+    notes = _charge(out, owed, sus.step, d.generation, now, policy)
     nodes = tuple(sorted({*sus.nodes, *reads}))
     suspect = sus.model_copy(update={"nodes": nodes})
     cause = f"checkpoint {sus.step} unreadable from {_names(reads)} too (reported late): suspect"

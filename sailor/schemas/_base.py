@@ -37,9 +37,10 @@ together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
 (written only when a replan failed) and
 ``TrainingConfig.allow_precision_change`` (hashed into the training digest only away from
 its default).
-6: ``DesiredState.in_place_reads`` (an in-place launch's checkpoint reads per node, written
-only when not empty) and ``reads_spent_through`` (written only once set): a release of
-version 5 was out. ``GPUCalibration.communicator_bytes``
+6: ``DesiredState.in_place_reads`` (an in-place launch's checkpoint reads per node) and
+``forgiven_nodes`` (the nodes an operator readmitted, per generation), each written only
+when not empty, and ``reads_spent_through`` (written only once set): a release of version 5
+was out. ``GPUCalibration.communicator_bytes``
 and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and ``communicators_covered``,
 ``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader
 of version 5 refuses a record of its own version that holds them."""

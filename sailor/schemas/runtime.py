@@ -306,9 +306,18 @@ class DesiredState(WireMessage):
     forgiven_through: int = Field(
         default=-1,
         ge=-1,
-        description="Newest generation whose failure records were forgiven (an operator's "
-        "readmit, a changed training config): failures of generations up to it are never "
-        "counted (again). -1: none.",
+        description="Newest generation whose failure records were forgiven for every node "
+        "and the job (an operator's readmit --all, a changed training config's errors): "
+        "failures of generations up to it are never counted (again). -1: none.",
+    )
+    forgiven_nodes: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        max_length=MAX_NODE_LIST,
+        description="Node id -> the generation whose failures of that node an operator "
+        "forgave (sailor node readmit, the record forgotten): that node's failures of it are "
+        "never counted (again), nor is it charged for holding up its teardown; the other "
+        "nodes' are. Kept for the current generation only, emptied at the next launch. "
+        "Empty: none (wire version 6).",
     )
     reads_spent_through: int = Field(
         default=-1,

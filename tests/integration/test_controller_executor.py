@@ -448,6 +448,36 @@ async def test_a_refused_or_unanswered_command_is_not_acked_and_is_sent_again(
         assert sorted(agents.received[3:]) == sorted([refused, silent])
 
 
+async def test_a_command_sent_slowly_goes_out_again_only_after_its_spacing(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """A Send with ``resend_every`` k (a Launch refused while its node kills workers,
+    ``launch.REFUSED_RESEND``): a refused copy goes out again once k x ``resend_s`` has
+    passed, not at every ``resend_s``, and is acked once the agent accepts it. Before,
+    such a Launch was either re-sent every ``resend_s`` or (``decide`` leaving it out)
+    never, until the node's status changed."""
+    planner = DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+    clock = _Clock()
+    async with executor_on(module_plain_servers, tmp_path, planner, clock=clock) as rig:
+        ex, e, agents = rig.ex, rig.ex.epoch, rig.agents
+        agents.refuse = {"n1"}
+        desired = DesiredState(epoch=e, generation=1)
+        cid = f"e{e}-g1-stop-n1"
+        slow = [Send(Stop(command_id=cid, epoch=e, node_id="n1", at_step=1), resend_every=8)]
+        await ex.apply(slow, desired)
+        await _until(lambda: ex.inflight == 0)
+        assert agents.received == [cid] and cid in ex.refused_view
+        for _ in range(7):  # seven resend_s later: not yet
+            clock.t += ex.resend_s
+            await ex.apply(slow, desired)
+            assert ex.inflight == 0 and agents.received == [cid]
+        agents.refuse = set()
+        clock.t += ex.resend_s
+        await ex.apply(slow, desired)
+        await _until(lambda: ex.inflight == 0)
+        assert agents.received == [cid, cid] and ex.acked_view == {cid}
+
+
 async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(
     module_plain_servers: LocalServers, tmp_path: Path
 ) -> None:
@@ -508,6 +538,10 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
         raw = json.loads(await rig.desired())
         assert raw["suspect_checkpoint"] == {"step": 30, "nodes": ["n3"], "generation": 2}
         assert _records(audit, "phase")[-1]["suspect_checkpoint"] == raw["suspect_checkpoint"]
+        # the nodes an operator readmitted (wire version 6): only while there are some
+        assert "forgiven_nodes" not in raw
+        await ex.write_desired(DesiredState(epoch=e, generation=2, forgiven_nodes={"n1": 2}), "t")
+        assert json.loads(await rig.desired())["forgiven_nodes"] == {"n1": 2}
 
 
 async def test_a_cause_naming_every_node_of_a_large_layout_is_written_shortened(

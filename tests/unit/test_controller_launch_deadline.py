@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sailor.controller.decide import decide
-from sailor.controller.decision_types import DecideConfig, Observed, SetDesired
+from sailor.controller.decision_types import DecideConfig, Observed, Send, SetDesired
+from sailor.controller.launch import REFUSED_RESEND
 from sailor.controller.node_health import held
 from sailor.controller.phases import PhaseDeadlines
 from sailor.schemas.runtime import AgentStatus, DesiredState, NodeHealth, Phase
@@ -431,9 +432,11 @@ def test_a_launch_refused_during_a_kill_waits_for_its_end_and_a_refusal_is_named
     reason = "workers being killed: 1 process group(s) not gone yet"
     # not refused yet: sent (the status may lag the kill's end)
     assert kinds(decide(d, obs(nodes(*IDS), killing, acked=acked), CFG)) == ["send:launch:n2"]
-    # refused while the status says the kill goes on: not sent again
+    # refused while the status says the kill goes on: sent again slowly only
     o = obs(nodes(*IDS), killing, acked=acked, refused={cid: reason})
-    assert decide(d, o, CFG) == []
+    assert [(x.command.node_id, x.resend_every) for x in decide(d, o, CFG)] == [  # type: ignore[attr-defined]
+        ("n2", REFUSED_RESEND)
+    ]
     # the kill is over (its status): sent again
     o = obs(nodes(*IDS), idle, acked=acked, refused={cid: reason})
     assert kinds(decide(d, o, CFG)) == ["send:launch:n2"]
@@ -449,3 +452,63 @@ def test_a_launch_refused_during_a_kill_waits_for_its_end_and_a_refusal_is_named
     assert "their agents' refusals say why" in done.reason and "command bus" not in done.reason
     assert all(f"n{i} refused its Launch" in done.reason for i in IDS[:3])
     assert "and 1 more" in done.state.cause
+
+
+def test_a_refused_launch_is_still_re_sent_slowly_while_the_status_says_killing() -> None:
+    """The agent writes its status only when it changes: when the update that says the
+    kill is over is lost (etcd restored from a snapshot holding ``killing > 0``, a stale
+    read), the status says ``killing`` for good. A Launch refused then was never sent again
+    until the kill's bound, and the healthy node charged at it; now it goes out every
+    ``REFUSED_RESEND`` x ``resend_s`` (the executor spaces the copies,
+    ``Send.resend_every``), is taken by the agent whose kill is over, and the phase goes
+    on. Sent at the usual pace once the status says the kill is over."""
+    d = _launching(Phase.LAUNCH, phase_deadline=NOW + 10)
+    cid = "e7-g2-launch-n2"
+    idle = [st(i, gen=1, state="idle") for i in IDS]
+    stuck = [idle[0], _killing(2), *idle[2:]]  # the kill is over, its status was lost
+    acked = _acked(d, 1, 3, 4)
+    reason = "workers being killed: 1 process group(s) not gone yet"
+    o = obs(nodes(*IDS), stuck, acked=acked, refused={cid: reason})
+    (send,) = decide(d, o, CFG)
+    assert isinstance(send, Send) and send.command.command_id == cid
+    assert send.resend_every == REFUSED_RESEND > 1
+    # past the LAUNCH deadline, waited for (its status says killing): still re-sent slowly
+    late = replace(o, now=d.phase_deadline + 1)
+    sends = [x for x in decide(d, late, CFG) if isinstance(x, Send)]
+    assert [(x.command.command_id, x.resend_every) for x in sends] == [(cid, REFUSED_RESEND)]
+    # the agent takes it: the phase goes on
+    taken = replace(late, acked=acked | {cid}, refused={})
+    assert kinds(decide(d, taken, CFG)) == ["set:load"]
+    # once the status says the kill is over: the usual pace
+    (send,) = decide(d, obs(nodes(*IDS), idle, acked=acked, refused={cid: reason}), CFG)
+    assert isinstance(send, Send) and send.resend_every == 1
+
+
+def test_the_note_names_the_refusals_and_the_command_bus_when_some_refused() -> None:
+    """No placed node acked its Launch: n2's agent refused it, the others' went
+    unanswered. The note said "their agents' refusals say why" as soon as any node
+    refused, so the command bus went unnamed for the three Launches lost on the way (the
+    docs said: when every node refused). Now it says both: the refusal with its reason,
+    and the silent nodes with the command bus, as when none refused."""
+    idle = [st(i, gen=1, state="idle") for i in IDS]
+    why = "plan p-1: etcd unavailable"
+    done = _abort(_launching(Phase.LAUNCH), _late(idle, refused={"e7-g2-launch-n2": why}))
+    assert done.state.node_health == {}  # every one late: nobody charged, as before
+    assert f"1 refused (n2: {why}), 3 not answered (n1, n3, n4)" in done.reason, done.reason
+    assert "not answered (n1, n3, n4): the command bus's or the controller's fault" in done.reason
+    assert "their agents' refusals say why" not in done.reason
+    # none refused: the command bus alone, as before
+    done = _abort(_launching(Phase.LAUNCH), _late(idle))
+    assert "(no Launch acked at all: the command bus's or the controller's fault)" in done.reason
+    # many on each side: three named in each group, the others counted
+    many = (1, 2, 3, 4, 5, 6, 7, 8)
+    d = running(many, gen=2, phase=Phase.LAUNCH, phase_deadline=NOW, phase_epoch=7)
+    d = d.model_copy(update={"phase_since": NOW - _LENGTH[Phase.LAUNCH], "load_step": 10})
+    assert len(d.placement) == len(many)
+    refused = {f"e7-g2-launch-n{i}": why for i in (1, 2, 3, 4)}
+    o = replace(
+        obs(nodes(*many), [st(i, gen=1, state="idle") for i in many], refused=refused), now=LATE
+    )
+    done = _abort(d, o)
+    assert f"4 refused (n1: {why}; n2: {why}; n3: {why}; and 1 more)" in done.reason, done.reason
+    assert "4 not answered (n5, n6, n7; and 1 more)" in done.reason

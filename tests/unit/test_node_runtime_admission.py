@@ -138,7 +138,10 @@ def test_the_controller_audits_each_change_of_the_nodes_not_admitted() -> None:
     )
     o = obs(ns, [st("n1"), st("n2")])
     excluded, refused = exclusion(d, o)
-    assert set(refused) <= excluded  # one computation: the audited nodes are left out
+    # one computation: the node audited (n3, of another NCCL) is the one left out, and both
+    # are what ``decide`` derives on its own (``unusable``, ``not_admitted``)
+    assert set(refused) == {"n3"} and refused == not_admitted(d, o)
+    assert excluded == unusable(d, o) == frozenset({"n3"})
     Controller._audit_admission(ctl, refused, o.now)  # type: ignore[arg-type]
     Controller._audit_admission(ctl, refused, o.now)  # type: ignore[arg-type]  (no change)
     assert [k for k, _ in written] == ["not_admitted"]

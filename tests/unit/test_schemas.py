@@ -208,7 +208,7 @@ _V4 = ("lost_nodes", "sigabrt_reports")
 _V5 = ("agreed_health", "launch_waited", "job_precision", "plan_failed")
 """``DesiredState``'s fields of wire version 5."""
 
-_V6 = ("in_place_reads", "reads_spent_through")
+_V6 = ("in_place_reads", "reads_spent_through", "forgiven_nodes")
 """``DesiredState``'s fields of wire version 6."""
 
 
@@ -252,8 +252,8 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     abort's lost nodes and the generation's SIGABRT reports: a release-3 reader drops them;
     version 5 the agreed errors' records and the LAUNCH's nodes waited for past their kill,
     which a release-4 reader drops; version 6 an in-place launch's reads per node and the
-    generation whose read failures an operator's clear spent, which a release-5 reader
-    drops."""
+    generation whose read failures an operator's clear spent and the nodes an operator
+    readmitted, which a release-5 reader drops."""
     assert SCHEMA_VERSION >= 6
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
@@ -275,6 +275,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         job_precision="bf16",
         in_place_reads={"n2": 1 << 20},
         reads_spent_through=3,
+        forgiven_nodes={"n2": 4},
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
