@@ -578,3 +578,22 @@ def test_another_precision_without_the_types_spec_is_refused() -> None:
     two = layer_table(bf16, fp16_model, cal, {"A": slow_bf16}, "A", 2, 1)
     assert two.layers[1].fwd_s < bf16.timings[1].fwd_s
     assert any("profiled in bf16, priced in fp16" in n for n in two.notes)
+
+
+def test_an_fp32_plan_at_an_unprofiled_tp_takes_the_bf16_all_reduces_out_in_bf16() -> None:
+    """Rule 3 from a bf16 profile at TP 2 to an fp32 plan at TP 4 took the profile's
+    all-reduces out in fp32 bytes against the fp32 roofline, whose share of the time then
+    left them in (its floor): they were scaled with the compute, ~25 % slow here. In the
+    profile's precision, the exact synthetic profile gives the fp32 roofline plus the fp32
+    all-reduces at TP 4."""
+    spec = _COMPUTE_BOUND
+    bf16 = _synthetic_tp2_profile(_WIDE, spec, "bf16")
+    fp32_model = _WIDE.model_copy(update={"precision": "fp32"})
+    cal = GPUCalibration(gpu_type="*")
+    got = layer_table(bf16, fp32_model, cal, {spec.name: spec}, spec.name, 4, 1)
+    link = tp_link(None, {spec.name: spec}, spec.name, 4)
+    for layer in range(1, _WIDE.num_all_layers - 1):
+        roof = estimate_layer_timing(fp32_model, spec, 4, 1, layer)
+        cf, cb = layer_comm_s(fp32_model, 4, 1, layer, link, True)
+        assert got.layers[layer].fwd_s == pytest.approx(roof.fwd_s + cf, rel=1e-9)
+        assert got.layers[layer].bwd_s == pytest.approx(roof.bwd_s + cb, rel=1e-9)
