@@ -42,7 +42,15 @@ size and mode. Each size starts measuring once the controller has handled the se
 events.
 Target (issue 7): ≤ 200 ms at 512 nodes. Prints; asserts nothing.
 
-Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]``
+Before the cluster sizes, without servers: the in-place LOAD sizing a LAUNCH decision runs
+(``plan_deadlines.in_place_read_bytes``: the agents' held-worker match, then the engine's
+relayout schedule) at ``--in-place-ranks`` (512, 2,048 and 4,096 by default): LLAMA-3-8
+(catalog), pipelines of 4 stages × TP 8, one 8-GPU node per stage, the middle pipeline
+dropped. Compared with the restart path's sizing of the same new plan in the same run
+(``read_bytes_per_node``: a pass over the plan). ``--sizes ''`` runs it alone.
+
+Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]
+[--in-place-ranks 512,2048,4096]``
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -69,9 +78,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime_servers import free_port, servers
 
+from sailor import catalog
 from sailor.agent.plan_source import PlanSource
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller, freeze_startup_heap
+from sailor.controller.plan_deadlines import in_place_read_bytes, read_bytes_per_node
 from sailor.coordination import (
     EtcdLease,
     EtcdStore,
@@ -85,6 +96,7 @@ from sailor.coordination import (
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
 from sailor.schemas.events import Heartbeat, NodeJoined, NodeLeft, PreemptionNotice
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.runtime import AgentStatus, CommandAck, Phase
 
 __all__ = ["SimCluster", "SimHandle", "node_spec"]
@@ -642,9 +654,90 @@ def report(results: list[dict[str, Any]]) -> None:
     print("\ntarget (issue 7): <= 200 ms at 512 nodes (reported, not asserted)")
 
 
+# --- the in-place LOAD sizing of a LAUNCH decision -------------------------------------------
+
+IN_PLACE_STAGES = 4
+IN_PLACE_TP = 8
+
+
+def _in_place_layout(pipelines: int) -> tuple[Plan, dict[str, tuple[int, ...]]]:
+    """``pipelines`` pipelines of LLAMA-3-8 in 4 even stages at TP 8, stage s of pipeline p
+    on node ``p<p>s<s>`` (GPUs 0-7)."""
+    model = catalog.model("LLAMA-3-8")
+    n = model.num_all_layers
+    cuts = [round(i * n / IN_PLACE_STAGES) for i in range(IN_PLACE_STAGES + 1)]
+    group = ReplicaGroup(gpu_type="A100-80", zone=ZONE, tp=IN_PLACE_TP, gpus_per_node=8)
+    pipe = Pipeline(
+        stages=tuple(
+            Stage(first_layer=cuts[i], last_layer=cuts[i + 1] - 1, replica=group)
+            for i in range(IN_PLACE_STAGES)
+        ),
+        microbatch_size=1,
+        num_microbatches=8,
+    )
+    plan = Plan(
+        plan_id=f"llama-{pipelines}",
+        model=model.name,
+        global_batch_size=8 * pipelines,
+        pipelines=(pipe,) * pipelines,
+    )
+    per = IN_PLACE_STAGES * IN_PLACE_TP
+    placement = {
+        f"p{p}s{s}": tuple(range(p * per + s * IN_PLACE_TP, p * per + (s + 1) * IN_PLACE_TP))
+        for p in range(pipelines)
+        for s in range(IN_PLACE_STAGES)
+    }
+    return plan, placement
+
+
+def _best(f: Callable[[], object]) -> float:
+    """Seconds of the fastest of three calls of ``f`` (one when it takes over 10 s)."""
+    times: list[float] = []
+    while len(times) < 3 and (not times or times[-1] < 10.0):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def in_place_sizing(ranks: list[int]) -> None:
+    """Time ``in_place_read_bytes`` from a layout of ``r`` ranks to one with its middle
+    pipeline dropped (the other nodes keep their workers), against ``read_bytes_per_node``
+    of the new plan."""
+    model = catalog.model("LLAMA-3-8")
+    per = IN_PLACE_STAGES * IN_PLACE_TP
+    print(
+        f"\nin-place LOAD sizing (LAUNCH decision): {model.name}, pipelines of "
+        f"{IN_PLACE_STAGES} stages x TP {IN_PLACE_TP}, one node per stage, the middle pipeline "
+        "dropped; best of 3 (1 above 10 s)"
+    )
+    print(f"{'ranks':>6} {'in place (s)':>13} {'full read (s)':>14} {'ratio':>7}")
+    for r in ranks:
+        pipes = max(2, r // per)
+        old, old_place = _in_place_layout(pipes)
+        new, _ = _in_place_layout(pipes - 1)
+        drop = pipes // 2
+        new_place: dict[str, tuple[int, ...]] = {}
+        for p in range(pipes):
+            if p == drop:
+                continue
+            q = p if p < drop else p - 1  # the pipeline's index in the new plan
+            for s in range(IN_PLACE_STAGES):
+                first = q * per + s * IN_PLACE_TP
+                new_place[f"p{p}s{s}"] = tuple(range(first, first + IN_PLACE_TP))
+        inplace = _best(partial(in_place_read_bytes, old, old_place, new, new_place, model))
+        full = _best(partial(read_bytes_per_node, new, new_place, model))
+        print(f"{pipes * per:>6} {inplace:>13.3f} {full:>14.4f} {inplace / full:>7.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64,512,2048")
+    ap.add_argument(
+        "--in-place-ranks",
+        default="512,2048,4096",
+        help="world sizes the in-place LOAD sizing is timed at ('' : not timed)",
+    )
     ap.add_argument("--rounds", type=int, default=0, help="rounds per size (0: 5/3/2)")
     ap.add_argument(
         "--baseline",
@@ -658,8 +751,12 @@ def main() -> None:
         help="cProfile the controller's process (event loop thread) per size into FILE-<n>.prof",
     )
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
+    if args.in_place_ranks:
+        in_place_sizing([int(r) for r in args.in_place_ranks.split(",") if r])
+    if not sizes:
+        return
     print(
         f"python {platform.python_version()}; controller in-process, planner=sailor, {MODEL} "
         f"(gbs 1024), nodes 4x {'/'.join(GPU_TYPES)} spot in {ZONE}; simulated agents in one "

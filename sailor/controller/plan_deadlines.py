@@ -342,23 +342,20 @@ def _held_ranks(
     held workers in the agent's preference order (rank not kept, rank). A CPU kind has no
     GPU to keep (-1)."""
 
-    def gpu(plan: Plan, rank: int) -> int:
-        pi, si, _ = plan.ranks()[rank]
-        if is_cpu_type(plan.pipelines[pi].stages[si].replica.gpu_type):
-            return -1
-        return plan.local_gpu(rank)
+    def gpus(plan: Plan) -> list[int]:
+        """Each rank's node-local GPU (-1: a CPU kind), from one pass over the plan."""
+        return [-1 if is_cpu_type(p.gpu_type) else p.local_gpu for p in plan.rank_table()]
 
+    old_gpu, new_gpu = gpus(old), gpus(new)
     out: dict[int, int] = {}
-    n_old = len(old.ranks())
+    n_old = len(old_gpu)
     for node, new_ranks in new_placement.items():
         ranks = sorted(new_ranks)
         free = sorted(
             (r for r in old_placement.get(node, ()) if 0 <= r < n_old),
             key=lambda r: (r not in ranks, r),
         )
-        picked = match_held(
-            [(gpu(old, w), w) for w in free], ranks, {r: gpu(new, r) for r in ranks}
-        )
+        picked = match_held([(old_gpu[w], w) for w in free], ranks, {r: new_gpu[r] for r in ranks})
         out.update((r, free[i]) for r, i in picked.items())
     return out
 
@@ -381,7 +378,7 @@ def in_place_read_bytes(
     _check(new, model)
     holders = _held_ranks(old, old_placement, new, new_placement)
     sched = schedule(old, holders, new)
-    tps = [new.pipelines[pi].stages[si].replica.tp for pi, si, _ in new.ranks()]
+    tps = [p.tp for p in new.rank_table()]
     per_rank = [
         sum(_rank_layer_bytes(model, tps[rs.rank], x) for x in rs.checkpoint) for rs in sched.ranks
     ]

@@ -37,8 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sailor.megatron_patch.roles import RankRole, replica_ranks, role_of
-from sailor.schemas.plan import Plan
+from sailor.schemas.plan import Plan, RankPlace
 
 __all__ = [
     "RankSchedule",
@@ -104,26 +103,30 @@ def _check_holders(old: Plan | None, new: Plan, holders: Mapping[int, int]) -> N
         raise ValueError(f"old plan has {old.num_layers} layers, new plan {new.num_layers}")
 
 
-def _complete_groups(old: Plan, survivors: Mapping[int, int]) -> dict[int, list[tuple[int, ...]]]:
-    """Per layer: the complete surviving old replica groups, as new ranks in TP order."""
+def _complete_groups(
+    table: tuple[RankPlace, ...], survivors: Mapping[int, int]
+) -> dict[int, list[tuple[int, ...]]]:
+    """Per layer: the complete surviving old replica groups (``table``: the old plan's
+    :meth:`~sailor.schemas.plan.Plan.rank_table`), as new ranks in TP order."""
     out: dict[int, list[tuple[int, ...]]] = {}
-    for pi, p in enumerate(old.pipelines):
-        for si, s in enumerate(p.stages):
-            ranks = replica_ranks(old, pi, si)
-            if not all(o in survivors for o in ranks):
-                continue
-            as_new = tuple(survivors[o] for o in ranks)
-            for layer in range(s.first_layer, s.last_layer + 1):
-                out.setdefault(layer, []).append(as_new)
+    for first, place in enumerate(table):
+        if place.tp_rank != 0:
+            continue
+        ranks = range(first, first + place.tp)
+        if not all(o in survivors for o in ranks):
+            continue
+        as_new = tuple(survivors[o] for o in ranks)
+        for layer in place.layers:
+            out.setdefault(layer, []).append(as_new)
     return out
 
 
-def _kept(old_role: RankRole | None, new_role: RankRole, layer: int) -> bool:
+def _kept(old_place: RankPlace | None, new_place: RankPlace, layer: int) -> bool:
     return (
-        old_role is not None
-        and layer in old_role.layers
-        and old_role.tp == new_role.tp
-        and old_role.tp_rank == new_role.tp_rank
+        old_place is not None
+        and layer in old_place.layers
+        and old_place.tp == new_place.tp
+        and old_place.tp_rank == new_place.tp_rank
     )
 
 
@@ -136,18 +139,20 @@ def schedule(old: Plan | None, holders: Mapping[int, int], new: Plan) -> Schedul
     """
     _check_holders(old, new, holders)
     survivors = {o: r for r, o in holders.items()}
-    groups = _complete_groups(old, survivors) if old is not None else {}
+    # each plan's ranks placed once: a place looked up per rank walked the plan each time
+    # (4,096 ranks: ~15 s inside the controller's LAUNCH decision)
+    old_table = old.rank_table() if old is not None else ()
+    groups = _complete_groups(old_table, survivors)
     spread: dict[int, int] = {}
     ranks: list[RankSchedule] = []
     transfers: list[Transfer] = []
-    for r in range(len(new.ranks())):
-        role = role_of(new, r)
-        old_role = role_of(old, holders[r]) if old is not None and r in holders else None
+    for r, place in enumerate(new.rank_table()):
+        old_place = old_table[holders[r]] if r in holders else None
         kept: list[int] = []
         received: list[int] = []
         ckpt: list[int] = []
-        for layer in role.layers:
-            if _kept(old_role, role, layer):
+        for layer in place.layers:
+            if _kept(old_place, place, layer):
                 kept.append(layer)
                 continue
             cands = groups.get(layer, [])

@@ -378,6 +378,9 @@ def estimate_gpu(
                     bwd_s=b,
                     update_s=u,
                     source="estimated",
+                    # the rooflines above are in the model's precision: a plan in another
+                    # is scaled from it (simulator.lookup), as from a measured profile
+                    precision=model.precision,
                 )
             )
     meta = {

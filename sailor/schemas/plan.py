@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pydantic import Field, field_validator, model_validator
 
@@ -24,6 +25,7 @@ __all__ = [
     "Pipeline",
     "Plan",
     "PlanPrediction",
+    "RankPlace",
     "ReplicaGroup",
     "Segment",
     "Stage",
@@ -149,6 +151,28 @@ class Segment(Frozen):
     )
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one global rank sits in a plan (:meth:`Plan.rank_table`)."""
+
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp: int
+    """Its replica group's TP degree."""
+    first_rank: int
+    """Global rank of TP rank 0 of its replica group."""
+    local_gpu: int
+    """Node-local GPU index: the group's ``first_gpu`` plus the TP rank."""
+    gpu_type: str
+    first_layer: int
+    last_layer: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.last_layer + 1)
+
+
 class Plan(Frozen):
     """A complete parallelization of one model on concrete GPU types and zones."""
 
@@ -240,6 +264,30 @@ class Plan(Frozen):
             for si, s in enumerate(p.stages)
             for t in range(s.replica.tp)
         ]
+
+    def rank_table(self) -> tuple[RankPlace, ...]:
+        """Every global rank's place, in :meth:`ranks` order: one pass over the plan, for
+        callers that look up many ranks (:meth:`local_gpu` walks the plan per call)."""
+        out: list[RankPlace] = []
+        for pi, p in enumerate(self.pipelines):
+            for si, s in enumerate(p.stages):
+                g = s.replica
+                first = len(out)
+                out.extend(
+                    RankPlace(
+                        pipeline=pi,
+                        stage=si,
+                        tp_rank=t,
+                        tp=g.tp,
+                        first_rank=first,
+                        local_gpu=g.first_gpu + t,
+                        gpu_type=g.gpu_type,
+                        first_layer=s.first_layer,
+                        last_layer=s.last_layer,
+                    )
+                    for t in range(g.tp)
+                )
+        return tuple(out)
 
     def local_gpu(self, rank: int) -> int:
         """The node-local GPU index of global ``rank``: its replica group's ``first_gpu``

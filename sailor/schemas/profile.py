@@ -50,8 +50,9 @@ class LayerProfile(Frozen):
     precision: Literal["fp32", "fp16", "bf16"] | None = Field(
         default=None,
         description=(
-            "Precision the layer computed in when measured (the autocast dtype; fp32: no "
-            "autocast). None: not recorded (imported, estimated or older profiles)."
+            "Precision the layer computed in (measured: the autocast dtype, fp32 without "
+            "autocast; estimated: the model's precision the roofline was taken in). None: not "
+            "recorded (imported profiles, and estimated or measured ones written before)."
         ),
     )
 

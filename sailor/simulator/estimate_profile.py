@@ -182,4 +182,5 @@ def estimate_layer_timing(
         bwd_s=_BWD_OVER_FWD * fwd,
         update_s=update,
         source="estimated",
+        precision=model.precision,
     )

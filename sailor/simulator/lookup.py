@@ -365,14 +365,25 @@ def _layer_table(
         if calibrated:
             notes.append(f"{gpu_type}: estimated profile entries (sailor profile estimate)")
 
-    def estimate(t: int) -> list[LayerProfile]:
+    # the profile the rows come from, and the precision it was measured in: what a measured
+    # time holds (its compute, its all-reduces) is taken out in that precision
+    profiled_at = tp if tp in grid else min(grid, key=lambda t: (abs(t - tp), t), default=None)
+    measured_in = _profile_precision(profiles, gpu_type, profiled_at, grid)
+    rescale = measured_in is not None and _differs(spec, measured_in, model.precision)
+    if rescale and spec is None:
+        raise ProfileLookupError(
+            f"gpu_type={gpu_type!r}: layers profiled in {measured_in}, the plan computes in "
+            f"{model.precision}, and no GPU spec to scale the times by: profile {gpu_type} in "
+            f"{model.precision}"
+        )
+    held_model = model.model_copy(update={"precision": measured_in}) if rescale else model
+
+    def estimate(t: int, m: ModelSpec = model) -> list[LayerProfile]:
         if spec is None:
             raise ProfileLookupError(
                 f"gpu_type={gpu_type!r}: no profile at tp={tp} and no GPU spec to estimate one"
             )
-        return [
-            estimate_layer_timing(model, spec, t, mbs, layer, activations) for layer in range(n)
-        ]
+        return [estimate_layer_timing(m, spec, t, mbs, layer, activations) for layer in range(n)]
 
     def link_at(t: int, priced: bool) -> TPLink:
         """The link the TP all-reduces at ``t`` are priced over. What a measured time holds
@@ -393,14 +404,16 @@ def _layer_table(
         if priced:
             notes.append(f"{tag}: estimated TP all-reduces at tp={t} over the {link.note}")
             return model_comm_s(model, t, mbs, link, vocab_parallel, embed_bytes)
-        return model_comm_s(model, t, mbs, link, vocab_parallel, held_bytes(t))
+        return model_comm_s(held_model, t, mbs, link, vocab_parallel, held_bytes(t))
 
     def held_bytes(t: int) -> float:
         """Bytes per element of the embedding's all-reduce a measured time at ``t`` holds:
         Sailor's profiler runs its engine (fp32 under autocast); an imported profile is
-        Megatron's (the compute dtype)."""
+        Megatron's (the compute dtype it was measured in)."""
         entry = profiles.timing(gpu_type, t, grid[t][0], 0) if grid.get(t) else None
-        return 4.0 if entry is not None and entry.source == "measured" else model.param_bytes()
+        if entry is not None and entry.source == "measured":
+            return 4.0
+        return held_model.param_bytes()
 
     def hook_free(
         t: int, rows: list[tuple[float, float, float]]
@@ -416,9 +429,7 @@ def _layer_table(
     raise0: float | None = None  # what the embedding's backward is raised to (its forward)
     # estimated entries that hold the compute alone: their TP all-reduces are priced here
     compute_only = calibrated and f"{gpu_type}.{COMPUTE_ONLY_META}" in profiles.meta
-    profiled_at: int | None = None  # the TP degree whose profile the rows come from
     if tp in grid:
-        profiled_at = tp
         rows, how = _raw(profiles, gpu_type, tp, mbs, n, grid[tp])
         if how:
             notes.append(f"{tag}: {how}")
@@ -445,28 +456,28 @@ def _layer_table(
             # gives compute, as rule 3 takes all-reduces out)
             # (layer 0 alone: this runs for every measured table at TP > 1)
             roof0 = (
-                estimate_layer_timing(model, spec, tp, mbs, 0, activations).fwd_s
+                estimate_layer_timing(held_model, spec, tp, mbs, 0, activations).fwd_s
                 if spec is not None
                 else 0.0
             )
             held0, _ = layer_comm_s(
-                model, tp, mbs, 0, link_at(tp, False), vocab_parallel, held_bytes(tp)
+                held_model, tp, mbs, 0, link_at(tp, False), vocab_parallel, held_bytes(tp)
             )
             raise0 = compute_part(rows[0][0], held0, roof0)
-    elif grid:
-        near = min(grid, key=lambda t: (abs(t - tp), t))
-        profiled_at = near
+    elif profiled_at is not None:  # a profile at another TP degree
+        near = profiled_at
         base, _ = _raw(profiles, gpu_type, near, mbs, n, grid[near])
         base = hook_free(near, base)  # before the scaling, as at rule 1
         base, _ = _spread_update(
             base, layer_sizes(profiles, model, near, activations=activations)[0]
         )
-        est_tp, est_near = estimate(tp), estimate(near)
+        est_tp, est_near = estimate(tp, held_model), estimate(near, held_model)
         rows = []
         # the profile at ``near`` holds its all-reduces: its compute (the time less their
         # estimate; at least the share the estimate gives compute, when the measured time
         # is below the roofline plus that estimate) scales by the roofline's ratio, and the
-        # all-reduces at ``tp`` are added
+        # all-reduces at ``tp`` are added (all in the precision the profile was measured in;
+        # another plan's is priced below)
         added = comm(tp)
         held = [(0.0, 0.0)] * n if compute_only else comm(near, priced=False)
         zipped = zip(base, est_tp, est_near, held, strict=True)
@@ -491,26 +502,42 @@ def _layer_table(
             "all-reduces"
         )
         estimated = True
-    measured_in = _profile_precision(profiles, gpu_type, profiled_at, grid)
-    if measured_in is not None and _peak(spec, measured_in) != _peak(spec, model.precision):
+    if rescale and spec is not None and measured_in is not None:
         # layers measured in another precision than the plan computes in (an fp32 job on
         # types profiled under bf16 autocast): priced at the profile's, fp32 ran up to the
         # peak ratio (16x on an A100) too fast
-        if spec is None:
-            raise ProfileLookupError(
-                f"gpu_type={gpu_type!r}: layers profiled in {measured_in}, the plan computes "
-                f"in {model.precision}, and no GPU spec to scale the times by: profile "
-                f"{gpu_type} in {model.precision}"
+        ratio = _precision_ratio(model, held_model, spec, tp, mbs, activations)
+        comm_note = ""
+        if tp in grid and tp > 1 and not compute_only:
+            comm_note = "; the TP all-reduces measured in them by the plan's bytes"
+            # a time measured at ``tp`` holds the layer's all-reduces: only its compute
+            # scales by the roofline's ratio; the all-reduces by the link's (the plan's
+            # bytes over the profile's, on the same link: 2x for fp32 where bandwidth-bound,
+            # 1x where latency-bound or already fp32, as the embedding's sum under autocast)
+            rows = _rescaled_with_comm(
+                rows,
+                ratio,
+                model,
+                held_model,
+                spec,
+                tp,
+                mbs,
+                activations,
+                link_at(tp, False),
+                vocab_parallel and not measured_whole_ends(profiles, gpu_type, tp, mbs, n),
+                held_bytes(tp),
+                embed_bytes,
             )
-        ratio = _precision_ratio(model, spec, measured_in, tp, mbs, activations)
-        rows = [(f * r, g * r, u) for (f, g, u), r in zip(rows, ratio, strict=True)]
+        else:  # the rows are compute alone
+            rows = [(f * r, g * r, u) for (f, g, u), r in zip(rows, ratio, strict=True)]
         if raise0 is not None:
             raise0 *= ratio[0]
         notes.append(
             f"{tag}: layers profiled in {measured_in}, priced in {model.precision}: forward "
-            f"and backward scaled by the roofline's ratio, x{min(ratio):.3g}-x{max(ratio):.3g} "
-            f"(peaks {_peak(spec, model.precision):g} vs {_peak(spec, measured_in):g} "
-            "TFLOPS; memory-bound layers by their bytes), marked estimated"
+            f"and backward compute scaled by the roofline's ratio, x{min(ratio):.3g}-"
+            f"x{max(ratio):.3g} (peaks {_peak(spec, model.precision):g} vs "
+            f"{_peak(spec, measured_in):g} TFLOPS; memory-bound layers by their bytes)"
+            f"{comm_note}, marked estimated"
         )
         estimated = True
     out: list[LayerCost] = []
@@ -541,6 +568,17 @@ def _profile_precision(
     return entry.precision if entry is not None else None
 
 
+def _differs(spec: GPUSpec | None, measured_in: str, precision: str) -> bool:
+    """Whether a time measured in ``measured_in`` is not one in ``precision``: they differ,
+    unless both are 16-bit and ``spec`` gives them the same peak (fp16 and bf16 move the
+    same bytes); without a spec two precisions always differ."""
+    if measured_in == precision:
+        return False
+    if spec is not None and "fp32" not in (measured_in, precision):
+        return _peak(spec, measured_in) != _peak(spec, precision)
+    return True
+
+
 def _peak(spec: GPUSpec | None, precision: str) -> float:
     """The catalog's peak TFLOPS of ``spec`` in ``precision`` (0 without a spec). Sailor's
     engine runs fp32 matmuls as fp32, not TF32: it never sets ``allow_tf32`` and torch's
@@ -550,24 +588,67 @@ def _peak(spec: GPUSpec | None, precision: str) -> float:
 
 def _precision_ratio(
     model: ModelSpec,
+    there: ModelSpec,
     spec: GPUSpec,
-    measured_in: str,
     tp: int,
     mbs: int,
     activations: Activations,
 ) -> list[float]:
-    """Per layer, the roofline's time in the plan's precision over its time in
-    ``measured_in``: the compute-bound part scales by the peaks' ratio, the memory-bound
-    part by the bytes' (``estimate_layer_timing``: the larger of flops over peak and bytes
-    over bandwidth). An upper bound for a compute-bound layer where the 16-bit kernels
-    reach a larger share of their peak than fp32 ones do."""
-    there = model.model_copy(update={"precision": measured_in})
+    """Per layer, the roofline's time in the plan's precision (``model``'s) over its time in
+    the profile's (``there``'s): the compute-bound part scales by the peaks' ratio, the
+    memory-bound part by the bytes' (``estimate_layer_timing``: the larger of flops over
+    peak and bytes over bandwidth). An upper bound for a compute-bound layer where the
+    16-bit kernels reach a larger share of their peak than fp32 ones do."""
     out = []
     for layer in range(model.num_all_layers):
         a = estimate_layer_timing(model, spec, tp, mbs, layer, activations).fwd_s
         b = estimate_layer_timing(there, spec, tp, mbs, layer, activations).fwd_s
         out.append(a / b if b > 0 else 1.0)
     return out
+
+
+def _rescaled_with_comm(
+    rows: list[tuple[float, float, float]],
+    ratio: list[float],
+    model: ModelSpec,
+    there: ModelSpec,
+    spec: GPUSpec,
+    tp: int,
+    mbs: int,
+    activations: Activations,
+    link: TPLink,
+    vocab_parallel: bool,
+    held_embed_bytes: float,
+    embed_bytes: float,
+) -> list[tuple[float, float, float]]:
+    """``rows`` measured at ``tp`` in ``there``'s precision, priced in ``model``'s: each
+    time less its all-reduces (:func:`~sailor.simulator.tp_comm.compute_part`, the estimate
+    over ``link`` in the profile's bytes) is scaled by ``ratio``; the rest, the all-reduces
+    as measured, by the estimate's ratio of the plan's bytes to the profile's."""
+    held = model_comm_s(there, tp, mbs, link, vocab_parallel, held_embed_bytes)
+    plan = model_comm_s(model, tp, mbs, link, vocab_parallel, embed_bytes)
+    out = []
+    for layer, (f, g, u) in enumerate(rows):
+        roof = estimate_layer_timing(there, spec, tp, mbs, layer, activations)
+        parts = (
+            (f, held[layer][0], plan[layer][0], roof.fwd_s),
+            (g, held[layer][1], plan[layer][1], roof.bwd_s),
+        )
+        f2, g2 = (
+            _compute_and_comm(measured, comm, to, r, ratio[layer])
+            for measured, comm, to, r in parts
+        )
+        out.append((f2, g2, u))
+    return out
+
+
+def _compute_and_comm(
+    measured: float, comm: float, plan_comm: float, roof: float, r: float
+) -> float:
+    """A time ``measured`` holding all-reduces estimated at ``comm``, in another precision:
+    its compute times ``r``, its all-reduces times ``plan_comm/comm``."""
+    compute = compute_part(measured, comm, roof)
+    return compute * r + (measured - compute) * (plan_comm / comm if comm > 0 else 1.0)
 
 
 def _scaled(measured: float, comm: float, roof_tp: float, roof_near: float) -> float:

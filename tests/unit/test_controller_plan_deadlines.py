@@ -31,6 +31,7 @@ from sailor.controller.plan_deadlines import (
     CHECKPOINT_BYTES_PER_PARAM,
     DeadlineModel,
     MeasuredIteration,
+    _held_ranks,
     checkpoint_layer_bytes,
     derived_deadlines,
     in_place_read_bytes,
@@ -38,6 +39,10 @@ from sailor.controller.plan_deadlines import (
     read_bytes_per_node,
     write_bytes_per_node,
 )
+from sailor.megatron_patch.held_match import match_held
+from sailor.megatron_patch.relayout import RankSchedule, Schedule, Transfer, schedule
+from sailor.megatron_patch.roles import replica_ranks, role_of
+from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Pipeline, Plan, PlanPrediction, ReplicaGroup, Stage
@@ -628,3 +633,157 @@ def test_an_in_place_load_that_reads_layers_is_sized_by_them() -> None:
     # the restart path's launch sizes a full read, and records no in-place reads
     again = move_to(down, Phase.LAUNCH, NOW, cfg, generation=3, plan=new, placement=new_place)
     assert again.in_place_reads == {}
+
+
+def _mixed_layout(
+    shapes: list[tuple[tuple[int, int], ...]], gpu: list[str]
+) -> tuple[Plan, dict[str, tuple[int, ...]]]:
+    """Pipelines of (last layer, TP) stages; pipeline p on GPU type ``gpu[p]``; a TP-4 stage
+    shares an 8-GPU node with the pipeline's next TP-4 stage (GPUs 4-7), every other stage
+    has a node of its own."""
+    pipes = []
+    placement: dict[str, list[int]] = {}
+    rank = 0
+    for p, shape in enumerate(shapes):
+        stages = []
+        first = 0
+        for s, (last, tp) in enumerate(shape):
+            upper = tp == 4 and s % 2 == 1
+            node = f"p{p}s{s - 1 if upper else s}"
+            stages.append(
+                Stage(
+                    first_layer=first,
+                    last_layer=last,
+                    replica=ReplicaGroup(
+                        gpu_type=gpu[p],
+                        zone="z",
+                        tp=tp,
+                        gpus_per_node=8,
+                        first_gpu=4 if upper else 0,
+                        node_id=node,
+                    ),
+                )
+            )
+            placement.setdefault(node, []).extend(range(rank, rank + tp))
+            rank += tp
+            first = last + 1
+        pipes.append(Pipeline(stages=tuple(stages), microbatch_size=1, num_microbatches=8))
+    plan = Plan(
+        plan_id=f"mixed-{len(shapes)}",
+        model=LLAMA_7B.name,
+        global_batch_size=8 * len(shapes),
+        pipelines=tuple(pipes),
+    )
+    return plan, {n: tuple(r) for n, r in placement.items()}
+
+
+def _old_schedule_and_holders(
+    old: Plan,
+    old_place: dict[str, tuple[int, ...]],
+    new: Plan,
+    new_place: dict[str, tuple[int, ...]],
+) -> tuple[dict[int, int], object]:
+    """The in-place sizing as it was computed, one rank at a time: each held worker's GPU by
+    ``Plan.local_gpu`` and each rank's layers by ``roles.role_of`` (a pass over the plan per
+    rank)."""
+
+    def gpu(plan: Plan, rank: int) -> int:
+        pi, si, _ = plan.ranks()[rank]
+        if is_cpu_type(plan.pipelines[pi].stages[si].replica.gpu_type):
+            return -1
+        return plan.local_gpu(rank)
+
+    holders: dict[int, int] = {}
+    for node, new_ranks in new_place.items():
+        ranks = sorted(new_ranks)
+        free = sorted(old_place.get(node, ()), key=lambda r: (r not in ranks, r))
+        picked = match_held(
+            [(gpu(old, w), w) for w in free], ranks, {r: gpu(new, r) for r in ranks}
+        )
+        holders.update((r, free[i]) for r, i in picked.items())
+    survivors = {o: r for r, o in holders.items()}
+    groups: dict[int, list[tuple[int, ...]]] = {}
+    for pi, p in enumerate(old.pipelines):
+        for si, s in enumerate(p.stages):
+            group = replica_ranks(old, pi, si)
+            if all(o in survivors for o in group):
+                for layer in s.layers:
+                    groups.setdefault(layer, []).append(tuple(survivors[o] for o in group))
+    spread: dict[int, int] = {}
+    rows: list[RankSchedule] = []
+    transfers: list[Transfer] = []
+    for r in range(len(new.ranks())):
+        role = role_of(new, r)
+        was = role_of(old, holders[r]) if r in holders else None
+        kept: list[int] = []
+        received: list[int] = []
+        ckpt: list[int] = []
+        for layer in role.layers:
+            if (
+                was is not None
+                and layer in was.layers
+                and (was.tp, was.tp_rank)
+                == (
+                    role.tp,
+                    role.tp_rank,
+                )
+            ):
+                kept.append(layer)
+                continue
+            cands = groups.get(layer, [])
+            if not cands:
+                ckpt.append(layer)
+                continue
+            own = [g for g in cands if r in g]
+            if own:
+                src = own[0]
+            else:
+                i = spread.get(layer, 0)
+                spread[layer] = i + 1
+                src = cands[i % len(cands)]
+            received.append(layer)
+            transfers.append(Transfer(receiver=r, layer=layer, sources=src))
+        rows.append(RankSchedule(r, tuple(kept), tuple(received), tuple(ckpt)))
+    return holders, Schedule(tuple(rows), tuple(transfers))
+
+
+def test_the_in_place_sizing_places_each_rank_once_and_decides_as_rank_by_rank() -> None:
+    """The LAUNCH decision's in-place sizing looked up every held worker's GPU and every
+    rank's layers with a pass over the plan each (4,096 ranks: ~15 s inside a decide pass).
+    Each plan's ranks are now placed once (``Plan.rank_table``); on a mixed layout of 232
+    ranks (TP 8 and TP 4 sharing nodes, a CPU kind, a pipeline dropped, one split moved,
+    new nodes) the holders and the schedule are those of the rank-by-rank computation."""
+    a = ((8, 8), (16, 8), (25, 8), (33, 8))
+    b = ((5, 4), (11, 4), (22, 8), (33, 8))
+    shapes = [a, b, a, b, a, a, b, a]
+    gpu = ["A100-80"] * 5 + ["cpu"] + ["A100-80"] * 2
+    old, old_place = _mixed_layout(shapes, gpu)
+    moved = ((8, 8), (20, 8), (25, 8), (33, 8))
+    new_shapes = [a, b, b, a, a, b, moved]  # pipeline 2 dropped
+    new_gpu = ["A100-80"] * 4 + ["cpu"] + ["A100-80"] * 2
+    new, new_place = _mixed_layout(new_shapes, new_gpu)
+    # the new pipelines keep their old nodes (pipeline p >= 2 was p + 1), but for the moved
+    # one's stage 1 and every last stage: on nodes new to the job (no surviving replica holds
+    # the last layers: read from the checkpoint)
+    rename = {f"p{q}s{s}": f"p{q + 1 if q >= 2 else q}s{s}" for q in range(7) for s in range(3)}
+    rename.update({f"p{q}s3": f"fresh{q}" for q in range(7)})
+    new_place = {rename[n]: r for n, r in new_place.items()}
+    new_place["fresh"] = new_place.pop("p7s1")
+    old_table, new_table = old.rank_table(), new.rank_table()
+    assert len(old_table) == 232
+    for plan, table in ((old, old_table), (new, new_table)):
+        assert [(p.pipeline, p.stage, p.tp_rank) for p in table] == plan.ranks()
+        for r, place in enumerate(table):
+            role = role_of(plan, r)
+            assert place.local_gpu == plan.local_gpu(r)
+            assert (place.tp, place.layers, place.first_rank) == (
+                role.tp,
+                role.layers,
+                role.tp_group[0],
+            )
+    holders, sched = _old_schedule_and_holders(old, old_place, new, new_place)
+    assert _held_ranks(old, old_place, new, new_place) == holders
+    got = schedule(old, holders, new)
+    assert got == sched
+    assert got.transfers and any(rs.checkpoint for rs in got.ranks)  # every kind of source
+    assert any(rs.kept for rs in got.ranks)

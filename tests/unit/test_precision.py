@@ -27,6 +27,8 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
 )
+from sailor.schemas.calibration import GPUCalibration
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.precision import (
     GRAD_ALLREDUCE_BYTES,
     choose_precision,
@@ -35,7 +37,11 @@ from sailor.schemas.precision import (
     loss_scaling,
     wire_bytes,
 )
+from sailor.schemas.profile import VOCAB_SPLIT_META, LayerProfile
 from sailor.simulator import simulate
+from sailor.simulator.estimate_profile import estimate_layer_timing
+from sailor.simulator.lookup import ProfileLookupError, layer_table
+from sailor.simulator.tp_comm import layer_comm_s, tp_link
 from tests.unit.test_planner_search import make_env
 from tests.unit.test_simulator_simulate import (
     MODEL,
@@ -475,3 +481,119 @@ def test_an_fp32_plan_on_16_bit_profiles_prices_its_compute_in_fp32() -> None:
         }
     )
     assert est("fp32", fp32).stages[0].fwd_s == est("bf16", PROFILES).stages[0].fwd_s  # type: ignore[attr-defined]
+
+
+# -- a profile in another precision than the plan's: what it holds --------------------------
+
+_WIDE = ModelSpec(
+    name="wide",
+    num_layers=2,
+    hidden_size=1024,
+    num_heads=16,
+    ffn_hidden_size=4096,
+    seq_length=512,
+    vocab_size=1024,
+    global_batch_size=8,
+    precision="bf16",
+)
+_COMPUTE_BOUND = SPECS["A"].model_copy(
+    update={"memory_bandwidth_gbps": 1e9, "intra_node_link_gbps": 128.0}
+)
+
+
+def _synthetic_tp2_profile(model: ModelSpec, spec: GPUSpec, precision: str) -> ProfileDB:
+    """What a profiler measures at TP 2 if the roofline and the TP all-reduce estimate were
+    exact: each layer's compute plus its all-reduces, in ``precision``."""
+    link = tp_link(None, {spec.name: spec}, spec.name, 2)
+    there = model.model_copy(update={"precision": precision})
+    timings = []
+    for layer in range(model.num_all_layers):
+        roof = estimate_layer_timing(there, spec, 2, 1, layer)
+        cf, cb = layer_comm_s(there, 2, 1, layer, link, True, 4.0)
+        timings.append(
+            LayerProfile(
+                gpu_type=spec.name,
+                tp=2,
+                microbatch_size=1,
+                layer=layer,
+                kind=model.layer_kind(layer),
+                fwd_s=roof.fwd_s + cf,
+                bwd_s=roof.bwd_s + cb,
+                update_s=1e-4 * (layer + 1),
+                source="measured",
+                precision=precision,  # type: ignore[arg-type]
+            )
+        )
+    return ProfileDB(
+        model=model.name,
+        timings=tuple(timings),
+        meta={f"{spec.name}.tp2.{VOCAB_SPLIT_META}": "split"},
+    )
+
+
+def test_an_fp32_plan_on_a_bf16_profile_at_tp_2_scales_the_compute_not_the_all_reduces() -> None:
+    """A block's time measured at TP 2 holds its all-reduces (here about a third of it).
+    Priced in fp32, the whole time was multiplied by the peaks' ratio (10x), the
+    all-reduces too: about 4x too slow here. The compute scales by the roofline's ratio, the
+    all-reduces by the plan's bytes over the profile's on the same link."""
+    spec = _COMPUTE_BOUND
+    bf16 = _synthetic_tp2_profile(_WIDE, spec, "bf16")
+    fp32_model = _WIDE.model_copy(update={"precision": "fp32"})
+    link = tp_link(None, {spec.name: spec}, spec.name, 2)
+    cal = GPUCalibration(gpu_type="*")
+    got = layer_table(bf16, fp32_model, cal, {spec.name: spec}, spec.name, 2, 1)
+    for layer in range(1, _WIDE.num_all_layers - 1):  # the blocks
+        measured = bf16.timings[layer]
+        held, _ = layer_comm_s(_WIDE, 2, 1, layer, link, True)
+        assert 0.25 < held / measured.fwd_s < 0.5  # the all-reduces' share of the time
+        roof = estimate_layer_timing(fp32_model, spec, 2, 1, layer)
+        cf, cb = layer_comm_s(fp32_model, 2, 1, layer, link, True)
+        assert got.layers[layer].fwd_s == pytest.approx(roof.fwd_s + cf, rel=1e-9)
+        assert got.layers[layer].bwd_s == pytest.approx(roof.bwd_s + cb, rel=1e-9)
+        assert got.layers[layer].estimated
+    assert any("the TP all-reduces measured in them by the plan's bytes" in n for n in got.notes)
+    # the same profile in the plan's precision is priced as measured
+    same = layer_table(bf16, _WIDE, cal, {spec.name: spec}, spec.name, 2, 1)
+    assert [c.fwd_s for c in same.layers] == [t.fwd_s for t in bf16.timings]
+
+
+def test_another_precision_without_the_types_spec_is_refused() -> None:
+    """An fp32 plan on bf16 profiles of a type the catalog does not know was priced at the
+    bf16 time without a note (no spec: both peaks read as 0, 'equal'). Refused, naming the
+    type and both precisions; fp16 against bf16 only when the spec gives them one peak."""
+    bf16 = _synthetic_tp2_profile(_WIDE, _COMPUTE_BOUND, "bf16")
+    cal = GPUCalibration(gpu_type="*")
+    fp32_model = _WIDE.model_copy(update={"precision": "fp32"})
+    with pytest.raises(ProfileLookupError, match=r"'A'.*profiled in bf16.*computes in fp32"):
+        layer_table(bf16, fp32_model, cal, {}, "A", 2, 1)
+    fp16_model = _WIDE.model_copy(update={"precision": "fp16"})
+    with pytest.raises(ProfileLookupError, match="profiled in bf16"):
+        layer_table(bf16, fp16_model, cal, {}, "A", 2, 1)
+    # same peaks: fp16 and bf16 are one speed, priced as measured
+    one = layer_table(bf16, fp16_model, cal, {"A": _COMPUTE_BOUND}, "A", 2, 1)
+    assert [c.fwd_s for c in one.layers] == [t.fwd_s for t in bf16.timings]
+    assert not any(c.estimated for c in one.layers)
+    # a spec whose bf16 peak is half its fp16 one: scaled
+    slow_bf16 = _COMPUTE_BOUND.model_copy(update={"peak_tflops_bf16": 50.0})
+    two = layer_table(bf16, fp16_model, cal, {"A": slow_bf16}, "A", 2, 1)
+    assert two.layers[1].fwd_s < bf16.timings[1].fwd_s
+    assert any("profiled in bf16, priced in fp16" in n for n in two.notes)
+
+
+def test_an_fp32_plan_at_an_unprofiled_tp_takes_the_bf16_all_reduces_out_in_bf16() -> None:
+    """Rule 3 from a bf16 profile at TP 2 to an fp32 plan at TP 4 took the profile's
+    all-reduces out in fp32 bytes against the fp32 roofline, whose share of the time then
+    left them in (its floor): they were scaled with the compute, ~25 % slow here. In the
+    profile's precision, the exact synthetic profile gives the fp32 roofline plus the fp32
+    all-reduces at TP 4."""
+    spec = _COMPUTE_BOUND
+    bf16 = _synthetic_tp2_profile(_WIDE, spec, "bf16")
+    fp32_model = _WIDE.model_copy(update={"precision": "fp32"})
+    cal = GPUCalibration(gpu_type="*")
+    got = layer_table(bf16, fp32_model, cal, {spec.name: spec}, spec.name, 4, 1)
+    link = tp_link(None, {spec.name: spec}, spec.name, 4)
+    for layer in range(1, _WIDE.num_all_layers - 1):
+        roof = estimate_layer_timing(fp32_model, spec, 4, 1, layer)
+        cf, cb = layer_comm_s(fp32_model, 4, 1, layer, link, True)
+        assert got.layers[layer].fwd_s == pytest.approx(roof.fwd_s + cf, rel=1e-9)
+        assert got.layers[layer].bwd_s == pytest.approx(roof.bwd_s + cb, rel=1e-9)

@@ -20,8 +20,10 @@ from sailor.profiler.calibrated_estimate import (
 from sailor.profiler.curve_fit import fit_curve, fit_link, split_latency, with_link
 from sailor.profiler.merge import merge_db
 from sailor.schemas import BandwidthCurve, Endpoint, LayerProfile, NetworkProfile, ProfileDB
+from sailor.schemas.calibration import GPUCalibration
 from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY
+from sailor.simulator.lookup import layer_table
 
 SIZES = [1 << k for k in range(16, 31)]
 
@@ -325,3 +327,21 @@ def test_an_estimate_at_tp_above_1_takes_its_compute_from_the_work_per_gpu() -> 
         r = estimate_layer_timing(model, specs["GH-96"], t.tp, t.microbatch_size, t.layer)
         want = r.fwd_s * ROOFLINE_EFFICIENCY / eff(t.tp, t.microbatch_size)
         assert t.fwd_s == pytest.approx(want, rel=1e-9), (t.tp, t.microbatch_size, t.layer)
+
+
+def test_estimated_entries_record_their_precision_and_another_plans_is_scaled() -> None:
+    """``sailor profile estimate`` wrote no precision: an fp32 plan on a type estimated for
+    a bf16 model was priced at the bf16 rooflines (up to 16x too fast on an H100, 4x here
+    at the memory-bound sizes of OPT-350 at mbs 1), as from a profile that does not say.
+    Its entries say the model's precision, and the lookup scales from them."""
+    model = catalog.model("OPT-350").model_copy(update={"precision": "bf16"})
+    specs = catalog.gpus()
+    est = estimate_gpu(model, specs["H100-80"], {}, [(1, 1)])
+    assert {t.precision for t in est.timings} == {"bf16"}
+    cal = GPUCalibration(gpu_type="*")
+    bf16 = layer_table(est, model, cal, specs, "H100-80", 1, 1)
+    fp32 = layer_table(
+        est, model.model_copy(update={"precision": "fp32"}), cal, specs, "H100-80", 1, 1
+    )
+    assert fp32.layers[1].fwd_s > 2 * bf16.layers[1].fwd_s
+    assert any("profiled in bf16, priced in fp32" in n for n in fp32.notes)
