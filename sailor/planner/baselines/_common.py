@@ -11,26 +11,15 @@ from sailor.planner.judge import objective_score
 from sailor.planner.pricing import Resource
 from sailor.planner.tables import CostTables, Inputs
 from sailor.planner.upper_bound import pool_bound, resources_of
-from sailor.schemas import (
-    Calibration,
-    Estimate,
-    GPUSpec,
-    ModelSpec,
-    NetworkProfile,
-    Plan,
-    Pool,
-    PriceTable,
-    ProfileDB,
-)
+from sailor.schemas import Estimate, Plan, Pool
 from sailor.simulator import ProfileLookupError
 
 __all__ = [
     "Grid",
     "data_parallel",
     "grid_of",
+    "grid_point",
     "judge",
-    "per_hour",
-    "point_score",
     "uniform_cuts",
 ]
 
@@ -46,22 +35,10 @@ class Grid:
     upper_bound: float
 
 
-def grid_of(
-    model: ModelSpec,
-    profiles: ProfileDB,
-    pool: Pool,
-    network: NetworkProfile,
-    prices: PriceTable,
-    constraints: Constraints | None,
-    gpu_specs: Mapping[str, GPUSpec],
-    calibration: Calibration | None,
-    spot: bool,
-) -> Grid:
-    """The grid's inputs: no constraints and no calibration mean the defaults."""
+def grid_of(inputs: Inputs, pool: Pool, constraints: Constraints | None) -> Grid:
+    """The grid's tables on ``inputs`` and what ``constraints`` (default: none) allow."""
     cons = constraints or Constraints()
-    tables = CostTables(
-        Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
-    )
+    tables = CostTables(inputs)
     caps = resources_of(pool, cons)
     return Grid(tables, cons, caps, pool_bound(tables, caps))
 
@@ -86,9 +63,18 @@ def uniform_cuts(n_layers: int, depth: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def point_score(objective: Objective, iteration_s: float, hour: float) -> float:
-    """A grid point's prefilter score from its closed-form iteration time and $/h."""
-    return objective_score(objective, 1.0 / iteration_s, hour / 3600 * iteration_s, hour)
+def grid_point(
+    grid: Grid,
+    objective: Objective,
+    plan: Plan,
+    iteration_s: float,
+    gpus: Mapping[tuple[str, str], int],
+) -> tuple[float, Plan, float]:
+    """A grid point as :func:`judge` takes it: its prefilter score (from its closed-form
+    iteration time and the $/h of its ``gpus`` per type and zone), the plan, its $/h."""
+    hour = sum(grid.tables.price_per_s(g, z) * 3600 * n for (g, z), n in gpus.items())
+    score = objective_score(objective, 1.0 / iteration_s, hour / 3600 * iteration_s, hour)
+    return score, plan, hour
 
 
 def judge(
@@ -129,7 +115,3 @@ def judge(
         )
         for i, (_, p, est, hour) in enumerate(ranked[:top_k])
     ]
-
-
-def per_hour(tables: CostTables, gpus: Mapping[tuple[str, str], int]) -> float:
-    return sum(tables.price_per_s(g, z) * 3600 * n for (g, z), n in gpus.items())

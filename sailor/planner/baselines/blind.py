@@ -12,15 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
-from sailor.planner.baselines._common import (
-    data_parallel,
-    grid_of,
-    judge,
-    per_hour,
-    point_score,
-    uniform_cuts,
-)
-from sailor.planner.tables import Kind
+from sailor.planner.baselines._common import data_parallel, grid_of, grid_point, judge, uniform_cuts
+from sailor.planner.tables import Inputs, Kind
 from sailor.planner.templates import with_cuts
 from sailor.planner.upper_bound import mbs_candidates, per_gpu_rate, tp_candidates
 from sailor.schemas import (
@@ -56,9 +49,8 @@ def heterogeneity_blind(
     simulate_top: int = 6,
 ) -> list[RankedPlan]:
     """Best plans of a planner that sees N identical GPUs of the slowest type."""
-    grid = grid_of(
-        model, profiles, pool, network, prices, constraints, gpu_specs, calibration, spot
-    )
+    inputs = Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
+    grid = grid_of(inputs, pool, constraints)
     tables, caps = grid.tables, grid.caps
     gbs = model.global_batch_size
     n_layers = model.num_all_layers
@@ -99,8 +91,7 @@ def heterogeneity_blind(
                     for s in p.stages:
                         k = (s.replica.gpu_type, s.replica.zone)
                         used[k] = used.get(k, 0) + s.replica.tp
-                hour = per_hour(tables, used)
-                points.append((point_score(objective, it, hour), plan, hour))
+                points.append(grid_point(grid, objective, plan, it, used))
     return judge(grid, points, objective, top_k, simulate_top, "blind")
 
 

@@ -12,15 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
-from sailor.planner.baselines._common import (
-    data_parallel,
-    grid_of,
-    judge,
-    per_hour,
-    point_score,
-    uniform_cuts,
-)
-from sailor.planner.tables import Kind
+from sailor.planner.baselines._common import data_parallel, grid_of, grid_point, judge, uniform_cuts
+from sailor.planner.tables import Inputs, Kind
 from sailor.planner.templates import with_cuts
 from sailor.planner.upper_bound import mbs_candidates, tp_candidates
 from sailor.schemas import (
@@ -55,9 +48,8 @@ def megatron_grid(
     simulate_top: int = 6,
 ) -> list[RankedPlan]:
     """Best homogeneous PP x TP x DP plans of the pool (one GPU type and zone each)."""
-    grid = grid_of(
-        model, profiles, pool, network, prices, constraints, gpu_specs, calibration, spot
-    )
+    inputs = Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
+    grid = grid_of(inputs, pool, constraints)
     tables = grid.tables
     gbs = model.global_batch_size
     n_layers = model.num_all_layers
@@ -74,7 +66,6 @@ def megatron_grid(
                         continue
                     m = gbs // (dp * b)
                     it = t.pipe_time(m)
-                    hour = per_hour(tables, {(g, z): dp * pp * tp})
                     pipe = Pipeline(
                         stages=tuple(
                             Stage(
@@ -88,5 +79,5 @@ def megatron_grid(
                         num_microbatches=m,
                     )
                     plan = Plan(model=model.name, global_batch_size=gbs, pipelines=(pipe,) * dp)
-                    points.append((point_score(objective, it, hour), plan, hour))
+                    points.append(grid_point(grid, objective, plan, it, {(g, z): dp * pp * tp}))
     return judge(grid, points, objective, top_k, simulate_top, "megatron")
