@@ -23,7 +23,7 @@ from sailor.planner.scenarios import sync_model
 from sailor.planner.template_pool import SearchState
 from sailor.planner.templates import PipelineTemplate
 from sailor.schemas import Estimate, Plan, Pool
-from sailor.simulator import ProfileLookupError, simulate
+from sailor.simulator import ProfileLookupError
 
 __all__ = [
     "Candidate",
@@ -128,19 +128,9 @@ def _simulate_candidate(
     state: SearchState, c: Candidate, constraints: Constraints, plan_id: str
 ) -> Candidate:
     """``c`` with its plan, the simulator's estimate and the constraints it breaks."""
-    inputs = state.tables.inputs
     p = plan_of(state, c.alloc, plan_id)
     try:
-        est = simulate(
-            p,
-            inputs.model,
-            inputs.profiles,
-            inputs.network,
-            inputs.prices,
-            calibration=inputs.calibration,
-            gpu_specs=inputs.gpu_specs,
-            spot=bool(inputs.spot),
-        )
+        est = state.tables.inputs.simulate(p)
     except (ProfileLookupError, KeyError, ValueError) as exc:
         return Candidate(c.alloc, c.fast, None, p, (f"simulator: {exc}",))
     viol = list(constraints.violations(est, c.fast.cost_per_hour))

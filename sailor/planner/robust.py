@@ -59,7 +59,7 @@ from sailor.schemas import (
 )
 from sailor.schemas.precision import Precision
 from sailor.simulator import ProfileLookupError, simulate
-from sailor.simulator.uncertainty import CORNERS, MEDIAN, corners, interval_of
+from sailor.simulator.uncertainty import CORNERS, MEDIAN, corners, interval_of, simulate_corners
 
 __all__ = [
     "RISKS",
@@ -180,20 +180,17 @@ def judge_in_corners(
     known: Mapping[str, Estimate] | None = None,
 ) -> dict[str, Estimate]:
     """``plan``'s estimate in every corner (closed form); ``known`` ones are reused."""
-    out: dict[str, Estimate] = {}
-    for name, cal in corners(calibration):
-        hit = (known or {}).get(name)
-        out[name] = hit or simulate(
-            plan,
-            model,
-            profiles,
-            network,
-            prices,
-            calibration=cal,
-            gpu_specs=gpu_specs,
-            spot=bool(spot),
-        )
-    return out
+    return simulate_corners(
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        calibration=calibration,
+        gpu_specs=gpu_specs,
+        spot=bool(spot),
+        known=known,
+    )
 
 
 @collector_paused

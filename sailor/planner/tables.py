@@ -22,9 +22,11 @@ import numpy.typing as npt
 
 from sailor.schemas import (
     Calibration,
+    Estimate,
     GPUSpec,
     ModelSpec,
     NetworkProfile,
+    Plan,
     PriceTable,
     ProfileDB,
     ReplicaGroup,
@@ -47,6 +49,7 @@ from sailor.simulator.memory import (
     weight_grad_bytes,
 )
 from sailor.simulator.network_model import inter_curve
+from sailor.simulator.simulate import simulate
 from sailor.simulator.tp_comm import TPLink, all_gather_s, spec_link_efficiency, tp_link
 
 __all__ = [
@@ -87,6 +90,21 @@ class Inputs:
     types that cannot run it are left out of the pool (:mod:`sailor.planner.job_precision`).
     None: not fixed yet (a job's first plan): each plan derives its own from its GPU types
     and the model spec's request (:func:`~sailor.schemas.precision.choose_precision`)."""
+
+    def simulate(self, plan: Plan, calibration: Calibration | None = None) -> Estimate:
+        """``plan`` simulated on these inputs (closed form), in ``calibration`` if given (a
+        corner's), else in theirs; ``spot=None`` prices each replica group by its own flag,
+        else on demand."""
+        return simulate(
+            plan,
+            self.model,
+            self.profiles,
+            self.network,
+            self.prices,
+            calibration=self.calibration if calibration is None else calibration,
+            gpu_specs=self.gpu_specs,
+            spot=bool(self.spot),
+        )
 
 
 @dataclass(frozen=True, order=True)

@@ -2,12 +2,12 @@
 
 Only the CPU end-to-end check (``benchmarks/simulator_vs_cpu.py``) uses this module, to compare
 the simulator with plans run on this machine; the GPU path of :func:`~sailor.simulator.simulate`
-never reads it. Its entry points, :func:`simulate_on_shared_host` and
-:func:`simulate_on_shared_host_with_timeline`, run the simulator with a
-:class:`~sailor.simulator.rank_timing.RankTiming` of ranks sharing the host, as the profile's
-:class:`~sailor.schemas.profile.HostSharing` for their device measured it
-(:mod:`sailor.profiler.cpu_host`); without such an entry each rank keeps a device of its own,
-and a note says so.
+never reads it. Its entry point, :func:`simulate_on_shared_host`, runs the simulator with a
+:class:`SharedHost` (``simulate_with_timeline(..., ranks=SharedHost(profiles, plan))`` for the
+replay's timeline): a :class:`~sailor.simulator.rank_timing.RankTiming` of ranks sharing the
+host, as the profile's :class:`~sailor.schemas.profile.HostSharing` for their device measured
+it (:mod:`sailor.profiler.cpu_host`); without such an entry each rank keeps a device of its
+own, and a note says so.
 
 On GPUs every rank owns its device, and :func:`~sailor.simulator.pipeline.replay_1f1b` replays
 each pipeline on its own. Ranks started together on one CPU host (``launch_local``: the
@@ -68,7 +68,7 @@ from sailor.simulator.pipeline import PipelineRun, TimelineOp, one_f_one_b_order
 from sailor.simulator.pipeline_kinds import PipelineKind
 from sailor.simulator.rank_timing import Method, OwnDevices, PipelineRuns
 from sailor.simulator.sim_inputs import Notes
-from sailor.simulator.simulate import Timeline, simulate_ranks
+from sailor.simulator.simulate import simulate
 
 __all__ = [
     "SharedHost",
@@ -77,7 +77,6 @@ __all__ = [
     "replay_shared",
     "residual",
     "simulate_on_shared_host",
-    "simulate_on_shared_host_with_timeline",
     "slowest",
 ]
 
@@ -329,49 +328,22 @@ def simulate_on_shared_host(
     spot: bool = False,
 ) -> Estimate:
     """:func:`~sailor.simulator.simulate` for a plan whose ranks all run on one host (CPU
-    ranks started together, as ``launch_local`` does) and share its cores."""
-    return simulate_ranks(
+    ranks started together, as ``launch_local`` does) and share its cores. With the replay's
+    timeline: :func:`~sailor.simulator.simulate_with_timeline` with
+    ``ranks=SharedHost(profiles, plan)``."""
+    ranks = SharedHost(profiles, plan)
+    return simulate(
         plan,
         model,
         profiles,
         network,
         prices,
-        SharedHost(profiles, plan),
         calibration=calibration,
         gpu_specs=gpu_specs,
         method=method,
         spot=spot,
-    )[0]
-
-
-def simulate_on_shared_host_with_timeline(
-    plan: Plan,
-    model: ModelSpec,
-    profiles: ProfileDB,
-    network: NetworkProfile,
-    prices: PriceTable,
-    *,
-    calibration: Calibration | None = None,
-    gpu_specs: Mapping[str, GPUSpec] | None = None,
-    spot: bool = False,
-) -> tuple[Estimate, Timeline]:
-    """:func:`simulate_on_shared_host` with the replay, plus every forward and backward."""
-    est, tl = simulate_ranks(
-        plan,
-        model,
-        profiles,
-        network,
-        prices,
-        SharedHost(profiles, plan),
-        calibration=calibration,
-        gpu_specs=gpu_specs,
-        method="replay",
-        spot=spot,
-        timeline=True,
+        ranks=ranks,
     )
-    if tl is None:
-        raise RuntimeError("replay produced no timeline")
-    return est, tl
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """How the placement of a plan's ranks times its pipelines and collectives.
 
-:class:`RankTiming` is the small interface :func:`~sailor.simulator.simulate.simulate_ranks`
-runs the 1F1B schedules and the all-reduces through; :class:`OwnDevices` is the simulator's
-own, the GPU case where every rank owns its device. The CPU test scaffolding
+:class:`RankTiming` is the small interface :func:`~sailor.simulator.simulate.simulate` (its
+``ranks``) runs the 1F1B schedules and the all-reduces through; :class:`OwnDevices` is the
+simulator's own, the GPU case where every rank owns its device. The CPU test scaffolding
 (:mod:`sailor.simulator.cpu_host`) supplies another, and this module must never import it.
 
 Pure: values in, values out; no I/O, no clock, no globals.

@@ -64,7 +64,6 @@ from sailor.simulator.sim_inputs import SimInputs
 __all__ = [
     "Timeline",
     "simulate",
-    "simulate_ranks",
     "simulate_with_timeline",
 ]
 
@@ -89,27 +88,19 @@ def simulate(
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     method: Method = "closed_form",
     spot: bool = False,
+    ranks: RankTiming | None = None,
 ) -> Estimate:
     """Simulated iteration time, peak memory per GPU and $ per iteration of ``plan``.
 
     ``gpu_specs`` (GPU type -> spec sheet) gives memory capacities and enables analytic
     estimates for GPU types or TP degrees without a profile. ``spot`` prices GPUs at spot
-    rates, except replica groups whose own ``spot`` flag is set. Raises
-    :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has neither a profile
-    nor a spec, ``KeyError`` if it has no price.
+    rates, except replica groups whose own ``spot`` flag is set. ``ranks`` places and times
+    the ranks (a fresh object per call; default :class:`OwnDevices`, every rank on a device of
+    its own). Raises :class:`~sailor.simulator.lookup.ProfileLookupError` if a GPU type has
+    neither a profile nor a spec, ``KeyError`` if it has no price.
     """
     return _run(
-        plan,
-        model,
-        profiles,
-        network,
-        prices,
-        calibration,
-        gpu_specs,
-        method,
-        spot,
-        False,
-        OwnDevices(),
+        plan, model, profiles, network, prices, calibration, gpu_specs, method, spot, False, ranks
     )[0]
 
 
@@ -123,55 +114,15 @@ def simulate_with_timeline(
     calibration: Calibration | None = None,
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     spot: bool = False,
+    ranks: RankTiming | None = None,
 ) -> tuple[Estimate, Timeline]:
     """:func:`simulate` with the replay, plus every forward and backward on every stage."""
     est, tl = _run(
-        plan,
-        model,
-        profiles,
-        network,
-        prices,
-        calibration,
-        gpu_specs,
-        "replay",
-        spot,
-        True,
-        OwnDevices(),
+        plan, model, profiles, network, prices, calibration, gpu_specs, "replay", spot, True, ranks
     )
     if tl is None:
         raise RuntimeError("replay produced no timeline")
     return est, tl
-
-
-def simulate_ranks(
-    plan: Plan,
-    model: ModelSpec,
-    profiles: ProfileDB,
-    network: NetworkProfile,
-    prices: PriceTable,
-    ranks: RankTiming,
-    *,
-    calibration: Calibration | None = None,
-    gpu_specs: Mapping[str, GPUSpec] | None = None,
-    method: Method = "closed_form",
-    spot: bool = False,
-    timeline: bool = False,
-) -> tuple[Estimate, Timeline | None]:
-    """:func:`simulate` with the ranks placed and timed by ``ranks`` (a fresh object per
-    call), and the timeline if ``timeline`` and the method is the replay."""
-    return _run(
-        plan,
-        model,
-        profiles,
-        network,
-        prices,
-        calibration,
-        gpu_specs,
-        method,
-        spot,
-        timeline,
-        ranks,
-    )
 
 
 def _run(
@@ -185,8 +136,9 @@ def _run(
     method: Method,
     spot: bool,
     timeline: bool,
-    ranks: RankTiming,
+    ranks: RankTiming | None,
 ) -> tuple[Estimate, Timeline | None]:
+    """The estimate, and the timeline if ``timeline`` and the method is the replay."""
     # Pipelines alike in everything the model reads (microbatch size, stages' layers, GPU
     # type, TP, node shape, zone, which neighbours share a node; and the microbatch count
     # for the schedule, the in-flight count for memory) get the same figures, so each is
@@ -209,6 +161,7 @@ def _run(
     if plan.precision is None:
         inp.notes.add(f"plan precision not recorded: {model.precision} derived from its GPU types")
     pipelines = plan.pipelines
+    ranks = OwnDevices() if ranks is None else ranks
 
     egress_bytes: dict[tuple[str, str], float] = {}
     kinds = build_pipeline_kinds(inp, pipelines, egress_bytes)

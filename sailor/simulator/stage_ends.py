@@ -27,7 +27,7 @@ from sailor.schemas import (
 from sailor.simulator.pipeline_kinds import PipelineKind
 from sailor.simulator.rank_timing import Method, OwnDevices, PipelineRuns
 from sailor.simulator.sim_inputs import Notes
-from sailor.simulator.simulate import simulate_ranks
+from sailor.simulator.simulate import simulate
 
 __all__ = ["replay_stage_ends"]
 
@@ -63,16 +63,16 @@ def replay_stage_ends(
     """The replay's estimate of ``plan`` and, per (pipeline, stage), when the stage's last
     backward ends (its pipeline phase, from the iteration's start)."""
     rec = _StageEnds()
-    est, _ = simulate_ranks(
+    est = simulate(
         plan,
         model,
         profiles,
         network,
         prices,
-        rec,
         calibration=cal,
         gpu_specs=specs,
         method="replay",
+        ranks=rec,
     )
     if rec.runs is None:
         raise RuntimeError("the simulator ran no pipeline")

@@ -67,6 +67,7 @@ __all__ = [
     "ORIGINAL_TP_OVERHEAD_BYTES",
     "corners",
     "interval_of",
+    "simulate_corners",
     "simulate_interval",
 ]
 
@@ -283,9 +284,39 @@ def simulate_interval(
 ) -> tuple[Estimate, EstimateInterval]:
     """:func:`simulate` in every corner of ``calibration``: the median corner's estimate
     (with its breakdowns) and the interval. Four simulations."""
-    est: dict[str, Estimate] = {}
-    for name, cal in corners(calibration or Calibration()):
-        est[name] = simulate(
+    est = simulate_corners(
+        plan,
+        model,
+        profiles,
+        network,
+        prices,
+        calibration=calibration,
+        gpu_specs=gpu_specs,
+        method=method,
+        spot=spot,
+    )
+    return est[MEDIAN], interval_of(est)
+
+
+def simulate_corners(
+    plan: Plan,
+    model: ModelSpec,
+    profiles: ProfileDB,
+    network: NetworkProfile,
+    prices: PriceTable,
+    *,
+    calibration: Calibration | None = None,
+    gpu_specs: Mapping[str, GPUSpec] | None = None,
+    method: Method = "closed_form",
+    spot: bool = False,
+    known: Mapping[str, Estimate] | None = None,
+) -> dict[str, Estimate]:
+    """:func:`simulate` in every corner of ``calibration``, by corner name (in
+    :data:`CORNERS`' order); a corner's estimate in ``known`` is taken as it is."""
+    out: dict[str, Estimate] = {}
+    for name, cal in corners(Calibration() if calibration is None else calibration):
+        hit = (known or {}).get(name)
+        out[name] = hit or simulate(
             plan,
             model,
             profiles,
@@ -296,4 +327,4 @@ def simulate_interval(
             method=method,
             spot=spot,
         )
-    return est[MEDIAN], interval_of(est)
+    return out

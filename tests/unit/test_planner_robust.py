@@ -199,14 +199,14 @@ def test_corner_replans_hand_closed_form_candidates_and_only_the_winner_is_simul
     smaller = make_pool({("fast", ZONE): 2, ("slow", ZONE): 2})
     calls: list[str] = []
     robust_mod = importlib.import_module("sailor.planner.robust")
-    judge_mod = importlib.import_module("sailor.planner.judge")
+    tables_mod = importlib.import_module("sailor.planner.tables")  # Inputs.simulate
 
     def counted(*a: object, **k: object) -> object:
         calls.append(str(k.get("calibration", "")))
         return simulate(*a, **k)  # type: ignore[arg-type]
 
     monkeypatch.setattr(robust_mod, "simulate", counted)
-    monkeypatch.setattr(judge_mod, "simulate", counted)
+    monkeypatch.setattr(tables_mod, "simulate", counted)
     res = robust_replan(first, smaller)  # type: ignore[arg-type]
     assert res.plans
     for name, r in res.results.items():

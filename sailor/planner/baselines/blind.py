@@ -12,17 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
-from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
-from sailor.planner.judge import objective_score
-from sailor.planner.tables import CostTables, Inputs, Kind
+from sailor.planner.baselines._common import data_parallel, grid_of, grid_point, judge, uniform_cuts
+from sailor.planner.tables import Inputs, Kind
 from sailor.planner.templates import with_cuts
-from sailor.planner.upper_bound import (
-    mbs_candidates,
-    per_gpu_rate,
-    pool_bound,
-    resources_of,
-    tp_candidates,
-)
+from sailor.planner.upper_bound import mbs_candidates, per_gpu_rate, tp_candidates
 from sailor.schemas import (
     Calibration,
     GPUSpec,
@@ -56,14 +49,11 @@ def heterogeneity_blind(
     simulate_top: int = 6,
 ) -> list[RankedPlan]:
     """Best plans of a planner that sees N identical GPUs of the slowest type."""
-    cons = constraints or Constraints()
-    tables = CostTables(
-        Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
-    )
+    inputs = Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
+    grid = grid_of(inputs, pool, constraints)
+    tables, caps = grid.tables, grid.caps
     gbs = model.global_batch_size
     n_layers = model.num_all_layers
-    caps = resources_of(pool, cons)
-    ub = pool_bound(tables, caps)
     # the slowest type, and the smallest node of the pool (TP must fit every node)
     slow = min(caps, key=lambda r: per_gpu_rate(tables, r[0], r[2]))
     node = min(r[2] for r in caps)
@@ -79,9 +69,7 @@ def heterogeneity_blind(
     for tp in tp_candidates(node):
         for b in mbs_candidates(tables.inputs, slow[0]):
             for pp in range(1, n_layers + 1):
-                dp = total // (tp * pp)
-                while dp > 0 and gbs % (dp * b):
-                    dp -= 1
+                dp = data_parallel(total, tp, pp, b, gbs)
                 if dp == 0:
                     continue
                 cuts = uniform_cuts(n_layers, pp)
@@ -103,12 +91,8 @@ def heterogeneity_blind(
                     for s in p.stages:
                         k = (s.replica.gpu_type, s.replica.zone)
                         used[k] = used.get(k, 0) + s.replica.tp
-                hour = per_hour(tables, used)
-                points.append(
-                    (objective_score(objective, 1.0 / it, hour / 3600 * it, hour), plan, hour)
-                )
-    points.sort(key=lambda x: -x[0])
-    return judge(tables, points[: max(simulate_top, top_k)], objective, cons, top_k, ub, "blind")
+                points.append(grid_point(grid, objective, plan, it, used))
+    return judge(grid, points, objective, top_k, simulate_top, "blind")
 
 
 def _place(

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from sailor.planner.api import Constraints, Objective, RankedPlan
-from sailor.planner.baselines._common import judge, per_hour, uniform_cuts
-from sailor.planner.judge import objective_score
-from sailor.planner.tables import CostTables, Inputs, Kind
+from sailor.planner.baselines._common import data_parallel, grid_of, grid_point, judge, uniform_cuts
+from sailor.planner.tables import Inputs, Kind
 from sailor.planner.templates import with_cuts
-from sailor.planner.upper_bound import mbs_candidates, resources_of, tp_candidates
+from sailor.planner.upper_bound import mbs_candidates, tp_candidates
 from sailor.schemas import (
     Calibration,
     GPUSpec,
@@ -49,24 +48,17 @@ def megatron_grid(
     simulate_top: int = 6,
 ) -> list[RankedPlan]:
     """Best homogeneous PP x TP x DP plans of the pool (one GPU type and zone each)."""
-    cons = constraints or Constraints()
-    tables = CostTables(
-        Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
-    )
+    inputs = Inputs(model, profiles, network, prices, gpu_specs, calibration or Calibration(), spot)
+    grid = grid_of(inputs, pool, constraints)
+    tables = grid.tables
     gbs = model.global_batch_size
     n_layers = model.num_all_layers
-    caps = resources_of(pool, cons)
     points: list[tuple[float, Plan, float]] = []
-    from sailor.planner.upper_bound import pool_bound
-
-    ub = pool_bound(tables, caps)
-    for (g, z, k), n_gpus in sorted(caps.items()):
+    for (g, z, k), n_gpus in sorted(grid.caps.items()):
         for tp in tp_candidates(k):
             for b in mbs_candidates(tables.inputs, g):
                 for pp in range(1, n_layers + 1):
-                    dp = n_gpus // (tp * pp)
-                    while dp > 0 and gbs % (dp * b):
-                        dp -= 1
+                    dp = data_parallel(n_gpus, tp, pp, b, gbs)
                     if dp == 0:
                         continue
                     t = with_cuts(tables, Kind(g, tp, z, k), b, uniform_cuts(n_layers, pp))
@@ -74,8 +66,6 @@ def megatron_grid(
                         continue
                     m = gbs // (dp * b)
                     it = t.pipe_time(m)
-                    hour = per_hour(tables, {(g, z): dp * pp * tp})
-                    sc = objective_score(objective, 1.0 / it, hour / 3600 * it, hour)
                     pipe = Pipeline(
                         stages=tuple(
                             Stage(
@@ -89,6 +79,5 @@ def megatron_grid(
                         num_microbatches=m,
                     )
                     plan = Plan(model=model.name, global_batch_size=gbs, pipelines=(pipe,) * dp)
-                    points.append((sc, plan, hour))
-    points.sort(key=lambda x: -x[0])
-    return judge(tables, points[: max(simulate_top, top_k)], objective, cons, top_k, ub, "megatron")
+                    points.append(grid_point(grid, objective, plan, it, {(g, z): dp * pp * tp}))
+    return judge(grid, points, objective, top_k, simulate_top, "megatron")
