@@ -1,7 +1,9 @@
 """The cost model's uncertainty set: a few deterministic corners, and a plan's interval over them.
 
 A GPU type without measurements has no known per-layer hook cost, network efficiency, fixed
-sync cost, allocator factor or non-tensor memory: the catalog gives each a range with its
+sync cost, allocator factor, non-tensor memory or bytes per NCCL communicator (priced for each
+one a rank holds beyond the ``communicators_covered`` the non-tensor memory already holds; the
+``original`` corner has none): the catalog gives each a range with its
 evidence (``Calibration.prior``); a calibrated type narrows to its fit's leave-one-out spread
 (``GPUCalibration.spread``). What a deployment decides (gradient dtype on the wire, how an
 activation crosses a TP boundary, the ring's links, model-state bytes) also varies. Rather
