@@ -178,3 +178,20 @@ def test_a_cleared_suspect_mark_charges_its_nodes_once() -> None:
     last = _states(a)[-1]
     assert last.suspect_checkpoint == SuspectCheckpoint()
     assert last.node_health["n3"] == charged
+
+
+def test_a_clear_of_another_step_leaves_the_teardowns_read_failures_to_be_judged() -> None:
+    """A first strike on step 30 (n3 failed to read it, suspect), and an old bad mark on
+    step 20 the operator clears in the teardown. n2's report that it failed to read step 30
+    too comes in late: it is judged (n2 charged, the suspect's nodes n2 and n3). Before,
+    any clear in an aborted teardown spent the generation's read failures, whatever step
+    it cleared: n2's real failure went uncounted."""
+    torn = _first_strike().model_copy(update={"bad_checkpoints": (20,)})
+    statuses = [*_up((1, 4), 1), _unreadable(2), _unreadable(3)]
+    a = decide(torn, _o(statuses, clear_bad={"r1": ClearBadRequest(steps=(20,))}), CFG)
+    last = _states(a)[-1]
+    assert last.bad_checkpoints == () and last.load_step == 30
+    assert last.reads_spent_through == -1
+    assert last.suspect_checkpoint.nodes == ("n2", "n3")
+    assert "n2" in last.node_health
+    assert [x.cleared for x in _done(a)] == [(20,)]
