@@ -194,7 +194,8 @@ class Executor:
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
             unused.add("suspect_checkpoint")
-        if state.reads_spent_through < 0:
+        if state.reads_spent_through < state.generation:
+            # spends the current generation's read failures only: an older one's is moot
             unused.add("reads_spent_through")
         if state.sigabrt_reports == SigabrtReports():
             unused.add("sigabrt_reports")
