@@ -348,6 +348,15 @@ class Controller(EventIntake):
                 except TemporaryError as exc:
                     _log.warning("reconcile_retry", error=str(exc))
                     await self.clock.sleep(exc.retry_after or 0.2)
+                    # the pass may have written some of its states (a readmit, then a write
+                    # that failed), or one whose answer was lost (etcd restarted after the
+                    # commit): the next pass decides from what etcd holds, not from the
+                    # state this one started from (it wrote back the records a readmit
+                    # had forgotten, the request's key gone)
+                    reread = await self._reread(store, lead, desired)
+                    if reread is None:
+                        break
+                    desired = self.desired = reread
                     self.wake(urgent=True)
             if not lead.held:
                 self.audit.write("deposed", self.clock.now(), sync=True, epoch=lead.epoch)
@@ -423,6 +432,54 @@ class Controller(EventIntake):
         self.desired = desired
         self.wake()
         return desired
+
+    async def _reread(
+        self, store: EtcdStore, lead: Leadership, desired: DesiredState
+    ) -> DesiredState | None:
+        """The desired state as etcd holds it, after a pass that ``TemporaryError`` cut
+        short (retried through an etcd outage); ``desired``: what the pass started from.
+        None if the term ended meanwhile, or the key is not this term's: another leader
+        wrote it (this one's next write would be fenced), or it is gone or unreadable (the
+        controller fails, as at takeover)."""
+        while self._term_goes_on(lead):
+            try:
+                kv = await store.get(self.keys.desired)
+                break
+            except TemporaryError:
+                self.sd.watchdog()
+                await self.clock.sleep(0.2)
+        else:
+            return None
+        try:
+            got = DesiredState.model_validate_json(kv.value) if kv is not None else None
+        except ValidationError as exc:
+            self.fail(
+                "desired state unreadable after an etcd error",
+                epoch=lead.epoch,
+                error=str(exc).splitlines()[0][:300],
+            )
+            return None
+        if got is None or got.epoch != lead.epoch:
+            self.audit.write(
+                "fenced",
+                self.clock.now(),
+                sync=True,
+                epoch=lead.epoch,
+                error="the desired state is not this term's"
+                if got is not None
+                else "the desired state is gone",
+            )
+            return None
+        if got != desired:  # a write of the pass went through: its records are in etcd
+            self.audit.write(
+                "desired_reread",
+                self.clock.now(),
+                epoch=lead.epoch,
+                generation=got.generation,
+                phase=got.phase.value,
+                cause=got.cause,
+            )
+        return got
 
     async def _sleep_until_woken(self, desired: DesiredState) -> None:
         timeout = self.cfg.resync_s

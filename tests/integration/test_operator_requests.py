@@ -26,10 +26,12 @@ import pytest
 from typer.testing import CliRunner
 
 from sailor.cli.main import app
-from sailor.controller import status
+from sailor.controller import daemon, status
+from sailor.controller.audit import read_records
+from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import DecideConfig, Observed
-from sailor.coordination import EtcdStore, Keys, KeyValue, connect_etcd
+from sailor.coordination import EtcdStore, Keys, KeyValue, TemporaryError, connect_etcd
 from sailor.localservers import LocalServers
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, NodeHealth, ReadmitRequest
 from tests.integration.test_controller_executor import Rig, _records, executor_on
@@ -179,3 +181,98 @@ async def test_readmit_says_nothing_to_readmit_or_no_controller_answered(
         assert await store.get_prefix(keys.readmits) == []
     finally:
         await store.close()
+
+
+class _LostAnswers:
+    """Connects the controller's store as ``connect_etcd`` does, and makes etcd's answer to
+    the first ``lose`` combined writes that take an operator's request lost: the
+    transaction commits in the real etcd, then the call raises ``TemporaryError``, as when
+    etcd restarts between its commit and its answer (a restart cannot be placed there on
+    purpose)."""
+
+    def __init__(self, lose: int = 1) -> None:
+        self.lose = lose
+        self.lost: list[tuple[str, ...]] = []
+
+    async def __call__(self, *args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        real = store.put_all_guarded
+
+        async def put_all_guarded(*a: Any, **k: Any) -> int:
+            revision = await real(*a, **k)
+            if k.get("delete") and len(self.lost) < self.lose:
+                self.lost.append(tuple(k["delete"]))
+                raise TemporaryError("etcd restarted before it answered")
+            return revision
+
+        store.put_all_guarded = put_all_guarded  # type: ignore[method-assign]
+        return store
+
+
+def _controller(servers: LocalServers, tmp_path: Path, job: str) -> ControllerConfig:
+    return ControllerConfig(
+        job=job,
+        identity="c1",
+        nats_url=servers.nats_url,
+        etcd_endpoint=servers.etcd_endpoint,
+        audit_log=tmp_path / "audit-c1.jsonl",
+        checkpoint_dir="/ck",
+        lease_ttl_s=2,
+        resync_s=0.3,
+        debounce_s=0.0,
+        planner="data_parallel",
+        global_batch_size=8,
+    )
+
+
+async def _gone(store: EtcdStore, prefix: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while await store.get_prefix(prefix):
+        assert time.monotonic() < end, f"a request under {prefix} was never taken"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real controller applies ``readmit n1``: its state without n1's record and the
+    delete of the request commit, but the answer is lost (``TemporaryError``). Its next
+    write (a clear of step 14's mark) keeps n1 forgotten: after the error the leader
+    decides from the state etcd holds. Before, it kept the state its pass had started
+    from, and the clear's write put n1's record back, the request gone and the command
+    told "readmitted n1"."""
+    lossy = _LostAnswers()
+    monkeypatch.setattr(daemon, "connect_etcd", lossy)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"lost-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    run = asyncio.create_task(ctl.run(), name="test-controller")
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        while ctl.leadership is None:
+            await asyncio.sleep(0.05)
+        answer = await status.request_readmit(ep, job, ["n1"], False, "op", None, 10)
+        assert answer.outcome == "applied" and answer.done == ("n1",)
+        assert lossy.lost and lossy.lost[0][0].startswith(keys.readmits)
+        answer = await status.request_clear_bad(ep, job, [14], False, "op", None, 10)
+        assert answer.outcome == "applied"
+        await _gone(store, keys.clear_bads)
+        kv = await store.get(keys.desired)
+        assert kv is not None
+        d = DesiredState.model_validate_json(kv.value)
+        assert d.bad_checkpoints == (7,)
+        assert set(d.node_health) == {"n2"}  # n1's record stays forgotten
+        assert ctl.desired is not None and "n1" not in ctl.desired.node_health
+        ctl.audit.sync()
+        assert [r["cause"] for r in _records_of(tmp_path / "audit-c1.jsonl", "desired_reread")]
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(run, 15)
+        await store.close()
+
+
+def _records_of(path: Path, kind: str) -> list[dict[str, Any]]:
+    return [r for r in read_records([path]) if r["kind"] == kind]
