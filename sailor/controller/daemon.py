@@ -502,16 +502,24 @@ class Controller(EventIntake):
                 self.wake()
 
     def _requests(
-        self, mirror: PrefixMirror, kind: type[_R], seen_by_key: dict[str, tuple[bytes, _R | None]]
+        self,
+        mirror: PrefixMirror,
+        kind: type[_R],
+        seen_by_key: dict[str, tuple[bytes, _R | None]],
+        withdrawn: dict[str, int],
     ) -> dict[str, _R]:
         """An operator's requests of ``kind`` in etcd (``mirror``), by request id; a
-        malformed one is audited once (``record_rejected``) and left alone."""
+        malformed one is audited once (``record_rejected``) and left alone, and one a write
+        found withdrawn (``withdrawn``: key -> revision seen) is left out while the mirror
+        still shows it at that revision."""
         cut = len(mirror.prefix)
         kvs = mirror.items()
         out = {}
         for key in [k for k in seen_by_key if k not in kvs]:
             del seen_by_key[key]
         for key, kv in kvs.items():
+            if key in withdrawn and withdrawn[key] == kv.mod_revision:
+                continue
             seen = seen_by_key.get(key)
             if seen is None or seen[0] != kv.value:
                 try:
@@ -549,13 +557,17 @@ class Controller(EventIntake):
             acked=ex.acked_view,
             refused=ex.refused_view,
             recalibration=self.calibrator.note(desired),
-            readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
-            clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
+            readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen, ex.withdrawn),
+            clear_bad=self._requests(
+                requests[1], ClearBadRequest, self._clear_bad_seen, ex.withdrawn
+            ),
         )
         # what a pass that applies a request compares: taken only while it is as seen here
         ex.request_revisions = {
             key: kv.mod_revision for m in requests for key, kv in m.items().items()
         }
+        # a withdrawn request's mark goes once the mirror no longer shows it so
+        ex.withdrawn = {k: r for k, r in ex.withdrawn.items() if ex.request_revisions.get(k) == r}
         # once per pass: the nodes out as decide sees them, and those audited as not admitted
         excluded, refused = exclusion(desired, o, job_precision(desired, self.decide_cfg.training))
         self._audit_admission(refused, o.now)

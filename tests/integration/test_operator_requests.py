@@ -276,3 +276,70 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
 
 def _records_of(path: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_records([path]) if r["kind"] == kind]
+
+
+async def _put_readmit(store: EtcdStore, keys: Keys, rid: str, node: str) -> KeyValue:
+    req = ReadmitRequest(nodes=(node,), who="op", time=time.time())
+    await store.put(keys.readmit(rid), req.model_dump_json().encode())
+    kv = await store.get(keys.readmit(rid))
+    assert kv is not None
+    return kv
+
+
+def _readmits(*seen: KeyValue) -> Observed:
+    return Observed(
+        now=time.time(),
+        nodes={},
+        status={},
+        readmit={
+            kv.key.rsplit("/", 1)[1]: ReadmitRequest.model_validate_json(kv.value) for kv in seen
+        },
+    )
+
+
+async def test_a_withdrawn_request_bundled_with_another_is_the_only_one_audited_withdrawn(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """Two readmits (n1, n2) applied by one state; n2's operator withdraws it after the
+    leader read both: the write is refused, only n2's key is audited withdrawn and kept out
+    of the next passes while the mirror still shows it, no follow-up pass is asked for
+    (``progressed``), and the next pass applies n1's. Before, both keys were audited
+    withdrawn (n1's was applied the next pass), and the loop ran again at once, deciding
+    the same refused write until the mirror saw the delete."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        r1 = await _put_readmit(rig.store, keys, "r1", "n1")
+        r2 = await _put_readmit(rig.store, keys, "r2", "n2")
+        rig.ex.request_revisions = {r1.key: r1.mod_revision, r2.key: r2.mod_revision}
+        await rig.store.delete(r2.key)  # the command gave up
+        d = DesiredState.model_validate_json(await rig.desired())
+        await rig.ex.apply(decide(d, _readmits(r1, r2), CFG), d)
+        assert not rig.ex.progressed
+        assert [r["keys"] for r in _records(rig.audit, "request_withdrawn")] == [[r2.key]]
+        assert rig.ex.withdrawn == {r2.key: r2.mod_revision}
+        assert DesiredState.model_validate_json(await rig.desired()) == d  # nothing applied
+        await rig.ex.apply(decide(d, _readmits(r1), CFG), d)
+        assert set(DesiredState.model_validate_json(await rig.desired()).node_health) == {"n2"}
+        assert await rig.store.get_prefix(keys.readmits) == []
+        assert len(_records(rig.audit, "request_withdrawn")) == 1
+
+
+async def test_a_request_taken_without_an_observed_revision_is_not_applied(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """A pass that takes a request whose revision it did not observe (no entry in
+    ``request_revisions``) treats it as changed: nothing applied, the request left for a
+    pass that observed it. Before, its delete compared nothing: a request withdrawn
+    meanwhile was applied after its command said "withdrawn"."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        r1 = await _put_readmit(rig.store, keys, "r1", "n1")
+        rig.ex.request_revisions = {}
+        d = DesiredState.model_validate_json(await rig.desired())
+        await rig.ex.apply(decide(d, _readmits(r1), CFG), d)
+        assert "n1" in DesiredState.model_validate_json(await rig.desired()).node_health
+        assert await rig.store.get(r1.key) is not None
+        assert _records(rig.audit, "readmit") == []
+        assert [r["keys"] for r in _records(rig.audit, "request_withdrawn")] == [[r1.key]]
