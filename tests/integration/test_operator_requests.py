@@ -343,3 +343,35 @@ async def test_a_request_taken_without_an_observed_revision_is_not_applied(
         assert await rig.store.get(r1.key) is not None
         assert _records(rig.audit, "readmit") == []
         assert [r["keys"] for r in _records(rig.audit, "request_withdrawn")] == [[r1.key]]
+
+
+async def test_the_command_waits_and_withdraws_through_an_etcd_restart(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """No controller runs; etcd restarts while ``readmit n1`` waits: the command goes on
+    waiting, withdraws its request once etcd is back and says so, the key gone. Before, the
+    wait's read raised ``TemporaryError``: a traceback, and the request left in etcd for any
+    later leader to apply."""
+    ep = module_plain_servers.etcd_endpoint
+    job = f"restart-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        asked = asyncio.create_task(
+            status.request_readmit(ep, job, ["n1"], False, "op", None, 3.0), name="test-readmit"
+        )
+        await _request(store, keys.readmits)
+        await asyncio.to_thread(module_plain_servers.etcd.restart, 1.0)
+        answer = await asyncio.wait_for(asked, 60)
+        assert answer.outcome == "withdrawn"
+        end = time.monotonic() + 20
+        while True:  # the test's own client reconnects too
+            try:
+                assert await store.get_prefix(keys.readmits) == []
+                break
+            except TemporaryError:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.2)
+    finally:
+        await store.close()
