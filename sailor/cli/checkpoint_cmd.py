@@ -76,6 +76,14 @@ def clear_bad(
             raise fail("nothing to clear: no step is marked bad or suspect", code=1)
         raise fail(f"nothing to clear: step {names} not marked bad or suspect", code=1)
     rid = answer.request_id
+    if answer.outcome == "unknown":
+        raise fail(
+            f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "
+            f"been applied, or may still wait under /sailor/{cfg.job}/clear-bad/{rid}; see "
+            "`sailor status` and the leader's audit log (`clear_bad` or "
+            "`request_withdrawn`)",
+            code=1,
+        )
     if answer.outcome == "withdrawn":
         raise fail(
             f"no controller answered within {wait_s:g} s (request {rid} withdrawn: no mark "

@@ -72,6 +72,14 @@ def readmit(
             f"nothing to readmit: {', '.join(answer.unknown)} not excluded or failing", code=1
         )
     rid = answer.request_id
+    if answer.outcome == "unknown":
+        raise fail(
+            f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "
+            f"been applied, or may still wait under /sailor/{cfg.job}/readmit/{rid}; see "
+            "`sailor status` and the leader's audit log (`readmit` or "
+            "`request_withdrawn`)",
+            code=1,
+        )
     if answer.outcome == "withdrawn":
         raise fail(
             f"no controller answered within {wait_s:g} s (request {rid} withdrawn: nothing "

@@ -62,7 +62,8 @@ def apply_clear_bad(
     first) and why, or None when they named no mark there is (the caller deletes them
     either way); and per request what it cleared. In an aborted TEARDOWN the next launch's
     checkpoint is taken again: the newest recorded commit no mark is left on
-    (``Observed.resumable``), and the aborted generation's read failures are spent
+    (``Observed.resumable``), and, when the clear answered them (it cleared the step they
+    are about, or moved the load step), the aborted generation's read failures are spent
     (``DesiredState.reads_spent_through``): they mark nothing again."""
     requests = o.clear_bad
     bad, suspect = d.bad_checkpoints, d.suspect_checkpoint
@@ -94,12 +95,18 @@ def apply_clear_bad(
         f"(operator request {', '.join(whom)})"
     )
     if d.phase is Phase.TEARDOWN and d.aborted:
-        # the aborted generation's read failures, judged at the abort, are still in the
-        # statuses: judged again (``suspect_checkpoint.late``) they marked the step again in
-        # this very pass, or charged the suspect's nodes twice
-        update["reads_spent_through"] = d.generation
         last = o.resumable(bad)
         load = last.step if last else -1
+        # the aborted generation's read failures, judged at the abort, are still in the
+        # statuses: judged again (``suspect_checkpoint.late``) they marked the step again in
+        # this very pass, or charged the suspect's nodes twice. Spent only when the clear
+        # answered them: it cleared the step they are about (the one the generation loads,
+        # or the suspect's), or the one the abort fell back from (the load step moves). A
+        # clear of another step (an old mark) leaves them to be judged: a node that
+        # reports failing to read the loaded step after the clear is a new failure
+        read = {d.load_step, d.suspect_checkpoint.step} - {-1}
+        if gone & read or load != d.load_step:
+            update["reads_spent_through"] = d.generation
         if load != d.load_step:
             update["load_step"] = load
             why += f": the next launch loads step {load}"

@@ -348,6 +348,15 @@ class Controller(EventIntake):
                 except TemporaryError as exc:
                     _log.warning("reconcile_retry", error=str(exc))
                     await self.clock.sleep(exc.retry_after or 0.2)
+                    # the pass may have written some of its states (a readmit, then a write
+                    # that failed), or one whose answer was lost (etcd restarted after the
+                    # commit): the next pass decides from what etcd holds, not from the
+                    # state this one started from (it wrote back the records a readmit
+                    # had forgotten, the request's key gone)
+                    reread = await self._reread(store, lead, desired)
+                    if reread is None:
+                        break
+                    desired = self.desired = reread
                     self.wake(urgent=True)
             if not lead.held:
                 self.audit.write("deposed", self.clock.now(), sync=True, epoch=lead.epoch)
@@ -424,6 +433,54 @@ class Controller(EventIntake):
         self.wake()
         return desired
 
+    async def _reread(
+        self, store: EtcdStore, lead: Leadership, desired: DesiredState
+    ) -> DesiredState | None:
+        """The desired state as etcd holds it, after a pass that ``TemporaryError`` cut
+        short (retried through an etcd outage); ``desired``: what the pass started from.
+        None if the term ended meanwhile, or the key is not this term's: another leader
+        wrote it (this one's next write would be fenced), or it is gone or unreadable (the
+        controller fails, as at takeover)."""
+        while self._term_goes_on(lead):
+            try:
+                kv = await store.get(self.keys.desired)
+                break
+            except TemporaryError:
+                self.sd.watchdog()
+                await self.clock.sleep(0.2)
+        else:
+            return None
+        try:
+            got = DesiredState.model_validate_json(kv.value) if kv is not None else None
+        except ValidationError as exc:
+            self.fail(
+                "desired state unreadable after an etcd error",
+                epoch=lead.epoch,
+                error=str(exc).splitlines()[0][:300],
+            )
+            return None
+        if got is None or got.epoch != lead.epoch:
+            self.audit.write(
+                "fenced",
+                self.clock.now(),
+                sync=True,
+                epoch=lead.epoch,
+                error="the desired state is not this term's"
+                if got is not None
+                else "the desired state is gone",
+            )
+            return None
+        if got != desired:  # a write of the pass went through: its records are in etcd
+            self.audit.write(
+                "desired_reread",
+                self.clock.now(),
+                epoch=lead.epoch,
+                generation=got.generation,
+                phase=got.phase.value,
+                cause=got.cause,
+            )
+        return got
+
     async def _sleep_until_woken(self, desired: DesiredState) -> None:
         timeout = self.cfg.resync_s
         if desired.phase_deadline:
@@ -445,16 +502,24 @@ class Controller(EventIntake):
                 self.wake()
 
     def _requests(
-        self, mirror: PrefixMirror, kind: type[_R], seen_by_key: dict[str, tuple[bytes, _R | None]]
+        self,
+        mirror: PrefixMirror,
+        kind: type[_R],
+        seen_by_key: dict[str, tuple[bytes, _R | None]],
+        withdrawn: dict[str, int],
     ) -> dict[str, _R]:
         """An operator's requests of ``kind`` in etcd (``mirror``), by request id; a
-        malformed one is audited once (``record_rejected``) and left alone."""
+        malformed one is audited once (``record_rejected``) and left alone, and one a write
+        found withdrawn (``withdrawn``: key -> revision seen) is left out while the mirror
+        still shows it at that revision."""
         cut = len(mirror.prefix)
         kvs = mirror.items()
         out = {}
         for key in [k for k in seen_by_key if k not in kvs]:
             del seen_by_key[key]
         for key, kv in kvs.items():
+            if key in withdrawn and withdrawn[key] == kv.mod_revision:
+                continue
             seen = seen_by_key.get(key)
             if seen is None or seen[0] != kv.value:
                 try:
@@ -492,13 +557,17 @@ class Controller(EventIntake):
             acked=ex.acked_view,
             refused=ex.refused_view,
             recalibration=self.calibrator.note(desired),
-            readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen),
-            clear_bad=self._requests(requests[1], ClearBadRequest, self._clear_bad_seen),
+            readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen, ex.withdrawn),
+            clear_bad=self._requests(
+                requests[1], ClearBadRequest, self._clear_bad_seen, ex.withdrawn
+            ),
         )
         # what a pass that applies a request compares: taken only while it is as seen here
         ex.request_revisions = {
             key: kv.mod_revision for m in requests for key, kv in m.items().items()
         }
+        # a withdrawn request's mark goes once the mirror no longer shows it so
+        ex.withdrawn = {k: r for k, r in ex.withdrawn.items() if ex.request_revisions.get(k) == r}
         # once per pass: the nodes out as decide sees them, and those audited as not admitted
         excluded, refused = exclusion(desired, o, job_precision(desired, self.decide_cfg.training))
         self._audit_admission(refused, o.now)

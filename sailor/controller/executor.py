@@ -162,6 +162,11 @@ class Executor:
         # command that gave up withdraws it (compare-and-delete), and exactly one of the
         # two takes it, so the command's answer ("applied" or "withdrawn") is what happened
         self.request_revisions: dict[str, int] = {}
+        # requests a write found changed (withdrawn) since observed: key -> the revision
+        # observed. The daemon leaves them out of the passes whose mirror still shows that
+        # revision (the watch delivers the delete a moment later): before, each such pass
+        # decided the same refused write again, at once
+        self.withdrawn: dict[str, int] = {}
 
     @property
     def epoch(self) -> int:
@@ -194,7 +199,8 @@ class Executor:
             unused.add("job_health")
         if state.suspect_checkpoint == SuspectCheckpoint():
             unused.add("suspect_checkpoint")
-        if state.reads_spent_through < 0:
+        if state.reads_spent_through < state.generation:
+            # spends the current generation's read failures only: an older one's is moot
             unused.add("reads_spent_through")
         if state.sigabrt_reports == SigabrtReports():
             unused.add("sigabrt_reports")
@@ -274,7 +280,7 @@ class Executor:
                 continue
             if isinstance(a, Send):  # sent below when due; acks wake the loop themselves
                 continue
-            self.progressed = True
+            before, self.progressed = self.progressed, True
             if isinstance(a, SetDesired):
                 take = self._requests_applied(actions, i)
                 try:
@@ -282,7 +288,10 @@ class Executor:
                 except ChangedError:
                     # an operator withdrew a request this state applies: not applied, and
                     # nothing decided from it goes out; the next pass decides without it
-                    self._withdrawn(take)
+                    # once the mirror shows the withdrawal (its watch wakes the loop): no
+                    # follow-up pass of its own, which decided the same refused write again
+                    await self._withdrawn(take)
+                    self.progressed = before
                     return desired
                 taken.update(take)
                 desired = a.state
@@ -384,9 +393,13 @@ class Executor:
         return tuple(keys)
 
     def _expected(self, keys: tuple[str, ...]) -> dict[str, int]:
-        """key -> mod revision observed, for the keys a pass saw (an executor driven without
-        the daemon's mirrors compares nothing: the leader's delete, as before)."""
-        return {k: self.request_revisions[k] for k in keys if k in self.request_revisions}
+        """key -> mod revision observed, for the keys a pass takes. ``ChangedError`` if one
+        has no observed revision: taken unguarded, a request its operator withdrew
+        meanwhile was applied, and the command said "withdrawn"."""
+        unseen = [k for k in keys if k not in self.request_revisions]
+        if unseen:
+            raise ChangedError("no observed revision for a request", key=",".join(unseen))
+        return {k: self.request_revisions[k] for k in keys}
 
     async def _take(self, key: str) -> bool:
         """Delete a request that changed nothing (it named no record or mark there is) while
@@ -396,14 +409,27 @@ class Executor:
                 [], self.keys.leader, self.epoch, delete=(key,), expect=self._expected((key,))
             )
         except ChangedError:
-            self._withdrawn((key,))
+            await self._withdrawn((key,))
             return False
         return True
 
-    def _withdrawn(self, keys: tuple[str, ...]) -> None:
-        """Audit requests an operator withdrew before this pass could take them."""
-        self.audit.write("request_withdrawn", self.clock.now(), epoch=self.epoch, keys=list(keys))
-        _log.info("request_withdrawn", keys=list(keys))
+    async def _withdrawn(self, keys: tuple[str, ...]) -> None:
+        """After a write that took ``keys`` was refused: audit those an operator withdrew
+        (gone, or at another revision than observed; one without an observed revision
+        counts so), and keep them out of the passes until the mirror shows it
+        (``withdrawn``). The others were refused only for being bundled with one: the next
+        pass applies them (not audited as withdrawn)."""
+        changed = []
+        for key in keys:
+            seen = self.request_revisions.get(key)
+            kv = await self.store.get(key) if seen is not None else None
+            if kv is None or kv.mod_revision != seen:
+                changed.append(key)
+                if seen is not None:
+                    self.withdrawn[key] = seen
+        if changed:
+            self.audit.write("request_withdrawn", self.clock.now(), epoch=self.epoch, keys=changed)
+            _log.info("request_withdrawn", keys=changed)
 
     def _prune(self, generation: int) -> None:
         """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""

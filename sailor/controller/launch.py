@@ -164,6 +164,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         sigabrt_reports=SigabrtReports(),
         launch_waited=(),
         forgiven_nodes={},  # the readmitted nodes' forgiveness was for the previous one
+        reads_spent_through=-1,  # so were the read failures a clear of marks answered
     )
     fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]

@@ -24,7 +24,7 @@ from sailor.controller.bad_marks import marked
 from sailor.controller.decide import not_admitted
 from sailor.controller.decision_types import Observed
 from sailor.controller.job_precision import job_precision
-from sailor.coordination import Keys, connect_etcd
+from sailor.coordination import Keys, TemporaryError, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
@@ -178,22 +178,60 @@ async def _desired(store: Any, keys: Keys) -> DesiredState | None:
     return None
 
 
-async def _ask(store: Any, key: str, body: bytes, wait_s: float) -> bool:
-    """Write a request at ``key`` and wait up to ``wait_s`` for a leader to take it: whether
-    one did. A leader applies a request and deletes its key in one transaction, only while
-    the key is as it read it (``Executor.write_desired``); not taken in time, the request is
-    withdrawn by a delete that holds only while the key is as written. Exactly one of the
-    two succeeds: a leader that read the request before the withdrawal can no longer apply
-    it, and one that took it first is reported (before, the desired state was read again
-    after the withdrawal, and a leader's write just after that read applied a request
-    reported not applied)."""
+WITHDRAW_RETRY_S = 30.0
+"""How long a request no leader took is withdrawn for through an etcd outage (a restart
+takes seconds); past it the command says the outcome is unknown and what to check."""
+
+
+async def _ask(
+    store: Any, key: str, body: bytes, wait_s: float
+) -> Literal["applied", "withdrawn", "unknown"]:
+    """Write a request at ``key`` and wait up to ``wait_s`` for a leader to take it: what
+    became of it. A leader applies a request and deletes its key in one transaction, only
+    while the key is as it read it (``Executor.write_desired``); not taken in time, the
+    request is withdrawn by a delete that holds only while the key is as written. Exactly
+    one of the two succeeds: a leader that read the request before the withdrawal can no
+    longer apply it, and one that took it first is reported (before, the desired state was
+    read again after the withdrawal, and a leader's write just after that read applied a
+    request reported not applied). Through an etcd outage (``TemporaryError``) the wait goes
+    on and the withdrawal is tried again for up to ``WITHDRAW_RETRY_S`` (before, the command
+    ended with a traceback and left the request in etcd, to be applied whenever). A
+    withdrawal whose answer was lost and whose retry finds the key gone cannot tell its own
+    delete from a leader's take: "unknown", as when etcd never answers it."""
     revision = await store.put(key, body)
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
-        if await store.get(key) is None:
-            return True
+        with contextlib.suppress(TemporaryError):
+            if await store.get(key) is None:
+                return "applied"
         await asyncio.sleep(0.2)
-    return not await store.delete_unchanged(key, revision)
+    end = time.monotonic() + WITHDRAW_RETRY_S
+    lost = False  # a delete was sent whose answer etcd may have lost
+    while True:
+        try:
+            deleted = await store.delete_unchanged(key, revision)
+        except TemporaryError:
+            lost = True
+            if time.monotonic() > end:
+                return "unknown"
+            await asyncio.sleep(0.5)
+            continue
+        if deleted:
+            return "withdrawn"
+        return "unknown" if lost else "applied"
+
+
+async def _desired_after(store: Any, keys: Keys) -> DesiredState | None:
+    """``_desired`` once a request was taken, read through an etcd outage (up to
+    ``WITHDRAW_RETRY_S``): what the leader's write left."""
+    end = time.monotonic() + WITHDRAW_RETRY_S
+    while True:
+        try:
+            return await _desired(store, keys)
+        except TemporaryError:
+            if time.monotonic() > end:
+                raise
+            await asyncio.sleep(0.5)
 
 
 def _request_id() -> str:
@@ -207,9 +245,10 @@ class Answer:
 
     request_id: str
     """'' when none was written: there was nothing to do (``outcome`` "nothing")."""
-    outcome: Literal["applied", "withdrawn", "nothing"]
+    outcome: Literal["applied", "withdrawn", "unknown", "nothing"]
     """applied: a leader took it; withdrawn: none did within the wait, and none will;
-    nothing: nothing named is held (no request written)."""
+    unknown: etcd failed while the request was withdrawn (it may have been applied, or may
+    still wait in etcd); nothing: nothing named is held (no request written)."""
     done: tuple[str, ...] = ()
     """Applied: what the request ended, as the desired state showed it before and after
     (nodes readmitted, "the job" for the job's holds; steps cleared)."""
@@ -259,9 +298,10 @@ async def request_readmit(
         names = tuple(n for n in nodes if n not in unknown)
         req = ReadmitRequest(nodes=names, all=everything, who=who, time=time.time())
         body = req.model_dump_json().encode()
-        if not await _ask(store, keys.readmit(rid), body, wait_s):
-            return Answer(rid, "withdrawn", unknown=unknown)
-        after = _held_records(await _desired(store, keys))
+        got = await _ask(store, keys.readmit(rid), body, wait_s)
+        if got != "applied":
+            return Answer(rid, got, unknown=unknown)
+        after = _held_records(await _desired_after(store, keys))
         ended = asked & held
         return Answer(
             rid,
@@ -306,9 +346,10 @@ async def request_clear_bad(
         named = tuple(sorted(asked & held)) if not everything else ()
         req = ClearBadRequest(steps=named, all=everything, who=who, time=time.time())
         body = req.model_dump_json().encode()
-        if not await _ask(store, keys.clear_bad(rid), body, wait_s):
-            return Answer(rid, "withdrawn", unknown=tuple(map(str, unknown)))
-        after_d = await _desired(store, keys)
+        got = await _ask(store, keys.clear_bad(rid), body, wait_s)
+        if got != "applied":
+            return Answer(rid, got, unknown=tuple(map(str, unknown)))
+        after_d = await _desired_after(store, keys)
         after = set(marked(after_d)) if after_d is not None else set()
         ended = asked & held
         return Answer(

@@ -39,7 +39,8 @@ together) and ``NodeFacts.arch_list`` (in ``NodeJoined``);
 its default).
 6: ``DesiredState.in_place_reads`` (an in-place launch's checkpoint reads per node) and
 ``forgiven_nodes`` (the nodes an operator readmitted, per generation), each written only
-when not empty, and ``reads_spent_through`` (written only once set): a release of version 5
+when not empty, and ``reads_spent_through`` (written only during the generation it
+names): a release of version 5
 was out. ``GPUCalibration.communicator_bytes``
 and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and ``communicators_covered``,
 ``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader

@@ -542,6 +542,12 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
         assert "forgiven_nodes" not in raw
         await ex.write_desired(DesiredState(epoch=e, generation=2, forgiven_nodes={"n1": 2}), "t")
         assert json.loads(await rig.desired())["forgiven_nodes"] == {"n1": 2}
+        # the read failures a clear of marks spent (wire version 6): only the current
+        # generation's matter, and a later generation's state writes none
+        await ex.write_desired(DesiredState(epoch=e, generation=2, reads_spent_through=2), "t")
+        assert json.loads(await rig.desired())["reads_spent_through"] == 2
+        await ex.write_desired(DesiredState(epoch=e, generation=3, reads_spent_through=2), "t")
+        assert "reads_spent_through" not in json.loads(await rig.desired())
 
 
 async def test_a_cause_naming_every_node_of_a_large_layout_is_written_shortened(

@@ -26,10 +26,12 @@ import pytest
 from typer.testing import CliRunner
 
 from sailor.cli.main import app
-from sailor.controller import status
+from sailor.controller import daemon, status
+from sailor.controller.audit import read_records
+from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import DecideConfig, Observed
-from sailor.coordination import EtcdStore, Keys, KeyValue, connect_etcd
+from sailor.coordination import EtcdStore, Keys, KeyValue, TemporaryError, connect_etcd
 from sailor.localservers import LocalServers
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, NodeHealth, ReadmitRequest
 from tests.integration.test_controller_executor import Rig, _records, executor_on
@@ -177,5 +179,199 @@ async def test_readmit_says_nothing_to_readmit_or_no_controller_answered(
         assert "no controller answered within 1 s" in res.output
         assert "nothing was readmitted" in res.output
         assert await store.get_prefix(keys.readmits) == []
+    finally:
+        await store.close()
+
+
+class _LostAnswers:
+    """Connects the controller's store as ``connect_etcd`` does, and makes etcd's answer to
+    the first ``lose`` combined writes that take an operator's request lost: the
+    transaction commits in the real etcd, then the call raises ``TemporaryError``, as when
+    etcd restarts between its commit and its answer (a restart cannot be placed there on
+    purpose)."""
+
+    def __init__(self, lose: int = 1) -> None:
+        self.lose = lose
+        self.lost: list[tuple[str, ...]] = []
+
+    async def __call__(self, *args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        real = store.put_all_guarded
+
+        async def put_all_guarded(*a: Any, **k: Any) -> int:
+            revision = await real(*a, **k)
+            if k.get("delete") and len(self.lost) < self.lose:
+                self.lost.append(tuple(k["delete"]))
+                raise TemporaryError("etcd restarted before it answered")
+            return revision
+
+        store.put_all_guarded = put_all_guarded  # type: ignore[method-assign]
+        return store
+
+
+def _controller(servers: LocalServers, tmp_path: Path, job: str) -> ControllerConfig:
+    return ControllerConfig(
+        job=job,
+        identity="c1",
+        nats_url=servers.nats_url,
+        etcd_endpoint=servers.etcd_endpoint,
+        audit_log=tmp_path / "audit-c1.jsonl",
+        checkpoint_dir="/ck",
+        lease_ttl_s=2,
+        resync_s=0.3,
+        debounce_s=0.0,
+        planner="data_parallel",
+        global_batch_size=8,
+    )
+
+
+async def _gone(store: EtcdStore, prefix: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while await store.get_prefix(prefix):
+        assert time.monotonic() < end, f"a request under {prefix} was never taken"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real controller applies ``readmit n1``: its state without n1's record and the
+    delete of the request commit, but the answer is lost (``TemporaryError``). Its next
+    write (a clear of step 14's mark) keeps n1 forgotten: after the error the leader
+    decides from the state etcd holds. Before, it kept the state its pass had started
+    from, and the clear's write put n1's record back, the request gone and the command
+    told "readmitted n1"."""
+    lossy = _LostAnswers()
+    monkeypatch.setattr(daemon, "connect_etcd", lossy)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"lost-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    run = asyncio.create_task(ctl.run(), name="test-controller")
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        while ctl.leadership is None:
+            await asyncio.sleep(0.05)
+        answer = await status.request_readmit(ep, job, ["n1"], False, "op", None, 10)
+        assert answer.outcome == "applied" and answer.done == ("n1",)
+        assert lossy.lost and lossy.lost[0][0].startswith(keys.readmits)
+        answer = await status.request_clear_bad(ep, job, [14], False, "op", None, 10)
+        assert answer.outcome == "applied"
+        await _gone(store, keys.clear_bads)
+        kv = await store.get(keys.desired)
+        assert kv is not None
+        d = DesiredState.model_validate_json(kv.value)
+        assert d.bad_checkpoints == (7,)
+        assert set(d.node_health) == {"n2"}  # n1's record stays forgotten
+        assert ctl.desired is not None and "n1" not in ctl.desired.node_health
+        ctl.audit.sync()
+        assert [r["cause"] for r in _records_of(tmp_path / "audit-c1.jsonl", "desired_reread")]
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(run, 15)
+        await store.close()
+
+
+def _records_of(path: Path, kind: str) -> list[dict[str, Any]]:
+    return [r for r in read_records([path]) if r["kind"] == kind]
+
+
+async def _put_readmit(store: EtcdStore, keys: Keys, rid: str, node: str) -> KeyValue:
+    req = ReadmitRequest(nodes=(node,), who="op", time=time.time())
+    await store.put(keys.readmit(rid), req.model_dump_json().encode())
+    kv = await store.get(keys.readmit(rid))
+    assert kv is not None
+    return kv
+
+
+def _readmits(*seen: KeyValue) -> Observed:
+    return Observed(
+        now=time.time(),
+        nodes={},
+        status={},
+        readmit={
+            kv.key.rsplit("/", 1)[1]: ReadmitRequest.model_validate_json(kv.value) for kv in seen
+        },
+    )
+
+
+async def test_a_withdrawn_request_bundled_with_another_is_the_only_one_audited_withdrawn(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """Two readmits (n1, n2) applied by one state; n2's operator withdraws it after the
+    leader read both: the write is refused, only n2's key is audited withdrawn and kept out
+    of the next passes while the mirror still shows it, no follow-up pass is asked for
+    (``progressed``), and the next pass applies n1's. Before, both keys were audited
+    withdrawn (n1's was applied the next pass), and the loop ran again at once, deciding
+    the same refused write until the mirror saw the delete."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        r1 = await _put_readmit(rig.store, keys, "r1", "n1")
+        r2 = await _put_readmit(rig.store, keys, "r2", "n2")
+        rig.ex.request_revisions = {r1.key: r1.mod_revision, r2.key: r2.mod_revision}
+        await rig.store.delete(r2.key)  # the command gave up
+        d = DesiredState.model_validate_json(await rig.desired())
+        await rig.ex.apply(decide(d, _readmits(r1, r2), CFG), d)
+        assert not rig.ex.progressed
+        assert [r["keys"] for r in _records(rig.audit, "request_withdrawn")] == [[r2.key]]
+        assert rig.ex.withdrawn == {r2.key: r2.mod_revision}
+        assert DesiredState.model_validate_json(await rig.desired()) == d  # nothing applied
+        await rig.ex.apply(decide(d, _readmits(r1), CFG), d)
+        assert set(DesiredState.model_validate_json(await rig.desired()).node_health) == {"n2"}
+        assert await rig.store.get_prefix(keys.readmits) == []
+        assert len(_records(rig.audit, "request_withdrawn")) == 1
+
+
+async def test_a_request_taken_without_an_observed_revision_is_not_applied(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """A pass that takes a request whose revision it did not observe (no entry in
+    ``request_revisions``) treats it as changed: nothing applied, the request left for a
+    pass that observed it. Before, its delete compared nothing: a request withdrawn
+    meanwhile was applied after its command said "withdrawn"."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        r1 = await _put_readmit(rig.store, keys, "r1", "n1")
+        rig.ex.request_revisions = {}
+        d = DesiredState.model_validate_json(await rig.desired())
+        await rig.ex.apply(decide(d, _readmits(r1), CFG), d)
+        assert "n1" in DesiredState.model_validate_json(await rig.desired()).node_health
+        assert await rig.store.get(r1.key) is not None
+        assert _records(rig.audit, "readmit") == []
+        assert [r["keys"] for r in _records(rig.audit, "request_withdrawn")] == [[r1.key]]
+
+
+async def test_the_command_waits_and_withdraws_through_an_etcd_restart(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """No controller runs; etcd restarts while ``readmit n1`` waits: the command goes on
+    waiting, withdraws its request once etcd is back and says so, the key gone. Before, the
+    wait's read raised ``TemporaryError``: a traceback, and the request left in etcd for any
+    later leader to apply."""
+    ep = module_plain_servers.etcd_endpoint
+    job = f"restart-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        asked = asyncio.create_task(
+            status.request_readmit(ep, job, ["n1"], False, "op", None, 3.0), name="test-readmit"
+        )
+        await _request(store, keys.readmits)
+        await asyncio.to_thread(module_plain_servers.etcd.restart, 1.0)
+        answer = await asyncio.wait_for(asked, 60)
+        assert answer.outcome == "withdrawn"
+        end = time.monotonic() + 20
+        while True:  # the test's own client reconnects too
+            try:
+                assert await store.get_prefix(keys.readmits) == []
+                break
+            except TemporaryError:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.2)
     finally:
         await store.close()

@@ -19,7 +19,7 @@ from sailor.schemas.runtime import (
     Phase,
     SuspectCheckpoint,
 )
-from tests.unit.test_controller_decide import CFG, NOW, _sets, nodes, obs, running, st
+from tests.unit.test_controller_decide import CFG, NOW, _planned, _sets, nodes, obs, running, st
 from tests.unit.test_controller_suspect_checkpoint import (
     _first_strike,
     _loading,
@@ -178,3 +178,40 @@ def test_a_cleared_suspect_mark_charges_its_nodes_once() -> None:
     last = _states(a)[-1]
     assert last.suspect_checkpoint == SuspectCheckpoint()
     assert last.node_health["n3"] == charged
+
+
+def test_a_clear_of_another_step_leaves_the_teardowns_read_failures_to_be_judged() -> None:
+    """A first strike on step 30 (n3 failed to read it, suspect), and an old bad mark on
+    step 20 the operator clears in the teardown. n2's report that it failed to read step 30
+    too comes in late: it is judged (n2 charged, the suspect's nodes n2 and n3). Before,
+    any clear in an aborted teardown spent the generation's read failures, whatever step
+    it cleared: n2's real failure went uncounted."""
+    torn = _first_strike().model_copy(update={"bad_checkpoints": (20,)})
+    statuses = [*_up((1, 4), 1), _unreadable(2), _unreadable(3)]
+    a = decide(torn, _o(statuses, clear_bad={"r1": ClearBadRequest(steps=(20,))}), CFG)
+    last = _states(a)[-1]
+    assert last.bad_checkpoints == () and last.load_step == 30
+    assert last.reads_spent_through == -1
+    assert last.suspect_checkpoint.nodes == ("n2", "n3")
+    assert "n2" in last.node_health
+    assert [x.cleared for x in _done(a)] == [(20,)]
+
+
+def test_the_next_launch_forgets_the_read_failures_a_clear_spent() -> None:
+    """The generation whose read failures a clear spent is the aborted one: the next
+    launch resets ``reads_spent_through``, so a state after it writes no version-6 field
+    for it (``executor.write_desired``). Before, it was kept for every later generation."""
+    torn = _all_unreadable()
+    failed = [_unreadable(i) for i in ALL_IDS]
+    a = decide(torn, _o(failed, clear_bad={"r1": ClearBadRequest(steps=(30,))}), CFG)
+    cleared = _states(a)[-1]
+    assert cleared.reads_spent_through == torn.generation
+    idle = [st(i, state="idle") for i in ALL_IDS]
+    acked = frozenset(f"e7-g1-abort-n{i}" for i in ALL_IDS)
+    launched = [
+        s
+        for s in _states(decide(_planned(cleared, ALL_IDS), _o(idle, acked=acked), CFG))
+        if s.phase is Phase.LAUNCH
+    ]
+    assert launched and launched[-1].generation == 2 and launched[-1].load_step == 30
+    assert launched[-1].reads_spent_through == -1
