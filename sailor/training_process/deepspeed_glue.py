@@ -58,11 +58,12 @@ class DeepSpeedLayerIO:
                 f"checkpoint {step} under {root} was trained with seed={saved_seed}, this run "
                 f"has seed={run.cfg.seed}: resume with the same seed, or start a new run"
             )
+        # as the engine reads them (``ckpt_glue.restore_trainer``): a checkpoint without
+        # ``adam_step`` (nor ``skipped_steps``) skipped nothing, so AdamW took every step
+        adam_step = int(extra.get("adam_step", got.globals.step))
         run.load_scaling_state(
             {
-                "skipped_steps": extra.get(
-                    "skipped_steps", got.globals.step - int(extra.get("adam_step", 0))
-                ),
+                "skipped_steps": extra.get("skipped_steps", got.globals.step - adam_step),
                 "precision": extra.get("precision"),
             }
         )
