@@ -93,7 +93,7 @@ from sailor.megatron_patch.model_source import load_train_config, model_of, trai
 from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.parent_death import die_with_parent
 from sailor.megatron_patch.precision import native_bf16, plan_precision
-from sailor.megatron_patch.rank_args import build_parser
+from sailor.megatron_patch.rank_args import build_parser, check_load_step
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
@@ -361,17 +361,29 @@ def check_train_config(tc: TrainingConfig | None) -> None:
         )
 
 
-def check_args(args: argparse.Namespace, has_ckpt: bool) -> None:
-    """Refuse arguments the adapter cannot honour, by name (pure)."""
+def check_args(args: argparse.Namespace, has_ckpt: bool, tc: TrainingConfig | None = None) -> None:
+    """Refuse arguments the adapter cannot honour, by name, at start (pure): in-place
+    reconfiguration; ``--load-step`` without ``--ckpt-dir`` (``rank_args.check_load_step``,
+    the engine's check); and without a checkpoint IO (``has_ckpt``) a resume or the training
+    config's periodic checkpoints (``tc``), which would otherwise fail at their step."""
     if args.in_place or args.warm:
         raise UnsupportedPlanError(
             f"--in-place={args.in_place} --warm={args.warm}: the DeepSpeed adapter has no "
             "in-place reconfiguration (it resumes from a checkpoint)"
         )
-    if args.load_step >= 0 and args.ckpt_dir and not has_ckpt:
+    check_load_step(args)
+    if has_ckpt:
+        return
+    glue = "run `python -m sailor.training_process.deepspeed_glue`"
+    if args.load_step >= 0:
         raise UnsupportedPlanError(
             f"load_step={args.load_step} (ckpt_dir={args.ckpt_dir!r}) needs a checkpoint "
-            "implementation: run `python -m sailor.training_process.deepspeed_glue`"
+            f"implementation: {glue}"
+        )
+    if tc is not None and tc.checkpoint.dir is not None and tc.checkpoint.every_steps:
+        raise UnsupportedPlanError(
+            f"training config checkpoint.every_steps={tc.checkpoint.every_steps} "
+            f"(dir={tc.checkpoint.dir!r}) needs a checkpoint implementation: {glue}"
         )
 
 
@@ -409,9 +421,9 @@ def run(
     """One rank of a plan on DeepSpeed; progress, saves, stops and state dumps like the
     worker's (``ckpt``: Sailor's checkpoints, needed to resume or save)."""
     args = build_parser().parse_args(argv)
-    check_args(args, ckpt is not None)
     status = status or Status(args.rank, sub_rank(args.error_file, args.rank))
     tc = load_train_config(args.train_config) if args.train_config else None
+    check_args(args, ckpt is not None, tc)
     check_train_config(tc)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     base = Path(args.train_config).parent if args.train_config else Path.cwd()
@@ -424,7 +436,7 @@ def run(
     if spec.tie_embeddings:
         raise UnsupportedPlanError(f"model {spec.name!r} ties embeddings: not mapped to DeepSpeed")
     layout = deepspeed_layout(plan)
-    resume = args.load_step >= 0 and bool(args.ckpt_dir) and ckpt is not None
+    resume = args.load_step >= 0 and ckpt is not None  # with --ckpt-dir (check_args)
     if resume and ckpt is not None:
         args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
     backend = choose_backend(plan, args.backend, torch.cuda.is_available())

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from sailor import catalog
+from sailor.megatron_patch import rank_main
+from sailor.megatron_patch.boundary import Boundary, Progress, Status
+from sailor.megatron_patch.control import ControlRequest
 from sailor.megatron_patch.deepspeed_adapter import (
     UnsupportedPlanError,
     check_args,
@@ -23,7 +28,7 @@ from sailor.megatron_patch.deepspeed_adapter import (
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun, NotCheckpointableError
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.precision import Precision
-from sailor.megatron_patch.rank_args import build_parser
+from sailor.megatron_patch.rank_args import build_parser, check_load_step
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.training import TrainingConfig
 
@@ -257,6 +262,55 @@ def test_the_deepspeed_adapter_resumes_only_with_a_checkpoint_implementation() -
         run(_args("--ckpt-dir", "/ck", "--load-step", "3"))
     with pytest.raises(UnsupportedPlanError, match="--in-place=True"):
         check_args(build_parser().parse_args(_args("--in-place")), has_ckpt=True)
+
+
+def test_the_deepspeed_adapter_refuses_periodic_checkpoints_without_a_checkpoint_io(
+    tmp_path: Path,
+) -> None:
+    """``deepspeed_adapter`` alone with ``checkpoint.every_steps`` used to pass its checks and
+    die at that step; it is refused at start, before the plan is even read."""
+    tc = TrainingConfig.model_validate(
+        {
+            "model": {"kind": "builtin", "name": "tiny-llama"},
+            "checkpoint": {"dir": "ck", "every_steps": 1000},
+        }
+    )
+    args = build_parser().parse_args(_args())
+    check_args(args, has_ckpt=True, tc=tc)
+    with pytest.raises(UnsupportedPlanError, match=r"checkpoint.every_steps=1000 \(dir='ck'\)"):
+        check_args(args, has_ckpt=False, tc=tc)
+    cfg = tmp_path / "run.json"
+    cfg.write_text(tc.model_dump_json())
+    with pytest.raises(UnsupportedPlanError, match="deepspeed_glue"):
+        run(_args("--train-config", str(cfg)))  # the plan (/nonexistent.json) is not read
+
+
+def test_a_load_step_without_a_ckpt_dir_is_refused_not_a_fresh_start() -> None:
+    """``--load-step 3`` without ``--ckpt-dir`` used to start at step 0 silently, in the
+    adapter and in Sailor's engine alike; both refuse it by name, before the plan is read."""
+    named = r"--load-step=3 without --ckpt-dir"
+    args = build_parser().parse_args(_args("--load-step", "3"))
+    for has_ckpt in (True, False):
+        with pytest.raises(ValueError, match=named):
+            check_args(args, has_ckpt=has_ckpt)
+    with pytest.raises(ValueError, match=named):
+        run(_args("--load-step", "3"))
+    with pytest.raises(ValueError, match=named):
+        rank_main.run(args, Status(0))
+    check_load_step(build_parser().parse_args(_args("--load-step", "-1")))
+    # a relayout in place without a checkpoint takes the held ranks' step
+    check_load_step(build_parser().parse_args(_args("--load-step", "3", "--in-place")))
+
+
+def test_a_save_request_without_a_checkpoint_io_says_so() -> None:
+    """The message said "without a checkpoint dir" when the dir was given."""
+    args = build_parser().parse_args(_args())
+    b: Boundary[argparse.Namespace] = Boundary(
+        args, Status(0), Progress(None, False), None, torch.device("cpu")
+    )
+    req = ControlRequest(save_step=2, save_dir="/ck")
+    with pytest.raises(RuntimeError, match=r"save_dir='/ck'.*without a checkpoint implementation"):
+        b._maybe_save(argparse.Namespace(step=2), req, holding=True)
 
 
 @pytest.mark.parametrize(
