@@ -478,7 +478,7 @@ def run(
     )
     ds = DeepSpeedRun(
         plan, args.rank, module, optimizer, engine.optimizer, cfg, precision,
-        args.start_step, args.consumed_samples,
+        args.start_step, args.consumed_samples, spec=spec,
     )  # fmt: skip
     if resume and ckpt is not None:
         ckpt.restore(ds, args.ckpt_dir, args.load_step)
