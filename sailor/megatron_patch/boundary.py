@@ -197,7 +197,12 @@ class Boundary(Generic[_T]):
             return
         self.saved_requests.add(req.save_step)
         root = agree_dir(req.save_dir)
-        if not root or self.ckpt is None:
+        if self.ckpt is None:
+            raise RuntimeError(
+                f"save of step {tr.step} requested (save_dir={root!r}), but this trainer runs "
+                "without a checkpoint implementation"
+            )
+        if not root:
             raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
         self.ckpt.save(tr, root, prune_below=req.prune_below)
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises

@@ -20,8 +20,10 @@ What we keep from Sailor in the DeepSpeed run:
 Devices and precision, the same rules as the worker's (:mod:`devices`): the backend comes
 from the plan (gloo for ``cpu`` replica groups, NCCL for GPUs), a rank's ``LOCAL_RANK`` is
 its replica group's ``first_gpu`` (plus the TP rank, 0 here), made current before the
-process group starts; :func:`deepspeed_precision` picks bf16 where every GPU type of the plan
-has it, else fp16 with dynamic loss scaling, fp32 on the CPU. Step times synchronize the
+process group starts; :func:`deepspeed_precision` takes the job's precision as the engine does
+(the training config's, the plan's recorded one, a model asking fp32: fp32 on a GPU runs
+without DeepSpeed's 16-bit section), else bf16 where every GPU type of the plan has it, else
+fp16 with dynamic loss scaling; fp32 on the CPU. Step times synchronize the
 device before each clock read (CUDA kernels run asynchronously).
 
 Checkpoints: Sailor's own format (``sailor.checkpoint``), through a
@@ -37,9 +39,11 @@ and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engi
 any layout (the reader relayouts by layer). Another precision than the checkpoint's is refused
 with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
 another seed too. fp32 only: in bf16 or fp16 DeepSpeed steps a wrapper holding flat fp32
-master copies, which are not mapped (``deepspeed_state``; a save or resume there is refused by
-name). Without a checkpoint IO (``python -m sailor.megatron_patch.deepspeed_adapter``) a
-resume is refused (:func:`check_args`), as is ``--in-place``/``--warm``.
+master copies, which are not mapped (``deepspeed_state``): a 16-bit run that may save or resume
+(periodic checkpoints, ``--control``, ``--load-step``) is refused by name at start
+(:func:`check_checkpoint_precision`), before DeepSpeed starts. Without a checkpoint IO
+(``python -m sailor.megatron_patch.deepspeed_adapter``) a resume is refused at start
+(:func:`check_args`), as is ``--in-place``/``--warm``.
 
 ``--train-config`` is read like the worker's: model (Sailor's own blocks; a ``transformers``
 architecture or imported weights are refused), seed, data, AdamW (with ``no_decay``), the
@@ -88,8 +92,8 @@ from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
 from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.parent_death import die_with_parent
-from sailor.megatron_patch.precision import native_bf16
-from sailor.megatron_patch.rank_args import build_parser
+from sailor.megatron_patch.precision import native_bf16, plan_precision
+from sailor.megatron_patch.rank_args import build_parser, check_load_step
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
@@ -101,6 +105,7 @@ __all__ = [
     "Precision",
     "UnsupportedPlanError",
     "check_args",
+    "check_checkpoint_precision",
     "check_train_config",
     "deepspeed_config",
     "deepspeed_env",
@@ -169,24 +174,37 @@ def deepspeed_layout(plan: Plan) -> DeepSpeedLayout:
 
 
 def deepspeed_precision(
-    plan: Plan, backend: str, device_bf16: Callable[[], bool] | None = None
+    plan: Plan,
+    spec: ModelSpec,
+    backend: str,
+    device_bf16: Callable[[], bool] | None = None,
+    requested: str = "auto",
 ) -> Precision:
     """One training precision for every rank of ``plan`` (pure but for ``device_bf16``).
 
-    fp32 on the CPU (gloo). On GPUs bf16 where every GPU type of the plan has bf16 units (the
-    catalog's ``peak_tflops_bf16 > 0``; V100, T4, RTX-2080 have none), else fp16 with dynamic
-    loss scaling. A GPU type the catalog does not know is asked of the device itself
+    fp32 on the CPU (gloo). On GPUs, the job's precision where something fixes it, taken as
+    Sailor's engine takes it (``precision.plan_precision``): the training config's
+    (``requested``, unless ``'auto'``), else the plan's recorded ``plan.precision``, else a
+    model asking fp32 (``spec.precision``); a conflict between them or a GPU type that cannot
+    run it is refused by field and value. fp32 on a GPU runs without DeepSpeed's bf16/fp16
+    section, so DeepSpeed steps the adapter's AdamW itself and checkpoints work.
+
+    Otherwise bf16 where every GPU type of the plan has bf16 units (the catalog's
+    ``peak_tflops_bf16 > 0``; V100, T4, RTX-2080 have none), else fp16 with dynamic loss
+    scaling. A GPU type the catalog does not know is asked of the device itself
     (``device_bf16``, e.g. ``precision.native_bf16``: not emulated); without it, it counts as
     lacking bf16 (fp16 runs everywhere).
     """
     if backend != "nccl":
         return "fp32"
+    if requested != "auto" or plan.precision is not None or spec.precision == "fp32":
+        return plan_precision(plan, spec, requested)
     known = catalog.gpus()
     for gpu_type in sorted({s.replica.gpu_type for p in plan.pipelines for s in p.stages}):
         if is_cpu_type(gpu_type):
             continue
-        spec = known.get(gpu_type)
-        has_bf16 = spec.peak_tflops_bf16 > 0 if spec else bool(device_bf16 and device_bf16())
+        gpu = known.get(gpu_type)
+        has_bf16 = gpu.peak_tflops_bf16 > 0 if gpu else bool(device_bf16 and device_bf16())
         if not has_bf16:
             return "fp16"
     return "bf16"
@@ -343,17 +361,55 @@ def check_train_config(tc: TrainingConfig | None) -> None:
         )
 
 
-def check_args(args: argparse.Namespace, has_ckpt: bool) -> None:
-    """Refuse arguments the adapter cannot honour, by name (pure)."""
+def check_args(args: argparse.Namespace, has_ckpt: bool, tc: TrainingConfig | None = None) -> None:
+    """Refuse arguments the adapter cannot honour, by name, at start (pure): in-place
+    reconfiguration; ``--load-step`` without ``--ckpt-dir`` (``rank_args.check_load_step``,
+    the engine's check); and without a checkpoint IO (``has_ckpt``) a resume or the training
+    config's periodic checkpoints (``tc``), which would otherwise fail at their step."""
     if args.in_place or args.warm:
         raise UnsupportedPlanError(
             f"--in-place={args.in_place} --warm={args.warm}: the DeepSpeed adapter has no "
             "in-place reconfiguration (it resumes from a checkpoint)"
         )
-    if args.load_step >= 0 and args.ckpt_dir and not has_ckpt:
+    check_load_step(args)
+    if has_ckpt:
+        return
+    glue = "run `python -m sailor.training_process.deepspeed_glue`"
+    if args.load_step >= 0:
         raise UnsupportedPlanError(
             f"load_step={args.load_step} (ckpt_dir={args.ckpt_dir!r}) needs a checkpoint "
-            "implementation: run `python -m sailor.training_process.deepspeed_glue`"
+            f"implementation: {glue}"
+        )
+    if tc is not None and tc.checkpoint.dir is not None and tc.checkpoint.every_steps:
+        raise UnsupportedPlanError(
+            f"training config checkpoint.every_steps={tc.checkpoint.every_steps} "
+            f"(dir={tc.checkpoint.dir!r}) needs a checkpoint implementation: {glue}"
+        )
+
+
+def check_checkpoint_precision(
+    precision: Precision, args: argparse.Namespace, tc: TrainingConfig | None
+) -> None:
+    """Refuse at start, by name, a bf16 or fp16 run that may have to save or resume (pure):
+    periodic checkpoints (``checkpoint.every_steps``), a ``--control`` file (the agent may ask
+    it to save, at a reconfiguration) or a resume (``--load-step``). In 16-bit DeepSpeed steps a
+    wrapper around flat fp32 master copies the adapter does not map (``deepspeed_state``): the
+    save would otherwise fail only when it comes, after all the steps before it."""
+    if precision == "fp32":
+        return
+    asks: list[str] = []
+    if tc is not None and tc.checkpoint.dir is not None and tc.checkpoint.every_steps:
+        asks.append(f"checkpoint.every_steps={tc.checkpoint.every_steps}")
+    if args.control:
+        asks.append(f"--control={args.control!r} (the agent may ask for a save)")
+    if args.load_step >= 0:
+        asks.append(f"--load-step={args.load_step}")
+    if asks:
+        raise UnsupportedPlanError(
+            f"precision={precision!r} with {', '.join(asks)}: the DeepSpeed adapter saves and "
+            "resumes fp32 runs only (in bf16/fp16 DeepSpeed keeps flat fp32 master copies it "
+            "does not map to Sailor's checkpoints); set the training config's precision: fp32, "
+            "or run this job on Sailor's engine"
         )
 
 
@@ -365,9 +421,9 @@ def run(
     """One rank of a plan on DeepSpeed; progress, saves, stops and state dumps like the
     worker's (``ckpt``: Sailor's checkpoints, needed to resume or save)."""
     args = build_parser().parse_args(argv)
-    check_args(args, ckpt is not None)
     status = status or Status(args.rank, sub_rank(args.error_file, args.rank))
     tc = load_train_config(args.train_config) if args.train_config else None
+    check_args(args, ckpt is not None, tc)
     check_train_config(tc)
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     base = Path(args.train_config).parent if args.train_config else Path.cwd()
@@ -380,7 +436,7 @@ def run(
     if spec.tie_embeddings:
         raise UnsupportedPlanError(f"model {spec.name!r} ties embeddings: not mapped to DeepSpeed")
     layout = deepspeed_layout(plan)
-    resume = args.load_step >= 0 and bool(args.ckpt_dir) and ckpt is not None
+    resume = args.load_step >= 0 and ckpt is not None  # with --ckpt-dir (check_args)
     if resume and ckpt is not None:
         args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
     backend = choose_backend(plan, args.backend, torch.cuda.is_available())
@@ -392,12 +448,11 @@ def run(
         device = torch.device("cuda", local_device(plan, args.rank))
         torch.cuda.set_device(device)  # before the process group: NCCL binds to it
         os.environ.update(nccl_error_env(os.environ))
-    precision = deepspeed_precision(plan, backend, native_bf16)
-    if tc is not None and tc.precision not in ("auto", precision) and backend == "nccl":
-        raise UnsupportedPlanError(
-            f"training config precision={tc.precision!r}: DeepSpeed runs this plan in "
-            f"{precision!r} (deepspeed_precision)"
-        )
+    # decided from the plan, the model and the config alone, before the process group: every
+    # rank refuses alike (the engine's rule), not some after the others entered a collective
+    requested = tc.precision if tc is not None else "auto"
+    precision = deepspeed_precision(plan, spec, backend, native_bf16, requested)
+    check_checkpoint_precision(precision, args, tc)
     sync = device_sync(device)
     from datetime import timedelta
 
@@ -423,7 +478,7 @@ def run(
     )
     ds = DeepSpeedRun(
         plan, args.rank, module, optimizer, engine.optimizer, cfg, precision,
-        args.start_step, args.consumed_samples,
+        args.start_step, args.consumed_samples, spec=spec,
     )  # fmt: skip
     if resume and ckpt is not None:
         ckpt.restore(ds, args.ckpt_dir, args.load_step)

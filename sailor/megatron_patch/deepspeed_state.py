@@ -26,6 +26,7 @@ from sailor.megatron_patch.checkpoint_io import SaveIO
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.precision import Precision, check_state_precision
 from sailor.megatron_patch.tp_layers import tp_dim_of
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
 __all__ = ["DeepSpeedCheckpointIO", "DeepSpeedRun", "NotCheckpointableError"]
@@ -57,6 +58,9 @@ class DeepSpeedRun:
     itself in fp32, so the count stays what the checkpoint said."""
     tp_group: Any = field(default=None)
     """The rank's TP group (TP is 1 under DeepSpeed's pipe engine: none)."""
+    spec: ModelSpec | None = None
+    """The model: its ``vocab_size`` pads the vocabulary matrices of a checkpoint saved
+    before the engine padded them (None: none is padded)."""
 
     @property
     def adam_step(self) -> int:
@@ -103,7 +107,9 @@ class DeepSpeedRun:
 
     def scaling_state(self) -> dict[str, Any]:
         """The globals Sailor's engine keeps beside the weights (``Trainer.scaling_state``):
-        the precision, the steps skipped, no loss scale (fp32), no non-finite streak."""
+        the precision, the steps skipped, no loss scale (fp32), no non-finite streak (the
+        adapter does not skip non-finite steps: a streak a resumed engine checkpoint was in
+        is dropped)."""
         return {
             "precision": self.precision,
             "skipped_steps": self.skipped_steps,

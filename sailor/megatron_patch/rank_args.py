@@ -2,8 +2,9 @@
 
 Every option a worker takes, with its default and help; ``rank_main`` parses the process's
 argv with it, and again each relayout directive's argv (``--in-place``), as does the
-DeepSpeed adapter (``deepspeed_adapter``). Parsing only: what the options mean is
-``rank_main``'s (and its module docstring's) business.
+DeepSpeed adapter (``deepspeed_adapter``). Parsing, and the one check both share
+(:func:`check_load_step`): what the options mean is ``rank_main``'s (and its module
+docstring's) business.
 """
 
 from __future__ import annotations
@@ -12,7 +13,19 @@ import argparse
 
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
 
-__all__ = ["build_parser"]
+__all__ = ["build_parser", "check_load_step"]
+
+
+def check_load_step(args: argparse.Namespace) -> None:
+    """Refuse ``--load-step`` >= 0 without ``--ckpt-dir`` (pure): the step names a checkpoint
+    to resume from, and without its root the rank would start fresh at step 0 silently. Not
+    under ``--in-place``/``--warm``, where a relayout without a checkpoint takes the step the
+    held ranks hold (``in_place.handshake``)."""
+    if args.load_step >= 0 and not args.ckpt_dir and not (args.in_place or args.warm):
+        raise ValueError(
+            f"--load-step={args.load_step} without --ckpt-dir: a resume needs the checkpoint "
+            "root (give --ckpt-dir, or --load-step -1 to start fresh)"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,7 +160,7 @@ from sailor.megatron_patch.model_source import (  # noqa: E402
 )
 from sailor.megatron_patch.parent_death import die_with_parent  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
-from sailor.megatron_patch.rank_args import build_parser  # noqa: E402
+from sailor.megatron_patch.rank_args import build_parser, check_load_step  # noqa: E402
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.metrics import MetricsLogger, step_metrics  # noqa: E402
@@ -287,6 +287,7 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
 
 def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
+    check_load_step(args)
     if args.in_place or args.warm:
         return _run_in_place(args, status, ckpt)
     return _generation(args, status, ckpt, None, -1).code

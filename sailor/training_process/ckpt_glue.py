@@ -43,9 +43,17 @@ from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
+from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
-__all__ = ["CheckpointSaves", "LayerCheckpointIO", "restore_trainer", "trainer_params"]
+__all__ = [
+    "CheckpointSaves",
+    "LayerCheckpointIO",
+    "pad_vocab_rows",
+    "restore_trainer",
+    "trainer_params",
+    "unpadded_vocab",
+]
 
 
 def trainer_params(tr: Trainer) -> dict[str, ParamState]:
@@ -82,7 +90,7 @@ def restore_trainer(
     params = [(k, p) for k, p in tr.stage.keyed_parameters() if key_layer(k) in wanted]
     dims = {k: d for k, (_t, d) in stage_state(tr.stage).items() if key_layer(k) in wanted}
     storage = open_storage(root)
-    unpadded = _unpadded_vocab(tr, storage, step, wanted)
+    unpadded = unpadded_vocab(tr.stage.spec, storage, step, wanted)
     for key in unpadded:  # read whole, then padded and sliced here
         dims[key] = None
     into = _destinations(tr, dims, skip=unpadded)
@@ -108,7 +116,9 @@ def restore_trainer(
             f"seed={tr.cfg.seed}: resume with the same seed, or start a new run"
         )
     for key in unpadded:
-        got.params[key] = _pad_and_slice(got.params[key], tr)
+        got.params[key] = pad_vocab_rows(
+            got.params[key], tr.stage.spec.vocab_size, tr.stage.tp.size, tr.stage.tp.rank
+        )
     adam_step = float(extra.get("adam_step", got.globals.step))
     if layers is None:  # a whole restore: the run continues from the checkpoint's state
         tr.load_scaling_state(
@@ -134,11 +144,11 @@ def restore_trainer(
             }
 
 
-def _unpadded_vocab(tr: Trainer, storage: Any, step: int, wanted: set[int]) -> set[str]:
-    """The vocabulary matrices (embedding, LM head) of ``wanted`` that checkpoint ``step``
-    stores with ``vocab_size`` rows: saved before the engine padded the vocabulary (and split
-    it over TP ranks). They are read whole and padded with zero rows."""
-    spec = tr.stage.spec
+def unpadded_vocab(spec: ModelSpec, storage: Any, step: int, wanted: set[int]) -> set[str]:
+    """The vocabulary matrices (embedding, LM head) of the layers ``wanted`` that checkpoint
+    ``step`` stores with ``vocab_size`` rows: saved before the engine padded the vocabulary
+    (and split it over TP ranks). Read them whole (no TP dim) and pad them
+    (:func:`pad_vocab_rows`). The DeepSpeed adapter's IO restores through it too."""
     if padded_vocab(spec.vocab_size) == spec.vocab_size:
         return set()  # the padded shape is the old shape: the reader slices it as it is
     head = spec.num_all_layers - 1
@@ -153,12 +163,14 @@ def _unpadded_vocab(tr: Trainer, storage: Any, step: int, wanted: set[int]) -> s
     return out
 
 
-def _pad_and_slice(ps: ParamState, tr: Trainer) -> ParamState:
-    """A whole unpadded vocabulary matrix (weight and moments) as this rank's padded shard."""
-    vocab, tp = tr.stage.spec.vocab_size, tr.stage.tp
+def pad_vocab_rows(
+    ps: ParamState, vocab_size: int, tp_size: int = 1, tp_rank: int = 0
+) -> ParamState:
+    """A whole unpadded vocabulary matrix (weight and moments) as TP rank ``tp_rank``'s shard
+    of the padded one (zero rows appended)."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        return shard(pad_rows(t, vocab), 0, tp.size, tp.rank).clone()
+        return shard(pad_rows(t, vocab_size), 0, tp_size, tp_rank).clone()
 
     return ParamState(one(ps.weight), one(ps.exp_avg), one(ps.exp_avg_sq), 0)
 

@@ -25,8 +25,9 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
+from sailor.megatron_patch.state import key_layer
 from sailor.megatron_patch.tp_layers import tp_dim_of
-from sailor.training_process.ckpt_glue import CheckpointSaves
+from sailor.training_process.ckpt_glue import CheckpointSaves, pad_vocab_rows, unpadded_vocab
 
 __all__ = ["DeepSpeedLayerIO", "main"]
 
@@ -50,7 +51,17 @@ class DeepSpeedLayerIO:
     def restore(self, run: DeepSpeedRun, root: str, step: int) -> None:
         run.check_checkpointable()
         dims = {k: tp_dim_of(p) for k, p in run.keyed_parameters()}
-        got = load_for_rank(open_storage(root), run.plan, run.rank, step=step, tp_dims=dims)
+        storage = open_storage(root)
+        # a checkpoint from before the engine padded the vocabulary: its embedding and LM
+        # head are read whole and padded as the engine pads them (``ckpt_glue``)
+        layers = {key_layer(k) for k in dims}
+        unpadded = unpadded_vocab(run.spec, storage, step, layers) if run.spec else set()
+        for key in unpadded:
+            dims[key] = None
+        got = load_for_rank(storage, run.plan, run.rank, step=step, tp_dims=dims)
+        if run.spec is not None:
+            for key in unpadded:
+                got.params[key] = pad_vocab_rows(got.params[key], run.spec.vocab_size)
         extra = got.globals.extra
         saved_seed = extra.get("seed")
         if saved_seed is not None and int(saved_seed) != run.cfg.seed:
@@ -58,11 +69,12 @@ class DeepSpeedLayerIO:
                 f"checkpoint {step} under {root} was trained with seed={saved_seed}, this run "
                 f"has seed={run.cfg.seed}: resume with the same seed, or start a new run"
             )
+        # as the engine reads them (``ckpt_glue.restore_trainer``): a checkpoint without
+        # ``adam_step`` (nor ``skipped_steps``) skipped nothing, so AdamW took every step
+        adam_step = int(extra.get("adam_step", got.globals.step))
         run.load_scaling_state(
             {
-                "skipped_steps": extra.get(
-                    "skipped_steps", got.globals.step - int(extra.get("adam_step", 0))
-                ),
+                "skipped_steps": extra.get("skipped_steps", got.globals.step - adam_step),
                 "precision": extra.get("precision"),
             }
         )

@@ -93,7 +93,7 @@ def test_deepspeed_runs_on_its_gpus_in_the_plans_precision(
         plan, 3, tmp_path, module="sailor.megatron_patch.deepspeed_adapter", deadline_s=300
     )
     assert run.ok, (run.returncodes, run.errors)
-    expected = deepspeed_precision(plan, "nccl", native_bf16)
+    expected = deepspeed_precision(plan, catalog.model("tiny-llama"), "nccl", native_bf16)
     for rank in range(2):
         steps = run.steps(rank)
         assert len(steps) == 3 and all(s["precision"] == expected for s in steps)

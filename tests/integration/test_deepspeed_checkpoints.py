@@ -169,14 +169,18 @@ def test_an_engine_checkpoint_resumes_in_the_adapter_which_saves_periodically(
     tmp_path: Path,
 ) -> None:
     """Both under one training config (its default AdamW exempts biases and norms from
-    weight decay: the adapter's parameter groups must be the engine's)."""
+    weight decay: the adapter's parameter groups must be the engine's). The weight decay is
+    large so that decaying the exempt weights shows: lr 1e-3 x 1.0 moves a norm weight of ~1
+    by ~1e-3 a step, ~8 tolerances (at the default 0.01 it moved them ~1e-5, within one)."""
     ckpt = tmp_path / "ckpt"
     tc = TrainingConfig.model_validate(
         {
             "model": {"kind": "builtin", "name": MODEL},
+            "optimizer": {"weight_decay": 1.0},
             "checkpoint": {"dir": str(ckpt), "every_steps": 2, "keep": 3},
         }
     )
+    assert tc.optimizer.no_decay  # the default exempts some kinds
     cfg_file = tmp_path / "run.json"
     cfg_file.write_text(tc.model_dump_json())
     ref, init = _reference(TrainConfig.of(tc))

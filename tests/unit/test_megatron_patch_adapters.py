@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
+from sailor import catalog
+from sailor.megatron_patch import rank_main
+from sailor.megatron_patch.boundary import Boundary, Progress, Status
+from sailor.megatron_patch.control import ControlRequest
 from sailor.megatron_patch.deepspeed_adapter import (
     UnsupportedPlanError,
     check_args,
+    check_checkpoint_precision,
     check_train_config,
     deepspeed_config,
     deepspeed_env,
@@ -21,7 +28,7 @@ from sailor.megatron_patch.deepspeed_adapter import (
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun, NotCheckpointableError
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.precision import Precision
-from sailor.megatron_patch.rank_args import build_parser
+from sailor.megatron_patch.rank_args import build_parser, check_load_step
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.training import TrainingConfig
 
@@ -170,7 +177,53 @@ def test_deepspeed_precision_is_one_for_the_job(
     gpus: tuple[str, str], backend: str, device_bf16: bool, expected: str
 ) -> None:
     plan = _plan(_placed(gpus[0], "a", 0), _placed(gpus[1], "b", 0))
-    assert deepspeed_precision(plan, backend, lambda: device_bf16) == expected
+    spec = catalog.model("tiny-llama").model_copy(update={"precision": "bf16"})
+    assert deepspeed_precision(plan, spec, backend, lambda: device_bf16) == expected
+
+
+def test_deepspeed_precision_honours_fp32_on_gpus_as_the_engine_does() -> None:
+    """On NCCL the adapter used to run bf16/fp16 whatever the job asked (and refused a
+    training config asking fp32), so a GPU job could never checkpoint. The training config,
+    the plan's recorded precision and a model asking fp32 fix it, as ``plan_precision``."""
+    plan = _plan(_placed("A100-40", "a", 0), _placed("A100-40", "b", 0))
+    spec = catalog.model("tiny-llama").model_copy(update={"precision": "bf16"})
+    assert deepspeed_precision(plan, spec, "nccl") == "bf16"
+    assert deepspeed_precision(plan, spec, "nccl", requested="fp32") == "fp32"
+    assert deepspeed_precision(plan, spec, "nccl", requested="fp16") == "fp16"
+    fp32_plan = plan.model_copy(update={"precision": "fp32"})
+    assert deepspeed_precision(fp32_plan, spec, "nccl") == "fp32"
+    fp32_model = spec.model_copy(update={"precision": "fp32"})
+    assert deepspeed_precision(plan, fp32_model, "nccl") == "fp32"
+    assert "bf16" not in deepspeed_config(deepspeed_layout(plan), plan, "fp32")
+    with pytest.raises(ValueError, match=r"plan.precision='fp32'.*precision='bf16'"):
+        deepspeed_precision(fp32_plan, spec, "nccl", requested="bf16")
+    v100 = _plan(_placed("V100-16", "a", 0), _placed("V100-16", "b", 0))
+    with pytest.raises(ValueError, match=r"gpu_type='V100-16': cannot run.*'bf16'"):
+        deepspeed_precision(v100, spec, "nccl", requested="bf16")
+    assert deepspeed_precision(fp32_plan, spec, "gloo", requested="bf16") == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("extra", "config", "named"),
+    [
+        ((), {"checkpoint": {"dir": "ck", "every_steps": 1000}}, "checkpoint.every_steps=1000"),
+        (("--control", "/c.json"), {}, "--control='/c.json'"),
+        (("--ckpt-dir", "/ck", "--load-step", "3"), {}, "--load-step=3"),
+    ],
+)
+def test_a_16_bit_deepspeed_run_that_may_checkpoint_is_refused_at_start(
+    extra: tuple[str, ...], config: dict[str, object], named: str
+) -> None:
+    """Refused before DeepSpeed starts, not at the first save (after every step before it)."""
+    args = build_parser().parse_args(_args(*extra))
+    tc = TrainingConfig.model_validate({"model": {"kind": "builtin", "name": "m"}, **config})
+    check_checkpoint_precision("fp32", args, tc)
+    for precision in ("bf16", "fp16"):
+        with pytest.raises(UnsupportedPlanError, match=rf"precision='{precision}' with .*") as e:
+            check_checkpoint_precision(precision, args, tc)  # type: ignore[arg-type]
+        assert named in str(e.value) and "fp32" in str(e.value)
+        assert "Sailor's engine" in str(e.value)
+    check_checkpoint_precision("bf16", build_parser().parse_args(_args()), None)
 
 
 def test_deepspeed_config_has_the_precision_section() -> None:
@@ -209,6 +262,55 @@ def test_the_deepspeed_adapter_resumes_only_with_a_checkpoint_implementation() -
         run(_args("--ckpt-dir", "/ck", "--load-step", "3"))
     with pytest.raises(UnsupportedPlanError, match="--in-place=True"):
         check_args(build_parser().parse_args(_args("--in-place")), has_ckpt=True)
+
+
+def test_the_deepspeed_adapter_refuses_periodic_checkpoints_without_a_checkpoint_io(
+    tmp_path: Path,
+) -> None:
+    """``deepspeed_adapter`` alone with ``checkpoint.every_steps`` used to pass its checks and
+    die at that step; it is refused at start, before the plan is even read."""
+    tc = TrainingConfig.model_validate(
+        {
+            "model": {"kind": "builtin", "name": "tiny-llama"},
+            "checkpoint": {"dir": "ck", "every_steps": 1000},
+        }
+    )
+    args = build_parser().parse_args(_args())
+    check_args(args, has_ckpt=True, tc=tc)
+    with pytest.raises(UnsupportedPlanError, match=r"checkpoint.every_steps=1000 \(dir='ck'\)"):
+        check_args(args, has_ckpt=False, tc=tc)
+    cfg = tmp_path / "run.json"
+    cfg.write_text(tc.model_dump_json())
+    with pytest.raises(UnsupportedPlanError, match="deepspeed_glue"):
+        run(_args("--train-config", str(cfg)))  # the plan (/nonexistent.json) is not read
+
+
+def test_a_load_step_without_a_ckpt_dir_is_refused_not_a_fresh_start() -> None:
+    """``--load-step 3`` without ``--ckpt-dir`` used to start at step 0 silently, in the
+    adapter and in Sailor's engine alike; both refuse it by name, before the plan is read."""
+    named = r"--load-step=3 without --ckpt-dir"
+    args = build_parser().parse_args(_args("--load-step", "3"))
+    for has_ckpt in (True, False):
+        with pytest.raises(ValueError, match=named):
+            check_args(args, has_ckpt=has_ckpt)
+    with pytest.raises(ValueError, match=named):
+        run(_args("--load-step", "3"))
+    with pytest.raises(ValueError, match=named):
+        rank_main.run(args, Status(0))
+    check_load_step(build_parser().parse_args(_args("--load-step", "-1")))
+    # a relayout in place without a checkpoint takes the held ranks' step
+    check_load_step(build_parser().parse_args(_args("--load-step", "3", "--in-place")))
+
+
+def test_a_save_request_without_a_checkpoint_io_says_so() -> None:
+    """The message said "without a checkpoint dir" when the dir was given."""
+    args = build_parser().parse_args(_args())
+    b: Boundary[argparse.Namespace] = Boundary(
+        args, Status(0), Progress(None, False), None, torch.device("cpu")
+    )
+    req = ControlRequest(save_step=2, save_dir="/ck")
+    with pytest.raises(RuntimeError, match=r"save_dir='/ck'.*without a checkpoint implementation"):
+        b._maybe_save(argparse.Namespace(step=2), req, holding=True)
 
 
 @pytest.mark.parametrize(
