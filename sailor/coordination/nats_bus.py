@@ -39,6 +39,10 @@ from sailor.coordination.security.settings import SecurityConfig
 
 __all__ = ["NatsCommands", "NatsEventBus", "close_nats", "connect_nats"]
 
+_NO_PEERS = 10005
+"""JetStream's error code for a stream whose replicas find too few servers to be placed on
+(``no suitable peers for placement``)."""
+
 _log = structlog.get_logger("sailor.nats")
 
 DUPLICATE_WINDOW_S = 120.0
@@ -142,11 +146,22 @@ class NatsEventBus:
             max_age=24 * 3600.0,
             num_replicas=self._replicas,
         )
+        short = (TimeoutError, nats.errors.Error)
         try:
             await self._js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await self._js.update_stream(config)
-        except (TimeoutError, nats.errors.Error) as exc:
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == _NO_PEERS:  # fewer servers up than replicas: not the request
+                raise UnavailableError("jetstream short of servers", error=repr(exc)) from exc
+            try:
+                await self._js.update_stream(config)  # it exists with another config
+            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as e:
+                # gone since the add (a lost server took it along), or no meta leader yet
+                raise UnavailableError("jetstream unavailable", error=repr(e)) from e
+            except nats.js.errors.APIError:
+                raise  # the server refuses this config (e.g. replicas on one server): say so
+            except short as e:
+                raise UnavailableError("jetstream unavailable", error=repr(e)) from e
+        except short as exc:
             raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
 
     async def publish(self, subject_kind: str, data: bytes, msg_id: str) -> bool:

@@ -78,6 +78,27 @@ async def test_etcd_store_fails_over_when_its_member_is_killed(etcd_cluster: Loc
         await store.close()
 
 
+async def test_a_stream_with_more_replicas_than_servers_up_is_retried_not_refused(
+    nats_cluster: LocalServers,
+) -> None:
+    """More replicas than servers up: JetStream cannot place them ("no suitable peers for
+    placement", a bad request), and ``ensure_stream`` then asked to update a stream that did
+    not exist ("stream not found"): a raw NATS error ended the controller's start instead of
+    the retry every TemporaryError gets (CI saw it as a 3-server cluster formed under load;
+    five replicas on three servers make it every time)."""
+    ctl = await connect_nats(nats_cluster.nats_urls, "c1", security=nats_cluster.security("c1"))
+    try:
+        probe = NatsEventBus(ctl, Keys(job="contract"), durable="probe", replicas=3)
+        await _retry(probe.ensure_stream, 20.0)  # the cluster's JetStream is up
+        await probe.close()
+        bus = NatsEventBus(ctl, Keys(job="t"), durable="controller-t", replicas=5)
+        with pytest.raises(TemporaryError, match="short of servers"):
+            await bus.ensure_stream()
+        await bus.close()
+    finally:
+        await ctl.close()
+
+
 async def test_event_stream_r3_survives_the_loss_of_a_nats_server(
     nats_cluster: LocalServers,
 ) -> None:
