@@ -400,9 +400,11 @@ class Controller(EventIntake):
     async def _adopt(self, store: EtcdStore, ex: Executor, lead: Leadership) -> DesiredState | None:
         """Take over the previous leader's desired state under our epoch.
 
-        None if it cannot be read (the controller then fails): starting from a blank state
+        None if it cannot be read (the controller then fails: starting from a blank state
         would restart generations at 0, and agents would reuse the run directories of
-        generation 0 under a different plan, with the committed checkpoints forgotten.
+        generation 0 under a different plan, with the committed checkpoints forgotten), or if
+        the term ended while etcd did not take the takeover's write (a ``TemporaryError`` is
+        retried: before, an etcd restart at the takeover ended the controller).
         """
         while True:
             try:
@@ -428,7 +430,15 @@ class Controller(EventIntake):
         desired = (upgraded(prev) if prev else DesiredState(epoch=lead.epoch)).model_copy(
             update={"epoch": lead.epoch}
         )
-        await ex.write_desired(desired, "took over" if prev else "first leader")
+        while True:  # an etcd restart at the takeover is waited out, as every write's
+            try:
+                await ex.write_desired(desired, "took over" if prev else "first leader")
+                break
+            except TemporaryError:
+                self.sd.watchdog()
+                if self.stopping.is_set() or not lead.held:
+                    return None
+                await self.clock.sleep(0.2)
         self.desired = desired
         self.wake()
         return desired

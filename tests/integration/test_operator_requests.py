@@ -375,3 +375,47 @@ async def test_the_command_waits_and_withdraws_through_an_etcd_restart(
                 await asyncio.sleep(0.2)
     finally:
         await store.close()
+
+
+async def test_a_takeover_write_that_etcd_does_not_take_is_retried(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new leader's first write (its epoch on the state it takes over) met an etcd that
+    did not answer (``TemporaryError``, as during a restart): the error ended the
+    controller (systemd restarted it). Now it is retried, and the controller leads."""
+    failed: list[str] = []
+
+    async def flaky(*args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        real = store.put_guarded
+
+        async def put_guarded(*a: Any, **k: Any) -> int:
+            if len(failed) < 2:
+                failed.append(str(a[0]))
+                raise TemporaryError("etcd restarting")
+            return await real(*a, **k)
+
+        store.put_guarded = put_guarded  # type: ignore[method-assign]
+        return store
+
+    monkeypatch.setattr(daemon, "connect_etcd", flaky)
+    job = f"adopt-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(module_plain_servers.etcd_endpoint)
+    ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    run = asyncio.create_task(ctl.run(), name="test-controller")
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        async with asyncio.timeout(20):
+            while ctl.leadership is None:
+                assert not run.done(), run.exception() if run.done() else None
+                await asyncio.sleep(0.05)
+        assert failed and all(k == keys.desired for k in failed)
+        kv = await store.get(keys.desired)
+        assert kv is not None
+        assert DesiredState.model_validate_json(kv.value).epoch == ctl.leadership.epoch
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(run, 15)
+        await store.close()
