@@ -450,7 +450,8 @@ class Controller(EventIntake):
         short (retried through an etcd outage); ``desired``: what the pass started from.
         None if the term ended meanwhile, or the key is not this term's: another leader
         wrote it (this one's next write would be fenced), or it is gone or unreadable (the
-        controller fails, as at takeover)."""
+        controller fails: a term that went on, or the next one, would lead from a blank
+        state, generations from 0, as ``_adopt`` refuses to)."""
         while self._term_goes_on(lead):
             try:
                 kv = await store.get(self.keys.desired)
@@ -469,15 +470,16 @@ class Controller(EventIntake):
                 error=str(exc).splitlines()[0][:300],
             )
             return None
-        if got is None or got.epoch != lead.epoch:
+        if got is None:  # someone deleted it: a new term would start from a blank state
+            self.fail("desired state gone after an etcd error", epoch=lead.epoch)
+            return None
+        if got.epoch != lead.epoch:
             self.audit.write(
                 "fenced",
                 self.clock.now(),
                 sync=True,
                 epoch=lead.epoch,
-                error="the desired state is not this term's"
-                if got is not None
-                else "the desired state is gone",
+                error="the desired state is not this term's",
             )
             return None
         if got != desired:  # a write of the pass went through: its records are in etcd

@@ -151,7 +151,11 @@ class NatsEventBus:
             await self._js.add_stream(config)
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code == _NO_PEERS:  # fewer servers up than replicas: not the request
-                raise UnavailableError("jetstream short of servers", error=repr(exc)) from exc
+                raise UnavailableError(
+                    f"jetstream short of servers for {self._replicas} replicas of the event "
+                    "stream (event_stream_replicas: at most the NATS cluster's size)",
+                    error=repr(exc),
+                ) from exc
             try:
                 await self._js.update_stream(config)  # it exists with another config
             except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as e:

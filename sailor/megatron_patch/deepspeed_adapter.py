@@ -189,11 +189,12 @@ def deepspeed_precision(
     run it is refused by field and value. fp32 on a GPU runs without DeepSpeed's bf16/fp16
     section, so DeepSpeed steps the adapter's AdamW itself and checkpoints work.
 
-    Otherwise bf16 where every GPU type of the plan has bf16 units (the catalog's
-    ``peak_tflops_bf16 > 0``; V100, T4, RTX-2080 have none), else fp16 with dynamic loss
-    scaling. A GPU type the catalog does not know is asked of the device itself
-    (``device_bf16``, e.g. ``precision.native_bf16``: not emulated); without it, it counts as
-    lacking bf16 (fp16 runs everywhere).
+    Otherwise (a plan without a recorded precision) bf16 where every GPU type of the plan
+    has bf16 units (the catalog's ``peak_tflops_bf16 > 0``; V100, T4, RTX-2080 have none),
+    else fp16 with dynamic loss scaling. A GPU type the catalog does not know is then asked
+    of the device itself (``device_bf16``, e.g. ``precision.native_bf16``: not emulated);
+    without it, it counts as lacking bf16 (fp16 runs everywhere). A planned plan records
+    its precision, so this is the rule for hand-written plans.
     """
     if backend != "nccl":
         return "fp32"
@@ -408,8 +409,9 @@ def check_checkpoint_precision(
         raise UnsupportedPlanError(
             f"precision={precision!r} with {', '.join(asks)}: the DeepSpeed adapter saves and "
             "resumes fp32 runs only (in bf16/fp16 DeepSpeed keeps flat fp32 master copies it "
-            "does not map to Sailor's checkpoints); set the training config's precision: fp32, "
-            "or run this job on Sailor's engine"
+            "does not map to Sailor's checkpoints); set the training config's precision: fp32 "
+            "(and allow_precision_change: true for a job that ran in another), or run this job "
+            "on Sailor's engine"
         )
 
 

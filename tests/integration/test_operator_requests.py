@@ -18,6 +18,7 @@ request and when it writes, to place its pass on either side of the withdrawal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -248,9 +249,9 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
     keys = Keys(job=job)
     store = await connect_etcd(ep)
     ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    await store.put(keys.desired, _seeded(1).model_dump_json().encode())  # before it leads
     run = asyncio.create_task(ctl.run(), name="test-controller")
     try:
-        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
         while ctl.leadership is None:
             await asyncio.sleep(0.05)
         answer = await status.request_readmit(ep, job, ["n1"], False, "op", None, 10)
@@ -403,9 +404,9 @@ async def test_a_takeover_write_that_etcd_does_not_take_is_retried(
     keys = Keys(job=job)
     store = await connect_etcd(module_plain_servers.etcd_endpoint)
     ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    await store.put(keys.desired, _seeded(1).model_dump_json().encode())  # before it leads
     run = asyncio.create_task(ctl.run(), name="test-controller")
     try:
-        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
         async with asyncio.timeout(20):
             while ctl.leadership is None:
                 assert not run.done(), run.exception() if run.done() else None
@@ -418,4 +419,51 @@ async def test_a_takeover_write_that_etcd_does_not_take_is_retried(
         ctl.stopping.set()
         ctl.wake()
         await asyncio.wait_for(run, 15)
+        await store.close()
+
+
+async def test_a_desired_state_gone_after_an_etcd_error_fails_the_controller(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a pass that an etcd error cut short the leader reads its state back; if the
+    key is gone (deleted by hand, a wrong restore) it fails loudly. Taking that for a fence
+    ended the term quietly, and the next term, finding no state, led from a blank one
+    (generations from 0), which the takeover refuses."""
+    job = f"gone-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+
+    async def cut(*args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        real = store.put_all_guarded
+
+        async def put_all_guarded(*a: Any, **k: Any) -> int:
+            if k.get("delete"):  # the readmit's write: the state is deleted, no answer
+                await store.delete(keys.desired)
+                raise TemporaryError("etcd restarted before it answered")
+            return await real(*a, **k)
+
+        store.put_all_guarded = put_all_guarded  # type: ignore[method-assign]
+        return store
+
+    monkeypatch.setattr(daemon, "connect_etcd", cut)
+    store = await connect_etcd(module_plain_servers.etcd_endpoint)
+    await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+    ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    run = asyncio.create_task(ctl.run(), name="test-controller")
+    try:
+        async with asyncio.timeout(20):
+            while ctl.leadership is None:
+                await asyncio.sleep(0.05)
+        await store.put(
+            keys.readmit("r1"), ReadmitRequest(nodes=("n1",)).model_dump_json().encode()
+        )
+        async with asyncio.timeout(20):
+            while ctl.failure is None:
+                await asyncio.sleep(0.05)
+        assert "gone" in ctl.failure
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(run, 15)
         await store.close()
