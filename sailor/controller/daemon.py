@@ -356,6 +356,7 @@ class Controller(EventIntake):
                     reread = await self._reread(store, lead, desired)
                     if reread is None:
                         break
+                    executor.settle_lost(reread)  # a request applied whose answer was lost
                     desired = self.desired = reread
                     self.wake(urgent=True)
             if not lead.held:

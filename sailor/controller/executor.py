@@ -167,6 +167,9 @@ class Executor:
         # revision (the watch delivers the delete a moment later): before, each such pass
         # decided the same refused write again, at once
         self.withdrawn: dict[str, int] = {}
+        # the last write that took requests and met an etcd error: (the state, the keys),
+        # until the leader reads its state back (settle_lost): etcd may have committed it
+        self.lost: tuple[DesiredState, tuple[str, ...]] | None = None
 
     @property
     def epoch(self) -> int:
@@ -212,13 +215,17 @@ class Executor:
             )
         data = state.model_dump_json(exclude=unused or None).encode()
         if take:
-            await self.store.put_all_guarded(
-                [(self.keys.desired, data)],
-                self.keys.leader,
-                self.epoch,
-                delete=take,
-                expect=self._expected(take),
-            )
+            try:
+                await self.store.put_all_guarded(
+                    [(self.keys.desired, data)],
+                    self.keys.leader,
+                    self.epoch,
+                    delete=take,
+                    expect=self._expected(take),
+                )
+            except TemporaryError:
+                self.lost = (state, take)  # committed or not: settle_lost tells
+                raise
         else:
             await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         extra: dict[str, Any] = {}
@@ -430,6 +437,30 @@ class Executor:
         if changed:
             self.audit.write("request_withdrawn", self.clock.now(), epoch=self.epoch, keys=changed)
             _log.info("request_withdrawn", keys=changed)
+
+    def settle_lost(self, held: DesiredState) -> tuple[str, ...]:
+        """After an etcd error, with ``held`` the desired state etcd holds: the request keys
+        of a write whose answer was lost that etcd did commit (``held`` is that write's
+        state), audited as applied (``request_applied``, ``answer_lost``) and kept out of the
+        passes whose mirror still shows them (``withdrawn``), so that a stale mirror's next
+        take, refused, is not audited as a withdrawal; () when there was none or it did not
+        commit (its requests are still there: the next pass applies them)."""
+        lost, self.lost = self.lost, None
+        if lost is None or lost[0] != held:
+            return ()
+        keys = lost[1]
+        for key in keys:
+            if key in self.request_revisions:
+                self.withdrawn[key] = self.request_revisions[key]
+        self.audit.write(
+            "request_applied",
+            self.clock.now(),
+            epoch=self.epoch,
+            keys=list(keys),
+            cause=held.cause,
+            answer_lost=True,
+        )
+        return keys
 
     def _prune(self, generation: int) -> None:
         """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""

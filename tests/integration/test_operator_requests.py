@@ -267,7 +267,16 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         assert set(d.node_health) == {"n2"}  # n1's record stays forgotten
         assert ctl.desired is not None and "n1" not in ctl.desired.node_health
         ctl.audit.sync()
-        assert [r["cause"] for r in _records_of(tmp_path / "audit-c1.jsonl", "desired_reread")]
+        audit = tmp_path / "audit-c1.jsonl"
+        assert [r["cause"] for r in _records_of(audit, "desired_reread")]
+        # the audit says the readmit was applied, its answer lost, and never that it was
+        # withdrawn (a stale mirror's next take of the gone key said so, the command having
+        # answered "readmitted n1")
+        applied = _records_of(audit, "request_applied")
+        assert [r["keys"] for r in applied] == [list(lossy.lost[0])]
+        assert applied[0]["answer_lost"] is True
+        withdrawn = [k for r in _records_of(audit, "request_withdrawn") for k in r["keys"]]
+        assert not set(withdrawn) & set(lossy.lost[0])
     finally:
         ctl.stopping.set()
         ctl.wake()
