@@ -161,7 +161,10 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
         "a decision by c2",
     )
     recs = cluster.records()
-    assert sum(1 for r in recs if str(r.get("cause", "")).startswith("recalibration")) == 1
+    # one phase toward the calibrated plan (a desired_reread record, after a pass an etcd
+    # error cut short as c1 stopped, repeats the state's cause: not a second recalibration)
+    phases = [r for r in recs if r["kind"] == "phase"]
+    assert sum(1 for r in phases if str(r.get("cause", "")).startswith("recalibration")) == 1
     assert not any(r["kind"] == "calibration_failed" for r in recs)
     rep = check(recs)
     assert rep.ok, rep.violations
