@@ -115,8 +115,17 @@ async def test_event_stream_r3_survives_the_loss_of_a_nats_server(
         assert info.config.num_replicas == 3
         for i in range(5):
             await _retry(lambda i=i: pub.publish("heartbeat", b"{}", f"before-{i}"))
-        got = {d.msg_id for d in await bus.fetch(10, timeout=2)}
-        assert got == {f"before-{i}" for i in range(5)}  # fetched, not yet acked
+        # fetched, not yet acked; the R3 consumer may answer "unavailable" (a
+        # TemporaryError) until its replicas have elected a leader
+        got: set[str] = set()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 20
+        while len(got) < 5 and loop.time() < end:
+            try:
+                got |= {d.msg_id for d in await bus.fetch(10, timeout=2)}
+            except TemporaryError:
+                await asyncio.sleep(0.2)
+        assert got == {f"before-{i}" for i in range(5)}
         port = ctl.connected_url.port if ctl.connected_url else None
         lost = next(m for m in nats_cluster.nats_members if m.port == port)
         await asyncio.to_thread(lost.kill)
