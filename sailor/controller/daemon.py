@@ -98,6 +98,7 @@ __all__ = ["Controller", "freeze_startup_heap", "run_controller"]
 _log = structlog.get_logger("sailor.controller")
 
 _R = TypeVar("_R", ReadmitRequest, ClearBadRequest)
+_T = TypeVar("_T")
 
 
 def _model_for_deadlines(config: ControllerConfig) -> ModelSpec | None:
@@ -389,6 +390,20 @@ class Controller(EventIntake):
     def _term_goes_on(self, lead: Leadership) -> bool:
         return not self.stopping.is_set() and lead.held and self._fenced_epoch != lead.epoch
 
+    async def _retried(
+        self, lead: Leadership, call: Callable[[], Awaitable[_T]]
+    ) -> tuple[bool, _T | None]:
+        """``call()`` tried again through ``TemporaryError`` (an etcd outage) every 0.2 s
+        while the term goes on, the watchdog fed: (True, its result), or (False, None) once
+        the term ended (stopping, the lease lost, fenced)."""
+        while self._term_goes_on(lead):
+            try:
+                return True, await call()
+            except TemporaryError:
+                self.sd.watchdog()
+                await self.clock.sleep(0.2)
+        return False, None
+
     async def _start_cache(self, start: Callable[[], Awaitable[None]]) -> bool:
         try:
             await start()
@@ -407,13 +422,9 @@ class Controller(EventIntake):
         the term ended while etcd did not take the takeover's write (a ``TemporaryError`` is
         retried: before, an etcd restart at the takeover ended the controller).
         """
-        while True:
-            try:
-                kv = await store.get(self.keys.desired)
-                break
-            except TemporaryError:
-                self.sd.watchdog()
-                await self.clock.sleep(0.2)
+        read, kv = await self._retried(lead, lambda: store.get(self.keys.desired))
+        if not read:
+            return None
         prev = None
         if kv is not None:
             try:
@@ -431,15 +442,11 @@ class Controller(EventIntake):
         desired = (upgraded(prev) if prev else DesiredState(epoch=lead.epoch)).model_copy(
             update={"epoch": lead.epoch}
         )
-        while True:  # an etcd restart at the takeover is waited out, as every write's
-            try:
-                await ex.write_desired(desired, "took over" if prev else "first leader")
-                break
-            except TemporaryError:
-                self.sd.watchdog()
-                if self.stopping.is_set() or not lead.held:
-                    return None
-                await self.clock.sleep(0.2)
+        # an etcd restart at the takeover is waited out, as every write's
+        why = "took over" if prev else "first leader"
+        written, _ = await self._retried(lead, lambda: ex.write_desired(desired, why))
+        if not written:
+            return None
         self.desired = desired
         self.wake()
         return desired
@@ -453,14 +460,8 @@ class Controller(EventIntake):
         wrote it (this one's next write would be fenced), or it is gone or unreadable (the
         controller fails: a term that went on, or the next one, would lead from a blank
         state, generations from 0, as ``_adopt`` refuses to)."""
-        while self._term_goes_on(lead):
-            try:
-                kv = await store.get(self.keys.desired)
-                break
-            except TemporaryError:
-                self.sd.watchdog()
-                await self.clock.sleep(0.2)
-        else:
+        read, kv = await self._retried(lead, lambda: store.get(self.keys.desired))
+        if not read:
             return None
         try:
             got = DesiredState.model_validate_json(kv.value) if kv is not None else None
