@@ -42,6 +42,7 @@ from sailor.schemas.precision import (
 )
 from sailor.simulator.lookup import layer_sizes, layer_table
 from sailor.simulator.memory import (
+    communicator_memory,
     copied_params,
     held_output_bytes,
     state_bytes_per_param,
@@ -342,7 +343,7 @@ class CostTables:
         plans the search returns, counts them (``simulator.communicators``)."""
         c = self.inputs.calibration.for_gpu(gpu_type)
         extra = float(c.memory_overhead_tp_bytes) if tp > 1 else 0.0
-        extra += float(c.communicator_bytes) * max(0, 1 + (tp > 1) - c.communicators_covered)
+        extra += communicator_memory(1 + (tp > 1), c.communicator_bytes, c.communicators_covered)
         if c.memory_overhead_bytes is not None:
             return float(c.memory_overhead_bytes) + extra
         o = self.inputs.profiles.overhead(gpu_type, tp)

@@ -59,6 +59,7 @@ __all__ = [
     "MixedPrecision",
     "backward_transient",
     "backward_working_set",
+    "communicator_memory",
     "copied_params",
     "held_output_bytes",
     "stage_memory",
@@ -172,6 +173,14 @@ def backward_transient(
     return last
 
 
+def communicator_memory(communicators: int, bytes_each: int, covered: int) -> int:
+    """GPU bytes priced for a rank's ``communicators`` NCCL communicators: ``bytes_each``
+    for each beyond the ``covered`` the non-tensor overhead already holds
+    (``GPUCalibration.communicators_covered``). The planner's tables price their count with
+    it too, so their memory bound and the simulator's figure follow one rule."""
+    return max(0, communicators - covered) * bytes_each
+
+
 def stage_memory(
     *,
     model: ModelSpec,
@@ -244,7 +253,7 @@ def stage_memory(
     transient = grad_t + max(0, during_step - during_backward)
     # bytes per parameter a deployment holds beyond the engine's state (Calibration)
     overhead = overhead_bytes + transient + int(extra_state_bytes_per_param * params)
-    comms = max(0, communicators - communicators_covered) * communicator_bytes
+    comms = communicator_memory(communicators, communicator_bytes, communicators_covered)
     total = weights + grads + optim + acts + copies + comms + overhead
     return MemoryBreakdown(
         pipeline=pipeline,
