@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from sailor.megatron_patch.checkpoint_io import SaveIO
-from sailor.megatron_patch.engine import TrainConfig
+from sailor.megatron_patch.engine import TrainConfig, resumed_skipped_steps
 from sailor.megatron_patch.precision import Precision, check_state_precision
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.schemas.model import ModelSpec
@@ -124,10 +124,7 @@ class DeepSpeedRun:
         check_state_precision(
             state.get("precision"), self.precision, self.cfg.allow_precision_change
         )
-        skipped = int(state.get("skipped_steps", 0))
-        if not 0 <= skipped <= self.step:
-            raise ValueError(f"skipped_steps={skipped}: must be in [0, step={self.step}]")
-        self.skipped_steps = skipped
+        self.skipped_steps = resumed_skipped_steps(state, self.step)
 
     @torch.no_grad()
     def load(

@@ -115,9 +115,19 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "make_optimizer",
+    "resumed_skipped_steps",
     "to_device",
     "validation_data",
 ]
+
+
+def resumed_skipped_steps(state: Mapping[str, Any], step: int) -> int:
+    """The iterations a checkpoint's run skipped (``skipped_steps`` of its globals, 0 when
+    it does not say), checked against its ``step``: AdamW took ``step`` minus these."""
+    skipped = int(state.get("skipped_steps", 0))
+    if not 0 <= skipped <= step:
+        raise ValueError(f"skipped_steps={skipped}: must be in [0, step={step}]")
+    return skipped
 
 
 class TrainConfig(Frozen):
@@ -461,10 +471,7 @@ class Trainer:
         check_state_precision(
             state.get("precision"), self.precision, self.cfg.allow_precision_change
         )
-        skipped = int(state.get("skipped_steps", 0))
-        if not 0 <= skipped <= self.step:
-            raise ValueError(f"skipped_steps={skipped}: must be in [0, step={self.step}]")
-        self.skipped_steps = skipped
+        self.skipped_steps = resumed_skipped_steps(state, self.step)
         scale = state.get("loss_scale")
         if self.scaler is not None and scale is not None:
             self.scaler.load_state(scale)
