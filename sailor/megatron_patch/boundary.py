@@ -106,6 +106,13 @@ class Boundary(Generic[_T]):
         self.args, self.status, self.progress, self.ckpt = args, status, progress, ckpt
         self.device = device
         self.periodic = periodic if periodic is not None and periodic.every_steps else None
+        if self.periodic is not None and ckpt is None:
+            # the entry points refuse this at start (``rank_args.check_periodic_checkpoints``);
+            # a caller that builds a boundary itself learns it here, not at the first save
+            raise ValueError(
+                f"checkpoint.every_steps={self.periodic.every_steps} needs a checkpoint "
+                "implementation (ckpt=None)"
+            )
         self.saved_requests: set[int] = set()
         self.pending_save = -1
         self.last_saved = -1
@@ -179,12 +186,12 @@ class Boundary(Generic[_T]):
         retention, apart from the agent's): a save that is durable before training goes on,
         reported as ``periodic_checkpoint`` (not ``saved``: the agent's protocol is about its
         own requests). Every rank takes the same decision from the step alone."""
-        p = self.periodic
-        if p is None or p.dir is None or tr.step == self.args.start_step or tr.step % p.every_steps:
+        p, ckpt = self.periodic, self.ckpt  # ckpt is set whenever periodic is (__init__)
+        if p is None or p.dir is None or ckpt is None or tr.step == self.args.start_step:
             return
-        if self.ckpt is None:
-            raise RuntimeError("checkpoint.every_steps needs a checkpoint implementation")
-        self.ckpt.save(tr, p.dir, keep=p.keep)
+        if tr.step % p.every_steps:
+            return
+        ckpt.save(tr, p.dir, keep=p.keep)
         self._durable()
         self.progress.emit(
             {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}

@@ -93,7 +93,11 @@ from sailor.megatron_patch.model_source import load_train_config, model_of, trai
 from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.parent_death import die_with_parent
 from sailor.megatron_patch.precision import native_bf16, plan_precision
-from sailor.megatron_patch.rank_args import build_parser, check_load_step
+from sailor.megatron_patch.rank_args import (
+    build_parser,
+    check_load_step,
+    check_periodic_checkpoints,
+)
 from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
@@ -381,11 +385,7 @@ def check_args(args: argparse.Namespace, has_ckpt: bool, tc: TrainingConfig | No
             f"load_step={args.load_step} (ckpt_dir={args.ckpt_dir!r}) needs a checkpoint "
             f"implementation: {glue}"
         )
-    if tc is not None and tc.checkpoint.dir is not None and tc.checkpoint.every_steps:
-        raise UnsupportedPlanError(
-            f"training config checkpoint.every_steps={tc.checkpoint.every_steps} "
-            f"(dir={tc.checkpoint.dir!r}) needs a checkpoint implementation: {glue}"
-        )
+    check_periodic_checkpoints(tc, has_ckpt, glue, UnsupportedPlanError)
 
 
 def check_checkpoint_precision(

@@ -2,9 +2,9 @@
 
 Every option a worker takes, with its default and help; ``rank_main`` parses the process's
 argv with it, and again each relayout directive's argv (``--in-place``), as does the
-DeepSpeed adapter (``deepspeed_adapter``). Parsing, and the one check both share
-(:func:`check_load_step`): what the options mean is ``rank_main``'s (and its module
-docstring's) business.
+DeepSpeed adapter (``deepspeed_adapter``). Parsing, and the checks both share
+(:func:`check_load_step`, :func:`check_periodic_checkpoints`): what the options mean is
+``rank_main``'s (and its module docstring's) business.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
+from sailor.schemas.training import TrainingConfig
 
-__all__ = ["build_parser", "check_load_step"]
+__all__ = ["build_parser", "check_load_step", "check_periodic_checkpoints"]
 
 
 def check_load_step(args: argparse.Namespace) -> None:
@@ -26,6 +27,28 @@ def check_load_step(args: argparse.Namespace) -> None:
             f"--load-step={args.load_step} without --ckpt-dir: a resume needs the checkpoint "
             "root (give --ckpt-dir, or --load-step -1 to start fresh)"
         )
+
+
+def check_periodic_checkpoints(
+    tc: TrainingConfig | None,
+    has_ckpt: bool,
+    fix: str,
+    error: type[ValueError] = ValueError,
+) -> None:
+    """Refuse the training config's periodic checkpoints (``checkpoint.every_steps``) in a
+    rank with no checkpoint implementation (``has_ckpt`` false: ``python -m
+    sailor.megatron_patch.rank_main`` or ``deepspeed_adapter`` alone), by name, at start
+    (pure). Otherwise the rank trains until the first save is due, which may be hours in, and
+    fails there. ``fix`` says which entry point has one; ``error`` is the entry's refusal type
+    (a ``ValueError``: a configuration error, not retried)."""
+    if has_ckpt or tc is None or not tc.checkpoint.every_steps:
+        return
+    every = tc.checkpoint.every_steps
+    raise error(
+        f"training config checkpoint.every_steps={every} (dir={tc.checkpoint.dir!r}) needs a "
+        f"checkpoint implementation, and this rank runs without one: {fix} (or set "
+        f"checkpoint.every_steps: 0); its first save at step {every} would fail"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

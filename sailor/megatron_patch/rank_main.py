@@ -160,7 +160,11 @@ from sailor.megatron_patch.model_source import (  # noqa: E402
 )
 from sailor.megatron_patch.parent_death import die_with_parent  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
-from sailor.megatron_patch.rank_args import build_parser, check_load_step  # noqa: E402
+from sailor.megatron_patch.rank_args import (  # noqa: E402
+    build_parser,
+    check_load_step,
+    check_periodic_checkpoints,
+)
 from sailor.megatron_patch.roles import role_of  # noqa: E402
 from sailor.megatron_patch.state import stage_state  # noqa: E402
 from sailor.metrics import MetricsLogger, step_metrics  # noqa: E402
@@ -308,6 +312,11 @@ def _generation(
     teardown_s = leave_world(held) if args.in_place else 0.0
     drop_old_grads(held)
     tc = load_train_config(args.train_config) if args.train_config else None
+    # before the plan, the process group and any step: not at the first save, hours in (a
+    # relayout directive may name another config: checked per generation)
+    check_periodic_checkpoints(
+        tc, ckpt is not None, "run `sailor worker` (python -m sailor.training_process)"
+    )
     plan = Plan.model_validate_json(Path(args.plan).read_text())
     base = Path(args.train_config).parent if args.train_config else Path.cwd()
     spec, arch, weights = model_of(args, tc, base, plan)

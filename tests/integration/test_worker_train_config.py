@@ -171,3 +171,28 @@ def test_periodic_checkpoints_of_the_config_keep_their_own_retention(
     assert [s["loss"] for s in resumed.steps(0)] == pytest.approx(
         [s["loss"] for s in run.steps(0)][4:], rel=1e-6
     )
+
+
+def test_periodic_checkpoints_without_a_checkpoint_implementation_refused_at_start(
+    config: Path, tmp_path: Path
+) -> None:
+    """``python -m sailor.megatron_patch.rank_main`` has no checkpoint implementation (an
+    agent whose ``worker_argv`` names it, or ``launch_local``): with ``checkpoint.every_steps``
+    every rank used to train until the first save was due and die there, hours into a real
+    run (here, with the save at step 1000, it trained every step and exited 0). Every rank now
+    refuses it at start, before its process group and any step, naming the field and value."""
+    path = config.parent / "run-no-ckpt-io.yaml"
+    path.write_text(CONFIG + "checkpoint: {dir: ckpt-none, every_steps: 1000}\n")
+    plan = _plan(
+        Pipeline(stages=(_stage(0, 1), _stage(2, 3)), microbatch_size=1, num_microbatches=4)
+    )
+    run = launch_local(plan, STEPS, tmp_path, extra_args=["--train-config", str(path)])
+    assert run.returncodes == [1, 1], (run.errors, run.stderr)
+    for rank, err in enumerate(run.errors):
+        assert err is not None
+        assert err["origin"] == "config" and err["retry"] is False
+        assert "checkpoint.every_steps=1000 (dir='ckpt-none')" in err["message"]
+        assert "sailor worker" in err["message"]
+        assert "init_process_group" not in err["traceback"]
+        assert run.steps(rank) == []
+    assert not (config.parent / "ckpt-none").exists()

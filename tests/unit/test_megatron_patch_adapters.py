@@ -30,7 +30,7 @@ from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.precision import Precision
 from sailor.megatron_patch.rank_args import build_parser, check_load_step
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
-from sailor.schemas.training import TrainingConfig
+from sailor.schemas.training import CheckpointConfig, TrainingConfig
 
 
 def _pipe(cuts: list[tuple[int, int]], tp: int = 1, mbs: int = 2, m: int = 2) -> Pipeline:
@@ -311,6 +311,18 @@ def test_a_save_request_without_a_checkpoint_io_says_so() -> None:
     req = ControlRequest(save_step=2, save_dir="/ck")
     with pytest.raises(RuntimeError, match=r"save_dir='/ck'.*without a checkpoint implementation"):
         b._maybe_save(argparse.Namespace(step=2), req, holding=True)
+
+
+def test_a_boundary_with_periodic_checkpoints_and_no_checkpoint_io_is_refused_when_built() -> None:
+    """A boundary built with ``checkpoint.every_steps`` and no checkpoint IO used to raise only
+    at the first save's step; it refuses at construction (the entry points refuse earlier)."""
+    args = build_parser().parse_args(_args())
+    periodic = CheckpointConfig(dir="/ck", every_steps=1000)
+    with pytest.raises(ValueError, match=r"checkpoint.every_steps=1000 needs a checkpoint"):
+        Boundary(args, Status(0), Progress(None, False), None, torch.device("cpu"), periodic)
+    # every_steps 0 is no periodic checkpoint: nothing to refuse
+    off = CheckpointConfig(dir="/ck", every_steps=0)
+    Boundary(args, Status(0), Progress(None, False), None, torch.device("cpu"), off)
 
 
 @pytest.mark.parametrize(
