@@ -5,13 +5,15 @@ agents whose toy workers report the step timings of a cluster where one node kin
 The controller must fit the slow kind's compute scale, keep the calibration in etcd (a
 version and its pointer), audit it with the running plan's prediction error before and
 after, replan to the better layout with cause ``recalibration`` exactly once (no flapping:
-the new layout's fits keep it), a new leader must read the calibration back and not replan
-again, and ``sailor audit`` must pass.
+the new layout's fits keep it), size that replan's QUIESCE deadline by the iteration it
+measured for the running plan (the daemon's hand-over to ``decide``), a new leader must read
+the calibration back and not replan again, and ``sailor audit`` must pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -111,6 +113,25 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
         for r in cluster.records()
         if r["kind"] == "replan_decision" and r["reconfigure"] and r["generation"] == gen
     )
+    # the replan's QUIESCE is sized by the iteration this cluster measured for the running
+    # plan (online calibration's fit, handed to decide by the daemon), not the prediction;
+    # the new plan's VERIFY, never measured, by its prediction
+    quiesce = next(
+        r
+        for r in cluster.records()
+        if r["kind"] == "phase" and r["phase"] == "quiesce" and r["generation"] == gen
+    )
+    got = re.search(r"of ([0-9.e+-]+) s \(measured, fit of generation (\d+)\)", quiesce["deadline"])
+    assert got is not None, quiesce["deadline"]
+    assert int(got[2]) == gen and quiesce["plan_id"] == decision["running_plan"]
+    assert float(got[1]) == pytest.approx(decision["measured_s"], rel=0.05), quiesce["deadline"]
+    verify = next(
+        r
+        for r in cluster.records()
+        if r["kind"] == "phase" and r["phase"] == "verify" and r["generation"] == new_gen
+    )
+    assert "(predicted)" in verify["deadline"], verify["deadline"]
+
     # a real gain, past the controller's threshold: 13% since the engine's LM head was split
     # by vocabulary (the new layout puts it on the V100, which holds it in every corner now;
     # 20-48% before, with other layouts)

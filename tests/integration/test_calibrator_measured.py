@@ -1,0 +1,164 @@
+"""What online calibration hands the deadlines: ``Calibrator.measured``, over a real etcd.
+
+QUIESCE and VERIFY are sized by the iteration time the cluster measured for the same plan
+(``MeasuredIteration``, ``DecideConfig.measured``; docs/runtime.md, Phase deadlines). The
+daemon takes it from its ``Calibrator`` each pass. The contract read here: a fit sets it to
+that fit's plan and measured step (``fit of generation <g>``); the next fit replaces it, so
+a new layout's first fit names the new plan and the old plan's time is gone; a fit of a plan
+without an id sets none; a new leader's calibrator reads the kept record's back (``calibration
+v<n>``), and a calibrator that has fitted itself keeps its own, fresher, one. A measurement
+for one plan never sizes another's deadlines (``plan_deadlines.iteration_time``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sailor.controller.audit import AuditLog, read_records
+from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings
+from sailor.controller.decision_types import DecideConfig, Observed, phase_deadline
+from sailor.controller.online_calibration import Calibrator
+from sailor.controller.plan_deadlines import MeasuredIteration
+from sailor.controller.planning import PlanResult, SailorPlanner, load_model_spec
+from sailor.coordination import Keys, SystemClock, TaskSet, campaign, connect_etcd
+from sailor.localservers import LocalServers
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.online_calibration import RankTimings
+from sailor.schemas.runtime import AgentStatus, DesiredState, Phase
+from tests.integration.cluster_kit import until
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+NODES = (
+    NodeSpec(node_id="n1", gpu_type="A100-40", gpus=1, zone="z-a-1", address="h1"),
+    NodeSpec(node_id="n2", gpu_type="V100-16", gpus=1, zone="z-a-1", address="h2"),
+)
+STEP_S = 1.25
+"""Every rank's median step, s: the fit's measured iteration (the median over ranks)."""
+
+
+def _config(tmp: Path, job: str, name: str) -> ControllerConfig:
+    return ControllerConfig(
+        job=job,
+        identity=name,
+        audit_log=tmp / f"audit-{name}.jsonl",
+        planner="sailor",
+        model="OPT-350",
+        global_batch_size=32,
+        # no replan verdict: what is tested is the measurement, not the planner's search
+        online_calibration=OnlineCalibrationSettings(min_steps=3, interval_s=0.01, replan=False),
+    )
+
+
+def _running(res: PlanResult, gen: int) -> DesiredState:
+    return DesiredState(
+        epoch=1,
+        generation=gen,
+        phase=Phase.RUNNING,
+        plan=res.plan,
+        placement=res.placement,
+        membership=("n1", "n2"),
+    )
+
+
+def _observed(d: DesiredState, last_step: int) -> Observed:
+    def timing(rank: int) -> RankTimings:
+        return RankTimings(
+            rank=rank, steps=5, last_step=last_step, fwd_s=0.3, bwd_s=0.6, p2p_s=0.01,
+            sync_s=0.0, optim_s=0.02, step_s=STEP_S,
+        )  # fmt: skip
+
+    status = {
+        node: AgentStatus(
+            node_id=node,
+            generation=d.generation,
+            state="running",
+            step=last_step,
+            timings=tuple(timing(r) for r in ranks),
+        )
+        for node, ranks in d.placement.items()
+    }
+    return Observed(now=0.0, nodes={n.node_id: n for n in NODES}, status=status)
+
+
+async def test_measured_follows_the_latest_fit_and_a_new_leader_reads_it_back(
+    servers: LocalServers, tmp_path: Path
+) -> None:
+    job = "t"
+    planner = SailorPlanner.from_files("OPT-350", 32)
+    res = planner.plan(NODES, None)
+    assert res.plan.plan_id
+    cfg = _config(tmp_path, job, "c1")
+    audit = AuditLog(cfg.audit_log)
+    cal = Calibrator(cfg, planner, audit, SystemClock())
+    assert cal.enabled and cal.measured is None  # nothing measured yet: deadlines predict
+    store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
+    tasks = TaskSet("test-calibrator")
+    try:
+        lead = await campaign(store, Keys(job=job).leader, "c1", 5, timeout=10)
+
+        async def fit(d: DesiredState, last_step: int) -> None:
+            fits = cal.fits
+            cal.note(d)
+            started = cal.maybe_fit(
+                d, _observed(d, last_step), tasks, store, lead, lambda _: None, _fenced
+            )
+            assert started, "no fit started"
+            await until(lambda: cal.fits > fits, 30, f"a fit of generation {d.generation}")
+            await until(lambda: not tasks.names, 30, "the fit's end (its kept version)")
+
+        # a fit of the running plan: its plan, its measured step, which fit
+        d2 = _running(res, 2)
+        await fit(d2, 10)
+        here = MeasuredIteration(
+            plan_id=res.plan.plan_id, iteration_s=STEP_S, source="fit of generation 2"
+        )
+        assert cal.measured == here
+        assert cal.version == 1  # kept in etcd, for the next leader
+
+        # what decide makes of it: this plan's QUIESCE and VERIFY are sized by it, another
+        # plan's by its prediction
+        model = load_model_spec("OPT-350", 32)
+        dc = DecideConfig(checkpoint_dir="ck", model=model, measured=cal.measured)
+        for phase in (Phase.QUIESCE, Phase.VERIFY):
+            need = phase_deadline(d2, phase, dc).need
+            assert need is not None and need.iteration_s == STEP_S, need
+            assert need.basis == "measured, fit of generation 2"
+        other = res.plan.model_copy(update={"plan_id": "p-other"})
+        need = phase_deadline(d2.model_copy(update={"plan": other}), Phase.VERIFY, dc).need
+        assert need is not None and need.basis == "predicted", need
+
+        # a new leader's calibrator reads the kept record's back; this one keeps its own
+        c2 = Calibrator(_config(tmp_path, job, "c2"), planner, audit, SystemClock())
+        assert c2.measured is None
+        await c2.restore(store, lead)
+        assert c2.measured == here.model_copy(update={"source": "calibration v1"})
+        await cal.restore(store, lead)
+        assert cal.measured == here
+
+        # the next layout's first fit replaces it: the old plan's time sizes nothing now
+        new = res.plan.model_copy(update={"plan_id": "p-next"})
+        d3 = _running(res, 3).model_copy(update={"plan": new})
+        await fit(d3, 20)
+        assert cal.measured == MeasuredIteration(
+            plan_id="p-next", iteration_s=STEP_S, source="fit of generation 3"
+        )
+
+        # a plan without an id (the data-parallel stand-in's) is measured for no plan
+        d4 = _running(res, 4).model_copy(
+            update={"plan": res.plan.model_copy(update={"plan_id": ""})}
+        )
+        await fit(d4, 30)
+        assert cal.measured is None
+    finally:
+        await tasks.close()
+        await store.close()
+        audit.close()
+    kept = [r for r in read_records([cfg.audit_log]) if r["kind"] == "calibration"]
+    assert kept and kept[0]["measured_step_s"] == STEP_S
+
+
+def _fenced(exc: Exception) -> None:
+    raise AssertionError(f"fenced: {exc}")
