@@ -476,3 +476,162 @@ async def test_a_desired_state_gone_after_an_etcd_error_fails_the_controller(
         with contextlib.suppress(Exception):
             await asyncio.wait_for(run, 15)
         await store.close()
+
+
+class _LostWrite:
+    """Connects the command's store as ``connect_etcd`` does, and makes etcd's answer to
+    the command's first write of its request lost: the write commits in the real etcd, the
+    test's ``meanwhile`` runs (a leader's pass, say), then the call raises
+    ``TemporaryError``, as when etcd restarts between its commit and its answer. Both
+    writes a command has used are wrapped: ``put_witnessed`` (the request and its witness)
+    and a bare ``put``."""
+
+    def __init__(self, meanwhile: Any = None) -> None:
+        self.meanwhile = meanwhile
+        self.lost: list[str] = []
+
+    async def __call__(self, *args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        for name in ("put", "put_witnessed"):
+            real = getattr(store, name, None)
+            if real is not None:
+                setattr(store, name, self._lossy(real))
+        return store
+
+    def _lossy(self, real: Any) -> Any:
+        async def write(key: str, *a: Any, **k: Any) -> Any:
+            got = await real(key, *a, **k)
+            if not self.lost:
+                self.lost.append(key)
+                if self.meanwhile is not None:
+                    await self.meanwhile(key)
+                raise TemporaryError("etcd restarted before it answered")
+            return got
+
+        return write
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_whose_write_lost_its_answer_is_found_and_answered(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """The command's write of its request commits, its answer is lost, and a leader takes
+    the request before the command looks again: the command learns from the request's
+    witness that its write committed and answers "applied", with what the request ended.
+    Before, the lost answer ended the command (``TemporaryError``: "temporary: retry")
+    while the leader applied the request: the operator could not tell it happened, and a
+    retry would ask again."""
+    ep = module_plain_servers.etcd_endpoint
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        prefix = rig.ex.keys.readmits if kind == "readmit" else rig.ex.keys.clear_bads
+
+        async def leader_takes(key: str) -> None:
+            await _pass(rig, await _request(rig.store, prefix))
+            assert await rig.store.get(key) is None  # taken: the key is gone
+
+        lossy = _LostWrite(leader_takes)
+        monkeypatch.setattr(status, "connect_etcd", lossy)
+        answer = await asyncio.wait_for(_ask(rig, ep, kind, wait_s=10), 30)
+        assert lossy.lost and lossy.lost[0].startswith(prefix)
+        assert answer.outcome == "applied"
+        assert answer.done == (("n1",) if kind == "readmit" else ("14",))
+        assert await rig.store.get_prefix(prefix) == []
+        assert await rig.store.get_prefix(rig.ex.keys.asked) == []  # the witness went too
+        record = "readmit" if kind == "readmit" else "clear_bad"
+        assert [r["request_id"] for r in _records(rig.audit, record)] == [answer.request_id]
+
+
+async def test_readmit_whose_write_lost_its_answer_withdraws_it_with_no_controller(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No controller runs; the command's write commits and its answer is lost. The command
+    finds its request there, waits, withdraws it and says so (exit status 1), the key and
+    its witness gone. Before: ``error: etcd restarted before it answered: temporary:
+    retry``, and the request left in etcd for the next leader to apply."""
+    lossy = _LostWrite()
+    monkeypatch.setattr(status, "connect_etcd", lossy)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"lostput-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        cfg = _config(tmp_path, ep, job)
+        res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")
+        assert lossy.lost, "the command wrote no request"
+        assert res.exit_code == 1, res.output
+        assert "no controller answered within 1 s" in res.output
+        assert "nothing was readmitted" in res.output
+        assert "temporary" not in res.output and "Traceback" not in res.output
+        assert await store.get_prefix(keys.readmits) == []
+        assert await store.get_prefix(keys.asked) == []
+    finally:
+        await store.close()
+
+
+async def test_the_command_writes_its_request_through_an_etcd_restart(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd goes down just as ``readmit n1`` writes its request (no controller runs) and
+    comes back a second later: the write is tried again within the command's wait, and the
+    command then waits and withdraws as ever (``withdrawn``, the key gone). Before, the
+    write's ``UnavailableError`` ended the command."""
+    servers = module_plain_servers
+    down: list[asyncio.Task[None]] = []
+
+    async def flaky(*args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        for name in ("put", "put_witnessed"):
+            real = getattr(store, name, None)
+            if real is not None:
+                setattr(store, name, _after_a_restart(real))
+        return store
+
+    def _after_a_restart(real: Any) -> Any:
+        async def write(*a: Any, **k: Any) -> Any:
+            if not down:
+                await asyncio.to_thread(servers.etcd.stop)
+                down.append(
+                    asyncio.create_task(
+                        asyncio.to_thread(_start_later, servers, 1.0), name="test-etcd-start"
+                    )
+                )
+            return await real(*a, **k)
+
+        return write
+
+    monkeypatch.setattr(status, "connect_etcd", flaky)
+    ep = servers.etcd_endpoint
+    job = f"putrestart-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        answer = await asyncio.wait_for(
+            status.request_readmit(ep, job, ["n1"], False, "op", None, 6.0), 60
+        )
+        assert down, "the command wrote no request"
+        await down[0]
+        assert answer.outcome == "withdrawn"
+        end = time.monotonic() + 20
+        while True:  # the test's own client reconnects too
+            try:
+                assert await store.get_prefix(keys.readmits) == []
+                assert await store.get_prefix(keys.asked) == []
+                break
+            except TemporaryError:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.2)
+    finally:
+        if down:
+            await down[0]
+        await store.close()
+
+
+def _start_later(servers: LocalServers, down_s: float) -> None:
+    time.sleep(down_s)
+    servers.etcd.start()
