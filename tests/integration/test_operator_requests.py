@@ -257,6 +257,7 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         answer = await status.request_readmit(ep, job, ["n1"], False, "op", None, 10)
         assert answer.outcome == "applied" and answer.done == ("n1",)
         assert lossy.lost and lossy.lost[0][0].startswith(keys.readmits)
+        rid = answer.request_id
         answer = await status.request_clear_bad(ep, job, [14], False, "op", None, 10)
         assert answer.outcome == "applied"
         await _gone(store, keys.clear_bads)
@@ -277,6 +278,11 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         assert applied[0]["answer_lost"] is True
         withdrawn = [k for r in _records_of(audit, "request_withdrawn") for k in r["keys"]]
         assert not set(withdrawn) & set(lossy.lost[0])
+        # and the readmit's own record, once, as a write that answered writes it (before,
+        # none: the audit showed the request applied but not what it forgot)
+        readmits = _records_of(audit, "readmit")
+        assert [(r["request_id"], r["reason"]) for r in readmits] == [(rid, "forgot n1")]
+        assert readmits[0]["answer_lost"] is True
     finally:
         ctl.stopping.set()
         ctl.wake()
@@ -635,3 +641,51 @@ async def test_the_command_writes_its_request_through_an_etcd_restart(
 def _start_later(servers: LocalServers, down_s: float) -> None:
     time.sleep(down_s)
     servers.etcd.start()
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: bool,
+) -> None:
+    """A leader's write that applies ``clear-bad 14`` meets an etcd error. Committed (its
+    answer lost), the read-back settles it: the ``clear_bad`` record is written with the
+    ``request_applied`` one, and once only, however often it is settled again or the
+    stale mirror shows the request. Not committed, settling writes none and the next pass
+    applies and audits it, once. Before, a committed write whose answer was lost left no
+    ``clear_bad`` record: the audit checker held step 14 unreadable."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        req = ClearBadRequest(steps=(14,), who="op", time=time.time())
+        await rig.store.put(keys.clear_bad("r1"), req.model_dump_json().encode())
+        seen = await rig.store.get(keys.clear_bad("r1"))
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def lossy(*a: Any, **k: Any) -> int:
+            if committed:
+                await real(*a, **k)
+            raise TemporaryError("etcd restarted before it answered")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", lossy)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        held = DesiredState.model_validate_json(await rig.desired())
+        settled = rig.ex.settle_lost(held)
+        assert settled == ((seen.key,) if committed else ())
+        assert rig.ex.settle_lost(held) == ()  # settled once
+        if committed:
+            # the daemon keeps the gone key out of the passes while its mirror shows it
+            assert rig.ex.withdrawn == {seen.key: seen.mod_revision}
+        else:
+            await _pass(rig, seen)  # the request is still there: the next pass applies it
+        assert DesiredState.model_validate_json(await rig.desired()).bad_checkpoints == (7,)
+        assert await rig.store.get(seen.key) is None
+        records = _records(rig.audit, "clear_bad")
+        assert [(r["request_id"], r["cleared"]) for r in records] == [("r1", [14])]
+        assert records[0].get("answer_lost", False) is committed
+        assert len(_records(rig.audit, "request_applied")) == int(committed)
