@@ -76,6 +76,19 @@ def clear_bad(
             raise fail("nothing to clear: no step is marked bad or suspect", code=1)
         raise fail(f"nothing to clear: step {names} not marked bad or suspect", code=1)
     rid = answer.request_id
+    if answer.outcome == "unwritten":
+        raise fail(
+            f"etcd took no write of request {rid} within {wait_s:g} s (no mark was cleared): "
+            "is etcd up?",
+            code=1,
+        )
+    if answer.outcome == "unconfirmed":
+        raise fail(
+            f"etcd lost its answer to the write of request {rid} and did not answer again: "
+            f"the request may wait under /sailor/{cfg.job}/clear-bad/{rid}, or have been "
+            "applied; see `sailor status` and the leader's audit log (`clear_bad`)",
+            code=1,
+        )
     if answer.outcome == "unknown":
         raise fail(
             f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "

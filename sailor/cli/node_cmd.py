@@ -72,6 +72,19 @@ def readmit(
             f"nothing to readmit: {', '.join(answer.unknown)} not excluded or failing", code=1
         )
     rid = answer.request_id
+    if answer.outcome == "unwritten":
+        raise fail(
+            f"etcd took no write of request {rid} within {wait_s:g} s (nothing was readmitted): "
+            "is etcd up?",
+            code=1,
+        )
+    if answer.outcome == "unconfirmed":
+        raise fail(
+            f"etcd lost its answer to the write of request {rid} and did not answer again: "
+            f"the request may wait under /sailor/{cfg.job}/readmit/{rid}, or have been "
+            "applied; see `sailor status` and the leader's audit log (`readmit`)",
+            code=1,
+        )
     if answer.outcome == "unknown":
         raise fail(
             f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "

@@ -167,21 +167,25 @@ class Executor:
         # revision (the watch delivers the delete a moment later): before, each such pass
         # decided the same refused write again, at once
         self.withdrawn: dict[str, int] = {}
-        # the last write that took requests and met an etcd error: (the state, the keys),
-        # until the leader reads its state back (settle_lost): etcd may have committed it
-        self.lost: tuple[DesiredState, tuple[str, ...]] | None = None
+        # the last write that took requests and met an etcd error: (the state, the requests
+        # it applies), until the leader reads its state back (settle_lost): etcd may have
+        # committed it
+        self.lost: tuple[DesiredState, tuple[ClearReadmit | ClearBadDone, ...]] | None = None
 
     @property
     def epoch(self) -> int:
         return self.lead.epoch
 
     async def write_desired(
-        self, state: DesiredState, reason: str, take: tuple[str, ...] = ()
+        self,
+        state: DesiredState,
+        reason: str,
+        take: tuple[ClearReadmit | ClearBadDone, ...] = (),
     ) -> None:
         """Write ``state`` under the epoch guard, and the phase record. ``take``: the
-        operators' request keys it applies, deleted in the same transaction while each is
-        as observed (``request_revisions``); ``ChangedError`` if one was withdrawn (nothing
-        written)."""
+        operators' requests it applies, their keys deleted in the same transaction while
+        each is as observed (``request_revisions``); ``ChangedError`` if one was withdrawn
+        (nothing written)."""
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
@@ -215,13 +219,14 @@ class Executor:
             )
         data = state.model_dump_json(exclude=unused or None).encode()
         if take:
+            keys = tuple(self._request_key(a) for a in take)
             try:
                 await self.store.put_all_guarded(
                     [(self.keys.desired, data)],
                     self.keys.leader,
                     self.epoch,
-                    delete=take,
-                    expect=self._expected(take),
+                    delete=keys,
+                    expect=self._expected(keys),
                 )
             except TemporaryError:
                 self.lost = (state, take)  # committed or not: settle_lost tells
@@ -297,10 +302,10 @@ class Executor:
                     # nothing decided from it goes out; the next pass decides without it
                     # once the mirror shows the withdrawal (its watch wakes the loop): no
                     # follow-up pass of its own, which decided the same refused write again
-                    await self._withdrawn(take)
+                    await self._withdrawn(tuple(self._request_key(r) for r in take))
                     self.progressed = before
                     return desired
-                taken.update(take)
+                taken.update(self._request_key(r) for r in take)
                 desired = a.state
             elif isinstance(a, Commit):
                 rec = a.record
@@ -329,32 +334,12 @@ class Executor:
                 await self.store.delete_guarded(
                     self.keys.notice(a.node_id), self.keys.leader, self.epoch
                 )
-            elif isinstance(a, ClearBadDone):  # applied: the desired state was written first
-                key = self.keys.clear_bad(a.request_id)
+            elif isinstance(a, ClearBadDone | ClearReadmit):
+                # applied: the desired state was written first
+                key = self._request_key(a)
                 if key not in taken and not await self._take(key):
                     continue
-                self.audit.write(
-                    "clear_bad",
-                    self.clock.now(),
-                    epoch=self.epoch,
-                    request_id=a.request_id,
-                    who=a.who,
-                    steps=list(a.steps),
-                    all=a.all,
-                    cleared=list(a.cleared),
-                    reason=a.reason,
-                )
-            elif isinstance(a, ClearReadmit):  # applied: the desired state was written first
-                key = self.keys.readmit(a.request_id)
-                if key not in taken and not await self._take(key):
-                    continue
-                self.audit.write(
-                    "readmit",
-                    self.clock.now(),
-                    epoch=self.epoch,
-                    request_id=a.request_id,
-                    reason=a.reason,
-                )
+                self._audit_request(a)
         self._prune(desired.generation)
         due = [s for s in sends if self._due(s.command.command_id, s.resend_every)]
         if due and not self.lead.fresh:
@@ -385,19 +370,49 @@ class Executor:
                 self._spawn_send(s)
         return desired
 
-    def _requests_applied(self, actions: list[Action], i: int) -> tuple[str, ...]:
-        """The request keys the desired state of ``actions[i]`` applies: those of the
-        deletions right after it (``decide`` puts them there, ``ClearReadmit`` and
-        ``ClearBadDone``: the state written before them no longer holds what they named)."""
-        keys = []
+    def _requests_applied(
+        self, actions: list[Action], i: int
+    ) -> tuple[ClearReadmit | ClearBadDone, ...]:
+        """The requests the desired state of ``actions[i]`` applies: the deletions right
+        after it (``decide`` puts them there, ``ClearReadmit`` and ``ClearBadDone``: the
+        state written before them no longer holds what they named)."""
+        taken: list[ClearReadmit | ClearBadDone] = []
         for a in actions[i + 1 :]:
-            if isinstance(a, ClearReadmit):
-                keys.append(self.keys.readmit(a.request_id))
-            elif isinstance(a, ClearBadDone):
-                keys.append(self.keys.clear_bad(a.request_id))
-            else:
+            if not isinstance(a, ClearReadmit | ClearBadDone):
                 break
-        return tuple(keys)
+            taken.append(a)
+        return tuple(taken)
+
+    def _request_key(self, a: ClearReadmit | ClearBadDone) -> str:
+        if isinstance(a, ClearReadmit):
+            return self.keys.readmit(a.request_id)
+        return self.keys.clear_bad(a.request_id)
+
+    def _audit_request(self, a: ClearReadmit | ClearBadDone, **extra: Any) -> None:
+        """The audit record of a request applied (``readmit``, ``clear_bad``): what it
+        ended or why nothing."""
+        if isinstance(a, ClearBadDone):
+            self.audit.write(
+                "clear_bad",
+                self.clock.now(),
+                epoch=self.epoch,
+                request_id=a.request_id,
+                who=a.who,
+                steps=list(a.steps),
+                all=a.all,
+                cleared=list(a.cleared),
+                reason=a.reason,
+                **extra,
+            )
+        else:
+            self.audit.write(
+                "readmit",
+                self.clock.now(),
+                epoch=self.epoch,
+                request_id=a.request_id,
+                reason=a.reason,
+                **extra,
+            )
 
     def _expected(self, keys: tuple[str, ...]) -> dict[str, int]:
         """key -> mod revision observed, for the keys a pass takes. ``ChangedError`` if one
@@ -441,14 +456,18 @@ class Executor:
     def settle_lost(self, held: DesiredState) -> tuple[str, ...]:
         """After an etcd error, with ``held`` the desired state etcd holds: the request keys
         of a write whose answer was lost that etcd did commit (``held`` is that write's
-        state), audited as applied (``request_applied``, ``answer_lost``) and kept out of the
-        passes whose mirror still shows them (``withdrawn``), so that a stale mirror's next
-        take, refused, is not audited as a withdrawal; () when there was none or it did not
-        commit (its requests are still there: the next pass applies them)."""
+        state), audited as applied (``request_applied``, ``answer_lost``, then each
+        request's own record, ``readmit`` or ``clear_bad``, as a write that answered writes
+        it) and kept out of the passes whose mirror still shows them (``withdrawn``), so
+        that a stale mirror's next take, refused, is not audited as a withdrawal; () when
+        there was none or it did not commit (its requests are still there: the next pass
+        applies them, and audits them then). Once per lost write: settled, it is
+        forgotten (before, the requests' own records were never written: the audit
+        checker kept a cleared step unreadable)."""
         lost, self.lost = self.lost, None
         if lost is None or lost[0] != held:
             return ()
-        keys = lost[1]
+        keys = tuple(self._request_key(a) for a in lost[1])
         for key in keys:
             if key in self.request_revisions:
                 self.withdrawn[key] = self.request_revisions[key]
@@ -460,6 +479,8 @@ class Executor:
             cause=held.cause,
             answer_lost=True,
         )
+        for a in lost[1]:
+            self._audit_request(a, answer_lost=True)
         return keys
 
     def _prune(self, generation: int) -> None:

@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
@@ -24,7 +24,7 @@ from sailor.controller.bad_marks import marked
 from sailor.controller.decide import not_admitted
 from sailor.controller.decision_types import Observed
 from sailor.controller.job_precision import job_precision
-from sailor.coordination import Keys, TemporaryError, connect_etcd
+from sailor.coordination import Keys, KeyValue, TemporaryError, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
@@ -41,6 +41,8 @@ from sailor.schemas.runtime import (
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["Answer", "read_status", "request_clear_bad", "request_readmit"]
+
+_T = TypeVar("_T")
 
 
 async def read_status(
@@ -182,10 +184,11 @@ WITHDRAW_RETRY_S = 30.0
 """How long a request no leader took is withdrawn for through an etcd outage (a restart
 takes seconds); past it the command says the outcome is unknown and what to check."""
 
+Outcome = Literal["applied", "withdrawn", "unwritten", "unconfirmed", "unknown"]
+"""What became of a request written (``Answer.outcome``, less "nothing")."""
 
-async def _ask(
-    store: Any, key: str, body: bytes, wait_s: float
-) -> Literal["applied", "withdrawn", "unknown"]:
+
+async def _ask(store: Any, key: str, witness: str, body: bytes, wait_s: float) -> Outcome:
     """Write a request at ``key`` and wait up to ``wait_s`` for a leader to take it: what
     became of it. A leader applies a request and deletes its key in one transaction, only
     while the key is as it read it (``Executor.write_desired``); not taken in time, the
@@ -197,14 +200,74 @@ async def _ask(
     on and the withdrawal is tried again for up to ``WITHDRAW_RETRY_S`` (before, the command
     ended with a traceback and left the request in etcd, to be applied whenever). A
     withdrawal whose answer was lost and whose retry finds the key gone cannot tell its own
-    delete from a leader's take: "unknown", as when etcd never answers it."""
-    revision = await store.put(key, body)
+    delete from a leader's take: "unknown", as when etcd never answers it.
+
+    The request is written with its ``witness`` (``Keys.asked_witness``), which no leader
+    deletes, and tried again through an etcd outage until the wait ends (``_written``): a
+    write whose answer was lost (etcd restarted after its commit) is found committed by the
+    retry, even when a leader took the request meanwhile, and the wait goes on as after a
+    write that answered (before, the command ended with a traceback while the request sat
+    in etcd, applied by a leader later). Never taken by etcd within the wait: "unwritten"
+    (nothing was written, nothing applied); a write whose answer was lost with etcd gone
+    until ``WITHDRAW_RETRY_S`` past the wait: "unconfirmed" (it may be in etcd)."""
     end = time.monotonic() + wait_s
-    while time.monotonic() < end:
+    # the witness outlives the command's longest run; the lease's keepalive extends it
+    ttl = int(wait_s + 2 * WITHDRAW_RETRY_S) + 10
+    lease = await _retried(lambda: store.lease(ttl), end)
+    if lease is None:
+        return "unwritten"  # nothing written: etcd did not answer within the wait
+    try:
+        revision = await _written(store, key, witness, body, lease, end)
+        if revision is None:
+            # no write answered within the wait, and one may have committed: the witness
+            # tells (a read is linearizable: a write it does not show never commits)
+            read = await _retried(
+                lambda: _read(store, witness), time.monotonic() + WITHDRAW_RETRY_S
+            )
+            if read is None:
+                return "unconfirmed"  # etcd did not answer: the request may be there
+            if read[0] is None:
+                return "unwritten"
+            revision = read[0].mod_revision
+        while time.monotonic() < end:
+            with contextlib.suppress(TemporaryError):
+                if await store.get(key) is None:
+                    return "applied"
+            await asyncio.sleep(0.2)
+        return await _withdrawn(store, key, revision)
+    finally:
         with contextlib.suppress(TemporaryError):
-            if await store.get(key) is None:
-                return "applied"
-        await asyncio.sleep(0.2)
+            await lease.revoke()  # the witness goes with it
+
+
+async def _written(
+    store: Any, key: str, witness: str, body: bytes, lease: Any, end: float
+) -> int | None:
+    """Write the request and its witness (``put_witnessed``), tried again through an etcd
+    outage until ``end``: the write's revision, or None if none answered by then. A retry
+    that finds the witness there learns that an earlier write committed (its answer lost),
+    and its revision from the witness."""
+    while True:
+        with contextlib.suppress(TemporaryError):
+            revision = await store.put_witnessed(key, body, witness, lease)
+            if revision is not None:
+                return int(revision)
+            kv = await store.get(witness)
+            if kv is not None:
+                return int(kv.mod_revision)
+        if time.monotonic() > end:
+            return None
+        await asyncio.sleep(0.5)
+
+
+async def _read(store: Any, key: str) -> tuple[KeyValue | None]:
+    """``key``'s value, in a tuple: (None,) is an answer, "absent"."""
+    return (await store.get(key),)
+
+
+async def _withdrawn(store: Any, key: str, revision: int) -> Outcome:
+    """Withdraw the request written at ``revision`` (a delete that holds only while the key
+    is as written), tried again through an etcd outage for up to ``WITHDRAW_RETRY_S``."""
     end = time.monotonic() + WITHDRAW_RETRY_S
     lost = False  # a delete was sent whose answer etcd may have lost
     while True:
@@ -219,6 +282,18 @@ async def _ask(
         if deleted:
             return "withdrawn"
         return "unknown" if lost else "applied"
+
+
+async def _retried(call: Callable[[], Awaitable[_T]], end: float) -> _T | None:
+    """``call()`` tried again through ``TemporaryError`` until ``end``: its result, or None
+    if etcd never answered by then."""
+    while True:
+        try:
+            return await call()
+        except TemporaryError:
+            if time.monotonic() > end:
+                return None
+            await asyncio.sleep(0.5)
 
 
 async def _desired_after(store: Any, keys: Keys) -> DesiredState | None:
@@ -245,10 +320,13 @@ class Answer:
 
     request_id: str
     """'' when none was written: there was nothing to do (``outcome`` "nothing")."""
-    outcome: Literal["applied", "withdrawn", "unknown", "nothing"]
+    outcome: Literal["applied", "withdrawn", "unwritten", "unconfirmed", "unknown", "nothing"]
     """applied: a leader took it; withdrawn: none did within the wait, and none will;
-    unknown: etcd failed while the request was withdrawn (it may have been applied, or may
-    still wait in etcd); nothing: nothing named is held (no request written)."""
+    unwritten: etcd took no write of it within the wait (nothing applied, none will);
+    unconfirmed: etcd lost the answer to its write and did not answer again (it may be in
+    etcd, and may be applied); unknown: etcd failed while the request was withdrawn (it may
+    have been applied, or may still wait in etcd); nothing: nothing named is held (no
+    request written)."""
     done: tuple[str, ...] = ()
     """Applied: what the request ended, as the desired state showed it before and after
     (nodes readmitted, "the job" for the job's holds; steps cleared)."""
@@ -298,7 +376,8 @@ async def request_readmit(
         names = tuple(n for n in nodes if n not in unknown)
         req = ReadmitRequest(nodes=names, all=everything, who=who, time=time.time())
         body = req.model_dump_json().encode()
-        got = await _ask(store, keys.readmit(rid), body, wait_s)
+        key = keys.readmit(rid)
+        got = await _ask(store, key, keys.asked_witness(key), body, wait_s)
         if got != "applied":
             return Answer(rid, got, unknown=unknown)
         after = _held_records(await _desired_after(store, keys))
@@ -346,7 +425,8 @@ async def request_clear_bad(
         named = tuple(sorted(asked & held)) if not everything else ()
         req = ClearBadRequest(steps=named, all=everything, who=who, time=time.time())
         body = req.model_dump_json().encode()
-        got = await _ask(store, keys.clear_bad(rid), body, wait_s)
+        key = keys.clear_bad(rid)
+        got = await _ask(store, key, keys.asked_witness(key), body, wait_s)
         if got != "applied":
             return Answer(rid, got, unknown=tuple(map(str, unknown)))
         after_d = await _desired_after(store, keys)

@@ -93,6 +93,12 @@ class StateStore(Protocol):
         operator withdrawing its own request); whether it was deleted."""
         ...
 
+    async def put_witnessed(self, key: str, value: bytes, witness: str, lease: Lease) -> int | None:
+        """Write ``key`` and an empty ``witness`` bound to ``lease`` in one transaction,
+        only while ``witness`` does not exist; the revision, or None when it exists (an
+        earlier write committed, whether or not ``key`` is still there)."""
+        ...
+
     async def create_if_absent(self, key: str, value: bytes, lease: Lease) -> KeyValue | None:
         """Create ``key`` bound to ``lease`` unless it exists; returns the stored key or None."""
         ...

@@ -374,6 +374,20 @@ class EtcdStore:
         ok, _ = await self._txn([tx.mod(key.encode()) == mod_revision], [tx.delete(key.encode())])
         return ok
 
+    async def put_witnessed(self, key: str, value: bytes, witness: str, lease: Any) -> int | None:
+        """Write ``key`` and ``witness`` (empty, bound to ``lease``) in one transaction, only
+        while ``witness`` does not exist; the transaction's revision, or None when the
+        witness exists. A write whose answer was lost is tried again so: None says the lost
+        one committed (the witness's mod revision is its revision, ``key``'s too), even when
+        ``key`` went since (an operator's request a leader took and deleted); it is never
+        written twice while the lease lives."""
+        tx = self.client.transactions
+        ok, revision = await self._txn(
+            [tx.create(witness.encode()) == 0],
+            [tx.put(key.encode(), value, None), tx.put(witness.encode(), b"", lease.id)],
+        )
+        return revision if ok else None
+
     async def delete_guarded(self, key: str, guard_key: str, epoch: int) -> None:
         tx = self.client.transactions
         ok, _ = await self._txn([tx.create(guard_key.encode()) == epoch], [tx.delete(key.encode())])

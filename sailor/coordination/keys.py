@@ -10,6 +10,8 @@ etcd (all under ``/sailor/<job>/``)::
     ckpt/<step>       CommitRecord: a checkpoint committed by every shard (guarded)
     calibration/current         CalibrationPointer: the current fitted calibration (guarded)
     calibration/versions/<n>    CalibrationRecord: fitted calibration version n (guarded)
+    readmit/<id>, clear-bad/<id>  operators' requests, deleted by the leader that applies them
+    asked/<kind>/<id>  empty witness of a request written, bound to its command's lease
 
 NATS::
 
@@ -112,6 +114,21 @@ class Keys(Frozen):
 
     def clear_bad(self, request_id: str) -> str:
         return self.clear_bads + request_id
+
+    @property
+    def asked(self) -> str:
+        """Witnesses of the operators' requests: an empty key per request, written with it
+        in one transaction and bound to the command's lease, never mirrored by the leader
+        (which deletes the request when it applies it). A command whose write lost its
+        answer (etcd restarted after the commit) learns from it that the write committed,
+        whether or not a leader took the request since."""
+        return self.root + "asked/"
+
+    def asked_witness(self, request_key: str) -> str:
+        """The witness of the request at ``request_key`` (``asked/readmit/<id>``)."""
+        if not request_key.startswith(self.root):
+            raise ValueError(f"request key {request_key!r} is not under {self.root!r}")
+        return self.asked + request_key.removeprefix(self.root)
 
     @property
     def calibration(self) -> str:

@@ -257,6 +257,7 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         answer = await status.request_readmit(ep, job, ["n1"], False, "op", None, 10)
         assert answer.outcome == "applied" and answer.done == ("n1",)
         assert lossy.lost and lossy.lost[0][0].startswith(keys.readmits)
+        rid = answer.request_id
         answer = await status.request_clear_bad(ep, job, [14], False, "op", None, 10)
         assert answer.outcome == "applied"
         await _gone(store, keys.clear_bads)
@@ -277,6 +278,11 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         assert applied[0]["answer_lost"] is True
         withdrawn = [k for r in _records_of(audit, "request_withdrawn") for k in r["keys"]]
         assert not set(withdrawn) & set(lossy.lost[0])
+        # and the readmit's own record, once, as a write that answered writes it (before,
+        # none: the audit showed the request applied but not what it forgot)
+        readmits = _records_of(audit, "readmit")
+        assert [(r["request_id"], r["reason"]) for r in readmits] == [(rid, "forgot n1")]
+        assert readmits[0]["answer_lost"] is True
     finally:
         ctl.stopping.set()
         ctl.wake()
@@ -476,3 +482,210 @@ async def test_a_desired_state_gone_after_an_etcd_error_fails_the_controller(
         with contextlib.suppress(Exception):
             await asyncio.wait_for(run, 15)
         await store.close()
+
+
+class _LostWrite:
+    """Connects the command's store as ``connect_etcd`` does, and makes etcd's answer to
+    the command's first write of its request lost: the write commits in the real etcd, the
+    test's ``meanwhile`` runs (a leader's pass, say), then the call raises
+    ``TemporaryError``, as when etcd restarts between its commit and its answer. Both
+    writes a command has used are wrapped: ``put_witnessed`` (the request and its witness)
+    and a bare ``put``."""
+
+    def __init__(self, meanwhile: Any = None) -> None:
+        self.meanwhile = meanwhile
+        self.lost: list[str] = []
+
+    async def __call__(self, *args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        for name in ("put", "put_witnessed"):
+            real = getattr(store, name, None)
+            if real is not None:
+                setattr(store, name, self._lossy(real))
+        return store
+
+    def _lossy(self, real: Any) -> Any:
+        async def write(key: str, *a: Any, **k: Any) -> Any:
+            got = await real(key, *a, **k)
+            if not self.lost:
+                self.lost.append(key)
+                if self.meanwhile is not None:
+                    await self.meanwhile(key)
+                raise TemporaryError("etcd restarted before it answered")
+            return got
+
+        return write
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_whose_write_lost_its_answer_is_found_and_answered(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """The command's write of its request commits, its answer is lost, and a leader takes
+    the request before the command looks again: the command learns from the request's
+    witness that its write committed and answers "applied", with what the request ended.
+    Before, the lost answer ended the command (``TemporaryError``: "temporary: retry")
+    while the leader applied the request: the operator could not tell it happened, and a
+    retry would ask again."""
+    ep = module_plain_servers.etcd_endpoint
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        prefix = rig.ex.keys.readmits if kind == "readmit" else rig.ex.keys.clear_bads
+
+        async def leader_takes(key: str) -> None:
+            await _pass(rig, await _request(rig.store, prefix))
+            assert await rig.store.get(key) is None  # taken: the key is gone
+
+        lossy = _LostWrite(leader_takes)
+        monkeypatch.setattr(status, "connect_etcd", lossy)
+        answer = await asyncio.wait_for(_ask(rig, ep, kind, wait_s=10), 30)
+        assert lossy.lost and lossy.lost[0].startswith(prefix)
+        assert answer.outcome == "applied"
+        assert answer.done == (("n1",) if kind == "readmit" else ("14",))
+        assert await rig.store.get_prefix(prefix) == []
+        assert await rig.store.get_prefix(rig.ex.keys.asked) == []  # the witness went too
+        record = "readmit" if kind == "readmit" else "clear_bad"
+        assert [r["request_id"] for r in _records(rig.audit, record)] == [answer.request_id]
+
+
+async def test_readmit_whose_write_lost_its_answer_withdraws_it_with_no_controller(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No controller runs; the command's write commits and its answer is lost. The command
+    finds its request there, waits, withdraws it and says so (exit status 1), the key and
+    its witness gone. Before: ``error: etcd restarted before it answered: temporary:
+    retry``, and the request left in etcd for the next leader to apply."""
+    lossy = _LostWrite()
+    monkeypatch.setattr(status, "connect_etcd", lossy)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"lostput-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        cfg = _config(tmp_path, ep, job)
+        res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")
+        assert lossy.lost, "the command wrote no request"
+        assert res.exit_code == 1, res.output
+        assert "no controller answered within 1 s" in res.output
+        assert "nothing was readmitted" in res.output
+        assert "temporary" not in res.output and "Traceback" not in res.output
+        assert await store.get_prefix(keys.readmits) == []
+        assert await store.get_prefix(keys.asked) == []
+    finally:
+        await store.close()
+
+
+async def test_the_command_writes_its_request_through_an_etcd_restart(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd goes down just as ``readmit n1`` writes its request (no controller runs) and
+    comes back a second later: the write is tried again within the command's wait, and the
+    command then waits and withdraws as ever (``withdrawn``, the key gone). Before, the
+    write's ``UnavailableError`` ended the command."""
+    servers = module_plain_servers
+    down: list[asyncio.Task[None]] = []
+
+    async def flaky(*args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        for name in ("put", "put_witnessed"):
+            real = getattr(store, name, None)
+            if real is not None:
+                setattr(store, name, _after_a_restart(real))
+        return store
+
+    def _after_a_restart(real: Any) -> Any:
+        async def write(*a: Any, **k: Any) -> Any:
+            if not down:
+                await asyncio.to_thread(servers.etcd.stop)
+                down.append(
+                    asyncio.create_task(
+                        asyncio.to_thread(_start_later, servers, 1.0), name="test-etcd-start"
+                    )
+                )
+            return await real(*a, **k)
+
+        return write
+
+    monkeypatch.setattr(status, "connect_etcd", flaky)
+    ep = servers.etcd_endpoint
+    job = f"putrestart-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        answer = await asyncio.wait_for(
+            status.request_readmit(ep, job, ["n1"], False, "op", None, 6.0), 60
+        )
+        assert down, "the command wrote no request"
+        await down[0]
+        assert answer.outcome == "withdrawn"
+        end = time.monotonic() + 20
+        while True:  # the test's own client reconnects too
+            try:
+                assert await store.get_prefix(keys.readmits) == []
+                assert await store.get_prefix(keys.asked) == []
+                break
+            except TemporaryError:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.2)
+    finally:
+        if down:
+            await down[0]
+        await store.close()
+
+
+def _start_later(servers: LocalServers, down_s: float) -> None:
+    time.sleep(down_s)
+    servers.etcd.start()
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: bool,
+) -> None:
+    """A leader's write that applies ``clear-bad 14`` meets an etcd error. Committed (its
+    answer lost), the read-back settles it: the ``clear_bad`` record is written with the
+    ``request_applied`` one, and once only, however often it is settled again or the
+    stale mirror shows the request. Not committed, settling writes none and the next pass
+    applies and audits it, once. Before, a committed write whose answer was lost left no
+    ``clear_bad`` record: the audit checker held step 14 unreadable."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        req = ClearBadRequest(steps=(14,), who="op", time=time.time())
+        await rig.store.put(keys.clear_bad("r1"), req.model_dump_json().encode())
+        seen = await rig.store.get(keys.clear_bad("r1"))
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def lossy(*a: Any, **k: Any) -> int:
+            if committed:
+                await real(*a, **k)
+            raise TemporaryError("etcd restarted before it answered")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", lossy)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        held = DesiredState.model_validate_json(await rig.desired())
+        settled = rig.ex.settle_lost(held)
+        assert settled == ((seen.key,) if committed else ())
+        assert rig.ex.settle_lost(held) == ()  # settled once
+        if committed:
+            # the daemon keeps the gone key out of the passes while its mirror shows it
+            assert rig.ex.withdrawn == {seen.key: seen.mod_revision}
+        else:
+            await _pass(rig, seen)  # the request is still there: the next pass applies it
+        assert DesiredState.model_validate_json(await rig.desired()).bad_checkpoints == (7,)
+        assert await rig.store.get(seen.key) is None
+        records = _records(rig.audit, "clear_bad")
+        assert [(r["request_id"], r["cleared"]) for r in records] == [("r1", [14])]
+        assert records[0].get("answer_lost", False) is committed
+        assert len(_records(rig.audit, "request_applied")) == int(committed)

@@ -404,6 +404,30 @@ async def test_a_request_is_taken_by_the_leader_or_withdrawn_never_both(
         await store.close()
 
 
+async def test_a_witnessed_write_is_written_once_and_its_witness_outlives_the_key(
+    etcd_endpoint: str,
+) -> None:
+    """``put_witnessed``: the key and its witness in one transaction; tried again, refused
+    while the witness is there, even once the key went (a request a leader took): the
+    witness's mod revision is the first write's. Revoking the lease takes the witness."""
+    store = await connect_etcd(etcd_endpoint)
+    try:
+        lease = await store.lease(30)
+        rev = await store.put_witnessed("/w/req/1", b"ask", "/w/asked/1", lease)
+        assert rev is not None
+        kv = await store.get("/w/req/1")
+        assert kv is not None and kv.value == b"ask" and kv.mod_revision == rev
+        await store.delete("/w/req/1")  # taken
+        assert await store.put_witnessed("/w/req/1", b"ask", "/w/asked/1", lease) is None
+        assert await store.get("/w/req/1") is None  # not written again
+        witness = await store.get("/w/asked/1")
+        assert witness is not None and witness.mod_revision == rev
+        await lease.revoke()
+        assert await store.get("/w/asked/1") is None
+    finally:
+        await store.close()
+
+
 async def test_a_lease_cut_off_from_etcd_is_alive_but_not_fresh(servers: LocalServers) -> None:
     """etcd stops answering (paused: a partition): the lease stays alive (etcd keeps leases
     across its own restarts, so no answer is no proof of loss) but is no longer fresh once
