@@ -12,20 +12,21 @@ cause saying what to do, never started from step 0; a job with no commit starts 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from sailor.controller.checkpointing import prune_below
 from sailor.controller.decide import decide
-from sailor.controller.decision_types import Commit, Send
+from sailor.controller.decision_types import Commit, Observed, Send
 from sailor.controller.launch import UNLOADABLE_PREFIX
 from sailor.schemas.commands import Launch
-from sailor.schemas.runtime import AgentStatus, ClearBadRequest, CommitRecord, Phase
+from sailor.schemas.runtime import AgentStatus, ClearBadRequest, CommitRecord, DesiredState, Phase
 from tests.unit.test_controller_decide import CFG, _planned, _sets, nodes, obs, running, st
 
 MOVED = (CommitRecord(step=900, directory="/old"), CommitRecord(step=500, directory="/ck"))
 
 
-def _idle(ids: tuple[int, ...] = (1, 2), **kw: object) -> object:
-    return _planned(running(ids, phase=Phase.IDLE, placement={}, plan=None, **kw), ids)
+def _idle(ids: tuple[int, ...] = (1, 2)) -> DesiredState:
+    return _planned(running(ids, phase=Phase.IDLE, placement={}, plan=None), ids)
 
 
 def _launches(actions: list[object]) -> list[Launch]:
@@ -49,7 +50,7 @@ def test_a_commit_of_an_earlier_directory_is_loaded_from_its_own() -> None:
     idle = _idle()
     o = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
     o = obs(o.nodes, list(o.status.values()), commits=MOVED)
-    (launch,) = _sets(decide(idle, o, CFG))  # type: ignore[arg-type]
+    (launch,) = _sets(decide(idle, o, CFG))
     assert launch.phase is Phase.LAUNCH and launch.load_step == 900
     sent = _launches(decide(launch, o, CFG))
     assert [(c.checkpoint, c.load_step) for c in sent] == [("/old", 900)] * 2
@@ -79,7 +80,7 @@ def test_records_of_an_earlier_directory_go_with_the_current_ones_retention() ->
     assert isinstance(a[0], Commit) and a[0].drop == ()
 
 
-def _every_commit_unreadable(error: str) -> tuple[object, object]:
+def _every_commit_unreadable(error: str) -> tuple[DesiredState, Observed]:
     """Steps 10 and 20 are marked bad; every placed node fails to read 30, the last one:
     the abort marks it bad too. Returns (the teardown's state, the idle observation)."""
     commits = tuple(CommitRecord(step=s, directory="/ck") for s in (10, 20, 30))
@@ -97,15 +98,14 @@ def test_every_commit_marked_bad_holds_the_job_instead_of_starting_from_step_0()
     IDLE, held, the cause naming what to do; the hold is written once; clearing the marks
     (the mount is back) launches from the newest commit."""
     torn, idle = _every_commit_unreadable("NoCheckpointError")
-    (held,) = _sets(decide(torn, idle, CFG))  # type: ignore[arg-type]
+    (held,) = _sets(decide(torn, idle, CFG))
     assert held.phase is Phase.IDLE and held.load_step == -1
     assert held.cause.startswith(UNLOADABLE_PREFIX)
     assert "step 30, 20, 10, under /ck" in held.cause
     assert "sailor checkpoint clear-bad" in held.cause and "mount" in held.cause
     assert "not committed there on any node, NoCheckpointError" in held.cause  # the abort's
-    assert decide(held, idle, CFG) == []  # type: ignore[arg-type]
-    clear = obs(idle.nodes, list(idle.status.values()), commits=idle.commits)  # type: ignore[attr-defined]
-    clear = clear.__class__(**{**clear.__dict__, "clear_bad": {"r1": ClearBadRequest(all=True)}})
+    assert decide(held, idle, CFG) == []
+    clear = replace(idle, clear_bad={"r1": ClearBadRequest(all=True)})
     states = _sets(decide(held, clear, CFG))
     assert states[-1].phase is Phase.LAUNCH and states[-1].load_step == 30
     assert not states[-1].cause.startswith(UNLOADABLE_PREFIX)
@@ -115,13 +115,13 @@ def test_the_abort_tells_an_absent_step_from_corrupt_files() -> None:
     """Every placed node failing alike: NoCheckpointError (nothing committed there, on any
     node: the storage) or CorruptCheckpointError (its files) is said in the cause."""
     torn, _ = _every_commit_unreadable("CorruptCheckpointError")
-    assert "every placed node (its files missing, truncated or failing" in torn.cause  # type: ignore[attr-defined]
+    assert "every placed node (its files missing, truncated or failing" in torn.cause
     torn, _ = _every_commit_unreadable("NoCheckpointError")
-    assert "is the storage mounted?" in torn.cause  # type: ignore[attr-defined]
+    assert "is the storage mounted?" in torn.cause
 
 
 def test_a_job_without_any_commit_still_starts_fresh() -> None:
     idle = _idle()
     o = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
-    (launch,) = _sets(decide(idle, o, CFG))  # type: ignore[arg-type]
+    (launch,) = _sets(decide(idle, o, CFG))
     assert launch.phase is Phase.LAUNCH and launch.load_step == -1
