@@ -415,8 +415,15 @@ class Checkpointer:
                         below_step=min(prune_below, globals_.step),
                         committed_step=globals_.step,
                     )
-            except OSError as exc:
-                retention_error = f"deleting checkpoints older than step {globals_.step}: {exc}"
+            except (OSError, ValueError, CheckpointError) as exc:
+                # The step is committed whatever retention meets: a failed deletion
+                # (StorageError, OSError) or an older step it cannot judge (a manifest of a
+                # newer release fails validation: ValueError; a corrupt one) is reported,
+                # never a failed save.
+                retention_error = (
+                    f"deleting checkpoints older than step {globals_.step}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
         return SaveResult(
             step=globals_.step,
             save_id=save_id,

@@ -12,8 +12,10 @@ This module must never interpret checkpoint contents; it moves bytes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -236,12 +238,14 @@ class LocalStorage:
     def delete(self, prefix: str) -> None:
         p = self._p(prefix)
         if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+            _rmtree(p)
         else:
             try:
                 p.unlink()
             except FileNotFoundError:
                 return
+            except OSError as exc:
+                raise StorageError(f"cannot delete {p}: {exc}", retryable=True) from exc
         if self.fsync and p.parent.is_dir():
             # durable before what follows (a commit marker is deleted before its shards)
             _fsync_dir(p.parent)
@@ -382,15 +386,47 @@ def _write_fully(f: Any, c: Chunk) -> int:
     return done
 
 
+_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
+"""What opening or fsyncing a directory raises where the file system cannot do it (some
+FUSE and network file systems: EINVAL, ENOTSUP, EBADF): the rename's durability is the
+file system's there, as it always is. Anything else (EIO, ENOSPC, EROFS, ...) is the
+storage failing."""
+
+
 def _fsync_dir(d: Path) -> None:
-    # The rename is durable only once the directory entry is; skipped where unsupported.
+    """Make the entries of directory ``d`` durable (a rename, a new file or subdirectory,
+    a deletion): skipped where the file system does not support it
+    (``_FSYNC_UNSUPPORTED``), a ``StorageError`` for any other failure: swallowing an EIO
+    would report a step committed whose marker may live only in the page cache."""
     try:
         fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
+    except OSError as exc:
+        if exc.errno in _FSYNC_UNSUPPORTED:
+            return
+        raise StorageError(f"cannot open directory {d} to fsync it: {exc}", retryable=True) from exc
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno not in _FSYNC_UNSUPPORTED:
+            raise StorageError(f"cannot fsync directory {d}: {exc}", retryable=True) from exc
     finally:
         os.close(fd)
+
+
+def _rmtree(p: Path) -> None:
+    """Delete the directory ``p`` and everything in it; a ``StorageError`` naming the paths
+    that could not be deleted (the first few), after deleting what could be. An entry gone
+    meanwhile (another deleter) is no failure."""
+    failed: list[str] = []
+
+    def failure(path: str, exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            failed.append(f"{path}: {exc}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(p, onexc=lambda _f, path, exc: failure(path, exc))
+    else:
+        shutil.rmtree(p, onerror=lambda _f, path, info: failure(path, info[1]))
+    if failed:
+        more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
+        raise StorageError(f"cannot delete {p}: {'; '.join(failed[:3])}{more}", retryable=True)

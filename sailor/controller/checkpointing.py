@@ -147,7 +147,10 @@ def committing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         time=o.now,
     )
     below = _prune_below(d, o, cfg)
-    drop = tuple(sorted(s for s in _recorded(o.commits, cfg.checkpoint_dir) if s < below))
+    # Records under an earlier ``checkpoint_dir`` go with those of this one: once ``keep``
+    # good commits here are newer, no launch falls back to them. Their files stay where
+    # they are (a committer deletes only under its own directory).
+    drop = tuple(sorted(c.step for c in o.commits if c.step < below))
     # A step saved again (the job fell back below a bad-marked commit and trained past it)
     # is new files under a new manifest: the mark was the old files', and kept it would
     # make every later abort skip this commit and fall back below it.

@@ -47,7 +47,7 @@ from sailor.controller.decision_types import (
 )
 from sailor.controller.forgetting import trained_past, trained_past_agreed
 from sailor.controller.job_precision import HELD_PREFIX, job_precision, precision_conflict
-from sailor.controller.launch import launch_next, launching
+from sailor.controller.launch import UNLOADABLE_PREFIX, launch_next, launching, unloadable
 from sailor.controller.teardown import teardown
 from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import DesiredState, Phase
@@ -200,9 +200,11 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     held = precision_conflict(d, cfg.training)
     if held is None and not o.usable:
         held = _none_admitted(d, o, cfg)
+    if held is None:
+        held = unloadable(d, o)
     if held is not None:  # the reason as the job's cause (``sailor status``), written once
         return [] if d.cause == held else [SetDesired(d.model_copy(update={"cause": held}), held)]
-    if d.cause.startswith((_NONE_ADMITTED, HELD_PREFIX)):  # that hold is over: said once
+    if d.cause.startswith((_NONE_ADMITTED, HELD_PREFIX, UNLOADABLE_PREFIX)):  # over: said once
         d = d.model_copy(update={"cause": ""})
         return [SetDesired(d, "no longer held"), *_idle(d, o, cfg)]
     if not o.usable:

@@ -181,7 +181,9 @@ class Observed:
         )
 
     def resumable(self, bad: tuple[int, ...] = ()) -> CommitRecord | None:
-        """The newest recorded commit a launch may load: not one a launch failed to read."""
+        """The newest recorded commit a launch may load: not one a launch failed to read.
+        Under whichever directory it was saved: the launch loads it from there
+        (``launch.load_directory``)."""
         good = [c for c in self.commits if c.step not in bad]
         return max(good, key=lambda c: c.step) if good else None
 
@@ -220,7 +222,8 @@ class Replan:
 @dataclass(frozen=True)
 class Commit:
     """Record a checkpoint whose shards every node reported durable; then forget the records
-    of ``drop`` (steps whose files its committer deleted: ``prune_below``)."""
+    of ``drop`` (steps below ``prune_below``: under ``checkpoint_dir`` its committer deleted
+    their files; under an earlier directory their files stay)."""
 
     record: CommitRecord
     drop: tuple[int, ...] = ()

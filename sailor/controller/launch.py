@@ -45,13 +45,22 @@ from sailor.controller.job_precision import job_precision, plan_precision, preci
 from sailor.controller.phases import stretch_key
 from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
-from sailor.schemas.runtime import DesiredState, Phase, SigabrtReports, StretchedPhase
+from sailor.schemas.runtime import (
+    CAUSE_MAX,
+    DesiredState,
+    Phase,
+    SigabrtReports,
+    StretchedPhase,
+)
 
 __all__ = [
     "REFUSED_RESEND",
+    "UNLOADABLE_PREFIX",
     "in_place_next",
     "launch_next",
     "launching",
+    "load_directory",
+    "unloadable",
 ]
 
 REFUSED_RESEND = 8
@@ -62,6 +71,50 @@ a ``command`` and an ``ack`` record a time. Not never, though: the agent writes 
 only when it changes, so a status lost on the way (etcd restored from a snapshot that held
 ``killing > 0``, a stale read) kept the Launch unsent until the kill's bound, and a
 healthy node was charged then; now it costs at most this many ``resend_s``."""
+
+
+UNLOADABLE_PREFIX = "held: no recorded checkpoint is readable"
+"""How an idle job's cause begins while every recorded commit is marked bad
+(:func:`unloadable`)."""
+
+
+def unloadable(d: DesiredState, o: Observed) -> str | None:
+    """Why no launch may go on, when the job has recorded commits and every one is marked
+    bad (``DesiredState.bad_checkpoints``); None when one is readable, or none is recorded
+    (a new job starts fresh).
+
+    Launching with nothing to load would start from random weights over every step the
+    job trained: what a checkpoint mount that did not come back after a reboot does (each
+    node reads an empty directory, ``NoCheckpointError``; every placed node failing marks
+    the step bad, and the next launch falls back to the next commit, down to none). The
+    job is held in IDLE instead, with this as its cause, until an operator repaired the
+    storage and cleared the marks (``sailor checkpoint clear-bad``)."""
+    if not o.commits or o.resumable(d.bad_checkpoints) is not None:
+        return None
+    steps = ", ".join(str(c.step) for c in sorted(o.commits, key=lambda c: -c.step))
+    dirs = ", ".join(sorted({c.directory for c in o.commits}))
+    why = (
+        f"{UNLOADABLE_PREFIX}: every recorded commit (step {steps}, under {dirs}) is marked "
+        "bad, and a launch from none would start from step 0. Check the checkpoint storage "
+        "on the nodes (a mount that did not come back?), then clear the marks: sailor "
+        "checkpoint clear-bad"
+    )
+    if d.cause.startswith(why):  # held already: the cause it was held with, the last kept
+        return d.cause
+    return (f"{why}; last: {d.cause}" if d.cause else why)[:CAUSE_MAX]
+
+
+def load_directory(d: DesiredState, o: Observed, cfg: DecideConfig) -> str:
+    """The checkpoint root a launch of ``d`` loads from: that of the commit recorded for its
+    load step (the controller's ``checkpoint_dir`` may have changed since it was saved:
+    the files stay where they were written), else ``checkpoint_dir``; '' for a fresh
+    start. Commits are recorded by step (``ckpt/<step>``), one record per step."""
+    if d.load_step < 0:
+        return ""
+    for c in o.commits:
+        if c.step == d.load_step:
+            return c.directory
+    return cfg.checkpoint_dir
 
 
 def in_place_next(d: DesiredState, cfg: DecideConfig) -> bool:
@@ -113,6 +166,10 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     plan = d.next_plan
     if plan is None:
         return []
+    if load_step < 0:
+        unread = unloadable(d, o)
+        if unread is not None:
+            return _held(d, o, cfg, unread)
     if any(n not in o.status for n in d.next_placement):
         # A registered node without a status record: its agent has just started, or its
         # lease has just expired and the node key's deletion is still on its way (the two
@@ -171,9 +228,10 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
 
 
 def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Action]:
-    """No launch while the config contradicts the job's precision (``precision_conflict``):
-    IDLE, the reason as the desired state's cause (``sailor status``, the audit's phase
-    record), written once; the next pass after the config changes launches."""
+    """No launch while the config contradicts the job's precision (``precision_conflict``)
+    or no recorded commit is readable (:func:`unloadable`): IDLE, the reason as the desired
+    state's cause (``sailor status``, the audit's phase record), written once; the next pass
+    after the config changes (or the marks are cleared) launches."""
     if d.phase is Phase.IDLE:
         if d.cause == why:
             return []
@@ -474,6 +532,7 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
     digest, world = _plan_facts(d.plan)
     training = training_digest(d.training) if d.training is not None else ""
+    checkpoint = load_directory(d, o, cfg)
     for n in sorted(d.placement):
         cid = command_id_for(d, "launch", n)
         if cid in o.acked:
@@ -495,7 +554,7 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             ranks=d.placement[n],
             world_size=world,
             master=d.master,
-            checkpoint=cfg.checkpoint_dir if d.load_step >= 0 else "",
+            checkpoint=checkpoint,
             load_step=d.load_step,
             generation=d.generation,
             training_sha256=training,

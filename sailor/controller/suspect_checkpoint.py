@@ -85,6 +85,20 @@ def _names(nodes: Collection[str]) -> str:
     return ", ".join(sorted(nodes))
 
 
+def _how(reads: Mapping[str, str]) -> str:
+    """What the reader's errors of ``reads`` (node -> summary) say, for a cause: a step
+    not committed on any node (``NoCheckpointError``: its directory or its marker absent
+    everywhere, which is more often the storage itself than the files, e.g. a checkpoint
+    mount that did not come back and left an empty directory) told apart from its files
+    failing their sizes or checksums (``CorruptCheckpointError``); '' when mixed."""
+    kinds = {error_type(t) for t in reads.values()}
+    if kinds == {"NoCheckpointError"}:
+        return " (not committed there on any node, NoCheckpointError: is the storage mounted?)"
+    if kinds == {"CorruptCheckpointError"}:
+        return " (its files missing, truncated or failing their checksums)"
+    return ""
+
+
 def _charge(
     health: dict[str, NodeHealth],
     reads: Mapping[str, str],
@@ -176,7 +190,7 @@ def at_abort(
             )
         return Verdict(bad, SuspectCheckpoint(), out, cause, notes)
     if placed <= set(reads):
-        cause = f"checkpoint {step} unreadable from every placed node, falling back"
+        cause = f"checkpoint {step} unreadable from every placed node{_how(reads)}, falling back"
         return Verdict(bad, SuspectCheckpoint(), out, cause)
     owed = {n: t for n, t in reads.items() if not forgiven(d, n)}
     if not owed:  # an operator readmitted these nodes' failures of this generation
@@ -217,7 +231,7 @@ def late(
         notes = _take_back_all(out, sus, now)
         cause = (
             f"checkpoint {sus.step} unreadable from every placed node after all "
-            f"({_names(reads)} reported late), falling back"
+            f"({_names(reads)} reported late){_how(unreadable_on(failures))}, falling back"
         )
         return Verdict((*d.bad_checkpoints, sus.step), SuspectCheckpoint(), out, cause, notes)
     owed = {n: t for n, t in reads.items() if not forgiven(d, n)}

@@ -24,6 +24,8 @@ from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.checkpoint import LocalStorage, committed_steps
 from sailor.checkpoint.format import step_dir
 from sailor.controller.audit import read_records
+from sailor.controller.launch import UNLOADABLE_PREFIX
+from sailor.controller.status import request_clear_bad
 from sailor.localservers import LocalServers
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
@@ -126,10 +128,12 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
 
 async def test_an_unreadable_checkpoint_is_passed_over(real: RealCluster) -> None:
     """n1 trains, n2 joins: the new layout resumes from the commit of the join. Then a
-    shard of that checkpoint goes missing (bit rot, a bad disk) and a worker dies: the
-    relaunch cannot read the checkpoint. The controller marks the step unreadable and
-    relaunches from the newest other recorded commit (none here: from the start), instead of
-    loading the same step and failing forever; the audit accepts that fallback."""
+    shard of that checkpoint goes missing (a bad disk, a mount gone) and a worker dies: the
+    relaunch cannot read the checkpoint. The controller marks the step unreadable instead of
+    loading the same step and failing forever; with no other recorded commit it holds the
+    job in IDLE, saying what to do, rather than starting it from step 0 (before, it did).
+    The file put back and the mark cleared (``sailor checkpoint clear-bad``), the job
+    resumes from that step; the audit accepts both."""
     real.start_controller("c1")
     real.start_agent("n1", gpu="cpu")
     ctl = await real.wait_phase(Phase.RUNNING, 60)
@@ -141,17 +145,27 @@ async def test_an_unreadable_checkpoint_is_passed_over(real: RealCluster) -> Non
     await real.wait_step(ctl, ["n1", "n2"], d.load_step + 1, 30)
     shards = sorted((real.tmp / "ckpt" / step_dir(d.load_step)).glob("layer-*"))
     assert shards
-    shards[0].unlink()
+    aside = shards[0].with_name("aside")
+    shards[0].rename(aside)
     real.agents["n2"][0].supervisor.workers[0].proc.kill()
-    c = await real.wait_phase(Phase.RUNNING, 120, after_gen=d.generation + 1)
+    c = await real.wait_phase(Phase.IDLE, 120, after_gen=d.generation)
     assert c.desired is not None
     assert c.desired.bad_checkpoints == (d.load_step,), c.desired.cause
-    assert c.desired.phase is Phase.RUNNING and c.desired.load_step == -1, c.desired
-    await real.wait_step(c, sorted(c.desired.placement), 2, 30)
+    assert c.desired.cause.startswith(UNLOADABLE_PREFIX), c.desired.cause
+    assert "sailor checkpoint clear-bad" in c.desired.cause
+    held = c.desired.generation
     recs = read_records(sorted(real.tmp.glob("audit-*.jsonl")))
     fell_back = f"checkpoint {d.load_step} unreadable from "
     assert any(
         fell_back in str(r.get("cause", "")) and "falling back" in str(r.get("cause", ""))
         for r in recs
     )
+    aside.rename(shards[0])
+    answer = await request_clear_bad(
+        real.etcd, real.job, [d.load_step], False, "ops@test", real.security("c1"), 20
+    )
+    assert answer.done == (str(d.load_step),), answer
+    c = await real.wait_phase(Phase.RUNNING, 120, after_gen=held)
+    assert c.desired is not None and c.desired.load_step == d.load_step, c.desired
+    await real.wait_step(c, sorted(c.desired.placement), d.load_step + 1, 30)
     await real.audit()

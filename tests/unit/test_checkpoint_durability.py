@@ -1,0 +1,226 @@
+"""What makes a save durable, and what a save reports when the storage fails.
+
+The crash test (``test_checkpoint_crash.py``) kills the writer with SIGKILL, which the page
+cache survives: it would pass with every fsync removed. Here the calls that make a save
+durable are recorded on a real directory (``os.fsync``, ``os.replace``: each passed through to
+the real one) and their order checked: each file fsync'd before it is renamed, its directory
+fsync'd after, and every shard durable before the rank's part, the part before the
+manifest, the manifest before the commit marker. Then the failures the storage used to
+swallow: a directory fsync's EIO, a step directory that could not be deleted, a manifest of a
+newer release met by retention.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.checkpoint import LocalStorage, StorageError, TrainingGlobals, committed_steps, verify
+from sailor.checkpoint.checkpointer import Checkpointer
+from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, step_dir
+from sailor.checkpoint.writer import save_full
+from tests.unit.test_checkpoint_blocks import one_layer_plan
+from tests.unit.test_checkpoint_local import _state
+
+Event = tuple[str, str, str]
+"""("fsync", path of the fd, "") or ("replace", source, destination)."""
+
+
+def _record(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
+    """Record every ``os.fsync`` (by the path its fd is open on) and ``os.replace`` /
+    ``os.rename`` (``Path.replace`` calls ``os.replace``), each passed through to the real
+    call. Appends from the writer threads are atomic under the GIL."""
+    events: list[Event] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", str(Path(f"/proc/self/fd/{fd}").readlink()), ""))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst, *a, **kw)
+
+    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
+    return events
+
+
+def _durable_at(events: list[Event], final: str) -> tuple[int, int]:
+    """(index of the rename onto ``final``, index of the first fsync of its directory after
+    it), having checked that its temp file was fsync'd before the rename."""
+    renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == final]
+    assert len(renames) == 1, f"{final}: renamed {len(renames)} times"
+    r = renames[0]
+    tmp = events[r][1]
+    assert ("fsync", tmp, "") in events[:r], f"{final}: its temp file not fsync'd before rename"
+    parent = str(Path(final).parent)
+    synced = [i for i, e in enumerate(events) if i > r and e == ("fsync", parent, "")]
+    assert synced, f"{final}: its directory never fsync'd after the rename"
+    return r, synced[0]
+
+
+def check_durable_order(events: list[Event], step_path: Path, new_dir: bool = True) -> None:
+    """Shards, then the part, then the manifest, then the marker: each renamed only once all
+    before it are durable (renamed and their directory fsync'd); the marker durable too; and
+    (``new_dir``: the save made the step directory) the step directory's own entry fsync'd
+    into the root before the marker is renamed."""
+    finals = sorted({e[2] for e in events if e[0] == "replace"})
+    shards = [f for f in finals if Path(f).name.startswith("layer-")]
+    parts = [f for f in finals if Path(f).parent.name == PARTS]
+    assert shards and len(parts) == 1, finals
+    shard_done = max(_durable_at(events, f)[1] for f in shards)
+    part_r, part_done = _durable_at(events, parts[0])
+    man_r, man_done = _durable_at(events, str(step_path / MANIFEST))
+    mark_r, _ = _durable_at(events, str(step_path / MARKER))
+    assert shard_done < part_r, "the part was renamed before every shard was durable"
+    assert part_done < man_r, "the manifest was renamed before the part was durable"
+    assert man_done < mark_r, "the marker was renamed before the manifest was durable"
+    if new_dir:
+        root_synced = [i for i, e in enumerate(events) if e == ("fsync", str(step_path.parent), "")]
+        assert root_synced and root_synced[0] < mark_r, "the step directory's entry never durable"
+
+
+def _save_recorded(
+    root: Path, monkeypatch: pytest.MonkeyPatch, dirs_made: bool = False
+) -> list[Event]:
+    """The calls of a one-process save of step 7 to ``root``; ``dirs_made``: its step and
+    parts directories made beforehand (by another writer rank of a multi-rank save), so the
+    fsyncs of their new entries do not also cover the shards' renames."""
+    storage = LocalStorage(root)
+    if dirs_made:
+        (root / step_dir(7) / PARTS).mkdir(parents=True)
+    with monkeypatch.context() as m:
+        events = _record(m)
+        save_full(storage, _state(layers=3), TrainingGlobals(7, 28, {}), model="toy", num_layers=3)
+    return events
+
+
+@pytest.mark.parametrize("dirs_made", [False, True])
+def test_save_makes_each_object_durable_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dirs_made: bool
+) -> None:
+    """A save on a real directory: every shard fsync'd, renamed and its directory fsync'd
+    before the part; the part before the manifest; the manifest before the marker; a step
+    directory the save made durable in the root before the marker."""
+    root = tmp_path.resolve()
+    events = _save_recorded(root, monkeypatch, dirs_made)
+    check_durable_order(events, root / step_dir(7), new_dir=not dirs_made)
+    assert verify(LocalStorage(root), 7) == []
+
+
+def test_the_order_check_misses_no_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a save whose directories another writer rank made, the check holds, and fails
+    when any one of the save's fsyncs is taken out of the record (what removing it from the
+    code leaves): none can go unnoticed. (In a save that makes them, a new directory's
+    entry fsync'd may also cover renames before it: the parts directory's, made after the
+    shards, covers theirs.)"""
+    root = tmp_path.resolve()
+    events = _save_recorded(root, monkeypatch, dirs_made=True)
+    step = root / step_dir(7)
+    check_durable_order(events, step, new_dir=False)
+    fsyncs = [i for i, e in enumerate(events) if e[0] == "fsync"]
+    assert len(fsyncs) == 10  # 3 shards, their directory, the part, its directory, ...
+    for i in fsyncs:
+        without = events[:i] + events[i + 1 :]
+        with pytest.raises(AssertionError):
+            check_durable_order(without, step, new_dir=False)
+
+
+def _fsync_failing(code: int) -> Callable[[int], None]:
+    """``os.fsync`` that fails with ``code`` on a directory (a disk error, or a file system
+    that cannot fsync one) and is the real call on a file."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    return fsync
+
+
+def test_a_directory_fsync_error_fails_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO (or ENOSPC) from a directory's fsync is the storage failing: the write raises
+    ``StorageError`` naming the directory. EINVAL (a file system that does not fsync
+    directories) is skipped, as before."""
+    s = LocalStorage(tmp_path)
+    s.write("a/x", [b"1"])
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EIO))
+    with pytest.raises(StorageError, match=r"cannot fsync directory .*/a: .*Input/output error"):
+        s.write("a/y", [b"2"])
+    with pytest.raises(StorageError, match="cannot fsync directory"):
+        s.write_all([("a/z", [b"3"])])
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EINVAL))
+    s.write("a/w", [b"4"])
+    assert s.read("a/w") == b"4"
+
+
+def test_a_failed_step_deletion_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step directory the committer's prune cannot delete (here: its layer file refuses
+    to go, EPERM) is reported in ``SaveResult.retention_error``; the save stays committed.
+    ``rmtree(ignore_errors=True)`` reported nothing."""
+    s = LocalStorage(tmp_path)
+    state = _state(layers=1)
+    ck = Checkpointer(s, one_layer_plan(), 0, keep=None)
+    for step in (1, 2):
+        ck.save(state, TrainingGlobals(step, step, {}))
+        ck.wait()
+    real_unlink = os.unlink
+
+    def unlink(path: Any, *a: Any, **kw: Any) -> None:
+        if os.fspath(path).startswith("layer-") or "/layer-" in os.fspath(path):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fspath(path))
+        real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    ck.save(state, TrainingGlobals(3, 3, {}), prune_below=2)
+    res = ck.wait()
+    monkeypatch.undo()
+    ck.close()
+    assert res is not None and res.manifest is not None
+    assert "cannot delete" in res.retention_error and step_dir(1) in res.retention_error
+    assert committed_steps(s) == [2, 3]  # step 1 lost its marker first: uncommitted debris
+
+
+def test_retention_meeting_a_newer_manifest_is_a_retention_error(tmp_path: Path) -> None:
+    """An older step whose manifest this release cannot validate (a newer release wrote a
+    tensor kind it does not know) makes the committer's retention fail, not the save: the
+    new step is committed and the error is ``retention_error``."""
+    s = LocalStorage(tmp_path)
+    state = _state(layers=1)
+    ck = Checkpointer(s, one_layer_plan(), 0, keep=1)
+    ck.save(state, TrainingGlobals(1, 1, {}))
+    ck.wait()
+    d = tmp_path / step_dir(1)
+    manifest = json.loads((d / MANIFEST).read_text())
+    manifest["schema_version"] += 1
+    manifest["shards"][0]["tensors"][0]["kind"] = "master_bf16"
+    raw = json.dumps(manifest).encode()
+    (d / MANIFEST).write_bytes(raw)
+    marker = json.loads((d / MARKER).read_text())
+    marker.update(manifest_sha256=hashlib.sha256(raw).hexdigest(), manifest_size=len(raw))
+    (d / MARKER).write_text(json.dumps(marker))
+    ck.save(state, TrainingGlobals(2, 2, {}))
+    res = ck.wait()
+    ck.close()
+    assert res is not None and res.manifest is not None and res.manifest.step == 2
+    assert "ValidationError" in res.retention_error and "kind" in res.retention_error
+    assert 2 in committed_steps(s) and verify(s, 2) == []

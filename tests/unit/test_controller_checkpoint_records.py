@@ -1,0 +1,127 @@
+"""Which recorded commit a launch loads, from where, and when none may be loaded.
+
+A commit is recorded with the directory it was saved under (``CommitRecord.directory``):
+after ``checkpoint_dir`` moved, a launch loads it from there, not from the new directory
+(before, every node failed to read ``/ck/step 900``, the step was marked bad and the job
+walked down the old records to a fresh start). Records of the earlier directory go once
+``keep`` good commits of the new one are newer. When the job has commits but every one is
+marked bad (a checkpoint mount that did not come back), the job is held in IDLE with a
+cause saying what to do, never started from step 0; a job with no commit starts fresh.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from sailor.controller.checkpointing import prune_below
+from sailor.controller.decide import decide
+from sailor.controller.decision_types import Commit, Observed, Send
+from sailor.controller.launch import UNLOADABLE_PREFIX
+from sailor.schemas.commands import Launch
+from sailor.schemas.runtime import AgentStatus, ClearBadRequest, CommitRecord, DesiredState, Phase
+from tests.unit.test_controller_decide import CFG, _planned, _sets, nodes, obs, running, st
+
+MOVED = (CommitRecord(step=900, directory="/old"), CommitRecord(step=500, directory="/ck"))
+
+
+def _idle(ids: tuple[int, ...] = (1, 2)) -> DesiredState:
+    return _planned(running(ids, phase=Phase.IDLE, placement={}, plan=None), ids)
+
+
+def _launches(actions: list[object]) -> list[Launch]:
+    return [a.command for a in actions if isinstance(a, Send) and isinstance(a.command, Launch)]
+
+
+def _reader_error(i: int, error: str, gen: int = 1) -> AgentStatus:
+    """A worker's record of the checkpoint reader's error of step 30."""
+    message = {
+        "NoCheckpointError": "step 30 is not committed (step-000000030/COMMITTED absent)",
+        "CorruptCheckpointError": "/ck/step-000000030/layer-00001.bin: checksum mismatch",
+    }[error]
+    record = {"rank": i - 1, "origin": "local", "retry": False}
+    record |= {"error_type": error, "message": message}
+    return st(i, gen=gen, state="failed").model_copy(update={"failure": json.dumps(record)})
+
+
+def test_a_commit_of_an_earlier_directory_is_loaded_from_its_own() -> None:
+    """Records /old@900 and /ck@500 (checkpoint_dir now /ck): the launch loads 900 from
+    /old, where it was saved; a commit of the current directory from it."""
+    idle = _idle()
+    o = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
+    o = obs(o.nodes, list(o.status.values()), commits=MOVED)
+    (launch,) = _sets(decide(idle, o, CFG))
+    assert launch.phase is Phase.LAUNCH and launch.load_step == 900
+    sent = _launches(decide(launch, o, CFG))
+    assert [(c.checkpoint, c.load_step) for c in sent] == [("/old", 900)] * 2
+    fell = launch.model_copy(update={"load_step": 500})
+    assert {c.checkpoint for c in _launches(decide(fell, o, CFG))} == {"/ck"}
+    fresh = launch.model_copy(update={"load_step": -1})
+    assert {c.checkpoint for c in _launches(decide(fresh, o, CFG))} == {""}
+
+
+def test_records_of_an_earlier_directory_go_with_the_current_ones_retention() -> None:
+    """keep 1: the save of 1200 keeps /ck@1100 and drops every record below it, /old@900
+    included (its files stay: a committer deletes under its own directory only); the
+    retention of /ck is counted on /ck's records alone."""
+    commits = (*MOVED, CommitRecord(step=1100, directory="/ck"))
+    assert prune_below(commits, "/ck", 1) == 1100
+    assert prune_below(commits, "/old", 1) == 900
+    d = running((1,), phase=Phase.COMMIT, stop_step=1200)
+    a = decide(
+        d, obs(nodes(1), [st(1, step=1200, saved=1200, state="stopped")], commits=commits), CFG
+    )
+    assert isinstance(a[0], Commit) and a[0].record.directory == "/ck"
+    assert a[0].drop == (500, 900)
+    # fewer than keep good commits under /ck: nothing of /old goes
+    a = decide(
+        d, obs(nodes(1), [st(1, step=1200, saved=1200, state="stopped")], commits=MOVED[:1]), CFG
+    )
+    assert isinstance(a[0], Commit) and a[0].drop == ()
+
+
+def _every_commit_unreadable(error: str) -> tuple[DesiredState, Observed]:
+    """Steps 10 and 20 are marked bad; every placed node fails to read 30, the last one:
+    the abort marks it bad too. Returns (the teardown's state, the idle observation)."""
+    commits = tuple(CommitRecord(step=s, directory="/ck") for s in (10, 20, 30))
+    d = running((1, 2), phase=Phase.LOAD, load_step=30, bad_checkpoints=(10, 20))
+    d = d.model_copy(update={"phase_deadline": 1e12})
+    o = obs(nodes(1, 2), [_reader_error(i, error) for i in (1, 2)], commits=commits)
+    (torn,) = _sets(decide(d, o, CFG))
+    assert torn.phase is Phase.TEARDOWN and torn.bad_checkpoints == (10, 20, 30)
+    idle = obs(o.nodes, [st(i, state="idle") for i in (1, 2)], commits=commits)
+    return _planned(torn, (1, 2)), idle
+
+
+def test_every_commit_marked_bad_holds_the_job_instead_of_starting_from_step_0() -> None:
+    """Before, the teardown launched with load_step -1: a fresh start over 30 steps. Now
+    IDLE, held, the cause naming what to do; the hold is written once; clearing the marks
+    (the mount is back) launches from the newest commit."""
+    torn, idle = _every_commit_unreadable("NoCheckpointError")
+    (held,) = _sets(decide(torn, idle, CFG))
+    assert held.phase is Phase.IDLE and held.load_step == -1
+    assert held.cause.startswith(UNLOADABLE_PREFIX)
+    assert "step 30, 20, 10, under /ck" in held.cause
+    assert "sailor checkpoint clear-bad" in held.cause and "mount" in held.cause
+    assert "not committed there on any node, NoCheckpointError" in held.cause  # the abort's
+    assert decide(held, idle, CFG) == []
+    clear = replace(idle, clear_bad={"r1": ClearBadRequest(all=True)})
+    states = _sets(decide(held, clear, CFG))
+    assert states[-1].phase is Phase.LAUNCH and states[-1].load_step == 30
+    assert not states[-1].cause.startswith(UNLOADABLE_PREFIX)
+
+
+def test_the_abort_tells_an_absent_step_from_corrupt_files() -> None:
+    """Every placed node failing alike: NoCheckpointError (nothing committed there, on any
+    node: the storage) or CorruptCheckpointError (its files) is said in the cause."""
+    torn, _ = _every_commit_unreadable("CorruptCheckpointError")
+    assert "every placed node (its files missing, truncated or failing" in torn.cause
+    torn, _ = _every_commit_unreadable("NoCheckpointError")
+    assert "is the storage mounted?" in torn.cause
+
+
+def test_a_job_without_any_commit_still_starts_fresh() -> None:
+    idle = _idle()
+    o = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
+    (launch,) = _sets(decide(idle, o, CFG))
+    assert launch.phase is Phase.LAUNCH and launch.load_step == -1
