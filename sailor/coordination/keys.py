@@ -10,6 +10,8 @@ etcd (all under ``/sailor/<job>/``)::
     ckpt/<step>       CommitRecord: a checkpoint committed by every shard (guarded)
     calibration/current         CalibrationPointer: the current fitted calibration (guarded)
     calibration/versions/<n>    CalibrationRecord: fitted calibration version n (guarded)
+    event-stream      EventStreamState: the event stream could not be placed (guarded, bound
+                      to the leader's lease)
 
 NATS::
 
@@ -125,6 +127,11 @@ class Keys(Frozen):
     def calibration_version(self, version: int) -> str:
         # zero-padded so that a prefix listing comes back in version order
         return f"{self.calibrations}{version:08d}"
+
+    @property
+    def event_stream(self) -> str:
+        """The leader's ``EventStreamState`` (written only after a failed placement)."""
+        return self.root + "event-stream"
 
     @property
     def stream(self) -> str:
