@@ -399,14 +399,19 @@ def start_local_servers(
     spawn: Spawn | None = None,
     nats_servers: int = 1,
     etcd_members: int = 1,
+    nats_down: int = 0,
 ) -> LocalServers:
     """Start nats-server (JetStream) and etcd with fresh data under ``root``; wait for both.
 
     ``nats_servers`` / ``etcd_members`` > 1: a NATS cluster (clustered JetStream) and an
     etcd cluster of that many members on loopback, as production runs them (3 each).
+    ``nats_down``: the last members of the NATS cluster are left unstarted (down since the
+    cluster began: JetStream never knew them); their ``start()`` brings them in.
     """
     if nats_servers < 1 or etcd_members < 1:
         raise ValueError(f"nats_servers={nats_servers}, etcd_members={etcd_members}: need >= 1")
+    if not 0 <= nats_down < nats_servers:
+        raise ValueError(f"nats_down={nats_down}: from 0 to nats_servers - 1 ({nats_servers})")
     ids = identities or Identities()
     server_binaries()
     root.mkdir(parents=True, exist_ok=True)
@@ -426,10 +431,11 @@ def start_local_servers(
             nats_members=nats,
             etcd_members=etcd,
         )
+        up = (*nats[: len(nats) - nats_down], *etcd)
         try:
-            for m in (*nats, *etcd):  # all members up before any is waited for
+            for m in up:  # all members up before any is waited for
                 m.start(wait=False)
-            for m in (*nats, *etcd):
+            for m in up:
                 m.wait()
             if pki is not None:
                 _apply_rbac(servers.etcd_endpoints, pki, ids)

@@ -136,6 +136,16 @@ def status(
             else ""
         )
     )
+    stream = snap.get("event_stream")
+    if stream and not stream["placed"]:  # the leader takes no event from NATS meanwhile
+        since = datetime.fromtimestamp(stream["since"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        late = " [bold red]OVERDUE[/]" if stream["overdue"] else ""
+        con.print(
+            f"[bold]event stream not placed[/]{late} since {since} ({stream['for_s']:.0f} s), "
+            f"{stream['replicas']} replicas: "
+            f"{escape(stream['reason'])} (events are not received; joins, leaves and notices "
+            "arrive through etcd only)"
+        )
     held = snap.get("job_excluded")
     if held:  # most placed nodes failed alike: no layout is launched until then
         until = datetime.fromtimestamp(held["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -428,6 +428,9 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
         "calibration_restored",
         "replan_decision",
         "not_admitted",
+        "event_stream_unplaced",
+        "event_stream_overdue",
+        "event_stream_placed",
     }
     lines: list[str] = []
     for r in records:

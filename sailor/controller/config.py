@@ -113,7 +113,18 @@ class ControllerConfig(ServerEndpoints):
         le=5,
         description="Copies of the JetStream event stream (and its consumer) on a NATS "
         "cluster: 3 on a 3-server cluster, so that losing a server loses no event; 1 on a "
-        "single server (more than the cluster's servers cannot be placed).",
+        "single server. More than the cluster has servers stops the controller at its "
+        "first placement; fewer servers up than replicas is waited for (event_stream_"
+        "deadline_s).",
+    )
+    event_stream_deadline_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="How long the event stream may stay unplaced (too few NATS servers up "
+        "for its replicas) before the leader reports it overdue: an error in the journal "
+        "and the audit log, 'overdue' in `sailor status` and the systemd status. It goes "
+        "on leading and retrying (docs/runtime.md, 'Event stream placement').",
     )
     audit_log: Path = Field(default=Path("sailor-audit.jsonl"), description="Audit log path.")
     audit_max_bytes: int = Field(default=64 << 20, gt=0, description="Rotate beyond this size.")

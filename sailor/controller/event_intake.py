@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.config import ControllerConfig
+from sailor.controller.event_stream import Report, StreamWatch, placed, shown, unplaced
 from sailor.controller.observed import ObservedCache
 from sailor.coordination import (
     Clock,
@@ -34,11 +36,14 @@ from sailor.coordination import (
     Keys,
     Leadership,
     NatsEventBus,
+    ReplicasExceedClusterError,
+    StreamNotPlacedError,
     TemporaryError,
     safe_token,
 )
+from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
-from sailor.schemas.runtime import AgentStatus, DesiredState, NoticeRecord
+from sailor.schemas.runtime import AgentStatus, DesiredState, EventStreamState, NoticeRecord
 
 __all__ = ["EVENT_RETRY_S", "EventIntake", "urgent_wake"]
 
@@ -46,6 +51,12 @@ _log = structlog.get_logger("sailor.controller")
 
 EVENT_RETRY_S = 10.0
 """How long an event is retried in place (etcd unavailable) before it is given back, s."""
+
+_UNPLACED_PAUSE_S = 0.3
+_UNPLACED_MAX_PAUSE_S = 2.0
+"""Retries of an unplaced stream back off from 0.3 s to 2 s apart: each is a JetStream API
+request through the meta leader, and a server's return is seen within 2 s (the stream was
+placed 0.4-1.4 s after the missing member of a loopback cluster started)."""
 
 
 def urgent_wake(kind: str, node_id: str, desired: DesiredState | None) -> bool:
@@ -66,6 +77,15 @@ def urgent_wake(kind: str, node_id: str, desired: DesiredState | None) -> bool:
     return node_id in desired.placement or node_id in desired.next_placement
 
 
+@dataclass
+class _Placement:
+    """One term's event stream placement, as the consumer tracks it."""
+
+    watch: StreamWatch = field(default_factory=StreamWatch)
+    written: EventStreamState | None = None  # what etcd holds (``event-stream``)
+    pause: float = _UNPLACED_PAUSE_S
+
+
 class EventIntake:
     """Event handling of the leader's term: a mixin of ``Controller``, which owns the state."""
 
@@ -81,10 +101,13 @@ class EventIntake:
     _unseen_notices: dict[str, float]
     _seen: collections.OrderedDict[str, None]
     _fenced_epoch: int
+    sd: SystemdNotifier
 
     if TYPE_CHECKING:
 
         def wake(self, urgent: bool = False) -> None: ...
+
+        def fail(self, reason: str, **fields: Any) -> None: ...
 
     async def _notices_from_status(
         self,
@@ -122,7 +145,12 @@ class EventIntake:
     async def _consume(
         self, bus: NatsEventBus, store: EtcdStore, lead: Leadership, cache: ObservedCache
     ) -> None:
-        """Fetch a batch, handle each event, fsync the batch's records once, then ack it."""
+        """Fetch a batch, handle each event, fsync the batch's records once, then ack it.
+
+        Before each fetch the stream is ensured: a placement refused for good (more
+        replicas than the NATS deployment has servers) fails the controller; one refused
+        for now is retried, reported and shown (``_ensure_stream``)."""
+        placement = _Placement()
         while True:
             if not lead.fresh:
                 # cut off from etcd: a new leader may consume from the same durable consumer;
@@ -130,7 +158,16 @@ class EventIntake:
                 await self.clock.sleep(0.3)
                 continue
             try:
-                await bus.ensure_stream()
+                ready = await self._ensure_stream(bus, store, lead, placement)
+            except ReplicasExceedClusterError as exc:
+                self._stream_refused(exc, lead)
+                return
+            except FencedError as exc:  # the record status reads: deposed
+                self._consumer_fenced(lead, exc)
+                return
+            if not ready:
+                continue
+            try:
                 batch = await bus.fetch(256, timeout=self.cfg.resync_s)
             except TemporaryError as exc:
                 _log.warning("event_fetch_retry", error=str(exc))
@@ -144,11 +181,7 @@ class EventIntake:
                         handled.append(d)
                 except FencedError as exc:
                     # deposed: the term ends (the loop sees it), not just this consumer
-                    self.audit.write(
-                        "fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc)
-                    )
-                    self._fenced_epoch = lead.epoch
-                    self.wake(urgent=True)
+                    self._consumer_fenced(lead, exc)
                     return
             await self.audit.durable()
             for d in handled:
@@ -156,6 +189,120 @@ class EventIntake:
                     await d.ack()
                 except TemporaryError as exc:  # redelivered, then handled as a duplicate
                     _log.warning("event_ack_failed", error=str(exc))
+
+    def _consumer_fenced(self, lead: Leadership, exc: FencedError) -> None:
+        self.audit.write("fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc))
+        self._fenced_epoch = lead.epoch
+        self.wake(urgent=True)
+
+    def _stream_refused(self, exc: ReplicasExceedClusterError, lead: Leadership) -> None:
+        """More replicas than the NATS deployment has servers: a configuration error,
+        which no retry ends. The controller fails (every one with this config will)."""
+        replicas = self.cfg.event_stream_replicas
+        size = exc.fields.get("cluster_size")
+        fix = (
+            "list every server of the cluster in nats_urls"
+            if exc.fields.get("clustered")
+            else "run a NATS cluster"
+        )
+        self.fail(
+            f"event_stream_replicas={replicas} cannot be placed: {exc.args[0]}; set "
+            f"event_stream_replicas to at most {size}, or {fix}",
+            epoch=lead.epoch,
+            replicas=replicas,
+            cluster_size=size,
+            answer=str(exc.fields.get("reason", ""))[:300],
+        )
+
+    async def _ensure_stream(
+        self, bus: NatsEventBus, store: EtcdStore, lead: Leadership, placement: _Placement
+    ) -> bool:
+        """Ensure the stream; False (after a pause) to try again. A placement refused for
+        now is reported once and shown (``event_stream``); its end too."""
+        try:
+            await bus.ensure_stream()
+        except StreamNotPlacedError as exc:
+            reason = f"{exc.args[0]}: {exc.fields.get('reason', '')}"
+            placement.watch, reports = unplaced(
+                placement.watch, self.clock.now(), reason, self.cfg.event_stream_deadline_s
+            )
+            if not reports:
+                _log.debug("event_stream_unplaced_retry", reason=reason)
+            self._report_stream(reports, placement.watch, lead, reason)
+            await self._show_stream(placement, store, lead)
+            await self.clock.sleep(placement.pause)
+            placement.pause = min(placement.pause * 2, _UNPLACED_MAX_PAUSE_S)
+            return False
+        except TemporaryError as exc:
+            _log.warning("event_fetch_retry", error=str(exc))
+            await self.clock.sleep(0.3)
+            return False
+        placement.pause = _UNPLACED_PAUSE_S
+        began = placement.watch.since  # of the episode that ends here, if one does
+        placement.watch, reports = placed(placement.watch, self.clock.now())
+        self._report_stream(reports, placement.watch, lead, "", began)
+        await self._show_stream(placement, store, lead)
+        return True
+
+    def _report_stream(
+        self,
+        reports: tuple[Report, ...],
+        watch: StreamWatch,
+        lead: Leadership,
+        reason: str,
+        began: float | None = None,
+    ) -> None:
+        """The audit record, journal line and systemd status of each report (``began``:
+        the start of the episode a placement ends)."""
+        now = self.clock.now()
+        replicas = self.cfg.event_stream_replicas
+        for kind in reports:
+            since = watch.since if watch.since is not None else now
+            if kind == "event_stream_unplaced":
+                self.audit.write(
+                    kind, now, sync=True, epoch=lead.epoch, replicas=replicas, reason=reason
+                )
+                _log.warning(kind, replicas=replicas, reason=reason)
+                self.sd.status(
+                    f"leader, epoch {lead.epoch}; event stream not placed: {reason}"[:200]
+                )
+            elif kind == "event_stream_overdue":
+                deadline = self.cfg.event_stream_deadline_s
+                self.audit.write(
+                    kind, now, sync=True, epoch=lead.epoch, since=since, deadline_s=deadline
+                )
+                _log.error(kind, replicas=replicas, since=since, deadline_s=deadline)
+                self.sd.status(
+                    f"leader, epoch {lead.epoch}; event stream OVERDUE, not placed for "
+                    f"{now - since:.0f} s: {watch.reason}"[:200]
+                )
+            else:
+                took = round(now - (began if began is not None else now), 1)
+                self.audit.write(
+                    kind, now, sync=True, epoch=lead.epoch, replicas=replicas, unplaced_s=took
+                )
+                _log.info(kind, replicas=replicas, unplaced_s=took)
+                self.sd.status(f"leader, epoch {lead.epoch}")
+
+    async def _show_stream(self, placement: _Placement, store: EtcdStore, lead: Leadership) -> None:
+        """Write the record ``sailor status`` reads if it changed (nothing while no
+        placement failed). Guarded, bound to the leader's lease: it goes with the term. Not
+        written (etcd unavailable): tried again at the next outcome; fenced: raises."""
+        record = shown(placement.watch, self.cfg.event_stream_replicas, lead.epoch)
+        if record is None or record == placement.written:
+            return
+        try:
+            await store.put_guarded(
+                self.keys.event_stream,
+                record.model_dump_json().encode(),
+                self.keys.leader,
+                lead.epoch,
+                lease=lead.lease,
+            )
+        except TemporaryError as exc:
+            _log.debug("event_stream_state_unwritten", error=str(exc))
+            return
+        placement.written = record
 
     async def _handle_with_retry(
         self, d: Delivery, store: EtcdStore, lead: Leadership, cache: ObservedCache

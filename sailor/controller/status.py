@@ -34,6 +34,7 @@ from sailor.schemas.runtime import (
     ClearBadRequest,
     CommitRecord,
     DesiredState,
+    EventStreamState,
     NodeHealth,
     NoticeRecord,
     ReadmitRequest,
@@ -52,7 +53,9 @@ async def read_status(
     now: float | None = None,
     training: TrainingConfig | None = None,
 ) -> dict[str, Any]:
-    """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint. A node
+    """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint, and
+    the event stream once the leader could not place it (``event_stream``: None while it
+    never failed this term). A node
     the controller excludes (its workers kept failing: ``DesiredState.node_health``) shows
     until when, as of ``now`` (default: this host's clock). ``training``: the controller's
     training config, whose forced precision the leader admits nodes by (as
@@ -67,6 +70,7 @@ async def read_status(
         notices = await store.get_prefix(keys.notices)
         ckpts = await store.get_prefix(keys.checkpoints)
         calib = await store.get(keys.calibration)
+        stream_kv = await store.get(keys.event_stream)
     finally:
         await store.close()
     d = None
@@ -144,6 +148,7 @@ async def read_status(
         "bad_checkpoints": list(d.bad_checkpoints) if d else [],
         "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,
         "calibration_version": _calibration_version(calib.value) if calib else None,
+        "event_stream": _event_stream(stream_kv.value, now) if stream_kv else None,
         "nodes": rows,
     }
 
@@ -160,6 +165,24 @@ def _not_admitted(
     the leader's own rule (``decide.not_admitted``) over the same records."""
     o = Observed(now=now, nodes=nodes, status=status, notices=notices)
     return not_admitted(d or DesiredState(epoch=0), o, precision=precision)
+
+
+def _event_stream(raw: bytes, now: float) -> dict[str, Any] | None:
+    """The leader's ``EventStreamState`` (``event-stream``: only after a failed placement,
+    gone with its term), with how long it has held as of ``now``; None if unreadable."""
+    try:
+        st = EventStreamState.model_validate_json(raw)
+    except ValidationError:
+        return None
+    return {
+        "placed": st.placed,
+        "since": st.since,
+        "for_s": round(max(0.0, now - st.since), 1),
+        "reason": st.reason,
+        "replicas": st.replicas,
+        "overdue": st.overdue,
+        "epoch": st.epoch,
+    }
 
 
 def _calibration_version(raw: bytes) -> int | None:

@@ -21,6 +21,8 @@ from sailor.coordination.errors import (
     DaemonFailedError,
     FencedError,
     PermanentError,
+    ReplicasExceedClusterError,
+    StreamNotPlacedError,
     TemporaryError,
     UnavailableError,
 )
@@ -50,7 +52,9 @@ __all__ = [
     "NatsEventBus",
     "PermanentError",
     "PrefixMirror",
+    "ReplicasExceedClusterError",
     "StateStore",
+    "StreamNotPlacedError",
     "SystemClock",
     "TaskSet",
     "TemporaryError",

@@ -14,6 +14,8 @@ __all__ = [
     "DaemonFailedError",
     "FencedError",
     "PermanentError",
+    "ReplicasExceedClusterError",
+    "StreamNotPlacedError",
     "TemporaryError",
     "UnavailableError",
 ]
@@ -48,10 +50,20 @@ class UnavailableError(TemporaryError):
     """The server could not be reached in time."""
 
 
+class StreamNotPlacedError(UnavailableError):
+    """JetStream cannot place a stream's replicas now: fewer of the cluster's servers are up
+    (or joined) than the replicas asked for. Servers coming back end it: retry."""
+
+
 class PermanentError(CoordinationError):
     """Do not retry: the request itself is wrong or no longer allowed."""
 
     retry_after = None
+
+
+class ReplicasExceedClusterError(PermanentError):
+    """A stream asks for more replicas than the NATS deployment has servers (a server not in
+    a cluster holds one): a configuration error, which no retry ends."""
 
 
 class FencedError(PermanentError):

@@ -12,6 +12,8 @@ etcd (all under ``/sailor/<job>/``)::
     calibration/versions/<n>    CalibrationRecord: fitted calibration version n (guarded)
     readmit/<id>, clear-bad/<id>  operators' requests, deleted by the leader that applies them
     asked/<kind>/<id>  empty witness of a request written, bound to its command's lease
+    event-stream      EventStreamState: the event stream could not be placed (guarded, bound
+                      to the leader's lease)
 
 NATS::
 
@@ -142,6 +144,11 @@ class Keys(Frozen):
     def calibration_version(self, version: int) -> str:
         # zero-padded so that a prefix listing comes back in version order
         return f"{self.calibrations}{version:08d}"
+
+    @property
+    def event_stream(self) -> str:
+        """The leader's ``EventStreamState`` (written only after a failed placement)."""
+        return self.root + "event-stream"
 
     @property
     def stream(self) -> str:

@@ -32,16 +32,28 @@ from nats.aio.client import Client as NatsClient
 
 from sailor.coordination.api import CommandHandler, Delivery
 from sailor.coordination.deadline import within
-from sailor.coordination.errors import PermanentError, TemporaryError, UnavailableError
+from sailor.coordination.errors import (
+    CoordinationError,
+    PermanentError,
+    ReplicasExceedClusterError,
+    StreamNotPlacedError,
+    TemporaryError,
+    UnavailableError,
+)
 from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.security.nats_auth import inbox_prefix
 from sailor.coordination.security.settings import SecurityConfig
 
-__all__ = ["NatsCommands", "NatsEventBus", "close_nats", "connect_nats"]
+__all__ = ["NatsCommands", "NatsEventBus", "close_nats", "connect_nats", "placement_error"]
 
 _NO_PEERS = 10005
 """JetStream's error code for a stream whose replicas find too few servers to be placed on
-(``no suitable peers for placement``)."""
+(``no suitable peers for placement``, with the reasons it knows appended: ``, peer
+offline`` while a member it knows is down)."""
+
+_NOT_CLUSTERED = 10074
+"""JetStream's error code for more than one replica on a server that is in no cluster
+(``replicas > 1 not supported in non-clustered mode``; nats-server 2.15)."""
 
 _log = structlog.get_logger("sailor.nats")
 
@@ -105,6 +117,59 @@ async def connect_nats(
     return nc
 
 
+def placement_error(
+    err_code: int | None, description: str | None, replicas: int, servers: int
+) -> CoordinationError | None:
+    """What JetStream's refusal to place a stream of ``replicas`` copies means; None when
+    the refusal (``err_code``, ``description``) is about something else.
+
+    ``servers``: the NATS servers the client knows of, those it was given and those the
+    cluster announced (``Client.servers``): at least the cluster's size when every member
+    is configured, as a deployment does (docs/operations.md). A client cannot ask the
+    cluster for its configured size (that takes the system account), so the answer is read
+    from JetStream's own words:
+
+    - a server in no cluster refuses any replicas > 1 (``_NOT_CLUSTERED``): no restart of
+      a server ends that, only a config change;
+    - too few peers (``_NO_PEERS``) for more replicas than servers known: the deployment
+      is smaller than asked (or ``nats_urls`` lists too few of its servers): the same;
+    - too few peers for no more than the servers known: some are down, or not joined yet
+      (a member that never joined is unknown to JetStream: ``, peer offline`` is appended
+      only for one it knew), and their return ends it. Temporary.
+
+    A replica placed on a member that is down is not refused (nats-server 2.15 places an
+    R3 stream on two live servers and a known offline one): that stream lives on at two.
+    """
+    why = description or ""
+    if err_code == _NOT_CLUSTERED:
+        return ReplicasExceedClusterError(
+            f"{replicas} replicas asked of a NATS server in no cluster (a deployment of 1 server)",
+            replicas=replicas,
+            cluster_size=1,
+            clustered=False,
+            reason=why,
+        )
+    if err_code != _NO_PEERS:
+        return None
+    if replicas > servers:
+        return ReplicasExceedClusterError(
+            f"{replicas} replicas asked of a NATS cluster of {servers} known server(s) "
+            "(the URLs given and those the cluster announced)",
+            replicas=replicas,
+            cluster_size=servers,
+            clustered=True,
+            reason=why,
+        )
+    return StreamNotPlacedError(
+        f"jetstream cannot place {replicas} replicas now: too few of the {servers} known "
+        "NATS servers are up and joined",
+        replicas=replicas,
+        cluster_size=servers,
+        reason=why,
+        retry_after=0.3,
+    )
+
+
 async def close_nats(nc: NatsClient, timeout: float = 3.0) -> None:
     """Close ``nc``, giving up after ``timeout`` (plus :func:`within`'s grace) whatever
     nats-py does; never raises (a daemon's shutdown must go on)."""
@@ -137,7 +202,11 @@ class NatsEventBus:
 
     async def ensure_stream(self) -> None:
         """Create the stream if missing (idempotent); ``replicas`` copies on a NATS cluster
-        (3: the stream and its consumer survive the loss of one server)."""
+        (3: the stream and its consumer survive the loss of one server).
+
+        Placement refused: ``ReplicasExceedClusterError`` when no server can ever be added
+        to hold them (:func:`placement_error`), ``StreamNotPlacedError`` (a
+        ``TemporaryError``) when servers that are down or not yet joined could."""
         config = nats.js.api.StreamConfig(
             name=self._keys.stream,
             subjects=[self._keys.event_subjects],
@@ -146,27 +215,32 @@ class NatsEventBus:
             max_age=24 * 3600.0,
             num_replicas=self._replicas,
         )
-        short = (TimeoutError, nats.errors.Error)
         try:
             await self._js.add_stream(config)
-        except nats.js.errors.BadRequestError as exc:
-            if exc.err_code == _NO_PEERS:  # fewer servers up than replicas: not the request
-                raise UnavailableError(
-                    f"jetstream short of servers for {self._replicas} replicas of the event "
-                    "stream (event_stream_replicas: at most the NATS cluster's size)",
-                    error=repr(exc),
-                ) from exc
-            try:
-                await self._js.update_stream(config)  # it exists with another config
-            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as e:
-                # gone since the add (a lost server took it along), or no meta leader yet
-                raise UnavailableError("jetstream unavailable", error=repr(e)) from e
-            except nats.js.errors.APIError:
-                raise  # the server refuses this config (e.g. replicas on one server): say so
-            except short as e:
-                raise UnavailableError("jetstream unavailable", error=repr(e)) from e
-        except short as exc:
+        except nats.js.errors.APIError as exc:
+            self._raise_unplaced(exc)
+            if not isinstance(exc, nats.js.errors.BadRequestError):
+                raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
+            await self._update_stream(config)  # it exists with another config
+        except (TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
+
+    async def _update_stream(self, config: nats.js.api.StreamConfig) -> None:
+        try:
+            await self._js.update_stream(config)
+        except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as e:
+            # gone since the add (a lost server took it along), or no meta leader yet
+            raise UnavailableError("jetstream unavailable", error=repr(e)) from e
+        except nats.js.errors.APIError as e:
+            self._raise_unplaced(e)  # more replicas than before, too few servers for them
+            raise  # the server refuses this config: say so
+        except (TimeoutError, nats.errors.Error) as e:
+            raise UnavailableError("jetstream unavailable", error=repr(e)) from e
+
+    def _raise_unplaced(self, exc: nats.js.errors.APIError) -> None:
+        err = placement_error(exc.err_code, exc.description, self._replicas, len(self._nc.servers))
+        if err is not None:
+            raise err from exc
 
     async def publish(self, subject_kind: str, data: bytes, msg_id: str) -> bool:
         try:

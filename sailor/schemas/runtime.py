@@ -2,8 +2,8 @@
 
 These are the values the controller's pure ``decide`` reads (with the node registrations)
 and the records a new leader takes over from. Written by exactly one party each: the leader
-writes ``DesiredState``, ``NoticeRecord`` and ``CommitRecord`` (epoch-guarded); an agent writes
-its own ``AgentStatus`` and replies ``CommandAck``.
+writes ``DesiredState``, ``NoticeRecord``, ``CommitRecord`` and ``EventStreamState``
+(epoch-guarded); an agent writes its own ``AgentStatus`` and replies ``CommandAck``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "CommandAck",
     "CommitRecord",
     "DesiredState",
+    "EventStreamState",
     "LaunchPath",
     "NodeHealth",
     "NoticeRecord",
@@ -491,6 +492,26 @@ class NoticeRecord(WireMessage):
     deadline: float = Field(ge=0, description="Unix time the node will be gone.")
     event_id: str = Field(default="", description="Event that reported it.")
     source: str = Field(default="", description="Watcher that saw it.")
+
+
+class EventStreamState(WireMessage):
+    """The leader's event stream as ``sailor status`` shows it (``event-stream``, bound to
+    the leader's lease: it goes with the term). Written only once the stream could not be
+    placed (too few NATS servers for ``event_stream_replicas``), again when that ends."""
+
+    placed: bool = Field(description="The stream is placed: events reach the leader.")
+    since: float = Field(
+        ge=0, description="Unix time of the first failed placement, or of the placement."
+    )
+    reason: str = Field(
+        default="", max_length=1024, description="JetStream's answer, while not placed."
+    )
+    replicas: int = Field(ge=1, description="Replicas asked (event_stream_replicas).")
+    overdue: bool = Field(
+        default=False,
+        description="Not placed for longer than event_stream_deadline_s (an error logged).",
+    )
+    epoch: int = Field(ge=0, description="Leader epoch that wrote it.")
 
 
 class CommitRecord(WireMessage):

@@ -15,9 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from sailor.coordination import Keys, NatsEventBus, TemporaryError, connect_etcd, connect_nats
+from sailor.coordination import (
+    Keys,
+    NatsEventBus,
+    ReplicasExceedClusterError,
+    StreamNotPlacedError,
+    TemporaryError,
+    connect_etcd,
+    connect_nats,
+)
 from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
-from tests.integration.conftest import IDENTITIES
+from tests.integration.conftest import IDENTITIES, free_port
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -84,19 +92,30 @@ async def test_a_stream_with_more_replicas_than_servers_up_is_retried_not_refuse
     """More replicas than servers up: JetStream cannot place them ("no suitable peers for
     placement", a bad request), and ``ensure_stream`` then asked to update a stream that did
     not exist ("stream not found"): a raw NATS error ended the controller's start instead of
-    the retry every TemporaryError gets (CI saw it as a 3-server cluster formed under load;
-    five replicas on three servers make it every time)."""
-    ctl = await connect_nats(nats_cluster.nats_urls, "c1", security=nats_cluster.security("c1"))
+    the retry every TemporaryError gets (CI saw it as a 3-server cluster formed under load).
+    Five replicas make it every time: on a client that knows of five servers (two of them
+    down) a shortage to wait out; on one that knows of the three, more replicas than the
+    cluster has servers, which no retry ends (``placement_error``)."""
+    sec = nats_cluster.security("c1")
+    down = [f"nats://127.0.0.1:{free_port()}" for _ in range(2)]
+    ctl = await connect_nats([*nats_cluster.nats_urls, *down], "c1", security=sec)
+    known = await connect_nats(nats_cluster.nats_urls, "c1", security=sec)
     try:
         probe = NatsEventBus(ctl, Keys(job="contract"), durable="probe", replicas=3)
         await _retry(probe.ensure_stream, 20.0)  # the cluster's JetStream is up
         await probe.close()
         bus = NatsEventBus(ctl, Keys(job="t"), durable="controller-t", replicas=5)
-        with pytest.raises(TemporaryError, match="short of servers"):
+        with pytest.raises(StreamNotPlacedError, match="cannot place 5 replicas now"):
             await bus.ensure_stream()
+        await bus.close()
+        bus = NatsEventBus(known, Keys(job="t"), durable="controller-t", replicas=5)
+        with pytest.raises(ReplicasExceedClusterError, match="cluster of 3 known server") as e:
+            await bus.ensure_stream()
+        assert e.value.fields["cluster_size"] == 3
         await bus.close()
     finally:
         await ctl.close()
+        await known.close()
 
 
 async def test_event_stream_r3_survives_the_loss_of_a_nats_server(

@@ -1,0 +1,121 @@
+"""An event stream JetStream cannot place, on real nats-server: a configuration error stops
+the controller at once, naming ``event_stream_replicas``; a shortage of servers is waited
+out, shown by ``sailor status`` (since when, why, overdue past ``event_stream_deadline_s``)
+and audited once at its start, deadline and end (docs/runtime.md, "Event stream
+placement"). Before, both retried every 0.3 s with a log line each, and nothing showed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.controller.audit import read_records
+from sailor.controller.daemon import Controller
+from sailor.controller.status import read_status
+from sailor.coordination import DaemonFailedError, connect_nats
+from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
+from tests.integration.cluster_kit import Cluster
+from tests.integration.conftest import IDENTITIES
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+
+@pytest.fixture
+def nats_two_of_three(tmp_path: Path) -> Iterator[LocalServers]:
+    """A 3-server NATS cluster whose third server is down from the start (JetStream never
+    knew it); ``nats_members[2].start()`` brings it in."""
+    try:
+        s = start_local_servers(
+            tmp_path / "servers", IDENTITIES, nats_servers=3, etcd_members=1, nats_down=1
+        )
+    except ServerMissingError as exc:
+        pytest.skip(str(exc))
+    yield s
+    s.stop()
+
+
+async def test_more_replicas_than_a_single_nats_server_holds_stops_the_controller(
+    tmp_path: Path, servers: LocalServers
+) -> None:
+    """Replicas 3 on a server in no cluster: the start is refused with the field, its value
+    and the cluster's size (before: retried forever, the leader taking no event)."""
+    cfg = (
+        Cluster(tmp_path, servers).ctl_config("c1").model_copy(update={"event_stream_replicas": 3})
+    )
+    ctl = Controller(cfg)
+    with pytest.raises(DaemonFailedError):
+        await asyncio.wait_for(ctl.run(), 20)
+    assert ctl.failure is not None
+    assert "event_stream_replicas=3" in ctl.failure and "1 server" in ctl.failure, ctl.failure
+    failed = [r for r in read_records([cfg.audit_log]) if r["kind"] == "failed"]
+    assert len(failed) == 1 and failed[0]["cluster_size"] == 1, failed
+
+
+async def test_a_shortage_of_nats_servers_shows_in_status_until_the_stream_is_placed(
+    tmp_path: Path, nats_two_of_three: LocalServers
+) -> None:
+    """Replicas 3 on a 3-server cluster with one server down: the leader leads, status says
+    the stream is not placed (why, since when, then overdue), the audit log says so once;
+    the server's start places it, status and audit say that too."""
+    servers = nats_two_of_three
+    cfg = (
+        Cluster(tmp_path, servers)
+        .ctl_config("c1")
+        .model_copy(
+            update={
+                "nats_urls": servers.nats_urls,  # every member, as a deployment lists them
+                "event_stream_replicas": 3,
+                "event_stream_deadline_s": 1.0,
+            }
+        )
+    )
+    sec = servers.security("c1")
+    ctl = Controller(cfg)
+    task = asyncio.create_task(ctl.run(), name="test-ctl-c1")
+    loop = asyncio.get_running_loop()
+
+    async def stream(want: str, timeout: float) -> dict[str, Any]:
+        end = loop.time() + timeout
+        while True:
+            assert not task.done(), ctl.failure
+            st = (await read_status(servers.etcd_endpoint, cfg.job, sec))["event_stream"]
+            if st is not None and (
+                (want == "overdue" and st["overdue"]) or (want == "placed" and st["placed"])
+            ):
+                return dict(st)
+            assert loop.time() < end, f"event stream not {want} within {timeout} s: {st}"
+            await asyncio.sleep(0.2)
+
+    try:
+        # JetStream of two servers elects its meta leader (~5 s), then refuses R3
+        st = await stream("overdue", 30)
+        assert not st["placed"] and st["replicas"] == 3 and st["for_s"] >= 1.0
+        assert "no suitable peers" in str(st["reason"]), st
+        assert ctl.leadership is not None  # it leads meanwhile
+        await asyncio.to_thread(servers.nats_members[2].start)
+        st = await stream("placed", 30)
+        assert not st["overdue"]
+        nc = await connect_nats(servers.nats_urls, "c1", security=sec)
+        try:
+            info = await nc.jetstream().stream_info(ctl.keys.stream)
+            assert info.config.num_replicas == 3
+        finally:
+            await nc.close()
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(task, 15)
+    records = [r for r in read_records([cfg.audit_log]) if r["kind"].startswith("event_stream_")]
+    assert [r["kind"] for r in records] == [
+        "event_stream_unplaced",
+        "event_stream_overdue",
+        "event_stream_placed",
+    ], records
+    assert "no suitable peers" in records[0]["reason"]
+    assert records[2]["unplaced_s"] >= 1.0  # the deadline passed first
+    assert ctl.failure is None
