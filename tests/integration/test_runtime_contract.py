@@ -246,7 +246,7 @@ async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
         await m.start()
         a = m.get("/mirror/a")
         assert a is not None and a.value == b"1" and m.changed() == {"/mirror/a"}
-        lease = await store.lease(5)
+        lease = await store.lease(60)
         await store.put("/mirror/b", b"2", lease=lease)
         await store.put("/mirror/a", b"3")
         await store.put("/mirrors-not", b"x")  # outside the prefix
@@ -257,7 +257,7 @@ async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
         await _until(lambda: m.get("/mirror/b") is None)
         assert m.changed() == {"/mirror/b"} and await m.check()
         assert deleted == ["/mirror/b"]  # told which key went, once
-        lease_e = await store.lease(5)
+        lease_e = await store.lease(60)
         await store.put("/mirror/e", b"6", lease=lease_e)
         await _until(lambda: m.get("/mirror/e") is not None)
         m.changed()
@@ -369,7 +369,7 @@ async def test_a_request_is_taken_by_the_leader_or_withdrawn_never_both(
     comes second is refused, and the leader learns it was a withdrawal, not a fencing."""
     store = await connect_etcd(etcd_endpoint)
     try:
-        lease = await store.lease(5)
+        lease = await store.lease(60)
         created = await store.create_if_absent("/r/leader", b"me", lease)
         assert created is not None
         epoch = created.create_revision
