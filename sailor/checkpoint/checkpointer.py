@@ -40,6 +40,7 @@ functions of ``assignment.py``.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -124,6 +125,9 @@ class Checkpointer:
         self.commit_timeout_s = commit_timeout_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-persist-r{rank}")
         self._pending: Future[SaveResult] | None = None
+        # Set by ``cancel()``: the world this checkpointer saved for was abandoned, and a
+        # later generation may commit the same step; a persist still running must not.
+        self._cancelled = threading.Event()
         # The previous save's CPU copies, reused once it is persisted: copying into memory
         # already touched runs at ~9 GB/s here vs ~2 GB/s into fresh memory, whose first-touch
         # page faults dominate the stall on this VM (torch copy of 48 MB fp32, 1 thread).
@@ -223,6 +227,13 @@ class Checkpointer:
             return None
         fut, self._pending = self._pending, None
         return fut.result()
+
+    def cancel(self) -> None:
+        """Fence a save still in flight for a world that was abandoned (its peers may be
+        dead; nothing waits for it): its committer writes no manifest or marker from now on,
+        so a later generation's commit of the same step is never interleaved with it. Its
+        shards and part, named by its save id, are left for retention. Does not block."""
+        self._cancelled.set()
 
     def close(self) -> None:
         try:
@@ -404,6 +415,7 @@ class Checkpointer:
                 plan_id=self.plan.plan_id,
                 layout=layout_summary(self.plan),
                 timeout_s=self.commit_timeout_s,
+                cancelled=self._cancelled.is_set,
             )
             t2 = time.perf_counter()
             try:

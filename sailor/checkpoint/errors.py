@@ -15,6 +15,7 @@ __all__ = [
     "NoCheckpointError",
     "NonFiniteCheckpointError",
     "ReshardError",
+    "SaveCancelledError",
     "StorageError",
 ]
 
@@ -60,6 +61,11 @@ class NonFiniteCheckpointError(CheckpointError):
     def __init__(self, message: str, *, key: str = "") -> None:
         super().__init__(message, retryable=False)
         self.key = key
+
+
+class SaveCancelledError(CheckpointError):
+    """A save whose world was abandoned was fenced before its commit
+    (``Checkpointer.cancel``): nothing of it is committed, and nobody waits for it."""
 
 
 class ReshardError(CheckpointError):

@@ -47,7 +47,11 @@ from sailor.checkpoint.blocks import (
     tensor_digest,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.errors import CheckpointError, NonFiniteCheckpointError
+from sailor.checkpoint.errors import (
+    CheckpointError,
+    NonFiniteCheckpointError,
+    SaveCancelledError,
+)
 from sailor.checkpoint.format import (
     MANIFEST,
     MARKER,
@@ -304,12 +308,17 @@ def commit(
     timeout_s: float = 600.0,
     poll_s: float = 0.02,
     before_marker: Callable[[], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> CheckpointManifest:
-    """Wait for every writer's part, then write manifest and marker, then apply retention."""
+    """Wait for every writer's part, then write manifest and marker, then apply retention.
+    ``cancelled()`` true (``Checkpointer.cancel``: the world was abandoned) ends the wait,
+    and a commit not yet begun, with :class:`SaveCancelledError`: nothing is written."""
     d = step_dir(step)
     deadline = time.monotonic() + timeout_s
     parts: dict[int, ShardPart] = {}
     while True:
+        if cancelled is not None and cancelled():
+            raise SaveCancelledError(f"step {step} save {save_id}: cancelled; not committed")
         for r in writer_ranks:
             if r in parts:
                 continue
@@ -348,6 +357,8 @@ def commit(
         layout=layout,
     )
     _check_shards(storage, d, manifest)
+    if cancelled is not None and cancelled():
+        raise SaveCancelledError(f"step {step} save {save_id}: cancelled; not committed")
     raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
     if storage.exists(f"{d}/{MARKER}"):
         # The step was committed before (an attempt the controller never recorded): take

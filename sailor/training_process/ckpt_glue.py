@@ -277,7 +277,10 @@ class CheckpointSaves:
 
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer
-        # polls for their parts); its thread is left to finish or time out on its own.
+        # polls for their parts); its thread is left to end on its own, fenced so that it
+        # commits nothing (a later generation may commit the same step meanwhile).
+        if self._in_flight is not None:
+            self._in_flight.cancel()
         self._in_flight, self._failure = None, None
         self._by_root.clear()
 

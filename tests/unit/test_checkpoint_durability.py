@@ -17,16 +17,26 @@ import hashlib
 import json
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sailor.checkpoint import LocalStorage, StorageError, TrainingGlobals, committed_steps, verify
+from sailor.checkpoint import (
+    LocalStorage,
+    StorageError,
+    TrainingGlobals,
+    committed_steps,
+    read_manifest,
+    verify,
+)
 from sailor.checkpoint.checkpointer import Checkpointer
+from sailor.checkpoint.errors import SaveCancelledError
 from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, step_dir
-from sailor.checkpoint.writer import save_full
+from sailor.checkpoint.writer import persist_layers, save_full
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from tests.unit.test_checkpoint_blocks import one_layer_plan
 from tests.unit.test_checkpoint_local import _state
 
@@ -224,3 +234,73 @@ def test_retention_meeting_a_newer_manifest_is_a_retention_error(tmp_path: Path)
     assert res is not None and res.manifest is not None and res.manifest.step == 2
     assert "ValidationError" in res.retention_error and "kind" in res.retention_error
     assert 2 in committed_steps(s) and verify(s, 2) == []
+
+
+def _two_stage_plan() -> Plan:
+    """Ranks 0 and 1 each holding one layer of a two-layer toy model: two writers."""
+    stage = {"replica": ReplicaGroup(gpu_type="cpu", zone="z", tp=1, gpus_per_node=1)}
+    return Plan(
+        plan_id="two",
+        model="toy",
+        global_batch_size=1,
+        pipelines=(
+            Pipeline(
+                stages=(
+                    Stage(first_layer=0, last_layer=0, **stage),
+                    Stage(first_layer=1, last_layer=1, **stage),
+                ),
+                microbatch_size=1,
+                num_microbatches=1,
+            ),
+        ),
+    )
+
+
+def test_a_cancelled_save_commits_nothing_over_a_later_commit_of_its_step(
+    tmp_path: Path,
+) -> None:
+    """A save of an abandoned world (``Checkpointer.cancel``, at ``CheckpointSaves.reset``):
+    its committer, still waiting for a part, must not commit once the part comes late,
+    when a later generation has committed the same step meanwhile; it ends with
+    ``SaveCancelledError`` and the later commit stands."""
+    s = LocalStorage(tmp_path)
+    state = _state(layers=2)
+    mine = {k: p for k, p in state.items() if k.startswith("0.")}
+    ck = Checkpointer(s, _two_stage_plan(), 0, keep=None, commit_timeout_s=60)
+    ck.save(mine, TrainingGlobals(3, 3, {}), save_id="old")  # waits for rank 1's part
+    save_full(s, state, TrainingGlobals(3, 3, {}), model="toy", num_layers=2, save_id="new")
+    ck.cancel()
+    late = {1: {k.split(".", 1)[1]: p for k, p in state.items() if k.startswith("1.")}}
+    persist_layers(s, 3, "old", late, rank=1)  # the abandoned peer's part, late
+    with pytest.raises(SaveCancelledError):
+        ck.wait()
+    assert committed_steps(s) == [3] and read_manifest(s, 3).save_id == "new"
+    assert verify(s, 3) == []
+    ck.close()
+
+
+def test_a_reset_fences_the_save_in_flight(tmp_path: Path) -> None:
+    """``CheckpointSaves.reset`` (the world abandoned, a held worker going on in place)
+    cancels the save in flight: its late part commits nothing over the step."""
+    from sailor.training_process.ckpt_glue import CheckpointSaves
+
+    s = LocalStorage(tmp_path)
+    state = _state(layers=2)
+    mine = {k: p for k, p in state.items() if k.startswith("0.")}
+    saves = CheckpointSaves()
+    saves.save(lambda: (mine, TrainingGlobals(3, 3, {})), _two_stage_plan(), 0, None, str(s.root))
+    parts = tmp_path / step_dir(3) / PARTS
+    for _ in range(500):  # rank 0's part, written in the background; then its commit waits
+        if found := {p.name.split("-rank")[0] for p in parts.glob("*.json")}:
+            break
+        time.sleep(0.02)
+    (old,) = found
+    (ck,) = saves._by_root.values()
+    saves.reset()
+    save_full(s, state, TrainingGlobals(3, 3, {}), model="toy", num_layers=2, save_id="new")
+    late = {1: {k.split(".", 1)[1]: p for k, p in state.items() if k.startswith("1.")}}
+    persist_layers(s, 3, old, late, rank=1)
+    with pytest.raises(SaveCancelledError):
+        ck.wait()
+    assert read_manifest(s, 3).save_id == "new" and verify(s, 3) == []
+    ck.close()
