@@ -38,9 +38,13 @@ the step, the data position, the seed and the precision in the same globals as t
 and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engine wrote under
 any layout (the reader relayouts by layer). Another precision than the checkpoint's is refused
 with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
-another seed too. fp32 only: in bf16 or fp16 DeepSpeed steps a wrapper holding flat fp32
-master copies, which are not mapped (``deepspeed_state``): a 16-bit run that may save or resume
-(periodic checkpoints, ``--control``, ``--load-step``) is refused by name at start
+another seed too. In bf16 DeepSpeed steps a ``BF16_Optimizer`` around the AdamW, holding the
+fp32 master weights and moments in flat partitions across the data-parallel ranks: the
+checkpoint holds those masters and moments by layer key (``deepspeed_master``, DeepSpeed's
+fragment API), so it resumes here or in Sailor's engine under any layout as an fp32 one does;
+the iterations DeepSpeed skips for a non-finite gradient norm are counted (``skipped_steps``).
+fp16 is not mapped (``FP16_UnfusedOptimizer``: ``deepspeed_master``): an fp16 run that may save
+or resume (periodic checkpoints, ``--control``, ``--load-step``) is refused by name at start
 (:func:`check_checkpoint_precision`), before DeepSpeed starts. Without a checkpoint IO
 (``python -m sailor.megatron_patch.deepspeed_adapter``) a resume is refused at start
 (:func:`check_args`), as is ``--in-place``/``--warm``.
@@ -391,12 +395,13 @@ def check_args(args: argparse.Namespace, has_ckpt: bool, tc: TrainingConfig | No
 def check_checkpoint_precision(
     precision: Precision, args: argparse.Namespace, tc: TrainingConfig | None
 ) -> None:
-    """Refuse at start, by name, a bf16 or fp16 run that may have to save or resume (pure):
-    periodic checkpoints (``checkpoint.every_steps``), a ``--control`` file (the agent may ask
-    it to save, at a reconfiguration) or a resume (``--load-step``). In 16-bit DeepSpeed steps a
-    wrapper around flat fp32 master copies the adapter does not map (``deepspeed_state``): the
-    save would otherwise fail only when it comes, after all the steps before it."""
-    if precision == "fp32":
+    """Refuse at start, by name, an fp16 run that may have to save or resume (pure): periodic
+    checkpoints (``checkpoint.every_steps``), a ``--control`` file (the agent may ask it to
+    save, at a reconfiguration) or a resume (``--load-step``). In fp16 DeepSpeed steps an
+    ``FP16_UnfusedOptimizer`` whose fp32 master copies the adapter does not map
+    (``deepspeed_master``): the save would otherwise fail only when it comes, after all the
+    steps before it. fp32 and bf16 runs save and resume."""
+    if precision != "fp16":
         return
     asks: list[str] = []
     if tc is not None and tc.checkpoint.dir is not None and tc.checkpoint.every_steps:
@@ -408,10 +413,11 @@ def check_checkpoint_precision(
     if asks:
         raise UnsupportedPlanError(
             f"precision={precision!r} with {', '.join(asks)}: the DeepSpeed adapter saves and "
-            "resumes fp32 runs only (in bf16/fp16 DeepSpeed keeps flat fp32 master copies it "
-            "does not map to Sailor's checkpoints); set the training config's precision: fp32 "
-            "(and allow_precision_change: true for a job that ran in another), or run this job "
-            "on Sailor's engine"
+            "resumes fp32 and bf16 runs only (in fp16 DeepSpeed's FP16_UnfusedOptimizer keeps "
+            "fp32 master copies it does not map to Sailor's checkpoints); set the training "
+            "config's precision: bf16 on GPUs that have it, or fp32 (and "
+            "allow_precision_change: true for a job that ran in another), or run this job on "
+            "Sailor's engine"
         )
 
 
@@ -419,9 +425,13 @@ def run(
     argv: list[str] | None = None,
     ckpt: DeepSpeedCheckpointIO | None = None,
     status: Status | None = None,
+    precision: Precision | None = None,
 ) -> int:
     """One rank of a plan on DeepSpeed; progress, saves, stops and state dumps like the
-    worker's (``ckpt``: Sailor's checkpoints, needed to resume or save)."""
+    worker's (``ckpt``: Sailor's checkpoints, needed to resume or save). ``precision`` runs
+    in it instead of :func:`deepspeed_precision`'s choice (tests: bf16 on the CPU, where the
+    rule says fp32; DeepSpeed's CPU accelerator runs bf16, not fp16). ``--dump-state`` dumps
+    the fp32 masters in bf16 (a collective: every rank is given it or none)."""
     args = build_parser().parse_args(argv)
     status = status or Status(args.rank, sub_rank(args.error_file, args.rank))
     tc = load_train_config(args.train_config) if args.train_config else None
@@ -453,7 +463,8 @@ def run(
     # decided from the plan, the model and the config alone, before the process group: every
     # rank refuses alike (the engine's rule), not some after the others entered a collective
     requested = tc.precision if tc is not None else "auto"
-    precision = deepspeed_precision(plan, spec, backend, native_bf16, requested)
+    if precision is None:
+        precision = deepspeed_precision(plan, spec, backend, native_bf16, requested)
     check_checkpoint_precision(precision, args, tc)
     sync = device_sync(device)
     from datetime import timedelta
@@ -522,10 +533,12 @@ def run(
         ]
         sync()
         t0 = time.perf_counter()
+        skipped = engine.skipped_steps
         loss = engine.train_batch(data_iter=iter(batches))
         sync()
         dt = time.perf_counter() - t0
         ds.step += 1
+        ds.skipped_steps += engine.skipped_steps - skipped  # bf16: a non-finite norm
         ds.consumed_samples += plan.global_batch_size
         progress.emit(
             {
@@ -545,18 +558,23 @@ def run(
     if ckpt is not None:
         ckpt.close()
     if args.dump_state:
-        state = {k: (p.detach().cpu(), None) for k, p in module.named_parameters()}
+        state = {k: (w.cpu(), None) for k, w in ds.weights().items()}
         torch.save(state, args.dump_state.replace("{rank}", str(args.rank)))
     progress.emit({"event": "done", "rank": args.rank, "step": ds.step})
     torch.distributed.barrier()
     return 0
 
 
-def main(argv: list[str] | None = None, ckpt: DeepSpeedCheckpointIO | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    ckpt: DeepSpeedCheckpointIO | None = None,
+    precision: Precision | None = None,
+) -> int:
     """Entry point; on failure writes the first cause like the worker and exits 1.
 
     ``ckpt`` saves and restores Sailor's checkpoints (``training_process.deepspeed_glue``
-    passes its own); without one, a resume or a save request is refused."""
+    passes its own); without one, a resume or a save request is refused. ``precision``:
+    :func:`run`'s."""
     die_with_parent()  # an agent's worker ends with it (parent_death)
     import faulthandler
 
@@ -570,7 +588,7 @@ def main(argv: list[str] | None = None, ckpt: DeepSpeedCheckpointIO | None = Non
         faulthandler.enable(file=fault_path(err).open("w"), all_threads=True)
     status = Status(args.rank, err)
     try:
-        return run(argv, ckpt, status)
+        return run(argv, ckpt, status, precision)
     except BaseException as exc:  # the first cause of any failure is reported
         record = failure_record(
             exc, args.rank, status.failed_step, status.in_training, last_step=status.step

@@ -4,13 +4,19 @@ What the layer-keyed checkpoints (``sailor.training_process.deepspeed_glue``) re
 write into a rank running a plan through DeepSpeed's pipe engine (:mod:`deepspeed_adapter`):
 its parameters, named by ``PipelineModule`` exactly as Sailor's ``stage_state`` keys
 (``"{global_layer}.{param}"``), the AdamW moments the optimizer keeps for them, the step, the
-data position and the precision. Nothing here imports DeepSpeed or ``sailor.checkpoint``.
+data position and the precision. Nothing here imports DeepSpeed (but :mod:`deepspeed_master`
+when a bf16 run is read or written) or ``sailor.checkpoint``.
 
-Checkpoints need the optimizer to be the AdamW the adapter built (``make_optimizer``), keyed by
-the module's own parameters: so it is in fp32 (DeepSpeed's basic-optimizer path, no ZeRO). In
-bf16 or fp16 DeepSpeed wraps it (``BF16_Optimizer``, ``FP16_Optimizer``) around fp32 master
-copies in flat groups that are not mapped to layer keys: :meth:`DeepSpeedRun.check_checkpointable`
-refuses those by name instead of saving the low-precision weights without their master copies.
+In fp32 the optimizer DeepSpeed steps is the AdamW the adapter built (``make_optimizer``),
+keyed by the module's own parameters (DeepSpeed's basic-optimizer path, no ZeRO): weights and
+moments are read from the parameters and ``optimizer.state``. In bf16 DeepSpeed steps a
+``BF16_Optimizer`` holding the fp32 master weights and moments in flat partitions across the
+data-parallel ranks: they are read and written by parameter through DeepSpeed's fragment API
+(:mod:`deepspeed_master`, which imports DeepSpeed when called), so a bf16 checkpoint holds the
+fp32 masters, not the bf16 copies, in the same format. fp16 (``FP16_UnfusedOptimizer``,
+not mapped: see :mod:`deepspeed_master`) is refused by name
+(:meth:`DeepSpeedRun.check_checkpointable`) instead of saving the 16-bit weights without
+their master copies.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from sailor.megatron_patch import deepspeed_master as master
 from sailor.megatron_patch.checkpoint_io import SaveIO
 from sailor.megatron_patch.engine import TrainConfig, resumed_skipped_steps
 from sailor.megatron_patch.precision import Precision, check_state_precision
@@ -54,8 +61,9 @@ class DeepSpeedRun:
     consumed_samples: int
     skipped_steps: int = 0
     """Iterations a resumed state's run skipped (Sailor's engine, for an overflow or a
-    non-finite gradient): AdamW took ``step - skipped_steps`` steps. The adapter skips none
-    itself in fp32, so the count stays what the checkpoint said."""
+    non-finite gradient): AdamW took ``step - skipped_steps`` steps. The adapter adds the
+    iterations DeepSpeed skips (its ``engine.skipped_steps``: in bf16 ``BF16_Optimizer``
+    skips a step whose gradient norm is not finite; in fp32 DeepSpeed skips none)."""
     tp_group: Any = field(default=None)
     """The rank's TP group (TP is 1 under DeepSpeed's pipe engine: none)."""
     spec: ModelSpec | None = None
@@ -70,45 +78,85 @@ class DeepSpeedRun:
     def keyed_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.module.named_parameters())
 
+    @property
+    def bf16(self) -> bool:
+        """Whether DeepSpeed steps a ``BF16_Optimizer`` around the AdamW (fp32 masters and
+        moments in flat partitions, :mod:`deepspeed_master`)."""
+        return self.engine_optimizer is not self.optimizer and master.is_bf16_optimizer(
+            self.engine_optimizer, [p for _k, p in self.keyed_parameters()]
+        )
+
     def check_checkpointable(self) -> None:
-        """Refuse a save or a resume where the moments are not the AdamW's own (module
-        docstring): bf16 and fp16 runs, by name."""
-        if self.engine_optimizer is not self.optimizer:
+        """Refuse a save or a resume whose master weights and moments are not mapped to layer
+        keys (module docstring): anything DeepSpeed steps but the AdamW itself (fp32) or a
+        ``BF16_Optimizer`` around it (bf16), i.e. fp16's ``FP16_UnfusedOptimizer``, by name."""
+        if self.engine_optimizer is not self.optimizer and not self.bf16:
             raise NotCheckpointableError(
                 f"precision={self.precision!r}: DeepSpeed steps a "
-                f"{type(self.engine_optimizer).__name__} holding fp32 master weights and "
-                "moments in flat groups the adapter does not map to layer keys; it saves and "
-                "resumes fp32 runs only (run this job on Sailor's engine to checkpoint it)"
+                f"{type(self.engine_optimizer).__name__} whose fp32 master weights and moments "
+                "the adapter does not map to layer keys; it saves and resumes fp32 and bf16 "
+                "runs (run this job on Sailor's engine to checkpoint it in fp16)"
             )
 
-    def state(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]:
-        """``{key: (weight, exp_avg, exp_avg_sq, tp_dim)}`` of this rank (detached views;
-        zero moments before the first step). Raises if AdamW's step count is not
-        :attr:`adam_step` (the state would resume a different update)."""
-        self.check_checkpointable()
-        out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = {}
+    def _adam_steps(self) -> list[tuple[str, int]]:
+        """``(what, AdamW step count)`` of every tensor the optimizer steps (parameters in
+        fp32, flat partitions in bf16); none before the first step."""
+        if self.bf16:
+            steps = master.adam_steps(self.engine_optimizer)
+            return [(f"flat fp32 partition {i}", n) for i, n in enumerate(steps) if n]
+        out = []
         for key, p in self.keyed_parameters():
-            w = p.detach()
-            st = self.optimizer.state.get(p, {})
-            if not st:
-                if self.adam_step > 0:
-                    raise RuntimeError(f"{key}: no AdamW state at AdamW step {self.adam_step}")
-                out[key] = (w, torch.zeros_like(w), torch.zeros_like(w), tp_dim_of(p))
-                continue
-            step = st.get("step", 0)
-            n = int(step.item() if isinstance(step, torch.Tensor) else step)
+            step = self.optimizer.state.get(p, {}).get("step")
+            if step is not None:
+                out.append((key, int(step.item() if isinstance(step, torch.Tensor) else step)))
+        return out
+
+    def _check_adam_step(self) -> None:
+        steps = self._adam_steps()
+        if not steps and self.adam_step > 0:
+            raise RuntimeError(f"no AdamW state at AdamW step {self.adam_step}")
+        for what, n in steps:
             if n != self.adam_step:
                 raise RuntimeError(
-                    f"{key}: AdamW step {n} != iteration {self.step} minus "
+                    f"{what}: AdamW step {n} != iteration {self.step} minus "
                     f"{self.skipped_steps} skipped"
                 )
-            out[key] = (w, st["exp_avg"].detach(), st["exp_avg_sq"].detach(), tp_dim_of(p))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's full weights by key: the fp32 masters in bf16 (a collective over each
+        stage's data-parallel group: every rank calls it), the parameters in fp32."""
+        if self.bf16:
+            return {k: master.full_master(p) for k, p in self.keyed_parameters()}
+        return {k: p.detach() for k, p in self.keyed_parameters()}
+
+    def state(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]:
+        """``{key: (weight, exp_avg, exp_avg_sq, tp_dim)}`` of this rank (fp32: the masters
+        in bf16; zero moments before the first step). Raises if AdamW's step count is not
+        :attr:`adam_step` (the state would resume a different update). In bf16 a collective
+        over each stage's data-parallel group (every rank saves)."""
+        self.check_checkpointable()
+        self._check_adam_step()
+        stepped = self.adam_step > 0
+        out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = {}
+        for key, p in self.keyed_parameters():
+            if self.bf16:
+                w = master.full_master(p)
+                m, v = master.full_moments(p) if stepped else (None, None)
+            else:
+                w = p.detach()
+                st = self.optimizer.state.get(p, {})
+                if not st and stepped:
+                    raise RuntimeError(f"{key}: no AdamW state at AdamW step {self.adam_step}")
+                m, v = (st["exp_avg"].detach(), st["exp_avg_sq"].detach()) if st else (None, None)
+            if m is None or v is None:
+                m, v = torch.zeros_like(w), torch.zeros_like(w)
+            out[key] = (w, m, v, tp_dim_of(p))
         return out
 
     def scaling_state(self) -> dict[str, Any]:
         """The globals Sailor's engine keeps beside the weights (``Trainer.scaling_state``):
-        the precision, the steps skipped, no loss scale (fp32), no non-finite streak (the
-        adapter does not skip non-finite steps: a streak a resumed engine checkpoint was in
+        the precision, the steps skipped, no loss scale (fp32 and bf16 have none), no
+        non-finite streak (DeepSpeed keeps none: a streak a resumed engine checkpoint was in
         is dropped)."""
         return {
             "precision": self.precision,
@@ -120,7 +168,7 @@ class DeepSpeedRun:
     def load_scaling_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a checkpoint's globals: another precision is refused unless
         ``allow_precision_change`` (the engine's check and error); a saved loss scale is
-        dropped (fp32 has none), as Sailor's engine drops it without a scaler."""
+        dropped (fp32 and bf16 have none), as Sailor's engine drops it without a scaler."""
         check_state_precision(
             state.get("precision"), self.precision, self.cfg.allow_precision_change
         )
@@ -133,11 +181,19 @@ class DeepSpeedRun:
         moments: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         """Copy full weights (every key of this rank: a missing one is a ``KeyError``) and
-        AdamW moments into the module and the optimizer, at AdamW step :attr:`adam_step`."""
+        AdamW moments into the module and the optimizer, at AdamW step :attr:`adam_step`
+        (in bf16: into the fp32 masters, the bf16 parameters made from them)."""
         self.check_checkpointable()
-        for key, p in self.keyed_parameters():
+        keyed = self.keyed_parameters()
+        for key, _p in keyed:
             if key not in weights:
                 raise KeyError(f"{key}: not in the checkpoint (rank {self.rank})")
+        if self.bf16:
+            for key, p in keyed:
+                master.set_master(p, weights[key])
+            master.load_moments(self.engine_optimizer, keyed, moments, self.adam_step)
+            return
+        for key, p in keyed:
             p.copy_(weights[key].to(p.device, p.dtype))
             if self.adam_step <= 0:
                 self.optimizer.state.pop(p, None)
