@@ -120,8 +120,9 @@ from sailor.megatron_patch.data import build_dataset, check_tokenizer  # noqa: E
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
+    cuda_alloc_env,
     local_device,
-    nccl_error_env,
+    nccl_env,
 )
 from sailor.megatron_patch.engine import (  # noqa: E402
     StepResult,
@@ -291,6 +292,8 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
 
 def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
+    # before anything touches CUDA (the allocator reads it once; devices.cuda_alloc_env)
+    os.environ.update(cuda_alloc_env(os.environ))
     check_load_step(args)
     if args.in_place or args.warm:
         return _run_in_place(args, status, ckpt)
@@ -339,7 +342,7 @@ def _generation(
     # the others entered their first collective
     precision = job_precision(plan, spec, device, tc.precision if tc else "auto")
     if backend == "nccl":
-        os.environ.update(nccl_error_env(os.environ))
+        os.environ.update(nccl_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
     progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
     cfg = train_config(tc, args)
