@@ -87,6 +87,7 @@ The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
@@ -152,6 +153,7 @@ from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     release,
     warm_up,
 )
+from sailor.megatron_patch.load_barrier import loaded_together  # noqa: E402
 from sailor.megatron_patch.model_source import (  # noqa: E402
     load_architecture,
     load_model,
@@ -418,17 +420,32 @@ def _generation(
     if peers is not None and peers.scaling is not None:
         trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
-    if peers is not None and fill:
-        relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
-        relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
-    elif resume and ckpt is not None:
-        trainer.materialize()  # every parameter restored (a missing one is an error)
-        ckpt.restore(trainer, args.ckpt_dir, args.load_step)
-    elif weights is not None:
-        from sailor.megatron_patch.hf.checkpoint import load_stage
+    # the ranks that load first wait for the slowest on the store, not in the next
+    # collective under the process groups' timeout; a failed load ends them (load_barrier)
+    with (
+        loaded_together(
+            dist.distributed_c10d._get_default_store(),
+            args.rank,
+            args.world_size,
+            f"generation-{generation}",
+            args.load_timeout_s,
+            1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
+        )
+        if empty
+        else contextlib.nullcontext()
+    ):
+        if peers is not None and fill:
+            relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
+            relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
+        elif resume and ckpt is not None:
+            trainer.materialize()  # every parameter restored (a missing one is an error)
+            ckpt.restore(trainer, args.ckpt_dir, args.load_step)
+        elif weights is not None:
+            from sailor.megatron_patch.hf.checkpoint import load_stage
 
-        trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
-        load_stage(trainer.stage, weights)
+            trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
+            load_stage(trainer.stage, weights)
+        t_own = time.time()
     release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
     status.in_training, status.step, status.in_iteration = True, trainer.step, False
@@ -442,6 +459,7 @@ def _generation(
             "init_s": t0 - _t_start,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
+            "load_wait_s": t_loaded - t_own,
             "setup_s": time.time() - _t_start,
             "start_step": trainer.step,
             "consumed_samples": trainer.consumed_samples,
