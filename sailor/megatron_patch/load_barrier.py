@@ -80,8 +80,9 @@ def loaded_together(
 ) -> Iterator[None]:
     """Run this rank's load in the ``with`` block, then wait until every rank's is done.
 
-    ``world`` names this world's loads on the store (a generation of an in-place worker
-    reuses the store's address). A failure in the block is written to the store for the
+    ``world`` names this world's loads on the store, the same on every rank of it (the
+    worker's plan id and master address: a fresh rank and held in-place ranks number their
+    generations differently). A failure in the block is written to the store for the
     others (best effort: the store may be gone too) and raised; after a good load this rank
     checks in and waits (:func:`await_loads`)."""
     if world_size < 1 or not 0 <= rank < world_size:

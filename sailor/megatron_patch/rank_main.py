@@ -427,7 +427,9 @@ def _generation(
             dist.distributed_c10d._get_default_store(),
             args.rank,
             args.world_size,
-            f"generation-{generation}",
+            # one name on every rank of this world: a fresh rank and the held ones number
+            # their generations differently, their plan and master are the same
+            f"{plan.plan_id}@{args.master}",
             args.load_timeout_s,
             1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
         )
