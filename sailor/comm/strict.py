@@ -4,6 +4,8 @@ What it checks at the call, on this rank (raising :class:`CommRuleError`):
 
 - every tensor is on the rank's declared device (NCCL refuses host tensors; gloo does not);
 - every tensor is contiguous;
+- every tensor's dtype is one NCCL has (:data:`NCCL_DTYPES`): gloo takes bool, complex and
+  int16 as they are, NCCL has no such type;
 - receive and gather buffers have the dtype and element count of what they receive, as
   far as one rank can tell (a gather's outputs match its input);
 - tags cannot be passed at all (``sailor.comm.api`` has none; NCCL ignores them).
@@ -38,6 +40,7 @@ from sailor.comm.nccl_replay import CommOp
 
 __all__ = [
     "ENV_VAR",
+    "NCCL_DTYPES",
     "CommRuleError",
     "DryGroup",
     "StrictBackend",
@@ -46,6 +49,27 @@ __all__ = [
 ]
 
 ENV_VAR = "SAILOR_STRICT_COMM"
+
+
+NCCL_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
+"""The torch dtypes NCCL itself communicates (``ncclDataType_t``: int8, uint8, int32,
+uint32, int64, uint64, float16, bfloat16, float32, float64, and float8 on SM 90; NCCL's API
+reference "Types"). Left out: what NCCL has no type for — bool, complex, int16 — and float8
+and torch's unsigned 16-64-bit types, which the engine never sends. torch's NCCL process
+group carries a bool as bytes and turns a bool ``SUM`` into a logical OR (gloo counts), and
+its Python layer splits complex tensors into real pairs for some operations only: refused
+here alike, so that code checked on gloo sends nothing whose meaning under NCCL differs."""
 
 
 class CommRuleError(RuntimeError):
@@ -109,6 +133,12 @@ class StrictBackend:
             )
         if not t.is_contiguous():
             raise CommRuleError(f"rank {self.rank}: {what} tensor is not contiguous")
+        if t.dtype not in NCCL_DTYPES:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in NCCL_DTYPES))
+            raise CommRuleError(
+                f"rank {self.rank}: {what} tensor of dtype {t.dtype}: NCCL has no such type "
+                f"(it communicates {names}); convert it explicitly before the call"
+            )
 
     def _collective(
         self, kind: str, t: torch.Tensor | None, group: Any, detail: str = ""

@@ -88,8 +88,9 @@ from sailor.megatron_patch.deepspeed_state import DeepSpeedCheckpointIO, DeepSpe
 from sailor.megatron_patch.devices import (
     check_rank_device,
     choose_backend,
+    cuda_alloc_env,
     local_device,
-    nccl_error_env,
+    nccl_env,
 )
 from sailor.megatron_patch.engine import make_optimizer
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
@@ -433,6 +434,8 @@ def run(
     rule says fp32; DeepSpeed's CPU accelerator runs bf16, not fp16). ``--dump-state`` dumps
     the fp32 masters in bf16 (a collective: every rank is given it or none)."""
     args = build_parser().parse_args(argv)
+    # before anything touches CUDA (the allocator reads it once; devices.cuda_alloc_env)
+    os.environ.update(cuda_alloc_env(os.environ))
     status = status or Status(args.rank, sub_rank(args.error_file, args.rank))
     tc = load_train_config(args.train_config) if args.train_config else None
     check_args(args, ckpt is not None, tc)
@@ -459,7 +462,7 @@ def run(
         check_rank_device(plan, args.rank, torch.cuda.device_count())
         device = torch.device("cuda", local_device(plan, args.rank))
         torch.cuda.set_device(device)  # before the process group: NCCL binds to it
-        os.environ.update(nccl_error_env(os.environ))
+        os.environ.update(nccl_env(os.environ))
     # decided from the plan, the model and the config alone, before the process group: every
     # rank refuses alike (the engine's rule), not some after the others entered a collective
     requested = tc.precision if tc is not None else "auto"

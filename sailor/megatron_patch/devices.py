@@ -12,8 +12,10 @@ machine). NCCL needs one GPU per process: :func:`check_devices` refuses two rank
 on one GPU, or a GPU the node does not have, naming the pipelines, stages and ranks.
 
 :func:`nccl_error_env` is how a dead or silent peer becomes a Python exception instead of
-the watchdog's ``SIGABRT`` (see its docstring). Nothing here imports torch or touches a
-device; the worker and the DeepSpeed adapter apply the decisions.
+the watchdog's ``SIGABRT`` (see its docstring); :func:`nccl_env` adds to it what keeps NCCL
+to what the cost model prices (no NVLink SHARP), and :func:`cuda_alloc_env` the caching
+allocator's expandable segments. Nothing here imports torch or touches a device; the worker
+and the DeepSpeed adapter apply the decisions (the user's own settings always win).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ __all__ = [
     "check_devices",
     "check_rank_device",
     "choose_backend",
+    "cuda_alloc_env",
     "device_of",
     "local_device",
+    "nccl_env",
     "nccl_error_env",
     "pack_one_host",
 ]
@@ -216,3 +220,51 @@ def nccl_error_env(environ: Mapping[str, str]) -> dict[str, str]:
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in environ:
         out["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     return out
+
+
+def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment to add before an NCCL process group starts: the error handling
+    of :func:`nccl_error_env`, and NVLink SHARP off (the user's own settings win).
+
+    ``NCCL_NVLS_ENABLE=0``: on NVSwitch systems (H100/H200 SXM, GH200 NVL) NCCL turns NVLink
+    SHARP on by itself (NVLS arrived in NCCL 2.17; the variable's documented default enables
+    it wherever the hardware supports it), and its buffers come on top of the communicator's
+    usual ones, per communicator, at its initialisation: with eager initialisation
+    (``device_id``: every group the plan builds connects when it is created) each
+    intra-node group of a rank can take them. The memory model prices a communicator without them
+    (``catalog/calibration.json``, ``communicator_bytes``: "Not counted: NVLink SHARP
+    buffers"), so a plan sized to the prior could fail at communicator init with an OOM on
+    exactly the GPUs it was planned for. With it off the engine does what the cost model
+    prices; what NVLS would speed up is the all-reduce of large messages within a node, which
+    the planner's collective model does not assume either. A user who sets
+    ``NCCL_NVLS_ENABLE`` (to 1, to measure it) keeps their value, and the memory margin is
+    then theirs to check."""
+    out = nccl_error_env(environ)
+    if "NCCL_NVLS_ENABLE" not in environ:
+        out["NCCL_NVLS_ENABLE"] = "0"
+    return out
+
+
+def cuda_alloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The caching allocator's settings for every worker, to add before CUDA initialises
+    (it reads them once, at its first use): expandable segments, unless the user configured
+    the allocator themselves (``PYTORCH_CUDA_ALLOC_CONF``, or the device-generic
+    ``PYTORCH_ALLOC_CONF`` of newer torch: either wins, whole).
+
+    Why every worker, and not only the in-place ones: without them the allocator carves
+    fixed segments (``cudaMalloc`` of 2 MiB or of the request's size) and ``empty_cache``
+    returns only segments with no live block in them. A rank whose live tensors change over
+    its life — an in-place relayout above all (receive buffers, full tensors and new
+    parameters allocated between the old stage's freed blocks, after the memory verdict was
+    taken on totals: ``in_place_steps.fill_stage``), but also a checkpoint snapshot, a
+    resumed optimizer's moments, evaluation's activations — can then fail an allocation with
+    enough free bytes in total. Expandable segments map physical pages into one growing
+    virtual range per stream and pool, so freed pages are reused whatever their neighbours
+    and unmapped pages go back to the device (PyTorch's CUDA semantics page, "Optimizing
+    memory usage with PYTORCH_CUDA_ALLOC_CONF"; NVIDIA's Megatron-Bridge memory-tuning notes
+    name it the first fix for fragmentation OOMs in training). The engine shares no CUDA
+    tensor between processes (CUDA IPC, where older torch releases did not support
+    expandable segments), and CPU workers never read it."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

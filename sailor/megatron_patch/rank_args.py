@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
+from sailor.megatron_patch.load_barrier import LOAD_TIMEOUT_S
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["build_parser", "check_load_step", "check_periodic_checkpoints"]
@@ -69,9 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s",
         type=float,
         default=600.0,
-        help="Collective/p2p timeout (NCCL's own default): longer than any rank's checkpoint "
-        "read at start, so the ranks that finish first do not time out waiting; dead peers "
-        "are the runtime's to detect (the agent sees the exit, the controller aborts).",
+        help="Collective/p2p timeout (NCCL's own default). Loads at start (a checkpoint, an "
+        "in-place relayout's reads, HF weights) are waited for outside it "
+        "(--load-timeout-s); dead peers are the runtime's to detect (the agent sees the "
+        "exit, the controller aborts).",
+    )
+    p.add_argument(
+        "--load-timeout-s",
+        type=float,
+        default=LOAD_TIMEOUT_S,
+        help="How long the ranks that loaded their stage first wait for the others, on the "
+        "rendezvous store (not in a collective): default 2 h (megatron_patch.load_barrier).",
     )
     p.add_argument(
         "--exchange-bucket-mb",

@@ -87,6 +87,7 @@ The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
@@ -120,8 +121,9 @@ from sailor.megatron_patch.data import build_dataset, check_tokenizer  # noqa: E
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
+    cuda_alloc_env,
     local_device,
-    nccl_error_env,
+    nccl_env,
 )
 from sailor.megatron_patch.engine import (  # noqa: E402
     StepResult,
@@ -151,6 +153,7 @@ from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     release,
     warm_up,
 )
+from sailor.megatron_patch.load_barrier import loaded_together  # noqa: E402
 from sailor.megatron_patch.model_source import (  # noqa: E402
     load_architecture,
     load_model,
@@ -291,6 +294,8 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
 
 def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
+    # before anything touches CUDA (the allocator reads it once; devices.cuda_alloc_env)
+    os.environ.update(cuda_alloc_env(os.environ))
     check_load_step(args)
     if args.in_place or args.warm:
         return _run_in_place(args, status, ckpt)
@@ -339,7 +344,7 @@ def _generation(
     # the others entered their first collective
     precision = job_precision(plan, spec, device, tc.precision if tc else "auto")
     if backend == "nccl":
-        os.environ.update(nccl_error_env(os.environ))
+        os.environ.update(nccl_env(os.environ))
     echo = args.rank == 0 or bool(args.control)
     progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
     cfg = train_config(tc, args)
@@ -415,17 +420,34 @@ def _generation(
     if peers is not None and peers.scaling is not None:
         trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
-    if peers is not None and fill:
-        relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
-        relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
-    elif resume and ckpt is not None:
-        trainer.materialize()  # every parameter restored (a missing one is an error)
-        ckpt.restore(trainer, args.ckpt_dir, args.load_step)
-    elif weights is not None:
-        from sailor.megatron_patch.hf.checkpoint import load_stage
+    # the ranks that load first wait for the slowest on the store, not in the next
+    # collective under the process groups' timeout; a failed load ends them (load_barrier)
+    with (
+        loaded_together(
+            dist.distributed_c10d._get_default_store(),
+            args.rank,
+            args.world_size,
+            # one name on every rank of this world: a fresh rank and the held ones number
+            # their generations differently, their plan and master are the same
+            f"{plan.plan_id}@{args.master}",
+            args.load_timeout_s,
+            1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
+        )
+        if empty
+        else contextlib.nullcontext()
+    ):
+        if peers is not None and fill:
+            relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
+            relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
+        elif resume and ckpt is not None:
+            trainer.materialize()  # every parameter restored (a missing one is an error)
+            ckpt.restore(trainer, args.ckpt_dir, args.load_step)
+        elif weights is not None:
+            from sailor.megatron_patch.hf.checkpoint import load_stage
 
-        trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
-        load_stage(trainer.stage, weights)
+            trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
+            load_stage(trainer.stage, weights)
+        t_own = time.time()
     release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
     status.in_training, status.step, status.in_iteration = True, trainer.step, False
@@ -439,6 +461,7 @@ def _generation(
             "init_s": t0 - _t_start,
             "group_setup_s": t_groups - t0,
             "load_s": t_loaded - t_groups,
+            "load_wait_s": t_loaded - t_own,
             "setup_s": time.time() - _t_start,
             "start_step": trainer.step,
             "consumed_samples": trainer.consumed_samples,

@@ -23,8 +23,10 @@ from sailor.megatron_patch.devices import (
     check_devices,
     check_rank_device,
     choose_backend,
+    cuda_alloc_env,
     device_of,
     local_device,
+    nccl_env,
     nccl_error_env,
     pack_one_host,
 )
@@ -150,6 +152,31 @@ def test_nccl_error_handling_is_set_unless_the_user_chose() -> None:
     assert nccl_error_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {}
 
 
+def test_nvls_is_off_for_nccl_workers_unless_the_user_chose() -> None:
+    """NCCL enables NVLink SHARP by itself on NVSwitch systems; the memory model prices a
+    communicator without its buffers, so the workers turn it off (a user's value is kept)."""
+    assert nccl_env({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "NCCL_NVLS_ENABLE": "0"}
+    mine = {"NCCL_NVLS_ENABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl_env(mine) == {}
+    assert nccl_env({"NCCL_NVLS_ENABLE": "1"}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def test_expandable_segments_for_every_worker_unless_the_user_configured_the_allocator() -> None:
+    assert cuda_alloc_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # the user's configuration wins whole (not merged): theirs may set other options
+    assert cuda_alloc_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) == {}
+    assert cuda_alloc_env({"PYTORCH_CUDA_ALLOC_CONF": ""}) == {}
+    assert cuda_alloc_env({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
+
+
+_WORKER_ENV = (
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_NVLS_ENABLE",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+)
+
+
 class _StartedError(Exception):
     """Raised by the fake init_process_group: the test only needs what came before it."""
 
@@ -162,16 +189,23 @@ def _start_worker(
     seen: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(f"set_device {d}"))
+
+    def fake_set_device(d: Any) -> None:
+        calls.append(f"set_device {d}")
+        seen["alloc_at_set_device"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+    monkeypatch.setattr(torch.cuda, "set_device", fake_set_device)
 
     def fake_init(backend: str, **kw: Any) -> None:
         calls.append(f"init {backend}")
         seen.update(kw, env=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+        seen["nvls"] = os.environ.get("NCCL_NVLS_ENABLE")
         raise _StartedError
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "unset")
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    for name in _WORKER_ENV:  # restored after the test: the worker sets them in os.environ
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
     args = rank_args.build_parser().parse_args(
@@ -193,6 +227,9 @@ def test_the_worker_binds_its_gpu_before_the_process_group(
     assert calls == ["set_device 1", "init nccl"]
     assert seen["device_id"] == torch.device("cuda", 1)
     assert seen["env"] == "2"
+    assert seen["nvls"] == "0"
+    # set before the first CUDA call (the allocator reads it once)
+    assert seen["alloc_at_set_device"] == "expandable_segments:True"
 
 
 def test_a_cpu_plan_runs_on_gloo_with_cuda_visible(

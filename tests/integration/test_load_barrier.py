@@ -1,0 +1,104 @@
+"""A slow or failed load at start, on real workers (gloo, a 5 s process-group timeout).
+
+Two ranks of the shipped training process (a two-stage pipeline of tiny-gpt) resume from a
+checkpoint; rank 1's checkpoint storage is wrapped (``slow_load_worker``) so that its first
+read, once the world has formed, stalls past the process groups' timeout or fails.
+
+- slow: rank 0 loads at once and waits for rank 1 on the rendezvous store, outside any
+  collective; the world trains on with the uninterrupted run's losses. Before, rank 0 waited
+  in its first collective and gloo timed it out after 5 s.
+- failed: rank 0 exits as soon as its own load is over with rank 1's error, as a peer's
+  failure (``origin=peer``), not a communication error of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sailor.megatron_patch.launch import LocalRun, launch_local
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 5.0
+MODULE = "tests.integration.slow_load_worker"
+CONFIG = "model: {kind: builtin, name: tiny-gpt}\nseed: 3\n"
+
+
+def _stage(a: int, b: int) -> Stage:
+    return Stage(first_layer=a, last_layer=b, replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1))
+
+
+PLAN = Plan(
+    model="tiny-gpt",
+    global_batch_size=4,
+    pipelines=(
+        Pipeline(stages=(_stage(0, 2), _stage(3, 5)), microbatch_size=1, num_microbatches=4),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """A checkpoint at step 2 and the uninterrupted run's losses (steps 1-4)."""
+    root = tmp_path_factory.mktemp("loadbarrier")
+    config = root / "train.yaml"
+    config.write_text(CONFIG + "checkpoint: {dir: ckpt, every_steps: 2, keep: 2}\n")
+    run = launch_local(
+        PLAN,
+        4,
+        root / "full",
+        extra_args=["--train-config", str(config)],
+        module="sailor.training_process",
+        timeout_s=TIMEOUT_S,
+    )
+    assert run.ok, (run.errors, run.stderr)
+    return config, [s["loss"] for s in run.steps(1)]
+
+
+def _resume(config: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> LocalRun:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = ["--train-config", str(config), "--ckpt-dir", str(config.parent / "ckpt")]
+    return launch_local(
+        PLAN,
+        2,
+        workdir,
+        extra_args=[*args, "--load-step", "2"],
+        module=MODULE,
+        timeout_s=TIMEOUT_S,
+        deadline_s=120.0,
+    )
+
+
+def test_a_load_slower_than_the_process_group_timeout_is_waited_for_off_the_collectives(
+    saved: tuple[Path, list[float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, losses = saved
+    delay = 2.5 * TIMEOUT_S
+    run = _resume(config, tmp_path, monkeypatch, SLOW_LOAD_RANK="1", SLOW_LOAD_S=str(delay))
+    assert run.ok, (run.errors, run.stderr)
+    ready = [next(e for e in p if e.get("event") == "ready") for p in run.progress]
+    assert ready[0]["load_wait_s"] >= delay - 1.0  # rank 0 waited on the store
+    assert ready[1]["load_wait_s"] < TIMEOUT_S
+    assert [s["loss"] for s in run.steps(1)] == pytest.approx(losses[2:], rel=1e-6)
+
+
+def test_a_failed_load_ends_the_other_ranks_with_its_error(
+    saved: tuple[Path, list[float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _ = saved
+    run = _resume(
+        config, tmp_path, monkeypatch, SLOW_LOAD_RANK="1", SLOW_LOAD_S="0.5", FAIL_LOAD="1"
+    )
+    errors = run.errors
+    assert run.returncodes == [1, 1], run.stderr
+    assert errors[1]["origin"] == "local" and errors[1]["message"].startswith("injected")
+    assert errors[0]["origin"] == "peer", errors[0]
+    assert "rank 1" in errors[0]["message"] and "injected" in errors[0]["message"]
+    assert "failed to load its stage" in errors[0]["message"]
+    # promptly: as soon as rank 0's own load was over, not after a collective's timeout
+    assert run.exit_times_s[0] - run.exit_times_s[1] < TIMEOUT_S

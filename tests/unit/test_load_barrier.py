@@ -1,0 +1,75 @@
+"""``load_barrier`` on a real c10d TCP store (the one a world is initialised with).
+
+Ranks are simulated by calls on one store: each check-in is what a rank does after its load.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from sailor.localnet import free_port
+from sailor.megatron_patch.errors import PeerFailedError
+from sailor.megatron_patch.load_barrier import LoadTimeoutError, await_loads, loaded_together
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", free_port(), 1, True, timedelta(seconds=5))
+
+
+def test_the_last_rank_to_load_releases_every_rank() -> None:
+    store = _store()
+    store.add("sailor/loaded/g/count", 2)  # ranks 0 and 1 checked in before
+    store.set("sailor/loaded/g/done/0", "1")
+    store.set("sailor/loaded/g/done/1", "1")
+    assert await_loads(store, 2, 3, "g", timeout_s=5.0, poll_s=0.01) < 1.0
+
+
+def test_a_rank_not_loaded_in_time_is_named() -> None:
+    store = _store()
+    with pytest.raises(LoadTimeoutError, match=r"ranks \[1, 2\] did not finish loading.*1 of 3"):
+        await_loads(store, 0, 3, "g", timeout_s=0.2, poll_s=0.01)
+
+
+def test_a_failed_load_is_raised_by_the_others_with_its_error() -> None:
+    store = _store()
+    with pytest.raises(OSError, match="disk gone"), loaded_together(store, 1, 2, "g", 5.0, 0.01):
+        raise OSError("disk gone")
+    with pytest.raises(
+        PeerFailedError, match=r"rank 1 \(.*\) failed to load its stage: OSError: disk gone"
+    ):
+        await_loads(store, 0, 2, "g", timeout_s=5.0, poll_s=0.01)
+
+
+def test_worlds_do_not_mix() -> None:
+    store = _store()
+    with pytest.raises(OSError), loaded_together(store, 1, 2, "generation-0", 5.0, 0.01):
+        raise OSError("old world")
+    store.add("sailor/loaded/generation-1/count", 1)
+    assert await_loads(store, 0, 2, "generation-1", timeout_s=5.0, poll_s=0.01) < 1.0
+
+
+def test_a_store_that_stops_answering_is_a_peer_failure() -> None:
+    store = _store()
+    client = dist.TCPStore(
+        "127.0.0.1", store.port, 1, False, timedelta(seconds=2), wait_for_workers=False
+    )
+    del store  # the server (rank 0's) is gone
+    with pytest.raises(PeerFailedError, match="rendezvous store stopped answering"):
+        await_loads(client, 1, 2, "g", timeout_s=5.0, poll_s=0.01)
+
+
+def test_bad_arguments_name_the_field() -> None:
+    store = _store()
+    with (
+        pytest.raises(ValueError, match="rank=2 outside a world of world_size=2"),
+        loaded_together(store, 2, 2, "g"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="load timeout_s=0"),
+        loaded_together(store, 0, 2, "g", timeout_s=0),
+    ):
+        pass
