@@ -16,10 +16,13 @@ the stop:
   first boundary at or after S that some rank knew of it; the step they report is the
   step committed. They save and train on (no stop step is asked);
 - committed (:func:`committed`): once every node reports it durable (``saved_step``), a
-  ``CommitRecord`` as at a reconfiguration, the records of the steps its committer deleted
-  dropped. A crash relaunch loads it (``Observed.resumable``), like any commit. Checked first
-  in a RUNNING pass: a save every node reported durable before one of them was lost is
-  recorded before the abort chooses the step to load;
+  ``CommitRecord`` as at a reconfiguration, the records below the retention's step
+  (``keep_checkpoints``) dropped; the save's own ``prune_below`` is also at most the oldest
+  recorded step, since an abandoned save may still commit and prune (so one checkpoint more
+  than a reconfiguration's retention stays on disk, deleted by the next save). A crash
+  relaunch loads it (``Observed.resumable``), like any commit. Checked first in a RUNNING
+  pass: a save every node reported durable before one of them was lost is recorded before
+  the abort chooses the step to load;
 - abandoned: a save not durable on every node by its deadline (the iterations to S, then
   the CHECKPOINT phase's deadline of the plan) is audited and never recorded; the next is due
   ``checkpoint_every_s`` after it was asked for. It does not abort the job: a periodic save
@@ -117,7 +120,12 @@ def _sends(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """The Checkpoint of the save in flight to every node of the layout that has not acked
     it (its own command id kind: never a reconfiguration's checkpoint of the same step)."""
     p = d.periodic
-    below = min(_prune_below(d, o, cfg), p.step)
+    # Below the oldest recorded commit too: an abandoned save may still commit, and then
+    # prune, after the leader gave up on it; no record may point at files it deleted. The
+    # commit drops the records below the retention's step (``committed``), and the next
+    # save deletes their files: one checkpoint more on disk than a reconfiguration keeps.
+    recorded = [c.step for c in o.commits if c.directory == cfg.checkpoint_dir]
+    below = min(_prune_below(d, o, cfg), min(recorded, default=-1), p.step)
     out: list[Action] = []
     for n in sorted(d.placement):
         cid = command_id_for(d, "pckpt", n, p.step)
@@ -163,9 +171,9 @@ def committed(
         epoch=d.epoch,
         time=o.now,
     )
-    # what the committer deleted: the Checkpoint's prune_below (the records have not
-    # changed since it was sent: only the leader writes them, and only here in RUNNING)
-    below = min(_prune_below(d, o, cfg), p.step)
+    # the records below the retention's step go (their files the next save deletes,
+    # ``_sends``): only the leader writes records, and none changed since the request
+    below = min(_prune_below(d, o, cfg), saved)
     recorded = {c.step for c in o.commits if c.directory == cfg.checkpoint_dir}
     drop = tuple(sorted(s for s in recorded if s < below))
     # a step saved again is new files: its bad mark was the old ones' (as ``committing``)

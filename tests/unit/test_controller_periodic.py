@@ -99,6 +99,9 @@ def test_the_save_in_flight_is_sent_until_acked_and_committed_once_durable() -> 
     o = obs(nodes(1, 2), [st(1, step=153), st(2, step=153)], commits=commits)
     a = decide(d, o, CFG)
     assert [c.node_id for c in _checkpoints(a)] == ["n1", "n2"] and len(a) == 2
+    # prunes below the oldest record (20), not the retention's step (40): a save abandoned
+    # that still commits deletes no recorded step's files
+    assert all(c.prune_below == 20 for c in _checkpoints(a))
     acked = frozenset(c.command_id for c in _checkpoints(a))
     o = obs(nodes(1, 2), [st(1, step=153), st(2, step=153)], commits=commits, acked=acked)
     assert decide(d, o, CFG) == []
