@@ -422,6 +422,7 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
         "event_rejected",
         "phase",
         "commit",
+        "periodic_checkpoint",
         "plan",
         "fenced",
         "calibration",

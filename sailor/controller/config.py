@@ -132,9 +132,18 @@ class ControllerConfig(ServerEndpoints):
     keep_checkpoints: int | None = Field(
         default=1,
         ge=1,
-        description="Recorded reconfiguration checkpoints a new save leaves in place under "
-        "``checkpoint_dir``; the committer deletes older ones (and the controller their "
-        "records) once the new one commits, so at most this + 1 are on disk. None: keep all.",
+        description="Recorded checkpoints (a reconfiguration's or a periodic one's) a new save "
+        "leaves in place under ``checkpoint_dir``; the committer deletes older ones (and the "
+        "controller their records) once the new one commits, so at most this + 1 are on disk. "
+        "None: keep all.",
+    )
+    checkpoint_every_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Wall-clock seconds between the controller's periodic checkpoints of the "
+        "running job (saved without stopping it, recorded as commits a crash relaunch loads, "
+        "pruned by keep_checkpoints as any commit): a node lost without notice costs at most "
+        "about this much training. 0: none (only reconfigurations and notices checkpoint).",
     )
     lease_ttl_s: int = Field(default=2, ge=1, description="Leader lease TTL (takeover ~2 TTLs).")
     debounce_s: float = Field(

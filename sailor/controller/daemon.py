@@ -139,6 +139,7 @@ class Controller(EventIntake):
             deadlines=config.deadlines,
             checkpoint_dir=config.checkpoint_dir,
             keep_checkpoints=config.keep_checkpoints,
+            checkpoint_every_s=config.checkpoint_every_s,
             notice_margin_s=config.notice_margin_s,
             stop_ahead_steps=config.stop_ahead_steps,
             in_place=config.in_place,

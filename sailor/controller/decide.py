@@ -19,7 +19,8 @@ observed state, and deleted once applied.
 This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes of
 another NCCL version than the job's, ``controller/runtime_admission.py``), the pass's order (expired
 notices, readmit requests, clear-bad requests, forgotten records, then the phase) and the
-IDLE and RUNNING phases. Its inputs and actions are in ``controller/decision_types.py``; the
+IDLE and RUNNING phases (RUNNING's periodic checkpoint in ``controller/periodic.py``). Its
+inputs and actions are in ``controller/decision_types.py``; the
 other phases in ``controller/aborts.py`` (a failure's move to TEARDOWN),
 ``controller/launch.py`` (LAUNCH, LOAD, VERIFY), ``controller/checkpointing.py`` (QUIESCE,
 CHECKPOINT, COMMIT) and ``controller/teardown.py`` (TEARDOWN).
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import bad_marks, failing_nodes, runtime_admission
+from sailor.controller import bad_marks, failing_nodes, periodic, runtime_admission
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
@@ -86,7 +87,7 @@ def _running(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         adv = o.recalibration
         if adv is not None and adv.generation == d.generation and adv.membership == usable:
             return _recalibrate(d, o, cfg, adv)
-        return []
+        return periodic.periodic(d, o, cfg)
     steps = [o.status[n].step for n in d.placement if n in o.status]
     stop = max(steps, default=0) + cfg.stop_ahead_steps
     if noticed:
@@ -284,7 +285,14 @@ def _phase(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is Phase.IDLE:
         return _idle(d, o, cfg)
     if d.phase is Phase.RUNNING:
-        return _running(d, o, cfg)
+        # a periodic save every node reported durable is recorded first: an abort in this
+        # pass loads it; one still in flight is dropped by a pass that leaves RUNNING
+        done = periodic.committed(d, o, cfg)
+        first: list[Action] = []
+        if done is not None:
+            first, d, o = done
+        actions = _running(d, o, cfg)
+        return [*first, *periodic.superseded(d, actions), *actions]
     if d.phase in (Phase.QUIESCE, Phase.CHECKPOINT):
         return quiesce_like(d, o, cfg)
     if d.phase is Phase.COMMIT:

@@ -3,7 +3,7 @@
 ``DecideConfig`` holds the knobs, ``Observed`` what the controller sees (with online
 calibration's ``RecalibrationAdvice``), and ``Action`` the actions ``decide`` returns
 (``SetDesired``, ``Send``, ``Replan``, ``Commit``, ``ClearNotice``, ``ClearReadmit``,
-``ClearBadDone``), which
+``ClearBadDone``, ``PeriodicOutcome``), which
 the executor (``controller/executor.py``) carries out. The helpers the decision's phase
 modules share (``decide.py``, ``aborts.py``, ``launch.py``, ``checkpointing.py``,
 ``teardown.py``; no one else needs them): a phase move checked against the state machine
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field
 
@@ -47,6 +47,7 @@ from sailor.schemas.runtime import (
     CommitRecord,
     DesiredState,
     NoticeRecord,
+    PeriodicCheckpoint,
     Phase,
     ReadmitRequest,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "Deadline",
     "DecideConfig",
     "Observed",
+    "PeriodicOutcome",
     "RecalibrationAdvice",
     "Replan",
     "Send",
@@ -122,6 +124,14 @@ class DecideConfig(Frozen):
         description="The model the plans train (the controller config's ``model``): what "
         "sizes a plan's checkpoint for its phase deadlines (``deadlines.derive``). None: the "
         "configured deadlines alone.",
+    )
+    checkpoint_every_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="A periodic checkpoint of the RUNNING job this long after the phase "
+        "began or the last was asked for (``controller/periodic.py``); 0: none. The "
+        "controller config's default is an hour; this one is off, so a table of states "
+        "says when it wants one.",
     )
     measured: MeasuredIteration | None = Field(
         default=None,
@@ -227,6 +237,8 @@ class Commit:
 
     record: CommitRecord
     drop: tuple[int, ...] = ()
+    periodic: bool = False
+    """A periodic checkpoint's (``controller/periodic.py``), not a reconfiguration's."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +274,27 @@ class ClearBadDone:
     reason: str = ""
 
 
-Action = SetDesired | Send | Replan | Commit | ClearNotice | ClearReadmit | ClearBadDone
+@dataclass(frozen=True)
+class PeriodicOutcome:
+    """An audit record of a periodic checkpoint (``controller/periodic.py``): ``requested``,
+    ``committed`` or ``abandoned`` (with why), of ``step`` in ``generation``."""
+
+    outcome: Literal["requested", "committed", "abandoned"]
+    step: int
+    generation: int
+    reason: str = ""
+
+
+Action = (
+    SetDesired
+    | Send
+    | Replan
+    | Commit
+    | ClearNotice
+    | ClearReadmit
+    | ClearBadDone
+    | PeriodicOutcome
+)
 
 
 @dataclass(frozen=True)
@@ -376,6 +408,10 @@ def move_to(
     :func:`phase_deadline`'s of that state (a LAUNCH's new plan and placement included)."""
     check_transition(d.phase, phase)
     update: dict[str, object] = {"phase": phase, "phase_since": now, "phase_epoch": d.epoch}
+    if d.phase is Phase.RUNNING and phase is not Phase.RUNNING:
+        # a periodic checkpoint belongs to its RUNNING phase: one in flight is dropped (the
+        # caller audits it: ``periodic.superseded``), never recorded by a later phase
+        update["periodic"] = PeriodicCheckpoint()
     update.update(kw)
     nxt = d.model_copy(update=update)
     if phase is Phase.LAUNCH and "in_place_reads" not in kw:

@@ -48,6 +48,7 @@ from sailor.controller.decision_types import (
     ClearReadmit,
     Commit,
     DecideConfig,
+    PeriodicOutcome,
     Replan,
     Send,
     SetDesired,
@@ -74,6 +75,7 @@ from sailor.schemas.runtime import (
     CommandAck,
     DesiredState,
     NodeHealth,
+    PeriodicCheckpoint,
     Phase,
     SigabrtReports,
     SuspectCheckpoint,
@@ -211,6 +213,8 @@ class Executor:
             unused.add("reads_spent_through")
         if state.sigabrt_reports == SigabrtReports():
             unused.add("sigabrt_reports")
+        if state.periodic == PeriodicCheckpoint():
+            unused.add("periodic")
         # model_copy does not validate: a cause naming every node of a large layout would
         # be written whole, and no reader could parse the state back
         if len(state.cause) > CAUSE_MAX or len(state.path_reason) > CAUSE_MAX:
@@ -292,6 +296,17 @@ class Executor:
                 continue
             if isinstance(a, Send):  # sent below when due; acks wake the loop themselves
                 continue
+            if isinstance(a, PeriodicOutcome):  # a record only: the state comes with it
+                self.audit.write(
+                    "periodic_checkpoint",
+                    self.clock.now(),
+                    epoch=self.epoch,
+                    outcome=a.outcome,
+                    step=a.step,
+                    generation=a.generation,
+                    cause=a.reason,
+                )
+                continue
             before, self.progressed = self.progressed, True
             if isinstance(a, SetDesired):
                 take = self._requests_applied(actions, i)
@@ -329,6 +344,7 @@ class Executor:
                     plan_id=rec.plan_id,
                     directory=rec.directory,
                     dropped=list(a.drop),
+                    periodic=a.periodic,
                 )
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(

@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -44,7 +44,9 @@ names): a release of version 5
 was out. ``GPUCalibration.communicator_bytes``
 and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and ``communicators_covered``,
 ``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader
-of version 5 refuses a record of its own version that holds them."""
+of version 5 refuses a record of its own version that holds them.
+7: ``DesiredState.periodic`` (the controller's periodic checkpoint, written only once one
+was asked for): a release of version 6 was out."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

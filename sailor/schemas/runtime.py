@@ -35,6 +35,7 @@ __all__ = [
     "LaunchPath",
     "NodeHealth",
     "NoticeRecord",
+    "PeriodicCheckpoint",
     "Phase",
     "ReadmitRequest",
     "SigabrtReports",
@@ -187,6 +188,37 @@ class SuspectCheckpoint(Frozen):
             )
         if list(self.nodes) != sorted(set(self.nodes)):
             raise field_error("nodes", list(self.nodes), "must be sorted, without repeats")
+        return self
+
+
+class PeriodicCheckpoint(Frozen):
+    """The controller's periodic checkpoint of a RUNNING generation (``DesiredState.
+    periodic``; ``controller/periodic.py``): a save of ``step`` asked of every node without
+    stopping them, recorded as a commit once every node reports it durable, abandoned (never
+    recorded) at ``deadline``. ``step`` -1: none in flight; ``requested`` stays after the
+    save ends, so the next one is due ``checkpoint_every_s`` after it, a retry too."""
+
+    step: int = Field(default=-1, ge=-1, description="Step asked to save; -1: none in flight.")
+    requested: float = Field(
+        default=0.0, ge=0, description="Unix time the latest periodic save was asked for; 0: none."
+    )
+    deadline: float = Field(
+        default=0.0,
+        ge=0,
+        description="Unix time the save in flight is abandoned at (not every node reported it "
+        "durable); 0 when none is in flight.",
+    )
+
+    @model_validator(mode="after")
+    def _deadline_with_step(self) -> PeriodicCheckpoint:
+        if self.step >= 0 and self.deadline < self.requested:
+            raise field_error(
+                "deadline",
+                self.deadline,
+                f"a save in flight (step {self.step}) ends after its request ({self.requested})",
+            )
+        if self.step < 0 and self.deadline:
+            raise field_error("deadline", self.deadline, "set, but no save is in flight (step -1)")
         return self
 
 
@@ -391,6 +423,13 @@ class DesiredState(WireMessage):
         "past the deadline also once the kill has ended (the pass its end wakes comes before "
         "the re-sent Launch's ack), unless they report a failure. Emptied at the next launch "
         "and once every node acked. Empty: none (wire version 5).",
+    )
+
+    periodic: PeriodicCheckpoint = Field(
+        default_factory=PeriodicCheckpoint,
+        description="RUNNING: the controller's periodic checkpoint in flight, and when the "
+        "last was asked for (``ControllerConfig.checkpoint_every_s``); reset when the phase "
+        "leaves RUNNING. Empty: none asked in this phase (wire version 7).",
     )
 
     @field_validator("agreed_health")

@@ -30,6 +30,7 @@ from sailor.schemas._base import SCHEMA_VERSION
 from sailor.schemas.runtime import (
     DesiredState,
     NodeHealth,
+    PeriodicCheckpoint,
     ReadmitRequest,
     SigabrtReports,
     SuspectCheckpoint,
@@ -211,6 +212,9 @@ _V5 = ("agreed_health", "launch_waited", "job_precision", "plan_failed")
 _V6 = ("in_place_reads", "reads_spent_through", "forgiven_nodes")
 """``DesiredState``'s fields of wire version 6."""
 
+_V7 = ("periodic",)
+"""``DesiredState``'s fields of wire version 7."""
+
 
 def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
     """``DesiredState`` as a release without the fields ``without`` defined it, its
@@ -233,13 +237,14 @@ def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
 @pytest.mark.parametrize(
     ("version", "without"),
     [
-        (1, ("node_health", *_V3, *_V4, *_V5, *_V6)),
-        (2, (*_V3, *_V4, *_V5, *_V6)),
-        (3, (*_V4, *_V5, *_V6)),
-        (4, (*_V5, *_V6)),
-        (5, _V6),
+        (1, ("node_health", *_V3, *_V4, *_V5, *_V6, *_V7)),
+        (2, (*_V3, *_V4, *_V5, *_V6, *_V7)),
+        (3, (*_V4, *_V5, *_V6, *_V7)),
+        (4, (*_V5, *_V6, *_V7)),
+        (5, (*_V6, *_V7)),
+        (6, _V7),
     ],
-    ids=["v1", "v2", "v3", "v4", "v5"],
+    ids=["v1", "v2", "v3", "v4", "v5", "v6"],
 )
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
     monkeypatch: pytest.MonkeyPatch, version: int, without: tuple[str, ...]
@@ -253,8 +258,9 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     version 5 the agreed errors' records and the LAUNCH's nodes waited for past their kill,
     which a release-4 reader drops; version 6 an in-place launch's reads per node and the
     generation whose read failures an operator's clear spent and the nodes an operator
-    readmitted, which a release-5 reader drops."""
-    assert SCHEMA_VERSION >= 6
+    readmitted, which a release-5 reader drops; version 7 the controller's periodic
+    checkpoint, which a release-6 reader drops."""
+    assert SCHEMA_VERSION >= 7
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
     )
@@ -276,6 +282,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         in_place_reads={"n2": 1 << 20},
         reads_spent_through=3,
         forgiven_nodes={"n2": 4},
+        periodic=PeriodicCheckpoint(step=120, requested=50.0, deadline=90.0),
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d

@@ -1,0 +1,73 @@
+"""The controller's periodic checkpoint through real etcd, NATS, agents and toy workers: a
+node lost without notice relaunches from the last periodic commit, not from a fresh start.
+
+Before it, commits were recorded only at reconfigurations and notices: a job that ran with
+no join, leave or notice relaunched from its start (or the last reconfiguration) when a node
+vanished."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.controller.audit import read_records
+from sailor.localservers import LocalServers
+from sailor.schemas.runtime import Phase
+from tests.integration.cluster_kit import Cluster, until
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    """The defaults but a periodic checkpoint every 2 s (toy steps of 0.15 s)."""
+    async with Cluster(tmp_path, servers) as c:
+        c.ctl_update = {"checkpoint_every_s": 2.0}
+        yield c
+
+
+def _periodic(cluster: Cluster) -> list[dict[str, Any]]:
+    for ctl, _task in cluster.controllers.values():
+        ctl.audit.sync()
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    return [r for r in recs if r["kind"] == "periodic_checkpoint"]
+
+
+async def test_a_node_lost_without_notice_relaunches_from_the_periodic_checkpoint(
+    cluster: Cluster,
+) -> None:
+    cluster.start_agent("n1")
+    cluster.start_agent("n2")
+    cluster.start_controller("c1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 60)
+    while sorted(ctl.desired.placement) != ["n1", "n2"]:  # n2 registered after the first pass
+        ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
+    gen = ctl.desired.generation
+    before = ctl.desired.load_step  # -1, or the commit of n2's join
+
+    def committed() -> list[int]:
+        return [
+            int(r["step"])
+            for r in _periodic(cluster)
+            if r["outcome"] == "committed" and r["generation"] == gen
+        ]
+
+    await until(committed, 30, "a periodic checkpoint committed")
+    first = committed()[0]
+    assert first > max(before, 0)
+    # the workers trained on past it: no stop was asked
+    await cluster.wait_step(ctl, ["n1", "n2"], first + 3, 10)
+    await cluster.stop_agent("n2", crash=True)  # no notice, no leave: the lease expires
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
+    d = ctl.desired
+    assert list(d.placement) == ["n1"]
+    # the newest periodic commit of the lost generation (one in flight may have committed
+    # since the first), never the start or the join's commit
+    assert d.load_step == max(committed()) >= first, (d.load_step, committed())
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    commits = [r for r in recs if r["kind"] == "commit" and r["step"] == d.load_step]
+    assert commits and commits[0]["periodic"] is True
+    await cluster.audit()
