@@ -40,6 +40,7 @@ functions of ``assignment.py``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -58,12 +59,12 @@ from sailor.checkpoint.assignment import (
     writer_ranks,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.errors import CheckpointError
+from sailor.checkpoint.errors import CheckpointError, SaveCancelledError
 from sailor.checkpoint.gc import apply_prune, apply_retention
 from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
-from sailor.checkpoint.writer import commit, persist_layers
+from sailor.checkpoint.writer import commit, discard_save, persist_layers
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
 from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest, TensorKind
@@ -230,9 +231,12 @@ class Checkpointer:
 
     def cancel(self) -> None:
         """Fence a save still in flight for a world that was abandoned (its peers may be
-        dead; nothing waits for it): its committer writes no manifest or marker from now on,
-        so a later generation's commit of the same step is never interleaved with it. Its
-        shards and part, named by its save id, are left for retention. Does not block."""
+        dead; nothing waits for it): its committer writes no manifest or marker from now on
+        (checked before each write that could undo another commit), so a later generation's
+        commit of the same step is not interleaved with it, and whichever rank's persist
+        ends after this deletes the save's files written so far (``discard_save``: never a
+        committed save's). A write already begun is not interrupted: a committer stalled
+        inside its manifest write is the one window left. Does not block."""
         self._cancelled.set()
 
     def close(self) -> None:
@@ -384,6 +388,28 @@ class Checkpointer:
             )
             off += t.numel()
 
+    def _commit(self, globals_: TrainingGlobals, save_id: str) -> CheckpointManifest:
+        return commit(
+            self.storage,
+            step=globals_.step,
+            save_id=save_id,
+            writer_ranks=self.writers,
+            globals_=globals_,
+            model=self.plan.model,
+            num_layers=self.plan.num_layers,
+            plan_id=self.plan.plan_id,
+            layout=layout_summary(self.plan),
+            timeout_s=self.commit_timeout_s,
+            cancelled=self._cancelled.is_set,
+        )
+
+    def _discard(self, step: int, save_id: str) -> None:
+        """Delete a cancelled save's files (every rank's written so far: the save is dead
+        on all of them; ``discard_save`` never touches a committed save's). A failure to
+        delete leaves them to ``sailor ckpt gc``."""
+        with contextlib.suppress(OSError, CheckpointError):
+            discard_save(self.storage, step, save_id)
+
     def _persist(
         self,
         mine: dict[int, dict[str, ParamState]],
@@ -394,29 +420,24 @@ class Checkpointer:
     ) -> SaveResult:
         t0 = time.perf_counter()
         nbytes = 0
-        if mine:
+        if mine and not self._cancelled.is_set():
             part = persist_layers(
                 self.storage, globals_.step, save_id, mine, rank=self.rank, scratch=self._scratch
             )
             nbytes = sum(s.size for s in part.shards)
+        if self._cancelled.is_set():  # nobody waits for this save: its files go now
+            self._discard(globals_.step, save_id)
+            raise SaveCancelledError(f"step {globals_.step} save {save_id}: cancelled")
         t1 = time.perf_counter()
         manifest = None
         t2 = t1
         retention_error = ""
         if self.rank == self.committer_rank:
-            manifest = commit(
-                self.storage,
-                step=globals_.step,
-                save_id=save_id,
-                writer_ranks=self.writers,
-                globals_=globals_,
-                model=self.plan.model,
-                num_layers=self.plan.num_layers,
-                plan_id=self.plan.plan_id,
-                layout=layout_summary(self.plan),
-                timeout_s=self.commit_timeout_s,
-                cancelled=self._cancelled.is_set,
-            )
+            try:
+                manifest = self._commit(globals_, save_id)
+            except SaveCancelledError:
+                self._discard(globals_.step, save_id)
+                raise
             t2 = time.perf_counter()
             try:
                 if self.keep is not None:

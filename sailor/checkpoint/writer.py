@@ -357,14 +357,20 @@ def commit(
         layout=layout,
     )
     _check_shards(storage, d, manifest)
-    if cancelled is not None and cancelled():
-        raise SaveCancelledError(f"step {step} save {save_id}: cancelled; not committed")
     raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
+
+    def fence() -> None:  # checked right before each write that could undo another commit
+        if cancelled is not None and cancelled():
+            raise SaveCancelledError(f"step {step} save {save_id}: cancelled; not committed")
+
+    fence()
     if storage.exists(f"{d}/{MARKER}"):
         # The step was committed before (an attempt the controller never recorded): take
         # its marker away first, so that a crash before the new marker leaves the step
         # uncommitted (skipped by readers), not an old marker over a new manifest.
+        fence()
         storage.delete(f"{d}/{MARKER}")
+    fence()
     storage.write(f"{d}/{MANIFEST}", [raw])
     if before_marker is not None:
         before_marker()

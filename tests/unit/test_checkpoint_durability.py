@@ -34,7 +34,7 @@ from sailor.checkpoint import (
 )
 from sailor.checkpoint.checkpointer import Checkpointer
 from sailor.checkpoint.errors import SaveCancelledError
-from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, step_dir
+from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, part_name, shard_name, step_dir
 from sailor.checkpoint.writer import persist_layers, save_full
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from tests.unit.test_checkpoint_blocks import one_layer_plan
@@ -276,6 +276,9 @@ def test_a_cancelled_save_commits_nothing_over_a_later_commit_of_its_step(
         ck.wait()
     assert committed_steps(s) == [3] and read_manifest(s, 3).save_id == "new"
     assert verify(s, 3) == []
+    # the cancelled save's files there when its committer stopped are deleted with it
+    assert not (tmp_path / step_dir(3) / shard_name(0, "old")).exists()
+    assert not (tmp_path / step_dir(3) / part_name("old", 0)).exists()
     ck.close()
 
 
@@ -302,5 +305,24 @@ def test_a_reset_fences_the_save_in_flight(tmp_path: Path) -> None:
     persist_layers(s, 3, old, late, rank=1)
     with pytest.raises(SaveCancelledError):
         ck.wait()
+    assert read_manifest(s, 3).save_id == "new" and verify(s, 3) == []
+    assert not (tmp_path / step_dir(3) / shard_name(0, old)).exists()
+    ck.close()
+
+
+def test_a_save_cancelled_before_its_persist_ends_deletes_what_it_wrote(tmp_path: Path) -> None:
+    """A writer (not the committer) of a cancelled save: once its persist ends, its files
+    go, and it reports the cancel; a committed save of the step is not touched."""
+    s = LocalStorage(tmp_path)
+    state = _state(layers=2)
+    save_full(s, state, TrainingGlobals(3, 3, {}), model="toy", num_layers=2, save_id="new")
+    theirs = {k: p for k, p in state.items() if k.startswith("1.")}
+    ck = Checkpointer(s, _two_stage_plan(), 1, keep=None)
+    ck.cancel()  # before its persist ran: as a reset racing the background thread
+    ck.save(theirs, TrainingGlobals(3, 3, {}), save_id="old")
+    with pytest.raises(SaveCancelledError):
+        ck.wait()
+    d = tmp_path / step_dir(3)
+    assert not (d / shard_name(1, "old")).exists() and not (d / part_name("old", 1)).exists()
     assert read_manifest(s, 3).save_id == "new" and verify(s, 3) == []
     ck.close()
