@@ -56,19 +56,25 @@ async def test_more_replicas_than_a_single_nats_server_holds_stops_the_controlle
     assert len(failed) == 1 and failed[0]["cluster_size"] == 1, failed
 
 
+@pytest.mark.parametrize("urls", ["every member", "one URL"])
 async def test_a_shortage_of_nats_servers_shows_in_status_until_the_stream_is_placed(
-    tmp_path: Path, nats_two_of_three: LocalServers
+    tmp_path: Path, nats_two_of_three: LocalServers, urls: str
 ) -> None:
     """Replicas 3 on a 3-server cluster with one server down: the leader leads, status says
     the stream is not placed (why, since when, then overdue), the audit log says so once;
-    the server's start places it, status and audit say that too."""
+    the server's start places it, status and audit say that too. Through one URL (a DNS
+    name, a load balancer, the old ``nats_url`` key) too: the client then knows of the two
+    servers up only; before, 3 replicas "more than the 2 servers known" was taken for a
+    configuration error that stopped the controller (and its standby) while NATS was
+    short a member."""
     servers = nats_two_of_three
+    listed = servers.nats_urls if urls == "every member" else servers.nats_urls[:1]
     cfg = (
         Cluster(tmp_path, servers)
         .ctl_config("c1")
         .model_copy(
             update={
-                "nats_urls": servers.nats_urls,  # every member, as a deployment lists them
+                "nats_urls": listed,
                 "event_stream_replicas": 3,
                 "event_stream_deadline_s": 1.0,
             }
