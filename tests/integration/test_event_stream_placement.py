@@ -8,17 +8,21 @@ placement"). Before, both retried every 0.3 s with a log line each, and nothing 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from sailor.cli.main import app
 from sailor.controller.audit import read_records
 from sailor.controller.daemon import Controller
 from sailor.controller.status import read_status
-from sailor.coordination import DaemonFailedError, connect_nats
+from sailor.coordination import DaemonFailedError, Keys, connect_etcd, connect_nats
 from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
+from sailor.schemas.runtime import EventStreamState
 from tests.integration.cluster_kit import Cluster
 from tests.integration.conftest import IDENTITIES
 
@@ -125,3 +129,39 @@ async def test_a_shortage_of_nats_servers_shows_in_status_until_the_stream_is_pl
     assert "no suitable peers" in records[0]["reason"]
     assert records[2]["unplaced_s"] >= 1.0  # the deadline passed first
     assert ctl.failure is None
+
+
+@pytest.mark.parametrize("placed", [False, True])
+async def test_status_shows_the_stream_unplaced_then_placed(
+    module_plain_servers: LocalServers, tmp_path: Path, placed: bool
+) -> None:
+    """``sailor status`` prints the leader's ``event-stream`` record: not placed (since when,
+    why, OVERDUE), and once placed, placed since when, for the rest of the term. Before,
+    it printed nothing once the stream was placed, while the docs said it showed that."""
+    ep = module_plain_servers.etcd_endpoint
+    job = f"es-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    record = EventStreamState(
+        placed=placed,
+        since=time.time() - 30,
+        reason="" if placed else "jetstream cannot place 3 replicas now: no suitable peers",
+        replicas=3,
+        overdue=not placed,
+        epoch=1,
+    )
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.event_stream, record.model_dump_json().encode())
+        cfg = tmp_path / "controller.yaml"
+        cfg.write_text(f"etcd_endpoints: [{ep}]\njob: {job}\ncheckpoint_dir: /ck\n")
+        res = await asyncio.to_thread(CliRunner().invoke, app, ["status", "--config", str(cfg)])
+    finally:
+        await store.close()
+    out = " ".join(res.output.split())  # the console wraps at its width
+    assert res.exit_code == 0, res.output
+    if placed:
+        assert "event stream placed since" in out and "3 replicas" in out, out
+        assert "not placed" not in out
+    else:
+        assert "event stream not placed OVERDUE since" in out, out
+        assert "no suitable peers" in out
