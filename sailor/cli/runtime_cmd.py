@@ -220,6 +220,7 @@ def audit(
         f"{rep.reconfigurations} launches, commits {rep.commits}, "
         f"{rep.calibrations} calibration versions, {rep.recalibrations} calibration-driven "
         f"replans, {rep.in_place} launches in place, {rep.fallbacks} fallbacks to restart"
+        + (f", marked bad {rep.marked_bad}" if rep.marked_bad else "")
     )
     for v in rep.violations:
         typer.echo(f"VIOLATION {v}", err=True)
