@@ -137,15 +137,21 @@ def status(
         )
     )
     stream = snap.get("event_stream")
-    if stream and not stream["placed"]:  # the leader takes no event from NATS meanwhile
+    if stream:  # written only once this term's placement failed
         since = datetime.fromtimestamp(stream["since"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        late = " [bold red]OVERDUE[/]" if stream["overdue"] else ""
-        con.print(
-            f"[bold]event stream not placed[/]{late} since {since} ({stream['for_s']:.0f} s), "
-            f"{stream['replicas']} replicas: "
-            f"{escape(stream['reason'])} (events are not received; joins, leaves and notices "
-            "arrive through etcd only)"
-        )
+        if not stream["placed"]:  # the leader takes no event from NATS meanwhile
+            late = " [bold red]OVERDUE[/]" if stream["overdue"] else ""
+            con.print(
+                f"[bold]event stream not placed[/]{late} since {since} "
+                f"({stream['for_s']:.0f} s), {stream['replicas']} replicas: "
+                f"{escape(stream['reason'])} (events are not received; joins, leaves and "
+                "notices arrive through etcd only)"
+            )
+        else:
+            con.print(
+                f"event stream placed since {since} ({stream['for_s']:.0f} s), "
+                f"{stream['replicas']} replicas, after a shortage of NATS servers this term"
+            )
     held = snap.get("job_excluded")
     if held:  # most placed nodes failed alike: no layout is launched until then
         until = datetime.fromtimestamp(held["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -214,6 +220,7 @@ def audit(
         f"{rep.reconfigurations} launches, commits {rep.commits}, "
         f"{rep.calibrations} calibration versions, {rep.recalibrations} calibration-driven "
         f"replans, {rep.in_place} launches in place, {rep.fallbacks} fallbacks to restart"
+        + (f", marked bad {rep.marked_bad}" if rep.marked_bad else "")
     )
     for v in rep.violations:
         typer.echo(f"VIOLATION {v}", err=True)

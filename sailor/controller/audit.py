@@ -30,7 +30,9 @@ violated invariants:
 - no committed step is lost: every launch loads the newest commit recorded before it (but one
   a launch could not read: ``bad_checkpoints`` of the phase records; and one whose mark an
   operator cleared, ``clear_bad``, which a launch may load and need not: a planned
-  reconfiguration reloads its own save; a step committed again is readable again);
+  reconfiguration reloads its own save; a step committed again is readable again; a new
+  leader's first phase record, ``ADOPTION_CAUSES``, holds every mark there is: one it lacks
+  was cleared by a write whose records its leader never wrote);
 - every calibration-driven replan (a phase change whose cause starts with
   ``recalibration``) follows a ``replan_decision`` of its generation that reconfigured, whose
   numbers satisfy the rule by themselves (``recalibrate.rule_violations``: the gain exceeds the
@@ -57,7 +59,12 @@ import structlog
 from sailor.controller.recalibrate import rule_violations
 from sailor.coordination.keys import event_subject_source, safe_token
 
-__all__ = ["AuditLog", "AuditReport", "check", "read_records", "timeline"]
+__all__ = ["ADOPTION_CAUSES", "AuditLog", "AuditReport", "check", "read_records", "timeline"]
+
+ADOPTION_CAUSES = ("took over", "first leader")
+"""The cause of a leader's first phase record of its term (``Controller._adopt``): the
+desired state as it took it over, with every bad mark etcd holds (``bad_checkpoints``,
+absent when none)."""
 
 
 class AuditLog:
@@ -237,6 +244,9 @@ class AuditReport:
     """Launches that took the in-place path."""
     fallbacks: int = 0
     """Restart launches that fell back after an in-place launch failed."""
+    marked_bad: list[int] = field(default_factory=list)
+    """Committed steps a launch could not read, as the log leaves them (marked bad, not
+    cleared nor committed again)."""
 
     @property
     def ok(self) -> bool:
@@ -307,7 +317,14 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             phase = r.get("phase")
             gen = int(r.get("generation", -1))
             marked = {int(s) for s in r.get("bad_checkpoints", ())}
-            unreadable |= marked
+            if r.get("cause") in ADOPTION_CAUSES:
+                # a new leader's first write holds every mark etcd holds (absent: none):
+                # one its view lacks went with a write whose audit record no one wrote (the
+                # old leader's answer lost, its term ended before it read the state back)
+                cleared |= unreadable - marked
+                unreadable = set(marked)
+            else:
+                unreadable |= marked
             cleared -= marked
             if gen < last_gen:
                 rep.violations.append(
@@ -352,6 +369,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     )
     for nt, n in pending_notices:
         rep.violations.append(f"t={nt:.3f}: preemption notice for {n} never led to a resumed run")
+    rep.marked_bad = sorted(unreadable)
     return rep
 
 

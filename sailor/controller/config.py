@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines
-from sailor.coordination.endpoints import ServerEndpoints
+from sailor.coordination.endpoints import ServerEndpoints, distinct_nats_servers
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen, field_error
 
@@ -113,9 +113,9 @@ class ControllerConfig(ServerEndpoints):
         le=5,
         description="Copies of the JetStream event stream (and its consumer) on a NATS "
         "cluster: 3 on a 3-server cluster, so that losing a server loses no event; 1 on a "
-        "single server. More than the cluster has servers stops the controller at its "
-        "first placement; fewer servers up than replicas is waited for (event_stream_"
-        "deadline_s).",
+        "single server. More than one on a server in no cluster stops the controller at its "
+        "first placement; more than the servers several nats_urls list is refused on load; "
+        "fewer servers up than replicas is waited for and shown (event_stream_deadline_s).",
     )
     event_stream_deadline_s: float = Field(
         default=300.0,
@@ -238,6 +238,23 @@ class ControllerConfig(ServerEndpoints):
         default_factory=OnlineCalibrationSettings,
         description="Online calibration and calibration-driven replanning.",
     )
+
+    @model_validator(mode="after")
+    def _replicas_within_the_listed_cluster(self) -> ControllerConfig:
+        # Several nats_urls are the cluster's members (docs/operations.md lists every one):
+        # more replicas than they name can never be placed. One URL may be a DNS name, a
+        # load balancer or a Service in front of a cluster of any size: not judged here;
+        # JetStream's refusal then shows at run time as a shortage, overdue past
+        # event_stream_deadline_s (docs/runtime.md, "Event stream placement").
+        listed = distinct_nats_servers(self.nats_urls)
+        if listed > 1 and self.event_stream_replicas > listed:
+            raise field_error(
+                "event_stream_replicas",
+                self.event_stream_replicas,
+                f"more than the {listed} NATS servers nats_urls lists (a list names every "
+                "member of the cluster); lower it, or list every member",
+            )
+        return self
 
     @field_validator("checkpoint_dir")
     @classmethod

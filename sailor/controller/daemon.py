@@ -53,7 +53,7 @@ import structlog
 import yaml
 from pydantic import ValidationError
 
-from sailor.controller.audit import AuditLog
+from sailor.controller.audit import ADOPTION_CAUSES, AuditLog
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import decide, exclusion, wanted_replan
 from sailor.controller.decision_types import DecideConfig, Observed
@@ -444,7 +444,8 @@ class Controller(EventIntake):
             update={"epoch": lead.epoch}
         )
         # an etcd restart at the takeover is waited out, as every write's
-        why = "took over" if prev else "first leader"
+        # the audit checker takes this record's marks for all there are (ADOPTION_CAUSES)
+        why = ADOPTION_CAUSES[0] if prev else ADOPTION_CAUSES[1]
         written, _ = await self._retried(lead, lambda: ex.write_desired(desired, why))
         if not written:
             return None

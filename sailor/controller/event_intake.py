@@ -147,9 +147,9 @@ class EventIntake:
     ) -> None:
         """Fetch a batch, handle each event, fsync the batch's records once, then ack it.
 
-        Before each fetch the stream is ensured: a placement refused for good (more
-        replicas than the NATS deployment has servers) fails the controller; one refused
-        for now is retried, reported and shown (``_ensure_stream``)."""
+        Before each fetch the stream is ensured: a placement refused for good (replicas
+        on a NATS server in no cluster) fails the controller; one refused for now (too few
+        servers up and joined) is retried, reported and shown (``_ensure_stream``)."""
         placement = _Placement()
         while True:
             if not lead.fresh:
@@ -196,18 +196,16 @@ class EventIntake:
         self.wake(urgent=True)
 
     def _stream_refused(self, exc: ReplicasExceedClusterError, lead: Leadership) -> None:
-        """More replicas than the NATS deployment has servers: a configuration error,
-        which no retry ends. The controller fails (every one with this config will)."""
+        """Replicas on a NATS server in no cluster: a configuration error, which no retry
+        ends. The controller fails (every one with this config will). Only this refusal
+        fails it: "no suitable peers" is a shortage a server's return may end, and a
+        client cannot count the cluster's configured servers to tell it from a cluster too
+        small (``nats_bus.placement_error``)."""
         replicas = self.cfg.event_stream_replicas
         size = exc.fields.get("cluster_size")
-        fix = (
-            "list every server of the cluster in nats_urls"
-            if exc.fields.get("clustered")
-            else "run a NATS cluster"
-        )
         self.fail(
             f"event_stream_replicas={replicas} cannot be placed: {exc.args[0]}; set "
-            f"event_stream_replicas to at most {size}, or {fix}",
+            f"event_stream_replicas to at most {size}, or run a NATS cluster",
             epoch=lead.epoch,
             replicas=replicas,
             cluster_size=size,

@@ -24,7 +24,7 @@ from sailor.controller.bad_marks import marked
 from sailor.controller.decide import not_admitted
 from sailor.controller.decision_types import Observed
 from sailor.controller.job_precision import job_precision
-from sailor.coordination import Keys, KeyValue, TemporaryError, connect_etcd
+from sailor.coordination import Keys, TemporaryError, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
@@ -207,6 +207,10 @@ WITHDRAW_RETRY_S = 30.0
 """How long a request no leader took is withdrawn for through an etcd outage (a restart
 takes seconds); past it the command says the outcome is unknown and what to check."""
 
+_CLOSED = b"closed"
+"""A request's witness written by its command when no write of the request answered (a
+written request's witness is empty): no write of that request commits after it."""
+
 Outcome = Literal["applied", "withdrawn", "unwritten", "unconfirmed", "unknown"]
 """What became of a request written (``Answer.outcome``, less "nothing")."""
 
@@ -230,28 +234,38 @@ async def _ask(store: Any, key: str, witness: str, body: bytes, wait_s: float) -
     write whose answer was lost (etcd restarted after its commit) is found committed by the
     retry, even when a leader took the request meanwhile, and the wait goes on as after a
     write that answered (before, the command ended with a traceback while the request sat
-    in etcd, applied by a leader later). Never taken by etcd within the wait: "unwritten"
-    (nothing was written, nothing applied); a write whose answer was lost with etcd gone
-    until ``WITHDRAW_RETRY_S`` past the wait: "unconfirmed" (it may be in etcd)."""
+    in etcd, applied by a leader later). No write answered within the wait: the witness is
+    closed (created with ``_CLOSED`` if absent, ``create_if_absent``): created, no write
+    can commit after it (each needs the witness absent): "unwritten", nothing was written
+    nor will be; there already, a write committed and the wait goes on from its revision.
+    (Before, the witness was read: absent, "unwritten", though a write whose call timed
+    out could still commit after the read.) The close not answered until
+    ``WITHDRAW_RETRY_S`` past the wait: "unconfirmed" (the request may be in etcd)."""
     end = time.monotonic() + wait_s
     # the witness outlives the command's longest run; the lease's keepalive extends it
     ttl = int(wait_s + 2 * WITHDRAW_RETRY_S) + 10
     lease = await _retried(lambda: store.lease(ttl), end)
     if lease is None:
         return "unwritten"  # nothing written: etcd did not answer within the wait
+    revoke = True
     try:
         revision = await _written(store, key, witness, body, lease, end)
         if revision is None:
-            # no write answered within the wait, and one may have committed: the witness
-            # tells (a read is linearizable: a write it does not show never commits)
-            read = await _retried(
-                lambda: _read(store, witness), time.monotonic() + WITHDRAW_RETRY_S
+            # no write answered within the wait, and one may have committed or may still
+            # be on its way to etcd: closing the witness decides
+            closed = await _retried(
+                lambda: store.create_if_absent(witness, _CLOSED, lease),
+                time.monotonic() + WITHDRAW_RETRY_S,
             )
-            if read is None:
+            if closed is None:
                 return "unconfirmed"  # etcd did not answer: the request may be there
-            if read[0] is None:
+            if closed.value == _CLOSED:
+                # closed by this command: no write of the request commits from now on.
+                # The lease is left to expire (its keepalive stops with the store), not
+                # revoked: revoking would delete the closed witness with it
+                revoke = False
                 return "unwritten"
-            revision = read[0].mod_revision
+            revision = closed.mod_revision  # a write's witness: it committed
         while time.monotonic() < end:
             with contextlib.suppress(TemporaryError):
                 if await store.get(key) is None:
@@ -259,8 +273,9 @@ async def _ask(store: Any, key: str, witness: str, body: bytes, wait_s: float) -
             await asyncio.sleep(0.2)
         return await _withdrawn(store, key, revision)
     finally:
-        with contextlib.suppress(TemporaryError):
-            await lease.revoke()  # the witness goes with it
+        if revoke:
+            with contextlib.suppress(TemporaryError):
+                await lease.revoke()  # the witness goes with it
 
 
 async def _written(
@@ -281,11 +296,6 @@ async def _written(
         if time.monotonic() > end:
             return None
         await asyncio.sleep(0.5)
-
-
-async def _read(store: Any, key: str) -> tuple[KeyValue | None]:
-    """``key``'s value, in a tuple: (None,) is an answer, "absent"."""
-    return (await store.get(key),)
 
 
 async def _withdrawn(store: Any, key: str, revision: int) -> Outcome:

@@ -20,7 +20,13 @@ from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen
 
-__all__ = ["ServerEndpoints", "check_etcd_endpoint", "check_nats_url", "endpoint_list"]
+__all__ = [
+    "ServerEndpoints",
+    "check_etcd_endpoint",
+    "check_nats_url",
+    "distinct_nats_servers",
+    "endpoint_list",
+]
 
 _LEGACY = {"etcd_endpoint": "etcd_endpoints", "nats_url": "nats_urls"}
 NATS_SCHEMES = ("nats", "tls")
@@ -52,6 +58,14 @@ def check_nats_url(value: str, field: str = "nats_urls") -> str:
     if port is None:
         raise ValueError(f"{field}: {value!r} has no port (nats://host:4222)")
     return value
+
+
+def distinct_nats_servers(urls: Sequence[str]) -> int:
+    """How many servers ``urls`` name: distinct host (case-insensitive) and port, whatever
+    the scheme (``nats://a:4222`` and ``tls://a:4222`` are one server). A count of names,
+    not of machines: two names of one host count twice, one name (a DNS name, a load
+    balancer) fronting a cluster counts once."""
+    return len({((u.hostname or "").lower(), u.port) for u in map(urlsplit, urls)})
 
 
 def endpoint_list(value: str | Sequence[str], field: str) -> tuple[str, ...]:

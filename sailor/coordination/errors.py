@@ -52,7 +52,9 @@ class UnavailableError(TemporaryError):
 
 class StreamNotPlacedError(UnavailableError):
     """JetStream cannot place a stream's replicas now: fewer of the cluster's servers are up
-    (or joined) than the replicas asked for. Servers coming back end it: retry."""
+    (or joined) than the replicas asked for. Servers coming back end it: retry. (A cluster
+    configured smaller than the replicas answers the same; a client cannot tell the two
+    apart, so it is retried too and reported overdue.)"""
 
 
 class PermanentError(CoordinationError):
@@ -62,8 +64,8 @@ class PermanentError(CoordinationError):
 
 
 class ReplicasExceedClusterError(PermanentError):
-    """A stream asks for more replicas than the NATS deployment has servers (a server not in
-    a cluster holds one): a configuration error, which no retry ends."""
+    """A stream asks for more than one replica of a NATS server in no cluster: a
+    configuration error, which no retry ends."""
 
 
 class FencedError(PermanentError):

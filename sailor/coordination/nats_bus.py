@@ -118,24 +118,26 @@ async def connect_nats(
 
 
 def placement_error(
-    err_code: int | None, description: str | None, replicas: int, servers: int
+    err_code: int | None, description: str | None, replicas: int
 ) -> CoordinationError | None:
     """What JetStream's refusal to place a stream of ``replicas`` copies means; None when
     the refusal (``err_code``, ``description``) is about something else.
 
-    ``servers``: the NATS servers the client knows of, those it was given and those the
-    cluster announced (``Client.servers``): at least the cluster's size when every member
-    is configured, as a deployment does (docs/operations.md). A client cannot ask the
-    cluster for its configured size (that takes the system account), so the answer is read
-    from JetStream's own words:
+    A client cannot ask the cluster for its configured size (that takes the system
+    account), nor count it: the servers it knows of (``Client.servers``) are the URLs it
+    was given and those the servers up announced, so with one configured URL (a DNS name,
+    a load balancer, a Service) a member that is down is unknown to it, and a server that
+    listens on every interface announces each of its addresses. The answer is read from
+    JetStream's own words alone:
 
     - a server in no cluster refuses any replicas > 1 (``_NOT_CLUSTERED``): no restart of
-      a server ends that, only a config change;
-    - too few peers (``_NO_PEERS``) for more replicas than servers known: the deployment
-      is smaller than asked (or ``nats_urls`` lists too few of its servers): the same;
-    - too few peers for no more than the servers known: some are down, or not joined yet
-      (a member that never joined is unknown to JetStream: ``, peer offline`` is appended
-      only for one it knew), and their return ends it. Temporary.
+      a server ends that, only a config change: ``ReplicasExceedClusterError``;
+    - too few peers (``_NO_PEERS``): members are down or not joined yet (``, peer offline``
+      is appended only for one JetStream knew), whose return ends it, or the cluster has
+      fewer servers than ``replicas``, which JetStream does not tell apart from that:
+      ``StreamNotPlacedError``, retried (the leader reports it overdue past its deadline).
+      A list of several ``nats_urls`` shorter than the replicas is refused when the
+      config loads (``ControllerConfig``).
 
     A replica placed on a member that is down is not refused (nats-server 2.15 places an
     R3 stream on two live servers and a known offline one): that stream lives on at two.
@@ -146,25 +148,14 @@ def placement_error(
             f"{replicas} replicas asked of a NATS server in no cluster (a deployment of 1 server)",
             replicas=replicas,
             cluster_size=1,
-            clustered=False,
             reason=why,
         )
     if err_code != _NO_PEERS:
         return None
-    if replicas > servers:
-        return ReplicasExceedClusterError(
-            f"{replicas} replicas asked of a NATS cluster of {servers} known server(s) "
-            "(the URLs given and those the cluster announced)",
-            replicas=replicas,
-            cluster_size=servers,
-            clustered=True,
-            reason=why,
-        )
     return StreamNotPlacedError(
-        f"jetstream cannot place {replicas} replicas now: too few of the {servers} known "
-        "NATS servers are up and joined",
+        f"jetstream cannot place {replicas} replicas now: too few NATS servers are up and "
+        f"joined (members down or not started, or a cluster of fewer than {replicas})",
         replicas=replicas,
-        cluster_size=servers,
         reason=why,
         retry_after=0.3,
     )
@@ -204,9 +195,9 @@ class NatsEventBus:
         """Create the stream if missing (idempotent); ``replicas`` copies on a NATS cluster
         (3: the stream and its consumer survive the loss of one server).
 
-        Placement refused: ``ReplicasExceedClusterError`` when no server can ever be added
-        to hold them (:func:`placement_error`), ``StreamNotPlacedError`` (a
-        ``TemporaryError``) when servers that are down or not yet joined could."""
+        Placement refused: ``ReplicasExceedClusterError`` for replicas on a server in no
+        cluster, which no server's return ends (:func:`placement_error`);
+        ``StreamNotPlacedError`` (a ``TemporaryError``) for too few servers up and joined."""
         config = nats.js.api.StreamConfig(
             name=self._keys.stream,
             subjects=[self._keys.event_subjects],
@@ -238,7 +229,7 @@ class NatsEventBus:
             raise UnavailableError("jetstream unavailable", error=repr(e)) from e
 
     def _raise_unplaced(self, exc: nats.js.errors.APIError) -> None:
-        err = placement_error(exc.err_code, exc.description, self._replicas, len(self._nc.servers))
+        err = placement_error(exc.err_code, exc.description, self._replicas)
         if err is not None:
             raise err from exc
 

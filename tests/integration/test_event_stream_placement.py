@@ -8,17 +8,21 @@ placement"). Before, both retried every 0.3 s with a log line each, and nothing 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from sailor.cli.main import app
 from sailor.controller.audit import read_records
 from sailor.controller.daemon import Controller
 from sailor.controller.status import read_status
-from sailor.coordination import DaemonFailedError, connect_nats
+from sailor.coordination import DaemonFailedError, Keys, connect_etcd, connect_nats
 from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
+from sailor.schemas.runtime import EventStreamState
 from tests.integration.cluster_kit import Cluster
 from tests.integration.conftest import IDENTITIES
 
@@ -56,19 +60,25 @@ async def test_more_replicas_than_a_single_nats_server_holds_stops_the_controlle
     assert len(failed) == 1 and failed[0]["cluster_size"] == 1, failed
 
 
+@pytest.mark.parametrize("urls", ["every member", "one URL"])
 async def test_a_shortage_of_nats_servers_shows_in_status_until_the_stream_is_placed(
-    tmp_path: Path, nats_two_of_three: LocalServers
+    tmp_path: Path, nats_two_of_three: LocalServers, urls: str
 ) -> None:
     """Replicas 3 on a 3-server cluster with one server down: the leader leads, status says
     the stream is not placed (why, since when, then overdue), the audit log says so once;
-    the server's start places it, status and audit say that too."""
+    the server's start places it, status and audit say that too. Through one URL (a DNS
+    name, a load balancer, the old ``nats_url`` key) too: the client then knows of the two
+    servers up only; before, 3 replicas "more than the 2 servers known" was taken for a
+    configuration error that stopped the controller (and its standby) while NATS was
+    short a member."""
     servers = nats_two_of_three
+    listed = servers.nats_urls if urls == "every member" else servers.nats_urls[:1]
     cfg = (
         Cluster(tmp_path, servers)
         .ctl_config("c1")
         .model_copy(
             update={
-                "nats_urls": servers.nats_urls,  # every member, as a deployment lists them
+                "nats_urls": listed,
                 "event_stream_replicas": 3,
                 "event_stream_deadline_s": 1.0,
             }
@@ -119,3 +129,39 @@ async def test_a_shortage_of_nats_servers_shows_in_status_until_the_stream_is_pl
     assert "no suitable peers" in records[0]["reason"]
     assert records[2]["unplaced_s"] >= 1.0  # the deadline passed first
     assert ctl.failure is None
+
+
+@pytest.mark.parametrize("placed", [False, True])
+async def test_status_shows_the_stream_unplaced_then_placed(
+    module_plain_servers: LocalServers, tmp_path: Path, placed: bool
+) -> None:
+    """``sailor status`` prints the leader's ``event-stream`` record: not placed (since when,
+    why, OVERDUE), and once placed, placed since when, for the rest of the term. Before,
+    it printed nothing once the stream was placed, while the docs said it showed that."""
+    ep = module_plain_servers.etcd_endpoint
+    job = f"es-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    record = EventStreamState(
+        placed=placed,
+        since=time.time() - 30,
+        reason="" if placed else "jetstream cannot place 3 replicas now: no suitable peers",
+        replicas=3,
+        overdue=not placed,
+        epoch=1,
+    )
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.event_stream, record.model_dump_json().encode())
+        cfg = tmp_path / "controller.yaml"
+        cfg.write_text(f"etcd_endpoints: [{ep}]\njob: {job}\ncheckpoint_dir: /ck\n")
+        res = await asyncio.to_thread(CliRunner().invoke, app, ["status", "--config", str(cfg)])
+    finally:
+        await store.close()
+    out = " ".join(res.output.split())  # the console wraps at its width
+    assert res.exit_code == 0, res.output
+    if placed:
+        assert "event stream placed since" in out and "3 replicas" in out, out
+        assert "not placed" not in out
+    else:
+        assert "event stream not placed OVERDUE since" in out, out
+        assert "no suitable peers" in out

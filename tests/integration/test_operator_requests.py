@@ -689,3 +689,118 @@ async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
         assert [(r["request_id"], r["cleared"]) for r in records] == [("r1", [14])]
         assert records[0].get("answer_lost", False) is committed
         assert len(_records(rig.audit, "request_applied")) == int(committed)
+
+
+class _SlowWrite:
+    """Connects the command's store as ``connect_etcd`` does; every write of its request
+    (``put_witnessed``) times out at the caller, and the first one, still on its way to
+    etcd, reaches it only after the command's next look at the witness: a transaction
+    etcd commits after the command's retries gave up. ``silent``: from the first write on
+    etcd answers nothing else either (reads, the witness's close)."""
+
+    def __init__(self, silent: bool = False) -> None:
+        self.silent = silent
+        self.late: list[Any] = []  # the first write, sent late: () -> its result
+        self.late_result: list[Any] = []
+
+    async def __call__(self, *args: Any, **kw: Any) -> EtcdStore:
+        store = await connect_etcd(*args, **kw)
+        real_put = store.put_witnessed
+
+        async def put_witnessed(*a: Any, **k: Any) -> Any:
+            if not self.late:
+                self.late.append(lambda: real_put(*a, **k))
+            raise TemporaryError("etcd did not answer within 2 s")
+
+        async def after_a_look(real: Any, *a: Any, **k: Any) -> Any:
+            if self.silent and self.late:  # silent from the first write on
+                raise TemporaryError("etcd did not answer within 2 s")
+            got = await real(*a, **k)
+            if self.late and not self.late_result:  # the late write lands now
+                self.late_result.append(await self.late[0]())
+            return got
+
+        for name in ("get", "create_if_absent"):
+            real = getattr(store, name)
+            setattr(store, name, _bound(after_a_look, real))
+        store.put_witnessed = put_witnessed  # type: ignore[method-assign]
+        return store
+
+
+def _bound(f: Any, real: Any) -> Any:
+    async def call(*a: Any, **k: Any) -> Any:
+        return await f(real, *a, **k)
+
+    return call
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_no_write_answered_is_unwritten_and_stays_so(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """No write of the request answers within ``--wait``, and the first, delayed, reaches
+    etcd just after the command looks: the command closes the witness, so that write is
+    refused, and "etcd took no write" (exit status 1) is the truth: no request in etcd,
+    none applied later. Before, the command read the witness (absent), answered
+    "unwritten", and the late write then put the request in etcd for the next leader."""
+    slow = _SlowWrite()
+    monkeypatch.setattr(status, "connect_etcd", slow)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"slow-{kind}-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        cfg = _config(tmp_path, ep, job)
+        if kind == "readmit":
+            res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")
+            prefix, nothing = keys.readmits, "nothing was readmitted"
+        else:
+            res = await _cli("checkpoint", "clear-bad", "14", "--config", str(cfg), "--wait", "1")
+            prefix, nothing = keys.clear_bads, "no mark was cleared"
+        assert slow.late and slow.late_result, "no late write was sent"
+        assert slow.late_result == [None]  # refused: the witness was closed first
+        out = " ".join(res.output.split())
+        assert res.exit_code == 1, res.output
+        assert "etcd took no write of request" in out and "within 1 s" in out, out
+        assert nothing in out and "is etcd up?" in out
+        assert await store.get_prefix(prefix) == []
+        witnesses = await store.get_prefix(keys.asked)
+        assert [w.value for w in witnesses] == [b"closed"]  # until its lease expires
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_whose_write_and_close_etcd_never_answered_is_unconfirmed(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """etcd grants the command's lease, then answers nothing: neither the writes nor the
+    witness's close. The command says so, with where the request may wait and what to
+    check (exit status 1), not "unwritten": the first write may have committed."""
+    monkeypatch.setattr(status, "connect_etcd", _SlowWrite(silent=True))
+    monkeypatch.setattr(status, "WITHDRAW_RETRY_S", 1.0)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"silent-{kind}-{tmp_path.name}"[:40]
+    store = await connect_etcd(ep)
+    try:
+        await store.put(Keys(job=job).desired, _seeded(1).model_dump_json().encode())
+        cfg = _config(tmp_path, ep, job)
+        if kind == "readmit":
+            res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")
+        else:
+            res = await _cli("checkpoint", "clear-bad", "14", "--config", str(cfg), "--wait", "1")
+        out = " ".join(res.output.split())
+        assert res.exit_code == 1, res.output
+        assert "etcd lost its answer to the write of request" in out, out
+        assert f"/sailor/{job}/{kind}/" in out and "or have been applied" in out
+        assert ("`readmit`" if kind == "readmit" else "`clear_bad`") in out
+        assert "Traceback" not in out and "temporary" not in out
+    finally:
+        await store.close()

@@ -295,3 +295,45 @@ def test_check_takes_a_cleared_mark_as_readable_again() -> None:
     assert check(ok).ok, check(ok).violations
     rep = check([*marked, clear, commit(8, 14), launch(9, 3, 9)])
     assert any("loads step 9 but step 14 was committed" in v for v in rep.violations)
+
+
+def test_a_new_leaders_first_record_holds_every_mark_there_is() -> None:
+    """Leader 1 applies ``clear-bad 14``, etcd commits it and loses the answer, and
+    leader 1's term ends before it reads its state back: neither ``request_applied`` nor
+    ``clear_bad`` is written by anyone. Leader 2's takeover record holds the marks etcd
+    holds (7, not 14): the checker takes 14 as cleared from there, as after a
+    ``clear_bad``, and a mark the takeover holds that the log never showed counts too.
+    Before, 14 stayed unreadable for the checker for good."""
+
+    def phase(t: float, gen: int, cause: str, bad: list[int] | None) -> dict[str, object]:
+        r: dict[str, object] = {
+            "kind": "phase",
+            "time": t,
+            "phase": "running",
+            "generation": gen,
+            "load_step": 9,
+            "cause": cause,
+        }
+        if bad is not None:  # absent when none, as the executor writes it
+            r["bad_checkpoints"] = bad
+        return r
+
+    commits = [
+        {"kind": "commit", "time": t, "step": s, "dropped": []}
+        for t, s in ((1, 7), (2, 9), (3, 14))
+    ]
+    term1 = [{"kind": "leader", "time": 0.5, "epoch": 1}, *commits, phase(4, 2, "abort", [7, 14])]
+    takeover = [{"kind": "leader", "time": 10, "epoch": 2}, phase(10.1, 2, "took over", [7])]
+    rep = check([*term1, *takeover])
+    assert rep.ok, rep.violations
+    assert rep.marked_bad == [7]
+    launch = {"kind": "phase", "time": 11, "phase": "launch", "generation": 3, "load_step": 14}
+    assert check([*term1, *takeover, launch]).ok  # 14 cleared: it may be loaded
+    more = phase(10.1, 2, "took over", [7, 8])  # a mark this log never showed
+    assert check([*term1, takeover[0], more]).marked_bad == [7, 8]
+    # the takeover holds no mark at all (the field absent): every one went
+    none = phase(10.1, 2, "took over", None)
+    assert check([*term1, takeover[0], none]).marked_bad == []
+    # a later phase record of the same term adds marks, as ever; one that is no takeover
+    # and lacks a mark does not clear it
+    assert check([*term1, phase(5, 2, "teardown", [8])]).marked_bad == [7, 8, 14]

@@ -17,37 +17,77 @@ NO_PEERS = "no suitable peers for placement"
 
 
 @pytest.mark.parametrize(
-    ("err_code", "description", "replicas", "servers", "expected", "size"),
+    ("err_code", "description", "replicas", "expected"),
     [
         # nats-server 2.15's answers, seen on loopback servers (see the integration test)
-        (10074, "replicas > 1 not supported in non-clustered mode", 3, 1, "config", 1),
-        (10074, "replicas > 1 not supported in non-clustered mode", 3, 3, "config", 1),
-        (10005, NO_PEERS, 5, 3, "config", 3),  # R5 on a 3-server cluster
-        (10005, NO_PEERS + ", peer offline", 5, 3, "config", 3),
-        (10005, NO_PEERS, 3, 2, "config", 2),  # one URL given, one more announced
-        (10005, NO_PEERS, 3, 3, "shortage", 3),  # a member never joined: unknown to JS
-        (10005, NO_PEERS + ", peer offline", 3, 3, "shortage", 3),  # a member restarting
-        (10058, "stream name already in use with a different configuration", 3, 3, None, 0),
-        (None, "", 3, 3, None, 0),
+        (10074, "replicas > 1 not supported in non-clustered mode", 3, "config"),
+        (10005, NO_PEERS, 5, "shortage"),  # R5 on a 3-server cluster: told apart by no one
+        (10005, NO_PEERS + ", peer offline", 5, "shortage"),
+        # R3 on a 3-cluster with one member down, through one URL (a DNS name, a load
+        # balancer): the client knew of 2 servers; before, "more than known", a config
+        # error that stopped every controller while the member was down
+        (10005, NO_PEERS, 3, "shortage"),
+        (10005, NO_PEERS + ", peer offline", 3, "shortage"),  # a member restarting
+        (10058, "stream name already in use with a different configuration", 3, None),
+        (None, "", 3, None),
     ],
 )
-def test_a_refused_placement_is_a_config_error_only_when_no_server_can_end_it(
-    err_code: int | None,
-    description: str,
-    replicas: int,
-    servers: int,
-    expected: str | None,
-    size: int,
+def test_a_refused_placement_is_a_config_error_only_on_a_server_in_no_cluster(
+    err_code: int | None, description: str, replicas: int, expected: str | None
 ) -> None:
-    err = placement_error(err_code, description, replicas, servers)
+    err = placement_error(err_code, description, replicas)
     if expected is None:
         assert err is None
         return
     kind = ReplicasExceedClusterError if expected == "config" else StreamNotPlacedError
     assert isinstance(err, kind)
-    assert err.fields["cluster_size"] == size
-    assert err.fields["reason"] == description
+    assert err.fields["reason"] == description and err.fields["replicas"] == replicas
     assert (err.retry_after is None) == (expected == "config")
+    if expected == "config":
+        assert err.fields["cluster_size"] == 1
+
+
+@pytest.mark.parametrize(
+    ("urls", "replicas"),
+    [
+        (["nats://a:4222", "nats://b:4222"], 3),
+        (["nats://a:4222", "tls://A:4222", "nats://b:4222"], 3),  # a and A: one server
+        (["nats://a:4222", "nats://a:4223", "nats://a:4224"], 5),
+    ],
+)
+def test_more_replicas_than_several_listed_nats_servers_is_refused_on_load(
+    urls: list[str], replicas: int
+) -> None:
+    """Several URLs list the cluster's members: more replicas can never be placed."""
+    with pytest.raises(
+        ValidationError, match=f"event_stream_replicas={replicas}: more than the"
+    ) as e:
+        ControllerConfig(nats_urls=urls, event_stream_replicas=replicas)
+    assert "NATS servers nats_urls lists" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("urls", "replicas"),
+    [
+        (["nats://nats.svc:4222"], 3),  # one name may front a cluster of any size
+        ("nats://nats.svc:4222", 5),
+        (["nats://a:4222", "nats://b:4222", "nats://c:4222"], 3),
+        (["nats://a:4222", "nats://b:4222"], 2),
+        (["nats://a:4222", "nats://b:4222"], 1),
+    ],
+)
+def test_replicas_within_the_listed_servers_or_behind_one_url_load(
+    urls: list[str] | str, replicas: int
+) -> None:
+    cfg = ControllerConfig(nats_urls=urls, event_stream_replicas=replicas)
+    assert cfg.event_stream_replicas == replicas
+
+
+def test_the_old_single_nats_url_key_fronts_a_cluster_of_any_size() -> None:
+    cfg = ControllerConfig.model_validate(
+        {"nats_url": "nats://lb:4222", "event_stream_replicas": 3}
+    )
+    assert cfg.nats_urls == ("nats://lb:4222",)
 
 
 def test_an_episode_reports_its_start_deadline_and_end_once_each() -> None:
