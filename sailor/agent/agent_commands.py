@@ -132,7 +132,7 @@ class AgentCommands:
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
-            self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below)
+            self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below, cmd.periodic)
         reason = ""
         if isinstance(cmd, Abort):
             # acked once the signals are sent (a hold: once the workers held or the grace

@@ -319,6 +319,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     def status(self) -> AgentStatus:
         sup = self.supervisor
         state = sup.state if sup.state != "starting" else "idle"
+        failed_step, save_failure = sup.save_failed
         return AgentStatus(
             node_id=self.node.node_id,
             epoch=self.max_epoch,
@@ -329,6 +330,8 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             loss=sup.loss,
             start_step=sup.start_step,
             saved_step=sup.saved_step,
+            save_failed_step=failed_step,
+            save_failure=save_failure,
             failure=(sup.failure or sup.held_failure)[:4000],
             held_step=sup.held_step if state == "held" else -1,
             killing=sup.killing,

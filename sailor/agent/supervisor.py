@@ -321,6 +321,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         w.held = w.warm = w.started = False
         w.broken, w.held_step = "", -1
         w.step, w.saved_step, w.loss = -1, -1, None
+        w.save_failed_step, w.save_failure = -1, ""
         w.timings = StepWindow(rank)
 
     async def _spawn(
@@ -405,12 +406,16 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._control_state["stop_at_step"] = step
         self._write_control()
 
-    def save_at(self, step: int, directory: str, prune_below: int = -1) -> None:
+    def save_at(
+        self, step: int, directory: str, prune_below: int = -1, optional: bool = False
+    ) -> None:
         """Save ``step`` under ``directory``; once it commits, delete the checkpoints below
-        ``prune_below`` there (-1: none)."""
+        ``prune_below`` there (-1: none). ``optional`` (a periodic checkpoint's): a failure
+        the workers report (``save_failed``) and train on, not fail for."""
         self._control_state["save_step"] = step
         self._control_state["save_dir"] = directory
         self._control_state["prune_below"] = prune_below
+        self._control_state["save_optional"] = optional
         self._write_control()
 
     async def restore_killed(self) -> None:

@@ -9,8 +9,16 @@ Protocol (shared with the real worker's adapter):
 - stdout: one JSON object per line: ``{"event": "ready"}``, ``{"event": "step", "step",
   "loss"}``, ``{"event": "saved", "step"}``, ``{"event": "stopped", "step"}``;
 - ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR,
-  "prune_below": P}``, re-read at every iteration boundary (written atomically by the agent);
-  once a save commits, rank 0 deletes the step directories below ``P``;
+  "prune_below": P, "save_optional": B}``, re-read at every iteration boundary (written
+  atomically by the agent); once a save commits, rank 0 deletes the step directories below
+  ``P``. The toy's ranks share no collective to agree a later step on, so each saves at
+  exactly ``S``; an optional save (the controller's periodic checkpoint) that a rank learns of
+  only after it passed ``S`` is a save it missed: it leaves a ``rank-R.missed`` marker in the
+  step's directory and prints ``{"event": "save_failed", "step", "error"}``, and rank 0
+  gives that save up at once (a ``save_failed`` line, nothing committed) instead of waiting
+  for the part; an optional save whose parts do not all come within the wait is given up
+  the same way. Training goes on. A required save (a reconfiguration's) still fails rank 0
+  when a part is missing;
 - ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
 - ``--train-config FILE``: the job's training config, which the agent appends to any worker's
   argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
@@ -73,8 +81,19 @@ def _ckpt_dir(root: str, step: int) -> Path:
     return Path(root) / "sim" / f"step-{step:08d}"
 
 
+class _SaveGivenUpError(Exception):
+    """An optional save given up (a rank missed its step, or a part never came)."""
+
+
 def _save(
-    root: str, step: int, w: list[float], rank: int, world: int, timeout: float, prune_below: int
+    root: str,
+    step: int,
+    w: list[float],
+    rank: int,
+    world: int,
+    timeout: float,
+    prune_below: int,
+    optional: bool = False,
 ) -> None:
     d = _ckpt_dir(root, step)
     _write_atomic(d / f"rank-{rank}.json", json.dumps({"step": step, "w": w}))
@@ -82,13 +101,26 @@ def _save(
         return
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        missed = [r for r in range(world) if (d / f"rank-{r}.missed").exists()]
+        if missed and optional:
+            why = (d / f"rank-{missed[0]}.missed").read_text()
+            raise _SaveGivenUpError(f"rank(s) {missed} missed the save of step {step}: {why}")
         if all((d / f"rank-{r}.json").exists() for r in range(world)):
             _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
             _write_atomic(d / "COMMIT", str(step))
             _prune(root, min(prune_below, step))
             return
         time.sleep(0.01)
-    raise TimeoutError(f"not every rank saved step {step} within {timeout}s")
+    why = f"not every rank saved step {step} within {timeout}s"
+    raise _SaveGivenUpError(why) if optional else TimeoutError(why)
+
+
+def _missed(root: str, save_step: int, step: int, rank: int) -> str:
+    """An optional save of ``save_step`` this rank learned of at ``step``, past it: its
+    marker for the committer, and why."""
+    why = f"rank {rank} read the request at step {step}, after step {save_step}"
+    _write_atomic(_ckpt_dir(root, save_step) / f"rank-{rank}.missed", why)
+    return why
 
 
 def _prune(root: str, below: int) -> None:
@@ -189,6 +221,7 @@ def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
     _aborted = False
     _emit({"event": "ready", "rank": a.rank, "start_step": step, "path": path})
     control = Path(a.control)
+    seen: set[int] = set()  # the save steps acted on: saved, missed or given up
     while step < a.max_steps:
         time.sleep(a.step_s)
         if _aborted and a.in_place:
@@ -217,18 +250,7 @@ def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
             ctl = json.loads(control.read_text() or "{}")
         except (OSError, ValueError):
             ctl = {}
-        if ctl.get("save_step") == step and ctl.get("save_dir"):
-            prune = ctl.get("prune_below")
-            _save(
-                str(ctl["save_dir"]),
-                step,
-                w,
-                a.rank,
-                a.world_size,
-                timeout=30.0,
-                prune_below=prune if isinstance(prune, int) else -1,
-            )
-            _emit({"event": "saved", "rank": a.rank, "step": step})
+        _maybe_save(ctl, step, w, a, seen)
         stop = ctl.get("stop_at_step")
         if stop is not None and step >= int(stop):
             _emit({"event": "stopped", "rank": a.rank, "step": step})
@@ -238,6 +260,37 @@ def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
             _emit({"event": "held", "rank": a.rank, "step": step, "broken": False})
             return _Held(step, w, broken=False)
     return None
+
+
+def _maybe_save(
+    ctl: dict[str, object], step: int, w: list[float], a: argparse.Namespace, seen: set[int]
+) -> None:
+    """The save the control file asks for, at exactly its step; an optional one missed or
+    given up is reported (``save_failed``), a required one that fails raises."""
+    save, root, prune = ctl.get("save_step"), ctl.get("save_dir"), ctl.get("prune_below")
+    if not isinstance(save, int) or isinstance(save, bool) or save < 0 or not root:
+        return
+    optional = ctl.get("save_optional") is True
+    if save in seen or save > step or (save < step and not optional):
+        return
+    seen.add(save)
+    try:
+        if save < step:
+            raise _SaveGivenUpError(_missed(str(root), save, step, a.rank))
+        _save(
+            str(root),
+            step,
+            w,
+            a.rank,
+            a.world_size,
+            timeout=30.0,
+            prune_below=prune if isinstance(prune, int) else -1,
+            optional=optional,
+        )
+    except _SaveGivenUpError as exc:
+        _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": str(exc)})
+        return
+    _emit({"event": "saved", "rank": a.rank, "step": step})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,10 @@
 """What a worker process tells its supervisor: the JSON progress lines on its stdout
-(``ready``, ``step``, ``saved``, ``stopped``, ``held``, ``warm``; every line is kept in its
-capped log), the tail of its stderr, and its exit. The generation's first abnormal exit is
-the supervisor's failure (the worker's error file, else its stderr tail); a worker killed by
-a signal before it could write its error file gets one written here
-(:func:`~sailor.megatron_patch.errors.signal_failure_record`). A spare that exits is replaced,
-and counted when it failed.
+(``ready``, ``step``, ``saved``, ``save_failed``, ``stopped``, ``held``, ``warm``; every line
+is kept in its capped log), the tail of its stderr, and its exit. The generation's first
+abnormal exit is the supervisor's failure (the worker's error file, else its stderr tail); a
+worker killed by a signal before it could write its error file gets one written here
+(:func:`~sailor.megatron_patch.errors.signal_failure_record`). A spare that exits is
+replaced, and counted when it failed.
 
 ``WorkerOutput`` is a part of :class:`sailor.agent.supervisor.Supervisor` (a mixin: it updates
 the ``WorkerView``s and the supervisor's failure, and wakes ``changed``).
@@ -99,6 +99,12 @@ class WorkerOutput:
                 w.timings.add(msg)
         elif ev == "saved":
             w.saved_step = int(msg.get("step", w.saved_step))
+        elif ev == "save_failed":  # an optional save (a periodic one): the workers train on
+            w.save_failed_step = int(msg.get("step", w.save_failed_step))
+            w.save_failure = str(msg.get("error", ""))[:1024]
+            _log.warning(
+                "worker_save_failed", rank=w.rank, step=w.save_failed_step, error=w.save_failure
+            )
         elif ev == "stopped":
             if not self.in_place:
                 self.expect_exit = True

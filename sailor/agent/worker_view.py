@@ -34,6 +34,9 @@ class WorkerView:
     step: int = -1
     loss: float | None = None
     saved_step: int = -1
+    save_failed_step: int = -1
+    """The last step whose optional save failed (its ``save_failed`` line)."""
+    save_failure: str = ""
     started: bool = False
     exit_code: int | None = None
     stderr_tail: list[str] = field(default_factory=list)
@@ -112,6 +115,15 @@ class SupervisorStatus:
     @property
     def saved_step(self) -> int:
         return min((w.saved_step for w in self.workers), default=-1)
+
+    @property
+    def save_failed(self) -> tuple[int, str]:
+        """``(step, what failed)`` of the latest optional save its workers reported failed
+        (each rank reports the save the world agreed on); ``(-1, '')``: none."""
+        w = max(self.workers, key=lambda x: x.save_failed_step, default=None)
+        if w is None or w.save_failed_step < 0:
+            return -1, ""
+        return w.save_failed_step, w.save_failure
 
     @property
     def loss(self) -> float | None:

@@ -8,6 +8,7 @@ import json
 import os
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -22,6 +23,7 @@ __all__ = [
     "agent",
     "audit",
     "controller",
+    "periodic_line",
     "security_file_problems",
     "status",
 ]
@@ -167,6 +169,9 @@ def status(
         )
     for node, why in snap.get("not_admitted", {}).items():  # another runtime or precision
         con.print(f"not admitted [bold]{node}[/]: {escape(why)}")
+    periodic = periodic_line(snap.get("periodic"))
+    if periodic:
+        con.print(periodic)
     if snap.get("plan_failed"):  # the last search failed: retried with a backoff
         con.print(f"last failed search: {escape(snap['plan_failed'])}")
     if snap.get("phase") == "idle" and snap.get("cause"):  # why nothing runs
@@ -189,6 +194,29 @@ def status(
     for n in snap["nodes"]:
         t.add_row(*(str(n.get(k, "")) for k in cols))
     print_table(con, t)
+
+
+def periodic_line(p: dict[str, Any] | None) -> str:
+    """The controller's periodic checkpoint as ``sailor status`` prints it (``read_status``'s
+    ``periodic``): the save in flight and the newest periodic commit; '' if neither."""
+    if not p or not (p.get("in_flight") or p.get("last_commit")):
+        return ""
+    parts = []
+    f = p.get("in_flight")
+    if f:
+        left = f["deadline_in_s"]
+        due = f"abandoned in {left:.0f} s" if left >= 0 else f"deadline passed {-left:.0f} s ago"
+        parts.append(
+            f"step {f['step']} in flight, asked {f['asked_s_ago']:.0f} s ago, {due} unless durable"
+        )
+    else:
+        parts.append("none in flight")
+    c = p.get("last_commit")
+    if c:
+        parts.append(f"last committed: step {c['step']}, {c['age_s']:.0f} s ago")
+    else:
+        parts.append("none committed yet")
+    return "periodic checkpoint: " + "; ".join(parts)
 
 
 def audit(

@@ -26,8 +26,13 @@ the stop:
 - abandoned: a save not durable on every node by its deadline (the iterations to S, then
   the CHECKPOINT phase's deadline of the plan) is audited and never recorded; the next is due
   ``checkpoint_every_s`` after it was asked for. It does not abort the job: a periodic save
-  is no reconfiguration. A worker whose save *raises* fails, as at any save (its failure is
-  the agent's to report, and aborts the generation as a worker failure does);
+  is no reconfiguration;
+- failed (:func:`_failed`): the Checkpoint says ``periodic``, so the workers take the save
+  as optional: one that fails on some rank (a storage error, a committer's timeout) is
+  agreed by every rank and reported, and they train on (``megatron_patch/boundary.py``).
+  A node of the layout that reports it (``AgentStatus.save_failed_step`` at or after S, this
+  generation) ends the save at once, abandoned with what failed, rather than at its
+  deadline. A refusal of non-finite weights still fails the workers (the weights are bad);
 - superseded (:func:`superseded`): a reconfiguration (a join, a notice, an abort) takes
   precedence. Leaving RUNNING drops the save in flight (``move_to`` resets
   ``DesiredState.periodic``) and it is audited as abandoned; the reconfiguration's own
@@ -77,8 +82,8 @@ agent writes its status at most every ``status_interval_s`` (0.2 s), a status ch
 leader after its ``debounce_s`` (0.3 s), then a pass, the commands' fan-out (on a LAN a few ms
 per node, in parallel) and the control file read at the next iteration boundary. A guess with
 a margin, not a measurement: a request late on some node costs only a save a few steps later
-(the workers agree on it), and the toy trainer, which saves only at the exact step, misses it
-and the save is abandoned and asked again."""
+(the workers agree on it), and the toy trainer, which saves only at the exact step, gives it
+up and reports it (``save_failed``): the save is abandoned at once and asked again."""
 
 _PACE_MIN_STEPS = 2
 """Steps since RUNNING began before their pace stands for the iteration time."""
@@ -141,6 +146,7 @@ def _sends(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             step=p.step,
             directory=cfg.checkpoint_dir,
             prune_below=below,
+            periodic=True,
         )
         out.append(Send(cmd))
     return out
@@ -170,6 +176,7 @@ def committed(
         generation=d.generation,
         epoch=d.epoch,
         time=o.now,
+        periodic=True,
     )
     # the records below the retention's step go (their files the next save deletes,
     # ``_sends``): only the leader writes records, and none changed since the request
@@ -199,14 +206,17 @@ def periodic(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     this generation."""
     p = d.periodic
     if p.step >= 0:
-        if o.now <= p.deadline:
+        failed = _failed(d, o, p.step)
+        if o.now <= p.deadline and not failed:
             return _sends(d, o, cfg)
-        late = _not_saved(d, o, p.step)
-        why = f"not durable on every node by its deadline ({late}); asked again next interval"
+        late = failed or _not_saved(d, o, p.step)
+        if not failed:
+            late = f"not durable on every node by its deadline ({late})"
+        why = f"{late}; asked again next interval"
         nxt = d.model_copy(update={"periodic": PeriodicCheckpoint(requested=p.requested)})
         return [
-            PeriodicOutcome("abandoned", p.step, d.generation, why),
-            SetDesired(nxt, f"periodic checkpoint of step {p.step} abandoned: {late}"),
+            PeriodicOutcome("abandoned", p.step, d.generation, why[:1024]),
+            SetDesired(nxt, f"periodic checkpoint of step {p.step} abandoned: {late}"[:1024]),
         ]
     every = cfg.checkpoint_every_s
     if every <= 0 or o.now < max(d.phase_since, p.requested) + every:
@@ -225,6 +235,18 @@ def periodic(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         SetDesired(nxt, f"periodic checkpoint of step {step} asked for"),
         *_sends(nxt, o, cfg),
     ]
+
+
+def _failed(d: DesiredState, o: Observed, step: int) -> str:
+    """What failed in the save of ``step``, as the first node of the layout that reports it
+    failed says (a ``save_failed_step`` at or after it, this generation: the workers save at
+    the first boundary at or after S); '' if none does."""
+    for n in sorted(d.placement):
+        st = o.status.get(n)
+        if st is not None and st.generation == d.generation and st.save_failed_step >= step:
+            where = f"step {st.save_failed_step}"
+            return f"the save failed ({n} reports, {where}): {st.save_failure or 'no cause given'}"
+    return ""
 
 
 def _not_saved(d: DesiredState, o: Observed, step: int) -> str:

@@ -41,7 +41,13 @@ from sailor.schemas.runtime import (
 )
 from sailor.schemas.training import TrainingConfig
 
-__all__ = ["Answer", "read_status", "request_clear_bad", "request_readmit"]
+__all__ = [
+    "Answer",
+    "periodic_status",
+    "read_status",
+    "request_clear_bad",
+    "request_readmit",
+]
 
 _T = TypeVar("_T")
 
@@ -126,6 +132,10 @@ async def read_status(
                 "admitted": "no" if n.node_id in refused else "",
             }
         )
+    commits: list[CommitRecord] = []
+    for kv in ckpts:
+        with contextlib.suppress(ValidationError):
+            commits.append(CommitRecord.model_validate_json(kv.value))
     last = None
     if ckpts:
         with contextlib.suppress(ValidationError):
@@ -149,8 +159,33 @@ async def read_status(
         "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,
         "calibration_version": _calibration_version(calib.value) if calib else None,
         "event_stream": _event_stream(stream_kv.value, now) if stream_kv else None,
+        "periodic": periodic_status(d, commits, now),
         "nodes": rows,
     }
+
+
+def periodic_status(
+    d: DesiredState | None, commits: Sequence[CommitRecord], now: float
+) -> dict[str, Any]:
+    """The controller's periodic checkpoint as of ``now``: the save in flight
+    (``DesiredState.periodic``: its step, when it was asked for, its deadline; None if none)
+    and the newest periodic commit (``CommitRecord.periodic``: its step and age; None if
+    none)."""
+    p = d.periodic if d is not None else None
+    flying = None
+    if p is not None and p.step >= 0:
+        flying = {
+            "step": p.step,
+            "requested": p.requested,
+            "asked_s_ago": round(max(0.0, now - p.requested), 1),
+            "deadline": p.deadline,
+            "deadline_in_s": round(p.deadline - now, 1),
+        }
+    newest = max((c for c in commits if c.periodic), key=lambda c: c.step, default=None)
+    last = None
+    if newest is not None:
+        last = {"step": newest.step, "time": newest.time, "age_s": round(now - newest.time, 1)}
+    return {"in_flight": flying, "last_commit": last}
 
 
 def _not_admitted(

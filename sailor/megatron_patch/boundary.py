@@ -3,6 +3,13 @@ on the agent's control file (injected failures, saves, the stop step and the hol
 
 The agent's protocol (``sailor.agent.supervisor``): JSON progress lines on stdout, a
 control file re-read at every boundary and agreed on by every rank (:mod:`control`).
+
+A save the agent asks for fails the ranks when it fails (``save_failure``), except an
+optional one (the controller's periodic checkpoint, ``ControlRequest.save_optional``): once
+every rank agreed that it failed, each drops it (``SaveIO.abandon``: a committer waiting for
+a part that never comes commits nothing and ends), prints a ``save_failed`` line with the
+step and what failed, and trains on. The agent reports it and the controller abandons that
+periodic save at once; the next is asked an interval later.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Generic, Protocol, TextIO, TypeVar
@@ -27,7 +35,7 @@ from sailor.megatron_patch.control import (
     read_control,
 )
 from sailor.megatron_patch.errors import InjectedFailureError
-from sailor.megatron_patch.save_failure import raise_save_failure
+from sailor.megatron_patch.save_failure import raise_save_failure, report_save_failure
 from sailor.schemas.training import CheckpointConfig
 
 __all__ = ["Boundary", "Progress", "Status", "Stepped", "sub_rank"]
@@ -115,6 +123,8 @@ class Boundary(Generic[_T]):
             )
         self.saved_requests: set[int] = set()
         self.pending_save = -1
+        self.pending_optional = False
+        """The save in flight is optional (``ControlRequest.save_optional``)."""
         self.last_saved = -1
         self.stopped_at = -1
         self.last_boundary = time.monotonic()
@@ -124,7 +134,7 @@ class Boundary(Generic[_T]):
             return ControlRequest()
         return agree(read_control(self.args.control), self.device)
 
-    def _durable(self) -> None:
+    def _durable(self, optional: bool = False) -> str:
         """Wait until the save in flight is durable on every rank (committed, on the
         committer) in short collective polls: a rank that finished its own part would
         otherwise wait for the committer in the next step's collective, and a write longer
@@ -133,19 +143,27 @@ class Boundary(Generic[_T]):
         Each poll also agrees whether the save failed on some rank (``agree_save``); then
         every rank raises (:func:`raise_save_failure`), none goes on into a collective that
         the failed ones never reach. That covers a save that failed in its snapshot too
-        (``CheckpointIO.save`` raises no failure of its own: it is the save's)."""
+        (``CheckpointIO.save`` raises no failure of its own: it is the save's).
+
+        ``optional``: a failure that is not job-wide is returned instead (what failed, the
+        same on every rank; the save abandoned); '' once the save is durable everywhere."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint implementation")
         failure: Exception | None = None
         while True:
-            every, failure = self._poll(failure)
+            every, failure, failed = self._poll(failure, optional)
+            if failed:
+                return failed
             if every:
-                return
+                return ""
             time.sleep(self.args.poll_s)
 
-    def _poll(self, failure: Exception | None) -> tuple[bool, Exception | None]:
+    def _poll(
+        self, failure: Exception | None, optional: bool = False
+    ) -> tuple[bool, Exception | None, str]:
         """One collective poll of the save in flight: ``(every rank done, this rank's
-        failure)``; raises on every rank once some rank's save failed (``agree_save``)."""
+        failure, what failed)``; once some rank's save failed (``agree_save``), raises on
+        every rank, or for an ``optional`` save abandons it and says what failed."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint implementation")
         done = self.ckpt.done()
@@ -155,9 +173,16 @@ class Boundary(Generic[_T]):
             except Exception as exc:
                 failure = exc
         every, failed = agree_save(done, failure is not None, self.device)
-        if failed:
-            raise_save_failure(failure, functools.partial(self._settle, failure))
-        return every, failure
+        if not failed:
+            return every, failure, ""
+        settle = functools.partial(self._settle, failure)
+        if not optional:
+            raise_save_failure(failure, settle)
+        why = report_save_failure(failure, settle)  # raises if job-wide
+        # no rank waits for the rest of it: a committer waiting for a part that never
+        # comes is fenced and ends on its own, and the next save starts afresh
+        self.ckpt.abandon()
+        return every, failure, why
 
     def _settle(self, failure: Exception | None) -> None:
         """After an agreed job-wide failure: poll on until every rank's save is over (the
@@ -177,9 +202,21 @@ class Boundary(Generic[_T]):
     def _finish_save(self) -> None:
         if self.pending_save < 0 or self.ckpt is None:
             return
-        self._durable()
-        self.last_saved, self.pending_save = self.pending_save, -1
+        failed = self._durable(self.pending_optional)
+        step, self.pending_save = self.pending_save, -1
+        if failed:
+            self._save_failed(step, failed)
+            return
+        self.last_saved = step
         self.progress.emit({"event": "saved", "rank": self.args.rank, "step": self.last_saved})
+
+    def _save_failed(self, step: int, why: str) -> None:
+        """An optional save of ``step`` failed on some rank (agreed) and was abandoned: the
+        agent's ``save_failed`` line, and the rank's stderr."""
+        self.progress.emit(
+            {"event": "save_failed", "rank": self.args.rank, "step": step, "error": why[:2000]}
+        )
+        print(f"optional checkpoint save of step {step} abandoned: {why}", file=sys.stderr)
 
     def _periodic_save(self, tr: _T) -> None:
         """The training config's checkpoint every ``every_steps`` (its own directory and
@@ -213,11 +250,14 @@ class Boundary(Generic[_T]):
             raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
         self.ckpt.save(tr, root, prune_below=req.prune_below)
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
-        # neither) is raised by every rank now, before the next iteration's collectives;
-        # one poll of the save, on this boundary only. A save that went on is awaited at
-        # the next boundary (``_finish_save``), as before.
-        self._poll(None)
-        self.pending_save = tr.step
+        # neither) is raised by every rank now (an optional one reported), before the next
+        # iteration's collectives; one poll of the save, on this boundary only. A save that
+        # went on is awaited at the next boundary (``_finish_save``), as before.
+        _, _, failed = self._poll(None, req.save_optional)
+        if failed:
+            self._save_failed(tr.step, failed)
+            return
+        self.pending_save, self.pending_optional = tr.step, req.save_optional
 
     def __call__(self, tr: _T) -> bool:
         self.status.step, self.status.in_iteration = tr.step, False

@@ -39,6 +39,12 @@ class SaveIO(Protocol[_T_contra]):
         """Finish the save in flight and release threads."""
         ...
 
+    def abandon(self) -> None:
+        """Drop the save in flight without waiting for it (it failed on some rank, agreed,
+        and was optional): fenced, so it commits nothing, even on a committer still
+        waiting for a part; the next save starts afresh. Does not block."""
+        ...
+
 
 class CheckpointIO(SaveIO[Trainer], Protocol):
     """What the worker needs of a checkpoint implementation (called on every rank)."""

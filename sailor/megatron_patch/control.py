@@ -1,19 +1,26 @@
 """The agent's control file, read by every rank and agreed on at each iteration boundary.
 
-The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR, "prune_below": P}``
-atomically into one control file per node (the protocol of ``sailor.agent.supervisor``); a
-rank re-reads it at every iteration boundary. Nodes see their file change at different
-moments, so a rank must never act on its own copy alone: one rank stopping at step 10 while
-a rank on another node goes on to step 11 would leave the latter waiting in a collective
-until the timeout. Hence :func:`agree`: one all-reduce (MAX) of ``(stop_at_step, save_step,
-prune_below)`` over the world at every boundary, so every rank takes the same decision at the
-same boundary. The save directory, a string, is gathered only on the rare boundary where a
-new save is agreed.
+The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR, "prune_below": P,
+"save_optional": B}`` atomically into one control file per node (the protocol of
+``sailor.agent.supervisor``); a rank re-reads it at every iteration boundary. Nodes see
+their file change at different moments, so a rank must never act on its own copy alone: one
+rank stopping at step 10 while a rank on another node goes on to step 11 would leave the
+latter waiting in a collective until the timeout. Hence :func:`agree`: one all-reduce (MAX)
+of ``(stop_at_step, save_step, prune_below, required save step)`` over the world at every
+boundary, so every rank takes the same decision at the same boundary. The save directory, a
+string, is gathered only on the rare boundary where a new save is agreed.
 
 A stop step the ranks learn of only after they passed it means "stop now" (the controller
 picks the stop step a few steps ahead of the reported progress, but reports lag); a save is
 taken at the first boundary at or after its step. The controller commits the step the
 workers report as saved, so an overshoot costs nothing but the extra steps.
+
+``save_optional`` marks the controller's periodic checkpoint (``Checkpoint.periodic``): a save
+whose failure every rank reports and trains on (``boundary``), where a reconfiguration's save
+failing fails the ranks. The save agreed is optional only if no rank knows its step as a
+required one (a reconfiguration's Checkpoint replaces a periodic request in the agent's
+file, and nodes see the change at different boundaries): the fourth value of the all-reduce
+is each rank's save step when its request is required, -1 when optional.
 
 Never raises on a missing or half-written file (that is "no request yet").
 """
@@ -50,6 +57,8 @@ class ControlRequest:
     save_dir: str = ""
     prune_below: int = _NONE
     """After the save of ``save_step`` commits, delete every checkpoint below this step."""
+    save_optional: bool = False
+    """The controller's periodic save: its failure is reported and training goes on."""
 
     @property
     def wants_stop(self) -> bool:
@@ -82,6 +91,7 @@ def read_control(path: str | Path | None) -> ControlRequest:
         save_step=_int(data.get("save_step")),
         save_dir=save_dir if isinstance(save_dir, str) else "",
         prune_below=_int(data.get("prune_below")),
+        save_optional=data.get("save_optional") is True,
     )
 
 
@@ -91,21 +101,29 @@ def _alone() -> bool:
 
 
 def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
-    """The request every rank acts on at this boundary: the MAX over ranks of each field.
+    """The request every rank acts on at this boundary: the MAX over ranks of each field;
+    the save optional unless some rank knows its step as a required one.
 
     A collective: every rank must call it at the same boundary. Without an initialised
     process group (a single process) the local request is returned as it is.
     """
     if _alone():
         return local
+    required = _NONE if local.save_optional else local.save_step
     t = torch.tensor(
-        [local.stop_at_step, local.save_step, local.prune_below], dtype=torch.int64, device=device
+        [local.stop_at_step, local.save_step, local.prune_below, required],
+        dtype=torch.int64,
+        device=device,
     )
     comm.all_reduce(t, op="max")
     synchronize(t.device)  # abortable where the host waits (in-place workers)
-    stop, save, prune = (int(x) for x in t.tolist())
+    stop, save, prune, required = (int(x) for x in t.tolist())
     return ControlRequest(
-        stop_at_step=stop, save_step=save, save_dir=local.save_dir, prune_below=prune
+        stop_at_step=stop,
+        save_step=save,
+        save_dir=local.save_dir,
+        prune_below=prune,
+        save_optional=save >= 0 and required < save,
     )
 
 

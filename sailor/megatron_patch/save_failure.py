@@ -22,6 +22,13 @@ rank order:
 A save that failed in its snapshot, before its persist (``Checkpointer.save``), reaches here
 the same way: that rank's save is done and its ``wait`` raises the error.
 
+An optional save (the controller's periodic checkpoint: ``ControlRequest.save_optional``) is
+no reason to end the job: :func:`report_save_failure` returns what failed, the same text on
+every rank, for the boundary to report, and training goes on. A job-wide failure among the
+ranks' still raises as above: a refusal of non-finite weights says the weights every rank
+trains on are bad, so training on would only be refused again at the next save, and the
+job is relaunched from its last good commit (the controller holds it against the job).
+
 A ``job_wide`` error class takes its message as its only positional argument. This module
 must not import ``sailor.checkpoint`` (layers): it reads the class attribute by name.
 """
@@ -35,7 +42,7 @@ from typing import Any
 from sailor.megatron_patch.errors import PeerFailedError
 from sailor.megatron_patch.step_agreement import world_objects
 
-__all__ = ["raise_save_failure"]
+__all__ = ["raise_save_failure", "report_save_failure"]
 
 
 def _job_wide(exc: BaseException | None) -> bool:
@@ -56,10 +63,39 @@ def raise_save_failure(local: Exception | None, settle: Callable[[], None]) -> N
     """Raise on this rank what the failed save means here (module docstring). Every rank
     calls it at the same point once a failure was agreed; ``settle`` (collective) runs
     first when the failure is job-wide."""
+    _raise(local, _failed(local), settle)
+
+
+def report_save_failure(local: Exception | None, settle: Callable[[], None]) -> str:
+    """What failed in an optional save, the same text on every rank (module docstring);
+    raises as :func:`raise_save_failure` if some rank's failure is job-wide. Every rank
+    calls it at the same point once a failure was agreed."""
+    failed = _failed(local)
+    job_wide = [f for f in failed if f[1][0] is not None]
+    if job_wide:
+        _raise(local, job_wide, settle)
+    return _describe(failed)
+
+
+def _failed(local: Exception | None) -> list[tuple[int, tuple[Any, str, str]]]:
+    """Every rank's failure as ``(rank, summary)`` (collective), in rank order; never empty."""
     got = world_objects(_summary(local))
     failed = [(r, g) for r, g in enumerate(got) if g is not None]
     if not failed:  # cannot happen after an agreed failure; never go on silently
         raise PeerFailedError("a checkpoint save failed on some rank (agreed), none said why")
+    return failed
+
+
+def _describe(failed: list[tuple[int, tuple[Any, str, str]]]) -> str:
+    ranks = ", ".join(f"{r} ({g[2]})" for r, g in failed)
+    return f"the checkpoint save failed on rank(s) {ranks}; rank {failed[0][0]}: {failed[0][1][1]}"
+
+
+def _raise(
+    local: Exception | None,
+    failed: list[tuple[int, tuple[Any, str, str]]],
+    settle: Callable[[], None],
+) -> None:
     first_rank, (cls, text, _host) = failed[0]
     if cls is not None:
         settle()

@@ -159,6 +159,12 @@ class Checkpoint(_CommandBase):
         description="Once this checkpoint commits, delete every step below this one under "
         "``directory`` (the oldest commit the controller has recorded and keeps); -1: none.",
     )
+    periodic: bool = Field(
+        default=False,
+        description="The controller's periodic checkpoint of the RUNNING job: a save whose "
+        "failure the workers report (``AgentStatus.save_failed_step``) and train on; False: a "
+        "reconfiguration's, whose failure fails them (wire version 7).",
+    )
 
     @model_validator(mode="after")
     def _prune_not_past_step(self) -> Checkpoint:

@@ -472,6 +472,18 @@ class AgentStatus(WireMessage):
     loss: float | None = Field(default=None, description="Loss of that step (rank 0 of node).")
     start_step: int = Field(default=-1, ge=-1, description="Step the workers started from.")
     saved_step: int = Field(default=-1, ge=-1, description="Last step its workers saved.")
+    save_failed_step: int = Field(
+        default=-1,
+        ge=-1,
+        description="Last step of this generation whose optional save (a periodic "
+        "checkpoint's) failed, agreed by every rank, and was abandoned while training went on; "
+        "-1: none (wire version 7).",
+    )
+    save_failure: str = Field(
+        default="",
+        max_length=1024,
+        description="What failed in that save (the ranks and the first one's error).",
+    )
     failure: str = Field(default="", max_length=4096, description="First failure cause.")
     held_step: int = Field(
         default=-1,
@@ -563,6 +575,11 @@ class CommitRecord(WireMessage):
     generation: int = Field(default=0, ge=0, description="Generation that saved it.")
     epoch: int = Field(default=0, ge=0, description="Leader epoch that committed it.")
     time: float = Field(default=0.0, ge=0, description="Unix time of the commit.")
+    periodic: bool = Field(
+        default=False,
+        description="A periodic checkpoint of the RUNNING job (``controller/periodic.py``), "
+        "not a reconfiguration's (wire version 7).",
+    )
 
 
 class ReadmitRequest(WireMessage):

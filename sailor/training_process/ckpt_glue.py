@@ -275,6 +275,17 @@ class CheckpointSaves:
         whatever the number of roots: ``Checkpointer.take_buffers``)."""
         return sum(ck.kept_bytes for ck in self._by_root.values())
 
+    def abandon(self) -> None:
+        """Drop the save in flight without waiting (``SaveIO.abandon``): its checkpointer is
+        fenced (``Checkpointer.cancel``: a committer waiting for a part that never comes
+        writes nothing and ends) and forgotten, so the next save under its root starts a
+        new one instead of waiting for it; the other roots' checkpointers stay."""
+        ck, self._in_flight, self._failure = self._in_flight, None, None
+        if ck is None:
+            return
+        ck.cancel()
+        self._by_root = {k: v for k, v in self._by_root.items() if v is not ck}
+
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer
         # polls for their parts); its thread is left to end on its own, fenced so that it
@@ -351,6 +362,9 @@ class LayerCheckpointIO:
         """Host bytes the checkpointers keep for their next saves (one snapshot's worth,
         whatever the number of roots: ``Checkpointer.take_buffers``)."""
         return self._saves.kept_bytes
+
+    def abandon(self) -> None:
+        self._saves.abandon()
 
     def reset(self) -> None:
         self._saves.reset()

@@ -102,6 +102,9 @@ class DeepSpeedLayerIO:
     def wait(self) -> None:
         self._saves.wait()
 
+    def abandon(self) -> None:
+        self._saves.abandon()
+
     def close(self) -> None:
         self._saves.close()
 

@@ -180,3 +180,39 @@ def test_the_periodic_record_is_validated() -> None:
         PeriodicCheckpoint(step=3, requested=10.0, deadline=5.0)
     with pytest.raises(ValidationError, match="checkpoint_every_s"):
         DecideConfig(checkpoint_dir="/ck", checkpoint_every_s=-1)
+
+
+def test_a_save_the_workers_report_failed_is_abandoned_before_its_deadline() -> None:
+    """The workers agreed that the save failed (a storage error on one rank), reported it
+    and trained on: the leader abandons it at once, audited with what failed, and asks again
+    at the next interval; a failure of an earlier save or generation is not this one's."""
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    d = _running(periodic=flying)
+    cause = "the checkpoint save failed on rank(s) 1 (h2); rank 1: OSError: No space left"
+    failed = st(2, step=157).model_copy(update={"save_failed_step": 155, "save_failure": cause})
+    a = decide(d, obs(nodes(1, 2), [st(1, step=157, saved=155), failed]), CFG)
+    assert _outcomes(a) == [("abandoned", 154)]
+    assert not any(isinstance(x, Commit) for x in a) and not _checkpoints(a)
+    (state,) = _sets(a)
+    assert state.phase is Phase.RUNNING and not state.aborted
+    assert state.periodic == PeriodicCheckpoint(requested=NOW - 5)
+    why = next(x for x in a if isinstance(x, PeriodicOutcome)).reason
+    assert "n2" in why and "step 155" in why and "No space left" in why, why
+    # an earlier save's failure (step 120), or one of the generation before: still in flight
+    for old in (
+        st(2, step=157).model_copy(update={"save_failed_step": 120, "save_failure": cause}),
+        st(2, gen=0, step=157).model_copy(update={"save_failed_step": 155}),
+    ):
+        a = decide(d, obs(nodes(1, 2), [st(1, step=157), old]), CFG)
+        assert _outcomes(a) == [] and len(_checkpoints(a)) == 2
+
+
+def test_the_periodic_checkpoint_and_its_commit_say_periodic() -> None:
+    """The command tells the workers the save is optional; the record tells ``sailor status``
+    which commit was periodic."""
+    a = decide(_running(), obs(nodes(1, 2), [st(1, step=151), st(2, step=152)]), CFG)
+    assert [c.periodic for c in _checkpoints(a)] == [True, True]
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    done = [st(1, step=156, saved=155), st(2, step=155, saved=155)]
+    a = decide(_running(periodic=flying), obs(nodes(1, 2), done), CFG)
+    assert next(x for x in a if isinstance(x, Commit)).record.periodic

@@ -23,3 +23,55 @@ def test_a_missing_or_malformed_prune_point_prunes_nothing(tmp_path: Path, bad: 
     assert read_control(f).prune_below == -1
     f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck"}))  # an older agent's file
     assert read_control(f).prune_below == -1
+
+
+def test_a_periodic_save_request_is_optional(tmp_path: Path) -> None:
+    f = tmp_path / "control.json"
+    f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck", "save_optional": True}))
+    assert read_control(f) == ControlRequest(save_step=12, save_dir="/ck", save_optional=True)
+    for bad in (1, "true", None):  # only JSON true: anything else is a required save
+        f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck", "save_optional": bad}))
+        assert not read_control(f).save_optional
+
+
+_MIXED = [
+    # (rank 0's request, rank 1's) -> (agreed save step, optional)
+    ((5, True), (5, False), (5, False)),
+    ((5, True), (-1, False), (5, True)),
+    ((7, True), (5, False), (7, True)),
+    ((5, True), (7, False), (7, False)),
+    ((5, True), (5, True), (5, True)),
+]
+
+
+def _agree_rank(rank: int, store: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from sailor.megatron_patch.control import agree
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(30)
+    )
+    got = []
+    for case in _MIXED:
+        step, optional = case[rank]
+        req = ControlRequest(save_step=step, save_dir="/ck", save_optional=optional)
+        agreed = agree(req, torch.device("cpu"))
+        got.append([agreed.save_step, agreed.save_optional])
+    dist.destroy_process_group()
+    Path(out, f"r{rank}.json").write_text(json.dumps(got))
+
+
+def test_ranks_agree_a_save_optional_only_if_none_knows_it_required(tmp_path: Path) -> None:
+    """A reconfiguration's Checkpoint replaces a periodic request in the agent's file, and
+    the nodes read it at different boundaries: the save of the agreed step is required if
+    any rank knows that step as required (two gloo ranks)."""
+    from tests.spawn import spawn
+
+    spawn(_agree_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    want = [list(c[2]) for c in _MIXED]
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"r{r}.json").read_text()) == want

@@ -27,7 +27,10 @@ from sailor.schemas import (
     _base,
 )
 from sailor.schemas._base import SCHEMA_VERSION
+from sailor.schemas.commands import Checkpoint
 from sailor.schemas.runtime import (
+    AgentStatus,
+    CommitRecord,
     DesiredState,
     NodeHealth,
     PeriodicCheckpoint,
@@ -301,6 +304,48 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     plain = json.loads(raw)
     del plain["node_health"]["n2"]["origin"]
     assert DesiredState.model_validate(plain).node_health["n2"].origin == ""
+
+
+_V7_OTHERS = [
+    (
+        Checkpoint,
+        ("periodic",),
+        {"command_id": "c", "epoch": 1, "node_id": "n1", "step": 5, "directory": "/ck"},
+    ),
+    (CommitRecord, ("periodic",), {"step": 5, "directory": "/ck"}),
+    (AgentStatus, ("save_failed_step", "save_failure"), {"node_id": "n1"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "fields", "base"), _V7_OTHERS, ids=[c.__name__ for c, _, _ in _V7_OTHERS]
+)
+def test_a_failed_periodic_save_is_reported_in_wire_version_7(
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type[_base.WireMessage],
+    fields: tuple[str, ...],
+    base: dict[str, object],
+) -> None:
+    """A periodic save's fields of the command, the commit record and the agent's status
+    (a failure reported, training going on) came with version 7: a release-6 reader drops
+    them (its agent takes the save as required, as before) and refuses them at its own
+    version."""
+    assert SCHEMA_VERSION >= 7
+    values = {"periodic": True, "save_failed_step": 12, "save_failure": "rank 1: OSError"}
+    msg = cls(**base, **{f: values[f] for f in fields})
+    raw = msg.model_dump_json()
+    assert cls.model_validate_json(raw) == msg
+    kept = {
+        name: (f.annotation, f)
+        for name, f in cls.model_fields.items()
+        if name not in (*fields, "schema_version")
+    }
+    previous = create_model(cls.__name__, __base__=_base.WireMessage, **kept)  # type: ignore[call-overload]
+    monkeypatch.setattr(_base, "SCHEMA_VERSION", 6)
+    old = previous.model_validate_json(raw)
+    assert not set(fields) & set(type(old).model_fields)
+    with pytest.raises(ValidationError, match=fields[0]):
+        previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 6}))
 
 
 def test_a_readmit_request_names_nodes_or_all() -> None:

@@ -1,0 +1,93 @@
+"""The toy trainer's periodic (optional) save that one rank learns of too late: given up
+cleanly, training goes on (two real toy worker processes, control files as the agent writes
+them).
+
+Rank 0 reads the request for step 3 in time and saves; rank 1's control file gets it only
+once rank 1 is past step 3 (as when one node's agent took the command later). Rank 1
+leaves its marker and reports ``save_failed``; rank 0, the committer, gives the save up at
+once (``save_failed``, nothing committed) and both train to the end. Before, rank 1 ignored
+the request and rank 0 waited 30 s for its part, then failed (``TimeoutError``), which aborts
+the job.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+STEPS = 12
+SAVE = 3
+
+
+def _toy(tmp: Path, rank: int) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "sailor.agent.toy_trainer",
+        "--plan",
+        str(tmp / "plan.json"),
+        "--rank",
+        str(rank),
+        "--world-size",
+        "2",
+        "--control",
+        str(tmp / f"control-{rank}.json"),
+        "--step-s",
+        "0.05",
+        "--max-steps",
+        str(STEPS),
+        "--error-file",
+        str(tmp / f"error-{rank}.json"),
+    ]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def _request(tmp: Path, rank: int) -> None:
+    body = {"save_step": SAVE, "save_dir": str(tmp / "ckpt"), "save_optional": True}
+    (tmp / f"control-{rank}.json").write_text(json.dumps(body))
+
+
+def _read_until(out: IO[str], step: int, into: list[dict[str, Any]]) -> None:
+    for raw in out:
+        msg = json.loads(raw)
+        into.append(msg)
+        if msg.get("event") == "step" and msg["step"] >= step:
+            return
+
+
+def test_a_periodic_save_a_rank_missed_is_given_up_and_training_goes_on(tmp_path: Path) -> None:
+    (tmp_path / "control-1.json").write_text("{}")
+    _request(tmp_path, 0)
+    procs = [_toy(tmp_path, r) for r in (0, 1)]
+    lines: list[list[dict[str, Any]]] = [[], []]
+    try:
+        assert procs[1].stdout is not None
+        _read_until(procs[1].stdout, SAVE + 1, lines[1])  # rank 1 is past the step
+        _request(tmp_path, 1)
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=20)[0] for p in procs]
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r, out in enumerate(outs):
+        lines[r] += [json.loads(x) for x in out.splitlines() if x.strip()]
+    assert [p.returncode for p in procs] == [0, 0], [
+        (tmp_path / f"error-{r}.json").read_text()
+        for r in (0, 1)
+        if (tmp_path / f"error-{r}.json").exists()
+    ]
+    assert took < 15, f"a rank waited {took:.1f} s for the missed save"
+    for r in (0, 1):
+        failed = [x for x in lines[r] if x["event"] == "save_failed"]
+        assert len(failed) == 1 and failed[0]["step"] == SAVE, lines[r]
+        assert "rank 1 read the request at step" in failed[0]["error"], failed
+        assert not any(x["event"] == "saved" for x in lines[r])
+        steps = [x["step"] for x in lines[r] if x["event"] == "step"]
+        assert steps[-1] == STEPS
+    assert not (tmp_path / "ckpt" / "sim" / f"step-{SAVE:08d}" / "COMMIT").exists()
