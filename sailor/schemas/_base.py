@@ -46,7 +46,8 @@ and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and ``communicato
 ``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader
 of version 5 refuses a record of its own version that holds them.
 7: ``DesiredState.periodic`` (the controller's periodic checkpoint, written only once one
-was asked for): a release of version 6 was out."""
+was asked for; its ``directory``, the checkpoint root the save in flight was asked to): a
+release of version 6 was out."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -19,8 +19,24 @@ from sailor.controller.decide import decide
 from sailor.controller.decision_types import Commit, Observed, Send
 from sailor.controller.launch import UNLOADABLE_PREFIX
 from sailor.schemas.commands import Launch
-from sailor.schemas.runtime import AgentStatus, ClearBadRequest, CommitRecord, DesiredState, Phase
-from tests.unit.test_controller_decide import CFG, _planned, _sets, nodes, obs, running, st
+from sailor.schemas.runtime import (
+    AgentStatus,
+    ClearBadRequest,
+    CommitRecord,
+    DesiredState,
+    PeriodicCheckpoint,
+    Phase,
+)
+from tests.unit.test_controller_decide import (
+    CFG,
+    NOW,
+    _planned,
+    _sets,
+    nodes,
+    obs,
+    running,
+    st,
+)
 
 MOVED = (CommitRecord(step=900, directory="/old"), CommitRecord(step=500, directory="/ck"))
 
@@ -78,6 +94,15 @@ def test_records_of_an_earlier_directory_go_with_the_current_ones_retention() ->
         d, obs(nodes(1), [st(1, step=1200, saved=1200, state="stopped")], commits=MOVED[:1]), CFG
     )
     assert isinstance(a[0], Commit) and a[0].drop == ()
+    # a periodic commit drops alike (before, only /ck@500: /old@900 stayed for ever)
+    flying = PeriodicCheckpoint(step=1200, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
+    d = running((1,), periodic=flying)
+    a = decide(d, obs(nodes(1), [st(1, step=1201, saved=1200)], commits=commits), CFG)
+    (commit,) = (x for x in a if isinstance(x, Commit))
+    assert commit.periodic and commit.record.directory == "/ck" and commit.drop == (500, 900)
+    a = decide(d, obs(nodes(1), [st(1, step=1201, saved=1200)], commits=MOVED[:1]), CFG)
+    (commit,) = (x for x in a if isinstance(x, Commit))
+    assert commit.drop == ()
 
 
 def _every_commit_unreadable(error: str) -> tuple[DesiredState, Observed]:
