@@ -198,6 +198,28 @@ def test_a_save_asked_under_another_directory_is_recorded_there_or_abandoned() -
     assert _sets(decide(state, later, CFG))[0].periodic.directory == "/ck"
 
 
+def test_a_periodic_save_the_workers_passed_is_not_the_reconfigurations_checkpoint() -> None:
+    """A reconfiguration's stop step is 150; the workers saved 152 for a periodic request,
+    then met the Stop at 160 and hold there. Before, saved 152 >= 150 moved to COMMIT of
+    152: 8 steps lost (in place, the workers held 160 with a load step of 152). Now the
+    leader waits for the save of the step they hold at."""
+    d = running((1, 2), phase=Phase.CHECKPOINT, stop_step=150, phase_deadline=NOW + 60)
+    passed = [st(i, step=160, saved=152, state="stopped") for i in (1, 2)]
+    a = decide(d, obs(nodes(1, 2), passed), CFG)
+    assert not [s for s in _sets(a) if s.phase is Phase.COMMIT]
+    held = [st(i, step=160, saved=160, state="stopped") for i in (1, 2)]
+    (commit,) = (
+        s for s in _sets(decide(d, obs(nodes(1, 2), held), CFG)) if s.phase is Phase.COMMIT
+    )
+    assert commit.stop_step == 160
+    # a save at the very step they hold at is theirs, whichever request it answered
+    held = [st(i, step=152, saved=152, state="stopped") for i in (1, 2)]
+    (commit,) = (
+        s for s in _sets(decide(d, obs(nodes(1, 2), held), CFG)) if s.phase is Phase.COMMIT
+    )
+    assert commit.stop_step == 152
+
+
 def test_the_periodic_record_is_validated() -> None:
     with pytest.raises(ValidationError, match=r"deadline.*no save is in flight"):
         PeriodicCheckpoint(deadline=5.0)
