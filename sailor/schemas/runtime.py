@@ -606,6 +606,12 @@ class ClearBadRequest(WireMessage):
         default=(), max_length=1024, description="Steps whose marks go (sorted)."
     )
     all: bool = Field(default=False, description="Every bad and suspect mark goes.")
+    repoint: bool = Field(
+        default=False,
+        description="The commit records of the steps named (``all``: every one) that name "
+        "another directory than the leader's ``checkpoint_dir`` are re-pointed to it (their "
+        "files were moved there), and their marks go too; wire version 7.",
+    )
     who: str = Field(default="", max_length=256, description="Who asked (user@host).")
     time: float = Field(default=0.0, ge=0, description="Unix time of the request.")
 
