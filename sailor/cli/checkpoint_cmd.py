@@ -8,6 +8,11 @@ readmit``: the command writes a request under the job's etcd root with the contr
 config's identity; the leader applies it in its next pass and deletes it. It never writes
 the desired state itself: the leader is its one writer, under its epoch guard.
 
+``--repoint``, after the checkpoint storage moved (the files copied to the controller
+config's new ``checkpoint_dir``): the commit records naming another directory are
+re-pointed to the leader's ``checkpoint_dir`` too, and their marks go. Without it a launch
+reads each commit where it was saved, and with the old path gone every one is marked bad.
+
 (``sailor ckpt`` holds the tools that read and write a checkpoint directory itself.)
 """
 
@@ -42,13 +47,20 @@ def clear_bad(
     steps: list[int] = typer.Argument(None, help="Committed steps whose bad marks go."),
     config: Path = typer.Option(..., "--config", help="Controller config (etcd, job)."),
     everything: bool = typer.Option(False, "--all", help="Every bad and suspect mark."),
+    repoint: bool = typer.Option(
+        False,
+        "--repoint",
+        help="Also re-point the commit records of STEPS (--all: every record) that name "
+        "another directory to the config's checkpoint_dir: their files were moved there.",
+    ),
     wait_s: float = typer.Option(
         10.0, "--wait", min=0, help="Seconds to wait for the leader to apply it."
     ),
 ) -> None:
     """Clear the bad (and suspect) marks of STEPS, or with --all of every step, once their
     storage is repaired: the next launch that takes the newest readable commit may load
-    them. Nothing running is aborted for it."""
+    them. Nothing running is aborted for it. With --repoint, after moving the checkpoint
+    storage to checkpoint_dir, also load them from there."""
     from sailor.cli.runtime_cmd import security_file_problems
     from sailor.controller.config import ControllerConfig
     from sailor.controller.status import request_clear_bad
@@ -65,13 +77,26 @@ def clear_bad(
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     answer = asyncio.run(
         request_clear_bad(
-            cfg.etcd_endpoints, cfg.job, steps or (), everything, who, cfg.security, wait_s
+            cfg.etcd_endpoints,
+            cfg.job,
+            steps or (),
+            everything,
+            who,
+            cfg.security,
+            wait_s,
+            repoint=cfg.checkpoint_dir if repoint else "",
         )
     )
     names = ", ".join(answer.unknown)
     if answer.unknown:
         typer.echo(f"no bad or suspect mark on step {names}", err=True)
     if answer.outcome == "nothing":
+        if repoint:
+            raise fail(
+                "nothing to clear or re-point: no such step is marked bad or suspect, nor "
+                f"recorded under another directory than {cfg.checkpoint_dir}",
+                code=1,
+            )
         if everything:
             raise fail("nothing to clear: no step is marked bad or suspect", code=1)
         raise fail(f"nothing to clear: step {names} not marked bad or suspect", code=1)
@@ -109,10 +134,23 @@ def clear_bad(
             "see `sailor status`",
             err=True,
         )
+    if answer.moved:
+        typer.echo(
+            f"re-pointed the records of step {', '.join(answer.moved)} to "
+            f"{cfg.checkpoint_dir} (request {rid})"
+        )
+    if answer.unmoved:
+        typer.echo(
+            f"the records of step {', '.join(answer.unmoved)} were not re-pointed to "
+            f"{cfg.checkpoint_dir}: does the leader's "
+            "checkpoint_dir differ from this config's, or does it run a release before "
+            "--repoint? See `sailor status` and the leader's audit log (`clear_bad`)",
+            err=True,
+        )
     if answer.done:
         what = f"step {', '.join(answer.done)}"
         if everything:
             what = f"every bad and suspect mark ({what})"
         typer.echo(f"cleared {what} (request {rid}): see `sailor status`")
-    elif not answer.again:
+    elif not answer.again and not answer.moved:
         typer.echo(f"nothing left to clear: the marks were gone when the leader took request {rid}")

@@ -17,6 +17,18 @@ readable commit again now), or from IDLE. A planned reconfiguration's launch loa
 its own checkpoint saved (the job's current state; in place, what the workers hold), as
 before. Retention (``checkpointing.prune_below``) counts a cleared step as any good commit.
 
+Re-pointing (``ClearBadRequest.repoint``, ``sailor checkpoint clear-bad --repoint``). A
+commit is recorded with the directory it was saved under, and a launch loads it from there
+(``launch.load_directory``). An operator who moved the checkpoint storage (copied /old to
+/new, set ``checkpoint_dir: /new``, removed /old) leaves every record naming /old: each
+launch fails to read it, every step is marked bad and the job is held
+(``launch.unloadable``), and clearing the marks only loops. The leader cannot tell moved
+files from a new, empty directory (it reads no storage), so the operator says which: the
+request re-points the records it names (every one with ``all``) that name another directory
+to the leader's ``checkpoint_dir``, in the transaction that deletes it, and clears their
+marks (they were the old path's). Files not actually there fail the next launch as any
+unreadable commit does, and mark it again.
+
 Pure: no I/O, no clock, inputs never modified, no actions built here (``decide.py`` turns
 what this returns into actions).
 """
@@ -27,6 +39,7 @@ from dataclasses import dataclass
 
 from sailor.controller.decision_types import Observed
 from sailor.schemas.runtime import (
+    CommitRecord,
     DesiredState,
     Phase,
     SuspectCheckpoint,
@@ -49,18 +62,35 @@ def unknown_steps(d: DesiredState, steps: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Cleared:
-    """A request's outcome: the steps whose marks went, and what to say of it."""
+    """A request's outcome: the steps whose marks went, and what to say of it;
+    ``repointed``: the commit records it re-points (``ClearBadRequest.repoint``)."""
 
     steps: tuple[int, ...]
     reason: str
+    repointed: tuple[CommitRecord, ...] = ()
+
+
+def _repoint(
+    commits: dict[int, CommitRecord], steps: tuple[int, ...], every: bool, directory: str
+) -> tuple[CommitRecord, ...]:
+    """The records of ``steps`` (``every``: all) that name another directory than
+    ``directory``, naming it; ``commits`` (step -> record) updated in place."""
+    moved = []
+    for step in sorted(commits) if every else steps:
+        c = commits.get(step)
+        if c is not None and c.directory != directory:
+            commits[step] = c.model_copy(update={"directory": directory})
+            moved.append(commits[step])
+    return tuple(moved)
 
 
 def apply_clear_bad(
-    d: DesiredState, o: Observed
+    d: DesiredState, o: Observed, checkpoint_dir: str
 ) -> tuple[tuple[DesiredState, str] | None, dict[str, Cleared]]:
     """``d`` after the operators' requests (``o.clear_bad``, by request id, oldest id
     first) and why, or None when they named no mark there is (the caller deletes them
-    either way); and per request what it cleared. In an aborted TEARDOWN the next launch's
+    either way); and per request what it cleared, and the records it re-points to
+    ``checkpoint_dir`` (``repoint``: their marks go too). In an aborted TEARDOWN the next launch's
     checkpoint is taken again: the newest recorded commit no mark is left on
     (``Observed.resumable``), and, when the clear answered them (it cleared the step they
     are about, or moved the load step), the aborted generation's read failures are spent
@@ -70,21 +100,28 @@ def apply_clear_bad(
     outcome: dict[str, Cleared] = {}
     whom: list[str] = []
     gone: set[int] = set()
+    commits = {c.step: c for c in o.commits}
     for rid in sorted(requests):
         req = requests[rid]
         held = set(bad) | ({suspect.step} if suspect.step >= 0 else set())
         asked = held if req.all else set(req.steps)
+        moved = _repoint(commits, req.steps, req.all, checkpoint_dir) if req.repoint else ()
         steps = tuple(sorted(asked & held))
         bad = tuple(s for s in bad if s not in steps)
         if suspect.step in steps:
             suspect = SuspectCheckpoint()
         said = [f"cleared the marks of step {', '.join(map(str, steps))}"] if steps else []
-        missing = sorted(set(req.steps) - held)
+        if moved:
+            names = ", ".join(str(c.step) for c in moved)
+            said.append(f"re-pointed the records of step {names} to {checkpoint_dir}")
+        missing = sorted(set(req.steps) - held - {c.step for c in moved})
         if missing:
-            said.append(f"no bad or suspect mark on step {', '.join(map(str, missing))}")
-        if req.all and not steps:
-            said.append("no bad or suspect mark to clear")
-        outcome[rid] = Cleared(steps, "; ".join(said))
+            elsewhere = f" nor a record elsewhere than {checkpoint_dir}" if req.repoint else ""
+            said.append(f"no bad or suspect mark{elsewhere} on step {', '.join(map(str, missing))}")
+        if req.all and not steps and not moved:
+            more = f" nor record elsewhere than {checkpoint_dir}" if req.repoint else ""
+            said.append(f"no bad or suspect mark{more} to clear")
+        outcome[rid] = Cleared(steps, "; ".join(said), moved)
         gone |= set(steps)
         whom.append(rid + (f" by {req.who}" if req.who else ""))
     if not gone:

@@ -12,7 +12,7 @@ Pure: no I/O, no clock, no module-level state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sailor.controller.aborts import abort, unhealthy
 from sailor.controller.decision_types import (
@@ -29,7 +29,7 @@ from sailor.controller.decision_types import (
     replan_if_needed,
 )
 from sailor.schemas.commands import Checkpoint, Stop
-from sailor.schemas.runtime import CommitRecord, DesiredState, Phase
+from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, Phase
 
 __all__ = [
     "committing",
@@ -81,13 +81,29 @@ def quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action
     actions += replan_if_needed(d, o, d.cause, cfg)
     if d.phase is Phase.QUIESCE and plan_nodes_at(d, o, lambda s: s.step >= d.stop_step):
         actions.append(SetDesired(move_to(d, Phase.CHECKPOINT, o.now, cfg), "reached stop step"))
-    elif d.phase is Phase.CHECKPOINT and plan_nodes_at(d, o, lambda s: s.saved_step >= d.stop_step):
+    elif d.phase is Phase.CHECKPOINT and plan_nodes_at(d, o, _saved_where_held(d.stop_step)):
         # Workers that learned of the stop step late stop and save a little after it (all at
         # the same step: they agree on it collectively); commit the step they saved.
         saved = min(o.status[n].saved_step for n in d.placement)
         nxt = move_to(d, Phase.COMMIT, o.now, cfg, stop_step=saved)
         actions.append(SetDesired(nxt, f"all shards of step {saved} durable"))
     return actions
+
+
+def _saved_where_held(stop_step: int) -> Callable[[AgentStatus], bool]:
+    """Whether a node's workers saved the step they stopped at: at or after the stop step,
+    and not below the step they report. A save its workers passed is not the one the
+    reconfiguration waits for: a periodic save (``controller/periodic.py``) of step
+    T_p >= the stop step, taken before the Stop reached workers that then stopped at
+    T > T_p, would commit T_p and lose T - T_p steps (in place, the held step would not be
+    the load step). A worker reports a save made in passing at the next boundary, after
+    that step's progress line, so its report is always below the step it reports then; a
+    save at the step it holds at is reported with that step."""
+
+    def saved(s: AgentStatus) -> bool:
+        return s.saved_step >= max(stop_step, s.step)
+
+    return saved
 
 
 def _recorded(commits: Sequence[CommitRecord], directory: str) -> set[int]:

@@ -141,7 +141,9 @@ class ControllerConfig(ServerEndpoints):
         default=3600.0,
         ge=0,
         description="Wall-clock seconds between the controller's periodic checkpoints of the "
-        "running job (saved without stopping it, recorded as commits a crash relaunch loads, "
+        "running job (no stop or relaunch: training waits for the save's snapshot, and at the "
+        "next iteration boundary until the save is durable, so a write longer than one "
+        "iteration stalls training for the rest; recorded as commits a crash relaunch loads, "
         "pruned by keep_checkpoints as any commit): a node lost without notice costs at most "
         "about this much training. 0: none (only reconfigurations and notices checkpoint).",
     )

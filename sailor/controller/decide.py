@@ -51,7 +51,7 @@ from sailor.controller.job_precision import HELD_PREFIX, job_precision, precisio
 from sailor.controller.launch import UNLOADABLE_PREFIX, launch_next, launching, unloadable
 from sailor.controller.teardown import teardown
 from sailor.schemas.precision import Precision
-from sailor.schemas.runtime import DesiredState, Phase
+from sailor.schemas.runtime import CommitRecord, DesiredState, Phase
 
 __all__ = ["decide", "exclusion", "not_admitted", "unusable", "wanted_replan"]
 
@@ -202,7 +202,7 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if held is None and not o.usable:
         held = _none_admitted(d, o, cfg)
     if held is None:
-        held = unloadable(d, o)
+        held = unloadable(d, o, cfg)
     if held is not None:  # the reason as the job's cause (``sailor status``), written once
         return [] if d.cause == held else [SetDesired(d.model_copy(update={"cause": held}), held)]
     if d.cause.startswith((_NONE_ADMITTED, HELD_PREFIX, UNLOADABLE_PREFIX)):  # over: said once
@@ -247,14 +247,21 @@ def _clear_bad(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """Apply the operators' requests to clear bad checkpoint marks (oldest id first), then
     delete them (``controller/bad_marks.py``): as readmit requests, whatever their age."""
     actions: list[Action] = []
-    cleared, outcome = bad_marks.apply_clear_bad(d, o)
+    cleared, outcome = bad_marks.apply_clear_bad(d, o, cfg.checkpoint_dir)
     if cleared is not None:
         d = cleared[0]
         actions.append(SetDesired(*cleared))
+    moved: dict[int, CommitRecord] = {}
     for rid in sorted(o.clear_bad):
         req, done = o.clear_bad[rid], outcome[rid]
-        actions.append(ClearBadDone(rid, req.who, req.steps, req.all, done.steps, done.reason))
-    return [*actions, *decide(d, replace(o, clear_bad={}), cfg)]
+        actions.append(
+            ClearBadDone(rid, req.who, req.steps, req.all, done.steps, done.reason, done.repointed)
+        )
+        moved |= {c.step: c for c in done.repointed}
+    # the rest of the pass sees the records as they are once written (a launch from IDLE
+    # loads a re-pointed step from its new directory)
+    commits = tuple(moved.get(c.step, c) for c in o.commits)
+    return [*actions, *decide(d, replace(o, clear_bad={}, commits=commits), cfg)]
 
 
 def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> list[Action]:

@@ -272,6 +272,9 @@ class ClearBadDone:
     all: bool = False
     cleared: tuple[int, ...] = ()
     reason: str = ""
+    repointed: tuple[CommitRecord, ...] = ()
+    """``repoint``: the commit records it re-points to the leader's ``checkpoint_dir``,
+    written in the transaction that deletes the request (and writes the desired state)."""
 
 
 @dataclass(frozen=True)

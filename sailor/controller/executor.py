@@ -226,7 +226,7 @@ class Executor:
             keys = tuple(self._request_key(a) for a in take)
             try:
                 await self.store.put_all_guarded(
-                    [(self.keys.desired, data)],
+                    [(self.keys.desired, data), *self._repointed(take)],
                     self.keys.leader,
                     self.epoch,
                     delete=keys,
@@ -353,7 +353,7 @@ class Executor:
             elif isinstance(a, ClearBadDone | ClearReadmit):
                 # applied: the desired state was written first
                 key = self._request_key(a)
-                if key not in taken and not await self._take(key):
+                if key not in taken and not await self._take(a):
                     continue
                 self._audit_request(a)
         self._prune(desired.generation)
@@ -399,6 +399,16 @@ class Executor:
             taken.append(a)
         return tuple(taken)
 
+    def _repointed(self, take: tuple[ClearReadmit | ClearBadDone, ...]) -> list[tuple[str, bytes]]:
+        """The commit records the requests of ``take`` re-point (``ClearBadDone.repointed``),
+        as writes of the transaction that deletes them."""
+        return [
+            (self.keys.checkpoint(r.step), r.model_dump_json().encode())
+            for a in take
+            if isinstance(a, ClearBadDone)
+            for r in a.repointed
+        ]
+
     def _request_key(self, a: ClearReadmit | ClearBadDone) -> str:
         if isinstance(a, ClearReadmit):
             return self.keys.readmit(a.request_id)
@@ -408,6 +418,11 @@ class Executor:
         """The audit record of a request applied (``readmit``, ``clear_bad``): what it
         ended or why nothing."""
         if isinstance(a, ClearBadDone):
+            if a.repointed:  # which records now name which directory
+                extra |= {
+                    "repointed": [r.step for r in a.repointed],
+                    "directory": a.repointed[0].directory,
+                }
             self.audit.write(
                 "clear_bad",
                 self.clock.now(),
@@ -439,12 +454,18 @@ class Executor:
             raise ChangedError("no observed revision for a request", key=",".join(unseen))
         return {k: self.request_revisions[k] for k in keys}
 
-    async def _take(self, key: str) -> bool:
-        """Delete a request that changed nothing (it named no record or mark there is) while
-        it is as observed; False if its operator withdrew it first."""
+    async def _take(self, a: ClearReadmit | ClearBadDone) -> bool:
+        """Delete a request that changed no desired state (it named no record or mark there
+        is, or only re-pointed commit records: written in the same transaction) while it is
+        as observed; False if its operator withdrew it first."""
+        key = self._request_key(a)
         try:
             await self.store.put_all_guarded(
-                [], self.keys.leader, self.epoch, delete=(key,), expect=self._expected((key,))
+                self._repointed((a,)),
+                self.keys.leader,
+                self.epoch,
+                delete=(key,),
+                expect=self._expected((key,)),
             )
         except ChangedError:
             await self._withdrawn((key,))

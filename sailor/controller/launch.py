@@ -78,7 +78,7 @@ UNLOADABLE_PREFIX = "held: no recorded checkpoint is readable"
 (:func:`unloadable`)."""
 
 
-def unloadable(d: DesiredState, o: Observed) -> str | None:
+def unloadable(d: DesiredState, o: Observed, cfg: DecideConfig) -> str | None:
     """Why no launch may go on, when the job has recorded commits and every one is marked
     bad (``DesiredState.bad_checkpoints``); None when one is readable, or none is recorded
     (a new job starts fresh).
@@ -88,10 +88,17 @@ def unloadable(d: DesiredState, o: Observed) -> str | None:
     node reads an empty directory, ``NoCheckpointError``; every placed node failing marks
     the step bad, and the next launch falls back to the next commit, down to none). The
     job is held in IDLE instead, with this as its cause, until an operator repaired the
-    storage and cleared the marks (``sailor checkpoint clear-bad``)."""
+    storage and cleared the marks (``sailor checkpoint clear-bad``).
+
+    Records that name another directory than ``checkpoint_dir`` are named apart: the
+    checkpoint storage moved (/old copied to /new, ``checkpoint_dir: /new``, /old gone)
+    fails every launch of them alike, and clearing the marks alone only loops. Their files
+    moved, the records are re-pointed (``clear-bad --all --repoint``, ``bad_marks``); or
+    the old path is made readable again."""
     if not o.commits or o.resumable(d.bad_checkpoints) is not None:
         return None
-    steps = ", ".join(str(c.step) for c in sorted(o.commits, key=lambda c: -c.step))
+    newest = sorted(o.commits, key=lambda c: -c.step)
+    steps = ", ".join(str(c.step) for c in newest)
     dirs = ", ".join(sorted({c.directory for c in o.commits}))
     why = (
         f"{UNLOADABLE_PREFIX}: every recorded commit (step {steps}, under {dirs}) is marked "
@@ -99,6 +106,16 @@ def unloadable(d: DesiredState, o: Observed) -> str | None:
         "on the nodes (a mount that did not come back?), then clear the marks: sailor "
         "checkpoint clear-bad"
     )
+    moved = [c for c in newest if c.directory != cfg.checkpoint_dir]
+    if moved:
+        where = ", ".join(sorted({c.directory for c in moved}))
+        names = ", ".join(str(c.step) for c in moved)
+        why += (
+            f". Step {names} recorded under {where}, not checkpoint_dir {cfg.checkpoint_dir}: "
+            f"if their files are under {cfg.checkpoint_dir} now, sailor checkpoint clear-bad "
+            f"--all --repoint loads them from there; else make {where} readable on the nodes "
+            "again (until keep_checkpoints commits are recorded under the new directory)"
+        )
     if d.cause.startswith(why):  # held already: the cause it was held with, the last kept
         return d.cause
     return (f"{why}; last: {d.cause}" if d.cause else why)[:CAUSE_MAX]
@@ -167,7 +184,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     if plan is None:
         return []
     if load_step < 0:
-        unread = unloadable(d, o)
+        unread = unloadable(d, o, cfg)
         if unread is not None:
             return _held(d, o, cfg, unread)
     if any(n not in o.status for n in d.next_placement):

@@ -16,17 +16,22 @@ the stop:
   first boundary at or after S that some rank knew of it; the step they report is the
   step committed. They save and train on (no stop step is asked);
 - committed (:func:`committed`): once every node reports it durable (``saved_step``), a
-  ``CommitRecord`` as at a reconfiguration, the records below the retention's step
-  (``keep_checkpoints``) dropped; the save's own ``prune_below`` is also at most the oldest
-  recorded step, since an abandoned save may still commit and prune (so one checkpoint more
-  than a reconfiguration's retention stays on disk, deleted by the next save). A crash
+  ``CommitRecord`` as at a reconfiguration, under the directory the save was asked to
+  (``PeriodicCheckpoint.directory``, whichever leader records it), the records below the
+  retention's step (``keep_checkpoints``) dropped, an earlier directory's too; the save's
+  own ``prune_below`` is also at most the oldest recorded step, since an abandoned save
+  may still commit and prune (so one checkpoint more than a reconfiguration's retention
+  stays on disk, deleted by the next save). A crash
   relaunch loads it (``Observed.resumable``), like any commit. Checked first in a RUNNING
   pass: a save every node reported durable before one of them was lost is recorded before
   the abort chooses the step to load;
 - abandoned: a save not durable on every node by its deadline (the iterations to S, then
   the CHECKPOINT phase's deadline of the plan) is audited and never recorded; the next is due
-  ``checkpoint_every_s`` after it was asked for. It does not abort the job: a periodic save
-  is no reconfiguration;
+  ``checkpoint_every_s`` after it was asked for. So is one asked under another directory
+  than this leader's ``checkpoint_dir`` (a standby of another config took over mid-save):
+  re-sent under this one the workers would skip it (they took that step once) and the
+  commit would name a directory it was never saved to. It does not abort the job: a
+  periodic save is no reconfiguration;
 - failed (:func:`_failed`): the Checkpoint says ``periodic``, so the workers take the save
   as optional: one that fails on some rank (a storage error, a committer's timeout) is
   agreed by every rank and reported, and they train on (``megatron_patch/boundary.py``).
@@ -144,7 +149,7 @@ def _sends(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             node_id=n,
             deadline=p.deadline,
             step=p.step,
-            directory=cfg.checkpoint_dir,
+            directory=p.directory,
             prune_below=below,
             periodic=True,
         )
@@ -169,9 +174,11 @@ def committed(
     if not plan_nodes_at(d, o, lambda s: s.saved_step >= p.step):
         return None
     saved = min(o.status[n].saved_step for n in d.placement)
+    # the directory the save was asked to: a leader whose ``checkpoint_dir`` differs (a
+    # standby of another config that took over mid-save) records where the files are
     record = CommitRecord(
         step=saved,
-        directory=cfg.checkpoint_dir,
+        directory=p.directory,
         plan_id=d.plan.plan_id if d.plan else "",
         generation=d.generation,
         epoch=d.epoch,
@@ -179,10 +186,13 @@ def committed(
         periodic=True,
     )
     # the records below the retention's step go (their files the next save deletes,
-    # ``_sends``): only the leader writes records, and none changed since the request
-    below = min(_prune_below(d, o, cfg), saved)
-    recorded = {c.step for c in o.commits if c.directory == cfg.checkpoint_dir}
-    drop = tuple(sorted(s for s in recorded if s < below))
+    # ``_sends``): only the leader writes records, and none changed since the request.
+    # Those of an earlier directory with them, as at a reconfiguration's commit
+    # (``checkpointing.committing``): once ``keep`` good commits here are newer no launch
+    # falls back to them (their files stay where they are)
+    keep = prune_below(o.commits, p.directory, cfg.keep_checkpoints, d.bad_checkpoints)
+    below = min(keep, saved)
+    drop = tuple(sorted(c.step for c in o.commits if c.step < below))
     # a step saved again is new files: its bad mark was the old ones' (as ``committing``)
     bad = tuple(s for s in d.bad_checkpoints if s != saved)
     nxt = d.model_copy(
@@ -207,11 +217,19 @@ def periodic(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     p = d.periodic
     if p.step >= 0:
         failed = _failed(d, o, p.step)
-        if o.now <= p.deadline and not failed:
+        if p.directory != cfg.checkpoint_dir:
+            # asked by a leader of another config: sent here, the workers would skip it
+            # (they took step S once, ``Boundary.saved_requests``) and this leader would
+            # record S under a directory it was never saved to
+            late = (
+                f"asked under {p.directory}, this leader's checkpoint_dir is {cfg.checkpoint_dir}"
+            )
+        elif o.now <= p.deadline and not failed:
             return _sends(d, o, cfg)
-        late = failed or _not_saved(d, o, p.step)
-        if not failed:
-            late = f"not durable on every node by its deadline ({late})"
+        elif failed:
+            late = failed
+        else:
+            late = f"not durable on every node by its deadline ({_not_saved(d, o, p.step)})"
         why = f"{late}; asked again next interval"
         nxt = d.model_copy(update={"periodic": PeriodicCheckpoint(requested=p.requested)})
         return [
@@ -226,9 +244,10 @@ def periodic(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     step, reach, how = _step_ahead(d, o, cfg)
     save = phase_deadline(d, Phase.CHECKPOINT, cfg).seconds
     deadline = o.now + reach + save
-    nxt = d.model_copy(
-        update={"periodic": PeriodicCheckpoint(step=step, requested=o.now, deadline=deadline)}
+    ask = PeriodicCheckpoint(
+        step=step, requested=o.now, deadline=deadline, directory=cfg.checkpoint_dir
     )
+    nxt = d.model_copy(update={"periodic": ask})
     why = f"{how}; abandoned unless durable within {deadline - o.now:.0f} s"
     return [
         PeriodicOutcome("requested", step, d.generation, why),

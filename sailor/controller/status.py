@@ -364,6 +364,16 @@ async def _retried(call: Callable[[], Awaitable[_T]], end: float) -> _T | None:
             await asyncio.sleep(0.5)
 
 
+async def _commits(store: Any, keys: Keys) -> dict[int, str]:
+    """step -> directory of the job's commit records (``ckpt/``), those readable."""
+    out: dict[int, str] = {}
+    for kv in await store.get_prefix(keys.checkpoints):
+        with contextlib.suppress(ValidationError):
+            c = CommitRecord.model_validate_json(kv.value)
+            out[c.step] = c.directory
+    return out
+
+
 async def _desired_after(store: Any, keys: Keys) -> DesiredState | None:
     """``_desired`` once a request was taken, read through an etcd outage (up to
     ``WITHDRAW_RETRY_S``): what the leader's write left."""
@@ -403,6 +413,13 @@ class Answer:
     again since)."""
     unknown: tuple[str, ...] = ()
     """Named, but not held when asked: nothing to end for them."""
+    moved: tuple[str, ...] = ()
+    """Applied, ``clear-bad --repoint``: the steps whose commit records name the directory
+    asked for after, and another before."""
+    unmoved: tuple[str, ...] = ()
+    """Applied, ``--repoint``: the steps recorded under another directory before whose
+    records do not name the one asked for after (a leader of another ``checkpoint_dir``, or
+    of a release without re-pointing)."""
 
 
 def _held_records(d: DesiredState | None) -> set[str]:
@@ -474,24 +491,34 @@ async def request_clear_bad(
     who: str,
     security: SecurityConfig | None = None,
     wait_s: float = 10.0,
+    repoint: str = "",
 ) -> Answer:
     """Ask the leader to clear the bad (and suspect) marks of committed ``steps``
     (``everything``: every mark). As :func:`request_readmit`: no request when the desired
     state marks none of them (``nothing``; ``unknown``: the named steps it does not mark),
     else ``applied`` (``done``: the steps whose marks went; ``again``: marked again after)
-    or ``withdrawn``."""
+    or ``withdrawn``. ``repoint``: the controller config's ``checkpoint_dir``; the request
+    also re-points the records of ``steps`` (``everything``: every record) that name
+    another directory to the leader's (``ClearBadRequest.repoint``), and is written when
+    there is one such record even with no mark (``moved``: the steps whose records name
+    ``repoint`` after, another directory before)."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
         d = await _desired(store, keys)
         held = set(marked(d)) if d is not None else set()
+        before = await _commits(store, keys) if repoint else {}
+        away = {s for s, where in before.items() if where != repoint}
+        movable = away if everything else away & set(steps)
         asked = held if everything else set(steps)
-        unknown = () if everything else tuple(sorted(set(steps) - held))
-        if not asked & held:
+        unknown = () if everything else tuple(sorted(set(steps) - held - movable))
+        if not asked & held and not movable:
             return Answer("", "nothing", unknown=tuple(map(str, unknown)))
         rid = _request_id()
-        named = tuple(sorted(asked & held)) if not everything else ()
-        req = ClearBadRequest(steps=named, all=everything, who=who, time=time.time())
+        named = tuple(sorted((asked & held) | movable)) if not everything else ()
+        req = ClearBadRequest(
+            steps=named, all=everything, repoint=bool(repoint), who=who, time=time.time()
+        )
         body = req.model_dump_json().encode()
         key = keys.clear_bad(rid)
         got = await _ask(store, key, keys.asked_witness(key), body, wait_s)
@@ -500,12 +527,21 @@ async def request_clear_bad(
         after_d = await _desired_after(store, keys)
         after = set(marked(after_d)) if after_d is not None else set()
         ended = asked & held
+        moved: list[str] = []
+        unmoved: list[str] = []
+        if movable:
+            now = await _commits(store, keys)
+            for s in sorted(movable):
+                if s in now:  # a record dropped meanwhile is neither
+                    (moved if now[s] == repoint else unmoved).append(str(s))
         return Answer(
             rid,
             "applied",
             done=tuple(map(str, sorted(ended - after))),
             again=tuple(map(str, sorted(ended & after))),
             unknown=tuple(map(str, unknown)),
+            moved=tuple(moved),
+            unmoved=tuple(unmoved),
         )
     finally:
         await store.close()

@@ -235,9 +235,17 @@ class Boundary(Generic[_T]):
         )
 
     def _maybe_save(self, tr: _T, req: ControlRequest, holding: bool) -> None:
-        if not req.wants_save or req.save_step in self.saved_requests:
+        if not req.wants_save:
             return
-        if tr.step < req.save_step and not holding:
+        if holding:
+            # At the hold step the save wanted is this step's, whichever step the request
+            # names and whatever was taken for it before: ranks that passed a periodic
+            # save's step before the Stop reached them (maybe the very step the
+            # reconfiguration asks for, already in ``saved_requests``) would otherwise hold
+            # at T with only that older save durable, and the controller commit it.
+            if max(self.pending_save, self.last_saved) >= tr.step:
+                return
+        elif req.save_step in self.saved_requests or tr.step < req.save_step:
             return
         self.saved_requests.add(req.save_step)
         root = agree_dir(req.save_dir)

@@ -46,9 +46,11 @@ and ``communicators_covered``, ``GPUPrior.communicator_bytes`` and ``communicato
 ``DeploymentStructure.process_groups`` (in a ``CalibrationRecord``'s calibration): a reader
 of version 5 refuses a record of its own version that holds them.
 7: ``DesiredState.periodic`` (the controller's periodic checkpoint, written only once one
-was asked for), ``Checkpoint.periodic``, ``CommitRecord.periodic`` and
-``AgentStatus.save_failed_step`` and ``save_failure`` (a periodic save that failed is
-reported, not fatal): a release of version 6 was out."""
+was asked for; its ``directory``, the checkpoint root the save in flight was asked to),
+``Checkpoint.periodic``, ``CommitRecord.periodic`` and ``AgentStatus.save_failed_step`` and
+``save_failure`` (a periodic save that failed is reported, not fatal): a release of version
+6 was out. ``ClearBadRequest.repoint`` (a release-6 leader drops it and clears the marks
+only; ``sailor checkpoint clear-bad --repoint`` reads the records back and says so)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -208,6 +208,12 @@ class PeriodicCheckpoint(Frozen):
         description="Unix time the save in flight is abandoned at (not every node reported it "
         "durable); 0 when none is in flight.",
     )
+    directory: str = Field(
+        default="",
+        max_length=4096,
+        description="Checkpoint root the save in flight was asked to (the requesting leader's "
+        "``checkpoint_dir``), which its commit records; '' when none is in flight.",
+    )
 
     @model_validator(mode="after")
     def _deadline_with_step(self) -> PeriodicCheckpoint:
@@ -219,6 +225,9 @@ class PeriodicCheckpoint(Frozen):
             )
         if self.step < 0 and self.deadline:
             raise field_error("deadline", self.deadline, "set, but no save is in flight (step -1)")
+        if (self.step >= 0) != bool(self.directory):
+            why = "empty, but a save is in flight" if self.step >= 0 else "set, but no save"
+            raise field_error("directory", self.directory, f"{why} (step {self.step})")
         return self
 
 
@@ -614,6 +623,12 @@ class ClearBadRequest(WireMessage):
         default=(), max_length=1024, description="Steps whose marks go (sorted)."
     )
     all: bool = Field(default=False, description="Every bad and suspect mark goes.")
+    repoint: bool = Field(
+        default=False,
+        description="The commit records of the steps named (``all``: every one) that name "
+        "another directory than the leader's ``checkpoint_dir`` are re-pointed to it (their "
+        "files were moved there), and their marks go too; wire version 7.",
+    )
     who: str = Field(default="", max_length=256, description="Who asked (user@host).")
     time: float = Field(default=0.0, ge=0, description="Unix time of the request.")
 

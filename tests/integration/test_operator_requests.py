@@ -34,7 +34,13 @@ from sailor.controller.decide import decide
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.coordination import EtcdStore, Keys, KeyValue, TemporaryError, connect_etcd
 from sailor.localservers import LocalServers
-from sailor.schemas.runtime import ClearBadRequest, DesiredState, NodeHealth, ReadmitRequest
+from sailor.schemas.runtime import (
+    ClearBadRequest,
+    CommitRecord,
+    DesiredState,
+    NodeHealth,
+    ReadmitRequest,
+)
 from tests.integration.test_controller_executor import Rig, _records, executor_on
 
 WAIT_S = 0.6
@@ -804,3 +810,48 @@ async def test_a_request_whose_write_and_close_etcd_never_answered_is_unconfirme
         assert "Traceback" not in out and "temporary" not in out
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("marked", [True, False])
+async def test_clear_bad_repoint_rewrites_the_records_with_the_request(
+    module_plain_servers: LocalServers, tmp_path: Path, marked: bool
+) -> None:
+    """The checkpoint storage moved (/old copied to /ck, the checkpoint_dir): ``clear-bad
+    --all --repoint`` has the leader re-point the record of step 900 to /ck in the
+    transaction that deletes the request (and, marked, clears its mark); the command reads
+    it back. Before, no request could say so: the launch read /old, and the job was held."""
+    ep = module_plain_servers.etcd_endpoint
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        bad = (900,) if marked else ()
+        await rig.ex.write_desired(
+            DesiredState(epoch=rig.ex.epoch, generation=3, bad_checkpoints=bad), "test"
+        )
+        old = CommitRecord(step=900, directory="/old")
+        await rig.store.put(keys.checkpoint(900), old.model_dump_json().encode())
+        asked = asyncio.create_task(
+            status.request_clear_bad(ep, keys.job, (), True, "op", None, 10.0, repoint="/ck"),
+            name="test-repoint",
+        )
+        seen = await _request(rig.store, keys.clear_bads)
+        assert ClearBadRequest.model_validate_json(seen.value).repoint
+        d = DesiredState.model_validate_json(await rig.desired())
+        rid = seen.key.rsplit("/", 1)[1]
+        o = Observed(
+            now=time.time(),
+            nodes={},
+            status={},
+            commits=(old,),
+            clear_bad={rid: ClearBadRequest.model_validate_json(seen.value)},
+        )
+        rig.ex.request_revisions = {seen.key: seen.mod_revision}
+        await rig.ex.apply(decide(d, o, CFG), d)
+        answer = await asyncio.wait_for(asked, 10)
+        assert answer.outcome == "applied" and answer.moved == ("900",) and not answer.unmoved
+        assert answer.done == (("900",) if marked else ())
+        kv = await rig.store.get(keys.checkpoint(900))
+        assert kv is not None and CommitRecord.model_validate_json(kv.value).directory == "/ck"
+        assert DesiredState.model_validate_json(await rig.desired()).bad_checkpoints == ()
+        (rec,) = _records(rig.audit, "clear_bad")
+        assert rec["repointed"] == [900] and rec["directory"] == "/ck"
+        assert await rig.store.get_prefix(keys.clear_bads) == []

@@ -16,11 +16,27 @@ from dataclasses import replace
 
 from sailor.controller.checkpointing import prune_below
 from sailor.controller.decide import decide
-from sailor.controller.decision_types import Commit, Observed, Send
+from sailor.controller.decision_types import ClearBadDone, Commit, Observed, Send
 from sailor.controller.launch import UNLOADABLE_PREFIX
 from sailor.schemas.commands import Launch
-from sailor.schemas.runtime import AgentStatus, ClearBadRequest, CommitRecord, DesiredState, Phase
-from tests.unit.test_controller_decide import CFG, _planned, _sets, nodes, obs, running, st
+from sailor.schemas.runtime import (
+    AgentStatus,
+    ClearBadRequest,
+    CommitRecord,
+    DesiredState,
+    PeriodicCheckpoint,
+    Phase,
+)
+from tests.unit.test_controller_decide import (
+    CFG,
+    NOW,
+    _planned,
+    _sets,
+    nodes,
+    obs,
+    running,
+    st,
+)
 
 MOVED = (CommitRecord(step=900, directory="/old"), CommitRecord(step=500, directory="/ck"))
 
@@ -78,6 +94,15 @@ def test_records_of_an_earlier_directory_go_with_the_current_ones_retention() ->
         d, obs(nodes(1), [st(1, step=1200, saved=1200, state="stopped")], commits=MOVED[:1]), CFG
     )
     assert isinstance(a[0], Commit) and a[0].drop == ()
+    # a periodic commit drops alike (before, only /ck@500: /old@900 stayed for ever)
+    flying = PeriodicCheckpoint(step=1200, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
+    d = running((1,), periodic=flying)
+    a = decide(d, obs(nodes(1), [st(1, step=1201, saved=1200)], commits=commits), CFG)
+    (commit,) = (x for x in a if isinstance(x, Commit))
+    assert commit.periodic and commit.record.directory == "/ck" and commit.drop == (500, 900)
+    a = decide(d, obs(nodes(1), [st(1, step=1201, saved=1200)], commits=MOVED[:1]), CFG)
+    (commit,) = (x for x in a if isinstance(x, Commit))
+    assert commit.drop == ()
 
 
 def _every_commit_unreadable(error: str) -> tuple[DesiredState, Observed]:
@@ -125,3 +150,54 @@ def test_a_job_without_any_commit_still_starts_fresh() -> None:
     o = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
     (launch,) = _sets(decide(idle, o, CFG))
     assert launch.phase is Phase.LAUNCH and launch.load_step == -1
+
+
+def _moved() -> tuple[DesiredState, Observed]:
+    """The storage moved: /old copied to /ck (checkpoint_dir now /ck), /old gone. Both
+    records name /old; launches of each failed to read it and marked it bad: held."""
+    commits = (CommitRecord(step=800, directory="/old"), CommitRecord(step=900, directory="/old"))
+    idle = _idle().model_copy(update={"bad_checkpoints": (800, 900)})
+    o = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
+    return idle, replace(o, commits=commits)
+
+
+def test_a_job_held_after_its_storage_moved_is_told_so_and_repointed_resumes() -> None:
+    """Before, the hold said to check the storage and clear the marks, which only loops
+    (each launch reads /old again), and deleting the records started from step 0. Now the
+    cause names the records of another directory and what to do, and clear-bad --all
+    --repoint re-points them to /ck and clears their marks: the launch loads 900 from /ck."""
+    idle, o = _moved()
+    (held,) = _sets(decide(idle, o, CFG))
+    assert held.phase is Phase.IDLE and held.cause.startswith(UNLOADABLE_PREFIX)
+    assert "Step 900, 800 recorded under /old, not checkpoint_dir /ck" in held.cause
+    assert "sailor checkpoint clear-bad --all --repoint" in held.cause
+    assert "make /old readable on the nodes again" in held.cause
+    ask = replace(o, clear_bad={"r1": ClearBadRequest(all=True, repoint=True, who="op")})
+    a = decide(held, ask, CFG)
+    (done,) = (x for x in a if isinstance(x, ClearBadDone))
+    assert [(c.step, c.directory) for c in done.repointed] == [(800, "/ck"), (900, "/ck")]
+    assert done.cleared == (800, 900) and "re-pointed the records of step 800, 900" in done.reason
+    launch = _sets(a)[-1]
+    assert launch.phase is Phase.LAUNCH and launch.load_step == 900 and not launch.bad_checkpoints
+    moved = replace(o, commits=done.repointed)
+    assert {c.checkpoint for c in _launches(decide(launch, moved, CFG))} == {"/ck"}
+    # without --repoint the marks go and the launch reads /old again: the loop of before
+    a = decide(held, replace(o, clear_bad={"r1": ClearBadRequest(all=True)}), CFG)
+    (done,) = (x for x in a if isinstance(x, ClearBadDone))
+    assert done.repointed == ()
+    assert {c.checkpoint for c in _launches(decide(_sets(a)[-1], o, CFG))} == {"/old"}
+
+
+def test_a_repoint_without_marks_rewrites_only_the_records() -> None:
+    """Moved before any launch failed: a re-point of step 900 changes no desired state; the
+    record comes with the request's deletion. A step with no mark and no record elsewhere
+    is said so."""
+    _, o = _moved()
+    d = running((1, 2))
+    o = replace(o, status={s.node_id: s for s in (st(1), st(2))})
+    req = ClearBadRequest(steps=(500, 900), repoint=True)
+    a = decide(d, replace(o, commits=(*o.commits, *MOVED[1:]), clear_bad={"r1": req}), CFG)
+    assert not _sets(a)
+    (done,) = (x for x in a if isinstance(x, ClearBadDone))
+    assert [(c.step, c.directory) for c in done.repointed] == [(900, "/ck")]
+    assert "no bad or suspect mark nor a record elsewhere than /ck on step 500" in done.reason

@@ -93,7 +93,7 @@ def test_none_before_the_interval_nor_when_off() -> None:
 
 
 def test_the_save_in_flight_is_sent_until_acked_and_committed_once_durable() -> None:
-    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
     d = _running(periodic=flying)
     commits = (CommitRecord(step=40, directory="/ck"), CommitRecord(step=20, directory="/ck"))
     o = obs(nodes(1, 2), [st(1, step=153), st(2, step=153)], commits=commits)
@@ -118,7 +118,7 @@ def test_the_save_in_flight_is_sent_until_acked_and_committed_once_durable() -> 
 
 
 def test_a_save_not_durable_by_its_deadline_is_abandoned_not_aborted_and_asked_again() -> None:
-    flying = PeriodicCheckpoint(step=154, requested=NOW - 100, deadline=NOW - 1)
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 100, deadline=NOW - 1, directory="/ck")
     d = _running(periodic=flying)
     o = obs(nodes(1, 2), [st(1, step=170, saved=154), st(2, step=170)])
     a = decide(d, o, CFG)
@@ -139,7 +139,7 @@ def test_a_save_not_durable_by_its_deadline_is_abandoned_not_aborted_and_asked_a
 def test_a_reconfiguration_takes_precedence_over_the_save_in_flight(what: str) -> None:
     """A notice (QUIESCE), a join (QUIESCE) or a lost node (abort): the save in flight is
     dropped with the RUNNING phase and audited as abandoned, never recorded later."""
-    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
     d = _running(periodic=flying)
     statuses = [st(1, step=153), st(2, step=153)]
     if what == "notice":
@@ -162,7 +162,7 @@ def test_a_reconfiguration_takes_precedence_over_the_save_in_flight(what: str) -
 def test_a_save_durable_on_every_node_before_one_was_lost_is_loaded_by_the_abort() -> None:
     """Both nodes reported step 154 durable, then n2 vanished (no notice): the pass records
     the commit first, and the abort's relaunch loads it, not the older commit."""
-    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
     d = _running(periodic=flying)
     commits = (CommitRecord(step=40, directory="/ck"),)
     o = obs(nodes(1), [st(1, step=156, saved=154), st(2, step=155, saved=154)], commits=commits)
@@ -173,11 +173,62 @@ def test_a_save_durable_on_every_node_before_one_was_lost_is_loaded_by_the_abort
     assert torn.phase is Phase.TEARDOWN and torn.aborted and torn.load_step == 154
 
 
+def test_a_save_asked_under_another_directory_is_recorded_there_or_abandoned() -> None:
+    """A leader asked for 154 under /old; a standby whose checkpoint_dir is /ck took over.
+    Durable on every node: recorded under /old, where the files are (before, under /ck).
+    Not yet durable: abandoned, not re-sent under /ck (the workers took step 154 once and
+    would skip it, and the commit would have named /ck)."""
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60, directory="/old")
+    d = _running(periodic=flying)
+    commits = (CommitRecord(step=40, directory="/old"),)
+    done = [st(1, step=156, saved=155), st(2, step=156, saved=155)]
+    a = decide(d, obs(nodes(1, 2), done, commits=commits), CFG)
+    commit = next(x for x in a if isinstance(x, Commit))
+    assert (commit.record.step, commit.record.directory) == (155, "/old")
+    a = decide(d, obs(nodes(1, 2), [st(1, step=153), st(2, step=153)], commits=commits), CFG)
+    assert _checkpoints(a) == [] and _outcomes(a) == [("abandoned", 154)]
+    why = next(x for x in a if isinstance(x, PeriodicOutcome)).reason
+    assert "asked under /old, this leader's checkpoint_dir is /ck" in why
+    (state,) = _sets(a)
+    assert state.phase is Phase.RUNNING and state.periodic == PeriodicCheckpoint(requested=NOW - 5)
+    # the next one, once due, is asked under this leader's directory
+    later = Observed(now=NOW + 600, nodes=nodes(1, 2), status={s.node_id: s for s in done})
+    asked = _checkpoints(decide(state, later, CFG))
+    assert asked and {c.directory for c in asked} == {"/ck"}
+    assert _sets(decide(state, later, CFG))[0].periodic.directory == "/ck"
+
+
+def test_a_periodic_save_the_workers_passed_is_not_the_reconfigurations_checkpoint() -> None:
+    """A reconfiguration's stop step is 150; the workers saved 152 for a periodic request,
+    then met the Stop at 160 and hold there. Before, saved 152 >= 150 moved to COMMIT of
+    152: 8 steps lost (in place, the workers held 160 with a load step of 152). Now the
+    leader waits for the save of the step they hold at."""
+    d = running((1, 2), phase=Phase.CHECKPOINT, stop_step=150, phase_deadline=NOW + 60)
+    passed = [st(i, step=160, saved=152, state="stopped") for i in (1, 2)]
+    a = decide(d, obs(nodes(1, 2), passed), CFG)
+    assert not [s for s in _sets(a) if s.phase is Phase.COMMIT]
+    held = [st(i, step=160, saved=160, state="stopped") for i in (1, 2)]
+    (commit,) = (
+        s for s in _sets(decide(d, obs(nodes(1, 2), held), CFG)) if s.phase is Phase.COMMIT
+    )
+    assert commit.stop_step == 160
+    # a save at the very step they hold at is theirs, whichever request it answered
+    held = [st(i, step=152, saved=152, state="stopped") for i in (1, 2)]
+    (commit,) = (
+        s for s in _sets(decide(d, obs(nodes(1, 2), held), CFG)) if s.phase is Phase.COMMIT
+    )
+    assert commit.stop_step == 152
+
+
 def test_the_periodic_record_is_validated() -> None:
     with pytest.raises(ValidationError, match=r"deadline.*no save is in flight"):
         PeriodicCheckpoint(deadline=5.0)
     with pytest.raises(ValidationError, match=r"deadline.*ends after its request"):
         PeriodicCheckpoint(step=3, requested=10.0, deadline=5.0)
+    with pytest.raises(ValidationError, match=r"directory='': empty, but a save is in flight"):
+        PeriodicCheckpoint(step=3, requested=1.0, deadline=5.0)
+    with pytest.raises(ValidationError, match=r"directory='/ck': set, but no save"):
+        PeriodicCheckpoint(directory="/ck")
     with pytest.raises(ValidationError, match="checkpoint_every_s"):
         DecideConfig(checkpoint_dir="/ck", checkpoint_every_s=-1)
 

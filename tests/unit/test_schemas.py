@@ -285,7 +285,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         in_place_reads={"n2": 1 << 20},
         reads_spent_through=3,
         forgiven_nodes={"n2": 4},
-        periodic=PeriodicCheckpoint(step=120, requested=50.0, deadline=90.0),
+        periodic=PeriodicCheckpoint(step=120, requested=50.0, deadline=90.0, directory="/ck"),
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d

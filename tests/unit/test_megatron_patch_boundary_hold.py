@@ -1,0 +1,114 @@
+"""Ranks that hold at a stop step save that step, whatever was saved for the request before.
+
+Two gloo ranks and the boundary's own control-file protocol. The controller asked a periodic
+save of step 10 (no stop); the ranks took it at their boundary of step 10 and trained on. A
+reconfiguration then asks to stop and save at step 10 too (both steps are "highest report +
+a few"), but the Stop reaches the ranks only at step 12. Before, the request's step was in
+``saved_requests``, the hold skipped it and waited out its pause for a save that never came:
+it stopped at 12 with step 10 durable, and the controller committed 10 (2 steps lost; in
+place, the ranks held 12 with a load step of 10). Now the hold saves step 12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sailor.megatron_patch.boundary import Boundary, Progress, Status
+from tests.spawn import spawn
+
+PAUSE_S = 1.0
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.step = 0
+
+
+class _Saves:
+    """A checkpoint implementation that records the steps it was asked to save, each
+    durable at once."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def save(
+        self, trainer: _Trainer, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
+        self.steps.append(trainer.step)
+        return 0.0
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _control(path: Path, **fields: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(fields))
+    tmp.replace(path)
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
+    control = Path(out, f"control-{rank}.json")
+    ckdir = str(Path(out, "ckpt"))
+    args = argparse.Namespace(
+        control=str(control),
+        poll_s=0.02,
+        pause_timeout_s=PAUSE_S,
+        rank=rank,
+        min_step_s=0.0,
+        fail_at_step=None,
+        abort_at_step=None,
+        start_step=0,
+        steps=100,
+    )
+    progress_file = Path(out, f"progress-{rank}.jsonl")
+    saves, tr = _Saves(), _Trainer()
+    b = Boundary(
+        args, Status(rank), Progress(str(progress_file), False), saves, torch.device("cpu")
+    )  # type: ignore[arg-type]
+    _control(control, save_step=10, save_dir=ckdir, prune_below=-1)  # the periodic request
+    stopped = False
+    t0 = time.monotonic()
+    while not stopped and tr.step < 20:
+        tr.step += 1
+        if tr.step == 12:  # the reconfiguration's Stop and Checkpoint arrive late
+            _control(control, stop_at_step=10, save_step=10, save_dir=ckdir, prune_below=-1)
+        dist.barrier()  # both ranks' files written before either reads its own
+        stopped = b(tr)
+    took = time.monotonic() - t0
+    dist.destroy_process_group()
+    events = [json.loads(x) for x in progress_file.read_text().splitlines()]
+    Path(out, f"r{rank}.json").write_text(
+        json.dumps({"saves": saves.steps, "stopped_at": b.stopped_at, "s": took, "events": events})
+    )
+
+
+def test_ranks_holding_past_a_periodic_save_save_the_step_they_hold(tmp_path: Path) -> None:
+    spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["stopped_at"] == 12, got
+        assert got["saves"] == [10, 12], got
+        saved = [e["step"] for e in got["events"] if e["event"] == "saved"]
+        assert saved == [10, 12], got
+        assert got["s"] < PAUSE_S, got  # saved at once, not after waiting out the pause
