@@ -29,9 +29,9 @@ async def _cli(*args: str) -> Any:
 async def test_status_shows_the_periodic_checkpoint(cluster: Cluster) -> None:
     keys = Keys(job=cluster.job)
     now = time.time()
-    flying = PeriodicCheckpoint(step=154, requested=now - 30, deadline=now + 90)
-    d = DesiredState(epoch=1, generation=3, phase=Phase.RUNNING, periodic=flying)
     root = str(cluster.tmp / "ckpt")
+    flying = PeriodicCheckpoint(step=154, requested=now - 30, deadline=now + 90, directory=root)
+    d = DesiredState(epoch=1, generation=3, phase=Phase.RUNNING, periodic=flying)
     records = [
         CommitRecord(step=100, directory=root, time=now - 900, periodic=True),
         CommitRecord(step=120, directory=root, time=now - 400, periodic=True),

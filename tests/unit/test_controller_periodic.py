@@ -237,7 +237,7 @@ def test_a_save_the_workers_report_failed_is_abandoned_before_its_deadline() -> 
     """The workers agreed that the save failed (a storage error on one rank), reported it
     and trained on: the leader abandons it at once, audited with what failed, and asks again
     at the next interval; a failure of an earlier save or generation is not this one's."""
-    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
     d = _running(periodic=flying)
     cause = "the checkpoint save failed on rank(s) 1 (h2); rank 1: OSError: No space left"
     failed = st(2, step=157).model_copy(update={"save_failed_step": 155, "save_failure": cause})
@@ -263,7 +263,7 @@ def test_the_periodic_checkpoint_and_its_commit_say_periodic() -> None:
     which commit was periodic."""
     a = decide(_running(), obs(nodes(1, 2), [st(1, step=151), st(2, step=152)]), CFG)
     assert [c.periodic for c in _checkpoints(a)] == [True, True]
-    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60)
+    flying = PeriodicCheckpoint(step=154, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
     done = [st(1, step=156, saved=155), st(2, step=155, saved=155)]
     a = decide(_running(periodic=flying), obs(nodes(1, 2), done), CFG)
     assert next(x for x in a if isinstance(x, Commit)).record.periodic
