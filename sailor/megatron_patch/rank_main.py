@@ -153,7 +153,7 @@ from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     release,
     warm_up,
 )
-from sailor.megatron_patch.load_barrier import loaded_together  # noqa: E402
+from sailor.megatron_patch.load_barrier import LoadBarrier  # noqa: E402
 from sailor.megatron_patch.model_source import (  # noqa: E402
     load_architecture,
     load_model,
@@ -166,6 +166,7 @@ from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.rank_args import (  # noqa: E402
     build_parser,
     check_load_step,
+    check_load_waits,
     check_periodic_checkpoints,
 )
 from sailor.megatron_patch.roles import role_of  # noqa: E402
@@ -297,6 +298,7 @@ def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = No
     # before anything touches CUDA (the allocator reads it once; devices.cuda_alloc_env)
     os.environ.update(cuda_alloc_env(os.environ))
     check_load_step(args)
+    check_load_waits(args)
     if args.in_place or args.warm:
         return _run_in_place(args, status, ckpt)
     return _generation(args, status, ckpt, None, -1).code
@@ -369,6 +371,21 @@ def _generation(
         timeout=timedelta(seconds=args.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    # from here until every rank has loaded, the others may wait for this rank on the store
+    # rather than in a collective: it beats there, and a failure of its own before its load
+    # is over (building the stage, the handshake, the load) is written there by main's
+    # handler; one name on every rank of this world (a fresh rank and the held ones number
+    # their generations differently, their plan and master are the same)
+    barrier = LoadBarrier(
+        dist.distributed_c10d._get_default_store(),
+        args.rank,
+        args.world_size,
+        f"{plan.plan_id}@{args.master}",
+        args.load_timeout_s,
+        args.load_liveness_s,
+        1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
+    ).start()
+    status.load_barrier = barrier
     strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
     previous_backend = None
     if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
@@ -421,21 +438,11 @@ def _generation(
         trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
     # the ranks that load first wait for the slowest on the store, not in the next
-    # collective under the process groups' timeout; a failed load ends them (load_barrier)
-    with (
-        loaded_together(
-            dist.distributed_c10d._get_default_store(),
-            args.rank,
-            args.world_size,
-            # one name on every rank of this world: a fresh rank and the held ones number
-            # their generations differently, their plan and master are the same
-            f"{plan.plan_id}@{args.master}",
-            args.load_timeout_s,
-            1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
-        )
-        if empty
-        else contextlib.nullcontext()
-    ):
+    # collective under the process groups' timeout; a failed or dead rank ends them
+    # (load_barrier). Every rank decides `empty` alike: none waits when none loads.
+    if not empty:
+        barrier.close()
+    with barrier.loading() if empty else contextlib.nullcontext():
         if peers is not None and fill:
             relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
             relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
@@ -448,6 +455,7 @@ def _generation(
             trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
             load_stage(trainer.stage, weights)
         t_own = time.time()
+    status.load_barrier = None
     release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
     status.in_training, status.step, status.in_iteration = True, trainer.step, False
@@ -583,6 +591,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
             exc, status.rank, status.failed_step, status.in_training, last_step=status.step
         )
         write_error_file(status.error_file, record)
+        if status.load_barrier is not None:  # the others may be waiting for this rank's load
+            status.load_barrier.fail(exc)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         # Never run destructors or barriers that could wait on dead peers.
         os._exit(1)
