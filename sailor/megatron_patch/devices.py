@@ -14,8 +14,10 @@ on one GPU, or a GPU the node does not have, naming the pipelines, stages and ra
 :func:`nccl_error_env` is how a dead or silent peer becomes a Python exception instead of
 the watchdog's ``SIGABRT`` (see its docstring); :func:`nccl_env` adds to it what keeps NCCL
 to what the cost model prices (no NVLink SHARP), and :func:`cuda_alloc_env` the caching
-allocator's expandable segments. Nothing here imports torch or touches a device; the worker
-and the DeepSpeed adapter apply the decisions (the user's own settings always win).
+allocator's expandable segments, which :func:`worker_env` puts in the environment a worker
+process is started with (the agent's supervisor and ``launch_local``). Nothing here imports
+torch or touches a device; the worker and the DeepSpeed adapter apply the decisions (the
+user's own settings always win).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "nccl_env",
     "nccl_error_env",
     "pack_one_host",
+    "worker_env",
 ]
 
 Backend = Literal["gloo", "nccl"]
@@ -268,3 +271,16 @@ def cuda_alloc_env(environ: Mapping[str, str]) -> dict[str, str]:
     if "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
         return {}
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment to start a worker process with: ``environ`` and the caching
+    allocator's settings (:func:`cuda_alloc_env`; the user's own win, whole).
+
+    Set by the parent, before the child's Python starts, they are in place before anything
+    in the child can touch CUDA: the allocator reads them once, at its first use, and one
+    early allocation (an import that builds a CUDA tensor, a library probing the device)
+    would otherwise fix the allocator without them, silently. The worker still adds them to
+    its own environment (and the allocator's, ``rank_main``) for a worker started by hand.
+    """
+    return {**environ, **cuda_alloc_env(environ)}

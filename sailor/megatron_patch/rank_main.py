@@ -293,10 +293,27 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
         held = out.held
 
 
+def _allocator_settings() -> None:
+    """The caching allocator's settings (``devices.cuda_alloc_env``) for a worker whose parent
+    did not start it with them (``sailor worker`` by hand; the agent and ``launch_local``
+    do: ``devices.worker_env``). The environment is read once, at the allocator's first
+    use, which an import may already have made: where CUDA is present they are also handed
+    to the allocator itself, which applies them from then on."""
+    added = cuda_alloc_env(os.environ)
+    os.environ.update(added)
+    if added and torch.cuda.is_available():
+        # torch's setter of the allocator's config (torch.cuda.memory._set_allocator_settings,
+        # which PyTorch's expandable-segments tests call, forwards to it and is deprecated
+        # since the config became device-generic); the old name for an older torch
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            setter = torch.cuda.memory._set_allocator_settings
+        setter(added["PYTORCH_CUDA_ALLOC_CONF"])
+
+
 def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
-    # before anything touches CUDA (the allocator reads it once; devices.cuda_alloc_env)
-    os.environ.update(cuda_alloc_env(os.environ))
+    _allocator_settings()
     check_load_step(args)
     check_load_waits(args)
     if args.in_place or args.warm:
