@@ -225,9 +225,10 @@ def nccl_error_env(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
+def nccl_env(environ: Mapping[str, str], conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """The whole environment to add before an NCCL process group starts: the error handling
-    of :func:`nccl_error_env`, and NVLink SHARP off (the user's own settings win).
+    of :func:`nccl_error_env`, and NVLink SHARP off (the user's own settings win, and so do
+    those of NCCL's configuration files, ``conf``: ``nccl_conf.read_nccl_conf``).
 
     ``NCCL_NVLS_ENABLE=0``: on NVSwitch systems (H100/H200 SXM, GH200 NVL) NCCL turns NVLink
     SHARP on by itself (NVLS arrived in NCCL 2.17; the variable's documented default enables
@@ -241,9 +242,15 @@ def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
     prices; what NVLS would speed up is the all-reduce of large messages within a node, which
     the planner's collective model does not assume either. A user who sets
     ``NCCL_NVLS_ENABLE`` (to 1, to measure it) keeps their value, and the memory margin is
-    then theirs to check."""
+    then theirs to check.
+
+    NCCL takes its configuration files' settings only for variables the environment does
+    not set (:mod:`~sailor.megatron_patch.nccl_conf`): the variable added here would
+    override an administrator's ``NCCL_NVLS_ENABLE`` in ``/etc/nccl.conf`` (or the user's
+    in ``~/.nccl.conf`` / ``$NCCL_CONF_FILE``). Given ``conf``, a file's setting of it is
+    left to apply instead."""
     out = nccl_error_env(environ)
-    if "NCCL_NVLS_ENABLE" not in environ:
+    if "NCCL_NVLS_ENABLE" not in environ and "NCCL_NVLS_ENABLE" not in (conf or {}):
         out["NCCL_NVLS_ENABLE"] = "0"
     return out
 

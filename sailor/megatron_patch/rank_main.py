@@ -161,6 +161,7 @@ from sailor.megatron_patch.model_source import (  # noqa: E402
     model_of,
     train_config,
 )
+from sailor.megatron_patch.nccl_conf import read_nccl_conf  # noqa: E402
 from sailor.megatron_patch.parent_death import die_with_parent  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.rank_args import (  # noqa: E402
@@ -362,8 +363,8 @@ def _generation(
     # another precision than the job's is refused by every rank alike, not by some after
     # the others entered their first collective
     precision = job_precision(plan, spec, device, tc.precision if tc else "auto")
-    if backend == "nccl":
-        os.environ.update(nccl_env(os.environ))
+    if backend == "nccl":  # an NVLS setting of NCCL's own files is theirs (nccl_conf)
+        os.environ.update(nccl_env(os.environ, read_nccl_conf(os.environ)))
     echo = args.rank == 0 or bool(args.control)
     progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
     cfg = train_config(tc, args)

@@ -179,6 +179,7 @@ def test_a_worker_process_is_started_with_the_allocator_settings() -> None:
 
 
 _WORKER_ENV = (
+    "NCCL_CONF_FILE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "NCCL_NVLS_ENABLE",
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -276,3 +277,14 @@ def test_a_worker_started_with_the_settings_leaves_the_allocator_alone(
     calls, seen = _start_worker(monkeypatch, tmp_path, plan, 0, worker_env({}))
     assert calls == ["set_device 0", "init nccl"]  # read from the environment at start
     assert seen["alloc_at_set_device"] == "expandable_segments:True"
+
+
+def test_an_nvls_setting_in_nccl_s_own_file_is_not_overridden(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# the administrator's\nNCCL_NVLS_ENABLE=1\n")
+    plan = _plan((_rg(node="a", first=0),))
+    _, seen = _start_worker(monkeypatch, tmp_path, plan, 0, {"NCCL_CONF_FILE": str(conf)})
+    assert seen["nvls"] is None  # NCCL takes the file's 1: the environment would win over it
+    assert seen["env"] == "2"
