@@ -27,9 +27,16 @@ pipeline exchanges; the agent carries their medians to the controller for online
 calibration) plus ``{"event": "ready", "setup_s", ...}`` once the groups and the stage are
 built and ``{"event": "done", ...}`` at the end; rank 0 also prints them to stdout. On
 failure the first cause goes to the error file (``errors``) and the process exits with
-status 1 at once (``os._exit``: never wait on dead peers), so with the collective timeout
-(``--timeout-s``, default 600 s, NCCL's own) a crashed stage makes every rank exit within a
-bounded time (the agent sees a dead rank at once; the controller aborts the rest).
+status 1 at once (``os._exit``: never wait on dead peers). In training, with the collective
+timeout (``--timeout-s``, default 600 s, NCCL's own), a crashed stage makes every rank exit
+within a bounded time (the agent sees a dead rank at once; the controller aborts the rest).
+While the world loads at start the ranks wait for each other on the rendezvous store, not
+in a collective (:mod:`load_barrier`), and that bound is another: a rank that fails, or
+fails before its load began, is raised by the others as soon as their own load is over; one
+that dies without a word (SIGKILL, the OOM killer) within ``--load-liveness-s`` (default
+60 s) of its last heartbeat; one alive but stuck in its read only after ``--load-timeout-s``
+(default 2 h; none under an agent, whose controller's LOAD deadline ends it) — and a rank
+still in its own read learns of any of these only when that read ends.
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);

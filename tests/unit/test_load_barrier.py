@@ -18,6 +18,7 @@ from sailor.megatron_patch.load_barrier import (
     await_loads,
     loaded_together,
 )
+from sailor.megatron_patch.rank_args import build_parser, check_load_waits
 
 
 def _store() -> dist.TCPStore:
@@ -116,3 +117,19 @@ def test_a_failure_before_the_load_reaches_the_waiters_while_pending() -> None:
     done.close()
     done.fail(RuntimeError("in training"))
     assert other.add("sailor/loaded/g/failures", 0) == 0
+
+
+def test_without_a_load_timeout_a_dead_rank_still_ends_the_wait() -> None:
+    store = _store()  # the agent's workers: --load-timeout-s inf (sailor.agent.worker_argv)
+    LoadBarrier(store, 1, 2, "g", liveness_s=0.2).start().close()
+    with pytest.raises(PeerFailedError, match=r"rank 1 .*no heartbeat"):
+        await_loads(store, 0, 2, "g", timeout_s=float("inf"), poll_s=0.01, liveness_s=0.2)
+
+
+def test_the_load_waits_are_checked_at_start_by_flag() -> None:
+    base = ["--plan", "p", "--rank", "0", "--world-size", "1", "--master", "m"]
+    check_load_waits(build_parser().parse_args([*base, "--load-timeout-s", "inf"]))
+    for flag, value in (("--load-liveness-s", "0.0"), ("--load-timeout-s", "nan")):
+        args = build_parser().parse_args([*base, flag, value])
+        with pytest.raises(ValueError, match=f"{flag}={value}: must be > 0 seconds"):
+            check_load_waits(args)
