@@ -75,6 +75,7 @@ from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV, worker_options
 from sailor.agent.worker_output import WorkerOutput
 from sailor.agent.worker_view import SupervisorStatus, WorkerView
 from sailor.coordination import TaskSet
+from sailor.megatron_patch.devices import worker_env
 from sailor.megatron_patch.held_match import match_held
 from sailor.megatron_patch.parent_death import PARENT_ENV
 from sailor.schemas.commands import Launch
@@ -336,8 +337,9 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            # the allocator's settings before the worker's Python starts (devices.worker_env);
             # the worker dies with this agent (megatron_patch.parent_death)
-            env={**os.environ, PARENT_ENV: str(os.getpid())},
+            env={**worker_env(os.environ), PARENT_ENV: str(os.getpid())},
         )
         if self.closed:  # closed while it started: close() cannot have seen it
             with contextlib.suppress(ProcessLookupError):

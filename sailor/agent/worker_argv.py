@@ -34,9 +34,20 @@ DEFAULT_WORKER_ARGV: tuple[str, ...] = (
     "{error_file}",
     "--progress",
     "{run_dir}/progress-{rank}.jsonl",
+    "--load-timeout-s",
+    "inf",
 )
 """The real training worker (``sailor.training_process``: sailor.megatron_patch with layer-keyed
-checkpoints). ``TOY_TRAINER_ARGV`` is the torch-free stand-in for protocol tests."""
+checkpoints). ``TOY_TRAINER_ARGV`` is the torch-free stand-in for protocol tests.
+
+``--load-timeout-s inf``: under an agent the controller's LOAD deadline is what ends a load
+that takes too long (it aborts the generation, charges the nodes that held it up and
+stretches the next one: ``controller/plan_deadlines.py``, up to 3 h before its stretch),
+not the worker's own 2 h, which could fail a load the controller still allows, on every
+relaunch alike. The Launch does not carry that deadline (LOAD begins once every node has
+acked its Launch, and is sized by the controller), so the worker sets none of its own; a
+rank that dies while the world loads is still caught within ``--load-liveness-s``
+(``megatron_patch.load_barrier``)."""
 
 TOY_TRAINER_ARGV: tuple[str, ...] = (
     sys.executable,

@@ -35,6 +35,7 @@ from sailor.megatron_patch.control import (
     read_control,
 )
 from sailor.megatron_patch.errors import InjectedFailureError
+from sailor.megatron_patch.load_barrier import LoadBarrier
 from sailor.megatron_patch.save_failure import raise_save_failure, report_save_failure
 from sailor.schemas.training import CheckpointConfig
 
@@ -89,6 +90,9 @@ class Status:
         self.holding = False
         """In-place: held (or warm), waiting for a directive; SIGTERM then exits 0."""
         self.terminated = False
+        self.load_barrier: LoadBarrier | None = None
+        """The current world's load barrier while it is pending (from the world's start to
+        every rank's load): a failure now is written there for the waiting ranks."""
 
     @property
     def failed_step(self) -> int:

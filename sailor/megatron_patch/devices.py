@@ -14,8 +14,10 @@ on one GPU, or a GPU the node does not have, naming the pipelines, stages and ra
 :func:`nccl_error_env` is how a dead or silent peer becomes a Python exception instead of
 the watchdog's ``SIGABRT`` (see its docstring); :func:`nccl_env` adds to it what keeps NCCL
 to what the cost model prices (no NVLink SHARP), and :func:`cuda_alloc_env` the caching
-allocator's expandable segments. Nothing here imports torch or touches a device; the worker
-and the DeepSpeed adapter apply the decisions (the user's own settings always win).
+allocator's expandable segments, which :func:`worker_env` puts in the environment a worker
+process is started with (the agent's supervisor and ``launch_local``). Nothing here imports
+torch or touches a device; the worker and the DeepSpeed adapter apply the decisions (the
+user's own settings always win).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "nccl_env",
     "nccl_error_env",
     "pack_one_host",
+    "worker_env",
 ]
 
 Backend = Literal["gloo", "nccl"]
@@ -222,9 +225,10 @@ def nccl_error_env(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
+def nccl_env(environ: Mapping[str, str], conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """The whole environment to add before an NCCL process group starts: the error handling
-    of :func:`nccl_error_env`, and NVLink SHARP off (the user's own settings win).
+    of :func:`nccl_error_env`, and NVLink SHARP off (the user's own settings win, and so do
+    those of NCCL's configuration files, ``conf``: ``nccl_conf.read_nccl_conf``).
 
     ``NCCL_NVLS_ENABLE=0``: on NVSwitch systems (H100/H200 SXM, GH200 NVL) NCCL turns NVLink
     SHARP on by itself (NVLS arrived in NCCL 2.17; the variable's documented default enables
@@ -238,9 +242,15 @@ def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
     prices; what NVLS would speed up is the all-reduce of large messages within a node, which
     the planner's collective model does not assume either. A user who sets
     ``NCCL_NVLS_ENABLE`` (to 1, to measure it) keeps their value, and the memory margin is
-    then theirs to check."""
+    then theirs to check.
+
+    NCCL takes its configuration files' settings only for variables the environment does
+    not set (:mod:`~sailor.megatron_patch.nccl_conf`): the variable added here would
+    override an administrator's ``NCCL_NVLS_ENABLE`` in ``/etc/nccl.conf`` (or the user's
+    in ``~/.nccl.conf`` / ``$NCCL_CONF_FILE``). Given ``conf``, a file's setting of it is
+    left to apply instead."""
     out = nccl_error_env(environ)
-    if "NCCL_NVLS_ENABLE" not in environ:
+    if "NCCL_NVLS_ENABLE" not in environ and "NCCL_NVLS_ENABLE" not in (conf or {}):
         out["NCCL_NVLS_ENABLE"] = "0"
     return out
 
@@ -268,3 +278,16 @@ def cuda_alloc_env(environ: Mapping[str, str]) -> dict[str, str]:
     if "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
         return {}
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment to start a worker process with: ``environ`` and the caching
+    allocator's settings (:func:`cuda_alloc_env`; the user's own win, whole).
+
+    Set by the parent, before the child's Python starts, they are in place before anything
+    in the child can touch CUDA: the allocator reads them once, at its first use, and one
+    early allocation (an import that builds a CUDA tensor, a library probing the device)
+    would otherwise fix the allocator without them, silently. The worker still adds them to
+    its own environment (and the allocator's, ``rank_main``) for a worker started by hand.
+    """
+    return {**environ, **cuda_alloc_env(environ)}

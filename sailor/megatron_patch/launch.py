@@ -9,14 +9,17 @@ The backend is the plan's (:func:`~sailor.megatron_patch.devices.choose_backend`
 ``cpu`` plan, NCCL for a GPU plan) unless the caller names one, and every rank gets it as
 ``--backend``. A GPU plan that was never placed gets consecutive GPUs of this host
 (:func:`~sailor.megatron_patch.devices.pack_one_host`); any plan under NCCL is checked
-against this host's GPUs before a rank starts. Like the agent's supervisor, it writes the
-error record of a rank killed by a signal (which cannot write its own).
+against this host's GPUs before a rank starts. Like the agent's supervisor, it starts each
+rank with the caching allocator's settings in its environment
+(:func:`~sailor.megatron_patch.devices.worker_env`) and writes the error record of a rank
+killed by a signal (which cannot write its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +34,7 @@ from sailor.megatron_patch.devices import (
     check_devices,
     choose_backend,
     pack_one_host,
+    worker_env,
 )
 from sailor.megatron_patch.errors import (
     fault_path,
@@ -134,7 +138,15 @@ def launch_local(
         cmd += extra_args or []
         cmd += (per_rank_args or {}).get(r, [])
         err = (workdir / f"stderr-{r}.txt").open("wb")
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=str(workdir)))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                cwd=str(workdir),
+                env=worker_env(os.environ),  # the allocator's settings before CUDA can start
+            )
+        )
         err.close()
     run = LocalRun(returncodes=[None] * world, exit_times_s=[float("nan")] * world, backend=chosen)
     while any(rc is None for rc in run.returncodes):

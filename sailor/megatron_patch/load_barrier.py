@@ -21,6 +21,20 @@ rank still loading cannot be interrupted: it learns of the failure when its own 
 If the store is gone (rank 0 failed and exited), the waiting ranks raise ``PeerFailedError``
 saying so.
 
+A rank can also fail without writing anything: killed with no Python exception (the host's
+OOM killer, SIGKILL, a segfault in a reader), or failing before its load began (building
+its stage, the in-place handshake). Before this barrier its gloo peers saw the closed
+socket at once and NCCL peers timed out; a store wait sees neither, and would wait the whole
+load timeout. So a rank's part in the barrier (:class:`LoadBarrier`) starts with its world,
+not with its load: from then on a thread bumps the rank's heartbeat counter on the store
+every ``liveness_s / 5`` seconds until the barrier releases, and the worker writes any
+failure of its own through it (``fail``, from ``rank_main.main``'s handler) until then.
+Each waiting rank reads one other rank's counter per poll, in turn; a counter that has not
+moved for ``liveness_s`` (``--load-liveness-s``, :data:`LIVENESS_S`) is a dead rank: the
+waiter writes that rank's failure for the others and raises ``PeerFailedError`` naming it
+and its host. A rank hung in a read keeps beating (the thread is its own): that is the load
+timeout's case, not this one's.
+
 This module never touches a device or a collective; it takes any object with the c10d
 store's ``add``/``set``/``get``/``check`` (``torch.distributed.Store``).
 """
@@ -28,6 +42,7 @@ store's ``add``/``set``/``get``/``check`` (``torch.distributed.Store``).
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -35,7 +50,15 @@ from typing import Protocol
 
 from sailor.megatron_patch.errors import PeerFailedError
 
-__all__ = ["LOAD_TIMEOUT_S", "LoadTimeoutError", "Store", "await_loads", "loaded_together"]
+__all__ = [
+    "LIVENESS_S",
+    "LOAD_TIMEOUT_S",
+    "LoadBarrier",
+    "LoadTimeoutError",
+    "Store",
+    "await_loads",
+    "loaded_together",
+]
 
 LOAD_TIMEOUT_S = 7200.0
 """Default wait for every rank's load: a flat 2 h, not the checkpoint's size over a bandwidth
@@ -44,6 +67,17 @@ figure to distrust). 2 h covers a rank reading 720 GB at 100 MB/s — a conserva
 sustained rate from an object store — which is more than one rank of a 70B-parameter model
 reads with its AdamW moments (~1.1 TB in fp32 for the whole model, split over its stages).
 A load longer than that is a stuck read, and the job fails naming the ranks not loaded."""
+
+LIVENESS_S = 60.0
+"""Default silence after which a loading rank is taken for dead: far below the load timeout,
+far above what a live rank's heartbeat thread can miss. The thread beats every
+``liveness_s / 5`` (12 s); what could hold it up is the GIL held by one long C call of the
+load (a copy of a single tensor of a few GB takes a second or two) and a slow store round
+trip — not tens of seconds. A rank dead for 60 s costs a minute, not the 2 h timeout."""
+
+BEATS_PER_LIVENESS = 5
+"""Heartbeats a live rank sends within one ``liveness_s``: four can be lost or late before
+it is taken for dead."""
 
 _PREFIX = "sailor/loaded"
 
@@ -69,6 +103,112 @@ def _keys(world: str) -> tuple[str, str]:
     return f"{_PREFIX}/{world}/count", f"{_PREFIX}/{world}/failures"
 
 
+def _beat_key(world: str, rank: int) -> str:
+    return f"{_PREFIX}/{world}/beat/{rank}"
+
+
+def _host_key(world: str, rank: int) -> str:
+    return f"{_PREFIX}/{world}/host/{rank}"
+
+
+def _check_args(rank: int, world_size: int, timeout_s: float, liveness_s: float) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} outside a world of world_size={world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"load timeout_s={timeout_s}: must be > 0")
+    if liveness_s <= 0:
+        raise ValueError(f"load liveness_s={liveness_s}: must be > 0")
+
+
+class LoadBarrier:
+    """One rank's part in its world's load barrier, from the world's start to its release.
+
+    :meth:`start` it as soon as the world exists (its heartbeat begins), run the load in
+    :meth:`loading`, and send any failure of the rank before then through :meth:`fail`
+    (the worker's top-level handler does). :meth:`close` (also at the end of ``loading``)
+    stops the heartbeat; a world whose ranks load nothing closes it at once."""
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        world: str,
+        timeout_s: float = LOAD_TIMEOUT_S,
+        liveness_s: float = LIVENESS_S,
+        poll_s: float = 0.05,
+    ) -> None:
+        _check_args(rank, world_size, timeout_s, liveness_s)
+        self.store, self.rank, self.world_size, self.world = store, rank, world_size, world
+        self.timeout_s, self.liveness_s, self.poll_s = timeout_s, liveness_s, poll_s
+        self._pending = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Started and not yet released, failed or closed: a failure now is the others' news."""
+        return self._pending
+
+    def start(self) -> LoadBarrier:
+        """Begin beating (this rank's host first, for the others' errors)."""
+        self._pending = True
+        with suppress(Exception):  # a store already gone: the waiters say so themselves
+            self.store.set(_host_key(self.world, self.rank), socket.gethostname())
+        self._thread = threading.Thread(
+            target=self._beat, name=f"sailor-load-heartbeat-{self.rank}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        key, every = _beat_key(self.world, self.rank), self.liveness_s / BEATS_PER_LIVENESS
+        while not self._stop.is_set():
+            try:
+                self.store.add(key, 1)
+            except Exception:  # the store is gone (rank 0): nobody is left to tell
+                return
+            self._stop.wait(every)
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the waiting ranks this rank failed (while the barrier is pending; best
+        effort), then stop beating."""
+        if self._pending:
+            _publish_failure(self.store, self.rank, self.world, exc)
+        self.close()
+
+    def close(self) -> None:
+        """Stop beating; the barrier is over for this rank."""
+        self._pending = False
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """Run this rank's load in the ``with`` block, then wait until every rank's is done
+        (:func:`await_loads`); a failure in the block goes to the others first."""
+        if not self._pending:
+            self.start()
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        try:
+            await_loads(
+                self.store,
+                self.rank,
+                self.world_size,
+                self.world,
+                self.timeout_s,
+                self.poll_s,
+                liveness_s=self.liveness_s,
+            )
+        finally:
+            self.close()
+
+
 @contextmanager
 def loaded_together(
     store: Store,
@@ -77,6 +217,7 @@ def loaded_together(
     world: str,
     timeout_s: float = LOAD_TIMEOUT_S,
     poll_s: float = 0.05,
+    liveness_s: float = LIVENESS_S,
 ) -> Iterator[None]:
     """Run this rank's load in the ``with`` block, then wait until every rank's is done.
 
@@ -84,23 +225,19 @@ def loaded_together(
     worker's plan id and master address: a fresh rank and held in-place ranks number their
     generations differently). A failure in the block is written to the store for the
     others (best effort: the store may be gone too) and raised; after a good load this rank
-    checks in and waits (:func:`await_loads`)."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} outside a world of world_size={world_size}")
-    if timeout_s <= 0:
-        raise ValueError(f"load timeout_s={timeout_s}: must be > 0")
-    try:
+    checks in and waits (:func:`await_loads`). The heartbeat runs for the block and the
+    wait (:class:`LoadBarrier`, whose ``loading`` this is)."""
+    with LoadBarrier(store, rank, world_size, world, timeout_s, liveness_s, poll_s).loading():
         yield
-    except BaseException as exc:
-        _publish_failure(store, rank, world, exc)
-        raise
-    await_loads(store, rank, world_size, world, timeout_s, poll_s)
 
 
 def _publish_failure(store: Store, rank: int, world: str, exc: BaseException) -> None:
-    text = f"{type(exc).__name__}: {exc}"[:2000]
+    _publish(store, world, rank, socket.gethostname(), f"{type(exc).__name__}: {exc}")
+
+
+def _publish(store: Store, world: str, rank: int, host: str, text: str) -> None:
     with suppress(Exception):  # the load's own error is the one to raise
-        store.set(f"{_PREFIX}/{world}/failed/{rank}", f"{socket.gethostname()}\n{text}")
+        store.set(f"{_PREFIX}/{world}/failed/{rank}", f"{host}\n{text[:2000]}")
         store.add(_keys(world)[1], 1)
 
 
@@ -113,14 +250,18 @@ def await_loads(
     poll_s: float = 0.05,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    liveness_s: float = LIVENESS_S,
 ) -> float:
     """Check this rank in as loaded and wait until every rank has; returns the seconds waited.
 
     Raises ``PeerFailedError`` once some rank's load failed (naming it, its host and its
-    error), ``LoadTimeoutError`` after ``timeout_s`` naming the ranks not loaded, and
-    ``PeerFailedError`` if the store stops answering (its host, rank 0, is gone)."""
+    error), or once one rank's heartbeat has not moved for ``liveness_s`` (naming it: it
+    died without a word; its failure is written for the others), ``LoadTimeoutError``
+    after ``timeout_s`` naming the ranks not loaded, and ``PeerFailedError`` if the store
+    stops answering (its host, rank 0, is gone)."""
     count, failures = _keys(world)
     t0 = clock()
+    watch = _Watch(store, rank, world_size, world, liveness_s, clock)
     try:
         store.set(f"{_PREFIX}/{world}/done/{rank}", "1")
         n = store.add(count, 1)
@@ -137,6 +278,9 @@ def await_loads(
                     f"rank {rank}: ranks {late} did not finish loading their stage within "
                     f"--load-timeout-s={timeout_s:g} ({n} of {world_size} loaded)"
                 )
+            dead = watch.next_dead()
+            if dead is not None:
+                raise dead
             sleep(poll_s)
             n = store.add(count, 0)
     except PeerFailedError:
@@ -157,3 +301,49 @@ def _peer_failure(store: Store, world: str, world_size: int) -> PeerFailedError:
             host, _, text = store.get(key).decode(errors="replace").partition("\n")
             return PeerFailedError(f"rank {r} ({host}) failed to load its stage: {text}")
     return PeerFailedError("a rank failed to load its stage")
+
+
+class _Watch:
+    """A waiting rank's look at the others' heartbeats: one rank per poll, in turn (each
+    rank's counter is read by every waiter about once per ``world_size`` polls: the store's
+    load stays one read per poll per rank, not ``world_size``)."""
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        world: str,
+        liveness_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.store, self.rank, self.world, self.liveness_s = store, rank, world, liveness_s
+        self.clock = clock
+        self.others = [(rank + i) % world_size for i in range(1, world_size)]
+        self.turn = 0
+        self.seen: dict[int, tuple[int, float]] = {}
+        """Rank -> (its counter, when this rank first saw it at that value)."""
+
+    def next_dead(self) -> PeerFailedError | None:
+        """Read the next rank's counter; its failure if it has not moved for liveness_s."""
+        if not self.others:
+            return None
+        peer = self.others[self.turn % len(self.others)]
+        self.turn += 1
+        beats, now = self.store.add(_beat_key(self.world, peer), 0), self.clock()
+        last = self.seen.get(peer)
+        if last is None or last[0] != beats:
+            self.seen[peer] = (beats, now)
+            return None
+        silent = now - last[1]
+        if silent < self.liveness_s:
+            return None
+        host_key = _host_key(self.world, peer)
+        host = self.store.get(host_key).decode() if self.store.check([host_key]) else "?"
+        text = (
+            f"no heartbeat for {silent:.0f} s (--load-liveness-s={self.liveness_s:g}, seen by "
+            f"rank {self.rank}): the process died without a word (the host's OOM killer, "
+            "SIGKILL, a crash) or stopped running"
+        )
+        _publish(self.store, self.world, peer, host, text)
+        return PeerFailedError(f"rank {peer} ({host}) failed to load its stage: {text}")

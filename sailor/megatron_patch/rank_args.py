@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
-from sailor.megatron_patch.load_barrier import LOAD_TIMEOUT_S
+from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_TIMEOUT_S
 from sailor.schemas.training import TrainingConfig
 
-__all__ = ["build_parser", "check_load_step", "check_periodic_checkpoints"]
+__all__ = ["build_parser", "check_load_step", "check_load_waits", "check_periodic_checkpoints"]
 
 
 def check_load_step(args: argparse.Namespace) -> None:
@@ -28,6 +28,17 @@ def check_load_step(args: argparse.Namespace) -> None:
             f"--load-step={args.load_step} without --ckpt-dir: a resume needs the checkpoint "
             "root (give --ckpt-dir, or --load-step -1 to start fresh)"
         )
+
+
+def check_load_waits(args: argparse.Namespace) -> None:
+    """Refuse a load timeout or liveness that is not a positive number (pure), at start:
+    not once the world formed and every rank began to load."""
+    for flag, value in (
+        ("--load-timeout-s", args.load_timeout_s),
+        ("--load-liveness-s", args.load_liveness_s),
+    ):
+        if not value > 0:  # NaN too
+            raise ValueError(f"{flag}={value}: must be > 0 seconds")
 
 
 def check_periodic_checkpoints(
@@ -80,7 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=LOAD_TIMEOUT_S,
         help="How long the ranks that loaded their stage first wait for the others, on the "
-        "rendezvous store (not in a collective): default 2 h (megatron_patch.load_barrier).",
+        "rendezvous store (not in a collective): default 2 h (megatron_patch.load_barrier); "
+        "'inf' waits without a limit (the agent's workers: the controller's LOAD deadline "
+        "ends a load that takes too long).",
+    )
+    p.add_argument(
+        "--load-liveness-s",
+        type=float,
+        default=LIVENESS_S,
+        help="A rank whose heartbeat on the rendezvous store stopped this long while the "
+        "world loads is dead (killed, crashed): the waiting ranks fail naming it instead of "
+        "waiting out --load-timeout-s (default 60 s).",
     )
     p.add_argument(
         "--exchange-bucket-mb",

@@ -27,9 +27,16 @@ pipeline exchanges; the agent carries their medians to the controller for online
 calibration) plus ``{"event": "ready", "setup_s", ...}`` once the groups and the stage are
 built and ``{"event": "done", ...}`` at the end; rank 0 also prints them to stdout. On
 failure the first cause goes to the error file (``errors``) and the process exits with
-status 1 at once (``os._exit``: never wait on dead peers), so with the collective timeout
-(``--timeout-s``, default 600 s, NCCL's own) a crashed stage makes every rank exit within a
-bounded time (the agent sees a dead rank at once; the controller aborts the rest).
+status 1 at once (``os._exit``: never wait on dead peers). In training, with the collective
+timeout (``--timeout-s``, default 600 s, NCCL's own), a crashed stage makes every rank exit
+within a bounded time (the agent sees a dead rank at once; the controller aborts the rest).
+While the world loads at start the ranks wait for each other on the rendezvous store, not
+in a collective (:mod:`load_barrier`), and that bound is another: a rank that fails, or
+fails before its load began, is raised by the others as soon as their own load is over; one
+that dies without a word (SIGKILL, the OOM killer) within ``--load-liveness-s`` (default
+60 s) of its last heartbeat; one alive but stuck in its read only after ``--load-timeout-s``
+(default 2 h; none under an agent, whose controller's LOAD deadline ends it) — and a rank
+still in its own read learns of any of these only when that read ends.
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
@@ -153,7 +160,7 @@ from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     release,
     warm_up,
 )
-from sailor.megatron_patch.load_barrier import loaded_together  # noqa: E402
+from sailor.megatron_patch.load_barrier import LoadBarrier  # noqa: E402
 from sailor.megatron_patch.model_source import (  # noqa: E402
     load_architecture,
     load_model,
@@ -161,11 +168,13 @@ from sailor.megatron_patch.model_source import (  # noqa: E402
     model_of,
     train_config,
 )
+from sailor.megatron_patch.nccl_conf import read_nccl_conf  # noqa: E402
 from sailor.megatron_patch.parent_death import die_with_parent  # noqa: E402
 from sailor.megatron_patch.precision import job_precision  # noqa: E402
 from sailor.megatron_patch.rank_args import (  # noqa: E402
     build_parser,
     check_load_step,
+    check_load_waits,
     check_periodic_checkpoints,
 )
 from sailor.megatron_patch.roles import role_of  # noqa: E402
@@ -292,11 +301,29 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
         held = out.held
 
 
+def _allocator_settings() -> None:
+    """The caching allocator's settings (``devices.cuda_alloc_env``) for a worker whose parent
+    did not start it with them (``sailor worker`` by hand; the agent and ``launch_local``
+    do: ``devices.worker_env``). The environment is read once, at the allocator's first
+    use, which an import may already have made: where CUDA is present they are also handed
+    to the allocator itself, which applies them from then on."""
+    added = cuda_alloc_env(os.environ)
+    os.environ.update(added)
+    if added and torch.cuda.is_available():
+        # torch's setter of the allocator's config (torch.cuda.memory._set_allocator_settings,
+        # which PyTorch's expandable-segments tests call, forwards to it and is deprecated
+        # since the config became device-generic); the old name for an older torch
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            setter = torch.cuda.memory._set_allocator_settings
+        setter(added["PYTORCH_CUDA_ALLOC_CONF"])
+
+
 def run(args: argparse.Namespace, status: Status, ckpt: CheckpointIO | None = None) -> int:
     """Run the worker; raises on failure (``main`` turns that into the error file)."""
-    # before anything touches CUDA (the allocator reads it once; devices.cuda_alloc_env)
-    os.environ.update(cuda_alloc_env(os.environ))
+    _allocator_settings()
     check_load_step(args)
+    check_load_waits(args)
     if args.in_place or args.warm:
         return _run_in_place(args, status, ckpt)
     return _generation(args, status, ckpt, None, -1).code
@@ -343,8 +370,8 @@ def _generation(
     # another precision than the job's is refused by every rank alike, not by some after
     # the others entered their first collective
     precision = job_precision(plan, spec, device, tc.precision if tc else "auto")
-    if backend == "nccl":
-        os.environ.update(nccl_env(os.environ))
+    if backend == "nccl":  # an NVLS setting of NCCL's own files is theirs (nccl_conf)
+        os.environ.update(nccl_env(os.environ, read_nccl_conf(os.environ)))
     echo = args.rank == 0 or bool(args.control)
     progress = Progress(sub_rank(args.progress, args.rank), echo=echo)
     cfg = train_config(tc, args)
@@ -369,6 +396,21 @@ def _generation(
         timeout=timedelta(seconds=args.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    # from here until every rank has loaded, the others may wait for this rank on the store
+    # rather than in a collective: it beats there, and a failure of its own before its load
+    # is over (building the stage, the handshake, the load) is written there by main's
+    # handler; one name on every rank of this world (a fresh rank and the held ones number
+    # their generations differently, their plan and master are the same)
+    barrier = LoadBarrier(
+        dist.distributed_c10d._get_default_store(),
+        args.rank,
+        args.world_size,
+        f"{plan.plan_id}@{args.master}",
+        args.load_timeout_s,
+        args.load_liveness_s,
+        1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
+    ).start()
+    status.load_barrier = barrier
     strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
     previous_backend = None
     if strict is not None:  # opt-in (tests): record and check every call against NCCL's rules
@@ -421,21 +463,11 @@ def _generation(
         trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
     # the ranks that load first wait for the slowest on the store, not in the next
-    # collective under the process groups' timeout; a failed load ends them (load_barrier)
-    with (
-        loaded_together(
-            dist.distributed_c10d._get_default_store(),
-            args.rank,
-            args.world_size,
-            # one name on every rank of this world: a fresh rank and the held ones number
-            # their generations differently, their plan and master are the same
-            f"{plan.plan_id}@{args.master}",
-            args.load_timeout_s,
-            1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
-        )
-        if empty
-        else contextlib.nullcontext()
-    ):
+    # collective under the process groups' timeout; a failed or dead rank ends them
+    # (load_barrier). Every rank decides `empty` alike: none waits when none loads.
+    if not empty:
+        barrier.close()
+    with barrier.loading() if empty else contextlib.nullcontext():
         if peers is not None and fill:
             relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
             relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups
@@ -448,6 +480,7 @@ def _generation(
             trainer.materialize()  # every parameter loaded (load_stage refuses a missing one)
             load_stage(trainer.stage, weights)
         t_own = time.time()
+    status.load_barrier = None
     release(held)  # the new stage holds everything now: free the old one's GPU memory
     t_loaded = time.time()
     status.in_training, status.step, status.in_iteration = True, trainer.step, False
@@ -583,6 +616,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
             exc, status.rank, status.failed_step, status.in_training, last_step=status.step
         )
         write_error_file(status.error_file, record)
+        if status.load_barrier is not None:  # the others may be waiting for this rank's load
+            status.load_barrier.fail(exc)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         # Never run destructors or barriers that could wait on dead peers.
         os._exit(1)

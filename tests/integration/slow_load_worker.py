@@ -3,21 +3,26 @@
 ``python -m tests.integration.slow_load_worker ARGS`` runs ``sailor.training_process``
 (``LayerCheckpointIO``) with the storage its restores open wrapped: once the world has
 formed, the first read of rank ``SLOW_LOAD_RANK`` waits ``SLOW_LOAD_S`` seconds, or raises
-``OSError`` when ``FAIL_LOAD`` is set. The delay or the failure goes through the worker's
-real load path (``rank_main`` → ``CheckpointIO.restore`` → the storage), with no branch
-for it in the worker. Reads before the world forms (the checkpoint's position) are not
-touched: they come before ``init_process_group``, whose own timeout they would trip.
+``OSError`` when ``FAIL_LOAD`` is set, or the process SIGKILLs itself when ``KILL_LOAD`` is
+set (the host's OOM killer: no Python exception, nothing written). The delay or the failure
+goes through the worker's real load path (``rank_main`` → ``CheckpointIO.restore`` → the
+storage), with no branch for it in the worker. Reads before the world forms (the
+checkpoint's position) are not touched: they come before ``init_process_group``, whose own
+timeout they would trip. ``FAIL_BUILD`` set: that rank's stage build raises (an OOM building
+the ``Trainer``), before its load begins.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any
 
 import torch.distributed as dist
 
+from sailor.megatron_patch import rank_main
 from sailor.training_process import ckpt_glue
 from sailor.training_process.entry import main
 
@@ -33,6 +38,8 @@ class _SlowStorage:
             return
         self._stalled = True
         time.sleep(self._delay_s)
+        if os.environ.get("KILL_LOAD"):
+            os.kill(os.getpid(), signal.SIGKILL)
         if self._fail:
             raise OSError(f"injected: checkpoint storage unreachable after {self._delay_s:g} s")
 
@@ -70,4 +77,10 @@ if __name__ == "__main__":
             return state["storage"]
 
         ckpt_glue.open_storage = slow_open  # type: ignore[assignment]
+        if os.environ.get("FAIL_BUILD"):
+
+            def failed_build(*_args: Any, **_kw: Any) -> Any:
+                raise MemoryError("injected: out of memory building the stage")
+
+            rank_main.Trainer = failed_build  # type: ignore[assignment,misc]
     sys.exit(main(argv))

@@ -9,6 +9,8 @@ read, once the world has formed, stalls past the process groups' timeout or fail
   in its first collective and gloo timed it out after 5 s.
 - failed: rank 0 exits as soon as its own load is over with rank 1's error, as a peer's
   failure (``origin=peer``), not a communication error of its own.
+- killed mid-load (SIGKILL: nothing written) or failed before its load began (its stage
+  build): rank 0 exits within seconds naming rank 1, not after ``--load-timeout-s``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
     return config, [s["loss"] for s in run.steps(1)]
 
 
-def _resume(config: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> LocalRun:
+def _resume(
+    config: Path,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: tuple[str, ...] = (),
+    **env: str,
+) -> LocalRun:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -67,7 +75,7 @@ def _resume(config: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, **env:
         PLAN,
         2,
         workdir,
-        extra_args=[*args, "--load-step", "2"],
+        extra_args=[*args, "--load-step", "2", *extra],
         module=MODULE,
         timeout_s=TIMEOUT_S,
         deadline_s=120.0,
@@ -102,3 +110,50 @@ def test_a_failed_load_ends_the_other_ranks_with_its_error(
     assert "failed to load its stage" in errors[0]["message"]
     # promptly: as soon as rank 0's own load was over, not after a collective's timeout
     assert run.exit_times_s[0] - run.exit_times_s[1] < TIMEOUT_S
+
+
+LIVENESS_S = 3.0
+# longer than the launch's deadline: a rank 0 that waits it out is killed by launch_local
+LONG_LOAD_TIMEOUT = ("--load-timeout-s", "600", "--load-liveness-s", str(LIVENESS_S))
+
+
+def test_a_rank_killed_mid_load_ends_the_others_within_the_liveness_bound(
+    saved: tuple[Path, list[float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _ = saved
+    run = _resume(
+        config,
+        tmp_path,
+        monkeypatch,
+        LONG_LOAD_TIMEOUT,
+        SLOW_LOAD_RANK="1",
+        SLOW_LOAD_S="0.5",
+        KILL_LOAD="1",
+    )
+    assert run.killed == [], (run.killed, run.stderr)
+    assert run.returncodes[1] == -9, run.stderr  # SIGKILL: it wrote nothing itself
+    error = run.errors[0]
+    assert run.returncodes[0] == 1 and error is not None, run.stderr
+    assert error["origin"] == "peer", error
+    assert error["message"].startswith("rank 1 (") and "no heartbeat for" in error["message"]
+    # a few heartbeat periods after the kill, not --load-timeout-s
+    assert run.exit_times_s[0] - run.exit_times_s[1] < LIVENESS_S + 10.0
+
+
+def test_a_rank_failing_before_its_load_ends_the_others_with_its_error(
+    saved: tuple[Path, list[float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _ = saved
+    run = _resume(
+        config, tmp_path, monkeypatch, LONG_LOAD_TIMEOUT, SLOW_LOAD_RANK="1", FAIL_BUILD="1"
+    )
+    assert run.killed == [], (run.killed, run.stderr)
+    assert run.returncodes == [1, 1], run.stderr
+    errors = run.errors
+    assert errors[1] is not None and errors[1]["message"].startswith("injected"), errors[1]
+    assert errors[0] is not None and errors[0]["origin"] == "peer", errors[0]
+    assert "rank 1" in errors[0]["message"] and "MemoryError: injected" in errors[0]["message"]
+    # published by rank 1's own handler, not the heartbeat's verdict; rank 0 leaves once
+    # its own load is over (seconds on a shared machine), not after --load-timeout-s
+    assert "no heartbeat" not in errors[0]["message"]
+    assert run.exit_times_s[0] - run.exit_times_s[1] < 30.0

@@ -29,6 +29,7 @@ from sailor.megatron_patch.devices import (
     nccl_env,
     nccl_error_env,
     pack_one_host,
+    worker_env,
 )
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
@@ -169,7 +170,16 @@ def test_expandable_segments_for_every_worker_unless_the_user_configured_the_all
     assert cuda_alloc_env({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
 
 
+def test_a_worker_process_is_started_with_the_allocator_settings() -> None:
+    parent = {"PATH": "/usr/bin", "SAILOR_X": "1"}
+    assert worker_env(parent) == {**parent, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for own in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, {"PYTORCH_ALLOC_CONF": ""}):
+        assert worker_env({**parent, **own}) == {**parent, **own}  # the user's, whole
+    assert parent == {"PATH": "/usr/bin", "SAILOR_X": "1"}  # not changed
+
+
 _WORKER_ENV = (
+    "NCCL_CONF_FILE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "NCCL_NVLS_ENABLE",
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -182,9 +192,14 @@ class _StartedError(Exception):
 
 
 def _start_worker(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, plan: Plan, rank: int
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    plan: Plan,
+    rank: int,
+    env: dict[str, str] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
-    """Run the worker up to its process group on a faked 4-GPU host; the calls it made."""
+    """Run the worker up to its process group on a faked 4-GPU host, started with ``env``
+    on top of this one's (less the variables it sets); the calls it made."""
     calls: list[str] = []
     seen: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -196,6 +211,11 @@ def _start_worker(
 
     monkeypatch.setattr(torch.cuda, "set_device", fake_set_device)
 
+    def fake_allocator_settings(conf: str) -> None:
+        calls.append(f"allocator {conf}")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", fake_allocator_settings)
+
     def fake_init(backend: str, **kw: Any) -> None:
         calls.append(f"init {backend}")
         seen.update(kw, env=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
@@ -206,6 +226,7 @@ def _start_worker(
     for name in _WORKER_ENV:  # restored after the test: the worker sets them in os.environ
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
+    monkeypatch.setattr(os, "environ", {**os.environ, **(env or {})})
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
     args = rank_args.build_parser().parse_args(
@@ -224,7 +245,8 @@ def test_the_worker_binds_its_gpu_before_the_process_group(
 ) -> None:
     plan = _plan((_rg(node="a", first=0),), (_rg(node="b", first=0), _rg(node="b", first=1)))
     calls, seen = _start_worker(monkeypatch, tmp_path, plan, rank=2)
-    assert calls == ["set_device 1", "init nccl"]
+    # started by hand: the allocator is given its settings too (an import may have used it)
+    assert calls == ["allocator expandable_segments:True", "set_device 1", "init nccl"]
     assert seen["device_id"] == torch.device("cuda", 1)
     assert seen["env"] == "2"
     assert seen["nvls"] == "0"
@@ -236,7 +258,7 @@ def test_a_cpu_plan_runs_on_gloo_with_cuda_visible(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     calls, seen = _start_worker(monkeypatch, tmp_path, CPU_PLAN, rank=1)
-    assert calls == ["init gloo"]
+    assert calls == ["allocator expandable_segments:True", "init gloo"]
     assert seen["device_id"] is None
 
 
@@ -246,3 +268,23 @@ def test_two_ranks_of_a_node_on_one_gpu_stop_the_worker_before_it_starts(
     plan = _plan((_rg(node="a"),), (_rg(node="a"),))
     with pytest.raises(DeviceMappingError, match=r"cuda:0 on node 'a'.*rank 0.*rank 1"):
         _start_worker(monkeypatch, tmp_path, plan, rank=1)
+
+
+def test_a_worker_started_with_the_settings_leaves_the_allocator_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    plan = _plan((_rg(node="a", first=0),))
+    calls, seen = _start_worker(monkeypatch, tmp_path, plan, 0, worker_env({}))
+    assert calls == ["set_device 0", "init nccl"]  # read from the environment at start
+    assert seen["alloc_at_set_device"] == "expandable_segments:True"
+
+
+def test_an_nvls_setting_in_nccl_s_own_file_is_not_overridden(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# the administrator's\nNCCL_NVLS_ENABLE=1\n")
+    plan = _plan((_rg(node="a", first=0),))
+    _, seen = _start_worker(monkeypatch, tmp_path, plan, 0, {"NCCL_CONF_FILE": str(conf)})
+    assert seen["nvls"] is None  # NCCL takes the file's 1: the environment would win over it
+    assert seen["env"] == "2"
