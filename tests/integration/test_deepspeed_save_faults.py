@@ -90,6 +90,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Saved]:
 def test_a_bf16_save_holds_one_full_tensor_beyond_the_layers_the_rank_writes(
     saved: _Saved,
 ) -> None:
+    bounds: list[int] = []
     for rank, records in enumerate(saved.traces):
         assert len(records) == 1, (rank, records)
         t = records[0]
@@ -106,8 +107,11 @@ def test_a_bf16_save_holds_one_full_tensor_beyond_the_layers_the_rank_writes(
             rank,
             {k: v for k, v in t.items() if k != "live_bytes"},
         )
-        # and that bound is well below the whole stage's state, which the save held before
-        assert bound < 0.8 * t["stage_bytes"], (rank, bound, t["stage_bytes"])
+        bounds.append(bound)
+    # and the bounds are well below the stages' whole state, which every rank held before
+    # (a rank writing most of its stage is close to it; one writing little is far below)
+    stages = sum(records[0]["stage_bytes"] for records in saved.traces)
+    assert sum(bounds) < 0.7 * stages, (bounds, stages)
 
 
 def test_a_bf16_read_failing_partway_fails_the_save_on_every_rank_promptly(
