@@ -45,6 +45,7 @@ supported on your device``) to be tested here.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -100,6 +101,14 @@ def _local_part(p: nn.Parameter, kind: str | None) -> torch.Tensor:
     return buf
 
 
+def _lighter(exc: Exception) -> Exception:
+    """``exc`` without the locals of the frames it was raised through (its traceback stays):
+    the buffer of a failed part would otherwise stay allocated, through the finished
+    frame's locals, for the rest of the save's all-reduces."""
+    traceback.clear_frames(exc.__traceback__)
+    return exc
+
+
 @torch.no_grad()
 def read_full(
     keyed: Sequence[tuple[str, nn.Parameter]],
@@ -129,7 +138,8 @@ def read_full(
                 try:
                     buf = _local_part(p, kind)
                 except Exception as exc:  # raised after the last all-reduce
-                    failure = exc
+                    failure = _lighter(exc)
+                    out.clear()  # nothing of it is saved: free the host copies now
             if buf is None:
                 try:
                     buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
@@ -141,7 +151,8 @@ def read_full(
                     # on the host now: the device holds one parameter's tensor at a time
                     out.setdefault(key, []).append(buf.view(p.shape).to("cpu"))
                 except Exception as exc:
-                    failure = exc
+                    failure = _lighter(exc)
+                    out.clear()
             del buf
     if failure is not None:
         raise failure
