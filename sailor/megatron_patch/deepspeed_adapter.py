@@ -36,7 +36,9 @@ requests (``saved``, ``stopped`` lines) and the training config's periodic check
 both AdamW moments (the optimizer is Sailor's AdamW, DeepSpeed only calls its ``step``), with
 the step, the data position, the seed and the precision in the same globals as the engine's,
 and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engine wrote under
-any layout (the reader relayouts by layer). Another precision than the checkpoint's is refused
+any layout (the reader relayouts by layer); the ranks that loaded first wait for the others on
+the rendezvous store (``load_barrier``, ``--load-timeout-s``), not in the first collective
+under ``--timeout-s``, as Sailor's engine does. Another precision than the checkpoint's is refused
 with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
 another seed too. In bf16 DeepSpeed steps a ``BF16_Optimizer`` around the AdamW, holding the
 fp32 master weights and moments in flat partitions across the data-parallel ranks: the
@@ -93,6 +95,7 @@ from sailor.megatron_patch.devices import (
     nccl_env,
 )
 from sailor.megatron_patch.engine import make_optimizer
+from sailor.megatron_patch.load_barrier import loaded_together
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
 from sailor.megatron_patch.optim import param_groups
@@ -496,8 +499,24 @@ def run(
         plan, args.rank, module, optimizer, engine.optimizer, cfg, precision,
         args.start_step, args.consumed_samples, spec=spec,
     )  # fmt: skip
+    t_load = t_own = time.time()
     if resume and ckpt is not None:
-        ckpt.restore(ds, args.ckpt_dir, args.load_step)
+        # The next collective (the first boundary's agreement) runs under --timeout-s: the
+        # ranks that loaded first wait for the slowest on the rendezvous store instead, and
+        # a failed load ends them with its error (load_barrier, as Sailor's engine; DeepSpeed
+        # initialised torch's default group, whose store this is). The restore itself holds
+        # no collective (a bf16 one writes this rank's fragments).
+        with loaded_together(
+            torch.distributed.distributed_c10d._get_default_store(),
+            args.rank,
+            args.world_size,
+            f"{plan.plan_id}@{args.master}",  # one name on every rank of this world
+            args.load_timeout_s,
+            1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
+        ):
+            ckpt.restore(ds, args.ckpt_dir, args.load_step)
+            t_own = time.time()
+    t_loaded = time.time()
     data = (
         build_dataset(tc.data, spec, tc.seed, base_dir=base)
         if tc is not None
@@ -524,6 +543,8 @@ def run(
             "precision": precision,
             "start_step": ds.step,
             "consumed_samples": ds.consumed_samples,
+            "load_s": t_loaded - t_load,
+            "load_wait_s": t_loaded - t_own,
         }
     )
     status.in_training, status.step = True, ds.step

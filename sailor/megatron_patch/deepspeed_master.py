@@ -9,17 +9,31 @@ group instead (``fp32_groups_flat_partition``): the fp32 master of this data-par
 fragment (``_lazy_init_hp_params_optimizer_state``). A parameter may span several ranks'
 partitions, so its full master is assembled with one all-reduce over its data-parallel group.
 
-DeepSpeed's public fragment API covers this optimizer (``deepspeed.utils``:
-``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state`` all-reduce over the parameter's
-``_dp_group``; ``safe_set_full_fp32_param``, ``safe_set_full_optimizer_state`` write this rank's
-fragment, no collective), so nothing here maps the flat groups by hand: what it adds is the
-AdamW step count (one per flat partition, which the API does not reach) and the moments'
-creation and linking on a resume before the first step, when the API has no fragment to
-write into.
+DeepSpeed's fragment API covers this optimizer (``deepspeed.utils``: ``safe_set_full_fp32_param``,
+``safe_set_full_optimizer_state`` write this rank's fragment, no collective; each parameter's
+``_hp_mapping`` locates its fragment in the flat partition and its moments), so nothing here
+maps the flat groups by hand: what it adds is the AdamW step count (one per flat partition,
+which the API does not reach) and the moments' creation and linking on a resume before the
+first step, when the API has no fragment to write into.
 
-Reading is a collective over each parameter's data-parallel group: every rank of a stage
-reads its parameters in the same order (``DeepSpeedRun.state`` does). deepspeed is imported
-inside the functions only (the adapter imports it only when it runs).
+Reading (:func:`read_full`) is a collective over each parameter's data-parallel group: every
+rank of a stage reads its parameters in the same order, one all-reduce per tensor. It is
+DeepSpeed's ``get_full_hp_param`` (behind ``safe_get_full_fp32_param`` and
+``safe_get_full_optimizer_state``: a zero fp32 buffer of the parameter's size, this rank's
+fragment copied in, summed over ``_dp_group``) split in two, for two reasons:
+
+- memory: each full tensor goes to the host as soon as it is summed, and only if the rank
+  keeps it (the layers it writes); the device holds one parameter's full fp32 tensor at a
+  time, not the masters and both moments of the whole stage (12 B per parameter on every
+  data-parallel rank: DP times the optimizer state the rank keeps, ~42 GB for a 3.5B stage
+  at DP 8, an OOM at the first save);
+- failure: a rank whose own part fails (a device or host allocation, a fragment read) still
+  takes part in every later all-reduce with a zero buffer and raises at the end, so its
+  peers are never left in an all-reduce it skipped (they would wait there, and it in the
+  save's next collective, until the process group's timeout). A failure *in* an all-reduce
+  is raised at once: the group is broken, and its peers fail in it too.
+
+deepspeed is imported inside the functions only (the adapter imports it only when it runs).
 
 fp16 is not here: DeepSpeed steps an ``FP16_UnfusedOptimizer`` around a torch AdamW, whose
 per-parameter fp32 copies the fragment API does not cover, whose construction takes one
@@ -31,22 +45,24 @@ supported on your device``) to be tested here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "MOMENTS",
     "adam_steps",
-    "full_master",
-    "full_moments",
     "is_bf16_optimizer",
     "load_moments",
+    "read_full",
     "set_master",
 ]
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The AdamW state read and written beside each master (DeepSpeed's optimizer state keys)."""
 
 
 def is_bf16_optimizer(engine_optimizer: Any, params: Sequence[nn.Parameter]) -> bool:
@@ -73,21 +89,74 @@ def adam_steps(engine_optimizer: Any) -> list[int]:
     return out
 
 
-def full_master(p: nn.Parameter) -> torch.Tensor:
-    """The full fp32 master of ``p`` (a collective over its data-parallel group)."""
-    from deepspeed.utils import safe_get_full_fp32_param
+def _local_part(p: nn.Parameter, kind: str | None) -> torch.Tensor:
+    """``p``'s full size in fp32, zero but for this rank's fragment of ``kind`` (None: the
+    master; else an AdamW state key), as ``get_full_hp_param`` builds it before its sum."""
+    buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    linked: Any = p  # ``link_hp_params`` gave it ``_hp_mapping``
+    mapping = linked._hp_mapping  # None: none of p lies in this rank's partition
+    if mapping is not None:
+        addr = mapping.lp_fragment_address
+        buf.narrow(0, addr.start, addr.numel).copy_(mapping.get_hp_fragment(kind))
+    return buf
 
-    out: torch.Tensor = safe_get_full_fp32_param(p)
+
+def _lighter(exc: Exception) -> Exception:
+    """``exc`` without the locals of the frames it was raised through (its traceback stays):
+    the buffer of a failed part would otherwise stay allocated, through the finished
+    frame's locals, for the rest of the save's all-reduces."""
+    traceback.clear_frames(exc.__traceback__)
+    return exc
+
+
+@torch.no_grad()
+def read_full(
+    keyed: Sequence[tuple[str, nn.Parameter]],
+    kinds: Sequence[str | None],
+    keep: Callable[[str], bool],
+    failure: Exception | None = None,
+) -> dict[str, list[torch.Tensor]]:
+    """The full fp32 ``kinds`` (None: the master; ``MOMENTS``) of each parameter ``keep``
+    selects, on the host, by key: one all-reduce over the parameter's data-parallel group
+    per parameter and kind, in ``keyed`` order, on every rank of the stage alike (it is
+    given the same ``keyed`` and ``kinds``), whatever ``keep`` selects.
+
+    A failure of this rank's own part (or ``failure``, one from before the call) makes the
+    rest of its contributions zeros: it keeps nothing more, takes part in every remaining
+    all-reduce, and is raised once they are all done (module docstring). Only a zero buffer
+    this rank cannot even allocate leaves it out of the rest (raised at once, with the
+    first failure as its cause)."""
+    from deepspeed import comm
+
+    out: dict[str, list[torch.Tensor]] = {}
+    for key, p in keyed:
+        kept = keep(key)
+        linked: Any = p  # ``link_hp_params`` gave it ``_dp_group``
+        for kind in kinds:
+            buf: torch.Tensor | None = None
+            if failure is None:
+                try:
+                    buf = _local_part(p, kind)
+                except Exception as exc:  # raised after the last all-reduce
+                    failure = _lighter(exc)
+                    out.clear()  # nothing of it is saved: free the host copies now
+            if buf is None:
+                try:
+                    buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                except Exception as exc:
+                    raise exc from failure
+            comm.all_reduce(buf, group=linked._dp_group)
+            if failure is None and kept:
+                try:
+                    # on the host now: the device holds one parameter's tensor at a time
+                    out.setdefault(key, []).append(buf.view(p.shape).to("cpu"))
+                except Exception as exc:
+                    failure = _lighter(exc)
+                    out.clear()
+            del buf
+    if failure is not None:
+        raise failure
     return out
-
-
-def full_moments(p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full fp32 AdamW moments of ``p`` (two collectives over its data-parallel group);
-    only after the first step has created and linked them."""
-    from deepspeed.utils import safe_get_full_optimizer_state
-
-    m, v = (safe_get_full_optimizer_state(p, key) for key in _MOMENTS)
-    return m, v
 
 
 @torch.no_grad()
@@ -123,12 +192,12 @@ def load_moments(
         return
     for flat in _partitions(engine_optimizer):
         st = state.setdefault(flat, {})
-        for key in _MOMENTS:
+        for key in MOMENTS:
             if key not in st:
                 st[key] = torch.zeros_like(flat)
         st["step"] = torch.tensor(float(adam_step))
     # BF16_Optimizer links the fragments after its first step; a resume writes them first
     engine_optimizer._lazy_init_hp_params_optimizer_state()
     for key, p in keyed:
-        for name, value in zip(_MOMENTS, moments[key], strict=True):
+        for name, value in zip(MOMENTS, moments[key], strict=True):
             safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), name)

@@ -21,7 +21,7 @@ their master copies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from sailor.megatron_patch import deepspeed_master as master
 from sailor.megatron_patch.checkpoint_io import SaveIO
 from sailor.megatron_patch.engine import TrainConfig, resumed_skipped_steps
 from sailor.megatron_patch.precision import Precision, check_state_precision
+from sailor.megatron_patch.state import key_layer
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -123,32 +124,62 @@ class DeepSpeedRun:
                 )
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """This rank's full weights by key: the fp32 masters in bf16 (a collective over each
-        stage's data-parallel group: every rank calls it), the parameters in fp32."""
+        """This rank's full weights by key: the fp32 masters in bf16 (on the host; a
+        collective over each stage's data-parallel group: every rank calls it), the
+        parameters in fp32."""
         if self.bf16:
-            return {k: master.full_master(p) for k, p in self.keyed_parameters()}
+            got = master.read_full(self.keyed_parameters(), [None], lambda _k: True)
+            return {k: w for k, (w,) in got.items()}
         return {k: p.detach() for k, p in self.keyed_parameters()}
 
-    def state(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]:
-        """``{key: (weight, exp_avg, exp_avg_sq, tp_dim)}`` of this rank (fp32: the masters
-        in bf16; zero moments before the first step). Raises if AdamW's step count is not
-        :attr:`adam_step` (the state would resume a different update). In bf16 a collective
-        over each stage's data-parallel group (every rank saves)."""
-        self.check_checkpointable()
-        self._check_adam_step()
+    def state(
+        self, layers: Collection[int] | None = None
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]:
+        """``{key: (weight, exp_avg, exp_avg_sq, tp_dim)}`` of this rank's parameters in
+        ``layers`` (None: all of them; a save passes the layers the rank writes). fp32: the
+        parameters and AdamW's moments; zero moments before the first step. Raises if
+        AdamW's step count is not :attr:`adam_step` (the state would resume a different
+        update).
+
+        In bf16 the fp32 masters and moments, on the host: a collective over each stage's
+        data-parallel group (every rank calls it, whatever its ``layers``), one all-reduce
+        per parameter and tensor; the device holds one of them at a time and the host keeps
+        ``layers``' only (:func:`deepspeed_master.read_full`). A failure on this rank (its
+        step count, an allocation, a fragment) is raised after the last all-reduce, so its
+        peers never wait in one it skipped."""
+        self.check_checkpointable()  # the job's precision: every rank raises alike
         stepped = self.adam_step > 0
+
+        def kept(key: str) -> bool:
+            return layers is None or key_layer(key) in layers
+
         out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = {}
+        if self.bf16:
+            failure: Exception | None = None
+            try:
+                self._check_adam_step()
+            except Exception as exc:  # raised by read_full after its collectives
+                failure = exc
+            keyed = self.keyed_parameters()
+            kinds = (None, *master.MOMENTS) if stepped else (None,)
+            got = master.read_full(keyed, kinds, kept, failure)
+            for key, p in keyed:
+                if key in got:
+                    w, *mv = got[key]
+                    m, v = mv if mv else (torch.zeros_like(w), torch.zeros_like(w))
+                    out[key] = (w, m, v, tp_dim_of(p))
+            return out
+        self._check_adam_step()
         for key, p in self.keyed_parameters():
-            if self.bf16:
-                w = master.full_master(p)
-                m, v = master.full_moments(p) if stepped else (None, None)
+            if not kept(key):
+                continue
+            w = p.detach()
+            st = self.optimizer.state.get(p, {})
+            if not st and stepped:
+                raise RuntimeError(f"{key}: no AdamW state at AdamW step {self.adam_step}")
+            if st:
+                m, v = st["exp_avg"].detach(), st["exp_avg_sq"].detach()
             else:
-                w = p.detach()
-                st = self.optimizer.state.get(p, {})
-                if not st and stepped:
-                    raise RuntimeError(f"{key}: no AdamW state at AdamW step {self.adam_step}")
-                m, v = (st["exp_avg"].detach(), st["exp_avg_sq"].detach()) if st else (None, None)
-            if m is None or v is None:
                 m, v = torch.zeros_like(w), torch.zeros_like(w)
             out[key] = (w, m, v, tp_dim_of(p))
         return out

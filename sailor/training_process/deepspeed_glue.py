@@ -20,6 +20,7 @@ import sys
 from sailor.checkpoint import (
     ParamState,
     TrainingGlobals,
+    layers_written_by,
     load_for_rank,
     open_storage,
     read_manifest,
@@ -33,7 +34,12 @@ __all__ = ["DeepSpeedLayerIO", "main"]
 
 
 def _state(run: DeepSpeedRun) -> tuple[dict[str, ParamState], TrainingGlobals]:
-    params = {k: ParamState(w, m, v, dim) for k, (w, m, v, dim) in run.state().items()}
+    # Only the layers this rank writes: the ``Checkpointer`` (``CheckpointSaves``, built
+    # without layer sizes) copies those alone and skips a layer another rank writes (TP is
+    # 1 here), so in bf16 the other full masters and moments are summed and dropped, not
+    # kept on the host (``DeepSpeedRun.state``).
+    written = layers_written_by(run.plan, run.rank)
+    params = {k: ParamState(w, m, v, dim) for k, (w, m, v, dim) in run.state(written).items()}
     extra = {"adam_step": run.adam_step, "seed": run.cfg.seed, **run.scaling_state()}
     return params, TrainingGlobals(run.step, run.consumed_samples, extra)
 

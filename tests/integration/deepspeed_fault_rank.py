@@ -1,0 +1,120 @@
+"""One DeepSpeed adapter rank in bf16 on the CPU, with a fault or a probe on its checkpoints.
+
+``python -m tests.integration.deepspeed_fault_rank ARGS`` runs ``deepspeed_glue``'s entry
+point in bf16 (as ``deepspeed_bf16_rank``), its checkpoint IO wrapped by what the environment
+asks, each through the adapter's real path (no branch for it in Sailor's code):
+
+- ``SAVE_TRACE=path-with-{rank}``: during each save, every all-reduce is recorded (a weak
+  reference to its buffer's storage); the file gets, per save, the bytes of the recorded
+  buffers still alive at each all-reduce (the full tensors the rank holds then: on the CPU
+  accelerator the device is the host), their peak, and the bytes of the parameters of the
+  layers the rank writes and of its largest one;
+- ``BREAK_FRAGMENT_RANK=r``: before its first save, rank ``r`` drops ``exp_avg_sq`` from the
+  optimizer-state fragment DeepSpeed linked to its middle parameter (one in its own flat
+  partition), so that reading that moment raises DeepSpeed's own error, partway through the
+  stage's parameters, as an allocation failing there would;
+- ``SLOW_LOAD_RANK=r``, ``SLOW_LOAD_S``: rank ``r``'s checkpoint storage stalls its first read
+  once the world has formed (``slow_load_worker``'s wrapper).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from sailor.checkpoint import layers_written_by
+from sailor.megatron_patch.deepspeed_adapter import main
+from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
+from sailor.megatron_patch.state import key_layer
+from sailor.training_process import deepspeed_glue
+from sailor.training_process.deepspeed_glue import DeepSpeedLayerIO
+from tests.integration.slow_load_worker import _SlowStorage
+
+
+class _Trace:
+    """The all-reduces of one save and the bytes alive at each."""
+
+    def __init__(self) -> None:
+        self.buffers: list[tuple[StorageWeakRef, int]] = []
+        self.live: list[int] = []
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        self.buffers.append((StorageWeakRef(tensor.untyped_storage()), tensor.nbytes))
+        self.live.append(sum(n for ref, n in self.buffers if not ref.expired()))
+        return _REAL_ALL_REDUCE(tensor, *args, **kw)
+
+
+_REAL_ALL_REDUCE = dist.all_reduce
+
+
+def _break_fragment(run: DeepSpeedRun) -> str:
+    linked: list[tuple[str, Any]] = [
+        (k, p) for k, p in run.keyed_parameters() if getattr(p, "_hp_mapping", None) is not None
+    ]
+    key, p = linked[len(linked) // 2]
+    del p._hp_mapping.optim_fragment["exp_avg_sq"]
+    return key
+
+
+class _ProbedIO(DeepSpeedLayerIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self._saves_seen = 0
+
+    def save(
+        self, trainer: DeepSpeedRun, root: str, keep: int | None = None, prune_below: int = -1
+    ) -> float:
+        trace_to = os.environ.get("SAVE_TRACE", "")
+        if self._saves_seen == 0 and os.environ.get("BREAK_FRAGMENT_RANK") == str(trainer.rank):
+            key = _break_fragment(trainer)
+            print(f"broke the exp_avg_sq fragment of {key}", file=sys.stderr, flush=True)
+        self._saves_seen += 1
+        if not trace_to:
+            return super().save(trainer, root, keep, prune_below)
+        trace = _Trace()
+        dist.all_reduce = trace  # type: ignore[assignment]
+        try:
+            return super().save(trainer, root, keep, prune_below)
+        finally:
+            dist.all_reduce = _REAL_ALL_REDUCE
+            written = set(layers_written_by(trainer.plan, trainer.rank))
+            sizes = {k: p.numel() * 4 for k, p in trainer.keyed_parameters()}
+            record = {
+                "params": len(sizes),
+                "all_reduces": len(trace.live),
+                "live_bytes": trace.live,
+                "peak_live_bytes": max(trace.live, default=0),
+                "written_bytes": 3 * sum(n for k, n in sizes.items() if key_layer(k) in written),
+                "stage_bytes": 3 * sum(sizes.values()),
+                "largest_bytes": max(sizes.values()),
+            }
+            path = Path(trace_to.replace("{rank}", str(trainer.rank)))
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _rank(argv: list[str]) -> int:
+    return int(argv[argv.index("--rank") + 1])
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if _rank(argv) == int(os.environ.get("SLOW_LOAD_RANK", "-1")):
+        real_open = deepspeed_glue.open_storage
+        delay = float(os.environ.get("SLOW_LOAD_S", "0"))
+        opened: dict[str, Any] = {}
+
+        def slow_open(root: str, **kw: Any) -> Any:
+            # one wrapper per process: the stall happens once, on the first read
+            opened.setdefault("storage", _SlowStorage(real_open(root, **kw), delay, False))
+            return opened["storage"]
+
+        deepspeed_glue.open_storage = slow_open  # type: ignore[assignment]
+    sys.exit(main(argv, ckpt=_ProbedIO(), precision="bf16"))
