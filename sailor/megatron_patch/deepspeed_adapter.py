@@ -98,6 +98,7 @@ from sailor.megatron_patch.engine import make_optimizer
 from sailor.megatron_patch.load_barrier import loaded_together
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
+from sailor.megatron_patch.nccl_conf import read_nccl_conf
 from sailor.megatron_patch.optim import param_groups
 from sailor.megatron_patch.parent_death import die_with_parent
 from sailor.megatron_patch.precision import native_bf16, plan_precision
@@ -465,7 +466,7 @@ def run(
         check_rank_device(plan, args.rank, torch.cuda.device_count())
         device = torch.device("cuda", local_device(plan, args.rank))
         torch.cuda.set_device(device)  # before the process group: NCCL binds to it
-        os.environ.update(nccl_env(os.environ))
+        os.environ.update(nccl_env(os.environ, read_nccl_conf(os.environ)))
     # decided from the plan, the model and the config alone, before the process group: every
     # rank refuses alike (the engine's rule), not some after the others entered a collective
     requested = tc.precision if tc is not None else "auto"
