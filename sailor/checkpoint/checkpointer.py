@@ -233,10 +233,13 @@ class Checkpointer:
         """Fence a save still in flight for a world that was abandoned (its peers may be
         dead; nothing waits for it): its committer writes no manifest or marker from now on
         (checked before each write that could undo another commit), so a later generation's
-        commit of the same step is not interleaved with it, and whichever rank's persist
-        ends after this deletes the save's files written so far (``discard_save``: never a
-        committed save's). A write already begun is not interrupted: a committer stalled
-        inside its manifest write is the one window left. Does not block."""
+        commit of the same step is not interleaved with it, and it deletes the save's files
+        written so far (``discard_save``: never a committed save's). A writer that is not
+        the committer writes nothing more once its persist ends (or skips it if not begun)
+        and deletes nothing: ranks cancel when each sees the world fail, and a committer
+        not cancelled yet may be committing that save. A write already begun is not
+        interrupted: a committer stalled inside its manifest write is the one window left.
+        Does not block."""
         self._cancelled.set()
 
     def close(self) -> None:
@@ -404,9 +407,9 @@ class Checkpointer:
         )
 
     def _discard(self, step: int, save_id: str) -> None:
-        """Delete a cancelled save's files (every rank's written so far: the save is dead
-        on all of them; ``discard_save`` never touches a committed save's). A failure to
-        delete leaves them to ``sailor ckpt gc``."""
+        """The cancelled committer's: delete its save's files (every rank's written so far:
+        fenced, it commits nothing, so the save is dead; ``discard_save`` never touches a
+        committed save's). A failure to delete leaves them to ``sailor ckpt gc``."""
         with contextlib.suppress(OSError, CheckpointError):
             discard_save(self.storage, step, save_id)
 
@@ -425,8 +428,10 @@ class Checkpointer:
                 self.storage, globals_.step, save_id, mine, rank=self.rank, scratch=self._scratch
             )
             nbytes = sum(s.size for s in part.shards)
-        if self._cancelled.is_set():  # nobody waits for this save: its files go now
-            self._discard(globals_.step, save_id)
+        if self._cancelled.is_set() and self.rank != self.committer_rank:
+            # Nobody here waits for it; its files stay: ranks cancel when each sees the
+            # failure, and a committer not cancelled yet may be committing this very save
+            # (its files are the committer's to discard, or gc's).
             raise SaveCancelledError(f"step {globals_.step} save {save_id}: cancelled")
         t1 = time.perf_counter()
         manifest = None

@@ -310,19 +310,39 @@ def test_a_reset_fences_the_save_in_flight(tmp_path: Path) -> None:
     ck.close()
 
 
-def test_a_save_cancelled_before_its_persist_ends_deletes_what_it_wrote(tmp_path: Path) -> None:
-    """A writer (not the committer) of a cancelled save: once its persist ends, its files
-    go, and it reports the cancel; a committed save of the step is not touched."""
+class _CancelledMidWrite(LocalStorage):
+    """A writer's storage: its checkpointer is cancelled while it writes its layers (its
+    rank saw the world fail; the committer's had not yet)."""
+
+    ck: Checkpointer | None = None
+
+    def write_all(self, *args: Any, **kwargs: Any) -> list[int]:
+        assert self.ck is not None
+        self.ck.cancel()
+        return super().write_all(*args, **kwargs)
+
+
+def test_a_writer_cancelled_mid_persist_leaves_a_live_committers_commit_whole(
+    tmp_path: Path,
+) -> None:
+    """Ranks cancel when each sees the failure: a writer cancelled while it persists a
+    save whose committer goes on (not cancelled yet, every part there) must not delete the
+    save's files, which the committer commits; it reports the cancel. Before, its discard
+    could delete the shards of the step just committed."""
     s = LocalStorage(tmp_path)
     state = _state(layers=2)
-    save_full(s, state, TrainingGlobals(3, 3, {}), model="toy", num_layers=2, save_id="new")
-    theirs = {k: p for k, p in state.items() if k.startswith("1.")}
-    ck = Checkpointer(s, _two_stage_plan(), 1, keep=None)
-    ck.cancel()  # before its persist ran: as a reset racing the background thread
-    ck.save(theirs, TrainingGlobals(3, 3, {}), save_id="old")
+    plan = _two_stage_plan()
+    committer = Checkpointer(s, plan, 0, keep=None, commit_timeout_s=60)
+    slow = _CancelledMidWrite(tmp_path)
+    writer = Checkpointer(slow, plan, 1, keep=None)
+    slow.ck = writer
+    g = TrainingGlobals(3, 3, {})
+    writer.save({k: p for k, p in state.items() if k.startswith("1.")}, g, save_id="sid")
     with pytest.raises(SaveCancelledError):
-        ck.wait()
-    d = tmp_path / step_dir(3)
-    assert not (d / shard_name(1, "old")).exists() and not (d / part_name("old", 1)).exists()
-    assert read_manifest(s, 3).save_id == "new" and verify(s, 3) == []
-    ck.close()
+        writer.wait()
+    committer.save({k: p for k, p in state.items() if k.startswith("0.")}, g, save_id="sid")
+    res = committer.wait()
+    assert res is not None and res.manifest is not None
+    assert committed_steps(s) == [3] and verify(s, 3) == []
+    writer.close()
+    committer.close()
