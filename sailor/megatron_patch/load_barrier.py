@@ -29,35 +29,50 @@ load timeout. So a rank's part in the barrier (:class:`LoadBarrier`) starts with
 not with its load: from then on a thread bumps the rank's heartbeat counter on the store
 every ``liveness_s / 5`` seconds until the barrier releases, and the worker writes any
 failure of its own through it (``fail``, from ``rank_main.main``'s handler) until then.
-Each waiting rank reads one other rank's counter per poll, in turn; a counter that has not
-moved for ``liveness_s`` (``--load-liveness-s``, :data:`LIVENESS_S`) is a dead rank: the
-waiter writes that rank's failure for the others and raises ``PeerFailedError`` naming it
-and its host. A rank hung in a read keeps beating (the thread is its own): that is the load
-timeout's case, not this one's.
+The thread has a store connection of its own (``Store.clone``): the c10d client answers
+one request at a time, so a beat on the main thread's connection would wait behind any
+blocking ``get``/``wait`` there; a failed beat is retried on a new connection until the
+barrier ends.
+
+Each waiting rank reads, every poll, the counters of the :data:`WATCHED` ranks after it on
+the ring (:func:`watched`), so every rank is watched by the ``WATCHED`` ranks before it, each
+looking every poll; and one other rank's counter in turn, so that a dead rank whose watchers
+are all still loading is still found, later. A counter that has not moved for
+``liveness_s`` (``--load-liveness-s``, :data:`LIVENESS_S`) is a dead rank: the waiter writes
+that rank's failure for the others (every waiter raises it at its next poll) and raises
+``PeerFailedError`` naming it and its host. So a dead rank is found ``liveness_s`` plus a
+poll or two after one of its watchers waits, whatever the world's size, at ``WATCHED + 1``
+counter reads per waiter per poll (the round-robin alone, one read per poll, needed two
+reads of the same rank ``liveness_s`` apart, each ``world_size - 1`` polls apart: 8 to 17
+minutes at 512 ranks and 1 s polls). A rank hung in a read keeps beating (the thread is
+its own): that is the load timeout's case, not this one's.
 
 This module never touches a device or a collective; it takes any object with the c10d
-store's ``add``/``set``/``get``/``check`` (``torch.distributed.Store``).
+store's ``add``/``set``/``get``/``check`` and ``clone`` (``torch.distributed.Store``).
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from sailor.megatron_patch.errors import PeerFailedError
 
 __all__ = [
     "LIVENESS_S",
     "LOAD_TIMEOUT_S",
+    "WATCHED",
     "LoadBarrier",
     "LoadTimeoutError",
     "Store",
     "await_loads",
     "loaded_together",
+    "watched",
 ]
 
 LOAD_TIMEOUT_S = 7200.0
@@ -73,11 +88,21 @@ LIVENESS_S = 60.0
 far above what a live rank's heartbeat thread can miss. The thread beats every
 ``liveness_s / 5`` (12 s); what could hold it up is the GIL held by one long C call of the
 load (a copy of a single tensor of a few GB takes a second or two) and a slow store round
-trip — not tens of seconds. A rank dead for 60 s costs a minute, not the 2 h timeout."""
+trip — not tens of seconds (and no store call of the main thread: the beat has its own
+connection). A rank dead for 60 s costs about a minute once one of its watchers waits
+(:func:`watched`), at any world size, not the 2 h timeout."""
 
 BEATS_PER_LIVENESS = 5
 """Heartbeats a live rank sends within one ``liveness_s``: four can be lost or late before
 it is taken for dead."""
+
+WATCHED = 3
+"""Ranks each waiting rank reads every poll (its successors on the ring), so each rank has
+this many watchers: one of three waiting already is enough for a dead rank to be found in
+``liveness_s``. Each waiter's store load per poll is ``WATCHED + 1`` counter reads besides
+its two reads of the barrier's own counters: with the worker's 1 s polls 6 requests a second
+per waiting rank, ~6k a second on rank 0's store at 1024 ranks (the round-robin alone made
+it 3k, and took minutes to find a dead rank there)."""
 
 _PREFIX = "sailor/loaded"
 
@@ -163,11 +188,31 @@ class LoadBarrier:
 
     def _beat(self) -> None:
         key, every = _beat_key(self.world, self.rank), self.liveness_s / BEATS_PER_LIVENESS
+        conn: Store | None = None
+        failed = 0
         while not self._stop.is_set():
             try:
-                self.store.add(key, 1)
-            except Exception:  # the store is gone (rank 0): nobody is left to tell
-                return
+                if conn is None:  # its own: never behind the main thread's blocking calls
+                    conn = _connect(self.store)
+                conn.add(key, 1)
+            except Exception as exc:  # retried until stopped, on a new connection
+                conn = None
+                failed += 1
+                if failed == 1:  # one line per outage, not one per beat
+                    print(
+                        f"rank {self.rank}: load heartbeat failed ({type(exc).__name__}: "
+                        f"{exc}); retrying every {every:g} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            else:
+                if failed:
+                    print(
+                        f"rank {self.rank}: load heartbeat back after {failed} failed beats",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                failed = 0
             self._stop.wait(every)
 
     def fail(self, exc: BaseException) -> None:
@@ -229,6 +274,13 @@ def loaded_together(
     wait (:class:`LoadBarrier`, whose ``loading`` this is)."""
     with LoadBarrier(store, rank, world_size, world, timeout_s, liveness_s, poll_s).loading():
         yield
+
+
+def _connect(store: Store) -> Store:
+    """A new connection to ``store``, its prefix kept (``torch.distributed.Store.clone``,
+    which torch's type stubs do not declare)."""
+    conn: Store = cast(Any, store).clone()
+    return conn
 
 
 def _publish_failure(store: Store, rank: int, world: str, exc: BaseException) -> None:
@@ -303,10 +355,17 @@ def _peer_failure(store: Store, world: str, world_size: int) -> PeerFailedError:
     return PeerFailedError("a rank failed to load its stage")
 
 
+def watched(rank: int, world_size: int, k: int = WATCHED) -> list[int]:
+    """The ranks ``rank`` reads every poll while it waits: the ``k`` after it on the ring
+    (all the others in a world of ``k + 1`` or fewer), so each rank has ``k`` watchers, the
+    ``k`` before it (pure)."""
+    return [(rank + i) % world_size for i in range(1, min(k, world_size - 1) + 1)]
+
+
 class _Watch:
-    """A waiting rank's look at the others' heartbeats: one rank per poll, in turn (each
-    rank's counter is read by every waiter about once per ``world_size`` polls: the store's
-    load stays one read per poll per rank, not ``world_size``)."""
+    """A waiting rank's look at the others' heartbeats: every poll its :func:`watched` ranks,
+    and one of the rest in turn (module docstring: a dead rank is found ``liveness_s`` after
+    one of its watchers first looks, at any world size; by the turns later, if none waits)."""
 
     def __init__(
         self,
@@ -319,17 +378,27 @@ class _Watch:
     ) -> None:
         self.store, self.rank, self.world, self.liveness_s = store, rank, world, liveness_s
         self.clock = clock
-        self.others = [(rank + i) % world_size for i in range(1, world_size)]
+        self.near = watched(rank, world_size)
+        self.rest = [
+            r for r in ((rank + i) % world_size for i in range(1, world_size)) if r not in self.near
+        ]
         self.turn = 0
         self.seen: dict[int, tuple[int, float]] = {}
         """Rank -> (its counter, when this rank first saw it at that value)."""
 
     def next_dead(self) -> PeerFailedError | None:
-        """Read the next rank's counter; its failure if it has not moved for liveness_s."""
-        if not self.others:
-            return None
-        peer = self.others[self.turn % len(self.others)]
-        self.turn += 1
+        """Read this poll's counters; the failure of the first rank silent for liveness_s."""
+        peers = list(self.near)
+        if self.rest:
+            peers.append(self.rest[self.turn % len(self.rest)])
+            self.turn += 1
+        for peer in peers:
+            dead = self._check(peer)
+            if dead is not None:
+                return dead
+        return None
+
+    def _check(self, peer: int) -> PeerFailedError | None:
         beats, now = self.store.add(_beat_key(self.world, peer), 0), self.clock()
         last = self.seen.get(peer)
         if last is None or last[0] != beats:

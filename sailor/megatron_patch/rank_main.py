@@ -33,8 +33,9 @@ within a bounded time (the agent sees a dead rank at once; the controller aborts
 While the world loads at start the ranks wait for each other on the rendezvous store, not
 in a collective (:mod:`load_barrier`), and that bound is another: a rank that fails, or
 fails before its load began, is raised by the others as soon as their own load is over; one
-that dies without a word (SIGKILL, the OOM killer) within ``--load-liveness-s`` (default
-60 s) of its last heartbeat; one alive but stuck in its read only after ``--load-timeout-s``
+that dies without a word (SIGKILL, the OOM killer) about ``--load-liveness-s`` (default
+60 s) after its last heartbeat, once one of the ranks watching it waits, at any world size;
+one alive but stuck in its read only after ``--load-timeout-s``
 (default 2 h; none under an agent, whose controller's LOAD deadline ends it) — and a rank
 still in its own read learns of any of these only when that read ends.
 

@@ -5,6 +5,10 @@ Ranks are simulated by calls on one store: each check-in is what a rank does aft
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -13,10 +17,12 @@ import torch.distributed as dist
 from sailor.localnet import free_port
 from sailor.megatron_patch.errors import PeerFailedError
 from sailor.megatron_patch.load_barrier import (
+    WATCHED,
     LoadBarrier,
     LoadTimeoutError,
     await_loads,
     loaded_together,
+    watched,
 )
 from sailor.megatron_patch.rank_args import build_parser, check_load_waits
 
@@ -133,3 +139,86 @@ def test_the_load_waits_are_checked_at_start_by_flag() -> None:
         args = build_parser().parse_args([*base, flag, value])
         with pytest.raises(ValueError, match=f"{flag}={value}: must be > 0 seconds"):
             check_load_waits(args)
+
+
+def _silent_for(store: dist.TCPStore, world: str, dead: int, world_size: int, waiter: int) -> float:
+    """Seconds (on a simulated clock, 1 s polls) until ``waiter`` names ``dead``, silent since
+    its one beat, in a world whose other ranks beat between the waiter's polls."""
+    now = [0.0]
+    live = [r for r in range(world_size) if r not in (dead, waiter)]
+    store.add(f"sailor/loaded/{world}/beat/{dead}", 1)
+
+    def sleep(s: float) -> None:  # the live ranks' heartbeats, then the clock moves on
+        for r in live:
+            store.add(f"sailor/loaded/{world}/beat/{r}", 1)
+        now[0] += s
+        if now[0] > 100.0:
+            raise AssertionError(f"rank {dead} of {world_size} not found dead within 100 s")
+
+    with pytest.raises(PeerFailedError, match=rf"rank {dead} \(.*no heartbeat"):
+        await_loads(
+            store, waiter, world_size, world, float("inf"), 1.0, lambda: now[0], sleep, 10.0
+        )
+    return now[0]
+
+
+def test_a_dead_rank_is_found_in_about_liveness_s_whatever_the_world_size() -> None:
+    store = _store()
+    # each waiter reads its next ranks on the ring every poll: 10 s of silence and a poll or
+    # two, at 8 ranks as at 512 (one rank read per poll in turn took 511 s at 512 ranks)
+    found = {w: _silent_for(store, f"w{w}", 1, w, 0) for w in (8, 64, 512)}
+    assert all(10.0 <= t <= 12.0 for t in found.values()), found
+    # a rank none of whose watchers waits yet is still found by the others' turns, later
+    assert _silent_for(store, "behind", 5, 6, 0) <= 10.0 + 2 * 2
+
+
+def test_every_rank_is_watched_by_watched_ranks_each_poll() -> None:
+    for world_size in (1, 2, 3, 4, 5, 64):
+        watchers = dict.fromkeys(range(world_size), 0)
+        for rank in range(world_size):
+            near = watched(rank, world_size)
+            assert rank not in near and len(near) == min(WATCHED, world_size - 1)
+            for r in near:
+                watchers[r] += 1
+        assert set(watchers.values()) == {min(WATCHED, world_size - 1)}, (world_size, watchers)
+
+
+def test_the_heartbeat_is_not_held_up_by_the_main_threads_blocking_store_call() -> None:
+    server = _store()
+    client = dist.TCPStore(
+        "127.0.0.1", server.port, 1, False, timedelta(seconds=3), wait_for_workers=False
+    )
+    loading = LoadBarrier(client, 1, 2, "g", liveness_s=0.5).start()
+    blocked = threading.Thread(  # rank 1's main thread, in a store wait longer than liveness
+        target=lambda: _suppress_store_error(client.wait, ["never-set"]), daemon=True
+    )
+    blocked.start()
+    try:  # rank 1 beats on: rank 0 waits out its load timeout, and does not call it dead
+        with pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"):
+            await_loads(server, 0, 2, "g", timeout_s=2.0, poll_s=0.02, liveness_s=0.5)
+    finally:
+        blocked.join()
+        loading.close()
+
+
+def _suppress_store_error(call: Callable[[list[str]], object], keys: list[str]) -> None:
+    with contextlib.suppress(dist.DistStoreError):
+        call(keys)
+
+
+def test_the_heartbeat_beats_on_after_the_store_failed() -> None:
+    port = free_port()
+    first = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=10))
+    beating = LoadBarrier(client, 1, 2, "g", liveness_s=0.5).start()
+    try:
+        time.sleep(0.3)
+        del first  # the store's server goes; one comes back on its address
+        time.sleep(0.3)
+        second = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))
+        deadline = time.monotonic() + 10.0
+        while not second.check(["sailor/loaded/g/beat/1"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert second.add("sailor/loaded/g/beat/1", 0) >= 1
+    finally:
+        beating.close()
