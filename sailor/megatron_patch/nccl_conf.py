@@ -12,10 +12,13 @@ read, so the first one to set a name wins:
    the process's user from the password database, not ``$HOME``);
 2. ``/etc/nccl.conf``.
 
-A line is ``NAME=value`` exactly as NCCL cuts it: a line starting with ``#`` is a comment,
-one without ``=`` is skipped, the name is everything before the first ``=`` and the value
-everything after it (no blanks stripped: NCCL strips none, so ``NAME = 1`` sets a name with
-a blank in it, which no NCCL variable matches), less the line's ``\\n`` and ``\\r``.
+A line is ``NAME=value`` exactly as NCCL cuts it (``setEnvFile``): a line
+starting with ``#`` is a comment, one without ``=`` is skipped, the name is everything
+before the first ``=`` and the value everything after it, less the line's final ``\\n``
+only. Nothing else is stripped: not blanks (``NAME = 1`` sets a name with a blank in it,
+which no NCCL variable matches) and not a ``\\r`` (a file saved with CRLF line ends sets
+``NCCL_DEBUG=WARN\\r``; NCCL reads a number up to it). Name and value are cut at 1023
+characters, as NCCL's 1024-byte buffers cut them (bytes there: the same for ASCII).
 
 So a variable Sailor puts in the environment overrides an administrator's ``/etc/nccl.conf``
 for it; :func:`read_nccl_conf` lets the worker see such a setting first and leave the
@@ -34,16 +37,18 @@ __all__ = ["SYSTEM_CONF", "conf_files", "nccl_conf_settings", "parse_nccl_conf",
 
 SYSTEM_CONF = "/etc/nccl.conf"
 
+_CUT = 1023
+"""NCCL copies a name and a value into ``char[1024]`` buffers (``strncpy`` of 1023)."""
+
 
 def parse_nccl_conf(text: str) -> dict[str, str]:
     """The settings of one file, as NCCL reads them (the first of a name wins)."""
     out: dict[str, str] = {}
-    for raw in text.split("\n"):
-        line = raw.removesuffix("\r")
+    for line in text.split("\n"):
         if line.startswith("#") or "=" not in line:
             continue
         name, _, value = line.partition("=")
-        out.setdefault(name, value)
+        out.setdefault(name[:_CUT], value[:_CUT])
     return out
 
 
@@ -72,7 +77,9 @@ def nccl_conf_settings(
 
 def _read(path: str) -> str | None:
     try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
+        # newline="": the text as NCCL's getline sees it (no '\r' dropped or made a line end)
+        with Path(path).open(encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()
     except OSError:
         return None
 

@@ -30,11 +30,13 @@ def test_lines_are_cut_as_nccl_cuts_them() -> None:
         "NCCL_NVLS_ENABLE="
     )
     assert parse_nccl_conf(text) == {
-        "NCCL_DEBUG": "WARN",
+        "NCCL_DEBUG": "WARN\r",  # NCCL drops the '\n' only: a CRLF file's '\r' stays
         "NCCL_SOCKET_IFNAME": "=ens1f0",
         "NCCL_IB_HCA ": " mlx5",
         "NCCL_NVLS_ENABLE": "",
     }
+    # NCCL's buffers hold 1023 characters of a name and of a value
+    assert parse_nccl_conf(f"{'N' * 1030}={'v' * 1030}\n") == {"N" * 1023: "v" * 1023}
 
 
 def test_the_user_file_is_read_before_the_system_one() -> None:
@@ -54,6 +56,10 @@ def test_a_file_setting_of_nvls_is_left_to_apply(tmp_path: Path) -> None:
     assert settings["NCCL_NVLS_ENABLE"] == "1"
     assert "NCCL_NVLS_ENABLE" not in nccl_env({}, settings)
     assert nccl_env({}, {})["NCCL_NVLS_ENABLE"] == "0"
+    # read as NCCL reads it: a CRLF line keeps its '\r', a lone '\r' ends no line
+    conf.write_bytes(b"NCCL_DEBUG=WARN\r\nNCCL_NVLS_ENABLE=1\rNCCL_ALGO=Ring\n")
+    got = read_nccl_conf({"NCCL_CONF_FILE": str(conf)})
+    assert (got["NCCL_DEBUG"], got["NCCL_NVLS_ENABLE"]) == ("WARN\r", "1\rNCCL_ALGO=Ring")
     # a file that cannot be read is skipped, as NCCL skips it
     gone = read_nccl_conf({"NCCL_CONF_FILE": str(tmp_path / "missing.conf")})
     assert "NCCL_NVLS_ENABLE" not in gone or Path(SYSTEM_CONF).exists()
