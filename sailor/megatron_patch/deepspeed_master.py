@@ -45,6 +45,7 @@ supported on your device``) to be tested here.
 
 from __future__ import annotations
 
+import importlib.metadata
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,7 +54,9 @@ import torch
 from torch import nn
 
 __all__ = [
+    "LINKED",
     "MOMENTS",
+    "UnlinkedParametersError",
     "adam_steps",
     "is_bf16_optimizer",
     "load_moments",
@@ -65,15 +68,43 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW state read and written beside each master (DeepSpeed's optimizer state keys)."""
 
 
+LINKED = ("_hp_mapping", "_dp_group", "get_full_hp_param")
+"""What ``link_hp_params`` gives each parameter and this module reads: ``_hp_mapping`` (its
+fragment of the flat partition, or None) and ``_dp_group`` are DeepSpeed's private
+attributes (0.1x, ``deepspeed/utils/mixed_precision_linkage.py``), so their absence is
+checked by name rather than found as an ``AttributeError`` partway through a save."""
+
+
+class UnlinkedParametersError(ValueError):
+    """DeepSpeed's ``BF16_Optimizer`` did not give the parameters what this module reads
+    (:data:`LINKED`): another DeepSpeed version than the ones this was written against."""
+
+
 def is_bf16_optimizer(engine_optimizer: Any, params: Sequence[nn.Parameter]) -> bool:
-    """Whether ``engine_optimizer`` is DeepSpeed's ``BF16_Optimizer`` with every parameter
-    linked to its fp32 master (``link_hp_params`` gives each the fragment methods), as
-    this module reads it (duck-typed: deepspeed is not imported to ask)."""
-    return (
-        type(engine_optimizer).__name__ == "BF16_Optimizer"
-        and hasattr(engine_optimizer, "fp32_groups_flat_partition")
-        and all(hasattr(p, "get_full_hp_param") for p in params)
-    )
+    """Whether ``engine_optimizer`` is DeepSpeed's ``BF16_Optimizer`` (duck-typed: deepspeed
+    is not imported to ask); raises :class:`UnlinkedParametersError`, naming what is missing
+    and the DeepSpeed version, if it is one whose parameters lack what ``link_hp_params``
+    gives them (:data:`LINKED`)."""
+    if type(engine_optimizer).__name__ != "BF16_Optimizer" or not hasattr(
+        engine_optimizer, "fp32_groups_flat_partition"
+    ):
+        return False
+    missing = [a for a in LINKED if not all(hasattr(p, a) for p in params)]
+    if missing:
+        raise UnlinkedParametersError(
+            f"DeepSpeed {_deepspeed_version()}: its BF16_Optimizer's parameters lack "
+            f"{', '.join(missing)} (link_hp_params), which reading and writing a bf16 run's "
+            "fp32 masters and moments needs; run this DeepSpeed version in fp32, or the job "
+            "on Sailor's engine"
+        )
+    return True
+
+
+def _deepspeed_version() -> str:
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _partitions(engine_optimizer: Any) -> list[torch.Tensor]:
