@@ -37,8 +37,10 @@ both AdamW moments (the optimizer is Sailor's AdamW, DeepSpeed only calls its ``
 the step, the data position, the seed and the precision in the same globals as the engine's,
 and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engine wrote under
 any layout (the reader relayouts by layer); the ranks that loaded first wait for the others on
-the rendezvous store (``load_barrier``, ``--load-timeout-s``), not in the first collective
-under ``--timeout-s``, as Sailor's engine does. Another precision than the checkpoint's is refused
+the rendezvous store (``load_barrier``, ``--load-timeout-s``, ``--load-liveness-s``), not in
+the first collective under ``--timeout-s``, as Sailor's engine does: each rank beats there from
+its world's start, and a rank failing before or during its restore, or dying without a word,
+ends the waiting ones. Another precision than the checkpoint's is refused
 with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
 another seed too. In bf16 DeepSpeed steps a ``BF16_Optimizer`` around the AdamW, holding the
 fp32 master weights and moments in flat partitions across the data-parallel ranks: the
@@ -95,7 +97,7 @@ from sailor.megatron_patch.devices import (
     nccl_env,
 )
 from sailor.megatron_patch.engine import make_optimizer
-from sailor.megatron_patch.load_barrier import loaded_together
+from sailor.megatron_patch.load_barrier import LoadBarrier
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
 from sailor.megatron_patch.nccl_conf import read_nccl_conf
@@ -105,6 +107,7 @@ from sailor.megatron_patch.precision import native_bf16, plan_precision
 from sailor.megatron_patch.rank_args import (
     build_parser,
     check_load_step,
+    check_load_waits,
     check_periodic_checkpoints,
 )
 from sailor.megatron_patch.tp_layers import TPContext
@@ -377,8 +380,9 @@ def check_train_config(tc: TrainingConfig | None) -> None:
 
 def check_args(args: argparse.Namespace, has_ckpt: bool, tc: TrainingConfig | None = None) -> None:
     """Refuse arguments the adapter cannot honour, by name, at start (pure): in-place
-    reconfiguration; ``--load-step`` without ``--ckpt-dir`` (``rank_args.check_load_step``,
-    the engine's check); and without a checkpoint IO (``has_ckpt``) a resume or the training
+    reconfiguration; ``--load-step`` without ``--ckpt-dir`` and a load timeout or liveness
+    that is not a positive number (``rank_args.check_load_step``/``check_load_waits``, the
+    engine's checks); and without a checkpoint IO (``has_ckpt``) a resume or the training
     config's periodic checkpoints (``tc``), which would otherwise fail at their step."""
     if args.in_place or args.warm:
         raise UnsupportedPlanError(
@@ -386,6 +390,7 @@ def check_args(args: argparse.Namespace, has_ckpt: bool, tc: TrainingConfig | No
             "in-place reconfiguration (it resumes from a checkpoint)"
         )
     check_load_step(args)
+    check_load_waits(args)
     if has_ckpt:
         return
     glue = "run `python -m sailor.training_process.deepspeed_glue`"
@@ -487,6 +492,21 @@ def run(
     # without it, so skip the build.
     ds_torch_comm.build_shm_op = lambda: None  # type: ignore[attr-defined]
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    # From here until every rank has restored, the others may wait for this rank on the
+    # rendezvous store rather than in a collective (load_barrier, as Sailor's engine): it
+    # beats there, and main's handler writes any failure of its own (building the module,
+    # DeepSpeed's initialisation, the restore) there. DeepSpeed initialised torch's default
+    # group, whose store this is; one name on every rank of this world.
+    barrier = LoadBarrier(
+        torch.distributed.distributed_c10d._get_default_store(),
+        args.rank,
+        args.world_size,
+        f"{plan.plan_id}@{args.master}",
+        args.load_timeout_s,
+        args.load_liveness_s,
+        1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
+    ).start()
+    status.load_barrier = barrier
     cfg = train_config(tc, args)
     module = _build_module(plan, spec, layout, cfg.seed)
     groups = param_groups(
@@ -503,20 +523,15 @@ def run(
     t_load = t_own = time.time()
     if resume and ckpt is not None:
         # The next collective (the first boundary's agreement) runs under --timeout-s: the
-        # ranks that loaded first wait for the slowest on the rendezvous store instead, and
-        # a failed load ends them with its error (load_barrier, as Sailor's engine; DeepSpeed
-        # initialised torch's default group, whose store this is). The restore itself holds
-        # no collective (a bf16 one writes this rank's fragments).
-        with loaded_together(
-            torch.distributed.distributed_c10d._get_default_store(),
-            args.rank,
-            args.world_size,
-            f"{plan.plan_id}@{args.master}",  # one name on every rank of this world
-            args.load_timeout_s,
-            1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
-        ):
+        # ranks that restored first wait for the slowest on the store instead, and a failed
+        # or dead rank ends them. The restore itself holds no collective (a bf16 one writes
+        # this rank's fragments).
+        with barrier.loading():
             ckpt.restore(ds, args.ckpt_dir, args.load_step)
             t_own = time.time()
+    else:  # every rank decides alike: none waits when none loads
+        barrier.close()
+    status.load_barrier = None
     t_loaded = time.time()
     data = (
         build_dataset(tc.data, spec, tc.seed, base_dir=base)
@@ -615,6 +630,8 @@ def main(
     try:
         return run(argv, ckpt, status, precision)
     except BaseException as exc:  # the first cause of any failure is reported
+        if status.load_barrier is not None:  # the others may be waiting for this rank's load
+            status.load_barrier.fail(exc)
         record = failure_record(
             exc, args.rank, status.failed_step, status.in_training, last_step=status.step
         )

@@ -14,7 +14,10 @@ asks, each through the adapter's real path (no branch for it in Sailor's code):
   partition), so that reading that moment raises DeepSpeed's own error, partway through the
   stage's parameters, as an allocation failing there would;
 - ``SLOW_LOAD_RANK=r``, ``SLOW_LOAD_S``: rank ``r``'s checkpoint storage stalls its first read
-  once the world has formed (``slow_load_worker``'s wrapper).
+  once the world has formed (``slow_load_worker``'s wrapper);
+- ``FAIL_BEFORE_LOAD_RANK=r``: rank ``r`` fails after DeepSpeed's initialisation, before its
+  restore (the adapter's run state cannot be built: a ``MemoryError``), while the others
+  restore and wait for it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from sailor.checkpoint import layers_written_by
+from sailor.megatron_patch import deepspeed_adapter
 from sailor.megatron_patch.deepspeed_adapter import main
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
 from sailor.megatron_patch.state import key_layer
@@ -117,4 +121,10 @@ if __name__ == "__main__":
             return opened["storage"]
 
         deepspeed_glue.open_storage = slow_open  # type: ignore[assignment]
+    if _rank(argv) == int(os.environ.get("FAIL_BEFORE_LOAD_RANK", "-1")):
+
+        def failing_run(*args: Any, **kw: Any) -> DeepSpeedRun:
+            raise MemoryError("building the run state before the restore")
+
+        deepspeed_adapter.DeepSpeedRun = failing_run  # type: ignore[assignment,misc]
     sys.exit(main(argv, ckpt=_ProbedIO(), precision="bf16"))

@@ -14,7 +14,11 @@ of two uneven stages (every stage's masters partitioned over two data-parallel r
   collective until the process group's timeout, and every rank died of that timeout;
 - a resume whose one rank's load stalls past the process groups' timeout: the other waits on
   the rendezvous store (``load_barrier``) and the world trains on. Before, it waited in the
-  first boundary's collective, which gloo timed out.
+  first boundary's collective, which gloo timed out;
+- a rank failing before its restore (after the world formed): the other, restoring, raises
+  its error at once as a peer's. Before, the adapter's barrier began with the restore: that
+  rank's failure was never written and it never beat, so the other waited out the liveness
+  (60 s) and named no cause.
 """
 
 from __future__ import annotations
@@ -153,3 +157,19 @@ def test_a_resume_slower_than_the_process_group_timeout_is_waited_for_off_the_co
     assert ready[0]["load_wait_s"] >= delay - 1.0, ready  # rank 0 waited on the store
     assert ready[1]["load_wait_s"] < LOAD_TIMEOUT_S, ready
     assert [s["step"] for s in run.steps(0)] == [3, 4]
+
+
+def test_a_rank_failing_before_its_restore_ends_the_other_with_its_error(
+    saved: _Saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAIL_BEFORE_LOAD_RANK", "1")
+    resume = ["--ckpt-dir", str(saved.ckpt), "--load-step", "2"]
+    run = _launch(DS_1X2, 2, tmp_path / "c", SLACK_TIMEOUT_S, *resume)
+    errors = run.errors
+    assert run.returncodes == [1, 1], (run.returncodes, [e[-2000:] for e in run.stderr])
+    assert errors[1] is not None and "MemoryError" in errors[1]["message"], errors[1]
+    err = errors[0]
+    assert err is not None and err["origin"] == "peer", err
+    assert "rank 1" in err["message"] and "MemoryError: building the run" in err["message"], err
+    # promptly: within a poll or two of rank 1's exit, not after the 60 s liveness
+    assert run.exit_times_s[0] - run.exit_times_s[1] < 15.0, run.exit_times_s

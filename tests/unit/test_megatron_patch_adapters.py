@@ -266,6 +266,17 @@ def test_the_deepspeed_adapter_resumes_only_with_a_checkpoint_implementation() -
         check_args(build_parser().parse_args(_args("--in-place")), has_ckpt=True)
 
 
+def test_the_deepspeed_adapter_refuses_a_bad_load_wait_by_name() -> None:
+    """``--load-liveness-s`` was parsed and ignored, and ``--load-timeout-s nan`` waited for
+    ever: both are refused at start, as the engine refuses them (``check_load_waits``)."""
+    for flag, value in (("--load-liveness-s", "0.0"), ("--load-timeout-s", "nan")):
+        args = build_parser().parse_args(_args(flag, value))
+        with pytest.raises(ValueError, match=f"{flag}={value}: must be > 0 seconds"):
+            check_args(args, has_ckpt=True)
+        with pytest.raises(ValueError, match=f"{flag}={value}"):
+            run(_args(flag, value))  # before the plan (/nonexistent.json) is read
+
+
 def test_the_deepspeed_adapter_refuses_periodic_checkpoints_without_a_checkpoint_io(
     tmp_path: Path,
 ) -> None:
