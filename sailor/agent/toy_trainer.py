@@ -16,9 +16,10 @@ Protocol (shared with the real worker's adapter):
   only after it passed ``S`` is a save it missed: it leaves a ``rank-R.missed`` marker in the
   step's directory and prints ``{"event": "save_failed", "step", "error"}``, and rank 0
   gives that save up at once (a ``save_failed`` line, nothing committed) instead of waiting
-  for the part; an optional save whose parts do not all come within the wait is given up
-  the same way. Training goes on. A required save (a reconfiguration's) still fails rank 0
-  when a part is missing;
+  for the part (rank 0 clears the step's markers when its own save of it starts: those of
+  an earlier attempt are not this one's); an optional save whose parts do not all come
+  within the wait is given up the same way. Training goes on. A required save (a
+  reconfiguration's) still fails rank 0 when a part is missing;
 - ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
 - ``--train-config FILE``: the job's training config, which the agent appends to any worker's
   argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
@@ -96,6 +97,13 @@ def _save(
     optional: bool = False,
 ) -> None:
     d = _ckpt_dir(root, step)
+    if rank == 0:
+        # Markers of an earlier attempt at this step (a later generation saving it again
+        # under the same root) are not this one's: without this, it was given up at once.
+        # A rank that misses this attempt before the committer gets here loses its marker
+        # too; the save is then given up after ``timeout`` instead of at once.
+        for marker in d.glob("rank-*.missed"):
+            marker.unlink(missing_ok=True)
     _write_atomic(d / f"rank-{rank}.json", json.dumps({"step": step, "w": w}))
     if rank != 0:
         return

@@ -134,7 +134,9 @@ class ControllerConfig(ServerEndpoints):
         ge=1,
         description="Recorded checkpoints (a reconfiguration's or a periodic one's) a new save "
         "leaves in place under ``checkpoint_dir``; the committer deletes older ones (and the "
-        "controller their records) once the new one commits, so at most this + 1 are on disk. "
+        "controller their records) once the new one commits, so at most this + 1 are on disk "
+        "(this + 2 under checkpoint_every_s: a periodic save prunes only below the oldest "
+        "recorded step, so the records it drops lose their files with the next save). "
         "None: keep all.",
     )
     checkpoint_every_s: float = Field(

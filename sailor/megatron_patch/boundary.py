@@ -9,7 +9,8 @@ optional one (the controller's periodic checkpoint, ``ControlRequest.save_option
 every rank agreed that it failed, each drops it (``SaveIO.abandon``: a committer waiting for
 a part that never comes commits nothing and ends), prints a ``save_failed`` line with the
 step and what failed, and trains on. The agent reports it and the controller abandons that
-periodic save at once; the next is asked an interval later.
+periodic save at once; the next is asked an interval later. The save taken at the stop step
+(the hold's, which a reconfiguration commits) is never optional, whichever request it answers.
 """
 
 from __future__ import annotations
@@ -203,6 +204,19 @@ class Boundary(Generic[_T]):
                 return
             time.sleep(self.args.poll_s)
 
+    def _quiet(self) -> None:
+        """Before a save: wait in collective polls until no rank's checkpoint IO has work
+        left (an abandoned save's own write still running: ``SaveIO.done``), so that the
+        save's first collective does not wait for a long write on one rank (its peers
+        would time out there) and the save reuses that write's host copies."""
+        if self.ckpt is None:
+            return
+        while True:
+            every, _ = agree_save(self.ckpt.done(), False, self.device)
+            if every:
+                return
+            time.sleep(self.args.poll_s)
+
     def _finish_save(self) -> None:
         if self.pending_save < 0 or self.ckpt is None:
             return
@@ -232,6 +246,7 @@ class Boundary(Generic[_T]):
             return
         if tr.step % p.every_steps:
             return
+        self._quiet()
         ckpt.save(tr, p.dir, keep=p.keep)
         self._durable()
         self.progress.emit(
@@ -260,16 +275,22 @@ class Boundary(Generic[_T]):
             )
         if not root:
             raise RuntimeError(f"save of step {tr.step} requested without a checkpoint dir")
+        # The save taken at the stop step is the reconfiguration's, whatever request it
+        # answers (``Supervisor.stop_at`` keeps a periodic request's fields beside the Stop):
+        # the controller commits the step once it is saved, so its failure must fail the
+        # ranks, not let them stop with nothing saved at the step.
+        optional = req.save_optional and not holding
+        self._quiet()
         self.ckpt.save(tr, root, prune_below=req.prune_below)
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
         # neither) is raised by every rank now (an optional one reported), before the next
         # iteration's collectives; one poll of the save, on this boundary only. A save that
         # went on is awaited at the next boundary (``_finish_save``), as before.
-        _, _, failed = self._poll(None, req.save_optional)
+        _, _, failed = self._poll(None, optional)
         if failed:
             self._save_failed(tr.step, failed)
             return
-        self.pending_save, self.pending_optional = tr.step, req.save_optional
+        self.pending_save, self.pending_optional = tr.step, optional
 
     def __call__(self, tr: _T) -> bool:
         self.status.step, self.status.in_iteration = tr.step, False
@@ -293,8 +314,9 @@ class Boundary(Generic[_T]):
         self._finish_save()
         self._periodic_save(tr)
         req = self._request()
-        self._maybe_save(tr, req, holding=False)
-        if req.wants_stop and tr.step >= req.stop_at_step:
+        stop = req.wants_stop and tr.step >= req.stop_at_step
+        self._maybe_save(tr, req, holding=stop)  # at the stop step: the hold's save
+        if stop:
             self._hold(tr, req)
             return True
         return bool(tr.step >= a.start_step + a.steps)

@@ -17,10 +17,13 @@ workers report as saved, so an overshoot costs nothing but the extra steps.
 
 ``save_optional`` marks the controller's periodic checkpoint (``Checkpoint.periodic``): a save
 whose failure every rank reports and trains on (``boundary``), where a reconfiguration's save
-failing fails the ranks. The save agreed is optional only if no rank knows its step as a
-required one (a reconfiguration's Checkpoint replaces a periodic request in the agent's
-file, and nodes see the change at different boundaries): the fourth value of the all-reduce
-is each rank's save step when its request is required, -1 when optional.
+failing fails the ranks. The save agreed is optional only if no rank knows a required request
+at all: the fourth value of the all-reduce is each rank's save step when its request is
+required, -1 when optional. A reconfiguration's Checkpoint replaces a periodic request in the
+agent's file and nodes see the change at different boundaries, so one node may still hold a
+periodic request of a later step (300) while another has the required one (105): the agreed
+save (of 300, or this step's at the hold) answers the required request too, whatever their
+order, and its failure must fail the ranks.
 
 Never raises on a missing or half-written file (that is "no request yet").
 """
@@ -102,7 +105,7 @@ def _alone() -> bool:
 
 def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     """The request every rank acts on at this boundary: the MAX over ranks of each field;
-    the save optional unless some rank knows its step as a required one.
+    the save optional only if no rank knows a required save request (any step).
 
     A collective: every rank must call it at the same boundary. Without an initialised
     process group (a single process) the local request is returned as it is.
@@ -123,7 +126,7 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
         save_step=save,
         save_dir=local.save_dir,
         prune_below=prune,
-        save_optional=save >= 0 and required < save,
+        save_optional=save >= 0 and required < 0,
     )
 
 

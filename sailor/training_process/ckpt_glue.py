@@ -22,6 +22,7 @@ it is called inside a worker process.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Collection
 from typing import Any
@@ -206,6 +207,9 @@ class CheckpointSaves:
         self._in_flight: Checkpointer | None = None
         self._failure: Exception | None = None
         """A save that failed here before it began (``save``): raised by ``wait``."""
+        self._abandoned: list[Checkpointer] = []
+        """Checkpointers of abandoned saves (``abandon``), whose own write may still run: the
+        next save waits for it and takes their host copies."""
 
     def _checkpointer(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None
@@ -222,6 +226,16 @@ class CheckpointSaves:
                 scratch=self._scratch,
             )
             self._by_root[(root, kept)] = ck
+        for old in self._abandoned:
+            # This rank's write of an abandoned save keeps its host copies until it ends (a
+            # write begun is not interrupted): wait for it, as a save waits for the previous
+            # one in flight, and reuse them; a new checkpointer would allocate a second
+            # snapshot's worth (12 bytes per parameter). The worker's boundary has waited
+            # for it already, in collective polls (``done``), so this rarely blocks.
+            with contextlib.suppress(Exception):  # its failure was reported at the abandon
+                old.close()
+            ck.take_buffers(old)
+        self._abandoned.clear()
         for other in self._by_root.values():  # one snapshot's host copies per process
             ck.take_buffers(other)
         return ck
@@ -257,6 +271,10 @@ class CheckpointSaves:
         return ck.save(params, g, prune_below=prune_below)
 
     def done(self) -> bool:
+        """The save in flight is over, and so is every abandoned save's own write (the next
+        save waits for those: ``_checkpointer``)."""
+        if not all(ck.done() for ck in self._abandoned):
+            return False
         return self._failure is not None or self._in_flight is None or self._in_flight.done()
 
     def wait(self) -> None:
@@ -278,13 +296,16 @@ class CheckpointSaves:
     def abandon(self) -> None:
         """Drop the save in flight without waiting (``SaveIO.abandon``): its checkpointer is
         fenced (``Checkpointer.cancel``: a committer waiting for a part that never comes
-        writes nothing and ends) and forgotten, so the next save under its root starts a
-        new one instead of waiting for it; the other roots' checkpointers stay."""
+        writes nothing and ends) and set aside, so the next save under its root starts a
+        new one; that save first waits for this rank's own write of the abandoned one to
+        end and takes its host copies (``_checkpointer``). The other roots' checkpointers
+        stay."""
         ck, self._in_flight, self._failure = self._in_flight, None, None
         if ck is None:
             return
         ck.cancel()
         self._by_root = {k: v for k, v in self._by_root.items() if v is not ck}
+        self._abandoned.append(ck)
 
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer
@@ -294,9 +315,14 @@ class CheckpointSaves:
             self._in_flight.cancel()
         self._in_flight, self._failure = None, None
         self._by_root.clear()
+        self._abandoned.clear()  # fenced already; left to end on their own as well
 
     def close(self) -> None:
         self.wait()
+        for old in self._abandoned:
+            with contextlib.suppress(Exception):
+                old.close()
+        self._abandoned.clear()
         for ck in self._by_root.values():
             ck.close()
         self._by_root.clear()

@@ -17,12 +17,14 @@ import hashlib
 import json
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sailor.checkpoint import (
     LocalStorage,
@@ -37,7 +39,7 @@ from sailor.checkpoint.errors import SaveCancelledError
 from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, part_name, shard_name, step_dir
 from sailor.checkpoint.writer import persist_layers, save_full
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
-from tests.unit.test_checkpoint_blocks import one_layer_plan
+from tests.unit.test_checkpoint_blocks import KINDS, one_layer_plan
 from tests.unit.test_checkpoint_local import _state
 
 Event = tuple[str, str, str]
@@ -308,6 +310,64 @@ def test_a_reset_fences_the_save_in_flight(tmp_path: Path) -> None:
     assert read_manifest(s, 3).save_id == "new" and verify(s, 3) == []
     assert not (tmp_path / step_dir(3) / shard_name(0, old)).exists()
     ck.close()
+
+
+class _Gated(LocalStorage):
+    """A storage whose layer writes wait for ``gate``: a rank's write still running."""
+
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def write_all(self, *args: Any, **kwargs: Any) -> list[int]:
+        self.entered.set()
+        self.gate.wait(30)
+        return super().write_all(*args, **kwargs)
+
+
+def _copies(ck: Checkpointer) -> dict[tuple[int, str, str], torch.Tensor]:
+    """The host copies ``ck`` keeps for its next save, by (layer, name, kind)."""
+    return {
+        (layer, name, kind): ps.tensor(kind)
+        for layer, by_name in ck._spare.items()
+        for name, ps in by_name.items()
+        for kind in KINDS
+    }
+
+
+def test_the_save_after_an_abandoned_one_reuses_its_host_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CheckpointSaves.abandon`` (an optional save failed on a peer) while this rank still
+    writes its part: the abandoned save's host copies stay with its write. The next save
+    waits for that write to end and snapshots into those copies; before, it built a new
+    checkpointer with fresh ones (a second snapshot's worth of host memory)."""
+    from sailor.training_process import ckpt_glue
+    from sailor.training_process.ckpt_glue import CheckpointSaves
+
+    storage = _Gated(tmp_path)
+    storage.gate, storage.entered = threading.Event(), threading.Event()
+    monkeypatch.setattr(ckpt_glue, "open_storage", lambda root: storage)
+    state = _state(layers=2)
+    mine = {k: p for k, p in state.items() if k.startswith("0.")}
+    plan, root = _two_stage_plan(), str(tmp_path)
+    saves = CheckpointSaves()
+    saves.save(lambda: (mine, TrainingGlobals(3, 3, {})), plan, 0, None, root)
+    assert storage.entered.wait(10)  # rank 0's part is being written
+    (old,) = saves._by_root.values()
+    copies = _copies(old)
+    assert copies
+    saves.abandon()
+    assert not saves.done()  # its write goes on: the boundary's polls wait for it
+    threading.Timer(0.3, storage.gate.set).start()
+    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root)
+    assert old.done()  # the write ended before the new snapshot
+    (new,) = saves._by_root.values()
+    assert new is not old
+    reused = _copies(new)
+    assert reused.keys() == copies.keys()
+    assert all(reused[k] is copies[k] for k in copies)  # overwritten in place, not reallocated
+    saves.abandon()  # its commit waits for rank 1's part, which never comes
+    saves.close()
 
 
 class _CancelledMidWrite(LocalStorage):

@@ -38,7 +38,8 @@ _MIXED = [
     # (rank 0's request, rank 1's) -> (agreed save step, optional)
     ((5, True), (5, False), (5, False)),
     ((5, True), (-1, False), (5, True)),
-    ((7, True), (5, False), (7, True)),
+    # a required request of an earlier step is answered by the save agreed: required too
+    ((7, True), (5, False), (7, False)),
     ((5, True), (7, False), (7, False)),
     ((5, True), (5, True), (5, True)),
 ]
@@ -67,8 +68,8 @@ def _agree_rank(rank: int, store: str, out: str) -> None:
 
 def test_ranks_agree_a_save_optional_only_if_none_knows_it_required(tmp_path: Path) -> None:
     """A reconfiguration's Checkpoint replaces a periodic request in the agent's file, and
-    the nodes read it at different boundaries: the save of the agreed step is required if
-    any rank knows that step as required (two gloo ranks)."""
+    the nodes read it at different boundaries: the save agreed is required if any rank
+    knows a required request, of that step or another (two gloo ranks)."""
     from tests.spawn import spawn
 
     spawn(_agree_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)

@@ -14,6 +14,18 @@ rank's control file; after step 4 the control files ask for step 5.
   raised at step 3 and the job was relaunched.
 - ``required`` (a reconfiguration's): rank 1 raises its OSError, rank 0 ``PeerFailedError``,
   as before.
+
+The save taken while the ranks hold at a reconfiguration's stop step (3 here) is required
+whatever request it answers, so the same failure there fails both ranks as above:
+
+- ``hold-stop``: both control files carry the Stop beside a periodic request of step 6
+  (``Supervisor.stop_at`` keeps a periodic request's save fields);
+- ``hold-masked``: rank 0's file has the reconfiguration's Stop and required Checkpoint of
+  step 3, rank 1's still the periodic request of step 6 (``agree`` took the save as optional:
+  the required step 3 was below the agreed 6).
+
+Before, both ranks reported ``save_failed`` and stopped at step 3 with nothing saved there;
+the controller waited for a saved step 3 until its deadline.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from tests.spawn import spawn
 
 WORLD = 2
 STEPS = 7
+HOLD = 3
 TIMEOUT_S = 25.0
 
 
@@ -80,10 +93,12 @@ class _FullOnce:
         return getattr(self._inner, name)
 
 
-def _control(path: Path, root: str, step: int, optional: bool) -> None:
+def _control(path: Path, root: str, step: int, optional: bool, stop: int = -1) -> None:
     body: dict[str, object] = {"save_step": step, "save_dir": root, "prune_below": -1}
     if optional:
         body["save_optional"] = True
+    if stop >= 0:
+        body["stop_at_step"] = stop
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(body))
     tmp.replace(path)
@@ -111,7 +126,12 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     root = str(Path(out, "ckpt"))
     control = Path(out, f"control-{rank}.json")
     optional = case == "optional"
-    _control(control, root, 2, optional)
+    if case == "hold-stop":  # the Stop beside the periodic request, on both nodes
+        _control(control, root, 6, True, stop=HOLD)
+    elif case == "hold-masked":  # the reconfiguration's reached rank 0's node only
+        _control(control, root, *((HOLD, False) if rank == 0 else (6, True)), stop=HOLD)
+    else:
+        _control(control, root, 2, optional)
     argv = ["--plan", "-", "--rank", str(rank), "--world-size", str(WORLD), "--master", "-"]
     args = build_parser().parse_args([*argv, "--steps", str(STEPS)])
     args.poll_s, args.pause_timeout_s, args.control = 0.05, 30.0, str(control)
@@ -119,7 +139,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     b = Boundary(args, Status(rank), Progress(progress, False), LayerCheckpointIO(), tr.device)
 
     def hook(t: Trainer) -> bool:
-        if t.step == 4:  # the next request: a save of step 5
+        if t.step == 4 and not case.startswith("hold"):  # the next request: a save of step 5
             _control(control, root, 5, optional)
         return b(t)
 
@@ -133,7 +153,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
         raised = [type(exc).__name__, str(exc)]
     took = time.monotonic() - t0
     Path(out, f"r{rank}.json").write_text(
-        json.dumps({"raised": raised, "s": took, "step": tr.step})
+        json.dumps({"raised": raised, "s": took, "step": tr.step, "saved": b.last_saved})
     )
     end = time.monotonic() + TIMEOUT_S + 10  # stay up until every rank recorded
     while time.monotonic() < end and not all(
@@ -169,3 +189,23 @@ def test_a_failed_periodic_save_is_reported_and_training_goes_on(tmp_path: Path,
         assert saved == [5], lines[r]
     # the failed save committed nothing; the next one, after it, did
     assert committed_steps(open_storage(tmp_path / "ckpt")) == [5]
+
+
+@pytest.mark.parametrize("case", ["hold-stop", "hold-masked"])
+def test_a_failed_save_at_the_hold_fails_the_ranks(tmp_path: Path, case: str) -> None:
+    """The save of the stop step answers the reconfiguration: its failure fails every rank,
+    whichever request the control files hold (module docstring), instead of ``stopped``
+    with the step unsaved."""
+    spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path), case), nprocs=WORLD)
+    got = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(WORLD)]
+    lines = [_lines(tmp_path / f"progress-{r}.jsonl") for r in range(WORLD)]
+    for r, o in enumerate(got):
+        assert o["s"] < 20, f"rank {r} took {o['s']:.1f} s: {got}"
+        assert o["step"] == HOLD and o["saved"] < HOLD, got
+    assert got[1]["raised"] is not None and got[1]["raised"][0] == "OSError", got
+    assert "No space left" in got[1]["raised"][1], got
+    assert got[0]["raised"] is not None and got[0]["raised"][0] == "PeerFailedError", got
+    assert "rank(s) 1" in got[0]["raised"][1], got
+    for rank in lines:
+        assert not any(x["event"] in ("save_failed", "stopped") for x in rank), lines
+    assert committed_steps(open_storage(tmp_path / "ckpt")) == []

@@ -8,6 +8,9 @@ leaves its marker and reports ``save_failed``; rank 0, the committer, gives the 
 once (``save_failed``, nothing committed) and both train to the end. Before, rank 1 ignored
 the request and rank 0 waited 30 s for its part, then failed (``TimeoutError``), which aborts
 the job.
+
+A marker left by such an attempt is not the next one's: a later save of the same step under
+the same root (a generation that restarted below it) commits.
 """
 
 from __future__ import annotations
@@ -91,3 +94,27 @@ def test_a_periodic_save_a_rank_missed_is_given_up_and_training_goes_on(tmp_path
         steps = [x["step"] for x in lines[r] if x["event"] == "step"]
         assert steps[-1] == STEPS
     assert not (tmp_path / "ckpt" / "sim" / f"step-{SAVE:08d}" / "COMMIT").exists()
+
+
+def test_a_marker_of_an_earlier_attempt_does_not_give_the_save_up(tmp_path: Path) -> None:
+    """Rank 1 missed the save of step 3 in an earlier generation (its marker is still in
+    the step's directory); this generation both ranks read the request in time: the save
+    commits. Before, rank 0 found the old marker and gave the save up at once."""
+    stale = tmp_path / "ckpt" / "sim" / f"step-{SAVE:08d}"
+    stale.mkdir(parents=True)
+    (stale / "rank-1.missed").write_text("rank 1 read the request at step 5, after step 3")
+    for r in (0, 1):
+        _request(tmp_path, r)
+    procs = [_toy(tmp_path, r) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=20)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0]
+    for r, out in enumerate(outs):
+        lines = [json.loads(x) for x in out.splitlines() if x.strip()]
+        assert not any(x["event"] == "save_failed" for x in lines), lines
+        assert [x["step"] for x in lines if x["event"] == "saved"] == [SAVE], (r, lines)
+    assert (stale / "COMMIT").exists() and not (stale / "rank-1.missed").exists()
