@@ -204,19 +204,6 @@ class Boundary(Generic[_T]):
                 return
             time.sleep(self.args.poll_s)
 
-    def _quiet(self) -> None:
-        """Before a save: wait in collective polls until no rank's checkpoint IO has work
-        left (an abandoned save's own write still running: ``SaveIO.done``), so that the
-        save's first collective does not wait for a long write on one rank (its peers
-        would time out there) and the save reuses that write's host copies."""
-        if self.ckpt is None:
-            return
-        while True:
-            every, _ = agree_save(self.ckpt.done(), False, self.device)
-            if every:
-                return
-            time.sleep(self.args.poll_s)
-
     def _finish_save(self) -> None:
         if self.pending_save < 0 or self.ckpt is None:
             return
@@ -246,7 +233,6 @@ class Boundary(Generic[_T]):
             return
         if tr.step % p.every_steps:
             return
-        self._quiet()
         ckpt.save(tr, p.dir, keep=p.keep)
         self._durable()
         self.progress.emit(
@@ -280,7 +266,6 @@ class Boundary(Generic[_T]):
         # the controller commits the step once it is saved, so its failure must fail the
         # ranks, not let them stop with nothing saved at the step.
         optional = req.save_optional and not holding
-        self._quiet()
         self.ckpt.save(tr, root, prune_below=req.prune_below)
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
         # neither) is raised by every rank now (an optional one reported), before the next

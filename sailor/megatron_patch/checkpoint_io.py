@@ -28,8 +28,7 @@ class SaveIO(Protocol[_T_contra]):
         ...
 
     def done(self) -> bool:
-        """Whether this rank's part of the save in flight is durable, without blocking;
-        false too while an abandoned save's own write still runs (the next save waits)."""
+        """Whether this rank's part of the save in flight is durable, without blocking."""
         ...
 
     def wait(self) -> None:

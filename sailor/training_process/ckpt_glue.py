@@ -226,16 +226,16 @@ class CheckpointSaves:
                 scratch=self._scratch,
             )
             self._by_root[(root, kept)] = ck
-        for old in self._abandoned:
-            # This rank's write of an abandoned save keeps its host copies until it ends (a
-            # write begun is not interrupted): wait for it, as a save waits for the previous
-            # one in flight, and reuse them; a new checkpointer would allocate a second
-            # snapshot's worth (12 bytes per parameter). The worker's boundary has waited
-            # for it already, in collective polls (``done``), so this rarely blocks.
+        for old in [a for a in self._abandoned if a.done()]:
+            # An abandoned save whose own write on this rank has ended: its host copies are
+            # reused (a new checkpointer would allocate a second snapshot's worth, 12 bytes
+            # per parameter). One still writing is not waited for (a write on a hung mount
+            # would hold every later save, and training with it): it keeps its copies until
+            # it ends, and a later save takes them then.
             with contextlib.suppress(Exception):  # its failure was reported at the abandon
                 old.close()
             ck.take_buffers(old)
-        self._abandoned.clear()
+            self._abandoned.remove(old)
         for other in self._by_root.values():  # one snapshot's host copies per process
             ck.take_buffers(other)
         return ck
@@ -271,10 +271,7 @@ class CheckpointSaves:
         return ck.save(params, g, prune_below=prune_below)
 
     def done(self) -> bool:
-        """The save in flight is over, and so is every abandoned save's own write (the next
-        save waits for those: ``_checkpointer``)."""
-        if not all(ck.done() for ck in self._abandoned):
-            return False
+        """The save in flight is over (an abandoned save's write is not waited for)."""
         return self._failure is not None or self._in_flight is None or self._in_flight.done()
 
     def wait(self) -> None:
@@ -297,9 +294,8 @@ class CheckpointSaves:
         """Drop the save in flight without waiting (``SaveIO.abandon``): its checkpointer is
         fenced (``Checkpointer.cancel``: a committer waiting for a part that never comes
         writes nothing and ends) and set aside, so the next save under its root starts a
-        new one; that save first waits for this rank's own write of the abandoned one to
-        end and takes its host copies (``_checkpointer``). The other roots' checkpointers
-        stay."""
+        new one, taking the abandoned one's host copies once this rank's own write of it has
+        ended (``_checkpointer``: never waited for). The other roots' checkpointers stay."""
         ck, self._in_flight, self._failure = self._in_flight, None, None
         if ck is None:
             return

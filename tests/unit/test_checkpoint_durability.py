@@ -334,13 +334,14 @@ def _copies(ck: Checkpointer) -> dict[tuple[int, str, str], torch.Tensor]:
     }
 
 
-def test_the_save_after_an_abandoned_one_reuses_its_host_copies(
+def test_an_abandoned_saves_write_is_not_waited_for_and_its_copies_are_reused_once_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``CheckpointSaves.abandon`` (an optional save failed on a peer) while this rank still
-    writes its part: the abandoned save's host copies stay with its write. The next save
-    waits for that write to end and snapshots into those copies; before, it built a new
-    checkpointer with fresh ones (a second snapshot's worth of host memory)."""
+    writes its part (a hung mount: its write may never end). Nothing waits for that write:
+    the IO is done at once and the next save goes ahead with copies of its own (the
+    abandoned save keeps its copies while it writes); once the write ends, a later save
+    reuses its copies rather than allocating another snapshot's worth."""
     from sailor.training_process import ckpt_glue
     from sailor.training_process.ckpt_glue import CheckpointSaves
 
@@ -357,16 +358,28 @@ def test_the_save_after_an_abandoned_one_reuses_its_host_copies(
     copies = _copies(old)
     assert copies
     saves.abandon()
-    assert not saves.done()  # its write goes on: the boundary's polls wait for it
-    threading.Timer(0.3, storage.gate.set).start()
+    assert saves.done()  # not waited for: a hung write would hold every later save
     saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root)
-    assert old.done()  # the write ended before the new snapshot
-    (new,) = saves._by_root.values()
-    assert new is not old
-    reused = _copies(new)
-    assert reused.keys() == copies.keys()
-    assert all(reused[k] is copies[k] for k in copies)  # overwritten in place, not reallocated
+    assert not old.done()  # the new save went ahead while the old write still runs
+    (second,) = saves._by_root.values()
+    second_copies = _copies(second)
+    assert all(second_copies[k] is not copies[k] for k in copies)  # its own copies
+    storage.gate.set()
     saves.abandon()  # its commit waits for rank 1's part, which never comes
+    for ck in (old, second):
+        for _ in range(500):
+            if ck.done():
+                break
+            time.sleep(0.02)
+        assert ck.done()
+    saves.save(lambda: (mine, TrainingGlobals(5, 5, {})), plan, 0, None, root)
+    (third,) = saves._by_root.values()
+    reused = _copies(third)
+    assert reused.keys() == copies.keys()
+    # overwritten in place: one of the ended saves' copies, not a third allocation
+    assert all(reused[k] is copies[k] or reused[k] is second_copies[k] for k in copies)
+    assert saves._abandoned == []
+    saves.abandon()
     saves.close()
 
 
