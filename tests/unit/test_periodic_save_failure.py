@@ -20,9 +20,11 @@ whatever request it answers, so the same failure there fails both ranks as above
 
 - ``hold-stop``: both control files carry the Stop beside a periodic request of step 6
   (``Supervisor.stop_at`` keeps a periodic request's save fields);
-- ``hold-masked``: rank 0's file has the reconfiguration's Stop and required Checkpoint of
-  step 3, rank 1's still the periodic request of step 6 (``agree`` took the save as optional:
-  the required step 3 was below the agreed 6).
+- ``hold-masked``: both files have the reconfiguration's Stop at step 3; rank 0's also its
+  required Checkpoint of step 3, rank 1's still the periodic request of step 6 (``agree``
+  took the save as optional: the required step 3 was below the agreed 6). Both ranks hold,
+  so the hold's rule alone covers this case; ``agree``'s rule (optional only when no rank
+  knows a required request) is covered by test_megatron_patch_control.py's table.
 
 Before, both ranks reported ``save_failed`` and stopped at step 3 with nothing saved there;
 the controller waited for a saved step 3 until its deadline.
@@ -128,7 +130,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     optional = case == "optional"
     if case == "hold-stop":  # the Stop beside the periodic request, on both nodes
         _control(control, root, 6, True, stop=HOLD)
-    elif case == "hold-masked":  # the reconfiguration's reached rank 0's node only
+    elif case == "hold-masked":  # the Stop reached both, the required Checkpoint rank 0's
         _control(control, root, *((HOLD, False) if rank == 0 else (6, True)), stop=HOLD)
     else:
         _control(control, root, 2, optional)
