@@ -630,13 +630,13 @@ def main(
     try:
         return run(argv, ckpt, status, precision)
     except BaseException as exc:  # the first cause of any failure is reported
-        if status.load_barrier is not None:  # the others may be waiting for this rank's load
-            status.load_barrier.fail(exc)
         record = failure_record(
             exc, args.rank, status.failed_step, status.in_training, last_step=status.step
         )
-        write_error_file(err, record)
+        write_error_file(err, record)  # first, as the engine does: the store may hang
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
+        if status.load_barrier is not None:  # the others may be waiting for this rank's load
+            status.load_barrier.fail(exc)
         os._exit(1)
 
 
