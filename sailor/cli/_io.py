@@ -21,6 +21,7 @@ __all__ = [
     "DEPLOYMENT_HELP",
     "check_png_out",
     "fail",
+    "fail_unanswered",
     "load_config",
     "load_deployment",
     "load_model",
@@ -43,6 +44,40 @@ def fail(msg: str, code: int = 2) -> CliError:
     """The error to raise: the CLI entry (:mod:`sailor.cli.errors`) prints ``error: MSG``
     as one line on stderr and exits with ``code``."""
     return CliError(msg, code)
+
+
+def fail_unanswered(
+    outcome: str, rid: str, wait_s: float, where: str, record: str, unchanged: str
+) -> None:
+    """Raise the error of an operator request that was not applied, or not known to be
+    (``outcome``: unwritten, unconfirmed, unknown, withdrawn); return for any other.
+    ``where``: the request's etcd key prefix; ``record``: its audit record's kind;
+    ``unchanged``: what did not happen ("nothing was readmitted")."""
+    if outcome == "unwritten":
+        raise fail(
+            f"etcd took no write of request {rid} within {wait_s:g} s ({unchanged}): is etcd up?",
+            code=1,
+        )
+    if outcome == "unconfirmed":
+        raise fail(
+            f"etcd lost its answer to the write of request {rid} and did not answer again: "
+            f"the request may wait under {where}/{rid}, or have been applied; see "
+            f"`sailor status` and the leader's audit log (`{record}`)",
+            code=1,
+        )
+    if outcome == "unknown":
+        raise fail(
+            f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "
+            f"been applied, or may still wait under {where}/{rid}; see `sailor status` and "
+            f"the leader's audit log (`{record}` or `request_withdrawn`)",
+            code=1,
+        )
+    if outcome == "withdrawn":
+        raise fail(
+            f"no controller answered within {wait_s:g} s (request {rid} withdrawn: "
+            f"{unchanged}): is a controller running for this job?",
+            code=1,
+        )
 
 
 def _schema_hint(cls: type[BaseModel]) -> str:

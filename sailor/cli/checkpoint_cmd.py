@@ -25,7 +25,7 @@ from pathlib import Path
 
 import typer
 
-from sailor.cli._io import fail, load_config
+from sailor.cli._io import fail, fail_unanswered, load_config
 
 __all__ = ["checkpoint_app", "clear_bad"]
 
@@ -101,33 +101,14 @@ def clear_bad(
             raise fail("nothing to clear: no step is marked bad or suspect", code=1)
         raise fail(f"nothing to clear: step {names} not marked bad or suspect", code=1)
     rid = answer.request_id
-    if answer.outcome == "unwritten":
-        raise fail(
-            f"etcd took no write of request {rid} within {wait_s:g} s (no mark was cleared): "
-            "is etcd up?",
-            code=1,
-        )
-    if answer.outcome == "unconfirmed":
-        raise fail(
-            f"etcd lost its answer to the write of request {rid} and did not answer again: "
-            f"the request may wait under /sailor/{cfg.job}/clear-bad/{rid}, or have been "
-            "applied; see `sailor status` and the leader's audit log (`clear_bad`)",
-            code=1,
-        )
-    if answer.outcome == "unknown":
-        raise fail(
-            f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "
-            f"been applied, or may still wait under /sailor/{cfg.job}/clear-bad/{rid}; see "
-            "`sailor status` and the leader's audit log (`clear_bad` or "
-            "`request_withdrawn`)",
-            code=1,
-        )
-    if answer.outcome == "withdrawn":
-        raise fail(
-            f"no controller answered within {wait_s:g} s (request {rid} withdrawn: no mark "
-            "was cleared): is a controller running for this job?",
-            code=1,
-        )
+    fail_unanswered(
+        answer.outcome,
+        rid,
+        wait_s,
+        f"/sailor/{cfg.job}/clear-bad",
+        "clear_bad",
+        "no mark was cleared",
+    )
     if answer.again:
         typer.echo(
             f"marked again since (read again and failed?): step {', '.join(answer.again)}: "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from sailor.cli._io import fail, load_config
+from sailor.cli._io import fail, fail_unanswered, load_config
 
 __all__ = ["node_app", "readmit"]
 
@@ -72,33 +72,14 @@ def readmit(
             f"nothing to readmit: {', '.join(answer.unknown)} not excluded or failing", code=1
         )
     rid = answer.request_id
-    if answer.outcome == "unwritten":
-        raise fail(
-            f"etcd took no write of request {rid} within {wait_s:g} s (nothing was readmitted): "
-            "is etcd up?",
-            code=1,
-        )
-    if answer.outcome == "unconfirmed":
-        raise fail(
-            f"etcd lost its answer to the write of request {rid} and did not answer again: "
-            f"the request may wait under /sailor/{cfg.job}/readmit/{rid}, or have been "
-            "applied; see `sailor status` and the leader's audit log (`readmit`)",
-            code=1,
-        )
-    if answer.outcome == "unknown":
-        raise fail(
-            f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "
-            f"been applied, or may still wait under /sailor/{cfg.job}/readmit/{rid}; see "
-            "`sailor status` and the leader's audit log (`readmit` or "
-            "`request_withdrawn`)",
-            code=1,
-        )
-    if answer.outcome == "withdrawn":
-        raise fail(
-            f"no controller answered within {wait_s:g} s (request {rid} withdrawn: nothing "
-            "was readmitted): is a controller running for this job?",
-            code=1,
-        )
+    fail_unanswered(
+        answer.outcome,
+        rid,
+        wait_s,
+        f"/sailor/{cfg.job}/readmit",
+        "readmit",
+        "nothing was readmitted",
+    )
     if answer.again:
         typer.echo(
             f"held again since (failed again?): {', '.join(answer.again)}: see `sailor status`",
