@@ -97,7 +97,7 @@ from sailor.megatron_patch.devices import (
     nccl_env,
 )
 from sailor.megatron_patch.engine import make_optimizer
-from sailor.megatron_patch.load_barrier import LoadBarrier
+from sailor.megatron_patch.load_barrier import worker_barrier
 from sailor.megatron_patch.model import Block, Embedding, Head, full_init
 from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
 from sailor.megatron_patch.nccl_conf import read_nccl_conf
@@ -497,15 +497,9 @@ def run(
     # beats there, and main's handler writes any failure of its own (building the module,
     # DeepSpeed's initialisation, the restore) there. DeepSpeed initialised torch's default
     # group, whose store this is; one name on every rank of this world.
-    barrier = LoadBarrier(
-        torch.distributed.distributed_c10d._get_default_store(),
-        args.rank,
-        args.world_size,
-        f"{plan.plan_id}@{args.master}",
-        args.load_timeout_s,
-        args.load_liveness_s,
-        1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
-    ).start()
+    barrier = worker_barrier(
+        torch.distributed.distributed_c10d._get_default_store(), plan.plan_id, args
+    )
     status.load_barrier = barrier
     cfg = train_config(tc, args)
     module = _build_module(plan, spec, layout, cfg.seed)

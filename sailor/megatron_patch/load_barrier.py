@@ -73,6 +73,7 @@ __all__ = [
     "await_loads",
     "loaded_together",
     "watched",
+    "worker_barrier",
 ]
 
 LOAD_TIMEOUT_S = 7200.0
@@ -353,6 +354,24 @@ def _peer_failure(store: Store, world: str, world_size: int) -> PeerFailedError:
             host, _, text = store.get(key).decode(errors="replace").partition("\n")
             return PeerFailedError(f"rank {r} ({host}) failed to load its stage: {text}")
     return PeerFailedError("a rank failed to load its stage")
+
+
+def worker_barrier(store: Store, plan_id: str, args: Any) -> LoadBarrier:
+    """A worker rank's barrier for its world, started (its heartbeat begins): ``args`` is the
+    worker's parsed command line (``rank_args.build_parser``: rank, world size, master,
+    ``--load-timeout-s``, ``--load-liveness-s``). The world is named by the plan and the
+    master address, the same on every rank of it (a fresh rank and held ones number their
+    generations differently); polled every second, as loads take seconds to hours and every
+    rank polls rank 0's store."""
+    return LoadBarrier(
+        store,
+        args.rank,
+        args.world_size,
+        f"{plan_id}@{args.master}",
+        args.load_timeout_s,
+        args.load_liveness_s,
+        1.0,
+    ).start()
 
 
 def watched(rank: int, world_size: int, k: int = WATCHED) -> list[int]:

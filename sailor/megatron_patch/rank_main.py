@@ -161,7 +161,7 @@ from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     release,
     warm_up,
 )
-from sailor.megatron_patch.load_barrier import LoadBarrier  # noqa: E402
+from sailor.megatron_patch.load_barrier import worker_barrier  # noqa: E402
 from sailor.megatron_patch.model_source import (  # noqa: E402
     load_architecture,
     load_model,
@@ -402,15 +402,7 @@ def _generation(
     # is over (building the stage, the handshake, the load) is written there by main's
     # handler; one name on every rank of this world (a fresh rank and the held ones number
     # their generations differently, their plan and master are the same)
-    barrier = LoadBarrier(
-        dist.distributed_c10d._get_default_store(),
-        args.rank,
-        args.world_size,
-        f"{plan.plan_id}@{args.master}",
-        args.load_timeout_s,
-        args.load_liveness_s,
-        1.0,  # loads take seconds to hours; every rank polls rank 0's store: keep it light
-    ).start()
+    barrier = worker_barrier(dist.distributed_c10d._get_default_store(), plan.plan_id, args)
     status.load_barrier = barrier
     strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
     previous_backend = None
