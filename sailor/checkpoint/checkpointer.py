@@ -61,6 +61,7 @@ from sailor.checkpoint.assignment import (
 from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import CheckpointError, SaveCancelledError
 from sailor.checkpoint.gc import apply_prune, apply_retention
+from sailor.checkpoint.readback import read_back
 from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
@@ -95,6 +96,12 @@ class SaveResult:
     retention_error: str = ""
     """Committer only: why deleting older checkpoints failed ('' if it did not). The save
     is committed all the same: a failed deletion leaves files, never loses a checkpoint."""
+    readback_error: str = ""
+    """Committer only: the new commit did not read back (``readback.read_back``: its
+    manifest, a shard's size or a sampled block's checksum), so nothing older was deleted
+    ('' if it read back, or retention had nothing to delete for)."""
+    readback_s: float = 0.0
+    """Committer only: reading the commit back before retention (0 if not read)."""
 
 
 class Checkpointer:
@@ -444,10 +451,13 @@ class Checkpointer:
                 self._discard(globals_.step, save_id)
                 raise
             t2 = time.perf_counter()
+            # Nothing older goes while the new commit does not read back: after in-place
+            # reconfigurations no step left on disk may ever have been read.
+            readback_error, readback_s = self._read_back(globals_.step, prune_below)
             try:
-                if self.keep is not None:
+                if self.keep is not None and not readback_error:
                     apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
-                if prune_below >= 0:
+                if prune_below >= 0 and not readback_error:
                     apply_prune(
                         self.storage,
                         below_step=min(prune_below, globals_.step),
@@ -474,6 +484,25 @@ class Checkpointer:
             retention_s=time.perf_counter() - t2 if manifest is not None else 0.0,
             manifest=manifest,
             retention_error=retention_error,
+            readback_error=readback_error,
+            readback_s=readback_s,
+        )
+
+    def _read_back(self, step: int, prune_below: int) -> tuple[str, float]:
+        """Before retention deletes anything: ``(why the commit of step did not read back
+        or '', seconds)`` (``readback.read_back``; not read when nothing would be deleted)."""
+        if self.keep is None and prune_below < 0:
+            return "", 0.0
+        rb = read_back(self.storage, step)
+        if rb.ok:
+            return "", rb.seconds
+        why = "; ".join(rb.problems[:3]) + (
+            f" (and {len(rb.problems) - 3} more)" if len(rb.problems) > 3 else ""
+        )
+        return (
+            f"step {step} was committed but does not read back, so no older checkpoint "
+            f"was deleted: {why}",
+            rb.seconds,
         )
 
 

@@ -10,7 +10,9 @@ What is debris:
   same step, temp files of an interrupted write).
 
 Retention keeps the newest ``keep`` committed checkpoints; older ones are deleted only after a
-newer commit, never before, so there is always a loadable checkpoint.
+newer commit, never before, so there is always a loadable checkpoint. The committers call
+these only once that newer commit reads back (``readback.read_back``): a commit on disk is
+not yet a loadable one.
 
 Pruning below a step (:func:`apply_prune`) is retention decided by someone who knows more than
 the storage: the controller records which commits a restart may load (etcd ``ckpt/<step>``), so

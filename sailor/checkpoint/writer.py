@@ -5,7 +5,8 @@ Order of a save (each step durable before the next starts):
    durable, then writes its part file;
 2. the committer waits for a part from every writer rank, assembles the manifest, writes it;
 3. the committer writes the commit marker (manifest size + SHA-256): the checkpoint exists;
-4. only then does retention delete older checkpoints and debris.
+4. only then, once the commit reads back (``readback.py``), does retention delete older
+   checkpoints and debris.
 
 A tensor holding an inf or NaN is never saved: every writer checks all its tensors before it
 writes any file (:func:`nonfinite_key`: one fused max-abs pass over 1M-element slices, no
@@ -49,6 +50,7 @@ from sailor.checkpoint.blocks import (
 from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import (
     CheckpointError,
+    CorruptCheckpointError,
     NonFiniteCheckpointError,
     SaveCancelledError,
 )
@@ -63,6 +65,7 @@ from sailor.checkpoint.format import (
     step_dir,
 )
 from sailor.checkpoint.gc import apply_retention
+from sailor.checkpoint.readback import read_back
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
 from sailor.schemas.checkpoint import (
@@ -382,6 +385,13 @@ def commit(
     )
     storage.write(f"{d}/{MARKER}", [marker.model_dump_json().encode()])
     if keep is not None:
+        rb = read_back(storage, step)
+        if not rb.ok:  # nothing older goes while the new commit does not read back
+            raise CorruptCheckpointError(
+                f"step {step} was committed but does not read back, so no older checkpoint "
+                f"was deleted: {'; '.join(rb.problems)}",
+                path=f"{storage.url.rstrip('/')}/{d}",
+            )
         apply_retention(storage, keep=keep, committed_step=step)
     return manifest
 

@@ -281,8 +281,9 @@ class CheckpointSaves:
         if self._in_flight is not None:
             ck, self._in_flight = self._in_flight, None
             res = ck.wait()
-            if res is not None and res.retention_error:
-                print(f"checkpoint retention: {res.retention_error}", file=sys.stderr, flush=True)
+            for why in (res.readback_error, res.retention_error) if res is not None else ():
+                if why:
+                    print(f"checkpoint retention: {why}", file=sys.stderr, flush=True)
 
     @property
     def kept_bytes(self) -> int:

@@ -1,0 +1,121 @@
+"""Reading a new commit back before retention deletes older checkpoints (``readback.py``).
+
+A storage that keeps a shard's size but not its bytes (a flipped byte at the file's tail),
+or loses a shard after the commit, makes the new commit unreadable: the committer's
+retention (``keep``) and the controller's prune (``prune_below``) then delete nothing, and
+the save's result says why. Before, the commit was never read and the older steps went.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sailor.checkpoint import LocalStorage, TrainingGlobals, committed_steps
+from sailor.checkpoint.checkpointer import Checkpointer
+from sailor.checkpoint.errors import CorruptCheckpointError
+from sailor.checkpoint.format import MARKER, step_dir
+from sailor.checkpoint.readback import read_back
+from sailor.checkpoint.writer import save_full
+from tests.unit.test_checkpoint_blocks import one_layer_plan
+from tests.unit.test_checkpoint_local import _state
+
+
+class _FlipsTail(LocalStorage):
+    """Layer files reach the disk at their size with their last byte flipped."""
+
+    def write_all(self, objects: Any, *, workers: int = 4) -> list[int]:
+        sizes = super().write_all(objects, workers=workers)
+        for path, _chunks in objects:
+            p = self._p(path)
+            data = bytearray(p.read_bytes())
+            data[-1] ^= 0xFF
+            p.write_bytes(bytes(data))
+        return sizes
+
+
+class _LosesShards(LocalStorage):
+    """A step's layer files vanish right after its commit marker is written."""
+
+    def write(self, path: str, chunks: Any) -> int:
+        n = super().write(path, chunks)
+        if path.endswith(f"/{MARKER}"):
+            for f in self.walk(path.rsplit("/", 1)[0]):
+                if f.rsplit("/", 1)[-1].startswith("layer-"):
+                    self._p(f).unlink()
+        return n
+
+
+def test_retention_keeps_the_older_steps_when_the_new_commit_fails_its_checksum(
+    tmp_path: Path,
+) -> None:
+    state = _state(layers=1)
+    ck = Checkpointer(LocalStorage(tmp_path), one_layer_plan(), 0, keep=1)
+    ck.save(state, TrainingGlobals(1, 1, {}))
+    ck.wait()
+    ck.storage = _FlipsTail(tmp_path)
+    ck.save(state, TrainingGlobals(2, 2, {}))
+    res = ck.wait()
+    ck.close()
+    assert res is not None and res.manifest is not None  # committed all the same
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]  # step 1 not deleted
+    assert "does not read back" in res.readback_error and "checksum" in res.readback_error
+    assert res.retention_error == ""
+
+
+def test_the_prune_keeps_the_older_steps_when_a_shard_of_the_new_commit_is_gone(
+    tmp_path: Path,
+) -> None:
+    state = _state(layers=1)
+    ck = Checkpointer(LocalStorage(tmp_path), one_layer_plan(), 0, keep=None)
+    for step in (1, 2):
+        ck.save(state, TrainingGlobals(step, step, {}))
+        ck.wait()
+    ck.storage = _LosesShards(tmp_path)
+    ck.save(state, TrainingGlobals(3, 3, {}), prune_below=3)
+    res = ck.wait()
+    ck.close()
+    assert res is not None and res.manifest is not None
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2, 3]
+    assert "missing" in res.readback_error and step_dir(3) in res.readback_error
+
+
+def test_a_good_commit_reads_back_and_retention_goes_on(tmp_path: Path) -> None:
+    state = _state(layers=1)
+    ck = Checkpointer(LocalStorage(tmp_path), one_layer_plan(), 0, keep=1)
+    for step in (1, 2):
+        ck.save(state, TrainingGlobals(step, step, {}))
+        res = ck.wait()
+    ck.close()
+    assert res is not None and res.readback_error == "" and res.readback_s > 0
+    assert committed_steps(LocalStorage(tmp_path)) == [2]
+
+
+def test_save_full_with_keep_raises_and_deletes_nothing_when_its_commit_does_not_read_back(
+    tmp_path: Path,
+) -> None:
+    state = _state(layers=4)
+    kw: dict[str, Any] = {"model": "toy", "num_layers": 4, "keep": 1}
+    save_full(LocalStorage(tmp_path), state, TrainingGlobals(1, 1, {}), save_id="a", **kw)
+    with pytest.raises(CorruptCheckpointError, match="does not read back"):
+        save_full(_FlipsTail(tmp_path), state, TrainingGlobals(2, 2, {}), save_id="b", **kw)
+    assert committed_steps(LocalStorage(tmp_path)) == [1, 2]
+
+
+def test_read_back_reads_within_its_budget(tmp_path: Path) -> None:
+    """Sizes of every shard always; checksummed blocks only while the budget lasts (tails
+    first); a budget of 0 reads no shard byte."""
+    state = _state(layers=4)
+    s = LocalStorage(tmp_path)
+    save_full(s, state, TrainingGlobals(1, 1, {}), model="toy", num_layers=4)
+    full = read_back(s, 1)
+    assert full.ok and full.shards == 4 and full.blocks == 8 and full.bytes_read > 0
+    none = read_back(s, 1, budget_bytes=0)
+    assert none.ok and none.shards == 4 and none.blocks == 0 and none.bytes_read == 0
+    some = read_back(s, 1, budget_bytes=full.bytes_read // 2)
+    assert some.ok and 0 < some.bytes_read <= full.bytes_read // 2
+    with pytest.raises(ValueError, match="budget_bytes=-1"):
+        read_back(s, 1, budget_bytes=-1)
+    assert not read_back(s, 7).ok  # no commit at all: reported, not raised
