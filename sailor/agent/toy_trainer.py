@@ -19,7 +19,10 @@ Protocol (shared with the real worker's adapter):
   for the part (rank 0 clears the step's markers when its own save of it starts: those of
   an earlier attempt are not this one's); an optional save whose parts do not all come
   within the wait is given up the same way. Training goes on. A required save (a
-  reconfiguration's) still fails rank 0 when a part is missing;
+  reconfiguration's) still fails rank 0 when a part is missing. A part names its attempt
+  (``--master`` and ``--load-step``: a later world saving the same step under the same root
+  has another), and rank 0 counts only its own attempt's: a part an earlier world left
+  there (saved, never committed) is not this save's;
 - ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
 - ``--train-config FILE``: the job's training config, which the agent appends to any worker's
   argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
@@ -95,6 +98,7 @@ def _save(
     timeout: float,
     prune_below: int,
     optional: bool = False,
+    attempt: str = "",
 ) -> None:
     d = _ckpt_dir(root, step)
     if rank == 0:
@@ -104,7 +108,8 @@ def _save(
         # too; the save is then given up after ``timeout`` instead of at once.
         for marker in d.glob("rank-*.missed"):
             marker.unlink(missing_ok=True)
-    _write_atomic(d / f"rank-{rank}.json", json.dumps({"step": step, "w": w}))
+    part = {"step": step, "w": w, "attempt": attempt}
+    _write_atomic(d / f"rank-{rank}.json", json.dumps(part))
     if rank != 0:
         return
     end = time.monotonic() + timeout
@@ -113,7 +118,7 @@ def _save(
         if missed and optional:
             why = (d / f"rank-{missed[0]}.missed").read_text()
             raise _SaveGivenUpError(f"rank(s) {missed} missed the save of step {step}: {why}")
-        if all((d / f"rank-{r}.json").exists() for r in range(world)):
+        if all(_part_of(d / f"rank-{r}.json", attempt) for r in range(world)):
             _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
             _write_atomic(d / "COMMIT", str(step))
             _prune(root, min(prune_below, step))
@@ -121,6 +126,23 @@ def _save(
         time.sleep(0.01)
     why = f"not every rank saved step {step} within {timeout}s"
     raise _SaveGivenUpError(why) if optional else TimeoutError(why)
+
+
+def _attempt(a: argparse.Namespace) -> str:
+    """What the ranks of one world share and a later world saving the same step does not:
+    the rendezvous address (the controller gives each generation its own port,
+    ``base_port + generation % 1000``) and the step the world started from."""
+    return f"{a.master}|{a.load_step}"
+
+
+def _part_of(path: Path, attempt: str) -> bool:
+    """Whether ``path`` is a rank's part of this attempt: one left by an earlier attempt at
+    the same step (a world that saved it and never committed) is not."""
+    try:
+        part = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False  # absent (or, written atomically, never half): not yet
+    return isinstance(part, dict) and part.get("attempt") == attempt
 
 
 def _missed(root: str, save_step: int, step: int, rank: int) -> str:
@@ -294,6 +316,7 @@ def _maybe_save(
             timeout=30.0,
             prune_below=prune if isinstance(prune, int) else -1,
             optional=optional,
+            attempt=_attempt(a),
         )
     except _SaveGivenUpError as exc:
         _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": str(exc)})

@@ -26,7 +26,7 @@ STEPS = 12
 SAVE = 3
 
 
-def _toy(tmp: Path, rank: int) -> subprocess.Popen[str]:
+def _toy(tmp: Path, rank: int, master: str = "") -> subprocess.Popen[str]:
     argv = [
         sys.executable,
         "-m",
@@ -45,6 +45,8 @@ def _toy(tmp: Path, rank: int) -> subprocess.Popen[str]:
         str(STEPS),
         "--error-file",
         str(tmp / f"error-{rank}.json"),
+        "--master",
+        master,
     ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
@@ -118,3 +120,32 @@ def test_a_marker_of_an_earlier_attempt_does_not_give_the_save_up(tmp_path: Path
         assert not any(x["event"] == "save_failed" for x in lines), lines
         assert [x["step"] for x in lines if x["event"] == "saved"] == [SAVE], (r, lines)
     assert (stale / "COMMIT").exists() and not (stale / "rank-1.missed").exists()
+
+
+def test_a_part_of_an_earlier_attempt_does_not_count(tmp_path: Path) -> None:
+    """An earlier world saved step 3 on rank 1 and never committed (its part is still in
+    the step's directory); this world's rank 1 misses the save: rank 0 gives it up and
+    commits nothing. Before, rank 0 counted the old part as rank 1's and committed step 3
+    without rank 1 ever saving it."""
+    stale = tmp_path / "ckpt" / "sim" / f"step-{SAVE:08d}"
+    stale.mkdir(parents=True)
+    old = {"step": SAVE, "w": [0.0] * 4, "attempt": "127.0.0.1:29400|-1"}
+    (stale / "rank-1.json").write_text(json.dumps(old))
+    (tmp_path / "control-1.json").write_text("{}")
+    _request(tmp_path, 0)
+    procs = [_toy(tmp_path, r, master="127.0.0.1:29401") for r in (0, 1)]
+    lines: list[dict[str, Any]] = []
+    try:
+        assert procs[1].stdout is not None
+        _read_until(procs[1].stdout, SAVE + 1, lines)  # rank 1 is past the step
+        _request(tmp_path, 1)
+        outs = [p.communicate(timeout=40)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0]
+    rank0 = [json.loads(x) for x in outs[0].splitlines() if x.strip()]
+    assert not any(x["event"] == "saved" for x in rank0), rank0
+    assert [x["step"] for x in rank0 if x["event"] == "save_failed"] == [SAVE], rank0
+    assert not (stale / "COMMIT").exists()
