@@ -443,7 +443,8 @@ class Checkpointer:
         t1 = time.perf_counter()
         manifest = None
         t2 = t1
-        retention_error = ""
+        retention_error = readback_error = ""
+        readback_s = 0.0
         if self.rank == self.committer_rank:
             try:
                 manifest = self._commit(globals_, save_id)
