@@ -9,7 +9,9 @@ optional one (the controller's periodic checkpoint, ``ControlRequest.save_option
 every rank agreed that it failed, each drops it (``SaveIO.abandon``: a committer waiting for
 a part that never comes commits nothing and ends), prints a ``save_failed`` line with the
 step and what failed, and trains on. The agent reports it and the controller abandons that
-periodic save at once; the next is asked an interval later. The save taken at the stop step
+periodic save at once; the next is asked an interval later. The training config's own
+periodic checkpoints (``checkpoint.every_steps``) are optional the same way, up to
+``PERIODIC_FAILURES_LIMIT`` failures in a row. The save taken at the stop step
 (the hold's, which a reconfiguration commits) is never optional, whichever request it answers.
 """
 
@@ -40,7 +42,14 @@ from sailor.megatron_patch.load_barrier import LoadBarrier
 from sailor.megatron_patch.save_failure import raise_save_failure, report_save_failure
 from sailor.schemas.training import CheckpointConfig
 
-__all__ = ["Boundary", "Progress", "Status", "Stepped", "sub_rank"]
+__all__ = ["PERIODIC_FAILURES_LIMIT", "Boundary", "Progress", "Status", "Stepped", "sub_rank"]
+
+PERIODIC_FAILURES_LIMIT = 3
+"""Saves of the training config's periodic checkpoints (``checkpoint.every_steps``) that may
+fail in a row while training goes on; the next one is required. A storage hiccup costs an
+interval of progress at a crash; storage failing for this long (``3 * every_steps`` steps)
+is a fault the run cannot save through, and training on would only widen what a crash
+loses: better fail now, where the error names it."""
 
 
 class Stepped(Protocol):
@@ -126,6 +135,8 @@ class Boundary(Generic[_T]):
                 f"checkpoint.every_steps={self.periodic.every_steps} needs a checkpoint "
                 "implementation (ckpt=None)"
             )
+        self.periodic_failures = 0
+        """Saves of the training config's periodic checkpoints failed in a row."""
         self.saved_requests: set[int] = set()
         self.pending_save = -1
         self.pending_optional = False
@@ -227,14 +238,51 @@ class Boundary(Generic[_T]):
         """The training config's checkpoint every ``every_steps`` (its own directory and
         retention, apart from the agent's): a save that is durable before training goes on,
         reported as ``periodic_checkpoint`` (not ``saved``: the agent's protocol is about its
-        own requests). Every rank takes the same decision from the step alone."""
+        own requests). Every rank takes the same decision from the step alone.
+
+        Optional, as the controller's periodic saves: one that fails on some rank (a full or
+        read-only disk, an unreachable store) is agreed, dropped and reported
+        (``periodic_checkpoint_failed`` with the step, what failed and the count of failures
+        in a row; the rank's stderr) and training goes on; the next one is tried
+        ``every_steps`` later. After :data:`PERIODIC_FAILURES_LIMIT` failures in a row the
+        next save is required: its failure fails the ranks as any save's (``save_failure``).
+        A job-wide failure (a refusal of non-finite weights) fails them at once."""
         p, ckpt = self.periodic, self.ckpt  # ckpt is set whenever periodic is (__init__)
         if p is None or p.dir is None or ckpt is None or tr.step == self.args.start_step:
             return
         if tr.step % p.every_steps:
             return
         ckpt.save(tr, p.dir, keep=p.keep)
-        self._durable()
+        optional = self.periodic_failures < PERIODIC_FAILURES_LIMIT
+        if not optional:
+            print(
+                f"periodic checkpoint of step {tr.step}: {self.periodic_failures} saves in a "
+                "row failed before it; this one is required (its failure fails the ranks)",
+                file=sys.stderr,
+                flush=True,
+            )
+        failed = self._durable(optional)
+        if failed:
+            self.periodic_failures += 1
+            self.progress.emit(
+                {
+                    "event": "periodic_checkpoint_failed",
+                    "rank": self.args.rank,
+                    "step": tr.step,
+                    "dir": p.dir,
+                    "error": failed[:2000],
+                    "in_a_row": self.periodic_failures,
+                }
+            )
+            print(
+                f"periodic checkpoint of step {tr.step} under {p.dir} abandoned "
+                f"({self.periodic_failures} in a row, {PERIODIC_FAILURES_LIMIT} allowed): "
+                f"{failed}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self.periodic_failures = 0
         self.progress.emit(
             {"event": "periodic_checkpoint", "rank": self.args.rank, "step": tr.step, "dir": p.dir}
         )

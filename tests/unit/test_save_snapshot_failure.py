@@ -10,7 +10,9 @@ layers 3-5 on rank 2. The save of step 1 fails on one rank, at one point:
 - ``storage``: opening the checkpoint root (its directory) on rank 1, before the save began;
 - ``manifest``: the committer's manifest (the persist thread: already agreed in the poll).
 
-By the agent's request (``_maybe_save``), the periodic save and the save at a hold. Each rank
+By the agent's request (``_maybe_save``), the training config's periodic save (optional up to
+``PERIODIC_FAILURES_LIMIT`` failures in a row: the failure injected stays, so the saves of
+steps 1-3 are reported and the one of step 4 is raised) and the save at a hold. Each rank
 records what it raised and when, then stays up until every rank has (under NCCL a peer that
 raised is not seen as a closed socket: its peers wait in their collective). Every rank must
 raise within a bound far below the process group's timeout: the failing rank its own error,
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from sailor.checkpoint import writer_assignment
 from sailor.megatron_patch import boundary
-from sailor.megatron_patch.boundary import Boundary, Progress, Status
+from sailor.megatron_patch.boundary import PERIODIC_FAILURES_LIMIT, Boundary, Progress, Status
 from sailor.megatron_patch.control import ControlRequest
 from sailor.megatron_patch.engine import TrainConfig, Trainer
 from sailor.megatron_patch.groups import build_process_groups
@@ -148,7 +150,8 @@ def _rank(rank: int, store: str, out: str, point: str, path: str) -> None:
     tr = Trainer(PLAN, spec, role, groups, TrainConfig(seed=0), torch.device("cpu"))
     root = str(Path(out, "ckpt"))
     argv = ["--plan", "-", "--rank", str(rank), "--world-size", str(WORLD), "--master", "-"]
-    args = build_parser().parse_args([*argv, "--steps", "3"])
+    steps = PERIODIC_FAILURES_LIMIT + 1 if path == "periodic" else 3
+    args = build_parser().parse_args([*argv, "--steps", str(steps)])
     args.poll_s, args.pause_timeout_s = 0.05, 30.0
     periodic = None
     if path == "periodic":
@@ -165,7 +168,7 @@ def _rank(rank: int, store: str, out: str, point: str, path: str) -> None:
     t0 = time.monotonic()
     raised: list[str] | None = None
     try:
-        tr.run(3, hook=b)
+        tr.run(steps, hook=b)
     except Exception as exc:  # the type and text are what the test checks
         raised = [type(exc).__name__, str(exc)]
     took = time.monotonic() - t0
@@ -216,7 +219,9 @@ def test_a_save_failing_on_one_rank_is_raised_by_every_rank(
         else:
             assert name == "PeerFailedError", (r, got)
             assert f"rank(s) {bad} ({host})" in text and f"on rank {bad}" in text, (r, got)
-    # every rank raised at the same boundary: the save's (step 1) for a failure in the
-    # snapshot; a manifest written on the persist thread may fail one boundary later
+    # every rank raised at the same boundary: the save's (step 1; the periodic saves', the
+    # first required one) for a failure in the snapshot; a manifest written on the persist
+    # thread may fail one boundary later
     steps = {o["step"] for o in got}
-    assert steps == {1} or (point == "manifest" and len(steps) == 1), got
+    first = PERIODIC_FAILURES_LIMIT + 1 if path == "periodic" else 1
+    assert steps == {first} or (point == "manifest" and len(steps) == 1), got
