@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -228,6 +229,15 @@ class Checkpointer:
         """Whether nothing is in flight (the last save is persisted, and committed on the
         committer), without blocking."""
         return self._pending is None or self._pending.done()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Whether nothing is in flight, waiting up to ``timeout_s`` for the save in flight
+        to end; never raises its error (``wait`` does)."""
+        fut = self._pending
+        if fut is None:
+            return True
+        futures_wait([fut], timeout=max(0.0, timeout_s))
+        return fut.done()
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight is persisted (and committed, on the committer)."""

@@ -68,5 +68,15 @@ class SaveCancelledError(CheckpointError):
     (``Checkpointer.cancel``): nothing of it is committed, and nobody waits for it."""
 
 
+class SaveSkippedError(CheckpointError):
+    """A save refused before it began because this rank's write of an abandoned save still
+    runs (``training_process.ckpt_glue.CheckpointSaves``): its host copies are not back,
+    and a new snapshot would hold a second snapshot's worth of host memory. Retryable: the
+    next save goes ahead once that write has ended."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
 class ReshardError(CheckpointError):
     """The checkpoint cannot be sliced for the requested layout (e.g. TP does not divide)."""

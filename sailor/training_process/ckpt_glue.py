@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -40,6 +41,7 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.checkpoint.buffers import ScratchPool
+from sailor.checkpoint.errors import SaveSkippedError
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
@@ -192,6 +194,13 @@ def _destinations(
     return out
 
 
+ABANDONED_WAIT_S = 2.0
+"""How long a save waits for this rank's write of an abandoned save to end before it is
+skipped (``CheckpointSaves._refuse_while_abandoned_writes``). An abandoned committer, fenced,
+ends within its commit poll (20 ms) and a writer's write of a healthy disk within the save's
+own persist time; a hung mount never: this bounds what it costs training at each save."""
+
+
 class CheckpointSaves:
     """The save side of a checkpoint IO, whatever trains: one ``Checkpointer`` per
     (checkpoint root, retention), the save in flight and a failure from before it began.
@@ -208,8 +217,9 @@ class CheckpointSaves:
         self._failure: Exception | None = None
         """A save that failed here before it began (``save``): raised by ``wait``."""
         self._abandoned: list[Checkpointer] = []
-        """Checkpointers of abandoned saves (``abandon``), whose own write may still run: the
-        next save waits for it and takes their host copies."""
+        """Checkpointers of abandoned saves (``abandon``), whose own write may still run: a
+        save waits for it a moment (``ABANDONED_WAIT_S``), takes their host copies once it
+        ended, and is skipped while it runs (:meth:`_refuse_while_abandoned_writes`)."""
 
     def _checkpointer(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None
@@ -229,9 +239,8 @@ class CheckpointSaves:
         for old in [a for a in self._abandoned if a.done()]:
             # An abandoned save whose own write on this rank has ended: its host copies are
             # reused (a new checkpointer would allocate a second snapshot's worth, 12 bytes
-            # per parameter). One still writing is not waited for (a write on a hung mount
-            # would hold every later save, and training with it): it keeps its copies until
-            # it ends, and a later save takes them then.
+            # per parameter). None is still writing here: the save was refused before
+            # (``_refuse_while_abandoned_writes``).
             with contextlib.suppress(Exception):  # its failure was reported at the abandon
                 old.close()
             ck.take_buffers(old)
@@ -259,6 +268,7 @@ class CheckpointSaves:
         # agrees it). Raising here left the other ranks in that collective.
         failure: Exception | None = None
         try:
+            self._refuse_while_abandoned_writes(root)
             params, g = state()
             ck = self._checkpointer(plan, rank, tp_group, root, keep)
         except Exception as exc:  # raised by wait(), once agreed
@@ -269,6 +279,25 @@ class CheckpointSaves:
             return 0.0
         self._in_flight = ck
         return ck.save(params, g, prune_below=prune_below)
+
+    def _refuse_while_abandoned_writes(self, root: str) -> None:
+        """Raise ``SaveSkippedError`` while this rank's write of an abandoned save still
+        runs after ``ABANDONED_WAIT_S``: its host copies are not back, and a snapshot now
+        would hold a second snapshot's worth of host memory (12 bytes per parameter the rank
+        writes: hundreds of GB per node at 70B). The refusal is the save's failure before
+        it began (agreed by every rank in the save's first collective, none snapshots):
+        an optional save is reported and training goes on, a required one fails the ranks
+        as any failed save. Never waits longer: a write on a hung mount may never end."""
+        deadline = time.monotonic() + ABANDONED_WAIT_S
+        for old in self._abandoned:
+            if not old.settle(deadline - time.monotonic()):
+                gb = old.kept_bytes / 1e9
+                raise SaveSkippedError(
+                    f"save under {root} skipped on rank {old.rank}: its write of an abandoned "
+                    f"save under {old.storage.url} still runs after {ABANDONED_WAIT_S:.0f} s "
+                    f"(a hung or slow mount?), and its host copies ({gb:.2f} GB) are not "
+                    "back; a snapshot now would hold a second snapshot's worth of host memory"
+                )
 
     def done(self) -> bool:
         """The save in flight is over (an abandoned save's write is not waited for)."""
@@ -296,7 +325,8 @@ class CheckpointSaves:
         fenced (``Checkpointer.cancel``: a committer waiting for a part that never comes
         writes nothing and ends) and set aside, so the next save under its root starts a
         new one, taking the abandoned one's host copies once this rank's own write of it has
-        ended (``_checkpointer``: never waited for). The other roots' checkpointers stay."""
+        ended (``_checkpointer``); a save while that write still runs is skipped
+        (``_refuse_while_abandoned_writes``). The other roots' checkpointers stay."""
         ck, self._in_flight, self._failure = self._in_flight, None, None
         if ck is None:
             return

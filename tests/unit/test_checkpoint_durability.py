@@ -35,7 +35,7 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint.checkpointer import Checkpointer
-from sailor.checkpoint.errors import SaveCancelledError
+from sailor.checkpoint.errors import SaveCancelledError, SaveSkippedError
 from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, part_name, shard_name, step_dir
 from sailor.checkpoint.writer import persist_layers, save_full
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
@@ -334,20 +334,23 @@ def _copies(ck: Checkpointer) -> dict[tuple[int, str, str], torch.Tensor]:
     }
 
 
-def test_an_abandoned_saves_write_is_not_waited_for_and_its_copies_are_reused_once_it_ends(
+def test_a_save_while_an_abandoned_saves_write_runs_is_skipped_and_its_copies_are_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``CheckpointSaves.abandon`` (an optional save failed on a peer) while this rank still
-    writes its part (a hung mount: its write may never end). Nothing waits for that write:
-    the IO is done at once and the next save goes ahead with copies of its own (the
-    abandoned save keeps its copies while it writes); once the write ends, a later save
-    reuses its copies rather than allocating another snapshot's worth."""
+    writes its part (a hung mount: its write may never end). Nothing waits for that write
+    beyond ``ABANDONED_WAIT_S``: the IO is done at once, and the next save is skipped
+    (``SaveSkippedError``, the save's failure: agreed and, optional, reported) without a
+    snapshot, so the process never holds a second snapshot's worth of host memory; once
+    the write ends, the next save goes ahead in the abandoned save's copies. Before, the
+    save went ahead with copies of its own: two snapshots' worth while the write hung."""
     from sailor.training_process import ckpt_glue
     from sailor.training_process.ckpt_glue import CheckpointSaves
 
     storage = _Gated(tmp_path)
     storage.gate, storage.entered = threading.Event(), threading.Event()
     monkeypatch.setattr(ckpt_glue, "open_storage", lambda root: storage)
+    monkeypatch.setattr(ckpt_glue, "ABANDONED_WAIT_S", 0.2)
     state = _state(layers=2)
     mine = {k: p for k, p in state.items() if k.startswith("0.")}
     plan, root = _two_stage_plan(), str(tmp_path)
@@ -359,25 +362,25 @@ def test_an_abandoned_saves_write_is_not_waited_for_and_its_copies_are_reused_on
     assert copies
     saves.abandon()
     assert saves.done()  # not waited for: a hung write would hold every later save
+    t0 = time.monotonic()
     saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root)
-    assert not old.done()  # the new save went ahead while the old write still runs
-    (second,) = saves._by_root.values()
-    second_copies = _copies(second)
-    assert all(second_copies[k] is not copies[k] for k in copies)  # its own copies
+    assert time.monotonic() - t0 < 5  # waited ABANDONED_WAIT_S at most, not for the write
+    assert saves.done() and not old.done()
+    with pytest.raises(SaveSkippedError, match="still runs"):
+        saves.wait()
+    assert saves._by_root == {} and saves.kept_bytes == 0  # no second snapshot taken
     storage.gate.set()
-    saves.abandon()  # its commit waits for rank 1's part, which never comes
-    for ck in (old, second):
-        for _ in range(500):
-            if ck.done():
-                break
-            time.sleep(0.02)
-        assert ck.done()
+    saves.abandon()  # nothing in flight: the refused save left none
+    for _ in range(500):
+        if old.done():
+            break
+        time.sleep(0.02)
+    assert old.done()
     saves.save(lambda: (mine, TrainingGlobals(5, 5, {})), plan, 0, None, root)
     (third,) = saves._by_root.values()
     reused = _copies(third)
     assert reused.keys() == copies.keys()
-    # overwritten in place: one of the ended saves' copies, not a third allocation
-    assert all(reused[k] is copies[k] or reused[k] is second_copies[k] for k in copies)
+    assert all(reused[k] is copies[k] for k in copies)  # overwritten in place
     assert saves._abandoned == []
     saves.abandon()
     saves.close()
