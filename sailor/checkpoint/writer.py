@@ -313,7 +313,9 @@ def commit(
     before_marker: Callable[[], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
 ) -> CheckpointManifest:
-    """Wait for every writer's part, then write manifest and marker, then apply retention.
+    """Wait for every writer's part, then write manifest and marker, then apply retention
+    (``keep``) once the commit reads back (``readback.read_back``); one that does not is
+    committed all the same, deletes nothing and raises ``CorruptCheckpointError``.
     ``cancelled()`` true (``Checkpointer.cancel``: the world was abandoned) ends the wait,
     and a commit not yet begun, with :class:`SaveCancelledError`: nothing is written."""
     d = step_dir(step)
