@@ -252,8 +252,8 @@ class Boundary(Generic[_T]):
             return
         if tr.step % p.every_steps:
             return
-        ckpt.save(tr, p.dir, keep=p.keep)
         optional = self.periodic_failures < PERIODIC_FAILURES_LIMIT
+        ckpt.save(tr, p.dir, keep=p.keep, optional=optional)
         if not optional:
             print(
                 f"periodic checkpoint of step {tr.step}: {self.periodic_failures} saves in a "
@@ -314,7 +314,7 @@ class Boundary(Generic[_T]):
         # the controller commits the step once it is saved, so its failure must fail the
         # ranks, not let them stop with nothing saved at the step.
         optional = req.save_optional and not holding
-        self.ckpt.save(tr, root, prune_below=req.prune_below)
+        self.ckpt.save(tr, root, prune_below=req.prune_below, optional=optional)
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
         # neither) is raised by every rank now (an optional one reported), before the next
         # iteration's collectives; one poll of the save, on this boundary only. A save that

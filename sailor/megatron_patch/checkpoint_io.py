@@ -22,7 +22,12 @@ class SaveIO(Protocol[_T_contra]):
     """What the iteration boundary needs to save a trainer of type ``_T_contra``."""
 
     def save(
-        self, trainer: _T_contra, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        trainer: _T_contra,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         """Snapshot now (collective), persist in the background (``CheckpointIO.save``)."""
         ...
@@ -63,7 +68,12 @@ class CheckpointIO(SaveIO[Trainer], Protocol):
         ...
 
     def save(
-        self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        trainer: Trainer,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         """Snapshot now (collective), persist in the background; returns the stall seconds.
         A failure on this rank (the snapshot, opening the storage) or on a peer does not
@@ -73,7 +83,9 @@ class CheckpointIO(SaveIO[Trainer], Protocol):
         ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
         commit); None: the implementation's default. ``prune_below`` >= 0: after the commit,
         every step below it is deleted (the controller's retention: it names the oldest
-        checkpoint it has recorded and still keeps)."""
+        checkpoint it has recorded and still keeps). ``optional``: the caller drops the
+        save if it fails (a periodic one): it is skipped, not taken, while this rank still
+        writes an abandoned save (``CheckpointSaves``); a required save goes ahead."""
         ...
 
     def done(self) -> bool:

@@ -218,8 +218,9 @@ class CheckpointSaves:
         """A save that failed here before it began (``save``): raised by ``wait``."""
         self._abandoned: list[Checkpointer] = []
         """Checkpointers of abandoned saves (``abandon``), whose own write may still run: a
-        save waits for it a moment (``ABANDONED_WAIT_S``), takes their host copies once it
-        ended, and is skipped while it runs (:meth:`_refuse_while_abandoned_writes`)."""
+        save takes their host copies once it ended; an optional save waits for it a moment
+        (``ABANDONED_WAIT_S``) and is skipped while it runs
+        (:meth:`_refuse_while_abandoned_writes`), a required one takes copies of its own."""
 
     def _checkpointer(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None
@@ -239,8 +240,8 @@ class CheckpointSaves:
         for old in [a for a in self._abandoned if a.done()]:
             # An abandoned save whose own write on this rank has ended: its host copies are
             # reused (a new checkpointer would allocate a second snapshot's worth, 12 bytes
-            # per parameter). None is still writing here: the save was refused before
-            # (``_refuse_while_abandoned_writes``).
+            # per parameter). One still writing here keeps its copies: an optional save was
+            # refused before (``_refuse_while_abandoned_writes``), a required one allocates.
             with contextlib.suppress(Exception):  # its failure was reported at the abandon
                 old.close()
             ck.take_buffers(old)
@@ -258,9 +259,14 @@ class CheckpointSaves:
         root: str,
         keep: int | None = None,
         prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
-        job's globals) under ``root``: ``CheckpointIO.save``."""
+        job's globals) under ``root``: ``CheckpointIO.save``. An ``optional`` save is
+        skipped while this rank still writes an abandoned save
+        (:meth:`_refuse_while_abandoned_writes`); a required one (a reconfiguration's, whose
+        failure would send the job back to an older commit) goes ahead in copies of its own
+        for as long as that write runs."""
         # A failure here (``state``'s checks, opening the storage: its directory) is the
         # save's, as one inside ``Checkpointer.save``: this rank still enters the save's
         # first collective (``agree_save_start``), where every rank learns that a save failed
@@ -268,7 +274,8 @@ class CheckpointSaves:
         # agrees it). Raising here left the other ranks in that collective.
         failure: Exception | None = None
         try:
-            self._refuse_while_abandoned_writes(root)
+            if optional:
+                self._refuse_while_abandoned_writes(root)
             params, g = state()
             ck = self._checkpointer(plan, rank, tp_group, root, keep)
         except Exception as exc:  # raised by wait(), once agreed
@@ -281,13 +288,15 @@ class CheckpointSaves:
         return ck.save(params, g, prune_below=prune_below)
 
     def _refuse_while_abandoned_writes(self, root: str) -> None:
-        """Raise ``SaveSkippedError`` while this rank's write of an abandoned save still
-        runs after ``ABANDONED_WAIT_S``: its host copies are not back, and a snapshot now
-        would hold a second snapshot's worth of host memory (12 bytes per parameter the rank
-        writes: hundreds of GB per node at 70B). The refusal is the save's failure before
-        it began (agreed by every rank in the save's first collective, none snapshots):
-        an optional save is reported and training goes on, a required one fails the ranks
-        as any failed save. Never waits longer: a write on a hung mount may never end."""
+        """For an optional save: raise ``SaveSkippedError`` while this rank's write of an abandoned
+        save still runs after ``ABANDONED_WAIT_S``: its host copies are not back, and a snapshot now
+        would hold a second snapshot's worth of host memory (12 bytes per parameter the rank writes:
+        hundreds of GB per node at 70B). The refusal is the save's failure before it began (agreed
+        by every rank in the save's first collective, none snapshots): it is reported and training
+        goes on. Never waits longer: a write on a hung mount may never end. A required save does not
+        come here: failing it would cost the job its progress since the last commit, a certain loss
+        against host memory that may be there; it takes a second snapshot's worth while the
+        abandoned write runs."""
         deadline = time.monotonic() + ABANDONED_WAIT_S
         for old in self._abandoned:
             if not old.settle(deadline - time.monotonic()):
@@ -325,8 +334,9 @@ class CheckpointSaves:
         fenced (``Checkpointer.cancel``: a committer waiting for a part that never comes
         writes nothing and ends) and set aside, so the next save under its root starts a
         new one, taking the abandoned one's host copies once this rank's own write of it has
-        ended (``_checkpointer``); a save while that write still runs is skipped
-        (``_refuse_while_abandoned_writes``). The other roots' checkpointers stay."""
+        ended (``_checkpointer``); an optional save while that write still runs is skipped
+        (``_refuse_while_abandoned_writes``), a required one takes copies of its own. The
+        other roots' checkpointers stay."""
         ck, self._in_flight, self._failure = self._in_flight, None, None
         if ck is None:
             return
@@ -376,7 +386,12 @@ class LayerCheckpointIO:
         restore_trainer(trainer, root, step, layers)
 
     def save(
-        self, trainer: Trainer, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        trainer: Trainer,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         def state() -> tuple[dict[str, ParamState], TrainingGlobals]:
             opt = optimizer_state(trainer.stage, trainer.optimizer)
@@ -402,6 +417,7 @@ class LayerCheckpointIO:
             root,
             keep,
             prune_below,
+            optional,
         )
 
     def done(self) -> bool:

@@ -90,7 +90,12 @@ class DeepSpeedLayerIO:
         )
 
     def save(
-        self, trainer: DeepSpeedRun, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        trainer: DeepSpeedRun,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         return self._saves.save(
             lambda: _state(trainer),
@@ -100,6 +105,7 @@ class DeepSpeedLayerIO:
             root,
             keep,
             prune_below,
+            optional,
         )
 
     def done(self) -> bool:

@@ -73,7 +73,12 @@ class _ProbedIO(DeepSpeedLayerIO):
         self._saves_seen = 0
 
     def save(
-        self, trainer: DeepSpeedRun, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        trainer: DeepSpeedRun,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         trace_to = os.environ.get("SAVE_TRACE", "")
         if self._saves_seen == 0 and os.environ.get("BREAK_FRAGMENT_RANK") == str(trainer.rank):
@@ -81,11 +86,11 @@ class _ProbedIO(DeepSpeedLayerIO):
             print(f"broke the exp_avg_sq fragment of {key}", file=sys.stderr, flush=True)
         self._saves_seen += 1
         if not trace_to:
-            return super().save(trainer, root, keep, prune_below)
+            return super().save(trainer, root, keep, prune_below, optional)
         trace = _Trace()
         dist.all_reduce = trace  # type: ignore[assignment]
         try:
-            return super().save(trainer, root, keep, prune_below)
+            return super().save(trainer, root, keep, prune_below, optional)
         finally:
             dist.all_reduce = _REAL_ALL_REDUCE
             written = set(layers_written_by(trainer.plan, trainer.rank))

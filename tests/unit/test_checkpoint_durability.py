@@ -363,7 +363,7 @@ def test_a_save_while_an_abandoned_saves_write_runs_is_skipped_and_its_copies_ar
     saves.abandon()
     assert saves.done()  # not waited for: a hung write would hold every later save
     t0 = time.monotonic()
-    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root)
+    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root, optional=True)
     assert time.monotonic() - t0 < 5  # waited ABANDONED_WAIT_S at most, not for the write
     assert saves.done() and not old.done()
     with pytest.raises(SaveSkippedError, match="still runs"):
@@ -383,6 +383,75 @@ def test_a_save_while_an_abandoned_saves_write_runs_is_skipped_and_its_copies_ar
     assert all(reused[k] is copies[k] for k in copies)  # overwritten in place
     assert saves._abandoned == []
     saves.abandon()
+    saves.close()
+
+
+class _GatedFirst(LocalStorage):
+    """A storage whose first layer write waits for ``gate`` (an abandoned save's write on a
+    hung mount); later writes go through."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self._first = True
+        self._lock = threading.Lock()
+
+    def write_all(self, *args: Any, **kwargs: Any) -> list[int]:
+        with self._lock:
+            first, self._first = self._first, False
+        if first:
+            self.entered.set()
+            self.gate.wait(30)
+        return super().write_all(*args, **kwargs)
+
+
+def test_a_required_save_while_an_abandoned_saves_write_runs_goes_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A required save (a reconfiguration's: its failure sends the job back to its last
+    commit) is not skipped while this rank still writes an abandoned save: it snapshots
+    into copies of its own (a second snapshot's worth of host memory while that write
+    runs) and becomes durable; the abandoned save's copies are taken back once its write
+    ends."""
+    from sailor.training_process import ckpt_glue
+    from sailor.training_process.ckpt_glue import CheckpointSaves
+
+    storage = _GatedFirst(tmp_path)
+    monkeypatch.setattr(ckpt_glue, "open_storage", lambda root: storage)
+    monkeypatch.setattr(ckpt_glue, "ABANDONED_WAIT_S", 0.2)
+    state = _state(layers=2)
+    mine = {k: p for k, p in state.items() if k.startswith("0.")}
+    plan, root = _two_stage_plan(), str(tmp_path)
+    saves = CheckpointSaves()
+    saves.save(lambda: (mine, TrainingGlobals(3, 3, {})), plan, 0, None, root, optional=True)
+    assert storage.entered.wait(10)
+    (old,) = saves._by_root.values()
+    copies = _copies(old)
+    assert copies
+    saves.abandon()
+    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root)
+    (new,) = saves._by_root.values()
+    assert new is not old and not old.done()
+    parts = tmp_path / step_dir(4) / PARTS
+    for _ in range(500):  # rank 0's part of step 4, written beside the hung write
+        if found := {p.name.split("-rank")[0] for p in parts.glob("*.json")}:
+            break
+        time.sleep(0.02)
+    (sid,) = found
+    late = {1: {k.split(".", 1)[1]: p for k, p in state.items() if k.startswith("1.")}}
+    persist_layers(storage, 4, sid, late, rank=1)
+    saves.wait()  # committed, not skipped (SaveSkippedError before)
+    assert 4 in committed_steps(storage) and verify(storage, 4) == []
+    ours = _copies(new)
+    assert ours.keys() == copies.keys()
+    assert all(ours[k] is not copies[k] for k in copies)  # copies of its own
+    assert not old.done()
+    storage.gate.set()
+    for _ in range(500):
+        if old.done():
+            break
+        time.sleep(0.02)
+    assert old.done()
     saves.close()
 
 

@@ -37,11 +37,18 @@ class _Saves:
 
     def __init__(self) -> None:
         self.steps: list[int] = []
+        self.optional: list[bool] = []
 
     def save(
-        self, trainer: _Trainer, root: str, keep: int | None = None, prune_below: int = -1
+        self,
+        trainer: _Trainer,
+        root: str,
+        keep: int | None = None,
+        prune_below: int = -1,
+        optional: bool = False,
     ) -> float:
         self.steps.append(trainer.step)
+        self.optional.append(optional)
         return 0.0
 
     def done(self) -> bool:
@@ -86,20 +93,36 @@ def _rank(rank: int, store: str, out: str) -> None:
     b = Boundary(
         args, Status(rank), Progress(str(progress_file), False), saves, torch.device("cpu")
     )  # type: ignore[arg-type]
-    _control(control, save_step=10, save_dir=ckdir, prune_below=-1)  # the periodic request
+    # the periodic request (optional); the Stop keeps its fields beside it
+    _control(control, save_step=10, save_dir=ckdir, prune_below=-1, save_optional=True)
     stopped = False
     t0 = time.monotonic()
     while not stopped and tr.step < 20:
         tr.step += 1
         if tr.step == 12:  # the reconfiguration's Stop and Checkpoint arrive late
-            _control(control, stop_at_step=10, save_step=10, save_dir=ckdir, prune_below=-1)
+            _control(
+                control,
+                stop_at_step=10,
+                save_step=10,
+                save_dir=ckdir,
+                prune_below=-1,
+                save_optional=True,
+            )
         dist.barrier()  # both ranks' files written before either reads its own
         stopped = b(tr)
     took = time.monotonic() - t0
     dist.destroy_process_group()
     events = [json.loads(x) for x in progress_file.read_text().splitlines()]
     Path(out, f"r{rank}.json").write_text(
-        json.dumps({"saves": saves.steps, "stopped_at": b.stopped_at, "s": took, "events": events})
+        json.dumps(
+            {
+                "saves": saves.steps,
+                "optional": saves.optional,
+                "stopped_at": b.stopped_at,
+                "s": took,
+                "events": events,
+            }
+        )
     )
 
 
@@ -109,6 +132,8 @@ def test_ranks_holding_past_a_periodic_save_save_the_step_they_hold(tmp_path: Pa
         got = json.loads((tmp_path / f"r{r}.json").read_text())
         assert got["stopped_at"] == 12, got
         assert got["saves"] == [10, 12], got
+        # the periodic save may be skipped; the hold's is the reconfiguration's: required
+        assert got["optional"] == [True, False], got
         saved = [e["step"] for e in got["events"] if e["event"] == "saved"]
         assert saved == [10, 12], got
         assert got["s"] < PAUSE_S, got  # saved at once, not after waiting out the pause
