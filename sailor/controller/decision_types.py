@@ -204,6 +204,10 @@ class SetDesired:
 
     state: DesiredState
     reason: str
+    load_directory: str | None = None
+    """A LAUNCH state's: the checkpoint root its Launch commands load from
+    (``launch.load_directory``: the load step's recorded directory, '' for a fresh start),
+    named in its phase record; None for any other state."""
 
 
 @dataclass(frozen=True)

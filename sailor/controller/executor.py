@@ -183,11 +183,13 @@ class Executor:
         state: DesiredState,
         reason: str,
         take: tuple[ClearReadmit | ClearBadDone, ...] = (),
+        load_directory: str | None = None,
     ) -> None:
         """Write ``state`` under the epoch guard, and the phase record. ``take``: the
         operators' requests it applies, their keys deleted in the same transaction while
         each is as observed (``request_revisions``); ``ChangedError`` if one was withdrawn
-        (nothing written)."""
+        (nothing written). ``load_directory``: a LAUNCH state's checkpoint root
+        (``SetDesired.load_directory``), in its record."""
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
@@ -258,6 +260,8 @@ class Executor:
             extra["path"] = state.path
             extra["path_reason"] = state.path_reason
             extra["job_precision"] = state.job_precision
+            if load_directory is not None:  # which directory this generation reads
+                extra["load_directory"] = load_directory
             if state.plan is not None:
                 extra["layout"] = layout_of(state.plan, state.placement)
                 pred = state.plan.predicted
@@ -311,7 +315,7 @@ class Executor:
             if isinstance(a, SetDesired):
                 take = self._requests_applied(actions, i)
                 try:
-                    await self.write_desired(a.state, a.reason, take)
+                    await self.write_desired(a.state, a.reason, take, a.load_directory)
                 except ChangedError:
                     # an operator withdrew a request this state applies: not applied, and
                     # nothing decided from it goes out; the next pass decides without it

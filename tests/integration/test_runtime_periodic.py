@@ -72,6 +72,10 @@ async def test_a_node_lost_without_notice_relaunches_from_the_periodic_checkpoin
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
     commits = [r for r in recs if r["kind"] == "commit" and r["step"] == d.load_step]
     assert commits and commits[0]["periodic"] is True
+    # the relaunch's phase record names the directory it reads, the first launch's none
+    launches = {r["generation"]: r for r in recs if r["kind"] == "phase" and r["phase"] == "launch"}
+    assert launches[d.generation]["load_directory"] == str(cluster.tmp / "ckpt")
+    assert launches[1]["load_directory"] == "" and launches[1]["load_step"] == -1
     await cluster.audit()
 
 
