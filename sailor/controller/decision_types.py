@@ -279,6 +279,8 @@ class ClearBadDone:
     repointed: tuple[CommitRecord, ...] = ()
     """``repoint``: the commit records it re-points to the leader's ``checkpoint_dir``,
     written in the transaction that deletes the request (and writes the desired state)."""
+    repointed_from: tuple[str, ...] = ()
+    """The directory each record of ``repointed`` named before (same order), for the audit."""
 
 
 @dataclass(frozen=True)

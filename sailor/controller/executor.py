@@ -422,9 +422,10 @@ class Executor:
         """The audit record of a request applied (``readmit``, ``clear_bad``): what it
         ended or why nothing."""
         if isinstance(a, ClearBadDone):
-            if a.repointed:  # which records now name which directory
+            if a.repointed:  # which records now name which directory, and named before
                 extra |= {
                     "repointed": [r.step for r in a.repointed],
+                    "repointed_from": list(a.repointed_from),
                     "directory": a.repointed[0].directory,
                 }
             self.audit.write(

@@ -420,6 +420,11 @@ class Answer:
     """Applied, ``--repoint``: the steps recorded under another directory before whose
     records do not name the one asked for after (a leader of another ``checkpoint_dir``, or
     of a release without re-pointing)."""
+    moved_from: tuple[str, ...] = ()
+    """``--repoint``: the directories the records of ``moved`` named before (sorted)."""
+    elsewhere: tuple[str, ...] = ()
+    """``--repoint --from``: named steps recorded under a directory neither ``--from`` nor
+    the one asked for ("STEP (DIRECTORY)"): the request was not written (``nothing``)."""
 
 
 def _held_records(d: DesiredState | None) -> set[str]:
@@ -492,6 +497,7 @@ async def request_clear_bad(
     security: SecurityConfig | None = None,
     wait_s: float = 10.0,
     repoint: str = "",
+    sources: Sequence[str] = (),
 ) -> Answer:
     """Ask the leader to clear the bad (and suspect) marks of committed ``steps``
     (``everything``: every mark). As :func:`request_readmit`: no request when the desired
@@ -501,7 +507,14 @@ async def request_clear_bad(
     also re-points the records of ``steps`` (``everything``: every record) that name
     another directory to the leader's (``ClearBadRequest.repoint``), and is written when
     there is one such record even with no mark (``moved``: the steps whose records name
-    ``repoint`` after, another directory before)."""
+    ``repoint`` after, another directory before).
+
+    ``sources`` (``--from``, with ``repoint``): only records under these directories are
+    re-pointed. The request then names the steps (no wire field: a leader of any release
+    with re-pointing applies it): ``everything``, every step recorded under them (their
+    marks go; marks of steps recorded elsewhere stay); else the steps given, refused
+    (``elsewhere``, nothing written) when one is recorded under a third directory, which the
+    leader would re-point too."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
@@ -509,6 +522,14 @@ async def request_clear_bad(
         held = set(marked(d)) if d is not None else set()
         before = await _commits(store, keys) if repoint else {}
         away = {s for s, where in before.items() if where != repoint}
+        if sources:
+            stray = sorted(s for s in set(steps) & away if before[s] not in sources)
+            if stray:
+                elsewhere = tuple(f"{s} ({before[s]})" for s in stray)
+                return Answer("", "nothing", elsewhere=elsewhere)
+            away = {s for s in away if before[s] in sources}
+            if everything:  # every record under sources, and only those
+                steps, everything, held = tuple(sorted(away)), False, held & away
         movable = away if everything else away & set(steps)
         asked = held if everything else set(steps)
         unknown = () if everything else tuple(sorted(set(steps) - held - movable))
@@ -542,6 +563,7 @@ async def request_clear_bad(
             unknown=tuple(map(str, unknown)),
             moved=tuple(moved),
             unmoved=tuple(unmoved),
+            moved_from=tuple(sorted({before[int(s)] for s in moved})),
         )
     finally:
         await store.close()
