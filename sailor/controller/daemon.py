@@ -358,7 +358,8 @@ class Controller(EventIntake):
                     reread = await self._reread(store, lead, desired)
                     if reread is None:
                         break
-                    executor.settle_lost(reread)  # a request applied whose answer was lost
+                    executor.settle_lost(reread)  # a state written whose answer was lost
+                    await executor.settle_lost_takes()  # a request deleted, so
                     desired = self.desired = reread
                     self.wake(urgent=True)
             if not lead.held:

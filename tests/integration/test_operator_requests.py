@@ -697,6 +697,86 @@ async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
         assert len(_records(rig.audit, "request_applied")) == int(committed)
 
 
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_state_whose_answer_was_lost_gets_its_phase_record_once(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: bool,
+) -> None:
+    """A leader's write of a desired state (no request taken) meets an etcd error.
+    Committed (its answer lost), the read-back settles it: its ``phase`` record is written
+    then (``answer_lost``), once. Not committed, none is. Before, a committed write whose
+    answer was lost had no phase record: the audit missed the state etcd held."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        nxt = _seeded(rig.ex.epoch).model_copy(update={"generation": 4, "cause": "lost one"})
+        real = rig.store.put_guarded
+
+        async def lossy(*a: Any, **k: Any) -> None:
+            if committed:
+                await real(*a, **k)
+            raise TemporaryError("etcd restarted before it answered")
+
+        monkeypatch.setattr(rig.store, "put_guarded", lossy)
+        with pytest.raises(TemporaryError):
+            await rig.ex.write_desired(nxt, "generation 4, its answer lost")
+        monkeypatch.setattr(rig.store, "put_guarded", real)
+        held = DesiredState.model_validate_json(await rig.desired())
+        assert (held == nxt) is committed
+        assert rig.ex.settle_lost(held) == ()  # it took no request
+        assert rig.ex.settle_lost(held) == ()
+        phases = [r for r in _records(rig.audit, "phase") if r["generation"] == 4]
+        if committed:
+            (rec,) = phases
+            assert rec["cause"] == "generation 4, its answer lost" and rec["answer_lost"]
+        else:
+            assert phases == []
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_request_deleted_alone_whose_answer_was_lost_is_audited_once(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: bool,
+) -> None:
+    """``clear-bad 99`` names no mark there is: the leader deletes it with no desired state
+    (``_take``), and that delete meets an etcd error. Committed (its answer lost), the
+    settle after the error finds the key gone and writes the ``request_applied`` and
+    ``clear_bad`` records, once. Not committed, the next pass takes it and audits it, once.
+    Before, a committed delete whose answer was lost left no record of the request."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        req = ClearBadRequest(steps=(99,), who="op", time=time.time())
+        await rig.store.put(keys.clear_bad("r1"), req.model_dump_json().encode())
+        seen = await rig.store.get(keys.clear_bad("r1"))
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def lossy(*a: Any, **k: Any) -> int:
+            if committed:
+                await real(*a, **k)
+            raise TemporaryError("etcd restarted before it answered")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", lossy)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        settled = await rig.ex.settle_lost_takes()
+        assert settled == ((seen.key,) if committed else ())
+        assert await rig.ex.settle_lost_takes() == ()  # settled once
+        if not committed:
+            await _pass(rig, seen)  # still there: the next pass takes it
+        assert await rig.store.get(seen.key) is None
+        records = _records(rig.audit, "clear_bad")
+        assert [(r["request_id"], r["cleared"]) for r in records] == [("r1", [])]
+        assert "no bad or suspect mark on step 99" in records[0]["reason"]
+        assert records[0].get("answer_lost", False) is committed
+        assert len(_records(rig.audit, "request_applied")) == int(committed)
+
+
 class _SlowWrite:
     """Connects the command's store as ``connect_etcd`` does; every write of its request
     (``put_witnessed``) times out at the caller, and the first one, still on its way to
