@@ -22,14 +22,13 @@ wire record is unchanged: any leader with re-pointing applies it).
 
 from __future__ import annotations
 
-import asyncio
 import getpass
 import socket
 from pathlib import Path
 
 import typer
 
-from sailor.cli._io import fail, fail_unanswered, load_config
+from sailor.cli._io import fail, fail_unanswered, load_config, run_request
 
 __all__ = ["checkpoint_app", "clear_bad"]
 
@@ -97,7 +96,7 @@ def clear_bad(
     if problems:
         raise fail(f"{config}: {problems[0]}")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    answer = asyncio.run(
+    answer = run_request(
         request_clear_bad(
             cfg.etcd_endpoints,
             cfg.job,

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -43,6 +43,7 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "Answer",
+    "NotWrittenError",
     "periodic_status",
     "read_status",
     "request_clear_bad",
@@ -387,6 +388,32 @@ async def _desired_after(store: Any, keys: Keys) -> DesiredState | None:
             await asyncio.sleep(0.5)
 
 
+class NotWrittenError(Exception):
+    """An operator request that etcd failed before it was written: the reads it is decided
+    from (the desired state, the commit records) did not answer. Nothing was written, so
+    running the command again is safe. Names the endpoints and etcd's error (before, the
+    command said only "etcd unavailable (...): temporary: retry": not which etcd, nor that
+    the request was not written)."""
+
+    def __init__(self, endpoint: str | Sequence[str], step: str, error: TemporaryError) -> None:
+        eps = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        self.endpoints = tuple(eps)
+        self.error = error
+        super().__init__(
+            f"etcd at {', '.join(eps)} failed while {step}, before the request was written "
+            f"({error}): nothing was written; run the command again once etcd answers"
+        )
+
+
+@contextlib.asynccontextmanager
+async def _unwritten(endpoint: str | Sequence[str], step: str) -> AsyncIterator[None]:
+    """An etcd failure inside (before the request is written) as ``NotWrittenError``."""
+    try:
+        yield
+    except TemporaryError as exc:
+        raise NotWrittenError(endpoint, step, exc) from exc
+
+
 def _request_id() -> str:
     return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
 
@@ -455,9 +482,11 @@ async def request_readmit(
     (``applied``, with the records it ended and any held again after) or none did within
     ``wait_s`` (``withdrawn``: none will)."""
     keys = Keys(job=job)
-    store = await connect_etcd(endpoint, security=security)
+    async with _unwritten(endpoint, "connecting"):
+        store = await connect_etcd(endpoint, security=security)
     try:
-        held = _held_records(await _desired(store, keys))
+        async with _unwritten(endpoint, "reading the job's desired state"):
+            held = _held_records(await _desired(store, keys))
         asked = held if everything else {*nodes}
         unknown = () if everything else tuple(n for n in nodes if n not in held)
         if not asked & held:
@@ -516,11 +545,13 @@ async def request_clear_bad(
     (``elsewhere``, nothing written) when one is recorded under a third directory, which the
     leader would re-point too."""
     keys = Keys(job=job)
-    store = await connect_etcd(endpoint, security=security)
+    async with _unwritten(endpoint, "connecting"):
+        store = await connect_etcd(endpoint, security=security)
     try:
-        d = await _desired(store, keys)
+        async with _unwritten(endpoint, "reading the job's desired state and commit records"):
+            d = await _desired(store, keys)
+            before = await _commits(store, keys) if repoint else {}
         held = set(marked(d)) if d is not None else set()
-        before = await _commits(store, keys) if repoint else {}
         away = {s for s, where in before.items() if where != repoint}
         if sources:
             stray = sorted(s for s in set(steps) & away if before[s] not in sources)

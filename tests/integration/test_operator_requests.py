@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -775,6 +776,37 @@ async def test_a_request_deleted_alone_whose_answer_was_lost_is_audited_once(
         assert "no bad or suspect mark on step 99" in records[0]["reason"]
         assert records[0].get("answer_lost", False) is committed
         assert len(_records(rig.audit, "request_applied")) == int(committed)
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_etcd_failed_before_it_was_written_says_so(
+    module_plain_servers: LocalServers, tmp_path: Path, kind: str
+) -> None:
+    """etcd does not answer at all (nothing listens at the config's endpoint, a member
+    that is down): the command ends in one line that names the endpoint, etcd's error and
+    that nothing was written. Before: "etcd unavailable (...): temporary: retry", neither
+    which etcd nor whether the request was written."""
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        ep = f"127.0.0.1:{probe.getsockname()[1]}"
+    cfg = _config(tmp_path, ep, f"down-{kind}")
+    if kind == "readmit":
+        res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")
+    else:
+        res = await _cli("checkpoint", "clear-bad", "14", "--config", str(cfg), "--wait", "1")
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
+    assert f"etcd at {ep} failed while" in out, out
+    assert "before the request was written" in out and "nothing was written" in out, out
+    assert "connect" in out.lower()  # etcd's own error, kept
+    assert "temporary: retry" not in out
+    # the healthy etcd of the module holds no request of this job either
+    store = await connect_etcd(module_plain_servers.etcd_endpoint)
+    try:
+        assert await store.get_prefix(f"/sailor/down-{kind}/") == []
+    finally:
+        await store.close()
 
 
 class _SlowWrite:
