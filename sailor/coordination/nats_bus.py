@@ -171,15 +171,17 @@ def placement_error(
 def unclustered_replicas(nc: NatsClient, replicas: int) -> ReplicasExceedClusterError | None:
     """The refusal :func:`placement_error` would make of ``replicas`` copies, told from the
     connected server's INFO, without placing anything: a server in a cluster names it
-    (``cluster``), one in no cluster does not, and JetStream there refuses more than one
-    replica (``_NOT_CLUSTERED``). For a standby, which places no stream until it leads;
-    None when ``replicas`` is 1, the server is clustered, or its INFO is not known (the
-    placement then tells, as before). A cluster of fewer servers than ``replicas`` is not
-    told here (``placement_error``: a client cannot count it)."""
+    (``cluster``), one in no cluster does not, and its own JetStream (``jetstream``) then
+    refuses more than one replica (``_NOT_CLUSTERED``). For a standby, which places no
+    stream until it leads; None when ``replicas`` is 1, the server is clustered, runs no
+    JetStream itself (a leaf node whose JetStream requests its hub serves: the hub places
+    the stream), or its INFO is not known: the placement then tells, as before. A cluster
+    of fewer servers than ``replicas`` is not told here (``placement_error``: a client
+    cannot count it)."""
     info = getattr(nc, "_server_info", None)  # nats-py keeps the last INFO, unexposed
     if replicas <= 1 or not isinstance(info, dict) or not info:
         return None
-    if info.get("cluster"):
+    if info.get("cluster") or info.get("jetstream") is not True:
         return None
     return ReplicasExceedClusterError(
         f"{replicas} replicas asked of a NATS server in no cluster (a deployment of 1 server: "
