@@ -108,12 +108,15 @@ def unloadable(d: DesiredState, o: Observed, cfg: DecideConfig) -> str | None:
     )
     moved = [c for c in newest if c.directory != cfg.checkpoint_dir]
     if moved:
-        where = ", ".join(sorted({c.directory for c in moved}))
+        dirs_moved = sorted({c.directory for c in moved})
+        where = ", ".join(dirs_moved)
         names = ", ".join(str(c.step) for c in moved)
+        sources = " ".join(f"--from {x}" for x in dirs_moved)
         why += (
             f". Step {names} recorded under {where}, not checkpoint_dir {cfg.checkpoint_dir}: "
             f"if their files are under {cfg.checkpoint_dir} now, sailor checkpoint clear-bad "
-            f"--all --repoint loads them from there; else make {where} readable on the nodes "
+            f"--all --repoint {sources} loads them from there; else make {where} readable on "
+            "the nodes "
             "again (until keep_checkpoints commits are recorded under the new directory)"
         )
     if d.cause.startswith(why):  # held already: the cause it was held with, the last kept

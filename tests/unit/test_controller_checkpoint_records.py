@@ -170,7 +170,7 @@ def test_a_job_held_after_its_storage_moved_is_told_so_and_repointed_resumes() -
     (held,) = _sets(decide(idle, o, CFG))
     assert held.phase is Phase.IDLE and held.cause.startswith(UNLOADABLE_PREFIX)
     assert "Step 900, 800 recorded under /old, not checkpoint_dir /ck" in held.cause
-    assert "sailor checkpoint clear-bad --all --repoint" in held.cause
+    assert "sailor checkpoint clear-bad --all --repoint --from /old loads" in held.cause
     assert "make /old readable on the nodes again" in held.cause
     ask = replace(o, clear_bad={"r1": ClearBadRequest(all=True, repoint=True, who="op")})
     a = decide(held, ask, CFG)
