@@ -297,6 +297,54 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         await store.close()
 
 
+async def test_a_repoint_whose_delete_lost_its_answer_is_audited_by_the_leader(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real controller takes ``clear-bad 900 --repoint`` (step 900 recorded under /old,
+    no mark): no desired state, the request's delete and the re-pointed record in one
+    transaction, whose answer is lost. After the error the leader finds the key gone and
+    audits the request applied, once, with what it re-pointed and from where. Before, the
+    command said "re-pointed" and the audit had no record of the request."""
+    lossy = _LostAnswers()
+    monkeypatch.setattr(daemon, "connect_etcd", lossy)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"take-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    await store.put(keys.desired, DesiredState(epoch=1, generation=3).model_dump_json().encode())
+    old = CommitRecord(step=900, directory="/old")
+    await store.put(keys.checkpoint(900), old.model_dump_json().encode())
+    run = asyncio.create_task(ctl.run(), name="test-controller")
+    try:
+        while ctl.leadership is None:
+            await asyncio.sleep(0.05)
+        answer = await status.request_clear_bad(ep, job, [900], False, "op", None, 10, "/ck")
+        assert answer.outcome == "applied" and answer.moved == ("900",), answer
+        assert lossy.lost and lossy.lost[0][0].startswith(keys.clear_bads)
+        audit = tmp_path / "audit-c1.jsonl"
+
+        def records() -> list[dict[str, Any]]:
+            ctl.audit.sync()
+            return _records_of(audit, "clear_bad")
+
+        end = time.monotonic() + 5
+        while not records() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        (rec,) = records()
+        assert rec["request_id"] == answer.request_id and rec["answer_lost"] is True
+        assert rec["repointed"] == [900] and rec["repointed_from"] == ["/old"]
+        applied = _records_of(audit, "request_applied")
+        assert [r["keys"] for r in applied] == [list(lossy.lost[0])]
+        withdrawn = [k for r in _records_of(audit, "request_withdrawn") for k in r["keys"]]
+        assert not set(withdrawn) & set(lossy.lost[0])
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(run, 15)
+        await store.close()
+
+
 def _records_of(path: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_records([path]) if r["kind"] == kind]
 
