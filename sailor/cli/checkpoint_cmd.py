@@ -120,9 +120,11 @@ def clear_bad(
         typer.echo(f"no bad or suspect mark on step {names}", err=True)
     if answer.outcome == "nothing":
         if sources:
+            named = ", ".join(answer.directories) or "none"
             raise fail(
                 f"nothing to clear or re-point: no {'' if everything else 'such '}step is "
-                f"recorded under --from {', '.join(sources)}",
+                f"recorded under --from {', '.join(sources)} (records under another "
+                f"directory than {cfg.checkpoint_dir}: {named})",
                 code=1,
             )
         if repoint:

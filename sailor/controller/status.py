@@ -452,6 +452,9 @@ class Answer:
     elsewhere: tuple[str, ...] = ()
     """``--repoint --from``: named steps recorded under a directory neither ``--from`` nor
     the one asked for ("STEP (DIRECTORY)"): the request was not written (``nothing``)."""
+    directories: tuple[str, ...] = ()
+    """``--repoint``, nothing written: the directories the records name other than the one
+    asked for (sorted), for a ``--from`` that named none of them."""
 
 
 def _held_records(d: DesiredState | None) -> set[str]:
@@ -565,7 +568,8 @@ async def request_clear_bad(
         asked = held if everything else set(steps)
         unknown = () if everything else tuple(sorted(set(steps) - held - movable))
         if not asked & held and not movable:
-            return Answer("", "nothing", unknown=tuple(map(str, unknown)))
+            others = tuple(sorted({w for w in before.values() if w != repoint}))
+            return Answer("", "nothing", unknown=tuple(map(str, unknown)), directories=others)
         rid = _request_id()
         named = tuple(sorted((asked & held) | movable)) if not everything else ()
         req = ClearBadRequest(

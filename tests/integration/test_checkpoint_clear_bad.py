@@ -154,7 +154,9 @@ async def test_repoint_from_moves_only_the_records_of_that_directory(cluster: Cl
 
     res = await _cli(*base, "--all", "--repoint", "--from", "/old")
     assert res.exit_code == 1, res.output
-    assert "no step is recorded under --from /old" in " ".join(res.output.split())
+    out = " ".join(res.output.split())
+    assert "no step is recorded under --from /old" in out, out
+    assert f"(records under another directory than {ck}: /other)" in out, out
 
     # no --from: every other directory's records, as before, the audit naming it
     res = await _cli(*base, "--all", "--repoint")
