@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ __all__ = [
     "load_model",
     "load_raw",
     "priced_for",
+    "run_request",
     "warn_unpriced",
     "write_json",
 ]
@@ -38,6 +40,7 @@ DEPLOYMENT_HELP = (
 )
 
 M = TypeVar("M", bound=BaseModel)
+A = TypeVar("A")
 
 
 def fail(msg: str, code: int = 2) -> CliError:
@@ -78,6 +81,19 @@ def fail_unanswered(
             f"{unchanged}): is a controller running for this job?",
             code=1,
         )
+
+
+def run_request(request: Coroutine[Any, Any, A]) -> A:
+    """Run an operator request (``status.request_readmit``, ``request_clear_bad``) to its
+    answer; one that etcd failed before it was written (``NotWrittenError``) is the
+    command's one-line error, naming the endpoints, etcd's error and that nothing was
+    written (exit 1), not the generic "temporary: retry"."""
+    from sailor.controller.status import NotWrittenError
+
+    try:
+        return asyncio.run(request)
+    except NotWrittenError as exc:
+        raise fail(str(exc), code=1) from exc
 
 
 def _schema_hint(cls: type[BaseModel]) -> str:

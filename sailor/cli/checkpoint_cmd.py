@@ -12,20 +12,23 @@ the desired state itself: the leader is its one writer, under its epoch guard.
 config's new ``checkpoint_dir``): the commit records naming another directory are
 re-pointed to the leader's ``checkpoint_dir`` too, and their marks go. Without it a launch
 reads each commit where it was saved, and with the old path gone every one is marked bad.
+``--from DIR`` (repeatable) re-points only the records under DIR: with ``--all``, every
+record under it (its marks go; marks of steps recorded elsewhere stay); with STEPS, those,
+refused when one is recorded under a third directory. The request names the steps (the
+wire record is unchanged: any leader with re-pointing applies it).
 
 (``sailor ckpt`` holds the tools that read and write a checkpoint directory itself.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import getpass
 import socket
 from pathlib import Path
 
 import typer
 
-from sailor.cli._io import fail, fail_unanswered, load_config
+from sailor.cli._io import fail, fail_unanswered, load_config, run_request
 
 __all__ = ["checkpoint_app", "clear_bad"]
 
@@ -53,6 +56,13 @@ def clear_bad(
         help="Also re-point the commit records of STEPS (--all: every record) that name "
         "another directory to the config's checkpoint_dir: their files were moved there.",
     ),
+    sources: list[str] = typer.Option(
+        None,
+        "--from",
+        metavar="DIR",
+        help="With --repoint: only the records under DIR (repeatable) are re-pointed; with "
+        "--all, every record under DIR and its mark (marks elsewhere stay).",
+    ),
     wait_s: float = typer.Option(
         10.0, "--wait", min=0, help="Seconds to wait for the leader to apply it."
     ),
@@ -71,11 +81,22 @@ def clear_bad(
         raise fail("name the steps to clear, or pass --all (not both)")
     if any(s < 0 for s in steps or ()):
         raise fail(f"steps are committed steps, 0 or more: got {sorted(steps)}")
+    sources = sorted(set(sources or ()))
+    if sources and not repoint:
+        raise fail(f"--from {sources[0]}: names the records to re-point: pass --repoint too")
+    for src in sources:
+        if not src.strip():
+            raise fail("--from '': a directory is expected: pass the old checkpoint_dir")
+        if src == cfg.checkpoint_dir:
+            raise fail(
+                f"--from {src}: is the config's checkpoint_dir, where the records are "
+                "re-pointed to: pass the directory they were moved from"
+            )
     problems = security_file_problems(cfg.security)
     if problems:
         raise fail(f"{config}: {problems[0]}")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    answer = asyncio.run(
+    answer = run_request(
         request_clear_bad(
             cfg.etcd_endpoints,
             cfg.job,
@@ -85,12 +106,27 @@ def clear_bad(
             cfg.security,
             wait_s,
             repoint=cfg.checkpoint_dir if repoint else "",
+            sources=sources,
         )
     )
+    if answer.elsewhere:
+        raise fail(
+            f"step {', '.join(answer.elsewhere)}: recorded under neither --from "
+            f"{', '.join(sources)} nor {cfg.checkpoint_dir}: leave it out, or add its "
+            "directory with --from (nothing was written)"
+        )
     names = ", ".join(answer.unknown)
     if answer.unknown:
         typer.echo(f"no bad or suspect mark on step {names}", err=True)
     if answer.outcome == "nothing":
+        if sources:
+            named = ", ".join(answer.directories) or "none"
+            raise fail(
+                f"nothing to clear or re-point: no {'' if everything else 'such '}step is "
+                f"recorded under --from {', '.join(sources)} (records under another "
+                f"directory than {cfg.checkpoint_dir}: {named})",
+                code=1,
+            )
         if repoint:
             raise fail(
                 "nothing to clear or re-point: no such step is marked bad or suspect, nor "
@@ -117,8 +153,8 @@ def clear_bad(
         )
     if answer.moved:
         typer.echo(
-            f"re-pointed the records of step {', '.join(answer.moved)} to "
-            f"{cfg.checkpoint_dir} (request {rid})"
+            f"re-pointed the records of step {', '.join(answer.moved)} from "
+            f"{', '.join(answer.moved_from)} to {cfg.checkpoint_dir} (request {rid})"
         )
     if answer.unmoved:
         typer.echo(
@@ -130,7 +166,7 @@ def clear_bad(
         )
     if answer.done:
         what = f"step {', '.join(answer.done)}"
-        if everything:
+        if everything and not sources:
             what = f"every bad and suspect mark ({what})"
         typer.echo(f"cleared {what} (request {rid}): see `sailor status`")
     elif not answer.again and not answer.moved:

@@ -11,14 +11,13 @@ its one writer, under its epoch guard.
 
 from __future__ import annotations
 
-import asyncio
 import getpass
 import socket
 from pathlib import Path
 
 import typer
 
-from sailor.cli._io import fail, fail_unanswered, load_config
+from sailor.cli._io import fail, fail_unanswered, load_config, run_request
 
 __all__ = ["node_app", "readmit"]
 
@@ -58,7 +57,7 @@ def readmit(
     if problems:
         raise fail(f"{config}: {problems[0]}")
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    answer = asyncio.run(
+    answer = run_request(
         request_readmit(
             cfg.etcd_endpoints, cfg.job, nodes or (), everything, who, cfg.security, wait_s
         )

@@ -63,25 +63,29 @@ def unknown_steps(d: DesiredState, steps: tuple[int, ...]) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Cleared:
     """A request's outcome: the steps whose marks went, and what to say of it;
-    ``repointed``: the commit records it re-points (``ClearBadRequest.repoint``)."""
+    ``repointed``: the commit records it re-points (``ClearBadRequest.repoint``), and
+    ``repointed_from`` the directory each named before."""
 
     steps: tuple[int, ...]
     reason: str
     repointed: tuple[CommitRecord, ...] = ()
+    repointed_from: tuple[str, ...] = ()
 
 
 def _repoint(
     commits: dict[int, CommitRecord], steps: tuple[int, ...], every: bool, directory: str
-) -> tuple[CommitRecord, ...]:
+) -> tuple[tuple[CommitRecord, ...], tuple[str, ...]]:
     """The records of ``steps`` (``every``: all) that name another directory than
-    ``directory``, naming it; ``commits`` (step -> record) updated in place."""
-    moved = []
+    ``directory``, naming it, and the directory each named before; ``commits`` (step ->
+    record) updated in place."""
+    moved, was = [], []
     for step in sorted(commits) if every else steps:
         c = commits.get(step)
         if c is not None and c.directory != directory:
             commits[step] = c.model_copy(update={"directory": directory})
             moved.append(commits[step])
-    return tuple(moved)
+            was.append(c.directory)
+    return tuple(moved), tuple(was)
 
 
 def apply_clear_bad(
@@ -105,7 +109,9 @@ def apply_clear_bad(
         req = requests[rid]
         held = set(bad) | ({suspect.step} if suspect.step >= 0 else set())
         asked = held if req.all else set(req.steps)
-        moved = _repoint(commits, req.steps, req.all, checkpoint_dir) if req.repoint else ()
+        moved, was = (
+            _repoint(commits, req.steps, req.all, checkpoint_dir) if req.repoint else ((), ())
+        )
         steps = tuple(sorted(asked & held))
         bad = tuple(s for s in bad if s not in steps)
         if suspect.step in steps:
@@ -113,7 +119,8 @@ def apply_clear_bad(
         said = [f"cleared the marks of step {', '.join(map(str, steps))}"] if steps else []
         if moved:
             names = ", ".join(str(c.step) for c in moved)
-            said.append(f"re-pointed the records of step {names} to {checkpoint_dir}")
+            source = ", ".join(sorted(set(was)))
+            said.append(f"re-pointed the records of step {names} from {source} to {checkpoint_dir}")
         missing = sorted(set(req.steps) - held - {c.step for c in moved})
         if missing:
             elsewhere = f" nor a record elsewhere than {checkpoint_dir}" if req.repoint else ""
@@ -121,7 +128,7 @@ def apply_clear_bad(
         if req.all and not steps and not moved:
             more = f" nor record elsewhere than {checkpoint_dir}" if req.repoint else ""
             said.append(f"no bad or suspect mark{more} to clear")
-        outcome[rid] = Cleared(steps, "; ".join(said), moved)
+        outcome[rid] = Cleared(steps, "; ".join(said), moved, was)
         gone |= set(steps)
         whom.append(rid + (f" by {req.who}" if req.who else ""))
     if not gone:

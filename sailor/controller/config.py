@@ -114,7 +114,8 @@ class ControllerConfig(ServerEndpoints):
         description="Copies of the JetStream event stream (and its consumer) on a NATS "
         "cluster: 3 on a 3-server cluster, so that losing a server loses no event; 1 on a "
         "single server. More than one on a server in no cluster stops the controller at its "
-        "first placement; more than the servers several nats_urls list is refused on load; "
+        "start (a standby too: the server's INFO names no cluster); more than the servers "
+        "several nats_urls list is refused on load; "
         "fewer servers up than replicas is waited for and shown (event_stream_deadline_s).",
     )
     event_stream_deadline_s: float = Field(

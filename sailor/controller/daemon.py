@@ -87,6 +87,7 @@ from sailor.coordination import (
     close_nats,
     connect_etcd,
     connect_nats,
+    unclustered_replicas,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.model import ModelSpec
@@ -190,8 +191,19 @@ class Controller(EventIntake):
         )
         if store is None or nc is None:
             return
-        self.sd.ready("standby: connected to etcd and NATS")
-        warm = self.planner.warm_up() if isinstance(self.planner, ProcessPlanner) else None
+        # the config checks that need no term, before campaigning: a standby with a config
+        # no leader could run is refused now, not once it leads (maybe days later, when the
+        # leader it would replace is lost)
+        refused = unclustered_replicas(nc, self.cfg.event_stream_replicas)
+        if refused is not None:
+            self._stream_refused(refused, None)  # fails it: no campaign, closed below
+        else:
+            self.sd.ready("standby: connected to etcd and NATS")
+        warm = (
+            self.planner.warm_up()
+            if isinstance(self.planner, ProcessPlanner) and refused is None
+            else None
+        )
         warming = asyncio.create_task(warm, name="controller:planner-warm-up") if warm else None
         try:
             while not self.stopping.is_set():
@@ -358,7 +370,8 @@ class Controller(EventIntake):
                     reread = await self._reread(store, lead, desired)
                     if reread is None:
                         break
-                    executor.settle_lost(reread)  # a request applied whose answer was lost
+                    executor.settle_lost(reread)  # a state written whose answer was lost
+                    await executor.settle_lost_takes()  # a request deleted, so
                     desired = self.desired = reread
                     self.wake(urgent=True)
             if not lead.held:

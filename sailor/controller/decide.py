@@ -255,7 +255,16 @@ def _clear_bad(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     for rid in sorted(o.clear_bad):
         req, done = o.clear_bad[rid], outcome[rid]
         actions.append(
-            ClearBadDone(rid, req.who, req.steps, req.all, done.steps, done.reason, done.repointed)
+            ClearBadDone(
+                rid,
+                req.who,
+                req.steps,
+                req.all,
+                done.steps,
+                done.reason,
+                done.repointed,
+                done.repointed_from,
+            )
         )
         moved |= {c.step: c for c in done.repointed}
     # the rest of the pass sees the records as they are once written (a launch from IDLE

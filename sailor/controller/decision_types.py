@@ -204,6 +204,10 @@ class SetDesired:
 
     state: DesiredState
     reason: str
+    load_directory: str | None = None
+    """A LAUNCH state's: the checkpoint root its Launch commands load from
+    (``launch.load_directory``: the load step's recorded directory, '' for a fresh start),
+    named in its phase record; None for any other state."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,8 @@ class ClearBadDone:
     repointed: tuple[CommitRecord, ...] = ()
     """``repoint``: the commit records it re-points to the leader's ``checkpoint_dir``,
     written in the transaction that deletes the request (and writes the desired state)."""
+    repointed_from: tuple[str, ...] = ()
+    """The directory each record of ``repointed`` named before (same order), for the audit."""
 
 
 @dataclass(frozen=True)

@@ -195,18 +195,19 @@ class EventIntake:
         self._fenced_epoch = lead.epoch
         self.wake(urgent=True)
 
-    def _stream_refused(self, exc: ReplicasExceedClusterError, lead: Leadership) -> None:
+    def _stream_refused(self, exc: ReplicasExceedClusterError, lead: Leadership | None) -> None:
         """Replicas on a NATS server in no cluster: a configuration error, which no retry
         ends. The controller fails (every one with this config will). Only this refusal
         fails it: "no suitable peers" is a shortage a server's return may end, and a
         client cannot count the cluster's configured servers to tell it from a cluster too
-        small (``nats_bus.placement_error``)."""
+        small (``nats_bus.placement_error``). ``lead`` None: told at the start, from the
+        server's INFO, before any term (``nats_bus.unclustered_replicas``)."""
         replicas = self.cfg.event_stream_replicas
         size = exc.fields.get("cluster_size")
         self.fail(
             f"event_stream_replicas={replicas} cannot be placed: {exc.args[0]}; set "
             f"event_stream_replicas to at most {size}, or run a NATS cluster",
-            epoch=lead.epoch,
+            epoch=lead.epoch if lead is not None else -1,
             replicas=replicas,
             cluster_size=size,
             answer=str(exc.fields.get("reason", ""))[:300],

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -108,6 +109,17 @@ ReplanKey = tuple[tuple[str, ...], Precision | None]
 """What a replan is for: the node ids (the membership) and the precision it plans in."""
 
 
+@dataclass(frozen=True)
+class _LostWrite:
+    """A desired state whose write met an etcd error (committed or not), with what its
+    phase record needs and the requests it applies."""
+
+    state: DesiredState
+    reason: str
+    take: tuple[ClearReadmit | ClearBadDone, ...]
+    load_directory: str | None
+
+
 class Executor:
     """I/O for one leadership term."""
 
@@ -169,10 +181,13 @@ class Executor:
         # revision (the watch delivers the delete a moment later): before, each such pass
         # decided the same refused write again, at once
         self.withdrawn: dict[str, int] = {}
-        # the last write that took requests and met an etcd error: (the state, the requests
-        # it applies), until the leader reads its state back (settle_lost): etcd may have
-        # committed it
-        self.lost: tuple[DesiredState, tuple[ClearReadmit | ClearBadDone, ...]] | None = None
+        # the last desired state whose write met an etcd error (with the requests it
+        # applies), until the leader reads its state back (settle_lost): etcd may have
+        # committed it, and then its phase record (and its requests') is written there
+        self.lost: _LostWrite | None = None
+        # requests deleted without a desired state (``_take``) whose delete met an etcd
+        # error: committed or not, ``settle_lost_takes`` tells once etcd answers
+        self.lost_takes: dict[str, ClearReadmit | ClearBadDone] = {}
 
     @property
     def epoch(self) -> int:
@@ -183,11 +198,13 @@ class Executor:
         state: DesiredState,
         reason: str,
         take: tuple[ClearReadmit | ClearBadDone, ...] = (),
+        load_directory: str | None = None,
     ) -> None:
         """Write ``state`` under the epoch guard, and the phase record. ``take``: the
         operators' requests it applies, their keys deleted in the same transaction while
         each is as observed (``request_revisions``); ``ChangedError`` if one was withdrawn
-        (nothing written)."""
+        (nothing written). ``load_directory``: a LAUNCH state's checkpoint root
+        (``SetDesired.load_directory``), in its record."""
         # a field added since the last release is written only when in use: agents and a
         # standby controller on a release before wire versions read the state as long as
         # it is not (their schema refuses fields it does not know)
@@ -222,9 +239,11 @@ class Executor:
                 update={"cause": shorten(state.cause), "path_reason": shorten(state.path_reason)}
             )
         data = state.model_dump_json(exclude=unused or None).encode()
-        if take:
-            keys = tuple(self._request_key(a) for a in take)
-            try:
+        if self.lost is not None and self.lost.state == state:
+            self.lost = None  # written again (a retried takeover): this write's record stands
+        try:
+            if take:
+                keys = tuple(self._request_key(a) for a in take)
                 await self.store.put_all_guarded(
                     [(self.keys.desired, data), *self._repointed(take)],
                     self.keys.leader,
@@ -232,11 +251,21 @@ class Executor:
                     delete=keys,
                     expect=self._expected(keys),
                 )
-            except TemporaryError:
-                self.lost = (state, take)  # committed or not: settle_lost tells
-                raise
-        else:
-            await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
+                for key in keys:
+                    self.lost_takes.pop(key, None)
+            else:
+                await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
+        except TemporaryError:
+            # committed or not: settle_lost tells, and writes the records then (before, a
+            # write whose answer was lost and that etcd committed had no phase record)
+            self.lost = _LostWrite(state, reason, take, load_directory)
+            raise
+        self._phase_record(state, reason, load_directory)
+
+    def _phase_record(
+        self, state: DesiredState, reason: str, load_directory: str | None, **more: Any
+    ) -> None:
+        """The audit record of a desired state written (``phase``)."""
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
@@ -258,6 +287,8 @@ class Executor:
             extra["path"] = state.path
             extra["path_reason"] = state.path_reason
             extra["job_precision"] = state.job_precision
+            if load_directory is not None:  # which directory this generation reads
+                extra["load_directory"] = load_directory
             if state.plan is not None:
                 extra["layout"] = layout_of(state.plan, state.placement)
                 pred = state.plan.predicted
@@ -277,6 +308,7 @@ class Executor:
             load_step=state.load_step,
             cause=reason,
             **extra,
+            **more,
         )
 
     async def apply(self, actions: list[Action], desired: DesiredState) -> DesiredState:
@@ -311,7 +343,7 @@ class Executor:
             if isinstance(a, SetDesired):
                 take = self._requests_applied(actions, i)
                 try:
-                    await self.write_desired(a.state, a.reason, take)
+                    await self.write_desired(a.state, a.reason, take, a.load_directory)
                 except ChangedError:
                     # an operator withdrew a request this state applies: not applied, and
                     # nothing decided from it goes out; the next pass decides without it
@@ -418,9 +450,10 @@ class Executor:
         """The audit record of a request applied (``readmit``, ``clear_bad``): what it
         ended or why nothing."""
         if isinstance(a, ClearBadDone):
-            if a.repointed:  # which records now name which directory
+            if a.repointed:  # which records now name which directory, and named before
                 extra |= {
                     "repointed": [r.step for r in a.repointed],
+                    "repointed_from": list(a.repointed_from),
                     "directory": a.repointed[0].directory,
                 }
             self.audit.write(
@@ -470,6 +503,10 @@ class Executor:
         except ChangedError:
             await self._withdrawn((key,))
             return False
+        except TemporaryError:
+            self.lost_takes[key] = a  # committed or not: settle_lost_takes tells
+            raise
+        self.lost_takes.pop(key, None)
         return True
 
     async def _withdrawn(self, keys: tuple[str, ...]) -> None:
@@ -498,13 +535,27 @@ class Executor:
         it) and kept out of the passes whose mirror still shows them (``withdrawn``), so
         that a stale mirror's next take, refused, is not audited as a withdrawal; () when
         there was none or it did not commit (its requests are still there: the next pass
-        applies them, and audits them then). Once per lost write: settled, it is
-        forgotten (before, the requests' own records were never written: the audit
-        checker kept a cleared step unreadable)."""
+        applies them, and audits them then). A committed write's phase record is written
+        here first (``answer_lost``), whether or not it took requests. Once per lost
+        write: settled, it is forgotten (before, the requests' own records were never
+        written: the audit checker kept a cleared step unreadable)."""
         lost, self.lost = self.lost, None
-        if lost is None or lost[0] != held:
+        if lost is None or lost.state != held:
             return ()
-        keys = tuple(self._request_key(a) for a in lost[1])
+        # the state etcd holds is that write's: its phase record, as a write that answered
+        # writes it (before, none: the audit missed a phase, or a launch)
+        self._phase_record(lost.state, lost.reason, lost.load_directory, answer_lost=True)
+        if not lost.take:
+            return ()
+        return self._applied_lost(lost.take, held.cause)
+
+    def _applied_lost(
+        self, take: tuple[ClearReadmit | ClearBadDone, ...], cause: str
+    ) -> tuple[str, ...]:
+        """Audit requests taken by a write whose answer was lost as applied
+        (``request_applied``, ``answer_lost``, then each one's own record) and keep them
+        out of the passes whose mirror still shows them (``withdrawn``); their keys."""
+        keys = tuple(self._request_key(a) for a in take)
         for key in keys:
             if key in self.request_revisions:
                 self.withdrawn[key] = self.request_revisions[key]
@@ -513,12 +564,35 @@ class Executor:
             self.clock.now(),
             epoch=self.epoch,
             keys=list(keys),
-            cause=held.cause,
+            cause=cause,
             answer_lost=True,
         )
-        for a in lost[1]:
+        for a in take:
             self._audit_request(a, answer_lost=True)
         return keys
+
+    async def settle_lost_takes(self) -> tuple[str, ...]:
+        """After an etcd error: the requests deleted without a desired state (``_take``:
+        they named nothing there is, or only re-pointed records) whose delete met it, and
+        that etcd did commit, audited as applied as :meth:`settle_lost` audits a write's
+        (before, such a request left no record at all: the command said it was applied,
+        the audit did not). Committed means the key is gone: a delete of the key at the
+        revision observed, or its command's own withdrawal in the same instant (the same
+        compare-and-delete; the command says "withdrawn" then, and this record is the one
+        the audit has of it). Still there, the next pass takes it again. Not known (etcd
+        does not answer the read): kept for the next settle; () then."""
+        settled: list[ClearReadmit | ClearBadDone] = []
+        for key, a in list(self.lost_takes.items()):
+            try:
+                kv = await self.store.get(key)
+            except TemporaryError:
+                continue
+            del self.lost_takes[key]
+            if kv is None:
+                settled.append(a)
+        if not settled:
+            return ()
+        return self._applied_lost(tuple(settled), "a request deleted, its answer lost")
 
     def _prune(self, generation: int) -> None:
         """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""

@@ -108,12 +108,15 @@ def unloadable(d: DesiredState, o: Observed, cfg: DecideConfig) -> str | None:
     )
     moved = [c for c in newest if c.directory != cfg.checkpoint_dir]
     if moved:
-        where = ", ".join(sorted({c.directory for c in moved}))
+        dirs_moved = sorted({c.directory for c in moved})
+        where = ", ".join(dirs_moved)
         names = ", ".join(str(c.step) for c in moved)
+        sources = " ".join(f"--from {x}" for x in dirs_moved)
         why += (
             f". Step {names} recorded under {where}, not checkpoint_dir {cfg.checkpoint_dir}: "
             f"if their files are under {cfg.checkpoint_dir} now, sailor checkpoint clear-bad "
-            f"--all --repoint loads them from there; else make {where} readable on the nodes "
+            f"--all --repoint {sources} loads them from there; else make {where} readable on "
+            "the nodes "
             "again (until keep_checkpoints commits are recorded under the new directory)"
         )
     if d.cause.startswith(why):  # held already: the cause it was held with, the last kept
@@ -241,7 +244,8 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         reads_spent_through=-1,  # so were the read failures a clear of marks answered
     )
     fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
-    return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]
+    why = f"launch generation {gen} from step {load_step}: {why}{fixed}"
+    return [SetDesired(state, why, load_directory=load_directory(state, o, cfg))]
 
 
 def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Action]:
@@ -538,18 +542,18 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     if d.phase is not Phase.LAUNCH:
         return []
     actions: list[Action] = []
+    checkpoint = load_directory(d, o, cfg)
     if o.now > d.phase_deadline:  # waiting for kills: remembered past the kill's end
         waited = tuple(sorted({*d.launch_waited, *_waited(d, o, cfg)}))
         if waited != d.launch_waited:
             noted = d.model_copy(update={"launch_waited": waited})
             why = f"launch deadline passed: waiting for {', '.join(waited)} to end their kill"
-            actions.append(SetDesired(noted, why))
+            actions.append(SetDesired(noted, why, load_directory=checkpoint))
     # By reference: the plan is in the desired state this phase was written with. The
     # digest and world size once per plan, not per node: at 512 nodes recomputing them
     # per command cost 135 ms a pass (benchmarks/runtime_decision_latency.py --profile).
     digest, world = _plan_facts(d.plan)
     training = training_digest(d.training) if d.training is not None else ""
-    checkpoint = load_directory(d, o, cfg)
     for n in sorted(d.placement):
         cid = command_id_for(d, "launch", n)
         if cid in o.acked:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -43,6 +43,7 @@ from sailor.schemas.training import TrainingConfig
 
 __all__ = [
     "Answer",
+    "NotWrittenError",
     "periodic_status",
     "read_status",
     "request_clear_bad",
@@ -387,6 +388,32 @@ async def _desired_after(store: Any, keys: Keys) -> DesiredState | None:
             await asyncio.sleep(0.5)
 
 
+class NotWrittenError(Exception):
+    """An operator request that etcd failed before it was written: the reads it is decided
+    from (the desired state, the commit records) did not answer. Nothing was written, so
+    running the command again is safe. Names the endpoints and etcd's error (before, the
+    command said only "etcd unavailable (...): temporary: retry": not which etcd, nor that
+    the request was not written)."""
+
+    def __init__(self, endpoint: str | Sequence[str], step: str, error: TemporaryError) -> None:
+        eps = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        self.endpoints = tuple(eps)
+        self.error = error
+        super().__init__(
+            f"etcd at {', '.join(eps)} failed while {step}, before the request was written "
+            f"({error}): nothing was written; run the command again once etcd answers"
+        )
+
+
+@contextlib.asynccontextmanager
+async def _unwritten(endpoint: str | Sequence[str], step: str) -> AsyncIterator[None]:
+    """An etcd failure inside (before the request is written) as ``NotWrittenError``."""
+    try:
+        yield
+    except TemporaryError as exc:
+        raise NotWrittenError(endpoint, step, exc) from exc
+
+
 def _request_id() -> str:
     return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # ids sort by time
 
@@ -420,6 +447,14 @@ class Answer:
     """Applied, ``--repoint``: the steps recorded under another directory before whose
     records do not name the one asked for after (a leader of another ``checkpoint_dir``, or
     of a release without re-pointing)."""
+    moved_from: tuple[str, ...] = ()
+    """``--repoint``: the directories the records of ``moved`` named before (sorted)."""
+    elsewhere: tuple[str, ...] = ()
+    """``--repoint --from``: named steps recorded under a directory neither ``--from`` nor
+    the one asked for ("STEP (DIRECTORY)"): the request was not written (``nothing``)."""
+    directories: tuple[str, ...] = ()
+    """``--repoint``, nothing written: the directories the records name other than the one
+    asked for (sorted), for a ``--from`` that named none of them."""
 
 
 def _held_records(d: DesiredState | None) -> set[str]:
@@ -450,9 +485,11 @@ async def request_readmit(
     (``applied``, with the records it ended and any held again after) or none did within
     ``wait_s`` (``withdrawn``: none will)."""
     keys = Keys(job=job)
-    store = await connect_etcd(endpoint, security=security)
+    async with _unwritten(endpoint, "connecting"):
+        store = await connect_etcd(endpoint, security=security)
     try:
-        held = _held_records(await _desired(store, keys))
+        async with _unwritten(endpoint, "reading the job's desired state"):
+            held = _held_records(await _desired(store, keys))
         asked = held if everything else {*nodes}
         unknown = () if everything else tuple(n for n in nodes if n not in held)
         if not asked & held:
@@ -492,6 +529,7 @@ async def request_clear_bad(
     security: SecurityConfig | None = None,
     wait_s: float = 10.0,
     repoint: str = "",
+    sources: Sequence[str] = (),
 ) -> Answer:
     """Ask the leader to clear the bad (and suspect) marks of committed ``steps``
     (``everything``: every mark). As :func:`request_readmit`: no request when the desired
@@ -501,19 +539,37 @@ async def request_clear_bad(
     also re-points the records of ``steps`` (``everything``: every record) that name
     another directory to the leader's (``ClearBadRequest.repoint``), and is written when
     there is one such record even with no mark (``moved``: the steps whose records name
-    ``repoint`` after, another directory before)."""
+    ``repoint`` after, another directory before).
+
+    ``sources`` (``--from``, with ``repoint``): only records under these directories are
+    re-pointed. The request then names the steps (no wire field: a leader of any release
+    with re-pointing applies it): ``everything``, every step recorded under them (their
+    marks go; marks of steps recorded elsewhere stay); else the steps given, refused
+    (``elsewhere``, nothing written) when one is recorded under a third directory, which the
+    leader would re-point too."""
     keys = Keys(job=job)
-    store = await connect_etcd(endpoint, security=security)
+    async with _unwritten(endpoint, "connecting"):
+        store = await connect_etcd(endpoint, security=security)
     try:
-        d = await _desired(store, keys)
+        async with _unwritten(endpoint, "reading the job's desired state and commit records"):
+            d = await _desired(store, keys)
+            before = await _commits(store, keys) if repoint else {}
         held = set(marked(d)) if d is not None else set()
-        before = await _commits(store, keys) if repoint else {}
         away = {s for s, where in before.items() if where != repoint}
+        if sources:
+            stray = sorted(s for s in set(steps) & away if before[s] not in sources)
+            if stray:
+                elsewhere = tuple(f"{s} ({before[s]})" for s in stray)
+                return Answer("", "nothing", elsewhere=elsewhere)
+            away = {s for s in away if before[s] in sources}
+            if everything:  # every record under sources, and only those
+                steps, everything, held = tuple(sorted(away)), False, held & away
         movable = away if everything else away & set(steps)
         asked = held if everything else set(steps)
         unknown = () if everything else tuple(sorted(set(steps) - held - movable))
         if not asked & held and not movable:
-            return Answer("", "nothing", unknown=tuple(map(str, unknown)))
+            others = tuple(sorted({w for w in before.values() if w != repoint}))
+            return Answer("", "nothing", unknown=tuple(map(str, unknown)), directories=others)
         rid = _request_id()
         named = tuple(sorted((asked & held) | movable)) if not everything else ()
         req = ClearBadRequest(
@@ -542,6 +598,7 @@ async def request_clear_bad(
             unknown=tuple(map(str, unknown)),
             moved=tuple(moved),
             unmoved=tuple(unmoved),
+            moved_from=tuple(sorted({before[int(s)] for s in moved})),
         )
     finally:
         await store.close()

@@ -29,7 +29,13 @@ from sailor.coordination.errors import (
 from sailor.coordination.etcd_store import EtcdLease, EtcdStore, connect_etcd
 from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.mirror import PrefixMirror
-from sailor.coordination.nats_bus import NatsCommands, NatsEventBus, close_nats, connect_nats
+from sailor.coordination.nats_bus import (
+    NatsCommands,
+    NatsEventBus,
+    close_nats,
+    connect_nats,
+    unclustered_replicas,
+)
 from sailor.coordination.tasks import TaskSet
 
 __all__ = [
@@ -64,4 +70,5 @@ __all__ = [
     "connect_etcd",
     "connect_nats",
     "safe_token",
+    "unclustered_replicas",
 ]

@@ -65,6 +65,7 @@ class PrefixMirror:
         self.retry_s = retry_s
         self.stale_after_s = stale_after_s
         self.revision = 0
+        self._read_revision = 0  # the last full read's: its deltas are in the copy
         self.resyncs = 0  # measurement: full re-reads after the first
         self.deltas = 0  # measurement: watch changes applied
         self._kvs: dict[str, KeyValue] = {}
@@ -103,7 +104,7 @@ class PrefixMirror:
                 self._changed.add(key)
         gone = self._kvs.keys() - fresh.keys()
         self._kvs = fresh
-        self.revision = rev
+        self.revision = self._read_revision = rev
         self._suspect_since = None
         if self.on_delete is not None:
             for key in sorted(gone):
@@ -112,8 +113,12 @@ class PrefixMirror:
             self.on_change()
 
     def _apply(self, key: str, kv: KeyValue | None, rev: int) -> None:
-        if rev <= self.revision:
+        if rev <= self._read_revision:
             return  # already in the copy (a delta the read that preceded the watch saw)
+        # Not ``rev <= self.revision``: the keys one transaction changes share its
+        # revision, and every delta after the first was dropped (a re-point of two commit
+        # records left the second under its old directory; ``check`` agreed, the copy's
+        # count and highest mod revision being the server's, so it stayed so)
         if kv is None:
             if self._kvs.pop(key, None) is not None and self.on_delete is not None:
                 self.on_delete(key)

@@ -44,7 +44,14 @@ from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.security.nats_auth import inbox_prefix
 from sailor.coordination.security.settings import SecurityConfig
 
-__all__ = ["NatsCommands", "NatsEventBus", "close_nats", "connect_nats", "placement_error"]
+__all__ = [
+    "NatsCommands",
+    "NatsEventBus",
+    "close_nats",
+    "connect_nats",
+    "placement_error",
+    "unclustered_replicas",
+]
 
 _NO_PEERS = 10005
 """JetStream's error code for a stream whose replicas find too few servers to be placed on
@@ -158,6 +165,30 @@ def placement_error(
         replicas=replicas,
         reason=why,
         retry_after=0.3,
+    )
+
+
+def unclustered_replicas(nc: NatsClient, replicas: int) -> ReplicasExceedClusterError | None:
+    """The refusal :func:`placement_error` would make of ``replicas`` copies, told from the
+    connected server's INFO, without placing anything: a server in a cluster names it
+    (``cluster``), one in no cluster does not, and its own JetStream (``jetstream``) then
+    refuses more than one replica (``_NOT_CLUSTERED``). For a standby, which places no
+    stream until it leads; None when ``replicas`` is 1, the server is clustered, runs no
+    JetStream itself (a leaf node whose JetStream requests its hub serves: the hub places
+    the stream), or its INFO is not known: the placement then tells, as before. A cluster
+    of fewer servers than ``replicas`` is not told here (``placement_error``: a client
+    cannot count it)."""
+    info = getattr(nc, "_server_info", None)  # nats-py keeps the last INFO, unexposed
+    if replicas <= 1 or not isinstance(info, dict) or not info:
+        return None
+    if info.get("cluster") or info.get("jetstream") is not True:
+        return None
+    return ReplicasExceedClusterError(
+        f"{replicas} replicas asked of a NATS server in no cluster (a deployment of 1 server: "
+        f"its INFO names no cluster)",
+        replicas=replicas,
+        cluster_size=1,
+        reason=f"server {info.get('server_name', '?')} is in no cluster",
     )
 
 

@@ -23,7 +23,7 @@ from sailor.controller.status import read_status
 from sailor.coordination import DaemonFailedError, Keys, connect_etcd, connect_nats
 from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
 from sailor.schemas.runtime import EventStreamState
-from tests.integration.cluster_kit import Cluster
+from tests.integration.cluster_kit import Cluster, until
 from tests.integration.conftest import IDENTITIES
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
@@ -58,6 +58,29 @@ async def test_more_replicas_than_a_single_nats_server_holds_stops_the_controlle
     assert "event_stream_replicas=3" in ctl.failure and "1 server" in ctl.failure, ctl.failure
     failed = [r for r in read_records([cfg.audit_log]) if r["kind"] == "failed"]
     assert len(failed) == 1 and failed[0]["cluster_size"] == 1, failed
+
+
+async def test_a_standby_whose_replicas_no_server_holds_is_refused_at_its_start(
+    tmp_path: Path, servers: LocalServers
+) -> None:
+    """Replicas 3 on a server in no cluster, on a standby while another controller leads:
+    refused at its start, naming the field, from the server's INFO (nothing placed), and
+    the leader leads on. Before, the standby waited as one, and failed only once it led:
+    when the leader it was there to replace was lost."""
+    async with Cluster(tmp_path, servers) as cluster:
+        leader = cluster.start_controller("c1")
+        await until(lambda: leader.leadership is not None, 20, "c1 leading")
+        cfg = cluster.ctl_config("c2").model_copy(update={"event_stream_replicas": 3})
+        standby = Controller(cfg)
+        with pytest.raises(DaemonFailedError):
+            await asyncio.wait_for(standby.run(), 10)
+        assert standby.failure is not None and standby.leadership is None
+        assert "event_stream_replicas=3 cannot be placed" in standby.failure, standby.failure
+        assert "in no cluster" in standby.failure and "at most 1" in standby.failure
+        (failed,) = [r for r in read_records([cfg.audit_log]) if r["kind"] == "failed"]
+        assert failed["epoch"] == -1 and failed["cluster_size"] == 1, failed
+        assert not [r for r in read_records([cfg.audit_log]) if r["kind"] == "leader"]
+        assert leader.leadership is not None and leader.failure is None
 
 
 @pytest.mark.parametrize("urls", ["every member", "one URL"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,54 @@ async def test_a_readmit_whose_answer_etcd_lost_is_not_undone_by_the_next_pass(
         readmits = _records_of(audit, "readmit")
         assert [(r["request_id"], r["reason"]) for r in readmits] == [(rid, "forgot n1")]
         assert readmits[0]["answer_lost"] is True
+    finally:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(run, 15)
+        await store.close()
+
+
+async def test_a_repoint_whose_delete_lost_its_answer_is_audited_by_the_leader(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real controller takes ``clear-bad 900 --repoint`` (step 900 recorded under /old,
+    no mark): no desired state, the request's delete and the re-pointed record in one
+    transaction, whose answer is lost. After the error the leader finds the key gone and
+    audits the request applied, once, with what it re-pointed and from where. Before, the
+    command said "re-pointed" and the audit had no record of the request."""
+    lossy = _LostAnswers()
+    monkeypatch.setattr(daemon, "connect_etcd", lossy)
+    ep = module_plain_servers.etcd_endpoint
+    job = f"take-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    store = await connect_etcd(ep)
+    ctl = daemon.Controller(_controller(module_plain_servers, tmp_path, job))
+    await store.put(keys.desired, DesiredState(epoch=1, generation=3).model_dump_json().encode())
+    old = CommitRecord(step=900, directory="/old")
+    await store.put(keys.checkpoint(900), old.model_dump_json().encode())
+    run = asyncio.create_task(ctl.run(), name="test-controller")
+    try:
+        while ctl.leadership is None:
+            await asyncio.sleep(0.05)
+        answer = await status.request_clear_bad(ep, job, [900], False, "op", None, 10, "/ck")
+        assert answer.outcome == "applied" and answer.moved == ("900",), answer
+        assert lossy.lost and lossy.lost[0][0].startswith(keys.clear_bads)
+        audit = tmp_path / "audit-c1.jsonl"
+
+        def records() -> list[dict[str, Any]]:
+            ctl.audit.sync()
+            return _records_of(audit, "clear_bad")
+
+        end = time.monotonic() + 5
+        while not records() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        (rec,) = records()
+        assert rec["request_id"] == answer.request_id and rec["answer_lost"] is True
+        assert rec["repointed"] == [900] and rec["repointed_from"] == ["/old"]
+        applied = _records_of(audit, "request_applied")
+        assert [r["keys"] for r in applied] == [list(lossy.lost[0])]
+        withdrawn = [k for r in _records_of(audit, "request_withdrawn") for k in r["keys"]]
+        assert not set(withdrawn) & set(lossy.lost[0])
     finally:
         ctl.stopping.set()
         ctl.wake()
@@ -695,6 +744,117 @@ async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
         assert [(r["request_id"], r["cleared"]) for r in records] == [("r1", [14])]
         assert records[0].get("answer_lost", False) is committed
         assert len(_records(rig.audit, "request_applied")) == int(committed)
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_state_whose_answer_was_lost_gets_its_phase_record_once(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: bool,
+) -> None:
+    """A leader's write of a desired state (no request taken) meets an etcd error.
+    Committed (its answer lost), the read-back settles it: its ``phase`` record is written
+    then (``answer_lost``), once. Not committed, none is. Before, a committed write whose
+    answer was lost had no phase record: the audit missed the state etcd held."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        nxt = _seeded(rig.ex.epoch).model_copy(update={"generation": 4, "cause": "lost one"})
+        real = rig.store.put_guarded
+
+        async def lossy(*a: Any, **k: Any) -> None:
+            if committed:
+                await real(*a, **k)
+            raise TemporaryError("etcd restarted before it answered")
+
+        monkeypatch.setattr(rig.store, "put_guarded", lossy)
+        with pytest.raises(TemporaryError):
+            await rig.ex.write_desired(nxt, "generation 4, its answer lost")
+        monkeypatch.setattr(rig.store, "put_guarded", real)
+        held = DesiredState.model_validate_json(await rig.desired())
+        assert (held == nxt) is committed
+        assert rig.ex.settle_lost(held) == ()  # it took no request
+        assert rig.ex.settle_lost(held) == ()
+        phases = [r for r in _records(rig.audit, "phase") if r["generation"] == 4]
+        if committed:
+            (rec,) = phases
+            assert rec["cause"] == "generation 4, its answer lost" and rec["answer_lost"]
+        else:
+            assert phases == []
+
+
+@pytest.mark.parametrize("committed", [True, False])
+async def test_a_request_deleted_alone_whose_answer_was_lost_is_audited_once(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: bool,
+) -> None:
+    """``clear-bad 99`` names no mark there is: the leader deletes it with no desired state
+    (``_take``), and that delete meets an etcd error. Committed (its answer lost), the
+    settle after the error finds the key gone and writes the ``request_applied`` and
+    ``clear_bad`` records, once. Not committed, the next pass takes it and audits it, once.
+    Before, a committed delete whose answer was lost left no record of the request."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        req = ClearBadRequest(steps=(99,), who="op", time=time.time())
+        await rig.store.put(keys.clear_bad("r1"), req.model_dump_json().encode())
+        seen = await rig.store.get(keys.clear_bad("r1"))
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def lossy(*a: Any, **k: Any) -> int:
+            if committed:
+                await real(*a, **k)
+            raise TemporaryError("etcd restarted before it answered")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", lossy)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        settled = await rig.ex.settle_lost_takes()
+        assert settled == ((seen.key,) if committed else ())
+        assert await rig.ex.settle_lost_takes() == ()  # settled once
+        if not committed:
+            await _pass(rig, seen)  # still there: the next pass takes it
+        assert await rig.store.get(seen.key) is None
+        records = _records(rig.audit, "clear_bad")
+        assert [(r["request_id"], r["cleared"]) for r in records] == [("r1", [])]
+        assert "no bad or suspect mark on step 99" in records[0]["reason"]
+        assert records[0].get("answer_lost", False) is committed
+        assert len(_records(rig.audit, "request_applied")) == int(committed)
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_request_etcd_failed_before_it_was_written_says_so(
+    module_plain_servers: LocalServers, tmp_path: Path, kind: str
+) -> None:
+    """etcd does not answer at all (nothing listens at the config's endpoint, a member
+    that is down): the command ends in one line that names the endpoint, etcd's error and
+    that nothing was written. Before: "etcd unavailable (...): temporary: retry", neither
+    which etcd nor whether the request was written."""
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        ep = f"127.0.0.1:{probe.getsockname()[1]}"
+    cfg = _config(tmp_path, ep, f"down-{kind}")
+    if kind == "readmit":
+        res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")
+    else:
+        res = await _cli("checkpoint", "clear-bad", "14", "--config", str(cfg), "--wait", "1")
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
+    assert f"etcd at {ep} failed while" in out, out
+    assert "before the request was written" in out and "nothing was written" in out, out
+    assert "connect" in out.lower()  # etcd's own error, kept
+    assert "temporary: retry" not in out
+    # the healthy etcd of the module holds no request of this job either
+    store = await connect_etcd(module_plain_servers.etcd_endpoint)
+    try:
+        assert await store.get_prefix(f"/sailor/down-{kind}/") == []
+    finally:
+        await store.close()
 
 
 class _SlowWrite:

@@ -280,6 +280,40 @@ async def test_prefix_mirror_follows_deltas_and_recovers_a_silent_watch(
         await store.close()
 
 
+async def test_prefix_mirror_applies_every_key_one_transaction_changes(
+    etcd_endpoint: str,
+) -> None:
+    """The keys one transaction writes or deletes share its revision; each is applied (the
+    leader re-points several commit records, and deletes the request, in one). Before, only
+    the first delta of a revision was: the others stayed as they were, and ``check`` agreed
+    (the copy's key count and highest mod revision were the server's), so for good."""
+    store = await connect_etcd(etcd_endpoint)
+    m = PrefixMirror(store, "/mtx/", stale_after_s=0.0)
+    try:
+        await store.put("/mtx-guard", b"")
+        guard = await store.get("/mtx-guard")
+        assert guard is not None
+        for key in ("/mtx/a", "/mtx/b", "/mtx/c"):
+            await store.put(key, b"old")
+        await m.start()
+        await store.put_all_guarded(
+            [("/mtx/a", b"new"), ("/mtx/b", b"new"), ("/mtx/d", b"new")],
+            "/mtx-guard",
+            guard.create_revision,
+            delete=("/mtx/c",),
+        )
+
+        def values() -> dict[str, bytes]:
+            return {k: kv.value for k, kv in m.items().items()}
+
+        want = {"/mtx/a": b"new", "/mtx/b": b"new", "/mtx/d": b"new"}
+        await _until(lambda: values() == want, m, timeout=3.0)
+        assert await m.check()
+    finally:
+        await m.close()
+        await store.close()
+
+
 async def test_prefix_mirror_survives_an_etcd_restart(
     etcd_server: ServerProcess, etcd_endpoint: str
 ) -> None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from sailor.controller.checkpointing import prune_below
 from sailor.controller.decide import decide
-from sailor.controller.decision_types import ClearBadDone, Commit, Observed, Send
+from sailor.controller.decision_types import ClearBadDone, Commit, Observed, Send, SetDesired
 from sailor.controller.launch import UNLOADABLE_PREFIX
 from sailor.schemas.commands import Launch
 from sailor.schemas.runtime import (
@@ -170,7 +170,7 @@ def test_a_job_held_after_its_storage_moved_is_told_so_and_repointed_resumes() -
     (held,) = _sets(decide(idle, o, CFG))
     assert held.phase is Phase.IDLE and held.cause.startswith(UNLOADABLE_PREFIX)
     assert "Step 900, 800 recorded under /old, not checkpoint_dir /ck" in held.cause
-    assert "sailor checkpoint clear-bad --all --repoint" in held.cause
+    assert "sailor checkpoint clear-bad --all --repoint --from /old loads" in held.cause
     assert "make /old readable on the nodes again" in held.cause
     ask = replace(o, clear_bad={"r1": ClearBadRequest(all=True, repoint=True, who="op")})
     a = decide(held, ask, CFG)
@@ -201,3 +201,33 @@ def test_a_repoint_without_marks_rewrites_only_the_records() -> None:
     (done,) = (x for x in a if isinstance(x, ClearBadDone))
     assert [(c.step, c.directory) for c in done.repointed] == [(900, "/ck")]
     assert "no bad or suspect mark nor a record elsewhere than /ck on step 500" in done.reason
+
+
+def _launch_dirs(a: list[object]) -> list[str | None]:
+    """The ``load_directory`` of each move to LAUNCH in ``a`` (what its phase record names)."""
+    return [
+        x.load_directory for x in a if isinstance(x, SetDesired) and x.state.phase is Phase.LAUNCH
+    ]
+
+
+def test_a_launch_names_the_directory_it_loads_from() -> None:
+    """The move to LAUNCH carries the checkpoint root its Launch commands load from, for
+    the phase record (``Executor.write_desired``): the load step's recorded directory, not
+    ``checkpoint_dir``; the new one once a re-point in the same pass moved the record; ''
+    for a fresh start. Before, the record named the load step only: an operator could not
+    tell which directory a relaunch read."""
+    idle, o = _moved()
+    marks_gone = replace(o, clear_bad={"r1": ClearBadRequest(all=True, who="op")})
+    a = decide(idle, marks_gone, CFG)
+    assert _launch_dirs(a) == ["/old"]
+    assert {c.checkpoint for c in _launches(decide(_sets(a)[-1], o, CFG))} == {"/old"}
+    moved = replace(o, clear_bad={"r1": ClearBadRequest(all=True, repoint=True, who="op")})
+    assert _launch_dirs(decide(idle, moved, CFG)) == ["/ck"]
+    fresh = obs(nodes(1, 2), [st(1, gen=-1, state="idle"), st(2, gen=-1, state="idle")])
+    assert _launch_dirs(decide(_idle(), fresh, CFG)) == [""]
+    # any other state names none
+    assert all(
+        x.load_directory is None
+        for x in decide(idle, o, CFG)
+        if isinstance(x, SetDesired) and x.state.phase is not Phase.LAUNCH
+    )
