@@ -119,6 +119,24 @@ def _match_held(
     return {r: held[i] for r, i in picked.items()}
 
 
+def launch_key(cmd: Launch) -> tuple[object, ...]:
+    """What makes two Launches one launch: what its workers are started with, not its
+    command id, epoch or deadline (a leader that adopts a LAUNCH after a failover sends it
+    again under ids of its own epoch)."""
+    return (
+        cmd.generation,
+        cmd.plan_id,
+        cmd.plan_sha256,
+        tuple(sorted(cmd.ranks)),
+        cmd.world_size,
+        cmd.master,
+        cmd.checkpoint,
+        cmd.load_step,
+        cmd.training_sha256,
+        cmd.in_place,
+    )
+
+
 class Supervisor(SupervisorStatus, WorkerOutput):
     """Workers of the current generation on this node (and its warm spares)."""
 
@@ -179,6 +197,22 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         last handed a rank: at :data:`SPARE_FAILURES` no more are started, and none is
         wanted (``spares_wanted``)."""
         self._control_state: dict[str, object] = {}
+        self._launched: tuple[object, ...] | None = None
+        """:func:`launch_key` of the last launch that started all its ranks."""
+
+    def runs(self, cmd: Launch) -> bool:
+        """Whether this node's workers run ``cmd``'s launch now (:func:`launch_key`): every
+        rank it names started by that launch, alive and not held. Such a Launch applied
+        again would kill them (in place: the workers just handed their ranks are not held;
+        restart: its abort) and start them over."""
+        return (
+            self._launched == launch_key(cmd)
+            and bool(self.workers)
+            and all(
+                w.exit_code is None and not w.held and w.generation == cmd.generation
+                for w in self.workers
+            )
+        )
 
     @property
     def kill_grace_s(self) -> float:
@@ -250,6 +284,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         gen_dir, plan_path, extra = self._gen_files(cmd, training)
         self._control_state = {}
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
+        self._launched = None  # until every rank of this launch has started
         self.start_step = cmd.load_step
         self.expect_exit = False
         self.in_place = cmd.in_place
@@ -301,6 +336,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             self.workers, self._launching = [], []
             raise
         self.workers, self._launching = assigned, []
+        self._launched = launch_key(cmd)
         if leftovers and not self.closed:  # after the ack: the new ranks need not wait for them
             self._tasks.spawn("let-go", self._let_go(leftovers))
         if self.closed:  # close() came mid-launch and killed what it had started

@@ -257,6 +257,24 @@ def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Act
     return [SetDesired(idle, why)]
 
 
+def _launched(d: DesiredState, o: Observed, n: str) -> bool:
+    """Whether node ``n``'s Launch of ``d``'s LAUNCH is done: acked in this epoch, or, in a
+    LAUNCH adopted from another epoch (its acks lost with its leader), the node's status
+    reports this generation's workers of this plan running. Such a node is sent no Launch
+    again (its agent would acknowledge it without applying it: ``Supervisor.runs``)."""
+    if command_id_for(d, "launch", n) in o.acked:
+        return True
+    if d.phase_epoch == d.epoch or d.plan is None:
+        return False
+    st = o.status.get(n)
+    return (
+        st is not None
+        and st.generation == d.generation
+        and st.plan_id == d.plan.plan_id
+        and st.state == "running"
+    )
+
+
 def _behind(d: DesiredState, o: Observed) -> list[str]:
     """The placed nodes that held up this LAUNCH, LOAD or VERIFY past its deadline, to be
     charged (``failing_nodes.missed_launching`` spares them all when it is every one: the
@@ -479,7 +497,7 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """The move to the next phase once every placed node got as far as ``d``'s LAUNCH,
     LOAD or VERIFY waits for; [] before."""
     if d.phase is Phase.LAUNCH:
-        if any(command_id_for(d, "launch", n) not in o.acked for n in d.placement):
+        if not all(_launched(d, o, n) for n in d.placement):
             return []
         up = move_to(d, Phase.LOAD, o.now, cfg, launch_waited=())
         return [SetDesired(up, "every node launched")]
@@ -551,9 +569,9 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     training = training_digest(d.training) if d.training is not None else ""
     checkpoint = load_directory(d, o, cfg)
     for n in sorted(d.placement):
-        cid = command_id_for(d, "launch", n)
-        if cid in o.acked:
+        if _launched(d, o, n):
             continue
+        cid = command_id_for(d, "launch", n)
         # its agent refuses every Launch while it kills workers (and said so): re-sent
         # each ``resend_s`` it was refused each time, two audit records a time through a
         # kill of up to two minutes. The kill's end (its status) wakes the pass that sends
