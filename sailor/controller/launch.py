@@ -232,6 +232,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         job_precision=got,
         path=path,
         path_reason=why,
+        holders=_holders(d, o, load_step),
         plan_failed="",  # a launch: any earlier failed search is behind it
         # the previous generation's abort: its lost nodes and SIGABRTs are its own
         lost_nodes=(),
@@ -242,6 +243,23 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     )
     fixed = "" if d.job_precision == got else f"; the job's precision is {got} from now on"
     return [SetDesired(state, f"launch generation {gen} from step {load_step}: {why}{fixed}")]
+
+
+def _holders(d: DesiredState, o: Observed, load_step: int) -> frozenset[str]:
+    """The nodes of ``d``'s layout whose workers hold ``load_step`` unbroken, as their
+    statuses say (held, this generation, no failure, at that step): what the engine takes
+    as holders at an in-place launch (``in_place.handshake``), the rest read their stage
+    from the checkpoint. Sizes the in-place LOAD (``decision_types._in_place_reads``:
+    after an abort, none, whatever the statuses say)."""
+    return frozenset(
+        n
+        for n in d.placement
+        if (st := o.status.get(n)) is not None
+        and st.state == "held"
+        and st.generation == d.generation
+        and not st.failure
+        and st.held_step == load_step
+    )
 
 
 def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Action]:

@@ -35,7 +35,7 @@ contract): layer sizes come from the model spec and the simulator's per-TP-rank 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -366,16 +366,23 @@ def in_place_read_bytes(
     new: Plan,
     new_placement: Mapping[str, tuple[int, ...]],
     model: ModelSpec,
+    valid: Collection[str] | None = None,
 ) -> dict[str, int]:
     """node -> checkpoint bytes its ranks read at an in-place launch from ``old`` to ``new``:
     each new rank its TP slice of the layers no complete surviving replica group of ``old``
     holds (``relayout.schedule``'s ``checkpoint`` layers, the engine's own plan diff).
-    Survivors: the held workers of every node in both layouts, matched to new ranks as the
-    agent matches them; each is taken as unbroken at the stop step. One that is not (a
-    worker that failed while held) makes its layers read too: such a LOAD can outlast this
-    deadline, and falls back to the restart path, whose LOAD is sized in full."""
+    Survivors: the held workers of the nodes of both layouts in ``valid`` (None: every
+    one), matched to new ranks as the agent matches them; each taken as unbroken at the
+    load step, as the engine requires of a holder (``in_place.handshake``). The caller
+    leaves out the nodes that are not (``decision_types._in_place_reads``: after an abort,
+    none is); () sizes the full read of every rank's stage. A worker that fails while held
+    after the launch makes its layers read too: such a LOAD can outlast this deadline,
+    and falls back to the restart path, whose LOAD is sized in full."""
     _check(old, model)
     _check(new, model)
+    if valid is not None:
+        kept = set(valid)
+        old_placement = {n: rs for n, rs in old_placement.items() if n in kept}
     holders = _held_ranks(old, old_placement, new, new_placement)
     sched = schedule(old, holders, new)
     tps = [p.tp for p in new.rank_table()]

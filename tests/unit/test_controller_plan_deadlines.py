@@ -26,6 +26,7 @@ from sailor.controller.decision_types import (
     move_to,
     phase_deadline,
 )
+from sailor.controller.launch import launch_next
 from sailor.controller.phases import PhaseDeadlines
 from sailor.controller.plan_deadlines import (
     CHECKPOINT_BYTES_PER_PARAM,
@@ -633,6 +634,89 @@ def test_an_in_place_load_that_reads_layers_is_sized_by_them() -> None:
     # the restart path's launch sizes a full read, and records no in-place reads
     again = move_to(down, Phase.LAUNCH, NOW, cfg, generation=3, plan=new, placement=new_place)
     assert again.in_place_reads == {}
+
+
+def _dp(n: int, plan_id: str) -> Plan:
+    """LLaMA-7B, ``n`` data-parallel replicas of one TP8 stage, one node each."""
+    last = LLAMA_7B.num_all_layers - 1
+    replica = ReplicaGroup(gpu_type="A100-80", zone="z", tp=8, gpus_per_node=8)
+    stage = Stage(first_layer=0, last_layer=last, replica=replica)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=8)
+    return Plan(
+        plan_id=plan_id, model=LLAMA_7B.name, global_batch_size=8 * n, pipelines=(pipe,) * n
+    )
+
+
+_DP3 = {"n1": tuple(range(8)), "n2": tuple(range(8, 16)), "n3": tuple(range(16, 24))}
+_DP2 = {"n1": tuple(range(8)), "n2": tuple(range(8, 16))}
+
+
+def _dp_teardown(aborted: bool) -> DesiredState:
+    """Generation 2 of three DP nodes in TEARDOWN, n3 gone, the next plan on n1 and n2."""
+    return DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.TEARDOWN,
+        plan=_dp(3, "dp3"),
+        placement=_DP3,
+        membership=("n1", "n2", "n3"),
+        load_step=12,
+        aborted=aborted,
+        cause="n3 lost without notice" if aborted else "preemption notice",
+        next_plan=_dp(2, "dp2"),
+        next_placement=_DP2,
+        next_membership=("n1", "n2"),
+    )
+
+
+def test_an_in_place_load_after_an_abort_is_sized_as_a_full_read() -> None:
+    """A loss without notice: the abort asks the survivors to leave their world mid-step,
+    and they hold broken (the agent reports no failure for a hold it asked for): the
+    engine takes none as a holder, and each reads its whole stage. Sized as if they held
+    the commit, the in-place LOAD got the 120 s floor for 80.9 GB a node (the restart
+    path's LOAD allows ~1254 s), and fell back to the restart path every time. Now it is
+    sized as the restart path's; after a notice (no abort) the survivors hold the commit
+    and read nothing."""
+    cfg = large_cfg(in_place=True)
+    old, new = _dp(3, "dp3"), _dp(2, "dp2")
+    assert len(schedule(old, {}, new).of(0).checkpoint) == LLAMA_7B.num_all_layers
+    full = read_bytes_per_node(new, _DP2, LLAMA_7B)
+    assert full["n1"] == pytest.approx(80.9e9, rel=1e-3)
+    launch = {"generation": 3, "plan": new, "placement": _DP2, "path": "in_place"}
+    up = move_to(_dp_teardown(aborted=True), Phase.LAUNCH, NOW, cfg, **launch)
+    assert up.in_place_reads == full
+    load = move_to(up, Phase.LOAD, NOW + 1, cfg)
+    restart = move_to(up.model_copy(update={"path": "restart"}), Phase.LOAD, NOW + 1, cfg)
+    assert load.phase_deadline == pytest.approx(restart.phase_deadline)
+    assert load.phase_deadline - NOW > 1200
+    clean = move_to(_dp_teardown(aborted=False), Phase.LAUNCH, NOW, cfg, **launch)
+    assert clean.in_place_reads == {}
+
+
+def test_an_in_place_launch_takes_as_holders_only_nodes_whose_status_holds_the_commit() -> None:
+    """Without an abort the statuses say who holds: a node held at another step than the
+    one loaded, or whose held workers report their world broke, holds nothing the engine
+    takes (``in_place.handshake``), and its stage is read from the checkpoint."""
+    cfg = large_cfg(in_place=True)
+    d = _dp_teardown(aborted=False)
+    full = read_bytes_per_node(_dp(2, "dp2"), _DP2, LLAMA_7B)
+
+    def reads(**by_node: dict[str, Any]) -> dict[str, int]:
+        status = {
+            n: AgentStatus(node_id=n, generation=2, state="held", held_step=12).model_copy(
+                update=by_node.get(n, {})
+            )
+            for n in ("n1", "n2")
+        }
+        o = Observed(now=NOW, nodes=_ns("n1", "n2"), status=status)
+        (a,) = launch_next(d, o, cfg, 12)
+        assert isinstance(a, SetDesired) and a.state.path == "in_place"
+        return dict(a.state.in_place_reads)
+
+    assert reads() == {}
+    assert reads(n1={"held_step": 11}) == {}  # n2 holds a whole replica: n1 receives it
+    assert reads(n1={"held_step": 11}, n2={"failure": "world aborted: peer n3 gone"}) == full
+    assert reads(n1={"generation": 1}, n2={"state": "running"}) == full
 
 
 def _mixed_layout(
