@@ -871,3 +871,54 @@ def test_the_in_place_sizing_places_each_rank_once_and_decides_as_rank_by_rank()
     assert got == sched
     assert got.transfers and any(rs.checkpoint for rs in got.ranks)  # every kind of source
     assert any(rs.kept for rs in got.ranks)
+
+
+def test_held_workers_take_the_ranks_whose_layers_they_keep_and_send_fewer_bytes() -> None:
+    """n1 held old ranks 0 (layers 0-16) and 1 (17-33) of a two-stage pipeline; the new plan
+    puts rank 1 (layers 0-16) and rank 2 (17-33) of its second pipeline there. Matched by
+    rank number, old rank 1 took new rank 1 and old rank 0 the other: neither kept a layer,
+    and n1 received its whole model over the network. Matched by the layers each keeps
+    (``relayout.kept_layers``), each keeps its stage: the controller's sizing and the
+    agent's match agree, and half the bytes are transferred."""
+    from sailor.agent.supervisor import _match_held
+    from sailor.agent.worker_view import WorkerView
+
+    last = LLAMA_7B.num_all_layers - 1
+    half = last // 2
+
+    def stage(first: int, end: int) -> Stage:
+        rg = ReplicaGroup(gpu_type="cpu", zone="z", gpus_per_node=1)
+        return Stage(first_layer=first, last_layer=end, replica=rg)
+
+    def pipe(*stages: Stage) -> Pipeline:
+        return Pipeline(stages=stages, microbatch_size=1, num_microbatches=2)
+
+    two = pipe(stage(0, half), stage(half + 1, last))
+    old = Plan(plan_id="old", model=LLAMA_7B.name, global_batch_size=2, pipelines=(two,))
+    new = Plan(
+        plan_id="new",
+        model=LLAMA_7B.name,
+        global_batch_size=4,
+        pipelines=(pipe(stage(0, last)), two),
+    )
+    old_place, new_place = {"n1": (0, 1)}, {"n2": (0,), "n1": (1, 2)}
+
+    def sent(holders: dict[int, int]) -> int:
+        return sum(
+            checkpoint_layer_bytes(LLAMA_7B, t.layer) for t in schedule(old, holders, new).transfers
+        )
+
+    free = [1, 0]  # the agent's preference order: rank not kept, rank
+    by_number = {
+        r: free[i] for r, i in match_held([(-1, w) for w in free], [1, 2], {1: -1, 2: -1}).items()
+    }
+    assert by_number == {1: 1, 2: 0}
+    by_layers = _held_ranks(old, old_place, new, new_place)
+    assert by_layers == {1: 0, 2: 1}
+    held = [WorkerView(rank=w, proc=None, gpu=-1) for w in free]  # type: ignore[arg-type]
+    agent = _match_held(held, [1, 2], {1: -1, 2: -1}, old, new)
+    assert {r: w.rank for r, w in agent.items()} == by_layers
+    whole = sum(checkpoint_layer_bytes(LLAMA_7B, x) for x in range(last + 1))
+    assert sent(by_number) == 2 * whole  # n2's rank 0 and n1's two ranks: every layer
+    assert sent(by_layers) == whole  # n2's rank 0 alone
+    assert not any(in_place_read_bytes(old, old_place, new, new_place, LLAMA_7B).values())
