@@ -2,7 +2,11 @@
 :class:`sailor.agent.daemon.Agent`): a command addressed to another node, or of a lower epoch
 than the highest seen, is refused; a higher epoch is persisted (the fence) before its command
 is applied; each command id is applied at most once (a repeat gets the first ack back, marked
-duplicate); a Launch reads its plan and training config first (``plan_source``); a command
+duplicate); a Launch of the launch its workers run already (``Supervisor.runs``: same
+generation, plan, ranks, master, checkpoint; a leader that adopted a LAUNCH after a failover
+sends it again under its own ids) is acknowledged, not applied again (that killed the ranks
+just started or handed over), and one of an earlier generation than the node's last is
+refused; a Launch reads its plan and training config first (``plan_source``); a command
 that fails is refused with its cause, and once the agent is shutting down every command is.
 Every refusal is on record twice: its ack and a journal line. No command of a controller of
 wire version 4 or later waits for a kill: an Abort is acked once its signals are sent (the
@@ -108,32 +112,29 @@ class AgentCommands:
             except OSError as exc:  # not applied (refused, on record): the controller re-sends
                 return self._refuse(cmd.command_id, f"epoch fence not persisted: {exc}"[:1000])
         self.max_epoch = cmd.epoch
+        reason = ""
         if isinstance(cmd, Launch):
-            if self.supervisor.kill_under_way and cmd.schema_version >= _KILLING_VERSION:
+            running = self.supervisor.generation
+            if cmd.generation < running:
+                return self._refuse(cmd.command_id, _older(cmd.generation, running))
+            if self.supervisor.runs(cmd):
+                # the launch its workers run, sent again under another id (a leader that
+                # adopted the LAUNCH after a failover): acknowledged, not applied again
+                reason = f"generation {cmd.generation} already running: not applied again"
+            elif self.supervisor.kill_under_way and cmd.schema_version >= _KILLING_VERSION:
                 # no rank starts on a GPU a killed worker's process may still hold, and the
                 # launch does not wait for them here (that held every command to this node
                 # up to the teardown bound): refused, not applied; the controller re-sends it.
                 # An older controller's waits (Supervisor.launch: the gate), as it did.
                 return self._refuse(cmd.command_id, _being_killed(self.supervisor.killing))
-            try:  # a Launch names its plan; read it from etcd (cached by plan id)
-                plan = await self._plans.resolve(cmd)
-            except TemporaryError as exc:  # not applied: the controller re-sends it
-                return self._refuse(cmd.command_id, f"plan {cmd.plan_id}: {exc}"[:1000])
-            try:  # and its training config, by digest (none: the workers' defaults)
-                training = await self._plans.training(cmd)
-            except TemporaryError as exc:
-                return self._refuse(cmd.command_id, f"training config: {exc}"[:1000])
-            try:
-                await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
-            except SupervisorClosedError:  # the agent began shutting down meanwhile
-                return self._refuse(cmd.command_id, "agent shutting down")
-            except WorkerTeardownError as exc:  # also the status's failure (retry false)
-                return self._refuse(cmd.command_id, f"a killed worker holds on: {exc}"[:1000])
+            else:
+                refused = await self._launch(cmd)
+                if refused is not None:
+                    return refused
         elif isinstance(cmd, Stop):
             self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
             self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below, cmd.periodic)
-        reason = ""
         if isinstance(cmd, Abort):
             # acked once the signals are sent (a hold: once the workers held or the grace
             # period passed): the kill's end is in the status (``killing``, then idle, or
@@ -155,6 +156,25 @@ class AgentCommands:
             self.applied.popitem(last=False)
         self.supervisor.changed.set()
         return ack
+
+    async def _launch(self, cmd: Launch) -> CommandAck | None:
+        """Apply ``cmd``: its plan and training config read, its workers started; the
+        refusal if it was not applied."""
+        try:  # a Launch names its plan; read it from etcd (cached by plan id)
+            plan = await self._plans.resolve(cmd)
+        except TemporaryError as exc:  # not applied: the controller re-sends it
+            return self._refuse(cmd.command_id, f"plan {cmd.plan_id}: {exc}"[:1000])
+        try:  # and its training config, by digest (none: the workers' defaults)
+            training = await self._plans.training(cmd)
+        except TemporaryError as exc:
+            return self._refuse(cmd.command_id, f"training config: {exc}"[:1000])
+        try:
+            await self.supervisor.launch(cmd.model_copy(update={"plan": plan}), training)
+        except SupervisorClosedError:  # the agent began shutting down meanwhile
+            return self._refuse(cmd.command_id, "agent shutting down")
+        except WorkerTeardownError as exc:  # also the status's failure (retry false)
+            return self._refuse(cmd.command_id, f"a killed worker holds on: {exc}"[:1000])
+        return None
 
     def _refuse(self, command_id: str, reason: str) -> CommandAck:
         """The refusal ack, and a journal line: every refused command is on record twice."""
@@ -179,6 +199,14 @@ def _being_killed(groups: int) -> str:
     return (
         f"workers being killed: {groups} process group(s) not gone yet (the status reports "
         "killing until they are; no rank starts on their GPUs meanwhile)"
+    )
+
+
+def _older(generation: int, running: int) -> str:
+    """Why a Launch of an earlier generation than the node's last is refused."""
+    return (
+        f"generation {generation} is older than generation {running} launched here: "
+        "generations only go up (a Launch from a controller that missed the later one)"
     )
 
 

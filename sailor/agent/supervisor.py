@@ -78,6 +78,7 @@ from sailor.coordination import TaskSet
 from sailor.megatron_patch.devices import worker_env
 from sailor.megatron_patch.held_match import match_held
 from sailor.megatron_patch.parent_death import PARENT_ENV
+from sailor.megatron_patch.relayout import kept_layers
 from sailor.schemas.commands import Launch
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.plan import Plan
@@ -110,13 +111,44 @@ def _gpu_of(plan: Plan, rank: int) -> int:
 
 
 def _match_held(
-    held: list[WorkerView], ranks: list[int], gpu_of: dict[int, int]
+    held: list[WorkerView],
+    ranks: list[int],
+    gpu_of: dict[int, int],
+    old: Plan | None = None,
+    new: Plan | None = None,
 ) -> dict[int, WorkerView]:
     """Which held worker takes which rank (``held`` in preference order; ranks in order):
     :func:`~sailor.megatron_patch.held_match.match_held`, which the controller's in-place
-    LOAD deadline uses too."""
-    picked = match_held([(w.gpu, w.rank) for w in held], ranks, gpu_of)
+    LOAD deadline uses too, by the layers each keeps (``relayout.kept_layers``) when the
+    plans of its held workers (``old``) and of the launch (``new``) are known."""
+    kept = None
+    if old is not None and new is not None:
+        old_table, new_table = old.rank_table(), new.rank_table()
+
+        def kept(i: int, r: int) -> int:
+            w = held[i].rank
+            return kept_layers(old_table[w], new_table[r]) if 0 <= w < len(old_table) else 0
+
+    picked = match_held([(w.gpu, w.rank) for w in held], ranks, gpu_of, kept)
     return {r: held[i] for r, i in picked.items()}
+
+
+def launch_key(cmd: Launch) -> tuple[object, ...]:
+    """What makes two Launches one launch: what its workers are started with, not its
+    command id, epoch or deadline (a leader that adopts a LAUNCH after a failover sends it
+    again under ids of its own epoch)."""
+    return (
+        cmd.generation,
+        cmd.plan_id,
+        cmd.plan_sha256,
+        tuple(sorted(cmd.ranks)),
+        cmd.world_size,
+        cmd.master,
+        cmd.checkpoint,
+        cmd.load_step,
+        cmd.training_sha256,
+        cmd.in_place,
+    )
 
 
 class Supervisor(SupervisorStatus, WorkerOutput):
@@ -162,6 +194,9 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         """A previous agent's kill is under way (``restore_killed``)."""
         self.generation = -1
         self.plan_id = ""
+        self.plan: Plan | None = None
+        """The plan of the current generation's workers (the held ones' at an in-place
+        launch: which layers each keeps)."""
         self.start_step = -1
         self.workers: list[WorkerView] = []
         self.spares: list[WorkerView] = []
@@ -179,6 +214,22 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         last handed a rank: at :data:`SPARE_FAILURES` no more are started, and none is
         wanted (``spares_wanted``)."""
         self._control_state: dict[str, object] = {}
+        self._launched: tuple[object, ...] | None = None
+        """:func:`launch_key` of the last launch that started all its ranks."""
+
+    def runs(self, cmd: Launch) -> bool:
+        """Whether this node's workers run ``cmd``'s launch now (:func:`launch_key`): every
+        rank it names started by that launch, alive and not held. Such a Launch applied
+        again would kill them (in place: the workers just handed their ranks are not held;
+        restart: its abort) and start them over."""
+        return (
+            self._launched == launch_key(cmd)
+            and bool(self.workers)
+            and all(
+                w.exit_code is None and not w.held and w.generation == cmd.generation
+                for w in self.workers
+            )
+        )
 
     @property
     def kill_grace_s(self) -> float:
@@ -249,16 +300,18 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             raise
         gen_dir, plan_path, extra = self._gen_files(cmd, training)
         self._control_state = {}
+        held_plan, self.plan = self.plan, cmd.plan
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
+        self._launched = None  # until every rank of this launch has started
         self.start_step = cmd.load_step
         self.expect_exit = False
         self.in_place = cmd.in_place
         gpu_of = {r: _gpu_of(cmd.plan, r) for r in cmd.ranks}
         # A held worker keeps its GPU where it can (its CUDA context and shards live there:
-        # a worker moved to another GPU keeps a context on both), then its rank (it holds
-        # those layers), then any.
+        # a worker moved to another GPU keeps a context on both), then the rank whose
+        # layers it keeps the most of (each kept is neither sent nor read), then any.
         reusable.sort(key=lambda w: (w.rank not in cmd.ranks, w.rank))
-        matched = _match_held(reusable, sorted(cmd.ranks), gpu_of)
+        matched = _match_held(reusable, sorted(cmd.ranks), gpu_of, held_plan, cmd.plan)
         # Held workers this layout has no rank for leave the generation now: asked to go,
         # their end is no failure of this one (they are killed once it is launched)
         leftovers = [w for w in reusable if w not in matched.values()]
@@ -301,6 +354,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             self.workers, self._launching = [], []
             raise
         self.workers, self._launching = assigned, []
+        self._launched = launch_key(cmd)
         if leftovers and not self.closed:  # after the ack: the new ranks need not wait for them
             self._tasks.spawn("let-go", self._let_go(leftovers))
         if self.closed:  # close() came mid-launch and killed what it had started

@@ -17,7 +17,7 @@ the phase modules (they import this one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, TypeVar
@@ -358,11 +358,26 @@ def _reads_checkpoint(d: DesiredState) -> bool:
     return d.load_step >= 0 and d.path != "in_place"
 
 
-def _in_place_reads(prev: DesiredState, nxt: DesiredState, cfg: DecideConfig) -> dict[str, int]:
+def _in_place_reads(
+    prev: DesiredState,
+    nxt: DesiredState,
+    cfg: DecideConfig,
+    holders: Collection[str] | None = None,
+) -> dict[str, int]:
     """The checkpoint bytes per node an in-place launch from ``prev``'s layout to ``nxt``'s
     reads (``plan_deadlines.in_place_read_bytes``); {} on the restart path, without a
     checkpoint to load, or when the plans cannot be sized (no model spec, derivation off,
-    another model's plan): LOAD is then sized as reading nothing."""
+    another model's plan): LOAD is then sized as reading nothing.
+
+    ``holders``: the nodes whose held workers hold ``nxt``'s load step unbroken (None: every
+    node of both layouts). After an abort (``prev.aborted``) none does, whatever their
+    status says: the abort asks the workers to leave their world mid-step (they hold
+    *broken*, and the agent reports no failure for a hold it asked for) or finds them held
+    at a stop step whose checkpoint did not commit, and the engine takes as holders only
+    workers unbroken at the load step (``in_place.handshake``). Each survivor then reads its
+    whole stage: a loss without notice of one of three TP8 DP nodes of LLaMA-7B reads
+    80.9 GB a node, which the 120 s floor the valid-holder sizing gave could not cover (the
+    restart path allowed ~1254 s), and the in-place path failed back to it every time."""
     model, old, new = cfg.model, prev.plan, nxt.plan
     if nxt.path != "in_place" or nxt.load_step < 0 or not cfg.deadlines.derive.enabled:
         return {}
@@ -370,7 +385,9 @@ def _in_place_reads(prev: DesiredState, nxt: DesiredState, cfg: DecideConfig) ->
         return {}
     if mismatch(old, model) is not None or mismatch(new, model) is not None:
         return {}
-    reads = in_place_read_bytes(old, prev.placement, new, nxt.placement, model)
+    if prev.aborted:
+        holders = ()
+    reads = in_place_read_bytes(old, prev.placement, new, nxt.placement, model, holders)
     return {n: b for n, b in sorted(reads.items()) if b}
 
 
@@ -411,10 +428,18 @@ def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline
 
 
 def move_to(
-    d: DesiredState, phase: Phase, now: float, cfg: DecideConfig, **kw: object
+    d: DesiredState,
+    phase: Phase,
+    now: float,
+    cfg: DecideConfig,
+    *,
+    holders: Collection[str] | None = None,
+    **kw: object,
 ) -> DesiredState:
     """``d`` in ``phase`` since ``now`` with ``kw`` applied, its deadline
-    :func:`phase_deadline`'s of that state (a LAUNCH's new plan and placement included)."""
+    :func:`phase_deadline`'s of that state (a LAUNCH's new plan and placement included).
+    ``holders``, at a LAUNCH: the nodes whose held workers are valid holders of its load
+    step (:func:`_in_place_reads`; None: every node)."""
     check_transition(d.phase, phase)
     update: dict[str, object] = {"phase": phase, "phase_since": now, "phase_epoch": d.epoch}
     if d.phase is Phase.RUNNING and phase is not Phase.RUNNING:
@@ -425,7 +450,8 @@ def move_to(
     nxt = d.model_copy(update=update)
     if phase is Phase.LAUNCH and "in_place_reads" not in kw:
         # the previous layout is known here only: what its LOAD reads is sized now
-        nxt = nxt.model_copy(update={"in_place_reads": _in_place_reads(d, nxt, cfg)})
+        reads = _in_place_reads(d, nxt, cfg, holders)
+        nxt = nxt.model_copy(update={"in_place_reads": reads})
     if "phase_deadline" in kw:
         return nxt
     length = phase_deadline(nxt, phase, cfg).seconds

@@ -235,6 +235,7 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         job_precision=got,
         path=path,
         path_reason=why,
+        holders=_holders(d, o, load_step),
         plan_failed="",  # a launch: any earlier failed search is behind it
         # the previous generation's abort: its lost nodes and SIGABRTs are its own
         lost_nodes=(),
@@ -248,6 +249,23 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     return [SetDesired(state, why, load_directory=load_directory(state, o, cfg))]
 
 
+def _holders(d: DesiredState, o: Observed, load_step: int) -> frozenset[str]:
+    """The nodes of ``d``'s layout whose workers hold ``load_step`` unbroken, as their
+    statuses say (held, this generation, no failure, at that step): what the engine takes
+    as holders at an in-place launch (``in_place.handshake``), the rest read their stage
+    from the checkpoint. Sizes the in-place LOAD (``decision_types._in_place_reads``:
+    after an abort, none, whatever the statuses say)."""
+    return frozenset(
+        n
+        for n in d.placement
+        if (st := o.status.get(n)) is not None
+        and st.state == "held"
+        and st.generation == d.generation
+        and not st.failure
+        and st.held_step == load_step
+    )
+
+
 def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Action]:
     """No launch while the config contradicts the job's precision (``precision_conflict``)
     or no recorded commit is readable (:func:`unloadable`): IDLE, the reason as the desired
@@ -259,6 +277,24 @@ def _held(d: DesiredState, o: Observed, cfg: DecideConfig, why: str) -> list[Act
         return [SetDesired(d.model_copy(update={"cause": why}), why)]
     idle = move_to(d, Phase.IDLE, o.now, cfg, placement={}, plan=None, membership=(), cause=why)
     return [SetDesired(idle, why)]
+
+
+def _launched(d: DesiredState, o: Observed, n: str) -> bool:
+    """Whether node ``n``'s Launch of ``d``'s LAUNCH is done: acked in this epoch, or, in a
+    LAUNCH adopted from another epoch (its acks lost with its leader), the node's status
+    reports this generation's workers of this plan running. Such a node is sent no Launch
+    again (its agent would acknowledge it without applying it: ``Supervisor.runs``)."""
+    if command_id_for(d, "launch", n) in o.acked:
+        return True
+    if d.phase_epoch == d.epoch or d.plan is None:
+        return False
+    st = o.status.get(n)
+    return (
+        st is not None
+        and st.generation == d.generation
+        and st.plan_id == d.plan.plan_id
+        and st.state == "running"
+    )
 
 
 def _behind(d: DesiredState, o: Observed) -> list[str]:
@@ -483,7 +519,7 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     """The move to the next phase once every placed node got as far as ``d``'s LAUNCH,
     LOAD or VERIFY waits for; [] before."""
     if d.phase is Phase.LAUNCH:
-        if any(command_id_for(d, "launch", n) not in o.acked for n in d.placement):
+        if not all(_launched(d, o, n) for n in d.placement):
             return []
         up = move_to(d, Phase.LOAD, o.now, cfg, launch_waited=())
         return [SetDesired(up, "every node launched")]
@@ -555,9 +591,9 @@ def launching(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     digest, world = _plan_facts(d.plan)
     training = training_digest(d.training) if d.training is not None else ""
     for n in sorted(d.placement):
-        cid = command_id_for(d, "launch", n)
-        if cid in o.acked:
+        if _launched(d, o, n):
             continue
+        cid = command_id_for(d, "launch", n)
         # its agent refuses every Launch while it kills workers (and said so): re-sent
         # each ``resend_s`` it was refused each time, two audit records a time through a
         # kill of up to two minutes. The kill's end (its status) wakes the pass that sends

@@ -11,8 +11,13 @@ for each of its ranks and some rank reported a new step since the last fit. The 
 1. fits the running plan's constants (in a thread), starting from the kept calibration;
 2. counts the fit stable when no compute scale moved by more than ``stable_tolerance`` (or
    its own uncertainty) since the previous fit of the generation;
-3. keeps a new **version** when a fitted constant moved that much since the kept one (the
-   first fit always): ``calibration/versions/<n>`` and the pointer ``calibration/current`` in
+3. keeps a new **version** when a fitted constant moved that much since the kept one (or,
+   once per generation, the fit halves the kept calibration's miss of the running plan),
+   the first version as every later one, and only when the generation's last
+   ``stable_reports`` fits agree and the fit predicts the running plan no worse than the
+   kept calibration (or within the tolerance); a fit that moved and is not kept is logged
+   (``calibration_not_kept``) with why. A version is ``calibration/versions/<n>`` and the
+   pointer ``calibration/current`` in
    one transaction guarded by the leader's epoch, a ``calibration`` audit record (version,
    constants with their ranges, prediction error before and after), and hands it to the
    planner (every later plan, membership changes included, is priced with it);
@@ -81,7 +86,7 @@ from sailor.schemas.runtime import DesiredState, Phase
 from sailor.schemas.training import TrainingConfig
 from sailor.simulator import simulate
 from sailor.simulator.fit_corners import range_corners
-from sailor.simulator.online_fit import fit_online
+from sailor.simulator.online_fit import MAX_SCALE_STEP, at_bound, fit_online
 
 __all__ = ["KEEP_VERSIONS", "Calibrator", "load_trace"]
 
@@ -89,6 +94,9 @@ _log = structlog.get_logger("sailor.controller")
 
 KEEP_VERSIONS = 20
 """Calibration versions kept in etcd; writing version n deletes version n - 20."""
+
+_MISPREDICTS = "running plan: error "
+"""How a version kept for the running plan's misprediction says so (``moved``)."""
 
 PLAN_TIMEOUT_S = 60.0
 """The best plan under a new calibration must come within this (like a replan)."""
@@ -158,6 +166,9 @@ class Calibrator:
         self._decided = -1  # generation a recalibration replan was decided in
         self._failed = -1  # generation whose fit or judgement failed (not retried)
         self._refit = -1  # generation whose misprediction was kept (once per generation)
+        self._short = False
+        """The kept version bounded a compute scale (``online_fit.MAX_SCALE_STEP``): the
+        measurement lies further, no replan is judged until a version reaches it."""
         self._phases: list[tuple[str, float]] = []
         self._phase: tuple[int, Phase] | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -284,6 +295,7 @@ class Calibrator:
             calibration=base,
             gpu_specs=inp.gpu_specs,
             anchor=inp.calibration,
+            max_step=MAX_SCALE_STEP,
         )
         self.fits += 1
         self.measured = _measured(fit, f"fit of generation {d.generation}")
@@ -293,14 +305,20 @@ class Calibrator:
         self._stable = self._stable + 1 if prev is None or self._agrees(prev, fit) else 1
         self.last_fit = fit
         self._last_fit_step = newest
-        moved = self._moved(fit, base)
-        if not moved and self._refit != d.generation and self._stable >= self.policy.stable_reports:
-            moved = self._mispredicts(fit)
-            if moved:
+        moved, refused = self._to_keep(fit, base, d.generation)
+        if moved:
+            if moved[0].startswith(_MISPREDICTS):
                 self._refit = d.generation
-        if self.version == 0 or moved:
             await self._keep(fit, d, store, lead, moved)
+        elif refused:
+            _log.warning("calibration_not_kept", generation=d.generation, reason=refused)
         if not self.settings.replan or d.generation <= self._decided or not self._runs(d):
+            return
+        if self.version == 0 or self._short:
+            # none kept (the configured constants priced the running plan as measured, or
+            # the fits are not stable yet: nothing to replan for), or the kept version
+            # holds a compute scale on its way (the next fits move it on): no layout is
+            # judged by a calibration the measurement says falls short
             return
         decision, best = await self._judge(d, plan, fit, nodes, newest)
         if not self._runs(d):  # the layout changed while the planner searched: moot
@@ -343,6 +361,39 @@ class Calibrator:
                 return False
         return True
 
+    def _to_keep(self, fit: OnlineFit, kept: Calibration, generation: int) -> tuple[list[str], str]:
+        """Whether ``fit`` becomes the next version: (why: the constants that moved from
+        ``kept`` or the running plan's misprediction it halves; [] keeps nothing), and why a
+        fit that moved is not kept ('' otherwise). Every version, the first included (it
+        was kept whatever it was), needs the generation's fits stable (``stable_reports``
+        in a row agreeing: one fit of early or disturbed steps priced every membership
+        replan after it) and a prediction of the running plan no worse than the kept
+        calibration's, or within the tolerance (:meth:`_worse`)."""
+        if self._stable < self.policy.stable_reports:
+            return [], ""
+        moved = self._moved(fit, kept)
+        if not moved and self._refit != generation:
+            moved = self._mispredicts(fit)
+        if not moved:
+            return [], ""
+        worse = self._worse(fit)
+        return ([], worse) if worse else (moved, "")
+
+    def _worse(self, fit: OnlineFit) -> str:
+        """Why ``fit`` predicts the running plan worse than the calibration it started from
+        (the kept one), beyond the tolerance; '' when it does not. Constants fitted each
+        from the measurement that isolates it can still add up to a worse iteration time
+        (a pipeline wait or sync the cost model attributes otherwise): such a fit is no
+        better calibration for the planner than the kept one."""
+        before, after = fit.error_before, fit.error_after
+        tol = self.settings.stable_tolerance
+        if abs(after) <= max(abs(before), tol):
+            return ""
+        return (
+            f"the fit predicts the running plan worse than the kept calibration: error "
+            f"{before:+.1%} -> {after:+.1%} (tolerance {tol:.0%})"
+        )
+
     def _mispredicts(self, fit: OnlineFit) -> list[str]:
         """The running plan's prediction, when the kept calibration misses its measured step
         by more than the tolerance and the fit halves the miss (once per generation, when
@@ -353,7 +404,7 @@ class Calibrator:
         starts from it)."""
         before, after = fit.error_before, fit.error_after
         if abs(before) > self.settings.stable_tolerance and abs(after) <= abs(before) / 2:
-            return [f"running plan: error {before:+.1%} -> {after:+.1%}"]
+            return [f"{_MISPREDICTS}{before:+.1%} -> {after:+.1%}"]
         return []
 
     def _moved(self, fit: OnlineFit, kept: Calibration) -> list[str]:
@@ -397,6 +448,7 @@ class Calibrator:
             delete=[self.keys.calibration_version(old)] if old >= 1 else [],
         )
         self.version, self.calibration = version, fit.calibration
+        self._short = any(at_bound(c) for c in fit.constants)
         self.audit.write(
             "calibration",
             now,
@@ -518,6 +570,7 @@ class Calibrator:
             return
         if rec.version >= self.version:
             self.version, self.calibration = rec.version, rec.fit.calibration
+            self._short = any(at_bound(c) for c in rec.fit.constants)
             if self.measured is None:
                 self.measured = _measured(rec.fit, f"calibration v{rec.version}")
             self._hand_to_planner(rec.fit.calibration)

@@ -35,19 +35,19 @@ contract): layer sizes come from the model spec and the simulator's per-TP-rank 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from pydantic import Field
 
 from sailor.checkpoint.assignment import writer_assignment
 from sailor.megatron_patch.held_match import match_held
-from sailor.megatron_patch.relayout import schedule
+from sailor.megatron_patch.relayout import kept_layers, schedule
 from sailor.schemas._base import Frozen
 from sailor.schemas.checkpoint import TENSOR_KINDS
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec, padded_vocab
-from sailor.schemas.plan import Plan
+from sailor.schemas.plan import Plan, RankPlace
 from sailor.schemas.precision import MASTER_BYTES
 from sailor.schemas.runtime import Phase
 from sailor.simulator.estimate_profile import estimate_layer_size
@@ -338,26 +338,38 @@ def _held_ranks(
     new_placement: Mapping[str, tuple[int, ...]],
 ) -> dict[int, int]:
     """new rank -> the old rank whose held worker takes it, on every node of both layouts:
-    the agent's match (:func:`~sailor.megatron_patch.held_match.match_held`) over the node's
-    held workers in the agent's preference order (rank not kept, rank). A CPU kind has no
-    GPU to keep (-1)."""
+    the agent's match (:func:`~sailor.megatron_patch.held_match.match_held`, by the layers
+    each keeps: ``relayout.kept_layers``) over the node's held workers in the agent's
+    preference order (rank not kept, rank). A CPU kind has no GPU to keep (-1)."""
+    old_table, new_table = old.rank_table(), new.rank_table()
 
-    def gpus(plan: Plan) -> list[int]:
-        """Each rank's node-local GPU (-1: a CPU kind), from one pass over the plan."""
-        return [-1 if is_cpu_type(p.gpu_type) else p.local_gpu for p in plan.rank_table()]
+    def gpu(p: RankPlace) -> int:
+        return -1 if is_cpu_type(p.gpu_type) else p.local_gpu
 
-    old_gpu, new_gpu = gpus(old), gpus(new)
     out: dict[int, int] = {}
-    n_old = len(old_gpu)
+    n_old = len(old_table)
     for node, new_ranks in new_placement.items():
         ranks = sorted(new_ranks)
         free = sorted(
             (r for r in old_placement.get(node, ()) if 0 <= r < n_old),
             key=lambda r: (r not in ranks, r),
         )
-        picked = match_held([(old_gpu[w], w) for w in free], ranks, {r: new_gpu[r] for r in ranks})
+        picked = match_held(
+            [(gpu(old_table[w]), w) for w in free],
+            ranks,
+            {r: gpu(new_table[r]) for r in ranks},
+            _kept_by(old_table, new_table, free),
+        )
         out.update((r, free[i]) for r, i in picked.items())
     return out
+
+
+def _kept_by(
+    old_table: tuple[RankPlace, ...], new_table: tuple[RankPlace, ...], held: list[int]
+) -> Callable[[int, int], int]:
+    """``match_held``'s ``kept``: the layers the worker of old rank ``held[i]`` keeps at
+    new rank ``r``."""
+    return lambda i, r: kept_layers(old_table[held[i]], new_table[r])
 
 
 def in_place_read_bytes(
@@ -366,16 +378,23 @@ def in_place_read_bytes(
     new: Plan,
     new_placement: Mapping[str, tuple[int, ...]],
     model: ModelSpec,
+    valid: Collection[str] | None = None,
 ) -> dict[str, int]:
     """node -> checkpoint bytes its ranks read at an in-place launch from ``old`` to ``new``:
     each new rank its TP slice of the layers no complete surviving replica group of ``old``
     holds (``relayout.schedule``'s ``checkpoint`` layers, the engine's own plan diff).
-    Survivors: the held workers of every node in both layouts, matched to new ranks as the
-    agent matches them; each is taken as unbroken at the stop step. One that is not (a
-    worker that failed while held) makes its layers read too: such a LOAD can outlast this
-    deadline, and falls back to the restart path, whose LOAD is sized in full."""
+    Survivors: the held workers of the nodes of both layouts in ``valid`` (None: every
+    one), matched to new ranks as the agent matches them; each taken as unbroken at the
+    load step, as the engine requires of a holder (``in_place.handshake``). The caller
+    leaves out the nodes that are not (``decision_types._in_place_reads``: after an abort,
+    none is); () sizes the full read of every rank's stage. A worker that fails while held
+    after the launch makes its layers read too: such a LOAD can outlast this deadline,
+    and falls back to the restart path, whose LOAD is sized in full."""
     _check(old, model)
     _check(new, model)
+    if valid is not None:
+        kept = set(valid)
+        old_placement = {n: rs for n, rs in old_placement.items() if n in kept}
     holders = _held_ranks(old, old_placement, new, new_placement)
     sched = schedule(old, holders, new)
     tps = [p.tp for p in new.rank_table()]

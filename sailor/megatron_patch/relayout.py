@@ -46,6 +46,7 @@ __all__ = [
     "batch_peak",
     "buckets",
     "exchange_transients",
+    "kept_layers",
     "schedule",
 ]
 
@@ -128,6 +129,15 @@ def _kept(old_place: RankPlace | None, new_place: RankPlace, layer: int) -> bool
         and old_place.tp == new_place.tp
         and old_place.tp_rank == new_place.tp_rank
     )
+
+
+def kept_layers(old_place: RankPlace, new_place: RankPlace) -> int:
+    """The layers of ``new_place``'s stage a worker of ``old_place`` keeps if it takes that
+    rank (the ``kept`` of :func:`schedule`: held at the same TP degree and TP rank)."""
+    if old_place.tp != new_place.tp or old_place.tp_rank != new_place.tp_rank:
+        return 0
+    lo = max(old_place.first_layer, new_place.first_layer)
+    return max(0, min(old_place.last_layer, new_place.last_layer) - lo + 1)
 
 
 def schedule(old: Plan | None, holders: Mapping[int, int], new: Plan) -> Schedule:

@@ -195,6 +195,25 @@ def test_a_launch_adopted_from_another_epoch_charges_nobody_for_missing_acks() -
     assert set(_abort(d, o).state.node_health) == {"n2"}
 
 
+def test_an_adopted_launch_takes_the_nodes_running_its_generation_as_launched() -> None:
+    """After a failover in LAUNCH, a node whose status reports this generation's workers of
+    this plan running applied its Launch (the ack went to the leader that died): it is sent
+    none again, and once every node is so the phase moves on. Before, each was sent a
+    Launch under the new epoch's id, which its agent applied a second time (the ranks just
+    started were killed and started over). A LAUNCH this leader began counts its acks."""
+    d = _launching(Phase.LAUNCH, phase_epoch=6, phase_deadline=NOW + 10)
+    assert d.plan is not None
+    up = [st(i, gen=2).model_copy(update={"plan_id": d.plan.plan_id}) for i in IDS]
+    starting = [st(i, gen=2, state="idle") for i in (3, 4)]
+    o = obs(nodes(*IDS), [*up[:2], *starting])
+    assert kinds(decide(d, o, CFG)) == ["send:launch:n3", "send:launch:n4"]
+    other = [s.model_copy(update={"plan_id": "another"}) for s in up]
+    assert kinds(decide(d, obs(nodes(*IDS), other), CFG)) == [f"send:launch:n{i}" for i in IDS]
+    assert kinds(decide(d, obs(nodes(*IDS), up), CFG)) == ["set:load"]
+    mine = _launching(Phase.LAUNCH, phase_deadline=NOW + 10)
+    assert kinds(decide(mine, obs(nodes(*IDS), up), CFG)) == [f"send:launch:n{i}" for i in IDS]
+
+
 def test_a_missed_deadline_is_not_taken_back_when_the_node_then_fails_like_its_peers() -> None:
     """At the teardown every node reports the same failure of the generation (the
     rendezvous timed out waiting for n2): the job's, and n2's missed deadline stays its own

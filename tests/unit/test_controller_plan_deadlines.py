@@ -26,6 +26,7 @@ from sailor.controller.decision_types import (
     move_to,
     phase_deadline,
 )
+from sailor.controller.launch import launch_next
 from sailor.controller.phases import PhaseDeadlines
 from sailor.controller.plan_deadlines import (
     CHECKPOINT_BYTES_PER_PARAM,
@@ -635,6 +636,89 @@ def test_an_in_place_load_that_reads_layers_is_sized_by_them() -> None:
     assert again.in_place_reads == {}
 
 
+def _dp(n: int, plan_id: str) -> Plan:
+    """LLaMA-7B, ``n`` data-parallel replicas of one TP8 stage, one node each."""
+    last = LLAMA_7B.num_all_layers - 1
+    replica = ReplicaGroup(gpu_type="A100-80", zone="z", tp=8, gpus_per_node=8)
+    stage = Stage(first_layer=0, last_layer=last, replica=replica)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=8)
+    return Plan(
+        plan_id=plan_id, model=LLAMA_7B.name, global_batch_size=8 * n, pipelines=(pipe,) * n
+    )
+
+
+_DP3 = {"n1": tuple(range(8)), "n2": tuple(range(8, 16)), "n3": tuple(range(16, 24))}
+_DP2 = {"n1": tuple(range(8)), "n2": tuple(range(8, 16))}
+
+
+def _dp_teardown(aborted: bool) -> DesiredState:
+    """Generation 2 of three DP nodes in TEARDOWN, n3 gone, the next plan on n1 and n2."""
+    return DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.TEARDOWN,
+        plan=_dp(3, "dp3"),
+        placement=_DP3,
+        membership=("n1", "n2", "n3"),
+        load_step=12,
+        aborted=aborted,
+        cause="n3 lost without notice" if aborted else "preemption notice",
+        next_plan=_dp(2, "dp2"),
+        next_placement=_DP2,
+        next_membership=("n1", "n2"),
+    )
+
+
+def test_an_in_place_load_after_an_abort_is_sized_as_a_full_read() -> None:
+    """A loss without notice: the abort asks the survivors to leave their world mid-step,
+    and they hold broken (the agent reports no failure for a hold it asked for): the
+    engine takes none as a holder, and each reads its whole stage. Sized as if they held
+    the commit, the in-place LOAD got the 120 s floor for 80.9 GB a node (the restart
+    path's LOAD allows ~1254 s), and fell back to the restart path every time. Now it is
+    sized as the restart path's; after a notice (no abort) the survivors hold the commit
+    and read nothing."""
+    cfg = large_cfg(in_place=True)
+    old, new = _dp(3, "dp3"), _dp(2, "dp2")
+    assert len(schedule(old, {}, new).of(0).checkpoint) == LLAMA_7B.num_all_layers
+    full = read_bytes_per_node(new, _DP2, LLAMA_7B)
+    assert full["n1"] == pytest.approx(80.9e9, rel=1e-3)
+    launch = {"generation": 3, "plan": new, "placement": _DP2, "path": "in_place"}
+    up = move_to(_dp_teardown(aborted=True), Phase.LAUNCH, NOW, cfg, **launch)
+    assert up.in_place_reads == full
+    load = move_to(up, Phase.LOAD, NOW + 1, cfg)
+    restart = move_to(up.model_copy(update={"path": "restart"}), Phase.LOAD, NOW + 1, cfg)
+    assert load.phase_deadline == pytest.approx(restart.phase_deadline)
+    assert load.phase_deadline - NOW > 1200
+    clean = move_to(_dp_teardown(aborted=False), Phase.LAUNCH, NOW, cfg, **launch)
+    assert clean.in_place_reads == {}
+
+
+def test_an_in_place_launch_takes_as_holders_only_nodes_whose_status_holds_the_commit() -> None:
+    """Without an abort the statuses say who holds: a node held at another step than the
+    one loaded, or whose held workers report their world broke, holds nothing the engine
+    takes (``in_place.handshake``), and its stage is read from the checkpoint."""
+    cfg = large_cfg(in_place=True)
+    d = _dp_teardown(aborted=False)
+    full = read_bytes_per_node(_dp(2, "dp2"), _DP2, LLAMA_7B)
+
+    def reads(**by_node: dict[str, Any]) -> dict[str, int]:
+        status = {
+            n: AgentStatus(node_id=n, generation=2, state="held", held_step=12).model_copy(
+                update=by_node.get(n, {})
+            )
+            for n in ("n1", "n2")
+        }
+        o = Observed(now=NOW, nodes=_ns("n1", "n2"), status=status)
+        (a,) = launch_next(d, o, cfg, 12)
+        assert isinstance(a, SetDesired) and a.state.path == "in_place"
+        return dict(a.state.in_place_reads)
+
+    assert reads() == {}
+    assert reads(n1={"held_step": 11}) == {}  # n2 holds a whole replica: n1 receives it
+    assert reads(n1={"held_step": 11}, n2={"failure": "world aborted: peer n3 gone"}) == full
+    assert reads(n1={"generation": 1}, n2={"state": "running"}) == full
+
+
 def _mixed_layout(
     shapes: list[tuple[tuple[int, int], ...]], gpu: list[str]
 ) -> tuple[Plan, dict[str, tuple[int, ...]]]:
@@ -787,3 +871,54 @@ def test_the_in_place_sizing_places_each_rank_once_and_decides_as_rank_by_rank()
     assert got == sched
     assert got.transfers and any(rs.checkpoint for rs in got.ranks)  # every kind of source
     assert any(rs.kept for rs in got.ranks)
+
+
+def test_held_workers_take_the_ranks_whose_layers_they_keep_and_send_fewer_bytes() -> None:
+    """n1 held old ranks 0 (layers 0-16) and 1 (17-33) of a two-stage pipeline; the new plan
+    puts rank 1 (layers 0-16) and rank 2 (17-33) of its second pipeline there. Matched by
+    rank number, old rank 1 took new rank 1 and old rank 0 the other: neither kept a layer,
+    and n1 received its whole model over the network. Matched by the layers each keeps
+    (``relayout.kept_layers``), each keeps its stage: the controller's sizing and the
+    agent's match agree, and half the bytes are transferred."""
+    from sailor.agent.supervisor import _match_held
+    from sailor.agent.worker_view import WorkerView
+
+    last = LLAMA_7B.num_all_layers - 1
+    half = last // 2
+
+    def stage(first: int, end: int) -> Stage:
+        rg = ReplicaGroup(gpu_type="cpu", zone="z", gpus_per_node=1)
+        return Stage(first_layer=first, last_layer=end, replica=rg)
+
+    def pipe(*stages: Stage) -> Pipeline:
+        return Pipeline(stages=stages, microbatch_size=1, num_microbatches=2)
+
+    two = pipe(stage(0, half), stage(half + 1, last))
+    old = Plan(plan_id="old", model=LLAMA_7B.name, global_batch_size=2, pipelines=(two,))
+    new = Plan(
+        plan_id="new",
+        model=LLAMA_7B.name,
+        global_batch_size=4,
+        pipelines=(pipe(stage(0, last)), two),
+    )
+    old_place, new_place = {"n1": (0, 1)}, {"n2": (0,), "n1": (1, 2)}
+
+    def sent(holders: dict[int, int]) -> int:
+        return sum(
+            checkpoint_layer_bytes(LLAMA_7B, t.layer) for t in schedule(old, holders, new).transfers
+        )
+
+    free = [1, 0]  # the agent's preference order: rank not kept, rank
+    by_number = {
+        r: free[i] for r, i in match_held([(-1, w) for w in free], [1, 2], {1: -1, 2: -1}).items()
+    }
+    assert by_number == {1: 1, 2: 0}
+    by_layers = _held_ranks(old, old_place, new, new_place)
+    assert by_layers == {1: 0, 2: 1}
+    held = [WorkerView(rank=w, proc=None, gpu=-1) for w in free]  # type: ignore[arg-type]
+    agent = _match_held(held, [1, 2], {1: -1, 2: -1}, old, new)
+    assert {r: w.rank for r, w in agent.items()} == by_layers
+    whole = sum(checkpoint_layer_bytes(LLAMA_7B, x) for x in range(last + 1))
+    assert sent(by_number) == 2 * whole  # n2's rank 0 and n1's two ranks: every layer
+    assert sent(by_layers) == whole  # n2's rank 0 alone
+    assert not any(in_place_read_bytes(old, old_place, new, new_place, LLAMA_7B).values())

@@ -1,0 +1,158 @@
+"""A leader failover in LAUNCH, through the real control plane (nats-server, etcd, two
+controllers, agents with toy workers): the leader that adopts the phase sends each node its
+Launch again under ids of its own epoch, and the agents acknowledge the launch their
+workers already run without applying it again. Applied again, the in-place path killed the
+workers just handed their ranks and started new processes; the restart path's abort killed
+the ranks that had just started. On either path the ranks started by the first Launch are
+the ones that train on, and a Launch of an earlier generation is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from sailor.localservers import LocalServers
+from sailor.schemas.commands import CommandAdapter, Launch
+from sailor.schemas.runtime import CommandAck, Phase
+from tests.integration.cluster_kit import Cluster, until
+
+pytestmark = pytest.mark.usefixtures("no_task_leak")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, servers: LocalServers) -> AsyncIterator[Cluster]:
+    async with Cluster(tmp_path, servers) as c:
+        yield c
+
+
+def _pids(cluster: Cluster, node: str) -> set[int]:
+    return {w.proc.pid for w in cluster.agents[node][0].supervisor.workers}
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "restart"])
+async def test_a_failover_in_launch_keeps_the_launched_ranks(
+    cluster: Cluster, in_place: bool
+) -> None:
+    cluster.in_place = in_place
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", watch_file=True)
+    agent = cluster.start_agent("n2")
+    # n2 answers the Launch of the generation after the notice only once the test says
+    # so: the leader is crashed after n2 applied it and before it read the ack
+    target = {"generation": -1}
+    applied, answer = asyncio.Event(), asyncio.Event()
+    launches: list[tuple[int, str]] = []
+    handle: Callable[[bytes], Awaitable[bytes]] = agent._on_command
+
+    async def gated(data: bytes) -> bytes:
+        out = await handle(data)
+        cmd = CommandAdapter.validate_json(data)
+        if isinstance(cmd, Launch):
+            launches.append((cmd.generation, CommandAck.model_validate_json(out).reason))
+            if cmd.generation == target["generation"]:
+                target["generation"] = -1  # once
+                applied.set()
+                await answer.wait()
+        return out
+
+    agent._on_command = gated  # type: ignore[method-assign]  # bound by serve() at run
+
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40)
+    while sorted(ctl.desired.placement) != ["n1", "n2"]:
+        ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    gen = ctl.desired.generation
+    await cluster.wait_step(ctl, ["n1", "n2"], ctl.desired.load_step + 2, 15)
+    cluster.start_controller("c2")  # the standby
+    target["generation"] = gen + 1
+    (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
+    await asyncio.wait_for(applied.wait(), 40)
+    first = _pids(cluster, "n2")
+    assert first and agent.supervisor.generation == gen + 1
+    leader = cluster.leader()
+    name = next(n for n, (c, _) in cluster.controllers.items() if c is leader)
+    assert leader.desired is not None and leader.desired.phase is Phase.LAUNCH
+    await cluster.stop_controller(name, crash=True)
+    await until(lambda: any(c.leadership for c, _ in cluster.controllers.values()), 20, "a leader")
+    answer.set()
+
+    ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=gen)
+    d = ctl.desired
+    assert ctl is not leader and d.generation == gen + 1 and list(d.placement) == ["n2"]
+    assert d.path == ("in_place" if in_place else "restart")
+    await cluster.wait_step(ctl, ["n2"], d.load_step + 2, 15)
+    assert _pids(cluster, "n2") == first, launches  # the ranks the first Launch started
+    assert agent.supervisor.generation == gen + 1
+
+    # a Launch of an earlier generation (a controller that missed this one) is refused
+    old = Launch(
+        command_id="older",
+        epoch=d.epoch,
+        node_id="n2",
+        plan_id="p",
+        plan_sha256="x",
+        ranks=(0,),
+        world_size=1,
+        master="127.0.0.1:1",
+        generation=gen,
+    )
+    ack = CommandAck.model_validate_json(await handle(old.model_dump_json().encode()))
+    assert not ack.accepted and f"generation {gen} is older" in ack.reason, ack
+    assert _pids(cluster, "n2") == first
+    await cluster.audit()
+
+
+async def test_an_agent_applies_a_launch_once_whatever_its_command_id(tmp_path: Path) -> None:
+    """The agent's rule alone, with real toy workers: the Launch its workers run, sent
+    again under another epoch's id, is acknowledged and changes nothing; one of the same
+    generation that starts other workers (another master) is applied; an earlier
+    generation's is refused with why."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
+    from sailor.localnet import free_port
+    from sailor.schemas.hardware import NodeSpec
+    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+    from tests.integration.cluster_kit import WORKER
+
+    replica = ReplicaGroup(gpu_type="cpu", zone="z", gpus_per_node=1)
+    stage = Stage(first_layer=0, last_layer=5, replica=replica)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=2)
+    plan = Plan(model="tiny-gpt", global_batch_size=2, pipelines=(pipe,))
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
+    agent = Agent(AgentConfig(node=node, work_dir=tmp_path, worker_argv=WORKER))
+    sup = agent.supervisor
+
+    async def send(epoch: int, generation: int, master: str, tag: str = "") -> CommandAck:
+        cmd = Launch(
+            command_id=f"e{epoch}-g{generation}-launch{tag}-n1",
+            epoch=epoch,
+            node_id="n1",
+            plan=plan,
+            ranks=(0,),
+            world_size=1,
+            master=master,
+            generation=generation,
+        )
+        raw = await agent._on_command(cmd.model_dump_json().encode())
+        return CommandAck.model_validate_json(raw)
+
+    try:
+        master = f"127.0.0.1:{free_port()}"
+        assert (await send(1, 3, master)).accepted
+        await until(lambda: sup.step >= 1, 30, "the first step")
+        pids = {w.proc.pid for w in sup.workers}
+        again = await send(2, 3, master)
+        assert again.accepted and "already running" in again.reason, again
+        assert {w.proc.pid for w in sup.workers} == pids and sup.state == "running"
+        older = await send(2, 2, master)
+        assert not older.accepted and "generation 2 is older than generation 3" in older.reason
+        assert {w.proc.pid for w in sup.workers} == pids
+        other = await send(2, 3, f"127.0.0.1:{free_port()}", "-b")  # not the launch it runs
+        assert other.accepted and not other.reason, other
+        assert {w.proc.pid for w in sup.workers}.isdisjoint(pids)
+    finally:
+        await sup.close()
