@@ -123,11 +123,14 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     return read_agreed(local, pending)
 
 
-def start_agree(local: ControlRequest, device: torch.device) -> torch.Tensor | None:
+def start_agree(
+    local: ControlRequest, device: torch.device, world_size: int | None = None
+) -> torch.Tensor | None:
     """:func:`agree`'s collective, issued and not read (no host wait; None alone, where
     there is none): the engine issues it beside the iteration's agreement and reads both
-    after one device wait (``Trainer.take_agreed_control``)."""
-    if _alone():
+    after one device wait (``Trainer.take_agreed_control``). ``world_size``: the world's
+    (the dry run's, which has no process group); None: the process group's."""
+    if world_size == 1 or (world_size is None and _alone()):
         return None
     required = _NONE if local.save_optional else local.save_step
     t = torch.tensor(

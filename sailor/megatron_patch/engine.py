@@ -122,6 +122,7 @@ __all__ = [
     "StepResult",
     "TrainConfig",
     "Trainer",
+    "evaluation_sum",
     "make_optimizer",
     "resumed_skipped_steps",
     "to_device",
@@ -271,6 +272,31 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def evaluation_sum(
+    stage: GPTStage,
+    role: RankRole,
+    p2p: P2P,
+    batch: Callable[[int], Callable[[int], tuple[torch.Tensor, torch.Tensor]]],
+    batches: int,
+    loss_scale: float,
+    autocast: Callable[[], Any] | None,
+    bad_labels: Callable[[], bool],
+) -> torch.Tensor:
+    """Evaluation's collectives, issued and not read: a forward-only pass over ``batches``
+    global batches (``batch(k)``: batch ``k``'s microbatches), then one world all-reduce
+    SUM of ``1 + world`` float64 values: slot 0 the loss, ``1 + r`` rank ``r``'s bad-label
+    flag (``bad_labels``, asked after the pass: raised alike). What ``Trainer.evaluate``
+    reads, and the dry run records."""
+    total = torch.zeros(1 + role.world_size, dtype=torch.float64, device=p2p.device)
+    for k in range(batches):
+        local = run_forward(stage, role, p2p, batch(k), loss_scale, autocast)
+        if role.is_last_stage and role.tp_rank == 0:
+            total[0] += local.reshape(())
+    total[1 + role.rank] = float(bad_labels())
+    comm.all_reduce(total)
+    return total
+
+
 IterationHook = Callable[["Trainer"], bool]
 """Called at every iteration boundary; return True to stop there."""
 
@@ -416,7 +442,7 @@ class Trainer:
         role = self.role
         vec = start_step(loss, squares, flag, self.labels.seen, role.rank, role.world_size)
         local = self.control_source() if self.control_source is not None else None
-        pending = start_agree(local, self.device) if local is not None else None
+        pending = start_agree(local, self.device, role.world_size) if local is not None else None
         done = self.clock.mark()  # recorded before the wait: run by the time it returns
         agreed = read_step(vec)  # the host wait
         if local is not None:
@@ -513,22 +539,26 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the validation split's first ``eval_batches`` global batches
         (forward only; collective over all ranks; the same value on every rank)."""
-        # slot 0 the loss, 1 + r rank r's bad-label flag (``bad_labels``: raised alike)
-        total = torch.zeros(1 + self.role.world_size, dtype=torch.float64, device=self.device)
         batches = self.cfg.eval_batches
-        for k in range(batches):
+
+        def batch(k: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
             pos = k * self.plan.global_batch_size
 
-            def get(mb: int, pos: int = pos) -> tuple[torch.Tensor, torch.Tensor]:
+            def get(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return self._batch(microbatch_indices(self.role, pos, mb), self.eval_data)
 
-            local = run_forward(
-                self.stage, self.role, self.p2p, get, self.loss_scale, self._autocast
-            )
-            if self.role.is_last_stage and self.role.tp_rank == 0:
-                total[0] += local.reshape(())
-        total[1 + self.role.rank] = float(self.labels.seen)
-        comm.all_reduce(total)
+            return get
+
+        total = evaluation_sum(
+            self.stage,
+            self.role,
+            self.p2p,
+            batch,
+            batches,
+            self.loss_scale,
+            self._autocast,
+            lambda: self.labels.seen,
+        )
         synchronize(self.device)  # abortable where the host waits (in-place workers)
         got = total.tolist()
         bad = tuple(r for r, f in enumerate(got[1:]) if f)
