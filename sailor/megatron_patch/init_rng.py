@@ -11,17 +11,18 @@ copies of a vocabulary matrix in host memory on an 8-GPU node, and 8 times the w
 The generator, written with integer tensor ops only (the same on CPU and CUDA):
 
 - a key of four 32-bit words from ``blake2b(seed, name)`` (on the host, once per parameter);
-- two 32-bit words per element, each three rounds of Wellons' ``lowbias32`` mixer
-  (``x ^= x >> 16; x *= 0x21f0aaad; x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15``, both
-  multipliers below 2**31) over the index's low word, its high word and the key. Values are
-  held in int64 below 2**32, so a product stays below 2**63: no signed overflow anywhere.
-  Each round is a bijection of 32-bit words, so within any 2**32 consecutive elements no
-  two share a word;
+- two 32-bit words per element from rounds of Wellons' ``lowbias32`` mixer (``x ^= x >>
+  16; x *= 0x21f0aaad; x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15``, both multipliers
+  below 2**31): ``s = mix(mix(lo ^ k0) ^ hi ^ k1)`` of the index's low and high words, then
+  ``w1 = mix(s ^ k2)``, ``w2 = mix(s ^ k3)``. Values are held in int64 below 2**32, so a
+  product stays below 2**63: no signed overflow anywhere. Each round is a bijection of
+  32-bit words, so no two elements of one aligned block of 2**32 (a whole tensor below 4G
+  elements) share a word;
 - Box-Muller on the two words: ``sqrt(-2 ln u1) * cos(2 pi u2)`` with ``u1 = (w1 + 1) /
   2**32`` in (0, 1] and ``u2 = w2 / 2**32``, computed in float64 with ``+ - * /``, ``sqrt``
   and ``frexp`` only (IEEE operations, correctly rounded on every device): ``ln`` from the
   exponent and a series in ``(m - 1) / (m + 1)``, ``cos`` from the quadrant (the word's top
-  two bits) and Taylor series on ``[0, pi/2)``. Library ``log``/``cos`` are left out on
+  two bits) and a Taylor series on ``[0, pi/2]``. Library ``log``/``cos`` are left out on
   purpose: their last bit differs between CPU vectorized and scalar loops (so between element
   positions) and between devices. Truncation of the series is below 1e-12 relative, far
   under the float32 rounding of the result. The draw's tails end at ``sqrt(2 ln 2**32)``,
