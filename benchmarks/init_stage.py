@@ -5,10 +5,11 @@ seeded ``torch.Generator`` sliced to the shard, measured in the same run.
 The stage: the embedding, ``blocks`` GPT blocks and the head of a model of ``hidden`` width and
 ``vocab`` tokens (untied), as TP rank 0 of ``t`` builds it, for each ``t`` of ``--tp``. Each
 (variant, t) runs in a fresh process (peak memory is per process): the seconds of
-``init_stage`` and the growth of the process's peak resident memory during it (the shard it
-fills included). One rank per process, so the old per-node figure is ``t`` times the old
-per-rank one (every rank of a node drew every whole matrix). On a GPU the new draw runs on the
-device and holds no host memory; not measured here (no GPU). Never asserts a timing.
+``init_stage`` and the growth of the process's peak resident memory during it, over the
+shard (made resident before): the draw's transient memory. One rank per process, so the
+old per-node figure is ``t`` times the old per-rank one (every rank of a node drew every
+whole matrix). On a GPU the new draw runs on the device and holds no host memory; not
+measured here (no GPU). Never asserts a timing.
 Run: ``.venv/bin/python benchmarks/init_stage.py`` (a few minutes on two cores).
 """
 
@@ -21,6 +22,7 @@ import resource
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -59,7 +61,8 @@ def _old_init(stage: GPTStage, seed: int) -> None:
         elif pname.startswith(("ln", "norm")):
             full = torch.ones(shape)
         else:
-            g = torch.Generator().manual_seed((seed * 1_000_003 + hash(name)) % (2**63))
+            crc = zlib.crc32(name.encode())
+            g = torch.Generator().manual_seed((seed * 1_000_003 + crc) % 2**63)
             std = 0.02
             if pname.startswith(("attn_out", "mlp_out")):
                 std = 0.02 / (2 * spec.num_layers) ** 0.5
@@ -78,6 +81,9 @@ def _child(variant: str, tp: int, a: argparse.Namespace) -> None:
     spec = _spec(a.hidden, a.vocab, a.blocks)
     ctx = TPContext(tp, 0, DryGroup(tuple(range(tp))) if tp > 1 else None)
     stage = GPTStage(spec, 0, spec.num_all_layers - 1, tp=ctx, init=False)
+    with torch.no_grad():  # the shard resident first: what grows is the draw's own memory
+        for p in stage.parameters():
+            p.fill_(0.0)
     before = _rss_kb()
     t0 = time.perf_counter()
     if variant == "old":

@@ -132,7 +132,7 @@ def test_each_tp_rank_draws_its_shard_only_a_chunk_at_a_time(
         return real(index, key)
 
     monkeypatch.setattr(init_rng, "normal_at", counted)
-    monkeypatch.setattr(init_rng, "CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(init_rng, "HOST_CHUNK", 256)
     for rank in range(tp):
         ctx = TPContext(tp, rank, DryGroup(tuple(range(tp))))
         stage = GPTStage(spec, 0, last, tp=ctx, seed=9)
