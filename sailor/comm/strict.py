@@ -243,8 +243,8 @@ class StrictBackend:
                     device=str(o.tensor.device),
                 )
             )
-        if self.inner is None:
-            return [_Done(self, batch, None)]
+        if self.inner is None:  # a handle per operation, as the real backend returns
+            return [_Done(self, batch, None) for _ in ops]
         works = self.inner.batch_isend_irecv(ops)
         return [_Done(self, batch, w) for w in works]
 

@@ -145,10 +145,22 @@ class Boundary(Generic[_T]):
         self.stopped_at = -1
         self.last_boundary = time.monotonic()
 
-    def _request(self) -> ControlRequest:
+    def local_request(self) -> ControlRequest:
+        """This rank's control file as it reads now (no collective)."""
+        return read_control(self.args.control)
+
+    def _request(self, tr: _T | None = None) -> ControlRequest:
+        """The agreed request: the one the iteration that ended at ``tr.step`` agreed, if
+        the trainer carries one (the engine's ``take_agreed_control``: no collective
+        here), else one agreed now (a collective)."""
         if not self.args.control:
             return ControlRequest()
-        return agree(read_control(self.args.control), self.device)
+        take = getattr(tr, "take_agreed_control", None)
+        if tr is not None and take is not None:
+            pre = take(tr.step)
+            if pre is not None:
+                return pre  # type: ignore[no-any-return]
+        return agree(self.local_request(), self.device)
 
     def _durable(self, optional: bool = False) -> str:
         """Wait until the save in flight is durable on every rank (committed, on the
@@ -346,7 +358,7 @@ class Boundary(Generic[_T]):
         # The save in flight overlapped one iteration; report it once durable.
         self._finish_save()
         self._periodic_save(tr)
-        req = self._request()
+        req = self._request(tr)
         stop = req.wants_stop and tr.step >= req.stop_at_step
         self._maybe_save(tr, req, holding=stop)  # at the stop step: the hold's save
         if stop:

@@ -38,7 +38,13 @@ from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.step_agreement import local_nonfinite
 from sailor.megatron_patch.tp_layers import tp_dim_of
 
-__all__ = ["clip_by_global_norm", "counts_in_norm", "local_squares", "scale_to_norm"]
+__all__ = [
+    "clip_by_global_norm",
+    "counts_in_norm",
+    "global_squares",
+    "local_squares",
+    "scale_to_norm",
+]
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 _CHUNK = 1 << 22
@@ -89,6 +95,16 @@ def scale_to_norm(stage: GPTStage, norm: float, max_norm: float) -> None:
                 p.grad.mul_(coef)
 
 
+def global_squares(
+    stage: GPTStage, role: RankRole, device: torch.device, group: Any = None
+) -> torch.Tensor:
+    """The global sum of squares: :func:`local_squares` all-reduced over ``group`` (the
+    world), not read (the dry run records this collective as it is)."""
+    sq = local_squares(stage, role, device)
+    comm.all_reduce(sq, group=group)
+    return sq
+
+
 def clip_by_global_norm(
     stage: GPTStage,
     role: RankRole,
@@ -101,8 +117,7 @@ def clip_by_global_norm(
     rank's gradient is). Collective over ``group`` (the world): the fp16 path's, after the
     overflow check; without a loss scaler the squares ride in the iteration's one collective
     (``step_agreement``) and the engine calls :func:`scale_to_norm` itself."""
-    sq = local_squares(stage, role, device)
-    comm.all_reduce(sq, group=group)
+    sq = global_squares(stage, role, device, group)
     synchronize(sq.device)  # abortable where the host waits (in-place workers)
     norm = math.sqrt(float(sq.item()))
     scale_to_norm(stage, norm, max_norm)

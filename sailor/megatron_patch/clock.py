@@ -3,7 +3,8 @@
 CUDA kernels run asynchronously: ``perf_counter`` around them measures how long the host
 took to queue them. :func:`timestamp` synchronizes the device first (nothing on CPU, where
 the work is done when the call returns). :class:`SpanTimer` times the many short spans of
-one iteration without a synchronization each (CUDA events).
+one iteration, and :class:`StepClock` its phases, without a synchronization each (CUDA
+events, read after the iteration's one host wait: the step agreement's read).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from sailor.comm import abort as comm_abort
 
-__all__ = ["SpanTimer", "synchronize", "timestamp"]
+__all__ = ["SpanTimer", "StepClock", "synchronize", "timestamp"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -84,3 +85,52 @@ class SpanTimer:
             self._pool.extend((a, b))
         self._events = []
         return out
+
+
+class StepClock:
+    """The phases of one iteration (compute, sync, optimizer) timed without a device wait
+    of their own.
+
+    A mark is a CUDA event recorded on the current stream (a ``perf_counter`` read on CPU,
+    where the work is done when a call returns); :meth:`seconds` between two marks is read
+    once both have run, i.e. after a host wait that came after the later one (the engine's
+    step agreement). The optimizer step runs after that wait, so on CUDA its time is known
+    only at the next iteration's wait: :meth:`optimizer` returns the last optimizer step
+    known done (the previous iteration's; 0.0 before any), and keeps this one's marks open
+    until :meth:`settle` (called after the next wait) reads them. On CPU it is this step's.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._open: tuple[Any, Any] | None = None
+        self.last_optimizer_s = 0.0
+        """The last optimizer step whose marks were read."""
+
+    def mark(self) -> Any:
+        """A mark at this point of the device's queue (no wait)."""
+        if not self._cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        ev.record()
+        return ev
+
+    def seconds(self, a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (on CUDA: both run, after a host wait)."""
+        if not self._cuda:
+            return float(b - a)
+        return float(a.elapsed_time(b)) / 1e3
+
+    def settle(self) -> None:
+        """After a host wait: read the optimizer step left open, now done."""
+        if self._open is not None:
+            self.last_optimizer_s = self.seconds(*self._open)
+            self._open = None
+
+    def optimizer(self, a: Any, b: Any) -> float:
+        """The optimizer step between marks ``a`` and ``b``: its own seconds on CPU; on CUDA
+        the last one known done (this one is read at the next :meth:`settle`)."""
+        if not self._cuda:
+            self.last_optimizer_s = self.seconds(a, b)
+        else:
+            self._open = (a, b)
+        return self.last_optimizer_s

@@ -8,7 +8,12 @@ rank stopping at step 10 while a rank on another node goes on to step 11 would l
 latter waiting in a collective until the timeout. Hence :func:`agree`: one all-reduce (MAX)
 of ``(stop_at_step, save_step, prune_below, required save step)`` over the world at every
 boundary, so every rank takes the same decision at the same boundary. The save directory, a
-string, is gathered only on the rare boundary where a new save is agreed.
+string, is gathered only on the rare boundary where a new save is agreed. In the engine's
+training loop the all-reduce rides on the iteration's one host wait: issued beside the
+step's agreement (:func:`start_agree`), read with it (:func:`read_agreed`), so the boundary
+after the iteration acts on a request read during it, before its optimizer step, and waits
+for nothing (``Trainer.control_source``; ``boundary.Boundary`` takes it). The first boundary
+and the hold's polls agree at the boundary itself.
 
 A stop step the ranks learn of only after they passed it means "stop now" (the controller
 picks the stop step a few steps ahead of the reported progress, but reports lag); a save is
@@ -45,7 +50,9 @@ __all__ = [
     "agree",
     "agree_dir",
     "agree_save",
+    "read_agreed",
     "read_control",
+    "start_agree",
 ]
 
 _NONE = -1
@@ -110,8 +117,21 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
     A collective: every rank must call it at the same boundary. Without an initialised
     process group (a single process) the local request is returned as it is.
     """
-    if _alone():
-        return local
+    pending = start_agree(local, device)
+    if pending is not None:
+        synchronize(pending.device)  # abortable where the host waits (in-place workers)
+    return read_agreed(local, pending)
+
+
+def start_agree(
+    local: ControlRequest, device: torch.device, world_size: int | None = None
+) -> torch.Tensor | None:
+    """:func:`agree`'s collective, issued and not read (no host wait; None alone, where
+    there is none): the engine issues it beside the iteration's agreement and reads both
+    after one device wait (``Trainer.take_agreed_control``). ``world_size``: the world's
+    (the dry run's, which has no process group); None: the process group's."""
+    if world_size == 1 or (world_size is None and _alone()):
+        return None
     required = _NONE if local.save_optional else local.save_step
     t = torch.tensor(
         [local.stop_at_step, local.save_step, local.prune_below, required],
@@ -119,8 +139,15 @@ def agree(local: ControlRequest, device: torch.device) -> ControlRequest:
         device=device,
     )
     comm.all_reduce(t, op="max")
-    synchronize(t.device)  # abortable where the host waits (in-place workers)
-    stop, save, prune, required = (int(x) for x in t.tolist())
+    return t
+
+
+def read_agreed(local: ControlRequest, pending: torch.Tensor | None) -> ControlRequest:
+    """The agreed request of a :func:`start_agree` (``local`` itself when alone). Reads the
+    tensor: call it after the device ran the all-reduce, or it waits for it."""
+    if pending is None:
+        return local
+    stop, save, prune, required = (int(x) for x in pending.tolist())
     return ControlRequest(
         stop_at_step=stop,
         save_step=save,

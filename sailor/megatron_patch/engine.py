@@ -46,8 +46,14 @@ skipped iteration still advances ``step`` and the data
 both they, the scale and a non-finite streak under way survive checkpoints and re-layouts
 (``scaling_state``).
 
-Timing synchronizes the device before each clock read (``clock``); the loss is read from
-the device once per iteration, with the agreed flags, before the optimizer step. Inside the
+The host waits for the device once per iteration: the agreement's read (the loss, the
+agreed flags, clipping's norm and, under an agent, the control request's all-reduce issued
+beside it: ``control.start_agree``), before the optimizer step. Phases are timed with marks
+that never wait (``clock.StepClock``: CUDA events on a GPU, read after that wait), so on a
+GPU ``optim_s`` is the last optimizer step known done, the previous iteration's (0.0 on a
+process's first; on CPU this iteration's). Two waits under fp16 with clipping (the norm of
+the unscaled gradients, after the agreed overflow) and one more on an evaluation iteration
+(its loss). ``tests/unit/test_engine_host_waits.py`` counts them. Inside the
 1F1B phase, forward, backward and pipeline exchanges are timed apart (``clock.SpanTimer``:
 CUDA events on a GPU, no extra synchronization) for online calibration:
 ``StepResult.fwd_s``/``bwd_s`` per microbatch and ``p2p_s`` per step.
@@ -67,7 +73,8 @@ from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validation_batches
 from sailor.megatron_patch.clipping import clip_by_global_norm, local_squares, scale_to_norm
-from sailor.megatron_patch.clock import SpanTimer, synchronize, timestamp
+from sailor.megatron_patch.clock import SpanTimer, StepClock, synchronize
+from sailor.megatron_patch.control import ControlRequest, read_agreed, start_agree
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,
     SyntheticTokens,
@@ -95,9 +102,10 @@ from sailor.megatron_patch.step_agreement import (
     BAD_LABELS,
     NONFINITE,
     Agreed,
-    agree_step,
     local_nonfinite,
     rank_hosts,
+    read_step,
+    start_step,
 )
 from sailor.schemas._base import Frozen
 from sailor.schemas.model import ModelSpec
@@ -114,6 +122,7 @@ __all__ = [
     "StepResult",
     "TrainConfig",
     "Trainer",
+    "evaluation_sum",
     "make_optimizer",
     "resumed_skipped_steps",
     "to_device",
@@ -263,6 +272,31 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def evaluation_sum(
+    stage: GPTStage,
+    role: RankRole,
+    p2p: P2P,
+    batch: Callable[[int], Callable[[int], tuple[torch.Tensor, torch.Tensor]]],
+    batches: int,
+    loss_scale: float,
+    autocast: Callable[[], Any] | None,
+    bad_labels: Callable[[], bool],
+) -> torch.Tensor:
+    """Evaluation's collectives, issued and not read: a forward-only pass over ``batches``
+    global batches (``batch(k)``: batch ``k``'s microbatches), then one world all-reduce
+    SUM of ``1 + world`` float64 values: slot 0 the loss, ``1 + r`` rank ``r``'s bad-label
+    flag (``bad_labels``, asked after the pass: raised alike). What ``Trainer.evaluate``
+    reads, and the dry run records."""
+    total = torch.zeros(1 + role.world_size, dtype=torch.float64, device=p2p.device)
+    for k in range(batches):
+        local = run_forward(stage, role, p2p, batch(k), loss_scale, autocast)
+        if role.is_last_stage and role.tp_rank == 0:
+            total[0] += local.reshape(())
+    total[1 + role.rank] = float(bad_labels())
+    comm.all_reduce(total)
+    return total
+
+
 IterationHook = Callable[["Trainer"], bool]
 """Called at every iteration boundary; return True to stop there."""
 
@@ -352,6 +386,13 @@ class Trainer:
         """Test hook: called after the gradient sync, before clipping and the optimizer step
         (tests put an inf or NaN into one rank's gradient)."""
         self.spans = SpanTimer(device)
+        self.clock = StepClock(device)
+        self.control_source: Callable[[], ControlRequest] | None = None
+        """This rank's control request (the agent's file, ``control.read_control``): when
+        set, every iteration agrees it beside the step's agreement, on the same host wait
+        (``control.start_agree``), for the boundary after it (:meth:`take_agreed_control`).
+        Set on every rank or on none: it adds a collective to the iteration."""
+        self._agreed_control: tuple[int, ControlRequest] | None = None
         self.labels = LabelWatch(spec.vocab_size)
         """This rank's out-of-range labels of the iteration in flight (``bad_labels``)."""
 
@@ -372,10 +413,22 @@ class Trainer:
             self.stage, self.role, self.cfg.clip_grad_norm, self.device
         )
 
-    def _agree(self, local_loss: torch.Tensor, scale: float) -> Agreed:
-        """The iteration's one world collective (``step_agreement``): the loss, clipping's
-        squares (no loss scaler), each rank's non-finite and bad-label flags. Raises the
-        agreed ``LabelOutOfRangeError`` on every rank if some rank read a bad label."""
+    def take_agreed_control(self, step: int) -> ControlRequest | None:
+        """The control request agreed in the iteration that ended at ``step`` (None: none,
+        or another step's), once: the boundary at ``step`` acts on it without a collective
+        of its own."""
+        got, self._agreed_control = self._agreed_control, None
+        if got is None or got[0] != step:
+            return None
+        return got[1]
+
+    def _agree(self, local_loss: torch.Tensor, scale: float) -> tuple[Agreed, Any]:
+        """The iteration's one world collective (``step_agreement``: the loss, clipping's
+        squares without a loss scaler, each rank's non-finite and bad-label flags) and, with
+        a :attr:`control_source`, the control request's, read after one host wait, the
+        iteration's only one. Returns the agreement and the clock's mark where its
+        collectives end. Raises the agreed ``LabelOutOfRangeError`` on every rank if some
+        rank read a bad label."""
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.role.is_last_stage and self.role.tp_rank == 0:
             loss += local_loss / scale if scale != 1.0 else local_loss
@@ -387,7 +440,13 @@ class Trainer:
             grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
             flag = local_nonfinite(grads, self.device)
         role = self.role
-        agreed = agree_step(loss, squares, flag, self.labels.seen, role.rank, role.world_size)
+        vec = start_step(loss, squares, flag, self.labels.seen, role.rank, role.world_size)
+        local = self.control_source() if self.control_source is not None else None
+        pending = start_agree(local, self.device, role.world_size) if local is not None else None
+        done = self.clock.mark()  # recorded before the wait: run by the time it returns
+        agreed = read_step(vec)  # the host wait
+        if local is not None:
+            self._agreed_control = (self.step + 1, read_agreed(local, pending))
         if agreed.ranks(BAD_LABELS):
             first = self.consumed_samples
             samples = range(first, first + self.plan.global_batch_size)
@@ -395,7 +454,7 @@ class Trainer:
                 agreed.ranks(BAD_LABELS), self.step + 1, training_batch(samples), role.pipeline
             )
         self.labels.reset()
-        return agreed
+        return agreed, done
 
     def _optimizer_step(self, agreed: Agreed) -> tuple[float, bool]:
         """AdamW at this step's rate, after clipping, unless some rank's gradient holds an inf
@@ -480,22 +539,26 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the validation split's first ``eval_batches`` global batches
         (forward only; collective over all ranks; the same value on every rank)."""
-        # slot 0 the loss, 1 + r rank r's bad-label flag (``bad_labels``: raised alike)
-        total = torch.zeros(1 + self.role.world_size, dtype=torch.float64, device=self.device)
         batches = self.cfg.eval_batches
-        for k in range(batches):
+
+        def batch(k: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
             pos = k * self.plan.global_batch_size
 
-            def get(mb: int, pos: int = pos) -> tuple[torch.Tensor, torch.Tensor]:
+            def get(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return self._batch(microbatch_indices(self.role, pos, mb), self.eval_data)
 
-            local = run_forward(
-                self.stage, self.role, self.p2p, get, self.loss_scale, self._autocast
-            )
-            if self.role.is_last_stage and self.role.tp_rank == 0:
-                total[0] += local.reshape(())
-        total[1 + self.role.rank] = float(self.labels.seen)
-        comm.all_reduce(total)
+            return get
+
+        total = evaluation_sum(
+            self.stage,
+            self.role,
+            self.p2p,
+            batch,
+            batches,
+            self.loss_scale,
+            self._autocast,
+            lambda: self.labels.seen,
+        )
         synchronize(self.device)  # abortable where the host waits (in-place workers)
         got = total.tolist()
         bad = tuple(r for r, f in enumerate(got[1:]) if f)
@@ -505,8 +568,11 @@ class Trainer:
         return float(got[0]) / batches
 
     def train_step(self) -> StepResult:
-        """Run one iteration (collective over all ranks)."""
-        t0 = timestamp(self.device)
+        """Run one iteration (collective over all ranks): one host wait for the device, the
+        agreement's read (two under fp16 with clipping, whose norm of the unscaled gradients
+        is agreed after the overflow; one more on an evaluation iteration, for its loss)."""
+        clock = self.clock
+        m0 = clock.mark()
         self.optimizer.zero_grad(set_to_none=False)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         local_loss = run_1f1b(
@@ -518,16 +584,19 @@ class Trainer:
             self._autocast,
             self.spans,
         )
-        t1 = timestamp(self.device)
-        spans = self.spans.collect()  # after the sync: every span's events are done
+        m1 = clock.mark()
         sync_gradients(self.stage, self.groups.sync)
         if self.after_grad_sync is not None:
             self.after_grad_sync(self)
-        agreed = self._agree(local_loss, scale)  # the one collective; the loss read with it
-        # the agreement waits for the slowest rank's sync as the sync does: timed with it
-        t2 = timestamp(self.device)
+        # the one host wait; the loss read with it. The agreement waits for the slowest
+        # rank's sync as the sync does: timed with it (m1 to m2)
+        agreed, m2 = self._agree(local_loss, scale)
+        clock.settle()  # the previous iteration's optimizer step ran before the wait
+        spans = self.spans.collect()  # after the wait: every span's events are done
+        compute_s, sync_s = clock.seconds(m0, m1), clock.seconds(m1, m2)
         lr, skipped = self._optimizer_step(agreed)
-        t3 = timestamp(self.device)  # the iteration's last device work is done here
+        # on CPU this step's; on CUDA the last one known done (no wait for this one)
+        optim_s = clock.optimizer(m2, clock.mark())
         self.step += 1
         self.consumed_samples += self.plan.global_batch_size
         value = agreed.loss
@@ -537,10 +606,10 @@ class Trainer:
             step=self.step,
             consumed_samples=self.consumed_samples,
             loss=value,
-            step_s=t3 - t0,
-            compute_s=t1 - t0,
-            sync_s=t2 - t1,
-            optim_s=t3 - t2,
+            step_s=compute_s + sync_s + optim_s,
+            compute_s=compute_s,
+            sync_s=sync_s,
+            optim_s=optim_s,
             samples=self.plan.global_batch_size,
             lr=lr,
             grad_norm=self.last_grad_norm if self.cfg.clip_grad_norm > 0 else None,

@@ -25,14 +25,14 @@ layout is a conversion concern, not the engine's).
 Tied embeddings: the head keeps its own copy of the embedding matrix, initialised equal and
 kept equal by summing both gradients (``sync_groups``: the tied group), as Megatron does.
 
-Initialisation is layout-independent: every full parameter is drawn from a generator seeded
-by (seed, parameter name) and then sliced to this rank's shard, so every layout, and the
-single-process reference, starts from bitwise the same model.
+Initialisation is layout-independent: element ``i`` of a full parameter is a pure function of
+(seed, parameter name, ``i``) (:mod:`~sailor.megatron_patch.init_rng`), and each rank draws
+only its own shard, on its own device, so every layout, and the single-process reference,
+starts from bitwise the same model without any rank drawing (or holding) a whole parameter.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 
 import torch
@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sailor import catalog
 from sailor.megatron_patch.architecture import Architecture
+from sailor.megatron_patch.init_rng import fill_normal_, key_of
 from sailor.megatron_patch.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -66,7 +67,10 @@ __all__ = [
     "Head",
     "full_init",
     "full_shape",
+    "init_block_",
+    "init_stage",
     "shard",
+    "shard_start",
     "tiny_model",
 ]
 
@@ -339,31 +343,51 @@ class GPTStage(nn.Module):
         return x
 
 
-def _seed_of(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def full_init(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of parameter ``name`` ("{layer}.{param}")."""
+def _init_rule(spec: ModelSpec, name: str) -> tuple[str, float | None, int | None]:
+    """How parameter ``name`` ("{layer}.{param}") starts: ``(stream name, std, first
+    zero row)``; std None: a constant (zero bias, unit norm weight: see ``_constant``)."""
     _, pname = name.split(".", 1)
     vocab_matrix = pname in ("wte.weight", "lm_head.weight")
     if spec.tie_embeddings and pname == "lm_head.weight":
         name = "0.wte.weight"
-    # on the host whatever the default device (a stage is built on its GPU): the same
-    # values on every device, from a CPU generator
     leaf = pname.rsplit(".", 1)[-1]
-    if leaf == "bias":
-        return torch.zeros(shape, device="cpu")
-    if pname.startswith(("ln", "norm")):
-        return torch.ones(shape, device="cpu")
-    g = torch.Generator().manual_seed(_seed_of(seed, name))
+    if leaf == "bias" or pname.startswith(("ln", "norm")):
+        return name, None, None
     std = _INIT_STD
     if pname.startswith(("attn_out", "mlp_out")):
         std = _INIT_STD / (2 * spec.num_layers) ** 0.5  # GPT-2 residual scaling
-    full = torch.randn(shape, generator=g, device="cpu") * std
-    if vocab_matrix:  # the real rows as drawn unpadded (row-major), the padding zero
-        full[spec.vocab_size :] = 0.0
-    return full
+    # a vocabulary matrix's padding rows are zero (``vocab_parallel``), whatever the layout
+    return name, std, spec.vocab_size if vocab_matrix else None
+
+
+def _constant(name: str) -> float:
+    return 0.0 if name.rsplit(".", 1)[-1] == "bias" else 1.0
+
+
+@torch.no_grad()
+def init_block_(
+    out: torch.Tensor,
+    spec: ModelSpec,
+    name: str,
+    full: tuple[int, ...],
+    start: tuple[int, ...],
+    seed: int,
+) -> torch.Tensor:
+    """Fill ``out`` with its block (at ``start``) of parameter ``name``'s initial value of
+    shape ``full``, drawn where ``out`` is (``init_rng``: a pure function of the seed, the
+    name and each element's index in the full tensor, so any block of any layout on any
+    device holds the same numbers)."""
+    stream, std, zero_from = _init_rule(spec, name)
+    if std is None:
+        return out.fill_(_constant(name))
+    return fill_normal_(out, key_of(seed, stream), full, start, std, zero_from)
+
+
+def full_init(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name`` ("{layer}.{param}"), on the
+    host (what a process that holds the whole parameter starts from)."""
+    out = torch.empty(shape, device="cpu")
+    return init_block_(out, spec, name, shape, (0,) * len(shape), seed)
 
 
 def shard(full: torch.Tensor, tp_dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:
@@ -382,12 +406,30 @@ def full_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def shard_start(p: torch.Tensor, tp_rank: int) -> tuple[int, ...]:
+    """Where TP rank ``tp_rank``'s shard ``p`` starts in the full tensor (the contiguous
+    chunks of :func:`shard`)."""
+    dim = tp_dim_of(p)
+    return tuple(tp_rank * n if d == dim else 0 for d, n in enumerate(p.shape))
+
+
 @torch.no_grad()
 def init_stage(stage: GPTStage, seed: int) -> None:
-    """Initialise every parameter of ``stage`` to its shard of the layout-free full init."""
+    """Initialise every parameter of ``stage`` to its shard of the layout-free full init,
+    each rank drawing its own shard only, on the parameter's device, a bounded chunk at a
+    time (a parameter on ``meta`` is left as it is)."""
+    tp = stage.tp
     for name, p in stage.keyed_parameters():
-        full = full_init(stage.spec, name, full_shape(p, stage.tp.size), seed)
-        p.copy_(shard(full, tp_dim_of(p), stage.tp.size, stage.tp.rank))
+        if p.is_meta:
+            continue
+        if p.is_contiguous():
+            init_block_(
+                p.data, stage.spec, name, full_shape(p, tp.size), shard_start(p, tp.rank), seed
+            )
+            continue
+        block = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        init_block_(block, stage.spec, name, full_shape(p, tp.size), shard_start(p, tp.rank), seed)
+        p.copy_(block)
 
 
 TINY_MODELS: dict[str, ModelSpec] = {

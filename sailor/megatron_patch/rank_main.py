@@ -546,6 +546,8 @@ def _generation(
     if tc is not None and tc.checkpoint.dir is not None:
         periodic = tc.checkpoint.model_copy(update={"dir": _under(base, tc.checkpoint.dir)})
     boundary = Boundary(args, status, progress, ckpt, device, periodic)
+    if args.control:  # every rank has one under an agent: agreed on each iteration's wait
+        trainer.control_source = boundary.local_request
     try:
         trainer.run(args.steps, hook=boundary, on_step=on_step)
     except Exception as exc:

@@ -15,7 +15,9 @@ without clipping all-reduced a flag, synchronized and read it, then all-reduced 
 read it too (two collectives, two host round-trips per iteration); now one of each, as the
 loss alone was before the non-finite check. At 1,024 ranks the vector is 8 KB, a latency-bound
 all-reduce like the 8-byte one it replaces. Under NCCL it is a device tensor; every rank calls
-:func:`agree_step` at the same point of every iteration.
+:func:`agree_step` (or :func:`start_step`, then :func:`read_step` once other collectives of
+the iteration are issued: the engine's control agreement rides on the same host wait) at the
+same point of every iteration.
 
 :func:`local_nonfinite` is the fused local test: one ``torch._foreach_norm`` (max-abs, so a
 large finite gradient never overflows it; inf for an inf, NaN for a NaN) over every gradient,
@@ -44,6 +46,8 @@ __all__ = [
     "agree_step",
     "local_nonfinite",
     "rank_hosts",
+    "read_step",
+    "start_step",
     "world_objects",
 ]
 
@@ -84,7 +88,7 @@ class Agreed:
         return bool(self.ranks(NONFINITE)) or not math.isfinite(self.squares)
 
 
-def agree_step(
+def start_step(
     loss: torch.Tensor,
     squares: torch.Tensor | None,
     nonfinite: torch.Tensor,
@@ -92,8 +96,9 @@ def agree_step(
     rank: int,
     world_size: int,
     group: Any = None,
-) -> Agreed:
-    """Sum the vector over ``group`` (the world) and read it on the host once.
+) -> torch.Tensor:
+    """Build the vector and sum it over ``group`` (the world): the collective, issued, not
+    read (no host wait; :func:`read_step` reads it).
 
     ``loss``, ``squares`` (None: no clipping) and ``nonfinite`` are this rank's one-element
     or 0-dim device tensors; ``bad_labels`` is known on the host."""
@@ -106,10 +111,29 @@ def agree_step(
     flag = nonfinite.reshape(()).to(torch.float64) * NONFINITE
     vec[2 + rank] = flag + (BAD_LABELS if bad_labels else 0)
     comm.all_reduce(vec, group=group)
+    return vec
+
+
+def read_step(vec: torch.Tensor) -> Agreed:
+    """The host's one read of a :func:`start_step` vector: the iteration's device wait."""
     synchronize(vec.device)  # abortable where the host waits (in-place workers)
     got = vec.tolist()
     # a flag slot is an exact small integer (one writer); NaN never reaches it
     return Agreed(got[0], got[1], tuple(int(f) for f in got[2:]))
+
+
+def agree_step(
+    loss: torch.Tensor,
+    squares: torch.Tensor | None,
+    nonfinite: torch.Tensor,
+    bad_labels: bool,
+    rank: int,
+    world_size: int,
+    group: Any = None,
+) -> Agreed:
+    """Sum the vector over ``group`` (the world) and read it on the host once
+    (:func:`start_step` then :func:`read_step`)."""
+    return read_step(start_step(loss, squares, nonfinite, bad_labels, rank, world_size, group))
 
 
 def rank_hosts(ranks: Sequence[int], group: Any = None) -> str:

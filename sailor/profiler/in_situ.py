@@ -87,7 +87,8 @@ def measure_model(
     """
     ctx = tp or TPContext()
     n = spec.num_all_layers
-    stage = GPTStage(spec, 0, n - 1, tp=ctx, seed=seed).to(device)
+    with torch.device(device):  # drawn on the device (``init_rng``), not on the host
+        stage = GPTStage(spec, 0, n - 1, tp=ctx, seed=seed)
     mods = list(stage.layers.values())
     gen = torch.Generator().manual_seed(seed * 7919 + mbs)
     tokens = torch.randint(0, spec.vocab_size, (mbs, spec.seq_length), generator=gen).to(device)

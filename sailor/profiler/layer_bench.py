@@ -72,7 +72,8 @@ def measure_layer(
         raise ValueError(f"mbs={mbs}: must be >= 1")
     ctx = tp or TPContext()
     layer = kind_layer(spec, kind)
-    stage = GPTStage(spec, layer, layer, tp=ctx, seed=seed).to(device)
+    with torch.device(device):  # drawn on the device (``init_rng``), not on the host
+        stage = GPTStage(spec, layer, layer, tp=ctx, seed=seed)
     params = list(stage.parameters())
     gen = torch.Generator().manual_seed(seed * 7919 + mbs)
     x, labels = _inputs(spec, kind, mbs, device, gen)

@@ -59,7 +59,7 @@ def test_one_activation_and_one_gradient_cross_each_boundary(wire: torch.dtype) 
         pipelines=PIPELINES,
     )
     spec = tiny_model("tiny-gpt", plan.global_batch_size)
-    logs = record_iteration(plan, spec, wire_dtype=wire)
+    logs = record_iteration(plan, spec, wire_dtype=wire, eval_batches=0)  # training only
     res = replay(logs)
     assert res.ok, res.message
     item = torch.tensor([], dtype=wire).element_size()
@@ -89,7 +89,7 @@ def test_the_gather_stays_inside_the_receiving_tp_group() -> None:
     """One all-gather of 1/tp per received tensor, on the rank's own TP group (one node)."""
     plan = Plan(model="tiny-gpt", global_batch_size=PIPELINES[0].samples, pipelines=PIPELINES[:1])
     spec = tiny_model("tiny-gpt", plan.global_batch_size)
-    logs = record_iteration(plan, spec)
+    logs = record_iteration(plan, spec, eval_batches=0)  # training only
     assert replay(logs).ok
     act = spec.seq_length * spec.hidden_size
     for rank, ops in logs.items():

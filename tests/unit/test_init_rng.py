@@ -1,0 +1,159 @@
+"""The counter-based initial draw: the normal distribution, any block equal to the full
+draw's slice, an independent pure-Python computation of the same numbers, bounded chunks.
+
+What the exactness tests rely on (a TP-t run starts from the single-process reference's
+weights) is checked here directly: every block of every layout holds the full tensor's
+numbers, and a stage drawn at TP 4 never draws more than its shard, a chunk at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from sailor.comm.strict import DryGroup
+from sailor.megatron_patch import init_rng
+from sailor.megatron_patch.init_rng import fill_normal_, key_of, normal_at
+from sailor.megatron_patch.model import GPTStage, full_init, shard, tiny_model
+from sailor.megatron_patch.tp_layers import TPContext, tp_dim_of
+
+_MASK = 0xFFFFFFFF
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _MASK
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _MASK
+    return x ^ (x >> 15)
+
+
+def _poly(x: float, coef: tuple[float, ...]) -> float:
+    out = coef[-1]
+    for c in reversed(coef[:-1]):
+        out = out * x + c
+    return out
+
+
+def _reference(seed: int, name: str, i: int) -> float:
+    """The draw of element ``i``, in Python integers (unbounded: no overflow to hide) and
+    Python floats (IEEE double, as the tensor ops), written from the module's docstring."""
+    d = hashlib.blake2b(f"{seed}\x00{name}".encode(), digest_size=16).digest()
+    k0, k1, k2, k3 = (int.from_bytes(d[4 * j : 4 * j + 4], "little") for j in range(4))
+    s = _mix((i & _MASK) ^ k0) ^ (i >> 32)
+    s = _mix(s ^ k1)
+    w2, w1 = _mix(s ^ k3), _mix(s ^ k2)
+    m, e = math.frexp((w1 + 1) * 2.0**-32)
+    low = m < math.sqrt(0.5)
+    m, e = (m + m, e - 1) if low else (m, e)
+    t = (m - 1.0) / (m + 1.0)
+    ln_u = float(e) * math.log(2.0) + _poly(t * t, init_rng._LN_COEF) * t
+    radius = math.sqrt(ln_u * -2.0)
+    q = w2 >> 30
+    a = (w2 & ((1 << 30) - 1)) * (2.0**-30 * (math.pi / 2))
+    b = a + float(q & 1) * (math.pi / 2 - 2 * a)
+    sign = 1.0 - 2.0 * ((q ^ (q >> 1)) & 1)
+    return _poly(b * b, init_rng._COS_COEF) * radius * sign
+
+
+def test_draws_equal_an_independent_python_computation_bit_for_bit() -> None:
+    """Including indices above 2**32 and near 2**62 (the high word; an int64 product past
+    2**63 would wrap and differ from Python's integers)."""
+    idx = [0, 1, 2, 12345, 2**32 - 1, 2**32, 2**32 + 7, 3 * 2**40 + 11, 2**62 - 1]
+    key = key_of(5, "3.mlp_in.weight")
+    got = normal_at(torch.tensor(idx, dtype=torch.int64), key).tolist()
+    want = [_reference(5, "3.mlp_in.weight", i) for i in idx]
+    assert got == want
+
+
+def test_draws_are_standard_normal() -> None:
+    z = normal_at(torch.arange(1 << 20, dtype=torch.int64), key_of(0, "1.attn_q.weight"))
+    n = z.numel()
+    se = 1 / math.sqrt(n)
+    assert abs(float(z.mean())) < 5 * se
+    assert abs(float(z.std()) - 1) < 5 * se
+    assert abs(float((z**3).mean())) < 5 * math.sqrt(15 / n)  # skewness 0
+    assert abs(float((z**4).mean()) - 3) < 5 * math.sqrt(96 / n)  # kurtosis 3
+    # the normal's quantiles: P(|z| < 1) = 0.6827, P(|z| < 2) = 0.9545
+    assert abs(float((z.abs() < 1).double().mean()) - 0.6827) < 0.003
+    assert abs(float((z.abs() < 2).double().mean()) - 0.9545) < 0.002
+    near = torch.corrcoef(torch.stack([z[:-1], z[1:]]))[0, 1]
+    assert abs(float(near)) < 5 * se  # neighbours uncorrelated
+    other = normal_at(torch.arange(1 << 20, dtype=torch.int64), key_of(0, "1.attn_k.weight"))
+    assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < 5 * se
+
+
+def test_init_has_the_stds_of_the_previous_release() -> None:
+    spec = tiny_model("tiny-gpt")
+    w = full_init(spec, "1.mlp_in.weight", (512, 512), seed=1)
+    assert abs(float(w.std()) - 0.02) < 0.0005 and abs(float(w.mean())) < 0.0002
+    out = full_init(spec, "1.mlp_out.weight", (512, 512), seed=1)
+    want = 0.02 / math.sqrt(2 * spec.num_layers)
+    assert abs(float(out.std()) - want) < want / 40
+    assert torch.equal(full_init(spec, "1.ln1.weight", (32,), 1), torch.ones(32))
+    assert torch.equal(full_init(spec, "1.attn_q.bias", (32,), 1), torch.zeros(32))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 18])
+def test_any_block_is_the_full_draws_slice_whatever_the_chunk(chunk: int) -> None:
+    key = key_of(3, "2.attn_out.weight")
+    full = fill_normal_(torch.empty(24, 40), key, (24, 40), (0, 0), 0.5)
+    for start, shape in [((0, 10), (24, 10)), ((6, 0), (6, 40)), ((5, 3), (4, 9))]:
+        block = fill_normal_(torch.empty(shape), key, (24, 40), start, 0.5, chunk=chunk)
+        assert torch.equal(block, full[start[0] :, start[1] :][: shape[0], : shape[1]])
+    vec = fill_normal_(torch.empty(30), key, (100,), (70,), 1.0, chunk=chunk)
+    assert torch.equal(vec, fill_normal_(torch.empty(100), key, (100,), (0,), 1.0)[70:])
+
+
+def test_padding_rows_are_zero_and_the_real_rows_layout_free() -> None:
+    key = key_of(0, "0.wte.weight")
+    full = fill_normal_(torch.empty(16, 4), key, (16, 4), (0, 0), 1.0, zero_rows_from=11)
+    assert torch.count_nonzero(full[11:]) == 0 and torch.count_nonzero(full[:11]) == 44
+    part = fill_normal_(torch.empty(8, 4), key, (16, 4), (8, 0), 1.0, zero_rows_from=11)
+    assert torch.equal(part, full[8:])
+
+
+@pytest.mark.parametrize(("name", "tp"), [("tiny-gpt", 4), ("tiny-llama", 2)])
+def test_each_tp_rank_draws_its_shard_only_a_chunk_at_a_time(
+    name: str, tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TP-t stage's every parameter equals its shard of the full init, while no draw is
+    larger than a chunk (or one row) and none covers a whole sharded parameter."""
+    spec = tiny_model(name)
+    last = spec.num_all_layers - 1
+    sizes: list[int] = []
+    real = init_rng.normal_at
+
+    def counted(index: torch.Tensor, key: tuple[int, int, int, int]) -> torch.Tensor:
+        sizes.append(index.numel())
+        return real(index, key)
+
+    monkeypatch.setattr(init_rng, "normal_at", counted)
+    monkeypatch.setattr(init_rng, "HOST_CHUNK", 256)
+    for rank in range(tp):
+        ctx = TPContext(tp, rank, DryGroup(tuple(range(tp))))
+        stage = GPTStage(spec, 0, last, tp=ctx, seed=9)
+        for key, p in stage.keyed_parameters():
+            want = shard(full_init(spec, key, _full(p, tp), 9), tp_dim_of(p), tp, rank)
+            assert torch.equal(p.detach(), want), (rank, key)
+    assert sizes and max(sizes) <= 256
+    biggest = max(p.numel() for _, p in GPTStage(spec, 0, last, seed=9).keyed_parameters())
+    assert biggest > 256
+
+
+def _full(p: torch.Tensor, t: int) -> tuple[int, ...]:
+    dim = tp_dim_of(p)
+    return tuple(n * t if d == dim else n for d, n in enumerate(p.shape))
+
+
+def test_bad_blocks_are_refused_naming_the_field() -> None:
+    key = key_of(0, "x")
+    with pytest.raises(ValueError, match=r"start\[1\]=5"):
+        fill_normal_(torch.empty(2, 4), key, (2, 8), (0, 5), 1.0)
+    with pytest.raises(ValueError, match="full_shape"):
+        fill_normal_(torch.empty(2, 4), key, (8,), (0,), 1.0)
+    with pytest.raises(ValueError, match="seed=-1"):
+        key_of(-1, "x")
