@@ -243,7 +243,7 @@ class StrictBackend:
                     device=str(o.tensor.device),
                 )
             )
-        if self.inner is None:  # a handle per operation, as the real backend returns
+        if self.inner is None:  # a handle per operation, as gloo returns (NCCL: one per batch)
             return [_Done(self, batch, None) for _ in ops]
         works = self.inner.batch_isend_irecv(ops)
         return [_Done(self, batch, w) for w in works]

@@ -133,13 +133,21 @@ def start_agree(
     if world_size == 1 or (world_size is None and _alone()):
         return None
     required = _NONE if local.save_optional else local.save_step
-    t = torch.tensor(
-        [local.stop_at_step, local.save_step, local.prune_below, required],
-        dtype=torch.int64,
-        device=device,
-    )
+    t = _on_device([local.stop_at_step, local.save_step, local.prune_below, required], device)
     comm.all_reduce(t, op="max")
     return t
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` without a host wait: on a GPU through
+    pinned memory, non-blocking. ``torch.tensor(values, device=cuda)`` copies from pageable
+    memory and synchronizes the stream, a wait in C that no signal handler interrupts: the
+    engine issues this after the iteration's gradient and step all-reduces, so that wait
+    hung on a dead peer where the in-place abort (``comm.abort``) must reach the host."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def read_agreed(local: ControlRequest, pending: torch.Tensor | None) -> ControlRequest:
@@ -163,7 +171,7 @@ def agree_save(done: bool, failed: bool, device: torch.device) -> tuple[bool, bo
     point). Without a process group, the local values."""
     if _alone():
         return done, failed
-    t = torch.tensor([int(not done), int(failed)], dtype=torch.int64, device=device)
+    t = _on_device([int(not done), int(failed)], device)
     comm.all_reduce(t, op="max")
     synchronize(t.device)
     pending, bad = (bool(x) for x in t.tolist())
