@@ -16,6 +16,7 @@ __all__ = [
     "NonFiniteCheckpointError",
     "ReshardError",
     "SaveCancelledError",
+    "SaveSkippedError",
     "StorageError",
 ]
 
