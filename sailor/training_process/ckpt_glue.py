@@ -249,9 +249,12 @@ class CheckpointSaves:
         root: str,
         keep: int | None = None,
         prune_below: int = -1,
+        owned: bool = False,
     ) -> float:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
-        job's globals) under ``root``: ``CheckpointIO.save``."""
+        job's globals) under ``root``: ``CheckpointIO.save``. ``owned``: ``state`` made host
+        copies for this save (e.g. filling the ones :meth:`lend_copies` lent), handed to the
+        checkpointer as they are (``Checkpointer.save``): one host copy per save, not two."""
         # A failure here (``state``'s checks, opening the storage: its directory) is the
         # save's, as one inside ``Checkpointer.save``: this rank still enters the save's
         # first collective (``agree_save_start``), where every rank learns that a save failed
@@ -268,7 +271,19 @@ class CheckpointSaves:
             self._in_flight, self._failure = None, failure
             return 0.0
         self._in_flight = ck
-        return ck.save(params, g, prune_below=prune_below)
+        return ck.save(params, g, prune_below=prune_below, owned=owned)
+
+    def lend_copies(
+        self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None = None
+    ) -> dict[str, ParamState]:
+        """The host copies the next save under ``root`` may fill itself and hand back
+        (``save``'s ``owned``), by key: the last save's (``Checkpointer.lend_copies``), none
+        while it is in flight or if its checkpointer cannot be had (``save`` then fails
+        alike)."""
+        try:
+            return self._checkpointer(plan, rank, tp_group, root, keep).lend_copies()
+        except Exception:  # the save's own failure, raised by save's path
+            return {}
 
     def done(self) -> bool:
         """The save in flight is over (an abandoned save's write is not waited for)."""

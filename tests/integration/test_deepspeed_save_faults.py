@@ -3,8 +3,12 @@
 Real DeepSpeed ranks in bf16 on the CPU (gloo) through ``deepspeed_fault_rank``, two pipelines
 of two uneven stages (every stage's masters partitioned over two data-parallel ranks):
 
+- each full master and moment is reduced to the rank that writes its layer: a rank receives
+  exactly what it writes, and the checkpoint is written from that host copy (none made
+  again). Before, every tensor was all-reduced to every data-parallel rank (each received
+  its whole stage) and the writer's checkpointer copied what it wrote a second time;
 - a save holds one parameter's full fp32 tensor at a time beyond the layers the rank writes:
-  each all-reduce of the save is recorded with the bytes of the earlier ones still alive.
+  each collective of the save is recorded with the bytes of the earlier ones still alive.
   Before, every rank built the full masters and both moments of its whole stage at once (on
   the device, writers or not): 12 B per parameter, DP times the optimizer state it keeps;
 - a rank whose read of one moment fails partway through its stage (DeepSpeed's own error for
@@ -91,6 +95,27 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Saved]:
     yield _Saved(run, ckpt, traces)
 
 
+def test_a_bf16_save_reduces_each_tensor_to_its_writer_and_hands_its_host_copy_over(
+    saved: _Saved,
+) -> None:
+    received, written = 0, 0
+    for rank, records in enumerate(saved.traces):
+        assert len(records) == 1, (rank, records)
+        t = {k: v for k, v in records[0].items() if k != "live_bytes"}
+        # the masters and both moments of every parameter, each reduced to its writer
+        assert (t["all_reduces"], t["reduces"]) == (0, 3 * t["params"]), (rank, t)
+        # the rank received the full tensors of the layers it writes, and nothing else
+        assert t["received_bytes"] == t["written_bytes"], (rank, t)
+        # and its checkpointer kept those host copies: none was made a second time
+        assert t["host_copy_bytes"] == 0, (rank, t)
+        received += t["received_bytes"]
+        written += t["written_bytes"]
+    # the world received what the save writes, once: each layer's state on one rank, where
+    # the all-reduce delivered each stage's state to both of its data-parallel ranks
+    stages = sum(records[0]["stage_bytes"] for records in saved.traces)
+    assert received == written == stages // 2, (received, written, stages)
+
+
 def test_a_bf16_save_holds_one_full_tensor_beyond_the_layers_the_rank_writes(
     saved: _Saved,
 ) -> None:
@@ -98,14 +123,15 @@ def test_a_bf16_save_holds_one_full_tensor_beyond_the_layers_the_rank_writes(
     for rank, records in enumerate(saved.traces):
         assert len(records) == 1, (rank, records)
         t = records[0]
-        # the masters and both moments of every parameter: 3 all-reduces each, on every
+        # the masters and both moments of every parameter: 3 collectives each, on every
         # rank of the stage alike (a writer or not)
-        assert t["all_reduces"] == 3 * t["params"], (rank, t)
-        assert t["all_reduces"] == saved.traces[rank ^ 2][0]["all_reduces"], rank  # DP peer
+        calls = t["all_reduces"] + t["reduces"]
+        peer = saved.traces[rank ^ 2][0]  # its data-parallel peer
+        assert calls == 3 * t["params"] == peer["all_reduces"] + peer["reduces"], (rank, t)
         # what the rank writes, plus the tensor being summed and the one before it: gloo's
-        # worker thread drops its reference to a finished all-reduce's buffer a moment after
+        # worker thread drops its reference to a finished collective's buffer a moment after
         # the caller returns (measured: a non-kept buffer now and then still alive at the
-        # next all-reduce, never two)
+        # next collective, never two)
         bound = t["written_bytes"] + 2 * t["largest_bytes"]
         assert t["peak_live_bytes"] <= bound, (
             rank,
