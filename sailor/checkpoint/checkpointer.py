@@ -155,11 +155,16 @@ class Checkpointer:
         *,
         save_id: str | None = None,
         prune_below: int = -1,
+        owned: bool = False,
     ) -> float:
         """Snapshot now, persist in the background; returns the snapshot (stall) seconds.
         ``prune_below`` >= 0: after the commit, the committer also deletes every step
         directory below that step (``gc.apply_prune``; the caller knows which older
-        checkpoints are still needed).
+        checkpoints are still needed). ``owned``: ``params`` are host copies made for this
+        save and handed over (the caller neither reads nor writes them after; e.g. the
+        copies :meth:`lend_copies` lent, filled): the snapshot keeps them as they are
+        instead of copying them again (at TP 1; a tensor on a device is copied to the host
+        all the same).
 
         Collective over the world (the start, unless ``save_id`` is given: then the caller
         agreed it) and each TP group (the gathers). A failure here or on a peer ends the
@@ -178,7 +183,7 @@ class Checkpointer:
             sid, failed = agree_save_start(failure)
             if failed:
                 return self._abandon(failure, t0)
-        mine, failure = self._snapshot(by_layer, self._spare, failure)
+        mine, failure = self._snapshot(by_layer, self._spare, failure, owned)
         if mine is None:
             return self._abandon(failure, t0)
         self._spare = mine if self.reuse_buffers else {}
@@ -214,6 +219,16 @@ class Checkpointer:
             return
         if other._spare:
             self._spare, other._spare = other._spare, {}
+
+    def lend_copies(self) -> dict[str, ParamState]:
+        """The host copies kept for the next save, by key (``"{layer}.{param}"``), handed to
+        a caller that fills them itself and gives them back to :meth:`save` (``owned``):
+        the checkpointer keeps none meanwhile. None while a save is in flight (its copies
+        are being written): the caller makes its own then."""
+        if not self.done():
+            return {}
+        spare, self._spare = self._spare, {}
+        return {f"{layer}.{n}": ps for layer, lp in spare.items() for n, ps in lp.items()}
 
     @property
     def kept_bytes(self) -> int:
@@ -286,9 +301,11 @@ class Checkpointer:
         by_layer: Mapping[int, Mapping[str, ParamState]],
         spare: Mapping[int, Mapping[str, ParamState]],
         failure: Exception | None = None,
+        owned: bool = False,
     ) -> tuple[dict[int, dict[str, ParamState]] | None, Exception | None]:
         """Full CPU copies of the layers this rank writes (gathering TP shards as needed),
-        into the previous save's copies (``spare``, persisted already) where shapes match.
+        into the previous save's copies (``spare``, persisted already) where shapes match;
+        ``owned`` host tensors (``save``) are kept as they are.
 
         Returns ``(copies, None)``, or ``(None, failure)`` once this rank failed (``failure``
         given: before the snapshot) or, at TP > 1, a rank of its TP group did (then
@@ -316,7 +333,10 @@ class Checkpointer:
                 return None, gate.failure
             else:
                 try:
-                    full = {n: _copy_param(p, old.get(n)) for n, p in layer_params.items()}
+                    full = {
+                        n: p if owned and _on_host(p) else _copy_param(p, old.get(n))
+                        for n, p in layer_params.items()
+                    }
                 except Exception as exc:  # the save's failure (module docstring)
                     return None, exc
             if writer == self.rank:
@@ -618,6 +638,11 @@ def _cpu_copy(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor
     if into is not None and into.shape == t.shape and into.dtype == t.dtype:
         return into.copy_(t.detach())
     return t.detach().to("cpu", copy=True)
+
+
+def _on_host(p: ParamState) -> bool:
+    """Whether every tensor of ``p`` holds its data in host memory (not a meta tensor)."""
+    return all(p.tensor(k).device.type == "cpu" for k in TENSOR_KINDS)
 
 
 def _copy_param(p: ParamState, old: ParamState | None) -> ParamState:

@@ -7,7 +7,7 @@ group instead (``fp32_groups_flat_partition``): the fp32 master of this data-par
 1/DP slice of the flat buffer (padded to a multiple of 2·DP elements), its moments in
 ``optimizer.state[partition]``, created by the first step and then linked to each parameter's
 fragment (``_lazy_init_hp_params_optimizer_state``). A parameter may span several ranks'
-partitions, so its full master is assembled with one all-reduce over its data-parallel group.
+partitions, so its full master is assembled with one sum over its data-parallel group.
 
 DeepSpeed's fragment API covers this optimizer (``deepspeed.utils``: ``safe_set_full_fp32_param``,
 ``safe_set_full_optimizer_state`` write this rank's fragment, no collective; each parameter's
@@ -17,20 +17,24 @@ which the API does not reach) and the moments' creation and linking on a resume 
 first step, when the API has no fragment to write into.
 
 Reading (:func:`read_full`) is a collective over each parameter's data-parallel group: every
-rank of a stage reads its parameters in the same order, one all-reduce per tensor. It is
+rank of a stage reads its parameters in the same order, one collective per tensor. It is
 DeepSpeed's ``get_full_hp_param`` (behind ``safe_get_full_fp32_param`` and
 ``safe_get_full_optimizer_state``: a zero fp32 buffer of the parameter's size, this rank's
-fragment copied in, summed over ``_dp_group``) split in two, for two reasons:
+fragment copied in, all-reduced over ``_dp_group``) split in two, for three reasons:
 
 - memory: each full tensor goes to the host as soon as it is summed, and only if the rank
   keeps it (the layers it writes); the device holds one parameter's full fp32 tensor at a
   time, not the masters and both moments of the whole stage (12 B per parameter on every
   data-parallel rank: DP times the optimizer state the rank keeps, ~42 GB for a 3.5B stage
   at DP 8, an OOM at the first save);
+- traffic: a save sums each tensor with a reduce to the rank that writes its layer, not an
+  all-reduce that delivers every full tensor to every rank of the group (DP times what the
+  save writes), and the writer's host copy is the one the checkpoint writes (``into``: the
+  checkpointer's copies of the last save, lent; no second host copy);
 - failure: a rank whose own part fails (a device or host allocation, a fragment read) still
-  takes part in every later all-reduce with a zero buffer and raises at the end, so its
-  peers are never left in an all-reduce it skipped (they would wait there, and it in the
-  save's next collective, until the process group's timeout). A failure *in* an all-reduce
+  takes part in every later collective with a zero buffer and raises at the end, so its
+  peers are never left in a collective it skipped (they would wait there, and it in the
+  save's next collective, until the process group's timeout). A failure *in* a collective
   is raised at once: the group is broken, and its peers fail in it too.
 
 deepspeed is imported inside the functions only (the adapter imports it only when it runs).
@@ -135,40 +139,72 @@ def _local_part(p: nn.Parameter, kind: str | None) -> torch.Tensor:
 def _lighter(exc: Exception) -> Exception:
     """``exc`` without the locals of the frames it was raised through (its traceback stays):
     the buffer of a failed part would otherwise stay allocated, through the finished
-    frame's locals, for the rest of the save's all-reduces."""
+    frame's locals, for the rest of the save's collectives."""
     traceback.clear_frames(exc.__traceback__)
     return exc
+
+
+def _group_ranks(group: Any) -> list[int]:
+    """The global ranks of a data-parallel group (DeepSpeed's ``_dp_group``: a torch
+    process group, or None for the world)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
 
 
 @torch.no_grad()
 def read_full(
     keyed: Sequence[tuple[str, nn.Parameter]],
     kinds: Sequence[str | None],
-    keep: Callable[[str], bool],
+    writer: Callable[[str], int | None],
     failure: Exception | None = None,
+    into: Mapping[str, Sequence[torch.Tensor]] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
-    """The full fp32 ``kinds`` (None: the master; ``MOMENTS``) of each parameter ``keep``
-    selects, on the host, by key: one all-reduce over the parameter's data-parallel group
-    per parameter and kind, in ``keyed`` order, on every rank of the stage alike (it is
-    given the same ``keyed`` and ``kinds``), whatever ``keep`` selects.
+    """The full fp32 ``kinds`` (None: the master; ``MOMENTS``) of each parameter, on the
+    host, by key, on the rank that keeps it: one collective over the parameter's
+    data-parallel group per parameter and kind, in ``keyed`` order, on every rank of the
+    stage alike (it is given the same ``keyed``, ``kinds`` and ``writer``).
+
+    ``writer(key)`` is the global rank that keeps ``key`` (a save's writer of its layer):
+    the sum is a reduce to that rank alone, and the others keep nothing of it (an
+    all-reduce delivered every full tensor to every rank of the group, DP times the bytes a
+    save writes). None: every rank of the group keeps it (an all-reduce). A writer outside
+    the parameter's group is refused by name before any collective (on every rank of the
+    group alike). ``into`` (by key, one host tensor per kind, e.g. a checkpointer's copies of
+    the last save, lent for this one) is where a kept tensor is copied, where its shape and
+    dtype fit; else it is a new host tensor (on the CPU the summed buffer itself).
 
     A failure of this rank's own part (or ``failure``, one from before the call) makes the
     rest of its contributions zeros: it keeps nothing more, takes part in every remaining
-    all-reduce, and is raised once they are all done (module docstring). Only a zero buffer
+    collective, and is raised once they are all done (module docstring). Only a zero buffer
     this rank cannot even allocate leaves it out of the rest (raised at once, with the
     first failure as its cause)."""
     from deepspeed import comm
 
-    out: dict[str, list[torch.Tensor]] = {}
+    me = comm.get_rank()
+    dsts: list[int | None] = []
     for key, p in keyed:
-        kept = keep(key)
+        dst = writer(key)
+        if dst is not None:
+            ranks = _group_ranks(getattr(p, "_dp_group", None))
+            if dst not in ranks:
+                raise ValueError(
+                    f"{key}: writer rank {dst} is not in its data-parallel group {ranks}"
+                )
+        dsts.append(dst)
+    out: dict[str, list[torch.Tensor]] = {}
+    for (key, p), dst in zip(keyed, dsts, strict=True):
+        kept = dst is None or dst == me
         linked: Any = p  # ``link_hp_params`` gave it ``_dp_group``
-        for kind in kinds:
+        dest = list((into or {}).get(key, ())) if kept else []
+        for i, kind in enumerate(kinds):
             buf: torch.Tensor | None = None
             if failure is None:
                 try:
                     buf = _local_part(p, kind)
-                except Exception as exc:  # raised after the last all-reduce
+                except Exception as exc:  # raised after the last collective
                     failure = _lighter(exc)
                     out.clear()  # nothing of it is saved: free the host copies now
             if buf is None:
@@ -176,11 +212,14 @@ def read_full(
                     buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                 except Exception as exc:
                     raise exc from failure
-            comm.all_reduce(buf, group=linked._dp_group)
+            if dst is None:
+                comm.all_reduce(buf, group=linked._dp_group)
+            else:  # ``dst`` is a global rank (torch.distributed.reduce's), not a group rank
+                comm.reduce(buf, dst, group=linked._dp_group)
             if failure is None and kept:
                 try:
                     # on the host now: the device holds one parameter's tensor at a time
-                    out.setdefault(key, []).append(buf.view(p.shape).to("cpu"))
+                    out.setdefault(key, []).append(_on_host(buf.view(p.shape), dest, i))
                 except Exception as exc:
                     failure = _lighter(exc)
                     out.clear()
@@ -188,6 +227,16 @@ def read_full(
     if failure is not None:
         raise failure
     return out
+
+
+def _on_host(full: torch.Tensor, dest: Sequence[torch.Tensor], i: int) -> torch.Tensor:
+    """``full`` in host memory: copied into ``dest[i]`` where it fits, else moved (the
+    tensor itself if it is on the host already)."""
+    if i < len(dest):
+        d = dest[i]
+        if d.device.type == "cpu" and d.shape == full.shape and d.dtype == full.dtype:
+            return d.copy_(full)
+    return full.to("cpu")
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ their master copies.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -128,30 +128,38 @@ class DeepSpeedRun:
         collective over each stage's data-parallel group: every rank calls it), the
         parameters in fp32."""
         if self.bf16:
-            got = master.read_full(self.keyed_parameters(), [None], lambda _k: True)
+            got = master.read_full(self.keyed_parameters(), [None], lambda _k: None)
             return {k: w for k, (w,) in got.items()}
         return {k: p.detach() for k, p in self.keyed_parameters()}
 
     def state(
-        self, layers: Collection[int] | None = None
+        self,
+        writers: Mapping[int, int] | None = None,
+        into: Mapping[str, Sequence[torch.Tensor]] | None = None,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]:
-        """``{key: (weight, exp_avg, exp_avg_sq, tp_dim)}`` of this rank's parameters in
-        ``layers`` (None: all of them; a save passes the layers the rank writes). fp32: the
-        parameters and AdamW's moments; zero moments before the first step. Raises if
-        AdamW's step count is not :attr:`adam_step` (the state would resume a different
+        """``{key: (weight, exp_avg, exp_avg_sq, tp_dim)}`` of this rank's parameters in the
+        layers it writes: ``writers`` maps each layer to the global rank that writes it (a
+        save's writer assignment, the same on every rank); None: every parameter of the rank.
+        fp32: the parameters and AdamW's moments; zero moments before the first step. Raises
+        if AdamW's step count is not :attr:`adam_step` (the state would resume a different
         update).
 
         In bf16 the fp32 masters and moments, on the host: a collective over each stage's
-        data-parallel group (every rank calls it, whatever its ``layers``), one all-reduce
-        per parameter and tensor; the device holds one of them at a time and the host keeps
-        ``layers``' only (:func:`deepspeed_master.read_full`). A failure on this rank (its
-        step count, an allocation, a fragment) is raised after the last all-reduce, so its
-        peers never wait in one it skipped."""
+        data-parallel group (every rank calls it, whatever it writes), one reduce to the
+        layer's writer per parameter and tensor (an all-reduce without ``writers``); the
+        device holds one of them at a time and the host keeps the written layers' only
+        (:func:`deepspeed_master.read_full`), copied into ``into`` (by key: weight and both
+        moments, e.g. the host copies of the last save, lent) where they fit. A failure on
+        this rank (its step count, an allocation, a fragment) is raised after the last
+        collective, so its peers never wait in one it skipped."""
         self.check_checkpointable()  # the job's precision: every rank raises alike
         stepped = self.adam_step > 0
 
+        def writer(key: str) -> int | None:
+            return None if writers is None else writers.get(key_layer(key), -1)
+
         def kept(key: str) -> bool:
-            return layers is None or key_layer(key) in layers
+            return writers is None or writer(key) == self.rank
 
         out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]] = {}
         if self.bf16:
@@ -162,11 +170,11 @@ class DeepSpeedRun:
                 failure = exc
             keyed = self.keyed_parameters()
             kinds = (None, *master.MOMENTS) if stepped else (None,)
-            got = master.read_full(keyed, kinds, kept, failure)
+            got = master.read_full(keyed, kinds, writer, failure, into)
             for key, p in keyed:
                 if key in got:
                     w, *mv = got[key]
-                    m, v = mv if mv else (torch.zeros_like(w), torch.zeros_like(w))
+                    m, v = mv if mv else _zero_moments(w, (into or {}).get(key, ()))
                     out[key] = (w, m, v, tp_dim_of(p))
             return out
         self._check_adam_step()
@@ -235,6 +243,20 @@ class DeepSpeedRun:
                 "exp_avg": exp_avg.to(p.device, p.dtype).clone(),
                 "exp_avg_sq": exp_avg_sq.to(p.device, p.dtype).clone(),
             }
+
+
+def _zero_moments(
+    w: torch.Tensor, lent: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero moments of ``w`` before the first step: the lent copies (weight and both
+    moments) zeroed where they fit, else new ones."""
+    out = [
+        t.zero_() if t.shape == w.shape and t.dtype == w.dtype else torch.zeros_like(w)
+        for t in lent[1:3]
+    ]
+    while len(out) < 2:
+        out.append(torch.zeros_like(w))
+    return out[0], out[1]
 
 
 class DeepSpeedCheckpointIO(SaveIO[DeepSpeedRun], Protocol):

@@ -260,13 +260,16 @@ class CheckpointSaves:
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
+        owned: bool = False,
     ) -> float:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
         job's globals) under ``root``: ``CheckpointIO.save``. An ``optional`` save is
         skipped while this rank still writes an abandoned save
         (:meth:`_refuse_while_abandoned_writes`); a required one (a reconfiguration's, whose
         failure would send the job back to an older commit) goes ahead in copies of its own
-        for as long as that write runs."""
+        for as long as that write runs. ``owned``: ``state`` made host copies for this save
+        (e.g. filling the ones :meth:`lend_copies` lent), handed to the checkpointer as they
+        are (``Checkpointer.save``): one host copy per save, not two."""
         # A failure here (``state``'s checks, opening the storage: its directory) is the
         # save's, as one inside ``Checkpointer.save``: this rank still enters the save's
         # first collective (``agree_save_start``), where every rank learns that a save failed
@@ -285,7 +288,19 @@ class CheckpointSaves:
             self._in_flight, self._failure = None, failure
             return 0.0
         self._in_flight = ck
-        return ck.save(params, g, prune_below=prune_below)
+        return ck.save(params, g, prune_below=prune_below, owned=owned)
+
+    def lend_copies(
+        self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None = None
+    ) -> dict[str, ParamState]:
+        """The host copies the next save under ``root`` may fill itself and hand back
+        (``save``'s ``owned``), by key: the last save's (``Checkpointer.lend_copies``), none
+        while it is in flight or if its checkpointer cannot be had (``save`` then fails
+        alike)."""
+        try:
+            return self._checkpointer(plan, rank, tp_group, root, keep).lend_copies()
+        except Exception:  # the save's own failure, raised by save's path
+            return {}
 
     def _refuse_while_abandoned_writes(self, root: str) -> None:
         """For an optional save: raise ``SaveSkippedError`` while this rank's write of an abandoned

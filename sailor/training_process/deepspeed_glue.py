@@ -16,14 +16,15 @@ worker's arguments: ``deepspeed_adapter``).
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 from sailor.checkpoint import (
     ParamState,
     TrainingGlobals,
-    layers_written_by,
     load_for_rank,
     open_storage,
     read_manifest,
+    writer_assignment,
 )
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
 from sailor.megatron_patch.state import key_layer
@@ -33,13 +34,18 @@ from sailor.training_process.ckpt_glue import CheckpointSaves, pad_vocab_rows, u
 __all__ = ["DeepSpeedLayerIO", "main"]
 
 
-def _state(run: DeepSpeedRun) -> tuple[dict[str, ParamState], TrainingGlobals]:
+def _state(
+    run: DeepSpeedRun, lent: Mapping[str, ParamState]
+) -> tuple[dict[str, ParamState], TrainingGlobals]:
     # Only the layers this rank writes: the ``Checkpointer`` (``CheckpointSaves``, built
-    # without layer sizes) copies those alone and skips a layer another rank writes (TP is
-    # 1 here), so in bf16 the other full masters and moments are summed and dropped, not
-    # kept on the host (``DeepSpeedRun.state``).
-    written = layers_written_by(run.plan, run.rank)
-    params = {k: ParamState(w, m, v, dim) for k, (w, m, v, dim) in run.state(written).items()}
+    # without layer sizes, hence the same writer assignment) writes those alone (TP is 1
+    # here), so in bf16 each full master and moment is reduced to its layer's writer alone
+    # and lands in the host copies ``lent`` by the last save, which the checkpointer then
+    # keeps as they are (``owned``): one host copy of what the rank writes, on the writer
+    # only (``DeepSpeedRun.state``).
+    into = {k: (ps.weight, ps.exp_avg, ps.exp_avg_sq) for k, ps in lent.items()}
+    got = run.state(writer_assignment(run.plan), into)
+    params = {k: ParamState(w, m, v, dim) for k, (w, m, v, dim) in got.items()}
     extra = {"adam_step": run.adam_step, "seed": run.cfg.seed, **run.scaling_state()}
     return params, TrainingGlobals(run.step, run.consumed_samples, extra)
 
@@ -97,8 +103,20 @@ class DeepSpeedLayerIO:
         prune_below: int = -1,
         optional: bool = False,
     ) -> float:
+        # In bf16 the state is host copies made for the save (``read_full``): they fill the
+        # last save's copies, lent, and are handed back as they are (owned). In fp32 it is
+        # the live parameters and moments, which the checkpointer copies.
+        try:
+            owned = trainer.bf16
+        except Exception:  # raised again by the state, in the save's own failure path
+            owned = False
+        lent = (
+            self._saves.lend_copies(trainer.plan, trainer.rank, trainer.tp_group, root, keep)
+            if owned
+            else {}
+        )
         return self._saves.save(
-            lambda: _state(trainer),
+            lambda: _state(trainer, lent),
             trainer.plan,
             trainer.rank,
             trainer.tp_group,
@@ -106,6 +124,7 @@ class DeepSpeedLayerIO:
             keep,
             prune_below,
             optional,
+            owned=owned,
         )
 
     def done(self) -> bool:

@@ -4,11 +4,14 @@
 point in bf16 (as ``deepspeed_bf16_rank``), its checkpoint IO wrapped by what the environment
 asks, each through the adapter's real path (no branch for it in Sailor's code):
 
-- ``SAVE_TRACE=path-with-{rank}``: during each save, every all-reduce is recorded (a weak
-  reference to its buffer's storage); the file gets, per save, the bytes of the recorded
-  buffers still alive at each all-reduce (the full tensors the rank holds then: on the CPU
-  accelerator the device is the host), their peak, and the bytes of the parameters of the
-  layers the rank writes and of its largest one;
+- ``SAVE_TRACE=path-with-{rank}``: during each save, every all-reduce and reduce is recorded
+  (a weak reference to its buffer's storage, its bytes, its destination); the file gets, per
+  save, the number of each, the bytes of the recorded buffers still alive at each (the full
+  tensors the rank holds then: on the CPU accelerator the device is the host), their peak,
+  the bytes of summed tensors the rank received (an all-reduce's on every rank, a reduce's
+  on its destination only), the bytes the checkpointer's snapshot copied to its host copies
+  (``checkpointer._cpu_copy``), and the bytes of the parameters of the layers the rank
+  writes, of its whole stage and of its largest one;
 - ``BREAK_FRAGMENT_RANK=r``: before its first save, rank ``r`` drops ``exp_avg_sq`` from the
   optimizer-state fragment DeepSpeed linked to its middle parameter (one in its own flat
   partition), so that reading that moment raises DeepSpeed's own error, partway through the
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from sailor.checkpoint import layers_written_by
+from sailor.checkpoint import checkpointer, layers_written_by
 from sailor.megatron_patch import deepspeed_adapter
 from sailor.megatron_patch.deepspeed_adapter import main
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
@@ -43,19 +46,42 @@ from tests.integration.slow_load_worker import _SlowStorage
 
 
 class _Trace:
-    """The all-reduces of one save and the bytes alive at each."""
+    """The collectives of one save, the bytes alive at each, the bytes received and copied."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.buffers: list[tuple[StorageWeakRef, int]] = []
         self.live: list[int] = []
+        self.calls = {"all_reduce": 0, "reduce": 0}
+        self.received = 0
+        self.copied = 0
 
-    def __call__(self, tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+    def _record(self, tensor: torch.Tensor) -> None:
         self.buffers.append((StorageWeakRef(tensor.untyped_storage()), tensor.nbytes))
         self.live.append(sum(n for ref, n in self.buffers if not ref.expired()))
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        self._record(tensor)
+        self.calls["all_reduce"] += 1
+        self.received += tensor.nbytes
         return _REAL_ALL_REDUCE(tensor, *args, **kw)
+
+    def reduce(self, tensor: torch.Tensor, dst: int | None = None, *args: Any, **kw: Any) -> Any:
+        self._record(tensor)
+        self.calls["reduce"] += 1
+        if dst == self.rank:
+            self.received += tensor.nbytes
+        return _REAL_REDUCE(tensor, dst, *args, **kw)
+
+    def cpu_copy(self, t: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        self.copied += t.nbytes
+        out: torch.Tensor = _REAL_CPU_COPY(t, *args, **kw)
+        return out
 
 
 _REAL_ALL_REDUCE = dist.all_reduce
+_REAL_REDUCE = dist.reduce
+_REAL_CPU_COPY = checkpointer._cpu_copy
 
 
 def _break_fragment(run: DeepSpeedRun) -> str:
@@ -87,17 +113,24 @@ class _ProbedIO(DeepSpeedLayerIO):
         self._saves_seen += 1
         if not trace_to:
             return super().save(trainer, root, keep, prune_below, optional)
-        trace = _Trace()
-        dist.all_reduce = trace  # type: ignore[assignment]
+        trace = _Trace(trainer.rank)
+        dist.all_reduce = trace.all_reduce  # type: ignore[assignment]
+        dist.reduce = trace.reduce  # type: ignore[assignment]
+        checkpointer._cpu_copy = trace.cpu_copy  # type: ignore[assignment]
         try:
             return super().save(trainer, root, keep, prune_below, optional)
         finally:
             dist.all_reduce = _REAL_ALL_REDUCE
+            dist.reduce = _REAL_REDUCE
+            checkpointer._cpu_copy = _REAL_CPU_COPY
             written = set(layers_written_by(trainer.plan, trainer.rank))
             sizes = {k: p.numel() * 4 for k, p in trainer.keyed_parameters()}
             record = {
                 "params": len(sizes),
-                "all_reduces": len(trace.live),
+                "all_reduces": trace.calls["all_reduce"],
+                "reduces": trace.calls["reduce"],
+                "received_bytes": trace.received,
+                "host_copy_bytes": trace.copied,
                 "live_bytes": trace.live,
                 "peak_live_bytes": max(trace.live, default=0),
                 "written_bytes": 3 * sum(n for k, n in sizes.items() if key_layer(k) in written),

@@ -14,10 +14,32 @@ uninterrupted bf16 run of the same plan (two pipelines of two uneven stages):
   the CPU, with ``allow_precision_change``): bf16 rounding now differs (another reduction
   order; the engine computes in fp32), so the bounds are the measured noise with a margin,
   far below what a lost moment or step count moves (below).
+
+The saving run goes through ``deepspeed_fault_rank`` (the same rank, its collectives and the
+checkpointer's host copies counted: ``SAVE_TRACE``), whose records show the save's traffic
+and memory:
+
+- each full master and moment is reduced to the rank that writes its layer: a rank receives
+  exactly what it writes, and the checkpoint is written from that host copy (none made
+  again). Before, every tensor was all-reduced to every data-parallel rank (each received
+  its whole stage) and the writer's checkpointer copied what it wrote a second time;
+- a save holds one parameter's full fp32 tensor at a time beyond the layers the rank writes
+  (each collective recorded with the bytes of the earlier ones still alive). Before an
+  earlier change, every rank built the full masters and both moments of its whole stage at
+  once (12 B per parameter, DP times the optimizer state it keeps).
+
+Its checkpoint also serves the loads at start: the resume under another layout stalls one
+rank's first read past the process groups' timeout, and the other waits on the rendezvous
+store (``load_barrier``) while the world trains on (before, it waited in the first
+boundary's collective, which gloo timed out); a rank failing before its restore (after the
+world formed) ends the other, restoring, with its error as a peer's (before, that rank's
+failure was never written and it never beat: the other waited out the liveness, 60 s, and
+named no cause).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +49,7 @@ import pytest
 import torch
 
 from sailor.checkpoint import LocalStorage, committed_steps, load
-from sailor.megatron_patch.launch import LocalRun
+from sailor.megatron_patch.launch import LocalRun, launch_local
 from sailor.schemas.training import TrainingConfig
 from tests.integration.test_deepspeed_checkpoints import (
     DS_1X2,
@@ -45,6 +67,10 @@ from tests.integration.test_deepspeed_checkpoints import (
 pytest.importorskip("deepspeed")
 
 BF16_RANK = "tests.integration.deepspeed_bf16_rank"
+FAULT_RANK = "tests.integration.deepspeed_fault_rank"
+# the resume under another layout: gloo's timeout, which its stalled load exceeds 1.5 times
+LOAD_TIMEOUT_S = 8.0
+SLOW_LOAD_S = 1.5 * LOAD_TIMEOUT_S
 REPO = Path(__file__).resolve().parents[2]
 # Another layout or engine than the uninterrupted run's, measured over 2 steps after the
 # resume: per tensor the median |difference| was <= 2.1e-6 (adapter, one pipeline) and
@@ -71,6 +97,9 @@ class _Saved:
     at_2: dict[str, torch.Tensor]
     """The first run's fp32 masters at its stop (``--dump-state``)."""
     ckpt: Path
+    traces: list[list[dict[str, int]]]
+    """The first run's save, per rank, one record per save (``deepspeed_fault_rank``:
+    ``SAVE_TRACE``)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,11 +117,43 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> _Saved:
     full = _run(DS_2X2, 4, work / "full", BF16_RANK)
     ckpt = work / "ckpt"
     stop = _stop_and_save(work / "control.json", ckpt)
-    first = _run(DS_2X2, 4, work / "a", BF16_RANK, "--control", stop)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SAVE_TRACE", str(work / "trace-{rank}.jsonl"))
+        first = _run(DS_2X2, 4, work / "a", FAULT_RANK, "--control", stop)
     assert committed_steps(LocalStorage(str(ckpt))) == [2]
+    traces = [
+        [json.loads(x) for x in (work / f"trace-{r}.jsonl").read_text().splitlines()]
+        for r in range(4)
+    ]
     return _Saved(
-        full, _dumped(work / "full", range(4)), first, _dumped(work / "a", range(4)), ckpt
+        full, _dumped(work / "full", range(4)), first, _dumped(work / "a", range(4)), ckpt, traces
     )
+
+
+@pytest.fixture(scope="module")
+def other_layout(
+    saved: _Saved, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[LocalRun, dict[str, torch.Tensor]]:
+    """The checkpoint resumed under another layout (one pipeline), rank 1's first read of
+    it stalled past the process groups' timeout (``deepspeed_fault_rank``:
+    ``SLOW_LOAD_RANK``): the stall changes when a rank starts training, not what it loads.
+    The run and the masters it dumped at its end."""
+    work = tmp_path_factory.mktemp("ds1x2")
+    resume = ["--ckpt-dir", str(saved.ckpt), "--load-step", "2"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLOW_LOAD_RANK", "1")
+        mp.setenv("SLOW_LOAD_S", str(SLOW_LOAD_S))
+        run = launch_local(
+            DS_1X2,
+            2,
+            work,
+            module=FAULT_RANK,
+            extra_args=resume,
+            timeout_s=LOAD_TIMEOUT_S,
+            deadline_s=240.0,
+        )
+    assert run.ok, (run.returncodes, run.errors, [e[-2000:] for e in run.stderr])
+    return run, _dumped(work, range(2))
 
 
 def test_a_bf16_checkpoint_holds_the_fp32_masters_and_resumes_exactly(
@@ -140,11 +201,11 @@ def _check_close(
 
 
 def test_a_bf16_checkpoint_resumes_under_another_layout_and_in_sailors_engine(
-    saved: _Saved, tmp_path: Path
+    saved: _Saved, other_layout: tuple[LocalRun, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
     resume = ["--ckpt-dir", str(saved.ckpt), "--load-step", "2"]
-    other = _run(DS_1X2, 2, tmp_path / "ds", BF16_RANK, *resume)
-    _check_close(_losses(other), _dumped(tmp_path / "ds", range(2)), saved, LAYOUT_LOSS_REL)
+    other, params = other_layout
+    _check_close(_losses(other), params, saved, LAYOUT_LOSS_REL)
 
     # the engine computes fp32 on the CPU: it loads bf16 state with allow_precision_change;
     # AdamW as the adapter's without a training config (weight decay on every parameter)
@@ -156,3 +217,80 @@ def test_a_bf16_checkpoint_resumes_under_another_layout_and_in_sailors_engine(
     cfg_file.write_text(tc.model_dump_json())
     engine = _run(ENGINE_1X3, 2, tmp_path / "e", ENGINE, *resume, "--train-config", str(cfg_file))
     _check_close(_losses(engine), _dumped(tmp_path / "e", range(3)), saved, ENGINE_LOSS_REL)
+
+
+def test_a_bf16_save_reduces_each_tensor_to_its_writer_and_hands_its_host_copy_over(
+    saved: _Saved,
+) -> None:
+    received, written = 0, 0
+    for rank, records in enumerate(saved.traces):
+        assert len(records) == 1, (rank, records)
+        t = {k: v for k, v in records[0].items() if k != "live_bytes"}
+        # the masters and both moments of every parameter, each reduced to its writer
+        assert (t["all_reduces"], t["reduces"]) == (0, 3 * t["params"]), (rank, t)
+        # the rank received the full tensors of the layers it writes, and nothing else
+        assert t["received_bytes"] == t["written_bytes"], (rank, t)
+        # and its checkpointer kept those host copies: none was made a second time
+        assert t["host_copy_bytes"] == 0, (rank, t)
+        received += t["received_bytes"]
+        written += t["written_bytes"]
+    # the world received what the save writes, once: each layer's state on one rank, where
+    # the all-reduce delivered each stage's state to both of its data-parallel ranks
+    stages = sum(records[0]["stage_bytes"] for records in saved.traces)
+    assert received == written == stages // 2, (received, written, stages)
+
+
+def test_a_bf16_save_holds_one_full_tensor_beyond_the_layers_the_rank_writes(
+    saved: _Saved,
+) -> None:
+    bounds: list[int] = []
+    for rank, records in enumerate(saved.traces):
+        assert len(records) == 1, (rank, records)
+        t = records[0]
+        # the masters and both moments of every parameter: 3 collectives each, on every
+        # rank of the stage alike (a writer or not)
+        calls = t["all_reduces"] + t["reduces"]
+        peer = saved.traces[rank ^ 2][0]  # its data-parallel peer
+        assert calls == 3 * t["params"] == peer["all_reduces"] + peer["reduces"], (rank, t)
+        # what the rank writes, plus the tensor being summed and the one before it: gloo's
+        # worker thread drops its reference to a finished collective's buffer a moment after
+        # the caller returns (measured: a non-kept buffer now and then still alive at the
+        # next collective, never two)
+        bound = t["written_bytes"] + 2 * t["largest_bytes"]
+        assert t["peak_live_bytes"] <= bound, (
+            rank,
+            {k: v for k, v in t.items() if k != "live_bytes"},
+        )
+        bounds.append(bound)
+    # and the bounds are well below the stages' whole state, which every rank held before
+    # (a rank writing most of its stage is close to it; one writing little is far below)
+    stages = sum(records[0]["stage_bytes"] for records in saved.traces)
+    assert sum(bounds) < 0.7 * stages, (bounds, stages)
+
+
+def test_a_resume_slower_than_the_process_group_timeout_is_waited_for_off_the_collectives(
+    other_layout: tuple[LocalRun, dict[str, torch.Tensor]],
+) -> None:
+    run, _params = other_layout
+    ready = [next(e for e in p if e.get("event") == "ready") for p in run.progress]
+    assert ready[0]["load_wait_s"] >= SLOW_LOAD_S - 1.0, ready  # rank 0 waited on the store
+    assert ready[1]["load_wait_s"] < LOAD_TIMEOUT_S, ready
+    assert [s["step"] for s in run.steps(0)] == [3, 4]
+
+
+def test_a_rank_failing_before_its_restore_ends_the_other_with_its_error(
+    saved: _Saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAIL_BEFORE_LOAD_RANK", "1")
+    resume = ["--ckpt-dir", str(saved.ckpt), "--load-step", "2"]
+    run = launch_local(
+        DS_1X2, 2, tmp_path / "c", module=FAULT_RANK, extra_args=resume, deadline_s=240.0
+    )
+    errors = run.errors
+    assert run.returncodes == [1, 1], (run.returncodes, [e[-2000:] for e in run.stderr])
+    assert errors[1] is not None and "building the run" in errors[1]["message"], errors[1]
+    err = errors[0]
+    assert err is not None and err["origin"] == "peer", err
+    assert "rank 1" in err["message"] and "MemoryError: building the run" in err["message"], err
+    # promptly: within a poll or two of rank 1's exit, not after the 60 s liveness
+    assert run.exit_times_s[0] - run.exit_times_s[1] < 15.0, run.exit_times_s

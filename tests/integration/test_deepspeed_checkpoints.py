@@ -134,11 +134,29 @@ def _check_checkpoint(root: Path, step: int, ref: ReferenceRun, at: int) -> None
         torch.testing.assert_close(ps.exp_avg_sq, v, rtol=RTOL, atol=ATOL**2, msg=key)
 
 
-def test_the_adapter_stops_saves_and_resumes_like_one_uninterrupted_run(tmp_path: Path) -> None:
-    ref, init = _reference(TrainConfig())
-    ckpt = tmp_path / "ckpt"
-    stop = _stop_and_save(tmp_path / "control.json", ckpt)
-    first = _run(DS_2X2, 4, tmp_path / "a", ADAPTER, "--control", stop)
+@pytest.fixture(scope="module")
+def reference() -> tuple[ReferenceRun, dict[str, torch.Tensor]]:
+    """The uninterrupted run without a training config, and its initial parameters."""
+    return _reference(TrainConfig())
+
+
+@pytest.fixture(scope="module")
+def adapter_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[LocalRun, Path]:
+    """The adapter (two pipelines of two stages) stopped and saved at step 2 on the agent's
+    control file: the run and the checkpoint root. One run serves every test resuming it."""
+    work = tmp_path_factory.mktemp("adapter")
+    ckpt = work / "ckpt"
+    stop = _stop_and_save(work / "control.json", ckpt)
+    return _run(DS_2X2, 4, work / "a", ADAPTER, "--control", stop), ckpt
+
+
+def test_the_adapter_stops_saves_and_resumes_like_one_uninterrupted_run(
+    reference: tuple[ReferenceRun, dict[str, torch.Tensor]],
+    adapter_saved: tuple[LocalRun, Path],
+    tmp_path: Path,
+) -> None:
+    ref, init = reference
+    first, ckpt = adapter_saved
     for r in range(4):  # the agent's protocol: saved once durable, stopped at the stop step
         events = [(e["event"], e.get("step")) for e in first.progress[r]]
         assert ("saved", 2) in events and ("stopped", 2) in events, (r, events)
@@ -152,12 +170,12 @@ def test_the_adapter_stops_saves_and_resumes_like_one_uninterrupted_run(tmp_path
 
 
 def test_an_adapter_checkpoint_resumes_in_sailors_engine_under_another_layout(
+    reference: tuple[ReferenceRun, dict[str, torch.Tensor]],
+    adapter_saved: tuple[LocalRun, Path],
     tmp_path: Path,
 ) -> None:
-    ref, init = _reference(TrainConfig())
-    ckpt = tmp_path / "ckpt"
-    stop = _stop_and_save(tmp_path / "control.json", ckpt)
-    first = _run(DS_1X2, 4, tmp_path / "a", ADAPTER, "--control", stop)
+    ref, init = reference
+    first, ckpt = adapter_saved
     engine = _run(
         ENGINE_1X3, 2, tmp_path / "b", ENGINE, "--ckpt-dir", str(ckpt), "--load-step", "2"
     )
@@ -211,8 +229,10 @@ def _bf16_checkpoint(root: Path, ref: ReferenceRun) -> None:
     assert committed_steps(LocalStorage(str(root))) == [2]
 
 
-def test_the_adapter_refuses_another_precision_unless_allowed(tmp_path: Path) -> None:
-    ref, init = _reference(TrainConfig())
+def test_the_adapter_refuses_another_precision_unless_allowed(
+    reference: tuple[ReferenceRun, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    ref, init = reference
     ckpt = tmp_path / "ckpt"
     _bf16_checkpoint(ckpt, ref)
     resume = ["--ckpt-dir", str(ckpt), "--load-step", "2"]
