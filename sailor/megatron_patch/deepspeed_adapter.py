@@ -498,7 +498,7 @@ def run(
     # DeepSpeed's initialisation, the restore) there. DeepSpeed initialised torch's default
     # group, whose store this is; one name on every rank of this world.
     barrier = worker_barrier(
-        torch.distributed.distributed_c10d._get_default_store(), plan.plan_id, args
+        torch.distributed.distributed_c10d._get_default_store(), plan.plan_id, args, status
     )
     status.load_barrier = barrier
     cfg = train_config(tc, args)
@@ -507,6 +507,11 @@ def run(
         module.named_parameters(), cfg.weight_decay, cfg.no_decay, spec.tie_embeddings
     )
     optimizer = make_optimizer(groups, cfg)
+    # deepspeed.initialize's first collective (its module broadcast) waits for every rank:
+    # they arrive on the store first, and one that failed building its module or optimizer
+    # ends the others here with its error; one failing inside initialize ends them from
+    # their heartbeat threads (worker_barrier's status), not at NCCL's timeout
+    barrier.formed(args.timeout_s)
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, config=deepspeed_config(layout, plan, precision)
     )
@@ -624,6 +629,8 @@ def main(
     try:
         return run(argv, ckpt, status, precision)
     except BaseException as exc:  # the first cause of any failure is reported
+        if status.load_barrier is not None:  # a closed peer's socket: that peer's error
+            exc = status.load_barrier.peer_cause(exc)
         record = failure_record(
             exc, args.rank, status.failed_step, status.in_training, last_step=status.step
         )

@@ -402,7 +402,7 @@ def _generation(
     # is over (building the stage, the handshake, the load) is written there by main's
     # handler; one name on every rank of this world (a fresh rank and the held ones number
     # their generations differently, their plan and master are the same)
-    barrier = worker_barrier(dist.distributed_c10d._get_default_store(), plan.plan_id, args)
+    barrier = worker_barrier(dist.distributed_c10d._get_default_store(), plan.plan_id, args, status)
     status.load_barrier = barrier
     strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
     previous_backend = None
@@ -414,6 +414,9 @@ def _generation(
     # Under NCCL the first call on a communicator must involve all its ranks before a batched
     # p2p that only some of them post (torch's batch_isend_irecv contract): one world
     # all-reduce here instead of relying on whichever collective happens to come first.
+    # Every rank arrives on the store first: one that failed since init_process_group ends
+    # the others here with its error, not in this collective at NCCL's timeout (load_barrier).
+    barrier.formed(args.timeout_s)
     comm.all_reduce(torch.zeros(1, device=device))
     peers = None
     if args.in_place:
@@ -605,6 +608,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
         close_fault_file(err_file or "")  # leave_process does it too, before os._exit
         return code
     except BaseException as exc:  # the first cause of any failure is reported
+        if status.load_barrier is not None:  # a closed peer's socket: that peer's error
+            exc = status.load_barrier.peer_cause(exc)
         record = failure_record(
             exc, status.rank, status.failed_step, status.in_training, last_step=status.step
         )
