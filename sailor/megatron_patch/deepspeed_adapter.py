@@ -528,8 +528,11 @@ def run(
         with barrier.loading():
             ckpt.restore(ds, args.ckpt_dir, args.load_step)
             t_own = time.time()
-    else:  # every rank decides alike: none waits when none loads
-        barrier.close()
+    else:  # every rank decides alike: with nothing to load, each still waits (a poll) for
+        # every rank's deepspeed.initialize on the store: one failing inside it ends the
+        # others here with its error, not in the first step's collectives at NCCL's timeout
+        with barrier.loading():
+            pass
     status.load_barrier = None
     t_loaded = time.time()
     data = (

@@ -46,9 +46,11 @@ until the barrier ends.
 If the store is gone (rank 0, whose process serves it, failed and exited) the waiting ranks
 raise ``PeerFailedError`` saying the store stopped answering, naming rank 0's host and the
 store's address, with rank 0's own error where this rank can read it (its error file, on
-rank 0's node or a shared directory: :func:`rank0_error_file`). Rank 0 failing itself waits
-two polls after writing its error before its process exits, so the waiters read the error
-rather than the silence.
+rank 0's node or a shared directory: :func:`rank0_error_file`). So that this is rare, rank 0
+ending with a failure (its own or another's) keeps its process, and the store, up until
+every other rank has counted itself out after reading a failure, or for two of their polls
+or beats (:meth:`LoadBarrier.fail`): the others read the failure, not the silence, and a
+rank in a collective with rank 0 is not ended by rank 0's closed socket first.
 
 This module never touches a device or a collective; it takes any object with the c10d
 store's ``add``/``set``/``get``/``multi_get``/``check`` and ``clone``
@@ -183,6 +185,10 @@ def _phase_keys(world: str, phase: Phase) -> tuple[str, str]:
     return f"{base}/count", f"{base}/done/"
 
 
+def _ended_key(world: str) -> str:
+    return f"{_PREFIX}/{world}/ended"
+
+
 def _beat_key(world: str, rank: int) -> str:
     return f"{_PREFIX}/{world}/beat/{rank}"
 
@@ -250,11 +256,6 @@ _CLOCK_SLACK_S = 60.0
 """How much earlier than this rank's barrier began rank 0's error may be dated and still be
 of this world: ranks start their barriers within the rendezvous of one
 ``init_process_group``, seconds apart; a kept file of an earlier world is minutes older."""
-
-_STORE_HOST_LINGER_S = 5.0
-"""The longest rank 0 (the store's server) waits, after writing its own failure, before its
-process exits and takes the store with it: two of the waiters' polls (1 s in a worker), so
-they read its error rather than a store gone silent."""
 
 
 class LoadBarrier:
@@ -378,8 +379,28 @@ class LoadBarrier:
         if self.on_peer_failure is None or self._waiting or not self._pending:
             return False
         self._pending = False  # this rank is ending of another's failure: not news to them
+        self._leave(self.store)
         self.on_peer_failure(err)
         return True
+
+    def _leave(self, store: Store) -> None:
+        """Count this rank out of a failed world; rank 0, whose process serves the store,
+        keeps it up until every other rank is out (read the failure) or
+        :meth:`_linger_s` has passed (best effort: the store may be gone)."""
+        with suppress(Exception):
+            out = store.add(_ended_key(self.world), 1)
+            if self.rank != 0:
+                return
+            deadline = time.monotonic() + self._linger_s()
+            while out < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                out = store.add(_ended_key(self.world), 0)
+
+    def _linger_s(self) -> float:
+        """Two of the others' chances to read a failure: their polls if waiting, their
+        heartbeat threads' beats if held elsewhere (24 s at the worker's defaults); a
+        rank killed without a word is never counted out, and rank 0 waits this long."""
+        return 2 * max(self.poll_s, self.liveness_s / BEATS_PER_LIVENESS)
 
     def peer_cause(self, exc: BaseException) -> BaseException:
         """``exc``, or the failure of another rank that caused it: while pending, an error
@@ -399,14 +420,15 @@ class LoadBarrier:
         return err
 
     def fail(self, exc: BaseException) -> None:
-        """Tell the waiting ranks this rank failed (while the barrier is pending; best
-        effort), then stop beating. Rank 0, whose process serves the store, waits up to
-        two of the waiters' polls before returning, so that they read its error. Another
-        rank's failure (a ``PeerFailedError``) is on the store already, or is the store's."""
-        if self._pending and not isinstance(exc, PeerFailedError):
-            _publish_failure(self.store, self.rank, self.world, exc)
-            if self.rank == 0 and self.world_size > 1:
-                time.sleep(min(2 * self.poll_s, _STORE_HOST_LINGER_S))
+        """Tell the others this rank failed (while the barrier is pending; best effort),
+        then stop beating. Another rank's failure (a ``PeerFailedError``) is on the store
+        already, or is the store's. Rank 0, whose process serves the store, returns once
+        every other rank has read a failure, or after :meth:`_linger_s` (:meth:`_leave`)."""
+        if self._pending:
+            if not isinstance(exc, PeerFailedError):
+                _publish_failure(self.store, self.rank, self.world, exc)
+            self._pending = False
+            self._leave(self.store)
         self.close()
 
     def close(self) -> None:
@@ -432,8 +454,9 @@ class LoadBarrier:
                 self.store, self.rank, self.world_size, self.world, phase, timeout_s, flag,
                 self.poll_s, time.monotonic, time.sleep, self._store_host,
             )  # fmt: skip
-        except BaseException:
-            self.close()  # raised here: the others have the failure already
+        except BaseException as exc:
+            self._waiting = False
+            self.fail(exc)  # not written again (a peer's, or the store's); counted out
             raise
         finally:
             self._waiting = False

@@ -127,15 +127,15 @@ def test_rank_0s_failure_reaches_the_waiters_before_its_store_goes() -> None:
     try:
         client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
         got: list[BaseException] = []
-        waiter = threading.Thread(
-            target=_catch, args=(got, lambda: await_loads(client, 1, 2, "g", 10.0, 0.5))
-        )
+        waiting = LoadBarrier(client, 1, 2, "g", 60.0, 60.0, 0.5)
+        waiter = threading.Thread(target=_catch, args=(got, lambda: _load(waiting)))
         waiter.start()
         time.sleep(0.2)
         assert rank0.stdin is not None
         rank0.stdin.write(b"fail\n")  # rank 0 fails; its process (the store) exits after
         rank0.stdin.flush()
         waiter.join(timeout=20.0)
+        # out as soon as rank 1 read the failure: rank 0 does not wait its 24 s bound
         assert rank0.wait(timeout=10.0) == 1
         assert got and "rank 0 (" in str(got[0]), got
         assert "OSError: rank 0's checkpoint unreadable" in str(got[0])
@@ -232,19 +232,17 @@ def test_the_load_waits_are_checked_at_start_by_flag() -> None:
 
 def test_a_dead_rank_whose_watchers_are_still_loading_is_found_in_about_liveness_s() -> None:
     store = _store()
-    # 12 ranks: rank 6 dies while its watchers (3, 4, 5) are still loading, only rank 0
+    # 12 ranks: rank 6 dies while its watchers (3, 4, 5) are still loading, only rank 11
     # waits. Their heartbeat threads watch it from the world's start: found liveness_s
-    # and a beat after it died (when the waiters watched, rank 0 found it only by its one
+    # and a beat after it died (when the waiters watched, rank 11 found it only by its one
     # extra read a poll in turn: two reads 8 polls, 8 s, apart)
-    ranks = [
-        LoadBarrier(store, r, 12, "g", liveness_s=1.0, poll_s=1.0).start() for r in range(1, 12)
-    ]
+    ranks = [LoadBarrier(store, r, 12, "g", liveness_s=1.0, poll_s=1.0).start() for r in range(11)]
     try:
         t0 = time.monotonic()
-        ranks[5].close()  # rank 6: killed, it writes nothing
+        ranks[6].close()  # rank 6: killed, it writes nothing
         with (
             pytest.raises(PeerFailedError, match=r"rank 6 \(.*no heartbeat.*seen by rank [345]"),
-            LoadBarrier(store, 0, 12, "g", float("inf"), 1.0, 1.0).loading(),
+            LoadBarrier(store, 11, 12, "g", float("inf"), 1.0, 1.0).loading(),
         ):
             pass
         assert time.monotonic() - t0 < 1.0 + 0.2 + 1.0 + 1.5  # liveness, a beat, a poll, slack
@@ -331,7 +329,8 @@ def test_a_rank_failing_before_the_first_collective_ends_the_others_there() -> N
 
 def test_a_rank_late_to_the_first_collective_is_named_with_the_groups_timeout() -> None:
     store = _store()
-    arriving = LoadBarrier(store, 0, 2, "g", poll_s=0.01).start()
+    # (rank 0 then keeps its store up two beats for rank 1: 0.2 s)
+    arriving = LoadBarrier(store, 0, 2, "g", liveness_s=0.5, poll_s=0.01).start()
     with pytest.raises(
         LoadTimeoutError,
         match=r"ranks \[1\] did not reach the world's first collective within "
@@ -381,6 +380,11 @@ def test_a_closed_socket_after_a_peers_failure_is_that_peers_failure() -> None:
     own = MemoryError("out of memory")  # not a peer's: its own, whatever is on the store
     assert rank0.peer_cause(own) is own
     rank0.close()
+
+
+def _load(barrier: LoadBarrier) -> None:
+    with barrier.loading():
+        pass
 
 
 def _catch(got: list[BaseException], call: Callable[[], object]) -> None:
