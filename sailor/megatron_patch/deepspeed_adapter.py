@@ -39,14 +39,16 @@ and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engi
 any layout (the reader relayouts by layer); the ranks that loaded first wait for the others on
 the rendezvous store (``load_barrier``, ``--load-timeout-s``, ``--load-liveness-s``), not in
 the first collective under ``--timeout-s``, as Sailor's engine does: each rank beats there from
-its world's start, and a rank failing before or during its restore, or dying without a word,
-ends the waiting ones. Another precision than the checkpoint's is refused
-with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
-another seed too. In bf16 DeepSpeed steps a ``BF16_Optimizer`` around the AdamW, holding the
-fp32 master weights and moments in flat partitions across the data-parallel ranks: the
-checkpoint holds those masters and moments by layer key (``deepspeed_master``, DeepSpeed's
-fragment API), so it resumes here or in Sailor's engine under any layout as an fp32 one does;
-the iterations DeepSpeed skips for a non-finite gradient norm are counted (``skipped_steps``).
+its world's start, and a rank failing before or during its restore (building its module or
+optimizer, inside ``deepspeed.initialize``), or dying without a word, ends the others with
+its error, whether they wait on the store or are held in a collective. Another precision
+than the checkpoint's is refused with the engine's error unless ``allow_precision_change``
+(``precision.check_state_precision``), another seed too. In bf16 DeepSpeed steps a
+``BF16_Optimizer`` around the AdamW, holding the fp32 master weights and moments in flat
+partitions across the data-parallel ranks: the checkpoint holds those masters and moments
+by layer key (``deepspeed_master``, DeepSpeed's fragment API), so it resumes here or in
+Sailor's engine under any layout as an fp32 one does; the iterations DeepSpeed skips for a
+non-finite gradient norm are counted (``skipped_steps``).
 fp16 is not mapped (``FP16_UnfusedOptimizer``: ``deepspeed_master``): an fp16 run that may save
 or resume (periodic checkpoints, ``--control``, ``--load-step``) is refused by name at start
 (:func:`check_checkpoint_precision`), before DeepSpeed starts. Without a checkpoint IO

@@ -31,13 +31,14 @@ status 1 at once (``os._exit``: never wait on dead peers). In training, with the
 timeout (``--timeout-s``, default 600 s, NCCL's own), a crashed stage makes every rank exit
 within a bounded time (the agent sees a dead rank at once; the controller aborts the rest).
 While the world loads at start the ranks wait for each other on the rendezvous store, not
-in a collective (:mod:`load_barrier`), and that bound is another: a rank that fails, or
-fails before its load began, is raised by the others as soon as their own load is over; one
-that dies without a word (SIGKILL, the OOM killer) about ``--load-liveness-s`` (default
-60 s) after its last heartbeat, once one of the ranks watching it waits, at any world size;
-one alive but stuck in its read only after ``--load-timeout-s``
-(default 2 h; none under an agent, whose controller's LOAD deadline ends it) — and a rank
-still in its own read learns of any of these only when that read ends.
+in a collective (:mod:`load_barrier`; so they do before the world's first all-reduce), and
+that bound is another: a rank that fails from its world's start to the end of its load is
+raised by the others waiting, and ends the others held elsewhere (a collective, their load's
+reads) from their heartbeat threads within a beat; one that dies without a word (SIGKILL,
+the OOM killer) about ``--load-liveness-s`` (default 60 s) and a beat after its last
+heartbeat, whatever its watchers are doing, at any world size; one alive but stuck in its
+read only after ``--load-timeout-s`` (default 2 h; none under an agent, whose controller's
+LOAD deadline ends it).
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
