@@ -224,8 +224,9 @@ def _offered(protocol: str, n: int, poll: float, liveness: float) -> float:
     waiting, beat_s = n - 4, liveness / 5
     if protocol == "legacy":
         return waiting * 6 / poll + n / beat_s
-    # a poll reads both counters at once; a beat is the beat, 3 reads, the failures counter
-    return waiting * 1 / poll + n * 5 / beat_s
+    # a poll reads both counters at once; a beat is the beat and 3 reads, and the failures
+    # counter where no wait of the rank's own reads it (the loading ranks)
+    return waiting * (1 / poll + 4 / beat_s) + (n - waiting) * 5 / beat_s
 
 
 def _run(protocol: str, n: int, args: argparse.Namespace) -> dict[str, Any]:

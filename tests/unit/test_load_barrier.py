@@ -165,6 +165,10 @@ def test_bad_arguments_name_the_field() -> None:
         pass
     with pytest.raises(ValueError, match="load liveness_s=-1"):
         LoadBarrier(store, 0, 2, "g", liveness_s=-1)
+    with pytest.raises(ValueError, match="load poll_s=0"):
+        LoadBarrier(store, 0, 2, "g", poll_s=0)
+    with pytest.raises(ValueError, match="--timeout-s=0: must be > 0 seconds"):
+        LoadBarrier(store, 0, 2, "g").formed(0)
 
 
 def test_a_rank_whose_heartbeat_stopped_is_named_for_every_waiter() -> None:
