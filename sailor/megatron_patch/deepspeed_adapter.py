@@ -39,14 +39,16 @@ and ``--ckpt-dir --load-step`` resumes from a checkpoint the adapter or the engi
 any layout (the reader relayouts by layer); the ranks that loaded first wait for the others on
 the rendezvous store (``load_barrier``, ``--load-timeout-s``, ``--load-liveness-s``), not in
 the first collective under ``--timeout-s``, as Sailor's engine does: each rank beats there from
-its world's start, and a rank failing before or during its restore, or dying without a word,
-ends the waiting ones. Another precision than the checkpoint's is refused
-with the engine's error unless ``allow_precision_change`` (``precision.check_state_precision``),
-another seed too. In bf16 DeepSpeed steps a ``BF16_Optimizer`` around the AdamW, holding the
-fp32 master weights and moments in flat partitions across the data-parallel ranks: the
-checkpoint holds those masters and moments by layer key (``deepspeed_master``, DeepSpeed's
-fragment API), so it resumes here or in Sailor's engine under any layout as an fp32 one does;
-the iterations DeepSpeed skips for a non-finite gradient norm are counted (``skipped_steps``).
+its world's start, and a rank failing before or during its restore (building its module or
+optimizer, inside ``deepspeed.initialize``), or dying without a word, ends the others with
+its error, whether they wait on the store or are held in a collective. Another precision
+than the checkpoint's is refused with the engine's error unless ``allow_precision_change``
+(``precision.check_state_precision``), another seed too. In bf16 DeepSpeed steps a
+``BF16_Optimizer`` around the AdamW, holding the fp32 master weights and moments in flat
+partitions across the data-parallel ranks: the checkpoint holds those masters and moments
+by layer key (``deepspeed_master``, DeepSpeed's fragment API), so it resumes here or in
+Sailor's engine under any layout as an fp32 one does; the iterations DeepSpeed skips for a
+non-finite gradient norm are counted (``skipped_steps``).
 fp16 is not mapped (``FP16_UnfusedOptimizer``: ``deepspeed_master``): an fp16 run that may save
 or resume (periodic checkpoints, ``--control``, ``--load-step``) is refused by name at start
 (:func:`check_checkpoint_precision`), before DeepSpeed starts. Without a checkpoint IO
@@ -498,7 +500,7 @@ def run(
     # DeepSpeed's initialisation, the restore) there. DeepSpeed initialised torch's default
     # group, whose store this is; one name on every rank of this world.
     barrier = worker_barrier(
-        torch.distributed.distributed_c10d._get_default_store(), plan.plan_id, args
+        torch.distributed.distributed_c10d._get_default_store(), plan.plan_id, args, status
     )
     status.load_barrier = barrier
     cfg = train_config(tc, args)
@@ -507,6 +509,11 @@ def run(
         module.named_parameters(), cfg.weight_decay, cfg.no_decay, spec.tie_embeddings
     )
     optimizer = make_optimizer(groups, cfg)
+    # deepspeed.initialize's first collective (its module broadcast) waits for every rank:
+    # they arrive on the store first, and one that failed building its module or optimizer
+    # ends the others here with its error; one failing inside initialize ends them from
+    # their heartbeat threads (worker_barrier's status), not at NCCL's timeout
+    barrier.formed(args.timeout_s)
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, config=deepspeed_config(layout, plan, precision)
     )
@@ -523,8 +530,11 @@ def run(
         with barrier.loading():
             ckpt.restore(ds, args.ckpt_dir, args.load_step)
             t_own = time.time()
-    else:  # every rank decides alike: none waits when none loads
-        barrier.close()
+    else:  # every rank decides alike: with nothing to load, each still waits (a poll) for
+        # every rank's deepspeed.initialize on the store: one failing inside it ends the
+        # others here with its error, not in the first step's collectives at NCCL's timeout
+        with barrier.loading():
+            pass
     status.load_barrier = None
     t_loaded = time.time()
     data = (
@@ -624,6 +634,8 @@ def main(
     try:
         return run(argv, ckpt, status, precision)
     except BaseException as exc:  # the first cause of any failure is reported
+        if status.load_barrier is not None:  # a closed peer's socket: that peer's error
+            exc = status.load_barrier.peer_cause(exc)
         record = failure_record(
             exc, args.rank, status.failed_step, status.in_training, last_step=status.step
         )

@@ -1,4 +1,4 @@
-"""Every rank of a world waits for the others' loads on the rendezvous store, not in NCCL.
+"""Every rank of a world waits for the others on the rendezvous store, not in NCCL.
 
 A rank fills its stage after the world formed (its first all-reduce is done): a checkpoint
 restore, an in-place relayout's reads, or Hugging Face weights. Loads differ in length (one
@@ -12,56 +12,72 @@ So after its load each rank checks in on the c10d store the world was initialise
 TCP store outside NCCL, served by rank 0) and waits there, in short polls, until every rank
 has loaded, under a timeout of its own (``--load-timeout-s``, :data:`LOAD_TIMEOUT_S`). No
 NCCL collective waits on a load, as no collective waits on a save (``boundary._durable``).
+The same wait stands before the world's first collective (:meth:`LoadBarrier.formed`, under
+the process groups' ``--timeout-s``): a rank failing between ``init_process_group`` and that
+collective (its groups, DeepSpeed's module and optimizer) ended the others only at NCCL's
+timeout.
 
-A rank whose load fails writes its error to the store before raising it; every other rank
-raises :class:`~sailor.megatron_patch.errors.PeerFailedError` naming that rank and its error
-as soon as its own load is over (``origin="peer"``: not charged to its node), instead of
-waiting out the process group's timeout in a collective the failed rank never reaches. A
-rank still loading cannot be interrupted: it learns of the failure when its own read ends.
-If the store is gone (rank 0 failed and exited), the waiting ranks raise ``PeerFailedError``
-saying so.
+A rank that fails while its barrier is pending (from its world's start to the release)
+writes its error to the store (:meth:`LoadBarrier.fail`, from the worker's top-level
+handler); every rank waiting raises :class:`~sailor.megatron_patch.errors.PeerFailedError`
+naming that rank, its host and its error (``origin="peer"``: not charged to its node). A
+rank held elsewhere — in a collective, inside ``deepspeed.initialize``, in its load's reads
+— learns of it at its heartbeat thread's next beat, which ends it with that error
+(``on_peer_failure``: :func:`exit_on_peer_failure` in a worker).
 
 A rank can also fail without writing anything: killed with no Python exception (the host's
-OOM killer, SIGKILL, a segfault in a reader), or failing before its load began (building
-its stage, the in-place handshake). Before this barrier its gloo peers saw the closed
-socket at once and NCCL peers timed out; a store wait sees neither, and would wait the whole
-load timeout. So a rank's part in the barrier (:class:`LoadBarrier`) starts with its world,
-not with its load: from then on a thread bumps the rank's heartbeat counter on the store
-every ``liveness_s / 5`` seconds until the barrier releases, and the worker writes any
-failure of its own through it (``fail``, from ``rank_main.main``'s handler) until then.
-The thread has a store connection of its own (``Store.clone``): the c10d client answers
-one request at a time, so a beat on the main thread's connection would wait behind any
-blocking ``get``/``wait`` there; a failed beat is retried on a new connection until the
-barrier ends.
+OOM killer, SIGKILL, a segfault in a reader). Its gloo peers see the closed socket, NCCL
+peers time out, a store wait sees neither. So from the world's start a thread of each rank
+bumps its heartbeat counter on the store every ``liveness_s / 5`` seconds and, at each beat,
+reads the counters of the :data:`WATCHED` ranks after it on the ring (:func:`watched`): every
+rank is watched by the ``WATCHED`` ranks before it from the start, whatever they are doing.
+A counter that has not moved for ``liveness_s`` (``--load-liveness-s``, :data:`LIVENESS_S`)
+is a dead rank: the watcher writes its failure for the others. So a dead rank is found
+``liveness_s`` plus at most one beat period after it died, at any world size. (When the
+waiters did the watching, at each poll, a dead rank whose three watchers were still
+loading was found only by every waiter's one extra read per poll in turn: ``world_size - 4``
+polls, 17 minutes at 1024 ranks; ``benchmarks/load_barrier_scale.py`` measures both.) A
+rank hung in a read keeps beating (the thread is its own): that is the load timeout's case,
+not this one's. The thread has a store connection of its own (``Store.clone``): the c10d
+client answers one request at a time, so a beat on the main thread's connection would wait
+behind any blocking ``get``/``wait`` there; a failed beat is retried on a new connection
+until the barrier ends.
 
-Each waiting rank reads, every poll, the counters of the :data:`WATCHED` ranks after it on
-the ring (:func:`watched`), so every rank is watched by the ``WATCHED`` ranks before it, each
-looking every poll; and one other rank's counter in turn, so that a dead rank whose watchers
-are all still loading is still found, later. A counter that has not moved for
-``liveness_s`` (``--load-liveness-s``, :data:`LIVENESS_S`) is a dead rank: the waiter writes
-that rank's failure for the others (every waiter raises it at its next poll) and raises
-``PeerFailedError`` naming it and its host. So a dead rank is found ``liveness_s`` plus a
-poll or two after one of its watchers waits, whatever the world's size, at ``WATCHED + 1``
-counter reads per waiter per poll (the round-robin alone, one read per poll, needed two
-reads of the same rank ``liveness_s`` apart, each ``world_size - 1`` polls apart: 8 to 17
-minutes at 512 ranks and 1 s polls). A rank hung in a read keeps beating (the thread is
-its own): that is the load timeout's case, not this one's.
+If the store is gone (rank 0, whose process serves it, failed and exited) the waiting ranks
+raise ``PeerFailedError`` saying the store stopped answering, naming rank 0's host and the
+store's address, with rank 0's own error where this rank can read it (its error file, on
+rank 0's node or a shared directory: :func:`rank0_error_file`). So that this is rare, rank 0
+ending with a failure (its own or another's) keeps its process, and the store, up until
+every other rank has counted itself out after reading a failure, or for two of their polls
+or beats (:meth:`LoadBarrier.fail`): the others read the failure, not the silence, and a
+rank in a collective with rank 0 is not ended by rank 0's closed socket first.
 
 This module never touches a device or a collective; it takes any object with the c10d
-store's ``add``/``set``/``get``/``check`` and ``clone`` (``torch.distributed.Store``).
+store's ``add``/``set``/``get``/``multi_get``/``check`` and ``clone``
+(``torch.distributed.Store``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, Protocol, cast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, cast
 
-from sailor.megatron_patch.errors import PeerFailedError
+from sailor.megatron_patch.errors import (
+    PeerFailedError,
+    classify,
+    failure_record,
+    read_error_file,
+    write_error_file,
+)
 
 __all__ = [
     "LIVENESS_S",
@@ -69,9 +85,12 @@ __all__ = [
     "WATCHED",
     "LoadBarrier",
     "LoadTimeoutError",
+    "Phase",
     "Store",
     "await_loads",
+    "exit_on_peer_failure",
     "loaded_together",
+    "rank0_error_file",
     "watched",
     "worker_barrier",
 ]
@@ -85,27 +104,45 @@ reads with its AdamW moments (~1.1 TB in fp32 for the whole model, split over it
 A load longer than that is a stuck read, and the job fails naming the ranks not loaded."""
 
 LIVENESS_S = 60.0
-"""Default silence after which a loading rank is taken for dead: far below the load timeout,
-far above what a live rank's heartbeat thread can miss. The thread beats every
+"""Default silence after which a rank is taken for dead: far below the load timeout, far
+above what a live rank's heartbeat thread can miss. The thread beats every
 ``liveness_s / 5`` (12 s); what could hold it up is the GIL held by one long C call of the
 load (a copy of a single tensor of a few GB takes a second or two) and a slow store round
 trip — not tens of seconds (and no store call of the main thread: the beat has its own
-connection). A rank dead for 60 s costs about a minute once one of its watchers waits
-(:func:`watched`), at any world size, not the 2 h timeout."""
+connection). A rank dead for 60 s is found at most one beat period later by its watchers
+(:func:`watched`), at any world size and whatever they are doing, not after the 2 h
+timeout."""
 
 BEATS_PER_LIVENESS = 5
 """Heartbeats a live rank sends within one ``liveness_s``: four can be lost or late before
 it is taken for dead."""
 
 WATCHED = 3
-"""Ranks each waiting rank reads every poll (its successors on the ring), so each rank has
-this many watchers: one of three waiting already is enough for a dead rank to be found in
-``liveness_s``. Each waiter's store load per poll is ``WATCHED + 1`` counter reads besides
-its two reads of the barrier's own counters: with the worker's 1 s polls 6 requests a second
-per waiting rank, ~6k a second on rank 0's store at 1024 ranks (the round-robin alone made
-it 3k, and took minutes to find a dead rank there)."""
+"""Ranks whose counters each rank's heartbeat thread reads at every beat (its successors on
+the ring), so each rank has this many watchers from the world's start: one of three alive
+is enough for a dead rank to be found. The thread's store load is ``WATCHED + 2`` requests
+(its beat, these reads, the failures counter — that one not while the rank waits, as its
+wait reads it) per ``liveness_s / 5``: 0.33-0.42 a second per rank at the default 60 s; a
+waiting rank adds one request per poll (1 s in a worker): ~1.4k requests a second on rank
+0's store at 1024 ranks, where waiters that read the counters themselves each poll made
+~6.2k (``benchmarks/load_barrier_scale.py`` measures both; the store serves either on this
+machine, at p50 latencies under a millisecond)."""
 
 _PREFIX = "sailor/loaded"
+
+Phase = Literal["formed", "loaded"]
+"""A point every rank of a world waits at for the others: ``formed``, before its first
+collective (after ``init_process_group`` and its groups); ``loaded``, after its load."""
+
+_PHASES: dict[str, tuple[str, str, str]] = {
+    # phase: (what a rank waits for, what the late ranks did not do, what the count counts)
+    "formed": (
+        "every rank to reach the world's first collective",
+        "did not reach the world's first collective",
+        "arrived",
+    ),
+    "loaded": ("every rank's load", "did not finish loading their stage", "loaded"),
+}
 
 
 class Store(Protocol):
@@ -117,16 +154,41 @@ class Store(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
     def check(self, keys: list[str]) -> bool: ...
 
 
 class LoadTimeoutError(PeerFailedError):
-    """Some ranks did not finish their load within ``--load-timeout-s`` (raised by the ranks
-    that did: the slow ones' node is to blame, not theirs)."""
+    """Some ranks did not finish their load (or reach the first collective) within their
+    timeout (raised by the ranks that did: the slow ones' node is to blame, not theirs)."""
 
 
-def _keys(world: str) -> tuple[str, str]:
-    return f"{_PREFIX}/{world}/count", f"{_PREFIX}/{world}/failures"
+class _EndRank(Protocol):
+    """Where a rank is, for the failure record (``boundary.Status``)."""
+
+    rank: int
+    step: int
+    in_training: bool
+    error_file: str | None
+
+    @property
+    def failed_step(self) -> int: ...
+
+
+def _failures_key(world: str) -> str:
+    return f"{_PREFIX}/{world}/failures"
+
+
+def _phase_keys(world: str, phase: Phase) -> tuple[str, str]:
+    """The phase's arrival counter and the prefix of its per-rank marks (``loaded``'s keep
+    the names they had before there were phases)."""
+    base = f"{_PREFIX}/{world}" if phase == "loaded" else f"{_PREFIX}/{world}/{phase}"
+    return f"{base}/count", f"{base}/done/"
+
+
+def _ended_key(world: str) -> str:
+    return f"{_PREFIX}/{world}/ended"
 
 
 def _beat_key(world: str, rank: int) -> str:
@@ -146,13 +208,74 @@ def _check_args(rank: int, world_size: int, timeout_s: float, liveness_s: float)
         raise ValueError(f"load liveness_s={liveness_s}: must be > 0")
 
 
-class LoadBarrier:
-    """One rank's part in its world's load barrier, from the world's start to its release.
+@dataclass
+class _StoreHost:
+    """What a rank knows of the store's server, rank 0, to name it once the store is gone."""
 
-    :meth:`start` it as soon as the world exists (its heartbeat begins), run the load in
-    :meth:`loading`, and send any failure of the rank before then through :meth:`fail`
-    (the worker's top-level handler does). :meth:`close` (also at the end of ``loading``)
-    stops the heartbeat; a world whose ranks load nothing closes it at once."""
+    master: str | None = None
+    """The store's address (the worker's ``--master``)."""
+    host: str | None = None
+    """Rank 0's host name, as it wrote it on the store (read while the store answered)."""
+    error_file: str | None = None
+    """Rank 0's error file as this rank would find it (:func:`rank0_error_file`)."""
+    since: float = 0.0
+    """Wall-clock start of this barrier: an older record in the error file is not rank 0's
+    failure in this world."""
+
+    def gone(self, rank: int, during: str, exc: BaseException) -> PeerFailedError:
+        """The error of a rank whose store calls failed ``during`` something."""
+        where = ", ".join(
+            x
+            for x in (
+                f"host {self.host}" if self.host else "",
+                f"store {self.master}" if self.master else "",
+            )
+            if x
+        )
+        return PeerFailedError(
+            f"rank {rank}: the rendezvous store stopped answering {during} "
+            f"({type(exc).__name__}: {exc}); its server, rank 0"
+            f"{f' ({where})' if where else ''}, has likely failed or been killed"
+            f"{self._rank0_error()}"
+        )
+
+    def _rank0_error(self) -> str:
+        if not self.error_file:
+            return ""
+        record = read_error_file(self.error_file)
+        # the agent and launch_local write a generation's files afresh; an older record (a
+        # file kept from another world) is not news of this one
+        if record is None or float(record.get("time", 0.0)) < self.since - _CLOCK_SLACK_S:
+            return (
+                "; no error of rank 0's found here (a kill writes none; or it is on another host)"
+            )
+        return f"; rank 0's error ({self.error_file}): {record.get('error_type')}: " + str(
+            record.get("message", "")
+        )
+
+
+_CLOCK_SLACK_S = 60.0
+"""How much earlier than this rank's barrier began rank 0's error may be dated and still be
+of this world: ranks start their barriers within the rendezvous of one
+``init_process_group``, seconds apart; a kept file of an earlier world is minutes older."""
+
+
+class LoadBarrier:
+    """One rank's part in its world's barriers, from the world's start to its release.
+
+    :meth:`start` it as soon as the world exists (its heartbeat and its watch of its
+    :func:`watched` ranks begin), wait at :meth:`formed` before the world's first
+    collective, run the load in :meth:`loading`, and send any failure of the rank before
+    then through :meth:`fail` (the worker's top-level handler does). :meth:`close` (also at
+    the end of ``loading``) stops the heartbeat; a world whose ranks load nothing closes it
+    at once.
+
+    ``on_peer_failure`` (the worker's :func:`exit_on_peer_failure`) is called from the
+    heartbeat thread when another rank's failure is on the store, or the store has not
+    answered for ``liveness_s``, while this rank is pending and not in one of its own waits
+    (which raise it themselves): in a collective (NCCL's waits for its timeout), inside
+    ``deepspeed.initialize``, or in its load. ``master`` and ``rank0_error_file`` name the
+    store's server in the error of a rank whose store stopped answering."""
 
     def __init__(
         self,
@@ -163,11 +286,19 @@ class LoadBarrier:
         timeout_s: float = LOAD_TIMEOUT_S,
         liveness_s: float = LIVENESS_S,
         poll_s: float = 0.05,
+        on_peer_failure: Callable[[PeerFailedError], None] | None = None,
+        master: str | None = None,
+        rank0_error_file: str | None = None,
     ) -> None:
         _check_args(rank, world_size, timeout_s, liveness_s)
+        if poll_s <= 0:
+            raise ValueError(f"load poll_s={poll_s}: must be > 0")
         self.store, self.rank, self.world_size, self.world = store, rank, world_size, world
         self.timeout_s, self.liveness_s, self.poll_s = timeout_s, liveness_s, poll_s
+        self.on_peer_failure = on_peer_failure
+        self._store_host = _StoreHost(master, None, rank0_error_file, time.time())
         self._pending = False
+        self._waiting = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -177,8 +308,9 @@ class LoadBarrier:
         return self._pending
 
     def start(self) -> LoadBarrier:
-        """Begin beating (this rank's host first, for the others' errors)."""
+        """Begin beating and watching (this rank's host first, for the others' errors)."""
         self._pending = True
+        self._store_host.since = time.time()
         with suppress(Exception):  # a store already gone: the waiters say so themselves
             self.store.set(_host_key(self.world, self.rank), socket.gethostname())
         self._thread = threading.Thread(
@@ -189,23 +321,33 @@ class LoadBarrier:
 
     def _beat(self) -> None:
         key, every = _beat_key(self.world, self.rank), self.liveness_s / BEATS_PER_LIVENESS
+        watch = _Watch(self.rank, self.world_size, self.world, self.liveness_s, time.monotonic)
         conn: Store | None = None
-        failed = 0
+        failed, silent_since = 0, 0.0
         while not self._stop.is_set():
             try:
                 if conn is None:  # its own: never behind the main thread's blocking calls
                     conn = _connect(self.store)
                 conn.add(key, 1)
+                self._learn_store_host(conn)
+                watch.next_dead(conn)  # a dead one's failure goes on the store for all
+                if self._peer_failed(conn):
+                    return
             except Exception as exc:  # retried until stopped, on a new connection
                 conn = None
                 failed += 1
                 if failed == 1:  # one line per outage, not one per beat
+                    silent_since = time.monotonic()
                     print(
                         f"rank {self.rank}: load heartbeat failed ({type(exc).__name__}: "
                         f"{exc}); retrying every {every:g} s",
                         file=sys.stderr,
                         flush=True,
                     )
+                elif time.monotonic() - silent_since >= self.liveness_s and self._tell(
+                    self._store_host.gone(self.rank, "to its heartbeat", exc)
+                ):
+                    return
             else:
                 if failed:
                     print(
@@ -216,11 +358,79 @@ class LoadBarrier:
                 failed = 0
             self._stop.wait(every)
 
+    def _learn_store_host(self, conn: Store) -> None:
+        if self._store_host.host is None and self.rank != 0:
+            key = _host_key(self.world, 0)
+            if conn.check([key]):
+                self._store_host.host = conn.get(key).decode(errors="replace")
+        elif self.rank == 0:
+            self._store_host.host = socket.gethostname()
+
+    def _peer_failed(self, conn: Store) -> bool:
+        """Whether another rank's failure was on the store and was passed on (the thread is
+        done then)."""
+        if (
+            self.on_peer_failure is None
+            or self._waiting
+            or conn.add(_failures_key(self.world), 0) == 0
+        ):
+            return False
+        return self._tell(_peer_failure(conn, self.world, self.world_size))
+
+    def _tell(self, err: PeerFailedError) -> bool:
+        if self.on_peer_failure is None or self._waiting or not self._pending:
+            return False
+        self._pending = False  # this rank is ending of another's failure: not news to them
+        self._leave(self.store)
+        self.on_peer_failure(err)
+        return True
+
+    def _leave(self, store: Store) -> None:
+        """Count this rank out of a failed world; rank 0, whose process serves the store,
+        keeps it up until every other rank is out (read the failure) or
+        :meth:`_linger_s` has passed (best effort: the store may be gone)."""
+        with suppress(Exception):
+            out = store.add(_ended_key(self.world), 1)
+            if self.rank != 0:
+                return
+            deadline = time.monotonic() + self._linger_s()
+            while out < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                out = store.add(_ended_key(self.world), 0)
+
+    def _linger_s(self) -> float:
+        """Two of the others' chances to read a failure: their polls if waiting, their
+        heartbeat threads' beats if held elsewhere (24 s at the worker's defaults); a
+        rank killed without a word is never counted out, and rank 0 waits this long."""
+        return 2 * max(self.poll_s, self.liveness_s / BEATS_PER_LIVENESS)
+
+    def peer_cause(self, exc: BaseException) -> BaseException:
+        """``exc``, or the failure of another rank that caused it: while pending, an error
+        that reads as a peer's (``errors.classify``: a connection closed or reset, a
+        timeout — gloo's in a collective whose peer exited) is that rank's failure when one
+        is on the store (it wrote it before exiting). For the worker's handler, before it
+        writes the first cause; a store that does not answer leaves ``exc``."""
+        if not self._pending or isinstance(exc, PeerFailedError) or classify(exc, False) != "peer":
+            return exc
+        try:
+            if self.store.add(_failures_key(self.world), 0) == 0:
+                return exc
+            err = _peer_failure(self.store, self.world, self.world_size)
+        except Exception:
+            return exc
+        err.__cause__ = exc
+        return err
+
     def fail(self, exc: BaseException) -> None:
-        """Tell the waiting ranks this rank failed (while the barrier is pending; best
-        effort), then stop beating."""
+        """Tell the others this rank failed (while the barrier is pending; best effort),
+        then stop beating. Another rank's failure (a ``PeerFailedError``) is on the store
+        already, or is the store's. Rank 0, whose process serves the store, returns once
+        every other rank has read a failure, or after :meth:`_linger_s` (:meth:`_leave`)."""
         if self._pending:
-            _publish_failure(self.store, self.rank, self.world, exc)
+            if not isinstance(exc, PeerFailedError):
+                _publish_failure(self.store, self.rank, self.world, exc)
+            self._pending = False
+            self._leave(self.store)
         self.close()
 
     def close(self) -> None:
@@ -229,6 +439,31 @@ class LoadBarrier:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+
+    def formed(self, timeout_s: float, flag: str = "--timeout-s") -> float:
+        """Wait until every rank of the world is here, before the world's first collective
+        (its process groups built); returns the seconds waited. A rank that failed since the
+        world's start (its groups, its module, its optimizer: written by :meth:`fail`) or
+        died ends the wait with its error, where the collective would have waited for the
+        process groups' timeout under NCCL. ``timeout_s`` (named ``flag`` in the error):
+        the process groups' own, the bound the collective had."""
+        if not timeout_s > 0:
+            raise ValueError(f"{flag}={timeout_s}: must be > 0 seconds")
+        return self._wait("formed", timeout_s, flag)
+
+    def _wait(self, phase: Phase, timeout_s: float, flag: str) -> float:
+        self._waiting = True
+        try:
+            return _await_all(
+                self.store, self.rank, self.world_size, self.world, phase, timeout_s, flag,
+                self.poll_s, time.monotonic, time.sleep, self._store_host,
+            )  # fmt: skip
+        except BaseException as exc:
+            self._waiting = False
+            self.fail(exc)  # not written again (a peer's, or the store's); counted out
+            raise
+        finally:
+            self._waiting = False
 
     @contextmanager
     def loading(self) -> Iterator[None]:
@@ -242,15 +477,7 @@ class LoadBarrier:
             self.fail(exc)
             raise
         try:
-            await_loads(
-                self.store,
-                self.rank,
-                self.world_size,
-                self.world,
-                self.timeout_s,
-                self.poll_s,
-                liveness_s=self.liveness_s,
-            )
+            self._wait("loaded", self.timeout_s, "--load-timeout-s")
         finally:
             self.close()
 
@@ -291,7 +518,7 @@ def _publish_failure(store: Store, rank: int, world: str, exc: BaseException) ->
 def _publish(store: Store, world: str, rank: int, host: str, text: str) -> None:
     with suppress(Exception):  # the load's own error is the one to raise
         store.set(f"{_PREFIX}/{world}/failed/{rank}", f"{host}\n{text[:2000]}")
-        store.add(_keys(world)[1], 1)
+        store.add(_failures_key(world), 1)
 
 
 def await_loads(
@@ -303,66 +530,117 @@ def await_loads(
     poll_s: float = 0.05,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    liveness_s: float = LIVENESS_S,
 ) -> float:
     """Check this rank in as loaded and wait until every rank has; returns the seconds waited.
 
-    Raises ``PeerFailedError`` once some rank's load failed (naming it, its host and its
-    error), or once one rank's heartbeat has not moved for ``liveness_s`` (naming it: it
-    died without a word; its failure is written for the others), ``LoadTimeoutError``
-    after ``timeout_s`` naming the ranks not loaded, and ``PeerFailedError`` if the store
-    stops answering (its host, rank 0, is gone)."""
-    count, failures = _keys(world)
+    Raises ``PeerFailedError`` once some rank failed since the world's start (naming it,
+    its host and its error; a dead rank's failure is written by its watchers' heartbeat
+    threads, :class:`LoadBarrier`), ``LoadTimeoutError`` after ``timeout_s`` naming the
+    ranks not loaded, and ``PeerFailedError`` if the store stops answering (its server,
+    rank 0, is gone)."""
+    return _await_all(
+        store, rank, world_size, world, "loaded", timeout_s, "--load-timeout-s", poll_s,
+        clock, sleep, _StoreHost(),
+    )  # fmt: skip
+
+
+def _await_all(
+    store: Store,
+    rank: int,
+    world_size: int,
+    world: str,
+    phase: Phase,
+    timeout_s: float,
+    flag: str,
+    poll_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    server: _StoreHost,
+) -> float:
+    """Check in at ``phase`` and wait for every rank there: one store request a poll (the
+    arrivals and the failures, read together)."""
+    count, done = _phase_keys(world, phase)
+    failures = _failures_key(world)
+    waiting_for, late_text, counted = _PHASES[phase]
     t0 = clock()
-    watch = _Watch(store, rank, world_size, world, liveness_s, clock)
     try:
-        store.set(f"{_PREFIX}/{world}/done/{rank}", "1")
+        failed = store.add(failures, 0)  # created: the polls read it with the count
+        store.set(f"{done}{rank}", "1")
         n = store.add(count, 1)
         while True:
-            if store.add(failures, 0) > 0:
+            if failed > 0:
                 raise _peer_failure(store, world, world_size)
             if n >= world_size:
                 return clock() - t0
             if clock() - t0 > timeout_s:
-                late = [
-                    r for r in range(world_size) if not store.check([f"{_PREFIX}/{world}/done/{r}"])
-                ]
+                late = [r for r in range(world_size) if not store.check([f"{done}{r}"])]
                 raise LoadTimeoutError(
-                    f"rank {rank}: ranks {late} did not finish loading their stage within "
-                    f"--load-timeout-s={timeout_s:g} ({n} of {world_size} loaded)"
+                    f"rank {rank}: ranks {late} {late_text} within {flag}={timeout_s:g} "
+                    f"({n} of {world_size} {counted})"
                 )
-            dead = watch.next_dead()
-            if dead is not None:
-                raise dead
             sleep(poll_s)
-            n = store.add(count, 0)
+            n, failed = (int(v) for v in store.multi_get([count, failures]))
     except PeerFailedError:
         raise
     except Exception as exc:  # the c10d store's errors: its server (rank 0) is gone
-        raise PeerFailedError(
-            f"rank {rank}: the rendezvous store stopped answering while waiting for every "
-            f"rank's load ({type(exc).__name__}: {exc}); rank 0, its host, failed or was "
-            "killed"
-        ) from exc
+        raise server.gone(rank, f"while waiting for {waiting_for}", exc) from exc
 
 
 def _peer_failure(store: Store, world: str, world_size: int) -> PeerFailedError:
-    """The failure of the first rank (in rank order) whose load failed."""
+    """The failure of the first rank (in rank order) that failed."""
     for r in range(world_size):
         key = f"{_PREFIX}/{world}/failed/{r}"
         if store.check([key]):
             host, _, text = store.get(key).decode(errors="replace").partition("\n")
-            return PeerFailedError(f"rank {r} ({host}) failed to load its stage: {text}")
-    return PeerFailedError("a rank failed to load its stage")
+            return PeerFailedError(
+                f"rank {r} ({host}) failed before its world's first step: {text}"
+            )
+    return PeerFailedError("a rank failed before its world's first step")
 
 
-def worker_barrier(store: Store, plan_id: str, args: Any) -> LoadBarrier:
+def rank0_error_file(error_file: str | None, rank: int) -> str | None:
+    """Where this rank would find rank 0's error file (pure): ``error_file`` is the worker's
+    ``--error-file``, a template with ``{rank}`` (``launch_local``) or this rank's own path;
+    the agent writes each rank's as ``error-{rank}.json`` in one directory per generation
+    and node (``agent.supervisor``), so rank 0's is beside it when rank 0 ran on this node.
+    None when neither: its name cannot be known."""
+    if not error_file:
+        return None
+    if "{rank}" in error_file:
+        return error_file.replace("{rank}", "0")
+    path = Path(error_file)
+    if path.name == f"error-{rank}.json":
+        return str(path.with_name("error-0.json"))
+    return None
+
+
+def exit_on_peer_failure(status: _EndRank) -> Callable[[PeerFailedError], None]:
+    """What a worker does when its barrier's heartbeat thread learns of another rank's
+    failure while its main thread is held elsewhere (a collective, ``deepspeed.initialize``,
+    its load): write the failure as this rank's first cause (``origin="peer"``) where the
+    worker's handler would, and exit at once, as that handler does."""
+
+    def end(err: PeerFailedError) -> None:
+        record = failure_record(
+            err, status.rank, status.failed_step, status.in_training, last_step=status.step
+        )
+        write_error_file(status.error_file, record)
+        print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
+        os._exit(1)
+
+    return end
+
+
+def worker_barrier(
+    store: Store, plan_id: str, args: Any, status: _EndRank | None = None
+) -> LoadBarrier:
     """A worker rank's barrier for its world, started (its heartbeat begins): ``args`` is the
     worker's parsed command line (``rank_args.build_parser``: rank, world size, master,
-    ``--load-timeout-s``, ``--load-liveness-s``). The world is named by the plan and the
-    master address, the same on every rank of it (a fresh rank and held ones number their
-    generations differently); polled every second, as loads take seconds to hours and every
-    rank polls rank 0's store."""
+    ``--error-file``, ``--load-timeout-s``, ``--load-liveness-s``). The world is named by the
+    plan and the master address, the same on every rank of it (a fresh rank and held ones
+    number their generations differently); polled every second, as loads take seconds to
+    hours and every rank polls rank 0's store. With ``status`` a peer's failure ends this
+    rank wherever its main thread is (:func:`exit_on_peer_failure`)."""
     return LoadBarrier(
         store,
         args.rank,
@@ -371,54 +649,51 @@ def worker_barrier(store: Store, plan_id: str, args: Any) -> LoadBarrier:
         args.load_timeout_s,
         args.load_liveness_s,
         1.0,
+        on_peer_failure=exit_on_peer_failure(status) if status is not None else None,
+        master=args.master,
+        rank0_error_file=rank0_error_file(getattr(args, "error_file", None), args.rank),
     ).start()
 
 
 def watched(rank: int, world_size: int, k: int = WATCHED) -> list[int]:
-    """The ranks ``rank`` reads every poll while it waits: the ``k`` after it on the ring
-    (all the others in a world of ``k + 1`` or fewer), so each rank has ``k`` watchers, the
-    ``k`` before it (pure)."""
+    """The ranks ``rank``'s heartbeat thread reads at every beat: the ``k`` after it on the
+    ring (all the others in a world of ``k + 1`` or fewer), so each rank has ``k`` watchers,
+    the ``k`` before it (pure)."""
     return [(rank + i) % world_size for i in range(1, min(k, world_size - 1) + 1)]
 
 
 class _Watch:
-    """A waiting rank's look at the others' heartbeats: every poll its :func:`watched` ranks,
-    and one of the rest in turn (module docstring: a dead rank is found ``liveness_s`` after
-    one of its watchers first looks, at any world size; by the turns later, if none waits)."""
+    """A rank's look at its :func:`watched` ranks' heartbeats, at each of its own beats: a
+    counter that has not moved for ``liveness_s`` is a dead rank."""
 
     def __init__(
         self,
-        store: Store,
         rank: int,
         world_size: int,
         world: str,
         liveness_s: float,
         clock: Callable[[], float],
     ) -> None:
-        self.store, self.rank, self.world, self.liveness_s = store, rank, world, liveness_s
-        self.clock = clock
+        self.rank, self.world, self.liveness_s, self.clock = rank, world, liveness_s, clock
         self.near = watched(rank, world_size)
-        self.rest = [
-            r for r in ((rank + i) % world_size for i in range(1, world_size)) if r not in self.near
-        ]
-        self.turn = 0
         self.seen: dict[int, tuple[int, float]] = {}
         """Rank -> (its counter, when this rank first saw it at that value)."""
+        self.found: set[int] = set()
+        """Ranks this watch found dead (their failure written once)."""
 
-    def next_dead(self) -> PeerFailedError | None:
-        """Read this poll's counters; the failure of the first rank silent for liveness_s."""
-        peers = list(self.near)
-        if self.rest:
-            peers.append(self.rest[self.turn % len(self.rest)])
-            self.turn += 1
-        for peer in peers:
-            dead = self._check(peer)
+    def next_dead(self, store: Store) -> PeerFailedError | None:
+        """Read the watched counters; the first rank silent for ``liveness_s``, its failure
+        written on ``store`` for every rank."""
+        for peer in self.near:
+            if peer in self.found:
+                continue
+            dead = self._check(store, peer)
             if dead is not None:
                 return dead
         return None
 
-    def _check(self, peer: int) -> PeerFailedError | None:
-        beats, now = self.store.add(_beat_key(self.world, peer), 0), self.clock()
+    def _check(self, store: Store, peer: int) -> PeerFailedError | None:
+        beats, now = store.add(_beat_key(self.world, peer), 0), self.clock()
         last = self.seen.get(peer)
         if last is None or last[0] != beats:
             self.seen[peer] = (beats, now)
@@ -427,11 +702,12 @@ class _Watch:
         if silent < self.liveness_s:
             return None
         host_key = _host_key(self.world, peer)
-        host = self.store.get(host_key).decode() if self.store.check([host_key]) else "?"
+        host = store.get(host_key).decode() if store.check([host_key]) else "?"
         text = (
             f"no heartbeat for {silent:.0f} s (--load-liveness-s={self.liveness_s:g}, seen by "
             f"rank {self.rank}): the process died without a word (the host's OOM killer, "
             "SIGKILL, a crash) or stopped running"
         )
-        _publish(self.store, self.world, peer, host, text)
-        return PeerFailedError(f"rank {peer} ({host}) failed to load its stage: {text}")
+        _publish(store, self.world, peer, host, text)
+        self.found.add(peer)
+        return PeerFailedError(f"rank {peer} ({host}) failed before its world's first step: {text}")

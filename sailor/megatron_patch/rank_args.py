@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=LIVENESS_S,
         help="A rank whose heartbeat on the rendezvous store stopped this long while the "
-        "world loads is dead (killed, crashed): the waiting ranks fail naming it instead of "
-        "waiting out --load-timeout-s (default 60 s).",
+        "world starts and loads is dead (killed, crashed): its watchers name it and every "
+        "rank fails with that, instead of waiting out --load-timeout-s (default 60 s).",
     )
     p.add_argument(
         "--exchange-bucket-mb",

@@ -31,13 +31,14 @@ status 1 at once (``os._exit``: never wait on dead peers). In training, with the
 timeout (``--timeout-s``, default 600 s, NCCL's own), a crashed stage makes every rank exit
 within a bounded time (the agent sees a dead rank at once; the controller aborts the rest).
 While the world loads at start the ranks wait for each other on the rendezvous store, not
-in a collective (:mod:`load_barrier`), and that bound is another: a rank that fails, or
-fails before its load began, is raised by the others as soon as their own load is over; one
-that dies without a word (SIGKILL, the OOM killer) about ``--load-liveness-s`` (default
-60 s) after its last heartbeat, once one of the ranks watching it waits, at any world size;
-one alive but stuck in its read only after ``--load-timeout-s``
-(default 2 h; none under an agent, whose controller's LOAD deadline ends it) — and a rank
-still in its own read learns of any of these only when that read ends.
+in a collective (:mod:`load_barrier`; so they do before the world's first all-reduce), and
+that bound is another: a rank that fails from its world's start to the end of its load is
+raised by the others waiting, and ends the others held elsewhere (a collective, their load's
+reads) from their heartbeat threads within a beat; one that dies without a word (SIGKILL,
+the OOM killer) about ``--load-liveness-s`` (default 60 s) and a beat after its last
+heartbeat, whatever its watchers are doing, at any world size; one alive but stuck in its
+read only after ``--load-timeout-s`` (default 2 h; none under an agent, whose controller's
+LOAD deadline ends it).
 
 Backend (:mod:`devices`): from the plan, not the host: gloo for a plan on ``cpu`` replica
 groups (even where CUDA is visible), NCCL for a GPU plan (refused where CUDA is missing);
@@ -402,7 +403,7 @@ def _generation(
     # is over (building the stage, the handshake, the load) is written there by main's
     # handler; one name on every rank of this world (a fresh rank and the held ones number
     # their generations differently, their plan and master are the same)
-    barrier = worker_barrier(dist.distributed_c10d._get_default_store(), plan.plan_id, args)
+    barrier = worker_barrier(dist.distributed_c10d._get_default_store(), plan.plan_id, args, status)
     status.load_barrier = barrier
     strict = strict_comm.from_env(args.rank, device, args.world_size, comm.current_backend())
     previous_backend = None
@@ -414,6 +415,9 @@ def _generation(
     # Under NCCL the first call on a communicator must involve all its ranks before a batched
     # p2p that only some of them post (torch's batch_isend_irecv contract): one world
     # all-reduce here instead of relying on whichever collective happens to come first.
+    # Every rank arrives on the store first: one that failed since init_process_group ends
+    # the others here with its error, not in this collective at NCCL's timeout (load_barrier).
+    barrier.formed(args.timeout_s)
     comm.all_reduce(torch.zeros(1, device=device))
     peers = None
     if args.in_place:
@@ -607,6 +611,8 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
         close_fault_file(err_file or "")  # leave_process does it too, before os._exit
         return code
     except BaseException as exc:  # the first cause of any failure is reported
+        if status.load_barrier is not None:  # a closed peer's socket: that peer's error
+            exc = status.load_barrier.peer_cause(exc)
         record = failure_record(
             exc, status.rank, status.failed_step, status.in_training, last_step=status.step
         )

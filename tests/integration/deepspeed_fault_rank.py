@@ -20,7 +20,9 @@ asks, each through the adapter's real path (no branch for it in Sailor's code):
   once the world has formed (``slow_load_worker``'s wrapper);
 - ``FAIL_BEFORE_LOAD_RANK=r``: rank ``r`` fails after DeepSpeed's initialisation, before its
   restore (the adapter's run state cannot be built: a ``MemoryError``), while the others
-  restore and wait for it.
+  restore and wait for it;
+- ``FAIL_INIT_RANK=r``: rank ``r``'s ``deepspeed.initialize`` raises, while the others run
+  theirs (and its first collectives).
 """
 
 from __future__ import annotations
@@ -165,4 +167,11 @@ if __name__ == "__main__":
             raise MemoryError("building the run state before the restore")
 
         deepspeed_adapter.DeepSpeedRun = failing_run  # type: ignore[assignment,misc]
+    if _rank(argv) == int(os.environ.get("FAIL_INIT_RANK", "-1")):
+        import deepspeed
+
+        def failing_initialize(*args: Any, **kw: Any) -> Any:
+            raise ValueError("injected: DeepSpeed refused this rank's engine")
+
+        deepspeed.initialize = failing_initialize
     sys.exit(main(argv, ckpt=_ProbedIO(), precision="bf16"))

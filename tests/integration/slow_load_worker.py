@@ -9,7 +9,8 @@ goes through the worker's real load path (``rank_main`` → ``CheckpointIO.resto
 storage), with no branch for it in the worker. Reads before the world forms (the
 checkpoint's position) are not touched: they come before ``init_process_group``, whose own
 timeout they would trip. ``FAIL_BUILD`` set: that rank's stage build raises (an OOM building
-the ``Trainer``), before its load begins.
+the ``Trainer``), before its load begins. ``FAIL_GROUPS`` set: that rank raises once its
+process groups are built, before the world's first all-reduce.
 """
 
 from __future__ import annotations
@@ -83,4 +84,12 @@ if __name__ == "__main__":
                 raise MemoryError("injected: out of memory building the stage")
 
             rank_main.Trainer = failed_build  # type: ignore[assignment,misc]
+        if os.environ.get("FAIL_GROUPS"):
+            real_groups = rank_main.build_process_groups
+
+            def failed_groups(*args: Any, **kw: Any) -> Any:
+                real_groups(*args, **kw)
+                raise RuntimeError("injected: the process groups' setup failed on this rank")
+
+            rank_main.build_process_groups = failed_groups  # type: ignore[assignment]
     sys.exit(main(argv))

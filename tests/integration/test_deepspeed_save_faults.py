@@ -75,3 +75,21 @@ def test_a_bf16_read_failing_partway_fails_the_save_on_every_rank_promptly(
         not (tmp_path / "ckpt").exists()
         or committed_steps(LocalStorage(str(tmp_path / "ckpt"))) == []
     )
+
+
+def test_a_rank_failing_in_deepspeed_initialize_ends_every_other_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 1 fails inside deepspeed.initialize: rank 3 (its stage's other replica) is in
+    # initialize's collectives with it, ranks 0 and 2 would be in the first step's; each
+    # ends with rank 1's error, not a closed socket of its own (under NCCL: a timeout)
+    monkeypatch.setenv("FAIL_INIT_RANK", "1")
+    run = _launch(DS_2X2, 2, tmp_path / "i", SLACK_TIMEOUT_S)
+    errors = run.errors
+    assert run.returncodes == [1, 1, 1, 1], (run.returncodes, [e[-2000:] for e in run.stderr])
+    assert errors[1] is not None and "injected: DeepSpeed refused" in errors[1]["message"]
+    for r in (0, 2, 3):
+        err = errors[r]
+        assert err is not None and err["origin"] == "peer", (r, err)
+        assert err["message"].startswith("rank 1 ("), (r, err)
+        assert "ValueError: injected: DeepSpeed refused this rank's engine" in err["message"]

@@ -107,7 +107,7 @@ def test_a_failed_load_ends_the_other_ranks_with_its_error(
     assert errors[1]["origin"] == "local" and errors[1]["message"].startswith("injected")
     assert errors[0]["origin"] == "peer", errors[0]
     assert "rank 1" in errors[0]["message"] and "injected" in errors[0]["message"]
-    assert "failed to load its stage" in errors[0]["message"]
+    assert "failed before its world's first step" in errors[0]["message"]
     # promptly: as soon as rank 0's own load was over, not after a collective's timeout
     assert run.exit_times_s[0] - run.exit_times_s[1] < TIMEOUT_S
 
@@ -157,3 +157,31 @@ def test_a_rank_failing_before_its_load_ends_the_others_with_its_error(
     # its own load is over (seconds on a shared machine), not after --load-timeout-s
     assert "no heartbeat" not in errors[0]["message"]
     assert run.exit_times_s[0] - run.exit_times_s[1] < 30.0
+
+
+def test_a_rank_failing_before_the_first_collective_ends_the_others_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 1 fails between init_process_group and the world's first all-reduce: rank 0
+    # waits for it on the store, not in that all-reduce (under NCCL: until --timeout-s)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SLOW_LOAD_RANK", "1")
+    monkeypatch.setenv("FAIL_GROUPS", "1")
+    run = launch_local(
+        PLAN, 2, tmp_path, module=MODULE, timeout_s=TIMEOUT_S, deadline_s=120.0,
+        extra_args=["--train-config", str(_config(tmp_path)), *LONG_LOAD_TIMEOUT],
+    )  # fmt: skip
+    assert run.killed == [], (run.killed, run.stderr)
+    assert run.returncodes == [1, 1], run.stderr
+    errors = run.errors
+    assert errors[1] is not None and errors[1]["message"].startswith("injected"), errors[1]
+    assert errors[0] is not None and errors[0]["origin"] == "peer", errors[0]
+    assert errors[0]["message"].startswith("rank 1 ("), errors[0]
+    assert "RuntimeError: injected: the process groups' setup failed" in errors[0]["message"]
+    assert run.exit_times_s[0] - run.exit_times_s[1] < 30.0
+
+
+def _config(tmp_path: Path) -> Path:
+    config = tmp_path / "train.yaml"
+    config.write_text(CONFIG)
+    return config

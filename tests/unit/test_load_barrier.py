@@ -6,22 +6,27 @@ Ranks are simulated by calls on one store: each check-in is what a rank does aft
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from sailor.localnet import free_port
-from sailor.megatron_patch.errors import PeerFailedError
+from sailor.megatron_patch.errors import PeerFailedError, failure_record, write_error_file
 from sailor.megatron_patch.load_barrier import (
     WATCHED,
     LoadBarrier,
     LoadTimeoutError,
     await_loads,
     loaded_together,
+    rank0_error_file,
     watched,
 )
 from sailor.megatron_patch.rank_args import build_parser, check_load_waits
@@ -50,7 +55,8 @@ def test_a_failed_load_is_raised_by_the_others_with_its_error() -> None:
     with pytest.raises(OSError, match="disk gone"), loaded_together(store, 1, 2, "g", 5.0, 0.01):
         raise OSError("disk gone")
     with pytest.raises(
-        PeerFailedError, match=r"rank 1 \(.*\) failed to load its stage: OSError: disk gone"
+        PeerFailedError,
+        match=r"rank 1 \(.*\) failed before its world's first step: OSError: disk gone",
     ):
         await_loads(store, 0, 2, "g", timeout_s=5.0, poll_s=0.01)
 
@@ -73,6 +79,78 @@ def test_a_store_that_stops_answering_is_a_peer_failure() -> None:
         await_loads(client, 1, 2, "g", timeout_s=5.0, poll_s=0.01)
 
 
+def test_a_store_gone_names_rank_0_its_host_and_its_error(tmp_path: Path) -> None:
+    server = _store()  # rank 0's process serves it
+    rank0 = LoadBarrier(server, 0, 2, "g").start()
+    client = dist.TCPStore(
+        "127.0.0.1", server.port, 1, False, timedelta(seconds=2), wait_for_workers=False
+    )
+    errors = tmp_path / "error-{rank}.json"
+    waiting = LoadBarrier(
+        client, 1, 2, "g", master=f"127.0.0.1:{server.port}",
+        rank0_error_file=rank0_error_file(str(errors), 1), liveness_s=0.5,
+    ).start()  # fmt: skip
+    time.sleep(0.3)  # a beat: rank 1 learned rank 0's host
+    rank0.close()
+    # rank 0 failed where the store could not carry its error (a hung store host: the
+    # error file is written first), then its process exited
+    write_error_file(
+        str(errors).replace("{rank}", "0"),
+        failure_record(MemoryError("rank 0 out of host memory"), 0, -1, False),
+    )
+    del server, rank0
+    with pytest.raises(PeerFailedError) as got, waiting.loading():
+        pass
+    text = str(got.value)
+    assert "rendezvous store stopped answering while waiting for every rank's load" in text
+    assert f"rank 0 (host {socket.gethostname()}, store 127.0.0.1:" in text
+    assert "likely failed or been killed" in text
+    assert "rank 0's error" in text and "MemoryError: rank 0 out of host memory" in text
+
+
+_RANK0 = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+from sailor.megatron_patch.load_barrier import LoadBarrier
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=10))
+barrier = LoadBarrier(store, 0, 2, "g", poll_s=0.5).start()
+sys.stdin.readline()
+barrier.fail(OSError("rank 0's checkpoint unreadable"))  # the worker's handler, then:
+os._exit(1)
+"""
+
+
+def test_rank_0s_failure_reaches_the_waiters_before_its_store_goes() -> None:
+    port = free_port()
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(port)], stdin=subprocess.PIPE)
+    try:
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+        got: list[BaseException] = []
+        waiting = LoadBarrier(client, 1, 2, "g", 60.0, 60.0, 0.5)
+        waiter = threading.Thread(target=_catch, args=(got, lambda: _load(waiting)))
+        waiter.start()
+        time.sleep(0.2)
+        assert rank0.stdin is not None
+        rank0.stdin.write(b"fail\n")  # rank 0 fails; its process (the store) exits after
+        rank0.stdin.flush()
+        waiter.join(timeout=20.0)
+        # out as soon as rank 1 read the failure: rank 0 does not wait its 24 s bound
+        assert rank0.wait(timeout=10.0) == 1
+        assert got and "rank 0 (" in str(got[0]), got
+        assert "OSError: rank 0's checkpoint unreadable" in str(got[0])
+    finally:
+        rank0.kill()
+        rank0.wait()
+
+
+def test_the_store_gone_names_rank_0s_error_file_as_the_worker_would_find_it() -> None:
+    assert rank0_error_file("/run/error-{rank}.json", 3) == "/run/error-0.json"
+    assert rank0_error_file("/agent/gen-2/error-3.json", 3) == "/agent/gen-2/error-0.json"
+    assert rank0_error_file("/x/my-errors.json", 3) is None
+    assert rank0_error_file(None, 3) is None
+
+
 def test_bad_arguments_name_the_field() -> None:
     store = _store()
     with (
@@ -87,25 +165,37 @@ def test_bad_arguments_name_the_field() -> None:
         pass
     with pytest.raises(ValueError, match="load liveness_s=-1"):
         LoadBarrier(store, 0, 2, "g", liveness_s=-1)
+    with pytest.raises(ValueError, match="load poll_s=0"):
+        LoadBarrier(store, 0, 2, "g", poll_s=0)
+    with pytest.raises(ValueError, match="--timeout-s=0: must be > 0 seconds"):
+        LoadBarrier(store, 0, 2, "g").formed(0)
 
 
 def test_a_rank_whose_heartbeat_stopped_is_named_for_every_waiter() -> None:
     store = _store()
     dead = LoadBarrier(store, 1, 3, "g", liveness_s=0.3).start()
     dead.close()  # killed: its counter stops, it writes nothing
-    with pytest.raises(PeerFailedError, match=r"rank 1 \(.+\) failed to load.*no heartbeat for"):
-        await_loads(store, 0, 3, "g", timeout_s=30.0, poll_s=0.01, liveness_s=0.3)
+    waiting = LoadBarrier(store, 0, 3, "g", timeout_s=30.0, liveness_s=0.3, poll_s=0.01)
+    with (
+        pytest.raises(PeerFailedError, match=r"rank 1 \(.+\) failed before.*no heartbeat for"),
+        waiting.loading(),
+    ):
+        pass
     # written for the others: rank 2 raises it at once, without watching rank 1 itself
     with pytest.raises(PeerFailedError, match=r"rank 1 .*no heartbeat.*seen by rank 0"):
-        await_loads(store, 2, 3, "g", timeout_s=30.0, poll_s=0.01, liveness_s=60.0)
+        await_loads(store, 2, 3, "g", timeout_s=30.0, poll_s=0.01)
 
 
 def test_a_rank_that_beats_is_waited_for_however_long_its_load() -> None:
     store = _store()
     loading = LoadBarrier(store, 1, 2, "g", liveness_s=0.2).start()
+    waiting = LoadBarrier(store, 0, 2, "g", timeout_s=1.5, liveness_s=0.2, poll_s=0.01)
     try:
-        with pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"):
-            await_loads(store, 0, 2, "g", timeout_s=1.5, poll_s=0.01, liveness_s=0.2)
+        with (
+            pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"),
+            waiting.loading(),
+        ):
+            pass
     finally:
         loading.close()
 
@@ -128,8 +218,11 @@ def test_a_failure_before_the_load_reaches_the_waiters_while_pending() -> None:
 def test_without_a_load_timeout_a_dead_rank_still_ends_the_wait() -> None:
     store = _store()  # the agent's workers: --load-timeout-s inf (sailor.agent.worker_argv)
     LoadBarrier(store, 1, 2, "g", liveness_s=0.2).start().close()
-    with pytest.raises(PeerFailedError, match=r"rank 1 .*no heartbeat"):
-        await_loads(store, 0, 2, "g", timeout_s=float("inf"), poll_s=0.01, liveness_s=0.2)
+    with (
+        pytest.raises(PeerFailedError, match=r"rank 1 .*no heartbeat"),
+        LoadBarrier(store, 0, 2, "g", float("inf"), 0.2, 0.01).loading(),
+    ):
+        pass
 
 
 def test_the_load_waits_are_checked_at_start_by_flag() -> None:
@@ -141,35 +234,25 @@ def test_the_load_waits_are_checked_at_start_by_flag() -> None:
             check_load_waits(args)
 
 
-def _silent_for(store: dist.TCPStore, world: str, dead: int, world_size: int, waiter: int) -> float:
-    """Seconds (on a simulated clock, 1 s polls) until ``waiter`` names ``dead``, silent since
-    its one beat, in a world whose other ranks beat between the waiter's polls."""
-    now = [0.0]
-    live = [r for r in range(world_size) if r not in (dead, waiter)]
-    store.add(f"sailor/loaded/{world}/beat/{dead}", 1)
-
-    def sleep(s: float) -> None:  # the live ranks' heartbeats, then the clock moves on
-        for r in live:
-            store.add(f"sailor/loaded/{world}/beat/{r}", 1)
-        now[0] += s
-        if now[0] > 100.0:
-            raise AssertionError(f"rank {dead} of {world_size} not found dead within 100 s")
-
-    with pytest.raises(PeerFailedError, match=rf"rank {dead} \(.*no heartbeat"):
-        await_loads(
-            store, waiter, world_size, world, float("inf"), 1.0, lambda: now[0], sleep, 10.0
-        )
-    return now[0]
-
-
-def test_a_dead_rank_is_found_in_about_liveness_s_whatever_the_world_size() -> None:
+def test_a_dead_rank_whose_watchers_are_still_loading_is_found_in_about_liveness_s() -> None:
     store = _store()
-    # each waiter reads its next ranks on the ring every poll: 10 s of silence and a poll or
-    # two, at 8 ranks as at 512 (one rank read per poll in turn took 511 s at 512 ranks)
-    found = {w: _silent_for(store, f"w{w}", 1, w, 0) for w in (8, 64, 512)}
-    assert all(10.0 <= t <= 12.0 for t in found.values()), found
-    # a rank none of whose watchers waits yet is still found by the others' turns, later
-    assert _silent_for(store, "behind", 5, 6, 0) <= 10.0 + 2 * 2
+    # 12 ranks: rank 6 dies while its watchers (3, 4, 5) are still loading, only rank 11
+    # waits. Their heartbeat threads watch it from the world's start: found liveness_s
+    # and a beat after it died (when the waiters watched, rank 11 found it only by its one
+    # extra read a poll in turn: two reads 8 polls, 8 s, apart)
+    ranks = [LoadBarrier(store, r, 12, "g", liveness_s=1.0, poll_s=1.0).start() for r in range(11)]
+    try:
+        t0 = time.monotonic()
+        ranks[6].close()  # rank 6: killed, it writes nothing
+        with (
+            pytest.raises(PeerFailedError, match=r"rank 6 \(.*no heartbeat.*seen by rank [345]"),
+            LoadBarrier(store, 11, 12, "g", float("inf"), 1.0, 1.0).loading(),
+        ):
+            pass
+        assert time.monotonic() - t0 < 1.0 + 0.2 + 1.0 + 1.5  # liveness, a beat, a poll, slack
+    finally:
+        for b in ranks:
+            b.close()
 
 
 def test_every_rank_is_watched_by_watched_ranks_each_poll() -> None:
@@ -193,9 +276,13 @@ def test_the_heartbeat_is_not_held_up_by_the_main_threads_blocking_store_call() 
         target=lambda: _suppress_store_error(client.wait, ["never-set"]), daemon=True
     )
     blocked.start()
+    waiting = LoadBarrier(server, 0, 2, "g", timeout_s=2.0, liveness_s=0.5, poll_s=0.02)
     try:  # rank 1 beats on: rank 0 waits out its load timeout, and does not call it dead
-        with pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"):
-            await_loads(server, 0, 2, "g", timeout_s=2.0, poll_s=0.02, liveness_s=0.5)
+        with (
+            pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"),
+            waiting.loading(),
+        ):
+            pass
     finally:
         blocked.join()
         loading.close()
@@ -222,3 +309,90 @@ def test_the_heartbeat_beats_on_after_the_store_failed() -> None:
         assert second.add("sailor/loaded/g/beat/1", 0) >= 1
     finally:
         beating.close()
+
+
+def test_a_rank_failing_before_the_first_collective_ends_the_others_there() -> None:
+    store = _store()
+    building = LoadBarrier(store, 1, 3, "g").start()
+    early = LoadBarrier(store, 2, 3, "g", poll_s=0.01).start()
+    # rank 2 arrived before the failure: it waits on the store, not in the collective
+    got: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: _catch(got, lambda: early.formed(30.0)))
+    waiter.start()
+    time.sleep(0.1)
+    building.fail(MemoryError("building the optimizer"))  # rank_main.main's handler
+    waiter.join(timeout=5.0)
+    assert (
+        got and "rank 1 (" in str(got[0]) and "MemoryError: building the optimizer" in str(got[0])
+    )
+    arriving = LoadBarrier(store, 0, 3, "g", poll_s=0.01).start()
+    with pytest.raises(PeerFailedError, match=r"rank 1 .*MemoryError: building the optimizer"):
+        arriving.formed(30.0)
+    assert not arriving.pending  # raised here: not written again by its handler
+
+
+def test_a_rank_late_to_the_first_collective_is_named_with_the_groups_timeout() -> None:
+    store = _store()
+    # (rank 0 then keeps its store up two beats for rank 1: 0.2 s)
+    arriving = LoadBarrier(store, 0, 2, "g", liveness_s=0.5, poll_s=0.01).start()
+    with pytest.raises(
+        LoadTimeoutError,
+        match=r"ranks \[1\] did not reach the world's first collective within "
+        r"--timeout-s=0.2 \(1 of 2 arrived\)",
+    ):
+        arriving.formed(0.2)
+
+
+def test_arrivals_and_loads_are_counted_apart() -> None:
+    store = _store()
+    formed = [LoadBarrier(store, r, 2, "g", poll_s=0.01).start() for r in range(2)]
+    t = threading.Thread(target=formed[1].formed, args=(10.0,))
+    t.start()
+    assert formed[0].formed(10.0) < 5.0
+    t.join()
+    with pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish loading"):
+        await_loads(store, 0, 2, "g", timeout_s=0.2, poll_s=0.01)
+    for b in formed:
+        b.close()
+
+
+def test_a_peer_failure_reaches_a_rank_held_elsewhere_through_its_heartbeat() -> None:
+    store = _store()
+    told: list[PeerFailedError] = []
+    # rank 0's main thread is in a collective (NCCL waits there for its timeout) or in
+    # deepspeed.initialize: its heartbeat thread reads the failure and ends it
+    held = LoadBarrier(store, 0, 2, "g", liveness_s=0.5, on_peer_failure=told.append).start()
+    t0 = time.monotonic()
+    LoadBarrier(store, 1, 2, "g").start().fail(OSError("no space left on device"))
+    while not told and time.monotonic() - t0 < 5.0:
+        time.sleep(0.01)
+    assert told and "rank 1 (" in str(told[0]) and "OSError: no space left" in str(told[0])
+    assert time.monotonic() - t0 < 0.1 + 1.0  # a beat period (liveness_s / 5), and slack
+    assert not held.pending
+    held.close()
+
+
+def test_a_closed_socket_after_a_peers_failure_is_that_peers_failure() -> None:
+    store = _store()
+    rank0 = LoadBarrier(store, 0, 2, "g").start()
+    gloo = RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+    assert rank0.peer_cause(gloo) is gloo  # nothing on the store: its own
+    LoadBarrier(store, 1, 2, "g").start().fail(ValueError("bad deepspeed config"))
+    cause = rank0.peer_cause(gloo)
+    assert isinstance(cause, PeerFailedError) and cause.__cause__ is gloo
+    assert "rank 1 (" in str(cause) and "ValueError: bad deepspeed config" in str(cause)
+    own = MemoryError("out of memory")  # not a peer's: its own, whatever is on the store
+    assert rank0.peer_cause(own) is own
+    rank0.close()
+
+
+def _load(barrier: LoadBarrier) -> None:
+    with barrier.loading():
+        pass
+
+
+def _catch(got: list[BaseException], call: Callable[[], object]) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        got.append(exc)

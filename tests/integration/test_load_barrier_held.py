@@ -1,0 +1,102 @@
+"""A peer's failure reaches a rank held in a collective, through its barrier's heartbeat.
+
+Two gloo processes. Rank 1 fails after the world formed and writes its failure on the store
+(``LoadBarrier.fail``, as the worker's handler does), then stays alive with its sockets
+open: a peer that failed but has not exited — what every NCCL peer of a failed rank looks
+like, where the collective waits for the process groups' timeout. Rank 0 is in an
+all-reduce rank 1 never joins. Its barrier's heartbeat thread reads the failure at its next
+beat and ends it (``exit_on_peer_failure``): exit status 1, rank 1's error as its first
+cause (``origin="peer"``), seconds before the groups' timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sailor.localnet import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP_TIMEOUT_S = 60.0
+LIVENESS_S = 1.0  # a beat every 0.2 s
+
+_RANK = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from sailor.megatron_patch.boundary import Status
+from sailor.megatron_patch.load_barrier import LoadBarrier, exit_on_peer_failure
+
+rank, port, error_file, timeout_s, liveness_s = (
+    int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+)
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    timeout=timedelta(seconds=timeout_s),
+)
+status = Status(rank, error_file)
+barrier = LoadBarrier(
+    dist.distributed_c10d._get_default_store(), rank, 2, "w", liveness_s=liveness_s,
+    on_peer_failure=exit_on_peer_failure(status),
+).start()
+store = dist.distributed_c10d._get_default_store()
+if rank == 1:
+    store.wait(["entering"])
+    time.sleep(0.5)  # rank 0 is in the all-reduce by then
+    print("failing", time.monotonic(), flush=True)
+    barrier.fail(RuntimeError("injected: rank 1 failed building its optimizer"))
+    time.sleep(timeout_s)  # alive, sockets open: it never joins the all-reduce
+    os._exit(0)
+store.set("entering", "1")
+dist.all_reduce(torch.zeros(1))
+print("the all-reduce returned", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_peer_failure_ends_a_rank_held_in_a_collective_with_its_error(tmp_path: Path) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _RANK,
+                str(r),
+                str(port),
+                str(tmp_path / f"error-{r}.json"),
+                str(GROUP_TIMEOUT_S),
+                str(LIVENESS_S),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=GROUP_TIMEOUT_S / 2)
+        ended = time.monotonic()
+    finally:
+        for p in procs:
+            p.kill()
+        out1, _ = procs[1].communicate()
+    assert procs[0].returncode == 1, (out, err[-3000:])
+    assert "the all-reduce returned" not in out
+    failed = float(next(x for x in out1.splitlines() if x.startswith("failing")).split()[-1])
+    # a beat (0.2 s) after rank 1's failure, with room for this loaded machine; not at the
+    # groups' timeout (60 s)
+    assert ended - failed < 10.0, ended - failed
+    record = json.loads((tmp_path / "error-0.json").read_text())
+    assert record["origin"] == "peer" and record["error_type"] == "PeerFailedError", record
+    assert record["message"].startswith("rank 1 ("), record
+    assert "RuntimeError: injected: rank 1 failed building its optimizer" in record["message"]
