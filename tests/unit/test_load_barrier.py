@@ -188,8 +188,10 @@ def test_a_rank_whose_heartbeat_stopped_is_named_for_every_waiter() -> None:
 
 def test_a_rank_that_beats_is_waited_for_however_long_its_load() -> None:
     store = _store()
-    loading = LoadBarrier(store, 1, 2, "g", liveness_s=0.2).start()
-    waiting = LoadBarrier(store, 0, 2, "g", timeout_s=1.5, liveness_s=0.2, poll_s=0.01)
+    # a liveness of seconds, not tenths: a beat thread starved that long on a loaded host
+    # read as a death (it failed so under a load average of 20)
+    loading = LoadBarrier(store, 1, 2, "g", liveness_s=2.0).start()
+    waiting = LoadBarrier(store, 0, 2, "g", timeout_s=4.0, liveness_s=2.0, poll_s=0.01)
     try:
         with (
             pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"),
