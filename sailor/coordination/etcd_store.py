@@ -226,8 +226,13 @@ class EtcdStore:
     async def prefix_fingerprint(self, prefix: str) -> tuple[int, int]:
         """(number of keys, highest mod revision) under ``prefix``, in one cheap range call.
 
-        A copy of the prefix that missed a change differs from this: a missed put leaves a
-        key newer than any the copy holds, a missed delete leaves the copy a key too many.
+        A copy of the prefix that stopped at some revision (it lacks every change after
+        it: a stalled watch) differs from this whenever its keys do: a put since leaves a
+        key newer than any the copy holds, and with no put since only deletes are missing,
+        leaving the copy keys too many. A copy that dropped a change but applied a later
+        one may not differ: a key dropped from a transaction that wrote two (same revision,
+        same count), or a put on an existing key followed by any later change. It tells a
+        stalled copy, not a faulty one.
         """
         req = rpc.RangeRequest(
             key=prefix.encode(),
