@@ -72,7 +72,7 @@ def fail_unanswered(
         raise fail(
             f"etcd failed while request {rid} was withdrawn after {wait_s:g} s: it may have "
             f"been applied, or may still wait under {where}/{rid}; see `sailor status` and "
-            f"the leader's audit log (`{record}` or `request_withdrawn`)",
+            f"the leader's audit log (`{record}`, `request_withdrawn` or `request_unknown`)",
             code=1,
         )
     if outcome == "withdrawn":

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -62,6 +62,7 @@ from sailor.coordination import (
     ChangedError,
     Clock,
     EtcdStore,
+    FencedError,
     Keys,
     Leadership,
     NatsCommands,
@@ -490,8 +491,12 @@ class Executor:
     async def _take(self, a: ClearReadmit | ClearBadDone) -> bool:
         """Delete a request that changed no desired state (it named no record or mark there
         is, or only re-pointed commit records: written in the same transaction) while it is
-        as observed; False if its operator withdrew it first."""
+        as observed; False if its operator withdrew it first. The transaction also writes
+        the take's mark (``Keys.taken``, bound to the leader's lease): should its answer be
+        lost, the mark, not the key's absence, says it committed (``settle_lost_takes``);
+        answered, the mark goes at once."""
         key = self._request_key(a)
+        mark = self.keys.taken(key)
         try:
             await self.store.put_all_guarded(
                 self._repointed((a,)),
@@ -499,24 +504,43 @@ class Executor:
                 self.epoch,
                 delete=(key,),
                 expect=self._expected((key,)),
+                marks=(mark,),
+                lease=self.lead.lease,
             )
         except ChangedError:
             await self._withdrawn((key,))
             return False
         except TemporaryError:
-            self.lost_takes[key] = a  # committed or not: settle_lost_takes tells
+            self.lost_takes[key] = a  # committed or not: its mark tells (settle_lost_takes)
             raise
         self.lost_takes.pop(key, None)
+        await self._unmark(mark)
         return True
+
+    async def _unmark(self, mark: str) -> None:
+        """Delete a take's mark once its outcome is known. Not deleted (etcd failed, or this
+        leader was deposed meanwhile), it goes with the leader's lease."""
+        try:
+            await self.store.delete_guarded(mark, self.keys.leader, self.epoch)
+        except (TemporaryError, FencedError) as exc:
+            _log.debug("take_mark_left", key=mark, error=str(exc))
 
     async def _withdrawn(self, keys: tuple[str, ...]) -> None:
         """After a write that took ``keys`` was refused: audit those an operator withdrew
         (gone, or at another revision than observed; one without an observed revision
         counts so), and keep them out of the passes until the mirror shows it
         (``withdrawn``). The others were refused only for being bundled with one: the next
-        pass applies them (not audited as withdrawn)."""
+        pass applies them (not audited as withdrawn). A key whose earlier take lost its
+        answer (``lost_takes``) is settled by that take's mark instead: gone because that
+        take committed, it was applied, not withdrawn (before, a stale mirror's next take,
+        refused, audited it withdrawn and the settle then applied: both in the audit)."""
+        lost = tuple(k for k in keys if k in self.lost_takes)
+        if lost:
+            await self.settle_lost_takes(lost)
         changed = []
         for key in keys:
+            if key in lost:
+                continue
             seen = self.request_revisions.get(key)
             kv = await self.store.get(key) if seen is not None else None
             if kv is None or kv.mod_revision != seen:
@@ -571,28 +595,86 @@ class Executor:
             self._audit_request(a, answer_lost=True)
         return keys
 
-    async def settle_lost_takes(self) -> tuple[str, ...]:
+    async def settle_lost_takes(self, only: tuple[str, ...] | None = None) -> tuple[str, ...]:
         """After an etcd error: the requests deleted without a desired state (``_take``:
-        they named nothing there is, or only re-pointed records) whose delete met it, and
-        that etcd did commit, audited as applied as :meth:`settle_lost` audits a write's
-        (before, such a request left no record at all: the command said it was applied,
-        the audit did not). Committed means the key is gone: a delete of the key at the
-        revision observed, or its command's own withdrawal in the same instant (the same
-        compare-and-delete; the command says "withdrawn" then, and this record is the one
-        the audit has of it). Still there, the next pass takes it again. Not known (etcd
-        does not answer the read): kept for the next settle; () then."""
-        settled: list[ClearReadmit | ClearBadDone] = []
+        they named nothing there is, or only re-pointed records) whose transaction met it,
+        settled by what that transaction left (``_took``), each audited once: committed
+        (its mark is there), as applied, as :meth:`settle_lost` audits a write's
+        (``request_applied``, ``answer_lost``, then its own record); not committed and the
+        key gone (its command withdrew it in the meantime: the command said "withdrawn"),
+        as withdrawn (``request_withdrawn``, ``answer_lost``); this leader's lease lost
+        (the mark may have gone with it), as unknown (``request_unknown``), never as
+        applied. Before, a key gone counted as applied: a take that did not commit and the
+        command's withdrawal were audited as a re-point the records never got. Still
+        there, the request stays for the next pass, which takes it (an answered take
+        forgets it) or finds it withdrawn (settled by the mark then). etcd not answering
+        the reads: kept for the next settle (with ``only``, these keys alone: raised). The
+        keys audited as applied."""
+        applied: list[ClearReadmit | ClearBadDone] = []
+        withdrawn: list[str] = []
+        unknown: list[str] = []
         for key, a in list(self.lost_takes.items()):
+            if only is not None and key not in only:
+                continue
             try:
-                kv = await self.store.get(key)
+                took = await self._took(key)
             except TemporaryError:
+                if only is not None:
+                    raise  # a pass's refused take: the daemon's settle after the error
+                continue
+            if took is None:
                 continue
             del self.lost_takes[key]
-            if kv is None:
-                settled.append(a)
-        if not settled:
+            if key in self.request_revisions:  # the mirror may show it a while yet
+                self.withdrawn[key] = self.request_revisions[key]
+            if took == "applied":
+                applied.append(a)
+                await self._unmark(self.keys.taken(key))
+            elif took == "withdrawn":
+                withdrawn.append(key)
+            else:
+                unknown.append(key)
+        now = self.clock.now()
+        if withdrawn:
+            self.audit.write(
+                "request_withdrawn",
+                now,
+                epoch=self.epoch,
+                keys=withdrawn,
+                answer_lost=True,
+                cause="withdrawn by its command before the take committed",
+            )
+            _log.info("request_withdrawn", keys=withdrawn, answer_lost=True)
+        if unknown:
+            self.audit.write(
+                "request_unknown",
+                now,
+                epoch=self.epoch,
+                keys=unknown,
+                cause="a take's answer lost and this leader's lease gone with its mark",
+            )
+            _log.warning("request_unknown", keys=unknown)
+        if not applied:
             return ()
-        return self._applied_lost(tuple(settled), "a request deleted, its answer lost")
+        return self._applied_lost(tuple(applied), "a request deleted, its answer lost")
+
+    async def _took(self, key: str) -> Literal["applied", "withdrawn", "unknown"] | None:
+        """What became of a take of ``key`` whose answer was lost: None while the key is
+        there (the take did not commit, yet); else "applied" if the take's mark is there.
+        Read in this order: once the key is gone, a take that had not committed never
+        will (its compare needs the key as observed), and a take that did left its mark,
+        there while the leader's lease is. The leader key read after the mark, at this
+        term's epoch, says the lease held when the mark was read: no mark is then
+        "withdrawn" (its command deleted the key); otherwise "unknown". ``TemporaryError``
+        if etcd does not answer."""
+        if await self.store.get(key) is not None:
+            return None
+        if await self.store.get(self.keys.taken(key)) is not None:
+            return "applied"
+        leader = await self.store.get(self.keys.leader)
+        if leader is not None and leader.create_revision == self.epoch:
+            return "withdrawn"
+        return "unknown"
 
     def _prune(self, generation: int) -> None:
         """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""

@@ -76,10 +76,13 @@ class StateStore(Protocol):
         epoch: int,
         delete: Sequence[str] = (),
         expect: Mapping[str, int] | None = None,
+        marks: Sequence[str] = (),
+        lease: Lease | None = None,
     ) -> int:
         """Like ``put_guarded`` for several keys (and deletions) in one transaction; with
         ``expect`` (key -> mod revision), only while each of those keys is as it was
-        (``ChangedError`` if one changed or went)."""
+        (``ChangedError`` if one changed or went); ``marks``: empty keys written with them,
+        bound to ``lease`` (required with marks)."""
         ...
 
     async def delete(self, key: str) -> None:

@@ -226,8 +226,13 @@ class EtcdStore:
     async def prefix_fingerprint(self, prefix: str) -> tuple[int, int]:
         """(number of keys, highest mod revision) under ``prefix``, in one cheap range call.
 
-        A copy of the prefix that missed a change differs from this: a missed put leaves a
-        key newer than any the copy holds, a missed delete leaves the copy a key too many.
+        A copy of the prefix that stopped at some revision (it lacks every change after
+        it: a stalled watch) differs from this whenever its keys do: a put since leaves a
+        key newer than any the copy holds, and with no put since only deletes are missing,
+        leaving the copy keys too many. A copy that dropped a change but applied a later
+        one may not differ: a key dropped from a transaction that wrote two (same revision,
+        same count), or a put on an existing key followed by any later change. It tells a
+        stalled copy, not a faulty one.
         """
         req = rpc.RangeRequest(
             key=prefix.encode(),
@@ -339,22 +344,29 @@ class EtcdStore:
         epoch: int,
         delete: Sequence[str] = (),
         expect: Mapping[str, int] | None = None,
+        marks: Sequence[str] = (),
+        lease: Any = None,
     ) -> int:
         """Write every (key, value) of ``items`` and delete ``delete`` in one transaction,
         only if ``guard_key`` still has create revision ``epoch`` (all or nothing), and each
-        key of ``expect`` still has its mod revision there (0: absent). Refused, the guard
-        key is read again to tell which: ``FencedError`` (no longer the leader) or
-        ``ChangedError`` (an expected key changed: an operator withdrew its request)."""
+        key of ``expect`` still has its mod revision there (0: absent). ``marks``: empty
+        keys written in the same transaction, bound to ``lease`` (a trace of the
+        transaction that outlives a lost answer). Refused, the guard key is read again to
+        tell which: ``FencedError`` (no longer the leader) or ``ChangedError`` (an expected
+        key changed: an operator withdrew its request)."""
+        if marks and lease is None:
+            raise ValueError(f"marks {list(marks)} need a lease, got lease=None")
         tx = self.client.transactions
         expected = sorted((expect or {}).items())
         ok, revision = await self._txn(
             [tx.create(guard_key.encode()) == epoch]
             + [tx.mod(k.encode()) == rev for k, rev in expected],
             [tx.put(k.encode(), v, None) for k, v in items]
+            + [tx.put(k.encode(), b"", lease.id) for k in marks]
             + [tx.delete(k.encode()) for k in delete],
         )
         if not ok:
-            keys = ",".join([*(k for k, _ in items), *delete])
+            keys = ",".join([*(k for k, _ in items), *marks, *delete])
             guard = await self.get(guard_key) if expected else None
             if guard is not None and guard.create_revision == epoch:
                 raise ChangedError("write refused: a compared key changed", key=keys)

@@ -12,6 +12,8 @@ etcd (all under ``/sailor/<job>/``)::
     calibration/versions/<n>    CalibrationRecord: fitted calibration version n (guarded)
     readmit/<id>, clear-bad/<id>  operators' requests, deleted by the leader that applies them
     asked/<kind>/<id>  empty witness of a request written, bound to its command's lease
+    taken/<kind>/<id>  empty mark of a leader's transaction that took a request without a
+                       desired state, bound to the leader's lease; deleted once settled
     event-stream      EventStreamState: the event stream could not be placed (guarded, bound
                       to the leader's lease)
 
@@ -131,6 +133,21 @@ class Keys(Frozen):
         if not request_key.startswith(self.root):
             raise ValueError(f"request key {request_key!r} is not under {self.root!r}")
         return self.asked + request_key.removeprefix(self.root)
+
+    @property
+    def takens(self) -> str:
+        """Marks of the leader's takes (``Executor._take``): an empty key per request
+        deleted without a desired state, written in the transaction that deletes it and
+        bound to the leader's lease. A take whose answer was lost is known committed by its
+        mark, not by the request's key being gone (its command's withdrawal deletes the key
+        alike)."""
+        return self.root + "taken/"
+
+    def taken(self, request_key: str) -> str:
+        """The mark of the take of the request at ``request_key`` (``taken/readmit/<id>``)."""
+        if not request_key.startswith(self.root):
+            raise ValueError(f"request key {request_key!r} is not under {self.root!r}")
+        return self.takens + request_key.removeprefix(self.root)
 
     @property
     def calibration(self) -> str:

@@ -14,9 +14,16 @@ What can go wrong, and what the mirror does:
   differ are marked changed), then watches from the new revision;
 - the watch stops silently (aetcd does not report every broken stream): ``check()``, called
   periodically by the owner, compares the copy's (key count, highest mod revision) with the
-  server's (``EtcdStore.prefix_fingerprint``, one small range call). The two differ whenever
-  the copy missed a change; if they keep differing for ``stale_after_s`` with no delta
-  arriving, the mirror resyncs. Not sooner: etcd feeds a watcher that fell behind in
+  server's (``EtcdStore.prefix_fingerprint``, one small range call). A copy that stopped at
+  some revision (it lacks every change after it: a stalled watch) differs from the server
+  whenever their keys differ: a key written since is newer than any the copy holds, and
+  with none written since the server holds a subset of the copy's keys, unchanged, so
+  only a delete is missing and the counts differ. A copy that dropped one change but
+  applied a later one is *not* told apart: one of two keys a transaction wrote (they
+  share its revision: the copy's count and highest revision are the server's), or a put
+  on an existing key followed by any later change. ``_apply`` must never drop a delta;
+  the fingerprint is no check of that. If they keep differing for ``stale_after_s``
+  with no delta arriving, the mirror resyncs. Not sooner: etcd feeds a watcher that fell behind in
   catch-up rounds every 100 ms, and in the 10,000-event burst (benchmarks/runtime_burst.py)
   a two-polls rule re-read healthy but lagging prefixes dozens of times;
 - a delta for a key outside the prefix (a watch reply matched to the wrong watch, an aetcd

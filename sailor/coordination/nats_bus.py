@@ -170,18 +170,39 @@ def placement_error(
 
 def unclustered_replicas(nc: NatsClient, replicas: int) -> ReplicasExceedClusterError | None:
     """The refusal :func:`placement_error` would make of ``replicas`` copies, told from the
-    connected server's INFO, without placing anything: a server in a cluster names it
-    (``cluster``), one in no cluster does not, and its own JetStream (``jetstream``) then
+    connected server's INFO, without placing anything: a standalone server (no cluster, no
+    leaf node connection) sends no ``cluster``, and its own JetStream (``jetstream``) then
     refuses more than one replica (``_NOT_CLUSTERED``). For a standby, which places no
-    stream until it leads; None when ``replicas`` is 1, the server is clustered, runs no
-    JetStream itself (a leaf node whose JetStream requests its hub serves: the hub places
-    the stream), or its INFO is not known: the placement then tells, as before. A cluster
-    of fewer servers than ``replicas`` is not told here (``placement_error``: a client
-    cannot count it)."""
+    stream until it leads; None when ``replicas`` is 1, the server names a cluster of its
+    own, runs no JetStream itself (a leaf node whose JetStream requests its hub serves:
+    the hub places the stream), or its INFO is not known: the placement then tells, as
+    before. Refused only where the INFO is sure.
+
+    A leaf node sends its own server name as ``cluster`` (nats-server 2.15, with or without
+    a cluster block; seen with a hub of three and leaves in each JetStream mode,
+    tests/integration/test_nats_leaf_replicas.py): from its INFO alone a leaf whose
+    JetStream extends the hub's domain (``extension_hint: will_extend``, or the hub's
+    system account over the leaf connection) looks like one whose JetStream is its own
+    and in no cluster. That case is not refused but logged
+    (``event_stream_replicas_unchecked``): the first placement, when this controller
+    leads, answers. A cluster of fewer servers than ``replicas`` is not told here
+    (``placement_error``: a client cannot count it)."""
     info = getattr(nc, "_server_info", None)  # nats-py keeps the last INFO, unexposed
     if replicas <= 1 or not isinstance(info, dict) or not info:
         return None
-    if info.get("cluster") or info.get("jetstream") is not True:
+    if info.get("jetstream") is not True:
+        return None
+    cluster, name = info.get("cluster"), info.get("server_name")
+    if cluster and cluster == name:
+        # a leaf node's own name: extension or a JetStream of its own, the INFO cannot say
+        _log.warning(
+            "event_stream_replicas_unchecked",
+            replicas=replicas,
+            server=name,
+            reason="a leaf node names itself as its cluster: the first placement will tell",
+        )
+        return None
+    if cluster:
         return None
     return ReplicasExceedClusterError(
         f"{replicas} replicas asked of a NATS server in no cluster (a deployment of 1 server: "

@@ -826,6 +826,119 @@ async def test_a_request_deleted_alone_whose_answer_was_lost_is_audited_once(
         assert len(_records(rig.audit, "request_applied")) == int(committed)
 
 
+async def _lost_repoint_take(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, committed: bool
+) -> tuple[KeyValue, CommitRecord]:
+    """``clear-bad 300 --repoint`` (step 300 recorded under /old, no mark) read by a leader
+    pass whose take (the re-pointed record and the request's delete, no desired state)
+    meets an etcd error, ``committed`` or not: the request as read, and the old record."""
+    keys = rig.ex.keys
+    await rig.ex.write_desired(DesiredState(epoch=rig.ex.epoch, generation=3), "test")
+    old = CommitRecord(step=300, directory="/old")
+    await rig.store.put(keys.checkpoint(300), old.model_dump_json().encode())
+    req = ClearBadRequest(steps=(300,), who="op", time=time.time(), repoint=True)
+    await rig.store.put(keys.clear_bad("r1"), req.model_dump_json().encode())
+    seen = await rig.store.get(keys.clear_bad("r1"))
+    assert seen is not None
+    d = DesiredState.model_validate_json(await rig.desired())
+    o = Observed(now=time.time(), nodes={}, status={}, commits=(old,), clear_bad={"r1": req})
+    real = rig.store.put_all_guarded
+
+    async def lossy(*a: Any, **k: Any) -> int:
+        if committed:
+            await real(*a, **k)
+        raise TemporaryError("etcd restarted before it answered")
+
+    rig.ex.request_revisions = {seen.key: seen.mod_revision}
+    monkeypatch.setattr(rig.store, "put_all_guarded", lossy)
+    with pytest.raises(TemporaryError):
+        await rig.ex.apply(decide(d, o, CFG), d)
+    monkeypatch.setattr(rig.store, "put_all_guarded", real)
+    return seen, old
+
+
+async def _directory(store: EtcdStore, keys: Keys, step: int) -> str:
+    kv = await store.get(keys.checkpoint(step))
+    assert kv is not None
+    return CommitRecord.model_validate_json(kv.value).directory
+
+
+async def test_a_repoint_take_that_did_not_commit_and_was_withdrawn_is_not_applied(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader's take of ``clear-bad 300 --repoint`` meets an etcd error and does not
+    commit; the command's wait ends and its withdrawal succeeds ("withdrawn"). The settle
+    after the error audits the request withdrawn, once, and writes no ``clear_bad``: the
+    record still names /old. Before, the key gone counted as the take committed:
+    ``request_applied`` and ``clear_bad`` with ``repointed: [300]`` were written, the
+    record unchanged and the command told "withdrawn"."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        seen, _ = await _lost_repoint_take(rig, monkeypatch, committed=False)
+        assert await status._withdrawn(rig.store, seen.key, seen.mod_revision) == "withdrawn"
+        assert await rig.ex.settle_lost_takes() == ()
+        assert await rig.ex.settle_lost_takes() == ()  # settled once
+        assert await _directory(rig.store, keys, 300) == "/old"
+        assert _records(rig.audit, "clear_bad") == []
+        assert _records(rig.audit, "request_applied") == []
+        (rec,) = _records(rig.audit, "request_withdrawn")
+        assert rec["keys"] == [seen.key] and rec["answer_lost"] is True
+        assert rig.ex.withdrawn == {seen.key: seen.mod_revision}  # out of the stale passes
+        assert await rig.store.get_prefix(keys.takens) == []
+
+
+async def test_a_lost_take_retaken_from_a_stale_mirror_is_audited_applied_only(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader's take of ``clear-bad 300 --repoint`` commits, its answer lost; the
+    settle after the error cannot read etcd, and the next pass, its mirror still showing
+    the request, takes it again: refused (the key is gone). The audit says applied, once,
+    with what it re-pointed, never withdrawn, and the take's mark is gone. Before, the
+    refused take wrote ``request_withdrawn`` and a later settle ``request_applied``: both
+    outcomes for one request."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        seen, old = await _lost_repoint_take(rig, monkeypatch, committed=True)
+        real_get = rig.store.get
+
+        async def down(*a: Any, **k: Any) -> Any:
+            raise TemporaryError("etcd restarting")
+
+        monkeypatch.setattr(rig.store, "get", down)
+        assert await rig.ex.settle_lost_takes() == ()  # not known: kept
+        monkeypatch.setattr(rig.store, "get", real_get)
+        d = DesiredState.model_validate_json(await rig.desired())
+        req = ClearBadRequest.model_validate_json(seen.value)
+        o = Observed(now=time.time(), nodes={}, status={}, commits=(old,), clear_bad={"r1": req})
+        rig.ex.request_revisions = {seen.key: seen.mod_revision}  # the stale mirror
+        await rig.ex.apply(decide(d, o, CFG), d)
+        assert await rig.ex.settle_lost_takes() == ()
+        assert await _directory(rig.store, keys, 300) == "/ck"
+        withdrawn = [k for r in _records(rig.audit, "request_withdrawn") for k in r["keys"]]
+        assert withdrawn == []
+        assert [r["keys"] for r in _records(rig.audit, "request_applied")] == [[seen.key]]
+        (rec,) = _records(rig.audit, "clear_bad")
+        assert rec["repointed"] == [300] and rec["repointed_from"] == ["/old"]
+        assert rec["answer_lost"] is True
+        assert await rig.store.get_prefix(keys.takens) == []
+
+
+async def test_a_lost_take_whose_leader_lost_its_lease_is_audited_unknown(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A take whose answer was lost, settled after the leader's lease went (with it the
+    take's mark): the key gone says nothing (the command's withdrawal deletes it alike),
+    so the audit says ``request_unknown``, not applied. Before, ``request_applied``."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        seen, _ = await _lost_repoint_take(rig, monkeypatch, committed=True)
+        await rig.store.call(rig.store.client.revoke_lease(rig.lead.lease.id))
+        assert await rig.ex.settle_lost_takes() == ()
+        assert [r["keys"] for r in _records(rig.audit, "request_unknown")] == [[seen.key]]
+        assert _records(rig.audit, "request_applied") == []
+        assert _records(rig.audit, "request_withdrawn") == []
+        assert _records(rig.audit, "clear_bad") == []
+
+
 @pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
 async def test_a_request_etcd_failed_before_it_was_written_says_so(
     module_plain_servers: LocalServers, tmp_path: Path, kind: str

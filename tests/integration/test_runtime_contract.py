@@ -17,6 +17,7 @@ from sailor.coordination import (
     ChangedError,
     FencedError,
     Keys,
+    KeyValue,
     NatsCommands,
     NatsEventBus,
     PrefixMirror,
@@ -314,6 +315,42 @@ async def test_prefix_mirror_applies_every_key_one_transaction_changes(
         await store.close()
 
 
+async def test_the_prefix_fingerprint_tells_a_stalled_copy_not_a_dropped_delta(
+    etcd_endpoint: str,
+) -> None:
+    """What ``prefix_fingerprint`` (key count, highest mod revision) tells, as its
+    docstring and the mirror's say: a copy stopped at a revision differs from the server
+    once a key was written or deleted since; a copy that dropped one key of a transaction
+    that wrote two (same revision, same count) does not."""
+    store = await connect_etcd(etcd_endpoint)
+    try:
+
+        def fingerprint(kvs: dict[str, KeyValue]) -> tuple[int, int]:
+            return len(kvs), max((kv.mod_revision for kv in kvs.values()), default=0)
+
+        await store.put("/mfp-guard", b"")
+        guard = await store.get("/mfp-guard")
+        assert guard is not None
+        for key in ("/mfp/a", "/mfp/b", "/mfp/c"):
+            await store.put(key, b"old")
+        _, kvs = await store.get_prefix_at("/mfp/")
+        stalled = {kv.key: kv for kv in kvs}  # a copy whose watch stops here
+        await store.delete("/mfp/c")
+        assert await store.prefix_fingerprint("/mfp/") != fingerprint(stalled)
+        _, kvs = await store.get_prefix_at("/mfp/")
+        stalled = {kv.key: kv for kv in kvs}
+        await store.put_all_guarded(
+            [("/mfp/a", b"new"), ("/mfp/b", b"new")], "/mfp-guard", guard.create_revision
+        )
+        assert await store.prefix_fingerprint("/mfp/") != fingerprint(stalled)
+        _, kvs = await store.get_prefix_at("/mfp/")
+        dropped = {kv.key: kv for kv in kvs}
+        dropped["/mfp/b"] = stalled["/mfp/b"]  # b's delta of the transaction dropped
+        assert await store.prefix_fingerprint("/mfp/") == fingerprint(dropped)
+    finally:
+        await store.close()
+
+
 async def test_prefix_mirror_survives_an_etcd_restart(
     etcd_server: ServerProcess, etcd_endpoint: str
 ) -> None:
@@ -333,6 +370,39 @@ async def test_prefix_mirror_survives_an_etcd_restart(
         assert m.get("/mirror2/a") is not None
     finally:
         await m.close()
+        await store.close()
+
+
+async def test_put_all_guarded_writes_its_marks_bound_to_the_lease(etcd_endpoint: str) -> None:
+    """``marks``: empty keys written in the transaction, bound to the lease (gone with it),
+    written only when the transaction is; marks without a lease are refused, naming them."""
+    store = await connect_etcd(etcd_endpoint)
+    try:
+        lease = await store.lease(5)
+        created = await store.create_if_absent("/mk/leader", b"me", lease)
+        assert created is not None
+        await store.put("/mk/req", b"r")
+        req = await store.get("/mk/req")
+        assert req is not None
+        epoch = created.create_revision
+        with pytest.raises(ChangedError):
+            await store.put_all_guarded(
+                [], "/mk/leader", epoch, delete=("/mk/req",), expect={"/mk/req": 1},
+                marks=("/mk/taken",), lease=lease,
+            )  # fmt: skip
+        assert await store.get("/mk/taken") is None  # refused: no mark
+        await store.put_all_guarded(
+            [], "/mk/leader", epoch, delete=("/mk/req",),
+            expect={"/mk/req": req.mod_revision}, marks=("/mk/taken",), lease=lease,
+        )  # fmt: skip
+        mark = await store.get("/mk/taken")
+        assert mark is not None and mark.value == b"" and mark.lease == lease.id
+        assert await store.get("/mk/req") is None
+        with pytest.raises(ValueError, match=r"marks \['/mk/x'\] need a lease"):
+            await store.put_all_guarded([], "/mk/leader", epoch, marks=("/mk/x",))
+        await lease.revoke()
+        assert await store.get("/mk/taken") is None
+    finally:
         await store.close()
 
 
