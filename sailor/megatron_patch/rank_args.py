@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from sailor.megatron_patch.boundary import PERIODIC_SAVE_TIMEOUT_S
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
 from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_TIMEOUT_S
 from sailor.schemas.training import TrainingConfig
@@ -148,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-step", type=int, default=-1, help="Committed step to resume; -1 none.")
     p.add_argument(
         "--pause-timeout-s", type=float, default=600.0, help="Hold at a stop step this long."
+    )
+    p.add_argument(
+        "--periodic-save-timeout-s",
+        type=float,
+        default=PERIODIC_SAVE_TIMEOUT_S,
+        help="A periodic save (the training config's checkpoint.every_steps, the controller's "
+        "optional one) not durable on a rank within this is dropped as failed (the limit of "
+        "failures in a row applies) instead of waiting for a hung write for good.",
     )
     p.add_argument(
         "--poll-s",
