@@ -360,6 +360,14 @@ class CheckpointSaves:
             for why in (res.readback_error, res.retention_error) if res is not None else ():
                 if why:
                     print(f"checkpoint retention: {why}", file=sys.stderr, flush=True)
+            if res is not None and res.readback_unchecked:
+                print(
+                    f"checkpoint read-back of step {res.step}: {res.readback_unchecked} "
+                    "shard(s) had no block checked (none fit in the read-back's budget); "
+                    "only their sizes were",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     @property
     def kept_bytes(self) -> int:
