@@ -32,11 +32,14 @@ def check_load_step(args: argparse.Namespace) -> None:
 
 
 def check_load_waits(args: argparse.Namespace) -> None:
-    """Refuse a load timeout or liveness that is not a positive number (pure), at start:
-    not once the world formed and every rank began to load."""
+    """Refuse a load timeout or liveness, or a periodic save's timeout, that is not a
+    positive number (pure), at start: not once the world formed and every rank began to
+    load (or reached its first save; ``Boundary`` refuses it too, for a caller that builds
+    one itself)."""
     for flag, value in (
         ("--load-timeout-s", args.load_timeout_s),
         ("--load-liveness-s", args.load_liveness_s),
+        ("--periodic-save-timeout-s", args.periodic_save_timeout_s),
     ):
         if not value > 0:  # NaN too
             raise ValueError(f"{flag}={value}: must be > 0 seconds")
