@@ -131,7 +131,17 @@ def _save(
 def _attempt(a: argparse.Namespace) -> str:
     """What the ranks of one world share and a later world saving the same step does not:
     the rendezvous address (the controller gives each generation its own port,
-    ``base_port + generation % 1000``) and the step the world started from."""
+    ``base_port + generation % 1000``) and the step the world started from.
+
+    Not unique for good: a world 1000 generations later with the same first node, started
+    from the same step, saving the same step under the same root, has the same attempt and
+    would count an earlier world's leftover part (never committed) as its own. The
+    generation itself would make it unique, but the toy knows it only from an in-place
+    directive, not at a launch (its argv names no generation), and every rank of a world
+    must compute the same attempt: a world mixing launched and directed ranks would then
+    never commit. Left as is: the clash needs a thousand generations at one step (no test
+    runs that many), and even then only a rank whose part of this save is not yet written
+    when rank 0 looks is miscounted (its own save of the step overwrites the old part)."""
     return f"{a.master}|{a.load_step}"
 
 

@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from sailor.checkpoint import readback
 from sailor.checkpoint.assignment import (
     layout_summary,
     place_of,
@@ -103,6 +104,10 @@ class SaveResult:
     ('' if it read back, or retention had nothing to delete for)."""
     readback_s: float = 0.0
     """Committer only: reading the commit back before retention (0 if not read)."""
+    readback_unchecked: int = 0
+    """Committer only: shards of the commit read back whose data had no block checked
+    (``ReadBack.unchecked``: none fit in the read-back's budget; their sizes were). The
+    commit still counts as read back: reported, not blocking retention."""
 
 
 class Checkpointer:
@@ -474,7 +479,7 @@ class Checkpointer:
         manifest = None
         t2 = t1
         retention_error = readback_error = ""
-        readback_s = 0.0
+        readback_s, unchecked = 0.0, 0
         if self.rank == self.committer_rank:
             try:
                 manifest = self._commit(globals_, save_id)
@@ -484,7 +489,7 @@ class Checkpointer:
             t2 = time.perf_counter()
             # Nothing older goes while the new commit does not read back: after in-place
             # reconfigurations no step left on disk may ever have been read.
-            readback_error, readback_s = self._read_back(globals_.step, prune_below)
+            readback_error, readback_s, unchecked = self._read_back(globals_.step, prune_below)
             try:
                 if self.keep is not None and not readback_error:
                     apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
@@ -517,16 +522,30 @@ class Checkpointer:
             retention_error=retention_error,
             readback_error=readback_error,
             readback_s=readback_s,
+            readback_unchecked=unchecked,
         )
 
-    def _read_back(self, step: int, prune_below: int) -> tuple[str, float]:
+    def _read_back(self, step: int, prune_below: int) -> tuple[str, float, int]:
         """Before retention deletes anything: ``(why the commit of step did not read back
-        or '', seconds)`` (``readback.read_back``; not read when nothing would be deleted)."""
+        or '', seconds, shards with no block checked)`` (``readback.read_back``; not read
+        when nothing would be deleted). Whatever the read-back raises (a backend's error
+        that ``read_back`` did not turn into a problem, a bug) is its failure too, never
+        the save's: the step is committed already."""
         if self.keep is None and prune_below < 0:
-            return "", 0.0
-        rb = read_back(self.storage, step)
+            return "", 0.0, 0
+        t0 = time.perf_counter()
+        try:
+            # the module's budget read at each call (a test may lower it)
+            rb = read_back(self.storage, step, budget_bytes=readback.READBACK_BYTES)
+        except Exception as exc:
+            return (
+                f"step {step} was committed but reading it back raised, so no older "
+                f"checkpoint was deleted: {type(exc).__name__}: {exc}",
+                time.perf_counter() - t0,
+                0,
+            )
         if rb.ok:
-            return "", rb.seconds
+            return "", rb.seconds, rb.unchecked
         why = "; ".join(rb.problems[:3]) + (
             f" (and {len(rb.problems) - 3} more)" if len(rb.problems) > 3 else ""
         )
@@ -534,6 +553,7 @@ class Checkpointer:
             f"step {step} was committed but does not read back, so no older checkpoint "
             f"was deleted: {why}",
             rb.seconds,
+            rb.unchecked,
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "AbandonedWriteError",
     "CheckpointError",
     "CorruptCheckpointError",
     "NoCheckpointError",
@@ -81,3 +82,15 @@ class SaveSkippedError(CheckpointError):
 
 class ReshardError(CheckpointError):
     """The checkpoint cannot be sliced for the requested layout (e.g. TP does not divide)."""
+
+
+class AbandonedWriteError(CheckpointError):
+    """A required save refused because this rank's write of an abandoned save under the
+    same checkpoint root still runs (``training_process.ckpt_glue.CheckpointSaves``): that
+    write has not ended in the save's interval and more (a hung or failing mount), so the
+    root's storage is not known good, and a new write there would most likely hang the same
+    way, with a second snapshot's worth of host memory held. Not retryable on this node:
+    the job goes back to its last commit, and the node's mount needs a look."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)

@@ -12,18 +12,33 @@ What is read, and why the cost is bounded whatever the checkpoint's size:
   manifest and the manifest's schema (``reader.read_manifest``);
 - every shard the manifest names: its size (one ``stat`` or HEAD per file, no data): a file
   missing, truncated or overwritten with other contents of another size;
-- checksummed data within a byte budget (``budget_bytes``, default :data:`READBACK_BYTES`):
-  of each shard, the last block of its last tensor (the file's tail: where a torn or
-  short write shows), then the first block of its first tensor (its head), tails of every
-  shard before any head, a block larger than what is left of the budget skipped. Each block
-  is checked against its digest in the manifest (``blocks.py``); a checkpoint written before
-  blocks (one digest per tensor) is checked whole where the tensor fits in the budget.
+- checksummed data within a byte budget (``budget_bytes``, default :data:`READBACK_BYTES`),
+  shared out so that every shard has a block checked if the budget allows it: each shard's
+  share (what is left of the budget over the shards left) goes to the last block of the
+  file that fits in it, found from the file's end: its tail (where a torn or short write
+  shows) when its last tensor's last block fits, else the last block of a smaller tensor
+  nearer the end (at 70B, a layer's tail blocks are ~56 MB and its 64 MB budget is 0.8 MB a
+  shard: the norm weights' 32 KB blocks, three quarters into the file). What is left then
+  goes first to the shards with no block yet (the last block that fits, cheapest shard
+  first), then, in order, to each shard's tail not yet checked, then each head (the first
+  block of its first tensor), a block larger than what is left skipped. Each block is
+  checked against its digest in the manifest (``blocks.py``); a checkpoint written before
+  blocks (one digest per tensor) is checked whole where the tensor fits. A shard with data
+  none of whose blocks fit (a budget too small for its smallest last block) is counted
+  (``ReadBack.unchecked``) and reported by the caller: only its size was checked.
 
 Reads at most ``budget_bytes`` of shard data plus the manifest, in one request per block,
 one after another. A 104 MB checkpoint of 8 shards (``benchmarks/readback_cost.py``, page
 cache warm, as for a commit just written): 1.1-1.7 ms, 4.3 MB read, against 19-100 ms for
 ``verify``, which reads every byte; with whole-tensor blocks (rows not divisible into
-blocks) 3-10 ms for 35 MB. The budget caps it at a 70B model's size too.
+blocks) 3-10 ms for 35 MB. The budget caps it at a 70B model's size too: a LLaMA-70B-shaped
+commit of 80 layer shards has a block of each shard checked (80 blocks of its norm weights,
+then what the rest of the budget holds of its tails and heads), where the tails-first order
+checked 5 blocks of 1 shard's tail and the heads of 4 and left 75 shards unread.
+
+Any exception of the storage (an fsspec backend re-raises its client's errors: aiohttp's
+are no ``OSError``) is a problem of the read-back, never raised: the commit it reads is
+committed already.
 
 It is not ``verify``: a flipped bit in the middle of a shard passes. It proves what
 retention needs: the commit is there, complete, parses, and its files hold the data it
@@ -38,7 +53,6 @@ import time
 from dataclasses import dataclass
 
 from sailor.checkpoint.blocks import ALGORITHMS, block_digests, digest, rows_of
-from sailor.checkpoint.errors import CheckpointError
 from sailor.checkpoint.format import step_dir
 from sailor.checkpoint.reader import read_manifest
 from sailor.checkpoint.storage import Storage
@@ -63,6 +77,9 @@ class ReadBack:
     """Shard files whose size was checked."""
     blocks: int
     """Checksummed blocks read and checked."""
+    unchecked: int
+    """Shards (of those at their size) holding data of which no block was read: none fit
+    in the budget. Only their sizes were checked."""
     bytes_read: int
     """Shard bytes read (the manifest and marker not counted)."""
     seconds: float
@@ -80,8 +97,9 @@ def read_back(storage: Storage, step: int, *, budget_bytes: int = READBACK_BYTES
     d = step_dir(step)
     try:
         manifest = read_manifest(storage, step)
-    except (CheckpointError, ValueError, OSError) as exc:
-        return ReadBack(step, (f"{type(exc).__name__}: {exc}",), 0, 0, 0, time.perf_counter() - t0)
+    except Exception as exc:  # whatever the backend raises: the commit is committed
+        why = f"{type(exc).__name__}: {exc}"
+        return ReadBack(step, (why,), 0, 0, 0, 0, time.perf_counter() - t0)
     problems: list[str] = []
     sized: list[ShardEntry] = []
     for sh in manifest.shards:
@@ -91,8 +109,8 @@ def read_back(storage: Storage, step: int, *, budget_bytes: int = READBACK_BYTES
         except FileNotFoundError:
             problems.append(f"{where}: missing")
             continue
-        except OSError as exc:
-            problems.append(f"{where}: cannot stat: {exc}")
+        except Exception as exc:  # an OSError, or a backend's own (aiohttp's)
+            problems.append(f"{where}: cannot stat: {type(exc).__name__}: {exc}")
             continue
         if size != sh.size:
             problems.append(f"{where}: {size} bytes, the manifest says {sh.size}")
@@ -100,19 +118,18 @@ def read_back(storage: Storage, step: int, *, budget_bytes: int = READBACK_BYTES
             problems.append(f"{where}: checksum algorithm {sh.checksum!r} unavailable here")
         else:
             sized.append(sh)
-    left = budget_bytes
     blocks = nread = 0
-    for sh, t, b in _candidates(sized):
+    chosen = _choose(sized, budget_bytes)
+    for sh, t, b in chosen:
         lo, hi = _block_range(t, b)
-        if hi - lo > left:
-            continue
         where = f"{storage.url.rstrip('/')}/{d}/{sh.path}"
         try:
             data = storage.read(f"{d}/{sh.path}", lo, hi - lo)
-        except OSError as exc:
-            problems.append(f"{where}: read of bytes {lo}..{hi} failed: {exc}")
+        except Exception as exc:  # an OSError, or a backend's own (aiohttp's)
+            problems.append(
+                f"{where}: read of bytes {lo}..{hi} failed: {type(exc).__name__}: {exc}"
+            )
             continue
-        left -= hi - lo
         nread += len(data)
         blocks += 1
         want = t.sha256 if t.block_rows == 0 else t.blocks[b]
@@ -122,9 +139,80 @@ def read_back(storage: Storage, step: int, *, budget_bytes: int = READBACK_BYTES
                 f"{where}: tensor {t.name} block {b} (bytes {lo}..{hi}) fails its "
                 f"{sh.checksum} checksum"
             )
+    read = {id(sh) for sh, _t, _b in chosen}
+    unchecked = sum(1 for sh in sized if _checkable(sh) and id(sh) not in read)
     return ReadBack(
-        step, tuple(problems), len(manifest.shards), blocks, nread, time.perf_counter() - t0
+        step,
+        tuple(problems),
+        len(manifest.shards),
+        blocks,
+        unchecked,
+        nread,
+        time.perf_counter() - t0,
     )
+
+
+def _choose(shards: list[ShardEntry], budget: int) -> list[tuple[ShardEntry, TensorEntry, int]]:
+    """(shard, tensor, block) to read within ``budget`` bytes (module docstring), each block
+    at most once: each shard's equal share to the last block of the file that fits in it;
+    then, for a shard with none yet, the last block that fits in what is left (smallest
+    first: as many shards covered as the budget allows); then tails, then heads
+    (:func:`_candidates`) while the budget lasts."""
+    checkable = [sh for sh in shards if _checkable(sh)]
+    chosen: list[tuple[ShardEntry, TensorEntry, int]] = []
+    taken: set[tuple[int, str, int]] = set()
+    left = budget
+
+    def take(sh: ShardEntry, t: TensorEntry, b: int) -> None:
+        nonlocal left
+        lo, hi = _block_range(t, b)
+        left -= hi - lo
+        chosen.append((sh, t, b))
+        taken.add((id(sh), t.name, b))
+
+    share = budget // len(checkable) if checkable else 0
+    for sh in checkable:
+        pick = _last_fitting(sh, share)
+        if pick is not None:
+            take(sh, *pick)
+    covered = {id(sh) for sh, _t, _b in chosen}
+    for sh in sorted((sh for sh in checkable if id(sh) not in covered), key=_smallest_tail):
+        pick = _last_fitting(sh, left)
+        if pick is not None:
+            take(sh, *pick)
+    for sh, t, b in _candidates(checkable):
+        lo, hi = _block_range(t, b)
+        if (id(sh), t.name, b) not in taken and hi - lo <= left:
+            take(sh, t, b)
+    return chosen
+
+
+def _smallest_tail(sh: ShardEntry) -> int:
+    """Bytes of the smallest last block of ``sh``'s tensors (what it costs to cover it)."""
+    sizes = [
+        hi - lo
+        for t in sh.tensors
+        if _nblocks(t) and t.nbytes
+        for lo, hi in [_block_range(t, _nblocks(t) - 1)]
+    ]
+    return min(sizes, default=0)
+
+
+def _checkable(sh: ShardEntry) -> bool:
+    return any(_nblocks(t) and t.nbytes for t in sh.tensors)
+
+
+def _last_fitting(sh: ShardEntry, share: int) -> tuple[TensorEntry, int] | None:
+    """The block of ``sh`` nearest its end of at most ``share`` bytes: a tensor's last block
+    is its smallest (the others are whole blocks), so only last blocks are looked at."""
+    for t in sorted(sh.tensors, key=lambda t: t.offset, reverse=True):
+        if not _nblocks(t) or not t.nbytes:
+            continue
+        b = _nblocks(t) - 1
+        lo, hi = _block_range(t, b)
+        if hi - lo <= share:
+            return t, b
+    return None
 
 
 def _candidates(shards: list[ShardEntry]) -> list[tuple[ShardEntry, TensorEntry, int]]:

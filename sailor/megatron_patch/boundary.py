@@ -11,7 +11,9 @@ a part that never comes commits nothing and ends), prints a ``save_failed`` line
 step and what failed, and trains on. The agent reports it and the controller abandons that
 periodic save at once; the next is asked an interval later. The training config's own
 periodic checkpoints (``checkpoint.every_steps``) are optional the same way, up to
-``PERIODIC_FAILURES_LIMIT`` failures in a row. The save taken at the stop step
+``PERIODIC_FAILURES_LIMIT`` failures in a row. A periodic save (either kind) not durable on
+a rank within ``--periodic-save-timeout-s`` fails there (``SaveTimeoutError``) instead of
+holding every rank in its wait for good. The save taken at the stop step
 (the hold's, which a reconfiguration commits) is never optional, whichever request it answers.
 """
 
@@ -37,19 +39,43 @@ from sailor.megatron_patch.control import (
     agree_save,
     read_control,
 )
-from sailor.megatron_patch.errors import InjectedFailureError
+from sailor.megatron_patch.errors import InjectedFailureError, SaveTimeoutError
 from sailor.megatron_patch.load_barrier import LoadBarrier
 from sailor.megatron_patch.save_failure import raise_save_failure, report_save_failure
 from sailor.schemas.training import CheckpointConfig
 
-__all__ = ["PERIODIC_FAILURES_LIMIT", "Boundary", "Progress", "Status", "Stepped", "sub_rank"]
+__all__ = [
+    "PERIODIC_FAILURES_LIMIT",
+    "PERIODIC_SAVE_TIMEOUT_S",
+    "Boundary",
+    "Progress",
+    "Status",
+    "Stepped",
+    "sub_rank",
+]
 
 PERIODIC_FAILURES_LIMIT = 3
 """Saves of the training config's periodic checkpoints (``checkpoint.every_steps``) that may
 fail in a row while training goes on; the next one is required. A storage hiccup costs an
 interval of progress at a crash; storage failing for this long (``3 * every_steps`` steps)
 is a fault the run cannot save through, and training on would only widen what a crash
-loses: better fail now, where the error names it."""
+loses: better fail now, where the error names it.
+
+A save skipped because this rank still writes an abandoned save (``SaveSkippedError``)
+counts too: that write has then not ended for a save's interval, on a mount where a save
+already failed, and a skip no more saves the run than a failure does. Not counted, a mount
+hung for good would skip every save for the rest of the run, silently to the job. Counted,
+the required save comes after the limit and fails at once on the rank whose write still
+runs (``AbandonedWriteError``: the same root, not known good), naming it; a write that ended
+meanwhile lets it go ahead."""
+
+
+PERIODIC_SAVE_TIMEOUT_S = 3600.0
+"""Default of ``--periodic-save-timeout-s``: how long a periodic save (the training config's
+``every_steps``, the controller's optional one) may take to be durable on a rank before it
+is dropped as failed. An hour: a 70B checkpoint is about 1.1 TB (16 B per parameter), so a
+node writing its share (a 64-node job: 17 GB) stays under it down to about 5 MB/s; a write
+that has not ended by then is on a hung mount, not a slow one. Not measured on a cluster."""
 
 
 class Stepped(Protocol):
@@ -136,7 +162,15 @@ class Boundary(Generic[_T]):
                 "implementation (ckpt=None)"
             )
         self.periodic_failures = 0
-        """Saves of the training config's periodic checkpoints failed in a row."""
+        """Saves of the training config's periodic checkpoints failed (or skipped) in a row.
+        This boundary's: a new generation (in place: a new ``Boundary``) starts at 0."""
+        self._save_timeout_s = float(
+            getattr(args, "periodic_save_timeout_s", PERIODIC_SAVE_TIMEOUT_S)
+        )
+        if not self._save_timeout_s > 0:  # NaN too
+            raise ValueError(
+                f"--periodic-save-timeout-s={self._save_timeout_s}: must be > 0 seconds"
+            )
         self.saved_requests: set[int] = set()
         self.pending_save = -1
         self.pending_optional = False
@@ -162,7 +196,7 @@ class Boundary(Generic[_T]):
                 return pre  # type: ignore[no-any-return]
         return agree(self.local_request(), self.device)
 
-    def _durable(self, optional: bool = False) -> str:
+    def _durable(self, optional: bool = False, timeout_s: float | None = None) -> str:
         """Wait until the save in flight is durable on every rank (committed, on the
         committer) in short collective polls: a rank that finished its own part would
         otherwise wait for the committer in the next step's collective, and a write longer
@@ -174,11 +208,25 @@ class Boundary(Generic[_T]):
         (``CheckpointIO.save`` raises no failure of its own: it is the save's).
 
         ``optional``: a failure that is not job-wide is returned instead (what failed, the
-        same on every rank; the save abandoned); '' once the save is durable everywhere."""
+        same on every rank; the save abandoned); '' once the save is durable everywhere.
+
+        ``timeout_s``: a rank whose own part is not over that long after the wait began
+        (its write, or the committer's wait for every part) fails the save with
+        ``SaveTimeoutError``, agreed as any failure at its next poll; its write, if hung, is
+        left running (abandoned). None: no deadline (the hold's save, whose deadline is the
+        controller's: past its CHECKPOINT deadline it aborts the generation)."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint implementation")
         failure: Exception | None = None
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            late = end is not None and time.monotonic() > end
+            if late and failure is None and not self.ckpt.done():
+                failure = SaveTimeoutError(
+                    f"save not durable on rank {self.args.rank} within {timeout_s:g} s "
+                    "(--periodic-save-timeout-s): its write, or the commit's wait for every "
+                    "part, still runs (a hung or slow mount?)"
+                )
             every, failure, failed = self._poll(failure, optional)
             if failed:
                 return failed
@@ -230,7 +278,12 @@ class Boundary(Generic[_T]):
     def _finish_save(self) -> None:
         if self.pending_save < 0 or self.ckpt is None:
             return
-        failed = self._durable(self.pending_optional)
+        # an optional save (the controller's periodic one) is bounded here: the controller
+        # abandons it at its own deadline, but ranks waiting on a hung write would never
+        # reach the next boundary; the hold's save is bounded by the controller's abort
+        failed = self._durable(
+            self.pending_optional, self._save_timeout_s if self.pending_optional else None
+        )
         step, self.pending_save = self.pending_save, -1
         if failed:
             self._save_failed(step, failed)
@@ -256,9 +309,11 @@ class Boundary(Generic[_T]):
         read-only disk, an unreachable store) is agreed, dropped and reported
         (``periodic_checkpoint_failed`` with the step, what failed and the count of failures
         in a row; the rank's stderr) and training goes on; the next one is tried
-        ``every_steps`` later. After :data:`PERIODIC_FAILURES_LIMIT` failures in a row the
-        next save is required: its failure fails the ranks as any save's (``save_failure``).
-        A job-wide failure (a refusal of non-finite weights) fails them at once."""
+        ``every_steps`` later. After :data:`PERIODIC_FAILURES_LIMIT` failures in a row
+        (skips counted: :data:`PERIODIC_FAILURES_LIMIT`) the next save is required: its
+        failure fails the ranks as any save's (``save_failure``). A job-wide failure (a
+        refusal of non-finite weights) fails them at once. Each save, optional or not, is
+        waited for ``--periodic-save-timeout-s`` at most (``_durable``)."""
         p, ckpt = self.periodic, self.ckpt  # ckpt is set whenever periodic is (__init__)
         if p is None or p.dir is None or ckpt is None or tr.step == self.args.start_step:
             return
@@ -273,7 +328,7 @@ class Boundary(Generic[_T]):
                 file=sys.stderr,
                 flush=True,
             )
-        failed = self._durable(optional)
+        failed = self._durable(optional, self._save_timeout_s)
         if failed:
             self.periodic_failures += 1
             self.progress.emit(

@@ -39,6 +39,7 @@ __all__ = [
     "FailureRecord",
     "InjectedFailureError",
     "PeerFailedError",
+    "SaveTimeoutError",
     "classify",
     "close_fault_file",
     "failure_record",
@@ -90,6 +91,13 @@ class InjectedFailureError(RuntimeError):
 class PeerFailedError(RuntimeError):
     """Raised by a rank that is fine because another rank's failure was agreed (a save that
     failed on another rank's storage): ``origin="peer"``, never charged to this node."""
+
+
+class SaveTimeoutError(RuntimeError):
+    """A save not durable on this rank within its deadline (``boundary``: the periodic saves,
+    ``--periodic-save-timeout-s``): this rank's write or, on the committer, the wait for
+    every part has not ended. The save is dropped (an optional one is reported and training
+    goes on); its write, if hung, is left running. This rank's own failure (its storage)."""
 
 
 AGREED = ("NonFiniteGradientsError", "LabelOutOfRangeError", "NonFiniteCheckpointError")

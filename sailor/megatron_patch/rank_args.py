@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from sailor.megatron_patch.boundary import PERIODIC_SAVE_TIMEOUT_S
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
 from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_TIMEOUT_S
 from sailor.schemas.training import TrainingConfig
@@ -31,11 +32,14 @@ def check_load_step(args: argparse.Namespace) -> None:
 
 
 def check_load_waits(args: argparse.Namespace) -> None:
-    """Refuse a load timeout or liveness that is not a positive number (pure), at start:
-    not once the world formed and every rank began to load."""
+    """Refuse a load timeout or liveness, or a periodic save's timeout, that is not a
+    positive number (pure), at start: not once the world formed and every rank began to
+    load (or reached its first save; ``Boundary`` refuses it too, for a caller that builds
+    one itself)."""
     for flag, value in (
         ("--load-timeout-s", args.load_timeout_s),
         ("--load-liveness-s", args.load_liveness_s),
+        ("--periodic-save-timeout-s", args.periodic_save_timeout_s),
     ):
         if not value > 0:  # NaN too
             raise ValueError(f"{flag}={value}: must be > 0 seconds")
@@ -148,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-step", type=int, default=-1, help="Committed step to resume; -1 none.")
     p.add_argument(
         "--pause-timeout-s", type=float, default=600.0, help="Hold at a stop step this long."
+    )
+    p.add_argument(
+        "--periodic-save-timeout-s",
+        type=float,
+        default=PERIODIC_SAVE_TIMEOUT_S,
+        help="A periodic save (the training config's checkpoint.every_steps, the controller's "
+        "optional one) not durable on a rank within this is dropped as failed (the limit of "
+        "failures in a row applies) instead of waiting for a hung write for good.",
     )
     p.add_argument(
         "--poll-s",

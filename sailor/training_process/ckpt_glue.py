@@ -23,6 +23,7 @@ it is called inside a worker process.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -41,7 +42,7 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.errors import SaveSkippedError
+from sailor.checkpoint.errors import AbandonedWriteError, SaveSkippedError
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
@@ -196,9 +197,22 @@ def _destinations(
 
 ABANDONED_WAIT_S = 2.0
 """How long a save waits for this rank's write of an abandoned save to end before it is
-skipped (``CheckpointSaves._refuse_while_abandoned_writes``). An abandoned committer, fenced,
-ends within its commit poll (20 ms) and a writer's write of a healthy disk within the save's
-own persist time; a hung mount never: this bounds what it costs training at each save."""
+skipped, or refused if required under the same root
+(``CheckpointSaves._refuse_while_abandoned_writes``). An abandoned committer, fenced, ends
+within its commit poll (20 ms) and a writer's write of a healthy disk within the save's own
+persist time; a hung mount never: this bounds what it costs training at each save."""
+
+
+def same_root(a: str, b: str) -> bool:
+    """Whether two checkpoint roots name the same place (pure: ``file://`` and trailing
+    slashes aside, a local path normalised). Never a ``stat``: on a hung mount it would
+    hang too. Two roots on one mount (``/nfs/a``, ``/nfs/b``) are not the same here."""
+
+    def norm(root: str) -> str:
+        r = root[len("file://") :] if root.startswith("file://") else root
+        return os.path.normpath(r) if "://" not in r else r.rstrip("/")
+
+    return norm(a) == norm(b)
 
 
 class CheckpointSaves:
@@ -216,11 +230,12 @@ class CheckpointSaves:
         self._in_flight: Checkpointer | None = None
         self._failure: Exception | None = None
         """A save that failed here before it began (``save``): raised by ``wait``."""
-        self._abandoned: list[Checkpointer] = []
-        """Checkpointers of abandoned saves (``abandon``), whose own write may still run: a
-        save takes their host copies once it ended; an optional save waits for it a moment
-        (``ABANDONED_WAIT_S``) and is skipped while it runs
-        (:meth:`_refuse_while_abandoned_writes`), a required one takes copies of its own."""
+        self._abandoned: list[tuple[str, Checkpointer]] = []
+        """Checkpointers of abandoned saves (``abandon``) with their roots, whose own write
+        may still run: a save takes their host copies once it ended; a save waits for it a
+        moment (``ABANDONED_WAIT_S``), then an optional one is skipped while it runs, a
+        required one under the same root refused, a required one under another root takes
+        copies of its own (:meth:`_refuse_while_abandoned_writes`)."""
 
     def _checkpointer(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None
@@ -237,15 +252,17 @@ class CheckpointSaves:
                 scratch=self._scratch,
             )
             self._by_root[(root, kept)] = ck
-        for old in [a for a in self._abandoned if a.done()]:
+        for entry in [a for a in self._abandoned if a[1].done()]:
             # An abandoned save whose own write on this rank has ended: its host copies are
             # reused (a new checkpointer would allocate a second snapshot's worth, 12 bytes
             # per parameter). One still writing here keeps its copies: an optional save was
-            # refused before (``_refuse_while_abandoned_writes``), a required one allocates.
+            # refused before (``_refuse_while_abandoned_writes``), and so was a required one
+            # under its root; a required one under another root allocates.
+            old = entry[1]
             with contextlib.suppress(Exception):  # its failure was reported at the abandon
                 old.close()
             ck.take_buffers(old)
-            self._abandoned.remove(old)
+            self._abandoned.remove(entry)
         for other in self._by_root.values():  # one snapshot's host copies per process
             ck.take_buffers(other)
         return ck
@@ -263,13 +280,14 @@ class CheckpointSaves:
         owned: bool = False,
     ) -> float:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
-        job's globals) under ``root``: ``CheckpointIO.save``. An ``optional`` save is
-        skipped while this rank still writes an abandoned save
-        (:meth:`_refuse_while_abandoned_writes`); a required one (a reconfiguration's, whose
-        failure would send the job back to an older commit) goes ahead in copies of its own
-        for as long as that write runs. ``owned``: ``state`` made host copies for this save
-        (e.g. filling the ones :meth:`lend_copies` lent), handed to the checkpointer as they
-        are (``Checkpointer.save``): one host copy per save, not two."""
+        job's globals) under ``root``: ``CheckpointIO.save``. While this rank still writes
+        an abandoned save (:meth:`_refuse_while_abandoned_writes`), an ``optional`` save is
+        skipped, a required one under that save's root refused, and a required one under
+        another root (a reconfiguration's, whose failure would send the job back to an older
+        commit) goes ahead in copies of its own for as long as that write runs. ``owned``:
+        ``state`` made host copies for this save (e.g. filling the ones :meth:`lend_copies`
+        lent), handed to the checkpointer as they are (``Checkpointer.save``): one host copy
+        per save, not two."""
         # A failure here (``state``'s checks, opening the storage: its directory) is the
         # save's, as one inside ``Checkpointer.save``: this rank still enters the save's
         # first collective (``agree_save_start``), where every rank learns that a save failed
@@ -277,8 +295,7 @@ class CheckpointSaves:
         # agrees it). Raising here left the other ranks in that collective.
         failure: Exception | None = None
         try:
-            if optional:
-                self._refuse_while_abandoned_writes(root)
+            self._refuse_while_abandoned_writes(root, optional)
             params, g = state()
             ck = self._checkpointer(plan, rank, tp_group, root, keep)
         except Exception as exc:  # raised by wait(), once agreed
@@ -302,26 +319,48 @@ class CheckpointSaves:
         except Exception:  # the save's own failure, raised by save's path
             return {}
 
-    def _refuse_while_abandoned_writes(self, root: str) -> None:
-        """For an optional save: raise ``SaveSkippedError`` while this rank's write of an abandoned
-        save still runs after ``ABANDONED_WAIT_S``: its host copies are not back, and a snapshot now
-        would hold a second snapshot's worth of host memory (12 bytes per parameter the rank writes:
-        hundreds of GB per node at 70B). The refusal is the save's failure before it began (agreed
-        by every rank in the save's first collective, none snapshots): it is reported and training
-        goes on. Never waits longer: a write on a hung mount may never end. A required save does not
-        come here: failing it would cost the job its progress since the last commit, a certain loss
-        against host memory that may be there; it takes a second snapshot's worth while the
-        abandoned write runs."""
+    def _refuse_while_abandoned_writes(self, root: str, optional: bool) -> None:
+        """Refuse a save while this rank's write of an abandoned save still runs after
+        ``ABANDONED_WAIT_S`` (never waits longer: a write on a hung mount may never end):
+
+        - an optional save, whatever the roots: ``SaveSkippedError``. Its host copies are not
+          back, and a snapshot now would hold a second snapshot's worth of host memory (12
+          bytes per parameter the rank writes: hundreds of GB per node at 70B);
+        - a required save under the same root (:func:`same_root`): ``AbandonedWriteError``.
+          The root's storage is not known good: a write there has not ended in a save's
+          interval, and a new one would most likely hang the same way, in a wait that never
+          ends (the hold's save has only the controller's deadline; every rank would wait);
+          failing now names the cause, and the job goes back to its last commit;
+        - a required save under another root goes ahead in copies of its own: failing it
+          would cost the job its progress since the last commit (the reconfiguration's
+          save), a certain loss against host memory that may be there, for a write elsewhere
+          that is merely slow.
+
+        The refusal is the save's failure before it began (agreed by every rank in the
+        save's first collective, none snapshots): an optional one is reported and training
+        goes on, a required one fails the ranks."""
         deadline = time.monotonic() + ABANDONED_WAIT_S
-        for old in self._abandoned:
-            if not old.settle(deadline - time.monotonic()):
-                gb = old.kept_bytes / 1e9
-                raise SaveSkippedError(
-                    f"save under {root} skipped on rank {old.rank}: its write of an abandoned "
-                    f"save under {old.storage.url} still runs after {ABANDONED_WAIT_S:.0f} s "
-                    f"(a hung or slow mount?), and its host copies ({gb:.2f} GB) are not "
-                    "back; a snapshot now would hold a second snapshot's worth of host memory"
+        for old_root, old in self._abandoned:
+            if not optional and not same_root(old_root, root):
+                continue
+            if old.settle(deadline - time.monotonic()):
+                continue
+            gb = old.kept_bytes / 1e9
+            running = (
+                f"its write of an abandoned save under {old.storage.url} still runs after "
+                f"{ABANDONED_WAIT_S:.0f} s (a hung or slow mount?)"
+            )
+            if not optional:
+                raise AbandonedWriteError(
+                    f"required save under {root} refused on rank {old.rank}: {running}; the "
+                    "same storage is not known good, and a write there would most likely "
+                    "hang the same way (check the mount of this node)"
                 )
+            raise SaveSkippedError(
+                f"save under {root} skipped on rank {old.rank}: {running}, and its host "
+                f"copies ({gb:.2f} GB) are not back; a snapshot now would hold a second "
+                "snapshot's worth of host memory"
+            )
 
     def done(self) -> bool:
         """The save in flight is over (an abandoned save's write is not waited for)."""
@@ -337,6 +376,14 @@ class CheckpointSaves:
             for why in (res.readback_error, res.retention_error) if res is not None else ():
                 if why:
                     print(f"checkpoint retention: {why}", file=sys.stderr, flush=True)
+            if res is not None and res.readback_unchecked:
+                print(
+                    f"checkpoint read-back of step {res.step}: {res.readback_unchecked} "
+                    "shard(s) had no block checked (none fit in the read-back's budget); "
+                    "only their sizes were",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     @property
     def kept_bytes(self) -> int:
@@ -350,14 +397,15 @@ class CheckpointSaves:
         writes nothing and ends) and set aside, so the next save under its root starts a
         new one, taking the abandoned one's host copies once this rank's own write of it has
         ended (``_checkpointer``); an optional save while that write still runs is skipped
-        (``_refuse_while_abandoned_writes``), a required one takes copies of its own. The
-        other roots' checkpointers stay."""
+        (``_refuse_while_abandoned_writes``), a required one refused under its root and
+        taking copies of its own under another. The other roots' checkpointers stay."""
         ck, self._in_flight, self._failure = self._in_flight, None, None
         if ck is None:
             return
         ck.cancel()
+        roots = [k[0] for k, v in self._by_root.items() if v is ck]
         self._by_root = {k: v for k, v in self._by_root.items() if v is not ck}
-        self._abandoned.append(ck)
+        self._abandoned.append((roots[0] if roots else ck.storage.url, ck))
 
     def reset(self) -> None:
         # The world was abandoned: a save in flight may wait on dead peers (the committer
@@ -371,7 +419,7 @@ class CheckpointSaves:
 
     def close(self) -> None:
         self.wait()
-        for old in self._abandoned:
+        for _, old in self._abandoned:
             with contextlib.suppress(Exception):
                 old.close()
         self._abandoned.clear()

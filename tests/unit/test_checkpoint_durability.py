@@ -405,14 +405,14 @@ class _GatedFirst(LocalStorage):
         return super().write_all(*args, **kwargs)
 
 
-def test_a_required_save_while_an_abandoned_saves_write_runs_goes_ahead(
+def test_a_required_save_under_another_root_while_an_abandoned_saves_write_runs_goes_ahead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A required save (a reconfiguration's: its failure sends the job back to its last
-    commit) is not skipped while this rank still writes an abandoned save: it snapshots
-    into copies of its own (a second snapshot's worth of host memory while that write
-    runs) and becomes durable; the abandoned save's copies are taken back once its write
-    ends."""
+    commit) under another root than the abandoned save's is not refused while this rank
+    still writes that save: it snapshots into copies of its own (a second snapshot's worth
+    of host memory while that write runs) and becomes durable; the abandoned save's copies
+    are taken back once its write ends."""
     from sailor.training_process import ckpt_glue
     from sailor.training_process.ckpt_glue import CheckpointSaves
 
@@ -429,7 +429,8 @@ def test_a_required_save_while_an_abandoned_saves_write_runs_goes_ahead(
     copies = _copies(old)
     assert copies
     saves.abandon()
-    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, root)
+    other = root + "/../" + Path(root).name + "-elsewhere"  # one storage here, two roots
+    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, other)
     (new,) = saves._by_root.values()
     assert new is not old and not old.done()
     parts = tmp_path / step_dir(4) / PARTS
@@ -452,6 +453,53 @@ def test_a_required_save_while_an_abandoned_saves_write_runs_goes_ahead(
             break
         time.sleep(0.02)
     assert old.done()
+    saves.close()
+
+
+def test_a_required_save_under_the_root_an_abandoned_save_still_writes_fails_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A required save (the training config's after its failures in a row, the hold's)
+    under the root whose abandoned write still runs on this rank is refused after
+    ``ABANDONED_WAIT_S`` with ``AbandonedWriteError`` naming it: that storage is not known
+    good, and a write there would hang the same way in a wait nothing bounds. Nothing is
+    snapshotted (no second copies). Before, it took copies of its own and wrote into the
+    hung mount."""
+    from sailor.checkpoint.errors import AbandonedWriteError
+    from sailor.training_process import ckpt_glue
+    from sailor.training_process.ckpt_glue import CheckpointSaves
+
+    storage = _GatedFirst(tmp_path)
+    monkeypatch.setattr(ckpt_glue, "open_storage", lambda root: storage)
+    monkeypatch.setattr(ckpt_glue, "ABANDONED_WAIT_S", 0.2)
+    state = _state(layers=2)
+    mine = {k: p for k, p in state.items() if k.startswith("0.")}
+    plan, root = _two_stage_plan(), str(tmp_path)
+    saves = CheckpointSaves()
+    saves.save(lambda: (mine, TrainingGlobals(3, 3, {})), plan, 0, None, root, optional=True)
+    assert storage.entered.wait(10)
+    (old,) = saves._by_root.values()
+    saves.abandon()
+    t0 = time.monotonic()
+    # the same root spelled otherwise (file://, a trailing slash) is the same root
+    saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, f"file://{root}/")
+    assert time.monotonic() - t0 < 5  # ABANDONED_WAIT_S, not the write
+    assert saves.done() and not old.done() and not saves._by_root  # nothing snapshotted
+    with pytest.raises(AbandonedWriteError, match="still runs") as got:
+        saves.wait()
+    assert str(tmp_path) in str(got.value) and "not known good" in str(got.value)
+    assert got.value.retryable is False
+    assert 4 not in committed_steps(storage)
+    storage.gate.set()
+    for _ in range(500):
+        if old.done():
+            break
+        time.sleep(0.02)
+    # the write ended: the next required save under that root goes ahead with its copies
+    saves.save(lambda: (mine, TrainingGlobals(5, 5, {})), plan, 0, None, root)
+    (new,) = saves._by_root.values()
+    assert new is not old
+    saves.abandon()  # rank 1's part never comes here
     saves.close()
 
 

@@ -230,7 +230,11 @@ def test_without_a_load_timeout_a_dead_rank_still_ends_the_wait() -> None:
 def test_the_load_waits_are_checked_at_start_by_flag() -> None:
     base = ["--plan", "p", "--rank", "0", "--world-size", "1", "--master", "m"]
     check_load_waits(build_parser().parse_args([*base, "--load-timeout-s", "inf"]))
-    for flag, value in (("--load-liveness-s", "0.0"), ("--load-timeout-s", "nan")):
+    for flag, value in (
+        ("--load-liveness-s", "0.0"),
+        ("--load-timeout-s", "nan"),
+        ("--periodic-save-timeout-s", "-1.0"),
+    ):
         args = build_parser().parse_args([*base, flag, value])
         with pytest.raises(ValueError, match=f"{flag}={value}: must be > 0 seconds"):
             check_load_waits(args)
