@@ -96,7 +96,6 @@ The ``sailor`` CLI's ``worker`` subcommand is a thin wrapper around :func:`main`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import json
 import math
@@ -461,10 +460,11 @@ def _generation(
     relayout: dict[str, Any] = {}
     # the ranks that load first wait for the slowest on the store, not in the next
     # collective under the process groups' timeout; a failed or dead rank ends them
-    # (load_barrier). Every rank decides `empty` alike: none waits when none loads.
-    if not empty:
-        barrier.close()
-    with barrier.loading() if empty else contextlib.nullcontext():
+    # (load_barrier). A fresh start waits too, with nothing to load: its stage's build (the
+    # initial draw, the optimizer: where a first run's out-of-memory comes) is the longest
+    # phase before the first step, and a rank failing in it left the others in that step's
+    # collectives until the process groups' timeout. At most a poll (1 s) of waiting.
+    with barrier.loading():
         if peers is not None and fill:
             relayout = fill_stage(args, trainer, held, peers, ckpt, device, resume)
             relayout["teardown_s"], relayout["build_s"] = teardown_s, t_built - t_groups

@@ -185,3 +185,30 @@ def _config(tmp_path: Path) -> Path:
     config = tmp_path / "train.yaml"
     config.write_text(CONFIG)
     return config
+
+
+def test_a_rank_failing_in_a_fresh_starts_stage_build_ends_the_others_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a fresh start (nothing to load): rank 1's stage build fails (a first run's
+    # out-of-memory at the initial draw or the optimizer). Rank 0 waits for it on the store
+    # with nothing to load (``rank_main``: every start goes through ``barrier.loading``)
+    # and ends with its error there, not in the first step's collectives (under NCCL:
+    # until --timeout-s). On gloo the closed socket of rank 1's exit ended rank 0 with the
+    # same record before this path existed: this test guards the path, the hang it
+    # removes shows only under NCCL
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SLOW_LOAD_RANK", "1")
+    monkeypatch.setenv("FAIL_BUILD", "1")
+    run = launch_local(
+        PLAN, 2, tmp_path, module=MODULE, timeout_s=TIMEOUT_S, deadline_s=120.0,
+        extra_args=["--train-config", str(_config(tmp_path)), *LONG_LOAD_TIMEOUT],
+    )  # fmt: skip
+    assert run.killed == [], (run.killed, run.stderr)
+    assert run.returncodes == [1, 1], run.stderr
+    errors = run.errors
+    assert errors[1] is not None and errors[1]["message"].startswith("injected"), errors[1]
+    assert errors[0] is not None and errors[0]["origin"] == "peer", errors[0]
+    assert errors[0]["message"].startswith("rank 1 ("), errors[0]
+    assert "MemoryError: injected" in errors[0]["message"], errors[0]
+    assert run.exit_times_s[0] - run.exit_times_s[1] < 30.0
