@@ -5,9 +5,12 @@ is applied; each command id is applied at most once (a repeat gets the first ack
 duplicate); a Launch of the launch its workers run already (``Supervisor.runs``: same
 generation, plan, ranks, master, checkpoint; a leader that adopted a LAUNCH after a failover
 sends it again under its own ids) is acknowledged, not applied again (that killed the ranks
-just started or handed over), and one of an earlier generation than the node's last is
-refused; a Launch reads its plan and training config first (``plan_source``); a command
-that fails is refused with its cause, and once the agent is shutting down every command is.
+just started or handed over); once a worker of that launch has exited or the node's failure
+is set (``Supervisor.ended``), it is refused with that failure, which the status keeps
+(applied again, it restarted the ranks into the dead world's generation and master and
+erased the failure); one of an earlier generation than the node's last is refused; a
+Launch reads its plan and training config first (``plan_source``); a command that fails is
+refused with its cause, and once the agent is shutting down every command is.
 Every refusal is on record twice: its ack and a journal line. No command of a controller of
 wire version 4 or later waits for a kill: an Abort is acked once its signals are sent (the
 kill's end is in the status: ``killing``, then idle or the OutlivedKill failure), and a
@@ -117,6 +120,11 @@ class AgentCommands:
             running = self.supervisor.generation
             if cmd.generation < running:
                 return self._refuse(cmd.command_id, _older(cmd.generation, running))
+            ended = self.supervisor.ended(cmd)
+            if ended:
+                # the launch this node ran, whose worker died (or failed): the failure
+                # stays this node's, in its status, for the controller to decide on
+                return self._refuse(cmd.command_id, _ended(cmd.generation, ended))
             if self.supervisor.runs(cmd):
                 # the launch its workers run, sent again under another id (a leader that
                 # adopted the LAUNCH after a failover): acknowledged, not applied again
@@ -207,6 +215,14 @@ def _older(generation: int, running: int) -> str:
     return (
         f"generation {generation} is older than generation {running} launched here: "
         "generations only go up (a Launch from a controller that missed the later one)"
+    )
+
+
+def _ended(generation: int, why: str) -> str:
+    """Why a Launch of the launch this node ran, whose worker died or failed, is refused."""
+    return (
+        f"generation {generation} was launched here and ended: {why}"[:900]
+        + " (not applied again: the failure stays this node's)"
     )
 
 

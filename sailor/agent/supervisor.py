@@ -79,7 +79,7 @@ from sailor.megatron_patch.devices import worker_env
 from sailor.megatron_patch.held_match import match_held
 from sailor.megatron_patch.parent_death import PARENT_ENV
 from sailor.megatron_patch.relayout import kept_layers
-from sailor.schemas.commands import Launch
+from sailor.schemas.commands import Launch, plan_digest
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.plan import Plan
 from sailor.schemas.training import TrainingConfig
@@ -136,11 +136,14 @@ def _match_held(
 def launch_key(cmd: Launch) -> tuple[object, ...]:
     """What makes two Launches one launch: what its workers are started with, not its
     command id, epoch or deadline (a leader that adopts a LAUNCH after a failover sends it
-    again under ids of its own epoch)."""
+    again under ids of its own epoch). The plan is named by its digest: ``plan_sha256``, or
+    an inline plan's own (an older controller's Launch names none, and its plan id may be
+    '' too)."""
+    inline = cmd.plan if not cmd.plan_sha256 else None
     return (
         cmd.generation,
         cmd.plan_id,
-        cmd.plan_sha256,
+        plan_digest(inline) if inline is not None else cmd.plan_sha256,
         tuple(sorted(cmd.ranks)),
         cmd.world_size,
         cmd.master,
@@ -230,6 +233,21 @@ class Supervisor(SupervisorStatus, WorkerOutput):
                 for w in self.workers
             )
         )
+
+    def ended(self, cmd: Launch) -> str:
+        """Why ``cmd``'s launch, the last one this node started (:func:`launch_key`), cannot
+        be applied again: this node's failure, or a worker of it that exited ('' when
+        neither, or ``cmd`` is another launch). Applied again, it restarted the ranks into
+        the generation and master whose world the dead worker left, and erased the failure
+        the status reports (the controller's view of this node)."""
+        if self._launched != launch_key(cmd):
+            return ""
+        if self.failure:
+            return self.failure
+        gone = [w for w in self.workers if w.exit_code is not None]
+        if not gone:
+            return ""
+        return ", ".join(f"rank {w.rank} exited (code {w.exit_code})" for w in gone)
 
     @property
     def kill_grace_s(self) -> float:

@@ -372,12 +372,14 @@ def _in_place_reads(
     ``holders``: the nodes whose held workers hold ``nxt``'s load step unbroken (None: every
     node of both layouts). After an abort (``prev.aborted``) none does, whatever their
     status says: the abort asks the workers to leave their world mid-step (they hold
-    *broken*, and the agent reports no failure for a hold it asked for) or finds them held
-    at a stop step whose checkpoint did not commit, and the engine takes as holders only
-    workers unbroken at the load step (``in_place.handshake``). Each survivor then reads its
-    whole stage: a loss without notice of one of three TP8 DP nodes of LLaMA-7B reads
-    80.9 GB a node, which the 120 s floor the valid-holder sizing gave could not cover (the
-    restart path allowed ~1254 s), and the in-place path failed back to it every time."""
+    *broken*: the agent's status reports the cause, ``world aborted (SIGUSR1)``, as its
+    failure while its hold waits for the other workers, and clears it once the hold is
+    over, when they look unbroken) or finds them held at a stop step whose checkpoint did
+    not commit, and the engine takes as holders only workers unbroken at the load step
+    (``in_place.handshake``). Each survivor then reads its whole stage: a loss without
+    notice of one of three TP8 DP nodes of LLaMA-7B reads 80.9 GB a node, which the 120 s
+    floor the valid-holder sizing gave could not cover (the restart path allowed ~1254 s),
+    and the in-place path failed back to it every time."""
     model, old, new = cfg.model, prev.plan, nxt.plan
     if nxt.path != "in_place" or nxt.load_step < 0 or not cfg.deadlines.derive.enabled:
         return {}

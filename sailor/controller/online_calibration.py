@@ -86,7 +86,7 @@ from sailor.schemas.runtime import DesiredState, Phase
 from sailor.schemas.training import TrainingConfig
 from sailor.simulator import simulate
 from sailor.simulator.fit_corners import range_corners
-from sailor.simulator.online_fit import MAX_SCALE_STEP, at_bound, fit_online
+from sailor.simulator.online_fit import fit_online
 
 __all__ = ["KEEP_VERSIONS", "Calibrator", "load_trace"]
 
@@ -166,9 +166,6 @@ class Calibrator:
         self._decided = -1  # generation a recalibration replan was decided in
         self._failed = -1  # generation whose fit or judgement failed (not retried)
         self._refit = -1  # generation whose misprediction was kept (once per generation)
-        self._short = False
-        """The kept version bounded a compute scale (``online_fit.MAX_SCALE_STEP``): the
-        measurement lies further, no replan is judged until a version reaches it."""
         self._phases: list[tuple[str, float]] = []
         self._phase: tuple[int, Phase] | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -295,7 +292,6 @@ class Calibrator:
             calibration=base,
             gpu_specs=inp.gpu_specs,
             anchor=inp.calibration,
-            max_step=MAX_SCALE_STEP,
         )
         self.fits += 1
         self.measured = _measured(fit, f"fit of generation {d.generation}")
@@ -314,11 +310,9 @@ class Calibrator:
             _log.warning("calibration_not_kept", generation=d.generation, reason=refused)
         if not self.settings.replan or d.generation <= self._decided or not self._runs(d):
             return
-        if self.version == 0 or self._short:
+        if self.version == 0:
             # none kept (the configured constants priced the running plan as measured, or
-            # the fits are not stable yet: nothing to replan for), or the kept version
-            # holds a compute scale on its way (the next fits move it on): no layout is
-            # judged by a calibration the measurement says falls short
+            # the fits are not stable yet): nothing to replan for
             return
         decision, best = await self._judge(d, plan, fit, nodes, newest)
         if not self._runs(d):  # the layout changed while the planner searched: moot
@@ -448,7 +442,6 @@ class Calibrator:
             delete=[self.keys.calibration_version(old)] if old >= 1 else [],
         )
         self.version, self.calibration = version, fit.calibration
-        self._short = any(at_bound(c) for c in fit.constants)
         self.audit.write(
             "calibration",
             now,
@@ -570,7 +563,6 @@ class Calibrator:
             return
         if rec.version >= self.version:
             self.version, self.calibration = rec.version, rec.fit.calibration
-            self._short = any(at_bound(c) for c in rec.fit.constants)
             if self.measured is None:
                 self.measured = _measured(rec.fit, f"calibration v{rec.version}")
             self._hand_to_planner(rec.fit.calibration)

@@ -13,10 +13,7 @@ iteration times):
   stage (the stage's fwd + bwd at scale 2 minus at scale 1: exactly what the scale multiplies).
   Per kind the median over its ranks; its standard error combines the spread between ranks
   (1.4826 × MAD / √n) and each rank's step-to-step spread (over √steps); the range is a 95 %
-  interval (Student's t for the fewer degrees of freedom). A fit the controller keeps moves
-  it at most :data:`MAX_SCALE_STEP` times from the calibration it starts from (the kept
-  one; ``max_step``): the kept value's range then reaches from it to the measurement's
-  interval, and a note says so.
+  interval (Student's t for the fewer degrees of freedom).
 * ``p2p_efficiency`` (η_p2p) and ``p2p_fixed_s`` (c_p2p), one value each for the kinds in
   multi-stage pipelines: the 1F1B replay (with the fitted k) predicts each rank's time
   outside its own compute during the pipeline phase (transfers, fill and drain, waiting for
@@ -92,26 +89,7 @@ from sailor.simulator.fit_p2p import fit_p2p_constants
 from sailor.simulator.fit_sync import fit_sync_constants, tied_holders
 from sailor.simulator.simulate import simulate
 
-__all__ = ["MAX_SCALE_STEP", "at_bound", "bounded_scale", "fit_online"]
-
-MAX_SCALE_STEP = 2.0
-"""How far one fit moves a kind's ``compute_scale`` from the calibration it starts from
-(the kept one), as a factor either way; a larger gap is closed over successive versions,
-each kept only when its fits are stable and predict the running plan no worse
-(``controller/online_calibration.py``). Unbounded, one fit of disturbed timings (a rank
-stalled on its storage, steps of a warm-up the window still held) re-priced every later
-plan by whatever it measured, membership replans included.
-
-Why 2, and not a fit to any run: the scale is measured over profiled layer compute of the
-same GPU type, so a healthy device departs from its profile by what moves its throughput
-without changing its type: clocks (under a power cap or thermal limit a GPU runs between
-its base and boost clocks: A100 PCIe 765-1410 MHz, x1.84; A100 SXM4 1095-1410 MHz,
-x1.29, as TechPowerUp's GPU database lists them), while the memory-bound part follows the
-memory clock, which such limits leave alone. A factor of 2 takes the widest of these in
-one version; the project's own offline fit measured 0.85 (GH200: 71.2 ms per
-microbatch measured, 83.4 ms profiled, ``catalog/calibration.json``). A gap beyond it (a
-profile of another SKU, a device shared with another job) is not one device's variation:
-it is reached in ceil(log2 gap) versions, each one checked on the running plan first."""
+__all__ = ["fit_online"]
 
 
 def fit_online(
@@ -125,19 +103,14 @@ def fit_online(
     calibration: Calibration | None = None,
     gpu_specs: Mapping[str, GPUSpec] | None = None,
     anchor: Calibration | None = None,
-    max_step: float | None = None,
 ) -> OnlineFit:
     """The constants of the running cluster (see the module docstring).
 
     ``timings``: one entry per rank that reported (any subset of the plan's ranks, at least
     one). ``anchor``: the calibration whose p2p pair sets the line the transfers' cost is
     scaled along (the configured one, so that successive fits stay on one line); None: the
-    kept ``calibration``. ``max_step``: how far (a factor either way) a compute scale may
-    move from ``calibration``'s (:data:`MAX_SCALE_STEP` for a version the controller keeps);
-    None: as measured. Raises ``ValueError`` when no timing belongs to the plan.
+    kept ``calibration``. Raises ``ValueError`` when no timing belongs to the plan.
     """
-    if max_step is not None and not max_step > 1:
-        raise ValueError(f"max_step: {max_step!r} must be > 1 (a factor) or None")
     cal0 = calibration or Calibration()
     specs = gpu_specs or {}
     ranks, notes = evidence_ranks(plan, timings)
@@ -149,7 +122,7 @@ def fit_online(
         return simulate(plan, model, profiles, network, prices, calibration=cal, gpu_specs=specs)
 
     constants: list[FittedConstant] = []
-    cal = _fit_compute(ranks, kinds, cal0, sim, constants, notes, max_step)
+    cal = _fit_compute(ranks, kinds, cal0, sim, constants, notes)
     cal = fit_p2p_constants(
         plan,
         ranks,
@@ -192,7 +165,6 @@ def _fit_compute(
     sim: Callable[[Calibration], Estimate],
     out: list[FittedConstant],
     notes: list[str],
-    max_step: float | None = None,
 ) -> Calibration:
     one = stage_rows(sim(with_all(cal0, kinds, compute_scale=1.0)))
     two = stage_rows(sim(with_all(cal0, kinds, compute_scale=2.0)))
@@ -227,22 +199,6 @@ def _fit_compute(
             value, robust_spread(scales), len(xs), [w for _, w, _ in xs], sum(s for *_, s in xs)
         )
         low = max(low, value * 1e-3)
-        evidence = (
-            f"median of {len(xs)} rank(s) measured/profiled layer compute per "
-            f"microbatch: {min(scales):.3g}..{max(scales):.3g}; se {se:.2g}"
-        )
-        step = value if max_step is None else bounded_scale(prev, value, max_step)
-        if step != value:
-            # the kept value's range reaches from it to the measurement's interval
-            evidence += (
-                f"; fitted {value:.4g} ({low:.3g}..{high:.3g}), moved at most "
-                f"x{max_step:g} from {prev:.4g} in one fit: {step:.4g}"
-            )
-            notes.append(
-                f"{g}: compute_scale fitted {value:.4g}, bounded to {step:.4g} "
-                f"(x{max_step:g} of the kept {prev:.4g}; the next fit goes on)"
-            )
-            value, low, high = step, min(low, step), max(high, step)
         cal = with_constant(cal, g, compute_scale=value)
         out.append(
             FittedConstant(
@@ -254,26 +210,13 @@ def _fit_compute(
                 previous=prev,
                 samples=len(xs),
                 fitted=True,
-                evidence=evidence,
+                evidence=(
+                    f"median of {len(xs)} rank(s) measured/profiled layer compute per "
+                    f"microbatch: {min(scales):.3g}..{max(scales):.3g}; se {se:.2g}"
+                ),
             )
         )
     return cal
-
-
-def bounded_scale(kept: float, fitted: float, max_step: float = MAX_SCALE_STEP) -> float:
-    """``fitted`` moved at most ``max_step`` times from ``kept`` (either way); a kept scale
-    of 0 or less (none yet) bounds nothing."""
-    if kept <= 0:
-        return fitted
-    return min(max(fitted, kept / max_step), kept * max_step)
-
-
-def at_bound(c: FittedConstant, max_step: float = MAX_SCALE_STEP) -> bool:
-    """``c`` is a compute scale a fit with ``max_step`` bounded (:func:`bounded_scale`):
-    the measurement lies further, and the next fit moves it on."""
-    if c.name != "compute_scale" or not c.fitted or c.previous <= 0:
-        return False
-    return c.value in (c.previous * max_step, c.previous / max_step)
 
 
 def _optimizer_notes(

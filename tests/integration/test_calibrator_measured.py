@@ -244,3 +244,57 @@ async def test_a_version_is_kept_only_from_stable_fits_that_predict_no_worse(
         audit.close()
     versions = [r["version"] for r in read_records([cfg.audit_log]) if r["kind"] == "calibration"]
     assert versions == [1]
+
+
+async def test_a_kind_far_from_its_profile_is_kept_as_measured_and_judged(
+    servers: LocalServers, tmp_path: Path
+) -> None:
+    """The V100 computes 3x its configured scale (an analytic profile off by more than one
+    device's clock range; the closed loop's slow kind measures 40x): once the fits agree,
+    the version kept holds the measured scale, the running layout is judged on it, and a
+    later fit of the same timings keeps nothing more. A bound on how far one version moved
+    a scale (x2) kept a scale the measurement said fell short, re-fitted the other constants
+    around it, and judged no layout until a later version reached the measurement, which
+    the no-worse guard could refuse for good."""
+    job = "t"
+    planner = SailorPlanner.from_files("OPT-350", 32)
+    res = planner.plan(NODES, None)
+    cfg = _config(tmp_path, job, "c1")
+    judging = cfg.online_calibration.model_copy(update={"stable_reports": 2, "replan": True})
+    cfg = cfg.model_copy(update={"online_calibration": judging})
+    audit = AuditLog(cfg.audit_log)
+    cal = Calibrator(cfg, planner, audit, SystemClock())
+    assert cal.inputs is not None
+    configured = cal.inputs.calibration.for_gpu("V100-16").compute_scale
+    store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
+    tasks = TaskSet("test-calibrator")
+    try:
+        lead = await campaign(store, Keys(job=job).leader, "c1", 5, timeout=10)
+
+        async def fit(d: DesiredState, last_step: int, timings: tuple[RankTimings, ...]) -> None:
+            fits = cal.fits
+            cal.note(d)
+            o = _observed(d, last_step, timings)
+            assert cal.maybe_fit(d, o, tasks, store, lead, lambda _: None, _fenced)
+            await until(lambda: cal.fits > fits, 30, f"a fit of generation {d.generation}")
+            await until(lambda: not tasks.names, 60, "the fit's end")
+
+        slow = _cluster_timings(cal, res.plan, 3.0)
+        d2 = _running(res, 2)
+        await fit(d2, 10, slow)
+        assert cal.version == 0 and cal.last_decision is None  # one fit: not stable yet
+        await fit(d2, 11, slow)
+        assert cal.version == 1 and cal.calibration is not None
+        kept = cal.calibration.for_gpu("V100-16").compute_scale
+        assert kept == pytest.approx(3 * configured, rel=0.02), (kept, configured)
+        assert cal.last_fit is not None and abs(cal.last_fit.error_after) < 0.05
+        decision = cal.last_decision
+        assert decision is not None and decision.calibration_version == 1, decision
+        await fit(d2, 12, slow)
+        assert cal.version == 1  # the measurement reached: nothing moves
+    finally:
+        await tasks.close()
+        await store.close()
+        audit.close()
+    judged = [r for r in read_records([cfg.audit_log]) if r["kind"] == "replan_decision"]
+    assert judged and all(r["calibration_version"] == 1 for r in judged), judged

@@ -90,21 +90,16 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
             c for c in r["constants"] if c["gpu_type"] == kind and c["name"] == "compute_scale"
         )
 
-    # the slow kind's scale moves at most x2 a version (online_fit.MAX_SCALE_STEP): 2 from
-    # the prior's 1, then the measured 2.5, each version predicting the running plan better
-    first = await cluster.wait_record(slow_fitted, 60, "a calibration of the slow kind")
-    bounded = scale(first, SLOW)
-    assert bounded["value"] == 2.0 and "moved at most x2" in bounded["evidence"], bounded
-    assert bounded["low"] <= 2.0 < TRUE_SCALE <= bounded["high"], bounded
-    assert abs(first["error_after"]) < abs(first["error_before"]), first
-    cal = await cluster.wait_record(
-        lambda r: slow_fitted(r) and r["version"] > first["version"], 60, "the next version"
-    )
+    # the slow kind's scale, 2.5x its analytic profile, is kept as measured in one version
+    # (the first, once its fits agree and it predicts the running plan better): no step
+    # toward it a version, re-fitting the other constants around a scale the measurement
+    # says falls short
+    cal = await cluster.wait_record(slow_fitted, 60, "a calibration of the slow kind")
     slow, fast = scale(cal, SLOW), scale(cal, FAST)
     assert abs(slow["value"] / TRUE_SCALE - 1) < 0.05, slow
     assert slow["low"] <= slow["value"] <= slow["high"] and slow["high"] > slow["low"]
     assert abs(fast["value"] - 1) < 0.05, fast
-    assert abs(cal["error_after"]) < abs(cal["error_before"]), cal
+    assert abs(cal["error_after"]) < abs(cal["error_before"]) / 5, cal
     assert abs(cal["error_after"]) < 0.05
 
     # one calibration-driven replan, to a layout that gives the slow kind less work
@@ -122,7 +117,7 @@ async def test_slow_kind_is_fitted_kept_and_replanned_once(cluster: CalibrationC
         for r in cluster.records()
         if r["kind"] == "replan_decision" and r["reconfigure"] and r["generation"] == gen
     )
-    # no layout judged before the measured scale was kept: not on the bounded version
+    # no layout judged before the measured scale was kept
     decisions = [r for r in cluster.records() if r["kind"] == "replan_decision"]
     assert all(r["calibration_version"] >= cal["version"] for r in decisions), decisions
     # the replan's QUIESCE is sized by the iteration this cluster measured for the running

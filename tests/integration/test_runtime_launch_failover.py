@@ -10,16 +10,25 @@ the ones that train on, and a Launch of an earlier generation is refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
+from sailor.agent.agent_config import AgentConfig
+from sailor.agent.daemon import Agent
+from sailor.coordination import Keys, connect_etcd
+from sailor.localnet import free_port
 from sailor.localservers import LocalServers
-from sailor.schemas.commands import CommandAdapter, Launch
-from sailor.schemas.runtime import CommandAck, Phase
-from tests.integration.cluster_kit import Cluster, until
+from sailor.schemas.commands import CommandAdapter, Launch, plan_digest
+from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+from sailor.schemas.runtime import CommandAck, DesiredState, Phase
+from tests.integration.cluster_kit import WORKER, Cluster, until
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -106,53 +115,132 @@ async def test_a_failover_in_launch_keeps_the_launched_ranks(
     await cluster.audit()
 
 
-async def test_an_agent_applies_a_launch_once_whatever_its_command_id(tmp_path: Path) -> None:
-    """The agent's rule alone, with real toy workers: the Launch its workers run, sent
-    again under another epoch's id, is acknowledged and changes nothing; one of the same
-    generation that starts other workers (another master) is applied; an earlier
-    generation's is refused with why."""
-    from sailor.agent.agent_config import AgentConfig
-    from sailor.agent.daemon import Agent
-    from sailor.localnet import free_port
-    from sailor.schemas.hardware import NodeSpec
-    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
-    from tests.integration.cluster_kit import WORKER
-
+def _one_rank_plan(microbatches: int = 2) -> Plan:
+    """A plan of one CPU rank (the toy worker's)."""
     replica = ReplicaGroup(gpu_type="cpu", zone="z", gpus_per_node=1)
     stage = Stage(first_layer=0, last_layer=5, replica=replica)
-    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=2)
-    plan = Plan(model="tiny-gpt", global_batch_size=2, pipelines=(pipe,))
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=microbatches)
+    plan = Plan(model="tiny-gpt", global_batch_size=microbatches, pipelines=(pipe,))
+    return plan.model_copy(update={"plan_id": f"p-toy-{microbatches}"})
+
+
+@contextlib.asynccontextmanager
+async def _agent(tmp: Path, servers: LocalServers | None = None) -> AsyncIterator[Agent]:
+    """An agent of node n1 (job ``t``) whose toy workers the test launches by calling its
+    command handler; with ``servers``, reading the desired state from their etcd (a Launch
+    that names its plan), as its node's identity. Its workers are killed at the end."""
     node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
-    agent = Agent(AgentConfig(node=node, work_dir=tmp_path, worker_argv=WORKER))
-    sup = agent.supervisor
-
-    async def send(epoch: int, generation: int, master: str, tag: str = "") -> CommandAck:
-        cmd = Launch(
-            command_id=f"e{epoch}-g{generation}-launch{tag}-n1",
-            epoch=epoch,
-            node_id="n1",
-            plan=plan,
-            ranks=(0,),
-            world_size=1,
-            master=master,
-            generation=generation,
-        )
-        raw = await agent._on_command(cmd.model_dump_json().encode())
-        return CommandAck.model_validate_json(raw)
-
+    agent = Agent(AgentConfig(node=node, job="t", work_dir=tmp, worker_argv=WORKER))
+    store = None
+    if servers is not None:
+        store = await connect_etcd(servers.etcd_endpoint, security=servers.security("n1"))
+        agent._store = store
     try:
+        yield agent
+    finally:
+        await agent.supervisor.close()
+        if store is not None:
+            await store.close()
+
+
+async def _publish(servers: LocalServers, plan: Plan, generation: int) -> None:
+    """The desired state a controller writes before it sends a Launch naming ``plan``."""
+    store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
+    try:
+        desired = DesiredState(epoch=1, generation=generation, plan=plan)
+        await store.put(Keys(job="t").desired, desired.model_dump_json().encode())
+    finally:
+        await store.close()
+
+
+def _launch(
+    plan: Plan, epoch: int, generation: int, master: str, tag: str = "", named: bool = False
+) -> Launch:
+    """Launch of ``plan``'s one rank; ``named``: by reference, as a controller now sends it,
+    else inline, as an older controller did."""
+    by = {"plan_id": plan.plan_id, "plan_sha256": plan_digest(plan)} if named else {"plan": plan}
+    return Launch(
+        command_id=f"e{epoch}-g{generation}-launch{tag}-n1",
+        epoch=epoch,
+        node_id="n1",
+        ranks=(0,),
+        world_size=1,
+        master=master,
+        generation=generation,
+        **by,
+    )
+
+
+async def _send(agent: Agent, cmd: Launch) -> CommandAck:
+    raw = await agent._on_command(cmd.model_dump_json().encode())
+    return CommandAck.model_validate_json(raw)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "inline"])
+async def test_an_agent_applies_a_launch_once_whatever_its_command_id(
+    tmp_path: Path, servers: LocalServers, named: bool
+) -> None:
+    """The agent's rule alone, with real toy workers: the Launch its workers run, sent
+    again under another epoch's id, is acknowledged and changes nothing; one of the same
+    generation that starts other workers (another master; inline, another plan: an older
+    controller's Launch names no digest, the key takes the plan's own) is applied; an
+    earlier generation's is refused with why. A named plan is read from etcd's desired
+    state."""
+    plan = _one_rank_plan()
+    if named:
+        await _publish(servers, plan, 3)
+    async with _agent(tmp_path, servers if named else None) as agent:
+        sup = agent.supervisor
         master = f"127.0.0.1:{free_port()}"
-        assert (await send(1, 3, master)).accepted
+        assert (await _send(agent, _launch(plan, 1, 3, master, named=named))).accepted
         await until(lambda: sup.step >= 1, 30, "the first step")
         pids = {w.proc.pid for w in sup.workers}
-        again = await send(2, 3, master)
+        again = await _send(agent, _launch(plan, 2, 3, master, named=named))
         assert again.accepted and "already running" in again.reason, again
         assert {w.proc.pid for w in sup.workers} == pids and sup.state == "running"
-        older = await send(2, 2, master)
+        older = await _send(agent, _launch(plan, 2, 2, master, named=named))
         assert not older.accepted and "generation 2 is older than generation 3" in older.reason
         assert {w.proc.pid for w in sup.workers} == pids
-        other = await send(2, 3, f"127.0.0.1:{free_port()}", "-b")  # not the launch it runs
-        assert other.accepted and not other.reason, other
+        other_master = f"127.0.0.1:{free_port()}"
+        other = await _send(agent, _launch(plan, 2, 3, other_master, "-b", named=named))
+        assert other.accepted and not other.reason, other  # not the launch it runs
         assert {w.proc.pid for w in sup.workers}.isdisjoint(pids)
-    finally:
-        await sup.close()
+        if not named:
+            plan4 = _one_rank_plan(4).model_copy(update={"plan_id": ""})
+            bare = plan.model_copy(update={"plan_id": ""})
+            assert (await _send(agent, _launch(bare, 2, 3, other_master, "-c"))).accepted
+            await until(lambda: sup.step >= 1, 30, "the unnamed plan's first step")
+            pids = {w.proc.pid for w in sup.workers}
+            another = await _send(agent, _launch(plan4, 2, 3, other_master, "-d"))
+            assert another.accepted and not another.reason, another  # another plan
+            assert {w.proc.pid for w in sup.workers}.isdisjoint(pids)
+
+
+async def test_a_launch_whose_worker_died_is_refused_and_the_failure_kept(
+    tmp_path: Path,
+) -> None:
+    """A worker of the launch this node runs dies (its failure recorded); the same Launch
+    sent again under another epoch's id (a leader that adopted the LAUNCH) is refused with
+    that failure, which the status keeps. Applied again, it restarted the rank into the
+    dead world's generation and master and erased the failure: the controller saw a
+    healthy node."""
+    plan = _one_rank_plan()
+    async with _agent(tmp_path) as agent:
+        sup = agent.supervisor
+        master = f"127.0.0.1:{free_port()}"
+        assert (await _send(agent, _launch(plan, 1, 3, master))).accepted
+        await until(lambda: sup.step >= 1, 30, "the first step")
+        pid = sup.workers[0].proc.pid
+        os.killpg(pid, signal.SIGKILL)
+        await until(lambda: bool(sup.failure), 10, "the failure")
+        failure = sup.failure
+        ack = await _send(agent, _launch(plan, 2, 3, master))
+        assert not ack.accepted, ack
+        assert "generation 3 was launched here and ended" in ack.reason, ack
+        assert failure[:200] in ack.reason, (failure, ack)
+        assert sup.failure == failure and sup.state == "failed"
+        assert agent.status().failure == failure
+        assert [w.proc.pid for w in sup.workers] == [pid]
+        # a Launch that starts other workers (another master) is applied, as before
+        other = await _send(agent, _launch(plan, 2, 3, f"127.0.0.1:{free_port()}", "-b"))
+        assert other.accepted and sup.failure == "", other

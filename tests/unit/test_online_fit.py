@@ -87,42 +87,6 @@ def _const(fit: OnlineFit, gpu: str, name: str) -> float:
     return c.value
 
 
-def test_a_kept_fit_moves_a_compute_scale_at_most_max_scale_step_from_the_kept_one() -> None:
-    """The slow kind computes 2.5x its profile, the fast one 0.8x: a fit with ``max_step``
-    (the controller's, for a version it keeps) takes the slow kind's scale to 2 (x2 of the
-    kept 1), says so, and the next fit, from 2, reaches 2.5. Unbounded, one fit of
-    disturbed timings re-priced every later plan by whatever it measured. As measured
-    (no ``max_step``), the fit is the measurement's."""
-    from sailor.simulator.online_fit import MAX_SCALE_STEP, at_bound
-
-    plan = _pipeline_plan()
-    truth = with_constant(BASE, SLOW, compute_scale=2.5)
-    truth = with_constant(truth, FAST, compute_scale=0.8)
-    timings = _timings(plan, truth)
-    assert MAX_SCALE_STEP == 2.0
-    first = fit_online(
-        plan, timings, MODEL, PROFILES, NETWORK, PRICES, calibration=BASE, gpu_specs=SPECS,
-        max_step=MAX_SCALE_STEP,
-    )  # fmt: skip
-    slow = first.constant(SLOW, "compute_scale")
-    assert slow is not None and slow.value == 2.0 and at_bound(slow)
-    assert slow.low <= 2.0 and slow.high >= 2.5  # the kept value and the measurement
-    assert "moved at most x2 from 1 in one fit: 2" in slow.evidence
-    assert any(n.startswith(f"{SLOW}: compute_scale fitted 2.5") for n in first.notes)
-    fast = first.constant(FAST, "compute_scale")
-    assert fast is not None and fast.value == pytest.approx(0.8) and not at_bound(fast)
-    assert abs(first.error_after) < abs(first.error_before)
-    second = fit_online(
-        plan, timings, MODEL, PROFILES, NETWORK, PRICES, calibration=first.calibration,
-        gpu_specs=SPECS, max_step=MAX_SCALE_STEP,
-    )  # fmt: skip
-    assert _const(second, SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
-    assert not any(at_bound(c) for c in second.constants)
-    assert _const(_fit(plan, timings), SLOW, "compute_scale") == pytest.approx(2.5, rel=1e-6)
-    with pytest.raises(ValueError, match=r"max_step: 1\.0 must be > 1"):
-        fit_online(plan, timings, MODEL, PROFILES, NETWORK, PRICES, max_step=1.0)
-
-
 def test_pipeline_recovers_compute_scales_p2p_efficiency_and_fixed_sync() -> None:
     plan = _pipeline_plan()
     # one microbatch size moves the fixed cost per transfer and the efficiency along one
