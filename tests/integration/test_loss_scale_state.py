@@ -6,9 +6,10 @@ the first save after a skipped step refused (``AdamW steps != iteration``), a re
 started its scale over at 2**16, and a relayout set AdamW's step to the iteration.
 
 fp16 needs a GPU; on CPU the same code path runs in fp32 with ``loss_scaling.mode =
-'dynamic'`` and a scale near fp32's range (2**125, doubling after 2 good steps), so that
-iterations 1, 6, ... overflow and are skipped, as an fp16 run's first steps and periodic
-overflows are. Two ranks (gloo, tiny-gpt) run three phases one after the other, each a new
+'dynamic'`` and a scale near fp32's range (2**125, doubling after each good step), so that
+some iterations overflow and are skipped (1, 4 and 6 from the engine's initial weights), as
+an fp16 run's first steps and periodic overflows are; the tests check that some skip falls
+before the checkpoint and some after the relayout. Two ranks (gloo, tiny-gpt) run three phases one after the other, each a new
 trainer in a world of its own:
 
 - **A**: two pipeline stages, 9 iterations without stopping, a checkpoint at 4;
@@ -51,7 +52,7 @@ from tests.spawn import spawn
 N, END = 4, 9
 CFG = TrainConfig(
     seed=0,
-    loss_scaling=LossScalingConfig(mode="dynamic", initial_scale_power=125, loss_scale_window=2),
+    loss_scaling=LossScalingConfig(mode="dynamic", initial_scale_power=125, loss_scale_window=1),
 )
 LOSS_ATOL = 2e-6  # A against the other layout: fp32 rounding of another reduction order
 
