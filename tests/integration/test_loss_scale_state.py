@@ -9,8 +9,8 @@ fp16 needs a GPU; on CPU the same code path runs in fp32 with ``loss_scaling.mod
 'dynamic'`` and a scale near fp32's range (2**125, doubling after each good step), so that
 some iterations overflow and are skipped (1, 4 and 6 from the engine's initial weights), as
 an fp16 run's first steps and periodic overflows are; the tests check that some skip falls
-before the checkpoint and some after the relayout. Two ranks (gloo, tiny-gpt) run three phases one after the other, each a new
-trainer in a world of its own:
+before the checkpoint and some after the relayout. Two ranks (gloo, tiny-gpt) run three
+phases one after the other, each a new trainer in a world of its own:
 
 - **A**: two pipeline stages, 9 iterations without stopping, a checkpoint at 4;
 - **in place**: the same to 4, then the worker's in-place relayout (handshake, schedule,
