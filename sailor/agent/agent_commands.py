@@ -8,7 +8,9 @@ sends it again under its own ids) is acknowledged, not applied again (that kille
 just started or handed over); once a worker of that launch has exited or the node's failure
 is set (``Supervisor.ended``), it is refused with that failure, which the status keeps
 (applied again, it restarted the ranks into the dead world's generation and master and
-erased the failure); one of an earlier generation than the node's last is refused; a
+erased the failure); one of an earlier generation than the node's last is refused while
+the node's workers live (an idle node applies it: a controller restored from an etcd backup
+counts from an older generation); a
 Launch reads its plan and training config first (``plan_source``); a command that fails is
 refused with its cause, and once the agent is shutting down every command is.
 Every refusal is on record twice: its ack and a journal line. No command of a controller of
@@ -118,7 +120,12 @@ class AgentCommands:
         reason = ""
         if isinstance(cmd, Launch):
             running = self.supervisor.generation
-            if cmd.generation < running:
+            if cmd.generation < running and self.supervisor.live:
+                # a controller that missed the later launch must not kill its live workers;
+                # an idle node applies it (a controller whose etcd was restored from a
+                # backup counts generations from an older number: refused, it could launch
+                # nowhere until its count passed every node's). Stale leaders are fenced by
+                # the epoch above
                 return self._refuse(cmd.command_id, _older(cmd.generation, running))
             ended = self.supervisor.ended(cmd)
             if ended:
@@ -211,10 +218,12 @@ def _being_killed(groups: int) -> str:
 
 
 def _older(generation: int, running: int) -> str:
-    """Why a Launch of an earlier generation than the node's last is refused."""
+    """Why a Launch of an earlier generation than the node's last is refused while its
+    workers live."""
     return (
-        f"generation {generation} is older than generation {running} launched here: "
-        "generations only go up (a Launch from a controller that missed the later one)"
+        f"generation {generation} is older than generation {running} launched here, whose "
+        "workers live: generations only go up (a Launch from a controller that missed the "
+        "later one)"
     )
 
 

@@ -220,6 +220,11 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._launched: tuple[object, ...] | None = None
         """:func:`launch_key` of the last launch that started all its ranks."""
 
+    @property
+    def live(self) -> bool:
+        """Some worker's process still runs (training, holding or starting)."""
+        return any(w.exit_code is None for w in self.workers)
+
     def runs(self, cmd: Launch) -> bool:
         """Whether this node's workers run ``cmd``'s launch now (:func:`launch_key`): every
         rank it names started by that launch, alive and not held. Such a Launch applied

@@ -24,7 +24,7 @@ from sailor.agent.daemon import Agent
 from sailor.coordination import Keys, connect_etcd
 from sailor.localnet import free_port
 from sailor.localservers import LocalServers
-from sailor.schemas.commands import CommandAdapter, Launch, plan_digest
+from sailor.schemas.commands import Abort, CommandAdapter, Launch, plan_digest
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.runtime import CommandAck, DesiredState, Phase
@@ -200,6 +200,7 @@ async def test_an_agent_applies_a_launch_once_whatever_its_command_id(
         assert {w.proc.pid for w in sup.workers} == pids and sup.state == "running"
         older = await _send(agent, _launch(plan, 2, 2, master, named=named))
         assert not older.accepted and "generation 2 is older than generation 3" in older.reason
+        assert "workers live" in older.reason
         assert {w.proc.pid for w in sup.workers} == pids
         other_master = f"127.0.0.1:{free_port()}"
         other = await _send(agent, _launch(plan, 2, 3, other_master, "-b", named=named))
@@ -214,6 +215,27 @@ async def test_an_agent_applies_a_launch_once_whatever_its_command_id(
             another = await _send(agent, _launch(plan4, 2, 3, other_master, "-d"))
             assert another.accepted and not another.reason, another  # another plan
             assert {w.proc.pid for w in sup.workers}.isdisjoint(pids)
+
+
+async def test_an_idle_node_applies_a_launch_of_an_earlier_generation(tmp_path: Path) -> None:
+    """A controller whose etcd was restored from a backup counts generations from an older
+    number. A node whose workers were aborted applies its Launch: refused, the controller
+    could launch nowhere until its count passed every node's (a LAUNCH deadline per
+    generation). A node whose workers live refuses it (the test above)."""
+    plan = _one_rank_plan()
+    async with _agent(tmp_path) as agent:
+        sup = agent.supervisor
+        assert (await _send(agent, _launch(plan, 1, 7, f"127.0.0.1:{free_port()}"))).accepted
+        await until(lambda: sup.step >= 1, 30, "the first step")
+        abort = Abort(command_id="e1-g7-abort-n1", epoch=1, node_id="n1", reason="test")
+        ack = CommandAck.model_validate_json(
+            await agent._on_command(abort.model_dump_json().encode())
+        )
+        assert ack.accepted, ack
+        await until(lambda: not sup.live and not sup.kill_under_way, 30, "the kill")
+        back = await _send(agent, _launch(plan, 2, 2, f"127.0.0.1:{free_port()}", "-r"))
+        assert back.accepted and not back.reason, back
+        await until(lambda: sup.step >= 1 and sup.generation == 2, 30, "generation 2's step")
 
 
 async def test_a_launch_whose_worker_died_is_refused_and_the_failure_kept(
