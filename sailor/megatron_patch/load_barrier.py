@@ -415,11 +415,13 @@ class LoadBarrier:
                 return False
             self._pending = False  # this rank is ending of another's failure: not news
             self._peer_error = err
-            self.on_peer_failure(err)
-            if conn is not None:
-                self._leave(conn)
-            if self.exit_status is not None:
-                os._exit(self.exit_status)  # the main thread may be in a collective
+            try:
+                self.on_peer_failure(err)
+            finally:  # a record that could not be written (a full disk) still ends the rank
+                if conn is not None:
+                    self._leave(conn)
+                if self.exit_status is not None:
+                    os._exit(self.exit_status)  # the main thread may be in a collective
         return True
 
     def _leave(self, store: Store) -> None:
