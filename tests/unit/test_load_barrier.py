@@ -416,10 +416,11 @@ def _catch(got: list[BaseException], call: Callable[[], object]) -> None:
 def test_a_peer_failure_ends_a_rank_whose_main_thread_is_in_a_blocking_store_wait() -> None:
     server = _store()
     client = dist.TCPStore(
-        "127.0.0.1", server.port, 1, False, timedelta(seconds=5), wait_for_workers=False
+        "127.0.0.1", server.port, 1, False, timedelta(seconds=10), wait_for_workers=False
     )
     told: list[PeerFailedError] = []
-    held = LoadBarrier(client, 1, 3, "g", liveness_s=0.5, on_peer_failure=told.append).start()
+    # (a liveness of seconds: rank 0, never started here, is not found dead first)
+    held = LoadBarrier(client, 1, 3, "g", liveness_s=5.0, on_peer_failure=told.append).start()
     # rank 1's main thread waits on its client (gloo's new_group, NCCL's unique-id
     # exchange): the c10d client serves one request at a time, for the wait's whole timeout
     blocked = threading.Thread(
@@ -429,12 +430,13 @@ def test_a_peer_failure_ends_a_rank_whose_main_thread_is_in_a_blocking_store_wai
     time.sleep(0.2)
     t0 = time.monotonic()
     LoadBarrier(server, 2, 3, "g").start().fail(RuntimeError("injected before its groups"))
-    try:  # its heartbeat ends it (records, counts out) on its own connection: a beat, not 5 s
-        while server.add("sailor/loaded/g/ended", 0) < 2 and time.monotonic() - t0 < 2.5:
+    try:  # its heartbeat ends it (records, counts out) on its own connection: a beat (1 s),
+        # not the store wait's 10 s
+        while server.add("sailor/loaded/g/ended", 0) < 2 and time.monotonic() - t0 < 4.0:
             time.sleep(0.02)
         assert told and "RuntimeError: injected before its groups" in str(told[0])
         assert server.add("sailor/loaded/g/ended", 0) == 2
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 4.0
     finally:
         blocked.join()
         held.close()
@@ -443,7 +445,7 @@ def test_a_peer_failure_ends_a_rank_whose_main_thread_is_in_a_blocking_store_wai
 def test_a_socket_error_met_after_the_heartbeat_took_up_a_peers_failure_is_that_failure() -> None:
     store = _store()
     told: list[PeerFailedError] = []
-    rank0 = LoadBarrier(store, 0, 3, "g", liveness_s=0.5, on_peer_failure=told.append).start()
+    rank0 = LoadBarrier(store, 0, 3, "g", liveness_s=2.0, on_peer_failure=told.append).start()
     LoadBarrier(store, 1, 3, "g").start().fail(ValueError("bad deepspeed config"))
     t0 = time.monotonic()
     while not told and time.monotonic() - t0 < 5.0:
@@ -465,7 +467,7 @@ def test_rank_0_records_a_peers_failure_before_it_keeps_its_store_up_and_its_han
     told: list[float] = []
     # rank 0 keeps its store up two polls (6 s) for rank 2, which never counts itself out
     rank0 = LoadBarrier(
-        store, 0, 3, "g", liveness_s=0.5, poll_s=3.0,
+        store, 0, 3, "g", liveness_s=2.0, poll_s=3.0,
         on_peer_failure=lambda _: told.append(time.monotonic()),
     ).start()  # fmt: skip
     t0 = time.monotonic()
@@ -485,12 +487,12 @@ def test_a_rank_that_closed_its_barrier_is_not_taken_for_dead_by_those_still_pen
     store = _store()
     told: list[PeerFailedError] = []
     ranks = [
-        LoadBarrier(store, r, 4, "g", liveness_s=0.5, on_peer_failure=told.append).start()
+        LoadBarrier(store, r, 4, "g", liveness_s=2.0, on_peer_failure=told.append).start()
         for r in range(4)
     ]
-    time.sleep(0.3)
+    time.sleep(0.5)
     ranks[0].close()  # its load (or its stage's build) done first: its heartbeat stops
-    time.sleep(3 * 0.5)  # its three watchers stay pending past the liveness
+    time.sleep(2.0 + 2.0)  # its three watchers stay pending past the liveness (and a beat)
     try:
         assert not told, told
         assert store.add("sailor/loaded/g/failures", 0) == 0
