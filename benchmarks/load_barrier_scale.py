@@ -144,7 +144,8 @@ class _Legacy:
 
 
 def _ignore(err: PeerFailedError) -> None:
-    """A worker exits here (``exit_on_peer_failure``); the benchmark's waiters say it."""
+    """A worker exits here (``record_peer_failure``, then ``exit_status``); the benchmark's
+    waiters say it."""
 
 
 def _child(cfg: dict[str, Any]) -> None:
@@ -193,7 +194,7 @@ def _child(cfg: dict[str, Any]) -> None:
     b = counter[0]
     print(json.dumps({"requests": b - a, "window_s": t_kill - t_a}), flush=True)
     if dead in ranks:
-        ranks[dead].close()  # killed: its heartbeat stops, it writes nothing
+        ranks[dead]._stop.set()  # killed: its heartbeat stops, it writes nothing (no close mark)
     while not found:
         time.sleep(0.05)
     print(json.dumps({"found": min(found)}), flush=True)

@@ -28,6 +28,7 @@ import faulthandler
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -146,16 +147,29 @@ def failure_record(
 
 
 def write_error_file(path: str | Path | None, record: FailureRecord) -> None:
-    """Write ``record`` atomically to ``path`` unless a first cause is already there."""
+    """Write ``record`` atomically to ``path`` unless a first cause is already there.
+
+    Two threads of a worker may write at once (its main handler, and its load barrier's
+    heartbeat ending it of a peer's failure): each writes a temporary file of its own (the
+    process and the thread in its name) and links it into place, which fails if a record
+    is there already, so the first writer's stays whole. A file system without hard links
+    gets an atomic rename instead (the last of two racing writers wins there)."""
     if path is None:
         return
     p = Path(path)
     if p.exists():
         return
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + f".tmp{os.getpid()}")
+    tmp = p.with_suffix(p.suffix + f".tmp{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(p)
+    try:
+        os.link(tmp, p)
+    except FileExistsError:
+        pass  # another writer's record came first
+    except OSError:  # no hard links here
+        tmp.replace(p)
+        return
+    tmp.unlink(missing_ok=True)
 
 
 def fault_path(error_file: str | Path) -> Path:

@@ -23,7 +23,15 @@ handler); every rank waiting raises :class:`~sailor.megatron_patch.errors.PeerFa
 naming that rank, its host and its error (``origin="peer"``: not charged to its node). A
 rank held elsewhere — in a collective, inside ``deepspeed.initialize``, in its load's reads
 — learns of it at its heartbeat thread's next beat, which ends it with that error
-(``on_peer_failure``: :func:`exit_on_peer_failure` in a worker).
+(``on_peer_failure``: :func:`record_peer_failure` in a worker, then ``exit_status``). That
+end runs on the thread's own connection (the main thread's may be held for minutes in a
+blocking store call: gloo's ``new_group``, NCCL's unique-id exchange), writes the error file
+before rank 0 lingers, and is serialised with the main thread's handler (:meth:`fail`,
+:meth:`peer_cause`): the handler waits for a heartbeat that is ending the rank, and records
+the peer's failure, not the closed socket it met meanwhile.
+
+A rank that closes its barrier (its load done) marks itself closed on the store before its
+heartbeat stops: its watchers, maybe still pending, do not take its silence for a death.
 
 A rank can also fail without writing anything: killed with no Python exception (the host's
 OOM killer, SIGKILL, a segfault in a reader). Its gloo peers see the closed socket, NCCL
@@ -88,9 +96,9 @@ __all__ = [
     "Phase",
     "Store",
     "await_loads",
-    "exit_on_peer_failure",
     "loaded_together",
     "rank0_error_file",
+    "record_peer_failure",
     "watched",
     "worker_barrier",
 ]
@@ -199,6 +207,10 @@ def _host_key(world: str, rank: int) -> str:
     return f"{_PREFIX}/{world}/host/{rank}"
 
 
+def _closed_key(world: str, rank: int) -> str:
+    return f"{_PREFIX}/{world}/closed/{rank}"
+
+
 def _check_args(rank: int, world_size: int, timeout_s: float, liveness_s: float) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} outside a world of world_size={world_size}")
@@ -270,12 +282,15 @@ class LoadBarrier:
     the end of ``loading``) stops the heartbeat; a world whose ranks load nothing closes it
     at once.
 
-    ``on_peer_failure`` (the worker's :func:`exit_on_peer_failure`) is called from the
+    ``on_peer_failure`` (the worker's :func:`record_peer_failure`) is called from the
     heartbeat thread when another rank's failure is on the store, or the store has not
     answered for ``liveness_s``, while this rank is pending and not in one of its own waits
     (which raise it themselves): in a collective (NCCL's waits for its timeout), inside
-    ``deepspeed.initialize``, or in its load. ``master`` and ``rank0_error_file`` name the
-    store's server in the error of a rank whose store stopped answering."""
+    ``deepspeed.initialize``, or in its load. The thread then counts this rank out (rank 0
+    keeps its store up for the others, :meth:`_leave`) and, with ``exit_status`` (a
+    worker: 1), ends the process (``os._exit``: the main thread may be in a collective).
+    ``master`` and ``rank0_error_file`` name the store's server in the error of a rank
+    whose store stopped answering."""
 
     def __init__(
         self,
@@ -289,6 +304,7 @@ class LoadBarrier:
         on_peer_failure: Callable[[PeerFailedError], None] | None = None,
         master: str | None = None,
         rank0_error_file: str | None = None,
+        exit_status: int | None = None,
     ) -> None:
         _check_args(rank, world_size, timeout_s, liveness_s)
         if poll_s <= 0:
@@ -296,9 +312,17 @@ class LoadBarrier:
         self.store, self.rank, self.world_size, self.world = store, rank, world_size, world
         self.timeout_s, self.liveness_s, self.poll_s = timeout_s, liveness_s, poll_s
         self.on_peer_failure = on_peer_failure
+        self.exit_status = exit_status
         self._store_host = _StoreHost(master, None, rank0_error_file, time.time())
         self._pending = False
         self._waiting = False
+        self._peer_error: PeerFailedError | None = None
+        # one rank's end at a time: the heartbeat's ``_tell`` and the main thread's ``fail``,
+        # ``close`` and ``peer_cause`` (a handler arriving while the heartbeat ends this rank
+        # waits for it, and no exit fires once ``close`` has returned)
+        self._ending = threading.RLock()
+        self._conn: Store | None = None
+        """The heartbeat thread's own connection (None until made, or after it failed)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -322,19 +346,19 @@ class LoadBarrier:
     def _beat(self) -> None:
         key, every = _beat_key(self.world, self.rank), self.liveness_s / BEATS_PER_LIVENESS
         watch = _Watch(self.rank, self.world_size, self.world, self.liveness_s, time.monotonic)
-        conn: Store | None = None
         failed, silent_since = 0, 0.0
         while not self._stop.is_set():
             try:
-                if conn is None:  # its own: never behind the main thread's blocking calls
-                    conn = _connect(self.store)
+                if self._conn is None:  # its own: never behind the main thread's blocking calls
+                    self._conn = _connect(self.store)
+                conn = self._conn
                 conn.add(key, 1)
                 self._learn_store_host(conn)
                 watch.next_dead(conn)  # a dead one's failure goes on the store for all
                 if self._peer_failed(conn):
                     return
             except Exception as exc:  # retried until stopped, on a new connection
-                conn = None
+                self._conn = None
                 failed += 1
                 if failed == 1:  # one line per outage, not one per beat
                     silent_since = time.monotonic()
@@ -345,7 +369,7 @@ class LoadBarrier:
                         flush=True,
                     )
                 elif time.monotonic() - silent_since >= self.liveness_s and self._tell(
-                    self._store_host.gone(self.rank, "to its heartbeat", exc)
+                    self._store_host.gone(self.rank, "to its heartbeat", exc), None
                 ):
                     return
             else:
@@ -375,14 +399,29 @@ class LoadBarrier:
             or conn.add(_failures_key(self.world), 0) == 0
         ):
             return False
-        return self._tell(_peer_failure(conn, self.world, self.world_size))
+        return self._tell(_peer_failure(conn, self.world, self.world_size), conn)
 
-    def _tell(self, err: PeerFailedError) -> bool:
+    def _tell(self, err: PeerFailedError, conn: Store | None) -> bool:
+        """End this rank of another's failure ``err``, from the heartbeat thread, on its own
+        connection ``conn`` (None: the store is gone). Everything here stays off the main
+        thread's connection, which may be held for minutes in a blocking ``get``/``wait``
+        (gloo's ``new_group``, NCCL's unique-id exchange), and off its error: the peer's is
+        kept for :meth:`peer_cause`, ``on_peer_failure`` writes it before rank 0 lingers,
+        and the main thread's ``fail``/``close``/``peer_cause`` wait until this is done."""
         if self.on_peer_failure is None or self._waiting or not self._pending:
-            return False
-        self._pending = False  # this rank is ending of another's failure: not news to them
-        self._leave(self.store)
-        self.on_peer_failure(err)
+            return False  # (read unlocked first: a ``fail`` lingering holds the lock)
+        with self._ending:
+            if self._waiting or not self._pending:
+                return False
+            self._pending = False  # this rank is ending of another's failure: not news
+            self._peer_error = err
+            try:
+                self.on_peer_failure(err)
+            finally:  # a record that could not be written (a full disk) still ends the rank
+                if conn is not None:
+                    self._leave(conn)
+                if self.exit_status is not None:
+                    os._exit(self.exit_status)  # the main thread may be in a collective
         return True
 
     def _leave(self, store: Store) -> None:
@@ -409,8 +448,18 @@ class LoadBarrier:
         that reads as a peer's (``errors.classify``: a connection closed or reset, a
         timeout — gloo's in a collective whose peer exited) is that rank's failure when one
         is on the store (it wrote it before exiting). For the worker's handler, before it
-        writes the first cause; a store that does not answer leaves ``exc``."""
-        if not self._pending or isinstance(exc, PeerFailedError) or classify(exc, False) != "peer":
+        writes the first cause; a store that does not answer leaves ``exc``. Once the
+        heartbeat thread has taken up another rank's failure (it ends this rank), that
+        failure is the cause (waiting for the heartbeat, if it is ending this rank now)."""
+        if isinstance(exc, PeerFailedError) or classify(exc, False) != "peer":
+            return exc
+        with self._ending:
+            told = self._peer_error
+        if told is not None:
+            err = type(told)(str(told))
+            err.__cause__ = exc
+            return err
+        if not self._pending:
             return exc
         try:
             if self.store.add(_failures_key(self.world), 0) == 0:
@@ -426,17 +475,27 @@ class LoadBarrier:
         then stop beating. Another rank's failure (a ``PeerFailedError``) is on the store
         already, or is the store's. Rank 0, whose process serves the store, returns once
         every other rank has read a failure, or after :meth:`_linger_s` (:meth:`_leave`)."""
-        if self._pending:
-            if not isinstance(exc, PeerFailedError):
-                _publish_failure(self.store, self.rank, self.world, exc)
-            self._pending = False
-            self._leave(self.store)
+        with self._ending:  # not while the heartbeat ends this rank of a peer's failure
+            if self._pending:
+                if not isinstance(exc, PeerFailedError):
+                    _publish_failure(self.store, self.rank, self.world, exc)
+                self._pending = False
+                self._leave(self.store)
         self.close()
 
     def close(self) -> None:
-        """Stop beating; the barrier is over for this rank."""
-        self._pending = False
-        self._stop.set()
+        """Stop beating; the barrier is over for this rank. It is marked closed on the
+        store first (best effort, on the heartbeat's connection), so that its watchers,
+        still pending, do not take its silence for a death; once this returns, no peer's
+        failure ends this rank from its heartbeat thread."""
+        with self._ending:
+            was = self._pending
+            self._pending = False
+            conn = self._conn if self._conn is not None else self.store
+            if was:
+                with suppress(Exception):  # (the main thread's, if the beat has none)
+                    conn.set(_closed_key(self.world, self.rank), "1")
+            self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
@@ -614,11 +673,12 @@ def rank0_error_file(error_file: str | None, rank: int) -> str | None:
     return None
 
 
-def exit_on_peer_failure(status: _EndRank) -> Callable[[PeerFailedError], None]:
-    """What a worker does when its barrier's heartbeat thread learns of another rank's
+def record_peer_failure(status: _EndRank) -> Callable[[PeerFailedError], None]:
+    """What a worker does first when its barrier's heartbeat thread learns of another rank's
     failure while its main thread is held elsewhere (a collective, ``deepspeed.initialize``,
     its load): write the failure as this rank's first cause (``origin="peer"``) where the
-    worker's handler would, and exit at once, as that handler does."""
+    worker's handler would. The barrier then counts this rank out (rank 0 keeps the store
+    up for the others) and exits (``exit_status``), as that handler does."""
 
     def end(err: PeerFailedError) -> None:
         record = failure_record(
@@ -626,7 +686,6 @@ def exit_on_peer_failure(status: _EndRank) -> Callable[[PeerFailedError], None]:
         )
         write_error_file(status.error_file, record)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
-        os._exit(1)
 
     return end
 
@@ -640,7 +699,7 @@ def worker_barrier(
     plan and the master address, the same on every rank of it (a fresh rank and held ones
     number their generations differently); polled every second, as loads take seconds to
     hours and every rank polls rank 0's store. With ``status`` a peer's failure ends this
-    rank wherever its main thread is (:func:`exit_on_peer_failure`)."""
+    rank wherever its main thread is (:func:`record_peer_failure`, then exit status 1)."""
     return LoadBarrier(
         store,
         args.rank,
@@ -649,9 +708,10 @@ def worker_barrier(
         args.load_timeout_s,
         args.load_liveness_s,
         1.0,
-        on_peer_failure=exit_on_peer_failure(status) if status is not None else None,
+        on_peer_failure=record_peer_failure(status) if status is not None else None,
         master=args.master,
         rank0_error_file=rank0_error_file(getattr(args, "error_file", None), args.rank),
+        exit_status=1 if status is not None else None,
     ).start()
 
 
@@ -700,6 +760,9 @@ class _Watch:
             return None
         silent = now - last[1]
         if silent < self.liveness_s:
+            return None
+        if store.check([_closed_key(self.world, peer)]):  # it closed its barrier: not dead
+            self.found.add(peer)  # (read only for a silent rank: no traffic per beat)
             return None
         host_key = _host_key(self.world, peer)
         host = store.get(host_key).decode() if store.check([host_key]) else "?"

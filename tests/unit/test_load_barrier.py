@@ -6,6 +6,7 @@ Ranks are simulated by calls on one store: each check-in is what a rank does aft
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -174,7 +175,7 @@ def test_bad_arguments_name_the_field() -> None:
 def test_a_rank_whose_heartbeat_stopped_is_named_for_every_waiter() -> None:
     store = _store()
     dead = LoadBarrier(store, 1, 3, "g", liveness_s=0.3).start()
-    dead.close()  # killed: its counter stops, it writes nothing
+    _kill(dead)
     waiting = LoadBarrier(store, 0, 3, "g", timeout_s=30.0, liveness_s=0.3, poll_s=0.01)
     with (
         pytest.raises(PeerFailedError, match=r"rank 1 \(.+\) failed before.*no heartbeat for"),
@@ -219,7 +220,7 @@ def test_a_failure_before_the_load_reaches_the_waiters_while_pending() -> None:
 
 def test_without_a_load_timeout_a_dead_rank_still_ends_the_wait() -> None:
     store = _store()  # the agent's workers: --load-timeout-s inf (sailor.agent.worker_argv)
-    LoadBarrier(store, 1, 2, "g", liveness_s=0.2).start().close()
+    _kill(LoadBarrier(store, 1, 2, "g", liveness_s=0.2).start())
     with (
         pytest.raises(PeerFailedError, match=r"rank 1 .*no heartbeat"),
         LoadBarrier(store, 0, 2, "g", float("inf"), 0.2, 0.01).loading(),
@@ -249,7 +250,7 @@ def test_a_dead_rank_whose_watchers_are_still_loading_is_found_in_about_liveness
     ranks = [LoadBarrier(store, r, 12, "g", liveness_s=1.0, poll_s=1.0).start() for r in range(11)]
     try:
         t0 = time.monotonic()
-        ranks[6].close()  # rank 6: killed, it writes nothing
+        _kill(ranks[6])  # rank 6
         with (
             pytest.raises(PeerFailedError, match=r"rank 6 \(.*no heartbeat.*seen by rank [345]"),
             LoadBarrier(store, 11, 12, "g", float("inf"), 1.0, 1.0).loading(),
@@ -392,6 +393,14 @@ def test_a_closed_socket_after_a_peers_failure_is_that_peers_failure() -> None:
     rank0.close()
 
 
+def _kill(barrier: LoadBarrier) -> None:
+    """Its heartbeat stops as a SIGKILL stops it: its counter stands, it writes nothing (no
+    failure, no closed mark: ``close`` would write one)."""
+    barrier._stop.set()
+    if barrier._thread is not None:
+        barrier._thread.join()
+
+
 def _load(barrier: LoadBarrier) -> None:
     with barrier.loading():
         pass
@@ -402,3 +411,122 @@ def _catch(got: list[BaseException], call: Callable[[], object]) -> None:
         call()
     except BaseException as exc:
         got.append(exc)
+
+
+def test_a_peer_failure_ends_a_rank_whose_main_thread_is_in_a_blocking_store_wait() -> None:
+    server = _store()
+    client = dist.TCPStore(
+        "127.0.0.1", server.port, 1, False, timedelta(seconds=10), wait_for_workers=False
+    )
+    told: list[PeerFailedError] = []
+    # (a liveness of seconds: rank 0, never started here, is not found dead first)
+    held = LoadBarrier(client, 1, 3, "g", liveness_s=5.0, on_peer_failure=told.append).start()
+    # rank 1's main thread waits on its client (gloo's new_group, NCCL's unique-id
+    # exchange): the c10d client serves one request at a time, for the wait's whole timeout
+    blocked = threading.Thread(
+        target=lambda: _suppress_store_error(client.wait, ["never-set"]), daemon=True
+    )
+    blocked.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    LoadBarrier(server, 2, 3, "g").start().fail(RuntimeError("injected before its groups"))
+    try:  # its heartbeat ends it (records, counts out) on its own connection: a beat (1 s),
+        # not the store wait's 10 s
+        while server.add("sailor/loaded/g/ended", 0) < 2 and time.monotonic() - t0 < 4.0:
+            time.sleep(0.02)
+        assert told and "RuntimeError: injected before its groups" in str(told[0])
+        assert server.add("sailor/loaded/g/ended", 0) == 2
+        assert time.monotonic() - t0 < 4.0
+    finally:
+        blocked.join()
+        held.close()
+
+
+def test_a_socket_error_met_after_the_heartbeat_took_up_a_peers_failure_is_that_failure() -> None:
+    store = _store()
+    told: list[PeerFailedError] = []
+    rank0 = LoadBarrier(store, 0, 3, "g", liveness_s=2.0, on_peer_failure=told.append).start()
+    LoadBarrier(store, 1, 3, "g").start().fail(ValueError("bad deepspeed config"))
+    t0 = time.monotonic()
+    while not told and time.monotonic() - t0 < 5.0:
+        time.sleep(0.01)
+    assert told and not rank0.pending
+    # the main thread meanwhile meets rank 1's closed gloo socket: its handler records rank
+    # 1's failure, not the socket's (that one won the first-writer error file)
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:26318")
+    cause = rank0.peer_cause(gloo)
+    assert isinstance(cause, PeerFailedError) and cause.__cause__ is gloo
+    assert "rank 1 (" in str(cause) and "ValueError: bad deepspeed config" in str(cause)
+    rank0.close()
+
+
+def test_rank_0_records_a_peers_failure_before_it_keeps_its_store_up_and_its_handler_waits() -> (
+    None
+):
+    store = _store()
+    told: list[float] = []
+    # rank 0 keeps its store up two polls (6 s) for rank 2, which never counts itself out
+    rank0 = LoadBarrier(
+        store, 0, 3, "g", liveness_s=2.0, poll_s=3.0,
+        on_peer_failure=lambda _: told.append(time.monotonic()),
+    ).start()  # fmt: skip
+    t0 = time.monotonic()
+    LoadBarrier(store, 1, 3, "g").start().fail(ValueError("bad deepspeed config"))
+    while not told and time.monotonic() - t0 < 5.0:
+        time.sleep(0.01)
+    assert told and told[0] - t0 < 2.0  # its error file is written before it lingers
+    # its main thread's handler (a closed socket) waits for the heartbeat's end: it does not
+    # cut rank 0's linger short (a worker's heartbeat exits the process there) ...
+    rank0.fail(RuntimeError("Connection closed by peer"))
+    assert time.monotonic() - t0 >= 6.0 - 0.5
+    # ... nor write a failure of its own: the rank was ending of rank 1's
+    assert store.add("sailor/loaded/g/failures", 0) == 1
+
+
+def test_a_rank_that_closed_its_barrier_is_not_taken_for_dead_by_those_still_pending() -> None:
+    store = _store()
+    told: list[PeerFailedError] = []
+    ranks = [
+        LoadBarrier(store, r, 4, "g", liveness_s=2.0, on_peer_failure=told.append).start()
+        for r in range(4)
+    ]
+    time.sleep(0.5)
+    ranks[0].close()  # its load (or its stage's build) done first: its heartbeat stops
+    time.sleep(2.0 + 2.0)  # its three watchers stay pending past the liveness (and a beat)
+    try:
+        assert not told, told
+        assert store.add("sailor/loaded/g/failures", 0) == 0
+    finally:
+        for b in ranks[1:]:
+            b.close()
+
+
+def test_two_writers_of_one_error_file_leave_the_first_record_whole(tmp_path: Path) -> None:
+    # the worker's handler and its heartbeat's end, at once: neither raises, and the file
+    # holds one writer's record, whole
+    for i in range(200):
+        path = tmp_path / f"error-{i}.json"
+        start = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def write(
+            who: str,
+            path: Path = path,
+            start: threading.Barrier = start,
+            errors: list[BaseException] = errors,
+        ) -> None:
+            start.wait()
+            try:
+                write_error_file(path, failure_record(RuntimeError(who), 0, -1, False))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in ("main", "heartbeat")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, (i, errors)
+        record = json.loads(path.read_text())
+        assert record["message"] in ("main", "heartbeat")
+        assert not list(tmp_path.glob(f"error-{i}.json.tmp*"))
