@@ -57,6 +57,7 @@ import itertools
 import json
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -219,6 +220,8 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._control_state: dict[str, object] = {}
         self._launched: tuple[object, ...] | None = None
         """:func:`launch_key` of the last launch that started all its ranks."""
+        self._aborted: tuple[object, ...] | None = None
+        """:func:`launch_key` of the last launch whose workers an abort ended (or held)."""
 
     @property
     def live(self) -> bool:
@@ -245,7 +248,12 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         neither, or ``cmd`` is another launch). Applied again, it restarted the ranks into
         the generation and master whose world the dead worker left, and erased the failure
         the status reports (the controller's view of this node)."""
-        if self._launched != launch_key(cmd):
+        key = launch_key(cmd)
+        if self._aborted == key:
+            # its workers were aborted (or asked to hold): their world is gone, and its
+            # peers may hold live or dead ranks of it. A new world is a new generation
+            return f"generation {cmd.generation}'s workers were aborted here"
+        if self._launched != key:
             return ""
         if self.failure:
             return self.failure
@@ -351,6 +359,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         fresh = reused = 0
         try:
             for rank in sorted(cmd.ranks):
+                _set_aside_errors(gen_dir, rank)
                 _write_atomic(_control_file(gen_dir, rank), "{}")
                 argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
                 w = matched.get(rank) or (spares[0] if spares else None)
@@ -572,6 +581,10 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         starts. An abort while one is under way waits for it (``wait``) or adds nothing."""
         if wait:
             await self._kills_over()
+        if self.workers:
+            # the launch these workers ran is over here: a Launch of it again is refused
+            # (``ended``), whatever its command id (a leader that adopted its LAUNCH)
+            self._aborted = self._launched
         if hold and self.in_place and self.workers:
             self.failure = self.killed_groups.record
             waiting = [w for w in self.workers if w.exit_code is None and not w.held]
@@ -636,6 +649,20 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self.spares = []
         await self.killed_groups.kill(self._leftovers)
         await self._tasks.close(timeout=2.0)
+
+
+def _set_aside_errors(gen_dir: Path, rank: int) -> None:
+    """Move an earlier run's error record of ``rank`` in this generation's directory (and its
+    ``.fault`` stacks) aside, so the rank about to start writes its own first cause: the
+    record is first-writer-wins (``write_error_file``), and the agent reports the file it
+    finds. A generation's directory is used again by a Launch of an earlier generation on an
+    idle node (a controller restored from an etcd backup). Kept, renamed with the time."""
+    stamp = time.time_ns()
+    for name in (f"error-{rank}.json", f"error-{rank}.json.fault"):
+        path = gen_dir / name
+        if path.exists():
+            with contextlib.suppress(FileNotFoundError):
+                path.rename(gen_dir / f"{name}.earlier-{stamp}")
 
 
 def _control_file(gen_dir: Path, rank: int) -> Path:

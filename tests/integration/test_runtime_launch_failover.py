@@ -238,6 +238,41 @@ async def test_an_idle_node_applies_a_launch_of_an_earlier_generation(tmp_path: 
         await until(lambda: sup.step >= 1 and sup.generation == 2, 30, "generation 2's step")
 
 
+async def test_an_aborted_launch_is_not_applied_again_and_a_rerun_reports_its_own_failure(
+    tmp_path: Path,
+) -> None:
+    """Launch g, its worker dies, the controller aborts the node: the same Launch sent again
+    (a leader that adopted the LAUNCH) is refused; it restarted the rank into the aborted
+    world's generation and master. A Launch of that generation that starts other workers
+    (another master) runs in the same directory: a death of its worker is reported as its
+    own, not as the earlier record that was there (first writer wins)."""
+    plan = _one_rank_plan()
+    async with _agent(tmp_path) as agent:
+        sup = agent.supervisor
+        master = f"127.0.0.1:{free_port()}"
+        assert (await _send(agent, _launch(plan, 1, 3, master))).accepted
+        await until(lambda: sup.step >= 1, 30, "the first step")
+        pid1 = sup.workers[0].proc.pid
+        os.killpg(pid1, signal.SIGKILL)
+        await until(lambda: bool(sup.failure), 10, "the failure")
+        abort = Abort(command_id="e1-g3-abort-n1", epoch=1, node_id="n1", reason="test")
+        ack = CommandAck.model_validate_json(
+            await agent._on_command(abort.model_dump_json().encode())
+        )
+        assert ack.accepted, ack
+        await until(lambda: not sup.live and not sup.kill_under_way, 30, "the kill")
+        again = await _send(agent, _launch(plan, 2, 3, master))
+        assert not again.accepted and "aborted here" in again.reason, again
+        assert not sup.live
+        other = await _send(agent, _launch(plan, 2, 3, f"127.0.0.1:{free_port()}", "-b"))
+        assert other.accepted, other
+        await until(lambda: sup.step >= 1, 30, "the rerun's first step")
+        pid2 = sup.workers[0].proc.pid
+        os.killpg(pid2, signal.SIGKILL)
+        await until(lambda: bool(sup.failure), 10, "the rerun's failure")
+        assert str(pid2) in sup.failure and str(pid1) not in sup.failure, sup.failure
+
+
 async def test_a_launch_whose_worker_died_is_refused_and_the_failure_kept(
     tmp_path: Path,
 ) -> None:
