@@ -153,7 +153,8 @@ def write_error_file(path: str | Path | None, record: FailureRecord) -> None:
     heartbeat ending it of a peer's failure): each writes a temporary file of its own (the
     process and the thread in its name) and links it into place, which fails if a record
     is there already, so the first writer's stays whole. A file system without hard links
-    gets an atomic rename instead (the last of two racing writers wins there)."""
+    (some FUSE and CIFS mounts) gets an exclusive create instead (``O_EXCL``: still the
+    first writer's, written in place)."""
     if path is None:
         return
     p = Path(path)
@@ -161,14 +162,20 @@ def write_error_file(path: str | Path | None, record: FailureRecord) -> None:
         return
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + f".tmp{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(json.dumps(record) + "\n")
+    text = json.dumps(record) + "\n"
+    tmp.write_text(text)
     try:
         os.link(tmp, p)
     except FileExistsError:
         pass  # another writer's record came first
-    except OSError:  # no hard links here
-        tmp.replace(p)
-        return
+    except OSError:  # no hard links here: an exclusive create keeps the first writer's
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as out:
+                out.write(text)
     tmp.unlink(missing_ok=True)
 
 

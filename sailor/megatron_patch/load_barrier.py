@@ -136,6 +136,11 @@ waiting rank adds one request per poll (1 s in a worker): ~1.4k requests a secon
 ~6.2k (``benchmarks/load_barrier_scale.py`` measures both; the store serves either on this
 machine, at p50 latencies under a millisecond)."""
 
+RECORD_WAIT_S = 10.0
+"""How long a rank ending of a peer's failure waits for its error record to be written
+before it counts out and exits all the same (a hard-mounted NFS whose server is gone never
+answers). A local write takes milliseconds."""
+
 _PREFIX = "sailor/loaded"
 
 Phase = Literal["formed", "loaded"]
@@ -415,13 +420,21 @@ class LoadBarrier:
                 return False
             self._pending = False  # this rank is ending of another's failure: not news
             self._peer_error = err
-            try:
-                self.on_peer_failure(err)
-            finally:  # a record that could not be written (a full disk) still ends the rank
-                if conn is not None:
-                    self._leave(conn)
-                if self.exit_status is not None:
-                    os._exit(self.exit_status)  # the main thread may be in a collective
+            # the record is written on a thread of its own, waited for a bounded time: a
+            # write that fails (a full disk) or hangs (a hard-mounted NFS whose server is
+            # gone) still ends the rank, counted out, without holding the lock for good
+            writer = threading.Thread(
+                target=_quietly,
+                args=(self.on_peer_failure, err),
+                name="sailor-load-record",
+                daemon=True,
+            )
+            writer.start()
+            writer.join(RECORD_WAIT_S)
+            if conn is not None:
+                self._leave(conn)
+            if self.exit_status is not None:
+                os._exit(self.exit_status)  # the main thread may be in a collective
         return True
 
     def _leave(self, store: Store) -> None:
@@ -561,6 +574,13 @@ def loaded_together(
     wait (:class:`LoadBarrier`, whose ``loading`` this is)."""
     with LoadBarrier(store, rank, world_size, world, timeout_s, liveness_s, poll_s).loading():
         yield
+
+
+def _quietly(record: Callable[[PeerFailedError], None] | None, err: PeerFailedError) -> None:
+    """``record(err)``, its failure swallowed (the rank ends all the same)."""
+    if record is not None:
+        with suppress(Exception):
+            record(err)
 
 
 def _connect(store: Store) -> Store:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -530,3 +531,62 @@ def test_two_writers_of_one_error_file_leave_the_first_record_whole(tmp_path: Pa
         record = json.loads(path.read_text())
         assert record["message"] in ("main", "heartbeat")
         assert not list(tmp_path.glob(f"error-{i}.json.tmp*"))
+
+
+def test_without_hard_links_the_first_writers_record_still_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a file system without hard links (some FUSE and CIFS mounts: EPERM): a second writer
+    # that finds no record yet when it starts must not replace the first one's (a rename
+    # did: the last writer won)
+    def no_links(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    path = tmp_path / "error-0.json"
+    real_exists = Path.exists
+
+    def not_yet(self: Path) -> bool:  # the race: the second writer saw no record either
+        return False if self == path else real_exists(self)
+
+    write_error_file(path, failure_record(RuntimeError("first"), 0, -1, False))
+    monkeypatch.setattr(Path, "exists", not_yet)
+    write_error_file(path, failure_record(RuntimeError("second"), 0, -1, False))
+    monkeypatch.setattr(Path, "exists", real_exists)
+    assert json.loads(path.read_text())["message"] == "first"
+    assert not list(tmp_path.glob("error-0.json.tmp*"))
+
+
+def test_a_record_write_that_hangs_does_not_keep_a_rank_from_ending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the error file on a hard-mounted NFS whose server is gone: the heartbeat's end waits
+    # for the record a bounded time, then counts the rank out (rank 0 may stop lingering)
+    # and lets the main thread's handler go on; before, it held the lock for good
+    from sailor.megatron_patch import load_barrier
+
+    monkeypatch.setattr(load_barrier, "RECORD_WAIT_S", 0.5)
+    store = _store()
+    hung, entered = threading.Event(), threading.Event()
+
+    def record(err: PeerFailedError) -> None:
+        entered.set()
+        hung.wait()
+
+    b = LoadBarrier(
+        store, 1, 3, "w", liveness_s=2.0, poll_s=0.05, on_peer_failure=record, exit_status=None
+    ).start()
+    try:
+        load_barrier._publish(store, "w", 2, "h2", "RuntimeError: boom")
+        assert entered.wait(10)
+        handled = threading.Event()
+        main = threading.Thread(
+            target=lambda: (b.peer_cause(RuntimeError("Connection reset by peer")), handled.set()),
+            daemon=True,
+        )
+        main.start()
+        assert handled.wait(10), "the main thread's handler still waits for the hung record"
+        assert store.add("sailor/loaded/w/ended", 0) == 1  # counted out
+    finally:
+        hung.set()
+        b.close()
