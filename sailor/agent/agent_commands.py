@@ -127,6 +127,8 @@ class AgentCommands:
                 # nowhere until its count passed every node's). Stale leaders are fenced by
                 # the epoch above
                 return self._refuse(cmd.command_id, _older(cmd.generation, running))
+            if self.supervisor.aborted(cmd):
+                return self._refuse(cmd.command_id, _aborted(cmd.generation))
             ended = self.supervisor.ended(cmd)
             if ended:
                 # the launch this node ran, whose worker died (or failed): the failure
@@ -224,6 +226,14 @@ def _older(generation: int, running: int) -> str:
         f"generation {generation} is older than generation {running} launched here, whose "
         "workers live: generations only go up (a Launch from a controller that missed the "
         "later one)"
+    )
+
+
+def _aborted(generation: int) -> str:
+    """Why a Launch of the launch whose workers this node aborted (or held) is refused."""
+    return (
+        f"generation {generation}'s workers were aborted here: their world is gone (a new "
+        "world is a new generation; not applied again)"
     )
 
 

@@ -242,18 +242,19 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             )
         )
 
+    def aborted(self, cmd: Launch) -> bool:
+        """``cmd``'s launch is the last one whose workers an abort ended (or asked to hold):
+        its world is gone, and its peers may hold live or dead ranks of it. Applied again,
+        it restarted the ranks into that world (a new world is a new generation)."""
+        return self._aborted is not None and self._aborted == launch_key(cmd)
+
     def ended(self, cmd: Launch) -> str:
         """Why ``cmd``'s launch, the last one this node started (:func:`launch_key`), cannot
         be applied again: this node's failure, or a worker of it that exited ('' when
         neither, or ``cmd`` is another launch). Applied again, it restarted the ranks into
         the generation and master whose world the dead worker left, and erased the failure
         the status reports (the controller's view of this node)."""
-        key = launch_key(cmd)
-        if self._aborted == key:
-            # its workers were aborted (or asked to hold): their world is gone, and its
-            # peers may hold live or dead ranks of it. A new world is a new generation
-            return f"generation {cmd.generation}'s workers were aborted here"
-        if self._launched != key:
+        if self._launched != launch_key(cmd):
             return ""
         if self.failure:
             return self.failure

@@ -157,7 +157,16 @@ class WorkerOutput:
         self.changed.set()
 
     def _record_silent_death(self, w: WorkerView, code: int, err: Path) -> None:
-        """The error record of a worker that could not write its own (killed by a signal)."""
+        """The error record of a worker that wrote none: the ``failed`` event it printed
+        last, if any (a rank ended of a peer's failure prints it before its file write,
+        which may not end on a hung mount: the record is then the peer's, not this node's),
+        else one of its exit (killed by a signal)."""
+        printed = _failed_event(w.stderr_tail)
+        if printed is not None:
+            with contextlib.suppress(OSError):
+                write_error_file(err, printed, writer_gone=True)
+            _log.warning("worker_failed_unrecorded", rank=w.rank, origin=printed.get("origin"))
+            return
         fault = ""
         with contextlib.suppress(OSError):
             fault = fault_path(err).read_text(errors="replace")
@@ -165,7 +174,21 @@ class WorkerOutput:
             w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail), pid=w.proc.pid
         )
         with contextlib.suppress(OSError):
-            write_error_file(err, record)
+            write_error_file(err, record, writer_gone=True)
         line = json.dumps({"event": "failed", **record})
         w.stderr_tail = [*w.stderr_tail[-19:], line]
         _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
+
+
+def _failed_event(tail: list[str]) -> dict[str, Any] | None:
+    """The last ``{"event": "failed", ...}`` line of a worker's stderr, as a record."""
+    for line in reversed(tail):
+        if '"failed"' not in line:
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("event") == "failed":
+            return {k: v for k, v in data.items() if k != "event"}
+    return None

@@ -146,37 +146,45 @@ def failure_record(
     }
 
 
-def write_error_file(path: str | Path | None, record: FailureRecord) -> None:
+def write_error_file(
+    path: str | Path | None, record: FailureRecord, writer_gone: bool = False
+) -> None:
     """Write ``record`` atomically to ``path`` unless a first cause is already there.
 
     Two threads of a worker may write at once (its main handler, and its load barrier's
     heartbeat ending it of a peer's failure): each writes a temporary file of its own (the
     process and the thread in its name) and links it into place, which fails if a record
     is there already, so the first writer's stays whole. A file system without hard links
-    (some FUSE and CIFS mounts) gets an exclusive create instead (``O_EXCL``: still the
-    first writer's, written in place)."""
+    (some FUSE and CIFS mounts) gets a claim instead: the first writer to create
+    ``<path>.claim`` exclusively (``O_EXCL``) renames its temporary file into place, still
+    atomically; the others give way. ``writer_gone``: the worker's own writers are gone (the
+    agent's record of a worker that wrote none): a claim without a record is not waited
+    for. A record there that does not parse (a writer cut off) counts as none."""
     if path is None:
         return
     p = Path(path)
-    if p.exists():
+    if read_error_file(p) is not None:
         return
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + f".tmp{os.getpid()}-{threading.get_ident()}")
-    text = json.dumps(record) + "\n"
-    tmp.write_text(text)
     try:
-        os.link(tmp, p)
-    except FileExistsError:
-        pass  # another writer's record came first
-    except OSError:  # no hard links here: an exclusive create keeps the first writer's
+        tmp.write_text(json.dumps(record) + "\n")
         try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.link(tmp, p)
         except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-    tmp.unlink(missing_ok=True)
+            if read_error_file(p) is None:  # not a record: a writer cut off mid-write
+                tmp.replace(p)
+        except OSError:  # no hard links here: the first claim's writer renames
+            claim = p.with_suffix(p.suffix + ".claim")
+            try:
+                os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            except FileExistsError:
+                if writer_gone and read_error_file(p) is None:
+                    tmp.replace(p)
+            else:
+                tmp.replace(p)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fault_path(error_file: str | Path) -> Path:

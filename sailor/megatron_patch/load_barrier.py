@@ -704,8 +704,10 @@ def record_peer_failure(status: _EndRank) -> Callable[[PeerFailedError], None]:
         record = failure_record(
             err, status.rank, status.failed_step, status.in_training, last_step=status.step
         )
-        write_error_file(status.error_file, record)
+        # the event first: stderr is a pipe to the agent, the file may be on a mount that
+        # hangs (the rank then exits after RECORD_WAIT_S, and the agent takes the event)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
+        write_error_file(status.error_file, record)
 
     return end
 

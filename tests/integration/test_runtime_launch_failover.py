@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -125,12 +126,14 @@ def _one_rank_plan(microbatches: int = 2) -> Plan:
 
 
 @contextlib.asynccontextmanager
-async def _agent(tmp: Path, servers: LocalServers | None = None) -> AsyncIterator[Agent]:
+async def _agent(
+    tmp: Path, servers: LocalServers | None = None, argv: tuple[str, ...] = WORKER
+) -> AsyncIterator[Agent]:
     """An agent of node n1 (job ``t``) whose toy workers the test launches by calling its
     command handler; with ``servers``, reading the desired state from their etcd (a Launch
     that names its plan), as its node's identity. Its workers are killed at the end."""
     node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
-    agent = Agent(AgentConfig(node=node, job="t", work_dir=tmp, worker_argv=WORKER))
+    agent = Agent(AgentConfig(node=node, job="t", work_dir=tmp, worker_argv=argv))
     store = None
     if servers is not None:
         store = await connect_etcd(servers.etcd_endpoint, security=servers.security("n1"))
@@ -271,6 +274,33 @@ async def test_an_aborted_launch_is_not_applied_again_and_a_rerun_reports_its_ow
         os.killpg(pid2, signal.SIGKILL)
         await until(lambda: bool(sup.failure), 10, "the rerun's failure")
         assert str(pid2) in sup.failure and str(pid1) not in sup.failure, sup.failure
+
+
+# a worker ended of a peer's failure whose error file write never ended (a hung mount): it
+# printed its record on stderr, then exited 1 (no braces: the agent formats its argv)
+_PRINTS_A_PEER_FAILURE = (
+    "import json, sys; rec = dict(event='failed', rank=0, step=-1, origin='peer', "
+    "retry=True, error_type='PeerFailedError', message='rank 2 (h2) failed before its "
+    "world first step: MemoryError: injected'); print(json.dumps(rec), file=sys.stderr, "
+    "flush=True); sys.exit(1)"
+)
+
+
+async def test_a_worker_that_printed_its_failure_but_wrote_no_record_is_reported_by_it(
+    tmp_path: Path,
+) -> None:
+    """The agent's record of a worker that wrote none is the ``failed`` event the worker
+    printed, when there is one: a rank ended of another rank's failure whose file write
+    hung exits without a record, and the node was blamed for it (``exited with status 1
+    without an error record``, origin local)."""
+    plan = _one_rank_plan()
+    argv = (sys.executable, "-c", _PRINTS_A_PEER_FAILURE)
+    async with _agent(tmp_path, argv=argv) as agent:
+        sup = agent.supervisor
+        assert (await _send(agent, _launch(plan, 1, 3, f"127.0.0.1:{free_port()}"))).accepted
+        await until(lambda: bool(sup.failure), 30, "the failure")
+        record = json.loads(sup.failure)
+        assert record["origin"] == "peer" and "rank 2 (h2)" in record["message"], record
 
 
 async def test_a_launch_whose_worker_died_is_refused_and_the_failure_kept(

@@ -533,28 +533,37 @@ def test_two_writers_of_one_error_file_leave_the_first_record_whole(tmp_path: Pa
         assert not list(tmp_path.glob(f"error-{i}.json.tmp*"))
 
 
-def test_without_hard_links_the_first_writers_record_still_wins(
+def test_without_hard_links_the_first_claim_writes_the_record_atomically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a file system without hard links (some FUSE and CIFS mounts: EPERM): a second writer
-    # that finds no record yet when it starts must not replace the first one's (a rename
-    # did: the last writer won)
+    # a file system without hard links (some FUSE and CIFS mounts: EPERM). The first writer
+    # claims and renames its record into place; a second one gives way (a rename let the
+    # last writer win); a writer cut off after its claim leaves no record, which the
+    # agent's own record of the dead worker then takes (writer_gone); a record cut off
+    # mid-write (it does not parse) counts as none
     def no_links(src: object, dst: object) -> None:
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    path = tmp_path / "error-0.json"
-    real_exists = Path.exists
 
-    def not_yet(self: Path) -> bool:  # the race: the second writer saw no record either
-        return False if self == path else real_exists(self)
+    def rec(message: str) -> dict[str, object]:
+        return dict(failure_record(RuntimeError(message), 0, -1, False))
 
-    write_error_file(path, failure_record(RuntimeError("first"), 0, -1, False))
-    monkeypatch.setattr(Path, "exists", not_yet)
-    write_error_file(path, failure_record(RuntimeError("second"), 0, -1, False))
-    monkeypatch.setattr(Path, "exists", real_exists)
-    assert json.loads(path.read_text())["message"] == "first"
-    assert not list(tmp_path.glob("error-0.json.tmp*"))
+    first = tmp_path / "error-0.json"
+    write_error_file(first, rec("first"))  # type: ignore[arg-type]
+    write_error_file(first, rec("second"))  # type: ignore[arg-type]
+    assert json.loads(first.read_text())["message"] == "first"
+    claimed = tmp_path / "error-1.json"
+    (tmp_path / "error-1.json.claim").touch()  # a writer claimed, then was killed
+    write_error_file(claimed, rec("late"))  # type: ignore[arg-type]
+    assert not claimed.exists()  # the claim's writer may still rename: given way
+    write_error_file(claimed, rec("agent"), writer_gone=True)  # type: ignore[arg-type]
+    assert json.loads(claimed.read_text())["message"] == "agent"
+    cut = tmp_path / "error-2.json"
+    cut.write_text('{"rank": 0, "mess')
+    write_error_file(cut, rec("whole"), writer_gone=True)  # type: ignore[arg-type]
+    assert json.loads(cut.read_text())["message"] == "whole"
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_a_record_write_that_hangs_does_not_keep_a_rank_from_ending(
