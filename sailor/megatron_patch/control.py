@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
-from sailor.megatron_patch.clock import synchronize
+from sailor.megatron_patch.clock import synchronize, to_device
 
 __all__ = [
     "ControlRequest",
@@ -144,10 +144,7 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     memory and synchronizes the stream, a wait in C that no signal handler interrupts: the
     engine issues this after the iteration's gradient and step all-reduces, so that wait
     hung on a dead peer where the in-place abort (``comm.abort``) must reach the host."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def read_agreed(local: ControlRequest, pending: torch.Tensor | None) -> ControlRequest:

@@ -73,7 +73,7 @@ from sailor.comm import api as comm
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validation_batches
 from sailor.megatron_patch.clipping import clip_by_global_norm, local_squares, scale_to_norm
-from sailor.megatron_patch.clock import SpanTimer, StepClock, synchronize
+from sailor.megatron_patch.clock import SpanTimer, StepClock, synchronize, to_device
 from sailor.megatron_patch.control import ControlRequest, read_agreed, start_agree
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,
@@ -263,13 +263,6 @@ class StepResult:
 
 def _mean(span: tuple[float, int] | None) -> float:
     return span[0] / span[1] if span and span[1] else 0.0
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: pinned and non-blocking to a GPU, a plain move otherwise."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def evaluation_sum(
