@@ -15,7 +15,6 @@ evaluation.
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,11 @@ from sailor.comm.nccl_replay import CommOp, replay
 from sailor.comm.strict import StrictBackend, read_logs
 from sailor.megatron_patch.control import ControlRequest
 from sailor.megatron_patch.dry_run import record_iteration
-from sailor.megatron_patch.engine import TrainConfig, Trainer
-from sailor.megatron_patch.groups import build_process_groups
+from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
-from sailor.megatron_patch.roles import role_of
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.training import LossScalingConfig
+from tests.gloo_world import join_gloo, tiny_trainer
 from tests.spawn import spawn
 
 TIMEOUT_S = 30.0
@@ -54,20 +52,10 @@ WORLD = len(PLAN.ranks())
 
 
 def _rank(rank: int, store: str, out: str, scaler: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    spec = tiny_model(PLAN.model, PLAN.global_batch_size)
-    role = role_of(PLAN, rank)
-    groups = build_process_groups(PLAN, role, spec.tie_embeddings, TIMEOUT_S)
+    join_gloo(store, rank, WORLD, TIMEOUT_S)
     scaling = LossScalingConfig(mode="dynamic") if scaler else LossScalingConfig()
     cfg = TrainConfig(seed=0, clip_grad_norm=0.5, eval_every=1, loss_scaling=scaling)
-    tr = Trainer(PLAN, spec, role, groups, cfg, CPU)
+    tr = tiny_trainer(PLAN, rank, cfg, TIMEOUT_S)
     tr.control_source = ControlRequest  # an agent's control file asking nothing
     backend = StrictBackend(rank, CPU, WORLD, inner=current_backend())
     with use_backend(backend):

@@ -23,24 +23,20 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from sailor.comm import abort as comm_abort
 from sailor.megatron_patch.boundary import Boundary, Progress, Status
 from sailor.megatron_patch.control import read_control
 from sailor.megatron_patch.engine import TrainConfig, Trainer
-from sailor.megatron_patch.groups import build_process_groups
-from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.rank_args import build_parser
-from sailor.megatron_patch.roles import role_of
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.schemas.training import LossScalingConfig
+from tests.gloo_world import join_gloo, tiny_trainer
 from tests.spawn import spawn
 
 WORLD = 2
@@ -67,20 +63,10 @@ PLAN = Plan(
 
 
 def _rank(rank: int, store: str, out: str, scaler: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    spec = tiny_model(PLAN.model, PLAN.global_batch_size)
-    role = role_of(PLAN, rank)
-    groups = build_process_groups(PLAN, role, spec.tie_embeddings, TIMEOUT_S)
+    join_gloo(store, rank, WORLD, TIMEOUT_S)
     scaling = LossScalingConfig(mode="dynamic") if scaler else LossScalingConfig()
     cfg = TrainConfig(seed=0, clip_grad_norm=0.5, eval_every=2, loss_scaling=scaling)
-    tr = Trainer(PLAN, spec, role, groups, cfg, torch.device("cpu"))
+    tr = tiny_trainer(PLAN, rank, cfg, TIMEOUT_S)
     control = Path(out, f"control-{rank}.json")
     control.write_text(json.dumps({"stop_at_step": STOP} if rank == 1 else {}))
     argv = ["--plan", "-", "--rank", str(rank), "--world-size", str(WORLD), "--master", "-"]

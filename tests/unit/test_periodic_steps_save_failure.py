@@ -22,22 +22,18 @@ import json
 import os
 import time
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from sailor.checkpoint import committed_steps, open_storage
 from sailor.megatron_patch.boundary import PERIODIC_FAILURES_LIMIT, Boundary, Progress, Status
-from sailor.megatron_patch.engine import TrainConfig, Trainer
-from sailor.megatron_patch.groups import build_process_groups
-from sailor.megatron_patch.model import tiny_model
+from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.rank_args import build_parser
-from sailor.megatron_patch.roles import role_of
 from sailor.schemas.training import CheckpointConfig
+from tests.gloo_world import join_gloo, tiny_trainer
 from tests.spawn import spawn
 from tests.unit.test_periodic_save_failure import PLAN, WORLD
 
@@ -66,14 +62,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
     from sailor.training_process import ckpt_glue
     from sailor.training_process.ckpt_glue import LayerCheckpointIO
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    join_gloo(store, rank, WORLD, TIMEOUT_S)
     if rank == 1:
         real = ckpt_glue.open_storage
         full: dict[str, _Full] = {}
@@ -84,10 +73,7 @@ def _rank(rank: int, store: str, out: str, case: str) -> None:
             return full[url]
 
         ckpt_glue.open_storage = storage  # type: ignore[assignment]
-    spec = tiny_model(PLAN.model, PLAN.global_batch_size)
-    role = role_of(PLAN, rank)
-    groups = build_process_groups(PLAN, role, spec.tie_embeddings, TIMEOUT_S)
-    tr = Trainer(PLAN, spec, role, groups, TrainConfig(seed=0), torch.device("cpu"))
+    tr = tiny_trainer(PLAN, rank, TrainConfig(seed=0), TIMEOUT_S)
     periodic = CheckpointConfig(dir=str(Path(out, "ckpt")), every_steps=1, keep=2)
     argv = ["--plan", "-", "--rank", str(rank), "--world-size", str(WORLD), "--master", "-"]
     args = build_parser().parse_args([*argv, "--steps", str(STEPS)])
