@@ -18,8 +18,10 @@ Protocol (shared with the real worker's adapter):
   gives that save up at once (a ``save_failed`` line, nothing committed) instead of waiting
   for the part (rank 0 clears the step's markers when its own save of it starts: those of
   an earlier attempt are not this one's); an optional save whose parts do not all come
-  within the wait is given up the same way. Training goes on. A required save (a
-  reconfiguration's) still fails rank 0 when a part is missing. A part names its attempt
+  within the wait is given up the same way, and so is one whose write fails on a rank
+  (``OSError``: a full or read-only disk, a root that cannot be made; that rank leaves its
+  marker if it can). Training goes on. A required save (a reconfiguration's) still fails
+  rank 0 when a part is missing, and any rank whose write fails. A part names its attempt
   (``--master`` and ``--load-step``: a later world saving the same step under the same root
   has another), and rank 0 counts only its own attempt's: a part an earlier world left
   there (saved, never committed) is not this save's;
@@ -44,6 +46,7 @@ Protocol (shared with the real worker's adapter):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -305,8 +308,9 @@ def _generation(a: argparse.Namespace, held: _Held | None) -> _Held | None:
 def _maybe_save(
     ctl: dict[str, object], step: int, w: list[float], a: argparse.Namespace, seen: set[int]
 ) -> None:
-    """The save the control file asks for, at exactly its step; an optional one missed or
-    given up is reported (``save_failed``), a required one that fails raises."""
+    """The save the control file asks for, at exactly its step; an optional one missed,
+    given up or failing on storage (``OSError``) is reported (``save_failed``) and training
+    goes on, a required one that fails raises."""
     save, root, prune = ctl.get("save_step"), ctl.get("save_dir"), ctl.get("prune_below")
     if not isinstance(save, int) or isinstance(save, bool) or save < 0 or not root:
         return
@@ -330,6 +334,17 @@ def _maybe_save(
         )
     except _SaveGivenUpError as exc:
         _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": str(exc)})
+        return
+    except OSError as exc:
+        if not optional:
+            raise  # a required save's failure fails the rank (its error file names it)
+        # As the real worker: an optional save that fails on storage (a full or read-only
+        # disk, a root that cannot be made) is reported and training goes on.
+        why = f"rank {a.rank} could not save step {save}: {type(exc).__name__}: {exc}"
+        if a.rank != 0:  # the committer gives the save up at once, if the marker gets there
+            with contextlib.suppress(OSError):
+                _write_atomic(_ckpt_dir(str(root), save) / f"rank-{a.rank}.missed", why)
+        _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": why})
         return
     _emit({"event": "saved", "rank": a.rank, "step": step})
 

@@ -149,3 +149,58 @@ def test_a_part_of_an_earlier_attempt_does_not_count(tmp_path: Path) -> None:
     assert not any(x["event"] == "saved" for x in rank0), rank0
     assert [x["step"] for x in rank0 if x["event"] == "save_failed"] == [SAVE], rank0
     assert not (stale / "COMMIT").exists()
+
+
+def _run_both(tmp: Path, timeout: float = 20) -> tuple[list[int], list[list[dict[str, Any]]]]:
+    procs = [_toy(tmp, r) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    lines = [[json.loads(x) for x in out.splitlines() if x.strip()] for out in outs]
+    return [p.returncode for p in procs], lines
+
+
+def test_an_optional_save_failing_on_storage_is_reported_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    """The save's root cannot be made (a file stands where its directory would be: an
+    ``OSError`` on every rank, as a read-only or full disk gives): an optional save is
+    reported by each rank (``save_failed`` with the step and the error) and both train to
+    the end, as the real worker does. Before, the ``OSError`` crashed the toy (exit 1),
+    which fails the job for a periodic checkpoint."""
+    (tmp_path / "blocked").write_text("not a directory")
+    root = str(tmp_path / "blocked" / "ckpt")
+    for r in (0, 1):
+        body = {"save_step": SAVE, "save_dir": root, "save_optional": True}
+        (tmp_path / f"control-{r}.json").write_text(json.dumps(body))
+    codes, lines = _run_both(tmp_path)
+    assert codes == [0, 0], [
+        (tmp_path / f"error-{r}.json").read_text()
+        for r in (0, 1)
+        if (tmp_path / f"error-{r}.json").exists()
+    ]
+    for r in (0, 1):
+        failed = [x for x in lines[r] if x["event"] == "save_failed"]
+        assert [x["step"] for x in failed] == [SAVE], lines[r]
+        assert f"rank {r} could not save step {SAVE}" in failed[0]["error"], failed
+        assert "NotADirectoryError" in failed[0]["error"], failed
+        assert not any(x["event"] == "saved" for x in lines[r])
+        assert [x["step"] for x in lines[r] if x["event"] == "step"][-1] == STEPS
+
+
+def test_a_required_save_failing_on_storage_still_fails_the_rank(tmp_path: Path) -> None:
+    """A required save (a reconfiguration's) whose write fails is the rank's failure, as
+    before: exit 1, the error file naming it."""
+    (tmp_path / "blocked").write_text("not a directory")
+    root = str(tmp_path / "blocked" / "ckpt")
+    for r in (0, 1):
+        body = {"save_step": SAVE, "save_dir": root}
+        (tmp_path / f"control-{r}.json").write_text(json.dumps(body))
+    codes, _ = _run_both(tmp_path)
+    assert codes == [1, 1]
+    for r in (0, 1):
+        err = json.loads((tmp_path / f"error-{r}.json").read_text())
+        assert err["error"] == "NotADirectoryError" and err["rank"] == r, err
