@@ -23,10 +23,9 @@ it is called inside a worker process.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from sailor.checkpoint import (
 )
 from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import AbandonedWriteError, SaveSkippedError
+from sailor.checkpoint.mounts import Mount, read_mounts, same_storage
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
@@ -197,22 +197,17 @@ def _destinations(
 
 ABANDONED_WAIT_S = 2.0
 """How long a save waits for this rank's write of an abandoned save to end before it is
-skipped, or refused if required under the same root
+skipped, or refused if required under a root on the same storage
 (``CheckpointSaves._refuse_while_abandoned_writes``). An abandoned committer, fenced, ends
 within its commit poll (20 ms) and a writer's write of a healthy disk within the save's own
 persist time; a hung mount never: this bounds what it costs training at each save."""
 
 
-def same_root(a: str, b: str) -> bool:
-    """Whether two checkpoint roots name the same place (pure: ``file://`` and trailing
-    slashes aside, a local path normalised). Never a ``stat``: on a hung mount it would
-    hang too. Two roots on one mount (``/nfs/a``, ``/nfs/b``) are not the same here."""
-
-    def norm(root: str) -> str:
-        r = root[len("file://") :] if root.startswith("file://") else root
-        return os.path.normpath(r) if "://" not in r else r.rstrip("/")
-
-    return norm(a) == norm(b)
+def _close_quietly(ck: Checkpointer) -> None:
+    """Close a checkpointer whose save is over (it does not block): its failure was
+    reported when the save was abandoned, or its world is gone."""
+    with contextlib.suppress(Exception):
+        ck.close()
 
 
 class CheckpointSaves:
@@ -221,8 +216,16 @@ class CheckpointSaves:
     :class:`LayerCheckpointIO` (Sailor's engine) and the DeepSpeed adapter's IO
     (``deepspeed_glue``) save through it, so both write the same format."""
 
-    def __init__(self, keep: int | None = None) -> None:
+    def __init__(
+        self, keep: int | None = None, mounts: Callable[[], Sequence[Mount]] = read_mounts
+    ) -> None:
         self.keep = keep
+        self._read_mounts = mounts
+        """Reads the process's mount table (``mounts.read_mounts``), which tells which
+        roots share a storage (:meth:`_refuse_while_abandoned_writes`)."""
+        self._mounts: Sequence[Mount] | None = None
+        """The table as read at the last save while no abandoned write was tracked: one
+        read while every mount seemed healthy, not while one may hang."""
         # one per (root, retention): a save's ``keep`` is its own, not the first save's
         self._by_root: dict[tuple[str, int | None], Checkpointer] = {}
         # the stored-layout copies' buffers, shared by every root's checkpointer
@@ -234,8 +237,9 @@ class CheckpointSaves:
         """Checkpointers of abandoned saves (``abandon``) with their roots, whose own write
         may still run: a save takes their host copies once it ended; a save waits for it a
         moment (``ABANDONED_WAIT_S``), then an optional one is skipped while it runs, a
-        required one under the same root refused, a required one under another root takes
-        copies of its own (:meth:`_refuse_while_abandoned_writes`)."""
+        required one under a root on the same storage refused, a required one under another
+        storage takes copies of its own (:meth:`_refuse_while_abandoned_writes`). Kept
+        across ``reset`` and ``close`` while the write runs."""
 
     def _checkpointer(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None
@@ -257,10 +261,9 @@ class CheckpointSaves:
             # reused (a new checkpointer would allocate a second snapshot's worth, 12 bytes
             # per parameter). One still writing here keeps its copies: an optional save was
             # refused before (``_refuse_while_abandoned_writes``), and so was a required one
-            # under its root; a required one under another root allocates.
+            # on its storage; a required one on another storage allocates.
             old = entry[1]
-            with contextlib.suppress(Exception):  # its failure was reported at the abandon
-                old.close()
+            _close_quietly(old)
             ck.take_buffers(old)
             self._abandoned.remove(entry)
         for other in self._by_root.values():  # one snapshot's host copies per process
@@ -282,9 +285,9 @@ class CheckpointSaves:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
         job's globals) under ``root``: ``CheckpointIO.save``. While this rank still writes
         an abandoned save (:meth:`_refuse_while_abandoned_writes`), an ``optional`` save is
-        skipped, a required one under that save's root refused, and a required one under
-        another root (a reconfiguration's, whose failure would send the job back to an older
-        commit) goes ahead in copies of its own for as long as that write runs. ``owned``:
+        skipped, a required one on that save's storage refused, and a required one on
+        another storage (a reconfiguration's, whose failure would send the job back to an
+        older commit) goes ahead in copies of its own for as long as that write runs. ``owned``:
         ``state`` made host copies for this save (e.g. filling the ones :meth:`lend_copies`
         lent), handed to the checkpointer as they are (``Checkpointer.save``): one host copy
         per save, not two."""
@@ -294,8 +297,10 @@ class CheckpointSaves:
         # before it began and none snapshots; ``wait`` raises it (the worker's save poll
         # agrees it). Raising here left the other ranks in that collective.
         failure: Exception | None = None
+        if not self._abandoned or self._mounts is None:
+            self._mounts = self._read_mounts()
         try:
-            self._refuse_while_abandoned_writes(root, optional)
+            self._refuse_while_abandoned_writes(root, optional, rank)
             params, g = state()
             ck = self._checkpointer(plan, rank, tp_group, root, keep)
         except Exception as exc:  # raised by wait(), once agreed
@@ -319,19 +324,23 @@ class CheckpointSaves:
         except Exception:  # the save's own failure, raised by save's path
             return {}
 
-    def _refuse_while_abandoned_writes(self, root: str, optional: bool) -> None:
+    def _refuse_while_abandoned_writes(self, root: str, optional: bool, rank: int) -> None:
         """Refuse a save while this rank's write of an abandoned save still runs after
         ``ABANDONED_WAIT_S`` (never waits longer: a write on a hung mount may never end):
 
         - an optional save, whatever the roots: ``SaveSkippedError``. Its host copies are not
           back, and a snapshot now would hold a second snapshot's worth of host memory (12
           bytes per parameter the rank writes: hundreds of GB per node at 70B);
-        - a required save under the same root (:func:`same_root`): ``AbandonedWriteError``.
-          The root's storage is not known good: a write there has not ended in a save's
-          interval, and a new one would most likely hang the same way, in a wait that never
-          ends (the hold's save has only the controller's deadline; every rank would wait);
-          failing now names the cause, and the job goes back to its last commit;
-        - a required save under another root goes ahead in copies of its own: failing it
+        - a required save under a root on the same storage (``mounts.same_storage``: the
+          same root, another directory of one mounted file system or of one NFS/CIFS
+          server, the same bucket; judged from the mount table read at the last save while
+          nothing was tracked, never a ``stat``, which would hang on a hung mount too):
+          ``AbandonedWriteError``. That storage is not known good: a write there has not
+          ended in a save's interval, and a new one would most likely hang the same way, in
+          a wait that never ends (the hold's save has only the controller's deadline; every
+          rank would wait); failing now names the cause, and the job goes back to its last
+          commit;
+        - a required save on another storage goes ahead in copies of its own: failing it
           would cost the job its progress since the last commit (the reconfiguration's
           save), a certain loss against host memory that may be there, for a write elsewhere
           that is merely slow.
@@ -341,7 +350,7 @@ class CheckpointSaves:
         goes on, a required one fails the ranks."""
         deadline = time.monotonic() + ABANDONED_WAIT_S
         for old_root, old in self._abandoned:
-            if not optional and not same_root(old_root, root):
+            if not optional and not same_storage(old_root, root, self._mounts or ()):
                 continue
             if old.settle(deadline - time.monotonic()):
                 continue
@@ -352,12 +361,12 @@ class CheckpointSaves:
             )
             if not optional:
                 raise AbandonedWriteError(
-                    f"required save under {root} refused on rank {old.rank}: {running}; the "
+                    f"required save under {root} refused on rank {rank}: {running}; the "
                     "same storage is not known good, and a write there would most likely "
                     "hang the same way (check the mount of this node)"
                 )
             raise SaveSkippedError(
-                f"save under {root} skipped on rank {old.rank}: {running}, and its host "
+                f"save under {root} skipped on rank {rank}: {running}, and its host "
                 f"copies ({gb:.2f} GB) are not back; a snapshot now would hold a second "
                 "snapshot's worth of host memory"
             )
@@ -397,8 +406,8 @@ class CheckpointSaves:
         writes nothing and ends) and set aside, so the next save under its root starts a
         new one, taking the abandoned one's host copies once this rank's own write of it has
         ended (``_checkpointer``); an optional save while that write still runs is skipped
-        (``_refuse_while_abandoned_writes``), a required one refused under its root and
-        taking copies of its own under another. The other roots' checkpointers stay."""
+        (``_refuse_while_abandoned_writes``), a required one refused on its storage and
+        taking copies of its own on another. The other roots' checkpointers stay."""
         ck, self._in_flight, self._failure = self._in_flight, None, None
         if ck is None:
             return
@@ -408,21 +417,46 @@ class CheckpointSaves:
         self._abandoned.append((roots[0] if roots else ck.storage.url, ck))
 
     def reset(self) -> None:
-        # The world was abandoned: a save in flight may wait on dead peers (the committer
-        # polls for their parts); its thread is left to end on its own, fenced so that it
-        # commits nothing (a later generation may commit the same step meanwhile).
-        if self._in_flight is not None:
-            self._in_flight.cancel()
+        """The world was abandoned (a held worker goes on in place, in a new world): every
+        save of it still running on this rank (the one in flight, which may wait on dead
+        peers: the committer polls for their parts; and any abandoned before) is fenced so
+        that it commits nothing (a later generation may commit the same step meanwhile),
+        left to end on its own, and kept tracked: this rank's own write of it may still
+        run (a hung mount), and the next world's saves meet the same rules as before the
+        reset (:meth:`_refuse_while_abandoned_writes`): an optional one skipped, a required
+        one under its storage refused, under another storage taking copies of its own.
+        Before, the reset forgot them, and the next world's required save went ahead into
+        the hung mount, bounded only by the controller's CHECKPOINT deadline. A save whose
+        write has ended is dropped here with its host copies (the next world's plan may
+        differ; its checkpointers allocate their own)."""
+        running = list(self._abandoned)
+        by_root = [(k[0], ck) for k, ck in self._by_root.items()]
+        if self._in_flight is not None and all(ck is not self._in_flight for _, ck in by_root):
+            by_root.append((self._in_flight.storage.url, self._in_flight))
+        for root, ck in by_root:
+            ck.cancel()  # fenced even if done: a no-op then
+            running.append((root, ck))
         self._in_flight, self._failure = None, None
         self._by_root.clear()
-        self._abandoned.clear()  # fenced already; left to end on their own as well
+        self._abandoned = []
+        for root, ck in running:
+            if ck.done():
+                _close_quietly(ck)
+            else:
+                self._abandoned.append((root, ck))
 
     def close(self) -> None:
+        """Wait for the save in flight (its failure raised) and close the checkpointers.
+        An abandoned save whose write on this rank still runs is not waited for: it stays
+        tracked (fenced already), so a later save of this process (in place, the next
+        generation's) meets the same rules, and it is dropped once its write has ended.
+        Before, closing waited for it: a write hung on a mount held an in-place worker
+        that had stopped, its step durable, from ever reporting ``held``."""
         self.wait()
-        for _, old in self._abandoned:
-            with contextlib.suppress(Exception):
-                old.close()
-        self._abandoned.clear()
+        ended = [entry for entry in self._abandoned if entry[1].done()]
+        self._abandoned = [entry for entry in self._abandoned if not entry[1].done()]
+        for _, old in ended:
+            _close_quietly(old)
         for ck in self._by_root.values():
             ck.close()
         self._by_root.clear()

@@ -409,10 +409,11 @@ def test_a_required_save_under_another_root_while_an_abandoned_saves_write_runs_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A required save (a reconfiguration's: its failure sends the job back to its last
-    commit) under another root than the abandoned save's is not refused while this rank
-    still writes that save: it snapshots into copies of its own (a second snapshot's worth
-    of host memory while that write runs) and becomes durable; the abandoned save's copies
-    are taken back once its write ends."""
+    commit) under a root on another storage than the abandoned save's (another mount, per
+    the mount table) is not refused while this rank still writes that save: it snapshots
+    into copies of its own (a second snapshot's worth of host memory while that write runs)
+    and becomes durable; the abandoned save's copies are taken back once its write ends."""
+    from sailor.checkpoint.mounts import Mount
     from sailor.training_process import ckpt_glue
     from sailor.training_process.ckpt_glue import CheckpointSaves
 
@@ -422,14 +423,16 @@ def test_a_required_save_under_another_root_while_an_abandoned_saves_write_runs_
     state = _state(layers=2)
     mine = {k: p for k, p in state.items() if k.startswith("0.")}
     plan, root = _two_stage_plan(), str(tmp_path)
-    saves = CheckpointSaves()
+    other = root + "/../" + Path(root).name + "-elsewhere"  # one storage here, two roots
+    mounted = str(tmp_path.parent / (tmp_path.name + "-elsewhere"))  # as the table says
+    table = (Mount("/", "8:1", "ext4", "/dev/sda1"), Mount(mounted, "0:99", "tmpfs", "t"))
+    saves = CheckpointSaves(mounts=lambda: table)
     saves.save(lambda: (mine, TrainingGlobals(3, 3, {})), plan, 0, None, root, optional=True)
     assert storage.entered.wait(10)
     (old,) = saves._by_root.values()
     copies = _copies(old)
     assert copies
     saves.abandon()
-    other = root + "/../" + Path(root).name + "-elsewhere"  # one storage here, two roots
     saves.save(lambda: (mine, TrainingGlobals(4, 4, {})), plan, 0, None, other)
     (new,) = saves._by_root.values()
     assert new is not old and not old.done()
