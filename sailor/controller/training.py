@@ -41,9 +41,22 @@ def load_training(path: Path) -> TrainingConfig:
 
 
 def _same_root(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return Path(a).absolute().resolve() == Path(b).absolute().resolve()
+    """Whether two checkpoint roots are one directory (a local path, ``file://`` or not,
+    resolved: the controller reads its config before anything can hang), or one URL.
+
+    The same *directory*, not the same storage: the retention of one deletes the other's
+    commits only when both list the same step directories. Two directories of one mount
+    do not collide here; the worker's rule for a write hung on a mount
+    (``sailor.checkpoint.mounts``) asks another question (would a write there hang too)."""
+
+    def local(root: str) -> str | None:
+        r = root[len("file://") :] if root.startswith("file://") else root
+        return None if "://" in r else r
+
+    la, lb = local(a), local(b)
+    if la is None or lb is None:
+        return la is None and lb is None and a.rstrip("/") == b.rstrip("/")
+    return Path(la).absolute().resolve() == Path(lb).absolute().resolve()
 
 
 def check_checkpoint_dirs(path: Path, checkpoint_dir: str, training: TrainingConfig) -> None:

@@ -148,3 +148,33 @@ def test_a_checkpoint_url_without_its_filesystem_is_refused_at_load() -> None:
     assert ControllerConfig(checkpoint_dir="/shared/ckpt").checkpoint_dir == "/shared/ckpt"
     with pytest.raises(ValueError, match=r"checkpoint_dir='nosuch://b/x': no filesystem for"):
         ControllerConfig(checkpoint_dir="nosuch://b/x")
+
+
+@pytest.mark.parametrize(
+    ("periodic", "controller", "refused"),
+    [
+        ("/x/ckpt", "/x/ckpt/", True),
+        ("file:///x/ckpt", "/x/ckpt", True),  # the same directory spelled as a URL
+        ("/x/ckpt", "file:///x/./ckpt/", True),
+        ("s3://b/ckpt/", "s3://b/ckpt", True),
+        ("/x/periodic", "/x/ckpt", False),  # one mount, two directories: no collision
+        ("s3://b/periodic", "s3://b/ckpt", False),
+        ("s3://b/ckpt", "/b/ckpt", False),
+    ],
+)
+def test_the_periodic_checkpoints_may_not_share_the_controllers_directory(
+    periodic: str, controller: str, refused: bool
+) -> None:
+    """``checkpoint.dir`` is refused when it is the controller's ``checkpoint_dir``, however
+    either is spelled. Before, a ``file://`` URL was compared as text with a plain path,
+    and the periodic retention could delete the commit the controller resumes from."""
+    from sailor.controller.training import check_checkpoint_dirs
+    from sailor.schemas.training import parse_training_config
+
+    text = GOOD + f"checkpoint: {{dir: '{periodic}', every_steps: 5}}\n"
+    training = parse_training_config(text, "t")
+    if refused:
+        with pytest.raises(TrainingConfigError, match="checkpoint_dir"):
+            check_checkpoint_dirs(Path("t.yaml"), controller, training)
+    else:
+        check_checkpoint_dirs(Path("t.yaml"), controller, training)
