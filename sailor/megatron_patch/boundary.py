@@ -66,7 +66,7 @@ counts too: that write has then not ended for a save's interval, on a mount wher
 already failed, and a skip no more saves the run than a failure does. Not counted, a mount
 hung for good would skip every save for the rest of the run, silently to the job. Counted,
 the required save comes after the limit and fails at once on the rank whose write still
-runs (``AbandonedWriteError``: the same root, not known good), naming it; a write that ended
+runs (``AbandonedWriteError``: the same storage, not known good), naming it; a write that ended
 meanwhile lets it go ahead."""
 
 
