@@ -448,7 +448,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
     async def _in_run_dir(self, fn: Callable[[], T], what: str) -> T:
         """``fn()``, file work in the run directory, off the loop (``run_dir_io``), waited
         ``io_wait_s`` at most (then ``RunDirTimeoutError``, whose message starts with ``what``).
-        None once closed (``SupervisorClosedError``: the thread is going away)."""
+        Refused once closed (``SupervisorClosedError``: its thread is going away)."""
         if self.closed:
             raise SupervisorClosedError(f"the supervisor is closed: {what}")
         return await self.run_dir_io.run(fn, what, self.io_wait_s)

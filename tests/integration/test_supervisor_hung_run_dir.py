@@ -121,7 +121,7 @@ async def test_an_error_file_that_does_not_answer_neither_holds_the_loop_nor_hid
             assert f"error file {fifo} unreadable within 0.5 s" in sup.failure, sup.failure
             assert sup.failure.startswith("rank 0 exit 3: "), sup.failure
             assert sup.state == "failed"
-            assert ticker.longest < 0.4, ticker.longest
+            assert ticker.longest < 1.5, ticker.longest  # before: 3 s, until unjammed
         finally:
             await sup.close()
 
@@ -141,7 +141,7 @@ async def test_a_control_file_that_does_not_answer_fails_the_stop_not_the_loop(
         with _unjammed_later(tmp, 3.0), _Ticker() as ticker:
             with pytest.raises(RunDirTimeoutError, match=r"not written within 0\.5 s"):
                 await sup.stop_at(5)
-            assert ticker.longest < 0.4, ticker.longest
+            assert ticker.longest < 1.5, ticker.longest  # before: 3 s, until unjammed
         with contextlib.suppress(FileNotFoundError):  # unless the late write renamed it
             tmp.unlink()
         sup.io_wait_s = 10.0

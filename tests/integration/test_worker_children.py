@@ -48,10 +48,12 @@ time.sleep(60)
 """
 
 
-async def test_a_sigkilled_workers_grandchild_is_gone_within_a_second(tmp_path: Path) -> None:
+async def test_a_sigkilled_workers_grandchild_is_gone_within_seconds(tmp_path: Path) -> None:
     """SIGKILL of the worker alone (not through the supervisor): its child and grandchild
-    are gone within a second, the worker's exit is its failure, and nothing is left being
-    killed. Before, both lived on, adopted by init."""
+    are gone within 3 s (0.2 s here unloaded: the exit is seen within ``_EXIT_POLL_S``, and
+    the sleeps die at SIGTERM), the worker's exit is its failure, and nothing is left being
+    killed. Before, both lived on, adopted by init, and the worker's death went unseen while
+    the grandchild held its stderr open (the state stayed ``running``)."""
     sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _WITH_GRANDCHILD, "{run_dir}"))
     grandchild = -1
     try:
@@ -61,11 +63,11 @@ async def test_a_sigkilled_workers_grandchild_is_gone_within_a_second(tmp_path: 
         assert not _gone(_stat(grandchild))
         os.kill(sup.workers[0].proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        await until(lambda: _gone(_stat(grandchild)), timeout=1.0)
+        await until(lambda: _gone(_stat(grandchild)), timeout=3.0)
         took = time.monotonic() - t0
         await until(lambda: sup.state == "failed" and not sup.kill_under_way, timeout=5.0)
         assert "exit -9" in sup.failure or '"signal"' in sup.failure, sup.failure
-        assert took < 1.0
+        assert took < 3.0
     finally:
         await sup.close()
         if grandchild > 0:  # never -1: kill(-1) signals every process we may
