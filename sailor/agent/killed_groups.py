@@ -16,6 +16,10 @@ holds: it SIGKILLs the groups whose kill was cut short before their SIGKILL, goe
 those SIGKILLed less than ``teardown_timeout_s`` ago (within what is left of that bound:
 ``going`` counts them, as the kills it began itself) and lets the others linger.
 
+A worker that exits with no kill under way is *swept* as it is reaped (:meth:`KilledGroups.sweep`):
+what it left in its group (its own children) is killed the same way, and no worker starts
+meanwhile. One ``killpg(pgid, 0)`` tells an empty group (the common case) at once.
+
 The supervisor owns the workers and the failure it reports; this module tells it through
 two callbacks (the record changed; every lingering group is gone) and never starts a worker,
 reads its output nor decides which workers to kill.
@@ -188,7 +192,8 @@ class KilledGroups:
         gone. :meth:`signal` and :meth:`finish`, one after the other.
 
         Only the groups of workers not yet reaped are signalled: the pid of one reaped
-        earlier may belong to another process by now."""
+        earlier may belong to another process by now (one is swept as it is reaped:
+        :meth:`sweep`)."""
         await self.finish(self.signal(workers), report)
 
     def signal(self, workers: Sequence[Killable]) -> list[Killable]:
@@ -197,8 +202,40 @@ class KilledGroups:
         no worker starts (``gate``). Each call with workers to kill must be followed by
         :meth:`finish` of what it returned (it ends the kill)."""
         alive = [w for w in workers if w.exit_code is None]
-        if not alive:
-            return alive
+        if alive:
+            self._signal(alive)
+        return alive
+
+    def sweep(self, w: Killable) -> None:
+        """Worker ``w`` exited (reaped) with no kill of its group under way: it failed, the
+        OOM killer or someone else SIGKILLed it, or it ended its run. What it left in its
+        process group (its children: data loader workers, compile workers, a launcher's
+        processes; anything it started that did not leave the group) is killed as a kill's
+        workers are (SIGTERM, SIGKILL after the grace period, the wait, lingering past the
+        bound: the failure), in a task; no worker starts meanwhile. Before, nothing
+        signalled them: a worker's death left its children running, holding memory, GPU
+        and ports, and the next launch did not wait for them. Nothing is done when the group
+        is empty (one ``killpg(pgid, 0)``: the common case) or already being killed.
+
+        The group's id is not another's while a member of it lives (the kernel frees a pid
+        only once no process has it as its pid, group or session id), and this runs as the
+        worker is reaped; the probes after it count only members started by the signal
+        (``born_by``)."""
+        pgid = w.proc.pid
+        if w.exit_code is None or pgid in self._going or pgid in self._sigkilled:
+            return
+        try:
+            os.killpg(pgid, 0)
+        except PermissionError:  # a member we may not signal: there all the same
+            pass
+        except OSError:  # ProcessLookupError: nothing left
+            return
+        _log.warning("worker_left_processes", pid=pgid, rank=w.rank, code=w.exit_code)
+        self._signal([w])
+        self._tasks.spawn(f"sweep-{pgid}", self.finish([w]))
+
+    def _signal(self, alive: Sequence[Killable]) -> None:
+        """SIGTERM to the groups of ``alive``, recorded first (``KILLED_FILE``)."""
         self._killing += 1
         self._killed.clear()
         born_by, now = boot_ticks(), time.time()
@@ -213,7 +250,6 @@ class KilledGroups:
         for w in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
-        return alive
 
     async def finish(self, alive: Sequence[Killable], report: bool = True) -> None:
         """The rest of the kill :meth:`signal` began on ``alive``: the grace period, SIGKILL,
@@ -221,7 +257,16 @@ class KilledGroups:
         if not alive:
             return
         try:
-            left, _ = await self._until_gone(_ranks(alive), _procs(alive), self.kill_grace_s)
+            # a group whose leader was reaped (``sweep``) counts only members started by
+            # its SIGTERM: its id may be another group's once ours are all gone
+            reaped = {
+                w.proc.pid: self._sigkilled[w.proc.pid].born_by
+                for w in alive
+                if w.exit_code is not None and w.proc.pid in self._sigkilled
+            }
+            left, _ = await self._until_gone(
+                _ranks(alive), _procs(alive), self.kill_grace_s, born_by=reaped or None
+            )
             for w in alive:
                 if w.proc.pid not in left:
                     self._sigkilled.pop(w.proc.pid, None)

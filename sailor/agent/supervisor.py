@@ -19,8 +19,15 @@ and once it is gone the failure is withdrawn and the spares come back. A restart
 (``restore_killed``) finds the groups its previous incarnation killed and did not see go
 (``killed.json`` in the run directory). ``abort(wait=False)`` returns once the signals are
 sent, the kill going on in a task (its workers leave the generation at once; ``killing``
-counts their groups). The first abnormal exit's cause (error file, else the
-stderr tail) is kept for the agent to report. A worker that dies
+counts their groups). A worker that exits without a kill (it failed, was SIGKILLed by the
+OOM killer or an operator, or ended its run) has what it left in its process group killed
+the same way (``KilledGroups.sweep``). The first abnormal exit's cause (error file, else the
+stderr tail) is kept for the agent to report. Every read and write in the run directory
+(the generation's files, control files, a failed worker's error file, the workers' logs)
+runs off the event loop (:mod:`run_dir_io`, :mod:`rank_log`): the directory may be on a
+mount that hangs, and the loop carries the agent's heartbeats, status and commands. Each
+piece is waited ``io_wait_s`` at most; past it the launch or the command fails with the
+cause, and a failed worker's failure says its error file was unreadable. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
 stacks its ``faulthandler`` left (:func:`~sailor.megatron_patch.errors.signal_failure_record`).
@@ -53,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -60,6 +68,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
@@ -71,6 +80,7 @@ from sailor.agent.killed_groups import (
     WorkerTeardownError,
 )
 from sailor.agent.rank_log import RankLog
+from sailor.agent.run_dir_io import RUN_DIR_WAIT_S, RunDirIO
 from sailor.agent.step_timings import StepWindow
 from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV, worker_options
 from sailor.agent.worker_output import WorkerOutput
@@ -101,6 +111,8 @@ class SupervisorClosedError(RuntimeError):
 
 
 _spare_ids = itertools.count()
+
+T = TypeVar("T")
 
 
 def _gpu_of(plan: Plan, rank: int) -> int:
@@ -179,6 +191,11 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self.warm_spares = warm_spares
         """Spare worker processes kept ready for in-place launches."""
         self._tasks = TaskSet("supervisor")
+        self.run_dir_io = RunDirIO(f"sailor-run-dir-{run_dir.name}")
+        """Every file read and write in the run directory (``run_dir_io``): off the loop."""
+        self.io_wait_s = RUN_DIR_WAIT_S
+        """How long one piece of that file work may take before it counts as failed
+        (``RunDirTimeoutError``: its file system does not answer)."""
         self.killed_groups = KilledGroups(
             run_dir,
             self._tasks,
@@ -330,7 +347,10 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             self.failure = self.killed_groups.record  # refused: it is this node's failure now
             self.changed.set()
             raise
-        gen_dir, plan_path, extra = self._gen_files(cmd, training)
+        gen_dir, plan_path, extra = await self._in_run_dir(
+            lambda: self._gen_files(cmd, training),
+            f"generation files in {self.run_dir} not written",
+        )
         self._control_state = {}
         held_plan, self.plan = self.plan, cmd.plan
         self.generation, self.plan_id, self.failure = cmd.generation, cmd.plan_id, ""
@@ -359,9 +379,11 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._launching = assigned  # what close() must kill if it comes mid-launch
         fresh = reused = 0
         try:
+            await self._in_run_dir(
+                lambda: _fresh_rank_files(gen_dir, cmd.ranks),
+                f"control files in {gen_dir} not written",
+            )
             for rank in sorted(cmd.ranks):
-                _set_aside_errors(gen_dir, rank)
-                _write_atomic(_control_file(gen_dir, rank), "{}")
                 argv = self._argv(cmd, rank, gen_dir, plan_path, extra)
                 w = matched.get(rank) or (spares[0] if spares else None)
                 if w is not None:
@@ -369,7 +391,9 @@ class Supervisor(SupervisorStatus, WorkerOutput):
                     if w in self.spares:
                         self.spares.remove(w)
                         self._spare_failures = 0  # a spare that served: they work here
+                    polled = w.control
                     self._hand_over(w, rank, cmd.generation, argv, gen_dir)
+                    await self._direct(w, polled)
                     reused += 1
                 else:
                     w = await self._spawn(rank, argv, gen_dir, cmd.generation)
@@ -399,10 +423,9 @@ class Supervisor(SupervisorStatus, WorkerOutput):
     def _hand_over(
         self, w: WorkerView, rank: int, generation: int, argv: tuple[str, ...], gen_dir: Path
     ) -> None:
-        """Give a held worker or a spare the rank: the directive in the file it polls."""
+        """Give a held worker or a spare the rank (the directive that tells it so is written
+        next, to the file it polls: :meth:`_direct`)."""
         assert w.control is not None
-        directive = {"relayout": {"generation": generation, "argv": worker_options(argv)}}
-        _write_atomic(w.control, json.dumps(directive))
         w.rank, w.argv, w.generation = rank, argv, generation
         w.control = _control_file(gen_dir, rank)
         w.error_file = gen_dir / f"error-{rank}.json"
@@ -411,6 +434,24 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         w.step, w.saved_step, w.loss = -1, -1, None
         w.save_failed_step, w.save_failure = -1, ""
         w.timings = StepWindow(rank)
+
+    async def _direct(self, w: WorkerView, polled: Path | None) -> None:
+        """The directive of a worker just handed a rank (:meth:`_hand_over`: its argv and
+        generation), into ``polled``, the control file it polls."""
+        assert polled is not None
+        directive = {"relayout": {"generation": w.generation, "argv": worker_options(w.argv)}}
+        await self._in_run_dir(
+            lambda: _write_atomic(polled, json.dumps(directive)),
+            f"directive {polled} not written",
+        )
+
+    async def _in_run_dir(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()``, file work in the run directory, off the loop (``run_dir_io``), waited
+        ``io_wait_s`` at most (then ``RunDirTimeoutError``, whose message starts with ``what``).
+        Refused once closed (``SupervisorClosedError``: its thread is going away)."""
+        if self.closed:
+            raise SupervisorClosedError(f"the supervisor is closed: {what}")
+        return await self.run_dir_io.run(fn, what, self.io_wait_s)
 
     async def _spawn(
         self, rank: int, argv: tuple[str, ...], gen_dir: Path, generation: int
@@ -447,8 +488,10 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             err_log=RankLog(gen_dir / f"{name}-{proc.pid}.stderr.log"),
         )
         assert view.tasks is not None
-        view.tasks.spawn("out", self._read_stdout(view))
-        view.tasks.spawn("err", self._read_stderr(view))
+        view.readers = [
+            view.tasks.spawn("out", self._read_stdout(view)),
+            view.tasks.spawn("err", self._read_stderr(view)),
+        ]
         self._tasks.spawn(f"wait-{proc.pid}", self._wait(view))
         return view
 
@@ -465,8 +508,9 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self.spares = [w for w in self.spares if w.exit_code is None]
         while len(self.spares) < self.spares_wanted and not self.closed:
             d = self.run_dir / "spares" / f"spare-{next(_spare_ids):04d}-{os.getpid()}"
-            d.mkdir(parents=True, exist_ok=True)
-            _write_atomic(d / "control.json", "{}")
+            await self._in_run_dir(
+                functools.partial(_fresh_spare_dir, d), f"spare files in {d} not written"
+            )
             subst = {
                 "plan": "",
                 "rank": "-1",
@@ -483,19 +527,25 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             w.control = d / "control.json"
             self.spares.append(w)
 
-    def _write_control(self) -> None:
+    async def _write_control(self) -> None:
         """The stop/save requests, into every worker's control file (one per rank: a held
-        worker's directive names that rank alone)."""
+        worker's directive names that rank alone), off the loop (``RunDirTimeoutError`` if the
+        run directory does not answer within ``io_wait_s``)."""
         data = json.dumps(self._control_state)
-        for w in self.workers:
-            if w.control is not None and w.exit_code is None:
-                _write_atomic(w.control, data)
+        paths = [w.control for w in self.workers if w.control is not None and w.exit_code is None]
 
-    def stop_at(self, step: int) -> None:
+        def write() -> None:
+            for path in paths:
+                _write_atomic(path, data)
+
+        if paths:
+            await self._in_run_dir(write, f"control files {paths[0].parent} not written")
+
+    async def stop_at(self, step: int) -> None:
         self._control_state["stop_at_step"] = step
-        self._write_control()
+        await self._write_control()
 
-    def save_at(
+    async def save_at(
         self, step: int, directory: str, prune_below: int = -1, optional: bool = False
     ) -> None:
         """Save ``step`` under ``directory``; once it commits, delete the checkpoints below
@@ -505,7 +555,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._control_state["save_dir"] = directory
         self._control_state["prune_below"] = prune_below
         self._control_state["save_optional"] = optional
-        self._write_control()
+        await self._write_control()
 
     async def restore_killed(self) -> None:
         """At an agent's start, before it takes commands: the process groups its previous
@@ -650,6 +700,7 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self.spares = []
         await self.killed_groups.kill(self._leftovers)
         await self._tasks.close(timeout=2.0)
+        self.run_dir_io.close()
 
 
 def _set_aside_errors(gen_dir: Path, rank: int) -> None:
@@ -664,6 +715,20 @@ def _set_aside_errors(gen_dir: Path, rank: int) -> None:
         if path.exists():
             with contextlib.suppress(FileNotFoundError):
                 path.rename(gen_dir / f"{name}.earlier-{stamp}")
+
+
+def _fresh_rank_files(gen_dir: Path, ranks: Sequence[int]) -> None:
+    """Before ``ranks`` start in ``gen_dir``: an earlier run's error records set aside
+    (:func:`_set_aside_errors`) and empty control files."""
+    for rank in sorted(ranks):
+        _set_aside_errors(gen_dir, rank)
+        _write_atomic(_control_file(gen_dir, rank), "{}")
+
+
+def _fresh_spare_dir(d: Path) -> None:
+    """A warm spare's directory, with its empty control file."""
+    d.mkdir(parents=True, exist_ok=True)
+    _write_atomic(d / "control.json", "{}")
 
 
 def _control_file(gen_dir: Path, rank: int) -> Path:

@@ -16,12 +16,16 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from sailor.agent.killed_groups import KilledGroups
+from sailor.agent.rank_log import RankLog
+from sailor.agent.run_dir_io import RunDirIO, RunDirTimeoutError
 from sailor.agent.stream_lines import lines
 from sailor.agent.worker_view import WorkerView
 from sailor.coordination import TaskSet
@@ -35,6 +39,21 @@ from sailor.megatron_patch.errors import (
 __all__ = ["WorkerOutput"]
 
 _log = structlog.get_logger("sailor.agent")
+
+_EXIT_POLL_S = 0.2
+"""How often a worker's exit is looked for beside ``Process.wait``, which returns only once
+the worker's stdout and stderr are closed too (Python 3.11's asyncio): a child of the worker
+that inherited them keeps them open after the worker died, and its death went unseen (the
+worker counted as running) until that child ended."""
+
+_READERS_S = 2.0
+"""How long an exited worker's output readers may take to reach the end of its pipes (its
+last lines: a ``failed`` event, a ``stopped``) before they are stopped: a child of it that
+holds the pipes open is being killed meanwhile (``KilledGroups.sweep``)."""
+
+_LOG_CLOSE_S = 2.0
+"""How long an exited worker's logs may take to write their last lines before its exit is
+told all the same (a local file takes milliseconds; a hung mount, forever)."""
 
 
 class WorkerOutput:
@@ -51,6 +70,10 @@ class WorkerOutput:
     closed: bool
     failure: str
     run_dir: Path
+    run_dir_io: RunDirIO
+    io_wait_s: float
+    killed_groups: KilledGroups
+    generation: int
     _spare_failures: int
 
     if TYPE_CHECKING:
@@ -126,13 +149,25 @@ class WorkerOutput:
             w.stderr_tail = [*w.stderr_tail[-19:], raw.decode(errors="replace").rstrip()]
 
     async def _wait(self, w: WorkerView) -> None:
-        code = await w.proc.wait()
+        code = await exit_of(w.proc)
         w.exit_code = code
+        # what it left in its process group (its own children) goes with it
+        self.killed_groups.sweep(w)
+        if w.readers:  # its last lines, unless a child of it holds its pipes open still
+            await asyncio.wait(w.readers, timeout=_READERS_S)
         if w.tasks is not None:
             await w.tasks.close(timeout=2.0)
-        for log in (w.out_log, w.err_log):
-            if log is not None:
-                log.close()
+        logs = [log for log in (w.out_log, w.err_log) if log is not None]
+        for log in logs:
+            log.close()
+        await self._exited(w, code)
+        # their last lines in the files before the exit is told (bounded: a hung mount)
+        if logs:
+            await asyncio.to_thread(_logs_closed, logs, _LOG_CLOSE_S)
+        self.changed.set()
+
+    async def _exited(self, w: WorkerView, code: int) -> None:
+        """A worker's exit: a spare replaced, a failed worker's cause the failure."""
         if w in self.spares and not self.closed:
             # a spare that left on its own (its directive never came, or it failed): another
             # takes its place, unless they keep failing
@@ -141,43 +176,88 @@ class WorkerOutput:
                 _log.warning("spare_exited", code=code, warm=w.warm, in_a_row=self._spare_failures)
             self._tasks.spawn("spares", self.top_up_spares())
         if w not in self.workers:  # a spare, or a worker already let go
-            self.changed.set()
             return
         if code != 0 and not self.expect_exit:
+            generation = self.generation
             err = w.error_file or self.run_dir / f"error-{w.rank}.json"
-            if read_error_file(err) is None:
-                self._record_silent_death(w, code, err)
-            if not self.failure:
-                cause = ""
-                with contextlib.suppress(OSError):
-                    cause = err.read_text()[:2000]
+            cause, why = "", ""
+            try:
+                # off the loop, bounded: the run directory may be on a mount that hangs
+                cause, line = await self.run_dir_io.run(
+                    lambda: _failure_cause(w, code, err),
+                    f"error file {err} unreadable",
+                    self.io_wait_s,
+                )
+            except RunDirTimeoutError as exc:
+                why = str(exc)
+                line = ""
+            if line:
+                w.stderr_tail = [*w.stderr_tail[-19:], line]
+            # an abort or a launch meanwhile ended this generation here: not this exit's to fail
+            if not self.failure and generation == self.generation and w in self.workers:
                 tail = " | ".join(w.stderr_tail[-3:])
-                self.failure = cause or f"rank {w.rank} exit {code}: {tail}"
+                detail = f"{why}; stderr: {tail}" if why else tail
+                self.failure = cause or f"rank {w.rank} exit {code}: {detail}"
                 _log.warning("worker_failed", rank=w.rank, code=code, cause=self.failure[:300])
-        self.changed.set()
 
-    def _record_silent_death(self, w: WorkerView, code: int, err: Path) -> None:
-        """The error record of a worker that wrote none: the ``failed`` event it printed
-        last, if any (a rank ended of a peer's failure prints it before its file write,
-        which may not end on a hung mount: the record is then the peer's, not this node's),
-        else one of its exit (killed by a signal)."""
-        printed = _failed_event(w.stderr_tail)
-        if printed is not None:
-            with contextlib.suppress(OSError):
-                write_error_file(err, printed, writer_gone=True)
-            _log.warning("worker_failed_unrecorded", rank=w.rank, origin=printed.get("origin"))
-            return
-        fault = ""
+
+async def exit_of(proc: asyncio.subprocess.Process) -> int:
+    """``proc``'s exit status, once it is reaped (its pipes may still be open:
+    :data:`_EXIT_POLL_S`)."""
+    waiter = asyncio.ensure_future(proc.wait())
+    try:
+        while True:
+            await asyncio.wait([waiter], timeout=_EXIT_POLL_S)
+            if waiter.done():
+                return waiter.result()
+            if proc.returncode is not None:
+                return proc.returncode
+    finally:
+        waiter.cancel()
+
+
+def _logs_closed(logs: list[RankLog], timeout_s: float) -> None:
+    """Wait until ``logs`` have written what they were given, ``timeout_s`` at most."""
+    end = time.monotonic() + timeout_s
+    for log in logs:
+        log.wait_closed(max(0.0, end - time.monotonic()))
+
+
+def _failure_cause(w: WorkerView, code: int, err: Path) -> tuple[str, str]:
+    """A failed worker's cause, its error file as found (``''`` if unreadable), after
+    writing the file of a worker that wrote none (:func:`_record_silent_death`); and the
+    ``failed`` line for its stderr tail ('' if none). File work: run off the agent's loop."""
+    line = ""
+    if read_error_file(err) is None:
+        line = _record_silent_death(w, code, err)
+    cause = ""
+    with contextlib.suppress(OSError):
+        cause = err.read_text()[:2000]
+    return cause, line
+
+
+def _record_silent_death(w: WorkerView, code: int, err: Path) -> str:
+    """The error record of a worker that wrote none: the ``failed`` event it printed
+    last, if any (a rank ended of a peer's failure prints it before its file write,
+    which may not end on a hung mount: the record is then the peer's, not this node's),
+    else one of its exit (killed by a signal), whose ``failed`` line is returned for its
+    stderr tail ('' for the former)."""
+    printed = _failed_event(w.stderr_tail)
+    if printed is not None:
         with contextlib.suppress(OSError):
-            fault = fault_path(err).read_text(errors="replace")
-        record = signal_failure_record(
-            w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail), pid=w.proc.pid
-        )
-        with contextlib.suppress(OSError):
-            write_error_file(err, record, writer_gone=True)
-        line = json.dumps({"event": "failed", **record})
-        w.stderr_tail = [*w.stderr_tail[-19:], line]
-        _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
+            write_error_file(err, printed, writer_gone=True)
+        _log.warning("worker_failed_unrecorded", rank=w.rank, origin=printed.get("origin"))
+        return ""
+    fault = ""
+    with contextlib.suppress(OSError):
+        fault = fault_path(err).read_text(errors="replace")
+    record = signal_failure_record(
+        w.rank, code, w.step, fault, stderr_tail="\n".join(w.stderr_tail), pid=w.proc.pid
+    )
+    with contextlib.suppress(OSError):
+        write_error_file(err, record, writer_gone=True)
+    _log.warning("worker_killed", rank=w.rank, signal=record["signal"], step=w.step)
+    return json.dumps({"event": "failed", **record})
 
 
 def _failed_event(tail: list[str]) -> dict[str, Any] | None:

@@ -55,6 +55,8 @@ class WorkerView:
     gpu: int = -1
     """The node-local GPU of its rank in the plan it last got (-1: a CPU plan, a spare)."""
     tasks: TaskSet | None = None
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+    """The tasks reading its stdout and stderr (in ``tasks``)."""
     out_log: RankLog | None = None
     """Every line of its stdout (NCCL's diagnostics among them), capped (``rank_log``)."""
     err_log: RankLog | None = None

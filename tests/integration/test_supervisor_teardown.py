@@ -193,8 +193,9 @@ async def test_a_launch_starts_only_once_the_killed_workers_group_is_gone(
         assert len(states) == 1 and _gone(states[0]), states
     finally:
         await sup.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)  # the old code left it behind
+        if child > 0:  # never -1: kill(-1) signals every process we may
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)  # the old code left it behind
 
 
 async def test_a_spare_asked_for_during_an_abort_starts_after_the_teardown(
@@ -219,8 +220,9 @@ async def test_a_spare_asked_for_during_an_abort_starts_after_the_teardown(
         assert _group_gone(leader)
     finally:
         await sup.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+        if child > 0:  # never -1: kill(-1) signals every process we may
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_path: Path) -> None:
@@ -293,8 +295,9 @@ async def test_a_worker_that_exits_at_sigterm_is_not_delayed(tmp_path: Path) -> 
         assert _group_gone(leader)
     finally:
         await sup.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+        if child > 0:  # never -1: kill(-1) signals every process we may
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 async def test_a_worker_whose_main_thread_ended_is_still_killed_and_waited_for(
@@ -430,8 +433,9 @@ async def test_a_leftover_held_worker_ending_at_sigterm_is_no_failure(tmp_path: 
         assert sup.failure == "" and sup.state == "starting"
     finally:
         await sup.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+        if child > 0:  # never -1: kill(-1) signals every process we may
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: Path) -> None:
