@@ -168,6 +168,16 @@ class Keys(Frozen):
         return self.root + "event-stream"
 
     @property
+    def event_stream_shortage(self) -> str:
+        """The start of a shortage of NATS servers for the event stream, as an
+        ``EventStreamState`` (not placed): written unleased by the leader whose term it
+        began in, read by each new leader at its first failed placement (its episode counts
+        from there), deleted at a term's first placement. Bound to a lease, as
+        ``event_stream`` is, a shortage through leader changes that came more often than
+        ``event_stream_deadline_s`` was never reported overdue."""
+        return self.root + "event-stream-shortage"
+
+    @property
     def stream(self) -> str:
         return f"SAILOR_{safe_token(self.job).upper()}_EVENTS"
 
