@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import structlog
+from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import (
@@ -189,6 +190,10 @@ class Executor:
         # requests deleted without a desired state (``_take``) whose delete met an etcd
         # error: committed or not, ``settle_lost_takes`` tells once etcd answers
         self.lost_takes: dict[str, ClearReadmit | ClearBadDone] = {}
+        # a desired state that took requests, whose write met an etcd error and that the
+        # read-back did not find committed: each request it took is settled by
+        # ``settle_lost_takes`` (withdrawn meanwhile, or there for the next pass)
+        self.uncommitted: _LostWrite | None = None
 
     @property
     def epoch(self) -> int:
@@ -254,6 +259,7 @@ class Executor:
                 )
                 for key in keys:
                     self.lost_takes.pop(key, None)
+                self._answered(keys)
             else:
                 await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         except TemporaryError:
@@ -514,8 +520,18 @@ class Executor:
             self.lost_takes[key] = a  # committed or not: its mark tells (settle_lost_takes)
             raise
         self.lost_takes.pop(key, None)
+        self._answered((key,))
         await self._unmark(mark)
         return True
+
+    def _answered(self, keys: tuple[str, ...]) -> None:
+        """Requests a write or take just committed (answered): no longer the uncommitted
+        write's to settle (its key is gone because this took it, not withdrawn)."""
+        lost = self.uncommitted
+        if lost is None:
+            return
+        left = tuple(a for a in lost.take if self._request_key(a) not in keys)
+        self.uncommitted = replace(lost, take=left) if left else None
 
     async def _unmark(self, mark: str) -> None:
         """Delete a take's mark once its outcome is known. Not deleted (etcd failed, or this
@@ -564,7 +580,13 @@ class Executor:
         write: settled, it is forgotten (before, the requests' own records were never
         written: the audit checker kept a cleared step unreadable)."""
         lost, self.lost = self.lost, None
-        if lost is None or lost.state != held:
+        if lost is None:
+            return ()
+        if lost.state != held:
+            # not committed: a request it took that its command withdrew meanwhile is in
+            # no later pass (the mirror shows it gone), so none would audit it; the settle
+            # of the takes does (before, no record at all)
+            self.uncommitted = lost if lost.take else None
             return ()
         # the state etcd holds is that write's: its phase record, as a write that answered
         # writes it (before, none: the audit missed a phase, or a launch)
@@ -613,6 +635,8 @@ class Executor:
         applied: list[ClearReadmit | ClearBadDone] = []
         withdrawn: list[str] = []
         unknown: list[str] = []
+        if only is None and self.uncommitted is not None:
+            withdrawn.extend(await self._settle_uncommitted())
         for key, a in list(self.lost_takes.items()):
             if only is not None and key not in only:
                 continue
@@ -657,6 +681,47 @@ class Executor:
         if not applied:
             return ()
         return self._applied_lost(tuple(applied), "a request deleted, its answer lost")
+
+    async def _settle_uncommitted(self) -> list[str]:
+        """The request keys of the uncommitted write (``uncommitted``) their commands
+        withdrew: gone, while the desired state, read after the key, is not that write's
+        (a write that needs the key as observed cannot commit once it is gone). Those still
+        there are the next pass's, which applies and audits them. Gone with the desired
+        state the write's after all (it committed after the read-back), it is settled as a
+        write whose answer was lost (:meth:`settle_lost`). etcd not answering: kept for
+        the next settle."""
+        lost = self.uncommitted
+        if lost is None:
+            return []
+        try:
+            gone = [
+                (self._request_key(a), a)
+                for a in lost.take
+                if await self.store.get(self._request_key(a)) is None
+            ]
+            kv = await self.store.get(self.keys.desired) if gone else None
+        except TemporaryError as exc:
+            _log.debug("uncommitted_unsettled", error=str(exc))
+            return []
+        self.uncommitted = None
+        if not gone:
+            return []
+        held: DesiredState | None = None
+        if kv is not None:
+            try:
+                held = DesiredState.model_validate_json(kv.value)
+            except ValidationError:  # not that write's, whatever it is
+                held = None
+        if held is not None and held == lost.state:
+            # committed after all (after the read-back): its records, as a lost answer's
+            self.lost = lost
+            self.settle_lost(held)
+            return []
+        keys = [key for key, _ in gone]
+        for key in keys:
+            if key in self.request_revisions:  # the mirror may show it a while yet
+                self.withdrawn[key] = self.request_revisions[key]
+        return keys
 
     async def _took(self, key: str) -> Literal["applied", "withdrawn", "unknown"] | None:
         """What became of a take of ``key`` whose answer was lost: None while the key is

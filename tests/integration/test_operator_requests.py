@@ -746,6 +746,83 @@ async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
         assert len(_records(rig.audit, "request_applied")) == int(committed)
 
 
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_write_that_did_not_commit_and_whose_request_was_withdrawn_says_withdrawn(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """A leader's desired state that applies the request meets an etcd error and does not
+    commit; the command's wait ends and its withdrawal succeeds ("withdrawn"). The settle
+    after the error audits the request ``request_withdrawn`` (``answer_lost``), once, and
+    no ``readmit``/``clear_bad``: no later pass sees the request to audit it. Before, the
+    request had no record at all. A request still there is left to the next pass."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        if kind == "readmit":
+            key = keys.readmit("r1")
+            body = ReadmitRequest(nodes=("n1",), who="op", time=time.time())
+        else:
+            key = keys.clear_bad("r1")
+            body = ClearBadRequest(steps=(14,), who="op", time=time.time())
+        await rig.store.put(key, body.model_dump_json().encode())
+        seen = await rig.store.get(key)
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def refused(*a: Any, **k: Any) -> int:
+            raise TemporaryError("etcd restarted before it committed")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", refused)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        assert await status._withdrawn(rig.store, seen.key, seen.mod_revision) == "withdrawn"
+        held = DesiredState.model_validate_json(await rig.desired())
+        assert held == _seeded(rig.ex.epoch)  # not committed
+        assert rig.ex.settle_lost(held) == ()
+        assert await rig.ex.settle_lost_takes() == ()
+        assert await rig.ex.settle_lost_takes() == ()  # settled once
+        (rec,) = _records(rig.audit, "request_withdrawn")
+        assert rec["keys"] == [seen.key] and rec["answer_lost"] is True, rec
+        assert _records(rig.audit, "readmit") == _records(rig.audit, "clear_bad") == []
+        assert _records(rig.audit, "request_applied") == []
+        assert rig.ex.withdrawn == {seen.key: seen.mod_revision}  # out of the stale passes
+
+
+async def test_a_write_that_did_not_commit_leaves_a_request_still_there_to_the_next_pass(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, the request not withdrawn: the settle writes nothing for it and the next
+    pass applies and audits it, once (not withdrawn)."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        body = ReadmitRequest(nodes=("n1",), who="op", time=time.time())
+        await rig.store.put(keys.readmit("r1"), body.model_dump_json().encode())
+        seen = await rig.store.get(keys.readmit("r1"))
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def refused(*a: Any, **k: Any) -> int:
+            raise TemporaryError("etcd restarted before it committed")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", refused)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        held = DesiredState.model_validate_json(await rig.desired())
+        assert rig.ex.settle_lost(held) == ()
+        assert await rig.ex.settle_lost_takes() == ()
+        await _pass(rig, seen)
+        assert await rig.ex.settle_lost_takes() == ()
+        assert [r["request_id"] for r in _records(rig.audit, "readmit")] == ["r1"]
+        assert _records(rig.audit, "request_withdrawn") == []
+        assert "n1" not in DesiredState.model_validate_json(await rig.desired()).node_health
+
+
 @pytest.mark.parametrize("committed", [True, False])
 async def test_a_state_whose_answer_was_lost_gets_its_phase_record_once(
     module_plain_servers: LocalServers,
