@@ -448,6 +448,74 @@ async def test_the_command_waits_and_withdraws_through_an_etcd_restart(
         await store.close()
 
 
+async def _answering(ep: str, timeout: float = 20.0) -> None:
+    """Until a new client's read of etcd at ``ep`` answers."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            probe = await connect_etcd(ep)
+            try:
+                await probe.get("/probe")
+                return
+            finally:
+                await probe.close()
+        except TemporaryError:
+            assert time.monotonic() < end, f"etcd at {ep} does not answer"
+            await asyncio.sleep(0.3)
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_an_applied_request_whose_result_etcd_fails_to_read_back_says_applied(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """A leader takes the request (its key deleted); etcd stops before the command reads
+    the desired state back and stays down past the read's retries. The command says the
+    request was applied, that etcd failed while its result was read back (which etcd, its
+    error) and where to look, exit status 0. Before: "temporary: retry", exit status 1,
+    and an operator who retried asked again for what was done."""
+    servers = module_plain_servers
+    ep = servers.etcd_endpoint
+    job = f"unread-{kind}-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    cfg = _config(tmp_path, ep, job)
+    real_ask = status._ask
+
+    async def ask_then_etcd_stops(*a: Any, **k: Any) -> Any:
+        got = await real_ask(*a, **k)
+        if got == "applied":
+            servers.etcd.stop()
+        return got
+
+    monkeypatch.setattr(status, "_ask", ask_then_etcd_stops)
+    monkeypatch.setattr(status, "WITHDRAW_RETRY_S", 1.0)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        if kind == "readmit":
+            args, prefix = ["node", "readmit", "n1"], keys.readmits
+        else:
+            args, prefix = ["checkpoint", "clear-bad", "14"], keys.clear_bads
+        cli = asyncio.create_task(
+            _cli(*args, "--config", str(cfg), "--wait", "5"), name=f"test-cli-{kind}"
+        )
+        seen = await _request(store, prefix)
+        await store.delete(seen.key)  # a leader's take
+        res = await asyncio.wait_for(cli, 60)
+    finally:
+        if not servers.etcd.running:
+            await asyncio.to_thread(servers.etcd.start)
+            await _answering(ep)  # the module's etcd, for the tests after this one
+        await store.close()
+    assert res.exit_code == 0, res.output
+    assert "temporary: retry" not in res.output
+    assert "applied: the leader took request" in res.output, res.output
+    assert f"etcd at {ep} failed while its result was read back" in res.output, res.output
+    assert "is not known: see `sailor status`" in res.output
+
+
 async def test_a_takeover_write_that_etcd_does_not_take_is_retried(
     module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
