@@ -136,11 +136,12 @@ class Keys(Frozen):
 
     @property
     def takens(self) -> str:
-        """Marks of the leader's takes (``Executor._take``): an empty key per request
-        deleted without a desired state, written in the transaction that deletes it and
-        bound to the leader's lease. A take whose answer was lost is known committed by its
-        mark, not by the request's key being gone (its command's withdrawal deletes the key
-        alike)."""
+        """Marks of the leader's takes (``Executor._take``, ``Executor.write_desired``): a
+        key per request taken, holding the epoch that took it and the request's audit record
+        (``controller/take_marks.py``), written in the transaction that deletes the request
+        and bound to no lease. A take whose answer was lost is known committed by its mark,
+        not by the request's key being gone (its command's withdrawal deletes the key
+        alike), also by the next leader when the term ended first."""
         return self.root + "taken/"
 
     def taken(self, request_key: str) -> str:

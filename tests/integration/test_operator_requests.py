@@ -1068,14 +1068,33 @@ async def test_a_lost_take_retaken_from_a_stale_mirror_is_audited_applied_only(
         assert await rig.store.get_prefix(keys.takens) == []
 
 
-async def test_a_lost_take_whose_leader_lost_its_lease_is_audited_unknown(
+async def test_a_lost_take_whose_leader_lost_its_lease_is_still_known_by_its_mark(
     module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A take whose answer was lost, settled after the leader's lease went (with it the
-    take's mark): the key gone says nothing (the command's withdrawal deletes it alike),
-    so the audit says ``request_unknown``, not applied. Before, ``request_applied``."""
+    """A take whose answer was lost, settled after the leader's lease went: its mark is
+    bound to no lease, so it still says the take committed: ``request_applied`` and the
+    ``clear_bad`` record, and the mark goes. Before, the mark went with the lease and the
+    settle said ``request_unknown`` of a take that had committed."""
     async with executor_on(module_plain_servers, tmp_path, None) as rig:
         seen, _ = await _lost_repoint_take(rig, monkeypatch, committed=True)
+        await rig.store.call(rig.store.client.revoke_lease(rig.lead.lease.id))
+        assert await rig.ex.settle_lost_takes() == (seen.key,)
+        assert [r["keys"] for r in _records(rig.audit, "request_applied")] == [[seen.key]]
+        (rec,) = _records(rig.audit, "clear_bad")
+        assert rec["repointed"] == [300] and rec["answer_lost"] is True
+        assert _records(rig.audit, "request_unknown") == []
+
+
+async def test_a_lost_take_with_no_mark_after_the_term_is_audited_unknown(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A take whose answer was lost did not commit, its command withdrew the request, and
+    the leader's term is over (its lease gone) when it settles: no mark could mean that,
+    or a next leader that audited the take from its mark and deleted it, so the audit says
+    ``request_unknown``, never applied nor withdrawn."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        seen, _ = await _lost_repoint_take(rig, monkeypatch, committed=False)
+        assert await status._withdrawn(rig.store, seen.key, seen.mod_revision) == "withdrawn"
         await rig.store.call(rig.store.client.revoke_lease(rig.lead.lease.id))
         assert await rig.ex.settle_lost_takes() == ()
         assert [r["keys"] for r in _records(rig.audit, "request_unknown")] == [[seen.key]]
