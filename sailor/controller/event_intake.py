@@ -90,8 +90,8 @@ class _Placement:
     watch: StreamWatch = field(default_factory=StreamWatch)
     written: EventStreamState | None = None  # what etcd holds (``event-stream``)
     pause: float = _UNPLACED_PAUSE_S
-    carried: bool = False  # the shortage's start this term read or wrote (unleased)
-    cleared: bool = False  # the term placed the stream and deleted that record
+    carried: bool = False  # this episode's start was read or written (unleased record)
+    cleared: bool = False  # that record deleted since (a placement): nothing to delete
 
 
 class EventIntake:
@@ -263,12 +263,12 @@ class EventIntake:
     async def _shortage_began(
         self, store: EtcdStore, lead: Leadership, placement: _Placement, reason: str, now: float
     ) -> float | None:
-        """When the shortage this term's first failed placement (at ``now``) meets began: the
-        start an earlier term kept (``event-stream-shortage``, unleased), or None, ``now``
-        written there as its start for the next term. Read and written once a term (etcd failing:
-        tried again at the next episode's start). Before, each term counted from its own
-        first failure: under leader changes more frequent than ``event_stream_deadline_s``
-        a shortage was never reported overdue."""
+        """When the shortage an episode's first failed placement (at ``now``) meets began:
+        the start an earlier term kept (``event-stream-shortage``, unleased), or None,
+        ``now`` written there as its start for the next term. Read or written once an
+        episode (etcd failing: tried again at the next episode's start). Before, each
+        term counted from its own first failure: under leader changes more frequent than
+        ``event_stream_deadline_s`` a shortage was never reported overdue."""
         if placement.carried:
             return None
         key = self.keys.event_stream_shortage
@@ -280,7 +280,7 @@ class EventIntake:
                 except ValidationError as exc:  # rewritten below: never stops the term
                     _log.warning("event_stream_shortage_unreadable", error=str(exc)[:300])
                 else:
-                    placement.carried = True
+                    placement.carried, placement.cleared = True, False
                     return kept.since
             record = EventStreamState(
                 placed=False,
@@ -295,16 +295,16 @@ class EventIntake:
         except TemporaryError as exc:
             _log.debug("event_stream_shortage_unread", error=str(exc))
             return None
-        placement.carried = True
+        placement.carried, placement.cleared = True, False
         return None
 
     async def _shortage_over(
         self, store: EtcdStore, lead: Leadership, placement: _Placement
     ) -> None:
-        """The stream placed: delete the kept start of a shortage (``event-stream-shortage``),
-        once a term, whichever term wrote it (a leader deposed between its placement and this
-        delete left it to the next term's). etcd failing: tried again at the next
-        placement; fenced: raises."""
+        """The stream placed: delete the kept start of a shortage (``event-stream-shortage``)
+        at the term's first placement and after each episode, whichever term wrote it (a
+        leader deposed between its placement and this delete left it to the next term's).
+        etcd failing: tried again at the next placement; fenced: raises."""
         try:
             await store.delete_guarded(
                 self.keys.event_stream_shortage, self.keys.leader, lead.epoch
@@ -312,7 +312,7 @@ class EventIntake:
         except TemporaryError as exc:
             _log.debug("event_stream_shortage_undeleted", error=str(exc))
             return
-        placement.cleared = True
+        placement.cleared, placement.carried = True, False  # a later episode writes its own
 
     def _report_stream(
         self,
