@@ -145,6 +145,13 @@ def clear_bad(
         "clear_bad",
         "no mark was cleared",
     )
+    if answer.unread:
+        typer.echo(
+            f"applied: the leader took request {rid}; {answer.unread}, so what it cleared "
+            "or re-pointed is not known: see `sailor status` and the leader's audit log "
+            "(`clear_bad`)"
+        )
+        return
     if answer.again:
         typer.echo(
             f"marked again since (read again and failed?): step {', '.join(answer.again)}: "

@@ -79,6 +79,12 @@ def readmit(
         "readmit",
         "nothing was readmitted",
     )
+    if answer.unread:
+        typer.echo(
+            f"applied: the leader took request {rid}; {answer.unread}, so what it readmitted "
+            "is not known: see `sailor status` and the leader's audit log (`readmit`)"
+        )
+        return
     if answer.again:
         typer.echo(
             f"held again since (failed again?): {', '.join(answer.again)}: see `sailor status`",

@@ -320,6 +320,8 @@ class Controller(EventIntake):
                 if not self._term_goes_on(lead):
                     break
                 try:
+                    if not executor.orphans_settled:  # takes an earlier term left unsettled
+                        await executor.settle_orphan_marks()
                     ready = executor.adopt_plan(desired)
                     if ready is not None:  # a plan
                         await executor.write_desired(*ready)

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from sailor.controller.job_precision import job_precision, plan_precision
 from sailor.controller.node_health import ExclusionPolicy
-from sailor.controller.phases import PhaseDeadlines, check_transition
+from sailor.controller.phases import PhaseDeadlines, check_transition, stretch_key
 from sailor.controller.plan_deadlines import (
     DERIVED_PHASES,
     MeasuredIteration,
@@ -400,7 +400,6 @@ def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline
     phase's stretch. Pure; what ``move_to`` sets, the stretch's base and the audit's why."""
     dl = cfg.deadlines
     configured = dl.of(phase)
-    factor = dl.factor(phase, d.deadline_stretch)
     plan_id = d.plan.plan_id if d.plan is not None else ""
     need: PhaseNeed | None = None
     off = ""
@@ -426,6 +425,7 @@ def phase_deadline(d: DesiredState, phase: Phase, cfg: DecideConfig) -> Deadline
                 in_place_reads=d.in_place_reads if d.path == "in_place" else None,
             )
     base = max(configured, need.seconds if need is not None else 0.0)
+    factor = dl.fitted(phase, d.deadline_stretch, base)  # within deadlines.stretch_max_s
     return Deadline(phase, base * factor, base, configured, factor, need, plan_id, off)
 
 
@@ -456,8 +456,17 @@ def move_to(
         nxt = nxt.model_copy(update={"in_place_reads": reads})
     if "phase_deadline" in kw:
         return nxt
-    length = phase_deadline(nxt, phase, cfg).seconds
-    return nxt.model_copy(update={"phase_deadline": now + length if length else 0.0})
+    dl = phase_deadline(nxt, phase, cfg)
+    update = {"phase_deadline": now + dl.seconds if dl.seconds else 0.0}
+    if phase in (Phase.LOAD, Phase.VERIFY):
+        key = stretch_key(phase)
+        if cfg.deadlines.factor(phase, nxt.deadline_stretch) > dl.factor:
+            # halved to stay within deadlines.stretch_max_s (a larger plan than the one that
+            # stalled): the factor kept is the one used, so that the phase's length over it
+            # is its base again (``launch._base``)
+            stretch = {k: v for k, v in nxt.deadline_stretch.items() if k != key}
+            update["deadline_stretch"] = {**stretch, **({key: dl.factor} if dl.factor > 1 else {})}
+    return nxt.model_copy(update=update)
 
 
 def command_id_for(d: DesiredState, kind: str, node: str, extra: int | str = "") -> str:

@@ -43,7 +43,13 @@ from sailor.coordination import (
 )
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import Event, EventAdapter, NodeJoined, PreemptionNotice
-from sailor.schemas.runtime import AgentStatus, DesiredState, EventStreamState, NoticeRecord
+from sailor.schemas.runtime import (
+    AgentStatus,
+    DesiredState,
+    EventStreamState,
+    NoticeRecord,
+    shorten,
+)
 
 __all__ = ["EVENT_RETRY_S", "EventIntake", "urgent_wake"]
 
@@ -84,6 +90,8 @@ class _Placement:
     watch: StreamWatch = field(default_factory=StreamWatch)
     written: EventStreamState | None = None  # what etcd holds (``event-stream``)
     pause: float = _UNPLACED_PAUSE_S
+    carried: bool = False  # this episode's start was read or written (unleased record)
+    cleared: bool = False  # that record deleted since (a placement): nothing to delete
 
 
 class EventIntake:
@@ -222,8 +230,15 @@ class EventIntake:
             await bus.ensure_stream()
         except StreamNotPlacedError as exc:
             reason = f"{exc.args[0]}: {exc.fields.get('reason', '')}"
+            now, began = self.clock.now(), None
+            if placement.watch.placed:  # an episode begins: of this term, or carried on
+                began = await self._shortage_began(store, lead, placement, reason, now)
             placement.watch, reports = unplaced(
-                placement.watch, self.clock.now(), reason, self.cfg.event_stream_deadline_s
+                placement.watch,
+                now,
+                reason,
+                self.cfg.event_stream_deadline_s,
+                began,
             )
             if not reports:
                 _log.debug("event_stream_unplaced_retry", reason=reason)
@@ -237,11 +252,67 @@ class EventIntake:
             await self.clock.sleep(0.3)
             return False
         placement.pause = _UNPLACED_PAUSE_S
+        if not placement.cleared:
+            await self._shortage_over(store, lead, placement)
         began = placement.watch.since  # of the episode that ends here, if one does
         placement.watch, reports = placed(placement.watch, self.clock.now())
         self._report_stream(reports, placement.watch, lead, "", began)
         await self._show_stream(placement, store, lead)
         return True
+
+    async def _shortage_began(
+        self, store: EtcdStore, lead: Leadership, placement: _Placement, reason: str, now: float
+    ) -> float | None:
+        """When the shortage an episode's first failed placement (at ``now``) meets began:
+        the start an earlier term kept (``event-stream-shortage``, unleased), or None,
+        ``now`` written there as its start for the next term. Read or written once an
+        episode (etcd failing: tried again at the next episode's start). Before, each
+        term counted from its own first failure: under leader changes more frequent than
+        ``event_stream_deadline_s`` a shortage was never reported overdue."""
+        if placement.carried:
+            return None
+        key = self.keys.event_stream_shortage
+        try:
+            kv = await store.get(key)
+            if kv is not None:
+                try:
+                    kept = EventStreamState.model_validate_json(kv.value)
+                except ValidationError as exc:  # rewritten below: never stops the term
+                    _log.warning("event_stream_shortage_unreadable", error=str(exc)[:300])
+                else:
+                    placement.carried, placement.cleared = True, False
+                    return kept.since
+            record = EventStreamState(
+                placed=False,
+                since=now,
+                reason=shorten(reason, 1024),
+                replicas=self.cfg.event_stream_replicas,
+                epoch=lead.epoch,
+            )
+            await store.put_guarded(
+                key, record.model_dump_json().encode(), self.keys.leader, lead.epoch
+            )
+        except TemporaryError as exc:
+            _log.debug("event_stream_shortage_unread", error=str(exc))
+            return None
+        placement.carried, placement.cleared = True, False
+        return None
+
+    async def _shortage_over(
+        self, store: EtcdStore, lead: Leadership, placement: _Placement
+    ) -> None:
+        """The stream placed: delete the kept start of a shortage (``event-stream-shortage``)
+        at the term's first placement and after each episode, whichever term wrote it (a
+        leader deposed between its placement and this delete left it to the next term's).
+        etcd failing: tried again at the next placement; fenced: raises."""
+        try:
+            await store.delete_guarded(
+                self.keys.event_stream_shortage, self.keys.leader, lead.epoch
+            )
+        except TemporaryError as exc:
+            _log.debug("event_stream_shortage_undeleted", error=str(exc))
+            return
+        placement.cleared, placement.carried = True, False  # a later episode writes its own
 
     def _report_stream(
         self,
@@ -258,10 +329,17 @@ class EventIntake:
         for kind in reports:
             since = watch.since if watch.since is not None else now
             if kind == "event_stream_unplaced":
+                # ``since`` before now: a shortage an earlier term began (carried over)
                 self.audit.write(
-                    kind, now, sync=True, epoch=lead.epoch, replicas=replicas, reason=reason
+                    kind,
+                    now,
+                    sync=True,
+                    epoch=lead.epoch,
+                    replicas=replicas,
+                    reason=reason,
+                    since=since,
                 )
-                _log.warning(kind, replicas=replicas, reason=reason)
+                _log.warning(kind, replicas=replicas, reason=reason, since=since)
                 self.sd.status(
                     f"leader, epoch {lead.epoch}; event stream not placed: {reason}"[:200]
                 )

@@ -6,7 +6,9 @@ retries (``event_intake``). It still leads: joins and leaves arrive as registrat
 etcd, preemption notices as the agents' status records; what it lacks are the events'
 early wake-ups and their audit records. An episode of failed placements is reported once
 at its start, once when it has lasted ``event_stream_deadline_s`` (overdue) and once at
-its end, not at every retry; the record ``sailor status`` shows follows every change.
+its end, not at every retry; the record ``sailor status`` shows follows every change. A
+shortage outlives the term it began in: its start is kept in etcd (unleased,
+``event-stream-shortage``) until a placement, and a new leader's episode counts from it.
 
 No I/O and no clock: the shell passes ``now`` and writes what these functions return.
 Must never import torch or the agent.
@@ -41,13 +43,16 @@ class StreamWatch:
 
 
 def unplaced(
-    watch: StreamWatch, now: float, reason: str, deadline_s: float
+    watch: StreamWatch, now: float, reason: str, deadline_s: float, began: float | None = None
 ) -> tuple[StreamWatch, tuple[Report, ...]]:
     """A placement failed at ``now`` (``reason``: JetStream's answer): the next watch, and
-    the reports due (the episode's start, its deadline passing)."""
+    the reports due (the episode's start, its deadline passing). ``began``: when the
+    shortage began under an earlier term (``event-stream-shortage``), for an episode this
+    failure begins in this one: its deadline counts from there (at most ``now``)."""
     reports: tuple[Report, ...] = ()
     if watch.placed:
-        watch = StreamWatch(since=now, placed=False, reason=reason)
+        since = now if began is None else min(began, now)
+        watch = StreamWatch(since=since, placed=False, reason=reason)
         reports = ("event_stream_unplaced",)
     else:
         watch = replace(watch, reason=reason)  # the latest answer shows; reported once

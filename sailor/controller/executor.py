@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import structlog
+from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import (
@@ -58,6 +59,7 @@ from sailor.controller.decision_types import (
 from sailor.controller.job_precision import plan_precision
 from sailor.controller.layout import layout_of
 from sailor.controller.planning import Planner, PlanResult
+from sailor.controller.take_marks import mark_value, read_mark, request_record
 from sailor.coordination import (
     ChangedError,
     Clock,
@@ -189,6 +191,15 @@ class Executor:
         # requests deleted without a desired state (``_take``) whose delete met an etcd
         # error: committed or not, ``settle_lost_takes`` tells once etcd answers
         self.lost_takes: dict[str, ClearReadmit | ClearBadDone] = {}
+        # a desired state that took requests, whose write met an etcd error and that the
+        # read-back did not find committed: each request it took is settled by
+        # ``settle_lost_takes`` (withdrawn meanwhile, or there for the next pass)
+        self.uncommitted: _LostWrite | None = None
+        # marks of takes audited whose delete etcd did not answer: deleted at the next
+        # settle (else the next term would audit those takes once more)
+        self.marks_left: set[str] = set()
+        # the marks an earlier term left (its takes unsettled) are audited once a term
+        self.orphans_settled = False
 
     @property
     def epoch(self) -> int:
@@ -245,8 +256,12 @@ class Executor:
         try:
             if take:
                 keys = tuple(self._request_key(a) for a in take)
+                marks = [
+                    (self.keys.taken(k), mark_value(a, self.epoch))
+                    for k, a in zip(keys, take, strict=True)
+                ]
                 await self.store.put_all_guarded(
-                    [(self.keys.desired, data), *self._repointed(take)],
+                    [(self.keys.desired, data), *self._repointed(take), *marks],
                     self.keys.leader,
                     self.epoch,
                     delete=keys,
@@ -254,6 +269,7 @@ class Executor:
                 )
                 for key in keys:
                     self.lost_takes.pop(key, None)
+                self._answered(keys)
             else:
                 await self.store.put_guarded(self.keys.desired, data, self.keys.leader, self.epoch)
         except TemporaryError:
@@ -389,6 +405,8 @@ class Executor:
                 if key not in taken and not await self._take(a):
                     continue
                 self._audit_request(a)
+                # audited: its mark is no longer needed (left, the next term audits it)
+                await self._unmark(self.keys.taken(key))
         self._prune(desired.generation)
         due = [s for s in sends if self._due(s.command.command_id, s.resend_every)]
         if due and not self.lead.fresh:
@@ -449,35 +467,9 @@ class Executor:
 
     def _audit_request(self, a: ClearReadmit | ClearBadDone, **extra: Any) -> None:
         """The audit record of a request applied (``readmit``, ``clear_bad``): what it
-        ended or why nothing."""
-        if isinstance(a, ClearBadDone):
-            if a.repointed:  # which records now name which directory, and named before
-                extra |= {
-                    "repointed": [r.step for r in a.repointed],
-                    "repointed_from": list(a.repointed_from),
-                    "directory": a.repointed[0].directory,
-                }
-            self.audit.write(
-                "clear_bad",
-                self.clock.now(),
-                epoch=self.epoch,
-                request_id=a.request_id,
-                who=a.who,
-                steps=list(a.steps),
-                all=a.all,
-                cleared=list(a.cleared),
-                reason=a.reason,
-                **extra,
-            )
-        else:
-            self.audit.write(
-                "readmit",
-                self.clock.now(),
-                epoch=self.epoch,
-                request_id=a.request_id,
-                reason=a.reason,
-                **extra,
-            )
+        ended or why nothing (``take_marks.request_record``)."""
+        kind, fields = request_record(a)
+        self.audit.write(kind, self.clock.now(), epoch=self.epoch, **fields, **extra)
 
     def _expected(self, keys: tuple[str, ...]) -> dict[str, int]:
         """key -> mod revision observed, for the keys a pass takes. ``ChangedError`` if one
@@ -492,20 +484,19 @@ class Executor:
         """Delete a request that changed no desired state (it named no record or mark there
         is, or only re-pointed commit records: written in the same transaction) while it is
         as observed; False if its operator withdrew it first. The transaction also writes
-        the take's mark (``Keys.taken``, bound to the leader's lease): should its answer be
-        lost, the mark, not the key's absence, says it committed (``settle_lost_takes``);
-        answered, the mark goes at once."""
+        the take's mark (``Keys.taken``, ``take_marks``: the request's record, bound to no
+        lease): should its answer be lost, the mark, not the key's absence, says it
+        committed (``settle_lost_takes``; after the term, ``settle_orphan_marks``);
+        answered, the mark goes once the take is audited (``apply``)."""
         key = self._request_key(a)
         mark = self.keys.taken(key)
         try:
             await self.store.put_all_guarded(
-                self._repointed((a,)),
+                [*self._repointed((a,)), (mark, mark_value(a, self.epoch))],
                 self.keys.leader,
                 self.epoch,
                 delete=(key,),
                 expect=self._expected((key,)),
-                marks=(mark,),
-                lease=self.lead.lease,
             )
         except ChangedError:
             await self._withdrawn((key,))
@@ -514,16 +505,34 @@ class Executor:
             self.lost_takes[key] = a  # committed or not: its mark tells (settle_lost_takes)
             raise
         self.lost_takes.pop(key, None)
-        await self._unmark(mark)
+        self._answered((key,))
         return True
 
-    async def _unmark(self, mark: str) -> None:
-        """Delete a take's mark once its outcome is known. Not deleted (etcd failed, or this
-        leader was deposed meanwhile), it goes with the leader's lease."""
+    def _answered(self, keys: tuple[str, ...]) -> None:
+        """Requests a write or take just committed (answered): no longer the uncommitted
+        write's to settle (its key is gone because this took it, not withdrawn)."""
+        lost = self.uncommitted
+        if lost is None:
+            return
+        left = tuple(a for a in lost.take if self._request_key(a) not in keys)
+        self.uncommitted = replace(lost, take=left) if left else None
+
+    async def _unmark(self, *marks: str) -> None:
+        """Delete takes' marks (one transaction) once their outcome is audited. etcd
+        failing: tried again at the next settle (``marks_left``); should the term end
+        first, the next leader audits the take again from the mark (its record says so).
+        Deposed: the next leader's to settle."""
+        if not marks:
+            return
         try:
-            await self.store.delete_guarded(mark, self.keys.leader, self.epoch)
-        except (TemporaryError, FencedError) as exc:
-            _log.debug("take_mark_left", key=mark, error=str(exc))
+            await self.store.put_all_guarded([], self.keys.leader, self.epoch, delete=marks)
+        except TemporaryError as exc:
+            self.marks_left.update(marks)
+            _log.debug("take_mark_left", keys=list(marks), error=str(exc))
+        except FencedError as exc:
+            _log.debug("take_mark_left", keys=list(marks), error=str(exc))
+        else:
+            self.marks_left.difference_update(marks)
 
     async def _withdrawn(self, keys: tuple[str, ...]) -> None:
         """After a write that took ``keys`` was refused: audit those an operator withdrew
@@ -564,13 +573,21 @@ class Executor:
         write: settled, it is forgotten (before, the requests' own records were never
         written: the audit checker kept a cleared step unreadable)."""
         lost, self.lost = self.lost, None
-        if lost is None or lost.state != held:
+        if lost is None:
+            return ()
+        if lost.state != held:
+            # not committed: a request it took that its command withdrew meanwhile is in
+            # no later pass (the mirror shows it gone), so none would audit it; the settle
+            # of the takes does (before, no record at all)
+            self.uncommitted = lost if lost.take else None
             return ()
         # the state etcd holds is that write's: its phase record, as a write that answered
         # writes it (before, none: the audit missed a phase, or a launch)
         self._phase_record(lost.state, lost.reason, lost.load_directory, answer_lost=True)
         if not lost.take:
             return ()
+        # audited here: their marks go at the settle of the takes, which follows
+        self.marks_left.update(self.keys.taken(self._request_key(a)) for a in lost.take)
         return self._applied_lost(lost.take, held.cause)
 
     def _applied_lost(
@@ -602,10 +619,11 @@ class Executor:
         (its mark is there), as applied, as :meth:`settle_lost` audits a write's
         (``request_applied``, ``answer_lost``, then its own record); not committed and the
         key gone (its command withdrew it in the meantime: the command said "withdrawn"),
-        as withdrawn (``request_withdrawn``, ``answer_lost``); this leader's lease lost
-        (the mark may have gone with it), as unknown (``request_unknown``), never as
-        applied. Before, a key gone counted as applied: a take that did not commit and the
-        command's withdrawal were audited as a re-point the records never got. Still
+        as withdrawn (``request_withdrawn``, ``answer_lost``); no mark and this term over
+        (the next leader may have audited the take from its mark and deleted it), as
+        unknown (``request_unknown``), never as applied. Before, a key gone counted as
+        applied: a take that did not commit and the command's withdrawal were audited as a
+        re-point the records never got. Still
         there, the request stays for the next pass, which takes it (an answered take
         forgets it) or finds it withdrawn (settled by the mark then). etcd not answering
         the reads: kept for the next settle (with ``only``, these keys alone: raised). The
@@ -613,6 +631,10 @@ class Executor:
         applied: list[ClearReadmit | ClearBadDone] = []
         withdrawn: list[str] = []
         unknown: list[str] = []
+        if only is None and self.uncommitted is not None:
+            withdrawn.extend(await self._settle_uncommitted())
+        if only is None and self.marks_left:
+            await self._unmark(*sorted(self.marks_left))
         for key, a in list(self.lost_takes.items()):
             if only is not None and key not in only:
                 continue
@@ -651,20 +673,112 @@ class Executor:
                 now,
                 epoch=self.epoch,
                 keys=unknown,
-                cause="a take's answer lost and this leader's lease gone with its mark",
+                cause="a take's answer lost, no mark, and this leader's term over (the "
+                "next leader settles a mark it finds)",
             )
             _log.warning("request_unknown", keys=unknown)
         if not applied:
             return ()
         return self._applied_lost(tuple(applied), "a request deleted, its answer lost")
 
+    async def _settle_uncommitted(self) -> list[str]:
+        """The request keys of the uncommitted write (``uncommitted``) their commands
+        withdrew: gone, while the desired state, read after the key, is not that write's
+        (a write that needs the key as observed cannot commit once it is gone). Those still
+        there are the next pass's, which applies and audits them. Gone with the desired
+        state the write's after all (it committed after the read-back), it is settled as a
+        write whose answer was lost (:meth:`settle_lost`). etcd not answering: kept for
+        the next settle."""
+        lost = self.uncommitted
+        if lost is None:
+            return []
+        try:
+            gone = [
+                (self._request_key(a), a)
+                for a in lost.take
+                if await self.store.get(self._request_key(a)) is None
+            ]
+            kv = await self.store.get(self.keys.desired) if gone else None
+        except TemporaryError as exc:
+            _log.debug("uncommitted_unsettled", error=str(exc))
+            return []
+        self.uncommitted = None
+        if not gone:
+            return []
+        held: DesiredState | None = None
+        if kv is not None:
+            try:
+                held = DesiredState.model_validate_json(kv.value)
+            except ValidationError:  # not that write's, whatever it is
+                held = None
+        if held is not None and held == lost.state:
+            # committed after all (after the read-back): its records, as a lost answer's
+            self.lost = lost
+            self.settle_lost(held)
+            return []
+        keys = [key for key, _ in gone]
+        for key in keys:
+            if key in self.request_revisions:  # the mirror may show it a while yet
+                self.withdrawn[key] = self.request_revisions[key]
+        return keys
+
+    async def settle_orphan_marks(self) -> tuple[str, ...]:
+        """At the start of the term: the takes an earlier leader's term ended without
+        settling, known by the marks it left under ``taken/`` (bound to no lease: a take's
+        transaction writes its mark, so a mark says the take committed), each audited as
+        applied (``request_applied``, ``answer_lost``, ``taken_epoch``, then the request's
+        own record the mark holds, ``take_marks``), once, and its mark deleted. An empty
+        or unreadable mark (a release that wrote none in it) gets the ``request_applied``
+        record alone. The keys audited; () when etcd does not answer (tried again at the
+        next pass: ``orphans_settled``). Before, the mark went with the old term's lease
+        and no leader wrote a record of the take. A mark whose leader audited its take and
+        could not delete it before its term ended is audited once more: its record names
+        the epoch that took it, whose log may hold the first."""
+        try:
+            found = await self.store.get_prefix(self.keys.takens)
+        except TemporaryError as exc:
+            _log.debug("orphan_marks_unread", error=str(exc))
+            return ()
+        done: list[str] = []
+        marks: list[str] = []
+        now = self.clock.now()
+        for kv in sorted(found, key=lambda kv: kv.key):
+            mark = read_mark(kv.value)
+            if mark.epoch == self.epoch:  # this term's own: settled by this term
+                continue
+            key = self.keys.root + kv.key.removeprefix(self.keys.takens)
+            taken = mark.epoch if mark.epoch is not None else -1
+            self.audit.write(
+                "request_applied",
+                now,
+                epoch=self.epoch,
+                keys=[key],
+                answer_lost=True,
+                taken_epoch=taken,
+                cause="taken by an earlier leader whose term ended before it settled the "
+                "take (its mark outlived the term)",
+            )
+            if mark.kind:
+                record = {k: v for k, v in mark.record.items() if k not in ("epoch", "time")}
+                self.audit.write(
+                    mark.kind, now, epoch=self.epoch, answer_lost=True, taken_epoch=taken, **record
+                )
+            done.append(key)
+            marks.append(kv.key)
+        if done:
+            _log.info("orphan_takes_settled", keys=done)
+        await self._unmark(*marks)
+        self.orphans_settled = True
+        return tuple(done)
+
     async def _took(self, key: str) -> Literal["applied", "withdrawn", "unknown"] | None:
         """What became of a take of ``key`` whose answer was lost: None while the key is
         there (the take did not commit, yet); else "applied" if the take's mark is there.
         Read in this order: once the key is gone, a take that had not committed never
         will (its compare needs the key as observed), and a take that did left its mark,
-        there while the leader's lease is. The leader key read after the mark, at this
-        term's epoch, says the lease held when the mark was read: no mark is then
+        there until a leader audits the take and deletes it: this one, or after this term
+        the next one (``settle_orphan_marks``). The leader key read after the mark, at this
+        term's epoch, says no other term had begun when the mark was read: no mark is then
         "withdrawn" (its command deleted the key); otherwise "unknown". ``TemporaryError``
         if etcd does not answer."""
         if await self.store.get(key) is not None:

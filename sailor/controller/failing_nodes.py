@@ -63,6 +63,7 @@ __all__ = [
     "health_update",
     "holding_up",
     "late_failures",
+    "lost_in_teardown",
     "lost_nodes",
     "miss_deadline",
     "missed_launching",
@@ -119,8 +120,28 @@ def lost_nodes(d: DesiredState, nodes: Collection[str], notices: Collection[str]
     gives up on their ranks: those SIGABRTs are no hang of the job (``node_health.charge``)."""
     out = {n for n in d.placement if n not in nodes or n in notices}
     if d.phase is Phase.TEARDOWN and d.aborted:
-        out |= recorded_lost(d)
+        out |= recorded_lost(d)  # at the abort, or later in its TEARDOWN (lost_in_teardown)
     return frozenset(out)
+
+
+def lost_in_teardown(d: DesiredState, lost: Collection[str]) -> tuple[DesiredState, str] | None:
+    """In the TEARDOWN of ``d``'s abort, with ``lost`` its generation's lost nodes
+    (:func:`lost_nodes`): ``d`` with those not recorded yet added to
+    ``DesiredState.lost_nodes``, and why; None when every one is recorded (or the record is
+    full), and for a one-node layout (its SIGABRT is its node's, lost peer or not) or a
+    TEARDOWN without an abort (its workers are let go, not hung). Recorded once, as at the
+    abort, so that a node lost only during the teardown stays lost when its registration
+    comes back: worked out again in each pass from the registrations, it was forgotten
+    then, and its peers' SIGABRTs counted later were taken for a hang of the job."""
+    if d.phase is not Phase.TEARDOWN or not d.aborted or len(d.placement) < 2:
+        return None
+    have = set(d.lost_nodes)
+    new = sorted(set(lost) - have)
+    if not new or len(have) >= MAX_NODE_LIST:
+        return None
+    kept = tuple(sorted(have | set(new)))[:MAX_NODE_LIST]
+    why = f"lost during the teardown: {', '.join(new[:_SHOWN])}{_more(new)}"
+    return d.model_copy(update={"lost_nodes": kept}), why
 
 
 def recorded_lost(d: DesiredState) -> frozenset[str]:

@@ -382,11 +382,25 @@ def _stretch(d: DesiredState, cfg: DecideConfig) -> tuple[dict[StretchedPhase, i
         return None
     new = min(factor * 2, cap)
     base, what = _base(d, cfg)[0], _basis(d, cfg)
+    ceiling = cfg.deadlines.stretch_max_s
+    if base * new > ceiling:  # 3 h x8 was 24 h, after 3 + 6 + 12 h of stalls
+        return None
     why = (
         f"nobody counted: the next {key} deadline is {base * new:.0f} s ({what} "
-        f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) before anyone is charged)"
+        f"{base:.0f} s x{new}, up to x{cap} (deadlines.stretch_cap) and {ceiling:.0f} s "
+        "(deadlines.stretch_max_s) before anyone is charged)"
     )
     return {**d.deadline_stretch, key: new}, why
+
+
+def _stretch_limit(d: DesiredState, cfg: DecideConfig) -> str:
+    """The setting that stopped ``d``'s LOAD or VERIFY deadline from stretching further:
+    ``deadlines.stretch_cap 8``, or ``deadlines.stretch_max_s 21600 s`` when the next
+    doubling would have passed it."""
+    dl = cfg.deadlines
+    if d.deadline_stretch.get(stretch_key(d.phase), 1) >= dl.stretch_cap:
+        return f"deadlines.stretch_cap {dl.stretch_cap}"
+    return f"deadlines.stretch_max_s {dl.stretch_max_s:.0f} s"
 
 
 def _fitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> dict[StretchedPhase, int]:
@@ -493,11 +507,10 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
         # waited the whole cap on a node whose checkpoint mount hung, for ever); never at a
         # deadline not stretched first (cap 1): the slowest loader is no broken node
         late, notes = failing_nodes.missed_launching(d, short, o.status, o.now)
-        notes = [
-            *notes,
-            f"stretched as far as deadlines.stretch_cap x{cfg.deadlines.stretch_cap} and "
-            f"{', '.join(short)} still short of it",
-        ]
+        limit = _stretch_limit(d, cfg)
+        if limit.startswith("deadlines.stretch_cap"):
+            limit = f"deadlines.stretch_cap x{cfg.deadlines.stretch_cap}"
+        notes = [*notes, f"stretched as far as {limit} and {', '.join(short)} still short of it"]
     if what:
         phase = d.phase.value
         if not _base(d, cfg)[1]:
@@ -509,7 +522,7 @@ def _deadline_passed(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Ac
             fix = "raise deadlines.verify above the derived length (or "
             fix += "deadlines.derive.verify_startup_s)"
         what += (
-            f", stretched no further (deadlines.stretch_cap {cfg.deadlines.stretch_cap}): "
+            f", stretched no further ({_stretch_limit(d, cfg)}): "
             f"{fix} if the phase takes that long on this cluster"
         )
     return abort(d, o, cfg, cause, late, notes, what)

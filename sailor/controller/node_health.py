@@ -241,7 +241,12 @@ def charge(
         if n in d.placement and n not in evidence:
             evidence[n] = (kept.cause, signature_of(kept.cause), "unknown")
     kind = {n: error_type(e[0]) for n, e in evidence.items()}
-    step = max((v for n, v in (steps or {}).items() if n in evidence), default=-1)
+    # what the job is judged by: a readmitted node's failures of the generation are no
+    # evidence against the job either (before, its forgiven report and one peer's made a
+    # failure "alike" and charged the job); they still explain its peers' SIGABRTs and a
+    # stall (the job is spared by them, never charged)
+    judged = {n: e for n, e in evidence.items() if not forgiven(d, n)}
+    step = max((v for n, v in (steps or {}).items() if n in judged), default=-1)
     aborts = {n for n, e in evidence.items() if abort_signal(e[0])}
     reports = _reports(kept, gen, aborts, evidence)
     # a rank's own error on some node: the SIGABRTs elsewhere are NCCL's watchdog giving up
@@ -255,20 +260,20 @@ def charge(
     spared_aborts = aborts if placed > 1 else set()
     gone = sorted(set(lost))
     alike = Counter(
-        e[1] for n, e in evidence.items() if kind[n] not in _NODE_BOUND and n not in aborts
+        e[1] for n, e in judged.items() if kind[n] not in _NODE_BOUND and n not in aborts
     )
     job_why = {
         sig: _ALIKE for sig, k in alike.items() if k >= JOB_WIDE_MIN_NODES and 2 * k > placed
     }
-    job_why |= {e[1]: AGREED_WHY for n, e in evidence.items() if kind[n] in AGREED_ERRORS}
+    job_why |= {e[1]: AGREED_WHY for n, e in judged.items() if kind[n] in AGREED_ERRORS}
     # a bad config fails every node: the first configuration error is the job's, unless
     # another placed node trained with the same config (then it is the node's)
     # (decided when first seen: at a later pass the nodes that trained may be idle already)
     # ... and only when two placed nodes report it (or the job has one node): a ValueError
     # before the first step is a "config" error on one node too (a bad local file, a
     # reshape of nothing), and one node's must not hold a job the others can run
-    configs = Counter(e[1] for n, e in evidence.items() if e[2] == "config" and n not in aborts)
-    for n, e in evidence.items():
+    configs = Counter(e[1] for n, e in judged.items() if e[2] == "config" and n not in aborts)
+    for n, e in judged.items():
         first_seen = n not in health or health[n].generation != gen
         shared = configs[e[1]] >= JOB_WIDE_MIN_NODES or placed == 1
         if (
@@ -357,21 +362,22 @@ def charge(
         notes.append(f"taken back from the job: {what}, the stalled phase was its")
     # only SIGABRTs, by as many placed nodes as make a failure alike the job's, none lost:
     # every collective hung (a dead NIC, NCCL's ports blocked); no node is charged
-    many = len(aborts) >= JOB_WIDE_MIN_NODES and 2 * len(aborts) > placed
+    hung_on = sorted(n for n in aborts if n in judged)
+    many = len(hung_on) >= JOB_WIDE_MIN_NODES and 2 * len(hung_on) > placed
     hung = many and not first_cause and not gone
     # an agreed error is counted in its own record (``agreed_health.charge_agreed``), not
     # the job's; both count by the same rules (``health_record``)
     job_alike = {s: w for s, w in job_why.items() if w != AGREED_WHY}
-    agreed = charge_agreed(d, evidence, kind, seen, now, policy, step, notes)
+    agreed = charge_agreed(d, judged, kind, seen, now, policy, step, notes)
     if job_alike and job.generation != gen:
-        job, note = _charge_job(job, gen, job_alike, evidence, seen, alike, now, policy, step)
+        job, note = _charge_job(job, gen, job_alike, judged, seen, alike, now, policy, step)
         notes.append(note)
     elif hung and job.generation != gen:
         # its cause is a SIGABRT's: how a later pass knows which count to take back
-        (summary, sig, _), names = evidence[min(aborts)], ", ".join(sorted(aborts))
+        (summary, sig, _), names = evidence[hung_on[0]], ", ".join(hung_on)
         what = (
             f"only SIGABRTs (NCCL's watchdog giving up on a hung collective) reported, by "
-            f"{len(aborts)} of the {placed} placed node(s) ({names}): every collective hung, "
+            f"{len(hung_on)} of the {placed} placed node(s) ({names}): every collective hung, "
             "the node at fault is not known"
         )
         hang = (summary, "unknown", True, sig)

@@ -28,6 +28,10 @@ from sailor.schemas.runtime import Phase, StretchedPhase
 
 __all__ = ["LEGAL", "PhaseDeadlines", "check_transition", "is_legal", "stretch_key"]
 
+_STRETCH_MAX_S = 6 * 3600.0
+"""The default ceiling of a stretched LOAD or VERIFY deadline (``stretch_max_s``), s: twice
+``DeadlineModel.max_s``'s default (3 h)."""
+
 _FORWARD: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.LAUNCH}),
     Phase.RUNNING: frozenset({Phase.QUIESCE}),
@@ -117,8 +121,19 @@ class PhaseDeadlines(Frozen):
         default=8,
         ge=1,
         description="Most a LOAD or VERIFY deadline is stretched: each generation that no "
-        "placed node got through doubles that phase's next deadline up to this factor before "
-        "anyone is charged (docs/runtime.md, Failing nodes). 1: charge at once.",
+        "placed node got through doubles that phase's next deadline up to this factor (and "
+        "stretch_max_s) before anyone is charged (docs/runtime.md, Failing nodes). 1: charge "
+        "at once.",
+    )
+    stretch_max_s: float = Field(
+        default=_STRETCH_MAX_S,
+        gt=0,
+        description="Most a stretch lengthens a LOAD or VERIFY deadline to, s: it doubles "
+        "only while the stretched deadline stays within this, and a deadline above it (a "
+        "derived one at deadlines.derive.max_s under a lower setting, a floor set above it) "
+        "is not stretched. Default 6 h: twice deadlines.derive.max_s's default, so a "
+        "deadline the model capped still doubles once; before, 3 h x stretch_cap reached "
+        "24 h, after 3 + 6 + 12 h of stalls.",
     )
     derive: DeadlineModel = Field(
         default_factory=DeadlineModel,
@@ -133,6 +148,16 @@ class PhaseDeadlines(Frozen):
         uses this one's)."""
         factor = next((f for k, f in (stretch or {}).items() if k == phase.value), 1)
         return min(max(int(factor), 1), self.stretch_cap)
+
+    def fitted(
+        self, phase: Phase, stretch: Mapping[StretchedPhase, int] | None, base_s: float
+    ) -> int:
+        """:meth:`factor`, halved while it stretches ``base_s`` past ``stretch_max_s`` (1
+        when ``base_s`` is past it already): the factor a phase of that base gets."""
+        factor = self.factor(phase, stretch)
+        while factor > 1 and base_s * factor > self.stretch_max_s:
+            factor //= 2
+        return factor
 
     def of(self, phase: Phase, stretch: Mapping[StretchedPhase, int] | None = None) -> float:
         """Configured deadline length of ``phase``; 0 for phases without one (IDLE, RUNNING).

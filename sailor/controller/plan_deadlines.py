@@ -125,7 +125,8 @@ class DeadlineModel(Frozen):
     max_s: float = Field(
         default=_MAX_S,
         gt=0,
-        description="Most a derived deadline may be, s (before the LOAD and VERIFY stretch): "
+        description="Most a derived deadline may be, s (before the LOAD and VERIFY stretch, "
+        "which deadlines.stretch_max_s bounds): "
         "a wild predicted iteration time or throughput stops here, and the phase record's "
         "why says it did. Default 3 h: above what a 405B model's busiest node writes at the "
         "default throughput (~300 GB on 16 nodes: ~80 min with the safety factor).",

@@ -388,6 +388,19 @@ async def _desired_after(store: Any, keys: Keys) -> DesiredState | None:
             await asyncio.sleep(0.5)
 
 
+async def _commits_after(store: Any, keys: Keys) -> dict[int, str]:
+    """``_commits`` once a request was taken, read through an etcd outage (up to
+    ``WITHDRAW_RETRY_S``)."""
+    end = time.monotonic() + WITHDRAW_RETRY_S
+    while True:
+        try:
+            return await _commits(store, keys)
+        except TemporaryError:
+            if time.monotonic() > end:
+                raise
+            await asyncio.sleep(0.5)
+
+
 class NotWrittenError(Exception):
     """An operator request that etcd failed before it was written: the reads it is decided
     from (the desired state, the commit records) did not answer. Nothing was written, so
@@ -455,6 +468,16 @@ class Answer:
     directories: tuple[str, ...] = ()
     """``--repoint``, nothing written: the directories the records name other than the one
     asked for (sorted), for a ``--from`` that named none of them."""
+    unread: str = ""
+    """Applied, and etcd failed while its result was read back (through
+    ``WITHDRAW_RETRY_S``): which endpoints and etcd's error. ``done``, ``again`` and the
+    re-pointed steps are then not known; the request was applied all the same."""
+
+
+def _unread(endpoint: str | Sequence[str], error: TemporaryError) -> str:
+    """``Answer.unread``: the endpoints and etcd's error."""
+    eps = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+    return f"etcd at {', '.join(eps)} failed while its result was read back ({error})"
 
 
 def _held_records(d: DesiredState | None) -> set[str]:
@@ -502,7 +525,10 @@ async def request_readmit(
         got = await _ask(store, key, keys.asked_witness(key), body, wait_s)
         if got != "applied":
             return Answer(rid, got, unknown=unknown)
-        after = _held_records(await _desired_after(store, keys))
+        try:
+            after = _held_records(await _desired_after(store, keys))
+        except TemporaryError as exc:  # applied all the same: never "temporary: retry"
+            return Answer(rid, "applied", unknown=unknown, unread=_unread(endpoint, exc))
         ended = asked & held
         return Answer(
             rid,
@@ -580,13 +606,17 @@ async def request_clear_bad(
         got = await _ask(store, key, keys.asked_witness(key), body, wait_s)
         if got != "applied":
             return Answer(rid, got, unknown=tuple(map(str, unknown)))
-        after_d = await _desired_after(store, keys)
+        try:
+            after_d = await _desired_after(store, keys)
+            now = await _commits_after(store, keys) if movable else {}
+        except TemporaryError as exc:  # applied all the same: never "temporary: retry"
+            unread = _unread(endpoint, exc)
+            return Answer(rid, "applied", unknown=tuple(map(str, unknown)), unread=unread)
         after = set(marked(after_d)) if after_d is not None else set()
         ended = asked & held
         moved: list[str] = []
         unmoved: list[str] = []
         if movable:
-            now = await _commits(store, keys)
             for s in sorted(movable):
                 if s in now:  # a record dropped meanwhile is neither
                     (moved if now[s] == repoint else unmoved).append(str(s))

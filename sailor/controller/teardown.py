@@ -76,6 +76,9 @@ def teardown(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         why = f"teardown adopted from epoch {d.phase_epoch}: its deadline restarts ({length:.0f} s)"
         return [SetDesired(restarted, why), *teardown(restarted, o, cfg)]
     lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
+    recorded = failing_nodes.lost_in_teardown(d, lost)
+    if recorded is not None:  # once: its registration may be back by the next pass
+        return [SetDesired(*recorded), *teardown(recorded[0], o, cfg)]
     late = failing_nodes.late_failures(d, o.status, o.now, cfg.exclusion, lost)
     if late is not None:
         return [SetDesired(*late)]

@@ -136,11 +136,12 @@ class Keys(Frozen):
 
     @property
     def takens(self) -> str:
-        """Marks of the leader's takes (``Executor._take``): an empty key per request
-        deleted without a desired state, written in the transaction that deletes it and
-        bound to the leader's lease. A take whose answer was lost is known committed by its
-        mark, not by the request's key being gone (its command's withdrawal deletes the key
-        alike)."""
+        """Marks of the leader's takes (``Executor._take``, ``Executor.write_desired``): a
+        key per request taken, holding the epoch that took it and the request's audit record
+        (``controller/take_marks.py``), written in the transaction that deletes the request
+        and bound to no lease. A take whose answer was lost is known committed by its mark,
+        not by the request's key being gone (its command's withdrawal deletes the key
+        alike), also by the next leader when the term ended first."""
         return self.root + "taken/"
 
     def taken(self, request_key: str) -> str:
@@ -166,6 +167,16 @@ class Keys(Frozen):
     def event_stream(self) -> str:
         """The leader's ``EventStreamState`` (written only after a failed placement)."""
         return self.root + "event-stream"
+
+    @property
+    def event_stream_shortage(self) -> str:
+        """The start of a shortage of NATS servers for the event stream, as an
+        ``EventStreamState`` (not placed): written unleased by the leader whose term it
+        began in, read by each new leader at its first failed placement (its episode counts
+        from there), deleted at a term's first placement. Bound to a lease, as
+        ``event_stream`` is, a shortage through leader changes that came more often than
+        ``event_stream_deadline_s`` was never reported overdue."""
+        return self.root + "event-stream-shortage"
 
     @property
     def stream(self) -> str:

@@ -388,7 +388,8 @@ class DesiredState(WireMessage):
         default=(),
         max_length=MAX_NODE_LIST,
         description="Placed nodes (sorted) the current generation lost when it was aborted "
-        "(registration gone, or a preemption notice), kept through its TEARDOWN: their peers' "
+        "(registration gone, or a preemption notice), or later in its TEARDOWN (recorded "
+        "when first seen), kept through that TEARDOWN: their peers' "
         "SIGABRTs are NCCL's watchdog giving up on their ranks, not a hang, also once they are "
         "back. Empty: none, or a state of a leader before wire version 4, whose abort cause "
         "named them (``controller/failing_nodes.py``: ``lost_nodes``).",

@@ -188,3 +188,81 @@ async def test_status_shows_the_stream_unplaced_then_placed(
     else:
         assert "event stream not placed OVERDUE since" in out, out
         assert "no suitable peers" in out
+
+
+async def test_a_shortage_through_a_leader_change_counts_from_its_first_term(
+    tmp_path: Path, nats_two_of_three: LocalServers
+) -> None:
+    """Replicas 3 with a NATS server down; the leader's term ends (a restart) before the
+    shortage's deadline, and the next term's episode counts from the first one's start: it
+    is overdue at its first failed placement, its ``since`` the first term's. The start is
+    kept unleased in etcd until a placement, which deletes it. Before, each term counted
+    from its own first failure: leader changes more frequent than the deadline hid the
+    shortage for good."""
+    servers = nats_two_of_three
+    cfg = (
+        Cluster(tmp_path, servers)
+        .ctl_config("c1")
+        .model_copy(update={"event_stream_replicas": 3, "event_stream_deadline_s": 5.0})
+    )
+    sec = servers.security("c1")
+    keys = Keys(job=cfg.job)
+    loop = asyncio.get_running_loop()
+
+    async def shown(ctl: Controller, task: asyncio.Task[None], want: str) -> dict[str, Any]:
+        end = loop.time() + 30
+        while True:
+            assert not task.done(), ctl.failure
+            st = (await read_status(servers.etcd_endpoint, cfg.job, sec))["event_stream"]
+            lead = ctl.leadership
+            if st is not None and lead is not None and st["epoch"] == lead.epoch and st[want]:
+                return dict(st)
+            assert loop.time() < end, f"event stream not {want}: {st}"
+            await asyncio.sleep(0.2)
+
+    async def stop(ctl: Controller, task: asyncio.Task[None]) -> None:
+        ctl.stopping.set()
+        ctl.wake()
+        await asyncio.wait_for(task, 15)
+
+    first = Controller(cfg)
+    task = asyncio.create_task(first.run(), name="test-ctl-c1-term1")
+    try:
+        began = (await shown(first, task, "reason"))["since"]
+    finally:
+        await stop(first, task)
+    store = await connect_etcd(servers.etcd_endpoint, security=sec)
+    try:
+        kept = await store.get(keys.event_stream_shortage)  # unleased: outlives the term
+        assert kept is not None and EventStreamState.model_validate_json(kept.value).since == began
+        # the deadline passes while no term leads
+        await asyncio.sleep(max(0.0, began + 5.5 - time.time()))
+        second = Controller(cfg)
+        task = asyncio.create_task(second.run(), name="test-ctl-c1-term2")
+        try:
+            st = await shown(second, task, "overdue")
+            assert st["since"] == began and not st["placed"], st
+            await asyncio.to_thread(servers.nats_members[2].start)
+            await shown(second, task, "placed")
+            await until_gone(store, keys.event_stream_shortage)
+        finally:
+            await stop(second, task)
+    finally:
+        await store.close()
+    records = [r for r in read_records([cfg.audit_log]) if r["kind"].startswith("event_stream_")]
+    kinds = [r["kind"] for r in records]
+    assert kinds == [
+        "event_stream_unplaced",
+        "event_stream_unplaced",
+        "event_stream_overdue",
+        "event_stream_placed",
+    ], records
+    assert records[1]["since"] == began and records[2]["since"] == began
+    assert records[0]["epoch"] < records[1]["epoch"]
+
+
+async def until_gone(store: Any, key: str) -> None:
+    end = time.monotonic() + 10
+    while await store.get(key) is not None:
+        assert time.monotonic() < end, f"{key} still there"
+        await asyncio.sleep(0.2)

@@ -448,6 +448,74 @@ async def test_the_command_waits_and_withdraws_through_an_etcd_restart(
         await store.close()
 
 
+async def _answering(ep: str, timeout: float = 20.0) -> None:
+    """Until a new client's read of etcd at ``ep`` answers."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            probe = await connect_etcd(ep)
+            try:
+                await probe.get("/probe")
+                return
+            finally:
+                await probe.close()
+        except TemporaryError:
+            assert time.monotonic() < end, f"etcd at {ep} does not answer"
+            await asyncio.sleep(0.3)
+
+
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_an_applied_request_whose_result_etcd_fails_to_read_back_says_applied(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """A leader takes the request (its key deleted); etcd stops before the command reads
+    the desired state back and stays down past the read's retries. The command says the
+    request was applied, that etcd failed while its result was read back (which etcd, its
+    error) and where to look, exit status 0. Before: "temporary: retry", exit status 1,
+    and an operator who retried asked again for what was done."""
+    servers = module_plain_servers
+    ep = servers.etcd_endpoint
+    job = f"unread-{kind}-{tmp_path.name}"[:40]
+    keys = Keys(job=job)
+    cfg = _config(tmp_path, ep, job)
+    real_ask = status._ask
+
+    async def ask_then_etcd_stops(*a: Any, **k: Any) -> Any:
+        got = await real_ask(*a, **k)
+        if got == "applied":
+            servers.etcd.stop()
+        return got
+
+    monkeypatch.setattr(status, "_ask", ask_then_etcd_stops)
+    monkeypatch.setattr(status, "WITHDRAW_RETRY_S", 1.0)
+    store = await connect_etcd(ep)
+    try:
+        await store.put(keys.desired, _seeded(1).model_dump_json().encode())
+        if kind == "readmit":
+            args, prefix = ["node", "readmit", "n1"], keys.readmits
+        else:
+            args, prefix = ["checkpoint", "clear-bad", "14"], keys.clear_bads
+        cli = asyncio.create_task(
+            _cli(*args, "--config", str(cfg), "--wait", "5"), name=f"test-cli-{kind}"
+        )
+        seen = await _request(store, prefix)
+        await store.delete(seen.key)  # a leader's take
+        res = await asyncio.wait_for(cli, 60)
+    finally:
+        if not servers.etcd.running:
+            await asyncio.to_thread(servers.etcd.start)
+            await _answering(ep)  # the module's etcd, for the tests after this one
+        await store.close()
+    assert res.exit_code == 0, res.output
+    assert "temporary: retry" not in res.output
+    assert "applied: the leader took request" in res.output, res.output
+    assert f"etcd at {ep} failed while its result was read back" in res.output, res.output
+    assert "is not known: see `sailor status`" in res.output
+
+
 async def test_a_takeover_write_that_etcd_does_not_take_is_retried(
     module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -746,6 +814,83 @@ async def test_a_clear_bad_whose_answer_was_lost_is_audited_once(
         assert len(_records(rig.audit, "request_applied")) == int(committed)
 
 
+@pytest.mark.parametrize("kind", ["readmit", "clear-bad"])
+async def test_a_write_that_did_not_commit_and_whose_request_was_withdrawn_says_withdrawn(
+    module_plain_servers: LocalServers,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """A leader's desired state that applies the request meets an etcd error and does not
+    commit; the command's wait ends and its withdrawal succeeds ("withdrawn"). The settle
+    after the error audits the request ``request_withdrawn`` (``answer_lost``), once, and
+    no ``readmit``/``clear_bad``: no later pass sees the request to audit it. Before, the
+    request had no record at all. A request still there is left to the next pass."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        if kind == "readmit":
+            key = keys.readmit("r1")
+            body = ReadmitRequest(nodes=("n1",), who="op", time=time.time())
+        else:
+            key = keys.clear_bad("r1")
+            body = ClearBadRequest(steps=(14,), who="op", time=time.time())
+        await rig.store.put(key, body.model_dump_json().encode())
+        seen = await rig.store.get(key)
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def refused(*a: Any, **k: Any) -> int:
+            raise TemporaryError("etcd restarted before it committed")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", refused)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        assert await status._withdrawn(rig.store, seen.key, seen.mod_revision) == "withdrawn"
+        held = DesiredState.model_validate_json(await rig.desired())
+        assert held == _seeded(rig.ex.epoch)  # not committed
+        assert rig.ex.settle_lost(held) == ()
+        assert await rig.ex.settle_lost_takes() == ()
+        assert await rig.ex.settle_lost_takes() == ()  # settled once
+        (rec,) = _records(rig.audit, "request_withdrawn")
+        assert rec["keys"] == [seen.key] and rec["answer_lost"] is True, rec
+        assert _records(rig.audit, "readmit") == _records(rig.audit, "clear_bad") == []
+        assert _records(rig.audit, "request_applied") == []
+        assert rig.ex.withdrawn == {seen.key: seen.mod_revision}  # out of the stale passes
+
+
+async def test_a_write_that_did_not_commit_leaves_a_request_still_there_to_the_next_pass(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, the request not withdrawn: the settle writes nothing for it and the next
+    pass applies and audits it, once (not withdrawn)."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        keys = rig.ex.keys
+        await rig.ex.write_desired(_seeded(rig.ex.epoch), "test")
+        body = ReadmitRequest(nodes=("n1",), who="op", time=time.time())
+        await rig.store.put(keys.readmit("r1"), body.model_dump_json().encode())
+        seen = await rig.store.get(keys.readmit("r1"))
+        assert seen is not None
+        real = rig.store.put_all_guarded
+
+        async def refused(*a: Any, **k: Any) -> int:
+            raise TemporaryError("etcd restarted before it committed")
+
+        monkeypatch.setattr(rig.store, "put_all_guarded", refused)
+        with pytest.raises(TemporaryError):
+            await _pass(rig, seen)
+        monkeypatch.setattr(rig.store, "put_all_guarded", real)
+        held = DesiredState.model_validate_json(await rig.desired())
+        assert rig.ex.settle_lost(held) == ()
+        assert await rig.ex.settle_lost_takes() == ()
+        await _pass(rig, seen)
+        assert await rig.ex.settle_lost_takes() == ()
+        assert [r["request_id"] for r in _records(rig.audit, "readmit")] == ["r1"]
+        assert _records(rig.audit, "request_withdrawn") == []
+        assert "n1" not in DesiredState.model_validate_json(await rig.desired()).node_health
+
+
 @pytest.mark.parametrize("committed", [True, False])
 async def test_a_state_whose_answer_was_lost_gets_its_phase_record_once(
     module_plain_servers: LocalServers,
@@ -923,14 +1068,33 @@ async def test_a_lost_take_retaken_from_a_stale_mirror_is_audited_applied_only(
         assert await rig.store.get_prefix(keys.takens) == []
 
 
-async def test_a_lost_take_whose_leader_lost_its_lease_is_audited_unknown(
+async def test_a_lost_take_whose_leader_lost_its_lease_is_still_known_by_its_mark(
     module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A take whose answer was lost, settled after the leader's lease went (with it the
-    take's mark): the key gone says nothing (the command's withdrawal deletes it alike),
-    so the audit says ``request_unknown``, not applied. Before, ``request_applied``."""
+    """A take whose answer was lost, settled after the leader's lease went: its mark is
+    bound to no lease, so it still says the take committed: ``request_applied`` and the
+    ``clear_bad`` record, and the mark goes. Before, the mark went with the lease and the
+    settle said ``request_unknown`` of a take that had committed."""
     async with executor_on(module_plain_servers, tmp_path, None) as rig:
         seen, _ = await _lost_repoint_take(rig, monkeypatch, committed=True)
+        await rig.store.call(rig.store.client.revoke_lease(rig.lead.lease.id))
+        assert await rig.ex.settle_lost_takes() == (seen.key,)
+        assert [r["keys"] for r in _records(rig.audit, "request_applied")] == [[seen.key]]
+        (rec,) = _records(rig.audit, "clear_bad")
+        assert rec["repointed"] == [300] and rec["answer_lost"] is True
+        assert _records(rig.audit, "request_unknown") == []
+
+
+async def test_a_lost_take_with_no_mark_after_the_term_is_audited_unknown(
+    module_plain_servers: LocalServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A take whose answer was lost did not commit, its command withdrew the request, and
+    the leader's term is over (its lease gone) when it settles: no mark could mean that,
+    or a next leader that audited the take from its mark and deleted it, so the audit says
+    ``request_unknown``, never applied nor withdrawn."""
+    async with executor_on(module_plain_servers, tmp_path, None) as rig:
+        seen, _ = await _lost_repoint_take(rig, monkeypatch, committed=False)
+        assert await status._withdrawn(rig.store, seen.key, seen.mod_revision) == "withdrawn"
         await rig.store.call(rig.store.client.revoke_lease(rig.lead.lease.id))
         assert await rig.ex.settle_lost_takes() == ()
         assert [r["keys"] for r in _records(rig.audit, "request_unknown")] == [[seen.key]]

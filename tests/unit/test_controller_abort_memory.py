@@ -171,3 +171,34 @@ def test_kept_reports_without_a_cause_stop_no_pass() -> None:
     assert c.sigabrts.nodes == ("n1", "n2") and "SIGABRT" in c.sigabrts.cause
     c = charge(d, {"n3": _sigabrt(3).failure}, 1000.0, CFG.exclusion)
     assert c.job.failures == 1 and c.health == {}
+
+
+# ---- a node lost during the TEARDOWN is recorded once, as one lost at the abort ----
+
+
+def test_a_node_lost_only_during_the_teardown_is_recorded_and_its_return_changes_nothing() -> None:
+    """n1's SIGABRT aborts n1..n4 (nobody charged: the node at fault is not known). In a
+    TEARDOWN pass n4's registration is gone (its lease expired) while n2's SIGABRT comes in:
+    the loss is recorded (``lost_nodes``). n4 is back by the next pass, where n3's SIGABRT
+    makes three of four: the record says n4 was lost, so their SIGABRTs are no hang of the
+    job. Before, the loss was worked out again in each pass from the registrations alone:
+    n4 back, it was forgotten, and the job was charged with a hang."""
+    torn = _torn(running(IDS), [_sigabrt(1), st(2), st(3), st(4)])
+    assert torn.lost_nodes == ()
+    three = obs(nodes(1, 2, 3), [_sigabrt(2), st(3)])
+    states = _states(decide(torn, three, CFG))
+    assert states and states[-1].lost_nodes == ("n4",), states
+    assert any(
+        a.reason.startswith("lost during the teardown: n4")
+        for a in decide(torn, three, CFG)
+        if isinstance(a, SetDesired)
+    )
+    seen = states[-1]
+    back = obs(nodes(*IDS), [_sigabrt(3), st(4, state="idle")])
+    for s in _states(decide(seen, back, CFG)):
+        assert s.job_health == NodeHealth() and s.node_health == {}, s.job_health
+        assert s.lost_nodes == ("n4",)
+    # recorded once: the next pass, n4 still gone, writes no state for it again
+    again = _states(decide(seen, obs(nodes(1, 2, 3), [st(3, state="idle")]), CFG))
+    assert all(s.lost_nodes == ("n4",) for s in again)
+    assert not any(s.lost_nodes != seen.lost_nodes for s in again)

@@ -922,3 +922,65 @@ def test_held_workers_take_the_ranks_whose_layers_they_keep_and_send_fewer_bytes
     assert sent(by_number) == 2 * whole  # n2's rank 0 and n1's two ranks: every layer
     assert sent(by_layers) == whole  # n2's rank 0 alone
     assert not any(in_place_read_bytes(old, old_place, new, new_place, LLAMA_7B).values())
+
+
+# ---- the stretch is bounded by deadlines.stretch_max_s, not only by its factor ----
+
+
+def _slow_cfg() -> DecideConfig:
+    """The 7B's LOAD at 1 MiB/s: ~80,000 s by the plan, capped at 3 h (derive.max_s)."""
+    slow = PhaseDeadlines(derive=DeadlineModel(read_mib_s=1.0))
+    return large_cfg(deadlines=slow)
+
+
+def test_a_stalled_load_at_the_derived_cap_doubles_once_then_the_job_is_charged() -> None:
+    """A LOAD whose derived deadline is at its cap (3 h) stalls: its next deadline is 6 h
+    (deadlines.stretch_max_s); stalled again, it is stretched no further and the job is
+    charged, the text naming the ceiling. Before, it doubled to 12 h and 24 h (x8): the job
+    was charged after 3 + 6 + 12 + 24 h of a hang."""
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    cfg = _slow_cfg()
+    need = phase_need(Phase.LOAD, plan, placement, LLAMA_7B, cfg.deadlines.derive)
+    assert need is not None and need.seconds == 3 * 3600.0 and need.uncapped_s > 3 * 3600
+    idle = {n: _st(n, 3, 12, "idle") for n in placement}
+    d = _stretched_load(plan, placement, 3 * 3600.0)  # stalled at x2: 6 h
+    (a,) = [x for x in decide(d, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
+    assert a.state.deadline_stretch == {"load": 2}  # type: ignore[union-attr]
+    assert a.state.job_health.cause.startswith("DeadlineMissed")  # type: ignore[union-attr]
+    assert "stretched no further (deadlines.stretch_max_s 21600 s)" in a.reason  # type: ignore[union-attr]
+    # at x1 (3 h) it still doubles once, to the ceiling
+    first = d.model_copy(update={"deadline_stretch": {}, "phase_since": T - 3 * 3600.0 - 1})
+    (b,) = [x for x in decide(first, Observed(T, _ns("n1", "n2"), idle), cfg) if _set(x)]
+    assert b.state.deadline_stretch == {"load": 2}  # type: ignore[union-attr]
+    assert "the next load deadline is 21600 s" in b.reason  # type: ignore[union-attr]
+
+
+def test_a_stretch_learned_on_a_smaller_plan_is_halved_to_the_ceiling_and_kept_so() -> None:
+    """x8 learned where the LOAD was 120 s; the next launch's plan needs 3 h: its LOAD
+    gets 6 h, not 24 h, and the stretch it keeps is the x2 it got, so that the phase's
+    length over it is its base again (a standby's stretch arithmetic)."""
+    plan, placement = even_plan(LLAMA_7B, 2, 8, ("n1", "n2"))
+    cfg = _slow_cfg()
+    d = DesiredState(
+        epoch=3,
+        generation=2,
+        phase=Phase.LAUNCH,
+        phase_since=NOW - 5,
+        phase_deadline=NOW + 20,
+        plan=plan,
+        placement=placement,
+        membership=("n1", "n2"),
+        load_step=12,
+        deadline_stretch={"load": 8, "verify": 2},
+    )
+    load = move_to(d, Phase.LOAD, NOW, cfg)
+    assert load.phase_deadline == pytest.approx(NOW + 6 * 3600.0)
+    assert load.deadline_stretch == {"load": 2, "verify": 2}
+    assert phase_deadline(load, Phase.LOAD, cfg).why().endswith("stretched x2: 21600 s")
+    # under a ceiling below the derived 3 h the phase is not stretched at all
+    low = cfg.model_copy(
+        update={"deadlines": cfg.deadlines.model_copy(update={"stretch_max_s": 3600.0})}
+    )
+    flat = move_to(d, Phase.LOAD, NOW, low)
+    assert flat.phase_deadline == pytest.approx(NOW + 3 * 3600.0)
+    assert flat.deadline_stretch == {"verify": 2}

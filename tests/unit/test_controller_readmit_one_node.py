@@ -135,3 +135,24 @@ def test_the_next_launch_drops_the_readmitted_nodes() -> None:
         if s.phase is Phase.LAUNCH
     ]
     assert launched and launched[-1].generation == 2 and launched[-1].forgiven_nodes == {}
+
+
+def test_a_readmitted_nodes_failure_does_not_make_a_later_one_the_jobs() -> None:
+    """n1 of n1..n3 fails on its own and is charged; ``readmit n1``; n2 reports the same
+    error late in the teardown (n1's status still says it). n2's failure is n2's: one of
+    three placed nodes alike, not the job's. Before, n1's forgiven report still counted
+    toward "failed alike" (2 of 3): the job was charged and n2 spared."""
+    three = nodes(1, 2, 3)
+    ecc = "CUDA error: an illegal memory access"
+    d = running((1, 2, 3))
+    (torn,) = _sets(decide(d, obs(three, [fails(1, message=ecc), st(2), st(3)]), CFG))
+    assert set(torn.node_health) == {"n1"}
+    (readmitted,) = _sets(
+        decide(torn, obs(three, [st(2), st(3)], readmit=_readmit(torn, "n1")), CFG)
+    )
+    assert readmitted.node_health == {} and readmitted.forgiven_nodes == {"n1": 1}
+    sts = [fails(1, message=ecc), fails(2, message=ecc), st(3, state="idle")]
+    (late,) = _sets(decide(readmitted, obs(three, sts), CFG))
+    assert late.job_health.generation != 1, late.job_health
+    assert set(late.node_health) == {"n2"}, late.node_health
+    assert "illegal memory access" in late.node_health["n2"].cause

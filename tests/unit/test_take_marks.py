@@ -1,0 +1,45 @@
+"""The mark of a leader's take of an operator's request (``controller/take_marks.py``): it
+holds the epoch that took it and the request's own audit record, read back whole by a later
+term; an empty or foreign mark reads as a take whose record is not known, never an error."""
+
+from __future__ import annotations
+
+from sailor.controller.decision_types import ClearBadDone, ClearReadmit
+from sailor.controller.take_marks import TakeMark, mark_value, read_mark, request_record
+from sailor.schemas.runtime import CommitRecord
+
+
+def test_a_clear_bad_mark_reads_back_as_its_audit_record() -> None:
+    a = ClearBadDone(
+        "r1",
+        who="op@h",
+        steps=(300,),
+        cleared=(),
+        reason="no bad or suspect mark on step 300",
+        repointed=(CommitRecord(step=300, directory="/ck"),),
+        repointed_from=("/old",),
+    )
+    kind, fields = request_record(a)
+    mark = read_mark(mark_value(a, epoch=4))
+    assert mark == TakeMark(4, kind, fields) and kind == "clear_bad"
+    assert fields["repointed"] == [300] and fields["repointed_from"] == ["/old"]
+    assert fields["directory"] == "/ck" and fields["who"] == "op@h"
+
+
+def test_a_readmit_mark_reads_back_as_its_audit_record() -> None:
+    mark = read_mark(mark_value(ClearReadmit("r2", "forgot n2"), epoch=7))
+    assert mark == TakeMark(7, "readmit", {"request_id": "r2", "reason": "forgot n2"})
+
+
+def test_an_empty_or_foreign_mark_is_a_take_of_unknown_record() -> None:
+    unknown = TakeMark(None, "", {})
+    for raw in (
+        b"",
+        b"not json",
+        b"[]",
+        b'{"epoch": "4", "kind": "readmit", "record": {}}',
+        b'{"epoch": 4, "kind": "phase", "record": {}}',
+        b'{"epoch": 4}',
+        b'{"epoch": true, "kind": "readmit", "record": {}}',
+    ):
+        assert read_mark(raw) == unknown, raw
