@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from sailor.controller.checkpointing import prune_below
+from sailor.controller.checkpointing import keep_steps, prune_below
 from sailor.controller.decision_types import (
     Action,
     Commit,
@@ -152,6 +152,7 @@ def _sends(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             directory=p.directory,
             prune_below=below,
             periodic=True,
+            keep_steps=keep_steps(o.commits, cfg.keep_checkpoints),
         )
         out.append(Send(cmd))
     return out
@@ -200,7 +201,9 @@ def committed(
     )
     why = f"periodic checkpoint of step {saved} committed"
     actions: list[Action] = [
-        Commit(record, drop, periodic=True),
+        # the records are those the request's keep_steps named: none is written while it
+        # is in flight (a reconfiguration drops it; a new leader re-sends it with its own)
+        Commit(record, drop, periodic=True, kept=keep_steps(o.commits, cfg.keep_checkpoints)),
         PeriodicOutcome("committed", saved, d.generation, f"asked for step {p.step}"),
         SetDesired(nxt, why),
     ]

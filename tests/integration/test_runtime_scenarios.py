@@ -63,6 +63,35 @@ async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
     await cluster.audit()
 
 
+async def test_a_commit_nobody_recorded_goes_with_the_next_save(cluster: Cluster) -> None:
+    """A step committed on disk that no leader recorded (as an aborted CHECKPOINT's
+    committer leaves it: here made by hand above the job's steps, where no ``prune_below``
+    reaches it while the job is behind it) is deleted by the committer of the next save,
+    told the recorded steps to keep (``Checkpoint.keep_steps``, through agent, control file
+    and toy worker); an uncommitted step directory (a save maybe in flight) stays. The
+    commit's audit record names what the save was told to keep."""
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    sim = cluster.tmp / "ckpt" / "sim"
+    orphan, inflight = sim / "step-00005000", sim / "step-00006000"
+    orphan.mkdir(parents=True)
+    (orphan / "state.json").write_text(json.dumps({"step": 5000, "w": [0.0] * 4}))
+    (orphan / "COMMIT").write_text("5000")
+    inflight.mkdir()
+    (inflight / "rank-0.json").write_text("{}")
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    d = ctl.desired
+    assert sorted(d.placement) == ["n1", "n2"] and d.load_step > 0
+    assert not orphan.exists() and inflight.is_dir()
+    assert sorted(p.name for p in sim.iterdir()) == [f"step-{d.load_step:08d}", inflight.name]
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    commits = [r for r in recs if r["kind"] == "commit"]
+    assert [(r["step"], r["kept"]) for r in commits] == [(d.load_step, [])]
+    await cluster.audit()
+
+
 async def test_a_stop_that_is_a_preemption_checkpoints_first(cluster: Cluster) -> None:
     """On GCP a preemption is an ACPI shutdown: systemd stops the agent (SIGTERM) as the
     notice starts, before a watcher poll has seen it. The agent asks its watchers once,
