@@ -311,7 +311,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             steps = {s for s in kept if isinstance(s, int)} if isinstance(kept, list) else None
             if steps is not None and (missing := recorded - steps):
                 rep.violations.append(
-                    f"t={t:.3f}: the save of step {step} was sent keep_steps {sorted(kept)} "
+                    f"t={t:.3f}: the save of step {step} was sent keep_steps {sorted(steps)} "
                     f"without recorded step(s) {sorted(missing)}: its committer could delete "
                     "a commit a launch loads"
                 )
