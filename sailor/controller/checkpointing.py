@@ -5,7 +5,8 @@ layout for the agreed stop step, a later notice tightening the deadline, the nex
 asked for meanwhile. COMMIT (``committing``): the saved step recorded (a bad mark of that
 step, on files now replaced, cleared), and the records of the steps its committer deleted
 forgotten. Both follow the retention rule ``prune_below``: the
-oldest recorded step a new save leaves in place.
+oldest recorded step a new save leaves in place; and each Checkpoint names every recorded
+step (``keep_steps``), so its committer deletes the commits nobody recorded.
 
 Pure: no I/O, no clock, no module-level state.
 """
