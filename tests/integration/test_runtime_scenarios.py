@@ -15,10 +15,11 @@ import time
 import pytest
 
 from sailor.controller.audit import read_records
+from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination import connect_etcd
 from sailor.localservers import ADMIN
-from sailor.schemas.runtime import CommitRecord, Phase
-from tests.integration.cluster_kit import Cluster
+from sailor.schemas.runtime import AgentStatus, CommitRecord, Phase
+from tests.integration.cluster_kit import Cluster, until
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -89,6 +90,58 @@ async def test_a_commit_nobody_recorded_goes_with_the_next_save(cluster: Cluster
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
     commits = [r for r in recs if r["kind"] == "commit"]
     assert [(r["step"], r["kept"]) for r in commits] == [(d.load_step, [])]
+    await cluster.audit()
+
+
+async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cluster) -> None:
+    """keep_checkpoints = 1. n2 joins: step S1 is committed and recorded. n3 joins: its
+    CHECKPOINT of S2 commits on disk, but n2's agent does not report the save (its status
+    withholds it: a node whose report is lost), the phase's deadline passes and the
+    controller aborts it and relaunches from S1, never recording S2. A notice on n1 then
+    saves S3 with ``prune_below`` S1: S2 is above it, and with ``prune_below`` alone the
+    directory held S1, S2 and S3 (the bound is keep + 1 = 2). Its committer, told the
+    recorded steps (``keep_steps``), deletes S2."""
+    cluster.ctl_update = {
+        "deadlines": PhaseDeadlines(quiesce=15, checkpoint=6, launch=10, load=30, verify=30)
+    }
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", watch_file=True)
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    n2 = cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    s1 = ctl.desired.load_step
+    assert sorted(ctl.desired.placement) == ["n1", "n2"] and s1 > 0
+    report = n2.status
+
+    def withheld() -> AgentStatus:
+        st = report()
+        return st.model_copy(update={"saved_step": min(st.saved_step, s1)})
+
+    n2.status = withheld  # type: ignore[method-assign]
+    cluster.start_agent("n3")
+    sim = cluster.tmp / "ckpt" / "sim"
+
+    def committed() -> list[int]:
+        return sorted(int(p.parent.name[5:]) for p in sim.glob("step-*/COMMIT"))
+
+    await until(lambda: len(committed()) == 2, 30, "the aborted CHECKPOINT's commit")
+    s2 = committed()[1]
+    ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
+    assert ctl.desired.load_step == s1  # S2 was never recorded
+    n2.status = report  # type: ignore[method-assign]
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    assert any("checkpoint deadline passed" in str(r.get("cause")) for r in recs)
+    assert [r["step"] for r in recs if r["kind"] == "commit"] == [s1]
+    assert "n1" in ctl.desired.placement
+    (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
+    while "n1" in ctl.desired.placement:
+        ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
+    s3 = ctl.desired.load_step
+    assert s3 > s1 and s3 != s2, (s1, s2, s3)
+    assert committed() == [s1, s3], (s1, s2, s3)  # the recorded one and the newest
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    commits = [(r["step"], r["kept"]) for r in recs if r["kind"] == "commit"]
+    assert commits == [(s1, []), (s3, [s1])], commits
     await cluster.audit()
 
 
