@@ -98,7 +98,7 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     CHECKPOINT of S2 commits on disk, but n2's agent does not report the save (its status
     withholds it: a node whose report is lost), the phase's deadline passes and the
     controller aborts it and relaunches from S1, never recording S2. A notice on n1 then
-    saves S3 with ``prune_below`` S1: S2 is above it, and with ``prune_below`` alone the
+    saves S3 > S2 with ``prune_below`` S1: S2 is above that, and with ``prune_below`` alone the
     directory held S1, S2 and S3 (the bound is keep + 1 = 2). Its committer, told the
     recorded steps (``keep_steps``), deletes S2."""
     cluster.ctl_update = {
@@ -133,11 +133,13 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     assert any("checkpoint deadline passed" in str(r.get("cause")) for r in recs)
     assert [r["step"] for r in recs if r["kind"] == "commit"] == [s1]
     assert "n1" in ctl.desired.placement
+    # past S2 (a save of S2 itself would replace it): S3 > S2 > S1 = prune_below
+    await cluster.wait_step(ctl, sorted(ctl.desired.placement), s2 + 1, 30)
     (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
     while "n1" in ctl.desired.placement:
         ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
     s3 = ctl.desired.load_step
-    assert s3 > s1 and s3 != s2, (s1, s2, s3)
+    assert s3 > s2 > s1, (s1, s2, s3)
     assert committed() == [s1, s3], (s1, s2, s3)  # the recorded one and the newest
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
     commits = [(r["step"], r["kept"]) for r in recs if r["kind"] == "commit"]
