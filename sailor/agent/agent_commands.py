@@ -151,7 +151,9 @@ class AgentCommands:
         elif isinstance(cmd, Stop):
             await self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
-            await self.supervisor.save_at(cmd.step, cmd.directory, cmd.prune_below, cmd.periodic)
+            await self.supervisor.save_at(
+                cmd.step, cmd.directory, cmd.prune_below, cmd.periodic, cmd.keep_steps
+            )
         if isinstance(cmd, Abort):
             # acked once the signals are sent (a hold: once the workers held or the grace
             # period passed): the kill's end is in the status (``killing``, then idle, or

@@ -546,15 +546,23 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         await self._write_control()
 
     async def save_at(
-        self, step: int, directory: str, prune_below: int = -1, optional: bool = False
+        self,
+        step: int,
+        directory: str,
+        prune_below: int = -1,
+        optional: bool = False,
+        keep_steps: tuple[int, ...] | None = None,
     ) -> None:
         """Save ``step`` under ``directory``; once it commits, delete the checkpoints below
-        ``prune_below`` there (-1: none). ``optional`` (a periodic checkpoint's): a failure
-        the workers report (``save_failed``) and train on, not fail for."""
+        ``prune_below`` there (-1: none), and the other commits at or above it not in
+        ``keep_steps`` (the steps the controller recorded; None: none of those).
+        ``optional`` (a periodic checkpoint's): a failure the workers report
+        (``save_failed``) and train on, not fail for."""
         self._control_state["save_step"] = step
         self._control_state["save_dir"] = directory
         self._control_state["prune_below"] = prune_below
         self._control_state["save_optional"] = optional
+        self._control_state["keep_steps"] = None if keep_steps is None else list(keep_steps)
         await self._write_control()
 
     async def restore_killed(self) -> None:

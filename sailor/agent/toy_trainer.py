@@ -9,22 +9,25 @@ Protocol (shared with the real worker's adapter):
 - stdout: one JSON object per line: ``{"event": "ready"}``, ``{"event": "step", "step",
   "loss"}``, ``{"event": "saved", "step"}``, ``{"event": "stopped", "step"}``;
 - ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR,
-  "prune_below": P, "save_optional": B}``, re-read at every iteration boundary (written
-  atomically by the agent); once a save commits, rank 0 deletes the step directories below
-  ``P``. The toy's ranks share no collective to agree a later step on, so each saves at
-  exactly ``S``; an optional save (the controller's periodic checkpoint) that a rank learns of
-  only after it passed ``S`` is a save it missed: it leaves a ``rank-R.missed`` marker in the
-  step's directory and prints ``{"event": "save_failed", "step", "error"}``, and rank 0
-  gives that save up at once (a ``save_failed`` line, nothing committed) instead of waiting
-  for the part (rank 0 clears the step's markers when its own save of it starts: those of
-  an earlier attempt are not this one's); an optional save whose parts do not all come
+  "prune_below": P, "save_optional": B, "keep_steps": K}``, re-read at every iteration
+  boundary (written atomically by the agent); once a save commits, rank 0 deletes the step
+  directories below ``P``, and (K a list: the steps the controller recorded) every other step
+  at or above ``P`` that was committed when its save began and is not in K, its ``COMMIT``
+  still the one it saw (``checkpoint/unrecorded.py``'s rule), naming them in its ``saved``
+  line (``"deleted"``). The toy's ranks share no collective to agree a later step on, so each
+  saves at exactly ``S``; an optional save (the controller's periodic checkpoint) that a rank
+  learns of only after it passed ``S`` is a save it missed: it leaves a ``rank-R.missed``
+  marker in the step's directory and prints ``{"event": "save_failed", "step", "error"}``, and
+  rank 0 gives that save up at once (a ``save_failed`` line, nothing committed) instead of
+  waiting for the part (rank 0 clears the step's markers when its own save of it starts: those
+  of an earlier attempt are not this one's); an optional save whose parts do not all come
   within the wait is given up the same way, and so is one whose write fails on a rank
   (``OSError``: a full or read-only disk, a root that cannot be made; that rank leaves its
   marker if it can). Training goes on. A required save (a reconfiguration's) still fails
   rank 0 when a part is missing, and any rank whose write fails. A part names its attempt
   (``--master`` and ``--load-step``: a later world saving the same step under the same root
-  has another), and rank 0 counts only its own attempt's: a part an earlier world left
-  there (saved, never committed) is not this save's;
+  has another), and rank 0 counts only its own attempt's: a part an earlier world left there
+  (saved, never committed) is not this save's;
 - ``--error-file FILE``: the first failure cause, JSON, written before a non-zero exit;
 - ``--train-config FILE``: the job's training config, which the agent appends to any worker's
   argv. Validated as the real worker does (an invalid one fails the rank before ``ready``,
@@ -102,8 +105,12 @@ def _save(
     prune_below: int,
     optional: bool = False,
     attempt: str = "",
-) -> None:
+    keep_steps: list[int] | None = None,
+) -> list[int]:
+    """This rank's part of the save of ``step``; on rank 0 the commit and retention, and
+    the steps retention deleted as unrecorded."""
     d = _ckpt_dir(root, step)
+    seen = _commits(root, but=step) if rank == 0 and keep_steps is not None else {}
     if rank == 0:
         # Markers of an earlier attempt at this step (a later generation saving it again
         # under the same root) are not this one's: without this, it was given up at once.
@@ -114,7 +121,7 @@ def _save(
     part = {"step": step, "w": w, "attempt": attempt}
     _write_atomic(d / f"rank-{rank}.json", json.dumps(part))
     if rank != 0:
-        return
+        return []
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         missed = [r for r in range(world) if (d / f"rank-{r}.missed").exists()]
@@ -124,8 +131,9 @@ def _save(
         if all(_part_of(d / f"rank-{r}.json", attempt) for r in range(world)):
             _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
             _write_atomic(d / "COMMIT", str(step))
-            _prune(root, min(prune_below, step))
-            return
+            below = min(prune_below, step)
+            _prune(root, below)
+            return _prune_unrecorded(root, seen, keep_steps or [], step, below)
         time.sleep(0.01)
     why = f"not every rank saved step {step} within {timeout}s"
     raise _SaveGivenUpError(why) if optional else TimeoutError(why)
@@ -174,6 +182,39 @@ def _prune(root: str, below: int) -> None:
         if 0 <= step < below:
             (d / "COMMIT").unlink(missing_ok=True)
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _commits(root: str, but: int) -> dict[int, str]:
+    """Step -> its ``COMMIT`` marker, for every committed step directory but ``but``."""
+    out: dict[int, str] = {}
+    for d in (Path(root) / "sim").glob("step-*"):
+        step = int(d.name.split("-")[1]) if d.name.split("-")[1].isdigit() else -1
+        with contextlib.suppress(OSError):
+            if step >= 0 and step != but:
+                out[step] = (d / "COMMIT").read_text()
+    return out
+
+
+def _prune_unrecorded(
+    root: str, seen: dict[int, str], keep: list[int], step: int, below: int
+) -> list[int]:
+    """The committer's deletion of commits nobody recorded (``checkpoint/unrecorded.py``):
+    those in ``seen`` (committed when the save began) at or above ``below``, other than
+    ``step`` and not in ``keep``, whose marker has not changed since."""
+    gone = []
+    for s in sorted(seen):
+        if s == step or s in keep or s < max(below, 0):
+            continue
+        d = _ckpt_dir(root, s)
+        try:
+            if (d / "COMMIT").read_text() != seen[s]:
+                continue
+        except OSError:
+            continue
+        (d / "COMMIT").unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(s)
+    return gone
 
 
 def _check_train_config(path: str) -> None:
@@ -315,13 +356,15 @@ def _maybe_save(
     if not isinstance(save, int) or isinstance(save, bool) or save < 0 or not root:
         return
     optional = ctl.get("save_optional") is True
+    keep = ctl.get("keep_steps")
+    keep_steps = [int(k) for k in keep if isinstance(k, int)] if isinstance(keep, list) else None
     if save in seen or save > step or (save < step and not optional):
         return
     seen.add(save)
     try:
         if save < step:
             raise _SaveGivenUpError(_missed(str(root), save, step, a.rank))
-        _save(
+        deleted = _save(
             str(root),
             step,
             w,
@@ -331,6 +374,7 @@ def _maybe_save(
             prune_below=prune if isinstance(prune, int) else -1,
             optional=optional,
             attempt=_attempt(a),
+            keep_steps=keep_steps,
         )
     except _SaveGivenUpError as exc:
         _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": str(exc)})
@@ -346,7 +390,14 @@ def _maybe_save(
                 _write_atomic(_ckpt_dir(str(root), save) / f"rank-{a.rank}.missed", why)
         _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": why})
         return
-    _emit({"event": "saved", "rank": a.rank, "step": step})
+    _emit(
+        {
+            "event": "saved",
+            "rank": a.rank,
+            "step": step,
+            **({"deleted": deleted} if deleted else {}),
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,6 +122,10 @@ class WorkerOutput:
                 w.timings.add(msg)
         elif ev == "saved":
             w.saved_step = int(msg.get("step", w.saved_step))
+            if msg.get("deleted"):  # the committer's commits nobody recorded (keep_steps)
+                _log.info(
+                    "checkpoint_unrecorded_deleted", step=w.saved_step, deleted=msg["deleted"]
+                )
         elif ev == "save_failed":  # an optional save (a periodic one): the workers train on
             w.save_failed_step = int(msg.get("step", w.save_failed_step))
             w.save_failure = str(msg.get("error", ""))[:1024]

@@ -67,6 +67,7 @@ from sailor.checkpoint.readback import read_back
 from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
 from sailor.checkpoint.storage import Storage
+from sailor.checkpoint.unrecorded import apply_unrecorded, committed_markers
 from sailor.checkpoint.writer import commit, discard_save, persist_layers
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
@@ -108,6 +109,9 @@ class SaveResult:
     """Committer only: shards of the commit read back whose data had no block checked
     (``ReadBack.unchecked``: none fit in the read-back's budget; their sizes were). The
     commit still counts as read back: reported, not blocking retention."""
+    unrecorded_deleted: tuple[int, ...] = ()
+    """Committer only: committed steps the controller never recorded (not in the save's
+    ``keep_steps``) that retention deleted (``unrecorded.apply_unrecorded``)."""
 
 
 class Checkpointer:
@@ -161,15 +165,19 @@ class Checkpointer:
         save_id: str | None = None,
         prune_below: int = -1,
         owned: bool = False,
+        keep_steps: Sequence[int] | None = None,
     ) -> float:
         """Snapshot now, persist in the background; returns the snapshot (stall) seconds.
         ``prune_below`` >= 0: after the commit, the committer also deletes every step
         directory below that step (``gc.apply_prune``; the caller knows which older
-        checkpoints are still needed). ``owned``: ``params`` are host copies made for this
-        save and handed over (the caller neither reads nor writes them after; e.g. the
-        copies :meth:`lend_copies` lent, filled): the snapshot keeps them as they are
-        instead of copying them again (at TP 1; a tensor on a device is copied to the host
-        all the same).
+        checkpoints are still needed). ``keep_steps`` (the steps the controller recorded
+        and keeps; None: no such rule): after the commit, the committer also deletes every
+        other step at or above ``prune_below`` that was committed when this save began and
+        is not among them (``unrecorded``: a commit nobody recorded). ``owned``: ``params``
+        are host copies made for this save and handed over (the caller neither reads nor
+        writes them after; e.g. the copies :meth:`lend_copies` lent, filled): the snapshot
+        keeps them as they are instead of copying them again (at TP 1; a tensor on a device
+        is copied to the host all the same).
 
         Collective over the world (the start, unless ``save_id`` is given: then the caller
         agreed it) and each TP group (the gathers). A failure here or on a peer ends the
@@ -193,8 +201,9 @@ class Checkpointer:
             return self._abandon(failure, t0)
         self._spare = mine if self.reuse_buffers else {}
         snapshot_s = time.perf_counter() - t0
+        keep = None if keep_steps is None else tuple(sorted(set(keep_steps)))
         self._pending = self._pool.submit(
-            self._persist, mine, globals_, sid, snapshot_s, prune_below
+            self._persist, mine, globals_, sid, snapshot_s, prune_below, keep
         )
         return snapshot_s
 
@@ -462,9 +471,20 @@ class Checkpointer:
         save_id: str,
         snapshot_s: float,
         prune_below: int = -1,
+        keep_steps: tuple[int, ...] | None = None,
     ) -> SaveResult:
         t0 = time.perf_counter()
         nbytes = 0
+        # The commits on disk as this save begins (before it writes anything): the only
+        # ones its retention may delete as unrecorded (``unrecorded``'s docstring: one a
+        # later generation commits is never among them, however late this committer runs).
+        seen: dict[int, bytes] | None = None
+        seen_error = ""
+        if keep_steps is not None and self.rank == self.committer_rank:
+            try:
+                seen = committed_markers(self.storage, but=globals_.step)
+            except (OSError, CheckpointError) as exc:
+                seen_error = f"listing the commits before the save: {type(exc).__name__}: {exc}"
         if mine and not self._cancelled.is_set():
             part = persist_layers(
                 self.storage, globals_.step, save_id, mine, rank=self.rank, scratch=self._scratch
@@ -480,6 +500,7 @@ class Checkpointer:
         t2 = t1
         retention_error = readback_error = ""
         readback_s, unchecked = 0.0, 0
+        unrecorded: list[int] = []
         if self.rank == self.committer_rank:
             try:
                 manifest = self._commit(globals_, save_id)
@@ -489,7 +510,9 @@ class Checkpointer:
             t2 = time.perf_counter()
             # Nothing older goes while the new commit does not read back: after in-place
             # reconfigurations no step left on disk may ever have been read.
-            readback_error, readback_s, unchecked = self._read_back(globals_.step, prune_below)
+            readback_error, readback_s, unchecked = self._read_back(
+                globals_.step, prune_below, bool(seen)
+            )
             try:
                 if self.keep is not None and not readback_error:
                     apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
@@ -499,6 +522,16 @@ class Checkpointer:
                         below_step=min(prune_below, globals_.step),
                         committed_step=globals_.step,
                     )
+                if seen and keep_steps is not None and not readback_error:
+                    unrecorded = apply_unrecorded(
+                        self.storage,
+                        seen,
+                        keep_steps=keep_steps,
+                        committed_step=globals_.step,
+                        below_step=min(prune_below, globals_.step),
+                        cancelled=self._cancelled.is_set,
+                    )
+                retention_error = seen_error
             except (OSError, ValueError, CheckpointError) as exc:
                 # The step is committed whatever retention meets: a failed deletion
                 # (StorageError, OSError) or an older step it cannot judge (a manifest of a
@@ -523,15 +556,18 @@ class Checkpointer:
             readback_error=readback_error,
             readback_s=readback_s,
             readback_unchecked=unchecked,
+            unrecorded_deleted=tuple(unrecorded),
         )
 
-    def _read_back(self, step: int, prune_below: int) -> tuple[str, float, int]:
+    def _read_back(
+        self, step: int, prune_below: int, unrecorded: bool = False
+    ) -> tuple[str, float, int]:
         """Before retention deletes anything: ``(why the commit of step did not read back
         or '', seconds, shards with no block checked)`` (``readback.read_back``; not read
         when nothing would be deleted). Whatever the read-back raises (a backend's error
         that ``read_back`` did not turn into a problem, a bug) is its failure too, never
         the save's: the step is committed already."""
-        if self.keep is None and prune_below < 0:
+        if self.keep is None and prune_below < 0 and not unrecorded:
             return "", 0.0, 0
         t0 = time.perf_counter()
         try:

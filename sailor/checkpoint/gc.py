@@ -19,7 +19,8 @@ the storage: the controller records which commits a restart may load (etcd ``ckp
 it names the oldest recorded step to keep and the committer of the next save deletes every step
 directory below it after its own commit. A commit on disk that the controller never recorded
 (a leader lost between the marker and the record) cannot push a recorded one out, as counting
-the newest ``keep`` on disk would.
+the newest ``keep`` on disk would. Such a commit above the prune point is deleted by the next
+save's committer told which steps are recorded (``unrecorded``).
 """
 
 from __future__ import annotations

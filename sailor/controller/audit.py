@@ -260,6 +260,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     acked_epoch: dict[str, int] = {}
     pending_notices: list[tuple[float, str]] = []
     deleted: set[int] = set()  # steps whose checkpoints a commit deleted (``dropped``)
+    recorded: set[int] = set()  # steps recorded (committed, not dropped since), as logged
     unreadable: set[int] = set()  # commits a launch could not read (``bad_checkpoints``)
     cleared: set[int] = set()  # their marks cleared by an operator (``clear_bad``)
     last_gen = -1
@@ -306,7 +307,16 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     f"t={t:.3f}: the commit of step {step} deleted steps {sorted(dropped)}: "
                     "only older checkpoints may go"
                 )
+            kept = r.get("kept")  # the save's keep_steps (absent: an older controller's)
+            steps = {s for s in kept if isinstance(s, int)} if isinstance(kept, list) else None
+            if steps is not None and (missing := recorded - steps):
+                rep.violations.append(
+                    f"t={t:.3f}: the save of step {step} was sent keep_steps {sorted(steps)} "
+                    f"without recorded step(s) {sorted(missing)}: its committer could delete "
+                    "a commit a launch loads"
+                )
             deleted |= dropped
+            recorded = (recorded | {step}) - dropped
             unreadable.discard(step)  # saved again: new files, its mark went with the old
             cleared.discard(step)
         elif kind == "clear_bad":

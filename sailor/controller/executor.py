@@ -394,6 +394,7 @@ class Executor:
                     directory=rec.directory,
                     dropped=list(a.drop),
                     periodic=a.periodic,
+                    kept=None if a.kept is None else list(a.kept),
                 )
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(

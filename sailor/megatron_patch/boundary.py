@@ -35,8 +35,8 @@ from sailor.megatron_patch.checkpoint_io import SaveIO
 from sailor.megatron_patch.control import (
     ControlRequest,
     agree,
-    agree_dir,
     agree_save,
+    agree_target,
     read_control,
 )
 from sailor.megatron_patch.errors import InjectedFailureError, SaveTimeoutError
@@ -368,7 +368,7 @@ class Boundary(Generic[_T]):
         elif req.save_step in self.saved_requests or tr.step < req.save_step:
             return
         self.saved_requests.add(req.save_step)
-        root = agree_dir(req.save_dir)
+        root, keep_steps = agree_target(req)
         if self.ckpt is None:
             raise RuntimeError(
                 f"save of step {tr.step} requested (save_dir={root!r}), but this trainer runs "
@@ -381,7 +381,9 @@ class Boundary(Generic[_T]):
         # the controller commits the step once it is saved, so its failure must fail the
         # ranks, not let them stop with nothing saved at the step.
         optional = req.save_optional and not holding
-        self.ckpt.save(tr, root, prune_below=req.prune_below, optional=optional)
+        self.ckpt.save(
+            tr, root, prune_below=req.prune_below, optional=optional, keep_steps=keep_steps
+        )
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
         # neither) is raised by every rank now (an optional one reported), before the next
         # iteration's collectives; one poll of the save, on this boundary only. A save that

@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -50,7 +50,11 @@ was asked for; its ``directory``, the checkpoint root the save in flight was ask
 ``Checkpoint.periodic``, ``CommitRecord.periodic`` and ``AgentStatus.save_failed_step`` and
 ``save_failure`` (a periodic save that failed is reported, not fatal): a release of version
 6 was out. ``ClearBadRequest.repoint`` (a release-6 leader drops it and clears the marks
-only; ``sailor checkpoint clear-bad --repoint`` reads the records back and says so)."""
+only; ``sailor checkpoint clear-bad --repoint`` reads the records back and says so).
+8: ``Checkpoint.keep_steps`` (the recorded steps the controller keeps: the committer also
+deletes the commits nobody recorded): a release-7 agent drops it and its workers delete
+below ``prune_below`` only, as before; a release-7 controller sends none, which a
+release-8 agent takes as before."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

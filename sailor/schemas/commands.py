@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
 from sailor.schemas._base import WireMessage, field_error
 from sailor.schemas.plan import Plan
@@ -165,6 +165,26 @@ class Checkpoint(_CommandBase):
         "failure the workers report (``AgentStatus.save_failed_step``) and train on; False: a "
         "reconfiguration's, whose failure fails them (wire version 7).",
     )
+    keep_steps: tuple[int, ...] | None = Field(
+        default=None,
+        max_length=4096,
+        description="The recorded steps the controller keeps (every record at or above "
+        "``prune_below``): once this checkpoint commits, its committer also deletes every "
+        "other step under ``directory`` at or above ``prune_below`` that was committed when "
+        "the save began and is not among them (a commit nobody recorded: an aborted "
+        "CHECKPOINT's); never an uncommitted one. None: no such deletion (an older "
+        "controller's, or ``keep_checkpoints`` null) (wire version 8).",
+    )
+
+    @field_validator("keep_steps")
+    @classmethod
+    def _steps_sorted(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return None
+        bad = [s for s in v if s < 0]
+        if bad:
+            raise field_error("keep_steps", v, f"steps are >= 0, not {bad[0]}")
+        return tuple(sorted(set(v)))
 
     @model_validator(mode="after")
     def _prune_not_past_step(self) -> Checkpoint:

@@ -281,6 +281,7 @@ class CheckpointSaves:
         prune_below: int = -1,
         optional: bool = False,
         owned: bool = False,
+        keep_steps: tuple[int, ...] | None = None,
     ) -> float:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
         job's globals) under ``root``: ``CheckpointIO.save``. While this rank still writes
@@ -310,7 +311,7 @@ class CheckpointSaves:
             self._in_flight, self._failure = None, failure
             return 0.0
         self._in_flight = ck
-        return ck.save(params, g, prune_below=prune_below, owned=owned)
+        return ck.save(params, g, prune_below=prune_below, owned=owned, keep_steps=keep_steps)
 
     def lend_copies(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None = None
@@ -385,6 +386,14 @@ class CheckpointSaves:
             for why in (res.readback_error, res.retention_error) if res is not None else ():
                 if why:
                     print(f"checkpoint retention: {why}", file=sys.stderr, flush=True)
+            if res is not None and res.unrecorded_deleted:
+                print(
+                    f"checkpoint retention of step {res.step}: deleted step(s) "
+                    f"{list(res.unrecorded_deleted)}, committed but not recorded by the "
+                    "controller (not in the save's keep_steps)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if res is not None and res.readback_unchecked:
                 print(
                     f"checkpoint read-back of step {res.step}: {res.readback_unchecked} "
@@ -489,6 +498,7 @@ class LayerCheckpointIO:
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
+        keep_steps: tuple[int, ...] | None = None,
     ) -> float:
         def state() -> tuple[dict[str, ParamState], TrainingGlobals]:
             opt = optimizer_state(trainer.stage, trainer.optimizer)
@@ -515,6 +525,7 @@ class LayerCheckpointIO:
             keep,
             prune_below,
             optional,
+            keep_steps=keep_steps,
         )
 
     def done(self) -> bool:

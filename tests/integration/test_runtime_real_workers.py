@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -92,6 +93,10 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     torn = real.tmp / "ckpt" / step_dir(d.load_step - 1)
     torn.mkdir(parents=True)
     (torn / "part-x-00000.json").write_text("{}")
+    # a commit nobody recorded, above every prune point (as an aborted CHECKPOINT leaves
+    # one): the notice's committer deletes it too, told the recorded steps (keep_steps)
+    orphan = real.tmp / "ckpt" / step_dir(1_000_000)
+    shutil.copytree(real.tmp / "ckpt" / step_dir(d.load_step), orphan)
     t_notice = loop.time()
     (real.tmp / "preempt-n1").write_text(json.dumps({"in_s": 30}))
     ctl = await real.wait_phase(Phase.RUNNING, 60, after_gen=d.generation)
@@ -104,7 +109,7 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     assert d2.load_step == max(commits)
     assert loop.time() - t_notice < 30
     # the committer (rank 0 of the real worker) pruned it, and kept both recorded commits
-    assert not torn.exists()
+    assert not torn.exists() and not orphan.exists()
     assert committed_steps(LocalStorage(real.tmp / "ckpt")) == [d.load_step, d2.load_step]
     await real.wait_step(ctl, ["n2"], d2.load_step + 2, 30)
     # online calibration's input: the real worker times its microbatches apart from the rest

@@ -15,10 +15,11 @@ import time
 import pytest
 
 from sailor.controller.audit import read_records
+from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination import connect_etcd
 from sailor.localservers import ADMIN
-from sailor.schemas.runtime import CommitRecord, Phase
-from tests.integration.cluster_kit import Cluster
+from sailor.schemas.runtime import AgentStatus, CommitRecord, Phase
+from tests.integration.cluster_kit import Cluster, until
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -60,6 +61,89 @@ async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
         await store.close()
     steps = [CommitRecord.model_validate_json(r.value).step for r in records]
     assert steps == [d2.load_step, d3.load_step]
+    await cluster.audit()
+
+
+async def test_a_commit_nobody_recorded_goes_with_the_next_save(cluster: Cluster) -> None:
+    """A step committed on disk that no leader recorded (as an aborted CHECKPOINT's
+    committer leaves it: here made by hand above the job's steps, where no ``prune_below``
+    reaches it while the job is behind it) is deleted by the committer of the next save,
+    told the recorded steps to keep (``Checkpoint.keep_steps``, through agent, control file
+    and toy worker); an uncommitted step directory (a save maybe in flight) stays. The
+    commit's audit record names what the save was told to keep."""
+    cluster.start_controller("c1")
+    cluster.start_agent("n1")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    sim = cluster.tmp / "ckpt" / "sim"
+    orphan, inflight = sim / "step-00005000", sim / "step-00006000"
+    orphan.mkdir(parents=True)
+    (orphan / "state.json").write_text(json.dumps({"step": 5000, "w": [0.0] * 4}))
+    (orphan / "COMMIT").write_text("5000")
+    inflight.mkdir()
+    (inflight / "rank-0.json").write_text("{}")
+    cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    d = ctl.desired
+    assert sorted(d.placement) == ["n1", "n2"] and d.load_step > 0
+    assert not orphan.exists() and inflight.is_dir()
+    assert sorted(p.name for p in sim.iterdir()) == [f"step-{d.load_step:08d}", inflight.name]
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    commits = [r for r in recs if r["kind"] == "commit"]
+    assert [(r["step"], r["kept"]) for r in commits] == [(d.load_step, [])]
+    await cluster.audit()
+
+
+async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cluster) -> None:
+    """keep_checkpoints = 1. n2 joins: step S1 is committed and recorded. n3 joins: its
+    CHECKPOINT of S2 commits on disk, but n2's agent does not report the save (its status
+    withholds it: a node whose report is lost), the phase's deadline passes and the
+    controller aborts it and relaunches from S1, never recording S2. A notice on n1 then
+    saves S3 > S2 with ``prune_below`` S1: S2 is above that, and with ``prune_below`` alone the
+    directory held S1, S2 and S3 (the bound is keep + 1 = 2). Its committer, told the
+    recorded steps (``keep_steps``), deletes S2."""
+    cluster.ctl_update = {
+        "deadlines": PhaseDeadlines(quiesce=15, checkpoint=6, launch=10, load=30, verify=30)
+    }
+    cluster.start_controller("c1")
+    cluster.start_agent("n1", watch_file=True)
+    ctl = await cluster.wait_phase(Phase.RUNNING, 30)
+    n2 = cluster.start_agent("n2")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    s1 = ctl.desired.load_step
+    assert sorted(ctl.desired.placement) == ["n1", "n2"] and s1 > 0
+    report = n2.status
+
+    def withheld() -> AgentStatus:
+        st = report()
+        return st.model_copy(update={"saved_step": min(st.saved_step, s1)})
+
+    n2.status = withheld  # type: ignore[method-assign]
+    cluster.start_agent("n3")
+    sim = cluster.tmp / "ckpt" / "sim"
+
+    def committed() -> list[int]:
+        return sorted(int(p.parent.name[5:]) for p in sim.glob("step-*/COMMIT"))
+
+    await until(lambda: len(committed()) == 2, 30, "the aborted CHECKPOINT's commit")
+    s2 = committed()[1]
+    ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
+    assert ctl.desired.load_step == s1  # S2 was never recorded
+    n2.status = report  # type: ignore[method-assign]
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    assert any("checkpoint deadline passed" in str(r.get("cause")) for r in recs)
+    assert [r["step"] for r in recs if r["kind"] == "commit"] == [s1]
+    assert "n1" in ctl.desired.placement
+    # past S2 (a save of S2 itself would replace it): S3 > S2 > S1 = prune_below
+    await cluster.wait_step(ctl, sorted(ctl.desired.placement), s2 + 1, 30)
+    (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
+    while "n1" in ctl.desired.placement:
+        ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
+    s3 = ctl.desired.load_step
+    assert s3 > s2 > s1, (s1, s2, s3)
+    assert committed() == [s1, s3], (s1, s2, s3)  # the recorded one and the newest
+    recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
+    commits = [(r["step"], r["kept"]) for r in recs if r["kind"] == "commit"]
+    assert commits == [(s1, []), (s3, [s1])], commits
     await cluster.audit()
 
 

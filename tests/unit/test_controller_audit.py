@@ -248,6 +248,28 @@ def test_check_refuses_a_launch_from_a_deleted_checkpoint() -> None:
     assert any("loads step 9 but step 14 was committed" in v for v in rep.violations)
 
 
+def test_check_refuses_a_save_told_to_delete_a_recorded_step() -> None:
+    """A commit's ``kept`` (its save's ``Checkpoint.keep_steps``) must name every step
+    recorded before it: its committer deletes the other commits it finds as nobody's. A
+    record dropped since (``dropped``) need not be kept; an older controller's commit
+    (no ``kept``) is not checked."""
+
+    def commit(
+        t: float, step: int, dropped: list[int], kept: list[int] | None
+    ) -> dict[str, object]:
+        rec: dict[str, object] = {"kind": "commit", "time": t, "step": step, "dropped": dropped}
+        return rec if kept is None else rec | {"kept": kept}
+
+    ok = [commit(1, 4, [], []), commit(2, 9, [], [4]), commit(3, 14, [4], [4, 9])]
+    assert check([*ok, commit(4, 20, [9], [9, 14])]).ok
+    assert check([*ok, commit(4, 20, [9], None)]).ok
+    rep = check([*ok, commit(4, 20, [9], [14])])
+    assert any(
+        "save of step 20 was sent keep_steps [14] without recorded step(s) [9]" in v
+        for v in rep.violations
+    ), rep.violations
+
+
 def test_malformed_records_are_violations_naming_the_line_and_field(tmp_path: Path) -> None:
     """A record that parses as JSON but is not one the checks can read (a list, a time that
     is not a number, a leader without an epoch) is reported at its file and line with the

@@ -572,14 +572,24 @@ def test_a_save_prunes_older_checkpoints_and_the_commit_drops_their_records() ->
     a = decide(d, obs(nodes(1), [st(1, step=11)], commits=commits), cfg)
     ckpt = next(x.command for x in a if isinstance(x, Send) and x.command.kind == "checkpoint")
     assert ckpt.prune_below == 6  # type: ignore[union-attr]
-    # the wire form carries it to the agent
-    assert CommandAdapter.validate_json(ckpt.model_dump_json()).prune_below == 6  # type: ignore[union-attr]
+    # every recorded step, whatever its directory: its committer deletes the other commits
+    # it finds at or above 6 (nobody's records: an aborted CHECKPOINT's)
+    assert ckpt.keep_steps == (1, 3, 6, 9)  # type: ignore[union-attr]
+    # the wire form carries both to the agent
+    wire = CommandAdapter.validate_json(ckpt.model_dump_json())
+    assert wire.prune_below == 6 and wire.keep_steps == (1, 3, 6, 9)  # type: ignore[union-attr]
     d = d.model_copy(update={"phase": Phase.COMMIT})
     a = decide(d, obs(nodes(1), [st(1, step=12, saved=12, state="stopped")], commits=commits), cfg)
     # /old@1 goes too: below the retention of /ck (its files stay, outside the directory)
     assert isinstance(a[0], Commit) and a[0].record.step == 12 and a[0].drop == (1, 3)
-    # keep None: nothing pruned, nothing dropped
+    assert a[0].kept == (1, 3, 6, 9)  # audited: what the save's committer was told to keep
+    # keep_checkpoints null keeps everything: no deletion of unrecorded commits either
     keep_all = CFG.model_copy(update={"keep_checkpoints": None})
+    quiesce = d.model_copy(update={"phase": Phase.QUIESCE})
+    a = decide(quiesce, obs(nodes(1), [st(1, step=11)], commits=commits), keep_all)
+    ckpt = next(x.command for x in a if isinstance(x, Send) and x.command.kind == "checkpoint")
+    assert ckpt.prune_below == -1 and ckpt.keep_steps is None  # type: ignore[union-attr]
+    # keep None: nothing pruned, nothing dropped
     a = decide(d, obs(nodes(1), [st(1, step=12)], commits=commits), keep_all)
     assert isinstance(a[0], Commit) and a[0].drop == ()
 

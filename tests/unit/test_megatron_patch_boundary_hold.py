@@ -38,6 +38,7 @@ class _Saves:
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.optional: list[bool] = []
+        self.keep: list[list[int] | None] = []
 
     def save(
         self,
@@ -46,9 +47,11 @@ class _Saves:
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
+        keep_steps: tuple[int, ...] | None = None,
     ) -> float:
         self.steps.append(trainer.step)
         self.optional.append(optional)
+        self.keep.append(None if keep_steps is None else list(keep_steps))
         return 0.0
 
     def done(self) -> bool:
@@ -94,7 +97,9 @@ def _rank(rank: int, store: str, out: str) -> None:
         args, Status(rank), Progress(str(progress_file), False), saves, torch.device("cpu")
     )  # type: ignore[arg-type]
     # the periodic request (optional); the Stop keeps its fields beside it
-    _control(control, save_step=10, save_dir=ckdir, prune_below=-1, save_optional=True)
+    _control(
+        control, save_step=10, save_dir=ckdir, prune_below=-1, save_optional=True, keep_steps=[3]
+    )
     stopped = False
     t0 = time.monotonic()
     while not stopped and tr.step < 20:
@@ -107,6 +112,9 @@ def _rank(rank: int, store: str, out: str) -> None:
                 save_dir=ckdir,
                 prune_below=-1,
                 save_optional=True,
+                # the recorded steps to keep, as each node's request names them: agreed as
+                # their union (``control.agree_target``)
+                keep_steps=[3, 5] if rank == 0 else [3],
             )
         dist.barrier()  # both ranks' files written before either reads its own
         stopped = b(tr)
@@ -118,6 +126,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             {
                 "saves": saves.steps,
                 "optional": saves.optional,
+                "keep": saves.keep,
                 "stopped_at": b.stopped_at,
                 "s": took,
                 "events": events,
@@ -134,6 +143,7 @@ def test_ranks_holding_past_a_periodic_save_save_the_step_they_hold(tmp_path: Pa
         assert got["saves"] == [10, 12], got
         # the periodic save may be skipped; the hold's is the reconfiguration's: required
         assert got["optional"] == [True, False], got
+        assert got["keep"] == [[3], [3, 5]], got  # the same on every rank
         saved = [e["step"] for e in got["events"] if e["event"] == "saved"]
         assert saved == [10, 12], got
         assert got["s"] < PAUSE_S, got  # saved at once, not after waiting out the pause

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from sailor.megatron_patch.control import ControlRequest, read_control
+from sailor.megatron_patch.control import (
+    ControlRequest,
+    agree_target,
+    merge_keep_steps,
+    read_control,
+)
 
 
 def test_a_save_request_carries_its_prune_point(tmp_path: Path) -> None:
@@ -23,6 +28,36 @@ def test_a_missing_or_malformed_prune_point_prunes_nothing(tmp_path: Path, bad: 
     assert read_control(f).prune_below == -1
     f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck"}))  # an older agent's file
     assert read_control(f).prune_below == -1
+
+
+def test_a_save_request_carries_the_recorded_steps_to_keep(tmp_path: Path) -> None:
+    """``keep_steps`` (``Checkpoint.keep_steps``): a list of steps, sorted once each;
+    anything else, or none (an older controller's request), is None: no deletion of
+    unrecorded commits."""
+    f = tmp_path / "control.json"
+    req = {"save_step": 12, "save_dir": "/ck", "prune_below": 9}
+    f.write_text(json.dumps(req | {"keep_steps": [11, 9, 11]}))
+    assert read_control(f).keep_steps == (9, 11)
+    f.write_text(json.dumps(req | {"keep_steps": []}))
+    assert read_control(f).keep_steps == ()
+    for bad in (None, 9, "9", [9, -1], [9, "10"], [True]):
+        f.write_text(json.dumps(req | {"keep_steps": bad}))
+        assert read_control(f).keep_steps is None, bad
+    f.write_text(json.dumps(req))
+    assert read_control(f).keep_steps is None
+    # alone (no process group): the local request's own
+    assert agree_target(read_control(f)) == ("/ck", None)
+    assert agree_target(ControlRequest(save_dir="/ck", keep_steps=(3,))) == ("/ck", (3,))
+
+
+def test_the_ranks_agree_the_union_of_the_steps_to_keep() -> None:
+    """Over the ranks that know a request: the union (a node still holding an earlier
+    request only keeps more); None if one of them has none (an older controller's), or
+    if no rank knows a request."""
+    assert merge_keep_steps([("/ck", (5, 9)), ("/ck", (9, 12)), ("", None)]) == (5, 9, 12)
+    assert merge_keep_steps([("/ck", (5,)), ("/ck", None)]) is None
+    assert merge_keep_steps([("", None), ("", (4,))]) is None
+    assert merge_keep_steps([("/ck", ()), ("/ck", ())]) == ()
 
 
 def test_a_periodic_save_request_is_optional(tmp_path: Path) -> None:

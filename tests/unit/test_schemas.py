@@ -348,6 +348,39 @@ def test_a_failed_periodic_save_is_reported_in_wire_version_7(
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 6}))
 
 
+def test_the_recorded_steps_a_checkpoint_keeps_are_wire_version_8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Checkpoint.keep_steps`` came with version 8: a release-7 agent drops it (its
+    workers prune below ``prune_below`` only, as before) and refuses it at its own version;
+    a release-7 controller's Checkpoint has none, which this release reads as None (no
+    deletion of unrecorded commits). Negative steps are named; the steps are kept sorted,
+    once each."""
+    assert SCHEMA_VERSION >= 8
+    base = {"command_id": "c", "epoch": 1, "node_id": "n1", "step": 50, "directory": "/ck"}
+    msg = Checkpoint(**base, prune_below=30, keep_steps=(40, 30, 40))
+    assert msg.keep_steps == (30, 40)
+    raw = msg.model_dump_json()
+    assert Checkpoint.model_validate_json(raw) == msg
+    older = json.loads(raw)
+    del older["keep_steps"]
+    assert Checkpoint.model_validate(older | {"schema_version": 7}).keep_steps is None
+    kept = {
+        name: (f.annotation, f)
+        for name, f in Checkpoint.model_fields.items()
+        if name not in ("keep_steps", "schema_version")
+    }
+    previous = create_model("Checkpoint", __base__=_base.WireMessage, **kept)  # type: ignore[call-overload]
+    monkeypatch.setattr(_base, "SCHEMA_VERSION", 7)
+    old = previous.model_validate_json(raw)
+    assert "keep_steps" not in type(old).model_fields and old.prune_below == 30  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError, match="keep_steps"):
+        previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 7}))
+    monkeypatch.undo()
+    with pytest.raises(ValidationError, match=r"keep_steps=\(3, -1\): steps are >= 0, not -1"):
+        Checkpoint(**base, keep_steps=(3, -1))
+
+
 def test_a_readmit_request_names_nodes_or_all() -> None:
     assert ReadmitRequest(nodes=("n1",)).nodes == ("n1",)
     assert ReadmitRequest(all=True).all
