@@ -111,6 +111,18 @@ def test_draws_equal_an_independent_python_computation_bit_for_bit() -> None:
     assert octants == set(range(8))
 
 
+def test_a_block_of_a_tensor_past_2_33_elements_draws_the_high_word() -> None:
+    """A tensor of more than 2**33 elements has counters past 2**32, whose high word is
+    mixed in (skipped, being zero, for smaller tensors): its blocks, below 2**33 and past
+    it, agree with the per-element draw and the Python computation."""
+    key = key_of(1, "0.wte.weight")
+    for start in (2**35 + 3, 2**33 - 5):
+        block = fill_normal_(torch.empty(9, dtype=torch.float64), key, (2**36,), (start,), 1.0)
+        want = normal_at(torch.arange(start, start + 9, dtype=torch.int64), key)
+        assert torch.equal(block, want)
+        assert block.tolist() == [_reference(1, "0.wte.weight", i) for i in range(start, start + 9)]
+
+
 def test_the_square_root_is_a_python_computation_and_within_1e_14() -> None:
     """torch's CPU ``sqrt`` is not correctly rounded (a GPU's is): the module's own, from
     ``+ - * /`` on bit views, is the same number everywhere, and close to the true root."""
@@ -135,6 +147,10 @@ def test_draws_are_standard_normal() -> None:
     assert abs(float((z.abs() < 2).double().mean()) - 0.9545) < 0.002
     near = torch.corrcoef(torch.stack([z[:-1], z[1:]]))[0, 1]
     assert abs(float(near)) < 5 * se  # neighbours uncorrelated
+    # the two halves of a pair share a radius: independent only if the point is uniform on
+    # the circle, so their squares are uncorrelated too (se of a correlation: 1/sqrt(n/2))
+    sq = (z * z).view(-1, 2)
+    assert abs(float(torch.corrcoef(sq.T)[0, 1])) < 5 * math.sqrt(2 / n)
     other = normal_at(torch.arange(1 << 20, dtype=torch.int64), key_of(0, "1.attn_k.weight"))
     assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < 5 * se
 
