@@ -8,8 +8,11 @@ The stage: the embedding, ``blocks`` GPT blocks and the head of a model of ``hid
 ``init_stage`` and the growth of the process's peak resident memory during it, over the
 shard (made resident before): the draw's transient memory. One rank per process, so the
 old per-node figure is ``t`` times the old per-rank one (every rank of a node drew every
-whole matrix). On a GPU the new draw runs on the device and holds no host memory; not
-measured here (no GPU). Never asserts a timing.
+whole matrix). Wall and CPU seconds (the process's own: steadier than wall time when
+other jobs share the cores). On a GPU the new draw runs on the device and holds no host
+memory; not measured here (no GPU). Never asserts a timing. To compare two versions of
+``init_rng``, run this script with ``PYTHONPATH`` set to each checkout: the generator's
+figures are the common baseline.
 Run: ``.venv/bin/python benchmarks/init_stage.py`` (a few minutes on two cores).
 """
 
@@ -85,15 +88,16 @@ def _child(variant: str, tp: int, a: argparse.Namespace) -> None:
         for p in stage.parameters():
             p.fill_(0.0)
     before = _rss_kb()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if variant == "old":
         _old_init(stage, 0)
     else:
         model_mod.init_stage(stage, 0)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
     shard_mb = sum(p.numel() * 4 for p in stage.parameters()) / 2**20
-    print(json.dumps({"s": seconds, "peak_mb": (peak - before) / 1024, "shard_mb": shard_mb}))
+    out = {"s": seconds, "cpu_s": cpu, "peak_mb": (peak - before) / 1024, "shard_mb": shard_mb}
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -127,10 +131,11 @@ def main() -> None:
             got[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         o, n = got["old"], got["new"]
         print(
-            f"TP {tp}: shard {n['shard_mb']:.0f} MB; whole-then-slice {o['s']:.2f} s, peak "
-            f"+{o['peak_mb']:.0f} MB (x{tp} ranks per node: {o['peak_mb'] * tp:.0f} MB); "
-            f"shard-only {n['s']:.2f} s, peak +{n['peak_mb']:.0f} MB; "
-            f"time old/new {o['s'] / n['s']:.2f}x, peak old/new {o['peak_mb'] / n['peak_mb']:.2f}x"
+            f"TP {tp}: shard {n['shard_mb']:.0f} MB; whole-then-slice {o['s']:.2f} s "
+            f"({o['cpu_s']:.2f} s CPU), peak +{o['peak_mb']:.0f} MB (x{tp} ranks per node: "
+            f"{o['peak_mb'] * tp:.0f} MB); shard-only {n['s']:.2f} s ({n['cpu_s']:.2f} s CPU), "
+            f"peak +{n['peak_mb']:.0f} MB; time old/new {o['s'] / n['s']:.2f}x (CPU "
+            f"{o['cpu_s'] / n['cpu_s']:.2f}x), peak old/new {o['peak_mb'] / n['peak_mb']:.2f}x"
         )
 
 

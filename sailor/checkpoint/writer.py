@@ -9,9 +9,9 @@ Order of a save (each step durable before the next starts):
    checkpoints and debris.
 
 A tensor holding an inf or NaN is never saved: every writer checks all its tensors before it
-writes any file (:func:`nonfinite_key`: one fused max-abs pass over 1M-element slices, no
-bool copy of a tensor on the 4 writer threads), and one that finds one writes no layer file,
-reports the refusal in its part file instead of shards, and raises
+writes any file (:func:`nonfinite_key`: one ``aminmax`` pass per tensor, no bool copy of a
+tensor, the flags read at once), and one that finds one writes no layer file, reports the
+refusal in its part file instead of shards, and raises
 ``NonFiniteCheckpointError`` naming the tensor and the step. The committer, reading that
 part, deletes the files of that save at once (its shards and parts, by save id: never a
 committed step's) and raises the same error (same text); a writer still writing finds the
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,14 +151,17 @@ def _refusal(step: int, key: str) -> str:
     )
 
 
-_FINITE_SLICE = 1 << 20
-"""Elements of a tensor checked at a time (``torch._foreach_norm``'s max-abs per slice)."""
-
-
 def nonfinite_key(by_layer: Mapping[int, Mapping[str, ParamState]]) -> str | None:
     """``layer.param.kind`` of the first tensor (in file order) holding an inf or NaN, else
-    None. The max-abs of each slice is inf or NaN iff the slice holds one (a large finite
-    value cannot overflow it, as a sum could); nothing the size of a tensor is allocated."""
+    None. One ``aminmax`` pass per tensor (its min and max are finite iff every element is:
+    NaN propagates, an inf is an extreme; nothing the size of a tensor is allocated), the
+    flags of all tensors stacked and read once per device (a GPU waits once, not per
+    tensor). Measured on this 2-core machine under other jobs' load (host copies of 50M
+    parameters, fp32 weights and moments, 577 MB, best of 4): 0.18 s of CPU (0.66 s wall),
+    where the max-abs ``torch._foreach_norm`` over 1M-element slices before it took 1.1 s
+    (3.9 s wall), half of ``persist_layers``' CPU time for those layers."""
+    keys: list[str] = []
+    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for layer in sorted(by_layer):
         params = by_layer[layer]
         for pname in sorted(params):
@@ -167,11 +169,18 @@ def nonfinite_key(by_layer: Mapping[int, Mapping[str, ParamState]]) -> str | Non
                 t = params[pname].tensor(kind)
                 if not t.is_floating_point() or t.numel() == 0 or t.is_meta:
                     continue
-                parts = list(torch.split(t.detach().reshape(-1), _FINITE_SLICE))
-                peak = torch.stack(torch._foreach_norm(parts, math.inf)).max()
-                if not math.isfinite(float(peak)):
-                    return f"{layer}.{pname}.{kind}"
-    return None
+                low, high = torch.aminmax(t.detach())
+                # float64 holds every float dtype's values: no finite max reads as inf
+                finite = torch.stack((low, high)).double().isfinite().all()
+                flags.setdefault(t.device, []).append((len(keys), finite))
+                keys.append(f"{layer}.{pname}.{kind}")
+    bad = [
+        i
+        for group in flags.values()
+        for (i, _), ok in zip(group, torch.stack([f for _, f in group]).tolist(), strict=True)
+        if not ok
+    ]
+    return keys[min(bad)] if bad else None
 
 
 def _chunks(lay: _Layer, algorithm: str, scratch: ScratchPool) -> Iterator[memoryview]:

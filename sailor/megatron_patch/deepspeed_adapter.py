@@ -74,11 +74,13 @@ Run one rank: ``python -m sailor.training_process.deepspeed_glue`` (with checkpo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -100,7 +102,7 @@ from sailor.megatron_patch.devices import (
 )
 from sailor.megatron_patch.engine import make_optimizer
 from sailor.megatron_patch.load_barrier import worker_barrier
-from sailor.megatron_patch.model import Block, Embedding, Head, full_init
+from sailor.megatron_patch.model import Block, Embedding, Head, init_block_
 from sailor.megatron_patch.model_source import load_train_config, model_of, train_config
 from sailor.megatron_patch.nccl_conf import read_nccl_conf
 from sailor.megatron_patch.optim import param_groups
@@ -294,27 +296,40 @@ def device_sync(device: torch.device) -> Callable[[], None]:
 
 @torch.no_grad()
 def _init_layer(module: nn.Module, spec: ModelSpec, layer: int, seed: int) -> None:
+    """Draw each parameter of global layer ``layer`` in place, where it is (the layer's
+    device), a chunk at a time (``init_rng``): the numbers of Sailor's engine for the same
+    seed and parameter key, and no host copy of a whole parameter."""
     for name, p in module.named_parameters():
-        p.copy_(full_init(spec, f"{layer}.{name}", tuple(p.shape), seed))
+        init_block_(p.data, spec, f"{layer}.{name}", tuple(p.shape), (0,) * p.dim(), seed)
+
+
+def _on(device: torch.device | None) -> AbstractContextManager[object]:
+    """Allocate on ``device``; None: on the current default device."""
+    return contextlib.nullcontext() if device is None else device
 
 
 class DSEmbedding(Embedding):
-    def __init__(self, spec: ModelSpec, seed: int) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: ModelSpec, seed: int, device: torch.device | None = None) -> None:
+        with _on(device):  # allocated, then drawn, on the rank's device
+            super().__init__(spec)
         _init_layer(self, spec, 0, seed)
 
 
 class DSBlock(Block):
-    def __init__(self, spec: ModelSpec, layer: int, seed: int) -> None:
-        super().__init__(spec, TPContext())
+    def __init__(
+        self, spec: ModelSpec, layer: int, seed: int, device: torch.device | None = None
+    ) -> None:
+        with _on(device):
+            super().__init__(spec, TPContext())
         _init_layer(self, spec, layer, seed)
 
 
 class DSHead(Head):
     """The head without the loss: DeepSpeed applies ``loss_fn`` to its output."""
 
-    def __init__(self, spec: ModelSpec, seed: int) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: ModelSpec, seed: int, device: torch.device | None = None) -> None:
+        with _on(device):
+            super().__init__(spec)
         _init_layer(self, spec, spec.num_all_layers - 1, seed)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -326,7 +341,9 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: int) -> nn.Module:
+def _build_module(
+    plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: int, device: torch.device
+) -> nn.Module:
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
@@ -338,9 +355,11 @@ def _build_module(plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: in
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    layers: list[Any] = [LayerSpec(DSEmbedding, spec, seed)]
-    layers += [LayerSpec(DSBlock, spec, i, seed) for i in range(1, spec.num_layers + 1)]
-    layers.append(LayerSpec(DSHead, spec, seed))
+    # each layer this rank builds is allocated and drawn on its device (DeepSpeed builds
+    # them on the host and moves them after)
+    layers: list[Any] = [LayerSpec(DSEmbedding, spec, seed, device)]
+    layers += [LayerSpec(DSBlock, spec, i, seed, device) for i in range(1, spec.num_layers + 1)]
+    layers.append(LayerSpec(DSHead, spec, seed, device))
     # Sailor's rank order: rank = pipeline * depth + stage.
     topo = ProcessTopology(axes=["data", "pipe"], dims=[layout.data_parallel, layout.num_stages])
     module: nn.Module = SailorPipelineModule(
@@ -504,7 +523,7 @@ def run(
     )
     status.load_barrier = barrier
     cfg = train_config(tc, args)
-    module = _build_module(plan, spec, layout, cfg.seed)
+    module = _build_module(plan, spec, layout, cfg.seed, device)
     groups = param_groups(
         module.named_parameters(), cfg.weight_decay, cfg.no_decay, spec.tie_embeddings
     )

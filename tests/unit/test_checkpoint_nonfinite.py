@@ -22,7 +22,7 @@ from sailor.checkpoint import (
     load,
     save_full,
 )
-from sailor.checkpoint.writer import commit, persist_layers
+from sailor.checkpoint.writer import commit, nonfinite_key, persist_layers
 from tests.unit.test_checkpoint_local import _state
 
 
@@ -78,3 +78,25 @@ def test_the_committer_raises_a_writers_refusal_at_once(tmp_path: Path) -> None:
         )
     assert time.monotonic() - t0 < 5.0
     assert committed_steps(storage) == []
+
+
+def _one(t: torch.Tensor) -> ParamState:
+    return ParamState(t, torch.zeros_like(t), torch.zeros_like(t), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_the_check_finds_any_non_finite_value_and_names_the_first_tensor(
+    dtype: torch.dtype, bad: float
+) -> None:
+    """In every float dtype, anywhere in a tensor (a vectorized body or its tail), the first
+    tensor in file order; a float64 value beyond float32's range is finite, not flagged."""
+    big = torch.full((3, 1001), 1e300 if dtype == torch.float64 else 1.0, dtype=dtype)
+    by_layer = {2: {"a": _one(big.clone()), "b": _one(big.clone())}, 1: {"c": _one(big)}}
+    assert nonfinite_key(by_layer) is None
+    by_layer[2]["b"].exp_avg[2, 1000] = bad
+    assert nonfinite_key(by_layer) == "2.b.exp_avg"
+    by_layer[2]["b"].weight[0, 0] = bad
+    assert nonfinite_key(by_layer) == "2.b.weight"
+    by_layer[1]["c"].exp_avg_sq[1, 500] = bad
+    assert nonfinite_key(by_layer) == "1.c.exp_avg_sq"
