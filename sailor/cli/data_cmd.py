@@ -84,6 +84,13 @@ def prepare_cmd(
         )
         names = tuple(map(str, inputs))
         kind, version = ("jsonl" if jsonl_field else "text"), None
+    if tokenizer is None:  # refused before any reading: a size past the bound aborts in Rust
+        from sailor.data.tokenizer import check_trained_vocab
+
+        try:
+            check_trained_vocab(vocab_size, "--vocab-size")
+        except ValueError as exc:
+            raise fail(str(exc)) from exc
     opts = PrepareOptions(
         out=out,
         tokenizer=tokenizer,

@@ -425,3 +425,24 @@ def test_ids_outside_the_manifests_vocabulary_are_found_by_info_and_each_batch(
     with pytest.raises(LabelOutOfRangeError, match=r"holds token id 65000 at position") as exc:
         data.batch(range(data.tokens.num_windows))
     assert str(bin_path) in str(exc.value) and "of the manifest" in str(exc.value)
+
+
+@pytest.mark.parametrize("size", [2**31, 2**30, 2**24 + 1])
+def test_a_vocab_size_the_trainer_cannot_reserve_is_refused_by_name(
+    tmp_path: Path, size: int
+) -> None:
+    """In a process of its own: before, 2^31 (and 2^30: 70.9 GB reserved) aborted in the
+    tokenizers trainer (Rust), a SIGABRT with no Python error."""
+    import subprocess
+    import sys
+
+    argv = ["data", "prepare", "--builtin-corpus", "python-docs", "--out", str(tmp_path / "o")]
+    res = subprocess.run(
+        [sys.executable, "-m", "sailor.cli.main", *argv, "--vocab-size", str(size)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert f"--vocab-size={size}: a byte-level BPE is trained with 258 to 16777216" in res.stderr
+    assert not (tmp_path / "o.bin").exists()
