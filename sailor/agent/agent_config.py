@@ -12,15 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.agent.cgroup_layout import CFS_PERIOD_US, MIN_QUOTA_US, validate_cores
 from sailor.agent.killed_groups import TEARDOWN_TIMEOUT_S
 from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.coordination.endpoints import ServerEndpoints
 from sailor.coordination.security import SecurityConfig
-from sailor.schemas._base import Frozen
-from sailor.schemas.hardware import NodeSpec
+from sailor.schemas._base import Frozen, field_error
+from sailor.schemas.hardware import MAX_GPUS_PER_NODE, NodeSpec
 
 __all__ = ["AgentConfig", "CheckSettings", "WatcherConfig"]
 
@@ -120,6 +120,21 @@ class AgentConfig(ServerEndpoints):
         "its quota is spent, then stalls: a shorter period spreads the quota more evenly "
         "over steps shorter than a few periods, at the cost of more preemptions.",
     )
+
+    @field_validator("node")
+    @classmethod
+    def _plannable_shape(cls, node: NodeSpec) -> NodeSpec:
+        # checked here, not on NodeSpec: a wire message an older agent registered is read
+        # whatever its count, and the controller leaves such a node out with the reason
+        # (controller/plannable.py); a config of this release is refused before it joins
+        if node.gpus > MAX_GPUS_PER_NODE:
+            raise field_error(
+                "node.gpus",
+                node.gpus,
+                f"over the {MAX_GPUS_PER_NODE} GPUs per node the planner takes "
+                "(PoolEntry.gpus_per_node): the controller would leave this node out",
+            )
+        return node
 
     @model_validator(mode="after")
     def _enforceable(self) -> AgentConfig:

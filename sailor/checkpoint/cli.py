@@ -57,7 +57,9 @@ class LsRow:
 
 def ls_rows(url: str) -> list[LsRow]:
     """One row per committed checkpoint (status 'ok', or why its manifest is unreadable)."""
-    from sailor.checkpoint.reader import committed_steps, read_manifest
+    from pydantic import ValidationError
+
+    from sailor.checkpoint.reader import committed_steps, invalid_manifest, read_manifest
 
     storage = open_storage(url)
     rows = []
@@ -66,6 +68,11 @@ def ls_rows(url: str) -> list[LsRow]:
             m = read_manifest(storage, step)
         except CheckpointError as exc:
             rows.append(LsRow(step, 0, 0, 0, 0.0, "", f"bad: {exc}"))
+            continue
+        except ValidationError as exc:  # a newer release's, or a shard path out of its step
+            rows.append(
+                LsRow(step, 0, 0, 0, 0.0, "", f"bad: {invalid_manifest(storage, step, exc)}")
+            )
             continue
         rows.append(
             LsRow(step, m.consumed_samples, len(m.layers), m.total_bytes, m.created, m.layout, "ok")

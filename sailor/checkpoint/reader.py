@@ -44,6 +44,7 @@ from sailor.schemas.checkpoint import CheckpointManifest, CommitMarker, ShardEnt
 __all__ = [
     "Loaded",
     "committed_steps",
+    "invalid_manifest",
     "latest_step",
     "load",
     "read_manifest",
@@ -66,7 +67,9 @@ def _where(storage: Storage, step: int, name: str) -> str:
 
 
 def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
-    """The manifest of a committed step; NoCheckpointError if not committed."""
+    """The manifest of a committed step; NoCheckpointError if not committed,
+    CorruptCheckpointError if its marker or its checksum is wrong, ValidationError if this
+    release cannot take its fields."""
     d = step_dir(step)
     try:
         raw_marker = storage.read(f"{d}/{MARKER}")
@@ -85,7 +88,17 @@ def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
         raise CorruptCheckpointError(
             f"{where}: does not match the checksum in its commit marker", path=where
         )
+    # a ValidationError here is not corruption: a newer release may have written it (the
+    # retention and gc then judge nothing, ``gc.scan``), or it names a shard outside its
+    # step directory (``ShardEntry.path``): either way no shard of it is read
     return CheckpointManifest.model_validate_json(raw)
+
+
+def invalid_manifest(storage: Storage, step: int, exc: ValidationError) -> str:
+    """One line on a manifest this release cannot take (``read_manifest``'s ValidationError):
+    the file and the first fields wrong."""
+    why = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3])
+    return f"{_where(storage, step, MANIFEST)}: not a manifest this release reads: {why}"
 
 
 def committed_steps(storage: Storage) -> list[int]:
@@ -384,6 +397,8 @@ def verify(storage: Storage, step: int) -> list[str]:
         manifest = read_manifest(storage, step)
     except (NoCheckpointError, CorruptCheckpointError) as exc:
         return [str(exc)]
+    except ValidationError as exc:
+        return [invalid_manifest(storage, step, exc)]
     problems = []
     for shard in manifest.shards:
         try:

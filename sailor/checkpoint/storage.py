@@ -4,7 +4,9 @@ The checkpoint code needs only whole-object semantics: write an object so that i
 complete or not at all (or several at once, in parallel, all durable on return), read it or
 byte ranges of it through one open handle, list, stat, delete. Local files get that from
 write-to-temp + fsync + rename; object stores get it from PUT / multipart-complete and ranged
-GETs. Paths are '/'-separated and relative to the backend's root.
+GETs. Paths are '/'-separated and relative to the backend's root, and stay under it: a path
+that is absolute or has a '..' part is refused (:func:`confined`), whoever
+built it (a manifest names its shards' paths, and a manifest is data read from storage).
 
 This module must never interpret checkpoint contents; it moves bytes.
 """
@@ -25,9 +27,22 @@ from typing import Any, Protocol, runtime_checkable
 from sailor.checkpoint.errors import StorageError
 from sailor.checkpoint.local_read import LocalReader
 
-__all__ = ["FsspecStorage", "LocalStorage", "RangeReader", "Storage", "open_storage"]
+__all__ = ["FsspecStorage", "LocalStorage", "RangeReader", "Storage", "confined", "open_storage"]
 
 Chunk = bytes | bytearray | memoryview
+
+
+def confined(path: str) -> str:
+    """``path`` if it stays under a backend's root; else StorageError (not retryable) naming
+    it. '' is the root itself."""
+    parts = path.split("/")
+    if path.startswith("/") or ".." in parts or "\0" in path:
+        raise StorageError(
+            f"path={path!r}: not a path under the storage root (absolute, a '..' part or a "
+            "NUL); checkpoint paths are '/'-separated and relative",
+            retryable=False,
+        )
+    return path
 
 
 @runtime_checkable
@@ -107,7 +122,7 @@ class LocalStorage:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _p(self, path: str) -> Path:
-        return self.root / path if path else self.root
+        return self.root / confined(path) if path else self.root
 
     def _mkdirs(self, d: Path) -> None:
         """Create ``d`` and its missing parents; with fsync, each new directory's entry is
@@ -267,7 +282,7 @@ class FsspecStorage:
         self.root = root.rstrip("/")
 
     def _p(self, path: str) -> str:
-        return f"{self.root}/{path}" if path else self.root
+        return f"{self.root}/{confined(path)}" if path else self.root
 
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         n = 0

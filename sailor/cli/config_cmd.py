@@ -117,6 +117,29 @@ def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:
     return lines
 
 
+def _against_controller(node: Any, controller: Path) -> list[str]:
+    """Why the planner of the ``controller`` config cannot use ``node`` (an agent config's),
+    as that controller judges it (``controller/plannable.py``: it would leave the node out):
+    an unknown GPU type, one without a price; none for the stand-in planner."""
+    from sailor.controller.config import ControllerConfig, load_mapping
+    from sailor.controller.planning.in_process import planner_reach_of
+
+    try:
+        cfg = ControllerConfig.model_validate(load_mapping(controller)).anchored(controller)
+        reach = planner_reach_of(cfg)
+    except Exception as exc:  # any reason the controller would not start with it
+        return [f"--controller {controller}: cannot load it: {_one_line(exc)}"]
+    why = reach.why_not(node.gpu_type, node.zone, node.gpus, node.spot) if reach else ""
+    if not why:
+        return []
+    return [
+        f"node: the planner of {controller} cannot use this node ({why}; value: "
+        f"gpu_type={node.gpu_type!r}, gpus={node.gpus}, zone={node.zone!r}): that "
+        "controller would leave it out; use a catalog GPU type (`sailor catalog gpus`) or "
+        "give the controller a profile and a price of it"
+    ]
+
+
 def _cost_input_problems(cfg: Any) -> list[str]:
     """The model, profiles, network, prices and calibration of a controller config, each
     loaded as the controller loads them at start (``load_cost_inputs``), one problem per
@@ -158,8 +181,11 @@ def _one_line(exc: BaseException) -> str:
 
 def warnings_of(data: dict[str, Any]) -> list[str]:
     """What an agent config (``data``, as read) may get wrong without the check being able
-    to tell: a GPU type the catalog does not know (the controller then needs a profile of
-    it)."""
+    to tell: a GPU type the catalog does not know. A warning, not an error: the controller
+    plans such a type when its config gives a profile of it, and an agent config alone does
+    not say which controller it joins; with ``--controller`` the check judges the node by
+    that controller's planner (:func:`_against_controller`), and an unknown type is an
+    error."""
     from sailor import catalog
     from sailor.schemas.device_kind import is_cpu_type
 
@@ -168,21 +194,25 @@ def warnings_of(data: dict[str, Any]) -> list[str]:
     if isinstance(g, str) and not is_cpu_type(g) and g not in catalog.gpus():
         return [
             f"node.gpu_type={g!r} is not a catalog GPU type (`sailor catalog gpus`): the "
-            "controller plans it only with a profile of it (ControllerConfig.profiles)"
+            "controller plans it only with a profile of it (ControllerConfig.profiles), "
+            "else leaves the node out; `--controller CONTROLLER.yaml` checks it against "
+            "the controller's config"
         ]
     return []
 
 
 def check_config(
-    path: Path, kind: Kind | None = None, files: bool = True
+    path: Path, kind: Kind | None = None, files: bool = True, controller: Path | None = None
 ) -> tuple[int, Kind | None, list[str]]:
-    """(exit code, kind, messages) for one file; see the module docstring for the codes."""
-    code, kind, messages, _ = _checked(path, kind, files)
+    """(exit code, kind, messages) for one file; see the module docstring for the codes.
+    ``controller``: for an agent config, the controller config whose planner judges the
+    node (:func:`_against_controller`)."""
+    code, kind, messages, _ = _checked(path, kind, files, controller)
     return code, kind, messages
 
 
 def _checked(
-    path: Path, kind: Kind | None, files: bool
+    path: Path, kind: Kind | None, files: bool, controller: Path | None = None
 ) -> tuple[int, Kind | None, list[str], dict[str, Any] | None]:
     """:func:`check_config`, plus the mapping read from the file (None if unreadable)."""
     from sailor.controller.config import load_mapping
@@ -200,6 +230,9 @@ def _checked(
     except ValidationError as exc:
         return 1, kind, _errors(exc), data
     extra = _extra_checks(kind, cfg, path, files)
+    node = getattr(cfg, "node", None) if kind is Kind.agent else None
+    if controller is not None and node is not None:
+        extra += _against_controller(node, controller)
     return (1 if extra else 0), kind, extra, data
 
 
@@ -228,10 +261,17 @@ def check(
         help="Check that the security files the config names exist and are readable (as the "
         "daemon does at start); --no-files before the certificates are issued.",
     ),
+    controller: Path | None = typer.Option(
+        None,
+        "--controller",
+        help="For an agent config: the controller config it joins; its node is then an "
+        "error where that controller's planner cannot use it (an unknown GPU type, no "
+        "price), not a warning.",
+    ),
 ) -> None:
     """Validate a controller, agent or training config file; print OK or every error."""
-    code, found, messages, data = _checked(file, kind, files)
-    if found is Kind.agent and data is not None:
+    code, found, messages, data = _checked(file, kind, files, controller)
+    if found is Kind.agent and data is not None and controller is None:
         for w in warnings_of(data):
             typer.echo(f"warning: {file}: {w}", err=True)
     if code == 0:

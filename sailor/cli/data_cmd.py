@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from sailor.cli._io import fail
+
+if TYPE_CHECKING:
+    from sailor.data.prepared import PreparedData
 
 __all__ = ["data_app"]
 
@@ -80,6 +84,13 @@ def prepare_cmd(
         )
         names = tuple(map(str, inputs))
         kind, version = ("jsonl" if jsonl_field else "text"), None
+    if tokenizer is None:  # refused before any reading: a size past the bound aborts in Rust
+        from sailor.data.tokenizer import check_trained_vocab
+
+        try:
+            check_trained_vocab(vocab_size, "--vocab-size")
+        except ValueError as exc:
+            raise fail(str(exc)) from exc
     opts = PrepareOptions(
         out=out,
         tokenizer=tokenizer,
@@ -160,3 +171,24 @@ def info_cmd(
         t = pd.manifest.tokenizer
         bos = f", bos {t.bos_id}" if t.bos_id is not None else ""
         typer.echo(f"  tokenizer: {t.path} ({t.kind}), vocab {t.vocab_size}, eod {t.eod_id}{bos}")
+    _check_ids(pd)
+
+
+def _check_ids(pd: PreparedData) -> None:
+    """Read every id of the ``.bin`` once; print the range; fail on one outside the
+    manifest's vocabulary (or a negative one): training would meet it in some batch, maybe
+    hours in (the engine checks each batch, ``megatron_patch.data.IndexedTokens``)."""
+    from sailor.data.scan import id_range
+
+    ds, vocab = pd.dataset, pd.vocab_size
+    ids = id_range(ds, vocab)
+    typer.echo(f"  token ids: {ids.low}..{ids.high}" + (f" (vocab {vocab})" if vocab else ""))
+    if ids.first_bad is None:
+        return
+    offset, value = ids.first_bad
+    what = f"the manifest's vocabulary [0, {vocab})" if vocab else "[0, any vocabulary)"
+    raise fail(
+        f"{ds.bin_path}: token id {value} at token {offset} (byte {offset * ds.dtype.itemsize}) "
+        f"is outside {what}, {ids.bad} such id(s) in all (largest {ids.high}): the .bin was "
+        "written with another tokenizer or is damaged; prepare it again (sailor data prepare)"
+    )

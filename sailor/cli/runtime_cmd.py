@@ -121,7 +121,16 @@ def status(
             typer.echo(
                 f"warning: {exc}; nodes are judged by the job's recorded precision", err=True
             )
-    snap = asyncio.run(read_status(cfg.etcd_endpoints, cfg.job, cfg.security, training=training))
+    from sailor.controller.planning.in_process import planner_reach_of
+
+    try:  # the leader admits only the nodes its planner can use
+        reach = planner_reach_of(cfg)
+    except Exception as exc:  # as above: a broken cost input must not hide the status
+        reach = None
+        typer.echo(f"warning: {exc}; nodes are not judged by what the planner can use", err=True)
+    snap = asyncio.run(
+        read_status(cfg.etcd_endpoints, cfg.job, cfg.security, training=training, reach=reach)
+    )
     if as_json:
         typer.echo(json.dumps(snap, indent=2, default=str))
         return
@@ -167,7 +176,7 @@ def status(
             f"excluded [bold]{node}[/] until {until} after {ex['failures']} failure(s) in a "
             f"row: {escape(ex['cause'])}"
         )
-    for node, why in snap.get("not_admitted", {}).items():  # another runtime or precision
+    for node, why in snap.get("not_admitted", {}).items():  # unplannable, runtime, precision
         con.print(f"not admitted [bold]{node}[/]: {escape(why)}")
     periodic = periodic_line(snap.get("periodic"))
     if periodic:

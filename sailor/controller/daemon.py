@@ -90,6 +90,7 @@ from sailor.coordination import (
     unclustered_replicas,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
+from sailor.planner.reach import PlannerReach
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, ReadmitRequest
 from sailor.schemas.training import TrainingConfig
@@ -117,6 +118,15 @@ def _model_for_deadlines(config: ControllerConfig) -> ModelSpec | None:
     except (OSError, KeyError, ValueError, yaml.YAMLError) as exc:
         _log.warning("deadlines_not_derived", model=config.model, error=str(exc))
         return None
+
+
+def _reach_of(planner: Planner) -> PlannerReach | None:
+    """What ``planner`` can use (its ``reach``: the sailor planner's, in a thread or a
+    process), read at start like its inputs; None for a planner that has none (the stand-in,
+    a test's), which takes any node."""
+    reach = getattr(planner, "reach", None)
+    got = reach() if callable(reach) else None
+    return got if isinstance(got, PlannerReach) else None
 
 
 class Controller(EventIntake):
@@ -148,6 +158,7 @@ class Controller(EventIntake):
             training=self.training,
             exclusion=config.exclusion,
             model=_model_for_deadlines(config),
+            planner_reach=_reach_of(self.planner),
         )
         self.audit = AuditLog(config.audit_log, max_bytes=config.audit_max_bytes)
         # reads the cost model's inputs now, like the training config: a broken file stops it
@@ -600,7 +611,10 @@ class Controller(EventIntake):
         # a withdrawn request's mark goes once the mirror no longer shows it so
         ex.withdrawn = {k: r for k, r in ex.withdrawn.items() if ex.request_revisions.get(k) == r}
         # once per pass: the nodes out as decide sees them, and those audited as not admitted
-        excluded, refused = exclusion(desired, o, job_precision(desired, self.decide_cfg.training))
+        cfg = self.decide_cfg
+        excluded, refused = exclusion(
+            desired, o, job_precision(desired, cfg.training), cfg.planner_reach
+        )
         self._audit_admission(refused, o.now)
         return replace(o, excluded=excluded)
 

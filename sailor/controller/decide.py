@@ -16,8 +16,9 @@ records (``sailor node readmit``), or to clear checkpoint marks once the storage
 repaired (``sailor checkpoint clear-bad``: ``controller/bad_marks.py``), is part of the
 observed state, and deleted once applied.
 
-This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes of
-another NCCL version than the job's, ``controller/runtime_admission.py``), the pass's order (expired
+This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes the
+planner cannot use, ``controller/plannable.py``, or of another NCCL version than the job's,
+``controller/runtime_admission.py``), the pass's order (expired
 notices, readmit requests, clear-bad requests, forgotten records, then the phase) and the
 IDLE and RUNNING phases (RUNNING's periodic checkpoint in ``controller/periodic.py``). Its
 inputs and actions are in ``controller/decision_types.py``; the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import bad_marks, failing_nodes, periodic, runtime_admission
+from sailor.controller import bad_marks, failing_nodes, periodic, plannable, runtime_admission
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
@@ -50,6 +51,7 @@ from sailor.controller.forgetting import trained_past, trained_past_agreed
 from sailor.controller.job_precision import HELD_PREFIX, job_precision, precision_conflict
 from sailor.controller.launch import UNLOADABLE_PREFIX, launch_next, launching, unloadable
 from sailor.controller.teardown import teardown
+from sailor.planner.reach import PlannerReach
 from sailor.schemas.precision import Precision
 from sailor.schemas.runtime import CommitRecord, DesiredState, Phase
 
@@ -131,23 +133,31 @@ def _recalibrate(
     return [SetDesired(state, adv.cause[:1024])]
 
 
-def unusable(d: DesiredState, o: Observed, precision: Precision | None = None) -> frozenset[str]:
+def unusable(
+    d: DesiredState,
+    o: Observed,
+    precision: Precision | None = None,
+    reach: PlannerReach | None = None,
+) -> frozenset[str]:
     """The registered nodes no layout may use at ``o.now``: those the failure records keep
-    out (``failing_nodes.unusable``) and those of another runtime than the job's (NCCL
-    version, Sailor release) or whose GPU type cannot compute in its precision
-    (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``."""
-    return exclusion(d, o, precision)[0]
+    out (``failing_nodes.unusable``) and those the planner cannot use, of another runtime
+    than the job's (NCCL version, Sailor release) or whose GPU type cannot compute in its
+    precision (:func:`not_admitted`). What ``decide`` puts in ``Observed.excluded``."""
+    return exclusion(d, o, precision, reach)[0]
 
 
 def exclusion(
-    d: DesiredState, o: Observed, precision: Precision | None = None
+    d: DesiredState,
+    o: Observed,
+    precision: Precision | None = None,
+    reach: PlannerReach | None = None,
 ) -> tuple[frozenset[str], dict[str, str]]:
     """:func:`unusable`'s nodes and, among them, those :func:`not_admitted` leaves out with
     the reason, from one computation of each: the daemon's pass puts the first in
     ``Observed.excluded`` and audits the second (``not_admitted`` records), so what it
     reports left out for its runtime or precision is always what its layouts leave out."""
     out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
-    refused = not_admitted(d, o, out, precision)
+    refused = not_admitted(d, o, out, precision, reach)
     return out | frozenset(refused), refused
 
 
@@ -156,17 +166,22 @@ def not_admitted(
     o: Observed,
     out: frozenset[str] | None = None,
     precision: Precision | None = None,
+    reach: PlannerReach | None = None,
 ) -> dict[str, str]:
-    """The registered nodes left out for their runtime or the job's precision, with the reason
-    (``controller/runtime_admission.py``); ``out``: the nodes the failure records keep out
-    (computed when not given); ``precision``: the job's (``job_precision.job_precision``:
-    the recorded one, or the training config's forced one before any launch), else the
-    recorded one."""
+    """The registered nodes left out because the planner cannot use them (``reach``:
+    ``DecideConfig.planner_reach``, ``controller/plannable.py``), or for their runtime or the
+    job's precision (``controller/runtime_admission.py``), with the reason; ``out``: the
+    nodes the failure records keep out (computed when not given); ``precision``: the job's
+    (``job_precision.job_precision``: the recorded one, or the training config's forced one
+    before any launch), else the recorded one."""
     if out is None:
         out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
+    refused = plannable.unplannable(o.nodes, candidates, reach)
+    candidates = [n for n in candidates if n not in refused]
     job = precision if precision is not None else d.job_precision
-    return runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)
+    refused |= runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)
+    return dict(sorted(refused.items()))
 
 
 _PLANS_AHEAD = (Phase.QUIESCE, Phase.CHECKPOINT, Phase.COMMIT, Phase.TEARDOWN)
@@ -218,11 +233,12 @@ def _idle(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
 
 
 def _none_admitted(d: DesiredState, o: Observed, cfg: DecideConfig) -> str | None:
-    """Why no registered node may be used when admission left them all out (their GPU types
-    cannot run the job's precision, forced before any launch included: the NCCL version and
-    the release are chosen among the candidates, so they never leave out all); None when
-    some node is out for another reason or none is registered."""
-    refused = not_admitted(d, o, precision=job_precision(d, cfg.training))
+    """Why no registered node may be used when admission left them all out (the planner
+    cannot use them, or their GPU types cannot run the job's precision, forced before any
+    launch included: the NCCL version and the release are chosen among the candidates, so
+    they never leave out all); None when some node is out for another reason or none is
+    registered."""
+    refused = not_admitted(d, o, precision=job_precision(d, cfg.training), reach=cfg.planner_reach)
     if not refused or set(refused) != set(o.nodes) - set(o.notices):
         return None
     shown = "; ".join(f"{n}: {why}" for n, why in sorted(refused.items())[:3])
@@ -289,7 +305,7 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
     if forgot is not None:
         d = forgot[0]
         return [SetDesired(d, forgot[1]), *decide(d, o, config)]
-    out = unusable(d, o, job_precision(d, config.training))
+    out = unusable(d, o, job_precision(d, config.training), config.planner_reach)
     if out != o.excluded:  # the desired state says which nodes are out, whatever o was given
         o = replace(o, excluded=out)
     if d.phase is Phase.TEARDOWN:  # it aborts every busy node itself

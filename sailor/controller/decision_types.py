@@ -35,6 +35,7 @@ from sailor.controller.plan_deadlines import (
     mismatch,
     phase_need,
 )
+from sailor.planner.reach import PlannerReach
 from sailor.schemas._base import Frozen
 from sailor.schemas.commands import Abort, Checkpoint, Command, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
@@ -118,6 +119,12 @@ class DecideConfig(Frozen):
         default_factory=ExclusionPolicy,
         description="When a node whose workers keep failing is left out of the layouts, and "
         "for how long (controller/node_health.py).",
+    )
+    planner_reach: PlannerReach | None = Field(
+        default=None,
+        description="What the controller's planner can use (GPU types, prices, GPUs per "
+        "node: ``planner.reach``): a registered node outside it is not admitted "
+        "(``controller/plannable.py``). None: any node (the stand-in planner).",
     )
     model: ModelSpec | None = Field(
         default=None,

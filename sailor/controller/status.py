@@ -26,6 +26,7 @@ from sailor.controller.decision_types import Observed
 from sailor.controller.job_precision import job_precision
 from sailor.coordination import Keys, TemporaryError, connect_etcd
 from sailor.coordination.security import SecurityConfig
+from sailor.planner.reach import PlannerReach
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.online_calibration import CalibrationPointer
 from sailor.schemas.precision import Precision
@@ -59,6 +60,7 @@ async def read_status(
     security: SecurityConfig | None = None,
     now: float | None = None,
     training: TrainingConfig | None = None,
+    reach: PlannerReach | None = None,
 ) -> dict[str, Any]:
     """A JSON-able snapshot: leader, phase, plan, nodes with health, last checkpoint, and
     the event stream once the leader could not place it (``event_stream``: None while it
@@ -66,7 +68,9 @@ async def read_status(
     the controller excludes (its workers kept failing: ``DesiredState.node_health``) shows
     until when, as of ``now`` (default: this host's clock). ``training``: the controller's
     training config, whose forced precision the leader admits nodes by (as
-    ``job_precision.job_precision`` reads it); without it, the recorded one."""
+    ``job_precision.job_precision`` reads it); without it, the recorded one. ``reach``: what
+    the controller's planner can use (``in_process.planner_reach_of`` of its config), which
+    the leader admits nodes by too; without it, nodes are not judged by it."""
     keys = Keys(job=job)
     store = await connect_etcd(endpoint, security=security)
     try:
@@ -113,7 +117,7 @@ async def read_status(
             spec = NodeSpec.model_validate_json(kv.value)
             specs[spec.node_id] = spec
     precision = job_precision(d, training) if d is not None else None
-    refused = _not_admitted(d, specs, st, nt, now, precision)
+    refused = _not_admitted(d, specs, st, nt, now, precision, reach)
     rows = []
     for n in specs.values():
         s2 = st.get(n.node_id)
@@ -196,11 +200,13 @@ def _not_admitted(
     notices: dict[str, NoticeRecord],
     now: float,
     precision: Precision | None = None,
+    reach: PlannerReach | None = None,
 ) -> dict[str, str]:
-    """The nodes the leader leaves out for their runtime or the job's precision, and why, by
-    the leader's own rule (``decide.not_admitted``) over the same records."""
+    """The nodes the leader leaves out (the planner cannot use them, or for their runtime or
+    the job's precision), and why, by the leader's own rule (``decide.not_admitted``) over
+    the same records."""
     o = Observed(now=now, nodes=nodes, status=status, notices=notices)
-    return not_admitted(d or DesiredState(epoch=0), o, precision=precision)
+    return not_admitted(d or DesiredState(epoch=0), o, precision=precision, reach=reach)
 
 
 def _event_stream(raw: bytes, now: float) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The largest token id of a data set without a manifest, scanned once per version of its file.
+"""The largest token id of a data set without a manifest, scanned once per version of its file;
+and every id of a file checked against its vocabulary, on request (``sailor data info``).
 
 A data set prepared elsewhere (Megatron's tools) has no manifest to give its vocabulary size,
 so the engine checks that the model can embed every id by the largest one in the ``.bin``.
@@ -22,11 +23,17 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from sailor.data.indexed import IndexedDataset
 
-__all__ = ["max_token_id", "scan_path"]
+__all__ = ["IdRange", "id_range", "max_token_id", "scan_path"]
+
+_CHUNK = 1 << 24
+"""Tokens per chunk of :func:`id_range` (64 MB of int32): its memory stays bounded."""
 
 
 def scan_path(ds: IndexedDataset) -> Path:
@@ -69,6 +76,43 @@ def _turn(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@dataclass(frozen=True)
+class IdRange:
+    """The ids of a whole ``.bin`` (:func:`id_range`)."""
+
+    low: int
+    """The smallest id (0 when the file holds none)."""
+    high: int
+    """The largest id (0 when the file holds none)."""
+    bad: int
+    """Ids outside ``[0, vocab_size)``: 0 without a vocabulary to judge by (negative ids are
+    counted whatever it is)."""
+    first_bad: tuple[int, int] | None
+    """(token offset in the ``.bin``, id) of the first of them; None when there is none."""
+
+
+def id_range(ds: IndexedDataset, vocab_size: int | None = None) -> IdRange:
+    """Every id of ``ds`` read once, in chunks (``sailor data info``): the smallest, the
+    largest and those outside ``[0, vocab_size)``. Not recorded: an operator asks for it."""
+    toks = ds.document_tokens(0, ds.num_documents)
+    low = high = 0
+    bad = 0
+    first: tuple[int, int] | None = None
+    bound = vocab_size
+    for start in range(0, len(toks), _CHUNK):
+        part = np.asarray(toks[start : start + _CHUNK])
+        lo, hi = int(part.min()), int(part.max())
+        low, high = (lo, hi) if start == 0 else (min(low, lo), max(high, hi))
+        if lo >= 0 and (bound is None or hi < bound):
+            continue
+        out = (part < 0) if bound is None else (part < 0) | (part >= bound)
+        bad += int(out.sum())
+        if first is None:
+            at = int(np.argmax(out))
+            first = (start + at, int(part[at]))
+    return IdRange(low, high, bad, first)
 
 
 def max_token_id(ds: IndexedDataset) -> int:

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_EOD_TOKEN",
     "EOD_CANDIDATES",
+    "MAX_TRAINED_VOCAB",
+    "MIN_TRAINED_VOCAB",
     "bos_of",
+    "check_trained_vocab",
     "eod_of",
     "file_sha256",
     "load_tokenizer",
@@ -70,14 +73,32 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return tok
 
 
+MIN_TRAINED_VOCAB = 257 + 1
+"""A byte-level BPE's 256 bytes, the EOD token, and one merge."""
+MAX_TRAINED_VOCAB = 1 << 24
+"""The largest BPE ``train_byte_bpe`` trains. Ids are int32 in the ``.bin`` (2^31 at most),
+but the trainer (tokenizers 0.22) reserves ~66 B per id before it reads a text: 2^30 ids
+asked for 70.9 GB and the process aborted in Rust (no Python error), 2^31 and above always
+abort. 2^24 reserves ~1.1 GB; the largest vocabularies in use are ~256k ids (Gemma)."""
+
+
+def check_trained_vocab(vocab_size: int, name: str = "vocab_size") -> None:
+    """Refuse a BPE size :func:`train_byte_bpe` cannot train, naming ``name`` and the value."""
+    if not MIN_TRAINED_VOCAB <= vocab_size <= MAX_TRAINED_VOCAB:
+        raise ValueError(
+            f"{name}={vocab_size}: a byte-level BPE is trained with {MIN_TRAINED_VOCAB} to "
+            f"{MAX_TRAINED_VOCAB} ids (2^24: the trainer reserves ~66 B per id up front; the "
+            "largest vocabularies in use are ~256k)"
+        )
+
+
 def train_byte_bpe(
     texts: Iterable[str], vocab_size: int, eod_token: str = DEFAULT_EOD_TOKEN
 ) -> Tokenizer:
     """A byte-level BPE of ``vocab_size`` ids trained on ``texts``; ``eod_token`` is id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257 + 1:
-        raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least 258 ids")
+    check_trained_vocab(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -42,7 +42,10 @@ def get(d: Any, key: str | int, file: str | Path, field: str) -> Any:
         if -len(d) <= key < len(d):
             return d[key]
         raise ImportFormatError(file, field, f"index {key} out of range (length {len(d)})")
-    raise ImportFormatError(file, field, f"expected an object or a list, got {type(d).__name__}")
+    # a key of the wrong kind for what is there: say what the key needs, not what was found
+    # alone (a string key into a list read "expected an object or a list, got list")
+    want = "a list (an index)" if isinstance(key, int) else f"an object (key {key!r})"
+    raise ImportFormatError(file, field, f"expected {want}, got {type(d).__name__}")
 
 
 def as_float(v: Any, file: str | Path, field: str, *, min_value: float | None = None) -> float:

@@ -41,17 +41,20 @@ __all__ = [
 ]
 
 
-def label_message(step: int, first: int, count: int, seen: str, vocab_size: int, where: str) -> str:
+def label_message(
+    step: int, first: int, count: int, seen: str, vocab_size: int, where: str, detail: str = ""
+) -> str:
     """The agreed error's text (the same on every rank). ``where``: the batch it names
     (:func:`training_batch`, :func:`validation_batches`); ``count``: the bad ids of that
     batch over every pipeline (inputs and labels counted apart: a badly tokenized id is in
-    both)."""
+    both); ``detail``: the first bad id's file and sample, as its data source named it
+    (``data.IndexedTokens.checked_batch``), '' if it names none."""
     return (
         f"step {step}: token or label id(s) outside the vocabulary [0, {vocab_size}) (a "
         f"label may be the ignore index {IGNORE_INDEX}) in {where}, read on {seen} "
         f"({count} such id(s) in all, inputs and labels counted apart; the first id "
         f"{first}): the data was tokenized with another vocabulary, or the model's "
-        "vocab_size is too small; nothing was applied"
+        "vocab_size is too small; nothing was applied" + (f" (first: {detail})" if detail else "")
     )
 
 
@@ -85,8 +88,12 @@ class LabelWatch:
     """This rank's bad labels of the iteration in flight (first id and count, on the host)."""
 
     vocab_size: int
+    """Ids are below this: the model's vocabulary, or the data's when smaller (an id the
+    data's tokenizer cannot produce is as bad as one the model cannot embed)."""
     first: int | None = None
     count: int = 0
+    detail: str = ""
+    """Where the first bad id is (file, sample), when its data source said (:meth:`note`)."""
 
     @property
     def seen(self) -> bool:
@@ -100,6 +107,11 @@ class LabelWatch:
         """Input ``tokens`` (host) with every id outside ``[0, vocab_size)`` noted and set to
         0 (any row: the iteration is raised before its update)."""
         return self._masked(tokens, (tokens < 0) | (tokens >= self.vocab_size), 0)
+
+    def note(self, detail: str) -> None:
+        """Keep where the iteration's first bad id is (its data source's words), once."""
+        if not self.detail:
+            self.detail = detail
 
     def _masked(self, ids: torch.Tensor, bad: torch.Tensor, fill: int) -> torch.Tensor:
         """``ids`` with ``bad`` ones noted (the first, the count) and set to ``fill``."""
@@ -115,15 +127,25 @@ class LabelWatch:
         object gather (each rank's host, first id, count and pipeline), then the same error
         on all. ``where``: the batch (:func:`training_batch`, :func:`validation_batches`);
         ``pipeline``: this rank's, so that each pipeline's microbatches count once."""
-        got = world_objects((socket.gethostname(), self.first, self.count, pipeline))
+        mine = (socket.gethostname(), self.first, self.count, pipeline, self.detail)
+        got = world_objects(mine)
         flagged = [r for r in ranks if r < len(got) and got[r][1] is not None] or list(ranks)
         r0 = flagged[0] if flagged else 0
         first = got[min(r0, len(got) - 1)][1]
         seen = ", ".join(f"rank {r} ({got[min(r, len(got) - 1)][0]})" for r in flagged)
-        count = total_count(got, flagged)
+        count = total_count([g[:4] for g in got], flagged)
+        detail = next((got[r][4] for r in flagged if r < len(got) and got[r][4]), "")
         raise LabelOutOfRangeError(
-            label_message(step, -1 if first is None else first, count, seen, self.vocab_size, where)
+            label_message(
+                step,
+                -1 if first is None else first,
+                count,
+                seen,
+                self.vocab_size,
+                where,
+                detail,
+            )
         )
 
     def reset(self) -> None:
-        self.first, self.count = None, 0
+        self.first, self.count, self.detail = None, 0, ""

@@ -25,10 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from sailor.data import TokenDataset, max_token_id, open_prepared
+from sailor.data.prepared import manifest_path
 from sailor.megatron_patch.roles import RankRole
+from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.training import DataConfig, IndexedData
 
@@ -109,17 +113,59 @@ class SyntheticTokens:
 
 @dataclass(frozen=True)
 class IndexedTokens:
-    """Samples of an indexed dataset split as torch tensors (CPU, int64)."""
+    """Samples of an indexed dataset split as torch tensors (CPU, int64), every id checked
+    against the data's vocabulary.
+
+    ``build_dataset`` checks the vocabulary the data claims (its manifest's) against the
+    model's, not the ids in the file: an id the manifest's tokenizer cannot produce (a
+    ``.bin`` written with another tokenizer, or damaged) passed, and the embedding raised an
+    IndexError on it (on a GPU a device assert, again at every relaunch). So every batch is
+    checked, one min and one max over its tokens (microseconds beside a step), and an id
+    outside ``[0, vocab_size)`` is named with its file and sample
+    (:meth:`checked_batch`)."""
 
     tokens: TokenDataset
+    vocab_size: int = 2**63 - 1
+    """Ids are below this: the manifest's vocabulary (else the largest id in the file + 1)."""
+    vocab_source: str = "the data's vocabulary"
+    """Where ``vocab_size`` comes from, for the error (e.g. the manifest's path)."""
 
     def sample(self, n: int) -> torch.Tensor:
         """Token ids of sample ``n``, shape ``[seq_length + 1]``."""
-        return torch.from_numpy(self.tokens.sample(n))
+        x, y = self.batch([n])
+        return torch.cat([x[0], y[0, -1:]])
+
+    def checked_batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """``(inputs, labels, problem)``: ``problem`` names the first id outside the
+        vocabulary (its file, sample, position and value), '' when every id is in it. The
+        engine masks and agrees such ids across its ranks (``bad_labels``); :meth:`batch`
+        raises."""
+        toks = self.tokens.samples(indices)
+        problem = ""
+        if toks.size and (int(toks.min()) < 0 or int(toks.max()) >= self.vocab_size):
+            problem = self._first_bad(toks, list(indices))
+        x, y = np.ascontiguousarray(toks[:, :-1]), np.ascontiguousarray(toks[:, 1:])
+        return torch.from_numpy(x), torch.from_numpy(y), problem
 
     def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.tokens.batch(indices)
-        return torch.from_numpy(x), torch.from_numpy(y)
+        """``(inputs, labels)``; LabelOutOfRangeError naming the first id outside the
+        vocabulary, if any."""
+        x, y, problem = self.checked_batch(indices)
+        if problem:
+            raise LabelOutOfRangeError(problem)
+        return x, y
+
+    def _first_bad(self, toks: npt.NDArray[np.int64], indices: list[int]) -> str:
+        bad = (toks < 0) | (toks >= self.vocab_size)
+        row, col = (int(v[0]) for v in np.nonzero(bad))
+        return (
+            f"{self.tokens.data.bin_path}: sample {indices[row]} holds token id "
+            f"{int(toks[row, col])} at position {col} of its {toks.shape[1]} tokens "
+            f"({int(bad.sum())} such id(s) in the batch), outside the vocabulary [0, "
+            f"{self.vocab_size}) of {self.vocab_source}: the .bin was written with another "
+            "tokenizer or is damaged; prepare it again (sailor data prepare) and check it "
+            "with sailor data info"
+        )
 
 
 def _resolve(path: str, base: Path | None) -> Path:
@@ -139,7 +185,8 @@ def build_dataset(
     Relative paths are taken from ``base_dir`` (the config file's directory). An indexed
     data set whose token ids the model's vocabulary cannot embed is refused: by the
     manifest's vocabulary size, or, without a manifest, by the largest id in the file (one
-    pass over it per version of the file: ``sailor.data.scan``).
+    pass over it per version of the file: ``sailor.data.scan``). Its batches check their ids
+    against that vocabulary (:class:`IndexedTokens`).
     """
     if not isinstance(data, IndexedData):
         offset = VALIDATION_SEED_OFFSET if split == "validation" else 0
@@ -148,14 +195,16 @@ def build_dataset(
     prepared = open_prepared(_resolve(data.prefix, base_dir), manifest, data.validation_fraction)
     tokens = prepared.tokens(split, spec.seq_length, seed)
     vocab = prepared.vocab_size
+    source = f"the manifest {manifest_path(_resolve(data.prefix, base_dir), manifest)}"
     if vocab is None:  # the whole file's largest id, scanned once per version of it
         vocab = max_token_id(prepared.dataset) + 1
+        source = "the largest id in the file"
     if vocab > spec.vocab_size:
         raise ValueError(
             f"data.prefix={data.prefix!r}: token ids need a vocabulary of {vocab}, the model "
             f"{spec.name!r} has vocab_size={spec.vocab_size}"
         )
-    return IndexedTokens(tokens)
+    return IndexedTokens(tokens, vocab, source)
 
 
 def check_tokenizer(data: DataConfig, model_dir: Path, base_dir: Path | None = None) -> None:

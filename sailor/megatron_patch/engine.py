@@ -77,6 +77,7 @@ from sailor.megatron_patch.clock import SpanTimer, StepClock, synchronize, to_de
 from sailor.megatron_patch.control import ControlRequest, read_agreed, start_agree
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,
+    IndexedTokens,
     SyntheticTokens,
     TokenSource,
     microbatch_indices,
@@ -261,6 +262,12 @@ class StepResult:
         return self.samples / self.step_s if self.step_s > 0 else 0.0
 
 
+def _vocab(data: TokenSource) -> int:
+    """The vocabulary ``data``'s ids come from, when it says (an indexed data set's manifest);
+    else no bound beyond the model's."""
+    return data.vocab_size if isinstance(data, IndexedTokens) else 2**63 - 1
+
+
 def _mean(span: tuple[float, int] | None) -> float:
     return span[0] / span[1] if span and span[1] else 0.0
 
@@ -386,14 +393,19 @@ class Trainer:
         (``control.start_agree``), for the boundary after it (:meth:`take_agreed_control`).
         Set on every rank or on none: it adds a collective to the iteration."""
         self._agreed_control: tuple[int, ControlRequest] | None = None
-        self.labels = LabelWatch(spec.vocab_size)
+        self.labels = LabelWatch(min(spec.vocab_size, _vocab(self.data), _vocab(self.eval_data)))
         """This rank's out-of-range labels of the iteration in flight (``bad_labels``)."""
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._batch(microbatch_indices(self.role, self.consumed_samples, mb), self.data)
 
     def _batch(self, indices: range, data: TokenSource) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = data.batch(indices)
+        if isinstance(data, IndexedTokens):  # its ids checked, an error noted, not raised
+            x, y, problem = data.checked_batch(indices)
+            if problem:
+                self.labels.note(problem)
+        else:
+            x, y = data.batch(indices)
         # on the host, before the copy: no device sync in the hot loop (at TP > 1 the loss
         # would take an id out of range silently; on a GPU, F.cross_entropy's is a device
         # assert that kills the process without a message). Noted and masked, not raised:

@@ -226,13 +226,20 @@ def signal_failure_record(
     ``step`` is the last step the parent saw the rank report (-1: none). A ``SIGABRT`` under
     NCCL is most often the watchdog giving up on a collective (a dead or silent peer), but
     the parent cannot tell, so the origin is this rank (``local``) and the retry policy is
-    the runtime's usual one.
+    the runtime's usual one. A ``SIGBUS`` is most often a memory-mapped file (the data set's
+    ``.bin``) that shrank under the rank; the message says so, the policy is the same.
     """
     name = _signal_name(-returncode) if returncode < 0 else ""
     what = f"killed by {name}" if name else f"exited with status {returncode}"
     hint = ""
     if name == "SIGABRT":
         hint = " (under NCCL: the watchdog aborts a rank whose collective timed out)"
+    elif name == "SIGBUS":  # a read past the end of a mapped file: the kernel's answer
+        hint = (
+            " (most often a memory-mapped file cut short under it: a data .bin truncated or "
+            "rewritten in place; replace data files by writing a new file and renaming it "
+            "over the old one, docs/data.md)"
+        )
     return {
         "rank": rank,
         "step": step,

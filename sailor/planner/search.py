@@ -58,6 +58,7 @@ from sailor.planner.judge import (
 )
 from sailor.planner.moves import moved_layers
 from sailor.planner.pricing import GpuPricing
+from sailor.planner.reach import PlannerReach
 from sailor.planner.scenarios import (
     MIXED_ALL,
     Scenario,
@@ -85,7 +86,6 @@ from sailor.schemas import (
     PriceTable,
     ProfileDB,
 )
-from sailor.schemas.device_kind import spec_of
 from sailor.schemas.precision import Precision
 
 __all__ = [
@@ -113,30 +113,18 @@ def _check_inputs(
         raise PlannerInputError(
             f"profiles.model={inputs.profiles.model!r} does not match model={inputs.model.name!r}"
         )
-    prices_cost = (
-        objective != "throughput"
-        or constraints.max_cost_per_iter_usd is not None
-        or constraints.max_cost_per_hour_usd is not None
+    reach = PlannerReach.of(
+        inputs.gpu_specs,
+        inputs.profiles,
+        inputs.prices,
+        spot=inputs.spot,
+        objective=objective,
+        constraints=constraints,
     )
-    known = set(inputs.gpu_specs) | set(inputs.profiles.gpu_types())
     for e in pool.entries:
-        if e.gpu_type not in known and spec_of(inputs.gpu_specs, e.gpu_type) is None:
-            raise PlannerInputError(
-                f"pool GPU type {e.gpu_type!r} is unknown: no profile and no spec "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        spot = e.spot if inputs.spot is None else inputs.spot
-        try:
-            price = inputs.prices.gpu_hour(e.gpu_type, e.zone, spot)
-        except KeyError as exc:
-            raise PlannerInputError(f"pool GPU type {e.gpu_type!r} has no price") from exc
-        if prices_cost and price <= 0:
-            why = f"objective={objective!r}" if objective != "throughput" else "a cost limit"
-            raise PlannerInputError(
-                f"pool entry {e.gpu_type} in {e.zone} (spot={spot}) costs $0/h: {why} needs "
-                "a price above 0 for every GPU (for hardware you own, give its amortized "
-                "$/GPU-hour; or plan for throughput without a cost limit)"
-            )
+        why = reach.why_not(e.gpu_type, e.zone, e.gpus_per_node, e.spot)
+        if why:
+            raise PlannerInputError(why)
 
 
 @collector_paused

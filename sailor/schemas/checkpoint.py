@@ -19,9 +19,10 @@ pass over the data.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
 
@@ -110,10 +111,18 @@ class TensorEntry(Frozen):
         return f"{self.layer}.{self.param}"
 
 
+_SHARD_NAME = re.compile(r"layer-\d{5,}-[^/\\\x00]+\.bin")
+"""What the writer names a shard (``checkpoint.format.shard_name``, unchanged since the first
+release): ``layer-<layer, 5 digits or more>-<save id>.bin``, a file of the step directory."""
+
+
 class ShardEntry(Frozen):
     """One file of a checkpoint: every tensor of one global layer."""
 
-    path: str = Field(description="Path relative to the checkpoint directory.")
+    path: str = Field(
+        description="Path relative to the checkpoint (step) directory: the shard's file name, "
+        "layer-NNNNN-<save id>.bin (no '/', no backslash: it never leaves the directory)."
+    )
     size: int = Field(ge=0, description="Bytes.")
     sha256: str = Field(description="Hex SHA-256 over the raw digests of its tensors, in order.")
     checksum: str = Field(
@@ -124,6 +133,20 @@ class ShardEntry(Frozen):
     layers: tuple[int, ...] = Field(default=(), description="Global layers it holds.")
     tensors: tuple[TensorEntry, ...] = Field(default=(), description="Tensors it holds.")
     writer_rank: int = Field(default=-1, description="Global rank that wrote it (-1: unknown).")
+
+    @field_validator("path")
+    @classmethod
+    def _in_its_step_directory(cls, v: str) -> str:
+        # a manifest is data read back from storage: a path such as ../../x.bin would
+        # have a load or `ckpt verify` read (and report on) a file outside the checkpoint
+        if not _SHARD_NAME.fullmatch(v):
+            raise field_error(
+                "path",
+                v,
+                "not a shard file name of its step directory (layer-NNNNN-<save id>.bin, as "
+                "the writer names them): no '/', backslash or '..'",
+            )
+        return v
 
     @model_validator(mode="after")
     def _extent(self) -> ShardEntry:

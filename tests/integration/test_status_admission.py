@@ -5,7 +5,9 @@ the job's precision and the last failed search, as the leader's own rules read t
 
 from __future__ import annotations
 
+from sailor.controller.config import ControllerConfig
 from sailor.controller.planning import DataParallelPlanner
+from sailor.controller.planning.in_process import planner_reach_of
 from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
@@ -66,4 +68,29 @@ async def test_sailor_status_names_the_nodes_not_admitted_and_why(
         assert {r["node"]: r["nccl"] for r in snap["nodes"]}[n2] == "2.29.7"
     finally:
         for c in (ctl, *agents.values()):
+            await c.close()
+
+
+async def test_sailor_status_names_a_node_the_planner_cannot_use(
+    secure_etcd_server: Server, pki: Pki
+) -> None:
+    """An agent of a GPU type the controller's planner has no figure for registers: the
+    status reads it with the controller's reach and says why it is left out."""
+    ep = f"127.0.0.1:{secure_etcd_server.port}"
+    n1, n2 = NODES[:2]
+    agents = {n: await connect_etcd(ep, security=pki.security(n)) for n in (n1, n2)}
+    try:
+        a100 = NodeSpec(node_id=n1, gpu_type="A100-40", gpus=4, zone="us-central1-a")
+        odd = a100.model_copy(update={"node_id": n2, "gpu_type": "NoSuchGPU"})
+        for spec in (a100, odd):
+            await agents[spec.node_id].put(KEYS.node(spec.node_id), spec.model_dump_json().encode())
+        reach = planner_reach_of(ControllerConfig(model="OPT-350"))
+        snap = await read_status(ep, JOB, pki.security(CONTROLLER), reach=reach)
+        assert set(snap["not_admitted"]) == {n2}
+        assert "the planner cannot use it: pool GPU type 'NoSuchGPU'" in snap["not_admitted"][n2]
+        assert {r["node"]: r["admitted"] for r in snap["nodes"]} == {n1: "", n2: "no"}
+        # without the reach (the stand-in planner) the node is not judged by it
+        assert (await read_status(ep, JOB, pki.security(CONTROLLER)))["not_admitted"] == {}
+    finally:
+        for c in agents.values():
             await c.close()

@@ -19,9 +19,11 @@ from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validat
 from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
 
 VOCAB = 64
-# rank -> (host, first bad id, count, pipeline): pipeline 0 read 2 bad ids (ranks 0 and 1,
-# its first and last stage, saw both), pipeline 1 read 3 (ranks 2 and 3)
-GOT = [("a", 70, 2, 0), ("a", 70, 2, 0), ("b", 99, 3, 1), ("b", 99, 3, 1)]
+# rank -> (host, first bad id, count, pipeline, where its data source found the first):
+# pipeline 0 read 2 bad ids (ranks 0 and 1, its first and last stage, saw both), pipeline 1
+# read 3 (ranks 2 and 3), from an indexed data set that named the file and sample
+AT = "/d/ds.bin: sample 13 holds token id 99"
+GOT = [("a", 70, 2, 0, ""), ("a", 70, 2, 0, ""), ("b", 99, 3, 1, AT), ("b", 99, 3, 1, AT)]
 
 
 def _raised(monkeypatch: pytest.MonkeyPatch, where: str) -> str:
@@ -38,6 +40,7 @@ def _raised(monkeypatch: pytest.MonkeyPatch, where: str) -> str:
 def test_the_count_is_the_batchs_over_every_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     text = _raised(monkeypatch, training_batch(range(8, 16)))
     assert "5 such id(s) in all" in text, text
+    assert text.endswith(f"(first: {AT})"), text  # the first flagged rank that knows where
     assert "the first id 70" in text and "rank 2 (b)" in text
     assert "the global batch of samples 8..15" in text
 

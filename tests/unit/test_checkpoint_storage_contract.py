@@ -19,6 +19,7 @@ from sailor.checkpoint import (
     CorruptCheckpointError,
     ParamState,
     Storage,
+    StorageError,
     TrainingGlobals,
     collect,
     committed_steps,
@@ -301,3 +302,29 @@ def test_an_object_another_process_wrote_is_seen_after_a_listing(s3_endpoint: st
     assert a.walk("step-1") == ["step-1/part-0.json"]  # a listing a now holds
     b.write("step-1/part-1.json", [b"y"])
     assert a.exists("step-1/part-1.json")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../outside.bin",
+        "step-000000001/../../outside.bin",
+        "/nonexistent-sailor-test/x.bin",
+        "a/..",
+        "..",
+    ],
+)
+def test_a_path_out_of_the_root_is_refused(storage: Storage, path: str) -> None:
+    """Paths come from manifests too (data read back from storage): one that leaves the root
+    is refused by name, whatever the call, before the backend is asked."""
+    for call in (
+        lambda: storage.read(path),
+        lambda: storage.size(path),
+        lambda: storage.exists(path),
+        lambda: storage.open_read(path),
+        lambda: storage.write(path, [b"x"]),
+        lambda: storage.delete(path),
+    ):
+        with pytest.raises(StorageError, match=r"not a path under the storage root") as exc:
+            call()
+        assert repr(path) in str(exc.value) and not exc.value.retryable

@@ -390,3 +390,59 @@ def test_data_prepared_with_another_tokenizer_than_the_models_is_refused(
     # nothing to compare: no tokenizer.json in the model's directory
     (model / "tokenizer.json").unlink()
     check_tokenizer(data, model)
+
+
+def test_ids_outside_the_manifests_vocabulary_are_found_by_info_and_each_batch(
+    tmp_path: Path,
+) -> None:
+    """A .bin whose ids its manifest's tokenizer cannot produce (another tokenizer's, or
+    damaged): before, `data info` passed it and so did build_dataset (it compares the
+    manifest's vocabulary with the model's, not the ids), and the embedding raised on it."""
+    from sailor import catalog
+    from sailor.megatron_patch.data import build_dataset
+    from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
+    from sailor.schemas.training import IndexedData
+
+    out = tmp_path / "pydocs"
+    m = _prepare(
+        "--builtin-corpus", "python-docs", "--out", str(out), "--vocab-size", "296",
+        "--max-bytes", "20000",
+    )  # fmt: skip
+    res = runner.invoke(app, ["data", "info", str(out)])
+    assert res.exit_code == 0 and "token ids: 0.." in res.output and "(vocab 296)" in res.output
+    bin_path = out.with_suffix(".bin")
+    toks = np.memmap(bin_path, dtype=np.uint16, mode="r+")
+    toks[1234] = 65000
+    toks.flush()
+    del toks
+    res = runner.invoke(app, ["data", "info", str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"{bin_path}: token id 65000 at token 1234 (byte 2468)" in " ".join(res.output.split())
+    assert "[0, 296)" in res.output
+    spec = catalog.model("tiny-gpt").model_copy(update={"vocab_size": 70_000})
+    data = build_dataset(IndexedData(prefix=str(out)), spec, seed=0)  # passes: 296 <= 70000
+    assert m.tokenizer.vocab_size == 296
+    with pytest.raises(LabelOutOfRangeError, match=r"holds token id 65000 at position") as exc:
+        data.batch(range(data.tokens.num_windows))
+    assert str(bin_path) in str(exc.value) and "of the manifest" in str(exc.value)
+
+
+@pytest.mark.parametrize("size", [2**31, 2**30, 2**24 + 1])
+def test_a_vocab_size_the_trainer_cannot_reserve_is_refused_by_name(
+    tmp_path: Path, size: int
+) -> None:
+    """In a process of its own: before, 2^31 (and 2^30: 70.9 GB reserved) aborted in the
+    tokenizers trainer (Rust), a SIGABRT with no Python error."""
+    import subprocess
+    import sys
+
+    argv = ["data", "prepare", "--builtin-corpus", "python-docs", "--out", str(tmp_path / "o")]
+    res = subprocess.run(
+        [sys.executable, "-m", "sailor.cli.main", *argv, "--vocab-size", str(size)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert f"--vocab-size={size}: a byte-level BPE is trained with 258 to 16777216" in res.stderr
+    assert not (tmp_path / "o.bin").exists()

@@ -217,3 +217,16 @@ def test_trace_going_back_in_time_is_rejected(tmp_path: Path) -> None:
     f.write_text(json.dumps([{"Time": 5, "GPUs": 2}, {"Time": 1, "GPUs": 2}]))
     with pytest.raises(ImportFormatError, match=r"\[1\]\.Time"):
         import_availability_trace(f, gpu_type="A100-40", zone="z")
+
+
+def test_a_key_of_the_wrong_kind_says_what_it_needs() -> None:
+    """A string key looked up in a list read "expected an object or a list, got list"."""
+    from sailor.importers._read import get
+
+    with pytest.raises(
+        ImportFormatError, match=r"field 'a.b': expected an object \(key 'b'\), got list"
+    ):
+        get([1, 2], "b", "f.json", "a.b")
+    with pytest.raises(ImportFormatError, match=r"expected a list \(an index\), got str"):
+        get("text", 0, "f.json", "a[0]")
+    assert get({"b": 3}, "b", "f.json", "a.b") == 3 and get([1, 2], -1, "f.json", "a[-1]") == 2

@@ -36,6 +36,7 @@ from sailor.controller.planning.api import (
     place,
 )
 from sailor.planner import Constraints, NoFeasiblePlanError, Objective
+from sailor.planner.reach import PlannerReach
 from sailor.planner.robust import Risk, RobustResult, robust_replan, robust_search
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.hardware import GPUSpec, NodeSpec, Pool, PoolEntry
@@ -53,6 +54,7 @@ __all__ = [
     "load_cost_inputs",
     "load_model_spec",
     "planner_from_config",
+    "planner_reach_of",
     "pool_of",
 ]
 
@@ -216,6 +218,18 @@ class SailorPlanner:
             risk=risk,
         )
 
+    def reach(self) -> PlannerReach:
+        """What this planner can use: a pool with a node outside it is refused as a whole
+        (``planner.reach``), so the controller admits no such node (``DecideConfig``)."""
+        return PlannerReach.of(
+            catalog.gpus(),
+            self.profiles,
+            self.prices,
+            spot=self.spot,
+            objective=self.objective,
+            constraints=self.constraints,
+        )
+
     def set_calibration(self, calibration: Calibration) -> None:
         """Plan with ``calibration`` from the next call on (online calibration). The last
         search's cost tables were priced with the old one, so the next call searches afresh."""
@@ -299,6 +313,23 @@ class SailorPlanner:
         if res.left_out:
             reason += "; " + "; ".join(res.left_out)
         return PlanResult(bound, placement, reason)
+
+
+def planner_reach_of(config: ControllerConfig) -> PlannerReach | None:
+    """What the planner ``config.planner`` names can use, read from the config's files as
+    :func:`planner_from_config` builds it (its ``reach``); None for the stand-in planner,
+    which takes any node."""
+    if config.planner == "data_parallel":
+        return None
+    c = cost_inputs_of(config)
+    return PlannerReach.of(
+        c.gpu_specs,
+        c.profiles,
+        c.prices,
+        spot=True,  # SailorPlanner's default, which from_files keeps
+        objective=config.objective,
+        constraints=Constraints(),
+    )
 
 
 def planner_from_config(config: ControllerConfig) -> Planner:

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 from sailor.controller.config import ControllerConfig
 from sailor.controller.planning.api import Planner, PlanResult
-from sailor.controller.planning.in_process import planner_from_config
+from sailor.controller.planning.in_process import planner_from_config, planner_reach_of
+from sailor.planner.reach import PlannerReach
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
@@ -180,6 +181,11 @@ class ProcessPlanner:
         self._reset = True
         self._sent = 0  # calls submitted; a result updates the mirror only if it is the last
         self._calibration: str | None = None
+
+    def reach(self) -> PlannerReach | None:
+        """What the worker's planner can use (``SailorPlanner.reach``), read here from the
+        same config: the worker builds its planner from it."""
+        return planner_reach_of(ControllerConfig.model_validate_json(self._config_json))
 
     def set_calibration(self, calibration: Calibration) -> None:
         """Plan with ``calibration`` from the next call on (sent along with every call)."""

@@ -1,0 +1,105 @@
+"""A checkpoint's shard paths stay in its step directory: a manifest is data read back from
+storage, and one whose shard path leaves the directory (``../../elsewhere/secret.bin``) is
+refused (this release cannot take it) instead of having ``ckpt verify`` or a load read the
+file it names; ``gc`` and retention judge such a step as they judge a newer release's: they
+delete nothing of it.
+Before, a manifest rewritten that way (its commit marker's checksum updated) verified "ok"
+by reading the file outside the checkpoint root."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from sailor.checkpoint import LocalStorage, TrainingGlobals, load, verify
+from sailor.checkpoint.checkpointer import Checkpointer
+from sailor.checkpoint.cli import ckpt_app
+from sailor.checkpoint.format import MANIFEST, MARKER, shard_name, step_dir
+from sailor.schemas.checkpoint import ShardEntry
+from tests.unit.test_checkpoint_blocks import one_layer_plan
+from tests.unit.test_checkpoint_local import _state
+
+
+def _shard(path: str) -> ShardEntry:
+    return ShardEntry(path=path, size=0, sha256="")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        shard_name(0, uuid.uuid4().hex[:12]),  # what every release's saves are named
+        shard_name(3, "sid"),
+        shard_name(123456, "a"),
+        "layer-00007-3f2a9c1e0b7d.bin",
+    ],
+)
+def test_the_writers_names_are_shard_paths(name: str) -> None:
+    assert _shard(name).path == name
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../../elsewhere/secret.bin",
+        "/etc/layer-00001-a.bin",
+        "sub/layer-00001-a.bin",
+        "layer-00001-a/../../x.bin",
+        "layer-00001-a\\..\\x.bin",
+        "",
+        "manifest.json",
+    ],
+)
+def test_a_shard_path_out_of_its_step_directory_is_refused_by_name(path: str) -> None:
+    with pytest.raises(ValidationError, match=r"path=.*not a shard file name of its step"):
+        _shard(path)
+
+
+def _escaped(root: Path, outside: Path) -> None:
+    """The review's case: a committed step whose manifest names a shard moved outside the
+    root, its commit marker's size and checksum updated to match."""
+    ck = Checkpointer(LocalStorage(root), one_layer_plan(), 0, keep=None)
+    ck.save(_state(layers=1), TrainingGlobals(1, 1, {}))
+    ck.wait()
+    ck.close()
+    sd = root / step_dir(1)
+    m = json.loads((sd / MANIFEST).read_text())
+    shard = m["shards"][0]
+    shutil.move(str(sd / shard["path"]), str(outside / "secret.bin"))
+    shard["path"] = "../../elsewhere/secret.bin"
+    raw = json.dumps(m).encode()
+    (sd / MANIFEST).write_bytes(raw)
+    marker = json.loads((sd / MARKER).read_text())
+    marker |= {"manifest_size": len(raw), "manifest_sha256": hashlib.sha256(raw).hexdigest()}
+    (sd / MARKER).write_text(json.dumps(marker))
+
+
+def test_verify_and_load_refuse_a_manifest_naming_a_file_outside_the_root(
+    tmp_path: Path,
+) -> None:
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    outside.mkdir()
+    _escaped(root, outside)
+    storage = LocalStorage(root)
+    (problem,) = verify(storage, 1)
+    assert f"{step_dir(1)}/{MANIFEST}: not a manifest this release reads: shards.0.path" in problem
+    assert "'../../elsewhere/secret.bin'" in problem
+    with pytest.raises(ValidationError, match=r"path='../../elsewhere/secret.bin'"):
+        load(storage, [0])
+    res = CliRunner().invoke(ckpt_app, ["verify", str(root)])
+    assert res.exit_code == 1 and "step 1: CORRUPT" in res.output, res.output
+    res = CliRunner().invoke(ckpt_app, ["ls", str(root)])
+    assert res.exit_code == 0 and "bad: " in res.output, res.output
+    # retention after a new save judges nothing of it (a newer release's manifest alike)
+    ck = Checkpointer(storage, one_layer_plan(), 0, keep=1)
+    ck.save(_state(layers=1), TrainingGlobals(2, 2, {}))
+    res2 = ck.wait()
+    ck.close()
+    assert res2 is not None and "ValidationError" in res2.retention_error
+    assert (root / step_dir(1) / MANIFEST).exists() and (outside / "secret.bin").exists()
