@@ -69,13 +69,15 @@ __all__ = ["DEVICE_CHUNK", "HOST_CHUNK", "fill_normal_", "key_of", "normal_at"]
 
 HOST_CHUNK = 1 << 16
 """Elements drawn at a time on the host (half as many counters; 8-byte temporaries of 256 KB,
-in cache). Measured on this 2-core machine (one thread, a 2048 x 1024 matrix, CPU time under
+in cache; the stacked word pairs and results are twice that, the three-row float scratch three
+times). Measured on this 2-core machine (one thread, a 2048 x 1024 matrix, CPU time under
 other jobs' load): 2**15 25 ns an element, 2**16 25-27, 2**17 20-27, 2**18 23-26; the
 smallest of the fast ones is kept (transient memory grows with the chunk)."""
 DEVICE_CHUNK = 1 << 20
 """Elements drawn at a time on a GPU: ~130 elementwise kernels a chunk, so a small chunk is
 launch-bound (at ~5 us a launch, 2**16 elements would cost ~10 ns an element in launches
-alone, 2**20 under 1 ns); its temporaries are 4 MB each. Not measured here (no GPU)."""
+alone, 2**20 under 1 ns); its temporaries are 4 MB a counter row (8 MB for the stacked word
+pairs, 12 MB for the three-row float scratch). Not measured here (no GPU)."""
 
 _MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x21F0AAAD, 0x735A2D97  # lowbias32 (Wellons' hash prospector), both < 2**31
@@ -225,15 +227,16 @@ def fill_normal_(
     chunk: int | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` (contiguous, any device and float dtype) with ``std`` times the stream's
-    values of the block of a ``full_shape`` tensor that starts at ``start`` and has
-    ``out``'s shape (a TP shard: one dimension offset, the others whole).
+        values of the block of a ``full_shape`` tensor that starts at ``start`` and has
+        ``out``'s shape (a TP shard: one dimension offset, the others whole).
 
-    ``zero_rows_from``: full rows (dimension 0) from this one on are zero (a vocabulary
-    matrix's padding; not drawn). Drawn about ``chunk`` elements (default
-    :data:`HOST_CHUNK` on the CPU, :data:`DEVICE_CHUNK` elsewhere; at least 4) at a time, on
-    ``out``'s device: no temporary exceeds that size. The block is cut into lines (its runs
-    along the last dimension, contiguous in the full tensor); each piece of a line draws the
-    counters that cover it, at most one pair more than its elements."""
+        ``zero_rows_from``: full rows (dimension 0) from this one on are zero (a vocabulary
+        matrix's padding; not drawn). Drawn about ``chunk`` elements (default
+        :data:`HOST_CHUNK` on the CPU, :data:`DEVICE_CHUNK` elsewhere; at least 4) at a time, on
+        ``out``'s device: the temporaries are sized by the chunk (at most 1.5 times its elements, in
+    8-byte words), never by the block. The block is cut into lines (its runs
+        along the last dimension, contiguous in the full tensor); each piece of a line draws the
+        counters that cover it, at most one pair more than its elements."""
     shape = tuple(out.shape)
     if len(full_shape) != len(shape) or len(start) != len(shape):
         raise ValueError(

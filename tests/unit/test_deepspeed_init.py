@@ -61,3 +61,12 @@ def test_each_parameter_is_drawn_on_the_layers_device_a_chunk_at_a_time(
     assert max(n for _, n in draws) <= 256
     biggest = max(p.numel() for layer in layers for p in layer.parameters())
     assert biggest > 256
+
+
+def test_the_layers_device_argument_places_them_without_a_default_device() -> None:
+    """The adapter passes the rank's device to each layer (``_build_module``), outside any
+    default-device context: every parameter is allocated there (``meta`` standing for a GPU)."""
+    spec = tiny_model("tiny-gpt")
+    meta = torch.device("meta")
+    layers = [DSEmbedding(spec, 0, meta), DSBlock(spec, 1, 0, meta), DSHead(spec, 0, meta)]
+    assert all(p.is_meta for layer in layers for p in layer.parameters())

@@ -228,3 +228,50 @@ def test_bad_blocks_are_refused_naming_the_field() -> None:
         fill_normal_(torch.empty(2, 4), key, (8,), (0,), 1.0)
     with pytest.raises(ValueError, match="seed=-1"):
         key_of(-1, "x")
+
+
+# What the draw may call: integer and bit ops, IEEE + - * / (each rounds once, alike on every
+# device), copies, selections and views. Not sqrt, log, exp, sin/cos, addcmul, lerp: torch's
+# CPU sqrt is not correctly rounded, and a transcendental's last bit differs between devices.
+_ROUNDS_ALIKE_EVERYWHERE = frozenset(
+    {
+        "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg_",
+        "bitwise_and", "bitwise_and_", "bitwise_xor", "bitwise_xor_",
+        "bitwise_right_shift", "bitwise_right_shift_",
+        "empty", "empty_like", "full", "arange", "fill_", "copy_", "clone", "_to_copy",
+        "where", "gather", "view", "_unsafe_view", "select", "slice", "permute",
+        "unsqueeze", "squeeze", "expand", "alias", "detach", "zero_", "lift_fresh",
+    }
+)  # fmt: skip
+
+
+def test_the_draw_calls_only_ops_that_round_alike_on_every_device() -> None:
+    """The CPU tests cannot see a GPU's rounding, so they check what the draw calls. Every op
+    is in the list above; ``add``/``sub`` scale by 1 only (a fused ``a + alpha*b`` is then
+    exact); no division by a Python scalar or a 0-dim tensor (CUDA turns a division by a
+    CPU scalar into a multiplication by its reciprocal: a bit lost, on the GPU alone)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    bad: list[str] = []
+
+    class Guard(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name not in _ROUNDS_ALIKE_EVERYWHERE:
+                bad.append(name)
+            if name in ("add", "add_", "sub", "sub_") and kwargs.get("alpha", 1) not in (1, -1):
+                bad.append(f"{name}(alpha={kwargs['alpha']})")
+            if name in ("div", "div_") and (
+                not isinstance(args[1], torch.Tensor) or args[1].dim() == 0
+            ):
+                bad.append(f"{name} by a scalar")
+            return func(*args, **kwargs)
+
+    k = key_of(0, "x")
+    with Guard():
+        fill_normal_(torch.empty(37, 65), k, (100, 65), (3, 0), 0.02, chunk=200)
+        fill_normal_(torch.empty(1000), k, (1001,), (1,), 1.0)
+        fill_normal_(torch.empty(10, dtype=torch.bfloat16), k, (2**33 + 12,), (2**33 + 1,), 1.0)
+        normal_at(torch.arange(5), k)
+    assert not bad, sorted(set(bad))
