@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.agent.cgroup_layout import CFS_PERIOD_US, MIN_QUOTA_US, validate_cores
 from sailor.agent.killed_groups import TEARDOWN_TIMEOUT_S
 from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.coordination.endpoints import ServerEndpoints
+from sailor.coordination.names import check_job, check_node_id
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen
 from sailor.schemas.hardware import NodeSpec
@@ -120,6 +121,19 @@ class AgentConfig(ServerEndpoints):
         "its quota is spent, then stalls: a shorter period spreads the quota more evenly "
         "over steps shorter than a few periods, at the cost of more preemptions.",
     )
+
+    @field_validator("job")
+    @classmethod
+    def _job_name(cls, v: str) -> str:
+        return check_job(v)
+
+    @field_validator("node")
+    @classmethod
+    def _node_id(cls, v: NodeSpec) -> NodeSpec:
+        # NodeSpec (a wire message) takes any id from an older peer; this node's own names
+        # files in work_dir (its fence and run directory), a login and a NATS token
+        check_node_id(v.node_id, "node.node_id")
+        return v
 
     @model_validator(mode="after")
     def _enforceable(self) -> AgentConfig:

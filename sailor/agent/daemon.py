@@ -61,6 +61,7 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.names import check_node_id
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
@@ -86,6 +87,10 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     def __init__(self, config: AgentConfig, clock: Clock | None = None) -> None:
         self.cfg = config
         self.node = config.node
+        # the fence file and the run directory are named by the node id: one that is not a
+        # plain name (``..``, a ``/``) would put them outside work_dir. AgentConfig refuses
+        # it; checked again here for a config copied with an update (not validated)
+        check_node_id(self.node.node_id, "node.node_id")
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
         self.stopping = asyncio.Event()
