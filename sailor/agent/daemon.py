@@ -65,6 +65,7 @@ from sailor.coordination import (
 )
 from sailor.coordination.names import check_node_id
 from sailor.coordination.sd_notify import SystemdNotifier
+from sailor.coordination.security import warn_if_unauthenticated
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
@@ -166,6 +167,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         # its torch build, NCCL version and the release its workers run
         self.node = registered_node(self.node, facts, sailor_release())
         sec = self.cfg.security
+        warn_if_unauthenticated(sec, "agent", self.node.node_id)
         t0 = time.monotonic()
         store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
         t1 = time.monotonic()
