@@ -102,25 +102,23 @@ async def test_a_stream_without_limits_is_updated_and_keeps_its_events(
 async def test_jobs_differing_in_case_have_streams_of_their_own(
     plain_servers: LocalServers,
 ) -> None:
-    lower, upper = Keys(job="x_y"), Keys(job="X_Y")
-    assert lower.stream != upper.stream
+    """``x_y`` and ``X_Y`` shared ``SAILOR_X_Y_EVENTS``; ``X_Y`` and ``x_Y`` keep their case
+    (JetStream's names are case-sensitive: both exist side by side)."""
+    jobs = [Keys(job=j) for j in ("x_y", "X_Y", "x_Y")]
+    assert len({k.stream for k in jobs}) == 3
     nc = await connect_nats(plain_servers.nats_url, "c1")
     try:
-        a = NatsEventBus(nc, lower, durable="ctl")
-        b = NatsEventBus(nc, upper, durable="ctl")
-        await a.ensure_stream()
-        await b.ensure_stream()
-        await a.ensure_stream()  # each again: neither takes the other's place
-        assert (await nc.jetstream().stream_info(lower.stream)).config.subjects == [
-            "sailor.x_y.events.>"
-        ]
-        for keys, mid in ((lower, "lo"), (upper, "UP")):
+        buses = [NatsEventBus(nc, k, durable="ctl") for k in jobs]
+        for bus in (*buses, buses[0]):  # the first again: no other took its place
+            await bus.ensure_stream()
+        for keys in jobs:
+            cfg = (await nc.jetstream().stream_info(keys.stream)).config
+            assert cfg.subjects == [f"sailor.{keys.job}.events.>"]
             pub = NatsEventBus(nc, keys, durable="unused", source="n1", op_timeout=1.0)
-            assert await pub.publish("heartbeat", b"{}", msg_id=mid)
-        assert await _read_all(a) == ["lo"]
-        assert await _read_all(b) == ["UP"]
-        await a.close()
-        await b.close()
+            assert await pub.publish("heartbeat", b"{}", msg_id=keys.job)
+        for keys, bus in zip(jobs, buses, strict=True):
+            assert await _read_all(bus) == [keys.job]
+            await bus.close()
     finally:
         await nc.close()
 
