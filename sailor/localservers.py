@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sailor.coordination.names import token_clashes
 from sailor.coordination.security.certs import CertKind
 from sailor.coordination.security.etcd_rbac import etcd_tls_flags, merge_plans, rbac_plan
 from sailor.coordination.security.pki import Role, init_ca, issue_cert, write_nats_config
@@ -173,6 +174,12 @@ class Identities:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes or ADMIN in names:
             raise ValueError(f"identities must be distinct and not {ADMIN!r}: {dupes}")
+        clashes = token_clashes(names)
+        if clashes:
+            raise ValueError(
+                f"identities {clashes} share a NATS subject token ('.' becomes '_'): they "
+                "would share every NATS permission"
+            )
         if not self.jobs:
             raise ValueError("at least one job is required")
 

@@ -18,6 +18,7 @@ from sailor.agent.cgroup_layout import CFS_PERIOD_US, MIN_QUOTA_US, validate_cor
 from sailor.agent.killed_groups import TEARDOWN_TIMEOUT_S
 from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV
 from sailor.coordination.endpoints import ServerEndpoints
+from sailor.coordination.names import check_job, check_node_id
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.hardware import MAX_GPUS_PER_NODE, NodeSpec
@@ -121,20 +122,29 @@ class AgentConfig(ServerEndpoints):
         "over steps shorter than a few periods, at the cost of more preemptions.",
     )
 
+    @field_validator("job")
+    @classmethod
+    def _job_name(cls, v: str) -> str:
+        return check_job(v)
+
     @field_validator("node")
     @classmethod
-    def _plannable_shape(cls, node: NodeSpec) -> NodeSpec:
-        # checked here, not on NodeSpec: a wire message an older agent registered is read
-        # whatever its count, and the controller leaves such a node out with the reason
-        # (controller/plannable.py); a config of this release is refused before it joins
-        if node.gpus > MAX_GPUS_PER_NODE:
+    def _node_id(cls, v: NodeSpec) -> NodeSpec:
+        # NodeSpec (a wire message) takes any id from an older peer; this node's own names
+        # files in work_dir (its fence and run directory), a login and a NATS token
+        check_node_id(v.node_id, "node.node_id")
+        # the count is checked here, not on NodeSpec, for the same reason: a wire message an
+        # older agent registered is read whatever its count, and the controller leaves such a
+        # node out with the reason (controller/plannable.py); a config of this release is
+        # refused before it joins
+        if v.gpus > MAX_GPUS_PER_NODE:
             raise field_error(
                 "node.gpus",
-                node.gpus,
+                v.gpus,
                 f"over the {MAX_GPUS_PER_NODE} GPUs per node the planner takes "
                 "(PoolEntry.gpus_per_node): the controller would leave this node out",
             )
-        return node
+        return v
 
     @model_validator(mode="after")
     def _enforceable(self) -> AgentConfig:

@@ -3,7 +3,9 @@
 The agent first checks its node (the GPU checks of ``sailor check``, in a child process;
 skipped on CPU nodes): a GPU node that fails them does not join (``check.mode: enforce``).
 It then registers its node under an etcd lease kept alive in the background (a lease that
-expires is a node that left), publishes join/leave events, serves commands on its own NATS
+expires is a node that left), only where no other agent's lease holds the node's key (one
+that stays held past a lease TTL is another live agent of this node id: it refuses to
+start, naming both addresses), publishes join/leave events, serves commands on its own NATS
 subject (refusing a lower epoch than the highest seen, applying each command id at most once,
 replying with an ack), writes its status under its lease, and publishes a preemption notice
 the moment a watcher sees one (retried until its deadline, and kept in the status record so
@@ -61,8 +63,11 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.coordination.names import check_node_id
 from sailor.coordination.sd_notify import SystemdNotifier
+from sailor.coordination.security import warn_if_unauthenticated
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
+from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
 from sailor.schemas.runtime import AgentStatus, CommandAck
 
@@ -75,6 +80,9 @@ TASK_BACKOFF_S = 0.5
 """First restart delay of a crashed long-lived task (doubling, capped at 30 s)."""
 TASK_MAX_CRASHES = 5
 """Crashes in a row (none after a minute of running) after which the agent gives up."""
+CLAIM_GRACE_S = 1.0
+"""Beyond one lease TTL, how long an agent waits for another lease on its node's key to
+lapse before it refuses to start (the holder's last refresh and etcd's expiry check lag)."""
 PUBLISH_BACKOFF_MAX_S = 2.0
 """Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
 ~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
@@ -86,6 +94,10 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     def __init__(self, config: AgentConfig, clock: Clock | None = None) -> None:
         self.cfg = config
         self.node = config.node
+        # the fence file and the run directory are named by the node id: one that is not a
+        # plain name (``..``, a ``/``) would put them outside work_dir. AgentConfig refuses
+        # it; checked again here for a config copied with an update (not validated)
+        check_node_id(self.node.node_id, "node.node_id")
         self.keys = Keys(job=config.job)
         self.clock = clock or SystemClock()
         self.stopping = asyncio.Event()
@@ -114,6 +126,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         self._lock = asyncio.Lock()
         self._closing = False  # shutting down or crashed: commands are refused
         self._crashed = False
+        self.held_elsewhere = False  # another agent's lease holds this node's key
         self._plans = PlanSource(self._read_desired)
         self.facts: NodeFacts | None = None
         self.refused = ""
@@ -154,6 +167,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         # its torch build, NCCL version and the release its workers run
         self.node = registered_node(self.node, facts, sailor_release())
         sec = self.cfg.security
+        warn_if_unauthenticated(sec, "agent", self.node.node_id)
         t0 = time.monotonic()
         store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
         t1 = time.monotonic()
@@ -192,23 +206,31 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         commands = NatsCommands(nc, self.keys)
         try:
             await self._fence_from_desired()
-            await commands.serve(self.node.node_id, self._on_command)
-            if not self.supervisor.kill_under_way:  # else once the restored kill is over
-                await self.supervisor.top_up_spares()
-            await self._register()
-            self.sd.ready(f"registered node {self.node.node_id}")
-            self._keep("status", self._status_loop)
-            self._keep("registration", self._registration_loop)
-            for w in self.watchers:
-                self._keep(f"watch-{w.name}", lambda w=w: self._watch(w))
-            await self.stopping.wait()
-            await self._drain_if_preempted()
+            # another agent of this node id: refused before serving its command subject
+            # (the claim after it settles two that start together)
+            if await self._until_free(self._holder):
+                await self._serve(commands)
         finally:
             if self.stopping.is_set():
                 self.sd.stopping()
             await self._shutdown(store, nc, commands)
         if self.failure is not None:
             raise DaemonFailedError("agent failed", reason=self.failure)
+
+    async def _serve(self, commands: NatsCommands) -> None:
+        """Serve commands, register, keep the long-lived tasks until the stop."""
+        await commands.serve(self.node.node_id, self._on_command)
+        if not self.supervisor.kill_under_way:  # else once the restored kill is over
+            await self.supervisor.top_up_spares()
+        if not await self._register():
+            return
+        self.sd.ready(f"registered node {self.node.node_id}")
+        self._keep("status", self._status_loop)
+        self._keep("registration", self._registration_loop)
+        for w in self.watchers:
+            self._keep(f"watch-{w.name}", lambda w=w: self._watch(w))
+        await self.stopping.wait()
+        await self._drain_if_preempted()
 
     def _keep(self, name: str, factory: Any) -> None:
         """A long-lived task: restarted with backoff, the agent's end if it keeps crashing."""
@@ -279,25 +301,80 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     def _event_id(self, kind: str) -> str:
         return f"{self.node.node_id}-{kind}-{uuid.uuid4().hex[:12]}"
 
-    async def _register(self) -> None:
-        assert_store = self._store
-        if assert_store is None:
-            return
+    async def _holder(self) -> KeyValue | None:
+        """The record of another lease under this node's key; None when it is free (or
+        ours)."""
+        if self._store is None:
+            raise TemporaryError("not connected to etcd")
+        kv = await self._store.get(self.keys.node(self.node.node_id))
+        if kv is None or (self._lease is not None and kv.lease == self._lease.id):
+            return None
+        return kv
+
+    async def _claim_key(self) -> KeyValue | None:
+        """Write this node's record under our lease (granted now if we hold none alive),
+        unless another lease holds the key: then its record."""
+        if self._store is None:
+            raise TemporaryError("not connected to etcd")
+        if self._lease is None or not self._lease.alive:
+            self._lease = await self._store.lease(self.cfg.lease_ttl_s)
+        return await self._store.claim(
+            self.keys.node(self.node.node_id), self.node.model_dump_json().encode(), self._lease
+        )
+
+    async def _until_free(self, attempt: Any) -> bool:
+        """Run ``attempt`` (``_holder`` or ``_claim_key``) until it finds the key free;
+        False when another agent still holds it one lease TTL (and ``CLAIM_GRACE_S``)
+        after it was first seen held, or on stop. An agent that crashed leaves its record
+        until its lease lapses (a TTL at most); a live one keeps it: two agents must not
+        share a node id (the second took the first's key over, and took it away when it
+        stopped). An etcd that was unreachable starts the wait over: etcd extends every
+        lease when it comes back."""
+        deadline: float | None = None
         while not self.stopping.is_set():
             try:
-                if self._lease is not None and self._lease.alive:
-                    # granted by a try whose put failed: revoke it, or it would be refreshed
-                    # for the life of the agent with nothing on it
-                    await self._lease.revoke()
-                self._lease = await assert_store.lease(self.cfg.lease_ttl_s)
-                await assert_store.put(
-                    self.keys.node(self.node.node_id),
-                    self.node.model_dump_json().encode(),
-                    lease=self._lease,
-                )
-                break
+                held = await attempt()
             except TemporaryError:
+                deadline = None
                 await self.clock.sleep(0.3)
+                continue
+            if held is None:
+                return True
+            now = self.clock.now()
+            if deadline is None:
+                deadline = now + self.cfg.lease_ttl_s + CLAIM_GRACE_S
+                _log.warning(
+                    "node_key_held",
+                    node=self.node.node_id,
+                    lease=held.lease,
+                    address=_address_of(held.value),
+                    wait_s=deadline - now,
+                )
+            elif now >= deadline:
+                self._refuse_held(held)
+                return False
+            await self.clock.sleep(0.3)
+        return False
+
+    def _refuse_held(self, held: KeyValue) -> None:
+        theirs = _address_of(held.value) or "no address"
+        ours = self.node.address or "no address"
+        self.held_elsewhere = True
+        self.failure = (
+            f"node id {self.node.node_id!r} is registered by another agent (at {theirs}, "
+            f"lease {held.lease:x}) whose lease did not lapse within "
+            f"{self.cfg.lease_ttl_s + CLAIM_GRACE_S:g} s: this agent (at {ours}) does not "
+            "start; give every agent a node id of its own"
+        )
+        _log.error("node_id_in_use", node=self.node.node_id, theirs=theirs, ours=ours)
+        self.sd.status(f"failed: {self.failure}"[:200])
+        self.stopping.set()
+
+    async def _register(self) -> bool:
+        """Register under a lease of our own, where no other agent's lease holds the key
+        (``_until_free``); then announce the join. False: refused, or stopped."""
+        if not await self._until_free(self._claim_key):
+            return False
         await self._publish(
             "node_joined",
             NodeJoined(
@@ -308,6 +385,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 facts=self.facts,
             ),
         )
+        return True
 
     async def _registration_loop(self) -> None:
         while True:
@@ -459,7 +537,10 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
         await self._tasks.close()
         await self._close_supervisor()
-        if self._crashed:
+        if self._crashed or self.held_elsewhere:
+            # held elsewhere: the node is the other agent's, which has not left
+            if self._lease is not None:
+                await self._lease.revoke()  # ours holds nothing
             await commands.close()
             await store.close()
             await close_nats(nc, 3)
@@ -505,3 +586,11 @@ async def run_agent(config: AgentConfig) -> int:
         _log.error("agent_exit", error=str(exc))
         return 1
     return 1 if agent.refused else 0
+
+
+def _address_of(raw: bytes) -> str:
+    """The address a node record names ("" when it names none or is not one)."""
+    try:
+        return NodeSpec.model_validate_json(raw).address
+    except ValueError:
+        return ""

@@ -104,9 +104,12 @@ def nats_config_cmd(
 ) -> None:
     """Write DIR/nats-server.conf: TLS, JetStream, users and permissions (mode 0600)."""
     _require(directory / "ca.crt")
-    path = write_nats_config(
-        directory, job, listen, store_dir, server, authorization_only=authorization_only
-    )
+    try:
+        path = write_nats_config(
+            directory, job, listen, store_dir, server, authorization_only=authorization_only
+        )
+    except ValueError as exc:  # logins that would share NATS permissions
+        raise fail(str(exc), code=1) from None
     typer.echo(f"written: {path}")
 
 

@@ -10,9 +10,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
+from sailor.controller.decision_types import MAX_BASE_PORT
 from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination.endpoints import ServerEndpoints, distinct_nats_servers
+from sailor.coordination.names import check_job
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen, field_error
 
@@ -175,7 +177,13 @@ class ControllerConfig(ServerEndpoints):
         "reconfiguration); any failure of that path falls back to the restart path for the "
         "next launch. False: every reconfiguration restarts the workers.",
     )
-    base_port: int = Field(default=29500, gt=0, description="Rendezvous port base.")
+    base_port: int = Field(
+        default=29500,
+        gt=0,
+        le=MAX_BASE_PORT,
+        description="Rendezvous port base: a generation's master port is base_port + "
+        f"generation % 1000, so at most {MAX_BASE_PORT} (the last is then 65535).",
+    )
     exclusion: ExclusionPolicy = Field(
         default_factory=ExclusionPolicy,
         description="When a node whose workers keep failing is left out of the layouts, and "
@@ -260,6 +268,11 @@ class ControllerConfig(ServerEndpoints):
                 "member of the cluster); lower it, or list every member",
             )
         return self
+
+    @field_validator("job")
+    @classmethod
+    def _job_name(cls, v: str) -> str:
+        return check_job(v)
 
     @field_validator("checkpoint_dir")
     @classmethod

@@ -90,6 +90,7 @@ from sailor.coordination import (
     unclustered_replicas,
 )
 from sailor.coordination.sd_notify import SystemdNotifier
+from sailor.coordination.security import warn_if_unauthenticated
 from sailor.planner.reach import PlannerReach
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.runtime import ClearBadRequest, DesiredState, ReadmitRequest
@@ -196,6 +197,7 @@ class Controller(EventIntake):
 
     async def run(self) -> None:
         sec = self.cfg.security
+        warn_if_unauthenticated(sec, "controller", self.cfg.identity)
         store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
         nc = await self._retry(
             lambda: connect_nats(self.cfg.nats_urls, self.cfg.identity, 5.0, sec)

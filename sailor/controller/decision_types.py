@@ -55,6 +55,7 @@ from sailor.schemas.runtime import (
 from sailor.schemas.training import TrainingConfig
 
 __all__ = [
+    "MAX_BASE_PORT",
     "Action",
     "ClearBadDone",
     "ClearNotice",
@@ -77,6 +78,11 @@ __all__ = [
 ]
 
 
+MAX_BASE_PORT = 65535 - 999
+"""Highest rendezvous port base: generation g's master port is ``base_port + g % 1000``
+(``launch.py``), which must stay a TCP port."""
+
+
 class DecideConfig(Frozen):
     """Knobs of the decision."""
 
@@ -88,7 +94,12 @@ class DecideConfig(Frozen):
     stop_ahead_steps: int = Field(
         default=1, ge=1, description="Agreed stop step = highest reported step + this."
     )
-    base_port: int = Field(default=29500, gt=0, description="Rendezvous port of generation 0.")
+    base_port: int = Field(
+        default=29500,
+        gt=0,
+        le=MAX_BASE_PORT,
+        description="Rendezvous port of generation 0 (of generation g: + g % 1000).",
+    )
     keep_checkpoints: int | None = Field(
         default=1,
         ge=1,

@@ -37,6 +37,7 @@ from sailor.coordination import (
     Leadership,
     NatsEventBus,
     ReplicasExceedClusterError,
+    StreamConflictError,
     StreamNotPlacedError,
     TemporaryError,
     safe_token,
@@ -169,6 +170,9 @@ class EventIntake:
                 ready = await self._ensure_stream(bus, store, lead, placement)
             except ReplicasExceedClusterError as exc:
                 self._stream_refused(exc, lead)
+                return
+            except StreamConflictError as exc:  # another job's stream: no retry ends it
+                self.fail(str(exc), epoch=lead.epoch, stream=str(exc.fields.get("stream", "")))
                 return
             except FencedError as exc:  # the record status reads: deposed
                 self._consumer_fenced(lead, exc)

@@ -1021,6 +1021,19 @@ class Executor:
                 "ack_rejected", self.clock.now(), command_id=cmd.command_id, error=str(exc)[:300]
             )
             return
+        if ack.command_id != cmd.command_id or ack.node_id != cmd.node_id:
+            # an ack of another command, or from another node (one that shares this node's
+            # command subject): never counted; every release's agent sends both as asked
+            self.audit.write(
+                "ack_rejected",
+                self.clock.now(),
+                command_id=cmd.command_id,
+                node_id=cmd.node_id,
+                ack_command_id=ack.command_id[:128],
+                ack_node_id=ack.node_id[:128],
+                error="the ack names another command or node",
+            )
+            return
         self.audit.write(
             "ack",
             self.clock.now(),

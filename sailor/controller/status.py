@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from sailor.controller.bad_marks import marked
 from sailor.controller.decide import not_admitted
@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
 
 
 async def read_status(
@@ -88,16 +89,19 @@ async def read_status(
     if desired_kv is not None:
         with contextlib.suppress(ValidationError):
             d = DesiredState.model_validate_json(desired_kv.value)
-    st: dict[str, AgentStatus] = {}
-    for kv in statuses:
-        with contextlib.suppress(ValidationError):
-            s = AgentStatus.model_validate_json(kv.value)
-            st[s.node_id] = s
-    nt: dict[str, NoticeRecord] = {}
-    for kv in notices:
-        with contextlib.suppress(ValidationError):
-            r = NoticeRecord.model_validate_json(kv.value)
-            nt[r.node_id] = r
+    # A record is believed only under its own key (as ObservedCache's ``key_of``): an agent
+    # may write only its own keys, so a record there that names another node is not taken
+    # as that node's (it would show its GPUs, zone or state in the other's row).
+    st = {
+        s.node_id: s
+        for kv in statuses
+        if (s := _parsed(AgentStatus, kv.value)) is not None and kv.key == keys.status(s.node_id)
+    }
+    nt = {
+        r.node_id: r
+        for kv in notices
+        if (r := _parsed(NoticeRecord, kv.value)) is not None and kv.key == keys.notice(r.node_id)
+    }
     now = time.time() if now is None else now
     health = d.node_health if d else {}
     out = {
@@ -111,11 +115,11 @@ async def read_status(
     job_out = None
     if held is not None and held.excluded_until > now:
         job_out = {"until": held.excluded_until, "failures": held.failures, "cause": held.cause}
-    specs: dict[str, NodeSpec] = {}
-    for kv in nodes:
-        with contextlib.suppress(ValidationError):
-            spec = NodeSpec.model_validate_json(kv.value)
-            specs[spec.node_id] = spec
+    specs = {
+        n.node_id: n
+        for kv in nodes
+        if (n := _parsed(NodeSpec, kv.value)) is not None and kv.key == keys.node(n.node_id)
+    }
     precision = job_precision(d, training) if d is not None else None
     refused = _not_admitted(d, specs, st, nt, now, precision, reach)
     rows = []
@@ -191,6 +195,14 @@ def periodic_status(
     if newest is not None:
         last = {"step": newest.step, "time": newest.time, "age_s": round(now - newest.time, 1)}
     return {"in_flight": flying, "last_commit": last}
+
+
+def _parsed(model: type[_M], raw: bytes) -> _M | None:
+    """``raw`` as ``model``; None when it is not one (never shown)."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError:
+        return None
 
 
 def _not_admitted(

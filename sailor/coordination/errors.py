@@ -15,6 +15,7 @@ __all__ = [
     "FencedError",
     "PermanentError",
     "ReplicasExceedClusterError",
+    "StreamConflictError",
     "StreamNotPlacedError",
     "TemporaryError",
     "UnavailableError",
@@ -66,6 +67,11 @@ class PermanentError(CoordinationError):
 class ReplicasExceedClusterError(PermanentError):
     """A stream asks for more than one replica of a NATS server in no cluster: a
     configuration error, which no retry ends."""
+
+
+class StreamConflictError(PermanentError):
+    """The job's event stream cannot be made: a stream of its name carries another job's
+    subjects, or another stream carries its subjects. Left unchanged: an operator decides."""
 
 
 class FencedError(PermanentError):

@@ -406,6 +406,28 @@ class EtcdStore:
         if not ok:
             raise FencedError("guarded delete refused", key=key, epoch=epoch)
 
+    async def claim(self, key: str, value: bytes, lease: Any) -> KeyValue | None:
+        """Write ``key`` bound to ``lease`` only while no other lease holds it: absent, or
+        held under ``lease`` itself (a write of ours whose answer was lost, or a write
+        again). None once written; else the record that holds it under another lease
+        (unchanged). Each branch is one transaction: a holder whose lease lapses meanwhile
+        is found absent at the next try (``TemporaryError`` if it keeps changing)."""
+        tx = self.client.transactions
+        put = [tx.put(key.encode(), value, lease.id)]
+        for _ in range(3):
+            ok, _rev = await self._txn([tx.create(key.encode()) == 0], put)
+            if ok:
+                return None
+            held = await self.get(key)
+            if held is None:
+                continue  # its lease lapsed since
+            if held.lease != lease.id:
+                return held
+            ok, _rev = await self._txn([tx.mod(key.encode()) == held.mod_revision], put)
+            if ok:
+                return None
+        raise TemporaryError("key changing under a claim", key=key, retry_after=0.3)
+
     async def create_if_absent(self, key: str, value: bytes, lease: Any) -> KeyValue | None:
         tx = self.client.transactions
         await self.call(

@@ -19,7 +19,7 @@ etcd (all under ``/sailor/<job>/``)::
 
 NATS::
 
-    sailor.<job>.events.<source>.<kind>   JetStream stream SAILOR_<JOB>_EVENTS (dedup by
+    sailor.<job>.events.<source>.<kind>   JetStream stream SAILOR_<JOB>_EVENTS (``stream``; dedup by
                                  Nats-Msg-Id); <source> is the publishing node's id, so a NATS
                                  permission can let an agent publish only its own node's events
     sailor.<job>.cmd.<node id>   commands to one agent, request/reply (the reply is the ack)
@@ -27,20 +27,12 @@ NATS::
 
 from __future__ import annotations
 
-import re
+from pydantic import Field, field_validator
 
-from pydantic import Field
-
+from sailor.coordination.names import check_job, safe_token
 from sailor.schemas._base import Frozen
 
 __all__ = ["Keys", "event_subject_source", "safe_token"]
-
-_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def safe_token(text: str) -> str:
-    """A NATS subject token / stream name part: letters, digits, '_' and '-' only."""
-    return _TOKEN.sub("_", text) or "_"
 
 
 def event_subject_source(subject: str, job: str | None = None) -> str | None:
@@ -57,7 +49,16 @@ def event_subject_source(subject: str, job: str | None = None) -> str | None:
 class Keys(Frozen):
     """Key and subject names for one job."""
 
-    job: str = Field(min_length=1, max_length=64, description="Job name.")
+    job: str = Field(
+        min_length=1,
+        max_length=64,
+        description="Job name: letters, digits, '_' and '-' (``names.JOB_PATTERN``).",
+    )
+
+    @field_validator("job")
+    @classmethod
+    def _job_name(cls, v: str) -> str:
+        return check_job(v)
 
     @property
     def root(self) -> str:
@@ -180,6 +181,19 @@ class Keys(Frozen):
 
     @property
     def stream(self) -> str:
+        """The event stream's name, one per job name: ``SAILOR_<JOB>_EVENTS`` (upper case)
+        for a name without upper-case letters, as every release named it; a name with one
+        keeps its case after ``SAILOR-`` (``x_y`` and ``X_Y`` would both be ``SAILOR_X_Y``).
+        NATS stream names are case-sensitive."""
+        if self.job == self.job.lower():
+            return self.legacy_stream
+        return f"SAILOR-{self.job}_EVENTS"
+
+    @property
+    def legacy_stream(self) -> str:
+        """The name releases before the job-name check gave this job's stream (the
+        upper-cased name); ``NatsEventBus.ensure_stream`` adopts a stream of that name that
+        carries this job's subjects (a job with an upper-case letter, upgraded)."""
         return f"SAILOR_{safe_token(self.job).upper()}_EVENTS"
 
     @property

@@ -36,6 +36,7 @@ from sailor.coordination.errors import (
     CoordinationError,
     PermanentError,
     ReplicasExceedClusterError,
+    StreamConflictError,
     StreamNotPlacedError,
     TemporaryError,
     UnavailableError,
@@ -66,6 +67,27 @@ _log = structlog.get_logger("sailor.nats")
 
 DUPLICATE_WINDOW_S = 120.0
 """JetStream's default dedup window (2 min): longer than any publisher's retry loop."""
+
+EVENT_MAX_MSG_SIZE = 256 * 1024
+"""Largest event the stream stores, bytes. The largest an agent publishes is a NodeJoined
+whose facts hold every bounded error text at its bound (probe 4096, CUDA 1024, two
+endpoints 1024 each, each character escaped to 6 bytes in the worst case) and 16 devices:
+~47 KB (tests/unit/test_event_stream_limits.py measures it); a usual one is 2-5 KB. Larger
+is refused at the publish (its publisher's alone) rather than stored: one agent stored
+40 x 1 MB events in 2 s."""
+
+EVENT_MAX_MSGS_PER_SUBJECT = 1000
+"""Events kept per subject (``sailor.<job>.events.<node>.<kind>``), oldest dropped first: a
+node that floods one subject drops its own older events of that kind only. An agent
+publishes a handful of each kind between two reads of the controller (a join per
+registration, a failure per launch, a notice per preemption), and the controller reads
+continuously and needs none it has acked (it acks each after handling it)."""
+
+EVENT_MAX_BYTES = 1024**3
+"""The stream's total, bytes (1 GiB), oldest dropped first: a full stream never refuses a
+publish (a preemption notice above all), where the server's JetStream store filling up
+refused every node's. JetStream reserves it on each replica's server (``max_file_store``,
+8 GB in deploy/config/nats-server.conf: room for the streams of several jobs)."""
 
 
 async def connect_nats(
@@ -241,6 +263,7 @@ class NatsEventBus:
         self._js = nc.jetstream(timeout=op_timeout)
         self._ack_wait = ack_wait
         self._replicas = replicas
+        self._stream = keys.stream
         self._sub: Any = None
 
     async def ensure_stream(self) -> None:
@@ -250,23 +273,79 @@ class NatsEventBus:
         Placement refused: ``ReplicasExceedClusterError`` for replicas on a server in no
         cluster, which no server's return ends (:func:`placement_error`);
         ``StreamNotPlacedError`` (a ``TemporaryError``) for too few servers up and joined."""
-        config = nats.js.api.StreamConfig(
-            name=self._keys.stream,
-            subjects=[self._keys.event_subjects],
-            storage=nats.js.api.StorageType.FILE,
-            duplicate_window=DUPLICATE_WINDOW_S,
-            max_age=24 * 3600.0,
-            num_replicas=self._replicas,
-        )
+        config = self._stream_config(self._stream)
         try:
             await self._js.add_stream(config)
         except nats.js.errors.APIError as exc:
             self._raise_unplaced(exc)
             if not isinstance(exc, nats.js.errors.BadRequestError):
                 raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
-            await self._update_stream(config)  # it exists with another config
+            # it exists with another config (an older release's: no limits), or another
+            # stream holds our subjects: update only a stream that is this job's
+            await self._update_stream(await self._own_stream())
         except (TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
+
+    def _stream_config(self, name: str) -> nats.js.api.StreamConfig:
+        return nats.js.api.StreamConfig(
+            name=name,
+            subjects=[self._keys.event_subjects],
+            storage=nats.js.api.StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            max_age=24 * 3600.0,
+            max_msg_size=EVENT_MAX_MSG_SIZE,
+            max_msgs_per_subject=EVENT_MAX_MSGS_PER_SUBJECT,
+            max_bytes=EVENT_MAX_BYTES,
+            discard=nats.js.api.DiscardPolicy.OLD,
+            num_replicas=self._replicas,
+        )
+
+    async def _subjects_of(self, name: str) -> list[str] | None:
+        """The subjects of stream ``name``; None when there is none of that name."""
+        try:
+            info = await self._js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
+        return list(info.config.subjects or [])
+
+    async def _own_stream(self) -> nats.js.api.StreamConfig:
+        """The config to update the existing stream of this job to. The stream of our name
+        must carry exactly this job's subjects: another job's (``x_y`` and ``X_Y`` shared a
+        name before job names were checked) is never changed, nor a stream that holds our
+        subjects under another name, except this job's under its old name
+        (``Keys.legacy_stream``: a job with an upper-case letter, upgraded), which is
+        adopted."""
+        ours = [self._keys.event_subjects]
+        subjects = await self._subjects_of(self._stream)
+        if subjects is None and self._keys.legacy_stream != self._stream:
+            legacy = await self._subjects_of(self._keys.legacy_stream)
+            if legacy == ours:
+                _log.info("event_stream_adopted", stream=self._keys.legacy_stream)
+                self._stream = self._keys.legacy_stream
+                subjects = legacy
+        if subjects == ours:
+            return self._stream_config(self._stream)
+        if subjects is None:
+            raise StreamConflictError(
+                f"job {self._keys.job!r}: its event subjects {ours[0]!r} belong to another "
+                f"stream than {self._stream!r} (left unchanged); delete or rename that stream",
+                stream=self._stream,
+                subjects=ours[0],
+            )
+        raise StreamConflictError(
+            f"job {self._keys.job!r}: stream {self._stream!r} exists with subjects "
+            f"{subjects}, not this job's {ours[0]!r} (another job's stream: left unchanged)",
+            stream=self._stream,
+            subjects=",".join(subjects),
+        )
+
+    @property
+    def stream(self) -> str:
+        """The name of this job's event stream (``Keys.stream``, or the old name of an
+        adopted one: ``_own_stream``)."""
+        return self._stream
 
     async def _update_stream(self, config: nats.js.api.StreamConfig) -> None:
         try:
@@ -311,7 +390,7 @@ class NatsEventBus:
                 self._sub = await self._js.pull_subscribe(
                     self._keys.event_subjects,
                     durable=self._durable,
-                    stream=self._keys.stream,
+                    stream=self._stream,
                     config=config,
                 )
             except (TimeoutError, nats.errors.Error) as exc:

@@ -69,6 +69,7 @@ class Agents:
         self.keys = keys
         self.refuse: set[str] = set()
         self.silent: set[str] = set()
+        self.forged: dict[str, dict[str, str]] = {}  # node -> the ack fields it gets wrong
         self.received: list[str] = []
 
     async def __aenter__(self) -> Agents:
@@ -92,7 +93,7 @@ class Agents:
             node_id=cmd.node_id,
             accepted=not refused,
             reason="refused by the test" if refused else "",
-        )
+        ).model_copy(update=self.forged.get(cmd.node_id, {}))
         await msg.respond(ack.model_dump_json().encode())
 
 
@@ -446,6 +447,38 @@ async def test_a_refused_or_unanswered_command_is_not_acked_and_is_sent_again(
         await _until(lambda: ex.inflight == 0)
         assert ex.acked_view == {ok, refused, silent}
         assert sorted(agents.received[3:]) == sorted([refused, silent])
+
+
+async def test_an_ack_from_another_node_or_of_another_command_is_not_counted(
+    module_plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """Whoever answers on a node's command subject (an agent whose node id maps to the same
+    NATS token, ``gpu.1`` beside ``gpu_1``) must name that node and that command in its
+    ack: an ack naming another is audited as rejected and not counted, and the command is
+    sent again. Before, any accepted ack counted."""
+    planner = DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
+    clock = _Clock()
+    async with executor_on(
+        module_plain_servers, tmp_path, planner, clock=clock, command_timeout_s=0.3
+    ) as rig:
+        ex, e, agents = rig.ex, rig.ex.epoch, rig.agents
+        agents.forged = {"n1": {"node_id": "n1x"}, "n2": {"command_id": "another"}}
+        desired = DesiredState(epoch=e, generation=1)
+        sends = _stops(e, 1, ["n0", "n1", "n2"])
+        ok, other_node, other_cmd = (s.command.command_id for s in sends)
+        await ex.apply(sends, desired)
+        await _until(lambda: ex.inflight == 0)
+        assert ex.acked_view == {ok}
+        assert {r["command_id"] for r in _records(rig.audit, "ack")} == {ok}
+        rejected = {r["command_id"]: r for r in _records(rig.audit, "ack_rejected")}
+        assert set(rejected) == {other_node, other_cmd}
+        assert rejected[other_node]["ack_node_id"] == "n1x"
+        assert rejected[other_cmd]["ack_command_id"] == "another"
+        agents.forged = {}
+        clock.t += ex.resend_s
+        await ex.apply(sends, desired)  # not acked: sent again, and now acked
+        await _until(lambda: ex.inflight == 0)
+        assert ex.acked_view == {ok, other_node, other_cmd}
 
 
 async def test_a_command_sent_slowly_goes_out_again_only_after_its_spacing(

@@ -45,3 +45,24 @@ async def test_controller_and_agents_round_trip_over_tls(
     for pw in passwords:
         assert pw not in audit_text
         assert pw not in log_text
+    assert not [e for e in logs if e["event"] == "running_unauthenticated"]
+
+
+async def test_daemons_without_a_security_section_warn_once(
+    plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """Plain servers (the point here): a controller and an agent started without a
+    ``security:`` section each log one warning that they run unauthenticated."""
+    cluster = Cluster(tmp_path, plain_servers, job="t")
+    with structlog.testing.capture_logs() as logs:
+        async with cluster:
+            cluster.start_controller("c1")
+            cluster.start_agent("n1")
+            await cluster.wait_phase(Phase.RUNNING, 40)
+    warned = [(e["daemon"], e["name"]) for e in logs if e["event"] == "running_unauthenticated"]
+    assert sorted(warned) == [("agent", "n1"), ("controller", "c1")]
+    assert all(
+        "docs/operations.md#security" in e["why"]
+        for e in logs
+        if e["event"] == "running_unauthenticated"
+    )

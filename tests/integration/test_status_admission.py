@@ -11,7 +11,7 @@ from sailor.controller.planning.in_process import planner_reach_of
 from sailor.controller.status import read_status
 from sailor.coordination import Keys, connect_etcd
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
-from sailor.schemas.runtime import DesiredState, Phase
+from sailor.schemas.runtime import AgentStatus, DesiredState, Phase
 from sailor.schemas.training import BuiltinModel, TrainingConfig
 from tests.integration.conftest import Server
 from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
@@ -94,3 +94,33 @@ async def test_sailor_status_names_a_node_the_planner_cannot_use(
     finally:
         for c in agents.values():
             await c.close()
+
+
+async def test_sailor_status_believes_a_record_only_under_its_own_key(
+    secure_etcd_server: Server, pki: Pki
+) -> None:
+    """An agent may write only its own keys (RBAC), but what it writes there could name
+    another node: ``sailor status`` showed n2's records as n1's (its GPUs, zone, a failed
+    state). It now takes a record only under the key of the node it names, as the leader
+    does (``ObservedCache``)."""
+    ep = f"127.0.0.1:{secure_etcd_server.port}"
+    n1, n2 = NODES[:2]
+    agents = {n: await connect_etcd(ep, security=pki.security(n)) for n in (n1, n2)}
+    try:
+        mine = NodeSpec(node_id=n1, gpu_type="A100-40", gpus=8, zone="z-a")
+        await agents[n1].put(KEYS.node(n1), mine.model_dump_json().encode())
+        await agents[n1].put(
+            KEYS.status(n1), AgentStatus(node_id=n1, state="idle").model_dump_json().encode()
+        )
+        posing = NodeSpec(node_id=n1, gpu_type="H100-80", gpus=1, zone="evil-zone")
+        await agents[n2].put(KEYS.node(n2), posing.model_dump_json().encode())
+        failed = AgentStatus(node_id=n1, state="failed", failure="forged")
+        await agents[n2].put(KEYS.status(n2), failed.model_dump_json().encode())
+        snap = await read_status(ep, JOB, pki.security(CONTROLLER))
+        rows = {r["node"]: r for r in snap["nodes"]}
+        assert set(rows) == {n1}
+        assert (rows[n1]["gpu"], rows[n1]["gpus"], rows[n1]["zone"]) == ("A100-40", 8, "z-a")
+        assert rows[n1]["state"] == "idle"
+    finally:
+        for s in agents.values():
+            await s.close()

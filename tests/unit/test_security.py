@@ -20,6 +20,7 @@ from sailor.coordination.security import SecurityConfig, read_nats_login
 from sailor.coordination.security.certs import CertKind, build_ca, build_leaf, new_key
 from sailor.coordination.security.etcd_rbac import REVISION_PROBE, Perm, prefix_end, rbac_plan
 from sailor.coordination.security.nats_auth import NatsRole, NatsUser, nats_server_config
+from sailor.localservers import Identities
 
 NOW = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
 
@@ -198,3 +199,44 @@ def test_certs_issue_refuses_a_path_as_name_and_an_overwrite(tmp_path: Path) -> 
     assert (d / "gpu-node-1.nats.json").read_text() == login  # untouched
     assert run(app, [*args, "--force"]).exit_code == 0
     assert (d / "gpu-node-1.nats.json").read_text() != login
+
+
+def test_logins_whose_nats_tokens_clash_are_refused(tmp_path: Path) -> None:
+    """``gpu.1`` and ``gpu_1`` map to one NATS subject token: one command subject, one
+    event subject, one reply inbox, so either agent would read the other's commands,
+    answer them and publish its events. Refused when a login is issued beside an existing
+    one, when the server config is written, and by the local servers' identities."""
+    d = tmp_path / "pki"
+    run = CliRunner().invoke
+    assert run(app, ["certs", "init", str(d)]).exit_code == 0
+    first = ["certs", "issue", str(d), "--name", "gpu_1", "--kind", "client"]
+    assert run(app, first).exit_code == 0
+    clash = run(app, ["certs", "issue", str(d), "--name", "gpu.1", "--kind", "client"])
+    assert clash.exit_code == 1
+    assert "name='gpu.1'" in clash.output and "'gpu_1'" in clash.output
+    assert not (d / "gpu.1.nats.json").exists() and not (d / "gpu.1.key").exists()
+    assert run(app, [*first, "--force"]).exit_code == 0  # its own login again: no clash
+    # a server certificate has no login: nothing to clash with
+    server = ["certs", "issue", str(d), "--name", "gpu.1", "--kind", "server"]
+    assert run(app, server).exit_code == 0
+    users = (
+        NatsUser("gpu_1", "p1", NatsRole.agent),
+        NatsUser("gpu.1", "p2", NatsRole.agent),
+        NatsUser("c1", "p3", NatsRole.controller),
+    )
+    with pytest.raises(ValueError, match=r"\('gpu.1', 'gpu_1'\)"):
+        nats_server_config(
+            Keys(job="j"), users, "127.0.0.1:4222", d, d / "ca.crt", d / "a", d / "b"
+        )
+    with pytest.raises(ValueError, match=r"\('gpu.1', 'gpu_1'\)"):
+        Identities(agents=("gpu_1", "gpu.1"))
+    with pytest.raises(ValueError, match="share a NATS subject token"):
+        Identities(controllers=("ctl.a",), agents=("ctl_a",))
+
+
+def test_certs_cli_refuses_a_bad_job_name(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    run = CliRunner().invoke
+    assert run(app, ["certs", "init", str(d)]).exit_code == 0
+    bad = run(app, ["certs", "nats-config", str(d), "--job", "a/b"])
+    assert bad.exit_code != 0 and "job='a/b'" in bad.output

@@ -6,6 +6,11 @@ open TLS connections) and the CLI (``sailor certs``) may import it under the lay
 Applying RBAC to a live etcd is ``sailor.coordination.etcd_auth``.
 """
 
-from sailor.coordination.security.settings import NatsLogin, SecurityConfig, read_nats_login
+from sailor.coordination.security.settings import (
+    NatsLogin,
+    SecurityConfig,
+    read_nats_login,
+    warn_if_unauthenticated,
+)
 
-__all__ = ["NatsLogin", "SecurityConfig", "read_nats_login"]
+__all__ = ["NatsLogin", "SecurityConfig", "read_nats_login", "warn_if_unauthenticated"]

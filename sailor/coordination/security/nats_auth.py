@@ -9,6 +9,9 @@ Pure: values in, a config text out. Permissions follow the runtime's subjects
 - the controller may publish commands to any node, use the JetStream API and acks, and
   subscribe to its own inbox. No other user may publish a command.
 
+Subject tokens cannot hold a ``.``: user names whose tokens are the same (``gpu.1`` and
+``gpu_1``) would get the same permissions, and are refused (``names.token_clashes``).
+
 The config is written as JSON, which nats-server's config parser accepts as-is, so every
 string is quoted and escaped. Passwords are stored in plain text in this 0600 file (bcrypt
 hashes would need the ``bcrypt`` package, which is not a dependency; see docs/operations.md).
@@ -25,6 +28,7 @@ from pathlib import PurePath
 from typing import Any
 
 from sailor.coordination.keys import Keys, safe_token
+from sailor.coordination.names import token_clashes
 
 __all__ = [
     "NatsRole",
@@ -119,6 +123,15 @@ def _authorization(keys: Keys | Sequence[Keys], users: tuple[NatsUser, ...]) -> 
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"duplicate NATS user names: {dupes}")
+    clashes = token_clashes(names)
+    if clashes:
+        # one subject token, so one command subject, event subjects and reply inbox: each
+        # would read the other's commands, answer them and publish its events
+        raise ValueError(
+            f"NATS user names {clashes} share a subject token (a '.' or other character "
+            "outside letters, digits, '_' and '-' becomes '_'), so they would share every "
+            "NATS permission: rename one of each"
+        )
     if not users:
         raise ValueError("at least one NATS user is required")
     return {

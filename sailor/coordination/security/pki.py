@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 
-from sailor.coordination.keys import Keys
+from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.security.certs import (
     CertKind,
     build_ca,
@@ -104,6 +104,8 @@ def issue_cert(
         )
     crt, key = directory / f"{name}.crt", directory / f"{name}.key"
     login_path = directory / f"{name}.nats.json"
+    if kind is CertKind.client and role in (Role.controller, Role.agent):
+        _refuse_token_clash(directory, name)
     if not force:
         there = [p for p in (crt, key, login_path) if p.exists()]
         if there:
@@ -125,6 +127,19 @@ def issue_cert(
         _write(login_path, (json.dumps(login) + "\n").encode(), secret=True)
         written.append(login_path)
     return written
+
+
+def _refuse_token_clash(directory: Path, name: str) -> None:
+    """A new NATS login whose subject token is an existing login's (``gpu.1`` beside
+    ``gpu_1``) would share all its permissions: refused, naming both."""
+    logins = [p.name.removesuffix(".nats.json") for p in directory.glob("*.nats.json")]
+    clash = [other for other in logins if other != name and safe_token(other) == safe_token(name)]
+    if clash:
+        raise ValueError(
+            f"name={name!r}: its NATS subject token {safe_token(name)!r} is that of the "
+            f"existing login {clash[0]!r} ('.' and other characters become '_'), so both "
+            "would have the same NATS permissions; choose another name"
+        )
 
 
 def write_nats_config(

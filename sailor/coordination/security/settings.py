@@ -11,11 +11,29 @@ import json
 import ssl
 from pathlib import Path
 
+import structlog
 from pydantic import Field, SecretStr, model_validator
 
 from sailor.schemas._base import Frozen
 
-__all__ = ["NatsLogin", "SecurityConfig", "read_nats_login"]
+__all__ = ["NatsLogin", "SecurityConfig", "read_nats_login", "warn_if_unauthenticated"]
+
+_log = structlog.get_logger("sailor.security")
+
+
+def warn_if_unauthenticated(security: SecurityConfig | None, daemon: str, name: str) -> None:
+    """One warning when a daemon starts without a ``security:`` section: plain TCP, no
+    logins, no permissions, so anyone who reaches NATS or etcd can read and forge the
+    job's commands, events and state (docs/operations.md#security)."""
+    if security is None:
+        _log.warning(
+            "running_unauthenticated",
+            daemon=daemon,
+            name=name,
+            why="no security: section: NATS and etcd without TLS, logins or permissions; "
+            "anyone who reaches them can read and forge commands, events and state "
+            "(docs/operations.md#security)",
+        )
 
 
 class NatsLogin(Frozen):
