@@ -526,9 +526,9 @@ class LoadBarrier:
     def _failure_on_store(self) -> PeerFailedError | None:
         """Another rank's failure on the store (None: none, or no answer within
         :data:`STORE_WAIT_S`). Read on a connection and a daemon thread of its own, so a
-        hung store delays the worker's error record by that much, not for good; the main
-        thread's connection may be spoiled by the error being handled (a store wait that
-        timed out), and is not left busy for the handler's next calls."""
+        hung store delays the worker's error record by that much, not as long as it hangs;
+        the main thread's connection may be spoiled by the error being handled (a store
+        wait that timed out), and is not left busy for the handler's next calls."""
         got: list[PeerFailedError] = []
 
         def look() -> None:
