@@ -30,8 +30,11 @@ before rank 0 lingers, and is serialised with the main thread's handler (:meth:`
 :meth:`peer_cause`): the handler waits for a heartbeat that is ending the rank, and records
 the peer's failure, not the closed socket it met meanwhile.
 
-A rank that closes its barrier (its load done) marks itself closed on the store before its
+A rank that closes its barrier (its load done) marks itself closed on the store as its
 heartbeat stops: its watchers, maybe still pending, do not take its silence for a death.
+The mark is written by the heartbeat thread, on its own connection, and :meth:`close`
+waits for it :data:`STORE_WAIT_S` at most: on a hung store (rank 0 stopped, not dead) the
+rank goes on and the daemon thread finishes the mark once the store answers.
 
 A rank can also fail without writing anything: killed with no Python exception (the host's
 OOM killer, SIGKILL, a segfault in a reader). Its gloo peers see the closed socket, NCCL
@@ -56,9 +59,13 @@ raise ``PeerFailedError`` saying the store stopped answering, naming rank 0's ho
 store's address, with rank 0's own error where this rank can read it (its error file, on
 rank 0's node or a shared directory: :func:`rank0_error_file`). So that this is rare, rank 0
 ending with a failure (its own or another's) keeps its process, and the store, up until
-every other rank has counted itself out after reading a failure, or for two of their polls
-or beats (:meth:`LoadBarrier.fail`): the others read the failure, not the silence, and a
-rank in a collective with rank 0 is not ended by rank 0's closed socket first.
+every other rank is counted out, or for two of their polls or beats (:meth:`LoadBarrier.
+fail`): the others read the failure, not the silence, and a rank in a collective with rank
+0 is not ended by rank 0's closed socket first. A rank is counted out once
+(:func:`_count_out`): by itself, after reading a failure or as it closes its barrier (a
+closed rank reads no failure here: nothing to wait for), or by the watchers that found it
+dead (a killed rank never counts itself out). Rank 0 waits the full two polls or beats
+only for a rank neither out nor yet found dead.
 
 This module never touches a device or a collective; it takes any object with the c10d
 store's ``add``/``set``/``get``/``multi_get``/``check`` and ``clone``
@@ -141,6 +148,18 @@ RECORD_WAIT_S = 10.0
 before it counts out and exits all the same (a hard-mounted NFS whose server is gone never
 answers). A local write takes milliseconds."""
 
+STORE_WAIT_S = 2.0
+"""How long the main thread waits for a store call it can go on without — the closed mark
+and count-out of :meth:`LoadBarrier.close`, the worker's handler's look for a peer's failure
+(:meth:`LoadBarrier.peer_cause`) — before it goes on and leaves the call to finish on a
+daemon thread. A store that answers does so in milliseconds (p99 at most 21 ms, max 25 ms, at
+64 and 256 ranks in ``benchmarks/load_barrier_scale.py`` on this loaded shared machine; the
+look reads one key per rank up to the failed one, ~0.05 ms each at p50); a hung one (rank
+0's process stopped, its host frozen, its network gone without a reset) holds a call at
+least for the client's timeout (the process groups', up to 30 min), and c10d's client
+waited on for good: in the tests an ``add`` to a stopped server still waited minutes past
+its 10 s timeout. Not measured on a cluster."""
+
 _PREFIX = "sailor/loaded"
 
 Phase = Literal["formed", "loaded"]
@@ -170,6 +189,8 @@ class Store(Protocol):
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
 
     def check(self, keys: list[str]) -> bool: ...
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
 
 
 class LoadTimeoutError(PeerFailedError):
@@ -214,6 +235,10 @@ def _host_key(world: str, rank: int) -> str:
 
 def _closed_key(world: str, rank: int) -> str:
     return f"{_PREFIX}/{world}/closed/{rank}"
+
+
+def _out_key(world: str, rank: int) -> str:
+    return f"{_PREFIX}/{world}/out/{rank}"
 
 
 def _check_args(rank: int, world_size: int, timeout_s: float, liveness_s: float) -> None:
@@ -321,6 +346,9 @@ class LoadBarrier:
         self._store_host = _StoreHost(master, None, rank0_error_file, time.time())
         self._pending = False
         self._waiting = False
+        self._closing = False
+        """Set by :meth:`close` while pending: the heartbeat thread's last act is to mark
+        this rank closed and count it out, on its own connection."""
         self._peer_error: PeerFailedError | None = None
         # one rank's end at a time: the heartbeat's ``_tell`` and the main thread's ``fail``,
         # ``close`` and ``peer_cause`` (a handler arriving while the heartbeat ends this rank
@@ -358,6 +386,8 @@ class LoadBarrier:
                     self._conn = _connect(self.store)
                 conn = self._conn
                 conn.add(key, 1)
+                if self._stop.is_set():  # closed while the beat waited (a slow or hung
+                    continue  # store): no watching, no peer's failure; the mark, below
                 self._learn_store_host(conn)
                 watch.next_dead(conn)  # a dead one's failure goes on the store for all
                 if self._peer_failed(conn):
@@ -386,6 +416,16 @@ class LoadBarrier:
                     )
                 failed = 0
             self._stop.wait(every)
+        if self._closing:
+            self._mark_closed()
+
+    def _mark_closed(self) -> None:
+        """Mark this rank closed and count it out, on the heartbeat's connection (the
+        thread's last act, for :meth:`close`; best effort: the store may be gone)."""
+        with suppress(Exception):
+            conn = self._conn if self._conn is not None else _connect(self.store)
+            conn.set(_closed_key(self.world, self.rank), "1")
+            _count_out(conn, self.world, self.rank, self.rank)
 
     def _learn_store_host(self, conn: Store) -> None:
         if self._store_host.host is None and self.rank != 0:
@@ -439,12 +479,14 @@ class LoadBarrier:
 
     def _leave(self, store: Store) -> None:
         """Count this rank out of a failed world; rank 0, whose process serves the store,
-        keeps it up until every other rank is out (read the failure) or
-        :meth:`_linger_s` has passed (best effort: the store may be gone)."""
+        keeps it up until every other rank is out (read the failure, closed its barrier, or
+        found dead by its watchers: :func:`_count_out`) or :meth:`_linger_s` has passed
+        (best effort: the store may be gone)."""
         with suppress(Exception):
-            out = store.add(_ended_key(self.world), 1)
+            _count_out(store, self.world, self.rank, self.rank)
             if self.rank != 0:
                 return
+            out = store.add(_ended_key(self.world), 0)
             deadline = time.monotonic() + self._linger_s()
             while out < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -452,8 +494,9 @@ class LoadBarrier:
 
     def _linger_s(self) -> float:
         """Two of the others' chances to read a failure: their polls if waiting, their
-        heartbeat threads' beats if held elsewhere (24 s at the worker's defaults); a
-        rank killed without a word is never counted out, and rank 0 waits this long."""
+        heartbeat threads' beats if held elsewhere (24 s at the worker's defaults). A rank
+        killed without a word is counted out by the watchers that find it dead; one not
+        found yet (killed less than ``liveness_s`` before) keeps rank 0 this long."""
         return 2 * max(self.poll_s, self.liveness_s / BEATS_PER_LIVENESS)
 
     def peer_cause(self, exc: BaseException) -> BaseException:
@@ -474,14 +517,30 @@ class LoadBarrier:
             return err
         if not self._pending:
             return exc
-        try:
-            if self.store.add(_failures_key(self.world), 0) == 0:
-                return exc
-            err = _peer_failure(self.store, self.world, self.world_size)
-        except Exception:
+        found = self._failure_on_store()
+        if found is None:
             return exc
-        err.__cause__ = exc
-        return err
+        found.__cause__ = exc
+        return found
+
+    def _failure_on_store(self) -> PeerFailedError | None:
+        """Another rank's failure on the store (None: none, or no answer within
+        :data:`STORE_WAIT_S`). Read on a connection and a daemon thread of its own, so a
+        hung store delays the worker's error record by that much, not as long as it hangs;
+        the main thread's connection may be spoiled by the error being handled (a store
+        wait that timed out), and is not left busy for the handler's next calls."""
+        got: list[PeerFailedError] = []
+
+        def look() -> None:
+            with suppress(Exception):
+                conn = _connect(self.store)
+                if conn.add(_failures_key(self.world), 0) > 0:
+                    got.append(_peer_failure(conn, self.world, self.world_size))
+
+        reader = threading.Thread(target=look, name=f"sailor-load-cause-{self.rank}", daemon=True)
+        reader.start()
+        reader.join(STORE_WAIT_S)
+        return got[0] if got else None
 
     def fail(self, exc: BaseException) -> None:
         """Tell the others this rank failed (while the barrier is pending; best effort),
@@ -497,20 +556,19 @@ class LoadBarrier:
         self.close()
 
     def close(self) -> None:
-        """Stop beating; the barrier is over for this rank. It is marked closed on the
-        store first (best effort, on the heartbeat's connection), so that its watchers,
-        still pending, do not take its silence for a death; once this returns, no peer's
-        failure ends this rank from its heartbeat thread."""
+        """Stop beating; the barrier is over for this rank. The heartbeat thread, as it
+        stops, marks the rank closed on the store, so that its watchers, still pending, do
+        not take its silence for a death, and counts it out, so that a failing rank 0 does
+        not keep its store up for it (best effort, on the thread's own connection). This
+        waits for that :data:`STORE_WAIT_S` at most: on a hung store the thread (a daemon)
+        finishes it once the store answers, or the process exits without it. Once this
+        returns, no peer's failure ends this rank from its heartbeat thread."""
         with self._ending:
-            was = self._pending
+            self._closing = self._pending
             self._pending = False
-            conn = self._conn if self._conn is not None else self.store
-            if was:
-                with suppress(Exception):  # (the main thread's, if the beat has none)
-                    conn.set(_closed_key(self.world, self.rank), "1")
             self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=STORE_WAIT_S)
 
     def formed(self, timeout_s: float, flag: str = "--timeout-s") -> float:
         """Wait until every rank of the world is here, before the world's first collective
@@ -598,6 +656,18 @@ def _publish(store: Store, world: str, rank: int, host: str, text: str) -> None:
     with suppress(Exception):  # the load's own error is the one to raise
         store.set(f"{_PREFIX}/{world}/failed/{rank}", f"{host}\n{text[:2000]}")
         store.add(_failures_key(world), 1)
+
+
+def _count_out(store: Store, world: str, rank: int, by: int) -> None:
+    """Count ``rank`` out of its world's barrier, for rank 0's linger (:meth:`LoadBarrier.
+    _leave`): by itself (failed, ended of a peer's failure, or closed its barrier) or by a
+    watcher (``by``) that found it dead. Once per rank whoever counts it: the first to
+    claim its mark adds it (a rank taken for dead that was only stalled, or found by two
+    watchers, is not counted twice, which would end rank 0's linger before a live rank
+    read the failure)."""
+    claim = str(by)
+    if store.compare_set(_out_key(world, rank), "", claim) == claim.encode():
+        store.add(_ended_key(world), 1)
 
 
 def await_loads(
@@ -794,5 +864,7 @@ class _Watch:
             "SIGKILL, a crash) or stopped running"
         )
         _publish(store, self.world, peer, host, text)
+        with suppress(Exception):  # its own count-out will never come: rank 0 need not
+            _count_out(store, self.world, peer, self.rank)  # keep its store up for it
         self.found.add(peer)
         return PeerFailedError(f"rank {peer} ({host}) failed before its world's first step: {text}")

@@ -616,10 +616,12 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
         record = failure_record(
             exc, status.rank, status.failed_step, status.in_training, last_step=status.step
         )
+        # the record and the event first: the store calls below may wait for a hung store
+        # (peer_cause's look above waits load_barrier.STORE_WAIT_S at most)
         write_error_file(status.error_file, record)
+        print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         if status.load_barrier is not None:  # the others may be waiting for this rank's load
             status.load_barrier.fail(exc)
-        print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
         # Never run destructors or barriers that could wait on dead peers.
         os._exit(1)
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -599,3 +600,123 @@ def test_a_record_write_that_hangs_does_not_keep_a_rank_from_ending(
     finally:
         hung.set()
         b.close()
+
+
+def test_rank_0_does_not_keep_its_store_up_for_ranks_that_closed_their_barriers() -> None:
+    store = _store()
+    # rank 0's linger is capped at two of its polls (6 s); ranks 1 and 2 closed their
+    # barriers (their heartbeats stopped: they read no failure on the store): nobody to keep
+    # the store up for. Before, rank 0 waited its whole cap for them.
+    rank0 = LoadBarrier(store, 0, 3, "g", liveness_s=5.0, poll_s=3.0).start()
+    for r in (1, 2):
+        LoadBarrier(store, r, 3, "g", liveness_s=5.0).start().close()
+    t0 = time.monotonic()
+    rank0.fail(OSError("rank 0's checkpoint unreadable"))
+    assert time.monotonic() - t0 < 2.0
+    assert store.add("sailor/loaded/g/ended", 0) == 3
+
+
+def test_rank_0_does_not_keep_its_store_up_for_a_rank_its_watchers_found_dead() -> None:
+    store = _store()
+    # rank 0's linger is capped at two of its polls (6 s); rank 2 is killed without a word
+    # (it never counts itself out) and its watchers find it dead: that verdict counts it
+    # out. Before, rank 0 waited its whole cap for it.
+    rank0 = LoadBarrier(store, 0, 3, "g", liveness_s=2.0, poll_s=3.0).start()
+    rank1 = LoadBarrier(store, 1, 3, "g", liveness_s=2.0, poll_s=0.01).start()
+    _kill(LoadBarrier(store, 2, 3, "g", liveness_s=2.0).start())
+    try:
+        with pytest.raises(PeerFailedError, match=r"rank 2 .*no heartbeat") as got, rank1.loading():
+            pass  # rank 1 waits, reads rank 2's death, counts itself out
+        t0 = time.monotonic()
+        rank0.fail(got.value)  # rank 0's handler, with the same failure
+        assert time.monotonic() - t0 < 2.0
+        assert store.add("sailor/loaded/g/ended", 0) == 3  # rank 2 counted once
+    finally:
+        rank0.close()
+
+
+_HUNG_STORE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore(
+    "127.0.0.1", int(sys.argv[1]), 1, True, timedelta(seconds=60), wait_for_workers=False
+)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def _store_process() -> Iterator[tuple[subprocess.Popen[bytes], dist.TCPStore]]:
+    """A store served by a process of its own (rank 0's), which the test can stop (SIGSTOP:
+    a hung store, neither answering nor closing its sockets), and a client of it whose
+    calls wait 10 s for an answer."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_STORE, str(port)], stdout=subprocess.PIPE
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline() == b"up\n"
+        client = dist.TCPStore(
+            "127.0.0.1", port, 1, False, timedelta(seconds=10), wait_for_workers=False
+        )
+        yield server, client
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_the_handlers_lookup_of_a_peers_failure_is_bounded_on_a_hung_store() -> None:
+    from sailor.megatron_patch.load_barrier import STORE_WAIT_S
+
+    with _store_process() as (server, client):
+        rank1 = LoadBarrier(client, 1, 2, "g", liveness_s=30.0).start()
+        time.sleep(0.2)
+        server.send_signal(signal.SIGSTOP)  # rank 0's process stopped: its store hangs
+        try:
+            gloo = RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+            # the worker's handler looks for a peer's failure before it writes its record:
+            # the record waits STORE_WAIT_S at most (before, the c10d client's add waited on
+            # a stopped server for good, its timeout notwithstanding)
+            assert _returns_within(STORE_WAIT_S + 1.0, lambda: rank1.peer_cause(gloo)) == [gloo]
+        finally:
+            server.send_signal(signal.SIGCONT)
+        rank1.close()
+
+
+def _returns_within(bound_s: float, call: Callable[[], object]) -> list[object]:
+    """``[call()]`` if it returned within ``bound_s`` (run on a daemon thread: a call that
+    hangs fails the test rather than holding it), else ``[]``."""
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(call()), daemon=True)
+    t.start()
+    t.join(bound_s)
+    return got
+
+
+def test_closing_the_barrier_on_a_hung_store_is_bounded_and_its_mark_lands_later() -> None:
+    from sailor.megatron_patch.load_barrier import STORE_WAIT_S
+
+    with _store_process() as (server, client):
+        # (a world of one: nobody to watch; it beats every 0.2 s)
+        rank = LoadBarrier(client, 0, 1, "g", liveness_s=1.0).start()
+        deadline = time.monotonic() + 5.0
+        while not client.check(["sailor/loaded/g/beat/0"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.send_signal(signal.SIGSTOP)  # the store's process stopped: its store hangs
+        try:
+            time.sleep(0.5)  # a beat waits for the store's answer on the heartbeat's connection
+            # its load done, training begins: the closed mark does not hold it (before, the
+            # mark went on that connection behind the beat, which waited for good whatever
+            # the client's timeout, and close then waited for the heartbeat thread 5 s)
+            assert _returns_within(STORE_WAIT_S + 1.0, rank.close) == [None]
+            heartbeat = rank._thread
+            assert heartbeat is not None and heartbeat.daemon  # never holds the exit
+        finally:
+            server.send_signal(signal.SIGCONT)
+        # the store answers again: the closed mark and the count-out land, the thread ends
+        heartbeat.join(timeout=10.0)
+        assert not heartbeat.is_alive()
+        assert client.check(["sailor/loaded/g/closed/0"])
+        assert client.add("sailor/loaded/g/ended", 0) == 1
