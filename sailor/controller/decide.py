@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import bad_marks, failing_nodes, periodic, runtime_admission
+from sailor.controller import bad_marks, drop_steps, failing_nodes, periodic, runtime_admission
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
@@ -294,7 +294,8 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
         o = replace(o, excluded=out)
     if d.phase is Phase.TEARDOWN:  # it aborts every busy node itself
         return teardown(d, o, config)
-    return [*_phase(d, o, config), *clear_stale(d, o, config)]
+    # the saves a transition gives up on, remembered in the states written (``drop_steps``)
+    return [*drop_steps.track(d, o, config, _phase(d, o, config)), *clear_stale(d, o, config)]
 
 
 def _phase(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

@@ -394,7 +394,7 @@ class Executor:
                     directory=rec.directory,
                     dropped=list(a.drop),
                     periodic=a.periodic,
-                    kept=None if a.kept is None else list(a.kept),
+                    drop_steps=None if a.drop_steps is None else list(a.drop_steps),
                 )
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(
