@@ -71,9 +71,7 @@ def decide_unrecorded(
     up on), other than ``committed_step`` and at or above ``below_step`` (below it,
     ``gc.apply_prune`` deletes them already; -1: none)."""
     drop = set(drop_steps)
-    return sorted(
-        s for s in seen if s in drop and s != committed_step and s >= max(below_step, 0)
-    )
+    return sorted(s for s in seen if s in drop and s != committed_step and s >= max(below_step, 0))
 
 
 def apply_unrecorded(

@@ -8,14 +8,15 @@ RUNNING job is asked to save through the protocol of a reconfiguration's checkpo
 the stop:
 
 - requested (:func:`periodic`): a ``Checkpoint`` of step S to every node of the layout, with
-  the retention's ``prune_below`` and the saves the controller gave up on (``drop_steps``:
-  the committer deletes those it finds committed, ``controller/drop_steps.py``); S is ahead of every node's reported
-  step by the steps the iteration time makes of ``_REQUEST_LEAD_S`` (at least
-  ``stop_ahead_steps``), so the request reaches every node before its ranks get there. The
-  workers agree on the save step at each iteration boundary (``megatron_patch/control.py``: a
-  MAX all-reduce of the requested step), so a request that reaches one node late still has
-  every rank save the same step, the first boundary at or after S that some rank knew of it;
-  the step they report is the step committed. They save and train on (no stop step is asked);
+  the retention's ``prune_below`` and the saves the controller gave up on (``drop_steps``: the
+  committer deletes those it finds committed, ``controller/drop_steps.py``); S is ahead of
+  every node's reported step by the steps the iteration time makes of ``_REQUEST_LEAD_S`` (at
+  least ``stop_ahead_steps``), so the request reaches every node before its ranks get there.
+  The workers agree on the save step at each iteration boundary
+  (``megatron_patch/control.py``: a MAX all-reduce of the requested step), so a request that
+  reaches one node late still has every rank save the same step, the first boundary at or
+  after S that some rank knew of it; the step they report is the step committed. They save and
+  train on (no stop step is asked);
 - committed (:func:`committed`): once every node reports it durable (``saved_step``), a
   ``CommitRecord`` as at a reconfiguration, under the directory the save was asked to
   (``PeriodicCheckpoint.directory``, whichever leader records it), the records below the

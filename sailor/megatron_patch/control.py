@@ -1,20 +1,20 @@
 """The agent's control file, read by every rank and agreed on at each iteration boundary.
 
 The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR, "prune_below": P,
-"save_optional": B, "drop_steps": K}`` atomically into one control file per node (the protocol of
-``sailor.agent.supervisor``); a rank re-reads it at every iteration boundary. Nodes see
+"save_optional": B, "drop_steps": K}`` atomically into one control file per node (the protocol
+of ``sailor.agent.supervisor``); a rank re-reads it at every iteration boundary. Nodes see
 their file change at different moments, so a rank must never act on its own copy alone: one
 rank stopping at step 10 while a rank on another node goes on to step 11 would leave the
-latter waiting in a collective until the timeout. Hence :func:`agree`: one all-reduce (MAX)
-of ``(stop_at_step, save_step, prune_below, required save step)`` over the world at every
+latter waiting in a collective until the timeout. Hence :func:`agree`: one all-reduce (MAX) of
+``(stop_at_step, save_step, prune_below, required save step)`` over the world at every
 boundary, so every rank takes the same decision at the same boundary. The save directory, a
-string, and the steps of saves the controller gave up on (``drop_steps``, a list) are
-gathered only on the rare boundary where a new save is agreed (:func:`agree_target`). In the engine's
-training loop the all-reduce rides on the iteration's one host wait: issued beside the
-step's agreement (:func:`start_agree`), read with it (:func:`read_agreed`), so the boundary
-after the iteration acts on a request read during it, before its optimizer step, and waits
-for nothing (``Trainer.control_source``; ``boundary.Boundary`` takes it). The first boundary
-and the hold's polls agree at the boundary itself.
+string, and the steps of saves the controller gave up on (``drop_steps``, a list) are gathered
+only on the rare boundary where a new save is agreed (:func:`agree_target`). In the engine's
+training loop the all-reduce rides on the iteration's one host wait: issued beside the step's
+agreement (:func:`start_agree`), read with it (:func:`read_agreed`), so the boundary after the
+iteration acts on a request read during it, before its optimizer step, and waits for nothing
+(``Trainer.control_source``; ``boundary.Boundary`` takes it). The first boundary and the
+hold's polls agree at the boundary itself.
 
 A stop step the ranks learn of only after they passed it means "stop now" (the controller
 picks the stop step a few steps ahead of the reported progress, but reports lag); a save is
