@@ -16,6 +16,7 @@ import pytest
 
 from sailor.controller.audit import read_records
 from sailor.controller.phases import PhaseDeadlines
+from sailor.controller.status import read_status
 from sailor.coordination import connect_etcd
 from sailor.localservers import ADMIN
 from sailor.schemas.runtime import AgentStatus, CommitRecord, Phase
@@ -149,6 +150,8 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     await until(lambda: cluster.controllers["c2"][0].leadership is not None, 15, "c2 leads")
     ctl = cluster.controllers["c2"][0]
     assert ctl.desired is not None and ctl.desired.drop_steps == (s2,)
+    snap = await read_status(cluster.etcd, cluster.job, cluster.security("c2"))
+    assert snap["given_up_checkpoints"] == [s2]  # what `sailor status --json` shows
     # past S2 (a save of S2 itself would replace it): S3 > S2 > S1 = prune_below
     await cluster.wait_step(ctl, sorted(ctl.desired.placement), s2 + 1, 30)
     (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
@@ -160,6 +163,8 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
     commits = [(r["step"], r["drop_steps"]) for r in recs if r["kind"] == "commit"]
     assert commits == [(s1, []), (s3, [s2])], commits
+    gave_up = [r for r in recs if r["kind"] == "phase" and r.get("drop_steps")]
+    assert gave_up and all(r["drop_steps"] == [s2] for r in gave_up)
     assert ctl.desired.drop_steps == ()
     await cluster.audit()
 
