@@ -482,7 +482,7 @@ class Checkpointer:
         seen_error = ""
         if drop_steps and self.rank == self.committer_rank:
             try:
-                seen = committed_markers(self.storage, but=globals_.step)
+                seen = committed_markers(self.storage, but=globals_.step, only=drop_steps)
             except (OSError, CheckpointError) as exc:
                 seen_error = f"listing the commits before the save: {type(exc).__name__}: {exc}"
         if mine and not self._cancelled.is_set():

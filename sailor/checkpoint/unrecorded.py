@@ -46,13 +46,17 @@ from sailor.checkpoint.storage import Storage
 __all__ = ["apply_unrecorded", "committed_markers", "decide_unrecorded"]
 
 
-def committed_markers(storage: Storage, *, but: int = -1) -> dict[int, bytes]:
+def committed_markers(
+    storage: Storage, *, but: int = -1, only: Collection[int] | None = None
+) -> dict[int, bytes]:
     """Step -> the bytes of its commit marker, for every step directory holding one (except
-    ``but``: the step being saved)."""
+    ``but``: the step being saved; of the steps in ``only`` when given: a save's
+    ``drop_steps``, so a directory of many steps costs one listing and a read per step
+    listed)."""
     out: dict[int, bytes] = {}
     for name in storage.listdir(""):
         step = parse_step_dir(name)
-        if step is None or step == but:
+        if step is None or step == but or (only is not None and step not in only):
             continue
         marker = f"{name}/{MARKER}"
         if storage.exists(marker):

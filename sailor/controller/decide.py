@@ -11,10 +11,11 @@ across passes it keeps in the desired state it writes: which checkpoints could n
 (``bad_checkpoints``), or were not read by some nodes (``suspect_checkpoint``: its rule in
 ``controller/suspect_checkpoint.py``), and which nodes keep failing, or whether the job does
 (``node_health``, ``job_health``: their rules in ``controller/node_health.py``, what a pass
-makes of them in ``controller/failing_nodes.py``). An operator's request to forget those
-records (``sailor node readmit``), or to clear checkpoint marks once the storage is
-repaired (``sailor checkpoint clear-bad``: ``controller/bad_marks.py``), is part of the
-observed state, and deleted once applied.
+makes of them in ``controller/failing_nodes.py``), and which saves it gave up on, for the
+next save's committer to delete (``drop_steps``: ``controller/drop_steps.py``). An
+operator's request to forget those records (``sailor node readmit``), or to clear checkpoint
+marks once the storage is repaired (``sailor checkpoint clear-bad``:
+``controller/bad_marks.py``), is part of the observed state, and deleted once applied.
 
 This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes of
 another NCCL version than the job's, ``controller/runtime_admission.py``), the pass's order (expired
