@@ -152,7 +152,7 @@ class AgentCommands:
             await self.supervisor.stop_at(cmd.at_step)
         elif isinstance(cmd, Checkpoint):
             await self.supervisor.save_at(
-                cmd.step, cmd.directory, cmd.prune_below, cmd.periodic, cmd.keep_steps
+                cmd.step, cmd.directory, cmd.prune_below, cmd.periodic, cmd.drop_steps
             )
         if isinstance(cmd, Abort):
             # acked once the signals are sent (a hold: once the workers held or the grace

@@ -551,18 +551,19 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         directory: str,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> None:
         """Save ``step`` under ``directory``; once it commits, delete the checkpoints below
-        ``prune_below`` there (-1: none), and the other commits at or above it not in
-        ``keep_steps`` (the steps the controller recorded; None: none of those).
+        ``prune_below`` there (-1: none), and those of ``drop_steps`` (the steps of saves
+        the controller gave up on; None: none) at or above it that were committed when the
+        save began.
         ``optional`` (a periodic checkpoint's): a failure the workers report
         (``save_failed``) and train on, not fail for."""
         self._control_state["save_step"] = step
         self._control_state["save_dir"] = directory
         self._control_state["prune_below"] = prune_below
         self._control_state["save_optional"] = optional
-        self._control_state["keep_steps"] = None if keep_steps is None else list(keep_steps)
+        self._control_state["drop_steps"] = None if drop_steps is None else list(drop_steps)
         await self._write_control()
 
     async def restore_killed(self) -> None:

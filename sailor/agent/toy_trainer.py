@@ -9,12 +9,12 @@ Protocol (shared with the real worker's adapter):
 - stdout: one JSON object per line: ``{"event": "ready"}``, ``{"event": "step", "step",
   "loss"}``, ``{"event": "saved", "step"}``, ``{"event": "stopped", "step"}``;
 - ``--control FILE``: JSON ``{"stop_at_step": S, "save_step": S, "save_dir": DIR,
-  "prune_below": P, "save_optional": B, "keep_steps": K}``, re-read at every iteration
+  "prune_below": P, "save_optional": B, "drop_steps": K}``, re-read at every iteration
   boundary (written atomically by the agent); once a save commits, rank 0 deletes the step
-  directories below ``P``, and (K a list: the steps the controller recorded) every other step
-  at or above ``P`` that was committed when its save began and is not in K, its ``COMMIT``
-  still the one it saw (``checkpoint/unrecorded.py``'s rule), naming them in its ``saved``
-  line (``"deleted"``). The toy's ranks share no collective to agree a later step on, so each
+  directories below ``P``, and (K a list: the steps of saves the controller gave up on) every
+  step of K at or above ``P`` that was committed when its save began, its ``COMMIT`` still
+  the one it saw (``checkpoint/unrecorded.py``'s rule), naming them in its ``saved`` line
+  (``"deleted"``). The toy's ranks share no collective to agree a later step on, so each
   saves at exactly ``S``; an optional save (the controller's periodic checkpoint) that a rank
   learns of only after it passed ``S`` is a save it missed: it leaves a ``rank-R.missed``
   marker in the step's directory and prints ``{"event": "save_failed", "step", "error"}``, and
@@ -105,12 +105,12 @@ def _save(
     prune_below: int,
     optional: bool = False,
     attempt: str = "",
-    keep_steps: list[int] | None = None,
+    drop_steps: list[int] | None = None,
 ) -> list[int]:
     """This rank's part of the save of ``step``; on rank 0 the commit and retention, and
     the steps retention deleted as unrecorded."""
     d = _ckpt_dir(root, step)
-    seen = _commits(root, but=step) if rank == 0 and keep_steps is not None else {}
+    seen = _commits(root, but=step) if rank == 0 and drop_steps else {}
     if rank == 0:
         # Markers of an earlier attempt at this step (a later generation saving it again
         # under the same root) are not this one's: without this, it was given up at once.
@@ -133,7 +133,7 @@ def _save(
             _write_atomic(d / "COMMIT", str(step))
             below = min(prune_below, step)
             _prune(root, below)
-            return _prune_unrecorded(root, seen, keep_steps or [], step, below)
+            return _prune_unrecorded(root, seen, drop_steps or [], step, below)
         time.sleep(0.01)
     why = f"not every rank saved step {step} within {timeout}s"
     raise _SaveGivenUpError(why) if optional else TimeoutError(why)
@@ -196,14 +196,15 @@ def _commits(root: str, but: int) -> dict[int, str]:
 
 
 def _prune_unrecorded(
-    root: str, seen: dict[int, str], keep: list[int], step: int, below: int
+    root: str, seen: dict[int, str], drop: list[int], step: int, below: int
 ) -> list[int]:
-    """The committer's deletion of commits nobody recorded (``checkpoint/unrecorded.py``):
-    those in ``seen`` (committed when the save began) at or above ``below``, other than
-    ``step`` and not in ``keep``, whose marker has not changed since."""
+    """The committer's deletion of the saves the controller gave up on
+    (``checkpoint/unrecorded.py``): the steps of ``drop`` in ``seen`` (committed when the
+    save began) at or above ``below``, other than ``step``, whose marker has not changed
+    since."""
     gone = []
     for s in sorted(seen):
-        if s == step or s in keep or s < max(below, 0):
+        if s == step or s not in drop or s < max(below, 0):
             continue
         d = _ckpt_dir(root, s)
         try:
@@ -356,8 +357,8 @@ def _maybe_save(
     if not isinstance(save, int) or isinstance(save, bool) or save < 0 or not root:
         return
     optional = ctl.get("save_optional") is True
-    keep = ctl.get("keep_steps")
-    keep_steps = [int(k) for k in keep if isinstance(k, int)] if isinstance(keep, list) else None
+    drop = ctl.get("drop_steps")
+    drop_steps = [int(k) for k in drop if isinstance(k, int)] if isinstance(drop, list) else None
     if save in seen or save > step or (save < step and not optional):
         return
     seen.add(save)
@@ -374,7 +375,7 @@ def _maybe_save(
             prune_below=prune if isinstance(prune, int) else -1,
             optional=optional,
             attempt=_attempt(a),
-            keep_steps=keep_steps,
+            drop_steps=drop_steps,
         )
     except _SaveGivenUpError as exc:
         _emit({"event": "save_failed", "rank": a.rank, "step": save, "error": str(exc)})

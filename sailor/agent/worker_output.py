@@ -122,7 +122,7 @@ class WorkerOutput:
                 w.timings.add(msg)
         elif ev == "saved":
             w.saved_step = int(msg.get("step", w.saved_step))
-            if msg.get("deleted"):  # the committer's commits nobody recorded (keep_steps)
+            if msg.get("deleted"):  # saves the controller gave up on, deleted (drop_steps)
                 _log.info(
                     "checkpoint_unrecorded_deleted", step=w.saved_step, deleted=msg["deleted"]
                 )

@@ -110,8 +110,8 @@ class SaveResult:
     (``ReadBack.unchecked``: none fit in the read-back's budget; their sizes were). The
     commit still counts as read back: reported, not blocking retention."""
     unrecorded_deleted: tuple[int, ...] = ()
-    """Committer only: committed steps the controller never recorded (not in the save's
-    ``keep_steps``) that retention deleted (``unrecorded.apply_unrecorded``)."""
+    """Committer only: committed steps of saves the controller gave up on (the save's
+    ``drop_steps``) that retention deleted (``unrecorded.apply_unrecorded``)."""
 
 
 class Checkpointer:
@@ -165,15 +165,15 @@ class Checkpointer:
         save_id: str | None = None,
         prune_below: int = -1,
         owned: bool = False,
-        keep_steps: Sequence[int] | None = None,
+        drop_steps: Sequence[int] | None = None,
     ) -> float:
         """Snapshot now, persist in the background; returns the snapshot (stall) seconds.
         ``prune_below`` >= 0: after the commit, the committer also deletes every step
         directory below that step (``gc.apply_prune``; the caller knows which older
-        checkpoints are still needed). ``keep_steps`` (the steps the controller recorded
-        and keeps; None: no such rule): after the commit, the committer also deletes every
-        other step at or above ``prune_below`` that was committed when this save began and
-        is not among them (``unrecorded``: a commit nobody recorded). ``owned``: ``params``
+        checkpoints are still needed). ``drop_steps`` (the steps of saves the controller
+        gave up on; None: no such rule): after the commit, the committer also deletes those
+        of them at or above ``prune_below`` that were committed when this save began
+        (``unrecorded``: a commit nobody recorded). ``owned``: ``params``
         are host copies made for this save and handed over (the caller neither reads nor
         writes them after; e.g. the copies :meth:`lend_copies` lent, filled): the snapshot
         keeps them as they are instead of copying them again (at TP 1; a tensor on a device
@@ -201,9 +201,9 @@ class Checkpointer:
             return self._abandon(failure, t0)
         self._spare = mine if self.reuse_buffers else {}
         snapshot_s = time.perf_counter() - t0
-        keep = None if keep_steps is None else tuple(sorted(set(keep_steps)))
+        drop = None if drop_steps is None else tuple(sorted(set(drop_steps)))
         self._pending = self._pool.submit(
-            self._persist, mine, globals_, sid, snapshot_s, prune_below, keep
+            self._persist, mine, globals_, sid, snapshot_s, prune_below, drop
         )
         return snapshot_s
 
@@ -471,7 +471,7 @@ class Checkpointer:
         save_id: str,
         snapshot_s: float,
         prune_below: int = -1,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> SaveResult:
         t0 = time.perf_counter()
         nbytes = 0
@@ -480,9 +480,9 @@ class Checkpointer:
         # later generation commits is never among them, however late this committer runs).
         seen: dict[int, bytes] | None = None
         seen_error = ""
-        if keep_steps is not None and self.rank == self.committer_rank:
+        if drop_steps and self.rank == self.committer_rank:
             try:
-                seen = committed_markers(self.storage, but=globals_.step)
+                seen = committed_markers(self.storage, but=globals_.step, only=drop_steps)
             except (OSError, CheckpointError) as exc:
                 seen_error = f"listing the commits before the save: {type(exc).__name__}: {exc}"
         if mine and not self._cancelled.is_set():
@@ -522,11 +522,11 @@ class Checkpointer:
                         below_step=min(prune_below, globals_.step),
                         committed_step=globals_.step,
                     )
-                if seen and keep_steps is not None and not readback_error:
+                if seen and drop_steps and not readback_error:
                     unrecorded = apply_unrecorded(
                         self.storage,
                         seen,
-                        keep_steps=keep_steps,
+                        drop_steps=drop_steps,
                         committed_step=globals_.step,
                         below_step=min(prune_below, globals_.step),
                         cancelled=self._cancelled.is_set,

@@ -307,13 +307,14 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
                     f"t={t:.3f}: the commit of step {step} deleted steps {sorted(dropped)}: "
                     "only older checkpoints may go"
                 )
-            kept = r.get("kept")  # the save's keep_steps (absent: an older controller's)
-            steps = {s for s in kept if isinstance(s, int)} if isinstance(kept, list) else None
-            if steps is not None and (missing := recorded - steps):
+            # the save's drop_steps (absent or null: an older controller's, or none asked)
+            asked = r.get("drop_steps")
+            steps = {s for s in asked if isinstance(s, int)} if isinstance(asked, list) else set()
+            if bad := steps & (recorded | {step}):
                 rep.violations.append(
-                    f"t={t:.3f}: the save of step {step} was sent keep_steps {sorted(steps)} "
-                    f"without recorded step(s) {sorted(missing)}: its committer could delete "
-                    "a commit a launch loads"
+                    f"t={t:.3f}: the save of step {step} was sent drop_steps {sorted(steps)} "
+                    f"naming recorded step(s) {sorted(bad)}: its committer could delete a "
+                    "commit a launch loads"
                 )
             deleted |= dropped
             recorded = (recorded | {step}) - dropped

@@ -5,8 +5,9 @@ layout for the agreed stop step, a later notice tightening the deadline, the nex
 asked for meanwhile. COMMIT (``committing``): the saved step recorded (a bad mark of that
 step, on files now replaced, cleared), and the records of the steps its committer deleted
 forgotten. Both follow the retention rule ``prune_below``: the
-oldest recorded step a new save leaves in place; and each Checkpoint names every recorded
-step (``keep_steps``), so its committer deletes the commits nobody recorded.
+oldest recorded step a new save leaves in place; and each Checkpoint names the saves the
+controller gave up on (``drop_steps``, ``controller/drop_steps.py``), so its committer
+deletes those that committed anyway.
 
 Pure: no I/O, no clock, no module-level state.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from sailor.controller import drop_steps
 from sailor.controller.aborts import abort, unhealthy
 from sailor.controller.decision_types import (
     Action,
@@ -34,7 +36,6 @@ from sailor.schemas.runtime import AgentStatus, CommitRecord, DesiredState, Phas
 
 __all__ = [
     "committing",
-    "keep_steps",
     "prune_below",
     "quiesce_like",
 ]
@@ -78,7 +79,7 @@ def quiesce_like(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action
                 step=d.stop_step,
                 directory=cfg.checkpoint_dir,
                 prune_below=min(_prune_below(d, o, cfg), d.stop_step),
-                keep_steps=keep_steps(o.commits, cfg.keep_checkpoints),
+                drop_steps=drop_steps.for_checkpoint(d, o, cfg, d.stop_step),
             )
             actions.append(Send(ckpt))
     actions += replan_if_needed(d, o, d.cause, cfg)
@@ -150,23 +151,6 @@ def prune_below(
     return below
 
 
-def keep_steps(commits: Sequence[CommitRecord], keep: int | None) -> tuple[int, ...] | None:
-    """The ``Checkpoint.keep_steps`` of a save: the step of every commit recorded, under
-    any directory (a record of an earlier directory at a step that exists here too only
-    keeps that step here a while longer); None with ``keep`` None (the operator keeps
-    everything: no commit is deleted for being unrecorded either).
-
-    Its committer deletes every other step at or above the save's ``prune_below`` that was
-    committed when the save began (``checkpoint/unrecorded.py``): commits no leader
-    recorded, which no launch loads (an aborted CHECKPOINT's, a periodic save abandoned
-    that committed late). A step recorded only after this is computed is this save's own
-    (the only save in flight a leader records) or a later save's, committed after this
-    one began: neither is deleted."""
-    if keep is None:
-        return None
-    return tuple(sorted({c.step for c in commits}))
-
-
 def _prune_below(d: DesiredState, o: Observed, cfg: DecideConfig) -> int:
     """:func:`prune_below` of the controller's directory, its retention and the desired
     state's unreadable checkpoints: what the next save's committer may delete below."""
@@ -192,7 +176,9 @@ def committing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     # make every later abort skip this commit and fall back below it.
     bad = tuple(s for s in d.bad_checkpoints if s != d.stop_step)
     nxt = move_to(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step, bad_checkpoints=bad)
-    # the save's keep_steps: the records have not changed since its Checkpoint was sent
-    # (only the leader writes them, and none in QUIESCE and CHECKPOINT)
-    kept = keep_steps(o.commits, cfg.keep_checkpoints)
-    return [Commit(record, drop, kept=kept), SetDesired(nxt, f"committed step {d.stop_step}")]
+    # the save's drop_steps: neither the records nor the steps given up on have changed
+    # since its Checkpoint was sent (only the leader writes them, and none in QUIESCE and
+    # CHECKPOINT); the commit empties the list (``drop_steps.track``)
+    asked = drop_steps.for_checkpoint(d, o, cfg, d.stop_step)
+    commit = Commit(record, drop, drop_steps=asked)
+    return [commit, SetDesired(nxt, f"committed step {d.stop_step}")]

@@ -11,10 +11,11 @@ across passes it keeps in the desired state it writes: which checkpoints could n
 (``bad_checkpoints``), or were not read by some nodes (``suspect_checkpoint``: its rule in
 ``controller/suspect_checkpoint.py``), and which nodes keep failing, or whether the job does
 (``node_health``, ``job_health``: their rules in ``controller/node_health.py``, what a pass
-makes of them in ``controller/failing_nodes.py``). An operator's request to forget those
-records (``sailor node readmit``), or to clear checkpoint marks once the storage is
-repaired (``sailor checkpoint clear-bad``: ``controller/bad_marks.py``), is part of the
-observed state, and deleted once applied.
+makes of them in ``controller/failing_nodes.py``), and which saves it gave up on, for the
+next save's committer to delete (``drop_steps``: ``controller/drop_steps.py``). An
+operator's request to forget those records (``sailor node readmit``), or to clear checkpoint
+marks once the storage is repaired (``sailor checkpoint clear-bad``:
+``controller/bad_marks.py``), is part of the observed state, and deleted once applied.
 
 This module holds the entry points (``decide``, ``unusable``, ``not_admitted``: nodes the
 planner cannot use, ``controller/plannable.py``, or of another NCCL version than the job's,
@@ -31,7 +32,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sailor.controller import bad_marks, failing_nodes, periodic, plannable, runtime_admission
+from sailor.controller import (
+    bad_marks,
+    drop_steps,
+    failing_nodes,
+    periodic,
+    plannable,
+    runtime_admission,
+)
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
 from sailor.controller.decision_types import (
@@ -310,7 +318,8 @@ def decide(desired: DesiredState, observed: Observed, config: DecideConfig) -> l
         o = replace(o, excluded=out)
     if d.phase is Phase.TEARDOWN:  # it aborts every busy node itself
         return teardown(d, o, config)
-    return [*_phase(d, o, config), *clear_stale(d, o, config)]
+    # the saves a transition gives up on, remembered in the states written (``drop_steps``)
+    return [*drop_steps.track(d, o, config, _phase(d, o, config)), *clear_stale(d, o, config)]
 
 
 def _phase(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

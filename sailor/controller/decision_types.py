@@ -261,10 +261,10 @@ class Commit:
     drop: tuple[int, ...] = ()
     periodic: bool = False
     """A periodic checkpoint's (``controller/periodic.py``), not a reconfiguration's."""
-    kept: tuple[int, ...] | None = None
-    """The save's ``Checkpoint.keep_steps`` (``checkpointing.keep_steps``: every recorded
-    step; its committer deleted the other commits it found, nobody's records); None: no
-    such deletion was asked (``keep_checkpoints`` null)."""
+    drop_steps: tuple[int, ...] | None = None
+    """The save's ``Checkpoint.drop_steps`` (``drop_steps.for_checkpoint``: the saves given
+    up on; its committer deleted those it found committed); None: no such deletion was
+    asked (``keep_checkpoints`` null)."""
 
 
 @dataclass(frozen=True)

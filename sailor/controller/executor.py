@@ -231,6 +231,7 @@ class Executor:
             "launch_waited",
             "in_place_reads",
             "forgiven_nodes",
+            "drop_steps",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
@@ -286,6 +287,8 @@ class Executor:
         extra: dict[str, Any] = {}
         if state.bad_checkpoints:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
+        if state.drop_steps:  # saves given up on: the next save's committer deletes them
+            extra["drop_steps"] = list(state.drop_steps)
         if state.deadline_stretch:  # LOAD or VERIFY deadlines stretched after a stall
             extra["deadline_stretch"] = dict(state.deadline_stretch)
         if state.suspect_checkpoint.step >= 0:  # loaded again without the nodes that failed
@@ -394,7 +397,7 @@ class Executor:
                     directory=rec.directory,
                     dropped=list(a.drop),
                     periodic=a.periodic,
-                    kept=None if a.kept is None else list(a.kept),
+                    drop_steps=None if a.drop_steps is None else list(a.drop_steps),
                 )
             elif isinstance(a, ClearNotice):
                 await self.store.delete_guarded(

@@ -8,14 +8,15 @@ RUNNING job is asked to save through the protocol of a reconfiguration's checkpo
 the stop:
 
 - requested (:func:`periodic`): a ``Checkpoint`` of step S to every node of the layout, with
-  the retention's ``prune_below`` and every recorded step (``keep_steps``: the committer
-  deletes the other commits it finds, nobody's records); S is ahead of every node's reported
-  step by the steps the iteration time makes of ``_REQUEST_LEAD_S`` (at least
-  ``stop_ahead_steps``), so the request reaches every node before its ranks get there. The
-  workers agree on the save step at each iteration boundary (``megatron_patch/control.py``: a
-  MAX all-reduce of the requested step), so a request that reaches one node late still has
-  every rank save the same step, the first boundary at or after S that some rank knew of it;
-  the step they report is the step committed. They save and train on (no stop step is asked);
+  the retention's ``prune_below`` and the saves the controller gave up on (``drop_steps``: the
+  committer deletes those it finds committed, ``controller/drop_steps.py``); S is ahead of
+  every node's reported step by the steps the iteration time makes of ``_REQUEST_LEAD_S`` (at
+  least ``stop_ahead_steps``), so the request reaches every node before its ranks get there.
+  The workers agree on the save step at each iteration boundary
+  (``megatron_patch/control.py``: a MAX all-reduce of the requested step), so a request that
+  reaches one node late still has every rank save the same step, the first boundary at or
+  after S that some rank knew of it; the step they report is the step committed. They save and
+  train on (no stop step is asked);
 - committed (:func:`committed`): once every node reports it durable (``saved_step``), a
   ``CommitRecord`` as at a reconfiguration, under the directory the save was asked to
   (``PeriodicCheckpoint.directory``, whichever leader records it), the records below the
@@ -62,7 +63,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from sailor.controller.checkpointing import keep_steps, prune_below
+from sailor.controller import drop_steps
+from sailor.controller.checkpointing import prune_below
 from sailor.controller.decision_types import (
     Action,
     Commit,
@@ -153,7 +155,7 @@ def _sends(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             directory=p.directory,
             prune_below=below,
             periodic=True,
-            keep_steps=keep_steps(o.commits, cfg.keep_checkpoints),
+            drop_steps=drop_steps.for_checkpoint(d, o, cfg, p.step),
         )
         out.append(Send(cmd))
     return out
@@ -202,9 +204,12 @@ def committed(
     )
     why = f"periodic checkpoint of step {saved} committed"
     actions: list[Action] = [
-        # the records are those the request's keep_steps named: none is written while it
-        # is in flight (a reconfiguration drops it; a new leader re-sends it with its own)
-        Commit(record, drop, periodic=True, kept=keep_steps(o.commits, cfg.keep_checkpoints)),
+        # the request's drop_steps: neither the records nor the steps given up on change
+        # while it is in flight (a reconfiguration drops it; a new leader re-sends it with
+        # the same); the commit empties the list (``drop_steps.track``)
+        Commit(
+            record, drop, periodic=True, drop_steps=drop_steps.for_checkpoint(d, o, cfg, p.step)
+        ),
         PeriodicOutcome("committed", saved, d.generation, f"asked for step {p.step}"),
         SetDesired(nxt, why),
     ]

@@ -165,6 +165,7 @@ async def read_status(
         "admission_precision": precision,
         "last_checkpoint": last,
         "bad_checkpoints": list(d.bad_checkpoints) if d else [],
+        "given_up_checkpoints": list(d.drop_steps) if d else [],
         "suspect_checkpoint": d.suspect_checkpoint.step if d else -1,
         "calibration_version": _calibration_version(calib.value) if calib else None,
         "event_stream": _event_stream(stream_kv.value, now) if stream_kv else None,

@@ -368,7 +368,7 @@ class Boundary(Generic[_T]):
         elif req.save_step in self.saved_requests or tr.step < req.save_step:
             return
         self.saved_requests.add(req.save_step)
-        root, keep_steps = agree_target(req)
+        root, drop_steps = agree_target(req)
         if self.ckpt is None:
             raise RuntimeError(
                 f"save of step {tr.step} requested (save_dir={root!r}), but this trainer runs "
@@ -382,7 +382,7 @@ class Boundary(Generic[_T]):
         # ranks, not let them stop with nothing saved at the step.
         optional = req.save_optional and not holding
         self.ckpt.save(
-            tr, root, prune_below=req.prune_below, optional=optional, keep_steps=keep_steps
+            tr, root, prune_below=req.prune_below, optional=optional, drop_steps=drop_steps
         )
         # A save that failed in its snapshot (here or on a peer: ``ckpt.save`` raises
         # neither) is raised by every rank now (an optional one reported), before the next

@@ -28,7 +28,7 @@ class SaveIO(Protocol[_T_contra]):
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         """Snapshot now (collective), persist in the background (``CheckpointIO.save``)."""
         ...
@@ -75,7 +75,7 @@ class CheckpointIO(SaveIO[Trainer], Protocol):
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         """Snapshot now (collective), persist in the background; returns the stall seconds.
         A failure on this rank (the snapshot, opening the storage) or on a peer does not
@@ -85,10 +85,10 @@ class CheckpointIO(SaveIO[Trainer], Protocol):
         ``keep``: committed checkpoints kept under ``root`` (older ones deleted after the
         commit); None: the implementation's default. ``prune_below`` >= 0: after the commit,
         every step below it is deleted (the controller's retention: it names the oldest
-        checkpoint it has recorded and still keeps). ``keep_steps`` (the steps the
-        controller recorded and keeps; None: no such rule): after the commit, the other
-        commits at or above ``prune_below`` that were there when the save began are deleted
-        too (commits nobody recorded). ``optional``: the caller drops the
+        checkpoint it has recorded and still keeps). ``drop_steps`` (the steps of
+        saves the controller gave up on; None: no such rule): after the commit, those of
+        them at or above ``prune_below`` that were committed when the save began are deleted
+        too. ``optional``: the caller drops the
         save if it fails (a periodic one): it is skipped, not taken, while this rank still
         writes an abandoned save (``CheckpointSaves``); a required save goes ahead."""
         ...

@@ -1,20 +1,20 @@
 """The agent's control file, read by every rank and agreed on at each iteration boundary.
 
 The agent writes ``{"stop_at_step": S, "save_step": S, "save_dir": DIR, "prune_below": P,
-"save_optional": B, "keep_steps": K}`` atomically into one control file per node (the protocol of
-``sailor.agent.supervisor``); a rank re-reads it at every iteration boundary. Nodes see
+"save_optional": B, "drop_steps": K}`` atomically into one control file per node (the protocol
+of ``sailor.agent.supervisor``); a rank re-reads it at every iteration boundary. Nodes see
 their file change at different moments, so a rank must never act on its own copy alone: one
 rank stopping at step 10 while a rank on another node goes on to step 11 would leave the
-latter waiting in a collective until the timeout. Hence :func:`agree`: one all-reduce (MAX)
-of ``(stop_at_step, save_step, prune_below, required save step)`` over the world at every
+latter waiting in a collective until the timeout. Hence :func:`agree`: one all-reduce (MAX) of
+``(stop_at_step, save_step, prune_below, required save step)`` over the world at every
 boundary, so every rank takes the same decision at the same boundary. The save directory, a
-string, and the recorded steps the controller keeps (``keep_steps``, a list) are gathered
+string, and the steps of saves the controller gave up on (``drop_steps``, a list) are gathered
 only on the rare boundary where a new save is agreed (:func:`agree_target`). In the engine's
-training loop the all-reduce rides on the iteration's one host wait: issued beside the
-step's agreement (:func:`start_agree`), read with it (:func:`read_agreed`), so the boundary
-after the iteration acts on a request read during it, before its optimizer step, and waits
-for nothing (``Trainer.control_source``; ``boundary.Boundary`` takes it). The first boundary
-and the hold's polls agree at the boundary itself.
+training loop the all-reduce rides on the iteration's one host wait: issued beside the step's
+agreement (:func:`start_agree`), read with it (:func:`read_agreed`), so the boundary after the
+iteration acts on a request read during it, before its optimizer step, and waits for nothing
+(``Trainer.control_source``; ``boundary.Boundary`` takes it). The first boundary and the
+hold's polls agree at the boundary itself.
 
 A stop step the ranks learn of only after they passed it means "stop now" (the controller
 picks the stop step a few steps ahead of the reported progress, but reports lag); a save is
@@ -51,7 +51,7 @@ __all__ = [
     "agree",
     "agree_save",
     "agree_target",
-    "merge_keep_steps",
+    "merge_drop_steps",
     "read_agreed",
     "read_control",
     "start_agree",
@@ -71,10 +71,13 @@ class ControlRequest:
     """After the save of ``save_step`` commits, delete every checkpoint below this step."""
     save_optional: bool = False
     """The controller's periodic save: its failure is reported and training goes on."""
-    keep_steps: tuple[int, ...] | None = None
-    """The steps the controller recorded and keeps (``Checkpoint.keep_steps``): after the
-    commit, the other commits at or above ``prune_below`` that were there when the save
-    began go; None: none of them (an older controller's request, or no request)."""
+    drop_steps: tuple[int, ...] | None = None
+    """The steps of saves the controller gave up on (``Checkpoint.drop_steps``): after the
+    commit, those of them at or above ``prune_below`` that were committed when the save
+    began go; None: none (an older controller's request, or no request)."""
+    drop_for: int = _NONE
+    """The save step of the request ``drop_steps`` came with (this rank's control file's
+    ``save_step``; the agreed request's ``save_step`` is the MAX over ranks)."""
 
     @property
     def wants_stop(self) -> bool:
@@ -108,13 +111,14 @@ def read_control(path: str | Path | None) -> ControlRequest:
         save_dir=save_dir if isinstance(save_dir, str) else "",
         prune_below=_int(data.get("prune_below")),
         save_optional=data.get("save_optional") is True,
-        keep_steps=_steps(data.get("keep_steps")),
+        drop_steps=_steps(data.get("drop_steps")),
+        drop_for=_int(data.get("save_step")),
     )
 
 
 def _steps(value: object) -> tuple[int, ...] | None:
-    """A list of steps (ints >= 0); None for anything else: no deletion of unrecorded
-    commits rather than one from a list misread."""
+    """A list of steps (ints >= 0); None for anything else: no deletion of abandoned
+    saves rather than one from a list misread."""
     if not isinstance(value, list):
         return None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
@@ -176,7 +180,8 @@ def read_agreed(local: ControlRequest, pending: torch.Tensor | None) -> ControlR
         save_dir=local.save_dir,
         prune_below=prune,
         save_optional=save >= 0 and required < 0,
-        keep_steps=local.keep_steps,
+        drop_steps=local.drop_steps,
+        drop_for=local.save_step,
     )
 
 
@@ -193,38 +198,43 @@ def agree_save(done: bool, failed: bool, device: torch.device) -> tuple[bool, bo
     return not pending, bad
 
 
-def merge_keep_steps(
-    known: list[tuple[str, tuple[int, ...] | None]],
+def merge_drop_steps(
+    known: list[tuple[str, int, tuple[int, ...] | None]], save_step: int
 ) -> tuple[int, ...] | None:
-    """The ``keep_steps`` of a save from each rank's ``(save_dir, keep_steps)``: the union
-    over the ranks that know a request (a save directory); None when none does, or one of
-    them has none (an older controller's request: no deletion of unrecorded commits). The
-    union keeps every step any rank was told to keep, so a node still holding an earlier
-    request (a periodic save's, beside a reconfiguration's) only keeps more. Pure."""
-    out: set[int] = set()
-    asked = False
-    for save_dir, keep in known:
-        if not save_dir:
+    """The ``drop_steps`` of the agreed save of ``save_step`` from each rank's
+    ``(save_dir, drop_for, drop_steps)``: the intersection over the ranks whose request is
+    that save's (a save directory, ``drop_for == save_step``); None when none is, or one of
+    them has none (an older controller's request: no deletion of abandoned saves).
+
+    Only the agreed request's lists, and only the steps all of them name: a rank still
+    holding an earlier request (a periodic save's, sent before the controller recorded a
+    save of one of its steps again) may name a step that is recorded now, which the agreed
+    request's list (computed after that record, without recorded steps) does not. A step
+    is deleted only if every list the save answers names it. Pure."""
+    out: set[int] | None = None
+    for save_dir, drop_for, drop in known:
+        if not save_dir or drop_for != save_step:
             continue
-        if keep is None:
+        if drop is None:
             return None
-        asked = True
-        out.update(keep)
-    return tuple(sorted(out)) if asked else None
+        out = set(drop) if out is None else out & set(drop)
+    return None if out is None else tuple(sorted(out))
 
 
 def agree_target(local: ControlRequest) -> tuple[str, tuple[int, ...] | None]:
-    """The save directory some rank knows (the first non-empty wins) and the save's
-    ``keep_steps`` (:func:`merge_keep_steps`): one object all-gather over the world, on the
-    boundary where a new save is agreed (all ranks call it)."""
-    mine = (local.save_dir, local.keep_steps)
+    """The save directory some rank knows (the first non-empty wins) and the agreed save's
+    ``drop_steps`` (:func:`merge_drop_steps` with ``local.save_step``, the agreed one): one
+    object all-gather over the world, on the boundary where a new save is agreed (all ranks
+    call it)."""
+    mine = (local.save_dir, local.drop_for, local.drop_steps)
     if _alone():
-        return local.save_dir, merge_keep_steps([mine])
+        return local.save_dir, merge_drop_steps([mine], local.save_step)
     got: list[object] = [None] * dist.get_world_size()
     comm.all_gather_object(got, mine)
-    known: list[tuple[str, tuple[int, ...] | None]] = []
+    known: list[tuple[str, int, tuple[int, ...] | None]] = []
     for g in got:
-        if isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str):
-            known.append((g[0], g[1] if isinstance(g[1], tuple) else None))
-    root = next((d for d, _ in known if d), "")
-    return root, merge_keep_steps(known)
+        if isinstance(g, tuple) and len(g) == 3 and isinstance(g[0], str):
+            drop_for = g[1] if isinstance(g[1], int) else _NONE
+            known.append((g[0], drop_for, g[2] if isinstance(g[2], tuple) else None))
+    root = next((d for d, _, _ in known if d), "")
+    return root, merge_drop_steps(known, local.save_step)

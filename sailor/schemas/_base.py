@@ -51,10 +51,12 @@ was asked for; its ``directory``, the checkpoint root the save in flight was ask
 ``save_failure`` (a periodic save that failed is reported, not fatal): a release of version
 6 was out. ``ClearBadRequest.repoint`` (a release-6 leader drops it and clears the marks
 only; ``sailor checkpoint clear-bad --repoint`` reads the records back and says so).
-8: ``Checkpoint.keep_steps`` (the recorded steps the controller keeps: the committer also
-deletes the commits nobody recorded): a release-7 agent drops it and its workers delete
-below ``prune_below`` only, as before; a release-7 controller sends none, which a
-release-8 agent takes as before."""
+8: ``Checkpoint.drop_steps`` (the steps of saves the controller gave up on: once the save
+commits, the committer also deletes those of them it saw committed when its save began) and
+``DesiredState.drop_steps`` (the controller's list, kept across leaders): a release-7 agent
+drops the first and its workers delete below ``prune_below`` only, as before; a release-7
+controller sends none, which a release-8 agent takes as before; a release-7 leader drops
+the second and writes its state without it (those steps stay on disk, as before)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

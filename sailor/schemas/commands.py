@@ -165,25 +165,26 @@ class Checkpoint(_CommandBase):
         "failure the workers report (``AgentStatus.save_failed_step``) and train on; False: a "
         "reconfiguration's, whose failure fails them (wire version 7).",
     )
-    keep_steps: tuple[int, ...] | None = Field(
+    drop_steps: tuple[int, ...] | None = Field(
         default=None,
         max_length=4096,
-        description="The recorded steps the controller keeps (every record at or above "
-        "``prune_below``): once this checkpoint commits, its committer also deletes every "
-        "other step under ``directory`` at or above ``prune_below`` that was committed when "
-        "the save began and is not among them (a commit nobody recorded: an aborted "
-        "CHECKPOINT's); never an uncommitted one. None: no such deletion (an older "
-        "controller's, or ``keep_checkpoints`` null) (wire version 8).",
+        description="Steps of saves the controller gave up on (an aborted CHECKPOINT, a "
+        "periodic save abandoned or superseded; never a step it recorded, nor ``step``): once "
+        "this checkpoint commits, its committer also deletes those of them under "
+        "``directory`` at or above ``prune_below`` that were committed when the save began, "
+        "their commit marker unchanged; never an uncommitted one, never another step. None: "
+        "no such deletion (an older controller's, or ``keep_checkpoints`` null) (wire "
+        "version 8).",
     )
 
-    @field_validator("keep_steps")
+    @field_validator("drop_steps")
     @classmethod
     def _steps_sorted(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
         if v is None:
             return None
         bad = [s for s in v if s < 0]
         if bad:
-            raise field_error("keep_steps", v, f"steps are >= 0, not {bad[0]}")
+            raise field_error("drop_steps", v, f"steps are >= 0, not {bad[0]}")
         return tuple(sorted(set(v)))
 
     @model_validator(mode="after")

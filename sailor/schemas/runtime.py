@@ -23,6 +23,7 @@ from sailor.schemas.training import TrainingConfig
 __all__ = [
     "CAUSE_MAX",
     "MAX_AGREED_KINDS",
+    "MAX_DROP_STEPS",
     "MAX_NODE_LIST",
     "MAX_STRETCH",
     "AgentState",
@@ -94,6 +95,12 @@ MAX_NODE_LIST = 4096
 """Most node ids a list of the desired state about one generation holds (``lost_nodes``,
 ``SigabrtReports.nodes``): more than any layout places (the benchmarks go to 512 nodes), so
 nothing is cut in practice, and a bound all the same on what one etcd value carries."""
+
+MAX_DROP_STEPS = 64
+"""Most steps ``DesiredState.drop_steps`` holds: the saves given up on since the last commit.
+A job gives up on one per aborted reconfiguration or abandoned periodic save, and commits
+between them in a healthy run; 64 in a row without a commit is a job failing at every save,
+whose oldest forgotten steps stay on disk (a leak, never a wrong deletion)."""
 
 MAX_AGREED_KINDS = 16
 """Most error types ``DesiredState.agreed_health`` holds: the controller knows three
@@ -441,6 +448,26 @@ class DesiredState(WireMessage):
         "last was asked for (``ControllerConfig.checkpoint_every_s``); reset when the phase "
         "leaves RUNNING. Empty: none asked in this phase (wire version 7).",
     )
+    drop_steps: tuple[int, ...] = Field(
+        default=(),
+        max_length=MAX_DROP_STEPS,
+        description="Steps of the saves given up on since the last commit (an aborted or "
+        "failed reconfiguration CHECKPOINT, a periodic save abandoned or superseded), oldest "
+        "first, never a recorded step: every Checkpoint names them (``Checkpoint.drop_steps``) "
+        "so its committer deletes those that committed anyway. Emptied by the next commit "
+        "(its save carried them all); past MAX_DROP_STEPS the oldest are forgotten (left on "
+        "disk, never deleted wrongly) (``controller/drop_steps.py``, wire version 8).",
+    )
+
+    @field_validator("drop_steps")
+    @classmethod
+    def _drop_steps_valid(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [s for s in v if s < 0]
+        if bad:
+            raise field_error("drop_steps", v, f"steps are >= 0, not {bad[0]}")
+        if len(set(v)) != len(v):
+            raise field_error("drop_steps", v, "a step is named once")
+        return v
 
     @field_validator("agreed_health")
     @classmethod

@@ -281,7 +281,7 @@ class CheckpointSaves:
         prune_below: int = -1,
         optional: bool = False,
         owned: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         """Save what ``state()`` returns (this rank's layer-keyed weights and moments, the
         job's globals) under ``root``: ``CheckpointIO.save``. While this rank still writes
@@ -311,7 +311,7 @@ class CheckpointSaves:
             self._in_flight, self._failure = None, failure
             return 0.0
         self._in_flight = ck
-        return ck.save(params, g, prune_below=prune_below, owned=owned, keep_steps=keep_steps)
+        return ck.save(params, g, prune_below=prune_below, owned=owned, drop_steps=drop_steps)
 
     def lend_copies(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None = None
@@ -389,8 +389,8 @@ class CheckpointSaves:
             if res is not None and res.unrecorded_deleted:
                 print(
                     f"checkpoint retention of step {res.step}: deleted step(s) "
-                    f"{list(res.unrecorded_deleted)}, committed but not recorded by the "
-                    "controller (not in the save's keep_steps)",
+                    f"{list(res.unrecorded_deleted)}, committed by saves the controller "
+                    "gave up on (the save's drop_steps)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -498,7 +498,7 @@ class LayerCheckpointIO:
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         def state() -> tuple[dict[str, ParamState], TrainingGlobals]:
             opt = optimizer_state(trainer.stage, trainer.optimizer)
@@ -525,7 +525,7 @@ class LayerCheckpointIO:
             keep,
             prune_below,
             optional,
-            keep_steps=keep_steps,
+            drop_steps=drop_steps,
         )
 
     def done(self) -> bool:

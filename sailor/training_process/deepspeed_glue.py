@@ -102,7 +102,7 @@ class DeepSpeedLayerIO:
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         # In bf16 the state is host copies made for the save (``read_full``): they fill the
         # last save's copies, lent, and are handed back as they are (owned). In fp32 it is
@@ -126,7 +126,7 @@ class DeepSpeedLayerIO:
             prune_below,
             optional,
             owned=owned,
-            keep_steps=keep_steps,
+            drop_steps=drop_steps,
         )
 
     def done(self) -> bool:

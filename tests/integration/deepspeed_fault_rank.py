@@ -107,7 +107,7 @@ class _ProbedIO(DeepSpeedLayerIO):
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         trace_to = os.environ.get("SAVE_TRACE", "")
         if self._saves_seen == 0 and os.environ.get("BREAK_FRAGMENT_RANK") == str(trainer.rank):
@@ -115,13 +115,13 @@ class _ProbedIO(DeepSpeedLayerIO):
             print(f"broke the exp_avg_sq fragment of {key}", file=sys.stderr, flush=True)
         self._saves_seen += 1
         if not trace_to:
-            return super().save(trainer, root, keep, prune_below, optional, keep_steps)
+            return super().save(trainer, root, keep, prune_below, optional, drop_steps)
         trace = _Trace(trainer.rank)
         dist.all_reduce = trace.all_reduce  # type: ignore[assignment]
         dist.reduce = trace.reduce  # type: ignore[assignment]
         checkpointer._cpu_copy = trace.cpu_copy  # type: ignore[assignment]
         try:
-            return super().save(trainer, root, keep, prune_below, optional, keep_steps)
+            return super().save(trainer, root, keep, prune_below, optional, drop_steps)
         finally:
             dist.all_reduce = _REAL_ALL_REDUCE
             dist.reduce = _REAL_REDUCE

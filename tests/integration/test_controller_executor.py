@@ -542,18 +542,24 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
     module_plain_servers: LocalServers, tmp_path: Path
 ) -> None:
     """A release's agents and standby refuse fields they do not know: ``bad_checkpoints``
-    is written only when a checkpoint was found unreadable, ``node_health`` only while a
-    node has a failure record (and the phase record names the nodes excluded now)."""
+    is written only when a checkpoint was found unreadable, ``drop_steps`` only while a save
+    given up on is remembered, ``node_health`` only while a node has a failure record (and
+    the phase record names the nodes excluded now)."""
     planner = DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
     async with executor_on(module_plain_servers, tmp_path, planner) as rig:
         ex, audit, e = rig.ex, rig.audit, rig.ex.epoch
         await ex.write_desired(DesiredState(epoch=e, generation=2), "test")
         raw = json.loads(await rig.desired())
         assert "bad_checkpoints" not in raw and "node_health" not in raw
+        assert "drop_steps" not in raw
         assert raw["generation"] == 2 and raw["epoch"] == e
         await ex.write_desired(DesiredState(epoch=e, bad_checkpoints=(9,)), "test")
         raw = json.loads(await rig.desired())
         assert raw["bad_checkpoints"] == [9] and "node_health" not in raw
+        await ex.write_desired(DesiredState(epoch=e, drop_steps=(12, 7)), "test")
+        raw = json.loads(await rig.desired())
+        assert raw["drop_steps"] == [12, 7]  # the saves given up on, in the phase record too
+        assert _records(audit, "phase")[-1]["drop_steps"] == [12, 7]
         until = time.time() + 600
         health = {
             "n1": NodeHealth(failures=1, generation=2),

@@ -93,8 +93,9 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     torn = real.tmp / "ckpt" / step_dir(d.load_step - 1)
     torn.mkdir(parents=True)
     (torn / "part-x-00000.json").write_text("{}")
-    # a commit nobody recorded, above every prune point (as an aborted CHECKPOINT leaves
-    # one): the notice's committer deletes it too, told the recorded steps (keep_steps)
+    # a commit the controller does not know, above every prune point (made after the etcd
+    # snapshot a cluster is restored from, or another job's): the notice's committer,
+    # told only the saves the controller gave up on (drop_steps: none), leaves it
     orphan = real.tmp / "ckpt" / step_dir(1_000_000)
     shutil.copytree(real.tmp / "ckpt" / step_dir(d.load_step), orphan)
     t_notice = loop.time()
@@ -109,8 +110,9 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     assert d2.load_step == max(commits)
     assert loop.time() - t_notice < 30
     # the committer (rank 0 of the real worker) pruned it, and kept both recorded commits
-    assert not torn.exists() and not orphan.exists()
-    assert committed_steps(LocalStorage(real.tmp / "ckpt")) == [d.load_step, d2.load_step]
+    assert not torn.exists() and orphan.is_dir()
+    kept = committed_steps(LocalStorage(real.tmp / "ckpt"))
+    assert kept == [d.load_step, d2.load_step, 1_000_000], kept
     await real.wait_step(ctl, ["n2"], d2.load_step + 2, 30)
     # online calibration's input: the real worker times its microbatches apart from the rest
     timings = real.agents["n2"][0].status().timings

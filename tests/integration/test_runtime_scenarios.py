@@ -16,6 +16,7 @@ import pytest
 
 from sailor.controller.audit import read_records
 from sailor.controller.phases import PhaseDeadlines
+from sailor.controller.status import read_status
 from sailor.coordination import connect_etcd
 from sailor.localservers import ADMIN
 from sailor.schemas.runtime import AgentStatus, CommitRecord, Phase
@@ -64,32 +65,38 @@ async def test_join_replan_resume_and_preemption(cluster: Cluster) -> None:
     await cluster.audit()
 
 
-async def test_a_commit_nobody_recorded_goes_with_the_next_save(cluster: Cluster) -> None:
-    """A step committed on disk that no leader recorded (as an aborted CHECKPOINT's
-    committer leaves it: here made by hand above the job's steps, where no ``prune_below``
-    reaches it while the job is behind it) is deleted by the committer of the next save,
-    told the recorded steps to keep (``Checkpoint.keep_steps``, through agent, control file
-    and toy worker); an uncommitted step directory (a save maybe in flight) stays. The
-    commit's audit record names what the save was told to keep."""
+async def test_a_commit_the_controller_does_not_know_survives_every_save(
+    cluster: Cluster,
+) -> None:
+    """A step committed on disk that the controller never gave up on (here made by hand
+    above the job's steps, as the commits made after the etcd snapshot a cluster is
+    restored from, or another job's in the same directory, would be: no ``prune_below``
+    reaches it) survives every save: each Checkpoint names only the saves the controller
+    gave up on (``Checkpoint.drop_steps``, none here), and an uncommitted step directory
+    stays too. Each commit's audit record names what the save was asked to drop."""
     cluster.start_controller("c1")
     cluster.start_agent("n1")
     ctl = await cluster.wait_phase(Phase.RUNNING, 30)
     sim = cluster.tmp / "ckpt" / "sim"
-    orphan, inflight = sim / "step-00005000", sim / "step-00006000"
-    orphan.mkdir(parents=True)
-    (orphan / "state.json").write_text(json.dumps({"step": 5000, "w": [0.0] * 4}))
-    (orphan / "COMMIT").write_text("5000")
+    unknown, inflight = sim / "step-00005000", sim / "step-00006000"
+    unknown.mkdir(parents=True)
+    (unknown / "state.json").write_text(json.dumps({"step": 5000, "w": [0.0] * 4}))
+    (unknown / "COMMIT").write_text("5000")
     inflight.mkdir()
     (inflight / "rank-0.json").write_text("{}")
     cluster.start_agent("n2")
     ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
+    first = ctl.desired.load_step
+    cluster.start_agent("n3")
+    ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=ctl.desired.generation)
     d = ctl.desired
-    assert sorted(d.placement) == ["n1", "n2"] and d.load_step > 0
-    assert not orphan.exists() and inflight.is_dir()
-    assert sorted(p.name for p in sim.iterdir()) == [f"step-{d.load_step:08d}", inflight.name]
+    assert "n3" in d.membership and d.load_step > first > 0  # the join's save
+    assert (unknown / "COMMIT").read_text() == "5000" and inflight.is_dir()
+    names = sorted(p.name for p in sim.iterdir())
+    assert names == [f"step-{s:08d}" for s in (first, d.load_step, 5000, 6000)], names
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
-    commits = [r for r in recs if r["kind"] == "commit"]
-    assert [(r["step"], r["kept"]) for r in commits] == [(d.load_step, [])]
+    commits = [(r["step"], r["drop_steps"]) for r in recs if r["kind"] == "commit"]
+    assert commits == [(first, []), (d.load_step, [])], commits
     await cluster.audit()
 
 
@@ -99,8 +106,10 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     withholds it: a node whose report is lost), the phase's deadline passes and the
     controller aborts it and relaunches from S1, never recording S2. A notice on n1 then
     saves S3 > S2 with ``prune_below`` S1: S2 is above that, and with ``prune_below`` alone the
-    directory held S1, S2 and S3 (the bound is keep + 1 = 2). Its committer, told the
-    recorded steps (``keep_steps``), deletes S2."""
+    directory held S1, S2 and S3 (the bound is keep + 1 = 2). The controller remembers S2
+    as given up (``DesiredState.drop_steps``, in etcd: a standby that takes over in between
+    reads it) and the notice's Checkpoint names it (``drop_steps``): its committer deletes
+    S2, and the commit empties the list."""
     cluster.ctl_update = {
         "deadlines": PhaseDeadlines(quiesce=15, checkpoint=6, launch=10, load=30, verify=30)
     }
@@ -133,6 +142,16 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     assert any("checkpoint deadline passed" in str(r.get("cause")) for r in recs)
     assert [r["step"] for r in recs if r["kind"] == "commit"] == [s1]
     assert "n1" in ctl.desired.placement
+    assert ctl.desired.drop_steps == (s2,)
+    # the leader fails over: the standby reads the steps given up from etcd
+    cluster.start_controller("c2")
+    await asyncio.sleep(0.5)
+    await cluster.stop_controller("c1", crash=True)
+    await until(lambda: cluster.controllers["c2"][0].leadership is not None, 15, "c2 leads")
+    ctl = cluster.controllers["c2"][0]
+    assert ctl.desired is not None and ctl.desired.drop_steps == (s2,)
+    snap = await read_status(cluster.etcd, cluster.job, cluster.security("c2"))
+    assert snap["given_up_checkpoints"] == [s2]  # what `sailor status --json` shows
     # past S2 (a save of S2 itself would replace it): S3 > S2 > S1 = prune_below
     await cluster.wait_step(ctl, sorted(ctl.desired.placement), s2 + 1, 30)
     (cluster.tmp / "preempt-n1").write_text(json.dumps({"in_s": 20}))
@@ -142,8 +161,11 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     assert s3 > s2 > s1, (s1, s2, s3)
     assert committed() == [s1, s3], (s1, s2, s3)  # the recorded one and the newest
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
-    commits = [(r["step"], r["kept"]) for r in recs if r["kind"] == "commit"]
-    assert commits == [(s1, []), (s3, [s1])], commits
+    commits = [(r["step"], r["drop_steps"]) for r in recs if r["kind"] == "commit"]
+    assert commits == [(s1, []), (s3, [s2])], commits
+    gave_up = [r for r in recs if r["kind"] == "phase" and r.get("drop_steps")]
+    assert gave_up and all(r["drop_steps"] == [s2] for r in gave_up)
+    assert ctl.desired.drop_steps == ()
     await cluster.audit()
 
 

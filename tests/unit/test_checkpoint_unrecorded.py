@@ -1,5 +1,6 @@
-"""Commits nobody recorded (``checkpoint/unrecorded.py``): the retention bound of the
-controller's directory after an aborted CHECKPOINT, on a real local checkpoint directory."""
+"""Saves the controller gave up on (``checkpoint/unrecorded.py``): the retention bound of the
+controller's directory after an aborted CHECKPOINT, and the commits it does not know left
+alone, on a real local checkpoint directory."""
 
 from __future__ import annotations
 
@@ -34,60 +35,83 @@ def test_an_aborted_checkpoints_commit_does_not_outlive_the_bound(tmp_path: Path
     job relaunches from 100. Its next saves (150, then 180) prune below the recorded step
     as before; 200 is above every ``prune_below`` while the job is behind it, so with
     ``prune_below`` alone the directory held 150, 180 and 200 after the save of 180: three
-    checkpoints where the bound is keep + 1 = 2. ``keep_steps`` (the recorded steps the
-    controller keeps) lets the committer delete it."""
+    checkpoints where the bound is keep + 1 = 2. ``drop_steps`` (the saves the controller
+    gave up on) lets the committer delete it."""
     s = LocalStorage(tmp_path)
     ck = Checkpointer(s, one_layer_plan(), 0, keep=None)
-    assert _save(ck, 100, prune_below=-1, keep_steps=[]) == ()  # recorded: {100}
-    # the aborted CHECKPOINT: committed, never recorded (the records stay {100})
-    assert _save(ck, 200, prune_below=100, keep_steps=[100]) == ()
+    assert _save(ck, 100, prune_below=-1, drop_steps=[]) == ()  # recorded: {100}
+    # the aborted CHECKPOINT: committed, never recorded; the controller remembers 200
+    assert _save(ck, 200, prune_below=100, drop_steps=[]) == ()
     # relaunched from 100: a reconfiguration saves 150 (recorded; 100's record dropped)
-    assert _save(ck, 150, prune_below=100, keep_steps=[100]) == (200,)
+    assert _save(ck, 150, prune_below=100, drop_steps=[200]) == (200,)
     assert committed_steps(s) == [100, 150]
-    assert _save(ck, 180, prune_below=150, keep_steps=[150]) == ()
+    assert _save(ck, 180, prune_below=150, drop_steps=[]) == ()
     ck.close()
     assert committed_steps(s) == [150, 180]  # keep + 1: the recorded one and the newest
     assert verify(s, 150) == [] and verify(s, 180) == []
 
 
+def test_a_commit_the_controller_does_not_know_survives_every_save(tmp_path: Path) -> None:
+    """Commits at or above every ``prune_below`` that the controller never gave up on (made
+    after the etcd snapshot it was restored from, or another job's in the same directory)
+    stay through every save, whatever ``drop_steps`` names: a keep-list of the recorded
+    steps deleted them all at the next save."""
+    s = LocalStorage(tmp_path)
+    ck = Checkpointer(s, one_layer_plan(), 0, keep=None)
+    _save(ck, 100)  # recorded
+    other = Checkpointer(s, one_layer_plan(), 0, keep=None)  # the unknown commits
+    for step in (300, 400):
+        _save(other, step)
+    other.close()
+    assert _save(ck, 150, prune_below=100, drop_steps=[]) == ()
+    assert _save(ck, 200, prune_below=150, drop_steps=[250, 120]) == ()  # neither on disk
+    assert _save(ck, 250, prune_below=200, drop_steps=[]) == ()
+    ck.close()
+    assert committed_steps(s) == [200, 250, 300, 400]
+    assert verify(s, 300) == [] and verify(s, 400) == []
+
+
 def test_recorded_steps_uncommitted_saves_and_an_older_controller_are_left_alone(
     tmp_path: Path,
 ) -> None:
-    """Never deleted: a step in ``keep_steps``, an uncommitted step directory (a save in
-    flight under another generation, newer or older), and anything at all when the
-    Checkpoint carries no ``keep_steps`` (an older controller's: today's rule alone)."""
+    """Never deleted: a step not in ``drop_steps``, an uncommitted step directory in it (a
+    save in flight under another generation, newer or older), and anything at all when the
+    Checkpoint carries no ``drop_steps`` (an older controller's: today's rule alone)."""
     s = LocalStorage(tmp_path)
     ck = Checkpointer(s, one_layer_plan(), 0, keep=None)
     for step in (10, 20, 30):
         _save(ck, step)
     persist_layers(s, 25, "inflight", {0: {"w": _state()["0.w"]}})
     persist_layers(s, 90, "inflight", {0: {"w": _state()["0.w"]}})
-    assert _save(ck, 40, prune_below=10) == ()  # no keep_steps: nothing but prune_below
+    assert _save(ck, 40, prune_below=10) == ()  # no drop_steps: nothing but prune_below
     assert committed_steps(s) == [10, 20, 30, 40]
-    assert _save(ck, 50, prune_below=10, keep_steps=[10, 30, 40]) == (20,)
+    assert _save(ck, 50, prune_below=10, drop_steps=[20, 25, 90, 50]) == (20,)
     ck.close()
     assert committed_steps(s) == [10, 30, 40, 50]
     assert (tmp_path / step_dir(25)).is_dir() and (tmp_path / step_dir(90)).is_dir()
 
 
 def test_only_what_was_committed_when_the_save_began_goes(tmp_path: Path) -> None:
-    """A committer whose persist runs late holds a stale ``keep_steps``: a step committed
-    after its save began (a later generation's, maybe recorded since) is never deleted, nor
-    one committed again since (its marker changed), nor anything once it is cancelled."""
+    """A committer whose persist runs late holds a stale ``drop_steps``: a step committed
+    after its save began (a later generation's save of that step, maybe recorded since) is
+    never deleted, nor one committed again since (its marker changed), nor anything once it
+    is cancelled, nor the step it committed."""
     s = LocalStorage(tmp_path)
     ck = Checkpointer(s, one_layer_plan(), 0, keep=None)
     for step in (1, 2, 3):
         _save(ck, step)
     seen = committed_markers(s, but=3)
-    assert sorted(seen) == [1, 2]
+    assert sorted(seen) == [1, 2] and sorted(committed_markers(s, only=[2, 3, 7])) == [2, 3]
     _save(ck, 4)  # committed after ``seen`` was taken
     (tmp_path / step_dir(2) / MARKER).write_bytes(b"another commit")
-    assert decide_unrecorded([1, 2, 4, 5], keep_steps=[], committed_step=5, below_step=2) == [2, 4]
-    assert apply_unrecorded(s, seen, keep_steps=[], committed_step=3, below_step=-1) == [1]
+    every = [1, 2, 3, 4, 5]
+    got = decide_unrecorded([1, 2, 4, 5], drop_steps=[2, 4, 5], committed_step=5, below_step=2)
+    assert got == [2, 4]
+    assert apply_unrecorded(s, seen, drop_steps=every, committed_step=3, below_step=-1) == [1]
     assert committed_steps(s) == [2, 3, 4]  # 2: not the commit seen, so not deleted
     seen = committed_markers(s)
     gone = apply_unrecorded(
-        s, seen, keep_steps=[], committed_step=4, below_step=-1, cancelled=lambda: True
+        s, seen, drop_steps=every, committed_step=4, below_step=-1, cancelled=lambda: True
     )
     ck.close()
     assert gone == [] and committed_steps(s) == [2, 3, 4]

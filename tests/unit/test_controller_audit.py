@@ -249,25 +249,27 @@ def test_check_refuses_a_launch_from_a_deleted_checkpoint() -> None:
 
 
 def test_check_refuses_a_save_told_to_delete_a_recorded_step() -> None:
-    """A commit's ``kept`` (its save's ``Checkpoint.keep_steps``) must name every step
-    recorded before it: its committer deletes the other commits it finds as nobody's. A
-    record dropped since (``dropped``) need not be kept; an older controller's commit
-    (no ``kept``) is not checked."""
+    """A commit's ``drop_steps`` (its save's ``Checkpoint.drop_steps``: the saves the
+    controller gave up on, which its committer deletes if committed) must name no step
+    recorded before it, nor its own. A record dropped before (``dropped``) may be named; an
+    older controller's commit (no ``drop_steps``) is not checked."""
 
     def commit(
-        t: float, step: int, dropped: list[int], kept: list[int] | None
+        t: float, step: int, dropped: list[int], asked: list[int] | None
     ) -> dict[str, object]:
         rec: dict[str, object] = {"kind": "commit", "time": t, "step": step, "dropped": dropped}
-        return rec if kept is None else rec | {"kept": kept}
+        return rec if asked is None else rec | {"drop_steps": asked}
 
-    ok = [commit(1, 4, [], []), commit(2, 9, [], [4]), commit(3, 14, [4], [4, 9])]
-    assert check([*ok, commit(4, 20, [9], [9, 14])]).ok
+    ok = [commit(1, 4, [], []), commit(2, 9, [], [12]), commit(3, 14, [4], [30])]
+    assert check([*ok, commit(4, 20, [9], [4, 22])]).ok
     assert check([*ok, commit(4, 20, [9], None)]).ok
-    rep = check([*ok, commit(4, 20, [9], [14])])
+    rep = check([*ok, commit(4, 20, [9], [9, 14, 22])])
     assert any(
-        "save of step 20 was sent keep_steps [14] without recorded step(s) [9]" in v
+        "save of step 20 was sent drop_steps [9, 14, 22] naming recorded step(s) [9, 14]" in v
         for v in rep.violations
     ), rep.violations
+    rep = check([*ok, commit(4, 20, [9], [20])])
+    assert any("naming recorded step(s) [20]" in v for v in rep.violations), rep.violations
 
 
 def test_malformed_records_are_violations_naming_the_line_and_field(tmp_path: Path) -> None:

@@ -569,26 +569,30 @@ def test_a_save_prunes_older_checkpoints_and_the_commit_drops_their_records() ->
         CommitRecord(step=1, directory="/old"),
     )
     d = running((1,), phase=Phase.QUIESCE, stop_step=12, phase_deadline=NOW + 10)
+    # the saves given up on (an aborted CHECKPOINT of 15; 9 and 1: given up, then saved
+    # again and recorded, in any directory; 12: the step being saved)
+    d = d.model_copy(update={"drop_steps": (15, 9, 1, 12)})
     a = decide(d, obs(nodes(1), [st(1, step=11)], commits=commits), cfg)
     ckpt = next(x.command for x in a if isinstance(x, Send) and x.command.kind == "checkpoint")
     assert ckpt.prune_below == 6  # type: ignore[union-attr]
-    # every recorded step, whatever its directory: its committer deletes the other commits
-    # it finds at or above 6 (nobody's records: an aborted CHECKPOINT's)
-    assert ckpt.keep_steps == (1, 3, 6, 9)  # type: ignore[union-attr]
+    # only the steps given up on, never a recorded one nor its own: its committer deletes
+    # those it finds committed at or above 6
+    assert ckpt.drop_steps == (15,)  # type: ignore[union-attr]
     # the wire form carries both to the agent
     wire = CommandAdapter.validate_json(ckpt.model_dump_json())
-    assert wire.prune_below == 6 and wire.keep_steps == (1, 3, 6, 9)  # type: ignore[union-attr]
+    assert wire.prune_below == 6 and wire.drop_steps == (15,)  # type: ignore[union-attr]
     d = d.model_copy(update={"phase": Phase.COMMIT})
     a = decide(d, obs(nodes(1), [st(1, step=12, saved=12, state="stopped")], commits=commits), cfg)
     # /old@1 goes too: below the retention of /ck (its files stay, outside the directory)
     assert isinstance(a[0], Commit) and a[0].record.step == 12 and a[0].drop == (1, 3)
-    assert a[0].kept == (1, 3, 6, 9)  # audited: what the save's committer was told to keep
-    # keep_checkpoints null keeps everything: no deletion of unrecorded commits either
+    assert a[0].drop_steps == (15,)  # audited: what the save's committer was told to drop
+    assert [x.state.drop_steps for x in a if isinstance(x, SetDesired)] == [()]  # carried
+    # keep_checkpoints null keeps everything: no deletion of abandoned saves either
     keep_all = CFG.model_copy(update={"keep_checkpoints": None})
     quiesce = d.model_copy(update={"phase": Phase.QUIESCE})
     a = decide(quiesce, obs(nodes(1), [st(1, step=11)], commits=commits), keep_all)
     ckpt = next(x.command for x in a if isinstance(x, Send) and x.command.kind == "checkpoint")
-    assert ckpt.prune_below == -1 and ckpt.keep_steps is None  # type: ignore[union-attr]
+    assert ckpt.prune_below == -1 and ckpt.drop_steps is None  # type: ignore[union-attr]
     # keep None: nothing pruned, nothing dropped
     a = decide(d, obs(nodes(1), [st(1, step=12)], commits=commits), keep_all)
     assert isinstance(a[0], Commit) and a[0].drop == ()

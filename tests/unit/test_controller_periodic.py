@@ -102,8 +102,8 @@ def test_the_save_in_flight_is_sent_until_acked_and_committed_once_durable() -> 
     # prunes below the oldest record (20), not the retention's step (40): a save abandoned
     # that still commits deletes no recorded step's files
     assert all(c.prune_below == 20 for c in _checkpoints(a))
-    # and keeps every recorded step: only commits nobody recorded go besides
-    assert all(c.keep_steps == (20, 40) for c in _checkpoints(a))
+    # and names no step given up on: none was
+    assert all(c.drop_steps == () for c in _checkpoints(a))
     acked = frozenset(c.command_id for c in _checkpoints(a))
     o = obs(nodes(1, 2), [st(1, step=153), st(2, step=153)], commits=commits, acked=acked)
     assert decide(d, o, CFG) == []
@@ -114,7 +114,7 @@ def test_the_save_in_flight_is_sent_until_acked_and_committed_once_durable() -> 
     assert commit.record.step == 155 and commit.record.generation == 1 and commit.periodic
     assert commit.record.epoch == 7 and commit.record.time == NOW
     assert commit.drop == (20,)  # keep_checkpoints=1: the committer deleted below 40
-    assert commit.kept == (20, 40)
+    assert commit.drop_steps == ()
     assert _outcomes(a) == [("committed", 155)]
     (state,) = _sets(a)
     assert state.phase is Phase.RUNNING and state.periodic == PeriodicCheckpoint(requested=NOW - 5)

@@ -38,7 +38,7 @@ class _Saves:
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.optional: list[bool] = []
-        self.keep: list[list[int] | None] = []
+        self.drop: list[list[int] | None] = []
 
     def save(
         self,
@@ -47,11 +47,11 @@ class _Saves:
         keep: int | None = None,
         prune_below: int = -1,
         optional: bool = False,
-        keep_steps: tuple[int, ...] | None = None,
+        drop_steps: tuple[int, ...] | None = None,
     ) -> float:
         self.steps.append(trainer.step)
         self.optional.append(optional)
-        self.keep.append(None if keep_steps is None else list(keep_steps))
+        self.drop.append(None if drop_steps is None else list(drop_steps))
         return 0.0
 
     def done(self) -> bool:
@@ -98,7 +98,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     )  # type: ignore[arg-type]
     # the periodic request (optional); the Stop keeps its fields beside it
     _control(
-        control, save_step=10, save_dir=ckdir, prune_below=-1, save_optional=True, keep_steps=[3]
+        control, save_step=10, save_dir=ckdir, prune_below=-1, save_optional=True, drop_steps=[3]
     )
     stopped = False
     t0 = time.monotonic()
@@ -112,9 +112,9 @@ def _rank(rank: int, store: str, out: str) -> None:
                 save_dir=ckdir,
                 prune_below=-1,
                 save_optional=True,
-                # the recorded steps to keep, as each node's request names them: agreed as
-                # their union (``control.agree_target``)
-                keep_steps=[3, 5] if rank == 0 else [3],
+                # the abandoned saves' steps, as each node's request names them: agreed as
+                # their intersection (``control.agree_target``)
+                drop_steps=[3, 5] if rank == 0 else [3, 7],
             )
         dist.barrier()  # both ranks' files written before either reads its own
         stopped = b(tr)
@@ -126,7 +126,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             {
                 "saves": saves.steps,
                 "optional": saves.optional,
-                "keep": saves.keep,
+                "drop": saves.drop,
                 "stopped_at": b.stopped_at,
                 "s": took,
                 "events": events,
@@ -143,7 +143,7 @@ def test_ranks_holding_past_a_periodic_save_save_the_step_they_hold(tmp_path: Pa
         assert got["saves"] == [10, 12], got
         # the periodic save may be skipped; the hold's is the reconfiguration's: required
         assert got["optional"] == [True, False], got
-        assert got["keep"] == [[3], [3, 5]], got  # the same on every rank
+        assert got["drop"] == [[3], [3]], got  # the same on every rank
         saved = [e["step"] for e in got["events"] if e["event"] == "saved"]
         assert saved == [10, 12], got
         assert got["s"] < PAUSE_S, got  # saved at once, not after waiting out the pause

@@ -10,7 +10,7 @@ import pytest
 from sailor.megatron_patch.control import (
     ControlRequest,
     agree_target,
-    merge_keep_steps,
+    merge_drop_steps,
     read_control,
 )
 
@@ -18,7 +18,8 @@ from sailor.megatron_patch.control import (
 def test_a_save_request_carries_its_prune_point(tmp_path: Path) -> None:
     f = tmp_path / "control.json"
     f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck", "prune_below": 9}))
-    assert read_control(f) == ControlRequest(save_step=12, save_dir="/ck", prune_below=9)
+    want = ControlRequest(save_step=12, save_dir="/ck", prune_below=9, drop_for=12)
+    assert read_control(f) == want
 
 
 @pytest.mark.parametrize("bad", [-3, "9", True, None, [9]])
@@ -30,40 +31,49 @@ def test_a_missing_or_malformed_prune_point_prunes_nothing(tmp_path: Path, bad: 
     assert read_control(f).prune_below == -1
 
 
-def test_a_save_request_carries_the_recorded_steps_to_keep(tmp_path: Path) -> None:
-    """``keep_steps`` (``Checkpoint.keep_steps``): a list of steps, sorted once each;
-    anything else, or none (an older controller's request), is None: no deletion of
-    unrecorded commits."""
+def test_a_save_request_carries_the_abandoned_steps_to_drop(tmp_path: Path) -> None:
+    """``drop_steps`` (``Checkpoint.drop_steps``): a list of steps, sorted once each, with
+    the save step it came with (``drop_for``); anything else, or none (an older
+    controller's request), is None: no deletion of abandoned saves."""
     f = tmp_path / "control.json"
     req = {"save_step": 12, "save_dir": "/ck", "prune_below": 9}
-    f.write_text(json.dumps(req | {"keep_steps": [11, 9, 11]}))
-    assert read_control(f).keep_steps == (9, 11)
-    f.write_text(json.dumps(req | {"keep_steps": []}))
-    assert read_control(f).keep_steps == ()
+    f.write_text(json.dumps(req | {"drop_steps": [11, 9, 11]}))
+    assert read_control(f).drop_steps == (9, 11) and read_control(f).drop_for == 12
+    f.write_text(json.dumps(req | {"drop_steps": []}))
+    assert read_control(f).drop_steps == ()
     for bad in (None, 9, "9", [9, -1], [9, "10"], [True]):
-        f.write_text(json.dumps(req | {"keep_steps": bad}))
-        assert read_control(f).keep_steps is None, bad
+        f.write_text(json.dumps(req | {"drop_steps": bad}))
+        assert read_control(f).drop_steps is None, bad
     f.write_text(json.dumps(req))
-    assert read_control(f).keep_steps is None
+    assert read_control(f).drop_steps is None
     # alone (no process group): the local request's own
     assert agree_target(read_control(f)) == ("/ck", None)
-    assert agree_target(ControlRequest(save_dir="/ck", keep_steps=(3,))) == ("/ck", (3,))
+    one = ControlRequest(save_step=12, save_dir="/ck", drop_steps=(3,), drop_for=12)
+    assert agree_target(one) == ("/ck", (3,))
 
 
-def test_the_ranks_agree_the_union_of_the_steps_to_keep() -> None:
-    """Over the ranks that know a request: the union (a node still holding an earlier
-    request only keeps more); None if one of them has none (an older controller's), or
-    if no rank knows a request."""
-    assert merge_keep_steps([("/ck", (5, 9)), ("/ck", (9, 12)), ("", None)]) == (5, 9, 12)
-    assert merge_keep_steps([("/ck", (5,)), ("/ck", None)]) is None
-    assert merge_keep_steps([("", None), ("", (4,))]) is None
-    assert merge_keep_steps([("/ck", ()), ("/ck", ())]) == ()
+def test_the_ranks_agree_the_intersection_of_the_agreed_requests_steps_to_drop() -> None:
+    """Over the ranks whose request is the agreed save's (``drop_for`` == its step): the
+    intersection; a rank holding an earlier request (its list sent before a step of it was
+    saved again and recorded) counts for nothing; None if one of them has none (an older
+    controller's), or if no rank holds the agreed request."""
+    merge = merge_drop_steps
+    assert merge([("/ck", 20, (5, 9)), ("/ck", 20, (9, 12)), ("", -1, None)], 20) == (9,)
+    # rank 1 still holds the periodic request of step 10, which named 15: since then 15
+    # was saved again and recorded, and the request of step 20 does not name it
+    assert merge([("/ck", 20, (9,)), ("/ck", 10, (9, 15))], 20) == (9,)
+    assert merge([("/ck", 20, (5,)), ("/ck", 20, None)], 20) is None
+    assert merge([("/ck", 20, (5,)), ("/ck", 10, None)], 20) == (5,)
+    assert merge([("", -1, None), ("", 20, (4,))], 20) is None
+    assert merge([("/ck", 10, (4,))], 20) is None
+    assert merge([("/ck", 20, ()), ("/ck", 20, ())], 20) == ()
 
 
 def test_a_periodic_save_request_is_optional(tmp_path: Path) -> None:
     f = tmp_path / "control.json"
     f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck", "save_optional": True}))
-    assert read_control(f) == ControlRequest(save_step=12, save_dir="/ck", save_optional=True)
+    want = ControlRequest(save_step=12, save_dir="/ck", save_optional=True, drop_for=12)
+    assert read_control(f) == want
     for bad in (1, "true", None):  # only JSON true: anything else is a required save
         f.write_text(json.dumps({"save_step": 12, "save_dir": "/ck", "save_optional": bad}))
         assert not read_control(f).save_optional

@@ -29,6 +29,7 @@ from sailor.schemas import (
 from sailor.schemas._base import SCHEMA_VERSION
 from sailor.schemas.commands import Checkpoint
 from sailor.schemas.runtime import (
+    MAX_DROP_STEPS,
     AgentStatus,
     CommitRecord,
     DesiredState,
@@ -348,37 +349,52 @@ def test_a_failed_periodic_save_is_reported_in_wire_version_7(
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 6}))
 
 
-def test_the_recorded_steps_a_checkpoint_keeps_are_wire_version_8(
+def test_the_steps_a_checkpoint_drops_are_wire_version_8(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``Checkpoint.keep_steps`` came with version 8: a release-7 agent drops it (its
+    """``Checkpoint.drop_steps`` came with version 8: a release-7 agent drops it (its
     workers prune below ``prune_below`` only, as before) and refuses it at its own version;
     a release-7 controller's Checkpoint has none, which this release reads as None (no
-    deletion of unrecorded commits). Negative steps are named; the steps are kept sorted,
+    deletion of abandoned saves). Negative steps are named; the steps are kept sorted,
     once each."""
     assert SCHEMA_VERSION >= 8
     base = {"command_id": "c", "epoch": 1, "node_id": "n1", "step": 50, "directory": "/ck"}
-    msg = Checkpoint(**base, prune_below=30, keep_steps=(40, 30, 40))
-    assert msg.keep_steps == (30, 40)
+    msg = Checkpoint(**base, prune_below=30, drop_steps=(40, 30, 40))
+    assert msg.drop_steps == (30, 40)
     raw = msg.model_dump_json()
     assert Checkpoint.model_validate_json(raw) == msg
     older = json.loads(raw)
-    del older["keep_steps"]
-    assert Checkpoint.model_validate(older | {"schema_version": 7}).keep_steps is None
+    del older["drop_steps"]
+    assert Checkpoint.model_validate(older | {"schema_version": 7}).drop_steps is None
     kept = {
         name: (f.annotation, f)
         for name, f in Checkpoint.model_fields.items()
-        if name not in ("keep_steps", "schema_version")
+        if name not in ("drop_steps", "schema_version")
     }
     previous = create_model("Checkpoint", __base__=_base.WireMessage, **kept)  # type: ignore[call-overload]
     monkeypatch.setattr(_base, "SCHEMA_VERSION", 7)
     old = previous.model_validate_json(raw)
-    assert "keep_steps" not in type(old).model_fields and old.prune_below == 30  # type: ignore[attr-defined]
-    with pytest.raises(ValidationError, match="keep_steps"):
+    assert "drop_steps" not in type(old).model_fields and old.prune_below == 30  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError, match="drop_steps"):
         previous.model_validate_json(json.dumps(json.loads(raw) | {"schema_version": 7}))
     monkeypatch.undo()
-    with pytest.raises(ValidationError, match=r"keep_steps=\(3, -1\): steps are >= 0, not -1"):
-        Checkpoint(**base, keep_steps=(3, -1))
+    with pytest.raises(ValidationError, match=r"drop_steps=\(3, -1\): steps are >= 0, not -1"):
+        Checkpoint(**base, drop_steps=(3, -1))
+
+
+def test_the_desired_states_abandoned_saves_are_bounded_and_named_once() -> None:
+    """``DesiredState.drop_steps`` (version 8) keeps its order (oldest first), refuses a
+    negative or repeated step by name, holds at most MAX_DROP_STEPS, and a state of
+    release 7 (none) reads as ()."""
+    d = DesiredState(epoch=1, drop_steps=(30, 10))
+    assert d.drop_steps == (30, 10)
+    assert DesiredState.model_validate({"epoch": 1, "schema_version": 7}).drop_steps == ()
+    with pytest.raises(ValidationError, match=r"drop_steps=\(3, 3\): a step is named once"):
+        DesiredState(epoch=1, drop_steps=(3, 3))
+    with pytest.raises(ValidationError, match=r"drop_steps=\(-2,\): steps are >= 0, not -2"):
+        DesiredState(epoch=1, drop_steps=(-2,))
+    with pytest.raises(ValidationError, match="drop_steps"):
+        DesiredState(epoch=1, drop_steps=tuple(range(MAX_DROP_STEPS + 1)))
 
 
 def test_a_readmit_request_names_nodes_or_all() -> None:
