@@ -32,7 +32,8 @@ violated invariants:
   operator cleared, ``clear_bad``, which a launch may load and need not: a planned
   reconfiguration reloads its own save; a step committed again is readable again; a new
   leader's first phase record, ``ADOPTION_CAUSES``, holds every mark there is: one it lacks
-  was cleared by a write whose records its leader never wrote);
+  was cleared by a write whose records its leader never wrote; a ``clear_bad`` a later
+  leader audited again from the take's mark, ``taken_epoch``, counts once);
 - every calibration-driven replan (a phase change whose cause starts with
   ``recalibration``) follows a ``replan_decision`` of its generation that reconfigured, whose
   numbers satisfy the rule by themselves (``recalibrate.rule_violations``: the gain exceeds the
@@ -263,6 +264,7 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
     recorded: set[int] = set()  # steps recorded (committed, not dropped since), as logged
     unreadable: set[int] = set()  # commits a launch could not read (``bad_checkpoints``)
     cleared: set[int] = set()  # their marks cleared by an operator (``clear_bad``)
+    clears: set[str] = set()  # the requests those ``clear_bad`` records name
     last_gen = -1
     versions: set[int] = set()
     decided: dict[int, dict[str, Any]] = {}  # generation -> its decision to reconfigure
@@ -321,6 +323,13 @@ def check(records: list[dict[str, Any]]) -> AuditReport:
             unreadable.discard(step)  # saved again: new files, its mark went with the old
             cleared.discard(step)
         elif kind == "clear_bad":
+            rid = str(r.get("request_id", ""))
+            if "taken_epoch" in r and rid in clears:
+                # a take audited again from its mark by a later leader (the first one's
+                # delete of the mark failed): the clear happened once, at the first
+                # record; counted again, a step marked since would read as cleared
+                continue
+            clears.add(rid)
             gone = {int(s) for s in r.get("cleared", ())} & unreadable
             unreadable -= gone
             cleared |= gone

@@ -91,7 +91,7 @@ class _Placement:
     watch: StreamWatch = field(default_factory=StreamWatch)
     written: EventStreamState | None = None  # what etcd holds (``event-stream``)
     pause: float = _UNPLACED_PAUSE_S
-    carried: bool = False  # this episode's start was read or written (unleased record)
+    carried: bool = False  # a start read or written (unleased record), not deleted since
     cleared: bool = False  # that record deleted since (a placement): nothing to delete
 
 
@@ -236,6 +236,10 @@ class EventIntake:
             reason = f"{exc.args[0]}: {exc.fields.get('reason', '')}"
             now, began = self.clock.now(), None
             if placement.watch.placed:  # an episode begins: of this term, or carried on
+                # its start may be written, whether or not etcd answers the write: deleted
+                # at the next placement in any case (before, a write whose answer was lost
+                # kept the term's earlier "cleared", and the start outlived the shortage)
+                placement.cleared = False
                 began = await self._shortage_began(store, lead, placement, reason, now)
             placement.watch, reports = unplaced(
                 placement.watch,
@@ -270,22 +274,30 @@ class EventIntake:
         """When the shortage an episode's first failed placement (at ``now``) meets began:
         the start an earlier term kept (``event-stream-shortage``, unleased), or None,
         ``now`` written there as its start for the next term. Read or written once an
-        episode (etcd failing: tried again at the next episode's start). Before, each
-        term counted from its own first failure: under leader changes more frequent than
-        ``event_stream_deadline_s`` a shortage was never reported overdue."""
-        if placement.carried:
-            return None
+        episode (etcd failing: tried again at the next episode's start). A start this
+        term wrote (its epoch) or read before is an earlier episode's, which a placement
+        of this term ended and whose delete failed or whose write's answer was lost: not
+        carried, overwritten. Before, each term counted from its own first failure: under
+        leader changes more frequent than ``event_stream_deadline_s`` a shortage was never
+        reported overdue."""
+        # read or written at an earlier episode of this term, and not deleted since (its
+        # delete at the placement failed): whatever the key holds is over, overwritten here
+        stale = placement.carried
         key = self.keys.event_stream_shortage
         try:
-            kv = await store.get(key)
+            kv = None if stale else await store.get(key)
             if kv is not None:
                 try:
                     kept = EventStreamState.model_validate_json(kv.value)
                 except ValidationError as exc:  # rewritten below: never stops the term
                     _log.warning("event_stream_shortage_unreadable", error=str(exc)[:300])
                 else:
-                    placement.carried, placement.cleared = True, False
-                    return kept.since
+                    if kept.epoch != lead.epoch:
+                        placement.carried = True
+                        return kept.since
+                    # this term's own: an earlier episode's, which a placement of this
+                    # term ended (an episode begins only once placed) and whose delete
+                    # failed: stale, replaced by this episode's start below
             record = EventStreamState(
                 placed=False,
                 since=now,
@@ -299,7 +311,7 @@ class EventIntake:
         except TemporaryError as exc:
             _log.debug("event_stream_shortage_unread", error=str(exc))
             return None
-        placement.carried, placement.cleared = True, False
+        placement.carried = True
         return None
 
     async def _shortage_over(

@@ -40,7 +40,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import structlog
-from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import (
@@ -196,7 +195,7 @@ class Executor:
         # ``settle_lost_takes`` (withdrawn meanwhile, or there for the next pass)
         self.uncommitted: _LostWrite | None = None
         # marks of takes audited whose delete etcd did not answer: deleted at the next
-        # settle (else the next term would audit those takes once more)
+        # pass or settle (else the next term would audit those takes once more)
         self.marks_left: set[str] = set()
         # the marks an earlier term left (its takes unsettled) are audited once a term
         self.orphans_settled = False
@@ -340,6 +339,11 @@ class Executor:
         in 20 s while the first search ran at 64 nodes, once etcd reads no longer paced it).
         """
         self.progressed = False
+        if self.marks_left:
+            # marks of takes audited whose delete etcd did not answer: tried at each pass
+            # (a settle runs only after a pass that raised, and a term left with marks has
+            # the next leader audit those takes once more)
+            await self._unmark(*sorted(self.marks_left))
         sends = [a for a in actions if isinstance(a, Send)]
         taken: set[str] = set()
         for i, a in enumerate(actions):
@@ -523,9 +527,10 @@ class Executor:
 
     async def _unmark(self, *marks: str) -> None:
         """Delete takes' marks (one transaction) once their outcome is audited. etcd
-        failing: tried again at the next settle (``marks_left``); should the term end
-        first, the next leader audits the take again from the mark (its record says so).
-        Deposed: the next leader's to settle."""
+        failing: tried again at the start of the next pass (``apply``) and at the next
+        settle (``marks_left``); should the term end first, the next leader audits the
+        take again from the mark (its record says so). Deposed: the next leader's to
+        settle."""
         if not marks:
             return
         try:
@@ -599,8 +604,12 @@ class Executor:
     ) -> tuple[str, ...]:
         """Audit requests taken by a write whose answer was lost as applied
         (``request_applied``, ``answer_lost``, then each one's own record) and keep them
-        out of the passes whose mirror still shows them (``withdrawn``); their keys."""
+        out of the passes whose mirror still shows them (``withdrawn``); their keys. No
+        longer the uncommitted write's to settle either (``_answered``): an earlier write
+        that took them and did not commit would find them gone with this take's mark
+        and audit them a second time."""
         keys = tuple(self._request_key(a) for a in take)
+        self._answered(keys)
         for key in keys:
             if key in self.request_revisions:
                 self.withdrawn[key] = self.request_revisions[key]
@@ -635,8 +644,11 @@ class Executor:
         applied: list[ClearReadmit | ClearBadDone] = []
         withdrawn: list[str] = []
         unknown: list[str] = []
+        late: tuple[str, ...] = ()  # an uncommitted write's, committed after all
         if only is None and self.uncommitted is not None:
-            withdrawn.extend(await self._settle_uncommitted())
+            late, gone, lost_unknown = await self._settle_uncommitted()
+            withdrawn.extend(gone)
+            unknown.extend(lost_unknown)
         if only is None and self.marks_left:
             await self._unmark(*sorted(self.marks_left))
         for key, a in list(self.lost_takes.items()):
@@ -682,49 +694,45 @@ class Executor:
             )
             _log.warning("request_unknown", keys=unknown)
         if not applied:
-            return ()
-        return self._applied_lost(tuple(applied), "a request deleted, its answer lost")
+            return late
+        return late + self._applied_lost(tuple(applied), "a request deleted, its answer lost")
 
-    async def _settle_uncommitted(self) -> list[str]:
-        """The request keys of the uncommitted write (``uncommitted``) their commands
-        withdrew: gone, while the desired state, read after the key, is not that write's
-        (a write that needs the key as observed cannot commit once it is gone). Those still
-        there are the next pass's, which applies and audits them. Gone with the desired
-        state the write's after all (it committed after the read-back), it is settled as a
-        write whose answer was lost (:meth:`settle_lost`). etcd not answering: kept for
-        the next settle."""
+    async def _settle_uncommitted(self) -> tuple[tuple[str, ...], list[str], list[str]]:
+        """The request keys of the uncommitted write (``uncommitted``) settled by what its
+        transaction left, as a lost take's (``_took``): the key gone and this term's mark
+        there, it committed after all (after the read-back): audited as applied, with the
+        write's phase record, as a lost answer's (:meth:`settle_lost`): returned first; the
+        key gone and no mark, its command withdrew it (the write needs the key as observed:
+        it can no longer commit): returned second; no mark and the term over, unknown:
+        returned third. Those still there are the next pass's, which applies and audits them; a
+        key a later take lost the answer of (``lost_takes``) is that take's to settle.
+        Before, a gone key was called committed when the desired state etcd held equalled
+        the write's: a later write of the same state (the operator asked again) had a
+        withdrawn request audited as applied. etcd not answering: kept for the next
+        settle."""
         lost = self.uncommitted
         if lost is None:
-            return []
+            return (), [], []
+        take = tuple(a for a in lost.take if self._request_key(a) not in self.lost_takes)
         try:
-            gone = [
-                (self._request_key(a), a)
-                for a in lost.take
-                if await self.store.get(self._request_key(a)) is None
-            ]
-            kv = await self.store.get(self.keys.desired) if gone else None
+            took = [(a, await self._took(self._request_key(a))) for a in take]
         except TemporaryError as exc:
             _log.debug("uncommitted_unsettled", error=str(exc))
-            return []
+            return (), [], []
         self.uncommitted = None
-        if not gone:
-            return []
-        held: DesiredState | None = None
-        if kv is not None:
-            try:
-                held = DesiredState.model_validate_json(kv.value)
-            except ValidationError:  # not that write's, whatever it is
-                held = None
-        if held is not None and held == lost.state:
-            # committed after all (after the read-back): its records, as a lost answer's
-            self.lost = lost
-            self.settle_lost(held)
-            return []
-        keys = [key for key, _ in gone]
-        for key in keys:
+        applied = tuple(a for a, t in took if t == "applied")
+        late: tuple[str, ...] = ()
+        if applied:
+            # its marks are there: it committed; its records, as a lost answer's
+            self._phase_record(lost.state, lost.reason, lost.load_directory, answer_lost=True)
+            self.marks_left.update(self.keys.taken(self._request_key(a)) for a in applied)
+            late = self._applied_lost(applied, "a write committed after its read-back")
+        withdrawn = [self._request_key(a) for a, t in took if t == "withdrawn"]
+        unknown = [self._request_key(a) for a, t in took if t == "unknown"]
+        for key in (*withdrawn, *unknown):
             if key in self.request_revisions:  # the mirror may show it a while yet
                 self.withdrawn[key] = self.request_revisions[key]
-        return keys
+        return late, withdrawn, unknown
 
     async def settle_orphan_marks(self) -> tuple[str, ...]:
         """At the start of the term: the takes an earlier leader's term ended without
@@ -762,10 +770,25 @@ class Executor:
                 cause="taken by an earlier leader whose term ended before it settled the "
                 "take (its mark outlived the term)",
             )
-            if mark.kind:
-                record = {k: v for k, v in mark.record.items() if k not in ("epoch", "time")}
+            if mark.bad:  # the take committed; what it did, the record cannot say
                 self.audit.write(
-                    mark.kind, now, epoch=self.epoch, answer_lost=True, taken_epoch=taken, **record
+                    "take_mark_bad",
+                    now,
+                    epoch=self.epoch,
+                    keys=[key],
+                    taken_epoch=taken,
+                    cause=mark.bad,
+                    record=mark.raw,
+                )
+                _log.warning("take_mark_bad", key=kv.key, cause=mark.bad)
+            elif mark.kind:  # the record holds none of the names written here (read_mark)
+                self.audit.write(
+                    mark.kind,
+                    now,
+                    epoch=self.epoch,
+                    answer_lost=True,
+                    taken_epoch=taken,
+                    **mark.record,
                 )
             done.append(key)
             marks.append(kv.key)
@@ -777,7 +800,9 @@ class Executor:
 
     async def _took(self, key: str) -> Literal["applied", "withdrawn", "unknown"] | None:
         """What became of a take of ``key`` whose answer was lost: None while the key is
-        there (the take did not commit, yet); else "applied" if the take's mark is there.
+        there (the take did not commit, yet); else "applied" if the take's mark is there,
+        written by this term (one an earlier term left, under a key of the same name, is
+        not this take's: ``settle_orphan_marks`` audits it).
         Read in this order: once the key is gone, a take that had not committed never
         will (its compare needs the key as observed), and a take that did left its mark,
         there until a leader audits the take and deletes it: this one, or after this term
@@ -787,7 +812,8 @@ class Executor:
         if etcd does not answer."""
         if await self.store.get(key) is not None:
             return None
-        if await self.store.get(self.keys.taken(key)) is not None:
+        mark = await self.store.get(self.keys.taken(key))
+        if mark is not None and read_mark(mark.value).epoch == self.epoch:
             return "applied"
         leader = await self.store.get(self.keys.leader)
         if leader is not None and leader.create_revision == self.epoch:

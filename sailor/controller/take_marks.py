@@ -23,7 +23,13 @@ from typing import Any
 
 from sailor.controller.decision_types import ClearBadDone, ClearReadmit
 
-__all__ = ["TakeMark", "mark_value", "read_mark", "request_record"]
+__all__ = ["RESERVED_FIELDS", "TakeMark", "mark_value", "read_mark", "request_record"]
+
+RESERVED_FIELDS = frozenset({"kind", "time", "sync", "epoch", "answer_lost", "taken_epoch"})
+"""Names the audit record of a take settled from its mark sets itself (``AuditLog.write``'s
+own arguments, and what ``Executor.settle_orphan_marks`` adds): a mark's record naming one
+is no record :func:`request_record` wrote, and, passed on, it raised ``TypeError`` in every
+leader in turn (the mark stays until audited)."""
 
 
 def request_record(a: ClearReadmit | ClearBadDone) -> tuple[str, dict[str, Any]]:
@@ -59,11 +65,14 @@ def mark_value(a: ClearReadmit | ClearBadDone, epoch: int) -> bytes:
 class TakeMark:
     """A mark as a later term reads it. ``epoch`` None and ``kind`` '': an empty mark (a
     release that bound it to the lease and wrote nothing in it) or one that does not parse:
-    the take committed, what it did is not known."""
+    the take committed, what it did is not known. ``bad``: why a mark that parses holds no
+    record to audit (``kind`` '' and ``record`` empty then; ``raw`` the record as found)."""
 
     epoch: int | None
     kind: str
     record: dict[str, Any]
+    bad: str = ""
+    raw: dict[str, Any] | None = None
 
 
 def read_mark(raw: bytes) -> TakeMark:
@@ -82,4 +91,8 @@ def read_mark(raw: bytes) -> TakeMark:
         or not isinstance(record, dict)
     ):
         return TakeMark(None, "", {})
+    reserved = sorted(RESERVED_FIELDS & record.keys())
+    if reserved:
+        why = f"its record names fields the audit record sets itself: {', '.join(reserved)}"
+        return TakeMark(epoch, "", {}, bad=why, raw=record)
     return TakeMark(epoch, str(kind), record)

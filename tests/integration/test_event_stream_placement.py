@@ -19,8 +19,18 @@ from typer.testing import CliRunner
 from sailor.cli.main import app
 from sailor.controller.audit import read_records
 from sailor.controller.daemon import Controller
+from sailor.controller.event_intake import _Placement
 from sailor.controller.status import read_status
-from sailor.coordination import DaemonFailedError, Keys, connect_etcd, connect_nats
+from sailor.coordination import (
+    DaemonFailedError,
+    Keys,
+    ManualClock,
+    TemporaryError,
+    campaign,
+    connect_etcd,
+    connect_nats,
+)
+from sailor.coordination.errors import StreamNotPlacedError
 from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
 from sailor.schemas.runtime import EventStreamState
 from tests.integration.cluster_kit import Cluster, until
@@ -266,3 +276,82 @@ async def until_gone(store: Any, key: str) -> None:
     while await store.get(key) is not None:
         assert time.monotonic() < end, f"{key} still there"
         await asyncio.sleep(0.2)
+
+
+class _Bus:
+    """The bus's placement answer as told: placed, or "no suitable peers" (a shortage).
+    Only ``ensure_stream``'s answer is stood in: what the controller keeps of it goes to
+    a real etcd."""
+
+    def __init__(self) -> None:
+        self.short = False
+
+    async def ensure_stream(self) -> None:
+        if self.short:
+            raise StreamNotPlacedError("stream not placed", reason="no suitable peers")
+
+
+@pytest.mark.parametrize("lost", ["write_answer", "delete", "both"])
+async def test_a_shortage_start_goes_with_its_episode_whatever_etcd_answered(
+    tmp_path: Path, servers: LocalServers, monkeypatch: pytest.MonkeyPatch, lost: str
+) -> None:
+    """Episode 1 of a shortage writes its start (``event-stream-shortage``), and the
+    placement that ends it deletes it; etcd fails one of the two: ``write_answer``, the
+    start's write commits and its answer is lost; ``delete``, the placement's delete fails
+    (the next episode begins before another placement); ``both``. A later episode, long after, is
+    not overdue at its first failure and the key holds its own start, as a next term
+    reads it. Before, a lost answer kept the term's earlier "cleared" and no placement
+    deleted the start; a start this term kept was carried into a new episode (overdue at
+    once), or a failed delete left it to the next term."""
+    clock = ManualClock(start=time.time())
+    cfg = (
+        Cluster(tmp_path, servers)
+        .ctl_config("c1")
+        .model_copy(update={"event_stream_replicas": 3, "event_stream_deadline_s": 60.0})
+    )
+    keys = Keys(job=cfg.job)
+    store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
+    ctl = Controller(cfg, clock=clock)
+    lead = await campaign(store, keys.leader, "c1", 10, timeout=10)
+    try:
+        bus, placement = _Bus(), _Placement()
+        assert await ctl._ensure_stream(bus, store, lead, placement)  # type: ignore[arg-type]
+        bus.short = True  # episode 1
+        if lost in ("write_answer", "both"):
+            real_put = store.put_guarded
+
+            async def answer_lost(*a: Any, **k: Any) -> Any:
+                await real_put(*a, **k)
+                raise TemporaryError("etcd restarted before it answered")
+
+            monkeypatch.setattr(store, "put_guarded", answer_lost)
+        assert not await ctl._ensure_stream(bus, store, lead, placement)  # type: ignore[arg-type]
+        monkeypatch.undo()
+        first = await store.get(keys.event_stream_shortage)
+        assert first is not None
+        bus.short = False  # episode 1 ends, well within the deadline
+        if lost in ("delete", "both"):
+
+            async def refused(*a: Any, **k: Any) -> Any:
+                raise TemporaryError("etcd unavailable")
+
+            monkeypatch.setattr(store, "delete_guarded", refused)
+        assert await ctl._ensure_stream(bus, store, lead, placement)  # type: ignore[arg-type]
+        monkeypatch.undo()
+        if lost == "write_answer":
+            assert await store.get(keys.event_stream_shortage) is None
+        clock.advance(3600.0)  # an hour later, episode 2
+        bus.short = True
+        began = clock.now()
+        assert not await ctl._ensure_stream(bus, store, lead, placement)  # type: ignore[arg-type]
+        assert placement.watch.since == began and not placement.watch.overdue, placement.watch
+        kept = await store.get(keys.event_stream_shortage)
+        assert kept is not None
+        assert EventStreamState.model_validate_json(kept.value).since == began
+        bus.short = False
+        assert await ctl._ensure_stream(bus, store, lead, placement)  # type: ignore[arg-type]
+        assert await store.get(keys.event_stream_shortage) is None
+    finally:
+        await lead.resign()
+        ctl.audit.close()
+        await store.close()

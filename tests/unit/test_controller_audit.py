@@ -361,3 +361,36 @@ def test_a_new_leaders_first_record_holds_every_mark_there_is() -> None:
     # a later phase record of the same term adds marks, as ever; one that is no takeover
     # and lacks a mark does not clear it
     assert check([*term1, phase(5, 2, "teardown", [8])]).marked_bad == [7, 8, 14]
+
+
+def test_a_clear_bad_audited_again_from_its_mark_counts_once() -> None:
+    """Leader 1 clears step 14's mark (``clear_bad r1``) and cannot delete the take's mark
+    before its term ends; 14 is marked bad again (a launch could not read it), and leader
+    2 audits r1 again from the mark (``taken_epoch``). The checker keeps 14 marked: the
+    second record is the same clear, not a new one. Before, it read 14 as cleared again."""
+    commits = [
+        {"kind": "commit", "time": t, "step": s, "dropped": []} for t, s in ((1, 9), (2, 14))
+    ]
+
+    def phase(t: float, gen: int, cause: str) -> dict[str, object]:
+        return {
+            "kind": "phase",
+            "time": t,
+            "phase": "running",
+            "generation": gen,
+            "load_step": 9,
+            "cause": cause,
+            "bad_checkpoints": [14],
+        }
+
+    clear = {"kind": "clear_bad", "time": 4, "request_id": "r1", "who": "ops@h", "cleared": [14]}
+    term1 = [{"kind": "leader", "time": 0.5, "epoch": 1}, *commits, phase(3, 2, "abort"), clear]
+    term1.append(phase(5, 3, "abort"))  # 14 marked again
+    replay = {**clear, "time": 10.2, "epoch": 2, "answer_lost": True, "taken_epoch": 1}
+    term2 = [{"kind": "leader", "time": 10, "epoch": 2}, phase(10.1, 3, "took over"), replay]
+    rep = check([*term1, *term2])
+    assert rep.ok, rep.violations
+    assert rep.marked_bad == [14]
+    # a replay whose first record no log holds (its leader wrote none) counts
+    alone = check([*commits, phase(3, 2, "abort"), replay])
+    assert alone.marked_bad == []

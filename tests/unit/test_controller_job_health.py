@@ -162,3 +162,23 @@ def test_stalled_is_every_node_short_and_all_or_none_of_them_late() -> None:
     one = _d(5, placed=1, phase=Phase.LOAD, phase_since=880.0, phase_deadline=1000.0)
     assert stalled(one, ("n1",), ("n1",)) == ""
     assert stalled(one, (), ("n1",)).startswith("none of the 1 placed node(s)")
+
+
+def test_a_readmitted_node_stays_placed_in_the_count_of_a_hang() -> None:
+    """A readmitted node's SIGABRT of the generation is no evidence against the job, and
+    the node still counts among the placed ones: a hang is charged when more than half of
+    the placed nodes, none of them readmitted, report only SIGABRTs. A two-node job with
+    one node readmitted is never charged a hang in that generation (one node's failure is
+    never the job's); the next generation, with nothing forgiven, is. Counting only the
+    nodes not readmitted would charge two of four on the word of half the layout, in a
+    generation whose failures the operator forgave (decided so: a hang charged late costs
+    one more relaunch, a hang charged wrongly holds the job)."""
+    sigs = {"n1": _abrt(0), "n2": _abrt(1)}
+    two = charge(_d(5, placed=2, forgiven_nodes={"n1": 5}), sigs, 10.0, POLICY)
+    assert two.job == NodeHealth() and two.health == {}
+    after = charge(_d(6, placed=2), sigs, 20.0, POLICY)
+    assert after.job.failures == 1 and after.job.generation == 6 and after.health == {}
+    half = charge(_d(5, forgiven_nodes={"n1": 5, "n2": 5}), _every_rank_aborted(), 10.0, POLICY)
+    assert half.job == NodeHealth() and half.health == {}
+    most = charge(_d(5, forgiven_nodes={"n1": 5}), _every_rank_aborted(), 10.0, POLICY)
+    assert most.job.failures == 1 and "by 3 of the 4 placed node(s)" in most.notes[-1]

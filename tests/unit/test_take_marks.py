@@ -4,8 +4,16 @@ term; an empty or foreign mark reads as a take whose record is not known, never 
 
 from __future__ import annotations
 
+import json
+
 from sailor.controller.decision_types import ClearBadDone, ClearReadmit
-from sailor.controller.take_marks import TakeMark, mark_value, read_mark, request_record
+from sailor.controller.take_marks import (
+    RESERVED_FIELDS,
+    TakeMark,
+    mark_value,
+    read_mark,
+    request_record,
+)
 from sailor.schemas.runtime import CommitRecord
 
 
@@ -43,3 +51,16 @@ def test_an_empty_or_foreign_mark_is_a_take_of_unknown_record() -> None:
         b'{"epoch": true, "kind": "readmit", "record": {}}',
     ):
         assert read_mark(raw) == unknown, raw
+
+
+def test_a_mark_whose_record_names_a_field_the_settle_sets_is_bad() -> None:
+    """A record naming ``kind``, ``time``, ``sync``, ``epoch``, ``answer_lost`` or
+    ``taken_epoch`` (no release writes one): no record to audit, why, and the record as
+    found. Before, it was passed on beside those fields, and ``AuditLog.write`` raised."""
+    for name in sorted(RESERVED_FIELDS):
+        record = {"request_id": "r1", "reason": "x", name: 1}
+        raw = json.dumps({"epoch": 4, "kind": "readmit", "record": record}).encode()
+        mark = read_mark(raw)
+        assert (mark.epoch, mark.kind, mark.record, mark.raw) == (4, "", {}, record), name
+        assert name in mark.bad, mark.bad
+    assert read_mark(mark_value(ClearReadmit("r2", "forgot n2"), epoch=7)).bad == ""
