@@ -393,13 +393,18 @@ class Supervisor(SupervisorStatus, WorkerOutput):
                         self._spare_failures = 0  # a spare that served: they work here
                     polled = w.control
                     self._hand_over(w, rank, cmd.generation, argv, gen_dir)
+                    # tracked before the directive's write: out of reusable and spares, a
+                    # worker whose write failed (a run directory that does not answer) must
+                    # still be killed below, not left running outside every list
+                    w.gpu = gpu_of[rank]
+                    assigned.append(w)
                     await self._direct(w, polled)
                     reused += 1
                 else:
                     w = await self._spawn(rank, argv, gen_dir, cmd.generation)
                     fresh += 1
-                w.gpu = gpu_of[rank]
-                assigned.append(w)
+                    w.gpu = gpu_of[rank]
+                    assigned.append(w)
         except Exception:
             # half a generation must not run (a full disk, a failed fork): the ranks it
             # started are killed, not left behind out of the list (each retry of the
