@@ -164,6 +164,8 @@ class KilledGroups:
         """Those of them past the teardown bound: no worker starts while one is there."""
         self._record = ""
         self._rechecking: asyncio.Task[Any] | None = None
+        self._sweeps: set[asyncio.Task[None]] = set()
+        """The sweeps under way (:meth:`sweep`), until their kill is over (:meth:`sweeps_over`)."""
 
     @property
     def record(self) -> str:
@@ -232,7 +234,17 @@ class KilledGroups:
             return
         _log.warning("worker_left_processes", pid=pgid, rank=w.rank, code=w.exit_code)
         self._signal([w])
-        self._tasks.spawn(f"sweep-{pgid}", self.finish([w]))
+        task = self._tasks.spawn(f"sweep-{pgid}", self.finish([w]))
+        self._sweeps.add(task)
+        task.add_done_callback(self._sweeps.discard)
+
+    async def sweeps_over(self) -> None:
+        """Until the sweeps under way are over (not cancelled with the caller): the
+        supervisor's close waits for them as for its kills, else closing its tasks cancelled
+        a sweep within its grace period and a child that ignores SIGTERM outlived the agent's
+        stop. Once :attr:`closed`, each ends within ``kill_grace_s`` after its SIGKILL."""
+        while self._sweeps:
+            await asyncio.wait([asyncio.shield(t) for t in list(self._sweeps)])
 
     def _signal(self, alive: Sequence[Killable]) -> None:
         """SIGTERM to the groups of ``alive``, recorded first (``KILLED_FILE``)."""

@@ -712,6 +712,8 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             await self.killed_groups.finish(spares)
         self.spares = []
         await self.killed_groups.kill(self._leftovers)
+        # a dead worker's group being swept: its SIGKILL is owed, not cancelled with the tasks
+        await self.killed_groups.sweeps_over()
         await self._tasks.close(timeout=2.0)
         self.run_dir_io.close()
 
