@@ -259,8 +259,11 @@ class KilledGroups:
         # written before the signals: an agent killed in between still finds the groups
         # and sends the SIGKILL they are owed (restore)
         self._save()
+        # EPERM (every member left is another user's: a setuid helper, root's sudo) is no
+        # error here: the probes still find them, and past the bound they linger as any
+        # process that outlives its kill (teardown.group_members takes it so too)
         for w in alive:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGTERM)
 
     async def finish(self, alive: Sequence[Killable], report: bool = True) -> None:
@@ -288,7 +291,7 @@ class KilledGroups:
             born_by, now = boot_ticks(), time.time()
             for w in alive:
                 if w.proc.pid in left:
-                    with contextlib.suppress(ProcessLookupError):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(w.proc.pid, signal.SIGKILL)
                     self._sigkilled[w.proc.pid] = KilledGroup(
                         w.proc.pid, w.rank, w.step, born_by, now, proc=w.proc
@@ -514,7 +517,7 @@ class KilledGroups:
             late: dict[int, dict[int, str]] = {}
             for k in (k for k in saved if there.get(k.pgid)):
                 if not k.sigkilled:  # the kill was cut short: its SIGKILL is due
-                    with contextlib.suppress(ProcessLookupError):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(k.pgid, signal.SIGKILL)
                     k.born_by, k.killed_at, k.sigkilled = boot_ticks(), now, True
                 self._sigkilled[k.pgid] = k

@@ -172,3 +172,24 @@ async def test_a_worker_without_children_costs_no_kill(tmp_path: Path) -> None:
         assert not (tmp_path / "killed.json").exists()
     finally:
         await sup.close()
+
+
+async def test_a_sweep_that_fails_does_not_hide_the_workers_exit(tmp_path: Path) -> None:
+    """A sweep that raises (a bug, an error the kernel gave that it did not expect) is
+    logged; the worker's exit is still handled: its failure is reported. Before, the
+    exception ended the task that waits for the worker: no failure, the state stale."""
+    fails = (
+        "import json, sys; print(json.dumps(dict(event='ready', rank=0)), flush=True); sys.exit(3)"
+    )
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", fails))
+
+    def broken(w: object) -> None:
+        raise RuntimeError("sweep failed")
+
+    sup.killed_groups.sweep = broken  # type: ignore[method-assign]
+    try:
+        await sup.launch(launch_gen(1))
+        await until(lambda: sup.state == "failed", timeout=5.0)
+        assert '"returncode": 3' in sup.failure, sup.failure
+    finally:
+        await sup.close()
