@@ -122,6 +122,12 @@ class RunDirIO:
             )
             raise RunDirTimeoutError(what, timeout_s, holder, holder_s) from None
 
+    def held_s(self) -> float:
+        """How long the work on the thread now has run (0 when idle): past a caller's bound,
+        the thread is stuck and work queued now waits for it."""
+        running = self._running
+        return 0.0 if running is None else time.monotonic() - running[1]
+
     def close(self) -> None:
         """Take no more work; the thread ends after the work already queued (at once when
         there is none: a thread stuck in the kernel stays, a daemon, until it returns)."""

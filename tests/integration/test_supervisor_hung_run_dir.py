@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -26,9 +27,12 @@ from pathlib import Path
 
 import pytest
 
+from sailor.agent.killed_groups import KILLED_FILE
 from sailor.agent.run_dir_io import RunDirTimeoutError
 from sailor.agent.supervisor import Supervisor
 from sailor.agent.worker_view import WorkerView
+from tests.integration.test_supervisor_teardown import _gone, _stat, until
+from tests.integration.test_worker_children import _WITH_GRANDCHILD
 from tests.integration.test_worker_signals import PLAN, launch_of
 
 # Makes its error file a FIFO (no braces: the supervisor formats the argv), says it is ready
@@ -212,5 +216,57 @@ async def test_a_held_worker_whose_directive_does_not_answer_is_killed_with_the_
                 sup.changed.clear()
                 await sup.changed.wait()
         await _directive_times_out(sup, sup.workers[0], 2)
+    finally:
+        await sup.close()
+
+
+async def test_a_killed_record_that_does_not_answer_holds_neither_the_loop_nor_the_kill(
+    tmp_path: Path,
+) -> None:
+    """A worker dies and leaves a grandchild in its group; ``killed.json``, which the sweep
+    writes before its SIGTERM, does not answer. The loop is never held; the record is
+    waited ``io_wait_s`` and the group signalled all the same: the grandchild is gone
+    within seconds. Before, the write ran on the loop and held it until the file answered
+    (3 s here)."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _WITH_GRANDCHILD, "{run_dir}"))
+    sup.io_wait_s = 0.5
+    grandchild = -1
+    fifo = tmp_path / f"{KILLED_FILE}.tmp"
+    try:
+        await sup.launch(launch_of(PLAN))
+        await until(lambda: bool(sup.workers) and sup.workers[0].started)
+        grandchild = int((tmp_path / "gen-00001" / "grandchild.pid").read_text())
+        os.mkfifo(fifo)  # the record's atomic write blocks in its open
+        with _unjammed_later(fifo, 3.0), _Ticker() as ticker:
+            os.kill(sup.workers[0].proc.pid, signal.SIGKILL)
+            await until(lambda: _gone(_stat(grandchild)), timeout=3.0)
+            await until(lambda: not sup.kill_under_way, timeout=3.0)
+            assert ticker.longest < 1.5, ticker.longest  # before: 3 s, until unjammed
+    finally:
+        await sup.close()
+        if grandchild > 0:  # never -1: kill(-1) signals every process we may
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
+
+
+async def test_an_abort_whose_killed_record_does_not_answer_still_signals(
+    tmp_path: Path,
+) -> None:
+    """An abort while ``killed.json`` does not answer returns within ``io_wait_s`` (and
+    the wait for its worker to go), its worker killed, the loop never held. Before, the
+    record's write held the loop until the file answered (3 s here)."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _SLEEPER))
+    sup.io_wait_s = 0.5
+    fifo = tmp_path / f"{KILLED_FILE}.tmp"
+    try:
+        await sup.launch(launch_of(PLAN))
+        w = sup.workers[0]
+        os.mkfifo(fifo)
+        with _unjammed_later(fifo, 3.0), _Ticker() as ticker:
+            t0 = time.monotonic()
+            await sup.abort()
+            assert time.monotonic() - t0 < 0.5 + 1.5
+            assert w.proc.returncode is not None
+            assert ticker.longest < 1.5, ticker.longest  # before: 3 s, until unjammed
     finally:
         await sup.close()
