@@ -14,7 +14,12 @@ directory (:data:`KILLED_FILE`) from their SIGTERM on, so that a restarted agent
 (:meth:`KilledGroups.restore`) starts no rank on a GPU its previous incarnation's rank still
 holds: it SIGKILLs the groups whose kill was cut short before their SIGKILL, goes on killing
 those SIGKILLed less than ``teardown_timeout_s`` ago (within what is left of that bound:
-``going`` counts them, as the kills it began itself) and lets the others linger.
+``going`` counts them, as the kills it began itself) and lets the others linger. The file is
+written on the run directory's thread (:mod:`run_dir_io`), never on the loop: the record a
+SIGTERM needs is waited ``io_wait_s`` at most, then the groups are signalled all the same
+(an agent restarted before the late record lands does not know them: a member that ignores
+SIGTERM gets no SIGKILL from it, and its launch does not wait for them; its own read of the
+file on that hung mount would not answer either).
 
 A worker that exits with no kill under way is *swept* as it is reaped (:meth:`KilledGroups.sweep`):
 what it left in its group (its own children) is killed the same way, and no worker starts
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import os
 import signal
@@ -40,6 +47,7 @@ from typing import Any, Protocol
 import structlog
 
 from sailor.agent.killed_file import KILLED_FILE, KilledGroup, load_killed, save_killed
+from sailor.agent.run_dir_io import RUN_DIR_WAIT_S, RunDirIO, RunDirTimeoutError
 from sailor.agent.teardown import (
     GONE_STATES,
     Teardown,
@@ -126,9 +134,15 @@ class KilledGroups:
         on_record: Callable[[str, str, bool], None],
         on_gone: Callable[[], None],
         teardown_timeout_s: float = TEARDOWN_TIMEOUT_S,
+        io: RunDirIO | None = None,
     ) -> None:
         self.run_dir = run_dir
         """Where :data:`KILLED_FILE` is kept."""
+        self._io = io or RunDirIO(f"sailor-killed-{run_dir.name}")
+        """Writes :data:`KILLED_FILE`, off the loop (the supervisor's run-directory thread:
+        in order with its other file work there)."""
+        self.io_wait_s = RUN_DIR_WAIT_S
+        """How long a write of :data:`KILLED_FILE` is waited for (``Supervisor.io_wait_s``)."""
         self.kill_grace_s = 3.0
         """After SIGTERM, how long a worker's group may take to go before its SIGKILL."""
         self.teardown_timeout_s = teardown_timeout_s
@@ -164,6 +178,8 @@ class KilledGroups:
         """Those of them past the teardown bound: no worker starts while one is there."""
         self._record = ""
         self._rechecking: asyncio.Task[Any] | None = None
+        self._sweeps: set[asyncio.Task[None]] = set()
+        """The sweeps under way (:meth:`sweep`), until their kill is over (:meth:`sweeps_over`)."""
 
     @property
     def record(self) -> str:
@@ -194,16 +210,29 @@ class KilledGroups:
         Only the groups of workers not yet reaped are signalled: the pid of one reaped
         earlier may belong to another process by now (one is swept as it is reaped:
         :meth:`sweep`)."""
-        await self.finish(self.signal(workers), report)
+        await self.finish(self.begin(workers), report, term=True)
 
-    def signal(self, workers: Sequence[Killable]) -> list[Killable]:
-        """The start of a kill, at once (no await): SIGTERM to the groups of ``workers`` not
-        yet reaped, which are returned; from now until :meth:`finish` of them has returned
-        no worker starts (``gate``). Each call with workers to kill must be followed by
-        :meth:`finish` of what it returned (it ends the kill)."""
+    def begin(self, workers: Sequence[Killable]) -> list[Killable]:
+        """The start of a kill, at once (no await): the workers of ``workers`` not yet
+        reaped, returned, are this kill's; from now until :meth:`finish` of them has
+        returned no worker starts (``gate``). Their record and SIGTERM are ``finish``'s
+        first acts (``term=True``), or :meth:`signal`'s. Each call with workers to kill must
+        be followed by :meth:`finish` of what it returned (it ends the kill)."""
         alive = [w for w in workers if w.exit_code is None]
         if alive:
-            self._signal(alive)
+            self._begin(alive)
+        return alive
+
+    async def signal(self, workers: Sequence[Killable]) -> list[Killable]:
+        """:meth:`begin`, then the groups' record and SIGTERM (:meth:`_term`); the workers
+        signalled are returned, for :meth:`finish` (without ``term``)."""
+        alive = self.begin(workers)
+        if alive:
+            try:
+                await self._term(alive)
+            except BaseException:
+                self._ended(alive)
+                raise
         return alive
 
     def sweep(self, w: Killable) -> None:
@@ -231,11 +260,22 @@ class KilledGroups:
         except OSError:  # ProcessLookupError: nothing left
             return
         _log.warning("worker_left_processes", pid=pgid, rank=w.rank, code=w.exit_code)
-        self._signal([w])
-        self._tasks.spawn(f"sweep-{pgid}", self.finish([w]))
+        self._begin([w])
+        task = self._tasks.spawn(f"sweep-{pgid}", self.finish([w], term=True))
+        self._sweeps.add(task)
+        task.add_done_callback(self._sweeps.discard)
 
-    def _signal(self, alive: Sequence[Killable]) -> None:
-        """SIGTERM to the groups of ``alive``, recorded first (``KILLED_FILE``)."""
+    async def sweeps_over(self) -> None:
+        """Until the sweeps under way are over (not cancelled with the caller): the
+        supervisor's close waits for them as for its kills, else closing its tasks cancelled
+        a sweep within its grace period and a child that ignores SIGTERM outlived the agent's
+        stop. Once :attr:`closed`, each ends within ``kill_grace_s`` after its SIGKILL."""
+        while self._sweeps:
+            await asyncio.wait([asyncio.shield(t) for t in list(self._sweeps)])
+
+    def _begin(self, alive: Sequence[Killable]) -> None:
+        """``alive``'s groups are being killed from now on (``going``, no worker starts),
+        recorded in memory; :meth:`_term` writes the record and signals them."""
         self._killing += 1
         self._killed.clear()
         born_by, now = boot_ticks(), time.time()
@@ -244,19 +284,54 @@ class KilledGroups:
             self._sigkilled[w.proc.pid] = KilledGroup(
                 w.proc.pid, w.rank, w.step, born_by, now, sigkilled=False, proc=w.proc
             )
-        # written before the signals: an agent killed in between still finds the groups
-        # and sends the SIGKILL they are owed (restore)
-        self._save()
-        for w in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(w.proc.pid, signal.SIGTERM)
 
-    async def finish(self, alive: Sequence[Killable], report: bool = True) -> None:
-        """The rest of the kill :meth:`signal` began on ``alive``: the grace period, SIGKILL,
-        the wait for the groups to go (see :meth:`kill`)."""
+    async def _term(self, alive: Sequence[Killable]) -> None:
+        """SIGTERM to the groups of ``alive``, recorded first (``KILLED_FILE``): an agent
+        killed in between still finds the groups and sends the SIGKILL they are owed
+        (restore). The record's write is waited ``io_wait_s`` at most (it goes through the
+        run directory's thread: a hung mount there must not hold the loop); past it the
+        groups are signalled all the same, the record to follow whenever the mount answers:
+        leaving workers running (their GPUs, the next launch) for a record that may never be
+        written costs more than what a restart before it lands would miss (the SIGKILL a
+        SIGTERM-proof child is owed, and the wait for these groups to go)."""
+        try:
+            await self._save(before="SIGTERM")
+        finally:  # whatever ended the wait (its bound, a cancel): the signals go
+            # EPERM (every member left is another user's: a setuid helper, root's sudo) is
+            # no error here: the probes still find them, and past the bound they linger as
+            # any process that outlives its kill (teardown.group_members takes it so too)
+            for w in alive:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, signal.SIGTERM)
+
+    def _ended(self, alive: Sequence[Killable]) -> None:
+        """A kill of ``alive`` is over (gone, lingering, or given up): ``going`` no more."""
+        self._going.difference_update(w.proc.pid for w in alive)
+        self._killing -= 1
+        if not self._killing:
+            self._killed.set()
+
+    async def finish(
+        self,
+        alive: Sequence[Killable],
+        report: bool = True,
+        term: bool = False,
+        sent: asyncio.Event | None = None,
+    ) -> None:
+        """The rest of the kill :meth:`begin` (or :meth:`signal`) began on ``alive``: with
+        ``term``, their record and SIGTERM first (``sent`` is set once they are sent); then
+        the grace period, SIGKILL, the wait for the groups to go (see :meth:`kill`)."""
         if not alive:
+            if sent is not None:
+                sent.set()
             return
         try:
+            if term:
+                try:
+                    await self._term(alive)
+                finally:
+                    if sent is not None:
+                        sent.set()
             # a group whose leader was reaped (``sweep``) counts only members started by
             # its SIGTERM: its id may be another group's once ours are all gone
             reaped = {
@@ -271,17 +346,17 @@ class KilledGroups:
                 if w.proc.pid not in left:
                     self._sigkilled.pop(w.proc.pid, None)
             if not left:
-                self._save()
+                await self._save()
                 return
             born_by, now = boot_ticks(), time.time()
             for w in alive:
                 if w.proc.pid in left:
-                    with contextlib.suppress(ProcessLookupError):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(w.proc.pid, signal.SIGKILL)
                     self._sigkilled[w.proc.pid] = KilledGroup(
                         w.proc.pid, w.rank, w.step, born_by, now, proc=w.proc
                     )
-            self._save()  # a restarted agent must know them (restore)
+            await self._save()  # a restarted agent must know them (restore)
             killed = [w for w in alive if w.proc.pid in left]
             bound = self.kill_grace_s if self.closed else self.teardown_timeout_s
             left, elapsed = await self._until_gone(
@@ -296,12 +371,9 @@ class KilledGroups:
                     self._sigkilled.pop(w.proc.pid, None)
             if left:
                 self._linger(left, elapsed, report)
-            self._save()
+            await self._save()
         finally:
-            self._going.difference_update(w.proc.pid for w in alive)
-            self._killing -= 1
-            if not self._killing:
-                self._killed.set()
+            self._ended(alive)
 
     async def _until_gone(
         self,
@@ -457,7 +529,7 @@ class KilledGroups:
         if not gone:
             return
         _log.info("worker_gone_after_teardown", pgids=gone, left=sorted(self._lingering))
-        self._save()
+        await self._save()
         self._restate()
         if not self._lingering and notify:
             self._on_gone()
@@ -476,9 +548,27 @@ class KilledGroups:
         if self._record:
             raise WorkerTeardownError(self._record)
 
-    def _save(self) -> None:
-        """``_sigkilled`` into ``KILLED_FILE`` (``killed_file.save_killed``)."""
-        save_killed(self.run_dir, self._sigkilled.values())
+    async def _save(self, before: str = "") -> None:
+        """``_sigkilled`` as it is now into ``KILLED_FILE`` (``killed_file.save_killed``),
+        on the run directory's thread (in order with the other saves), waited ``io_wait_s``
+        at most; not at all while that thread is stuck past it on earlier work (queued
+        behind it: written once the mount answers, or superseded). ``before``: the signal
+        the record must precede (logged if it could not)."""
+        groups = [dataclasses.replace(k) for k in self._sigkilled.values()]
+        write = functools.partial(save_killed, self.run_dir, groups)
+        what = f"{self.run_dir / KILLED_FILE} not written"
+        try:
+            if self._io.held_s() > self.io_wait_s:
+                self._io.submit(write, what)
+                raise RunDirTimeoutError(what, self.io_wait_s)
+            await self._io.run(write, what, self.io_wait_s)
+        except (RunDirTimeoutError, RuntimeError) as exc:  # stuck, or closed
+            _log.warning(
+                "killed_groups_record_late",
+                before=before or None,
+                pgids=sorted(self._sigkilled),
+                error=str(exc),
+            )
 
     async def restore(self) -> None:
         """At an agent's start: the process groups its previous incarnation signalled and
@@ -502,7 +592,7 @@ class KilledGroups:
             late: dict[int, dict[int, str]] = {}
             for k in (k for k in saved if there.get(k.pgid)):
                 if not k.sigkilled:  # the kill was cut short: its SIGKILL is due
-                    with contextlib.suppress(ProcessLookupError):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(k.pgid, signal.SIGKILL)
                     k.born_by, k.killed_at, k.sigkilled = boot_ticks(), now, True
                 self._sigkilled[k.pgid] = k
@@ -523,7 +613,7 @@ class KilledGroups:
                 self._killing += 1
                 self._killed.clear()
                 self._going.update(k.pgid for k in self._restored)
-        self._save()
+        await self._save()
 
     async def finish_restored(self) -> None:
         """The rest of the kills :meth:`restore` found under way: wait until their groups
@@ -556,7 +646,7 @@ class KilledGroups:
                 k.seconds = max(k.seconds, now - k.killed_at)
             if left:
                 self._linger(left, max(k.seconds for k in restored if k.pgid in left))
-            self._save()
+            await self._save()
         finally:
             self._going.difference_update(k.pgid for k in restored)
             self._killing -= 1

@@ -13,7 +13,8 @@ The file lives in the generation's run directory, which may be on a mount that h
 agent's loop only queues each line (:meth:`RankLog.write` never blocks); a thread of the
 log's own opens the file and writes them. Lines queued and not yet written are bounded
 (:data:`PENDING_CAP_BYTES`): past it they are dropped, counted, and one line in the file
-says how many bytes went missing once it is written again. Before, the loop wrote each line
+says how many bytes went missing once it is written again (or, if no line comes after,
+when the log is closed). Before, the loop wrote each line
 itself: a write that hung held the agent's heartbeats, status and commands.
 """
 
@@ -58,7 +59,8 @@ class RankLog:
         """Bytes taken for the file (queued or written), against ``cap_bytes``."""
         self.capped = False
         self.dropped = 0
-        """Bytes dropped because the file did not keep up (``pending_cap_bytes``)."""
+        """Bytes dropped because the file did not keep up (``pending_cap_bytes``) and not yet
+        said so in it (the next line that fits, or the close, does)."""
         self._closed = False
         self._pending = 0
         self._lock = threading.Lock()
@@ -82,7 +84,7 @@ class RankLog:
                 return
             missed, self.dropped = self.dropped, 0
         if missed:
-            self._put(f"[sailor: {missed} bytes not kept: the log file did not keep up]\n".encode())
+            self._put(_missed_note(missed))
         self.written += len(line)
         self._put(line)
 
@@ -91,6 +93,10 @@ class RankLog:
         not wait: :meth:`wait_closed`)."""
         if not self._closed:
             self._closed = True
+            with self._lock:
+                missed, self.dropped = self.dropped, 0
+            if missed:  # no later line will carry the note: the file's last says so
+                self._put(_missed_note(missed))
             self._lines.put(None)
 
     def wait_closed(self, timeout_s: float) -> bool:
@@ -128,6 +134,11 @@ class RankLog:
         if f is not None:
             _close(f, self.path)
         self._done.set()
+
+
+def _missed_note(missed: int) -> bytes:
+    """The line that says ``missed`` bytes were dropped (the file did not keep up)."""
+    return f"[sailor: {missed} bytes not kept: the log file did not keep up]\n".encode()
 
 
 def _close(f: BinaryIO, path: Path) -> None:

@@ -22,12 +22,15 @@ sent, the kill going on in a task (its workers leave the generation at once; ``k
 counts their groups). A worker that exits without a kill (it failed, was SIGKILLed by the
 OOM killer or an operator, or ended its run) has what it left in its process group killed
 the same way (``KilledGroups.sweep``). The first abnormal exit's cause (error file, else the
-stderr tail) is kept for the agent to report. Every read and write in the run directory
-(the generation's files, control files, a failed worker's error file, the workers' logs)
-runs off the event loop (:mod:`run_dir_io`, :mod:`rank_log`): the directory may be on a
-mount that hangs, and the loop carries the agent's heartbeats, status and commands. Each
-piece is waited ``io_wait_s`` at most; past it the launch or the command fails with the
-cause, and a failed worker's failure says its error file was unreadable. A worker that dies
+stderr tail) is kept for the agent to report. Every write and read in the run directory
+during a run (the generation's files, control files, a failed worker's error file, the
+workers' logs, ``killed.json``) runs off the event loop (:mod:`run_dir_io`,
+:mod:`rank_log`): the directory may be on a mount that hangs, and the loop carries the
+agent's heartbeats, status and commands. Each piece is waited ``io_wait_s`` at most; past it
+the launch or the command fails with the cause, a failed worker's failure says its error
+file was unreadable, and a kill signals its groups all the same, their record to follow
+(``KilledGroups._term``). ``killed.json`` is read back on the loop once, at the agent's
+start (``restore_killed``), before it takes commands. A worker that dies
 without writing its error file (killed by a signal: NCCL's watchdog aborts a rank from a C++
 thread) gets one written here, with the signal, the last step it reported and the Python
 stacks its ``faulthandler`` left (:func:`~sailor.megatron_patch.errors.signal_failure_record`).
@@ -193,18 +196,17 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         self._tasks = TaskSet("supervisor")
         self.run_dir_io = RunDirIO(f"sailor-run-dir-{run_dir.name}")
         """Every file read and write in the run directory (``run_dir_io``): off the loop."""
-        self.io_wait_s = RUN_DIR_WAIT_S
-        """How long one piece of that file work may take before it counts as failed
-        (``RunDirTimeoutError``: its file system does not answer)."""
         self.killed_groups = KilledGroups(
             run_dir,
             self._tasks,
             on_record=self._on_teardown_record,
             on_gone=self._on_teardown_gone,
             teardown_timeout_s=teardown_timeout_s,
+            io=self.run_dir_io,
         )
         """Killed workers' process groups until they are gone: no worker starts while one
         is being killed or lingers past the teardown bound (its record is the failure)."""
+        self.io_wait_s = RUN_DIR_WAIT_S
         self._leftovers: list[WorkerView] = []
         """Held workers an in-place launch had no rank for, being killed in the background."""
         self._doomed: list[WorkerView] = []
@@ -279,6 +281,17 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         if not gone:
             return ""
         return ", ".join(f"rank {w.rank} exited (code {w.exit_code})" for w in gone)
+
+    @property
+    def io_wait_s(self) -> float:
+        """How long one piece of file work in the run directory may take before it counts as
+        failed (``RunDirTimeoutError``: its file system does not answer); the killed groups'
+        record waits as long (``KilledGroups.io_wait_s``)."""
+        return self.killed_groups.io_wait_s
+
+    @io_wait_s.setter
+    def io_wait_s(self, seconds: float) -> None:
+        self.killed_groups.io_wait_s = seconds
 
     @property
     def kill_grace_s(self) -> float:
@@ -393,13 +406,18 @@ class Supervisor(SupervisorStatus, WorkerOutput):
                         self._spare_failures = 0  # a spare that served: they work here
                     polled = w.control
                     self._hand_over(w, rank, cmd.generation, argv, gen_dir)
+                    # tracked before the directive's write: out of reusable and spares, a
+                    # worker whose write failed (a run directory that does not answer) must
+                    # still be killed below, not left running outside every list
+                    w.gpu = gpu_of[rank]
+                    assigned.append(w)
                     await self._direct(w, polled)
                     reused += 1
                 else:
                     w = await self._spawn(rank, argv, gen_dir, cmd.generation)
                     fresh += 1
-                w.gpu = gpu_of[rank]
-                assigned.append(w)
+                    w.gpu = gpu_of[rank]
+                    assigned.append(w)
         except Exception:
             # half a generation must not run (a full disk, a failed fork): the ranks it
             # started are killed, not left behind out of the list (each retry of the
@@ -668,19 +686,28 @@ class Supervisor(SupervisorStatus, WorkerOutput):
             self.expect_exit = True
             doomed, self.workers = self.workers, []
         self._doomed.extend(doomed)
-        signalled = self.killed_groups.signal(doomed)  # SIGTERM now, before this returns
-        kill = self._tasks.spawn("abort", self._end_abort(doomed, signalled))
+        alive = self.killed_groups.begin(doomed)  # no worker starts from now on
+        sent = asyncio.Event()
+        kill = self._tasks.spawn("abort", self._end_abort(doomed, alive, sent))
         self._kills.add(kill)
         kill.add_done_callback(self._kills.discard)
         self.changed.set()
+        # the SIGTERMs, before this returns (their record first, bounded: ``io_wait_s``)
+        waiter = asyncio.ensure_future(sent.wait())
+        try:
+            await asyncio.wait({waiter, kill}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
         if wait:
             await self._kills_over()
 
-    async def _end_abort(self, doomed: list[WorkerView], alive: Sequence[Killable]) -> None:
-        """The rest of an abort's kill (``KilledGroups.finish``), then the failure: a
-        process that outlived SIGKILL stays reported."""
+    async def _end_abort(
+        self, doomed: list[WorkerView], alive: Sequence[Killable], sent: asyncio.Event
+    ) -> None:
+        """An abort's kill (``KilledGroups.finish``: the record and SIGTERM, ``sent`` set
+        then, the rest), then the failure: a process that outlived SIGKILL stays reported."""
         try:
-            await self.killed_groups.finish(alive)
+            await self.killed_groups.finish(alive, term=True, sent=sent)
         finally:
             self._doomed = [w for w in self._doomed if w not in doomed]
         await self.killed_groups.recheck()
@@ -700,14 +727,17 @@ class Supervisor(SupervisorStatus, WorkerOutput):
         await self._kills_over()  # closed: within the grace period after their SIGKILL
         # the spares hold nothing and leave at SIGTERM at once: signalled now, beside the
         # workers' grace period rather than after it
-        spares = self.killed_groups.signal(self.spares)
+        spares = self.killed_groups.begin(self.spares)
+        spares_kill = self._tasks.spawn("spares-kill", self.killed_groups.finish(spares, term=True))
         try:
             await self.killed_groups.kill(self._launching)
             await self.abort()
         finally:
-            await self.killed_groups.finish(spares)
+            await asyncio.wait([spares_kill])
         self.spares = []
         await self.killed_groups.kill(self._leftovers)
+        # a dead worker's group being swept: its SIGKILL is owed, not cancelled with the tasks
+        await self.killed_groups.sweeps_over()
         await self._tasks.close(timeout=2.0)
         self.run_dir_io.close()
 

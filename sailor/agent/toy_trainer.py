@@ -14,9 +14,11 @@ Protocol (shared with the real worker's adapter):
   directories below ``P``, and (K a list: the steps of saves the controller gave up on) every
   step of K at or above ``P`` that was committed when its save began, its ``COMMIT`` still
   the one it saw (``checkpoint/unrecorded.py``'s rule), naming them in its ``saved`` line
-  (``"deleted"``). The toy's ranks share no collective to agree a later step on, so each
-  saves at exactly ``S``; an optional save (the controller's periodic checkpoint) that a rank
-  learns of only after it passed ``S`` is a save it missed: it leaves a ``rank-R.missed``
+  (``"deleted"``); a deletion that fails (``OSError``) after the commit leaves the save
+  ``saved``, its error on stderr (the real worker's ``retention_error``). The toy's ranks
+  share no collective to agree a later step on, so each saves at exactly ``S``; an optional
+  save (the controller's periodic checkpoint) that a rank learns of only after it passed
+  ``S`` is a save it missed: it leaves a ``rank-R.missed``
   marker in the step's directory and prints ``{"event": "save_failed", "step", "error"}``, and
   rank 0 gives that save up at once (a ``save_failed`` line, nothing committed) instead of
   waiting for the part (rank 0 clears the step's markers when its own save of it starts: those
@@ -132,8 +134,18 @@ def _save(
             _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
             _write_atomic(d / "COMMIT", str(step))
             below = min(prune_below, step)
-            _prune(root, below)
-            return _prune_unrecorded(root, seen, drop_steps or [], step, below)
+            try:
+                _prune(root, below)
+                return _prune_unrecorded(root, seen, drop_steps or [], step, below)
+            except OSError as exc:
+                # committed: the save stands, its retention's failure is reported beside it
+                # (the real worker's ``retention_error``), never the save's failure
+                print(
+                    f"checkpoint retention of step {step}: {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return []
         time.sleep(0.01)
     why = f"not every rank saved step {step} within {timeout}s"
     raise _SaveGivenUpError(why) if optional else TimeoutError(why)

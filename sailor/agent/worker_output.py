@@ -155,8 +155,12 @@ class WorkerOutput:
     async def _wait(self, w: WorkerView) -> None:
         code = await exit_of(w.proc)
         w.exit_code = code
-        # what it left in its process group (its own children) goes with it
-        self.killed_groups.sweep(w)
+        # what it left in its process group (its own children) goes with it; a sweep that
+        # fails is logged, never skips the exit (its failure unrecorded, the view stale)
+        try:
+            self.killed_groups.sweep(w)
+        except Exception:
+            _log.exception("worker_sweep_failed", pid=w.proc.pid, rank=w.rank, code=code)
         if w.readers:  # its last lines, unless a child of it holds its pipes open still
             await asyncio.wait(w.readers, timeout=_READERS_S)
         if w.tasks is not None:

@@ -8,7 +8,8 @@ storage (:func:`storage_of`) when
   same scheme and bucket (the URL's authority): the same endpoint and bucket;
 - both are local paths whose file system is one, found from the process's mount table
   (``/proc/self/mountinfo``: :func:`parse_mountinfo`, read by :func:`read_mounts`) by the
-  longest mount point that is a prefix of the path: the same device (``major:minor``: a
+  longest mount point that is a prefix of the path, and not hidden by a later mount at or
+  above it: the same device (``major:minor``: a
   bind mount of the file system and the mount itself count as one), or, for network file
   systems whose source names a server (NFS ``host:/export``, CIFS ``//host/share``), the
   same server: a server gone hangs every mount of its exports.
@@ -17,7 +18,9 @@ Never a ``stat``, ``realpath`` or ``open`` of the root: on a hung mount each wou
 So a path is judged as written (normalised, made absolute against the working directory): a
 root reached through a symbolic link into another mount is judged by where the link lives.
 Without a mount table (not Linux, unreadable) a local root is its own storage (its
-normalised path), as before mounts were looked at. Pure, but for :func:`read_mounts`.
+normalised path), as before mounts were looked at; so is a root on an automounter's
+trigger (``autofs``: the server it mounts there on first use is not in the table yet).
+Pure, but for :func:`read_mounts`.
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ def parse_mountinfo(text: str) -> tuple[Mount, ...]:
 
 def read_mounts(path: str = MOUNTINFO) -> tuple[Mount, ...]:
     """This process's mount table; empty if it cannot be read (then roots are compared as
-    paths). Reading it asks the kernel, not a mounted file system: it does not hang on a
-    hung mount."""
+    paths). Reading it asks the kernel, not a mounted file system, but it takes the mount
+    namespace's lock: while an unmount of a hung mount is stuck it can block too (callers
+    that must not wait read it on a thread, bounded: ``ckpt_glue``)."""
     try:
         return parse_mountinfo(Path(path).read_text(encoding="utf-8", errors="surrogateescape"))
     except OSError:
@@ -118,17 +122,29 @@ def storage_of(root: str, mounts: Sequence[Mount], cwd: str = "/") -> str:
     if "://" in r:
         u = urlsplit(r)
         return f"url:{u.scheme.lower()}://{u.netloc}"
-    path = posixpath.normpath(posixpath.join(cwd, r))
-    best: Mount | None = None
-    for m in mounts:  # the longest prefix; of equal ones the last (mounted over the others)
-        if _under(path, m.mount_point) and (
-            best is None or len(m.mount_point) >= len(best.mount_point)
-        ):
-            best = m
-    if best is None:
+    # normpath keeps a leading '//' (POSIX leaves it to the system); Linux takes it as '/'
+    path = "/" + posixpath.normpath(posixpath.join(cwd, r)).lstrip("/")
+    best = _mount_of(path, mounts)
+    if best is None or best.fstype == "autofs":
+        # an automounter's trigger: what it mounts there (each server of /net) is not in
+        # the table until first used, so the path is all that is known
         return f"path:{path}"
     server = _server(best)
     return f"server:{server}" if server else f"dev:{best.device}"
+
+
+def _mount_of(path: str, mounts: Sequence[Mount]) -> Mount | None:
+    """The mount ``path`` is on: of the mounts whose point is a prefix of it, the one with
+    the longest point that no later mount hides. A later mount at or above a point hides
+    what was mounted there (``/mnt/x/y`` mounted, then ``/mnt/x`` over it: ``/mnt/x/y/c``
+    is on the second). A mount hiding one of these is one of these too (its point is a
+    prefix of theirs, so of the path): only they are looked at, in the table's order."""
+    seen: list[Mount] = []
+    for m in mounts:
+        if _under(path, m.mount_point):
+            seen = [e for e in seen if not _under(e.mount_point, m.mount_point)]
+            seen.append(m)
+    return max(seen, key=lambda m: len(m.mount_point), default=None)
 
 
 def same_storage(a: str, b: str, mounts: Sequence[Mount], cwd: str | None = None) -> bool:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,6 +51,8 @@ from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
+
+T = TypeVar("T")
 
 __all__ = [
     "CheckpointSaves",
@@ -202,6 +206,28 @@ skipped, or refused if required under a root on the same storage
 within its commit poll (20 ms) and a writer's write of a healthy disk within the save's own
 persist time; a hung mount never: this bounds what it costs training at each save."""
 
+MOUNTS_WAIT_S = 1.0
+"""How long a save waits for the mount table (``mounts.read_mounts``, on a thread) before it
+judges by the last one read. The kernel answers in a millisecond, unless an unmount of a hung
+mount is stuck holding the namespace's lock: the save must not stick there with it."""
+
+
+def _in_thread(fn: Callable[[], T], name: str) -> Future[T]:
+    """``fn()`` on a daemon thread of its own (one stuck in the kernel never holds the
+    interpreter's exit), its result in the future returned."""
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # the caller's to judge
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
 
 def _close_quietly(ck: Checkpointer) -> None:
     """Close a checkpointer whose save is over (it does not block): its failure was
@@ -224,8 +250,10 @@ class CheckpointSaves:
         """Reads the process's mount table (``mounts.read_mounts``), which tells which
         roots share a storage (:meth:`_refuse_while_abandoned_writes`)."""
         self._mounts: Sequence[Mount] | None = None
-        """The table as read at the last save while no abandoned write was tracked: one
-        read while every mount seemed healthy, not while one may hang."""
+        """The table as last read (:meth:`_fresh_mounts`: at every save, bounded)."""
+        self._mounts_read: Future[Sequence[Mount]] | None = None
+        """The table's read under way, or the last one: one at a time (a stuck read holds
+        one thread, not one per save)."""
         # one per (root, retention): a save's ``keep`` is its own, not the first save's
         self._by_root: dict[tuple[str, int | None], Checkpointer] = {}
         # the stored-layout copies' buffers, shared by every root's checkpointer
@@ -298,8 +326,7 @@ class CheckpointSaves:
         # before it began and none snapshots; ``wait`` raises it (the worker's save poll
         # agrees it). Raising here left the other ranks in that collective.
         failure: Exception | None = None
-        if not self._abandoned or self._mounts is None:
-            self._mounts = self._read_mounts()
+        self._fresh_mounts()  # which roots share a storage with a write still running
         try:
             self._refuse_while_abandoned_writes(root, optional, rank)
             params, g = state()
@@ -312,6 +339,27 @@ class CheckpointSaves:
             return 0.0
         self._in_flight = ck
         return ck.save(params, g, prune_below=prune_below, owned=owned, drop_steps=drop_steps)
+
+    def _fresh_mounts(self) -> None:
+        """Read the mount table again into ``_mounts``, on a thread, waited
+        ``MOUNTS_WAIT_S`` at most; past it (or failing) the last table read stays, and the
+        read goes on: the next save takes its result if it has ended by then. Read at every
+        save, not kept from one while no write was tracked: an
+        automounter (``autofs``, ``/net/<server>``) mounts a server at its first use, after
+        such a read, and a table without it took every server there for one."""
+        if self._mounts_read is None or self._mounts_read.done():
+            self._mounts_read = _in_thread(self._read_mounts, "sailor-mountinfo")
+        try:
+            self._mounts = self._mounts_read.result(timeout=MOUNTS_WAIT_S)
+        except TimeoutError:
+            print(
+                f"checkpoint: the mount table did not answer within {MOUNTS_WAIT_S:g} s:"
+                " roots judged by the one read before",
+                file=sys.stderr,
+                flush=True,
+            )
+        except Exception as exc:  # a reader's own failure: the last table stays
+            print(f"checkpoint: the mount table unread: {exc!r}", file=sys.stderr, flush=True)
 
     def lend_copies(
         self, plan: Plan, rank: int, tp_group: Any, root: str, keep: int | None = None
@@ -334,8 +382,9 @@ class CheckpointSaves:
           bytes per parameter the rank writes: hundreds of GB per node at 70B);
         - a required save under a root on the same storage (``mounts.same_storage``: the
           same root, another directory of one mounted file system or of one NFS/CIFS
-          server, the same bucket; judged from the mount table read at the last save while
-          nothing was tracked, never a ``stat``, which would hang on a hung mount too):
+          server, the same bucket; judged from the mount table read again at this save,
+          or the last one read if it does not answer in ``MOUNTS_WAIT_S``
+          (:meth:`_fresh_mounts`), never a ``stat``, which would hang on a hung mount too):
           ``AbandonedWriteError``. That storage is not known good: a write there has not
           ended in a save's interval, and a new one would most likely hang the same way, in
           a wait that never ends (the hold's save has only the controller's deadline; every

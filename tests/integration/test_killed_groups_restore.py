@@ -143,7 +143,7 @@ async def test_a_restarted_agent_sigkills_what_an_interrupted_kill_left(tmp_path
         await until(lambda: bool(first.workers) and first.workers[0].started)
         leader = first.workers[0].proc.pid
         child = int((tmp_path / "gen-00001" / "child.pid").read_text())
-        first.killed_groups.signal(first.workers)  # SIGTERM sent; no SIGKILL will follow
+        await first.killed_groups.signal(first.workers)  # SIGTERM sent; no SIGKILL will follow
         (saved,) = _saved(tmp_path)
         assert (saved["pgid"], saved["sigkilled"]) == (leader, False)
         await until(lambda: _gone(leader))  # a zombie: its child holds its stderr open
@@ -192,7 +192,7 @@ async def test_an_agent_sends_the_owed_sigkill_before_its_node_check(tmp_path: P
         await until(lambda: bool(first.workers) and first.workers[0].started)
         leader = first.workers[0].proc.pid
         child = int((run_dir / "gen-00001" / "child.pid").read_text())
-        first.killed_groups.signal(first.workers)
+        await first.killed_groups.signal(first.workers)
         await until(lambda: _gone(leader))
         assert not _gone(child)
         await agent._run()

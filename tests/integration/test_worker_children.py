@@ -108,6 +108,30 @@ async def test_the_next_launch_waits_for_a_dead_workers_stubborn_child(tmp_path:
                 os.kill(child, signal.SIGKILL)
 
 
+async def test_close_during_a_sweep_still_sigkills_the_stubborn_child(tmp_path: Path) -> None:
+    """The agent stops while a dead worker's group is being swept and its child ignores
+    SIGTERM: the close waits for the sweep, whose SIGKILL comes after the grace period, and
+    the child is gone once it returns. Before, closing the supervisor's tasks (2 s) cancelled
+    the sweep inside its grace period (2.5 s here): no SIGKILL, the child outlived the agent."""
+    sup = Supervisor(tmp_path, worker_argv=_STUBBORN_ARGV)
+    sup.kill_grace_s = 2.5  # longer than the tasks' close (2 s)
+    child = -1
+    try:
+        await sup.launch(launch_gen(1))
+        await until(lambda: bool(sup.workers) and sup.workers[0].started)
+        child = int((tmp_path / "gen-00001" / "child.pid").read_text())
+        sup.workers[0].proc.send_signal(signal.SIGKILL)
+        await until(lambda: sup.kill_under_way, timeout=2.0)
+        await sup.close()
+        await until(lambda: _gone(_stat(child)), timeout=1.0)
+        assert not sup.kill_under_way
+    finally:
+        await sup.close()
+        if child > 0:  # never -1: kill(-1) signals every process we may
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
 async def test_a_worker_that_ends_its_run_leaves_no_child_behind(tmp_path: Path) -> None:
     """A worker that exits 0 (its run is over) with a child still running: the child goes
     too, and the exit is no failure."""
@@ -146,5 +170,26 @@ async def test_a_worker_without_children_costs_no_kill(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
         assert not sup.kill_under_way and sup.killing == 0
         assert not (tmp_path / "killed.json").exists()
+    finally:
+        await sup.close()
+
+
+async def test_a_sweep_that_fails_does_not_hide_the_workers_exit(tmp_path: Path) -> None:
+    """A sweep that raises (a bug, an error the kernel gave that it did not expect) is
+    logged; the worker's exit is still handled: its failure is reported. Before, the
+    exception ended the task that waits for the worker: no failure, the state stale."""
+    fails = (
+        "import json, sys; print(json.dumps(dict(event='ready', rank=0)), flush=True); sys.exit(3)"
+    )
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", fails))
+
+    def broken(w: object) -> None:
+        raise RuntimeError("sweep failed")
+
+    sup.killed_groups.sweep = broken  # type: ignore[method-assign]
+    try:
+        await sup.launch(launch_gen(1))
+        await until(lambda: sup.state == "failed", timeout=5.0)
+        assert '"returncode": 3' in sup.failure, sup.failure
     finally:
         await sup.close()

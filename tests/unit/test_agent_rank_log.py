@@ -39,17 +39,18 @@ def test_a_file_that_does_not_answer_never_blocks_the_writer(tmp_path: Path) -> 
     """The log's file is a FIFO nobody reads: opening it for writing blocks in the kernel,
     as a file on a hard-mounted NFS whose server went away does. Writes return at once
     (before, the first one blocked the agent's event loop for as long as the open did);
-    past the pending cap lines are dropped, counted, and said so once the file answers."""
+    past the pending cap lines are dropped, counted, and said so once the file answers (by
+    the close here: no line comes after them)."""
     fifo = tmp_path / "hung.log"
     os.mkfifo(fifo)
     log = RankLog(fifo, pending_cap_bytes=100)
     t0 = time.monotonic()
     for i in range(50):
         log.write(b"line %02d" % i)  # 8 bytes each: 12 fit under the pending cap
+    assert log.dropped == 8 * (50 - 12)
     log.close()
     assert time.monotonic() - t0 < 0.5
     assert not log.wait_closed(0.2)  # its thread is still stuck in the open
-    assert log.dropped == 8 * (50 - 12)
 
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
@@ -58,6 +59,8 @@ def test_a_file_that_does_not_answer_never_blocks_the_writer(tmp_path: Path) -> 
     reader.join(5.0)
     text = got[0].decode()
     assert text.startswith("line 00\n") and "line 11\n" in text and "line 12" not in text
+    # no line came after the drops: the close says so (before: the file ended at line 11)
+    assert text.endswith("line 11\n[sailor: 304 bytes not kept: the log file did not keep up]\n")
 
 
 def test_lines_dropped_while_the_file_lagged_are_counted_in_it(tmp_path: Path) -> None:

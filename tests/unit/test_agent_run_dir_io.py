@@ -34,11 +34,19 @@ async def test_stuck_work_times_out_its_wait_and_work_behind_it_is_dropped() -> 
     ran: list[str] = []
     try:
         t0 = time.monotonic()
-        with pytest.raises(RunDirTimeoutError, match=r"error file x unreadable within 0\.2 s"):
+        with pytest.raises(
+            RunDirTimeoutError, match=r"error file x unreadable within 0\.2 s"
+        ) as first:
             await io.run(release.wait, "error file x unreadable", 0.2)
         assert 0.2 <= time.monotonic() - t0 < 1.0
-        with pytest.raises(RunDirTimeoutError):
+        assert first.value.holder == ""  # its own file did not answer
+        with pytest.raises(RunDirTimeoutError) as late:
             await io.run(lambda: ran.append("late"), "control not written", 0.1)
+        # the wait behind it names the work that holds the thread, and for how long (before:
+        # only itself, as if its own file had not answered)
+        assert late.value.holder == "error file x unreadable"
+        assert 0.3 <= late.value.holder_s < 2.0
+        assert "the thread is still on error file x unreadable, for " in str(late.value)
         release.set()
         assert await io.run(lambda: ran.append("now") or ran, "control not written", 5.0) == ["now"]
     finally:

@@ -53,6 +53,9 @@ def test_parse_reads_point_device_type_and_source_skipping_odd_lines() -> None:
         ("/mnt/share/x", "server:nas"),
         ("/data/ckpt/run", "dev:8:17"),  # a bind mount of /data's file system: one storage
         ("/scratch/a", "dev:0:61"),  # mounted over: the last one hides the first
+        ("//nfs/a", "server:filer.example"),  # a leading '//' is '/' (normpath keeps it)
+        ("file:////nfs/a", "server:filer.example"),
+        ("///nfs/a", "server:filer.example"),
         ("s3://bucket/a/b", "url:s3://bucket"),
         ("S3://bucket/", "url:s3://bucket"),
         ("gs://other/a", "url:gs://other"),
@@ -73,6 +76,34 @@ def test_roots_on_one_storage() -> None:
     assert not same_storage("/nfs/a", "/home/a", t)
     assert not same_storage("/nfs/a", "/mnt/share/a", t)  # another server
     assert same_storage("ckpt", "/nfs/ckpt", t, cwd="/nfs")  # relative: from cwd
+
+
+def test_a_mount_over_a_parent_hides_the_mounts_below_it() -> None:
+    """``/mnt/x/y`` (NFS) mounted, then ``/mnt/x`` (tmpfs) over its parent: a path under
+    ``/mnt/x/y`` is on the tmpfs now. Before, the longest point won: the hidden NFS mount."""
+    t = (
+        Mount("/", "8:1", "ext4", "/dev/sda1"),
+        Mount("/mnt/x/y", "0:50", "nfs4", "filer:/export"),
+        Mount("/mnt/x", "0:60", "tmpfs", "tmpfs"),
+        Mount("/mnt/z/w", "0:51", "nfs4", "other:/export"),  # under no later mount: seen
+    )
+    assert storage_of("/mnt/x/y/c", t) == "dev:0:60"
+    assert storage_of("/mnt/z/w/c", t) == "server:other"
+    assert not same_storage(
+        "/mnt/x/y/c", "/nfs/filer-root", (*t, Mount("/nfs", "0:52", "nfs4", "filer:/"))
+    )
+
+
+def test_a_root_on_an_automounter_trigger_is_judged_by_its_path() -> None:
+    """``/net`` is an autofs trigger: its servers' mounts are not in the table until first
+    used. Two roots there are two storages unless their paths are one (before: one device,
+    the trigger's, for every server under it)."""
+    t = (Mount("/", "8:1", "ext4", "/dev/sda1"), Mount("/net", "0:40", "autofs", "-hosts"))
+    assert storage_of("/net/hostA/ckpt", t) == "path:/net/hostA/ckpt"
+    assert not same_storage("/net/hostA/ckpt", "/net/hostB/ckpt", t)
+    assert same_storage("/net/hostA/ckpt", "/net/hostA/x/../ckpt", t)
+    mounted = (*t, Mount("/net/hostA", "0:50", "nfs4", "hostA:/"))
+    assert storage_of("/net/hostA/ckpt", mounted) == "server:hosta"  # once mounted
 
 
 def test_without_a_mount_table_roots_are_compared_as_paths() -> None:

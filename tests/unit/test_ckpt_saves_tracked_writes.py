@@ -206,3 +206,88 @@ def test_roots_are_one_storage_by_mount_device_or_network_server(
         assert not saves.done() and len(saves._by_root) == 1
     finally:
         _end(saves, hung)
+
+
+def test_the_mount_table_is_read_again_at_a_save_while_a_write_is_tracked(
+    hung: _GatedFirst, tmp_path: Path
+) -> None:
+    """Two NFS servers mounted after the first save (an automounter mounts each at its first
+    use): a required save on the other server goes ahead while the first's write hangs.
+    Before, the table was not read again while a write was tracked: the one read before,
+    without those mounts, put both roots on the root file system and refused the save."""
+    a, b = str(tmp_path / "hostA" / "ckpt"), str(tmp_path / "hostB" / "ckpt")
+    before = (Mount("/", "8:1", "ext4", "/dev/sda1"),)
+    after = (
+        *before,
+        Mount(str(tmp_path / "hostA"), "0:50", "nfs4", "hostA:/"),
+        Mount(str(tmp_path / "hostB"), "0:51", "nfs4", "hostB:/"),
+    )
+    reads = [before]
+    saves = CheckpointSaves(mounts=lambda: reads[-1])
+    try:
+        saves.save(_state_at(3), _two_stage_plan(), 0, None, a, optional=True)
+        assert hung.entered.wait(10)
+        reads.append(after)
+        saves.abandon()
+        saves.save(_state_at(4), _two_stage_plan(), 0, None, b)
+        assert not saves.done()  # in flight: not refused
+    finally:
+        _end(saves, hung)
+
+
+def test_roots_under_an_automounter_trigger_are_told_apart_by_path(
+    hung: _GatedFirst, tmp_path: Path
+) -> None:
+    """Both roots under an autofs trigger (``/net``) whose servers' mounts are not in the
+    table: they are judged by path, and a required save under the other server's goes
+    ahead. Before, both were on the trigger's device: refused."""
+    net = str(tmp_path / "net")
+    table = (Mount("/", "8:1", "ext4", "/dev/sda1"), Mount(net, "0:40", "autofs", "-hosts"))
+    saves = CheckpointSaves(mounts=lambda: table)
+    try:
+        saves.save(_state_at(3), _two_stage_plan(), 0, None, f"{net}/hostA/ckpt", optional=True)
+        assert hung.entered.wait(10)
+        saves.abandon()
+        saves.save(_state_at(4), _two_stage_plan(), 0, None, f"{net}/hostB/ckpt")
+        assert not saves.done()  # in flight: not refused
+    finally:
+        _end(saves, hung)
+
+
+def test_a_mount_table_that_does_not_answer_holds_a_save_no_longer_than_its_bound(
+    hung: _GatedFirst, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table's read blocks (an unmount stuck on the namespace's lock): the save waits
+    ``MOUNTS_WAIT_S`` for it, then judges by the table read before (here: both roots from
+    one NFS server, refused), and the stuck read is not started again at the next save."""
+    monkeypatch.setattr(ckpt_glue, "MOUNTS_WAIT_S", 0.2)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    table = (
+        Mount("/", "8:1", "ext4", "/dev/sda1"),
+        Mount(a, "0:50", "nfs4", "filer:/one"),
+        Mount(b, "0:51", "nfs4", "filer:/two"),
+    )
+    stuck = threading.Event()
+    calls: list[int] = []
+
+    def read() -> tuple[Mount, ...]:
+        calls.append(1)
+        if len(calls) > 1:
+            stuck.wait(30)
+        return table
+
+    saves = CheckpointSaves(mounts=read)
+    try:
+        saves.save(_state_at(3), _two_stage_plan(), 0, None, a, optional=True)
+        assert hung.entered.wait(10)
+        saves.abandon()
+        for step in (4, 5):
+            t0 = time.monotonic()
+            saves.save(_state_at(step), _two_stage_plan(), 0, None, b)
+            assert time.monotonic() - t0 < 0.2 + 0.2 + 1.0  # the bound, ABANDONED_WAIT_S
+            with pytest.raises(AbandonedWriteError):
+                saves.wait()
+        assert len(calls) == 2  # the stuck read is waited for again, not started again
+    finally:
+        stuck.set()
+        _end(saves, hung)

@@ -204,3 +204,22 @@ def test_a_required_save_failing_on_storage_still_fails_the_rank(tmp_path: Path)
     for r in (0, 1):
         err = json.loads((tmp_path / f"error-{r}.json").read_text())
         assert err["error"] == "NotADirectoryError" and err["rank"] == r, err
+
+
+def test_a_committed_save_whose_retention_fails_is_saved(tmp_path: Path) -> None:
+    """The save of step 3 commits; its retention (``prune_below`` 3) fails on an older
+    step's directory (its ``COMMIT`` is a directory: the unlink raises). The save is
+    reported ``saved`` and training goes on; the retention's error goes to stderr, as the
+    real worker's ``retention_error`` does. Before, it was reported ``save_failed``: a
+    committed checkpoint the controller would not record."""
+    root = tmp_path / "ckpt"
+    (root / "sim" / "step-00000001" / "COMMIT").mkdir(parents=True)
+    for r in (0, 1):
+        body = {"save_step": SAVE, "save_dir": str(root), "save_optional": True, "prune_below": 3}
+        (tmp_path / f"control-{r}.json").write_text(json.dumps(body))
+    codes, lines = _run_both(tmp_path)
+    assert codes == [0, 0]
+    assert not any(x["event"] == "save_failed" for x in lines[0]), lines[0]
+    assert [x["step"] for x in lines[0] if x["event"] == "saved"] == [SAVE], lines[0]
+    assert (root / "sim" / f"step-{SAVE:08d}" / "COMMIT").read_text() == str(SAVE)
+    assert [x["step"] for x in lines[0] if x["event"] == "step"][-1] == STEPS
