@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from sailor.schemas._base import SCHEMA_VERSION, Frozen, WireMessage, field_error
 from sailor.schemas.zones import region_of
 
-__all__ = ["GPUSpec", "NodeSpec", "Pool", "PoolEntry", "TorchRuntime", "Zone"]
+__all__ = ["MAX_GPUS_PER_NODE", "GPUSpec", "NodeSpec", "Pool", "PoolEntry", "TorchRuntime", "Zone"]
 
 
 class GPUSpec(Frozen):
