@@ -103,7 +103,10 @@ def decide_prune(steps: Sequence[int], *, below_step: int, committed_step: int) 
 
 
 def scan(storage: Storage) -> list[StepListing]:
-    """List every step directory with its files and commit state."""
+    """List every step directory with its files and commit state. Raises, judging nothing,
+    on a committed step whose manifest this release cannot take (a newer release's:
+    ValidationError) or refuses for a shard path (``CorruptCheckpointError.debris`` False):
+    taken for debris, it would be deleted."""
     out: list[StepListing] = []
     for name in storage.listdir(""):
         step = parse_step_dir(name)
@@ -113,7 +116,12 @@ def scan(storage: Storage) -> list[StepListing]:
         mt = max((storage.mtime(f"{name}/{f}") for f in files), default=0.0)
         try:
             m = read_manifest(storage, step)
-        except (NoCheckpointError, CorruptCheckpointError):
+        except CorruptCheckpointError as exc:
+            if not exc.debris:  # refused, not unfinished: judged as a newer release's
+                raise
+            out.append(StepListing(step, False, files, newest_mtime=mt))
+            continue
+        except NoCheckpointError:
             out.append(StepListing(step, False, files, newest_mtime=mt))
             continue
         ref = {MANIFEST, MARKER} | {s.path for s in m.shards}
