@@ -29,9 +29,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from sailor.checkpoint.errors import CorruptCheckpointError, NoCheckpointError
 from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, parse_step_dir, step_dir
-from sailor.checkpoint.reader import read_manifest
+from sailor.checkpoint.reader import invalid_manifest, read_manifest
 from sailor.checkpoint.storage import Storage
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "decide_gc",
     "decide_prune",
     "scan",
+    "unjudged",
 ]
 
 
@@ -157,12 +160,47 @@ def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list
 
 def apply_prune(storage: Storage, *, below_step: int, committed_step: int) -> list[str]:
     """After committing ``committed_step``: delete every step directory below ``below_step``
-    (:func:`decide_prune`); return what was deleted."""
+    (:func:`decide_prune`); return what was deleted. A committed step whose manifest this
+    release cannot judge (:func:`unjudged`) is spared: once the others are deleted, a
+    ``CorruptCheckpointError`` (not debris) names it, for the committer to report."""
     steps = [s for s in map(parse_step_dir, storage.listdir("")) if s is not None]
     doomed = decide_prune(steps, below_step=below_step, committed_step=committed_step)
+    deleted: list[str] = []
+    spared: list[str] = []
     for p in doomed:
+        step = parse_step_dir(p.rstrip("/"))
+        why = unjudged(storage, step) if step is not None else ""
+        if why:
+            spared.append(why)
+            continue
         _delete(storage, p)
-    return doomed
+        deleted.append(p)
+    if spared:
+        raise CorruptCheckpointError(
+            f"spared {len(spared)} step(s) below step {below_step}: "
+            + " | ".join(spared[:3])
+            + f" (deleted {len(deleted)})",
+            path=storage.url,
+            debris=False,
+        )
+    return deleted
+
+
+def unjudged(storage: Storage, step: int) -> str:
+    """Why no retention may delete committed ``step`` ('' when one may): its manifest is a
+    newer release's (a field this release cannot take) or refused for a shard path
+    (``CorruptCheckpointError.debris`` False): a valid checkpoint of a release that names
+    its shards otherwise, or one altered, is left for an operator. Other errors ('': not
+    committed, a missing or corrupt file) are debris as before."""
+    try:
+        read_manifest(storage, step)
+    except CorruptCheckpointError as exc:
+        return "" if exc.debris else str(exc)
+    except NoCheckpointError:
+        return ""
+    except ValidationError as exc:
+        return invalid_manifest(storage, step, exc)
+    return ""
 
 
 def _delete(storage: Storage, path: str) -> None:

@@ -139,3 +139,26 @@ def test_a_newer_releases_manifest_is_still_a_validation_error(tmp_path: Path) -
         load(LocalStorage(root), [0])
     res = CliRunner().invoke(ckpt_app, ["gc", str(root), "--grace", "0"])
     assert res.exit_code == 1 and "nothing deleted" in res.output and (sd / MANIFEST).exists()
+
+
+def test_the_controllers_prune_spares_a_step_it_cannot_judge(tmp_path: Path) -> None:
+    """A save's ``prune_below`` (the controller's retention) deletes every step below it, but
+    not a committed one whose manifest is refused for a shard path: reported in the save's
+    ``retention_error``, left for the operator; the other steps below still go."""
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    outside.mkdir()
+    _escaped(root, outside)  # step 1
+    storage = LocalStorage(root)
+    ck = Checkpointer(storage, one_layer_plan(), 0, keep=None)
+    for step in (2, 3):
+        ck.save(_state(layers=1), TrainingGlobals(step, step, {}))
+        ck.wait()
+    ck.save(_state(layers=1), TrainingGlobals(4, 4, {}), prune_below=3)
+    res = ck.wait()
+    ck.close()
+    assert res is not None and "spared 1 step(s) below step 3" in res.retention_error
+    assert (
+        "delete the step yourself" in res.retention_error and "(deleted 1)" in res.retention_error
+    )
+    assert (root / step_dir(1) / MANIFEST).exists() and not (root / step_dir(2)).exists()
+    assert (root / step_dir(3)).exists() and (root / step_dir(4)).exists()
