@@ -419,6 +419,8 @@ def test_ids_outside_the_manifests_vocabulary_are_found_by_info_and_each_batch(
     assert res.exit_code == 2, res.output
     assert f"{bin_path}: token id 65000 at token 1234 (byte 2468)" in " ".join(res.output.split())
     assert "[0, 296)" in res.output
+    quick = runner.invoke(app, ["data", "info", str(out), "--no-scan"])  # index and manifest
+    assert quick.exit_code == 0 and "token ids: not read (--no-scan)" in quick.output
     spec = catalog.model("tiny-gpt").model_copy(update={"vocab_size": 70_000})
     data = build_dataset(IndexedData(prefix=str(out)), spec, seed=0)  # passes: 296 <= 70000
     assert m.tokenizer.vocab_size == 296
