@@ -49,8 +49,18 @@ relayout schedule) at ``--in-place-ranks`` (512, 2,048 and 4,096 by default): LL
 dropped. Compared with the restart path's sizing of the same new plan in the same run
 (``read_bytes_per_node``: a pass over the plan). ``--sizes ''`` runs it alone.
 
+Then, without servers: the admission check a pass runs per registered node up to three times
+(``decide.exclusion``: the daemon's, ``decide``'s, an idle job's) at ``--admission-nodes``
+(512 and 2,048 by default), 8-GPU nodes of 4 GPU types, with the catalog's price table and a
+large one (the catalog's plus 8 rows in each of 40 more regions: 339 rows, nodes spread over
+those regions: 40 shapes). Compared in the same run with no planner reach (the stand-in
+planner: admission by failure records and runtime only) and with a cold reach (a fresh
+reach and price table each call: what the first pass after a start costs; before the
+verdicts were kept per shape, every pass cost that or more: ~51 ms at 512 nodes and 339 rows
+on the development machine, 0.5 ms after).
+
 Run: ``.venv/bin/python benchmarks/runtime_decision_latency.py [--sizes 64,512,2048]
-[--in-place-ranks 512,2048,4096]``
+[--in-place-ranks 512,2048,4096] [--admission-nodes 512,2048]``
 """
 
 from __future__ import annotations
@@ -82,7 +92,10 @@ from sailor import catalog
 from sailor.agent.plan_source import PlanSource
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller, freeze_startup_heap
+from sailor.controller.decide import exclusion
+from sailor.controller.decision_types import Observed
 from sailor.controller.plan_deadlines import in_place_read_bytes, read_bytes_per_node
+from sailor.controller.planning.in_process import SailorPlanner
 from sailor.coordination import (
     EtcdLease,
     EtcdStore,
@@ -93,11 +106,13 @@ from sailor.coordination import (
     connect_etcd,
     connect_nats,
 )
+from sailor.planner.reach import PlannerReach
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
 from sailor.schemas.events import Heartbeat, NodeJoined, NodeLeft, PreemptionNotice
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
-from sailor.schemas.runtime import AgentStatus, CommandAck, Phase
+from sailor.schemas.prices import PriceTable
+from sailor.schemas.runtime import AgentStatus, CommandAck, DesiredState, Phase
 
 __all__ = ["SimCluster", "SimHandle", "node_spec"]
 
@@ -730,6 +745,77 @@ def in_place_sizing(ranks: list[int]) -> None:
         print(f"{pipes * per:>6} {inplace:>13.3f} {full:>14.4f} {inplace / full:>7.0f}")
 
 
+# --- the admission check of a pass ----------------------------------------------------------
+
+ADMISSION_TYPES = ("A100-40", "V100-16", "H100-80", "L4")
+ADMISSION_REGIONS = 40
+
+
+def _large_prices() -> PriceTable:
+    """The catalog's price table and its first 8 rows again in 40 more regions."""
+    base = catalog.prices()
+    more = [
+        p.model_copy(update={"region": f"r{i}"})
+        for i in range(ADMISSION_REGIONS)
+        for p in base.gpus[:8]
+    ]
+    return base.model_copy(update={"gpus": (*base.gpus, *more)})
+
+
+def _ms_per_call(f: Callable[[], object], calls: int) -> float:
+    f()  # the first call: a warm reach fills its verdicts
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _cold(d: DesiredState, o: Observed, reach: PlannerReach) -> object:
+    """``exclusion`` with a reach and a price table as fresh as at a start (nothing kept)."""
+    table = reach.prices
+    fresh = table.model_copy(update={"gpus": (*table.gpus,)})  # another tuple object
+    return exclusion(d, o, None, reach.model_copy(update={"prices": fresh}))
+
+
+def admission_pass(sizes: list[int]) -> None:
+    """Time ``exclusion`` over ``n`` registered nodes with no reach, a cold one, a warm one."""
+    model = catalog.model(MODEL)
+    print(
+        f"\nadmission check of a pass (decide.exclusion, up to 3 a pass): {MODEL}'s planner "
+        f"reach, 8-GPU nodes of {'/'.join(ADMISSION_TYPES)}; ms per call"
+    )
+    print(
+        f"{'nodes':>6} {'price rows':>10} {'shapes':>6} {'no reach':>9} {'cold':>8} "
+        f"{'warm':>8} {'cold/warm':>9} {'warm/none':>9}"
+    )
+    for large in (False, True):
+        prices = _large_prices() if large else catalog.prices()
+        reach = SailorPlanner(model, prices=prices).reach()
+        for n in sizes:
+            nodes = {
+                f"n{i}": NodeSpec(
+                    node_id=f"n{i}",
+                    gpu_type=ADMISSION_TYPES[i % len(ADMISSION_TYPES)],
+                    gpus=8,
+                    zone=f"r{i % ADMISSION_REGIONS}-a" if large else ZONE,
+                    address="h",
+                )
+                for i in range(n)
+            }
+            shapes = len({(s.gpu_type, s.zone) for s in nodes.values()})
+            o = Observed(now=1.0, nodes=nodes, status={})
+            d = DesiredState(epoch=1)
+
+            calls = max(3, 10_000 // n)
+            none = _ms_per_call(partial(exclusion, d, o, None, None), calls)
+            cold_ms = _ms_per_call(partial(_cold, d, o, reach), max(3, calls // 10))
+            warm = _ms_per_call(partial(exclusion, d, o, None, reach), calls)
+            print(
+                f"{n:>6} {len(prices.gpus):>10} {shapes:>6} {none:>9.2f} {cold_ms:>8.2f} "
+                f"{warm:>8.2f} {cold_ms / warm:>9.1f} {warm / none:>9.1f}"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64,512,2048")
@@ -737,6 +823,11 @@ def main() -> None:
         "--in-place-ranks",
         default="512,2048,4096",
         help="world sizes the in-place LOAD sizing is timed at ('' : not timed)",
+    )
+    ap.add_argument(
+        "--admission-nodes",
+        default="512,2048",
+        help="registered nodes the admission check is timed at ('' : not timed)",
     )
     ap.add_argument("--rounds", type=int, default=0, help="rounds per size (0: 5/3/2)")
     ap.add_argument(
@@ -755,6 +846,8 @@ def main() -> None:
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
     if args.in_place_ranks:
         in_place_sizing([int(r) for r in args.in_place_ranks.split(",") if r])
+    if args.admission_nodes:
+        admission_pass([int(n) for n in args.admission_nodes.split(",") if n])
     if not sizes:
         return
     print(

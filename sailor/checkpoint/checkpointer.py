@@ -61,7 +61,7 @@ from sailor.checkpoint.assignment import (
     writer_ranks,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.errors import CheckpointError, SaveCancelledError
+from sailor.checkpoint.errors import CheckpointError, CorruptCheckpointError, SaveCancelledError
 from sailor.checkpoint.gc import apply_prune, apply_retention
 from sailor.checkpoint.readback import read_back
 from sailor.checkpoint.reader import Loaded, load
@@ -513,15 +513,23 @@ class Checkpointer:
             readback_error, readback_s, unchecked = self._read_back(
                 globals_.step, prune_below, bool(seen)
             )
+            spared = ""
             try:
                 if self.keep is not None and not readback_error:
                     apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
                 if prune_below >= 0 and not readback_error:
-                    apply_prune(
-                        self.storage,
-                        below_step=min(prune_below, globals_.step),
-                        committed_step=globals_.step,
-                    )
+                    try:
+                        apply_prune(
+                            self.storage,
+                            below_step=min(prune_below, globals_.step),
+                            committed_step=globals_.step,
+                        )
+                    except CorruptCheckpointError as exc:
+                        if exc.debris:
+                            raise
+                        # a step it cannot judge is spared and reported; the saves the
+                        # controller gave up on are still deleted below
+                        spared = f"deleting checkpoints older than step {globals_.step}: {exc}"
                 if seen and drop_steps and not readback_error:
                     unrecorded = apply_unrecorded(
                         self.storage,
@@ -531,7 +539,7 @@ class Checkpointer:
                         below_step=min(prune_below, globals_.step),
                         cancelled=self._cancelled.is_set,
                     )
-                retention_error = seen_error
+                retention_error = "; ".join(e for e in (seen_error, spared) if e)
             except (OSError, ValueError, CheckpointError) as exc:
                 # The step is committed whatever retention meets: a failed deletion
                 # (StorageError, OSError) or an older step it cannot judge (a manifest of a

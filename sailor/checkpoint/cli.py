@@ -188,7 +188,15 @@ def gc_cmd(
     dry_run: bool = typer.Option(False, help="Only print what would be deleted."),
 ) -> None:
     """Delete uncommitted debris (never the newest committed checkpoint)."""
-    paths = gc_paths(directory, keep, grace, dry_run)
+    from pydantic import ValidationError
+
+    try:
+        paths = gc_paths(directory, keep, grace, dry_run)
+    except (CheckpointError, ValidationError) as exc:
+        # a committed step it cannot judge (a newer release's manifest, one refused for a
+        # shard path) stops it before it deletes anything: taken for debris, it would go
+        typer.echo(f"error: {exc}\nnothing deleted", err=True)
+        raise typer.Exit(1) from exc
     verb = "would delete" if dry_run else "deleted"
     for p in paths:
         typer.echo(f"{verb} {p}")

@@ -45,11 +45,19 @@ class NoCheckpointError(CheckpointError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A file is missing, truncated or fails its checksum. ``path`` names it."""
+    """A file is missing, truncated or fails its checksum, or a manifest names a shard outside
+    its step directory. ``path`` names the file.
 
-    def __init__(self, message: str, *, path: str) -> None:
+    ``debris``: whether retention and ``sailor ckpt gc`` may take the step for an unfinished
+    save and delete it. False for a manifest refused for a shard path (``ShardEntry.path``):
+    written by hand, tampered with, or by a release that names its shards otherwise, it is
+    no save of this release's that crashed; the controller falls back to the previous commit
+    as for any unreadable checkpoint, and the step is left for an operator to inspect."""
+
+    def __init__(self, message: str, *, path: str, debris: bool = True) -> None:
         super().__init__(message, retryable=False)
         self.path = path
+        self.debris = debris
 
 
 class NonFiniteCheckpointError(CheckpointError):

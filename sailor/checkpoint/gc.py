@@ -29,9 +29,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from sailor.checkpoint.errors import CorruptCheckpointError, NoCheckpointError
 from sailor.checkpoint.format import MANIFEST, MARKER, PARTS, parse_step_dir, step_dir
-from sailor.checkpoint.reader import read_manifest
+from sailor.checkpoint.reader import invalid_manifest, read_manifest
 from sailor.checkpoint.storage import Storage
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "decide_gc",
     "decide_prune",
     "scan",
+    "unjudged",
 ]
 
 
@@ -103,7 +106,10 @@ def decide_prune(steps: Sequence[int], *, below_step: int, committed_step: int) 
 
 
 def scan(storage: Storage) -> list[StepListing]:
-    """List every step directory with its files and commit state."""
+    """List every step directory with its files and commit state. Raises, judging nothing,
+    on a committed step whose manifest this release cannot take (a newer release's:
+    ValidationError) or refuses for a shard path (``CorruptCheckpointError.debris`` False):
+    taken for debris, it would be deleted."""
     out: list[StepListing] = []
     for name in storage.listdir(""):
         step = parse_step_dir(name)
@@ -113,7 +119,12 @@ def scan(storage: Storage) -> list[StepListing]:
         mt = max((storage.mtime(f"{name}/{f}") for f in files), default=0.0)
         try:
             m = read_manifest(storage, step)
-        except (NoCheckpointError, CorruptCheckpointError):
+        except CorruptCheckpointError as exc:
+            if not exc.debris:  # refused, not unfinished: judged as a newer release's
+                raise
+            out.append(StepListing(step, False, files, newest_mtime=mt))
+            continue
+        except NoCheckpointError:
             out.append(StepListing(step, False, files, newest_mtime=mt))
             continue
         ref = {MANIFEST, MARKER} | {s.path for s in m.shards}
@@ -149,12 +160,47 @@ def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list
 
 def apply_prune(storage: Storage, *, below_step: int, committed_step: int) -> list[str]:
     """After committing ``committed_step``: delete every step directory below ``below_step``
-    (:func:`decide_prune`); return what was deleted."""
+    (:func:`decide_prune`); return what was deleted. A committed step whose manifest this
+    release cannot judge (:func:`unjudged`) is spared: once the others are deleted, a
+    ``CorruptCheckpointError`` (not debris) names it, for the committer to report."""
     steps = [s for s in map(parse_step_dir, storage.listdir("")) if s is not None]
     doomed = decide_prune(steps, below_step=below_step, committed_step=committed_step)
+    deleted: list[str] = []
+    spared: list[str] = []
     for p in doomed:
+        step = parse_step_dir(p.rstrip("/"))
+        why = unjudged(storage, step) if step is not None else ""
+        if why:
+            spared.append(why)
+            continue
         _delete(storage, p)
-    return doomed
+        deleted.append(p)
+    if spared:
+        raise CorruptCheckpointError(
+            f"spared {len(spared)} step(s) below step {below_step}: "
+            + " | ".join(spared[:3])
+            + f" (deleted {len(deleted)})",
+            path=storage.url,
+            debris=False,
+        )
+    return deleted
+
+
+def unjudged(storage: Storage, step: int) -> str:
+    """Why no retention may delete committed ``step`` ('' when one may): its manifest is a
+    newer release's (a field this release cannot take) or refused for a shard path
+    (``CorruptCheckpointError.debris`` False): a valid checkpoint of a release that names
+    its shards otherwise, or one altered, is left for an operator. Other errors ('': not
+    committed, a missing or corrupt file) are debris as before."""
+    try:
+        read_manifest(storage, step)
+    except CorruptCheckpointError as exc:
+        return "" if exc.debris else str(exc)
+    except NoCheckpointError:
+        return ""
+    except ValidationError as exc:
+        return invalid_manifest(storage, step, exc)
+    return ""
 
 
 def _delete(storage: Storage, path: str) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from sailor.checkpoint import fetch
 from sailor.checkpoint.blocks import (
@@ -68,8 +69,9 @@ def _where(storage: Storage, step: int, name: str) -> str:
 
 def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
     """The manifest of a committed step; NoCheckpointError if not committed,
-    CorruptCheckpointError if its marker or its checksum is wrong, ValidationError if this
-    release cannot take its fields."""
+    CorruptCheckpointError if its marker or its checksum is wrong or it names a shard outside
+    its step directory (``debris`` False), ValidationError if this release cannot take its
+    other fields (a newer release's)."""
     d = step_dir(step)
     try:
         raw_marker = storage.read(f"{d}/{MARKER}")
@@ -89,16 +91,41 @@ def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
             f"{where}: does not match the checksum in its commit marker", path=where
         )
     # a ValidationError here is not corruption: a newer release may have written it (the
-    # retention and gc then judge nothing, ``gc.scan``), or it names a shard outside its
-    # step directory (``ShardEntry.path``): either way no shard of it is read
-    return CheckpointManifest.model_validate_json(raw)
+    # retention and gc then judge nothing, ``gc.scan``). One that names a shard outside its
+    # step directory (``ShardEntry.path``) is unreadable, as a corrupt file is: a load falls
+    # back to the previous commit instead of holding the job as misconfigured; but never
+    # debris (``CorruptCheckpointError.debris``): gc and retention delete nothing of it
+    try:
+        return CheckpointManifest.model_validate_json(raw)
+    except ValidationError as exc:
+        paths = [e for e in exc.errors() if _is_shard_path(e["loc"])]
+        if not paths:
+            raise
+        where = _where(storage, step, MANIFEST)
+        raise CorruptCheckpointError(
+            f"{where}: refused, names a shard outside its step directory: "
+            f"{_fields(paths)}; no shard of it is read, and neither retention nor `sailor "
+            "ckpt gc` deletes it: inspect it (it was written by hand, altered, or by a "
+            "release that names its shards otherwise) and delete the step yourself",
+            path=where,
+            debris=False,
+        ) from exc
+
+
+def _is_shard_path(loc: tuple[int | str, ...]) -> bool:
+    return len(loc) == 3 and loc[0] == "shards" and loc[2] == "path"
+
+
+def _fields(errors: list[ErrorDetails]) -> str:
+    """The first three errors of a ValidationError: 'field.path: message'."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3])
 
 
 def invalid_manifest(storage: Storage, step: int, exc: ValidationError) -> str:
     """One line on a manifest this release cannot take (``read_manifest``'s ValidationError):
     the file and the first fields wrong."""
-    why = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3])
-    return f"{_where(storage, step, MANIFEST)}: not a manifest this release reads: {why}"
+    where = _where(storage, step, MANIFEST)
+    return f"{where}: not a manifest this release reads: {_fields(exc.errors())}"
 
 
 def committed_steps(storage: Storage) -> list[int]:

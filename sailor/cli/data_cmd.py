@@ -152,6 +152,12 @@ def prepare_cmd(
 @data_app.command("info")
 def info_cmd(
     prefix: Path = typer.Argument(..., help="Data set prefix (PREFIX.bin/.idx)."),
+    scan: bool = typer.Option(
+        True,
+        "--scan/--no-scan",
+        help="Read every token id to check it against the vocabulary (one pass over the "
+        ".bin: minutes for a TB file); --no-scan checks the index and the manifest only.",
+    ),
 ) -> None:
     """Check a data set (and its manifest) and print its counts and splits."""
     from sailor.data import IndexedDatasetError, open_prepared
@@ -171,7 +177,10 @@ def info_cmd(
         t = pd.manifest.tokenizer
         bos = f", bos {t.bos_id}" if t.bos_id is not None else ""
         typer.echo(f"  tokenizer: {t.path} ({t.kind}), vocab {t.vocab_size}, eod {t.eod_id}{bos}")
-    _check_ids(pd)
+    if scan:
+        _check_ids(pd)
+    else:
+        typer.echo("  token ids: not read (--no-scan)")
 
 
 def _check_ids(pd: PreparedData) -> None:

@@ -185,7 +185,7 @@ def not_admitted(
     if out is None:
         out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
-    refused = plannable.unplannable(o.nodes, candidates, reach)
+    refused = plannable.unplannable(o.nodes, candidates, reach, d.placement)
     candidates = [n for n in candidates if n not in refused]
     job = precision if precision is not None else d.job_precision
     refused |= runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)

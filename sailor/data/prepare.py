@@ -37,6 +37,7 @@ from sailor.data.tokenizer import (
     load_tokenizer,
     tokenizer_file,
     train_byte_bpe,
+    vocab_bound,
 )
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
 
@@ -175,7 +176,7 @@ def prepare(
     eod_token, eod_id = eod_of(tok, opts.eod_token)
     bos = bos_of(tok, opts.bos)
     head = [bos[1]] if bos else []
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = vocab_bound(tok)  # the largest id + 1, not the count: ids may have gaps
     dtype = dtype_for_vocab(vocab)
 
     order = permute(np.arange(len(texts)), len(texts), opts.seed) if len(texts) > 1 else [0]

@@ -33,6 +33,7 @@ __all__ = [
     "load_tokenizer",
     "tokenizer_file",
     "train_byte_bpe",
+    "vocab_bound",
     "vocabulary_difference",
 ]
 
@@ -110,6 +111,18 @@ def train_byte_bpe(
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def vocab_bound(tok: Tokenizer) -> int:
+    """One above the largest id ``tok`` may produce, added tokens included: the bound every
+    token id of the data set is below (the model's vocabulary must cover it, the token dtype
+    must hold it). Not the vocabulary's size: a tokenizer file may leave ids unused (ids
+    0, 1, 2 and 300: a size of 4, ids up to 300), and a bound of 4 failed every batch that
+    held id 300 as out of the vocabulary."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    if not ids:
+        raise ValueError("the tokenizer has an empty vocabulary")
+    return max(ids) + 1
 
 
 def eod_of(tok: Tokenizer, requested: str | None) -> tuple[str, int]:

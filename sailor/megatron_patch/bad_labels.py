@@ -19,6 +19,11 @@ first stage's embedding raised on it alone (an IndexError on CPU, a device asser
 or at TP > 1 took a zero row silently (review). They are masked to id 0 and flagged alike.
 
 The check runs on the host, before the copy to the device (no sync in the hot loop).
+
+An engine with no collective of its own between reading its batches and its update (the
+DeepSpeed adapter: ``train_batch`` runs the forward, the backward and the optimizer step in
+one call) agrees the flags before it (:func:`agree_before_update`): one all-reduce of an int32
+per rank each step, so every rank raises the same error there and nothing is applied.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from sailor.comm import api as comm
+from sailor.megatron_patch.clock import to_device
 from sailor.megatron_patch.step_agreement import world_objects
 from sailor.megatron_patch.vocab_parallel import IGNORE_INDEX, LabelOutOfRangeError, out_of_range
 
 __all__ = [
     "LabelWatch",
+    "agree_before_update",
     "label_message",
     "total_count",
     "training_batch",
@@ -149,3 +158,25 @@ class LabelWatch:
 
     def reset(self) -> None:
         self.first, self.count, self.detail = None, 0, ""
+
+
+def agree_before_update(
+    watch: LabelWatch, device: torch.device, step: int, where: str, pipeline: int
+) -> None:
+    """Every rank calls this once its iteration's batches are read and screened, before the
+    iteration's first collective: one all-reduce (MAX) of a flag per rank; if some rank saw
+    a bad id, every rank raises the same ``LabelOutOfRangeError`` (:meth:`LabelWatch
+    .raise_agreed`), else the watch is reset. Without a process group the rank raises alone.
+    ``step``: the iteration's (the one it would complete); ``pipeline``: this rank's."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if watch.seen:
+            watch.raise_agreed((0,), step, where, pipeline)
+        return
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+    flags[dist.get_rank()] = int(watch.seen)
+    flags = to_device(flags, device)
+    comm.all_reduce(flags, op="max")
+    ranks = tuple(int(r) for r in torch.nonzero(flags.cpu()).reshape(-1))
+    if ranks:
+        watch.raise_agreed(ranks, step, where, pipeline)
+    watch.reset()

@@ -44,6 +44,7 @@ __all__ = [
     "build_dataset",
     "check_tokenizer",
     "microbatch_indices",
+    "vocab_bound",
 ]
 
 
@@ -58,6 +59,12 @@ class TokenSource(Protocol):
     def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, labels)``, int64, shape ``[len(indices), seq_length]``."""
         ...
+
+
+def vocab_bound(data: TokenSource) -> int:
+    """The vocabulary ``data``'s ids come from, when it says (an indexed data set's
+    manifest); else no bound beyond the model's."""
+    return data.vocab_size if isinstance(data, IndexedTokens) else 2**63 - 1
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,15 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from sailor import catalog
+from sailor.megatron_patch.bad_labels import LabelWatch, agree_before_update, training_batch
 from sailor.megatron_patch.boundary import Boundary, Progress, Status, sub_rank
-from sailor.megatron_patch.data import SyntheticTokens, build_dataset
+from sailor.megatron_patch.data import (
+    IndexedTokens,
+    SyntheticTokens,
+    TokenSource,
+    build_dataset,
+    vocab_bound,
+)
 from sailor.megatron_patch.deepspeed_state import DeepSpeedCheckpointIO, DeepSpeedRun
 from sailor.megatron_patch.devices import (
     check_rank_device,
@@ -155,8 +162,17 @@ class DeepSpeedLayout:
     activation_checkpoint_interval: int
 
 
-def deepspeed_layout(plan: Plan) -> DeepSpeedLayout:
-    """DeepSpeed settings of ``plan``, or UnsupportedPlanError saying why there are none."""
+def deepspeed_layout(plan: Plan, spec: ModelSpec | None = None) -> DeepSpeedLayout:
+    """DeepSpeed settings of ``plan``, or UnsupportedPlanError saying why there are none;
+    with ``spec``, a ValueError unless the plan covers the model's every layer (as Sailor's
+    engine refuses: the pipeline is cut at the plan's last layer, and a plan short of the
+    head trained the blocks on a cross entropy of hidden states, raising ``Target N is out
+    of bounds`` once a label exceeded the hidden size)."""
+    if spec is not None and spec.num_all_layers != plan.num_layers:
+        raise ValueError(
+            f"plan covers {plan.num_layers} layers, model {spec.name!r} has "
+            f"{spec.num_all_layers} (embedding + {spec.num_layers} blocks + head)"
+        )
     first = plan.pipelines[0]
     for i, p in enumerate(plan.pipelines):
         if p.partition() != first.partition():
@@ -341,6 +357,20 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def _screened(
+    data: TokenSource, indices: range, labels: LabelWatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A microbatch, its ids outside the vocabulary noted in ``labels`` (and masked: the
+    agreement raises before they are used), not raised on this rank alone."""
+    if isinstance(data, IndexedTokens):
+        x, y, problem = data.checked_batch(indices)
+        if problem:
+            labels.note(problem)
+    else:
+        x, y = data.batch(indices)
+    return labels.screen_tokens(x), labels.screen(y)
+
+
 def _build_module(
     plan: Plan, spec: ModelSpec, layout: DeepSpeedLayout, seed: int, device: torch.device
 ) -> nn.Module:
@@ -480,7 +510,7 @@ def run(
         )
     if spec.tie_embeddings:
         raise UnsupportedPlanError(f"model {spec.name!r} ties embeddings: not mapped to DeepSpeed")
-    layout = deepspeed_layout(plan)
+    layout = deepspeed_layout(plan, spec)
     resume = args.load_step >= 0 and ckpt is not None  # with --ckpt-dir (check_args)
     if resume and ckpt is not None:
         args.start_step, args.consumed_samples = ckpt.position(args.ckpt_dir, args.load_step)
@@ -588,12 +618,17 @@ def run(
     )
     status.in_training, status.step = True, ds.step
     stop = boundary(ds)
+    labels = LabelWatch(min(spec.vocab_size, vocab_bound(data)))
     while not stop:
         first = ds.consumed_samples + pipe_idx * mbs * layout.gradient_accumulation_steps
         batches = [
-            data.batch(range(first + m * mbs, first + (m + 1) * mbs))
+            _screened(data, range(first + m * mbs, first + (m + 1) * mbs), labels)
             for m in range(layout.gradient_accumulation_steps)
         ]
+        # train_batch runs forward, backward and the update at once, with collectives in
+        # between: the ranks agree on bad ids before it, and all raise the same error
+        samples = range(ds.consumed_samples, ds.consumed_samples + plan.global_batch_size)
+        agree_before_update(labels, device, ds.step + 1, training_batch(samples), pipe_idx)
         sync()
         t0 = time.perf_counter()
         skipped = engine.skipped_steps

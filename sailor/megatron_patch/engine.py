@@ -81,6 +81,7 @@ from sailor.megatron_patch.data import (
     SyntheticTokens,
     TokenSource,
     microbatch_indices,
+    vocab_bound,
 )
 from sailor.megatron_patch.grad_sync import sync_gradients
 from sailor.megatron_patch.groups import ProcessGroups
@@ -262,12 +263,6 @@ class StepResult:
         return self.samples / self.step_s if self.step_s > 0 else 0.0
 
 
-def _vocab(data: TokenSource) -> int:
-    """The vocabulary ``data``'s ids come from, when it says (an indexed data set's manifest);
-    else no bound beyond the model's."""
-    return data.vocab_size if isinstance(data, IndexedTokens) else 2**63 - 1
-
-
 def _mean(span: tuple[float, int] | None) -> float:
     return span[0] / span[1] if span and span[1] else 0.0
 
@@ -393,7 +388,9 @@ class Trainer:
         (``control.start_agree``), for the boundary after it (:meth:`take_agreed_control`).
         Set on every rank or on none: it adds a collective to the iteration."""
         self._agreed_control: tuple[int, ControlRequest] | None = None
-        self.labels = LabelWatch(min(spec.vocab_size, _vocab(self.data), _vocab(self.eval_data)))
+        self.labels = LabelWatch(
+            min(spec.vocab_size, vocab_bound(self.data), vocab_bound(self.eval_data))
+        )
         """This rank's out-of-range labels of the iteration in flight (``bad_labels``)."""
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,11 @@ class TokenizerInfo(Frozen):
     )
     path: str = Field(description="tokenizer.json, relative to the manifest's directory.")
     sha256: str = Field(min_length=64, max_length=64, description="SHA-256 of that file.")
-    vocab_size: int = Field(gt=0, description="Vocabulary size, special tokens included.")
+    vocab_size: int = Field(
+        gt=0,
+        description="One above the largest token id (special tokens included): the vocabulary's "
+        "size when its ids have no gaps.",
+    )
     eod_token: str = Field(min_length=1, description="End-of-document token text.")
     eod_id: int = Field(ge=0, description="End-of-document token id, appended to each document.")
     bos_token: str | None = Field(

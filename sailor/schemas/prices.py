@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from sailor.schemas._base import Frozen, field_error
+from sailor.schemas._memo import memo
 from sailor.schemas.device_kind import catalog_type
 from sailor.schemas.zones import region_of
 
@@ -54,6 +55,20 @@ class PriceTable(Frozen):
             seen.add(k)
         return v
 
+    def _rows_of(self, gpu_type: str) -> tuple[GPUPrice, ...]:
+        """The price rows of ``gpu_type``, in the table's order. Indexed once per table (a
+        memo on the frozen value): the controller prices every registered node's shape, and
+        a scan of the whole table per lookup cost ~0.1 ms per node at 339 rows."""
+        index = memo(self, "_rows_by_type", ("gpus",))
+        if not index:
+            by_type: dict[str, list[GPUPrice]] = {}
+            for p in self.gpus:
+                by_type.setdefault(p.gpu_type, []).append(p)
+            index.update({t: tuple(rows) for t, rows in by_type.items()})
+            index[None] = ()  # built (a table without rows stays built too)
+        rows: tuple[GPUPrice, ...] = index.get(gpu_type, ())
+        return rows
+
     def gpu_hour(self, gpu_type: str, zone: str, spot: bool = False) -> float:
         """$ per GPU-hour; zone-specific entry first, then the region's, then any region's.
 
@@ -61,22 +76,24 @@ class PriceTable(Frozen):
         (``schemas.device_kind``)."""
         region = region_of(zone)
         for name in dict.fromkeys((gpu_type, catalog_type(gpu_type))):
-            by_zone = [p for p in self.gpus if p.gpu_type == name and p.zone == zone]
-            by_region = [p for p in self.gpus if p.gpu_type == name and p.region == region]
-            anywhere = [p for p in self.gpus if p.gpu_type == name]
-            for cands in (by_zone, by_region, anywhere):
-                if cands:
-                    p = cands[0]
-                    return p.spot_usd_per_hour if spot else p.on_demand_usd_per_hour
+            rows = self._rows_of(name)
+            if not rows:
+                continue
+            p = next(
+                (p for p in rows if p.zone == zone),
+                next((p for p in rows if p.region == region), rows[0]),
+            )
+            return p.spot_usd_per_hour if spot else p.on_demand_usd_per_hour
         raise KeyError(f"gpu_type={gpu_type!r}: no price in the price table")
 
     def priced_where(self, gpu_type: str, zone: str) -> bool:
         """Whether :meth:`gpu_hour` finds ``gpu_type`` in ``zone`` or its region (else it
         falls back to another region's price: a misspelt zone is priced somewhere else)."""
         region = region_of(zone)
-        names = dict.fromkeys((gpu_type, catalog_type(gpu_type)))
         return any(
-            p.gpu_type in names and (p.zone == zone or p.region == region) for p in self.gpus
+            p.zone == zone or p.region == region
+            for name in dict.fromkeys((gpu_type, catalog_type(gpu_type)))
+            for p in self._rows_of(name)
         )
 
     def egress_per_gb(self, src_zone: str, dst_zone: str) -> float:

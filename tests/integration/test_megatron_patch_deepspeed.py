@@ -8,8 +8,12 @@ Skipped when deepspeed is not installed (it is optional: ``DS_BUILD_OPS=0``, pin
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,3 +76,50 @@ def test_deepspeed_runs_a_sailor_plan_like_one_process(tmp_path: Path) -> None:
             assert moved > 10, (key, float(moved))
             seen.add(key)
     assert seen == set(ref.params)
+
+
+def test_an_id_outside_the_datas_vocabulary_is_raised_alike_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Two replicas; replica 1 reads, at step 1, a sample holding id 350: inside the model's
+    vocabulary (400), outside the data's (296). Before, replica 1 raised alone and replica 0
+    failed on as a peer (``origin=peer``, charged elsewhere); now both ranks agree before
+    DeepSpeed's train_batch and raise the same LabelOutOfRangeError, nothing applied."""
+    from sailor.data.prepared import open_prepared
+    from sailor.data.scan import id_range
+
+    subprocess.run(
+        [sys.executable, "-m", "sailor.cli.main", "data", "prepare", "--builtin-corpus",
+         "python-docs", "--out", str(tmp_path / "ds"), "--vocab-size", "296",
+         "--max-bytes", "20000", "--quiet"],
+        check=True,
+    )  # fmt: skip
+    spec = tiny_model("tiny-llama", 4).model_copy(update={"vocab_size": 400})
+    (tmp_path / "model.json").write_text(spec.model_dump_json())
+    train = {"model": {"kind": "spec", "path": "model.json"}, "data": {"kind": "indexed",
+             "prefix": "ds"}, "seed": 0}  # fmt: skip
+    (tmp_path / "train.json").write_text(json.dumps(train))
+    pd = open_prepared(tmp_path / "ds")
+    assert pd.splits["train"].start == 0
+    window = int(pd.tokens("train", spec.seq_length, 0).windows([2])[0])  # replica 1, step 1
+    toks = np.memmap(tmp_path / "ds.bin", dtype=pd.dataset.dtype, mode="r+")
+    toks[window * spec.seq_length + 3] = 350
+    toks.flush()
+    del toks
+    assert id_range(pd.dataset, 296).bad == 1
+    rg = ReplicaGroup(gpu_type="cpu", zone="z")
+    stage = Stage(first_layer=0, last_layer=spec.num_all_layers - 1, replica=rg)
+    pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=2)
+    plan = Plan(model=spec.name, global_batch_size=4, pipelines=(pipe, pipe))
+    run = launch_local(
+        plan, 2, tmp_path / "run", module="sailor.megatron_patch.deepspeed_adapter",
+        extra_args=["--train-config", str(tmp_path / "train.json")], deadline_s=200,
+        timeout_s=30,
+    )  # fmt: skip
+    assert run.returncodes == [1, 1], (run.returncodes, run.errors)
+    errors = [e or {} for e in run.errors]
+    assert [e.get("error_type") for e in errors] == ["LabelOutOfRangeError"] * 2, errors
+    assert errors[0]["message"] == errors[1]["message"]
+    msg = errors[0]["message"]
+    assert "step 1: " in msg and "read on rank 1 (" in msg and "the first id 350" in msg
+    assert "outside the vocabulary [0, 296)" in msg and "nothing was applied" in msg

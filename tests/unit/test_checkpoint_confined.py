@@ -1,8 +1,10 @@
 """A checkpoint's shard paths stay in its step directory: a manifest is data read back from
 storage, and one whose shard path leaves the directory (``../../elsewhere/secret.bin``) is
-refused (this release cannot take it) instead of having ``ckpt verify`` or a load read the
-file it names; ``gc`` and retention judge such a step as they judge a newer release's: they
-delete nothing of it.
+refused instead of having ``ckpt verify`` or a load read the file it names. The load raises
+``CorruptCheckpointError`` (an unreadable checkpoint: the controller falls back to the
+previous commit; a pydantic ValidationError was classified as a configuration error and held
+the job), marked not debris: ``gc`` and retention judge such a step as they judge a newer
+release's, they delete nothing of it.
 Before, a manifest rewritten that way (its commit marker's checksum updated) verified "ok"
 by reading the file outside the checkpoint root."""
 
@@ -20,7 +22,10 @@ from typer.testing import CliRunner
 from sailor.checkpoint import LocalStorage, TrainingGlobals, load, verify
 from sailor.checkpoint.checkpointer import Checkpointer
 from sailor.checkpoint.cli import ckpt_app
+from sailor.checkpoint.errors import CorruptCheckpointError
 from sailor.checkpoint.format import MANIFEST, MARKER, shard_name, step_dir
+from sailor.controller.failure_text import UNREADABLE_CHECKPOINT
+from sailor.megatron_patch.errors import classify
 from sailor.schemas.checkpoint import ShardEntry
 from tests.unit.test_checkpoint_blocks import one_layer_plan
 from tests.unit.test_checkpoint_local import _state
@@ -87,18 +92,73 @@ def test_verify_and_load_refuse_a_manifest_naming_a_file_outside_the_root(
     _escaped(root, outside)
     storage = LocalStorage(root)
     (problem,) = verify(storage, 1)
-    assert f"{step_dir(1)}/{MANIFEST}: not a manifest this release reads: shards.0.path" in problem
+    refused = f"{step_dir(1)}/{MANIFEST}: refused, names a shard outside its step directory"
+    assert f"{refused}: shards.0.path" in problem
     assert "'../../elsewhere/secret.bin'" in problem
-    with pytest.raises(ValidationError, match=r"path='../../elsewhere/secret.bin'"):
+    with pytest.raises(CorruptCheckpointError, match=r"path='../../elsewhere/secret.bin'") as exc:
         load(storage, [0])
+    assert not exc.value.debris and exc.value.path.endswith(f"{step_dir(1)}/{MANIFEST}")
+    # an unreadable checkpoint (the controller falls back to the previous commit), not a
+    # configuration error (which held the job)
+    assert classify(exc.value, in_training=False) != "config"
+    assert type(exc.value).__name__ in UNREADABLE_CHECKPOINT
     res = CliRunner().invoke(ckpt_app, ["verify", str(root)])
     assert res.exit_code == 1 and "step 1: CORRUPT" in res.output, res.output
     res = CliRunner().invoke(ckpt_app, ["ls", str(root)])
     assert res.exit_code == 0 and "bad: " in res.output, res.output
+    # an operator's gc deletes nothing and says why, even with no grace
+    res = CliRunner().invoke(ckpt_app, ["gc", str(root), "--grace", "0"])
+    assert res.exit_code == 1 and (root / step_dir(1) / MANIFEST).exists()
+    assert "delete the step yourself" in res.output and "nothing deleted" in res.output
     # retention after a new save judges nothing of it (a newer release's manifest alike)
     ck = Checkpointer(storage, one_layer_plan(), 0, keep=1)
     ck.save(_state(layers=1), TrainingGlobals(2, 2, {}))
     res2 = ck.wait()
     ck.close()
-    assert res2 is not None and "ValidationError" in res2.retention_error
+    assert res2 is not None and "CorruptCheckpointError" in res2.retention_error
     assert (root / step_dir(1) / MANIFEST).exists() and (outside / "secret.bin").exists()
+
+
+def test_a_newer_releases_manifest_is_still_a_validation_error(tmp_path: Path) -> None:
+    """Only a shard-path refusal becomes a CorruptCheckpointError: a field this release
+    cannot take is a newer release's manifest, and gc judges nothing of it either."""
+    root = tmp_path / "ckpts"
+    ck = Checkpointer(LocalStorage(root), one_layer_plan(), 0, keep=None)
+    ck.save(_state(layers=1), TrainingGlobals(1, 1, {}))
+    ck.wait()
+    ck.close()
+    sd = root / step_dir(1)
+    m = json.loads((sd / MANIFEST).read_text())
+    m["shards"][0]["size"] = -1
+    raw = json.dumps(m).encode()
+    (sd / MANIFEST).write_bytes(raw)
+    marker = json.loads((sd / MARKER).read_text())
+    marker |= {"manifest_size": len(raw), "manifest_sha256": hashlib.sha256(raw).hexdigest()}
+    (sd / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ValidationError, match=r"shards\.0\.size"):
+        load(LocalStorage(root), [0])
+    res = CliRunner().invoke(ckpt_app, ["gc", str(root), "--grace", "0"])
+    assert res.exit_code == 1 and "nothing deleted" in res.output and (sd / MANIFEST).exists()
+
+
+def test_the_controllers_prune_spares_a_step_it_cannot_judge(tmp_path: Path) -> None:
+    """A save's ``prune_below`` (the controller's retention) deletes every step below it, but
+    not a committed one whose manifest is refused for a shard path: reported in the save's
+    ``retention_error``, left for the operator; the other steps below still go."""
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    outside.mkdir()
+    _escaped(root, outside)  # step 1
+    storage = LocalStorage(root)
+    ck = Checkpointer(storage, one_layer_plan(), 0, keep=None)
+    for step in (2, 3):
+        ck.save(_state(layers=1), TrainingGlobals(step, step, {}))
+        ck.wait()
+    ck.save(_state(layers=1), TrainingGlobals(4, 4, {}), prune_below=3)
+    res = ck.wait()
+    ck.close()
+    assert res is not None and "spared 1 step(s) below step 3" in res.retention_error
+    assert (
+        "delete the step yourself" in res.retention_error and "(deleted 1)" in res.retention_error
+    )
+    assert (root / step_dir(1) / MANIFEST).exists() and not (root / step_dir(2)).exists()
+    assert (root / step_dir(3)).exists() and (root / step_dir(4)).exists()

@@ -419,6 +419,8 @@ def test_ids_outside_the_manifests_vocabulary_are_found_by_info_and_each_batch(
     assert res.exit_code == 2, res.output
     assert f"{bin_path}: token id 65000 at token 1234 (byte 2468)" in " ".join(res.output.split())
     assert "[0, 296)" in res.output
+    quick = runner.invoke(app, ["data", "info", str(out), "--no-scan"])  # index and manifest
+    assert quick.exit_code == 0 and "token ids: not read (--no-scan)" in quick.output
     spec = catalog.model("tiny-gpt").model_copy(update={"vocab_size": 70_000})
     data = build_dataset(IndexedData(prefix=str(out)), spec, seed=0)  # passes: 296 <= 70000
     assert m.tokenizer.vocab_size == 296
@@ -446,3 +448,44 @@ def test_a_vocab_size_the_trainer_cannot_reserve_is_refused_by_name(
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     assert f"--vocab-size={size}: a byte-level BPE is trained with 258 to 16777216" in res.stderr
     assert not (tmp_path / "o.bin").exists()
+
+
+def _holey_tokenizer(path: Path, top: int) -> Path:
+    """A word-level tokenizer whose ids have a gap: a, b, [UNK], </s> at 0-3, c at ``top``."""
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"a": 0, "b": 1, "[UNK]": 2, "</s>": 3, "c": top}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(("top", "dtype"), [(300, np.uint16), (70_000, np.int32)])
+def test_a_tokenizer_with_id_gaps_bounds_the_vocabulary_by_its_largest_id(
+    tmp_path: Path, top: int, dtype: type[np.generic]
+) -> None:
+    """The manifest's vocab_size is the largest id + 1, not the count of ids (5 here): with
+    the count, every batch holding c failed as out of the vocabulary, and an id above
+    uint16's range was written as uint16 (refused by the writer: the prepare failed)."""
+    from sailor import catalog
+    from sailor.megatron_patch.data import build_dataset
+    from sailor.schemas.training import IndexedData
+
+    txt = tmp_path / "t.txt"
+    txt.write_text(" ".join("abc"[j % 3] for j in range(200)))
+    tok = _holey_tokenizer(tmp_path / "tok.json", top)
+    out = tmp_path / "ds"
+    m = _prepare(
+        str(txt), "--tokenizer", str(tok), "--out", str(out), "--eod-token", "</s>",
+        "--validation-fraction", "0",
+    )  # fmt: skip
+    assert m.tokenizer.vocab_size == top + 1 and m.tokenizer.eod_id == 3
+    pd = open_prepared(out)
+    assert pd.dataset.dtype == np.dtype(dtype)
+    assert top in set(np.concatenate([pd.dataset[i] for i in range(len(pd.dataset))]).tolist())
+    res = runner.invoke(app, ["data", "info", str(out)])
+    assert res.exit_code == 0 and f"(vocab {top + 1})" in res.output, res.output
+    spec = catalog.model("tiny-gpt").model_copy(update={"vocab_size": top + 1, "seq_length": 16})
+    data = build_dataset(IndexedData(prefix=str(out)), spec, seed=0)
+    data.batch(range(data.tokens.num_windows))  # every id is inside the vocabulary

@@ -27,6 +27,7 @@ from sailor.megatron_patch.deepspeed_adapter import (
 )
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun, NotCheckpointableError
 from sailor.megatron_patch.engine import TrainConfig
+from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.precision import Precision
 from sailor.megatron_patch.rank_args import build_parser, check_load_step
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
@@ -65,6 +66,19 @@ def test_deepspeed_layout_of_a_uniform_plan_keeps_the_uneven_partition() -> None
 def test_deepspeed_layout_rejects_what_it_cannot_run(plan: Plan, why: str) -> None:
     with pytest.raises(UnsupportedPlanError, match=why):
         deepspeed_layout(plan)
+
+
+def test_deepspeed_layout_refuses_a_plan_short_of_the_models_layers() -> None:
+    """A plan of layers 0..3 for a model of 6 (embedding, 4 blocks, head): the pipeline was
+    cut at layer 3, the head never built, and the loss taken over the hidden states (width
+    32): ``IndexError: Target 89 is out of bounds`` on the first label above 31, or a
+    meaningless loss below it. Refused as Sailor's engine refuses it."""
+    spec = tiny_model("tiny-llama", 4)
+    with pytest.raises(
+        ValueError, match=r"plan covers 4 layers, model 'tiny-llama' has 6 \(embedding \+ 4 "
+    ):
+        deepspeed_layout(_plan(_pipe([(0, 3)])), spec)
+    assert deepspeed_layout(_plan(_pipe([(0, 3), (4, 5)])), spec).parts == (0, 4, 6)
 
 
 def test_deepspeed_config_leaves_the_update_to_sailors_adamw() -> None:

@@ -20,14 +20,15 @@ from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
 from sailor.controller.decide import decide, exclusion, not_admitted
 from sailor.controller.decision_types import DecideConfig, Observed, Replan, SetDesired
+from sailor.controller.planning import DataParallelPlanner
 from sailor.controller.planning.in_process import SailorPlanner, planner_reach_of
 from sailor.controller.planning.process import ProcessPlanner
-from sailor.planner import Constraints, PlannerInputError
+from sailor.planner import Constraints, NoFeasiblePlanError
 from sailor.planner.reach import PlannerReach
 from sailor.schemas import PriceTable, ProfileDB
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.prices import GPUPrice
-from sailor.schemas.runtime import DesiredState
+from sailor.schemas.runtime import AgentStatus, DesiredState, Phase
 
 ZONE = "us-central1-a"
 SPEC = catalog.model("OPT-350").model_copy(update={"global_batch_size": 16})
@@ -51,8 +52,14 @@ def test_one_node_the_planner_cannot_use_does_not_block_the_others() -> None:
         "big": _node("big", gpus=65),  # an agent of an older release: no local bound
         "odd": _node("odd", gpu_type="NoSuchGPU"),
     }
-    with pytest.raises((PlannerInputError, ValidationError)):  # the whole pool, as before
-        planner.plan(tuple(nodes.values()), None)
+    # the planner itself leaves them out of a pool it is given (a node of a running layout
+    # is kept in it whatever the reach) and says so; before, it raised for the whole pool
+    res = planner.plan(tuple(nodes.values()), None)
+    assert res.placement == {"a": (0, 1, 2, 3)}
+    assert "left out, the planner cannot use them: big: gpus=65" in res.reason
+    assert "odd: pool GPU type 'NoSuchGPU' is unknown" in res.reason
+    with pytest.raises(NoFeasiblePlanError, match="can use none of the nodes: odd: pool GPU"):
+        planner.plan((nodes["odd"],), None)
     o, refused = _pass(DesiredState(epoch=1), Observed(now=10.0, nodes=nodes, status={}), cfg)
     assert set(refused) == {"big", "odd"}
     assert "gpus=65: over the 64 GPUs per node" in refused["big"]
@@ -157,3 +164,84 @@ def test_config_check_errors_on_a_node_the_controllers_planner_cannot_use(
     stand_in = tmp_path / "dp.yaml"
     stand_in.write_text("planner: data_parallel\n")
     assert run(app, ["config", "check", str(agent), "--controller", str(stand_in)]).exit_code == 0
+
+
+def test_a_node_of_the_running_layout_stays_whatever_the_reach() -> None:
+    """A controller restarted with a price table without V100s: the V100 node the running
+    layout trains on stays in the membership (it was dropped, "nothing runs there", and a
+    restart with the old prices counted it as newly joined: quiesce, checkpoint, relaunch);
+    the next replan leaves it out and says so, and once out of the layout it is judged."""
+    nodes = {"a": _node("a", gpus=1), "v": _node("v", gpu_type="V100-16", gpus=1)}
+    res = DataParallelPlanner("m", 4, 8).plan(tuple(nodes.values()), None)
+    d = DesiredState(
+        epoch=7,
+        generation=1,
+        phase=Phase.RUNNING,
+        plan=res.plan,
+        placement=res.placement,
+        membership=("a", "v"),
+    )
+    status = {n: AgentStatus(node_id=n, generation=1, state="running", step=10) for n in nodes}
+    prices = catalog.prices()
+    no_v100 = PriceTable(gpus=tuple(p for p in prices.gpus if p.gpu_type != "V100-16"))
+    planner = SailorPlanner(SPEC, prices=no_v100, risk="median")
+    cfg = DecideConfig(checkpoint_dir="/ck", planner_reach=planner.reach())
+    o, refused = _pass(d, Observed(now=1000.0, nodes=nodes, status=status), cfg)
+    assert refused == {} and o.usable == ("a", "v")
+    assert decide(d, o, cfg) == []  # the membership is kept: nothing to do
+    back = DecideConfig(checkpoint_dir="/ck", planner_reach=SailorPlanner(SPEC).reach())
+    assert decide(d, _pass(d, o, back)[0], back) == []  # not "joined" either
+    # a replan (here for a node joining) hands the planner the pool; it leaves v out
+    joined = nodes | {"b": _node("b", gpus=1)}
+    o, _ = _pass(d, Observed(now=1000.0, nodes=joined, status=status), cfg)
+    (replan,) = [a for a in decide(d, o, cfg) if isinstance(a, Replan)]
+    assert [n.node_id for n in replan.nodes] == ["a", "b", "v"]
+    planned = planner.plan(replan.nodes, d.plan)
+    assert set(planned.placement) == {"a", "b"}
+    assert "left out, the planner cannot use them: v: pool GPU type 'V100-16' has no price" in (
+        planned.reason
+    )
+    # out of the layout, it is judged like any other node, with how to fix it
+    later = d.model_copy(update={"placement": planned.placement})
+    _, refused = _pass(later, Observed(now=1001.0, nodes=joined, status=status), cfg)
+    assert set(refused) == {"v"}
+    assert "restart the controller (it reads them once, at its start)" in refused["v"]
+
+
+def test_each_node_shape_is_priced_once_across_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """512 nodes of 4 shapes: the first pass prices each shape once, later passes none (a
+    scan of the price table per node and per pass took ~50-110 ms on the event loop)."""
+    calls: list[str] = []
+    real = PriceTable.gpu_hour
+
+    def counted(self: PriceTable, gpu_type: str, zone: str, spot: bool = False) -> float:
+        calls.append(gpu_type)
+        return real(self, gpu_type, zone, spot)
+
+    monkeypatch.setattr(PriceTable, "gpu_hour", counted)
+    types = ("A100-40", "V100-16", "H100-80", "L4")
+    nodes = {f"n{i}": _node(f"n{i}", gpu_type=types[i % 4], gpus=8) for i in range(512)}
+    cfg = DecideConfig(checkpoint_dir="/ck", planner_reach=SailorPlanner(SPEC).reach())
+    o = Observed(now=1.0, nodes=nodes, status={})
+    _pass(DesiredState(epoch=1), o, cfg)
+    assert sorted(calls) == sorted(types)
+    for _ in range(3):
+        _pass(DesiredState(epoch=1), o, cfg)
+    assert len(calls) == 4
+
+
+def test_a_copy_with_other_inputs_is_judged_afresh() -> None:
+    """The verdicts and the price index kept on a frozen value are not carried to a copy
+    with other fields (``model_copy`` copies the instance's ``__dict__``)."""
+    prices = catalog.prices()
+    reach = SailorPlanner(SPEC, prices=prices).reach()
+    assert reach.why_not("V100-16", ZONE, 1, True) == ""
+    no_v100 = prices.model_copy(
+        update={"gpus": tuple(p for p in prices.gpus if p.gpu_type != "V100-16")}
+    )
+    with pytest.raises(KeyError, match="V100-16"):
+        no_v100.gpu_hour("V100-16", ZONE)
+    other = reach.model_copy(update={"prices": no_v100})
+    assert "'V100-16' has no price" in other.why_not("V100-16", ZONE, 1, True)
+    assert reach.why_not("V100-16", ZONE, 1, True) == "" and other != reach
+    assert reach == SailorPlanner(SPEC, prices=prices).reach()  # the memo is not a field

@@ -274,9 +274,21 @@ class SailorPlanner:
         self, nodes: tuple[NodeSpec, ...], previous: Plan | None, precision: Precision | None = None
     ) -> PlanResult:
         """The best plan for ``nodes``, placed on them; raises if none is feasible.
-        ``precision``: the job's, once fixed (``Planner.plan``)."""
+        ``precision``: the job's, once fixed (``Planner.plan``). A node this planner cannot
+        use (``reach``) is left out, and the plan's reason says so: the controller admits
+        none, but keeps the nodes of a running layout whatever its reach
+        (``controller/plannable.py``), so a controller restarted with other prices may ask
+        for one, and the search would refuse the whole pool for it."""
         if not nodes:
             raise PlacementError("no node to plan for")
+        reach = self.reach()
+        refused = [f"{n.node_id}: {why}" for n in nodes if (why := reach.why_not(*_shape(n)))]
+        if refused:
+            nodes = tuple(n for n in nodes if not reach.why_not(*_shape(n)))
+            if not nodes:
+                raise NoFeasiblePlanError(
+                    "the planner can use none of the nodes: " + "; ".join(refused)
+                )
         pool = pool_of(nodes)
         shapes = frozenset(_shape(n) for n in nodes)
         with self._lock:
@@ -312,6 +324,8 @@ class SailorPlanner:
                 reason += " (the job's)"
         if res.left_out:
             reason += "; " + "; ".join(res.left_out)
+        if refused:
+            reason += "; left out, the planner cannot use them: " + "; ".join(refused)
         return PlanResult(bound, placement, reason)
 
 
