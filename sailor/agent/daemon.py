@@ -52,6 +52,7 @@ from sailor.coordination import (
     DaemonFailedError,
     EtcdLease,
     EtcdStore,
+    EventTooLargeError,
     Keys,
     KeyValue,
     NatsCommands,
@@ -289,6 +290,8 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             try:
                 await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
                 return True
+            except EventTooLargeError:  # refused for good (logged by the bus, once)
+                return False
             except TemporaryError as exc:
                 if until is not None:
                     _log.warning("event_publish_retry", kind=kind, tries=tries, error=str(exc))

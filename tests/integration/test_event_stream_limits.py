@@ -17,10 +17,10 @@ import nats.js.api
 import pytest
 
 from sailor.coordination import (
+    EventTooLargeError,
     Keys,
     NatsEventBus,
     StreamConflictError,
-    TemporaryError,
     connect_nats,
 )
 from sailor.coordination.nats_bus import (
@@ -68,7 +68,7 @@ async def test_limits_set_and_an_oversized_event_refused(plain_servers: LocalSer
         )
         assert cfg.discard == nats.js.api.DiscardPolicy.OLD  # a full stream drops, not refuses
         flood = NatsEventBus(nc, keys, durable="unused", source="n1", op_timeout=1.0)
-        with pytest.raises(TemporaryError):
+        with pytest.raises(EventTooLargeError):  # refused for good: no retry can pass
             await flood.publish("heartbeat", b"x" * (EVENT_MAX_MSG_SIZE + 1), msg_id="big")
         other = NatsEventBus(nc, keys, durable="unused", source="n2", op_timeout=1.0)
         assert await other.publish("preemption_notice", b"{}", msg_id="notice")
