@@ -64,6 +64,7 @@ from sailor.coordination import (
     close_nats,
     connect_etcd,
     connect_nats,
+    safe_token,
 )
 from sailor.coordination.names import check_node_id
 from sailor.coordination.sd_notify import SystemdNotifier
@@ -129,6 +130,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         self._closing = False  # shutting down or crashed: commands are refused
         self._crashed = False
         self.held_elsewhere = False  # another agent's lease holds this node's key
+        self.token_clash = ""  # another registered node id shares our NATS token: why
         self._plans = PlanSource(self._read_desired)
         self.facts: NodeFacts | None = None
         self.refused = ""
@@ -211,7 +213,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             # another agent of this node id: refused before serving its command subject.
             # The claim itself comes first (a read of the key did: two agents that started
             # together both found it free and served commands until the loser's claim)
-            if await self._until_free(self._claim_key):
+            if await self._until_free(self._claim_key) and await self._token_own(stop=True):
                 await self._serve(commands)
         finally:
             if self.stopping.is_set():
@@ -395,8 +397,50 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         (``_until_free``); then announce the join. False: refused, or stopped."""
         if not await self._until_free(self._claim_key):
             return False
+        await self._token_own(stop=False)
         await self._announce()
         return True
+
+    async def _token_own(self, stop: bool) -> bool:
+        """Whether no other registered node id shares this one's NATS token (``safe_token``:
+        ``gpu.1`` and ``gpu_1`` share every subject, and each agent answers the other's
+        commands: which reply reaches the controller is a race). Checked once registered
+        (two that register together both see the other and both refuse). A clash at the
+        start (``stop``) refuses to start, naming both; one found at a re-registration is
+        logged only: this agent's workers may be training, and the controller admits only
+        one of the pair. Logins clash-checked by ``certs issue`` never get here; this is for
+        a deployment without ``security:`` or with certificates issued before that check."""
+        if self._store is None:
+            raise TemporaryError("not connected to etcd")
+        mine = safe_token(self.node.node_id)
+        while not self.stopping.is_set():
+            try:
+                records = await self._store.get_prefix(self.keys.nodes)
+                break
+            except TemporaryError:
+                await self.clock.sleep(0.3)
+        else:
+            return False
+        others = sorted(
+            node
+            for kv in records
+            if (node := kv.key[len(self.keys.nodes) :]) != self.node.node_id
+            and safe_token(node) == mine
+        )
+        if not others:
+            return True
+        why = (
+            f"node id {self.node.node_id!r} shares its NATS token {mine!r} with registered "
+            f"node {', '.join(repr(o) for o in others)}: NATS cannot tell their commands and "
+            "events apart; give every agent a node id that differs in more than '.' and '_'"
+        )
+        _log.error("node_token_clash", node=self.node.node_id, others=others, stop=stop)
+        if stop:
+            self.token_clash = why
+            self.failure = why
+            self.sd.status(f"failed: {why}"[:200])
+            self.stopping.set()
+        return False
 
     async def _announce(self) -> None:
         """Publish this node's join (its spec and facts)."""
@@ -561,8 +605,9 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
         await self._tasks.close()
         await self._close_supervisor()
-        if self._crashed or self.held_elsewhere:
-            # held elsewhere: the node is the other agent's, which has not left
+        if self._crashed or self.held_elsewhere or self.token_clash:
+            # held elsewhere: the node is the other agent's, which has not left; a token
+            # clash: never announced (the revoke takes the record away)
             if self._lease is not None:
                 await self._lease.revoke()  # ours holds nothing
             await commands.close()
