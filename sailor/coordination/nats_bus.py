@@ -283,6 +283,20 @@ async def close_nats(nc: NatsClient, timeout: float = 3.0) -> None:
         await within(nc.close(), timeout, "nats close")
 
 
+_MARK = "sailor events of job "
+"""The start of the description this release gives a job's event stream, the job's name
+after it: how a controller tells its own stream from another job's with the same subjects."""
+
+
+def _mark(job: str) -> str:
+    return _MARK + job
+
+
+def _marked_job(description: str) -> str | None:
+    """The job a stream's description names (``_mark``); None for a stream without one."""
+    return description[len(_MARK) :] if description.startswith(_MARK) else None
+
+
 class NatsEventBus:
     """``EventBus`` on a JetStream stream with one durable pull consumer."""
 
@@ -353,17 +367,19 @@ class NatsEventBus:
             max_bytes=self._max_bytes,
             discard=nats.js.api.DiscardPolicy.OLD,
             num_replicas=self._replicas,
+            description=_mark(self._keys.job),
         )
 
-    async def _subjects_of(self, name: str) -> list[str] | None:
-        """The subjects of stream ``name``; None when there is none of that name."""
+    async def _subjects_of(self, name: str) -> tuple[list[str], str] | None:
+        """The subjects of stream ``name`` and its description (``_mark``: the job that
+        made it, or none by an older release); None when there is none of that name."""
         try:
             info = await self._js.stream_info(name)
         except nats.js.errors.NotFoundError:
             return None
         except (TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
-        return list(info.config.subjects or [])
+        return list(info.config.subjects or []), info.config.description or ""
 
     async def _own_stream(self) -> nats.js.api.StreamConfig:
         """The config to update the existing stream of this job to. The stream of our name
@@ -371,18 +387,30 @@ class NatsEventBus:
         name before job names were checked) is never changed, nor a stream that holds our
         subjects under another name, except this job's under its old name
         (``Keys.legacy_stream``: a job with an upper-case letter, upgraded), which is
-        adopted."""
+        adopted. Nor one whose subjects are ours but that another job marked (``a.b`` and
+        ``a_b`` share subjects and stream name: ``_mark``); an unmarked one (an older
+        release's) is taken, and marked by the update."""
         ours = [self._keys.event_subjects]
-        subjects = await self._subjects_of(self._stream)
-        if subjects is None and self._keys.legacy_stream != self._stream:
+        found = await self._subjects_of(self._stream)
+        if found is None and self._keys.legacy_stream != self._stream:
             legacy = await self._subjects_of(self._keys.legacy_stream)
-            if legacy == ours:
+            if legacy is not None and legacy[0] == ours:
                 _log.info("event_stream_adopted", stream=self._keys.legacy_stream)
                 self._stream = self._keys.legacy_stream
-                subjects = legacy
-        if subjects == ours:
+                found = legacy
+        if found is not None and found[0] == ours:
+            theirs = _marked_job(found[1])
+            if theirs is not None and theirs != self._keys.job:
+                raise StreamConflictError(
+                    f"job {self._keys.job!r}: stream {self._stream!r} with its subjects "
+                    f"{ours[0]!r} is job {theirs!r}'s (job names that differ only in '.' "
+                    "and '_' share NATS subjects): left unchanged; rename one of the jobs",
+                    stream=self._stream,
+                    subjects=ours[0],
+                    job=theirs,
+                )
             return self._stream_config(self._stream)
-        if subjects is None:
+        if found is None:
             raise StreamConflictError(
                 f"job {self._keys.job!r}: its event subjects {ours[0]!r} belong to another "
                 f"stream than {self._stream!r} (left unchanged); delete or rename that stream",
@@ -391,9 +419,9 @@ class NatsEventBus:
             )
         raise StreamConflictError(
             f"job {self._keys.job!r}: stream {self._stream!r} exists with subjects "
-            f"{subjects}, not this job's {ours[0]!r} (another job's stream: left unchanged)",
+            f"{found[0]}, not this job's {ours[0]!r} (another job's stream: left unchanged)",
             stream=self._stream,
-            subjects=",".join(subjects),
+            subjects=",".join(found[0]),
         )
 
     @property
