@@ -408,8 +408,10 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         (two that register together both see the other and both refuse). A clash at the
         start (``stop``) refuses to start, naming both; one found at a re-registration is
         logged only: this agent's workers may be training, and the controller admits only
-        one of the pair. Logins clash-checked by ``certs issue`` never get here; this is for
-        a deployment without ``security:`` or with certificates issued before that check."""
+        one of the pair. For a deployment without ``security:``: with it, etcd's RBAC does
+        not let an agent list the nodes (the check is skipped), and ``certs issue`` refuses
+        clashing logins (certificates issued before that check: the controller's admission
+        still leaves the pair out)."""
         if self._store is None:
             raise TemporaryError("not connected to etcd")
         mine = safe_token(self.node.node_id)
@@ -419,6 +421,12 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 break
             except TemporaryError:
                 await self.clock.sleep(0.3)
+            except PermanentError as exc:
+                # etcd's RBAC (``security:``) lets an agent read its own node's keys only:
+                # there its login was clash-checked when its certificate was issued, and the
+                # controller's admission refuses a pair all the same
+                _log.info("node_token_unchecked", node=self.node.node_id, error=str(exc)[:200])
+                return True
         else:
             return False
         others = sorted(
