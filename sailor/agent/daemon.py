@@ -52,16 +52,19 @@ from sailor.coordination import (
     DaemonFailedError,
     EtcdLease,
     EtcdStore,
+    EventTooLargeError,
     Keys,
     KeyValue,
     NatsCommands,
     NatsEventBus,
+    PermanentError,
     SystemClock,
     TaskSet,
     TemporaryError,
     close_nats,
     connect_etcd,
     connect_nats,
+    safe_token,
 )
 from sailor.coordination.names import check_node_id
 from sailor.coordination.sd_notify import SystemdNotifier
@@ -127,6 +130,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         self._closing = False  # shutting down or crashed: commands are refused
         self._crashed = False
         self.held_elsewhere = False  # another agent's lease holds this node's key
+        self.token_clash = ""  # another registered node id shares our NATS token: why
         self._plans = PlanSource(self._read_desired)
         self.facts: NodeFacts | None = None
         self.refused = ""
@@ -206,9 +210,10 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         commands = NatsCommands(nc, self.keys)
         try:
             await self._fence_from_desired()
-            # another agent of this node id: refused before serving its command subject
-            # (the claim after it settles two that start together)
-            if await self._until_free(self._holder):
+            # another agent of this node id: refused before serving its command subject.
+            # The claim itself comes first (a read of the key did: two agents that started
+            # together both found it free and served commands until the loser's claim)
+            if await self._until_free(self._claim_key) and await self._token_own(stop=True):
                 await self._serve(commands)
         finally:
             if self.stopping.is_set():
@@ -218,12 +223,13 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             raise DaemonFailedError("agent failed", reason=self.failure)
 
     async def _serve(self, commands: NatsCommands) -> None:
-        """Serve commands, register, keep the long-lived tasks until the stop."""
+        """Registered: serve commands, announce the join, keep the long-lived tasks until
+        the stop. A command the controller sends between the registration and the
+        subscription finds no responder and is sent again (its loop is level-triggered)."""
         await commands.serve(self.node.node_id, self._on_command)
         if not self.supervisor.kill_under_way:  # else once the restored kill is over
             await self.supervisor.top_up_spares()
-        if not await self._register():
-            return
+        await self._announce()
         self.sd.ready(f"registered node {self.node.node_id}")
         self._keep("status", self._status_loop)
         self._keep("registration", self._registration_loop)
@@ -289,6 +295,8 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             try:
                 await assert_bus.publish(kind, event.model_dump_json().encode(), event.event_id)
                 return True
+            except EventTooLargeError:  # refused for good (logged by the bus, once)
+                return False
             except TemporaryError as exc:
                 if until is not None:
                     _log.warning("event_publish_retry", kind=kind, tries=tries, error=str(exc))
@@ -300,16 +308,6 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
 
     def _event_id(self, kind: str) -> str:
         return f"{self.node.node_id}-{kind}-{uuid.uuid4().hex[:12]}"
-
-    async def _holder(self) -> KeyValue | None:
-        """The record of another lease under this node's key; None when it is free (or
-        ours)."""
-        if self._store is None:
-            raise TemporaryError("not connected to etcd")
-        kv = await self._store.get(self.keys.node(self.node.node_id))
-        if kv is None or (self._lease is not None and kv.lease == self._lease.id):
-            return None
-        return kv
 
     async def _claim_key(self) -> KeyValue | None:
         """Write this node's record under our lease (granted now if we hold none alive),
@@ -323,48 +321,72 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         )
 
     async def _until_free(self, attempt: Any) -> bool:
-        """Run ``attempt`` (``_holder`` or ``_claim_key``) until it finds the key free;
-        False when another agent still holds it one lease TTL (and ``CLAIM_GRACE_S``)
-        after it was first seen held, or on stop. An agent that crashed leaves its record
-        until its lease lapses (a TTL at most); a live one keeps it: two agents must not
-        share a node id (the second took the first's key over, and took it away when it
-        stopped). An etcd that was unreachable starts the wait over: etcd extends every
-        lease when it comes back."""
+        """Run ``attempt`` (``_claim_key``) until it finds the key free; False when another
+        lease still holds it past that lease's own TTL (and ``CLAIM_GRACE_S``) from when it
+        was first seen, or on stop. An agent that crashed leaves its record until its lease
+        lapses; a live one keeps it refreshed: two agents must not share a node id (the
+        second took the first's key over, and took it away when it stopped). The wait is the
+        TTL etcd *granted* the holder's lease, read from etcd: etcd raises every lease to its
+        minimum TTL (1.5 election timeouts, 8 s on WAN settings), so the configured
+        ``lease_ttl_s`` was too short, and an agent restarted after a crash refused itself.
+        A lease still there past its granted TTL was refreshed since: a live holder. An etcd
+        that was unreachable starts the wait over: etcd extends every lease when it comes
+        back."""
         deadline: float | None = None
+        watched = 0  # the holder's lease the deadline is of
         while not self.stopping.is_set():
             try:
                 held = await attempt()
+                ttl = None if held is None else await self._lease_ttl(held.lease)
             except TemporaryError:
                 deadline = None
                 await self.clock.sleep(0.3)
                 continue
             if held is None:
                 return True
+            if ttl is None:  # its lease lapsed between the two reads: claim again
+                await self.clock.sleep(0.05)
+                continue
             now = self.clock.now()
-            if deadline is None:
-                deadline = now + self.cfg.lease_ttl_s + CLAIM_GRACE_S
+            if deadline is None or held.lease != watched:
+                remaining, granted = ttl
+                watched = held.lease
+                deadline = now + max(granted, remaining) + CLAIM_GRACE_S
                 _log.warning(
                     "node_key_held",
                     node=self.node.node_id,
                     lease=held.lease,
                     address=_address_of(held.value),
+                    lease_ttl_s=granted,
+                    remaining_s=remaining,
                     wait_s=deadline - now,
                 )
             elif now >= deadline:
-                self._refuse_held(held)
+                self._refuse_held(held, ttl[1])
                 return False
             await self.clock.sleep(0.3)
         return False
 
-    def _refuse_held(self, held: KeyValue) -> None:
+    async def _lease_ttl(self, lease_id: int) -> tuple[int, int] | None:
+        """(remaining, granted) of the holder's lease; where etcd's RBAC does not let this
+        agent read it, the configured TTL stands in for both (the wait of before)."""
+        if self._store is None:
+            raise TemporaryError("not connected to etcd")
+        try:
+            return await self._store.lease_ttl(lease_id)
+        except PermanentError as exc:
+            _log.warning("lease_ttl_unreadable", lease=lease_id, error=str(exc)[:300])
+            return self.cfg.lease_ttl_s, self.cfg.lease_ttl_s
+
+    def _refuse_held(self, held: KeyValue, ttl_s: int) -> None:
         theirs = _address_of(held.value) or "no address"
         ours = self.node.address or "no address"
         self.held_elsewhere = True
         self.failure = (
             f"node id {self.node.node_id!r} is registered by another agent (at {theirs}, "
-            f"lease {held.lease:x}) whose lease did not lapse within "
-            f"{self.cfg.lease_ttl_s + CLAIM_GRACE_S:g} s: this agent (at {ours}) does not "
-            "start; give every agent a node id of its own"
+            f"lease {held.lease:x}) that keeps its lease refreshed: it did not lapse within "
+            f"its TTL of {ttl_s} s and {CLAIM_GRACE_S:g} s more; this agent (at {ours}) does "
+            "not start; give every agent a node id of its own"
         )
         _log.error("node_id_in_use", node=self.node.node_id, theirs=theirs, ours=ours)
         self.sd.status(f"failed: {self.failure}"[:200])
@@ -375,6 +397,61 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         (``_until_free``); then announce the join. False: refused, or stopped."""
         if not await self._until_free(self._claim_key):
             return False
+        await self._token_own(stop=False)
+        await self._announce()
+        return True
+
+    async def _token_own(self, stop: bool) -> bool:
+        """Whether no other registered node id shares this one's NATS token (``safe_token``:
+        ``gpu.1`` and ``gpu_1`` share every subject, and each agent answers the other's
+        commands: which reply reaches the controller is a race). Checked once registered
+        (two that register together both see the other and both refuse). A clash at the
+        start (``stop``) refuses to start, naming both; one found at a re-registration is
+        logged only: this agent's workers may be training, and the controller admits only
+        one of the pair. For a deployment without ``security:``: with it, etcd's RBAC does
+        not let an agent list the nodes (the check is skipped), and ``certs issue`` refuses
+        clashing logins (certificates issued before that check: the controller's admission
+        still leaves the pair out)."""
+        if self._store is None:
+            raise TemporaryError("not connected to etcd")
+        mine = safe_token(self.node.node_id)
+        while not self.stopping.is_set():
+            try:
+                records = await self._store.get_prefix(self.keys.nodes)
+                break
+            except TemporaryError:
+                await self.clock.sleep(0.3)
+            except PermanentError as exc:
+                # etcd's RBAC (``security:``) lets an agent read its own node's keys only:
+                # there its login was clash-checked when its certificate was issued, and the
+                # controller's admission refuses a pair all the same
+                _log.info("node_token_unchecked", node=self.node.node_id, error=str(exc)[:200])
+                return True
+        else:
+            return False
+        others = sorted(
+            node
+            for kv in records
+            if (node := kv.key[len(self.keys.nodes) :]) != self.node.node_id
+            and safe_token(node) == mine
+        )
+        if not others:
+            return True
+        why = (
+            f"node id {self.node.node_id!r} shares its NATS token {mine!r} with registered "
+            f"node {', '.join(repr(o) for o in others)}: NATS cannot tell their commands and "
+            "events apart; give every agent a node id that differs in more than '.' and '_'"
+        )
+        _log.error("node_token_clash", node=self.node.node_id, others=others, stop=stop)
+        if stop:
+            self.token_clash = why
+            self.failure = why
+            self.sd.status(f"failed: {why}"[:200])
+            self.stopping.set()
+        return False
+
+    async def _announce(self) -> None:
+        """Publish this node's join (its spec and facts)."""
         await self._publish(
             "node_joined",
             NodeJoined(
@@ -385,7 +462,6 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 facts=self.facts,
             ),
         )
-        return True
 
     async def _registration_loop(self) -> None:
         while True:
@@ -537,8 +613,9 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     async def _shutdown(self, store: EtcdStore, nc: Any, commands: NatsCommands) -> None:
         await self._tasks.close()
         await self._close_supervisor()
-        if self._crashed or self.held_elsewhere:
-            # held elsewhere: the node is the other agent's, which has not left
+        if self._crashed or self.held_elsewhere or self.token_clash:
+            # held elsewhere: the node is the other agent's, which has not left; a token
+            # clash: never announced (the revoke takes the record away)
             if self._lease is not None:
                 await self._lease.revoke()  # ours holds nothing
             await commands.close()

@@ -15,6 +15,7 @@ from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination.endpoints import ServerEndpoints, distinct_nats_servers
 from sailor.coordination.names import check_job
+from sailor.coordination.nats_bus import EVENT_MAX_BYTES, EVENT_MAX_MSG_SIZE
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas._base import Frozen, field_error
 
@@ -119,6 +120,17 @@ class ControllerConfig(ServerEndpoints):
         "start (a standby too: the server's INFO names no cluster); more than the servers "
         "several nats_urls list is refused on load; "
         "fewer servers up than replicas is waited for and shown (event_stream_deadline_s).",
+    )
+    event_stream_max_bytes: int = Field(
+        default=EVENT_MAX_BYTES,
+        ge=EVENT_MAX_MSG_SIZE,
+        le=1 << 40,
+        description="Bytes the job's event stream keeps at most, oldest dropped first "
+        "(64 MiB: a join of 1000 nodes at the largest event). JetStream reserves it on "
+        "each replica's server out of max_file_store when the stream is made: a server "
+        "with 8 GB holds ~120 jobs' streams. A reservation that does not fit stops the "
+        "controller naming max_file_store; an existing stream whose update it refuses is "
+        "consumed with its old limits (docs/operations.md, 'Event stream limits').",
     )
     event_stream_deadline_s: float = Field(
         default=300.0,

@@ -292,6 +292,7 @@ class Controller(EventIntake):
             self.keys,
             durable=f"controller-{self.keys.job}",
             replicas=self.cfg.event_stream_replicas,
+            max_bytes=self.cfg.event_stream_max_bytes,
         )
         executor = Executor(
             store,

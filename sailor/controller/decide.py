@@ -39,6 +39,7 @@ from sailor.controller import (
     periodic,
     plannable,
     runtime_admission,
+    token_admission,
 )
 from sailor.controller.aborts import abort, clear_stale, unhealthy
 from sailor.controller.checkpointing import committing, quiesce_like
@@ -176,7 +177,8 @@ def not_admitted(
     precision: Precision | None = None,
     reach: PlannerReach | None = None,
 ) -> dict[str, str]:
-    """The registered nodes left out because the planner cannot use them (``reach``:
+    """The registered nodes left out because their NATS token is another's
+    (``controller/token_admission.py``), the planner cannot use them (``reach``:
     ``DecideConfig.planner_reach``, ``controller/plannable.py``), or for their runtime or the
     job's precision (``controller/runtime_admission.py``), with the reason; ``out``: the
     nodes the failure records keep out (computed when not given); ``precision``: the job's
@@ -185,7 +187,10 @@ def not_admitted(
     if out is None:
         out = failing_nodes.unusable(d, o.nodes, o.status, o.now)
     candidates = [n for n in o.nodes if n not in out and n not in o.notices]
-    refused = plannable.unplannable(o.nodes, candidates, reach, d.placement)
+    # a node whose NATS token another's shares cannot be commanded apart from it
+    refused = token_admission.token_clashes(d.placement, o.nodes, candidates)
+    candidates = [n for n in candidates if n not in refused]
+    refused |= plannable.unplannable(o.nodes, candidates, reach, d.placement)
     candidates = [n for n in candidates if n not in refused]
     job = precision if precision is not None else d.job_precision
     refused |= runtime_admission.not_admitted(d.placement, o.nodes, candidates, job)

@@ -39,6 +39,7 @@ from sailor.coordination import (
     ReplicasExceedClusterError,
     StreamConflictError,
     StreamNotPlacedError,
+    StreamStorageError,
     TemporaryError,
     safe_token,
 )
@@ -171,7 +172,8 @@ class EventIntake:
             except ReplicasExceedClusterError as exc:
                 self._stream_refused(exc, lead)
                 return
-            except StreamConflictError as exc:  # another job's stream: no retry ends it
+            except (StreamConflictError, StreamStorageError) as exc:
+                # another job's stream, or no room for its reservation: no retry ends it
                 self.fail(str(exc), epoch=lead.epoch, stream=str(exc.fields.get("stream", "")))
                 return
             except FencedError as exc:  # the record status reads: deposed

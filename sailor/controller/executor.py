@@ -1050,7 +1050,12 @@ class Executor:
                 "ack_rejected", self.clock.now(), command_id=cmd.command_id, error=str(exc)[:300]
             )
             return
-        if ack.command_id != cmd.command_id or ack.node_id != cmd.node_id:
+        # The one reply that names no command: the addressed node's refusal of a command it
+        # could not parse (``"?"``, ``agent_commands._apply``). A reply is to this request
+        # alone (its own inbox) and names this node: this node refused this command, and
+        # its reason ("malformed: ...") is what decide and an abort's cause must see.
+        unparsed = ack.command_id == "?" and not ack.accepted and ack.node_id == cmd.node_id
+        if (ack.command_id != cmd.command_id and not unparsed) or ack.node_id != cmd.node_id:
             # an ack of another command, or from another node (one that shares this node's
             # command subject): never counted; every release's agent sends both as asked
             self.audit.write(
@@ -1060,6 +1065,8 @@ class Executor:
                 node_id=cmd.node_id,
                 ack_command_id=ack.command_id[:128],
                 ack_node_id=ack.node_id[:128],
+                accepted=ack.accepted,
+                reason=ack.reason[:300],
                 error="the ack names another command or node",
             )
             return

@@ -12,11 +12,13 @@ __all__ = [
     "ChangedError",
     "CoordinationError",
     "DaemonFailedError",
+    "EventTooLargeError",
     "FencedError",
     "PermanentError",
     "ReplicasExceedClusterError",
     "StreamConflictError",
     "StreamNotPlacedError",
+    "StreamStorageError",
     "TemporaryError",
     "UnavailableError",
 ]
@@ -72,6 +74,18 @@ class ReplicasExceedClusterError(PermanentError):
 class StreamConflictError(PermanentError):
     """The job's event stream cannot be made: a stream of its name carries another job's
     subjects, or another stream carries its subjects. Left unchanged: an operator decides."""
+
+
+class StreamStorageError(PermanentError):
+    """The job's event stream cannot be made: the NATS server cannot reserve its
+    ``max_bytes`` out of JetStream's ``max_file_store``. An operator raises the one or
+    lowers the other (or deletes finished jobs' streams); no retry of the same request ends
+    it."""
+
+
+class EventTooLargeError(PermanentError):
+    """An event above the stream's largest message: refused before it is sent, since the
+    server would refuse every retry of it."""
 
 
 class FencedError(PermanentError):

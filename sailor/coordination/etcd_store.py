@@ -449,6 +449,17 @@ class EtcdStore:
         self._leases.append(lease)
         return lease
 
+    async def lease_ttl(self, lease_id: int) -> tuple[int, int] | None:
+        """(remaining, granted) seconds of lease ``lease_id`` as etcd holds it; None when it
+        is gone. ``granted`` is what etcd gave, which may exceed what was asked: etcd raises
+        every lease to its minimum TTL (1.5 election timeouts; 8 s with an election timeout
+        of 5 s, a WAN setting)."""
+        reply = await self.call(self.client.get_lease_info(lease_id, keys=False))
+        remaining = int(reply.TTL)
+        if remaining <= 0:  # -1: expired or revoked
+            return None
+        return remaining, int(reply.grantedTTL)
+
     async def revision(self) -> int:
         resp = await self.call(self.client.get_prefix(b"/sailor/\x00revision-probe"))
         return int(resp.header.revision)

@@ -52,7 +52,7 @@ class Keys(Frozen):
     job: str = Field(
         min_length=1,
         max_length=64,
-        description="Job name: letters, digits, '_' and '-' (``names.JOB_PATTERN``).",
+        description="Job name: letters, digits, '.', '_' and '-' (``names.JOB_PATTERN``).",
     )
 
     @field_validator("job")

@@ -8,9 +8,15 @@ a certificate and files in the agent's work directory. NATS subject tokens canno
 subject, an event subject and a reply inbox, that is every NATS permission. Such a pair is
 refused wherever logins are made (``token_clashes``).
 
-Job names take no ``.`` and no ``/``: a job's etcd prefix then never holds another job's
-(``/sailor/a/`` would cover ``/sailor/a/b/``, and with it an agent's etcd RBAC), and its
-subject token is the name itself. Must never import NATS or etcd clients.
+Job names take no ``/`` (and no character outside ``[A-Za-z0-9._-]``, and no leading
+``.``): a job's etcd prefix then never holds another job's (``/sailor/a/`` would cover
+``/sailor/a/b/``, and with it an agent's etcd RBAC). A ``.`` is taken (``llama-3.1``: it was
+valid before names were checked, and a job's etcd state, its commit records above all, is
+kept under its name): its etcd keys are its own, but its NATS token maps the ``.`` to
+``_``, so ``a.b`` and ``a_b`` would share subjects and the event stream's name. The
+controller marks its stream with its job's name and refuses to start on a stream another
+job marked (``NatsEventBus``: ``StreamConflictError``). Must never import NATS or etcd
+clients.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ def safe_token(text: str) -> str:
     return _TOKEN.sub("_", text) or "_"
 
 
-JOB_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-"""A job name: letters, digits, ``_`` and ``-``, 1 to 64 of them."""
+JOB_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"
+"""A job name: letters, digits, ``.``, ``_`` and ``-``, 1 to 64 of them, not starting with
+``.``."""
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
 """A node id: letters, digits, ``.``, ``_`` and ``-``, not starting with ``.`` (so never
@@ -51,8 +58,9 @@ def check_job(job: str, field: str = "job") -> str:
     """``job`` if it is a valid job name, else ``ValueError`` naming ``field`` and the value."""
     if not _JOB.fullmatch(job):
         raise ValueError(
-            f"{field}={job!r}: a job name is 1 to 64 letters, digits, '_' or '-' (it is part "
-            "of etcd keys, NATS subjects and the event stream's name)"
+            f"{field}={job!r}: a job name is 1 to 64 letters, digits, '.', '_' or '-', not "
+            "starting with '.' (it is part of etcd keys, NATS subjects and the event "
+            "stream's name)"
         )
     return job
 

@@ -34,10 +34,12 @@ from sailor.coordination.api import CommandHandler, Delivery
 from sailor.coordination.deadline import within
 from sailor.coordination.errors import (
     CoordinationError,
+    EventTooLargeError,
     PermanentError,
     ReplicasExceedClusterError,
     StreamConflictError,
     StreamNotPlacedError,
+    StreamStorageError,
     TemporaryError,
     UnavailableError,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "close_nats",
     "connect_nats",
     "placement_error",
+    "storage_error",
     "unclustered_replicas",
 ]
 
@@ -83,11 +86,49 @@ publishes a handful of each kind between two reads of the controller (a join per
 registration, a failure per launch, a notice per preemption), and the controller reads
 continuously and needs none it has acked (it acks each after handling it)."""
 
-EVENT_MAX_BYTES = 1024**3
-"""The stream's total, bytes (1 GiB), oldest dropped first: a full stream never refuses a
-publish (a preemption notice above all), where the server's JetStream store filling up
-refused every node's. JetStream reserves it on each replica's server (``max_file_store``,
-8 GB in deploy/config/nats-server.conf: room for the streams of several jobs)."""
+EVENT_MAX_BYTES = 64 * 1024**2
+"""The stream's total by default, bytes (64 MiB; ``event_stream_max_bytes`` in the
+controller's config), oldest dropped first: a full stream never refuses a publish (a
+preemption notice above all), where the server's JetStream store filling up refused every
+node's. JetStream *reserves* a stream's ``max_bytes`` on each replica's server out of its
+``max_file_store`` when the stream is made (and the growth when it is raised), whether or
+not it is ever used; the other limits (per subject, message size, age) reserve nothing. So
+the total is sized for what it must hold, not for the worst flood: the events a controller
+has not read yet, which pile up only while no controller leads (a failover, seconds to
+minutes). 64 MiB holds a join of 1000 nodes at the largest NodeJoined (~47 KB each) or
+~15 000 usual events (2-5 KB); with 8 GB of ``max_file_store``
+(deploy/config/nats-server.conf) a server holds the streams of ~120 jobs. A reservation
+that does not fit is refused with ``_INSUFFICIENT_RESOURCES`` (``StreamStorageError``)."""
+
+_INSUFFICIENT_RESOURCES = 10047
+"""JetStream's error code for a stream whose ``max_bytes`` (times its replicas) the server's
+``max_file_store`` left over cannot reserve (``insufficient storage resources
+available``, an HTTP-like 500)."""
+
+_MESSAGE_TOO_LARGE = 10054
+"""JetStream's error code for a publish above the stream's ``max_msg_size`` (``message
+size exceeds maximum allowed``)."""
+
+
+def storage_error(
+    err_code: int | None, description: str | None, stream: str, max_bytes: int, replicas: int
+) -> StreamStorageError | None:
+    """What JetStream's refusal (``err_code``, ``description``) of ``stream`` means when it
+    is the reservation of its ``max_bytes`` (:data:`_INSUFFICIENT_RESOURCES`); None when it
+    is about something else. The server says only "insufficient storage resources": the
+    operator learns which limit to change."""
+    if err_code != _INSUFFICIENT_RESOURCES:
+        return None
+    return StreamStorageError(
+        f"stream {stream!r}: the NATS server cannot reserve its max_bytes ({max_bytes} bytes "
+        f"on each of {replicas} replica server(s)) out of JetStream's max_file_store: raise "
+        "max_file_store in nats-server.conf, lower event_stream_max_bytes in the "
+        "controller's config, or delete the streams of finished jobs",
+        stream=stream,
+        max_bytes=max_bytes,
+        replicas=replicas,
+        reason=description or "",
+    )
 
 
 async def connect_nats(
@@ -242,6 +283,20 @@ async def close_nats(nc: NatsClient, timeout: float = 3.0) -> None:
         await within(nc.close(), timeout, "nats close")
 
 
+_MARK = "sailor events of job "
+"""The start of the description this release gives a job's event stream, the job's name
+after it: how a controller tells its own stream from another job's with the same subjects."""
+
+
+def _mark(job: str) -> str:
+    return _MARK + job
+
+
+def _marked_job(description: str) -> str | None:
+    """The job a stream's description names (``_mark``); None for a stream without one."""
+    return description[len(_MARK) :] if description.startswith(_MARK) else None
+
+
 class NatsEventBus:
     """``EventBus`` on a JetStream stream with one durable pull consumer."""
 
@@ -254,8 +309,12 @@ class NatsEventBus:
         ack_wait: float = 30.0,
         source: str = "_",
         replicas: int = 1,
+        max_bytes: int = EVENT_MAX_BYTES,
     ) -> None:
         self._nc = nc
+        self._max_bytes = max_bytes
+        self._limits_kept = ""  # why the existing stream's limits were left: warned once
+        self._too_large_logged = False
         self._source = source
         self._keys = keys
         self._durable = safe_token(durable)
@@ -278,8 +337,18 @@ class NatsEventBus:
             await self._js.add_stream(config)
         except nats.js.errors.APIError as exc:
             self._raise_unplaced(exc)
-            if not isinstance(exc, nats.js.errors.BadRequestError):
-                raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
+            refused = storage_error(
+                exc.err_code, exc.description, self._stream, self._max_bytes, self._replicas
+            )
+            if refused is not None:
+                # a server may judge the reservation before it finds the stream exists
+                # (an older release's, without limits): that one is consumed as it is
+                if await self._subjects_of(self._stream) is None:
+                    raise refused from exc
+            elif not isinstance(exc, nats.js.errors.BadRequestError):
+                raise UnavailableError(
+                    "jetstream unavailable", error=repr(exc), reason=exc.description
+                ) from exc
             # it exists with another config (an older release's: no limits), or another
             # stream holds our subjects: update only a stream that is this job's
             await self._update_stream(await self._own_stream())
@@ -295,20 +364,22 @@ class NatsEventBus:
             max_age=24 * 3600.0,
             max_msg_size=EVENT_MAX_MSG_SIZE,
             max_msgs_per_subject=EVENT_MAX_MSGS_PER_SUBJECT,
-            max_bytes=EVENT_MAX_BYTES,
+            max_bytes=self._max_bytes,
             discard=nats.js.api.DiscardPolicy.OLD,
             num_replicas=self._replicas,
+            description=_mark(self._keys.job),
         )
 
-    async def _subjects_of(self, name: str) -> list[str] | None:
-        """The subjects of stream ``name``; None when there is none of that name."""
+    async def _subjects_of(self, name: str) -> tuple[list[str], str] | None:
+        """The subjects of stream ``name`` and its description (``_mark``: the job that
+        made it, or none by an older release); None when there is none of that name."""
         try:
             info = await self._js.stream_info(name)
         except nats.js.errors.NotFoundError:
             return None
         except (TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError("jetstream unavailable", error=repr(exc)) from exc
-        return list(info.config.subjects or [])
+        return list(info.config.subjects or []), info.config.description or ""
 
     async def _own_stream(self) -> nats.js.api.StreamConfig:
         """The config to update the existing stream of this job to. The stream of our name
@@ -316,18 +387,30 @@ class NatsEventBus:
         name before job names were checked) is never changed, nor a stream that holds our
         subjects under another name, except this job's under its old name
         (``Keys.legacy_stream``: a job with an upper-case letter, upgraded), which is
-        adopted."""
+        adopted. Nor one whose subjects are ours but that another job marked (``a.b`` and
+        ``a_b`` share subjects and stream name: ``_mark``); an unmarked one (an older
+        release's) is taken, and marked by the update."""
         ours = [self._keys.event_subjects]
-        subjects = await self._subjects_of(self._stream)
-        if subjects is None and self._keys.legacy_stream != self._stream:
+        found = await self._subjects_of(self._stream)
+        if found is None and self._keys.legacy_stream != self._stream:
             legacy = await self._subjects_of(self._keys.legacy_stream)
-            if legacy == ours:
+            if legacy is not None and legacy[0] == ours:
                 _log.info("event_stream_adopted", stream=self._keys.legacy_stream)
                 self._stream = self._keys.legacy_stream
-                subjects = legacy
-        if subjects == ours:
+                found = legacy
+        if found is not None and found[0] == ours:
+            theirs = _marked_job(found[1])
+            if theirs is not None and theirs != self._keys.job:
+                raise StreamConflictError(
+                    f"job {self._keys.job!r}: stream {self._stream!r} with its subjects "
+                    f"{ours[0]!r} is job {theirs!r}'s (job names that differ only in '.' "
+                    "and '_' share NATS subjects): left unchanged; rename one of the jobs",
+                    stream=self._stream,
+                    subjects=ours[0],
+                    job=theirs,
+                )
             return self._stream_config(self._stream)
-        if subjects is None:
+        if found is None:
             raise StreamConflictError(
                 f"job {self._keys.job!r}: its event subjects {ours[0]!r} belong to another "
                 f"stream than {self._stream!r} (left unchanged); delete or rename that stream",
@@ -336,9 +419,9 @@ class NatsEventBus:
             )
         raise StreamConflictError(
             f"job {self._keys.job!r}: stream {self._stream!r} exists with subjects "
-            f"{subjects}, not this job's {ours[0]!r} (another job's stream: left unchanged)",
+            f"{found[0]}, not this job's {ours[0]!r} (another job's stream: left unchanged)",
             stream=self._stream,
-            subjects=",".join(subjects),
+            subjects=",".join(found[0]),
         )
 
     @property
@@ -348,6 +431,11 @@ class NatsEventBus:
         return self._stream
 
     async def _update_stream(self, config: nats.js.api.StreamConfig) -> None:
+        """Update the existing stream to ``config``. Refused (its ``max_bytes`` does not
+        fit the server's ``max_file_store``, or a change the server does not allow): the
+        stream is consumed as it is, with a warning (once): a controller that read no
+        events until an operator acted was worse than one whose stream keeps older limits.
+        Only more replicas than the servers up can place is raised (and retried)."""
         try:
             await self._js.update_stream(config)
         except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as e:
@@ -355,7 +443,18 @@ class NatsEventBus:
             raise UnavailableError("jetstream unavailable", error=repr(e)) from e
         except nats.js.errors.APIError as e:
             self._raise_unplaced(e)  # more replicas than before, too few servers for them
-            raise  # the server refuses this config: say so
+            refused = storage_error(
+                e.err_code, e.description, config.name or "", self._max_bytes, self._replicas
+            )
+            why = str(refused) if refused is not None else f"{e.err_code}: {e.description}"
+            if why != self._limits_kept:
+                self._limits_kept = why
+                _log.warning(
+                    "event_stream_limits_kept",
+                    stream=config.name,
+                    reason=why[:600],
+                    action="consuming the stream with the limits it has",
+                )
         except (TimeoutError, nats.errors.Error) as e:
             raise UnavailableError("jetstream unavailable", error=repr(e)) from e
 
@@ -365,6 +464,20 @@ class NatsEventBus:
             raise err from exc
 
     async def publish(self, subject_kind: str, data: bytes, msg_id: str) -> bool:
+        """Store ``data`` once (``msg_id``); False when it was a duplicate. An event above
+        ``EVENT_MAX_MSG_SIZE`` raises ``EventTooLargeError`` without being sent (logged
+        once per bus: ``event_too_large``): the stream refuses it every time."""
+        if len(data) > EVENT_MAX_MSG_SIZE:
+            if not self._too_large_logged:
+                self._too_large_logged = True
+                _log.error(
+                    "event_too_large", kind=subject_kind, size=len(data), limit=EVENT_MAX_MSG_SIZE
+                )
+            raise EventTooLargeError(
+                f"event of {len(data)} bytes above the stream's {EVENT_MAX_MSG_SIZE}",
+                kind=subject_kind,
+                msg_id=msg_id,
+            )
         try:
             ack = await self._js.publish(
                 self._keys.event_subject(subject_kind, self._source),
@@ -374,6 +487,15 @@ class NatsEventBus:
             )
         except nats.js.errors.NoStreamResponseError as exc:
             raise TemporaryError("no stream responded", error=repr(exc), retry_after=0.5) from exc
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == _MESSAGE_TOO_LARGE:  # the stream's own limit, lower than ours
+                raise EventTooLargeError(
+                    "event refused by the stream as too large",
+                    kind=subject_kind,
+                    msg_id=msg_id,
+                    reason=exc.description,
+                ) from exc
+            raise UnavailableError("event publish failed", error=repr(exc)) from exc
         except (TimeoutError, nats.errors.Error) as exc:
             raise UnavailableError("event publish failed", error=repr(exc)) from exc
         return not bool(ack.duplicate)

@@ -8,6 +8,7 @@ again after a crash still registers, once the old lease has lapsed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -15,7 +16,14 @@ import pytest
 
 from sailor.agent.agent_config import AgentConfig, CheckSettings
 from sailor.agent.daemon import CLAIM_GRACE_S, Agent
-from sailor.coordination import DaemonFailedError, Keys, NatsEventBus, connect_etcd, connect_nats
+from sailor.coordination import (
+    DaemonFailedError,
+    Keys,
+    NatsCommands,
+    NatsEventBus,
+    connect_etcd,
+    connect_nats,
+)
 from sailor.coordination.etcd_store import EtcdStore
 from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
@@ -125,4 +133,45 @@ async def test_an_agent_restarted_after_a_crash_registers_once_the_old_lease_lap
         if again is not None and again_task is not None:
             again.stopping.set()
             await asyncio.wait_for(again_task, 15)
+        await store.close()
+
+
+class _Recording(Agent):
+    """An agent that records whether it served its command subject."""
+
+    served = False
+
+    async def _serve(self, commands: NatsCommands) -> None:
+        self.served = True
+        await super()._serve(commands)
+
+
+async def test_of_two_agents_started_together_only_the_registered_one_serves_commands(
+    servers: LocalServers, tmp_path: Path
+) -> None:
+    """Both found the key free (a read), both served commands until the loser's claim came
+    and refused it: commands of the node were answered by whichever replied first."""
+    store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
+    a = _Recording(_agent(servers, tmp_path / "vm-a", "10.0.0.1").cfg)
+    b = _Recording(_agent(servers, tmp_path / "vm-b", "10.0.0.2").cfg)
+    tasks = {
+        a: asyncio.create_task(a.run(), name="agent-a"),
+        b: asyncio.create_task(b.run(), name="agent-b"),
+    }
+    try:
+        done, _ = await asyncio.wait(tasks.values(), timeout=TTL + CLAIM_GRACE_S + 20)
+        assert len(done) == 1
+        loser = a if tasks[a] in done else b
+        winner = b if loser is a else a
+        with pytest.raises(DaemonFailedError):
+            await tasks[loser]
+        assert loser.held_elsewhere and not loser.served
+        assert winner.served
+        spec = await _registered(store)
+        assert spec.address == winner.node.address
+    finally:
+        for agent, task in tasks.items():
+            agent.stopping.set()
+            with contextlib.suppress(DaemonFailedError):
+                await asyncio.wait_for(task, 15)
         await store.close()

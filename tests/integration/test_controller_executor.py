@@ -69,7 +69,7 @@ class Agents:
         self.keys = keys
         self.refuse: set[str] = set()
         self.silent: set[str] = set()
-        self.forged: dict[str, dict[str, str]] = {}  # node -> the ack fields it gets wrong
+        self.forged: dict[str, dict[str, str | bool]] = {}  # node -> the ack fields it gets wrong
         self.received: list[str] = []
 
     async def __aenter__(self) -> Agents:
@@ -462,23 +462,34 @@ async def test_an_ack_from_another_node_or_of_another_command_is_not_counted(
         module_plain_servers, tmp_path, planner, clock=clock, command_timeout_s=0.3
     ) as rig:
         ex, e, agents = rig.ex, rig.ex.epoch, rig.agents
-        agents.forged = {"n1": {"node_id": "n1x"}, "n2": {"command_id": "another"}}
+        agents.forged = {
+            "n1": {"node_id": "n1x", "accepted": False, "reason": "addressed to n1"},
+            "n2": {"command_id": "another"},
+            # the addressed node's refusal of a command it could not parse
+            "n3": {"command_id": "?", "accepted": False, "reason": "malformed: bad field"},
+        }
         desired = DesiredState(epoch=e, generation=1)
-        sends = _stops(e, 1, ["n0", "n1", "n2"])
-        ok, other_node, other_cmd = (s.command.command_id for s in sends)
+        sends = _stops(e, 1, ["n0", "n1", "n2", "n3"])
+        ok, other_node, other_cmd, unparsed = (s.command.command_id for s in sends)
         await ex.apply(sends, desired)
         await _until(lambda: ex.inflight == 0)
         assert ex.acked_view == {ok}
-        assert {r["command_id"] for r in _records(rig.audit, "ack")} == {ok}
+        assert {r["command_id"] for r in _records(rig.audit, "ack")} == {ok, unparsed}
+        assert ex.refused_view == {unparsed: "malformed: bad field"}  # n3's own refusal
         rejected = {r["command_id"]: r for r in _records(rig.audit, "ack_rejected")}
         assert set(rejected) == {other_node, other_cmd}
         assert rejected[other_node]["ack_node_id"] == "n1x"
+        # what the other node said is on record
+        assert (rejected[other_node]["accepted"], rejected[other_node]["reason"]) == (
+            False,
+            "addressed to n1",
+        )
         assert rejected[other_cmd]["ack_command_id"] == "another"
         agents.forged = {}
         clock.t += ex.resend_s
         await ex.apply(sends, desired)  # not acked: sent again, and now acked
         await _until(lambda: ex.inflight == 0)
-        assert ex.acked_view == {ok, other_node, other_cmd}
+        assert ex.acked_view == {ok, other_node, other_cmd, unparsed}
 
 
 async def test_a_command_sent_slowly_goes_out_again_only_after_its_spacing(

@@ -17,10 +17,10 @@ import nats.js.api
 import pytest
 
 from sailor.coordination import (
+    EventTooLargeError,
     Keys,
     NatsEventBus,
     StreamConflictError,
-    TemporaryError,
     connect_nats,
 )
 from sailor.coordination.nats_bus import (
@@ -68,7 +68,7 @@ async def test_limits_set_and_an_oversized_event_refused(plain_servers: LocalSer
         )
         assert cfg.discard == nats.js.api.DiscardPolicy.OLD  # a full stream drops, not refuses
         flood = NatsEventBus(nc, keys, durable="unused", source="n1", op_timeout=1.0)
-        with pytest.raises(TemporaryError):
+        with pytest.raises(EventTooLargeError):  # refused for good: no retry can pass
             await flood.publish("heartbeat", b"x" * (EVENT_MAX_MSG_SIZE + 1), msg_id="big")
         other = NatsEventBus(nc, keys, durable="unused", source="n2", op_timeout=1.0)
         assert await other.publish("preemption_notice", b"{}", msg_id="notice")
@@ -158,5 +158,41 @@ async def test_an_upper_case_jobs_old_stream_is_adopted(plain_servers: LocalServ
         assert cfg.max_msg_size == EVENT_MAX_MSG_SIZE
         assert await _read_all(ctl) == ["kept"]
         await ctl.close()
+    finally:
+        await nc.close()
+
+
+async def test_jobs_sharing_subjects_through_a_dot_are_told_apart(
+    plain_servers: LocalServers,
+) -> None:
+    """A job name may hold a ``.`` again (``llama-3.1``, valid before names were checked):
+    ``a.b`` and ``a_b`` share NATS subjects and the stream's name, and the second job's
+    controller refuses to start on the first's stream instead of consuming its events."""
+    dot, under = Keys(job="a.b"), Keys(job="a_b")
+    assert (dot.stream, dot.event_subjects) == (under.stream, under.event_subjects)
+    nc = await connect_nats(plain_servers.nats_url, "c1")
+    try:
+        await NatsEventBus(nc, dot, durable="ctl").ensure_stream()
+        with pytest.raises(StreamConflictError) as err:
+            await NatsEventBus(nc, under, durable="ctl").ensure_stream()
+        assert "'a_b'" in str(err.value) and "'a.b'" in str(err.value)
+        await NatsEventBus(nc, dot, durable="ctl").ensure_stream()  # its own: idempotent
+    finally:
+        await nc.close()
+
+
+async def test_an_unmarked_stream_of_this_jobs_subjects_is_taken_and_marked(
+    plain_servers: LocalServers,
+) -> None:
+    keys = Keys(job="llama-3.1")
+    nc = await connect_nats(plain_servers.nats_url, "c1")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(_old_config(keys))  # an older release's: no description
+        await NatsEventBus(nc, keys, durable="ctl").ensure_stream()
+        info = await js.stream_info(keys.stream)
+        assert info.config.description == "sailor events of job llama-3.1"
+        with pytest.raises(StreamConflictError):
+            await NatsEventBus(nc, Keys(job="llama-3_1"), durable="ctl").ensure_stream()
     finally:
         await nc.close()

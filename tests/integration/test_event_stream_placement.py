@@ -70,6 +70,25 @@ async def test_more_replicas_than_a_single_nats_server_holds_stops_the_controlle
     assert len(failed) == 1 and failed[0]["cluster_size"] == 1, failed
 
 
+async def test_a_stream_jetstream_cannot_reserve_stops_the_controller_naming_max_file_store(
+    tmp_path: Path, servers: LocalServers
+) -> None:
+    """An ``event_stream_max_bytes`` above what the server's ``max_file_store`` has left: the
+    controller stops, saying which two settings to change. Before, the server's refusal
+    (err_code 10047) was "jetstream unavailable (error='ServerError()')", retried every
+    0.3 s for ever while the leader read no event."""
+    cfg = (
+        Cluster(tmp_path, servers)
+        .ctl_config("c1")
+        .model_copy(update={"event_stream_max_bytes": 1 << 40})  # 1 TiB: more than the disk
+    )
+    ctl = Controller(cfg)
+    with pytest.raises(DaemonFailedError):
+        await asyncio.wait_for(ctl.run(), 20)
+    assert ctl.failure is not None
+    assert "max_file_store" in ctl.failure and "event_stream_max_bytes" in ctl.failure
+
+
 async def test_a_standby_whose_replicas_no_server_holds_is_refused_at_its_start(
     tmp_path: Path, servers: LocalServers
 ) -> None:

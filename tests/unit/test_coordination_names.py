@@ -23,13 +23,15 @@ def _node(node_id: str) -> NodeSpec:
     return NodeSpec(node_id=node_id, gpu_type="A100-40", gpus=1, zone="z-a-1")
 
 
-@pytest.mark.parametrize("job", ["default", "x_y", "X_Y", "job-7", "a" * 64])
+@pytest.mark.parametrize("job", ["default", "x_y", "X_Y", "job-7", "a" * 64, "llama-3.1", "a.b."])
 def test_job_names_taken(job: str) -> None:
     assert check_job(job) == job
     assert Keys(job=job).job == job
 
 
-@pytest.mark.parametrize("job", ["a/b", "a.b", "a b", "", "é", "a" * 65, "a*", "a>"])
+@pytest.mark.parametrize(
+    "job", ["a/b", "a b", "", "é", "a" * 65, "a*", "a>", ".", "..", ".a", "a/../b"]
+)
 def test_job_names_refused_naming_field_and_value(job: str) -> None:
     with pytest.raises(ValidationError, match="job"):
         Keys(job=job)

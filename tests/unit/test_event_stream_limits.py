@@ -5,7 +5,11 @@ characters that JSON escapes to 6 bytes each (``\\u0001``)."""
 
 from __future__ import annotations
 
-from sailor.coordination.nats_bus import EVENT_MAX_MSG_SIZE
+import pytest
+from pydantic import ValidationError
+
+from sailor.controller.config import ControllerConfig
+from sailor.coordination.nats_bus import EVENT_MAX_BYTES, EVENT_MAX_MSG_SIZE
 from sailor.schemas.events import NodeJoined, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
 from sailor.schemas.node_check import DeviceFacts, EndpointFacts, NodeFacts, ProbeFacts
@@ -86,3 +90,13 @@ def test_the_largest_legitimate_event_fits_with_margin() -> None:
     largest = max(sizes.values())
     assert 30_000 < sizes["node_joined"] < 60_000, sizes  # the figure the constant cites
     assert largest * 4 <= EVENT_MAX_MSG_SIZE, (sizes, EVENT_MAX_MSG_SIZE)
+
+
+def test_the_stream_total_is_configurable_and_holds_one_largest_event() -> None:
+    """``event_stream_max_bytes``: 64 MiB by default (JetStream reserves it out of
+    ``max_file_store``: the 1 GiB of before left room for a handful of jobs); below one
+    largest event the stream could not hold what it admits: refused naming the field."""
+    assert ControllerConfig().event_stream_max_bytes == EVENT_MAX_BYTES == 64 * 1024**2
+    assert ControllerConfig(event_stream_max_bytes=8 << 20).event_stream_max_bytes == 8 << 20
+    with pytest.raises(ValidationError, match="event_stream_max_bytes"):
+        ControllerConfig(event_stream_max_bytes=EVENT_MAX_MSG_SIZE - 1)
