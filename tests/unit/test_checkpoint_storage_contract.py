@@ -17,6 +17,7 @@ import torch
 
 from sailor.checkpoint import (
     CorruptCheckpointError,
+    LocalStorage,
     ParamState,
     Storage,
     StorageError,
@@ -103,6 +104,47 @@ def test_listing_and_delete(storage: Storage) -> None:
     storage.delete("top")
     storage.delete("never-existed")
     assert storage.listdir("") == ["s2"]
+
+
+def test_move_and_remove_empty(storage: Storage) -> None:
+    """``move`` renames one object (replacing one there; FileNotFoundError if absent);
+    ``remove_empty`` removes directories holding nothing and leaves the rest."""
+    storage.write("s/a", [b"one"])
+    storage.write("s/b", [b"two"])
+    storage.move("s/a", "s/.a.hidden")
+    assert not storage.exists("s/a") and storage.read("s/.a.hidden") == b"one"
+    storage.move("s/.a.hidden", "s/b")
+    assert storage.read("s/b") == b"one" and storage.walk("s") == ["s/b"]
+    with pytest.raises(FileNotFoundError):
+        storage.move("s/missing", "s/x")
+    storage.write("e/sub/x", [b"x"])
+    storage.delete("e/sub/x")
+    storage.remove_empty("s")
+    storage.remove_empty("e")
+    storage.remove_empty("never-existed")
+    assert storage.listdir("") == ["s"] and storage.read("s/b") == b"one"
+    storage.delete("s/b")
+    storage.remove_empty("s")
+    assert storage.listdir("") == []
+
+
+def test_a_write_into_a_directory_removed_meanwhile_succeeds(tmp_path: Path) -> None:
+    """A step directory emptied and removed (``remove_empty``) between a writer making it
+    and opening its file there: the write makes it again instead of failing."""
+    s = open_storage(tmp_path)
+    assert isinstance(s, LocalStorage)
+    real = s._mkdirs
+    calls = iter(range(10**6))
+
+    def mkdirs_then_removed(d: Path) -> None:
+        real(d)
+        if next(calls) % 2 == 0:  # every other making: the retry's stays
+            s.remove_empty(str(d.relative_to(tmp_path)))  # another process's, right then
+
+    s._mkdirs = mkdirs_then_removed  # type: ignore[method-assign]
+    assert s.write("step/obj", [b"x"]) == 1
+    assert s.write_all([("fresh/a", [b"a"]), ("fresh/b", [b"b"])]) == [1, 1]
+    assert s.walk("step") == ["step/obj"] and s.walk("fresh") == ["fresh/a", "fresh/b"]
 
 
 def test_write_overwrites_whole_object(storage: Storage) -> None:
