@@ -25,7 +25,9 @@ The rules (:func:`track`, applied to a pass's actions):
   added: its files are not where this leader's saves delete;
 - never listed: a recorded step (any directory's records; a step given up and saved again
   since is recorded then and leaves the list), nor the step being saved
-  (:func:`for_checkpoint`);
+  (:func:`for_checkpoint`), nor, for a periodic save, any step at or above the one asked
+  (``periodic._drop_steps``: a late request is saved at a later boundary, a step the save
+  may land on and record);
 - removed: every step, at the next commit. Nothing is added while a save is in flight (a
   save is given up only by the transition that ends it), so the save that commits carried
   every step of the list: its committer deleted each that was committed when it began,
