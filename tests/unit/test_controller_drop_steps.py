@@ -125,3 +125,16 @@ def test_a_periodic_save_names_no_step_it_may_land_on_and_its_commit_audits_clea
         },
     ]
     assert check(recs).violations == []
+
+
+def test_a_late_stop_saved_past_the_stop_step_gives_nothing_up() -> None:
+    """CHECKPOINT of stop step 60; the workers learned of the stop late and saved 62, and
+    COMMIT takes 62. That move was read as giving 60 up: the state named 60 and the
+    Commit's audited drop_steps named it, a list no Checkpoint was sent with."""
+    d = running((1, 2), phase=Phase.CHECKPOINT, stop_step=60, phase_deadline=NOW + 60)
+    assert _checkpoint_of(d).drop_steps == ()
+    o = obs(nodes(1, 2), [st(1, step=62, saved=62), st(2, step=62, saved=62)], commits=RECORDED)
+    (nxt,) = _sets(decide(d, o, CFG))
+    assert nxt.phase is Phase.COMMIT and nxt.stop_step == 62 and nxt.drop_steps == ()
+    (c,) = [a for a in decide(nxt, o, CFG) if isinstance(a, Commit)]
+    assert c.record.step == 62 and c.drop_steps == ()
