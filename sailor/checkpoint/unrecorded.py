@@ -44,10 +44,10 @@ Pure decisions (:func:`decide_unrecorded`) and a thin I/O shell (:func:`committe
 from __future__ import annotations
 
 import hashlib
-import uuid
 from collections.abc import Callable, Collection, Mapping
 
 from sailor.checkpoint.format import MANIFEST, MARKER, parse_step_dir, step_dir
+from sailor.checkpoint.prune import take_if
 from sailor.checkpoint.storage import Storage
 from sailor.checkpoint.writer import discard_save
 from sailor.schemas.checkpoint import CommitMarker
@@ -118,8 +118,9 @@ def drop_commit(storage: Storage, step: int, marker: bytes) -> bool:
     generation (whose ``writer.commit`` takes the old marker away only when it commits), so
     nothing of that save is touched:
 
-    1. the marker is taken away atomically (moved to a unique hidden name) and its bytes
-       compared with ``marker``: another commit's goes back, and nothing else is done;
+    1. the marker is taken away atomically (``prune.take_if``: moved to a unique hidden
+       name) and its bytes compared with ``marker``: another commit's goes back, and
+       nothing else is done;
     2. the manifest goes only if it is the one that marker names (its SHA-256), taken away
        the same way first (a save of the step that wrote its own since gets it back);
     3. the shards and parts of that marker's save id go (``writer.discard_save``), never
@@ -134,40 +135,13 @@ def drop_commit(storage: Storage, step: int, marker: bytes) -> bool:
     except ValueError:
         return False
     d = step_dir(step)
-    taken = _take(storage, f"{d}/{MARKER}", lambda now: now == marker)
-    if taken is None:
+    if not take_if(storage, f"{d}/{MARKER}", lambda now: now == marker):
         return False
-    storage.delete(taken)  # hidden, un-committed: nothing reads it
-    manifest = _take(
+    take_if(
         storage,
         f"{d}/{MANIFEST}",
         lambda now: hashlib.sha256(now).hexdigest() == seen.manifest_sha256,
     )
-    if manifest is not None:
-        storage.delete(manifest)
     discard_save(storage, step, seen.save_id)
     storage.remove_empty(d)
     return True
-
-
-def _take(storage: Storage, path: str, ours: Callable[[bytes], bool]) -> str | None:
-    """Move ``path`` to a unique hidden name beside it and return that name if its bytes
-    are ``ours``; else put it back (unless ``path`` was written again meanwhile: that
-    newer object supersedes it) and return None. None too if ``path`` is absent."""
-    head, _, name = path.rpartition("/")
-    hidden = f"{head}/.{name}.dropped-{uuid.uuid4().hex[:12]}"
-    try:
-        storage.move(path, hidden)
-    except FileNotFoundError:
-        return None
-    try:
-        now = storage.read(hidden)
-    except FileNotFoundError:
-        return None
-    if ours(now):
-        return hidden
-    if storage.exists(path):
-        storage.delete(hidden)
-    else:
-        storage.move(hidden, path)
-    return None
