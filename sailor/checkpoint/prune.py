@@ -121,7 +121,9 @@ def take_if(storage: Storage, path: str, ours: Callable[[bytes], bool]) -> bool:
     """Delete the object ``path`` if its bytes are ``ours``, never another: it is moved to
     a unique hidden name beside it first (``Storage.move``: atomic on a file system), then
     judged; one not ``ours`` goes back (unless ``path`` was written again meanwhile: that
-    newer object supersedes it). Whether it was deleted; False if absent."""
+    newer object supersedes it). Whether it was deleted; False if absent. On an object
+    store the move is a copy then a delete: an object written at ``path`` between the two
+    is lost (for a marker: that commit reads as uncommitted, never as another's data)."""
     head, _, name = path.rpartition("/")
     hidden = f"{head}/" * bool(head) + f".{name}.dropped-{uuid.uuid4().hex[:12]}"
     try:
