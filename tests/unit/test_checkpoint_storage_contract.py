@@ -30,6 +30,8 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint.format import step_dir
+from sailor.checkpoint.prune import apply_seen_prune, seen_below
+from sailor.checkpoint.unrecorded import committed_markers, drop_commit
 from sailor.localnet import free_port
 
 
@@ -370,3 +372,25 @@ def test_a_path_out_of_the_root_is_refused(storage: Storage, path: str) -> None:
         with pytest.raises(StorageError, match=r"not a path under the storage root") as exc:
             call()
         assert repr(path) in str(exc.value) and not exc.value.retryable
+
+
+def test_deletions_by_what_was_seen(storage: Storage) -> None:
+    """A commit given up on (``unrecorded.drop_commit``) and the steps below a prune point
+    (``prune.apply_seen_prune``) go by what was seen, on every backend: all of the commit
+    seen, nothing of the step committed again since."""
+    g = TrainingGlobals(1, 1, {})
+    for step in (1, 2, 3):
+        g = TrainingGlobals(step, step, {})
+        save_full(storage, _state(step), g, model="m", num_layers=3, save_id=f"s{step}")
+    markers = committed_markers(storage)
+    below = seen_below(storage, 3)
+    save_full(storage, _state(9), TrainingGlobals(2, 2, {}), model="m", num_layers=3, save_id="b")
+    assert drop_commit(storage, 2, markers[2]) is False  # committed again since: left whole
+    assert apply_seen_prune(storage, below, below_step=3, committed_step=3) == [f"{step_dir(1)}/"]
+    assert storage.walk(step_dir(1)) == [] and committed_steps(storage) == [2, 3]
+    assert verify(storage, 2) == []
+    assert drop_commit(storage, 2, committed_markers(storage)[2]) is True
+    assert committed_steps(storage) == [3]
+    # that commit's files only: the earlier save of the step left its own (gc's debris)
+    left = storage.walk(step_dir(2))
+    assert left and all("s2" in f.rsplit("/", 1)[-1] for f in left), left
