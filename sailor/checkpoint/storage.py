@@ -292,8 +292,11 @@ class LocalStorage:
 
     def move(self, src: str, dst: str) -> None:
         s, d = self._p(src), self._p(dst)
+        if not s.is_file():
+            raise FileNotFoundError(f"{s}: no such object")
+        self._mkdirs(d.parent)
         try:
-            s.replace(d)  # FileNotFoundError as is: the caller's "absent"
+            s.replace(d)  # FileNotFoundError as is: gone since (the caller's "absent")
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -305,7 +308,10 @@ class LocalStorage:
         p = self._p(prefix)
         if not p.is_dir():
             return
-        dirs = [q for q in p.rglob("*") if q.is_dir()]
+        try:
+            dirs = [q for q in p.rglob("*") if q.is_dir()]
+        except OSError:  # changed under the listing (a writer, another deleter)
+            dirs = []
         for q in [*sorted(dirs, key=lambda q: -len(q.parts)), p]:
             try:
                 q.rmdir()  # fails on a directory holding anything: atomic against writers

@@ -119,10 +119,14 @@ def test_move_and_remove_empty(storage: Storage) -> None:
     assert storage.read("s/b") == b"one" and storage.walk("s") == ["s/b"]
     with pytest.raises(FileNotFoundError):
         storage.move("s/missing", "s/x")
+    assert not storage.exists("s/x")
+    storage.move("s/b", "t/deeper/b")  # into a directory not made yet
+    storage.move("t/deeper/b", "s/b")
     storage.write("e/sub/x", [b"x"])
     storage.delete("e/sub/x")
     storage.remove_empty("s")
     storage.remove_empty("e")
+    storage.remove_empty("t")
     storage.remove_empty("never-existed")
     assert storage.listdir("") == ["s"] and storage.read("s/b") == b"one"
     storage.delete("s/b")
