@@ -13,7 +13,9 @@ Protocol (shared with the real worker's adapter):
   boundary (written atomically by the agent); once a save commits, rank 0 deletes the step
   directories below ``P``, and (K a list: the steps of saves the controller gave up on) every
   step of K at or above ``P`` that was committed when its save began, its ``COMMIT`` still
-  the one it saw (``checkpoint/unrecorded.py``'s rule), naming them in its ``saved`` line
+  the one it saw, and of it only that commit's files (``checkpoint/unrecorded.py``'s rule;
+  a ``COMMIT`` names the attempt and a fresh id, so a save of the step again writes
+  another), naming them in its ``saved`` line
   (``"deleted"``); a deletion that fails (``OSError``) after the commit leaves the save
   ``saved``, its error on stderr (the real worker's ``retention_error``). The toy's ranks
   share no collective to agree a later step on, so each saves at exactly ``S``; an optional
@@ -59,6 +61,8 @@ import shutil
 import signal
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,7 +82,13 @@ def _target(step: int) -> list[float]:
 def _write_atomic(path: Path, data: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(data)
+    try:
+        tmp.write_text(data)
+    except FileNotFoundError:
+        # the step directory went between mkdir and here: emptied and removed by another
+        # committer's deletion of a commit given up on (``_drop_commit``); make it again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(data)
     with tmp.open("rb") as fh:
         os.fsync(fh.fileno())
     tmp.replace(path)
@@ -131,8 +141,14 @@ def _save(
             why = (d / f"rank-{missed[0]}.missed").read_text()
             raise _SaveGivenUpError(f"rank(s) {missed} missed the save of step {step}: {why}")
         if all(_part_of(d / f"rank-{r}.json", attempt) for r in range(world)):
-            _write_atomic(d / "state.json", json.dumps({"step": step, "w": w}))
-            _write_atomic(d / "COMMIT", str(step))
+            # The marker names this attempt and a fresh id, and so does the state: a save
+            # of the step again (another generation, or this one retried) writes another
+            # marker, which a committer holding the old one (``_prune_unrecorded``) tells
+            # from it; the state it deletes is the old commit's only.
+            mark = json.dumps({"step": step, "attempt": attempt, "id": uuid.uuid4().hex})
+            state = {"step": step, "w": w, "commit": mark}
+            _write_atomic(d / "state.json", json.dumps(state))
+            _write_atomic(d / "COMMIT", mark)
             below = min(prune_below, step)
             try:
                 _prune(root, below)
@@ -211,23 +227,66 @@ def _prune_unrecorded(
     root: str, seen: dict[int, str], drop: list[int], step: int, below: int
 ) -> list[int]:
     """The committer's deletion of the saves the controller gave up on
-    (``checkpoint/unrecorded.py``): the steps of ``drop`` in ``seen`` (committed when the
-    save began) at or above ``below``, other than ``step``, whose marker has not changed
-    since."""
+    (``checkpoint/unrecorded.py``): the commits seen (``seen``: committed when the save
+    began) of the steps of ``drop`` at or above ``below``, other than ``step``; each the
+    commit seen and nothing else of its step (``_drop_commit``)."""
     gone = []
     for s in sorted(seen):
         if s == step or s not in drop or s < max(below, 0):
             continue
-        d = _ckpt_dir(root, s)
-        try:
-            if (d / "COMMIT").read_text() != seen[s]:
-                continue
-        except OSError:
-            continue
-        (d / "COMMIT").unlink(missing_ok=True)
-        shutil.rmtree(d, ignore_errors=True)
-        gone.append(s)
+        if _drop_commit(_ckpt_dir(root, s), seen[s]):
+            gone.append(s)
     return gone
+
+
+def _drop_commit(d: Path, marker: str) -> bool:
+    """Delete the commit in ``d`` whose ``COMMIT`` held ``marker``, and only it (the real
+    worker's ``unrecorded.drop_commit``): the step may be being saved again meanwhile by
+    another generation, whose parts and state are not touched. The marker is taken away
+    atomically (renamed) and compared; then the state goes if it is that commit's, the
+    parts if they are of that commit's attempt, and the directory only if then empty.
+    Whether the commit seen was there to delete."""
+    try:
+        attempt = json.loads(marker).get("attempt")
+    except (ValueError, AttributeError):
+        return False  # an older toy's marker (the bare step): not judged
+    if not _take(d / "COMMIT", lambda now: now == marker):
+        return False
+    _take(d / "state.json", lambda now: _field(now, "commit") == marker)
+    for part in sorted(d.glob("rank-*.json")):
+        _take(part, lambda now: _field(now, "attempt") == attempt)
+    with contextlib.suppress(OSError):
+        d.rmdir()  # fails if a file is there: a save of the step writing into it
+    return True
+
+
+def _take(path: Path, ours: Callable[[str], bool]) -> bool:
+    """Rename ``path`` to a unique hidden name and delete it if its text is ``ours``, else
+    put it back (unless ``path`` was written again meanwhile: that newer file supersedes
+    it); whether it was deleted."""
+    hidden = path.with_name(f".{path.name}.dropped-{uuid.uuid4().hex[:12]}")
+    try:
+        path.rename(hidden)
+        now = hidden.read_text()
+    except OSError:
+        return False
+    if ours(now):
+        hidden.unlink(missing_ok=True)
+        return True
+    if path.exists():
+        hidden.unlink(missing_ok=True)
+    else:
+        hidden.rename(path)
+    return False
+
+
+def _field(text: str, key: str) -> object:
+    """``key`` of the JSON object ``text``; None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj.get(key) if isinstance(obj, dict) else None
 
 
 def _check_train_config(path: str) -> None:

@@ -62,7 +62,8 @@ from sailor.checkpoint.assignment import (
 )
 from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import CheckpointError, CorruptCheckpointError, SaveCancelledError
-from sailor.checkpoint.gc import apply_prune, apply_retention
+from sailor.checkpoint.gc import apply_retention
+from sailor.checkpoint.prune import SeenStep, apply_seen_prune, seen_below
 from sailor.checkpoint.readback import read_back
 from sailor.checkpoint.reader import Loaded, load
 from sailor.checkpoint.state import ParamState, TrainingGlobals, split_key
@@ -169,8 +170,9 @@ class Checkpointer:
     ) -> float:
         """Snapshot now, persist in the background; returns the snapshot (stall) seconds.
         ``prune_below`` >= 0: after the commit, the committer also deletes every step
-        directory below that step (``gc.apply_prune``; the caller knows which older
-        checkpoints are still needed). ``drop_steps`` (the steps of saves the controller
+        directory below that step, as it was when this save began (``prune``: what a
+        save there made since stays; the caller knows which older checkpoints are still
+        needed). ``drop_steps`` (the steps of saves the controller
         gave up on; None: no such rule): after the commit, the committer also deletes those
         of them at or above ``prune_below`` that were committed when this save began
         (``unrecorded``: a commit nobody recorded). ``owned``: ``params``
@@ -478,11 +480,17 @@ class Checkpointer:
         # The commits on disk as this save begins (before it writes anything): the only
         # ones its retention may delete as unrecorded (``unrecorded``'s docstring: one a
         # later generation commits is never among them, however late this committer runs).
+        # So are the files below ``prune_below`` (``prune``'s docstring: a run that fell
+        # back below it saves there, under a committer that may be this late).
         seen: dict[int, bytes] | None = None
+        below: dict[int, SeenStep] | None = None
         seen_error = ""
-        if drop_steps and self.rank == self.committer_rank:
+        if self.rank == self.committer_rank and (drop_steps or prune_below >= 0):
             try:
-                seen = committed_markers(self.storage, but=globals_.step, only=drop_steps)
+                if drop_steps:
+                    seen = committed_markers(self.storage, but=globals_.step, only=drop_steps)
+                if prune_below >= 0:
+                    below = seen_below(self.storage, min(prune_below, globals_.step))
             except (OSError, CheckpointError) as exc:
                 seen_error = f"listing the commits before the save: {type(exc).__name__}: {exc}"
         if mine and not self._cancelled.is_set():
@@ -510,19 +518,21 @@ class Checkpointer:
             t2 = time.perf_counter()
             # Nothing older goes while the new commit does not read back: after in-place
             # reconfigurations no step left on disk may ever have been read.
+            spared = ""
             readback_error, readback_s, unchecked = self._read_back(
                 globals_.step, prune_below, bool(seen)
             )
-            spared = ""
             try:
                 if self.keep is not None and not readback_error:
                     apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
-                if prune_below >= 0 and not readback_error:
+                if below is not None and not readback_error:
                     try:
-                        apply_prune(
+                        apply_seen_prune(
                             self.storage,
+                            below,
                             below_step=min(prune_below, globals_.step),
                             committed_step=globals_.step,
+                            cancelled=self._cancelled.is_set,
                         )
                     except CorruptCheckpointError as exc:
                         if exc.debris:

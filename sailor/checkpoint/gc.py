@@ -17,10 +17,12 @@ not yet a loadable one.
 Pruning below a step (:func:`apply_prune`) is retention decided by someone who knows more than
 the storage: the controller records which commits a restart may load (etcd ``ckpt/<step>``), so
 it names the oldest recorded step to keep and the committer of the next save deletes every step
-directory below it after its own commit. A commit on disk that the controller never recorded
-(a leader lost between the marker and the record) cannot push a recorded one out, as counting
-the newest ``keep`` on disk would. Such a commit above the prune point is deleted by the next
-save's committer told which steps are recorded (``unrecorded``).
+directory below it after its own commit, as it was when that save began (``prune.py``: a
+committer running late must not take a save made there since). A commit on disk that the
+controller never recorded (a leader lost between the marker and the record) cannot push a
+recorded one out, as counting the newest ``keep`` on disk would. Such a commit above the
+prune point is deleted by the next save's committer told which steps the controller gave
+up on (``unrecorded``).
 """
 
 from __future__ import annotations

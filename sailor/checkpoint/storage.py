@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 import sys
@@ -111,6 +112,19 @@ class Storage(Protocol):
         """Delete an object or everything under a directory; no error if absent."""
         ...
 
+    def move(self, src: str, dst: str) -> None:
+        """Give the object ``src`` the name ``dst`` (replacing an object there);
+        FileNotFoundError if ``src`` is absent. Atomic on a file system (a rename: another
+        process sees the object under one name, never both or neither); on an object store
+        a copy then a delete of ``src``."""
+        ...
+
+    def remove_empty(self, prefix: str) -> None:
+        """Remove the directory ``prefix`` and the directories under it that hold no object
+        (deepest first); one holding an object, even one written meanwhile, stays, and no
+        error. Nothing to do where directories do not exist (object stores)."""
+        ...
+
 
 class LocalStorage:
     """A directory on a local or shared file system."""
@@ -140,6 +154,17 @@ class LocalStorage:
             for m in reversed(missing):
                 _fsync_dir(m.parent)
 
+    def _create(self, tmp: Path) -> io.FileIO:
+        """``tmp`` opened for writing, its directory made again if it went since
+        ``_mkdirs`` (``remove_empty`` of another process: a step directory emptied by the
+        deletion of a save given up on, while this one is about to write into it)."""
+        for _ in range(3):
+            try:
+                return tmp.open("wb", buffering=0)
+            except FileNotFoundError:
+                self._mkdirs(tmp.parent)
+        return tmp.open("wb", buffering=0)
+
     def write(self, path: str, chunks: Iterable[Chunk]) -> int:
         dst = self._p(path)
         self._mkdirs(dst.parent)
@@ -147,7 +172,7 @@ class LocalStorage:
         tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
         n = 0
         try:
-            with tmp.open("wb", buffering=0) as f:
+            with self._create(tmp) as f:
                 for c in chunks:
                     n += _write_fully(f, c)
                 if self.fsync:
@@ -180,7 +205,7 @@ class LocalStorage:
             tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
             tmps[i] = tmp
             try:
-                with tmp.open("wb", buffering=0) as f:
+                with self._create(tmp) as f:
                     n = sum(_write_fully(f, c) for c in chunks)
                     if self.fsync:
                         os.fsync(f.fileno())
@@ -263,6 +288,36 @@ class LocalStorage:
                 raise StorageError(f"cannot delete {p}: {exc}", retryable=True) from exc
         if self.fsync and p.parent.is_dir():
             # durable before what follows (a commit marker is deleted before its shards)
+            _fsync_dir(p.parent)
+
+    def move(self, src: str, dst: str) -> None:
+        s, d = self._p(src), self._p(dst)
+        if not s.is_file():
+            raise FileNotFoundError(f"{s}: no such object")
+        self._mkdirs(d.parent)
+        try:
+            s.replace(d)  # FileNotFoundError as is: gone since (the caller's "absent")
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot move {s} to {d}: {exc}", retryable=True) from exc
+        if self.fsync:
+            _fsync_dir(d.parent)
+
+    def remove_empty(self, prefix: str) -> None:
+        p = self._p(prefix)
+        if not p.is_dir():
+            return
+        try:
+            dirs = [q for q in p.rglob("*") if q.is_dir()]
+        except OSError:  # changed under the listing (a writer, another deleter)
+            dirs = []
+        for q in [*sorted(dirs, key=lambda q: -len(q.parts)), p]:
+            try:
+                q.rmdir()  # fails on a directory holding anything: atomic against writers
+            except OSError:
+                continue
+        if self.fsync and p.parent.is_dir():
             _fsync_dir(p.parent)
 
 
@@ -361,6 +416,18 @@ class FsspecStorage:
         if files:
             self.fs.rm([self._p(f) for f in files])
         self.fs.invalidate_cache()
+
+    def move(self, src: str, dst: str) -> None:
+        s = self._p(src)
+        self.fs.invalidate_cache(s)
+        if not self.fs.exists(s):
+            raise FileNotFoundError(f"{self.url}/{src}")
+        # a server-side copy, then a delete: no atomic rename on an object store
+        self.fs.mv(s, self._p(dst))
+        self.fs.invalidate_cache()
+
+    def remove_empty(self, prefix: str) -> None:
+        pass  # no directories: a prefix goes with its last object
 
 
 class _FsspecReader:

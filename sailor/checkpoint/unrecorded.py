@@ -26,10 +26,15 @@ committer's persist thread before it writes), and only those:
 - an uncommitted step directory is never touched: it may be a save in flight under another
   generation (an abandoned periodic save still writing), to be left alone under its
   writers. Its debris goes with a later save's ``prune_below`` or ``sailor ckpt gc``;
-- a candidate is deleted only if its marker is still the one seen when the save began: a
-  step being saved again has lost its marker (``writer.commit`` un-commits before
-  replacing a manifest) or carries another. Its directory is un-committed first, like every
-  deletion (``gc``).
+- a candidate's deletion takes nothing but the commit seen (``drop_commit``): a late
+  committer's candidate may be being saved again right then by a later generation, which
+  takes the old marker away only when it commits (``writer.commit``), so during that
+  save's persist the old marker is unchanged. Deleting the whole step directory deleted
+  that save's shards under its writers (its commit failed) or, had it committed in
+  between, its commit (recorded by the controller, then gone). So the marker is taken
+  away atomically and compared with the one seen, the manifest goes only if it is the one
+  that marker names, the shards and parts only of that marker's save id, the directory
+  only once empty.
 
 Pure decisions (:func:`decide_unrecorded`) and a thin I/O shell (:func:`committed_markers`,
 :func:`apply_unrecorded`). Must never delete the step just committed, a step not in
@@ -38,12 +43,16 @@ Pure decisions (:func:`decide_unrecorded`) and a thin I/O shell (:func:`committe
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Mapping
 
-from sailor.checkpoint.format import MARKER, parse_step_dir, step_dir
+from sailor.checkpoint.format import MANIFEST, MARKER, parse_step_dir, step_dir
+from sailor.checkpoint.prune import take_if
 from sailor.checkpoint.storage import Storage
+from sailor.checkpoint.writer import discard_save
+from sailor.schemas.checkpoint import CommitMarker
 
-__all__ = ["apply_unrecorded", "committed_markers", "decide_unrecorded"]
+__all__ = ["apply_unrecorded", "committed_markers", "decide_unrecorded", "drop_commit"]
 
 
 def committed_markers(
@@ -87,9 +96,10 @@ def apply_unrecorded(
     below_step: int,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> list[int]:
-    """Delete the steps :func:`decide_unrecorded` names whose marker is still the one in
-    ``seen``, un-committing each first; return the steps deleted. Stops once ``cancelled``
-    (the committer's world was abandoned: a fenced committer deletes nothing more)."""
+    """Delete the commits :func:`decide_unrecorded` names, each the one in ``seen`` and
+    nothing else of its step (:func:`drop_commit`); return the steps whose commit was
+    deleted. Stops once ``cancelled`` (the committer's world was abandoned: a fenced
+    committer deletes nothing more)."""
     gone: list[int] = []
     doomed = decide_unrecorded(
         seen, drop_steps=drop_steps, committed_step=committed_step, below_step=below_step
@@ -97,14 +107,41 @@ def apply_unrecorded(
     for step in doomed:
         if cancelled():
             break
-        marker = f"{step_dir(step)}/{MARKER}"
-        try:
-            now = storage.read(marker)
-        except FileNotFoundError:  # un-committed meanwhile: saved again, or deleted
-            continue
-        if now != seen[step]:  # committed again meanwhile: another save's
-            continue
-        storage.delete(marker)
-        storage.delete(step_dir(step))
-        gone.append(step)
+        if drop_commit(storage, step, seen[step]):
+            gone.append(step)
     return gone
+
+
+def drop_commit(storage: Storage, step: int, marker: bytes) -> bool:
+    """Delete the commit of ``step`` whose marker held ``marker``, and only it; whether it
+    was there to delete. The step may be being saved again meanwhile, by another
+    generation (whose ``writer.commit`` takes the old marker away only when it commits), so
+    nothing of that save is touched:
+
+    1. the marker is taken away atomically (``prune.take_if``: moved to a unique hidden
+       name) and its bytes compared with ``marker``: another commit's goes back, and
+       nothing else is done;
+    2. the manifest goes only if it is the one that marker names (its SHA-256), taken away
+       the same way first (a save of the step that wrote its own since gets it back);
+    3. the shards and parts of that marker's save id go (``writer.discard_save``), never
+       another save's;
+    4. the step's directories go only if they are then empty (``Storage.remove_empty``).
+
+    On an object store a move is a copy then a delete: a save of the step that commits
+    between the two loses its marker (it reads back as uncommitted, not as another's
+    data). A marker that is not a readable ``CommitMarker`` is not judged: nothing goes."""
+    try:
+        seen = CommitMarker.model_validate_json(marker)
+    except ValueError:
+        return False
+    d = step_dir(step)
+    if not take_if(storage, f"{d}/{MARKER}", lambda now: now == marker):
+        return False
+    take_if(
+        storage,
+        f"{d}/{MANIFEST}",
+        lambda now: hashlib.sha256(now).hexdigest() == seen.manifest_sha256,
+    )
+    discard_save(storage, step, seen.save_id)
+    storage.remove_empty(d)
+    return True

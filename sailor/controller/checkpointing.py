@@ -177,8 +177,12 @@ def committing(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
     bad = tuple(s for s in d.bad_checkpoints if s != d.stop_step)
     nxt = move_to(d, Phase.TEARDOWN, o.now, cfg, load_step=d.stop_step, bad_checkpoints=bad)
     # the save's drop_steps: neither the records nor the steps given up on have changed
-    # since its Checkpoint was sent (only the leader writes them, and none in QUIESCE and
-    # CHECKPOINT); the commit empties the list (``drop_steps.track``)
+    # since its Checkpoint was sent (only the leader writes them, none in QUIESCE and
+    # CHECKPOINT, and CHECKPOINT to COMMIT at a later step saved gives nothing up:
+    # ``drop_steps.given_up``). Computed without the step saved, where the Checkpoint's
+    # was without the step asked: when the workers saved a late stop, a step given up
+    # earlier that is one of the two is in one list only (never a recorded step, so never
+    # one the audit reports). The commit empties the list (``drop_steps.track``)
     asked = drop_steps.for_checkpoint(d, o, cfg, d.stop_step)
     commit = Commit(record, drop, drop_steps=asked)
     return [commit, SetDesired(nxt, f"committed step {d.stop_step}")]

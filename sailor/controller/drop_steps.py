@@ -17,15 +17,19 @@ The rules (:func:`track`, applied to a pass's actions):
 
 - given up, and added: the stop step of a reconfiguration left in QUIESCE, CHECKPOINT or
   COMMIT for anything but its commit (an abort, a deadline passed, a new leader's abort of
-  the phase it found), and the periodic save in flight of a RUNNING phase that ends it
-  without a commit (abandoned at its deadline, failed, asked under another leader's
-  directory, superseded), with the steps its nodes reported durable at or after it (the
-  workers save at the first boundary at or after the step asked: a late request is saved
-  later). A periodic save asked under another ``checkpoint_dir`` than this leader's is not
-  added: its files are not where this leader's saves delete;
+  the phase it found; not the move to COMMIT at the later step the workers saved when
+  they learned of the stop late: the same save, the step asked never saved), and the
+  periodic save in flight of a RUNNING phase that ends it without a commit (abandoned at
+  its deadline, failed, asked under another leader's directory, superseded), with the
+  steps its nodes reported durable at or after it (the workers save at the first boundary
+  at or after the step asked: a late request is saved later). A periodic save asked
+  under another ``checkpoint_dir`` than this leader's is not added: its files are not
+  where this leader's saves delete;
 - never listed: a recorded step (any directory's records; a step given up and saved again
   since is recorded then and leaves the list), nor the step being saved
-  (:func:`for_checkpoint`);
+  (:func:`for_checkpoint`), nor, for a periodic save, any step at or above the one asked
+  (``periodic._drop_steps``: a late request is saved at a later boundary, a step the save
+  may land on and record);
 - removed: every step, at the next commit. Nothing is added while a save is in flight (a
   save is given up only by the transition that ends it), so the save that commits carried
   every step of the list: its committer deleted each that was committed when it began,
@@ -76,9 +80,12 @@ def given_up(
         return []
     out: list[int] = []
     if prev.phase in _SAVING and prev.stop_step >= 0:
+        # a later stop step is the same save: CHECKPOINT moves to COMMIT at the step the
+        # workers saved, later than the one asked when they learned of the stop late
+        # (``checkpointing.quiesce_like``); the step asked was never saved
         same = (
             new.phase in _SAVING
-            and new.stop_step == prev.stop_step
+            and new.stop_step >= prev.stop_step
             and new.generation == prev.generation
         )
         if not same:

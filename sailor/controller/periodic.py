@@ -155,10 +155,24 @@ def _sends(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
             directory=p.directory,
             prune_below=below,
             periodic=True,
-            drop_steps=drop_steps.for_checkpoint(d, o, cfg, p.step),
+            drop_steps=_drop_steps(d, o, cfg, p.step),
         )
         out.append(Send(cmd))
     return out
+
+
+def _drop_steps(
+    d: DesiredState, o: Observed, cfg: DecideConfig, step: int
+) -> tuple[int, ...] | None:
+    """The ``drop_steps`` of the periodic save of ``step``: the steps given up on
+    (``drop_steps.for_checkpoint``) below ``step``. The workers save at the first boundary
+    at or after it that some rank knew of the request (a late request is saved later), so
+    any step at or above it is one the save may land on and then record: never named,
+    whatever the committer does with its own step (it never deletes it), so no save is ever
+    asked to drop the step it records (``sailor audit``). Such a given-up step goes with
+    the first save past it (or a later ``prune_below``)."""
+    asked = drop_steps.for_checkpoint(d, o, cfg, step)
+    return None if asked is None else tuple(s for s in asked if s < step)
 
 
 def _prune_below(d: DesiredState, o: Observed, cfg: DecideConfig) -> int:
@@ -207,15 +221,22 @@ def committed(
         # the request's drop_steps: neither the records nor the steps given up on change
         # while it is in flight (a reconfiguration drops it; a new leader re-sends it with
         # the same); the commit empties the list (``drop_steps.track``)
-        Commit(
-            record, drop, periodic=True, drop_steps=drop_steps.for_checkpoint(d, o, cfg, p.step)
-        ),
+        Commit(record, drop, periodic=True, drop_steps=_commit_drop_steps(d, o, cfg, saved)),
         PeriodicOutcome("committed", saved, d.generation, f"asked for step {p.step}"),
         SetDesired(nxt, why),
     ]
     gone = {*drop, saved}
     commits = (*(c for c in o.commits if c.step not in gone), record)
     return actions, nxt, replace(o, commits=tuple(sorted(commits, key=lambda c: c.step)))
+
+
+def _commit_drop_steps(
+    d: DesiredState, o: Observed, cfg: DecideConfig, saved: int
+) -> tuple[int, ...] | None:
+    """The ``drop_steps`` the Commit of the save in flight audits: the list its Checkpoint
+    was sent (``_drop_steps`` of the step asked), without the step saved."""
+    sent = _drop_steps(d, o, cfg, d.periodic.step)
+    return None if sent is None else tuple(s for s in sent if s != saved)
 
 
 def periodic(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:

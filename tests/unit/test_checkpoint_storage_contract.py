@@ -17,6 +17,7 @@ import torch
 
 from sailor.checkpoint import (
     CorruptCheckpointError,
+    LocalStorage,
     ParamState,
     Storage,
     StorageError,
@@ -29,6 +30,8 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint.format import step_dir
+from sailor.checkpoint.prune import apply_seen_prune, seen_below
+from sailor.checkpoint.unrecorded import committed_markers, drop_commit
 from sailor.localnet import free_port
 
 
@@ -103,6 +106,51 @@ def test_listing_and_delete(storage: Storage) -> None:
     storage.delete("top")
     storage.delete("never-existed")
     assert storage.listdir("") == ["s2"]
+
+
+def test_move_and_remove_empty(storage: Storage) -> None:
+    """``move`` renames one object (replacing one there; FileNotFoundError if absent);
+    ``remove_empty`` removes directories holding nothing and leaves the rest."""
+    storage.write("s/a", [b"one"])
+    storage.write("s/b", [b"two"])
+    storage.move("s/a", "s/.a.hidden")
+    assert not storage.exists("s/a") and storage.read("s/.a.hidden") == b"one"
+    storage.move("s/.a.hidden", "s/b")
+    assert storage.read("s/b") == b"one" and storage.walk("s") == ["s/b"]
+    with pytest.raises(FileNotFoundError):
+        storage.move("s/missing", "s/x")
+    assert not storage.exists("s/x")
+    storage.move("s/b", "t/deeper/b")  # into a directory not made yet
+    storage.move("t/deeper/b", "s/b")
+    storage.write("e/sub/x", [b"x"])
+    storage.delete("e/sub/x")
+    storage.remove_empty("s")
+    storage.remove_empty("e")
+    storage.remove_empty("t")
+    storage.remove_empty("never-existed")
+    assert storage.listdir("") == ["s"] and storage.read("s/b") == b"one"
+    storage.delete("s/b")
+    storage.remove_empty("s")
+    assert storage.listdir("") == []
+
+
+def test_a_write_into_a_directory_removed_meanwhile_succeeds(tmp_path: Path) -> None:
+    """A step directory emptied and removed (``remove_empty``) between a writer making it
+    and opening its file there: the write makes it again instead of failing."""
+    s = open_storage(tmp_path)
+    assert isinstance(s, LocalStorage)
+    real = s._mkdirs
+    calls = iter(range(10**6))
+
+    def mkdirs_then_removed(d: Path) -> None:
+        real(d)
+        if next(calls) % 2 == 0:  # every other making: the retry's stays
+            s.remove_empty(str(d.relative_to(tmp_path)))  # another process's, right then
+
+    s._mkdirs = mkdirs_then_removed  # type: ignore[method-assign]
+    assert s.write("step/obj", [b"x"]) == 1
+    assert s.write_all([("fresh/a", [b"a"]), ("fresh/b", [b"b"])]) == [1, 1]
+    assert s.walk("step") == ["step/obj"] and s.walk("fresh") == ["fresh/a", "fresh/b"]
 
 
 def test_write_overwrites_whole_object(storage: Storage) -> None:
@@ -328,3 +376,25 @@ def test_a_path_out_of_the_root_is_refused(storage: Storage, path: str) -> None:
         with pytest.raises(StorageError, match=r"not a path under the storage root") as exc:
             call()
         assert repr(path) in str(exc.value) and not exc.value.retryable
+
+
+def test_deletions_by_what_was_seen(storage: Storage) -> None:
+    """A commit given up on (``unrecorded.drop_commit``) and the steps below a prune point
+    (``prune.apply_seen_prune``) go by what was seen, on every backend: all of the commit
+    seen, nothing of the step committed again since."""
+    g = TrainingGlobals(1, 1, {})
+    for step in (1, 2, 3):
+        g = TrainingGlobals(step, step, {})
+        save_full(storage, _state(step), g, model="m", num_layers=3, save_id=f"s{step}")
+    markers = committed_markers(storage)
+    below = seen_below(storage, 3)
+    save_full(storage, _state(9), TrainingGlobals(2, 2, {}), model="m", num_layers=3, save_id="b")
+    assert drop_commit(storage, 2, markers[2]) is False  # committed again since: left whole
+    assert apply_seen_prune(storage, below, below_step=3, committed_step=3) == [f"{step_dir(1)}/"]
+    assert storage.walk(step_dir(1)) == [] and committed_steps(storage) == [2, 3]
+    assert verify(storage, 2) == []
+    assert drop_commit(storage, 2, committed_markers(storage)[2]) is True
+    assert committed_steps(storage) == [3]
+    # that commit's files only: the earlier save of the step left its own (gc's debris)
+    left = storage.walk(step_dir(2))
+    assert left and all("s2" in f.rsplit("/", 1)[-1] for f in left), left

@@ -4,6 +4,7 @@ what a commit empties, and the bound."""
 
 from __future__ import annotations
 
+from sailor.controller.audit import check
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import Commit, DecideConfig, SetDesired
 from sailor.controller.drop_steps import for_checkpoint, track
@@ -97,3 +98,43 @@ def test_the_states_of_one_pass_carry_the_list_from_one_to_the_next() -> None:
     torn = d.model_copy(update={"phase": Phase.TEARDOWN, "stop_step": -1})
     got = track(d, o, CFG, [SetDesired(first, "one"), SetDesired(torn, "two")])
     assert [a.state.drop_steps for a in got if isinstance(a, SetDesired)] == [(30,), (30, 60)]
+
+
+def test_a_periodic_save_names_no_step_it_may_land_on_and_its_commit_audits_clean() -> None:
+    """Steps 60 and 45 were given up on (the job relaunched from 40). A periodic save is
+    asked for 58; the request reaches the workers late and they save 60, which is recorded.
+    Its Checkpoint named 60 (every step but 58) and so did its Commit: ``sailor audit``
+    reported a save asked to drop the step it recorded, on a healthy run. Now no step at or
+    above the step asked is named (the save may land on any of them), and the Commit audits
+    the list sent without the step saved."""
+    p = PeriodicCheckpoint(step=58, requested=NOW - 5, deadline=NOW + 60, directory="/ck")
+    d = _running(periodic=p).model_copy(update={"drop_steps": (45, 60)})
+    asked = obs(nodes(1, 2), [st(1, step=56), st(2, step=56)], commits=RECORDED)
+    assert {c.drop_steps for c in _checkpoints(decide(d, asked, CFG))} == {(45,)}
+    o = obs(nodes(1, 2), [st(1, step=61, saved=60), st(2, step=61, saved=60)], commits=RECORDED)
+    (c,) = [a for a in decide(d, o, CFG) if isinstance(a, Commit)]
+    assert c.record.step == 60 and c.drop_steps == (45,)
+    recs = [
+        {"kind": "commit", "t": 1.0, "step": 40, "dropped": [], "drop_steps": []},
+        {
+            "kind": "commit",
+            "t": 2.0,
+            "step": c.record.step,
+            "dropped": list(c.drop),
+            "drop_steps": list(c.drop_steps or ()),
+        },
+    ]
+    assert check(recs).violations == []
+
+
+def test_a_late_stop_saved_past_the_stop_step_gives_nothing_up() -> None:
+    """CHECKPOINT of stop step 60; the workers learned of the stop late and saved 62, and
+    COMMIT takes 62. That move was read as giving 60 up: the state named 60 and the
+    Commit's audited drop_steps named it, a list no Checkpoint was sent with."""
+    d = running((1, 2), phase=Phase.CHECKPOINT, stop_step=60, phase_deadline=NOW + 60)
+    assert _checkpoint_of(d).drop_steps == ()
+    o = obs(nodes(1, 2), [st(1, step=62, saved=62), st(2, step=62, saved=62)], commits=RECORDED)
+    (nxt,) = _sets(decide(d, o, CFG))
+    assert nxt.phase is Phase.COMMIT and nxt.stop_step == 62 and nxt.drop_steps == ()
+    (c,) = [a for a in decide(nxt, o, CFG) if isinstance(a, Commit)]
+    assert c.record.step == 62 and c.drop_steps == ()

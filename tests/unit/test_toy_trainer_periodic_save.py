@@ -221,5 +221,6 @@ def test_a_committed_save_whose_retention_fails_is_saved(tmp_path: Path) -> None
     assert codes == [0, 0]
     assert not any(x["event"] == "save_failed" for x in lines[0]), lines[0]
     assert [x["step"] for x in lines[0] if x["event"] == "saved"] == [SAVE], lines[0]
-    assert (root / "sim" / f"step-{SAVE:08d}" / "COMMIT").read_text() == str(SAVE)
+    marker = json.loads((root / "sim" / f"step-{SAVE:08d}" / "COMMIT").read_text())
+    assert marker["step"] == SAVE
     assert [x["step"] for x in lines[0] if x["event"] == "step"][-1] == STEPS
