@@ -65,7 +65,9 @@ fail`): the others read the failure, not the silence, and a rank in a collective
 (:func:`_count_out`): by itself, after reading a failure or as it closes its barrier (a
 closed rank reads no failure here: nothing to wait for), or by the watchers that found it
 dead (a killed rank never counts itself out). Rank 0 waits the full two polls or beats
-only for a rank neither out nor yet found dead.
+only for a rank neither out nor yet found dead, or found dead and beating again (it was
+stalled, not dead: :class:`_Stalled`); a stalled rank that finds the store gone says it was
+stalled, not that rank 0 failed.
 
 This module never touches a device or a collective; it takes any object with the c10d
 store's ``add``/``set``/``get``/``multi_get``/``check`` and ``clone``
@@ -151,10 +153,12 @@ answers). A local write takes milliseconds."""
 STORE_WAIT_S = 2.0
 """How long the main thread waits for a store call it can go on without — the closed mark
 and count-out of :meth:`LoadBarrier.close`, the worker's handler's look for a peer's failure
-(:meth:`LoadBarrier.peer_cause`) — before it goes on and leaves the call to finish on a
+(:meth:`LoadBarrier.peer_cause`), a failing rank's own failure and count-out
+(:meth:`LoadBarrier.fail`, but rank 0's) — before it goes on and leaves the call to finish on a
 daemon thread. A store that answers does so in milliseconds (p99 at most 21 ms, max 25 ms, at
 64 and 256 ranks in ``benchmarks/load_barrier_scale.py`` on this loaded shared machine; the
-look reads one key per rank up to the failed one, ~0.05 ms each at p50); a hung one (rank
+look is a new connection and four requests at any world size, 0.7 s over a 100 ms link in a
+test with a delaying proxy); a hung one (rank
 0's process stopped, its host frozen, its network gone without a reset) holds a call at
 least for the client's timeout (the process groups', up to 30 min), and c10d's client
 waited on for good: in the tests an ``add`` to a stopped server still waited minutes past
