@@ -87,6 +87,10 @@ class _Counted:
         self._n[0] += 1
         return bool(self._store.check(keys))
 
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        self._n[0] += 1  # a failure's claim (load_barrier._publish); without it, lost
+        return bytes(self._store.compare_set(key, expected_value, desired_value))
+
 
 class _Legacy:
     """The barrier before the heartbeat thread watched: a beat every ``liveness_s / 5`` on a

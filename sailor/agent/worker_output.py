@@ -246,7 +246,7 @@ def _failure_cause(w: WorkerView, code: int, err: Path) -> tuple[str, str]:
 
 def _record_silent_death(w: WorkerView, code: int, err: Path) -> str:
     """The error record of a worker that wrote none: the ``failed`` event it printed
-    last, if any (a rank ended of a peer's failure prints it before its file write,
+    first, if any (a rank ended of a peer's failure prints it before its file write,
     which may not end on a hung mount: the record is then the peer's, not this node's),
     else one of its exit (killed by a signal), whose ``failed`` line is returned for its
     stderr tail ('' for the former)."""
@@ -269,8 +269,11 @@ def _record_silent_death(w: WorkerView, code: int, err: Path) -> str:
 
 
 def _failed_event(tail: list[str]) -> dict[str, Any] | None:
-    """The last ``{"event": "failed", ...}`` line of a worker's stderr, as a record."""
-    for line in reversed(tail):
+    """The first ``{"event": "failed", ...}`` line of a worker's stderr tail, as a record:
+    its first cause, as in its error file, whose first writer's record stands
+    (``write_error_file``); a later event (a peer's failure read as the rank ended) is
+    not the cause."""
+    for line in tail:
         if '"failed"' not in line:
             continue
         try:

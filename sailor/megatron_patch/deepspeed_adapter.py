@@ -676,7 +676,12 @@ def main(
     die_with_parent()  # an agent's worker ends with it (parent_death)
     import faulthandler
 
-    from sailor.megatron_patch.errors import failure_record, fault_path, write_error_file
+    from sailor.megatron_patch.errors import (
+        failure_record,
+        fault_path,
+        write_error_file_within,
+    )
+    from sailor.megatron_patch.load_barrier import RECORD_WAIT_S
 
     args = build_parser().parse_args(argv)
     err = sub_rank(args.error_file, args.rank)
@@ -688,13 +693,15 @@ def main(
     try:
         return run(argv, ckpt, status, precision)
     except BaseException as exc:  # the first cause of any failure is reported
-        if status.load_barrier is not None:  # a closed peer's socket: that peer's error
-            exc = status.load_barrier.peer_cause(exc)
+        if status.load_barrier is not None:  # a closed peer's socket: that peer's error;
+            # this rank's end is the handler's from here (no heartbeat's event after this one)
+            exc = status.load_barrier.claim_end(exc)
         record = failure_record(
             exc, args.rank, status.failed_step, status.in_training, last_step=status.step
         )
-        write_error_file(err, record)  # first, as the engine does: the store may hang
+        # the event first, then the record, bounded, as the engine does: a mount may hang
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
+        write_error_file_within(err, record, RECORD_WAIT_S)
         if status.load_barrier is not None:  # the others may be waiting for this rank's load
             status.load_barrier.fail(exc)
         os._exit(1)

@@ -28,6 +28,7 @@ import faulthandler
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -49,6 +50,7 @@ __all__ = [
     "read_error_file",
     "signal_failure_record",
     "write_error_file",
+    "write_error_file_within",
 ]
 
 FailureRecord = dict[str, Any]
@@ -185,6 +187,30 @@ def write_error_file(
                 tmp.replace(p)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_error_file_within(path: str | None, record: FailureRecord, wait_s: float) -> bool:
+    """:func:`write_error_file` on a daemon thread, waited for ``wait_s`` at most; whether
+    it wrote (or found a record there) in time. For a worker's handler, whose failure
+    event is printed before and whose peers are told after: a write that raises (the
+    directory gone or replaced, a full disk) is reported on stderr and swallowed, one that
+    hangs (a hard-mounted NFS whose server is gone) is left to its thread, and neither
+    keeps the handler from telling the others and exiting."""
+    if path is None:
+        return True
+    done: list[bool] = []
+
+    def write() -> None:
+        try:
+            write_error_file(path, record)
+            done.append(True)
+        except Exception as exc:  # (a thread's error would only be printed)
+            print(f"error file {path} not written: {exc!r}", file=sys.stderr, flush=True)
+
+    writer = threading.Thread(target=write, name="sailor-error-file", daemon=True)
+    writer.start()
+    writer.join(wait_s)
+    return bool(done)
 
 
 def fault_path(error_file: str | Path) -> Path:

@@ -65,7 +65,9 @@ fail`): the others read the failure, not the silence, and a rank in a collective
 (:func:`_count_out`): by itself, after reading a failure or as it closes its barrier (a
 closed rank reads no failure here: nothing to wait for), or by the watchers that found it
 dead (a killed rank never counts itself out). Rank 0 waits the full two polls or beats
-only for a rank neither out nor yet found dead.
+only for a rank neither out nor yet found dead, or found dead and beating again (it was
+stalled, not dead: :class:`_Stalled`); a stalled rank that finds the store gone says it was
+stalled, not that rank 0 failed.
 
 This module never touches a device or a collective; it takes any object with the c10d
 store's ``add``/``set``/``get``/``multi_get``/``check`` and ``clone``
@@ -151,10 +153,12 @@ answers). A local write takes milliseconds."""
 STORE_WAIT_S = 2.0
 """How long the main thread waits for a store call it can go on without — the closed mark
 and count-out of :meth:`LoadBarrier.close`, the worker's handler's look for a peer's failure
-(:meth:`LoadBarrier.peer_cause`) — before it goes on and leaves the call to finish on a
+(:meth:`LoadBarrier.peer_cause`), a failing rank's own failure and count-out
+(:meth:`LoadBarrier.fail`, but rank 0's) — before it goes on and leaves the call to finish on a
 daemon thread. A store that answers does so in milliseconds (p99 at most 21 ms, max 25 ms, at
 64 and 256 ranks in ``benchmarks/load_barrier_scale.py`` on this loaded shared machine; the
-look reads one key per rank up to the failed one, ~0.05 ms each at p50); a hung one (rank
+look is a new connection and four requests at any world size, 0.7 s over a 100 ms link in a
+test with a delaying proxy); a hung one (rank
 0's process stopped, its host frozen, its network gone without a reset) holds a call at
 least for the client's timeout (the process groups', up to 30 min), and c10d's client
 waited on for good: in the tests an ``add`` to a stopped server still waited minutes past
@@ -241,6 +245,18 @@ def _out_key(world: str, rank: int) -> str:
     return f"{_PREFIX}/{world}/out/{rank}"
 
 
+def _first_failed_key(world: str) -> str:
+    return f"{_PREFIX}/{world}/first_failed"
+
+
+def _found_count_key(world: str) -> str:
+    return f"{_PREFIX}/{world}/found"
+
+
+def _found_key(world: str, n: int) -> str:
+    return f"{_PREFIX}/{world}/found/{n}"
+
+
 def _check_args(rank: int, world_size: int, timeout_s: float, liveness_s: float) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} outside a world of world_size={world_size}")
@@ -263,9 +279,33 @@ class _StoreHost:
     since: float = 0.0
     """Wall-clock start of this barrier: an older record in the error file is not rank 0's
     failure in this world."""
+    liveness_s: float = LIVENESS_S
+    stalled_s: float = 0.0
+    """The longest this rank's heartbeat was held past ``liveness_s`` (its process stopped,
+    its host frozen): its watchers took it for dead and failed the world, and rank 0 may
+    have closed its store for that, not of a failure of its own."""
+    pausing: float | None = None
+    """When the heartbeat thread's current pause between beats began (None: beating)."""
+
+    def held(self, seconds: float) -> None:
+        """The heartbeat thread's pause between two beats took ``seconds``."""
+        self.pausing = None
+        if seconds >= self.liveness_s:  # the whole process did not run: its watchers took
+            self.stalled_s = max(self.stalled_s, seconds)  # it for dead
 
     def gone(self, rank: int, during: str, exc: BaseException) -> PeerFailedError:
         """The error of a rank whose store calls failed ``during`` something."""
+        pausing = self.pausing  # the main thread may run first after a stall
+        if pausing is not None:
+            self.held(time.monotonic() - pausing)
+        if self.stalled_s:
+            return PeerFailedError(
+                f"rank {rank}: the rendezvous store stopped answering {during} "
+                f"({type(exc).__name__}: {exc}) after this rank itself did not run for "
+                f"{self.stalled_s:.0f} s (its process stopped or its host frozen, past "
+                "--load-liveness-s): its watchers took it for dead and failed its world, "
+                "whose rank 0 then closed the store"
+            )
         where = ", ".join(
             x
             for x in (
@@ -343,13 +383,16 @@ class LoadBarrier:
         self.timeout_s, self.liveness_s, self.poll_s = timeout_s, liveness_s, poll_s
         self.on_peer_failure = on_peer_failure
         self.exit_status = exit_status
-        self._store_host = _StoreHost(master, None, rank0_error_file, time.time())
+        self._store_host = _StoreHost(master, None, rank0_error_file, time.time(), liveness_s)
         self._pending = False
         self._waiting = False
         self._closing = False
         """Set by :meth:`close` while pending: the heartbeat thread's last act is to mark
         this rank closed and count it out, on its own connection."""
         self._peer_error: PeerFailedError | None = None
+        self._handled = False
+        """Set by :meth:`claim_end`: the worker's handler ends this rank (its own record and
+        event), and the heartbeat thread no longer ends it of a peer's failure."""
         # one rank's end at a time: the heartbeat's ``_tell`` and the main thread's ``fail``,
         # ``close`` and ``peer_cause`` (a handler arriving while the heartbeat ends this rank
         # waits for it, and no exit fires once ``close`` has returned)
@@ -365,7 +408,14 @@ class LoadBarrier:
         return self._pending
 
     def start(self) -> LoadBarrier:
-        """Begin beating and watching (this rank's host first, for the others' errors)."""
+        """Begin beating and watching (this rank's host first, for the others' errors).
+        A barrier runs once: started again after :meth:`close` (or :meth:`fail`) it raises,
+        as its heartbeat would stop at once and count the rank out a second time."""
+        if self._stop.is_set():
+            raise RuntimeError(
+                f"rank {self.rank}: the load barrier of world {self.world!r} was closed; "
+                "a barrier runs once (make a new one for a new world)"
+            )
         self._pending = True
         self._store_host.since = time.time()
         with suppress(Exception):  # a store already gone: the waiters say so themselves
@@ -415,7 +465,9 @@ class LoadBarrier:
                         flush=True,
                     )
                 failed = 0
+            self._store_host.pausing = paused = time.monotonic()
             self._stop.wait(every)
+            self._store_host.held(time.monotonic() - paused)
         if self._closing:
             self._mark_closed()
 
@@ -425,7 +477,7 @@ class LoadBarrier:
         with suppress(Exception):
             conn = self._conn if self._conn is not None else _connect(self.store)
             conn.set(_closed_key(self.world, self.rank), "1")
-            _count_out(conn, self.world, self.rank, self.rank)
+            _count_out(conn, self.world, self.rank)
 
     def _learn_store_host(self, conn: Store) -> None:
         if self._store_host.host is None and self.rank != 0:
@@ -453,10 +505,10 @@ class LoadBarrier:
         (gloo's ``new_group``, NCCL's unique-id exchange), and off its error: the peer's is
         kept for :meth:`peer_cause`, ``on_peer_failure`` writes it before rank 0 lingers,
         and the main thread's ``fail``/``close``/``peer_cause`` wait until this is done."""
-        if self.on_peer_failure is None or self._waiting or not self._pending:
+        if self.on_peer_failure is None or self._waiting or not self._pending or self._handled:
             return False  # (read unlocked first: a ``fail`` lingering holds the lock)
         with self._ending:
-            if self._waiting or not self._pending:
+            if self._waiting or not self._pending or self._handled:
                 return False
             self._pending = False  # this rank is ending of another's failure: not news
             self._peer_error = err
@@ -483,20 +535,27 @@ class LoadBarrier:
         found dead by its watchers: :func:`_count_out`) or :meth:`_linger_s` has passed
         (best effort: the store may be gone)."""
         with suppress(Exception):
-            _count_out(store, self.world, self.rank, self.rank)
+            _count_out(store, self.world, self.rank)
             if self.rank != 0:
                 return
-            out = store.add(_ended_key(self.world), 0)
             deadline = time.monotonic() + self._linger_s()
-            while out < self.world_size and time.monotonic() < deadline:
+            # a rank found dead may have been only stalled (SIGSTOP, a frozen VM, swap): once
+            # it runs again its counter moves, and rank 0 stays (to the cap) until it has
+            # had its chance to read the failure, not the store's end
+            stalled = _Stalled(self.world, self._linger_s() / 2, time.monotonic)
+            while time.monotonic() < deadline:
+                if store.add(_ended_key(self.world), 0) >= self.world_size and not (
+                    stalled.moving(store)
+                ):
+                    return
                 time.sleep(0.05)
-                out = store.add(_ended_key(self.world), 0)
 
     def _linger_s(self) -> float:
         """Two of the others' chances to read a failure: their polls if waiting, their
         heartbeat threads' beats if held elsewhere (24 s at the worker's defaults). A rank
         killed without a word is counted out by the watchers that find it dead; one not
-        found yet (killed less than ``liveness_s`` before) keeps rank 0 this long."""
+        found yet (killed less than ``liveness_s`` before), or found dead and beating again
+        (it was stalled, not dead), keeps rank 0 this long."""
         return 2 * max(self.poll_s, self.liveness_s / BEATS_PER_LIVENESS)
 
     def peer_cause(self, exc: BaseException) -> BaseException:
@@ -546,14 +605,43 @@ class LoadBarrier:
         """Tell the others this rank failed (while the barrier is pending; best effort),
         then stop beating. Another rank's failure (a ``PeerFailedError``) is on the store
         already, or is the store's. Rank 0, whose process serves the store, returns once
-        every other rank has read a failure, or after :meth:`_linger_s` (:meth:`_leave`)."""
+        every other rank has read a failure, or after :meth:`_linger_s` (:meth:`_leave`).
+        Another rank writes and counts out on a connection and a daemon thread of its own,
+        waited for :data:`STORE_WAIT_S` at most: on a hung store (rank 0 stopped) the worker
+        still exits, its event printed, rather than wait for the store for good."""
         with self._ending:  # not while the heartbeat ends this rank of a peer's failure
-            if self._pending:
-                if not isinstance(exc, PeerFailedError):
-                    _publish_failure(self.store, self.rank, self.world, exc)
-                self._pending = False
-                self._leave(self.store)
+            pending, self._pending = self._pending, False
+        if pending and self.rank == 0:  # its process serves the store: it stays, lingering
+            self._tell_others(self.store, exc)
+        elif pending:
+            teller = threading.Thread(
+                target=self._tell_others,
+                args=(None, exc),
+                name=f"sailor-load-fail-{self.rank}",
+                daemon=True,
+            )
+            teller.start()
+            teller.join(STORE_WAIT_S)
         self.close()
+
+    def _tell_others(self, store: Store | None, exc: BaseException) -> None:
+        """Write this rank's failure ``exc`` (unless a peer's, already on the store) and
+        count it out (:meth:`_leave`), on ``store`` or a new connection (None; best effort)."""
+        with suppress(Exception):
+            conn = store if store is not None else _connect(self.store)
+            if not isinstance(exc, PeerFailedError):
+                _publish_failure(conn, self.rank, self.world, exc)
+            self._leave(conn)
+
+    def claim_end(self, exc: BaseException) -> BaseException:
+        """The worker's handler's first call: this rank's failure ``exc`` or the peer's that
+        caused it (:meth:`peer_cause`), this rank's end claimed for the handler first, so
+        that the heartbeat thread does not end it of a peer's failure read after (its event
+        printed after the handler's, of another cause, would be the one the agent keeps, and
+        disagree with the error file the handler writes)."""
+        with self._ending:  # after a heartbeat ending this rank now (its cause is the one)
+            self._handled = True
+        return self.peer_cause(exc)
 
     def close(self) -> None:
         """Stop beating; the barrier is over for this rank. The heartbeat thread, as it
@@ -564,7 +652,7 @@ class LoadBarrier:
         finishes it once the store answers, or the process exits without it. Once this
         returns, no peer's failure ends this rank from its heartbeat thread."""
         with self._ending:
-            self._closing = self._pending
+            self._closing = self._closing or self._pending  # a second close keeps the mark
             self._pending = False
             self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -653,21 +741,32 @@ def _publish_failure(store: Store, rank: int, world: str, exc: BaseException) ->
 
 
 def _publish(store: Store, world: str, rank: int, host: str, text: str) -> None:
+    """Write ``rank``'s failure: its record, then the world's first failure if none is
+    claimed yet (``compare_set`` on an absent key: one writer wins), then the failures
+    counter the others poll, so a rank that reads the counter finds the claim."""
     with suppress(Exception):  # the load's own error is the one to raise
         store.set(f"{_PREFIX}/{world}/failed/{rank}", f"{host}\n{text[:2000]}")
+        store.compare_set(_first_failed_key(world), "", str(rank))
         store.add(_failures_key(world), 1)
 
 
-def _count_out(store: Store, world: str, rank: int, by: int) -> None:
+def _count_out(store: Store, world: str, rank: int, found_at: int | None = None) -> None:
     """Count ``rank`` out of its world's barrier, for rank 0's linger (:meth:`LoadBarrier.
     _leave`): by itself (failed, ended of a peer's failure, or closed its barrier) or by a
-    watcher (``by``) that found it dead. Once per rank whoever counts it: the first to
-    claim its mark adds it (a rank taken for dead that was only stalled, or found by two
-    watchers, is not counted twice, which would end rank 0's linger before a live rank
-    read the failure)."""
-    claim = str(by)
-    if store.compare_set(_out_key(world, rank), "", claim) == claim.encode():
-        store.add(_ended_key(world), 1)
+    watcher that found it dead, its heartbeat counter at ``found_at``. Once per rank
+    whoever counts it, and however often: the first ``add`` to its mark counts it (a rank
+    found by two watchers, or counted by a watcher and then by itself, is not counted
+    twice, which would end rank 0's linger before a live rank read the failure; a
+    ``compare_set`` claim named by its claimant was no claim for one claimant calling
+    twice, as the value it read back was its own). A rank counted out by a watcher is
+    listed, with ``found_at``, under ``found/<n>`` (``n`` from the ``found`` counter): rank
+    0's linger watches those few for one that was only stalled (:class:`_Stalled`)."""
+    if store.add(_out_key(world, rank), 1) != 1:
+        return
+    store.add(_ended_key(world), 1)
+    if found_at is not None:
+        n = store.add(_found_count_key(world), 1)
+        store.set(_found_key(world, n), f"{rank} {found_at}")
 
 
 def await_loads(
@@ -736,15 +835,26 @@ def _await_all(
 
 
 def _peer_failure(store: Store, world: str, world_size: int) -> PeerFailedError:
-    """The failure of the first rank (in rank order) that failed."""
+    """The failure of the first rank to write one (:func:`_publish`'s claim): three store
+    round trips whatever the world's size and the rank (a look at each rank's key in turn
+    cost one per rank up to the failed one: 4 s at 40 ranks over a 100 ms link, past
+    :data:`STORE_WAIT_S`). Without a claim (a writer cut off between its record and its
+    claim) the first rank in rank order with a record, as before there were claims."""
+    first = _first_failed_key(world)
+    if store.check([first]):
+        r = int(store.get(first))
+        return _failure_of(store, world, r)
     for r in range(world_size):
-        key = f"{_PREFIX}/{world}/failed/{r}"
-        if store.check([key]):
-            host, _, text = store.get(key).decode(errors="replace").partition("\n")
-            return PeerFailedError(
-                f"rank {r} ({host}) failed before its world's first step: {text}"
-            )
+        if store.check([f"{_PREFIX}/{world}/failed/{r}"]):
+            return _failure_of(store, world, r)
     return PeerFailedError("a rank failed before its world's first step")
+
+
+def _failure_of(store: Store, world: str, r: int) -> PeerFailedError:
+    host, _, text = (
+        store.get(f"{_PREFIX}/{world}/failed/{r}").decode(errors="replace").partition("\n")
+    )
+    return PeerFailedError(f"rank {r} ({host}) failed before its world's first step: {text}")
 
 
 def rank0_error_file(error_file: str | None, rank: int) -> str | None:
@@ -856,6 +966,10 @@ class _Watch:
         if store.check([_closed_key(self.world, peer)]):  # it closed its barrier: not dead
             self.found.add(peer)  # (read only for a silent rank: no traffic per beat)
             return None
+        return self._found(store, peer, beats, silent)
+
+    def _found(self, store: Store, peer: int, beats: int, silent: float) -> PeerFailedError:
+        """Write ``peer``'s death (its counter ``beats``, silent ``silent`` s) for all."""
         host_key = _host_key(self.world, peer)
         host = store.get(host_key).decode() if store.check([host_key]) else "?"
         text = (
@@ -865,6 +979,39 @@ class _Watch:
         )
         _publish(store, self.world, peer, host, text)
         with suppress(Exception):  # its own count-out will never come: rank 0 need not
-            _count_out(store, self.world, peer, self.rank)  # keep its store up for it
+            _count_out(store, self.world, peer, beats)  # keep its store up for it
         self.found.add(peer)
         return PeerFailedError(f"rank {peer} ({host}) failed before its world's first step: {text}")
+
+
+class _Stalled:
+    """Rank 0's look, as it lingers, at the ranks its world's watchers found dead (few:
+    ``found/<n>``, :func:`_count_out`): one whose heartbeat counter moves past its verdict
+    was stalled, not dead, and is running again."""
+
+    def __init__(self, world: str, window_s: float, clock: Callable[[], float]) -> None:
+        self.world, self.window_s, self.clock = world, window_s, clock
+        self.read = 0
+        """Entries of ``found/`` read so far."""
+        self.beats: dict[int, tuple[int, float | None]] = {}
+        """Rank -> (its counter last read, when it last moved; None: not since its verdict)."""
+
+    def moving(self, store: Store) -> bool:
+        """Whether a rank found dead has beaten within ``window_s`` (one of its chances to
+        read the world's failure: a poll or a beat); reads the ``found`` counter, entries
+        not read yet, and each found rank's counter (one request each)."""
+        for n in range(self.read + 1, store.add(_found_count_key(self.world), 0) + 1):
+            key = _found_key(self.world, n)
+            if not store.check([key]):  # counted, not yet listed: read at the next look
+                break
+            found, _, at = store.get(key).decode().partition(" ")
+            self.beats[int(found)] = (int(at), None)
+            self.read = n
+        now, moving = self.clock(), False
+        for rank, (last, moved) in self.beats.items():
+            beats = store.add(_beat_key(self.world, rank), 0)
+            if beats != last:
+                last, moved = beats, now
+                self.beats[rank] = (last, moved)
+            moving = moving or (moved is not None and now - moved < self.window_s)
+        return moving

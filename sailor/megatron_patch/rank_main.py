@@ -141,7 +141,7 @@ from sailor.megatron_patch.errors import (  # noqa: E402
     close_fault_file,
     failure_record,
     fault_path,
-    write_error_file,
+    write_error_file_within,
 )
 from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.in_place import (  # noqa: E402
@@ -161,7 +161,7 @@ from sailor.megatron_patch.in_place_steps import (  # noqa: E402
     release,
     warm_up,
 )
-from sailor.megatron_patch.load_barrier import worker_barrier  # noqa: E402
+from sailor.megatron_patch.load_barrier import RECORD_WAIT_S, worker_barrier  # noqa: E402
 from sailor.megatron_patch.model_source import (  # noqa: E402
     load_architecture,
     load_model,
@@ -611,15 +611,17 @@ def main(argv: list[str] | None = None, ckpt: CheckpointIO | None = None) -> int
         close_fault_file(err_file or "")  # leave_process does it too, before os._exit
         return code
     except BaseException as exc:  # the first cause of any failure is reported
-        if status.load_barrier is not None:  # a closed peer's socket: that peer's error
-            exc = status.load_barrier.peer_cause(exc)
+        if status.load_barrier is not None:  # a closed peer's socket: that peer's error;
+            # this rank's end is the handler's from here (no heartbeat's event after this one)
+            exc = status.load_barrier.claim_end(exc)
         record = failure_record(
             exc, status.rank, status.failed_step, status.in_training, last_step=status.step
         )
-        # the record and the event first: the store calls below may wait for a hung store
-        # (peer_cause's look above waits load_barrier.STORE_WAIT_S at most)
-        write_error_file(status.error_file, record)
+        # the event first (stderr is a pipe to the agent), then the record, bounded (a mount
+        # may hang or fail), then the others told (peer_cause's look above and fail's store
+        # calls wait load_barrier.STORE_WAIT_S at most)
         print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
+        write_error_file_within(status.error_file, record, RECORD_WAIT_S)
         if status.load_barrier is not None:  # the others may be waiting for this rank's load
             status.load_barrier.fail(exc)
         # Never run destructors or barriers that could wait on dead peers.

@@ -113,7 +113,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 import torch.distributed as dist
 from sailor.megatron_patch.boundary import Status
-from sailor.megatron_patch.errors import failure_record, write_error_file
+from sailor.megatron_patch.errors import failure_record, write_error_file_within
 from sailor.megatron_patch.load_barrier import worker_barrier
 
 rank, port, error_file, timeout_s, liveness_s = (
@@ -140,9 +140,10 @@ try:
     print("the groups were built", flush=True)
     os._exit(0)
 except BaseException as exc:  # rank_main.main's handler
-    exc = barrier.peer_cause(exc)
+    exc = barrier.claim_end(exc)
     record = failure_record(exc, rank, status.failed_step, False, last_step=status.step)
-    write_error_file(error_file, record)
+    print(json.dumps({"event": "failed", **record}), file=sys.stderr, flush=True)
+    write_error_file_within(error_file, record, 10.0)
     barrier.fail(exc)
     os._exit(1)
 """
