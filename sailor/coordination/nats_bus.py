@@ -48,6 +48,8 @@ from sailor.coordination.security.nats_auth import inbox_prefix
 from sailor.coordination.security.settings import SecurityConfig
 
 __all__ = [
+    "EVENT_MAX_BYTES",
+    "EVENT_MAX_MSG_SIZE",
     "NatsCommands",
     "NatsEventBus",
     "close_nats",

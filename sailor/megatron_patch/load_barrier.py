@@ -99,6 +99,7 @@ from sailor.megatron_patch.errors import (
 __all__ = [
     "LIVENESS_S",
     "LOAD_TIMEOUT_S",
+    "RECORD_WAIT_S",
     "WATCHED",
     "LoadBarrier",
     "LoadTimeoutError",
