@@ -331,23 +331,34 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         ``lease_ttl_s`` was too short, and an agent restarted after a crash refused itself.
         A lease still there past its granted TTL was refreshed since: a live holder. An etcd
         that was unreachable starts the wait over: etcd extends every lease when it comes
-        back."""
+        back. A key written without a lease (lease 0: an operator's ``etcdctl put``) never
+        lapses: it is held as by a live holder, refused after the configured TTL (and the
+        grace) with what to do. A holder whose lease keeps reading as gone while the key
+        stays (etcd answering oddly) is retried no longer than that either."""
         deadline: float | None = None
         watched = 0  # the holder's lease the deadline is of
+        lapsed: float | None = None  # since when its lease reads as gone but the key stays
         while not self.stopping.is_set():
             try:
                 held = await attempt()
                 ttl = None if held is None else await self._lease_ttl(held.lease)
             except TemporaryError:
-                deadline = None
+                deadline = lapsed = None
                 await self.clock.sleep(0.3)
                 continue
             if held is None:
                 return True
+            now = self.clock.now()
             if ttl is None:  # its lease lapsed between the two reads: claim again
+                if lapsed is None:
+                    lapsed = now
+                    _log.warning("node_key_lease_gone", node=self.node.node_id, lease=held.lease)
+                elif now - lapsed >= self.cfg.lease_ttl_s + CLAIM_GRACE_S:
+                    self._refuse_held(held, self.cfg.lease_ttl_s)
+                    return False
                 await self.clock.sleep(0.05)
                 continue
-            now = self.clock.now()
+            lapsed = None
             if deadline is None or held.lease != watched:
                 remaining, granted = ttl
                 watched = held.lease
@@ -369,9 +380,12 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
 
     async def _lease_ttl(self, lease_id: int) -> tuple[int, int] | None:
         """(remaining, granted) of the holder's lease; where etcd's RBAC does not let this
-        agent read it, the configured TTL stands in for both (the wait of before)."""
+        agent read it, the configured TTL stands in for both (the wait of before), as for a
+        key written without a lease (lease 0, which never lapses)."""
         if self._store is None:
             raise TemporaryError("not connected to etcd")
+        if lease_id == 0:
+            return self.cfg.lease_ttl_s, self.cfg.lease_ttl_s
         try:
             return await self._store.lease_ttl(lease_id)
         except PermanentError as exc:
@@ -382,12 +396,21 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         theirs = _address_of(held.value) or "no address"
         ours = self.node.address or "no address"
         self.held_elsewhere = True
-        self.failure = (
-            f"node id {self.node.node_id!r} is registered by another agent (at {theirs}, "
-            f"lease {held.lease:x}) that keeps its lease refreshed: it did not lapse within "
-            f"its TTL of {ttl_s} s and {CLAIM_GRACE_S:g} s more; this agent (at {ours}) does "
-            "not start; give every agent a node id of its own"
-        )
+        key = self.keys.node(self.node.node_id)
+        if held.lease == 0:
+            self.failure = (
+                f"node id {self.node.node_id!r}: its key {key} was written without a lease "
+                f"(lease 0, at {theirs}; an operator's etcdctl put?), so it never lapses; "
+                f"still there after {ttl_s} s and {CLAIM_GRACE_S:g} s more; this agent (at "
+                f"{ours}) does not start; delete the key (etcdctl del {key}) and start it again"
+            )
+        else:
+            self.failure = (
+                f"node id {self.node.node_id!r} is registered by another agent (at {theirs}, "
+                f"lease {held.lease:x}) that keeps its lease refreshed: it did not lapse "
+                f"within its TTL of {ttl_s} s and {CLAIM_GRACE_S:g} s more; this agent (at "
+                f"{ours}) does not start; give every agent a node id of its own"
+            )
         _log.error("node_id_in_use", node=self.node.node_id, theirs=theirs, ours=ours)
         self.sd.status(f"failed: {self.failure}"[:200])
         self.stopping.set()

@@ -61,7 +61,7 @@ from sailor.checkpoint.assignment import (
     writer_ranks,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.errors import CheckpointError, CorruptCheckpointError, SaveCancelledError
+from sailor.checkpoint.errors import CheckpointError, SaveCancelledError
 from sailor.checkpoint.gc import apply_retention
 from sailor.checkpoint.prune import SeenStep, apply_seen_prune, seen_below
 from sailor.checkpoint.readback import read_back
@@ -518,47 +518,55 @@ class Checkpointer:
             t2 = time.perf_counter()
             # Nothing older goes while the new commit does not read back: after in-place
             # reconfigurations no step left on disk may ever have been read.
-            spared = ""
             readback_error, readback_s, unchecked = self._read_back(
                 globals_.step, prune_below, bool(seen)
             )
-            try:
-                if self.keep is not None and not readback_error:
-                    apply_retention(self.storage, keep=self.keep, committed_step=globals_.step)
-                if below is not None and not readback_error:
+            # Retention, the controller's prune and the deletion of unrecorded commits each
+            # run whatever the others meet: one older step that cannot be judged or deleted
+            # must not stop every later deletion and fill the disk. The step is committed
+            # whatever they meet: a failed deletion (StorageError, OSError), a step spared
+            # (CorruptCheckpointError, not debris) or a bug in judging one is reported, never
+            # a failed save.
+            errors = [seen_error]
+            if not readback_error:
+                below_step = min(prune_below, globals_.step)
+                if self.keep is not None:
+                    keep = self.keep
+                    errors.append(
+                        _reported(
+                            lambda: apply_retention(
+                                self.storage, keep=keep, committed_step=globals_.step
+                            ),
+                            globals_.step,
+                        )
+                    )
+                if below is not None:
+                    seen_below_it = below
+                    errors.append(
+                        _reported(
+                            lambda: apply_seen_prune(
+                                self.storage,
+                                seen_below_it,
+                                below_step=below_step,
+                                committed_step=globals_.step,
+                                cancelled=self._cancelled.is_set,
+                            ),
+                            globals_.step,
+                        )
+                    )
+                if seen and drop_steps:
                     try:
-                        apply_seen_prune(
+                        unrecorded = apply_unrecorded(
                             self.storage,
-                            below,
-                            below_step=min(prune_below, globals_.step),
+                            seen,
+                            drop_steps=drop_steps,
                             committed_step=globals_.step,
+                            below_step=below_step,
                             cancelled=self._cancelled.is_set,
                         )
-                    except CorruptCheckpointError as exc:
-                        if exc.debris:
-                            raise
-                        # a step it cannot judge is spared and reported; the saves the
-                        # controller gave up on are still deleted below
-                        spared = f"deleting checkpoints older than step {globals_.step}: {exc}"
-                if seen and drop_steps and not readback_error:
-                    unrecorded = apply_unrecorded(
-                        self.storage,
-                        seen,
-                        drop_steps=drop_steps,
-                        committed_step=globals_.step,
-                        below_step=min(prune_below, globals_.step),
-                        cancelled=self._cancelled.is_set,
-                    )
-                retention_error = "; ".join(e for e in (seen_error, spared) if e)
-            except (OSError, ValueError, CheckpointError) as exc:
-                # The step is committed whatever retention meets: a failed deletion
-                # (StorageError, OSError) or an older step it cannot judge (a manifest of a
-                # newer release fails validation: ValueError; a corrupt one) is reported,
-                # never a failed save.
-                retention_error = (
-                    f"deleting checkpoints older than step {globals_.step}: "
-                    f"{type(exc).__name__}: {exc}"
-                )
+                    except (OSError, ValueError, CheckpointError) as exc:
+                        errors.append(_deleting(globals_.step, exc))
+            retention_error = "; ".join(e for e in errors if e)
         return SaveResult(
             step=globals_.step,
             save_id=save_id,
@@ -782,3 +790,17 @@ def _buckets(items: Sequence[_T], size: Callable[[_T], int]) -> list[list[_T]]:
         out[-1].append(it)
         used += b
     return out
+
+
+def _deleting(step: int, exc: Exception) -> str:
+    """A retention's failure as the save reports it."""
+    return f"deleting checkpoints older than step {step}: {type(exc).__name__}: {exc}"
+
+
+def _reported(delete: Callable[[], object], step: int) -> str:
+    """Run one of a committer's deletions; why it failed ('' when it did not)."""
+    try:
+        delete()
+    except (OSError, ValueError, CheckpointError) as exc:
+        return _deleting(step, exc)
+    return ""

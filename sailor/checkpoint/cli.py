@@ -118,11 +118,13 @@ def verify_report(url: str, step: int | None = None) -> dict[int, list[str]]:
 
 def gc_paths(
     url: str, keep: int | None = None, grace_s: float = 0.0, dry_run: bool = False
-) -> list[str]:
-    """Delete uncommitted debris (and committed checkpoints beyond ``keep``)."""
-    from sailor.checkpoint.gc import collect
+) -> tuple[list[str], list[str]]:
+    """Delete uncommitted debris (and committed checkpoints beyond ``keep``): ``(what was
+    deleted, why each committed step it cannot judge was spared)``."""
+    from sailor.checkpoint.gc import sweep
 
-    return collect(open_storage(url), keep=keep, grace_s=grace_s, dry_run=dry_run)
+    res = sweep(open_storage(url), keep=keep, grace_s=grace_s, dry_run=dry_run)
+    return res.deleted, res.spared
 
 
 @ckpt_app.command("ls")
@@ -187,17 +189,19 @@ def gc_cmd(
     ),
     dry_run: bool = typer.Option(False, help="Only print what would be deleted."),
 ) -> None:
-    """Delete uncommitted debris (never the newest committed checkpoint)."""
-    from pydantic import ValidationError
-
+    """Delete uncommitted debris (never the newest committed checkpoint). A committed step
+    it cannot judge (a newer release's manifest, one refused for a shard path) is spared and
+    not counted in ``--keep``: the rest is deleted, then it exits 1 naming each such step."""
     try:
-        paths = gc_paths(directory, keep, grace, dry_run)
-    except (CheckpointError, ValidationError) as exc:
-        # a committed step it cannot judge (a newer release's manifest, one refused for a
-        # shard path) stops it before it deletes anything: taken for debris, it would go
+        paths, spared = gc_paths(directory, keep, grace, dry_run)
+    except CheckpointError as exc:
         typer.echo(f"error: {exc}\nnothing deleted", err=True)
         raise typer.Exit(1) from exc
     verb = "would delete" if dry_run else "deleted"
     for p in paths:
         typer.echo(f"{verb} {p}")
     typer.echo(f"{verb} {len(paths)} path(s)")
+    for why in spared:
+        typer.echo(f"error: spared, cannot judge: {why}", err=True)
+    if spared:
+        raise typer.Exit(1)

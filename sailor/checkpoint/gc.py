@@ -23,6 +23,12 @@ controller never recorded (a leader lost between the marker and the record) cann
 recorded one out, as counting the newest ``keep`` on disk would. Such a commit above the
 prune point is deleted by the next save's committer told which steps the controller gave
 up on (``unrecorded``).
+
+A committed step whose manifest this release cannot judge (:func:`unjudged`: a newer release's,
+or one refused for a shard path) is listed as such by :func:`scan`: no retention, prune or gc
+deletes it, nor counts it among the ``keep`` newest. Each deletes the rest as if it were not
+there, then reports it (``CorruptCheckpointError``, ``debris`` False) for an operator: one such
+step must not stop every later deletion and fill the disk.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from sailor.checkpoint.reader import invalid_manifest, read_manifest
 from sailor.checkpoint.storage import Storage
 
 __all__ = [
+    "GcOutcome",
     "StepListing",
     "apply_prune",
     "apply_retention",
@@ -46,6 +53,7 @@ __all__ = [
     "decide_gc",
     "decide_prune",
     "scan",
+    "sweep",
     "unjudged",
 ]
 
@@ -61,6 +69,17 @@ class StepListing:
     referenced: frozenset[str] = frozenset()
     """Files the committed manifest needs (empty if uncommitted)."""
     newest_mtime: float = 0.0
+    unjudged: str = ""
+    """Why this committed step may not be judged ('' when it may, :func:`unjudged`): never
+    deleted, never counted among the newest ``keep``."""
+
+
+@dataclass(frozen=True)
+class GcOutcome:
+    """What a gc deleted, and why it spared each committed step it cannot judge."""
+
+    deleted: list[str]
+    spared: list[str]
 
 
 def decide_gc(
@@ -79,12 +98,14 @@ def decide_gc(
     one a fallback run is writing below an unrecorded newer commit: grace alone decides."""
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (never delete the last checkpoint)")
-    committed = sorted((s.step for s in listing if s.committed), reverse=True)
+    committed = sorted((s.step for s in listing if s.committed and not s.unjudged), reverse=True)
     newest = committed[0] if committed else -1
     retained = set(committed if keep is None else committed[:keep])
     out: list[str] = []
     for s in sorted(listing, key=lambda x: x.step):
         d = step_dir(s.step)
+        if s.unjudged:
+            continue
         if s.committed:
             if s.step not in retained:
                 out.append(d + "/")
@@ -108,10 +129,10 @@ def decide_prune(steps: Sequence[int], *, below_step: int, committed_step: int) 
 
 
 def scan(storage: Storage) -> list[StepListing]:
-    """List every step directory with its files and commit state. Raises, judging nothing,
-    on a committed step whose manifest this release cannot take (a newer release's:
-    ValidationError) or refuses for a shard path (``CorruptCheckpointError.debris`` False):
-    taken for debris, it would be deleted."""
+    """List every step directory with its files and commit state. A committed step whose
+    manifest this release cannot take (a newer release's: ValidationError) or refuses for a
+    shard path (``CorruptCheckpointError.debris`` False) is listed committed with
+    ``unjudged`` saying why: taken for debris, it would be deleted."""
     out: list[StepListing] = []
     for name in storage.listdir(""):
         step = parse_step_dir(name)
@@ -123,11 +144,16 @@ def scan(storage: Storage) -> list[StepListing]:
             m = read_manifest(storage, step)
         except CorruptCheckpointError as exc:
             if not exc.debris:  # refused, not unfinished: judged as a newer release's
-                raise
+                out.append(StepListing(step, True, files, newest_mtime=mt, unjudged=str(exc)))
+                continue
             out.append(StepListing(step, False, files, newest_mtime=mt))
             continue
         except NoCheckpointError:
             out.append(StepListing(step, False, files, newest_mtime=mt))
+            continue
+        except ValidationError as exc:
+            why = invalid_manifest(storage, step, exc)
+            out.append(StepListing(step, True, files, newest_mtime=mt, unjudged=why))
             continue
         ref = {MANIFEST, MARKER} | {s.path for s in m.shards}
         ref |= {f for f in files if f.startswith(f"{PARTS}/{m.save_id}-")}
@@ -135,21 +161,37 @@ def scan(storage: Storage) -> list[StepListing]:
     return out
 
 
-def collect(
+def sweep(
     storage: Storage, *, keep: int | None = None, grace_s: float = 0.0, dry_run: bool = False
-) -> list[str]:
-    """Delete debris (and committed checkpoints beyond ``keep``); return what was deleted."""
+) -> GcOutcome:
+    """An operator's gc: delete debris (and committed checkpoints beyond ``keep``); return
+    what was deleted and why each step it cannot judge was spared."""
+    listing = scan(storage)
     doomed = decide_gc(
-        scan(storage), keep=keep, now=time.time(), grace_s=grace_s, older_than_newest=False
+        listing, keep=keep, now=time.time(), grace_s=grace_s, older_than_newest=False
     )
     if not dry_run:
         for p in doomed:
             _delete(storage, p)
-    return doomed
+    return GcOutcome(doomed, [s.unjudged for s in listing if s.unjudged])
+
+
+def collect(
+    storage: Storage, *, keep: int | None = None, grace_s: float = 0.0, dry_run: bool = False
+) -> list[str]:
+    """Delete debris (and committed checkpoints beyond ``keep``); return what was deleted.
+    Raises (:func:`_spared`) after deleting, if it spared a step it cannot judge."""
+    res = sweep(storage, keep=keep, grace_s=grace_s, dry_run=dry_run)
+    if res.spared:
+        raise _spared(storage, res.spared, "", len(res.deleted))
+    return res.deleted
 
 
 def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list[str]:
-    """After committing ``committed_step``: drop old checkpoints and older uncommitted saves."""
+    """After committing ``committed_step``: drop old checkpoints and older uncommitted saves;
+    return what was deleted. A committed step it cannot judge is spared and not counted
+    among the ``keep`` newest: once the others are deleted, a ``CorruptCheckpointError`` (not
+    debris) names it, for the committer to report."""
     listing = [s for s in scan(storage) if s.step <= committed_step]
     # grace = infinity: files of a save newer than this commit are never touched here.
     doomed = [
@@ -157,7 +199,18 @@ def apply_retention(storage: Storage, *, keep: int, committed_step: int) -> list
     ]
     for p in doomed:
         _delete(storage, p)
+    spared = [s.unjudged for s in listing if s.unjudged]
+    if spared:
+        raise _spared(storage, spared, f" at or below step {committed_step}", len(doomed))
     return doomed
+
+
+def _spared(storage: Storage, why: list[str], where: str, deleted: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"spared {len(why)} step(s){where}: " + " | ".join(why[:3]) + f" (deleted {deleted})",
+        path=storage.url,
+        debris=False,
+    )
 
 
 def apply_prune(storage: Storage, *, below_step: int, committed_step: int) -> list[str]:
@@ -178,13 +231,7 @@ def apply_prune(storage: Storage, *, below_step: int, committed_step: int) -> li
         _delete(storage, p)
         deleted.append(p)
     if spared:
-        raise CorruptCheckpointError(
-            f"spared {len(spared)} step(s) below step {below_step}: "
-            + " | ".join(spared[:3])
-            + f" (deleted {len(deleted)})",
-            path=storage.url,
-            debris=False,
-        )
+        raise _spared(storage, spared, f" below step {below_step}", len(deleted))
     return deleted
 
 

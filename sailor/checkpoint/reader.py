@@ -91,7 +91,7 @@ def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
             f"{where}: does not match the checksum in its commit marker", path=where
         )
     # a ValidationError here is not corruption: a newer release may have written it (the
-    # retention and gc then judge nothing, ``gc.scan``). One that names a shard outside its
+    # retention and gc spare the step, ``gc.scan``). One that names a shard outside its
     # step directory (``ShardEntry.path``) is unreadable, as a corrupt file is: a load falls
     # back to the previous commit instead of holding the job as misconfigured; but never
     # debris (``CorruptCheckpointError.debris``): gc and retention delete nothing of it

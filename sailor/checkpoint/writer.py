@@ -324,7 +324,8 @@ def commit(
 ) -> CheckpointManifest:
     """Wait for every writer's part, then write manifest and marker, then apply retention
     (``keep``) once the commit reads back (``readback.read_back``); one that does not is
-    committed all the same, deletes nothing and raises ``CorruptCheckpointError``.
+    committed all the same, deletes nothing and raises ``CorruptCheckpointError``; an older
+    step retention cannot judge is spared, the rest deleted, and it raises as well.
     ``cancelled()`` true (``Checkpointer.cancel``: the world was abandoned) ends the wait,
     and a commit not yet begun, with :class:`SaveCancelledError`: nothing is written."""
     d = step_dir(step)

@@ -139,7 +139,8 @@ class ControllerConfig(ServerEndpoints):
         description="How long the event stream may stay unplaced (too few NATS servers up "
         "for its replicas) before the leader reports it overdue: an error in the journal "
         "and the audit log, 'overdue' in `sailor status` and the systemd status. It goes "
-        "on leading and retrying (docs/runtime.md, 'Event stream placement').",
+        "on leading and retrying (docs/runtime.md, 'Event stream placement'); a stream "
+        "refused for want of max_file_store fails the controller then instead.",
     )
     audit_log: Path = Field(default=Path("sailor-audit.jsonl"), description="Audit log path.")
     audit_max_bytes: int = Field(default=64 << 20, gt=0, description="Rotate beyond this size.")

@@ -159,7 +159,8 @@ class EventIntake:
 
         Before each fetch the stream is ensured: a placement refused for good (replicas
         on a NATS server in no cluster) fails the controller; one refused for now (too few
-        servers up and joined) is retried, reported and shown (``_ensure_stream``)."""
+        servers up and joined, or no room for its ``max_bytes``) is retried, reported and
+        shown (``_ensure_stream``)."""
         placement = _Placement()
         while True:
             if not lead.fresh:
@@ -173,7 +174,8 @@ class EventIntake:
                 self._stream_refused(exc, lead)
                 return
             except (StreamConflictError, StreamStorageError) as exc:
-                # another job's stream, or no room for its reservation: no retry ends it
+                # another job's stream: no retry ends it; no room for its reservation past
+                # ``event_stream_deadline_s`` (``_ensure_stream``): an operator's to end
                 self.fail(str(exc), epoch=lead.epoch, stream=str(exc.fields.get("stream", "")))
                 return
             except FencedError as exc:  # the record status reads: deposed
@@ -231,10 +233,14 @@ class EventIntake:
         self, bus: NatsEventBus, store: EtcdStore, lead: Leadership, placement: _Placement
     ) -> bool:
         """Ensure the stream; False (after a pause) to try again. A placement refused for
-        now is reported once and shown (``event_stream``); its end too."""
+        now is reported once and shown (``event_stream``); its end too. A reservation
+        refused (``StreamStorageError``: ``max_file_store`` full) is such a shortage too:
+        another job's stream being deleted may end it; raised once it has lasted
+        ``event_stream_deadline_s`` (the controller fails, naming both settings). Before,
+        it failed at once, and systemd's restart limit soon left the job no controller."""
         try:
             await bus.ensure_stream()
-        except StreamNotPlacedError as exc:
+        except (StreamNotPlacedError, StreamStorageError) as exc:
             reason = f"{exc.args[0]}: {exc.fields.get('reason', '')}"
             now, began = self.clock.now(), None
             if placement.watch.placed:  # an episode begins: of this term, or carried on
@@ -254,6 +260,8 @@ class EventIntake:
                 _log.debug("event_stream_unplaced_retry", reason=reason)
             self._report_stream(reports, placement.watch, lead, reason)
             await self._show_stream(placement, store, lead)
+            if isinstance(exc, StreamStorageError) and placement.watch.overdue:
+                raise
             await self.clock.sleep(placement.pause)
             placement.pause = min(placement.pause * 2, _UNPLACED_MAX_PAUSE_S)
             return False

@@ -23,7 +23,8 @@ The check runs on the host, before the copy to the device (no sync in the hot lo
 An engine with no collective of its own between reading its batches and its update (the
 DeepSpeed adapter: ``train_batch`` runs the forward, the backward and the optimizer step in
 one call) agrees the flags before it (:func:`agree_before_update`): one all-reduce of an int32
-per rank each step, so every rank raises the same error there and nothing is applied.
+per rank each step, so every rank raises the same error there and nothing is applied. Its
+flags are read after ``clock.synchronize``, as every host read after a collective is.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
-from sailor.megatron_patch.clock import to_device
+from sailor.megatron_patch.clock import synchronize, to_device
 from sailor.megatron_patch.step_agreement import world_objects
 from sailor.megatron_patch.vocab_parallel import IGNORE_INDEX, LabelOutOfRangeError, out_of_range
 
@@ -176,6 +177,7 @@ def agree_before_update(
     flags[dist.get_rank()] = int(watch.seen)
     flags = to_device(flags, device)
     comm.all_reduce(flags, op="max")
+    synchronize(flags.device)  # abortable where the host waits (in-place workers)
     ranks = tuple(int(r) for r in torch.nonzero(flags.cpu()).reshape(-1))
     if ranks:
         watch.raise_agreed(ranks, step, where, pipeline)

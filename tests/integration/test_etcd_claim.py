@@ -23,7 +23,13 @@ import pytest
 
 from sailor.agent.agent_config import AgentConfig, CheckSettings
 from sailor.agent.daemon import Agent
-from sailor.coordination import EtcdStore, Keys, TemporaryError, connect_etcd
+from sailor.coordination import (
+    DaemonFailedError,
+    EtcdStore,
+    Keys,
+    TemporaryError,
+    connect_etcd,
+)
 from sailor.localnet import free_port
 from sailor.localservers import LocalServers, ServerMissingError, ServerProcess, server_binaries
 from sailor.schemas.hardware import NodeSpec
@@ -202,4 +208,32 @@ async def test_an_agent_restarted_after_a_crash_waits_the_granted_ttl(
         if again is not None and again_task is not None:
             again.stopping.set()
             await asyncio.wait_for(again_task, 15)
+        await store.close()
+
+
+async def test_a_node_key_without_a_lease_is_refused_after_the_ttl(
+    plain_servers: LocalServers, tmp_path: Path
+) -> None:
+    """A node key written without a lease (lease 0: an operator's ``etcdctl put``) never
+    lapses: the agent refuses after its configured TTL and the grace, naming lease 0 and
+    what to do. Before, lease 0 read as a lapsed lease: the agent claimed again every
+    0.05 s for ever, without a word."""
+    ep = plain_servers.etcd_endpoint
+    store = await connect_etcd(ep)
+    key = KEYS.node("n1")
+    await store.client.put(key.encode(), b"{}")
+    agent = _agent(plain_servers, ep, tmp_path)  # lease_ttl_s=1: refused at ~2 s
+    task = asyncio.create_task(agent.run(), name="agent")
+    try:
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert task in done, "the agent still waits on a key that never lapses"
+        with pytest.raises(DaemonFailedError, match=r"without a lease \(lease 0"):
+            task.result()
+        assert agent.held_elsewhere and agent.failure is not None
+        assert f"etcdctl del {key}" in agent.failure
+    finally:
+        if not task.done():
+            agent.stopping.set()
+            await asyncio.wait({task}, timeout=15)
+        await store.delete(key)
         await store.close()

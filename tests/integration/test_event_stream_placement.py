@@ -70,23 +70,51 @@ async def test_more_replicas_than_a_single_nats_server_holds_stops_the_controlle
     assert len(failed) == 1 and failed[0]["cluster_size"] == 1, failed
 
 
-async def test_a_stream_jetstream_cannot_reserve_stops_the_controller_naming_max_file_store(
+async def test_a_stream_jetstream_cannot_reserve_is_waited_for_then_stops_the_controller(
     tmp_path: Path, servers: LocalServers
 ) -> None:
-    """An ``event_stream_max_bytes`` above what the server's ``max_file_store`` has left: the
-    controller stops, saying which two settings to change. Before, the server's refusal
-    (err_code 10047) was "jetstream unavailable (error='ServerError()')", retried every
-    0.3 s for ever while the leader read no event."""
+    """An ``event_stream_max_bytes`` above what the server's ``max_file_store`` has left: a
+    shortage another job's stream being deleted may end, so the leader retries it, audits
+    and shows it, and fails only once it has lasted ``event_stream_deadline_s``, saying
+    which two settings to change. Before, it failed at once, and systemd's restart limit
+    left the job no controller a minute later; before that, the server's refusal (err_code
+    10047) was "jetstream unavailable", retried every 0.3 s for ever, shown nowhere."""
     cfg = (
         Cluster(tmp_path, servers)
         .ctl_config("c1")
-        .model_copy(update={"event_stream_max_bytes": 1 << 40})  # 1 TiB: more than the disk
+        .model_copy(
+            update={
+                "event_stream_max_bytes": 1 << 40,  # 1 TiB: more than the disk
+                "event_stream_deadline_s": 4.0,
+            }
+        )
     )
     ctl = Controller(cfg)
-    with pytest.raises(DaemonFailedError):
-        await asyncio.wait_for(ctl.run(), 20)
+    task = asyncio.create_task(ctl.run(), name="test-ctl-c1")
+    try:
+        await until(lambda: ctl.leadership is not None or task.done(), 20, "c1 leading")
+
+        def reported() -> bool:
+            kinds = [r["kind"] for r in read_records([cfg.audit_log])]
+            return "event_stream_unplaced" in kinds or task.done()
+
+        await until(reported, 10, "the shortage reported")
+        assert not task.done(), ctl.failure  # retried, not failed at once
+        (rec,) = [r for r in read_records([cfg.audit_log]) if r["kind"] == "event_stream_unplaced"]
+        assert "max_file_store" in rec["reason"], rec
+        with pytest.raises(DaemonFailedError):
+            await asyncio.wait_for(asyncio.shield(task), 20)
+    finally:
+        if not task.done():
+            ctl.stopping.set()
+            ctl.wake()
+            await asyncio.wait({task}, timeout=15)
     assert ctl.failure is not None
     assert "max_file_store" in ctl.failure and "event_stream_max_bytes" in ctl.failure
+    records = read_records([cfg.audit_log])
+    overdue = [r for r in records if r["kind"] == "event_stream_overdue"]
+    (failed,) = [r for r in records if r["kind"] == "failed"]
+    assert len(overdue) == 1 and failed["time"] - overdue[0]["since"] >= 4.0, (overdue, failed)
 
 
 async def test_a_standby_whose_replicas_no_server_holds_is_refused_at_its_start(

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
+from sailor.comm import abort as comm_abort
 from sailor.megatron_patch import bad_labels
 from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validation_batches
 from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
@@ -49,3 +51,36 @@ def test_an_evaluation_names_the_validation_batches(monkeypatch: pytest.MonkeyPa
     text = _raised(monkeypatch, validation_batches(2, 4))
     assert "global batch of samples" not in text, text
     assert "the validation split's first 2 global batches (its samples 0..7)" in text
+
+
+@pytest.mark.usefixtures("gloo_world")
+@pytest.mark.parametrize("seen", [False, True])
+def test_the_agreement_waits_for_the_device_before_reading_the_flags(
+    monkeypatch: pytest.MonkeyPatch, seen: bool
+) -> None:
+    """The flags are read on the host after ``clock.synchronize`` (abortable in an in-place
+    worker, and it names a communicator's NCCL error), as every host read after a collective
+    is: before, ``flags.cpu()`` waited in ``cudaStreamSynchronize``, where no signal handler
+    runs, and read whatever a failed NCCL all-reduce left. On CPU: one world of gloo, the
+    wait a no-op, the outcome as before."""
+    log: list[str] = []
+    real_sync, real_cpu = comm_abort.host_sync, torch.Tensor.cpu
+
+    def host_sync(device: Any) -> None:
+        log.append(f"wait {torch.device(device).type}")
+        real_sync(device)
+
+    def cpu(self: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        log.append("read")
+        return real_cpu(self, *a, **kw)
+
+    monkeypatch.setattr(comm_abort, "host_sync", host_sync)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    watch = LabelWatch(VOCAB, first=70 if seen else None, count=int(seen))
+    if seen:
+        with pytest.raises(LabelOutOfRangeError, match="70"):
+            bad_labels.agree_before_update(watch, torch.device("cpu"), 3, "batch", 0)
+    else:
+        bad_labels.agree_before_update(watch, torch.device("cpu"), 3, "batch", 0)
+        assert not watch.seen
+    assert log[:2] == ["wait cpu", "read"], log

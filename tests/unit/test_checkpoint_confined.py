@@ -4,7 +4,7 @@ refused instead of having ``ckpt verify`` or a load read the file it names. The 
 ``CorruptCheckpointError`` (an unreadable checkpoint: the controller falls back to the
 previous commit; a pydantic ValidationError was classified as a configuration error and held
 the job), marked not debris: ``gc`` and retention judge such a step as they judge a newer
-release's, they delete nothing of it.
+release's: they spare it, delete the rest, and report it.
 Before, a manifest rewritten that way (its commit marker's checksum updated) verified "ok"
 by reading the file outside the checkpoint root."""
 
@@ -106,11 +106,11 @@ def test_verify_and_load_refuse_a_manifest_naming_a_file_outside_the_root(
     assert res.exit_code == 1 and "step 1: CORRUPT" in res.output, res.output
     res = CliRunner().invoke(ckpt_app, ["ls", str(root)])
     assert res.exit_code == 0 and "bad: " in res.output, res.output
-    # an operator's gc deletes nothing and says why, even with no grace
+    # an operator's gc spares it and says why, even with no grace
     res = CliRunner().invoke(ckpt_app, ["gc", str(root), "--grace", "0"])
     assert res.exit_code == 1 and (root / step_dir(1) / MANIFEST).exists()
-    assert "delete the step yourself" in res.output and "nothing deleted" in res.output
-    # retention after a new save judges nothing of it (a newer release's manifest alike)
+    assert "delete the step yourself" in res.output and "deleted 0 path(s)" in res.output
+    # retention after a new save spares it (a newer release's manifest alike)
     ck = Checkpointer(storage, one_layer_plan(), 0, keep=1)
     ck.save(_state(layers=1), TrainingGlobals(2, 2, {}))
     res2 = ck.wait()
@@ -137,8 +137,11 @@ def test_a_newer_releases_manifest_is_still_a_validation_error(tmp_path: Path) -
     (sd / MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValidationError, match=r"shards\.0\.size"):
         load(LocalStorage(root), [0])
+    (root / step_dir(5)).mkdir()  # an abandoned save: debris
     res = CliRunner().invoke(ckpt_app, ["gc", str(root), "--grace", "0"])
-    assert res.exit_code == 1 and "nothing deleted" in res.output and (sd / MANIFEST).exists()
+    assert res.exit_code == 1 and (sd / MANIFEST).exists(), res.output
+    assert "not a manifest this release reads: shards.0.size" in res.output
+    assert f"deleted {step_dir(5)}/" in res.output and not (root / step_dir(5)).exists()
 
 
 def test_the_controllers_prune_spares_a_step_it_cannot_judge(tmp_path: Path) -> None:
@@ -162,3 +165,59 @@ def test_the_controllers_prune_spares_a_step_it_cannot_judge(tmp_path: Path) -> 
     )
     assert (root / step_dir(1) / MANIFEST).exists() and not (root / step_dir(2)).exists()
     assert (root / step_dir(3)).exists() and (root / step_dir(4)).exists()
+
+
+def test_one_unjudged_step_does_not_stop_keep_retention(tmp_path: Path) -> None:
+    """Retention with ``keep`` spares a step it cannot judge, does not count it among the
+    newest ``keep``, and deletes the rest. Before, ``scan`` raised on it: nothing was ever
+    deleted again (the disk filled)."""
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    outside.mkdir()
+    _escaped(root, outside)  # step 1: refused for a shard path
+    ck = Checkpointer(LocalStorage(root), one_layer_plan(), 0, keep=2)
+    errs = []
+    for step in range(2, 8):
+        ck.save(_state(layers=1), TrainingGlobals(step, step, {}))
+        res = ck.wait()
+        assert res is not None
+        errs.append(res.retention_error)
+    ck.close()
+    left = sorted(p.name for p in root.iterdir())
+    assert left == [step_dir(s) for s in (1, 6, 7)], left
+    assert "spared 1 step(s) at or below step 7" in errs[-1]
+    assert "delete the step yourself" in errs[-1] and "(deleted 1)" in errs[-1]
+
+
+def test_a_failing_retention_does_not_skip_the_controllers_prune(tmp_path: Path) -> None:
+    """``keep`` retention, the controller's prune and the deletion of unrecorded commits each
+    run whatever the others meet: before, a retention that raised skipped the prune."""
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    outside.mkdir()
+    _escaped(root, outside)  # step 1
+    ck = Checkpointer(LocalStorage(root), one_layer_plan(), 0, keep=5)
+    for step in (2, 3):
+        ck.save(_state(layers=1), TrainingGlobals(step, step, {}))
+        ck.wait()
+    ck.save(_state(layers=1), TrainingGlobals(4, 4, {}), prune_below=3)
+    res = ck.wait()
+    ck.close()
+    assert res is not None and "spared 1 step(s) below step 3" in res.retention_error
+    assert not (root / step_dir(2)).exists() and (root / step_dir(1) / MANIFEST).exists()
+    assert (root / step_dir(3)).exists() and (root / step_dir(4)).exists()
+
+
+def test_an_operators_gc_deletes_beyond_keep_around_an_unjudged_step(tmp_path: Path) -> None:
+    """``sailor ckpt gc --keep`` deletes what it can, then exits 1 naming the spared step."""
+    root, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    outside.mkdir()
+    _escaped(root, outside)  # step 1
+    ck = Checkpointer(LocalStorage(root), one_layer_plan(), 0, keep=None)
+    for step in (2, 3, 4):
+        ck.save(_state(layers=1), TrainingGlobals(step, step, {}))
+        ck.wait()
+    ck.close()
+    res = CliRunner().invoke(ckpt_app, ["gc", str(root), "--keep", "1", "--grace", "0"])
+    assert res.exit_code == 1, res.output
+    assert f"deleted {step_dir(2)}/" in res.output and f"deleted {step_dir(3)}/" in res.output
+    assert f"{step_dir(1)}/{MANIFEST}: refused" in res.output
+    assert sorted(p.name for p in root.iterdir()) == [step_dir(1), step_dir(4)]
