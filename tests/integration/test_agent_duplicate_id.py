@@ -159,7 +159,9 @@ async def test_of_two_agents_started_together_only_the_registered_one_serves_com
         b: asyncio.create_task(b.run(), name="agent-b"),
     }
     try:
-        done, _ = await asyncio.wait(tasks.values(), timeout=TTL + CLAIM_GRACE_S + 20)
+        done, _ = await asyncio.wait(
+            tasks.values(), timeout=TTL + CLAIM_GRACE_S + 20, return_when=asyncio.FIRST_COMPLETED
+        )
         assert len(done) == 1
         loser = a if tasks[a] in done else b
         winner = b if loser is a else a
