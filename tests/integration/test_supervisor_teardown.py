@@ -137,6 +137,14 @@ async def _holding(sup: Supervisor, tmp: Path, argvs: list[tuple[str, ...]]) -> 
     return held
 
 
+def kill_known(pid: int) -> None:
+    """SIGKILL a test's process by its pid, once known: never -1 (``kill(-1)`` signals
+    every process we may, the whole machine as root) nor 0 (our own group)."""
+    if pid > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
@@ -193,9 +201,7 @@ async def test_a_launch_starts_only_once_the_killed_workers_group_is_gone(
         assert len(states) == 1 and _gone(states[0]), states
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)  # the old code left it behind
+        kill_known(child)  # the old code left it behind
 
 
 async def test_a_spare_asked_for_during_an_abort_starts_after_the_teardown(
@@ -220,9 +226,7 @@ async def test_a_spare_asked_for_during_an_abort_starts_after_the_teardown(
         assert _group_gone(leader)
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        kill_known(child)
 
 
 async def test_a_process_outliving_sigkill_past_the_bound_fails_the_node(tmp_path: Path) -> None:
@@ -295,9 +299,7 @@ async def test_a_worker_that_exits_at_sigterm_is_not_delayed(tmp_path: Path) -> 
         assert _group_gone(leader)
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        kill_known(child)
 
 
 async def test_a_worker_whose_main_thread_ended_is_still_killed_and_waited_for(
@@ -433,9 +435,7 @@ async def test_a_leftover_held_worker_ending_at_sigterm_is_no_failure(tmp_path: 
         assert sup.failure == "" and sup.state == "starting"
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        kill_known(child)
 
 
 async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: Path) -> None:

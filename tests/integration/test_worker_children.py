@@ -27,6 +27,7 @@ from tests.integration.test_supervisor_teardown import (
     _gone,
     _stat,
     _written,
+    kill_known,
     launch_gen,
     until,
 )
@@ -103,9 +104,7 @@ async def test_the_next_launch_waits_for_a_dead_workers_stubborn_child(tmp_path:
         assert not sup.kill_under_way and sup.failure == ""
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        kill_known(child)
 
 
 async def test_close_during_a_sweep_still_sigkills_the_stubborn_child(tmp_path: Path) -> None:
@@ -127,9 +126,7 @@ async def test_close_during_a_sweep_still_sigkills_the_stubborn_child(tmp_path: 
         assert not sup.kill_under_way
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        kill_known(child)
 
 
 async def test_a_worker_that_ends_its_run_leaves_no_child_behind(tmp_path: Path) -> None:
@@ -154,9 +151,7 @@ print(json.dumps(dict(event="stopped", rank=0)), flush=True)
         assert sup.state == "stopped" and sup.failure == ""
     finally:
         await sup.close()
-        if child > 0:  # never -1: kill(-1) signals every process we may
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        kill_known(child)
 
 
 async def test_a_worker_without_children_costs_no_kill(tmp_path: Path) -> None:
