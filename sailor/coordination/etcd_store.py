@@ -50,9 +50,15 @@ _log = structlog.get_logger("sailor.etcd")
 _T = TypeVar("_T")
 
 _GRPC_OPTIONS = {
+    # Reconnect soon after a member comes back: attempts start 0.1 s apart, at most 1 s.
     "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
+    # Despite its name, gRPC core reads this as the *minimum connect timeout*: how long one
+    # attempt may take from TCP connect to the server's HTTP/2 settings (TLS included:
+    # three round trips, 0.5-1 s between regions; more on a loaded host). At 100 ms every
+    # attempt over such a link failed, and so did every call. A call's own deadline
+    # (``op_timeout``) still bounds how long it waits for the attempt.
+    "grpc.min_reconnect_backoff_ms": 20_000,
     "grpc.keepalive_time_ms": 5000,
     "grpc.keepalive_timeout_ms": 2000,
 }
@@ -196,7 +202,8 @@ class EtcdStore:
 
     @staticmethod
     def _convert(exc: Exception) -> Exception:
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, TimeoutError | aetcd.exceptions.ConnectionTimeoutError):
+            # our deadline or gRPC's (DEADLINE_EXCEEDED): the member did not answer in time
             return UnavailableError("etcd call timed out")
         if isinstance(exc, aetcd.exceptions.ConnectionFailedError):
             return UnavailableError("etcd unavailable", error=str(exc))
