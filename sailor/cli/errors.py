@@ -13,6 +13,7 @@ report). This module must never decide what a command does: it only words its fa
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import typer
@@ -75,6 +76,17 @@ def describe(exc: BaseException) -> tuple[str, int]:
     return _flat(f"{type(exc).__name__}: {exc}") + hint, 1
 
 
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's final flush of what is still buffered
+    would meet the closed pipe again and print an error of its own."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing to flush
+        pass
+
+
 class OneLineErrors(TyperGroup):
     """The root command group: runs the command and turns any exception into one line."""
 
@@ -93,6 +105,11 @@ class OneLineErrors(TyperGroup):
             raise typer.Exit(exc.code) from None
         except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt):
             raise  # exits and Ctrl-C: typer handles them
+        except BrokenPipeError:
+            # the reader of our output went away (``sailor ... | head``): end quietly, as a
+            # shell tool killed by SIGPIPE does (128 + 13), and let nothing flush into the pipe
+            _drop_stdout()
+            raise typer.Exit(141) from None
         except Exception as exc:
             if os.environ.get(_DEBUG_ENV):
                 raise

@@ -14,6 +14,9 @@ gpus``, ``profile network`` ...) would run for real, and are listed by
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -404,3 +407,22 @@ def test_outputs_are_checked_before_the_work(tmp_path: Path) -> None:
     res = runner.invoke(app, ["simulate", str(plan), "--timeline", str(tmp_path / "t")])
     assert res.exit_code == 2 and "ending in .png" in res.output, res.output
     assert not (tmp_path / "t.png").exists()
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
+    """``sailor schema plan | head -1``: the write into the closed pipe ends the command with
+    128 + SIGPIPE and prints nothing (it printed a "BrokenPipeError (a bug?)" line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "sailor.cli.main", "schema", "plan"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141, res.stderr
+    assert res.stderr == ""
