@@ -14,15 +14,15 @@ newer commit, never before, so there is always a loadable checkpoint. The commit
 these only once that newer commit reads back (``readback.read_back``): a commit on disk is
 not yet a loadable one.
 
-Pruning below a step (:func:`apply_prune`) is retention decided by someone who knows more than
-the storage: the controller records which commits a restart may load (etcd ``ckpt/<step>``), so
-it names the oldest recorded step to keep and the committer of the next save deletes every step
-directory below it after its own commit, as it was when that save began (``prune.py``: a
-committer running late must not take a save made there since). A commit on disk that the
-controller never recorded (a leader lost between the marker and the record) cannot push a
-recorded one out, as counting the newest ``keep`` on disk would. Such a commit above the
-prune point is deleted by the next save's committer told which steps the controller gave
-up on (``unrecorded``).
+Pruning below a step (:func:`decide_prune`; ``prune.apply_seen_prune`` deletes) is retention
+decided by someone who knows more than the storage: the controller records which commits a
+restart may load (etcd ``ckpt/<step>``), so it names the oldest recorded step to keep and the
+committer of the next save deletes every step directory below it after its own commit, as it was
+when that save began (``prune.py``: a committer running late must not take a save made there
+since). A commit on disk that the controller never recorded (a leader lost between the marker
+and the record) cannot push a recorded one out, as counting the newest ``keep`` on disk would.
+Such a commit above the prune point is deleted by the next save's committer told which steps the
+controller gave up on (``unrecorded``).
 
 A committed step whose manifest this release cannot judge (:func:`unjudged`: a newer release's,
 or one refused for a shard path) is listed as such by :func:`scan`: no retention, prune or gc
@@ -47,7 +47,6 @@ from sailor.checkpoint.storage import Storage
 __all__ = [
     "GcOutcome",
     "StepListing",
-    "apply_prune",
     "apply_retention",
     "collect",
     "decide_gc",
@@ -211,28 +210,6 @@ def _spared(storage: Storage, why: list[str], where: str, deleted: int) -> Corru
         path=storage.url,
         debris=False,
     )
-
-
-def apply_prune(storage: Storage, *, below_step: int, committed_step: int) -> list[str]:
-    """After committing ``committed_step``: delete every step directory below ``below_step``
-    (:func:`decide_prune`); return what was deleted. A committed step whose manifest this
-    release cannot judge (:func:`unjudged`) is spared: once the others are deleted, a
-    ``CorruptCheckpointError`` (not debris) names it, for the committer to report."""
-    steps = [s for s in map(parse_step_dir, storage.listdir("")) if s is not None]
-    doomed = decide_prune(steps, below_step=below_step, committed_step=committed_step)
-    deleted: list[str] = []
-    spared: list[str] = []
-    for p in doomed:
-        step = parse_step_dir(p.rstrip("/"))
-        why = unjudged(storage, step) if step is not None else ""
-        if why:
-            spared.append(why)
-            continue
-        _delete(storage, p)
-        deleted.append(p)
-    if spared:
-        raise _spared(storage, spared, f" below step {below_step}", len(deleted))
-    return deleted
 
 
 def unjudged(storage: Storage, step: int) -> str:

@@ -1,7 +1,7 @@
 """Reading a new commit back before retention deletes the checkpoints older than it.
 
 A committer deletes older steps once its own commit is written (``gc.apply_retention``,
-``gc.apply_prune``). The commit was never read: after in-place reconfigurations, which keep
+``prune.apply_seen_prune``). The commit was never read: after in-place reconfigurations, which keep
 the weights in memory and load nothing, the only steps left on disk may be ones nobody ever
 read. So before anything is deleted the new commit is read back (:func:`read_back`), and one
 that fails keeps every older step (the caller reports it).

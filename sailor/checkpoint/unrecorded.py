@@ -38,7 +38,7 @@ committer's persist thread before it writes), and only those:
 
 Pure decisions (:func:`decide_unrecorded`) and a thin I/O shell (:func:`committed_markers`,
 :func:`apply_unrecorded`). Must never delete the step just committed, a step not in
-``drop_steps``, a step below ``below_step`` (``gc.apply_prune``'s) or an uncommitted one.
+``drop_steps``, a step below ``below_step`` (``prune.apply_seen_prune``'s) or an uncommitted one.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def decide_unrecorded(
     """The steps of ``seen`` (committed when the save of ``committed_step`` began) that its
     committer deletes after its commit: those in ``drop_steps`` (saves the controller gave
     up on), other than ``committed_step`` and at or above ``below_step`` (below it,
-    ``gc.apply_prune`` deletes them already; -1: none)."""
+    ``prune.apply_seen_prune`` deletes them already; -1: none)."""
     drop = set(drop_steps)
     return sorted(s for s in seen if s in drop and s != committed_step and s >= max(below_step, 0))
 

@@ -29,7 +29,8 @@ from sailor.checkpoint import (
 from sailor.checkpoint.checkpointer import Checkpointer
 from sailor.checkpoint.cli import ckpt_app
 from sailor.checkpoint.format import MARKER, step_dir
-from sailor.checkpoint.gc import apply_prune, decide_prune
+from sailor.checkpoint.gc import decide_prune
+from sailor.checkpoint.prune import apply_seen_prune, seen_below
 from sailor.checkpoint.writer import persist_layers
 from tests.unit.test_checkpoint_blocks import one_layer_plan
 
@@ -148,10 +149,14 @@ def test_prune_below_deletes_older_steps_committed_or_not(tmp_path: Path) -> Non
     ]
     with pytest.raises(ValueError, match="below_step=6: must be <= the step just committed"):
         decide_prune([1, 5], below_step=6, committed_step=5)
-    assert apply_prune(s, below_step=3, committed_step=5) == [f"{step_dir(1)}/", f"{step_dir(2)}/"]
+    seen = seen_below(s, 3)
+    assert apply_seen_prune(s, seen, below_step=3, committed_step=5) == [
+        f"{step_dir(1)}/",
+        f"{step_dir(2)}/",
+    ]
     assert committed_steps(s) == [3, 5] and (tmp_path / step_dir(9)).is_dir()
     assert verify(s, 3) == [] and verify(s, 5) == []
-    assert apply_prune(s, below_step=3, committed_step=5) == []  # idempotent
+    assert apply_seen_prune(s, seen_below(s, 3), below_step=3, committed_step=5) == []
 
 
 def test_checkpointer_prunes_after_its_commit_only(tmp_path: Path) -> None:
