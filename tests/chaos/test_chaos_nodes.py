@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import ChaosRun, verdict
+from tests.chaos.harness import STEP_S, ChaosRun, verdict
 
 pytestmark = pytest.mark.chaos
 
@@ -100,7 +100,7 @@ async def test_failure_during_the_in_place_path(tmp_path: Path) -> None:
 async def test_notice_during_etcd_outage(tmp_path: Path) -> None:
     """A notice must be honoured even if it arrives while etcd is down (found by this test:
     the event waited 30 s for JetStream's redelivery; the controller now retries it in place)."""
-    async with ChaosRun(tmp_path, "notice during etcd outage") as run:
+    async with ChaosRun(tmp_path, "notice during etcd outage", min_step_s=STEP_S) as run:
         gen = await run.start(["n1", "n2", "n3"])
         node = sorted(run.placed())[-1]
         run.fault(f"SIGKILL etcd; notice {node} (30 s) while it is down; etcd back after 2 s")
@@ -124,9 +124,9 @@ async def test_notice_during_nats_outage(tmp_path: Path) -> None:
     notice in its status record (etcd) and retries the event until the deadline; the
     controller acts on the etcd copy at once, and the checkpoint commits before the deadline
     (the old agent gave up after 20 tries 0.25 s apart)."""
-    # 0.2 s steps: the workers train on through the 10 s outage, and every step they take
-    # is one the verdict's reference runs must train too (two runs, ~50 steps instead of ~200)
-    async with ChaosRun(tmp_path, "notice during NATS outage", min_step_s=0.2) as run:
+    # STEP_S, 0.2 s steps: the workers train on through the 10 s outage, and every step they
+    # take is one the verdict's reference runs must train too (~50 steps instead of ~200)
+    async with ChaosRun(tmp_path, "notice during NATS outage", min_step_s=STEP_S) as run:
         gen = await run.start(["n1", "n2", "n3"])
         node = sorted(run.placed())[-1]
         run.fault(f"SIGTERM nats; notice {node} (30 s) while it is down; nats back after 10 s")
