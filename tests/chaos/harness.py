@@ -68,6 +68,7 @@ __all__ = [
     "MOMENT_ATOL",
     "NODES",
     "PARAM_ATOL",
+    "STEP_S",
     "TABLE_ENV",
     "ChaosRun",
     "Outcome",
@@ -130,6 +131,12 @@ single-process orders (the floor: 9.2e-7 at a moment of 0.074 after 336 steps), 
 through a dozen layouts with TP, which the floor's orders do not have, moved one by 3.3e-6
 (the trace replay, 3.6x its floor); a moment saved as zero or a step off is off by 5e-2 of
 its size and more (tests/chaos/test_chaos_verdict.py)."""
+STEP_S = 0.2
+"""The workers' pace (``min_step_s``) of the CI scenarios, 4x slower than :class:`ChaosRun`'s
+default: the verdict's three reference runs train every step the cluster took, on one of the
+2 shared cores (0.03-0.05 s a step under make test's load), so at 0.05 s steps each second the
+cluster trained cost 2-3 s of verdict; outages, drains and start-ups take as long at any pace.
+Slower steps also leave more of the cores to the control plane and the other test files."""
 TABLE_ENV = "SAILOR_CHAOS_TABLE"
 """File the runs append their outcome to (one JSON line each); tests/chaos/conftest.py
 prints the table from it."""
@@ -372,7 +379,10 @@ class ChaosRun:
         try:
             self.cluster.stop()
             members = [*self.servers.nats_members, *self.servers.etcd_members]
-            self.reg.stop([m.name for m in members], grace_s=5.0)
+            # 1 s, then SIGKILL: nothing reads them any more (the verdict is taken); a lone
+            # server stops in ~0.3 s, but a member of the 3-member etcd cluster, all of them
+            # told at once, waited out all of the 5 s it was given (cluster member losses)
+            self.reg.stop([m.name for m in members], grace_s=1.0)
         finally:
             left = self.reg.kill_all()
             if exc[0] is None and not left and not os.environ.get("SAILOR_CHAOS_KEEP"):
