@@ -33,6 +33,7 @@ from sailor.coordination import (
 from sailor.localnet import free_port
 from sailor.localservers import LocalServers, ServerMissingError, ServerProcess, server_binaries
 from sailor.schemas.hardware import NodeSpec
+from tests.integration.cluster_kit import event_stream
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -176,6 +177,7 @@ def _agent(plain_servers: LocalServers, endpoint: str, work: Path) -> Agent:
 async def test_an_agent_restarted_after_a_crash_waits_the_granted_ttl(
     plain_servers: LocalServers, slow_etcd: str, tmp_path: Path
 ) -> None:
+    await event_stream(plain_servers, KEYS.job)  # the joins and the leave stored at once
     store = await connect_etcd(slow_etcd)
     first = _agent(plain_servers, slow_etcd, tmp_path)
     first_task = asyncio.create_task(first.run(), name="agent-first")
