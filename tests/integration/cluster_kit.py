@@ -6,7 +6,8 @@ secure servers of ``conftest``, workers the light ``toy_trainer`` (real subproce
 speak the worker protocol) unless a file sets its own. conftest's ``cluster`` fixture is
 one with the defaults; a file that needs another sets what differs (``ctl_update``,
 ``worker``, ``in_place``, ...) in a ``cluster`` fixture of its own. :func:`until` polls a
-condition with a deadline. Never starts servers: the fixtures do.
+condition with a deadline. :func:`event_stream` creates a job's event stream, for a test
+whose agents run without a controller. Never starts servers: the fixtures do.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from sailor.controller.audit import check, read_records
 from sailor.controller.config import ControllerConfig
 from sailor.controller.daemon import Controller
 from sailor.controller.phases import PhaseDeadlines
+from sailor.coordination import Keys, NatsEventBus, close_nats, connect_nats
 from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import Phase
 
-__all__ = ["WORKER", "Cluster", "until"]
+__all__ = ["WORKER", "Cluster", "event_stream", "until"]
 
 WORKER = (*TOY_TRAINER_ARGV, "--step-s", "0.15")
 """The toy trainer at 0.15 s a step: a few steps a second, each scenario takes seconds."""
@@ -207,3 +209,18 @@ async def until(pred: Callable[[], object], timeout: float, what: str) -> None:
     while not pred():
         assert loop.time() < end, f"{what} not within {timeout} s"
         await asyncio.sleep(0.05)
+
+
+async def event_stream(servers: LocalServers, job: str, identity: str = "c1") -> None:
+    """Create ``job``'s event stream as its controller does (with ``identity``'s login).
+
+    For a test whose agents run without a controller: there an agent's join (and, at its
+    stop, its leave) finds no stream, and each is retried 20 times 0.25 s apart (~5 s)
+    before the agent goes on: time spent on nothing the test checks."""
+    nc = await connect_nats(
+        servers.nats_url, f"{identity}-stream", security=servers.security(identity)
+    )
+    try:
+        await NatsEventBus(nc, Keys(job=job), durable="unused").ensure_stream()
+    finally:
+        await close_nats(nc)

@@ -33,7 +33,7 @@ from sailor.coordination import Keys, NatsCommands, connect_etcd, connect_nats
 from sailor.schemas.commands import Abort, CommandAdapter, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus, CommandAck
-from tests.integration.cluster_kit import Cluster, until
+from tests.integration.cluster_kit import Cluster, event_stream, until
 from tests.integration.test_worker_signals import PLAN, launch_of
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
@@ -83,6 +83,7 @@ def _launch(gen: int) -> Launch:
 
 
 async def test_an_abort_is_acked_once_its_kill_has_begun(cluster: Cluster) -> None:
+    await event_stream(cluster.servers, cluster.job)  # no controller: its join stored at once
     agent: Agent = cluster.start_agent("n1")
     sup = agent.supervisor
     sup.worker_argv = _SLEEPER
@@ -104,8 +105,8 @@ async def test_an_abort_is_acked_once_its_kill_has_begun(cluster: Cluster) -> No
             while (st := await in_etcd()) is None or not pred(st):
                 await asyncio.sleep(0.05)
 
-        # the status loop runs (it starts once the agent has registered: without a
-        # controller its join event is retried for a while first)
+        # the status loop runs (it starts once the agent has registered and announced
+        # its join)
         await asyncio.wait_for(written(lambda st: True), 20)
         assert (await _request(commands, _launch(1))).accepted
         await until(lambda: bool(sup.workers) and sup.workers[0].proc.pid > 0, 10, "worker")
@@ -224,6 +225,7 @@ async def test_the_controller_keeps_an_agents_refusal_until_the_launch_is_taken(
     from sailor.coordination import SystemClock, TaskSet, campaign
     from sailor.schemas.runtime import DesiredState
 
+    await event_stream(cluster.servers, cluster.job)  # no controller: its join stored at once
     agent: Agent = cluster.start_agent("n1")
     sup = agent.supervisor
     sup.worker_argv = _SLEEPER

@@ -27,6 +27,7 @@ from sailor.coordination import (
 from sailor.coordination.etcd_store import EtcdStore
 from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
+from tests.integration.cluster_kit import event_stream
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
@@ -106,6 +107,7 @@ async def test_a_second_agent_of_the_same_node_id_refuses_to_start(
 async def test_an_agent_restarted_after_a_crash_registers_once_the_old_lease_lapses(
     servers: LocalServers, tmp_path: Path
 ) -> None:
+    await event_stream(servers, JOB)  # the joins and the leave stored at once
     store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
     first = _agent(servers, tmp_path / "vm-a", "10.0.0.1")
     first_task = asyncio.create_task(first.run(), name="agent-first")
@@ -151,6 +153,7 @@ async def test_of_two_agents_started_together_only_the_registered_one_serves_com
 ) -> None:
     """Both found the key free (a read), both served commands until the loser's claim came
     and refused it: commands of the node were answered by whichever replied first."""
+    await event_stream(servers, JOB)  # the join and the leave stored at once
     store = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
     a = _Recording(_agent(servers, tmp_path / "vm-a", "10.0.0.1").cfg)
     b = _Recording(_agent(servers, tmp_path / "vm-b", "10.0.0.2").cfg)

@@ -33,16 +33,19 @@ from sailor.coordination import (
 from sailor.localnet import free_port
 from sailor.localservers import LocalServers, ServerMissingError, ServerProcess, server_binaries
 from sailor.schemas.hardware import NodeSpec
+from tests.integration.cluster_kit import event_stream
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
 KEYS = Keys(job="claim")
 
-MIN_TTL_S = 8
-"""etcd's minimum lease TTL with a 500 ms heartbeat and a 5 s election timeout (WAN
-settings): 1.5 x 10 election ticks of 500 ms (7.5 s), rounded up. Far enough above the
-agent's 1 s (plus the second of grace) that a restart's own start-up time (~3 s here) does
-not hide the difference."""
+MIN_TTL_S = 5
+"""etcd's minimum lease TTL with a 300 ms heartbeat and a 3 s election timeout (WAN-like
+settings): 1.5 x 10 election ticks of 300 ms (4.5 s), rounded up. Far enough above the
+agent's 1 s (plus the second of grace) that a restart's own start-up does not hide the
+difference: the restarted agent claims ~0.2 s after the crash (its predecessor's join no
+longer retried against a missing stream: up to 5 s before), so waiting the configured 2 s
+would refuse it ~2.5 s before the crashed lease lapses. Was 8 s (500 ms / 5 s)."""
 
 
 async def _until_leader(endpoint: str) -> None:
@@ -65,8 +68,8 @@ async def _until_leader(endpoint: str) -> None:
 
 @pytest.fixture(scope="module")
 def slow_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One etcd member with a 5 s election timeout (WAN settings), shared by the module's
-    tests: its endpoint. Leases it grants last at least ``MIN_TTL_S``."""
+    """One etcd member with a 3 s election timeout (WAN-like settings), shared by the
+    module's tests: its endpoint. Leases it grants last at least ``MIN_TTL_S``."""
     try:
         binary = server_binaries()[1]
     except ServerMissingError as exc:
@@ -80,7 +83,7 @@ def slow_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
         *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
         *("--initial-cluster", f"wan=http://127.0.0.1:{peer}"),
-        *("--heartbeat-interval", "500", "--election-timeout", "5000", "--log-level", "warn"),
+        *("--heartbeat-interval", "300", "--election-timeout", "3000", "--log-level", "warn"),
     ]
     server = ServerProcess("etcd", argv, port, tmp_path / "etcd.log")
     server.start()
@@ -176,6 +179,7 @@ def _agent(plain_servers: LocalServers, endpoint: str, work: Path) -> Agent:
 async def test_an_agent_restarted_after_a_crash_waits_the_granted_ttl(
     plain_servers: LocalServers, slow_etcd: str, tmp_path: Path
 ) -> None:
+    await event_stream(plain_servers, KEYS.job)  # the joins and the leave stored at once
     store = await connect_etcd(slow_etcd)
     first = _agent(plain_servers, slow_etcd, tmp_path)
     first_task = asyncio.create_task(first.run(), name="agent-first")
@@ -189,7 +193,7 @@ async def test_an_agent_restarted_after_a_crash_waits_the_granted_ttl(
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("n1 never registered")
-        await first.crash()  # its lease (8 s, not the 1 s asked) is left to expire
+        await first.crash()  # its lease (5 s, not the 1 s asked) is left to expire
         first.stopping.set()
         await asyncio.wait_for(first_task, 15)
         again = _agent(plain_servers, slow_etcd, tmp_path)  # the same VM, restarted

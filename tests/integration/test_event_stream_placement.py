@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,13 @@ from sailor.coordination.errors import StreamNotPlacedError
 from sailor.localservers import LocalServers, ServerMissingError, start_local_servers
 from sailor.schemas.runtime import EventStreamState
 from tests.integration.cluster_kit import Cluster, until
-from tests.integration.conftest import IDENTITIES
+from tests.integration.conftest import IDENTITIES, released
 
 pytestmark = pytest.mark.usefixtures("no_task_leak")
 
 
 @pytest.fixture
-def nats_two_of_three(tmp_path: Path) -> Iterator[LocalServers]:
+async def nats_two_of_three(tmp_path: Path) -> AsyncIterator[LocalServers]:
     """A 3-server NATS cluster whose third server is down from the start (JetStream never
     knew it); ``nats_members[2].start()`` brings it in."""
     try:
@@ -50,6 +50,7 @@ def nats_two_of_three(tmp_path: Path) -> Iterator[LocalServers]:
     except ServerMissingError as exc:
         pytest.skip(str(exc))
     yield s
+    await released(s)  # the test's closed etcd clients: else etcd's stop waits on them
     s.stop()
 
 

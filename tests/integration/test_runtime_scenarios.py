@@ -16,6 +16,7 @@ import pytest
 
 from sailor.controller.audit import read_records
 from sailor.controller.phases import PhaseDeadlines
+from sailor.controller.plan_deadlines import DeadlineModel
 from sailor.controller.status import read_status
 from sailor.coordination import connect_etcd
 from sailor.localservers import ADMIN
@@ -110,6 +111,9 @@ async def test_an_aborted_checkpoints_commit_goes_with_the_next_save(cluster: Cl
     as given up (``DesiredState.drop_steps``, in etcd: a standby that takes over in between
     reads it) and the notice's Checkpoint names it (``drop_steps``): its committer deletes
     S2, and the commit empties the list."""
+    # CHECKPOINT's deadline in force is the derived one, 10 s (its start-up term), above
+    # these 6 s: S2's is waited out, and S1's and S3's saves must finish within it. Left at
+    # 10 s: at 6 s, on a host at load 22, S3's save missed it (as did 15 s ones elsewhere)
     cluster.ctl_update = {
         "deadlines": PhaseDeadlines(quiesce=15, checkpoint=6, launch=10, load=30, verify=30)
     }
@@ -211,16 +215,24 @@ async def test_node_lost_without_notice_resumes_from_last_commit(cluster: Cluste
 
 
 async def test_leave_of_a_placed_node_is_not_debounced(cluster: Cluster) -> None:
-    """A node of the running layout leaving aborts at once, not after the debounce."""
-    cluster.debounce_s = 4.0
+    """A node of the running layout leaving aborts at once, not after the debounce.
+
+    The leader debounces by 4 s from the layout's RUNNING to the abort: before and after,
+    the default cluster's 0.2 s (debounced, each status change of the launches on either
+    side waited 4 s: four of them, 16 s of a 17 s test)."""
     cluster.start_agent("n1")
     cluster.start_agent("n2")
-    cluster.start_controller("c1")  # its first pass is debounced: both have registered by then
+    cluster.start_controller("c1")
     ctl = await cluster.wait_phase(Phase.RUNNING, 60)
     while sorted(ctl.desired.placement) != ["n1", "n2"]:  # else n2 joins a second layout
         ctl = await cluster.wait_phase(Phase.RUNNING, 60, after_gen=ctl.desired.generation)
     gen = ctl.desired.generation
+    short = ctl.cfg
+    ctl.cfg = short.model_copy(update={"debounce_s": 4.0})
     await cluster.stop_agent("n2")  # NodeLeft, then the lease revoked
+    await until(lambda: ctl.desired.phase is not Phase.RUNNING, 10, "the abort")
+    ctl.cfg = short
+    ctl.wake(urgent=True)  # a debounce of 4 s under way, if any, ends
     ctl = await cluster.wait_phase(Phase.RUNNING, 40, after_gen=gen)
     assert list(ctl.desired.placement) == ["n1"]
     recs = read_records(sorted(cluster.tmp.glob("audit-*.jsonl")))
@@ -437,7 +449,18 @@ async def test_notice_while_nats_is_down_goes_through_etcd(
     NATS is back and is a duplicate. The outage is 4 s here (the chaos scenario *notice during
     NATS outage* has the 10 s one, and checks that the checkpoint commits before the deadline
     with real workers: this sim worker saves only at the exact step asked, which the outage
-    lets it pass)."""
+    lets it pass): its CHECKPOINT's deadline is waited out, 6 s here (derived, it was the
+    default cluster's 15 s), which still ends 2 s after NATS is back."""
+    cluster.ctl_update = {
+        "deadlines": PhaseDeadlines(
+            quiesce=15,
+            checkpoint=6,
+            launch=10,
+            load=30,
+            verify=30,
+            derive=DeadlineModel(enabled=False),
+        )
+    }
     cluster.start_controller("c1")
     cluster.start_agent("n1", watch_file=True)
     cluster.start_agent("n2")
