@@ -7,10 +7,9 @@ of bf16 checkpoints start their ranks here: ``deepspeed_glue``'s entry point, in
 
 from __future__ import annotations
 
-import sys
-
 from sailor.megatron_patch.deepspeed_adapter import main
 from sailor.training_process.deepspeed_glue import DeepSpeedLayerIO
+from tests.integration.rank_exit import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main(ckpt=DeepSpeedLayerIO(), precision="bf16"))
+    exit_now(main(ckpt=DeepSpeedLayerIO(), precision="bf16"))
