@@ -151,6 +151,7 @@ def _rank(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as deepspeed_bf16_rank: no inductor
     argv = sys.argv[1:]
     if _rank(argv) == int(os.environ.get("SLOW_LOAD_RANK", "-1")):
         real_open = deepspeed_glue.open_storage
