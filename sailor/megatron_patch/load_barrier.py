@@ -101,6 +101,7 @@ __all__ = [
     "LOAD_TIMEOUT_S",
     "RECORD_WAIT_S",
     "WATCHED",
+    "WORKER_POLL_S",
     "LoadBarrier",
     "LoadTimeoutError",
     "Phase",
@@ -145,6 +146,12 @@ waiting rank adds one request per poll (1 s in a worker): ~1.4k requests a secon
 0's store at 1024 ranks, where waiters that read the counters themselves each poll made
 ~6.2k (``benchmarks/load_barrier_scale.py`` measures both; the store serves either on this
 machine, at p50 latencies under a millisecond)."""
+
+WORKER_POLL_S = 1.0
+"""A worker's poll of the store while it waits for the world to form or load
+(``--load-poll-s``): loads take seconds to hours and every waiting rank polls rank 0's store
+(one request a poll: :data:`WATCHED`), so a second is prompt enough and cheap at 1024 ranks.
+Tests of a few ranks on one host poll faster (each wait otherwise ends up to a poll late)."""
 
 RECORD_WAIT_S = 10.0
 """How long a rank ending of a peer's failure waits for its error record to be written
@@ -898,11 +905,12 @@ def worker_barrier(
 ) -> LoadBarrier:
     """A worker rank's barrier for its world, started (its heartbeat begins): ``args`` is the
     worker's parsed command line (``rank_args.build_parser``: rank, world size, master,
-    ``--error-file``, ``--load-timeout-s``, ``--load-liveness-s``). The world is named by the
-    plan and the master address, the same on every rank of it (a fresh rank and held ones
-    number their generations differently); polled every second, as loads take seconds to
-    hours and every rank polls rank 0's store. With ``status`` a peer's failure ends this
-    rank wherever its main thread is (:func:`record_peer_failure`, then exit status 1)."""
+    ``--error-file``, ``--load-timeout-s``, ``--load-liveness-s``, ``--load-poll-s``). The
+    world is named by the plan and the master address, the same on every rank of it (a fresh
+    rank and held ones number their generations differently); polled every
+    ``--load-poll-s`` (:data:`WORKER_POLL_S`, a second: loads take seconds to hours and every
+    rank polls rank 0's store). With ``status`` a peer's failure ends this rank wherever its
+    main thread is (:func:`record_peer_failure`, then exit status 1)."""
     return LoadBarrier(
         store,
         args.rank,
@@ -910,7 +918,7 @@ def worker_barrier(
         f"{plan_id}@{args.master}",
         args.load_timeout_s,
         args.load_liveness_s,
-        1.0,
+        getattr(args, "load_poll_s", WORKER_POLL_S),
         on_peer_failure=record_peer_failure(status) if status is not None else None,
         master=args.master,
         rank0_error_file=rank0_error_file(getattr(args, "error_file", None), args.rank),

@@ -7,10 +7,15 @@ of bf16 checkpoints start their ranks here: ``deepspeed_glue``'s entry point, in
 
 from __future__ import annotations
 
-import sys
+import os
 
 from sailor.megatron_patch.deepspeed_adapter import main
 from sailor.training_process.deepspeed_glue import DeepSpeedLayerIO
+from tests.integration.rank_exit import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main(ckpt=DeepSpeedLayerIO(), precision="bf16"))
+    # DeepSpeed's BF16_Optimizer imports its Muon optimizer, whose functions are wrapped in
+    # torch.compile at import: that imports inductor (~1.3 s of CPU a rank), for functions
+    # this run never calls; compile wrappers are then no-ops (deepspeed_fault_rank too)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    exit_now(main(ckpt=DeepSpeedLayerIO(), precision="bf16"))

@@ -44,6 +44,7 @@ from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
 from sailor.megatron_patch.state import key_layer
 from sailor.training_process import deepspeed_glue
 from sailor.training_process.deepspeed_glue import DeepSpeedLayerIO
+from tests.integration.rank_exit import exit_now
 from tests.integration.slow_load_worker import _SlowStorage
 
 
@@ -150,6 +151,7 @@ def _rank(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as deepspeed_bf16_rank: no inductor
     argv = sys.argv[1:]
     if _rank(argv) == int(os.environ.get("SLOW_LOAD_RANK", "-1")):
         real_open = deepspeed_glue.open_storage
@@ -175,4 +177,4 @@ if __name__ == "__main__":
             raise ValueError("injected: DeepSpeed refused this rank's engine")
 
         deepspeed.initialize = failing_initialize
-    sys.exit(main(argv, ckpt=_ProbedIO(), precision="bf16"))
+    exit_now(main(argv, ckpt=_ProbedIO(), precision="bf16"))

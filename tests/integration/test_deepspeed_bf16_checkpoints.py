@@ -56,6 +56,7 @@ from tests.integration.test_deepspeed_checkpoints import (
     DS_2X2,
     ENGINE,
     ENGINE_1X3,
+    FAST_POLL,
     GBS,
     MODEL,
     _dumped,
@@ -148,7 +149,7 @@ def other_layout(
             2,
             work,
             module=FAULT_RANK,
-            extra_args=resume,
+            extra_args=[*resume, *FAST_POLL],
             timeout_s=LOAD_TIMEOUT_S,
             deadline_s=240.0,
         )
@@ -284,7 +285,12 @@ def test_a_rank_failing_before_its_restore_ends_the_other_with_its_error(
     monkeypatch.setenv("FAIL_BEFORE_LOAD_RANK", "1")
     resume = ["--ckpt-dir", str(saved.ckpt), "--load-step", "2"]
     run = launch_local(
-        DS_1X2, 2, tmp_path / "c", module=FAULT_RANK, extra_args=resume, deadline_s=240.0
+        DS_1X2,
+        2,
+        tmp_path / "c",
+        module=FAULT_RANK,
+        extra_args=[*resume, *FAST_POLL],
+        deadline_s=240.0,
     )
     errors = run.errors
     assert run.returncodes == [1, 1], (run.returncodes, [e[-2000:] for e in run.stderr])

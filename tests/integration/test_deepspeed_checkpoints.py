@@ -47,6 +47,10 @@ MODEL = "tiny-llama"  # untied embeddings: the adapter maps no tied head
 GBS = 8
 # The adapter's own bounds (test_megatron_patch_deepspeed.py), the engine's fp32 rounding.
 RTOL, ATOL = 1e-4, 2e-5
+# The ranks wait for the world to form and load on the rendezvous store: polled at the load
+# barrier's own default (0.05 s), not a worker's 1 s, each wait ends up to a second sooner
+# (a few ranks on one host; what they wait for is unchanged).
+FAST_POLL = ["--load-poll-s", "0.05"]
 LOSS_REL, LOSS_ABS = 1e-5, 1e-6
 
 
@@ -76,7 +80,9 @@ def _reference(cfg: TrainConfig) -> tuple[ReferenceRun, dict[str, torch.Tensor]]
 
 
 def _run(plan: Plan, steps: int, work: Path, module: str, *args: str) -> LocalRun:
-    run = launch_local(plan, steps, work, module=module, extra_args=list(args), deadline_s=180)
+    run = launch_local(
+        plan, steps, work, module=module, extra_args=[*args, *FAST_POLL], deadline_s=180
+    )
     assert run.ok, (run.returncodes, run.errors, [e[-2000:] for e in run.stderr])
     return run
 
@@ -236,7 +242,9 @@ def test_the_adapter_refuses_another_precision_unless_allowed(
     ckpt = tmp_path / "ckpt"
     _bf16_checkpoint(ckpt, ref)
     resume = ["--ckpt-dir", str(ckpt), "--load-step", "2"]
-    refused = launch_local(DS_1X2, 2, tmp_path / "a", module=ADAPTER, extra_args=resume)
+    refused = launch_local(
+        DS_1X2, 2, tmp_path / "a", module=ADAPTER, extra_args=[*resume, *FAST_POLL]
+    )
     assert not refused.ok
     for err in refused.errors:
         assert err is not None

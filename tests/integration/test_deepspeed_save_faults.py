@@ -23,7 +23,7 @@ import pytest
 from sailor.checkpoint import LocalStorage, committed_steps
 from sailor.megatron_patch.launch import LocalRun, launch_local
 from sailor.schemas.plan import Plan
-from tests.integration.test_deepspeed_checkpoints import DS_2X2, _stop_and_save
+from tests.integration.test_deepspeed_checkpoints import DS_2X2, FAST_POLL, _stop_and_save
 
 pytest.importorskip("deepspeed")
 
@@ -45,7 +45,7 @@ def _launch(plan: Plan, steps: int, work: Path, timeout_s: float, *args: str) ->
         steps,
         work,
         module=FAULT_RANK,
-        extra_args=list(args),
+        extra_args=[*args, *FAST_POLL],
         timeout_s=timeout_s,
         deadline_s=240.0,
     )

@@ -26,6 +26,9 @@ from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 pytest.importorskip("deepspeed")
 
 STEPS = 3
+# the load barrier's own poll (0.05 s), not a worker's 1 s: the ranks' waits for the world
+# to form and load end up to a second sooner (test_deepspeed_checkpoints.py: FAST_POLL)
+FAST_POLL = ["--load-poll-s", "0.05"]
 # The engine's own bounds (test_megatron_patch_training.py): fp32 rounding, not lr steps.
 RTOL, ATOL = 1e-4, 2e-5
 
@@ -53,7 +56,12 @@ def test_deepspeed_runs_a_sailor_plan_like_one_process(tmp_path: Path) -> None:
     """
     plan = Plan(model="tiny-llama", global_batch_size=8, pipelines=(_pipeline(), _pipeline()))
     run = launch_local(
-        plan, STEPS, tmp_path, module="sailor.megatron_patch.deepspeed_adapter", deadline_s=240
+        plan,
+        STEPS,
+        tmp_path,
+        module="sailor.megatron_patch.deepspeed_adapter",
+        extra_args=FAST_POLL,
+        deadline_s=240,
     )
     assert run.ok, (run.returncodes, run.errors)
     spec = tiny_model("tiny-llama", 8)
@@ -113,7 +121,7 @@ def test_an_id_outside_the_datas_vocabulary_is_raised_alike_on_every_rank(
     plan = Plan(model=spec.name, global_batch_size=4, pipelines=(pipe, pipe))
     run = launch_local(
         plan, 2, tmp_path / "run", module="sailor.megatron_patch.deepspeed_adapter",
-        extra_args=["--train-config", str(tmp_path / "train.json")], deadline_s=200,
+        extra_args=["--train-config", str(tmp_path / "train.json"), *FAST_POLL], deadline_s=200,
         timeout_s=30,
     )  # fmt: skip
     assert run.returncodes == [1, 1], (run.returncodes, run.errors)
