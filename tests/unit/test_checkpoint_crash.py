@@ -10,11 +10,12 @@ loads and verifies, and ``gc`` leaves nothing but committed checkpoints and thei
 
 from __future__ import annotations
 
+import os
 import random
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
@@ -33,48 +34,86 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint.format import MARKER, step_dir
+from sailor.checkpoint.storage import Chunk
+from tests.spawn import start_process
 
 LAYERS = 5
 
-CHILD = r"""
-import os, signal, sys, torch
-from sailor.checkpoint import LocalStorage, ParamState, TrainingGlobals, save_full
 
-root, kill_at, when, loop = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "loop"
+class _Killing(LocalStorage):
+    """Counts objects written (each object of a write_all counts, in order) and kills the
+    process before the ``kill_at``-th one starts (``when="before"``) or after its first
+    chunk (``"after"``)."""
 
-# Counts objects written (each object of a write_all counts, in order) and kills the process
-# before the kill_at-th one starts or after its first chunk.
-class Killing(LocalStorage):
-    calls = 0
-    def _wrap(self, chunks):
-        k = Killing.calls
-        Killing.calls += 1
-        def gen():
-            if k == kill_at and when == "before":
+    def __init__(self, root: str, kill_at: int, when: str) -> None:
+        super().__init__(root)
+        self.kill_at, self.when, self.calls = kill_at, when, 0
+
+    def _wrap(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+        k = self.calls
+        self.calls += 1
+
+        def gen() -> Iterator[Chunk]:
+            if k == self.kill_at and self.when == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             for i, c in enumerate(chunks):
                 yield c
-                if k == kill_at and i == 0:
+                if k == self.kill_at and i == 0:
                     os.kill(os.getpid(), signal.SIGKILL)
-        return gen()
-    def write(self, path, chunks):
-        return super().write(path, self._wrap(chunks))
-    def write_all(self, objects, **kw):
-        return super().write_all([(p, self._wrap(c)) for p, c in objects], **kw)
 
-g = torch.Generator().manual_seed(3)
-state = {
-    f"{l}.{n}": ParamState(*(torch.randn(256, 64, generator=g) for _ in range(3)), tp_dim=0)
-    for l in range(LAYERS) for n in ("a", "b")
-}
-step = 2
-while True:
-    save_full(Killing(root), state, TrainingGlobals(step, step, {}), model="toy",
-              num_layers=LAYERS, save_id=f"s{step}", keep=2)
-    if not loop:
-        break
-    step += 1
-""".replace("LAYERS", str(LAYERS))
+        return gen()
+
+    def write(self, path: str, chunks: Iterable[Chunk]) -> int:
+        return super().write(path, self._wrap(chunks))
+
+    def write_all(
+        self, objects: Sequence[tuple[str, Iterable[Chunk]]], *, workers: int = 4
+    ) -> list[int]:
+        return super().write_all([(p, self._wrap(c)) for p, c in objects], workers=workers)
+
+
+def _child(root: str, kill_at: int, when: str, loop: bool) -> None:
+    """The saving child: step 2 (and, with ``loop``, every next step, keeping two) over
+    ``root``; its stderr goes beside ``root`` (:func:`_stderr_path`)."""
+    err = os.open(_stderr_path(root), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(err, 2)
+    g = torch.Generator().manual_seed(3)
+    state = {
+        f"{layer}.{n}": ParamState(*(torch.randn(256, 64, generator=g) for _ in range(3)), tp_dim=0)
+        for layer in range(LAYERS)
+        for n in ("a", "b")
+    }
+    storage = _Killing(root, kill_at, when)
+    step = 2
+    while True:
+        save_full(
+            storage,
+            state,
+            TrainingGlobals(step, step, {}),
+            model="toy",
+            num_layers=LAYERS,
+            save_id=f"s{step}",
+            keep=2,
+        )
+        if not loop:
+            break
+        step += 1
+
+
+def _start_child(root: Path, kill_at: int, when: str, loop: bool) -> BaseProcess:
+    """:func:`_child` in a process of its own, forked ready (torch and the checkpoint code
+    imported) by the tests' fork server: a fresh interpreter spent ~2 s of CPU on imports
+    for a save of a few MB."""
+    return start_process(_child, args=(str(root), kill_at, when, loop))
+
+
+def _stderr_path(root: str | Path) -> Path:
+    return Path(root).parent / "child-stderr.txt"
+
+
+def _stderr(root: Path) -> str:
+    f = _stderr_path(root)
+    return f.read_text(errors="replace")[-2000:] if f.exists() else ""
 
 
 def _state() -> dict[str, ParamState]:
@@ -118,37 +157,36 @@ _POINTS = [
 
 @pytest.mark.parametrize(("k", "when"), _POINTS)
 def test_sigkill_at_random_write(tmp_path: Path, k: int, when: str) -> None:
-    save_full(LocalStorage(tmp_path), _state(), TrainingGlobals(1, 1, {}), model="t", num_layers=5)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path), str(k), when, "once"],
-        capture_output=True,
-        timeout=120,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    root = tmp_path / "ckpt"  # the child's stderr beside it
+    save_full(LocalStorage(root), _state(), TrainingGlobals(1, 1, {}), model="t", num_layers=5)
+    proc = _start_child(root, k, when, loop=False)
+    proc.join(120)
+    if proc.exitcode is None:  # hung: never leave it running
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == -signal.SIGKILL, _stderr(root)
     # Killed anywhere before the marker is durable: step 1 is still the newest commit.
-    assert committed_steps(LocalStorage(tmp_path)) == [1]
-    assert (tmp_path / step_dir(2)).exists()
-    _check_recoverable(tmp_path, at_least=1)
-    assert [p.name for p in tmp_path.iterdir()] == [step_dir(1)]
+    assert committed_steps(LocalStorage(root)) == [1]
+    assert (root / step_dir(2)).exists()
+    _check_recoverable(root, at_least=1)
+    assert [p.name for p in root.iterdir()] == [step_dir(1)]
 
 
 def test_sigkill_continuous_saver_at_random_times(tmp_path: Path) -> None:
     rng = random.Random(7)
-    save_full(LocalStorage(tmp_path), _state(), TrainingGlobals(1, 1, {}), model="t", num_layers=5)
+    root = tmp_path / "ckpt"  # the child's stderr beside it
+    save_full(LocalStorage(root), _state(), TrainingGlobals(1, 1, {}), model="t", num_layers=5)
     for _ in range(3):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(tmp_path), "-1", "none", "loop"],
-            stderr=subprocess.PIPE,
-        )
+        proc = _start_child(root, -1, "none", loop=True)
         # Wait until it is saving (a step beyond what is committed appears), then a bit more.
-        start = latest_step(LocalStorage(tmp_path))
+        start = latest_step(LocalStorage(root))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(
-            int(p.name.split("-")[1]) > start for p in tmp_path.iterdir()
+            int(p.name.split("-")[1]) > start for p in root.iterdir()
         ):
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        assert proc.returncode == -signal.SIGKILL
-        _check_recoverable(tmp_path, at_least=start)
+        proc.kill()
+        proc.join(30)
+        assert proc.exitcode == -signal.SIGKILL, _stderr(root)
+        _check_recoverable(root, at_least=start)
