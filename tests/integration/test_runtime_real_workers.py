@@ -125,7 +125,13 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
 
     losses = real.losses()
     last = max(s for _g, s in losses)
-    ref = train_reference(tiny_model("tiny-gpt", GBS), GBS, last, TrainConfig(seed=0)).losses
+    # off the loop: the controllers and agents of this test share it (a leader's 1 s lease
+    # expired while the reference trained on it, under load)
+    ref = (
+        await asyncio.to_thread(
+            train_reference, tiny_model("tiny-gpt", GBS), GBS, last, TrainConfig(seed=0)
+        )
+    ).losses
     for (gen, step), loss in sorted(losses.items()):
         assert abs(loss - ref[step - 1]) <= LOSS_ATOL, (gen, step, loss, ref[step - 1])
     seen = {s for _g, s in losses}
