@@ -98,6 +98,7 @@ from sailor.megatron_patch.errors import (
 
 __all__ = [
     "LIVENESS_S",
+    "LOAD_POLL_S",
     "LOAD_TIMEOUT_S",
     "RECORD_WAIT_S",
     "WATCHED",
@@ -130,6 +131,13 @@ trip — not tens of seconds (and no store call of the main thread: the beat has
 connection). A rank dead for 60 s is found at most one beat period later by its watchers
 (:func:`watched`), at any world size and whatever they are doing, not after the 2 h
 timeout."""
+
+LOAD_POLL_S = 1.0
+"""A worker's wait between two reads of its world's arrivals and failures (``--load-poll-s``):
+loads take seconds to hours and every waiting rank polls rank 0's store, one request a poll
+(1024 requests a second from 1024 waiting ranks, besides their beats: :data:`WATCHED`); a
+rank is released, or reads a failure, at most this long after it is on the store. Tests of
+the worker poll faster (their worlds have two or three ranks)."""
 
 BEATS_PER_LIVENESS = 5
 """Heartbeats a live rank sends within one ``liveness_s``: four can be lost or late before
@@ -898,11 +906,12 @@ def worker_barrier(
 ) -> LoadBarrier:
     """A worker rank's barrier for its world, started (its heartbeat begins): ``args`` is the
     worker's parsed command line (``rank_args.build_parser``: rank, world size, master,
-    ``--error-file``, ``--load-timeout-s``, ``--load-liveness-s``). The world is named by the
-    plan and the master address, the same on every rank of it (a fresh rank and held ones
-    number their generations differently); polled every second, as loads take seconds to
-    hours and every rank polls rank 0's store. With ``status`` a peer's failure ends this
-    rank wherever its main thread is (:func:`record_peer_failure`, then exit status 1)."""
+    ``--error-file``, ``--load-timeout-s``, ``--load-liveness-s``, ``--load-poll-s``). The
+    world is named by the plan and the master address, the same on every rank of it (a fresh
+    rank and held ones number their generations differently); polled every
+    :data:`LOAD_POLL_S` unless the command line says otherwise. With ``status`` a peer's
+    failure ends this rank wherever its main thread is (:func:`record_peer_failure`, then
+    exit status 1)."""
     return LoadBarrier(
         store,
         args.rank,
@@ -910,7 +919,7 @@ def worker_barrier(
         f"{plan_id}@{args.master}",
         args.load_timeout_s,
         args.load_liveness_s,
-        1.0,
+        getattr(args, "load_poll_s", LOAD_POLL_S),
         on_peer_failure=record_peer_failure(status) if status is not None else None,
         master=args.master,
         rank0_error_file=rank0_error_file(getattr(args, "error_file", None), args.rank),

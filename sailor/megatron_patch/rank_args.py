@@ -13,7 +13,7 @@ import argparse
 
 from sailor.megatron_patch.boundary import PERIODIC_SAVE_TIMEOUT_S
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
-from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_TIMEOUT_S
+from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_POLL_S, LOAD_TIMEOUT_S
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["build_parser", "check_load_step", "check_load_waits", "check_periodic_checkpoints"]
@@ -32,13 +32,14 @@ def check_load_step(args: argparse.Namespace) -> None:
 
 
 def check_load_waits(args: argparse.Namespace) -> None:
-    """Refuse a load timeout or liveness, or a periodic save's timeout, that is not a
+    """Refuse a load timeout, liveness or poll, or a periodic save's timeout, that is not a
     positive number (pure), at start: not once the world formed and every rank began to
     load (or reached its first save; ``Boundary`` refuses it too, for a caller that builds
     one itself)."""
     for flag, value in (
         ("--load-timeout-s", args.load_timeout_s),
         ("--load-liveness-s", args.load_liveness_s),
+        ("--load-poll-s", args.load_poll_s),
         ("--periodic-save-timeout-s", args.periodic_save_timeout_s),
     ):
         if not value > 0:  # NaN too
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="A rank whose heartbeat on the rendezvous store stopped this long while the "
         "world starts and loads is dead (killed, crashed): its watchers name it and every "
         "rank fails with that, instead of waiting out --load-timeout-s (default 60 s).",
+    )
+    p.add_argument(
+        "--load-poll-s",
+        type=float,
+        default=LOAD_POLL_S,
+        help="How often a rank waiting on the rendezvous store for the others (before the "
+        "world's first collective, after its load) reads their arrivals and failures "
+        "(default 1 s: one request a poll per waiting rank on rank 0's store).",
     )
     p.add_argument(
         "--exchange-bucket-mb",

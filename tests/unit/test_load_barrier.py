@@ -236,6 +236,7 @@ def test_the_load_waits_are_checked_at_start_by_flag() -> None:
     for flag, value in (
         ("--load-liveness-s", "0.0"),
         ("--load-timeout-s", "nan"),
+        ("--load-poll-s", "0.0"),
         ("--periodic-save-timeout-s", "-1.0"),
     ):
         args = build_parser().parse_args([*base, flag, value])
