@@ -98,10 +98,10 @@ from sailor.megatron_patch.errors import (
 
 __all__ = [
     "LIVENESS_S",
+    "LOAD_POLL_S",
     "LOAD_TIMEOUT_S",
     "RECORD_WAIT_S",
     "WATCHED",
-    "WORKER_POLL_S",
     "LoadBarrier",
     "LoadTimeoutError",
     "Phase",
@@ -132,6 +132,13 @@ connection). A rank dead for 60 s is found at most one beat period later by its 
 (:func:`watched`), at any world size and whatever they are doing, not after the 2 h
 timeout."""
 
+LOAD_POLL_S = 1.0
+"""A worker's wait between two reads of its world's arrivals and failures (``--load-poll-s``):
+loads take seconds to hours and every waiting rank polls rank 0's store, one request a poll
+(1024 requests a second from 1024 waiting ranks, besides their beats: :data:`WATCHED`); a
+rank is released, or reads a failure, at most this long after it is on the store. Tests of
+the worker poll faster (their worlds have two or three ranks)."""
+
 BEATS_PER_LIVENESS = 5
 """Heartbeats a live rank sends within one ``liveness_s``: four can be lost or late before
 it is taken for dead."""
@@ -146,12 +153,6 @@ waiting rank adds one request per poll (1 s in a worker): ~1.4k requests a secon
 0's store at 1024 ranks, where waiters that read the counters themselves each poll made
 ~6.2k (``benchmarks/load_barrier_scale.py`` measures both; the store serves either on this
 machine, at p50 latencies under a millisecond)."""
-
-WORKER_POLL_S = 1.0
-"""A worker's poll of the store while it waits for the world to form or load
-(``--load-poll-s``): loads take seconds to hours and every waiting rank polls rank 0's store
-(one request a poll: :data:`WATCHED`), so a second is prompt enough and cheap at 1024 ranks.
-Tests of a few ranks on one host poll faster (each wait otherwise ends up to a poll late)."""
 
 RECORD_WAIT_S = 10.0
 """How long a rank ending of a peer's failure waits for its error record to be written
@@ -908,9 +909,9 @@ def worker_barrier(
     ``--error-file``, ``--load-timeout-s``, ``--load-liveness-s``, ``--load-poll-s``). The
     world is named by the plan and the master address, the same on every rank of it (a fresh
     rank and held ones number their generations differently); polled every
-    ``--load-poll-s`` (:data:`WORKER_POLL_S`, a second: loads take seconds to hours and every
-    rank polls rank 0's store). With ``status`` a peer's failure ends this rank wherever its
-    main thread is (:func:`record_peer_failure`, then exit status 1)."""
+    :data:`LOAD_POLL_S` unless the command line says otherwise. With ``status`` a peer's
+    failure ends this rank wherever its main thread is (:func:`record_peer_failure`, then
+    exit status 1)."""
     return LoadBarrier(
         store,
         args.rank,
@@ -918,7 +919,7 @@ def worker_barrier(
         f"{plan_id}@{args.master}",
         args.load_timeout_s,
         args.load_liveness_s,
-        getattr(args, "load_poll_s", WORKER_POLL_S),
+        getattr(args, "load_poll_s", LOAD_POLL_S),
         on_peer_failure=record_peer_failure(status) if status is not None else None,
         master=args.master,
         rank0_error_file=rank0_error_file(getattr(args, "error_file", None), args.rank),

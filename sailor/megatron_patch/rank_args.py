@@ -13,7 +13,7 @@ import argparse
 
 from sailor.megatron_patch.boundary import PERIODIC_SAVE_TIMEOUT_S
 from sailor.megatron_patch.in_place import EXCHANGE_BUCKET_BYTES
-from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_TIMEOUT_S, WORKER_POLL_S
+from sailor.megatron_patch.load_barrier import LIVENESS_S, LOAD_POLL_S, LOAD_TIMEOUT_S
 from sailor.schemas.training import TrainingConfig
 
 __all__ = ["build_parser", "check_load_step", "check_load_waits", "check_periodic_checkpoints"]
@@ -111,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-poll-s",
         type=float,
-        default=WORKER_POLL_S,
-        help="How often a rank waiting on the rendezvous store for the world to form or "
-        "load looks again (default 1 s; megatron_patch.load_barrier).",
+        default=LOAD_POLL_S,
+        help="How often a rank waiting on the rendezvous store for the others (before the "
+        "world's first collective, after its load) reads their arrivals and failures "
+        "(default 1 s: one request a poll per waiting rank on rank 0's store).",
     )
     p.add_argument(
         "--exchange-bucket-mb",

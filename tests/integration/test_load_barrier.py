@@ -26,6 +26,9 @@ from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0
 MODULE = "tests.integration.slow_load_worker"
+# the ranks waiting on the store read it every 0.1 s, not the worker's default 1 s: each wait
+# (at the world's first collective, after the load, for a failure) ends within a poll
+POLL = ("--load-poll-s", "0.1")
 CONFIG = "model: {kind: builtin, name: tiny-gpt}\nseed: 3\n"
 
 
@@ -52,7 +55,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
         PLAN,
         4,
         root / "full",
-        extra_args=["--train-config", str(config)],
+        extra_args=["--train-config", str(config), *POLL],
         module="sailor.training_process",
         timeout_s=TIMEOUT_S,
     )
@@ -75,7 +78,7 @@ def _resume(
         PLAN,
         2,
         workdir,
-        extra_args=[*args, "--load-step", "2", *extra],
+        extra_args=[*args, "--load-step", "2", *POLL, *extra],
         module=MODULE,
         timeout_s=TIMEOUT_S,
         deadline_s=120.0,
@@ -86,11 +89,15 @@ def test_a_load_slower_than_the_process_group_timeout_is_waited_for_off_the_coll
     saved: tuple[Path, list[float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config, losses = saved
-    delay = 2.5 * TIMEOUT_S
+    # rank 1's stall begins at its first read, rank 0's wait once its own load is done: on a
+    # loaded host rank 0's load ran 3 s longer than rank 1's reads before the stall, and
+    # waited 9.2 s of a 12.5 s stall (the bound was the stall less 1 s). What the test
+    # proves is a wait past the groups' timeout that no collective timed out
+    delay = TIMEOUT_S + 3.0
     run = _resume(config, tmp_path, monkeypatch, SLOW_LOAD_RANK="1", SLOW_LOAD_S=str(delay))
     assert run.ok, (run.errors, run.stderr)
     ready = [next(e for e in p if e.get("event") == "ready") for p in run.progress]
-    assert ready[0]["load_wait_s"] >= delay - 1.0  # rank 0 waited on the store
+    assert ready[0]["load_wait_s"] > TIMEOUT_S  # rank 0 waited on the store, past it
     assert ready[1]["load_wait_s"] < TIMEOUT_S
     assert [s["loss"] for s in run.steps(1)] == pytest.approx(losses[2:], rel=1e-6)
 
@@ -169,7 +176,7 @@ def test_a_rank_failing_before_the_first_collective_ends_the_others_with_its_err
     monkeypatch.setenv("FAIL_GROUPS", "1")
     run = launch_local(
         PLAN, 2, tmp_path, module=MODULE, timeout_s=TIMEOUT_S, deadline_s=120.0,
-        extra_args=["--train-config", str(_config(tmp_path)), *LONG_LOAD_TIMEOUT],
+        extra_args=["--train-config", str(_config(tmp_path)), *POLL, *LONG_LOAD_TIMEOUT],
     )  # fmt: skip
     assert run.killed == [], (run.killed, run.stderr)
     assert run.returncodes == [1, 1], run.stderr
@@ -202,7 +209,7 @@ def test_a_rank_failing_in_a_fresh_starts_stage_build_ends_the_others_with_its_e
     monkeypatch.setenv("FAIL_BUILD", "1")
     run = launch_local(
         PLAN, 2, tmp_path, module=MODULE, timeout_s=TIMEOUT_S, deadline_s=120.0,
-        extra_args=["--train-config", str(_config(tmp_path)), *LONG_LOAD_TIMEOUT],
+        extra_args=["--train-config", str(_config(tmp_path)), *POLL, *LONG_LOAD_TIMEOUT],
     )  # fmt: skip
     assert run.killed == [], (run.killed, run.stderr)
     assert run.returncodes == [1, 1], run.stderr

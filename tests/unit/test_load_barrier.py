@@ -82,7 +82,10 @@ def test_a_store_that_stops_answering_is_a_peer_failure() -> None:
         await_loads(client, 1, 2, "g", timeout_s=5.0, poll_s=0.01)
 
 
-def test_a_store_gone_names_rank_0_its_host_and_its_error(tmp_path: Path) -> None:
+def test_a_store_gone_names_rank_0_its_host_and_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _short_store_wait(monkeypatch)  # its failure, told to the gone store, waited for twice
     server = _store()  # rank 0's process serves it
     rank0 = LoadBarrier(server, 0, 2, "g").start()
     client = dist.TCPStore(
@@ -116,8 +119,11 @@ import os, sys
 from datetime import timedelta
 import torch.distributed as dist
 from sailor.megatron_patch.load_barrier import LoadBarrier
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=10))
+store = dist.TCPStore(
+    "127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=10), wait_for_workers=False
+)
 barrier = LoadBarrier(store, 0, 2, "g", poll_s=0.5).start()
+print("up", flush=True)
 sys.stdin.readline()
 barrier.fail(OSError("rank 0's checkpoint unreadable"))  # the worker's handler, then:
 os._exit(1)
@@ -126,9 +132,16 @@ os._exit(1)
 
 def test_rank_0s_failure_reaches_the_waiters_before_its_store_goes() -> None:
     port = free_port()
-    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(port)], stdin=subprocess.PIPE)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", _RANK0, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
-        client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+        # connect once its store is up: a client that tried earlier retried with a backoff
+        # of seconds, and under load past the server's wait for it (both timed out)
+        assert rank0.stdout is not None and rank0.stdout.readline() == b"up\n"
+        client = dist.TCPStore(
+            "127.0.0.1", port, 2, False, timedelta(seconds=30), wait_for_workers=False
+        )
         got: list[BaseException] = []
         waiting = LoadBarrier(client, 1, 2, "g", 60.0, 60.0, 0.5)
         waiter = threading.Thread(target=_catch, args=(got, lambda: _load(waiting)))
@@ -194,7 +207,8 @@ def test_a_rank_that_beats_is_waited_for_however_long_its_load() -> None:
     # a liveness of seconds, not tenths: a beat thread starved that long on a loaded host
     # read as a death (it failed so under a load average of 20)
     loading = LoadBarrier(store, 1, 2, "g", liveness_s=2.0).start()
-    waiting = LoadBarrier(store, 0, 2, "g", timeout_s=4.0, liveness_s=2.0, poll_s=0.01)
+    # (waited out past the liveness and two of its watcher's beats)
+    waiting = LoadBarrier(store, 0, 2, "g", timeout_s=3.0, liveness_s=2.0, poll_s=0.01)
     try:
         with (
             pytest.raises(LoadTimeoutError, match=r"ranks \[1\] did not finish"),
@@ -236,6 +250,7 @@ def test_the_load_waits_are_checked_at_start_by_flag() -> None:
     for flag, value in (
         ("--load-liveness-s", "0.0"),
         ("--load-timeout-s", "nan"),
+        ("--load-poll-s", "0.0"),
         ("--periodic-save-timeout-s", "-1.0"),
     ):
         args = build_parser().parse_args([*base, flag, value])
@@ -293,6 +308,7 @@ def test_the_heartbeat_is_not_held_up_by_the_main_threads_blocking_store_call() 
         ):
             pass
     finally:
+        server.set("never-set", "1")  # the wait ends now, not at its client's timeout
         blocked.join()
         loading.close()
 
@@ -440,6 +456,7 @@ def test_a_peer_failure_ends_a_rank_whose_main_thread_is_in_a_blocking_store_wai
         assert server.add("sailor/loaded/g/ended", 0) == 2
         assert time.monotonic() - t0 < 4.0
     finally:
+        server.set("never-set", "1")  # the wait ends now, not at its 10 s timeout
         blocked.join()
         held.close()
 
@@ -462,14 +479,19 @@ def test_a_socket_error_met_after_the_heartbeat_took_up_a_peers_failure_is_that_
     rank0.close()
 
 
-def test_rank_0_records_a_peers_failure_before_it_keeps_its_store_up_and_its_handler_waits() -> (
-    None
-):
+def test_rank_0_records_a_peers_failure_before_it_keeps_its_store_up_and_its_handler_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sailor.megatron_patch import load_barrier
+
+    # a handler that did not wait would return once close() stopped waiting for the
+    # heartbeat thread (STORE_WAIT_S): well inside the linger below
+    monkeypatch.setattr(load_barrier, "STORE_WAIT_S", 0.5)
     store = _store()
     told: list[float] = []
-    # rank 0 keeps its store up two polls (6 s) for rank 2, which never counts itself out
+    # rank 0 keeps its store up two polls (3 s) for rank 2, which never counts itself out
     rank0 = LoadBarrier(
-        store, 0, 3, "g", liveness_s=2.0, poll_s=3.0,
+        store, 0, 3, "g", liveness_s=2.0, poll_s=1.5,
         on_peer_failure=lambda _: told.append(time.monotonic()),
     ).start()  # fmt: skip
     t0 = time.monotonic()
@@ -480,7 +502,7 @@ def test_rank_0_records_a_peers_failure_before_it_keeps_its_store_up_and_its_han
     # its main thread's handler (a closed socket) waits for the heartbeat's end: it does not
     # cut rank 0's linger short (a worker's heartbeat exits the process there) ...
     rank0.fail(RuntimeError("Connection closed by peer"))
-    assert time.monotonic() - t0 >= 6.0 - 0.5
+    assert time.monotonic() - t0 >= 3.0 - 0.5
     # ... nor write a failure of its own: the rank was ending of rank 1's
     assert store.add("sailor/loaded/g/failures", 0) == 1
 
@@ -494,7 +516,7 @@ def test_a_rank_that_closed_its_barrier_is_not_taken_for_dead_by_those_still_pen
     ]
     time.sleep(0.5)
     ranks[0].close()  # its load (or its stage's build) done first: its heartbeat stops
-    time.sleep(2.0 + 2.0)  # its three watchers stay pending past the liveness (and a beat)
+    time.sleep(2.0 + 1.0)  # its three watchers stay pending past the liveness and two beats
     try:
         assert not told, told
         assert store.add("sailor/loaded/g/failures", 0) == 0
@@ -667,9 +689,10 @@ def _store_process() -> Iterator[tuple[subprocess.Popen[bytes], dist.TCPStore]]:
         server.wait()
 
 
-def test_the_handlers_lookup_of_a_peers_failure_is_bounded_on_a_hung_store() -> None:
-    from sailor.megatron_patch.load_barrier import STORE_WAIT_S
-
+def test_the_handlers_lookup_of_a_peers_failure_is_bounded_on_a_hung_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store_wait_s = _short_store_wait(monkeypatch)
     with _store_process() as (server, client):
         rank1 = LoadBarrier(client, 1, 2, "g", liveness_s=30.0).start()
         time.sleep(0.2)
@@ -679,10 +702,20 @@ def test_the_handlers_lookup_of_a_peers_failure_is_bounded_on_a_hung_store() -> 
             # the worker's handler looks for a peer's failure before it writes its record:
             # the record waits STORE_WAIT_S at most (before, the c10d client's add waited on
             # a stopped server for good, its timeout notwithstanding)
-            assert _returns_within(STORE_WAIT_S + 1.0, lambda: rank1.peer_cause(gloo)) == [gloo]
+            assert _returns_within(store_wait_s + 1.0, lambda: rank1.peer_cause(gloo)) == [gloo]
         finally:
             server.send_signal(signal.SIGCONT)
         rank1.close()
+
+
+def _short_store_wait(monkeypatch: pytest.MonkeyPatch) -> float:
+    """``load_barrier.STORE_WAIT_S`` shortened for this test (a hung store is waited for that
+    long, in this process only: these tests' ranks are in it) and returned: the bound a call
+    on the hung store is checked against, whatever its length."""
+    from sailor.megatron_patch import load_barrier
+
+    monkeypatch.setattr(load_barrier, "STORE_WAIT_S", 0.5)
+    return load_barrier.STORE_WAIT_S
 
 
 def _returns_within(bound_s: float, call: Callable[[], object]) -> list[object]:
@@ -695,9 +728,10 @@ def _returns_within(bound_s: float, call: Callable[[], object]) -> list[object]:
     return got
 
 
-def test_closing_the_barrier_on_a_hung_store_is_bounded_and_its_mark_lands_later() -> None:
-    from sailor.megatron_patch.load_barrier import STORE_WAIT_S
-
+def test_closing_the_barrier_on_a_hung_store_is_bounded_and_its_mark_lands_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store_wait_s = _short_store_wait(monkeypatch)
     with _store_process() as (server, client):
         # (a world of one: nobody to watch; it beats every 0.2 s)
         rank = LoadBarrier(client, 0, 1, "g", liveness_s=1.0).start()
@@ -710,7 +744,7 @@ def test_closing_the_barrier_on_a_hung_store_is_bounded_and_its_mark_lands_later
             # its load done, training begins: the closed mark does not hold it (before, the
             # mark went on that connection behind the beat, which waited for good whatever
             # the client's timeout, and close then waited for the heartbeat thread 5 s)
-            assert _returns_within(STORE_WAIT_S + 1.0, rank.close) == [None]
+            assert _returns_within(store_wait_s + 1.0, rank.close) == [None]
             heartbeat = rank._thread
             assert heartbeat is not None and heartbeat.daemon  # never holds the exit
         finally:
