@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -238,7 +239,9 @@ def test_a_rank_stalled_past_its_liveness_says_so_when_the_store_is_gone() -> No
     finally:
         rank1.kill()
         # before: "... its server, rank 0, has likely failed or been killed"
-        assert "this rank itself did not run for 2 s" in out, out
+        # stopped 2 s, and longer on a loaded host (the SIGCONT, the next beat come late)
+        stalled = re.search(r"this rank itself did not run for (\d+) s", out)
+        assert stalled is not None and int(stalled.group(1)) >= 2, out
         assert "rank 0, has likely failed" not in out
 
 
