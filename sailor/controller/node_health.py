@@ -372,6 +372,7 @@ def charge(
     if job_alike and job.generation != gen:
         job, note = _charge_job(job, gen, job_alike, judged, seen, alike, now, policy, step)
         notes.append(note)
+        _take_back_earlier(health, evidence, set(job_alike), gen, now, notes)
     elif hung and job.generation != gen:
         # its cause is a SIGABRT's: how a later pass knows which count to take back
         (summary, sig, _), names = evidence[hung_on[0]], ", ".join(hung_on)
@@ -384,6 +385,42 @@ def charge(
         job, note = _count_job(job, gen, hang, what, now, policy, step=step)
         notes.append(note)
     return Charged(health, job, notes, reports, agreed)
+
+
+def _take_back_earlier(
+    health: dict[str, NodeHealth],
+    evidence: Mapping[str, tuple[str, str, str]],
+    signatures: Collection[str],
+    gen: int,
+    now: float,
+    notes: list[str],
+) -> None:
+    """Take back (in ``health``) the count of an earlier generation's configuration error
+    that proves the job's now: a node charged alone with it (its peers were stopped by the
+    abort before they reached the same check, or reported it too late to be read) was
+    excluded, and the next layout, without it, failed alike: the job is charged, and the
+    node was never at fault. Only a configuration error (the same config fails the same
+    way everywhere), only one still the node's last failure, not one of this generation
+    (the caller's rule takes those back)."""
+    back = sorted(
+        n
+        for n, r in health.items()
+        if n not in evidence
+        and r.origin == "config"
+        and 0 <= r.generation < gen
+        and record_signature(r) in signatures
+    )
+    for n in back:
+        rec = take_back(health[n], now)
+        if rec is None:
+            del health[n]
+        else:
+            health[n] = rec
+    if back:
+        notes.append(
+            f"taken back from {', '.join(back)}: its configuration error of an earlier "
+            "generation is the job's (the next layout failed alike)"
+        )
 
 
 def forgiven(d: DesiredState, node: str) -> bool:

@@ -302,6 +302,31 @@ sys.exit(1)
 """
 
 
+_CONFIG_ERROR_EVERYWHERE = """
+import argparse, sys, time
+from pathlib import Path
+from sailor.megatron_patch.errors import failure_record, write_error_file
+p = argparse.ArgumentParser()
+p.add_argument("--rank", type=int)
+p.add_argument("--world-size", type=int)
+p.add_argument("--master")
+p.add_argument("--error-file")
+a, _ = p.parse_known_args()
+# every rank of the world reads the config before any refuses it, as real ranks of one
+# world do at about the same time (here one node's worker may start seconds after the
+# other's, and the abort of the first failure would stop it before it read anything)
+here = Path(__file__).parent / ("started-" + a.master.replace(":", "-"))
+here.mkdir(exist_ok=True)
+(here / str(a.rank)).touch()
+end = time.monotonic() + 30
+while len(list(here.iterdir())) < a.world_size and time.monotonic() < end:
+    time.sleep(0.02)
+exc = ValueError("this node's worker refuses its configuration")
+write_error_file(a.error_file, failure_record(exc, a.rank, -1, in_training=False))
+sys.exit(1)
+"""
+
+
 def _placed(launch: dict[str, Any]) -> set[str]:
     return {n for p in launch["layout"] for s in p["stages"] for n in s["nodes"]}
 
@@ -361,14 +386,12 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
     hold: the leader applies it, deletes the request and launches again (and, the config
     still refused, holds the job again)."""
     script = cluster.tmp / "config_error_worker.py"
-    script.write_text(_CONFIG_ERROR_WORKER)
+    script.write_text(_CONFIG_ERROR_EVERYWHERE)
     cluster.worker = (
         cluster.worker[0],
         str(script),
-        "--rank",
-        "{rank}",
-        "--error-file",
-        "{error_file}",
+        *("--rank", "{rank}", "--world-size", "{world_size}", "--master", "{master}"),
+        *("--error-file", "{error_file}"),
     )
     cluster.start_agent("n1")
     cluster.start_agent("n2")

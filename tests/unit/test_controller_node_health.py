@@ -142,6 +142,29 @@ def test_taking_a_count_back_undoes_the_exclusion_it_set() -> None:
     assert charge(_d(fresh, 3), {"n2": cfg}, 101.0, POLICY, {"n3"}).health == {}
 
 
+def test_one_nodes_configuration_error_is_taken_back_once_the_next_layout_fails_alike() -> None:
+    """n1's worker refused the config first; n2's was stopped by the abort before it read it
+    (a loaded host, a slower start): n1 alone is charged and excluded. The next layout, n2
+    alone, fails the same way: the job is held, and n1's count of the earlier generation
+    (and the exclusion it set) is taken back: it was never n1's fault."""
+    cfg = json.dumps(
+        {"origin": "config", "retry": False, "error_type": "ValueError", "message": "bad seq"}
+    )
+    g1 = charge(_d({}, 1), {"n1": cfg}, 100.0, POLICY)
+    assert g1.job == NodeHealth() and excluded(g1.health, 101.0) == {"n1"}
+    d2 = DesiredState(epoch=1, generation=2, placement={"n2": (0,)}, node_health=g1.health)
+    g2 = charge(d2, {"n2": cfg}, 110.0, POLICY)
+    assert held(g2.job, 111.0) and g2.health == {}
+    assert any(n.startswith("taken back from n1: its configuration error") for n in g2.notes)
+    # a node's other failure, or another configuration error, is not the job's: kept
+    other = json.dumps(
+        {"origin": "config", "retry": False, "error_type": "ValueError", "message": "bad path"}
+    )
+    g1 = charge(_d({}, 1), {"n1": other}, 100.0, POLICY)
+    g2 = charge(d2.model_copy(update={"node_health": g1.health}), {"n2": cfg}, 110.0, POLICY)
+    assert held(g2.job, 111.0) and excluded(g2.health, 111.0) == {"n1"}
+
+
 def test_forgetting_records() -> None:
     ex = NodeHealth(failures=1, generation=2, exclusions=1, excluded_until=100.0, origin="config")
     streak = NodeHealth(failures=1, generation=2, origin="local")
