@@ -41,11 +41,13 @@ audit log reproduces it. The rules:
   did (each hang's RUNNING reset the count).
   The evidence is the failures reported so far plus the causes already counted for that
   generation, so a node counted before its peers' reports came in is taken back (its count,
-  and the exclusion that count set) once they show the cause was the job's. A killed worker
-  that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed launch deadline
-  are the node's, however many nodes report them. With one placed node, every failure but a
-  configuration error or an agreed one is the node's (a SIGABRT, a stalled phase): the
-  planner can move the job to a spare, as the job's hold cannot.
+  and the exclusion that count set) once they show the cause was the job's; so is a
+  configuration error counted against a node in an earlier generation, once the next layout
+  fails alike and the job is charged (its peers were stopped before they reached the check).
+  A killed worker that outlived SIGKILL (``OutlivedKill``), a missed teardown and a missed
+  launch deadline are the node's, however many nodes report them. With one placed node,
+  every failure but a configuration error or an agreed one is the node's (a SIGABRT, a
+  stalled phase): the planner can move the job to a spare, as the job's hold cannot.
 - A hang of the job, which nobody can be blamed for, counts against the job by the same
   policy, so it is relaunched with a backoff and a record, not at full rate forever: only
   SIGABRTs reported, by as many nodes as make a failure alike the job's, no placed node
