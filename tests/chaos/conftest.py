@@ -19,7 +19,8 @@ import pytest
 from tests.chaos.harness import TABLE_ENV
 
 # the secure servers and the task-leak guard of the integration tests (the fuzz tests)
-from tests.integration.conftest import no_task_leak, servers  # noqa: F401
+# (``servers`` stands on ``_secure_pair``: both are needed here)
+from tests.integration.conftest import _secure_pair, no_task_leak, servers  # noqa: F401
 
 _ALL = os.environ.get("SAILOR_CHAOS") == "all"
 
