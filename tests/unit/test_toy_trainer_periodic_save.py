@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-STEPS = 12
+STEPS = 40
+"""0.05 s steps: rank 1 trains ~1.8 s past the save step, the window in which the test asks
+it for the save it then misses (at 12 steps, 0.4 s: a loaded host missed it, rank 1 ended
+without a marker and rank 0 waited its 30 s for a part that never came)."""
 SAVE = 3
 
 
