@@ -119,6 +119,7 @@ async def test_notice_during_etcd_outage(tmp_path: Path) -> None:
     verdict(out, min_reconf=2)
 
 
+@pytest.mark.chaos_long  # make test: test_runtime_scenarios' notice while NATS is down
 async def test_notice_during_nats_outage(tmp_path: Path) -> None:
     """Issue 18, item 5: NATS down for 10 s when the notice arrives. The agent keeps the
     notice in its status record (etcd) and retries the event until the deadline; the

@@ -44,6 +44,7 @@ async def test_server_restarts(tmp_path: Path) -> None:
     verdict(out, min_reconf=1)
 
 
+@pytest.mark.chaos_long  # make test: tests/integration/test_runtime_clusters.py, in-process
 async def test_cluster_member_losses(tmp_path: Path) -> None:
     """Issue 18, item 9: a 3-member etcd cluster loses a member (SIGKILL) mid-run, then a
     3-server NATS cluster (event stream R3) loses a server; the clients fail over along their
