@@ -311,11 +311,7 @@ def charge(
         counted = rec is not None and rec.generation == gen
         if why:  # a node-bound record (a missed deadline) stays, whatever the node reports
             if counted and rec is not None and error_type(rec.cause) not in _NODE_BOUND:
-                back = take_back(rec, now)
-                if back is None:
-                    del health[n]
-                else:
-                    health[n] = back
+                _take_back_in(health, n, now)
                 spared.setdefault(why, []).append(f"{n} (taken back)")
             elif n in seen and not counted:
                 spared.setdefault(why, []).append(n)
@@ -389,6 +385,16 @@ def charge(
     return Charged(health, job, notes, reports, agreed)
 
 
+def _take_back_in(health: dict[str, NodeHealth], node: str, now: float) -> None:
+    """``node``'s record in ``health`` without its last generation's count (:func:`take_back`),
+    or gone when nothing is left to remember."""
+    rec = take_back(health[node], now)
+    if rec is None:
+        del health[node]
+    else:
+        health[node] = rec
+
+
 def _take_back_earlier(
     health: dict[str, NodeHealth],
     evidence: Mapping[str, tuple[str, str, str]],
@@ -413,11 +419,7 @@ def _take_back_earlier(
         and record_signature(r) in signatures
     )
     for n in back:
-        rec = take_back(health[n], now)
-        if rec is None:
-            del health[n]
-        else:
-            health[n] = rec
+        _take_back_in(health, n, now)
     if back:
         notes.append(
             f"taken back from {', '.join(back)}: its configuration error of an earlier "
