@@ -83,7 +83,9 @@ def test_demo_json_end_to_end(tmp_path: Path) -> None:
     assert causes == ["start", "preemption notice", "node lost", "node joined"]
     assert all(r["resumed"] for r in summ["reconfigurations"]), summ["reconfigurations"]
     # in place every time: the workers survived each change (docs/runtime.md)
-    assert [r["path"] for r in summ["reconfigurations"][1:]] == ["in_place"] * 3, summ
+    assert [r["path"] for r in summ["reconfigurations"][1:]] == ["in_place"] * 3, [
+        (r["path"], r["path_reason"]) for r in summ["reconfigurations"]
+    ]
     lost = summ["reconfigurations"][2]
     assert lost["phases_s"].get("teardown") is not None  # an abort, not a checkpoint
     # a notice and a join checkpoint first, so no step is retrained

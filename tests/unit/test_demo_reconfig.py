@@ -57,6 +57,31 @@ def test_not_resumed_when_running_never_comes() -> None:
     assert not r.resumed and r.recovery_s is None and r.gap_s is None
 
 
+def test_a_fallback_names_the_abort_that_failed_in_place() -> None:
+    """A relayout whose in-place launch failed says why it restarted: a flaky run of the
+    demo test shows the cause, not only the path."""
+    launch_in_place = {**_phase(10.5, "launch", 2), "path": "in_place", "path_reason": "ok"}
+    teardown = {**_phase(12.0, "teardown", 2), "cause": "abort: during load: n3 stalled"}
+    restart = {
+        **_phase(12.5, "launch", 3, 0),
+        "path": "restart",
+        "path_reason": "fallback: the in-place launch of generation 2 failed",
+    }
+    recs = [*RECORDS[:5], launch_in_place, teardown, restart, _phase(15.5, "running", 3, 0)]
+    (r,) = reconfigurations(recs, [Injection("preemption notice", "n2", 10.0)], POINTS)
+    assert r.path == "restart" and r.generation == 3
+    assert r.path_reason == (
+        "fallback: the in-place launch of generation 2 failed (abort: during load: n3 stalled)"
+    )
+    assert r.as_dict()["path_reason"] == r.path_reason
+    (ok,) = reconfigurations(
+        [*RECORDS[:5], launch_in_place, _phase(11.0, "running", 2)],
+        [Injection("preemption notice", "n2", 10.0)],
+        POINTS,
+    )
+    assert ok.path == "in_place" and ok.path_reason == "ok"
+
+
 def test_compare_losses_every_step_and_commits() -> None:
     ref = [3.0, 2.5, 2.0, 1.5]
     pts = [_pt(1, 1, 1, 3.0), _pt(1, 2, 2, 2.5), _pt(2, 2, 5, 2.5 + 1e-7), _pt(2, 3, 6, 2.0)]

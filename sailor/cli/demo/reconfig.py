@@ -42,6 +42,9 @@ class Reconfiguration:
     redone_steps: int = 0
     path: str = ""
     """How the new generation came up: ``in_place`` or ``restart`` (its launch record)."""
+    path_reason: str = ""
+    """Why it came up that way (the launch record's ``path_reason``); after a fallback, with
+    the cause of the abort that failed the in-place launch."""
 
     @property
     def resumed(self) -> bool:
@@ -62,6 +65,7 @@ class Reconfiguration:
             "gap_s": None if self.gap_s is None else round(self.gap_s, 3),
             "redone_steps": self.redone_steps,
             "path": self.path,
+            "path_reason": self.path_reason,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
         }
 
@@ -86,15 +90,19 @@ def _one(
     last_t, last_name = inj.time, "detect"
     running_at: float | None = None
     gen, load = gen0, -1
-    path = ""
+    path, why, aborted = "", "", ""
     for c in changes:
         t = float(c["time"])
         if t < inj.time or t >= until:
             continue
         phases[last_name] = phases.get(last_name, 0.0) + t - last_t
         last_t, last_name = t, str(c["phase"])
+        if c["phase"] == "teardown" and c.get("cause"):
+            aborted = str(c["cause"])
         if c["phase"] == "launch":
-            path = str(c.get("path", ""))
+            path, why = str(c.get("path", "")), str(c.get("path_reason", ""))
+            if why.startswith("fallback") and aborted:
+                why = f"{why} ({aborted})"
         if c["phase"] == "running" and int(c["generation"]) > gen0:
             running_at, gen, load = t, int(c["generation"]), int(c["load_step"])
             break
@@ -115,6 +123,7 @@ def _one(
         gap_s=gap,
         redone_steps=max(0, reached - max(load, 0)) if inj.kind == "node lost" else 0,
         path=path,
+        path_reason=why,
     )
 
 

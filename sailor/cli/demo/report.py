@@ -200,6 +200,9 @@ def print_summary(con: Console, summ: dict[str, Any]) -> None:
         )
         ph_t.add_row(r["cause"], *(f"{ph[p]:.2f}" if p in ph else "" for p in _PHASES))
     print_table(con, t)
+    for r in summ["reconfigurations"]:
+        if str(r.get("path_reason", "")).startswith("fallback"):  # why it restarted
+            con.print(f"{r['cause']}: {r['path_reason']}", markup=False)
     print_table(con, ph_t)
     if summ.get("node_kinds"):
         _print_kinds(con, summ["node_kinds"])
