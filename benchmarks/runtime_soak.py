@@ -146,7 +146,7 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
             for st in agents.status.values():  # training goes on between passes
                 if st.state == "running" and desired.phase is Phase.RUNNING:
                     agents.status[st.node_id] = st.model_copy(update={"step": st.step + 1})
-            ready = ex.adopt_plan(desired)
+            ready = ex.replans.adopt(desired)
             if ready is not None:
                 await ex.write_desired(*ready)
                 desired = ready[0]
@@ -177,7 +177,7 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
                     nodes["n4"] = _node(4)
                     agents.status["n4"] = AgentStatus(node_id="n4", state="idle", time=0.0)
             was_running = running
-            if ex.inflight or ex._replanning is not None:
+            if ex.inflight or ex.replans.running is not None:
                 woke.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woke.wait(), 5.0)

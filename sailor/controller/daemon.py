@@ -336,14 +336,14 @@ class Controller(EventIntake):
                 try:
                     if not executor.orphans_settled:  # takes an earlier term left unsettled
                         await executor.settle_orphan_marks()
-                    ready = executor.adopt_plan(desired)
+                    ready = executor.replans.adopt(desired)
                     if ready is not None:  # a plan
                         await executor.write_desired(*ready)
                         desired = ready[0]
                     observed = self._observe(executor, cache, (readmits, clear_bads), desired)
                     # why the replan the job waits for failed, or no reason once it is another
                     wanted = wanted_replan(desired, observed, self.decide_cfg)
-                    shown = executor.failure_shown(desired, wanted)
+                    shown = executor.replans.failure_shown(desired, wanted)
                     if shown is not None:
                         await executor.write_desired(*shown)
                         desired = shown[0]

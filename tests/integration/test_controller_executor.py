@@ -25,8 +25,9 @@ import pytest
 
 from sailor.controller.audit import AuditLog
 from sailor.controller.decision_types import DecideConfig, Replan, Send
-from sailor.controller.executor import KEEP_GENERATIONS, REPLAN_RETRY_S, Executor
+from sailor.controller.executor import KEEP_GENERATIONS, Executor
 from sailor.controller.planning import DataParallelPlanner, PlanResult
+from sailor.controller.replans import REPLAN_RETRY_S
 from sailor.coordination import (
     EtcdStore,
     Keys,
@@ -231,16 +232,16 @@ async def test_a_timed_out_replan_is_cancelled_and_asked_again(
     ) as rig:
         ex, audit = rig.ex, rig.audit
         nodes = (_node(1), _node(2))
-        assert ex._start_replan(Replan(nodes, None, "join"))
+        assert ex.replans.start(Replan(nodes, None, "join"))
         await _until(lambda: planner.cancelled == [("n1", "n2")])  # the search was stopped
         await _until(lambda: bool(_records(audit, "plan_failed")))
-        assert ex._replanning is None  # so a later pass starts it again
-        assert not ex._start_replan(Replan(nodes, None, "join"))  # after its backoff
+        assert ex.replans.running is None  # so a later pass starts it again
+        assert not ex.replans.start(Replan(nodes, None, "join"))  # after its backoff
         clock.t += REPLAN_RETRY_S
-        assert ex._start_replan(Replan(nodes, None, "join"))
+        assert ex.replans.start(Replan(nodes, None, "join"))
         await _until(lambda: len(planner.started) == 2)
         planner.release[("n1", "n2")].set_result(planner.plan(nodes, None))
-        await _until(lambda: ex.plan_ready is not None)
+        await _until(lambda: ex.replans.ready is not None)
 
 
 async def test_a_replaced_replan_is_cancelled_and_cannot_clear_the_newer_one(
@@ -250,17 +251,17 @@ async def test_a_replaced_replan_is_cancelled_and_cannot_clear_the_newer_one(
     async with executor_on(module_plain_servers, tmp_path, planner) as rig:
         ex = rig.ex
         a, b = (_node(1), _node(2)), (_node(1), _node(2), _node(3))
-        assert ex._start_replan(Replan(a, None, "join"))
+        assert ex.replans.start(Replan(a, None, "join"))
         await _until(lambda: len(planner.started) == 1)
-        assert ex._start_replan(Replan(b, None, "join"))
+        assert ex.replans.start(Replan(b, None, "join"))
         # the older search is stopped, not left running for the newer one to queue behind
         await _until(lambda: planner.cancelled == [("n1", "n2")])
-        assert ex._replanning == (("n1", "n2", "n3"), None)
-        assert not ex._start_replan(Replan(b, None, "join"))  # under way: not started twice
+        assert ex.replans.running == (("n1", "n2", "n3"), None)
+        assert not ex.replans.start(Replan(b, None, "join"))  # under way: not started twice
         # the newer one fails: that clears it (and only it)
         await _until(lambda: len(planner.started) == 2)
         planner.release[("n1", "n2", "n3")].set_result(RuntimeError("no plan"))
-        await _until(lambda: ex._replanning is None)
+        await _until(lambda: ex.replans.running is None)
 
 
 async def test_a_failing_older_replan_leaves_the_newer_one_running(
@@ -289,14 +290,14 @@ async def test_a_failing_older_replan_leaves_the_newer_one_running(
     async with executor_on(module_plain_servers, tmp_path, _Planner()) as rig:
         ex = rig.ex
         try:
-            assert ex._start_replan(Replan((_node(1),), None, "join"))
+            assert ex.replans.start(Replan((_node(1),), None, "join"))
             await _until(lambda: 1 in gate)
-            assert ex._start_replan(Replan((_node(1), _node(2)), None, "join"))
+            assert ex.replans.start(Replan((_node(1), _node(2)), None, "join"))
             await _until(lambda: 2 in gate)
             if not gate[1].done():
                 gate[1].set_result(None)  # the replaced search ends, and fails, after all
             await asyncio.sleep(0.1)
-            assert ex._replanning == (("n1", "n2"), None)
+            assert ex.replans.running == (("n1", "n2"), None)
         finally:
             for f in gate.values():
                 if not f.done():
@@ -314,22 +315,22 @@ async def test_a_replan_in_another_precision_is_not_swallowed_by_one_under_way(
     async with executor_on(module_plain_servers, tmp_path, planner) as rig:
         ex = rig.ex
         nodes = (_node(1), _node(2))
-        assert ex._start_replan(Replan(nodes, None, "join"))
+        assert ex.replans.start(Replan(nodes, None, "join"))
         await _until(lambda: len(planner.started) == 1)
-        assert ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        assert ex.replans.start(Replan(nodes, None, "join", "bf16"))
         await _until(lambda: planner.cancelled == [("n1", "n2")])
         await _until(lambda: len(planner.started) == 2)
         assert planner.precisions == [None, "bf16"]
-        assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        assert not ex.replans.start(Replan(nodes, None, "join", "bf16"))
         res = planner.plan(nodes, None)
         res = PlanResult(res.plan.model_copy(update={"precision": "bf16"}), res.placement, "")
         planner.release[("n1", "n2")].set_result(res)
-        await _until(lambda: ex.plan_ready is not None)
-        assert ex.plan_ready is not None and ex.plan_ready[0] == (("n1", "n2"), "bf16")
+        await _until(lambda: ex.replans.ready is not None)
+        assert ex.replans.ready is not None and ex.replans.ready[0] == (("n1", "n2"), "bf16")
         # adopted over a next plan for the same nodes in another precision
         old = planner.plan(nodes, None).plan.model_copy(update={"precision": "fp16"})
         d = DesiredState(epoch=ex.epoch, next_plan=old, next_membership=("n1", "n2"))
-        adopted = ex.adopt_plan(d)
+        adopted = ex.replans.adopt(d)
         assert adopted is not None and adopted[0].next_plan == res.plan
 
 
@@ -357,32 +358,33 @@ async def test_a_failed_replan_backs_off_for_its_membership_and_precision(
     async with executor_on(module_plain_servers, tmp_path, _Failing(), clock=clock) as rig:
         ex, audit = rig.ex, rig.audit
         nodes = (_node(1), _node(2))
-        assert ex._start_replan(Replan(nodes, None, "join", "bf16"))
+        assert ex.replans.start(Replan(nodes, None, "join", "bf16"))
         await _until(lambda: len(_records(audit, "plan_failed")) == 1)
         for _ in range(5):  # decide passes asking for the same replan
-            assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))
+            assert not ex.replans.start(Replan(nodes, None, "join", "bf16"))
         assert len(calls) == 1
         d = DesiredState(epoch=ex.epoch)
-        assert ex.adopt_plan(d) is None  # no plan: the reason is the wanted replan's
-        noted = ex.failure_shown(d, Replan(nodes, None, "join", "bf16"))
+        assert ex.replans.adopt(d) is None  # no plan: the reason is the wanted replan's
+        noted = ex.replans.failure_shown(d, Replan(nodes, None, "join", "bf16"))
         assert noted is not None and noted[1] == "plan failed"
         assert "no bf16 units" in noted[0].plan_failed and "15 s" in noted[0].plan_failed
-        assert ex.failure_shown(noted[0], Replan(nodes, None, "join", "bf16")) is None  # once
+        again = ex.replans.failure_shown(noted[0], Replan(nodes, None, "join", "bf16"))
+        assert again is None  # once
         clock.t += REPLAN_RETRY_S
-        assert ex._start_replan(Replan(nodes, None, "join", "bf16"))  # the backoff is over
+        assert ex.replans.start(Replan(nodes, None, "join", "bf16"))  # the backoff is over
         await _until(lambda: len(_records(audit, "plan_failed")) == 2)
         clock.t += REPLAN_RETRY_S
-        assert not ex._start_replan(Replan(nodes, None, "join", "bf16"))  # doubled
-        assert "failed 2x" in ex._failed[(("n1", "n2"), "bf16")][4]
-        assert ex._start_replan(Replan(nodes, None, "join", "fp16"))  # another precision
+        assert not ex.replans.start(Replan(nodes, None, "join", "bf16"))  # doubled
+        assert "failed 2x" in ex.replans.failed[(("n1", "n2"), "bf16")][4]
+        assert ex.replans.start(Replan(nodes, None, "join", "fp16"))  # another precision
         await _until(lambda: len(calls) == 3)
-        assert ex._start_replan(Replan((_node(3),), None, "join", "bf16"))  # other nodes
+        assert ex.replans.start(Replan((_node(3),), None, "join", "bf16"))  # other nodes
         await _until(lambda: len(calls) == 4)
         # the same node id re-registered with other GPUs: a new question, asked at once
         await _until(lambda: len(_records(audit, "plan_failed")) == 4)
-        assert not ex._start_replan(Replan((_node(3),), None, "join", "bf16"))
+        assert not ex.replans.start(Replan((_node(3),), None, "join", "bf16"))
         other = (_node(3).model_copy(update={"gpus": 8}),)
-        assert ex._start_replan(Replan(other, None, "join", "bf16"))
+        assert ex.replans.start(Replan(other, None, "join", "bf16"))
         await _until(lambda: len(calls) == 5)
 
 
@@ -689,32 +691,32 @@ async def test_a_failed_searchs_reason_is_shown_only_while_that_replan_is_wanted
         ex, audit = rig.ex, rig.audit
         three = Replan((_node(1), _node(2), _node(3)), None, "join", "bf16")
         two = Replan((_node(1), _node(2)), None, "n3 left", "bf16")
-        assert ex._start_replan(three)
+        assert ex.replans.start(three)
         await _until(lambda: len(_records(audit, "plan_failed")) == 1)
         d = DesiredState(epoch=ex.epoch)
-        shown = ex.failure_shown(d, three)
+        shown = ex.replans.failure_shown(d, three)
         assert shown is not None and "no layout fits" in shown[0].plan_failed
         d = shown[0]
-        assert ex.failure_shown(d, three) is None  # backed off, still wanted: no write
+        assert ex.replans.failure_shown(d, three) is None  # backed off, still wanted: no write
         # n3 left: the job waits for a replan of two nodes, not for the failed one
-        gone = ex.failure_shown(d, two)
+        gone = ex.replans.failure_shown(d, two)
         assert gone is not None and gone[0].plan_failed == ""
         assert "no longer wanted" in gone[1]
         # n3 back with the same record while the backoff holds: said again
-        again = ex.failure_shown(gone[0], three)
+        again = ex.replans.failure_shown(gone[0], three)
         assert again is not None and again[0].plan_failed == d.plan_failed
         # the same ids, other records (n3 re-registered with more GPUs): asked at once
         other = Replan(
             (_node(1), _node(2), _node(3).model_copy(update={"gpus": 8})), None, "", "bf16"
         )
-        assert ex.failure_shown(d, other) is not None
+        assert ex.replans.failure_shown(d, other) is not None
         # no replan wanted at all (every node left: IDLE)
-        idle = ex.failure_shown(d, None)
+        idle = ex.replans.failure_shown(d, None)
         assert idle is not None and idle[0].plan_failed == "" and "no replan" in idle[1]
-        assert ex.failure_shown(idle[0], None) is None
+        assert ex.replans.failure_shown(idle[0], None) is None
     # a reason a previous leader wrote (no failure on record here) stays while a replan is
     # wanted (its result replaces or clears it) and goes when none is
     async with executor_on(module_plain_servers, tmp_path / "b", _Failing(), clock=clock) as rig:
         inherited = DesiredState(epoch=rig.ex.epoch, plan_failed="replan for 3 nodes failed 1x")
-        assert rig.ex.failure_shown(inherited, three) is None
-        assert rig.ex.failure_shown(inherited, None) is not None
+        assert rig.ex.replans.failure_shown(inherited, three) is None
+        assert rig.ex.replans.failure_shown(inherited, None) is not None
