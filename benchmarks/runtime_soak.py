@@ -34,7 +34,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-import sailor.controller.executor as executor_mod
+import sailor.controller.command_sends as sends_mod
 from sailor.controller.audit import AuditLog
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import DecideConfig, Observed
@@ -156,7 +156,7 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
                 nodes=dict(nodes),
                 status=status,
                 commits=tuple(store.commits),
-                acked=ex.acked_view,
+                acked=ex.sends.acked_view,
             )
             desired = await ex.apply(decide(desired, obs, cfg), desired)
             await audit.durable()
@@ -177,7 +177,7 @@ async def soak(reconfigs: int, every: int, trace: bool, tmp: Path) -> list[dict[
                     nodes["n4"] = _node(4)
                     agents.status["n4"] = AgentStatus(node_id="n4", state="idle", time=0.0)
             was_running = running
-            if ex.inflight or ex.replans.running is not None:
+            if ex.sends.inflight or ex.replans.running is not None:
                 woke.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woke.wait(), 5.0)
@@ -196,7 +196,7 @@ def _measure(done: int, passes: int, t0: float, ex: Executor, trace: bool) -> di
         "rss_mib": _rss_mib(),
         "heap_mib": tracemalloc.get_traced_memory()[0] / 2**20 if trace else float("nan"),
         "gc_objects": len(gc.get_objects()),
-        "remembered_ids": ex.remembered,
+        "remembered_ids": ex.sends.remembered,
     }
 
 
@@ -238,15 +238,15 @@ def main() -> None:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sailor-soak-", dir="/dev/shm") as d:
         if args.baseline:
-            keep = executor_mod.KEEP_GENERATIONS
-            executor_mod.KEEP_GENERATIONS = 10**9
+            keep = sends_mod.KEEP_GENERATIONS
+            sends_mod.KEEP_GENERATIONS = 10**9
             _header("baseline: pruning off (every command id of the term kept)")
             out["baseline"] = asyncio.run(
                 soak(args.reconfigs, args.every, args.tracemalloc, Path(d))
             )
-            executor_mod.KEEP_GENERATIONS = keep
+            sends_mod.KEEP_GENERATIONS = keep
             gc.collect()
-        _header(f"pruned by generation (KEEP_GENERATIONS={executor_mod.KEEP_GENERATIONS})")
+        _header(f"pruned by generation (KEEP_GENERATIONS={sends_mod.KEEP_GENERATIONS})")
         out["pruned"] = asyncio.run(soak(args.reconfigs, args.every, args.tracemalloc, Path(d)))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -599,8 +599,8 @@ class Controller(EventIntake):
             status=snap.status,
             notices=snap.notices,
             commits=snap.commits,
-            acked=ex.acked_view,
-            refused=ex.refused_view,
+            acked=ex.sends.acked_view,
+            refused=ex.sends.refused_view,
             recalibration=self.calibrator.note(desired),
             readmit=self._requests(requests[0], ReadmitRequest, self._readmit_seen, ex.withdrawn),
             clear_bad=self._requests(

@@ -2,24 +2,11 @@
 
 The executor is the I/O half of decide-then-apply. Every etcd write goes through the
 leader's epoch guard; a ``FencedError`` means this controller was deposed and it must stop.
-Commands are sent concurrently in background tasks, each waiting a bounded time for its ack;
-``apply`` does not wait for them, so a finished plan is adopted on the next pass rather than
-after the slowest ack of a fan-out to every placed node. A command not acked is simply decided
-again on a later pass (never two copies in flight; re-sent at most every ``resend_s``).
-The ``command`` records of a fan-out are made durable with one fsync before the first
-request goes out, and an ack counts (``acked``) only once its record is durable. An agent's
-refusal is kept too (``refused``: the command's last one, until an ack accepts it), for
-``decide``: a Launch refused while its node kills workers is sent again slowly
-(``Send.resend_every``) until the kill is over, and the LAUNCH deadline's abort names each
-refusal.
-Planning runs as a named task (``replans.Replans``: one replan at a time, keyed by membership
-and precision, cancelled when replaced or timed out, backed off when it fails), so it
-overlaps the checkpoint.
-
-Memory is bounded by generations, not by the leadership term: the ids of acked and sent
-commands are kept per generation (of the desired state when sent), and only the current and
-the previous generation are kept (``KEEP_GENERATIONS``); a command of an older generation is
-never decided again (benchmarks/runtime_soak.py: flat over 10,000 reconfigurations).
+Commands go out through ``command_sends.CommandSends`` (in the background, each waiting a
+bounded time for its ack; a fan-out's records durable before the first request; acks and
+refusals kept for ``decide``, bounded by generations). Planning runs as a named task
+(``replans.Replans``: one replan at a time, keyed by membership and precision, cancelled
+when replaced or timed out, backed off when it fails), so it overlaps the checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ from typing import Any, Literal
 import structlog
 
 from sailor.controller.audit import AuditLog
+from sailor.controller.command_sends import CommandSends
 from sailor.controller.decision_types import (
     Action,
     ClearBadDone,
@@ -59,10 +47,9 @@ from sailor.coordination import (
     TaskSet,
     TemporaryError,
 )
-from sailor.schemas.commands import CommandAdapter, training_digest
+from sailor.schemas.commands import training_digest
 from sailor.schemas.runtime import (
     CAUSE_MAX,
-    CommandAck,
     DesiredState,
     NodeHealth,
     PeriodicCheckpoint,
@@ -75,11 +62,6 @@ from sailor.schemas.runtime import (
 __all__ = ["Executor"]
 
 _log = structlog.get_logger("sailor.controller")
-
-KEEP_GENERATIONS = 2
-"""Generations whose sent and acked command ids are kept: the current one, and the one before
-(a Send decided in the pass that moved to a new generation is filed under the new one, so
-this is a margin, not a need)."""
 
 
 @dataclass(frozen=True)
@@ -120,19 +102,9 @@ class Executor:
         self.clock = clock
         self.tasks = tasks
         self.wake = wake
-        self.command_timeout_s = command_timeout_s
-        self.resend_s = resend_s
         # what the decision's deadlines were set with: each phase record says why its length
         self.decide_cfg = decide_cfg
-        self._acked: set[str] = set()
-        self._acked_view: frozenset[str] | None = None
-        self._refused: dict[str, str] = {}  # command id -> its agent's last refusal
-        self._refused_view: dict[str, str] | None = None
-        self._sent_at: dict[str, float] = {}
-        # generation (of the desired state when sent) -> the ids sent then: what to prune
-        self._by_generation: dict[int, list[str]] = {}
-        self._generation = 0
-        self._inflight: set[str] = set()
+        self.sends = CommandSends(commands, audit, clock, tasks, wake, command_timeout_s, resend_s)
         self.replans = Replans(
             planner,
             audit,
@@ -387,34 +359,15 @@ class Executor:
                 self._audit_request(a)
                 # audited: its mark is no longer needed (left, the next term audits it)
                 await self._unmark(self.keys.taken(key))
-        self._prune(desired.generation)
-        due = [s for s in sends if self._due(s.command.command_id, s.resend_every)]
+        self.sends.prune(desired.generation)
+        due = self.sends.due(sends)
         if due and not self.lead.fresh:
             # cut off from etcd past the lease's TTL: another leader may hold the key and
             # be sending its own; these go out (unchanged ids) once a refresh answers
             _log.warning("sends_held_lease_not_fresh", epoch=self.epoch, commands=len(due))
             due = []
         if due:
-            now = self.clock.now()
-            ids = self._by_generation.setdefault(self._generation, [])
-            for s in due:
-                cmd = s.command
-                self._inflight.add(cmd.command_id)
-                if cmd.command_id not in self._sent_at:
-                    ids.append(cmd.command_id)
-                self._sent_at[cmd.command_id] = now
-                self.audit.write(
-                    "command",
-                    now,
-                    epoch=cmd.epoch,
-                    command_id=cmd.command_id,
-                    command=cmd.kind,
-                    node_id=cmd.node_id,
-                    plan_id=cmd.plan_id,
-                )
-            await self.audit.durable()  # one fsync for the fan-out, before any request
-            for s in due:
-                self._spawn_send(s)
+            await self.sends.send(due)
         return desired
 
     def _requests_applied(
@@ -791,134 +744,6 @@ class Executor:
         if leader is not None and leader.create_revision == self.epoch:
             return "withdrawn"
         return "unknown"
-
-    def _prune(self, generation: int) -> None:
-        """Forget the commands of generations older than ``KEEP_GENERATIONS`` back."""
-        if generation <= self._generation:
-            return
-        self._generation = generation
-        floor = generation - KEEP_GENERATIONS + 1
-        for g in [g for g in self._by_generation if g < floor]:
-            for cid in self._by_generation.pop(g):
-                self._acked.discard(cid)
-                self._sent_at.pop(cid, None)
-                self._refused.pop(cid, None)
-        self._acked_view = None
-        self._refused_view = None
-
-    @property
-    def acked(self) -> frozenset[str]:
-        """Acked command ids of the kept generations (see ``acked_view``)."""
-        return self.acked_view
-
-    @property
-    def acked_view(self) -> frozenset[str]:
-        """The kept generations' acked ids, frozen for ``Observed``: rebuilt at most once per
-        pass after acks came in (not per ack), and only from the kept generations (a
-        generation's commands: a few per node), never from every command of the term."""
-        if self._acked_view is None:
-            self._acked_view = frozenset(self._acked)
-        return self._acked_view
-
-    @property
-    def refused_view(self) -> dict[str, str]:
-        """The kept generations' commands whose agent refused them, with its last reason,
-        until an ack accepts them (for ``Observed.refused``: a copy, rebuilt at most once
-        per pass after a refusal or acceptance came in)."""
-        if self._refused_view is None:
-            self._refused_view = dict(self._refused)
-        return self._refused_view
-
-    @property
-    def remembered(self) -> int:
-        """Command ids held (acked, sent-at and refused entries): bounded by the kept
-        generations."""
-        return len(self._acked) + len(self._sent_at) + len(self._refused)
-
-    @property
-    def inflight(self) -> int:
-        """Commands sent and not yet answered (or timed out)."""
-        return len(self._inflight)
-
-    def _due(self, cid: str, every: int = 1) -> bool:
-        """Send ``cid`` now? Not if in flight, acked, or sent less than ``every`` x
-        ``resend_s`` ago (``Send.resend_every``)."""
-        if cid in self._inflight or cid in self._acked:
-            return False
-        return self.clock.now() - self._sent_at.get(cid, -1e9) >= every * self.resend_s
-
-    def _spawn_send(self, action: Send) -> None:
-        cid = action.command.command_id
-
-        async def run() -> None:
-            try:
-                await self._send(action)
-            finally:
-                self._inflight.discard(cid)
-                # one pass when a fan-out is fully answered, not one per ack
-                if not self._inflight:
-                    self.wake(True)
-
-        self.tasks.spawn(f"cmd-{cid}", run())
-
-    async def _send(self, action: Send) -> None:
-        """Request (its ``command`` record is already durable) and record the ack."""
-        cmd = action.command
-        try:
-            raw = await self.commands.request(
-                cmd.node_id, CommandAdapter.dump_json(cmd), self.command_timeout_s
-            )
-            ack = CommandAck.model_validate_json(raw)
-        except TemporaryError as exc:
-            _log.info("command_unacked", command_id=cmd.command_id, error=str(exc))
-            return
-        except ValueError as exc:
-            self.audit.write(
-                "ack_rejected", self.clock.now(), command_id=cmd.command_id, error=str(exc)[:300]
-            )
-            return
-        # The one reply that names no command: the addressed node's refusal of a command it
-        # could not parse (``"?"``, ``agent_commands._apply``). A reply is to this request
-        # alone (its own inbox) and names this node: this node refused this command, and
-        # its reason ("malformed: ...") is what decide and an abort's cause must see.
-        unparsed = ack.command_id == "?" and not ack.accepted and ack.node_id == cmd.node_id
-        if (ack.command_id != cmd.command_id and not unparsed) or ack.node_id != cmd.node_id:
-            # an ack of another command, or from another node (one that shares this node's
-            # command subject): never counted; every release's agent sends both as asked
-            self.audit.write(
-                "ack_rejected",
-                self.clock.now(),
-                command_id=cmd.command_id,
-                node_id=cmd.node_id,
-                ack_command_id=ack.command_id[:128],
-                ack_node_id=ack.node_id[:128],
-                accepted=ack.accepted,
-                reason=ack.reason[:300],
-                error="the ack names another command or node",
-            )
-            return
-        self.audit.write(
-            "ack",
-            self.clock.now(),
-            epoch=cmd.epoch,
-            command_id=cmd.command_id,
-            node_id=cmd.node_id,
-            accepted=ack.accepted,
-            duplicate=ack.duplicate,
-            reason=ack.reason,
-        )
-        if not ack.accepted:  # decide reads why (a kill under way: not re-sent until over)
-            kept = cmd.command_id in self._sent_at  # else its generation was pruned meanwhile
-            if kept and self._refused.get(cmd.command_id) != ack.reason:
-                self._refused[cmd.command_id] = ack.reason
-                self._refused_view = None
-            return
-        await self.audit.durable()  # group commit with the other acks of the fan-out
-        if cmd.command_id in self._sent_at:  # else its generation was pruned meanwhile
-            self._acked.add(cmd.command_id)
-            self._acked_view = None
-            if self._refused.pop(cmd.command_id, None) is not None:
-                self._refused_view = None
 
 
 def _deadline_why(state: DesiredState, cfg: DecideConfig) -> str:

@@ -254,14 +254,14 @@ async def test_the_controller_keeps_an_agents_refusal_until_the_launch_is_taken(
         launch = _launch(2).model_copy(update={"epoch": lead.epoch, "command_id": "e-launch-2"})
         desired = DesiredState(epoch=lead.epoch, generation=2)
         await ex.apply([Send(launch)], desired)
-        await until(lambda: ex.inflight == 0, 10, "the refusal")
-        assert "being killed" in ex.refused_view.get("e-launch-2", ""), ex.refused_view
-        assert "e-launch-2" not in ex.acked_view
+        await until(lambda: ex.sends.inflight == 0, 10, "the refusal")
+        assert "being killed" in ex.sends.refused_view.get("e-launch-2", ""), ex.sends.refused_view
+        assert "e-launch-2" not in ex.sends.acked_view
 
         await until(lambda: agent.status().state == "idle", 3 * STUCK_S, "kill over")
         await ex.apply([Send(launch)], desired)  # the pass the kill's end woke
-        await until(lambda: "e-launch-2" in ex.acked_view, 10, "the Launch taken")
-        assert ex.refused_view == {} and sup.generation == 2
+        await until(lambda: "e-launch-2" in ex.sends.acked_view, 10, "the Launch taken")
+        assert ex.sends.refused_view == {} and sup.generation == 2
     finally:
         await tasks.close()
         audit.close()

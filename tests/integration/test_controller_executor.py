@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from sailor.controller.audit import AuditLog
+from sailor.controller.command_sends import KEEP_GENERATIONS
 from sailor.controller.decision_types import DecideConfig, Replan, Send
-from sailor.controller.executor import KEEP_GENERATIONS, Executor
+from sailor.controller.executor import Executor
 from sailor.controller.planning import DataParallelPlanner, PlanResult
 from sailor.controller.replans import REPLAN_RETRY_S
 from sailor.coordination import (
@@ -406,18 +407,18 @@ async def test_acked_and_sent_commands_are_pruned_by_generation(
             desired = DesiredState(epoch=e, generation=gen)
             sends = _stops(e, gen, nodes)
             await ex.apply(sends, desired)
-            await _until(lambda: ex.inflight == 0)
+            await _until(lambda: ex.sends.inflight == 0)
             ids = {f"e{e}-g{gen}-stop-{n}" for n in nodes}
-            assert ids <= ex.acked_view
+            assert ids <= ex.sends.acked_view
             # acked commands are not sent again: each reached its agent once
             await ex.apply(sends, desired)
-            assert ex.inflight == 0
+            assert ex.sends.inflight == 0
             assert sorted(rig.agents.received[-len(nodes) :]) == sorted(ids)
         assert len(rig.agents.received) == 30 * len(nodes)
         # only the kept generations are remembered (acked and sent-at: 2 entries per command)
-        assert ex.remembered == 2 * len(nodes) * KEEP_GENERATIONS
-        assert len(ex.acked_view) == len(nodes) * KEEP_GENERATIONS
-        assert f"e{e}-g0-stop-n0" not in ex.acked_view
+        assert ex.sends.remembered == 2 * len(nodes) * KEEP_GENERATIONS
+        assert len(ex.sends.acked_view) == len(nodes) * KEEP_GENERATIONS
+        assert f"e{e}-g0-stop-n0" not in ex.sends.acked_view
 
 
 async def test_a_refused_or_unanswered_command_is_not_acked_and_is_sent_again(
@@ -437,17 +438,17 @@ async def test_a_refused_or_unanswered_command_is_not_acked_and_is_sent_again(
         sends = _stops(e, 1, ["n0", "n1", "n2"])
         ok, refused, silent = (s.command.command_id for s in sends)
         await ex.apply(sends, desired)
-        await _until(lambda: ex.inflight == 0)
-        assert ex.acked_view == {ok}
+        await _until(lambda: ex.sends.inflight == 0)
+        assert ex.sends.acked_view == {ok}
         acks = {r["command_id"]: r["accepted"] for r in _records(rig.audit, "ack")}
         assert acks == {ok: True, refused: False}  # the silent one left no ack
         await ex.apply(sends, desired)  # within resend_s: nothing goes out
-        assert ex.inflight == 0 and sorted(agents.received) == sorted([ok, refused, silent])
+        assert ex.sends.inflight == 0 and sorted(agents.received) == sorted([ok, refused, silent])
         agents.refuse, agents.silent = set(), set()
-        clock.t += ex.resend_s
+        clock.t += ex.sends.resend_s
         await ex.apply(sends, desired)  # the two not acked, sent again under the same ids
-        await _until(lambda: ex.inflight == 0)
-        assert ex.acked_view == {ok, refused, silent}
+        await _until(lambda: ex.sends.inflight == 0)
+        assert ex.sends.acked_view == {ok, refused, silent}
         assert sorted(agents.received[3:]) == sorted([refused, silent])
 
 
@@ -474,10 +475,10 @@ async def test_an_ack_from_another_node_or_of_another_command_is_not_counted(
         sends = _stops(e, 1, ["n0", "n1", "n2", "n3"])
         ok, other_node, other_cmd, unparsed = (s.command.command_id for s in sends)
         await ex.apply(sends, desired)
-        await _until(lambda: ex.inflight == 0)
-        assert ex.acked_view == {ok}
+        await _until(lambda: ex.sends.inflight == 0)
+        assert ex.sends.acked_view == {ok}
         assert {r["command_id"] for r in _records(rig.audit, "ack")} == {ok, unparsed}
-        assert ex.refused_view == {unparsed: "malformed: bad field"}  # n3's own refusal
+        assert ex.sends.refused_view == {unparsed: "malformed: bad field"}  # n3's own refusal
         rejected = {r["command_id"]: r for r in _records(rig.audit, "ack_rejected")}
         assert set(rejected) == {other_node, other_cmd}
         assert rejected[other_node]["ack_node_id"] == "n1x"
@@ -488,10 +489,10 @@ async def test_an_ack_from_another_node_or_of_another_command_is_not_counted(
         )
         assert rejected[other_cmd]["ack_command_id"] == "another"
         agents.forged = {}
-        clock.t += ex.resend_s
+        clock.t += ex.sends.resend_s
         await ex.apply(sends, desired)  # not acked: sent again, and now acked
-        await _until(lambda: ex.inflight == 0)
-        assert ex.acked_view == {ok, other_node, other_cmd, unparsed}
+        await _until(lambda: ex.sends.inflight == 0)
+        assert ex.sends.acked_view == {ok, other_node, other_cmd, unparsed}
 
 
 async def test_a_command_sent_slowly_goes_out_again_only_after_its_spacing(
@@ -511,17 +512,17 @@ async def test_a_command_sent_slowly_goes_out_again_only_after_its_spacing(
         cid = f"e{e}-g1-stop-n1"
         slow = [Send(Stop(command_id=cid, epoch=e, node_id="n1", at_step=1), resend_every=8)]
         await ex.apply(slow, desired)
-        await _until(lambda: ex.inflight == 0)
-        assert agents.received == [cid] and cid in ex.refused_view
+        await _until(lambda: ex.sends.inflight == 0)
+        assert agents.received == [cid] and cid in ex.sends.refused_view
         for _ in range(7):  # seven resend_s later: not yet
-            clock.t += ex.resend_s
+            clock.t += ex.sends.resend_s
             await ex.apply(slow, desired)
-            assert ex.inflight == 0 and agents.received == [cid]
+            assert ex.sends.inflight == 0 and agents.received == [cid]
         agents.refuse = set()
-        clock.t += ex.resend_s
+        clock.t += ex.sends.resend_s
         await ex.apply(slow, desired)
-        await _until(lambda: ex.inflight == 0)
-        assert agents.received == [cid, cid] and ex.acked_view == {cid}
+        await _until(lambda: ex.sends.inflight == 0)
+        assert agents.received == [cid, cid] and ex.sends.acked_view == {cid}
 
 
 async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(
@@ -542,11 +543,11 @@ async def test_a_leader_cut_off_from_etcd_sends_nothing_until_it_is_fresh(
         cid = f"e{e}-g1-stop-n0"
         sends: list[Any] = [Send(Stop(command_id=cid, epoch=e, node_id="n0", at_step=3))]
         await ex.apply(sends, desired)
-        assert ex.inflight == 0 and cid not in ex.acked_view
+        assert ex.sends.inflight == 0 and cid not in ex.sends.acked_view
         assert _records(rig.audit, "command") == []
         await _until(lambda: rig.lead.fresh, timeout=3 * LEASE_TTL)  # a refresh answered
         await ex.apply(sends, desired)
-        await _until(lambda: cid in ex.acked_view)
+        await _until(lambda: cid in ex.sends.acked_view)
         assert [r["command_id"] for r in _records(rig.audit, "command")] == [cid]
         assert rig.agents.received == [cid]
 
