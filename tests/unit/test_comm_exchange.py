@@ -38,6 +38,7 @@ from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 META = torch.device("meta")
 CPU = torch.device("cpu")
 _LAYERS = 6  # tiny models: embedding, 4 blocks, head
+_SEEDS = 12
 
 
 def _pipeline(rng: random.Random, tps: tuple[int, ...]) -> Pipeline:
@@ -107,7 +108,7 @@ def _record(seed: int) -> tuple[dict[int, list[CommOp]], Schedule]:
     return logs, sched
 
 
-@pytest.mark.parametrize("seed", range(24), ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("seed", range(_SEEDS), ids=lambda s: f"seed{s}")
 def test_exchange_of_every_rank_passes_the_replay(seed: int) -> None:
     logs, sched = _record(seed)
     res = replay(logs)
@@ -123,7 +124,7 @@ def test_the_grid_moves_state_between_tp_degrees() -> None:
     """The seeds above are not all trivial: messages cross, in several batches, and some
     layers are gathered from several old TP shards."""
     sends, batches, gathered = 0, 0, 0
-    for seed in range(24):
+    for seed in range(_SEEDS):
         logs, sched = _record(seed)
         sends += sum(op.kind == "send" for ops in logs.values() for op in ops)
         batches = max(
