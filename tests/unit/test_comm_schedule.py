@@ -214,3 +214,22 @@ def test_a_host_tensor_handed_to_a_collective_is_refused() -> None:
         comm.all_reduce(torch.zeros(2, device=META))
         with pytest.raises(CommRuleError, match="rank's device is meta"):
             comm.all_reduce(torch.zeros(2))
+
+
+def test_padded_vocabulary_shards_pass_replay() -> None:
+    """A vocabulary of 30 is padded to 64 rows: at TP 2 rank 1's rows of the embedding and
+    the head are padding only, a branch of their own in the split cross entropy (no real
+    logit to take the max of) that must still make the same three TP all-reduces; the
+    tiny models' vocabulary (64) has no padding, so the grid above never takes it."""
+    plan = _three_pipelines()
+    spec = tiny_model("tiny-gpt", plan.global_batch_size).model_copy(update={"vocab_size": 30})
+    logs = record_iteration(plan, spec)
+    res = replay(logs)
+    assert res.ok, res.message
+    # pipeline a is one stage at TP 2 (ranks 0, 1): rank 1 holds padding rows only; its
+    # cross entropy's max runs on the TP group like rank 0's
+    maxes = {
+        r: [op for op in logs[r] if op.kind == "all_reduce" and op.group == (0, 1)] for r in (0, 1)
+    }
+    assert [op.detail for op in maxes[0]] == [op.detail for op in maxes[1]]
+    assert "max" in {op.detail for op in maxes[1]}
