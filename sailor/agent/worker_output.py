@@ -91,8 +91,8 @@ class WorkerOutput:
                 w.out_log.write(raw)
             try:
                 msg = json.loads(raw)
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):  # nested past json's recursion limit:
+                continue  # it ended this reader, and the worker blocked on a full pipe
             if not isinstance(msg, dict):
                 continue
             try:
@@ -300,7 +300,7 @@ def _failed_event(tail: list[str]) -> dict[str, Any] | None:
             continue
         try:
             data = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(data, dict) and data.get("event") == "failed":
             return {k: v for k, v in data.items() if k != "event"}

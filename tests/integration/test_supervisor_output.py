@@ -70,6 +70,7 @@ t = dict(fwd_s=0.01, bwd_s=0.02, p2p_s=0.0, sync_s=0.0, optim_s=0.001, step_s=0.
 say(event="ready", rank=0)
 for s in (1, 2, 3):
     say(event="step", rank=0, step=s, loss=1.0, **t)
+print("[" * 5000, flush=True)  # nested past json's recursion limit
 say(event="step", rank=0, step=-5, loss=1.0)
 say(event="step", rank=0, step=float("inf"), loss=1.0)
 say(event="saved", rank=0, step=-9)
@@ -86,7 +87,9 @@ time.sleep(60)
 
 
 async def test_hostile_numbers_in_progress_lines_are_refused_by_name(tmp_path: Path) -> None:
-    """Steps below -1, an infinite step, infinite, huge or negative timings: each line is
+    """A line nested past json's recursion limit is skipped (it raised ``RecursionError``,
+    which ended the stdout reader). Steps below -1, an infinite step, infinite, huge or
+    negative timings: each line is
     refused with a log naming the field and its value, the reader goes on, and what the
     agent puts in its status still validates. Before, a step of -5 (or a saved step of -9,
     a held step of -7) reached the status record, which refuses it, and an infinite or
