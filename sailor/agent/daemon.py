@@ -30,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import signal
 import time
 import uuid
@@ -46,7 +47,7 @@ from sailor.agent.node_join import AgentNodeCheck, host_port, node_address, regi
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.release import sailor_release
 from sailor.agent.supervisor import Supervisor
-from sailor.agent.watchers import Notice, PreemptionWatcher, make_watcher
+from sailor.agent.watchers import GCP_NOTICE_S, Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
     DaemonFailedError,
@@ -567,20 +568,33 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         """Report a preemption notice (once)."""
         event = self._record_notice(notice)
         if event is not None:
-            await self._publish("preemption_notice", event, until=notice.deadline)
+            await self._publish("preemption_notice", event, until=event.deadline)
 
     def _record_notice(self, notice: Notice) -> PreemptionNotice | None:
         """Keep a notice for the status record; the event to publish (None: one was
         already reported)."""
         if self.noticed:
             return None
+        deadline = notice.deadline
+        if not (math.isfinite(deadline) and deadline >= 0):
+            # the notice is real (its source said so), its time is not: GCP's 30 s. Before, a
+            # negative one (a notice file's ``{"in_s": -100}``, a cloud's date before 1970)
+            # failed the event's validation after ``noticed`` was set: the notice was lost
+            _log.warning(
+                "notice_deadline_unusable",
+                node=self.node.node_id,
+                source=notice.source,
+                deadline=repr(deadline),
+                why=f"not a Unix time >= 0: the default of {GCP_NOTICE_S:g} s from now is taken",
+            )
+            deadline = self.clock.now() + GCP_NOTICE_S
         self.noticed = True
         event = PreemptionNotice(
             event_id=self._event_id("notice"),
             node_id=self.node.node_id,
             time=self.clock.now(),
-            deadline=notice.deadline,
-            source=notice.source,
+            deadline=deadline,
+            source=notice.source[:64],
         )
         # Two paths to the controller: the status record in etcd (written by the status
         # loop, which wakes now) and the event, retried until the deadline. Either one

@@ -47,6 +47,9 @@ class EpochFence:
 
     def raise_to(self, epoch: int) -> bool:
         """Raise the fence to ``epoch`` (durably, before returning); False if not higher."""
+        # a plain int: ``True`` (a desired state's ``"epoch": true``, which the controller
+        # reads as 1) was written as ``true``, and the next start refused the fence file
+        epoch = int(epoch)
         if epoch <= self.epoch:
             return False
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,9 @@ def load_killed(run_dir: Path) -> list[KilledGroup] | None:
             raise ValueError(f"pgid={bad[0]}: not a worker's process group")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # OverflowError: ``int(Infinity)`` (JSON as Python reads it), which ended the agent's
+        # start before it took a command
         _log.warning("killed_groups_unreadable", path=str(path), error=repr(exc)[:300])
         return None
     if saved_boot and this_boot and saved_boot != this_boot:

@@ -31,12 +31,15 @@ from dataclasses import dataclass
 from sailor.schemas.online_calibration import RankTimings
 
 __all__ = [
+    "MAX_MICROBATCHES",
+    "MAX_TIME_S",
     "SHIFT_RATIO",
     "SHIFT_RUN",
     "SKIP_FIRST",
     "WINDOW",
     "StepSample",
     "StepWindow",
+    "bad_timing",
     "sample_of",
 ]
 
@@ -75,11 +78,42 @@ class StepSample:
     """compute_s - p2p_s - microbatches x (fwd_s + bwd_s) (0 without compute_s)."""
 
 
+MAX_TIME_S = 1e6
+"""A timing above this (11.6 days for one part of one step) is no measurement: refused, as
+a negative or non-finite one is. Unbounded, a worker's 1e308 overflowed the summary's sums
+to infinity, which the status record refuses: the agent's status loop crashed until the
+agent exited."""
+
+MAX_MICROBATCHES = 1_000_000
+"""Microbatches per step above this are refused (no plan gives a rank 10^6 microbatches a
+step); unbounded, a huge count overflowed the summary's float work."""
+
+
 def _number(msg: Mapping[str, object], key: str) -> float | None:
     v = msg.get(key)
     if isinstance(v, bool) or not isinstance(v, int | float):
         return None
-    return float(v) if v >= 0 else None
+    if not 0 <= v <= MAX_TIME_S:  # NaN fails too; infinity, a negative time
+        return None
+    return float(v)
+
+
+def bad_timing(msg: Mapping[str, object]) -> str:
+    """Why a step line's timing fields cannot be taken, naming the first bad field and its
+    value; '' when each one present is fine (an absent or null field is an older worker's,
+    or a worker's that times nothing: no error)."""
+    for key in (*_FIELDS, "compute_s"):
+        v = msg.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_TIME_S:
+            return f"{key}={v!r}: a time is a number of seconds from 0 to {MAX_TIME_S:g}"
+    mbs = msg.get("microbatches")
+    if mbs is not None and (
+        isinstance(mbs, bool) or not isinstance(mbs, int) or not 0 <= mbs <= MAX_MICROBATCHES
+    ):
+        return f"microbatches={mbs!r}: a count from 0 to {MAX_MICROBATCHES}"
+    return ""
 
 
 def sample_of(msg: Mapping[str, object]) -> StepSample | None:
@@ -88,7 +122,9 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
     step, mbs = msg.get("step"), msg.get("microbatches", 0)
     if any(v is None for v in vals.values()) or not isinstance(step, int):
         return None
-    if not vals["step_s"] or not isinstance(mbs, int):
+    if not vals["step_s"] or isinstance(mbs, bool) or not isinstance(mbs, int):
+        return None
+    if not 0 <= mbs <= MAX_MICROBATCHES:
         return None
     compute = _number(msg, "compute_s")
     step_s, sync_s, optim_s = vals["step_s"] or 0.0, vals["sync_s"] or 0.0, vals["optim_s"] or 0.0

@@ -28,6 +28,7 @@ import structlog
 from sailor.coordination import Clock
 
 __all__ = [
+    "GCP_NOTICE_S",
     "AwsWatcher",
     "AzureWatcher",
     "FileWatcher",

@@ -26,6 +26,7 @@ import structlog
 from sailor.agent.killed_groups import KilledGroups
 from sailor.agent.rank_log import RankLog
 from sailor.agent.run_dir_io import RunDirIO, RunDirTimeoutError
+from sailor.agent.step_timings import bad_timing
 from sailor.agent.stream_lines import lines
 from sailor.agent.worker_view import WorkerView
 from sailor.coordination import TaskSet
@@ -90,8 +91,8 @@ class WorkerOutput:
                 w.out_log.write(raw)
             try:
                 msg = json.loads(raw)
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):  # nested past json's recursion limit:
+                continue  # it ended this reader, and the worker blocked on a full pipe
             if not isinstance(msg, dict):
                 continue
             try:
@@ -113,21 +114,24 @@ class WorkerOutput:
                 self._tasks.spawn("spares", self.top_up_spares())
         elif ev == "step":
             w.started = True
-            w.step = int(msg.get("step", w.step))
+            w.step = _step_of(msg, w.step)
             loss = msg.get("loss")
             # a diverged run reports NaN or inf (JSON has neither: the status refused it)
             if isinstance(loss, int | float) and math.isfinite(loss):
                 w.loss = float(loss)
             if w.timings is not None:
                 w.timings.add(msg)
+            why = bad_timing(msg)
+            if why:  # the step counts; its timing is left out of the calibration
+                raise ValueError(f"step {w.step}'s timing not taken: {why}")
         elif ev == "saved":
-            w.saved_step = int(msg.get("step", w.saved_step))
+            w.saved_step = _step_of(msg, w.saved_step)
             if msg.get("deleted"):  # saves the controller gave up on, deleted (drop_steps)
                 _log.info(
                     "checkpoint_unrecorded_deleted", step=w.saved_step, deleted=msg["deleted"]
                 )
         elif ev == "save_failed":  # an optional save (a periodic one): the workers train on
-            w.save_failed_step = int(msg.get("step", w.save_failed_step))
+            w.save_failed_step = _step_of(msg, w.save_failed_step)
             w.save_failure = str(msg.get("error", ""))[:1024]
             _log.warning(
                 "worker_save_failed", rank=w.rank, step=w.save_failed_step, error=w.save_failure
@@ -136,8 +140,9 @@ class WorkerOutput:
             if not self.in_place:
                 self.expect_exit = True
         elif ev == "held":
+            held_step = _step_of(msg, -1)
             w.held = True
-            w.held_step = int(msg.get("step", -1))
+            w.held_step = held_step
             w.broken = str(msg.get("cause", "")) if msg.get("broken") else ""
             if w.broken:
                 _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
@@ -209,6 +214,23 @@ class WorkerOutput:
                 _log.warning("worker_failed", rank=w.rank, code=code, cause=self.failure[:300])
 
 
+def _step_of(msg: dict[str, Any], default: int) -> int:
+    """The ``step`` of a progress line (``default`` without one): an integer from -1 (none),
+    as the agent's status carries it; else ``ValueError`` naming the field and value (the
+    line is skipped and logged). Before, a step of -5 reached the status record, which
+    refuses it, and the agent's status loop crashed until the agent exited; ``Infinity``
+    (JSON as Python writes it) raised ``OverflowError`` and ended the stdout reader, and
+    the worker blocked on a full pipe."""
+    v = msg.get("step", default)
+    try:
+        step = int(v)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"step={v!r}: not a step number") from exc
+    if step < -1:
+        raise ValueError(f"step={v!r}: a step number is at least -1 (none)")
+    return step
+
+
 async def exit_of(proc: asyncio.subprocess.Process) -> int:
     """``proc``'s exit status, once it is reaped (its pipes may still be open:
     :data:`_EXIT_POLL_S`)."""
@@ -278,7 +300,7 @@ def _failed_event(tail: list[str]) -> dict[str, Any] | None:
             continue
         try:
             data = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(data, dict) and data.get("event") == "failed":
             return {k: v for k, v in data.items() if k != "event"}

@@ -82,8 +82,8 @@ class FailureCause:
     def _whole(self) -> str:
         try:
             data = json.loads(self.text)
-        except ValueError:
-            data = None
+        except (ValueError, RecursionError):  # "[[[...": a failure text nested past json's
+            data = None  # recursion limit crashed the leader's pass
         if isinstance(data, dict):
             kind = str(data.get("error_type") or data.get("error") or "")
             message = str(data.get("message", ""))

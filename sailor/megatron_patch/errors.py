@@ -328,6 +328,6 @@ def read_error_file(path: str | Path) -> FailureRecord | None:
     """The record in ``path``, or None if there is none (or it is not a JSON object)."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # nested past json's recursion limit
         return None
     return data if isinstance(data, dict) else None

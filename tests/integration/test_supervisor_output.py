@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 
 from sailor.agent.supervisor import Supervisor
+from sailor.schemas.runtime import AgentStatus
 from tests.integration.test_worker_signals import PLAN, launch_of
 
 _WORKER = """
@@ -57,6 +59,81 @@ async def test_long_lines_and_bad_fields_neither_stop_the_reader_nor_the_worker(
         json.dumps(w.loss, allow_nan=False)  # what the status will carry
     finally:
         await sup.abort()
+
+
+_HOSTILE_NUMBERS = """
+import json, sys, time  # no braces: argv is formatted
+def say(**m):
+    print(json.dumps(m), flush=True)
+t = dict(fwd_s=0.01, bwd_s=0.02, p2p_s=0.0, sync_s=0.0, optim_s=0.001, step_s=0.1,
+         microbatches=2)
+say(event="ready", rank=0)
+for s in (1, 2, 3):
+    say(event="step", rank=0, step=s, loss=1.0, **t)
+print("[" * 5000, flush=True)  # nested past json's recursion limit
+say(event="step", rank=0, step=-5, loss=1.0)
+say(event="step", rank=0, step=float("inf"), loss=1.0)
+say(event="saved", rank=0, step=-9)
+say(event="step", rank=0, step=4, loss=1.0, **dict(t, fwd_s=float("inf")))
+say(event="step", rank=0, step=5, loss=1.0, **dict(t, bwd_s=1e308, step_s=1e308))
+say(event="step", rank=0, step=6, loss=1.0, **dict(t, microbatches=-3))
+say(event="step", rank=0, step=7, loss=1.0, **dict(t, microbatches=10**400))
+say(event="held", rank=0, step=-7)
+say(event="step", rank=0, step=8, loss=1.0, **t)
+sys.stderr.write("done\\n")
+sys.stderr.flush()
+time.sleep(60)
+"""
+
+
+async def test_hostile_numbers_in_progress_lines_are_refused_by_name(tmp_path: Path) -> None:
+    """A line nested past json's recursion limit is skipped (it raised ``RecursionError``,
+    which ended the stdout reader). Steps below -1, an infinite step, infinite, huge or
+    negative timings: each line is
+    refused with a log naming the field and its value, the reader goes on, and what the
+    agent puts in its status still validates. Before, a step of -5 (or a saved step of -9,
+    a held step of -7) reached the status record, which refuses it, and an infinite or
+    overflowing timing made the rank's timing summary raise: the agent's status loop
+    crashed until the agent exited; a step of ``Infinity`` ended the stdout reader."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _HOSTILE_NUMBERS))
+    with structlog.testing.capture_logs() as logs:
+        await sup.launch(launch_of(PLAN))
+        try:
+            async with asyncio.timeout(60):
+                while sup.workers[0].step < 8:
+                    sup.changed.clear()
+                    await sup.changed.wait()
+                while not any("done" in t for t in sup.workers[0].stderr_tail):
+                    await asyncio.sleep(0.05)
+            w = sup.workers[0]
+            assert w.exit_code is None and sup.state == "running", sup.failure
+            assert (sup.step, sup.saved_step, w.held, w.held_step) == (8, -1, False, -1)
+            timings = sup.timings()
+            assert [t.last_step for t in timings] == [8]
+            # the status the agent writes from these (``Agent.status``) validates
+            AgentStatus(
+                node_id="n1",
+                state="running",
+                step=sup.step,
+                saved_step=sup.saved_step,
+                held_step=sup.held_step,
+                loss=sup.loss,
+                timings=timings,
+            )
+        finally:
+            await sup.abort()
+    errors = [str(e.get("error")) for e in logs if e.get("event") == "worker_line_malformed"]
+    for named in (
+        "step=-5",
+        "step=inf",
+        "step=-9",
+        "fwd_s=inf",
+        "bwd_s=1e+308",
+        "microbatches=-3",
+        "microbatches=1000",
+        "step=-7",
+    ):
+        assert any(named in e for e in errors), (named, errors)
 
 
 async def test_a_launch_that_fails_halfway_leaves_no_worker(tmp_path: Path) -> None:

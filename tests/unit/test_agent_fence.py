@@ -88,3 +88,14 @@ async def test_a_failure_published_through_an_outage_does_not_stop_the_status_lo
     assert Outage.tries >= 3  # the event is being retried meanwhile
     gaps = [b - a for a, b in itertools.pairwise(pings)]
     assert len(pings) >= 10 and max(gaps) < 0.5, (len(pings), max(gaps, default=None))
+
+
+def test_a_boolean_epoch_is_kept_as_the_number_it_stands_for(tmp_path: Path) -> None:
+    """A desired state's ``"epoch": true`` (the controller reads it as 1; the agent takes
+    its fence from the raw value, ``Agent._fence_from_desired``) raised the fence to
+    ``True``, written as ``{"epoch": true}``: the agent's next start refused its own fence
+    file (``FenceUnreadableError``) until an operator removed it."""
+    path = tmp_path / "n1.epoch"
+    assert EpochFence(path).raise_to(True)
+    assert EpochFence(path).epoch == 1
+    assert not EpochFence(path).raise_to(True)

@@ -7,11 +7,15 @@ apart, so a NATS outage of more than ~5 s lost a 30 s notice. A manual clock: no
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import pytest
+import structlog
 
 from sailor.agent.agent_config import AgentConfig
 from sailor.agent.daemon import Agent
-from sailor.agent.watchers import Notice
+from sailor.agent.watchers import GCP_NOTICE_S, Notice
 from sailor.coordination import ManualClock, UnavailableError
 from sailor.schemas.events import PreemptionNotice
 from sailor.schemas.hardware import NodeSpec
@@ -87,3 +91,26 @@ async def test_notice_retries_end_at_its_deadline(tmp_path: Path) -> None:
     assert not bus.stored
     assert 1030.0 <= clock.now() <= 1032.0  # gave up once the deadline passed, not before
     assert agent.status().notice is not None  # still reported through etcd
+
+
+@pytest.mark.parametrize(
+    "deadline", [-5.0, -1e12, math.inf, math.nan], ids=["negative", "far-past", "inf", "nan"]
+)
+async def test_a_notice_whose_deadline_is_no_time_is_kept_at_the_default(
+    tmp_path: Path, deadline: float
+) -> None:
+    """A watcher's notice with a deadline before 1970 (a notice file's ``{"in_s": -100}``, a
+    cloud's date before the epoch) or none at all is a notice all the same: published and
+    in the status record, at GCP's 30 s, with a warning naming the value. Before, the
+    event's validation refused the deadline after the agent had marked itself noticed: the
+    watcher task crashed, its restart saw ``noticed`` and returned, and the notice was lost."""
+    clock = ManualClock(1000.0)
+    agent = _agent(tmp_path, clock)
+    bus = _Bus(clock, up_at=0.0, agent=agent)
+    agent._bus = bus  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        await agent._watch(_Watcher(deadline=deadline))  # type: ignore[arg-type]
+    assert len(bus.stored) == 1 and bus.stored[0].deadline == 1000.0 + GCP_NOTICE_S
+    assert agent.status().notice == bus.stored[0]
+    warned = [e for e in logs if e.get("event") == "notice_deadline_unusable"]
+    assert warned and warned[0]["deadline"] == repr(deadline), logs

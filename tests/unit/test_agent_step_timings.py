@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sailor.agent.step_timings import WINDOW, StepWindow, sample_of
+from sailor.agent.step_timings import WINDOW, StepWindow, bad_timing, sample_of
 from sailor.agent.toy_timings import ToyTimings, parse_slowness
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import AgentStatus
@@ -175,3 +175,31 @@ def test_the_pipeline_phase_between_the_timed_passes() -> None:
     s = sample_of(line(3, compute_s=0.14, step_s=0.2))
     assert s is not None and s.between_s == pytest.approx(0.017)
     assert s.rest_s == pytest.approx(0.051)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("fwd_s", float("inf"), "fwd_s=inf"),
+        ("bwd_s", 1e308, "bwd_s=1e+308"),
+        ("p2p_s", -0.5, "p2p_s=-0.5"),
+        ("step_s", float("nan"), "step_s=nan"),
+        ("sync_s", True, "sync_s=True"),
+        ("microbatches", -3, "microbatches=-3"),
+        ("microbatches", 10**400, "microbatches=1000"),
+    ],
+    ids=["inf", "huge", "negative", "nan", "bool", "negative-count", "huge-count"],
+)
+def test_hostile_timings_are_named_and_never_reach_the_summary(
+    field: str, value: object, named: str
+) -> None:
+    """Before, an infinite or overflowing timing made ``summary`` raise (the status record
+    refuses non-finite numbers), and the agent's status loop crashed until it exited."""
+    assert bad_timing(line(3, **{field: value})).startswith(named)
+    assert bad_timing(line(3)) == "" and bad_timing({"event": "step", "step": 3}) == ""
+    w = StepWindow(rank=0, skip_first=0)
+    for s in range(1, 5):
+        w.add(line(s, **{field: value}))
+    w.add(line(5))
+    t = w.summary()
+    assert t is not None and (t.steps, t.last_step) == (1, 5)

@@ -47,6 +47,9 @@ def _worker_record(exc: BaseException, in_training: bool, traceback_chars: int =
         ("rank 1 exit 1: Traceback | OSError", "unknown", True, "rank 1 exit 1"),
         ("", "unknown", True, ""),
         ("{not json", "unknown", True, "{not json"),
+        # nested past json's recursion limit (an agent's status carries up to 4,096
+        # characters of a worker's error file): RecursionError crashed the leader's pass
+        ("[" * 3000, "unknown", True, "[[["),
     ],
 )
 def test_parse_failure_reads_origin_and_retry(

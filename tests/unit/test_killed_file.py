@@ -31,3 +31,17 @@ def test_a_record_naming_no_workers_group_is_unreadable_not_signalled(
 
 def test_the_member_scan_skips_ids_no_workers_group_has() -> None:
     assert group_members([0, 1, -5]) == {}
+
+
+@pytest.mark.parametrize("field", ["pgid", "rank", "step", "born_by"])
+def test_an_infinite_number_in_the_record_is_unreadable_not_a_crash(
+    tmp_path: Path, field: str
+) -> None:
+    """``Infinity`` (JSON as Python reads and writes it) in an integer field raised
+    ``OverflowError`` out of ``load_killed``, which the agent's start did not survive."""
+    save_killed(tmp_path, [KilledGroup(4242, 0, 3, 1, 1.0)])
+    data = json.loads((tmp_path / KILLED_FILE).read_text())
+    data["groups"][0][field] = float("inf")
+    (tmp_path / KILLED_FILE).write_text(json.dumps(data))
+    assert load_killed(tmp_path) is None
+    assert (tmp_path / KILLED_FILE).exists()
