@@ -657,7 +657,12 @@ class _TPGate:
         if self.group is None:
             return self.failure is None
         self.agreed += 1
-        flag = torch.tensor([int(self.failure is not None)], dtype=torch.int64, device=self.device)
+        # filled on the device, not copied from the host: a pageable copy waits in C for the
+        # stream (the previous gather's NCCL work), where a dead writer holds it and the
+        # in-place abort's signal cannot reach the host (``sailor.comm.device_copy``)
+        flag = torch.full(
+            (1,), int(self.failure is not None), dtype=torch.int64, device=self.device
+        )
         comm.all_reduce(flag, op="max", group=self.group)
         if flag.is_meta:  # a shape-only dry run: nothing failed that it could tell
             return self.failure is None

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import abort
+from sailor.comm.device_copy import to_device
 
 __all__ = ["all_gather_objects", "broadcast_objects", "object_device"]
 
@@ -44,7 +45,7 @@ def _bytes_tensor(blob: bytes, size: int, device: torch.device) -> torch.Tensor:
     out = torch.zeros(size, dtype=torch.uint8)
     if blob:
         out[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    return out.to(device)
+    return out.to(device)  # after an abortable wait: the stream holds nothing to wait for
 
 
 def _host_bytes(t: torch.Tensor) -> bytes:
@@ -57,7 +58,7 @@ def broadcast_objects(ops: _Tensors, objs: list[Any], src: int, group: Any) -> N
     me = dist.get_rank() == src
     blobs = [pickle.dumps(o) for o in objs] if me else []
     sizes = torch.tensor([len(b) for b in blobs] if me else [0] * len(objs), dtype=torch.int64)
-    sizes = sizes.to(device)
+    sizes = to_device(sizes, device)  # no host wait before the first abortable one
     ops.broadcast(sizes, src, group)
     abort.host_sync(device)
     lengths = [int(n) for n in sizes.tolist()]
@@ -79,7 +80,7 @@ def all_gather_objects(ops: _Tensors, outs: list[Any], obj: Any, group: Any) -> 
     if len(outs) != members:
         raise ValueError(f"outs has {len(outs)} entries for a group of {members} ranks")
     blob = pickle.dumps(obj)
-    size = torch.tensor([len(blob)], dtype=torch.int64).to(device)
+    size = to_device(torch.tensor([len(blob)], dtype=torch.int64), device)
     sizes = [torch.zeros_like(size) for _ in range(members)]
     ops.all_gather(sizes, size, group)
     abort.host_sync(device)

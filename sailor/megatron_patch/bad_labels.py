@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
-from sailor.megatron_patch.clock import synchronize, to_device
+from sailor.comm.device_copy import to_device
+from sailor.megatron_patch.clock import synchronize
 from sailor.megatron_patch.step_agreement import world_objects
 from sailor.megatron_patch.vocab_parallel import IGNORE_INDEX, LabelOutOfRangeError, out_of_range
 

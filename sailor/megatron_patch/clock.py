@@ -16,16 +16,7 @@ import torch
 
 from sailor.comm import abort as comm_abort
 
-__all__ = ["SpanTimer", "StepClock", "synchronize", "timestamp", "to_device"]
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a host wait: pinned and non-blocking to a GPU
-    (a pageable copy synchronizes the stream, a wait in C no signal handler interrupts), a
-    plain move otherwise."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+__all__ = ["SpanTimer", "StepClock", "synchronize", "timestamp"]
 
 
 def synchronize(device: torch.device) -> None:

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
-from sailor.megatron_patch.clock import synchronize, to_device
+from sailor.comm.device_copy import to_device
+from sailor.megatron_patch.clock import synchronize
 
 __all__ = [
     "ControlRequest",

@@ -70,10 +70,11 @@ import torch
 from pydantic import Field
 
 from sailor.comm import api as comm
+from sailor.comm.device_copy import to_device
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.bad_labels import LabelWatch, training_batch, validation_batches
 from sailor.megatron_patch.clipping import clip_by_global_norm, local_squares, scale_to_norm
-from sailor.megatron_patch.clock import SpanTimer, StepClock, synchronize, to_device
+from sailor.megatron_patch.clock import SpanTimer, StepClock, synchronize
 from sailor.megatron_patch.control import ControlRequest, read_agreed, start_agree
 from sailor.megatron_patch.data import (
     VALIDATION_SEED_OFFSET,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.file_wait import FileWait
@@ -320,22 +321,36 @@ def exchange(
         inbox: list[tuple[str, int, str, torch.Tensor]] = []  # key, shard index, kind, tensor
         staged: dict[tuple[str, str], torch.Tensor] = {}  # a shard sent to several receivers
         before = stats.bytes_received
+        drained = False
+
+        def local(x: torch.Tensor) -> torch.Tensor:
+            """A held shard on this rank's device. From host memory (an offloaded stage)
+            after an abortable wait for the stream: the copy, pageable (pinning the stage
+            would lock it in RAM for the process's life), waits in C for the stream, where
+            the previous batch's p2p with a peer that died would hold it out of the abort
+            signal's reach."""
+            nonlocal drained
+            if x.device.type == "cpu" and device.type == "cuda" and not drained:
+                comm_abort.host_sync(device)
+                drained = True
+            return x.to(device)
+
         for t in transfers:
             keys = new_keys[t.layer] if t.receiver == me else old_keys[t.layer]
             for key in keys:
                 for i, src in enumerate(t.sources):
                     for kind in kinds:
                         # a held shard may sit on this process's previous device (a rank that
-                        # moved GPUs): NCCL sends only from the rank's own device, and the
-                        # gather below needs one device
+                        # moved GPUs) or in host memory (offloaded): NCCL sends only from the
+                        # rank's own device, and the gather below needs one device
                         if src == t.receiver:  # the receiver's own old shard: no message
                             if me == src:
-                                inbox.append((key, i, kind, held[key][kind].to(device)))
+                                inbox.append((key, i, kind, local(held[key][kind])))
                             continue
                         if me == src:
                             out = staged.get((key, kind))
                             if out is None:
-                                out = held[key][kind].to(device).contiguous()
+                                out = local(held[key][kind]).contiguous()
                                 staged[(key, kind)] = out
                             ops.append(comm.P2POp("send", out, t.receiver))
                         elif me == t.receiver:

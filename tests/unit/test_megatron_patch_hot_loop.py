@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from sailor.comm.api import use_backend
+from sailor.comm.device_copy import to_device
 from sailor.comm.strict import StrictBackend
 from sailor.megatron_patch.dry_run import META, _stage_on_meta
-from sailor.megatron_patch.engine import to_device
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.roles import role_of
 from sailor.megatron_patch.schedule import P2P, run_1f1b
@@ -22,8 +22,13 @@ from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 
 
 class _FakeHostTensor:
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu", pinned: bool = False) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.device = torch.device(device)
+        self.pinned = pinned
+
+    def is_pinned(self) -> bool:
+        return self.pinned
 
     def pin_memory(self) -> _FakeHostTensor:
         self.calls.append(("pin_memory", None))
@@ -39,6 +44,13 @@ def test_inputs_go_to_a_gpu_pinned_and_non_blocking() -> None:
     gpu = torch.device("cuda", 0)
     to_device(fake, gpu)  # type: ignore[arg-type]
     assert fake.calls == [("pin_memory", None), ("to", (gpu, True))]
+    pinned = _FakeHostTensor(pinned=True)  # already pinned (an offloaded held stage)
+    to_device(pinned, gpu)  # type: ignore[arg-type]
+    assert pinned.calls == [("to", (gpu, True))]
+    # on another GPU (a rank that moved devices): a device copy, nothing to pin
+    other = _FakeHostTensor("cuda:1")
+    to_device(other, gpu)  # type: ignore[arg-type]
+    assert other.calls == [("to", (gpu, False))]
     t = torch.arange(3)
     assert torch.equal(to_device(t, torch.device("cpu")), t)
 
