@@ -264,7 +264,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             return
         try:
             epoch = json.loads(kv.value)["epoch"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return  # not ours to judge: the controller refuses an unreadable desired state
         if isinstance(epoch, int) and epoch > self.max_epoch:
             await asyncio.to_thread(self._fence.raise_to, epoch)

@@ -120,7 +120,7 @@ class AwsWatcher:
         try:
             body = json.loads(got[1])
             when = datetime.fromisoformat(str(body["time"]).replace("Z", "+00:00")).timestamp()
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             when = self.clock.now() + 120.0
         return Notice(when, self.name)
 
@@ -141,7 +141,7 @@ class AzureWatcher:
             return None
         try:
             events = json.loads(got[1]).get("Events", [])
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return None
         for ev in events:
             if isinstance(ev, dict) and ev.get("EventType") == "Preempt":
@@ -179,7 +179,7 @@ class FileWatcher:
         now = self.clock.now()
         try:
             body = json.loads(text or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             body = None
         if not isinstance(body, dict):
             _log.warning("notice_file_unreadable", path=str(self.path), body=text[:200])

@@ -120,6 +120,8 @@ def load_raw(path: Path) -> Any:
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
         raise fail(f"{path}: not valid {kind}: {exc}: fix the syntax") from exc
+    except RecursionError as exc:  # the parsers' own depth limit
+        raise fail(f"{path}: nested too deep to read: fix the file") from exc
 
 
 def _validate(path: Path, raw: Any, cls: type[M]) -> M:

@@ -40,12 +40,15 @@ shortest: a shorter horizon asks more of a replan before it pays."""
 def load_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML, TOML or JSON file into a dict (by suffix; YAML otherwise)."""
     text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-    elif path.suffix == ".toml":
-        data = tomllib.loads(text)
-    else:
-        data = yaml.safe_load(text)
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except RecursionError as exc:  # the parsers' own depth limit
+        raise ValueError(f"{path}: nested too deep to read") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: must hold a mapping, got {type(data).__name__}")
     return data

@@ -79,7 +79,7 @@ def read_mark(raw: bytes) -> TakeMark:
     """The mark ``raw`` (:func:`mark_value`); never raises."""
     try:
         body = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past json's limit
         body = None
     if not isinstance(body, dict):
         return TakeMark(None, "", {})

@@ -56,6 +56,8 @@ def jsonl_documents(paths: list[Path], field: str) -> Iterator[tuple[str, str]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{p}:{lineno}: not JSON: {exc}") from exc
+                except RecursionError as exc:  # json's own limit, not a JSONDecodeError
+                    raise ValueError(f"{p}:{lineno}: not JSON: nested too deep") from exc
                 if not isinstance(obj, dict) or field not in obj:
                     keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                     raise ValueError(f"{p}:{lineno}: no field {field!r} (has {keys})")

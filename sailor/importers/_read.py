@@ -30,6 +30,8 @@ def load_json(path: str | Path) -> Any:
         raise ImportFormatError(
             p, "<file>", f"not valid JSON ({exc.msg} at line {exc.lineno})"
         ) from exc
+    except RecursionError as exc:  # json's own depth limit
+        raise ImportFormatError(p, "<file>", "not valid JSON (nested too deep)") from exc
 
 
 def get(d: Any, key: str | int, file: str | Path, field: str) -> Any:

@@ -400,6 +400,8 @@ def parse_training_config(text: str, source: str = "<config>") -> TrainingConfig
         raise ValueError(
             f"{source}: not valid {'JSON' if source.endswith('.json') else 'YAML'}: {exc}"
         ) from exc
+    except RecursionError as exc:  # the parsers' own depth limit
+        raise ValueError(f"{source}: nested too deep to read") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: a training config is a mapping, got {type(raw).__name__}")
     try:

@@ -100,7 +100,8 @@ async def test_file_watcher(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    ['{"deadline": "soon"}', "[1, 2]", '{"in_s": -5e400}', '{"in_s": true}', "{", ""],
+    ['{"deadline": "soon"}', "[1, 2]", '{"in_s": -5e400}', '{"in_s": true}', "{", "", "[" * 5000],
+    ids=["text", "list", "-inf", "bool", "broken", "empty", "nested"],
 )
 async def test_a_malformed_notice_file_is_a_notice_at_the_default_deadline(
     tmp_path: Path, body: str

@@ -489,3 +489,14 @@ def test_a_tokenizer_with_id_gaps_bounds_the_vocabulary_by_its_largest_id(
     spec = catalog.model("tiny-gpt").model_copy(update={"vocab_size": top + 1, "seq_length": 16})
     data = build_dataset(IndexedData(prefix=str(out)), spec, seed=0)
     data.batch(range(data.tokens.num_windows))  # every id is inside the vocabulary
+
+
+def test_a_jsonl_line_nested_past_the_parsers_limit_is_named(tmp_path: Path) -> None:
+    """json raises RecursionError, not a JSONDecodeError, on "[[[...": named like any other
+    bad line, not a traceback."""
+    from sailor.data.corpus import jsonl_documents
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "ok"}\n' + "[" * 5000 + "\n")
+    with pytest.raises(ValueError, match=r"c\.jsonl:2: not JSON: nested too deep"):
+        list(jsonl_documents([path], "text"))
