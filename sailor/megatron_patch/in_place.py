@@ -269,6 +269,9 @@ def exchange(
     mine = sched.of(me)
     kinds = state_kinds(adam_step)
     held = _old_shards(old)
+    # which keys are TP-sharded: a property of the parameter, not of the TP degree, so a
+    # sender (its held stage) and a receiver (its new stage) read the same for a key
+    held_dims = {k: d for k, (_t, d) in stage_state(old.stage).items()} if old else {}
     params = dict(new.stage.keyed_parameters())
     new_keys = _keys_by_layer(list(params))
     old_keys = _keys_by_layer(list(held))
@@ -337,8 +340,15 @@ def exchange(
 
         for t in transfers:
             keys = new_keys[t.layer] if t.receiver == me else old_keys[t.layer]
+            # a replicated parameter (a norm, a bias, position embeddings) is one copy per
+            # old TP rank: old TP rank 0's is taken (the one the gather below kept before,
+            # and a checkpoint's), the others not sent. Before, every old TP rank sent its
+            # copy: t times what the batch budget counts (``exchange_layer_bytes``)
             for key in keys:
+                dim = tp_dim_of(params[key]) if t.receiver == me else held_dims[key]
                 for i, src in enumerate(t.sources):
+                    if dim is None and i > 0:
+                        continue
                     for kind in kinds:
                         # a held shard may sit on this process's previous device (a rank that
                         # moved GPUs) or in host memory (offloaded): NCCL sends only from the

@@ -28,7 +28,7 @@ from sailor.comm.nccl_replay import CommOp, replay
 from sailor.comm.strict import DryGroup, StrictBackend
 from sailor.megatron_patch.engine import TrainConfig, Trainer
 from sailor.megatron_patch.groups import ProcessGroups
-from sailor.megatron_patch.in_place import exchange
+from sailor.megatron_patch.in_place import exchange, exchange_layer_bytes
 from sailor.megatron_patch.model import tiny_model
 from sailor.megatron_patch.relayout import Schedule, schedule
 from sailor.megatron_patch.roles import role_of
@@ -75,7 +75,7 @@ def _trainer(plan: Plan, rank: int, device: torch.device, empty: bool) -> Traine
 
 
 @functools.cache
-def _record(seed: int) -> tuple[dict[int, list[CommOp]], Schedule]:
+def _record(seed: int) -> tuple[dict[int, list[CommOp]], Schedule, Plan, int]:
     """Every new rank's exchange log of one random relayout, and its schedule."""
     rng = random.Random(seed)
     model = rng.choice(["tiny-gpt", "tiny-llama"])
@@ -105,12 +105,12 @@ def _record(seed: int) -> tuple[dict[int, list[CommOp]], Schedule]:
         with use_backend(backend):
             exchange(fresh, held, sched, adam_step, META, bucket_bytes=bucket, staged_sends=staged)
         logs[rank] = backend.ops
-    return logs, sched
+    return logs, sched, new, adam_step
 
 
 @pytest.mark.parametrize("seed", range(_SEEDS), ids=lambda s: f"seed{s}")
 def test_exchange_of_every_rank_passes_the_replay(seed: int) -> None:
-    logs, sched = _record(seed)
+    logs, sched, _new, _step = _record(seed)
     res = replay(logs)
     assert res.ok, res.message
     p2p = [op for ops in logs.values() for op in ops if op.kind in ("send", "recv")]
@@ -125,10 +125,31 @@ def test_the_grid_moves_state_between_tp_degrees() -> None:
     layers are gathered from several old TP shards."""
     sends, batches, gathered = 0, 0, 0
     for seed in range(_SEEDS):
-        logs, sched = _record(seed)
+        logs, sched, _new, _step = _record(seed)
         sends += sum(op.kind == "send" for ops in logs.values() for op in ops)
         batches = max(
             batches, *(len({op.batch for op in ops if op.batch >= 0}) for ops in logs.values())
         )
         gathered += sum(len(t.sources) > 1 for t in sched.transfers)
     assert sends > 100 and batches > 2 and gathered > 0
+
+
+def test_a_receiver_takes_no_more_than_the_batch_budget_counts() -> None:
+    """A receiver takes each layer once: its TP-sharded parameters one shard per old TP rank,
+    its replicated ones (norms, biases, position embeddings) one copy, old TP rank 0's.
+    Before, every old TP rank sent its copy of a replicated parameter, t times what
+    ``exchange_layer_bytes`` (the batches' budget) counts for the layer."""
+    over = []
+    for seed in range(_SEEDS):
+        logs, sched, new, adam_step = _record(seed)
+        of = exchange_layer_bytes(tiny_model(new.model, new.global_batch_size), adam_step)
+        for rank, ops in logs.items():
+            got = sum(4 * op.numel for op in ops if op.kind == "recv")
+            counted = sum(
+                of(t.layer)
+                for t in sched.transfers
+                if t.receiver == rank and set(t.sources) - {rank}
+            )
+            if got > counted:
+                over.append((seed, rank, got, counted))
+    assert not over, over
