@@ -13,6 +13,7 @@ __all__ = [
     "AbandonedWriteError",
     "CheckpointError",
     "CorruptCheckpointError",
+    "ModelMismatchError",
     "NoCheckpointError",
     "NonFiniteCheckpointError",
     "ReshardError",
@@ -90,6 +91,19 @@ class SaveSkippedError(CheckpointError):
 
 class ReshardError(CheckpointError):
     """The checkpoint cannot be sliced for the requested layout (e.g. TP does not divide)."""
+
+
+class ModelMismatchError(CheckpointError, ValueError):
+    """A committed checkpoint whose tensors are not the model's being loaded (another
+    number of layers, a parameter only one side has, another full shape): the checkpoint
+    is readable, the configuration does not fit it. Not retryable, on any node or with an
+    older checkpoint of the same run; a ``ValueError``, so a worker reports it before
+    training as a configuration error (``megatron_patch.errors.classify``) and the job is
+    held with this message. Never a ``CorruptCheckpointError``: the step is not marked
+    bad."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
 
 
 class AbandonedWriteError(CheckpointError):

@@ -38,7 +38,10 @@ __all__ = [
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 PARTS = "parts"
-_STEP_RE = re.compile(r"^step-(\d{9})$")
+_STEP_RE = re.compile(r"^step-(\d{9}|[1-9]\d{9,})$")
+"""What :func:`step_dir` makes: nine digits, zero-padded, or more without a leading zero
+(step 1_000_000_000 on). Nine only, before: such a commit was no step to the listing
+(``latest_step`` named an older one, retention and gc never saw it)."""
 
 
 def step_dir(step: int) -> str:

@@ -26,7 +26,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -44,10 +44,13 @@ from sailor.checkpoint import (
 )
 from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import AbandonedWriteError, SaveSkippedError
+from sailor.checkpoint.fit import check_fit
 from sailor.checkpoint.mounts import Mount, read_mounts, same_storage
+from sailor.checkpoint.storage import Storage
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
+from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
@@ -57,6 +60,7 @@ T = TypeVar("T")
 __all__ = [
     "CheckpointSaves",
     "LayerCheckpointIO",
+    "check_model_fit",
     "pad_vocab_rows",
     "restore_trainer",
     "trainer_params",
@@ -99,6 +103,15 @@ def restore_trainer(
     dims = {k: d for k, (_t, d) in stage_state(tr.stage).items() if key_layer(k) in wanted}
     storage = open_storage(root)
     unpadded = unpadded_vocab(tr.stage.spec, storage, step, wanted)
+    check_model_fit(
+        storage,
+        step,
+        params,
+        tp_size=tr.role.tp,
+        num_layers=tr.plan.num_layers,
+        unpadded=unpadded,
+        vocab_size=tr.stage.spec.vocab_size,
+    )
     for key in unpadded:  # read whole, then padded and sliced here
         dims[key] = None
     into = _destinations(tr, dims, skip=unpadded)
@@ -150,6 +163,40 @@ def restore_trainer(
                 "exp_avg": ps.exp_avg if owned else ps.exp_avg.to(p.device).clone(),
                 "exp_avg_sq": ps.exp_avg_sq if owned else ps.exp_avg_sq.to(p.device).clone(),
             }
+
+
+def check_model_fit(
+    storage: Storage,
+    step: int,
+    params: Iterable[tuple[str, torch.Tensor]],
+    *,
+    tp_size: int,
+    num_layers: int,
+    unpadded: Collection[str] = (),
+    vocab_size: int = 0,
+) -> None:
+    """Refuse checkpoint ``step`` before anything is read unless its layers hold exactly
+    ``params`` (this rank's, keyed ``"<layer>.<param>"``: their layers are checked) at their
+    full shapes (``fit.check_fit``: ``ModelMismatchError``, a configuration error naming
+    each difference). ``unpadded`` (:func:`unpadded_vocab`): stored with ``vocab_size``
+    rows, padded after the read. Before, another model's checkpoint failed on a ``KeyError``
+    naming one key, or a torch size error on a GPU, or loaded what matched and dropped the
+    rest."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, p in params:
+        shape = list(p.shape)
+        dim = tp_dim_of(p)
+        if key in unpadded:
+            shape[0] = vocab_size
+        elif dim is not None:
+            shape[dim] *= tp_size
+        shapes[key] = tuple(shape)
+    check_fit(
+        read_manifest(storage, step),
+        shapes,
+        num_layers=num_layers,
+        where=f"{storage.url.rstrip('/')} step {step}",
+    )
 
 
 def unpadded_vocab(spec: ModelSpec, storage: Any, step: int, wanted: set[int]) -> set[str]:

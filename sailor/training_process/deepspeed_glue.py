@@ -23,13 +23,19 @@ from sailor.checkpoint import (
     TrainingGlobals,
     load_for_rank,
     open_storage,
+    place_of,
     read_manifest,
     writer_assignment,
 )
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
 from sailor.megatron_patch.state import key_layer
 from sailor.megatron_patch.tp_layers import tp_dim_of
-from sailor.training_process.ckpt_glue import CheckpointSaves, pad_vocab_rows, unpadded_vocab
+from sailor.training_process.ckpt_glue import (
+    CheckpointSaves,
+    check_model_fit,
+    pad_vocab_rows,
+    unpadded_vocab,
+)
 
 __all__ = ["DeepSpeedLayerIO", "main"]
 
@@ -68,6 +74,15 @@ class DeepSpeedLayerIO:
         # head are read whole and padded as the engine pads them (``ckpt_glue``)
         layers = {key_layer(k) for k in dims}
         unpadded = unpadded_vocab(run.spec, storage, step, layers) if run.spec else set()
+        check_model_fit(
+            storage,
+            step,
+            run.keyed_parameters(),
+            tp_size=place_of(run.plan, run.rank).tp_size,
+            num_layers=run.plan.num_layers,
+            unpadded=unpadded,
+            vocab_size=run.spec.vocab_size if run.spec else 0,
+        )
         for key in unpadded:
             dims[key] = None
         got = load_for_rank(storage, run.plan, run.rank, step=step, tp_dims=dims)
