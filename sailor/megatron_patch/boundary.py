@@ -369,6 +369,15 @@ class Boundary(Generic[_T]):
             return
         self.saved_requests.add(req.save_step)
         root, drop_steps = agree_target(req)
+        if self._loaded_from(tr, root):
+            # The state is the commit this generation loaded from that very directory, no
+            # iteration since: it is durable there. Saving it again would overwrite the
+            # commit in place (``writer.commit`` removes the step's marker before it writes
+            # the new one: a crash between the two lost the step, with keep_checkpoints 1
+            # the only one). Reported saved, as a save would be.
+            self.last_saved = tr.step
+            self.progress.emit({"event": "saved", "rank": self.args.rank, "step": tr.step})
+            return
         if self.ckpt is None:
             raise RuntimeError(
                 f"save of step {tr.step} requested (save_dir={root!r}), but this trainer runs "
@@ -393,6 +402,18 @@ class Boundary(Generic[_T]):
             self._save_failed(tr.step, failed)
             return
         self.pending_save, self.pending_optional = tr.step, optional
+
+    def _loaded_from(self, tr: _T, root: str) -> bool:
+        """``tr`` holds the committed step it was loaded from, under ``root`` (the same on
+        every rank: the arguments and the agreed root)."""
+        a = self.args
+        load_step, ckpt_dir = getattr(a, "load_step", -1), getattr(a, "ckpt_dir", "")
+        return (
+            load_step >= 0
+            and tr.step == load_step == a.start_step
+            and bool(ckpt_dir)
+            and os.path.normpath(ckpt_dir) == os.path.normpath(root)
+        )
 
     def __call__(self, tr: _T) -> bool:
         self.status.step, self.status.in_iteration = tr.step, False

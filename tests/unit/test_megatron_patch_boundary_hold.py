@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -147,3 +148,62 @@ def test_ranks_holding_past_a_periodic_save_save_the_step_they_hold(tmp_path: Pa
         saved = [e["step"] for e in got["events"] if e["event"] == "saved"]
         assert saved == [10, 12], got
         assert got["s"] < PAUSE_S, got  # saved at once, not after waiting out the pause
+
+
+def _rank_loaded(rank: int, store: str, out: str, same_dir: bool) -> None:
+    """Ranks resumed from step 10 of ``ckpt`` asked, at once, to hold there and save."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(60)
+    )
+    control = Path(out, f"control-{rank}.json")
+    ckdir = str(Path(out, "ckpt"))
+    args = argparse.Namespace(
+        control=str(control),
+        poll_s=0.02,
+        pause_timeout_s=PAUSE_S,
+        rank=rank,
+        min_step_s=0.0,
+        fail_at_step=None,
+        abort_at_step=None,
+        start_step=10,
+        steps=100,
+        load_step=10,
+        ckpt_dir=ckdir + "/",  # the same root, spelled otherwise
+    )
+    progress_file = Path(out, f"progress-{rank}.jsonl")
+    saves, tr = _Saves(), _Trainer()
+    tr.step = 10
+    b = Boundary(
+        args, Status(rank), Progress(str(progress_file), False), saves, torch.device("cpu")
+    )  # type: ignore[arg-type]
+    _control(
+        control,
+        stop_at_step=10,
+        save_step=10,
+        save_dir=ckdir if same_dir else str(Path(out, "other")),
+        prune_below=-1,
+    )
+    dist.barrier()
+    stopped = b(tr)  # the boundary before the first iteration
+    dist.destroy_process_group()
+    events = [json.loads(x) for x in progress_file.read_text().splitlines()]
+    Path(out, f"r{rank}.json").write_text(
+        json.dumps({"stopped": stopped, "saves": saves.steps, "events": events})
+    )
+
+
+@pytest.mark.parametrize("same_dir", [True, False], ids=["loaded-dir", "other-dir"])
+def test_a_hold_at_the_loaded_step_does_not_rewrite_its_commit(
+    tmp_path: Path, same_dir: bool
+) -> None:
+    """Resumed from step 10 and asked to hold at 10 (a stop step from a status that had
+    not yet seen the resume): the state is the commit just loaded. Saved again into its
+    own directory, the commit was overwritten in place, its marker removed first: a crash
+    then lost the step (found by review). Now it is reported saved without a write; a save
+    into another directory is written as before."""
+    spawn(_rank_loaded, args=(str(tmp_path / "store"), str(tmp_path), same_dir), nprocs=2)
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["stopped"], got
+        assert got["saves"] == ([] if same_dir else [10]), got
+        assert [e["step"] for e in got["events"] if e["event"] == "saved"] == [10], got
