@@ -2,9 +2,10 @@
 
 ``robust_search`` (docs/planner.md, "Robust planning") returns plans that fit in memory and
 meet every constraint in every corner of the uncertainty set; each plan's interval is what
-the simulator gives for it; the search is deterministic; a returned plan survives a JSON
-round trip; after a node leaves, a replan (robust or one corner's) uses only the GPUs that
-are left, and finds a plan where a search of the smaller pool finds one. Small pools of
+the simulator gives for it; the search is deterministic, and the order of the pool's entries
+changes no plan; a returned plan survives a JSON round trip; after a node leaves, a replan
+(robust or one corner's) uses only the GPUs that are left, and finds a plan where a search
+of the smaller pool finds one. Small pools of
 A100-40 and V100-16 nodes in two zones, OPT-350 and GPT-Neo-2.7 (the original artifact's
 profiles, network and prices, the built-in calibration).
 
@@ -200,3 +201,27 @@ def test_planning_the_same_input_twice_gives_the_same_plans() -> None:
     assert [(p.worst_ratio, p.interval) for p in a.plans] == [
         (p.worst_ratio, p.interval) for p in b.plans
     ]
+
+
+def test_the_order_of_the_pool_changes_no_plan() -> None:
+    _, model, nodes, objective, cons = SCENARIOS[2]
+    s = _setup(model)
+    pool = _pool(nodes)
+    plans = []
+    for entries in (pool.entries, pool.entries[::-1]):
+        res = robust_search(
+            s.model,
+            s.profiles,
+            Pool(entries=entries),
+            s.network,
+            s.prices,
+            objective,  # type: ignore[arg-type]
+            cons,
+            gpu_specs=s.specs,
+            calibration=s.calibration,
+            risk="robust",
+            top_k=3,
+        )
+        assert res.plans, res.reason
+        plans.append([(_key(p.plan), p.worst_ratio) for p in res.plans])
+    assert plans[0] == plans[1]

@@ -298,7 +298,7 @@ def test_prices_move_the_cost_only_and_the_cost_is_time_times_the_gpus_hourly_pr
 
 
 def test_the_interval_is_ordered_and_its_median_is_the_median_corner() -> None:
-    for model, plan in _cases(16, 7):
+    for model, plan in _cases(24, 7):
         s = _setup(model)
         est, iv = simulate_interval(
             plan,
@@ -319,6 +319,12 @@ def test_the_interval_is_ordered_and_its_median_is_the_median_corner() -> None:
         assert iv.peak_memory_bytes.median == point.peak_memory_bytes
         assert iv.peak_memory_bytes.low <= iv.peak_memory_bytes.high
         assert iv.fits_in_memory == all(c.fits_in_memory for c in iv.corners)
+        # every constant and structure at its cheap end, its median, its costly end
+        by = {c.corner: c for c in iv.corners}
+        opt, med, pes = by["optimistic"], by["median"], by["pessimistic"]
+        assert opt.iteration_time_s <= med.iteration_time_s * (1 + 1e-12), plan
+        assert med.iteration_time_s <= pes.iteration_time_s * (1 + 1e-12), plan
+        assert opt.peak_memory_bytes <= med.peak_memory_bytes <= pes.peak_memory_bytes, plan
 
 
 def test_the_order_of_the_pipelines_changes_nothing() -> None:
