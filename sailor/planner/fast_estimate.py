@@ -133,15 +133,15 @@ class SyncModel:
         efficiency: float,
     ) -> float:
         """:func:`sailor.simulator.network_model.ring_allreduce` over nodes given as runs of
-        (endpoint, nodes) in plan order: the ring sorts them by zone (stable), a step lasts as
-        long as its slowest hop (one efficiency, the ring's lowest), and a measured all-reduce
-        latency of the endpoint kind, when every node is of one kind, replaces the per-step
-        link latency."""
+        (endpoint, nodes) in plan order: the ring sorts them by zone, then GPU type and node
+        shape (so the plan's order does not matter), a step lasts as long as its slowest hop
+        (one efficiency, the ring's lowest), and a measured all-reduce latency of the
+        endpoint kind, when every node is of one kind, replaces the per-step link latency."""
         n = sum(c for _, c in runs)
         if n <= 1 or node_bytes <= 0:
             return 0.0
         merged: list[tuple[Kind, int]] = []
-        for k, c in sorted(runs, key=lambda kc: kc[0].zone):
+        for k, c in sorted(runs, key=lambda kc: (kc[0].zone, kc[0].gpu_type, kc[0].gpus_per_node)):
             if merged and merged[-1][0] == k:
                 merged[-1] = (k, merged[-1][1] + c)
             else:

@@ -301,6 +301,10 @@ def robust_replan(
     and prices), and the simulator is asked only for the plans that come out on top: they
     are re-ranked with its figures until every returned plan is simulated in every corner.
     A plan whose stages do not fit by the tables' memory bound is simulated right away.
+
+    When no replanned plan fits and meets the constraints in every corner, the new pool is
+    searched afresh (:func:`robust_search` with ``previous``'s inputs): a replan reports no
+    feasible plan only when a search finds none either.
     """
     if previous.calibration is None:
         raise ValueError("previous has no calibration: pass a result of robust_search")
@@ -335,6 +339,27 @@ def robust_replan(
         tolerance=tolerance,
         closed={**{n: r.state for n, r in results.items()}, **judges},
     )
+    if not out.plans:
+        # each corner replan hands on its closed-form pick only: when none of them fits and
+        # meets the constraints in every corner, a search of the new pool can still find a
+        # plan that does (a node left a pool planned under a throughput floor: the corner
+        # replans' picks missed the floor in some corner, the search's best met it in all)
+        return robust_search(
+            inp.model,
+            inp.profiles,
+            new_pool,
+            inp.network,
+            inp.prices,
+            previous.objective,
+            some.constraints,
+            gpu_specs=inp.gpu_specs,
+            calibration=previous.calibration,
+            risk=previous.risk,
+            spot=inp.spot,
+            top_k=top_k,
+            per_corner=_PER_CORNER,
+            precision=inp.precision,
+        )
     return replace(out, judges=judges)
 
 

@@ -317,7 +317,9 @@ def ring_allreduce(
     Each TP rank of a node runs its own ring; the rings of a node run at once and share its
     NICs, so one step moves ``node_bytes / n`` per node over the node-level curve. A step
     lasts as long as the slowest link of the ring; a ring has ``2(n-1)`` steps. The ring
-    visits the zones in order, so it crosses each zone boundary once. Gradients go in
+    visits the zones in order and, in a zone, the nodes by GPU type and node shape, so it
+    crosses each zone boundary and each change of node kind once, whatever the order of
+    ``groups`` (a plan's data-parallel replicas are not ordered). Gradients go in
     buckets of :data:`BUCKET_ELEMENTS` elements, one after the other. Each distinct pair of
     neighbours is priced once (``links`` shares the lookups across rings); each note is
     listed once, in ring order.
@@ -326,7 +328,7 @@ def ring_allreduce(
     if n <= 1 or node_bytes <= 0:
         return AllReduce(0.0, (), ())
     links = links if links is not None else LinkCurves(network, {})
-    ring = sorted(groups, key=lambda g: g.zone)
+    ring = sorted(groups, key=lambda g: (g.zone, g.gpu_type, g.gpus_per_node))
     buckets = max(1, math.ceil(elements_per_gpu / BUCKET_ELEMENTS))
     chunk = node_bytes / buckets / n
     kinds = [(g.zone, g.gpu_type, g.gpus_per_node) for g in ring]
