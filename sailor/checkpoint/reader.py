@@ -96,7 +96,7 @@ def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
     # back to the previous commit instead of holding the job as misconfigured; but never
     # debris (``CorruptCheckpointError.debris``): gc and retention delete nothing of it
     try:
-        return CheckpointManifest.model_validate_json(raw)
+        manifest = CheckpointManifest.model_validate_json(raw)
     except ValidationError as exc:
         paths = [e for e in exc.errors() if _is_shard_path(e["loc"])]
         if not paths:
@@ -110,6 +110,18 @@ def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
             path=where,
             debris=False,
         ) from exc
+    if manifest.step != step or marker.step != step:
+        # a step directory copied or renamed by hand: its state is another step's (a resume
+        # from it started at the manifest's step, not the one asked for); not debris either
+        where = _where(storage, step, MANIFEST)
+        raise CorruptCheckpointError(
+            f"{where}: holds step {manifest.step} (its commit marker: {marker.step}), not "
+            f"step {step}: copied or renamed by hand? Neither retention nor `sailor ckpt gc` "
+            "deletes it: move it back or delete the step yourself",
+            path=where,
+            debris=False,
+        )
+    return manifest
 
 
 def _is_shard_path(loc: tuple[int | str, ...]) -> bool:

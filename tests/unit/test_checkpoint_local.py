@@ -124,6 +124,20 @@ def test_tampered_manifest_rejected(tmp_path: Path) -> None:
     assert "manifest.json" in verify(LocalStorage(tmp_path), 3)[0]
 
 
+def test_a_step_directory_copied_under_another_step_is_refused(tmp_path: Path) -> None:
+    """step-3 copied by hand to step-7: its state is step 3's. Before, it read as step 7's
+    commit, and a resume from "step 7" started at step 3 (the manifest's position) while
+    the controller waited past 7. Now it is refused by name, and nothing deletes it."""
+    import shutil
+
+    _save(tmp_path, 3)
+    shutil.copytree(tmp_path / step_dir(3), tmp_path / step_dir(7))
+    with pytest.raises(CorruptCheckpointError, match=r"holds step 3 .*not step 7") as info:
+        read_manifest(LocalStorage(tmp_path), 7)
+    assert not info.value.debris
+    assert read_manifest(LocalStorage(tmp_path), 3).step == 3
+
+
 def test_retention_keeps_last_k_only_after_newer_commit(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         _save(tmp_path, step, keep=2)
