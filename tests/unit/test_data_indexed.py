@@ -125,6 +125,33 @@ def test_bad_version_and_dtype_code_are_refused(tmp_path: Path) -> None:
     _refused(tmp_path / "ds", "ds.idx", 17, "dtype code 42")
 
 
+@pytest.mark.parametrize("code", [6, 7], ids=["float64", "float32"])
+def test_a_float_dtype_code_is_refused_not_read_as_token_ids(tmp_path: Path, code: int) -> None:
+    """Megatron's enum has float codes; a token .bin never holds floats. Before, an .idx
+    claiming float32 over int32 ids (same width, so every size check passed) was opened, and
+    each id read as a denormal float cast to token 0: every sample all zeros, in vocabulary,
+    trained on silently."""
+    _write(tmp_path / "ds", dtype=np.int64 if code == 6 else np.int32)
+    i = tmp_path / "ds.idx"
+    raw = bytearray(i.read_bytes())
+    raw[17] = code
+    i.write_bytes(bytes(raw))
+    _refused(tmp_path / "ds", "ds.idx", 17, f"dtype code {code} is float")
+
+
+def test_the_writer_refuses_float_dtypes_and_float_ids(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"dtype=float32: not one of .*token ids are integers"):
+        IndexedDatasetWriter(tmp_path / "f", np.float32)
+    w = IndexedDatasetWriter(tmp_path / "ds", np.int32)
+    with (
+        pytest.raises(ValueError, match=r"sequence 1: token ids of dtype float64, not integers"),
+        w,
+    ):
+        w.add_document([1, 2])
+        w.add_document(np.array([3.7, 4.0]))  # would have been stored as 3, 4
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_truncated_index_is_refused_with_offset(tmp_path: Path) -> None:
     _write(tmp_path / "ds")
     i = tmp_path / "ds.idx"
