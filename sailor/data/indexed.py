@@ -302,6 +302,15 @@ class IndexedDataset:
         return self.tokens(int(docs[first_doc]), int(docs[end_doc]))
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class IndexedDatasetWriter:
     """Writes ``PREFIX.bin``/``PREFIX.idx``; both appear only once :meth:`close` succeeds.
 
@@ -364,19 +373,41 @@ class IndexedDatasetWriter:
         return len(self._docs) - 1
 
     def close(self) -> None:
-        """Write the index and move both files into place."""
+        """Write the index and move both files into place.
+
+        Both files are fsync'd before they are renamed and the directory after, so a
+        power loss never leaves a renamed .bin whose blocks were not written (zeros that
+        read as token 0). A data set already under these names has its .idx removed before
+        the new .bin takes its name: a crash between the two renames leaves a .bin without
+        an .idx (refused as missing), never the new .bin under the old .idx (same length,
+        other documents: read as valid)."""
         if self._closed:
             return
         self._closed = True
-        self._bin.close()
+        tmp_idx = self.idx_path.with_name(self.idx_path.name + ".tmp")
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            self._write_index(tmp_idx)
+            self.idx_path.unlink(missing_ok=True)
+            self._tmp_bin.replace(self.bin_path)
+            tmp_idx.replace(self.idx_path)
+        except BaseException:
+            self._bin.close()
+            self._tmp_bin.unlink(missing_ok=True)
+            tmp_idx.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.idx_path.parent)
+
+    def _write_index(self, path: Path) -> None:
         if self._docs[-1] != len(self._lengths):
             self._docs.append(len(self._lengths))  # sequences after the last end_document
         lengths = np.asarray(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), np.int64)
         if len(lengths):
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        tmp_idx = self.idx_path.with_name(self.idx_path.name + ".tmp")
-        with tmp_idx.open("wb") as f:
+        with path.open("wb") as f:
             f.write(INDEX_MAGIC)
             f.write(struct.pack("<Q", _VERSION))
             f.write(struct.pack("<B", _INT_CODE_OF[self.dtype]))
@@ -387,8 +418,6 @@ class IndexedDatasetWriter:
             f.write(np.asarray(self._docs, dtype=np.int64).tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
-        self._tmp_bin.replace(self.bin_path)
-        tmp_idx.replace(self.idx_path)
 
     def abort(self) -> None:
         """Drop what was written (nothing appears under the final names)."""

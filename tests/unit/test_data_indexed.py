@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -75,6 +77,62 @@ def test_writer_refuses_ids_beyond_dtype_and_leaves_nothing(tmp_path: Path) -> N
         w.add_document([1])
         w.add_document([70000, 0])
     assert list(tmp_path.iterdir()) == []
+
+
+def _events(monkeypatch: pytest.MonkeyPatch, fail_onto: str = "") -> list[tuple[str, str]]:
+    """Record every ``os.fsync`` (the path its fd is open on) and ``os.replace`` (its
+    destination), each passed through to the real call; a replace onto a name ending in
+    ``fail_onto`` raises instead (the process dies between the two renames)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", str(Path(f"/proc/self/fd/{fd}").readlink())))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        if fail_onto and os.fspath(dst).endswith(fail_onto):
+            raise OSError(5, "injected: the writer died here")
+        events.append(("replace", os.fspath(dst)))
+        real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_the_writer_makes_each_file_durable_before_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the .bin was renamed without an fsync and the directory never fsync'd: after
+    a power loss the .idx (fsync'd) could describe a renamed .bin whose blocks were never
+    written, zeros that read as token 0."""
+    events = _events(monkeypatch)
+    _write(tmp_path / "ds")
+    b, i = str(tmp_path / "ds.bin"), str(tmp_path / "ds.idx")
+    at = {e: n for n, e in enumerate(events)}
+    assert ("fsync", b + ".tmp") in at, events
+    assert at[("fsync", b + ".tmp")] < at[("replace", b)], events
+    assert at[("fsync", i + ".tmp")] < at[("replace", i)], events
+    assert events[-1] == ("fsync", str(tmp_path)), events  # the renames, durable
+
+
+def test_a_writer_dying_between_the_renames_leaves_no_pair_that_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing a data set of as many tokens (the same corpus, other documents): the new
+    .bin was renamed over the old one, then the .idx rename failed. Before, the old .idx and
+    the new .bin opened as a valid pair (same length, the old document boundaries over the
+    new tokens: the splits cut at the wrong documents)."""
+    old = [[5, 6, 7, 0], [1, 0], [9, 9, 0]]
+    _write(tmp_path / "ds", old)
+    _events(monkeypatch, fail_onto="ds.idx")
+    with pytest.raises(OSError, match="injected"):
+        _write(tmp_path / "ds", [[2, 0], [3, 3, 3, 3, 3, 3, 0]])
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match=r"ds\.idx: no such file"):
+        IndexedDataset(tmp_path / "ds")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin"]  # no .tmp left behind
 
 
 def test_dtype_for_vocab() -> None:
