@@ -66,7 +66,9 @@ DTYPE_CODES: dict[int, np.dtype[np.generic]] = {
 }
 """Megatron's ``DType`` enum: code in the .idx header -> dtype of the .bin."""
 
-_CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
+_INT_CODES = {code: dt for code, dt in DTYPE_CODES.items() if dt.kind in "iu"}
+"""The codes a token ``.bin`` may have: the float ones are refused by reader and writer."""
+_INT_CODE_OF = {dt: code for code, dt in _INT_CODES.items()}
 
 
 class IndexedDatasetError(ValueError):
@@ -144,6 +146,15 @@ class IndexedDataset:
                 idx, 17, f"dtype code {code} is not one of {sorted(DTYPE_CODES)}"
             )
         self.dtype = DTYPE_CODES[code]
+        if self.dtype.kind not in "iu":
+            # Megatron's enum has float codes, but token ids are integers: read as floats,
+            # int32 ids are denormals that cast to 0 (every sample all zeros, in vocabulary)
+            raise IndexedDatasetError(
+                idx,
+                17,
+                f"dtype code {code} is {self.dtype}, not an integer dtype: token ids are "
+                f"integers (one of codes {sorted(_INT_CODES)}; Megatron writes uint16 or int32)",
+            )
         n_seq, n_doc = struct.unpack_from("<QQ", head, 18)
         off_ptr = HEADER_SIZE + 4 * n_seq
         off_doc = off_ptr + 8 * n_seq
@@ -291,6 +302,15 @@ class IndexedDataset:
         return self.tokens(int(docs[first_doc]), int(docs[end_doc]))
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class IndexedDatasetWriter:
     """Writes ``PREFIX.bin``/``PREFIX.idx``; both appear only once :meth:`close` succeeds.
 
@@ -303,8 +323,11 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix: Path | str, dtype: npt.DTypeLike) -> None:
         self.dtype = np.dtype(dtype)
-        if self.dtype not in _CODE_OF:
-            raise ValueError(f"dtype={self.dtype}: not one of {sorted(map(str, _CODE_OF))}")
+        if self.dtype not in _INT_CODE_OF:
+            raise ValueError(
+                f"dtype={self.dtype}: not one of {sorted(map(str, _INT_CODE_OF))} "
+                "(token ids are integers)"
+            )
         self.idx_path, self.bin_path = paths_of(prefix)
         self.idx_path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + ".tmp")
@@ -312,13 +335,17 @@ class IndexedDatasetWriter:
         self._lengths: list[int] = []
         self._docs: list[int] = [0]
         self._closed = False
-        self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self._info = np.iinfo(self.dtype)
 
     def add_sequence(self, tokens: npt.ArrayLike) -> None:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"sequence {len(self._lengths)}: shape {arr.shape} is not 1-D")
-        if self._info is not None and arr.size:
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(
+                f"sequence {len(self._lengths)}: token ids of dtype {arr.dtype}, not integers"
+            )
+        if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._info.min or hi > self._info.max:
                 raise ValueError(
@@ -346,22 +373,44 @@ class IndexedDatasetWriter:
         return len(self._docs) - 1
 
     def close(self) -> None:
-        """Write the index and move both files into place."""
+        """Write the index and move both files into place.
+
+        Both files are fsync'd before they are renamed and the directory after, so a
+        power loss never leaves a renamed .bin whose blocks were not written (zeros that
+        read as token 0). A data set already under these names has its .idx removed before
+        the new .bin takes its name: a crash between the two renames leaves a .bin without
+        an .idx (refused as missing), never the new .bin under the old .idx (same length,
+        other documents: read as valid)."""
         if self._closed:
             return
         self._closed = True
-        self._bin.close()
+        tmp_idx = self.idx_path.with_name(self.idx_path.name + ".tmp")
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            self._write_index(tmp_idx)
+            self.idx_path.unlink(missing_ok=True)
+            self._tmp_bin.replace(self.bin_path)
+            tmp_idx.replace(self.idx_path)
+        except BaseException:
+            self._bin.close()
+            self._tmp_bin.unlink(missing_ok=True)
+            tmp_idx.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.idx_path.parent)
+
+    def _write_index(self, path: Path) -> None:
         if self._docs[-1] != len(self._lengths):
             self._docs.append(len(self._lengths))  # sequences after the last end_document
         lengths = np.asarray(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), np.int64)
         if len(lengths):
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        tmp_idx = self.idx_path.with_name(self.idx_path.name + ".tmp")
-        with tmp_idx.open("wb") as f:
+        with path.open("wb") as f:
             f.write(INDEX_MAGIC)
             f.write(struct.pack("<Q", _VERSION))
-            f.write(struct.pack("<B", _CODE_OF[self.dtype]))
+            f.write(struct.pack("<B", _INT_CODE_OF[self.dtype]))
             f.write(struct.pack("<Q", len(lengths)))
             f.write(struct.pack("<Q", len(self._docs)))
             f.write(lengths.tobytes(order="C"))
@@ -369,8 +418,6 @@ class IndexedDatasetWriter:
             f.write(np.asarray(self._docs, dtype=np.int64).tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
-        self._tmp_bin.replace(self.bin_path)
-        tmp_idx.replace(self.idx_path)
 
     def abort(self) -> None:
         """Drop what was written (nothing appears under the final names)."""

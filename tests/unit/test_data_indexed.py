@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -77,6 +79,62 @@ def test_writer_refuses_ids_beyond_dtype_and_leaves_nothing(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
 
 
+def _events(monkeypatch: pytest.MonkeyPatch, fail_onto: str = "") -> list[tuple[str, str]]:
+    """Record every ``os.fsync`` (the path its fd is open on) and ``os.replace`` (its
+    destination), each passed through to the real call; a replace onto a name ending in
+    ``fail_onto`` raises instead (the process dies between the two renames)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", str(Path(f"/proc/self/fd/{fd}").readlink())))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        if fail_onto and os.fspath(dst).endswith(fail_onto):
+            raise OSError(5, "injected: the writer died here")
+        events.append(("replace", os.fspath(dst)))
+        real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_the_writer_makes_each_file_durable_before_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the .bin was renamed without an fsync and the directory never fsync'd: after
+    a power loss the .idx (fsync'd) could describe a renamed .bin whose blocks were never
+    written, zeros that read as token 0."""
+    events = _events(monkeypatch)
+    _write(tmp_path / "ds")
+    b, i = str(tmp_path / "ds.bin"), str(tmp_path / "ds.idx")
+    at = {e: n for n, e in enumerate(events)}
+    assert ("fsync", b + ".tmp") in at, events
+    assert at[("fsync", b + ".tmp")] < at[("replace", b)], events
+    assert at[("fsync", i + ".tmp")] < at[("replace", i)], events
+    assert events[-1] == ("fsync", str(tmp_path)), events  # the renames, durable
+
+
+def test_a_writer_dying_between_the_renames_leaves_no_pair_that_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing a data set of as many tokens (the same corpus, other documents): the new
+    .bin was renamed over the old one, then the .idx rename failed. Before, the old .idx and
+    the new .bin opened as a valid pair (same length, the old document boundaries over the
+    new tokens: the splits cut at the wrong documents)."""
+    old = [[5, 6, 7, 0], [1, 0], [9, 9, 0]]
+    _write(tmp_path / "ds", old)
+    _events(monkeypatch, fail_onto="ds.idx")
+    with pytest.raises(OSError, match="injected"):
+        _write(tmp_path / "ds", [[2, 0], [3, 3, 3, 3, 3, 3, 0]])
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match=r"ds\.idx: no such file"):
+        IndexedDataset(tmp_path / "ds")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.bin"]  # no .tmp left behind
+
+
 def test_dtype_for_vocab() -> None:
     assert dtype_for_vocab(50257) == np.uint16
     assert dtype_for_vocab(128256) == np.int32
@@ -123,6 +181,33 @@ def test_bad_version_and_dtype_code_are_refused(tmp_path: Path) -> None:
     raw[9], raw[17] = 1, 42
     i.write_bytes(bytes(raw))
     _refused(tmp_path / "ds", "ds.idx", 17, "dtype code 42")
+
+
+@pytest.mark.parametrize("code", [6, 7], ids=["float64", "float32"])
+def test_a_float_dtype_code_is_refused_not_read_as_token_ids(tmp_path: Path, code: int) -> None:
+    """Megatron's enum has float codes; a token .bin never holds floats. Before, an .idx
+    claiming float32 over int32 ids (same width, so every size check passed) was opened, and
+    each id read as a denormal float cast to token 0: every sample all zeros, in vocabulary,
+    trained on silently."""
+    _write(tmp_path / "ds", dtype=np.int64 if code == 6 else np.int32)
+    i = tmp_path / "ds.idx"
+    raw = bytearray(i.read_bytes())
+    raw[17] = code
+    i.write_bytes(bytes(raw))
+    _refused(tmp_path / "ds", "ds.idx", 17, f"dtype code {code} is float")
+
+
+def test_the_writer_refuses_float_dtypes_and_float_ids(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"dtype=float32: not one of .*token ids are integers"):
+        IndexedDatasetWriter(tmp_path / "f", np.float32)
+    w = IndexedDatasetWriter(tmp_path / "ds", np.int32)
+    with (
+        pytest.raises(ValueError, match=r"sequence 1: token ids of dtype float64, not integers"),
+        w,
+    ):
+        w.add_document([1, 2])
+        w.add_document(np.array([3.7, 4.0]))  # would have been stored as 3, 4
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_truncated_index_is_refused_with_offset(tmp_path: Path) -> None:
