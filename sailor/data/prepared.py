@@ -85,6 +85,10 @@ def open_prepared(
             26,
             f"{ds.num_documents} documents, the manifest {mpath} says {m.num_documents}",
         )
+    if ds.dtype.name != m.dtype:  # a .bin of another preparation beside this manifest
+        raise IndexedDatasetError(
+            ds.idx_path, 17, f"token dtype {ds.dtype.name}, the manifest {mpath} says {m.dtype}"
+        )
     if ds.num_tokens != m.num_tokens:
         raise IndexedDatasetError(
             ds.bin_path, 0, f"{ds.num_tokens} tokens, the manifest {mpath} says {m.num_tokens}"

@@ -500,3 +500,26 @@ def test_a_jsonl_line_nested_past_the_parsers_limit_is_named(tmp_path: Path) -> 
     path.write_text('{"text": "ok"}\n' + "[" * 5000 + "\n")
     with pytest.raises(ValueError, match=r"c\.jsonl:2: not JSON: nested too deep"):
         list(jsonl_documents([path], "text"))
+
+
+def test_a_manifest_of_another_token_dtype_is_refused(tmp_path: Path) -> None:
+    """The manifest says int32, the .idx (and .bin) uint16: another preparation's files
+    beside it. Refused by name (noticed by review: counts were compared, not the dtype)."""
+    import json as _json
+
+    from sailor.data.indexed import IndexedDatasetError
+    from sailor.data.prepared import open_prepared
+
+    out = tmp_path / "pydocs"
+    _prepare(
+        "--builtin-corpus", "python-docs", "--out", str(out), "--vocab-size", "296",
+        "--max-bytes", "20000",
+    )  # fmt: skip
+    assert open_prepared(out).dataset.dtype.name == "uint16"
+    mpath = out.with_suffix(".json")
+    doc = _json.loads(mpath.read_text())
+    doc["dtype"] = "int32"
+    mpath.write_text(_json.dumps(doc))
+    want = r"token dtype uint16, the manifest .* says int32"
+    with pytest.raises(IndexedDatasetError, match=want):
+        open_prepared(out)
