@@ -9,7 +9,8 @@ span that starts with it) resolved against the CLI's own commands, each ``--flag
 options (``sailor worker``: the rank's argparse parser); every dotted ``sailor.x.y`` /
 ``tests.x.y`` / ``benchmarks.x.y`` as a module, and its first attribute as a name the module
 defines or imports (from the source, nothing imported); every backticked ``make X``; every
-``benchmarks/x.py --flag`` (or ``x.py --flag`` of a benchmark) as a string in that script.
+``benchmarks/x.py --flag`` (or ``x.py --flag`` of a benchmark) as a string in that script;
+every backticked ``Model.field`` of a schema or daemon config model as one of its fields.
 Not checked here: values and defaults quoted in prose (read them against the code).
 """
 
@@ -348,4 +349,72 @@ def test_benchmark_flags_named_in_docs_exist() -> None:
     assert benchmark_flag_problems("`planner_replan.py --sizes 512 --reps 3`") == []
     assert benchmark_flag_problems("`benchmarks/planner_replan.py --no-such 1`") == [
         "benchmarks/planner_replan.py has no --no-such"
+    ]
+
+
+# ------------------------------------------------------------- schema and config fields
+
+_MODEL_MODULES = (
+    "sailor.controller.config",
+    "sailor.controller.phases",
+    "sailor.controller.node_health",
+    "sailor.agent.agent_config",
+    "sailor.coordination.endpoints",
+    "sailor.coordination.security",
+)
+_FIELD = re.compile(r"`([A-Z]\w*)\.([a-z_]\w*\*?)")
+
+
+def schema_models() -> dict[str, type]:
+    """The pydantic models of the schemas and of the daemons' configs, by class name."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from pydantic import BaseModel
+
+    import sailor.schemas
+
+    names = [m.name for m in pkgutil.iter_modules(sailor.schemas.__path__, "sailor.schemas.")]
+    out: dict[str, type] = {}
+    for name in (*names, *_MODEL_MODULES):
+        for cls_name, cls in inspect.getmembers(importlib.import_module(name), inspect.isclass):
+            if issubclass(cls, BaseModel) and cls.__module__.startswith("sailor."):
+                out[cls_name] = cls
+    return out
+
+
+def field_problems(line: str, models: dict[str, type]) -> list[str]:
+    """``Model.field`` where Model is a schema or config model and field is none of its
+    fields or attributes (``Model.prefix_*``: some field starts so)."""
+    problems: list[str] = []
+    for m in _FIELD.finditer(line):
+        cls = models.get(m.group(1))
+        if cls is None:
+            continue
+        attr = m.group(2)
+        fields = set(getattr(cls, "model_fields", {}))
+        if attr.endswith("*"):
+            ok = any(f.startswith(attr[:-1]) for f in fields)
+        else:
+            ok = attr in fields or hasattr(cls, attr)
+        if not ok:
+            problems.append(f"{m.group(1)} has no field {attr!r}")
+    return problems
+
+
+def test_schema_and_config_fields_named_in_docs_exist() -> None:
+    models = schema_models()
+    assert {"ControllerConfig", "AgentConfig", "TrainingConfig", "Plan"} <= set(models)
+    problems = [
+        f"{_where(doc, number)}: {p}"
+        for doc in doc_files()
+        for number, line, _ in _lines(doc)
+        for p in field_problems(line, models)
+    ]
+    assert not problems, "\n".join(problems)
+    assert field_problems("`ControllerConfig.keep_checkpoints` (default 1)", models) == []
+    assert field_problems("`HostSharing.allreduce_after_*`", models) == []
+    assert field_problems("`CalibrationRecord.p2p_fixed_s`", models) == [
+        "CalibrationRecord has no field 'p2p_fixed_s'"
     ]
