@@ -30,6 +30,7 @@ from sailor.controller.decision_types import (
     command_id_for,
     move_to,
 )
+from sailor.controller.failure_text import parse_failure
 from sailor.schemas.commands import Abort
 from sailor.schemas.runtime import (
     MAX_NODE_LIST,
@@ -55,15 +56,18 @@ def unhealthy(d: DesiredState, o: Observed) -> str:
     failed = failing_nodes.failed(d, o.status)
     if failed:
         # name the node the failure began on, not a peer that failed because of it
+        # quoted as ``error_type: message`` (``FailureCause.summary``): the record's first
+        # 200 characters were ~115 of JSON keys, and its message was cut where it said why
+        # (a rendezvous port in use: "... port: 11263" without ", name: EADDRINUSE")
         n = failing_nodes.began_on(failed)
-        return f"worker failed on {n}: {failed[n][:200]}"
+        return f"worker failed on {n}: {parse_failure(failed[n]).summary}"
     for n in sorted(d.placement):
         st = o.status.get(n)
         if st is None or st.generation != d.generation:
             continue
         if st.state == "held" and st.failure:
             # in-place workers whose world broke (a peer died) hold instead of exiting
-            return f"worker world broke on {n}: {st.failure[:200]}"
+            return f"worker world broke on {n}: {parse_failure(st.failure).summary}"
     return ""
 
 

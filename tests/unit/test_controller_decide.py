@@ -509,6 +509,28 @@ def test_a_failed_in_place_launch_falls_back_to_restart_once() -> None:
     assert not decide(d, obs(nodes(1, 2), [st(1), st(2)]), IN_PLACE)[0].state.in_place_failed  # type: ignore[union-attr]
 
 
+def test_an_in_place_launch_aborted_by_a_worker_quotes_its_error_not_its_record() -> None:
+    """The abort's cause (and so the fallback's ``path_reason``) quotes the failure as
+    ``error_type: message``: the first 200 characters of the JSON record were ~115 of keys,
+    and the message was cut before it said why (the demo's in-place launch of a notice,
+    its rank 0's rendezvous port taken: "... port: 11263" without "EADDRINUSE")."""
+    message = (
+        "The server socket has failed to listen on any local network address. port: 11263, "
+        "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    record = json.loads(_record("peer", message, "DistNetworkError"))
+    record.update(step=28, last_step=28)  # as the worker writes it: keys before the message
+    failed = st(2, state="failed").model_copy(update={"failure": json.dumps(record)})
+    d = running((1, 2), phase=Phase.LOAD, phase_deadline=NOW + 60, path="in_place")
+    a = decide(d, obs(nodes(1, 2), [st(1), failed]), IN_PLACE)
+    torn = a[0].state  # type: ignore[union-attr]
+    assert torn.phase is Phase.TEARDOWN and torn.in_place_failed
+    assert torn.cause.startswith(
+        "during load: worker failed on n2: DistNetworkError: The server socket"
+    ), torn.cause
+    assert "EADDRINUSE" in torn.cause and '"origin"' not in torn.cause, torn.cause
+
+
 def test_in_place_join_waits_for_the_warm_spares() -> None:
     d = running((1,))
     ns = nodes(1, 2)
