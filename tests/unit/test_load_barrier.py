@@ -754,3 +754,23 @@ def test_closing_the_barrier_on_a_hung_store_is_bounded_and_its_mark_lands_later
         assert not heartbeat.is_alive()
         assert client.check(["sailor/loaded/g/closed/0"])
         assert client.add("sailor/loaded/g/ended", 0) == 1
+
+
+@pytest.mark.parametrize(
+    ("poll_s", "want"),
+    [(1.0, [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0, 1.0]), (0.05, [0.02, 0.04] + [0.05] * 6)],
+    ids=["default", "fast"],
+)
+def test_polls_start_short_and_double_up_to_poll_s(poll_s: float, want: list[float]) -> None:
+    """Ranks that arrive moments apart (an in-place relayout's loads) are released within
+    tens of milliseconds, not at the next whole poll (1 s by default: two such waits were
+    ~2 s of the demo's ~2.7 s in-place no-step gap); a long wait polls every ``poll_s``."""
+    store, slept = _store(), []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) == len(want):  # the last rank checks in
+            store.add("sailor/loaded/g/count", 1)
+
+    assert await_loads(store, 0, 2, "g", timeout_s=60.0, poll_s=poll_s, sleep=sleep) < 5.0
+    assert slept == pytest.approx(want)
