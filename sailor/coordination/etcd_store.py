@@ -33,6 +33,7 @@ from aetcd import rpc
 
 from sailor.coordination.api import KeyValue
 from sailor.coordination.clock import Clock, SystemClock
+from sailor.coordination.deadline import within
 from sailor.coordination.errors import (
     ChangedError,
     FencedError,
@@ -298,8 +299,8 @@ class EtcdStore:
                 raise
             raise self._convert(exc) from exc
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.cancel(), self._op_timeout)
+            with contextlib.suppress(Exception):  # bounded whatever the stream does
+                await within(watch.cancel(), self._op_timeout, "etcd watch cancel")
 
     async def put(self, key: str, value: bytes, lease: Any = None) -> int:
         resp = await self.call(
@@ -477,8 +478,11 @@ class EtcdStore:
         self._leases.clear()
         clients = list(self._clients.values()) or [self.client]
         for client in clients:
+            # ``within``, not ``wait_for``: a close that swallows the cancellation or hangs
+            # on its way out (a gRPC channel's) held wait_for, and the daemon's shutdown
+            # with it, without bound
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), self._op_timeout)
+                await within(client.close(), self._op_timeout, "etcd close")
 
 
 async def connect_etcd(

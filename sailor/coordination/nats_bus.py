@@ -17,7 +17,6 @@ This module must never import etcd or daemon code.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ssl
 from collections.abc import Sequence
@@ -548,8 +547,8 @@ class NatsEventBus:
 
     async def close(self) -> None:
         if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._sub.unsubscribe(), self._timeout)
+            with contextlib.suppress(Exception):  # bounded whatever nats-py does
+                await within(self._sub.unsubscribe(), self._timeout, "nats unsubscribe")
             self._sub = None
 
 

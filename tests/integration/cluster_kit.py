@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -140,6 +141,15 @@ class Cluster:
         ctl, task = self.controllers.pop(name)
         if crash:
             task.cancel()
+            # bounded, with where it hangs: a controller that outlived its cancel held a CI
+            # run until pytest-timeout's 600 s, and said nothing of where it was
+            done, _ = await asyncio.wait({task}, timeout=30)
+            if not done:
+                where = io.StringIO()
+                task.print_stack(file=where)
+                raise AssertionError(
+                    f"controller {name} still runs 30 s after its cancel:\n{where.getvalue()}"
+                )
             with pytest.raises(asyncio.CancelledError):
                 await task
             ctl.audit.close()

@@ -69,3 +69,36 @@ async def test_other_errors_and_single_endpoints_do_not_move() -> None:
     with pytest.raises(UnavailableError):
         await single.call(_fail(aetcd.exceptions.ConnectionFailedError("refused")))
     assert single.endpoint == "a:1" and single.failovers == 0
+
+
+class _StuckClient(_Client):
+    """A client whose close swallows its cancellations and goes on (a gRPC channel's close
+    that hangs on its way out) until the test lets it end."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.release = asyncio.Event()
+
+    async def close(self) -> None:
+        while True:
+            try:
+                await self.release.wait()
+                return
+            except asyncio.CancelledError:
+                continue
+
+
+async def test_close_is_bounded_whatever_a_client_does() -> None:
+    """``wait_for`` cancels once and then waits without bound: a daemon's shutdown (a
+    controller's, in a CI run) waited on a client's close for ever. Now its op timeout plus
+    ``within``'s grace (2 s) at most."""
+    client = _StuckClient("a:1")
+    store = EtcdStore(client, op_timeout=0.2, endpoints=("a:1",))  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        await asyncio.wait_for(store.close(), 10)  # the test's own bound: wait_for hung here
+        assert loop.time() - t0 < 3.0
+    finally:
+        client.release.set()  # the abandoned close ends, so the loop can
+        await asyncio.sleep(0.01)

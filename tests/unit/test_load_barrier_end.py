@@ -225,12 +225,16 @@ def test_a_rank_stalled_past_its_liveness_says_so_when_the_store_is_gone() -> No
     )
     try:
         assert rank1.stdout is not None and rank1.stdout.readline() == "up\n"
-        # stopped while it beats: between beats, as nearly always (a beat's store call
-        # takes a millisecond of its 0.2 s period)
+        # stopped between beats: a beat's store calls take milliseconds of its 0.2 s period
+        # on a quiet host, but its count lands first and its other calls (its watch, its
+        # peers' failures) follow; stopped at once after the count, a loaded host caught
+        # the beat mid-call (failed once in CI), where a stall cannot be told from a slow
+        # store, and the rank blamed rank 0. So mid-pause: 80 ms after the count
         deadline = time.monotonic() + 5.0
         while server.add("sailor/loaded/g/beat/1", 0) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        time.sleep(0.08)
         rank1.send_signal(signal.SIGSTOP)  # its host frozen mid-load
         time.sleep(2.0)  # past its liveness: its watcher took it for dead, failed the
         del server  # world, and rank 0 closed its store (its process exited)
