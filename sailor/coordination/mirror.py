@@ -38,7 +38,6 @@ the running layout). Never writes to etcd.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 import structlog
@@ -188,8 +187,16 @@ class PrefixMirror:
     async def _restart(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-            with contextlib.suppress(BaseException):
+            try:
                 await self._watch
+            except asyncio.CancelledError:
+                # the watch's own end, not this task's: a cancel of the caller (its check
+                # task closing) was swallowed here, and the check went on re-reading
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():
+                    raise
+            except Exception:  # the watch's last error: a new watch follows
+                pass
         try:
             await self._read()
             self.resyncs += 1
