@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import IO, Any
 
 STEPS = 40
-"""0.05 s steps: rank 1 trains ~1.8 s past the save step, the window in which the test asks
-it for the save it then misses (at 12 steps, 0.4 s: a loaded host missed it, rank 1 ended
-without a marker and rank 0 waited its 30 s for a part that never came)."""
+"""Rank 1's steps take 0.15 s: it trains ~5.4 s past the save step, the window in which the
+test asks it for the save it then misses. At 12 steps of 0.05 s (0.4 s), then 40 (1.8 s), a
+loaded CI host missed it: the test read rank 1's step 4 only after rank 1 had ended,
+without a marker, and rank 0 waited its 30 s for a part that never came."""
 SAVE = 3
 
 
-def _toy(tmp: Path, rank: int, master: str = "") -> subprocess.Popen[str]:
+def _toy(tmp: Path, rank: int, master: str = "", step_s: float = 0.05) -> subprocess.Popen[str]:
     argv = [
         sys.executable,
         "-m",
@@ -43,7 +44,7 @@ def _toy(tmp: Path, rank: int, master: str = "") -> subprocess.Popen[str]:
         "--control",
         str(tmp / f"control-{rank}.json"),
         "--step-s",
-        "0.05",
+        str(step_s),
         "--max-steps",
         str(STEPS),
         "--error-file",
@@ -70,7 +71,7 @@ def _read_until(out: IO[str], step: int, into: list[dict[str, Any]]) -> None:
 def test_a_periodic_save_a_rank_missed_is_given_up_and_training_goes_on(tmp_path: Path) -> None:
     (tmp_path / "control-1.json").write_text("{}")
     _request(tmp_path, 0)
-    procs = [_toy(tmp_path, r) for r in (0, 1)]
+    procs = [_toy(tmp_path, r, step_s=0.15 if r == 1 else 0.05) for r in (0, 1)]
     lines: list[list[dict[str, Any]]] = [[], []]
     try:
         assert procs[1].stdout is not None
