@@ -46,12 +46,12 @@ from sailor.checkpoint.buffers import ScratchPool
 from sailor.checkpoint.errors import AbandonedWriteError, SaveSkippedError
 from sailor.checkpoint.fit import check_fit
 from sailor.checkpoint.mounts import Mount, read_mounts, same_storage
-from sailor.checkpoint.storage import Storage
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
+from sailor.schemas.checkpoint import CheckpointManifest
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -102,10 +102,11 @@ def restore_trainer(
     params = [(k, p) for k, p in tr.stage.keyed_parameters() if key_layer(k) in wanted]
     dims = {k: d for k, (_t, d) in stage_state(tr.stage).items() if key_layer(k) in wanted}
     storage = open_storage(root)
-    unpadded = unpadded_vocab(tr.stage.spec, storage, step, wanted)
+    manifest = read_manifest(storage, step)  # once, for the two checks before the load
+    unpadded = unpadded_vocab(tr.stage.spec, manifest, wanted)
     check_model_fit(
-        storage,
-        step,
+        manifest,
+        f"{storage.url.rstrip('/')} step {step}",
         params,
         tp_size=tr.role.tp,
         num_layers=tr.plan.num_layers,
@@ -166,8 +167,8 @@ def restore_trainer(
 
 
 def check_model_fit(
-    storage: Storage,
-    step: int,
+    manifest: CheckpointManifest,
+    where: str,
     params: Iterable[tuple[str, torch.Tensor]],
     *,
     tp_size: int,
@@ -175,7 +176,8 @@ def check_model_fit(
     unpadded: Collection[str] = (),
     vocab_size: int = 0,
 ) -> None:
-    """Refuse checkpoint ``step`` before anything is read unless its layers hold exactly
+    """Refuse the checkpoint of ``manifest`` (``where``: its root and step, for the message)
+    before anything is read unless its layers hold exactly
     ``params`` (this rank's, keyed ``"<layer>.<param>"``: their layers are checked) at their
     full shapes (``fit.check_fit``: ``ModelMismatchError``, a configuration error naming
     each difference). ``unpadded`` (:func:`unpadded_vocab`): stored with ``vocab_size``
@@ -191,24 +193,18 @@ def check_model_fit(
         elif dim is not None:
             shape[dim] *= tp_size
         shapes[key] = tuple(shape)
-    check_fit(
-        read_manifest(storage, step),
-        shapes,
-        num_layers=num_layers,
-        where=f"{storage.url.rstrip('/')} step {step}",
-    )
+    check_fit(manifest, shapes, num_layers=num_layers, where=where)
 
 
-def unpadded_vocab(spec: ModelSpec, storage: Any, step: int, wanted: set[int]) -> set[str]:
-    """The vocabulary matrices (embedding, LM head) of the layers ``wanted`` that checkpoint
-    ``step`` stores with ``vocab_size`` rows: saved before the engine padded the vocabulary
-    (and split it over TP ranks). Read them whole (no TP dim) and pad them
+def unpadded_vocab(spec: ModelSpec, manifest: CheckpointManifest, wanted: set[int]) -> set[str]:
+    """The vocabulary matrices (embedding, LM head) of the layers ``wanted`` that the
+    checkpoint of ``manifest`` stores with ``vocab_size`` rows: saved before the engine
+    padded the vocabulary (and split it over TP ranks). Read them whole (no TP dim) and pad them
     (:func:`pad_vocab_rows`). The DeepSpeed adapter's IO restores through it too."""
     if padded_vocab(spec.vocab_size) == spec.vocab_size:
         return set()  # the padded shape is the old shape: the reader slices it as it is
     head = spec.num_all_layers - 1
     names = {"0.wte.weight", f"{head}.lm_head.weight"}
-    manifest = read_manifest(storage, step)
     out: set[str] = set()
     for layer in sorted(wanted & {0, head}):
         for t in manifest.shard_of(layer).tensors:

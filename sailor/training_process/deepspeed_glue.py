@@ -73,10 +73,11 @@ class DeepSpeedLayerIO:
         # a checkpoint from before the engine padded the vocabulary: its embedding and LM
         # head are read whole and padded as the engine pads them (``ckpt_glue``)
         layers = {key_layer(k) for k in dims}
-        unpadded = unpadded_vocab(run.spec, storage, step, layers) if run.spec else set()
+        manifest = read_manifest(storage, step)  # once, for the two checks before the load
+        unpadded = unpadded_vocab(run.spec, manifest, layers) if run.spec else set()
         check_model_fit(
-            storage,
-            step,
+            manifest,
+            f"{storage.url.rstrip('/')} step {step}",
             run.keyed_parameters(),
             tp_size=place_of(run.plan, run.rank).tp_size,
             num_layers=run.plan.num_layers,
