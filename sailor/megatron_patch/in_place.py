@@ -208,17 +208,21 @@ class ExchangeStats:
     """The most bytes this rank received in one batch (its receive buffers' peak)."""
 
 
-def _old_shards(tr: Trainer | None) -> dict[str, dict[str, torch.Tensor]]:
-    """The held trainer's shards by key: ``weight`` and, after a step, both moments."""
+def _old_shards(
+    tr: Trainer | None,
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int | None]]:
+    """The held trainer's shards by key (``weight`` and, after a step, both moments), and
+    each key's TP dim (None: replicated)."""
     if tr is None:
-        return {}
+        return {}, {}
     opt = optimizer_state(tr.stage, tr.optimizer)
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for key, (t, _d) in stage_state(tr.stage).items():
-        out[key] = {"weight": t}
+    dims: dict[str, int | None] = {}
+    for key, (t, d) in stage_state(tr.stage).items():
+        out[key], dims[key] = {"weight": t}, d
         if key in opt:
             out[key].update({m: opt[key][m] for m in _MOMENTS})
-    return out
+    return out, dims
 
 
 def state_kinds(adam_step: int) -> tuple[str, ...]:
@@ -268,10 +272,9 @@ def exchange(
     me = new.role.rank
     mine = sched.of(me)
     kinds = state_kinds(adam_step)
-    held = _old_shards(old)
     # which keys are TP-sharded: a property of the parameter, not of the TP degree, so a
     # sender (its held stage) and a receiver (its new stage) read the same for a key
-    held_dims = {k: d for k, (_t, d) in stage_state(old.stage).items()} if old else {}
+    held, held_dims = _old_shards(old)
     params = dict(new.stage.keyed_parameters())
     new_keys = _keys_by_layer(list(params))
     old_keys = _keys_by_layer(list(held))
