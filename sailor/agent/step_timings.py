@@ -27,6 +27,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from sailor.schemas.online_calibration import RankTimings
 
@@ -89,13 +90,20 @@ MAX_MICROBATCHES = 1_000_000
 step); unbounded, a huge count overflowed the summary's float work."""
 
 
+def _is_time(v: object) -> TypeGuard[int | float]:
+    """A number of seconds from 0 to :data:`MAX_TIME_S` (NaN, infinity, a negative time and
+    a bool are not)."""
+    return not isinstance(v, bool) and isinstance(v, int | float) and 0 <= v <= MAX_TIME_S
+
+
+def _is_count(v: object) -> TypeGuard[int]:
+    """A microbatch count from 0 to :data:`MAX_MICROBATCHES` (a bool is not)."""
+    return not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_MICROBATCHES
+
+
 def _number(msg: Mapping[str, object], key: str) -> float | None:
     v = msg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    if not 0 <= v <= MAX_TIME_S:  # NaN fails too; infinity, a negative time
-        return None
-    return float(v)
+    return float(v) if _is_time(v) else None
 
 
 def bad_timing(msg: Mapping[str, object]) -> str:
@@ -104,14 +112,10 @@ def bad_timing(msg: Mapping[str, object]) -> str:
     or a worker's that times nothing: no error)."""
     for key in (*_FIELDS, "compute_s"):
         v = msg.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_TIME_S:
+        if v is not None and not _is_time(v):
             return f"{key}={v!r}: a time is a number of seconds from 0 to {MAX_TIME_S:g}"
     mbs = msg.get("microbatches")
-    if mbs is not None and (
-        isinstance(mbs, bool) or not isinstance(mbs, int) or not 0 <= mbs <= MAX_MICROBATCHES
-    ):
+    if mbs is not None and not _is_count(mbs):
         return f"microbatches={mbs!r}: a count from 0 to {MAX_MICROBATCHES}"
     return ""
 
@@ -122,9 +126,7 @@ def sample_of(msg: Mapping[str, object]) -> StepSample | None:
     step, mbs = msg.get("step"), msg.get("microbatches", 0)
     if any(v is None for v in vals.values()) or not isinstance(step, int):
         return None
-    if not vals["step_s"] or isinstance(mbs, bool) or not isinstance(mbs, int):
-        return None
-    if not 0 <= mbs <= MAX_MICROBATCHES:
+    if not vals["step_s"] or not _is_count(mbs):
         return None
     compute = _number(msg, "compute_s")
     step_s, sync_s, optim_s = vals["step_s"] or 0.0, vals["sync_s"] or 0.0, vals["optim_s"] or 0.0
