@@ -22,7 +22,7 @@ from sailor.planner.pricing import GpuPricing
 from sailor.planner.tables import CostTables, Kind
 from sailor.planner.templates import PipelineTemplate
 from sailor.schemas import BandwidthCurve, Endpoint
-from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve
+from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve, ring_order
 
 __all__ = [
     "FastFigures",
@@ -141,7 +141,7 @@ class SyncModel:
         if n <= 1 or node_bytes <= 0:
             return 0.0
         merged: list[tuple[Kind, int]] = []
-        for k, c in sorted(runs, key=lambda kc: (kc[0].zone, kc[0].gpu_type, kc[0].gpus_per_node)):
+        for k, c in sorted(runs, key=lambda kc: ring_order(kc[0])):
             if merged and merged[-1][0] == k:
                 merged[-1] = (k, merged[-1][1] + c)
             else:

@@ -40,6 +40,7 @@ from sailor.planner.template_pool import (
 )
 from sailor.planner.templates import PipelineTemplate
 from sailor.schemas.zones import region_of
+from sailor.simulator.network_model import ring_order
 
 __all__ = [
     "MIXED_ALL",
@@ -140,10 +141,7 @@ class Scenario:
         if not ts:
             return None
         gbs = tables.inputs.model.global_batch_size
-        ring = sorted(
-            {Kind(g, 1, z, k) for (g, z, k) in scenario},
-            key=lambda k: (k.zone, k.gpu_type, k.gpus_per_node),
-        )
+        ring = sorted({Kind(g, 1, z, k) for (g, z, k) in scenario}, key=ring_order)
         n_guess = max(2, min(gbs, sum(scenario.values()) // max(1, min(t.gpus for t in ts))))
         # a template's sync overhead depends on the ring and the guessed pipeline count only:
         # kept on the template (a replan on a large pool finds them all)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
 from sailor.schemas.device_kind import spec_of
@@ -61,6 +62,7 @@ __all__ = [
     "inter_curve",
     "intra_curve",
     "ring_allreduce",
+    "ring_order",
     "ring_scope",
     "sibling_curve",
 ]
@@ -303,6 +305,23 @@ def ring_scope(groups: Sequence[ReplicaGroup]) -> CollectiveScope:
     return "inter_node"
 
 
+class _NodeKind(Protocol):
+    @property
+    def zone(self) -> str: ...
+    @property
+    def gpu_type(self) -> str: ...
+    @property
+    def gpus_per_node(self) -> int: ...
+
+
+def ring_order(node: _NodeKind) -> tuple[str, str, int]:
+    """Where a node stands in a gradient ring (the sort key of :func:`ring_allreduce`'s
+    ring, and of the planner's closed form of it): by zone, then GPU type and node shape,
+    so that the ring crosses each zone boundary and each change of node kind once, whatever
+    the order of a plan's data-parallel replicas."""
+    return (node.zone, node.gpu_type, node.gpus_per_node)
+
+
 def ring_allreduce(
     network: NetworkProfile,
     groups: Sequence[ReplicaGroup],
@@ -328,7 +347,7 @@ def ring_allreduce(
     if n <= 1 or node_bytes <= 0:
         return AllReduce(0.0, (), ())
     links = links if links is not None else LinkCurves(network, {})
-    ring = sorted(groups, key=lambda g: (g.zone, g.gpu_type, g.gpus_per_node))
+    ring = sorted(groups, key=ring_order)
     buckets = max(1, math.ceil(elements_per_gpu / BUCKET_ELEMENTS))
     chunk = node_bytes / buckets / n
     kinds = [(g.zone, g.gpu_type, g.gpus_per_node) for g in ring]
