@@ -14,9 +14,7 @@ Needs the original artifact's files (``../shared/reference/sailor``); skipped wi
 
 from __future__ import annotations
 
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,11 +24,11 @@ from sailor.planner.robust import RobustResult, _key, robust_replan, robust_sear
 from sailor.schemas import Plan, Pool, PoolEntry
 from sailor.simulator import simulate
 from sailor.simulator.uncertainty import CORNERS, corners, simulate_corners
+from tests.bench_modules import bench_module
 from tests.reference_opt350 import REF
 
 pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="reference data not present")
 
-BENCH = Path(__file__).parents[2] / "benchmarks"
 A, B = "us-central1-a", "us-central1-b"
 
 Nodes = dict[tuple[str, str], int]
@@ -69,12 +67,7 @@ SCENARIOS: list[tuple[str, str, Nodes, str, Constraints]] = [
 
 @cache
 def _setup(model: str) -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from planner_common import load  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(BENCH))
-    return load(model)
+    return bench_module("planner_common").load(model)
 
 
 def _pool(nodes: Nodes) -> Pool:

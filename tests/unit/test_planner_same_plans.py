@@ -32,8 +32,6 @@ scenarios run in ``make test``; the rest are marked ``long``.
 from __future__ import annotations
 
 import hashlib
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,10 +39,9 @@ import pytest
 from sailor.planner.robust import _key, robust_search
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import best_partitions, best_partitions_many
+from tests.bench_modules import bench_module
 from tests.reference_opt350 import REF
 from tests.unit.test_planner_search import make_env
-
-BENCH = Path(__file__).parents[2] / "benchmarks"
 
 # scenario name -> (hash of the robust plan's _key, its worst ratio), recorded on 9c9d52a and
 # re-recorded five times for intended changes of the cost model (module docstring)
@@ -67,12 +64,7 @@ _QUICK = {"homog A100 x32", "A100+V100 32+96"}
 
 
 def _scenario(name: str) -> dict[str, Any]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from planner_scenarios import scenarios  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(BENCH))
-    return next(s for s in scenarios() if s["name"] == name)
+    return next(s for s in bench_module("planner_scenarios").scenarios() if s["name"] == name)
 
 
 @pytest.mark.parametrize(
@@ -82,11 +74,8 @@ def _scenario(name: str) -> dict[str, Any]:
 def test_robust_plan_is_the_one_chosen_before_the_speedups(name: str) -> None:
     if not REF.exists():
         pytest.skip(f"needs the original artifact's files at {REF}")
-    sys.path.insert(0, str(BENCH))
-    try:
-        from planner_common import load, pool  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(BENCH))
+    common = bench_module("planner_common")
+    load, pool = common.load, common.pool
     from sailor.planner import Constraints
 
     s = load("OPT-350")

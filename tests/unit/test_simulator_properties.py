@@ -33,9 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,11 +50,11 @@ from sailor.schemas import (
 )
 from sailor.simulator import simulate
 from sailor.simulator.uncertainty import CORNERS, corners, simulate_interval
+from tests.bench_modules import bench_module
 from tests.reference_opt350 import REF
 
 pytestmark = pytest.mark.skipif(not REF.is_dir(), reason="reference data not present")
 
-BENCH = Path(__file__).parents[2] / "benchmarks"
 ZONES = ("us-central1-a", "us-central1-b", "us-central1-c", "us-west1-b")
 TYPES = ("A100-40", "V100-16")
 MODELS = ("OPT-350", "GPT-Neo-2.7")
@@ -64,12 +62,7 @@ MODELS = ("OPT-350", "GPT-Neo-2.7")
 
 @cache
 def _setup(model: str) -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from planner_common import load  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(BENCH))
-    return load(model)
+    return bench_module("planner_common").load(model)
 
 
 @cache
