@@ -71,7 +71,9 @@ def _control(path: Path, **fields: object) -> None:
     tmp.replace(path)
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+def _world(rank: int, store: str, out: str, **more: object) -> tuple[argparse.Namespace, Path]:
+    """Join the two ranks' gloo world; the rank's boundary arguments (``more`` added) and
+    its control file."""
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -80,7 +82,6 @@ def _rank(rank: int, store: str, out: str) -> None:
         timeout=timedelta(seconds=60),
     )
     control = Path(out, f"control-{rank}.json")
-    ckdir = str(Path(out, "ckpt"))
     args = argparse.Namespace(
         control=str(control),
         poll_s=0.02,
@@ -92,6 +93,13 @@ def _rank(rank: int, store: str, out: str) -> None:
         start_step=0,
         steps=100,
     )
+    vars(args).update(more)
+    return args, control
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    args, control = _world(rank, store, out)
+    ckdir = str(Path(out, "ckpt"))
     progress_file = Path(out, f"progress-{rank}.jsonl")
     saves, tr = _Saves(), _Trainer()
     b = Boundary(
@@ -152,24 +160,9 @@ def test_ranks_holding_past_a_periodic_save_save_the_step_they_hold(tmp_path: Pa
 
 def _rank_loaded(rank: int, store: str, out: str, same_dir: bool) -> None:
     """Ranks resumed from step 10 of ``ckpt`` asked, at once, to hold there and save."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(60)
-    )
-    control = Path(out, f"control-{rank}.json")
     ckdir = str(Path(out, "ckpt"))
-    args = argparse.Namespace(
-        control=str(control),
-        poll_s=0.02,
-        pause_timeout_s=PAUSE_S,
-        rank=rank,
-        min_step_s=0.0,
-        fail_at_step=None,
-        abort_at_step=None,
-        start_step=10,
-        steps=100,
-        load_step=10,
-        ckpt_dir=ckdir + "/",  # the same root, spelled otherwise
-    )
+    # ckpt_dir: the same root, spelled otherwise
+    args, control = _world(rank, store, out, start_step=10, load_step=10, ckpt_dir=ckdir + "/")
     progress_file = Path(out, f"progress-{rank}.jsonl")
     saves, tr = _Saves(), _Trainer()
     tr.step = 10
