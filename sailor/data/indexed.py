@@ -37,6 +37,8 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
+from sailor.data.durable import fsync_dir
+
 __all__ = [
     "DTYPE_CODES",
     "HEADER_SIZE",
@@ -302,15 +304,6 @@ class IndexedDataset:
         return self.tokens(int(docs[first_doc]), int(docs[end_doc]))
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class IndexedDatasetWriter:
     """Writes ``PREFIX.bin``/``PREFIX.idx``; both appear only once :meth:`close` succeeds.
 
@@ -398,7 +391,7 @@ class IndexedDatasetWriter:
             self._tmp_bin.unlink(missing_ok=True)
             tmp_idx.unlink(missing_ok=True)
             raise
-        _fsync_dir(self.idx_path.parent)
+        fsync_dir(self.idx_path.parent)
 
     def _write_index(self, path: Path) -> None:
         if self._docs[-1] != len(self._lengths):

@@ -13,6 +13,14 @@ beginning-of-sequence id when the tokenizer's template has one (``bos="auto"``: 
 (``OUT.tokenizer.json``) and the manifest (``OUT.json``,
 :class:`~sailor.schemas.dataset.DatasetManifest`).
 
+The manifest is the data set's commit. A preparation over an existing one removes its
+manifest just before the new files replace the old ones, and writes the new one last, each
+file fsync'd and renamed into place (:mod:`sailor.data.durable`). An interrupted run
+(Ctrl-C, a crash, a full disk) leaves the old data set whole if it stops while
+tokenizing, and after that files without a manifest, which ``sailor data info`` and the
+trainer open as a Megatron data set of unknown vocabulary; never the old manifest
+describing the new files (the same counts with another seed read as valid).
+
 The documents are held in memory (the tokenizer trains on them and the shuffle needs them
 all): fine for corpora of a few GB, not for a web crawl (shard it first).
 """
@@ -27,6 +35,7 @@ from typing import Literal
 
 import numpy as np
 
+from sailor.data.durable import remove_durably, write_durably
 from sailor.data.indexed import IndexedDatasetWriter, dtype_for_vocab, paths_of
 from sailor.data.permutation import permute
 from sailor.data.tokenizer import (
@@ -100,7 +109,7 @@ def output_paths(prefix: Path | str) -> list[Path]:
     idx, bin_ = paths_of(prefix)
     man = manifest_path(prefix)
     tok = tokenizer_path(prefix)
-    return [idx, bin_, man, tok, *(q.with_name(q.name + ".tmp") for q in (idx, bin_, man))]
+    return [idx, bin_, man, tok, *(q.with_name(q.name + ".tmp") for q in (idx, bin_, man, tok))]
 
 
 def check_outputs_spare_inputs(opts: PrepareOptions) -> None:
@@ -182,6 +191,7 @@ def prepare(
     order = permute(np.arange(len(texts)), len(texts), opts.seed) if len(texts) > 1 else [0]
     tokens_per_doc: list[int] = []
     done_bytes = 0
+    out = manifest_path(opts.out)
     with IndexedDatasetWriter(opts.out, dtype) as writer:
         for lo in range(0, len(texts), _CHUNK_DOCS):
             chunk = [texts[int(i)] for i in order[lo : lo + _CHUNK_DOCS]]
@@ -192,10 +202,12 @@ def prepare(
             done_bytes += sum(len(t.encode("utf-8")) for t in chunk)
             if progress:
                 progress("tokenize", done_bytes, total_bytes)
+        # the writer's close replaces the old files: the old data set is uncommitted first
+        remove_durably(out)
 
     idx_path, _ = paths_of(opts.out)
     tok_path = tokenizer_path(opts.out)
-    tok.save(str(tok_path))
+    write_durably(tok_path, tok.to_str(pretty=True).encode())
     n_tokens = sum(tokens_per_doc)
     train_tokens = sum(tokens_per_doc[:n_train])
     manifest = DatasetManifest(
@@ -229,8 +241,5 @@ def prepare(
             bytes=total_bytes,
         ),
     )
-    out = manifest_path(opts.out)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2) + "\n")
-    tmp.replace(out)
+    write_durably(out, (manifest.model_dump_json(indent=2) + "\n").encode())
     return manifest

@@ -523,3 +523,39 @@ def test_a_manifest_of_another_token_dtype_is_refused(tmp_path: Path) -> None:
     want = r"token dtype uint16, the manifest .* says int32"
     with pytest.raises(IndexedDatasetError, match=want):
         open_prepared(out)
+
+
+def test_an_interrupted_preparation_never_leaves_the_old_manifest_over_new_files(
+    tmp_path: Path,
+) -> None:
+    """The manifest is the data set's commit. Re-preparing the same corpus with another seed
+    gives files of the same counts: before, a run that failed after the new files replaced
+    the old ones (here its manifest's temporary name is taken by a directory) left the old
+    manifest, which opened them as valid with the old seed and split token counts. Now they
+    open without a manifest. A run stopped while tokenizing leaves the old data set whole."""
+    from sailor.data.prepare import PrepareOptions, prepare
+
+    docs = [(f"d{i}", t) for i, t in enumerate(_texts(40))]
+    out = tmp_path / "c"
+    first = prepare(docs, PrepareOptions(out=out, vocab_size=300, seed=1))
+    old_files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def stop(stage: str, done: int, total: int) -> None:
+        if stage == "tokenize":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(docs, PrepareOptions(out=out, vocab_size=300, seed=2), progress=stop)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old_files
+    assert open_prepared(out).manifest == first
+
+    (tmp_path / "c.json.tmp").mkdir()
+    with pytest.raises(IsADirectoryError):
+        prepare(docs, PrepareOptions(out=out, vocab_size=300, seed=2))
+    opened = open_prepared(out)
+    assert opened.manifest is None, opened.manifest
+    assert opened.dataset.num_documents == first.num_documents
+    (tmp_path / "c.json.tmp").rmdir()
+    again = prepare(docs, PrepareOptions(out=out, vocab_size=300, seed=2))
+    assert open_prepared(out).manifest == again and again.shuffle_seed == 2
+    assert not list(tmp_path.glob("*.tmp"))
