@@ -376,3 +376,19 @@ def test_layers_of_one_tp_degree_in_two_precisions_are_refused_naming_them() -> 
     assert precision_clash(old, "cpu", [(2, 1)], "fp32") == ""
     assert precision_clash(old, "other", [(1, 1)], "fp32") == ""
     assert precision_clash(None, "cpu", [(1, 1)], "fp32") == ""
+
+
+def test_a_fit_that_dips_below_every_point_falls_back_to_a_line() -> None:
+    """A loaded host's probe (one-way ms per size, 4 KiB .. 16 MiB): one 16 KiB message at
+    2.4 ms among 0.2-0.5 ms ones bent the quadratic below zero between 128 KiB and 1 MiB,
+    where the curve is floored at 1 MB/s: transfers measured at 0.5-2 ms were priced at
+    0.13-1 s. Fails on the old code."""
+    ms = (0.438, 0.198, 2.352, 0.464, 0.729, 0.485, 1.18, 2.071, 0.968, 2.39, 1.165, 2.706, 0.832)
+    pts = [(1 << (12 + i), t * 1e-3) for i, t in enumerate(ms)]
+    curve = fit_link(pts)
+    _, gbps = split_latency(pts)
+    least = min(g for _, g in gbps)
+    for b, t in pts:
+        assert curve.gbps(b) >= least / 2, b
+        assert curve.transfer_time(b) < 10 * t, b
+    assert curve.coeffs[0] == 0.0  # a line in log2(bytes)
