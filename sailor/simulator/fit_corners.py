@@ -50,21 +50,26 @@ def with_fitted_spread(
     catalog prior covered, none (every corner collapsed to one point, memory and allocator
     included, which no step timing measures). ``compute_scale`` gets a range only where the
     range before had one (else it stays a point in every corner, as docs/simulator-model.md
-    says). A kind with no range before (calibrated without a spread, or no prior) keeps
-    none; a kind without an entry in ``cal`` gets none made."""
+    says); a fitted p2p efficiency takes the fixed cost per transfer it was fitted with
+    (the two move along one line, :mod:`fit_p2p`). A kind with no range before (calibrated
+    without a spread, or no prior) keeps none; a kind without an entry in ``cal`` gets none
+    made."""
     for g in kinds:
         if not cal.is_calibrated(g):
             continue
         before = start.for_gpu(g).spread if start.is_calibrated(g) else start.prior
         if before is None:
             continue
+        mine = [c for c in fitted if c.gpu_type == g]
+        # the p2p pair moves along one line: a fitted efficiency holds the fixed cost it was
+        # fitted with (none, when the anchor has none), not the range the fixed cost had
+        pair = any(c.name == "p2p_efficiency" and c.fitted for c in mine)
         ranges = {
             c.name: ConstantRange(
                 low=c.low, median=c.value, high=c.high, evidence=f"online fit: {c.evidence}"
             )
-            for c in fitted
-            if c.gpu_type == g
-            and c.fitted
+            for c in mine
+            if (c.fitted or (pair and c.name == "p2p_fixed_s"))
             and (c.name != "compute_scale" or before.compute_scale is not None)
         }
         root = before.source.removeprefix(_ONLINE_SOURCE)

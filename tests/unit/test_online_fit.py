@@ -443,3 +443,22 @@ def test_a_kind_with_a_leave_one_out_spread_is_priced_at_its_fitted_constants() 
     again = _fit(plan, _timings(plan, truth), fit.calibration)
     spread2 = again.calibration.for_gpu(gh).spread
     assert spread2 is not None and spread2.source.count("online fit") == 1
+
+
+def test_a_fitted_p2p_efficiency_keeps_the_fixed_cost_it_was_fitted_with_in_the_corners() -> None:
+    """Kinds the prior covers, under a default without a fixed cost per transfer: the fit
+    moves the efficiency alone (the fixed cost stays 0, not fitted), and the corners pair the
+    fitted efficiency with that 0, not with the prior's 0-1.7 ms it was not fitted beside."""
+    base = BASE.model_copy(update={"default": BASE.default.model_copy(update={"p2p_fixed_s": 0})})
+    plan = _pipeline_plan()
+    truth = base
+    for g in (SLOW, FAST):
+        truth = with_constant(truth, g, p2p_efficiency=0.3)
+    fit = _fit(plan, _timings(plan, truth), base)
+    eta = fit.constant(SLOW, "p2p_efficiency")
+    assert eta is not None and eta.fitted
+    for name, c in corners(fit.calibration):
+        if name != "original":
+            assert c.for_gpu(SLOW).p2p_fixed_s == 0.0, name
+    median = dict(corners(fit.calibration))["median"].for_gpu(SLOW)
+    assert median.p2p_efficiency == eta.value
