@@ -41,7 +41,10 @@ iteration times):
   pipeline's drain, which is no fixed cost.
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
-  η = simulated all-reduce time at η = 1 / (that sync − c). A kind's η is the geometric mean
+  η = simulated all-reduce time at η = 1 / (that sync − c), c the median sync of the kind's
+  lone ranks; a kind without any subtracts its kept ``sync_fixed_s`` from the same sum that
+  constant is fitted from (the sync, ``rest_s`` and the optimizer step beyond its profile,
+  less the framework time), not from the sync alone. A kind's η is the geometric mean
   over its groups; identified only where the all-reduces are ≥ 20 % of that sync.
 
 Constants of kinds not in the running plan, and those the measurements do not identify, keep

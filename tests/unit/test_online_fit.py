@@ -462,3 +462,27 @@ def test_a_fitted_p2p_efficiency_keeps_the_fixed_cost_it_was_fitted_with_in_the_
             assert c.for_gpu(SLOW).p2p_fixed_s == 0.0, name
     median = dict(corners(fit.calibration))["median"].for_gpu(SLOW)
     assert median.p2p_efficiency == eta.value
+
+
+def test_without_a_lone_rank_the_kept_fixed_cost_is_taken_from_the_same_sum() -> None:
+    """Every rank all-reduces (no lone rank gives the sync's own fixed part): the kept c is
+    taken from the last arriver's sync plus the rest of its step, as c is fitted (c = sync +
+    rest + optimizer beyond its profile, of the ranks without an all-reduce). A real worker
+    reports the rest (zeroing the gradients, here 1 s of the kept c's 1.0063 s) apart from its
+    sync; subtracting the whole c from the sync alone left the all-reduces 1 s short and read
+    η = 0.28 for a network at 0.2. Fails on the old code."""
+    plan = _dp_plan((FAST, SLOW))
+    rest = 1.0
+    base = truth = BASE
+    for g in (FAST, SLOW):
+        c = BASE.for_gpu(g).sync_fixed_s + rest
+        base = with_constant(base, g, sync_fixed_s=c)
+        truth = with_constant(truth, g, sync_fixed_s=c, network_efficiency=0.2)
+    timings = tuple(
+        t.model_copy(update={"sync_s": t.sync_s - rest, "rest_s": t.rest_s + rest})
+        for t in _timings(plan, truth)
+    )
+    fit = _fit(plan, timings, base)
+    assert _const(fit, SLOW, "network_efficiency") == pytest.approx(0.2, rel=0.01)
+    c = fit.constant(SLOW, "sync_fixed_s")
+    assert c is not None and not c.fitted
