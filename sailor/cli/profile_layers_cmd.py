@@ -30,7 +30,7 @@ from sailor.cli.profile_group import (
     profile_app,
 )
 from sailor.cli.tables import print_table
-from sailor.profiler.merge import SKIPPED, merge_db, save_db
+from sailor.profiler.merge import SKIPPED, merge_db, precision_clash, save_db
 from sailor.schemas import ModelSpec, ProfileDB
 from sailor.schemas.device_kind import is_cpu_type
 
@@ -179,6 +179,12 @@ def layers_cmd(
         raise fail(str(exc)) from exc
     check_db_out(out, spec.name)
     saver = _UnitSaver(out, existing_db(out))
+    from sailor.profiler.precision import compute_precision
+
+    units = [(t, m) for t in run.tps for m in run.mbs]
+    clash = precision_clash(saver.original, gpu_type, units, compute_precision(spec, device))
+    if clash:
+        raise fail(f"-o {out}: {clash}")
     title = f"profiling {spec.name} on {gpu_type}"
     if cpu_quota is None:
         db, ms = _profile_with_bar(con, run, title, saver)

@@ -88,7 +88,7 @@ from sailor.simulator import simulate
 from sailor.simulator.fit_corners import range_corners
 from sailor.simulator.online_fit import fit_online
 
-__all__ = ["KEEP_VERSIONS", "Calibrator", "load_trace"]
+__all__ = ["KEEP_VERSIONS", "Calibrator", "TraceFileError", "load_trace"]
 
 _log = structlog.get_logger("sailor.controller")
 
@@ -111,10 +111,37 @@ def _measured(fit: OnlineFit, source: str) -> MeasuredIteration | None:
     )
 
 
+class TraceFileError(ValueError):
+    """A membership trace file that cannot give a mean time between changes (names the
+    file, the row, the field and the value)."""
+
+
 def load_trace(path: Path) -> float:
-    """Mean time between changes of a ``[{"Time": s, "GPUs": n}, ...]`` trace file."""
-    rows = json.loads(path.read_text())
-    return mean_time_between_changes([(float(r["Time"]), int(r["GPUs"])) for r in rows])
+    """Mean time between changes of a ``[{"Time": s, "GPUs": n}, ...]`` trace file: ``Time``
+    a finite number of seconds, ``GPUs`` a whole count from 0 (``TraceFileError`` names the
+    first row that is not). Read at the controller's start: a NaN time made the horizon NaN,
+    and every replan judgement of the job then failed; a missing key stopped the controller
+    with a bare ``KeyError: 'Time'``; a count of 4.7 was read as 4."""
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TraceFileError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(rows, list):
+        raise TraceFileError(
+            f'{path}: a trace is a list of {{"Time": s, "GPUs": n}}, got {type(rows).__name__}'
+        )
+    points: list[tuple[float, int]] = []
+    for i, r in enumerate(rows):
+        t, n = (r.get("Time"), r.get("GPUs")) if isinstance(r, dict) else (None, None)
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            raise TraceFileError(f"{path}: [{i}].Time={t!r}: a finite number of seconds")
+        if isinstance(n, bool) or not isinstance(n, int | float) or n < 0 or n != int(n):
+            raise TraceFileError(f"{path}: [{i}].GPUs={n!r}: a whole count from 0")
+        points.append((float(t), int(n)))
+    try:
+        return mean_time_between_changes(points)
+    except ValueError as exc:
+        raise TraceFileError(f"{path}: {exc}") from exc
 
 
 class Calibrator:

@@ -5,7 +5,12 @@ The curve form is fixed by :class:`~sailor.schemas.network.BandwidthCurve`:
 ordinary least-squares solution in ``L`` over the measured points (each point weighs the
 same: sizes are spaced evenly in ``L``, so no part of the range dominates). The measured
 range becomes the curve's clamp (``min_bytes``, ``max_bytes``) and its largest measured
-bandwidth the upper clamp (``max_gbps``), so the fit is never extrapolated.
+bandwidth the upper clamp (``max_gbps``), so the fit is never extrapolated. A quadratic that
+falls below half the least measured bandwidth somewhere in the measured range is refitted as
+a line, and a line that does as the mean: a loaded host's noisy points (one 16 KiB message at
+2.4 ms among 0.2-0.5 ms ones) had the quadratic dip below zero between 128 KiB and 1 MiB,
+where the evaluation floors it at 1 MB/s, and transfers measured at 0.5-2 ms were priced at
+0.13-1 s.
 
 Optionally (:func:`split_latency`) a fixed per-message latency is taken out first: the
 median over the :data:`LATENCY_SIZES` smallest messages of their one-way time minus their
@@ -56,9 +61,18 @@ def fit_curve(points: Sequence[tuple[int, float]], latency_s: float = 0.0) -> Ba
             raise ValueError(f"point ({b}, {g}): bytes and GB/s must be positive and finite")
     lg = np.array([math.log2(b / 1e6) for b, _ in points])
     y = np.array([g for _, g in points])
-    a = np.stack([lg * lg, lg, np.ones_like(lg)], axis=1)
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    c0, c1, c2 = (float(c) for c in coef)
+    c0 = c1 = 0.0
+    c2 = float(y.mean())
+    # a quadratic (or a line) that falls below half the least measured bandwidth somewhere
+    # in the measured range is the fit's artifact, not the link (module docstring): the next
+    # lower degree instead, down to the mean
+    for degree in (2, 1):
+        a = np.stack([lg**k for k in range(degree, -1, -1)], axis=1)
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        cs = (0.0,) * (2 - degree) + tuple(float(c) for c in coef)
+        if _least(cs, float(lg.min()), float(lg.max())) >= _DIP * float(y.min()):
+            c0, c1, c2 = cs
+            break
     return BandwidthCurve(
         coeffs=(c0, c1, c2),
         max_gbps=float(y.max()),
@@ -66,6 +80,20 @@ def fit_curve(points: Sequence[tuple[int, float]], latency_s: float = 0.0) -> Ba
         max_bytes=sizes[-1],
         latency_s=latency_s,
     )
+
+
+_DIP = 0.5
+"""How far below the least measured bandwidth a fitted curve may go within the measured range
+(between two points a quadratic through them may pass a little below both)."""
+
+
+def _least(coeffs: tuple[float, ...], lo: float, hi: float) -> float:
+    """The least of ``c0·L² + c1·L + c2`` over ``lo <= L <= hi``."""
+    c0, c1, c2 = coeffs
+    at = [lo, hi]
+    if c0 > 0 and lo < -c1 / (2 * c0) < hi:
+        at.append(-c1 / (2 * c0))
+    return min(c0 * x * x + c1 * x + c2 for x in at)
 
 
 def split_latency(points: Sequence[tuple[int, float]]) -> tuple[float, list[tuple[int, float]]]:

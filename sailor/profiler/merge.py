@@ -22,13 +22,14 @@ Pure except :func:`load_db` / :func:`save_db`, which read and write JSON atomica
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar
 
 from sailor.schemas import LayerProfile, LayerSize, ProfileDB
 from sailor.schemas.profile import DeviceOverhead
 
-__all__ = ["SKIPPED", "SOURCE_RANK", "load_db", "merge_db", "save_db"]
+__all__ = ["SKIPPED", "SOURCE_RANK", "load_db", "merge_db", "precision_clash", "save_db"]
 
 SOURCE_RANK: dict[str, int] = {"measured": 0, "imported": 1, "estimated": 2}
 """Lower is better."""
@@ -92,6 +93,48 @@ def merge_db(old: ProfileDB | None, new: ProfileDB) -> tuple[ProfileDB, int]:
         meta=_merge_meta(old, new),
     )
     return merged, d1 + d2
+
+
+def precision_clash(
+    old: ProfileDB | None,
+    gpu_type: str,
+    units: Iterable[tuple[int, int]],
+    precision: str,
+) -> str:
+    """Why a run measuring ``gpu_type`` in ``precision`` at ``units`` ((TP, mbs) pairs) would
+    leave ``old`` with layers of one TP degree in two precisions; '' when it would not.
+
+    The simulator reads one precision per GPU type and TP degree and scales every entry of
+    it from there (``simulator.lookup``): an fp32 run at mbs 1 merged into a bf16 profile of
+    mbs 1 and 2 had the bf16 mbs-2 times read as fp32 and scaled ~6x too fast. A database
+    holding both is refused when it is built (``ProfileDB``); this says so before the
+    measurement, naming the entries in the way. Entries at the run's own units are replaced
+    by it, and estimated ones are not read beside measured ones: neither is in the way."""
+    if old is None:
+        return ""
+    todo = set(units)
+    tps = {tp for tp, _ in todo}
+    clash = sorted(
+        {
+            (t.tp, t.microbatch_size, t.precision)
+            for t in old.timings
+            if t.gpu_type == gpu_type
+            and t.tp in tps
+            and t.source != "estimated"
+            and t.precision is not None
+            and t.precision != precision
+            and (t.tp, t.microbatch_size) not in todo
+        }
+    )
+    if not clash:
+        return ""
+    held = ", ".join(f"tp={tp} mbs={m} in {p}" for tp, m, p in clash)
+    return (
+        f"precision={precision!r}: the file holds {gpu_type} layers this run does not "
+        f"replace, measured in another precision ({held}); the simulator reads one precision "
+        "per GPU type and TP degree: write this run to another file, or measure those "
+        "microbatch sizes too"
+    )
 
 
 def _merge_meta(old: ProfileDB, new: ProfileDB) -> dict[str, str]:

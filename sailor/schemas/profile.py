@@ -329,9 +329,27 @@ class ProfileDB(Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> ProfileDB:
+        precisions: dict[tuple[str, int], dict[str, LayerProfile]] = {}
         for t in self.timings:
             if t.bwd_s < 0 or t.fwd_s < 0:
                 raise field_error("timings", t, "negative time")
+            if t.precision is not None and t.source != "estimated":
+                precisions.setdefault((t.gpu_type, t.tp), {}).setdefault(t.precision, t)
+        for (gpu, tp), seen in precisions.items():
+            if len(seen) > 1:
+                # the simulator reads one precision per GPU type and TP degree (its embedding's
+                # entry at the least microbatch size) and scales every entry from it
+                where = ", ".join(
+                    f"{p} (e.g. mbs={e.microbatch_size} layer={e.layer})"
+                    for p, e in sorted(seen.items())
+                )
+                raise field_error(
+                    "timings.precision",
+                    sorted(seen),
+                    f"{gpu} at tp={tp} has measured or imported layers in more than one "
+                    f"precision: {where}; profile it in one precision (another profile "
+                    "file for the other)",
+                )
         kinds = [f.gpu_type for f in self.framework]
         if len(kinds) != len(set(kinds)):
             raise field_error("framework", kinds, "at most one entry per GPU type")

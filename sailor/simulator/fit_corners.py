@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-from sailor.schemas import Calibration
+from sailor.schemas import Calibration, ConstantRange, GPUPrior
 from sailor.schemas.online_calibration import FittedConstant
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "scale_ends",
     "with_all",
     "with_constant",
+    "with_fitted_spread",
 ]
 
 
@@ -31,6 +32,57 @@ def with_constant(cal: Calibration, gpu_type: str, **values: float) -> Calibrati
     """``cal`` with ``values`` set on ``gpu_type``'s constants (an entry made if it has none)."""
     base = cal.for_gpu(gpu_type)
     return cal.with_gpu(base.model_copy(update={"gpu_type": gpu_type, **values}))
+
+
+_ONLINE_SOURCE = "online fit (the fitted ranges' evidence says which) within: "
+"""How a spread the online fit narrowed names its source (once: a later fit does not nest it)."""
+
+
+def with_fitted_spread(
+    cal: Calibration, start: Calibration, kinds: Iterable[str], fitted: Sequence[FittedConstant]
+) -> Calibration:
+    """``cal`` (a fit's calibration, made from ``start``) with each kind's ``spread``, the
+    ranges the uncertainty corners take (:mod:`sailor.simulator.uncertainty`), carrying the
+    fitted constants' ranges (median: the fitted value) and, for every other constant, the
+    range it had before the fit: the kind's own spread if ``start`` calibrates it, else
+    ``start.prior``. Without this a fitted kind's entry kept the spread it had (the corners
+    then priced the offline leave-one-out ranges, not what was fitted) or, a kind the
+    catalog prior covered, none (every corner collapsed to one point, memory and allocator
+    included, which no step timing measures). ``compute_scale`` gets a range only where the
+    range before had one (else it stays a point in every corner, as docs/simulator-model.md
+    says); a fitted p2p efficiency takes the fixed cost per transfer it was fitted with
+    (the two move along one line, :mod:`fit_p2p`). A kind with no range before (calibrated
+    without a spread, or no prior) keeps none; a kind without an entry in ``cal`` gets none
+    made."""
+    for g in kinds:
+        if not cal.is_calibrated(g):
+            continue
+        before = start.for_gpu(g).spread if start.is_calibrated(g) else start.prior
+        if before is None:
+            continue
+        mine = [c for c in fitted if c.gpu_type == g]
+        # the p2p pair moves along one line: a fitted efficiency holds the fixed cost it was
+        # fitted with (none, when the anchor has none), not the range the fixed cost had
+        pair = any(c.name == "p2p_efficiency" and c.fitted for c in mine)
+        ranges = {
+            c.name: ConstantRange(
+                low=c.low, median=c.value, high=c.high, evidence=f"online fit: {c.evidence}"
+            )
+            for c in mine
+            if (c.fitted or (pair and c.name == "p2p_fixed_s"))
+            and (c.name != "compute_scale" or before.compute_scale is not None)
+        }
+        root = before.source.removeprefix(_ONLINE_SOURCE)
+        source = f"{_ONLINE_SOURCE}{root}" if ranges or root != before.source else root
+        spread = GPUPrior.model_validate(
+            {
+                **before.model_dump(),
+                **{k: r.model_dump() for k, r in ranges.items()},
+                "source": source,
+            }
+        )
+        cal = cal.with_gpu(cal.for_gpu(g).model_copy(update={"gpu_type": g, "spread": spread}))
+    return cal
 
 
 def with_all(cal: Calibration, kinds: Iterable[str], **values: float) -> Calibration:

@@ -115,6 +115,16 @@ def fit_sync_constants(
             "syncs are not read as sync_fixed_s"
         )
     fixed: dict[str, float] = {}
+    kept: set[str] = set()  # kinds whose fixed[] is the calibration's c, not a measured sync
+
+    def beyond_update(r: RankEvidence) -> float:
+        """The rank's sync with the rest of its step outside pipeline, sync and optimizer,
+        less its profiled update and framework time: what c is fitted from (below)."""
+        st = rows1[(r.pipeline, r.stage)]
+        return (
+            r.t.sync_s + r.t.rest_s + r.t.optim_s - st.update_s - iteration_s.get(r.gpu_type, 0.0)
+        )
+
     for g in kinds:
         prev = cal.for_gpu(g).sync_fixed_s
         xs = [r for r in lone if r.gpu_type == g]
@@ -123,6 +133,7 @@ def fit_sync_constants(
                 kept_constant(g, "sync_fixed_s", prev, "every rank of this kind all-reduces")
             )
             fixed[g] = prev
+            kept.add(g)
             continue
         fixed[g] = statistics.median(r.t.sync_s for r in xs)  # the sync's own: for η below
         # the iteration's fixed time beyond the framework time the profile holds: the sync
@@ -133,17 +144,7 @@ def fit_sync_constants(
         frame = iteration_s.get(g, 0.0)
         # the optimizer step is not fitted: what it takes beyond its profiled time is a
         # fixed cost of the iteration too (a CPU's, not a network's)
-        vals = [
-            max(
-                0.0,
-                r.t.sync_s
-                + r.t.rest_s
-                + r.t.optim_s
-                - rows1[(r.pipeline, r.stage)].update_s
-                - frame,
-            )
-            for r in xs
-        ]
+        vals = [max(0.0, beyond_update(r)) for r in xs]
         value = statistics.median(vals)
         _, low, high = median_interval(
             value,
@@ -185,7 +186,13 @@ def fit_sync_constants(
     skipped = 0
     for gid, r in sorted(last.items()):
         ar1 = rows1[(r.pipeline, r.stage)].grad_sync_s
-        comm = r.t.sync_s - fixed[r.gpu_type]
+        # a measured fixed part is the lone ranks' sync alone; the calibration's c (no lone
+        # rank of the kind) also holds the rest of the step and the optimizer beyond its
+        # profile, so it is taken from the same sum of this rank's (a real worker reports
+        # those apart from its sync: subtracting c from the sync alone left the all-reduces
+        # short by them, and η too high)
+        mine = beyond_update(r) if r.gpu_type in kept else r.t.sync_s
+        comm = mine - fixed[r.gpu_type]
         if comm <= 0 or comm < _SYNC_SHARE * r.t.sync_s:
             skipped += 1
             continue

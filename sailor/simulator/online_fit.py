@@ -41,13 +41,20 @@ iteration times):
   pipeline's drain, which is no fixed cost.
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
-  η = simulated all-reduce time at η = 1 / (that sync − c). A kind's η is the geometric mean
+  η = simulated all-reduce time at η = 1 / (that sync − c), c the median sync of the kind's
+  lone ranks; a kind without any subtracts its kept ``sync_fixed_s`` from the same sum that
+  constant is fitted from (the sync, ``rest_s`` and the optimizer step beyond its profile,
+  less the framework time), not from the sync alone. A kind's η is the geometric mean
   over its groups; identified only where the all-reduces are ≥ 20 % of that sync.
 
 Constants of kinds not in the running plan, and those the measurements do not identify, keep
-their values. The fit also reports how the running plan's predicted iteration time compares
-with the measured one before and after (closed form; the measured step is the median over
-ranks). The optimizer step is not fitted (``compute_scale`` leaves ``update_s`` alone); its
+their values. Each fitted kind's entry carries the ranges the uncertainty corners take
+(``GPUCalibration.spread``; :func:`~sailor.simulator.fit_corners.with_fitted_spread`): the
+fitted constants' ranges, and for the rest (memory, allocator, hook cost: no step timing
+measures them) the ranges they had before, the kind's own spread or the catalog prior. The
+fit also reports how the running plan's predicted iteration time compares with the measured
+one before and after (closed form; the measured step is the median over ranks). The
+optimizer step is not fitted (``compute_scale`` leaves ``update_s`` alone); its
 measured-to-simulated ratio is noted.
 
 This module holds the entry point and the compute scale's fit; the p2p pair's fit is in
@@ -76,7 +83,7 @@ from sailor.schemas import (
     StageTime,
 )
 from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
-from sailor.simulator.fit_corners import with_all, with_constant
+from sailor.simulator.fit_corners import with_all, with_constant, with_fitted_spread
 from sailor.simulator.fit_evidence import (
     RankEvidence,
     evidence_ranks,
@@ -141,6 +148,7 @@ def fit_online(
     cal = fit_sync_constants(
         plan, ranks, kinds, cal, sim, constants, notes, tied_holders(plan, model), frame
     )
+    cal = with_fitted_spread(cal, cal0, kinds, constants)
     before = sim(cal0)
     after = sim(cal)
     notes.extend(_optimizer_notes(ranks, stage_rows(after)))

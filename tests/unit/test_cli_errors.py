@@ -214,6 +214,14 @@ def test_out_of_range_options_are_refused_by_name(tmp_path: Path) -> None:
     ):
         res = runner.invoke(app, ["profile", "layers", "--model", "tiny-gpt", "-o", str(out)])
         assert res.exit_code == 2 and want in res.output, res.output
+    # ... and so is one whose layers of the kind and TP degree were taken in another
+    # precision than this run's (the simulator reads one per GPU type and TP degree)
+    held = {"gpu_type": "cpu", "tp": 1, "microbatch_size": 4, "layer": 0, "kind": "embedding"}
+    times = {"fwd_s": 1e-3, "bwd_s": 2e-3, "update_s": 1e-4, "precision": "bf16"}
+    other.write_text(json.dumps({"model": "tiny-gpt", "timings": [{**held, **times}]}))
+    res = runner.invoke(app, ["profile", "layers", "--kind", "cpu", "--mbs", "1", "-o", str(other)])
+    assert res.exit_code == 2 and "tp=1 mbs=4 in bf16" in res.output, res.output
+    assert json.loads(other.read_text())["timings"][0]["precision"] == "bf16"  # untouched
     other.write_text("{")
     res = runner.invoke(app, ["profile", "network", "--collectives", "", "-o", str(other)])
     assert res.exit_code == 2 and "other.json" in res.output, res.output

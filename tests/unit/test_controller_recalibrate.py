@@ -12,6 +12,7 @@ from sailor.controller.config import (
     ControllerConfig,
     OnlineCalibrationSettings,
 )
+from sailor.controller.online_calibration import TraceFileError, load_trace
 from sailor.controller.recalibrate import (
     RecalibrationPolicy,
     ReplanInputs,
@@ -195,3 +196,34 @@ def test_a_decision_records_the_measured_step_beside_the_predicted_one() -> None
     assert rule_violations(older) == []  # records written before the field still check
     with pytest.raises(ValueError, match="measured_s"):
         inputs(measured_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ('[{"Time": 0, "GPUs": 4}, {"Time": NaN, "GPUs": 3}]', r"\[1\]\.Time=nan"),
+        ('[{"Time": 0, "GPUs": 4}, {"Time": Infinity, "GPUs": 3}]', r"\[1\]\.Time=inf"),
+        ('[{"time": 0, "gpus": 4}, {"time": 9, "gpus": 3}]', r"\[0\]\.Time=None"),
+        ('[{"Time": "x", "GPUs": 4}, {"Time": 1, "GPUs": 3}]', r"\[0\]\.Time='x'"),
+        ('[{"Time": 0, "GPUs": 4.7}, {"Time": 10, "GPUs": 4.2}]', r"\[0\]\.GPUs=4\.7"),
+        ('[{"Time": 0, "GPUs": -1}, {"Time": 10, "GPUs": 4}]', r"\[0\]\.GPUs=-1"),
+        ('{"Time": 0}', "a trace is a list"),
+        ('[{"Time": 0, "GPUs": 4}]', "at least two"),
+        ("[{", "not JSON"),
+    ],
+    ids=["nan", "inf", "keys", "text", "fraction", "negative", "object", "one", "json"],
+)
+def test_a_bad_membership_trace_is_refused_naming_the_row_and_value(
+    tmp_path: Path, text: str, want: str
+) -> None:
+    """A NaN time made the horizon NaN (every replan judgement of the job then failed its
+    validation), a missing key stopped the controller with a bare KeyError, a count of 4.7
+    was read as 4. Fails on the old code."""
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    with pytest.raises(TraceFileError, match=want) as info:
+        load_trace(path)
+    assert str(path) in str(info.value)
+    ok = tmp_path / "ok.json"
+    ok.write_text('[{"Time": 0, "GPUs": 4}, {"Time": 60, "GPUs": 3}, {"Time": 90.5, "GPUs": 3}]')
+    assert load_trace(ok) == 90.5

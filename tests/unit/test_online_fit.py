@@ -24,6 +24,7 @@ from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTim
 from sailor.simulator.fit_corners import range_corners, scale_ends, with_constant
 from sailor.simulator.online_fit import fit_online
 from sailor.simulator.synthetic_timings import expected_rank_timings
+from sailor.simulator.uncertainty import corners
 
 FAST, SLOW = "A100-40", "V100-16"
 MODEL = catalog.model("OPT-350").model_copy(update={"global_batch_size": 32})
@@ -378,3 +379,110 @@ def test_code_between_the_passes_is_compute_and_a_slow_optimizer_a_fixed_cost() 
     assert _const(fit, SLOW, "sync_fixed_s") == pytest.approx(
         _const(plain, SLOW, "sync_fixed_s") + 0.002, rel=1e-6
     )
+
+
+def test_a_fitted_kind_keeps_the_priors_ranges_of_what_the_fit_did_not_measure() -> None:
+    """An uncalibrated kind (the catalog prior's ranges in the corners) fitted online: the
+    corners the planner searches in take the fitted constants' ranges and, for what no step
+    timing measures (memory, allocator, hook cost), the prior's ranges as before. Fails on
+    the old code: the kind's new entry had no spread and every corner collapsed to the fitted
+    point, the pessimistic non-tensor memory from the prior's high end to its median."""
+    plan = _dp_plan((FAST, FAST))
+    truth = with_constant(BASE, FAST, compute_scale=1.3, network_efficiency=0.3)
+    fit = _fit(plan, _timings(plan, truth))
+    eta = fit.constant(FAST, "network_efficiency")
+    assert eta is not None and eta.fitted
+    before = {name: c.for_gpu(FAST) for name, c in corners(BASE)}
+    after = {name: c.for_gpu(FAST) for name, c in corners(fit.calibration)}
+    for name in ("optimistic", "median", "pessimistic"):
+        for field in ("memory_overhead_bytes", "alloc_factor", "profiler_overhead_s"):
+            assert getattr(after[name], field) == getattr(before[name], field), (name, field)
+        assert after[name].compute_scale == pytest.approx(1.3, rel=1e-6)
+    assert after["median"].network_efficiency == eta.value
+    assert after["optimistic"].network_efficiency == eta.high
+    assert after["pessimistic"].network_efficiency == eta.low
+    # the point calibration is the fit's, and a kind not running keeps no entry of its own
+    assert fit.calibration.for_gpu(FAST).network_efficiency == eta.value
+    assert not fit.calibration.is_calibrated(SLOW)
+
+
+def test_a_kind_with_a_leave_one_out_spread_is_priced_at_its_fitted_constants() -> None:
+    """A kind calibrated offline with a leave-one-out spread (GH-96: η 0.19-0.23) fitted
+    online to another network: every corner the planner searches in takes the fitted η
+    (its median corner the fitted value), the spread's other ranges stay. Fails on the old
+    code: the entry kept the offline spread, which overrode the fitted η in every corner."""
+    gh = "GH-96"
+    plan = Plan(
+        plan_id="gh",
+        model=MODEL.name,
+        global_batch_size=32,
+        pipelines=tuple(
+            Pipeline(
+                stages=(Stage(first_layer=0, last_layer=25, replica=_rg(gh, f"n{i}")),),
+                microbatch_size=1,
+                num_microbatches=16,
+            )
+            for i in range(2)
+        ),
+    )
+    assert BASE.for_gpu(gh).spread is not None
+    truth = with_constant(BASE, gh, network_efficiency=0.6)
+    fit = _fit(plan, _timings(plan, truth))
+    eta = fit.constant(gh, "network_efficiency")
+    assert eta is not None and eta.fitted and eta.value == pytest.approx(0.6, rel=0.02)
+    before = {name: c.for_gpu(gh) for name, c in corners(BASE)}
+    after = {name: c.for_gpu(gh) for name, c in corners(fit.calibration)}
+    assert after["median"].network_efficiency == eta.value
+    assert after["pessimistic"].network_efficiency == eta.low
+    for name in ("optimistic", "median", "pessimistic"):
+        assert after[name].memory_overhead_bytes == before[name].memory_overhead_bytes
+    spread = fit.calibration.for_gpu(gh).spread
+    assert spread is not None and spread.source.startswith("online fit")
+    # a second fit from the kept one names the source once, and keeps the first fit's range
+    # of a constant it does not identify
+    again = _fit(plan, _timings(plan, truth), fit.calibration)
+    spread2 = again.calibration.for_gpu(gh).spread
+    assert spread2 is not None and spread2.source.count("online fit") == 1
+
+
+def test_a_fitted_p2p_efficiency_keeps_the_fixed_cost_it_was_fitted_with_in_the_corners() -> None:
+    """Kinds the prior covers, under a default without a fixed cost per transfer: the fit
+    moves the efficiency alone (the fixed cost stays 0, not fitted), and the corners pair the
+    fitted efficiency with that 0, not with the prior's 0-1.7 ms it was not fitted beside."""
+    base = BASE.model_copy(update={"default": BASE.default.model_copy(update={"p2p_fixed_s": 0})})
+    plan = _pipeline_plan()
+    truth = base
+    for g in (SLOW, FAST):
+        truth = with_constant(truth, g, p2p_efficiency=0.3)
+    fit = _fit(plan, _timings(plan, truth), base)
+    eta = fit.constant(SLOW, "p2p_efficiency")
+    assert eta is not None and eta.fitted
+    for name, c in corners(fit.calibration):
+        if name != "original":
+            assert c.for_gpu(SLOW).p2p_fixed_s == 0.0, name
+    median = dict(corners(fit.calibration))["median"].for_gpu(SLOW)
+    assert median.p2p_efficiency == eta.value
+
+
+def test_without_a_lone_rank_the_kept_fixed_cost_is_taken_from_the_same_sum() -> None:
+    """Every rank all-reduces (no lone rank gives the sync's own fixed part): the kept c is
+    taken from the last arriver's sync plus the rest of its step, as c is fitted (c = sync +
+    rest + optimizer beyond its profile, of the ranks without an all-reduce). A real worker
+    reports the rest (zeroing the gradients, here 1 s of the kept c's 1.0063 s) apart from its
+    sync; subtracting the whole c from the sync alone left the all-reduces 1 s short and read
+    η = 0.28 for a network at 0.2. Fails on the old code."""
+    plan = _dp_plan((FAST, SLOW))
+    rest = 1.0
+    base = truth = BASE
+    for g in (FAST, SLOW):
+        c = BASE.for_gpu(g).sync_fixed_s + rest
+        base = with_constant(base, g, sync_fixed_s=c)
+        truth = with_constant(truth, g, sync_fixed_s=c, network_efficiency=0.2)
+    timings = tuple(
+        t.model_copy(update={"sync_s": t.sync_s - rest, "rest_s": t.rest_s + rest})
+        for t in _timings(plan, truth)
+    )
+    fit = _fit(plan, timings, base)
+    assert _const(fit, SLOW, "network_efficiency") == pytest.approx(0.2, rel=0.01)
+    c = fit.constant(SLOW, "sync_fixed_s")
+    assert c is not None and not c.fitted

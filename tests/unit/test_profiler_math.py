@@ -18,7 +18,7 @@ from sailor.profiler.calibrated_estimate import (
     leave_one_gpu_out,
 )
 from sailor.profiler.curve_fit import fit_curve, fit_link, split_latency, with_link
-from sailor.profiler.merge import merge_db
+from sailor.profiler.merge import merge_db, precision_clash
 from sailor.schemas import BandwidthCurve, Endpoint, LayerProfile, NetworkProfile, ProfileDB
 from sailor.schemas.calibration import GPUCalibration
 from sailor.schemas.profile import VOCAB_SPLIT_META
@@ -345,3 +345,50 @@ def test_estimated_entries_record_their_precision_and_another_plans_is_scaled() 
     )
     assert fp32.layers[1].fwd_s > 2 * bf16.layers[1].fwd_s
     assert any("profiled in bf16, priced in fp32" in n for n in fp32.notes)
+
+
+def _in(precision: str, mbs: int, layer: int = 0, fwd: float = 1e-3) -> LayerProfile:
+    return _t("measured", fwd * mbs, layer).model_copy(
+        update={"microbatch_size": mbs, "precision": precision}
+    )
+
+
+def test_layers_of_one_tp_degree_in_two_precisions_are_refused_naming_them() -> None:
+    """The simulator reads one precision per GPU type and TP degree (the embedding's at the
+    least mbs) and scales every entry from it: an fp32 run at mbs 1 merged into a bf16
+    profile of mbs 1 and 2 had the bf16 mbs-2 times scaled as fp32 ones (~6x too fast on an
+    A100). Fails on the old code: the merge kept both precisions without a word."""
+    old = ProfileDB(model="m", timings=(_in("bf16", 1), _in("bf16", 2)))
+    new = ProfileDB(model="m", timings=(_in("fp32", 1),))
+    with pytest.raises(ValueError, match=r"timings\.precision=\['bf16', 'fp32'\].*cpu at tp=1"):
+        merge_db(old, new)
+    # a run that re-measures every unit of the old precision replaces them: one precision
+    merged, _ = merge_db(old, ProfileDB(model="m", timings=(_in("fp32", 1), _in("fp32", 2))))
+    assert {t.precision for t in merged.timings} == {"fp32"}
+    # what is not read beside measured layers (estimates) and another TP degree do not clash
+    est = _in("fp16", 4).model_copy(update={"source": "estimated"})
+    tp2 = _in("fp16", 1).model_copy(update={"tp": 2})
+    assert len(ProfileDB(model="m", timings=(*old.timings, est, tp2)).timings) == 4
+    # said before a run measures anything, naming the entries in the way
+    why = precision_clash(old, "cpu", [(1, 1)], "fp32")
+    assert "precision='fp32'" in why and "tp=1 mbs=2 in bf16" in why
+    assert precision_clash(old, "cpu", [(1, 1), (1, 2)], "fp32") == ""
+    assert precision_clash(old, "cpu", [(2, 1)], "fp32") == ""
+    assert precision_clash(old, "other", [(1, 1)], "fp32") == ""
+    assert precision_clash(None, "cpu", [(1, 1)], "fp32") == ""
+
+
+def test_a_fit_that_dips_below_every_point_falls_back_to_a_line() -> None:
+    """A loaded host's probe (one-way ms per size, 4 KiB .. 16 MiB): one 16 KiB message at
+    2.4 ms among 0.2-0.5 ms ones bent the quadratic below zero between 128 KiB and 1 MiB,
+    where the curve is floored at 1 MB/s: transfers measured at 0.5-2 ms were priced at
+    0.13-1 s. Fails on the old code."""
+    ms = (0.438, 0.198, 2.352, 0.464, 0.729, 0.485, 1.18, 2.071, 0.968, 2.39, 1.165, 2.706, 0.832)
+    pts = [(1 << (12 + i), t * 1e-3) for i, t in enumerate(ms)]
+    curve = fit_link(pts)
+    _, gbps = split_latency(pts)
+    least = min(g for _, g in gbps)
+    for b, t in pts:
+        assert curve.gbps(b) >= least / 2, b
+        assert curve.transfer_time(b) < 10 * t, b
+    assert curve.coeffs[0] == 0.0  # a line in log2(bytes)
