@@ -215,8 +215,14 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     gen = d.generation + 1
     if in_place_next(d, cfg):
         path, why = "in_place", "in place (configured)"
-    elif cfg.in_place:
+    elif cfg.in_place and d.path == "in_place":
         path, why = "restart", f"fallback: the in-place launch of generation {d.generation} failed"
+    elif cfg.in_place:  # the path stays failed until a generation runs: this one did not
+        path, why = (
+            "restart",
+            f"fallback: an in-place launch failed, and generation {d.generation} (restart) did "
+            "not run either",
+        )
     else:
         path, why = "restart", "restart (in place not configured)"
     port_note = rendezvous_ports.launch_note(d)
