@@ -4,10 +4,12 @@ Why the current layout cannot go on (``unhealthy``: a node lost without notice, 
 failed, an in-place world broke); the move to TEARDOWN after a failure (``abort``: a
 checkpoint that could not be read is suspect, or not loaded again, by the rule of
 ``controller/suspect_checkpoint.py``; a failed in-place launch falls back to the restart
-path once; the nodes the failure began on, and those that held up a
-LAUNCH, LOAD or VERIFY deadline, are charged through ``controller/failing_nodes.py``); and
-the Abort commands themselves (``abort_send``, and ``clear_stale`` for a failure still
-reported outside the layout, in any phase).
+path once, unless only its rendezvous port was taken (``controller/rendezvous_ports.py``:
+the next generation tries the next port on the same path, nobody charged); the nodes the
+failure began on, and those that held up a LAUNCH, LOAD or VERIFY deadline, are charged
+through ``controller/failing_nodes.py``); and the Abort commands themselves
+(``abort_send``, and ``clear_stale`` for a failure still reported outside the layout, in
+any phase).
 
 Pure: no I/O, no clock, no module-level state. Internal to the decision: its public names
 are for ``decide.py``, ``launch.py``, ``checkpointing.py`` and ``teardown.py``, which call
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from sailor.controller import failing_nodes, suspect_checkpoint
+from sailor.controller import failing_nodes, rendezvous_ports, suspect_checkpoint
 from sailor.controller.decision_types import (
     Action,
     DecideConfig,
@@ -102,16 +104,26 @@ def abort(
     what the job is charged with instead (``failing_nodes.stalled``); ``stretch``: the
     deadlines' new stretch (``DesiredState.deadline_stretch``), None to keep it; ``notes``:
     more for the reason."""
+    # Rank 0's rendezvous port taken by another process on its node (and no other failure
+    # of a node's own): nobody's fault, the next generation's port is another; counted in a
+    # row, and within the bound neither the in-place path nor the node is charged
+    # (controller/rendezvous_ports.py).
+    taken = rendezvous_ports.port_taken(failing_nodes.failed(d, o.status))
+    tries = rendezvous_ports.retries_after(d, taken)
+    d_tried = d.model_copy(update={"rendezvous_retries": tries})
+    port_only = bool(taken) and rendezvous_ports.forgiven(d_tried)
     # A failure while an in-place generation comes up (a worker that cannot rebuild, a peer
     # dying mid-transfer, a deadline) is a failure of the in-place path: fall back once.
-    failed_in_place = d.phase in _LAUNCHING and d.path == "in_place"
+    failed_in_place = d.phase in _LAUNCHING and d.path == "in_place" and not port_only
     # The nodes the failure began on are remembered (or the job, when most failed alike):
     # relaunching on a node that cannot run a rank aborted again, forever
     # (controller/failing_nodes.py).
     # a placed node lost: its peers' SIGABRTs are the watchdog giving up on it, not a hang;
     # recorded (lost_nodes) for the TEARDOWN's later passes, when it may be back
     lost = failing_nodes.lost_nodes(d, o.nodes, o.notices)
-    counted = failing_nodes.charge_abort(d, o.status, o.now, cfg.exclusion, late, stall_what, lost)
+    counted = failing_nodes.charge_abort(
+        d_tried, o.status, o.now, cfg.exclusion, late, stall_what, lost
+    )
     # A checkpoint that cannot be read is not loaded again (relaunching from it failed the
     # same way forever), once two launches from different nodes (or every placed node)
     # failed to read it: the next launch falls back to the newest other recorded commit.
@@ -136,6 +148,7 @@ def abort(
         aborted=True,
         cause=cause,
         in_place_failed=d.in_place_failed or failed_in_place,
+        rendezvous_retries=tries,
         bad_checkpoints=bad,
         suspect_checkpoint=suspect,
         node_health=health,
@@ -145,7 +158,9 @@ def abort(
         sigabrt_reports=counted.sigabrts or d.sigabrt_reports,
         deadline_stretch=dict(d.deadline_stretch if stretch is None else stretch),
     )
-    reason = [f"abort: {cause}", *counted.notes, *judged, *notes]
+    port_note = rendezvous_ports.abort_note(d, taken, tries)
+    reason = [f"abort: {cause}", *([port_note] if port_note else []), *counted.notes, *judged]
+    reason += notes
     return [SetDesired(state, "; ".join(reason))]
 
 

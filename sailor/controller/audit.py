@@ -58,6 +58,7 @@ from typing import Any
 import structlog
 
 from sailor.controller.recalibrate import rule_violations
+from sailor.controller.rendezvous_ports import RENDEZVOUS_RETRIES
 from sailor.coordination.keys import event_subject_source, safe_token
 
 __all__ = ["ADOPTION_CAUSES", "AuditLog", "AuditReport", "check", "read_records", "timeline"]
@@ -397,7 +398,12 @@ _LAUNCHING_PHASES = ("launch", "load", "verify")
 
 
 def in_place_failed_abort(r: dict[str, Any]) -> bool:
-    """A teardown record that aborts a generation while it came up (its in-place path failed)."""
+    """A teardown record that aborts a generation while it came up (its in-place path failed):
+    not one whose only failure was a taken rendezvous port, within the bound of such aborts
+    in a row (``rendezvous_retries``: the path is kept, ``controller/rendezvous_ports.py``)."""
+    tries = r.get("rendezvous_retries", 0)
+    if isinstance(tries, int) and 0 < tries <= RENDEZVOUS_RETRIES:
+        return False
     cause = str(r.get("cause", ""))
     return cause.startswith("abort: during ") and cause[len("abort: during ") :].startswith(
         _LAUNCHING_PHASES

@@ -175,6 +175,7 @@ class Executor:
             "in_place_reads",
             "forgiven_nodes",
             "drop_steps",
+            "rendezvous_retries",
         )
         unused = {f for f in fields if not getattr(state, f)}
         if state.job_health == NodeHealth():
@@ -232,6 +233,8 @@ class Executor:
             extra["bad_checkpoints"] = list(state.bad_checkpoints)
         if state.drop_steps:  # saves given up on: the next save's committer deletes them
             extra["drop_steps"] = list(state.drop_steps)
+        if state.rendezvous_retries:  # aborts in a row of a taken rendezvous port
+            extra["rendezvous_retries"] = state.rendezvous_retries
         if state.deadline_stretch:  # LOAD or VERIFY deadlines stretched after a stall
             extra["deadline_stretch"] = dict(state.deadline_stretch)
         if state.suspect_checkpoint.step >= 0:  # loaded again without the nodes that failed

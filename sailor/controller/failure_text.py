@@ -2,7 +2,8 @@
 
 The failing-node policy (``controller/node_health.py``) counts a failure against the node
 it began on, the job, or nobody; what it goes by is read here: the origin (``local``,
-``config``, ``peer``, or ``unknown`` for a text that is no record) and retry policy of a
+``config``, ``peer``, ``rendezvous``: rank 0's rendezvous port taken by another process, or
+``unknown`` for a text that is no record) and retry policy of a
 worker's error record (``sailor.megatron_patch.errors.failure_record``, the first 2000
 characters of its JSON), its ``error_type: message`` summary, and its signature (the summary
 with its numbers left out, so the same error on every rank reads alike). Also which texts
@@ -33,7 +34,7 @@ __all__ = [
     "signature_of",
 ]
 
-Origin = Literal["local", "peer", "config", "unknown"]
+Origin = Literal["local", "peer", "config", "rendezvous", "unknown"]
 
 CAUSE_CHARS = 200
 """Characters of a failure kept in a node's record and quoted in a reason."""
@@ -96,6 +97,13 @@ class FailureCause:
         return self.text
 
     @property
+    def port_taken(self) -> bool:
+        """A rank's rendezvous store could not bind its port (another process holds it on
+        the node): nobody's fault, a launch on another port succeeds
+        (``controller/rendezvous_ports.py``)."""
+        return self.origin == "rendezvous"
+
+    @property
     def outlived_kill(self) -> bool:
         """The agent's own report of a killed worker that outlived SIGKILL: it withdraws it
         once the process is gone."""
@@ -109,7 +117,7 @@ class FailureCause:
 
 # Keys of a record as JSON writes them: a quote inside a string value is escaped (\"), so
 # these match the record's own keys only, in a whole record and in one cut off alike.
-_ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config)"')
+_ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config|rendezvous)"')
 _RETRY = re.compile(r'"retry"\s*:\s*(true|false)')
 _ERROR_TYPE = re.compile(r'"(?:error_type|error)"\s*:\s*"((?:[^"\\]|\\.)*)')
 _MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')

@@ -1,7 +1,9 @@
 """A launch in a ``decide`` pass.
 
 The move to LAUNCH of the next plan on its placement (``launch_next``: the in-place or the
-restart path and why, the rendezvous master of the new generation), then the LAUNCH, LOAD
+restart path and why, the rendezvous master of the new generation: ``base_port +
+generation % 1000`` on rank 0's node, the next port after a generation whose port was taken,
+``controller/rendezvous_ports.py``), then the LAUNCH, LOAD
 and VERIFY phases (``launching``): a Launch to every node of the layout, the workers up,
 their first step after the loaded checkpoint, which clears the failure streaks (and a
 suspect checkpoint's record); past a phase's deadline, an abort that charges the nodes that
@@ -25,7 +27,7 @@ import math
 import weakref
 from collections.abc import Mapping
 
-from sailor.controller import failing_nodes, suspect_checkpoint
+from sailor.controller import failing_nodes, rendezvous_ports, suspect_checkpoint
 from sailor.controller.aborts import abort, unhealthy
 from sailor.controller.decision_types import (
     Action,
@@ -213,10 +215,19 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
     gen = d.generation + 1
     if in_place_next(d, cfg):
         path, why = "in_place", "in place (configured)"
-    elif cfg.in_place:
+    elif cfg.in_place and d.path == "in_place":
         path, why = "restart", f"fallback: the in-place launch of generation {d.generation} failed"
+    elif cfg.in_place:  # the path stays failed until a generation runs: this one did not
+        path, why = (
+            "restart",
+            f"fallback: an in-place launch failed, and generation {d.generation} (restart) did "
+            "not run either",
+        )
     else:
         path, why = "restart", "restart (in place not configured)"
+    port_note = rendezvous_ports.launch_note(d)
+    if port_note:  # the last abort was only a taken port: the same path, the next port
+        why = f"{why}; {port_note}"
     state = move_to(
         d,
         Phase.LAUNCH,
@@ -565,6 +576,7 @@ def _through(d: DesiredState, o: Observed, cfg: DecideConfig) -> list[Action]:
         cfg,
         aborted=False,
         in_place_failed=False,
+        rendezvous_retries=0,
         node_health=health,
         job_health=job,
         agreed_health=trained_agreed(d.agreed_health, low),

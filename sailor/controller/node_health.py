@@ -14,6 +14,9 @@ audit log reproduces it. The rules:
   (the supervisor's ``rank N exit C: ...``, a toy worker's record without an origin). A
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
   are not at fault. Each generation counts at most once per node.
+- Not against any node, up to a bound: a rank's rendezvous port taken by another process
+  on its node (``origin`` rendezvous, ``EADDRINUSE``): the next generation's port is another
+  (``controller/rendezvous_ports.py``); past the bound of such aborts in a row, the node's.
 - Not by this policy: the checkpoint reader's errors (``CorruptCheckpointError``,
   ``NoCheckpointError``). Whether the checkpoint or the nodes that failed to read it are
   at fault takes two launches (``controller/suspect_checkpoint.py``, which charges them
@@ -89,6 +92,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from sailor.controller import rendezvous_ports
 from sailor.controller.agreed_health import charge_agreed
 from sailor.controller.failure_text import (
     AGREED_ERRORS,
@@ -225,8 +229,14 @@ def charge(
     if d.forgiven_through >= gen:
         return Charged(health, job)
     causes = {n: parse_failure(t) for n, t in failures.items()}
-    # a checkpoint reader's error is judged by controller/suspect_checkpoint.py, not here
-    seen = {n: c for n, c in causes.items() if c.own and not c.unreadable_checkpoint}
+    # a checkpoint reader's error is judged by controller/suspect_checkpoint.py, not here;
+    # a taken rendezvous port is nobody's fault, up to controller/rendezvous_ports.py's bound
+    port_free = rendezvous_ports.forgiven(d)
+    seen = {
+        n: c
+        for n, c in causes.items()
+        if c.own and not c.unreadable_checkpoint and not (c.port_taken and port_free)
+    }
     # this generation's own failures, node by node: reported now, or counted already
     # (summary, signature, origin)
     evidence: dict[str, tuple[str, str, str]] = {

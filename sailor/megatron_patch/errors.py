@@ -8,6 +8,10 @@ closed its connections or stopped answering within the timeout). The agent repor
 local causes; peer records only confirm that the rank stopped. Both are ``retry=True``
 from the runtime's point of view: restart from the last committed checkpoint, maybe on
 another layout; a bad configuration (``ValueError`` before training) is ``retry=False``.
+A rendezvous store that cannot bind its port (``EADDRINUSE`` before training: rank 0's
+``TCPStore`` at ``--master``, whose port another process holds) is ``origin="rendezvous"``:
+neither this node's fault nor a peer's, and a launch on another port succeeds (the
+controller relaunches at the next generation's port, ``controller/rendezvous_ports.py``).
 
 A worker killed by a signal cannot write its record (NCCL's watchdog aborts the process from
 a C++ thread: ``SIGABRT``, no Python exception). Its parent (the agent's supervisor, or
@@ -54,7 +58,7 @@ __all__ = [
 ]
 
 FailureRecord = dict[str, Any]
-Origin = Literal["local", "peer", "config"]
+Origin = Literal["local", "peer", "config", "rendezvous"]
 
 # Fragments of the messages torch.distributed (gloo, NCCL) raises when a peer is gone or
 # silent; matched case-insensitively on the exception text and its type name.
@@ -70,6 +74,14 @@ _PEER_MARKERS = (
     "socket",
     "connection refused",
 )
+
+# Fragments of the error of a listening socket whose port is taken (errno EADDRINUSE, as
+# torch's TCPStore server words it: "The server socket has failed to listen on any local
+# network address. port: P, ..., code: -98, name: EADDRINUSE, message: address already in
+# use"), matched before the peer markers (the text says "socket"). Before training the
+# only socket a rank binds to a given port is rank 0's rendezvous store (gloo and NCCL
+# listen on ports the kernel picks).
+_RENDEZVOUS_MARKERS = ("eaddrinuse", "address already in use")
 
 # Fragments of errors that NCCL or CUDA raise about this rank's own work, matched before the
 # peer markers (their text says "nccl" too): NCCL's ncclUnhandledCudaError (a CUDA failure
@@ -110,7 +122,8 @@ says (it names ranks and hosts, and a host named ``gloo-3`` read as a peer's fai
 
 
 def classify(exc: BaseException, in_training: bool) -> Origin:
-    """Whether ``exc`` is this rank's own failure, a peer's, or a configuration error."""
+    """Whether ``exc`` is this rank's own failure, a peer's, a configuration error, or, before
+    training, its rendezvous store's port taken by another process (``rendezvous``)."""
     if isinstance(exc, InjectedFailureError) or type(exc).__name__ in AGREED:
         return "local"
     if isinstance(exc, PeerFailedError):
@@ -118,6 +131,8 @@ def classify(exc: BaseException, in_training: bool) -> Origin:
     if not in_training and isinstance(exc, ValueError):
         return "config"
     text = f"{type(exc).__name__} {exc}".lower()
+    if not in_training and any(m in text for m in _RENDEZVOUS_MARKERS):
+        return "rendezvous"
     if any(m in text for m in _LOCAL_MARKERS):
         return "local"
     if any(m in text for m in _PEER_MARKERS):

@@ -83,7 +83,9 @@ process: new world, one handshake, then :mod:`~sailor.megatron_patch.relayout` d
 layer kept / received / checkpoint and :mod:`~sailor.megatron_patch.in_place` exchanges
 (one ordered ``batch_isend_irecv``); the ``ready`` line adds ``path: "in_place"``, key
 counts, ``bytes_received`` and the phase seconds. ``--warm``: a spare that only waits for
-a directive (``{"event": "warm", "pid"}``). Held or warm, SIGTERM exits 0. A failure
+a directive (``{"event": "warm", "pid"}``); a directive without ``--in-place`` (a restart
+launch's rank given to a spare) runs as a new process of the restart path would (no
+handshake; its generation is its last). Held or warm, SIGTERM exits 0. A failure
 inside a relayout is an ordinary failure (error file, exit 1). A process that abandoned a
 world ends with ``os._exit`` (blocked works must never be destroyed: ``sailor.comm.abort``).
 
@@ -293,8 +295,11 @@ def _run_in_place(args: argparse.Namespace, status: Status, ckpt: CheckpointIO |
             # a spare never had a rank: nothing to save, no world to leave
             return leave_process(0, fault_of, at_once=held is None)
         generation, argv = got
+        # the directive's own mode: an in-place launch's argv has --in-place; a restart
+        # launch's (a spare handed a rank of one) has not, and its other ranks, new
+        # processes, run no in-place handshake: taken as in place, this rank waited in one
+        # they never join until the LOAD deadline aborted the generation
         args = build_parser().parse_args(argv)
-        args.in_place = True
         status.holding = False
         out = _generation(args, status, ckpt, held, generation)
         if out.held is None:

@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -56,7 +56,10 @@ commits, the committer also deletes those of them it saw committed when its save
 ``DesiredState.drop_steps`` (the controller's list, kept across leaders): a release-7 agent
 drops the first and its workers delete below ``prune_below`` only, as before; a release-7
 controller sends none, which a release-8 agent takes as before; a release-7 leader drops
-the second and writes its state without it (those steps stay on disk, as before)."""
+the second and writes its state without it (those steps stay on disk, as before).
+9: ``DesiredState.rendezvous_retries`` (launches aborted in a row because rank 0's
+rendezvous port was taken; written only when not 0): a release-8 standby that takes over
+drops it and treats the next such abort as release 8 did (a failure of the in-place path)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

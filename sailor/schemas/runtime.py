@@ -319,6 +319,16 @@ class DesiredState(WireMessage):
         description="The in-place launch of the current generation failed: the next launch "
         "takes the restart path.",
     )
+    rendezvous_retries: int = Field(
+        default=0,
+        ge=0,
+        description="Aborts in a row, since the job last ran, of launches that failed only "
+        "because rank 0's rendezvous port was taken on its node (another process listens on "
+        "base_port + generation % 1000: EADDRINUSE): up to the controller's bound "
+        "(controller/rendezvous_ports.py) they are nobody's fault, and the next generation "
+        "(the next port) launches on the same path; past it, such a failure is the node's. "
+        "Reset by any other abort and once a generation runs. 0: none (wire version 9).",
+    )
     bad_checkpoints: tuple[int, ...] = Field(
         default=(),
         description="Committed steps a launch could not load (corrupt or missing files: "

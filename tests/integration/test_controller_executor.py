@@ -566,7 +566,13 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
         raw = json.loads(await rig.desired())
         assert "bad_checkpoints" not in raw and "node_health" not in raw
         assert "drop_steps" not in raw
+        assert "rendezvous_retries" not in raw
         assert raw["generation"] == 2 and raw["epoch"] == e
+        # aborts in a row of a taken rendezvous port (wire version 9): only while counted
+        await ex.write_desired(DesiredState(epoch=e, generation=2, rendezvous_retries=1), "t")
+        assert json.loads(await rig.desired())["rendezvous_retries"] == 1
+        assert _records(audit, "phase")[-1]["rendezvous_retries"] == 1
+        assert "rendezvous_retries" not in _records(audit, "phase")[0]
         await ex.write_desired(DesiredState(epoch=e, bad_checkpoints=(9,)), "test")
         raw = json.loads(await rig.desired())
         assert raw["bad_checkpoints"] == [9] and "node_health" not in raw

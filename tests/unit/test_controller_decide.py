@@ -509,6 +509,24 @@ def test_a_failed_in_place_launch_falls_back_to_restart_once() -> None:
     assert not decide(d, obs(nodes(1, 2), [st(1), st(2)]), IN_PLACE)[0].state.in_place_failed  # type: ignore[union-attr]
 
 
+def test_a_second_restart_after_a_fallback_says_the_restart_failed_too() -> None:
+    """The restart after a fallback's own abort stays on the restart path (no generation ran
+    since the in-place launch failed) and says so: it said "the in-place launch of
+    generation G failed" of a G that was itself a restart (seen after a taken rendezvous
+    port, tests/integration/test_runtime_rendezvous_port.py, before that was no failure)."""
+    d = running((1, 2), gen=3, phase=Phase.LOAD, phase_deadline=NOW - 1, path="restart")
+    d = d.model_copy(update={"in_place_failed": True})
+    stalled = [st(1, gen=3), st(2, gen=3, state="idle")]  # n2 never came up: the deadline
+    torn = decide(d, obs(nodes(1, 2), stalled), IN_PLACE)[0].state  # type: ignore[union-attr]
+    assert torn.phase is Phase.TEARDOWN and torn.in_place_failed
+    planned = _planned(torn, (1, 2))
+    a = decide(planned, obs(nodes(1, 2), [st(1, state="idle"), st(2, state="idle")]), IN_PLACE)
+    nxt = a[-1].state  # type: ignore[union-attr]
+    assert nxt.path == "restart" and nxt.path_reason.startswith("fallback"), nxt.path_reason
+    assert "generation 3 (restart) did not run either" in nxt.path_reason, nxt.path_reason
+    assert "in-place launch of generation 3" not in nxt.path_reason
+
+
 def test_an_in_place_launch_aborted_by_a_worker_quotes_its_error_not_its_record() -> None:
     """The abort's cause (and so the fallback's ``path_reason``) quotes the failure as
     ``error_type: message``: the first 200 characters of the JSON record were ~115 of keys,
