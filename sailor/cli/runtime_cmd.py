@@ -12,11 +12,11 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from sailor.cli._io import fail, load_config
 from sailor.cli.tables import print_table
+from sailor.cli.terminal_text import inert, shown
 from sailor.coordination.security import SecurityConfig
 
 __all__ = [
@@ -155,7 +155,7 @@ def status(
             con.print(
                 f"[bold]event stream not placed[/]{late} since {since} "
                 f"({stream['for_s']:.0f} s), {stream['replicas']} replicas: "
-                f"{escape(stream['reason'])} (events are not received; joins, leaves and "
+                f"{shown(stream['reason'])} (events are not received; joins, leaves and "
                 "notices arrive through etcd only)"
             )
         else:
@@ -168,23 +168,23 @@ def status(
         until = datetime.fromtimestamp(held["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         con.print(
             f"[bold]job held[/] until {until} after {held['failures']} failure(s) of most "
-            f"nodes alike: {escape(held['cause'])} (`sailor node readmit --all` ends it)"
+            f"nodes alike: {shown(held['cause'])} (`sailor node readmit --all` ends it)"
         )
     for node, ex in snap["excluded"].items():  # workers kept failing there: no layout uses it
         until = datetime.fromtimestamp(ex["until"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         con.print(
-            f"excluded [bold]{node}[/] until {until} after {ex['failures']} failure(s) in a "
-            f"row: {escape(ex['cause'])}"
+            f"excluded [bold]{shown(node)}[/] until {until} after {ex['failures']} failure(s) in a "
+            f"row: {shown(ex['cause'])}"
         )
     for node, why in snap.get("not_admitted", {}).items():  # unplannable, runtime, precision
-        con.print(f"not admitted [bold]{node}[/]: {escape(why)}")
+        con.print(f"not admitted [bold]{shown(node)}[/]: {shown(why)}")
     periodic = periodic_line(snap.get("periodic"))
     if periodic:
         con.print(periodic)
     if snap.get("plan_failed"):  # the last search failed: retried with a backoff
-        con.print(f"last failed search: {escape(snap['plan_failed'])}")
+        con.print(f"last failed search: {shown(snap['plan_failed'])}")
     if snap.get("phase") == "idle" and snap.get("cause"):  # why nothing runs
-        con.print(f"[bold]idle[/]: {escape(snap['cause'])}")
+        con.print(f"[bold]idle[/]: {shown(snap['cause'])}")
     cols = (
         "node",
         "gpu",
@@ -201,7 +201,7 @@ def status(
     )
     t = Table(*cols)
     for n in snap["nodes"]:
-        t.add_row(*(str(n.get(k, "")) for k in cols))
+        t.add_row(*(shown(n.get(k, "")) for k in cols))  # agents write gpu and nccl
     print_table(con, t)
 
 
@@ -251,7 +251,7 @@ def audit(
     rep = check(records)
     if not quiet:
         for line in timeline(records):
-            typer.echo(line)
+            typer.echo(inert(line))  # events' subjects and causes are the nodes' text
     typer.echo(
         f"{rep.records} records, {rep.preemptions} preemptions, "
         f"{rep.reconfigurations} launches, commits {rep.commits}, "
@@ -260,7 +260,7 @@ def audit(
         + (f", marked bad {rep.marked_bad}" if rep.marked_bad else "")
     )
     for v in rep.violations:
-        typer.echo(f"VIOLATION {v}", err=True)
+        typer.echo(f"VIOLATION {inert(v)}", err=True)
     if not rep.ok:
         raise fail(
             f"{', '.join(map(str, logs))}: {len(rep.violations)} violation(s), listed above: "

@@ -476,6 +476,8 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
         "event_stream_unplaced",
         "event_stream_overdue",
         "event_stream_placed",
+        "audit_budget_exceeded",
+        "events_unaudited",
     }
     lines: list[str] = []
     for r in records:

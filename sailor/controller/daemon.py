@@ -54,6 +54,7 @@ import yaml
 from pydantic import ValidationError
 
 from sailor.controller.audit import ADOPTION_CAUSES, AuditLog
+from sailor.controller.audit_budget import AuditBudget
 from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import decide, exclusion, wanted_replan
 from sailor.controller.decision_types import DecideConfig, Observed
@@ -176,6 +177,8 @@ class Controller(EventIntake):
         # the wake-up their watch delta brings is urgent too, not debounced.
         self._unseen_notices: dict[str, float] = {}
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # audit records the events of each source may cause (a flooding node's are counted)
+        self._audit_budget = AuditBudget()
         # Measurement hooks (benchmarks/runtime_burst.py): handled events by outcome, and an
         # optional observer called once per handled event with (event id or msg id, outcome,
         # received time, handled time). Bounded: a Counter of three keys; no per-event memory.

@@ -25,6 +25,7 @@ import structlog
 from pydantic import ValidationError
 
 from sailor.controller.audit import AuditLog
+from sailor.controller.audit_budget import AuditBudget, budget_source
 from sailor.controller.config import ControllerConfig
 from sailor.controller.event_stream import Report, StreamWatch, placed, shown, unplaced
 from sailor.controller.observed import ObservedCache
@@ -110,6 +111,7 @@ class EventIntake:
     event_batches: int
     _unseen_notices: dict[str, float]
     _seen: collections.OrderedDict[str, None]
+    _audit_budget: AuditBudget
     _fenced_epoch: int
     sd: SystemdNotifier
 
@@ -199,12 +201,41 @@ class EventIntake:
                     # deposed: the term ends (the loop sees it), not just this consumer
                     self._consumer_fenced(lead, exc)
                     return
+            self._audit_owed(lead)
             await self.audit.durable()
             for d in handled:
                 try:
                     await d.ack()
                 except TemporaryError as exc:  # redelivered, then handled as a duplicate
                     _log.warning("event_ack_failed", error=str(exc))
+
+    def _audit_event(
+        self, kind: str, now: float, lead: Leadership, arrived_on: str, /, **fields: Any
+    ) -> None:
+        """Write the audit record (``kind``: event, event_rejected, event_duplicate) of an
+        event that ``arrived_on`` a subject, within its source's budget
+        (``controller/audit_budget.py``): past it, counted instead, and reported as
+        ``audit_budget_exceeded`` once, then ``events_unaudited`` with the count
+        (``_audit_owed``, once the source is quiet)."""
+        source = budget_source(arrived_on)
+        take = self._audit_budget.take(source, now)
+        if take.began:
+            self.audit.write(
+                "audit_budget_exceeded",
+                now,
+                epoch=lead.epoch,
+                source=source,
+                burst=self._audit_budget.burst,
+                rate=self._audit_budget.rate,
+            )
+        if take.record:
+            self.audit.write(kind, now, epoch=lead.epoch, **fields)
+
+    def _audit_owed(self, lead: Leadership) -> None:
+        """``events_unaudited`` for each source whose flood ended (quiet for a second)."""
+        now = self.clock.now()
+        for source, count in self._audit_budget.owed(now):
+            self.audit.write("events_unaudited", now, epoch=lead.epoch, source=source, count=count)
 
     def _consumer_fenced(self, lead: Leadership, exc: FencedError) -> None:
         self.audit.write("fenced", self.clock.now(), sync=True, epoch=lead.epoch, error=str(exc))
@@ -474,10 +505,11 @@ class EventIntake:
         self, ev: Event, subject: str, now: float, lead: Leadership, reason: str
     ) -> tuple[str, str]:
         """Audit a well-formed event the controller refuses; the outcome to return."""
-        self.audit.write(
+        self._audit_event(
             "event_rejected",
             now,
-            epoch=lead.epoch,
+            lead,
+            subject,
             event_id=ev.event_id,
             event_kind=ev.kind,
             node_id=ev.node_id,
@@ -500,10 +532,11 @@ class EventIntake:
         try:
             ev = EventAdapter.validate_json(data)
         except ValidationError as exc:
-            self.audit.write(
+            self._audit_event(
                 "event_rejected",
                 now,
-                epoch=lead.epoch,
+                lead,
+                subject,
                 msg_id=msg_id[:128],
                 subject=subject[:256],
                 reason=str(exc).splitlines()[0][:300],
@@ -519,8 +552,8 @@ class EventIntake:
                 ev, subject, now, lead, f"sent on {source!r}'s subject, about {ev.node_id!r}"
             )
         if ev.event_id in self._seen:
-            self.audit.write(
-                "event_duplicate", now, epoch=lead.epoch, event_id=ev.event_id, subject=subject
+            self._audit_event(
+                "event_duplicate", now, lead, subject, event_id=ev.event_id, subject=subject
             )
             return "duplicate", ev.event_id
         outcome = await self._apply_new_event(ev, subject, store, lead, cache, now)
@@ -566,10 +599,11 @@ class EventIntake:
         if ev.kind != "heartbeat":
             facts = ev.facts if isinstance(ev, NodeJoined) else None
             extra: dict[str, Any] = {"facts": facts.summary()} if facts is not None else {}
-            self.audit.write(
+            self._audit_event(
                 "event",
                 now,
-                epoch=lead.epoch,
+                lead,
+                subject,
                 event_id=ev.event_id,
                 event_kind=ev.kind,
                 node_id=ev.node_id,

@@ -2,8 +2,9 @@
 
 Idempotent: an existing user, role or grant is not an error, so the operator re-runs it after
 adding nodes (it must then connect as ``root``, since auth is on). Users are created without a
-password: with ``--client-cert-auth`` the client certificate is the only login. Must never
-import NATS.
+password: with ``--client-cert-auth`` the client certificate is the only login. After the
+grants, the plan's ``legacy`` grants (the old role names, ambiguous between jobs) are taken
+back from its users; one not granted is not an error. Must never import NATS.
 """
 
 from __future__ import annotations
@@ -36,8 +37,20 @@ async def _tolerate_exists(store: EtcdStore, call: Any) -> None:
             raise
 
 
+async def _revoked(store: EtcdStore, call: Any) -> bool:
+    """True if the revocation took a grant back; False if there was none to take."""
+    try:
+        await store.call(call)
+    except Exception as exc:
+        if "not granted" not in str(exc) and "not found" not in str(exc):
+            raise
+        return False
+    return True
+
+
 async def apply_rbac(store: EtcdStore, plan: EtcdRbacPlan, enable: bool = True) -> None:
-    """Create the plan's roles and users, grant, then enable auth (unless ``enable=False``)."""
+    """Create the plan's roles and users, grant, take back its legacy grants, then enable
+    auth (unless ``enable=False``)."""
     client = store.client
     await client.connect()
     stub = rpc.AuthStub(client.channel)
@@ -68,6 +81,20 @@ async def apply_rbac(store: EtcdStore, plan: EtcdRbacPlan, enable: bool = True) 
                     rpc.AuthUserGrantRoleRequest(user=user, role=role_name), metadata=md
                 )
             )
+    revoked = 0
+    for user, role_name in plan.legacy:
+        revoked += await _revoked(
+            store,
+            stub.UserRevokeRole(
+                rpc.AuthUserRevokeRoleRequest(name=user, role=role_name), metadata=md
+            ),
+        )
     if enable:
         await store.call(stub.AuthEnable(rpc.AuthEnableRequest(), metadata=md))
-    _log.info("etcd_rbac_applied", roles=len(plan.roles), users=len(plan.users), enabled=enable)
+    _log.info(
+        "etcd_rbac_applied",
+        roles=len(plan.roles),
+        users=len(plan.users),
+        legacy_revoked=revoked,
+        enabled=enable,
+    )

@@ -59,3 +59,97 @@ async def test_an_agent_writes_only_its_own_keys(
     finally:
         await agent.close()
         await ctl.close()
+
+
+async def test_one_jobs_node_gets_nothing_of_another_jobs_role(
+    secure_etcd_server: Server, pki: Pki, no_task_leak: None
+) -> None:
+    """Role names of two jobs on one etcd never coincide, whatever '-' the names hold.
+
+    They were ``sailor-<job>-node-<id>`` and ``sailor-<job>-controller``: job ``a``'s node
+    ``b-controller`` and job ``a-node-b``'s controllers then had one role, and applying the
+    second job's RBAC granted that node read-write on all of job ``a-node-b`` (its desired
+    state, its commits). A re-run also takes back such a name from its users (an upgrade).
+    """
+    from sailor.coordination.etcd_auth import apply_rbac
+    from sailor.coordination.security.certs import CertKind
+    from sailor.coordination.security.etcd_rbac import rbac_plan
+    from sailor.coordination.security.pki import Role, issue_cert
+
+    issue_cert(pki.dir, "b-controller", CertKind.client, role=Role.agent, days=1)
+    job_a, job_anb = Keys(job="a"), Keys(job="a-node-b")
+    root = await connect_etcd(_ep(secure_etcd_server), security=pki.security("root", nats=False))
+    agent = None
+    try:
+        await apply_rbac(root, rbac_plan(job_a, (CONTROLLER,), ("b-controller",)))
+        await apply_rbac(root, rbac_plan(job_anb, (CONTROLLER,), ()))
+        await root.put(job_anb.desired, b"the other job's desired state")
+        agent = await connect_etcd(_ep(secure_etcd_server), security=pki.security("b-controller"))
+        await agent.put(job_a.status("b-controller"), b"its own status")
+        with pytest.raises(PermanentError, match="permission denied"):
+            await agent.put(job_anb.desired, b"forged")
+        with pytest.raises(PermanentError, match="permission denied"):
+            await agent.get(job_anb.desired)
+        got = await root.get(job_anb.desired)
+        assert got is not None and got.value == b"the other job's desired state"
+    finally:
+        if agent is not None:
+            await agent.close()
+        await root.close()
+
+
+async def test_a_rerun_takes_back_the_old_ambiguous_role_names(
+    secure_etcd_server: Server, pki: Pki, no_task_leak: None
+) -> None:
+    """An etcd set up with the old role names (the node ``b-controller`` of job ``a`` holding
+    job ``a-node-b``'s controller grant) is cleaned by re-running each job's RBAC."""
+    from sailor.coordination.etcd_auth import apply_rbac
+    from sailor.coordination.security.certs import CertKind
+    from sailor.coordination.security.etcd_rbac import (
+        REVISION_PROBE,
+        EtcdPermission,
+        EtcdRbacPlan,
+        EtcdRole,
+        Perm,
+        prefix_end,
+        rbac_plan,
+    )
+    from sailor.coordination.security.pki import Role, issue_cert
+
+    issue_cert(pki.dir, "b-controller", CertKind.client, role=Role.agent, days=1)
+    job_a, job_anb = Keys(job="a"), Keys(job="a-node-b")
+    anb = job_anb.root.encode()
+    old_name = "sailor-a-node-b-controller"  # both roles' name before
+    old = EtcdRbacPlan(
+        users=(("b-controller", (old_name,)), (CONTROLLER, (old_name,))),
+        roles=(
+            EtcdRole(
+                old_name,
+                (
+                    EtcdPermission(Perm.readwrite, anb, prefix_end(anb)),
+                    EtcdPermission(Perm.readwrite, job_a.status("b-controller").encode()),
+                    EtcdPermission(Perm.read, REVISION_PROBE, prefix_end(REVISION_PROBE)),
+                ),
+            ),
+        ),
+    )
+    root = await connect_etcd(_ep(secure_etcd_server), security=pki.security("root", nats=False))
+    agent = None
+    try:
+        await apply_rbac(root, old)
+        agent = await connect_etcd(_ep(secure_etcd_server), security=pki.security("b-controller"))
+        await agent.put(job_anb.desired, b"forged")  # what the old names allowed
+        await apply_rbac(root, rbac_plan(job_a, (CONTROLLER,), ("b-controller",)))
+        await apply_rbac(root, rbac_plan(job_anb, (CONTROLLER,), ()))
+        with pytest.raises(PermanentError, match="permission denied"):
+            await agent.put(job_anb.desired, b"forged again")
+        await agent.put(job_a.status("b-controller"), b"its own status")  # the new role
+        ctl = await connect_etcd(_ep(secure_etcd_server), security=pki.security(CONTROLLER))
+        try:
+            await ctl.put(job_anb.desired, b"the controller's")  # its new role
+        finally:
+            await ctl.close()
+    finally:
+        if agent is not None:
+            await agent.close()
+        await root.close()

@@ -83,10 +83,10 @@ def test_rbac_plan_grants_agents_only_their_own_keys() -> None:
     keys = Keys(job="j")
     plan = rbac_plan(keys, ("ctl",), ("n1",))
     roles = {r.name: r for r in plan.roles}
-    agent = roles["sailor-j-node-n1"]
+    agent = roles["sailor/j/node/n1"]
     rw = [(p.key, p.range_end) for p in agent.permissions if p.perm is Perm.readwrite]
     assert rw == [(b"/sailor/j/nodes/n1", b""), (b"/sailor/j/status/n1", b"")]
-    ctl = roles["sailor-j-controller"].permissions[0]
+    ctl = roles["sailor/j/controller"].permissions[0]
     assert (ctl.key, ctl.range_end) == (b"/sailor/j/", b"/sailor/j0")
     assert dict(plan.users)["root"] == ("root",)
     assert prefix_end(b"a\xff") == b"b"

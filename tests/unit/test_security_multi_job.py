@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 
 from sailor.coordination.keys import Keys
-from sailor.coordination.security.etcd_rbac import merge_plans, rbac_plan
+from sailor.coordination.security.etcd_rbac import (
+    controller_role,
+    merge_plans,
+    node_role,
+    rbac_plan,
+)
 from sailor.coordination.security.nats_auth import (
     NatsRole,
     NatsUser,
@@ -42,9 +47,50 @@ def test_merged_rbac_plan_keeps_each_role_once_and_every_grant() -> None:
     names = [r.name for r in merged.roles]
     assert len(names) == len(set(names)) == 6  # controller + 2 nodes, per job
     users = dict(merged.users)
-    assert users["n1"] == ("sailor-a-node-n1", "sailor-b-node-n1")
-    assert users["c1"] == ("sailor-a-controller", "sailor-b-controller")
+    assert users["n1"] == ("sailor/a/node/n1", "sailor/b/node/n1")
+    assert users["c1"] == ("sailor/a/controller", "sailor/b/controller")
     assert users["root"] == ("root",)
+    # the old names' grants to take back, once each
+    assert merged.legacy == (
+        ("c1", "sailor-a-controller"),
+        ("n1", "sailor-a-node-n1"),
+        ("n2", "sailor-a-node-n2"),
+        ("c1", "sailor-b-controller"),
+        ("n1", "sailor-b-node-n1"),
+        ("n2", "sailor-b-node-n2"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        # job a's node "b-controller" and job "a-node-b"'s controllers: one old name
+        (("a", "node", "b-controller"), ("a-node-b", "controller", "")),
+        # job a's node "b-node-c" and job "a-node-b"'s node "c": one old name
+        (("a", "node", "b-node-c"), ("a-node-b", "node", "c")),
+    ],
+    ids=["node-vs-controller", "node-vs-node"],
+)
+def test_role_names_of_different_identities_never_coincide(
+    first: tuple[str, str, str], second: tuple[str, str, str]
+) -> None:
+    def role(job: str, kind: str, node: str) -> str:
+        keys = Keys(job=job)
+        return controller_role(keys) if kind == "controller" else node_role(keys, node)
+
+    def old(job: str, kind: str, node: str) -> str:
+        return f"sailor-{job}-controller" if kind == "controller" else f"sailor-{job}-node-{node}"
+
+    assert old(*first) == old(*second)  # what the old names did
+    assert role(*first) != role(*second)
+    plans = [
+        rbac_plan(Keys(job=job), ("c1",), (node,) if node else ())
+        for job, _, node in (first, second)
+    ]
+    # every job's roles kept: none taken for another's because of its name (the old names
+    # merged two of them into the first one's permissions)
+    merged = merge_plans(plans)
+    assert len(merged.roles) == sum(len(p.roles) for p in plans)
 
 
 def test_authorization_only_config_and_its_checks() -> None:
