@@ -181,6 +181,11 @@ class TrainConfig(Frozen):
         description="Continue from a state (a checkpoint, live holders) saved in another "
         "precision than this run computes in; False: refused (TrainingConfig's field).",
     )
+    allow_data_change: bool = Field(
+        default=False,
+        description="Resume from a checkpoint whose recorded data identity differs from "
+        "this run's data; False: refused before any shard is read (TrainingConfig's field).",
+    )
 
     @classmethod
     def of(cls, tc: TrainingConfig) -> TrainConfig:
@@ -202,6 +207,7 @@ class TrainConfig(Frozen):
             loss_scaling=tc.loss_scaling,
             max_nonfinite_skips=tc.nonfinite.max_skips,
             allow_precision_change=tc.allow_precision_change,
+            allow_data_change=tc.allow_data_change,
         )
 
 

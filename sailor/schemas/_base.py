@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -56,7 +56,12 @@ commits, the committer also deletes those of them it saw committed when its save
 ``DesiredState.drop_steps`` (the controller's list, kept across leaders): a release-7 agent
 drops the first and its workers delete below ``prune_below`` only, as before; a release-7
 controller sends none, which a release-8 agent takes as before; a release-7 leader drops
-the second and writes its state without it (those steps stay on disk, as before)."""
+the second and writes its state without it (those steps stay on disk, as before).
+9: ``CheckpointManifest.data`` (the identity of the data a checkpoint was trained on) and
+``TrainingConfig.allow_data_change`` (hashed into the training digest only away from its
+default): a release-8 worker drops the first and resumes without comparing the data, as
+before; a release-8 agent drops the second, and refuses a Launch whose config sets it (its
+digest differs), so no worker runs without the operator's override."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
