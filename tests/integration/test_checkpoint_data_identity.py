@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from sailor.checkpoint import LocalStorage, read_manifest
+from sailor.checkpoint.cli import inspect_text
 from sailor.data.corpus import builtin_corpus
 from sailor.data.prepare import PrepareOptions, prepare
 from sailor.megatron_patch.launch import LocalRun, launch_local
@@ -97,6 +98,8 @@ def test_the_manifest_records_the_data_without_its_path(saved: tuple[Path, Local
     assert m.data.content_sha256 is not None and m.data.tokenizer_sha256 is not None
     raw = json.loads((root / "ckpt" / f"step-{SAVED_AT:09d}" / "manifest.json").read_text())
     assert str(root) not in json.dumps(raw["data"])  # no path: a copied corpus is the same
+    shown = inspect_text(str(root / "ckpt"), SAVED_AT)  # `sailor ckpt inspect`
+    assert 'data {"kind": "indexed", "seq_length": 16, "seed": 1' in shown
 
 
 def test_another_corpus_is_refused_by_name_before_any_step(
