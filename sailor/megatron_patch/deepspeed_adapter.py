@@ -406,7 +406,8 @@ def check_train_config(tc: TrainingConfig | None) -> None:
     """Refuse, by field and value, what a training config asks that the adapter does not run
     (pure). It runs the config's model (no architecture file or imported weights), seed,
     data, AdamW (lr, betas, eps, weight decay and the kinds exempt from it), precision check
-    (``allow_precision_change``) and checkpoints; not an LR schedule, clipping, evaluation,
+    (``allow_precision_change``), data check (``allow_data_change``) and checkpoints; not an
+    LR schedule, clipping, evaluation,
     forced loss scaling or metrics files (each would otherwise be ignored
     silently and the run would drift from the engine's)."""
     if tc is None:

@@ -16,18 +16,25 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError, create_model
 
-from sailor.checkpoint import data_fit
+from sailor.checkpoint import data_fit, open_storage, read_manifest
 from sailor.checkpoint.data_fit import check_data_fit
 from sailor.checkpoint.errors import CorruptCheckpointError, DataMismatchError, ModelMismatchError
 from sailor.data.identity import BLOCK_BYTES, SAMPLED_BLOCKS, content_digest
 from sailor.megatron_patch.data import SyntheticTokens, identity_of
+from sailor.megatron_patch.engine import TrainConfig, Trainer
 from sailor.megatron_patch.errors import classify
+from sailor.megatron_patch.groups import build_process_groups
+from sailor.megatron_patch.model import tiny_model
+from sailor.megatron_patch.roles import role_of
 from sailor.schemas import _base
 from sailor.schemas._base import SCHEMA_VERSION
 from sailor.schemas.checkpoint import CheckpointManifest
 from sailor.schemas.data_identity import DataIdentity, data_differences
+from sailor.training_process.ckpt_glue import LayerCheckpointIO, restore_trainer
+from tests.integration.test_in_place_worker import GBS, ONE
 
 DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
 INDEXED = DataIdentity(
@@ -169,3 +176,55 @@ def test_the_manifests_data_is_wire_version_9(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.undo()
     with pytest.raises(ValidationError, match=r"train_documents=\(5, 2\)"):
         DataIdentity.model_validate(INDEXED.model_dump() | {"train_documents": (5, 2)})
+
+
+def _engine_trainer(seed: int, data_seed: int | None = None, allow: bool = False) -> Trainer:
+    spec = tiny_model("tiny-gpt", GBS)
+    role = role_of(ONE, 0)
+    groups = build_process_groups(ONE, role, spec.tie_embeddings, 30.0)
+    data = (
+        None if data_seed is None else SyntheticTokens(spec.vocab_size, spec.seq_length, data_seed)
+    )
+    cfg = TrainConfig(seed=seed, allow_data_change=allow)
+    return Trainer(ONE, spec, role, groups, cfg, torch.device("cpu"), data=data)
+
+
+def test_the_engines_restore_refuses_other_data_before_reading_a_shard(
+    gloo_world: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's save records its data (here synthetic, seed 0); a restore whose data is
+    drawn with seed 5 is refused with every shard truncated: nothing was read (a read would
+    have raised CorruptCheckpointError), the live parameters untouched. The override
+    restores it (shards whole again) and rank 0 says what changed."""
+    root = str(tmp_path / "ckpt")
+    io = LayerCheckpointIO()
+    tr = _engine_trainer(0)
+    list(tr.run(1))
+    io.save(tr, root)
+    io.close()
+    m = read_manifest(open_storage(root), 1)
+    assert m.data == DataIdentity(kind="synthetic", seq_length=16, seed=0, vocab_size=64)
+    shards = sorted((tmp_path / "ckpt" / "step-000000001").glob("layer-*.bin"))
+    whole = {p: p.read_bytes() for p in shards}
+    for p in shards:
+        p.write_bytes(b"")
+    other = _engine_trainer(0, data_seed=5)
+    before = {k: p.detach().clone() for k, p in other.stage.keyed_parameters()}
+    with pytest.raises(
+        DataMismatchError, match=r"data\.seed: trained with seed=0, this run has seed=5"
+    ):
+        restore_trainer(other, root, 1)
+    assert all(torch.equal(before[k], p) for k, p in other.stage.keyed_parameters())
+    for p, raw in whole.items():
+        p.write_bytes(raw)
+    allowed = _engine_trainer(0, data_seed=5, allow=True)
+    restore_trainer(allowed, root, 1)
+    assert all(
+        torch.equal(a, b)
+        for (_, a), (_, b) in zip(
+            tr.stage.keyed_parameters(), allowed.stage.keyed_parameters(), strict=True
+        )
+    )
+    said = capsys.readouterr().err
+    assert "resumed on other data than it was trained on (allow_data_change)" in said
+    assert "data.seed: trained with seed=0, this run has seed=5" in said
