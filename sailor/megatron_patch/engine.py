@@ -378,6 +378,9 @@ class Trainer:
             if self.precision == "fp16" or ls.mode == "dynamic"
             else None
         )
+        self.data_changes = ""
+        """What a restore accepted of a checkpoint trained on other data (the training
+        config's ``allow_data_change``), '' if nothing: the worker's ``ready`` event says it."""
         self.skipped_steps = 0
         """Iterations whose update every rank skipped for an overflow or a non-finite gradient
         (AdamW took ``step - skipped_steps`` steps): checkpointed, carried across re-layouts."""

@@ -502,6 +502,8 @@ def _generation(
             "cpu_cores": format_cores(set(available_cores())),
             "layers": [role.first_layer, role.last_layer],
             **relayout,
+            # a checkpoint trained on other data, resumed under allow_data_change
+            **({"data_changed": trainer.data_changes} if trainer.data_changes else {}),
         }
     )
 

@@ -119,7 +119,9 @@ def restore_trainer(
         vocab_size=tr.stage.spec.vocab_size,
     )
     current = identity_of(tr.data)
-    check_resumed_data(manifest, where, current, tr.cfg.allow_data_change, tr.role.rank)
+    tr.data_changes = check_resumed_data(
+        manifest, where, current, tr.cfg.allow_data_change, tr.role.rank
+    )
     for key in unpadded:  # read whole, then padded and sliced here
         dims[key] = None
     into = _destinations(tr, dims, skip=unpadded)
@@ -183,20 +185,23 @@ def check_resumed_data(
     current: DataIdentity | None,
     allow_change: bool,
     rank: int,
-) -> None:
+) -> str:
     """Refuse the checkpoint of ``manifest`` before anything is read if it was trained on
     other data than ``current`` (``data_fit.check_data_fit``: ``DataMismatchError``, a
     configuration error naming each field with both values), unless ``allow_change`` (the
-    training config's ``allow_data_change``): then rank 0 logs what changed. Before, a run
-    resumed on another corpus went on counting samples over it, silently."""
+    training config's ``allow_data_change``): then rank 0 logs what changed, which is
+    returned ('' when nothing did). Before, a run resumed on another corpus went on
+    counting samples over it, silently."""
     changes = check_data_fit(manifest, current, allow_change=allow_change, where=where)
+    said = describe_changes(changes)
     if changes and rank == 0:
         print(
             f"checkpoint {where}: resumed on other data than it was trained on "
-            f"(allow_data_change): {describe_changes(changes)}",
+            f"(allow_data_change): {said}",
             file=sys.stderr,
             flush=True,
         )
+    return said
 
 
 def check_model_fit(

@@ -133,6 +133,7 @@ def test_the_same_corpus_copied_elsewhere_resumes(
         [s["loss"] for s in first.steps(0)][SAVED_AT:], rel=1e-6
     )
     assert "resumed on other data" not in run.stderr[0]
+    assert all("data_changed" not in e for e in run.progress[0] if e["event"] == "ready")
 
 
 def test_the_override_resumes_on_other_data_and_says_what_changed(
@@ -146,3 +147,6 @@ def test_the_override_resumes_on_other_data_and_says_what_changed(
     said = run.stderr[0]
     assert "resumed on other data than it was trained on (allow_data_change)" in said
     assert "data.shuffle_seed: trained with shuffle_seed=0, this run has shuffle_seed=1" in said
+    # and in rank 0's ready event, which its agent logs (worker_data_changed)
+    ready = [e for e in run.progress[0] if e["event"] == "ready"]
+    assert "data.shuffle_seed: trained with shuffle_seed=0" in ready[0]["data_changed"]
