@@ -22,18 +22,13 @@ import sys
 
 from sailor.checkpoint.errors import DataMismatchError
 from sailor.schemas.checkpoint import CheckpointManifest
-from sailor.schemas.data_identity import DataIdentity, data_differences
+from sailor.schemas.data_identity import DataIdentity, data_differences, describe_differences
 
-__all__ = ["check_data_fit", "describe_changes"]
+__all__ = ["check_data_fit"]
 
 _warned_unrecorded = False
 """Whether this process warned of a checkpoint without a data identity (once is enough: a
 run loads one checkpoint per generation, an in-place one several)."""
-
-
-def describe_changes(changes: list[tuple[str, str, str]]) -> str:
-    """``data.F: trained with F=X, this run has F=Y; ...`` for the message and the log."""
-    return "; ".join(f"data.{f}: trained with {f}={a}, this run has {f}={b}" for f, a, b in changes)
 
 
 def check_data_fit(
@@ -66,7 +61,7 @@ def check_data_fit(
     if changes and not allow_change:
         raise DataMismatchError(
             f"checkpoint {where} (model {manifest.model!r}) was trained on other data than "
-            f"this run's: {describe_changes(changes)}. Its consumed_samples="
+            f"this run's: {describe_differences(changes)}. Its consumed_samples="
             f"{manifest.consumed_samples} would index other samples. Resume with the data it "
             "was trained on, start a new run in another checkpoint directory, or set "
             "allow_data_change: true in the training config to continue on this data"

@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 
 from sailor.schemas._base import Frozen, field_error
 
-__all__ = ["DataIdentity", "data_differences"]
+__all__ = ["DataIdentity", "data_differences", "describe_differences"]
 
 
 class DataIdentity(Frozen):
@@ -87,6 +87,12 @@ def data_differences(saved: DataIdentity, current: DataIdentity) -> list[tuple[s
         if a != b:
             out.append((name, _shown(a), _shown(b)))
     return out
+
+
+def describe_differences(changes: list[tuple[str, str, str]]) -> str:
+    """``data.F: trained with F=X, this run has F=Y; ...`` (:func:`data_differences`'
+    result) for an error message and the log."""
+    return "; ".join(f"data.{f}: trained with {f}={a}, this run has {f}={b}" for f, a, b in changes)
 
 
 def _shown(value: object) -> str:

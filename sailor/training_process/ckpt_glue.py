@@ -43,7 +43,7 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.checkpoint.buffers import ScratchPool
-from sailor.checkpoint.data_fit import check_data_fit, describe_changes
+from sailor.checkpoint.data_fit import check_data_fit
 from sailor.checkpoint.errors import AbandonedWriteError, SaveSkippedError
 from sailor.checkpoint.fit import check_fit
 from sailor.checkpoint.mounts import Mount, read_mounts, same_storage
@@ -54,7 +54,7 @@ from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
 from sailor.schemas.checkpoint import CheckpointManifest
-from sailor.schemas.data_identity import DataIdentity
+from sailor.schemas.data_identity import DataIdentity, describe_differences
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -193,7 +193,7 @@ def check_resumed_data(
     returned ('' when nothing did). Before, a run resumed on another corpus went on
     counting samples over it, silently."""
     changes = check_data_fit(manifest, current, allow_change=allow_change, where=where)
-    said = describe_changes(changes)
+    said = describe_differences(changes)
     if changes and rank == 0:
         print(
             f"checkpoint {where}: resumed on other data than it was trained on "
