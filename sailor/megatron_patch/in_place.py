@@ -178,7 +178,8 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     }
     if not valid:
         return Peers(None, {}, -1, -1)
-    positions = {(g[1], g[4], g[5], g[6]) for g in valid.values()}
+    # a holder of a release before data identities sends six fields: its data unsaid
+    positions = {(g[1], g[4], g[5], g[6] if len(g) > 6 else "") for g in valid.values()}
     plans = {g[3] for g in valid.values()}
     if len(positions) != 1 or len(plans) != 1:
         raise RuntimeError(
