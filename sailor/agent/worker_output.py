@@ -108,6 +108,9 @@ class WorkerOutput:
         ev = msg.get("event")
         if ev == "ready":
             w.started = True
+            changed = msg.get("data_changed")
+            if changed and w.rank == 0:  # resumed under allow_data_change: in the agent's log
+                _log.warning("worker_data_changed", rank=w.rank, changes=str(changed)[:2000])
             if self.on_ready is not None:
                 await self.on_ready(w.proc.pid)
             if self.warm_spares and self.workers and all(x.started for x in self.workers):

@@ -93,6 +93,13 @@ def inspect_text(url: str, step: int | None = None, tensors: bool = False) -> st
         f"layout {m.layout or '-'}",
         f"layers {len(m.layers)} of {m.num_layers}  bytes {m.total_bytes}",
         "globals " + json.dumps({k: json.loads(v) for k, v in m.globals.items()}),
+        # what consumed_samples indexes (data_fit compares it at a resume)
+        "data "
+        + (
+            json.dumps(m.data.model_dump(mode="json", exclude_none=True))
+            if m.data is not None
+            else "- (not recorded: saved before data identities were)"
+        ),
     ]
     for sh in m.shards:
         lines.append(

@@ -13,6 +13,7 @@ __all__ = [
     "AbandonedWriteError",
     "CheckpointError",
     "CorruptCheckpointError",
+    "DataMismatchError",
     "ModelMismatchError",
     "NoCheckpointError",
     "NonFiniteCheckpointError",
@@ -104,6 +105,15 @@ class ModelMismatchError(CheckpointError, ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retryable=False)
+
+
+class DataMismatchError(ModelMismatchError):
+    """A committed checkpoint trained on other data than the run resuming from it (its
+    recorded ``DataIdentity`` differs: another corpus, sequence length, tokenizer, split or
+    seed), without the training config's ``allow_data_change``. Its sample counter would go
+    on over other samples, silently. The same route as :class:`ModelMismatchError`: a
+    configuration error (``ValueError``), the job held with this message, no node blamed,
+    no step marked bad."""
 
 
 class AbandonedWriteError(CheckpointError):

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable
 
 from sailor.schemas.checkpoint import CheckpointManifest, ShardEntry, ShardPart
+from sailor.schemas.data_identity import DataIdentity
 
 __all__ = [
     "MANIFEST",
@@ -82,6 +83,7 @@ def assemble_manifest(
     created: float,
     plan_id: str = "",
     layout: str = "",
+    data: DataIdentity | None = None,
 ) -> CheckpointManifest:
     """The manifest of a complete save; raises if any layer is missing or written twice."""
     shards: list[ShardEntry] = []
@@ -108,4 +110,5 @@ def assemble_manifest(
         shards=tuple(shards),
         globals=globals_,
         created=created,
+        data=data,
     )

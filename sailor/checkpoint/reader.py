@@ -386,7 +386,9 @@ def load(
         key: ParamState(k["weight"], k["exp_avg"], k["exp_avg_sq"], tp_dim=dims[key])
         for key, k in got.items()
     }
-    g = TrainingGlobals.decode(manifest.step, manifest.consumed_samples, manifest.globals)
+    g = TrainingGlobals.decode(
+        manifest.step, manifest.consumed_samples, manifest.globals, manifest.data
+    )
     return Loaded(params=out, globals=g, manifest=manifest, bytes_read=nread)
 
 

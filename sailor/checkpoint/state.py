@@ -17,6 +17,7 @@ import torch
 
 from sailor.checkpoint.errors import ReshardError
 from sailor.schemas.checkpoint import TENSOR_KINDS, TensorKind
+from sailor.schemas.data_identity import DataIdentity
 
 __all__ = [
     "ParamState",
@@ -60,14 +61,22 @@ class TrainingGlobals:
     step: int
     consumed_samples: int
     extra: Mapping[str, Any] = field(default_factory=dict)
+    data: DataIdentity | None = None
+    """The data ``consumed_samples`` indexes (the manifest's ``data``); None: not said."""
 
     def encode(self) -> dict[str, str]:
         """The manifest's ``globals``: each value JSON-encoded."""
         return {k: json.dumps(v, sort_keys=True) for k, v in sorted(self.extra.items())}
 
     @classmethod
-    def decode(cls, step: int, consumed_samples: int, enc: Mapping[str, str]) -> TrainingGlobals:
-        return cls(step, consumed_samples, {k: json.loads(v) for k, v in enc.items()})
+    def decode(
+        cls,
+        step: int,
+        consumed_samples: int,
+        enc: Mapping[str, str],
+        data: DataIdentity | None = None,
+    ) -> TrainingGlobals:
+        return cls(step, consumed_samples, {k: json.loads(v) for k, v in enc.items()}, data)
 
 
 def split_key(key: str) -> tuple[int, str]:

@@ -370,6 +370,7 @@ def commit(
         created=time.time(),
         plan_id=plan_id,
         layout=layout,
+        data=globals_.data,
     )
     _check_shards(storage, d, manifest)
     raw = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()

@@ -30,9 +30,11 @@ import numpy.typing as npt
 import torch
 
 from sailor.data import TokenDataset, max_token_id, open_prepared
+from sailor.data.identity import indexed_identity
 from sailor.data.prepared import manifest_path
 from sailor.megatron_patch.roles import RankRole
 from sailor.megatron_patch.vocab_parallel import LabelOutOfRangeError
+from sailor.schemas.data_identity import DataIdentity
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.training import DataConfig, IndexedData
 
@@ -43,6 +45,7 @@ __all__ = [
     "TokenSource",
     "build_dataset",
     "check_tokenizer",
+    "identity_of",
     "microbatch_indices",
     "vocab_bound",
 ]
@@ -59,6 +62,15 @@ class TokenSource(Protocol):
     def batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, labels)``, int64, shape ``[len(indices), seq_length]``."""
         ...
+
+
+def identity_of(data: TokenSource) -> DataIdentity | None:
+    """What a checkpoint records of ``data`` (``schemas.data_identity``): the synthetic
+    generator's parameters, an indexed data set's counts, manifest and sampled content;
+    None for another source (a test's), which is then not compared on resume."""
+    if isinstance(data, SyntheticTokens | IndexedTokens):
+        return data.identity
+    return None
 
 
 def vocab_bound(data: TokenSource) -> int:
@@ -100,6 +112,13 @@ class SyntheticTokens:
         affine = (torch.tensor(a, dtype=torch.long), torch.tensor(b, dtype=torch.long))
         object.__setattr__(self, "_affine", affine)
 
+    @property
+    def identity(self) -> DataIdentity:
+        """The generator's parameters: all that decides its samples."""
+        return DataIdentity(
+            kind="synthetic", seq_length=self.seq_length, seed=self.seed, vocab_size=self.vocab_size
+        )
+
     def sample(self, n: int) -> torch.Tensor:
         """Token ids of sample ``n``, shape ``[seq_length + 1]``, int64."""
         if n < 0:
@@ -136,6 +155,9 @@ class IndexedTokens:
     """Ids are below this: the manifest's vocabulary (else the largest id in the file + 1)."""
     vocab_source: str = "the data's vocabulary"
     """Where ``vocab_size`` comes from, for the error (e.g. the manifest's path)."""
+    identity: DataIdentity | None = None
+    """What a checkpoint records of it (``sailor.data.identity``; the training split's,
+    set by :func:`build_dataset`); None: not computed (then not compared on resume)."""
 
     def sample(self, n: int) -> torch.Tensor:
         """Token ids of sample ``n``, shape ``[seq_length + 1]``."""
@@ -201,6 +223,9 @@ def build_dataset(
     manifest = _resolve(data.manifest, base_dir) if data.manifest is not None else None
     prepared = open_prepared(_resolve(data.prefix, base_dir), manifest, data.validation_fraction)
     tokens = prepared.tokens(split, spec.seq_length, seed)
+    identity = None
+    if split == "train":  # what the sample counter indexes, recorded in every checkpoint
+        identity = indexed_identity(prepared, prepared.splits["train"], spec.seq_length, seed)
     vocab = prepared.vocab_size
     source = f"the manifest {manifest_path(_resolve(data.prefix, base_dir), manifest)}"
     if vocab is None:  # the whole file's largest id, scanned once per version of it
@@ -211,7 +236,7 @@ def build_dataset(
             f"data.prefix={data.prefix!r}: token ids need a vocabulary of {vocab}, the model "
             f"{spec.name!r} has vocab_size={spec.vocab_size}"
         )
-    return IndexedTokens(tokens, vocab, source)
+    return IndexedTokens(tokens, vocab, source, identity)
 
 
 def check_tokenizer(data: DataConfig, model_dir: Path, base_dir: Path | None = None) -> None:

@@ -97,6 +97,7 @@ from sailor.megatron_patch.data import (
     SyntheticTokens,
     TokenSource,
     build_dataset,
+    identity_of,
     vocab_bound,
 )
 from sailor.megatron_patch.deepspeed_state import DeepSpeedCheckpointIO, DeepSpeedRun
@@ -405,7 +406,8 @@ def check_train_config(tc: TrainingConfig | None) -> None:
     """Refuse, by field and value, what a training config asks that the adapter does not run
     (pure). It runs the config's model (no architecture file or imported weights), seed,
     data, AdamW (lr, betas, eps, weight decay and the kinds exempt from it), precision check
-    (``allow_precision_change``) and checkpoints; not an LR schedule, clipping, evaluation,
+    (``allow_precision_change``), data check (``allow_data_change``) and checkpoints; not an
+    LR schedule, clipping, evaluation,
     forced loss scaling or metrics files (each would otherwise be ignored
     silently and the run would drift from the engine's)."""
     if tc is None:
@@ -529,6 +531,14 @@ def run(
     if precision is None:
         precision = deepspeed_precision(plan, spec, backend, native_bf16, requested)
     check_checkpoint_precision(precision, args, tc)
+    cfg = train_config(tc, args)
+    # before the process group, as the engine's worker: a data set refused is refused by
+    # every rank alike; and its identity is what the restore compares with the checkpoint's
+    data = (
+        build_dataset(tc.data, spec, tc.seed, base_dir=base)
+        if tc is not None
+        else SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
+    )
     sync = device_sync(device)
     from datetime import timedelta
 
@@ -552,7 +562,6 @@ def run(
         torch.distributed.distributed_c10d._get_default_store(), plan.plan_id, args, status
     )
     status.load_barrier = barrier
-    cfg = train_config(tc, args)
     module = _build_module(plan, spec, layout, cfg.seed, device)
     groups = param_groups(
         module.named_parameters(), cfg.weight_decay, cfg.no_decay, spec.tie_embeddings
@@ -568,7 +577,7 @@ def run(
     )
     ds = DeepSpeedRun(
         plan, args.rank, module, optimizer, engine.optimizer, cfg, precision,
-        args.start_step, args.consumed_samples, spec=spec,
+        args.start_step, args.consumed_samples, spec=spec, data=identity_of(data),
     )  # fmt: skip
     t_load = t_own = time.time()
     if resume and ckpt is not None:
@@ -586,11 +595,6 @@ def run(
             pass
     status.load_barrier = None
     t_loaded = time.time()
-    data = (
-        build_dataset(tc.data, spec, tc.seed, base_dir=base)
-        if tc is not None
-        else SyntheticTokens(spec.vocab_size, spec.seq_length, cfg.seed)
-    )
     pipe_idx = args.rank // layout.num_stages
     mbs = layout.micro_batch_size
     echo = args.rank == 0 or bool(args.control)

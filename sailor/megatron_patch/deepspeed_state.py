@@ -34,6 +34,7 @@ from sailor.megatron_patch.engine import TrainConfig, resumed_skipped_steps
 from sailor.megatron_patch.precision import Precision, check_state_precision
 from sailor.megatron_patch.state import key_layer
 from sailor.megatron_patch.tp_layers import tp_dim_of
+from sailor.schemas.data_identity import DataIdentity
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -70,6 +71,9 @@ class DeepSpeedRun:
     spec: ModelSpec | None = None
     """The model: its ``vocab_size`` pads the vocabulary matrices of a checkpoint saved
     before the engine padded them (None: none is padded)."""
+    data: DataIdentity | None = None
+    """The data ``consumed_samples`` indexes (``data.identity_of``): recorded in its
+    checkpoints and compared with a checkpoint's at a resume (None: neither)."""
 
     @property
     def adam_step(self) -> int:

@@ -181,6 +181,11 @@ class TrainConfig(Frozen):
         description="Continue from a state (a checkpoint, live holders) saved in another "
         "precision than this run computes in; False: refused (TrainingConfig's field).",
     )
+    allow_data_change: bool = Field(
+        default=False,
+        description="Resume from a checkpoint whose recorded data identity differs from "
+        "this run's data; False: refused before any shard is read (TrainingConfig's field).",
+    )
 
     @classmethod
     def of(cls, tc: TrainingConfig) -> TrainConfig:
@@ -202,6 +207,7 @@ class TrainConfig(Frozen):
             loss_scaling=tc.loss_scaling,
             max_nonfinite_skips=tc.nonfinite.max_skips,
             allow_precision_change=tc.allow_precision_change,
+            allow_data_change=tc.allow_data_change,
         )
 
 
@@ -372,6 +378,9 @@ class Trainer:
             if self.precision == "fp16" or ls.mode == "dynamic"
             else None
         )
+        self.data_changes = ""
+        """What a restore accepted of a checkpoint trained on other data (the training
+        config's ``allow_data_change``), '' if nothing: the worker's ``ready`` event says it."""
         self.skipped_steps = 0
         """Iterations whose update every rank skipped for an overflow or a non-finite gradient
         (AdamW took ``step - skipped_steps`` steps): checkpointed, carried across re-layouts."""

@@ -31,6 +31,7 @@ import torch
 
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
+from sailor.megatron_patch.data import identity_of
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.file_wait import FileWait
 from sailor.megatron_patch.relayout import Schedule, Transfer, buckets
@@ -44,6 +45,7 @@ from sailor.megatron_patch.state import (
 )
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.megatron_patch.vocab_parallel import padded_vocab
+from sailor.schemas.data_identity import DataIdentity, data_differences, describe_differences
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -53,6 +55,7 @@ __all__ = [
     "Held",
     "Peers",
     "await_directive",
+    "check_held_data",
     "exchange",
     "exchange_layer_bytes",
     "handshake",
@@ -137,6 +140,9 @@ class Peers:
     consumed_samples: int
     scaling: dict[str, Any] | None = None
     """The holders' ``Trainer.scaling_state`` (skipped steps, loss scale); None: no holder."""
+    data: DataIdentity | None = None
+    """The data the holders' state was trained on (``data.identity_of`` of their trainer);
+    None: no holder, or their data does not say."""
 
 
 def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> Peers:
@@ -144,11 +150,12 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
 
     A holder is valid if it is not broken and holds step ``load_step`` (any step, all
     equal, when ``load_step`` < 0: a relayout without a checkpoint). Its step, data
-    position and scaling state (skipped steps, loss scale) must agree with the other valid
-    holders'; the old plan is broadcast from the lowest valid holder, and every valid holder
-    must have held that plan.
+    position, scaling state (skipped steps, loss scale) and data identity must agree with
+    the other valid holders'; the old plan is broadcast from the lowest valid holder, and
+    every valid holder must have held that plan.
     """
     tr = held.trainer if held is not None and not held.broken else None
+    ident = identity_of(tr.data) if tr is not None else None
     mine = (
         (
             held.old_rank,
@@ -157,9 +164,10 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
             tr.plan.plan_id,
             held.consumed_samples,
             json.dumps(tr.scaling_state(), sort_keys=True),
+            ident.model_dump_json() if ident is not None else "",
         )
         if held is not None and tr is not None
-        else (-1, -1, True, "", -1, "")
+        else (-1, -1, True, "", -1, "", "")
     )
     got: list[Any] = [None] * world_size
     comm.all_gather_object(got, mine)
@@ -170,11 +178,12 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     }
     if not valid:
         return Peers(None, {}, -1, -1)
-    positions = {(g[1], g[4], g[5]) for g in valid.values()}
+    # a holder of a release before data identities sends six fields: its data unsaid
+    positions = {(g[1], g[4], g[5], g[6] if len(g) > 6 else "") for g in valid.values()}
     plans = {g[3] for g in valid.values()}
     if len(positions) != 1 or len(plans) != 1:
         raise RuntimeError(
-            f"holders disagree: (step, consumed_samples, scaling) {sorted(positions)}, "
+            f"holders disagree: (step, consumed_samples, scaling, data) {sorted(positions)}, "
             f"plans {plans}"
         )
     src = min(valid)
@@ -183,8 +192,39 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     old_plan = Plan.model_validate_json(box[0])
     if old_plan.plan_id not in plans:
         raise RuntimeError(f"old plan {old_plan.plan_id!r} is not the holders' {plans}")
-    ((step, consumed, scaling),) = positions
-    return Peers(old_plan, {r: g[0] for r, g in valid.items()}, step, consumed, json.loads(scaling))
+    ((step, consumed, scaling, data),) = positions
+    return Peers(
+        old_plan,
+        {r: g[0] for r, g in valid.items()},
+        step,
+        consumed,
+        json.loads(scaling),
+        DataIdentity.model_validate_json(data) if data else None,
+    )
+
+
+def check_held_data(peers: Peers, current: DataIdentity | None, allow_change: bool) -> str:
+    """Refuse to continue the holders' state (an in-place relayout) on other data than it
+    was trained on (``peers.data`` against this generation's ``current``: a directive whose
+    training config names another corpus, sequence length or seed), naming every field
+    with both values, unless ``allow_change`` (the training config's
+    ``allow_data_change``); return what changed ('' if nothing, or either side does not
+    say). A ``ValueError`` before training: a configuration error, as a checkpoint's
+    ``DataMismatchError`` (``sailor.checkpoint.data_fit``) on the restart path. Before, the
+    relayout went on counting samples over the new data."""
+    if peers.data is None or current is None:
+        return ""
+    changes = data_differences(peers.data, current)
+    said = describe_differences(changes)
+    if changes and not allow_change:
+        raise ValueError(
+            f"the live state held at step {peers.step} (in-place relayout) was trained on "
+            f"other data than this generation's: {said}. Its consumed_samples="
+            f"{peers.consumed_samples} would index other samples. Relayout with the data it "
+            "was trained on, or set allow_data_change: true in the training config to "
+            "continue on this data"
+        )
+    return said
 
 
 def _keys_by_layer(names: list[str]) -> dict[int, list[str]]:

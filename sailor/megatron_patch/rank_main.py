@@ -127,7 +127,7 @@ from sailor.megatron_patch.affinity import (  # noqa: E402
 )
 from sailor.megatron_patch.boundary import Boundary, Progress, Status, sub_rank  # noqa: E402
 from sailor.megatron_patch.checkpoint_io import CheckpointIO  # noqa: E402
-from sailor.megatron_patch.data import build_dataset, check_tokenizer  # noqa: E402
+from sailor.megatron_patch.data import build_dataset, check_tokenizer, identity_of  # noqa: E402
 from sailor.megatron_patch.devices import (  # noqa: E402
     check_rank_device,
     choose_backend,
@@ -149,6 +149,7 @@ from sailor.megatron_patch.groups import build_process_groups  # noqa: E402
 from sailor.megatron_patch.in_place import (  # noqa: E402
     Held,
     await_directive,
+    check_held_data,
     handshake,
 )
 from sailor.megatron_patch.in_place_steps import (  # noqa: E402
@@ -460,6 +461,17 @@ def _generation(
         empty=empty,
     )
     t_built = time.time()
+    if peers is not None and peers.holders:  # the held state's data against this config's
+        trainer.data_changes = check_held_data(
+            peers, identity_of(trainer.data), cfg.allow_data_change
+        )
+        if trainer.data_changes and args.rank == 0:
+            print(
+                "in-place relayout: continued on other data than the held state was trained "
+                f"on (allow_data_change): {trainer.data_changes}",
+                file=sys.stderr,
+                flush=True,
+            )
     if peers is not None and peers.scaling is not None:
         trainer.load_scaling_state(peers.scaling)  # before the exchange: its AdamW step
     relayout: dict[str, Any] = {}
@@ -507,6 +519,8 @@ def _generation(
             "cpu_cores": format_cores(set(available_cores())),
             "layers": [role.first_layer, role.last_layer],
             **relayout,
+            # a checkpoint trained on other data, resumed under allow_data_change
+            **({"data_changed": trainer.data_changes} if trainer.data_changes else {}),
         }
     )
 

@@ -15,6 +15,7 @@ from sailor.schemas.commands import (
     Prepare,
     Stop,
 )
+from sailor.schemas.data_identity import DataIdentity
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
 from sailor.schemas.deployment import Deployment, DeploymentStructure
 from sailor.schemas.estimate import (
@@ -69,6 +70,7 @@ __all__ = [
     "ConstantRange",
     "CornerFigures",
     "CorpusSource",
+    "DataIdentity",
     "DatasetManifest",
     "Deployment",
     "DeploymentStructure",

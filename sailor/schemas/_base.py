@@ -59,7 +59,12 @@ controller sends none, which a release-8 agent takes as before; a release-7 lead
 the second and writes its state without it (those steps stay on disk, as before).
 9: ``DesiredState.rendezvous_retries`` (launches aborted in a row because rank 0's
 rendezvous port was taken; written only when not 0): a release-8 standby that takes over
-drops it and treats the next such abort as release 8 did (a failure of the in-place path)."""
+drops it and treats the next such abort as release 8 did (a failure of the in-place path).
+Also ``CheckpointManifest.data`` (the identity of the data a checkpoint was trained on) and
+``TrainingConfig.allow_data_change`` (hashed into the training digest only away from its
+default): a release-8 worker drops the first and resumes without comparing the data, as
+before; a release-8 agent drops the second, and refuses a Launch whose config sets it (its
+digest differs), so no worker runs without the operator's override."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
+from sailor.schemas.data_identity import DataIdentity
 
 __all__ = [
     "TENSOR_KINDS",
@@ -186,6 +187,11 @@ class CheckpointManifest(WireMessage):
         default_factory=dict, description="Scalars: LR schedule, RNG seeds (JSON-encoded)."
     )
     created: float = Field(ge=0, description="Unix time of the commit.")
+    data: DataIdentity | None = Field(
+        default=None,
+        description="Identity of the training data its consumed_samples index (wire version "
+        "9); None: saved before it was recorded, or by a trainer that does not say.",
+    )
 
     @model_validator(mode="after")
     def _layers_once(self) -> CheckpointManifest:

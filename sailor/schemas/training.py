@@ -348,6 +348,13 @@ class TrainingConfig(WireMessage):
         "loading it computes in. False: both are refused (a bf16 model resumed in fp16 can "
         "overflow; the reverse changes the numerics silently). Wire version 5.",
     )
+    allow_data_change: bool = Field(
+        default=False,
+        description="Resume from a checkpoint trained on other data than this run's "
+        "(another corpus, sequence length, tokenizer, split or seed: the checkpoint's "
+        "recorded data identity differs). False: refused before any shard is read, naming "
+        "the field; True: resumed, and what changed is logged. Wire version 9.",
+    )
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Clipping.")
     loss_scaling: LossScalingConfig = Field(
         default_factory=LossScalingConfig, description="Dynamic loss scaling (fp16)."

@@ -43,15 +43,18 @@ from sailor.checkpoint import (
     read_manifest,
 )
 from sailor.checkpoint.buffers import ScratchPool
+from sailor.checkpoint.data_fit import check_data_fit
 from sailor.checkpoint.errors import AbandonedWriteError, SaveSkippedError
 from sailor.checkpoint.fit import check_fit
 from sailor.checkpoint.mounts import Mount, read_mounts, same_storage
+from sailor.megatron_patch.data import identity_of
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.model import shard
 from sailor.megatron_patch.state import key_layer, optimizer_state, stage_state
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.megatron_patch.vocab_parallel import pad_rows, padded_vocab
 from sailor.schemas.checkpoint import CheckpointManifest
+from sailor.schemas.data_identity import DataIdentity, describe_differences
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -61,6 +64,7 @@ __all__ = [
     "CheckpointSaves",
     "LayerCheckpointIO",
     "check_model_fit",
+    "check_resumed_data",
     "pad_vocab_rows",
     "restore_trainer",
     "trainer_params",
@@ -104,14 +108,19 @@ def restore_trainer(
     storage = open_storage(root)
     manifest = read_manifest(storage, step)  # once, for the two checks before the load
     unpadded = unpadded_vocab(tr.stage.spec, manifest, wanted)
+    where = f"{storage.url.rstrip('/')} step {step}"
     check_model_fit(
         manifest,
-        f"{storage.url.rstrip('/')} step {step}",
+        where,
         params,
         tp_size=tr.role.tp,
         num_layers=tr.plan.num_layers,
         unpadded=unpadded,
         vocab_size=tr.stage.spec.vocab_size,
+    )
+    current = identity_of(tr.data)
+    tr.data_changes = check_resumed_data(
+        manifest, where, current, tr.cfg.allow_data_change, tr.role.rank
     )
     for key in unpadded:  # read whole, then padded and sliced here
         dims[key] = None
@@ -130,7 +139,11 @@ def restore_trainer(
         )
     extra = got.globals.extra
     saved_seed = extra.get("seed")
-    if layers is None and saved_seed is not None and int(saved_seed) != tr.cfg.seed:
+    # a checkpoint that records its data compared the seed with it before the read (and
+    # allow_data_change may have accepted another)
+    compared = manifest.data is not None and current is not None
+    seed_differs = saved_seed is not None and int(saved_seed) != tr.cfg.seed
+    if not compared and layers is None and seed_differs:
         # the data order (and dropout) follow the seed: another one would silently train on
         # other samples than the run being resumed
         raise ValueError(
@@ -164,6 +177,31 @@ def restore_trainer(
                 "exp_avg": ps.exp_avg if owned else ps.exp_avg.to(p.device).clone(),
                 "exp_avg_sq": ps.exp_avg_sq if owned else ps.exp_avg_sq.to(p.device).clone(),
             }
+
+
+def check_resumed_data(
+    manifest: CheckpointManifest,
+    where: str,
+    current: DataIdentity | None,
+    allow_change: bool,
+    rank: int,
+) -> str:
+    """Refuse the checkpoint of ``manifest`` before anything is read if it was trained on
+    other data than ``current`` (``data_fit.check_data_fit``: ``DataMismatchError``, a
+    configuration error naming each field with both values), unless ``allow_change`` (the
+    training config's ``allow_data_change``): then rank 0 logs what changed, which is
+    returned ('' when nothing did). Before, a run resumed on another corpus went on
+    counting samples over it, silently."""
+    changes = check_data_fit(manifest, current, allow_change=allow_change, where=where)
+    said = describe_differences(changes)
+    if changes and rank == 0:
+        print(
+            f"checkpoint {where}: resumed on other data than it was trained on "
+            f"(allow_data_change): {said}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return said
 
 
 def check_model_fit(
@@ -605,7 +643,9 @@ class LayerCheckpointIO:
                 "seed": trainer.cfg.seed,
                 **trainer.scaling_state(),
             }
-            g = TrainingGlobals(trainer.step, trainer.consumed_samples, extra)
+            g = TrainingGlobals(
+                trainer.step, trainer.consumed_samples, extra, identity_of(trainer.data)
+            )
             return trainer_params(trainer), g
 
         return self._saves.save(

@@ -5,8 +5,9 @@ DeepSpeedCheckpointIO``): it saves a :class:`~sailor.megatron_patch.deepspeed_st
 DeepSpeedRun` through the same ``CheckpointSaves`` (``Checkpointer``, manifest, commit) as
 Sailor's engine, with the same globals (``adam_step``, ``seed``, the precision, the skipped
 steps, the loss scale and the non-finite streak), and restores one from a checkpoint written
-by either under any layout (the reader relayouts by layer), refusing another seed or another
-precision as the engine does. Lives here, not in ``sailor.megatron_patch``, for the same reason
+by either under any layout (the reader relayouts by layer), refusing other data (the
+recorded ``DataIdentity``, seed included), another seed or another precision as the engine
+does. Lives here, not in ``sailor.megatron_patch``, for the same reason
 as ``ckpt_glue`` (the engine never imports ``sailor.checkpoint``).
 
 ``python -m sailor.training_process.deepspeed_glue ARGS`` runs one adapter rank with it (the
@@ -33,6 +34,7 @@ from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.training_process.ckpt_glue import (
     CheckpointSaves,
     check_model_fit,
+    check_resumed_data,
     pad_vocab_rows,
     unpadded_vocab,
 )
@@ -53,7 +55,7 @@ def _state(
     got = run.state(writer_assignment(run.plan), into)
     params = {k: ParamState(w, m, v, dim) for k, (w, m, v, dim) in got.items()}
     extra = {"adam_step": run.adam_step, "seed": run.cfg.seed, **run.scaling_state()}
-    return params, TrainingGlobals(run.step, run.consumed_samples, extra)
+    return params, TrainingGlobals(run.step, run.consumed_samples, extra, run.data)
 
 
 class DeepSpeedLayerIO:
@@ -75,15 +77,17 @@ class DeepSpeedLayerIO:
         layers = {key_layer(k) for k in dims}
         manifest = read_manifest(storage, step)  # once, for the two checks before the load
         unpadded = unpadded_vocab(run.spec, manifest, layers) if run.spec else set()
+        where = f"{storage.url.rstrip('/')} step {step}"
         check_model_fit(
             manifest,
-            f"{storage.url.rstrip('/')} step {step}",
+            where,
             run.keyed_parameters(),
             tp_size=place_of(run.plan, run.rank).tp_size,
             num_layers=run.plan.num_layers,
             unpadded=unpadded,
             vocab_size=run.spec.vocab_size if run.spec else 0,
         )
+        check_resumed_data(manifest, where, run.data, run.cfg.allow_data_change, run.rank)
         for key in unpadded:
             dims[key] = None
         got = load_for_rank(storage, run.plan, run.rank, step=step, tp_dims=dims)
@@ -92,7 +96,9 @@ class DeepSpeedLayerIO:
                 got.params[key] = pad_vocab_rows(got.params[key], run.spec.vocab_size)
         extra = got.globals.extra
         saved_seed = extra.get("seed")
-        if saved_seed is not None and int(saved_seed) != run.cfg.seed:
+        # compared with the recorded data before the read (allow_data_change may accept it)
+        compared = manifest.data is not None and run.data is not None
+        if not compared and saved_seed is not None and int(saved_seed) != run.cfg.seed:
             raise ValueError(
                 f"checkpoint {step} under {root} was trained with seed={saved_seed}, this run "
                 f"has seed={run.cfg.seed}: resume with the same seed, or start a new run"

@@ -261,3 +261,48 @@ def test_the_adapter_refuses_another_precision_unless_allowed(
     allowed = _run(DS_1X2, 2, tmp_path / "b", ADAPTER, *resume, "--train-config", str(cfg_file))
     _check_losses(_losses(allowed), ref, [3, 4])
     _check_params(_dumped(tmp_path / "b", range(2)), ref.params, init)
+
+
+def test_the_adapter_refuses_a_checkpoint_of_other_data_by_name(tmp_path: Path) -> None:
+    """An engine checkpoint of tiny-llama trained on sequences of 16 tokens, resumed by the
+    adapter on sequences of 8: RoPE has no parameter of the sequence length, so the model
+    fits, and before, the adapter resumed it (exit 0) with its sample counter over other
+    samples. Now every rank refuses it before the read, naming ``data.seq_length``, a
+    configuration error (the checkpoint records its data: ``CheckpointManifest.data``)."""
+    ckpt = tmp_path / "ckpt"
+    spec = tiny_model(MODEL, GBS)
+
+    def config(name: str, seq_length: int, extra: dict[str, object]) -> str:
+        tc = TrainingConfig.model_validate(
+            {
+                "model": {"kind": "spec", "spec": spec.model_dump() | {"seq_length": seq_length}},
+                **extra,
+            }
+        )
+        path = tmp_path / name
+        path.write_text(tc.model_dump_json())
+        return str(path)
+
+    saving = config("a.json", 16, {"checkpoint": {"dir": str(ckpt), "every_steps": 2}})
+    _run(ENGINE_2X1, 2, tmp_path / "a", ENGINE, "--train-config", saving)
+    assert committed_steps(LocalStorage(str(ckpt))) == [2]
+    data = read_manifest(LocalStorage(str(ckpt)), 2).data
+    assert data is not None and (data.kind, data.seq_length) == ("synthetic", 16)
+    resume = ["--train-config", config("b.json", 8, {}), "--ckpt-dir", str(ckpt)]
+    refused = launch_local(
+        DS_1X2,
+        2,
+        tmp_path / "b",
+        module=ADAPTER,
+        extra_args=[*resume, "--load-step", "2", *FAST_POLL],
+        deadline_s=180,
+    )
+    assert refused.returncodes == [1, 1], (refused.errors, refused.stderr)
+    for err in refused.errors:
+        assert err is not None and err["error_type"] == "DataMismatchError", err
+        assert err["origin"] == "config" and err["retry"] is False
+        assert (
+            "data.seq_length: trained with seq_length=16, this run has seq_length=8"
+            in (err["message"])
+        )
+    assert not refused.steps(0)

@@ -419,3 +419,31 @@ def test_a_failure_inside_the_relayout_is_a_normal_failure(tmp_path: Path, job: 
     assert code == 1
     record = json.loads((tmp_path / "g1" / "error-0.json").read_text())
     assert record["rank"] == 0 and record["retry"] is True
+
+
+def test_a_relayout_on_other_data_is_refused_by_name(tmp_path: Path, job: _Job) -> None:
+    """(e) Held ranks trained on synthetic data of seed 0 are told to relayout under seed 5
+    (a directive whose configuration draws other samples): the data their state's
+    consumed_samples index would change. Every rank refuses it before training, a
+    configuration error naming ``data.seed`` with both values (the holders' data identity
+    is part of the handshake); before, the relayout trained on over the new samples. The
+    checkpoint of the step is not read at all here (every layer has a live holder), so only
+    the handshake can see it."""
+    ip = tmp_path / "ckpt-ip"
+    m0 = f"127.0.0.1:{free_port()}"
+    for r in range(2):
+        job.start(f"w{r}", job.argv("g0", PP2, r, m0))
+    _stop_save(job, "g0", range(2), 2, ip)
+    job.held("g0", range(2), 2)
+    m1 = f"127.0.0.1:{free_port()}"
+    _stop_save(job, "g1", range(2), 4, ip)  # where the old code's relayout stopped and held
+    for r in range(2):
+        _directive(job, "g0", r, 1, [*job.argv("g1", DP2, r, m1, ip, 2), "--seed", "5"])
+    for r in range(2):
+        assert job.procs[f"w{r}"].wait(timeout=120) == 1, job.tails()
+    for r in range(2):
+        record = json.loads((tmp_path / "g1" / f"error-{r}.json").read_text())
+        assert record["origin"] == "config" and record["retry"] is False, record
+        assert "data.seed: trained with seed=0, this run has seed=5" in record["message"]
+        assert "allow_data_change: true" in record["message"]
+    assert job.losses("g1") == {}

@@ -238,3 +238,32 @@ async def test_a_workers_own_output_is_kept_in_its_logs(tmp_path: Path) -> None:
         assert len(sup.workers[0].stderr_tail) == 20  # what the failure record keeps
     finally:
         await sup.abort()
+
+
+_DATA_CHANGED = """
+import json, sys, time
+def say(**m):
+    print(json.dumps(m), flush=True)
+say(event="ready", rank=0, data_changed="data.seed: trained with seed=0, this run has seed=5")
+say(event="step", rank=0, step=1, loss=1.0)
+time.sleep(60)
+"""
+
+
+async def test_a_resume_on_other_data_is_in_the_agents_log(tmp_path: Path) -> None:
+    """A worker that resumed a checkpoint trained on other data (the training config's
+    ``allow_data_change``) says what changed in its ``ready`` line; the agent logs it
+    (``worker_data_changed``), so the operator's override leaves a trace beside the job."""
+    sup = Supervisor(tmp_path, worker_argv=(sys.executable, "-c", _DATA_CHANGED))
+    with structlog.testing.capture_logs() as logs:
+        await sup.launch(launch_of(PLAN))
+        try:
+            async with asyncio.timeout(60):
+                while sup.workers[0].step < 1:
+                    sup.changed.clear()
+                    await sup.changed.wait()
+        finally:
+            await sup.abort()
+    said = [e for e in logs if e.get("event") == "worker_data_changed"]
+    assert len(said) == 1 and said[0]["rank"] == 0
+    assert said[0]["changes"] == "data.seed: trained with seed=0, this run has seed=5"
