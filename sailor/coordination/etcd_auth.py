@@ -18,6 +18,7 @@ from aetcd import rpc
 from aetcd.rpc import auth_pb2
 
 from sailor.coordination.etcd_store import EtcdStore
+from sailor.coordination.keys import Keys
 from sailor.coordination.security.etcd_rbac import EtcdRbacPlan, Perm
 
 __all__ = ["EtcdRevocation", "NotANodeError", "apply_rbac", "revoke_node_user"]
@@ -108,11 +109,13 @@ class NotANodeError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class EtcdRevocation:
-    """What ``revoke_node_user`` deleted: the user (False: there was none) and its node
-    roles (``sailor/<job>/node/<id>``, every job's)."""
+    """What ``revoke_node_user`` deleted: the user (False: there was none), its node roles
+    (``sailor/<job>/node/<id>``, every job's) and its registration and status keys (with
+    the leases they were bound to)."""
 
     user_deleted: bool
     roles_deleted: tuple[str, ...]
+    keys_deleted: tuple[str, ...] = ()
 
 
 def _is_node_role(role: str, node: str) -> bool:
@@ -147,6 +150,24 @@ async def revoke_node_user(store: EtcdStore, node: str) -> EtcdRevocation:
     roles = tuple(r for r in listed.roles if _is_node_role(r, node))
     if held is not None:
         await store.call(stub.UserDelete(rpc.AuthUserDeleteRequest(name=node), metadata=md))
+    # etcd 3.4 checks no permission on a lease's keepalive: a revoked agent still running
+    # kept its registration alive (and so its place in the layouts). Its keys go, with the
+    # leases they are bound to (which hold no other node's keys: a node's lease is its own).
+    keys_deleted = []
+    for role in roles:
+        keys = Keys(job=role.split("/")[1])
+        for key in (keys.node(node), keys.status(node)):
+            kv = await store.get(key)
+            if kv is None:
+                continue
+            if kv.lease:
+                try:
+                    await store.call(client.revoke_lease(kv.lease))
+                except Exception as exc:
+                    if "lease not found" not in str(exc):
+                        raise
+            await store.delete(key)
+            keys_deleted.append(key)
     deleted = []
     for role in roles:
         try:
@@ -156,5 +177,11 @@ async def revoke_node_user(store: EtcdStore, node: str) -> EtcdRevocation:
                 raise
             continue
         deleted.append(role)
-    _log.info("etcd_node_revoked", node=node, user_deleted=held is not None, roles=deleted)
-    return EtcdRevocation(held is not None, tuple(deleted))
+    _log.info(
+        "etcd_node_revoked",
+        node=node,
+        user_deleted=held is not None,
+        roles=deleted,
+        keys=keys_deleted,
+    )
+    return EtcdRevocation(held is not None, tuple(deleted), tuple(keys_deleted))

@@ -75,7 +75,10 @@ async def test_a_revoked_node_is_refused_by_etcd_and_nats_and_the_others_are_not
     b_bus = NatsEventBus(b_nc, KEYS, durable="unused", source="node-b", op_timeout=1.0)
     try:
         await ctl_bus.ensure_stream()
-        # before: node-a writes its status and publishes its event
+        # before: node-a registers (its key bound to its kept-alive lease), writes its
+        # status and publishes its event
+        a_lease = await a_kv.lease(2)
+        await a_kv.put(KEYS.node("node-a"), b"spec-a", lease=a_lease)
         await a_kv.put(KEYS.status("node-a"), b"a-before")
         assert await a_bus.publish("node_joined", b"a-before", msg_id="a1") is True
 
@@ -83,6 +86,7 @@ async def test_a_revoked_node_is_refused_by_etcd_and_nats_and_the_others_are_not
         # the node's role in every job on this etcd goes (the servers serve four jobs)
         every_job = tuple(sorted(f"sailor/{j}/node/node-a" for j in IDENTITIES.jobs))
         assert done.etcd.user_deleted and done.etcd.roles_deleted == every_job
+        assert done.etcd.keys_deleted == (KEYS.node("node-a"), KEYS.status("node-a"))
         assert done.nats_reloaded and not done.already
         assert not (pki.dir / "node-a.nats.json").exists()
         assert '"node-a"' not in (pki.dir / "nats-server.conf").read_text()
@@ -106,11 +110,15 @@ async def test_a_revoked_node_is_refused_by_etcd_and_nats_and_the_others_are_not
             await d.ack()
         root = await connect_etcd(ep, op_timeout=2.0, security=servers.security("root"))
         try:
+            await asyncio.sleep(3.0)  # past the lease's TTL: a keepalive would have held it
+            a_node = await root.get(KEYS.node("node-a"))
             a_status = await root.get(KEYS.status("node-a"))
             b_status = await root.get(KEYS.status("node-b"))
         finally:
             await root.close()
-        assert a_status is not None and a_status.value == b"a-before"
+        # node-a's registration went with its lease, which its agent kept alive (etcd 3.4
+        # checks no permission on a keepalive: it stayed registered, planned on, for ever)
+        assert a_status is None and a_node is None and not a_lease.alive
         assert b_status is not None and b_status.value == b"b-after"
 
         # a second run is a no-op: nothing in etcd, no file changed, no reload
