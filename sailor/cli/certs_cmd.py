@@ -279,6 +279,7 @@ def revoke_cmd(
             "by": who,
             "etcd_user_deleted": done.etcd.user_deleted,
             "etcd_roles": list(done.etcd.roles_deleted),
+            "etcd_keys": list(done.etcd.keys_deleted),
             "nats_configs": configs,
             "nats_reloaded": bool(configs) and reloader is not None and not reload_error,
         },
@@ -286,6 +287,8 @@ def revoke_cmd(
     roles = ", ".join(done.etcd.roles_deleted) or "none"
     user = "deleted" if done.etcd.user_deleted else "none left"
     typer.echo(f"{name}: etcd user {user}; roles deleted: {roles}")
+    if done.etcd.keys_deleted:
+        typer.echo(f"{name}: deleted with their leases: {', '.join(done.etcd.keys_deleted)}")
     typer.echo(f"{name}: NATS login removed from {', '.join(configs) or 'no server config'}")
     typer.echo(f"recorded: {done.record}" + ("" if audited else f" (no audit log at {audit_log})"))
     if configs and reload_error:
