@@ -265,7 +265,7 @@ def revoke_cmd(
     except (UnknownNodeError, NotANodeError, ValueError) as exc:
         raise fail(str(exc), code=1) from None
     except CoordinationError as exc:
-        raise fail(f"node={name!r}: nothing revoked in etcd: {exc}", code=1) from None
+        raise fail(f"node={name!r}: nothing revoked (etcd: {exc})", code=1) from None
     if done.already:
         typer.echo(f"{name}: already revoked ({done.record}): nothing left to revoke")
         return
