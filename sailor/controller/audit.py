@@ -478,6 +478,7 @@ def timeline(records: list[dict[str, Any]]) -> list[str]:
         "event_stream_placed",
         "audit_budget_exceeded",
         "events_unaudited",
+        "credentials_revoked",
     }
     lines: list[str] = []
     for r in records:

@@ -4,11 +4,13 @@ Idempotent: an existing user, role or grant is not an error, so the operator re-
 adding nodes (it must then connect as ``root``, since auth is on). Users are created without a
 password: with ``--client-cert-auth`` the client certificate is the only login. After the
 grants, the plan's ``legacy`` grants (the old role names, ambiguous between jobs) are taken
-back from its users; one not granted is not an error. Must never import NATS.
+back from its users; one not granted is not an error. ``revoke_node_user`` deletes a node's
+user and its node roles (``sailor certs revoke``). Must never import NATS.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -16,9 +18,10 @@ from aetcd import rpc
 from aetcd.rpc import auth_pb2
 
 from sailor.coordination.etcd_store import EtcdStore
+from sailor.coordination.keys import Keys
 from sailor.coordination.security.etcd_rbac import EtcdRbacPlan, Perm
 
-__all__ = ["apply_rbac"]
+__all__ = ["EtcdRevocation", "NotANodeError", "apply_rbac", "revoke_node_user"]
 
 _log = structlog.get_logger("sailor.etcd")
 
@@ -98,3 +101,87 @@ async def apply_rbac(store: EtcdStore, plan: EtcdRbacPlan, enable: bool = True) 
         legacy_revoked=revoked,
         enabled=enable,
     )
+
+
+class NotANodeError(ValueError):
+    """The identity to revoke is root or a controller, not an agent's node."""
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdRevocation:
+    """What ``revoke_node_user`` deleted: the user (False: there was none), its node roles
+    (``sailor/<job>/node/<id>``, every job's) and its registration and status keys (with
+    the leases they were bound to)."""
+
+    user_deleted: bool
+    roles_deleted: tuple[str, ...]
+    keys_deleted: tuple[str, ...] = ()
+
+
+def _is_node_role(role: str, node: str) -> bool:
+    """``sailor/<job>/node/<node>`` for some job (no job name holds a '/')."""
+    parts = role.split("/")
+    return len(parts) == 4 and parts[0] == "sailor" and parts[2] == "node" and parts[3] == node
+
+
+async def revoke_node_user(store: EtcdStore, node: str) -> EtcdRevocation:
+    """Delete etcd user ``node`` and its node roles in every job, as root.
+
+    With ``--client-cert-auth`` the certificate's common name is the user: once the user is
+    gone, etcd refuses every request made with the node's certificate. Idempotent: a user
+    and roles already gone are not an error. Refuses (``NotANodeError``, naming it) a user
+    holding root or a controller role: that is not a node."""
+    client = store.client
+    await client.connect()
+    stub = rpc.AuthStub(client.channel)
+    md = client.metadata
+    try:
+        got = await store.call(stub.UserGet(rpc.AuthUserGetRequest(name=node), metadata=md))
+        held = tuple(got.roles)
+    except Exception as exc:
+        if "user name not found" not in str(exc):
+            raise
+        held = None
+    if held is not None:
+        others = [r for r in held if r == "root" or r.endswith("/controller")]
+        if others:
+            raise NotANodeError(f"node={node!r} is not a node: its etcd user holds {others}")
+    listed = await store.call(stub.RoleList(rpc.AuthRoleListRequest(), metadata=md))
+    roles = tuple(r for r in listed.roles if _is_node_role(r, node))
+    if held is not None:
+        await store.call(stub.UserDelete(rpc.AuthUserDeleteRequest(name=node), metadata=md))
+    # etcd 3.4 checks no permission on a lease's keepalive: a revoked agent still running
+    # kept its registration alive (and so its place in the layouts). Its keys go, with the
+    # leases they are bound to (which hold no other node's keys: a node's lease is its own).
+    keys_deleted = []
+    for role in roles:
+        keys = Keys(job=role.split("/")[1])
+        for key in (keys.node(node), keys.status(node)):
+            kv = await store.get(key)
+            if kv is None:
+                continue
+            if kv.lease:
+                try:
+                    await store.call(client.revoke_lease(kv.lease))
+                except Exception as exc:
+                    if "lease not found" not in str(exc):
+                        raise
+            await store.delete(key)
+            keys_deleted.append(key)
+    deleted = []
+    for role in roles:
+        try:
+            await store.call(stub.RoleDelete(rpc.AuthRoleDeleteRequest(role=role), metadata=md))
+        except Exception as exc:
+            if "role name not found" not in str(exc):
+                raise
+            continue
+        deleted.append(role)
+    _log.info(
+        "etcd_node_revoked",
+        node=node,
+        user_deleted=held is not None,
+        roles=deleted,
+        keys=keys_deleted,
+    )
+    return EtcdRevocation(held is not None, tuple(deleted), tuple(keys_deleted))
