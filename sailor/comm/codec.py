@@ -15,7 +15,9 @@ JSON object is therefore always a tag with exactly one key:
 Only these exact types are sent (a subclass, an enum, a NumPy scalar or a class raises
 ``TypeError`` on the sender, naming its type and where it is), so what a rank receives is
 what its peer had. Bytes that do not decode to these raise :class:`PeerObjectError`,
-naming the sending rank: the sender is at fault, not the receiver.
+naming the sending rank: the sender is at fault, not the receiver. A receiver checks the
+shape of what it reads with :func:`expect` (a wrong shape from a peer is that peer's fault
+too, not an ``IndexError`` charged to the receiver).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import binascii
 import json
 from typing import Any
 
-__all__ = ["PeerObjectError", "decode", "encode"]
+__all__ = ["PeerObjectError", "decode", "encode", "expect"]
 
 _Json = None | bool | int | float | str | list["_Json"] | dict[str, "_Json"]
 
@@ -118,4 +120,44 @@ def _value(v: _Json) -> Any:
     raise PeerObjectError(
         f"type tag {str(tag)[:80]!r} with a {type(body).__name__} (tags: tuple, bytes, dict)",
         rank=-1,
+    )
+
+
+Shape = Any
+"""What :func:`expect` checks: a type (exactly that type: ``int`` is not ``bool``), ``None``,
+a tuple of shapes (a tuple of that length, each element of its shape), or a frozenset of
+shapes (any one of them)."""
+
+
+def _conforms(value: Any, shape: Shape) -> bool:
+    if shape is None:
+        return value is None
+    if isinstance(shape, type):
+        return type(value) is shape
+    if isinstance(shape, frozenset):
+        return any(_conforms(value, s) for s in shape)
+    return (
+        type(value) is tuple
+        and len(value) == len(shape)
+        and all(_conforms(v, s) for v, s in zip(value, shape, strict=True))
+    )
+
+
+def _describe(shape: Shape) -> str:
+    if shape is None:
+        return "None"
+    if isinstance(shape, type):
+        return shape.__name__
+    if isinstance(shape, frozenset):
+        return " | ".join(sorted(_describe(s) for s in shape))
+    return "(" + ", ".join(_describe(s) for s in shape) + ")"
+
+
+def expect(value: Any, shape: Shape, rank: int, what: str) -> Any:
+    """``value`` (rank ``rank``'s object) if it has ``shape``, else :class:`PeerObjectError`
+    naming the rank, ``what`` it should be, the shape and the value."""
+    if _conforms(value, shape):
+        return value
+    raise PeerObjectError(
+        f"rank {rank} sent {str(value)[:200]} as {what}: {_describe(shape)} expected", rank=rank
     )

@@ -24,10 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sailor.checkpoint.checkpointer import agree_save_start
 from sailor.comm import abort
 from sailor.comm import api as comm
-from sailor.comm.codec import PeerObjectError, decode, encode
+from sailor.comm.codec import PeerObjectError, decode, encode, expect
+from sailor.megatron_patch.bad_labels import LabelWatch
 from sailor.megatron_patch.errors import classify
+from sailor.megatron_patch.in_place import handshake
 from tests.spawn import spawn
 
 _HOSTILE = 2
@@ -95,6 +98,20 @@ def _rank(rank: int, store: str, out: str) -> None:
         dist.all_gather([torch.zeros_like(size) for _ in range(3)], size)
     else:
         got["huge"] = _outcome(lambda: comm.all_gather_object([None] * 3, rank))
+    dist.barrier()
+    # objects that decode but are not what the call site reads: the sender is named too
+    if rank == _HOSTILE:
+        comm.all_gather_object([None] * 3, ["not", "a", "tuple"])  # agree_save_start
+        comm.all_gather_object([None] * 3, (0, -1, False, "p", 0, "{not json"))  # handshake
+        comm.all_gather_object([None] * 3, (0, -1, False, "p", 0, "{}"))  # handshake again
+        comm.broadcast_object_list(["not a plan"], src=_HOSTILE)
+        comm.all_gather_object([None] * 3, ("h", "1", 1, 0, ""))  # raise_agreed
+    else:
+        got["save_start"] = _outcome(agree_save_start, None)
+        got["held"] = _outcome(handshake, None, -1, rank, 3)
+        got["plan"] = _outcome(handshake, None, -1, rank, 3)
+        watch = LabelWatch(vocab_size=8)
+        got["labels"] = _outcome(watch.raise_agreed, (_HOSTILE,), 3, "batch", 0)
     dist.barrier()  # everyone left the collectives above
     Path(out, f"r{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
@@ -110,6 +127,11 @@ def test_a_crafted_pickle_runs_nothing_and_names_its_sender(tmp_path: Path) -> N
             for op in ("gather", "bcast"):
                 assert got[f"{op}-{polled}"].startswith("PeerObjectError rank=2: rank 2 sent"), got
         assert got["huge"].startswith("PeerObjectError rank=2: rank 2 announced"), got
+        assert got["save_start"].startswith("PeerObjectError rank=2: rank 2 sent ['not'"), got
+        assert "its save id and failure flag: (str, bool) expected" in got["save_start"], got
+        assert got["held"].startswith("PeerObjectError rank=2: rank 2 sent its scaling state"), got
+        assert got["plan"].startswith("PeerObjectError rank=2: rank 2 sent the old plan"), got
+        assert got["labels"].startswith("PeerObjectError rank=2: rank 2 sent ('h', '1'"), got
     assert json.loads((tmp_path / "r1.json").read_text())["unencodable"].startswith(
         "TypeError: obj: an object collective sends"
     )
@@ -197,3 +219,26 @@ def test_a_peers_undecodable_object_is_charged_to_the_peer() -> None:
     exc = PeerObjectError("rank 2 sent an object that does not decode: x", rank=2)
     assert classify(exc, in_training=True) == "peer"
     assert classify(exc, in_training=False) == "peer"  # a ValueError, yet not a config error
+
+
+@pytest.mark.parametrize(
+    ("value", "shape", "ok"),
+    [
+        (("a", True), (str, bool), True),
+        (("a", 1), (str, bool), False),
+        ((True, "a"), (int, str), False),  # a bool is no int here
+        (None, frozenset({int, None}), True),
+        (3, frozenset({int, None}), True),
+        ("3", frozenset({int, None}), False),
+        (["a", True], (str, bool), False),  # a list is no tuple
+        (("a",), (str, bool), False),
+    ],
+    ids=["tuple", "int-for-bool", "bool-for-int", "none", "alt", "str-for-int", "list", "short"],
+)
+def test_expect_checks_exact_shapes(value: Any, shape: Any, ok: bool) -> None:
+    if ok:
+        assert expect(value, shape, 4, "a thing") is value
+        return
+    with pytest.raises(PeerObjectError, match=r"^rank 4 sent .* as a thing: .* expected") as e:
+        expect(value, shape, 4, "a thing")
+    assert e.value.rank == 4
