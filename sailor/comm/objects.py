@@ -34,8 +34,9 @@ __all__ = ["MAX_OBJECT_BYTES", "all_gather_objects", "broadcast_objects", "objec
 
 MAX_OBJECT_BYTES = 1 << 28
 """The largest encoded object a rank sends or accepts (256 MiB; the largest that travels,
-a plan's JSON, is a few hundred KiB): a larger announced size is refused before any
-buffer of that size is allocated."""
+a plan's JSON, is a few hundred KiB), and the largest buffer an all-gather allocates (the
+members times the longest object: a gather's objects are small tuples): a larger
+announced size is refused, naming its rank, before any buffer of that size is allocated."""
 
 _UNENCODABLE = -1
 
@@ -107,6 +108,12 @@ def all_gather_objects(ops: _Tensors, outs: list[Any], obj: Any, group: Any) -> 
     for rank, n in zip(ranks, lengths, strict=True):
         _check_sizes([n], rank, None, rank == dist.get_rank())
     longest = max(lengths)
+    if longest * members > MAX_OBJECT_BYTES:  # every member receives ``longest`` from each
+        rank = ranks[lengths.index(longest)]
+        why = f"{longest} bytes, times {members} members, over {MAX_OBJECT_BYTES}"
+        if rank == dist.get_rank():
+            raise ValueError(f"an object collective's object is {why}")
+        raise PeerObjectError(f"rank {rank} announced an object of {why}", rank=rank)
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(members)]
     ops.all_gather(bufs, _bytes_tensor(blob, longest, device), group)
     abort.host_sync(device)

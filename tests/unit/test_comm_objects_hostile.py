@@ -93,11 +93,13 @@ def _rank(rank: int, store: str, out: str) -> None:
         lambda: comm.all_gather_object(outs, {1, 2} if rank == 1 else rank)
     )
     # an announced size out of bounds: refused before its buffer is allocated
-    if rank == _HOSTILE:
-        size = torch.tensor([1 << 40], dtype=torch.int64)
-        dist.all_gather([torch.zeros_like(size) for _ in range(3)], size)
-    else:
-        got["huge"] = _outcome(lambda: comm.all_gather_object([None] * 3, rank))
+    # and one under the per-object bound whose gather (3 x 100 MiB) is over it
+    for key, announced in (("huge", 1 << 40), ("wide", 100 << 20)):
+        if rank == _HOSTILE:
+            size = torch.tensor([announced], dtype=torch.int64)
+            dist.all_gather([torch.zeros_like(size) for _ in range(3)], size)
+        else:
+            got[key] = _outcome(comm.all_gather_object, [None] * 3, rank)
     dist.barrier()
     # objects that decode but are not what the call site reads: the sender is named too
     if rank == _HOSTILE:
@@ -127,6 +129,9 @@ def test_a_crafted_pickle_runs_nothing_and_names_its_sender(tmp_path: Path) -> N
             for op in ("gather", "bcast"):
                 assert got[f"{op}-{polled}"].startswith("PeerObjectError rank=2: rank 2 sent"), got
         assert got["huge"].startswith("PeerObjectError rank=2: rank 2 announced"), got
+        assert got["wide"].startswith(
+            f"PeerObjectError rank=2: rank 2 announced an object of {100 << 20} bytes, times 3"
+        ), got
         assert got["save_start"].startswith("PeerObjectError rank=2: rank 2 sent ['not'"), got
         assert "its save id and failure flag: (str, bool) expected" in got["save_start"], got
         assert got["held"].startswith("PeerObjectError rank=2: rank 2 sent its scaling state"), got
