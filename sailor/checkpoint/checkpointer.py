@@ -72,6 +72,7 @@ from sailor.checkpoint.unrecorded import apply_unrecorded, committed_markers
 from sailor.checkpoint.writer import commit, discard_save, persist_layers
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
+from sailor.comm.codec import expect
 from sailor.schemas.checkpoint import TENSOR_KINDS, CheckpointManifest, TensorKind
 from sailor.schemas.plan import Plan
 
@@ -629,6 +630,7 @@ def agree_save_start(failure: BaseException | None) -> tuple[str, bool]:
         return mine, failure is not None
     got: list[Any] = [None] * dist.get_world_size()
     comm.all_gather_object(got, (mine if dist.get_rank() == 0 else "", failure is not None))
+    got = [expect(g, (str, bool), r, "its save id and failure flag") for r, g in enumerate(got)]
     return str(got[0][0]), any(bool(g[1]) for g in got)
 
 

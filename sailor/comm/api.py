@@ -123,8 +123,10 @@ class TorchBackend:
     :func:`_wait`, so a rank blocked on a failed peer leaves when the worker abandons the
     world (``SIGUSR1``; on NCCL where the host waits for the device: ``abort.host_sync``).
     The object collectives (rare: control agreement, handshakes, a save's id) are made of
-    the tensor ones (:mod:`sailor.comm.objects`) when polling is on, so they are abortable
-    too. Without ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
+    the tensor ones (:mod:`sailor.comm.objects`), so they are abortable too, and carry plain
+    data (:mod:`sailor.comm.codec`), never a pickle: torch's own object collectives unpickle
+    a peer's bytes, which would let a hostile node run code on every rank. Without
+    ``abort.set_polling(True)`` every wait is the plain blocking ``Work.wait``.
     """
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: Any) -> None:
@@ -159,17 +161,11 @@ class TorchBackend:
 
     def all_gather_object(self, outs: list[Any], obj: Any, group: Any) -> None:
         _check_abort()
-        if abort.polling():
-            objects.all_gather_objects(self, outs, obj, group)
-        else:
-            dist.all_gather_object(outs, obj, group=group)
+        objects.all_gather_objects(self, outs, obj, group)
 
     def broadcast_object_list(self, objs: list[Any], src: int, group: Any) -> None:
         _check_abort()
-        if abort.polling():
-            objects.broadcast_objects(self, objs, src, group)
-        else:
-            dist.broadcast_object_list(objs, src=src, group=group)
+        objects.broadcast_objects(self, objs, src, group)
 
 
 def _check_abort() -> None:
@@ -252,7 +248,8 @@ def wait_all(works: Sequence[Work]) -> None:
 
 
 def all_gather_object(outs: list[Any], obj: Any, group: Any = None) -> None:
-    """``outs[i]`` = rank ``i``'s picklable ``obj``."""
+    """``outs[i]`` = rank ``i``'s ``obj`` (plain data: :mod:`sailor.comm.codec`; a peer's
+    bytes that do not decode raise ``PeerObjectError`` naming that rank)."""
     _current.all_gather_object(outs, obj, group)
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
+from sailor.comm.codec import expect
 from sailor.comm.device_copy import to_device
 from sailor.megatron_patch.clock import synchronize
 from sailor.megatron_patch.step_agreement import world_objects
@@ -94,6 +95,10 @@ def total_count(got: Sequence[tuple[str, int | None, int, int]], flagged: Sequen
     return sum(per_pipeline.values())
 
 
+_SEEN_SHAPE = (str, frozenset({int, None}), int, int, str)
+"""What a rank tells the others in :meth:`LabelWatch.raise_agreed`."""
+
+
 @dataclass
 class LabelWatch:
     """This rank's bad labels of the iteration in flight (first id and count, on the host)."""
@@ -139,7 +144,10 @@ class LabelWatch:
         on all. ``where``: the batch (:func:`training_batch`, :func:`validation_batches`);
         ``pipeline``: this rank's, so that each pipeline's microbatches count once."""
         mine = (socket.gethostname(), self.first, self.count, pipeline, self.detail)
-        got = world_objects(mine)
+        got = [
+            expect(g, _SEEN_SHAPE, r, "its bad labels (host, first id, count, pipeline, detail)")
+            for r, g in enumerate(world_objects(mine))
+        ]
         flagged = [r for r in ranks if r < len(got) and got[r][1] is not None] or list(ranks)
         r0 = flagged[0] if flagged else 0
         first = got[min(r0, len(got) - 1)][1]

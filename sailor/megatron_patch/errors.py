@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from sailor.comm.codec import PeerObjectError
+
 __all__ = [
     "AGREED",
     "FailureRecord",
@@ -123,10 +125,12 @@ says (it names ranks and hosts, and a host named ``gloo-3`` read as a peer's fai
 
 def classify(exc: BaseException, in_training: bool) -> Origin:
     """Whether ``exc`` is this rank's own failure, a peer's, a configuration error, or, before
-    training, its rendezvous store's port taken by another process (``rendezvous``)."""
+    training, its rendezvous store's port taken by another process (``rendezvous``). A
+    peer's object collective bytes that do not decode (``PeerObjectError``, a
+    ``ValueError``) are that peer's fault, before training too: ``peer``, not ``config``."""
     if isinstance(exc, InjectedFailureError) or type(exc).__name__ in AGREED:
         return "local"
-    if isinstance(exc, PeerFailedError):
+    if isinstance(exc, PeerFailedError | PeerObjectError):  # the sender's fault, not ours
         return "peer"
     if not in_training and isinstance(exc, ValueError):
         return "config"

@@ -25,12 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
+from sailor.comm.codec import PeerObjectError, expect
 from sailor.megatron_patch.data import identity_of
 from sailor.megatron_patch.engine import Trainer
 from sailor.megatron_patch.file_wait import FileWait
@@ -145,6 +146,25 @@ class Peers:
     None: no holder, or their data does not say."""
 
 
+_T = TypeVar("_T")
+
+_HELD_SHAPE = (int, int, bool, str, int, str, str)
+"""A rank's held state in the handshake: old rank, step, broken, plan id, consumed samples,
+scaling state's JSON, the data identity's JSON ('' for none). The ranks of one world run one
+release (docs/operations.md), so every holder sends all seven."""
+
+
+def _peer_json(parse: Callable[[str], _T], text: str, rank: int, what: str) -> _T:
+    """``parse(text)``, JSON rank ``rank`` sent; ``PeerObjectError`` naming it if it does
+    not parse."""
+    try:
+        return parse(text)
+    except ValueError as exc:  # json's and pydantic's errors
+        raise PeerObjectError(
+            f"rank {rank} sent {what} that does not parse: {str(exc)[:300]}", rank=rank
+        ) from None
+
+
 def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> Peers:
     """Every rank's held state, gathered (collective over the new world).
 
@@ -171,15 +191,19 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     )
     got: list[Any] = [None] * world_size
     comm.all_gather_object(got, mine)
+    got = [expect(g, _HELD_SHAPE, r, "its held state") for r, g in enumerate(got)]
     valid = {
         r: g
         for r, g in enumerate(got)
         if g[0] >= 0 and not g[2] and (load_step < 0 or g[1] == load_step)
     }
+    for r, g in valid.items():
+        _peer_json(json.loads, g[5], r, "its scaling state")
+        if g[6]:
+            _peer_json(DataIdentity.model_validate_json, g[6], r, "its data identity")
     if not valid:
         return Peers(None, {}, -1, -1)
-    # a holder of a release before data identities sends six fields: its data unsaid
-    positions = {(g[1], g[4], g[5], g[6] if len(g) > 6 else "") for g in valid.values()}
+    positions = {(g[1], g[4], g[5], g[6]) for g in valid.values()}
     plans = {g[3] for g in valid.values()}
     if len(positions) != 1 or len(plans) != 1:
         raise RuntimeError(
@@ -189,7 +213,8 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
     src = min(valid)
     box: list[Any] = [tr.plan.model_dump_json() if tr is not None and src == rank else None]
     comm.broadcast_object_list(box, src=src)
-    old_plan = Plan.model_validate_json(box[0])
+    old_json = expect(box[0], str, src, "the old plan's JSON")
+    old_plan = _peer_json(Plan.model_validate_json, old_json, src, "the old plan")
     if old_plan.plan_id not in plans:
         raise RuntimeError(f"old plan {old_plan.plan_id!r} is not the holders' {plans}")
     ((step, consumed, scaling, data),) = positions

@@ -30,15 +30,22 @@ trains on are bad, so training on would only be refused again at the next save, 
 job is relaunched from its last good commit (the controller holds it against the job).
 
 A ``job_wide`` error class takes its message as its only positional argument. This module
-must not import ``sailor.checkpoint`` (layers): it reads the class attribute by name.
+must not import ``sailor.checkpoint`` (layers): it reads the class attribute by name. A
+rank sends the class's name (``module:qualname``), never the class (the object collectives
+carry plain data: ``sailor.comm.codec``); the others take it from a module this process has
+already loaded (nothing is imported on a peer's word) and accept only an exception class
+that says ``job_wide``: any other name, or a summary of another shape, raises
+``PeerObjectError`` naming the sending rank (its fault: ``origin=peer`` here).
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from sailor.comm.codec import PeerObjectError
 from sailor.megatron_patch.errors import PeerFailedError
 from sailor.megatron_patch.step_agreement import world_objects
 
@@ -46,17 +53,57 @@ __all__ = ["raise_save_failure", "report_save_failure"]
 
 
 def _job_wide(exc: BaseException | None) -> bool:
-    return exc is not None and bool(getattr(type(exc), "job_wide", False))
+    return exc is not None and _job_wide_class_attr(type(exc))
 
 
-def _summary(exc: Exception | None) -> tuple[Any, str, str] | None:
-    """What a rank tells the others of its failure: the class itself only when it is
-    job-wide (a module-level class, pickled by reference), else None, its text and its
-    host."""
+def _job_wide_class_attr(cls: type) -> bool:
+    return bool(getattr(cls, "job_wide", False))
+
+
+def _summary(exc: Exception | None) -> tuple[str | None, str, str] | None:
+    """What a rank tells the others of its failure: its class's name (``module:qualname``)
+    only when it is job-wide, else None, its text and its host."""
     if exc is None:
         return None
-    cls = type(exc) if _job_wide(exc) else None
-    return (cls, f"{type(exc).__name__}: {exc}", socket.gethostname())
+    t = type(exc)
+    cls = f"{t.__module__}:{t.__qualname__}" if _job_wide(exc) else None
+    return (cls, f"{t.__name__}: {exc}", socket.gethostname())
+
+
+def _job_wide_class(name: str, rank: int) -> type[Exception]:
+    """The job-wide exception class ``name`` (``module:qualname``) that rank ``rank`` sent,
+    looked up in the modules already loaded here through their namespaces only (no import,
+    no module ``__getattr__``)."""
+    module, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module)
+    for part in qualname.split(".") if found is not None else ():
+        found = vars(found).get(part) if hasattr(found, "__dict__") else None
+    if isinstance(found, type) and issubclass(found, Exception) and _job_wide_class_attr(found):
+        return found
+    raise PeerObjectError(
+        f"rank {rank} named error class {name[:200]!r} for its failed save: not a job-wide "
+        "error class of this worker",
+        rank=rank,
+    )
+
+
+def _received(g: Any, rank: int) -> tuple[type[Exception] | None, str, str] | None:
+    """Rank ``rank``'s summary with its class resolved; ``PeerObjectError`` if it is not one."""
+    if g is None:
+        return None
+    if not (
+        isinstance(g, tuple)
+        and len(g) == 3
+        and (g[0] is None or isinstance(g[0], str))
+        and isinstance(g[1], str)
+        and isinstance(g[2], str)
+    ):
+        raise PeerObjectError(
+            f"rank {rank} sent {str(g)[:200]} as its failed save's summary "
+            "(class name or None, text, host expected)",
+            rank=rank,
+        )
+    return (None if g[0] is None else _job_wide_class(g[0], rank), g[1], g[2])
 
 
 def raise_save_failure(local: Exception | None, settle: Callable[[], None]) -> None:
@@ -79,7 +126,7 @@ def report_save_failure(local: Exception | None, settle: Callable[[], None]) -> 
 
 def _failed(local: Exception | None) -> list[tuple[int, tuple[Any, str, str]]]:
     """Every rank's failure as ``(rank, summary)`` (collective), in rank order; never empty."""
-    got = world_objects(_summary(local))
+    got = [_received(g, r) for r, g in enumerate(world_objects(_summary(local)))]
     failed = [(r, g) for r, g in enumerate(got) if g is not None]
     if not failed:  # cannot happen after an agreed failure; never go on silently
         raise PeerFailedError("a checkpoint save failed on some rank (agreed), none said why")

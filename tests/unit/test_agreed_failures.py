@@ -83,7 +83,9 @@ def test_a_refusal_is_raised_alike_on_a_rank_whose_save_went_well(
     from sailor.megatron_patch.save_failure import raise_save_failure
 
     text = "step 2: tensor 3.w.weight holds a non-finite value (inf or NaN)"
-    refusal = (NonFiniteCheckpointError, f"NonFiniteCheckpointError: {text}", "h1")
+    # what a peer sends: the class's name (the object collectives carry plain data only)
+    cls = "sailor.checkpoint.errors:NonFiniteCheckpointError"
+    refusal = (cls, f"NonFiniteCheckpointError: {text}", "h1")
     _gathered(monkeypatch, [None, refusal])
     settled = []
     with pytest.raises(NonFiniteCheckpointError) as e:
@@ -94,6 +96,46 @@ def test_a_refusal_is_raised_alike_on_a_rank_whose_save_went_well(
     with pytest.raises(NonFiniteCheckpointError) as e2:
         raise_save_failure(own, lambda: None)
     assert e2.value is own
+
+
+def test_a_rank_sends_a_job_wide_class_by_name_as_plain_data() -> None:
+    from sailor.comm.codec import decode, encode
+    from sailor.megatron_patch.save_failure import _summary
+
+    sent = _summary(NonFiniteCheckpointError("step 2: bad", key="k"))
+    assert sent is not None
+    assert sent[0] == "sailor.checkpoint.errors:NonFiniteCheckpointError"
+    assert decode(encode(sent), 0) == sent
+    got = _summary(StorageError("disk full"))
+    assert got is not None and got[0] is None  # not job-wide: no class at all
+
+
+@pytest.mark.parametrize(
+    ("summary", "says"),
+    [
+        (("builtins:exec", "x: y", "h1"), "'builtins:exec'"),
+        (("os:system", "x: y", "h1"), "'os:system'"),
+        (("sailor.checkpoint.errors:StorageError", "x: y", "h1"), "StorageError"),
+        (("sailor.checkpoint.errors:CheckpointError.__init__", "x", "h1"), "__init__"),
+        (("not.loaded.module:Error", "x: y", "h1"), "not.loaded.module"),
+        (("sailor.checkpoint.errors:NonFiniteCheckpointError", 3, "h1"), "summary"),
+        (["a", "b", "c"], "summary"),
+        ("text", "summary"),
+    ],
+    ids=["exec", "os-system", "not-job-wide", "a-method", "not-loaded", "bad-text", "list", "str"],
+)
+def test_a_peer_naming_a_class_outside_the_job_wide_ones_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, summary: Any, says: str
+) -> None:
+    from sailor.comm.codec import PeerObjectError
+    from sailor.megatron_patch.save_failure import raise_save_failure, report_save_failure
+
+    _gathered(monkeypatch, [None, summary])
+    for call in (raise_save_failure, report_save_failure):
+        with pytest.raises(PeerObjectError, match=r"^rank 1 ") as e:
+            call(None, lambda: pytest.fail("no settle for a refused summary"))
+        assert says in str(e.value) and e.value.rank == 1
+        assert classify(e.value, in_training=True) == "peer"
 
 
 def test_another_nodes_storage_error_is_a_peers_failure_here(

@@ -1,8 +1,9 @@
 """Object collectives with polling on: the same results as torch's, and abortable.
 
-Two real gloo ranks. With ``abort.set_polling(True)`` (in-place workers) the backend's
-``broadcast_object_list`` and ``all_gather_object`` are made of tensor collectives
-(:mod:`sailor.comm.objects`); they must give what torch's own give, on the world and on a
+Three real gloo ranks. The backend's ``broadcast_object_list`` and ``all_gather_object``
+are made of tensor collectives (:mod:`sailor.comm.objects`, with polling on or off: torch's
+own unpickle a peer's bytes, ``test_comm_objects_hostile``); they must give the same
+objects either way, on the world and on a
 sub-group with a source other than rank 0, and a rank whose peer never comes must leave
 on an abort request (the worker's ``SIGUSR1``) within a fraction of a second, where
 torch's own wait would sit until the group's timeout.
@@ -36,7 +37,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     )
     sub = dist.new_group([1, 2])
     got: dict[str, object] = {}
-    for polled in (False, True):  # torch's own, then ours
+    for polled in (False, True):  # blocking waits, then polled ones
         abort.set_polling(polled)
         objs = list(_OBJS) if rank == 0 else [None] * len(_OBJS)
         comm.broadcast_object_list(objs, src=0)
