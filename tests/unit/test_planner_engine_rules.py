@@ -23,6 +23,7 @@ import torch.distributed as dist
 from sailor import catalog
 from sailor.comm.nccl_replay import replay
 from sailor.controller.planning.api import PlacementError, place
+from sailor.controller.planning.in_process import SailorPlanner
 from sailor.megatron_patch.devices import check_devices
 from sailor.megatron_patch.dry_run import record_iteration
 from sailor.megatron_patch.engine import TrainConfig
@@ -271,3 +272,17 @@ def test_the_planners_best_tiny_plan_trains_a_step_on_gloo(
     losses = {float(loss) for loss, _ in got}
     assert len(losses) == 1 and math.isfinite(losses.pop()), got
     assert {int(n) for _, n in got} == {spec.global_batch_size}
+
+
+def test_the_controllers_planner_places_its_best_plan_on_nodes_of_five() -> None:
+    """What a job on 4 nodes of 5 A100-80 got: the planner's best plan had 5 TP-4 groups
+    (20 GPUs counted), and the controller's placement raised PlacementError for the fifth."""
+    nodes = tuple(
+        NodeSpec(node_id=f"n{i}", gpu_type="A100-80", gpus=5, zone="us-central1-a")
+        for i in range(4)
+    )
+    res = SailorPlanner(catalog.model("LLAMA-3-8"), risk="median").plan(nodes, None)
+    assert res.plan.num_gpus <= 16
+    for n in nodes:
+        check_devices(res.plan, n.gpus, node=n.node_id)
+    assert any(s.replica.tp == 4 for p in res.plan.pipelines for s in p.stages)
