@@ -286,3 +286,18 @@ def test_the_controllers_planner_places_its_best_plan_on_nodes_of_five() -> None
     for n in nodes:
         check_devices(res.plan, n.gpus, node=n.node_id)
     assert any(s.replica.tp == 4 for p in res.plan.pipelines for s in p.stages)
+
+
+def test_a_replan_on_a_node_joining_places_its_plan_on_nodes_of_five() -> None:
+    """The incremental replan takes the same check: 3 -> 4 nodes of 5 A100-80 raised
+    PlacementError (pipelines[2].stages[2]: no node with 2 free GPUs) at the replan."""
+    nodes = tuple(
+        NodeSpec(node_id=f"n{i}", gpu_type="A100-80", gpus=5, zone="us-central1-a")
+        for i in range(4)
+    )
+    planner = SailorPlanner(catalog.model("LLAMA-3-8"), risk="median")
+    first = planner.plan(nodes[:3], None)
+    res = planner.plan(nodes, first.plan)
+    assert "(replan)" in res.reason, res.reason
+    for n in nodes:
+        check_devices(res.plan, n.gpus, node=n.node_id)
