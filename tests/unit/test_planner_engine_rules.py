@@ -301,3 +301,29 @@ def test_a_replan_on_a_node_joining_places_its_plan_on_nodes_of_five() -> None:
     assert "(replan)" in res.reason, res.reason
     for n in nodes:
         check_devices(res.plan, n.gpus, node=n.node_id)
+
+
+def test_a_group_goes_to_a_node_of_the_shape_it_was_priced_on() -> None:
+    """A zone with a 4-GPU node (id first) and a 2-GPU node: a TP-2 group priced on the
+    2-GPU shape, then a TP-4 group priced on the 4-GPU one. The placement took the first node
+    by id whatever its shape (the TP-2 group took half the 4-GPU node, and the TP-4 group
+    found none); the planner's check and the placement now agree that it fits."""
+
+    def group(tp: int, shape: int, first: int, last: int) -> Stage:
+        replica = ReplicaGroup(gpu_type="A100-40", zone="us-central1-a", tp=tp, gpus_per_node=shape)
+        return Stage(first_layer=first, last_layer=last, replica=replica)
+
+    pipe = Pipeline(
+        stages=(group(2, 2, 0, 2), group(4, 4, 3, 5)), microbatch_size=1, num_microbatches=8
+    )
+    plan = Plan(model="tiny-gpt", global_batch_size=8, pipelines=(pipe,))
+    pool = _pool([("A100-40", "us-central1-a", 1, 4), ("A100-40", "us-central1-a", 1, 2)])
+    assert unplaceable(plan, pool) is None
+    nodes = (
+        NodeSpec(node_id="a", gpu_type="A100-40", gpus=4, zone="us-central1-a"),
+        NodeSpec(node_id="b", gpu_type="A100-40", gpus=2, zone="us-central1-a"),
+    )
+    bound, ranks = place(plan, nodes)
+    assert ranks == {"a": (2, 3, 4, 5), "b": (0, 1)}
+    for n in nodes:
+        check_devices(bound, n.gpus, node=n.node_id)
