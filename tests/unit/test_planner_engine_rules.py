@@ -38,6 +38,7 @@ from sailor.planner.tables import CostTables, Inputs
 from sailor.schemas import ModelSpec, NetworkProfile, Pipeline, Plan, ProfileDB, Stage
 from sailor.schemas.hardware import NodeSpec, Pool
 from sailor.schemas.plan import ReplicaGroup
+from sailor.simulator import simulate
 from tests.gloo_world import join_gloo, tiny_trainer
 from tests.spawn import spawn
 
@@ -327,3 +328,33 @@ def test_a_group_goes_to_a_node_of_the_shape_it_was_priced_on() -> None:
     assert ranks == {"a": (2, 3, 4, 5), "b": (0, 1)}
     for n in nodes:
         check_devices(bound, n.gpus, node=n.node_id)
+
+
+def test_the_simulator_refuses_a_tp_degree_the_engine_cannot_build() -> None:
+    """``sailor simulate`` of a hand-written plan: tiny-gpt's 4 heads over 8 TP ranks was
+    priced from analytic estimates as if the engine could run it."""
+    spec = catalog.model("tiny-gpt")
+
+    def one_stage(tp: int) -> Plan:
+        replica = ReplicaGroup(gpu_type="A100-40", zone="us-central1-a", tp=tp, gpus_per_node=8)
+        stage = Stage(first_layer=0, last_layer=spec.num_all_layers - 1, replica=replica)
+        gbs = spec.global_batch_size
+        pipe = Pipeline(stages=(stage,), microbatch_size=1, num_microbatches=gbs)
+        return Plan(model=spec.name, global_batch_size=gbs, pipelines=(pipe,))
+
+    def run(plan: Plan) -> float:
+        db = ProfileDB(model=spec.name, meta={})
+        est = simulate(
+            plan,
+            spec,
+            db,
+            NetworkProfile(),
+            catalog.prices(),
+            calibration=catalog.calibration(),
+            gpu_specs=catalog.gpus(),
+        )
+        return est.iteration_time_s
+
+    with pytest.raises(ValueError, match=r"stages\[0\]\.replica\.tp=8: .*num_heads=4"):
+        run(one_stage(8))
+    assert run(one_stage(4)) > 0
