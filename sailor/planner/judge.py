@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from sailor.planner.allocate import Allocation, to_plan
 from sailor.planner.api import Constraints, Objective, RankedPlan, SearchStats
 from sailor.planner.fast_estimate import FastFigures, fast_estimate
+from sailor.planner.placement import unplaceable
 from sailor.planner.scenarios import sync_model
 from sailor.planner.template_pool import SearchState
 from sailor.planner.templates import PipelineTemplate
@@ -125,9 +126,14 @@ def plan_of(state: SearchState, alloc: Allocation, plan_id: str) -> Plan:
 
 
 def _simulate_candidate(
-    state: SearchState, c: Candidate, constraints: Constraints, plan_id: str
+    state: SearchState,
+    c: Candidate,
+    constraints: Constraints,
+    plan_id: str,
+    pool: Pool | None = None,
 ) -> Candidate:
-    """``c`` with its plan, the simulator's estimate and the constraints it breaks."""
+    """``c`` with its plan, the simulator's estimate and the constraints it breaks (with
+    ``pool``: replica groups that would find no node among its nodes are one)."""
     p = plan_of(state, c.alloc, plan_id)
     try:
         est = state.tables.inputs.simulate(p)
@@ -136,6 +142,10 @@ def _simulate_candidate(
     viol = list(constraints.violations(est, c.fast.cost_per_hour))
     if not est.fits_in_memory:
         viol.append(f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB exceeds a GPU")
+    if pool is not None:
+        why = unplaceable(p, pool)
+        if why is not None:
+            viol.append(f"replica groups do not fit the nodes: {why}")
     return Candidate(c.alloc, c.fast, est, p, tuple(viol))
 
 
@@ -171,7 +181,7 @@ def judge(
     feasible: list[Candidate] = []
     idx = 0
     while idx < len(ok) and idx < limit:
-        cand = _simulate_candidate(state, ok[idx], constraints, f"sailor-{idx + 1}")
+        cand = _simulate_candidate(state, ok[idx], constraints, f"sailor-{idx + 1}", pool)
         idx += 1
         judged.append(cand)
         if cand.estimate is not None and not cand.violations:

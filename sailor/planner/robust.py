@@ -33,6 +33,7 @@ from sailor.planner.api import Constraints, Objective, RankedPlan
 from sailor.planner.collector import collector_paused
 from sailor.planner.judge import SearchResult, explain_candidate
 from sailor.planner.moves import moved_layers
+from sailor.planner.placement import unplaceable
 from sailor.planner.pricing import GpuPricing
 from sailor.planner.regret import (
     Row,
@@ -463,6 +464,8 @@ def _rank(
     moves = moves_of if running is not None else None
     plans: list[Row] = []
     for p, known, cph, alloc in cands.values():
+        if unplaceable(p, some.pool) is not None:
+            continue  # a corner's infeasible candidate whose groups fit no node
         try:
             figs = {n: simulated_figures(e, cons, cph) for n, e in known.items()}
             for n in by_name:

@@ -256,6 +256,10 @@ class CostTables:
             return None
         self.misses += 1
         inp = self.inputs
+        why = inp.model.tp_problem(tp)
+        if why is not None:  # priced or not, the engine cannot build the stage
+            self._failed[key] = why
+            return None
         try:
             model = self.model_on(gpu_type)
             costs = layer_table(

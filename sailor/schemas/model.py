@@ -98,6 +98,26 @@ class ModelSpec(Frozen):
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why Sailor's engine cannot split this model over ``tp`` tensor-parallel ranks, or
+        None if it can. The engine splits the attention's query heads and key/value heads
+        (``megatron_patch.model.Block``), the FFN's inner width (``tp_layers``' column and
+        row linears) and the padded vocabulary (``vocab_parallel.rows_per_rank``) evenly over
+        the ranks; Megatron-LM asserts the same divisions. Planner and simulator refuse what
+        this refuses, so a plan the planner emits is one the engine can build."""
+        if tp < 1:
+            return f"tp={tp}: must be >= 1"
+        sizes = (
+            ("num_heads", self.num_heads),
+            ("kv_heads", self.kv_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("padded vocabulary", padded_vocab(self.vocab_size)),
+        )
+        bad = [f"{name}={n}" for name, n in sizes if n % tp]
+        if bad:
+            return f"tp={tp} does not divide {', '.join(bad)} of model {self.name!r}"
+        return None
+
     def layer_kind(self, layer: int) -> LayerKind:
         if layer < 0 or layer >= self.num_all_layers:
             raise field_error("layer", layer, f"outside 0..{self.num_all_layers - 1}")

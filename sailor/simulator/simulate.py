@@ -125,6 +125,19 @@ def simulate_with_timeline(
     return est, tl
 
 
+def _check_tp(plan: Plan, model: ModelSpec) -> None:
+    """Refuse a TP degree the engine cannot split the model over (``ModelSpec.tp_problem``),
+    naming the first stage that has it: such a plan has no iteration time to predict."""
+    bad: dict[int, str | None] = {}
+    for pi, p in enumerate(plan.pipelines):
+        for si, s in enumerate(p.stages):
+            tp = s.replica.tp
+            if tp not in bad:
+                bad[tp] = model.tp_problem(tp)
+            if bad[tp] is not None:
+                raise ValueError(f"pipelines[{pi}].stages[{si}].replica.tp={tp}: {bad[tp]}")
+
+
 def _run(
     plan: Plan,
     model: ModelSpec,
@@ -153,6 +166,7 @@ def _run(
         )
     if method not in ("closed_form", "replay"):
         raise ValueError(f"method={method!r}: use 'closed_form' or 'replay'")
+    _check_tp(plan, model)
     cal = calibration or Calibration()
     specs = gpu_specs or {}
     spec_precision = model.precision

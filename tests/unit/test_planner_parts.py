@@ -333,6 +333,7 @@ def test_closed_form_equals_the_simulator_in_every_corner(corner: str, gpus: int
         gbs=64,
         memory_mb={"fast": 8000, "slow": 6000},
         gpus_per_node=gpus,
+        num_heads=8,  # TP up to the node's 8 GPUs: 4 heads split over at most 4 ranks
     )
     _closed_form_agrees(env, cal, gpus)
 
@@ -359,6 +360,7 @@ def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_t
         gbs=64,
         memory_mb={"fast": 8000, "slow": 6000},
         gpus_per_node=gpus,
+        num_heads=8,  # TP up to the node's 8 GPUs: 4 heads split over at most 4 ranks
     )
     one = tuple(t for t in env.profiles.timings if t.tp == 1)
     env = replace(

@@ -67,8 +67,10 @@ def make_env(
     zones: tuple[str, ...] = ("us-test1-a",),
     cross_zone_gbps: float = 0.5,
     gpus_per_node: int = 2,
+    num_heads: int = 4,
 ) -> Env:
-    """A toy model of ``len(weights)`` layers on GPU types 'fast' and 'slow'."""
+    """A toy model of ``len(weights)`` layers on GPU types 'fast' and 'slow' (``num_heads``:
+    the TP degrees the engine can split it over, ``ModelSpec.tp_problem``, divide it)."""
     speed = speed or {"fast": 1.0, "slow": 2.5}
     memory_mb = memory_mb or {"fast": 400, "slow": 200}
     n = len(weights)
@@ -76,7 +78,7 @@ def make_env(
         name="toy",
         num_layers=n - 2,
         hidden_size=64,
-        num_heads=4,
+        num_heads=num_heads,
         ffn_hidden_size=256,
         seq_length=16,
         vocab_size=128,

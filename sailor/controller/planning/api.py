@@ -55,17 +55,32 @@ def place(plan: Plan, nodes: tuple[NodeSpec, ...]) -> tuple[Plan, dict[str, tupl
     """Bind each replica group to a node; returns the bound plan and node -> ranks.
 
     Each stage goes to the stage's own ``node_id`` if that node still has room, else to the
-    first node (by id) of its GPU type and zone with ``tp`` free GPUs. Nodes are bucketed by
-    (GPU type, zone) with a cursor past the full ones, so placing is linear in the stages for
-    the usual shapes (it was a scan of every node per stage: 80 ms of a 200 ms replan at 512
-    nodes, benchmarks/runtime_decision_latency.py).
+    first node (by id) of its GPU type, zone and ``gpus_per_node`` (the VM shape the planner
+    priced it on) with ``tp`` free GPUs, else to the first of its GPU type and zone (a shape
+    the plan does not name: a hand-written plan's default of 1). The planner checks its plans
+    against the same rule (``sailor.planner.placement``). Nodes are bucketed by shape and by
+    (GPU type, zone), each with a cursor past the full ones, so placing is linear in the
+    stages for the usual shapes (it was a scan of every node per stage: 80 ms of a 200 ms
+    replan at 512 nodes, benchmarks/runtime_decision_latency.py).
     """
     free = {n.node_id: n.gpus for n in sorted(nodes, key=lambda n: n.node_id)}
     spec = {n.node_id: n for n in nodes}
     buckets: dict[tuple[str, str], list[str]] = {}
+    shaped: dict[tuple[str, str, int], list[str]] = {}
     for nid in free:
         buckets.setdefault((spec[nid].gpu_type, spec[nid].zone), []).append(nid)
-    cursor = dict.fromkeys(buckets, 0)
+        shaped.setdefault((spec[nid].gpu_type, spec[nid].zone, spec[nid].gpus), []).append(nid)
+    cursor: dict[tuple[str, str] | tuple[str, str, int], int] = dict.fromkeys(buckets, 0)
+    cursor.update(dict.fromkeys(shaped, 0))
+
+    def first_fit(key: tuple[str, str] | tuple[str, str, int], ids: list[str], tp: int) -> str:
+        lo = cursor.get(key, 0)
+        while lo < len(ids) and free[ids[lo]] == 0:
+            lo += 1
+        if key in cursor:
+            cursor[key] = lo
+        return next((c for c in ids[lo:] if free[c] >= tp), "")
+
     ranks: dict[str, list[int]] = {}
     rank = 0
     pipelines: list[Pipeline] = []
@@ -82,14 +97,11 @@ def place(plan: Plan, nodes: tuple[NodeSpec, ...]) -> tuple[Plan, dict[str, tupl
                 and (hint.gpu_type, hint.zone) == group
             ):
                 nid = hint.node_id
+            if not nid:  # a node of the shape the plan was priced on, else any of the group
+                shape = (r.gpu_type, r.zone, r.gpus_per_node)
+                nid = first_fit(shape, shaped.get(shape, []), r.tp)
             if not nid:
-                ids = buckets.get(group, [])
-                lo = cursor.get(group, 0)
-                while lo < len(ids) and free[ids[lo]] == 0:
-                    lo += 1
-                if group in cursor:
-                    cursor[group] = lo
-                nid = next((c for c in ids[lo:] if free[c] >= r.tp), "")
+                nid = first_fit(group, buckets.get(group, []), r.tp)
             if not nid:
                 raise PlacementError(
                     f"pipelines[{pi}].stages[{si}]: no node with {r.tp} free {r.gpu_type} "
