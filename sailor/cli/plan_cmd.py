@@ -53,8 +53,8 @@ _OBJECTIVES = {"throughput", "cost", "throughput_per_cost"}
 
 def _model(name: str, gbs: int | None) -> ModelSpec:
     path = Path(name)
-    if path.suffix in (".json", ".yaml", ".yml") and path.exists():
-        model = load_model(path, ModelSpec)
+    if path.suffix in (".json", ".yaml", ".yml") and name not in catalog.models():
+        model = load_model(path, ModelSpec)  # a missing or unreadable file is named
     else:
         try:
             model = catalog.model(name)

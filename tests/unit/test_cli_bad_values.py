@@ -1,0 +1,176 @@
+"""Values a user can get wrong in ``sailor profile``, ``sailor data prepare`` and ``sailor
+plan``, each refused before any work with one line naming the option and the value.
+
+Each was found by running the command with it: a ``ZeroDivisionError`` or "math domain
+error" reported as "a bug?" (``profile estimate --tp 0``, ``--mbs 0``), estimates written for
+a TP degree no run can use (``--tp 3``), an ``OverflowError`` (``--memory-limit inf``), a
+NaN accepted as a time (``--min-time nan``), a probe run to its end and then a curve fit that
+cannot be made (``profile network --max-bytes`` equal to ``--min-bytes``), a rank started
+with a ``--master`` that is not HOST:PORT (its torch traceback in the error line), an
+output folder that cannot be written blamed on the inputs (``data prepare --out``), and a
+missing ModelSpec file reported as an unknown catalog name (``plan --model m.json``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from sailor import catalog
+from sailor.cli.main import app
+from sailor.profiler import collective_probe, network_probe
+
+runner = CliRunner()
+
+
+def _refused(res: Any, want: str) -> None:
+    """Exit 2 (bad input), one ``error:`` line naming ``want``, no "a bug?" line."""
+    shown = res.output
+    assert res.exit_code == 2, shown
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and want in errors[0], shown
+    assert "a bug?" not in shown and "Traceback" not in shown, shown
+
+
+@pytest.fixture
+def measured_db(tmp_path: Path) -> Path:
+    """A ProfileDB of OPT-350 (16 heads) with two GPU types at TP 1 and 2, mbs 1."""
+    from sailor.profiler.calibrated_estimate import KindCost, estimate_gpu
+    from sailor.schemas import ProfileDB
+
+    model, specs = catalog.model("OPT-350"), catalog.gpus()
+    grid = [(1, 1), (2, 1)]
+    kc = KindCost(latency=(0.0, 0.0, 0.0), scale=(3.0, 3.0, 3.0))
+    table = {(k, t, b): kc for k in ("embedding", "block", "head") for t, b in grid}
+    measured = tuple(
+        t.model_copy(update={"source": "measured"})
+        for g in ("A100-40", "V100-16")
+        for t in estimate_gpu(model, specs[g], table, grid).timings
+    )
+    db = tmp_path / "db.json"
+    db.write_text(ProfileDB(model=model.name, timings=measured).model_dump_json())
+    return db
+
+
+@pytest.mark.parametrize(
+    "option,value,want",
+    [
+        ("--tp", "0", "--tp='0'"),  # ZeroDivisionError before
+        ("--tp", "-2", "--tp='-2'"),
+        ("--tp", "3", "--tp='3'"),  # written for TP 3 before
+        ("--tp", "32", "tp=32 must divide OPT-350's num_heads=16"),  # written before
+        ("--mbs", "0", "--mbs='0'"),  # "math domain error" before
+        ("--mbs", "1,-4", "--mbs='1,-4'"),
+    ],
+)
+def test_profile_estimate_refuses_a_grid_no_run_can_use(
+    measured_db: Path, tmp_path: Path, option: str, value: str, want: str
+) -> None:
+    out = tmp_path / "est.json"
+    cmd = ["profile", "estimate", "--gpu", "H100-80", "--from", str(measured_db), "-o", str(out)]
+    _refused(runner.invoke(app, [*cmd, option, value]), want)
+    assert not out.exists()
+    ok = runner.invoke(app, [*cmd, "--tp", "1,2,16", "--mbs", "1,2"])
+    assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize(
+    "option,value,want",
+    [
+        ("--memory-limit", "inf", "--memory-limit='inf'"),  # OverflowError ("a bug?")
+        ("--memory-limit", "1e400", "--memory-limit='1e400'"),
+        ("--memory-limit", "nan", "--memory-limit='nan'"),  # "cannot convert float NaN"
+        ("--memory-limit", "0.5", "--memory-limit='0.5'"),  # "memory_limit=0" before
+        ("--min-time", "nan", "min_time_s=nan"),  # measured (and written) before
+        ("--threads", "0", "threads=0"),  # torch's own message, after the bar started
+    ],
+)
+def test_profile_layers_refuses_values_before_measuring(
+    tmp_path: Path, option: str, value: str, want: str
+) -> None:
+    out = tmp_path / "db.json"
+    cmd = ["profile", "layers", "--model", "tiny-gpt", "--mbs", "1", "-o", str(out)]
+    _refused(runner.invoke(app, [*cmd, option, value]), want)
+    assert not out.exists()
+
+
+class _NoProbe:
+    """Counts the launches of either probe's ranks: a refused option must start none."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.launches = 0
+        monkeypatch.setattr(network_probe, "run_ranks", self._launch)
+        monkeypatch.setattr(collective_probe, "run_ranks", self._launch)
+
+    def _launch(self, *args: Any, **kwargs: Any) -> list[Any]:
+        self.launches += 1
+        raise RuntimeError("a probe's ranks were started")
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        # one message size: probed, then "need at least 3 distinct message sizes" (a bug?)
+        (["--max-bytes", "65536"], "--max-bytes=65536"),
+        (["--min-bytes", "1048576", "--max-bytes", "2097152"], "--max-bytes=2097152"),
+        (["--max-bytes", str(4 << 30)], "--max-bytes"),  # the help's 1 GiB; probed before
+        (["--rank", "0", "--master", "nohost"], "--master='nohost'"),  # torch traceback
+        (["--rank", "1", "--master", "h:65535"], "--master='h:65535'"),  # PORT+1 is 65536
+        (["--rank", "0", "--master", ":29500"], "--master=':29500'"),
+        (["--master", "h:29500"], "--master='h:29500' without --rank"),  # ignored before
+        (["--gpus-per-node", "0"], "--gpus-per-node"),  # pydantic's raw text before
+        (["--dst-gpus-per-node", "0"], "--dst-gpus-per-node"),  # probed, then "a bug?"
+    ],
+)
+def test_profile_network_refuses_options_before_any_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], want: str
+) -> None:
+    probes = _NoProbe(monkeypatch)
+    out = tmp_path / "net.json"
+    res = runner.invoke(app, ["profile", "network", "-o", str(out), "--collectives", "", *args])
+    _refused(res, want)
+    assert probes.launches == 0 and not out.exists()
+
+
+def test_data_prepare_names_the_bad_input_or_output(tmp_path: Path) -> None:
+    doc = tmp_path / "a.txt"
+    doc.write_text("one document\n")
+    other = tmp_path / "b.txt"
+    other.write_text("another document\n")
+    base = ["data", "prepare", "--quiet"]
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    res = runner.invoke(app, [*base, str(folder), "--out", str(tmp_path / "o" / "ds")])
+    _refused(res, f"{folder}: is a directory")  # "no such file" before
+    res = runner.invoke(
+        app, [*base, str(doc), str(other), "--max-bytes", "0", "--out", str(tmp_path / "ds")]
+    )
+    _refused(res, "--max-bytes=0")  # "validation_fraction ... leaves none" before
+    # an output folder that cannot be made: named before anything is read
+    res = runner.invoke(app, [*base, str(doc), str(other), "--out", str(doc / "ds")])
+    _refused(res, f"--out {doc / 'ds'}: cannot create its folder")
+    if sys.platform == "linux":  # /proc takes no new file: the write itself fails
+        out = Path("/proc/sailor-test-no-such-prefix")
+        res = runner.invoke(app, [*base, str(doc), str(other), "--out", str(out)])
+        assert res.exit_code == 1, res.output
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        # the inputs were named as the culprit before ("a.txt, b.txt: [Errno 2] ...")
+        assert errors == [
+            f"error: --out {out}: cannot write {out}.bin.tmp (No such file or directory)"
+        ], res.output
+
+
+def test_plan_names_a_missing_model_file(tmp_path: Path) -> None:
+    """A ModelSpec file that is not there was "not in the catalog"."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: us-central1-a, nodes: 2, gpus_per_node: 4}\n"
+    )
+    model = tmp_path / "my-model.json"
+    res = runner.invoke(app, ["plan", "--model", str(model), "--pool", str(pool)])
+    _refused(res, f"{model}: cannot read (No such file or directory)")
+    assert "not in the catalog" not in res.output
