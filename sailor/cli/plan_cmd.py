@@ -17,6 +17,7 @@ from rich.table import Table
 from sailor import catalog
 from sailor.cli._io import (
     DEPLOYMENT_HELP,
+    check_out,
     check_png_out,
     fail,
     load_deployment,
@@ -307,6 +308,8 @@ def plan_cmd(
     warn_unpriced(price, [(e.gpu_type, e.zone) for e in pool_v.entries], "pool entry")
     caps = _max_gpus(max_gpus)
     check_png_out(pareto, "--pareto")
+    check_out(output, "-o")
+    check_out(export_sailor, "--export-sailor")
     in_pool = sorted({e.gpu_type for e in pool_v.entries})
     for g, _ in caps:
         if g not in in_pool:

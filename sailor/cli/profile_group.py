@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from sailor import catalog
-from sailor.cli._io import fail, load_model
+from sailor.cli._io import check_out, fail, load_model
 from sailor.schemas import ModelSpec, ProfileDB
 
 __all__ = [
@@ -39,8 +39,7 @@ def existing_db(path: Path) -> ProfileDB | None:
 def check_db_out(path: Path, model: str) -> None:
     """Before measuring: the output is a ProfileDB of ``model`` (or new), not a directory,
     so a measurement of minutes to hours is never thrown away at the merge."""
-    if path.is_dir():
-        raise fail(f"-o {path}: is a directory: give the ProfileDB file to merge into")
+    check_out(path, "-o", "the ProfileDB file to merge into")
     old = existing_db(path)
     if old is not None and old.model != model:
         raise fail(

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sailor.cli._io import fail, load_model, write_json
+from sailor.cli._io import check_out, fail, load_model, write_json
 from sailor.cli.profile_group import fmt_ms, local_gpu_type, parse_ints, profile_app
 from sailor.cli.tables import print_table
 from sailor.schemas import BandwidthCurve, Endpoint, NetworkProfile
@@ -166,8 +166,7 @@ def network_cmd(
         )
     ranks, sizes = _collective_plan(collectives, collective_sizes, rank, master, device, gpus)
     if rank != 1:  # rank 0 (or both on loopback) writes --out: check it before probing
-        if out.is_dir():
-            raise fail(f"-o {out}: is a directory: give the NetworkProfile file to merge into")
+        check_out(out, "-o", "the NetworkProfile file to merge into")
         if out.exists():
             load_model(out, NetworkProfile)
     if gpu_type is None:

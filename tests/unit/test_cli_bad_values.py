@@ -8,7 +8,8 @@ NaN accepted as a time (``--min-time nan``), a probe run to its end and then a c
 cannot be made (``profile network --max-bytes`` equal to ``--min-bytes``), a rank started
 with a ``--master`` that is not HOST:PORT (its torch traceback in the error line), an
 output folder that cannot be written blamed on the inputs (``data prepare --out``), and a
-missing ModelSpec file reported as an unknown catalog name (``plan --model m.json``).
+missing ModelSpec file reported as an unknown catalog name (``plan --model m.json``); and an
+output that cannot be written found only after the search, measurement or simulation.
 """
 
 from __future__ import annotations
@@ -174,3 +175,45 @@ def test_plan_names_a_missing_model_file(tmp_path: Path) -> None:
     res = runner.invoke(app, ["plan", "--model", str(model), "--pool", str(pool)])
     _refused(res, f"{model}: cannot read (No such file or directory)")
     assert "not in the catalog" not in res.output
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc takes no new file on Linux only")
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["plan", "--model", "OPT-350", "--pool", "{pool}", "-o", "/proc/p.json"], "-o"),
+        (["plan", "--model", "OPT-350", "--pool", "{pool}", "--export-sailor", "{tmp}"], "--e"),
+        (["profile", "layers", "--mbs", "1", "-o", "/proc/db.json"], "-o"),
+        (["profile", "network", "--collectives", "", "-o", "/proc/net.json"], "-o"),
+        (["simulate", "{plan}", "--timeline", "/proc/t.png"], "--timeline"),
+    ],
+    ids=["plan-o", "plan-export", "layers-o", "network-o", "simulate-timeline"],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], want: str
+) -> None:
+    """Each searched, measured or simulated first and failed at the write (the search's
+    table, or a measured unit, printed, then "cannot write"); /proc takes no new file."""
+    from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: us-central1-a, nodes: 1, gpus_per_node: 4}\n"
+    )
+    rg = ReplicaGroup(gpu_type="A100-40", zone="us-central1-a", tp=1, gpus_per_node=4)
+    pipe = Pipeline(
+        stages=(Stage(first_layer=0, last_layer=25, replica=rg),),
+        microbatch_size=1,
+        num_microbatches=8,
+    )
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(model="OPT-350", global_batch_size=8, pipelines=(pipe,)).model_dump_json())
+    probes = _NoProbe(monkeypatch)
+    args = [
+        a.replace("{pool}", str(pool)).replace("{tmp}", str(tmp_path)).replace("{plan}", str(plan))
+        for a in argv
+    ]
+    res = runner.invoke(app, args)
+    _refused(res, want)
+    assert res.stdout == "" and probes.launches == 0, res.output
+    assert not list(tmp_path.glob(".*.probe"))
