@@ -14,6 +14,8 @@ output that cannot be written found only after the search, measurement or simula
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -217,3 +219,30 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(
     _refused(res, want)
     assert res.stdout == "" and probes.launches == 0, res.output
     assert not list(tmp_path.glob(".*.probe"))
+
+
+@pytest.mark.parametrize(
+    "field,value,want",
+    [
+        ("phase_timeout_s", -1.0, "phase_timeout_s=-1.0"),  # started the cluster, then timed out
+        ("phase_timeout_s", math.inf, "phase_timeout_s=inf"),
+        ("notice_s", math.nan, "notice_s=nan"),  # ran the whole demo
+        ("min_step_s", -1.0, "min_step_s=-1.0"),  # ran the whole demo
+        ("poll_s", 0.0, "poll_s=0.0"),
+    ],
+)
+def test_demo_settings_out_of_reach_are_refused(field: str, value: float, want: str) -> None:
+    """``sailor demo`` turns these into its one-line "Invalid value" before any process
+    starts (as ``--nodes 2`` already was)."""
+    from sailor.cli.demo.scenario import DemoSettings
+
+    with pytest.raises(ValueError, match=re.escape(want)):
+        DemoSettings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_demo_out_that_is_a_file_is_named(tmp_path: Path) -> None:
+    """``--out`` naming a file ended "a.txt: File exists" (exit 1)."""
+    taken = tmp_path / "a.txt"
+    taken.write_text("x")
+    res = runner.invoke(app, ["demo", "--plan-only", "--out", str(taken)])
+    _refused(res, f"--out {taken}: is a file, not a folder")
