@@ -246,3 +246,14 @@ def test_demo_out_that_is_a_file_is_named(tmp_path: Path) -> None:
     taken.write_text("x")
     res = runner.invoke(app, ["demo", "--plan-only", "--out", str(taken)])
     _refused(res, f"--out {taken}: is a file, not a folder")
+
+
+@pytest.mark.parametrize(
+    "option,value", [("--timeout", "-1"), ("--timeout", "nan"), ("--probe-deadline", "0")]
+)
+def test_check_refuses_seconds_out_of_reach(option: str, value: str) -> None:
+    """With a config, ``--timeout -1`` reached the NATS and etcd clients, whose refusal was
+    reported as the servers not answering ("nats ... did not answer: ValueError"); without
+    one it was accepted."""
+    res = runner.invoke(app, ["check", "--allow-cpu", "--no-probe", option, value])
+    _refused(res, f"{option}=")
