@@ -257,3 +257,13 @@ def test_check_refuses_seconds_out_of_reach(option: str, value: str) -> None:
     one it was accepted."""
     res = runner.invoke(app, ["check", "--allow-cpu", "--no-probe", option, value])
     _refused(res, f"{option}=")
+
+
+def test_ckpt_verify_of_a_step_never_committed_is_not_called_corrupt(tmp_path: Path) -> None:
+    """``sailor ckpt verify ROOT --step 5`` printed "step 5: CORRUPT" for a step that was
+    never saved: an operator reads that as damaged data. Still exit 1 (nothing verified)."""
+    res = runner.invoke(app, ["ckpt", "verify", str(tmp_path), "--step", "5"])
+    assert res.exit_code == 1, res.output
+    assert "CORRUPT" not in res.output, res.output
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "step 5 is not committed" in errors[0], res.output
