@@ -267,3 +267,21 @@ def test_ckpt_verify_of_a_step_never_committed_is_not_called_corrupt(tmp_path: P
     assert "CORRUPT" not in res.output, res.output
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "step 5 is not committed" in errors[0], res.output
+
+
+def test_certs_name_the_command_that_makes_a_missing_file(tmp_path: Path) -> None:
+    """``certs etcd-flags`` printed flags naming an etcd certificate and key not issued yet
+    (etcd then fails at start), and ``certs etcd-rbac`` without root's certificate said
+    "create the CA with `sailor certs init`" where the CA was there."""
+    pki = tmp_path / "pki"
+    assert runner.invoke(app, ["certs", "init", str(pki)]).exit_code == 0
+    res = runner.invoke(app, ["certs", "etcd-flags", str(pki)])
+    _refused(res, "etcd.crt: no such file: issue it with `sailor certs issue")
+    assert "--kind server" in res.stderr and res.stdout == ""
+    res = runner.invoke(app, ["certs", "etcd-rbac", str(pki)])
+    _refused(res, "root.crt: no such file: issue it with `sailor certs issue")
+    assert "--name root --kind client" in res.stderr and "certs init" not in res.stderr
+    issued = runner.invoke(app, ["certs", "issue", str(pki), "--name", "etcd", "--kind", "server"])
+    assert issued.exit_code == 0, issued.output
+    res = runner.invoke(app, ["certs", "etcd-flags", str(pki)])
+    assert res.exit_code == 0 and f"--cert-file={pki.resolve()}/etcd.crt" in res.stdout
