@@ -6,9 +6,10 @@ etcd with the node's own credentials (``--config agent.yaml``: URL, endpoint, TL
 prints one ok / warn / fail line per check with what to do (``--json``: a ``CheckReport``).
 
 Exit codes: 0 the node can serve (no line failed; warnings allowed); 1 it cannot; 2 the
-config cannot be read, or an option is out of reach (``--timeout -1``). A machine without a GPU fails as a GPU node; it passes when the
-config's ``node.gpu_type`` is ``cpu`` (a CPU node: GPU checks skipped, nothing spawned), or
-with ``--allow-cpu`` (its "no GPU" becomes a warning, to check the rest).
+config cannot be read, or an option is out of reach (``--timeout -1``). A machine without a
+GPU fails as a GPU node; it passes when the config's ``node.gpu_type`` is ``cpu`` (a CPU
+node: GPU checks skipped, nothing spawned), or with ``--allow-cpu`` (its "no GPU" becomes a
+warning, to check the rest).
 """
 
 from __future__ import annotations

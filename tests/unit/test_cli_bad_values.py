@@ -285,3 +285,41 @@ def test_certs_name_the_command_that_makes_a_missing_file(tmp_path: Path) -> Non
     assert issued.exit_code == 0, issued.output
     res = runner.invoke(app, ["certs", "etcd-flags", str(pki)])
     assert res.exit_code == 0 and f"--cert-file={pki.resolve()}/etcd.crt" in res.stdout
+
+
+def test_ctrl_c_in_profile_layers_says_what_is_kept(tmp_path: Path) -> None:
+    """^C during ``sailor profile layers`` ended with no word (exit 130): the units saved so
+    far are kept in -o (each is merged in as it finishes), and the user is now told so."""
+    import signal
+    import subprocess
+    import time
+
+    from sailor.schemas import ProfileDB
+
+    out = tmp_path / "db.json"
+    mbs = ",".join(str(2**i) for i in range(10))  # ten units: far from done at the first save
+    argv = ["profile", "layers", "--model", "tiny-gpt", "--mbs", mbs, "--no-memory"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sailor.cli.main", *argv, "--no-overhead", "-o", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        # the child's ^C is Python's KeyboardInterrupt even where this runner ignores SIGINT
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.exists(), "no unit was saved"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, err
+    assert re.search(r"interrupted: the \d+ \(TP, mbs\) unit\(s\) finished before it", err), err
+    assert "Traceback" not in err, err
+    kept = ProfileDB.model_validate_json(out.read_text())
+    assert kept.model == "tiny-gpt" and kept.timings
