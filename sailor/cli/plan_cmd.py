@@ -398,6 +398,7 @@ def _search_with_bar(
 ) -> RobustResult:
     """``search(progress)`` under a transient progress bar on stderr (none if not
     ``show``); the planner's input errors as one-line CLI errors."""
+    err = Console(stderr=True)
     try:
         with Progress(
             TextColumn("searching"),
@@ -405,8 +406,9 @@ def _search_with_bar(
             TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(),
             transient=True,
-            disable=not show,
-            console=Console(stderr=True),
+            # off the terminal (a log, a pipe) the transient bar left an empty line there
+            disable=not show or not err.is_terminal,
+            console=err,
         ) as bar:
             task = bar.add_task("search", total=1)
 

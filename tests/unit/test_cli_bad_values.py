@@ -323,3 +323,18 @@ def test_ctrl_c_in_profile_layers_says_what_is_kept(tmp_path: Path) -> None:
     assert "Traceback" not in err, err
     kept = ProfileDB.model_validate_json(out.read_text())
     assert kept.model == "tiny-gpt" and kept.timings
+
+
+def test_plan_off_a_terminal_leaves_no_empty_line_on_stderr(tmp_path: Path) -> None:
+    """The search's transient progress bar, off a terminal (a log, CI), left an empty line
+    on stderr before the error line, or alone after a clean plan."""
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(
+        "entries:\n  - {gpu_type: A100-40, zone: us-central1-a, nodes: 2, gpus_per_node: 4}\n"
+    )
+    base = ["plan", "--model", "OPT-350", "--pool", str(pool), "--risk", "median"]
+    res = runner.invoke(app, base)
+    assert res.exit_code == 0 and res.stderr == "", repr(res.stderr)
+    res = runner.invoke(app, [*base, "--min-throughput", "1000"])
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith("error: no feasible plan"), repr(res.stderr)
