@@ -169,6 +169,18 @@ def verify_cmd(
 ) -> None:
     """Verify every checksum of every committed checkpoint; exit 1 if any fails, or if
     there is none to verify (a wrong root must not pass as verified)."""
+    if step is not None:
+        from sailor.checkpoint.reader import committed_steps
+
+        steps = committed_steps(open_storage(directory))
+        if step not in steps:  # nothing to verify: not a corrupt checkpoint
+            known = ", ".join(map(str, steps[-5:])) or "none"
+            typer.echo(
+                f"error: step {step} is not committed under {directory} (newest committed: "
+                f"{known}): nothing verified; pass a committed step (`sailor ckpt ls`)",
+                err=True,
+            )
+            raise typer.Exit(1)
     report = verify_report(directory, step)
     bad = not report
     for s, problems in report.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from sailor.schemas.prices import PriceTable
 
 __all__ = [
     "DEPLOYMENT_HELP",
+    "check_out",
     "check_png_out",
     "fail",
     "fail_unanswered",
@@ -214,6 +216,25 @@ def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -
         raise fail(f"{path}: cannot write ({exc.strerror or exc})") from exc
 
 
+def check_out(path: Path | None, option: str, what: str = "a file name") -> None:
+    """Before the work whose result it takes: ``path`` is not a directory and its folder
+    exists (made if need be) and takes a new file, so that a search or a measurement does
+    not end on an output that was never writable. The probe file is removed."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise fail(f"{option} {path}: is a directory: give {what}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as exc:
+        raise fail(
+            f"{option} {path}: cannot write in {path.parent} ({exc.strerror or exc}): "
+            "give a writable path"
+        ) from exc
+
+
 def check_png_out(path: Path | None, option: str) -> None:
     """Before the work whose picture it is: ``path`` can take a PNG (matplotlib would add
     ``.png`` to a name without it, or fail on another suffix, after the work)."""
@@ -223,6 +244,7 @@ def check_png_out(path: Path | None, option: str) -> None:
         raise fail(f"{option} {path}: is a directory: give a .png file name")
     if path.suffix.lower() != ".png":
         raise fail(f"{option} {path}: the picture is a PNG: give a file name ending in .png")
+    check_out(path, option, "a .png file name")
 
 
 def warn_unpriced(prices: PriceTable, where: Sequence[tuple[str, str]], what: str) -> None:

@@ -49,11 +49,20 @@ certs_app = typer.Typer(
 )
 
 
-def _require(path: Path) -> None:
-    if not path.is_file():
-        raise fail(
-            f"{path}: no such file: create the CA with `sailor certs init {path.parent}` first"
+def _require(path: Path, kind: str = "") -> None:
+    """``path`` exists: the CA's (``ca.crt``) or, with ``kind`` (server or client), a
+    certificate or key that ``sailor certs issue`` writes; the error says which command
+    makes it."""
+    if path.is_file():
+        return
+    if path.name == "ca.crt":
+        make = f"create the CA with `sailor certs init {path.parent}` first"
+    else:
+        make = (
+            f"issue it with `sailor certs issue {path.parent} --name {path.stem} --kind "
+            f"{kind}` first"
         )
+    raise fail(f"{path}: no such file: {make}")
 
 
 @certs_app.command("init")
@@ -138,6 +147,8 @@ def etcd_flags_cmd(
     """Print the etcd flags for TLS with client-certificate authentication."""
     d = directory.resolve()
     _require(d / "ca.crt")
+    for suffix in (".crt", ".key"):  # the flags would start etcd on files not there
+        _require(d / f"{server}{suffix}", "server")
     for flag in etcd_tls_flags(d / "ca.crt", d / f"{server}.crt", d / f"{server}.key"):
         typer.echo(flag)
 
@@ -156,7 +167,7 @@ def etcd_rbac_cmd(
     from sailor.coordination.etcd_store import connect_etcd
 
     for name in ("ca", admin):
-        _require(directory / f"{name}.crt")
+        _require(directory / f"{name}.crt", "client")
     revoked = [n for n in node if revoked_record(directory, n) is not None]
     if revoked:
         # its user would be created again, and its old certificate (no revocation list)
@@ -247,7 +258,7 @@ def revoke_cmd(
     from sailor.coordination.revocation import NotANodeError, UnknownNodeError, revoke_node
 
     for cert in ("ca", admin):
-        _require(directory / f"{cert}.crt")
+        _require(directory / f"{cert}.crt", "client")
     reloader = _nats_reloader(nats_pid, nats_reload)
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     reload_error: list[str] = []

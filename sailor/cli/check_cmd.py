@@ -6,14 +6,16 @@ etcd with the node's own credentials (``--config agent.yaml``: URL, endpoint, TL
 prints one ok / warn / fail line per check with what to do (``--json``: a ``CheckReport``).
 
 Exit codes: 0 the node can serve (no line failed; warnings allowed); 1 it cannot; 2 the
-config cannot be read. A machine without a GPU fails as a GPU node; it passes when the
-config's ``node.gpu_type`` is ``cpu`` (a CPU node: GPU checks skipped, nothing spawned), or
-with ``--allow-cpu`` (its "no GPU" becomes a warning, to check the rest).
+config cannot be read, or an option is out of reach (``--timeout -1``). A machine without a
+GPU fails as a GPU node; it passes when the config's ``node.gpu_type`` is ``cpu`` (a CPU
+node: GPU checks skipped, nothing spawned), or with ``--allow-cpu`` (its "no GPU" becomes a
+warning, to check the rest).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +51,10 @@ def check(
     from sailor.agent.check_gather import gather_gpu, node_facts, reach_servers
     from sailor.agent.check_verdicts import judge
 
+    for option, seconds in (("--timeout", timeout), ("--probe-deadline", probe_deadline)):
+        # -1 or nan reached the servers' clients, whose refusal read as "did not answer"
+        if not 0 < seconds < math.inf:
+            raise fail(f"{option}={seconds}: seconds, finite and > 0")
     cfg = load_config(config, AgentConfig).anchored(config) if config is not None else None
     if cfg is not None:  # named as the agent names it, not as a TLS failure to connect
         from sailor.cli.runtime_cmd import security_file_problems

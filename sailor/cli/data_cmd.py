@@ -75,6 +75,8 @@ def prepare_cmd(
         kind, version = "builtin", corpus.python_version()
     else:
         for p in inputs:
+            if p.is_dir():
+                raise fail(f"{p}: is a directory, a file is expected: pass its files")
             if not p.is_file():
                 raise fail(f"{p}: no such file")
         docs = (
@@ -84,6 +86,9 @@ def prepare_cmd(
         )
         names = tuple(map(str, inputs))
         kind, version = ("jsonl" if jsonl_field else "text"), None
+    if max_bytes is not None and max_bytes < 1:
+        raise fail(f"--max-bytes={max_bytes}: must be at least 1 (bytes of text to read)")
+    _check_out(out)
     if tokenizer is None:  # refused before any reading: a size past the bound aborts in Rust
         from sailor.data.tokenizer import check_trained_vocab
 
@@ -132,7 +137,16 @@ def prepare_cmd(
     try:
         with bar:
             m = prepare(docs, opts, progress)
-    except (ValueError, FileNotFoundError) as exc:
+    except OSError as exc:
+        if exc.filename is not None and str(exc.filename).startswith(str(out)):
+            # an output file (OUT.bin.tmp ...): the inputs are not to blame
+            raise fail(
+                f"--out {out}: cannot write {exc.filename} ({exc.strerror or exc})", code=1
+            ) from exc
+        if not isinstance(exc, FileNotFoundError):
+            raise
+        raise fail(f"{', '.join(names)}: {exc}") from exc
+    except ValueError as exc:
         raise fail(f"{', '.join(names)}: {exc}") from exc
     tr, va = m.splits["train"], m.splits["validation"]
     typer.echo(
@@ -147,6 +161,17 @@ def prepare_cmd(
         + f"; train {tr.end - tr.first} docs "
         f"{tr.tokens:,} tokens, validation {va.end - va.first} docs {va.tokens:,} tokens"
     )
+
+
+def _check_out(out: Path) -> None:
+    """Before any reading: the output prefix's folder exists or can be made (a long
+    tokenization must not end on an output that was never writable)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise fail(
+            f"--out {out}: cannot create its folder {out.parent} ({exc.strerror or exc})"
+        ) from exc
 
 
 @data_app.command("info")

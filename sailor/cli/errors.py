@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 import typer
+from rich.console import Console
 from typer._click.exceptions import NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
@@ -87,10 +89,28 @@ def _drop_stdout() -> None:
         pass
 
 
+_RICH_ON_BROKEN_PIPE = Console.on_broken_pipe
+
+
+def _raise_broken_pipe(console: Console) -> None:
+    """rich's ``Console.on_broken_pipe``, made to raise the ``BrokenPipeError`` it met.
+    rich's own exits 1, so a command whose output is a rich table (``sailor plan``,
+    ``sailor catalog gpus``) piped into ``head`` ended with 1, "failed", where the same
+    command printing with ``typer.echo`` (``--json``) ends with 141: :class:`OneLineErrors`
+    now ends both alike. In another thread (a live view's refresh) rich's own is kept: its
+    ``SystemExit`` ends that thread quietly, where an error would print a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        _RICH_ON_BROKEN_PIPE(console)
+        return
+    console.quiet = True  # nothing more into the closed pipe
+    raise BrokenPipeError
+
+
 class OneLineErrors(TyperGroup):
     """The root command group: runs the command and turns any exception into one line."""
 
     def invoke(self, ctx: Any) -> Any:
+        Console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign,assignment]
         try:
             return super().invoke(ctx)
         except UsageError as exc:

@@ -17,6 +17,7 @@ from rich.table import Table
 from sailor import catalog
 from sailor.cli._io import (
     DEPLOYMENT_HELP,
+    check_out,
     check_png_out,
     fail,
     load_deployment,
@@ -53,8 +54,8 @@ _OBJECTIVES = {"throughput", "cost", "throughput_per_cost"}
 
 def _model(name: str, gbs: int | None) -> ModelSpec:
     path = Path(name)
-    if path.suffix in (".json", ".yaml", ".yml") and path.exists():
-        model = load_model(path, ModelSpec)
+    if path.suffix in (".json", ".yaml", ".yml") and name not in catalog.models():
+        model = load_model(path, ModelSpec)  # a missing or unreadable file is named
     else:
         try:
             model = catalog.model(name)
@@ -307,6 +308,8 @@ def plan_cmd(
     warn_unpriced(price, [(e.gpu_type, e.zone) for e in pool_v.entries], "pool entry")
     caps = _max_gpus(max_gpus)
     check_png_out(pareto, "--pareto")
+    check_out(output, "-o")
+    check_out(export_sailor, "--export-sailor")
     in_pool = sorted({e.gpu_type for e in pool_v.entries})
     for g, _ in caps:
         if g not in in_pool:
@@ -395,6 +398,7 @@ def _search_with_bar(
 ) -> RobustResult:
     """``search(progress)`` under a transient progress bar on stderr (none if not
     ``show``); the planner's input errors as one-line CLI errors."""
+    err = Console(stderr=True)
     try:
         with Progress(
             TextColumn("searching"),
@@ -402,8 +406,9 @@ def _search_with_bar(
             TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(),
             transient=True,
-            disable=not show,
-            console=Console(stderr=True),
+            # off the terminal (a log, a pipe) the transient bar left an empty line there
+            disable=not show or not err.is_terminal,
+            console=err,
         ) as bar:
             task = bar.add_task("search", total=1)
 

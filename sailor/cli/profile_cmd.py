@@ -29,7 +29,13 @@ from sailor import catalog
 # imported for their commands: layers, then network, register before estimate below
 from sailor.cli import profile_layers_cmd, profile_network_cmd  # noqa: F401
 from sailor.cli._io import fail, load_model
-from sailor.cli.profile_group import existing_db, model_spec, parse_ints, profile_app
+from sailor.cli.profile_group import (
+    check_grid,
+    existing_db,
+    model_spec,
+    parse_ints,
+    profile_app,
+)
 from sailor.cli.tables import print_table
 from sailor.profiler.merge import merge_db, save_db
 from sailor.schemas import NetworkProfile, ProfileDB
@@ -76,6 +82,7 @@ def estimate_cmd(
     measured = sorted({k for g in db.gpu_types() for k in measured_grid(db, g)})
     tps = parse_ints(tp, "tp") if tp else tuple(sorted({t for t, _ in measured})) or (1,)
     bs = parse_ints(mbs, "mbs") if mbs else tuple(sorted({b for _, b in measured})) or (1,)
+    check_grid(spec, tps, bs, tp or "", mbs or "")
     est = estimate_gpu(spec, specs[gpu], table, [(t, b) for t in tps for b in bs])
     est = est.model_copy(
         update={

@@ -9,16 +9,18 @@ Commands: ``profile_layers_cmd`` (layers), ``profile_network_cmd`` (network), ``
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
 
 from sailor import catalog
-from sailor.cli._io import fail, load_model
+from sailor.cli._io import check_out, fail, load_model
 from sailor.schemas import ModelSpec, ProfileDB
 
 __all__ = [
     "check_db_out",
+    "check_grid",
     "existing_db",
     "fmt_ms",
     "local_gpu_type",
@@ -37,8 +39,7 @@ def existing_db(path: Path) -> ProfileDB | None:
 def check_db_out(path: Path, model: str) -> None:
     """Before measuring: the output is a ProfileDB of ``model`` (or new), not a directory,
     so a measurement of minutes to hours is never thrown away at the merge."""
-    if path.is_dir():
-        raise fail(f"-o {path}: is a directory: give the ProfileDB file to merge into")
+    check_out(path, "-o", "the ProfileDB file to merge into")
     old = existing_db(path)
     if old is not None and old.model != model:
         raise fail(
@@ -78,9 +79,29 @@ def parse_bytes(text: str, what: str) -> int:
         value = float(num) * _UNITS[unit]
     except (ValueError, KeyError) as exc:
         raise fail(f"--{what}={text!r}: expected bytes, e.g. 40GiB, 512MiB or 1000000") from exc
-    if value <= 0:
-        raise fail(f"--{what}={text!r}: must be > 0")
+    if not math.isfinite(value):  # 'inf', 'nan', '1e400': no byte count
+        raise fail(f"--{what}={text!r}: expected a finite byte count, e.g. 40GiB")
+    if value < 1:
+        raise fail(f"--{what}={text!r}: must be at least 1 byte")
     return int(value)
+
+
+def check_grid(
+    spec: ModelSpec, tps: tuple[int, ...], mbs: tuple[int, ...], tp: str, mb: str
+) -> None:
+    """TP degrees are powers of two >= 1 that divide ``spec``'s heads, microbatch sizes
+    >= 1 (the options' text ``tp``, ``mb`` named in the error), before anything is
+    measured or estimated (``LayerRun`` checks the same for a measurement)."""
+    if any(t < 1 or t & (t - 1) for t in tps):
+        raise fail(f"--tp={tp!r}: TP degrees are powers of two >= 1 (1, 2, 4, ...)")
+    for t in tps:
+        if spec.num_heads % t or spec.kv_heads % t:
+            raise fail(
+                f"--tp={tp!r}: tp={t} must divide {spec.name}'s num_heads={spec.num_heads} "
+                f"and kv_heads={spec.kv_heads}"
+            )
+    if any(b < 1 for b in mbs):
+        raise fail(f"--mbs={mb!r}: microbatch sizes are >= 1")
 
 
 def model_spec(name: str, model_file: Path | None) -> ModelSpec:

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sailor.cli._io import fail, load_model, write_json
+from sailor.cli._io import check_out, fail, load_model, write_json
 from sailor.cli.profile_group import fmt_ms, local_gpu_type, parse_ints, profile_app
 from sailor.cli.tables import print_table
 from sailor.schemas import BandwidthCurve, Endpoint, NetworkProfile
@@ -31,13 +31,29 @@ if TYPE_CHECKING:
 __all__ = ["network_cmd"]
 
 
+_MAX_MESSAGE = 1 << 30
+"""The largest message ``--max-bytes`` takes (1 GiB): each rank holds one in memory."""
+
+_FIT_SIZES = 3
+"""Message sizes the fitted curve needs at least (``curve_fit.fit_curve``)."""
+
+
 def _next_port(master: str) -> str:
-    """``host:port+1``: where the collective probe's rank 0 listens after the link probe."""
+    """``host:port+1``: where the collective probe's rank 0 listens after the link probe
+    (``master`` checked by :func:`_check_master`)."""
     host, _, port = master.rpartition(":")
-    try:
-        return f"{host}:{int(port) + 1}"
-    except ValueError as exc:
-        raise fail(f"--master={master!r}: expected HOST:PORT") from exc
+    return f"{host}:{int(port) + 1}"
+
+
+def _check_master(master: str) -> None:
+    """``HOST:PORT`` with a port below 65535: the link probe listens on PORT, the
+    all-reduce probe on PORT+1. Checked before any probe starts a rank."""
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65534:
+        raise fail(
+            f"--master={master!r}: expected HOST:PORT with a port from 1 to 65534 (the "
+            "link probe listens on PORT, the all-reduce probe on PORT+1)"
+        )
 
 
 @profile_app.command("network")
@@ -55,19 +71,24 @@ def network_cmd(
     ),
     gpus_per_node: int | None = typer.Option(
         None,
+        min=1,
         help="GPUs per node of the sending endpoint (default: on cuda the GPUs this process "
         "sees, torch.cuda.device_count(); on cpu 1).",
     ),
     dst_zone: str | None = typer.Option(None, help="Receiving zone (default: --zone)."),
     dst_gpu_type: str | None = typer.Option(None, help="Receiving GPU type (default: same)."),
-    dst_gpus_per_node: int | None = typer.Option(None, help="Receiving VM shape (default: same)."),
+    dst_gpus_per_node: int | None = typer.Option(
+        None, min=1, help="Receiving VM shape (default: same)."
+    ),
     intra: bool = typer.Option(
         False,
         help="Record as the intra-node curve of the endpoint. Implied with --device cuda on "
         "loopback (two GPUs of this node); refused with --rank (two nodes).",
     ),
     min_bytes: int = typer.Option(64 << 10, help="Smallest message, bytes (64 KiB)."),
-    max_bytes: int = typer.Option(256 << 20, help="Largest message, bytes (up to 1 GiB)."),
+    max_bytes: int = typer.Option(
+        256 << 20, max=_MAX_MESSAGE, help="Largest message, bytes (up to 1 GiB)."
+    ),
     bytes_per_size: int = typer.Option(256 << 20, help="Bytes to move per message size."),
     latency: bool = typer.Option(True, help="Fit a per-message latency before the curve."),
     statistic: str = typer.Option("median", help="Per-size time: median or mean (with stalls)."),
@@ -117,7 +138,7 @@ def network_cmd(
     The link is written first, then each all-reduce as it finishes.
     """
     from sailor.profiler.curve_fit import fit_link, fit_residuals, with_link
-    from sailor.profiler.network_probe import ProbeSettings, run_probe
+    from sailor.profiler.network_probe import ProbeSettings, probe_sizes, run_probe
 
     gpus = _visible_gpus(device)
     gpu_loopback = device == "cuda" and rank is None
@@ -145,8 +166,7 @@ def network_cmd(
         )
     ranks, sizes = _collective_plan(collectives, collective_sizes, rank, master, device, gpus)
     if rank != 1:  # rank 0 (or both on loopback) writes --out: check it before probing
-        if out.is_dir():
-            raise fail(f"-o {out}: is a directory: give the NetworkProfile file to merge into")
+        check_out(out, "-o", "the NetworkProfile file to merge into")
         if out.exists():
             load_model(out, NetworkProfile)
     if gpu_type is None:
@@ -169,6 +189,13 @@ def network_cmd(
         )
     except ValueError as exc:
         raise fail(str(exc)) from exc
+    sizes_probed = len(probe_sizes(settings))
+    if sizes_probed < _FIT_SIZES:
+        raise fail(
+            f"--min-bytes={min_bytes}, --max-bytes={max_bytes}: {sizes_probed} message "
+            f"size(s), the fitted curve needs at least {_FIT_SIZES} (sizes double from "
+            "--min-bytes): give a --max-bytes at least 4 times --min-bytes"
+        )
     if statistic not in ("median", "mean"):
         raise fail(f"--statistic={statistic!r}: use median or mean")
     if gpu_loopback:
@@ -314,6 +341,13 @@ def _collective_plan(
         ranks = parse_ints(collectives, "collectives") if collectives.strip() else ()
     if rank is not None and (rank not in (0, 1) or not master):
         raise fail(f"--rank={rank}, --master={master!r}: a side is --rank 0 or 1, with --master")
+    if master is not None and rank is None:
+        raise fail(
+            f"--master={master!r} without --rank: both ranks run here on loopback and would "
+            "not use it; give --rank 0 or 1 for a probe between two nodes"
+        )
+    if master is not None:
+        _check_master(master)
     if any(n < 2 for n in ranks):
         raise fail(f"--collectives={collectives!r}: an all-reduce needs at least 2 ranks")
     if rank is not None and ranks:

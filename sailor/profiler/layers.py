@@ -112,6 +112,8 @@ class LayerRun:
             raise ValueError(f"statistic={self.statistic!r}: use one of {', '.join(STATISTICS)}")
         if not self.mbs or any(b < 1 for b in self.mbs):
             raise ValueError(f"mbs={self.mbs}: need microbatch sizes >= 1")
+        if self.threads < 1:
+            raise ValueError(f"threads={self.threads}: torch needs at least 1 intra-op thread")
         if self.host_ranks < 0:
             raise ValueError(f"host_ranks={self.host_ranks}: must be >= 0")
         if self.memory_limit is not None and self.memory_limit <= 0:

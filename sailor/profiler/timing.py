@@ -33,6 +33,7 @@ Never imports the simulator or planner; holds no global state.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -74,8 +75,8 @@ class RepeatSettings:
                 f"RepeatSettings(warmup={self.warmup}, min_reps={self.min_reps}, "
                 f"max_reps={self.max_reps}): need warmup >= 0 and 1 <= min_reps <= max_reps"
             )
-        if self.min_time_s < 0:
-            raise ValueError(f"min_time_s={self.min_time_s}: must be >= 0")
+        if not 0 <= self.min_time_s < math.inf:  # nan fails too (it compares False)
+            raise ValueError(f"min_time_s={self.min_time_s}: must be a finite number >= 0")
 
 
 @dataclass(frozen=True)

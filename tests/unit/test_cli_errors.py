@@ -417,14 +417,16 @@ def test_outputs_are_checked_before_the_work(tmp_path: Path) -> None:
     assert not (tmp_path / "t.png").exists()
 
 
-def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
+@pytest.mark.parametrize("argv", [["schema", "plan"], ["catalog", "gpus"]], ids=["echo", "rich"])
+def test_a_reader_that_went_away_ends_the_command_quietly(argv: list[str]) -> None:
     """``sailor schema plan | head -1``: the write into the closed pipe ends the command with
-    128 + SIGPIPE and prints nothing (it printed a "BrokenPipeError (a bug?)" line)."""
+    128 + SIGPIPE and prints nothing (it printed a "BrokenPipeError (a bug?)" line). A rich
+    table (``catalog gpus``, ``plan``, ``simulate``) ended with rich's own exit 1 instead."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first write
     try:
         res = subprocess.run(
-            [sys.executable, "-m", "sailor.cli.main", "schema", "plan"],
+            [sys.executable, "-m", "sailor.cli.main", *argv],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,

@@ -19,6 +19,8 @@ from typing import Any, TextIO, cast
 import typer
 from rich.console import Console
 
+from sailor.cli._io import fail
+
 __all__ = ["demo"]
 
 
@@ -64,7 +66,11 @@ def demo(
 
     con = Console(quiet=as_json)
     plan_only = plan_only or not train
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, or a folder that cannot be made
+        what = "is a file, not a folder" if out.is_file() else (exc.strerror or str(exc))
+        raise fail(f"--out {out}: {what}: give a folder for the demo's files") from exc
     result: dict[str, Any] = {}
     if plan or plan_only:
         from sailor.cli.demo.plan_section import plan_section

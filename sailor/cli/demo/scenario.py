@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,8 +56,16 @@ class DemoSettings:
             raise ValueError(f"initial_nodes={self.initial_nodes}: the demo needs >= 3")
         if self.steps_between < 1:
             raise ValueError(f"steps_between={self.steps_between}: must be >= 1")
-        if self.notice_s <= 2.0:
-            raise ValueError(f"notice_s={self.notice_s}: too short to checkpoint (> 2 s)")
+        if not 2.0 < self.notice_s < math.inf:  # nan fails too (it compares False)
+            raise ValueError(
+                f"notice_s={self.notice_s}: a finite deadline long enough to checkpoint (> 2 s)"
+            )
+        if not 0 < self.phase_timeout_s < math.inf:  # -1 started the cluster to time out
+            raise ValueError(f"phase_timeout_s={self.phase_timeout_s}: must be finite and > 0")
+        if not 0 <= self.min_step_s < math.inf:
+            raise ValueError(f"min_step_s={self.min_step_s}: must be finite and >= 0")
+        if not 0 < self.poll_s < math.inf:
+            raise ValueError(f"poll_s={self.poll_s}: must be finite and > 0")
 
 
 @dataclass
