@@ -9,7 +9,9 @@ a reworded sentence fails here (fix the pattern), a changed default fails here (
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,18 @@ import pytest
 from pydantic import BaseModel
 
 from sailor.agent.agent_config import AgentConfig
+from sailor.checkpoint.cli import gc_cmd
+from sailor.cli.certs_cmd import issue_cmd
+from sailor.cli.demo.command import demo
+from sailor.cli.profile_layers_cmd import layers_cmd
+from sailor.cli.profile_network_cmd import network_cmd
 from sailor.controller.config import ControllerConfig
 from sailor.schemas.training import TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_UNITS = {"s": 1.0, "h": 3600.0, "ms": 1.0, "MiB/s": 1.0}
+_UNITS = {"s": 1.0, "h": 3600.0, "ms": 1.0, "MiB/s": 1.0, "days": 1.0, "KiB": 1 << 10}
+_UNITS["MiB"] = 1 << 20
 _WORDS = {"an hour": 3600.0, "none": None}
 
 
@@ -229,6 +237,75 @@ def test_quoted_default_is_the_schema_default(
         )
 
 
+def cli_default(command: Callable[..., Any], param: str) -> Any:
+    """The default of a typer command's option (the function's parameter ``param``)."""
+    return inspect.signature(command).parameters[param].default.default
+
+
+# (doc, pattern with one group per value, the command, its parameter of each group)
+CLI_CASES: list[tuple[str, str, Callable[..., Any], tuple[str, ...]]] = [
+    (
+        "docs/demo.md",
+        r"`--steps N` \((\d+)\) steps between changes; `--nodes N` \((\d+), at least",
+        demo,
+        ("steps", "nodes"),
+    ),
+    (
+        "docs/demo.md",
+        r"`--notice-s` \((\d+)\); `--timeout-s` \((\d+)\) per wait",
+        demo,
+        ("notice_s", "timeout_s"),
+    ),
+    ("docs/demo.md", r"`--out DIR` \(`(\w+)`, ignored by git\)", demo, ("out",)),
+    (
+        "docs/checkpoint.md",
+        r"`--grace S` \((\d+) by\s+default",
+        gc_cmd,
+        ("grace",),
+    ),
+    (
+        "docs/operations.md",
+        r"until it expires \((\d+ days) by default\)",
+        issue_cmd,
+        ("days",),
+    ),
+    (
+        "docs/profiler.md",
+        r"`--warmup (\d+)`, then at least `--min-reps (\d+)`",
+        layers_cmd,
+        ("warmup", "min_reps"),
+    ),
+    (
+        "docs/profiler.md",
+        r"from `--min-bytes` \((\d+ KiB)\) to `--max-bytes` \((\d+ MiB)\s+by default",
+        network_cmd,
+        ("min_bytes", "max_bytes"),
+    ),
+]
+
+
+def _cli_id(case: tuple[str, str, Callable[..., Any], tuple[str, ...]]) -> str:
+    doc, _, command, params = case
+    return f"{Path(doc).stem}-{command.__name__}-{'+'.join(params)}"
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[_cli_id(c) for c in CLI_CASES])
+def test_quoted_option_default_is_the_commands(
+    case: tuple[str, str, Callable[..., Any], tuple[str, ...]],
+) -> None:
+    doc, pattern, command, params = case
+    text = (ROOT / doc).read_text()
+    m = re.search(pattern, text)
+    assert m is not None, f"{doc}: no sentence matches {pattern!r} (reworded? fix the pattern)"
+    line = text.count("\n", 0, m.start()) + 1
+    for group, param in zip(m.groups(), params, strict=True):
+        want = cli_default(command, param)
+        got = quoted(group)
+        if isinstance(want, Path):
+            got = Path(group)
+        assert got == want, f"{doc}:{line} quotes {param}={group!r}; the command's is {want!r}"
+
+
 def test_the_parser_reads_what_the_docs_write() -> None:
     assert quoted("3600 s") == 3600.0
     assert quoted("3 h") == 3 * 3600.0
@@ -236,5 +313,6 @@ def test_the_parser_reads_what_the_docs_write() -> None:
     assert quoted("2^16") == 16
     assert quoted("1,000") == 1000.0
     assert quoted("exec") == "exec"
+    assert quoted("256 MiB") == 256 << 20
     assert quoted("false") is False
     assert schema_default(ControllerConfig, "deadlines.derive.max_s") == 3 * 3600.0
