@@ -67,6 +67,27 @@ def test_examples_are_documented_line_by_line() -> None:
             assert "#" in line or before.startswith("#") or key in {"node", "deadlines"}, key
 
 
+@pytest.mark.parametrize(
+    ("path", "kind"), [(CONTROLLER, "controller"), (AGENT, "agent"), (TRAINING, "training")]
+)
+def test_examples_show_every_top_level_field(path: Path, kind: str) -> None:
+    """The examples are the reference the docs send operators to ("every key commented",
+    "shows every field"): each top-level field of the schema is in the file, set or as a
+    commented ``# field:`` line. Before, the training example left out
+    ``allow_precision_change`` and ``nonfinite``, the controller's ``planner_process`` and
+    ``risk``, the agent's ``cpu_quota_period_ms``."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.controller.config import ControllerConfig
+    from sailor.schemas.training import TrainingConfig
+
+    model = {"controller": ControllerConfig, "agent": AgentConfig, "training": TrainingConfig}
+    text = path.read_text()
+    keys = set(yaml.safe_load(text))
+    commented = {ln[2:].split(":")[0] for ln in text.splitlines() if ln.startswith("# ")}
+    missing = sorted(set(model[kind].model_fields) - {"schema_version"} - keys - commented)
+    assert not missing, f"{path.name} leaves out {missing}"
+
+
 def test_broken_controller_names_every_field_and_value(tmp_path: Path) -> None:
     data = yaml.safe_load(CONTROLLER.read_text())
     data["lease_ttl_s"] = 0
