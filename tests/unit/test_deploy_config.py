@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -65,6 +66,67 @@ def test_examples_are_documented_line_by_line() -> None:
             line = next(ln for ln in text.splitlines() if ln.startswith(f"{key}:"))
             before = text.splitlines()[text.splitlines().index(line) - 1]
             assert "#" in line or before.startswith("#") or key in {"node", "deadlines"}, key
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"), [(CONTROLLER, "controller"), (AGENT, "agent"), (TRAINING, "training")]
+)
+def test_examples_show_every_top_level_field(path: Path, kind: str) -> None:
+    """The examples are the reference the docs send operators to ("every key commented",
+    "shows every field"): each top-level field of the schema is in the file, set or as a
+    commented ``# field:`` line. Before, the training example left out
+    ``allow_precision_change`` and ``nonfinite``, the controller's ``planner_process`` and
+    ``risk``, the agent's ``cpu_quota_period_ms``."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.controller.config import ControllerConfig
+    from sailor.schemas.training import TrainingConfig
+
+    model = {"controller": ControllerConfig, "agent": AgentConfig, "training": TrainingConfig}
+    text = path.read_text()
+    keys = set(yaml.safe_load(text))
+    commented = {ln[2:].split(":")[0] for ln in text.splitlines() if ln.startswith("# ")}
+    missing = sorted(set(model[kind].model_fields) - {"schema_version"} - keys - commented)
+    assert not missing, f"{path.name} leaves out {missing}"
+
+
+def _unmarked(value: Any, default: Any, key: str, lines: list[str], at: int) -> list[str]:
+    """The dotted keys under ``key`` (its line at index ``at``) whose value is away from the
+    default without "deployment" on their line; a section is looked into unless its own line
+    is marked."""
+    if value == default or "deployment" in lines[at]:
+        return []
+    if not (isinstance(value, dict) and isinstance(default, dict)):
+        return [key]
+    out: list[str] = []
+    for sub, v in value.items():
+        line = next(i for i in range(at + 1, len(lines)) if lines[i].lstrip().startswith(f"{sub}:"))
+        out += _unmarked(v, default.get(sub), f"{key}.{sub}", lines, line)
+    return out
+
+
+@pytest.mark.parametrize("path", [CONTROLLER, AGENT])
+def test_example_values_are_the_defaults_unless_marked(path: Path) -> None:
+    """Both examples say "the values below are the defaults unless marked 'deployment'": a
+    value away from the schema's default says so on its line. Before, the controller's
+    ``in_place: true`` (default false), the agent's ``watchers`` and ``warm_spares: 1``
+    (default 0) and both ``security`` sections were unmarked."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.controller.config import ControllerConfig
+
+    text = path.read_text()
+    lines = text.splitlines()
+    data = yaml.safe_load(text)
+    model = AgentConfig if path == AGENT else ControllerConfig
+    required = {"node": data["node"]} if path == AGENT else {}
+    defaults = model.model_validate(required).model_dump(mode="json")
+    unmarked: list[str] = []
+    for key, value in data.items():
+        if key in required:
+            continue
+        ours = model.model_validate({**required, key: value}).model_dump(mode="json")[key]
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(f"{key}:"))
+        unmarked += _unmarked(ours, defaults[key], key, lines, at)
+    assert not unmarked, f"{path.name}: away from the default, not marked 'deployment': {unmarked}"
 
 
 def test_broken_controller_names_every_field_and_value(tmp_path: Path) -> None:
