@@ -11,7 +11,8 @@ options (``sailor worker``: the rank's argparse parser); every dotted ``sailor.x
 defines or imports (from the source, nothing imported); every backticked ``make X``; every
 ``benchmarks/x.py --flag`` (or ``x.py --flag`` of a benchmark) as a string in that script;
 every backticked ``Model.field`` of a schema or daemon config model as one of its fields.
-Not checked here: values and defaults quoted in prose (read them against the code).
+Not checked here: values and defaults quoted in prose (the config and option defaults the
+docs quote are checked by test_docs_defaults.py; other values: read them against the code).
 """
 
 from __future__ import annotations
