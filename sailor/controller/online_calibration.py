@@ -28,9 +28,12 @@ for each of its ranks and some rank reported a new step since the last fit. The 
    quiesce with cause ``recalibration: ...`` toward that plan.
 
 A new leader reads the current version back (:meth:`Calibrator.restore`, a
-``calibration_restored`` record) before it plans. A fit or a judgement that fails (an input
-the cost model cannot price, the planner failing) is audited (``calibration_failed``) and
-not retried in that generation: training goes on, priced with the last kept calibration. A
+``calibration_restored`` record) before it plans; a record kept before the fit carried its
+ranges (a fitted kind's entry without a ``spread``, or with its offline one) gets them
+rebuilt from the configured calibration, as the fit makes them (``spread_rebuilt`` names the
+kinds). A fit or a judgement that fails (an input the cost model cannot price, the planner
+failing) is audited (``calibration_failed``) and not retried in that generation: training
+goes on, priced with the last kept calibration. A
 guarded write refused means this leader was deposed: ``on_fenced`` ends the term.
 
 Only with the ``sailor`` planner (the data-parallel stand-in prices nothing). Never imports
@@ -85,7 +88,7 @@ from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import DesiredState, Phase
 from sailor.schemas.training import TrainingConfig
 from sailor.simulator import simulate
-from sailor.simulator.fit_corners import range_corners
+from sailor.simulator.fit_corners import range_corners, with_spread_restored
 from sailor.simulator.online_fit import fit_online
 
 __all__ = ["KEEP_VERSIONS", "Calibrator", "TraceFileError", "load_trace"]
@@ -588,11 +591,15 @@ class Calibrator:
                 error=f"unreadable calibration in etcd: {str(exc).splitlines()[0][:300]}",
             )
             return
+        # a record kept before the fit carried its spread: rebuilt from the configured
+        # calibration, as the fit makes it (else every uncertainty corner is one point)
+        base = self.inputs.calibration if self.inputs is not None else Calibration()
+        cal, rebuilt = with_spread_restored(rec.fit.calibration, base, rec.fit.constants)
         if rec.version >= self.version:
-            self.version, self.calibration = rec.version, rec.fit.calibration
+            self.version, self.calibration = rec.version, cal
             if self.measured is None:
                 self.measured = _measured(rec.fit, f"calibration v{rec.version}")
-            self._hand_to_planner(rec.fit.calibration)
+            self._hand_to_planner(cal)
         self.audit.write(
             "calibration_restored",
             self.clock.now(),
@@ -601,6 +608,7 @@ class Calibrator:
             version=rec.version,
             written_by_epoch=rec.epoch,
             generation=rec.generation,
+            spread_rebuilt=rebuilt,
         )
 
     def summary(self) -> Mapping[str, object]:

@@ -25,6 +25,7 @@ __all__ = [
     "with_all",
     "with_constant",
     "with_fitted_spread",
+    "with_spread_restored",
 ]
 
 
@@ -83,6 +84,33 @@ def with_fitted_spread(
         )
         cal = cal.with_gpu(cal.for_gpu(g).model_copy(update={"gpu_type": g, "spread": spread}))
     return cal
+
+
+def with_spread_restored(
+    cal: Calibration, start: Calibration, fitted: Sequence[FittedConstant]
+) -> tuple[Calibration, list[str]]:
+    """``cal`` (a kept fit's calibration read back) with each fitted kind's ``spread``
+    rebuilt, as :func:`with_fitted_spread` from ``start`` makes it, where the record was
+    kept before the fit carried its ranges into the spread: a kind the catalog prior
+    covered got an entry without one (every uncertainty corner then priced one point,
+    memory and allocator included, and every later fit, starting from it, kept none), a
+    kind calibrated offline kept its offline spread (which overrode the fitted constants
+    in every corner). Told apart by the spread: none, or one not naming the online fit
+    while the kind has a fitted constant. A spread the fit made is kept as read. Also the
+    kinds rebuilt (sorted)."""
+
+    def stale(g: str) -> bool:
+        if not cal.is_calibrated(g):
+            return False
+        spread = cal.for_gpu(g).spread
+        if spread is None:
+            return True
+        moved = any(c.fitted for c in fitted if c.gpu_type == g)
+        return moved and not spread.source.startswith(_ONLINE_SOURCE)
+
+    kinds = sorted({c.gpu_type for c in fitted if stale(c.gpu_type)})
+    out = with_fitted_spread(cal, start, kinds, fitted)
+    return out, [g for g in kinds if out.for_gpu(g).spread != cal.for_gpu(g).spread]
 
 
 def with_all(cal: Calibration, kinds: Iterable[str], **values: float) -> Calibration:

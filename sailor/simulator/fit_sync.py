@@ -59,6 +59,19 @@ def _groups(plan: Plan) -> dict[tuple[int, int], int]:
     return {x: ids[find(x)] for x in list(parent)}
 
 
+def _eta_interval(ar1: float, comm: float, r: RankEvidence) -> tuple[float, float]:
+    """The 95 % interval of one replica group's η = ar1 / comm from its last arriver's
+    step-to-step spread of the sync: the standard error of its median sync over its steps
+    (:func:`median_interval`, Student's t) moves ``comm`` by as much, and η inversely (a
+    comm that could reach 0 puts the high end at 1). A lone group's η, with no other group
+    to compare it with, is as uncertain as its sync; steps that do not vary give the point."""
+    _, _, high = median_interval(r.t.sync_s, 0.0, 1, [r.t.sync_spread], r.t.steps)
+    half = high - r.t.sync_s
+    lo = ar1 / (comm + half)
+    hi = ar1 / (comm - half) if comm > half else 1.0
+    return min(1.0, max(ETA_MIN, lo)), min(1.0, max(ETA_MIN, hi))
+
+
 def tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
     """(pipeline, stage) of the stages in the engine's tied-embedding group when it spans
     stages: the embedding's and the head's copies are all-reduced together after the
@@ -180,6 +193,7 @@ def fit_sync_constants(
         if gid not in last or r.t.sync_s < last[gid].t.sync_s:
             last[gid] = r
     etas: dict[str, list[float]] = {g: [] for g in kinds}
+    ends: dict[str, list[float]] = {g: [] for g in kinds}  # each group's interval's ends
     members: dict[int, set[str]] = {}
     for x, gid in group_of.items():
         members.setdefault(gid, set()).add(plan.pipelines[x[0]].stages[x[1]].replica.gpu_type)
@@ -197,8 +211,10 @@ def fit_sync_constants(
             skipped += 1
             continue
         eta = min(1.0, max(ETA_MIN, ar1 / comm))
+        lo, hi = _eta_interval(ar1, comm, r)
         for g in members[gid]:
             etas[g].append(eta)
+            ends[g].extend((lo, hi))
     if skipped:
         notes.append(f"{skipped} replica group(s) whose all-reduces were < 20% of their sync")
     for g in kinds:
@@ -217,14 +233,15 @@ def fit_sync_constants(
                 gpu_type=g,
                 name="network_efficiency",
                 value=value,
-                low=min(min(found), value),
-                high=max(max(found), value),
+                low=min(*found, *ends[g], value),
+                high=max(*found, *ends[g], value),
                 previous=prev,
                 samples=len(found),
                 fitted=True,
                 evidence=(
                     f"geometric mean over {len(found)} replica group(s): simulated all-reduce at "
-                    "η=1 over the last arriver's sync less the fixed cost"
+                    "η=1 over the last arriver's sync less the fixed cost; range over the "
+                    "groups and each one's 95 % interval from its sync's step-to-step spread"
                 ),
             )
         )

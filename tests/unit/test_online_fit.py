@@ -21,7 +21,12 @@ from sailor.schemas import (
     Stage,
 )
 from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
-from sailor.simulator.fit_corners import range_corners, scale_ends, with_constant
+from sailor.simulator.fit_corners import (
+    range_corners,
+    scale_ends,
+    with_constant,
+    with_spread_restored,
+)
 from sailor.simulator.online_fit import fit_online
 from sailor.simulator.synthetic_timings import expected_rank_timings
 from sailor.simulator.uncertainty import corners
@@ -228,6 +233,33 @@ def test_noise_between_ranks_widens_the_range() -> None:
         assert c.value == pytest.approx(2.0, rel=spread / 2 + 1e-9)
         widths.append(c.relative_uncertainty)
     assert widths[0] == 0.0 < widths[1] < widths[2]
+
+
+def test_one_replica_groups_network_efficiency_has_its_syncs_step_to_step_range() -> None:
+    """One replica group (two A100 replicas all-reducing together): η is read from its last
+    arriver's sync over some steps, so its range is the interval the sync's step-to-step
+    spread gives (through η = all-reduce at η=1 / (sync - fixed)), narrower over more steps,
+    the point when the steps do not vary. Fails on the old code: the range was the min/max
+    over replica groups, one group's low == high however much its steps varied."""
+    plan = _dp_plan((FAST, FAST))
+    truth = with_constant(BASE, FAST, network_efficiency=0.3)
+    clean = _timings(plan, truth)
+
+    def eta_of(spread: float, steps: int) -> FittedConstant:
+        ts = tuple(t.model_copy(update={"steps": steps, "sync_spread": spread}) for t in clean)
+        c = _fit(plan, ts).constant(FAST, "network_efficiency")
+        assert c is not None and c.fitted and c.samples == 1
+        assert c.value == pytest.approx(0.3, rel=0.01)
+        assert c.low <= c.value <= c.high
+        return c
+
+    steady = eta_of(0.0, 8)
+    assert steady.low == steady.high == steady.value
+    varied, longer = eta_of(0.2, 8), eta_of(0.2, 32)
+    assert varied.low < varied.value < varied.high
+    assert varied.relative_uncertainty > 0.05
+    assert 0 < longer.relative_uncertainty < varied.relative_uncertainty
+    assert eta_of(0.02, 8).relative_uncertainty < varied.relative_uncertainty
 
 
 def test_kinds_not_running_keep_their_constants_and_foreign_ranks_are_ignored() -> None:
@@ -438,6 +470,14 @@ def test_a_kind_with_a_leave_one_out_spread_is_priced_at_its_fitted_constants() 
         assert after[name].memory_overhead_bytes == before[name].memory_overhead_bytes
     spread = fit.calibration.for_gpu(gh).spread
     assert spread is not None and spread.source.startswith("online fit")
+    # a record kept before the fit carried its ranges (the offline spread, a prior-covered
+    # kind's entry without one) is read back as the fit makes it today; the fit's own as is
+    cal = fit.calibration
+    old = cal.with_gpu(cal.for_gpu(gh).model_copy(update={"spread": BASE.for_gpu(gh).spread}))
+    assert with_spread_restored(old, BASE, fit.constants) == (cal, [gh])
+    bare = cal.with_gpu(cal.for_gpu(gh).model_copy(update={"spread": None}))
+    assert with_spread_restored(bare, BASE, fit.constants) == (cal, [gh])
+    assert with_spread_restored(cal, BASE, fit.constants) == (cal, [])
     # a second fit from the kept one names the source once, and keeps the first fit's range
     # of a constant it does not identify
     again = _fit(plan, _timings(plan, truth), fit.calibration)
