@@ -45,7 +45,9 @@ iteration times):
   lone ranks; a kind without any subtracts its kept ``sync_fixed_s`` from the same sum that
   constant is fitted from (the sync, ``rest_s`` and the optimizer step beyond its profile,
   less the framework time), not from the sync alone. A kind's η is the geometric mean
-  over its groups; identified only where the all-reduces are ≥ 20 % of that sync.
+  over its groups; identified only where the all-reduces are ≥ 20 % of that sync. Its
+  range spans the groups' η and each group's 95 % interval from its last arriver's
+  step-to-step spread of the sync (one group gives a range too).
 
 Constants of kinds not in the running plan, and those the measurements do not identify, keep
 their values. Each fitted kind's entry carries the ranges the uncertainty corners take
