@@ -2,7 +2,10 @@
 
 Network files hold ``[[c0, c1, c2], max_bytes_per_s]`` per endpoint pair, with bandwidth in
 GB/s = c0·L² + c1·L + c2, L = log2(bytes / 1e6). The artifact probed 1 MB … 1 GB messages, so
-the imported curves are clamped to that range (L in [0, 10]).
+the imported curves are clamped to that range (L in [0, 10]). A curve that is <= 0 GB/s
+somewhere in that range is refused, naming the entry and the message sizes where it dips: the
+files hold no probe points to refit it from (as ``profiler.curve_fit`` does for our own
+probes), and the evaluation's 1 MB/s floor would price those transfers far too slow.
 """
 
 from __future__ import annotations
@@ -30,12 +33,25 @@ def parse_curve(v: Any, file: str | Path, field: str) -> BandwidthCurve:
     mx = as_float(v[1], file, f"{field}[1]", min_value=0)
     if mx <= 0:
         raise ImportFormatError(file, f"{field}[1]", f"max bandwidth must be > 0, got {v[1]!r}")
-    return BandwidthCurve(
+    curve = BandwidthCurve(
         coeffs=(c[0], c[1], c[2]),
         max_gbps=mx / 1e9,
         min_bytes=_PROBED_MIN_BYTES,
         max_bytes=_PROBED_MAX_BYTES,
     )
+    dips = curve.nonpositive_ranges()
+    if dips:
+        # only the coefficients are stored, not the probe points a refit would need: a curve
+        # at or below zero inside its measured range (floored at 1 MB/s when evaluated) would
+        # price those transfers hundreds of times too slow, so it is refused
+        where = ", ".join(f"{a:,}..{b:,}" for a, b in dips)
+        raise ImportFormatError(
+            file,
+            f"{field}[0]",
+            f"the curve {list(c)} is <= 0 GB/s for messages of {where} bytes, inside the "
+            f"measured range {_PROBED_MIN_BYTES:,}..{_PROBED_MAX_BYTES:,}",
+        )
+    return curve
 
 
 def import_network(

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile
+from sailor.schemas.network import quadratic_least
 
 __all__ = [
     "LATENCY_SIZES",
@@ -69,8 +70,9 @@ def fit_curve(points: Sequence[tuple[int, float]], latency_s: float = 0.0) -> Ba
     for degree in (2, 1):
         a = np.stack([lg**k for k in range(degree, -1, -1)], axis=1)
         coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-        cs = (0.0,) * (2 - degree) + tuple(float(c) for c in coef)
-        if _least(cs, float(lg.min()), float(lg.max())) >= _DIP * float(y.min()):
+        full = (0.0,) * (2 - degree) + tuple(float(x) for x in coef)
+        cs = (full[0], full[1], full[2])
+        if quadratic_least(cs, float(lg.min()), float(lg.max())) >= _DIP * float(y.min()):
             c0, c1, c2 = cs
             break
     return BandwidthCurve(
@@ -85,15 +87,6 @@ def fit_curve(points: Sequence[tuple[int, float]], latency_s: float = 0.0) -> Ba
 _DIP = 0.5
 """How far below the least measured bandwidth a fitted curve may go within the measured range
 (between two points a quadratic through them may pass a little below both)."""
-
-
-def _least(coeffs: tuple[float, ...], lo: float, hi: float) -> float:
-    """The least of ``c0·L² + c1·L + c2`` over ``lo <= L <= hi``."""
-    c0, c1, c2 = coeffs
-    at = [lo, hi]
-    if c0 > 0 and lo < -c1 / (2 * c0) < hi:
-        at.append(-c1 / (2 * c0))
-    return min(c0 * x * x + c1 * x + c2 for x in at)
 
 
 def split_latency(points: Sequence[tuple[int, float]]) -> tuple[float, list[tuple[int, float]]]:

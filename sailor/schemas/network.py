@@ -9,6 +9,7 @@ extrapolated into negative or unbounded bandwidth.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any, Literal, Self
@@ -24,6 +25,7 @@ __all__ = [
     "Endpoint",
     "Link",
     "NetworkProfile",
+    "quadratic_least",
 ]
 
 CollectiveScope = Literal["intra_node", "inter_node"]
@@ -50,6 +52,34 @@ class BandwidthCurve(Frozen):
             raise field_error("coeffs", self.coeffs, "must be finite")
         return self
 
+    def nonpositive_ranges(self) -> list[tuple[int, int]]:
+        """The message sizes (bytes, from..to) within the measured range where the quadratic
+        is <= 0 GB/s (where :meth:`gbps` floors it at 1 MB/s); empty for a sound curve."""
+        lo, hi = math.log2(self.min_bytes / 1e6), math.log2(self.max_bytes / 1e6)
+        if quadratic_least(self.coeffs, lo, hi) > 0:
+            return []
+        c0, c1, c2 = self.coeffs
+        cuts = [lo, hi]
+        if c0 == 0 and c1 != 0:
+            cuts.append(-c2 / c1)
+        elif c0 != 0 and c1 * c1 - 4 * c0 * c2 >= 0:
+            r = math.sqrt(c1 * c1 - 4 * c0 * c2)
+            cuts += [(-c1 - r) / (2 * c0), (-c1 + r) / (2 * c0)]
+        xs = sorted({x for x in cuts if lo <= x <= hi})
+        out: list[tuple[float, float]] = []
+        for a, b in itertools.pairwise(xs):
+            m = (a + b) / 2
+            if c0 * m * m + c1 * m + c2 > 0:
+                continue
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        if not out:  # the least is 0 at one point only (a root the curve touches)
+            x = min(xs, key=lambda x: c0 * x * x + c1 * x + c2)
+            out.append((x, x))
+        return [(round(2**a * 1e6), round(2**b * 1e6)) for a, b in out]
+
     def gbps(self, nbytes: float) -> float:
         """Bandwidth for a message of ``nbytes``, clamped to the measured range."""
         b = min(max(float(nbytes), float(self.min_bytes)), float(self.max_bytes))
@@ -63,6 +93,15 @@ class BandwidthCurve(Frozen):
         if nbytes <= 0:
             return 0.0
         return self.latency_s + nbytes / (self.gbps(nbytes) * 1e9)
+
+
+def quadratic_least(coeffs: tuple[float, float, float], lo: float, hi: float) -> float:
+    """The least of ``c0·L² + c1·L + c2`` over ``lo <= L <= hi``."""
+    c0, c1, c2 = coeffs
+    at = [lo, hi]
+    if c0 > 0 and lo < -c1 / (2 * c0) < hi:
+        at.append(-c1 / (2 * c0))
+    return min(c0 * x * x + c1 * x + c2 for x in at)
 
 
 class Endpoint(Frozen):

@@ -171,6 +171,28 @@ def test_malformed_profile_and_network_name_file_and_field(tmp_path: Path) -> No
         import_network(n)
 
 
+def test_a_network_curve_at_or_below_zero_inside_its_range_is_refused(tmp_path: Path) -> None:
+    # synthetic: (L - 3)(L - 6) = L^2 - 9L + 18 is < 0 GB/s for L in (3, 6), i.e. 8 MB..64 MB,
+    # inside the probed 1 MB..1 GB; it was imported and floored at 1 MB/s there
+    n = tmp_path / "multizone_bandwidths.json"
+    good = [[0.0, 0.5, 2.0], 10e9]
+    bad = [[1.0, -9.0, 18.0], 10e9]
+    n.write_text(json.dumps({"z": {"A100-40": {"4": {"z": {"A100-40": {"4": good, "8": bad}}}}}}))
+    with pytest.raises(ImportFormatError) as exc:
+        import_network(n)
+    assert exc.value.field == "z.A100-40.4.z.A100-40.8[0]"
+    assert "8,000,000..64,000,000 bytes" in str(exc.value)
+    # the same curve lifted above zero imports, and a linear one that reaches 0 at the top
+    # end of the range is refused at that one size
+    bad[0] = [1.0, -9.0, 20.5]
+    n.write_text(json.dumps({"z": {"A100-40": {"4": {"z": {"A100-40": {"8": bad}}}}}}))
+    assert import_network(n).links[0].curve.gbps(16e6) > 0.2
+    intra = tmp_path / "intra_node_bandwidths.json"
+    intra.write_text(json.dumps({"A100-40": {"2": [[0.0, -1.0, 10.0], 10e9]}}))
+    with pytest.raises(ImportFormatError, match=r"1,024,000,000\.\.1,024,000,000 bytes"):
+        import_network(n, intra)
+
+
 def test_every_reference_file_imports_through_the_dispatcher(reference: Path) -> None:
     from sailor.importers.sailor_extra import import_any
     from sailor.schemas import Plan
