@@ -179,10 +179,13 @@ def layers_cmd(
         raise fail(str(exc)) from exc
     check_db_out(out, spec.name)
     saver = _UnitSaver(out, existing_db(out))
-    from sailor.profiler.precision import compute_precision
+    from sailor.profiler.precision import compute_precision, sizes_measured
 
     units = [(t, m) for t in run.tps for m in run.mbs]
-    clash = precision_clash(saver.original, gpu_type, units, compute_precision(spec, device))
+    precision = compute_precision(spec, device)
+    clash = precision_clash(
+        saver.original, gpu_type, units, precision, sizes=sizes_measured(spec, precision)
+    )
     if clash:
         raise fail(f"-o {out}: {clash}")
     title = f"profiling {spec.name} on {gpu_type}"

@@ -45,7 +45,7 @@ from sailor.profiler.layer_bench import measure_kinds
 from sailor.profiler.layer_measurement import LayerMeasurement
 from sailor.profiler.memory_bound import Window, device_budget, plan_window
 from sailor.profiler.merge import SKIPPED
-from sailor.profiler.precision import ComputePrecision, compute_precision
+from sailor.profiler.precision import ComputePrecision, compute_precision, sizes_measured
 from sailor.profiler.procs import RankFailedError
 from sailor.profiler.timing import STATISTICS, CpuClock, RepeatSettings, Stats, throttle_factor
 from sailor.schemas import LayerProfile, LayerSize, ModelSpec, ProfileDB
@@ -271,7 +271,7 @@ class _Units:
             run.gpu_type,
             self.out,
             meta,
-            _sizes_valid(run),
+            sizes_measured(run.spec, self.precision),
             overhead,
             run.statistic,
             self.precision,
@@ -362,11 +362,6 @@ def _release(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _sizes_valid(run: LayerRun) -> bool:
-    compute_fp32 = run.device == "cpu" or run.spec.precision == "fp32"
-    return compute_fp32 == (run.spec.precision == "fp32")
 
 
 def _meta(run: LayerRun, ms: list[LayerMeasurement]) -> dict[str, str]:
@@ -505,6 +500,7 @@ def to_profile_db(
                         output_bytes_per_sample=round(big.output_bytes / big.mbs),
                         input_bytes_per_sample=round(big.input_bytes / big.mbs),
                         source="measured",
+                        precision=precision,
                     )
                 )
     overheads: tuple[DeviceOverhead, ...] = ()

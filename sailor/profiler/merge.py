@@ -100,6 +100,7 @@ def precision_clash(
     gpu_type: str,
     units: Iterable[tuple[int, int]],
     precision: str,
+    sizes: bool = False,
 ) -> str:
     """Why a run measuring ``gpu_type`` in ``precision`` at ``units`` ((TP, mbs) pairs) would
     leave ``old`` with layers of one TP degree in two precisions; '' when it would not.
@@ -109,11 +110,35 @@ def precision_clash(
     mbs 1 and 2 had the bf16 mbs-2 times read as fp32 and scaled ~6x too fast. A database
     holding both is refused when it is built (``ProfileDB``); this says so before the
     measurement, naming the entries in the way. Entries at the run's own units are replaced
-    by it, and estimated ones are not read beside measured ones: neither is in the way."""
+    by it, and estimated ones are not read beside measured ones: neither is in the way.
+
+    ``sizes``: the run also writes layer sizes (``profiler.precision.sizes_measured``). Sizes
+    are per model (TP, layer), read for every GPU type, and a database holds them in one
+    precision: measured or imported sizes of another precision at a TP degree the run does
+    not measure are in the way too."""
     if old is None:
         return ""
     todo = set(units)
     tps = {tp for tp, _ in todo}
+    if sizes:
+        other = sorted(
+            {
+                (s.tp, s.precision)
+                for s in old.sizes
+                if s.tp not in tps
+                and s.source != "estimated"
+                and s.precision is not None
+                and s.precision != precision
+            }
+        )
+        if other:
+            held = ", ".join(f"tp={tp} in {p}" for tp, p in other)
+            return (
+                f"precision={precision!r}: the file holds layer sizes this run does not "
+                f"replace, measured in another precision ({held}); sizes are per model and "
+                "price every GPU type's memory, in one precision per file: write this run to "
+                "another file, or measure those TP degrees too"
+            )
     clash = sorted(
         {
             (t.tp, t.microbatch_size, t.precision)

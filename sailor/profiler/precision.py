@@ -24,7 +24,7 @@ import torch
 from sailor.megatron_patch.precision import native_bf16
 from sailor.schemas.model import ModelSpec
 
-__all__ = ["ComputePrecision", "autocast", "compute_precision"]
+__all__ = ["ComputePrecision", "autocast", "compute_precision", "sizes_measured"]
 
 ComputePrecision = Literal["fp32", "fp16", "bf16"]
 
@@ -42,6 +42,13 @@ def compute_precision(
     if kind != "cuda" or spec.precision == "fp32":
         return "fp32"
     return "bf16" if bf16_supported() else "fp16"
+
+
+def sizes_measured(spec: ModelSpec, precision: ComputePrecision) -> bool:
+    """Whether a run computing in ``precision`` writes ``spec``'s layer sizes: only in the
+    model's own width (a CPU run of a 16-bit model computes in fp32 and its byte counts would
+    be wrong for GPUs). The sizes record ``precision`` (``LayerSize.precision``)."""
+    return (precision == "fp32") == (spec.precision == "fp32")
 
 
 def autocast(device: torch.device, precision: ComputePrecision) -> AbstractContextManager[Any]:

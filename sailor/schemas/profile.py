@@ -80,6 +80,15 @@ class LayerSize(Frozen):
         "imported or estimated sizes).",
     )
     source: ProfileSource = Field(default="measured", description="Provenance.")
+    precision: Literal["fp32", "fp16", "bf16"] | None = Field(
+        default=None,
+        description=(
+            "Precision the layer computed in when its bytes were measured (the saved "
+            "activations are that wide). Sizes are per model, read for every GPU type: a "
+            "database holds measured or imported sizes in one precision. None: not recorded "
+            "(imported and estimated sizes, measured ones written before)."
+        ),
+    )
 
 
 class LayerMemory(Frozen):
@@ -350,6 +359,23 @@ class ProfileDB(Frozen):
                     f"precision: {where}; profile it in one precision (another profile "
                     "file for the other)",
                 )
+        size_precisions: dict[str, LayerSize] = {}
+        for s in self.sizes:
+            if s.precision is not None and s.source != "estimated":
+                size_precisions.setdefault(s.precision, s)
+        if len(size_precisions) > 1:
+            # sizes are keyed by (TP, layer) alone and price every GPU type's memory: an fp32
+            # run's activation bytes would price a 16-bit GPU's at twice its size
+            where = ", ".join(
+                f"{p} (e.g. tp={e.tp} layer={e.layer})" for p, e in sorted(size_precisions.items())
+            )
+            raise field_error(
+                "sizes.precision",
+                sorted(size_precisions),
+                f"measured or imported layer sizes in more than one precision: {where}; sizes "
+                "are per model, read for every GPU type: keep one precision's sizes in a file "
+                "(another profile file for the other)",
+            )
         kinds = [f.gpu_type for f in self.framework]
         if len(kinds) != len(set(kinds)):
             raise field_error("framework", kinds, "at most one entry per GPU type")

@@ -409,6 +409,10 @@ def test_profile_db_records_the_copy_not_as_activations() -> None:
     size = db.size(1, 1)
     assert size is not None
     assert (size.activation_bytes_per_sample, size.per_microbatch_bytes) == (500, 2000)
+    # the sizes record the precision the run computed in (one per file, ProfileDB)
+    assert {s.precision for s in db.sizes} == {None}
+    db = to_profile_db(spec, "cpu", ms, {}, precision="bf16")
+    assert db.sizes and {s.precision for s in db.sizes} == {"bf16"}
 
 
 def test_autocast_copy_is_measured_as_a_per_microbatch_intercept() -> None:

@@ -19,7 +19,14 @@ from sailor.profiler.calibrated_estimate import (
 )
 from sailor.profiler.curve_fit import fit_curve, fit_link, split_latency, with_link
 from sailor.profiler.merge import merge_db, precision_clash
-from sailor.schemas import BandwidthCurve, Endpoint, LayerProfile, NetworkProfile, ProfileDB
+from sailor.schemas import (
+    BandwidthCurve,
+    Endpoint,
+    LayerProfile,
+    LayerSize,
+    NetworkProfile,
+    ProfileDB,
+)
 from sailor.schemas.calibration import GPUCalibration
 from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY
@@ -376,6 +383,50 @@ def test_layers_of_one_tp_degree_in_two_precisions_are_refused_naming_them() -> 
     assert precision_clash(old, "cpu", [(2, 1)], "fp32") == ""
     assert precision_clash(old, "other", [(1, 1)], "fp32") == ""
     assert precision_clash(None, "cpu", [(1, 1)], "fp32") == ""
+
+
+def _size(precision: str | None, tp: int, layer: int = 0, act: int = 4096) -> LayerSize:
+    return LayerSize(
+        tp=tp,
+        layer=layer,
+        params=100,
+        activation_bytes_per_sample=act,
+        output_bytes_per_sample=64,
+        precision=precision,
+    )
+
+
+def test_layer_sizes_in_two_precisions_are_refused_naming_them() -> None:
+    """Sizes are keyed by (TP, layer) alone and price every GPU type's memory: an fp32 run's
+    sizes at tp=2 kept beside a bf16 run's at tp=1 priced a 16-bit GPU's activations at tp=2
+    twice as large. Fails on the old code: LayerSize had no precision, the merge kept both."""
+    old = ProfileDB(model="m", sizes=(_size("fp32", 1), _size("fp32", 2)))
+    new = ProfileDB(model="m", sizes=(_size("bf16", 1, act=2048),))
+    with pytest.raises(
+        ValueError, match=r"sizes\.precision=\['bf16', 'fp32'\].*fp32 \(e\.g\. tp=2"
+    ):
+        merge_db(old, new)
+    # a run that re-measures every TP degree replaces them: one precision
+    both = ProfileDB(model="m", sizes=(_size("bf16", 1), _size("bf16", 2)))
+    assert {s.precision for s in merge_db(old, both)[0].sizes} == {"bf16"}
+    # sizes written before (no precision recorded) and estimated ones are read as today
+    legacy = LayerSize.model_validate(
+        {
+            "tp": 2,
+            "layer": 0,
+            "params": 1,
+            "activation_bytes_per_sample": 8,
+            "output_bytes_per_sample": 8,
+        }
+    )
+    est = _size("fp32", 4).model_copy(update={"source": "estimated"})
+    assert len(ProfileDB(model="m", sizes=(_size("bf16", 1), legacy, est)).sizes) == 3
+    # said before a run measures anything, naming the sizes in the way
+    why = precision_clash(old, "gpu", [(1, 1)], "bf16", sizes=True)
+    assert "precision='bf16'" in why and "layer sizes" in why and "tp=2 in fp32" in why
+    assert precision_clash(old, "gpu", [(1, 1), (2, 1)], "bf16", sizes=True) == ""
+    assert precision_clash(old, "gpu", [(1, 1)], "bf16") == ""  # a run that writes no sizes
+    assert precision_clash(old, "gpu", [(1, 1)], "fp32", sizes=True) == ""
 
 
 def test_a_fit_that_dips_below_every_point_falls_back_to_a_line() -> None:
