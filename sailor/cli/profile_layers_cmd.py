@@ -30,7 +30,7 @@ from sailor.cli.profile_group import (
     profile_app,
 )
 from sailor.cli.tables import print_table
-from sailor.profiler.merge import SKIPPED, merge_db, precision_clash, save_db
+from sailor.profiler.merge import SKIPPED, merge_db, precision_clash, save_db, split_clash
 from sailor.schemas import ModelSpec, ProfileDB
 from sailor.schemas.device_kind import is_cpu_type
 
@@ -186,6 +186,7 @@ def layers_cmd(
     clash = precision_clash(
         saver.original, gpu_type, units, precision, sizes=sizes_measured(spec, precision)
     )
+    clash = clash or split_clash(saver.original, gpu_type, units)
     if clash:
         raise fail(f"-o {out}: {clash}")
     title = f"profiling {spec.name} on {gpu_type}"

@@ -27,9 +27,17 @@ from pathlib import Path
 from typing import TypeVar
 
 from sailor.schemas import LayerProfile, LayerSize, ProfileDB
-from sailor.schemas.profile import DeviceOverhead
+from sailor.schemas.profile import VOCAB_SPLIT_META, DeviceOverhead
 
-__all__ = ["SKIPPED", "SOURCE_RANK", "load_db", "merge_db", "precision_clash", "save_db"]
+__all__ = [
+    "SKIPPED",
+    "SOURCE_RANK",
+    "load_db",
+    "merge_db",
+    "precision_clash",
+    "save_db",
+    "split_clash",
+]
 
 SOURCE_RANK: dict[str, int] = {"measured": 0, "imported": 1, "estimated": 2}
 """Lower is better."""
@@ -71,6 +79,11 @@ def merge_db(old: ProfileDB | None, new: ProfileDB) -> tuple[ProfileDB, int]:
         old = ProfileDB(model=new.model)
     if old.model != new.model:
         raise ValueError(f"model={new.model!r}: cannot merge into profiles of {old.model!r}")
+    for g in sorted({t.gpu_type for t in new.timings if t.source == "measured"}):
+        units = {(t.tp, t.microbatch_size) for t in new.timings if t.gpu_type == g}
+        why = _split_clash(old, new.meta, g, units)
+        if why:
+            raise ValueError(why)
     timings, d1 = _merge_entries(old.timings, new.timings)
     sizes, d2 = _merge_entries(old.sizes, new.sizes)
     over: dict[tuple[str, int], DeviceOverhead] = {(o.gpu_type, o.tp): o for o in old.overheads}
@@ -159,6 +172,51 @@ def precision_clash(
         f"replace, measured in another precision ({held}); the simulator reads one precision "
         "per GPU type and TP degree: write this run to another file, or measure those "
         "microbatch sizes too"
+    )
+
+
+def split_clash(old: ProfileDB | None, gpu_type: str, units: Iterable[tuple[int, int]]) -> str:
+    """Why a run of Sailor's profiler measuring ``gpu_type`` at ``units`` ((TP, mbs) pairs)
+    would leave ``old`` with a vocabulary-split stamp over layers it does not replace; ''
+    when it would not.
+
+    A run stamps ``<gpu>.tp<t>.vocab_parallel`` at each TP degree it measures (the engine
+    splits the embedding and head by vocabulary); measured TP > 1 layers without the stamp
+    timed an older engine's whole head (``simulator.lookup.measured_whole_ends``). The stamp
+    is one per GPU type and TP degree: merged over such layers at a microbatch size the run
+    does not re-measure, it would tag their whole head as split. Said before the
+    measurement, naming them; :func:`merge_db` refuses the same."""
+    if old is None:
+        return ""
+    units = set(units)
+    stamps = {f"{gpu_type}.tp{tp}.{VOCAB_SPLIT_META}": "true" for tp, _ in units}
+    return _split_clash(old, stamps, gpu_type, units)
+
+
+def _split_clash(
+    old: ProfileDB, new_meta: dict[str, str], gpu_type: str, units: set[tuple[int, int]]
+) -> str:
+    whole = sorted(
+        {
+            (t.tp, t.microbatch_size)
+            for t in old.timings
+            if t.gpu_type == gpu_type
+            and t.tp > 1
+            and t.source == "measured"
+            and (t.tp, t.microbatch_size) not in units
+            and f"{gpu_type}.tp{t.tp}.{VOCAB_SPLIT_META}" in new_meta
+            and f"{gpu_type}.tp{t.tp}.{VOCAB_SPLIT_META}" not in old.meta
+        }
+    )
+    if not whole:
+        return ""
+    held = ", ".join(f"tp={tp} mbs={m}" for tp, m in whole)
+    return (
+        f"{gpu_type}.tp{whole[0][0]}.{VOCAB_SPLIT_META}: the file holds {gpu_type} layers "
+        f"this run does not replace, measured before the engine split the embedding and head "
+        f"by vocabulary ({held}); the run's split stamp is one per GPU type and TP degree "
+        "and would tag their whole head as split: measure those microbatch sizes too, or "
+        "write this run to another file"
     )
 
 

@@ -18,7 +18,7 @@ from sailor.profiler.calibrated_estimate import (
     leave_one_gpu_out,
 )
 from sailor.profiler.curve_fit import fit_curve, fit_link, split_latency, with_link
-from sailor.profiler.merge import merge_db, precision_clash
+from sailor.profiler.merge import merge_db, precision_clash, split_clash
 from sailor.schemas import (
     BandwidthCurve,
     Endpoint,
@@ -30,7 +30,7 @@ from sailor.schemas import (
 from sailor.schemas.calibration import GPUCalibration
 from sailor.schemas.profile import VOCAB_SPLIT_META
 from sailor.simulator.estimate_profile import ROOFLINE_EFFICIENCY
-from sailor.simulator.lookup import layer_table
+from sailor.simulator.lookup import layer_table, measured_whole_ends
 
 SIZES = [1 << k for k in range(16, 31)]
 
@@ -427,6 +427,39 @@ def test_layer_sizes_in_two_precisions_are_refused_naming_them() -> None:
     assert precision_clash(old, "gpu", [(1, 1), (2, 1)], "bf16", sizes=True) == ""
     assert precision_clash(old, "gpu", [(1, 1)], "bf16") == ""  # a run that writes no sizes
     assert precision_clash(old, "gpu", [(1, 1)], "fp32", sizes=True) == ""
+
+
+def test_a_split_stamp_over_layers_a_run_does_not_replace_is_refused() -> None:
+    """A profile layers run stamps <gpu>.tp<t>.vocab_parallel at each TP degree it measures;
+    measured tp=2 layers without it timed an older engine's whole head. A re-run of mbs 2
+    alone merged its stamp over the old mbs-1 layers, and the simulator then read their whole
+    head as split (measured_whole_ends False: no note, and an engine that replicates the head
+    priced from them as split). Fails on the old code: the merge kept the stamp silently."""
+    n = 3
+
+    def tp2(mbs: int) -> list[LayerProfile]:
+        return [
+            _t("measured", 1e-3 * mbs, layer).model_copy(update={"tp": 2, "microbatch_size": mbs})
+            for layer in range(n)
+        ]
+
+    stamp = {f"cpu.tp2.{VOCAB_SPLIT_META}": "true"}
+    old = ProfileDB(model="m", timings=(*tp2(1), *tp2(2)))
+    assert measured_whole_ends(old, "cpu", 2, 1, n)
+    new = ProfileDB(model="m", timings=tuple(tp2(2)), meta=stamp)
+    with pytest.raises(ValueError, match=r"cpu\.tp2\.vocab_parallel: .*\(tp=2 mbs=1\)"):
+        merge_db(old, new)
+    why = split_clash(old, "cpu", [(2, 2)])
+    assert "tp=2 mbs=1" in why and "mbs=2" not in why
+    # re-measuring every microbatch size replaces them all: the stamp describes the file
+    merged, _ = merge_db(old, ProfileDB(model="m", timings=(*tp2(1), *tp2(2)), meta=stamp))
+    assert not measured_whole_ends(merged, "cpu", 2, 1, n)
+    assert split_clash(old, "cpu", [(2, 1), (2, 2)]) == ""
+    # a file already stamped at tp=2, another GPU type, and TP 1 are not in the way
+    assert merge_db(old.model_copy(update={"meta": stamp}), new)[0].meta == stamp
+    assert split_clash(old, "other", [(2, 2)]) == ""
+    assert split_clash(old, "cpu", [(1, 1)]) == ""
+    assert split_clash(None, "cpu", [(2, 2)]) == ""
 
 
 def test_a_fit_that_dips_below_every_point_falls_back_to_a_line() -> None:
