@@ -222,6 +222,25 @@ def test_out_of_range_options_are_refused_by_name(tmp_path: Path) -> None:
     res = runner.invoke(app, ["profile", "layers", "--kind", "cpu", "--mbs", "1", "-o", str(other)])
     assert res.exit_code == 2 and "tp=1 mbs=4 in bf16" in res.output, res.output
     assert json.loads(other.read_text())["timings"][0]["precision"] == "bf16"  # untouched
+    # ... one whose layer sizes at a TP degree this run does not measure are in another
+    # precision (sizes are per model, read for every GPU type; tiny-gpt is fp32: sizes written)
+    size = {"tp": 2, "layer": 0, "params": 1, "activation_bytes_per_sample": 8}
+    size |= {"output_bytes_per_sample": 8, "precision": "bf16"}
+    other.write_text(json.dumps({"model": "tiny-gpt", "sizes": [size]}))
+    res = runner.invoke(app, ["profile", "layers", "--kind", "cpu", "--mbs", "1", "-o", str(other)])
+    assert res.exit_code == 2 and "layer sizes" in res.output, res.output
+    assert "tp=2 in bf16" in res.output, res.output
+    # ... and one whose tp=2 layers were timed before the engine split the vocabulary, at a
+    # microbatch size this run does not re-measure (its split stamp would tag them)
+    held |= {"tp": 2, "source": "measured"}
+    other.write_text(
+        json.dumps({"model": "tiny-gpt", "timings": [{**held, **times, "precision": "fp32"}]})
+    )
+    res = runner.invoke(
+        app, ["profile", "layers", "--kind", "cpu", "--tp", "2", "--mbs", "1", "-o", str(other)]
+    )
+    assert res.exit_code == 2 and "cpu.tp2.vocab_parallel" in res.output, res.output
+    assert "tp=2 mbs=4" in res.output, res.output
     other.write_text("{")
     res = runner.invoke(app, ["profile", "network", "--collectives", "", "-o", str(other)])
     assert res.exit_code == 2 and "other.json" in res.output, res.output
