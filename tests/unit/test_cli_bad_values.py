@@ -287,6 +287,48 @@ def test_certs_name_the_command_that_makes_a_missing_file(tmp_path: Path) -> Non
     assert res.exit_code == 0 and f"--cert-file={pki.resolve()}/etcd.crt" in res.stdout
 
 
+_BAD_HOSTS = {
+    "space": "bad host",
+    "port": "nats.example.com:4222",
+    "url": "https://nats.example.com",
+    "hyphen-first": "-nats.example.com",
+    "empty-label": "nats..example.com",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("host", list(_BAD_HOSTS.values()), ids=list(_BAD_HOSTS))
+def test_certs_issue_refuses_a_host_that_is_no_address_or_name(tmp_path: Path, host: str) -> None:
+    """``sailor certs issue --host "bad host"`` wrote it into the certificate as a DNS SAN:
+    no client can dial that name, and the mistake showed only as a TLS failure elsewhere.
+    Refused before anything is written, naming the value."""
+    pki = tmp_path / "pki"
+    assert runner.invoke(app, ["certs", "init", str(pki)]).exit_code == 0
+    res = runner.invoke(
+        app, ["certs", "issue", str(pki), "--name", "nats", "--kind", "server", "--host", host]
+    )
+    _refused(res, f"--host: host={host!r}: not an IP address or a DNS name")
+    assert not (pki / "nats.crt").exists() and not (pki / "nats.key").exists()
+
+
+def test_certs_issue_keeps_addresses_names_and_wildcards(tmp_path: Path) -> None:
+    """The check refuses only what is no host: IPv4, IPv6, names with '-' and '_' and a
+    leading wildcard label still become the certificate's SANs."""
+    from cryptography import x509
+
+    pki = tmp_path / "pki"
+    assert runner.invoke(app, ["certs", "init", str(pki)]).exit_code == 0
+    hosts = ["10.0.0.5", "fd00::7", "nats-1.us-central1-a.internal", "etcd_0", "*.example.com"]
+    argv = ["certs", "issue", str(pki), "--name", "nats", "--kind", "server"]
+    res = runner.invoke(app, [*argv, *(a for h in hosts for a in ("--host", h))])
+    assert res.exit_code == 0, res.output
+    cert = x509.load_pem_x509_certificate((pki / "nats.crt").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    named = [str(v) for v in san.get_values_for_type(x509.IPAddress)]
+    named += san.get_values_for_type(x509.DNSName)
+    assert set(hosts) <= set(named), named
+
+
 def test_ctrl_c_in_profile_layers_says_what_is_kept(tmp_path: Path) -> None:
     """^C during ``sailor profile layers`` ended with no word (exit 130): the units saved so
     far are kept in -o (each is merged in as it finishes), and the user is now told so."""
