@@ -262,14 +262,13 @@ def _profile_with_bar(
         try:
             db, ms = profile_layers(run, progress, saver)
         except KeyboardInterrupt:  # ^C: say what of the run is kept, then end as ^C does
-            typer.echo(
+            raise fail(
                 f"interrupted: the {saver.units} (TP, mbs) unit(s) finished before it are "
                 f"merged into {saver.out}"
                 if saver.units
                 else f"interrupted before a (TP, mbs) unit finished: {saver.out} unchanged",
-                err=True,
-            )
-            raise
+                code=130,
+            ) from None
         except (RuntimeError, ValueError) as exc:
             kept = (
                 f"\n(the {saver.units} (TP, mbs) unit(s) before it are merged into {saver.out})"
