@@ -287,6 +287,44 @@ def test_certs_name_the_command_that_makes_a_missing_file(tmp_path: Path) -> Non
     assert res.exit_code == 0 and f"--cert-file={pki.resolve()}/etcd.crt" in res.stdout
 
 
+_BAD_KINDS = {
+    "unknown-on-cpu": (["--kind", "Z100"], "--kind='Z100' on --device cpu"),
+    "gpu-on-cpu": (["--kind", "A100-40"], "--kind='A100-40' on --device cpu"),
+    "new-on-cpu": (["--kind", "Z100", "--new-gpu-type"], "--kind='Z100' on --device cpu"),
+    "unknown-on-cuda": (
+        ["--kind", "Z100", "--device", "cuda"],
+        "--kind='Z100': not a GPU type of the catalog (A100-40, ",
+    ),
+}
+
+
+@pytest.mark.parametrize("args,want", list(_BAD_KINDS.values()), ids=list(_BAD_KINDS))
+def test_profile_layers_refuses_a_kind_the_planner_would_misread(
+    tmp_path: Path, args: list[str], want: str
+) -> None:
+    """``sailor profile layers --kind Z100`` on CPU measured and recorded CPU timings under a
+    GPU name the catalog does not know (and under a known GPU type, as that GPU's speed).
+    A CPU's profile is named cpu or cpu-<kind>; a GPU type the catalog lacks needs
+    --new-gpu-type. Refused before any measurement, naming the value."""
+    out = tmp_path / "db.json"
+    res = runner.invoke(app, ["profile", "layers", "--model", "tiny-gpt", *args, "-o", str(out)])
+    _refused(res, want)
+    assert not out.exists()
+
+
+def test_profile_layers_new_gpu_type_lets_an_unknown_kind_through_to_the_device() -> None:
+    """With --new-gpu-type an unknown GPU name passes the kind check (on this CPU-only host
+    the next check, the CUDA device's, refuses it instead)."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host would run the measurement")
+    argv = ["profile", "layers", "--model", "tiny-gpt", "--device", "cuda", "--kind", "Z100"]
+    res = runner.invoke(app, [*argv, "--new-gpu-type", "-o", "db.json"])
+    _refused(res, "--device=cuda: no CUDA device here")
+
+
 _BAD_HOSTS = {
     "space": "bad host",
     "port": "nats.example.com:4222",
