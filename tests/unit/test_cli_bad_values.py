@@ -287,6 +287,68 @@ def test_certs_name_the_command_that_makes_a_missing_file(tmp_path: Path) -> Non
     assert res.exit_code == 0 and f"--cert-file={pki.resolve()}/etcd.crt" in res.stdout
 
 
+def _network_side(argv: list[str], tmp_path: Path) -> tuple[int, str, float]:
+    """Run one side of ``sailor profile network`` as its own process (its ranks with it);
+    (exit status, stderr, seconds). Killed with its ranks after 90 s: the old code waited
+    for an unreachable master until the probe's 600 s deadline."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    out = str(tmp_path / "net.json")
+    cmd = [sys.executable, "-m", "sailor.cli.main", "profile", "network", "-o", out, *argv]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [*cmd, "--collectives", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # this side and the ranks it started
+            proc.communicate()
+    return proc.returncode, err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("rank", ["0", "1"], ids=["rank0", "rank1"])
+def test_profile_network_refuses_a_master_that_does_not_resolve(tmp_path: Path, rank: str) -> None:
+    """``--rank R --master nosuchhost.invalid:PORT`` said nothing and waited for the ranks'
+    rendezvous until the probe's deadline (600 s): now refused at once, naming the host."""
+    code, err, _ = _network_side(["--rank", rank, "--master", "nosuchhost.invalid:29511"], tmp_path)
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert (
+        "--master: master='nosuchhost.invalid:29511': host 'nosuchhost.invalid' does not"
+        in (errors[0])
+    )
+    assert "Traceback" not in err
+
+
+def test_profile_network_rank1_gives_up_on_a_silent_master_after_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 with nothing listening at --master waited without a word until the probe's
+    deadline; it now says what it waits for and how long, and fails after
+    --connect-timeout naming the address."""
+    from sailor.localnet import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    argv = ["--rank", "1", "--master", master, "--connect-timeout", "2"]
+    code, err, took = _network_side(argv, tmp_path)
+    assert code == 1, err
+    assert f"waiting up to 2 s for rank 0 at {master} (--connect-timeout)" in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert f"master={master!r}: nothing accepted a connection there within 2 s" in errors[0]
+    assert took < 60, took
+
+
 _BAD_KINDS = {
     "unknown-on-cpu": (["--kind", "Z100"], "--kind='Z100' on --device cpu"),
     "gpu-on-cpu": (["--kind", "A100-40"], "--kind='A100-40' on --device cpu"),
