@@ -30,7 +30,7 @@ import typer
 
 from sailor.cli._io import fail
 from sailor.coordination.keys import Keys
-from sailor.coordination.security.certs import CertKind
+from sailor.coordination.security.certs import CertKind, check_host
 from sailor.coordination.security.etcd_rbac import etcd_tls_flags, rbac_plan
 from sailor.coordination.security.pki import (
     REVOKED_SUFFIX,
@@ -98,6 +98,11 @@ def issue_cmd(
     ),
 ) -> None:
     """Issue a server or client certificate; controller/agent clients also get a NATS login."""
+    for h in host:
+        try:
+            check_host(h)
+        except ValueError as exc:
+            raise fail(f"--host: {exc}") from None
     _require(directory / "ca.crt")
     try:
         paths = issue_cert(directory, name, kind, tuple(host), role, days, force)

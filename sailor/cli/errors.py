@@ -123,8 +123,13 @@ class OneLineErrors(TyperGroup):
         except CliError as exc:
             typer.echo(f"error: {_flat(exc.message)}", err=True)
             raise typer.Exit(exc.code) from None
-        except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt):
-            raise  # exits and Ctrl-C: typer handles them
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # exits: typer handles them
+        except KeyboardInterrupt:
+            # Ctrl-C: one line and 130 (128 + SIGINT), as a shell tool ends; typer's own
+            # 130 said nothing (``sailor.cli.entry`` does the same during the imports)
+            typer.echo("interrupted (Ctrl-C)", err=True)
+            raise typer.Exit(130) from None
         except BrokenPipeError:
             # the reader of our output went away (``sailor ... | head``): end quietly, as a
             # shell tool killed by SIGPIPE does (128 + 13), and let nothing flush into the pipe

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sailor import catalog
 from sailor.cli._io import fail
 from sailor.cli.profile_group import (
     check_db_out,
@@ -51,6 +52,28 @@ _QUOTA_MAX_REPS = 100_000
 """Under a quota the timed span, not the repetition count, ends a measurement."""
 
 
+def _check_kind(gpu_type: str, device: str, new_gpu_type: bool) -> None:
+    """Refuse a ``--kind`` the planner would not read as the device measured: CPU timings
+    under a GPU type (``--device cpu --kind Z100``: they would be taken as that GPU's
+    speed), or a name that is neither a catalog GPU type nor a CPU kind (``cpu`` or
+    ``cpu-<kind>``) unless ``--new-gpu-type`` says it is a GPU type the catalog lacks."""
+    if is_cpu_type(gpu_type):
+        return
+    known = sorted(g for g in catalog.gpus() if not is_cpu_type(g))
+    if device == "cpu":
+        raise fail(
+            f"--kind={gpu_type!r} on --device cpu: CPU timings recorded under a GPU type would "
+            "be read as that GPU's speed: name the CPU nodes' kind cpu or cpu-<kind> (e.g. "
+            "cpu-slow), or measure the GPU with --device cuda on it"
+        )
+    if gpu_type not in known and not new_gpu_type:
+        raise fail(
+            f"--kind={gpu_type!r}: not a GPU type of the catalog ({', '.join(known)}): give "
+            "one of them, or pass --new-gpu-type to record a GPU type the catalog does not "
+            "list yet"
+        )
+
+
 @profile_app.command("layers")
 def layers_cmd(
     model: str = typer.Option("tiny-gpt", help="Catalog model name."),
@@ -71,6 +94,13 @@ def layers_cmd(
         "(cpu-<kind>, e.g. cpu-slow) whose nodes the planner tells apart by this profile "
         "(default: 'cpu', or the catalog type of CUDA device 0, e.g. H100-80 for "
         "'NVIDIA H100 80GB HBM3').",
+    ),
+    new_gpu_type: bool = typer.Option(
+        False,
+        "--new-gpu-type",
+        help="--kind names a GPU type the catalog does not list yet (with --device cuda): "
+        "record the profile under it anyway (the planner needs a catalog entry of that name "
+        "to price and plan it). Without it an unknown --kind is refused.",
     ),
     cpu_quota: float | None = typer.Option(
         None,
@@ -128,6 +158,8 @@ def layers_cmd(
 
     if device not in ("cpu", "cuda"):
         raise fail(f"--device={device!r}: use cpu or cuda")
+    if gpu_type is not None:
+        _check_kind(gpu_type, device, new_gpu_type)
     if device == "cuda":
         import torch
 
@@ -266,14 +298,13 @@ def _profile_with_bar(
         try:
             db, ms = profile_layers(run, progress, saver)
         except KeyboardInterrupt:  # ^C: say what of the run is kept, then end as ^C does
-            typer.echo(
+            raise fail(
                 f"interrupted: the {saver.units} (TP, mbs) unit(s) finished before it are "
                 f"merged into {saver.out}"
                 if saver.units
                 else f"interrupted before a (TP, mbs) unit finished: {saver.out} unchanged",
-                err=True,
-            )
-            raise
+                code=130,
+            ) from None
         except (RuntimeError, ValueError) as exc:
             kept = (
                 f"\n(the {saver.units} (TP, mbs) unit(s) before it are merged into {saver.out})"

@@ -117,6 +117,13 @@ def network_cmd(
         "all-reduce probe on PORT+1 (both must be free there).",
     ),
     gpu: int = typer.Option(0, help="With --rank and cuda: the (first) GPU of this node to use."),
+    connect_timeout: float = typer.Option(
+        120.0,
+        min=0.0,
+        help="With --rank 1: seconds to wait for rank 0 to accept a connection at --master "
+        "(it may start after this side) before failing with the address; a --master host "
+        "that does not resolve is refused at once on either side.",
+    ),
     pairs: int = typer.Option(
         1,
         help="Pairs of ranks that exchange slices of each message at once (one per GPU or "
@@ -165,6 +172,13 @@ def network_cmd(
             "(--intra is for a link between GPUs of one node: run on loopback)"
         )
     ranks, sizes = _collective_plan(collectives, collective_sizes, rank, master, device, gpus)
+    if master is not None:
+        from sailor.profiler.procs import resolve_master
+
+        try:
+            resolve_master(master)
+        except ValueError as exc:
+            raise fail(f"--master: {exc}") from None
     if rank != 1:  # rank 0 (or both on loopback) writes --out: check it before probing
         check_out(out, "-o", "the NetworkProfile file to merge into")
         if out.exists():
@@ -213,6 +227,8 @@ def network_cmd(
     con = Console()
     backend = "gloo" if device == "cpu" else "NCCL"
     where = "on loopback" if rank is None else f"side {rank} of 2, rank 0 at {master}"
+    if rank == 1 and master is not None:
+        _wait_for_rank0(con, master, connect_timeout)
     try:
         with con.status(f"probing {2 * pairs} {backend} ranks ({where})..."):
             points = run_probe(settings, rank=rank, master=master, gpu=gpu)
@@ -226,6 +242,7 @@ def network_cmd(
         rank,
         None if master is None else _next_port(master),
         gpu,
+        connect_timeout,
     )
     if rank == 1:
         for n in ranks:
@@ -278,6 +295,24 @@ def network_cmd(
 
 
 _DEFAULT_COLLECTIVES: tuple[int, ...] = (2, 3, 4)
+
+
+def _wait_for_rank0(con: Console, master: str, timeout_s: float) -> None:
+    """Rank 1: wait up to ``timeout_s`` for rank 0 to listen at ``master``, saying so; an
+    unreachable master fails then with its address (the ranks' own rendezvous waited for it
+    until the probe's deadline, 600 s, without a word)."""
+    from sailor.profiler.procs import MasterUnreachableError, wait_for_master
+
+    typer.echo(
+        f"waiting up to {timeout_s:g} s for rank 0 at {master} (--connect-timeout)", err=True
+    )
+    try:
+        with con.status(f"waiting for rank 0 at {master}..."):
+            wait_for_master(master, timeout_s)
+    except MasterUnreachableError as exc:
+        raise fail(str(exc), code=1) from None
+    except ValueError as exc:
+        raise fail(f"--master: {exc}") from None
 
 
 def _visible_gpus(device: str) -> int:
@@ -388,6 +423,8 @@ class _CollectiveProbe:
     master: str | None
     """Where rank 0 listens for it (the port after the link probe's), with --rank."""
     gpu: int
+    connect_timeout: float = 120.0
+    """Rank 1: how long to wait for rank 0 to listen at ``master``."""
 
     def run(self, con: Console, ranks: int) -> CollectiveLatency:
         """The all-reduce among ``ranks`` ranks (each count is saved before the next runs)."""
@@ -396,6 +433,10 @@ class _CollectiveProbe:
         between = (
             "on this node" if self.rank is None else f"between 2 nodes (rank 0 at {self.master})"
         )
+        if self.rank == 1 and self.master is not None:
+            from sailor.profiler.procs import wait_for_master
+
+            wait_for_master(self.master, self.connect_timeout)
         with con.status(f"timing all-reduces {between}: {ranks} ranks..."):
             (lat,) = collective_latencies(
                 self.src,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,13 +34,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MasterUnreachableError",
     "RankFailedError",
     "check_devices",
     "init_gloo",
     "join_group",
     "rank_args",
     "rank_device",
+    "resolve_master",
     "run_ranks",
+    "wait_for_master",
     "write_result",
 ]
 
@@ -52,6 +56,54 @@ class RankFailedError(RuntimeError):
         tail = "\n".join(stderr.strip().splitlines()[-15:])
         super().__init__(f"{module} rank {rank}: {why}\n{tail}")
         self.module, self.rank, self.why, self.stderr = module, rank, why, stderr
+
+
+class MasterUnreachableError(RuntimeError):
+    """Nothing accepted a connection at rank 0's ``host:port`` within the connect timeout:
+    the ranks here would have waited for it until the measurement's deadline."""
+
+
+def _split_master(master: str) -> tuple[str, int]:
+    host, _, port = master.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def resolve_master(master: str) -> None:
+    """Refuse at once a ``host:port`` whose host does not resolve (a typo, a name only
+    another network knows): the ranks' rendezvous would retry it until their deadline."""
+    host, port = _split_master(master)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(
+            f"master={master!r}: host {host!r} does not resolve ({exc}): give rank 0's IP "
+            "address or a name this node resolves"
+        ) from None
+
+
+def wait_for_master(master: str, timeout_s: float, poll_s: float = 0.5) -> float:
+    """Wait until something accepts a TCP connection at ``master`` (rank 0, started on its
+    node before or after this one), trying every ``poll_s``; the seconds waited. Raises
+    :class:`MasterUnreachableError` after ``timeout_s`` naming the last failure (refused,
+    timed out, no route), or ``ValueError`` at once for a host that does not resolve."""
+    resolve_master(master)
+    host, port = _split_master(master)
+    t0 = time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - t0)
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
+                return time.monotonic() - t0
+        except OSError as exc:
+            last = exc.strerror or type(exc).__name__
+        if time.monotonic() - t0 + poll_s > timeout_s:
+            raise MasterUnreachableError(
+                f"master={master!r}: nothing accepted a connection there within "
+                f"{timeout_s:g} s (last try: {last}): start rank 0 there (it listens at that "
+                "port), check the address and the firewall, or wait longer with "
+                "--connect-timeout"
+            )
+        time.sleep(poll_s)
 
 
 def rank_device(device: str, index: int, gpus: int) -> tuple[str, str]:

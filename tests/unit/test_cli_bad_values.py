@@ -287,6 +287,148 @@ def test_certs_name_the_command_that_makes_a_missing_file(tmp_path: Path) -> Non
     assert res.exit_code == 0 and f"--cert-file={pki.resolve()}/etcd.crt" in res.stdout
 
 
+def _network_side(argv: list[str], tmp_path: Path) -> tuple[int, str, float]:
+    """Run one side of ``sailor profile network`` as its own process (its ranks with it);
+    (exit status, stderr, seconds). Killed with its ranks after 90 s: the old code waited
+    for an unreachable master until the probe's 600 s deadline."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    out = str(tmp_path / "net.json")
+    cmd = [sys.executable, "-m", "sailor.cli.main", "profile", "network", "-o", out, *argv]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [*cmd, "--collectives", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # this side and the ranks it started
+            proc.communicate()
+    return proc.returncode, err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("rank", ["0", "1"], ids=["rank0", "rank1"])
+def test_profile_network_refuses_a_master_that_does_not_resolve(tmp_path: Path, rank: str) -> None:
+    """``--rank R --master nosuchhost.invalid:PORT`` said nothing and waited for the ranks'
+    rendezvous until the probe's deadline (600 s): now refused at once, naming the host."""
+    code, err, _ = _network_side(["--rank", rank, "--master", "nosuchhost.invalid:29511"], tmp_path)
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert (
+        "--master: master='nosuchhost.invalid:29511': host 'nosuchhost.invalid' does not"
+        in (errors[0])
+    )
+    assert "Traceback" not in err
+
+
+def test_profile_network_rank1_gives_up_on_a_silent_master_after_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 with nothing listening at --master waited without a word until the probe's
+    deadline; it now says what it waits for and how long, and fails after
+    --connect-timeout naming the address."""
+    from sailor.localnet import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    argv = ["--rank", "1", "--master", master, "--connect-timeout", "2"]
+    code, err, took = _network_side(argv, tmp_path)
+    assert code == 1, err
+    assert f"waiting up to 2 s for rank 0 at {master} (--connect-timeout)" in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert f"master={master!r}: nothing accepted a connection there within 2 s" in errors[0]
+    assert took < 60, took
+
+
+_BAD_KINDS = {
+    "unknown-on-cpu": (["--kind", "Z100"], "--kind='Z100' on --device cpu"),
+    "gpu-on-cpu": (["--kind", "A100-40"], "--kind='A100-40' on --device cpu"),
+    "new-on-cpu": (["--kind", "Z100", "--new-gpu-type"], "--kind='Z100' on --device cpu"),
+    "unknown-on-cuda": (
+        ["--kind", "Z100", "--device", "cuda"],
+        "--kind='Z100': not a GPU type of the catalog (A100-40, ",
+    ),
+}
+
+
+@pytest.mark.parametrize("args,want", list(_BAD_KINDS.values()), ids=list(_BAD_KINDS))
+def test_profile_layers_refuses_a_kind_the_planner_would_misread(
+    tmp_path: Path, args: list[str], want: str
+) -> None:
+    """``sailor profile layers --kind Z100`` on CPU measured and recorded CPU timings under a
+    GPU name the catalog does not know (and under a known GPU type, as that GPU's speed).
+    A CPU's profile is named cpu or cpu-<kind>; a GPU type the catalog lacks needs
+    --new-gpu-type. Refused before any measurement, naming the value."""
+    out = tmp_path / "db.json"
+    res = runner.invoke(app, ["profile", "layers", "--model", "tiny-gpt", *args, "-o", str(out)])
+    _refused(res, want)
+    assert not out.exists()
+
+
+def test_profile_layers_new_gpu_type_lets_an_unknown_kind_through_to_the_device() -> None:
+    """With --new-gpu-type an unknown GPU name passes the kind check (on this CPU-only host
+    the next check, the CUDA device's, refuses it instead)."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host would run the measurement")
+    argv = ["profile", "layers", "--model", "tiny-gpt", "--device", "cuda", "--kind", "Z100"]
+    res = runner.invoke(app, [*argv, "--new-gpu-type", "-o", "db.json"])
+    _refused(res, "--device=cuda: no CUDA device here")
+
+
+_BAD_HOSTS = {
+    "space": "bad host",
+    "port": "nats.example.com:4222",
+    "url": "https://nats.example.com",
+    "hyphen-first": "-nats.example.com",
+    "empty-label": "nats..example.com",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("host", list(_BAD_HOSTS.values()), ids=list(_BAD_HOSTS))
+def test_certs_issue_refuses_a_host_that_is_no_address_or_name(tmp_path: Path, host: str) -> None:
+    """``sailor certs issue --host "bad host"`` wrote it into the certificate as a DNS SAN:
+    no client can dial that name, and the mistake showed only as a TLS failure elsewhere.
+    Refused before anything is written, naming the value."""
+    pki = tmp_path / "pki"
+    assert runner.invoke(app, ["certs", "init", str(pki)]).exit_code == 0
+    res = runner.invoke(
+        app, ["certs", "issue", str(pki), "--name", "nats", "--kind", "server", "--host", host]
+    )
+    _refused(res, f"--host: host={host!r}: not an IP address or a DNS name")
+    assert not (pki / "nats.crt").exists() and not (pki / "nats.key").exists()
+
+
+def test_certs_issue_keeps_addresses_names_and_wildcards(tmp_path: Path) -> None:
+    """The check refuses only what is no host: IPv4, IPv6, names with '-' and '_' and a
+    leading wildcard label still become the certificate's SANs."""
+    from cryptography import x509
+
+    pki = tmp_path / "pki"
+    assert runner.invoke(app, ["certs", "init", str(pki)]).exit_code == 0
+    hosts = ["10.0.0.5", "fd00::7", "nats-1.us-central1-a.internal", "etcd_0", "*.example.com"]
+    argv = ["certs", "issue", str(pki), "--name", "nats", "--kind", "server"]
+    res = runner.invoke(app, [*argv, *(a for h in hosts for a in ("--host", h))])
+    assert res.exit_code == 0, res.output
+    cert = x509.load_pem_x509_certificate((pki / "nats.crt").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    named = [str(v) for v in san.get_values_for_type(x509.IPAddress)]
+    named += san.get_values_for_type(x509.DNSName)
+    assert set(hosts) <= set(named), named
+
+
 def test_ctrl_c_in_profile_layers_says_what_is_kept(tmp_path: Path) -> None:
     """^C during ``sailor profile layers`` ended with no word (exit 130): the units saved so
     far are kept in -o (each is merged in as it finishes), and the user is now told so."""

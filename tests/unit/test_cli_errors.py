@@ -455,3 +455,63 @@ def test_a_reader_that_went_away_ends_the_command_quietly(argv: list[str]) -> No
         os.close(write_end)
     assert res.returncode == 141, res.stderr
     assert res.stderr == ""
+
+
+_INTERRUPT_AT_IMPORT = """
+import importlib, os, signal, sys, tomllib
+
+class Interrupt:
+    # Ctrl-C while ``sailor.cli.main`` imports its sub-commands (seconds on a busy machine)
+    def find_spec(self, name, path=None, target=None):
+        if name == "sailor.cli.catalog_cmd":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+script = tomllib.load(open(sys.argv[1], "rb"))["project"]["scripts"]["sailor"]
+module, _, func = script.partition(":")
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["sailor", "catalog", "gpus"]
+getattr(importlib.import_module(module), func)()
+"""
+
+
+def test_ctrl_c_during_the_start_up_imports_is_one_line_and_130() -> None:
+    """The console script was ``sailor.cli.main:app``: a Ctrl-C while that module imports
+    every sub-command (5-10 s on a busy machine) came before any handler and printed
+    Python's traceback. The script's entry (read from pyproject.toml, as pip installs it)
+    now ends with one line and 128 + SIGINT."""
+    import signal
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    res = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_AT_IMPORT, str(pyproject)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # the child's ^C is Python's KeyboardInterrupt even where this runner ignores SIGINT
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert res.returncode == 130, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr == "interrupted (Ctrl-C)\n", res.stderr
+    assert res.stdout == ""
+
+
+def test_ctrl_c_during_a_command_is_one_line_and_130() -> None:
+    """A Ctrl-C while a command ran ended with typer's exit 130 and no word at all."""
+    from sailor.cli.errors import OneLineErrors
+
+    cli = typer.Typer(cls=OneLineErrors)
+
+    @cli.command("wait")
+    def wait() -> None:
+        raise KeyboardInterrupt
+
+    @cli.command("other")
+    def other() -> None:  # a group of two: ``wait`` is a sub-command, as in ``sailor``
+        pass
+
+    res = runner.invoke(cli, ["wait"])
+    assert res.exit_code == 130, res.output
+    assert res.stderr == "interrupted (Ctrl-C)\n", repr(res.stderr)
+    assert "Traceback" not in res.output

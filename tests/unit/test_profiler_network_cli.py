@@ -90,7 +90,7 @@ def test_cuda_loopback_link_is_the_intra_node_curve(
     # between two nodes; neither starts a probe
     bad = _network(out, "--device", "cuda", "--dst-zone", "z-b", "--collectives", "")
     assert bad.exit_code != 0 and "--rank 0|1" in bad.output
-    two = _network(out, "--intra", "--rank", "0", "--master", "h:1", "--collectives", "")
+    two = _network(out, "--intra", "--rank", "0", "--master", "127.0.0.1:1", "--collectives", "")
     assert two.exit_code != 0 and "--intra with --rank 0" in two.output
 
 
@@ -196,14 +196,16 @@ def test_pairs_between_two_nodes_run_one_rank_per_gpu_and_keep_the_slowest(
     fake = _FakeRanks(monkeypatch, gpus=8)
     out = tmp_path / "net.json"
     args = ["--device", "cuda", "--zone", "z-a", "--dst-zone", "z-b", "--collectives", ""]
-    res = _network(out, *args, "--rank", "0", "--master", "h:1", "--pairs", "4", "--gpu", "2")
+    # a master that resolves (a host that does not is refused before any rank starts)
+    side0 = ["--rank", "0", "--master", "127.0.0.1:1"]
+    res = _network(out, *args, *side0, "--pairs", "4", "--gpu", "2")
     assert res.exit_code == 0, res.output
     assert fake.link_world == 8 and fake.link_ranks == [0, 1, 2, 3]
     net = NetworkProfile.model_validate_json(out.read_text())
     assert len(net.links) == 1 and "4 pairs of processes at once" in net.source
     # more GPUs than the node has, or pairs on one node's loopback, are refused before a probe
     fake.link_launches = 0
-    many = _network(out, *args, "--rank", "0", "--master", "h:1", "--pairs", "4", "--gpu", "6")
+    many = _network(out, *args, *side0, "--pairs", "4", "--gpu", "6")
     assert many.exit_code != 0 and fake.link_launches == 0
     loop = _network(tmp_path / "x.json", "--device", "cuda", "--pairs", "2", "--collectives", "")
     assert loop.exit_code != 0 and "--pairs=2 on cuda on loopback" in loop.output

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -28,6 +29,7 @@ __all__ = [
     "IssuedCert",
     "build_ca",
     "build_leaf",
+    "check_host",
     "key_pem",
     "load_ca",
     "new_key",
@@ -116,13 +118,42 @@ def build_ca(
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+"""One label of a DNS name: letters, digits, ``-`` (not first or last) and ``_`` (which Go's
+TLS, nats-server's and etcd's, accepts in a name it verifies)."""
+
+
+def check_host(host: str) -> None:
+    """Refuse a SAN that is neither an IP address nor a DNS name (labels of
+    :data:`_DNS_LABEL` joined by dots, 253 characters at most; the first label may be ``*``,
+    a wildcard): a client dialling ``"bad host"`` could never match it, and the mistake (a
+    space, a ``host:port``, a URL) would show only as a TLS failure on another VM."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if labels[0] == "*" and len(labels) > 1:
+        labels = labels[1:]
+    if 0 < len(host) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return
+    raise ValueError(
+        f"host={host!r}: not an IP address or a DNS name (letters, digits, '-' and '_' in "
+        "dot-separated labels, no spaces, port or scheme): give each address or name "
+        "clients dial as its own --host"
+    )
+
+
 def sans_for(hosts: tuple[str, ...]) -> list[x509.GeneralName]:
-    """IP SANs for addresses, DNS SANs for names; the defaults first, no duplicates."""
+    """IP SANs for addresses, DNS SANs for names; the defaults first, no duplicates. A host
+    that is neither is refused (:func:`check_host`)."""
     out: list[x509.GeneralName] = []
     seen: set[str] = set()
     for host in (*DEFAULT_HOSTS, *hosts):
         if not host or host in seen:
             continue
+        check_host(host)
         seen.add(host)
         try:
             out.append(x509.IPAddress(ipaddress.ip_address(host)))
