@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from sailor.cli.main import app
 from sailor.cli.schema_cmd import SCHEMAS
+from tests.measured_profiles import write_measured_db
 
 runner = CliRunner()
 
@@ -196,7 +197,6 @@ def test_profile_estimate_writes_compute_the_simulator_adds_the_links_to(tmp_pat
     1 is the same). ``--network`` prices the all-reduces taken out of the measured GPUs'
     times; a file that is not a NetworkProfile is refused."""
     from sailor import catalog
-    from sailor.profiler.calibrated_estimate import KindCost, estimate_gpu
     from sailor.schemas import (
         BandwidthCurve,
         Calibration,
@@ -209,16 +209,7 @@ def test_profile_estimate_writes_compute_the_simulator_adds_the_links_to(tmp_pat
     from sailor.simulator.lookup import layer_table
 
     model, specs = catalog.model("OPT-350"), catalog.gpus()
-    grid = [(1, 1), (2, 1)]
-    kc = KindCost(latency=(0.0, 0.0, 0.0), scale=(3.0, 3.0, 3.0))
-    table = {(k, t, b): kc for k in ("embedding", "block", "head") for t, b in grid}
-    measured = tuple(
-        t.model_copy(update={"source": "measured"})
-        for g in ("A100-40", "V100-16")
-        for t in estimate_gpu(model, specs[g], table, grid).timings
-    )
-    db = tmp_path / "db.json"
-    db.write_text(ProfileDB(model=model.name, timings=measured).model_dump_json())
+    db = write_measured_db(tmp_path / "db.json")
     out = tmp_path / "est.json"
     res = runner.invoke(
         app, ["profile", "estimate", "--gpu", "H100-80", "--from", str(db), "-o", str(out)]

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from sailor import catalog
 from sailor.cli.main import app
 from sailor.profiler import collective_probe, network_probe
+from tests.measured_profiles import write_measured_db
 
 runner = CliRunner()
 
@@ -42,21 +42,7 @@ def _refused(res: Any, want: str) -> None:
 @pytest.fixture
 def measured_db(tmp_path: Path) -> Path:
     """A ProfileDB of OPT-350 (16 heads) with two GPU types at TP 1 and 2, mbs 1."""
-    from sailor.profiler.calibrated_estimate import KindCost, estimate_gpu
-    from sailor.schemas import ProfileDB
-
-    model, specs = catalog.model("OPT-350"), catalog.gpus()
-    grid = [(1, 1), (2, 1)]
-    kc = KindCost(latency=(0.0, 0.0, 0.0), scale=(3.0, 3.0, 3.0))
-    table = {(k, t, b): kc for k in ("embedding", "block", "head") for t, b in grid}
-    measured = tuple(
-        t.model_copy(update={"source": "measured"})
-        for g in ("A100-40", "V100-16")
-        for t in estimate_gpu(model, specs[g], table, grid).timings
-    )
-    db = tmp_path / "db.json"
-    db.write_text(ProfileDB(model=model.name, timings=measured).model_dump_json())
-    return db
+    return write_measured_db(tmp_path / "db.json")
 
 
 @pytest.mark.parametrize(
