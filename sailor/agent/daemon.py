@@ -70,6 +70,7 @@ from sailor.coordination import (
 from sailor.coordination.names import check_node_id
 from sailor.coordination.sd_notify import SystemdNotifier
 from sailor.coordination.security import warn_if_unauthenticated
+from sailor.megatron_patch.errors import culprit_of
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
@@ -543,18 +544,25 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                     pass
             if st.failure and st.failure != self._failure_reported:
                 self._failure_reported = st.failure
-                event = WorkerFailed(
-                    event_id=self._event_id("fail"),
-                    node_id=self.node.node_id,
-                    time=self.clock.now(),
-                    plan_id=st.plan_id,
-                    cause=st.failure[:4000],
-                )
+                event = self._failure_event(st)
                 # on a task of its own: its retries through a NATS outage (~45 s) must not
                 # stop this loop, the agent's watchdog ping and its status in etcd (the
                 # failure reaches the controller there too)
                 self._tasks.spawn("worker-failed", self._publish("worker_failed", event))
             await self.clock.sleep(self.cfg.status_interval_s / 4)
+
+    def _failure_event(self, st: AgentStatus) -> WorkerFailed:
+        """The ``worker_failed`` event of the failure ``st`` reports, with the rank its
+        record names as guilty (``culprit``; -1: none, or a value that is no rank): the
+        controller charges that rank's node, not this one."""
+        return WorkerFailed(
+            event_id=self._event_id("fail"),
+            node_id=self.node.node_id,
+            time=self.clock.now(),
+            plan_id=st.plan_id,
+            cause=st.failure[:4000],
+            culprit=culprit_of(st.failure),
+        )
 
     async def _watch(self, watcher: PreemptionWatcher) -> None:
         while not self.noticed:

@@ -5,7 +5,8 @@ it began on, the job, or nobody; what it goes by is read here: the origin (``loc
 ``config``, ``peer``, ``rendezvous``: rank 0's rendezvous port taken by another process, or
 ``unknown`` for a text that is no record) and retry policy of a
 worker's error record (``sailor.megatron_patch.errors.failure_record``, the first 2000
-characters of its JSON), its ``error_type: message`` summary, and its signature (the summary
+characters of its JSON), the guilty rank a peer's record names (``culprit``), its
+``error_type: message`` summary, and its signature (the summary
 with its numbers left out, so the same error on every rank reads alike). Also which texts
 are the checkpoint reader's errors and which a parent-written SIGABRT record (NCCL's
 watchdog giving up on a collective).
@@ -96,6 +97,16 @@ class FailureCause:
             return f"{kind}: {message}" if kind else message
         return self.text
 
+    @cached_property
+    def culprit(self) -> str:
+        """The record's ``culprit`` as written (at most 40 characters; '' when the record
+        names none): the global rank a peer's failure says is guilty
+        (``megatron_patch.errors.failure_record``). A text, not a rank: the record is what a
+        worker wrote, and ``controller/culprits.py`` says what it makes of a value that is no
+        rank of the layout."""
+        m = _CULPRIT.search(self.text) if self.text.startswith("{") else None
+        return m.group(1)[:40] if m else ""
+
     @property
     def port_taken(self) -> bool:
         """A rank's rendezvous store could not bind its port (another process holds it on
@@ -119,6 +130,7 @@ class FailureCause:
 # these match the record's own keys only, in a whole record and in one cut off alike.
 _ORIGIN = re.compile(r'"origin"\s*:\s*"(local|peer|config|rendezvous)"')
 _RETRY = re.compile(r'"retry"\s*:\s*(true|false)')
+_CULPRIT = re.compile(r'"culprit"\s*:\s*([^,}\s]+)')
 _ERROR_TYPE = re.compile(r'"(?:error_type|error)"\s*:\s*"((?:[^"\\]|\\.)*)')
 _MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
 _NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|\d+")

@@ -13,7 +13,10 @@ audit log reproduces it. The rules:
   config, or the text is no record at all
   (the supervisor's ``rank N exit C: ...``, a toy worker's record without an origin). A
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
-  are not at fault. Each generation counts at most once per node.
+  are not at fault. A ``peer`` record that names the guilty rank (``culprit``: the sender
+  of bytes that do not decode) counts against the node that ran that rank instead, as a
+  failure of its own (``controller/culprits.py``; node-bound: never "alike", never the
+  job's). Each generation counts at most once per node.
 - Not against any node, up to a bound: a rank's rendezvous port taken by another process
   on its node (``origin`` rendezvous, ``EADDRINUSE``): the next generation's port is another
   (``controller/rendezvous_ports.py``); past the bound of such aborts in a row, the node's.
@@ -94,6 +97,7 @@ from dataclasses import dataclass, field
 
 from sailor.controller import rendezvous_ports
 from sailor.controller.agreed_health import charge_agreed
+from sailor.controller.culprits import BLAMED, blame
 from sailor.controller.failure_text import (
     AGREED_ERRORS,
     CAUSE_CHARS,
@@ -155,7 +159,7 @@ CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
 """Error type of the cause a node is charged with when it failed to read a checkpoint the
 other placed nodes read (``controller/suspect_checkpoint.py``): its mount is suspected."""
 
-_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED, CHECKPOINT_UNREADABLE)
+_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED, CHECKPOINT_UNREADABLE, BLAMED)
 """Error types that are about a process or an agent on that node, however many report one."""
 
 
@@ -237,6 +241,10 @@ def charge(
         for n, c in causes.items()
         if c.own and not c.unreadable_checkpoint and not (c.port_taken and port_free)
     }
+    # a peer's failure that names its guilty rank charges that rank's node as its own
+    # failure (controller/culprits.py); the reporter is not charged (its origin is peer)
+    blamed = blame(d.placement, causes)
+    seen |= blamed.causes
     # this generation's own failures, node by node: reported now, or counted already
     # (summary, signature, origin)
     evidence: dict[str, tuple[str, str, str]] = {
@@ -301,7 +309,7 @@ def charge(
     stall_counted = job.generation == gen and error_type(job.cause) == DEADLINE_MISSED
     if job.generation == gen and not hang_counted and not stall_counted:
         job_why.setdefault(record_signature(job), _ALIKE)
-    notes: list[str] = []
+    notes: list[str] = list(blamed.notes)
     spared: dict[str, list[str]] = {}
     for n in sorted(evidence):
         if forgiven(d, n):  # its failures of this generation are not counted, whatever they say
@@ -342,6 +350,10 @@ def charge(
         )
         if excl:
             notes.append(describe(n, health[n], now, excl))
+        elif kind[n] == BLAMED:  # the audit names the culprit, excluded or not
+            notes.append(
+                f"counted against {n} (failure {health[n].failures} in a row): {health[n].cause}"
+            )
     for why, nodes in spared.items():
         notes.append(f"not counted against {', '.join(nodes)}: {why}")
     own = sorted(  # a node's own failure, counted against it (not the job's, nor node-bound)

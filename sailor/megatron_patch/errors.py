@@ -5,7 +5,10 @@ waits for peers (they may be dead). The record says whether the failure is this 
 (``origin="local"``: an exception in its code, injected or real) or a consequence of another
 rank's failure (``origin="peer"``: a collective or p2p operation failed because a peer
 closed its connections or stopped answering within the timeout). The agent reports the
-local causes; peer records only confirm that the rank stopped. Both are ``retry=True``
+local causes; peer records only confirm that the rank stopped. A peer record that knows the
+guilty rank (a ``PeerObjectError``: bytes a rank sent that do not decode, an oversized size,
+an object of the wrong shape) also names it, ``culprit`` (its global rank): the controller
+charges that rank's node, not this one (``controller/culprits.py``). Both are ``retry=True``
 from the runtime's point of view: restart from the last committed checkpoint, maybe on
 another layout; a bad configuration (``ValueError`` before training) is ``retry=False``.
 A rendezvous store that cannot bind its port (``EADDRINUSE`` before training: rank 0's
@@ -31,6 +34,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -44,12 +48,14 @@ from sailor.comm.codec import PeerObjectError
 
 __all__ = [
     "AGREED",
+    "MAX_RANK",
     "FailureRecord",
     "InjectedFailureError",
     "PeerFailedError",
     "SaveTimeoutError",
     "classify",
     "close_fault_file",
+    "culprit_of",
     "failure_record",
     "fault_path",
     "outlived_kill_record",
@@ -107,7 +113,12 @@ class InjectedFailureError(RuntimeError):
 
 class PeerFailedError(RuntimeError):
     """Raised by a rank that is fine because another rank's failure was agreed (a save that
-    failed on another rank's storage): ``origin="peer"``, never charged to this node."""
+    failed on another rank's storage): ``origin="peer"``, never charged to this node.
+
+    It names no ``culprit`` in its record (:func:`failure_record`): the rank it speaks of
+    failed on its own and reports that itself (its node is charged by its own record), or
+    was preempted, or failed of a third rank's bytes; this rank's word that it stopped is no
+    evidence that it is to blame."""
 
 
 class SaveTimeoutError(RuntimeError):
@@ -151,13 +162,22 @@ def failure_record(
 
     ``step``: the step it failed at (inside an iteration, the one it computes: the step the
     engine's agreed errors name); ``last_step``: the last step it finished (what a parent's
-    :func:`signal_failure_record` calls ``step``; None: the same as ``step``)."""
+    :func:`signal_failure_record` calls ``step``; None: the same as ``step``).
+
+    A peer's failure that names its guilty rank (a ``PeerObjectError``'s sender) carries it
+    as ``culprit``, right after ``retry``: the agent keeps a record's first 2000 characters
+    only, and the controller reads these keys from the text, whole or cut off
+    (``controller/failure_text.py``)."""
     origin = classify(exc, in_training)
-    return {
+    record: FailureRecord = {
         "rank": rank,
         "step": step,
         "origin": origin,
         "retry": origin != "config",
+    }
+    if origin == "peer" and isinstance(exc, PeerObjectError) and exc.rank >= 0:
+        record["culprit"] = exc.rank
+    return record | {
         "last_step": step if last_step is None else last_step,
         "error_type": type(exc).__name__,
         "message": str(exc)[:4000],
@@ -350,3 +370,23 @@ def read_error_file(path: str | Path) -> FailureRecord | None:
     except (OSError, ValueError, RecursionError):  # nested past json's recursion limit
         return None
     return data if isinstance(data, dict) else None
+
+
+# The record's own key, as JSON writes it: a quote inside a string value is escaped (\"),
+# so this matches the key only, in a whole record and in one cut off alike.
+_CULPRIT = re.compile(r'"culprit"\s*:\s*(-?\d{1,10})(?![\d.eE])')
+
+MAX_RANK = 2**31 - 1
+"""The largest global rank a record may name (torch.distributed's ranks are C ints)."""
+
+
+def culprit_of(text: str) -> int:
+    """The ``culprit`` rank a failure record's text (whole, or its first characters as the
+    agent keeps them) names; -1 when it names none, or a value that is no rank (negative,
+    not an integer, past :data:`MAX_RANK`): a record is what a worker wrote, and a bad one
+    never stops its reader."""
+    m = _CULPRIT.search(text) if text.lstrip().startswith("{") else None
+    if m is None:
+        return -1
+    rank = int(m.group(1))
+    return rank if 0 <= rank <= MAX_RANK else -1

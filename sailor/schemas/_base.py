@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -64,7 +64,12 @@ Also ``CheckpointManifest.data`` (the identity of the data a checkpoint was trai
 ``TrainingConfig.allow_data_change`` (hashed into the training digest only away from its
 default): a release-8 worker drops the first and resumes without comparing the data, as
 before; a release-8 agent drops the second, and refuses a Launch whose config sets it (its
-digest differs), so no worker runs without the operator's override."""
+digest differs), so no worker runs without the operator's override.
+10: ``WorkerFailed.culprit`` (the global rank a peer's failure names as guilty; -1: none): a
+release-9 controller drops it, as it never read the event's cause either (it charges from
+``AgentStatus.failure``, whose record carries ``culprit`` as a key of its own, which a
+release-9 controller does not read: the culprit's node goes uncharged, as before); a
+release-9 agent sends none, which a release-10 controller takes as -1."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -67,6 +67,13 @@ class WorkerFailed(_EventBase):
     plan_id: str = Field(default="", description="Plan the worker ran.")
     rank: int = Field(default=-1, description="Global rank of the worker.")
     cause: str = Field(default="", max_length=4096, description="First cause reported.")
+    culprit: int = Field(
+        default=-1,
+        ge=-1,
+        description="Global rank the first cause names as guilty (its record's ``culprit``: "
+        "the rank that sent bytes that do not decode, an oversized size or an object of the "
+        "wrong shape); -1: none. The controller charges that rank's node, not this one.",
+    )
 
 
 class Heartbeat(_EventBase):
