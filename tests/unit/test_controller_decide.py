@@ -746,6 +746,37 @@ def test_three_failures_in_a_row_on_one_node_exclude_it() -> None:
     assert _replanned(a) == ["n1"]
 
 
+def test_a_peers_bad_bytes_charge_the_senders_node_and_the_replan_leaves_it_out() -> None:
+    """n4's rank sends its peers bytes that do not decode: n1 fails of them with origin
+    peer naming that rank (``culprit``), n4 keeps running. Before, nobody was counted and n4
+    stayed in every layout; now n4 is counted each generation (the abort's reason names it,
+    the rank and the reporter), excluded at the policy's third failure, and the next plan
+    leaves it out. n1 never is. A culprit that is no rank of the layout counts nothing."""
+    health: dict[str, object] = {}
+    ids = (1, 2, 3, 4)
+    for gen in (1, 2, 3):
+        d = running(ids, gen=gen, node_health=health)
+        (culprit,) = d.placement["n4"]
+        record = json.loads(_record("peer", f"rank {culprit} sent an object that does not decode"))
+        record = {**record, "culprit": culprit}  # as failure_record writes it, after retry
+        n1 = st(1, gen=gen, state="failed").model_copy(update={"failure": json.dumps(record)})
+        a = decide(d, obs(nodes(*ids), [n1, *(st(i, gen=gen) for i in ids[1:])]), CFG)
+        torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+        health = torn.node_health
+        assert set(health) == {"n4"} and health["n4"].failures == gen, health
+        assert f"PeerBlamed: rank {culprit} named guilty by n1" in reason, reason
+    assert health["n4"].excluded_until == NOW + 600
+    a = decide(torn, obs(nodes(*ids), [st(i, state="idle") for i in ids]), CFG)
+    assert _replanned(a) == ["n1", "n2", "n3"]
+    # forged: a rank past the layout's
+    d = running(ids)
+    forged = {**json.loads(_record("peer")), "culprit": 99}
+    n1 = st(1, state="failed").model_copy(update={"failure": json.dumps(forged)})
+    a = decide(d, obs(nodes(*ids), [n1, *(st(i) for i in ids[1:])]), CFG)
+    torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert torn.node_health == {} and "culprit '99' named by n1 ignored" in reason, reason
+
+
 def test_peer_failures_do_not_count_and_unreadable_ones_do() -> None:
     d = running((1, 2))
     n2 = st(2, state="failed").model_copy(update={"failure": "rank 1 exit -9: Killed"})
