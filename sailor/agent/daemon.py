@@ -512,6 +512,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             save_failed_step=failed_step,
             save_failure=save_failure,
             failure=(sup.failure or sup.held_failure)[:4000],
+            culprit=culprit_of(sup.failure) if sup.failure else sup.held_culprit,
             held_step=sup.held_step if state == "held" else -1,
             killing=sup.killing,
             spares=sup.spares_ready,
@@ -561,7 +562,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             time=self.clock.now(),
             plan_id=st.plan_id,
             cause=st.failure[:4000],
-            culprit=culprit_of(st.failure),
+            culprit=st.culprit,
         )
 
     async def _watch(self, watcher: PreemptionWatcher) -> None:

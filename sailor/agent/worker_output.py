@@ -31,6 +31,7 @@ from sailor.agent.stream_lines import lines
 from sailor.agent.worker_view import WorkerView
 from sailor.coordination import TaskSet
 from sailor.megatron_patch.errors import (
+    MAX_RANK,
     fault_path,
     read_error_file,
     signal_failure_record,
@@ -147,6 +148,7 @@ class WorkerOutput:
             w.held = True
             w.held_step = held_step
             w.broken = str(msg.get("cause", "")) if msg.get("broken") else ""
+            w.culprit = _culprit(msg) if w.broken else -1
             if w.broken:
                 _log.warning("worker_held_broken", rank=w.rank, cause=w.broken[:300])
         elif ev == "warm":
@@ -232,6 +234,15 @@ def _step_of(msg: dict[str, Any], default: int) -> int:
     if step < -1:
         raise ValueError(f"step={v!r}: a step number is at least -1 (none)")
     return step
+
+
+def _culprit(msg: dict[str, Any]) -> int:
+    """The ``culprit`` of a held line: a global rank, or -1 (none, or a value that is no
+    rank: a worker's line never stops its reader)."""
+    v = msg.get("culprit", -1)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_RANK:
+        return -1
+    return v
 
 
 async def exit_of(proc: asyncio.subprocess.Process) -> int:

@@ -50,6 +50,8 @@ class WorkerView:
     held_step: int = -1
     broken: str = ""
     """Why its world broke, if it holds after a failure ('' after a clean stop)."""
+    culprit: int = -1
+    """The global rank its held line names as guilty for the break (-1: none)."""
     warm: bool = False
     """A spare that reported it is ready for a directive."""
     gpu: int = -1
@@ -95,6 +97,12 @@ class SupervisorStatus:
     def held_failure(self) -> str:
         """Why the held workers' world broke ('' if none did)."""
         return next((w.broken for w in self.workers if w.held and w.broken), "")
+
+    @property
+    def held_culprit(self) -> int:
+        """The rank the held worker whose cause is :attr:`held_failure` names as guilty
+        (-1: none)."""
+        return next((w.culprit for w in self.workers if w.held and w.broken), -1)
 
     @property
     def held_step(self) -> int:

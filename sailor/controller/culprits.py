@@ -4,7 +4,9 @@ A rank that receives bytes from a peer's object collective that do not decode, a
 oversized size or an object of the wrong shape fails with ``PeerObjectError`` naming the
 *sending* rank (``sailor.comm.codec``). Its record says ``origin: "peer"``, so its own
 node is not charged (``controller/node_health.py``), and it names the sender as
-``culprit`` (its global rank; ``sailor.megatron_patch.errors.failure_record``). Without
+``culprit`` (its global rank; ``sailor.megatron_patch.errors.failure_record``; an in-place
+worker that holds the broken world instead names it in its held line, and its agent's
+status in ``AgentStatus.culprit``: ``failing_nodes.held_reports``). Without
 this module nobody was charged: a hostile or corrupted rank that sends garbage to every
 peer stayed in every next layout while its honest peers failed, generation after
 generation. Here the culprit rank is mapped to the node that ran it in the generation

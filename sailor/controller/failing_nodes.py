@@ -22,6 +22,7 @@ excluded set).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import replace
@@ -61,6 +62,7 @@ __all__ = [
     "failed",
     "forget",
     "health_update",
+    "held_reports",
     "holding_up",
     "late_failures",
     "lost_in_teardown",
@@ -99,6 +101,21 @@ def failed(
             continue
         if st.generation == d.generation or (stale and st.generation < d.generation):
             out[n] = st.failure
+    return out
+
+
+def held_reports(d: DesiredState, status: Mapping[str, AgentStatus]) -> dict[str, str]:
+    """node -> a ``peer`` failure record naming the culprit, for the placed nodes whose
+    in-place workers hold ``d``'s generation's world, broken of a rank's fault: their
+    status names it (``AgentStatus.culprit``), their failure text is the cause and no record
+    (``node_health.charge``'s ``held``: the culprit's node is charged, not theirs)."""
+    out = {}
+    for n in d.placement:
+        st = status.get(n)
+        if st is None or st.state != "held" or st.generation != d.generation or st.culprit < 0:
+            continue
+        record = {"origin": "peer", "retry": True, "culprit": st.culprit, "message": st.failure}
+        out[n] = json.dumps(record)
     return out
 
 
@@ -207,9 +224,10 @@ def charge_abort(
     if stall_what and len(d.placement) == 1:  # one node's failure is its own
         late, stall_what = {**(late or {}), **dict.fromkeys(d.placement, stall_what)}, ""
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
+    held = held_reports(d, status)
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
-    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status))
+    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held)
     # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
     # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
     redo = [
@@ -220,7 +238,7 @@ def charge_abort(
     if redo:
         for n in redo:
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
-        c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status))
+        c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held)
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
 
     # what was counted: the missed deadline, or the failure the node reports of its own
@@ -386,7 +404,16 @@ def late_failures(
     decided counted (a peer's status came first; or the rest of a failure of the whole job,
     which takes back what was counted against the first node), and why; None when nothing
     changes. ``lost``: the placed nodes the generation lost (:func:`lost_nodes`)."""
-    c = charge(d, failed(d, status), now, policy, progressed(d, status), lost, _steps(d, status))
+    c = charge(
+        d,
+        failed(d, status),
+        now,
+        policy,
+        progressed(d, status),
+        lost,
+        _steps(d, status),
+        held_reports(d, status),
+    )
     same_agreed = c.agreed is None or c.agreed == d.agreed_health
     if c.health == d.node_health and c.job == d.job_health and same_agreed:
         if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:

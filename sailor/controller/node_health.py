@@ -212,6 +212,7 @@ def charge(
     progressed: Collection[str] = (),
     lost: Collection[str] = (),
     steps: Mapping[str, int] | None = None,
+    held: Mapping[str, str] | None = None,
 ) -> Charged:
     """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
     counted against the nodes they began on, or against the job (module docstring).
@@ -220,6 +221,9 @@ def charge(
     ``lost``: the placed nodes lost in the generation (gone without notice, or with one):
     the SIGABRTs of the others are NCCL's watchdog giving up on their ranks, not a hang.
     ``steps``: the step each failed node's status reported (``NodeHealth.step``).
+    ``held``: the placed nodes whose in-place workers hold a world that broke of a peer's
+    fault, node -> a ``peer`` record naming the culprit (``failing_nodes.held_reports``):
+    they are charged nothing, the culprit's node is (``controller/culprits.py``).
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
@@ -243,7 +247,8 @@ def charge(
     }
     # a peer's failure that names its guilty rank charges that rank's node as its own
     # failure (controller/culprits.py); the reporter is not charged (its origin is peer)
-    blamed = blame(d.placement, causes)
+    held_causes = {n: parse_failure(t) for n, t in (held or {}).items() if n not in causes}
+    blamed = blame(d.placement, causes | held_causes)
     seen |= blamed.causes
     # this generation's own failures, node by node: reported now, or counted already
     # (summary, signature, origin)

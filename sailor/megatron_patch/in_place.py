@@ -80,6 +80,10 @@ class Held:
     generation: int
     """The last generation this process applied (-1: none yet)."""
     cause: str = ""
+    culprit: int = -1
+    """The global rank the failure that broke the world names as guilty (a
+    ``PeerObjectError``'s sender; -1: none): the held line carries it to the agent, and the
+    controller charges that rank's node (``controller/culprits.py``)."""
 
 
 def parse_directive(text: str, last_generation: int) -> tuple[int, list[str]] | None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from sailor.comm import abort as comm_abort
 from sailor.comm import api as comm
+from sailor.comm.codec import PeerObjectError
 from sailor.megatron_patch.boundary import Progress, Status
 from sailor.megatron_patch.checkpoint_io import CheckpointIO
 from sailor.megatron_patch.engine import TrainConfig, Trainer, make_optimizer
@@ -74,6 +75,8 @@ def held_line(h: Held) -> dict[str, Any]:
     line["broken"] = h.broken
     if h.broken:
         line["cause"] = h.cause
+        if h.culprit >= 0:
+            line["culprit"] = h.culprit
     return line
 
 
@@ -94,7 +97,11 @@ def hold_broken(
         ckpt.reset()
     comm.install_backend(comm.TorchBackend())  # a strict backend's log is of a dead world
     cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    h = Held(None, args.rank, trainer.step, trainer.consumed_samples, True, generation, cause)
+    # a peer's bytes that do not decode: its rank is to blame, not this world's others
+    culprit = exc.rank if isinstance(exc, PeerObjectError) and exc.rank >= 0 else -1
+    h = Held(
+        None, args.rank, trainer.step, trainer.consumed_samples, True, generation, cause, culprit
+    )
     progress.emit(held_line(h))
     return h
 

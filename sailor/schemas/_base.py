@@ -65,11 +65,11 @@ Also ``CheckpointManifest.data`` (the identity of the data a checkpoint was trai
 default): a release-8 worker drops the first and resumes without comparing the data, as
 before; a release-8 agent drops the second, and refuses a Launch whose config sets it (its
 digest differs), so no worker runs without the operator's override.
-10: ``WorkerFailed.culprit`` (the global rank a peer's failure names as guilty; -1: none): a
-release-9 controller drops it, as it never read the event's cause either (it charges from
-``AgentStatus.failure``, whose record carries ``culprit`` as a key of its own, which a
-release-9 controller does not read: the culprit's node goes uncharged, as before); a
-release-9 agent sends none, which a release-10 controller takes as -1."""
+10: ``WorkerFailed.culprit`` and ``AgentStatus.culprit`` (the global rank a peer's failure
+names as guilty; -1: none): a release-9 controller drops them and does not read the key
+``culprit`` of the failure record in ``AgentStatus.failure`` either, so the culprit's node
+goes uncharged, as before (the reporter is not charged); a release-9 agent sends none,
+which a release-10 controller takes as -1."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()

@@ -532,6 +532,14 @@ class AgentStatus(WireMessage):
         description="What failed in that save (the ranks and the first one's error).",
     )
     failure: str = Field(default="", max_length=4096, description="First failure cause.")
+    culprit: int = Field(
+        default=-1,
+        ge=-1,
+        description="Global rank ``failure`` names as guilty (a peer whose bytes did not "
+        "decode, whose size was out of bounds or whose object had the wrong shape); -1: none. "
+        "A failed worker's record carries it too (its key ``culprit``); for held workers whose "
+        "world broke (their cause is no record) the controller reads it here.",
+    )
     held_step: int = Field(
         default=-1,
         ge=-1,

@@ -8,6 +8,7 @@ is ignored with a note naming it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -236,3 +237,39 @@ def test_the_agents_failure_event_carries_the_culprit_its_workers_record_names(
     # a forged record: no rank, the event still goes out
     agent.supervisor.failure = _forged("-7")
     assert agent._failure_event(agent.status()).culprit == -1
+
+
+def test_a_held_world_broken_by_a_peers_bytes_names_the_sender_to_the_agent(
+    tmp_path: Path,
+) -> None:
+    """An in-place rank holds (no error file) when a peer's bytes break its world: its held
+    line names the sender, the agent's status and event carry it; a held line's value that
+    is no rank is -1, and never stops the agent."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
+    from sailor.agent.worker_view import WorkerView
+    from sailor.megatron_patch.in_place import Held
+    from sailor.megatron_patch.in_place_steps import held_line
+    from sailor.schemas.hardware import NodeSpec
+
+    cause = "PeerObjectError: rank 5 sent an object that does not decode"
+    line = held_line(Held(None, 0, 7, 56, True, 3, cause, 5))
+    assert line == {
+        "event": "held",
+        "rank": 0,
+        "step": 7,
+        "broken": True,
+        "cause": cause,
+        "culprit": 5,
+    }
+    assert "culprit" not in held_line(Held(None, 0, 7, 56, True, 3, "gloo: timeout"))
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
+    agent = Agent(AgentConfig(node=node, work_dir=tmp_path))
+    w = WorkerView(rank=0, proc=None, argv=())  # type: ignore[arg-type]
+    agent.supervisor.workers = [w]
+    for culprit, want in ((5, 5), (-4, -1), (True, -1), ("5", -1), (2**40, -1)):
+        asyncio.run(agent.supervisor._on_line(w, {**line, "culprit": culprit}))
+        st = agent.status()
+        assert (st.state, st.failure, st.culprit) == ("held", cause, want), culprit
+        assert agent._failure_event(st).culprit == want

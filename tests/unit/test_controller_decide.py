@@ -777,6 +777,31 @@ def test_a_peers_bad_bytes_charge_the_senders_node_and_the_replan_leaves_it_out(
     assert torn.node_health == {} and "culprit '99' named by n1 ignored" in reason, reason
 
 
+def test_an_in_place_world_broken_by_a_peers_bytes_charges_the_senders_node() -> None:
+    """In-place workers hold (no error file) when a peer's bytes break their world: their
+    status names the sender (``AgentStatus.culprit``), and the abort charges its node, not
+    the holders'. Before, held nodes were never counted, nor was the sender."""
+    ids = (1, 2, 3, 4)
+    d = running(ids, gen=2, path="in_place")
+    (culprit,) = d.placement["n4"]
+    cause = f"PeerObjectError: rank {culprit} sent an object that does not decode: JSONDecodeError"
+    held = [
+        st(i, gen=2, state="held").model_copy(update={"failure": cause, "culprit": culprit})
+        for i in (1, 2)
+    ]
+    a = decide(d, obs(nodes(*ids), [*held, st(3, gen=2), st(4, gen=2)]), CFG)
+    torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert torn.phase is Phase.TEARDOWN and "worker world broke on n1" in torn.cause
+    assert set(torn.node_health) == {"n4"}, torn.node_health
+    assert f"PeerBlamed: rank {culprit} named guilty by n1: {cause}"[:80] in reason, reason
+    # held of a world that broke of a dead peer (no culprit): nobody counted, as before
+    plain = [
+        st(i, gen=2, state="held").model_copy(update={"failure": "gloo: timeout"}) for i in (1, 2)
+    ]
+    a = decide(d, obs(nodes(*ids), [*plain, st(3, gen=2), st(4, gen=2)]), CFG)
+    assert a[0].state.node_health == {}  # type: ignore[union-attr]
+
+
 def test_peer_failures_do_not_count_and_unreadable_ones_do() -> None:
     d = running((1, 2))
     n2 = st(2, state="failed").model_copy(update={"failure": "rank 1 exit -9: Killed"})
