@@ -131,8 +131,9 @@ def network_cmd(
         min=0.0,
         help="With --rank: seconds each side waits for the other before failing with the "
         "address: rank 1 for rank 0 to accept a connection at --master (it may start after "
-        "this side), rank 0, once it listens, for rank 1's ranks to join (each probe); a "
-        "--master host that does not resolve is refused at once on either side.",
+        "this side), rank 0, once it listens, for rank 1's ranks to join (each probe; their "
+        "start counts); a --master host that does not resolve is refused at once on either "
+        "side.",
     ),
     pairs: int = typer.Option(
         1,
@@ -252,14 +253,16 @@ def network_cmd(
             "listens (--connect-timeout)",
             err=True,
         )
-    join_timeout = None if rank is None else connect_timeout
+    # rank 0 waits for its peer --connect-timeout at most; rank 1's ranks start only once
+    # rank 0 listens (_wait_for_rank0), and fail as soon as rank 0's ranks give up
+    join_timeout = connect_timeout if rank == 0 else None
     try:
         with con.status(f"probing {2 * pairs} {backend} ranks ({where})..."):
             points = run_probe(
                 settings, rank=rank, master=master, gpu=gpu, join_timeout_s=join_timeout
             )
     except PeerNotJoinedError as exc:
-        raise fail(_not_joined(exc, rank), code=1) from None
+        raise fail(_not_joined(exc), code=1) from None
     except (RuntimeError, ValueError) as exc:
         raise fail(str(exc)) from exc
     probe = _CollectiveProbe(
@@ -343,21 +346,15 @@ def _wait_for_rank0(con: Console, master: str, timeout_s: float) -> None:
         raise fail(f"--master: {exc}") from None
 
 
-def _not_joined(exc: PeerNotJoinedError, rank: int | None) -> str:
-    """What a side says when the other side's ranks did not join within --connect-timeout
-    (before, rank 0 waited for them until its ranks' rendezvous gave up, 300 s, or the
-    probe's deadline, 600 s)."""
+def _not_joined(exc: PeerNotJoinedError) -> str:
+    """What rank 0 says when rank 1's ranks did not join within --connect-timeout (before,
+    it waited for them until its ranks' rendezvous gave up, 300 s)."""
     t = f"{exc.timeout_s:g}"
-    if rank == 0:
-        return (
-            f"--connect-timeout={t}: rank 1 did not join rank 0 at {exc.master} within {t} s "
-            f"of this side listening: start `sailor profile network --rank 1 --master "
-            f"{exc.master}` (the same --pairs and --collectives) on the other node, check that "
-            "it reaches this address (the firewall), or wait longer with --connect-timeout"
-        )
     return (
-        f"--connect-timeout={t}: rank 0 at {exc.master} accepts connections, but the group "
-        f"did not form within {t} s: start both sides with the same --pairs and --collectives"
+        f"--connect-timeout={t}: rank 1 did not join rank 0 at {exc.master} within {t} s of "
+        f"this side listening: start `sailor profile network --rank 1 --master {exc.master}` "
+        "(the same --pairs and --collectives) on the other node, check that it reaches this "
+        "address (the firewall), or wait longer with --connect-timeout"
     )
 
 
@@ -470,8 +467,8 @@ class _CollectiveProbe:
     """Where rank 0 listens for it (the port after the link probe's), with --rank."""
     gpu: int
     connect_timeout: float = 120.0
-    """With ``rank``: how long rank 1 waits for rank 0 to listen at ``master``, and either
-    side, once ready, for the other's rank to join."""
+    """With ``rank``: how long rank 1 waits for rank 0 to listen at ``master``, and rank 0,
+    once it listens, for rank 1's rank to join."""
 
     def run(self, con: Console, ranks: int) -> CollectiveLatency:
         """The all-reduce among ``ranks`` ranks (each count is saved before the next runs)."""
@@ -496,10 +493,10 @@ class _CollectiveProbe:
                     rank=self.rank,
                     master=self.master,
                     gpu=self.gpu,
-                    join_timeout_s=None if self.rank is None else self.connect_timeout,
+                    join_timeout_s=self.connect_timeout if self.rank == 0 else None,
                 )
         except PeerNotJoinedError as exc:
-            raise RuntimeError(_not_joined(exc, self.rank)) from None
+            raise RuntimeError(_not_joined(exc)) from None
         return lat
 
 

@@ -275,29 +275,44 @@ def test_a_cpu_kind_is_an_endpoint_of_a_cpu_probe(
     assert (link.src.gpu_type, link.dst.gpu_type) == ("cpu-full", "cpu-slow")
 
 
-def test_rank1_says_when_rank0_listens_but_the_group_never_forms(
+def test_only_rank0_limits_the_wait_for_its_peer_in_both_probes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Rank 1 reached rank 0's port, then its ranks waited to join (another --pairs there):
-    the ranks are given --connect-timeout to join (``run_ranks``' ``PeerNotJoinedError``),
-    and the side fails naming the option and the address."""
+    """Rank 0 gives each probe's ranks --connect-timeout for rank 1's to join
+    (``run_ranks``' ``PeerNotJoinedError``): an all-reduce whose peer never joins fails
+    naming the option and the address, the link kept. Rank 1 and loopback pass no limit
+    (rank 1's ranks start only once rank 0 listens, and fail as soon as rank 0's go)."""
     import socket
 
     from sailor.profiler.procs import PeerNotJoinedError
 
-    given: list[float | None] = []
+    fake = _FakeRanks(monkeypatch, gpus=0)
+    given: list[tuple[str, float | None]] = []
+    link = fake._link
+
+    def link_seen(module: str, world: int, cfg: dict[str, Any], **kw: Any) -> list[Any]:
+        given.append(("link", kw.get("join_timeout_s")))
+        return link(module, world, cfg, **kw)
 
     def never_joined(module: str, world: int, cfg: dict[str, Any], **kw: Any) -> list[Any]:
-        given.append(kw.get("join_timeout_s"))
+        given.append(("all-reduce", kw.get("join_timeout_s")))
         raise PeerNotJoinedError(module, kw["master"], kw["join_timeout_s"])
 
-    monkeypatch.setattr(network_probe, "run_ranks", never_joined)
+    monkeypatch.setattr(network_probe, "run_ranks", link_seen)
+    monkeypatch.setattr(collective_probe, "run_ranks", never_joined)
+    out = tmp_path / "net.json"
+    argv = ["profile", "network", "-o", str(out), *_FAST, *_SIZES]
+    side0 = ["--rank", "0", "--master", "127.0.0.1:29500", "--connect-timeout", "3"]
+    res = CliRunner().invoke(app, [*argv, *side0, "--collectives", "2"])
+    assert res.exit_code == 2, res.output
+    assert given == [("link", 3.0), ("all-reduce", 3.0)]
+    want = "all-reduce among 2 ranks: --connect-timeout=3: rank 1 did not join rank 0 at "
+    assert f"{want}127.0.0.1:29501 within 3 s" in res.stderr, res.stderr
+    assert len(NetworkProfile.model_validate_json(out.read_text()).links) == 1
+    given.clear()
+    assert CliRunner().invoke(app, [*argv, "--collectives", ""]).exit_code == 0
     with socket.create_server(("127.0.0.1", 0)) as listening:
-        master = f"127.0.0.1:{listening.getsockname()[1]}"
-        argv = ["profile", "network", "-o", str(tmp_path / "net.json"), *_FAST]
-        side1 = ["--rank", "1", "--master", master, "--connect-timeout", "3", "--collectives", ""]
-        res = CliRunner().invoke(app, [*argv, *side1])
-    assert res.exit_code == 1, res.output
-    assert given == [3.0]
-    want = f"--connect-timeout=3: rank 0 at {master} accepts connections, but the group did not"
-    assert want in res.stderr, res.stderr
+        side1 = ["--rank", "1", "--master", f"127.0.0.1:{listening.getsockname()[1]}"]
+        res = CliRunner().invoke(app, [*argv, *side1, "--collectives", ""])
+    assert res.exit_code == 0, res.output
+    assert given == [("link", None), ("link", None)]
