@@ -80,6 +80,7 @@ def _fsync_failing(code: int, on_dirs: bool = True) -> Callable[[int], None]:
 def test_a_write_is_fsynced_renamed_and_its_directory_fsynced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
     path = tmp_path / "m.json"
     path.write_text("old")
     events = _record(monkeypatch, watched=path)
@@ -129,6 +130,7 @@ def test_the_directories_made_are_durable_before_the_file_is(
 ) -> None:
     """``make_dirs``: each directory made has its entry fsync'd in its parent, before the
     file is renamed into the last one."""
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
     path = tmp_path / "a" / "b" / "f"
     events = _record(monkeypatch)
     write_durably(path, b"x", make_dirs=True)
@@ -192,6 +194,7 @@ def test_fsync_dir_refuses_a_file(tmp_path: Path) -> None:
 def test_a_removal_is_durable_and_an_absent_file_is_no_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
     path = tmp_path / "m.json"
     path.write_text("old")
     events = _record(monkeypatch, watched=path)
@@ -210,6 +213,7 @@ def test_a_removal_is_durable_and_an_absent_file_is_no_error(
 def test_the_epoch_fence_makes_its_run_directory_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
     from sailor.agent.fence import EpochFence
 
     path = tmp_path / "work" / "n1.epoch"
@@ -222,6 +226,7 @@ def test_the_epoch_fence_makes_its_run_directory_durable(
 async def test_the_supervisors_control_files_are_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
     from sailor.agent.supervisor import Supervisor
     from sailor.agent.worker_view import WorkerView
 
@@ -243,6 +248,7 @@ def test_the_toy_trainers_checkpoint_files_are_durable(
 ) -> None:
     """A one-rank toy save: its part, its state and its commit marker each fsync'd before
     the rename, the step directory after it, and the new step directory's entry too."""
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
     from sailor.agent.toy_trainer import _save
 
     events = _record(monkeypatch)
