@@ -3,8 +3,9 @@
 An agent refuses a command whose epoch is lower than the highest it has accepted: a deposed
 controller (a lower epoch) must change nothing. Held only in memory, the fence was lost with
 the process, and a restarted agent obeyed a deposed controller again. So the fence is a small
-file in the agent's run directory, raised (written to a temporary file, fsynced, renamed,
-directory fsynced) *before* the command that raised it is applied and acked; on start it is
+file in the agent's run directory, raised (:func:`sailor.durable.write_durably`: written to a
+temporary file, fsynced, renamed, directory fsynced; a run directory it makes, fsynced in its
+parent) *before* the command that raised it is applied and acked; on start it is
 read back, and the agent also raises it to the epoch of the desired state in etcd (the newest
 leader that wrote it), which covers a lost or new run directory.
 
@@ -15,8 +16,9 @@ operator looks). Must never import the controller.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from sailor.durable import write_durably
 
 __all__ = ["EpochFence", "FenceUnreadableError"]
 
@@ -52,17 +54,6 @@ class EpochFence:
         epoch = int(epoch)
         if epoch <= self.epoch:
             return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("wb") as fh:
-            fh.write(json.dumps({"epoch": epoch}).encode())
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durably(self.path, json.dumps({"epoch": epoch}).encode(), make_dirs=True)
         self.epoch = epoch
         return True

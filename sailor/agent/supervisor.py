@@ -8,7 +8,7 @@ every worker's argv, whatever the template (the real worker and the toy trainer 
 argparse's last occurrence wins, so the controller's config overrides one a template names).
 Progress arrives as JSON lines on stdout (see ``sailor.megatron_patch.rank_main`` and
 ``toy_trainer``); stop and save requests go through a control file the workers re-read at
-every iteration boundary, written atomically. The timings of each rank's last steps are kept
+every iteration boundary, written durably. The timings of each rank's last steps are kept
 (:mod:`step_timings`) for the status record. On abort or deadline the workers' process groups
 get SIGTERM, then SIGKILL after ``kill_grace_s``, and no worker or spare starts until every
 process of those groups is gone (:mod:`killed_groups`: a rank in the GPU driver's teardown
@@ -89,6 +89,7 @@ from sailor.agent.worker_argv import DEFAULT_WORKER_ARGV, worker_options
 from sailor.agent.worker_output import WorkerOutput
 from sailor.agent.worker_view import SupervisorStatus, WorkerView
 from sailor.coordination import TaskSet
+from sailor.durable import write_durably
 from sailor.megatron_patch.devices import worker_env
 from sailor.megatron_patch.held_match import match_held
 from sailor.megatron_patch.parent_death import PARENT_ENV
@@ -766,8 +767,7 @@ def _fresh_rank_files(gen_dir: Path, ranks: Sequence[int]) -> None:
 
 def _fresh_spare_dir(d: Path) -> None:
     """A warm spare's directory, with its empty control file."""
-    d.mkdir(parents=True, exist_ok=True)
-    _write_atomic(d / "control.json", "{}")
+    write_durably(d / "control.json", b"{}", make_dirs=True)
 
 
 def _control_file(gen_dir: Path, rank: int) -> Path:
@@ -776,6 +776,6 @@ def _control_file(gen_dir: Path, rank: int) -> Path:
 
 
 def _write_atomic(path: Path, data: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(data)
-    tmp.replace(path)
+    """``path`` replaced with ``data`` durably (:func:`write_durably`): a worker polling it
+    reads the old file or the new one, and a command acked as applied survives a power loss."""
+    write_durably(path, data.encode())

@@ -66,6 +66,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sailor.durable import write_durably
 from sailor.megatron_patch.file_wait import FileWait
 from sailor.megatron_patch.parent_death import die_with_parent
 
@@ -80,18 +81,12 @@ def _target(step: int) -> list[float]:
 
 
 def _write_atomic(path: Path, data: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        tmp.write_text(data)
-    except FileNotFoundError:
-        # the step directory went between mkdir and here: emptied and removed by another
-        # committer's deletion of a commit given up on (``_drop_commit``); make it again
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(data)
-    with tmp.open("rb") as fh:
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+    """``path`` replaced with ``data`` durably (:func:`write_durably`: its directory fsync'd
+    too, as the real worker's storage does), its directory made if missing, and made again
+    if it goes before the write (emptied and removed by another committer's deletion of a
+    commit given up on, ``_drop_commit``). The temporary name carries the pid: ranks and
+    generations may write one name at once (a ``rank-R.missed``)."""
+    write_durably(path, data.encode(), tmp_suffix=f".tmp{os.getpid()}", make_dirs=True)
 
 
 def _emit(obj: dict[str, object]) -> None:

@@ -14,7 +14,6 @@ This module must never interpret checkpoint contents; it moves bytes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import shutil
@@ -27,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from sailor.checkpoint.errors import StorageError
 from sailor.checkpoint.local_read import LocalReader
+from sailor.durable import fsync_dir
 
 __all__ = ["FsspecStorage", "LocalStorage", "RangeReader", "Storage", "confined", "open_storage"]
 
@@ -468,31 +468,17 @@ def _write_fully(f: Any, c: Chunk) -> int:
     return done
 
 
-_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
-"""What opening or fsyncing a directory raises where the file system cannot do it (some
-FUSE and network file systems: EINVAL, ENOTSUP, EBADF): the rename's durability is the
-file system's there, as it always is. Anything else (EIO, ENOSPC, EROFS, ...) is the
-storage failing."""
-
-
 def _fsync_dir(d: Path) -> None:
     """Make the entries of directory ``d`` durable (a rename, a new file or subdirectory,
-    a deletion): skipped where the file system does not support it
-    (``_FSYNC_UNSUPPORTED``), a ``StorageError`` for any other failure: swallowing an EIO
-    would report a step committed whose marker may live only in the page cache."""
+    a deletion; :func:`sailor.durable.fsync_dir`): skipped where the file system does not
+    support it (``FSYNC_UNSUPPORTED``), a ``StorageError`` for any other failure: swallowing
+    an EIO would report a step committed whose marker may live only in the page cache."""
     try:
-        fd = os.open(d, os.O_RDONLY)
+        fsync_dir(d, skip_unsupported=True)
     except OSError as exc:
-        if exc.errno in _FSYNC_UNSUPPORTED:
-            return
-        raise StorageError(f"cannot open directory {d} to fsync it: {exc}", retryable=True) from exc
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in _FSYNC_UNSUPPORTED:
-            raise StorageError(f"cannot fsync directory {d}: {exc}", retryable=True) from exc
-    finally:
-        os.close(fd)
+        # os.open's error names the directory, os.fsync's does not
+        what = "open directory {} to fsync it" if exc.filename is not None else "fsync directory {}"
+        raise StorageError(f"cannot {what.format(d)}: {exc}", retryable=True) from exc
 
 
 def _rmtree(p: Path) -> None:

@@ -2,9 +2,9 @@
 
 The app the commands register on (``profile_cmd`` adds it to the ``sailor`` CLI), the
 parsing of their list and byte-count options, the model a command profiles, this host's
-catalog GPU type, and the ProfileDB file a command merges into (checked before measuring).
-Commands: ``profile_layers_cmd`` (layers), ``profile_network_cmd`` (network), ``profile_cmd``
-(estimate). Holds no command itself.
+catalog GPU type and the check of a type a command records under, and the ProfileDB file a
+command merges into (checked before measuring). Commands: ``profile_layers_cmd`` (layers),
+``profile_network_cmd`` (network), ``profile_cmd`` (estimate). Holds no command itself.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import typer
 from sailor import catalog
 from sailor.cli._io import check_out, fail, load_model
 from sailor.schemas import ModelSpec, ProfileDB
+from sailor.schemas.device_kind import is_cpu_type
 
 __all__ = [
     "check_db_out",
     "check_grid",
+    "check_kind",
     "existing_db",
     "fmt_ms",
     "local_gpu_type",
@@ -127,6 +129,27 @@ def local_gpu_type(device: str) -> str:
         return catalog_gpu_name(props.name, props.total_memory, catalog.gpus())
     except UnknownGPUError as exc:
         raise fail(str(exc)) from exc
+
+
+def check_kind(option: str, gpu_type: str, device: str, new_gpu_type: bool, misread: str) -> None:
+    """Refuse a device type (``option``'s value) the planner would not read as the device
+    measured: a GPU type on ``--device cpu`` (``misread`` says how it would be taken), or a
+    name that is neither a catalog GPU type nor a CPU kind (``cpu`` or ``cpu-<kind>``)
+    unless ``--new-gpu-type`` says it is a GPU type the catalog lacks."""
+    if is_cpu_type(gpu_type):
+        return
+    known = sorted(g for g in catalog.gpus() if not is_cpu_type(g))
+    if device == "cpu":
+        raise fail(
+            f"{option}={gpu_type!r} on --device cpu: {misread}: name the CPU nodes' kind cpu "
+            "or cpu-<kind> (e.g. cpu-slow), or measure the GPU with --device cuda on it"
+        )
+    if gpu_type not in known and not new_gpu_type:
+        raise fail(
+            f"{option}={gpu_type!r}: not a GPU type of the catalog ({', '.join(known)}): give "
+            "one of them, or pass --new-gpu-type to record a GPU type the catalog does not "
+            "list yet"
+        )
 
 
 def fmt_ms(s: float) -> str:

@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sailor import catalog
 from sailor.cli._io import fail
 from sailor.cli.profile_group import (
     check_db_out,
+    check_kind,
     existing_db,
     fmt_ms,
     local_gpu_type,
@@ -50,28 +50,6 @@ periods; a span of 20 keeps the part period at its ends to a few per cent."""
 
 _QUOTA_MAX_REPS = 100_000
 """Under a quota the timed span, not the repetition count, ends a measurement."""
-
-
-def _check_kind(gpu_type: str, device: str, new_gpu_type: bool) -> None:
-    """Refuse a ``--kind`` the planner would not read as the device measured: CPU timings
-    under a GPU type (``--device cpu --kind Z100``: they would be taken as that GPU's
-    speed), or a name that is neither a catalog GPU type nor a CPU kind (``cpu`` or
-    ``cpu-<kind>``) unless ``--new-gpu-type`` says it is a GPU type the catalog lacks."""
-    if is_cpu_type(gpu_type):
-        return
-    known = sorted(g for g in catalog.gpus() if not is_cpu_type(g))
-    if device == "cpu":
-        raise fail(
-            f"--kind={gpu_type!r} on --device cpu: CPU timings recorded under a GPU type would "
-            "be read as that GPU's speed: name the CPU nodes' kind cpu or cpu-<kind> (e.g. "
-            "cpu-slow), or measure the GPU with --device cuda on it"
-        )
-    if gpu_type not in known and not new_gpu_type:
-        raise fail(
-            f"--kind={gpu_type!r}: not a GPU type of the catalog ({', '.join(known)}): give "
-            "one of them, or pass --new-gpu-type to record a GPU type the catalog does not "
-            "list yet"
-        )
 
 
 @profile_app.command("layers")
@@ -159,7 +137,13 @@ def layers_cmd(
     if device not in ("cpu", "cuda"):
         raise fail(f"--device={device!r}: use cpu or cuda")
     if gpu_type is not None:
-        _check_kind(gpu_type, device, new_gpu_type)
+        check_kind(
+            "--kind",
+            gpu_type,
+            device,
+            new_gpu_type,
+            "CPU timings recorded under a GPU type would be read as that GPU's speed",
+        )
     if device == "cuda":
         import torch
 

@@ -20,8 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli._io import check_out, fail, load_model, write_json
-from sailor.cli.profile_group import fmt_ms, local_gpu_type, parse_ints, profile_app
+from sailor.cli.profile_group import check_kind, fmt_ms, local_gpu_type, parse_ints, profile_app
 from sailor.cli.tables import print_table
+from sailor.profiler.procs import PeerNotJoinedError
 from sailor.schemas import BandwidthCurve, Endpoint, NetworkProfile
 from sailor.schemas.network import CollectiveLatency
 
@@ -67,7 +68,15 @@ def network_cmd(
     gpu_type: str | None = typer.Option(
         None,
         help="GPU type of the sending endpoint (default: 'cpu', or the catalog type of CUDA "
-        "device 0 with --device cuda).",
+        "device 0 with --device cuda): on --device cpu, cpu or a CPU kind cpu-<kind>; on "
+        "cuda a catalog GPU type (or --new-gpu-type).",
+    ),
+    new_gpu_type: bool = typer.Option(
+        False,
+        "--new-gpu-type",
+        help="--gpu-type / --dst-gpu-type name a GPU type the catalog does not list yet (with "
+        "--device cuda): record the link under it anyway. Without it an unknown type is "
+        "refused.",
     ),
     gpus_per_node: int | None = typer.Option(
         None,
@@ -120,9 +129,11 @@ def network_cmd(
     connect_timeout: float = typer.Option(
         120.0,
         min=0.0,
-        help="With --rank 1: seconds to wait for rank 0 to accept a connection at --master "
-        "(it may start after this side) before failing with the address; a --master host "
-        "that does not resolve is refused at once on either side.",
+        help="With --rank: seconds each side waits for the other before failing with the "
+        "address: rank 1 for rank 0 to accept a connection at --master (it may start after "
+        "this side), rank 0, once it listens, for rank 1's ranks to join (each probe; their "
+        "start counts); a --master host that does not resolve is refused at once on either "
+        "side.",
     ),
     pairs: int = typer.Option(
         1,
@@ -183,6 +194,13 @@ def network_cmd(
         check_out(out, "-o", "the NetworkProfile file to merge into")
         if out.exists():
             load_model(out, NetworkProfile)
+    misread = (
+        "a link and all-reduces measured on the CPU (gloo, host memory) recorded under a GPU "
+        "type would be read as that GPU node's"
+    )
+    for option, kind in (("--gpu-type", gpu_type), ("--dst-gpu-type", dst_gpu_type)):
+        if kind is not None:
+            check_kind(option, kind, device, new_gpu_type, misread)
     if gpu_type is None:
         gpu_type = local_gpu_type(device)
     if gpus_per_node is None:
@@ -229,9 +247,22 @@ def network_cmd(
     where = "on loopback" if rank is None else f"side {rank} of 2, rank 0 at {master}"
     if rank == 1 and master is not None:
         _wait_for_rank0(con, master, connect_timeout)
+    elif rank == 0:
+        typer.echo(
+            f"waiting up to {connect_timeout:g} s for rank 1 to join at {master} once this side "
+            "listens (--connect-timeout)",
+            err=True,
+        )
+    # rank 0 waits for its peer --connect-timeout at most; rank 1's ranks start only once
+    # rank 0 listens (_wait_for_rank0), and fail as soon as rank 0's ranks give up
+    join_timeout = connect_timeout if rank == 0 else None
     try:
         with con.status(f"probing {2 * pairs} {backend} ranks ({where})..."):
-            points = run_probe(settings, rank=rank, master=master, gpu=gpu)
+            points = run_probe(
+                settings, rank=rank, master=master, gpu=gpu, join_timeout_s=join_timeout
+            )
+    except PeerNotJoinedError as exc:
+        raise fail(_not_joined(exc), code=1) from None
     except (RuntimeError, ValueError) as exc:
         raise fail(str(exc)) from exc
     probe = _CollectiveProbe(
@@ -313,6 +344,18 @@ def _wait_for_rank0(con: Console, master: str, timeout_s: float) -> None:
         raise fail(str(exc), code=1) from None
     except ValueError as exc:
         raise fail(f"--master: {exc}") from None
+
+
+def _not_joined(exc: PeerNotJoinedError) -> str:
+    """What rank 0 says when rank 1's ranks did not join within --connect-timeout (before,
+    it waited for them until its ranks' rendezvous gave up, 300 s)."""
+    t = f"{exc.timeout_s:g}"
+    return (
+        f"--connect-timeout={t}: rank 1 did not join rank 0 at {exc.master} within {t} s of "
+        f"this side listening: start `sailor profile network --rank 1 --master {exc.master}` "
+        "(the same --pairs and --collectives) on the other node, check that it reaches this "
+        "address (the firewall), or wait longer with --connect-timeout"
+    )
 
 
 def _visible_gpus(device: str) -> int:
@@ -424,7 +467,8 @@ class _CollectiveProbe:
     """Where rank 0 listens for it (the port after the link probe's), with --rank."""
     gpu: int
     connect_timeout: float = 120.0
-    """Rank 1: how long to wait for rank 0 to listen at ``master``."""
+    """With ``rank``: how long rank 1 waits for rank 0 to listen at ``master``, and rank 0,
+    once it listens, for rank 1's rank to join."""
 
     def run(self, con: Console, ranks: int) -> CollectiveLatency:
         """The all-reduce among ``ranks`` ranks (each count is saved before the next runs)."""
@@ -437,18 +481,22 @@ class _CollectiveProbe:
             from sailor.profiler.procs import wait_for_master
 
             wait_for_master(self.master, self.connect_timeout)
-        with con.status(f"timing all-reduces {between}: {ranks} ranks..."):
-            (lat,) = collective_latencies(
-                self.src,
-                (ranks,),
-                self.statistic,
-                load=f", load average {os.getloadavg()[0]:.2f}",
-                sizes=self.sizes,
-                device=self.device,
-                rank=self.rank,
-                master=self.master,
-                gpu=self.gpu,
-            )
+        try:
+            with con.status(f"timing all-reduces {between}: {ranks} ranks..."):
+                (lat,) = collective_latencies(
+                    self.src,
+                    (ranks,),
+                    self.statistic,
+                    load=f", load average {os.getloadavg()[0]:.2f}",
+                    sizes=self.sizes,
+                    device=self.device,
+                    rank=self.rank,
+                    master=self.master,
+                    gpu=self.gpu,
+                    join_timeout_s=self.connect_timeout if self.rank == 0 else None,
+                )
+        except PeerNotJoinedError as exc:
+            raise RuntimeError(_not_joined(exc)) from None
         return lat
 
 

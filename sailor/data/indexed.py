@@ -37,7 +37,7 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
-from sailor.data.durable import fsync_dir
+from sailor.durable import fsync_dir
 
 __all__ = [
     "DTYPE_CODES",

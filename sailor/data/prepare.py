@@ -15,7 +15,7 @@ beginning-of-sequence id when the tokenizer's template has one (``bos="auto"``: 
 
 The manifest is the data set's commit. A preparation over an existing one removes its
 manifest just before the new files replace the old ones, and writes the new one last, each
-file fsync'd and renamed into place (:mod:`sailor.data.durable`). An interrupted run
+file fsync'd and renamed into place (:mod:`sailor.durable`). An interrupted run
 (Ctrl-C, a crash, a full disk) leaves the old data set whole if it stops while
 tokenizing, and after that files without a manifest, which ``sailor data info`` and the
 trainer open as a Megatron data set of unknown vocabulary; never the old manifest
@@ -35,7 +35,6 @@ from typing import Literal
 
 import numpy as np
 
-from sailor.data.durable import remove_durably, write_durably
 from sailor.data.indexed import IndexedDatasetWriter, dtype_for_vocab, paths_of
 from sailor.data.permutation import permute
 from sailor.data.tokenizer import (
@@ -48,6 +47,7 @@ from sailor.data.tokenizer import (
     train_byte_bpe,
     vocab_bound,
 )
+from sailor.durable import remove_durably, write_durably
 from sailor.schemas.dataset import CorpusSource, DatasetManifest, DocumentRange, TokenizerInfo
 
 __all__ = [

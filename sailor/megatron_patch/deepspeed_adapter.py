@@ -141,6 +141,7 @@ __all__ = [
     "deepspeed_precision",
     "device_sync",
     "main",
+    "ready_event",
 ]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -484,6 +485,29 @@ def check_checkpoint_precision(
         )
 
 
+def ready_event(
+    ds: DeepSpeedRun, backend: str, device: torch.device, load_s: float, load_wait_s: float
+) -> dict[str, Any]:
+    """The rank's ``ready`` progress line, once its state is built and restored. As the
+    engine's worker's: ``data_changed`` when the restore accepted a checkpoint trained on
+    other data (``allow_data_change``), which the agent logs (``worker_data_changed``);
+    before, only the rank's stderr said it."""
+    return {
+        "event": "ready",
+        "rank": ds.rank,
+        "engine": "deepspeed",
+        "backend": backend,
+        "device": str(device),
+        "precision": ds.precision,
+        "start_step": ds.step,
+        "consumed_samples": ds.consumed_samples,
+        "load_s": load_s,
+        "load_wait_s": load_wait_s,
+        # a checkpoint trained on other data, resumed under allow_data_change
+        **({"data_changed": ds.data_changes} if ds.data_changes else {}),
+    }
+
+
 def run(
     argv: list[str] | None = None,
     ckpt: DeepSpeedCheckpointIO | None = None,
@@ -606,20 +630,7 @@ def run(
             root = str(base / root)
         periodic = tc.checkpoint.model_copy(update={"dir": root})
     boundary = Boundary(args, status, progress, ckpt, device, periodic)
-    progress.emit(
-        {
-            "event": "ready",
-            "rank": args.rank,
-            "engine": "deepspeed",
-            "backend": backend,
-            "device": str(device),
-            "precision": precision,
-            "start_step": ds.step,
-            "consumed_samples": ds.consumed_samples,
-            "load_s": t_loaded - t_load,
-            "load_wait_s": t_loaded - t_own,
-        }
-    )
+    progress.emit(ready_event(ds, backend, device, t_loaded - t_load, t_loaded - t_own))
     status.in_training, status.step = True, ds.step
     stop = boundary(ds)
     labels = LabelWatch(min(spec.vocab_size, vocab_bound(data)))

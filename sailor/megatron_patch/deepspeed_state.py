@@ -74,6 +74,10 @@ class DeepSpeedRun:
     data: DataIdentity | None = None
     """The data ``consumed_samples`` indexes (``data.identity_of``): recorded in its
     checkpoints and compared with a checkpoint's at a resume (None: neither)."""
+    data_changes: str = ""
+    """What a restore accepted of a checkpoint trained on other data (the training config's
+    ``allow_data_change``), '' if nothing: the adapter's ``ready`` event says it
+    (``data_changed``), as the engine's worker's does."""
 
     @property
     def adam_step(self) -> int:

@@ -114,13 +114,15 @@ def run_allreduce_probe(
     rank: int | None = None,
     master: str | None = None,
     gpu: int = 0,
+    join_timeout_s: float | None = None,
 ) -> dict[int, list[Stats]]:
     """Per-size, per-rank statistics of all-reduces among ``ranks`` fresh processes (gloo on
     cpu, NCCL with one GPU each on cuda): :data:`ALLREDUCE_BYTES` and each of ``sizes``.
 
     Default: every rank here, on loopback. ``rank`` with ``master`` (``host:port`` where rank
     0 listens): only that rank runs here (on GPU ``gpu`` with cuda), one rank per node; every
-    side gets every rank's statistics."""
+    side gets every rank's statistics. ``join_timeout_s``: how long the other nodes' ranks
+    have to join once this one is ready (``run_ranks``: ``PeerNotJoinedError``)."""
     if ranks < 2:
         raise ValueError(f"ranks={ranks}: an all-reduce needs at least 2")
     if any(b < 8 for b in sizes):
@@ -143,6 +145,7 @@ def run_allreduce_probe(
         deadline_s=deadline_s,
         master=master,
         ranks=None if rank is None else [rank],
+        join_timeout_s=join_timeout_s,
     )
     every = res[0]["all"]
     return {b: [Stats.from_dict(r[str(b)]) for r in every] for b in all_sizes}
@@ -174,6 +177,7 @@ def collective_latencies(
     rank: int | None = None,
     master: str | None = None,
     gpu: int = 0,
+    join_timeout_s: float | None = None,
 ) -> list[CollectiveLatency]:
     """Measure the all-reduce latency (and, with ``sizes``, the bus bandwidth fitted over
     them) for each rank count in ``ranks``: on this host (``intra_node``), or with ``rank``
@@ -186,7 +190,15 @@ def collective_latencies(
     )
     for n in ranks:
         per_size = run_allreduce_probe(
-            n, reps, threads, sizes=sizes, device=device, rank=rank, master=master, gpu=gpu
+            n,
+            reps,
+            threads,
+            sizes=sizes,
+            device=device,
+            rank=rank,
+            master=master,
+            gpu=gpu,
+            join_timeout_s=join_timeout_s,
         )
         central = {b: max(s.central(statistic) for s in st) for b, st in per_size.items()}
         lat = central[ALLREDUCE_BYTES]

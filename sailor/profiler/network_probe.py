@@ -134,6 +134,7 @@ def run_probe(
     rank: int | None = None,
     master: str | None = None,
     gpu: int = 0,
+    join_timeout_s: float | None = None,
 ) -> list[ProbePoint]:
     """Probe the link between two fresh sides of ``settings.pairs`` ranks each; one point
     per message size (the node-level bytes, and the slowest pair's time).
@@ -141,7 +142,8 @@ def run_probe(
     Default: both sides here, on loopback. ``rank`` (side 0 or 1) with ``master``
     (``host:port`` where rank 0 listens): only that side runs here, on GPUs ``gpu ..
     gpu+pairs-1`` of this node with cuda; the other side runs on the peer node. Side 0
-    returns the points, side 1 an empty list."""
+    returns the points, side 1 an empty list. ``join_timeout_s``: how long the other side
+    has to join once this side is ready (``run_ranks``: ``PeerNotJoinedError``)."""
     if rank is not None and (rank not in (0, 1) or not master):
         raise ValueError(f"rank={rank}, master={master!r}: one side is rank 0 or 1, with master")
     k = settings.pairs
@@ -161,6 +163,7 @@ def run_probe(
         deadline_s=deadline_s,
         master=master,
         ranks=None if rank is None else [rank * k + i for i in range(k)],
+        join_timeout_s=join_timeout_s,
     )
     if rank == 1:
         return []

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MasterUnreachableError",
+    "PeerNotJoinedError",
     "RankFailedError",
     "check_devices",
     "init_gloo",
@@ -56,6 +57,19 @@ class RankFailedError(RuntimeError):
         tail = "\n".join(stderr.strip().splitlines()[-15:])
         super().__init__(f"{module} rank {rank}: {why}\n{tail}")
         self.module, self.rank, self.why, self.stderr = module, rank, why, stderr
+
+
+class PeerNotJoinedError(RuntimeError):
+    """The ranks here were ready to join their group, but the ranks on the other host did not
+    join within the join timeout (``run_ranks(join_timeout_s=...)``): not started there, or
+    unable to reach ``master``. The ranks here are killed."""
+
+    def __init__(self, module: str, master: str, timeout_s: float) -> None:
+        super().__init__(
+            f"{module}: the other host's ranks did not join the group at {master} within "
+            f"{timeout_s:g} s"
+        )
+        self.module, self.master, self.timeout_s = module, master, timeout_s
 
 
 class MasterUnreachableError(RuntimeError):
@@ -128,10 +142,16 @@ def run_ranks(
     extra_env: dict[str, str] | None = None,
     master: str | None = None,
     ranks: Sequence[int] | None = None,
+    join_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``python -m module`` as the ``world`` ranks of a group; each rank's JSON result, in
     order. ``ranks`` starts only some of them here (the others run on other hosts, joining at
-    ``master``, ``host:port`` of rank 0); default: all of them, on loopback."""
+    ``master``, ``host:port`` of rank 0); default: all of them, on loopback.
+
+    ``join_timeout_s`` (with ranks elsewhere): once every rank here is about to join the
+    group (its markers, :func:`_init_group`), the others have that long to join it; then the
+    ranks here are killed and :class:`PeerNotJoinedError` raised. None: only the ranks' own
+    rendezvous timeout and ``deadline_s`` bound the wait."""
     import os
 
     if world < 1:
@@ -170,12 +190,24 @@ def run_ranks(
             err.close()
         t0 = time.monotonic()
         late = False
+        joining_since: float | None = None
+        lonely = False
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
                 break  # one failed: the others would wait for it until their timeout
             if time.monotonic() - t0 > deadline_s:
                 late = True
                 break
+            if join_timeout_s is not None:
+                if joining_since is None and all(_marker(d, r, "joining") for r in mine):
+                    joining_since = time.monotonic()
+                if (
+                    joining_since is not None
+                    and time.monotonic() - joining_since > join_timeout_s
+                    and not all(_marker(d, r, "joined") for r in mine)
+                ):
+                    lonely = True
+                    break
             time.sleep(0.02)
         # the ranks that failed on their own come first: a rank killed below (waiting in a
         # collective for the failed one) has nothing to say about the cause
@@ -184,6 +216,8 @@ def run_ranks(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if lonely and not first:
+            raise PeerNotJoinedError(module, master, float(join_timeout_s or 0.0))
         order = first + [i for i in range(len(procs)) if i not in first]
         for i in order:
             r, p = mine[i], procs[i]
@@ -192,6 +226,12 @@ def run_ranks(
                 why = f"missed the {deadline_s:.0f} s deadline" if late else f"exit {p.returncode}"
                 raise RankFailedError(module, r, why, stderr)
         return [json.loads((d / f"out-{r}.json").read_text()) for r in mine]
+
+
+def _marker(d: Path, rank: int, what: str) -> bool:
+    """Whether rank ``rank`` left its ``joining`` or ``joined`` marker (:func:`_init_group`)
+    beside its result file in ``d``."""
+    return (d / f"out-{rank}.json.{what}").exists()
 
 
 def rank_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
@@ -240,8 +280,13 @@ def join_group(
 
 
 def _init_group(args: argparse.Namespace, backend: str, timeout_s: float) -> None:
+    """Join the group; markers beside ``--out`` tell the parent when this rank starts to
+    join (its imports done: rank 0 listens in a moment) and when it has joined
+    (``run_ranks(join_timeout_s=...)`` times the other host's ranks from the first)."""
     import torch.distributed as dist
 
+    out = Path(args.out)
+    out.with_name(out.name + ".joining").touch()
     dist.init_process_group(
         backend,
         init_method=f"tcp://{args.master}",
@@ -249,6 +294,7 @@ def _init_group(args: argparse.Namespace, backend: str, timeout_s: float) -> Non
         world_size=args.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    out.with_name(out.name + ".joined").touch()
 
 
 def write_result(args: argparse.Namespace, result: dict[str, Any]) -> None:

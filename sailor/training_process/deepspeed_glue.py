@@ -87,7 +87,9 @@ class DeepSpeedLayerIO:
             unpadded=unpadded,
             vocab_size=run.spec.vocab_size if run.spec else 0,
         )
-        check_resumed_data(manifest, where, run.data, run.cfg.allow_data_change, run.rank)
+        run.data_changes = check_resumed_data(
+            manifest, where, run.data, run.cfg.allow_data_change, run.rank
+        )
         for key in unpadded:
             dims[key] = None
         got = load_for_rank(storage, run.plan, run.rank, step=step, tp_dims=dims)

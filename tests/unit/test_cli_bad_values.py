@@ -113,6 +113,10 @@ class _NoProbe:
         (["--master", "h:29500"], "--master='h:29500' without --rank"),  # ignored before
         (["--gpus-per-node", "0"], "--gpus-per-node"),  # pydantic's raw text before
         (["--dst-gpus-per-node", "0"], "--dst-gpus-per-node"),  # probed, then "a bug?"
+        # CPU probes recorded under a GPU type (the simulator reads them as its links)
+        (["--gpu-type", "A100-40"], "--gpu-type='A100-40' on --device cpu"),
+        (["--gpu-type", "Z100", "--new-gpu-type"], "--gpu-type='Z100' on --device cpu"),
+        (["--dst-gpu-type", "H100-80"], "--dst-gpu-type='H100-80' on --device cpu"),
     ],
 )
 def test_profile_network_refuses_options_before_any_probe(
@@ -333,6 +337,29 @@ def test_profile_network_rank1_gives_up_on_a_silent_master_after_connect_timeout
     assert len(errors) == 1, err
     assert f"master={master!r}: nothing accepted a connection there within 2 s" in errors[0]
     assert took < 60, took
+
+
+def test_profile_network_rank0_gives_up_on_a_peer_that_never_joins(tmp_path: Path) -> None:
+    """Rank 0 with no rank 1 anywhere waited for it without a limit of its own (its ranks'
+    rendezvous gave up after 300 s): it now says how long it waits and fails after
+    --connect-timeout, once it listens, naming the option, its value and the address."""
+    import time
+
+    from sailor.localnet import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "net.json"
+    argv = ["profile", "network", "-o", str(out), "--collectives", ""]
+    t0 = time.monotonic()
+    res = runner.invoke(app, [*argv, "--rank", "0", "--master", master, "--connect-timeout", "1"])
+    took = time.monotonic() - t0
+    assert res.exit_code == 1, res.output
+    assert f"waiting up to 1 s for rank 1 to join at {master}" in res.stderr, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, res.stderr
+    assert f"--connect-timeout=1: rank 1 did not join rank 0 at {master} within 1 s" in errors[0]
+    assert not out.exists()
+    assert took < 45, took  # a rank's start (imports) and 1 s
 
 
 _BAD_KINDS = {

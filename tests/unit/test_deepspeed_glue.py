@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from sailor.checkpoint import Checkpointer, LocalStorage, ParamState, TrainingGlobals
-from sailor.megatron_patch.deepspeed_adapter import DSBlock, DSEmbedding, DSHead
+from sailor.megatron_patch.deepspeed_adapter import DSBlock, DSEmbedding, DSHead, ready_event
 from sailor.megatron_patch.deepspeed_state import DeepSpeedRun
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
+from sailor.schemas.data_identity import DataIdentity
 from sailor.schemas.model import padded_vocab
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from sailor.training_process.deepspeed_glue import DeepSpeedLayerIO
@@ -124,3 +126,39 @@ def test_an_engine_checkpoint_from_before_vocabulary_padding_is_padded_on_resume
                 assert not g[spec.vocab_size :].any(), key  # the padding is zero
             else:
                 torch.testing.assert_close(g, w, msg=key)
+
+
+def _synthetic(seed: int) -> DataIdentity:
+    return DataIdentity(kind="synthetic", seq_length=16, seed=seed, vocab_size=64)
+
+
+def test_a_resume_on_other_data_is_in_the_ready_event(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under ``allow_data_change`` a checkpoint trained on other data (seed 0, this run's
+    seed 5) resumes, and the adapter's ``ready`` event says what changed (``data_changed``,
+    which the agent logs) as the engine's worker's does; before, only rank 0's stderr said
+    it. The same data: no ``data_changed``."""
+    module = _module()
+    params = {
+        k: ParamState(p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p), None)
+        for k, p in module.named_parameters()
+    }
+    ck = Checkpointer(LocalStorage(str(tmp_path)), _plan(), 0)
+    ck.save(params, TrainingGlobals(STEP, STEP * GBS, {"seed": 0}, _synthetic(0)))
+    ck.close()
+
+    def resumed(seed: int) -> dict[str, object]:
+        opt = torch.optim.AdamW(module.parameters())
+        cfg = TrainConfig(allow_data_change=True)
+        run = DeepSpeedRun(
+            _plan(), 0, module, opt, opt, cfg, "fp32", STEP, STEP * GBS, data=_synthetic(seed)
+        )
+        DeepSpeedLayerIO().restore(run, str(tmp_path), STEP)
+        return ready_event(run, "gloo", torch.device("cpu"), load_s=0.5, load_wait_s=0.1)
+
+    ready = resumed(5)
+    assert ready["data_changed"] == "data.seed: trained with seed=0, this run has seed=5"
+    assert (ready["event"], ready["engine"], ready["start_step"]) == ("ready", "deepspeed", STEP)
+    assert "resumed on other data" in capsys.readouterr().err
+    assert "data_changed" not in resumed(0)

@@ -225,3 +225,94 @@ def test_the_slowest_pair_sets_each_repetition(
     assert [p.nbytes for p in pts] == [(1 << 16) - (1 << 16) % 12, (1 << 17) - (1 << 17) % 12]
     for p in pts:
         assert p.time.median_s == pytest.approx(20e-6 + 2e-6 + p.nbytes / 150e9)
+
+
+def test_the_gpu_types_are_checked_against_the_catalog(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--gpu-type`` and ``--dst-gpu-type`` follow ``profile layers --kind``'s rule: on cuda
+    a catalog GPU type, or a name it lacks with --new-gpu-type; before, any name was
+    recorded, and the simulator never found the link under it. Refused before a probe."""
+    fake = _FakeRanks(monkeypatch, gpus=2)
+    args = ["--device", "cuda", "--zone", "z-a", "--collectives", ""]
+    out = tmp_path / "net.json"
+    res = CliRunner().invoke(
+        app, ["profile", "network", "-o", str(out), *_FAST, *args, "--gpu-type", "Z100"]
+    )
+    assert res.exit_code == 2 and "--gpu-type='Z100': not a GPU type of the catalog" in res.stderr
+    bad = _network(out, *args, "--dst-gpu-type", "Z100")
+    assert bad.exit_code == 2 and "--dst-gpu-type='Z100': not a GPU type" in bad.stderr
+    assert fake.link_launches == 0 and not out.exists()
+    res = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            "network",
+            "-o",
+            str(out),
+            *_FAST,
+            *args,
+            "--gpu-type",
+            "Z100",
+            "--new-gpu-type",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    net = NetworkProfile.model_validate_json(out.read_text())
+    assert [ln.src.gpu_type for ln in net.intra_node] == ["Z100"]
+
+
+def test_a_cpu_kind_is_an_endpoint_of_a_cpu_probe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A CPU kind (the CPU closed loop's ``cpu-full``) is recorded on --device cpu."""
+    _FakeRanks(monkeypatch, gpus=0)
+    out = tmp_path / "net.json"
+    argv = ["profile", "network", "-o", str(out), *_FAST, "--collectives", ""]
+    res = CliRunner().invoke(app, [*argv, "--gpu-type", "cpu-full", "--dst-gpu-type", "cpu-slow"])
+    assert res.exit_code == 0, res.output
+    (link,) = NetworkProfile.model_validate_json(out.read_text()).links
+    assert (link.src.gpu_type, link.dst.gpu_type) == ("cpu-full", "cpu-slow")
+
+
+def test_only_rank0_limits_the_wait_for_its_peer_in_both_probes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Rank 0 gives each probe's ranks --connect-timeout for rank 1's to join
+    (``run_ranks``' ``PeerNotJoinedError``): an all-reduce whose peer never joins fails
+    naming the option and the address, the link kept. Rank 1 and loopback pass no limit
+    (rank 1's ranks start only once rank 0 listens, and fail as soon as rank 0's go)."""
+    import socket
+
+    from sailor.profiler.procs import PeerNotJoinedError
+
+    fake = _FakeRanks(monkeypatch, gpus=0)
+    given: list[tuple[str, float | None]] = []
+    link = fake._link
+
+    def link_seen(module: str, world: int, cfg: dict[str, Any], **kw: Any) -> list[Any]:
+        given.append(("link", kw.get("join_timeout_s")))
+        return link(module, world, cfg, **kw)
+
+    def never_joined(module: str, world: int, cfg: dict[str, Any], **kw: Any) -> list[Any]:
+        given.append(("all-reduce", kw.get("join_timeout_s")))
+        raise PeerNotJoinedError(module, kw["master"], kw["join_timeout_s"])
+
+    monkeypatch.setattr(network_probe, "run_ranks", link_seen)
+    monkeypatch.setattr(collective_probe, "run_ranks", never_joined)
+    out = tmp_path / "net.json"
+    argv = ["profile", "network", "-o", str(out), *_FAST, *_SIZES]
+    side0 = ["--rank", "0", "--master", "127.0.0.1:29500", "--connect-timeout", "3"]
+    res = CliRunner().invoke(app, [*argv, *side0, "--collectives", "2"])
+    assert res.exit_code == 2, res.output
+    assert given == [("link", 3.0), ("all-reduce", 3.0)]
+    want = "all-reduce among 2 ranks: --connect-timeout=3: rank 1 did not join rank 0 at "
+    assert f"{want}127.0.0.1:29501 within 3 s" in res.stderr, res.stderr
+    assert len(NetworkProfile.model_validate_json(out.read_text()).links) == 1
+    given.clear()
+    assert CliRunner().invoke(app, [*argv, "--collectives", ""]).exit_code == 0
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        side1 = ["--rank", "1", "--master", f"127.0.0.1:{listening.getsockname()[1]}"]
+        res = CliRunner().invoke(app, [*argv, *side1, "--collectives", ""])
+    assert res.exit_code == 0, res.output
+    assert given == [("link", None), ("link", None)]

@@ -1,0 +1,260 @@
+"""Small files replaced durably (``sailor/durable.py``), and the callers that moved onto it.
+
+A crash test that kills the writer (SIGKILL) would pass with every fsync removed: the page
+cache survives it. So the calls that make a write durable are recorded on a real directory
+(``os.fsync`` by the path its fd is open on, ``os.replace``; each passed through to the real
+one) and their order checked: the temporary file fsync'd before it is renamed over the
+name, the directory fsync'd after, and a directory made for the file fsync'd in its parent.
+What a failure leaves is checked on the files themselves: the old content or the new, no
+temporary file, nothing of another writer's removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sailor.durable
+from sailor.durable import fsync_dir, make_dirs_durably, remove_durably, write_durably
+
+Event = tuple[str, str, str]
+"""("fsync", path of the fd, content of the file named by the write then) or
+("replace", source, destination)."""
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, watched: Path | None = None) -> list[Event]:
+    """Record every ``os.fsync`` and ``os.replace``, each passed through to the real call;
+    a directory's fsync also notes what ``watched`` holds at that moment ('-' if absent)."""
+    events: list[Event] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        now = ""
+        if watched is not None and stat.S_ISDIR(os.fstat(fd).st_mode):
+            now = watched.read_text() if watched.exists() else "-"
+        events.append(("fsync", str(Path(f"/proc/self/fd/{fd}").readlink()), now))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def _durable(events: list[Event], final: Path) -> str:
+    """Checks that ``final`` was renamed into place once, from a temporary file fsync'd
+    before, and its directory fsync'd after; the content the directory's fsync saw."""
+    renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final)]
+    assert len(renames) == 1, events
+    r = renames[0]
+    tmp = events[r][1]
+    assert Path(tmp).parent == final.parent, tmp
+    assert any(e[:2] == ("fsync", tmp) for e in events[:r]), f"temp file not fsync'd: {events}"
+    after = [e for e in events[r + 1 :] if e[:2] == ("fsync", str(final.parent))]
+    assert after, f"{final.parent} not fsync'd after the rename: {events}"
+    return after[0][2]
+
+
+def _fsync_failing(code: int, on_dirs: bool = True) -> Callable[[int], None]:
+    """``os.fsync`` failing with ``code`` on a directory (``on_dirs``) or on a file."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode) == on_dirs:
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    return fsync
+
+
+def test_a_write_is_fsynced_renamed_and_its_directory_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    path = tmp_path / "m.json"
+    path.write_text("old")
+    events = _record(monkeypatch, watched=path)
+    write_durably(path, b"new")
+    assert _durable(events, path) == "new"  # the directory synced with the new entry in it
+    assert path.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary file's fsync fails (EIO: the disk): the name keeps its old content,
+    the temporary file is gone, the caller gets the ``OSError``."""
+    path = tmp_path / "m.json"
+    path.write_text("old")
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EIO, on_dirs=False))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_durably(path, b"new")
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_what_stands_at_the_temporary_name_is_not_removed(tmp_path: Path) -> None:
+    """A directory at ``NAME.tmp`` fails the write (``IsADirectoryError``) and stays, as
+    does the old file: only a temporary file this write created is cleaned up."""
+    path = tmp_path / "control-0.json"
+    path.write_text("{}")
+    (tmp_path / "control-0.json.tmp").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_durably(path, b'{"stop_at_step": 5}')
+    assert path.read_text() == "{}" and (tmp_path / "control-0.json.tmp").is_dir()
+
+
+def test_a_writer_of_its_own_temporary_name_leaves_another_writers_alone(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "rank-1.missed"
+    (tmp_path / "rank-1.missed.tmp7").write_text("another writer's")
+    write_durably(path, b"why", tmp_suffix=".tmp8")
+    assert path.read_text() == "why"
+    assert (tmp_path / "rank-1.missed.tmp7").read_text() == "another writer's"
+
+
+def test_the_directories_made_are_durable_before_the_file_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make_dirs``: each directory made has its entry fsync'd in its parent, before the
+    file is renamed into the last one."""
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    path = tmp_path / "a" / "b" / "f"
+    events = _record(monkeypatch)
+    write_durably(path, b"x", make_dirs=True)
+    assert path.read_bytes() == b"x"
+    r = next(i for i, e in enumerate(events) if e[0] == "replace")
+    before = [e[1] for e in events[:r] if e[0] == "fsync"]
+    assert before.index(str(tmp_path)) < before.index(str(tmp_path / "a")), events
+    _durable(events, path)
+
+
+def test_without_make_dirs_a_missing_directory_fails(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        write_durably(tmp_path / "gone" / "f", b"x")
+    assert not (tmp_path / "gone").exists()
+
+
+def test_a_directory_removed_before_the_write_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step directory goes between its making and the write (another committer's
+    deletion of a commit given up on removed it, emptied): made again, the write done."""
+    calls: list[Path] = []
+    real = make_dirs_durably
+
+    def made_then_removed(d: Path) -> None:
+        calls.append(d)
+        real(d)
+        if len(calls) == 1:
+            d.rmdir()  # the cleaner
+
+    monkeypatch.setattr(sailor.durable, "make_dirs_durably", made_then_removed)
+    path = tmp_path / "step-00000003" / "rank-0.json"
+    write_durably(path, b"part", make_dirs=True)
+    assert path.read_bytes() == b"part" and len(calls) == 2
+
+
+def test_a_directory_fsync_error_is_raised_and_unsupported_ones_skipped_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO from a directory's fsync is the storage failing: raised, always. EINVAL (a file
+    system that cannot fsync a directory) is raised too, unless ``skip_unsupported``."""
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EIO))
+    for skip in (False, True):
+        with pytest.raises(OSError, match="Input/output error"):
+            fsync_dir(tmp_path, skip_unsupported=skip)
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EINVAL))
+    with pytest.raises(OSError, match="Invalid argument"):
+        fsync_dir(tmp_path)
+    fsync_dir(tmp_path, skip_unsupported=True)
+    with pytest.raises(OSError, match="Invalid argument"):
+        write_durably(tmp_path / "f", b"x")
+    assert (tmp_path / "f").read_bytes() == b"x"  # renamed; only its durability unknown
+
+
+def test_fsync_dir_refuses_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(NotADirectoryError):
+        fsync_dir(tmp_path / "f", skip_unsupported=True)
+
+
+def test_a_removal_is_durable_and_an_absent_file_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    path = tmp_path / "m.json"
+    path.write_text("old")
+    events = _record(monkeypatch, watched=path)
+    remove_durably(path)
+    assert not path.exists()
+    assert events == [("fsync", str(tmp_path), "-")]
+    remove_durably(path)
+    assert len(events) == 1  # nothing removed, nothing synced
+
+
+# The callers, each moved onto the module: what was missing is here, each test failing on
+# the code before it (the fence never synced a directory it made; the supervisor's control
+# files were renamed without any fsync; the toy trainer's files without their directory's).
+
+
+def test_the_epoch_fence_makes_its_run_directory_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    from sailor.agent.fence import EpochFence
+
+    path = tmp_path / "work" / "n1.epoch"
+    events = _record(monkeypatch, watched=path)
+    EpochFence(path).raise_to(3)
+    assert json.loads(_durable(events, path)) == {"epoch": 3}
+    assert ("fsync", str(tmp_path), "-") in events  # the new directory's entry
+
+
+async def test_the_supervisors_control_files_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    from sailor.agent.supervisor import Supervisor
+    from sailor.agent.worker_view import WorkerView
+
+    sup = Supervisor(tmp_path / "run")
+    control = tmp_path / "run" / "control-0.json"
+    control.parent.mkdir()
+    sup.workers = [WorkerView(rank=0, proc=None, control=control)]  # type: ignore[arg-type]
+    events = _record(monkeypatch, watched=control)
+    try:
+        await sup.stop_at(5)
+    finally:
+        sup.workers = []
+        await sup.close()
+    assert json.loads(_durable(events, control))["stop_at_step"] == 5
+
+
+def test_the_toy_trainers_checkpoint_files_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-rank toy save: its part, its state and its commit marker each fsync'd before
+    the rename, the step directory after it, and the new step directory's entry too."""
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    from sailor.agent.toy_trainer import _save
+
+    events = _record(monkeypatch)
+    _save(str(tmp_path), 4, [0.0] * 4, rank=0, world=1, timeout=5.0, prune_below=-1)
+    step = tmp_path / "sim" / "step-00000004"
+    for name in ("rank-0.json", "state.json", "COMMIT"):
+        _durable(events, step / name)
+    assert ("fsync", str(tmp_path / "sim"), "") in events
+    assert sorted(p.name for p in step.iterdir()) == ["COMMIT", "rank-0.json", "state.json"]
