@@ -260,15 +260,39 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 await self.clock.sleep(0.3)
         else:
             return
-        if kv is None:
+        epoch: Any = 0
+        if kv is not None:
+            try:
+                epoch = json.loads(kv.value)["epoch"]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                return  # not ours to judge: the controller refuses an unreadable desired state
+        if not isinstance(epoch, int):
             return
-        try:
-            epoch = json.loads(kv.value)["epoch"]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            return  # not ours to judge: the controller refuses an unreadable desired state
-        if isinstance(epoch, int) and epoch > self.max_epoch:
+        await self._fence_within_etcd(epoch)
+        if epoch > self.max_epoch:
             await asyncio.to_thread(self._fence.raise_to, epoch)
             self.max_epoch = epoch
+
+    async def _fence_within_etcd(self, desired_epoch: int) -> None:
+        """A fence beyond etcd's current revision was raised to an epoch no leader held
+        (see ``fence.py``): lowered to the desired state's epoch, on record."""
+        if self._store is None or self.max_epoch == 0:
+            return
+        try:
+            revision = await self._store.revision()
+        except TemporaryError:
+            return  # kept as it is; the next start looks again
+        was = self.max_epoch
+        to = max(0, min(desired_epoch, revision))
+        if await asyncio.to_thread(self._fence.lower_to, to, revision):
+            self.max_epoch = self._fence.epoch
+            _log.warning(
+                "fence_lowered",
+                node=self.node.node_id,
+                was=was,
+                to=self.max_epoch,
+                etcd_revision=revision,
+            )
 
     async def _retry(self, make: Any) -> Any:
         while not self.stopping.is_set():

@@ -8,6 +8,12 @@ directory fsynced) *before* the command that raised it is applied and acked; on 
 read back, and the agent also raises it to the epoch of the desired state in etcd (the newest
 leader that wrote it), which covers a lost or new run directory.
 
+The fence is only raised to an epoch a leader can hold: a command whose epoch is beyond
+etcd's current revision (epochs are the leader key's create revisions) is refused before it
+touches the fence (``AgentCommands._unissued``), and a fence found beyond etcd's revision at
+start is lowered to the desired state's epoch (``lower_to``): raised to such an epoch, the
+agent refused every real leader's command for good.
+
 An unreadable fence file is not guessed at: ``FenceUnreadableError`` (the agent exits, an
 operator looks). Must never import the controller.
 """
@@ -52,6 +58,22 @@ class EpochFence:
         epoch = int(epoch)
         if epoch <= self.epoch:
             return False
+        self._write(epoch)
+        return True
+
+    def lower_to(self, epoch: int, revision: int) -> bool:
+        """Lower the fence to ``epoch`` (durably) when it stands beyond etcd's current
+        ``revision``: no leader was ever elected there (epochs are create revisions), so it
+        was raised by a command no leader sent (before epochs were checked against etcd)
+        or etcd was restored from an older snapshot; kept, it would refuse every real
+        leader. False (unchanged) when the fence is within ``revision``."""
+        epoch = int(epoch)
+        if self.epoch <= revision or epoch >= self.epoch:
+            return False
+        self._write(epoch)
+        return True
+
+    def _write(self, epoch: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with tmp.open("wb") as fh:
@@ -65,4 +87,3 @@ class EpochFence:
         finally:
             os.close(fd)
         self.epoch = epoch
-        return True

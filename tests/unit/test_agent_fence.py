@@ -99,3 +99,16 @@ def test_a_boolean_epoch_is_kept_as_the_number_it_stands_for(tmp_path: Path) -> 
     assert EpochFence(path).raise_to(True)
     assert EpochFence(path).epoch == 1
     assert not EpochFence(path).raise_to(True)
+
+
+def test_a_fence_beyond_etcds_revision_is_lowered_and_only_then(tmp_path: Path) -> None:
+    """``lower_to`` moves a fence that stands beyond etcd's current revision (no leader was
+    elected there) down to the given epoch, durably; a fence within the revision, or a
+    target not below it, is left alone."""
+    path = tmp_path / "n1.epoch"
+    fence = EpochFence(path)
+    fence.raise_to(2**62)
+    assert not fence.lower_to(3, revision=2**62) and fence.epoch == 2**62
+    assert fence.lower_to(3, revision=40) and fence.epoch == 3
+    assert EpochFence(path).epoch == 3
+    assert not fence.lower_to(2, revision=40) and fence.epoch == 3  # within the revision
