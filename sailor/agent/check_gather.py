@@ -40,6 +40,7 @@ from sailor.coordination.security import SecurityConfig
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import DeviceFacts, EndpointFacts, NodeFacts, ProbeFacts
+from sailor.schemas.redact import redact_urls
 
 __all__ = [
     "PROBE_BYTES",
@@ -239,7 +240,7 @@ def _listed(urls: str | Sequence[str]) -> list[str]:
 async def _reach_nats(
     urls: list[str], security: SecurityConfig | None, name: str, timeout_s: float
 ) -> EndpointFacts:
-    url = ",".join(urls)
+    url = redact_urls(urls)  # shown and stored (node facts): never with its password
     t0 = time.monotonic()
     try:
         nc = await connect_nats(urls, f"{name}-check", timeout=timeout_s, security=security)

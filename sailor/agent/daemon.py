@@ -73,6 +73,7 @@ from sailor.coordination.security import warn_if_unauthenticated
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
+from sailor.schemas.redact import redact_urls
 from sailor.schemas.runtime import AgentStatus, CommandAck
 
 __all__ = ["Agent", "run_agent"]
@@ -189,7 +190,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                     url=",".join(self.cfg.etcd_endpoints), reachable=True, tls=tls, seconds=t1 - t0
                 ),
                 "nats": EndpointFacts(
-                    url=",".join(self.cfg.nats_urls),
+                    url=redact_urls(self.cfg.nats_urls),  # facts travel: no password
                     reachable=True,
                     tls=tls,
                     seconds=time.monotonic() - t1,
