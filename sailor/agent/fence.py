@@ -24,6 +24,8 @@ import json
 import os
 from pathlib import Path
 
+from sailor.schemas.json_text import load_json
+
 __all__ = ["EpochFence", "FenceUnreadableError"]
 
 
@@ -44,7 +46,7 @@ class EpochFence:
         except FileNotFoundError:
             return 0
         try:
-            epoch = json.loads(raw)["epoch"]
+            epoch = load_json(raw, str(self.path))["epoch"]
             if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
                 raise ValueError(f"epoch {epoch!r}")
         except (ValueError, KeyError, TypeError) as exc:

@@ -19,7 +19,11 @@ def test_the_fence_outlives_its_object_and_never_goes_down(tmp_path: Path) -> No
     assert not list(path.parent.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("content", [b"", b"{", b'{"epoch": -1}', b'{"epoch": "7"}', b"[]"])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{", b'{"epoch": -1}', b'{"epoch": "7"}', b"[]", b"[" * 100_000],
+    ids=["empty", "cut", "negative", "string", "list", "too-deep"],
+)
 def test_an_unreadable_fence_is_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "n1.epoch"
     path.write_bytes(content)
