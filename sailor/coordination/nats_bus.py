@@ -151,7 +151,7 @@ async def connect_nats(
     """
 
     async def _quiet(exc: Exception) -> None:
-        _log.debug("nats_error", client=name, error=repr(exc))
+        _log.debug("nats_error", client=name, error=redact_text(repr(exc)))
 
     extra: dict[str, Any] = {}
     if security is not None:
