@@ -190,8 +190,9 @@ def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 where = f"{part}:{n}"
                 try:
                     rec = load_json(line, where)
-                except JsonTooDeepError as exc:  # a bare RecursionError ended `sailor audit`
-                    rec = {"kind": "corrupt", "time": 0.0, "where": where, "why": str(exc)}
+                except JsonTooDeepError:  # a bare RecursionError ended `sailor audit`
+                    why = "JSON nested too deep to read (past the parser's depth limit)"
+                    rec = {"kind": "corrupt", "time": 0.0, "where": where, "why": why}
                 except json.JSONDecodeError:
                     rec = {"kind": "corrupt", "time": 0.0, "where": where}
                 else:

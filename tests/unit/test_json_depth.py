@@ -39,7 +39,8 @@ def test_sailor_audit_reports_a_too_deep_line_as_corrupt(tmp_path: Path) -> None
     assert bad[0]["where"] == f"{log}:2" and "nested too deep" in bad[0]["why"], bad
     res = CliRunner().invoke(app, ["audit", str(log)])
     assert not isinstance(res.exception, RecursionError), res.exception
-    assert res.exit_code in (0, 1) and "Traceback" not in res.output, res.output
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert f"unreadable line at {log}:2: JSON nested too deep" in res.output, res.output
 
 
 def test_a_too_deep_membership_trace_is_a_trace_file_error(tmp_path: Path) -> None:
