@@ -39,7 +39,8 @@ from sailor.agent.fence import EpochFence
 from sailor.agent.killed_groups import WorkerTeardownError
 from sailor.agent.plan_source import PlanSource
 from sailor.agent.supervisor import Supervisor, SupervisorClosedError
-from sailor.coordination import TemporaryError
+from sailor.coordination import CoordinationError, TemporaryError
+from sailor.coordination.etcd_store import EtcdStore
 from sailor.schemas.commands import Abort, Checkpoint, CommandAdapter, Launch, Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.runtime import CommandAck
@@ -65,6 +66,7 @@ class AgentCommands:
     max_epoch: int
     applied: collections.OrderedDict[str, CommandAck]
     _fence: EpochFence
+    _store: EtcdStore | None
     _plans: PlanSource
     _lock: asyncio.Lock
     _closing: bool
@@ -111,6 +113,9 @@ class AgentCommands:
         if cmd.command_id in self.applied:
             return self.applied[cmd.command_id].model_copy(update={"duplicate": True})
         if cmd.epoch > self.max_epoch:
+            unissued = await self._unissued(cmd.epoch)
+            if unissued:  # raised to it, the fence would refuse every real leader after
+                return self._refuse(cmd.command_id, unissued)
             # durable before the command is applied: a restart must not forget it
             try:
                 await asyncio.to_thread(self._fence.raise_to, cmd.epoch)
@@ -194,6 +199,28 @@ class AgentCommands:
         except WorkerTeardownError as exc:  # also the status's failure (retry false)
             return self._refuse(cmd.command_id, f"a killed worker holds on: {exc}"[:1000])
         return None
+
+    async def _unissued(self, epoch: int) -> str:
+        """Why no leader can have been elected at ``epoch`` ('' when one can): an epoch is
+        the leader key's create revision, so a real one is never beyond etcd's current
+        revision. A command beyond it (a buggy or hostile message's ``2**62``) is refused
+        before it raises the fence, which would otherwise refuse every real leader's
+        command from then on. When etcd cannot be asked, the command is refused too (the
+        controller sends it again). An agent not connected to etcd serves no commands; one
+        driven without a store (``_store`` None: tests that call the handler) is not
+        checked."""
+        if self._store is None:
+            return ""
+        try:
+            revision = await self._store.revision()
+        except CoordinationError as exc:
+            return f"epoch {epoch} not checked against etcd's revision ({exc}): not applied"
+        if epoch > revision:
+            return (
+                f"epoch {epoch} is beyond etcd's revision {revision}: no leader was elected "
+                f"at it (the fence stays at {self.max_epoch})"
+            )
+        return ""
 
     def _refuse(self, command_id: str, reason: str) -> CommandAck:
         """The refusal ack, and a journal line: every refused command is on record twice."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -39,10 +38,13 @@ from sailor.coordination import close_nats, connect_etcd, connect_nats
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.json_text import load_json
 from sailor.schemas.node_check import DeviceFacts, EndpointFacts, NodeFacts, ProbeFacts
+from sailor.schemas.redact import redact_urls
 
 __all__ = [
     "PROBE_BYTES",
+    "child_facts",
     "driver_version",
     "gather_gpu",
     "gather_gpu_subprocess",
@@ -213,7 +215,21 @@ async def gather_gpu_subprocess(probe: bool = True, timeout_s: float = 300.0) ->
         tail = err.decode(errors="replace").strip().splitlines()[-5:]
         why = f"the check process exited {proc.returncode}: " + " | ".join(tail)
         return {"gathered": True, "cuda_error": why[:1000]}
-    facts = NodeFacts.model_validate({"node_kind": "gpu", **json.loads(out)})
+    return child_facts(out)
+
+
+def child_facts(out: bytes) -> dict[str, Any]:
+    """The GPU facts the check's child printed (``main``); output that is not its facts
+    (not JSON, nested too deep to read, not an object, fields wrong) is reported in
+    ``cuda_error`` like a failed child, rather than raised into the agent's check."""
+    try:
+        raw = load_json(out, "the check process's output")
+        if not isinstance(raw, dict):
+            raise ValueError(f"the check process printed {type(raw).__name__}, not its facts")
+        facts = NodeFacts.model_validate({"node_kind": "gpu", **raw})
+    except ValueError as exc:  # JSONDecodeError, JsonTooDeepError, ValidationError
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return {"gathered": True, "cuda_error": f"the check process printed no facts: {why}"[:1000]}
     return facts.model_dump(exclude={"node_kind", "gpu_type", "gpus", "hostname"})
 
 
@@ -239,7 +255,7 @@ def _listed(urls: str | Sequence[str]) -> list[str]:
 async def _reach_nats(
     urls: list[str], security: SecurityConfig | None, name: str, timeout_s: float
 ) -> EndpointFacts:
-    url = ",".join(urls)
+    url = redact_urls(urls)  # shown and stored (node facts): never with its password
     t0 = time.monotonic()
     try:
         nc = await connect_nats(urls, f"{name}-check", timeout=timeout_s, security=security)

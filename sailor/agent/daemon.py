@@ -74,6 +74,7 @@ from sailor.megatron_patch.errors import culprit_of
 from sailor.schemas.events import NodeJoined, NodeLeft, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.node_check import EndpointFacts, NodeFacts
+from sailor.schemas.redact import redact_urls
 from sailor.schemas.runtime import AgentStatus, CommandAck
 
 __all__ = ["Agent", "run_agent"]
@@ -190,7 +191,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                     url=",".join(self.cfg.etcd_endpoints), reachable=True, tls=tls, seconds=t1 - t0
                 ),
                 "nats": EndpointFacts(
-                    url=",".join(self.cfg.nats_urls),
+                    url=redact_urls(self.cfg.nats_urls),  # facts travel: no password
                     reachable=True,
                     tls=tls,
                     seconds=time.monotonic() - t1,
@@ -261,15 +262,39 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 await self.clock.sleep(0.3)
         else:
             return
-        if kv is None:
+        epoch: Any = 0
+        if kv is not None:
+            try:
+                epoch = json.loads(kv.value)["epoch"]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                return  # not ours to judge: the controller refuses an unreadable desired state
+        if not isinstance(epoch, int):
             return
-        try:
-            epoch = json.loads(kv.value)["epoch"]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            return  # not ours to judge: the controller refuses an unreadable desired state
-        if isinstance(epoch, int) and epoch > self.max_epoch:
+        await self._fence_within_etcd(epoch)
+        if epoch > self.max_epoch:
             await asyncio.to_thread(self._fence.raise_to, epoch)
             self.max_epoch = epoch
+
+    async def _fence_within_etcd(self, desired_epoch: int) -> None:
+        """A fence beyond etcd's current revision was raised to an epoch no leader held
+        (see ``fence.py``): lowered to the desired state's epoch, on record."""
+        if self._store is None or self.max_epoch == 0:
+            return
+        try:
+            revision = await self._store.revision()
+        except TemporaryError:
+            return  # kept as it is; the next start looks again
+        was = self.max_epoch
+        to = max(0, min(desired_epoch, revision))
+        if await asyncio.to_thread(self._fence.lower_to, to, revision):
+            self.max_epoch = self._fence.epoch
+            _log.warning(
+                "fence_lowered",
+                node=self.node.node_id,
+                was=was,
+                to=self.max_epoch,
+                etcd_revision=revision,
+            )
 
     async def _retry(self, make: Any) -> Any:
         while not self.stopping.is_set():

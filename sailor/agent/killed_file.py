@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from sailor.agent.teardown import boot_id
+from sailor.schemas.json_text import load_json
 
 __all__ = ["KILLED_FILE", "KilledGroup", "load_killed", "save_killed"]
 
@@ -91,7 +92,7 @@ def load_killed(run_dir: Path) -> list[KilledGroup] | None:
     once SIGKILLed."""
     path = run_dir / KILLED_FILE
     try:
-        data = json.loads(path.read_text())
+        data = load_json(path.read_text(), str(path))
         saved_boot, this_boot = str(data.get("boot_id", "")), boot_id()
         groups = [
             KilledGroup(

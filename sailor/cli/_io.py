@@ -18,6 +18,7 @@ from sailor.cli.schema_names import SCHEMAS
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.deployment import Deployment
 from sailor.schemas.prices import PriceTable
+from sailor.schemas.redact import redact_text
 
 __all__ = [
     "DEPLOYMENT_HELP",
@@ -142,7 +143,8 @@ def _validate(path: Path, raw: Any, cls: type[M]) -> M:
             )
 
         fields = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {e.get('input')!r:.60})"
+            f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} "
+            f"(got {redact_text(repr(e.get('input'))):.60})"  # no URL's password, even cut
             for e in errors
             if not follow_on(e)
         )

@@ -29,6 +29,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from sailor.cli._io import fail
+from sailor.schemas.redact import redact_text
 
 __all__ = ["Kind", "check_config", "config_app"]
 
@@ -70,7 +71,7 @@ def _errors(exc: ValidationError) -> list[str]:
             lines.append(f"{where}: required field is missing")
         else:
             lines.append(f"{where}: {err['msg']} (value: {err.get('input')!r})")
-    return lines
+    return [redact_text(line) for line in lines]  # a NATS URL's password is not echoed
 
 
 def _extra_checks(kind: Kind, cfg: Any, path: Path, files: bool) -> list[str]:

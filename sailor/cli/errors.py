@@ -22,6 +22,8 @@ from rich.console import Console
 from typer._click.exceptions import NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
+from sailor.schemas.redact import redact_text
+
 __all__ = ["CliError", "OneLineErrors", "describe"]
 
 _DEBUG_ENV = "SAILOR_TRACEBACK"
@@ -46,16 +48,28 @@ def _flat(text: str) -> str:
     return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+def _shown(value: Any) -> str:
+    """A field's input as the line shows it: its repr without a URL's password (redacted
+    before it is cut, so a cut URL leaks no part of one), at most 60 characters."""
+    return f"{redact_text(repr(value)):.60}"
+
+
 def _validation(exc: Any) -> str:
     fields = "; ".join(
-        f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {e.get('input')!r:.60})"
+        f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']} (got {_shown(e.get('input'))})"
         for e in exc.errors()
     )
     return f"not a valid {exc.title}: {fields}: fix the field(s) named"
 
 
 def describe(exc: BaseException) -> tuple[str, int]:
-    """(the one line, without ``error:``, and the exit status) for ``exc``."""
+    """(the one line, without ``error:``, and the exit status) for ``exc``; a URL's
+    password in it is shown as ``***`` (``schemas.redact``), whatever raised it."""
+    line, code = _describe(exc)
+    return redact_text(line), code
+
+
+def _describe(exc: BaseException) -> tuple[str, int]:
     from pydantic import ValidationError
 
     if isinstance(exc, CliError):

@@ -60,6 +60,7 @@ import structlog
 from sailor.controller.recalibrate import rule_violations
 from sailor.controller.rendezvous_ports import RENDEZVOUS_RETRIES
 from sailor.coordination.keys import event_subject_source, safe_token
+from sailor.schemas.json_text import JsonTooDeepError, load_json
 
 __all__ = ["ADOPTION_CAUSES", "AuditLog", "AuditReport", "check", "read_records", "timeline"]
 
@@ -188,7 +189,10 @@ def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
                     continue
                 where = f"{part}:{n}"
                 try:
-                    rec = json.loads(line)
+                    rec = load_json(line, where)
+                except JsonTooDeepError:  # a bare RecursionError ended `sailor audit`
+                    why = "JSON nested too deep to read (past the parser's depth limit)"
+                    rec = {"kind": "corrupt", "time": 0.0, "where": where, "why": why}
                 except json.JSONDecodeError:
                     rec = {"kind": "corrupt", "time": 0.0, "where": where}
                 else:

@@ -78,6 +78,7 @@ from sailor.coordination import (
 )
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.json_text import JsonTooDeepError, load_json
 from sailor.schemas.online_calibration import (
     CalibrationPointer,
     CalibrationRecord,
@@ -126,7 +127,9 @@ def load_trace(path: Path) -> float:
     and every replan judgement of the job then failed; a missing key stopped the controller
     with a bare ``KeyError: 'Time'``; a count of 4.7 was read as 4."""
     try:
-        rows = json.loads(path.read_text())
+        rows = load_json(path.read_text(), str(path))
+    except JsonTooDeepError as exc:  # a bare RecursionError stopped the controller's start
+        raise TraceFileError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise TraceFileError(f"{path}: not JSON ({exc})") from exc
     if not isinstance(rows, list):

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen
+from sailor.schemas.redact import redact_text, redact_url
 
 __all__ = [
     "ServerEndpoints",
@@ -47,16 +48,18 @@ def check_etcd_endpoint(value: str, field: str = "etcd_endpoints") -> str:
 
 
 def check_nats_url(value: str, field: str = "nats_urls") -> str:
-    """``nats://host:port`` or ``tls://host:port``; returned unchanged."""
+    """``nats://host:port`` or ``tls://host:port`` (a login in it, ``user:password@``, is
+    allowed); returned unchanged. An error shows the value without its password."""
+    shown = redact_url(value)
     try:
         url = urlsplit(value)
         port = url.port
     except ValueError:
-        raise ValueError(f"{field}: {value!r} is not a NATS URL (nats://host:port)") from None
+        raise ValueError(f"{field}: {shown!r} is not a NATS URL (nats://host:port)") from None
     if url.scheme not in NATS_SCHEMES or not url.hostname or any(c.isspace() for c in value):
-        raise ValueError(f"{field}: {value!r} is not a NATS URL (nats://host:port)")
+        raise ValueError(f"{field}: {shown!r} is not a NATS URL (nats://host:port)")
     if port is None:
-        raise ValueError(f"{field}: {value!r} has no port (nats://host:4222)")
+        raise ValueError(f"{field}: {shown!r} has no port (nats://host:4222)")
     return value
 
 
@@ -74,10 +77,12 @@ def endpoint_list(value: str | Sequence[str], field: str) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else list(value)
     out = tuple(str(v).strip() for v in items)
     if not out or not all(out):
-        raise ValueError(f"{field}: {value!r} must name at least one server, none empty")
+        raise ValueError(
+            f"{field}: {redact_text(repr(value))} must name at least one server, none empty"
+        )
     dupes = sorted({v for v in out if out.count(v) > 1})
     if dupes:
-        raise ValueError(f"{field}: {dupes} listed twice")
+        raise ValueError(f"{field}: {redact_text(repr(dupes))} listed twice")
     check = check_etcd_endpoint if field.startswith("etcd") else check_nats_url
     return tuple(check(v, field) for v in out)
 
@@ -114,5 +119,7 @@ class ServerEndpoints(Frozen):
     @classmethod
     def _lists(cls, value: Any, info: Any) -> tuple[str, ...]:
         if not isinstance(value, str | list | tuple):
-            raise ValueError(f"{info.field_name}: {value!r} is not a string or a list")
+            raise ValueError(
+                f"{info.field_name}: {redact_text(repr(value))} is not a string or a list"
+            )
         return endpoint_list(value, info.field_name)

@@ -45,6 +45,7 @@ from sailor.coordination.errors import (
 from sailor.coordination.keys import Keys, safe_token
 from sailor.coordination.security.nats_auth import inbox_prefix
 from sailor.coordination.security.settings import SecurityConfig
+from sailor.schemas.redact import redact_text, redact_urls
 
 __all__ = [
     "EVENT_MAX_BYTES",
@@ -150,7 +151,7 @@ async def connect_nats(
     """
 
     async def _quiet(exc: Exception) -> None:
-        _log.debug("nats_error", client=name, error=repr(exc))
+        _log.debug("nats_error", client=name, error=redact_text(repr(exc)))
 
     extra: dict[str, Any] = {}
     if security is not None:
@@ -184,7 +185,9 @@ async def connect_nats(
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         await close_nats(nc, timeout)
-        raise UnavailableError("nats unreachable", url=",".join(servers), error=repr(exc)) from exc
+        raise UnavailableError(
+            "nats unreachable", url=redact_urls(servers), error=redact_text(repr(exc))
+        ) from exc
     return nc
 
 

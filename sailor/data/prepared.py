@@ -18,7 +18,14 @@ from sailor.data.indexed import IndexedDataset, IndexedDatasetError, open_indexe
 from sailor.data.tokens import TokenDataset, document_split
 from sailor.schemas.dataset import DatasetManifest
 
-__all__ = ["PreparedData", "Split", "manifest_path", "open_prepared", "read_manifest"]
+__all__ = [
+    "PreparedData",
+    "Split",
+    "manifest_path",
+    "manifest_tokenizer",
+    "open_prepared",
+    "read_manifest",
+]
 
 Split = Literal["train", "validation"]
 
@@ -31,6 +38,23 @@ def read_manifest(path: Path) -> DatasetManifest:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise ValueError(f"{path}: {where}: {first['msg']}") from exc
+
+
+def manifest_tokenizer(path: Path, manifest: DatasetManifest) -> Path:
+    """The tokenizer file the manifest at ``path`` names (``tokenizer.path``, relative to its
+    directory), refused when it resolves outside that directory: an absolute path, ``..``
+    or a symlink out would make a reader open (and compare, hash, report) a file the data
+    set does not own."""
+    value = manifest.tokenizer.path
+    home = path.parent.resolve()
+    named = Path(value)
+    target = (home / named).resolve()
+    if named.is_absolute() or not target.is_relative_to(home):
+        raise ValueError(
+            f"{path}: tokenizer.path={value!r} resolves outside the data set's directory "
+            f"{home} (to {target}); it must name a file beside the manifest"
+        )
+    return target
 
 
 @dataclass(frozen=True)

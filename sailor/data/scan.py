@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from sailor.data.indexed import IndexedDataset
+from sailor.schemas.json_text import load_json
 
 __all__ = ["IdRange", "id_range", "max_token_id", "scan_path"]
 
@@ -48,7 +49,7 @@ def _version(ds: IndexedDataset) -> dict[str, int]:
 
 def _recorded(path: Path, version: dict[str, int]) -> int | None:
     try:
-        doc = json.loads(path.read_text())
+        doc = load_json(path.read_text(), str(path))
     except (OSError, ValueError):
         return None
     if not isinstance(doc, dict) or any(doc.get(k) != v for k, v in version.items()):

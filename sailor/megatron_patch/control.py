@@ -36,7 +36,6 @@ Never raises on a missing or half-written file (that is "no request yet").
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ import torch.distributed as dist
 from sailor.comm import api as comm
 from sailor.comm.device_copy import to_device
 from sailor.megatron_patch.clock import synchronize
+from sailor.schemas.json_text import load_json
 
 __all__ = [
     "ControlRequest",
@@ -100,8 +100,8 @@ def read_control(path: str | Path | None) -> ControlRequest:
     if not path:
         return ControlRequest()
     try:
-        data = json.loads(Path(path).read_text() or "{}")
-    except (OSError, ValueError):
+        data = load_json(Path(path).read_text() or "{}", str(path))
+    except (OSError, ValueError):  # JsonTooDeepError too: nested past json's limit
         return ControlRequest()
     if not isinstance(data, dict):
         return ControlRequest()

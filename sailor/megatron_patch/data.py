@@ -247,7 +247,7 @@ def check_tokenizer(data: DataConfig, model_dir: Path, base_dir: Path | None = N
     if not isinstance(data, IndexedData):
         return
     from sailor.data import read_manifest
-    from sailor.data.prepared import manifest_path
+    from sailor.data.prepared import manifest_path, manifest_tokenizer
     from sailor.data.tokenizer import tokenizer_file, vocabulary_difference
 
     given = _resolve(data.manifest, base_dir) if data.manifest is not None else None
@@ -255,7 +255,7 @@ def check_tokenizer(data: DataConfig, model_dir: Path, base_dir: Path | None = N
     theirs = tokenizer_file(model_dir)
     if not mpath.is_file() or not theirs.is_file():
         return
-    ours = mpath.parent / read_manifest(mpath).tokenizer.path
+    ours = manifest_tokenizer(mpath, read_manifest(mpath))
     diff = vocabulary_difference(ours, theirs)
     if diff is not None:
         raise ValueError(

@@ -47,6 +47,7 @@ from sailor.megatron_patch.state import (
 from sailor.megatron_patch.tp_layers import tp_dim_of
 from sailor.megatron_patch.vocab_parallel import padded_vocab
 from sailor.schemas.data_identity import DataIdentity, data_differences, describe_differences
+from sailor.schemas.json_text import load_json
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 
@@ -90,8 +91,8 @@ def parse_directive(text: str, last_generation: int) -> tuple[int, list[str]] | 
     """``(generation, argv)`` of a relayout directive newer than ``last_generation``; None
     for anything else (no directive, an old one, a half-written or malformed file)."""
     try:
-        data = json.loads(text or "{}")
-    except ValueError:
+        data = load_json(text or "{}", "the relayout directive")
+    except ValueError:  # JsonTooDeepError too: nested past json's limit
         return None
     d = data.get("relayout") if isinstance(data, dict) else None
     if not isinstance(d, dict):
@@ -202,7 +203,7 @@ def handshake(held: Held | None, load_step: int, rank: int, world_size: int) -> 
         if g[0] >= 0 and not g[2] and (load_step < 0 or g[1] == load_step)
     }
     for r, g in valid.items():
-        _peer_json(json.loads, g[5], r, "its scaling state")
+        _peer_json(lambda t: load_json(t, "scaling state"), g[5], r, "its scaling state")
         if g[6]:
             _peer_json(DataIdentity.model_validate_json, g[6], r, "its data identity")
     if not valid:

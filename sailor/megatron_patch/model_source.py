@@ -8,13 +8,13 @@ ModelSpec, or a local ``transformers`` directory), which wins over the plan's mo
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from sailor import catalog
 from sailor.megatron_patch.architecture import Architecture
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import TINY_MODELS, tiny_model
+from sailor.schemas.json_text import load_json
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.training import (
@@ -36,7 +36,7 @@ def load_model(arg: str | None, plan: Plan) -> ModelSpec:
     path = Path(name)
     if not path.exists():
         raise ValueError(f"--model={name!r}: neither a file nor a tiny model {sorted(TINY_MODELS)}")
-    raw = json.loads(path.read_text())
+    raw = load_json(path.read_text(), f"--model={name!r}")
     spec = ModelSpec.model_validate(raw["spec"] if "architecture" in raw else raw)
     if spec.global_batch_size != plan.global_batch_size:
         spec = spec.model_copy(update={"global_batch_size": plan.global_batch_size})
@@ -48,7 +48,7 @@ def load_architecture(arg: str | None) -> Architecture | None:
     ``hf.checkpoint.model_file``); None for a plain ModelSpec file or a tiny model."""
     if not arg or not Path(arg).is_file():
         return None
-    raw = json.loads(Path(arg).read_text())
+    raw = load_json(Path(arg).read_text(), f"--model={arg!r}")
     return Architecture(**raw["architecture"]) if "architecture" in raw else None
 
 

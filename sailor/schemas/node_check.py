@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.hardware import TorchRuntime
+from sailor.schemas.redact import redact_text
 
 __all__ = [
     "CheckLine",
@@ -63,11 +64,21 @@ class ProbeFacts(Frozen):
 class EndpointFacts(Frozen):
     """Whether a server answered with this node's own credentials."""
 
-    url: str = Field(description="NATS URL or etcd host:port tried.")
+    url: str = Field(
+        description="NATS URL or etcd host:port tried (several: joined by commas), a "
+        "password or token in it shown as *** (schemas.redact)."
+    )
     reachable: bool = Field(description="Connected, authenticated and answered a request.")
     tls: bool = Field(default=False, description="Connected with TLS (security: configured).")
     seconds: float = Field(default=0.0, ge=0, description="Time to connect and answer, s.")
     error: str = Field(default="", max_length=1024, description="Why not reachable.")
+
+    @field_validator("url", "error")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        # facts travel in NodeJoined (event stream, audit log) and are printed by the
+        # check: whoever built them, a URL's password never goes along
+        return redact_text(value)
 
 
 class NodeFacts(Frozen):

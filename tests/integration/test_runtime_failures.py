@@ -289,6 +289,58 @@ async def test_a_lost_fence_file_is_made_good_from_the_desired_state(cluster: Cl
     assert again.max_epoch == epoch
 
 
+async def test_an_epoch_beyond_etcds_revision_does_not_raise_the_fence(
+    tmp_path: Path, servers: LocalServers
+) -> None:
+    """A command whose epoch no leader can hold (``2**62``: beyond etcd's revision, of which
+    epochs are create revisions) was accepted and raised the fence for good: every real
+    leader's command was refused as stale from then on. Now it is refused and the fence
+    stays; an epoch within the revision is taken as before. A fence file raised that way
+    before is lowered at start to the desired state's epoch."""
+    from sailor.agent.agent_config import AgentConfig
+    from sailor.agent.daemon import Agent
+    from sailor.agent.fence import EpochFence
+    from sailor.schemas.hardware import NodeSpec
+
+    node = NodeSpec(node_id="n1", gpu_type="cpu", gpus=1, zone="z")
+    keys = Keys(job=JOB)
+    admin = await connect_etcd(servers.etcd_endpoint, security=servers.security("c1"))
+    store = await connect_etcd(servers.etcd_endpoint, security=servers.security("n1"))
+    try:
+        await admin.put(keys.desired, DesiredState(epoch=3).model_dump_json().encode())
+        revision = await store.revision()
+        agent = Agent(AgentConfig(node=node, job=JOB, work_dir=tmp_path))
+        agent._store = store
+
+        async def send(epoch: int, cid: str) -> CommandAck:
+            cmd = Abort(command_id=cid, epoch=epoch, node_id="n1", reason="t")
+            return CommandAck.model_validate_json(
+                await agent._on_command(cmd.model_dump_json().encode())
+            )
+
+        huge = await send(2**62, "huge")
+        assert not huge.accepted and "beyond etcd's revision" in huge.reason, huge
+        assert agent.max_epoch == 0 and EpochFence(tmp_path / "n1.epoch").epoch == 0
+        real = await send(revision, "real")
+        assert real.accepted, real
+        assert agent.max_epoch == revision == EpochFence(tmp_path / "n1.epoch").epoch
+        await agent.supervisor.close()
+
+        # an agent whose fence file an unchecked command raised before
+        poisoned = tmp_path / "old"
+        poisoned.mkdir()
+        EpochFence(poisoned / "n1.epoch").raise_to(2**62)
+        again = Agent(AgentConfig(node=node, job=JOB, work_dir=poisoned))
+        again._store = store
+        assert again.max_epoch == 2**62
+        await again._fence_from_desired()
+        assert again.max_epoch == 3 == EpochFence(poisoned / "n1.epoch").epoch
+        await again.supervisor.close()
+    finally:
+        await store.close()
+        await admin.close()
+
+
 _CONFIG_ERROR_WORKER = """
 import argparse, sys
 from sailor.megatron_patch.errors import failure_record, write_error_file

@@ -19,7 +19,11 @@ def test_the_fence_outlives_its_object_and_never_goes_down(tmp_path: Path) -> No
     assert not list(path.parent.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("content", [b"", b"{", b'{"epoch": -1}', b'{"epoch": "7"}', b"[]"])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{", b'{"epoch": -1}', b'{"epoch": "7"}', b"[]", b"[" * 100_000],
+    ids=["empty", "cut", "negative", "string", "list", "too-deep"],
+)
 def test_an_unreadable_fence_is_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "n1.epoch"
     path.write_bytes(content)
@@ -99,3 +103,16 @@ def test_a_boolean_epoch_is_kept_as_the_number_it_stands_for(tmp_path: Path) -> 
     assert EpochFence(path).raise_to(True)
     assert EpochFence(path).epoch == 1
     assert not EpochFence(path).raise_to(True)
+
+
+def test_a_fence_beyond_etcds_revision_is_lowered_and_only_then(tmp_path: Path) -> None:
+    """``lower_to`` moves a fence that stands beyond etcd's current revision (no leader was
+    elected there) down to the given epoch, durably; a fence within the revision, or a
+    target not below it, is left alone."""
+    path = tmp_path / "n1.epoch"
+    fence = EpochFence(path)
+    fence.raise_to(2**62)
+    assert not fence.lower_to(3, revision=2**62) and fence.epoch == 2**62
+    assert fence.lower_to(3, revision=40) and fence.epoch == 3
+    assert EpochFence(path).epoch == 3
+    assert not fence.lower_to(2, revision=40) and fence.epoch == 3  # within the revision

@@ -559,3 +559,35 @@ def test_an_interrupted_preparation_never_leaves_the_old_manifest_over_new_files
     again = prepare(docs, PrepareOptions(out=out, vocab_size=300, seed=2))
     assert open_prepared(out).manifest == again and again.shuffle_seed == 2
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+def test_a_manifest_tokenizer_outside_the_data_sets_directory_is_refused(
+    tmp_path: Path, how: str
+) -> None:
+    """``tokenizer.path`` is relative to the manifest's directory: one that resolves outside
+    it (absolute, ``..``, a symlink out) was read as it stood, so a manifest could make the
+    tokenizer check open any file. Refused, naming the field and the value."""
+    from sailor.megatron_patch.data import check_tokenizer
+    from sailor.schemas.training import IndexedData
+
+    txt = tmp_path / "t.txt"
+    txt.write_text("\n".join(_texts(10)))
+    made = _prepare(str(txt), "--out", str(tmp_path / "own" / "c"), "--validation-fraction", "0")
+    model = tmp_path / "model"
+    model.mkdir()
+    outside = model / "tokenizer.json"  # a file outside the data set's directory
+    outside.write_bytes((tmp_path / "own" / made.tokenizer.path).read_bytes())
+    check_tokenizer(IndexedData(prefix=str(tmp_path / "own" / "c")), model)  # its own: fine
+    value = {"absolute": str(outside), "dotdot": "../model/tokenizer.json", "symlink": "ln.json"}[
+        how
+    ]
+    if how == "symlink":
+        (tmp_path / "own" / "ln.json").symlink_to(outside)
+    manifest = tmp_path / "own" / "c.json"
+    raw = json.loads(manifest.read_text())
+    raw["tokenizer"]["path"] = value
+    manifest.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="outside the data set's directory") as err:
+        check_tokenizer(IndexedData(prefix=str(tmp_path / "own" / "c")), model)
+    assert f"tokenizer.path={value!r}" in str(err.value)

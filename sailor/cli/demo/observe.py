@@ -12,7 +12,6 @@ Must never write anything: the demo observes the run as an operator would.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pydantic import ValidationError
 from sailor.coordination import EtcdStore, Keys, connect_etcd
 from sailor.coordination.security import SecurityConfig
 from sailor.schemas.hardware import NodeSpec
+from sailor.schemas.json_text import load_json
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import AgentStatus, DesiredState
 
@@ -169,7 +169,7 @@ class StepReader:
 
     def _add(self, gen: int, line: bytes) -> None:
         try:
-            rec: dict[str, Any] = json.loads(line)
+            rec: dict[str, Any] = load_json(line, "a worker's log line")
         except ValueError:
             return
         if rec.get("event") != "step" or rec.get("loss") is None:

@@ -43,6 +43,7 @@ from sailor.coordination.security.nats_auth import (
     nats_server_config,
 )
 from sailor.coordination.security.settings import read_nats_login
+from sailor.schemas.json_text import load_json
 
 __all__ = [
     "REVOKED_SUFFIX",
@@ -216,7 +217,9 @@ def revoked_record(directory: Path, name: str) -> dict[str, object] | None:
     path = directory / f"{name}{REVOKED_SUFFIX}"
     if not path.exists():
         return None
-    data: dict[str, object] = json.loads(path.read_text())
+    data = load_json(path.read_text(), str(path))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a revocation record (a JSON object)")
     return data
 
 
@@ -260,7 +263,7 @@ def remove_nats_login(directory: Path, name: str) -> list[Path]:
             continue
         head, prefix, body = _split_config(path)
         try:
-            conf = json.loads(body)
+            conf = load_json(body, str(path))
         except ValueError:
             raise ValueError(
                 f"{path}: its authorization is not the JSON `sailor certs nats-config` "

@@ -7,7 +7,6 @@ any config shows ``**********``. ``ssl_context`` builds the client side of TLS f
 
 from __future__ import annotations
 
-import json
 import ssl
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import structlog
 from pydantic import Field, SecretStr, model_validator
 
 from sailor.schemas._base import Frozen
+from sailor.schemas.json_text import load_json
 
 __all__ = ["NatsLogin", "SecurityConfig", "read_nats_login", "warn_if_unauthenticated"]
 
@@ -102,6 +102,6 @@ class SecurityConfig(Frozen):
 def read_nats_login(path: Path) -> NatsLogin:
     """Read a login file; the error names the file, never its content."""
     try:
-        return NatsLogin.model_validate(json.loads(path.read_text()))
+        return NatsLogin.model_validate(load_json(path.read_text(), str(path)))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a NATS login file ({type(exc).__name__})") from None
