@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.exceptions
 import aetcd.utils
+import grpc
+import grpc.aio
 import structlog
 from aetcd import rpc
 
@@ -118,7 +120,7 @@ class EtcdLease:
             await self._clock.sleep(period)
             sent = self._clock.now()
             try:
-                reply = await self._store.call(self._store.client.refresh_lease(self.id))
+                reply = await self._store.call(self._refresh())
             except TemporaryError as exc:
                 # The server may be restarting; etcd keeps leases across restarts and
                 # extends their TTL on recovery, so keep trying until it answers.
@@ -129,6 +131,28 @@ class EtcdLease:
                 self._alive = False
             else:
                 self._valid_until = sent + int(reply.TTL)
+
+    async def _refresh(self) -> Any:
+        """One keepalive round trip: etcd's reply (its ``TTL``), or None when the stream ended
+        without one. The LeaseKeepAlive stream is cancelled once read: aetcd's
+        ``refresh_lease`` returns from inside its iteration of the stream, and the call it
+        leaves unfinished (with its channel, and the connection to etcd) lived until the
+        garbage collector ran, after the client's close (measured: a connection per store
+        whose lease was refreshed once, on which etcd's stop then waited ~1.1 s)."""
+        client = self._store.client
+        await client.connect()
+        call = client.leasestub.LeaseKeepAlive(
+            iter([rpc.LeaseKeepAliveRequest(ID=self.id)]),
+            timeout=self._store._op_timeout,
+            metadata=client.metadata,
+        )
+        try:
+            reply = await call.read()
+        except rpc.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)  # raises aetcd's error for the code
+        finally:
+            call.cancel()
+        return None if reply is grpc.aio.EOF else reply
 
     def _keepalive_crashed(self, name: str, exc: BaseException) -> None:
         _log.error("lease_keepalive_crashed", lease=self.id, error=repr(exc))
@@ -187,10 +211,20 @@ class EtcdStore:
         _log.warning("etcd_failover", frm=old, to=ep, error=str(error))
 
     async def call(self, awaitable: Awaitable[_T]) -> _T:
-        """Await one client call with a timeout, converting client errors."""
+        """Await one client call with a timeout, converting client errors.
+
+        A failed call's error is in no reference cycle, so that it keeps no gRPC call or
+        channel alive: a closed client lets go of its connection to etcd at once, not at the
+        next garbage collection (measured: 20 TLS clients closed after a refused call each
+        left 20 connections and 26 descriptors; etcd's stop on SIGTERM waited ~1.1 s on
+        them)."""
         seen = self.failovers
         try:
-            return await asyncio.wait_for(awaitable, self._op_timeout)
+            # ``asyncio.timeout``, not ``wait_for``: 3.11's wait_for keeps the call's task in
+            # its frame, which the error's traceback holds: a cycle that kept the failed
+            # gRPC call, its channel and the connection to etcd until a collection
+            async with asyncio.timeout(self._op_timeout):
+                return await awaitable
         except Exception as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -199,7 +233,12 @@ class EtcdStore:
             err = self._convert(exc)
             if isinstance(err, UnavailableError):
                 self._failover(seen, err)
-            raise err from exc
+            try:
+                if err is exc:  # not a client error: raised as it is (never its own cause)
+                    raise
+                raise err from exc
+            finally:
+                del err  # this frame is in err's traceback: no cycle through its locals
 
     @staticmethod
     def _convert(exc: Exception) -> Exception:
@@ -281,10 +320,16 @@ class EtcdStore:
         try:
             watch = await self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
         except Exception as exc:
+            _untangle(exc)
             err = self._convert(exc)
             if isinstance(err, UnavailableError):
                 self._failover(seen, err)
-            raise err from exc
+            try:
+                if err is exc:  # as in ``call``
+                    raise
+                raise err from exc
+            finally:
+                del err
         try:
             async for ev in watch:
                 key = ev.kv.key.decode()
@@ -297,7 +342,13 @@ class EtcdStore:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
-            raise self._convert(exc) from exc
+            err = self._convert(exc)
+            try:
+                if err is exc:  # as in ``call``
+                    raise
+                raise err from exc
+            finally:
+                del err
         finally:
             with contextlib.suppress(Exception):  # bounded whatever the stream does
                 await within(watch.cancel(), self._op_timeout, "etcd watch cancel")
@@ -483,6 +534,26 @@ class EtcdStore:
             # with it, without bound
             with contextlib.suppress(Exception):
                 await within(client.close(), self._op_timeout, "etcd close")
+
+
+def _untangle(exc: BaseException) -> None:
+    """Drop the tracebacks of the gRPC errors in ``exc``'s chain (its causes and contexts).
+
+    aetcd's ``Watcher.add_callback`` raises the error its ``WatcherCallback`` holds, so the
+    error's traceback holds the frame that holds the callback that holds the error: a
+    cycle, in which the failed gRPC call and its channel lived on after the store's close
+    until a collection (a watch made while etcd was down: tests/unit/test_etcd_store_release.py).
+    The chain's messages and our own frames are kept."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, grpc.aio.AioRpcError):
+            cur.__traceback__ = None
+        todo += [cur.__cause__, cur.__context__]
 
 
 async def connect_etcd(

@@ -36,7 +36,7 @@ from sailor.localservers import (
 from tests.integration.cluster_kit import Cluster
 from tests.integration.secure_servers import CONTROLLER, JOB, NODES, Pki
 
-__all__ = ["IDENTITIES", "Server", "free_port", "released"]
+__all__ = ["IDENTITIES", "Server", "connected_to", "free_port", "released"]
 
 Server = ServerProcess
 
@@ -88,19 +88,23 @@ async def released(s: LocalServers, timeout_s: float = 1.0) -> None:
     """Until this process holds no connection to ``s``'s etcd: the test's closed clients
     let go of it before the server stops (at most ``timeout_s``; the stop goes ahead then).
 
-    A closed aetcd client's gRPC channel sits in a reference cycle, its connection open,
-    until the garbage collector runs and the event loop then turns: etcd's stop (SIGTERM)
-    waited ~1.1 s on such connections in every test with a cluster (measured: 1.07-1.19 s;
-    0.02-0.07 s once they are gone, one 10 ms turn after a collection). Nothing of the
-    test needs them: its clients are closed by then."""
-    gc.collect()
+    etcd's stop (SIGTERM) waits ~1.1 s on a TLS connection still open (measured: 1.07-1.19
+    s; 0.01-0.07 s without). A closed ``EtcdStore`` lets go of its connections at once
+    (tests/integration/test_security_etcd.py checks it without the garbage collector); a
+    client that does not (a library's object in a reference cycle, as the store's gRPC
+    calls were) is freed by a collection, made only then: a full collection costs
+    0.05-0.5 s in a test process (measured), more than most teardowns."""
     ports = {m.port for m in s.etcd_members}
-    end = time.monotonic() + timeout_s
-    while _connected_to(ports) and time.monotonic() < end:
+    start = time.monotonic()
+    end, collected = start + timeout_s, False
+    while connected_to(ports) and time.monotonic() < end:
+        if not collected and time.monotonic() - start > 0.05:  # a few loop turns
+            gc.collect()
+            collected = True
         await asyncio.sleep(0.01)
 
 
-def _connected_to(ports: set[int]) -> bool:
+def connected_to(ports: set[int]) -> bool:
     """Whether this process holds an established TCP connection to one of ``ports``
     (Linux's /proc; False where it cannot tell)."""
     try:

@@ -6,11 +6,25 @@ and is refused another node's; a client without a certificate is refused outrigh
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
 
-from sailor.coordination import CoordinationError, Keys, PermanentError, connect_etcd
+import grpc
+import pytest
+from aetcd import rpc
+
+from sailor.coordination import (
+    CoordinationError,
+    Keys,
+    ManualClock,
+    PermanentError,
+    connect_etcd,
+)
 from sailor.coordination.security import SecurityConfig
-from tests.integration.conftest import Server
+from tests.integration.conftest import Server, connected_to
 from tests.integration.secure_servers import CONTROLLER, JOB, Pki
 
 KEYS = Keys(job=JOB)
@@ -18,6 +32,10 @@ KEYS = Keys(job=JOB)
 
 def _ep(server: Server) -> str:
     return f"127.0.0.1:{server.port}"
+
+
+def _open_fds() -> int:
+    return sum(1 for _ in Path("/proc/self/fd").iterdir())
 
 
 async def test_a_client_without_a_certificate_is_refused(
@@ -59,6 +77,59 @@ async def test_an_agent_writes_only_its_own_keys(
     finally:
         await agent.close()
         await ctl.close()
+
+
+async def test_closed_clients_let_go_of_etcd_without_the_garbage_collector(
+    secure_etcd_server: Server, pki: Pki, no_task_leak: None
+) -> None:
+    """A closed client holds no connection and no file descriptor, with the garbage
+    collector off, after refused calls (a revoked node's) and a refreshed lease.
+
+    Each left its gRPC call, and with it the channel and the connection to etcd, in a
+    reference cycle that only a collection ended: a refused call's error (the frame of
+    ``asyncio.wait_for`` held the task that held the error; an error passed on unconverted
+    was its own cause), and a lease's keepalive (aetcd's ``refresh_lease`` leaves its
+    stream unfinished). Measured: 20 TLS clients closed after a refused call each left 20
+    connections and 26 descriptors, and etcd's stop on SIGTERM waited ~1.1 s on them."""
+    ep, ports = _ep(secure_etcd_server), {secure_etcd_server.port}
+    warm = await connect_etcd(ep, security=pki.security("node-a"))
+    await warm.close()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        fds = _open_fds()
+        for _ in range(3):
+            clock = ManualClock()
+            agent = await connect_etcd(ep, security=pki.security("node-a"), clock=clock)
+            try:
+                lease = await agent.lease(5)
+                clock.advance(60.0)  # past its TTL: fresh again once a refresh is answered
+                await _until(lambda: lease.fresh)  # noqa: B023  # this iteration's lease
+                with pytest.raises(PermanentError, match="permission denied"):
+                    await agent.put(KEYS.node("node-b"), b"forged")  # converted by the store
+                with pytest.raises(grpc.aio.AioRpcError) as raw:  # raised as it is
+                    await agent.call(
+                        rpc.AuthStub(agent.client.channel).UserGet(
+                            rpc.AuthUserGetRequest(name="node-b"), metadata=agent.client.metadata
+                        )
+                    )
+                assert raw.value.__cause__ is not raw.value
+                del raw
+            finally:
+                await agent.close()
+        await _until(lambda: not connected_to(ports), within_s=2.0)  # a loop turn or two
+        assert not connected_to(ports)
+        assert _open_fds() <= fds
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+async def _until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
+    end = time.monotonic() + within_s
+    while not cond() and time.monotonic() < end:
+        await asyncio.sleep(0.01)
 
 
 async def test_one_jobs_node_gets_nothing_of_another_jobs_role(

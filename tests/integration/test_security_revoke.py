@@ -23,6 +23,7 @@ from sailor.controller.audit import read_records, timeline
 from sailor.coordination import (
     CoordinationError,
     Keys,
+    NatsCommands,
     NatsEventBus,
     PermanentError,
     close_nats,
@@ -66,7 +67,15 @@ async def test_a_revoked_node_is_refused_by_etcd_and_nats_and_the_others_are_not
 ) -> None:
     ep, url = servers.etcd_endpoint, servers.nats_url
     ctl_nc = await connect_nats(url, CONTROLLER, security=pki.security(CONTROLLER))
+    before_a = set(asyncio.all_tasks())
     a_nc = await connect_nats(url, "node-a", security=pki.security("node-a"))
+    a_commands = NatsCommands(a_nc, KEYS)  # as its agent does: a subscription with a task
+
+    async def _ack(data: bytes) -> bytes:
+        return b"ack"
+
+    await a_commands.serve("node-a", _ack)
+    a_tasks = set(asyncio.all_tasks()) - before_a
     b_nc = await connect_nats(url, "node-b", security=pki.security("node-b"))
     a_kv = await connect_etcd(ep, op_timeout=2.0, security=pki.security("node-a"))
     b_kv = await connect_etcd(ep, op_timeout=2.0, security=pki.security("node-b"))
@@ -100,6 +109,13 @@ async def test_a_revoked_node_is_refused_by_etcd_and_nats_and_the_others_are_not
         # keeps trying to reconnect, refused each time: "Authorization Violation")
         assert await _refused_by_nats(url, pki, "node-a")
         assert not a_nc.is_connected
+        # its close with data unsent (what it publishes meanwhile waits for a reconnect that
+        # is refused) raises nothing and leaves none of its tasks running: nats-py's own
+        # close raised BrokenPipeError on writing that data and left the subscription's
+        # task running for ever
+        await a_nc.publish(KEYS.event_subject("node_joined", "node-a"), b"a-unsent" * 512)
+        await close_nats(a_nc)
+        assert sorted(t.get_name() for t in a_tasks if not t.done()) == []
 
         # node-b is unaffected: its status and its events still go through
         await b_kv.put(KEYS.status("node-b"), b"b-after")
