@@ -17,6 +17,22 @@ May import torch and ``megatron_patch``; never the controller, agent or coordina
 The package root imports no torch, so the pure parts load fast.
 """
 
-from sailor.profiler.merge import SOURCE_RANK, load_db, merge_db, save_db
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sailor.profiler.merge import SOURCE_RANK, load_db, merge_db, save_db
 
 __all__ = ["SOURCE_RANK", "load_db", "merge_db", "save_db"]
+
+
+def __getattr__(name: str) -> Any:
+    """The root's names, from :mod:`merge` on first use: a probe's rank process
+    (``python -m sailor.profiler.network_probe``) then starts without the schemas
+    (~0.3 CPU-s of its start-up) that it never uses."""
+    if name in __all__:
+        from sailor.profiler import merge
+
+        return getattr(merge, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

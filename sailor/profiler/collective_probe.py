@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sailor.profiler.procs import check_devices, run_ranks
 from sailor.profiler.timing import Stats
-from sailor.schemas.network import CollectiveLatency, CollectiveScope, Endpoint
+
+if TYPE_CHECKING:  # imported where used: a rank process starts without the schemas
+    from sailor.schemas.network import CollectiveLatency, CollectiveScope, Endpoint
 
 __all__ = [
     "ALLREDUCE_BYTES",
@@ -182,6 +185,8 @@ def collective_latencies(
     """Measure the all-reduce latency (and, with ``sizes``, the bus bandwidth fitted over
     them) for each rank count in ``ranks``: on this host (``intra_node``), or with ``rank``
     and ``master`` one rank per node (``inter_node``; rank 0 listens at ``master``)."""
+    from sailor.schemas.network import CollectiveLatency
+
     out: list[CollectiveLatency] = []
     backend = "gloo" if device == "cpu" else "NCCL"
     scope: CollectiveScope = "intra_node" if rank is None else "inter_node"

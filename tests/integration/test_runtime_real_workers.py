@@ -30,7 +30,7 @@ from sailor.controller.status import request_clear_bad
 from sailor.localservers import LocalServers
 from sailor.megatron_patch.engine import TrainConfig
 from sailor.megatron_patch.model import tiny_model
-from sailor.megatron_patch.reference import train_reference
+from sailor.megatron_patch.reference import ReferenceRun, train_reference
 from sailor.schemas.runtime import Phase
 from tests.integration.cluster_kit import Cluster
 from tests.integration.conftest import free_port
@@ -66,6 +66,21 @@ class RealCluster(Cluster):
                 if rec.get("event") == "step":
                     out[(gen, int(rec["step"]))] = float(rec["loss"])
         return out
+
+
+def _reference(steps: int) -> ReferenceRun:
+    """The uninterrupted single-process run, on one torch thread. torch's default (one per
+    core) spins at a barrier each op waiting for the other thread: on the 2 shared cores, 30
+    tiny-gpt steps took 4.6-8.1 CPU-s on two threads and 1.2-1.4 on one (the same losses,
+    bit for bit; the workers train on one thread too)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_reference(tiny_model("tiny-gpt", GBS), GBS, steps, TrainConfig(seed=0))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -127,11 +142,7 @@ async def test_join_then_preemption_with_real_workers(real: RealCluster) -> None
     last = max(s for _g, s in losses)
     # off the loop: the controllers and agents of this test share it (a leader's 1 s lease
     # expired while the reference trained on it, under load)
-    ref = (
-        await asyncio.to_thread(
-            train_reference, tiny_model("tiny-gpt", GBS), GBS, last, TrainConfig(seed=0)
-        )
-    ).losses
+    ref = (await asyncio.to_thread(_reference, last)).losses
     for (gen, step), loss in sorted(losses.items()):
         assert abs(loss - ref[step - 1]) <= LOSS_ATOL, (gen, step, loss, ref[step - 1])
     seen = {s for _g, s in losses}
