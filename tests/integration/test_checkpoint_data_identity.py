@@ -7,7 +7,8 @@ data prepare`` and save a checkpoint. Before, nothing in a checkpoint said which
 shuffled with another seed) continued its sample counter over other samples, exit 0, the
 loss curve unremarkable. Now:
 
-- another corpus: every rank refuses it before its first step, a configuration error
+- another corpus: every rank (of two, resuming the one-rank run's checkpoint under a two-stage
+  pipeline) refuses it before its first step, a configuration error
   (``origin="config"``, not retried, no node blamed) naming the fields that differ with the
   checkpoint's and the run's values;
 - the same corpus copied to another directory: the same data, resumed (the identity holds
@@ -43,13 +44,18 @@ optimizer: {{lr: 0.003, weight_decay: 0.0}}
 """
 
 
-def _plan() -> Plan:
+def _plan(ranks: int) -> Plan:
+    """One rank (layers 0-3), or a two-stage pipeline. Only the refusal needs two ranks (every
+    rank refuses); the saving run and the resumed ones check rank 0 alone, and each rank
+    process costs seconds of CPU, so they run one."""
+
     def stage(a: int, b: int) -> Stage:
         return Stage(
             first_layer=a, last_layer=b, replica=ReplicaGroup(gpu_type="cpu", zone="z", tp=1)
         )
 
-    pipe = Pipeline(stages=(stage(0, 1), stage(2, 3)), microbatch_size=1, num_microbatches=4)
+    stages = (stage(0, 3),) if ranks == 1 else (stage(0, 1), stage(2, 3))
+    pipe = Pipeline(stages=stages, microbatch_size=1, num_microbatches=4)
     return Plan(model="tiny-text", global_batch_size=4, pipelines=(pipe,))
 
 
@@ -59,17 +65,21 @@ def _config(root: Path, name: str, prefix: Path, extra: str = "") -> Path:
     return path
 
 
-def _run(config: Path, workdir: Path, steps: int, resume_from: Path | None = None) -> LocalRun:
+def _run(
+    config: Path, workdir: Path, steps: int, resume_from: Path | None = None, ranks: int = 1
+) -> LocalRun:
     args = ["--train-config", str(config)]
     if resume_from is not None:
         args += ["--ckpt-dir", str(resume_from), "--load-step", str(SAVED_AT)]
-    return launch_local(_plan(), steps, workdir, extra_args=args, module="sailor.training_process")
+    return launch_local(
+        _plan(ranks), steps, workdir, extra_args=args, module="sailor.training_process"
+    )
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LocalRun]:
     """Corpus A (shuffle seed 0) and B (the same text, shuffle seed 1) prepared; a run on A
-    saved at step 2 (``checkpoint.every_steps``) and trained one step more."""
+    (one rank) saved at step 2 (``checkpoint.every_steps``) and trained one step more."""
     root = tmp_path_factory.mktemp("dataid")
     for name, seed in (("a", 0), ("b", 1)):
         prepare(
@@ -107,7 +117,7 @@ def test_another_corpus_is_refused_by_name_before_any_step(
 ) -> None:
     root, _ = saved
     other = _config(tmp_path, "other", root / "b" / "corpus")
-    run = _run(other, tmp_path / "run", 1, resume_from=root / "ckpt")
+    run = _run(other, tmp_path / "run", 1, resume_from=root / "ckpt", ranks=2)
     assert run.returncodes == [1, 1], (run.errors, run.stderr)
     for rank, err in enumerate(run.errors):
         assert err is not None, run.stderr[rank]

@@ -208,6 +208,18 @@ def _stop_save(job: _Job, gen: str, ranks: range, step: int, ckpt: Path) -> None
     job.control(gen, ranks, {"stop_at_step": step, "save_step": step, "save_dir": str(ckpt)})
 
 
+def _held_pp2(job: _Job, ckpt: Path, env: dict[str, str] | None = None) -> str:
+    """Two fresh ``--in-place`` ranks of PP2 (generation ``g0``, processes ``w0``, ``w1``)
+    told to stop and save at step 2 into ``ckpt``, once both hold there: the set-up of each
+    relayout test. Returns the world's master address."""
+    m0 = f"127.0.0.1:{free_port()}"
+    for r in range(2):
+        job.start(f"w{r}", job.argv("g0", PP2, r, m0), env)
+    _stop_save(job, "g0", range(2), 2, ckpt)
+    job.held("g0", range(2), 2)
+    return m0
+
+
 def _state(root: Path, step: int) -> dict[str, tuple[torch.Tensor, ...]]:
     got = load(LocalStorage(str(root)), range(LAYERS), step=step).params
     return {k: (p.weight, p.exp_avg, p.exp_avg_sq) for k, p in got.items()}
@@ -242,12 +254,8 @@ def test_stop_relayout_to_data_parallel_then_grow_with_a_fresh_rank(
     """(a) PP2 --stop/save at 2--> DP2 (both kept, in place) --stop/save at 4--> DP_TP, a
     third, fresh --in-place process joining as a TP shard; equal to the restart path."""
     ip, rs = tmp_path / "ckpt-ip", tmp_path / "ckpt-rs"
-    m0 = f"127.0.0.1:{free_port()}"
     env = {ENV_VAR: str(tmp_path / "strict")}  # every call checked under NCCL's rules
-    for r in range(2):
-        job.start(f"w{r}", job.argv("g0", PP2, r, m0), env)
-    _stop_save(job, "g0", range(2), 2, ip)
-    job.held("g0", range(2), 2)
+    m0 = _held_pp2(job, ip, env)
 
     m1 = f"127.0.0.1:{free_port()}"
     _stop_save(job, "g1", range(2), 4, ip)
@@ -404,11 +412,7 @@ def test_a_failure_inside_the_relayout_is_a_normal_failure(tmp_path: Path, job: 
     fail (error file, exit 1) within about its timeout, not hang."""
     job.timeout_s = 20.0  # waited out below
     ip = tmp_path / "ckpt-ip"
-    m0 = f"127.0.0.1:{free_port()}"
-    for r in range(2):
-        job.start(f"w{r}", job.argv("g0", PP2, r, m0))
-    _stop_save(job, "g0", range(2), 2, ip)
-    job.held("g0", range(2), 2)
+    _held_pp2(job, ip)
     m1 = f"127.0.0.1:{free_port()}"
     for r in range(2):
         _directive(job, "g0", r, 1, [*job.argv("g1", DP2, r, m1, ip, 2)[:-1], "--in-place"])
@@ -430,11 +434,7 @@ def test_a_relayout_on_other_data_is_refused_by_name(tmp_path: Path, job: _Job) 
     checkpoint of the step is not read at all here (every layer has a live holder), so only
     the handshake can see it."""
     ip = tmp_path / "ckpt-ip"
-    m0 = f"127.0.0.1:{free_port()}"
-    for r in range(2):
-        job.start(f"w{r}", job.argv("g0", PP2, r, m0))
-    _stop_save(job, "g0", range(2), 2, ip)
-    job.held("g0", range(2), 2)
+    _held_pp2(job, ip)
     m1 = f"127.0.0.1:{free_port()}"
     _stop_save(job, "g1", range(2), 4, ip)  # where the old code's relayout stopped and held
     for r in range(2):

@@ -20,7 +20,7 @@ from sailor.data.corpus import builtin_corpus
 from sailor.data.prepare import PrepareOptions, prepare
 from sailor.megatron_patch.data import build_dataset
 from sailor.megatron_patch.engine import TrainConfig
-from sailor.megatron_patch.launch import launch_local
+from sailor.megatron_patch.launch import LocalRun, launch_local
 from sailor.megatron_patch.reference import train_reference
 from sailor.metrics import read_events
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
@@ -65,16 +65,38 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_layouts_agree_on_prepared_text(config: Path, tmp_path: Path) -> None:
-    one = _plan(Pipeline(stages=(_stage(0, 3),), microbatch_size=2, num_microbatches=2))
-    two = _plan(
-        Pipeline(stages=(_stage(0, 1), _stage(2, 3)), microbatch_size=1, num_microbatches=4)
+TWO = _plan(Pipeline(stages=(_stage(0, 1), _stage(2, 3)), microbatch_size=1, num_microbatches=4))
+CKPT_DIR = "ckpt-periodic"
+
+
+@pytest.fixture(scope="module")
+def periodic(config: Path) -> tuple[Path, LocalRun]:
+    """The two-stage pipeline (``sailor worker``) for STEPS + 1 steps under the config plus
+    ``checkpoint: {dir, every_steps: 2, keep: 1}``: the pipeline layout of the layouts test
+    (saves do not change a loss) and the saving run of the periodic-checkpoint test, one run
+    for both (a rank process costs seconds of CPU)."""
+    path = config.parent / "run-ckpt.yaml"
+    path.write_text(CONFIG + f"checkpoint: {{dir: {CKPT_DIR}, every_steps: 2, keep: 1}}\n")
+    run = launch_local(
+        TWO,
+        STEPS + 1,
+        config.parent / "periodic",
+        extra_args=["--train-config", str(path)],
+        module="sailor.training_process",
     )
-    losses = []
-    for name, plan in (("one", one), ("two", two)):
-        run = launch_local(plan, STEPS, tmp_path / name, extra_args=["--train-config", str(config)])
-        assert run.ok, (run.errors, run.stderr)
-        losses.append([s["loss"] for s in run.steps(0)])
+    assert run.ok, (run.errors, run.stderr)
+    return path, run
+
+
+def test_layouts_agree_on_prepared_text(
+    config: Path, periodic: tuple[Path, LocalRun], tmp_path: Path
+) -> None:
+    one = _plan(Pipeline(stages=(_stage(0, 3),), microbatch_size=2, num_microbatches=2))
+    # the two-stage layout: the shared run's first STEPS steps (written to out/ before this
+    # one-rank run, so the metrics checked below are the one-rank run's)
+    run = launch_local(one, STEPS, tmp_path / "one", extra_args=["--train-config", str(config)])
+    assert run.ok, (run.errors, run.stderr)
+    losses = [[s["loss"] for s in run.steps(0)], [s["loss"] for s in periodic[1].steps(0)][:STEPS]]
     assert len(losses[0]) == STEPS
     assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
     assert losses[0][-1] < losses[0][0]
@@ -99,7 +121,7 @@ def test_layouts_agree_on_prepared_text(config: Path, tmp_path: Path) -> None:
     assert len(tb_files) == 2  # one per run, rank 0 only
     events = read_events(tb_files[-1])
     assert [e.step for e in events[1:]] == list(range(1, STEPS + 1))
-    assert events[-1].scalars["loss"] == pytest.approx(losses[1][-1], rel=1e-6)
+    assert events[-1].scalars["loss"] == pytest.approx(losses[0][-1], rel=1e-6)
 
 
 def test_wrong_field_refused_before_any_process_group(tmp_path: Path) -> None:
@@ -138,30 +160,24 @@ def test_wrong_field_refused_before_any_process_group(tmp_path: Path) -> None:
 
 
 def test_periodic_checkpoints_of_the_config_keep_their_own_retention(
-    config: Path, tmp_path: Path
+    config: Path, periodic: tuple[Path, LocalRun], tmp_path: Path
 ) -> None:
     """``checkpoint: {dir, every_steps: 2, keep: 1}``: steps 2 and 4 are saved under the
     config's directory (anchored at the config file) and only the newest stays; the run
-    resumes from it with the uninterrupted run's next loss."""
+    resumes from it with the uninterrupted run's next loss. The saving run is the module's
+    two-stage run; the resume runs the same microbatches on one rank (a rank process costs
+    seconds of CPU): it reads both stages' shards of the kept step."""
     from sailor.checkpoint import LocalStorage
     from sailor.checkpoint.reader import committed_steps
 
-    path = config.parent / "run-ckpt.yaml"
-    path.write_text(CONFIG + "checkpoint: {dir: ckpt-periodic, every_steps: 2, keep: 1}\n")
-    plan = _plan(
-        Pipeline(stages=(_stage(0, 1), _stage(2, 3)), microbatch_size=1, num_microbatches=4)
-    )
+    path, run = periodic
     args = ["--train-config", str(path)]
-    run = launch_local(
-        plan, STEPS + 1, tmp_path / "a", extra_args=args, module="sailor.training_process"
-    )
-    assert run.ok, (run.errors, run.stderr)
-    root = config.parent / "ckpt-periodic"
+    root = config.parent / CKPT_DIR
     assert committed_steps(LocalStorage(str(root))) == [4]
     events = [e for e in run.progress[0] if e.get("event") == "periodic_checkpoint"]
     assert [e["step"] for e in events] == [2, 4]
     resumed = launch_local(
-        plan,
+        _plan(Pipeline(stages=(_stage(0, 3),), microbatch_size=1, num_microbatches=4)),
         1,
         tmp_path / "b",
         extra_args=[*args, "--ckpt-dir", str(root), "--load-step", "4"],

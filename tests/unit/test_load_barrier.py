@@ -5,6 +5,7 @@ Ranks are simulated by calls on one store: each check-in is what a rank does aft
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -657,36 +658,56 @@ def test_rank_0_does_not_keep_its_store_up_for_a_rank_its_watchers_found_dead() 
         rank0.close()
 
 
-_HUNG_STORE = """
-import sys, time
+_STORE_HOST = """
+import sys
 from datetime import timedelta
 import torch.distributed as dist
-store = dist.TCPStore(
-    "127.0.0.1", int(sys.argv[1]), 1, True, timedelta(seconds=60), wait_for_workers=False
-)
-print("up", flush=True)
-time.sleep(120)
+stores = []
+for line in sys.stdin:  # a port per store asked for; EOF (the tests' process gone): exit
+    stores.append(dist.TCPStore(
+        "127.0.0.1", int(line), 1, True, timedelta(seconds=60), wait_for_workers=False
+    ))
+    print("up", flush=True)
 """
+# the process serving the hung-store tests' stores, started by the first of them: one torch
+# import (over a CPU-second) for all of them, not one each
+_store_host: list[subprocess.Popen[bytes]] = []
+
+
+@atexit.register
+def _end_store_host() -> None:
+    for server in _store_host:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
 
 
 @contextlib.contextmanager
 def _store_process() -> Iterator[tuple[subprocess.Popen[bytes], dist.TCPStore]]:
-    """A store served by a process of its own (rank 0's), which the test can stop (SIGSTOP:
-    a hung store, neither answering nor closing its sockets), and a client of it whose
-    calls wait 10 s for an answer."""
+    """A new store served by a process other than this one (rank 0's), which the test can
+    stop (SIGSTOP: a hung store, neither answering nor closing its sockets; the test sends
+    SIGCONT before it ends), and a client of it whose calls wait 10 s for an answer. The
+    process serves this process's earlier tests' stores too, idle by then."""
+    if not _store_host or _store_host[0].poll() is not None:
+        _store_host[:] = [
+            subprocess.Popen(
+                [sys.executable, "-c", _STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+        ]
+    server = _store_host[0]
+    server.send_signal(signal.SIGCONT)  # running, whatever an earlier test left
+    assert server.stdin is not None and server.stdout is not None
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-c", _HUNG_STORE, str(port)], stdout=subprocess.PIPE
+    server.stdin.write(f"{port}\n".encode())
+    server.stdin.flush()
+    assert server.stdout.readline() == b"up\n"
+    client = dist.TCPStore(
+        "127.0.0.1", port, 1, False, timedelta(seconds=10), wait_for_workers=False
     )
     try:
-        assert server.stdout is not None and server.stdout.readline() == b"up\n"
-        client = dist.TCPStore(
-            "127.0.0.1", port, 1, False, timedelta(seconds=10), wait_for_workers=False
-        )
         yield server, client
     finally:
-        server.kill()
-        server.wait()
+        server.send_signal(signal.SIGCONT)
 
 
 def test_the_handlers_lookup_of_a_peers_failure_is_bounded_on_a_hung_store(
