@@ -117,10 +117,13 @@ def model_spec(name: str, model_file: Path | None) -> ModelSpec:
 
 def local_gpu_type(device: str) -> str:
     """The catalog type of this host's CUDA device 0 (cuda), or 'cpu'; a device the catalog
-    does not know is refused with its name, memory and the types it could be."""
+    does not know is refused with its name, memory and the types it could be. Imports torch
+    only for cuda (a CPU probe's parent process needs none: its ranks import it)."""
+    if device != "cuda":
+        return "cpu"
     import torch
 
-    if device != "cuda" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return "cpu"
     from sailor.catalog.cuda_names import UnknownGPUError, catalog_gpu_name
 

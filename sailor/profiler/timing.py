@@ -38,9 +38,10 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "STATISTICS",
@@ -148,6 +149,8 @@ def throttle_factor(stats: Iterable[Stats]) -> float:
 def time_once(fn: Callable[[], Any], device: torch.device) -> float:
     """Seconds one call of ``fn`` takes on ``device`` (CUDA events on GPU)."""
     if device.type == "cuda":
+        import torch  # here, not at the top: the CLI's parents of probe ranks read Stats only
+
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()

@@ -55,6 +55,7 @@ from sailor.schemas.device_kind import any_cpu_type, spec_of
 from sailor.schemas.precision import Precision, supports_bf16
 from sailor.simulator.communicators import stage_communicators
 from sailor.simulator.grad_sync import gradient_sync, loss_allreduce_time
+from sailor.simulator.memo import IdentityMemo
 from sailor.simulator.memory import stage_memory
 from sailor.simulator.pipeline import TimelineOp
 from sailor.simulator.pipeline_kinds import PipelineKind, build_pipeline_kinds
@@ -377,10 +378,20 @@ def _precision(plan: Plan, model: ModelSpec, specs: Mapping[str, GPUSpec]) -> Pr
 
 def _at_precision(model: ModelSpec, precision: Precision) -> ModelSpec:
     """``model`` computing in ``precision``: the plan's choice is what runs and is priced
-    (compute peak of analytic estimates, estimated layer sizes, model state)."""
+    (compute peak of analytic estimates, estimated layer sizes, model state). One copy per
+    (model, precision), kept: the layer tables are memoized on the model's identity, so a
+    fresh copy per call rebuilt them in every simulation of a plan whose precision is not the
+    spec's (a search simulates thousands)."""
     if model.precision == precision:
         return model
-    return model.model_copy(update={"precision": precision})
+    return _AT_PRECISION.get(
+        (model,),
+        ("precision", precision),
+        lambda: model.model_copy(update={"precision": precision}),
+    )
+
+
+_AT_PRECISION = IdentityMemo(64)
 
 
 def _overhead(gcal: GPUCalibration, profiles: ProfileDB, gpu_type: str, tp: int) -> int:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from sailor.planner import search
 from sailor.schemas import Pipeline, Plan, ReplicaGroup, Stage
-from sailor.simulator import simulate
+from sailor.simulator import lookup, simulate
 from tests.unit.test_planner_search import Env, make_env, make_pool
 
 _LONG = os.environ.get("SAILOR_LONG") == "1"
@@ -244,3 +244,30 @@ def test_planner_matches_brute_force_across_two_zones(
         return
     why = res.plans[0].explain if res.plans else res.reason
     assert got >= TOLERANCE_ZONES * truth, (got, truth, why)
+
+
+def test_a_plan_in_another_precision_than_the_spec_reuses_the_layer_tables() -> None:
+    """The simulator prices a plan at its own precision (a copy of the model spec); the copy
+    is kept per (model, precision), so a second simulation of such a plan (the brute force
+    above and the planner's search make thousands) builds no layer table or size list again,
+    and gives the same answer."""
+    env = make_env(
+        weights=(1.0, 2.0, 1.0),
+        speed={"fast": 1.0, "slow": 2.0},
+        memory_mb={"fast": 400, "slow": 400},
+        params_mb=0.5,
+        gbs=4,
+    )
+    shape = ((0, 1, ("fast", 1, ZONE)), (2, env.model.num_all_layers - 1, ("slow", 2, ZONE)))
+    plan = Plan(model="toy", global_batch_size=4, pipelines=(_pipe(shape, 2, 2),))
+    assert plan.resolved_precision(env.specs, env.model.precision) != env.model.precision
+
+    def sim() -> float:
+        return simulate(
+            plan, env.model, env.profiles, env.network, env.prices, gpu_specs=env.specs
+        ).iteration_time_s
+
+    first = sim()
+    misses = lookup._MEMO.misses
+    assert sim() == first
+    assert lookup._MEMO.misses == misses

@@ -293,3 +293,23 @@ def test_a_failed_launch_reports_the_rank_that_failed_not_one_killed(tmp_path: P
         run_ranks("oom_rank", 2, {}, deadline_s=30, extra_env={"PYTHONPATH": str(tmp_path)})
     assert err.value.rank == 1 and err.value.why == "exit 1"
     assert layers._out_of_memory(err.value.stderr) == "torch.OutOfMemoryError: CUDA out of memory."
+
+
+def test_a_cpu_probes_parent_process_does_not_load_torch() -> None:
+    """``sailor profile network --device cpu`` runs its probes in rank processes that import
+    torch; the parent reads their Stats and the host's device type only, and does not import
+    it too (~2 CPU-s per run)."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from sailor.cli import profile_network_cmd\n"
+        "from sailor.cli.profile_group import local_gpu_type\n"
+        "from sailor.profiler import collective_probe, network_probe\n"
+        "assert local_gpu_type('cpu') == 'cpu'\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert res.stdout.strip() == "[]", res.stdout[:500]
