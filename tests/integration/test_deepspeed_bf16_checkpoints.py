@@ -4,9 +4,11 @@ In bf16 DeepSpeed steps a ``BF16_Optimizer`` holding the fp32 master weights and
 in flat partitions across the data-parallel ranks; the checkpoint must hold those masters
 (not the bf16 copies) and moments by layer key. The ranks run bf16 on the CPU through
 ``deepspeed_bf16_rank`` (DeepSpeed's CPU accelerator runs bf16; it refuses fp16), against one
-uninterrupted bf16 run of the same plan (two pipelines of two uneven stages):
+uninterrupted bf16 run of the same plan (two pipelines of two uneven stages) which saves step
+2 on the agent's control file and trains on (a save reads the state: one that changed it
+would make the run differ from a resume of what it wrote):
 
-- stopped and saved at step 2, resumed under the same layout: the losses and the fp32 masters
+- saved at step 2, resumed under the same layout: the losses and the fp32 masters
   are *equal* to the uninterrupted run's (the same computation from the same state: a master,
   moment or step count restored inexactly shows);
 - the same checkpoint resumed under another layout (one pipeline: the masters partitioned
@@ -15,7 +17,7 @@ uninterrupted bf16 run of the same plan (two pipelines of two uneven stages):
   order; the engine computes in fp32), so the bounds are the measured noise with a margin,
   far below what a lost moment or step count moves (below).
 
-The saving run goes through ``deepspeed_fault_rank`` (the same rank, its collectives and the
+That run goes through ``deepspeed_fault_rank`` (the same rank, its collectives and the
 checkpointer's host copies counted: ``SAVE_TRACE``), whose records show the save's traffic
 and memory:
 
@@ -62,7 +64,6 @@ from tests.integration.test_deepspeed_checkpoints import (
     _dumped,
     _losses,
     _run,
-    _stop_and_save,
 )
 
 pytest.importorskip("deepspeed")
@@ -91,16 +92,16 @@ LAYOUT_LOSS_REL, ENGINE_LOSS_REL = 1e-4, 1e-3
 @dataclass(frozen=True)
 class _Saved:
     full: LocalRun
-    """The uninterrupted bf16 run of 4 steps."""
+    """The uninterrupted bf16 run of 4 steps, which saved step 2 on the agent's control
+    file without stopping."""
     full_params: dict[str, torch.Tensor]
-    first: LocalRun
-    """The run stopped and saved at step 2."""
+    """Its fp32 masters at its end (``--dump-state``)."""
     at_2: dict[str, torch.Tensor]
-    """The first run's fp32 masters at its stop (``--dump-state``)."""
+    """Its fp32 masters right after its save of step 2 (``deepspeed_fault_rank``:
+    ``DUMP_AT_SAVE``)."""
     ckpt: Path
     traces: list[list[dict[str, int]]]
-    """The first run's save, per rank, one record per save (``deepspeed_fault_rank``:
-    ``SAVE_TRACE``)."""
+    """Its save, per rank, one record per save (``deepspeed_fault_rank``: ``SAVE_TRACE``)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,21 +115,27 @@ def _ranks_find_the_tests() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> _Saved:
+    """One run is both the uninterrupted run and the saving one: a save only reads the
+    state (a save that changed the live masters or moments would make the run differ from a
+    resume of what it wrote, and its masters after the save from what it wrote)."""
     work = tmp_path_factory.mktemp("bf16")
-    full = _run(DS_2X2, 4, work / "full", BF16_RANK)
     ckpt = work / "ckpt"
-    stop = _stop_and_save(work / "control.json", ckpt)
+    control = work / "control.json"
+    control.write_text(json.dumps({"save_step": 2, "save_dir": str(ckpt)}))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SAVE_TRACE", str(work / "trace-{rank}.jsonl"))
-        first = _run(DS_2X2, 4, work / "a", FAULT_RANK, "--control", stop)
+        mp.setenv("DUMP_AT_SAVE", str(work / "at-{step}-{rank}.pt"))
+        full = _run(DS_2X2, 4, work / "full", FAULT_RANK, "--control", str(control))
     assert committed_steps(LocalStorage(str(ckpt))) == [2]
+    assert [s["step"] for s in full.steps(0)] == [1, 2, 3, 4]  # it did not stop
     traces = [
         [json.loads(x) for x in (work / f"trace-{r}.jsonl").read_text().splitlines()]
         for r in range(4)
     ]
-    return _Saved(
-        full, _dumped(work / "full", range(4)), first, _dumped(work / "a", range(4)), ckpt, traces
-    )
+    at_2: dict[str, torch.Tensor] = {}
+    for r in range(4):
+        at_2.update({k: t for k, (t, _d) in torch.load(work / f"at-2-{r}.pt").items()})
+    return _Saved(full, _dumped(work / "full", range(4)), at_2, ckpt, traces)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +182,7 @@ def test_a_bf16_checkpoint_holds_the_fp32_masters_and_resumes_exactly(
 
     resume = ["--ckpt-dir", str(saved.ckpt), "--load-step", "2"]
     second = _run(DS_2X2, 2, tmp_path / "b", BF16_RANK, *resume)
-    assert {**_losses(saved.first), **_losses(second)} == _losses(saved.full)
+    assert _losses(second) == {s: x for s, x in _losses(saved.full).items() if s > 2}
     resumed = _dumped(tmp_path / "b", range(4))
     assert set(resumed) == set(saved.full_params)
     for key, value in resumed.items():
