@@ -9,8 +9,9 @@ parameters by far more (the parameters must also have moved >10 tolerances from 
 
 - the adapter stops and saves at step 2 on the agent's control file, and resumes to step 4;
 - a checkpoint the adapter saved resumes in Sailor's engine under another layout (one
-  pipeline of 3 stages), and one the engine saved periodically (``checkpoint.every_steps``
-  of a training config) resumes in the adapter, which saves periodically in turn;
+  pipeline of two stages cut elsewhere), and one the engine saved periodically
+  (``checkpoint.every_steps`` of a training config) resumes in the adapter, which saves
+  periodically in turn;
 - a checkpoint trained in another precision (bf16) is refused by name, and resumes with
   ``allow_precision_change``.
 """
@@ -68,8 +69,9 @@ def _plan(cuts: list[tuple[int, int]], pipelines: int, m: int) -> Plan:
 # DeepSpeed: uneven stages (layers 0..3 | 4..5); two pipelines, or one.
 DS_2X2 = _plan([(0, 3), (4, 5)], pipelines=2, m=2)
 DS_1X2 = _plan([(0, 3), (4, 5)], pipelines=1, m=4)
-# Sailor's engine: one pipeline of three stages, or two single-stage replicas.
-ENGINE_1X3 = _plan([(0, 1), (2, 3), (4, 5)], pipelines=1, m=4)
+# Sailor's engine: one pipeline of two stages cut elsewhere than the adapter's (its second
+# stage holds layers each of the adapter's stages wrote), or two single-stage replicas.
+ENGINE_1X2 = _plan([(0, 1), (2, 5)], pipelines=1, m=4)
 ENGINE_2X1 = _plan([(0, 5)], pipelines=2, m=2)
 
 
@@ -184,10 +186,10 @@ def test_an_adapter_checkpoint_resumes_in_sailors_engine_under_another_layout(
     ref, init = reference
     first, ckpt = adapter_saved
     engine = _run(
-        ENGINE_1X3, 2, tmp_path / "b", ENGINE, "--ckpt-dir", str(ckpt), "--load-step", "2"
+        ENGINE_1X2, 2, tmp_path / "b", ENGINE, "--ckpt-dir", str(ckpt), "--load-step", "2"
     )
     _check_losses({**_losses(first), **_losses(engine)}, ref, [1, 2, 3, 4])
-    _check_params(_dumped(tmp_path / "b", range(3)), ref.params, init)
+    _check_params(_dumped(tmp_path / "b", range(2)), ref.params, init)
 
 
 @dataclass(frozen=True)
