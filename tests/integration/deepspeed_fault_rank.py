@@ -16,6 +16,9 @@ asks, each through the adapter's real path (no branch for it in Sailor's code):
   optimizer-state fragment DeepSpeed linked to its middle parameter (one in its own flat
   partition), so that reading that moment raises DeepSpeed's own error, partway through the
   stage's parameters, as an allocation failing there would;
+- ``DUMP_AT_SAVE=path-with-{rank}-and-{step}``: after each save, every rank dumps its full
+  weights (the fp32 masters in bf16) as ``--dump-state`` dumps them at the run's end: the
+  state a run saving without stopping had at its save;
 - ``SLOW_LOAD_RANK=r``, ``SLOW_LOAD_S``: rank ``r``'s checkpoint storage stalls its first read
   once the world has formed (``slow_load_worker``'s wrapper);
 - ``FAIL_BEFORE_LOAD_RANK=r``: rank ``r`` fails after DeepSpeed's initialisation, before its
@@ -115,6 +118,24 @@ class _ProbedIO(DeepSpeedLayerIO):
             key = _break_fragment(trainer)
             print(f"broke the exp_avg_sq fragment of {key}", file=sys.stderr, flush=True)
         self._saves_seen += 1
+        took = self._save(trainer, root, keep, prune_below, optional, drop_steps, trace_to)
+        dump_to = os.environ.get("DUMP_AT_SAVE", "")
+        if dump_to:  # after the save, as ``--dump-state`` after a stop's: a collective
+            state = {k: (w.cpu(), None) for k, w in trainer.weights().items()}
+            path = dump_to.replace("{rank}", str(trainer.rank)).replace("{step}", str(trainer.step))
+            torch.save(state, path)
+        return took
+
+    def _save(
+        self,
+        trainer: DeepSpeedRun,
+        root: str,
+        keep: int | None,
+        prune_below: int,
+        optional: bool,
+        drop_steps: tuple[int, ...] | None,
+        trace_to: str,
+    ) -> float:
         if not trace_to:
             return super().save(trainer, root, keep, prune_below, optional, drop_steps)
         trace = _Trace(trainer.rank)

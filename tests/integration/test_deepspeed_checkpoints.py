@@ -9,8 +9,9 @@ parameters by far more (the parameters must also have moved >10 tolerances from 
 
 - the adapter stops and saves at step 2 on the agent's control file, and resumes to step 4;
 - a checkpoint the adapter saved resumes in Sailor's engine under another layout (one
-  pipeline of 3 stages), and one the engine saved periodically (``checkpoint.every_steps``
-  of a training config) resumes in the adapter, which saves periodically in turn;
+  pipeline of two stages cut elsewhere), and one the engine saved periodically
+  (``checkpoint.every_steps`` of a training config) resumes in the adapter, which saves
+  periodically in turn;
 - a checkpoint trained in another precision (bf16) is refused by name, and resumes with
   ``allow_precision_change``.
 """
@@ -18,6 +19,7 @@ parameters by far more (the parameters must also have moved >10 tolerances from 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -67,8 +69,9 @@ def _plan(cuts: list[tuple[int, int]], pipelines: int, m: int) -> Plan:
 # DeepSpeed: uneven stages (layers 0..3 | 4..5); two pipelines, or one.
 DS_2X2 = _plan([(0, 3), (4, 5)], pipelines=2, m=2)
 DS_1X2 = _plan([(0, 3), (4, 5)], pipelines=1, m=4)
-# Sailor's engine: one pipeline of three stages, or two single-stage replicas.
-ENGINE_1X3 = _plan([(0, 1), (2, 3), (4, 5)], pipelines=1, m=4)
+# Sailor's engine: one pipeline of two stages cut elsewhere than the adapter's (its second
+# stage holds layers each of the adapter's stages wrote), or two single-stage replicas.
+ENGINE_1X2 = _plan([(0, 1), (2, 5)], pipelines=1, m=4)
 ENGINE_2X1 = _plan([(0, 5)], pipelines=2, m=2)
 
 
@@ -183,20 +186,30 @@ def test_an_adapter_checkpoint_resumes_in_sailors_engine_under_another_layout(
     ref, init = reference
     first, ckpt = adapter_saved
     engine = _run(
-        ENGINE_1X3, 2, tmp_path / "b", ENGINE, "--ckpt-dir", str(ckpt), "--load-step", "2"
+        ENGINE_1X2, 2, tmp_path / "b", ENGINE, "--ckpt-dir", str(ckpt), "--load-step", "2"
     )
     _check_losses({**_losses(first), **_losses(engine)}, ref, [1, 2, 3, 4])
-    _check_params(_dumped(tmp_path / "b", range(3)), ref.params, init)
+    _check_params(_dumped(tmp_path / "b", range(2)), ref.params, init)
 
 
-def test_an_engine_checkpoint_resumes_in_the_adapter_which_saves_periodically(
-    tmp_path: Path,
-) -> None:
-    """Both under one training config (its default AdamW exempts biases and norms from
-    weight decay: the adapter's parameter groups must be the engine's). The weight decay is
-    large so that decaying the exempt weights shows: lr 1e-3 x 1.0 moves a norm weight of ~1
-    by ~1e-3 a step, ~8 tolerances (at the default 0.01 it moved them ~1e-5, within one)."""
-    ckpt = tmp_path / "ckpt"
+@dataclass(frozen=True)
+class _EngineSaved:
+    run: LocalRun
+    """Sailor's engine (two single-stage replicas), 2 steps under ``cfg_file``."""
+    ckpt: Path
+    """Its periodic checkpoint's root: step 2 (and the adapter's step 4 once it resumed)."""
+    cfg_file: Path
+    tc: TrainingConfig
+
+
+@pytest.fixture(scope="module")
+def engine_saved(tmp_path_factory: pytest.TempPathFactory) -> _EngineSaved:
+    """A checkpoint Sailor's engine saved periodically (``checkpoint.every_steps`` of a
+    training config) at step 2, on synthetic sequences of 16 tokens (tiny-llama's). One run
+    serves the test resuming it in the adapter and the test refusing it on other data (that
+    one is refused before it reads anything and writes nothing)."""
+    work = tmp_path_factory.mktemp("engine")
+    ckpt = work / "ckpt"
     tc = TrainingConfig.model_validate(
         {
             "model": {"kind": "builtin", "name": MODEL},
@@ -204,16 +217,30 @@ def test_an_engine_checkpoint_resumes_in_the_adapter_which_saves_periodically(
             "checkpoint": {"dir": str(ckpt), "every_steps": 2, "keep": 3},
         }
     )
-    assert tc.optimizer.no_decay  # the default exempts some kinds
-    cfg_file = tmp_path / "run.json"
+    cfg_file = work / "run.json"
     cfg_file.write_text(tc.model_dump_json())
+    run = _run(ENGINE_2X1, 2, work / "a", ENGINE, "--train-config", str(cfg_file))
+    assert committed_steps(LocalStorage(str(ckpt))) == [2]
+    return _EngineSaved(run, ckpt, cfg_file, tc)
+
+
+def test_an_engine_checkpoint_resumes_in_the_adapter_which_saves_periodically(
+    engine_saved: _EngineSaved, tmp_path: Path
+) -> None:
+    """Both under one training config (its default AdamW exempts biases and norms from
+    weight decay: the adapter's parameter groups must be the engine's). The weight decay is
+    large so that decaying the exempt weights shows: lr 1e-3 x 1.0 moves a norm weight of ~1
+    by ~1e-3 a step, ~8 tolerances (at the default 0.01 it moved them ~1e-5, within one)."""
+    tc, ckpt, cfg_file = engine_saved.tc, engine_saved.ckpt, engine_saved.cfg_file
+    assert tc.optimizer.no_decay  # the default exempts some kinds
     ref, init = _reference(TrainConfig.of(tc))
-    engine = _run(ENGINE_2X1, 2, tmp_path / "a", ENGINE, "--train-config", str(cfg_file))
     assert committed_steps(LocalStorage(str(ckpt))) == [2]
     resumed = [*("--train-config", str(cfg_file), "--ckpt-dir", str(ckpt), "--load-step", "2")]
-    ds = _run(DS_2X2, 2, tmp_path / "b", ADAPTER, *resumed)
-    _check_losses({**_losses(engine), **_losses(ds)}, ref, [1, 2, 3, 4])
-    _check_params(_dumped(tmp_path / "b", range(4)), ref.params, init)
+    # one pipeline: another layout than the engine's; the adapter's save from two
+    # data-parallel replicas is the test resuming its own checkpoint's (adapter_saved)
+    ds = _run(DS_1X2, 2, tmp_path / "b", ADAPTER, *resumed)
+    _check_losses({**_losses(engine_saved.run), **_losses(ds)}, ref, [1, 2, 3, 4])
+    _check_params(_dumped(tmp_path / "b", range(2)), ref.params, init)
     # the adapter's own periodic checkpoint at step 4 (its training config's)
     assert committed_steps(LocalStorage(str(ckpt))) == [2, 4]
     assert [e["step"] for e in ds.progress[0] if e["event"] == "periodic_checkpoint"] == [4]
@@ -263,32 +290,24 @@ def test_the_adapter_refuses_another_precision_unless_allowed(
     _check_params(_dumped(tmp_path / "b", range(2)), ref.params, init)
 
 
-def test_the_adapter_refuses_a_checkpoint_of_other_data_by_name(tmp_path: Path) -> None:
+def test_the_adapter_refuses_a_checkpoint_of_other_data_by_name(
+    engine_saved: _EngineSaved, tmp_path: Path
+) -> None:
     """An engine checkpoint of tiny-llama trained on sequences of 16 tokens, resumed by the
     adapter on sequences of 8: RoPE has no parameter of the sequence length, so the model
     fits, and before, the adapter resumed it (exit 0) with its sample counter over other
     samples. Now every rank refuses it before the read, naming ``data.seq_length``, a
     configuration error (the checkpoint records its data: ``CheckpointManifest.data``)."""
-    ckpt = tmp_path / "ckpt"
+    ckpt = engine_saved.ckpt
     spec = tiny_model(MODEL, GBS)
-
-    def config(name: str, seq_length: int, extra: dict[str, object]) -> str:
-        tc = TrainingConfig.model_validate(
-            {
-                "model": {"kind": "spec", "spec": spec.model_dump() | {"seq_length": seq_length}},
-                **extra,
-            }
-        )
-        path = tmp_path / name
-        path.write_text(tc.model_dump_json())
-        return str(path)
-
-    saving = config("a.json", 16, {"checkpoint": {"dir": str(ckpt), "every_steps": 2}})
-    _run(ENGINE_2X1, 2, tmp_path / "a", ENGINE, "--train-config", saving)
-    assert committed_steps(LocalStorage(str(ckpt))) == [2]
+    assert spec.seq_length == 16  # what the engine trained on (its builtin model's)
     data = read_manifest(LocalStorage(str(ckpt)), 2).data
     assert data is not None and (data.kind, data.seq_length) == ("synthetic", 16)
-    resume = ["--train-config", config("b.json", 8, {}), "--ckpt-dir", str(ckpt)]
+    tc = TrainingConfig.model_validate(
+        {"model": {"kind": "spec", "spec": spec.model_dump() | {"seq_length": 8}}}
+    )
+    (tmp_path / "b.json").write_text(tc.model_dump_json())
+    resume = ["--train-config", str(tmp_path / "b.json"), "--ckpt-dir", str(ckpt)]
     refused = launch_local(
         DS_1X2,
         2,
