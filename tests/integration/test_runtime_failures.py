@@ -184,10 +184,11 @@ async def test_a_lease_whose_keepalive_crashed_is_reported_lost(cluster: Cluster
     try:
         lease = await store.lease(1)
 
-        def broken(lease_id: int) -> Any:
+        async def broken() -> Any:
             raise RuntimeError("injected")
 
-        store.client.refresh_lease = broken  # type: ignore[method-assign]
+        # the keepalive's one round trip (EtcdLease._refresh, its own LeaseKeepAlive call)
+        lease._refresh = broken  # type: ignore[method-assign]
         await until(lambda: not lease.alive, 5, "a dead keepalive left the lease 'alive'")
         await lease.revoke()
     finally:
