@@ -163,7 +163,22 @@ def profile_layers(
     that a failure later loses only the unit it happened in. A unit that runs out of GPU
     memory is skipped, its cause in ``meta["<gpu>.skipped"]``, and the next one runs; any
     other error is raised. Between units the unit's model is freed (:func:`_release`).
+    The caller's torch thread count is restored on return, as on an error (a CPU run sets
+    it to ``run.threads`` for its measurements).
     """
+    threads = torch.get_num_threads()
+    try:
+        return _profile_layers(run, on_progress, on_unit)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile_layers(
+    run: LayerRun,
+    on_progress: Callable[[str, int], None] | None,
+    on_unit: Callable[[ProfileDB], None] | None,
+) -> tuple[ProfileDB, list[LayerMeasurement]]:
+    """:func:`profile_layers`, leaving the thread count as its measurements set it."""
 
     def note(desc: str, n: int) -> None:
         if on_progress is not None:

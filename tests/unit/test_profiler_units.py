@@ -137,6 +137,26 @@ def test_another_failure_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
         profile_layers(_run(tps=(1,)))
 
 
+def test_the_callers_thread_count_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU run measures on ``run.threads``; its caller (a notebook, the CLI's later work,
+    a test process) keeps its own count afterwards, on success and on an error."""
+    import torch
+
+    before = torch.get_num_threads()
+    other = 2 if before != 2 else 3
+    try:
+        torch.set_num_threads(other)
+        _Stubbed(monkeypatch)
+        profile_layers(_run(tps=(1,), mbs=(1,), threads=1))
+        assert torch.get_num_threads() == other
+        _Stubbed(monkeypatch, boom=frozenset({(1, 1)}))
+        with pytest.raises(RuntimeError, match="boom"):
+            profile_layers(_run(tps=(1,), mbs=(1,), threads=1))
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def original(tmp_path: Path) -> Path:
     """A database file with another GPU's (imported) profile in it, for the run to merge into."""
