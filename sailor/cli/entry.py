@@ -1,6 +1,6 @@
 """The ``sailor`` console script: :func:`main` imports the command line, then runs it.
 
-The import of every sub-command takes seconds (torch, pydantic models, the catalog); a
+The import of the command line and of the sub-command run takes seconds on a busy machine; a
 Ctrl-C then, or at any later time, ends with one line on stderr and exit 130 (128 +
 SIGINT), as a shell tool interrupted by Ctrl-C does: no traceback. This module imports
 nothing of Sailor at its top, so that the interrupt meets :func:`main`'s handler.

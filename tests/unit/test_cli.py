@@ -191,6 +191,29 @@ def test_cli_import_does_not_load_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_a_command_imports_its_own_module_not_every_other() -> None:
+    """``sailor agent`` (every node's daemon start) resolves its command alone: the planner's,
+    the certificates' and the profiler's command modules stay unimported (all of them cost
+    ~0.3 CPU-s more per start); listing the commands (``sailor --help``) builds them all."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, typer, sailor.cli.main as m\n"
+        "root = typer.main.get_command(m.app)\n"
+        "mods = ('sailor.cli.plan_cmd', 'sailor.cli.certs_cmd', 'sailor.cli.profile_cmd')\n"
+        "agent = root.get_command(None, 'agent')\n"
+        "own = 'sailor.cli.runtime_cmd' in sys.modules\n"
+        "print(agent.name, [x in sys.modules for x in mods], own)\n"
+        "names = root.list_commands(None)\n"
+        "print(len(names), len(root.commands), [x in sys.modules for x in mods])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, listed = out.stdout.strip().splitlines()
+    assert first == "agent [False, False, False] True"
+    assert listed == "19 19 [True, True, True]"
+
+
 def test_profile_estimate_writes_compute_the_simulator_adds_the_links_to(tmp_path: Path) -> None:
     """The estimated entries hold compute alone, stamped so: the simulator adds the GPU's TP
     all-reduces over the plan's network (a slow intra-node curve there makes TP 2 slower, TP
