@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -55,9 +56,10 @@ def fsync_dir(path: Path, *, skip_unsupported: bool = False) -> None:
         os.close(fd)
 
 
-def make_dirs_durably(path: Path) -> None:
+def make_dirs_durably(path: Path, sync: Callable[[Path], None] = fsync_dir) -> None:
     """Make directory ``path`` and its missing parents, each new one's entry fsync'd in its
-    parent (a file written into it must not vanish with its directory after a power loss)."""
+    parent (a file written into it must not vanish with its directory after a power loss).
+    ``sync(directory)`` does the fsync (a caller mapping its errors passes its own)."""
     missing = []
     q = path
     while not q.is_dir() and q != q.parent:
@@ -65,7 +67,7 @@ def make_dirs_durably(path: Path) -> None:
         q = q.parent
     path.mkdir(parents=True, exist_ok=True)
     for made in reversed(missing):
-        fsync_dir(made.parent)
+        sync(made.parent)
 
 
 def write_durably(

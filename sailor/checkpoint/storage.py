@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from sailor.checkpoint.errors import StorageError
 from sailor.checkpoint.local_read import LocalReader
-from sailor.durable import fsync_dir
+from sailor.durable import fsync_dir, make_dirs_durably
 
 __all__ = ["FsspecStorage", "LocalStorage", "RangeReader", "Storage", "confined", "open_storage"]
 
@@ -144,15 +144,10 @@ class LocalStorage:
         after a power loss)."""
         if d.is_dir():
             return
-        missing = []
-        q = d
-        while not q.exists() and q != q.parent:
-            missing.append(q)
-            q = q.parent
-        d.mkdir(parents=True, exist_ok=True)
         if self.fsync:
-            for m in reversed(missing):
-                _fsync_dir(m.parent)
+            make_dirs_durably(d, sync=_fsync_dir)
+        else:
+            d.mkdir(parents=True, exist_ok=True)
 
     def _create(self, tmp: Path) -> io.FileIO:
         """``tmp`` opened for writing, its directory made again if it went since

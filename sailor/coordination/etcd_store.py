@@ -230,15 +230,22 @@ class EtcdStore:
             if task is not None and task.cancelling():
                 # grpc turns our cancellation into an RPC error; never swallow it
                 raise asyncio.CancelledError from exc
-            err = self._convert(exc)
-            if isinstance(err, UnavailableError):
-                self._failover(seen, err)
-            try:
-                if err is exc:  # not a client error: raised as it is (never its own cause)
-                    raise
-                raise err from exc
-            finally:
-                del err  # this frame is in err's traceback: no cycle through its locals
+            raise self._raised(exc, seen)  # noqa: B904 (its cause is set there)
+
+    def _raised(self, exc: Exception, seen: int | None) -> Exception:
+        """What to raise for client error ``exc``: our error for it, ``exc`` its cause, or
+        ``exc`` itself when it is no client error (never its own cause); an unavailable
+        member is failed over from when ``seen`` (the failover count the call began at) is
+        given. Returned, not bound in the raising frame: that frame is in the error's
+        traceback, and a local holding the error would be a cycle keeping the failed gRPC
+        call, its channel and the connection until a collection."""
+        err = self._convert(exc)
+        if err is exc:
+            return exc
+        if seen is not None and isinstance(err, UnavailableError):
+            self._failover(seen, err)
+        err.__cause__ = exc  # as ``raise err from exc``
+        return err
 
     @staticmethod
     def _convert(exc: Exception) -> Exception:
@@ -321,15 +328,7 @@ class EtcdStore:
             watch = await self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
         except Exception as exc:
             _untangle(exc)
-            err = self._convert(exc)
-            if isinstance(err, UnavailableError):
-                self._failover(seen, err)
-            try:
-                if err is exc:  # as in ``call``
-                    raise
-                raise err from exc
-            finally:
-                del err
+            raise self._raised(exc, seen)  # noqa: B904 (its cause is set there)
         try:
             async for ev in watch:
                 key = ev.kv.key.decode()
@@ -342,13 +341,7 @@ class EtcdStore:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
-            err = self._convert(exc)
-            try:
-                if err is exc:  # as in ``call``
-                    raise
-                raise err from exc
-            finally:
-                del err
+            raise self._raised(exc, None)  # noqa: B904 (its cause is set there)
         finally:
             with contextlib.suppress(Exception):  # bounded whatever the stream does
                 await within(watch.cancel(), self._op_timeout, "etcd watch cancel")
