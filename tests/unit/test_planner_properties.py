@@ -89,12 +89,16 @@ def _searched(i: int) -> RobustResult:
     return _search(model, nodes, objective, cons)
 
 
-def _search(model: str, nodes: Nodes, objective: str, cons: Constraints) -> RobustResult:
+def _search(
+    model: str, nodes: Nodes, objective: str, cons: Constraints, reverse: bool = False
+) -> RobustResult:
+    """The robust search of ``nodes``' pool (its entries in reverse with ``reverse``)."""
     s = _setup(model)
+    pool = _pool(nodes)
     return robust_search(
         s.model,
         s.profiles,
-        _pool(nodes),
+        Pool(entries=pool.entries[::-1]) if reverse else pool,
         s.network,
         s.prices,
         objective,  # type: ignore[arg-type]
@@ -197,22 +201,8 @@ def test_planning_the_same_input_twice_gives_the_same_plans() -> None:
 
 def test_the_order_of_the_pool_changes_no_plan() -> None:
     _, model, nodes, objective, cons = SCENARIOS[2]
-    s = _setup(model)
-    pool = _pool(nodes)
-    in_order = _searched(2)  # the search of ``pool`` as _pool orders it (sorted)
-    res = robust_search(
-        s.model,
-        s.profiles,
-        Pool(entries=pool.entries[::-1]),
-        s.network,
-        s.prices,
-        objective,  # type: ignore[arg-type]
-        cons,
-        gpu_specs=s.specs,
-        calibration=s.calibration,
-        risk="robust",
-        top_k=3,
-    )
+    in_order = _searched(2)  # the search of the pool as _pool orders it (sorted)
+    res = _search(model, nodes, objective, cons, reverse=True)
     assert in_order.plans, in_order.reason
     assert res.plans, res.reason
     assert [(_key(p.plan), p.worst_ratio) for p in in_order.plans] == [
