@@ -29,9 +29,14 @@ REDACTED = "***"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^\s/,]*)@")
 
 
+def _hidden(userinfo: str) -> str:
+    """``user:***`` for ``user:password``; ``***`` for a token (no password)."""
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:{REDACTED}" if colon else REDACTED
+
+
 def _hide(match: re.Match[str]) -> str:
-    user, colon, _ = match["userinfo"].partition(":")
-    return f"{match['scheme']}{user}:{REDACTED}@" if colon else f"{match['scheme']}{REDACTED}@"
+    return f"{match['scheme']}{_hidden(match['userinfo'])}@"
 
 
 def redact_text(text: str) -> str:
@@ -49,9 +54,7 @@ def redact_url(url: str) -> str:
     userinfo, at, host = parts.netloc.rpartition("@")
     if not at:
         return url
-    user, colon, _ = userinfo.partition(":")
-    hidden = f"{user}:{REDACTED}" if colon else REDACTED
-    return urlunsplit(parts._replace(netloc=f"{hidden}@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{_hidden(userinfo)}@{host}"))
 
 
 def redact_urls(urls: str | Sequence[str]) -> str:
