@@ -101,7 +101,73 @@ def launch_local(
     plan_path = workdir / "plan.json"
     plan_path.write_text(plan.model_dump_json())
     world = len(plan.ranks())
-    master = f"127.0.0.1:{free_port()}"
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        run = _run_ranks(
+            f"127.0.0.1:{free_port()}",
+            _Launch(
+                plan_path,
+                world,
+                steps,
+                workdir,
+                model,
+                extra_args,
+                per_rank_args,
+                deadline_s,
+                timeout_s,
+                module,
+                pin_cores,
+                chosen,
+            ),
+        )
+        if attempt == RENDEZVOUS_ATTEMPTS or not _port_taken(run):
+            return run
+        for r in range(world):  # the next attempt's ranks write these afresh
+            for name in (f"progress-{r}.jsonl", f"error-{r}.json", f"stderr-{r}.txt"):
+                (workdir / name).unlink(missing_ok=True)
+    raise AssertionError("unreachable")
+
+
+RENDEZVOUS_ATTEMPTS = 3
+"""Launches of a local run whose rendezvous port was taken before any rank trained (another
+process bound it between :func:`free_port` and rank 0's listener), each on a new port, as
+the controller relaunches a generation (``controller/rendezvous_ports.py``)."""
+
+
+def _port_taken(run: LocalRun) -> bool:
+    """Some rank failed binding the rendezvous (origin ``rendezvous``) and none trained."""
+    return any(e is not None and e.get("origin") == "rendezvous" for e in run.errors) and not any(
+        run.steps(r) for r in range(len(run.progress))
+    )
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What every attempt of :func:`launch_local` starts its ranks with."""
+
+    plan_path: Path
+    world: int
+    steps: int
+    workdir: Path
+    model: str | None
+    extra_args: list[str] | None
+    per_rank_args: dict[int, list[str]] | None
+    deadline_s: float
+    timeout_s: float
+    module: str
+    pin_cores: bool
+    backend: str
+
+
+def _run_ranks(master: str, a: _Launch) -> LocalRun:
+    """Start every rank of one attempt with rendezvous ``master``; wait and collect."""
+    plan_path, world, steps, workdir, model = a.plan_path, a.world, a.steps, a.workdir, a.model
+    extra_args, per_rank_args, deadline_s, timeout_s = (
+        a.extra_args,
+        a.per_rank_args,
+        a.deadline_s,
+        a.timeout_s,
+    )
+    module, pin_cores, chosen = a.module, a.pin_cores, a.backend
     procs: list[subprocess.Popen[bytes]] = []
     placement = round_robin(world, available_cores()) if pin_cores else None
     t0 = time.monotonic()
