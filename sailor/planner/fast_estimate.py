@@ -22,6 +22,7 @@ from sailor.planner.pricing import GpuPricing
 from sailor.planner.tables import CostTables, Kind
 from sailor.planner.templates import PipelineTemplate
 from sailor.schemas import BandwidthCurve, Endpoint
+from sailor.schemas.calibration import LinkEta
 from sailor.simulator.network_model import BUCKET_ELEMENTS, inter_curve, ring_order
 
 __all__ = [
@@ -78,11 +79,9 @@ class SyncModel:
         hit = self._effs.get((a, b))
         if hit is None:
             cal = self.tables.inputs.calibration
-            eff = min(
-                cal.for_gpu(a.gpu_type).network_efficiency,
-                cal.for_gpu(b.gpu_type).network_efficiency,
-            )
-            hit = self._effs[(a, b)] = (self._curve(a, b), eff)
+            curve = self._curve(a, b)
+            eff = cal.network_link_eta(a.gpu_type, b.gpu_type).on(curve.max_gbps)
+            hit = self._effs[(a, b)] = (curve, eff)
         return hit
 
     def fixed_s(self, gpu_type: str) -> float:
@@ -130,12 +129,12 @@ class SyncModel:
         runs: Sequence[tuple[Kind, int]],
         node_bytes: float,
         elements: float,
-        efficiency: float,
+        efficiency: LinkEta,
     ) -> float:
         """:func:`sailor.simulator.network_model.ring_allreduce` over nodes given as runs of
         (endpoint, nodes) in plan order: the ring sorts them by zone, then GPU type and node
         shape (so the plan's order does not matter), a step lasts as long as its slowest hop
-        (one efficiency, the ring's lowest), and a measured all-reduce latency of the
+        (the ring's lowest efficiency on that hop's link), and a measured all-reduce latency of the
         endpoint kind, when every node is of one kind, replaces the per-step link latency."""
         n = sum(c for _, c in runs)
         if n <= 1 or node_bytes <= 0:
@@ -169,7 +168,7 @@ class SyncModel:
             per_step = curve.transfer_time(chunk)
             if measured is not None:
                 per_step -= curve.latency_s  # paid once per all-reduce, as measured
-            step = max(step, per_step / efficiency)
+            step = max(step, per_step / efficiency.on(curve.max_gbps))
         out = 2.0 * (n - 1) * step * buckets + (0.0 if measured is None else measured * buckets)
         self._segments[memo] = out
         return out
@@ -289,16 +288,16 @@ def fast_estimate(
         at = [bisect.bisect_right(fs, a) - 1 for fs in firsts]
         node_bytes = 0.0
         elements = 0.0
-        eff = math.inf
+        types: list[str] = []
         for (t, _, _), si in zip(groups, at, strict=True):
             st = t.stages[si]
             arr = tables.arrays(st.kind.gpu_type, st.kind.tp, t.mbs)
             el = float(arr.params[b] - arr.params[a]) if arr is not None else st.params
             node_bytes = max(node_bytes, sync.node_bytes(st.kind.tp, el, pb))
             elements = max(elements, el)
-            eff = min(eff, cal.for_gpu(st.kind.gpu_type).network_efficiency)
+            types.append(st.kind.gpu_type)
         ring = [(_endpoint(groups[g][0].stages[at[g]].kind), c) for g, c in runs]
-        ar = sync.segment_ring(ring, node_bytes, elements, eff)
+        ar = sync.segment_ring(ring, node_bytes, elements, cal.network_link_eta(*types))
         start = max(ready[g][si] for g, si in enumerate(at))
         for g, si in enumerate(at):
             ready[g][si] = start + ar

@@ -12,6 +12,8 @@ See ``docs/simulator-model.md`` for how each constant enters the model.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -28,6 +30,8 @@ __all__ = [
     "ConstantRange",
     "GPUCalibration",
     "GPUPrior",
+    "LinkEta",
+    "eta_on",
     "pcie_link",
 ]
 
@@ -51,6 +55,37 @@ def pcie_link(link: str) -> bool:
     """Whether a spec sheet's ``intra_node_link`` (``'PCIe4 x16'``, ``'PCI-e 3'``, ``'PCI
     Express 5'``; not ``'NVLink3'``, ``'shared memory'``) is PCIe."""
     return link.strip().lower().startswith("pci")
+
+
+def eta_on(eta: float, ref_gbps: float | None, link_gbps: float) -> float:
+    """An efficiency ``eta`` read on links of peak ``ref_gbps``, on a link of peak
+    ``link_gbps``.
+
+    The framework's shortfall against the probe is a throughput of its own, in series with
+    the link (buffer copies, bucket flattening, kernel and host-side work per byte, waits that
+    do not scale with the wire): a transfer takes ``bytes/B + bytes/R`` with
+    ``R = ref·η/(1−η)``, so on a link of peak ``B`` the efficiency is ``R/(R+B) =
+    1/(1 + (1/η − 1)·B/ref)``. On the link it was read on it is ``eta``; a slower link loses
+    less of its bandwidth to the framework (a 1 Gb/s link ~0.5 %, where 0.2 was read at
+    92 GB/s), a faster one more. ``ref_gbps`` None (or ``eta`` 1): ``eta`` on every link."""
+    if ref_gbps is None or link_gbps == ref_gbps or eta >= 1.0:
+        return eta  # as read (bit for bit on the links it was read on)
+    if not link_gbps > 0 or math.isinf(link_gbps):
+        return eta
+    return 1.0 / (1.0 + (1.0 / eta - 1.0) * link_gbps / ref_gbps)
+
+
+@dataclass(frozen=True)
+class LinkEta:
+    """The efficiency of a transfer or ring step among GPU types: each type's (η, the peak
+    it was read at), the least of theirs on the link at hand (:func:`eta_on`). Hashable:
+    the planner's memo keys hold it."""
+
+    etas: tuple[tuple[float, float | None], ...]
+
+    def on(self, link_gbps: float) -> float:
+        """The efficiency on a link of peak ``link_gbps`` GB/s."""
+        return min(eta_on(e, ref, link_gbps) for e, ref in self.etas)
 
 
 def _legacy_tp_link(data: Any, field: str) -> Any:
@@ -93,6 +128,13 @@ class GPUPrior(Frozen):
     )
     p2p_efficiency: ConstantRange = Field(
         description="Fraction of the probed link bandwidth pipeline transfers reach."
+    )
+    efficiency_link_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Peak bandwidth (GB/s) of the node links the network_efficiency and "
+        "p2p_efficiency ranges were read on (GPUCalibration.efficiency_link_gbps); None: "
+        "each end applies on every link as it is.",
     )
     p2p_fixed_s: ConstantRange | None = Field(
         default=None,
@@ -209,6 +251,17 @@ class GPUCalibration(Frozen):
             "as network_efficiency (what a calibration from gradient reduce times gives)."
         ),
     )
+    efficiency_link_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Peak bandwidth (GB/s) of the node links network_efficiency and p2p_efficiency "
+            "were read on. On a link of peak B the simulator uses 1/(1 + (1/η − 1)·B/this): "
+            "the framework's shortfall is a throughput of its own in series with the link "
+            "(docs/simulator-model.md section 3), so a slower link keeps more of its "
+            "bandwidth. None: each efficiency applies on every link as it is."
+        ),
+    )
     p2p_fixed_s: float = Field(
         default=0.0,
         ge=0,
@@ -316,7 +369,8 @@ class GPUCalibration(Frozen):
 
     @property
     def p2p_eta(self) -> float:
-        """Efficiency of pipeline transfers (network_efficiency unless set apart)."""
+        """Efficiency of pipeline transfers (network_efficiency unless set apart), on the
+        links it was read on (:attr:`efficiency_link_gbps`)."""
         return self.network_efficiency if self.p2p_efficiency is None else self.p2p_efficiency
 
     @model_validator(mode="before")
@@ -372,9 +426,20 @@ class Calibration(DeploymentStructure):
 
     def p2p_between(self, *gpu_types: str) -> tuple[float, float]:
         """(p2p efficiency, fixed cost per transfer) of a pipeline boundary between stages of
-        ``gpu_types``: the least efficiency and the largest fixed cost of theirs."""
+        ``gpu_types``: the least efficiency (as read, on its own links) and the largest
+        fixed cost of theirs."""
         cals = [self.for_gpu(g) for g in gpu_types]
         return min(c.p2p_eta for c in cals), max(c.p2p_fixed_s for c in cals)
+
+    def p2p_link_eta(self, *gpu_types: str) -> LinkEta:
+        """The p2p efficiency of a boundary between stages of ``gpu_types``, by link."""
+        cals = [self.for_gpu(g) for g in dict.fromkeys(gpu_types)]
+        return LinkEta(tuple((c.p2p_eta, c.efficiency_link_gbps) for c in cals))
+
+    def network_link_eta(self, *gpu_types: str) -> LinkEta:
+        """The collectives' efficiency of a ring among nodes of ``gpu_types``, by link."""
+        cals = [self.for_gpu(g) for g in dict.fromkeys(gpu_types)]
+        return LinkEta(tuple((c.network_efficiency, c.efficiency_link_gbps) for c in cals))
 
     def is_calibrated(self, gpu_type: str) -> bool:
         """Whether ``gpu_type`` has constants of its own (or, a CPU kind, the ``cpu`` entry)."""

@@ -29,6 +29,10 @@ p2p pair shares one), in order, each using those before it (docs/simulator-model
   engine's work around each transfer (instruction dispatch, buffer handling), which the
   profile of the layers alone does not see; the efficiency, the bandwidth the transfers
   reach against the probed link (docs/simulator-model.md section 7b).
+* ``efficiency_link_gbps``: the median over the runs of the peak of their node-to-node
+  link (the link of the first stage's nodes among themselves), what the two efficiencies
+  above are read on: on another link the simulator takes them there
+  (``schemas.calibration.eta_on``).
 * ``alloc_factor`` (κ): measured Δpeak / modelled Δactivations between the single-stage
   runs with the smallest and largest activation footprint; 1 without two such runs.
 * ``communicator_bytes`` and ``memory_overhead_bytes`` (M0), from the memory residuals
@@ -69,6 +73,7 @@ from sailor.schemas import (
     ProfileDB,
 )
 from sailor.simulator.lookup import StageCosts, layer_table
+from sailor.simulator.network_model import inter_curve
 from sailor.simulator.simulate import simulate
 
 __all__ = ["MeasuredRun", "calibrate_gpu"]
@@ -423,12 +428,15 @@ def calibrate_gpu(
 
     # the base's TP link efficiencies are kept: the runs' tables were read with them
     kept = base.for_gpu(gpu)
+    peak = _link_peak(runs, network)
+    why.append(f"efficiencies read on links of peak {peak:.4g} GB/s")
     step = GPUCalibration(
         gpu_type=gpu,
         profiler_overhead_s=h,
         sync_fixed_s=c,
         tp_link_efficiency=kept.tp_link_efficiency,
         tp_link_efficiency_pcie=kept.tp_link_efficiency_pcie,
+        efficiency_link_gbps=peak,
     )
     logs: list[float] = []
     for r in runs:
@@ -523,3 +531,13 @@ def calibrate_gpu(
             ),
         }
     )
+
+
+def _link_peak(runs: Sequence[MeasuredRun], network: NetworkProfile) -> float:
+    """The median over ``runs`` of the peak bandwidth (GB/s) of the node-to-node link of
+    their first stage's nodes: the links their all-reduces and transfers crossed."""
+    peaks = []
+    for r in runs:
+        g = r.plan.pipelines[0].stages[0].replica
+        peaks.append(inter_curve(network, g, g)[0].max_gbps)
+    return statistics.median(peaks)

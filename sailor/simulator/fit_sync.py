@@ -59,17 +59,26 @@ def _groups(plan: Plan) -> dict[tuple[int, int], int]:
     return {x: ids[find(x)] for x in list(parent)}
 
 
-def _eta_interval(ar1: float, comm: float, r: RankEvidence) -> tuple[float, float]:
-    """The 95 % interval of one replica group's η = ar1 / comm from its last arriver's
-    step-to-step spread of the sync: the standard error of its median sync over its steps
-    (:func:`median_interval`, Student's t) moves ``comm`` by as much, and η inversely (a
-    comm that could reach 0 puts the high end at 1). A lone group's η, with no other group
-    to compare it with, is as uncertain as its sync; steps that do not vary give the point."""
+def _eta_of(ar1: float, per_unit: float, comm: float) -> float:
+    """The η at which a group's all-reduces take ``comm``: they take ``ar1`` at η = 1 and
+    ``per_unit`` more per unit of ``1/η − 1`` on their links (``ar1`` itself when η applies
+    on every link as read; less on links slower than those it was read on:
+    ``schemas.calibration.eta_on``). Within [ETA_MIN, 1]."""
+    if comm <= ar1 or per_unit <= 0:
+        return 1.0
+    return min(1.0, max(ETA_MIN, 1.0 / (1.0 + (comm - ar1) / per_unit)))
+
+
+def _eta_interval(ar1: float, per_unit: float, comm: float, r: RankEvidence) -> tuple[float, float]:
+    """The 95 % interval of one replica group's η (:func:`_eta_of` at ``comm``) from its
+    last arriver's step-to-step spread of the sync: the standard error of its median sync
+    over its steps (:func:`median_interval`, Student's t) moves ``comm`` by as much, and η
+    the other way (a comm that could reach ``ar1`` puts the high end at 1). A lone group's
+    η, with no other group to compare it with, is as uncertain as its sync; steps that do
+    not vary give the point."""
     _, _, high = median_interval(r.t.sync_s, 0.0, 1, [r.t.sync_spread], r.t.steps)
     half = high - r.t.sync_s
-    lo = ar1 / (comm + half)
-    hi = ar1 / (comm - half) if comm > half else 1.0
-    return min(1.0, max(ETA_MIN, lo)), min(1.0, max(ETA_MIN, hi))
+    return _eta_of(ar1, per_unit, comm + half), _eta_of(ar1, per_unit, comm - half)
 
 
 def tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
@@ -103,6 +112,8 @@ def fit_sync_constants(
 ) -> Calibration:
     iteration_s = iteration_s or {}
     rows1 = stage_rows(sim(with_all(cal, kinds, network_efficiency=1.0)))
+    # and at η = 1/2 (one unit of 1/η − 1): what a unit adds on these links
+    rows2 = stage_rows(sim(with_all(cal, kinds, network_efficiency=0.5)))
     lone = [
         r
         for r in ranks
@@ -210,8 +221,9 @@ def fit_sync_constants(
         if comm <= 0 or comm < _SYNC_SHARE * r.t.sync_s:
             skipped += 1
             continue
-        eta = min(1.0, max(ETA_MIN, ar1 / comm))
-        lo, hi = _eta_interval(ar1, comm, r)
+        per_unit = rows2[(r.pipeline, r.stage)].grad_sync_s - ar1
+        eta = _eta_of(ar1, per_unit, comm)
+        lo, hi = _eta_interval(ar1, per_unit, comm, r)
         for g in members[gid]:
             etas[g].append(eta)
             ends[g].extend((lo, hi))

@@ -86,7 +86,7 @@ def gradient_sync(
             n_el = sum(sizes_by_tp[tp][layer].params for layer in range(lo, hi + 1))
             node_bytes = max(node_bytes, tp * n_el * grad_bytes)
             elements = max(elements, float(n_el))
-        eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+        eff = inp.cal.network_link_eta(*(r.gpu_type for r in groups))
         if cal.ring_links == "per_gpu":
             groups, node_bytes = _per_gpu(groups, per_gpu_of), elements * grad_bytes
         ar = ring_allreduce(inp.links.network, groups, node_bytes, elements, eff, links=inp.links)
@@ -103,7 +103,7 @@ def loss_allreduce_time(inp: SimInputs, pipelines: Sequence[Pipeline], ranks: Ra
     if not inp.cal.loss_allreduce:
         return 0.0
     everyone = [s.replica for p in pipelines for s in p.stages for _ in range(s.replica.tp)]
-    eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in everyone))
+    eff = inp.cal.network_link_eta(*(r.gpu_type for r in everyone))
     loss_ar = ring_allreduce(inp.links.network, everyone, _LOSS_BYTES, 1.0, eff, links=inp.links)
     inp.notes.add(*loss_ar.notes)
     return ranks.loss_allreduce_s(loss_ar, len(everyone), _LOSS_BYTES)
@@ -165,7 +165,7 @@ def _tied_allreduce(
         n_el /= min(g.tp for g in groups)
     else:
         node_bytes = max(g.tp for g in groups) * n_el * _grad_bytes(model, inp.cal)
-    eff = min(inp.gcal(g).network_efficiency for g in dict.fromkeys(r.gpu_type for r in groups))
+    eff = inp.cal.network_link_eta(*(r.gpu_type for r in groups))
     if inp.cal.ring_links == "per_gpu":
         groups, node_bytes = _per_gpu(groups, {}), n_el * _grad_bytes(model, inp.cal)
     return (

@@ -25,7 +25,10 @@ GB/s, a four-GPU one's at 6 GB/s in the same zone. So a sibling zones' curve of 
 Intra-node transfers use the profile's intra-node curve of the GPU type, else the spec
 sheet's per-GPU link bandwidth, else :data:`FALLBACK_INTRA_GBPS`.
 
-Every bandwidth is derated by the network efficiency η of the calibration. A ring all-reduce
+Every bandwidth is derated by the network efficiency η of the calibration, taken on the
+link at hand (``schemas.calibration.eta_on``: η was read on links of one peak bandwidth, and
+the framework's shortfall is a throughput of its own in series with the link, so a slower
+link loses less of its bandwidth to it). A ring all-reduce
 pays the links' per-message latency at each of its ``2(n-1)`` steps, unless the network
 profile holds a measured all-reduce latency for the ring's endpoint kind and scope
 (``NetworkProfile.collectives``): then it pays that once, plus the steps' bandwidth time; and
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sailor.schemas import BandwidthCurve, Endpoint, GPUSpec, NetworkProfile, ReplicaGroup
+from sailor.schemas.calibration import LinkEta
 from sailor.schemas.device_kind import spec_of
 from sailor.schemas.network import CollectiveScope
 from sailor.schemas.zones import edge_zone, region_of
@@ -327,7 +331,7 @@ def ring_allreduce(
     groups: Sequence[ReplicaGroup],
     node_bytes: float,
     elements_per_gpu: float,
-    efficiency: float,
+    efficiency: float | LinkEta,
     *,
     links: LinkCurves | None = None,
 ) -> AllReduce:
@@ -380,8 +384,9 @@ def ring_allreduce(
                 per_step -= curve.latency_s  # paid once per all-reduce below, as measured
             else:
                 latency = min(curve.latency_s, per_step)
-        if per_step / efficiency > step:
-            step, step_latency = per_step / efficiency, latency / efficiency
+        eff = efficiency.on(curve.max_gbps) if isinstance(efficiency, LinkEta) else efficiency
+        if per_step / eff > step:
+            step, step_latency = per_step / eff, latency / eff
     crossed = 2.0 * (n - 1) * chunk * buckets
     crossings = tuple(
         (za, zb, crossed)

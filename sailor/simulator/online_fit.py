@@ -41,7 +41,11 @@ iteration times):
   pipeline's drain, which is no fixed cost.
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
-  η = simulated all-reduce time at η = 1 / (that sync − c), c the median sync of the kind's
+  η is the efficiency at which the simulated all-reduces take (that sync − c): simulated at
+  η = 1 over (that sync − c) where η applies on every link as read; on links other than those
+  the kind's efficiencies were read on (``GPUCalibration.efficiency_link_gbps``), solved from
+  the all-reduces simulated at η = 1 and 1/2 (time is affine in 1/η − 1 there), so that the
+  fitted η is in the frame the simulator takes it in. c the median sync of the kind's
   lone ranks; a kind without any subtracts its kept ``sync_fixed_s`` from the same sum that
   constant is fitted from (the sync, ``rest_s`` and the optimizer step beyond its profile,
   less the framework time), not from the sync alone. A kind's η is the geometric mean

@@ -117,6 +117,13 @@ def _constants(
             "profiler_overhead_s": _end(prior.profiler_overhead_s, corner, False),
             "network_efficiency": _end(prior.network_efficiency, corner, False),
             "p2p_efficiency": _end(prior.p2p_efficiency, corner, False),
+            # the links the efficiencies' ends were read on (a range written before this
+            # existed: the type's own)
+            "efficiency_link_gbps": (
+                base.efficiency_link_gbps
+                if prior.efficiency_link_gbps is None
+                else prior.efficiency_link_gbps
+            ),
             "p2p_fixed_s": (
                 base.p2p_fixed_s
                 if prior.p2p_fixed_s is None

@@ -282,7 +282,9 @@ def test_the_controllers_planner_places_its_best_plan_on_nodes_of_five() -> None
         NodeSpec(node_id=f"n{i}", gpu_type="A100-80", gpus=5, zone="us-central1-a")
         for i in range(4)
     )
-    res = SailorPlanner(catalog.model("LLAMA-3-8"), risk="median").plan(nodes, None)
+    # robust: its TP-4 plan (the median corner alone now prefers TP-1 pipelines here, since
+    # efficiencies are taken on the link at hand); each corner's search is still run
+    res = SailorPlanner(catalog.model("LLAMA-3-8"), risk="robust").plan(nodes, None)
     assert res.plan.num_gpus <= 16
     for n in nodes:
         check_devices(res.plan, n.gpus, node=n.node_id)

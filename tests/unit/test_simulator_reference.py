@@ -47,6 +47,9 @@ def test_calibration_constants_are_physical(setup: tuple[object, ...]) -> None:
     cal = calibrate_gpu(runs, model, profiles, network, prices, gpu_specs=gpus(), base=DEEPSPEED)  # type: ignore[arg-type]
     assert 0.0 < cal.profiler_overhead_s < 2e-3
     assert 0.05 < cal.network_efficiency <= 1.0
+    # read on the GH-96 node links (the probed curve's peak), where they apply as read
+    assert cal.efficiency_link_gbps == pytest.approx(92.55, rel=1e-3)
+    assert "read on links of peak 92.55 GB/s" in cal.source
     # read with a fixed cost per transfer from the 9 multi-stage runs' pipeline phases (at
     # two microbatch sizes), below the collectives' efficiency (0.116 and 0.67 ms)
     assert cal.p2p_efficiency is not None
