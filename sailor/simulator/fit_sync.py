@@ -239,7 +239,9 @@ def fit_sync_constants(
                 )
             )
             continue
-        value = min(1.0, math.exp(statistics.fmean(math.log(x) for x in found)))
+        # the geometric mean, within its readings (one reading: itself, not its exp(log))
+        mean = math.exp(statistics.fmean(math.log(x) for x in found))
+        value = min(1.0, max(found), max(min(found), mean))
         out.append(
             FittedConstant(
                 gpu_type=g,
