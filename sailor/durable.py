@@ -2,11 +2,12 @@
 
 The one way Sailor writes a small file whose loss or tearing matters: a data set's manifest,
 the agent's epoch fence and its workers' control files, the toy trainer's checkpoint parts
-and commit marker; the checkpoint storage syncs its directories with :func:`fsync_dir`. A
-file is written beside its name (``NAME`` + a temporary suffix), fsync'd, renamed over the
-name, and its directory fsync'd. Without the file's fsync a power loss can leave the renamed
-name with blocks never written (empty or zeros: ext4's delayed allocation); without the
-directory's, the rename itself (or a removal) can be undone.
+and commit marker, the CLI's JSON outputs, the profile database, a profiling rank's result
+and the demo's preemption notice; the checkpoint storage syncs its directories with
+:func:`fsync_dir`. A file is written beside its name (``NAME`` + a temporary suffix),
+fsync'd, renamed over the name, and its directory fsync'd. Without the file's fsync a power
+loss can leave the renamed name with blocks never written (empty or zeros: ext4's delayed
+allocation); without the directory's, the rename itself (or a removal) can be undone.
 
 It sits at the bottom of the layers, beside ``sailor.schemas``, so that every layer may use
 it; it must never import anything of Sailor's, and never decide what a failure means for

@@ -258,3 +258,88 @@ def test_the_toy_trainers_checkpoint_files_are_durable(
         _durable(events, step / name)
     assert ("fsync", str(tmp_path / "sim"), "") in events
     assert sorted(p.name for p in step.iterdir()) == ["COMMIT", "rank-0.json", "state.json"]
+
+
+def _write_json(path: Path) -> None:
+    from sailor.cli._io import write_json
+
+    write_json({"a": 1}, path)
+
+
+def _save_db(path: Path) -> None:
+    from sailor.profiler.merge import save_db
+    from sailor.schemas import ProfileDB
+
+    save_db(ProfileDB(model="tiny-gpt"), path)
+
+
+def _write_result(path: Path) -> None:
+    import argparse
+
+    from sailor.profiler.procs import write_result
+
+    write_result(argparse.Namespace(out=str(path)), {"rank": 0})
+
+
+def _preempt(path: Path) -> None:
+    from tests.unit.test_demo_cluster_config import _cluster
+
+    cluster = _cluster(path.parent)
+    assert cluster.notice_file("n1") == path
+    cluster.preempt("n1", 30.0)
+
+
+@pytest.mark.parametrize(
+    "write,name,want",
+    [
+        (_write_json, "out/plan.json", {"a": 1}),
+        (_save_db, "profiles/tiny.json", {"model": "tiny-gpt"}),
+        (_write_result, "out-0.json", {"rank": 0}),
+        (_preempt, "preempt-n1", {"in_s": 30.0}),
+    ],
+    ids=["cli-write-json", "profile-db", "rank-result", "demo-notice"],
+)
+def test_the_small_files_of_the_cli_profiler_and_demo_are_durable(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    write: Callable[[Path], None],
+    name: str,
+    want: dict[str, object],
+) -> None:
+    """The CLI's outputs, the profile database, a profiling rank's result and the demo's
+    preemption notice: each was renamed into place without any fsync (a power loss could
+    leave the name empty), and the CLI's and the database's new directories unsynced."""
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    path = tmp_path / name
+    events = _record(monkeypatch, watched=path)
+    write(path)
+    assert json.loads(_durable(events, path)).items() >= want.items()
+    if path.parent != tmp_path:  # a directory the write made
+        assert ("fsync", str(tmp_path), "-") in events
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_the_cli_output_errors_are_worded_as_before(tmp_path: Path) -> None:
+    """``write_json`` on the durable writer: a directory is refused by name, a write that
+    fails is ``cannot write`` with the system's reason, and nothing is left beside the
+    name; an existing output is replaced whole."""
+    from sailor.cli._io import write_json
+    from sailor.cli.errors import CliError
+
+    with pytest.raises(CliError) as info:
+        write_json({"a": 1}, tmp_path)
+    assert info.value.message == f"{tmp_path}: is a directory: give a file name"
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CliError) as info:
+        write_json({"a": 1}, blocker / "out.json")
+    assert info.value.message == f"{blocker / 'out.json'}: cannot write (File exists)"
+    (tmp_path / "dir.json.tmp").mkdir()  # what stands at the temporary name stays
+    with pytest.raises(CliError) as info:
+        write_json({"a": 1}, tmp_path / "dir.json")
+    assert info.value.message == f"{tmp_path / 'dir.json'}: cannot write (Is a directory)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.json.tmp", "file"]
+    out = tmp_path / "out.json"
+    out.write_text('{"old": true, "longer": "than the new content"}')
+    write_json({"a": 1}, out)
+    assert out.read_text() == '{\n  "a": 1\n}\n'
