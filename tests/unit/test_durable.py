@@ -25,15 +25,19 @@ import sailor.durable
 from sailor.durable import fsync_dir, make_dirs_durably, remove_durably, write_durably
 
 Event = tuple[str, str, str]
-"""("fsync", path of the fd, content of the file named by the write then) or
+"""("fsync", path of the fd, what ``watched`` held then: '' when not watched) or
 ("replace", source, destination)."""
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, watched: Path | None = None) -> list[Event]:
-    """Record every ``os.fsync`` and ``os.replace``, each passed through to the real call;
-    a directory's fsync also notes what ``watched`` holds at that moment ('-' if absent)."""
+    """Record every ``os.fsync`` (by the path its fd is open on) and ``os.replace`` /
+    ``os.rename`` (``Path.replace`` calls ``os.replace``; both recorded as "replace"), each
+    passed through to the real call; a directory's fsync also notes what ``watched`` holds
+    at that moment ('-' if absent). The one recorder of the durability tests (the
+    checkpoint's, ``test_checkpoint_durability.py``, too); appends from writer threads are
+    atomic under the GIL."""
     events: list[Event] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
 
     def fsync(fd: int) -> None:
         now = ""
@@ -46,8 +50,13 @@ def _record(monkeypatch: pytest.MonkeyPatch, watched: Path | None = None) -> lis
         events.append(("replace", os.fspath(src), os.fspath(dst)))
         real_replace(src, dst, *a, **kw)
 
+    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst, *a, **kw)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
     return events
 
 
@@ -77,17 +86,23 @@ def _fsync_failing(code: int, on_dirs: bool = True) -> Callable[[int], None]:
     return fsync
 
 
-def test_a_write_is_fsynced_renamed_and_its_directory_fsynced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
-    path = tmp_path / "m.json"
+@pytest.fixture
+def old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[Event]]:
+    """``m.json`` holding "old", under ``tmp_path``'s real path (fsyncs are recorded by real
+    path), and the record of the calls made from then on (:func:`_record` watching it)."""
+    path = tmp_path.resolve() / "m.json"
     path.write_text("old")
-    events = _record(monkeypatch, watched=path)
+    return path, _record(monkeypatch, watched=path)
+
+
+def test_a_write_is_fsynced_renamed_and_its_directory_fsynced(
+    old_file: tuple[Path, list[Event]],
+) -> None:
+    path, events = old_file
     write_durably(path, b"new")
     assert _durable(events, path) == "new"  # the directory synced with the new entry in it
     assert path.read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.json"]
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(
@@ -192,15 +207,12 @@ def test_fsync_dir_refuses_a_file(tmp_path: Path) -> None:
 
 
 def test_a_removal_is_durable_and_an_absent_file_is_no_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    old_file: tuple[Path, list[Event]],
 ) -> None:
-    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
-    path = tmp_path / "m.json"
-    path.write_text("old")
-    events = _record(monkeypatch, watched=path)
+    path, events = old_file
     remove_durably(path)
     assert not path.exists()
-    assert events == [("fsync", str(tmp_path), "-")]
+    assert events == [("fsync", str(path.parent), "-")]
     remove_durably(path)
     assert len(events) == 1  # nothing removed, nothing synced
 
