@@ -200,8 +200,9 @@ def priced_for(
 
 
 def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -> None:
-    """Write to ``path`` (atomically and durably: :func:`sailor.durable.write_durably`) or
-    print to stdout."""
+    """Write to ``path`` (atomically and durably: :func:`sailor.durable.write_durably`; on a
+    file system that cannot fsync a directory, as durably as it makes a rename) or print to
+    stdout."""
     text = (
         obj.model_dump_json(indent=2) if isinstance(obj, BaseModel) else json.dumps(obj, indent=2)
     )
@@ -211,7 +212,7 @@ def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -
     if path.is_dir():
         raise fail(f"{path}: is a directory: give a file name")
     try:
-        write_durably(path, (text + "\n").encode(), make_dirs=True)
+        write_durably(path, (text + "\n").encode(), make_dirs=True, skip_unsupported=True)
     except OSError as exc:
         raise fail(f"{path}: cannot write ({exc.strerror or exc})") from exc
 

@@ -256,5 +256,7 @@ def load_db(path: Path) -> ProfileDB | None:
 
 def save_db(db: ProfileDB, path: Path) -> None:
     """Write ``db`` to ``path`` atomically and durably (:func:`sailor.durable.write_durably`:
-    a temporary file fsync'd, renamed, the directory fsync'd), making its directories."""
-    write_durably(path, (db.model_dump_json(indent=1) + "\n").encode(), make_dirs=True)
+    a temporary file fsync'd, renamed, the directory fsync'd where the file system can),
+    making its directories."""
+    text = db.model_dump_json(indent=1) + "\n"
+    write_durably(path, text.encode(), make_dirs=True, skip_unsupported=True)

@@ -170,9 +170,9 @@ def test_a_directory_removed_before_the_write_is_made_again(
     calls: list[Path] = []
     real = make_dirs_durably
 
-    def made_then_removed(d: Path) -> None:
+    def made_then_removed(d: Path, *sync: Any) -> None:
         calls.append(d)
-        real(d)
+        real(d, *sync)
         if len(calls) == 1:
             d.rmdir()  # the cleaner
 
@@ -355,3 +355,30 @@ def test_the_cli_output_errors_are_worded_as_before(tmp_path: Path) -> None:
     out.write_text('{"old": true, "longer": "than the new content"}')
     write_json({"a": 1}, out)
     assert out.read_text() == '{\n  "a": 1\n}\n'
+
+
+def test_unsupported_directory_syncs_are_skipped_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``skip_unsupported``: on a file system that cannot fsync a directory (EINVAL) the write
+    and the directories it makes succeed, as a command's output there did before it was
+    durable (``write_json``, ``save_db``); EIO still fails it, and the file's own fsync is
+    never skipped."""
+    from sailor.cli._io import write_json
+    from sailor.profiler.merge import save_db
+    from sailor.schemas import ProfileDB
+
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EINVAL))
+    write_json({"a": 1}, tmp_path / "out" / "plan.json")
+    assert json.loads((tmp_path / "out" / "plan.json").read_text()) == {"a": 1}
+    save_db(ProfileDB(model="tiny-gpt"), tmp_path / "db" / "tiny.json")
+    assert json.loads((tmp_path / "db" / "tiny.json").read_text())["model"] == "tiny-gpt"
+    write_durably(tmp_path / "a" / "f", b"x", make_dirs=True, skip_unsupported=True)
+    assert (tmp_path / "a" / "f").read_bytes() == b"x"
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_durably(tmp_path / "g", b"x", skip_unsupported=True)
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EINVAL, on_dirs=False))
+    with pytest.raises(OSError, match="Invalid argument"):
+        write_durably(tmp_path / "h", b"x", skip_unsupported=True)
+    assert not (tmp_path / "h").exists()
