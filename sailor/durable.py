@@ -2,11 +2,12 @@
 
 The one way Sailor writes a small file whose loss or tearing matters: a data set's manifest,
 the agent's epoch fence and its workers' control files, the toy trainer's checkpoint parts
-and commit marker; the checkpoint storage syncs its directories with :func:`fsync_dir`. A
-file is written beside its name (``NAME`` + a temporary suffix), fsync'd, renamed over the
-name, and its directory fsync'd. Without the file's fsync a power loss can leave the renamed
-name with blocks never written (empty or zeros: ext4's delayed allocation); without the
-directory's, the rename itself (or a removal) can be undone.
+and commit marker, the CLI's JSON outputs, the profile database, a profiling rank's result
+and the demo's preemption notice; the checkpoint storage syncs its directories with
+:func:`fsync_dir`. A file is written beside its name (``NAME`` + a temporary suffix),
+fsync'd, renamed over the name, and its directory fsync'd. Without the file's fsync a power
+loss can leave the renamed name with blocks never written (empty or zeros: ext4's delayed
+allocation); without the directory's, the rename itself (or a removal) can be undone.
 
 It sits at the bottom of the layers, beside ``sailor.schemas``, so that every layer may use
 it; it must never import anything of Sailor's, and never decide what a failure means for
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -71,7 +73,12 @@ def make_dirs_durably(path: Path, sync: Callable[[Path], None] = fsync_dir) -> N
 
 
 def write_durably(
-    path: Path, data: bytes, *, tmp_suffix: str = ".tmp", make_dirs: bool = False
+    path: Path,
+    data: bytes,
+    *,
+    tmp_suffix: str = ".tmp",
+    make_dirs: bool = False,
+    skip_unsupported: bool = False,
 ) -> None:
     """Replace ``path`` with ``data``: after a crash at any moment ``path`` holds its old
     content (or is absent, if it was) or ``data``, never a mix or zeros; once this returns,
@@ -85,16 +92,21 @@ def write_durably(
 
     ``make_dirs``: make the missing directories first (:func:`make_dirs_durably`), and make
     them again, once, if they go before the temporary file opens (a cleaner that removes
-    emptied directories, e.g. the deletion of a checkpoint given up on)."""
+    emptied directories, e.g. the deletion of a checkpoint given up on).
+
+    ``skip_unsupported``: where the file system cannot fsync a directory
+    (:data:`FSYNC_UNSUPPORTED`), the directories' syncs are skipped (:func:`fsync_dir`), for a
+    file a user names anywhere (a command's output); the file's own fsync never is."""
     tmp = path.with_name(path.name + tmp_suffix)
+    sync_dir = functools.partial(fsync_dir, skip_unsupported=skip_unsupported)
     if make_dirs:
-        make_dirs_durably(path.parent)
+        make_dirs_durably(path.parent, sync_dir)
     try:
         fh = tmp.open("wb")
     except FileNotFoundError:
         if not make_dirs:
             raise
-        make_dirs_durably(path.parent)
+        make_dirs_durably(path.parent, sync_dir)
         fh = tmp.open("wb")
     try:
         with fh:
@@ -106,7 +118,7 @@ def write_durably(
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    sync_dir(path.parent)
 
 
 def remove_durably(path: Path) -> None:

@@ -82,7 +82,7 @@ def ls_rows(url: str) -> list[LsRow]:
 
 def inspect_text(url: str, step: int | None = None, tensors: bool = False) -> str:
     """The manifest summary of a step (latest if None): globals, layout, per-layer sizes."""
-    from sailor.checkpoint.reader import latest_step, read_manifest
+    from sailor.checkpoint.reader import globals_of, latest_step, read_manifest
 
     storage = open_storage(url)
     s = latest_step(storage) if step is None else step
@@ -92,7 +92,7 @@ def inspect_text(url: str, step: int | None = None, tensors: bool = False) -> st
         f"save_id {m.save_id}  plan_id {m.plan_id or '-'}  created {m.created:.0f}",
         f"layout {m.layout or '-'}",
         f"layers {len(m.layers)} of {m.num_layers}  bytes {m.total_bytes}",
-        "globals " + json.dumps({k: json.loads(v) for k, v in m.globals.items()}),
+        "globals " + json.dumps(dict(globals_of(storage, m).extra)),
         # what consumed_samples indexes (data_fit compares it at a resume)
         "data "
         + (

@@ -45,6 +45,7 @@ from sailor.schemas.checkpoint import CheckpointManifest, CommitMarker, ShardEnt
 __all__ = [
     "Loaded",
     "committed_steps",
+    "globals_of",
     "invalid_manifest",
     "latest_step",
     "load",
@@ -122,6 +123,19 @@ def read_manifest(storage: Storage, step: int) -> CheckpointManifest:
             debris=False,
         )
     return manifest
+
+
+def globals_of(storage: Storage, manifest: CheckpointManifest) -> TrainingGlobals:
+    """The training globals of ``manifest`` (of ``storage``); ``CorruptCheckpointError``
+    naming the manifest's file and the key of a value that does not parse
+    (:meth:`TrainingGlobals.decode`)."""
+    return TrainingGlobals.decode(
+        manifest.step,
+        manifest.consumed_samples,
+        manifest.globals,
+        manifest.data,
+        where=_where(storage, manifest.step, MANIFEST),
+    )
 
 
 def _is_shard_path(loc: tuple[int | str, ...]) -> bool:
@@ -344,6 +358,7 @@ def load(
         raise ValueError(f"tp_rank={tp_rank}: outside 0..{tp_size - 1}")
     s = latest_step(storage) if step is None else step
     manifest = read_manifest(storage, s)
+    g = globals_of(storage, manifest)  # before any shard is read
     wanted = sorted(set(layers))
     readers: list[RangeReader] = []
     results: list[tuple[str, TensorEntry, int | None, Future[torch.Tensor]]] = []
@@ -386,9 +401,6 @@ def load(
         key: ParamState(k["weight"], k["exp_avg"], k["exp_avg_sq"], tp_dim=dims[key])
         for key, k in got.items()
     }
-    g = TrainingGlobals.decode(
-        manifest.step, manifest.consumed_samples, manifest.globals, manifest.data
-    )
     return Loaded(params=out, globals=g, manifest=manifest, bytes_read=nread)
 
 

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from sailor.checkpoint.errors import ReshardError
+from sailor.checkpoint.errors import CorruptCheckpointError, ReshardError
 from sailor.schemas.checkpoint import TENSOR_KINDS, TensorKind
 from sailor.schemas.data_identity import DataIdentity
+from sailor.schemas.json_text import JsonTooDeepError, load_json
 
 __all__ = [
     "ParamState",
@@ -75,8 +76,27 @@ class TrainingGlobals:
         consumed_samples: int,
         enc: Mapping[str, str],
         data: DataIdentity | None = None,
+        *,
+        where: str = "manifest",
     ) -> TrainingGlobals:
-        return cls(step, consumed_samples, {k: json.loads(v) for k, v in enc.items()}, data)
+        """The globals of a manifest's ``globals`` (each value JSON text, :meth:`encode`).
+
+        A value that does not parse (a syntax error, or nested past the parser's depth
+        limit: ``load_json``) is a ``CorruptCheckpointError`` naming ``where`` (the
+        manifest's path) and its key, not debris: this release's writer encodes every value
+        it saves, so the manifest was written or altered by hand; an operator judges it."""
+        extra: dict[str, Any] = {}
+        for k, v in enc.items():
+            field = f"{where}: globals[{k!r}]"
+            try:
+                extra[k] = load_json(v, field)
+            except JsonTooDeepError as exc:
+                raise CorruptCheckpointError(str(exc), path=where, debris=False) from None
+            except ValueError as exc:
+                raise CorruptCheckpointError(
+                    f"{field}: not JSON ({exc}): {v[:80]!r}", path=where, debris=False
+                ) from None
+        return cls(step, consumed_samples, extra, data)
 
 
 def split_key(key: str) -> tuple[int, str]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from sailor.cli.errors import CliError
 from sailor.cli.schema_names import SCHEMAS
+from sailor.durable import write_durably
 from sailor.schemas.calibration import Calibration
 from sailor.schemas.deployment import Deployment
 from sailor.schemas.prices import PriceTable
@@ -199,7 +200,9 @@ def priced_for(
 
 
 def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -> None:
-    """Write to ``path`` (atomically) or print to stdout."""
+    """Write to ``path`` (atomically and durably: :func:`sailor.durable.write_durably`; on a
+    file system that cannot fsync a directory, as durably as it makes a rename) or print to
+    stdout."""
     text = (
         obj.model_dump_json(indent=2) if isinstance(obj, BaseModel) else json.dumps(obj, indent=2)
     )
@@ -208,13 +211,9 @@ def write_json(obj: BaseModel | dict[str, Any] | list[Any], path: Path | None) -
         return
     if path.is_dir():
         raise fail(f"{path}: is a directory: give a file name")
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text + "\n")
-        tmp.replace(path)
+        write_durably(path, (text + "\n").encode(), make_dirs=True, skip_unsupported=True)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise fail(f"{path}: cannot write ({exc.strerror or exc})") from exc
 
 

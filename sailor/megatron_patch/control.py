@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
+from sailor.comm.codec import PeerObjectError, expect
 from sailor.comm.device_copy import to_device
 from sailor.megatron_patch.clock import synchronize
 from sailor.schemas.json_text import load_json
@@ -52,6 +53,7 @@ __all__ = [
     "agree",
     "agree_save",
     "agree_target",
+    "gathered_targets",
     "merge_drop_steps",
     "read_agreed",
     "read_control",
@@ -232,10 +234,29 @@ def agree_target(local: ControlRequest) -> tuple[str, tuple[int, ...] | None]:
         return local.save_dir, merge_drop_steps([mine], local.save_step)
     got: list[object] = [None] * dist.get_world_size()
     comm.all_gather_object(got, mine)
-    known: list[tuple[str, int, tuple[int, ...] | None]] = []
-    for g in got:
-        if isinstance(g, tuple) and len(g) == 3 and isinstance(g[0], str):
-            drop_for = g[1] if isinstance(g[1], int) else _NONE
-            known.append((g[0], drop_for, g[2] if isinstance(g[2], tuple) else None))
+    known = gathered_targets(got)
     root = next((d for d, _, _ in known if d), "")
     return root, merge_drop_steps(known, local.save_step)
+
+
+_TARGET_SHAPE = (str, int, frozenset({None, tuple}))
+"""A rank's save target in :func:`agree_target`: save directory, ``drop_for``, ``drop_steps``."""
+
+
+def gathered_targets(got: list[object]) -> list[tuple[str, int, tuple[int, ...] | None]]:
+    """Each rank's ``(save_dir, drop_for, drop_steps)`` of :func:`agree_target`'s gather
+    (rank ``r``'s at index ``r``), checked: :class:`PeerObjectError` naming the first rank
+    whose object is not one (a wrong shape, a step that is not an int >= 0). The ranks of one
+    world run one release (docs/operations.md), so every rank sends the three; a malformed
+    one is its sender's fault (``culprit`` in the failure record), never skipped: skipping
+    it would decide the save's directory and the steps it deletes from the others' alone.
+    Pure."""
+    out: list[tuple[str, int, tuple[int, ...] | None]] = []
+    for r, g in enumerate(got):
+        save_dir, drop_for, drop = expect(g, _TARGET_SHAPE, r, "its save target")
+        if drop is not None and not all(type(s) is int and s >= 0 for s in drop):
+            raise PeerObjectError(
+                f"rank {r} sent steps to drop {str(drop)[:200]}: ints >= 0 expected", rank=r
+            )
+        out.append((save_dir, drop_for, drop))
+    return out

@@ -83,7 +83,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,6 +126,7 @@ from sailor.megatron_patch.tp_layers import TPContext
 from sailor.schemas.device_kind import is_cpu_type
 from sailor.schemas.model import ModelSpec
 from sailor.schemas.plan import Plan
+from sailor.schemas.precision import Precision
 from sailor.schemas.training import ScheduleConfig, TrainingConfig
 
 __all__ = [
@@ -143,8 +144,6 @@ __all__ = [
     "main",
     "ready_event",
 ]
-
-Precision = Literal["fp32", "bf16", "fp16"]
 
 
 class UnsupportedPlanError(ValueError):

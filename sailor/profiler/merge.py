@@ -16,7 +16,8 @@ GPU type, TP):
 Unlike :meth:`ProfileDB.merged` (which keeps both entries and picks at query time), the
 result holds one entry per key, so a file does not grow with every re-run.
 
-Pure except :func:`load_db` / :func:`save_db`, which read and write JSON atomically.
+Pure except :func:`load_db` / :func:`save_db`, which read and write JSON (atomically and
+durably).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar
 
+from sailor.durable import write_durably
 from sailor.schemas import LayerProfile, LayerSize, ProfileDB
 from sailor.schemas.profile import VOCAB_SPLIT_META, DeviceOverhead
 
@@ -253,8 +255,8 @@ def load_db(path: Path) -> ProfileDB | None:
 
 
 def save_db(db: ProfileDB, path: Path) -> None:
-    """Write ``db`` to ``path`` atomically (write a temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(db.model_dump_json(indent=1) + "\n")
-    tmp.replace(path)
+    """Write ``db`` to ``path`` atomically and durably (:func:`sailor.durable.write_durably`:
+    a temporary file fsync'd, renamed, the directory fsync'd where the file system can),
+    making its directories."""
+    text = db.model_dump_json(indent=1) + "\n"
+    write_durably(path, text.encode(), make_dirs=True, skip_unsupported=True)

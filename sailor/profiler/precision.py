@@ -17,16 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from sailor.megatron_patch.precision import native_bf16
 from sailor.schemas.model import ModelSpec
+from sailor.schemas.precision import Precision
 
 __all__ = ["ComputePrecision", "autocast", "compute_precision", "sizes_measured"]
 
-ComputePrecision = Literal["fp32", "fp16", "bf16"]
+ComputePrecision = Precision
+"""The job's precision type (``schemas.precision``), as ``LayerProfile.precision`` records it."""
 
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -28,6 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sailor.durable import write_durably
 from sailor.localnet import free_port
 
 if TYPE_CHECKING:
@@ -298,8 +299,6 @@ def _init_group(args: argparse.Namespace, backend: str, timeout_s: float) -> Non
 
 
 def write_result(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """Write this rank's result atomically (the parent treats a missing file as failure)."""
-    out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out)
+    """Write this rank's result atomically and durably (:func:`sailor.durable.write_durably`;
+    the parent treats a missing file as failure)."""
+    write_durably(Path(args.out), json.dumps(result).encode())

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from sailor.schemas._base import Frozen, field_error
 from sailor.schemas.model import LayerKind
+from sailor.schemas.precision import Precision
 
 __all__ = [
     "COMPUTE_ONLY_META",
@@ -47,7 +48,7 @@ class LayerProfile(Frozen):
     fwd_spread_s: float = Field(default=0.0, ge=0, description="Std. dev. of forward time.")
     bwd_spread_s: float = Field(default=0.0, ge=0, description="Std. dev. of backward time.")
     source: ProfileSource = Field(default="measured", description="Provenance.")
-    precision: Literal["fp32", "fp16", "bf16"] | None = Field(
+    precision: Precision | None = Field(
         default=None,
         description=(
             "Precision the layer computed in (measured: the autocast dtype, fp32 without "
@@ -80,7 +81,7 @@ class LayerSize(Frozen):
         "imported or estimated sizes).",
     )
     source: ProfileSource = Field(default="measured", description="Provenance.")
-    precision: Literal["fp32", "fp16", "bf16"] | None = Field(
+    precision: Precision | None = Field(
         default=None,
         description=(
             "Precision the layer computed in when its bytes were measured (the saved "

@@ -3,11 +3,11 @@
 The crash test (``test_checkpoint_crash.py``) kills the writer with SIGKILL, which the page
 cache survives: it would pass with every fsync removed. Here the calls that make a save
 durable are recorded on a real directory (``os.fsync``, ``os.replace``: each passed through to
-the real one) and their order checked: each file fsync'd before it is renamed, its directory
-fsync'd after, and every shard durable before the rank's part, the part before the
-manifest, the manifest before the commit marker. Then the failures the storage used to
-swallow: a directory fsync's EIO, a step directory that could not be deleted, a manifest of a
-newer release met by retention.
+the real one, by ``test_durable._record``) and their order checked: each file fsync'd before
+it is renamed, its directory fsync'd after, and every shard durable before the rank's part,
+the part before the manifest, the manifest before the commit marker. Then the failures the
+storage used to swallow: a directory fsync's EIO, a step directory that could not be deleted,
+a manifest of a newer release met by retention.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import errno
 import hashlib
 import json
 import os
-import stat
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,34 +39,7 @@ from sailor.checkpoint.writer import persist_layers, save_full
 from sailor.schemas.plan import Pipeline, Plan, ReplicaGroup, Stage
 from tests.unit.test_checkpoint_blocks import KINDS, one_layer_plan
 from tests.unit.test_checkpoint_local import _state
-
-Event = tuple[str, str, str]
-"""("fsync", path of the fd, "") or ("replace", source, destination)."""
-
-
-def _record(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
-    """Record every ``os.fsync`` (by the path its fd is open on) and ``os.replace`` /
-    ``os.rename`` (``Path.replace`` calls ``os.replace``), each passed through to the real
-    call. Appends from the writer threads are atomic under the GIL."""
-    events: list[Event] = []
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
-
-    def fsync(fd: int) -> None:
-        events.append(("fsync", str(Path(f"/proc/self/fd/{fd}").readlink()), ""))
-        real_fsync(fd)
-
-    def replace(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
-        events.append(("replace", os.fspath(src), os.fspath(dst)))
-        real_replace(src, dst, *a, **kw)
-
-    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
-        events.append(("replace", os.fspath(src), os.fspath(dst)))
-        real_rename(src, dst, *a, **kw)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(os, "rename", rename)
-    return events
+from tests.unit.test_durable import Event, _fsync_failing, _record
 
 
 def _durable_at(events: list[Event], final: str) -> tuple[int, int]:
@@ -150,19 +121,6 @@ def test_the_order_check_misses_no_fsync(tmp_path: Path, monkeypatch: pytest.Mon
         without = events[:i] + events[i + 1 :]
         with pytest.raises(AssertionError):
             check_durable_order(without, step, new_dir=False)
-
-
-def _fsync_failing(code: int) -> Callable[[int], None]:
-    """``os.fsync`` that fails with ``code`` on a directory (a disk error, or a file system
-    that cannot fsync one) and is the real call on a file."""
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(code, os.strerror(code))
-        real(fd)
-
-    return fsync
 
 
 def test_a_directory_fsync_error_fails_the_write(

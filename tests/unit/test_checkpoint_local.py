@@ -27,7 +27,7 @@ from sailor.checkpoint import (
     verify,
 )
 from sailor.checkpoint.checkpointer import Checkpointer
-from sailor.checkpoint.cli import ckpt_app
+from sailor.checkpoint.cli import ckpt_app, inspect_text
 from sailor.checkpoint.format import MARKER, step_dir
 from sailor.checkpoint.gc import decide_prune
 from sailor.checkpoint.prune import apply_seen_prune, seen_below
@@ -136,6 +136,46 @@ def test_a_step_directory_copied_under_another_step_is_refused(tmp_path: Path) -
         read_manifest(LocalStorage(tmp_path), 7)
     assert not info.value.debris
     assert read_manifest(LocalStorage(tmp_path), 3).step == 3
+
+
+@pytest.mark.parametrize(
+    "value,want",
+    [
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deep to read"),
+        ("{not json", "not JSON"),
+    ],
+    ids=["nested-too-deep", "not-json"],
+)
+def test_a_manifests_global_that_does_not_parse_is_named(
+    tmp_path: Path, value: str, want: str
+) -> None:
+    """A manifest (its commit marker's checksum matching) whose ``globals['seeds']`` is text
+    nested past the parser's limit, or no JSON: the load and ``ckpt inspect`` name the file
+    and the key (a ``CorruptCheckpointError``: the controller falls back to the previous
+    commit) where ``json.loads`` raised a bare ``RecursionError`` / ``JSONDecodeError``."""
+    import hashlib
+
+    _save(tmp_path, 3)
+    sd = tmp_path / step_dir(3)
+    doc = json.loads((sd / "manifest.json").read_text())
+    doc["globals"]["seeds"] = value
+    raw = json.dumps(doc).encode()
+    (sd / "manifest.json").write_bytes(raw)
+    marker = json.loads((sd / MARKER).read_text())
+    marker |= {"manifest_size": len(raw), "manifest_sha256": hashlib.sha256(raw).hexdigest()}
+    (sd / MARKER).write_text(json.dumps(marker))
+    where = f"{sd / 'manifest.json'}: globals['seeds']: {want}"
+    with pytest.raises(CorruptCheckpointError) as info:
+        load(LocalStorage(tmp_path), [0])
+    assert str(info.value).startswith(where), info.value
+    assert info.value.path == str(sd / "manifest.json") and not info.value.debris
+    with pytest.raises(CorruptCheckpointError) as info:
+        inspect_text(str(tmp_path))
+    assert str(info.value).startswith(where), info.value
+    res = CliRunner().invoke(ckpt_app, ["inspect", str(tmp_path)])
+    unboxed = "".join(c for c in res.output if c not in "│ \n")  # the panel wraps lines
+    assert res.exit_code == 1 and "globals['seeds']" in unboxed, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
 
 
 def test_retention_keeps_last_k_only_after_newer_commit(tmp_path: Path) -> None:

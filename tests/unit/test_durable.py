@@ -25,15 +25,19 @@ import sailor.durable
 from sailor.durable import fsync_dir, make_dirs_durably, remove_durably, write_durably
 
 Event = tuple[str, str, str]
-"""("fsync", path of the fd, content of the file named by the write then) or
+"""("fsync", path of the fd, what ``watched`` held then: '' when not watched) or
 ("replace", source, destination)."""
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, watched: Path | None = None) -> list[Event]:
-    """Record every ``os.fsync`` and ``os.replace``, each passed through to the real call;
-    a directory's fsync also notes what ``watched`` holds at that moment ('-' if absent)."""
+    """Record every ``os.fsync`` (by the path its fd is open on) and ``os.replace`` /
+    ``os.rename`` (``Path.replace`` calls ``os.replace``; both recorded as "replace"), each
+    passed through to the real call; a directory's fsync also notes what ``watched`` holds
+    at that moment ('-' if absent). The one recorder of the durability tests (the
+    checkpoint's, ``test_checkpoint_durability.py``, too); appends from writer threads are
+    atomic under the GIL."""
     events: list[Event] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
 
     def fsync(fd: int) -> None:
         now = ""
@@ -46,8 +50,13 @@ def _record(monkeypatch: pytest.MonkeyPatch, watched: Path | None = None) -> lis
         events.append(("replace", os.fspath(src), os.fspath(dst)))
         real_replace(src, dst, *a, **kw)
 
+    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst, *a, **kw)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
     return events
 
 
@@ -77,17 +86,23 @@ def _fsync_failing(code: int, on_dirs: bool = True) -> Callable[[int], None]:
     return fsync
 
 
-def test_a_write_is_fsynced_renamed_and_its_directory_fsynced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
-    path = tmp_path / "m.json"
+@pytest.fixture
+def old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[Event]]:
+    """``m.json`` holding "old", under ``tmp_path``'s real path (fsyncs are recorded by real
+    path), and the record of the calls made from then on (:func:`_record` watching it)."""
+    path = tmp_path.resolve() / "m.json"
     path.write_text("old")
-    events = _record(monkeypatch, watched=path)
+    return path, _record(monkeypatch, watched=path)
+
+
+def test_a_write_is_fsynced_renamed_and_its_directory_fsynced(
+    old_file: tuple[Path, list[Event]],
+) -> None:
+    path, events = old_file
     write_durably(path, b"new")
     assert _durable(events, path) == "new"  # the directory synced with the new entry in it
     assert path.read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.json"]
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(
@@ -155,9 +170,9 @@ def test_a_directory_removed_before_the_write_is_made_again(
     calls: list[Path] = []
     real = make_dirs_durably
 
-    def made_then_removed(d: Path) -> None:
+    def made_then_removed(d: Path, *sync: Any) -> None:
         calls.append(d)
-        real(d)
+        real(d, *sync)
         if len(calls) == 1:
             d.rmdir()  # the cleaner
 
@@ -192,15 +207,12 @@ def test_fsync_dir_refuses_a_file(tmp_path: Path) -> None:
 
 
 def test_a_removal_is_durable_and_an_absent_file_is_no_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    old_file: tuple[Path, list[Event]],
 ) -> None:
-    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
-    path = tmp_path / "m.json"
-    path.write_text("old")
-    events = _record(monkeypatch, watched=path)
+    path, events = old_file
     remove_durably(path)
     assert not path.exists()
-    assert events == [("fsync", str(tmp_path), "-")]
+    assert events == [("fsync", str(path.parent), "-")]
     remove_durably(path)
     assert len(events) == 1  # nothing removed, nothing synced
 
@@ -258,3 +270,115 @@ def test_the_toy_trainers_checkpoint_files_are_durable(
         _durable(events, step / name)
     assert ("fsync", str(tmp_path / "sim"), "") in events
     assert sorted(p.name for p in step.iterdir()) == ["COMMIT", "rank-0.json", "state.json"]
+
+
+def _write_json(path: Path) -> None:
+    from sailor.cli._io import write_json
+
+    write_json({"a": 1}, path)
+
+
+def _save_db(path: Path) -> None:
+    from sailor.profiler.merge import save_db
+    from sailor.schemas import ProfileDB
+
+    save_db(ProfileDB(model="tiny-gpt"), path)
+
+
+def _write_result(path: Path) -> None:
+    import argparse
+
+    from sailor.profiler.procs import write_result
+
+    write_result(argparse.Namespace(out=str(path)), {"rank": 0})
+
+
+def _preempt(path: Path) -> None:
+    from tests.unit.test_demo_cluster_config import _cluster
+
+    cluster = _cluster(path.parent)
+    assert cluster.notice_file("n1") == path
+    cluster.preempt("n1", 30.0)
+
+
+@pytest.mark.parametrize(
+    "write,name,want",
+    [
+        (_write_json, "out/plan.json", {"a": 1}),
+        (_save_db, "profiles/tiny.json", {"model": "tiny-gpt"}),
+        (_write_result, "out-0.json", {"rank": 0}),
+        (_preempt, "preempt-n1", {"in_s": 30.0}),
+    ],
+    ids=["cli-write-json", "profile-db", "rank-result", "demo-notice"],
+)
+def test_the_small_files_of_the_cli_profiler_and_demo_are_durable(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    write: Callable[[Path], None],
+    name: str,
+    want: dict[str, object],
+) -> None:
+    """The CLI's outputs, the profile database, a profiling rank's result and the demo's
+    preemption notice: each was renamed into place without any fsync (a power loss could
+    leave the name empty), and the CLI's and the database's new directories unsynced."""
+    tmp_path = tmp_path.resolve()  # fsyncs are recorded by real path
+    path = tmp_path / name
+    events = _record(monkeypatch, watched=path)
+    write(path)
+    assert json.loads(_durable(events, path)).items() >= want.items()
+    if path.parent != tmp_path:  # a directory the write made
+        assert ("fsync", str(tmp_path), "-") in events
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_the_cli_output_errors_are_worded_as_before(tmp_path: Path) -> None:
+    """``write_json`` on the durable writer: a directory is refused by name, a write that
+    fails is ``cannot write`` with the system's reason, and nothing is left beside the
+    name; an existing output is replaced whole."""
+    from sailor.cli._io import write_json
+    from sailor.cli.errors import CliError
+
+    with pytest.raises(CliError) as info:
+        write_json({"a": 1}, tmp_path)
+    assert info.value.message == f"{tmp_path}: is a directory: give a file name"
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CliError) as info:
+        write_json({"a": 1}, blocker / "out.json")
+    assert info.value.message == f"{blocker / 'out.json'}: cannot write (File exists)"
+    (tmp_path / "dir.json.tmp").mkdir()  # what stands at the temporary name stays
+    with pytest.raises(CliError) as info:
+        write_json({"a": 1}, tmp_path / "dir.json")
+    assert info.value.message == f"{tmp_path / 'dir.json'}: cannot write (Is a directory)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.json.tmp", "file"]
+    out = tmp_path / "out.json"
+    out.write_text('{"old": true, "longer": "than the new content"}')
+    write_json({"a": 1}, out)
+    assert out.read_text() == '{\n  "a": 1\n}\n'
+
+
+def test_unsupported_directory_syncs_are_skipped_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``skip_unsupported``: on a file system that cannot fsync a directory (EINVAL) the write
+    and the directories it makes succeed, as a command's output there did before it was
+    durable (``write_json``, ``save_db``); EIO still fails it, and the file's own fsync is
+    never skipped."""
+    from sailor.cli._io import write_json
+    from sailor.profiler.merge import save_db
+    from sailor.schemas import ProfileDB
+
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EINVAL))
+    write_json({"a": 1}, tmp_path / "out" / "plan.json")
+    assert json.loads((tmp_path / "out" / "plan.json").read_text()) == {"a": 1}
+    save_db(ProfileDB(model="tiny-gpt"), tmp_path / "db" / "tiny.json")
+    assert json.loads((tmp_path / "db" / "tiny.json").read_text())["model"] == "tiny-gpt"
+    write_durably(tmp_path / "a" / "f", b"x", make_dirs=True, skip_unsupported=True)
+    assert (tmp_path / "a" / "f").read_bytes() == b"x"
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_durably(tmp_path / "g", b"x", skip_unsupported=True)
+    monkeypatch.setattr(os, "fsync", _fsync_failing(errno.EINVAL, on_dirs=False))
+    with pytest.raises(OSError, match="Invalid argument"):
+        write_durably(tmp_path / "h", b"x", skip_unsupported=True)
+    assert not (tmp_path / "h").exists()

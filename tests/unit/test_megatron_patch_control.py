@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from sailor.comm.codec import PeerObjectError
 from sailor.megatron_patch.control import (
     ControlRequest,
     agree_target,
+    gathered_targets,
     merge_drop_steps,
     read_control,
 )
+from sailor.megatron_patch.errors import failure_record
 
 
 def test_a_save_request_carries_its_prune_point(tmp_path: Path) -> None:
@@ -67,6 +70,42 @@ def test_the_ranks_agree_the_intersection_of_the_agreed_requests_steps_to_drop()
     assert merge([("", -1, None), ("", 20, (4,))], 20) is None
     assert merge([("/ck", 10, (4,))], 20) is None
     assert merge([("/ck", 20, ()), ("/ck", 20, ())], 20) == ()
+
+
+_GOOD = ("/ck", 20, (5, 9))
+
+
+def test_the_gathered_save_targets_are_each_ranks_own() -> None:
+    got: list[object] = [_GOOD, ("", -1, None), ("/ck", 20, ())]
+    assert gathered_targets(got) == got
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        ("/ck", 20),
+        ("/ck", 20, (5,), 1),
+        ["/ck", 20, (5,)],
+        (7, 20, (5,)),
+        ("/ck", "20", (5,)),
+        ("/ck", True, (5,)),
+        ("/ck", 20, [5]),
+        ("/ck", 20, (5, "9")),
+        ("/ck", 20, (5, -1)),
+        ("/ck", 20, (False,)),
+    ],
+    ids=lambda bad: repr(bad),
+)
+def test_a_malformed_save_target_names_its_sender(bad: object) -> None:
+    """A rank's object of the wrong shape is its fault: ``PeerObjectError`` naming it (its
+    index in the gather), which the failure record carries as ``culprit``, where the gather
+    used to skip it and decide on the other ranks' targets alone."""
+    with pytest.raises(PeerObjectError, match=r"^rank 2 sent .*") as info:
+        gathered_targets([_GOOD, _GOOD, bad, _GOOD])
+    assert info.value.rank == 2
+    record = failure_record(info.value, rank=0, step=20, in_training=True)
+    assert record["origin"] == "peer" and record["culprit"] == 2
 
 
 def test_a_periodic_save_request_is_optional(tmp_path: Path) -> None:

@@ -434,3 +434,43 @@ def test_segments_partition_layers_and_every_pipeline_holds_each(plan: Plan) -> 
     # A segment boundary is exactly a stage boundary of some pipeline.
     starts = {s.first_layer for s in segs}
     assert starts == {st_.first_layer for p in plan.pipelines for st_ in p.stages}
+
+
+def test_profile_precisions_load_and_are_written_as_before() -> None:
+    """``LayerProfile.precision`` and ``LayerSize.precision`` are ``schemas.precision.Precision``
+    (each spelt its own ``Literal`` of the same three values): a database as releases wrote it,
+    each value, null and absent, loads and is written back the same; another value is refused
+    naming the field; the JSON Schema's enum is the type's own order."""
+    from typing import get_args
+
+    from sailor.schemas import ProfileDB
+    from sailor.schemas.precision import Precision
+
+    def timing(gpu: str, precision: str | None) -> dict[str, object]:
+        t: dict[str, object] = {"gpu_type": gpu, "tp": 1, "microbatch_size": 1, "layer": 0}
+        t |= {"kind": "embedding", "fwd_s": 0.001, "bwd_s": 0.002, "update_s": 0.0001}
+        return t if precision == "absent" else t | {"precision": precision}
+
+    size: dict[str, object] = {"tp": 1, "layer": 0, "params": 8}
+    size |= {"activation_bytes_per_sample": 16, "output_bytes_per_sample": 16}
+    given = ["fp32", "fp16", "bf16", None, "absent"]
+    text = json.dumps(
+        {
+            "model": "tiny-gpt",
+            "timings": [timing(f"G{i}", p) for i, p in enumerate(given)],
+            "sizes": [size | {"precision": "fp16"}, size | {"tp": 2}],
+        }
+    )
+    db = ProfileDB.model_validate_json(text)
+    back = json.loads(db.model_dump_json())
+    assert [t["precision"] for t in back["timings"]] == ["fp32", "fp16", "bf16", None, None]
+    assert [s["precision"] for s in back["sizes"]] == ["fp16", None]
+    assert ProfileDB.model_validate_json(db.model_dump_json()) == db
+    raw = json.loads(text)
+    raw["timings"][0]["precision"] = "fp8"
+    with pytest.raises(ValidationError, match=r"timings\.0\.precision[\s\S]*'fp8'"):
+        ProfileDB.model_validate(raw)
+    defs = ProfileDB.model_json_schema()["$defs"]
+    for name in ("LayerProfile", "LayerSize"):
+        (enum,) = [a for a in defs[name]["properties"]["precision"]["anyOf"] if "enum" in a]
+        assert enum["enum"] == list(get_args(Precision)) == ["fp32", "bf16", "fp16"], name

@@ -31,6 +31,7 @@ from sailor.cli.demo.processes import ProcessRegistry, children_of
 from sailor.cli.demo.servers import free_port
 from sailor.controller.config import ControllerConfig, OnlineCalibrationSettings
 from sailor.controller.phases import PhaseDeadlines
+from sailor.durable import write_durably
 from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
 
@@ -214,9 +215,7 @@ class DemoCluster:
     def preempt(self, node: str, in_s: float) -> float:
         """Drop a spot-preemption notice where the node's file watcher looks; return its time."""
         t = time.time()
-        tmp = self.notice_file(node).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"in_s": in_s}))
-        tmp.replace(self.notice_file(node))
+        write_durably(self.notice_file(node), json.dumps({"in_s": in_s}).encode())
         return t
 
     def lose(self, node: str) -> float:
