@@ -215,14 +215,16 @@ def test_a_command_imports_its_own_module_not_every_other() -> None:
 
 
 def test_commands_that_talk_to_no_server_load_no_nats_or_etcd_client() -> None:
-    """``sailor certs`` and ``sailor audit`` use the coordination package's light names (keys,
-    errors, security settings): nats-py, aiohttp and aetcd (~0.2 CPU-s) stay unimported until
-    a backend's name (``EtcdStore``, ``connect_nats``) is first used."""
+    """``sailor certs``, ``sailor audit`` and ``sailor config check`` use the coordination
+    package's light names (keys, errors, security settings, the event stream's limits):
+    nats-py, aiohttp and aetcd (~0.2 CPU-s) stay unimported until a backend's name
+    (``EtcdStore``, ``connect_nats``) is first used."""
     import subprocess
     import sys
 
     code = (
         "import sys, sailor.cli.certs_cmd, sailor.cli.runtime_cmd, sailor.controller.audit\n"
+        "import sailor.cli.config_cmd, sailor.controller.config\n"
         "loaded = lambda: [x in sys.modules for x in ('nats', 'aiohttp', 'aetcd')]\n"
         "print(loaded())\n"
         "from sailor.coordination import EtcdStore, connect_nats\n"
