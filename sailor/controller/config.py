@@ -15,8 +15,8 @@ from sailor.controller.node_health import ExclusionPolicy
 from sailor.controller.phases import PhaseDeadlines
 from sailor.coordination.endpoints import ServerEndpoints, distinct_nats_servers
 from sailor.coordination.names import check_job
-from sailor.coordination.nats_bus import EVENT_MAX_BYTES, EVENT_MAX_MSG_SIZE
 from sailor.coordination.security import SecurityConfig
+from sailor.coordination.stream_limits import EVENT_MAX_BYTES, EVENT_MAX_MSG_SIZE
 from sailor.schemas._base import Frozen, field_error
 
 MODEL_FILE_SUFFIXES = (".json", ".yaml", ".yml")

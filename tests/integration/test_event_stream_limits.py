@@ -23,7 +23,7 @@ from sailor.coordination import (
     StreamConflictError,
     connect_nats,
 )
-from sailor.coordination.nats_bus import (
+from sailor.coordination.stream_limits import (
     EVENT_MAX_BYTES,
     EVENT_MAX_MSG_SIZE,
     EVENT_MAX_MSGS_PER_SUBJECT,

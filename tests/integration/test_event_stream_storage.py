@@ -20,7 +20,7 @@ import nats.js.api
 import pytest
 
 from sailor.coordination import Keys, NatsEventBus, StreamStorageError, connect_nats
-from sailor.coordination.nats_bus import EVENT_MAX_BYTES
+from sailor.coordination.stream_limits import EVENT_MAX_BYTES
 from sailor.localnet import free_port
 from sailor.localservers import ServerMissingError, ServerProcess, server_binaries
 

@@ -214,6 +214,35 @@ def test_a_command_imports_its_own_module_not_every_other() -> None:
     assert listed == "19 19 [True, True, True]"
 
 
+def test_commands_that_talk_to_no_server_load_no_nats_or_etcd_client() -> None:
+    """``sailor certs``, ``sailor audit`` and ``sailor config check`` use the coordination
+    package's light names (keys, errors, security settings, the event stream's limits):
+    nats-py, aiohttp and aetcd (~0.2 CPU-s) stay unimported until a backend's name
+    (``EtcdStore``, ``connect_nats``) is first used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sailor.cli.certs_cmd, sailor.cli.runtime_cmd, sailor.controller.audit\n"
+        "import sailor.cli.config_cmd, sailor.controller.config\n"
+        "loaded = lambda: [x in sys.modules for x in ('nats', 'aiohttp', 'aetcd')]\n"
+        "print(loaded())\n"
+        "from sailor.coordination import EtcdStore, connect_nats\n"
+        "print(EtcdStore.__module__, connect_nats.__module__, loaded())\n"
+        "import sailor.coordination as c\n"
+        "try:\n"
+        "    c.NoSuchName\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines() == [
+        "[False, False, False]",
+        "sailor.coordination.etcd_store sailor.coordination.nats_bus [True, True, True]",
+        "module 'sailor.coordination' has no attribute 'NoSuchName'",
+    ]
+
+
 def test_profile_estimate_writes_compute_the_simulator_adds_the_links_to(tmp_path: Path) -> None:
     """The estimated entries hold compute alone, stamped so: the simulator adds the GPU's TP
     all-reduces over the plan's network (a slow intra-node curve there makes TP 2 slower, TP

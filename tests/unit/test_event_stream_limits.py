@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from sailor.controller.config import ControllerConfig
-from sailor.coordination.nats_bus import EVENT_MAX_BYTES, EVENT_MAX_MSG_SIZE
+from sailor.coordination.stream_limits import EVENT_MAX_BYTES, EVENT_MAX_MSG_SIZE
 from sailor.schemas.events import NodeJoined, PreemptionNotice, WorkerFailed
 from sailor.schemas.hardware import NodeSpec, TorchRuntime
 from sailor.schemas.node_check import DeviceFacts, EndpointFacts, NodeFacts, ProbeFacts

@@ -241,6 +241,8 @@ def _report(
     leftovers: list[int],
     node_kinds: dict[str, Any],
 ) -> dict[str, Any]:
+    import torch
+
     from sailor.cli.demo.model import demo_model
     from sailor.cli.demo.plot import plot_run
     from sailor.megatron_patch.data import build_dataset
@@ -260,11 +262,19 @@ def _report(
     tc = parse_training_config(tfile.read_text(), str(tfile))
     data = build_dataset(tc.data, spec, tc.seed, base_dir=tfile.parent)
     cfg = TrainConfig.of(tc)
-    ref = train_reference(spec, gbs, last, cfg, arch=arch, data=data).losses
-    # the same run in another reduction order: the floor rounding alone reaches
-    other = train_reference(
-        spec, gbs, last, cfg, microbatch_size=max(1, gbs // 2), arch=arch, data=data
-    )
+    # one intra-op thread, as the cluster's ranks train (``--threads``, default 1): with two
+    # on the shared 2-core host the two runs below took ~10x the CPU (55 steps: 31 against
+    # 2.7 CPU-s), their threads waiting on each other, for the same floor
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_reference(spec, gbs, last, cfg, arch=arch, data=data).losses
+        # the same run in another reduction order: the floor rounding alone reaches
+        other = train_reference(
+            spec, gbs, last, cfg, microbatch_size=max(1, gbs // 2), arch=arch, data=data
+        )
+    finally:
+        torch.set_num_threads(threads)
     tol = loss_tolerance(ref, other.losses)
     commits = [int(r["step"]) for r in records if r.get("kind") == "commit"]
     reconfs = reconfigurations(records, scn.injections, points)
