@@ -108,7 +108,7 @@ def held_reports(d: DesiredState, status: Mapping[str, AgentStatus]) -> dict[str
     """node -> a ``peer`` failure record naming the culprit, for the placed nodes whose
     in-place workers hold ``d``'s generation's world, broken of a rank's fault: their
     status names it (``AgentStatus.culprit``), their failure text is the cause and no record
-    (``node_health.charge``'s ``held``: the culprit's node is charged, not theirs)."""
+    (``node_health.charge``'s ``held``: weighed as any accusation, ``controller/culprits.py``)."""
     out = {}
     for n in d.placement:
         st = status.get(n)
@@ -196,6 +196,8 @@ def health_update(c: Charged) -> dict[str, object]:
         out["agreed_health"] = c.agreed
     if c.sigabrts is not None:
         out["sigabrt_reports"] = c.sigabrts
+    if c.accusations is not None:
+        out["accusations"] = c.accusations
     return out
 
 
@@ -416,6 +418,10 @@ def late_failures(
     )
     same_agreed = c.agreed is None or c.agreed == d.agreed_health
     if c.health == d.node_health and c.job == d.job_health and same_agreed:
+        if c.accusations is not None and c.accusations != d.accusations:
+            # an accusation that charges nobody yet: kept to weigh the later ones with
+            why = "; ".join(c.notes) or "an accusation recorded"
+            return d.model_copy(update=health_update(c)), why
         if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:
             return None
         # a SIGABRT reported now, counted against nobody yet: kept for the later passes

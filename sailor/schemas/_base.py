@@ -16,7 +16,7 @@ from sailor.schemas._newer import drop_unknown
 
 __all__ = ["SCHEMA_VERSION", "Frozen", "WireMessage", "field_error"]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 """Version of the wire format this release writes. A release that adds a field to a wire
 message (with a default) raises it; a reader validates a message of a newer version after
 dropping the fields it does not know (``_newer``), and refuses versions below 1.
@@ -69,7 +69,10 @@ digest differs), so no worker runs without the operator's override.
 names as guilty; -1: none): a release-9 controller drops them and does not read the key
 ``culprit`` of the failure record in ``AgentStatus.failure`` either, so the culprit's node
 goes uncharged, as before (the reporter is not charged); a release-9 agent sends none,
-which a release-10 controller takes as -1."""
+which a release-10 controller takes as -1.
+11: ``DesiredState.accusations`` (who named whom guilty in the current generation, written
+only when not empty): a release-10 standby that takes over drops it and charges the node a
+peer's failure names by that report alone, as release 10 did (the reporter uncharged)."""
 
 _log = logging.getLogger("sailor.schemas")
 _dropped_seen: set[tuple[str, int, tuple[str, ...]]] = set()
