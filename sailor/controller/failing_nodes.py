@@ -227,9 +227,11 @@ def charge_abort(
         late, stall_what = {**(late or {}), **dict.fromkeys(d.placement, stall_what)}, ""
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
     held = held_reports(d, status)
+    # an older generation's record: a culprit it names is a rank of that layout, not this one's
+    old = {n for n in failures if status[n].generation != d.generation}
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
-    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held)
+    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held, old)
     # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
     # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
     redo = [
@@ -240,7 +242,9 @@ def charge_abort(
     if redo:
         for n in redo:
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
-        c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held)
+        c = charge(
+            d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held, old
+        )
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
 
     # what was counted: the missed deadline, or the failure the node reports of its own

@@ -231,6 +231,7 @@ def charge(
     lost: Collection[str] = (),
     steps: Mapping[str, int] | None = None,
     held: Mapping[str, str] | None = None,
+    stale: Collection[str] = (),
 ) -> Charged:
     """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
     counted against the nodes they began on, or against the job (module docstring).
@@ -242,6 +243,9 @@ def charge(
     ``held``: the placed nodes whose in-place workers hold a world that broke of a peer's
     fault, node -> a ``peer`` record naming the culprit (``failing_nodes.held_reports``):
     weighed as the failed nodes' accusations are (``controller/culprits.py``).
+    ``stale``: the nodes of ``failures`` whose failure is of an older generation (at a
+    LAUNCH abort, ``failing_nodes.failed``): a culprit they name is a rank of another
+    layout, and is not weighed.
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
@@ -279,9 +283,16 @@ def charge(
         and not abort_signal(r.cause)
     }
     spared_nodes = {n for n in d.placement if forgiven(d, n)}
-    blamed = blame(d.placement, causes | held_causes, earlier, own_counted, spared_nodes)
+    weighed = {n: c for n, c in (causes | held_causes).items() if n not in stale}
+    blamed = blame(d.placement, weighed, earlier, own_counted, spared_nodes)
     seen |= blamed.causes
-    notes: list[str] = list(blamed.notes)
+    notes: list[str] = [
+        f"culprit {causes[n].culprit!r} named by {n} ignored: its failure is of an older "
+        "generation, whose ranks are another layout's"
+        for n in sorted(set(stale) & set(causes))
+        if causes[n].origin == "peer" and causes[n].culprit
+    ]
+    notes += blamed.notes
     # a lone accuser counted in an earlier pass whose accusation is corroborated now
     back = sorted(
         n

@@ -19,7 +19,7 @@ from pydantic import ValidationError, create_model
 
 from sailor.comm.codec import PeerObjectError, decode
 from sailor.controller.culprits import BLAMED, DISPUTED, blame, rank_of
-from sailor.controller.failing_nodes import health_update
+from sailor.controller.failing_nodes import charge_abort, health_update
 from sailor.controller.failure_text import parse_failure
 from sailor.controller.node_health import Charged, ExclusionPolicy, charge, excluded
 from sailor.megatron_patch.errors import (
@@ -30,7 +30,7 @@ from sailor.megatron_patch.errors import (
 )
 from sailor.schemas import SCHEMA_VERSION, _base
 from sailor.schemas.events import EventAdapter, WorkerFailed
-from sailor.schemas.runtime import Accusations, DesiredState, NodeHealth
+from sailor.schemas.runtime import Accusations, AgentStatus, DesiredState, NodeHealth, Phase
 
 POLICY = ExclusionPolicy(failures=2, exclude_s=100, max_exclude_s=300)
 
@@ -312,6 +312,28 @@ def test_in_a_two_node_layout_an_honest_garbage_sender_is_excluded_with_its_one_
         d, _ = _pass(d, {"a": _failure(1)}, gen * 10.0)
         health = dict(d.node_health)
     assert excluded(health, 21.0) == {"a", "b"}
+
+
+def test_a_culprit_named_by_an_older_generations_record_is_not_weighed() -> None:
+    """At a LAUNCH abort a placed node still reporting an older generation's failure counts
+    (its agent did not start this one), but a culprit its record names is a rank of that
+    generation's layout: before, it was mapped through this one's placement and charged
+    n3, which ran no such rank then."""
+    d = _d(3).model_copy(update={"phase": Phase.LAUNCH})
+    status = {
+        n: AgentStatus(node_id=n, generation=2, state="failed", failure=_failure(5))
+        for n in ("n1", "n2")
+    }
+    c = charge_abort(d, status, 10.0, POLICY)
+    assert c.health == {} and c.accusations is None
+    assert c.notes == [
+        f"culprit '5' named by {n} ignored: its failure is of an older generation, whose "
+        "ranks are another layout's"
+        for n in ("n1", "n2")
+    ]
+    # this generation's records are weighed, as always
+    status = {n: st.model_copy(update={"generation": 3}) for n, st in status.items()}
+    assert set(charge_abort(d, status, 10.0, POLICY).health) == {"n3"}
 
 
 def test_a_forged_culprit_charges_nobody_and_is_named() -> None:
