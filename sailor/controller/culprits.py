@@ -170,9 +170,12 @@ def blame(
     confirmed = set(own) | {n for n, c in causes.items() if c.own and not abort_signal(c.summary)}
     out: dict[str, FailureCause] = {}
     cleared: set[str] = set()
-    for accused in sorted(set(named.values())):
-        accusers = sorted(r for r, a in named.items() if a == accused and r != accused)
-        current = [r for r in sorted(now) if named[r] == accused]
+    by_accused: dict[str, list[str]] = {}  # accused -> its accusers (itself too), by id
+    for reporter in sorted(named):
+        by_accused.setdefault(named[reporter], []).append(reporter)
+    for accused in sorted(by_accused):
+        accusers = [r for r in by_accused[accused] if r != accused]
+        current = [r for r in by_accused[accused] if r in now]
         if accused in confirmed:  # its own failure is counted, and bears the accusers out
             cleared |= set(accusers)
             continue

@@ -209,6 +209,10 @@ def test_a_lone_accusation_charges_the_accuser_as_much_as_the_accused() -> None:
     assert {n: r.failures for n, r in d.node_health.items()} == {"n1": 1, "n3": 1}
     assert d.accusations == Accusations(generation=4, named={"n1": "n3"})
     assert any(n.startswith("counted against n1 (failure 1 in a row): Blame") for n in c.notes)
+    # the accused's SIGABRT bears nothing out (its watchdog fires once its peers left)
+    sigabrt = parse_failure(json.dumps(signal_failure_record(5, -6, 7)))
+    b = blame(PLACEMENT, {"n1": parse_failure(_failure(5)), "n3": sigabrt})
+    assert set(b.causes) == {"n1", "n3"}
     # a node naming a rank of its own is charged once, as the accused
     b = blame(PLACEMENT, {"n3": parse_failure(_failure(4))})
     assert set(b.causes) == {"n3"} and b.causes["n3"].summary.startswith(BLAMED)
