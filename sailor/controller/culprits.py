@@ -59,6 +59,14 @@ alone never costs the accused more than it costs the accuser:
 - What this still rests on: :data:`MIN_ACCUSERS` hostile nodes that agree can frame an
   honest one, as they can fail a job together.
 
+Why a dispute charges both rather than nobody: recorded but uncharged, a lone accusation
+left a garbage sender that only one node receives from (a two-node layout, a point-to-point
+send) in every layout for ever, and its honest receiver failing each time; and a count of
+such accusations across generations is still one node's word. Charging both keeps the rule
+level: the policy's count and backoff exclude the pair, and a leader inherits the charges
+like any other. A lone accuser is the common honest case only where nobody else could see
+the bytes, and then nothing else can tell who is lying.
+
 Pure: no I/O, no clock, inputs never modified. Must never import the agent, torch or
 ``megatron_patch`` (the record's keys are read by name, ``controller/failure_text.py``).
 """
