@@ -57,7 +57,10 @@ alone never costs the accused more than it costs the accuser:
   unless it is a SIGABRT: that rank's watchdog may fire after its peers failed of its
   bytes, and a SIGABRT alone is charged to nobody (nor does it confirm an accusation).
 - What this still rests on: :data:`MIN_ACCUSERS` hostile nodes that agree can frame an
-  honest one, as they can fail a job together.
+  honest one, as they can fail a job together. And the bytes carry no signature: a ring
+  all-gather relays each rank's block through the ranks between it and each receiver, so a
+  hostile relay can alter an honest rank's bytes on their way, and the honest receivers
+  downstream then name that rank, corroborating each other.
 
 Why a dispute charges both rather than nobody: recorded but uncharged, a lone accusation
 left a garbage sender that only one node receives from (a two-node layout, a point-to-point
