@@ -156,6 +156,7 @@ def abort(
         agreed_health=d.agreed_health if counted.agreed is None else counted.agreed,
         lost_nodes=tuple(sorted(lost))[:MAX_NODE_LIST],
         sigabrt_reports=counted.sigabrts or d.sigabrt_reports,
+        accusations=counted.accusations or d.accusations,
         deadline_stretch=dict(d.deadline_stretch if stretch is None else stretch),
     )
     port_note = rendezvous_ports.abort_note(d, taken, tries)

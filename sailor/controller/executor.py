@@ -50,6 +50,7 @@ from sailor.coordination import (
 from sailor.schemas.commands import training_digest
 from sailor.schemas.runtime import (
     CAUSE_MAX,
+    Accusations,
     DesiredState,
     NodeHealth,
     PeriodicCheckpoint,
@@ -187,6 +188,8 @@ class Executor:
             unused.add("reads_spent_through")
         if state.sigabrt_reports == SigabrtReports():
             unused.add("sigabrt_reports")
+        if state.accusations == Accusations():
+            unused.add("accusations")
         if state.periodic == PeriodicCheckpoint():
             unused.add("periodic")
         # model_copy does not validate: a cause naming every node of a large layout would

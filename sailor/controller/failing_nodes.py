@@ -108,7 +108,7 @@ def held_reports(d: DesiredState, status: Mapping[str, AgentStatus]) -> dict[str
     """node -> a ``peer`` failure record naming the culprit, for the placed nodes whose
     in-place workers hold ``d``'s generation's world, broken of a rank's fault: their
     status names it (``AgentStatus.culprit``), their failure text is the cause and no record
-    (``node_health.charge``'s ``held``: the culprit's node is charged, not theirs)."""
+    (``node_health.charge``'s ``held``: weighed as any accusation, ``controller/culprits.py``)."""
     out = {}
     for n in d.placement:
         st = status.get(n)
@@ -196,6 +196,8 @@ def health_update(c: Charged) -> dict[str, object]:
         out["agreed_health"] = c.agreed
     if c.sigabrts is not None:
         out["sigabrt_reports"] = c.sigabrts
+    if c.accusations is not None:
+        out["accusations"] = c.accusations
     return out
 
 
@@ -225,9 +227,11 @@ def charge_abort(
         late, stall_what = {**(late or {}), **dict.fromkeys(d.placement, stall_what)}, ""
     failures = failed(d, status, stale=d.phase is Phase.LAUNCH)
     held = held_reports(d, status)
+    # an older generation's record: a culprit it names is a rank of that layout, not this one's
+    old = {n for n in failures if status[n].generation != d.generation}
     for n, what in (late or {}).items():
         failures.setdefault(n, f"{DEADLINE_MISSED}: {what}")
-    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held)
+    c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held, old)
     # a late node whose own report was not counted (an old SIGABRT, a failure the job's):
     # its missed deadline is (else a hung agent with an old SIGABRT was relaunched on forever)
     redo = [
@@ -238,7 +242,9 @@ def charge_abort(
     if redo:
         for n in redo:
             failures[n] = f"{DEADLINE_MISSED}: {(late or {})[n]}"
-        c = charge(d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held)
+        c = charge(
+            d, failures, now, policy, progressed(d, status), lost, _steps(d, status), held, old
+        )
     counted = [n for n in sorted(late or ()) if c.health.get(n) != d.node_health.get(n)]
 
     # what was counted: the missed deadline, or the failure the node reports of its own
@@ -416,6 +422,10 @@ def late_failures(
     )
     same_agreed = c.agreed is None or c.agreed == d.agreed_health
     if c.health == d.node_health and c.job == d.job_health and same_agreed:
+        if c.accusations is not None and c.accusations != d.accusations:
+            # an accusation that charges nobody yet: kept to weigh the later ones with
+            why = "; ".join(c.notes) or "an accusation recorded"
+            return d.model_copy(update=health_update(c)), why
         if c.sigabrts is None or c.sigabrts == d.sigabrt_reports:
             return None
         # a SIGABRT reported now, counted against nobody yet: kept for the later passes

@@ -49,6 +49,7 @@ from sailor.schemas.commands import Launch, plan_digest, training_digest
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import (
     CAUSE_MAX,
+    Accusations,
     DesiredState,
     Phase,
     SigabrtReports,
@@ -248,9 +249,10 @@ def launch_next(d: DesiredState, o: Observed, cfg: DecideConfig, load_step: int)
         path_reason=why,
         holders=_holders(d, o, load_step),
         plan_failed="",  # a launch: any earlier failed search is behind it
-        # the previous generation's abort: its lost nodes and SIGABRTs are its own
+        # the previous generation's abort: its lost nodes, SIGABRTs and accusations are its own
         lost_nodes=(),
         sigabrt_reports=SigabrtReports(),
+        accusations=Accusations(),
         launch_waited=(),
         forgiven_nodes={},  # the readmitted nodes' forgiveness was for the previous one
         reads_spent_through=-1,  # so were the read failures a clear of marks answered

@@ -15,8 +15,10 @@ audit log reproduces it. The rules:
   ``peer`` failure does not: when one rank dies its peers on other nodes fail too, and they
   are not at fault. A ``peer`` record that names the guilty rank (``culprit``: the sender
   of bytes that do not decode) counts against the node that ran that rank instead, as a
-  failure of its own (``controller/culprits.py``; node-bound: never "alike", never the
-  job's). Each generation counts at most once per node.
+  failure of its own, once reporters on two other nodes named it in the generation (or
+  its own failure was reported); named by one alone, against it and the reporter both: a
+  dispute (``controller/culprits.py``; node-bound: never "alike", never the job's). Each
+  generation counts at most once per node.
 - Not against any node, up to a bound: a rank's rendezvous port taken by another process
   on its node (``origin`` rendezvous, ``EADDRINUSE``): the next generation's port is another
   (``controller/rendezvous_ports.py``); past the bound of such aborts in a row, the node's.
@@ -97,7 +99,7 @@ from dataclasses import dataclass, field
 
 from sailor.controller import rendezvous_ports
 from sailor.controller.agreed_health import charge_agreed
-from sailor.controller.culprits import BLAMED, blame
+from sailor.controller.culprits import BLAMED, DISPUTED, blame
 from sailor.controller.failure_text import (
     AGREED_ERRORS,
     CAUSE_CHARS,
@@ -117,7 +119,13 @@ from sailor.controller.health_record import (
     held,
     record_signature,
 )
-from sailor.schemas.runtime import MAX_NODE_LIST, DesiredState, NodeHealth, SigabrtReports
+from sailor.schemas.runtime import (
+    MAX_NODE_LIST,
+    Accusations,
+    DesiredState,
+    NodeHealth,
+    SigabrtReports,
+)
 
 __all__ = [
     "AGREED_WHY",
@@ -159,7 +167,14 @@ CHECKPOINT_UNREADABLE = "CheckpointUnreadable"
 """Error type of the cause a node is charged with when it failed to read a checkpoint the
 other placed nodes read (``controller/suspect_checkpoint.py``): its mount is suspected."""
 
-_NODE_BOUND = ("OutlivedKill", TEARDOWN_MISSED, DEADLINE_MISSED, CHECKPOINT_UNREADABLE, BLAMED)
+_NODE_BOUND = (
+    "OutlivedKill",
+    TEARDOWN_MISSED,
+    DEADLINE_MISSED,
+    CHECKPOINT_UNREADABLE,
+    BLAMED,
+    DISPUTED,
+)
 """Error types that are about a process or an agent on that node, however many report one."""
 
 
@@ -196,6 +211,9 @@ class Charged:
     """The generation's SIGABRT reports with this pass's added; None: unchanged."""
     agreed: dict[str, NodeHealth] | None = None
     """The job's records of agreed errors (``DesiredState.agreed_health``); None: unchanged."""
+    accusations: Accusations | None = None
+    """The generation's accusations with this pass's added (``DesiredState.accusations``);
+    None: unchanged."""
 
 
 _SIGABRT_UNNAMED = "Signal: SIGABRT (reported earlier; its summary was not kept)"
@@ -213,6 +231,7 @@ def charge(
     lost: Collection[str] = (),
     steps: Mapping[str, int] | None = None,
     held: Mapping[str, str] | None = None,
+    stale: Collection[str] = (),
 ) -> Charged:
     """``d``'s records with the failures of its generation (node -> ``AgentStatus.failure``)
     counted against the nodes they began on, or against the job (module docstring).
@@ -223,7 +242,10 @@ def charge(
     ``steps``: the step each failed node's status reported (``NodeHealth.step``).
     ``held``: the placed nodes whose in-place workers hold a world that broke of a peer's
     fault, node -> a ``peer`` record naming the culprit (``failing_nodes.held_reports``):
-    they are charged nothing, the culprit's node is (``controller/culprits.py``).
+    weighed as the failed nodes' accusations are (``controller/culprits.py``).
+    ``stale``: the nodes of ``failures`` whose failure is of an older generation (at a
+    LAUNCH abort, ``failing_nodes.failed``): a culprit they name is a rank of another
+    layout, and is not weighed.
 
     Called at the abort and at each TEARDOWN pass after it (reports come in late), with the
     failures reported then: a node already counted for the generation is not counted again,
@@ -231,7 +253,10 @@ def charge(
     were all forgiven (``DesiredState.forgiven_through``) not at all. The SIGABRTs of
     earlier passes (``DesiredState.sigabrt_reports``, which the result carries on with this
     pass's added) count with those reported now: the Abort clears an agent's failure, and a
-    hang whose reports came in over two passes was under the threshold in each.
+    hang whose reports came in over two passes was under the threshold in each. So do the
+    accusations of earlier passes (``DesiredState.accusations``, carried on likewise): a
+    lone accuser charged at the abort is taken back once a second node's report bears it
+    out.
     """
     gen, health, job = d.generation, dict(d.node_health), d.job_health
     if d.forgiven_through >= gen:
@@ -246,10 +271,39 @@ def charge(
         if c.own and not c.unreadable_checkpoint and not (c.port_taken and port_free)
     }
     # a peer's failure that names its guilty rank charges that rank's node as its own
-    # failure (controller/culprits.py); the reporter is not charged (its origin is peer)
+    # failure, when corroborated, or it and the reporter both (controller/culprits.py),
+    # weighed with the accusations of the generation's earlier passes
     held_causes = {n: parse_failure(t) for n, t in (held or {}).items() if n not in causes}
-    blamed = blame(d.placement, causes | held_causes)
+    earlier = d.accusations.named if d.accusations.generation == gen else {}
+    own_counted = {
+        n
+        for n, r in health.items()
+        if r.generation == gen
+        and error_type(r.cause) not in (BLAMED, DISPUTED, TEARDOWN_MISSED)
+        and not abort_signal(r.cause)
+    }
+    spared_nodes = {n for n in d.placement if forgiven(d, n)}
+    weighed = {n: c for n, c in (causes | held_causes).items() if n not in stale}
+    blamed = blame(d.placement, weighed, earlier, own_counted, spared_nodes)
     seen |= blamed.causes
+    notes: list[str] = [
+        f"culprit {causes[n].culprit!r} named by {n} ignored: its failure is of an older "
+        "generation, whose ranks are another layout's"
+        for n in sorted(set(stale) & set(causes))
+        if causes[n].origin == "peer" and causes[n].culprit
+    ]
+    notes += blamed.notes
+    # a lone accuser counted in an earlier pass whose accusation is corroborated now
+    back = sorted(
+        n
+        for n in blamed.corroborated
+        if n in health and health[n].generation == gen and error_type(health[n].cause) == DISPUTED
+    )
+    for n in back:
+        _take_back_in(health, n, now)
+        notes.append(f"taken back from {n}: its accusation of {blamed.named[n]} is borne out")
+    kept_named = dict(sorted(blamed.named.items())[:MAX_NODE_LIST])  # bounded, as the schema
+    named = Accusations(generation=gen, named=kept_named) if kept_named else None
     # this generation's own failures, node by node: reported now, or counted already
     # (summary, signature, origin)
     evidence: dict[str, tuple[str, str, str]] = {
@@ -314,7 +368,6 @@ def charge(
     stall_counted = job.generation == gen and error_type(job.cause) == DEADLINE_MISSED
     if job.generation == gen and not hang_counted and not stall_counted:
         job_why.setdefault(record_signature(job), _ALIKE)
-    notes: list[str] = list(blamed.notes)
     spared: dict[str, list[str]] = {}
     for n in sorted(evidence):
         if forgiven(d, n):  # its failures of this generation are not counted, whatever they say
@@ -355,7 +408,7 @@ def charge(
         )
         if excl:
             notes.append(describe(n, health[n], now, excl))
-        elif kind[n] == BLAMED:  # the audit names the culprit, excluded or not
+        elif kind[n] in (BLAMED, DISPUTED):  # the audit names the culprit, excluded or not
             notes.append(
                 f"counted against {n} (failure {health[n].failures} in a row): {health[n].cause}"
             )
@@ -409,7 +462,8 @@ def charge(
         hang = (summary, "unknown", True, sig)
         job, note = _count_job(job, gen, hang, what, now, policy, step=step)
         notes.append(note)
-    return Charged(health, job, notes, reports, agreed)
+    same = named is None or named == d.accusations
+    return Charged(health, job, notes, reports, agreed, None if same else named)
 
 
 def _take_back_in(health: dict[str, NodeHealth], node: str, now: float) -> None:

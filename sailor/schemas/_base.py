@@ -70,7 +70,10 @@ names as guilty; -1: none): a release-9 controller drops them and does not read 
 ``culprit`` of the failure record in ``AgentStatus.failure`` either, so the culprit's node
 goes uncharged, as before (the reporter is not charged); a release-9 agent sends none,
 which a release-10 controller takes as -1.
-11: ``GPUCalibration.efficiency_link_gbps`` and ``GPUPrior.efficiency_link_gbps`` (the peak
+11: ``DesiredState.accusations`` (who named whom guilty in the current generation, written
+only when not empty): a release-10 standby that takes over drops it and charges the node a
+peer's failure names by that report alone, as release 10 did (the reporter uncharged).
+Also ``GPUCalibration.efficiency_link_gbps`` and ``GPUPrior.efficiency_link_gbps`` (the peak
 of the links the efficiencies were read on; in a ``CalibrationRecord``'s calibration): a
 release-10 controller drops them and takes each efficiency on every link as read, as
 before."""

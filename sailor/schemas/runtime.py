@@ -26,6 +26,7 @@ __all__ = [
     "MAX_DROP_STEPS",
     "MAX_NODE_LIST",
     "MAX_STRETCH",
+    "Accusations",
     "AgentState",
     "AgentStatus",
     "ClearBadRequest",
@@ -93,8 +94,9 @@ the factor used; this bounds what a state may hold at all)."""
 
 MAX_NODE_LIST = 4096
 """Most node ids a list of the desired state about one generation holds (``lost_nodes``,
-``SigabrtReports.nodes``): more than any layout places (the benchmarks go to 512 nodes), so
-nothing is cut in practice, and a bound all the same on what one etcd value carries."""
+``SigabrtReports.nodes``, ``Accusations.named``): more than any layout places (the
+benchmarks go to 512 nodes), so nothing is cut in practice, and a bound all the same on
+what one etcd value carries."""
 
 MAX_DROP_STEPS = 64
 """Most steps ``DesiredState.drop_steps`` holds: the saves given up on since the last commit.
@@ -271,6 +273,36 @@ class SigabrtReports(Frozen):
         return self
 
 
+class Accusations(Frozen):
+    """Who named whom guilty in one generation (``DesiredState.accusations``): each placed
+    node whose ``peer`` failure named a culprit rank, and the node that ran that rank
+    (``controller/culprits.py``). An accused node is charged alone only once reporters on
+    two nodes other than it named it (or its own failure was reported); the reports come
+    in over several passes (the abort comes at the first, and an Abort clears an agent's
+    failure), so those seen are kept here. The empty record (generation -1): none."""
+
+    generation: int = Field(
+        default=-1, ge=-1, description="Generation the accusations are of; -1: none."
+    )
+    named: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=dict,
+        max_length=MAX_NODE_LIST,
+        description="Reporting node -> the node that ran the rank its first accusation of "
+        "the generation named (one accusation a reporter, a generation).",
+    )
+
+    @model_validator(mode="after")
+    def _all_or_nothing(self) -> Accusations:
+        if (self.generation < 0) != (not self.named):
+            raise field_error(
+                "generation",
+                self.generation,
+                f"accusations name their generation and nodes ({dict(self.named)}), the "
+                "empty record (generation -1) neither",
+            )
+        return self
+
+
 class DesiredState(WireMessage):
     """What the leader wants: the plan, its placement and where the reconfiguration is."""
 
@@ -415,6 +447,13 @@ class DesiredState(WireMessage):
         default_factory=SigabrtReports,
         description="The SIGABRTs the current generation's nodes reported since its abort, "
         "whichever pass saw them; emptied at the next launch. Empty: none.",
+    )
+    accusations: Accusations = Field(
+        default_factory=Accusations,
+        description="The current generation's accusations (a peer's failure naming a "
+        "culprit rank), whichever pass saw them, kept to weigh the later ones with "
+        "(``controller/culprits.py``); emptied at the next launch. Empty: none (wire "
+        "version 11).",
     )
     job_precision: Precision | None = Field(
         default=None,

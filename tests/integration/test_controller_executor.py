@@ -46,6 +46,7 @@ from sailor.schemas.commands import CommandAdapter, Stop
 from sailor.schemas.hardware import NodeSpec
 from sailor.schemas.plan import Plan
 from sailor.schemas.runtime import (
+    Accusations,
     CommandAck,
     DesiredState,
     NodeHealth,
@@ -558,7 +559,8 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
     """A release's agents and standby refuse fields they do not know: ``bad_checkpoints``
     is written only when a checkpoint was found unreadable, ``drop_steps`` only while a save
     given up on is remembered, ``node_health`` only while a node has a failure record (and
-    the phase record names the nodes excluded now)."""
+    the phase record names the nodes excluded now), ``accusations`` only while the
+    generation has some."""
     planner = DataParallelPlanner("tiny-gpt", 4, global_batch_size=8)
     async with executor_on(module_plain_servers, tmp_path, planner) as rig:
         ex, audit, e = rig.ex, rig.audit, rig.ex.epoch
@@ -566,8 +568,13 @@ async def test_the_desired_state_omits_a_new_field_while_unused(
         raw = json.loads(await rig.desired())
         assert "bad_checkpoints" not in raw and "node_health" not in raw
         assert "drop_steps" not in raw
-        assert "rendezvous_retries" not in raw
+        assert "rendezvous_retries" not in raw and "accusations" not in raw
         assert raw["generation"] == 2 and raw["epoch"] == e
+        # the generation's accusations (wire version 11): only while there are some
+        named = Accusations(generation=2, named={"n1": "n3"})
+        await ex.write_desired(DesiredState(epoch=e, generation=2, accusations=named), "t")
+        raw = json.loads(await rig.desired())
+        assert raw["accusations"] == {"generation": 2, "named": {"n1": "n3"}}
         # aborts in a row of a taken rendezvous port (wire version 9): only while counted
         await ex.write_desired(DesiredState(epoch=e, generation=2, rendezvous_retries=1), "t")
         assert json.loads(await rig.desired())["rendezvous_retries"] == 1

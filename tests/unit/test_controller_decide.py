@@ -746,21 +746,28 @@ def test_three_failures_in_a_row_on_one_node_exclude_it() -> None:
     assert _replanned(a) == ["n1"]
 
 
+def _accusing(i: int, culprit: int, gen: int = 1) -> AgentStatus:
+    """Node ``i``'s status once its worker failed of rank ``culprit``'s bytes that do not
+    decode: a peer record naming that rank (``culprit``, as failure_record writes it)."""
+    record = json.loads(_record("peer", f"rank {culprit} sent an object that does not decode"))
+    failure = json.dumps({**record, "culprit": culprit})
+    return st(i, gen=gen, state="failed").model_copy(update={"failure": failure})
+
+
 def test_a_peers_bad_bytes_charge_the_senders_node_and_the_replan_leaves_it_out() -> None:
-    """n4's rank sends its peers bytes that do not decode: n1 fails of them with origin
-    peer naming that rank (``culprit``), n4 keeps running. Before, nobody was counted and n4
-    stayed in every layout; now n4 is counted each generation (the abort's reason names it,
-    the rank and the reporter), excluded at the policy's third failure, and the next plan
-    leaves it out. n1 never is. A culprit that is no rank of the layout counts nothing."""
+    """n4's rank sends its peers bytes that do not decode: n1 and n2 fail of them with
+    origin peer naming that rank (``culprit``; an all_gather_object fails every receiver),
+    n4 keeps running. Before, nobody was counted and n4 stayed in every layout; now n4 is
+    counted each generation (the abort's reason names it, the rank and the reporter),
+    excluded at the policy's third failure, and the next plan leaves it out. n1 and n2
+    never are. A culprit that is no rank of the layout counts nothing."""
     health: dict[str, object] = {}
     ids = (1, 2, 3, 4)
     for gen in (1, 2, 3):
         d = running(ids, gen=gen, node_health=health)
         (culprit,) = d.placement["n4"]
-        record = json.loads(_record("peer", f"rank {culprit} sent an object that does not decode"))
-        record = {**record, "culprit": culprit}  # as failure_record writes it, after retry
-        n1 = st(1, gen=gen, state="failed").model_copy(update={"failure": json.dumps(record)})
-        a = decide(d, obs(nodes(*ids), [n1, *(st(i, gen=gen) for i in ids[1:])]), CFG)
+        n1, n2 = _accusing(1, culprit, gen), _accusing(2, culprit, gen)
+        a = decide(d, obs(nodes(*ids), [n1, n2, *(st(i, gen=gen) for i in ids[2:])]), CFG)
         torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
         health = torn.node_health
         assert set(health) == {"n4"} and health["n4"].failures == gen, health
@@ -775,6 +782,28 @@ def test_a_peers_bad_bytes_charge_the_senders_node_and_the_replan_leaves_it_out(
     a = decide(d, obs(nodes(*ids), [n1, *(st(i) for i in ids[1:])]), CFG)
     torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
     assert torn.node_health == {} and "culprit '99' named by n1 ignored" in reason, reason
+
+
+def test_a_lone_accusers_charge_is_taken_back_when_a_later_teardown_pass_bears_it_out() -> None:
+    """The abort comes at n1's report alone naming n4's rank: a dispute, n1 and n4 counted.
+    The Abort clears n1's failure; n2's report of the same bytes comes in at a TEARDOWN
+    pass: n1's count is taken back, n4's stays (the accusations of the generation are in
+    the desired state, ``DesiredState.accusations``). Before, the abort counted n4 alone
+    on n1's word."""
+    ids = (1, 2, 3, 4)
+    d = running(ids, gen=2)
+    (culprit,) = d.placement["n4"]
+    a = decide(d, obs(nodes(*ids), [_accusing(1, culprit, 2), *(st(i, 2) for i in ids[1:])]), CFG)
+    torn, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert torn.phase is Phase.TEARDOWN and set(torn.node_health) == {"n1", "n4"}, reason
+    assert f"PeerBlamed: rank {culprit} named guilty by n1 alone" in reason, reason
+    assert torn.accusations.named == {"n1": "n4"}
+    cleared = st(1, gen=2, state="idle")
+    a = decide(torn, obs(nodes(*ids), [cleared, _accusing(2, culprit, 2), st(3, 2), st(4, 2)]), CFG)
+    later, reason = a[0].state, a[0].reason  # type: ignore[union-attr]
+    assert set(later.node_health) == {"n4"} and later.node_health["n4"].failures == 1, reason
+    assert "taken back from n1: its accusation of n4 is borne out" in reason, reason
+    assert later.accusations.named == {"n1": "n4", "n2": "n4"}
 
 
 def test_an_in_place_world_broken_by_a_peers_bytes_charges_the_senders_node() -> None:

@@ -30,6 +30,7 @@ from sailor.schemas._base import SCHEMA_VERSION
 from sailor.schemas.commands import Checkpoint
 from sailor.schemas.runtime import (
     MAX_DROP_STEPS,
+    Accusations,
     AgentStatus,
     CommitRecord,
     DesiredState,
@@ -219,6 +220,9 @@ _V6 = ("in_place_reads", "reads_spent_through", "forgiven_nodes")
 _V7 = ("periodic",)
 """``DesiredState``'s fields of wire version 7."""
 
+_V11 = ("accusations",)
+"""``DesiredState``'s fields of wire version 11."""
+
 
 def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
     """``DesiredState`` as a release without the fields ``without`` defined it, its
@@ -247,8 +251,9 @@ def _release(without: tuple[str, ...]) -> type[_base.WireMessage]:
         (4, (*_V5, *_V6, *_V7)),
         (5, (*_V6, *_V7)),
         (6, _V7),
+        (10, _V11),
     ],
-    ids=["v1", "v2", "v3", "v4", "v5", "v6"],
+    ids=["v1", "v2", "v3", "v4", "v5", "v6", "v10"],
 )
 def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop_them(
     monkeypatch: pytest.MonkeyPatch, version: int, without: tuple[str, ...]
@@ -263,7 +268,8 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
     which a release-4 reader drops; version 6 an in-place launch's reads per node and the
     generation whose read failures an operator's clear spent and the nodes an operator
     readmitted, which a release-5 reader drops; version 7 the controller's periodic
-    checkpoint, which a release-6 reader drops."""
+    checkpoint, which a release-6 reader drops; version 11 the generation's accusations,
+    which a release-10 reader drops."""
     assert SCHEMA_VERSION >= 7
     rec = NodeHealth(
         failures=3, generation=4, exclusions=1, excluded_until=99.0, cause="X", origin="config"
@@ -287,6 +293,7 @@ def test_the_failing_node_records_raised_the_wire_version_and_older_readers_drop
         reads_spent_through=3,
         forgiven_nodes={"n2": 4},
         periodic=PeriodicCheckpoint(step=120, requested=50.0, deadline=90.0, directory="/ck"),
+        accusations=Accusations(generation=4, named={"n1": "n3"}),
     )
     raw = d.model_dump_json()
     assert DesiredState.model_validate_json(raw) == d
@@ -380,6 +387,21 @@ def test_the_steps_a_checkpoint_drops_are_wire_version_8(
     monkeypatch.undo()
     with pytest.raises(ValidationError, match=r"drop_steps=\(3, -1\): steps are >= 0, not -1"):
         Checkpoint(**base, drop_steps=(3, -1))
+
+
+def test_a_generations_accusations_name_their_generation_and_nodes() -> None:
+    """``DesiredState.accusations`` (version 11): the empty record names neither; a record
+    with nodes names its generation, and an empty node id is refused by field; a state of
+    release 10 (none) reads as the empty record."""
+    assert Accusations(generation=3, named={"n1": "n2"}).named == {"n1": "n2"}
+    old = DesiredState.model_validate({"epoch": 1, "schema_version": 10})
+    assert old.accusations == Accusations()
+    with pytest.raises(ValidationError, match=r"generation=-1: accusations name"):
+        Accusations(named={"n1": "n2"})
+    with pytest.raises(ValidationError, match=r"generation=3: accusations name"):
+        Accusations(generation=3)
+    with pytest.raises(ValidationError, match="named"):
+        Accusations(generation=3, named={"n1": ""})
 
 
 def test_the_desired_states_abandoned_saves_are_bounded_and_named_once() -> None:
